@@ -1,0 +1,100 @@
+"""The pub/sub contract every runtime uses, whatever carries the bytes.
+
+A node (device agent, cell server, cloud) owns one :class:`Transport`. Handlers run on the node's
+:class:`EventLoop`, one at a time, so a runtime never needs locks. Two implementations fit this
+contract: the deterministic in-memory hub (``memory.py``) and MQTT (``mqtt.py``).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+Handler = Callable[[str, bytes], None]
+"""Called with (topic, payload) on the node's event loop."""
+
+
+class TimerHandle:
+    """Opaque handle of a scheduled callback; pass it to :meth:`EventLoop.cancel`."""
+
+    __slots__ = ("when", "seq", "fn", "cancelled")
+
+    def __init__(self, when: float, seq: int, fn: Callable[[], None]) -> None:
+        self.when, self.seq, self.fn, self.cancelled = when, seq, fn, False
+
+    def __lt__(self, other: "TimerHandle") -> bool:
+        return (self.when, self.seq) < (other.when, other.seq)
+
+
+class EventLoop(ABC):
+    """Serialises a node's work: message handlers, timers and posted calls run one at a time."""
+
+    @abstractmethod
+    def now(self) -> float:
+        """Seconds on this loop's clock (virtual in simulation, monotonic wall time otherwise)."""
+
+    @abstractmethod
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop as soon as possible, after what is already queued."""
+
+    @abstractmethod
+    def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
+        """Run ``fn`` on the loop after ``delay`` seconds of this loop's clock."""
+
+    def cancel(self, handle: TimerHandle | None) -> None:
+        """Cancel a timer; cancelling twice or cancelling ``None`` is harmless."""
+        if handle is not None:
+            handle.cancelled = True
+
+
+@dataclass(frozen=True)
+class Will:
+    """Last will: published by the broker (or hub) when the node vanishes without closing."""
+
+    topic: str
+    payload: bytes
+    retain: bool = True
+
+
+class Transport(ABC):
+    """Publish/subscribe for one node. Topics use MQTT syntax; patterns may use ``+`` and ``#``.
+
+    Delivery is at-least-once (QoS 1): a handler may see the same message twice, so receivers
+    de-duplicate by the envelope's message id (see ``protocols.wire.dedup``).
+    """
+
+    client_id: str
+    loop: EventLoop
+
+    @abstractmethod
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        """Queue ``payload`` for everyone subscribed to ``topic``. Never blocks on the network."""
+
+    @abstractmethod
+    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1) -> None:
+        """Deliver messages matching ``pattern`` to ``handler`` on this node's loop."""
+
+    @abstractmethod
+    def unsubscribe(self, pattern: str) -> None:
+        """Stop delivering ``pattern``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Disconnect cleanly: the will is *not* published."""
+
+    @property
+    def connected(self) -> bool:
+        return True
+
+
+def topic_matches(pattern: str, topic: str) -> bool:
+    """MQTT topic filter matching: ``+`` matches one level, a trailing ``#`` matches the rest."""
+    p_parts, t_parts = pattern.split("/"), topic.split("/")
+    for i, part in enumerate(p_parts):
+        if part == "#":
+            return i == len(p_parts) - 1
+        if i >= len(t_parts):
+            return False
+        if part != "+" and part != t_parts[i]:
+            return False
+    return len(p_parts) == len(t_parts)

@@ -1,0 +1,149 @@
+"""In-memory transport: a deterministic broker and a virtual clock in one thread.
+
+Every publish is delivered after the current handler returns, in publish order, to subscribers in
+subscription order; timers fire in (time, creation) order once nothing else is queued. The same
+seed therefore gives the same interleaving every time, and a simulated deadline costs no real time.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from typing import Callable
+
+from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
+
+
+class VirtualLoop(EventLoop):
+    """A single-threaded loop whose clock jumps to the next timer when there is nothing to do."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._ready: deque[Callable[[], None]] = deque()
+        self._timers: list[TimerHandle] = []
+        self._seq = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def post(self, fn: Callable[[], None]) -> None:
+        self._ready.append(fn)
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
+        handle = TimerHandle(self._now + max(0.0, delay), next(self._seq), fn)
+        heapq.heappush(self._timers, handle)
+        return handle
+
+    def step(self) -> bool:
+        """Run one queued call or the next timer; False when nothing is left."""
+        if self._ready:
+            self._ready.popleft()()
+            return True
+        while self._timers:
+            handle = heapq.heappop(self._timers)
+            if handle.cancelled:
+                continue
+            self._now = max(self._now, handle.when)
+            handle.fn()
+            return True
+        return False
+
+    def run(self, until: Callable[[], bool] | None = None, max_steps: int | None = None) -> None:
+        """Run until ``until()`` is true, nothing is left, or ``max_steps`` calls have run."""
+        steps = 0
+        while not (until and until()):
+            if max_steps is not None and steps >= max_steps:
+                return
+            if not self.step():
+                return
+            steps += 1
+
+
+class MemoryHub:
+    """The broker of the in-memory transport: routes, retains and fires last wills."""
+
+    def __init__(self, loop: VirtualLoop | None = None) -> None:
+        self.loop = loop or VirtualLoop()
+        self._subs: list[tuple[str, str, Handler]] = []  # (client_id, pattern, handler)
+        self._retained: dict[str, bytes] = {}
+        self._clients: dict[str, "MemoryTransport"] = {}
+
+    def connect(self, client_id: str, will: Will | None = None) -> "MemoryTransport":
+        """Connect a client; an existing session with the same id is taken over (as MQTT does)."""
+        old = self._clients.get(client_id)
+        if old is not None:
+            old._detach()
+        transport = MemoryTransport(self, client_id, will)
+        self._clients[client_id] = transport
+        return transport
+
+    def _route(self, topic: str, payload: bytes, retain: bool) -> None:
+        if retain:
+            if payload:
+                self._retained[topic] = payload
+            else:
+                self._retained.pop(topic, None)
+        for client_id, pattern, handler in list(self._subs):
+            if topic_matches(pattern, topic):
+                self.loop.post(_bind(handler, topic, payload, self, client_id))
+
+    def _subscribe(self, client_id: str, pattern: str, handler: Handler) -> None:
+        self._subs.append((client_id, pattern, handler))
+        for topic, payload in self._retained.items():
+            if topic_matches(pattern, topic):
+                self.loop.post(_bind(handler, topic, payload, self, client_id))
+
+    def _unsubscribe(self, client_id: str, pattern: str | None = None) -> None:
+        self._subs = [s for s in self._subs if not (s[0] == client_id and (pattern is None or s[1] == pattern))]
+
+    def _is_connected(self, client_id: str) -> bool:
+        return client_id in self._clients
+
+
+def _bind(handler: Handler, topic: str, payload: bytes, hub: MemoryHub, client_id: str) -> Callable[[], None]:
+    def deliver() -> None:
+        if hub._is_connected(client_id):  # a client that left meanwhile gets nothing
+            handler(topic, payload)
+
+    return deliver
+
+
+class MemoryTransport(Transport):
+    """One node's connection to a :class:`MemoryHub`."""
+
+    def __init__(self, hub: MemoryHub, client_id: str, will: Will | None) -> None:
+        self.hub, self.client_id, self.loop, self._will = hub, client_id, hub.loop, will
+        self._open = True
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        if self._open:
+            self.hub._route(topic, bytes(payload), retain)
+
+    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1) -> None:
+        if self._open:
+            self.hub._subscribe(self.client_id, pattern, handler)
+
+    def unsubscribe(self, pattern: str) -> None:
+        self.hub._unsubscribe(self.client_id, pattern)
+
+    @property
+    def connected(self) -> bool:
+        return self._open
+
+    def _detach(self) -> None:
+        self._open = False
+        self.hub._unsubscribe(self.client_id)
+        if self.hub._clients.get(self.client_id) is self:
+            del self.hub._clients[self.client_id]
+
+    def close(self) -> None:
+        """Clean disconnect: the will is discarded."""
+        if self._open:
+            self._detach()
+
+    def crash(self) -> None:
+        """Vanish without a clean disconnect: the hub publishes the will, as a broker would."""
+        if self._open:
+            self._detach()
+            if self._will is not None:
+                self.hub._route(self._will.topic, self._will.payload, self._will.retain)

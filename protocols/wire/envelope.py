@@ -1,0 +1,107 @@
+"""Message envelope: ``MAGIC | u32 header length | header JSON | payload``.
+
+The header is small and validated with pydantic before anything reads the payload; the payload is
+opaque bytes here (see ``payload.py`` for the tensor codec). Nothing is ever pickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAGIC = b"FTW1"
+MAX_HEADER_BYTES = 16 * 1024
+DEFAULT_MAX_PAYLOAD = 256 * 1024 * 1024
+
+MessageKind = Literal[
+    "cell_task",      # cloud -> cell: what to do this cloud round
+    "device_task",    # cell -> device: what to do this edge round
+    "device_result",  # device -> cell
+    "cell_report",    # cell -> cloud
+    "status",         # liveness (birth / will / heartbeat)
+    "telemetry",      # aggregation records
+    "control",        # run-level control (e.g. run finished)
+    "chunk",          # a piece of a larger message
+]
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted; the text says why. Receivers log it and drop the message."""
+
+
+class Header(BaseModel):
+    """Validated envelope header. ``cell``/``device`` name the parties the message is about."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = 1
+    run: str = Field(min_length=1, max_length=128)
+    kind: MessageKind
+    round: int = Field(ge=0)
+    edge_round: int = Field(default=0, ge=0)
+    cell: str | None = Field(default=None, max_length=128)
+    sender: str = Field(min_length=1, max_length=128)
+    msg_id: str = Field(min_length=1, max_length=64)
+    codec: str = Field(default="tensors/v1", max_length=32)
+    payload_len: int = Field(ge=0)
+    sig: str | None = Field(default=None, max_length=128)
+
+
+def new_msg_id() -> str:
+    """A fresh message id (fixed length, so byte counts do not depend on it)."""
+    return uuid.uuid4().hex[:20]
+
+
+def _sign(key: bytes, header_wo_sig: bytes, payload: bytes) -> str:
+    return hmac.new(key, header_wo_sig + payload, hashlib.sha256).hexdigest()
+
+
+def encode_message(header: Header, payload: bytes, key: bytes | None = None) -> bytes:
+    """Frame ``payload`` behind ``header`` (its ``payload_len`` is set here; signed when ``key``)."""
+    header = header.model_copy(update={"payload_len": len(payload), "sig": None})
+    if key is not None:
+        unsigned = header.model_dump_json(exclude_none=True).encode()
+        header = header.model_copy(update={"sig": _sign(key, unsigned, payload)})
+    head = header.model_dump_json(exclude_none=True).encode()
+    return b"".join((MAGIC, struct.pack("<I", len(head)), head, payload))
+
+
+def decode_message(
+    data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD, key: bytes | None = None
+) -> tuple[Header, memoryview]:
+    """Parse and validate a framed message; raise :class:`WireError` on anything malformed.
+
+    With ``key`` the signature must be present and correct.
+    """
+    if len(data) < len(MAGIC) + 4 or data[:4] != MAGIC:
+        raise WireError("not a fedtier message (bad magic)")
+    (head_len,) = struct.unpack_from("<I", data, 4)
+    if head_len > MAX_HEADER_BYTES or 8 + head_len > len(data):
+        raise WireError(f"bad header length {head_len}")
+    try:
+        raw = json.loads(bytes(data[8 : 8 + head_len]))
+        header = Header.model_validate(raw)
+    except (ValueError, ValidationError) as exc:
+        raise WireError(f"invalid header: {_short(exc)}") from None
+    payload = memoryview(data)[8 + head_len :]
+    if len(payload) != header.payload_len:
+        raise WireError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
+    if header.payload_len > max_payload:
+        raise WireError(f"payload of {header.payload_len} bytes exceeds the limit of {max_payload}")
+    if key is not None:
+        if header.sig is None:
+            raise WireError("unsigned message where a signature is required")
+        unsigned = header.model_copy(update={"sig": None}).model_dump_json(exclude_none=True).encode()
+        if not hmac.compare_digest(header.sig, _sign(key, unsigned, bytes(payload))):
+            raise WireError("bad signature")
+    return header, payload
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).replace("\n", "; ")
+    return text[:300]

@@ -1,0 +1,123 @@
+"""The tensor payload codec ``tensors/v1``: a JSON metadata object plus named raw arrays.
+
+Layout (little-endian)::
+
+    u32 meta length | meta JSON (an object)
+    u16 tensor count
+    per tensor: u16 name length | name (utf-8) | u8 dtype code | u8 ndim | u32 * ndim shape | raw data
+
+Arrays travel as their raw little-endian bytes: a float32 tensor of n values costs 4n bytes plus
+its name and shape. Packed bit masks are ``uint8`` tensors, seeds and scalars go in the metadata.
+Decoding checks every length, the dtype, the shape, and (by default) that floats are finite.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .envelope import WireError
+
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<f4"),
+    2: np.dtype("<f8"),
+    3: np.dtype("<f2"),
+    4: np.dtype("<i8"),
+    5: np.dtype("<i4"),
+    6: np.dtype("<i2"),
+    7: np.dtype("i1"),
+    8: np.dtype("u1"),
+    9: np.dtype("<u2"),
+    10: np.dtype("<u4"),
+    11: np.dtype("<u8"),
+}
+_CODES = {dt.str.lstrip("<|="): code for code, dt in DTYPES.items()}
+MAX_NDIM = 8
+MAX_META_BYTES = 1024 * 1024
+
+
+@dataclass
+class Payload:
+    """What a role sends: JSON-able metadata and named numpy arrays."""
+
+    meta: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _code(arr: np.ndarray) -> int:
+    key = arr.dtype.newbyteorder("<").str.lstrip("<|=") if arr.dtype.byteorder not in "|" else arr.dtype.str.lstrip("|")
+    try:
+        return _CODES[key]
+    except KeyError:
+        raise WireError(f"dtype {arr.dtype} cannot be sent") from None
+
+
+def encode_payload(payload: Payload) -> bytes:
+    """Serialise a :class:`Payload` (metadata must be JSON-serialisable, floats finite)."""
+    meta = json.dumps(payload.meta, separators=(",", ":"), allow_nan=False).encode()
+    parts = [struct.pack("<I", len(meta)), meta, struct.pack("<H", len(payload.tensors))]
+    for name, arr in payload.tensors.items():
+        arr = np.asarray(arr)
+        code = _code(arr)
+        le = np.ascontiguousarray(arr, dtype=DTYPES[code])
+        name_b = name.encode()
+        parts.append(struct.pack(f"<H{len(name_b)}sBB{le.ndim}I", len(name_b), name_b, code, le.ndim, *le.shape))
+        parts.append(le.tobytes())
+    return b"".join(parts)
+
+
+def decode_payload(data: bytes | memoryview, *, require_finite: bool = True) -> Payload:
+    """Parse bytes produced by :func:`encode_payload`; raise :class:`WireError` on any defect."""
+    buf = memoryview(data)
+    pos = 0
+
+    def take(n: int) -> memoryview:
+        nonlocal pos
+        if n < 0 or pos + n > len(buf):
+            raise WireError("payload truncated")
+        out = buf[pos : pos + n]
+        pos += n
+        return out
+
+    (meta_len,) = struct.unpack("<I", take(4))
+    if meta_len > MAX_META_BYTES:
+        raise WireError(f"metadata of {meta_len} bytes is too large")
+    try:
+        meta = json.loads(bytes(take(meta_len)), parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise WireError(f"bad metadata: {exc}") from None
+    if not isinstance(meta, dict):
+        raise WireError("metadata is not an object")
+    (count,) = struct.unpack("<H", take(2))
+    tensors: dict[str, np.ndarray] = {}
+    for _ in range(count):
+        (name_len,) = struct.unpack("<H", take(2))
+        try:
+            name = bytes(take(name_len)).decode()
+        except UnicodeDecodeError:
+            raise WireError("tensor name is not utf-8") from None
+        code, ndim = struct.unpack("<BB", take(2))
+        if code not in DTYPES:
+            raise WireError(f"tensor {name!r}: unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise WireError(f"tensor {name!r}: {ndim} dimensions")
+        shape = struct.unpack(f"<{ndim}I", take(4 * ndim))
+        dtype = DTYPES[code]
+        nbytes = math.prod(shape) * dtype.itemsize
+        arr = np.frombuffer(take(nbytes), dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=True)
+        if require_finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise WireError(f"tensor {name!r} has non-finite values")
+        if name in tensors:
+            raise WireError(f"tensor {name!r} appears twice")
+        tensors[name] = arr
+    if pos != len(buf):
+        raise WireError(f"{len(buf) - pos} trailing bytes after the last tensor")
+    return Payload(meta, tensors)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in metadata")

@@ -1,0 +1,88 @@
+"""The topic scheme. The cell is in every cell-scoped topic, so broker ACLs and wildcards work.
+
+=============================================  ==================================  ===========
+topic                                          what                                retained
+=============================================  ==================================  ===========
+``fedtier/{run}/cell/{cell}/down/task``        cloud -> cell task for a round      no
+``fedtier/{run}/cell/{cell}/down/{dev}/task``  cell -> device task                 no
+``fedtier/{run}/cell/{cell}/up/{dev}/result``  device -> cell result               no
+``fedtier/{run}/cloud/up/{cell}/report``       cell -> cloud report                no
+``fedtier/{run}/cloud/control``                run control (finished)              yes
+``fedtier/{run}/status/{node}``                liveness: online/offline            yes
+``fedtier/{run}/telemetry/cell/{cell}``        cell aggregation records            no
+``fedtier/{run}/telemetry/cloud``              cloud round records                 no
+=============================================  ==================================  ===========
+"""
+from __future__ import annotations
+
+import re
+
+_SAFE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Ids go into topics, so they may not contain ``/``, ``+``, ``#`` or spaces."""
+    if not _SAFE.match(name):
+        raise ValueError(f"{kind} id {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+    return name
+
+
+def root(run: str) -> str:
+    return f"fedtier/{run}"
+
+
+def cell_task(run: str, cell: str) -> str:
+    return f"{root(run)}/cell/{cell}/down/task"
+
+
+def device_task(run: str, cell: str, device: str) -> str:
+    return f"{root(run)}/cell/{cell}/down/{device}/task"
+
+
+def device_result(run: str, cell: str, device: str) -> str:
+    return f"{root(run)}/cell/{cell}/up/{device}/result"
+
+
+def device_results(run: str, cell: str) -> str:
+    return f"{root(run)}/cell/{cell}/up/+/result"
+
+
+def cell_report(run: str, cell: str) -> str:
+    return f"{root(run)}/cloud/up/{cell}/report"
+
+
+def cell_reports(run: str) -> str:
+    return f"{root(run)}/cloud/up/+/report"
+
+
+def control(run: str) -> str:
+    return f"{root(run)}/cloud/control"
+
+
+def status(run: str, node: str) -> str:
+    return f"{root(run)}/status/{node}"
+
+
+def statuses(run: str) -> str:
+    return f"{root(run)}/status/+"
+
+
+def telemetry_cell(run: str, cell: str) -> str:
+    return f"{root(run)}/telemetry/cell/{cell}"
+
+
+def telemetry_cloud(run: str) -> str:
+    return f"{root(run)}/telemetry/cloud"
+
+
+def telemetry_all(run: str) -> str:
+    return f"{root(run)}/telemetry/#"
+
+
+def device_node(device: str) -> str:
+    """Node name of a device in status topics."""
+    return f"device.{device}"
+
+
+def cell_node(cell: str) -> str:
+    return f"cell.{cell}"
