@@ -1,0 +1,1 @@
+"""Cell runtime: the edge server of a cell."""

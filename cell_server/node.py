@@ -1,0 +1,21 @@
+"""Build a cell server of a run from its config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from protocols import runfiles
+from protocols.algorithms.base import Algorithm
+from protocols.config import RunConfig
+from protocols.transport.base import Transport
+
+from .server import Availability, CellServer
+
+
+def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algorithm, *,
+               availability: Availability | None = None, output_dir: Path | None = None) -> CellServer:
+    if cell not in cfg.topology.cell_ids():
+        raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
+    return CellServer(
+        transport, run=cfg.run.name, cell=cell, devices=cfg.topology.device_ids(cell), role=algorithm.cell(cell),
+        algorithm=algorithm.name, device_deadline=cfg.runtime.device_deadline, quorum=cfg.runtime.quorum,
+        availability=availability, log_path=str(output_dir / runfiles.AGGREGATION) if output_dir else None)

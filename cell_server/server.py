@@ -1,0 +1,220 @@
+"""The cell runtime: membership and liveness, edge rounds with deadlines, the aggregation log.
+
+All algorithm logic lives in the cell role; this class decides *when* (a round closes when every
+planned device answered, a quorum did, or the deadline passed) and records *what happened*.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any, Callable, Iterable
+
+from protocols.algorithms.base import CellRole, Rejected
+from protocols.jsonl import JsonlWriter
+from protocols.status import decode_status, encode_status
+from protocols.transport.base import TimerHandle, Transport
+from protocols.wire import topics
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload
+
+log = logging.getLogger("fedtier.cell")
+
+Availability = Callable[[int, int], Iterable[str]]
+"""``(cloud round, edge round) -> devices that may take part`` (participation, in sim/emulation)."""
+
+
+class CellServer:
+    """One cell's edge server."""
+
+    def __init__(self, transport: Transport, *, run: str, cell: str, devices: list[str], role: CellRole,
+                 algorithm: str, device_deadline: float, quorum: float = 1.0,
+                 availability: Availability | None = None, log_path: str | None = None,
+                 sign_key: bytes | None = None, keys: dict[str, bytes] | None = None,
+                 assume_online: bool = False) -> None:
+        if not 0 < quorum <= 1:
+            raise ValueError("quorum must be in (0, 1]")
+        self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
+        self.devices, self.role, self.algorithm = sorted(devices), role, algorithm
+        self.device_deadline, self.quorum, self.availability = device_deadline, quorum, availability
+        self.messenger = Messenger(transport, run, cell, sign_key=sign_key, keys=keys, on_reject=self._on_reject)
+        self.log = JsonlWriter(log_path)
+        self.online: dict[str, bool] = {d: assume_online for d in self.devices}
+        self.round = -1
+        self.edge_round = 0
+        self.in_round = False
+        self.records: list[dict[str, Any]] = []
+        self._timer: TimerHandle | None = None
+        self._reset_edge()
+        self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self.transport.subscribe(topics.cell_task(self.run, self.cell), self._on_cell_task)
+        self.transport.subscribe(topics.device_results(self.run, self.cell), self._on_result)
+        self.transport.subscribe(topics.statuses(self.run), self._on_status)
+        self._announce()
+
+    def stop(self) -> None:
+        self.loop.cancel(self._timer)
+        if self.transport.connected:
+            self.transport.publish(topics.status(self.run, topics.cell_node(self.cell)),
+                                   encode_status("offline"), retain=True)
+            self.transport.close()
+        self.log.close()
+
+    def _announce(self) -> None:
+        self.transport.publish(topics.status(self.run, topics.cell_node(self.cell)),
+                               encode_status("online", devices_online=sum(self.online.values()),
+                                             devices_total=len(self.devices)), retain=True)
+
+    # ----------------------------------------------------------------- liveness
+    def _on_status(self, topic: str, data: bytes) -> None:
+        node = topic.rsplit("/", 1)[-1]
+        if not node.startswith("device."):
+            return
+        device = node[len("device."):]
+        record = decode_status(data)
+        if device not in self.online or record is None:
+            return
+        online = record["state"] == "online"
+        if self.online[device] != online:
+            self.online[device] = online
+            self._announce()
+
+    # ----------------------------------------------------------------- rounds
+    def _on_cell_task(self, topic: str, data: bytes) -> None:
+        msg = self.messenger.receive(topic, data, kinds=("cell_task",))
+        if msg is None:
+            return
+        if msg.header.round <= self.round:
+            self.messenger.reject(topic, f"task for round {msg.header.round}, already at {self.round}", msg.header.sender)
+            return
+        if self.in_round:
+            log.warning("cell %s: round %d abandoned, the cloud moved on to %d", self.cell, self.round, msg.header.round)
+            self.loop.cancel(self._timer)
+        self.round, self.edge_round, self.in_round = msg.header.round, 0, True
+        self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
+        self._round_devices: set[str] = set()
+        self.role.begin(self.round, msg.payload)
+        self._start_edge()
+
+    def _reset_edge(self) -> None:
+        self.pending: set[str] = set()
+        self.results: dict[str, Payload] = {}
+        self.losses: dict[str, float] = {}
+        self.rejected: list[dict[str, str]] = []
+        self.absent: dict[str, str] = {}
+        self.planned: list[str] = []
+        self.bytes_in = self.bytes_out = 0
+
+    def _start_edge(self) -> None:
+        self._reset_edge()
+        allowed = set(self.availability(self.round, self.edge_round)) if self.availability else None
+        available = []
+        for d in self.devices:
+            if not self.online[d]:
+                self.absent[d] = "offline"
+            elif allowed is not None and d not in allowed:
+                self.absent[d] = "not participating"
+            else:
+                available.append(d)
+        plan = self.role.plan(self.edge_round, available)
+        self.planned = sorted(plan)
+        for d in self.devices:
+            if d in available and d not in plan:
+                self.absent[d] = "not selected"
+        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
+        for d in self.planned:
+            self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, d), "device_task", plan[d],
+                                                  round=self.round, edge_round=self.edge_round, cell=self.cell)
+        self.pending = set(self.planned)
+        self._needed = math.ceil(self.quorum * len(self.planned))
+        if not self.planned:
+            self.loop.post(lambda r=self.round, e=self.edge_round: self._close(r, e, "no devices"))
+        else:
+            self._timer = self.loop.call_later(self.device_deadline,
+                                               lambda r=self.round, e=self.edge_round: self._close(r, e, "deadline"))
+
+    def _on_result(self, topic: str, data: bytes) -> None:
+        msg = self.messenger.receive(topic, data, kinds=("device_result",))
+        if msg is None:
+            return
+        h, device = msg.header, topic.split("/")[-2]
+        reason = None
+        if h.sender != device:
+            reason = f"sender {h.sender!r} published on the topic of {device!r}"
+        elif not self.in_round or (h.round, h.edge_round) != (self.round, self.edge_round):
+            reason = f"stale result for round {h.round}.{h.edge_round} (now {self.round}.{self.edge_round})"
+        elif device in self.results:
+            return  # answered already: a re-sent result counts once
+        elif device not in self.pending:
+            reason = "device was not planned in this edge round"
+        else:
+            try:
+                self.role.check(device, msg.payload)
+            except Rejected as exc:
+                reason = str(exc)
+        if reason is not None:
+            self.messenger.reject(topic, reason, device)
+            return
+        self.results[device] = msg.payload
+        self.pending.discard(device)
+        self.bytes_in += msg.nbytes
+        loss = msg.payload.meta.get("loss")
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            self.losses[device] = float(loss)
+        if len(self.results) >= self._needed:
+            self._close(self.round, self.edge_round, "all answered" if not self.pending else "quorum")
+
+    def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
+        parts = topic.split("/")
+        who = sender or (parts[-2] if len(parts) >= 2 and parts[-1] == "result" else topic)
+        self.rejected.append({"device": who, "reason": reason})
+
+    def _close(self, rnd: int, edge_round: int, why: str) -> None:
+        if not self.in_round or (rnd, edge_round) != (self.round, self.edge_round):
+            return  # a timer of a round that already closed
+        self.loop.cancel(self._timer)
+        for d in self.pending:
+            self.absent[d] = "deadline"
+        metrics = self.role.aggregate(self.edge_round, dict(sorted(self.results.items())))
+        self._round_bytes["cell_to_device"] += self.bytes_out
+        self._round_bytes["device_to_cell"] += self.bytes_in
+        self._round_devices |= set(self.results)
+        self._record(why, metrics)
+        self.edge_round += 1
+        if self.edge_round < self.role.edge_rounds:
+            self._start_edge()
+        else:
+            self._report()
+
+    def _record(self, why: str, metrics: dict[str, Any]) -> None:
+        losses = list(self.losses.values())
+        mean = sum(losses) / len(losses) if losses else None
+        spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if losses else None
+        record = {
+            "schema": 1, "event": "aggregation", "round": self.round, "edge_round": self.edge_round,
+            "cell": self.cell, "algorithm": self.algorithm,
+            "planned": self.planned, "answered": sorted(self.results),
+            "absent": dict(sorted(self.absent.items())), "rejected": self.rejected,
+            "closed_by": why, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+            "loss_mean": mean, "loss_std": spread,
+            "duration_s": round(time.perf_counter() - self._wall0, 6),
+            "clock_s": round(self.loop.now() - self._t0, 6),
+            **({"metrics": metrics} if metrics else {}),
+        }
+        self.records.append(record)
+        self.log.write(record)
+        self.transport.publish(topics.telemetry_cell(self.run, self.cell),
+                               json.dumps(record, separators=(",", ":")).encode(), qos=0)
+
+    def _report(self) -> None:
+        self.in_round = False
+        report = self.role.report()
+        report.meta["traffic"] = dict(self._round_bytes)
+        report.meta["devices"] = len(self._round_devices)
+        self.messenger.send(topics.cell_report(self.run, self.cell), "cell_report", report,
+                            round=self.round, cell=self.cell)
+

@@ -1,0 +1,1 @@
+"""Cloud runtime: round orchestration, evaluation, checkpoints."""

@@ -1,0 +1,196 @@
+"""The cloud runtime: round orchestration, deadlines, evaluation, metrics and checkpoints."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from protocols.algorithms.base import CloudRole, Rejected
+from protocols.checkpoint import load_payload, save_payload
+from protocols.jsonl import JsonlWriter
+from protocols.status import decode_status, encode_status
+from protocols.transport.base import TimerHandle, Transport
+from protocols.wire import topics
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload
+
+log = logging.getLogger("fedtier.cloud")
+
+Evaluator = Callable[[Mapping[str, np.ndarray]], dict[str, float]]
+TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
+
+
+class CloudServer:
+    """Drives ``rounds`` cloud rounds over ``cells``; a round closes when every planned cell reported
+    or ``cell_deadline`` passed. Waits, before round 0, until every cell says all its devices are
+    online, or ``startup_wait`` seconds passed (0: start at once)."""
+
+    def __init__(self, transport: Transport, *, run: str, cells: list[str], role: CloudRole, rounds: int,
+                 cell_deadline: float, evaluator: Evaluator | None = None, eval_every: int = 1,
+                 metrics_path: str | Path | None = None, checkpoint_path: str | Path | None = None,
+                 resume: bool = False, startup_wait: float = 0.0, sign_key: bytes | None = None,
+                 keys: dict[str, bytes] | None = None,
+                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.transport, self.loop, self.run = transport, transport.loop, run
+        self.cells, self.role, self.rounds = sorted(cells), role, rounds
+        self.cell_deadline, self.evaluator, self.eval_every = cell_deadline, evaluator, max(1, eval_every)
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.messenger = Messenger(transport, run, "cloud", sign_key=sign_key, keys=keys, on_reject=self._on_reject)
+        self.metrics = JsonlWriter(metrics_path)
+        self.startup_wait, self.on_round = startup_wait, on_round
+        self.round = 0
+        self.finished = False
+        self.started = False
+        self.history: list[dict[str, Any]] = []
+        self.cumulative = {t: 0 for t in TIERS}
+        self.cell_ready: dict[str, bool] = {c: False for c in self.cells}
+        self.cell_online: dict[str, bool] = {c: False for c in self.cells}
+        self._timer: TimerHandle | None = None
+        self._in_round = False
+        self._rejected: list[dict[str, str]] = []
+        if resume and self.checkpoint_path and self.checkpoint_path.exists():
+            state = load_payload(self.checkpoint_path)
+            self.role.load_state(Payload(state.meta.get("role", {}), state.tensors))
+            self.round = int(state.meta["round"]) + 1
+            self.cumulative.update(state.meta.get("cumulative", {}))
+            log.info("resumed from %s at round %d", self.checkpoint_path, self.round)
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self.transport.subscribe(topics.cell_reports(self.run), self._on_report)
+        self.transport.subscribe(topics.statuses(self.run), self._on_status)
+        self.transport.publish(topics.status(self.run, "cloud"), encode_status("online"), retain=True)
+        if self.round >= self.rounds:
+            self.loop.post(self._finish)
+            return
+        self._start_at = self.loop.now()
+        if self.startup_wait > 0:
+            self.loop.call_later(self.startup_wait, self._begin_once)
+        self.loop.post(self._maybe_begin)
+
+    def stop(self) -> None:
+        self.loop.cancel(self._timer)
+        if self.transport.connected:
+            self.transport.publish(topics.status(self.run, "cloud"), encode_status("offline"), retain=True)
+            self.transport.close()
+        self.metrics.close()
+
+    def _on_status(self, topic: str, data: bytes) -> None:
+        node = topic.rsplit("/", 1)[-1]
+        if not node.startswith("cell."):
+            return
+        cell, record = node[len("cell."):], decode_status(data)
+        if cell not in self.cell_ready or record is None:
+            return
+        self.cell_online[cell] = record["state"] == "online"
+        self.cell_ready[cell] = self.cell_online[cell] and record.get("devices_online") == record.get("devices_total")
+        self._maybe_begin()
+
+    def _maybe_begin(self) -> None:
+        if not self.started and (self.startup_wait <= 0 or all(self.cell_ready.values())):
+            self._begin_once()
+
+    def _begin_once(self) -> None:
+        if not self.started:
+            self.started = True
+            self._begin_round()
+
+    # ----------------------------------------------------------------- rounds
+    def _begin_round(self) -> None:
+        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
+        self.reports: dict[str, Payload] = {}
+        self._rejected = []
+        self._bytes = {t: 0 for t in TIERS}
+        self._cell_devices: dict[str, int] = {}
+        plan = self.role.plan(self.round, [c for c in self.cells if self.cell_online[c] or self.startup_wait <= 0])
+        self.planned = sorted(plan)
+        for cell in self.planned:
+            self._bytes["cloud_to_cell"] += self.messenger.send(topics.cell_task(self.run, cell), "cell_task",
+                                                                plan[cell], round=self.round, cell=cell)
+        self.pending = set(self.planned)
+        self._in_round = True
+        r = self.round
+        if not self.planned:
+            self.loop.post(lambda: self._close(r, "no cells"))
+        else:
+            self._timer = self.loop.call_later(self.cell_deadline, lambda: self._close(r, "deadline"))
+
+    def _on_report(self, topic: str, data: bytes) -> None:
+        msg = self.messenger.receive(topic, data, kinds=("cell_report",))
+        if msg is None:
+            return
+        h, cell = msg.header, topic.split("/")[-2]
+        reason = None
+        if h.sender != cell or h.cell != cell:
+            reason = f"sender {h.sender!r} published on the topic of cell {cell!r}"
+        elif not self._in_round or h.round != self.round:
+            reason = f"stale report for round {h.round} (now {self.round})"
+        elif cell in self.reports:
+            return
+        elif cell not in self.pending:
+            reason = "cell was not planned this round"
+        else:
+            try:
+                self.role.check(cell, msg.payload)
+            except Rejected as exc:
+                reason = str(exc)
+        if reason is not None:
+            self.messenger.reject(topic, reason, cell)
+            return
+        self.reports[cell] = msg.payload
+        self.pending.discard(cell)
+        self._bytes["cell_to_cloud"] += msg.nbytes
+        traffic = msg.payload.meta.get("traffic", {})
+        for tier in ("cell_to_device", "device_to_cell"):
+            value = traffic.get(tier, 0) if isinstance(traffic, dict) else 0
+            self._bytes[tier] += int(value) if isinstance(value, (int, float)) and value >= 0 else 0
+        devices = msg.payload.meta.get("devices", 0)
+        self._cell_devices[cell] = int(devices) if isinstance(devices, int) else 0
+        if not self.pending:
+            self._close(self.round, "all reported")
+
+    def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
+        self._rejected.append({"from": sender or topic, "reason": reason})
+
+    def _close(self, rnd: int, why: str) -> None:
+        if not self._in_round or rnd != self.round:
+            return
+        self._in_round = False
+        self.loop.cancel(self._timer)
+        role_metrics = self.role.aggregate(self.round, dict(sorted(self.reports.items())))
+        for tier in TIERS:
+            self.cumulative[tier] += self._bytes[tier]
+        record: dict[str, Any] = {
+            "schema": 1, "event": "round", "round": self.round, "closed_by": why,
+            "cells_planned": self.planned, "cells_reported": sorted(self.reports),
+            "cells_absent": sorted(self.pending), "devices": self._cell_devices,
+            "rejected": self._rejected, "bytes": dict(self._bytes), "cumulative_bytes": dict(self.cumulative),
+            "clock_s": round(self.loop.now(), 6),
+        }
+        if self.evaluator is not None and ((self.round + 1) % self.eval_every == 0 or self.round + 1 == self.rounds):
+            record.update(self.evaluator(self.role.global_params()))
+        record["metrics"] = role_metrics
+        record["duration_s"] = round(time.perf_counter() - self._wall0, 6)
+        self.history.append(record)
+        self.metrics.write(record)
+        self.transport.publish(topics.telemetry_cloud(self.run), json.dumps(record).encode(), qos=0)
+        if self.checkpoint_path is not None:
+            state = self.role.state()
+            save_payload(self.checkpoint_path, Payload(
+                {"round": self.round, "cumulative": self.cumulative, "role": state.meta}, state.tensors))
+        if self.on_round is not None:
+            self.on_round(record)
+        self.round += 1
+        if self.round < self.rounds:
+            self.loop.post(self._begin_round)
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.messenger.send(topics.control(self.run), "control", Payload({"event": "finished", "round": self.round}),
+                            round=self.round, retain=True)

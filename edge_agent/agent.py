@@ -1,0 +1,66 @@
+"""The device runtime: receives tasks from its cell, runs the device role, publishes the result."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from protocols.algorithms.base import DeviceContext, DeviceRole
+from protocols.status import encode_status
+from protocols.trainer import LocalData, Trainer
+from protocols.transport.base import Transport
+from protocols.wire import topics
+from protocols.wire.messenger import Messenger
+
+log = logging.getLogger("fedtier.agent")
+
+
+class DeviceAgent:
+    """One device. Announces itself online (retained; its will says offline), then answers tasks."""
+
+    def __init__(self, transport: Transport, *, run: str, cell: str, device: str, role: DeviceRole,
+                 data: LocalData, trainer: Trainer, seed: int, sign_key: bytes | None = None,
+                 on_task: Callable[[int, int], None] | None = None) -> None:
+        self.transport, self.run, self.cell, self.device = transport, run, cell, device
+        self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
+        self.messenger = Messenger(transport, run, device, sign_key=sign_key)
+        self.on_task = on_task
+        self.tasks_done = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def start(self) -> None:
+        self.transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
+        self.announce("online")
+
+    def announce(self, state: str) -> None:
+        self.transport.publish(topics.status(self.run, topics.device_node(self.device)),
+                               encode_status(state, cell=self.cell, samples=len(self.data)), retain=True)
+
+    def stop(self) -> None:
+        """Leave cleanly: say offline, then disconnect."""
+        if self.transport.connected:
+            self.announce("offline")
+            self.transport.close()
+
+    def _on_task(self, topic: str, data: bytes) -> None:
+        msg = self.messenger.receive(topic, data, kinds=("device_task",))
+        if msg is None:
+            return
+        h = msg.header
+        if h.cell != self.cell:
+            self.messenger.reject(topic, f"task for cell {h.cell!r}, this device is in {self.cell!r}", h.sender)
+            return
+        if self.on_task is not None:
+            self.on_task(h.round, h.edge_round)
+        self.bytes_in += msg.nbytes
+        ctx = DeviceContext(self.seed, h.round, h.edge_round, self.cell, self.device)
+        try:
+            result = self.role.train(msg.payload, self.data, self.trainer, ctx)
+        except Exception as exc:  # a bad task must not kill the device
+            log.exception("device %s failed round %d.%d", self.device, h.round, h.edge_round)
+            self.messenger.reject(topic, f"training failed: {exc}", h.sender)
+            return
+        self.bytes_out += self.messenger.send(
+            topics.device_result(self.run, self.cell, self.device), "device_result", result,
+            round=h.round, edge_round=h.edge_round, cell=self.cell)
+        self.tasks_done += 1

@@ -1,0 +1,24 @@
+"""Build a device agent of a run from its config."""
+from __future__ import annotations
+
+from protocols.algorithms.base import Algorithm
+from protocols.config import RunConfig
+from protocols.trainer import LocalData, Trainer
+from protocols.transport.base import Transport
+
+from .agent import DeviceAgent
+
+
+def cell_of(cfg: RunConfig, device: str) -> str:
+    """The cell a device id belongs to in the config's topology."""
+    for cell in cfg.topology.cell_ids():
+        if device in cfg.topology.device_ids(cell):
+            return cell
+    raise ValueError(f"device {device!r} is not in the topology (ids look like c0-d0 ... "
+                     f"c{cfg.topology.cells - 1}-d{cfg.topology.devices_per_cell - 1})")
+
+
+def build_agent(cfg: RunConfig, device: str, transport: Transport, algorithm: Algorithm, data: LocalData,
+                trainer: Trainer) -> DeviceAgent:
+    return DeviceAgent(transport, run=cfg.run.name, cell=cell_of(cfg, device), device=device,
+                       role=algorithm.device(device), data=data, trainer=trainer, seed=cfg.run.seed)

@@ -1,0 +1,47 @@
+"""The ``fedtier`` command line. ``fedtier --help`` lists the commands."""
+from __future__ import annotations
+
+import click
+
+from . import __version__
+from .console import console, load_or_exit, print_summary, round_progress, setup_logging
+
+CONFIG = click.argument("config", type=click.Path(exists=True, dir_okay=False))
+SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                   help="Override a config key, e.g. --set run.rounds=5 (repeatable).")
+VERBOSE = click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fedtier")
+def main() -> None:
+    """fedtier: federated learning over device -> cell -> cloud hierarchies."""
+
+
+@main.command()
+@CONFIG
+@SET
+@click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@VERBOSE
+def sim(config: str, overrides: tuple[str, ...], resume: bool, no_progress: bool, verbose: int) -> None:
+    """Simulate CONFIG in one process, without a broker (same tier code, in-memory transport)."""
+    from protocols.config import ConfigError
+    from sim.launcher import run_simulation
+
+    setup_logging(verbose)
+    cfg = load_or_exit(config, overrides)
+    try:
+        with round_progress(cfg, not no_progress) as on_round:
+            result = run_simulation(cfg, on_round=on_round, resume=resume)
+    except ConfigError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise SystemExit(2)
+    print_summary(result.summary(), result.output_dir)
+
+
+for _module in ():  # command modules register themselves on ``main`` when imported
+    __import__(f"{__package__}.{_module}")
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

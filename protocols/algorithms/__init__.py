@@ -1,0 +1,24 @@
+"""Algorithms: each module defines an :class:`Algorithm` with its cloud, cell and device roles."""
+from __future__ import annotations
+
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected, TrainParams
+from .fedavg import FedAvg
+
+ALGORITHMS: dict[str, type[Algorithm]] = {FedAvg.name: FedAvg}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Add an algorithm to the registry (usable as a class decorator)."""
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r} (available: {', '.join(sorted(ALGORITHMS))})") from None
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "CellRole", "CloudRole", "DeviceContext", "DeviceRole", "ModelSpec",
+           "Rejected", "TrainParams", "get_algorithm", "register"]

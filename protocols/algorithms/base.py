@@ -1,0 +1,175 @@
+"""The three roles every algorithm defines, and the algorithm bundle that builds them.
+
+Roles are pure: no sockets, no clocks, no global RNG. They take state and messages (``Payload``)
+and return state and messages; the runtimes (``edge_agent``, ``cell_server``, ``cloud``) own I/O,
+timing, retries and persistence. Randomness comes from ``protocols.seeding.rng`` keyed by
+``(seed, round, cell, device, purpose)``.
+
+A round, as the runtimes drive it::
+
+    cloud.plan(r, cells)            -> {cell: task}                  (cloud -> cell)
+      cell.begin(r, task)
+      repeat for e in range(cell.edge_rounds):
+        cell.plan(e, available)     -> {device: task}                (cell -> device)
+          device.train(task, ...)   -> result                        (device -> cell)
+        cell.check(device, result)  raises Rejected on a bad result
+        cell.aggregate(e, results)  -> metrics
+      cell.report()                 -> report                        (cell -> cloud)
+    cloud.check(cell, report)       raises Rejected on a bad report
+    cloud.aggregate(r, reports)     -> metrics
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..trainer import LocalData, Trainer
+from ..wire.payload import Payload
+
+
+class Rejected(ValueError):
+    """A message a role refuses (wrong shape, non-finite values, wrong round...). Logged, dropped."""
+
+
+class ModelSpec(BaseModel):
+    """Which zoo model every tier builds (see ``protocols.models.build_model``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "mlp"
+    input_shape: tuple[int, ...] = (784,)
+    num_classes: int = Field(default=10, ge=2)
+    hidden: tuple[int, ...] = (200, 200)
+    channels: tuple[int, int] = (32, 64)
+    fc: int = Field(default=512, ge=1)
+
+    def build_kwargs(self) -> dict[str, Any]:
+        return {"hidden": self.hidden, "channels": self.channels, "fc": self.fc}
+
+
+class TrainParams(BaseModel):
+    """Parameters every algorithm shares. Algorithms subclass this with their own fields.
+
+    ``edge_rounds`` is E (edge rounds per cloud round); a device runs ``local_steps`` (H) SGD steps
+    per edge round, or ``local_epochs`` epochs when ``local_steps`` is 0.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    edge_rounds: int = Field(default=1, ge=1)
+    local_steps: int = Field(default=0, ge=0)
+    local_epochs: float = Field(default=1.0, ge=0)
+    batch_size: int = Field(default=32, ge=1)
+    lr: float = Field(default=0.05, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    server_lr: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _some_local_work(self) -> "TrainParams":
+        if self.local_steps == 0 and self.local_epochs == 0:
+            raise ValueError("set local_steps or local_epochs to a positive value")
+        return self
+
+
+@dataclass(frozen=True)
+class DeviceContext:
+    """Who and when a device is training: keys for its random draws."""
+
+    seed: int
+    round: int
+    edge_round: int
+    cell: str
+    device: str
+
+
+class CloudRole(ABC):
+    """Plans each cloud round and folds the cells' reports into the global state."""
+
+    @abstractmethod
+    def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
+        """The task of each cell this round."""
+
+    def check(self, cell: str, report: Payload) -> None:
+        """Raise :class:`Rejected` if ``report`` cannot be aggregated."""
+
+    @abstractmethod
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
+        """Update the global state from the reports that arrived (sorted by cell id); metrics out."""
+
+    @abstractmethod
+    def global_params(self) -> "dict[str, np.ndarray]":
+        """The global model, for evaluation and for the final output."""
+
+    @abstractmethod
+    def state(self) -> Payload:
+        """Everything needed to resume after a restart, as a payload (checkpointed each round)."""
+
+    @abstractmethod
+    def load_state(self, state: Payload) -> None:
+        """Restore what :meth:`state` returned."""
+
+
+class CellRole(ABC):
+    """Runs the edge rounds of one cell and reports to the cloud."""
+
+    edge_rounds: int = 1
+
+    @abstractmethod
+    def begin(self, round: int, task: Payload) -> None:
+        """Start cloud round ``round`` from the cloud's task."""
+
+    @abstractmethod
+    def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
+        """The task of each device taking part in this edge round (a subset of ``available``)."""
+
+    def check(self, device: str, result: Payload) -> None:
+        """Raise :class:`Rejected` if ``result`` cannot be aggregated."""
+
+    @abstractmethod
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+        """Fold the results that arrived (sorted by device id) into the cell state; metrics out."""
+
+    @abstractmethod
+    def report(self) -> Payload:
+        """The cell's report for this cloud round (carries its aggregation weight in ``meta``)."""
+
+
+class DeviceRole(ABC):
+    """Local work of a device on its private data."""
+
+    @abstractmethod
+    def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
+        """Run the task; return the result to send to the cell."""
+
+
+class Algorithm(ABC):
+    """Bundles an algorithm's parameters and builds its roles for a run."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[TrainParams]] = TrainParams
+
+    def __init__(self, params: TrainParams, model: ModelSpec, seed: int, init_seed: int | None = None) -> None:
+        self.params, self.model, self.seed = params, model, seed
+        self.init_seed = seed if init_seed is None else init_seed
+
+    def initial_params(self) -> "dict[str, np.ndarray]":
+        """The initial global model (built with torch: only the cloud calls this)."""
+        from ..models import build_model, init_params
+
+        spec = self.model
+        return init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()),
+                           self.init_seed)
+
+    @abstractmethod
+    def cloud(self) -> CloudRole: ...
+
+    @abstractmethod
+    def cell(self, cell: str) -> CellRole: ...
+
+    @abstractmethod
+    def device(self, device: str) -> DeviceRole: ...

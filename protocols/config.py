@@ -1,0 +1,234 @@
+"""The run configuration: one TOML file, validated with pydantic; every error names its key.
+
+Sections: ``[run]``, ``[topology]``, ``[algorithm]`` (``name`` plus that algorithm's parameters),
+``[model]``, ``[data]``, ``[participation]``, ``[runtime]``, ``[broker]``. Unknown keys are errors.
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .algorithms import get_algorithm
+from .algorithms.base import Algorithm, ModelSpec, TrainParams
+from .wire.topics import check_name
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the offending key(s)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(_Section):
+    name: str = "run"
+    seed: int = Field(default=0, ge=0)
+    rounds: int = Field(default=10, ge=1)
+    output: str = "runs/{name}"
+
+    @model_validator(mode="after")
+    def _name_ok(self) -> "RunSection":
+        check_name("run", self.name)
+        return self
+
+
+class TopologySection(_Section):
+    cells: int = Field(default=2, ge=1)
+    devices_per_cell: int = Field(default=5, ge=1)
+
+    def cell_ids(self) -> list[str]:
+        return [f"c{i}" for i in range(self.cells)]
+
+    def device_ids(self, cell: str) -> list[str]:
+        return [f"{cell}-d{j}" for j in range(self.devices_per_cell)]
+
+    def all_devices(self) -> list[str]:
+        return [d for c in self.cell_ids() for d in self.device_ids(c)]
+
+
+class ModelSection(_Section):
+    name: Literal["mlp", "cnn", "logreg"] = "mlp"
+    hidden: tuple[int, ...] = (200, 200)
+    channels: tuple[int, int] = (32, 64)
+    fc: int = Field(default=512, ge=1)
+    init_seed: int | None = Field(default=None, ge=0, description="defaults to run.seed")
+
+
+class DataSection(_Section):
+    dataset: Literal["mnist", "fmnist", "fashion-mnist", "digits", "synthetic"] = "mnist"
+    partition: Literal["iid", "dirichlet", "shards", "hierarchical"] = "iid"
+    alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration (dirichlet)")
+    shards_per_device: int = Field(default=2, ge=1)
+    alpha_cells: float = Field(default=0.5, gt=0, description="across cells (hierarchical)")
+    alpha_devices: float = Field(default=1.0, gt=0, description="within a cell (hierarchical)")
+    max_train: int = Field(default=0, ge=0, description="0: the whole training set")
+    max_test: int = Field(default=0, ge=0, description="0: the whole test set")
+
+
+class ParticipationSection(_Section):
+    model: Literal["always", "uniform", "bernoulli", "cyclic", "permutation", "markov", "trace"] = "always"
+    per_round: int | None = Field(default=None, ge=1)
+    prob: float | None = Field(default=None, gt=0, le=1)
+    probs: list[float] | None = None
+    groups: int | None = Field(default=None, ge=1)
+    random_offset: bool | None = None
+    p_off: float | None = Field(default=None, ge=0, le=1)
+    p_on: float | None = Field(default=None, ge=0, le=1)
+    start_on: float | None = Field(default=None, ge=0, le=1)
+    path: str | None = None
+
+    def spec(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class RuntimeSection(_Section):
+    device_deadline: float = Field(default=120.0, gt=0, description="seconds a cell waits for devices")
+    cell_deadline: float | None = Field(default=None, gt=0, description="seconds the cloud waits for cells")
+    quorum: float = Field(default=1.0, gt=0, le=1)
+    eval_every: int = Field(default=1, ge=1)
+    device: str = Field(default="cpu", description="torch device: cpu, cuda or auto")
+    startup_wait: float = Field(default=60.0, ge=0, description="seconds to wait for all devices (MQTT)")
+
+
+class BrokerSection(_Section):
+    url: str | None = Field(default=None, description="mqtt://host:port; none: an embedded broker")
+    username: str | None = None
+    password: str | None = None
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+
+
+class RunConfig(_Section):
+    run: RunSection = RunSection()
+    topology: TopologySection = TopologySection()
+    algorithm: dict[str, Any] = Field(default_factory=lambda: {"name": "fedavg"})
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    participation: ParticipationSection = ParticipationSection()
+    runtime: RuntimeSection = RuntimeSection()
+    broker: BrokerSection = BrokerSection()
+
+    @property
+    def train(self) -> TrainParams:
+        """The validated algorithm parameters."""
+        return validate_algorithm(self.algorithm)
+
+    def output_dir(self) -> Path:
+        return Path(self.run.output.format(name=self.run.name))
+
+    def cell_deadline(self) -> float:
+        if self.runtime.cell_deadline is not None:
+            return self.runtime.cell_deadline
+        return self.train.edge_rounds * self.runtime.device_deadline * 1.5 + 10
+
+    def to_toml(self) -> str:
+        """The config as TOML (written to each run's output folder)."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        data["algorithm"] = self.train.model_dump(mode="json")
+        return dump_toml(data)
+
+    def model_spec(self, input_shape: tuple[int, ...], num_classes: int) -> ModelSpec:
+        """The zoo model of this run for data of ``input_shape`` and ``num_classes``."""
+        m = self.model
+        return ModelSpec(name=m.name, input_shape=tuple(input_shape), num_classes=num_classes,
+                         hidden=m.hidden, channels=m.channels, fc=m.fc)
+
+    def build_algorithm(self, spec: ModelSpec) -> Algorithm:
+        """The algorithm of this run, ready to build its roles."""
+        seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
+        return get_algorithm(self.train.name)(self.train, spec, self.run.seed, init_seed=seed)
+
+
+def validate_algorithm(section: dict[str, Any]) -> TrainParams:
+    name = section.get("name")
+    if not isinstance(name, str):
+        raise ConfigError("algorithm.name: required (e.g. \"fedavg\")")
+    try:
+        cls = get_algorithm(name)
+    except ValueError as exc:
+        raise ConfigError(f"algorithm.name: {exc}") from None
+    try:
+        return cls.Params.model_validate(section)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, "algorithm")) from None
+
+
+def _format(exc: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(err["loc"]))
+        msg = err["msg"].replace("Extra inputs are not permitted", "unknown key")
+        lines.append(f"{loc or '(config)'}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a config dict; raise :class:`ConfigError` naming every bad key."""
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc)) from None
+    cfg.train  # validates the algorithm section
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a TOML config and apply ``key.path=value`` overrides (values parsed as TOML)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for item in overrides:
+        apply_override(data, item)
+    return parse_config(data)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is read as TOML, or else as a string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected key.path=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """A small TOML writer for config dicts (sections of scalars and lists)."""
+    import json
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    out = []
+    for section, body in data.items():
+        out.append(f"[{section}]")
+        for k, v in body.items():
+            out.append(f"{k} = {value(v)}")
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,85 @@
+"""The model zoo shared by every tier: the same architecture everywhere, built from a spec.
+
+Parameters cross tiers as ``name -> float32 array`` in ``state_dict`` order (see ``params.py``).
+This module needs torch; forward-only (onnxruntime) devices never import it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+class Reshape(nn.Module):
+    """Reshape flat feature rows to images: ``[B, D] -> [B, *shape]``."""
+
+    def __init__(self, shape: Sequence[int]) -> None:
+        super().__init__()
+        self.shape = tuple(int(s) for s in shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], *self.shape)
+
+
+def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (200, 200),
+                channels: Sequence[int] = (32, 64), fc: int = 512) -> nn.Module:
+    """Build a model of the zoo.
+
+    - ``mlp``: flatten -> ``fc{i}`` Linear/ReLU for each ``hidden`` width -> ``out`` Linear.
+    - ``cnn``: the small CNN of the FedAvg/FedMRN papers for 28x28 (or 8x8) images: conv5x5 c1 ->
+      ReLU -> maxpool2 -> conv5x5 c2 -> ReLU -> maxpool2 -> ``fc1`` -> ReLU -> ``out``.
+    - ``logreg``: a single linear layer.
+    """
+    in_features = int(np.prod(input_shape))
+    layers: list[tuple[str, nn.Module]] = []
+    if name == "mlp":
+        width = in_features
+        for i, h in enumerate(hidden, start=1):
+            layers += [(f"fc{i}", nn.Linear(width, int(h))), (f"relu{i}", nn.ReLU())]
+            width = int(h)
+        layers.append(("out", nn.Linear(width, num_classes)))
+        return nn.Sequential(OrderedDict([("flatten", nn.Flatten()), *layers]))
+    if name == "logreg":
+        return nn.Sequential(OrderedDict([("flatten", nn.Flatten()), ("out", nn.Linear(in_features, num_classes))]))
+    if name == "cnn":
+        c, h, w = (int(x) for x in input_shape) if len(input_shape) == 3 else (1, *(int(x) for x in input_shape))
+        c1, c2 = (int(x) for x in channels)
+        # 'same' padding: 28 -> 14 -> 7 and 8 -> 4 -> 2 after the two poolings
+        return nn.Sequential(OrderedDict([
+            ("reshape", Reshape((c, h, w))),
+            ("conv1", nn.Conv2d(c, c1, 5, padding=2)), ("relu1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
+            ("conv2", nn.Conv2d(c1, c2, 5, padding=2)), ("relu2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)),
+            ("flatten", nn.Flatten()),
+            ("fc1", nn.Linear(c2 * (h // 4) * (w // 4), fc)), ("relu3", nn.ReLU()),
+            ("out", nn.Linear(fc, num_classes)),
+        ]))
+    raise ValueError(f"unknown model {name!r} (choose mlp, cnn or logreg)")
+
+
+def init_params(model: nn.Module, seed: int) -> "OrderedDict[str, np.ndarray]":
+    """Re-initialise ``model`` deterministically from ``seed`` and return its parameters.
+
+    Uses torch's default initialisers under ``torch.manual_seed(seed)`` inside a forked RNG, so
+    the global torch RNG is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters") and module is not model:
+                module.reset_parameters()
+    return get_params(model)
+
+
+def get_params(model: nn.Module) -> "OrderedDict[str, np.ndarray]":
+    """The model's trainable parameters as float32 numpy copies, in ``named_parameters`` order."""
+    return OrderedDict((k, v.detach().cpu().numpy().astype(np.float32, copy=True)) for k, v in model.named_parameters())
+
+
+def set_params(model: nn.Module, params: "OrderedDict[str, np.ndarray]") -> None:
+    """Copy ``params`` into the model in place."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(torch.from_numpy(np.ascontiguousarray(params[k])))

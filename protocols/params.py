@@ -1,0 +1,68 @@
+"""Model parameters as they travel between tiers: an ordered dict of name -> float32 numpy array."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Mapping
+
+import numpy as np
+
+Params = "OrderedDict[str, np.ndarray]"
+
+
+def zeros_like(params: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    return OrderedDict((k, np.zeros_like(v)) for k, v in params.items())
+
+
+def copy(params: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    return OrderedDict((k, np.array(v, copy=True)) for k, v in params.items())
+
+
+def sub(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    return OrderedDict((k, a[k] - b[k]) for k in a)
+
+
+def add(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], scale: float = 1.0) -> "OrderedDict[str, np.ndarray]":
+    """``a + scale * b`` in ``a``'s dtype."""
+    if scale == 1.0:
+        return OrderedDict((k, (a[k] + b[k]).astype(a[k].dtype, copy=False)) for k in a)
+    return OrderedDict((k, (a[k] + np.asarray(scale, dtype=np.float64) * b[k]).astype(a[k].dtype)) for k in a)
+
+
+def weighted_mean(items: Iterable[tuple[float, Mapping[str, np.ndarray]]]) -> tuple["OrderedDict[str, np.ndarray]", float]:
+    """Weighted mean of several parameter dicts, accumulated in float64, returned as float32.
+
+    Items are summed in the order given; callers pass them sorted by sender id so the result does
+    not depend on arrival order. Returns (mean, total weight); raises on zero total weight.
+    """
+    items = list(items)
+    total = float(sum(w for w, _ in items))
+    if not items or total <= 0:
+        raise ValueError("weighted mean of nothing (total weight is zero)")
+    acc: OrderedDict[str, np.ndarray] = OrderedDict()
+    for w, p in items:
+        for k, v in p.items():
+            term = v.astype(np.float64) * w
+            if k in acc:
+                acc[k] += term
+            else:
+                acc[k] = term
+    return OrderedDict((k, (v / total).astype(np.float32)) for k, v in acc.items()), total
+
+
+def check_like(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], what: str = "update") -> None:
+    """Raise ValueError unless ``params`` has exactly ``reference``'s names, shapes and float dtype."""
+    if list(params) != list(reference):
+        missing = [k for k in reference if k not in params]
+        extra = [k for k in params if k not in reference]
+        raise ValueError(f"{what} has the wrong tensors (missing {missing[:3]}, unexpected {extra[:3]})")
+    for k, v in params.items():
+        if v.shape != reference[k].shape:
+            raise ValueError(f"{what}: tensor {k!r} has shape {v.shape}, expected {reference[k].shape}")
+        if v.dtype.kind != "f":
+            raise ValueError(f"{what}: tensor {k!r} has dtype {v.dtype}, expected floats")
+        if not np.isfinite(v).all():
+            raise ValueError(f"{what}: tensor {k!r} has non-finite values")
+
+
+def num_values(params: Mapping[str, np.ndarray]) -> int:
+    return int(sum(v.size for v in params.values()))

@@ -1,0 +1,105 @@
+"""The torch trainer backend: CPU, or CUDA when asked for (``device="auto"`` picks CUDA if present)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .models import build_model, get_params, set_params
+from .trainer import LocalData, Trainer, TrainStats, batches
+
+
+def as_tensor(a: np.ndarray, dtype: np.dtype, device: torch.device) -> torch.Tensor:
+    """A torch tensor of ``a`` (copied when ``a`` is read-only, e.g. a shared cached data set)."""
+    a = np.ascontiguousarray(a, dtype=dtype)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a).to(device)
+
+
+def pick_device(device: str = "cpu") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class TorchTrainer(Trainer):
+    """Runs one model of the zoo. One instance can serve many simulated devices in turn."""
+
+    def __init__(self, model: torch.nn.Module, device: str = "cpu") -> None:
+        self.device = pick_device(device)
+        self.model = model.to(self.device)
+        self._x_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def from_spec(cls, name: str, input_shape, num_classes: int, device: str = "cpu", **kwargs) -> "TorchTrainer":
+        return cls(build_model(name, input_shape, num_classes, **kwargs), device)
+
+    def get_params(self) -> "OrderedDict[str, np.ndarray]":
+        return get_params(self.model)
+
+    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
+        set_params(self.model, params)  # type: ignore[arg-type]
+
+    def _tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        # a device trains on the same arrays every round: convert them once
+        if self._x_cache is not None and self._x_cache[0] == id(x) and self._x_cache[1].shape[0] == len(x):
+            return self._x_cache[1], self._x_cache[2]
+        xt = as_tensor(x, np.float32, self.device)
+        yt = as_tensor(y, np.int64, self.device)
+        self._x_cache = (id(x), xt, yt)
+        return xt, yt
+
+    @torch.no_grad()
+    def loss(self, x: np.ndarray, y: np.ndarray) -> float:
+        self.model.eval()
+        xt = as_tensor(x, np.float32, self.device)
+        yt = as_tensor(y, np.int64, self.device)
+        return float(F.cross_entropy(self.model(xt), yt))
+
+    @torch.no_grad()
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
+        self.model.eval()
+        total_loss, correct = 0.0, 0
+        for start in range(0, len(y), batch_size):
+            xt = as_tensor(x[start : start + batch_size], np.float32, self.device)
+            yt = as_tensor(y[start : start + batch_size], np.int64, self.device)
+            out = self.model(xt)
+            total_loss += float(F.cross_entropy(out, yt, reduction="sum"))
+            correct += int((out.argmax(1) == yt).sum())
+        n = max(1, len(y))
+        return total_loss / n, correct / n
+
+    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, "OrderedDict[str, np.ndarray]"]:
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        xt = as_tensor(x, np.float32, self.device)
+        yt = as_tensor(y, np.int64, self.device)
+        loss = F.cross_entropy(self.model(xt), yt)
+        loss.backward()
+        grads = OrderedDict((k, p.grad.detach().cpu().numpy().copy()) for k, p in self.model.named_parameters())
+        return float(loss), grads
+
+    def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
+            weight_decay: float = 0.0) -> TrainStats:
+        self.model.train()
+        xt, yt = self._tensors(data.x, data.y)
+        params = [p for p in self.model.parameters()]
+        total, samples = torch.zeros((), device=self.device), 0
+        for idx in batches(len(data), batch_size, steps, rng):
+            it = torch.from_numpy(idx).to(self.device)
+            loss = F.cross_entropy(self.model(xt[it]), yt[it])
+            for p in params:
+                p.grad = None
+            loss.backward()
+            with torch.no_grad():
+                for p in params:
+                    if weight_decay:
+                        p.grad.add_(p, alpha=weight_decay)
+                    p.add_(p.grad, alpha=-lr)
+            total += loss.detach() * len(idx)
+            samples += len(idx)
+        return TrainStats(float(total) / max(1, samples), steps, samples)

@@ -1,0 +1,93 @@
+"""What a role may ask of a device's compute: parameter access, forward passes, gradients, SGD.
+
+Roles use only this interface, so the same role runs on torch (``torch_trainer.py``) or on
+onnxruntime (forward-only devices, ``edge_agent``). Batches are drawn by ``batches()`` from a seeded
+generator, so every backend visits the same samples in the same order.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """A device's private samples: features ``x`` [n, d] float32 and labels ``y`` [n] int64."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise ValueError(f"{len(self.x)} samples but {len(self.y)} labels")
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What local training reports: mean training loss, steps taken, samples visited."""
+
+    loss: float
+    steps: int
+    samples: int
+
+
+def num_steps(n: int, batch_size: int, steps: int = 0, epochs: float = 0) -> int:
+    """Local steps: ``steps`` if given, else ``ceil(epochs * n / batch_size)``."""
+    if steps > 0:
+        return steps
+    if epochs > 0:
+        return max(1, math.ceil(epochs * n / batch_size))
+    raise ValueError("either local_steps or local_epochs must be positive")
+
+
+def batches(n: int, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """``steps`` index batches: consecutive slices of fresh permutations, one per epoch.
+
+    The last batch of an epoch may be smaller (as a PyTorch DataLoader without drop_last).
+    """
+    if n <= 0:
+        raise ValueError("no local data")
+    produced = 0
+    while produced < steps:
+        perm = rng.permutation(n)
+        for start in range(0, n, batch_size):
+            yield perm[start : start + batch_size]
+            produced += 1
+            if produced == steps:
+                return
+
+
+class Trainer(ABC):
+    """Device compute used by roles. Parameters are ``name -> float32 array`` dicts."""
+
+    @abstractmethod
+    def get_params(self) -> "dict[str, np.ndarray]":
+        """A copy of the current parameters."""
+
+    @abstractmethod
+    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
+        """Load parameters (copied)."""
+
+    @abstractmethod
+    def loss(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Mean loss of the current parameters on a batch (forward only)."""
+
+    @abstractmethod
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
+        """(mean loss, accuracy) on a data set, forward only."""
+
+    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, "dict[str, np.ndarray]"]:
+        """Mean loss and its gradient; forward-only backends raise ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compute gradients")
+
+    def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
+            weight_decay: float = 0.0) -> TrainStats:
+        """Plain minibatch SGD on ``data`` for ``steps`` steps; batches from :func:`batches`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run SGD")

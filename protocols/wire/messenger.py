@@ -1,0 +1,95 @@
+"""Sending and receiving fedtier messages over a transport: framing, validation, de-duplication.
+
+Every runtime talks through one :class:`Messenger`, so each message is encoded and checked in one
+place. A message that fails any check is logged with its reason and reported to ``on_reject``;
+it never reaches a role.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from ..transport.base import Transport
+from .dedup import SeenIds
+from .envelope import DEFAULT_MAX_PAYLOAD, Header, MessageKind, WireError, decode_message, encode_message, new_msg_id
+from .payload import Payload, decode_payload, encode_payload
+
+log = logging.getLogger("fedtier.wire")
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A decoded, validated message and its size on the wire."""
+
+    topic: str
+    header: Header
+    payload: Payload
+    nbytes: int
+
+
+class Messenger:
+    """Frames payloads into envelopes for ``transport`` and validates what arrives.
+
+    ``keys`` maps a sender id to its HMAC key: when given, messages from senders in the map must be
+    signed with their key, and ``sign_key`` signs what this node sends.
+    """
+
+    def __init__(self, transport: Transport, run: str, sender: str, *, sign_key: bytes | None = None,
+                 keys: dict[str, bytes] | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 on_reject: Callable[[str, str, str | None], None] | None = None) -> None:
+        self.transport, self.run, self.sender = transport, run, sender
+        self.sign_key, self.keys, self.max_payload = sign_key, keys, max_payload
+        self.on_reject = on_reject
+        self.seen = SeenIds()
+        self._encoded: dict[int, tuple[Payload, bytes]] = {}
+
+    def frame(self, kind: MessageKind, payload: Payload, *, round: int, edge_round: int = 0,
+              cell: str | None = None) -> bytes:
+        """Encode a payload into a complete message (not sent)."""
+        header = Header(run=self.run, kind=kind, round=round, edge_round=edge_round, cell=cell,
+                        sender=self.sender, msg_id=new_msg_id(), payload_len=0)
+        return encode_message(header, self._payload_bytes(payload), self.sign_key)
+
+    def _payload_bytes(self, payload: Payload) -> bytes:
+        # a role often sends one payload object to many receivers: encode it once
+        cached = self._encoded.get(id(payload))
+        if cached is not None and cached[0] is payload:
+            return cached[1]
+        data = encode_payload(payload)
+        self._encoded = {id(payload): (payload, data)}
+        return data
+
+    def send(self, topic: str, kind: MessageKind, payload: Payload, *, round: int, edge_round: int = 0,
+             cell: str | None = None, retain: bool = False) -> int:
+        """Frame and publish; returns the bytes published."""
+        data = self.frame(kind, payload, round=round, edge_round=edge_round, cell=cell)
+        self.transport.publish(topic, data, qos=1, retain=retain)
+        return len(data)
+
+    def receive(self, topic: str, data: bytes, *, kinds: tuple[str, ...] | None = None) -> Incoming | None:
+        """Decode and validate; ``None`` (after logging) for a rejected message or a duplicate."""
+        try:
+            header, raw = decode_message(data, max_payload=self.max_payload)
+            if header.run != self.run:
+                raise WireError(f"message for run {header.run!r}, this is run {self.run!r}")
+            if kinds is not None and header.kind not in kinds:
+                raise WireError(f"unexpected message kind {header.kind!r} on {topic}")
+            if self.keys is not None and header.sender in self.keys:
+                header, raw = decode_message(data, max_payload=self.max_payload, key=self.keys[header.sender])
+            elif self.keys is not None:
+                raise WireError(f"unknown sender {header.sender!r}")
+            if not self.seen.first_time(header.msg_id):
+                log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
+                return None
+            payload = decode_payload(raw)
+        except WireError as exc:
+            self.reject(topic, str(exc), None)
+            return None
+        return Incoming(topic, header, payload, len(data))
+
+    def reject(self, topic: str, reason: str, sender: str | None) -> None:
+        """Log a rejected message and tell the owner (who records it in its aggregation log)."""
+        log.warning("%s rejected a message on %s: %s", self.sender, topic, reason)
+        if self.on_reject is not None:
+            self.on_reject(topic, reason, sender)

@@ -1,0 +1,1 @@
+"""Simulation: datasets, partitioners, participation models, and the hierarchy launcher."""

@@ -1,0 +1,89 @@
+"""What every launcher needs from a config: the data of each device, the model spec, the evaluator."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from protocols import runfiles
+from protocols.algorithms.base import ModelSpec
+from protocols.config import ConfigError, RunConfig
+from protocols.trainer import LocalData
+
+from .datasets import Dataset, load_dataset
+from .participation import ParticipationModel, make_participation
+from .partition import partition_hierarchy
+
+
+@dataclass
+class Prepared:
+    """A config turned into data: the dataset, each device's samples and the model spec."""
+
+    config: RunConfig
+    dataset: Dataset
+    device_data: dict[str, LocalData]
+    spec: ModelSpec
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Load the dataset and partition it over the topology; raise ConfigError on impossible setups."""
+    d = cfg.data
+    try:
+        ds = load_dataset(d.dataset, max_train=d.max_train or None, max_test=d.max_test or None,
+                          subsample_seed=cfg.run.seed)
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        raise ConfigError(f"data.dataset: {exc}") from None
+    topo = cfg.topology
+    total = topo.cells * topo.devices_per_cell
+    if total > ds.num_train:
+        raise ConfigError(f"topology: {topo.cells} cells x {topo.devices_per_cell} devices = {total} devices, "
+                          f"but data.dataset {d.dataset!r} has only {ds.num_train} training samples"
+                          + (f" (data.max_train = {d.max_train})" if d.max_train else ""))
+    params = {"iid": {}, "dirichlet": {"alpha": d.alpha}, "shards": {"shards_per_device": d.shards_per_device},
+              "hierarchical": {"alpha_cells": d.alpha_cells, "alpha_devices": d.alpha_devices}}[d.partition]
+    try:
+        parts = partition_hierarchy(ds.y_train, topo.cells, topo.devices_per_cell, d.partition, cfg.run.seed, **params)
+    except ValueError as exc:
+        raise ConfigError(f"data.partition: {exc}") from None
+    device_data: dict[str, LocalData] = {}
+    for cell, cell_parts in zip(topo.cell_ids(), parts):
+        for device, idx in zip(topo.device_ids(cell), cell_parts):
+            device_data[device] = LocalData(ds.x_train[idx], ds.y_train[idx])
+    return Prepared(cfg, ds, device_data, cfg.model_spec(ds.input_shape, ds.num_classes))
+
+
+def participation(cfg: RunConfig) -> ParticipationModel:
+    try:
+        return make_participation(cfg.participation.spec(), cfg.topology.all_devices(), cfg.run.seed)
+    except ValueError as exc:
+        raise ConfigError(f"participation: {exc}") from None
+
+
+def make_evaluator(spec: ModelSpec, x: np.ndarray, y: np.ndarray, device: str = "cpu"):
+    """``params -> {"accuracy", "loss"}`` on a held-out set (the cloud's central evaluation)."""
+    from protocols.torch_trainer import TorchTrainer
+
+    trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, device, **spec.build_kwargs())
+
+    def evaluate(params: Mapping[str, np.ndarray]) -> dict[str, float]:
+        trainer.set_params(params)
+        loss, acc = trainer.evaluate(x, y)
+        return {"accuracy": acc, "loss": loss}
+
+    return evaluate
+
+
+def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
+    """Create the output folder and write the config; without ``resume``, old run files are removed."""
+    out = cfg.output_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for name in (runfiles.METRICS, runfiles.AGGREGATION, runfiles.CHECKPOINT, runfiles.FINAL_MODEL,
+                     runfiles.SUMMARY):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "devices", ignore_errors=True)
+    (out / runfiles.CONFIG).write_text(cfg.to_toml(), encoding="utf-8")
+    return out
