@@ -56,45 +56,60 @@ def set_torch_threads(n: int = 1) -> None:
     torch.set_num_threads(n)
 
 
+class SimHierarchy:
+    """The hierarchy of ``cfg`` built on an in-memory hub: ``cloud``, ``cells``, ``agents``.
+
+    Build, optionally tamper with nodes (tests do), then :meth:`run`.
+    """
+
+    def __init__(self, cfg: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
+                 write_output: bool = True, resume: bool = False) -> None:
+        from protocols.torch_trainer import TorchTrainer
+
+        set_torch_threads(1)
+        self.t0 = time.perf_counter()
+        self.cfg = cfg
+        self.prep = prep = prepare(cfg)
+        spec, ds = prep.spec, prep.dataset
+        self.output_dir = fresh_output(cfg, resume) if write_output else None
+        self.algorithm = algorithm = cfg.build_algorithm(spec)
+        self.hub = hub = MemoryHub()
+        avail = participation(cfg)
+        availability = (lambda r, e: avail.participants(r)) if cfg.participation.model != "always" else None
+        self.cloud = build_cloud(cfg, hub.connect("cloud"), algorithm,
+                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
+                                 output_dir=self.output_dir, resume=resume, on_round=on_round)
+        self.cells = {c: build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability,
+                                    output_dir=self.output_dir) for c in cfg.topology.cell_ids()}
+        trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
+                                         **spec.build_kwargs())
+        self.agents = {d: build_agent(cfg, d, hub.connect(f"device.{d}"), algorithm, prep.device_data[d], trainer)
+                       for d in cfg.topology.all_devices()}
+
+    def run(self) -> RunResult:
+        """Run every round; write the final model and summary; return the result."""
+        for node in (*self.cells.values(), *self.agents.values()):
+            node.start()
+        self.hub.loop.run()  # deliver the birth records before the first round
+        self.cloud.start()
+        self.hub.loop.run(until=lambda: self.cloud.finished)
+        if not self.cloud.finished:
+            raise RuntimeError("the simulation stalled before the last round (no events left)")
+        result = RunResult(self.cfg, self.cloud.role.global_params(), self.cloud.history,
+                           [r for c in self.cells.values() for r in c.records], self.output_dir,
+                           time.perf_counter() - self.t0)
+        for node in (*self.agents.values(), *self.cells.values()):
+            node.stop()
+        self.cloud.stop()
+        if self.output_dir is not None:
+            write_final(self.output_dir, result)
+        return result
+
+
 def run_simulation(cfg: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
                    write_output: bool = True, resume: bool = False) -> RunResult:
     """Run ``cfg`` in memory and return the result; writes the run files unless ``write_output`` is off."""
-    from protocols.torch_trainer import TorchTrainer
-
-    set_torch_threads(1)
-    t0 = time.perf_counter()
-    prep = prepare(cfg)
-    spec, ds = prep.spec, prep.dataset
-    out = fresh_output(cfg, resume) if write_output else None
-    algorithm = cfg.build_algorithm(spec)
-    hub = MemoryHub()
-    avail = participation(cfg)
-    availability = (lambda r, e: avail.participants(r)) if cfg.participation.model != "always" else None
-
-    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm,
-                        evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
-                        output_dir=out, resume=resume, on_round=on_round)
-    cells = [build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability, output_dir=out)
-             for c in cfg.topology.cell_ids()]
-    trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
-                                     **spec.build_kwargs())
-    agents = [build_agent(cfg, d, hub.connect(f"device.{d}"), algorithm, prep.device_data[d], trainer)
-              for d in cfg.topology.all_devices()]
-    for node in (*cells, *agents):
-        node.start()
-    hub.loop.run()  # deliver the birth records before the first round
-    cloud.start()
-    hub.loop.run(until=lambda: cloud.finished)
-    if not cloud.finished:
-        raise RuntimeError("the simulation stalled before the last round (no events left)")
-    result = RunResult(cfg, cloud.role.global_params(), cloud.history,
-                       [r for c in cells for r in c.records], out, time.perf_counter() - t0)
-    for node in (*agents, *cells):
-        node.stop()
-    cloud.stop()
-    if out is not None:
-        write_final(out, result)
-    return result
+    return SimHierarchy(cfg, on_round=on_round, write_output=write_output, resume=resume).run()
 
 
 def write_final(out: Path, result: RunResult) -> None:
