@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 
 from protocols.algorithms.base import CellRole, Rejected
 from protocols.jsonl import JsonlWriter
+from protocols.records import CellRecord
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -45,6 +46,7 @@ class CellServer:
         self.edge_round = 0
         self.in_round = False
         self.records: list[dict[str, Any]] = []
+        self.rejected: list[dict[str, str]] = []  # refused since the last record (even between rounds)
         self._timer: TimerHandle | None = None
         self._reset_edge()
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
@@ -104,7 +106,6 @@ class CellServer:
         self.pending: set[str] = set()
         self.results: dict[str, Payload] = {}
         self.losses: dict[str, float] = {}
-        self.rejected: list[dict[str, str]] = []
         self.absent: dict[str, str] = {}
         self.planned: list[str] = []
         self.bytes_in = self.bytes_out = 0
@@ -194,17 +195,16 @@ class CellServer:
         losses = list(self.losses.values())
         mean = sum(losses) / len(losses) if losses else None
         spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if losses else None
-        record = {
-            "schema": 1, "event": "aggregation", "round": self.round, "edge_round": self.edge_round,
-            "cell": self.cell, "algorithm": self.algorithm,
-            "planned": self.planned, "answered": sorted(self.results),
-            "absent": dict(sorted(self.absent.items())), "rejected": self.rejected,
-            "closed_by": why, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-            "loss_mean": mean, "loss_std": spread,
-            "duration_s": round(time.perf_counter() - self._wall0, 6),
-            "clock_s": round(self.loop.now() - self._t0, 6),
-            **({"metrics": metrics} if metrics else {}),
-        }
+        now = self.loop.now()
+        record = CellRecord(
+            run=self.run, round=self.round, edge_round=self.edge_round, cell=self.cell, algorithm=self.algorithm,
+            planned=self.planned, answered=sorted(self.results), absent=dict(sorted(self.absent.items())),
+            rejected=self.rejected, closed_by=why, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+            loss_mean=mean, loss_std=spread, duration_s=round(time.perf_counter() - self._wall0, 6),
+            clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,
+            time=round(time.time(), 3), metrics=metrics or {},
+        ).to_dict()
+        self.rejected = []
         self.records.append(record)
         self.log.write(record)
         self.transport.publish(topics.telemetry_cell(self.run, self.cell),

@@ -12,6 +12,7 @@ import numpy as np
 from protocols.algorithms.base import CloudRole, Rejected
 from protocols.checkpoint import load_payload, save_payload
 from protocols.jsonl import JsonlWriter
+from protocols.records import RoundRecord
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -164,17 +165,17 @@ class CloudServer:
         role_metrics = self.role.aggregate(self.round, dict(sorted(self.reports.items())))
         for tier in TIERS:
             self.cumulative[tier] += self._bytes[tier]
-        record: dict[str, Any] = {
-            "schema": 1, "event": "round", "round": self.round, "closed_by": why,
-            "cells_planned": self.planned, "cells_reported": sorted(self.reports),
-            "cells_absent": sorted(self.pending), "devices": self._cell_devices,
-            "rejected": self._rejected, "bytes": dict(self._bytes), "cumulative_bytes": dict(self.cumulative),
-            "clock_s": round(self.loop.now(), 6),
-        }
+        evaluation: dict[str, float] = {}
         if self.evaluator is not None and ((self.round + 1) % self.eval_every == 0 or self.round + 1 == self.rounds):
-            record.update(self.evaluator(self.role.global_params()))
-        record["metrics"] = role_metrics
-        record["duration_s"] = round(time.perf_counter() - self._wall0, 6)
+            evaluation = self.evaluator(self.role.global_params())
+        record = RoundRecord(
+            run=self.run, round=self.round, rounds=self.rounds, closed_by=why, cells_planned=self.planned,
+            cells_reported=sorted(self.reports), cells_absent=sorted(self.pending), devices=self._cell_devices,
+            rejected=self._rejected, bytes=dict(self._bytes), cumulative_bytes=dict(self.cumulative),
+            clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
+            metrics=role_metrics or {}, duration_s=round(time.perf_counter() - self._wall0, 6),
+            time=round(time.time(), 3),
+        ).to_dict()
         self.history.append(record)
         self.metrics.write(record)
         self.transport.publish(topics.telemetry_cloud(self.run), json.dumps(record).encode(), qos=0)

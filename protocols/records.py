@@ -1,0 +1,168 @@
+"""The telemetry records a run writes and publishes, as a versioned pydantic schema.
+
+Two kinds, one JSON object per line (``aggregation.jsonl`` / ``metrics.jsonl`` of a run folder) and one
+per message on ``fedtier/{run}/telemetry/cell/{cell}`` / ``fedtier/{run}/telemetry/cloud``:
+
+* :class:`CellRecord` (``"event": "aggregation"``): one per edge-round aggregation of a cell.
+* :class:`RoundRecord` (``"event": "round"``): one per cloud round.
+
+Every record carries ``"schema": SCHEMA_VERSION``. Optional fields that are ``None`` are left out of the
+JSON. Algorithms put their own numbers under the free-form ``metrics`` dict; the top level is fixed
+(an unknown top-level key is an error), except that a round record also takes extra evaluation
+numbers (floats) next to ``accuracy`` and ``loss``. Readers validate every line: a bad line is
+reported as a :class:`BadLine` and skipped, never fatal.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+
+TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
+"""The four links whose bytes every round record counts."""
+
+
+_HEAD = ("schema", "event", "run", "round", "edge_round", "cell", "algorithm")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    schema_version: Literal[1] = Field(SCHEMA_VERSION, alias="schema", description="record schema version")
+    run: str | None = Field(None, description="run name")
+    round: int = Field(ge=0, description="cloud round")
+    time: float | None = Field(None, description="wall clock (Unix seconds) when the record was written")
+    closed_by: str = Field(description="why the aggregation closed: all answered, quorum, deadline, ...")
+    duration_s: float = Field(ge=0, description="wall seconds the aggregation took")
+    metrics: dict[str, Any] = Field(default_factory=dict, description="free-form numbers of the algorithm")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of this record (``None`` fields left out)."""
+        data = {k: v for k, v in self.model_dump(mode="json", by_alias=True).items() if v is not None}
+        head = {k: data.pop(k) for k in _HEAD if k in data}
+        return {**head, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
+
+
+class Rejection(BaseModel):
+    """A message a tier refused, and why."""
+
+    model_config = ConfigDict(extra="forbid")
+    device: str = Field(description="the device (or topic) it came from")
+    reason: str
+
+
+class CellRecord(_Record):
+    """One aggregation of one cell (an edge round)."""
+
+    event: Literal["aggregation"] = "aggregation"
+    edge_round: int = Field(ge=0)
+    cell: str
+    algorithm: str
+    planned: list[str] = Field(default_factory=list, description="devices sent a task")
+    answered: list[str] = Field(default_factory=list, description="devices whose result was aggregated")
+    absent: dict[str, str] = Field(default_factory=dict,
+                                   description="device -> offline | not participating | not selected | deadline")
+    rejected: list[Rejection] = Field(default_factory=list, description="results refused, with reasons")
+    bytes_in: int = Field(0, ge=0, description="device -> cell payload bytes of this edge round")
+    bytes_out: int = Field(0, ge=0, description="cell -> device payload bytes of this edge round")
+    loss_mean: float | None = Field(None, description="mean training loss the answering devices reported")
+    loss_std: float | None = Field(None, description="its standard deviation over devices")
+    clock_s: float = Field(0.0, ge=0, description="loop-clock seconds of the edge round (virtual in simulation)")
+    clock_end_s: float | None = Field(None, description="loop clock when it closed (virtual time in simulation)")
+    deadline_s: float | None = Field(None, description="the cell's device deadline (loop-clock seconds)")
+
+    @property
+    def participation(self) -> float | None:
+        """Answered / planned, or None when nobody was planned."""
+        return len(self.answered) / len(self.planned) if self.planned else None
+
+
+class RoundRecord(_Record):
+    """One cloud round. ``accuracy`` and ``loss`` are present on evaluated rounds only."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    __pydantic_extra__: dict[str, float] = Field(init=False)  # other evaluation numbers
+
+    event: Literal["round"] = "round"
+    rounds: int | None = Field(None, ge=1, description="cloud rounds the run is configured for")
+    cells_planned: list[str] = Field(default_factory=list)
+    cells_reported: list[str] = Field(default_factory=list)
+    cells_absent: list[str] = Field(default_factory=list)
+    devices: dict[str, int] = Field(default_factory=dict, description="cell -> devices that took part")
+    rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, reason")
+    bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes of this round per tier")
+    cumulative_bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes so far per tier")
+    clock_start_s: float | None = Field(None, description="loop clock when the round began")
+    clock_s: float = Field(0.0, description="loop clock when the round closed (virtual time in simulation)")
+    accuracy: float | None = None
+    loss: float | None = None
+
+
+Record = Union[CellRecord, RoundRecord]
+_BY_EVENT: dict[str, type[_Record]] = {"aggregation": CellRecord, "round": RoundRecord}
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A line that is not a valid record: where, and why."""
+
+    source: str
+    line: int
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line}: {self.error}"
+
+
+def parse_record(obj: Any) -> Record:
+    """Validate one record (a dict, JSON text or bytes); raise ``ValueError`` naming the problem."""
+    if isinstance(obj, (bytes, bytearray, str)):
+        try:
+            obj = json.loads(obj)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"a record is a JSON object, got {type(obj).__name__}")
+    version = obj.get("schema")
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"unsupported schema version {version!r} (this fedtier reads {SCHEMA_VERSION})")
+    cls = _BY_EVENT.get(obj.get("event"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown event {obj.get('event')!r} (expected one of {sorted(_BY_EVENT)})")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(record)'}: {e['msg']}" for e in exc.errors()[:5])
+        raise ValueError(errors) from None
+
+
+def parse_lines(lines: Iterable[str], source: str = "<records>", first_line: int = 1
+                ) -> tuple[list[Record], list[BadLine]]:
+    """Validate JSON lines; blank lines are skipped, bad ones reported."""
+    records: list[Record] = []
+    bad: list[BadLine] = []
+    for n, line in enumerate(lines, first_line):
+        if not line.strip():
+            continue
+        try:
+            records.append(parse_record(line))
+        except ValueError as exc:
+            bad.append(BadLine(source, n, str(exc)))
+    return records, bad
+
+
+def read_records(path: str | Path) -> tuple[list[Record], list[BadLine]]:
+    """Every valid record of a JSON-lines file, and the lines that are not (a missing file: none)."""
+    path = Path(path)
+    if not path.exists():
+        return [], []
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        return parse_lines(fh, str(path))
