@@ -1,0 +1,228 @@
+"""Local MQTT brokers for emulation and tests: amqtt in-process, or a Mosquitto subprocess.
+
+Both listen on 127.0.0.1 (a free port unless one is given), return from ``start()`` once the port
+accepts connections, can be stopped and started again on the same port, and are context managers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Callable
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+
+def parse_broker_url(url: str) -> tuple[str, int]:
+    """``mqtt://host:port`` (or ``tcp://``, default port 1883) -> ``(host, port)``."""
+    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    if parts.scheme not in ("mqtt", "tcp", "mqtts", "ssl"):
+        raise ValueError(f"broker url {url!r}: scheme must be mqtt:// (or tcp://, mqtts://)")
+    if not parts.hostname:
+        raise ValueError(f"broker url {url!r} has no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"broker url {url!r} has an invalid port") from None
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"broker url {url!r}: unexpected path or query")
+    return parts.hostname, port or (8883 if parts.scheme in ("mqtts", "ssl") else 1883)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float, alive: Callable[[], bool] | None = None) -> None:
+    """Block until ``host:port`` accepts a TCP connection; raise ``TimeoutError`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if alive is not None and not alive():
+                raise RuntimeError(f"broker process exited before listening on {host}:{port}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing accepts connections on {host}:{port} after {timeout} s") from None
+            time.sleep(0.02)
+
+
+class _Broker:
+    host = "127.0.0.1"
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("broker not started")
+        return f"mqtt://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> "_Broker":
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "_Broker":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedBroker(_Broker):
+    """amqtt's broker on its own asyncio loop in a background thread (listening once ``start()``
+    returns: amqtt's ``Broker.start`` awaits ``asyncio.start_server``)."""
+
+    def __init__(self, port: int | None = None) -> None:
+        super().__init__(port)
+        self._thread: threading.Thread | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._broker = None
+
+    def _config(self) -> dict:
+        return {
+            "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port or 0}"}},
+            # no packet logging, no $SYS; amqtt has no message size limit to raise
+            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+        }
+
+    def start(self, timeout: float = 10.0) -> "EmbeddedBroker":
+        if self._thread is not None:
+            return self
+        from amqtt.broker import Broker
+
+        ready = threading.Event()
+        error: list[BaseException] = []
+        aloop = asyncio.new_event_loop()
+
+        async def boot() -> None:
+            broker = Broker(self._config(), loop=aloop)
+            await broker.start()
+            self._broker = broker
+            server = broker._servers["default"].instance  # amqtt 0.12: the asyncio.Server
+            self.port = server.sockets[0].getsockname()[1]
+
+        def main() -> None:
+            asyncio.set_event_loop(aloop)
+            try:
+                aloop.run_until_complete(boot())
+            except BaseException as exc:  # reported to start()
+                error.append(exc)
+                ready.set()
+                aloop.close()
+                return
+            ready.set()
+            aloop.run_forever()
+            aloop.close()
+
+        self._aloop = aloop
+        self._thread = threading.Thread(target=main, name="amqtt-broker", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout) or error:
+            self._thread = None
+            raise RuntimeError(f"embedded amqtt broker did not start: {error[0] if error else 'timeout'}")
+        log.info("embedded amqtt broker listening on %s", self.url)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        thread, aloop, broker = self._thread, self._aloop, self._broker
+        if thread is None or aloop is None:
+            return
+        self._thread = self._aloop = self._broker = None
+        if broker is not None:
+            fut = asyncio.run_coroutine_threadsafe(broker.shutdown(), aloop)
+            try:
+                fut.result(timeout)
+            except Exception as exc:  # shutdown problems must not mask the caller's
+                log.warning("amqtt shutdown: %s", exc)
+        aloop.call_soon_threadsafe(aloop.stop)
+        thread.join(timeout)
+
+
+class MosquittoBroker(_Broker):
+    """A Mosquitto subprocess with a generated config in a temporary directory."""
+
+    def __init__(self, port: int | None = None, binary: str | None = None, extra_config: str = "") -> None:
+        super().__init__(port)
+        self.binary = binary or find_mosquitto()
+        if self.binary is None:
+            raise FileNotFoundError("mosquitto is not installed (looked for /usr/sbin/mosquitto and on PATH)")
+        if not os.access(self.binary, os.X_OK):
+            raise FileNotFoundError(f"mosquitto binary {self.binary!r} is not an executable file")
+        self.extra_config = extra_config
+        self._proc: subprocess.Popen | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+
+    def start(self, timeout: float = 10.0) -> "MosquittoBroker":
+        if self._proc is not None:
+            return self
+        if self.port is None:
+            self.port = free_port(self.host)
+        self._dir = self._dir or tempfile.TemporaryDirectory(prefix="fedtier-mosquitto-")
+        conf = os.path.join(self._dir.name, "mosquitto.conf")
+        with open(conf, "w") as f:
+            f.write(
+                f"listener {self.port} {self.host}\n"
+                "allow_anonymous true\n"
+                "persistence false\n"
+                "max_queued_messages 100000\n"  # a chunked model must not overflow a client's queue
+                "max_queued_bytes 0\n"
+                "max_inflight_messages 64\n"
+                "set_tcp_nodelay true\n"  # else Nagle + delayed ACK add ~40 ms per small message
+                "log_type error\nlog_type warning\n"
+                f"{self.extra_config}\n"
+            )
+        self._log = open(os.path.join(self._dir.name, "mosquitto.log"), "wb")
+        self._proc = subprocess.Popen([self.binary, "-c", conf], stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            wait_for_port(self.host, self.port, timeout, alive=lambda: self._proc.poll() is None)
+        except (RuntimeError, TimeoutError) as exc:
+            out = self.log_text()
+            self.stop()
+            raise RuntimeError(f"mosquitto did not start on port {self.port}: {exc}\n{out}") from None
+        log.info("mosquitto (pid %d) listening on %s", self._proc.pid, self.url)
+        return self
+
+    def log_text(self) -> str:
+        if self._dir is None:
+            return ""
+        try:
+            with open(os.path.join(self._dir.name, "mosquitto.log"), errors="replace") as f:
+                return f.read()[-2000:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 5.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            self._log.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_proc", None) is not None:
+            self._proc.kill()
+
+
+def find_mosquitto() -> str | None:
+    if os.access("/usr/sbin/mosquitto", os.X_OK):
+        return "/usr/sbin/mosquitto"
+    return shutil.which("mosquitto")

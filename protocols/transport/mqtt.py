@@ -1,0 +1,430 @@
+"""MQTT transport on paho-mqtt 2.x (MQTT 3.1.1, QoS 1).
+
+paho's network thread only receives, reassembles chunks and counts bytes; every handler runs on the
+node's :class:`EventLoop`. Sessions are clean: the transport remembers its subscriptions and
+re-issues them on every (re)connect, and paho reconnects with exponential backoff. Messages larger
+than ``max_chunk`` travel as chunks (``protocols.wire.chunking``); handlers only see whole messages.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from ..wire import chunking
+from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
+
+log = logging.getLogger(__name__)
+
+
+def publish_packet_bytes(topic_len: int, payload_len: int, qos: int = 1) -> int:
+    """Size of an MQTT 3.1.1 PUBLISH packet: fixed header, topic, packet id (QoS > 0), payload."""
+    remaining = 2 + topic_len + (2 if qos else 0) + payload_len
+    varint = 1 if remaining < 128 else 2 if remaining < 16384 else 3 if remaining < 2097152 else 4
+    return 1 + varint + remaining
+
+
+def _nodelay(_client: mqtt.Client, _u: Any, sock: Any) -> None:
+    """paho leaves Nagle on: a small publish right after another would wait ~40 ms for an ACK."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+def pattern_covers(wide: str, narrow: str) -> bool:
+    """True when every topic matching filter ``narrow`` also matches filter ``wide``."""
+    w, n = wide.split("/"), narrow.split("/")
+    for i, level in enumerate(w):
+        if level == "#":
+            return True
+        if i >= len(n) or n[i] == "#" or (level != "+" and level != n[i]):
+            return False
+    return len(w) == len(n)
+
+
+@dataclass
+class TransportStats:
+    """Traffic of one transport. ``bytes_*`` include the PUBLISH framing; ``messages_*`` count whole
+    messages, ``packets_*`` MQTT PUBLISH packets (chunks). ``by_topic[topic] = [bytes_out, bytes_in]``.
+    Outgoing bytes are counted when handed to the client; ``acked`` counts PUBACKs."""
+
+    bytes_out: int = 0
+    bytes_in: int = 0
+    payload_bytes_out: int = 0
+    payload_bytes_in: int = 0
+    messages_out: int = 0
+    messages_in: int = 0
+    packets_out: int = 0
+    packets_in: int = 0
+    acked: int = 0
+    by_topic: dict[str, list[int]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def _count(self, topic: str, wire: int, payload: int, out: bool) -> None:
+        with self._lock:
+            per = self.by_topic.setdefault(topic, [0, 0])
+            if out:
+                self.bytes_out += wire
+                self.payload_bytes_out += payload
+                self.packets_out += 1
+                per[0] += wire
+            else:
+                self.bytes_in += wire
+                self.payload_bytes_in += payload
+                self.packets_in += 1
+                per[1] += wire
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "by_topic"}
+            d["by_topic"] = {t: list(v) for t, v in self.by_topic.items()}
+        return d
+
+
+class MqttTransport(Transport):
+    """One node's MQTT connection. Call :meth:`connect` before use, :meth:`close` at the end."""
+
+    def __init__(
+        self,
+        client_id: str,
+        loop: EventLoop,
+        host: str = "127.0.0.1",
+        port: int = 1883,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        ca_certs: str | None = None,
+        certfile: str | None = None,
+        keyfile: str | None = None,
+        will: Will | None = None,
+        keepalive: int = 30,
+        max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
+        chunk_timeout: float = chunking.DEFAULT_TIMEOUT,
+        max_reassembly_bytes: int = chunking.DEFAULT_MAX_BYTES,
+        reconnect_min_delay: float = 1.0,
+        reconnect_max_delay: float = 30.0,
+        max_inflight: int = 64,
+    ) -> None:
+        if max_chunk <= chunking.HEADER_BYTES:
+            raise ValueError(f"max_chunk must exceed {chunking.HEADER_BYTES} bytes")
+        self.client_id, self.loop, self.host, self.port = client_id, loop, host, port
+        self.keepalive, self.max_chunk, self.will = keepalive, max_chunk, will
+        self.stats = TransportStats()
+        self._subs: dict[str, tuple[int, list[Handler]]] = {}  # pattern -> (qos, handlers)
+        self._at_broker: dict[str, int] = {}  # pattern -> qos subscribed at the broker
+        self._cv = threading.Condition()
+        self._connected = False
+        self._closed = False
+        self._ever_connected = False
+        self._connack = threading.Event()
+        self._connack_reason: Any = None
+        self._suback_pending: set[int] = set()
+        self._suback_early: set[int] = set()
+        self._sub_sending = 0  # SUBSCRIBEs decided on but not yet registered as pending
+        self._gen = 0  # connection generation: SUBACK bookkeeping of an older connection is void
+        self._unacked: set[int] = set()  # mids of QoS-1 publishes awaiting PUBACK
+        self._acked_early: set[int] = set()  # PUBACKs that beat publish() to the bookkeeping
+        self._reasm = chunking.Reassembler(timeout=chunk_timeout, max_bytes=max_reassembly_bytes)
+        self._reasm_lock = threading.Lock()
+        self._expiry: TimerHandle | None = None
+
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True,
+                        protocol=mqtt.MQTTv311)
+        if username is not None:
+            c.username_pw_set(username, password)
+        if ca_certs or certfile or keyfile:
+            c.tls_set(ca_certs=ca_certs, certfile=certfile, keyfile=keyfile)
+        if will is not None:
+            if len(will.payload) > max_chunk:
+                raise ValueError("the will payload must fit in one chunk")
+            c.will_set(will.topic, will.payload, qos=1, retain=will.retain)
+        c.reconnect_delay_set(reconnect_min_delay, reconnect_max_delay)  # type: ignore[arg-type]
+        c.max_inflight_messages_set(max_inflight)
+        c.max_queued_messages_set(0)  # unbounded: publish never fails while reconnecting
+        c.on_connect, c.on_disconnect = self._on_connect, self._on_disconnect
+        c.on_message, c.on_subscribe, c.on_publish = self._on_message, self._on_subscribe, self._on_publish
+        c.on_socket_open = _nodelay
+        self._client = c
+
+    @classmethod
+    def from_url(cls, url: str, client_id: str, loop: EventLoop, **kwargs: Any) -> "MqttTransport":
+        from .broker import parse_broker_url
+
+        host, port = parse_broker_url(url)
+        return cls(client_id, loop, host, port, **kwargs)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def connect(self, timeout: float = 10.0) -> "MqttTransport":
+        """Connect and block until the broker's CONNACK; retries a refused TCP connect until
+        ``timeout``. Raises ``ConnectionError`` naming ``host:port`` on failure."""
+        if self._ever_connected or self._closed:
+            raise RuntimeError(f"{self.client_id}: connect() may be called once per transport")
+        where = f"{self.host}:{self.port}"
+        deadline = time.monotonic() + timeout
+        self._client.connect_timeout = max(0.5, min(timeout, 5.0))
+        while True:
+            try:
+                self._client.connect(self.host, self.port, self.keepalive)
+                break
+            except OSError as exc:
+                if time.monotonic() + 0.2 > deadline:
+                    raise ConnectionError(f"cannot connect to MQTT broker at {where}: {exc}") from exc
+                time.sleep(0.2)
+        self._client.loop_start()
+        if not self._connack.wait(max(0.0, deadline - time.monotonic())):
+            self._abort()
+            raise ConnectionError(f"no CONNACK from MQTT broker at {where} within {timeout:g} s")
+        reason = self._connack_reason
+        if reason is not None and reason.is_failure:
+            self._abort()
+            raise ConnectionError(f"MQTT broker at {where} refused {self.client_id!r}: {reason}")
+        self._schedule_expiry()
+        return self
+
+    def close(self, flush_timeout: float = 5.0) -> None:
+        """Disconnect cleanly (the broker discards the will) after waiting up to ``flush_timeout``
+        for outstanding publishes to be acknowledged."""
+        if self._closed:
+            return
+        if self._connected:
+            self.flush(flush_timeout)
+        self._closed = True
+        self.loop.cancel(self._expiry)
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def crash(self) -> None:
+        """For tests: drop the TCP connection without DISCONNECT, so the broker fires the will."""
+        if self._closed:
+            return
+        self._closed = True
+        self.loop.cancel(self._expiry)
+        self._no_reconnect()
+        sock = self._client.socket()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._client.loop_stop()
+
+    def _abort(self) -> None:
+        self._closed = True
+        self._no_reconnect()
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def _no_reconnect(self) -> None:
+        # paho 2.2 only takes reconnect_on_failure in the constructor; without this, its network
+        # thread would sit in the reconnect backoff (or even reconnect) before loop_stop() returns.
+        self._client._reconnect_on_failure = False
+
+    @property
+    def connected(self) -> bool:
+        return self._connected and not self._closed
+
+    # -- Transport -------------------------------------------------------------------------
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        if self._closed:
+            log.debug("%s: publish on %s after close dropped", self.client_id, topic)
+            return
+        payload = bytes(payload)
+        parts = chunking.split(payload, self.max_chunk)
+        if retain and len(parts) > 1:
+            raise ValueError(f"retained message on {topic} is {len(payload)} bytes; it must fit in one chunk")
+        tlen = len(topic.encode())
+        with self.stats._lock:
+            self.stats.messages_out += 1
+        infos = []
+        for part in parts:
+            infos.append(self._client.publish(topic, part, qos=qos, retain=retain))
+            self.stats._count(topic, publish_packet_bytes(tlen, len(part), qos), len(part), out=True)
+        if qos:
+            with self._cv:
+                for info in infos:
+                    if info.mid in self._acked_early:
+                        self._acked_early.discard(info.mid)
+                    else:
+                        self._unacked.add(info.mid)
+
+    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1) -> None:
+        with self._cv:
+            old_qos, handlers = self._subs.get(pattern, (qos, []))
+            self._subs[pattern] = (max(qos, old_qos), [*handlers, handler])
+        self._sync_broker_subs()
+
+    def unsubscribe(self, pattern: str) -> None:
+        with self._cv:
+            self._subs.pop(pattern, None)
+        self._sync_broker_subs()
+
+    def _wanted(self) -> dict[str, int]:
+        """Broker-level subscriptions: patterns not covered by another one (caller holds ``_cv``).
+
+        Brokers send one copy per matching subscription, so overlapping filters would double the
+        traffic; locally, every matching handler still gets each message.
+        """
+        wanted: dict[str, int] = {}
+        for p, (q, _) in self._subs.items():
+            if not any(o != p and pattern_covers(o, p) for o in self._subs):
+                covered = [cq for c, (cq, _) in self._subs.items() if pattern_covers(p, c)]
+                wanted[p] = max(covered, default=q)
+        return wanted
+
+    def _sync_broker_subs(self) -> None:
+        with self._cv:
+            wanted = self._wanted()
+            add = [(p, q) for p, q in wanted.items() if self._at_broker.get(p) != q]
+            drop = [p for p in self._at_broker if p not in wanted]
+            live = self._connected and not self._closed
+            if live:
+                self._at_broker = wanted
+                self._sub_sending += bool(add)
+            gen = self._gen
+        if live:
+            if add:
+                self._send_subscribe(add, gen)
+            if drop:  # after subscribing the wider filters, so nothing falls through the gap
+                self._client.unsubscribe(drop)
+
+    # -- waiting helpers -------------------------------------------------------------------
+    def wait_subscribed(self, timeout: float = 10.0) -> bool:
+        """Block until connected and every subscription so far is acknowledged by the broker."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: self._connected and not self._suback_pending and not self._sub_sending, timeout)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Block until every QoS-1 publish so far is acknowledged by the broker (or ``timeout``)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._unacked, timeout)
+
+    @property
+    def reassembly_bytes(self) -> int:
+        """Bytes reserved by incomplete chunk sets."""
+        return self._reasm.reserved
+
+    # -- paho callbacks (network thread) ---------------------------------------------------
+    def _on_connect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _props: Any) -> None:
+        self._connack_reason = reason
+        if reason.is_failure:
+            log.warning("%s: broker %s:%s refused the connection: %s", self.client_id, self.host, self.port, reason)
+            self._connack.set()
+            return
+        with self._cv:
+            self._connected = True
+            self._at_broker = self._wanted()  # a clean session starts with no subscriptions
+            subs = list(self._at_broker.items())
+            self._sub_sending += bool(subs)
+            self._gen += 1
+            gen = self._gen
+            self._suback_pending.clear()
+            self._suback_early.clear()
+            self._cv.notify_all()
+        if self._ever_connected:
+            log.info("%s: reconnected to %s:%s, resubscribing %d patterns", self.client_id, self.host, self.port, len(subs))
+        self._ever_connected = True
+        if subs:
+            self._send_subscribe(subs, gen)
+        self._connack.set()
+
+    def _on_disconnect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _props: Any) -> None:
+        with self._cv:
+            self._connected = False
+            self._suback_pending.clear()
+            self._cv.notify_all()
+        if not self._closed:
+            log.warning("%s: lost connection to %s:%s (%s); reconnecting", self.client_id, self.host, self.port, reason)
+
+    def _send_subscribe(self, subs: list[tuple[str, int]], gen: int) -> None:
+        """Send a SUBSCRIBE; the caller has counted it in ``_sub_sending`` (so that
+        :meth:`wait_subscribed` cannot slip in between the decision and the bookkeeping)."""
+        try:
+            rc, mid = self._client.subscribe(subs)
+        except Exception:
+            rc, mid = None, None
+            log.exception("%s: subscribe %s failed", self.client_id, subs)
+        with self._cv:
+            self._sub_sending -= 1
+            self._cv.notify_all()
+            if rc != mqtt.MQTT_ERR_SUCCESS or mid is None or gen != self._gen:
+                return  # not connected, or reconnected meanwhile: on_connect subscribes again
+            if mid in self._suback_early:
+                self._suback_early.discard(mid)
+            else:
+                self._suback_pending.add(mid)
+
+    def _on_subscribe(self, client: mqtt.Client, _u: Any, mid: int, reasons: list[Any], _props: Any) -> None:
+        for r in reasons:
+            if r.is_failure:
+                log.warning("%s: broker rejected a subscription: %s", self.client_id, r)
+        with self._cv:
+            if mid in self._suback_pending:
+                self._suback_pending.discard(mid)
+            else:
+                self._suback_early.add(mid)
+            self._cv.notify_all()
+
+    def _on_publish(self, client: mqtt.Client, _u: Any, mid: int, _reason: Any, _props: Any) -> None:
+        with self.stats._lock:
+            self.stats.acked += 1
+        with self._cv:
+            if mid in self._unacked:
+                self._unacked.discard(mid)
+                if not self._unacked:
+                    self._cv.notify_all()
+            else:
+                if len(self._acked_early) > 1024:  # acks of publishes made behind our back
+                    self._acked_early.clear()
+                self._acked_early.add(mid)
+
+    def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        try:
+            self._receive(msg)
+        except Exception:  # an exception here would kill paho's network thread
+            log.exception("%s: failed to handle an incoming message", self.client_id)
+
+    def _receive(self, msg: mqtt.MQTTMessage) -> None:
+        if self._closed:
+            return
+        topic, data = msg.topic, msg.payload
+        self.stats._count(topic, publish_packet_bytes(len(topic.encode()), len(data), msg.qos), len(data), out=False)
+        with self._reasm_lock:
+            whole = self._reasm.feed(topic, data)
+        if whole is None:
+            return
+        with self.stats._lock:
+            self.stats.messages_in += 1
+        with self._cv:
+            targets = [(p, h) for p, (_, hs) in self._subs.items() if topic_matches(p, topic) for h in hs]
+        for pattern, handler in targets:
+            self.loop.post(self._bind(pattern, handler, topic, whole))
+
+    def _bind(self, pattern: str, handler: Handler, topic: str, payload: bytes) -> Callable[[], None]:
+        def deliver() -> None:
+            entry = self._subs.get(pattern)
+            if not self._closed and entry is not None and handler in entry[1]:  # still subscribed
+                handler(topic, payload)
+
+        return deliver
+
+    # -- chunk expiry (on the loop) --------------------------------------------------------
+    def _schedule_expiry(self) -> None:
+        period = max(0.5, self._reasm.timeout / 2)
+
+        def tick() -> None:
+            if self._closed:
+                return
+            with self._reasm_lock:
+                self._reasm.expire()
+            self._expiry = self.loop.call_later(period, tick)
+
+        self.loop.cancel(self._expiry)
+        self._expiry = self.loop.call_later(period, tick)

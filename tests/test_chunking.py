@@ -1,0 +1,150 @@
+"""Chunk splitting and reassembly, driven by a fake clock."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from protocols.wire import chunking
+from protocols.wire.chunking import HEADER_BYTES, MAGIC, Reassembler, is_chunk, split
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def feed_all(r: Reassembler, key: str, parts: list[bytes]) -> list[bytes]:
+    return [out for p in parts if (out := r.feed(key, p)) is not None]
+
+
+def test_small_message_passes_through() -> None:
+    assert split(b"hello", 64) == [b"hello"]
+    r = Reassembler()
+    assert r.feed("t", b"hello") == b"hello"
+    assert r.pending == 0 and r.reserved == 0
+
+
+def test_small_message_with_chunk_magic_is_framed() -> None:
+    data = MAGIC + b"x" * 60
+    parts = split(data, 128)
+    assert len(parts) == 1 and parts[0] != data and is_chunk(parts[0])
+    assert Reassembler().feed("t", parts[0]) == data
+
+
+@pytest.mark.parametrize("size", [1000, 1024 - HEADER_BYTES, 5000, 64 * 1024 + 7])
+def test_roundtrip_any_order(size: int) -> None:
+    data = os.urandom(size)
+    parts = split(data, 1024)
+    assert all(len(p) <= 1024 for p in parts)
+    assert len(parts) == (1 if size <= 1024 else -(-size // (1024 - HEADER_BYTES)))
+    random.Random(size).shuffle(parts)
+    r = Reassembler()
+    assert feed_all(r, "t", parts) == [data]
+    assert r.pending == 0 and r.reserved == 0
+
+
+def test_duplicate_chunks_and_duplicate_message() -> None:
+    data = os.urandom(10_000)
+    parts = split(data, 1024)
+    r = Reassembler()
+    with_dups = [parts[0], parts[0], *parts[1:5], parts[3], *parts[5:]]
+    assert feed_all(r, "t", with_dups) == [data]
+    # the whole message delivered again: ignored, and no new incomplete set is left behind
+    assert feed_all(r, "t", parts) == []
+    assert r.pending == 0 and r.reserved == 0
+
+
+def test_same_content_on_two_topics_is_two_messages() -> None:
+    data = os.urandom(3000)
+    parts = split(data, 1024)
+    r = Reassembler()
+    assert feed_all(r, "a", parts) == [data]
+    assert feed_all(r, "b", parts) == [data]
+
+
+def test_interleaved_messages() -> None:
+    a, b = os.urandom(5000), os.urandom(7000)
+    pa, pb = split(a, 1024), split(b, 1024)
+    mixed = [p for pair in zip(pa, pb) for p in pair] + pb[len(pa):]
+    assert sorted(feed_all(Reassembler(), "t", mixed)) == sorted([a, b])
+
+
+def test_incomplete_set_expires_and_memory_returns_to_zero() -> None:
+    clock = FakeClock()
+    r = Reassembler(timeout=10.0, clock=clock)
+    parts = split(os.urandom(5000), 1024)
+    feed_all(r, "t", parts[:-1])
+    assert r.pending == 1 and r.reserved == 5000
+    clock.t = 9.9
+    assert r.expire() == 0 and r.pending == 1
+    clock.t = 20.0
+    assert r.expire() == 1
+    assert r.pending == 0 and r.reserved == 0 and r.dropped == 1
+    # the last chunk arriving late starts a fresh set, which never completes on its own
+    assert r.feed("t", parts[-1]) is None and r.pending == 1
+    clock.t = 40.0
+    r.expire()
+    assert r.reserved == 0
+
+
+def test_activity_keeps_a_set_alive() -> None:
+    clock = FakeClock()
+    r = Reassembler(timeout=10.0, clock=clock)
+    data = os.urandom(5000)
+    parts = split(data, 1024)
+    out = []
+    for p in parts:
+        clock.t += 6.0  # slower than the timeout in total, but each gap is shorter
+        if (whole := r.feed("t", p)) is not None:
+            out.append(whole)
+    assert out == [data]
+
+
+def test_memory_bound_rejects_oversized_message() -> None:
+    r = Reassembler(max_bytes=4000)
+    parts = split(os.urandom(5000), 1024)
+    assert feed_all(r, "t", parts) == []
+    assert r.pending == 0 and r.reserved == 0 and r.dropped == len(parts)
+
+
+def test_memory_bound_evicts_oldest_incomplete_set() -> None:
+    clock = FakeClock()
+    r = Reassembler(max_bytes=8000, clock=clock)
+    a, b = os.urandom(5000), os.urandom(5000)
+    pa, pb = split(a, 1024), split(b, 1024)
+    r.feed("t", pa[0])
+    clock.t = 1.0
+    assert r.reserved == 5000
+    assert feed_all(r, "t", pb) == [b]  # needs room: a is evicted
+    assert r.pending == 0 and r.reserved == 0 and r.dropped == 1
+    assert r.reserved <= r.max_bytes
+
+
+def test_corrupted_chunk_fails_hash_check() -> None:
+    data = os.urandom(3000)
+    parts = split(data, 1024)
+    bad = bytearray(parts[1])
+    bad[-1] ^= 0xFF
+    r = Reassembler()
+    assert feed_all(r, "t", [parts[0], bytes(bad), *parts[2:]]) == []
+    assert r.pending == 0 and r.reserved == 0 and r.dropped == 1
+
+
+def test_inconsistent_headers_rejected() -> None:
+    data = os.urandom(3000)
+    parts = split(data, 1024)
+    r = Reassembler()
+    assert r.feed("t", parts[0][:-1]) is None  # truncated chunk
+    forged = chunking._HEAD.pack(MAGIC, b"\0" * 16, 5, 3, 984, 3000) + b"x" * 984  # index >= count
+    assert r.feed("t", forged) is None
+    assert r.pending == 0 and r.dropped == 2
+
+
+def test_max_chunk_must_exceed_header() -> None:
+    with pytest.raises(ValueError):
+        split(b"x" * 100, HEADER_BYTES)

@@ -1,0 +1,369 @@
+"""MqttTransport over a real broker (embedded amqtt and Mosquitto), ThreadLoop, broker helpers."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Callable, Iterator
+
+import pytest
+
+from protocols.transport.base import Will
+from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto, free_port, parse_broker_url
+from protocols.transport.mqtt import MqttTransport, pattern_covers, publish_packet_bytes
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import chunking
+
+HAVE_MOSQUITTO = find_mosquitto() is not None
+needs_mosquitto = pytest.mark.skipif(not HAVE_MOSQUITTO, reason="mosquitto binary not installed (/usr/sbin/mosquitto)")
+BROKERS = ["amqtt", pytest.param("mosquitto", marks=needs_mosquitto)]
+WAIT = 10.0
+
+
+def make_broker(kind: str, port: int | None = None) -> EmbeddedBroker | MosquittoBroker:
+    return EmbeddedBroker(port) if kind == "amqtt" else MosquittoBroker(port)
+
+
+@pytest.fixture(scope="module", params=BROKERS)
+def broker(request: pytest.FixtureRequest) -> Iterator[EmbeddedBroker | MosquittoBroker]:
+    with make_broker(request.param) as b:
+        yield b
+
+
+@pytest.fixture
+def loop() -> Iterator[ThreadLoop]:
+    lp = ThreadLoop().start()
+    yield lp
+    lp.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t/{uuid.uuid4().hex[:8]}"
+
+
+class Inbox:
+    """Collects (topic, payload) from handlers and lets a test wait for a condition."""
+
+    def __init__(self, loop: ThreadLoop) -> None:
+        self.loop, self.items, self.cv = loop, [], threading.Condition()
+        self.threads: set[str] = set()
+
+    def __call__(self, topic: str, payload: bytes) -> None:
+        self.threads.add(threading.current_thread().name)
+        with self.cv:
+            self.items.append((topic, bytes(payload)))
+            self.cv.notify_all()
+
+    def wait(self, pred: Callable[[list], bool], timeout: float = WAIT) -> bool:
+        with self.cv:
+            return self.cv.wait_for(lambda: pred(self.items), timeout)
+
+    def wait_n(self, n: int, timeout: float = WAIT) -> list:
+        assert self.wait(lambda items: len(items) >= n, timeout), f"got {len(self.items)} of {n}: {self.items!r:.300}"
+        return list(self.items)
+
+
+def connect(broker, cid: str, loop: ThreadLoop, **kw) -> MqttTransport:
+    return MqttTransport.from_url(broker.url, cid, loop, **kw).connect(WAIT)
+
+
+@pytest.fixture
+def clients(broker, loop) -> Iterator[Callable[..., MqttTransport]]:
+    made: list[MqttTransport] = []
+
+    def make(cid: str | None = None, **kw) -> MqttTransport:
+        t = connect(broker, cid or f"c-{uuid.uuid4().hex[:8]}", loop, **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close(flush_timeout=1.0)
+
+
+# -- pub/sub -----------------------------------------------------------------------------------
+
+def test_pubsub_with_wildcards(clients, loop, prefix) -> None:
+    pub, sub = clients(), clients()
+    plus, hash_, exact = Inbox(loop), Inbox(loop), Inbox(loop)
+    sub.subscribe(f"{prefix}/cell/+/up", plus)
+    sub.subscribe(f"{prefix}/#", hash_)
+    sub.subscribe(f"{prefix}/cell/c1/down", exact)
+    assert sub.wait_subscribed(WAIT)
+    pub.publish(f"{prefix}/cell/c1/up", b"u1")
+    pub.publish(f"{prefix}/cell/c2/up", b"u2")
+    pub.publish(f"{prefix}/cell/c1/down", b"d1")
+    pub.publish(f"{prefix}/cell/c1/up/extra", b"deep")
+    assert sorted(p for _, p in hash_.wait_n(4)) == [b"d1", b"deep", b"u1", b"u2"]
+    assert sorted(p for _, p in plus.wait_n(2)) == [b"u1", b"u2"]
+    assert exact.wait_n(1) == [(f"{prefix}/cell/c1/down", b"d1")]
+    assert pub.flush(WAIT)
+    time.sleep(0.1)  # nothing else may trickle in
+    assert len(plus.items) == 2 and len(exact.items) == 1
+    assert plus.threads == {loop.name}  # handlers run on the loop, never on paho's thread
+    assert sub.stats.packets_in == 4  # overlapping filters do not double the traffic
+    s = pub.stats.snapshot()
+    assert s["messages_out"] == 4 and s["packets_out"] == 4 and s["acked"] == 4
+    assert s["payload_bytes_out"] == 10
+    sent = {"cell/c1/up": 2, "cell/c2/up": 2, "cell/c1/down": 2, "cell/c1/up/extra": 4}
+    assert s["bytes_out"] == sum(publish_packet_bytes(len(f"{prefix}/{t}"), n) for t, n in sent.items())
+    assert s["by_topic"][f"{prefix}/cell/c1/down"][0] == publish_packet_bytes(len(f"{prefix}/cell/c1/down"), 2)
+
+
+def test_ping_pong_latency(clients, loop, prefix) -> None:
+    """Guards against Nagle's algorithm (paho leaves it on): it made each round trip ~90 ms."""
+    a, b = clients(), clients()
+    pong = threading.Event()
+    b.subscribe(f"{prefix}/ping", lambda t, p: b.publish(f"{prefix}/pong", p))
+    a.subscribe(f"{prefix}/pong", lambda t, p: pong.set())
+    assert a.wait_subscribed(WAIT) and b.wait_subscribed(WAIT)
+    rtts = []
+    for _ in range(15):
+        pong.clear()
+        t0 = time.perf_counter()
+        a.publish(f"{prefix}/ping", b"x" * 64)
+        assert pong.wait(WAIT)
+        rtts.append(time.perf_counter() - t0)
+    assert sorted(rtts)[len(rtts) // 2] < 0.03, rtts
+
+
+def test_unsubscribe_stops_delivery(clients, loop, prefix) -> None:
+    pub, sub = clients(), clients()
+    a, b = Inbox(loop), Inbox(loop)
+    sub.subscribe(f"{prefix}/a", a)
+    sub.subscribe(f"{prefix}/b", b)
+    assert sub.wait_subscribed(WAIT)
+    sub.unsubscribe(f"{prefix}/a")
+    pub.publish(f"{prefix}/a", b"1")
+    pub.publish(f"{prefix}/b", b"2")
+    b.wait_n(1)
+    assert a.items == []
+
+
+def test_unsubscribing_the_wide_filter_keeps_the_narrow_one(clients, loop, prefix) -> None:
+    pub, sub = clients(), clients()
+    wide, narrow = Inbox(loop), Inbox(loop)
+    sub.subscribe(f"{prefix}/#", wide)
+    sub.subscribe(f"{prefix}/a", narrow)
+    assert sub.wait_subscribed(WAIT)
+    sub.unsubscribe(f"{prefix}/#")
+    assert sub.wait_subscribed(WAIT)
+    pub.publish(f"{prefix}/b", b"b")
+    pub.publish(f"{prefix}/a", b"a")
+    assert narrow.wait_n(1) == [(f"{prefix}/a", b"a")]
+    assert wide.items == []
+
+
+def test_pattern_covers() -> None:
+    assert pattern_covers("a/#", "a/b/c") and pattern_covers("a/#", "a") and pattern_covers("#", "a/+/#")
+    assert pattern_covers("a/+/c", "a/b/c") and pattern_covers("a/+", "a/+")
+    assert not pattern_covers("a/+", "a/#") and not pattern_covers("a/b", "a/+")
+    assert not pattern_covers("a/+/c", "a/b") and not pattern_covers("a/+/#", "a")
+
+
+def test_retained_message_reaches_late_subscriber(clients, loop, prefix) -> None:
+    pub = clients()
+    pub.publish(f"{prefix}/status/n1", b"online", retain=True)
+    assert pub.flush(WAIT)
+    late, inbox = clients(), Inbox(loop)
+    late.subscribe(f"{prefix}/status/+", inbox)
+    assert inbox.wait_n(1) == [(f"{prefix}/status/n1", b"online")]
+    pub.publish(f"{prefix}/status/n1", b"", retain=True)  # clear it for later tests
+    with pytest.raises(ValueError, match="one chunk"):
+        pub.publish(f"{prefix}/big", b"x" * (pub.max_chunk + 1), retain=True)
+
+
+def test_will_on_crash_not_on_close(clients, loop, prefix, broker) -> None:
+    watcher, inbox = clients(), Inbox(loop)
+    watcher.subscribe(f"{prefix}/status/+", inbox)
+    assert watcher.wait_subscribed(WAIT)
+    polite = connect(broker, "polite", loop, will=Will(f"{prefix}/status/polite", b"offline", retain=False))
+    rude = connect(broker, "rude", loop, will=Will(f"{prefix}/status/rude", b"offline", retain=False))
+    polite.publish(f"{prefix}/status/polite", b"bye")
+    polite.close()
+    rude.crash()
+    assert rude.connected is False
+    inbox.wait(lambda items: (f"{prefix}/status/rude", b"offline") in items)
+    time.sleep(0.2)  # a will of the polite node would have arrived by now
+    assert (f"{prefix}/status/polite", b"offline") not in inbox.items
+    assert (f"{prefix}/status/polite", b"bye") in inbox.items
+
+
+def test_large_payload_chunked_and_delivered_once(clients, loop, prefix) -> None:
+    pub = clients(max_chunk=64 * 1024)
+    sub, inbox = clients(max_chunk=64 * 1024), Inbox(loop)
+    sub.subscribe(f"{prefix}/big/#", inbox)
+    assert sub.wait_subscribed(WAIT)
+    data = os.urandom(3 * 512 * 1024)  # 1.5 MiB
+    pub.publish(f"{prefix}/big/model", data)
+    pub.publish(f"{prefix}/big/after", b"small")
+    got = inbox.wait_n(2)
+    assert got[0] == (f"{prefix}/big/model", data)  # whole, and before what was published after it
+    assert got[1] == (f"{prefix}/big/after", b"small")
+    n = -(-len(data) // (64 * 1024 - chunking.HEADER_BYTES))
+    assert pub.flush(WAIT)
+    assert pub.stats.packets_out == n + 1 and pub.stats.messages_out == 2
+    assert sub.stats.messages_in == 2 and sub.stats.packets_in == n + 1
+    assert sub.stats.bytes_in == pub.stats.bytes_out > len(data) + n * chunking.HEADER_BYTES
+    assert sub.reassembly_bytes == 0
+    time.sleep(0.1)
+    assert len(inbox.items) == 2
+
+
+def test_reassembly_memory_bound(clients, loop, prefix, caplog) -> None:
+    pub = clients(max_chunk=4096)
+    sub, inbox = clients(max_chunk=4096, max_reassembly_bytes=50_000), Inbox(loop)
+    sub.subscribe(f"{prefix}/m/+", inbox)
+    assert sub.wait_subscribed(WAIT)
+    with caplog.at_level(logging.WARNING, logger="protocols.wire.chunking"):
+        pub.publish(f"{prefix}/m/huge", os.urandom(60_000))
+        pub.publish(f"{prefix}/m/fits", fits := os.urandom(40_000))
+        assert inbox.wait_n(1) == [(f"{prefix}/m/fits", fits)]
+    assert "exceeds the reassembly bound" in caplog.text and sub.reassembly_bytes == 0
+
+
+def test_duplicate_chunks_and_duplicate_messages(clients, loop, prefix) -> None:
+    pub = clients(max_chunk=4096)
+    sub, inbox = clients(max_chunk=4096), Inbox(loop)
+    sub.subscribe(f"{prefix}/dup", inbox)
+    assert sub.wait_subscribed(WAIT)
+    data = os.urandom(20_000)
+    parts = chunking.split(data, 4096)
+    raw = pub._client  # inject at the MQTT level, as a broker redelivery would
+    for p in [parts[0], *parts, parts[2]]:
+        raw.publish(f"{prefix}/dup", p, qos=1)
+    for p in parts:  # the same whole message again
+        raw.publish(f"{prefix}/dup", p, qos=1)
+    pub.publish(f"{prefix}/dup", b"end")
+    got = inbox.wait_n(2)
+    assert got == [(f"{prefix}/dup", data), (f"{prefix}/dup", b"end")]
+    assert sub.reassembly_bytes == 0 and sub._reasm.pending == 0
+
+
+def test_overlapping_handlers_and_bad_handler(clients, loop, prefix, caplog) -> None:
+    pub, sub = clients(), clients()
+    inbox = Inbox(loop)
+
+    def bad(topic: str, payload: bytes) -> None:
+        raise RuntimeError("handler bug")
+
+    sub.subscribe(f"{prefix}/x", bad)
+    sub.subscribe(f"{prefix}/x", inbox)
+    assert sub.wait_subscribed(WAIT)
+    with caplog.at_level(logging.ERROR, logger="protocols.transport.threadloop"):
+        pub.publish(f"{prefix}/x", b"1")
+        pub.publish(f"{prefix}/x", b"2")
+        assert [p for _, p in inbox.wait_n(2)] == [b"1", b"2"]
+    assert "handler bug" in caplog.text
+
+
+def test_connect_failure_is_clear(loop) -> None:
+    port = free_port()
+    t = MqttTransport("nobody", loop, "127.0.0.1", port)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        t.connect(timeout=0.5)
+    assert time.monotonic() - t0 < 3
+
+
+# -- reconnect -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", BROKERS)
+def test_reconnect_after_broker_restart_resubscribes(kind: str, loop) -> None:
+    b = make_broker(kind, free_port()).start()
+    try:
+        kw = dict(reconnect_min_delay=0.1, reconnect_max_delay=0.5)
+        pub, sub, inbox = connect(b, "r-pub", loop, **kw), connect(b, "r-sub", loop, **kw), Inbox(loop)
+        sub.subscribe("r/+", inbox)
+        assert sub.wait_subscribed(WAIT)
+        pub.publish("r/1", b"before")
+        inbox.wait_n(1)
+        b.stop()
+        deadline = time.monotonic() + WAIT
+        while (sub.connected or pub.connected) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not sub.connected and not pub.connected
+        pub.publish("r/2", b"queued while down")  # never blocks, sent after reconnecting
+        b.start()
+        assert sub.wait_subscribed(WAIT) and pub.flush(WAIT)
+        pub.publish("r/3", b"after")
+        got = inbox.wait(lambda items: (b"after") in [p for _, p in items])
+        assert got, inbox.items
+        pub.close()
+        sub.close()
+    finally:
+        b.stop()
+
+
+# -- ThreadLoop ------------------------------------------------------------------------------
+
+def test_threadloop_timers_in_order_and_cancel() -> None:
+    lp = ThreadLoop()
+    fired: list[str] = []
+    lp.call_later(0.03, lambda: fired.append("c"))
+    lp.call_later(0.01, lambda: fired.append("a"))
+    h = lp.call_later(0.02, lambda: fired.append("cancelled"))
+    lp.call_later(0.02, lambda: fired.append("b"))
+    lp.post(lambda: fired.append("now"))
+    lp.cancel(h)
+    lp.cancel(h)
+    lp.cancel(None)
+    t0 = lp.now()
+    assert lp.run(until=lambda: len(fired) >= 4, timeout=5)
+    assert fired == ["now", "a", "b", "c"]
+    assert 0.025 <= lp.now() - t0 < 1.0
+
+
+def test_threadloop_survives_exceptions_and_serialises(caplog) -> None:
+    lp = ThreadLoop().start()
+    active, seen, done = [0], [], threading.Event()
+
+    def work(i: int) -> None:
+        active[0] += 1
+        assert active[0] == 1
+        seen.append(i)
+        active[0] -= 1
+        if len(seen) == 200:
+            done.set()
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    with caplog.at_level(logging.ERROR):
+        posters = [threading.Thread(target=lambda k=k: [lp.post(boom if j == 0 else (lambda v=k * 100 + j: work(v)))
+                                                       for j in range(101)]) for k in range(2)]
+        for p in posters:
+            p.start()
+        assert done.wait(5)
+    assert "boom" in caplog.text and sorted(seen) == sorted(k * 100 + j for k in range(2) for j in range(1, 101))
+    lp.stop()
+    lp.stop()  # idempotent
+    assert not lp.running
+
+
+def test_threadloop_run_timeout_and_stop_from_callback() -> None:
+    lp = ThreadLoop()
+    t0 = time.monotonic()
+    assert lp.run(until=lambda: False, timeout=0.05) is False
+    assert time.monotonic() - t0 < 1
+    lp.call_later(0.01, lp.stop)
+    assert lp.run(timeout=5) is True
+
+
+# -- brokers ---------------------------------------------------------------------------------
+
+def test_parse_broker_url() -> None:
+    assert parse_broker_url("mqtt://127.0.0.1:1884") == ("127.0.0.1", 1884)
+    assert parse_broker_url("mqtt://broker.local") == ("broker.local", 1883)
+    assert parse_broker_url("localhost:9") == ("localhost", 9)
+    for bad in ("http://x:1", "mqtt://:1883", "mqtt://h:notaport", "mqtt://h:1/path"):
+        with pytest.raises(ValueError):
+            parse_broker_url(bad)
+
+
+def test_mosquitto_missing_binary_is_clear() -> None:
+    with pytest.raises(FileNotFoundError, match="mosquitto"):
+        MosquittoBroker(binary="/nonexistent/mosquitto")
