@@ -9,16 +9,17 @@ from protocols.algorithms.base import Algorithm
 from protocols.config import RunConfig
 from protocols.transport.base import Transport
 
-from .server import CloudServer, Evaluator
+from .server import CellAvailability, CloudServer, Evaluator
 
 
 def build_cloud(cfg: RunConfig, transport: Transport, algorithm: Algorithm, *, evaluator: Evaluator | None = None,
                 output_dir: Path | None = None, resume: bool = False, startup_wait: float = 0.0,
-                on_round: Callable[[dict[str, Any]], None] | None = None) -> CloudServer:
+                on_round: Callable[[dict[str, Any]], None] | None = None,
+                availability: CellAvailability | None = None) -> CloudServer:
     out = output_dir
     return CloudServer(
         transport, run=cfg.run.name, cells=cfg.topology.cell_ids(), role=algorithm.cloud(), rounds=cfg.run.rounds,
         cell_deadline=cfg.cell_deadline(), evaluator=evaluator, eval_every=cfg.runtime.eval_every,
         metrics_path=out / runfiles.METRICS if out else None,
         checkpoint_path=out / runfiles.CHECKPOINT if out else None,
-        resume=resume, startup_wait=startup_wait, on_round=on_round)
+        resume=resume, startup_wait=startup_wait, on_round=on_round, availability=availability)

@@ -5,7 +5,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -22,6 +22,8 @@ from protocols.wire.payload import Payload
 log = logging.getLogger("fedtier.cloud")
 
 Evaluator = Callable[[Mapping[str, np.ndarray]], dict[str, float]]
+CellAvailability = Callable[[int], Iterable[str]]
+"""``cloud round -> cells that may take part`` (cell-level participation; an unavailable cell is not planned)."""
 TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
 
 
@@ -35,7 +37,8 @@ class CloudServer:
                  metrics_path: str | Path | None = None, checkpoint_path: str | Path | None = None,
                  resume: bool = False, startup_wait: float = 0.0, sign_key: bytes | None = None,
                  keys: dict[str, bytes] | None = None,
-                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_round: Callable[[dict[str, Any]], None] | None = None,
+                 availability: CellAvailability | None = None) -> None:
         self.transport, self.loop, self.run = transport, transport.loop, run
         self.cells, self.role, self.rounds = sorted(cells), role, rounds
         self.cell_deadline, self.evaluator, self.eval_every = cell_deadline, evaluator, max(1, eval_every)
@@ -43,6 +46,7 @@ class CloudServer:
         self.messenger = Messenger(transport, run, "cloud", sign_key=sign_key, keys=keys, on_reject=self._on_reject)
         self.metrics = JsonlWriter(metrics_path)
         self.startup_wait, self.on_round = startup_wait, on_round
+        self.availability = availability
         self.round = 0
         self.finished = False
         self.started = False
@@ -107,7 +111,9 @@ class CloudServer:
         self._rejected = []
         self._bytes = {t: 0 for t in TIERS}
         self._cell_devices: dict[str, int] = {}
-        plan = self.role.plan(self.round, [c for c in self.cells if self.cell_online[c] or self.startup_wait <= 0])
+        allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
+        plan = self.role.plan(self.round, [c for c in self.cells if (self.cell_online[c] or self.startup_wait <= 0)
+                                           and c in allowed])
         self.planned = sorted(plan)
         for cell in self.planned:
             self._bytes["cloud_to_cell"] += self.messenger.send(topics.cell_task(self.run, cell), "cell_task",

@@ -71,6 +71,11 @@ class DataSection(_Section):
 
 class ParticipationSection(_Section):
     model: Literal["always", "uniform", "bernoulli", "cyclic", "permutation", "markov", "trace"] = "always"
+    level: Literal["device", "cell"] = Field(default="device", description="device: devices come and go (the "
+                                             "cell's availability hook); cell: whole cells (the cloud's)")
+    active: int | None = Field(default=None, ge=1, description="cyclic: groups available at once")
+    period: int | None = Field(default=None, ge=1, description="cyclic: rounds each group stays available")
+    selection: Literal["uniform", "permutation"] | None = None
     per_round: int | None = Field(default=None, ge=1)
     prob: float | None = Field(default=None, gt=0, le=1)
     probs: list[float] | None = None
@@ -82,7 +87,7 @@ class ParticipationSection(_Section):
     path: str | None = None
 
     def spec(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True, exclude={"level"})
 
 
 class RuntimeSection(_Section):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -33,10 +33,18 @@ class TorchTrainer(Trainer):
         self.device = pick_device(device)
         self.model = model.to(self.device)
         self._x_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._others: dict[Any, "TorchTrainer"] = {}
 
     @classmethod
     def from_spec(cls, name: str, input_shape, num_classes: int, device: str = "cpu", **kwargs) -> "TorchTrainer":
         return cls(build_model(name, input_shape, num_classes, **kwargs), device)
+
+    def for_model(self, spec: Any) -> "TorchTrainer":
+        """A cached trainer, on the same device, for the zoo model of ``spec`` (a frozen ``ModelSpec``)."""
+        if spec not in self._others:
+            self._others[spec] = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes,
+                                                        str(self.device), **spec.build_kwargs())
+        return self._others[spec]
 
     def get_params(self) -> "OrderedDict[str, np.ndarray]":
         return get_params(self.model)

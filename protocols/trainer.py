@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -91,3 +91,8 @@ class Trainer(ABC):
             weight_decay: float = 0.0) -> TrainStats:
         """Plain minibatch SGD on ``data`` for ``steps`` steps; batches from :func:`batches`."""
         raise NotImplementedError(f"{type(self).__name__} cannot run SGD")
+
+    def for_model(self, spec: Any) -> "Trainer":
+        """A trainer of the same backend for another architecture (a ``ModelSpec``), e.g. a submodel
+        with narrower hidden layers (HIST); backends cache one per spec."""
+        raise NotImplementedError(f"{type(self).__name__} cannot build other architectures")

@@ -56,8 +56,10 @@ def prepare(cfg: RunConfig) -> Prepared:
 
 
 def participation(cfg: RunConfig) -> ParticipationModel:
+    """The participation model over the devices, or over the cells with ``participation.level = "cell"``."""
+    units = cfg.topology.cell_ids() if cfg.participation.level == "cell" else cfg.topology.all_devices()
     try:
-        return make_participation(cfg.participation.spec(), cfg.topology.all_devices(), cfg.run.seed)
+        return make_participation(cfg.participation.spec(), units, cfg.run.seed)
     except ValueError as exc:
         raise ConfigError(f"participation: {exc}") from None
 

@@ -75,10 +75,13 @@ class SimHierarchy:
         self.algorithm = algorithm = cfg.build_algorithm(spec)
         self.hub = hub = MemoryHub()
         avail = participation(cfg)
-        availability = (lambda r, e: avail.participants(r)) if cfg.participation.model != "always" else None
+        partial = cfg.participation.model != "always"
+        by_cell = partial and cfg.participation.level == "cell"  # whole cells absent: the cloud's hook
+        availability = (lambda r, e: avail.participants(r)) if partial and not by_cell else None
         self.cloud = build_cloud(cfg, hub.connect("cloud"), algorithm,
                                  evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
-                                 output_dir=self.output_dir, resume=resume, on_round=on_round)
+                                 output_dir=self.output_dir, resume=resume, on_round=on_round,
+                                 availability=avail.participants if by_cell else None)
         self.cells = {c: build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability,
                                     output_dir=self.output_dir) for c in cfg.topology.cell_ids()}
         trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,

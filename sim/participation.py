@@ -160,24 +160,34 @@ class Bernoulli(ParticipationModel):
 class CyclicGroups(ParticipationModel):
     """Periodic availability (Wang & Ji, generalized FedAvg under arbitrary participation).
 
-    Devices are split into ``groups`` near-equal groups by a seeded permutation; the cycle has length
-    ``groups``; in round ``r`` the groups ``(r + offset + j) mod groups`` for ``j < active`` are available
-    (``offset`` drawn once from the seed if ``random_offset``, else 0). With ``per_round`` set, exactly that
-    many of the available devices are sampled uniformly each round.
+    Devices are split into ``groups`` near-equal groups by a seeded permutation; each group stays available
+    for ``period`` consecutive rounds (K; the paper's E1 uses K = 100), so the cycle has ``groups * period``
+    rounds; in round ``r`` the groups ``((r + offset) // period + j) mod groups`` for ``j < active`` are
+    available. ``offset`` is drawn once from the seed, uniform in ``[0, cycle)``, if ``random_offset`` (so
+    the first group gets a random remainder of its period, as in the paper), else 0. With ``per_round``
+    set, exactly that many of the available devices take part each round: sampled uniformly
+    (``selection = "uniform"``), or by the paper's regularized selection (``"permutation"``): the available
+    devices are cut by a fresh seeded permutation into ``ceil(m / per_round)`` near-equal batches taken in
+    turn, so each available device takes part once per pass.
     """
 
     name = "cyclic"
 
     def __init__(self, devices: Sequence[str], groups: int, seed: int = 0, active: int = 1,
-                 random_offset: bool = True, per_round: int | None = None) -> None:
+                 random_offset: bool = True, per_round: int | None = None, period: int = 1,
+                 selection: str = "uniform") -> None:
         super().__init__(devices, seed)
         self.groups = _check_int("groups", groups, 1, self.num_devices)
+        self.period = _check_int("period", period, 1)
+        if selection not in ("uniform", "permutation"):
+            raise ValueError(f"selection must be 'uniform' or 'permutation', got {selection!r}")
+        self.selection = selection
         self.active = _check_int("active", active, 1, self.groups)
         perm = rng(self.seed, "participation", self.name, "groups").permutation(self.num_devices)
         self.group_of = np.empty(self.num_devices, dtype=np.int64)
         for g, members in enumerate(np.array_split(perm, self.groups)):
             self.group_of[members] = g
-        self.offset = int(rng(self.seed, "participation", self.name, "offset").integers(self.groups)) \
+        self.offset = int(rng(self.seed, "participation", self.name, "offset").integers(self.cycle)) \
             if random_offset else 0
         sizes = np.bincount(self.group_of, minlength=self.groups)
         self._avail_sizes = np.array([sum(sizes[(p + j) % self.groups] for j in range(self.active))
@@ -185,24 +195,36 @@ class CyclicGroups(ParticipationModel):
         self.per_round = None if per_round is None else _check_int(
             "per_round", per_round, 1, int(self._avail_sizes.min()))
 
+    @property
+    def cycle(self) -> int:
+        """Rounds after which the availability pattern repeats: ``groups * period``."""
+        return self.groups * self.period
+
     def available_groups(self, round: int) -> list[int]:
-        return [(round + self.offset + j) % self.groups for j in range(self.active)]
+        return [((round + self.offset) // self.period + j) % self.groups for j in range(self.active)]
 
     def mask(self, round: int) -> np.ndarray:
         m = np.isin(self.group_of, self.available_groups(round))
         if self.per_round is not None:
             avail = np.flatnonzero(m)
             m = np.zeros(self.num_devices, dtype=bool)
-            m[self._rng(round).choice(avail, size=self.per_round, replace=False)] = True
+            if self.selection == "uniform":
+                m[self._rng(round).choice(avail, size=self.per_round, replace=False)] = True
+            else:  # regularized: passes of ceil(m / s) rounds, counted from the start of this stint
+                stint, pos = divmod(round + self.offset, self.period)
+                passes = math.ceil(len(avail) / self.per_round)
+                k, j = divmod(pos, passes)
+                perm = rng(self.seed, stint, k, "participation", self.name, "pass").permutation(avail)
+                m[np.array_split(perm, passes)[j]] = True
         return m
 
     def expected_rate(self, device: str) -> float:
         g = int(self.group_of[self._i(device)])
         total = 0.0
-        for phase in range(self.groups):  # phase = (round + offset) mod groups
+        for phase in range(self.groups):  # phase = ((round + offset) // period) mod groups
             if g in [(phase + j) % self.groups for j in range(self.active)]:
                 total += 1.0 if self.per_round is None else self.per_round / self._avail_sizes[phase]
-        return total / self.groups
+        return total / self.groups  # (permutation selection: exact when per_round divides the group size)
 
 
 class RegularizedPermutation(ParticipationModel):
@@ -346,7 +368,7 @@ _SPEC_KEYS = {
     "always": set(),
     "uniform": {"per_round"},
     "bernoulli": {"prob", "probs"},
-    "cyclic": {"groups", "per_round", "random_offset", "active"},
+    "cyclic": {"groups", "per_round", "random_offset", "active", "period", "selection"},
     "permutation": {"per_round"},
     "markov": {"p_off", "p_on", "start_on"},
     "trace": {"path", "strict"},
@@ -357,7 +379,8 @@ def make_participation(spec: Mapping[str, Any] | Any, devices: Sequence[str], se
     """Build a model from ``{"model": name, **params}`` (a dict or a pydantic model; ``None`` = unset).
 
     ``always``; ``uniform``: ``per_round``; ``bernoulli``: ``prob`` (scalar) or ``probs`` (dict/list);
-    ``cyclic``: ``groups``, ``per_round``, ``random_offset``, ``active``; ``permutation``: ``per_round``;
+    ``cyclic``: ``groups``, ``per_round``, ``random_offset``, ``active``, ``period``, ``selection``;
+    ``permutation``: ``per_round``;
     ``markov``: ``p_off`` (on->off), ``p_on`` (off->on), ``start_on``; ``trace``: ``path``, ``strict``.
     """
     if hasattr(spec, "model_dump"):
@@ -396,7 +419,8 @@ def make_participation(spec: Mapping[str, Any] | Any, devices: Sequence[str], se
         if not isinstance(ro, bool):
             raise ValueError(f"random_offset must be a boolean, got {ro!r}")
         return CyclicGroups(devices, need("groups"), seed, active=params.get("active", 1), random_offset=ro,
-                            per_round=params.get("per_round"))
+                            per_round=params.get("per_round"), period=params.get("period", 1),
+                            selection=params.get("selection", "uniform"))
     if name == "permutation":
         return RegularizedPermutation(devices, need("per_round"), seed)
     if name == "markov":

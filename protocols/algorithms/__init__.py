@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected, TrainParams
 from .fedavg import FedAvg
+from .hist import Hist
 
-ALGORITHMS: dict[str, type[Algorithm]] = {FedAvg.name: FedAvg}
+ALGORITHMS: dict[str, type[Algorithm]] = {FedAvg.name: FedAvg, Hist.name: Hist}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:

@@ -4,7 +4,12 @@ Devices run H local steps from the cell model and send their model delta with th
 A cell averages the deltas (weighted by samples), applies them, and repeats for E edge rounds; it
 then reports its progress over the cloud round (cell model - cloud model) with its weight, the
 samples of the distinct devices that answered. The cloud applies the weighted mean of the reports,
-scaled by ``server_lr`` (1 = plain averaging).
+scaled by ``server_lr`` (1 = plain averaging), through :class:`~.server_opt.ServerOptimizer` (which
+amplifies the progress every ``amplify_period`` rounds by ``amplify_eta``; off by default).
+
+Communication in full-model units (the HIST paper's metric): each cell reports the number of values its
+devices uploaded; the cloud's ``upload_units`` is the values uploaded per participating device in the
+round divided by the full model's size (``E`` for FedAvg with every device in every edge round).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer, num_steps
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
+from .server_opt import AmplifiedParams, ServerOptimizer, split_state
 
 
 def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str) -> float:
@@ -31,10 +37,35 @@ def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str
     return float(weight)
 
 
+def upload_stats(reports: Mapping[str, Payload]) -> tuple[int, int]:
+    """(values uploaded by devices, distinct devices that uploaded) summed over cell reports."""
+    values = devices = 0
+    for r in reports.values():
+        v, d = r.meta.get("upload_values", 0), r.meta.get("upload_devices", 0)
+        if isinstance(v, int) and isinstance(d, int) and v >= 0 and d >= 0:
+            values, devices = values + v, devices + d
+    return values, devices
+
+
+class CommUnits:
+    """Per-device upload volume in full-model units, per round and cumulative (HIST paper, Sec. V)."""
+
+    def __init__(self, full_values: int) -> None:
+        self.full, self.total = full_values, 0.0
+
+    def update(self, reports: Mapping[str, Payload]) -> dict[str, float]:
+        values, devices = upload_stats(reports)
+        units = values / (self.full * devices) if devices else 0.0
+        self.total += units
+        return {"upload_units": units, "upload_units_total": self.total}
+
+
 class FedAvgCloud(CloudRole):
     def __init__(self, params: TrainParams, initial: Mapping[str, np.ndarray]) -> None:
         self.p = params
         self.model = P.copy(initial)
+        self.opt = ServerOptimizer(params)
+        self.comm = CommUnits(P.num_values(self.model))
 
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         task = Payload({}, self.model)
@@ -47,21 +78,27 @@ class FedAvgCloud(CloudRole):
 
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
         reports = {c: r for c, r in reports.items() if r.meta.get("weight")}
+        comm = self.comm.update(reports)
         if not reports:
-            return {"cells": 0}
+            self.model, amplified = self.opt.step(round, self.model, None)
+            return {"cells": 0, **comm, **({"amplified": 1} if amplified else {})}
         mean, total = P.weighted_mean((r.meta["weight"], r.tensors) for _, r in sorted(reports.items()))
-        self.model = P.add(self.model, mean, self.p.server_lr)
-        return {"cells": len(reports), "weight": total}
+        self.model, amplified = self.opt.step(round, self.model, mean)
+        return {"cells": len(reports), "weight": total, **comm, **({"amplified": 1} if amplified else {})}
 
     def global_params(self) -> "dict[str, np.ndarray]":
         return self.model
 
     def state(self) -> Payload:
-        return Payload({}, self.model)
+        opt = self.opt.state()
+        return Payload({**opt.meta, "upload_units_total": self.comm.total}, {**self.model, **opt.tensors})
 
     def load_state(self, state: Payload) -> None:
-        P.check_like(state.tensors, self.model, "checkpoint")
-        self.model = P.copy(state.tensors)
+        model = split_state(state)
+        P.check_like(model, self.model, "checkpoint")
+        self.opt.load_state(state, self.model)
+        self.model = P.copy(model)
+        self.comm.total = float(state.meta.get("upload_units_total", 0.0))
 
 
 class FedAvgCell(CellRole):
@@ -71,11 +108,13 @@ class FedAvgCell(CellRole):
         self.base: Mapping[str, np.ndarray] = {}
         self.model: Mapping[str, np.ndarray] = {}
         self.weights: dict[str, float] = {}
+        self.upload_values = 0
 
     def begin(self, round: int, task: Payload) -> None:
         self.base = task.tensors
         self.model = task.tensors
         self.weights = {}
+        self.upload_values = 0
 
     def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
         task = Payload({}, self.model)
@@ -92,13 +131,18 @@ class FedAvgCell(CellRole):
         self.model = P.add(self.model, mean)
         for d, r in ordered:
             self.weights[d] = float(r.meta["weight"])
+            self.upload_values += P.num_values(r.tensors)
         return {}
+
+    def upload_meta(self) -> dict[str, int]:
+        """What the devices uploaded this cloud round (for the full-model-units metric)."""
+        return {"upload_values": self.upload_values, "upload_devices": len(self.weights)}
 
     def report(self) -> Payload:
         weight = sum(self.weights.values())
         if weight == 0:
-            return Payload({"weight": 0}, {})
-        return Payload({"weight": weight}, P.sub(self.model, self.base))
+            return Payload({"weight": 0, **self.upload_meta()}, {})
+        return Payload({"weight": weight, **self.upload_meta()}, P.sub(self.model, self.base))
 
 
 class FedAvgDevice(DeviceRole):
@@ -116,10 +160,10 @@ class FedAvgDevice(DeviceRole):
 
 
 class FedAvg(Algorithm):
-    """Hierarchical FedAvg; with one cell and E = 1 it is plain FedAvg."""
+    """Hierarchical FedAvg; with one cell and E = 1 it is plain FedAvg (amplified with ``amplify_*``)."""
 
     name = "fedavg"
-    Params = TrainParams
+    Params = AmplifiedParams
 
     def cloud(self) -> CloudRole:
         return FedAvgCloud(self.params, self.initial_params())

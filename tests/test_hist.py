@@ -1,0 +1,192 @@
+"""HIST: disjoint covering submodels, exact reassembly, slice-only traffic, a model that learns."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from protocols import params as P
+from protocols.algorithms.base import DeviceContext, ModelSpec, Rejected
+from protocols.algorithms.hist import (INDEX, Hist, HistCloud, draw_partition, slice_model, split_task, sub_spec,
+                                       unit_axes)
+from protocols.config import parse_config
+from protocols.seeding import rng
+from protocols.torch_trainer import TorchTrainer
+from protocols.trainer import LocalData
+from protocols.wire.payload import Payload, encode_payload
+from sim.launcher import run_simulation
+
+torch.set_num_threads(1)
+MLP = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(30, 21))
+CNN = ModelSpec(name="cnn", input_shape=(1, 8, 8), num_classes=10, channels=(4, 8), fc=24)
+
+
+def _cloud(spec: ModelSpec, **extra) -> HistCloud:
+    alg = Hist(Hist.Params(name="hist", local_steps=1, **extra), spec, seed=7)
+    return alg.cloud()  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("cells", [2, 3, 4])
+def test_partition_disjoint_covering_fresh(cells):
+    ids = [f"c{i}" for i in range(cells)]
+    widths = {"fc1": 30, "fc2": 21}
+    parts = draw_partition(5, 0, widths, ids)
+    for layer, width in widths.items():
+        groups = [parts[c][layer] for c in ids]
+        together = np.concatenate(groups)
+        assert sorted(together.tolist()) == list(range(width))  # covering and disjoint
+        assert max(map(len, groups)) - min(map(len, groups)) <= 1  # equal sizes (up to the remainder)
+    again = draw_partition(5, 0, widths, ids)
+    assert all(np.array_equal(again[c]["fc1"], parts[c]["fc1"]) for c in ids)  # seeded
+    later = draw_partition(5, 1, widths, ids)
+    assert any(not np.array_equal(later[c]["fc1"], parts[c]["fc1"]) for c in ids)  # redrawn every round
+
+
+@pytest.mark.parametrize("spec", [MLP, CNN])
+def test_untrained_submodels_reassemble_bit_for_bit(spec):
+    cloud = _cloud(spec)
+    before = P.copy(cloud.model)
+    tasks = cloud.plan(0, ["c0", "c1", "c2"])
+    widths, axes = unit_axes(spec)
+    covered = {k: np.zeros(v.shape, dtype=int) for k, v in before.items()}
+    for cell, task in tasks.items():
+        sub, idx = split_task(task)
+        assert set(idx) == set(widths)
+        for k, ax in axes.items():  # the slices are the model's values at the unit indices
+            if any(ax):
+                index = np.ix_(*(idx[a] if a else np.arange(n) for a, n in zip(ax, before[k].shape)))
+                np.testing.assert_array_equal(sub[k], before[k][index])
+                covered[k][index] += 1
+        report = Payload({"weight": 1.0}, {**P.zeros_like(sub), **{INDEX + k: v for k, v in idx.items()}})
+        cloud.check(cell, report)
+    # each unit's own weights (its row and bias; the output weights of the last layer) belong to one cell
+    for k in ("fc1.weight", "fc1.bias", "out.weight"):
+        assert (covered[k] == 1).all()
+    reports = {c: Payload({"weight": 1.0}, {**P.zeros_like(split_task(t)[0]),
+                                             **{INDEX + k: v for k, v in split_task(t)[1].items()}})
+               for c, t in tasks.items()}
+    cloud.aggregate(0, reports)
+    for k in before:
+        assert cloud.model[k].tobytes() == before[k].tobytes()
+
+
+def test_cloud_scatters_cell_values_and_averages_shared():
+    cloud = _cloud(MLP)
+    before = P.copy(cloud.model)
+    tasks = cloud.plan(3, ["c0", "c1"])
+    reports = {}
+    for i, (cell, task) in enumerate(sorted(tasks.items())):
+        sub, idx = split_task(task)
+        delta = {k: np.full_like(v, i + 1.0) for k, v in sub.items()}
+        reports[cell] = Payload({"weight": 1.0 + i}, {**delta, **{INDEX + k: v for k, v in idx.items()}})
+    cloud.aggregate(3, reports)
+    rows0 = split_task(tasks["c0"])[1]["fc1"]
+    rows1 = split_task(tasks["c1"])[1]["fc1"]
+    np.testing.assert_allclose(cloud.model["fc1.weight"][rows0], before["fc1.weight"][rows0] + 1, rtol=1e-6)
+    np.testing.assert_allclose(cloud.model["fc1.bias"][rows1], before["fc1.bias"][rows1] + 2, rtol=1e-6)
+    # out.bias touches no hidden unit: shared, weighted mean (1*1 + 2*2) / 3
+    np.testing.assert_allclose(cloud.model["out.bias"], before["out.bias"] + 5 / 3, rtol=1e-6)
+
+
+def test_check_rejects_wrong_index_sets_and_shapes():
+    cloud = _cloud(MLP)
+    tasks = cloud.plan(0, ["c0", "c1"])
+    sub, idx = split_task(tasks["c0"])
+    other = split_task(tasks["c1"])[1]
+    with pytest.raises(Rejected, match="index sets"):
+        cloud.check("c0", Payload({"weight": 1.0}, {**sub, **{INDEX + k: v for k, v in other.items()}}))
+    bad = dict(sub, **{"fc1.weight": np.zeros((3, 64), np.float32)})
+    with pytest.raises(Rejected):
+        cloud.check("c0", Payload({"weight": 1.0}, {**bad, **{INDEX + k: v for k, v in idx.items()}}))
+    nan = dict(sub, **{"out.bias": np.full(10, np.nan, np.float32)})
+    with pytest.raises(Rejected):
+        cloud.check("c0", Payload({"weight": 1.0}, {**nan, **{INDEX + k: v for k, v in idx.items()}}))
+    with pytest.raises(Rejected, match="no submodel"):
+        cloud.check("c9", Payload({"weight": 1.0}, {**sub, **{INDEX + k: v for k, v in idx.items()}}))
+
+
+def test_dense_submodel_equals_masked_full_model():
+    """Training the small dense submodel = training the full model with the other units zeroed (eq. 4)."""
+    spec = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(24,))
+    cloud = _cloud(spec)
+    sub, idx = split_task(cloud.plan(0, ["c0", "c1"])["c0"])
+    g = rng(1, "data")
+    data = LocalData(g.random((40, 64), dtype=np.float32), g.integers(0, 10, 40))
+    full = TorchTrainer.from_spec("mlp", (64,), 10, hidden=(24,))
+    dense = full.for_model(sub_spec(spec, {"fc1": len(idx["fc1"])}))
+    assert full.for_model(sub_spec(spec, {"fc1": len(idx["fc1"])})) is dense  # cached per shape
+    masked = {k: np.zeros_like(v) for k, v in cloud.model.items()}
+    masked["out.bias"] = sub["out.bias"]
+    masked["fc1.weight"][idx["fc1"]] = sub["fc1.weight"]
+    masked["fc1.bias"][idx["fc1"]] = sub["fc1.bias"]
+    masked["out.weight"][:, idx["fc1"]] = sub["out.weight"]
+    dense.set_params(sub)
+    full.set_params(masked)
+    for t in (dense, full):
+        t.sgd(data, steps=5, batch_size=8, lr=0.1, rng=rng(2, "batches"))
+    a, b = dense.get_params(), full.get_params()
+    np.testing.assert_allclose(a["fc1.weight"], b["fc1.weight"][idx["fc1"]], atol=1e-6)
+    np.testing.assert_allclose(a["out.weight"], b["out.weight"][:, idx["fc1"]], atol=1e-6)
+    others = np.setdiff1d(np.arange(24), idx["fc1"])
+    assert not b["fc1.weight"][others].any() and not b["out.weight"][:, others].any()  # masked units stay 0
+
+
+def _config(alg: str, cells: int, **algo) -> dict:
+    return {"run": {"name": "t", "seed": 1, "rounds": 4},
+            "topology": {"cells": cells, "devices_per_cell": 2},
+            "algorithm": {"name": alg, "edge_rounds": 2, "local_steps": 8, "batch_size": 16, "lr": 0.1, **algo},
+            "model": {"name": "mlp", "hidden": [120]},
+            "data": {"dataset": "digits", "partition": "shards", "shards_per_device": 2}}
+
+
+@pytest.mark.parametrize("cells", [2, 3])
+def test_only_slices_travel_measured_bytes(cells):
+    fed = run_simulation(parse_config(_config("fedavg", cells)), write_output=False)
+    hist = run_simulation(parse_config(_config("hist", cells)), write_output=False)
+    d_part, d_shared = 64 * 120 + 120 + 120 * 10, 10  # values touching hidden units, output bias
+    for rec_f, rec_h in zip(fed.history, hist.history):
+        bf, bh = rec_f["bytes"], rec_h["bytes"]
+        # FedAvg sends the full model on every link: (d_part + d_shared) floats plus a small envelope
+        assert 0 < bf["cloud_to_cell"] - cells * 4 * (d_part + d_shared) < cells * 1500
+        # HIST: each cell gets 1/N of the partitioned values, the shared ones, and 120/N int32 indices
+        expected = 4 * (d_part + cells * d_shared + 120)
+        assert 0 < bh["cloud_to_cell"] - expected < cells * 1500
+        assert 0 < bh["cell_to_cloud"] - expected < cells * 1500
+        # devices: 2 per cell, 2 edge rounds, submodel only (no index sets below the cell)
+        dev = 4 * (d_part + cells * d_shared) * 2 * 2
+        for tier in ("cell_to_device", "device_to_cell"):
+            assert 0 < bh[tier] - dev < cells * 4 * 1500
+            assert bh[tier] / bf[tier] == pytest.approx(1 / cells, rel=0.03)
+        # the paper's unit: per-device upload per round, in full models: E/N for HIST, E for FedAvg
+        assert rec_h["metrics"]["upload_units"] == pytest.approx(2 * (d_part / cells + d_shared) / (d_part + d_shared))
+        assert rec_f["metrics"]["upload_units"] == pytest.approx(2.0)
+
+
+def test_hist_learns_and_is_deterministic():
+    cfg = _config("hist", 3)
+    cfg["run"]["rounds"], cfg["data"] = 10, {"dataset": "digits", "partition": "iid"}
+    cfg = parse_config(cfg)
+    a = run_simulation(cfg, write_output=False)
+    assert a.history[0]["accuracy"] < 0.8 < a.final_accuracy
+    b = run_simulation(cfg, write_output=False)
+    assert all(a.params[k].tobytes() == b.params[k].tobytes() for k in a.params)
+
+
+def test_hist_cnn_runs_and_shares_conv_layers():
+    cfg = _config("hist", 2)
+    cfg["model"] = {"name": "cnn", "channels": [4, 8], "fc": 32}
+    cfg["run"]["rounds"] = 2
+    res = run_simulation(parse_config(cfg), write_output=False)
+    widths, axes = unit_axes(ModelSpec(name="cnn", input_shape=(1, 8, 8), num_classes=10, channels=(4, 8), fc=32))
+    assert widths == {"fc1": 32} and not any(axes["conv1.weight"])
+    assert np.isfinite(res.final_accuracy) and res.history[-1]["metrics"]["cells"] == 2
+
+
+def test_device_rejects_a_task_of_another_model():
+    alg = Hist(Hist.Params(name="hist", local_steps=1), MLP, seed=0)
+    ctx = DeviceContext(0, 0, 0, "c0", "c0-d0")
+    data = LocalData(np.zeros((4, 64), np.float32), np.zeros(4, np.int64))
+    with pytest.raises(Rejected):
+        alg.device("c0-d0").train(Payload({}, {"w": np.zeros(3, np.float32)}), data,
+                                  TorchTrainer.from_spec("mlp", (64,), 10, hidden=(30, 21)), ctx)
+    assert len(encode_payload(Payload({}, {}))) < 16
