@@ -166,3 +166,12 @@ def read_records(path: str | Path) -> tuple[list[Record], list[BadLine]]:
         return [], []
     with path.open(encoding="utf-8", errors="replace") as fh:
         return parse_lines(fh, str(path))
+
+
+def read_run(run_dir: str | Path) -> tuple[list[Record], list[BadLine]]:
+    """The cell records (``aggregation.jsonl``) then the cloud records (``metrics.jsonl``) of a run folder."""
+    from . import runfiles
+
+    cells, bad_cells = read_records(Path(run_dir) / runfiles.AGGREGATION)
+    rounds, bad_rounds = read_records(Path(run_dir) / runfiles.METRICS)
+    return [*cells, *rounds], [*bad_cells, *bad_rounds]

@@ -1,0 +1,119 @@
+"""``fedtier logs``: filter and print a run's cell aggregation and cloud round records."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from fedtier.cli import main
+from fedtier.console import console, fail
+from protocols.records import CellRecord, Record, RoundRecord, read_run
+
+EVENTS = ("aggregation", "round")
+
+
+def parse_round_range(text: str) -> tuple[int | None, int | None]:
+    """``"A:B"`` (both ends included), ``"A:"``, ``":B"`` or ``"A"`` -> (low, high); ValueError if bad."""
+    lo, sep, hi = text.partition(":")
+    try:
+        low = int(lo) if lo.strip() else None
+        high = (int(hi) if hi.strip() else None) if sep else low
+    except ValueError:
+        raise ValueError(f"--round {text!r}: expected A:B, A:, :B or A (cloud rounds, both ends included)") from None
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"--round {text!r}: {low} > {high}")
+    return low, high
+
+
+def filter_records(records: Iterable[Record], *, cells: Iterable[str] = (), rounds: tuple[int | None, int | None]
+                   = (None, None), events: Iterable[str] = ()) -> list[Record]:
+    """Records matching every filter, ordered by (round, edge round, cell; cloud after its cells).
+
+    ``cells`` keeps aggregation records of those cells and round records that involve one of them.
+    """
+    cells, events = set(cells), set(events)
+    low, high = rounds
+    out = []
+    for r in records:
+        if events and r.event not in events:
+            continue
+        if (low is not None and r.round < low) or (high is not None and r.round > high):
+            continue
+        if cells:
+            mine = {r.cell} if isinstance(r, CellRecord) else set(r.cells_planned) | set(r.cells_reported)
+            if not cells & mine:
+                continue
+        out.append(r)
+    return sorted(out, key=_order)
+
+
+def _order(r: Record) -> tuple:
+    if isinstance(r, CellRecord):
+        return r.round, 0, r.edge_round, r.cell
+    return r.round, 1, 0, ""
+
+
+def _fmt(x: float | None, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def records_table(records: list[Record]) -> Table:
+    table = Table(header_style="bold")
+    for col in ("event", "round", "cell", "answered", "absent / rejected", "bytes in", "bytes out",
+                "loss", "accuracy", "closed by", "duration s"):
+        table.add_column(col, justify="right" if col not in ("event", "cell", "absent / rejected", "closed by") else "left")
+    for r in records:
+        if isinstance(r, CellRecord):
+            absent = ", ".join(f"{d}: {why}" for d, why in r.absent.items())
+            rejected = ", ".join(f"{x.device}: {x.reason}" for x in r.rejected)
+            table.add_row("aggregation", f"{r.round}.{r.edge_round}", r.cell, f"{len(r.answered)}/{len(r.planned)}",
+                          "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",
+                          f"{r.bytes_in:,}", f"{r.bytes_out:,}",
+                          _fmt(r.loss_mean) + ("" if r.loss_std is None else f" ± {r.loss_std:.3f}"), "-",
+                          r.closed_by, f"{r.duration_s:.3f}")
+        else:
+            up = r.bytes.get("cell_to_cloud", 0) + r.bytes.get("device_to_cell", 0)
+            down = r.bytes.get("cloud_to_cell", 0) + r.bytes.get("cell_to_device", 0)
+            absent = ", ".join(r.cells_absent)
+            rejected = ", ".join(f"{x.get('from')}: {x.get('reason')}" for x in r.rejected)
+            table.add_row("round", str(r.round), "cloud", f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
+                          "; ".join(filter(None, (absent and f"absent {absent}", rejected and f"rejected {rejected}")))
+                          or "-", f"{up:,}", f"{down:,}", _fmt(r.loss), _fmt(r.accuracy), r.closed_by,
+                          f"{r.duration_s:.3f}")
+    return table
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--cell", "cells", multiple=True, metavar="CELL", help="Only this cell (repeatable).")
+@click.option("--round", "round_range", metavar="A:B", help="Cloud rounds A to B, both included (A:, :B, A).")
+@click.option("--event", "events", multiple=True, type=click.Choice(EVENTS),
+              help="Only cell aggregations or cloud rounds (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON record per line (for jq and friends).")
+def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: tuple[str, ...],
+         as_json: bool) -> None:
+    """Print RUN_DIR's cell aggregation and cloud round records, filtered.
+
+    Invalid lines are reported on stderr and skipped. Bytes in a cloud row: up = device->cell +
+    cell->cloud, down = cloud->cell + cell->device.
+    """
+    try:
+        rounds = parse_round_range(round_range) if round_range else (None, None)
+    except ValueError as exc:
+        fail(str(exc), 2)
+    records, bad = read_run(Path(run_dir))
+    for line in bad:
+        console.print(f"[yellow]warning:[/] invalid record {line}", highlight=False)
+    if not records and not bad:
+        fail(f"{run_dir} has no records (aggregation.jsonl, metrics.jsonl)", 1)
+    chosen = filter_records(records, cells=cells, rounds=rounds, events=events)
+    if as_json:
+        for r in chosen:
+            sys.stdout.write(r.to_json() + "\n")
+        return
+    Console().print(records_table(chosen))
+    console.print(f"{len(chosen)} of {len(records)} records", highlight=False)

@@ -1,0 +1,91 @@
+"""``fedtier monitor``: a live terminal view of a run's cells, from its folder or from the broker."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import click
+from rich.console import Console
+from rich.live import Live
+
+from fedtier.cli import main
+from fedtier.console import fail
+
+
+@main.command()
+@click.argument("run_dir", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--broker", metavar="URL", help="Subscribe to the run's telemetry on this broker (mqtt://host:port).")
+@click.option("--run", "run_name", metavar="NAME", help="Run name (with --broker).")
+@click.option("--username", help="Broker user name.")
+@click.option("--password", help="Broker password.")
+@click.option("--once", is_flag=True, help="Render one frame to stdout and exit (scripts, tests).")
+@click.option("--wait", type=float, default=3.0, show_default=True,
+              help="With --once --broker: listen this long at most (stops after 1 s without telemetry).")
+@click.option("--refresh", type=float, default=0.5, show_default=True, help="Seconds between frames.")
+@click.option("--deadline", type=float, help="Flag a cell silent after this many seconds "
+              "(default: the device deadline its records carry).")
+@click.option("--drop", "drop_ratio", type=float, default=0.75, show_default=True,
+              help="Flag a cell whose participation falls below this fraction of its recent mean.")
+@click.option("--exit-when-done", is_flag=True, help="Leave once the cloud's last round is in.")
+@click.option("--width", type=int, default=None, help="Frame width for --once (default: the terminal's).")
+def monitor(run_dir: str | None, broker: str | None, run_name: str | None, username: str | None,
+            password: str | None, once: bool, wait: float, refresh: float, deadline: float | None,
+            drop_ratio: float, exit_when_done: bool, width: int | None) -> None:
+    """Watch a run's cells: participation, bytes, loss, lag behind the cloud, alerts.
+
+    Follow a run folder (RUN_DIR, tailing its JSON-lines logs) or a live run's telemetry topics
+    (--broker mqtt://host:port --run NAME). Ctrl-C leaves.
+    """
+    from sim.monitor_sources import RunDirFollower, TelemetryFeed, wait_quiet
+    from sim.monitor_view import MonitorState, render
+
+    if (run_dir is None) == (broker is None):
+        fail("give either RUN_DIR or --broker URL --run NAME", 2)
+    state = MonitorState(drop_ratio=drop_ratio, deadline=deadline)
+    feed: RunDirFollower | TelemetryFeed
+    if broker is not None:
+        if not run_name:
+            fail("--broker needs --run NAME", 2)
+        from protocols.transport.mqtt import MqttTransport
+        from protocols.transport.threadloop import ThreadLoop
+
+        loop = ThreadLoop("fedtier-monitor").start()
+        try:
+            transport = MqttTransport.from_url(broker, f"monitor-{uuid.uuid4().hex[:8]}", loop,
+                                               username=username, password=password).connect()
+        except (ConnectionError, ValueError) as exc:
+            loop.stop()
+            fail(str(exc), 1)
+        feed = TelemetryFeed(transport, run_name).start()
+        state.run = run_name
+    else:
+        feed = RunDirFollower(run_dir)
+
+    def pull() -> None:
+        records, bad, statuses = feed.poll()
+        now = time.time() if broker is not None else None  # a folder: trust the records' own time
+        state.add_all(records, bad, received=now)
+        for node, s in statuses:
+            state.add_status(node, s, time.time())
+
+    out = Console(width=width) if width else Console()
+    try:
+        if once:
+            if isinstance(feed, TelemetryFeed):
+                wait_quiet(feed, quiet=min(1.0, wait), timeout=wait)
+            pull()
+            out.print(render(state))
+            return
+        with Live(render(state), console=out, auto_refresh=False, transient=False) as live:
+            while True:
+                pull()
+                live.update(render(state), refresh=True)
+                if exit_when_done and state.finished:
+                    return
+                time.sleep(refresh)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if isinstance(feed, TelemetryFeed):
+            feed.close()
+            loop.stop()

@@ -1,0 +1,120 @@
+"""Where ``fedtier monitor`` gets records: a run folder it tails, or telemetry topics it subscribes to.
+
+Both are polled from the caller's thread: ``poll()`` returns what arrived since the last call as
+``(records, bad lines, statuses)``, so the monitor state is only ever touched by one thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from protocols import runfiles
+from protocols.records import BadLine, Record, parse_lines, parse_record
+from protocols.status import decode_status
+from protocols.transport.base import Transport
+from protocols.wire import topics
+
+Status = tuple[str, str]  # (node, "online" | "offline")
+Batch = tuple[list[Record], list[BadLine], list[Status]]
+
+
+class _Tail:
+    """New complete lines of a growing file (a half-written last line waits for its newline)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.line, self.buffer = path, 0, 1, b""
+
+    def read(self) -> tuple[list[str], int]:
+        """New lines and the number of the first one; a file that shrank is read again from the start."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return [], self.line
+        if size < self.offset:  # truncated or replaced: a new run in the same folder
+            self.offset, self.line, self.buffer = 0, 1, b""
+        if size == self.offset:
+            return [], self.line
+        with self.path.open("rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read(size - self.offset)
+        self.offset += len(data)
+        data = self.buffer + data
+        head, sep, self.buffer = data.rpartition(b"\n")
+        lines = (head + sep).decode("utf-8", errors="replace").splitlines() if sep else []
+        first = self.line
+        self.line += len(lines)
+        return lines, first
+
+
+class RunDirFollower:
+    """Tails ``aggregation.jsonl`` and ``metrics.jsonl`` of a run folder."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self._tails = [_Tail(self.run_dir / runfiles.AGGREGATION), _Tail(self.run_dir / runfiles.METRICS)]
+
+    def poll(self) -> Batch:
+        records: list[Record] = []
+        bad: list[BadLine] = []
+        for tail in self._tails:
+            lines, first = tail.read()
+            r, b = parse_lines(lines, str(tail.path), first)
+            records += r
+            bad += b
+        return records, bad, []
+
+
+class TelemetryFeed:
+    """Subscribes ``fedtier/{run}/telemetry/#`` and the status topics on any :class:`Transport`.
+
+    Handlers run on the transport's loop (a broker thread for MQTT) and only queue what they get.
+    """
+
+    def __init__(self, transport: Transport, run: str) -> None:
+        self.transport, self.run = transport, run
+        self._lock = threading.Lock()
+        self._records: list[Record] = []
+        self._bad: list[BadLine] = []
+        self._statuses: list[Status] = []
+        self.received = 0
+
+    def start(self) -> "TelemetryFeed":
+        self.transport.subscribe(topics.telemetry_all(self.run), self._on_record, qos=0)
+        self.transport.subscribe(topics.statuses(self.run), self._on_status)
+        return self
+
+    def _on_record(self, topic: str, data: bytes) -> None:
+        with self._lock:
+            self.received += 1
+            try:
+                self._records.append(parse_record(data))
+            except ValueError as exc:
+                self._bad.append(BadLine(topic, self.received, str(exc)))
+
+    def _on_status(self, topic: str, data: bytes) -> None:
+        status = decode_status(data)
+        if status is not None:
+            with self._lock:
+                self._statuses.append((topic.rsplit("/", 1)[-1], status["state"]))
+
+    def poll(self) -> Batch:
+        with self._lock:
+            batch = (self._records, self._bad, self._statuses)
+            self._records, self._bad, self._statuses = [], [], []
+        return batch
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def wait_quiet(feed: TelemetryFeed, quiet: float, timeout: float) -> None:
+    """Block until no telemetry arrived for ``quiet`` seconds, or ``timeout`` passed (for ``--once``)."""
+    end = time.monotonic() + timeout
+    last, seen = time.monotonic(), feed.received
+    while time.monotonic() < end:
+        time.sleep(min(0.05, quiet))
+        if feed.received != seen:
+            last, seen = time.monotonic(), feed.received
+        elif time.monotonic() - last >= quiet:
+            return

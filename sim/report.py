@@ -1,0 +1,310 @@
+"""``fedtier report``: plots of one or several runs (matplotlib, Agg) and a self-contained HTML page.
+
+Each ``plot_*`` function takes loaded runs and returns a :class:`Plot`: the matplotlib figure and the
+exact series it drew (``series[name] = (x, y)``, or a matrix for the heatmap), so what is on the
+page can be checked against the records. Several runs share the axes (e.g. FedAvg vs HIST).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from protocols import runfiles
+from protocols.records import TIERS, BadLine, CellRecord, RoundRecord, read_run
+
+MB = 1e6
+
+
+@dataclass
+class RunData:
+    """One run folder, read and validated."""
+
+    path: Path
+    label: str
+    algorithm: str
+    rounds: list[RoundRecord]
+    cells: list[CellRecord]
+    bad: list[BadLine] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def evaluated(self) -> list[RoundRecord]:
+        return [r for r in self.rounds if r.accuracy is not None]
+
+    def elapsed(self, r: RoundRecord) -> float:
+        """Loop-clock seconds from the start of the first round to the end of ``r`` (virtual in sim)."""
+        first = self.rounds[0]
+        start = first.clock_start_s if first.clock_start_s is not None else 0.0
+        return r.clock_s - start
+
+    @property
+    def has_clock(self) -> bool:
+        """True when the loop clock moved (a virtual clock, deadlines, or a real-time run)."""
+        return len(self.rounds) > 0 and any(self.elapsed(r) > 0 for r in self.rounds)
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read a run folder; raise ``ValueError`` when it holds no cloud round record."""
+    path = Path(path)
+    records, bad = read_run(path)
+    rounds = sorted((r for r in records if isinstance(r, RoundRecord)), key=lambda r: r.round)
+    cells = sorted((r for r in records if isinstance(r, CellRecord)), key=lambda r: (r.round, r.edge_round, r.cell))
+    if not rounds:
+        raise ValueError(f"{path}: no cloud round records in {runfiles.METRICS}")
+    name, algorithm = rounds[0].run or path.name, cells[0].algorithm if cells else "?"
+    config = path / runfiles.CONFIG
+    if config.exists():
+        try:
+            cfg = tomllib.loads(config.read_text(encoding="utf-8"))
+            name = cfg.get("run", {}).get("name", name)
+            algorithm = cfg.get("algorithm", {}).get("name", algorithm)
+        except tomllib.TOMLDecodeError:
+            pass
+    summary = {}
+    if (path / runfiles.SUMMARY).exists():
+        try:
+            summary = json.loads((path / runfiles.SUMMARY).read_text(encoding="utf-8"))
+        except ValueError:
+            pass
+    return RunData(path, f"{name} ({algorithm})", algorithm, rounds, cells, bad, summary)
+
+
+def unique_labels(runs: list[RunData]) -> None:
+    """Make labels distinct by adding the folder name where two runs share one."""
+    seen: dict[str, int] = {}
+    for r in runs:
+        seen[r.label] = seen.get(r.label, 0) + 1
+    for r in runs:
+        if seen[r.label] > 1:
+            r.label = f"{r.label} [{r.path}]"
+
+
+@dataclass
+class Plot:
+    """A figure, its file name and the data it shows."""
+
+    name: str
+    title: str
+    figure: Figure
+    series: dict[str, Any]
+
+    def png(self) -> bytes:
+        buf = io.BytesIO()
+        self.figure.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        return buf.getvalue()
+
+
+def _figure(ncols: int = 1, nrows: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Figure, list]:
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, [ax for row in axes for ax in row]
+
+
+def _metric_plot(runs: list[RunData], name: str, title: str, xlabel: str,
+                 x_of: Callable[[RunData, RoundRecord], float], integer_x: bool = False) -> Plot:
+    fig, (ax_acc, ax_loss) = _figure(2)
+    series: dict[str, Any] = {}
+    for run in runs:
+        ev = run.evaluated
+        x = [x_of(run, r) for r in ev]
+        acc, loss = [r.accuracy for r in ev], [r.loss for r in ev]
+        ax_acc.plot(x, acc, marker="o", markersize=3, label=run.label)
+        ax_loss.plot(x, loss, marker="o", markersize=3, label=run.label)
+        series[f"{run.label}/accuracy"] = (x, acc)
+        series[f"{run.label}/loss"] = (x, loss)
+    for ax, what in ((ax_acc, "test accuracy"), (ax_loss, "test loss")):
+        ax.set_xlabel(xlabel)
+        if integer_x:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    return Plot(name, title, fig, series)
+
+
+def plot_vs_round(runs: list[RunData]) -> Plot:
+    return _metric_plot(runs, "metrics_vs_round", "Accuracy and loss per cloud round", "cloud round",
+                        lambda run, r: r.round + 1, integer_x=True)
+
+
+def plot_vs_bytes(runs: list[RunData]) -> Plot:
+    return _metric_plot(runs, "metrics_vs_bytes", "Accuracy and loss vs cumulative bytes (all tiers)",
+                        "cumulative payload MB (all tiers)", lambda run, r: sum(r.cumulative_bytes.values()) / MB)
+
+
+def plot_vs_time(runs: list[RunData]) -> Plot:
+    return _metric_plot([r for r in runs if r.has_clock], "metrics_vs_time", "Accuracy and loss vs time",
+                        "seconds (loop clock: virtual in simulation)", lambda run, r: run.elapsed(r))
+
+
+def plot_bytes_per_tier(runs: list[RunData]) -> Plot:
+    """Left: total payload bytes per tier (bars per run); right: uplink bytes per round."""
+    fig, (ax_tot, ax_round) = _figure(2)
+    series: dict[str, Any] = {}
+    width = 0.8 / max(1, len(runs))
+    pos = np.arange(len(TIERS))
+    for i, run in enumerate(runs):
+        last = run.rounds[-1].cumulative_bytes
+        totals = [last.get(t, 0) / MB for t in TIERS]
+        bars = ax_tot.bar(pos + (i - (len(runs) - 1) / 2) * width, totals, width, label=run.label)
+        ax_tot.bar_label(bars, fmt="%.3g", fontsize="x-small", padding=1)
+        series[f"{run.label}/total_mb"] = (list(TIERS), totals)
+        for tier, style in (("device_to_cell", "-"), ("cell_to_cloud", "--")):
+            x = [r.round + 1 for r in run.rounds]
+            y = [r.bytes.get(tier, 0) / MB for r in run.rounds]
+            ax_round.plot(x, y, style, marker=".", color=f"C{i}", label=f"{run.label} {tier.replace('_', ' ')}")
+            series[f"{run.label}/{tier}"] = (x, y)
+    ax_tot.set_xticks(pos, [t.replace("_to_", "\n→ ") for t in TIERS], fontsize="small")
+    ax_tot.set_ylabel("payload MB (whole run)")
+    ax_tot.legend(fontsize="small")
+    ax_tot.grid(axis="y", alpha=0.3)
+    ax_round.set_xlabel("cloud round")
+    ax_round.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_round.set_ylabel("uplink payload MB in the round (solid: device→cell, dashed: cell→cloud)")
+    ax_round.legend(fontsize="x-small")
+    ax_round.grid(alpha=0.3)
+    fig.suptitle("Bytes per tier")
+    return Plot("bytes_per_tier", "Bytes per tier", fig, series)
+
+
+def participation_matrix(run: RunData) -> tuple[list[str], list[str], np.ndarray]:
+    """(devices grouped by cell, the cell of each row, matrix[device, round]): each entry is the share
+    of its cell's edge rounds in that cloud round that the device answered (0: absent or not planned)."""
+    cell_of = {d: r.cell for r in run.cells for d in (*r.planned, *r.absent)}
+    devices = sorted(cell_of, key=lambda d: (cell_of[d], d))
+    index = {d: i for i, d in enumerate(devices)}
+    n_rounds = max(r.round for r in run.rounds) + 1
+    answered = np.zeros((len(devices), n_rounds))
+    edges: dict[tuple[str, int], set[int]] = {}
+    for r in run.cells:
+        edges.setdefault((r.cell, r.round), set()).add(r.edge_round)
+        for d in r.answered:
+            answered[index[d], r.round] += 1
+    for d, i in index.items():
+        for rnd in range(n_rounds):
+            n = len(edges.get((cell_of[d], rnd), ()))
+            answered[i, rnd] = answered[i, rnd] / n if n else 0.0
+    return devices, [cell_of[d] for d in devices], answered
+
+
+def plot_participation(runs: list[RunData]) -> Plot:
+    """One heatmap per run: devices (grouped by cell) x cloud rounds."""
+    heights = [max(2.0, 0.18 * len({d for r in run.cells for d in (*r.planned, *r.absent)}) + 1.2) for run in runs]
+    fig = Figure(figsize=(8, sum(heights)), layout="constrained")
+    axes = fig.subplots(len(runs), 1, squeeze=False, height_ratios=heights)[:, 0]
+    series: dict[str, Any] = {}
+    image = None
+    for ax, run in zip(axes, runs):
+        devices, cells, matrix = participation_matrix(run)
+        series[run.label] = {"devices": devices, "cells": cells, "matrix": matrix}
+        image = ax.imshow(matrix, aspect="auto", cmap="Greens", vmin=0, vmax=1, interpolation="nearest",
+                          extent=(0.5, matrix.shape[1] + 0.5, len(devices) - 0.5, -0.5))
+        ax.set_yticks(range(len(devices)), devices, fontsize="x-small" if len(devices) > 20 else "small")
+        for i in range(1, len(cells)):
+            if cells[i] != cells[i - 1]:
+                ax.axhline(i - 0.5, color="black", linewidth=1.2)
+        ax.set_xlabel("cloud round")
+        ax.set_title(run.label, fontsize="medium")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), label="share of edge rounds answered", shrink=0.8)
+    fig.suptitle("Participation (devices grouped by cell; lines separate cells)")
+    return Plot("participation", "Participation heatmap", fig, series)
+
+
+def plot_cell_durations(runs: list[RunData]) -> Plot:
+    """Wall seconds of each aggregation (edge round) per cell; runs in separate line styles."""
+    fig, (ax,) = _figure(1, width=9)
+    series: dict[str, Any] = {}
+    styles = ["-", "--", ":", "-."]
+    for i, run in enumerate(runs):
+        edges = max((r.edge_round for r in run.cells), default=0) + 1
+        for cell in sorted({r.cell for r in run.cells}):
+            recs = [r for r in run.cells if r.cell == cell]
+            x = [r.round + 1 + r.edge_round / edges for r in recs]
+            y = [r.duration_s for r in recs]
+            ax.plot(x, y, styles[i % len(styles)], marker=".", label=f"{run.label} {cell}")
+            series[f"{run.label}/{cell}"] = (x, y)
+    ax.set_xlabel("cloud round (+ edge round / edge rounds)")
+    ax.set_ylabel("aggregation wall seconds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", ncols=2)
+    fig.suptitle("Per-cell aggregation duration")
+    return Plot("cell_durations", "Per-cell aggregation duration", fig, series)
+
+
+def make_plots(runs: list[RunData]) -> list[Plot]:
+    """Every plot of the report; the time plot only when some run's clock moved."""
+    plots = [plot_vs_round(runs), plot_vs_bytes(runs)]
+    if any(r.has_clock for r in runs):
+        plots.append(plot_vs_time(runs))
+    plots += [plot_bytes_per_tier(runs), plot_participation(runs), plot_cell_durations(runs)]
+    return plots
+
+
+def _summary_rows(runs: list[RunData]) -> str:
+    rows = []
+    for run in runs:
+        last = run.rounds[-1]
+        acc = run.evaluated[-1].accuracy if run.evaluated else None
+        part = [r.participation for r in run.cells if r.participation is not None]
+        cells = [
+            run.label, str(run.path), str(len(run.rounds)), "-" if acc is None else f"{acc:.4f}",
+            f"{sum(last.cumulative_bytes.values()) / MB:,.2f}",
+            f"{np.mean(part):.0%}" if part else "-",
+            f"{run.summary['wall_s']:.1f}" if isinstance(run.summary.get("wall_s"), (int, float)) else "-",
+            str(len(run.bad)),
+        ]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    return "\n".join(rows)
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, list[Plot]]:
+    """Write ``out`` (HTML, plots embedded) and its PNGs in ``<out stem>_plots/``; return both."""
+    runs = [load_run(p) for p in run_dirs]
+    unique_labels(runs)
+    plots = make_plots(runs)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png_dir = out.with_name(out.stem + "_plots")
+    png_dir.mkdir(exist_ok=True)
+    sections = []
+    for plot in plots:
+        data = plot.png()
+        (png_dir / f"{plot.name}.png").write_bytes(data)
+        sections.append(f'<h2>{html.escape(plot.title)}</h2>\n<img alt="{plot.name}" '
+                        f'src="data:image/png;base64,{base64.b64encode(data).decode()}">')
+    bad = [str(b) for run in runs for b in run.bad]
+    page = _PAGE.format(
+        title=html.escape("fedtier report: " + ", ".join(r.label for r in runs)),
+        rows=_summary_rows(runs), sections="\n".join(sections),
+        bad=("<h2>Invalid records (skipped)</h2><pre>" + html.escape("\n".join(bad[:50])) + "</pre>") if bad else "")
+    out.write_text(page, encoding="utf-8")
+    return out, plots
+
+
+_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:sans-serif;max-width:1300px;margin:2em auto;padding:0 1em}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
+td:first-child,td:nth-child(2){{text-align:left}}img{{max-width:100%;border:1px solid #eee}}</style></head>
+<body><h1>{title}</h1>
+<table><tr><th>run</th><th>folder</th><th>rounds</th><th>final accuracy</th><th>total payload MB</th>
+<th>mean participation</th><th>wall s</th><th>invalid lines</th></tr>
+{rows}
+</table>
+{sections}
+{bad}
+</body></html>
+"""
