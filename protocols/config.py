@@ -146,7 +146,13 @@ class RunConfig(_Section):
     def build_algorithm(self, spec: ModelSpec) -> Algorithm:
         """The algorithm of this run, ready to build its roles."""
         seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
-        return get_algorithm(self.train.name)(self.train, spec, self.run.seed, init_seed=seed)
+        algorithm = get_algorithm(self.train.name)(self.train, spec, self.run.seed, init_seed=seed)
+        topo = self.topology
+        try:
+            algorithm.bind_topology({c: topo.device_ids(c) for c in topo.cell_ids()})
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return algorithm
 
 
 def validate_algorithm(section: dict[str, Any]) -> TrainParams:

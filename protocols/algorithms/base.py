@@ -165,6 +165,13 @@ class Algorithm(ABC):
         return init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()),
                            self.init_seed)
 
+    def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+        """The run's device ids per cell, given by ``RunConfig.build_algorithm`` before any role is built.
+
+        Algorithms whose parameters name devices (FedALIGN's priority set) override this and raise
+        ``ValueError`` naming the config key when the parameters do not fit the topology.
+        """
+
     @abstractmethod
     def cloud(self) -> CloudRole: ...
 

@@ -1,0 +1,366 @@
+"""FedALIGN (Ravi & Shomorony, "Utilizing Free Clients in Federated Learning for Focused Model
+Enhancement"): train for the objective of the priority devices, admit a non-priority ("free") device
+in a round only when its loss on the current model matches the priority loss within epsilon.
+
+The paper's round (spec ``fedalign.md`` sec. 2), for the broadcast model ``w`` of iteration ``i``::
+
+    F   = sum_{k in P} D_k F_k(w) / sum_{k in P} D_k              priority loss of the broadcast model
+    free k: l_k = F_k(w) (forward pass, before training); opts in iff l_k <= F + eps_i
+    cell admits an opted-in k iff |F - l_k| <= eps_i              (two-sided)
+    w  <- w + sum_{k in S} D_k (w^k - w) / sum_{k in S} D_k       S = P + admitted
+
+The last line is eq. (15/16) with p_k = D_k / sum_P D_i and Z = 1 + sum_{admitted} p_k: a data-size
+weighted FedAvg over S, one update per iteration (the authors' code applies it up to three times and
+compares accuracies: we follow the paper; ``criterion = "accuracy"`` switches to accuracies on purpose).
+
+**How F(w) reaches the free devices in a hierarchy.** Priority devices may sit in any cell, so F(w) is
+known only at the cloud, after the priority devices evaluated ``w``. A matching iteration therefore
+takes two cloud rounds (no staleness: the admission uses F of the very model the free devices probe):
+
+1. phase ``priority``: every cell sends ``w`` to its priority devices; each measures ``F_k(w)`` before
+   training, trains, and sends its update with ``F_k(w)``. Cells report the weighted update and the
+   sums ``sum D_k F_k(w)``, ``sum D_k``; the cloud holds the updates and forms ``F``.
+2. phase ``free``: the cloud sends ``(w, F, eps)``; free devices probe, opt in and train; cells admit.
+   The cloud averages the held priority updates with the admitted free ones, then moves ``w``.
+
+Every device receives ``w`` once and trains once per iteration, as in the paper; the cost is one more
+cloud <-> cell exchange. Iterations that need no F take one cloud round: warm-up and ``eps = 0``
+(phase ``solo``: priority devices only, exactly FedAvg on P) and ``eps = inf`` (phase ``all``: every
+device, exactly FedAvg on all devices). So ``run.rounds`` counts cloud rounds; the iteration index and
+phase of each cloud round are a pure function of the parameters (:class:`Schedule`).
+
+Wire: ``epsilon`` travels as ``null`` for infinity (JSON has no inf). A free device that declines
+answers with its probe values and no tensors, so its cell never waits for it until the deadline.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from .. import params as P
+from ..seeding import rng
+from ..trainer import LocalData, Trainer
+from ..wire.payload import Payload
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
+from .fedavg import FedAvgCell, FedAvgDevice, check_delta
+
+PHASES = ("solo", "priority", "free", "all")
+HELD = "held/"
+
+
+class FedAlignParams(TrainParams):
+    """FedALIGN's keys of the ``[algorithm]`` section."""
+
+    priority: list[str] = Field(default_factory=list, description="priority device ids (e.g. c0-d3)")
+    priority_fraction: float = Field(default=0.0, ge=0, le=1,
+                                     description="or: this fraction of all devices, drawn with run.seed")
+    epsilon: float = Field(default=0.2, ge=0, description="matching threshold; 0 = priority only, inf = all")
+    epsilon_later: float = Field(default=0.0, ge=0, description="threshold from epsilon_drop_round on")
+    epsilon_drop_round: int = Field(default=0, ge=0, description="iteration of the drop (0 = no drop)")
+    warmup_rounds: int = Field(default=0, ge=0, description="first iterations with priority devices only")
+    criterion: Literal["loss", "accuracy"] = "loss"
+
+    @model_validator(mode="after")
+    def _fedalign_ok(self) -> "FedAlignParams":
+        if bool(self.priority) == (self.priority_fraction > 0):
+            raise ValueError("set exactly one of priority (device ids) and priority_fraction")
+        if len(set(self.priority)) != len(self.priority):
+            raise ValueError("priority: device ids must be unique")
+        if self.edge_rounds != 1:
+            raise ValueError("edge_rounds: FedALIGN aggregates once per round (the admission needs the cloud's "
+                             "priority loss of the model being trained), use edge_rounds = 1")
+        return self
+
+
+class Schedule:
+    """Iteration, phase and epsilon of every cloud round (deterministic, so a resumed cloud agrees)."""
+
+    def __init__(self, p: FedAlignParams) -> None:
+        self.p = p
+        self._rounds: list[tuple[int, str]] = []
+
+    def epsilon(self, iteration: int) -> float:
+        p = self.p
+        if iteration < p.warmup_rounds:
+            return 0.0
+        if p.epsilon_drop_round and iteration >= p.epsilon_drop_round:
+            return p.epsilon_later
+        return p.epsilon
+
+    def phases(self, iteration: int) -> tuple[str, ...]:
+        eps = self.epsilon(iteration)
+        if eps == 0:
+            return ("solo",)
+        if math.isinf(eps):
+            return ("all",)
+        return ("priority", "free")
+
+    def at(self, round: int) -> tuple[int, str]:
+        """(iteration, phase) of cloud round ``round``."""
+        while len(self._rounds) <= round:
+            it = self._rounds[-1][0] + 1 if self._rounds else 0
+            self._rounds.extend((it, ph) for ph in self.phases(it))
+        return self._rounds[round]
+
+
+def _finite(meta: Mapping[str, Any], key: str, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
+    v = meta.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise Rejected(f"{what}: {key} must be a finite number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def opts_in(criterion: str, value: float, F: float | None, eps: float | None) -> bool:
+    """The free device's rule: the model is good enough for me (``l_k <= F + eps``; accuracy mirrored)."""
+    if eps is None:
+        return True
+    if F is None:
+        return False
+    return value <= F + eps if criterion == "loss" else value >= F - eps
+
+
+def admits(value: float, F: float | None, eps: float | None) -> bool:
+    """The cell's two-sided rule ``|F - l_k| <= eps`` (``eps`` None: infinity)."""
+    return eps is None or (F is not None and abs(F - value) <= eps)
+
+
+class FedAlignCloud(CloudRole):
+    """Sends ``w`` (and F in phase ``free``), forms F from the priority reports, averages over S."""
+
+    def __init__(self, params: FedAlignParams, initial: Mapping[str, np.ndarray]) -> None:
+        self.p, self.schedule = params, Schedule(params)
+        self.model = P.copy(initial)
+        self.F: float | None = None          # criterion value of the current model (phase free)
+        self.held: dict[str, Payload] = {}    # phase-priority reports awaiting the free phase
+        self.phase = "solo"
+
+    def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
+        it, self.phase = self.schedule.at(round)
+        eps = self.schedule.epsilon(it)
+        meta: dict[str, Any] = {"phase": self.phase, "iteration": it, "criterion": self.p.criterion,
+                                "epsilon": None if math.isinf(eps) else eps}
+        if self.phase == "free":
+            meta["F"] = self.F
+        task = Payload(meta, self.model)
+        return {c: task for c in cells}
+
+    def check(self, cell: str, report: Payload) -> None:
+        if report.meta.get("phase") != self.phase:
+            raise Rejected(f"report of cell {cell}: phase {report.meta.get('phase')!r}, expected {self.phase!r}")
+        for key in ("prio_weight", "prio_loss", "prio_accuracy"):
+            _finite(report.meta, key, f"report of cell {cell}")
+        if report.meta.get("weight") == 0 and not report.tensors:
+            return
+        check_delta(report, self.model, f"report of cell {cell}")
+
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, Any]:
+        it, phase = self.schedule.at(round)
+        metrics: dict[str, Any] = {"iteration": it, "phase": phase}
+        eps = self.schedule.epsilon(it)
+        metrics["epsilon"] = None if math.isinf(eps) else eps
+        if phase != "free":  # priority devices took part: F of the broadcast model
+            weight = sum(r.meta["prio_weight"] for r in reports.values())
+            loss = sum(r.meta["prio_loss"] for r in reports.values()) / weight if weight else None
+            acc = sum(r.meta["prio_accuracy"] for r in reports.values()) / weight if weight else None
+            self.F = loss if self.p.criterion == "loss" else acc
+            metrics.update(priority_loss=loss, priority_accuracy=acc)
+        else:
+            metrics["F"] = self.F
+        if phase != "solo":
+            metrics["admitted"] = sum(int(r.meta.get("admitted", 0)) for r in reports.values())
+            metrics["refused"] = sum(int(r.meta.get("refused", 0)) for r in reports.values())
+        contributing = {c: r for c, r in sorted(reports.items()) if r.meta.get("weight")}
+        if phase == "priority":
+            self.held = contributing
+            return metrics
+        items = [(r.meta["weight"], r.tensors) for r in self.held.values()] if phase == "free" else []
+        items += [(r.meta["weight"], r.tensors) for r in contributing.values()]
+        self.held = {}
+        if items:
+            mean, total = P.weighted_mean(items)
+            self.model = P.add(self.model, mean, self.p.server_lr)
+            metrics["weight"] = total
+        return metrics
+
+    def global_params(self) -> "dict[str, np.ndarray]":
+        return self.model
+
+    def state(self) -> Payload:
+        tensors = dict(self.model)
+        held_meta = {}
+        for cell, r in self.held.items():
+            held_meta[cell] = r.meta
+            tensors.update({f"{HELD}{cell}/{k}": v for k, v in r.tensors.items()})
+        return Payload({"F": self.F, "held": held_meta}, tensors)
+
+    def load_state(self, state: Payload) -> None:
+        model = {k: v for k, v in state.tensors.items() if not k.startswith(HELD)}
+        P.check_like(model, self.model, "checkpoint")
+        self.model = P.copy(model)
+        self.F = state.meta.get("F")
+        self.held = {}
+        for cell, meta in dict(state.meta.get("held", {})).items():
+            prefix = f"{HELD}{cell}/"
+            delta = {k[len(prefix):]: v for k, v in state.tensors.items() if k.startswith(prefix)}
+            P.check_like(delta, self.model, f"held report of cell {cell}")
+            self.held[cell] = Payload(dict(meta), P.copy(delta))
+
+
+class FedAlignCell(FedAvgCell):
+    """Plans the phase's devices, admits free devices by loss matching, logs every decision."""
+
+    def __init__(self, params: FedAlignParams, cell: str, priority: frozenset[str]) -> None:
+        super().__init__(params, cell)
+        self.priority = priority
+        self.task: dict[str, Any] = {}
+        self.planned: dict[str, str] = {}
+
+    def begin(self, round: int, task: Payload) -> None:
+        m = task.meta
+        if m.get("phase") not in PHASES or m.get("criterion") not in ("loss", "accuracy"):
+            raise Rejected(f"cell task: bad phase/criterion {m.get('phase')!r}/{m.get('criterion')!r}")
+        eps, F = m.get("epsilon"), m.get("F")
+        for key, v in (("epsilon", eps), ("F", F)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise Rejected(f"cell task: {key} must be a finite number or null, got {v!r}")
+        super().begin(round, task)
+        self.task = {"phase": m["phase"], "iteration": m.get("iteration"), "criterion": m["criterion"],
+                     "epsilon": eps, "F": F}
+        self.planned, self.decisions = {}, {}
+        self.prio = {"prio_weight": 0.0, "prio_loss": 0.0, "prio_accuracy": 0.0}
+
+    def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
+        phase, t = self.task["phase"], self.task
+        prio_task = Payload({"role": "priority"}, self.model)
+        free_task = Payload({"role": "free", "criterion": t["criterion"], "epsilon": t["epsilon"],
+                             "F": t["F"]}, self.model)
+        plan = {}
+        for d in available:
+            if d in self.priority and phase in ("solo", "priority", "all"):
+                plan[d] = prio_task
+            elif d not in self.priority and phase in ("free", "all"):
+                plan[d] = free_task
+        self.planned = {d: task.meta["role"] for d, task in plan.items()}
+        return plan
+
+    def check(self, device: str, result: Payload) -> None:
+        what = f"result of device {device}"
+        role = self.planned.get(device)
+        if role is None:
+            raise Rejected(f"{what}: not planned")
+        _finite(result.meta, "probe_loss", what)
+        _finite(result.meta, "probe_accuracy", what, 0.0, 1.0)
+        trained = result.meta.get("trained")
+        if not isinstance(trained, bool) or (role == "priority" and not trained):
+            raise Rejected(f"{what}: trained must be true/false (true for a priority device), got {trained!r}")
+        if trained:
+            check_delta(result, self.model, what)
+        else:
+            _finite(result.meta, "weight", what)
+            if result.tensors:
+                raise Rejected(f"{what}: a device that declined sends no tensors")
+
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+        t = self.task
+        F, eps, crit = t["F"], t["epsilon"], t["criterion"]
+        included: dict[str, Payload] = {}
+        admission: dict[str, dict[str, Any]] = {}
+        for d, r in sorted(results.items()):
+            m = r.meta
+            if self.planned[d] == "priority":
+                included[d] = r
+                w = float(m["weight"])
+                self.prio["prio_weight"] += w
+                self.prio["prio_loss"] += w * m["probe_loss"]
+                self.prio["prio_accuracy"] += w * m["probe_accuracy"]
+                continue
+            value = float(m["probe_loss"] if crit == "loss" else m["probe_accuracy"])
+            ok = bool(m["trained"]) and admits(value, F, eps)
+            if ok:
+                included[d] = r
+            admission[d] = {"admitted": ok, "by": None if ok else ("cell" if m["trained"] else "device"),
+                            "loss": m["probe_loss"], "accuracy": m["probe_accuracy"],
+                            "gap": None if F is None else value - F}
+        self.decisions.update(admission)
+        super().aggregate(edge_round, included)
+        metrics: dict[str, Any] = {"phase": t["phase"], "iteration": t["iteration"], "epsilon": eps,
+                                   "priority": sorted(d for d in results if self.planned[d] == "priority")}
+        if t["phase"] in ("free", "all"):
+            metrics.update(F=F, admission=admission,
+                           admitted=sorted(d for d, a in admission.items() if a["admitted"]),
+                           refused=sorted(d for d, a in admission.items() if not a["admitted"]))
+        return metrics
+
+    def report(self) -> Payload:
+        report = super().report()
+        admitted = sum(a["admitted"] for a in self.decisions.values())
+        report.meta.update(phase=self.task["phase"], admitted=admitted, refused=len(self.decisions) - admitted,
+                           **self.prio)
+        return report
+
+
+class FedAlignDevice(FedAvgDevice):
+    """Probes the received model on the local data, then trains (a free device only if it opts in)."""
+
+    def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
+        role = task.meta.get("role")
+        if role not in ("priority", "free"):
+            raise ValueError(f"task role must be priority or free, got {role!r}")
+        trainer.set_params(task.tensors)
+        loss, acc = trainer.evaluate(data.x, data.y)  # F_k(w) of the received model, before training
+        probe = {"weight": len(data), "probe_loss": loss, "probe_accuracy": acc}
+        if not (math.isfinite(loss) and math.isfinite(acc)):
+            raise ValueError(f"the received model has a non-finite loss on the local data ({loss})")
+        if role == "free":
+            value = loss if task.meta.get("criterion", "loss") == "loss" else acc
+            if not opts_in(task.meta.get("criterion", "loss"), value, task.meta.get("F"), task.meta.get("epsilon")):
+                return Payload({**probe, "trained": False}, {})
+        result = super().train(task, data, trainer, ctx)
+        result.meta.update(probe, trained=True)
+        return result
+
+
+def draw_priority(devices: Sequence[str], fraction: float, seed: int) -> list[str]:
+    """``max(1, floor(fraction * N))`` devices drawn without replacement with ``run.seed``."""
+    k = max(1, int(math.floor(fraction * len(devices) + 1e-9)))
+    idx = rng(seed, None, None, None, "fedalign.priority").choice(len(devices), size=k, replace=False)
+    return sorted(devices[i] for i in idx)
+
+
+class FedAlign(Algorithm):
+    """FedALIGN on top of (hierarchical, E = 1) FedAvg; ``epsilon = 0`` / ``inf`` are its baselines."""
+
+    name = "fedalign"
+    Params = FedAlignParams
+
+    def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+        devices = [d for c in sorted(cells) for d in cells[c]]
+        p: FedAlignParams = self.params  # type: ignore[assignment]
+        if p.priority:
+            unknown = [d for d in p.priority if d not in set(devices)]
+            if unknown:
+                raise ValueError(f"algorithm.priority: {', '.join(map(repr, unknown))} not in the topology "
+                                 f"(device ids look like {devices[0]} ... {devices[-1]})")
+            self.priority = frozenset(p.priority)
+        else:
+            self.priority = frozenset(draw_priority(devices, p.priority_fraction, self.seed))
+
+    def _priority(self) -> frozenset[str]:
+        if not hasattr(self, "priority"):
+            if not self.params.priority:  # type: ignore[attr-defined]
+                raise ValueError("algorithm.priority_fraction needs the topology: build the algorithm with "
+                                 "RunConfig.build_algorithm (or call bind_topology)")
+            self.priority = frozenset(self.params.priority)  # type: ignore[attr-defined]
+        return self.priority
+
+    def cloud(self) -> CloudRole:
+        return FedAlignCloud(self.params, self.initial_params())  # type: ignore[arg-type]
+
+    def cell(self, cell: str) -> CellRole:
+        return FedAlignCell(self.params, cell, self._priority())  # type: ignore[arg-type]
+
+    def device(self, device: str) -> DeviceRole:
+        return FedAlignDevice(self.params)
