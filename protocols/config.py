@@ -97,6 +97,8 @@ class RuntimeSection(_Section):
     eval_every: int = Field(default=1, ge=1)
     device: str = Field(default="cpu", description="torch device: cpu, cuda or auto")
     startup_wait: float = Field(default=60.0, ge=0, description="seconds to wait for all devices (MQTT)")
+    onnx_devices: list[str] = Field(default_factory=list, description="device ids that run forward-only on "
+                                    "onnxruntime (sim/emulation); the others run torch")
 
 
 class BrokerSection(_Section):

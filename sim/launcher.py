@@ -22,6 +22,7 @@ from protocols.config import RunConfig
 from protocols.transport.memory import MemoryHub
 
 from .hierarchy import fresh_output, make_evaluator, participation, prepare
+from .onnx_devices import onnx_trainers
 
 
 @dataclass
@@ -34,6 +35,7 @@ class RunResult:
     cell_records: list[dict[str, Any]] = field(default_factory=list)
     output_dir: Path | None = None
     wall_s: float = 0.0
+    device_traffic: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes_in/out, tasks per device
 
     @property
     def final_accuracy(self) -> float | None:
@@ -46,7 +48,8 @@ class RunResult:
         last = self.history[-1] if self.history else {}
         return {"run": self.config.run.name, "algorithm": self.config.train.name, "rounds": len(self.history),
                 "accuracy": self.final_accuracy, "loss": last.get("loss"),
-                "cumulative_bytes": last.get("cumulative_bytes", {}), "wall_s": round(self.wall_s, 3)}
+                "cumulative_bytes": last.get("cumulative_bytes", {}), "wall_s": round(self.wall_s, 3),
+                **({"device_traffic": self.device_traffic} if self.device_traffic else {})}
 
 
 def set_torch_threads(n: int = 1) -> None:
@@ -86,8 +89,9 @@ class SimHierarchy:
                                     output_dir=self.output_dir) for c in cfg.topology.cell_ids()}
         trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
                                          **spec.build_kwargs())
-        self.agents = {d: build_agent(cfg, d, hub.connect(f"device.{d}"), algorithm, prep.device_data[d], trainer)
-                       for d in cfg.topology.all_devices()}
+        onnx = onnx_trainers(cfg, spec, algorithm, self.output_dir)  # forward-only devices
+        self.agents = {d: build_agent(cfg, d, hub.connect(f"device.{d}"), algorithm, prep.device_data[d],
+                                      onnx.get(d, trainer)) for d in cfg.topology.all_devices()}
 
     def run(self) -> RunResult:
         """Run every round; write the final model and summary; return the result."""
@@ -100,7 +104,9 @@ class SimHierarchy:
             raise RuntimeError("the simulation stalled before the last round (no events left)")
         result = RunResult(self.cfg, self.cloud.role.global_params(), self.cloud.history,
                            [r for c in self.cells.values() for r in c.records], self.output_dir,
-                           time.perf_counter() - self.t0)
+                           time.perf_counter() - self.t0,
+                           {d: {"bytes_in": a.bytes_in, "bytes_out": a.bytes_out, "tasks": a.tasks_done}
+                            for d, a in self.agents.items()})
         for node in (*self.agents.values(), *self.cells.values()):
             node.stop()
         self.cloud.stop()

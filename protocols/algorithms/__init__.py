@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected, TrainParams
 from .fedalign import FedAlign
+from .decomfl import DeComFL
 from .fedavg import FedAvg
 from .hist import Hist
 
-ALGORITHMS: dict[str, type[Algorithm]] = {FedAlign.name: FedAlign, FedAvg.name: FedAvg, Hist.name: Hist}
+ALGORITHMS: dict[str, type[Algorithm]] = {FedAlign.name: FedAlign, DeComFL.name: DeComFL, FedAvg.name: FedAvg, Hist.name: Hist}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:

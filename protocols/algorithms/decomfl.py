@@ -1,0 +1,324 @@
+"""DeComFL (Li et al., ICLR 2025): zeroth-order FL where only seeds and scalars travel.
+
+Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
+
+* **cloud** picks the round seed ``s_r`` (``protocols.directions.round_seed``) and keeps the history
+  ``(s_j, Gbar_j)`` of the rounds some device still needs, plus ``synced[cell][device]`` = the last
+  round each device took part in (0 for a device never seen: it still holds x_0). Its task to a cell
+  carries the history from the oldest round that cell's devices need, the cell's ``synced`` table and
+  ``s_r``. It optionally keeps the model x_r (``server_model``) for evaluation only.
+* **cell** gives each planned device exactly its part: the seeds and averaged scalars of rounds
+  ``synced[d] .. r-1`` and ``s_r``. It sums the devices' K x P scalars with weights (uniform as in the
+  paper, or by samples) and reports the sum, the total weight, the devices that answered and ``need``
+  = the oldest round any device of its roster still needs (the cloud prunes its history to the
+  minimum over cells).
+* **device** keeps its own model copy for the whole run. It replays the missed rounds (oldest first,
+  k then p ascending) to reach x_r, runs K local ZO steps with P forward-difference perturbations
+  each (one minibatch per step, ``g = (f(x + mu z) - f(x)) / mu``, update ``x -= (lr/P) sum_p g_p z_p``),
+  returns the K x P scalars (float32) and **reverts** to the snapshot x_r by copying (spec 1.3/5.2).
+  The device remembers the round it is synced to, so a history that starts earlier (the cloud missed
+  a report) is skipped where already applied; one that starts later cannot be replayed and fails.
+
+Bytes: device uplink = one ``(K, P)`` float32 tensor and ``{"weight": n}``; downlink = ``{"from": t}``,
+``h + 1`` uint64 seeds and an ``(h, K, P)`` float32 tensor (h = rounds missed). None depends on the
+model size. Needs only forward passes, so a device may run on onnxruntime (``edge_agent.onnx_trainer``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from .. import params as P
+from .. import directions as Z
+from ..seeding import rng
+from ..trainer import LocalData, Trainer, batches
+from ..wire.payload import Payload
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
+
+
+class DeComFLParams(TrainParams):
+    """``local_steps`` is K; ``perturbations`` is P; ``lr`` is eta (ZO rates are small); ``mu`` the smoothing."""
+
+    local_steps: int = Field(default=1, ge=1)
+    lr: float = Field(default=1e-3, gt=0)
+    perturbations: int = Field(default=5, ge=1)
+    mu: float = Field(default=1e-3, gt=0)
+    direction: Literal["gaussian", "rademacher"] = "gaussian"
+    weighting: Literal["uniform", "samples"] = "uniform"
+    server_model: bool = Field(default=True, description="the cloud keeps x_r (evaluation only)")
+
+    @model_validator(mode="after")
+    def _supported(self) -> "DeComFLParams":
+        if self.edge_rounds != 1:
+            raise ValueError("decomfl runs one edge round per cloud round (edge_rounds = 1)")
+        if self.weight_decay != 0 or self.server_lr != 1.0:
+            raise ValueError("decomfl is plain ZO-SGD: weight_decay and server_lr are not supported")
+        return self
+
+
+def _shape_ok(arr: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != np.dtype(dtype):
+        got = (getattr(arr, "shape", None), getattr(arr, "dtype", None))
+        raise Rejected(f"{what}: expected {dtype} {shape}, got {got}")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise Rejected(f"{what}: non-finite values")
+    return arr
+
+
+def _int(meta: Mapping[str, Any], key: str, what: str, lo: int = 0, hi: int | None = None) -> int:
+    v = meta.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        raise Rejected(f"{what}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def history_payload(meta: dict[str, Any], seeds: Sequence[int], g: np.ndarray) -> Payload:
+    """A downlink: ``seeds`` (history rounds then the current round) as uint64, history scalars float32."""
+    return Payload(meta, {"s": np.asarray(seeds, dtype=np.uint64), "g": np.asarray(g, dtype=np.float32)})
+
+
+def read_history(task: Payload, round: int, K: int, Pn: int, what: str) -> tuple[int, np.ndarray, np.ndarray]:
+    """(from, seeds [h+1], scalars [h, K, P]) of a downlink for ``round``; Rejected if inconsistent."""
+    start = _int(task.meta, "from", what, 0, round)
+    h = round - start
+    seeds = _shape_ok(task.tensors.get("s"), (h + 1,), "uint64", f"{what} seeds")
+    g = _shape_ok(task.tensors.get("g"), (h, K, Pn), "float32", f"{what} scalars")
+    return start, seeds, g
+
+
+# --------------------------------------------------------------------------------------------- cloud
+class DeComFLCloud(CloudRole):
+    def __init__(self, params: DeComFLParams, seed: int, initial: Mapping[str, np.ndarray]) -> None:
+        self.p, self.seed = params, seed
+        self.K, self.P = params.local_steps, params.perturbations
+        self.model = P.copy(initial)
+        self.base = 0                      # first round kept in the history
+        self.seeds: list[int] = []         # round seeds of rounds base..
+        self.g: list[np.ndarray] = []      # averaged K x P scalars of rounds base..
+        self.synced: dict[str, dict[str, int]] = {}
+        self.need: dict[str, int] = {}
+        self.cells: set[str] = set()
+        self.round_seed = 0
+
+    def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
+        if round != self.base + len(self.g):
+            raise ValueError(f"round {round} planned, but the history ends at {self.base + len(self.g)}")
+        self.cells |= set(cells)
+        self.round_seed = Z.round_seed(self.seed, round)
+        tasks = {}
+        for c in cells:
+            start = max(self.need.get(c, 0), self.base)
+            i = start - self.base
+            hist = np.stack(self.g[i:]) if self.g[i:] else np.zeros((0, self.K, self.P), np.float32)
+            tasks[c] = history_payload({"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))},
+                                       [*self.seeds[i:], self.round_seed], hist)
+        return tasks
+
+    def check(self, cell: str, report: Payload) -> None:
+        what = f"report of cell {cell}"
+        meta = report.meta
+        w = meta.get("weight")
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not np.isfinite(w) or w < 0:
+            raise Rejected(f"{what}: weight must be a non-negative number, got {w!r}")
+        _int(meta, "need", what, 0, self.base + len(self.g) + 1)
+        answered = meta.get("answered")
+        if not isinstance(answered, list) or not all(isinstance(d, str) for d in answered):
+            raise Rejected(f"{what}: answered must be a list of device ids")
+        if w == 0:
+            if report.tensors or answered:
+                raise Rejected(f"{what}: weight 0 with results")
+            return
+        if not answered:
+            raise Rejected(f"{what}: positive weight but no device answered")
+        _shape_ok(report.tensors.get("g"), (self.K, self.P), "float64", f"{what} scalars")
+
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
+        total, acc, devices = 0.0, np.zeros((self.K, self.P), np.float64), 0
+        for c, r in sorted(reports.items()):
+            table = self.synced.setdefault(c, {})
+            for d in r.meta["answered"]:
+                table[d] = round
+            devices += len(r.meta["answered"])
+            self.need[c] = int(r.meta["need"])
+            if r.meta["weight"]:
+                acc += r.tensors["g"]
+                total += float(r.meta["weight"])
+        gbar = (acc / total).astype(np.float32) if total > 0 else np.zeros((self.K, self.P), np.float32)
+        self.seeds.append(self.round_seed)
+        self.g.append(gbar)
+        if self.p.server_model:
+            Z.apply_round(self.model, self.round_seed, gbar, self.p.lr, self.p.direction)
+        self._prune(round + 1)
+        return {"cells": len(reports), "devices": devices, "weight": total, "history_rounds": len(self.g),
+                "g_abs_mean": float(np.abs(gbar).mean())}
+
+    def _prune(self, next_round: int) -> None:
+        oldest = min((self.need.get(c, 0) for c in self.cells), default=0)
+        oldest = min(max(oldest, self.base), next_round)
+        drop = oldest - self.base
+        if drop > 0:
+            del self.seeds[:drop], self.g[:drop]
+            self.base = oldest
+
+    def global_params(self) -> "dict[str, np.ndarray]":
+        return self.model
+
+    def state(self) -> Payload:
+        meta = {"base": self.base, "synced": self.synced, "need": self.need, "cells": sorted(self.cells)}
+        hist = np.stack(self.g) if self.g else np.zeros((0, self.K, self.P), np.float32)
+        return Payload(meta, {**self.model, "history:s": np.asarray(self.seeds, np.uint64), "history:g": hist})
+
+    def load_state(self, state: Payload) -> None:
+        t = dict(state.tensors)
+        seeds, hist = t.pop("history:s"), t.pop("history:g")
+        P.check_like(t, self.model, "checkpoint")
+        self.model = P.copy(t)
+        self.base = int(state.meta["base"])
+        self.seeds = [int(s) for s in seeds]
+        self.g = [np.array(x, np.float32) for x in hist]
+        self.synced = {c: {d: int(r) for d, r in v.items()} for c, v in state.meta["synced"].items()}
+        self.need = {c: int(v) for c, v in state.meta["need"].items()}
+        self.cells = set(state.meta["cells"])
+
+
+# --------------------------------------------------------------------------------------------- cell
+class DeComFLCell(CellRole):
+    def __init__(self, params: DeComFLParams, cell: str, roster: Sequence[str] | None = None) -> None:
+        """``roster``: every device of the cell (so ``need`` covers those never seen); None: unknown."""
+        self.p, self.cell = params, cell
+        self.K, self.P = params.local_steps, params.perturbations
+        self.roster = sorted(roster) if roster is not None else None
+        self.round = -1
+
+    def begin(self, round: int, task: Payload) -> None:
+        self.round = round
+        self.start, self.seeds, self.hist = read_history(task, round, self.K, self.P, f"task of cell {self.cell}")
+        synced = task.meta.get("synced", {})
+        if not isinstance(synced, dict) or not all(isinstance(v, int) and 0 <= v < round for v in synced.values()):
+            raise Rejected(f"task of cell {self.cell}: bad synced table")
+        self.synced: dict[str, int] = dict(synced)
+        self.sum = np.zeros((self.K, self.P), np.float64)
+        self.weight = 0.0
+        self.answered: list[str] = []
+
+    def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
+        tasks = {}
+        for d in available:
+            t = self.synced.get(d, 0)
+            if t < self.start:
+                continue  # the cloud no longer holds this device's history (cannot happen with a roster)
+            i = t - self.start
+            tasks[d] = history_payload({"from": t}, self.seeds[i:], self.hist[i:])
+        return tasks
+
+    def check(self, device: str, result: Payload) -> None:
+        what = f"result of device {device}"
+        w = result.meta.get("weight")
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not np.isfinite(w) or w <= 0:
+            raise Rejected(f"{what}: weight must be a positive number, got {w!r}")
+        _shape_ok(result.tensors.get("g"), (self.K, self.P), "float32", f"{what} scalars")
+
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+        for d, r in sorted(results.items()):
+            w = 1.0 if self.p.weighting == "uniform" else float(r.meta["weight"])
+            self.sum += w * r.tensors["g"].astype(np.float64)
+            self.weight += w
+            self.answered.append(d)
+        return {"answered": len(results)} if results else {}
+
+    def _need(self) -> int:
+        if self.roster is None:
+            return 0  # unknown roster: a device never seen may still need round 0
+        after = {**self.synced, **{d: self.round for d in self.answered}}
+        return min((after.get(d, 0) for d in self.roster), default=self.round)
+
+    def report(self) -> Payload:
+        meta = {"weight": self.weight, "answered": sorted(self.answered), "need": self._need()}
+        if self.weight == 0:
+            return Payload({**meta, "weight": 0}, {})
+        return Payload(meta, {"g": self.sum})
+
+
+# --------------------------------------------------------------------------------------------- device
+class DeComFLDevice(DeviceRole):
+    """One device for the whole run: holds x_{synced} between rounds."""
+
+    def __init__(self, params: DeComFLParams, initial: Callable[[], Mapping[str, np.ndarray]]) -> None:
+        self.p, self.initial = params, initial
+        self.K, self.P = params.local_steps, params.perturbations
+        self.model: dict[str, np.ndarray] | None = None
+        self.synced = 0
+
+    def _init(self, trainer: Trainer) -> None:
+        # a forward-only backend ships x_0 with its exported model; torch devices build it from the spec
+        source = getattr(trainer, "initial_params", None)
+        self.model = P.copy(source() if callable(source) else self.initial())
+
+    def catch_up(self, start: int, seeds: np.ndarray, hist: np.ndarray) -> None:
+        """Replay rounds ``start .. start+h-1`` on the device model (skipping those already applied)."""
+        assert self.model is not None
+        if start > self.synced:
+            raise ValueError(f"history starts at round {start}, but this device is synced to round {self.synced}")
+        for i in range(self.synced - start, len(hist)):
+            Z.apply_round(self.model, int(seeds[i]), hist[i], self.p.lr, self.p.direction)
+        self.synced = start + len(hist)
+
+    def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
+        if self.model is None:
+            self._init(trainer)
+        start, seeds, hist = read_history(task, ctx.round, self.K, self.P, "task")
+        self.catch_up(start, seeds, hist)
+        snapshot = self.model
+        g = self.local_update(P.copy(snapshot), int(seeds[-1]), data, trainer, ctx)
+        self.model = snapshot  # revert by copy: x stays x_r exactly (the local steps ran on a copy)
+        return Payload({"weight": len(data)}, {"g": g})
+
+    def local_update(self, x: dict[str, np.ndarray], round_seed: int, data: LocalData, trainer: Trainer,
+                     ctx: DeviceContext) -> np.ndarray:
+        """K ZO-SGD steps on ``x`` (modified in place); returns the K x P float32 scalars."""
+        p, shapes = self.p, Z.shapes_of(x)
+        g = np.zeros((self.K, self.P), np.float32)
+        order = batches(len(data), p.batch_size, self.K,
+                        rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"))
+        for k, idx in enumerate(order):
+            xb, yb = data.x[idx], data.y[idx]
+            trainer.set_params(x)
+            f0 = trainer.loss(xb, yb)
+            for j in range(self.P):
+                trainer.set_params(Z.perturbed(x, Z.direction(round_seed, k, j, shapes, p.direction), p.mu))
+                g[k, j] = np.float32((trainer.loss(xb, yb) - f0) / p.mu)
+            if not np.isfinite(g[k]).all():
+                raise ValueError(f"non-finite ZO scalars at step {k} (lr or mu too large?)")
+            Z.apply_step(x, round_seed, k, g[k], p.lr, p.direction)
+        return g
+
+
+class DeComFL(Algorithm):
+    """DeComFL over the hierarchy: seeds down, K x P scalars up, history replay for absent devices."""
+
+    name = "decomfl"
+    Params = DeComFLParams
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._x0: dict[str, np.ndarray] | None = None
+        self.rosters: dict[str, list[str]] = {}
+
+    def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+        self.rosters = {c: list(devices) for c, devices in cells.items()}
+
+    def initial_params(self) -> "dict[str, np.ndarray]":
+        if self._x0 is None:
+            self._x0 = super().initial_params()
+        return P.copy(self._x0)
+
+    def cloud(self) -> CloudRole:
+        return DeComFLCloud(self.params, self.seed, self.initial_params())  # type: ignore[arg-type]
+
+    def cell(self, cell: str) -> CellRole:
+        return DeComFLCell(self.params, cell, self.rosters.get(cell))  # type: ignore[arg-type]
+
+    def device(self, device: str) -> DeviceRole:
+        return DeComFLDevice(self.params, self.initial_params)  # type: ignore[arg-type]

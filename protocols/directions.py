@@ -1,0 +1,96 @@
+"""Shared random directions for zeroth-order training: one CPU scheme every party regenerates bit for bit.
+
+The scheme (DeComFL and any other seeded-direction algorithm use exactly this):
+
+* A **round seed** is ``derive_seed(run_seed, round, "zo-round")``: a 63-bit integer, sent on the wire
+  as ``uint64`` (one per round; the K x P directions of the round derive from it).
+* Direction ``z(round_seed, k, p)`` for local step ``k`` and perturbation ``p`` comes from ONE numpy
+  PCG64 generator, ``protocols.seeding.rng(round_seed, k, p, "zo-direction")``, that walks the
+  parameters **in model order** (the order of the parameter dict, i.e. torch ``named_parameters``)
+  and draws, for each tensor of ``n`` values, ``standard_normal(n, dtype=float32)`` (``gaussian``) or
+  ``2 * integers(0, 2, n, dtype=int8) - 1`` as float32 (``rademacher``), reshaped to the tensor.
+* A step update is ``x -= c * z`` per tensor in float32, with ``c = float32((lr / P) * g)``
+  (``lr / P * g`` computed in float64, then rounded once to float32). A zero ``g`` is skipped.
+  Local steps, catch-up replay and the cloud's model all call :func:`apply_step`, so the operation
+  order (rounds oldest first, k ascending, p ascending) and rounding are the same everywhere; the
+  elementwise float32 multiply and subtract are correctly rounded IEEE operations, so the result
+  does not depend on the machine.
+
+:func:`fingerprint` hashes a small direction: parties can compare it at start-up to catch a numpy
+whose generator stream differs.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Literal, Mapping, MutableMapping
+
+import numpy as np
+
+from .seeding import derive_seed, rng
+
+Kind = Literal["gaussian", "rademacher"]
+KINDS: tuple[str, ...] = ("gaussian", "rademacher")
+
+
+def round_seed(run_seed: int, round: int) -> int:
+    """The seed the cloud picks for ``round`` (the directions of all its steps derive from it)."""
+    return derive_seed(run_seed, round, "zo-round")
+
+
+def direction(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]],
+              kind: Kind = "gaussian") -> "dict[str, np.ndarray]":
+    """z(round_seed, k, p): float32 arrays of ``shapes``, drawn in the order of ``shapes``."""
+    gen = rng(int(round_seed), int(k), int(p), "zo-direction")
+    out: dict[str, np.ndarray] = {}
+    for name, shape in shapes.items():
+        n = int(np.prod(shape, dtype=np.int64))
+        if kind == "gaussian":
+            z = gen.standard_normal(n, dtype=np.float32)
+        elif kind == "rademacher":
+            z = (2 * gen.integers(0, 2, n, dtype=np.int8) - 1).astype(np.float32)
+        else:
+            raise ValueError(f"unknown direction kind {kind!r} (choose {', '.join(KINDS)})")
+        out[name] = z.reshape(shape)
+    return out
+
+
+def shapes_of(params: Mapping[str, np.ndarray]) -> "dict[str, tuple[int, ...]]":
+    return {k: tuple(v.shape) for k, v in params.items()}
+
+
+def perturbed(params: Mapping[str, np.ndarray], z: Mapping[str, np.ndarray], mu: float) -> "dict[str, np.ndarray]":
+    """``x + mu * z`` as new float32 arrays (``params`` is not touched)."""
+    m = np.float32(mu)
+    return {k: (v + m * z[k]).astype(np.float32, copy=False) for k, v in params.items()}
+
+
+def step_coefficient(lr: float, perturbations: int, g: float) -> np.float32:
+    """``float32((lr / P) * g)``: the one rounding every party applies."""
+    return np.float32(float(lr) / int(perturbations) * float(g))
+
+
+def apply_step(params: MutableMapping[str, np.ndarray], round_seed: int, k: int, g: np.ndarray, lr: float,
+               kind: Kind = "gaussian") -> None:
+    """In place: ``x -= (lr / P) * g[p] * z(round_seed, k, p)`` for p = 0..P-1 (``g`` holds P scalars)."""
+    g = np.asarray(g)
+    shapes = shapes_of(params)
+    for p in range(g.shape[0]):
+        c = step_coefficient(lr, g.shape[0], g[p])
+        if c == 0:
+            continue
+        z = direction(round_seed, k, p, shapes, kind)
+        for name, v in params.items():
+            v -= c * z[name]
+
+
+def apply_round(params: MutableMapping[str, np.ndarray], round_seed: int, g: np.ndarray, lr: float,
+                kind: Kind = "gaussian") -> None:
+    """In place: one round's global update from its K x P averaged scalars (k ascending)."""
+    for k in range(g.shape[0]):
+        apply_step(params, round_seed, k, g[k], lr, kind)
+
+
+def fingerprint(kind: Kind = "gaussian") -> str:
+    """A short hash of z(123, 0, 0) over a (4, 4) tensor: equal on every party that agrees on the scheme."""
+    z = direction(123, 0, 0, {"w": (4, 4)}, kind)["w"]
+    return hashlib.sha256(z.astype("<f4").tobytes()).hexdigest()[:16]
