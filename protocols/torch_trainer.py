@@ -96,7 +96,7 @@ class TorchTrainer(Trainer):
         self.model.train()
         xt, yt = self._tensors(data.x, data.y)
         params = [p for p in self.model.parameters()]
-        total, samples = torch.zeros((), device=self.device), 0
+        losses, sizes = [], []
         for idx in batches(len(data), batch_size, steps, rng):
             it = torch.from_numpy(idx).to(self.device)
             loss = F.cross_entropy(self.model(xt[it]), yt[it])
@@ -108,6 +108,8 @@ class TorchTrainer(Trainer):
                     if weight_decay:
                         p.grad.add_(p, alpha=weight_decay)
                     p.add_(p.grad, alpha=-lr)
-            total += loss.detach() * len(idx)
-            samples += len(idx)
-        return TrainStats(float(total) / max(1, samples), steps, samples)
+            losses.append(loss.detach())
+            sizes.append(len(idx))
+        w = torch.tensor(sizes, dtype=torch.float32, device=self.device)
+        samples = int(sum(sizes))
+        return TrainStats(float((torch.stack(losses) * w).sum()) / max(1, samples), steps, samples)

@@ -63,7 +63,7 @@ def encode_payload(payload: Payload) -> bytes:
     for name, arr in payload.tensors.items():
         arr = np.asarray(arr)
         code = _code(arr)
-        le = np.ascontiguousarray(arr, dtype=DTYPES[code])
+        le = arr.astype(DTYPES[code], order="C", copy=False)  # (ascontiguousarray would make 0-d arrays 1-d)
         name_b = name.encode()
         parts.append(struct.pack(f"<H{len(name_b)}sBB{le.ndim}I", len(name_b), name_b, code, le.ndim, *le.shape))
         parts.append(le.tobytes())

@@ -1,0 +1,124 @@
+"""Framework overhead: the standard FedAvg workload through ``fedtier sim`` vs a bare PyTorch loop.
+
+Workload: MNIST 60k/10k (pixel/256), 100 devices with an IID split of 600 samples, MLP
+784-200-200-10 (torch.manual_seed(0) init), 30 rounds, 10 devices per round sampled with a fixed
+seed, 1 local epoch of batch-32 SGD at lr 0.05 (19 steps), weighted averaging, central test
+evaluation after every round, one torch thread. fedtier runs it as one cell with one edge round
+per cloud round (plain FedAvg), with every message encoded and decoded as on the wire.
+
+Each side runs in its own subprocess, so peak memory (max RSS) is measured separately; the sides
+alternate ``--repeat`` times and the fastest run of each counts (a busy machine only slows runs).
+Usage: python benchmarks/overhead.py [--rounds 30] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def bare(rounds: int) -> dict:
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from sim.datasets import load_dataset
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    ds = load_dataset("mnist")
+    x, y = torch.from_numpy(ds.x_train.copy()), torch.from_numpy(ds.y_train.copy())
+    xt, yt = torch.from_numpy(ds.x_test.copy()), torch.from_numpy(ds.y_test.copy())
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(len(y))
+    shards = [torch.from_numpy(perm[i * 600:(i + 1) * 600]) for i in range(100)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
+                          nn.Linear(200, 10))
+    glob = [p.detach().clone() for p in model.parameters()]
+    acc = 0.0
+    for _ in range(rounds):
+        chosen = rng.choice(100, 10, replace=False)
+        acc_params = [torch.zeros_like(p) for p in glob]
+        for d in chosen:
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), glob):
+                    p.copy_(g)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            idx = shards[d][torch.randperm(600)]
+            for s in range(0, 600, 32):
+                b = idx[s:s + 32]
+                opt.zero_grad()
+                F.cross_entropy(model(x[b]), y[b]).backward()
+                opt.step()
+            with torch.no_grad():
+                for a, p in zip(acc_params, model.parameters()):
+                    a.add_(p, alpha=600 / 6000)
+        glob = acc_params
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), glob):
+                p.copy_(g)
+            acc = float((model(xt).argmax(1) == yt).float().mean())
+    return {"wall_s": time.perf_counter() - t0, "accuracy": acc}
+
+
+def fedtier(rounds: int) -> dict:
+    from protocols.config import parse_config
+    from sim.launcher import run_simulation
+
+    t0 = time.perf_counter()
+    cfg = parse_config({
+        "run": {"name": "overhead", "seed": 0, "rounds": rounds, "output": "/tmp/fedtier-overhead"},
+        "topology": {"cells": 1, "devices_per_cell": 100},
+        "algorithm": {"name": "fedavg", "edge_rounds": 1, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        "model": {"name": "mlp", "hidden": [200, 200]},
+        "data": {"dataset": "mnist", "partition": "iid"},
+        "participation": {"model": "uniform", "per_round": 10},
+    })
+    result = run_simulation(cfg)
+    return {"wall_s": time.perf_counter() - t0, "accuracy": result.final_accuracy}
+
+
+def child(which: str, rounds: int) -> None:
+    out = {"bare": bare, "fedtier": fedtier}[which](rounds)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child", choices=["bare", "fedtier"])
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.rounds)
+        return
+    runs: dict[str, list[dict]] = {"bare": [], "fedtier": []}
+    for _ in range(args.repeat):
+        for which in ("bare", "fedtier"):
+            proc = subprocess.run([sys.executable, __file__, "--child", which, "--rounds", str(args.rounds)],
+                                  capture_output=True, text=True, check=True, cwd=ROOT)
+            runs[which].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    res = {k: min(v, key=lambda r: r["wall_s"]) for k, v in runs.items()}
+    print(f"best of {args.repeat} alternating runs; wall times seen: "
+          + "; ".join(f"{k} " + ", ".join(f"{r['wall_s']:.2f}" for r in v) for k, v in runs.items()))
+    print(f"{'':12}{'wall s':>10}{'peak MB':>10}{'accuracy':>10}")
+    for which in ("bare", "fedtier"):
+        r = res[which]
+        print(f"{which:12}{r['wall_s']:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}")
+    print(f"{'ratio':12}{res['fedtier']['wall_s'] / res['bare']['wall_s']:10.3f}"
+          f"{res['fedtier']['peak_rss_mb'] / res['bare']['peak_rss_mb']:10.3f}"
+          f"{res['fedtier']['accuracy'] - res['bare']['accuracy']:+10.4f}")
+
+
+if __name__ == "__main__":
+    main()

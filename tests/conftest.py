@@ -1,0 +1,35 @@
+"""Shared fixtures: small, fast configs on scikit-learn digits."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from protocols.config import RunConfig, parse_config
+
+torch.set_num_threads(1)
+
+
+def small_config(tmp_path: Path, **sections: dict[str, Any]) -> RunConfig:
+    """A 2-cell x 3-device hierarchical FedAvg run on digits; ``sections`` override keys per section."""
+    data: dict[str, dict[str, Any]] = {
+        "run": {"name": "t", "seed": 0, "rounds": 3, "output": str(tmp_path / "run")},
+        "topology": {"cells": 2, "devices_per_cell": 3},
+        "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 10, "batch_size": 16, "lr": 0.1},
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": {"dataset": "digits", "partition": "iid"},
+        "runtime": {"device_deadline": 5.0},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return parse_config(data)
+
+
+@pytest.fixture
+def make_config(tmp_path: Path):
+    def make(**sections: dict[str, Any]) -> RunConfig:
+        return small_config(tmp_path, **sections)
+
+    return make

@@ -1,0 +1,51 @@
+"""The ``fedtier`` CLI as a user runs it."""
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from fedtier.cli import main
+from protocols import runfiles
+
+CONFIG = """
+[run]
+name = "cli"
+rounds = 2
+output = "{out}"
+[topology]
+cells = 2
+devices_per_cell = 2
+[algorithm]
+name = "fedavg"
+local_steps = 5
+[model]
+hidden = [16]
+[data]
+dataset = "digits"
+"""
+
+
+def test_sim_runs_and_writes_outputs(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", "run.rounds=3", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "accuracy" in res.output
+    summary = json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())
+    assert summary["rounds"] == 3 and 0 < summary["accuracy"] <= 1
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", "run.rounds=-3"])
+    assert res.exit_code == 2
+    assert "run.rounds" in res.output
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", "topology.devices_per_cell=5000"])
+    assert res.exit_code == 2 and "topology" in res.output
+
+
+def test_help_lists_commands():
+    res = CliRunner().invoke(main, ["--help"])
+    assert res.exit_code == 0 and "sim" in res.output

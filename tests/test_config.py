@@ -1,0 +1,69 @@
+"""A bad config stops with a message naming the offending key; overrides and defaults behave."""
+from __future__ import annotations
+
+import pytest
+
+from protocols.config import ConfigError, load_config, parse_config
+from sim.hierarchy import prepare
+
+
+def test_examples_are_valid():
+    from pathlib import Path
+
+    for path in sorted(Path("examples").glob("*.toml")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"run": {"rounds": -1}}, "run.rounds"),
+    ({"run": {"rounds": 0}}, "run.rounds"),
+    ({"run": {"colour": "red"}}, "run.colour: unknown key"),
+    ({"nonsense": {}}, "nonsense: unknown key"),
+    ({"topology": {"cells": 0}}, "topology.cells"),
+    ({"algorithm": {"name": "fedavg", "lr": -0.1}}, "algorithm.lr"),
+    ({"algorithm": {"name": "fedavg", "momentum_typo": 0.9}}, "algorithm.momentum_typo: unknown key"),
+    ({"algorithm": {"name": "fedsgd?"}}, "algorithm.name"),
+    ({"algorithm": {"name": "fedavg", "local_steps": 0, "local_epochs": 0}}, "algorithm"),
+    ({"data": {"dataset": "cifar10"}}, "data.dataset"),
+    ({"runtime": {"quorum": 1.5}}, "runtime.quorum"),
+    ({"run": {"name": "a/b"}}, "run"),
+])
+def test_bad_config_names_key(data, key):
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert key in str(err.value)
+
+
+def test_more_devices_than_samples_is_a_clear_error(make_config):
+    cfg = make_config(topology={"cells": 2, "devices_per_cell": 50}, data={"max_train": 60})
+    with pytest.raises(ConfigError, match="topology.*100 devices.*60 training samples"):
+        prepare(cfg)
+
+
+def test_overrides_are_parsed_as_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[run]\nrounds = 3\n[algorithm]\nname = "fedavg"\n')
+    cfg = load_config(path, ["run.rounds=7", "algorithm.lr=0.5", "model.hidden=[16, 8]", "run.name=abc"])
+    assert cfg.run.rounds == 7 and cfg.train.lr == 0.5 and cfg.model.hidden == (16, 8) and cfg.run.name == "abc"
+    with pytest.raises(ConfigError, match="run.rounds"):
+        load_config(path, ["run.rounds=-2"])
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_config(path, ["run.rounds"])
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_written_config_reloads_identically(tmp_path, make_config):
+    cfg = make_config()
+    path = tmp_path / "again.toml"
+    path.write_text(cfg.to_toml())
+    again = load_config(path)
+    assert again.train == cfg.train
+    assert again.model_dump(exclude={"algorithm"}) == cfg.model_dump(exclude={"algorithm"})

@@ -1,0 +1,81 @@
+"""In-memory transport: MQTT matching, deterministic order, retained messages, wills, virtual time."""
+from __future__ import annotations
+
+import pytest
+
+from protocols.transport import Will, topic_matches
+from protocols.transport.memory import MemoryHub, VirtualLoop
+
+
+@pytest.mark.parametrize("pattern, topic, expected", [
+    ("a/b", "a/b", True), ("a/+", "a/b", True), ("a/+", "a/b/c", False), ("a/#", "a/b/c", True),
+    ("a/#", "a", True), ("+/+/c", "x/y/c", True), ("a/b", "a/c", False), ("#", "anything/at/all", True),
+    ("a/+/c", "a/b", False),
+])
+def test_topic_matching(pattern, topic, expected):
+    assert topic_matches(pattern, topic) is expected
+
+
+def test_delivery_order_is_publish_order_and_handlers_run_after_publisher_returns():
+    hub = MemoryHub()
+    a, b = hub.connect("a"), hub.connect("b")
+    got: list[tuple[str, str, bytes]] = []
+    b.subscribe("t/+", lambda t, p: got.append(("b1", t, p)))
+    b.subscribe("t/#", lambda t, p: got.append(("b2", t, p)))
+
+    def publish_two() -> None:
+        a.publish("t/1", b"x")
+        a.publish("t/2", b"y")
+        assert got == []  # nothing re-entrant
+
+    hub.loop.post(publish_two)
+    hub.loop.run()
+    assert got == [("b1", "t/1", b"x"), ("b2", "t/1", b"x"), ("b1", "t/2", b"y"), ("b2", "t/2", b"y")]
+
+
+def test_retained_message_reaches_late_subscriber_and_empty_payload_clears_it():
+    hub = MemoryHub()
+    a = hub.connect("a")
+    a.publish("s/x", b"online", retain=True)
+    got = []
+    hub.connect("late").subscribe("s/+", lambda t, p: got.append(p))
+    hub.loop.run()
+    assert got == [b"online"]
+    a.publish("s/x", b"", retain=True)
+    got2 = []
+    hub.connect("later").subscribe("s/+", lambda t, p: got2.append(p))
+    hub.loop.run()
+    assert got2 == []
+
+
+def test_will_published_on_crash_not_on_close():
+    hub = MemoryHub()
+    seen = []
+    hub.connect("watcher").subscribe("status/#", lambda t, p: seen.append((t, p)))
+    hub.connect("d1", will=Will("status/d1", b"offline")).crash()
+    hub.connect("d2", will=Will("status/d2", b"offline")).close()
+    hub.loop.run()
+    assert seen == [("status/d1", b"offline")]
+
+
+def test_disconnected_client_receives_nothing_and_takeover_replaces_session():
+    hub = MemoryHub()
+    got = []
+    old = hub.connect("x")
+    old.subscribe("t", lambda t, p: got.append("old"))
+    new = hub.connect("x")  # same client id takes over
+    new.subscribe("t", lambda t, p: got.append("new"))
+    hub.connect("pub").publish("t", b"1")
+    hub.loop.run()
+    assert got == ["new"] and not old.connected
+
+
+def test_virtual_timers_fire_in_time_order_and_cancel():
+    loop = VirtualLoop()
+    fired = []
+    loop.call_later(5, lambda: fired.append((loop.now(), "late")))
+    h = loop.call_later(1, lambda: fired.append("cancelled"))
+    loop.call_later(2, lambda: fired.append((loop.now(), "early")))
+    loop.cancel(h)
+    loop.run()
+    assert fired == [(2.0, "early"), (5.0, "late")]
