@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected, TrainParams
-from .fedalign import FedAlign
 from .decomfl import DeComFL
+from .fedalign import FedAlign
 from .fedavg import FedAvg
+from .fedmrn import FedMRN
 from .hist import Hist
 
-ALGORITHMS: dict[str, type[Algorithm]] = {FedAlign.name: FedAlign, DeComFL.name: DeComFL, FedAvg.name: FedAvg, Hist.name: Hist}
+ALGORITHMS: dict[str, type[Algorithm]] = {FedAlign.name: FedAlign, DeComFL.name: DeComFL, FedAvg.name: FedAvg, FedMRN.name: FedMRN, Hist.name: Hist}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:

@@ -22,18 +22,17 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer, num_steps
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
+from .codecs import DenseCodec, UplinkCodec, UplinkParams, make_codec, uplink_seed
 from .server_opt import AmplifiedParams, ServerOptimizer, split_state
 
 
-def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str) -> float:
-    """Validate a dense delta with a positive finite ``weight``; return the weight."""
+def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str,
+                codec: UplinkCodec | None = None) -> float:
+    """Validate a delta (dense, or encoded with ``codec``) with a positive finite ``weight``; return the weight."""
     weight = payload.meta.get("weight")
     if not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight <= 0:
         raise Rejected(f"{what}: weight must be a positive number, got {weight!r}")
-    try:
-        P.check_like(payload.tensors, reference, what)
-    except ValueError as exc:
-        raise Rejected(str(exc)) from None
+    (codec or DenseCodec()).check(payload, reference, what)
     return float(weight)
 
 
@@ -109,6 +108,7 @@ class FedAvgCell(CellRole):
         self.model: Mapping[str, np.ndarray] = {}
         self.weights: dict[str, float] = {}
         self.upload_values = 0
+        self.codec = make_codec(params)
 
     def begin(self, round: int, task: Payload) -> None:
         self.base = task.tensors
@@ -121,17 +121,18 @@ class FedAvgCell(CellRole):
         return {d: task for d in available}
 
     def check(self, device: str, result: Payload) -> None:
-        check_delta(result, self.model, f"result of device {device}")
+        check_delta(result, self.model, f"result of device {device}", self.codec)
 
     def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
         if not results:
             return {}
         ordered = sorted(results.items())
-        mean, _ = P.weighted_mean((r.meta["weight"], r.tensors) for _, r in ordered)
+        deltas = [(d, r.meta["weight"], self.codec.decode(r, self.model)) for d, r in ordered]
+        mean, _ = P.weighted_mean((w, delta) for _, w, delta in deltas)
         self.model = P.add(self.model, mean)
-        for d, r in ordered:
-            self.weights[d] = float(r.meta["weight"])
-            self.upload_values += P.num_values(r.tensors)
+        for d, w, delta in deltas:
+            self.weights[d] = float(w)
+            self.upload_values += P.num_values(delta)
         return {}
 
     def upload_meta(self) -> dict[str, int]:
@@ -148,6 +149,7 @@ class FedAvgCell(CellRole):
 class FedAvgDevice(DeviceRole):
     def __init__(self, params: TrainParams) -> None:
         self.p = params
+        self.codec = make_codec(params)
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         trainer.set_params(task.tensors)
@@ -156,14 +158,20 @@ class FedAvgDevice(DeviceRole):
                             rng=rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"),
                             weight_decay=self.p.weight_decay)
         delta = P.sub(trainer.get_params(), task.tensors)
-        return Payload({"weight": len(data), "loss": stats.loss, "steps": stats.steps}, delta)
+        out = self.codec.encode(delta, uplink_seed(ctx))
+        out.meta.update({"weight": len(data), "loss": stats.loss, "steps": stats.steps})
+        return out
+
+
+class FedAvgParams(AmplifiedParams, UplinkParams):
+    """FedAvg's parameters: amplification (cloud) and the device -> cell codec (``uplink``)."""
 
 
 class FedAvg(Algorithm):
     """Hierarchical FedAvg; with one cell and E = 1 it is plain FedAvg (amplified with ``amplify_*``)."""
 
     name = "fedavg"
-    Params = AmplifiedParams
+    Params = FedAvgParams
 
     def cloud(self) -> CloudRole:
         return FedAvgCloud(self.params, self.initial_params())

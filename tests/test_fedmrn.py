@@ -1,0 +1,172 @@
+"""FedMRN: masks on the wire (exact bytes), unbiased stochastic masking, exact reconstruction, learning."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from protocols.algorithms.base import DeviceContext, Rejected
+from protocols.algorithms.codecs.mrn import FedMRNCodec, clipped, make_noise, masked_value, sample_mask
+from protocols.algorithms.fedmrn import FedMRNCell, FedMRNCloud
+from protocols.config import parse_config
+from protocols.seeding import rng
+from protocols.torch_trainer import TorchTrainer
+from protocols.wire.envelope import Header, encode_message
+from protocols.wire.payload import Payload, decode_payload, encode_payload
+from sim.hierarchy import prepare
+from sim.launcher import run_simulation
+
+
+def config(rounds: int = 1, **algorithm):
+    alg = {"name": "fedmrn", "local_epochs": 1, "batch_size": 16, "lr": 0.1, "alpha": 0.1, **algorithm}
+    return parse_config({"run": {"name": "mrn", "seed": 3, "rounds": rounds},
+                         "topology": {"cells": 2, "devices_per_cell": 2}, "algorithm": alg,
+                         "model": {"name": "mlp", "hidden": [32]},
+                         "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5}})
+
+
+def device_results(cfg):
+    """Re-run every device of round 0 (the role is deterministic) from the initial model."""
+    prep = prepare(cfg)
+    algorithm = cfg.build_algorithm(prep.spec)
+    w = algorithm.initial_params()
+    trainer = TorchTrainer.from_spec(prep.spec.name, prep.spec.input_shape, prep.spec.num_classes,
+                                     **prep.spec.build_kwargs())
+    out = {}
+    for cell in cfg.topology.cell_ids():
+        for d in cfg.topology.device_ids(cell):
+            role = algorithm.device(d)
+            ctx = DeviceContext(cfg.run.seed, 0, 0, cell, d)
+            out[d] = (cell, role, role.local_update(w, prep.device_data[d], trainer, ctx),
+                      role.train(Payload({}, w), prep.device_data[d], trainer, ctx), w)
+    return out
+
+
+def test_device_update_bytes_on_the_wire_are_exact() -> None:
+    cfg = config()
+    result = run_simulation(cfg, write_output=False)
+    masked = 64 * 32 + 32 * 10  # fc1.weight, out.weight: 1 bit each
+    extras = 32 + 10  # fc1.bias, out.bias: float32
+    framing = (2 + 4 + 2 + 4) + 2 * (2 + 8 + 2 + 4)  # tensors/v1 headers of "mask", "fc1.bias", "out.bias"
+    results = device_results(cfg)
+    for record in result.cell_records:
+        on_wire = 0
+        for d in record["answered"]:
+            cell, _, _, payload, _ = results[d]
+            body = encode_payload(payload)
+            meta = json.dumps(payload.meta, separators=(",", ":")).encode()
+            assert len(body) == math.ceil(masked / 8) + 4 * extras + framing + 4 + len(meta) + 2 == 514 + len(meta)
+            assert len(meta) < 120 and set(payload.meta) == {"codec", "seed", "weight", "loss", "steps"}
+            header = Header(run=cfg.run.name, kind="device_result", round=0, edge_round=0, cell=cell, sender=d,
+                            msg_id="x" * 20, payload_len=0)
+            on_wire += len(encode_message(header, body))
+        assert record["bytes_in"] == on_wire  # the runtime counted exactly these messages
+        assert record["metrics"]["cell_uplink"] == "masks"
+
+
+def test_cell_rebuilds_exactly_what_the_device_applied() -> None:
+    cfg = config()
+    for d, (cell, role, update, payload, w) in device_results(cfg).items():
+        codec = role.codec
+        assert set(np.unique(np.concatenate([m.ravel() for m in update.masks.values()]))) <= {0.0, 1.0}
+        wire = decode_payload(encode_payload(payload))
+        codec.check(wire, w, d)
+        decoded = FedMRNCodec(alpha=0.1).decode(wire, w)  # a fresh codec: noise regenerated from the seed
+        for k, v in update.delta().items():
+            np.testing.assert_array_equal(decoded[k], v)
+        for k, v in update.extras.items():
+            np.testing.assert_array_equal(decoded[k], v)
+        assert np.abs(update.delta()["fc1.weight"]).max() <= 0.1
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_stochastic_mask_is_unbiased_inside_its_range(signed: bool) -> None:
+    n = make_noise(5, (4000,), 0, "uniform", 0.3)
+    frac = np.linspace(-1 if signed else 0, 1, 4000, dtype=np.float32)
+    u = frac * n  # inside the reach of n
+    g = rng(0, "test")
+    draws = 4000
+    mean = np.zeros_like(u, dtype=np.float64)
+    for _ in range(draws):
+        mean += n * sample_mask(u, n, signed, g)
+    mean /= draws
+    p = np.clip((frac + 1) / 2 if signed else frac, 0, 1)
+    sd = np.abs(n) * (2 if signed else 1) * np.sqrt(p * (1 - p) / draws)
+    assert (np.abs(mean - u) <= 5.5 * sd + 1e-7).all()
+    z = (mean - u)[sd > 0] / sd[sd > 0]
+    assert abs(z.mean()) < 0.1 and 0.8 < z.std() < 1.2  # standard normal errors: no bias anywhere
+    # outside the reach the mask saturates at the clipped value
+    far = 3 * n
+    np.testing.assert_array_equal(n * sample_mask(far, n, signed, g), clipped(far, n, signed))
+
+
+def test_progressive_masking_mixes_masked_and_clipped_values() -> None:
+    n = make_noise(1, (20000,), 0, "uniform", 1.0)
+    u = 0.5 * n
+    g = rng(1, "pm")
+    v = masked_value(u, n, False, 0.25, g)
+    is_clip = np.isclose(v, u)
+    assert 0.72 < is_clip.mean() < 0.78  # 1 - p of the values keep the clipped u
+    assert np.isin(v[~is_clip] / n[~is_clip], [0, 1]).all()
+    np.testing.assert_array_equal(masked_value(u, n, False, 1.0, rng(2, "x")) / n % 1, 0)
+
+
+def test_noise_is_deterministic_and_documented() -> None:
+    a = make_noise(123, (3, 5), 2, "uniform", 0.01)
+    g = np.random.Generator(np.random.PCG64(np.random.SeedSequence([123, 2])))
+    expect = ((g.random(15, dtype=np.float32) * np.float32(2) - np.float32(1)) * np.float32(0.01)).reshape(3, 5)
+    np.testing.assert_array_equal(a, expect)
+    assert np.isin(make_noise(9, (100,), 0, "bernoulli", 0.5), [-0.5, 0.5]).all()
+    assert abs(make_noise(9, (20000,), 1, "gauss", 2.0).std() - 2.0) < 0.05
+
+
+def test_fedmrn_learns_is_deterministic_and_forwarding_matches_dense() -> None:
+    cfg = config(rounds=8, edge_rounds=2, alpha=0.2)
+    a = run_simulation(cfg, write_output=False)
+    b = run_simulation(cfg, write_output=False)
+    for k in a.params:
+        np.testing.assert_array_equal(a.params[k], b.params[k])
+    assert a.final_accuracy > 0.8
+    dense = run_simulation(config(rounds=8, edge_rounds=2, alpha=0.2, cell_uplink="dense"), write_output=False)
+    for k in a.params:  # same updates, only the float32 rounding of the cell sums differs
+        np.testing.assert_allclose(a.params[k], dense.params[k], atol=1e-5)
+    last = [r for r in a.cell_records if r["edge_round"] == 1]
+    assert all(r["metrics"]["cell_uplink"] == "masks" for r in last)
+    assert all(r["metrics"]["cell_masks_bytes"] < r["metrics"]["cell_dense_bytes"] for r in last)
+    assert a.history[-1]["bytes"]["cell_to_cloud"] < dense.history[-1]["bytes"]["cell_to_cloud"] / 2
+
+
+def test_signed_masks_learn() -> None:
+    result = run_simulation(config(rounds=4, signed=True, alpha=0.05), write_output=False)
+    assert result.final_accuracy > 0.6
+
+
+def test_cloud_rejects_malformed_forwarded_reports() -> None:
+    cfg = config(edge_rounds=1)
+    results = device_results(cfg)
+    prep = prepare(cfg)
+    algorithm = cfg.build_algorithm(prep.spec)
+    cell: FedMRNCell = algorithm.cell("c0")
+    cloud: FedMRNCloud = algorithm.cloud()
+    w = next(iter(results.values()))[4]
+    cell.begin(0, Payload({}, w))
+    mine = {d: r[3] for d, r in results.items() if r[0] == "c0"}
+    for d, r in mine.items():
+        cell.check(d, r)
+    cell.aggregate(0, mine)
+    report = decode_payload(encode_payload(cell.report()))
+    assert report.meta["uplink"] == "masks"
+    cloud.check("c0", report)
+    rebuilt = cloud.rebuild(report).tensors
+    for k in w:  # one edge round: the rebuilt delta is the cell's own mean
+        np.testing.assert_allclose(rebuilt[k], cell.model[k] - w[k], atol=1e-6)
+    bad_entries = [[0, 5, "zz"]] + report.meta["entries"][1:]
+    for meta, tensors in [({**report.meta, "entries": bad_entries}, report.tensors),
+                          ({**report.meta, "entries": report.meta["entries"][:1]}, report.tensors),
+                          (report.meta, {**report.tensors, "mask.0": report.tensors["mask.0"][:-1]})]:
+        with pytest.raises(Rejected):
+            cloud.check("c0", Payload(meta, tensors))
+    with pytest.raises(Rejected):
+        cell.check("c0-d0", Payload({**mine["c0-d0"].meta, "seed": "nothex0000000000"}, mine["c0-d0"].tensors))
