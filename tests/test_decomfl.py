@@ -1,0 +1,348 @@
+"""DeComFL: bit-exact reconstruction after any absences, exact dimension-free bytes, onnxruntime devices."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from protocols import directions as Z
+from protocols.algorithms.base import DeviceContext, ModelSpec, Rejected
+from protocols.algorithms.decomfl import DeComFLCell, DeComFLCloud, DeComFLDevice, DeComFLParams
+from protocols.config import load_config
+from protocols.models import build_model, init_params
+from protocols.onnx_export import export_onnx
+from protocols.trainer import LocalData
+from protocols.torch_trainer import TorchTrainer
+from protocols.wire import topics
+from protocols.wire.envelope import decode_message
+from protocols.wire.payload import Payload, decode_payload
+from sim.launcher import SimHierarchy, run_simulation
+
+REPO = Path(__file__).resolve().parents[1]
+K, P = 2, 3
+ONNX_DEVICES = ["c0-d1", "c1-d0", "c1-d2"]
+
+
+def decomfl_config(make_config, hidden: list[int], rounds: int = 14, onnx: list[str] | None = None, **algo):
+    return make_config(
+        run={"rounds": rounds},
+        algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": K, "perturbations": P, "lr": 0.02, "mu": 1e-3,
+                   "batch_size": 16, **algo},
+        model={"name": "mlp", "hidden": hidden},
+        participation={"model": "uniform", "per_round": 2},  # 2 of 6 devices a round: long absences
+        runtime={"device_deadline": 5.0, "eval_every": rounds, "onnx_devices": onnx or []},
+    )
+
+
+def run_traced(cfg):
+    """Run the sim; return the hierarchy, the cloud model after every round, and the device uplinks."""
+    sim = SimHierarchy(cfg, write_output=False)
+    snapshots = {0: {k: v.copy() for k, v in sim.cloud.role.model.items()}}
+    sim.cloud.on_round = lambda rec: snapshots.__setitem__(rec["round"] + 1, {
+        k: v.copy() for k, v in sim.cloud.role.model.items()})
+    uplinks: list[tuple[str, bytes]] = []
+    spy = sim.hub.connect("spy")
+    for c in sim.cells:
+        spy.subscribe(topics.device_results(cfg.run.name, c), lambda t, d: uplinks.append((t, d)))
+    result = sim.run()
+    return sim, result, snapshots, uplinks
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tests.conftest import small_config
+
+    make = lambda **s: small_config(tmp_path_factory.mktemp("decomfl"), **s)  # noqa: E731
+    small = run_traced(decomfl_config(make, [16], onnx=ONNX_DEVICES))
+    large = run_traced(decomfl_config(make, [64]))
+    return small, large
+
+
+def test_every_device_reconstructs_the_cloud_model_bit_for_bit(runs):
+    for sim, result, snapshots, _ in runs:
+        cloud = sim.cloud.role
+        needs = [a.role.synced for a in sim.agents.values()]  # last round each took part in (0: never)
+        participated = 0
+        for d, agent in sim.agents.items():
+            role = agent.role
+            if role.model is None:
+                continue  # never took part: still x_0, needs the whole history (kept, see below)
+            participated += 1
+            # after its last participation the device holds x_t exactly (revert by copy)...
+            for k in role.model:
+                assert np.array_equal(role.model[k], snapshots[role.synced][k]), (d, k)
+            # ...and replaying the rounds it missed since gives the cloud's final model bit for bit
+            i = role.synced - cloud.base
+            role.catch_up(role.synced, np.array([*cloud.seeds[i:], 0], np.uint64)[:-1], np.stack(cloud.g[i:]))
+            for k in role.model:
+                assert np.array_equal(role.model[k], result.params[k]), (d, k)
+        assert participated >= 5
+        # history pruned to the oldest round a device still needs (never-seen devices need round 0)
+        assert cloud.base == min(needs) and cloud.base + len(cloud.g) == len(result.history)
+
+
+def test_onnx_devices_take_part_and_stay_exact(runs):
+    sim, result, snapshots, _ = runs[0]
+    for d in ONNX_DEVICES:
+        agent = sim.agents[d]
+        assert type(agent.trainer).__name__ == "OnnxTrainer" and agent.tasks_done > 0
+        # reconstruction is pure numpy from broadcast scalars: exact on onnxruntime devices too (tolerance 0)
+        for k in agent.role.model:
+            assert np.array_equal(agent.role.model[k], snapshots[agent.role.synced][k])
+
+
+def test_the_model_learns(make_config):
+    cfg = make_config(run={"rounds": 40},
+                      algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 5,
+                                 "lr": 0.1, "batch_size": 32},
+                      model={"name": "mlp", "hidden": [16]}, runtime={"eval_every": 40})
+    sim = SimHierarchy(cfg, write_output=False)
+    spec, ds = sim.prep.spec, sim.prep.dataset
+    trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs())
+    trainer.set_params(sim.algorithm.initial_params())
+    loss0, acc0 = trainer.evaluate(ds.x_test, ds.y_test)
+    result = sim.run()
+    assert result.history[-1]["loss"] < loss0 - 0.3
+    assert result.history[-1]["accuracy"] > max(0.4, acc0 + 0.25)
+
+
+def test_uplink_is_kp_scalars_plus_a_fixed_header_exactly(runs):
+    for sim, _, _, uplinks in runs:
+        assert len(uplinks) == sum(a.tasks_done for a in sim.agents.values()) > 0
+        for topic, data in uplinks:
+            header, raw = decode_message(data)
+            payload = decode_payload(raw)
+            meta = json.dumps(payload.meta, separators=(",", ":")).encode()
+            assert list(payload.meta) == ["weight"] and list(payload.tensors) == ["g"]
+            # payload: u32 meta len + meta + u16 count + (u16 name len + "g" + u8 dtype + u8 ndim + 2 x u32) + 4KP
+            fixed_payload = 4 + len(meta) + 2 + (2 + 1 + 1 + 1 + 2 * 4)
+            assert len(raw) == fixed_payload + 4 * K * P
+            envelope = 4 + 4 + len(header.model_dump_json(exclude_none=True).encode())
+            assert len(data) == envelope + fixed_payload + 4 * K * P
+
+
+def test_bytes_per_device_do_not_depend_on_the_model_size(runs):
+    (small, *_), (large, *_) = runs
+    assert Z.shapes_of(small.cloud.role.model) != Z.shapes_of(large.cloud.role.model)
+    for d in small.agents:
+        a, b = small.agents[d], large.agents[d]
+        assert (a.bytes_in, a.bytes_out, a.tasks_done) == (b.bytes_in, b.bytes_out, b.tasks_done), d
+        assert a.bytes_in > 0
+
+
+def test_downlink_is_this_rounds_seed_plus_exactly_the_missed_history(make_config):
+    cfg = decomfl_config(make_config, [8], rounds=8)
+    sim = SimHierarchy(cfg, write_output=False)
+    seen: list[tuple[str, int, Payload]] = []
+
+    def record(topic: str, data: bytes) -> None:
+        header, raw = decode_message(data)
+        seen.append((topic, header.round, decode_payload(raw)))
+
+    for c in sim.cells:
+        for d in sim.cfg.topology.device_ids(c):
+            sim.hub.connect(f"spy.{d}").subscribe(topics.device_task(cfg.run.name, c, d), record)
+    sim.run()
+    last: dict[str, int] = {}
+    assert len(seen) == sum(a.tasks_done for a in sim.agents.values()) > 0
+    for topic, r, p in seen:
+        dev = topic.split("/")[-2]
+        start = last.get(dev, 0)  # the round it last took part in: it reverted to x_start
+        assert p.meta == {"from": start} and set(p.tensors) == {"s", "g"}
+        assert p.tensors["s"].shape == (r - start + 1,) and p.tensors["g"].shape == (r - start, K, P)
+        assert [int(s) for s in p.tensors["s"]] == [Z.round_seed(cfg.run.seed, j) for j in range(start, r + 1)]
+        last[dev] = r
+    assert max(r for _, r, _ in seen) - min(last.values()) >= 2  # some device really missed rounds
+
+
+def test_onnx_and_torch_devices_produce_the_same_scalars(tmp_path):
+    spec = ModelSpec(name="cnn", input_shape=(1, 8, 8), num_classes=10, channels=(4, 8), fc=16)
+    x0 = init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()), 3)
+    from edge_agent.onnx_trainer import build_onnx_trainer
+
+    onnx = build_onnx_trainer(export_onnx(spec, x0, tmp_path / "m.onnx"))
+    torch_ = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs())
+    rng = np.random.default_rng(0)
+    data = LocalData(rng.random((40, 64), dtype=np.float32), rng.integers(0, 10, 40))
+    params = DeComFLParams(name="decomfl", local_steps=3, perturbations=4, lr=0.01, mu=1e-2, batch_size=16)
+    ctx = DeviceContext(0, 5, 0, "c0", "c0-d0")
+    seed = Z.round_seed(0, 5)
+    task = Payload({"from": 5}, {"s": np.array([seed], np.uint64), "g": np.zeros((0, 3, 4), np.float32)})
+    out = {}
+    for name, trainer in (("onnx", onnx), ("torch", torch_)):
+        dev = DeComFLDevice(params, lambda: x0)
+        dev.synced = 5
+        dev.model = {k: v.copy() for k, v in x0.items()}
+        out[name] = dev.train(task, data, trainer, ctx).tensors["g"]
+        assert all(np.array_equal(dev.model[k], x0[k]) for k in x0)  # reverted
+    assert np.abs(out["torch"]).max() > 0.05
+    # losses agree to ~1e-7 between backends; divided by mu=1e-2 that is ~1e-5 on each scalar
+    np.testing.assert_allclose(out["onnx"], out["torch"], rtol=1e-3, atol=1e-3)
+    assert all(np.array_equal(onnx.initial_params()[k], x0[k]) for k in x0)
+
+
+def test_agent_side_runs_without_torch(tmp_path):
+    spec = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(8,))
+    x0 = init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()), 0)
+    path = export_onnx(spec, x0, tmp_path / "m.onnx")
+    code = f"""
+import sys
+sys.modules["torch"] = None  # any torch import now fails
+import numpy as np
+from edge_agent.onnx_trainer import build_onnx_trainer
+from edge_agent.agent import DeviceAgent
+from protocols.algorithms.decomfl import DeComFLDevice, DeComFLParams
+from protocols.algorithms.base import DeviceContext
+from protocols.trainer import LocalData
+from protocols.wire.payload import Payload
+from protocols import directions as Z
+t = build_onnx_trainer({str(path)!r})
+dev = DeComFLDevice(DeComFLParams(name="decomfl", perturbations=3), lambda: 1 / 0)
+r = np.random.default_rng(0)
+data = LocalData(r.random((20, 64), dtype=np.float32), r.integers(0, 10, 20))
+g = np.ones((2, 1, 3), np.float32)
+task = Payload({{"from": 0}}, {{"s": np.array([Z.round_seed(0, i) for i in range(3)], np.uint64), "g": g}})
+out = dev.train(task, data, t, DeviceContext(0, 2, 0, "c0", "c0-d0")).tensors["g"]
+assert out.shape == (1, 3) and np.isfinite(out).all() and dev.synced == 2
+print("ok", "torch" in sys.modules and sys.modules["torch"] is None)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok True"
+
+
+def _params() -> DeComFLParams:
+    return DeComFLParams(name="decomfl", local_steps=K, perturbations=P)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (Payload({"weight": 4}, {"g": np.zeros((K, P + 1), np.float32)}), "expected"),
+    (Payload({"weight": 4}, {"g": np.zeros((K, P), np.float64)}), "expected"),
+    (Payload({"weight": 4}, {"g": np.full((K, P), np.nan, np.float32)}), "non-finite"),
+    (Payload({"weight": 4}, {}), "expected"),
+    (Payload({"weight": 0}, {"g": np.zeros((K, P), np.float32)}), "weight"),
+    (Payload({"weight": True}, {"g": np.zeros((K, P), np.float32)}), "weight"),
+])
+def test_bad_device_results_are_rejected_and_do_not_touch_the_sum(bad, match):
+    cloud = DeComFLCloud(_params(), 0, {"w": np.zeros(3, np.float32)})
+    cell = DeComFLCell(_params(), "c0", ["d1", "d2"])
+    cell.begin(0, cloud.plan(0, ["c0"])["c0"])
+    with pytest.raises(Rejected, match=match):
+        cell.check("d1", bad)
+    good = Payload({"weight": 4}, {"g": np.ones((K, P), np.float32)})
+    cell.check("d2", good)
+    cell.aggregate(0, {"d2": good})
+    report = cell.report()
+    assert report.meta == {"weight": 1.0, "answered": ["d2"], "need": 0}
+    cloud.check("c0", report)
+    for bad_report in (Payload({**report.meta, "need": -1}, report.tensors),
+                       Payload({**report.meta, "answered": "d2"}, report.tensors),
+                       Payload(report.meta, {"g": report.tensors["g"].astype(np.float32)})):
+        with pytest.raises(Rejected):
+            cloud.check("c0", bad_report)
+
+
+def test_cell_weights_need_and_cloud_pruning():
+    params = _params().model_copy(update={"weighting": "samples"})
+    cloud = DeComFLCloud(params, 0, {"w": np.zeros(3, np.float32)})
+    cells = {c: DeComFLCell(params, c, [f"{c}-a", f"{c}-b"]) for c in ("c0", "c1")}
+    g = {n: np.full((K, P), float(n), np.float32) for n in range(1, 5)}
+    for r, answers in enumerate([{"c0": ["c0-a", "c0-b"], "c1": ["c1-a"]}, {"c0": ["c0-a"], "c1": ["c1-a", "c1-b"]}]):
+        tasks = cloud.plan(r, list(cells))
+        reports = {}
+        for c, cell in cells.items():
+            cell.begin(r, tasks[c])
+            plan = cell.plan(0, answers[c])
+            assert set(plan) == set(answers[c])
+            res = {d: Payload({"weight": 10 * (i + 1)}, {"g": g[i + 1]}) for i, d in enumerate(answers[c])}
+            cell.aggregate(0, res)
+            reports[c] = cell.report()
+        cloud.aggregate(r, reports)
+    # round 0: (10*1 + 20*2 + 10*1) / 40; round 1: (10*1 + 10*1 + 20*2) / 40
+    np.testing.assert_array_equal(cloud.g[0], np.float32(60 / 40))
+    np.testing.assert_array_equal(cloud.g[1], np.float32(60 / 40))
+    # c0-b last took part in round 0: the history from round 0 is still needed; then it answers in round 2
+    assert cloud.base == 0 and reports["c0"].meta["need"] == 0 and reports["c1"].meta["need"] == 1
+    tasks = cloud.plan(2, list(cells))
+    assert tasks["c0"].meta["from"] == 0 and tasks["c1"].meta["from"] == 1
+    cells["c0"].begin(2, tasks["c0"])
+    plan = cells["c0"].plan(0, ["c0-a", "c0-b"])
+    assert plan["c0-a"].meta == {"from": 1} and plan["c0-b"].meta == {"from": 0}
+    assert plan["c0-b"].tensors["g"].shape == (2, K, P) and plan["c0-a"].tensors["g"].shape == (1, K, P)
+    cells["c0"].aggregate(0, {d: Payload({"weight": 1}, {"g": g[1]}) for d in plan})
+    cells["c1"].begin(2, tasks["c1"])
+    cells["c1"].aggregate(0, {})
+    cloud.aggregate(2, {"c0": cells["c0"].report(), "c1": cells["c1"].report()})
+    assert cloud.base == 1 and len(cloud.g) == 2  # round 0 no longer needed by anyone
+
+
+def test_device_skips_applied_rounds_and_refuses_a_history_it_cannot_replay():
+    params = _params()
+    x0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2, np.float32)}
+    seeds = [Z.round_seed(0, r) for r in range(4)]
+    hist = np.random.default_rng(1).standard_normal((4, K, P)).astype(np.float32)
+    full = {k: v.copy() for k, v in x0.items()}
+    for r in range(4):
+        Z.apply_round(full, seeds[r], hist[r], params.lr)
+    dev = DeComFLDevice(params, lambda: x0)
+    dev.model = {k: v.copy() for k, v in x0.items()}
+    dev.catch_up(0, np.array(seeds[:2], np.uint64), hist[:2])
+    assert dev.synced == 2
+    dev.catch_up(1, np.array(seeds[1:4], np.uint64), hist[1:4])  # round 1 already applied: skipped
+    assert dev.synced == 4 and all(np.array_equal(dev.model[k], full[k]) for k in x0)
+    late = DeComFLDevice(params, lambda: x0)
+    late.model = {k: v.copy() for k, v in x0.items()}
+    with pytest.raises(ValueError, match="synced to round 0"):
+        late.catch_up(2, np.array(seeds[2:], np.uint64), hist[2:])
+
+
+def test_cloud_state_round_trip(runs):
+    sim, *_ = runs[0]
+    cloud = sim.cloud.role
+    again = DeComFLCloud(cloud.p, cloud.seed, sim.algorithm.initial_params())
+    again.load_state(cloud.state())
+    r = cloud.base + len(cloud.g)
+    a, b = cloud.plan(r, ["c0", "c1"]), again.plan(r, ["c0", "c1"])
+    for c in a:
+        assert a[c].meta == b[c].meta
+        assert all(np.array_equal(a[c].tensors[k], b[c].tensors[k]) for k in a[c].tensors)
+    assert all(np.array_equal(again.model[k], cloud.model[k]) for k in cloud.model)
+
+
+def test_direction_scheme_is_fixed():
+    shapes = {"a.weight": (3, 4), "a.bias": (3,)}
+    z1, z2 = Z.direction(7, 1, 2, shapes), Z.direction(7, 1, 2, shapes)
+    assert all(z1[k].dtype == np.float32 and np.array_equal(z1[k], z2[k]) for k in shapes)
+    # one generator walks the parameters in model order
+    flat = np.random.Generator(np.random.PCG64(__import__("protocols.seeding", fromlist=["x"]).seed_sequence(
+        7, 1, 2, "zo-direction"))).standard_normal(15, dtype=np.float32)
+    assert np.array_equal(np.concatenate([z1["a.weight"].ravel(), z1["a.bias"]]), flat)
+    r = Z.direction(7, 1, 2, shapes, "rademacher")
+    assert set(np.unique(np.concatenate([v.ravel() for v in r.values()]))) <= {-1.0, 1.0}
+    assert not np.array_equal(Z.direction(7, 1, 3, shapes)["a.bias"], z1["a.bias"])
+    assert Z.fingerprint() == Z.fingerprint() and len(Z.fingerprint()) == 16
+
+
+def test_example_config_runs_and_export_cli(tmp_path):
+    cfg = load_config(REPO / "examples" / "decomfl.toml",
+                      ["data.dataset=\"digits\"", "data.max_train=0", "run.rounds=3", "runtime.eval_every=3",
+                       f"run.output=\"{tmp_path / 'run'}\"", "runtime.onnx_devices=[\"c0-d0\"]"])
+    result = run_simulation(cfg)
+    assert len(result.history) == 3 and result.final_accuracy is not None
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary["device_traffic"]) == set(cfg.topology.all_devices())
+    assert (tmp_path / "run" / "model.onnx").exists()
+    from fedtier.cli import main
+
+    out = tmp_path / "m.onnx"
+    res = CliRunner().invoke(main, ["export", str(REPO / "examples" / "decomfl.toml"), "--set",
+                                    "data.dataset=\"digits\"", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    from edge_agent.onnx_trainer import build_onnx_trainer
+
+    assert list(build_onnx_trainer(out).get_params()) == ["fc1.weight", "fc1.bias", "out.weight", "out.bias"]
