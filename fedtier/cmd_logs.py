@@ -115,5 +115,8 @@ def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: 
         for r in chosen:
             sys.stdout.write(r.to_json() + "\n")
         return
-    Console().print(records_table(chosen))
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=200)  # piped: do not squeeze the table to 80 columns
+    out.print(records_table(chosen))
     console.print(f"{len(chosen)} of {len(records)} records", highlight=False)

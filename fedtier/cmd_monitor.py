@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -13,14 +14,14 @@ from fedtier.console import fail
 
 
 @main.command()
-@click.argument("run_dir", required=False, type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--broker", metavar="URL", help="Subscribe to the run's telemetry on this broker (mqtt://host:port).")
 @click.option("--run", "run_name", metavar="NAME", help="Run name (with --broker).")
 @click.option("--username", help="Broker user name.")
 @click.option("--password", help="Broker password.")
 @click.option("--once", is_flag=True, help="Render one frame to stdout and exit (scripts, tests).")
 @click.option("--wait", type=float, default=3.0, show_default=True,
-              help="With --once --broker: listen this long at most (stops after 1 s without telemetry).")
+              help="With --once --broker: listen this long at most (stops 1 s after telemetry went quiet).")
 @click.option("--refresh", type=float, default=0.5, show_default=True, help="Seconds between frames.")
 @click.option("--deadline", type=float, help="Flag a cell silent after this many seconds "
               "(default: the device deadline its records carry).")
@@ -59,7 +60,9 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, usern
         feed = TelemetryFeed(transport, run_name).start()
         state.run = run_name
     else:
-        feed = RunDirFollower(run_dir)
+        if once and not Path(run_dir).is_dir():
+            fail(f"{run_dir} is not a run folder", 2)
+        feed = RunDirFollower(run_dir)  # it may not exist yet: the run creates it
 
     def pull() -> None:
         records, bad, statuses = feed.poll()

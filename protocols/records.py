@@ -84,6 +84,16 @@ class CellRecord(_Record):
         """Answered / planned, or None when nobody was planned."""
         return len(self.answered) / len(self.planned) if self.planned else None
 
+    @property
+    def cell_size(self) -> int:
+        """Devices of the cell this record knows of (planned or absent)."""
+        return len(set(self.planned) | set(self.absent))
+
+    @property
+    def coverage(self) -> float | None:
+        """Answered / all devices of the cell (drops when devices go offline or stop participating)."""
+        return len(self.answered) / self.cell_size if self.cell_size else None
+
 
 class RoundRecord(_Record):
     """One cloud round. ``accuracy`` and ``loss`` are present on evaluated rounds only."""

@@ -23,16 +23,17 @@ class _Tail:
     """New complete lines of a growing file (a half-written last line waits for its newline)."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.line, self.buffer = path, 0, 1, b""
+        self.path, self.offset, self.line, self.buffer, self.inode = path, 0, 1, b"", None
 
     def read(self) -> tuple[list[str], int]:
         """New lines and the number of the first one; a file that shrank is read again from the start."""
         try:
-            size = self.path.stat().st_size
+            stat = self.path.stat()
         except FileNotFoundError:
             return [], self.line
-        if size < self.offset:  # truncated or replaced: a new run in the same folder
-            self.offset, self.line, self.buffer = 0, 1, b""
+        size = stat.st_size
+        if size < self.offset or stat.st_ino != self.inode:  # truncated or replaced: a new run in the folder
+            self.offset, self.line, self.buffer, self.inode = 0, 1, b"", stat.st_ino
         if size == self.offset:
             return [], self.line
         with self.path.open("rb") as fh:
@@ -109,12 +110,12 @@ class TelemetryFeed:
 
 
 def wait_quiet(feed: TelemetryFeed, quiet: float, timeout: float) -> None:
-    """Block until no telemetry arrived for ``quiet`` seconds, or ``timeout`` passed (for ``--once``)."""
+    """Block until telemetry came and then none for ``quiet`` seconds, or ``timeout`` passed (``--once``)."""
     end = time.monotonic() + timeout
     last, seen = time.monotonic(), feed.received
     while time.monotonic() < end:
         time.sleep(min(0.05, quiet))
         if feed.received != seen:
             last, seen = time.monotonic(), feed.received
-        elif time.monotonic() - last >= quiet:
+        elif seen and time.monotonic() - last >= quiet:
             return

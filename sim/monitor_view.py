@@ -44,8 +44,8 @@ class CellView:
 class MonitorState:
     """Everything the monitor knows about one run.
 
-    ``drop_ratio``: alert when a cell's latest participation (answered / planned) is below this
-    fraction of its mean over the previous records. ``deadline``: seconds of silence before a cell is
+    ``drop_ratio``: alert when a cell's latest participation (answered / devices of the cell) is below
+    this fraction of its mean over the previous (up to 10) records. ``deadline``: seconds of silence before a cell is
     flagged, overriding the ``deadline_s`` its records carry.
     """
 
@@ -71,8 +71,8 @@ class MonitorState:
                 view.last = record
             view.records += 1
             view.rejected_total += len(record.rejected)
-            if record.participation is not None:
-                view.participation.append(record.participation)
+            if record.coverage is not None:
+                view.participation.append(record.coverage)
             view.last_seen = max(filter(None, (view.last_seen, seen)), default=None)
             return
         if self.cloud is None or record.round >= self.cloud.round:
@@ -208,7 +208,8 @@ def cell_table(state: MonitorState, now: float) -> Table:
                           _ago(now, view.last_seen), status)
             continue
         part = rec.participation
-        answered = f"{len(rec.answered)}/{len(rec.planned)}" + (f" ({part:.0%})" if part is not None else "")
+        answered = f"{len(rec.answered)}/{len(rec.planned)}" + (f" ({part:.0%})" if part is not None else "") + (
+            f" of {rec.cell_size}" if rec.cell_size != len(rec.planned) else "")
         loss = "-" if rec.loss_mean is None else f"{rec.loss_mean:.4f}" + (
             f" ± {rec.loss_std:.3f}" if rec.loss_std is not None else "")
         table.add_row(cell, f"{rec.round}.{rec.edge_round}", answered,
@@ -243,8 +244,9 @@ def render(state: MonitorState, now: float | None = None) -> Group:
     alerts = state.alerts(now)
     alert_text = Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
     title = f"fedtier monitor: {state.run or '?'}  ({len(state.cells)} cells)"
-    return Group(Panel(Group(cloud_line(state, now), cell_table(state, now)), title=title, title_align="left"),
-                 Panel(alert_text, title="alerts", title_align="left"))
+    return Group(Panel(Group(cloud_line(state, now), cell_table(state, now)), title=title, title_align="left",
+                       expand=False),
+                 Panel(alert_text, title="alerts", title_align="left", expand=False))
 
 
 def render_text(state: MonitorState, now: float | None = None, width: int = 140) -> str:

@@ -1,0 +1,287 @@
+"""Telemetry records (schema), ``fedtier logs``, ``fedtier report`` and ``fedtier monitor``."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+from conftest import small_config  # noqa: E402
+
+from fedtier.cli import main  # noqa: E402
+from fedtier.cmd_logs import filter_records, parse_round_range  # noqa: E402
+from protocols import runfiles  # noqa: E402
+from protocols.records import CellRecord, RoundRecord, parse_record, read_records, read_run  # noqa: E402
+from sim.launcher import SimHierarchy  # noqa: E402
+from sim.monitor_sources import RunDirFollower, TelemetryFeed  # noqa: E402
+from sim.monitor_view import MonitorState, render_text  # noqa: E402
+from sim.report import load_run, participation_matrix, write_report  # noqa: E402
+
+
+class Silent:
+    """A device role that never answers: its cell closes every edge round on the deadline."""
+
+    def train(self, *a, **k):
+        raise RuntimeError("this device hangs")
+
+
+def _run(tmp: Path, name: str, silent: str | None = None):
+    cfg = small_config(tmp, run={"name": name, "rounds": 3, "output": str(tmp / name)},
+                       data={"max_train": 600, "max_test": 200})
+    sim = SimHierarchy(cfg)
+    if silent:
+        sim.agents[silent].role = Silent()
+    return sim.run()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run A: c0-d1 never answers (5 s deadline on the virtual clock); run B: everyone answers."""
+    tmp = tmp_path_factory.mktemp("runs")
+    return _run(tmp, "silent", silent="c0-d1"), _run(tmp, "plain")
+
+
+# ---------------------------------------------------------------------- schema
+def test_run_files_round_trip_through_the_schema(runs):
+    for result in runs:
+        out = result.output_dir
+        for name in (runfiles.AGGREGATION, runfiles.METRICS):
+            raw = [json.loads(line) for line in (out / name).read_text().splitlines()]
+            records, bad = read_records(out / name)
+            assert bad == [] and len(records) == len(raw) > 0
+            assert [r.to_dict() for r in records] == raw  # exactly what was written
+            assert [parse_record(r.to_json()) for r in records] == records
+        order = lambda r: (r["round"], r["edge_round"], r["cell"])  # noqa: E731
+        assert sorted((json.loads(json.dumps(r)) for r in result.cell_records), key=order) == \
+            sorted((json.loads(x) for x in (out / runfiles.AGGREGATION).read_text().splitlines()), key=order)
+    silent = [CellRecord.model_validate(r) for r in runs[0].cell_records if r["cell"] == "c0"]
+    assert len(silent) == 6 and all(r.absent == {"c0-d1": "deadline"} and r.closed_by == "deadline" for r in silent)
+    assert all(r.clock_s == 5.0 and r.deadline_s == 5.0 and r.participation == 2 / 3 for r in silent)
+    rounds = [RoundRecord.model_validate(r) for r in runs[0].history]
+    assert [r.clock_s for r in rounds] == [10.0, 20.0, 30.0] and [r.clock_start_s for r in rounds] == [0, 10, 20]
+    assert all(r.rounds == 3 and r.run == "silent" for r in rounds)
+
+
+def test_bad_lines_are_reported_not_fatal(tmp_path):
+    good = CellRecord(round=0, edge_round=0, cell="c0", algorithm="fedavg", planned=["a", "b"], answered=["a"],
+                      absent={"b": "deadline"}, rejected=[{"device": "x", "reason": "bad shape"}], closed_by="deadline",
+                      bytes_in=10, bytes_out=20, duration_s=0.5, metrics={"anything": [1, 2]})
+    lines = [good.to_json(), "not json", json.dumps({**good.to_dict(), "schema": 99}),
+             json.dumps({**good.to_dict(), "bytes_in": -1}), json.dumps({**good.to_dict(), "surprise": 1}),
+             json.dumps({"schema": 1, "event": "party"}), "", good.to_json(), '{"schema":1,"ev']
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(lines))
+    records, bad = read_records(path)
+    assert records == [good, good]
+    assert [b.line for b in bad] == [2, 3, 4, 5, 6, 9]
+    assert "schema version 99" in bad[1].error and "bytes_in" in bad[2].error and "surprise" in bad[3].error
+    assert records[0].rejected[0].device == "x" and records[0].metrics == {"anything": [1, 2]}
+    # a round record accepts extra evaluation numbers, but only numbers
+    assert parse_record({"schema": 1, "event": "round", "round": 0, "closed_by": "x", "duration_s": 0,
+                         "f1": 0.5}).model_extra == {"f1": 0.5}
+    with pytest.raises(ValueError, match="f1"):
+        parse_record({"schema": 1, "event": "round", "round": 0, "closed_by": "x", "duration_s": 0, "f1": "high"})
+
+
+# ---------------------------------------------------------------------- logs
+def test_round_ranges():
+    assert parse_round_range("1:3") == (1, 3) and parse_round_range("2:") == (2, None)
+    assert parse_round_range(":1") == (None, 1) and parse_round_range("4") == (4, 4)
+    for bad in ("a:b", "3:1", "1:x"):
+        with pytest.raises(ValueError):
+            parse_round_range(bad)
+
+
+def test_logs_filters(runs):
+    out = runs[0].output_dir
+    records, _ = read_run(out)
+    chosen = filter_records(records, cells=["c1"], rounds=(1, 2), events=["aggregation"])
+    assert [(r.round, r.edge_round, r.cell) for r in chosen] == [(1, 0, "c1"), (1, 1, "c1"), (2, 0, "c1"), (2, 1, "c1")]
+    res = CliRunner().invoke(main, ["logs", str(out), "--round", "1:", "--cell", "c0", "--json"])
+    assert res.exit_code == 0, res.output
+    got = [json.loads(line) for line in res.stdout.splitlines()]
+    raw = [json.loads(x) for name in (runfiles.AGGREGATION, runfiles.METRICS)
+           for x in (out / name).read_text().splitlines()]
+    expected = [r for r in raw if r["round"] >= 1 and r.get("cell", "c0") == "c0"]
+    key = lambda r: (r["round"], r["event"] == "round", r.get("edge_round", 0))  # noqa: E731
+    assert got == sorted(expected, key=key) and len(got) == 6
+    res = CliRunner().invoke(main, ["logs", str(out), "--event", "round"])
+    assert res.exit_code == 0 and "3 of 15 records" in res.output and "c0-d1: deadline" not in res.stdout
+    res = CliRunner().invoke(main, ["logs", str(out), "--event", "aggregation", "--cell", "c0", "--round", "0"])
+    assert "c0-d1: deadline" in res.stdout and "2 of 15 records" in res.output
+    assert CliRunner().invoke(main, ["logs", str(out), "--round", "3:1"]).exit_code == 2
+
+
+# ---------------------------------------------------------------------- report
+def test_report_plots_the_runs_data(runs, tmp_path):
+    dirs = [r.output_dir for r in runs]
+    html_path, plots = write_report(dirs, tmp_path / "rep" / "report.html")
+    page = html_path.read_text()
+    names = {p.name for p in plots}
+    assert names == {"metrics_vs_round", "metrics_vs_bytes", "metrics_vs_time", "bytes_per_tier", "participation",
+                     "cell_durations"}
+    for p in plots:
+        png = (tmp_path / "rep" / "report_plots" / f"{p.name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and base64.b64encode(png).decode() in page
+    by = {p.name: p for p in plots}
+    for result in runs:
+        label = f"{result.config.run.name} (fedavg)"
+        acc = [r["accuracy"] for r in result.history]
+        assert by["metrics_vs_round"].series[f"{label}/accuracy"] == ([1, 2, 3], acc)
+        # the figure holds the very same lines
+        ax_acc = by["metrics_vs_round"].figure.axes[0]
+        line = next(ln for ln in ax_acc.lines if ln.get_label() == label)
+        assert list(line.get_ydata()) == acc
+        cum = [sum(r["cumulative_bytes"].values()) / 1e6 for r in result.history]
+        assert by["metrics_vs_bytes"].series[f"{label}/loss"] == (cum, [r["loss"] for r in result.history])
+        last = result.history[-1]["cumulative_bytes"]
+        assert by["bytes_per_tier"].series[f"{label}/total_mb"][1] == [last[t] / 1e6 for t in
+                                                                       ("cloud_to_cell", "cell_to_cloud",
+                                                                        "cell_to_device", "device_to_cell")]
+        durations = [r["duration_s"] for r in result.cell_records if r["cell"] == "c1"]
+        assert by["cell_durations"].series[f"{label}/c1"][1] == durations
+    # only the run whose (virtual) clock moved is on the time axes: 2 edge rounds x 5 s deadline per round
+    assert by["metrics_vs_time"].series["silent (fedavg)/accuracy"][0] == [10.0, 20.0, 30.0]
+    assert not any(k.startswith("plain") for k in by["metrics_vs_time"].series)
+    heat = by["participation"].series["silent (fedavg)"]
+    assert heat["devices"] == ["c0-d0", "c0-d1", "c0-d2", "c1-d0", "c1-d1", "c1-d2"]
+    expected = np.ones((6, 3))
+    expected[1] = 0  # the silent device
+    np.testing.assert_array_equal(heat["matrix"], expected)
+    # CLI
+    res = CliRunner().invoke(main, ["report", str(dirs[0])])
+    assert res.exit_code == 0, res.output
+    assert (dirs[0] / "report.html").exists() and (dirs[0] / "report_plots" / "participation.png").exists()
+
+
+def test_participation_matrix_counts_edge_rounds(runs):
+    run = load_run(runs[1].output_dir)
+    first = run.cells[0]
+    first.answered = first.answered[:-1]  # one device missed one of the two edge rounds
+    devices, cells, m = participation_matrix(run)
+    assert cells == ["c0"] * 3 + ["c1"] * 3
+    assert m[devices.index(first.planned[-1]), first.round] == 0.5 and m.sum() == 6 * 3 - 0.5
+
+
+# ---------------------------------------------------------------------- monitor
+def test_monitor_view_of_a_recorded_run(runs):
+    records, bad = read_run(runs[0].output_dir)
+    state = MonitorState()
+    state.add_all(records, bad)
+    last = max(r.time for r in records)
+    text = render_text(state, now=last + 1)
+    assert "fedtier monitor: silent" in text and "(2 cells)" in text
+    rows = {m.group(1): line for line in text.splitlines() if (m := re.search(r"│ │ (c\d) ", line))}
+    assert set(rows) >= {"c0", "c1"}
+    assert "2/3 (67%)" in rows["c0"] and "deadline" in rows["c0"] and "2.1" in rows["c0"]
+    assert "3/3 (100%)" in rows["c1"] and "all answered" in rows["c1"]
+    assert "round 3/3" in text and "finished" in text and "no alerts" in text
+    assert f"{runs[0].history[-1]['accuracy']:.4f}" in text
+
+
+def _cell(rnd: int, cell: str, answered: int, t: float, edge: int = 0) -> CellRecord:
+    devices = [f"{cell}-d{i}" for i in range(4)]
+    return CellRecord(run="live", round=rnd, edge_round=edge, cell=cell, algorithm="fedavg", planned=devices,
+                      answered=devices[:answered], absent={d: "deadline" for d in devices[answered:]},
+                      closed_by="quorum", duration_s=0.1, deadline_s=30.0, time=t)
+
+
+def test_monitor_alerts_silence_drop_lag_and_rejections():
+    state = MonitorState()
+    for rnd in range(4):
+        state.add(_cell(rnd, "c0", 4, 100.0 + rnd))
+        state.add(_cell(rnd, "c1", 4 if rnd < 3 else 1, 100.0 + rnd))
+    state.add(_cell(1, "c2", 4, 60.0))  # fell behind, and quiet since t=60
+    state.add(RoundRecord(run="live", round=2, rounds=10, closed_by="deadline", cells_planned=["c0", "c1", "c2"],
+                          cells_reported=["c0", "c1"], cells_absent=["c2"], duration_s=1.0, accuracy=0.5))
+    rejected = _cell(3, "c0", 4, 103.5, edge=1).to_dict()
+    state.add(CellRecord.model_validate({**rejected, "rejected": [{"device": "c0-d9", "reason": "NaN in w"}]}))
+    alerts = state.alerts(now=104.0)
+    assert "cell c2 silent for 44 s (deadline 30 s)" in alerts
+    assert "cell c1 participation dropped to 25% (was 100% on average)" in alerts
+    assert any("c0 rejected 1 result(s) in round 3.1: NaN in w" in a for a in alerts)
+    assert any("cloud round 2 closed by deadline without c2" in a for a in alerts)
+    assert not any("c0 silent" in a or "c0 participation" in a for a in alerts)
+    assert state.lag(state.cells["c2"]) == 2 and state.lag(state.cells["c0"]) == 0
+    text = render_text(state, now=104.0)
+    assert "SILENT" in text and "DROP" in text and "round 3/10" in text
+    state.add_status("cell.c3", "offline", received=104.0)  # announced, never aggregated
+    assert "c3" in render_text(state, now=104.0) and "cell c3 is offline" in state.alerts(104.0)
+
+
+def test_run_dir_follower_tails_complete_lines(tmp_path):
+    rec = [_cell(r, "c0", 4, float(r)).to_json() for r in range(3)]
+    agg = tmp_path / runfiles.AGGREGATION
+    agg.write_text(rec[0] + "\n" + rec[1][:20])
+    follower = RunDirFollower(tmp_path)
+    got, bad, _ = follower.poll()
+    assert [r.round for r in got] == [0] and bad == []
+    with agg.open("a") as fh:
+        fh.write(rec[1][20:] + "\nbroken\n" + rec[2] + "\n")
+    got, bad, _ = follower.poll()
+    assert [r.round for r in got] == [1, 2] and [b.line for b in bad] == [3]
+    assert follower.poll() == ([], [], [])
+    agg.write_text(rec[2] + "\n")  # a new run in the same folder
+    assert [r.round for r in follower.poll()[0]] == [2]
+
+
+def test_monitor_cli_once_on_a_run_dir(runs):
+    res = CliRunner().invoke(main, ["monitor", str(runs[1].output_dir), "--once", "--width", "160"])
+    assert res.exit_code == 0, res.output
+    assert "fedtier monitor: plain" in res.stdout and "│ c0" in res.stdout and "│ c1" in res.stdout
+    assert CliRunner().invoke(main, ["monitor", "--once"]).exit_code == 2
+
+
+def test_monitor_follows_a_simulated_run_over_mqtt(tmp_path):
+    """A simulated run's telemetry, bridged from its in-memory hub onto an embedded MQTT broker as it is
+    published, reaches a TelemetryFeed on an MqttTransport (what ``fedtier monitor --broker`` uses)."""
+    from protocols.transport.broker import EmbeddedBroker
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+
+    loop = ThreadLoop().start()
+    with EmbeddedBroker() as broker:
+        feed = TelemetryFeed(MqttTransport.from_url(broker.url, "monitor", loop).connect(), "live").start()
+        assert feed.transport.wait_subscribed()
+        out = MqttTransport.from_url(broker.url, "bridge", loop).connect()
+        cfg = small_config(tmp_path, run={"name": "live", "rounds": 2, "output": str(tmp_path / "live")},
+                           data={"max_train": 400, "max_test": 100})
+        sim = SimHierarchy(cfg)
+        tap = sim.hub.connect("bridge")
+        for pattern in (topics.telemetry_all("live"), topics.statuses("live")):
+            tap.subscribe(pattern, lambda t, p: out.publish(t, p, qos=1))
+        result = sim.run()
+        sim.hub.loop.run()  # the run stops at the cloud's last round; deliver what it published last
+        assert out.flush()
+        expected = len(result.cell_records) + len(result.history)
+        state = MonitorState()
+        deadline = time.monotonic() + 10
+        while state_count(state) < expected and time.monotonic() < deadline:
+            records, bad, statuses = feed.poll()
+            state.add_all(records, bad, received=time.time())
+            for node, s in statuses:
+                state.add_status(node, s)
+            time.sleep(0.02)
+        out.close()
+        feed.close()
+    loop.stop()
+    assert state_count(state) == expected and state.bad == []
+    assert state.cloud is not None and state.cloud.accuracy == result.history[-1]["accuracy"]
+    text = render_text(state)
+    for cell in ("c0", "c1"):
+        assert f"│ {cell}" in text and state.cells[cell].last.to_dict() == \
+            [r for r in result.cell_records if r["cell"] == cell][-1]
+    assert "round 2/2" in text and "finished" in text
+
+
+def state_count(state: MonitorState) -> int:
+    return sum(v.records for v in state.cells.values()) + (state.cloud.round + 1 if state.cloud else 0)
