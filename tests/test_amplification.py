@@ -129,3 +129,13 @@ def test_cell_level_participation_plans_only_available_cells():
 def test_fedavg_params_keep_amplification_keys():
     p = FedAvg.Params(name="fedavg", local_steps=1, amplify_eta=10, amplify_period=500)
     assert p.amplify_eta == 10 and p.amplify_period == 500 and p.amplify_start == 0
+
+
+@pytest.mark.parametrize("name", ["hist", "amplified"])
+def test_example_configs_validate(name):
+    from pathlib import Path
+
+    from protocols.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / f"{name}.toml")
+    assert cfg.train.name in ("hist", "fedavg")
