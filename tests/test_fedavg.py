@@ -174,3 +174,16 @@ def test_duplicate_and_wrong_round_results_do_not_change_the_aggregate(make_conf
     agent.transport.publish = publish_twice
     dup = sim.run()
     assert all(np.array_equal(clean.params[k], dup.params[k]) for k in clean.params)
+
+
+def test_resume_continues_to_the_same_model_as_an_uninterrupted_run(make_config, tmp_path):
+    straight = run_simulation(make_config(run={"rounds": 4, "output": str(tmp_path / "straight")}))
+    first = make_config(run={"rounds": 2, "output": str(tmp_path / "resumed")})
+    run_simulation(first)  # "crashes" after round 1: its checkpoint holds round 1's state
+    resumed = run_simulation(make_config(run={"rounds": 4, "output": str(tmp_path / "resumed")}), resume=True)
+    assert [r["round"] for r in resumed.history] == [2, 3]
+    assert all(np.array_equal(straight.params[k], resumed.params[k]) for k in straight.params)
+    from protocols.jsonl import read_jsonl
+
+    assert [m["round"] for m in read_jsonl(tmp_path / "resumed" / runfiles.METRICS)] == [0, 1, 2, 3]
+    assert resumed.history[-1]["cumulative_bytes"] == straight.history[-1]["cumulative_bytes"]
