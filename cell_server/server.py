@@ -33,7 +33,9 @@ class CellServer:
                  algorithm: str, device_deadline: float, quorum: float = 1.0,
                  availability: Availability | None = None, log_path: str | None = None,
                  sign_key: bytes | None = None, keys: dict[str, bytes] | None = None,
-                 assume_online: bool = False) -> None:
+                 assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0) -> None:
+        """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
+        ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never)."""
         if not 0 < quorum <= 1:
             raise ValueError("quorum must be in (0, 1]")
         self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
@@ -42,6 +44,9 @@ class CellServer:
         self.messenger = Messenger(transport, run, cell, sign_key=sign_key, keys=keys, on_reject=self._on_reject)
         self.log = JsonlWriter(log_path)
         self.online: dict[str, bool] = {d: assume_online for d in self.devices}
+        self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
+        self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
+        self._beat_timer: TimerHandle | None = None
         self.round = -1
         self.edge_round = 0
         self.in_round = False
@@ -57,9 +62,12 @@ class CellServer:
         self.transport.subscribe(topics.device_results(self.run, self.cell), self._on_result)
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
         self._announce()
+        if self.heartbeat > 0 or self.heartbeat_timeout > 0:
+            self._beat_timer = self.loop.call_later(self._beat_period(), self._beat)
 
     def stop(self) -> None:
         self.loop.cancel(self._timer)
+        self.loop.cancel(self._beat_timer)
         if self.transport.connected:
             self.transport.publish(topics.status(self.run, topics.cell_node(self.cell)),
                                    encode_status("offline"), retain=True)
@@ -72,6 +80,23 @@ class CellServer:
                                              devices_total=len(self.devices)), retain=True)
 
     # ----------------------------------------------------------------- liveness
+    def _beat_period(self) -> float:
+        return self.heartbeat if self.heartbeat > 0 else self.heartbeat_timeout / 2
+
+    def _beat(self) -> None:
+        """Periodic: mark devices with a stale heartbeat offline, and re-announce this cell."""
+        now = self.loop.now()
+        if self.heartbeat_timeout > 0:
+            for d in self.devices:
+                if self.online[d] and now - self.last_seen.get(d, now) > self.heartbeat_timeout:
+                    log.warning("cell %s: no heartbeat from %s for %.1f s, deemed offline", self.cell, d,
+                                now - self.last_seen[d])
+                    self.online[d] = False
+                    self._announce()
+        if self.heartbeat > 0:
+            self._announce()
+        self._beat_timer = self.loop.call_later(self._beat_period(), self._beat)
+
     def _on_status(self, topic: str, data: bytes) -> None:
         node = topic.rsplit("/", 1)[-1]
         if not node.startswith("device."):
@@ -81,6 +106,7 @@ class CellServer:
         if device not in self.online or record is None:
             return
         online = record["state"] == "online"
+        self.last_seen[device] = self.loop.now()
         if self.online[device] != online:
             self.online[device] = online
             self._announce()

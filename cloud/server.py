@@ -69,6 +69,8 @@ class CloudServer:
         self.transport.subscribe(topics.cell_reports(self.run), self._on_report)
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
         self.transport.publish(topics.status(self.run, "cloud"), encode_status("online"), retain=True)
+        if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker
+            self.transport.publish(topics.control(self.run), b"", retain=True)
         if self.round >= self.rounds:
             self.loop.post(self._finish)
             return

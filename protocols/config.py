@@ -97,6 +97,10 @@ class RuntimeSection(_Section):
     eval_every: int = Field(default=1, ge=1)
     device: str = Field(default="cpu", description="torch device: cpu, cuda or auto")
     startup_wait: float = Field(default=60.0, ge=0, description="seconds to wait for all devices (MQTT)")
+    heartbeat: float = Field(default=5.0, ge=0, description="seconds between heartbeats of agents and cells "
+                             "(MQTT; 0: none, the broker's last will only)")
+    heartbeat_timeout: float = Field(default=30.0, ge=0, description="a cell deems a device offline when its "
+                                     "last heartbeat is older than this (MQTT; 0: never)")
     onnx_devices: list[str] = Field(default_factory=list, description="device ids that run forward-only on "
                                     "onnxruntime (sim/emulation); the others run torch")
 

@@ -36,6 +36,7 @@ class RunResult:
     output_dir: Path | None = None
     wall_s: float = 0.0
     device_traffic: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes_in/out, tasks per device
+    wire_bytes: dict[str, int] = field(default_factory=dict)  # MQTT bytes per tier (fedtier run only)
 
     @property
     def final_accuracy(self) -> float | None:
@@ -49,7 +50,8 @@ class RunResult:
         return {"run": self.config.run.name, "algorithm": self.config.train.name, "rounds": len(self.history),
                 "accuracy": self.final_accuracy, "loss": last.get("loss"),
                 "cumulative_bytes": last.get("cumulative_bytes", {}), "wall_s": round(self.wall_s, 3),
-                **({"device_traffic": self.device_traffic} if self.device_traffic else {})}
+                **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
+                **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {})}
 
 
 def set_torch_threads(n: int = 1) -> None:

@@ -1,0 +1,194 @@
+"""Deployment commands, one per tier, each able to run on its own machine over a broker:
+``fedtier cloud``, ``fedtier cell``, ``fedtier agent``."""
+from __future__ import annotations
+
+import click
+
+from .cli import CONFIG, SET, VERBOSE, main
+from .console import console, load_or_exit, print_summary, round_progress, setup_logging
+
+BROKER = click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
+                      help="The broker (default: the config's [broker] url).")
+
+
+def _auth(fn):
+    for opt in reversed((
+        click.option("--username", default=None, help="Broker user name (default: [broker] username)."),
+        click.option("--password", default=None, help="Broker password (default: [broker] password)."),
+        click.option("--ca-certs", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="CA bundle for TLS (passed to paho's tls_set)."),
+        click.option("--certfile", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Client certificate for TLS."),
+        click.option("--keyfile", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Client private key for TLS."),
+    )):
+        fn = opt(fn)
+    return fn
+
+
+def _broker(cfg, broker_url, auth):
+    from edge_agent.runner import BrokerOptions
+
+    return BrokerOptions.from_config(cfg, broker_url, **auth)
+
+
+def _spec(cfg, npz: str | None):
+    """The model spec: from a data file that records it, else from the config's dataset."""
+    if npz:
+        from edge_agent.runner import load_device_data
+
+        data, shape, classes = load_device_data(npz)
+        if shape and classes:
+            return cfg.model_spec(shape, classes), data
+    from sim.datasets import load_dataset
+
+    ds = load_dataset(cfg.data.dataset, max_train=cfg.data.max_train or None, max_test=cfg.data.max_test or None,
+                      subsample_seed=cfg.run.seed)
+    return cfg.model_spec(ds.input_shape, ds.num_classes), None
+
+
+def _serve(node, loop) -> None:
+    """Run a server node's loop in this thread until it is finished (cloud) or Ctrl-C; then stop it."""
+    try:
+        loop.post(node.start)
+        loop.run(until=lambda: getattr(node, "finished", False))
+    except KeyboardInterrupt:
+        console.print("interrupted")
+    finally:
+        loop.stop()
+        node.stop()
+
+
+def _fail(exc: Exception, code: int) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise SystemExit(code)
+
+
+@main.command()
+@CONFIG
+@SET
+@BROKER
+@_auth
+@click.option("--test-data", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A .npz (x, y) held-out set for the cloud's central evaluation.")
+@click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@VERBOSE
+def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_data: str | None, resume: bool,
+          no_progress: bool, verbose: int, **auth) -> None:
+    """Run the cloud aggregator of CONFIG; outputs go to the config's run folder."""
+    from cloud.node import build_cloud
+    from edge_agent.runner import offline_will
+    from protocols.config import ConfigError
+    from protocols.transport.threadloop import ThreadLoop
+    from sim.hierarchy import fresh_output, make_evaluator
+    from sim.launcher import RunResult, write_final
+
+    setup_logging(verbose)
+    cfg = load_or_exit(config, overrides)
+    try:
+        spec, test = _spec(cfg, test_data)
+        opts = _broker(cfg, broker_url, auth)
+        out = fresh_output(cfg, resume)
+        loop = ThreadLoop("cloud")
+        transport = opts.transport("cloud", cfg.run.name, loop, will=offline_will(cfg.run.name, "cloud")).connect()
+    except ConfigError as exc:
+        _fail(exc, 2)
+    except ConnectionError as exc:
+        _fail(exc, 1)
+    evaluator = make_evaluator(spec, test.x, test.y, cfg.runtime.device) if test is not None else None
+    import time
+
+    t0 = time.perf_counter()
+    with round_progress(cfg, not no_progress) as on_round:
+        node = build_cloud(cfg, transport, cfg.build_algorithm(spec), evaluator=evaluator, output_dir=out,
+                           resume=resume, startup_wait=cfg.runtime.startup_wait, on_round=on_round)
+        _serve(node, loop)
+    if node.finished:
+        result = RunResult(cfg, node.role.global_params(), node.history, [], out, time.perf_counter() - t0)
+        write_final(out, result)
+        print_summary(result.summary(), out)
+
+
+@main.command()
+@CONFIG
+@SET
+@click.option("--cell", "cell_id", required=True, help="This cell's id (c0, c1, ...).")
+@BROKER
+@_auth
+@VERBOSE
+def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str | None, verbose: int,
+         **auth) -> None:
+    """Run the edge server of one cell of CONFIG (its aggregation log goes to the config's run folder)."""
+    from cell_server.node import build_cell
+    from edge_agent.runner import offline_will
+    from protocols.config import ConfigError
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+
+    setup_logging(verbose)
+    cfg = load_or_exit(config, overrides)
+    try:
+        if cell_id not in cfg.topology.cell_ids():
+            raise ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})")
+        spec, _ = _spec(cfg, None)
+        opts = _broker(cfg, broker_url, auth)
+        out = cfg.output_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        loop = ThreadLoop(f"cell-{cell_id}")
+        node_name = topics.cell_node(cell_id)
+        transport = opts.transport(node_name, cfg.run.name, loop,
+                                   will=offline_will(cfg.run.name, node_name)).connect()
+    except ConfigError as exc:
+        _fail(exc, 2)
+    except ConnectionError as exc:
+        _fail(exc, 1)
+    node = build_cell(cfg, cell_id, transport, cfg.build_algorithm(spec), output_dir=out, heartbeats=True)
+    console.print(f"cell {cell_id} serving {len(node.devices)} devices on {opts.url} (Ctrl-C to stop)")
+    _serve(node, loop)
+
+
+@main.command()
+@CONFIG
+@SET
+@click.option("--device", required=True, help="This device's id (c0-d0, ...).")
+@click.option("--data", "data_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="The device's local data: a .npz with arrays x and y (and optionally input_shape, num_classes).")
+@click.option("--backend", type=click.Choice(["torch"]), default="torch", show_default=True,
+              help="Trainer backend.")
+@BROKER
+@_auth
+@VERBOSE
+def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, backend: str,
+          broker_url: str | None, verbose: int, **auth) -> None:
+    """Run one device agent of CONFIG: connect, answer tasks with the local data, exit when the run is finished."""
+    from edge_agent.node import cell_of
+    from edge_agent.runner import AgentProcess, make_trainer
+    from protocols.config import ConfigError
+
+    setup_logging(verbose)
+    cfg = load_or_exit(config, overrides)
+    try:
+        cell_of(cfg, device)
+        spec, data = _spec(cfg, data_path)
+        if data is None:
+            from edge_agent.runner import load_device_data
+
+            data = load_device_data(data_path)[0]
+        opts = _broker(cfg, broker_url, auth)
+        agents = AgentProcess(cfg, cfg.build_algorithm(spec), {device: data}, make_trainer(backend, spec, cfg), opts)
+        agents.start()
+    except (ConfigError, ValueError) as exc:
+        _fail(exc, 2)
+    except ConnectionError as exc:
+        _fail(exc, 1)
+    console.print(f"device {device} ({len(data)} samples) connected to {opts.url}; waiting for tasks (Ctrl-C to stop)")
+    try:
+        agents.wait()
+    except KeyboardInterrupt:
+        console.print("interrupted")
+    finally:
+        agents.stop()
+    stats = agents.stats()[device]
+    console.print(f"device {device}: {stats['tasks']} tasks, {stats['wire']['bytes_out']:,} bytes sent, "
+                  f"{stats['wire']['bytes_in']:,} received")

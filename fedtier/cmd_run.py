@@ -1,0 +1,42 @@
+"""``fedtier run``: the emulated hierarchy (cloud, cells, agent processes) over a real MQTT broker."""
+from __future__ import annotations
+
+import click
+
+from .cli import CONFIG, SET, VERBOSE, main
+from .console import console, load_or_exit, print_summary, round_progress, setup_logging
+
+
+@main.command()
+@CONFIG
+@SET
+@click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
+              help="An external broker (e.g. Mosquitto); default: [broker] url, else an embedded broker.")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Agent worker processes; devices are dealt round-robin over them.")
+@click.option("--process-per-agent", is_flag=True, help="One worker process per device.")
+@click.option("--max-chunk", type=click.IntRange(min=1024), default=None, metavar="BYTES",
+              help="MQTT chunk size (default 256 KiB).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@VERBOSE
+def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers: int, process_per_agent: bool,
+        max_chunk: int | None, no_progress: bool, verbose: int) -> None:
+    """Emulate CONFIG on this machine over MQTT: the cloud and cells in this process, the device agents
+    in worker processes, each device with its own broker connection. Same final model as `fedtier sim`."""
+    from protocols.config import ConfigError
+    from protocols.wire import chunking
+    from sim.emulation import run_emulation
+
+    setup_logging(verbose)
+    cfg = load_or_exit(config, overrides)
+    try:
+        with round_progress(cfg, not no_progress) as on_round:
+            result = run_emulation(cfg, broker_url=broker_url, workers=workers, process_per_agent=process_per_agent,
+                                   max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK, on_round=on_round)
+    except ConfigError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise SystemExit(2)
+    except (ConnectionError, RuntimeError, TimeoutError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise SystemExit(1)
+    print_summary(result.summary(), result.output_dir)

@@ -1,0 +1,300 @@
+"""``fedtier run``: the whole hierarchy on one machine over a real MQTT broker.
+
+The cloud and one cell server per cell run in this process on one :class:`ThreadLoop`; the device
+agents run in worker OS processes (``spawn``), each device with its own MQTT connection and client
+id, as on a real device, several devices per worker. Each device's partition is written to
+``RUN_DIR/devices/<device>.npz`` and a worker loads it from there, as ``fedtier agent`` does.
+
+Start order: broker -> cells and cloud subscribe -> workers connect their devices, which announce
+themselves (retained status) -> the cloud waits until every cell reports all its devices online
+(``runtime.startup_wait``) -> rounds -> the cloud publishes the retained ``finished`` record ->
+agents leave, workers exit. Everything is torn down in ``finally`` (workers are terminated if they
+are still alive). Same config and seed -> the same final model, byte for byte, as ``fedtier sim``.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from cell_server.node import build_cell
+from cloud.node import build_cloud
+from edge_agent.runner import AgentProcess, BrokerOptions, offline_will, save_device_data
+from protocols import runfiles
+from protocols.config import ConfigError, RunConfig, load_config
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import chunking, topics
+
+from .hierarchy import fresh_output, make_evaluator, participation, prepare
+from .launcher import RunResult, set_torch_threads, write_final
+
+log = logging.getLogger("fedtier.run")
+
+WIRE_TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell", "control")
+
+
+def tier_of(topic: str) -> str:
+    """The tier a topic's messages travel on (``control``: status, heartbeats, telemetry, run control)."""
+    parts = topic.split("/")
+    if len(parts) >= 5 and parts[2] == "cell":
+        if parts[-1] == "task":
+            return "cloud_to_cell" if len(parts) == 6 else "cell_to_device"
+        if parts[-1] == "result":
+            return "device_to_cell"
+    if len(parts) == 6 and parts[2:4] == ["cloud", "up"] and parts[-1] == "report":
+        return "cell_to_cloud"
+    return "control"
+
+
+def wire_by_tier(snapshots: list[dict[str, Any]]) -> dict[str, int]:
+    """Bytes on the wire (MQTT framing included) per tier, counted once, at each publisher."""
+    total = {t: 0 for t in WIRE_TIERS}
+    for snap in snapshots:
+        for topic, (out, _in) in snap["by_topic"].items():
+            total[tier_of(topic)] += out
+    return total
+
+
+@dataclass
+class Faults:
+    """Fault injection for tests: ``crash`` kills a device's worker with SIGKILL when that device
+    receives its task for ``(round, edge_round)``; ``duplicate`` publishes every device result twice."""
+
+    crash: dict[str, tuple[int, int]] = field(default_factory=dict)
+    duplicate: bool = False
+
+
+def worker_groups(devices: list[str], workers: int, isolate: tuple[str, ...] = ()) -> list[list[str]]:
+    """Devices dealt round-robin over ``workers`` processes; each ``isolate`` device gets its own."""
+    alone = [d for d in devices if d in isolate]
+    rest = [d for d in devices if d not in isolate]
+    n = max(1, min(workers, len(rest))) if rest else 0
+    return [[d] for d in alone] + [rest[i::n] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------- workers
+def worker_main(job: dict[str, Any], results: Any) -> None:
+    """Entry point of a worker process: run the agents of ``job`` until the run is finished."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
+    logging.basicConfig(level=job.get("log_level", logging.WARNING), format="%(processName)s %(message)s")
+    from edge_agent.runner import load_device_data, make_trainer
+    from protocols.algorithms.base import ModelSpec
+
+    cfg = load_config(job["config"])
+    data, shape, classes = {}, None, None
+    for device, path in job["devices"].items():
+        data[device], shape, classes = load_device_data(path)
+    spec = cfg.model_spec(shape, classes) if shape and classes else ModelSpec.model_validate(job["spec"])
+    trainer = make_trainer(job.get("backend", "torch"), spec, cfg)
+    faults = Faults(**job.get("faults", {}))
+    on_task = None
+    if faults.crash:
+        def on_task(device: str, rnd: int, edge: int) -> None:
+            if tuple(faults.crash.get(device, ())) == (rnd, edge):
+                os.kill(os.getpid(), signal.SIGKILL)
+    agents = AgentProcess(cfg, cfg.build_algorithm(spec), data, trainer, BrokerOptions(**job["broker"]),
+                          on_task=on_task)
+    try:
+        agents.start(job.get("connect_timeout", 30.0))
+        if faults.duplicate:
+            for t in agents.transports.values():
+                t.publish = _twice(t.publish)
+        agents.wait()
+    finally:
+        agents.stop()
+        results.put(agents.stats())
+
+
+def _twice(publish: Callable[..., None]) -> Callable[..., None]:
+    def publish_twice(topic: str, payload: bytes, **kw: Any) -> None:
+        publish(topic, payload, **kw)
+        if topic.endswith("/result"):
+            publish(topic, payload, **kw)
+
+    return publish_twice
+
+
+# --------------------------------------------------------------------------------------- launcher
+class Emulation:
+    """The emulated hierarchy of ``cfg``; :meth:`run` runs it and returns the result.
+
+    ``broker_url``: an external broker (default: the config's ``[broker] url``, else an embedded
+    amqtt broker on a free port). ``workers``: agent processes (devices dealt round-robin);
+    ``process_per_agent``: one process per device. ``max_chunk``: MQTT chunk size of every node.
+    """
+
+    def __init__(self, cfg: RunConfig, *, broker_url: str | None = None, workers: int = 2,
+                 process_per_agent: bool = False, max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
+                 on_round: Callable[[dict[str, Any]], None] | None = None, faults: Faults | None = None,
+                 isolate: tuple[str, ...] = (), broker_options: dict[str, Any] | None = None,
+                 join_timeout: float = 60.0) -> None:
+        if cfg.runtime.onnx_devices:
+            raise ConfigError("runtime.onnx_devices: forward-only devices are not supported by fedtier run yet "
+                              "(use fedtier sim)")
+        if workers < 1:
+            raise ConfigError("--workers must be >= 1")
+        self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
+        self.workers = len(cfg.topology.all_devices()) if process_per_agent else workers
+        self.isolate = tuple(isolate) + tuple(d for d in self.faults.crash if d not in isolate)
+        self.broker_url = broker_url or cfg.broker.url
+        self.broker_options = {k: v for k, v in (broker_options or {}).items() if v is not None}
+        self.max_chunk, self.join_timeout = max_chunk, join_timeout
+        self.procs: list[Any] = []
+
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        set_torch_threads(1)
+        prep = prepare(cfg)
+        spec, ds = prep.spec, prep.dataset
+        out = fresh_output(cfg)
+        device_files = {}
+        for device, data in prep.device_data.items():
+            device_files[device] = out / "devices" / f"{device}.npz"
+            save_device_data(device_files[device], data, spec)
+        algorithm = cfg.build_algorithm(spec)
+        avail = participation(cfg)
+        partial = cfg.participation.model != "always"
+        by_cell = partial and cfg.participation.level == "cell"
+        availability = (lambda r, e: avail.participants(r)) if partial and not by_cell else None
+
+        broker = loop = cloud = None
+        cells: dict[str, Any] = {}
+        results: Any = None
+        agent_stats: dict[str, dict[str, Any]] = {}
+        try:
+            if self.broker_url is None:
+                from protocols.transport.broker import EmbeddedBroker
+
+                broker = EmbeddedBroker().start()
+                url = broker.url
+            else:
+                url = self.broker_url
+            opts = BrokerOptions.from_config(cfg, url, **self.broker_options, max_chunk=self.max_chunk)
+            run = cfg.run.name
+            loop = ThreadLoop(f"run-{run}").start()
+            for c in cfg.topology.cell_ids():
+                node = topics.cell_node(c)
+                transport = opts.transport(node, run, loop, will=offline_will(run, node)).connect()
+                cells[c] = build_cell(cfg, c, transport, algorithm, availability=availability, output_dir=out,
+                                      heartbeats=True)
+                _on_loop(loop, cells[c].start)
+            transport = opts.transport("cloud", run, loop, will=offline_will(run, "cloud")).connect()
+            cloud = build_cloud(cfg, transport, algorithm,
+                                evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
+                                output_dir=out, startup_wait=cfg.runtime.startup_wait, on_round=self.on_round,
+                                availability=avail.participants if by_cell else None)
+            for node in (*cells.values(), cloud):
+                node.transport.wait_subscribed()
+            _on_loop(loop, cloud.start)
+            results = self._spawn(out, device_files, spec, opts)
+            self._wait_finished(cloud)
+            agent_stats = self._collect(results)
+            for node in (*cells.values(), cloud):
+                _on_loop(loop, node.stop)
+            loop.stop()
+            wire = wire_by_tier([n.transport.stats.snapshot() for n in (*cells.values(), cloud)]
+                                + [s["wire"] for s in agent_stats.values()])
+            result = RunResult(cfg, cloud.role.global_params(), cloud.history,
+                               [r for c in cells.values() for r in c.records], out, time.perf_counter() - t0,
+                               {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")}
+                                for d, s in sorted(agent_stats.items())}, wire)
+            write_final(out, result)
+            return result
+        finally:
+            self._terminate()
+            if loop is not None:
+                loop.stop()
+            for node in (*cells.values(), *((cloud,) if cloud is not None else ())):
+                if node.transport.connected:
+                    node.transport.close(flush_timeout=1.0)
+            if results is not None:
+                results.close()
+            if broker is not None:
+                broker.stop()
+
+    # ------------------------------------------------------------------------------- workers
+    def _spawn(self, out: Path, files: dict[str, Path], spec: Any, opts: BrokerOptions) -> Any:
+        ctx = mp.get_context("spawn")  # never fork: this process has threads
+        results = ctx.Queue()
+        level = logging.getLogger().getEffectiveLevel()
+        groups = worker_groups(self.cfg.topology.all_devices(), self.workers, self.isolate)
+        for i, group in enumerate(groups):
+            job = {"config": str(out / runfiles.CONFIG), "devices": {d: str(files[d]) for d in group},
+                   "spec": spec.model_dump(mode="json"), "broker": opts.__dict__, "log_level": level,
+                   "faults": {"crash": {d: v for d, v in self.faults.crash.items() if d in group},
+                              "duplicate": self.faults.duplicate}}
+            proc = ctx.Process(target=worker_main, args=(job, results), name=f"fedtier-agents-{i}", daemon=True)
+            proc.start()
+            self.procs.append(proc)
+        return results
+
+    def _wait_finished(self, cloud: Any) -> None:
+        """Until the cloud finished; fails fast when a worker dies before the first round."""
+        while not cloud.finished:
+            if not cloud.started:
+                dead = [p for p in self.procs if p.exitcode not in (None, 0, -signal.SIGKILL)]
+                if dead:
+                    raise RuntimeError(f"agent worker {dead[0].name} exited with code {dead[0].exitcode} "
+                                       "before the first round (see its log above)")
+            time.sleep(0.05)
+
+    def _collect(self, results: Any) -> dict[str, dict[str, Any]]:
+        """Every worker's stats (a killed worker sends none); waits up to ``join_timeout`` for them."""
+        stats: dict[str, dict[str, Any]] = {}
+        expected = len(self.procs)
+        got = 0
+        deadline = time.monotonic() + self.join_timeout
+        while got < expected and time.monotonic() < deadline:
+            try:
+                stats.update(results.get(timeout=0.2))
+                got += 1
+            except queue.Empty:
+                if all(p.exitcode is not None for p in self.procs) and results.empty():
+                    break
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        return stats
+
+    def _terminate(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                log.warning("terminating agent worker %s", p.name)
+                p.terminate()
+        for p in self.procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _on_loop(loop: ThreadLoop, fn: Callable[[], None], timeout: float = 30.0) -> None:
+    """Run ``fn`` on ``loop`` (so it never races the node's handlers) and wait for it."""
+    done = threading.Event()
+    error: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # re-raised in the caller
+            error.append(exc)
+        finally:
+            done.set()
+
+    loop.post(call)
+    if not done.wait(timeout):
+        raise TimeoutError(f"{fn!r} did not run on the loop within {timeout} s")
+    if error:
+        raise error[0]
+
+
+def run_emulation(cfg: RunConfig, **kwargs: Any) -> RunResult:
+    """Run ``cfg`` as an emulated hierarchy over MQTT (see :class:`Emulation` for the options)."""
+    return Emulation(cfg, **kwargs).run()
