@@ -1,0 +1,134 @@
+"""``fedtier run`` (the emulated hierarchy over MQTT): bit-identical to ``fedtier sim``, and robust."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cell_server.server import CellServer
+from edge_agent.runner import load_device_data
+from protocols import runfiles
+from protocols.algorithms import get_algorithm
+from protocols.algorithms.base import ModelSpec
+from protocols.config import load_config
+from protocols.status import decode_status, encode_status
+from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
+from protocols.transport.memory import MemoryHub
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
+from sim.emulation import Emulation, Faults, tier_of, worker_groups
+from sim.launcher import run_simulation
+from tests.conftest import small_config
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.toml"
+needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+
+
+def quickstart(out: Path):
+    return load_config(QUICKSTART, [f"run.output={json.dumps(str(out))}", "run.rounds=2"])
+
+
+@pytest.fixture(scope="module")
+def sim_model(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    result = run_simulation(quickstart(tmp_path_factory.mktemp("sim")))
+    return (result.output_dir / runfiles.FINAL_MODEL).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["amqtt", pytest.param("mosquitto", marks=needs_mosquitto)])
+def test_run_is_bit_identical_to_sim(kind: str, sim_model: bytes, tmp_path: Path) -> None:
+    """Quickstart, 2 rounds. Over Mosquitto the payloads also travel in 16 KiB chunks (a model is
+    ~50 chunks) and every device result is published twice: neither changes a bit."""
+    cfg = quickstart(tmp_path)
+    opts = {} if kind == "amqtt" else {"max_chunk": 16 * 1024, "faults": Faults(duplicate=True)}
+    with (EmbeddedBroker() if kind == "amqtt" else MosquittoBroker()) as broker:
+        result = Emulation(cfg, broker_url=broker.url, **opts).run()
+    out = result.output_dir
+    assert (out / runfiles.FINAL_MODEL).read_bytes() == sim_model
+    assert len(result.history) == 2 and all(r["closed_by"] == "all reported" for r in result.history)
+    assert all(not r["absent"] and not r["rejected"] for r in result.cell_records)
+    # devices loaded their partitions from their files, as deployed agents do
+    data, shape, classes = load_device_data(out / "devices" / "c1-d4.npz")
+    assert shape == (1, 28, 28) and classes == 10 and len(data) == 6000
+    summary = json.loads((out / runfiles.SUMMARY).read_text())
+    wire, payload = summary["wire_bytes"], summary["cumulative_bytes"]
+    for tier in ("cloud_to_cell", "cell_to_cloud", "cell_to_device"):
+        assert payload[tier] < wire[tier] < payload[tier] * 1.01  # the framing costs under 1 %
+    factor = 2 if kind == "mosquitto" else 1  # duplicated results are on the wire twice, counted once
+    assert factor * payload["device_to_cell"] < wire["device_to_cell"] < factor * payload["device_to_cell"] * 1.01
+    assert sum(t["tasks"] for t in summary["device_traffic"].values()) == 2 * 2 * 10
+
+
+def test_killed_agent_and_foreign_garbage(tmp_path: Path) -> None:
+    """c0-d1's worker is SIGKILLed on its task of round 1, edge round 0: the cell closes that edge round
+    on its deadline with the survivor, the next one without the (now offline, by its will) device, and
+    the run completes. Garbage published by a foreign client on a device topic is rejected and logged."""
+    cfg = small_config(tmp_path, run={"rounds": 2}, topology={"cells": 2, "devices_per_cell": 2},
+                       runtime={"device_deadline": 3.0})
+    with EmbeddedBroker() as broker:
+        def inject(record: dict) -> None:
+            if record["round"] == 0:
+                foreign = MqttTransport.from_url(broker.url, "intruder", ThreadLoop()).connect()
+                foreign.publish(topics.device_result(cfg.run.name, "c1", "c1-d0"), b"\x00not a message")
+                assert foreign.flush(5.0)
+                foreign.close()
+
+        result = Emulation(cfg, broker_url=broker.url, on_round=inject,
+                           faults=Faults(crash={"c0-d1": (1, 0)})).run()
+    assert [r["round"] for r in result.history] == [0, 1]
+    rec = {(r["round"], r["edge_round"], r["cell"]): r for r in result.cell_records}
+    assert rec[1, 0, "c0"]["closed_by"] == "deadline"
+    assert rec[1, 0, "c0"]["answered"] == ["c0-d0"] and rec[1, 0, "c0"]["absent"] == {"c0-d1": "deadline"}
+    assert rec[1, 1, "c0"]["planned"] == ["c0-d0"] and rec[1, 1, "c0"]["absent"] == {"c0-d1": "offline"}
+    assert rec[1, 0, "c1"]["answered"] == ["c1-d0", "c1-d1"]
+    rejected = [x for r in result.cell_records if r["cell"] == "c1" for x in r["rejected"]]
+    assert len(rejected) == 1 and rejected[0]["device"] == "c1-d0"
+    assert result.history[1]["cells_reported"] == ["c0", "c1"]
+    assert np.isfinite(result.history[1]["accuracy"])
+    logged = [json.loads(line) for line in (result.output_dir / runfiles.AGGREGATION).read_text().splitlines()]
+    assert {(r["round"], r["edge_round"], r["cell"]) for r in logged} == set(rec)
+
+
+def test_stale_heartbeat_marks_device_offline() -> None:
+    """A device whose status is not refreshed within heartbeat_timeout is deemed offline (no will needed)."""
+    hub = MemoryHub()
+    spec = ModelSpec(name="logreg", input_shape=(4,), num_classes=2)
+    algorithm = get_algorithm("fedavg")(get_algorithm("fedavg").Params(name="fedavg"), spec, 0)
+    cell = CellServer(hub.connect("cell"), run="r", cell="c0", devices=["c0-d0", "c0-d1"],
+                      role=algorithm.cell("c0"), algorithm="fedavg", device_deadline=5.0,
+                      heartbeat=2.0, heartbeat_timeout=6.0)
+    statuses: list[dict] = []
+    watcher = hub.connect("watcher")
+    watcher.subscribe(topics.status("r", "cell.c0"), lambda t, b: statuses.append(decode_status(b)))
+    cell.start()
+    devices = {d: hub.connect(d) for d in cell.devices}
+
+    def beat(device: str) -> None:
+        devices[device].publish(topics.status("r", f"device.{device}"), encode_status("online"), retain=True)
+
+    beat("c0-d0"), beat("c0-d1")
+    loop = hub.loop
+    loop.run(until=lambda: all(cell.online.values()))
+    assert loop.now() == 0 and cell.online == {"c0-d0": True, "c0-d1": True}
+    for t in range(1, 10):  # c0-d0 beats every 2 s, c0-d1 fell silent
+        loop.call_later(2.0 * t - loop.now(), lambda: beat("c0-d0"))
+    loop.run(until=lambda: loop.now() >= 12.5)
+    assert cell.online == {"c0-d0": True, "c0-d1": False}
+    assert statuses[-1]["devices_online"] == 1
+    beat("c0-d1")
+    loop.run(until=lambda: cell.online["c0-d1"])
+    assert cell.online["c0-d1"]
+
+
+def test_helpers() -> None:
+    assert worker_groups([f"d{i}" for i in range(5)], 2) == [["d0", "d2", "d4"], ["d1", "d3"]]
+    assert worker_groups(["a", "b", "c"], 2, isolate=("b",)) == [["b"], ["a"], ["c"]]
+    assert worker_groups(["a", "b"], 8) == [["a"], ["b"]]
+    assert tier_of(topics.cell_task("r", "c0")) == "cloud_to_cell"
+    assert tier_of(topics.device_task("r", "c0", "c0-d0")) == "cell_to_device"
+    assert tier_of(topics.device_result("r", "c0", "c0-d0")) == "device_to_cell"
+    assert tier_of(topics.cell_report("r", "c0")) == "cell_to_cloud"
+    assert {tier_of(t) for t in (topics.status("r", "device.c0-d0"), topics.control("r"),
+                                 topics.telemetry_cell("r", "c0"), topics.telemetry_cloud("r"))} == {"control"}
