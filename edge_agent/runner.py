@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -133,16 +134,19 @@ def make_trainer(backend: str, spec: ModelSpec, cfg: RunConfig) -> Trainer:
 class AgentProcess:
     """The device agents of one process: connect, announce, heartbeat, answer tasks, leave on ``finished``.
 
-    ``on_task(device, round, edge_round)`` is called before a device trains (fault injection in tests).
+    ``on_task(device, round, edge_round)`` is called before a device trains (fault injection in tests);
+    with ``timing``, every training is timed (``stats()[device]["compute"]``: ``[round, edge_round,
+    start, end]`` on the system-wide monotonic clock, comparable across processes of one machine).
     """
 
     def __init__(self, cfg: RunConfig, algorithm: Algorithm, data: dict[str, LocalData], trainer: Trainer,
                  broker: BrokerOptions, *, heartbeat: float | None = None,
-                 on_task: Callable[[str, int, int], None] | None = None) -> None:
+                 on_task: Callable[[str, int, int], None] | None = None, timing: bool = False) -> None:
         self.cfg, self.algorithm, self.data, self.trainer, self.broker = cfg, algorithm, data, trainer, broker
         self.run = cfg.run.name
         self.heartbeat = cfg.runtime.heartbeat if heartbeat is None else heartbeat
-        self.on_task = on_task
+        self.on_task, self.timing = on_task, timing
+        self.compute: dict[str, list[list[float]]] = {}
         self.loop = ThreadLoop(f"agents-{self.run}")
         self._beats = ThreadLoop(f"heartbeat-{self.run}")
         self.agents: dict[str, DeviceAgent] = {}
@@ -163,6 +167,8 @@ class AgentProcess:
             if self.on_task is not None:
                 agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)
             self.agents[device] = agent
+            if self.timing:
+                agent.role.train = self._timed(device, agent.role.train)
             control = Messenger(transport, self.run, device)
             transport.subscribe(topics.control(self.run), lambda t, b, d=device, m=control: self._on_control(d, m, t, b))
             with self._lock:
@@ -175,6 +181,18 @@ class AgentProcess:
         if not self.agents:
             self.done.set()
         return self
+
+    def _timed(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
+        spans = self.compute.setdefault(device, [])
+
+        def timed_train(task: Any, data: Any, trainer: Any, ctx: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return train(task, data, trainer, ctx)
+            finally:
+                spans.append([ctx.round, ctx.edge_round, start, time.monotonic()])
+
+        return timed_train
 
     def _on_loop(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the agents' loop and wait for it (handlers never run concurrently with it)."""
@@ -229,4 +247,5 @@ class AgentProcess:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per device: its transport's wire counters and the agent's payload bytes and tasks."""
         return {d: {"wire": self.transports[d].stats.snapshot(), "bytes_in": a.bytes_in, "bytes_out": a.bytes_out,
-                    "tasks": a.tasks_done} for d, a in self.agents.items()}
+                    "tasks": a.tasks_done, **({"compute": self.compute.get(d, [])} if self.timing else {})}
+                for d, a in self.agents.items()}

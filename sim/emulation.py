@@ -100,7 +100,7 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
             if tuple(faults.crash.get(device, ())) == (rnd, edge):
                 os.kill(os.getpid(), signal.SIGKILL)
     agents = AgentProcess(cfg, cfg.build_algorithm(spec), data, trainer, BrokerOptions(**job["broker"]),
-                          on_task=on_task)
+                          on_task=on_task, timing=job.get("timing", False))
     try:
         agents.start(job.get("connect_timeout", 30.0))
         if faults.duplicate:
@@ -134,7 +134,7 @@ class Emulation:
                  process_per_agent: bool = False, max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
                  on_round: Callable[[dict[str, Any]], None] | None = None, faults: Faults | None = None,
                  isolate: tuple[str, ...] = (), broker_options: dict[str, Any] | None = None,
-                 join_timeout: float = 60.0) -> None:
+                 join_timeout: float = 60.0, timing: bool = False) -> None:
         if cfg.runtime.onnx_devices:
             raise ConfigError("runtime.onnx_devices: forward-only devices are not supported by fedtier run yet "
                               "(use fedtier sim)")
@@ -146,7 +146,10 @@ class Emulation:
         self.broker_url = broker_url or cfg.broker.url
         self.broker_options = {k: v for k, v in (broker_options or {}).items() if v is not None}
         self.max_chunk, self.join_timeout = max_chunk, join_timeout
+        self.timing = timing  # agents time their training (benchmarks/wire.py)
         self.procs: list[Any] = []
+        self.groups: list[list[str]] = []
+        self.agent_stats: dict[str, dict[str, Any]] = {}
 
     def run(self) -> RunResult:
         cfg = self.cfg
@@ -196,7 +199,7 @@ class Emulation:
             _on_loop(loop, cloud.start)
             results = self._spawn(out, device_files, spec, opts)
             self._wait_finished(cloud)
-            agent_stats = self._collect(results)
+            agent_stats = self.agent_stats = self._collect(results)
             for node in (*cells.values(), cloud):
                 _on_loop(loop, node.stop)
             loop.stop()
@@ -225,12 +228,12 @@ class Emulation:
         ctx = mp.get_context("spawn")  # never fork: this process has threads
         results = ctx.Queue()
         level = logging.getLogger().getEffectiveLevel()
-        groups = worker_groups(self.cfg.topology.all_devices(), self.workers, self.isolate)
+        groups = self.groups = worker_groups(self.cfg.topology.all_devices(), self.workers, self.isolate)
         for i, group in enumerate(groups):
             job = {"config": str(out / runfiles.CONFIG), "devices": {d: str(files[d]) for d in group},
                    "spec": spec.model_dump(mode="json"), "broker": opts.__dict__, "log_level": level,
                    "faults": {"crash": {d: v for d, v in self.faults.crash.items() if d in group},
-                              "duplicate": self.faults.duplicate}}
+                              "duplicate": self.faults.duplicate}, "timing": self.timing}
             proc = ctx.Process(target=worker_main, args=(job, results), name=f"fedtier-agents-{i}", daemon=True)
             proc.start()
             self.procs.append(proc)
