@@ -240,47 +240,42 @@ def test_monitor_cli_once_on_a_run_dir(runs):
     assert CliRunner().invoke(main, ["monitor", "--once"]).exit_code == 2
 
 
-def test_monitor_follows_a_simulated_run_over_mqtt(tmp_path):
-    """A simulated run's telemetry, bridged from its in-memory hub onto an embedded MQTT broker as it is
-    published, reaches a TelemetryFeed on an MqttTransport (what ``fedtier monitor --broker`` uses)."""
+def test_monitor_follows_a_live_fedtier_run_over_mqtt(tmp_path):
+    """``fedtier run`` (cloud, cells, an agent worker process, embedded broker): the telemetry the
+    monitor's feed gets on an MqttTransport (what ``fedtier monitor --broker`` uses) is what the run
+    logged, and the frame shows every cell."""
     from protocols.transport.broker import EmbeddedBroker
     from protocols.transport.mqtt import MqttTransport
     from protocols.transport.threadloop import ThreadLoop
-    from protocols.wire import topics
+    from sim.emulation import Emulation
 
+    cfg = small_config(tmp_path, run={"name": "live", "rounds": 2, "output": str(tmp_path / "live")},
+                       data={"max_train": 400, "max_test": 100})
     loop = ThreadLoop().start()
     with EmbeddedBroker() as broker:
         feed = TelemetryFeed(MqttTransport.from_url(broker.url, "monitor", loop).connect(), "live").start()
         assert feed.transport.wait_subscribed()
-        out = MqttTransport.from_url(broker.url, "bridge", loop).connect()
-        cfg = small_config(tmp_path, run={"name": "live", "rounds": 2, "output": str(tmp_path / "live")},
-                           data={"max_train": 400, "max_test": 100})
-        sim = SimHierarchy(cfg)
-        tap = sim.hub.connect("bridge")
-        for pattern in (topics.telemetry_all("live"), topics.statuses("live")):
-            tap.subscribe(pattern, lambda t, p: out.publish(t, p, qos=1))
-        result = sim.run()
-        sim.hub.loop.run()  # the run stops at the cloud's last round; deliver what it published last
-        assert out.flush()
+        result = Emulation(cfg, broker_url=broker.url, workers=1).run()
         expected = len(result.cell_records) + len(result.history)
         state = MonitorState()
         deadline = time.monotonic() + 10
-        while state_count(state) < expected and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             records, bad, statuses = feed.poll()
             state.add_all(records, bad, received=time.time())
             for node, s in statuses:
                 state.add_status(node, s)
+            if state_count(state) >= expected:
+                break
             time.sleep(0.02)
-        out.close()
         feed.close()
     loop.stop()
     assert state_count(state) == expected and state.bad == []
-    assert state.cloud is not None and state.cloud.accuracy == result.history[-1]["accuracy"]
+    assert state.cloud is not None and state.cloud.to_dict() == result.history[-1]
     text = render_text(state)
     for cell in ("c0", "c1"):
-        assert f"│ {cell}" in text and state.cells[cell].last.to_dict() == \
-            [r for r in result.cell_records if r["cell"] == cell][-1]
-    assert "round 2/2" in text and "finished" in text
+        assert re.search(rf"│ │ {cell} +│ +1\.1 │ 3/3 \(100%\)", text), text
+        assert state.cells[cell].last.to_dict() == [r for r in result.cell_records if r["cell"] == cell][-1]
+    assert "round 2/2" in text and "finished" in text and "no alerts" in text
 
 
 def state_count(state: MonitorState) -> int:
