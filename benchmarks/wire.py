@@ -15,7 +15,7 @@ Figures:
   total training time in that round: its devices train one after another), divided by E. It is the
   time the busiest worker sat idle: task fan-out, transfer, decoding/encoding, aggregation.
 
-Usage: python benchmarks/wire.py [--broker mosquitto|amqtt|mqtt://host:port] [--rounds 3]
+Usage: python benchmarks/wire.py [--broker mosquitto|amqtt|mqtt://host:port] [--rounds 3] [--hidden 200 200]
 """
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def config(out: Path, rounds: int, cells: int, per_cell: int):
+def config(out: Path, rounds: int, cells: int, per_cell: int, hidden: list[int]):
     from protocols.config import parse_config
 
     return parse_config({
         "run": {"name": "wire", "seed": 0, "rounds": rounds, "output": str(out)},
         "topology": {"cells": cells, "devices_per_cell": per_cell},
         "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 10, "batch_size": 32, "lr": 0.05},
-        "model": {"name": "mlp", "hidden": [200, 200]},
+        "model": {"name": "mlp", "hidden": hidden},
         "data": {"dataset": "mnist", "partition": "iid", "max_train": 10000, "max_test": 2000},
         "runtime": {"device_deadline": 120.0},
     })
@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=5)
     ap.add_argument("--devices-per-cell", type=int, default=10)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[200, 200],
+                    help="MLP hidden sizes (e.g. --hidden 16: a 13 KB model isolates the control plane)")
     args = ap.parse_args()
 
     from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
@@ -97,7 +99,7 @@ def main() -> None:
     broker = None if "://" in kind else (MosquittoBroker() if kind == "mosquitto" else EmbeddedBroker()).start()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = config(Path(tmp) / "run", args.rounds, args.cells, args.devices_per_cell)
+            cfg = config(Path(tmp) / "run", args.rounds, args.cells, args.devices_per_cell, args.hidden)
             emu = Emulation(cfg, broker_url=broker.url if broker else kind, workers=args.workers, timing=True)
             result = emu.run()
             summary = json.loads((result.output_dir / "summary.json").read_text())

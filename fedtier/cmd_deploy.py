@@ -33,7 +33,9 @@ def _broker(cfg, broker_url, auth):
 
 
 def _spec(cfg, npz: str | None):
-    """The model spec: from a data file that records it, else from the config's dataset."""
+    """``(model spec, data of npz or None)``: the spec from the data file when it records it, else
+    from the config's dataset."""
+    data = None
     if npz:
         from edge_agent.runner import load_device_data
 
@@ -44,14 +46,27 @@ def _spec(cfg, npz: str | None):
 
     ds = load_dataset(cfg.data.dataset, max_train=cfg.data.max_train or None, max_test=cfg.data.max_test or None,
                       subsample_seed=cfg.run.seed)
-    return cfg.model_spec(ds.input_shape, ds.num_classes), None
+    return cfg.model_spec(ds.input_shape, ds.num_classes), data
 
 
 def _serve(node, loop) -> None:
-    """Run a server node's loop in this thread until it is finished (cloud) or Ctrl-C; then stop it."""
+    """Run a server node's loop in this thread until the run is finished or Ctrl-C; then stop it."""
+    from protocols.wire import topics
+    from protocols.wire.messenger import Messenger
+
+    finished = []
+    control = Messenger(node.transport, node.run, "watcher")
+
+    def on_control(topic: str, data: bytes) -> None:
+        msg = control.receive(topic, data, kinds=("control",)) if data else None
+        if msg is not None and msg.payload.meta.get("event") == "finished":
+            finished.append(True)
+
     try:
+        if not hasattr(node, "finished"):  # a cell: leaves on the cloud's retained "finished" record
+            node.transport.subscribe(topics.control(node.run), on_control)
         loop.post(node.start)
-        loop.run(until=lambda: getattr(node, "finished", False))
+        loop.run(until=lambda: bool(finished) or getattr(node, "finished", False))
     except KeyboardInterrupt:
         console.print("interrupted")
     finally:
@@ -171,10 +186,6 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
     try:
         cell_of(cfg, device)
         spec, data = _spec(cfg, data_path)
-        if data is None:
-            from edge_agent.runner import load_device_data
-
-            data = load_device_data(data_path)[0]
         opts = _broker(cfg, broker_url, auth)
         agents = AgentProcess(cfg, cfg.build_algorithm(spec), {device: data}, make_trainer(backend, spec, cfg), opts)
         agents.start()
