@@ -118,6 +118,8 @@ def test_admission_is_two_sided_and_aggregation_follows_the_paper():
     tasks = cloud.plan(1, ["c0", "c1"])
     assert tasks["c0"].meta["F"] == pytest.approx(1.3) and tasks["c0"].meta["epsilon"] == 0.2
     assert opts_in("loss", 1.0, 1.3, 0.2) and opts_in("loss", 1.45, 1.3, 0.2) and not opts_in("loss", 1.6, 1.3, 0.2)
+    assert opts_in("accuracy", 0.9, 0.7, 0.1) and not opts_in("accuracy", 0.55, 0.7, 0.1)  # mirrored for accuracy
+    assert not opts_in("loss", 0.1, None, 0.2) and opts_in("loss", 9.0, None, None)  # F unknown / eps = inf
     cell = cells["c0"]
     cell.begin(1, tasks["c0"])
     free = ["low", "match", "high"]
@@ -230,3 +232,28 @@ def test_run_logs_admissions_and_is_deterministic():
     # the model only moves in rounds that end an iteration
     prio_round = a.history[1]
     assert prio_round["metrics"]["priority_loss"] > 0 and "weight" not in prio_round["metrics"]
+
+
+def test_emulation_over_mqtt_is_bit_identical_to_sim(tmp_path):
+    """The example config (2 matching iterations after a warm-up one) through ``fedtier run``'s hierarchy."""
+    import json
+    from pathlib import Path
+
+    from protocols.config import load_config
+    from protocols.transport.broker import EmbeddedBroker
+    from sim.emulation import Emulation
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "fedalign.toml"
+
+    def cfg(out: Path):
+        return load_config(example, [f"run.output={json.dumps(str(out))}", "run.rounds=5",
+                                     "algorithm.warmup_rounds=1"])
+
+    sim = run_simulation(cfg(tmp_path / "sim"))
+    with EmbeddedBroker() as broker:
+        emu = Emulation(cfg(tmp_path / "emu"), broker_url=broker.url).run()
+    assert same(emu.params, sim.params)
+    assert [r["metrics"]["phase"] for r in emu.history] == ["solo", "priority", "free", "priority", "free"]
+    admitted = lambda res: sorted((r["round"], r["cell"], tuple(r["metrics"].get("admitted", ())))  # noqa: E731
+                                  for r in res.cell_records)
+    assert admitted(emu) == admitted(sim)
