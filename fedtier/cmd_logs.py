@@ -11,7 +11,7 @@ from rich.table import Table
 
 from fedtier.cli import main
 from fedtier.console import console, fail
-from protocols.records import CellRecord, Record, RoundRecord, read_run
+from protocols.records import CellRecord, Record, read_run
 
 EVENTS = ("aggregation", "round")
 

@@ -64,8 +64,13 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, usern
             fail(f"{run_dir} is not a run folder", 2)
         feed = RunDirFollower(run_dir)  # it may not exist yet: the run creates it
 
+    restarts = 0
+
     def pull() -> None:
+        nonlocal state, restarts
         records, bad, statuses = feed.poll()
+        if isinstance(feed, RunDirFollower) and feed.restarts != restarts:  # a new run in the folder
+            restarts, state = feed.restarts, MonitorState(drop_ratio=drop_ratio, deadline=deadline)
         now = time.time() if broker is not None else None  # a folder: trust the records' own time
         state.add_all(records, bad, received=now)
         for node, s in statuses:

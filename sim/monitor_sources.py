@@ -24,6 +24,7 @@ class _Tail:
 
     def __init__(self, path: Path) -> None:
         self.path, self.offset, self.line, self.buffer, self.inode = path, 0, 1, b"", None
+        self.restarts = 0
 
     def read(self) -> tuple[list[str], int]:
         """New lines and the number of the first one; a file that shrank is read again from the start."""
@@ -33,6 +34,7 @@ class _Tail:
             return [], self.line
         size = stat.st_size
         if size < self.offset or stat.st_ino != self.inode:  # truncated or replaced: a new run in the folder
+            self.restarts += self.inode is not None
             self.offset, self.line, self.buffer, self.inode = 0, 1, b"", stat.st_ino
         if size == self.offset:
             return [], self.line
@@ -49,7 +51,8 @@ class _Tail:
 
 
 class RunDirFollower:
-    """Tails ``aggregation.jsonl`` and ``metrics.jsonl`` of a run folder."""
+    """Tails ``aggregation.jsonl`` and ``metrics.jsonl`` of a run folder; ``restarts`` counts the times
+    a file was replaced or truncated (a new run started in the folder)."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
@@ -64,6 +67,10 @@ class RunDirFollower:
             records += r
             bad += b
         return records, bad, []
+
+    @property
+    def restarts(self) -> int:
+        return sum(t.restarts for t in self._tails)
 
 
 class TelemetryFeed:

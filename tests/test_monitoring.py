@@ -4,7 +4,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -229,8 +228,9 @@ def test_run_dir_follower_tails_complete_lines(tmp_path):
     got, bad, _ = follower.poll()
     assert [r.round for r in got] == [1, 2] and [b.line for b in bad] == [3]
     assert follower.poll() == ([], [], [])
+    assert follower.restarts == 0
     agg.write_text(rec[2] + "\n")  # a new run in the same folder
-    assert [r.round for r in follower.poll()[0]] == [2]
+    assert [r.round for r in follower.poll()[0]] == [2] and follower.restarts == 1
 
 
 def test_monitor_cli_once_on_a_run_dir(runs):
