@@ -118,7 +118,16 @@ def _torch_trainer(spec: ModelSpec, cfg: RunConfig) -> Trainer:
                                   **spec.build_kwargs())
 
 
-BACKENDS: dict[str, TrainerFactory] = {"torch": _torch_trainer}
+def _onnx_trainer(spec: ModelSpec, cfg: RunConfig) -> Trainer:
+    """Forward-only (onnxruntime, no torch): the file of ``runtime.onnx_model`` (``fedtier export``)."""
+    from .onnx_trainer import build_onnx_trainer
+
+    if not cfg.runtime.onnx_model:
+        raise ConfigError("runtime.onnx_model: the onnx backend needs a model from `fedtier export` (--onnx-model)")
+    return build_onnx_trainer(cfg.runtime.onnx_model)
+
+
+BACKENDS: dict[str, TrainerFactory] = {"torch": _torch_trainer, "onnx": _onnx_trainer}
 """Trainer backends by name; a backend module is imported only when its factory is called."""
 
 

@@ -2,6 +2,8 @@
 ``fedtier cloud``, ``fedtier cell``, ``fedtier agent``."""
 from __future__ import annotations
 
+import json
+
 import click
 
 from .cli import CONFIG, SET, VERBOSE, main
@@ -169,19 +171,23 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
 @click.option("--device", required=True, help="This device's id (c0-d0, ...).")
 @click.option("--data", "data_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="The device's local data: a .npz with arrays x and y (and optionally input_shape, num_classes).")
-@click.option("--backend", type=click.Choice(["torch"]), default="torch", show_default=True,
-              help="Trainer backend.")
+@click.option("--backend", type=click.Choice(["torch", "onnx"]), default="torch", show_default=True,
+              help="Trainer backend (onnx: forward-only on onnxruntime, no torch; e.g. for decomfl).")
+@click.option("--onnx-model", type=click.Path(exists=True, dir_okay=False),
+              help="With --backend onnx: the model written by `fedtier export` (sets runtime.onnx_model).")
 @BROKER
 @_auth
 @VERBOSE
 def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, backend: str,
-          broker_url: str | None, verbose: int, **auth) -> None:
+          onnx_model: str | None, broker_url: str | None, verbose: int, **auth) -> None:
     """Run one device agent of CONFIG: connect, answer tasks with the local data, exit when the run is finished."""
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess, make_trainer
     from protocols.config import ConfigError
 
     setup_logging(verbose)
+    if onnx_model:
+        overrides = (*overrides, f"runtime.onnx_model={json.dumps(onnx_model)}")
     cfg = load_or_exit(config, overrides)
     try:
         cell_of(cfg, device)

@@ -103,6 +103,8 @@ class RuntimeSection(_Section):
                                      "last heartbeat is older than this (MQTT; 0: never)")
     onnx_devices: list[str] = Field(default_factory=list, description="device ids that run forward-only on "
                                     "onnxruntime (sim/emulation); the others run torch")
+    onnx_model: str | None = Field(default=None, description="the .onnx file (fedtier export) that onnx-backend "
+                                   "agents load")
 
 
 class BrokerSection(_Section):

@@ -34,6 +34,7 @@ from protocols.wire import chunking, topics
 
 from .hierarchy import fresh_output, make_evaluator, participation, prepare
 from .launcher import RunResult, set_torch_threads, write_final
+from .onnx_devices import export_onnx, with_onnx_model
 
 log = logging.getLogger("fedtier.run")
 
@@ -135,14 +136,14 @@ class Emulation:
                  on_round: Callable[[dict[str, Any]], None] | None = None, faults: Faults | None = None,
                  isolate: tuple[str, ...] = (), broker_options: dict[str, Any] | None = None,
                  join_timeout: float = 60.0, timing: bool = False) -> None:
-        if cfg.runtime.onnx_devices:
-            raise ConfigError("runtime.onnx_devices: forward-only devices are not supported by fedtier run yet "
-                              "(use fedtier sim)")
+        if cfg.runtime.onnx_devices:  # forward-only agents load the run's x_0 from RUN_DIR/model.onnx
+            cfg = with_onnx_model(cfg)
         if workers < 1:
             raise ConfigError("--workers must be >= 1")
         self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
         self.workers = len(cfg.topology.all_devices()) if process_per_agent else workers
-        self.isolate = tuple(isolate) + tuple(d for d in self.faults.crash if d not in isolate)
+        self.isolate = tuple(isolate) + tuple(d for d in self.faults.crash if d not in isolate) \
+            + tuple(cfg.runtime.onnx_devices)  # a worker runs one backend: onnx devices get their own
         self.broker_url = broker_url or cfg.broker.url
         self.broker_options = {k: v for k, v in (broker_options or {}).items() if v is not None}
         self.max_chunk, self.join_timeout = max_chunk, join_timeout
@@ -163,6 +164,8 @@ class Emulation:
             device_files[device] = out / "devices" / f"{device}.npz"
             save_device_data(device_files[device], data, spec)
         algorithm = cfg.build_algorithm(spec)
+        if cfg.runtime.onnx_model:
+            export_onnx(spec, algorithm.initial_params(), cfg.runtime.onnx_model)
         avail = participation(cfg)
         partial = cfg.participation.model != "always"
         by_cell = partial and cfg.participation.level == "cell"
@@ -232,6 +235,7 @@ class Emulation:
         for i, group in enumerate(groups):
             job = {"config": str(out / runfiles.CONFIG), "devices": {d: str(files[d]) for d in group},
                    "spec": spec.model_dump(mode="json"), "broker": opts.__dict__, "log_level": level,
+                   "backend": "onnx" if group[0] in self.cfg.runtime.onnx_devices else "torch",
                    "faults": {"crash": {d: v for d, v in self.faults.crash.items() if d in group},
                               "duplicate": self.faults.duplicate}, "timing": self.timing}
             proc = ctx.Process(target=worker_main, args=(job, results), name=f"fedtier-agents-{i}", daemon=True)

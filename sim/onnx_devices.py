@@ -6,6 +6,7 @@ from pathlib import Path
 
 from protocols.algorithms.base import Algorithm, ModelSpec
 from protocols.config import ConfigError, RunConfig
+from protocols.onnx_export import export_onnx
 from protocols.trainer import Trainer
 
 ONNX_MODEL = "model.onnx"
@@ -21,11 +22,8 @@ def onnx_trainers(cfg: RunConfig, spec: ModelSpec, algorithm: Algorithm,
     ids = list(cfg.runtime.onnx_devices)
     if not ids:
         return {}
-    unknown = sorted(set(ids) - set(cfg.topology.all_devices()))
-    if unknown:
-        raise ConfigError(f"runtime.onnx_devices: {unknown} are not devices of the topology")
+    check_onnx_devices(cfg)
     from edge_agent.onnx_trainer import build_onnx_trainer
-    from protocols.onnx_export import export_onnx
 
     if output_dir is not None:
         trainer = build_onnx_trainer(export_onnx(spec, algorithm.initial_params(), output_dir / ONNX_MODEL))
@@ -33,3 +31,16 @@ def onnx_trainers(cfg: RunConfig, spec: ModelSpec, algorithm: Algorithm,
         with tempfile.TemporaryDirectory() as tmp:
             trainer = build_onnx_trainer(export_onnx(spec, algorithm.initial_params(), Path(tmp) / ONNX_MODEL))
     return {d: trainer for d in ids}
+
+
+def with_onnx_model(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``runtime.onnx_model`` = ``RUN_DIR/model.onnx`` (absolute), for agents in other processes."""
+    check_onnx_devices(cfg)
+    path = str((cfg.output_dir() / ONNX_MODEL).resolve())
+    return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"onnx_model": path})})
+
+
+def check_onnx_devices(cfg: RunConfig) -> None:
+    unknown = sorted(set(cfg.runtime.onnx_devices) - set(cfg.topology.all_devices()))
+    if unknown:
+        raise ConfigError(f"runtime.onnx_devices: {unknown} are not devices of the topology")
