@@ -164,7 +164,7 @@ class Emulation:
             device_files[device] = out / "devices" / f"{device}.npz"
             save_device_data(device_files[device], data, spec)
         algorithm = cfg.build_algorithm(spec)
-        if cfg.runtime.onnx_model:
+        if cfg.runtime.onnx_devices:
             export_onnx(spec, algorithm.initial_params(), cfg.runtime.onnx_model)
         avail = participation(cfg)
         partial = cfg.participation.model != "always"

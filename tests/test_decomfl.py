@@ -242,6 +242,8 @@ def test_bad_device_results_are_rejected_and_do_not_touch_the_sum(bad, match):
     cloud.check("c0", report)
     for bad_report in (Payload({**report.meta, "need": -1}, report.tensors),
                        Payload({**report.meta, "answered": "d2"}, report.tensors),
+                       Payload({**report.meta, "weight": 2.0}, report.tensors),  # uniform: 1 per device
+                       Payload({**report.meta, "answered": ["d2", "d2"]}, report.tensors),
                        Payload(report.meta, {"g": report.tensors["g"].astype(np.float32)})):
         with pytest.raises(Rejected):
             cloud.check("c0", bad_report)

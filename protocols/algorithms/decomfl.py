@@ -122,10 +122,13 @@ class DeComFLCloud(CloudRole):
         w = meta.get("weight")
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not np.isfinite(w) or w < 0:
             raise Rejected(f"{what}: weight must be a non-negative number, got {w!r}")
-        _int(meta, "need", what, 0, self.base + len(self.g) + 1)
+        _int(meta, "need", what, 0, self.base + len(self.g))  # at most this round
         answered = meta.get("answered")
-        if not isinstance(answered, list) or not all(isinstance(d, str) for d in answered):
-            raise Rejected(f"{what}: answered must be a list of device ids")
+        if not isinstance(answered, list) or not all(isinstance(d, str) for d in answered) \
+                or len(set(answered)) != len(answered):
+            raise Rejected(f"{what}: answered must be a list of distinct device ids")
+        if self.p.weighting == "uniform" and w != len(answered):
+            raise Rejected(f"{what}: weight {w} but {len(answered)} devices answered (uniform weighting)")
         if w == 0:
             if report.tensors or answered:
                 raise Rejected(f"{what}: weight 0 with results")
