@@ -178,7 +178,7 @@ def part_b(dataset: str, warmup: int, rounds: int, k: int, s: int, gamma0: float
     warm, cloud_model = fed.run(fed.algorithm(gamma0), init, 0, warmup)
     print(f"  after warm-up: train loss {warm[-1][1]:.4f}, test acc {warm[-1][2]:.4f} "
           f"({time.perf_counter() - t0:.0f} s)")
-    settings = [*(("FedAvg", gamma0 / f, 1.0, 0, False) for f in (1, 10, 100, 1000)),
+    settings = [*(("FedAvg", gamma0 / f, 1.0, 0, False) for f in (1, 10, 100)),
                 *(("amplified eta=10", gamma0 / f, 10.0, fed.cycle, False) for f in (100, 300, 1000)),
                 ("wait-for-all", gamma0, 1.0, 0, True)]
     tail = max(1, (rounds // fed.cycle) // 3)
@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--dataset", default="fmnist", choices=["fmnist", "mnist"])
     ap.add_argument("--part", default="ab", help="a, b or ab")
     ap.add_argument("--warmup", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--k", type=int, default=20, help="rounds each group stays available (cycle = 5k)")
     ap.add_argument("--s", type=int, default=5, help="devices per round")
     ap.add_argument("--gamma0", type=float, default=0.05)

@@ -7,7 +7,7 @@ memory (``run_simulation``): the bytes are the measured message bytes. Communica
 the paper counts it: the per-device upload volume in full-model units (HIST adds E/N per round, HFedAvg
 E), plus the measured bytes of all four tiers summed.
 
-    /work/main/.venv/bin/python benchmarks/hist.py [--quick] [--seeds 2] [--targets 0.70 0.75]
+    /work/main/.venv/bin/python benchmarks/hist.py [--quick] [--seeds 1] [--targets 0.70 0.75]
 """
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ def to_target(history: list[dict], target: float) -> tuple[int, float, int] | No
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--cells", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--targets", type=float, nargs="+", default=[0.70, 0.75])
-    ap.add_argument("--rounds", type=int, default=25, help="cloud rounds of HFedAvg; HIST gets 2x")
+    ap.add_argument("--rounds", type=int, default=20, help="cloud rounds of HFedAvg; HIST gets 2x")
     ap.add_argument("--dataset", default="fmnist", choices=["fmnist", "mnist"])
     a = ap.parse_args()
     devices = 12
