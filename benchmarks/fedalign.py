@@ -147,11 +147,13 @@ def main() -> None:
     for m in methods:
         curves = np.array([r["acc"] for r in res[m]])
         final = curves[:, -10:].mean(axis=1)
-        rates = {k: np.nanmean([r["rate"][k] for r in res[m]]) for k in ("aligned", "half", "misaligned")}
+        rates = {k: [r["rate"][k] for r in res[m] if not math.isnan(r["rate"][k])]
+                 for k in ("aligned", "half", "misaligned")}
+        rate = {k: f"{np.mean(v):.2f}" if v else "-" for k, v in rates.items()}
         mb = np.mean([r["down_bytes"] for r in res[m]]) / 1e6
         print(f"{m:14s} " + " ".join(f"{curves[:, i].mean():8.3f}" for i in marks)
               + f" {final.mean():7.3f} ± {final.std():.3f}"
-              + f" {rates['aligned']:12.2f} {rates['half']:9.2f} {rates['misaligned']:11.2f} {mb:7.1f}")
+              + f" {rate['aligned']:>12s} {rate['half']:>9s} {rate['misaligned']:>11s} {mb:7.1f}")
     counts = res["fedalign"][0]["counts"]
     print(f"\nfree devices (seed 0): {counts['aligned']} aligned, {counts['half']} half, "
           f"{counts['misaligned']} misaligned; admission rate = admitted / (devices x post-warm-up iterations)")
