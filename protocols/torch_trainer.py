@@ -89,7 +89,7 @@ class TorchTrainer(Trainer):
         loss = F.cross_entropy(self.model(xt), yt)
         loss.backward()
         grads = OrderedDict((k, p.grad.detach().cpu().numpy().copy()) for k, p in self.model.named_parameters())
-        return float(loss), grads
+        return float(loss.detach()), grads
 
     def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
             weight_decay: float = 0.0) -> TrainStats:

@@ -170,3 +170,22 @@ def test_cloud_rejects_malformed_forwarded_reports() -> None:
             cloud.check("c0", Payload(meta, tensors))
     with pytest.raises(Rejected):
         cell.check("c0-d0", Payload({**mine["c0-d0"].meta, "seed": "nothex0000000000"}, mine["c0-d0"].tensors))
+
+
+def test_fedtier_run_over_mqtt_is_bit_identical_to_sim(tmp_path) -> None:
+    """The emulated hierarchy (real broker, agent processes) gives the same model and the same bytes."""
+    from protocols.transport.broker import EmbeddedBroker
+    from sim.emulation import Emulation
+
+    def cfg(out):
+        c = config(rounds=2, edge_rounds=2, alpha=0.2)
+        c = c.model_copy(update={"runtime": c.runtime.model_copy(update={"device_deadline": 30.0})})
+        return c.model_copy(update={"run": c.run.model_copy(update={"output": str(out)})})
+
+    sim = run_simulation(cfg(tmp_path / "sim"))
+    with EmbeddedBroker() as broker:
+        emu = Emulation(cfg(tmp_path / "emu"), broker_url=broker.url).run()
+    assert all(np.array_equal(emu.params[k], sim.params[k]) for k in sim.params)
+    assert emu.history[-1]["cumulative_bytes"] == sim.history[-1]["cumulative_bytes"]
+    assert [r["bytes_in"] for r in emu.cell_records] == [r["bytes_in"] for r in sim.cell_records]
+    assert [r["metrics"] for r in emu.cell_records] == [r["metrics"] for r in sim.cell_records]
