@@ -190,3 +190,20 @@ def test_device_rejects_a_task_of_another_model():
         alg.device("c0-d0").train(Payload({}, {"w": np.zeros(3, np.float32)}), data,
                                   TorchTrainer.from_spec("mlp", (64,), 10, hidden=(30, 21)), ctx)
     assert len(encode_payload(Payload({}, {}))) < 16
+
+
+def test_emulation_over_mqtt_is_bit_identical_to_sim(tmp_path):
+    """``fedtier run``'s hierarchy (real broker, agent processes) gives the same HIST model as ``fedtier sim``."""
+    from protocols.transport.broker import EmbeddedBroker
+    from sim.emulation import Emulation
+
+    def cfg(out):
+        c = _config("hist", 2)
+        c["run"].update(rounds=2, output=str(out))
+        c["model"]["hidden"] = [24]
+        return parse_config(c)
+
+    sim = run_simulation(cfg(tmp_path / "sim"))
+    with EmbeddedBroker() as broker:
+        emu = Emulation(cfg(tmp_path / "emu"), broker_url=broker.url).run()
+    assert all(np.array_equal(emu.params[k], sim.params[k]) for k in sim.params)
