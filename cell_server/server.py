@@ -11,7 +11,8 @@ import math
 import time
 from typing import Any, Callable, Iterable
 
-from protocols.algorithms.base import CellRole, Rejected
+from protocols.algorithms.base import CellRole
+from protocols.answers import Answers
 from protocols.jsonl import JsonlWriter
 from protocols.records import CellRecord
 from protocols.status import decode_status, encode_status
@@ -50,6 +51,7 @@ class CellServer:
         self.round = -1
         self.edge_round = 0
         self.in_round = False
+        self.answers = Answers("device")
         self.records: list[dict[str, Any]] = []
         self.rejected: list[dict[str, str]] = []  # refused since the last record (even between rounds)
         self._timer: TimerHandle | None = None
@@ -121,16 +123,23 @@ class CellServer:
             return
         if self.in_round:
             log.warning("cell %s: round %d abandoned, the cloud moved on to %d", self.cell, self.round, msg.header.round)
-            self.loop.cancel(self._timer)
+            self._end_round()
+        try:
+            self.role.begin(msg.header.round, msg.payload)
+        except Exception as exc:  # a task the role cannot use must not take the cell down
+            self.messenger.reject(topic, f"cell task refused: {exc}", msg.header.sender)
+            return
         self.round, self.edge_round, self.in_round = msg.header.round, 0, True
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
         self._round_devices: set[str] = set()
-        self.role.begin(self.round, msg.payload)
         self._start_edge()
 
+    def _end_round(self) -> None:
+        self.loop.cancel(self._timer)
+        self.in_round = False
+        self.answers.close()
+
     def _reset_edge(self) -> None:
-        self.pending: set[str] = set()
-        self.results: dict[str, Payload] = {}
         self.losses: dict[str, float] = {}
         self.absent: dict[str, str] = {}
         self.planned: list[str] = []
@@ -156,7 +165,7 @@ class CellServer:
         for d in self.planned:
             self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, d), "device_task", plan[d],
                                                   round=self.round, edge_round=self.edge_round, cell=self.cell)
-        self.pending = set(self.planned)
+        self.answers.open((self.round, self.edge_round), self.planned)
         self._needed = math.ceil(self.quorum * len(self.planned))
         if not self.planned:
             self.loop.post(lambda r=self.round, e=self.edge_round: self._close(r, e, "no devices"))
@@ -169,31 +178,19 @@ class CellServer:
         if msg is None:
             return
         h, device = msg.header, topic.split("/")[-2]
-        reason = None
-        if h.sender != device:
-            reason = f"sender {h.sender!r} published on the topic of {device!r}"
-        elif not self.in_round or (h.round, h.edge_round) != (self.round, self.edge_round):
-            reason = f"stale result for round {h.round}.{h.edge_round} (now {self.round}.{self.edge_round})"
-        elif device in self.results:
-            return  # answered already: a re-sent result counts once
-        elif device not in self.pending:
-            reason = "device was not planned in this edge round"
-        else:
-            try:
-                self.role.check(device, msg.payload)
-            except Rejected as exc:
-                reason = str(exc)
+        taken = len(self.answers.received)
+        reason = self.answers.offer(device, h.sender, (h.round, h.edge_round), msg.payload, self.role.check)
         if reason is not None:
             self.messenger.reject(topic, reason, device)
             return
-        self.results[device] = msg.payload
-        self.pending.discard(device)
+        if len(self.answers.received) == taken:
+            return  # a repeat of an answer already taken counts once
         self.bytes_in += msg.nbytes
         loss = msg.payload.meta.get("loss")
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             self.losses[device] = float(loss)
-        if len(self.results) >= self._needed:
-            self._close(self.round, self.edge_round, "all answered" if not self.pending else "quorum")
+        if len(self.answers.received) >= self._needed:
+            self._close(self.round, self.edge_round, "all answered" if not self.answers.pending else "quorum")
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
         parts = topic.split("/")
@@ -204,27 +201,29 @@ class CellServer:
         if not self.in_round or (rnd, edge_round) != (self.round, self.edge_round):
             return  # a timer of a round that already closed
         self.loop.cancel(self._timer)
-        for d in self.pending:
+        results = dict(sorted(self.answers.received.items()))
+        for d in self.answers.pending:
             self.absent[d] = "deadline"
-        metrics = self.role.aggregate(self.edge_round, dict(sorted(self.results.items())))
+        self.answers.close()
+        metrics = self.role.aggregate(self.edge_round, results)
         self._round_bytes["cell_to_device"] += self.bytes_out
         self._round_bytes["device_to_cell"] += self.bytes_in
-        self._round_devices |= set(self.results)
-        self._record(why, metrics)
+        self._round_devices |= set(results)
+        self._record(why, metrics, list(results))
         self.edge_round += 1
         if self.edge_round < self.role.edge_rounds:
             self._start_edge()
         else:
             self._report()
 
-    def _record(self, why: str, metrics: dict[str, Any]) -> None:
+    def _record(self, why: str, metrics: dict[str, Any], answered: list[str]) -> None:
         losses = list(self.losses.values())
         mean = sum(losses) / len(losses) if losses else None
         spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if losses else None
         now = self.loop.now()
         record = CellRecord(
             run=self.run, round=self.round, edge_round=self.edge_round, cell=self.cell, algorithm=self.algorithm,
-            planned=self.planned, answered=sorted(self.results), absent=dict(sorted(self.absent.items())),
+            planned=self.planned, answered=answered, absent=dict(sorted(self.absent.items())),
             rejected=self.rejected, closed_by=why, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
             loss_mean=mean, loss_std=spread, duration_s=round(time.perf_counter() - self._wall0, 6),
             clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,
@@ -237,7 +236,7 @@ class CellServer:
                                json.dumps(record, separators=(",", ":")).encode(), qos=0)
 
     def _report(self) -> None:
-        self.in_round = False
+        self._end_round()
         report = self.role.report()
         report.meta["traffic"] = dict(self._round_bytes)
         report.meta["devices"] = len(self._round_devices)

@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from protocols.algorithms.base import CloudRole, Rejected
+from protocols.algorithms.base import CloudRole
+from protocols.answers import Answers
 from protocols.checkpoint import load_payload, save_payload
 from protocols.jsonl import JsonlWriter
 from protocols.records import RoundRecord
@@ -56,6 +57,7 @@ class CloudServer:
         self.cell_online: dict[str, bool] = {c: False for c in self.cells}
         self._timer: TimerHandle | None = None
         self._in_round = False
+        self.answers = Answers("cell")
         self._rejected: list[dict[str, str]] = []
         if resume and self.checkpoint_path and self.checkpoint_path.exists():
             state = load_payload(self.checkpoint_path)
@@ -109,7 +111,6 @@ class CloudServer:
     # ----------------------------------------------------------------- rounds
     def _begin_round(self) -> None:
         self._t0, self._wall0 = self.loop.now(), time.perf_counter()
-        self.reports: dict[str, Payload] = {}
         self._rejected = []
         self._bytes = {t: 0 for t in TIERS}
         self._cell_devices: dict[str, int] = {}
@@ -120,7 +121,7 @@ class CloudServer:
         for cell in self.planned:
             self._bytes["cloud_to_cell"] += self.messenger.send(topics.cell_task(self.run, cell), "cell_task",
                                                                 plan[cell], round=self.round, cell=cell)
-        self.pending = set(self.planned)
+        self.answers.open((self.round,), self.planned)
         self._in_round = True
         r = self.round
         if not self.planned:
@@ -133,25 +134,16 @@ class CloudServer:
         if msg is None:
             return
         h, cell = msg.header, topic.split("/")[-2]
-        reason = None
-        if h.sender != cell or h.cell != cell:
-            reason = f"sender {h.sender!r} published on the topic of cell {cell!r}"
-        elif not self._in_round or h.round != self.round:
-            reason = f"stale report for round {h.round} (now {self.round})"
-        elif cell in self.reports:
-            return
-        elif cell not in self.pending:
-            reason = "cell was not planned this round"
+        taken = len(self.answers.received)
+        if h.cell != cell:
+            reason = f"report for cell {h.cell!r} on the topic of cell {cell!r}"
         else:
-            try:
-                self.role.check(cell, msg.payload)
-            except Rejected as exc:
-                reason = str(exc)
+            reason = self.answers.offer(cell, h.sender, (h.round,), msg.payload, self.role.check)
         if reason is not None:
             self.messenger.reject(topic, reason, cell)
             return
-        self.reports[cell] = msg.payload
-        self.pending.discard(cell)
+        if len(self.answers.received) == taken:
+            return  # a repeat counts once
         self._bytes["cell_to_cloud"] += msg.nbytes
         traffic = msg.payload.meta.get("traffic", {})
         for tier in ("cell_to_device", "device_to_cell"):
@@ -159,7 +151,7 @@ class CloudServer:
             self._bytes[tier] += int(value) if isinstance(value, (int, float)) and value >= 0 else 0
         devices = msg.payload.meta.get("devices", 0)
         self._cell_devices[cell] = int(devices) if isinstance(devices, int) else 0
-        if not self.pending:
+        if not self.answers.pending:
             self._close(self.round, "all reported")
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
@@ -170,7 +162,9 @@ class CloudServer:
             return
         self._in_round = False
         self.loop.cancel(self._timer)
-        role_metrics = self.role.aggregate(self.round, dict(sorted(self.reports.items())))
+        reports, absent = dict(sorted(self.answers.received.items())), sorted(self.answers.pending)
+        self.answers.close()
+        role_metrics = self.role.aggregate(self.round, reports)
         for tier in TIERS:
             self.cumulative[tier] += self._bytes[tier]
         evaluation: dict[str, float] = {}
@@ -178,7 +172,7 @@ class CloudServer:
             evaluation = self.evaluator(self.role.global_params())
         record = RoundRecord(
             run=self.run, round=self.round, rounds=self.rounds, closed_by=why, cells_planned=self.planned,
-            cells_reported=sorted(self.reports), cells_absent=sorted(self.pending), devices=self._cell_devices,
+            cells_reported=sorted(reports), cells_absent=absent, devices=self._cell_devices,
             rejected=self._rejected, bytes=dict(self._bytes), cumulative_bytes=dict(self.cumulative),
             clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
             metrics=role_metrics or {}, duration_s=round(time.perf_counter() - self._wall0, 6),

@@ -187,3 +187,21 @@ def test_resume_continues_to_the_same_model_as_an_uninterrupted_run(make_config,
 
     assert [m["round"] for m in read_jsonl(tmp_path / "resumed" / runfiles.METRICS)] == [0, 1, 2, 3]
     assert resumed.history[-1]["cumulative_bytes"] == straight.history[-1]["cumulative_bytes"]
+
+
+def test_cell_survives_a_task_its_role_refuses(make_config):
+    sim = SimHierarchy(make_config(run={"rounds": 3}, runtime={"device_deadline": 5.0, "cell_deadline": 60.0}))
+    cell = sim.cells["c0"]
+    begin = cell.role.begin
+
+    def picky_begin(rnd, task):
+        if rnd == 1:
+            raise KeyError("task lacks what the role needs")
+        begin(rnd, task)
+
+    cell.role.begin = picky_begin
+    result = sim.run()
+    r1 = result.history[1]
+    assert r1["cells_reported"] == ["c1"] and r1["cells_absent"] == ["c0"] and r1["closed_by"] == "deadline"
+    assert result.history[2]["cells_reported"] == ["c0", "c1"]  # the cell is back the next round
+    assert any("cell task refused" in x["reason"] for r in result.cell_records for x in r["rejected"])

@@ -1,0 +1,52 @@
+"""Collecting one answer per planned party for the current round: the rule the cell applies to device
+results and the cloud to cell reports, so both refuse the same things for the same reasons."""
+from __future__ import annotations
+
+from typing import Callable
+
+from .algorithms.base import Rejected
+from .wire.payload import Payload
+
+
+class Answers:
+    """Answers of the parties planned for round ``key`` (e.g. ``(round, edge_round)``)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "device" or "cell", for messages
+        self.key: tuple[int, ...] | None = None
+        self.pending: set[str] = set()
+        self.received: dict[str, Payload] = {}
+
+    def open(self, key: tuple[int, ...], planned: list[str]) -> None:
+        self.key, self.pending, self.received = key, set(planned), {}
+
+    def close(self) -> None:
+        self.key = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.key is not None
+
+    def offer(self, who: str, sender: str, key: tuple[int, ...], payload: Payload,
+              check: Callable[[str, Payload], None]) -> str | None:
+        """Take ``payload`` from ``who`` (the party named by the topic; ``sender`` signed the header).
+
+        Returns ``None`` when taken or when it is a repeat of a taken answer (counted once), else the
+        reason it is refused.
+        """
+        if sender != who:
+            return f"sender {sender!r} published on the topic of {self.kind} {who!r}"
+        if key != self.key:
+            now = ".".join(map(str, self.key)) if self.key else "between rounds"
+            return f"stale answer for round {'.'.join(map(str, key))} (now {now})"
+        if who in self.received:
+            return None
+        if who not in self.pending:
+            return f"{self.kind} {who} was not planned for this round"
+        try:
+            check(who, payload)
+        except Rejected as exc:
+            return str(exc)
+        self.received[who] = payload
+        self.pending.discard(who)
+        return None
