@@ -13,7 +13,7 @@ from protocols.algorithms.fedmrn import FedMRNCell, FedMRNCloud
 from protocols.config import parse_config
 from protocols.seeding import rng
 from protocols.torch_trainer import TorchTrainer
-from protocols.wire.envelope import Header, encode_message
+from protocols.wire.envelope import Header, encode_message, new_msg_id
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 from sim.hierarchy import prepare
 from sim.launcher import run_simulation
@@ -60,7 +60,7 @@ def test_device_update_bytes_on_the_wire_are_exact() -> None:
             assert len(body) == math.ceil(masked / 8) + 4 * extras + framing + 4 + len(meta) + 2 == 514 + len(meta)
             assert len(meta) < 120 and set(payload.meta) == {"codec", "seed", "weight", "loss", "steps"}
             header = Header(run=cfg.run.name, kind="device_result", round=0, edge_round=0, cell=cell, sender=d,
-                            msg_id="x" * 20, payload_len=0)
+                            msg_id=new_msg_id(), payload_len=0)
             on_wire += len(encode_message(header, body))
         assert record["bytes_in"] == on_wire  # the runtime counted exactly these messages
         assert record["metrics"]["cell_uplink"] == "masks"
