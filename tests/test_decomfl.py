@@ -122,7 +122,7 @@ def test_uplink_is_kp_scalars_plus_a_fixed_header_exactly(runs):
             # payload: u32 meta len + meta + u16 count + (u16 name len + "g" + u8 dtype + u8 ndim + 2 x u32) + 4KP
             fixed_payload = 4 + len(meta) + 2 + (2 + 1 + 1 + 1 + 2 * 4)
             assert len(raw) == fixed_payload + 4 * K * P
-            envelope = 4 + 4 + len(header.model_dump_json(exclude_none=True).encode())
+            envelope = 4 + 4 + len(header.to_json())
             assert len(data) == envelope + fixed_payload + 4 * K * P
 
 

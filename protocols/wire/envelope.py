@@ -35,26 +35,37 @@ class WireError(ValueError):
 
 
 class Header(BaseModel):
-    """Validated envelope header. ``cell``/``device`` name the parties the message is about."""
+    """Validated envelope header; ``cell`` names the cell the message is about.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    On the wire the header is compact JSON: one-letter keys (the field aliases) and fields at their
+    default left out, e.g. ``{"r":"quickstart","k":"device_result","n":3,"e":1,"c":"c0","s":"c0-d1",
+    "i":"9f2c51d07a3e4b18","l":51054}`` (about 100 bytes). Code uses the descriptive names.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
 
     v: Literal[1] = 1
-    run: str = Field(min_length=1, max_length=128)
-    kind: MessageKind
-    round: int = Field(ge=0)
-    edge_round: int = Field(default=0, ge=0)
-    cell: str | None = Field(default=None, max_length=128)
-    sender: str = Field(min_length=1, max_length=128)
-    msg_id: str = Field(min_length=1, max_length=64)
-    codec: str = Field(default="tensors/v1", max_length=32)
-    payload_len: int = Field(ge=0)
-    sig: str | None = Field(default=None, max_length=128)
+    run: str = Field(min_length=1, max_length=128, alias="r")
+    kind: MessageKind = Field(alias="k")
+    round: int = Field(ge=0, alias="n")
+    edge_round: int = Field(default=0, ge=0, alias="e")
+    cell: str | None = Field(default=None, max_length=128, alias="c")
+    sender: str = Field(min_length=1, max_length=128, alias="s")
+    msg_id: str = Field(min_length=1, max_length=64, alias="i")
+    codec: str = Field(default="tensors/v1", max_length=32, alias="x")
+    payload_len: int = Field(ge=0, alias="l")
+    sig: str | None = Field(default=None, max_length=128, alias="g")
+
+    def to_json(self) -> bytes:
+        """The wire form (aliases, defaults omitted)."""
+        return self.model_dump_json(exclude_defaults=True).encode()
 
 
 def new_msg_id() -> str:
-    """A fresh message id (fixed length, so byte counts do not depend on it)."""
-    return uuid.uuid4().hex[:20]
+    """A fresh message id: 64 random bits as 16 hex digits (fixed length, so byte counts do not
+    depend on it)."""
+    return uuid.uuid4().hex[:16]
 
 
 def _sign(key: bytes, header_wo_sig: bytes, payload: bytes) -> str:
@@ -65,9 +76,8 @@ def encode_message(header: Header, payload: bytes, key: bytes | None = None) -> 
     """Frame ``payload`` behind ``header`` (its ``payload_len`` is set here; signed when ``key``)."""
     header = header.model_copy(update={"payload_len": len(payload), "sig": None})
     if key is not None:
-        unsigned = header.model_dump_json(exclude_none=True).encode()
-        header = header.model_copy(update={"sig": _sign(key, unsigned, payload)})
-    head = header.model_dump_json(exclude_none=True).encode()
+        header = header.model_copy(update={"sig": _sign(key, header.to_json(), payload)})
+    head = header.to_json()
     return b"".join((MAGIC, struct.pack("<I", len(head)), head, payload))
 
 
@@ -96,7 +106,7 @@ def decode_message(
     if key is not None:
         if header.sig is None:
             raise WireError("unsigned message where a signature is required")
-        unsigned = header.model_copy(update={"sig": None}).model_dump_json(exclude_none=True).encode()
+        unsigned = header.model_copy(update={"sig": None}).to_json()
         if not hmac.compare_digest(header.sig, _sign(key, unsigned, bytes(payload))):
             raise WireError("bad signature")
     return header, payload
