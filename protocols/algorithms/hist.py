@@ -28,7 +28,7 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected
-from .fedavg import CommUnits, FedAvgCell, FedAvgDevice, check_delta
+from .fedavg import CommUnits, FedAvgCell, FedAvgDevice, FedAvgParams, check_delta
 from .server_opt import AmplifiedParams, ServerOptimizer, split_state
 
 INDEX = "hist.index/"
@@ -216,7 +216,7 @@ class Hist(Algorithm):
     """HIST: each cell trains a disjoint, freshly drawn submodel; the cloud reassembles them."""
 
     name = "hist"
-    Params = AmplifiedParams
+    Params = FedAvgParams  # amplification at the cloud, any uplink codec (algorithm.uplink) on devices
 
     def cloud(self) -> CloudRole:
         return HistCloud(self.params, self.model, self.seed, self.initial_params())  # type: ignore[arg-type]
