@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protocols import params as P
 from protocols.algorithms.fedavg import FedAvg
 from protocols.algorithms.server_opt import AmplifiedParams, ServerOptimizer
 from protocols.config import parse_config

@@ -7,7 +7,7 @@ import torch
 
 from protocols import params as P
 from protocols.algorithms.base import DeviceContext, ModelSpec, Rejected
-from protocols.algorithms.hist import (INDEX, Hist, HistCloud, draw_partition, slice_model, split_task, sub_spec,
+from protocols.algorithms.hist import (INDEX, Hist, HistCloud, draw_partition, split_task, sub_spec,
                                        unit_axes)
 from protocols.config import parse_config
 from protocols.seeding import rng

@@ -59,12 +59,32 @@ class CommUnits:
         return {"upload_units": units, "upload_units_total": self.total}
 
 
-class FedAvgCloud(CloudRole):
+class ModelCloud(CloudRole):
+    """A cloud role that keeps a global model, steps it with the server optimizer (amplification)
+    and counts uploads in full-model units; checkpoints all three."""
+
     def __init__(self, params: TrainParams, initial: Mapping[str, np.ndarray]) -> None:
         self.p = params
         self.model = P.copy(initial)
         self.opt = ServerOptimizer(params)
         self.comm = CommUnits(P.num_values(self.model))
+
+    def global_params(self) -> "dict[str, np.ndarray]":
+        return self.model
+
+    def state(self) -> Payload:
+        opt = self.opt.state()
+        return Payload({**opt.meta, "upload_units_total": self.comm.total}, {**self.model, **opt.tensors})
+
+    def load_state(self, state: Payload) -> None:
+        model = split_state(state)
+        P.check_like(model, self.model, "checkpoint")
+        self.opt.load_state(state, self.model)
+        self.model = P.copy(model)
+        self.comm.total = float(state.meta.get("upload_units_total", 0.0))
+
+
+class FedAvgCloud(ModelCloud):
 
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         task = Payload({}, self.model)
@@ -84,20 +104,6 @@ class FedAvgCloud(CloudRole):
         mean, total = P.weighted_mean((r.meta["weight"], r.tensors) for _, r in sorted(reports.items()))
         self.model, amplified = self.opt.step(round, self.model, mean)
         return {"cells": len(reports), "weight": total, **comm, **({"amplified": 1} if amplified else {})}
-
-    def global_params(self) -> "dict[str, np.ndarray]":
-        return self.model
-
-    def state(self) -> Payload:
-        opt = self.opt.state()
-        return Payload({**opt.meta, "upload_units_total": self.comm.total}, {**self.model, **opt.tensors})
-
-    def load_state(self, state: Payload) -> None:
-        model = split_state(state)
-        P.check_like(model, self.model, "checkpoint")
-        self.opt.load_state(state, self.model)
-        self.model = P.copy(model)
-        self.comm.total = float(state.meta.get("upload_units_total", 0.0))
 
 
 class FedAvgCell(CellRole):

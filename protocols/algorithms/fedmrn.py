@@ -31,7 +31,7 @@ from ..seeding import derive_seed, rng
 from ..trainer import LocalData, Trainer, batches, num_steps
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
-from .codecs.base import expect_array, parse_seed, seed_hex, unpack_bits, wire_size
+from .codecs.base import expect_array, parse_seed, unpack_bits, wire_size
 from .codecs.mrn import FedMRNCodec, NoiseKind, masked_value, sample_mask
 from .fedavg import FedAvgCell, FedAvgCloud
 

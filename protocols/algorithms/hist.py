@@ -28,8 +28,8 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected
-from .fedavg import CommUnits, FedAvgCell, FedAvgDevice, FedAvgParams, check_delta
-from .server_opt import AmplifiedParams, ServerOptimizer, split_state
+from .fedavg import FedAvgCell, FedAvgDevice, FedAvgParams, ModelCloud, check_delta
+from .server_opt import AmplifiedParams
 
 INDEX = "hist.index/"
 Axes = tuple[str | None, ...]
@@ -114,15 +114,13 @@ def split_task(task: Payload) -> tuple[dict[str, np.ndarray], dict[str, np.ndarr
     return {k: v for k, v in task.tensors.items() if not k.startswith(INDEX)}, idx
 
 
-class HistCloud(CloudRole):
+class HistCloud(ModelCloud):
     def __init__(self, params: AmplifiedParams, spec: ModelSpec, seed: int, initial: Mapping[str, np.ndarray]) -> None:
-        self.p, self.seed = params, seed
+        super().__init__(params, initial)
+        self.seed = seed
         self.widths, self.axes = unit_axes(spec)
-        self.model = P.copy(initial)
         if list(self.axes) != list(self.model):
             raise ValueError(f"HIST: model tensors {list(self.model)} do not match the layout {list(self.axes)}")
-        self.opt = ServerOptimizer(params)
-        self.comm = CommUnits(P.num_values(self.model))
         self.parts: dict[str, dict[str, np.ndarray]] = {}
         self.shapes: dict[str, dict[str, np.ndarray]] = {}
 
@@ -167,20 +165,6 @@ class HistCloud(CloudRole):
         self.model, amplified = self.opt.step(round, self.model, full)
         return {"cells": len(reports), "weight": total or sum(r.meta["weight"] for r in reports.values()),
                 **comm, **({"amplified": 1} if amplified else {})}
-
-    def global_params(self) -> "dict[str, np.ndarray]":
-        return self.model
-
-    def state(self) -> Payload:
-        opt = self.opt.state()
-        return Payload({**opt.meta, "upload_units_total": self.comm.total}, {**self.model, **opt.tensors})
-
-    def load_state(self, state: Payload) -> None:
-        model = split_state(state)
-        P.check_like(model, self.model, "checkpoint")
-        self.opt.load_state(state, self.model)
-        self.model = P.copy(model)
-        self.comm.total = float(state.meta.get("upload_units_total", 0.0))
 
 
 class HistCell(FedAvgCell):
