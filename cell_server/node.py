@@ -14,7 +14,8 @@ from .server import Availability, CellServer
 def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algorithm, *,
                availability: Availability | None = None, output_dir: Path | None = None,
                heartbeats: bool = False) -> CellServer:
-    """``heartbeats``: use the config's ``runtime.heartbeat`` and ``heartbeat_timeout`` (MQTT; the sim has none)."""
+    """``heartbeats``: use the config's MQTT liveness settings, ``runtime.heartbeat``, ``heartbeat_timeout``
+    and ``rejoin_wait`` (the sim has none: nobody disconnects there)."""
     if cell not in cfg.topology.cell_ids():
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     return CellServer(
@@ -22,4 +23,5 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
         algorithm=algorithm.name, device_deadline=cfg.runtime.device_deadline, quorum=cfg.runtime.quorum,
         availability=availability, log_path=str(output_dir / runfiles.AGGREGATION) if output_dir else None,
         heartbeat=cfg.runtime.heartbeat if heartbeats else 0.0,
-        heartbeat_timeout=cfg.runtime.heartbeat_timeout if heartbeats else 0.0)
+        heartbeat_timeout=cfg.runtime.heartbeat_timeout if heartbeats else 0.0,
+        rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0)

@@ -34,9 +34,12 @@ class CellServer:
                  algorithm: str, device_deadline: float, quorum: float = 1.0,
                  availability: Availability | None = None, log_path: str | None = None,
                  sign_key: bytes | None = None, keys: dict[str, bytes] | None = None,
-                 assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0) -> None:
+                 assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0,
+                 rejoin_wait: float = 0.0) -> None:
         """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
-        ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never)."""
+        ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never);
+        ``rejoin_wait``: before planning an edge round, wait up to this long for the devices that
+        ``availability`` lets take part but that are offline (they may be reconnecting; 0: no wait)."""
         if not 0 < quorum <= 1:
             raise ValueError("quorum must be in (0, 1]")
         self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
@@ -48,6 +51,10 @@ class CellServer:
         self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
         self._beat_timer: TimerHandle | None = None
+        self.rejoin_wait = rejoin_wait
+        self._waiting: set[str] = set()  # participating devices this edge round waits for
+        self._gave_up: set[str] = set()  # ... and those it waited for in vain this cloud round
+        self._wait_timer: TimerHandle | None = None
         self.round = -1
         self.edge_round = 0
         self.in_round = False
@@ -69,6 +76,7 @@ class CellServer:
 
     def stop(self) -> None:
         self.loop.cancel(self._timer)
+        self.loop.cancel(self._wait_timer)
         self.loop.cancel(self._beat_timer)
         if self.transport.connected:
             self.transport.publish(topics.status(self.run, topics.cell_node(self.cell)),
@@ -112,6 +120,10 @@ class CellServer:
         if self.online[device] != online:
             self.online[device] = online
             self._announce()
+        if online and device in self._waiting:
+            self._waiting.discard(device)
+            if not self._waiting:
+                self._plan_edge(self.round, self.edge_round)
 
     # ----------------------------------------------------------------- rounds
     def _on_cell_task(self, topic: str, data: bytes) -> None:
@@ -132,10 +144,13 @@ class CellServer:
         self.round, self.edge_round, self.in_round = msg.header.round, 0, True
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
         self._round_devices: set[str] = set()
+        self._gave_up = set()
         self._start_edge()
 
     def _end_round(self) -> None:
         self.loop.cancel(self._timer)
+        self.loop.cancel(self._wait_timer)
+        self._waiting = set()
         self.in_round = False
         self.answers.close()
 
@@ -143,17 +158,35 @@ class CellServer:
         self.losses: dict[str, float] = {}
         self.absent: dict[str, str] = {}
         self.planned: list[str] = []
+        self._opened = False  # planned and sent the tasks of the current edge round
         self.bytes_in = self.bytes_out = 0
 
     def _start_edge(self) -> None:
+        """Open an edge round: first wait (up to ``rejoin_wait``) for offline devices that take part."""
         self._reset_edge()
-        allowed = set(self.availability(self.round, self.edge_round)) if self.availability else None
+        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
+        self._allowed = set(self.availability(self.round, self.edge_round)) if self.availability else None
+        self._waiting = {d for d in self._allowed or () if d in self.online and not self.online[d]} - self._gave_up
+        if self._waiting and self.rejoin_wait > 0:
+            self._wait_timer = self.loop.call_later(
+                self.rejoin_wait, lambda r=self.round, e=self.edge_round: self._plan_edge(r, e))
+        else:
+            self._plan_edge(self.round, self.edge_round)
+
+    def _plan_edge(self, rnd: int, edge_round: int) -> None:
+        if not self.in_round or (rnd, edge_round) != (self.round, self.edge_round) or self._opened:
+            return  # a wait of a round that is over, or already planned
+        self._opened = True
+        self.loop.cancel(self._wait_timer)
+        self._gave_up |= self._waiting
+        self._waiting = set()
+        allowed = self._allowed
         available = []
         for d in self.devices:
-            if not self.online[d]:
-                self.absent[d] = "offline"
-            elif allowed is not None and d not in allowed:
+            if allowed is not None and d not in allowed:
                 self.absent[d] = "not participating"
+            elif not self.online[d]:
+                self.absent[d] = "offline"
             else:
                 available.append(d)
         plan = self.role.plan(self.edge_round, available)
@@ -161,7 +194,6 @@ class CellServer:
         for d in self.devices:
             if d in available and d not in plan:
                 self.absent[d] = "not selected"
-        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
         for d in self.planned:
             self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, d), "device_task", plan[d],
                                                   round=self.round, edge_round=self.edge_round, cell=self.cell)

@@ -14,6 +14,7 @@ from protocols.answers import Answers
 from protocols.checkpoint import load_payload, save_payload
 from protocols.jsonl import JsonlWriter
 from protocols.records import RoundRecord
+from protocols.session import encode_manifest, new_session
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -48,6 +49,7 @@ class CloudServer:
         self.metrics = JsonlWriter(metrics_path)
         self.startup_wait, self.on_round = startup_wait, on_round
         self.availability = availability
+        self.session = new_session()  # stamps this cloud's retained records (see protocols.session)
         self.round = 0
         self.finished = False
         self.started = False
@@ -70,7 +72,8 @@ class CloudServer:
     def start(self) -> None:
         self.transport.subscribe(topics.cell_reports(self.run), self._on_report)
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
-        self.transport.publish(topics.status(self.run, "cloud"), encode_status("online"), retain=True)
+        self.transport.publish(topics.status(self.run, "cloud"), encode_status("online", session=self.session),
+                               retain=True)
         if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker
             self.transport.publish(topics.control(self.run), b"", retain=True)
         if self.round >= self.rounds:
@@ -118,6 +121,7 @@ class CloudServer:
         plan = self.role.plan(self.round, [c for c in self.cells if (self.cell_online[c] or self.startup_wait <= 0)
                                            and c in allowed])
         self.planned = sorted(plan)
+        self.transport.publish(topics.round_manifest(self.run), encode_manifest(self.session, self.round), retain=True)
         for cell in self.planned:
             self._bytes["cloud_to_cell"] += self.messenger.send(topics.cell_task(self.run, cell), "cell_task",
                                                                 plan[cell], round=self.round, cell=cell)
@@ -195,5 +199,6 @@ class CloudServer:
 
     def _finish(self) -> None:
         self.finished = True
-        self.messenger.send(topics.control(self.run), "control", Payload({"event": "finished", "round": self.round}),
+        self.messenger.send(topics.control(self.run), "control", Payload({"event": "finished", "round": self.round,
+                                                                       "session": self.session}),
                             round=self.round, retain=True)

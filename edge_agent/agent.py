@@ -29,8 +29,14 @@ class DeviceAgent:
         self.bytes_out = 0
 
     def start(self) -> None:
-        self.transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
+        self.attach(self.transport)
         self.announce("online")
+
+    def attach(self, transport: Transport) -> None:
+        """Take tasks on ``transport`` (a new connection of a device that rejoins: same role, same
+        de-duplication of messages); does not announce."""
+        self.transport = self.messenger.transport = transport
+        transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
 
     def announce(self, state: str) -> None:
         self.transport.publish(topics.status(self.run, topics.device_node(self.device)),

@@ -4,7 +4,8 @@
 Every device keeps its own connection and client id (its will marks it offline), announces itself
 online (retained), sends a heartbeat every ``heartbeat`` seconds from a thread of its own (so a long
 training step never silences it), answers its tasks, and leaves when the cloud publishes the
-retained ``finished`` control record. The devices of one process share one event loop (their
+retained ``finished`` control record of its current session. With churn, a device that does not
+take part in a round really disconnects and comes back for the rounds it takes part in. The devices of one process share one event loop (their
 training runs one at a time) and one trainer. torch is imported only by the torch backend.
 """
 from __future__ import annotations
@@ -14,15 +15,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from protocols.algorithms.base import Algorithm, ModelSpec
 from protocols.config import ConfigError, RunConfig
-from protocols.status import encode_status
+from protocols.session import CloudSession, decode_manifest
+from protocols.status import decode_status, encode_status
 from protocols.trainer import LocalData, Trainer
-from protocols.transport.base import Will
+from protocols.transport.base import TimerHandle, Will
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.messenger import Messenger
@@ -146,50 +148,90 @@ class AgentProcess:
     ``on_task(device, round, edge_round)`` is called before a device trains (fault injection in tests);
     with ``timing``, every training is timed (``stats()[device]["compute"]``: ``[round, edge_round,
     start, end]`` on the system-wide monotonic clock, comparable across processes of one machine).
+
+    ``availability(round) -> devices that take part in that cloud round`` turns on churn: on the cloud's
+    round manifest, a device that does not take part says offline and disconnects (after the results
+    it owes: the manifest is handled after them), then reconnects every ``rejoin_poll`` seconds just
+    long enough to read the retained manifest, and stays, announced online, from the first round it
+    takes part in. Every connection is a new MQTT session with the same client id; ``stats()`` counts
+    them (``connections``) and sums their wire counters. Cloud records (manifest, ``finished``) count
+    only when they belong to the cloud's current session (``protocols.session``).
     """
 
     def __init__(self, cfg: RunConfig, algorithm: Algorithm, data: dict[str, LocalData], trainer: Trainer,
                  broker: BrokerOptions, *, heartbeat: float | None = None,
-                 on_task: Callable[[str, int, int], None] | None = None, timing: bool = False) -> None:
+                 on_task: Callable[[str, int, int], None] | None = None, timing: bool = False,
+                 availability: Callable[[int], Iterable[str]] | None = None,
+                 rejoin_poll: float | None = None) -> None:
         self.cfg, self.algorithm, self.data, self.trainer, self.broker = cfg, algorithm, data, trainer, broker
         self.run = cfg.run.name
         self.heartbeat = cfg.runtime.heartbeat if heartbeat is None else heartbeat
         self.on_task, self.timing = on_task, timing
+        self.availability = availability
+        self.rejoin_poll = cfg.runtime.rejoin_poll if rejoin_poll is None else rejoin_poll
+        self.connect_timeout = 30.0
         self.compute: dict[str, list[list[float]]] = {}
         self.loop = ThreadLoop(f"agents-{self.run}")
         self._beats = ThreadLoop(f"heartbeat-{self.run}")
         self.agents: dict[str, DeviceAgent] = {}
-        self.transports: dict[str, Any] = {}
-        self._live: set[str] = set()
+        self.transports: dict[str, Any] = {}  # each device's current connection
+        self.clouds: dict[str, CloudSession] = {}
+        self.connections: dict[str, int] = {}
+        self._past: dict[str, list[dict[str, Any]]] = {}  # wire counters of earlier connections
+        self._live: set[str] = set()  # not yet left for good
+        self._present: set[str] = set()  # connected and announced online (the heartbeat keeps them so)
+        self._fresh: set[str] = set()  # read a manifest on their current connection
+        self._polls: dict[str, TimerHandle] = {}
         self._lock = threading.Lock()
         self.done = threading.Event()
 
     def start(self, connect_timeout: float = 30.0) -> "AgentProcess":
         """Connect every device (blocking until the broker acknowledged its subscriptions) and announce it."""
+        self.connect_timeout = connect_timeout
         self.loop.start()
         for device, data in self.data.items():
-            node = topics.device_node(device)
-            transport = self.broker.transport(node, self.run, self.loop, will=offline_will(self.run, node))
-            transport.connect(connect_timeout)
-            self.transports[device] = transport
+            transport = self._transport(device)
             agent = build_agent(self.cfg, device, transport, self.algorithm, data, self.trainer)
             if self.on_task is not None:
                 agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)
             self.agents[device] = agent
+            self.clouds[device] = CloudSession()
             if self.timing:
                 agent.role.train = self._timed(device, agent.role.train)
-            control = Messenger(transport, self.run, device)
-            transport.subscribe(topics.control(self.run), lambda t, b, d=device, m=control: self._on_control(d, m, t, b))
             with self._lock:
                 self._live.add(device)
-            self._on_loop(agent.start)
-            transport.wait_subscribed(connect_timeout)
+            self._on_loop(lambda d=device, t=transport: self._connect(d, t, present=True))
         if self.heartbeat > 0:
             self._beats.start()
             self._beats.call_later(self.heartbeat, self._beat)
         if not self.agents:
             self.done.set()
         return self
+
+    def _transport(self, device: str) -> Any:
+        node = topics.device_node(device)
+        return self.broker.transport(node, self.run, self.loop, will=offline_will(self.run, node))
+
+    def _connect(self, device: str, transport: Any, present: bool) -> None:
+        """On the loop: subscribe, connect, wait for the subscriptions; announce online if ``present``."""
+        agent, run = self.agents[device], self.run
+        agent.attach(transport)
+        control = Messenger(transport, run, device)
+        transport.subscribe(topics.control(run), lambda t, b: self._on_control(device, control, t, b))
+        transport.subscribe(topics.status(run, "cloud"), lambda t, b: self._on_cloud_status(device, b))
+        transport.subscribe(topics.round_manifest(run), lambda t, b: self._on_manifest(device, b))
+        old = self.transports.get(device)
+        if old is not None:
+            self._past.setdefault(device, []).append(old.stats.snapshot())
+        self.transports[device] = transport
+        self._fresh.discard(device)
+        transport.connect(self.connect_timeout)
+        self.connections[device] = self.connections.get(device, 0) + 1
+        transport.wait_subscribed(self.connect_timeout)
+        if present:
+            with self._lock:
+                self._present.add(device)
+                agent.announce("online")
 
     def _timed(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
         spans = self.compute.setdefault(device, [])
@@ -204,42 +246,106 @@ class AgentProcess:
         return timed_train
 
     def _on_loop(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the agents' loop and wait for it (handlers never run concurrently with it)."""
+        """Run ``fn`` on the agents' loop and wait for it (handlers never run concurrently with it);
+        re-raises its exception here."""
         ran = threading.Event()
+        error: list[BaseException] = []
 
         def call() -> None:
             try:
                 fn()
+            except BaseException as exc:
+                error.append(exc)
             finally:
                 ran.set()
 
         self.loop.post(call)
         ran.wait()
+        if error:
+            raise error[0]
 
     def _beat(self) -> None:
         with self._lock:
-            for device in self._live:
+            for device in self._present:
                 if self.transports[device].connected:
                     self.agents[device].announce("online")
         self._beats.call_later(self.heartbeat, self._beat)
 
+    # ------------------------------------------------------------------ cloud records (on the loop)
     def _on_control(self, device: str, messenger: Messenger, topic: str, data: bytes) -> None:
         if not data:
             return  # a cleared retained record
         msg = messenger.receive(topic, data, kinds=("control",))
         if msg is not None and msg.payload.meta.get("event") == "finished":
+            self.clouds[device].on_finished(msg.payload.meta.get("session"))
+            self._update(device)
+
+    def _on_cloud_status(self, device: str, data: bytes) -> None:
+        self.clouds[device].on_status(decode_status(data) if data else None)
+        self._update(device)
+
+    def _on_manifest(self, device: str, data: bytes) -> None:
+        record = decode_manifest(data) if data else None
+        if record is not None:
+            self.clouds[device].on_manifest(record)
+            self._fresh.add(device)
+            self._update(device)
+
+    def _update(self, device: str) -> None:
+        """Leave on the current session's ``finished``; with churn, go or stay for the current round."""
+        cloud = self.clouds[device]
+        if device not in self._live:
+            return
+        if cloud.finished:
             log.info("device %s: the run is finished", device)
             self._leave(device)
+            return
+        rnd = cloud.round
+        if self.availability is None or rnd is None:
+            return
+        takes_part = device in set(self.availability(rnd))
+        if device in self._present:
+            if not takes_part:
+                log.info("device %s: not in round %d, leaving for now", device, rnd)
+                with self._lock:
+                    self._present.discard(device)
+                    self.agents[device].announce("offline")
+                self._disconnect(device)
+        elif device in self._fresh:  # a poll that read the manifest
+            if takes_part:
+                log.info("device %s: back for round %d", device, rnd)
+                with self._lock:
+                    self._present.add(device)
+                    self.agents[device].announce("online")
+            else:
+                self._disconnect(device)
+
+    def _disconnect(self, device: str) -> None:
+        """Close the connection cleanly (after its pending publishes) and poll again later."""
+        self.transports[device].close()
+        self._polls[device] = self.loop.call_later(self.rejoin_poll, lambda: self._poll(device))
+
+    def _poll(self, device: str) -> None:
+        if device not in self._live:
+            return
+        try:
+            self._connect(device, self._transport(device), present=False)
+        except (ConnectionError, RuntimeError) as exc:
+            log.warning("device %s: reconnect failed (%s); retrying", device, exc)
+            self.transports[device].close(flush_timeout=0)
+            self._polls[device] = self.loop.call_later(self.rejoin_poll, lambda: self._poll(device))
 
     def _leave(self, device: str) -> None:
         with self._lock:
             if device not in self._live:
                 return
             self._live.discard(device)
-        self.agents[device].stop()  # announces offline after the last heartbeat, then disconnects
-        with self._lock:
-            if not self._live:
-                self.done.set()
+            self._present.discard(device)
+            self.agents[device].stop()  # announces offline (no heartbeat can follow), then disconnects
+            done = not self._live
+        self.loop.cancel(self._polls.pop(device, None))
+        if done:
+            self.done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every device saw ``finished`` (True) or ``timeout`` passed (False)."""
@@ -254,7 +360,22 @@ class AgentProcess:
         self.loop.stop()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per device: its transport's wire counters and the agent's payload bytes and tasks."""
-        return {d: {"wire": self.transports[d].stats.snapshot(), "bytes_in": a.bytes_in, "bytes_out": a.bytes_out,
+        """Per device: its wire counters (all its connections), connections, the agent's payload bytes and tasks."""
+        return {d: {"wire": merge_wire([*self._past.get(d, []), self.transports[d].stats.snapshot()]),
+                    "connections": self.connections.get(d, 0), "bytes_in": a.bytes_in, "bytes_out": a.bytes_out,
                     "tasks": a.tasks_done, **({"compute": self.compute.get(d, [])} if self.timing else {})}
                 for d, a in self.agents.items()}
+
+
+def merge_wire(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sum of transport counter snapshots (``TransportStats.snapshot``), topic by topic."""
+    total: dict[str, Any] = {"by_topic": {}}
+    for snap in snapshots:
+        for key, value in snap.items():
+            if key == "by_topic":
+                for topic, counts in value.items():
+                    acc = total["by_topic"].setdefault(topic, [0] * len(counts))
+                    total["by_topic"][topic] = [a + b for a, b in zip(acc, counts)]
+            else:
+                total[key] = total.get(key, 0) + value
+    return total

@@ -51,24 +51,36 @@ def _spec(cfg, npz: str | None):
     return cfg.model_spec(ds.input_shape, ds.num_classes), data
 
 
-def _serve(node, loop) -> None:
-    """Run a server node's loop in this thread until the run is finished or Ctrl-C; then stop it."""
+def watch_cloud(node):
+    """A :class:`CloudSession` fed by ``node``'s transport: the cloud's status and ``finished`` records
+    (a cell leaves on the ``finished`` of the cloud's current session only, never on a stale one)."""
+    from protocols.session import CloudSession
+    from protocols.status import decode_status
     from protocols.wire import topics
     from protocols.wire.messenger import Messenger
 
-    finished = []
+    cloud = CloudSession()
     control = Messenger(node.transport, node.run, "watcher")
 
     def on_control(topic: str, data: bytes) -> None:
         msg = control.receive(topic, data, kinds=("control",)) if data else None
         if msg is not None and msg.payload.meta.get("event") == "finished":
-            finished.append(True)
+            cloud.on_finished(msg.payload.meta.get("session"))
 
+    node.transport.subscribe(topics.control(node.run), on_control)
+    node.transport.subscribe(topics.status(node.run, "cloud"),
+                             lambda _t, data: cloud.on_status(decode_status(data) if data else None))
+    return cloud
+
+
+def _serve(node, loop, cloud=None) -> None:
+    """Run a server node's loop in this thread until the run is finished or Ctrl-C; then stop it.
+    A cell watches the cloud (``cloud``: a :func:`watch_cloud` of it, made here if not given)."""
     try:
-        if not hasattr(node, "finished"):  # a cell: leaves on the cloud's retained "finished" record
-            node.transport.subscribe(topics.control(node.run), on_control)
+        if not hasattr(node, "finished") and cloud is None:  # a cell: leaves when the run is finished
+            cloud = watch_cloud(node)
         loop.post(node.start)
-        loop.run(until=lambda: bool(finished) or getattr(node, "finished", False))
+        loop.run(until=lambda: (cloud is not None and cloud.finished) or getattr(node, "finished", False))
     except KeyboardInterrupt:
         console.print("interrupted")
     finally:
@@ -160,7 +172,11 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
         _fail(exc, 2)
     except ConnectionError as exc:
         _fail(exc, 1)
-    node = build_cell(cfg, cell_id, transport, cfg.build_algorithm(spec), output_dir=out, heartbeats=True)
+    from sim.emulation import churn
+
+    takes_part = churn(cfg)  # device-level participation: as in `fedtier run`, absent devices leave
+    node = build_cell(cfg, cell_id, transport, cfg.build_algorithm(spec), output_dir=out, heartbeats=True,
+                      availability=(lambda r, e: takes_part(r)) if takes_part else None)
     console.print(f"cell {cell_id} serving {len(node.devices)} devices on {opts.url} (Ctrl-C to stop)")
     _serve(node, loop)
 
@@ -193,7 +209,10 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
         cell_of(cfg, device)
         spec, data = _spec(cfg, data_path)
         opts = _broker(cfg, broker_url, auth)
-        agents = AgentProcess(cfg, cfg.build_algorithm(spec), {device: data}, make_trainer(backend, spec, cfg), opts)
+        from sim.emulation import churn
+
+        agents = AgentProcess(cfg, cfg.build_algorithm(spec), {device: data}, make_trainer(backend, spec, cfg), opts,
+                              availability=churn(cfg))  # partial participation: leaves when absent
         agents.start()
     except (ConfigError, ValueError) as exc:
         _fail(exc, 2)

@@ -101,6 +101,10 @@ class RuntimeSection(_Section):
                              "(MQTT; 0: none, the broker's last will only)")
     heartbeat_timeout: float = Field(default=30.0, ge=0, description="a cell deems a device offline when its "
                                      "last heartbeat is older than this (MQTT; 0: never)")
+    rejoin_wait: float = Field(default=30.0, ge=0, description="seconds a cell waits, before planning an edge "
+                               "round, for participating devices that are offline (rejoining; MQTT)")
+    rejoin_poll: float = Field(default=0.5, gt=0, description="seconds between an absent agent's reconnections "
+                               "to read the round manifest (participation in fedtier run)")
     onnx_devices: list[str] = Field(default_factory=list, description="device ids that run forward-only on "
                                     "onnxruntime (sim/emulation); the others run torch")
     onnx_model: str | None = Field(default=None, description="the .onnx file (fedtier export) that onnx-backend "
@@ -137,7 +141,8 @@ class RunConfig(_Section):
     def cell_deadline(self) -> float:
         if self.runtime.cell_deadline is not None:
             return self.runtime.cell_deadline
-        return self.train.edge_rounds * self.runtime.device_deadline * 1.5 + 10
+        rejoin = self.runtime.rejoin_wait if self.participation.model != "always" else 0.0
+        return self.train.edge_rounds * self.runtime.device_deadline * 1.5 + 10 + rejoin
 
     def to_toml(self) -> str:
         """The config as TOML (written to each run's output folder)."""

@@ -8,7 +8,9 @@ id, as on a real device, several devices per worker. Each device's partition is 
 Start order: broker -> cells and cloud subscribe -> workers connect their devices, which announce
 themselves (retained status) -> the cloud waits until every cell reports all its devices online
 (``runtime.startup_wait``) -> rounds -> the cloud publishes the retained ``finished`` record ->
-agents leave, workers exit. Everything is torn down in ``finally`` (workers are terminated if they
+agents leave, workers exit. With device-level partial participation, each round's absent devices
+really disconnect and rejoin when they take part again (the cloud's retained round manifest tells
+them the round; cells wait up to ``runtime.rejoin_wait`` for them), so the run stays bit-identical. Everything is torn down in ``finally`` (workers are terminated if they
 are still alive). Same config and seed -> the same final model, byte for byte, as ``fedtier sim``.
 """
 from __future__ import annotations
@@ -101,7 +103,7 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
             if tuple(faults.crash.get(device, ())) == (rnd, edge):
                 os.kill(os.getpid(), signal.SIGKILL)
     agents = AgentProcess(cfg, cfg.build_algorithm(spec), data, trainer, BrokerOptions(**job["broker"]),
-                          on_task=on_task, timing=job.get("timing", False))
+                          on_task=on_task, timing=job.get("timing", False), availability=churn(cfg))
     try:
         agents.start(job.get("connect_timeout", 30.0))
         if faults.duplicate:
@@ -111,6 +113,14 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     finally:
         agents.stop()
         results.put(agents.stats())
+
+
+def churn(cfg: RunConfig) -> Callable[[int], frozenset[str]] | None:
+    """The agents' availability for device-level partial participation (an absent device really
+    disconnects; see :class:`AgentProcess`), else ``None``."""
+    if cfg.participation.model == "always" or cfg.participation.level == "cell":
+        return None
+    return participation(cfg).participants
 
 
 def _twice(publish: Callable[..., None]) -> Callable[..., None]:

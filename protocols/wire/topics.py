@@ -8,6 +8,7 @@ topic                                          what                             
 ``fedtier/{run}/cell/{cell}/up/{dev}/result``  device -> cell result               no
 ``fedtier/{run}/cloud/up/{cell}/report``       cell -> cloud report                no
 ``fedtier/{run}/cloud/control``                run control (finished)              yes
+``fedtier/{run}/cloud/round``                  round manifest (session, round)     yes
 ``fedtier/{run}/status/{node}``                liveness: online/offline            yes
 ``fedtier/{run}/telemetry/cell/{cell}``        cell aggregation records            no
 ``fedtier/{run}/telemetry/cloud``              cloud round records                 no
@@ -57,6 +58,11 @@ def cell_reports(run: str) -> str:
 
 def control(run: str) -> str:
     return f"{root(run)}/cloud/control"
+
+
+def round_manifest(run: str) -> str:
+    """The cloud's retained round manifest (``protocols.session``): a (re)connecting node learns the round."""
+    return f"{root(run)}/cloud/round"
 
 
 def status(run: str, node: str) -> str:

@@ -1,0 +1,155 @@
+"""Churn in ``fedtier run``: a device that does not take part in a round really disconnects from the
+broker and rejoins for the rounds it takes part in, bit-identically to ``fedtier sim``; retained
+records of an earlier run with the same name never stop a new run's nodes."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cell_server.node import build_cell
+from cloud.node import build_cloud
+from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, offline_will
+from fedtier.cmd_deploy import _serve, watch_cloud
+from protocols import runfiles
+from protocols.session import CloudSession, decode_manifest, encode_manifest
+from protocols.status import decode_status, encode_status
+from protocols.transport.broker import EmbeddedBroker
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload
+from sim.emulation import Emulation
+from sim.hierarchy import participation, prepare
+from sim.launcher import run_simulation
+from tests.conftest import small_config
+
+
+CYCLIC = {"model": "cyclic", "groups": 2, "random_offset": False}
+MARKOV = {"model": "markov", "p_off": 0.5, "p_on": 0.5, "start_on": 0.5}
+
+
+def churn_config(tmp_path: Path, name: str, model: dict):
+    return small_config(tmp_path / name, run={"rounds": 3},
+                        topology={"cells": 2, "devices_per_cell": 2},
+                        algorithm={"name": "fedavg", "edge_rounds": 2, "local_steps": 5, "batch_size": 16, "lr": 0.1},
+                        participation=model,
+                        runtime={"device_deadline": 10.0, "rejoin_poll": 0.2, "rejoin_wait": 20.0})
+
+
+def collapse(states: list[str]) -> list[str]:
+    return [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]
+
+
+def until(cond, timeout: float = 20.0) -> bool:
+    """Wait for ``cond`` (set by another thread's handler), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("model", [CYCLIC, MARKOV], ids=["cyclic", "markov"])
+def test_absent_agents_disconnect_and_rejoin_bit_identically(model: dict, tmp_path: Path) -> None:
+    """Cyclic participation, 2 groups: every device sits out every other round; Markov on/off. Over
+    MQTT, each absent device announces offline and disconnects, polls, and comes back online exactly
+    for its rounds; the final model and every cell record's planned/answered/absent are the sim's."""
+    sim = run_simulation(churn_config(tmp_path, "sim", model))
+    cfg = churn_config(tmp_path, "run", model)
+    takes = participation(cfg)
+    seen: dict[str, list[str]] = {}
+    with EmbeddedBroker() as broker:
+        loop = ThreadLoop("watcher").start()
+        watcher = MqttTransport.from_url(broker.url, "watcher", loop)
+        watcher.subscribe(topics.statuses(cfg.run.name), lambda t, b: seen.setdefault(
+            t.rsplit("/", 1)[-1], []).append(decode_status(b)["state"]))
+        watcher.connect().wait_subscribed()
+        emulation = Emulation(cfg, broker_url=broker.url)
+        result = emulation.run()
+        watcher.close()
+        loop.stop()
+    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == \
+        (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
+    keys = ("round", "edge_round", "cell", "planned", "answered", "absent")
+    assert [{k: r[k] for k in keys} for r in result.cell_records] == [{k: r[k] for k in keys} for r in sim.cell_records]
+    assert any(r["absent"] == {d: "not participating" for d in r["absent"]} and r["absent"] for r in result.cell_records)
+    for device in cfg.topology.all_devices():
+        takes_part = ["online" if device in takes.participants(r) else "offline" for r in range(cfg.run.rounds)]
+        assert collapse(seen[f"device.{device}"]) == collapse(["online", *takes_part, "offline"]), device
+        rejoins = sum(a == "offline" and b == "online" for a, b in zip(["online", *takes_part], takes_part))
+        assert emulation.agent_stats[device]["connections"] >= 1 + rejoins  # each return is a new connection
+    assert any(collapse(v).count("online") >= 2 for v in seen.values())  # someone left and came back
+
+
+def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
+    """A cell and an agent start before the cloud while the broker still holds an earlier run's retained
+    records (cloud offline, ``finished``, a manifest of round 5): they wait, work through the new run,
+    and leave on its own ``finished``."""
+    cfg = small_config(tmp_path, run={"rounds": 1}, topology={"cells": 1, "devices_per_cell": 1},
+                       algorithm={"name": "fedavg", "edge_rounds": 1, "local_steps": 2, "batch_size": 16, "lr": 0.1},
+                       runtime={"startup_wait": 20.0})
+    run, device = cfg.run.name, "c0-d0"
+    prep = prepare(cfg)
+    algorithm = cfg.build_algorithm(prep.spec)
+    with EmbeddedBroker() as broker:
+        opts = BrokerOptions(broker.url)
+        old_loop = ThreadLoop("old").start()
+        old = MqttTransport.from_url(broker.url, "old-cloud", old_loop).connect()
+        Messenger(old, run, "cloud").send(topics.control(run), "control",
+                                          Payload({"event": "finished", "round": 5, "session": "old"}),
+                                          round=5, retain=True)
+        old.publish(topics.round_manifest(run), encode_manifest("old", 5), retain=True)
+        old.publish(topics.status(run, "cloud"), encode_status("offline"), retain=True)
+        assert old.flush(5.0)
+        old.close()
+        old_loop.stop()
+
+        cell_loop = ThreadLoop("cell")
+        cell_t = opts.transport(topics.cell_node("c0"), run, cell_loop, will=offline_will(run, "cell.c0")).connect()
+        cell = build_cell(cfg, "c0", cell_t, algorithm, heartbeats=True)
+        cell_watch = watch_cloud(cell)
+        cell_thread = threading.Thread(target=_serve, args=(cell, cell_loop, cell_watch), daemon=True)
+        cell_thread.start()
+        agents = AgentProcess(cfg, algorithm, {device: prep.device_data[device]},
+                              make_trainer("torch", prep.spec, cfg), opts).start()
+        assert until(lambda: cell_watch.finished_sessions == {"old"}
+                     and agents.clouds[device].finished_sessions == {"old"})
+        assert cell_thread.is_alive() and not agents.done.is_set()  # the stale records were not obeyed
+
+        cloud_loop = ThreadLoop("cloud").start()
+        cloud_t = opts.transport("cloud", run, cloud_loop, will=offline_will(run, "cloud")).connect()
+        cloud = build_cloud(cfg, cloud_t, algorithm, startup_wait=cfg.runtime.startup_wait)
+        cloud_t.wait_subscribed()
+        cloud_loop.post(cloud.start)
+        try:
+            assert until(lambda: cloud.finished, 30.0)
+            assert agents.wait(20.0)
+            cell_thread.join(20.0)
+            assert not cell_thread.is_alive()
+        finally:
+            agents.stop()
+            cloud_loop.post(cloud.stop)
+            assert until(lambda: not cloud_t.connected, 5.0)
+            cloud_loop.stop()
+    assert agents.stats()[device]["tasks"] == 1 and cloud.history[0]["cells_reported"] == ["c0"]
+    assert agents.clouds[device].session == cloud.session != "old"
+
+
+def test_cloud_session_records() -> None:
+    s = CloudSession()
+    s.on_manifest(decode_manifest(encode_manifest("a", 3)))
+    s.on_finished("a")
+    assert s.round is None and not s.finished  # no cloud seen online yet
+    s.on_status({"state": "online", "session": "a"})
+    assert s.round == 3 and s.finished
+    s.on_status({"state": "online", "session": "b"})  # a new cloud: the old records no longer count
+    assert s.round is None and not s.finished
+    s.on_status({"state": "offline"})
+    assert s.session == "b"
+    for bad in (b"", b"{}", b'{"session": "a", "round": -1}', b'{"session": "a", "round": true}', b"\xff"):
+        assert decode_manifest(bad) is None
