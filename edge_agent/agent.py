@@ -10,6 +10,7 @@ from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload
 
 log = logging.getLogger("fedtier.agent")
 
@@ -19,8 +20,12 @@ class DeviceAgent:
 
     def __init__(self, transport: Transport, *, run: str, cell: str, device: str, role: DeviceRole,
                  data: LocalData, trainer: Trainer, seed: int, sign_key: bytes | None = None,
-                 on_task: Callable[[int, int], None] | None = None) -> None:
+                 on_task: Callable[[int, int], None] | None = None,
+                 compute_delay: Callable[[str, Payload], float] | None = None) -> None:
+        """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
+        the result leaves (a compute model for simulation, see ``sim/clock.py``)."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device
+        self.compute_delay = compute_delay
         self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
         self.messenger = Messenger(transport, run, device, sign_key=sign_key)
         self.on_task = on_task
@@ -66,7 +71,16 @@ class DeviceAgent:
             log.exception("device %s failed round %d.%d", self.device, h.round, h.edge_round)
             self.messenger.reject(topic, f"training failed: {exc}", h.sender)
             return
+        delay = self.compute_delay(self.device, result) if self.compute_delay is not None else 0.0
+        if delay > 0:
+            self.transport.loop.call_later(delay, lambda: self._send_result(result, h.round, h.edge_round))
+        else:
+            self._send_result(result, h.round, h.edge_round)
+
+    def _send_result(self, result: Payload, round: int, edge_round: int) -> None:
+        if not self.transport.connected:
+            return  # the device left while it was computing
         self.bytes_out += self.messenger.send(
             topics.device_result(self.run, self.cell, self.device), "device_result", result,
-            round=h.round, edge_round=h.edge_round, cell=self.cell)
+            round=round, edge_round=edge_round, cell=self.cell)
         self.tasks_done += 1

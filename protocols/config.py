@@ -111,6 +111,18 @@ class RuntimeSection(_Section):
                                    "agents load")
 
 
+class ClockSection(_Section):
+    """The virtual clock of ``fedtier sim`` (see ``sim/clock.py``); 0 everywhere: no time modelled."""
+
+    device_steps_per_s: float = Field(default=0.0, ge=0, description="local SGD steps a device runs per second")
+    device_speed_spread: float = Field(default=0.0, ge=0, description="sigma of a seeded log-normal factor on "
+                                       "each device's speed (stragglers)")
+    downlink_bytes_per_s: float = Field(default=0.0, ge=0, description="cell -> device")
+    uplink_bytes_per_s: float = Field(default=0.0, ge=0, description="device -> cell")
+    backhaul_bytes_per_s: float = Field(default=0.0, ge=0, description="cell <-> cloud")
+    latency_s: float = Field(default=0.0, ge=0, description="per message, on every link")
+
+
 class BrokerSection(_Section):
     url: str | None = Field(default=None, description="mqtt://host:port; none: an embedded broker")
     username: str | None = None
@@ -128,6 +140,7 @@ class RunConfig(_Section):
     data: DataSection = DataSection()
     participation: ParticipationSection = ParticipationSection()
     runtime: RuntimeSection = RuntimeSection()
+    clock: ClockSection = ClockSection()
     broker: BrokerSection = BrokerSection()
 
     @property

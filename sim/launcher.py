@@ -21,6 +21,7 @@ from protocols.checkpoint import save_params
 from protocols.config import RunConfig
 from protocols.transport.memory import MemoryHub
 
+from .clock import ClockModel
 from .hierarchy import fresh_output, make_evaluator, participation, prepare
 from .onnx_devices import onnx_trainers
 
@@ -51,7 +52,13 @@ class RunResult:
                 "accuracy": self.final_accuracy, "loss": last.get("loss"),
                 "cumulative_bytes": last.get("cumulative_bytes", {}), "wall_s": round(self.wall_s, 3),
                 **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
-                **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {})}
+                **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {}),
+                **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config) else {})}
+
+
+def clock_modelled(cfg: RunConfig) -> bool:
+    """True when the config asks for a virtual clock (``[clock]``)."""
+    return any(v > 0 for v in cfg.clock.model_dump().values())
 
 
 def set_torch_threads(n: int = 1) -> None:
@@ -78,7 +85,9 @@ class SimHierarchy:
         spec, ds = prep.spec, prep.dataset
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
-        self.hub = hub = MemoryHub()
+        train = cfg.train
+        self.clock = clock = ClockModel(cfg.clock, cfg.topology.all_devices(), cfg.run.seed, train.local_steps)
+        self.hub = hub = MemoryHub(link_delay=clock.link_delay if clock.enabled else None)
         avail = participation(cfg)
         partial = cfg.participation.model != "always"
         by_cell = partial and cfg.participation.level == "cell"  # whole cells absent: the cloud's hook
@@ -94,6 +103,9 @@ class SimHierarchy:
         onnx = onnx_trainers(cfg, spec, algorithm, self.output_dir)  # forward-only devices
         self.agents = {d: build_agent(cfg, d, hub.connect(f"device.{d}"), algorithm, prep.device_data[d],
                                       onnx.get(d, trainer)) for d in cfg.topology.all_devices()}
+        if clock.enabled:
+            for agent in self.agents.values():
+                agent.compute_delay = clock.compute_delay
 
     def run(self) -> RunResult:
         """Run every round; write the final model and summary; return the result."""

@@ -62,8 +62,12 @@ class VirtualLoop(EventLoop):
 class MemoryHub:
     """The broker of the in-memory transport: routes, retains and fires last wills."""
 
-    def __init__(self, loop: VirtualLoop | None = None) -> None:
+    def __init__(self, loop: VirtualLoop | None = None,
+                 link_delay: Callable[[str, int], float] | None = None) -> None:
+        """``link_delay(topic, nbytes)``: virtual seconds a message takes to arrive (a network
+        model, see ``sim/clock.py``); without it every message arrives at once."""
         self.loop = loop or VirtualLoop()
+        self.link_delay = link_delay
         self._subs: list[tuple[str, str, Handler]] = []  # (client_id, pattern, handler)
         self._retained: dict[str, bytes] = {}
         self._clients: dict[str, "MemoryTransport"] = {}
@@ -83,9 +87,13 @@ class MemoryHub:
                 self._retained[topic] = payload
             else:
                 self._retained.pop(topic, None)
+        delay = self.link_delay(topic, len(payload)) if self.link_delay is not None else 0.0
         for client_id, pattern, handler in list(self._subs):
             if topic_matches(pattern, topic):
-                self.loop.post(_bind(handler, topic, payload, self, client_id))
+                if delay > 0:
+                    self.loop.call_later(delay, _bind(handler, topic, payload, self, client_id))
+                else:
+                    self.loop.post(_bind(handler, topic, payload, self, client_id))
 
     def _subscribe(self, client_id: str, pattern: str, handler: Handler) -> None:
         self._subs.append((client_id, pattern, handler))

@@ -92,3 +92,17 @@ def device_node(device: str) -> str:
 
 def cell_node(cell: str) -> str:
     return f"cell.{cell}"
+
+
+def link_of(topic: str) -> str | None:
+    """The network link a data message crosses: ``downlink`` (cell -> device), ``uplink`` (device ->
+    cell), ``backhaul`` (cell <-> cloud); ``None`` for status, control and telemetry."""
+    parts = topic.split("/")
+    if len(parts) >= 5 and parts[2] == "cell":
+        if parts[4] == "down":
+            return "backhaul" if parts[-1] == "task" and len(parts) == 6 else "downlink"
+        if parts[4] == "up":
+            return "uplink"
+    if len(parts) == 6 and parts[2] == "cloud" and parts[3] == "up" and parts[5] == "report":
+        return "backhaul"
+    return None
