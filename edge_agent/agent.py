@@ -2,17 +2,26 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Protocol
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.status import encode_status
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
 from protocols.wire import topics
+from protocols.wire.envelope import Header
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 
 log = logging.getLogger("fedtier.agent")
+
+
+class Executor(Protocol):
+    """Runs a device's training elsewhere: ``done(result, None)`` or ``done(None, error)`` later, on
+    the device's loop."""
+
+    def submit(self, device: str, task: Payload, ctx: DeviceContext,
+               done: Callable[[Payload | None, str | None], None]) -> None: ...
 
 
 class DeviceAgent:
@@ -29,6 +38,7 @@ class DeviceAgent:
         self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
         self.messenger = Messenger(transport, run, device, sign_key=sign_key)
         self.on_task = on_task
+        self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``); None: here
         self.tasks_done = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -65,11 +75,23 @@ class DeviceAgent:
             self.on_task(h.round, h.edge_round)
         self.bytes_in += msg.nbytes
         ctx = DeviceContext(self.seed, h.round, h.edge_round, self.cell, self.device)
+        if self.executor is not None:  # training elsewhere; the result comes back on this loop
+            self.executor.submit(self.device, msg.payload, ctx,
+                                 lambda result, error: self._trained(topic, h, result, error))
+            return
+        self._trained(topic, h, *self.train_here(msg.payload, ctx))
+
+    def train_here(self, task: Payload, ctx: DeviceContext) -> tuple[Payload | None, str | None]:
+        """Run the role on this device's data: ``(result, None)``, or ``(None, error)``."""
         try:
-            result = self.role.train(msg.payload, self.data, self.trainer, ctx)
+            return self.role.train(task, self.data, self.trainer, ctx), None
         except Exception as exc:  # a bad task must not kill the device
-            log.exception("device %s failed round %d.%d", self.device, h.round, h.edge_round)
-            self.messenger.reject(topic, f"training failed: {exc}", h.sender)
+            log.exception("device %s failed round %d.%d", self.device, ctx.round, ctx.edge_round)
+            return None, str(exc)
+
+    def _trained(self, topic: str, h: Header, result: Payload | None, error: str | None) -> None:
+        if result is None:
+            self.messenger.reject(topic, f"training failed: {error}", h.sender)
             return
         delay = self.compute_delay(self.device, result) if self.compute_delay is not None else 0.0
         if delay > 0:

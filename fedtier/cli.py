@@ -23,20 +23,29 @@ def main() -> None:
 @SET
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--workers", type=click.IntRange(min=0), default=None,
+              help="Train the devices in N worker processes (runtime.sim_workers; 0: in this process).")
 @VERBOSE
-def sim(config: str, overrides: tuple[str, ...], resume: bool, no_progress: bool, verbose: int) -> None:
+def sim(config: str, overrides: tuple[str, ...], resume: bool, no_progress: bool, workers: int | None,
+        verbose: int) -> None:
     """Simulate CONFIG in one process, without a broker (same tier code, in-memory transport)."""
     from protocols.config import ConfigError
+    from sim.executors import WorkerError
     from sim.launcher import run_simulation
 
     setup_logging(verbose)
-    cfg = load_or_exit(config, overrides)
+    cfg = load_or_exit(config, overrides + ((f"runtime.sim_workers={workers}",) if workers is not None else ()))
     try:
         with round_progress(cfg, not no_progress) as on_round:
             result = run_simulation(cfg, on_round=on_round, resume=resume)
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(2)
+    except WorkerError as exc:
+        from rich.markup import escape
+
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")  # a worker's traceback may hold [brackets]
+        raise SystemExit(1)
     print_summary(result.summary(), result.output_dir)
 
 

@@ -109,6 +109,13 @@ class RuntimeSection(_Section):
                                     "onnxruntime (sim/emulation); the others run torch")
     onnx_model: str | None = Field(default=None, description="the .onnx file (fedtier export) that onnx-backend "
                                    "agents load")
+    sim_workers: int = Field(default=0, ge=0, description="fedtier sim: worker processes (or Ray actors) that "
+                             "train the devices in parallel, each a fixed round-robin share; 0: in the main "
+                             "process. Same final model either way")
+    sim_backend: Literal["processes", "ray"] = Field(default="processes", description="fedtier sim workers: local "
+                                                     "processes, or Ray actors (pip install 'fedtier[ray]')")
+    ray_address: str | None = Field(default=None, description="Ray cluster to join (e.g. ray://head:10001 or "
+                                    "auto); none: a local Ray instance")
 
 
 class ClockSection(_Section):

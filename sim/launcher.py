@@ -22,6 +22,7 @@ from protocols.config import RunConfig
 from protocols.transport.memory import MemoryHub
 
 from .clock import ClockModel
+from .executors import make_executor
 from .hierarchy import fresh_output, make_evaluator, participation, prepare
 from .onnx_devices import onnx_trainers
 
@@ -106,9 +107,18 @@ class SimHierarchy:
         if clock.enabled:
             for agent in self.agents.values():
                 agent.compute_delay = clock.compute_delay
+        self.executor = make_executor(cfg, hub.loop, self.agents)  # runtime.sim_workers start loading now
+        for agent in self.agents.values():
+            agent.executor = self.executor
 
     def run(self) -> RunResult:
-        """Run every round; write the final model and summary; return the result."""
+        """Run every round; write the final model and summary; return the result. Workers stop either way."""
+        try:
+            return self._run()
+        finally:
+            self.executor.close()
+
+    def _run(self) -> RunResult:
         for node in (*self.cells.values(), *self.agents.values()):
             node.start()
         self.hub.loop.run()  # deliver the birth records before the first round

@@ -3,11 +3,17 @@
 Every publish is delivered after the current handler returns, in publish order, to subscribers in
 subscription order; timers fire in (time, creation) order once nothing else is queued. The same
 seed therefore gives the same interleaving every time, and a simulated deadline costs no real time.
+
+Work done outside the loop (device training in worker processes, ``sim/executors.py``) is registered
+with :meth:`VirtualLoop.hold`: while any is unfinished the clock does not advance (timers due now
+still fire), and the loop blocks until the oldest one completes. Completions run in the order the
+work was registered, so the run does not depend on which worker finishes first.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import threading
 from collections import deque
 from typing import Callable
 
@@ -22,6 +28,8 @@ class VirtualLoop(EventLoop):
         self._ready: deque[Callable[[], None]] = deque()
         self._timers: list[TimerHandle] = []
         self._seq = itertools.count()
+        self._held: deque[_Held] = deque()  # outstanding outside work, oldest first
+        self._done = threading.Condition()
 
     def now(self) -> float:
         return self._now
@@ -34,10 +42,44 @@ class VirtualLoop(EventLoop):
         heapq.heappush(self._timers, handle)
         return handle
 
+    def hold(self) -> Callable[[Callable[[], None]], None]:
+        """Register work done outside the loop; returns ``complete(fn)``, callable from any thread
+        once, which makes ``fn`` run on the loop (after earlier registered work completed)."""
+        held = _Held()
+        self._held.append(held)
+
+        def complete(fn: Callable[[], None]) -> None:
+            with self._done:
+                held.fn = fn
+                self._done.notify_all()
+
+        return complete
+
+    @property
+    def outstanding(self) -> int:
+        """Registered outside work not yet completed on the loop."""
+        return len(self._held)
+
     def step(self) -> bool:
-        """Run one queued call or the next timer; False when nothing is left."""
+        """Run one queued call or the next timer; False when nothing is left.
+
+        With outside work outstanding, only timers due now fire; otherwise the loop waits for the
+        oldest work and runs its completion."""
         if self._ready:
             self._ready.popleft()()
+            return True
+        if self._held:
+            while self._timers and self._timers[0].cancelled:
+                heapq.heappop(self._timers)
+            if self._timers and self._timers[0].when <= self._now:
+                heapq.heappop(self._timers).fn()
+                return True
+            held = self._held[0]
+            with self._done:
+                while held.fn is None:
+                    self._done.wait(1.0)
+            self._held.popleft()
+            held.fn()
             return True
         while self._timers:
             handle = heapq.heappop(self._timers)
@@ -57,6 +99,15 @@ class VirtualLoop(EventLoop):
             if not self.step():
                 return
             steps += 1
+
+
+class _Held:
+    """One piece of outside work: its completion, once known."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], None] | None = None
 
 
 class MemoryHub:

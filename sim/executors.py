@@ -1,0 +1,329 @@
+"""Where ``fedtier sim`` trains its devices: in the main process, in local worker processes, or on Ray.
+
+The device agents, cells and cloud always run in the main process on the virtual loop; they count
+every byte as before. Only the device role's ``train`` call moves: a worker (a process or a Ray
+actor) rebuilds, from the run's config text, the data partition (``prepare`` is deterministic), the
+algorithm's device roles and trainers of a fixed round-robin share of the devices, and keeps them for
+the whole run (roles may hold state, so a device always trains in the same worker). Main and worker
+exchange only the encoded task and result payloads (``protocols/wire/payload.py``) and small
+ints/strings; nothing of ours is pickled.
+
+Each submitted task is registered with :meth:`VirtualLoop.hold`: virtual time stands still until it
+completes, and completions run in submission order, so the run is the sequential one event for event
+where it matters (answers reach a cell in the same order, at the same virtual times) and the final
+model is byte-identical whatever the number of workers. A worker that dies ends the run with an
+error naming the device and the worker's last words; workers are always shut down (:meth:`close`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import struct
+import threading
+import tomllib
+import traceback
+from typing import Any, Callable, Mapping, Sequence
+
+from protocols.algorithms.base import DeviceContext
+from protocols.config import ConfigError, RunConfig, parse_config
+from protocols.transport.memory import VirtualLoop
+from protocols.wire.payload import Payload, decode_payload, encode_payload
+
+log = logging.getLogger("fedtier.sim")
+
+Done = Callable[[Payload | None, str | None], None]
+
+
+class WorkerError(RuntimeError):
+    """A worker died or could not start; the run cannot go on."""
+
+
+class InlineExecutor:
+    """Trains in the main process, at once, on the agent's own role and trainer (the default)."""
+
+    def __init__(self, agents: Mapping[str, Any]) -> None:
+        self.agents = agents
+
+    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
+        done(*self.agents[device].train_here(task, ctx))
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------ the worker side
+class DeviceWorker:
+    """The devices one worker trains, built from the run's config text; used in a process or as a Ray actor."""
+
+    def __init__(self, config_text: str, devices: Sequence[str]) -> None:
+        from protocols.torch_trainer import TorchTrainer
+
+        from .hierarchy import prepare
+        from .launcher import set_torch_threads
+        from .onnx_devices import onnx_trainers
+
+        set_torch_threads(1)
+        cfg = parse_config(tomllib.loads(config_text))
+        prep = prepare(cfg)
+        spec = prep.spec
+        algorithm = cfg.build_algorithm(spec)
+        torch_trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
+                                               **spec.build_kwargs())
+        onnx = onnx_trainers(cfg, spec, algorithm) if set(devices) & set(cfg.runtime.onnx_devices) else {}
+        self.data = {d: prep.device_data[d] for d in devices}
+        self.roles = {d: algorithm.device(d) for d in devices}
+        self.trainers = {d: onnx.get(d, torch_trainer) for d in devices}
+
+    def train(self, ctx: dict[str, Any], task: bytes) -> tuple[bytes, str]:
+        """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
+        c = DeviceContext(int(ctx["seed"]), int(ctx["round"]), int(ctx["edge_round"]), str(ctx["cell"]),
+                          str(ctx["device"]))
+        try:
+            result = self.roles[c.device].train(decode_payload(task), self.data[c.device], self.trainers[c.device], c)
+            return encode_payload(result), ""
+        except Exception as exc:  # a bad task must not kill the device (as in the main process)
+            log.exception("device %s failed round %d.%d", c.device, c.round, c.edge_round)
+            return b"", str(exc)
+
+
+def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
+    h = json.dumps(header, separators=(",", ":")).encode()
+    return struct.pack("<I", len(h)) + h + body
+
+
+def _unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
+    (n,) = struct.unpack_from("<I", data)
+    view = memoryview(data)
+    return json.loads(bytes(view[4:4 + n])), view[4 + n:]
+
+
+def process_main(tasks: Any, results: Any, config_text: str, devices: list[str]) -> None:
+    """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
+    logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
+    try:
+        worker = DeviceWorker(config_text, devices)
+    except BaseException:
+        results.send_bytes(_frame({"fatal": traceback.format_exc()}))
+        raise
+    while True:
+        try:
+            header, body = _unframe(tasks.recv_bytes())
+        except EOFError:
+            return
+        if header.get("stop"):
+            return
+        result, error = worker.train(header["ctx"], body)
+        results.send_bytes(_frame({"id": header["id"], "error": error}, result))
+
+
+# ------------------------------------------------------------------------------ the main side
+class _Remote:
+    """What the process and Ray executors share: device -> worker, outstanding tasks, completions."""
+
+
+    def __init__(self, groups: list[list[str]], loop: VirtualLoop) -> None:
+        self.loop, self.groups = loop, groups
+        self.owner = {d: i for i, group in enumerate(groups) for d in group}
+        self._ids = iter(range(1 << 62))
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[int, str, str, Callable[[Callable[[], None]], None], Done]] = {}
+        self._dead: dict[int, str] = {}  # worker -> why
+
+    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
+        worker = self.owner[device]
+        with self._lock:
+            if worker in self._dead:
+                raise WorkerError(f"device {device} (round {ctx.round}.{ctx.edge_round}): {self._dead[worker]}")
+            task_id = next(self._ids)
+            self._pending[task_id] = (worker, device, f"{ctx.round}.{ctx.edge_round}", self.loop.hold(), done)
+        header = {"seed": ctx.seed, "round": ctx.round, "edge_round": ctx.edge_round, "cell": ctx.cell,
+                  "device": ctx.device}
+        self._send(worker, task_id, header, encode_payload(task))
+
+    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
+        raise NotImplementedError
+
+    def _reply(self, task_id: int, result: bytes | memoryview, error: str) -> None:
+        """A worker's answer (any thread): decode it here, deliver it on the loop."""
+        with self._lock:
+            _, _, _, complete, done = self._pending.pop(task_id)
+        if error:
+            complete(lambda: done(None, error))
+            return
+        try:  # no finiteness check: the cell's own decoding judges the result, as in the main process
+            payload = decode_payload(result, require_finite=False)
+        except Exception as exc:
+            err = str(exc)
+            complete(lambda: done(None, f"bad result from the worker: {err}"))
+            return
+        complete(lambda: done(payload, None))
+
+    def _died(self, worker: int, why: str) -> None:
+        """Worker ``worker`` is gone: every task it owed ends the run, naming its device."""
+        with self._lock:
+            self._dead[worker] = why
+            owed = [(k, v) for k, v in self._pending.items() if v[0] == worker]
+            for k, _ in owed:
+                del self._pending[k]
+        for _, (_, device, rnd, complete, _) in owed:
+            message = f"device {device} (round {rnd}): {why}"
+            complete(lambda m=message: _raise(WorkerError(m)))
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
+class ProcessExecutor(_Remote):
+    """Local worker processes (``spawn``: never fork a process that has threads), one pipe each way."""
+
+    def __init__(self, config_text: str, groups: list[list[str]], loop: VirtualLoop) -> None:
+        super().__init__(groups, loop)
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self._outboxes: list[queue.Queue[bytes | None]] = []
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        try:
+            for i, group in enumerate(groups):
+                task_r, task_w = ctx.Pipe(duplex=False)
+                result_r, result_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=process_main, args=(task_r, result_w, config_text, group),
+                                   name=f"fedtier-sim-worker-{i}", daemon=True)
+                proc.start()
+                task_r.close()  # our copies of the child's ends: EOF reaches us when it dies
+                result_w.close()
+                self.procs.append(proc)
+                outbox: queue.Queue[bytes | None] = queue.Queue()
+                self._outboxes.append(outbox)
+                for target, args in ((self._writer, (i, task_w, outbox)), (self._reader, (i, result_r))):
+                    thread = threading.Thread(target=target, args=args, name=f"sim-worker-{i}-{target.__name__}",
+                                              daemon=True)
+                    thread.start()
+                    self._threads.append(thread)
+        except BaseException:
+            self.close()
+            raise
+
+    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
+        self._outboxes[worker].put(_frame({"id": task_id, "ctx": ctx}, task))
+
+    def _writer(self, worker: int, conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
+        """Sends tasks in order without blocking the loop (a pipe holds only 64 KiB)."""
+        try:
+            while (data := outbox.get()) is not None:
+                conn.send_bytes(data)
+            conn.send_bytes(_frame({"stop": True}))
+        except OSError:
+            pass  # the worker is gone: its reader reports it
+        finally:
+            conn.close()
+
+    def _reader(self, worker: int, conn: Any) -> None:
+        fatal = ""
+        try:
+            while True:
+                header, body = _unframe(conn.recv_bytes())
+                if "fatal" in header:
+                    fatal = header["fatal"]
+                    continue
+                self._reply(header["id"], body, header["error"])
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+        if self._closing:
+            return
+        proc = self.procs[worker]
+        proc.join(5.0)
+        group = ", ".join(self.groups[worker])
+        why = f"sim worker {worker} (devices {group}) died with exit code {proc.exitcode}"
+        log.error("%s%s", why, f":\n{fatal}" if fatal else "")
+        self._died(worker, why + (f":\n{fatal.rstrip()}" if fatal else " (see its log above)"))
+
+    def close(self) -> None:
+        """Stop the workers (terminate those that do not exit within a few seconds)."""
+        self._closing = True
+        for outbox in self._outboxes:
+            outbox.put(None)
+        for proc in self.procs:
+            proc.join(5.0)
+        for proc in self.procs:
+            if proc.is_alive():
+                log.warning("terminating %s", proc.name)
+                proc.terminate()
+                proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for thread in self._threads:
+            thread.join(5.0)
+
+
+class RayExecutor(_Remote):
+    """Ray actors (``runtime.ray_address``: a cluster; none: a local Ray), one CPU each."""
+
+
+    def __init__(self, config_text: str, groups: list[list[str]], loop: VirtualLoop,
+                 address: str | None = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("runtime.sim_backend = \"ray\" needs Ray: pip install 'fedtier[ray]'") from None
+        super().__init__(groups, loop)
+        self.ray = ray
+        self._owns = not ray.is_initialized()
+        if self._owns:
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=True,
+                     logging_level=logging.WARNING)
+        self.actors: list[Any] = []
+        try:
+            cpus = ray.cluster_resources().get("CPU", 0)
+            if len(groups) > cpus:
+                raise ConfigError(f"runtime.sim_workers = {len(groups)} but the Ray cluster has {cpus:g} CPUs")
+            actor = ray.remote(num_cpus=1)(DeviceWorker)
+            self.actors = [actor.remote(config_text, group) for group in groups]
+        except BaseException:
+            self.close()
+            raise
+
+    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
+        future = self.actors[worker].train.remote(ctx, task).future()
+        future.add_done_callback(lambda f: self._settled(worker, task_id, f))
+
+    def _settled(self, worker: int, task_id: int, future: Any) -> None:
+        try:
+            result, error = future.result()
+        except Exception as exc:  # the actor died or could not be built
+            group = ", ".join(self.groups[worker])
+            self._died(worker, f"Ray actor {worker} (devices {group}) failed: {exc}")
+            return
+        self._reply(task_id, result, error)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor)
+            except Exception:  # already gone
+                pass
+        if self._owns:
+            self.ray.shutdown()
+
+
+Executor = InlineExecutor | ProcessExecutor | RayExecutor
+
+
+def make_executor(cfg: RunConfig, loop: VirtualLoop, agents: Mapping[str, Any]) -> Executor:
+    """The executor ``runtime.sim_workers`` and ``runtime.sim_backend`` ask for (workers start now)."""
+    devices = cfg.topology.all_devices()
+    n = min(cfg.runtime.sim_workers, len(devices))
+    if n == 0:
+        return InlineExecutor(agents)
+    groups = [devices[i::n] for i in range(n)]  # a static round-robin share: a device stays in its worker
+    if cfg.runtime.sim_backend == "ray":
+        return RayExecutor(cfg.to_toml(), groups, loop, cfg.runtime.ray_address)
+    return ProcessExecutor(cfg.to_toml(), groups, loop)
