@@ -8,7 +8,10 @@ per cloud round (plain FedAvg), with every message encoded and decoded as on the
 
 Each side runs in its own subprocess, so peak memory (max RSS) is measured separately; the sides
 alternate ``--repeat`` times and the fastest run of each counts (a busy machine only slows runs).
-Usage: python benchmarks/overhead.py [--rounds 30] [--repeat 3]
+``--workers N`` adds a third side: fedtier with ``runtime.sim_workers = N`` (devices trained in N
+worker processes; the same final model), and its speed-up over the bare loop and the sequential sim.
+CPU seconds include the worker processes; peak MB is the main process's.
+Usage: python benchmarks/overhead.py [--rounds 30] [--repeat 3] [--workers 2 [--backend processes|ray]]
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ def bare(rounds: int) -> dict:
     return {"wall_s": time.perf_counter() - t0, "accuracy": acc}
 
 
-def fedtier(rounds: int) -> dict:
+def fedtier(rounds: int, workers: int = 0, backend: str = "processes") -> dict:
     t0 = time.perf_counter()
     from protocols.config import parse_config
     from sim.launcher import run_simulation
@@ -82,16 +85,18 @@ def fedtier(rounds: int) -> dict:
         "model": {"name": "mlp", "hidden": [200, 200]},
         "data": {"dataset": "mnist", "partition": "iid"},
         "participation": {"model": "uniform", "per_round": 10},
+        "runtime": {"sim_workers": workers, "sim_backend": backend},
     })
     result = run_simulation(cfg)
     return {"wall_s": time.perf_counter() - t0, "accuracy": result.final_accuracy}
 
 
-def child(which: str, rounds: int) -> None:
-    out = {"bare": bare, "fedtier": fedtier}[which](rounds)
+def child(which: str, rounds: int, workers: int, backend: str) -> None:
+    out = bare(rounds) if which == "bare" else fedtier(rounds, workers if which == "parallel" else 0, backend)
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sim's worker processes (joined)
     out["peak_rss_mb"] = usage.ru_maxrss / 1024
-    out["cpu_s"] = usage.ru_utime + usage.ru_stime  # whole process; less sensitive to a busy machine
+    out["cpu_s"] = usage.ru_utime + usage.ru_stime + kids.ru_utime + kids.ru_stime  # less sensitive to a busy machine
     print(json.dumps(out))
 
 
@@ -99,28 +104,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--child", choices=["bare", "fedtier"])
+    ap.add_argument("--workers", type=int, default=0, help="also run fedtier with this many sim workers")
+    ap.add_argument("--backend", choices=["processes", "ray"], default="processes", help="sim workers' backend")
+    ap.add_argument("--child", choices=["bare", "fedtier", "parallel"])
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.rounds)
+        child(args.child, args.rounds, args.workers, args.backend)
         return
-    runs: dict[str, list[dict]] = {"bare": [], "fedtier": []}
+    sides = ("bare", "fedtier", "parallel") if args.workers > 0 else ("bare", "fedtier")
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(args.repeat):
-        for which in ("bare", "fedtier"):
-            proc = subprocess.run([sys.executable, __file__, "--child", which, "--rounds", str(args.rounds)],
-                                  capture_output=True, text=True, check=True, cwd=ROOT)
+        for which in sides:
+            cmd = [sys.executable, __file__, "--child", which, "--rounds", str(args.rounds),
+                   "--workers", str(args.workers), "--backend", args.backend]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
             runs[which].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     res = {k: min(v, key=lambda r: r["wall_s"]) for k, v in runs.items()}
     print(f"best of {args.repeat} alternating runs; wall times seen: "
           + "; ".join(f"{k} " + ", ".join(f"{r['wall_s']:.2f}" for r in v) for k, v in runs.items()))
     cpu = {k: min(r["cpu_s"] for r in v) for k, v in runs.items()}
     print(f"{'':12}{'wall s':>10}{'cpu s':>10}{'peak MB':>10}{'accuracy':>10}")
-    for which in ("bare", "fedtier"):
+    for which in sides:
         r = res[which]
-        print(f"{which:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}")
+        name = which if which != "parallel" else f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}"
+        print(f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}")
     print(f"{'ratio':12}{res['fedtier']['wall_s'] / res['bare']['wall_s']:10.3f}{cpu['fedtier'] / cpu['bare']:10.3f}"
           f"{res['fedtier']['peak_rss_mb'] / res['bare']['peak_rss_mb']:10.3f}"
           f"{res['fedtier']['accuracy'] - res['bare']['accuracy']:+10.4f}")
+    if args.workers > 0:
+        p = res["parallel"]
+        print(f"speed-up with {args.workers} workers: {res['bare']['wall_s'] / p['wall_s']:.3f}x the bare loop, "
+              f"{res['fedtier']['wall_s'] / p['wall_s']:.3f}x the sequential sim (wall); accuracy "
+              f"{'identical' if p['accuracy'] == res['fedtier']['accuracy'] else 'DIFFERS'} to the sequential sim")
 
 
 if __name__ == "__main__":

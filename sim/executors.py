@@ -22,6 +22,7 @@ import multiprocessing as mp
 import queue
 import signal
 import struct
+import sys
 import threading
 import tomllib
 import traceback
@@ -106,9 +107,9 @@ def process_main(tasks: Any, results: Any, config_text: str, devices: list[str])
     logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
     try:
         worker = DeviceWorker(config_text, devices)
-    except BaseException:
+    except BaseException:  # the main process shows it when a task needs this worker (it may fail the same way)
         results.send_bytes(_frame({"fatal": traceback.format_exc()}))
-        raise
+        sys.exit(1)
     while True:
         try:
             header, body = _unframe(tasks.recv_bytes())
@@ -150,7 +151,10 @@ class _Remote:
     def _reply(self, task_id: int, result: bytes | memoryview, error: str) -> None:
         """A worker's answer (any thread): decode it here, deliver it on the loop."""
         with self._lock:
-            _, _, _, complete, done = self._pending.pop(task_id)
+            owed = self._pending.pop(task_id, None)
+        if owed is None:
+            return  # its worker was declared dead meanwhile
+        complete, done = owed[3], owed[4]
         if error:
             complete(lambda: done(None, error))
             return
@@ -246,7 +250,7 @@ class ProcessExecutor(_Remote):
         self._died(worker, why + (f":\n{fatal.rstrip()}" if fatal else " (see its log above)"))
 
     def close(self) -> None:
-        """Stop the workers (terminate those that do not exit within a few seconds)."""
+        """Stop the workers (terminate those that do not exit within a few seconds); idempotent."""
         self._closing = True
         for outbox in self._outboxes:
             outbox.put(None)
@@ -305,24 +309,25 @@ class RayExecutor(_Remote):
         self._reply(task_id, result, error)
 
     def close(self) -> None:
+        """Kill the actors; shut Ray down if we started it (idempotent)."""
         for actor in self.actors:
             try:
                 self.ray.kill(actor)
             except Exception:  # already gone
                 pass
+        self.actors = []
         if self._owns:
+            self._owns = False
             self.ray.shutdown()
 
 
-Executor = InlineExecutor | ProcessExecutor | RayExecutor
-
-
-def make_executor(cfg: RunConfig, loop: VirtualLoop, agents: Mapping[str, Any]) -> Executor:
-    """The executor ``runtime.sim_workers`` and ``runtime.sim_backend`` ask for (workers start now)."""
+def start_workers(cfg: RunConfig, loop: VirtualLoop) -> ProcessExecutor | RayExecutor | None:
+    """The workers ``runtime.sim_workers`` and ``runtime.sim_backend`` ask for, started now (they build
+    their devices meanwhile); ``None`` for 0 workers (devices train in this process: :class:`InlineExecutor`)."""
     devices = cfg.topology.all_devices()
     n = min(cfg.runtime.sim_workers, len(devices))
     if n == 0:
-        return InlineExecutor(agents)
+        return None
     groups = [devices[i::n] for i in range(n)]  # a static round-robin share: a device stays in its worker
     if cfg.runtime.sim_backend == "ray":
         return RayExecutor(cfg.to_toml(), groups, loop, cfg.runtime.ray_address)

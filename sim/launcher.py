@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -19,10 +20,10 @@ from edge_agent.node import build_agent
 from protocols import runfiles
 from protocols.checkpoint import save_params
 from protocols.config import RunConfig
-from protocols.transport.memory import MemoryHub
+from protocols.transport.memory import MemoryHub, VirtualLoop
 
 from .clock import ClockModel
-from .executors import make_executor
+from .executors import InlineExecutor, start_workers
 from .hierarchy import fresh_output, make_evaluator, participation, prepare
 from .onnx_devices import onnx_trainers
 
@@ -82,13 +83,17 @@ class SimHierarchy:
         set_torch_threads(1)
         self.t0 = time.perf_counter()
         self.cfg = cfg
+        loop = VirtualLoop()
+        remote = start_workers(cfg, loop)  # runtime.sim_workers build their devices while we build ours
+        if remote is not None:
+            weakref.finalize(self, remote.close)  # stopped even if building fails below
         self.prep = prep = prepare(cfg)
         spec, ds = prep.spec, prep.dataset
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
         train = cfg.train
         self.clock = clock = ClockModel(cfg.clock, cfg.topology.all_devices(), cfg.run.seed, train.local_steps)
-        self.hub = hub = MemoryHub(link_delay=clock.link_delay if clock.enabled else None)
+        self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
         avail = participation(cfg)
         partial = cfg.participation.model != "always"
         by_cell = partial and cfg.participation.level == "cell"  # whole cells absent: the cloud's hook
@@ -107,7 +112,7 @@ class SimHierarchy:
         if clock.enabled:
             for agent in self.agents.values():
                 agent.compute_delay = clock.compute_delay
-        self.executor = make_executor(cfg, hub.loop, self.agents)  # runtime.sim_workers start loading now
+        self.executor = remote or InlineExecutor(self.agents)
         for agent in self.agents.values():
             agent.executor = self.executor
 
