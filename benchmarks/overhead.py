@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -47,8 +48,9 @@ def bare(rounds: int) -> dict:
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
                           nn.Linear(200, 10))
     glob = [p.detach().clone() for p in model.parameters()]
-    acc = 0.0
+    acc, times = 0.0, []
     for _ in range(rounds):
+        t_round = time.perf_counter()
         chosen = rng.choice(100, 10, replace=False)
         acc_params = [torch.zeros_like(p) for p in glob]
         for d in chosen:
@@ -70,7 +72,8 @@ def bare(rounds: int) -> dict:
             for p, g in zip(model.parameters(), glob):
                 p.copy_(g)
             acc = float((model(xt).argmax(1) == yt).float().mean())
-    return {"wall_s": time.perf_counter() - t0, "accuracy": acc}
+        times.append(time.perf_counter() - t_round)
+    return {"wall_s": time.perf_counter() - t0, "accuracy": acc, "round_s": statistics.median(times)}
 
 
 def fedtier(rounds: int, workers: int = 0, backend: str = "processes") -> dict:
@@ -88,7 +91,8 @@ def fedtier(rounds: int, workers: int = 0, backend: str = "processes") -> dict:
         "runtime": {"sim_workers": workers, "sim_backend": backend},
     })
     result = run_simulation(cfg)
-    return {"wall_s": time.perf_counter() - t0, "accuracy": result.final_accuracy}
+    return {"wall_s": time.perf_counter() - t0, "accuracy": result.final_accuracy,
+            "round_s": statistics.median(r["duration_s"] for r in result.history)}
 
 
 def child(which: str, rounds: int, workers: int, backend: str) -> None:
@@ -123,18 +127,20 @@ def main() -> None:
     print(f"best of {args.repeat} alternating runs; wall times seen: "
           + "; ".join(f"{k} " + ", ".join(f"{r['wall_s']:.2f}" for r in v) for k, v in runs.items()))
     cpu = {k: min(r["cpu_s"] for r in v) for k, v in runs.items()}
-    print(f"{'':12}{'wall s':>10}{'cpu s':>10}{'peak MB':>10}{'accuracy':>10}")
+    print(f"{'':12}{'wall s':>10}{'cpu s':>10}{'peak MB':>10}{'accuracy':>10}{'s/round':>10}")
     for which in sides:
         r = res[which]
         name = which if which != "parallel" else f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}"
-        print(f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}")
+        print(f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}"
+              f"{r['round_s']:10.3f}")
     print(f"{'ratio':12}{res['fedtier']['wall_s'] / res['bare']['wall_s']:10.3f}{cpu['fedtier'] / cpu['bare']:10.3f}"
           f"{res['fedtier']['peak_rss_mb'] / res['bare']['peak_rss_mb']:10.3f}"
           f"{res['fedtier']['accuracy'] - res['bare']['accuracy']:+10.4f}")
     if args.workers > 0:
         p = res["parallel"]
         print(f"speed-up with {args.workers} workers: {res['bare']['wall_s'] / p['wall_s']:.3f}x the bare loop, "
-              f"{res['fedtier']['wall_s'] / p['wall_s']:.3f}x the sequential sim (wall); accuracy "
+              f"{res['fedtier']['wall_s'] / p['wall_s']:.3f}x the sequential sim (wall); per round (median, "
+              f"startup excluded) {res['fedtier']['round_s'] / p['round_s']:.3f}x the sequential sim; accuracy "
               f"{'identical' if p['accuracy'] == res['fedtier']['accuracy'] else 'DIFFERS'} to the sequential sim")
 
 

@@ -16,6 +16,7 @@ error naming the device and the worker's last words; workers are always shut dow
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -125,11 +126,10 @@ def process_main(tasks: Any, results: Any, config_text: str, devices: list[str])
 class _Remote:
     """What the process and Ray executors share: device -> worker, outstanding tasks, completions."""
 
-
     def __init__(self, groups: list[list[str]], loop: VirtualLoop) -> None:
         self.loop, self.groups = loop, groups
         self.owner = {d: i for i, group in enumerate(groups) for d in group}
-        self._ids = iter(range(1 << 62))
+        self._ids = itertools.count()
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[int, str, str, Callable[[Callable[[], None]], None], Done]] = {}
         self._dead: dict[int, str] = {}  # worker -> why
