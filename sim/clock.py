@@ -1,7 +1,7 @@
 """The virtual clock of ``fedtier sim``: what a run would take on real devices and links.
 
 The in-memory hub delivers a data message ``latency_s + bytes / bandwidth`` virtual seconds after it
-is sent, with the bandwidth of the link it crosses (``protocols.wire.topics.link_of``): cell ->
+is sent, with the bandwidth of the link it crosses (by its tier, ``protocols.wire.topics.tier_of``): cell ->
 device (``downlink_bytes_per_s``), device -> cell (``uplink_bytes_per_s``) and cell <-> cloud
 (``backhaul_bytes_per_s``). Each message has its own link (no queueing between devices). A device's
 result leaves ``steps / speed`` virtual seconds after its task arrived, ``steps`` being what the
@@ -20,7 +20,7 @@ import numpy as np
 from protocols.config import ClockSection
 from protocols.seeding import rng
 from protocols.wire.payload import Payload
-from protocols.wire.topics import link_of
+from protocols.wire.topics import tier_of
 
 
 class ClockModel:
@@ -29,8 +29,8 @@ class ClockModel:
     def __init__(self, clock: ClockSection, devices: Sequence[str], seed: int, default_steps: int = 1) -> None:
         self.c = clock
         self.default_steps = max(1, default_steps)
-        self.rates = {"downlink": clock.downlink_bytes_per_s, "uplink": clock.uplink_bytes_per_s,
-                      "backhaul": clock.backhaul_bytes_per_s}
+        self.rates = {"cell_to_device": clock.downlink_bytes_per_s, "device_to_cell": clock.uplink_bytes_per_s,
+                      "cloud_to_cell": clock.backhaul_bytes_per_s, "cell_to_cloud": clock.backhaul_bytes_per_s}
         spread = clock.device_speed_spread
         factors = np.exp(rng(seed, "clock", "device-speed").normal(0.0, spread, len(devices))) if spread else \
             np.ones(len(devices))
@@ -41,10 +41,10 @@ class ClockModel:
         return any(v > 0 for v in self.c.model_dump().values())
 
     def link_delay(self, topic: str, nbytes: int) -> float:
-        link = link_of(topic)
-        if link is None:
+        tier = tier_of(topic)
+        if tier is None:
             return 0.0
-        rate = self.rates[link]
+        rate = self.rates[tier]
         return self.c.latency_s + (nbytes / rate if rate > 0 else 0.0)
 
     def compute_delay(self, device: str, result: Payload) -> float:

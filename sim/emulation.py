@@ -43,25 +43,12 @@ log = logging.getLogger("fedtier.run")
 WIRE_TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell", "control")
 
 
-def tier_of(topic: str) -> str:
-    """The tier a topic's messages travel on (``control``: status, heartbeats, telemetry, run control)."""
-    parts = topic.split("/")
-    if len(parts) >= 5 and parts[2] == "cell":
-        if parts[-1] == "task":
-            return "cloud_to_cell" if len(parts) == 6 else "cell_to_device"
-        if parts[-1] == "result":
-            return "device_to_cell"
-    if len(parts) == 6 and parts[2:4] == ["cloud", "up"] and parts[-1] == "report":
-        return "cell_to_cloud"
-    return "control"
-
-
 def wire_by_tier(snapshots: list[dict[str, Any]]) -> dict[str, int]:
     """Bytes on the wire (MQTT framing included) per tier, counted once, at each publisher."""
     total = {t: 0 for t in WIRE_TIERS}
     for snap in snapshots:
         for topic, (out, _in) in snap["by_topic"].items():
-            total[tier_of(topic)] += out
+            total[topics.tier_of(topic) or "control"] += out
     return total
 
 

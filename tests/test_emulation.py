@@ -19,7 +19,7 @@ from protocols.transport.memory import MemoryHub
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
-from sim.emulation import Emulation, Faults, tier_of, worker_groups
+from sim.emulation import Emulation, Faults, worker_groups
 from sim.launcher import run_simulation
 from tests.conftest import small_config
 
@@ -126,9 +126,10 @@ def test_helpers() -> None:
     assert worker_groups([f"d{i}" for i in range(5)], 2) == [["d0", "d2", "d4"], ["d1", "d3"]]
     assert worker_groups(["a", "b", "c"], 2, isolate=("b",)) == [["b"], ["a"], ["c"]]
     assert worker_groups(["a", "b"], 8) == [["a"], ["b"]]
-    assert tier_of(topics.cell_task("r", "c0")) == "cloud_to_cell"
-    assert tier_of(topics.device_task("r", "c0", "c0-d0")) == "cell_to_device"
-    assert tier_of(topics.device_result("r", "c0", "c0-d0")) == "device_to_cell"
-    assert tier_of(topics.cell_report("r", "c0")) == "cell_to_cloud"
-    assert {tier_of(t) for t in (topics.status("r", "device.c0-d0"), topics.control("r"),
-                                 topics.telemetry_cell("r", "c0"), topics.telemetry_cloud("r"))} == {"control"}
+    assert topics.tier_of(topics.cell_task("r", "c0")) == "cloud_to_cell"
+    assert topics.tier_of(topics.device_task("r", "c0", "c0-d0")) == "cell_to_device"
+    assert topics.tier_of(topics.device_result("r", "c0", "c0-d0")) == "device_to_cell"
+    assert topics.tier_of(topics.cell_report("r", "c0")) == "cell_to_cloud"
+    assert {topics.tier_of(t) for t in (topics.status("r", "device.c0-d0"), topics.control("r"),
+                                        topics.round_manifest("r"), topics.telemetry_cell("r", "c0"),
+                                        topics.telemetry_cloud("r"))} == {None}

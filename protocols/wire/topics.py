@@ -94,15 +94,15 @@ def cell_node(cell: str) -> str:
     return f"cell.{cell}"
 
 
-def link_of(topic: str) -> str | None:
-    """The network link a data message crosses: ``downlink`` (cell -> device), ``uplink`` (device ->
-    cell), ``backhaul`` (cell <-> cloud); ``None`` for status, control and telemetry."""
+def tier_of(topic: str) -> str | None:
+    """The tier a data message travels: ``cloud_to_cell``, ``cell_to_cloud``, ``cell_to_device`` or
+    ``device_to_cell``; ``None`` for status, control, manifests and telemetry."""
     parts = topic.split("/")
     if len(parts) >= 5 and parts[2] == "cell":
-        if parts[4] == "down":
-            return "backhaul" if parts[-1] == "task" and len(parts) == 6 else "downlink"
-        if parts[4] == "up":
-            return "uplink"
-    if len(parts) == 6 and parts[2] == "cloud" and parts[3] == "up" and parts[5] == "report":
-        return "backhaul"
+        if parts[4] == "down" and parts[-1] == "task":
+            return "cloud_to_cell" if len(parts) == 6 else "cell_to_device"
+        if parts[4] == "up" and parts[-1] == "result":
+            return "device_to_cell"
+    if len(parts) == 6 and parts[2:4] == ["cloud", "up"] and parts[-1] == "report":
+        return "cell_to_cloud"
     return None
