@@ -17,10 +17,11 @@ from .console import console, load_or_exit, print_summary, round_progress, setup
 @click.option("--process-per-agent", is_flag=True, help="One worker process per device.")
 @click.option("--max-chunk", type=click.IntRange(min=1024), default=None, metavar="BYTES",
               help="MQTT chunk size (default 256 KiB).")
+@click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @VERBOSE
 def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers: int, process_per_agent: bool,
-        max_chunk: int | None, no_progress: bool, verbose: int) -> None:
+        max_chunk: int | None, resume: bool, no_progress: bool, verbose: int) -> None:
     """Emulate CONFIG on this machine over MQTT: the cloud and cells in this process, the device agents
     in worker processes, each device with its own broker connection. Same final model as `fedtier sim`."""
     from protocols.config import ConfigError
@@ -32,7 +33,8 @@ def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers
     try:
         with round_progress(cfg, not no_progress) as on_round:
             result = run_emulation(cfg, broker_url=broker_url, workers=workers, process_per_agent=process_per_agent,
-                                   max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK, on_round=on_round)
+                                   max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK, on_round=on_round,
+                                   resume=resume)
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(2)

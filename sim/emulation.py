@@ -132,7 +132,7 @@ class Emulation:
                  process_per_agent: bool = False, max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
                  on_round: Callable[[dict[str, Any]], None] | None = None, faults: Faults | None = None,
                  isolate: tuple[str, ...] = (), broker_options: dict[str, Any] | None = None,
-                 join_timeout: float = 60.0, timing: bool = False) -> None:
+                 join_timeout: float = 60.0, timing: bool = False, resume: bool = False) -> None:
         if cfg.runtime.onnx_devices:  # forward-only agents load the run's x_0 from RUN_DIR/model.onnx
             cfg = with_onnx_model(cfg)
         if workers < 1:
@@ -145,6 +145,7 @@ class Emulation:
         self.broker_options = {k: v for k, v in (broker_options or {}).items() if v is not None}
         self.max_chunk, self.join_timeout = max_chunk, join_timeout
         self.timing = timing  # agents time their training (benchmarks/wire.py)
+        self.resume = resume  # continue from the run folder's checkpoint
         self.procs: list[Any] = []
         self.groups: list[list[str]] = []
         self.agent_stats: dict[str, dict[str, Any]] = {}
@@ -155,7 +156,7 @@ class Emulation:
         set_torch_threads(1)
         prep = prepare(cfg)
         spec, ds = prep.spec, prep.dataset
-        out = fresh_output(cfg)
+        out = fresh_output(cfg, self.resume)
         device_files = {}
         for device, data in prep.device_data.items():
             device_files[device] = out / "devices" / f"{device}.npz"
@@ -192,7 +193,8 @@ class Emulation:
             transport = opts.transport("cloud", run, loop, will=offline_will(run, "cloud")).connect()
             cloud = build_cloud(cfg, transport, algorithm,
                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
-                                output_dir=out, startup_wait=cfg.runtime.startup_wait, on_round=self.on_round,
+                                output_dir=out, resume=self.resume, startup_wait=cfg.runtime.startup_wait,
+                                on_round=self.on_round,
                                 availability=avail.participants if by_cell else None)
             for node in (*cells.values(), cloud):
                 node.transport.wait_subscribed()

@@ -133,3 +133,12 @@ def test_helpers() -> None:
     assert {topics.tier_of(t) for t in (topics.status("r", "device.c0-d0"), topics.control("r"),
                                         topics.round_manifest("r"), topics.telemetry_cell("r", "c0"),
                                         topics.telemetry_cloud("r"))} == {None}
+
+
+def test_run_resumes_after_a_stop(sim_model: bytes, tmp_path: Path) -> None:
+    """A `fedtier run` stopped after round 0 and resumed ends with the uninterrupted run's model."""
+    first = load_config(QUICKSTART, [f"run.output={json.dumps(str(tmp_path))}", "run.rounds=1"])
+    Emulation(first).run()
+    resumed = Emulation(quickstart(tmp_path), resume=True).run()
+    assert [r["round"] for r in resumed.history] == [1]
+    assert (tmp_path / runfiles.FINAL_MODEL).read_bytes() == sim_model
