@@ -7,6 +7,7 @@ from protocols import runfiles
 from protocols.algorithms.base import Algorithm
 from protocols.config import RunConfig
 from protocols.transport.base import Transport
+from protocols.wire.keys import node_trust
 
 from .server import Availability, CellServer
 
@@ -18,10 +19,12 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
     and ``rejoin_wait`` (the sim has none: nobody disconnects there)."""
     if cell not in cfg.topology.cell_ids():
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
+    trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
     return CellServer(
         transport, run=cfg.run.name, cell=cell, devices=cfg.topology.device_ids(cell), role=algorithm.cell(cell),
         algorithm=algorithm.name, device_deadline=cfg.runtime.device_deadline, quorum=cfg.runtime.quorum,
         availability=availability, log_path=str(output_dir / runfiles.AGGREGATION) if output_dir else None,
         heartbeat=cfg.runtime.heartbeat if heartbeats else 0.0,
         heartbeat_timeout=cfg.runtime.heartbeat_timeout if heartbeats else 0.0,
-        rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0)
+        rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0,
+        sign_key=trust.sign_key if trust else None, keys=trust.peers if trust else None)

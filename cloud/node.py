@@ -8,6 +8,7 @@ from protocols import runfiles
 from protocols.algorithms.base import Algorithm
 from protocols.config import RunConfig
 from protocols.transport.base import Transport
+from protocols.wire.keys import node_trust
 
 from .server import CellAvailability, CloudServer, Evaluator
 
@@ -17,9 +18,11 @@ def build_cloud(cfg: RunConfig, transport: Transport, algorithm: Algorithm, *, e
                 on_round: Callable[[dict[str, Any]], None] | None = None,
                 availability: CellAvailability | None = None) -> CloudServer:
     out = output_dir
+    trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
     return CloudServer(
         transport, run=cfg.run.name, cells=cfg.topology.cell_ids(), role=algorithm.cloud(), rounds=cfg.run.rounds,
         cell_deadline=cfg.cell_deadline(), evaluator=evaluator, eval_every=cfg.runtime.eval_every,
         metrics_path=out / runfiles.METRICS if out else None,
         checkpoint_path=out / runfiles.CHECKPOINT if out else None,
-        resume=resume, startup_wait=startup_wait, on_round=on_round, availability=availability)
+        resume=resume, startup_wait=startup_wait, on_round=on_round, availability=availability,
+        sign_key=trust.sign_key if trust else None, keys=trust.peers if trust else None)

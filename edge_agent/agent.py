@@ -29,14 +29,15 @@ class DeviceAgent:
 
     def __init__(self, transport: Transport, *, run: str, cell: str, device: str, role: DeviceRole,
                  data: LocalData, trainer: Trainer, seed: int, sign_key: bytes | None = None,
-                 on_task: Callable[[int, int], None] | None = None,
+                 keys: dict[str, bytes] | None = None, on_task: Callable[[int, int], None] | None = None,
                  compute_delay: Callable[[str, Payload], float] | None = None) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
-        the result leaves (a compute model for simulation, see ``sim/clock.py``)."""
+        the result leaves (a compute model for simulation, see ``sim/clock.py``). ``sign_key`` signs
+        the results; with ``keys`` (sender -> key: its cell's) only tasks signed by a known sender count."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device
         self.compute_delay = compute_delay
         self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
-        self.messenger = Messenger(transport, run, device, sign_key=sign_key)
+        self.messenger = Messenger(transport, run, device, sign_key=sign_key, keys=keys)
         self.on_task = on_task
         self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``); None: here
         self.tasks_done = 0

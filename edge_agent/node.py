@@ -5,6 +5,7 @@ from protocols.algorithms.base import Algorithm
 from protocols.config import RunConfig
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
+from protocols.wire.keys import node_trust
 
 from .agent import DeviceAgent
 
@@ -20,5 +21,7 @@ def cell_of(cfg: RunConfig, device: str) -> str:
 
 def build_agent(cfg: RunConfig, device: str, transport: Transport, algorithm: Algorithm, data: LocalData,
                 trainer: Trainer) -> DeviceAgent:
+    trust = node_trust(cfg, device)  # [security] keys: sign, and require the cell's signature
     return DeviceAgent(transport, run=cfg.run.name, cell=cell_of(cfg, device), device=device,
-                       role=algorithm.device(device), data=data, trainer=trainer, seed=cfg.run.seed)
+                       role=algorithm.device(device), data=data, trainer=trainer, seed=cfg.run.seed,
+                       sign_key=trust.sign_key if trust else None, keys=trust.peers if trust else None)

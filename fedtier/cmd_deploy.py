@@ -7,6 +7,7 @@ import json
 import click
 
 from .cli import CONFIG, SET, VERBOSE, main
+from .cmd_keys import keys_option
 from .console import console, load_or_exit, print_summary, round_progress, setup_logging
 
 BROKER = click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
@@ -26,6 +27,13 @@ def _auth(fn):
     )):
         fn = opt(fn)
     return fn
+
+
+def _check_keys(cfg, node: str) -> None:
+    """With [security] keys: fail now (exit 2) if the file lacks what ``node`` needs."""
+    from protocols.wire.keys import node_trust
+
+    node_trust(cfg, node)
 
 
 def _broker(cfg, broker_url, auth):
@@ -94,6 +102,7 @@ def _fail(exc: Exception, code: int) -> None:
 
 
 @main.command()
+@keys_option
 @CONFIG
 @SET
 @BROKER
@@ -118,6 +127,7 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
     try:
         spec, test = _spec(cfg, test_data)
         opts = _broker(cfg, broker_url, auth)
+        _check_keys(cfg, "cloud")
         out = fresh_output(cfg, resume)
         loop = ThreadLoop("cloud")
         transport = opts.transport("cloud", cfg.run.name, loop, will=offline_will(cfg.run.name, "cloud")).connect()
@@ -140,6 +150,7 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
 
 
 @main.command()
+@keys_option
 @CONFIG
 @SET
 @click.option("--cell", "cell_id", required=True, help="This cell's id (c0, c1, ...).")
@@ -162,6 +173,7 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
             raise ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})")
         spec, _ = _spec(cfg, None)
         opts = _broker(cfg, broker_url, auth)
+        _check_keys(cfg, cell_id)
         out = cfg.output_dir()
         out.mkdir(parents=True, exist_ok=True)
         loop = ThreadLoop(f"cell-{cell_id}")
@@ -182,6 +194,7 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
 
 
 @main.command()
+@keys_option
 @CONFIG
 @SET
 @click.option("--device", required=True, help="This device's id (c0-d0, ...).")
@@ -209,6 +222,7 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
         cell_of(cfg, device)
         spec, data = _spec(cfg, data_path)
         opts = _broker(cfg, broker_url, auth)
+        _check_keys(cfg, device)
         from sim.emulation import churn
 
         agents = AgentProcess(cfg, cfg.build_algorithm(spec), {device: data}, make_trainer(backend, spec, cfg), opts,

@@ -4,10 +4,12 @@ from __future__ import annotations
 import click
 
 from .cli import CONFIG, SET, VERBOSE, main
+from .cmd_keys import keys_option
 from .console import console, load_or_exit, print_summary, round_progress, setup_logging
 
 
 @main.command()
+@keys_option
 @CONFIG
 @SET
 @click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",

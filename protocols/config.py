@@ -1,7 +1,7 @@
 """The run configuration: one TOML file, validated with pydantic; every error names its key.
 
 Sections: ``[run]``, ``[topology]``, ``[algorithm]`` (``name`` plus that algorithm's parameters),
-``[model]``, ``[data]``, ``[participation]``, ``[runtime]``, ``[broker]``. Unknown keys are errors.
+``[model]``, ``[data]``, ``[participation]``, ``[runtime]``, ``[broker]``, ``[security]``. Unknown keys are errors.
 """
 from __future__ import annotations
 
@@ -139,6 +139,11 @@ class BrokerSection(_Section):
     keyfile: str | None = None
 
 
+class SecuritySection(_Section):
+    keys: str | None = Field(default=None, description="TOML keys file (`fedtier keys`): every node signs what it "
+                             "sends and verifies its peers; fedtier sim/run generate it in the run folder if missing")
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     topology: TopologySection = TopologySection()
@@ -149,6 +154,7 @@ class RunConfig(_Section):
     runtime: RuntimeSection = RuntimeSection()
     clock: ClockSection = ClockSection()
     broker: BrokerSection = BrokerSection()
+    security: SecuritySection = SecuritySection()
 
     @property
     def train(self) -> TrainParams:

@@ -33,6 +33,7 @@ from protocols import runfiles
 from protocols.config import ConfigError, RunConfig, load_config
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
+from protocols.wire.keys import with_run_keys
 
 from .hierarchy import fresh_output, make_evaluator, participation, prepare
 from .launcher import RunResult, set_torch_threads, write_final
@@ -137,6 +138,7 @@ class Emulation:
             cfg = with_onnx_model(cfg)
         if workers < 1:
             raise ConfigError("--workers must be >= 1")
+        cfg = with_run_keys(cfg, cfg.output_dir())  # [security] keys naming a missing file: fresh ones
         self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
         self.workers = len(cfg.topology.all_devices()) if process_per_agent else workers
         self.isolate = tuple(isolate) + tuple(d for d in self.faults.crash if d not in isolate) \

@@ -21,6 +21,7 @@ from protocols import runfiles
 from protocols.checkpoint import save_params
 from protocols.config import RunConfig
 from protocols.transport.memory import MemoryHub, VirtualLoop
+from protocols.wire.keys import with_run_keys
 
 from .clock import ClockModel
 from .executors import InlineExecutor, start_workers
@@ -82,6 +83,8 @@ class SimHierarchy:
 
         set_torch_threads(1)
         self.t0 = time.perf_counter()
+        if write_output:  # [security] keys naming a missing file: fresh keys in the run folder
+            cfg = with_run_keys(cfg, cfg.output_dir())
         self.cfg = cfg
         loop = VirtualLoop()
         remote = start_workers(cfg, loop)  # runtime.sim_workers build their devices while we build ours

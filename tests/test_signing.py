@@ -1,0 +1,209 @@
+"""Per-node message signing (``[security] keys``): keys files, ``fedtier keys``, forged messages
+rejected in the sim, and a signed ``fedtier run`` bit-identical to ``fedtier sim``."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fedtier.cli import main
+from protocols import runfiles
+from protocols.config import ConfigError
+from protocols.wire import topics
+from protocols.wire.envelope import WireError, decode_message
+from protocols.wire.keys import (KEY_BYTES, KeysError, generate_keys, load_keys, node_subset, node_trust,
+                                 write_keys)
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload, decode_payload
+from protocols.transport.broker import EmbeddedBroker
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from sim.emulation import Emulation
+from sim.launcher import SimHierarchy, run_simulation
+from tests.conftest import small_config
+
+
+def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------- keys files
+def test_keys_file_roundtrip_subsets_and_errors(tmp_path: Path) -> None:
+    topo = small_config(tmp_path).topology  # 2 cells x 3 devices
+    keys = generate_keys(topo)
+    assert list(keys) == ["cloud", "c0", "c1", "c0-d0", "c0-d1", "c0-d2", "c1-d0", "c1-d1", "c1-d2"]
+    assert all(len(k) == KEY_BYTES for k in keys.values()) and len(set(keys.values())) == len(keys)
+    path = write_keys(tmp_path / "keys.toml", keys)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # secrets: owner only
+    assert load_keys(path) == keys
+    with pytest.raises(KeysError, match="exists"):
+        write_keys(path, keys)
+    assert set(node_subset(keys, topo, "c0-d1")) == {"c0-d1", "c0"}
+    assert set(node_subset(keys, topo, "c1")) == {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"}
+    assert set(node_subset(keys, topo, "cloud")) == {"cloud", "c0", "c1"}
+    with pytest.raises(KeysError, match="'c0'"):  # a device file lacks its cell's key
+        node_subset({"c0-d1": keys["c0-d1"]}, topo, "c0-d1")
+    with pytest.raises(KeysError, match="not in the topology"):
+        node_subset(keys, topo, "c9-d0")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[keys]\n"cloud" = "abcd"\n')
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        load_keys(bad)
+    cfg = small_config(tmp_path, security={"keys": str(tmp_path / "missing.toml")})
+    with pytest.raises(ConfigError, match="cannot read"):
+        node_trust(cfg, "cloud")
+
+
+def test_fedtier_keys_command_writes_full_and_per_node_files(tmp_path: Path) -> None:
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(small_config(tmp_path).to_toml())
+    runner = CliRunner()
+    full = tmp_path / "keys.toml"
+    res = runner.invoke(main, ["keys", str(cfg_path), "--out", str(full)])
+    assert res.exit_code == 0, res.output
+    keys = load_keys(full)
+    assert len(keys) == 1 + 2 + 6
+    for node, expected in [("c0-d1", {"c0-d1", "c0"}), ("c1", {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"}),
+                           ("cloud", {"cloud", "c0", "c1"})]:
+        out = tmp_path / f"{node}.toml"
+        res = runner.invoke(main, ["keys", str(cfg_path), "--from", str(full), "--node", node, "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        part = load_keys(out)
+        assert set(part) == expected and all(part[n] == keys[n] for n in part)
+    res = runner.invoke(main, ["keys", str(cfg_path), "--out", str(full)])
+    assert res.exit_code == 2 and "exists" in res.output  # never silently replaces deployed keys
+    res = runner.invoke(main, ["keys", str(cfg_path), "--node", "c0-d1", "--out", str(tmp_path / "x.toml")])
+    assert res.exit_code == 2 and "--from" in res.output
+
+
+# ------------------------------------------------------------------------------ signed simulation
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """An unsigned and a signed 2-round sim of the small config (keys generated into the run folder)."""
+    tmp = tmp_path_factory.mktemp("signed")
+    plain = run_simulation(small_config(tmp / "plain", run={"rounds": 2}))
+    cfg = small_config(tmp / "signed", run={"rounds": 2}, security={"keys": str(tmp / "absent.toml")})
+    signed = run_simulation(cfg)
+    return {"plain": plain, "signed": signed, "keys": Path(signed.config.security.keys)}
+
+
+def test_signed_sim_is_bit_identical_to_unsigned(runs: dict) -> None:
+    plain, signed = runs["plain"], runs["signed"]
+    assert runs["keys"] == (signed.output_dir / "keys.toml").resolve() and runs["keys"].exists()
+    assert same(plain.params, signed.params)
+    assert all(not r["rejected"] for r in signed.cell_records)
+    assert all(not r["rejected"] for r in signed.history)
+    # every message carries a signature: 71 more header bytes each (',"g":"<64 hex>"'), nothing else
+    p, s = plain.history[-1]["cumulative_bytes"], signed.history[-1]["cumulative_bytes"]
+    assert s["device_to_cell"] - p["device_to_cell"] == 71 * 2 * 2 * 6  # rounds x edge rounds x devices
+    assert s["cell_to_cloud"] - p["cell_to_cloud"] == 71 * 2 * 2
+    # the run's config points at the keys it used, so a rerun (or resume) verifies with the same keys
+    assert str(runs["keys"]) in (signed.output_dir / runfiles.CONFIG).read_text()
+
+
+FORGERIES = {
+    "wrong key": ("c0-d0", os.urandom(32), "bad signature"),
+    "unsigned": ("c0-d0", None, "unsigned"),
+    "another device's key": ("c0-d1", "c0-d1", "published on the topic of device 'c0-d0'"),
+}
+
+
+def forge(sim: SimHierarchy, sender: str, key: bytes | None) -> list[int]:
+    """An intruder answers every task of c0-d0 first with a well-formed result (a huge delta of weight
+    1000), and once sends c1 a cell task for round 1; returns the rounds it forged."""
+    intruder = sim.hub.connect("intruder")
+    run = sim.cfg.run.name
+    messenger = Messenger(intruder, run, sender, sign_key=key)
+    forged: list[int] = []
+
+    def on_task(topic: str, data: bytes) -> None:
+        header, raw = decode_message(data)
+        task = decode_payload(raw).tensors  # the model the cell sent: the forgery has its shapes
+        bogus = Payload({"weight": 1000.0}, {k: np.full_like(v, 3.0) for k, v in task.items()})
+        messenger.send(topics.device_result(run, "c0", "c0-d0"), "device_result", bogus,
+                       round=header.round, edge_round=header.edge_round, cell="c0")
+        if not forged:
+            Messenger(intruder, run, "cloud", sign_key=key).send(
+                topics.cell_task(run, "c1"), "cell_task", Payload({}, task), round=1)
+        forged.append(header.round)
+
+    intruder.subscribe(topics.device_task(run, "c0", "c0-d0"), on_task)
+    return forged
+
+
+@pytest.mark.parametrize("how", list(FORGERIES))
+def test_forged_messages_are_rejected_and_do_not_change_the_aggregate(how: str, runs: dict,
+                                                                      tmp_path: Path) -> None:
+    sender, key, reason = FORGERIES[how]
+    if isinstance(key, str):
+        key = load_keys(runs["keys"])[key]  # a genuine key of another device
+    cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(runs["keys"])})
+    sim = SimHierarchy(cfg)
+    forged = forge(sim, sender, key)
+    result = sim.run()
+    assert forged == [0, 0, 1, 1]  # every edge round of c0-d0 had a forgery first
+    assert same(result.params, runs["signed"].params)
+    c0 = [x for r in result.cell_records if r["cell"] == "c0" for x in r["rejected"]]
+    assert len(c0) == 4 and all(x["device"] == "c0-d0" and reason in x["reason"] for x in c0), c0
+    c1 = [x for r in result.cell_records if r["cell"] == "c1" for x in r["rejected"]]
+    assert len(c1) == 1 and ("unsigned" if key is None else "bad signature") in c1[0]["reason"], c1
+    assert all(sorted(r["answered"]) == sorted(r["planned"]) for r in result.cell_records)
+
+
+def test_without_keys_the_same_forgery_poisons_the_aggregate(runs: dict, tmp_path: Path) -> None:
+    """The control: unsigned, the forged result is taken and the model changes."""
+    sim = SimHierarchy(small_config(tmp_path, run={"rounds": 2}))
+    forge(sim, "c0-d0", None)
+    result = sim.run()
+    assert not same(result.params, runs["plain"].params)
+
+
+# ---------------------------------------------------------------------------- signed emulation
+def test_signed_fedtier_run_is_bit_identical_to_sim(runs: dict, tmp_path: Path) -> None:
+    """Over the embedded broker, agents in a worker process load their keys from the config. A
+    foreign MQTT client checks that every device result on the wire carries its device's signature,
+    and answers c0-d0's first task with a forged result signed with a wrong key: rejected, logged."""
+    keys = load_keys(runs["keys"])
+    cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(runs["keys"])})
+    run = cfg.run.name
+    verified: list[str] = []
+    forged: list[str] = []
+    with EmbeddedBroker() as broker:
+        loop = ThreadLoop("intruder").start()
+        spy = MqttTransport.from_url(broker.url, "intruder", loop)
+        liar = Messenger(spy, run, "c0-d0", sign_key=os.urandom(32))
+
+        def on_result(topic: str, data: bytes) -> None:
+            header, _ = decode_message(data)
+            try:
+                decode_message(data, key=keys[header.sender])
+                verified.append(header.sender)
+            except WireError:
+                forged.append(header.sender)
+
+        def on_task(topic: str, data: bytes) -> None:
+            header, raw = decode_message(data)
+            if (header.round, header.edge_round) == (0, 0):
+                bogus = Payload({"weight": 1000.0}, {k: np.full_like(v, 3.0)
+                                                     for k, v in decode_payload(raw).tensors.items()})
+                liar.send(topics.device_result(run, "c0", "c0-d0"), "device_result", bogus, round=0, cell="c0")
+
+        spy.subscribe(topics.device_results(run, "+"), on_result)
+        spy.subscribe(topics.device_task(run, "c0", "c0-d0"), on_task)
+        spy.connect()
+        spy.wait_subscribed()
+        try:
+            result = Emulation(cfg, broker_url=broker.url, workers=1).run()
+        finally:
+            spy.close()
+            loop.stop()
+    assert same(result.params, runs["signed"].params)
+    assert len(result.history) == 2
+    assert sorted(set(verified)) == sorted(cfg.topology.all_devices()) and len(verified) == 24
+    assert forged == ["c0-d0"]
+    rejected = [x for r in result.cell_records for x in r["rejected"]]
+    assert rejected == [{"device": "c0-d0", "reason": "bad signature"}]
