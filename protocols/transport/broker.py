@@ -154,16 +154,23 @@ class EmbeddedBroker(_Broker):
 
 
 class MosquittoBroker(_Broker):
-    """A Mosquitto subprocess with a generated config in a temporary directory."""
+    """A Mosquitto subprocess with a generated config in a temporary directory.
 
-    def __init__(self, port: int | None = None, binary: str | None = None, extra_config: str = "") -> None:
+    ``extra_config`` is appended after the listener line, so listener options apply to it: e.g. TLS
+    (``cafile``, ``certfile``, ``keyfile``, ``require_certificate true``) or ``password_file``; with
+    ``allow_anonymous=False`` clients must log in. Run as root, Mosquitto stays root (instead of
+    switching to the ``mosquitto`` user) so it can read the caller's files.
+    """
+
+    def __init__(self, port: int | None = None, binary: str | None = None, extra_config: str = "",
+                 allow_anonymous: bool = True) -> None:
         super().__init__(port)
         self.binary = binary or find_mosquitto()
         if self.binary is None:
             raise FileNotFoundError("mosquitto is not installed (looked for /usr/sbin/mosquitto and on PATH)")
         if not os.access(self.binary, os.X_OK):
             raise FileNotFoundError(f"mosquitto binary {self.binary!r} is not an executable file")
-        self.extra_config = extra_config
+        self.extra_config, self.allow_anonymous = extra_config, allow_anonymous
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -177,7 +184,8 @@ class MosquittoBroker(_Broker):
         with open(conf, "w") as f:
             f.write(
                 f"listener {self.port} {self.host}\n"
-                "allow_anonymous true\n"
+                f"allow_anonymous {'true' if self.allow_anonymous else 'false'}\n"
+                + ("user root\n" if hasattr(os, "geteuid") and os.geteuid() == 0 else "") +
                 "persistence false\n"
                 "max_queued_messages 100000\n"  # a chunked model must not overflow a client's queue
                 "max_queued_bytes 0\n"

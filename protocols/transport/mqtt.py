@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -139,7 +140,8 @@ class MqttTransport(Transport):
                         protocol=mqtt.MQTTv311)
         if username is not None:
             c.username_pw_set(username, password)
-        if ca_certs or certfile or keyfile:
+        self._tls, self._client_cert = bool(ca_certs or certfile or keyfile), bool(certfile)
+        if self._tls:
             c.tls_set(ca_certs=ca_certs, certfile=certfile, keyfile=keyfile)
         if will is not None:
             if len(will.payload) > max_chunk:
@@ -163,7 +165,9 @@ class MqttTransport(Transport):
     # -- lifecycle -------------------------------------------------------------------------
     def connect(self, timeout: float = 10.0) -> "MqttTransport":
         """Connect and block until the broker's CONNACK; retries a refused TCP connect until
-        ``timeout``. Raises ``ConnectionError`` naming ``host:port`` on failure."""
+        ``timeout``. Raises ``ConnectionError`` naming ``host:port`` on failure, at once when the TLS
+        handshake fails or the broker closes the connection before its CONNACK (a TLS listener or a
+        refused client certificate: retrying cannot help)."""
         if self._ever_connected or self._closed:
             raise RuntimeError(f"{self.client_id}: connect() may be called once per transport")
         where = f"{self.host}:{self.port}"
@@ -173,6 +177,8 @@ class MqttTransport(Transport):
             try:
                 self._client.connect(self.host, self.port, self.keepalive)
                 break
+            except ssl.SSLError as exc:  # e.g. the server's certificate is not signed by ca_certs
+                raise ConnectionError(f"TLS handshake with MQTT broker at {where} failed: {exc}") from exc
             except OSError as exc:
                 if time.monotonic() + 0.2 > deadline:
                     raise ConnectionError(f"cannot connect to MQTT broker at {where}: {exc}") from exc
@@ -182,6 +188,13 @@ class MqttTransport(Transport):
             self._abort()
             raise ConnectionError(f"no CONNACK from MQTT broker at {where} within {timeout:g} s")
         reason = self._connack_reason
+        if reason is None:  # _on_disconnect: the broker hung up before its CONNACK
+            self._abort()
+            how = ("with TLS" + (", client certificate" if self._client_cert else ", no client certificate")
+                   if self._tls else "without TLS")
+            raise ConnectionError(f"MQTT broker at {where} closed the connection of {self.client_id!r} ({how}) "
+                                  "before accepting it: does its listener require TLS (ca_certs) or a client "
+                                  "certificate signed by the broker's CA (certfile, keyfile)?")
         if reason is not None and reason.is_failure:
             self._abort()
             raise ConnectionError(f"MQTT broker at {where} refused {self.client_id!r}: {reason}")
@@ -336,6 +349,9 @@ class MqttTransport(Transport):
         self._connack.set()
 
     def _on_disconnect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _props: Any) -> None:
+        if not self._connack.is_set():  # hung up before the first CONNACK: connect() fails at once
+            self._connack.set()
+            return
         with self._cv:
             self._connected = False
             self._suback_pending.clear()
