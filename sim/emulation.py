@@ -35,7 +35,7 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
 
-from .hierarchy import fresh_output, make_evaluator, participation, prepare
+from .hierarchy import check_resumable, fresh_output, make_evaluator, participation, prepare
 from .launcher import RunResult, set_torch_threads, write_final
 from .onnx_devices import export_onnx, with_onnx_model
 
@@ -164,6 +164,8 @@ class Emulation:
             device_files[device] = out / "devices" / f"{device}.npz"
             save_device_data(device_files[device], data, spec)
         algorithm = cfg.build_algorithm(spec)
+        if self.resume:
+            check_resumable(cfg, algorithm)
         if cfg.runtime.onnx_devices:
             export_onnx(spec, algorithm.initial_params(), cfg.runtime.onnx_model)
         avail = participation(cfg)

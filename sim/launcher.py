@@ -25,7 +25,7 @@ from protocols.wire.keys import with_run_keys
 
 from .clock import ClockModel
 from .executors import InlineExecutor, start_workers
-from .hierarchy import fresh_output, make_evaluator, participation, prepare
+from .hierarchy import check_resumable, fresh_output, make_evaluator, participation, prepare
 from .onnx_devices import onnx_trainers
 
 
@@ -94,6 +94,8 @@ class SimHierarchy:
         spec, ds = prep.spec, prep.dataset
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
+        if resume:
+            check_resumable(cfg, algorithm)
         train = cfg.train
         self.clock = clock = ClockModel(cfg.clock, cfg.topology.all_devices(), cfg.run.seed, train.local_steps)
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)

@@ -365,3 +365,13 @@ def test_emulation_over_mqtt_with_an_onnx_device_is_bit_identical_to_sim(make_co
     assert all(np.array_equal(emu.params[k], sim.params[k]) for k in sim.params)
     assert emu.device_traffic["c0-d1"]["tasks"] == sim.device_traffic["c0-d1"]["tasks"] > 0
     assert (tmp_path / "emu" / "model.onnx").exists()
+
+
+def test_simulated_resume_is_refused_because_devices_keep_state(make_config):
+    from protocols.config import ConfigError
+
+    cfg = make_config(run={"rounds": 2}, algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 1,
+                                                    "perturbations": 2})
+    run_simulation(cfg)
+    with pytest.raises(ConfigError, match="keeps state on the devices"):
+        run_simulation(cfg, resume=True)

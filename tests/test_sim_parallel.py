@@ -1,6 +1,7 @@
 """Parallel device training in ``fedtier sim`` (``sim/executors.py``): the same run, byte for byte."""
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import signal
 from typing import Any
@@ -84,7 +85,9 @@ def test_a_worker_that_dies_ends_the_run_with_the_device_named(make_config):
     def kill(rnd: int, edge: int) -> None:
         if (rnd, edge) == (1, 0):
             os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)  # dead before the task is even sent
+            # dead before the task is even sent; wait on its sentinel without reaping it (a second
+            # joiner would race the executor's own join and leave it without the exit code)
+            multiprocessing.connection.wait([proc.sentinel], 10)
 
     sim.agents[victim].on_task = kill
     group = sim.executor.groups[sim.executor.owner[victim]]  # the error names the first task lost with it

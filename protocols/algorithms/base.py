@@ -152,6 +152,9 @@ class Algorithm(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type[TrainParams]] = TrainParams
+    devices_keep_state: ClassVar[bool] = False
+    """True when device roles carry state across rounds that the cloud's checkpoint does not hold
+    (DeComFL's model replicas): a launcher that recreates its devices cannot resume such a run."""
 
     def __init__(self, params: TrainParams, model: ModelSpec, seed: int, init_seed: int | None = None) -> None:
         self.params, self.model, self.seed = params, model, seed

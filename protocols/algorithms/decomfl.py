@@ -303,6 +303,7 @@ class DeComFL(Algorithm):
 
     name = "decomfl"
     Params = DeComFLParams
+    devices_keep_state = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
