@@ -1,0 +1,85 @@
+"""Deployment as a user runs it: ``fedtier cloud``, ``fedtier cell`` and two ``fedtier agent``s, each its
+own OS process started from the command line, over one broker; one agent is forward-only
+(``--backend onnx`` with the model from ``fedtier export``). The result is ``fedtier sim``'s, byte for byte."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from edge_agent.runner import save_device_data
+from protocols import runfiles
+from protocols.config import load_config
+from protocols.trainer import LocalData
+from protocols.transport.broker import EmbeddedBroker
+from sim.hierarchy import prepare
+from sim.launcher import run_simulation
+
+FEDTIER = str(Path(sys.executable).parent / "fedtier")
+
+CONFIG = """
+[run]
+name = "deploy"
+rounds = 3
+output = "{out}"
+[topology]
+cells = 1
+devices_per_cell = 2
+[algorithm]
+name = "decomfl"
+edge_rounds = 1
+local_steps = 1
+perturbations = 4
+lr = 0.02
+batch_size = 16
+[model]
+name = "mlp"
+hidden = [8]
+[data]
+dataset = "digits"
+[runtime]
+device_deadline = 60.0
+onnx_devices = ["c0-d1"]
+heartbeat = 1.0
+"""
+
+
+def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) -> None:
+    config = tmp_path / "deploy.toml"
+    config.write_text(CONFIG.format(out=tmp_path / "deployed"))
+    cfg = load_config(config)
+    sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))
+
+    # what an operator ships to each device: its data file (and the ONNX model for the onnx device)
+    prep = prepare(cfg)
+    for device, data in prep.device_data.items():
+        save_device_data(tmp_path / f"{device}.npz", data, prep.spec)
+    save_device_data(tmp_path / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
+    subprocess.run([FEDTIER, "export", str(config), "--out", str(tmp_path / "model.onnx")], check=True,
+                   capture_output=True)
+
+    with EmbeddedBroker() as broker:
+        common = ["--broker", broker.url]
+        commands = {
+            "cloud": [FEDTIER, "cloud", str(config), *common, "--test-data", str(tmp_path / "test.npz"),
+                      "--no-progress"],
+            "cell": [FEDTIER, "cell", str(config), *common, "--cell", "c0"],
+            "torch agent": [FEDTIER, "agent", str(config), *common, "--device", "c0-d0",
+                            "--data", str(tmp_path / "c0-d0.npz")],
+            "onnx agent": [FEDTIER, "agent", str(config), *common, "--device", "c0-d1",
+                           "--data", str(tmp_path / "c0-d1.npz"), "--backend", "onnx",
+                           "--onnx-model", str(tmp_path / "model.onnx")],
+        }
+        procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for name, cmd in commands.items()}
+        try:
+            outputs = {name: p.communicate(timeout=180)[0] for name, p in procs.items()}
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name} exited with {p.returncode}:\n{outputs[name]}"
+    assert "c0-d1: 3 tasks" in outputs["onnx agent"] and "c0-d0: 3 tasks" in outputs["torch agent"]
+    deployed = (tmp_path / "deployed" / runfiles.FINAL_MODEL).read_bytes()
+    assert deployed == (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
