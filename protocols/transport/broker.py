@@ -127,6 +127,13 @@ class EmbeddedBroker(_Broker):
                 return
             ready.set()
             aloop.run_forever()
+            # amqtt leaves per-client tasks behind after shutdown: cancel and drain them before
+            # closing, or they die later with "Event loop is closed"
+            pending = asyncio.all_tasks(aloop)
+            for task in pending:
+                task.cancel()
+            aloop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            aloop.run_until_complete(aloop.shutdown_asyncgens())
             aloop.close()
 
         self._aloop = aloop
