@@ -184,11 +184,11 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
         _fail(exc, 2)
     except ConnectionError as exc:
         _fail(exc, 1)
-    from sim.emulation import churn
+    from sim.hierarchy import edge_availability
 
-    takes_part = churn(cfg)  # device-level participation: as in `fedtier run`, absent devices leave
+    # device-level participation: as in `fedtier run`, absent devices leave
     node = build_cell(cfg, cell_id, transport, cfg.build_algorithm(spec), output_dir=out, heartbeats=True,
-                      availability=(lambda r, e: takes_part(r)) if takes_part else None)
+                      availability=edge_availability(cfg))
     console.print(f"cell {cell_id} serving {len(node.devices)} devices on {opts.url} (Ctrl-C to stop)")
     _serve(node, loop)
 
@@ -223,10 +223,10 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
         spec, data = _spec(cfg, data_path)
         opts = _broker(cfg, broker_url, auth)
         _check_keys(cfg, device)
-        from sim.emulation import churn
+        from sim.hierarchy import device_availability
 
         agents = AgentProcess(cfg, cfg.build_algorithm(spec), {device: data}, make_trainer(backend, spec, cfg), opts,
-                              availability=churn(cfg))  # partial participation: leaves when absent
+                              availability=device_availability(cfg))  # partial participation: leaves when absent
         agents.start()
     except (ConfigError, ValueError) as exc:
         _fail(exc, 2)

@@ -35,7 +35,8 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
 
-from .hierarchy import check_resumable, fresh_output, make_evaluator, participation, prepare
+from .hierarchy import (cell_availability, check_resumable, device_availability, edge_availability, fresh_output,
+                        make_evaluator, prepare)
 from .launcher import RunResult, set_torch_threads, write_final
 from .onnx_devices import export_onnx, with_onnx_model
 
@@ -91,7 +92,7 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
             if tuple(faults.crash.get(device, ())) == (rnd, edge):
                 os.kill(os.getpid(), signal.SIGKILL)
     agents = AgentProcess(cfg, cfg.build_algorithm(spec), data, trainer, BrokerOptions(**job["broker"]),
-                          on_task=on_task, timing=job.get("timing", False), availability=churn(cfg))
+                          on_task=on_task, timing=job.get("timing", False), availability=device_availability(cfg))
     try:
         agents.start(job.get("connect_timeout", 30.0))
         if faults.duplicate:
@@ -101,14 +102,6 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     finally:
         agents.stop()
         results.put(agents.stats())
-
-
-def churn(cfg: RunConfig) -> Callable[[int], frozenset[str]] | None:
-    """The agents' availability for device-level partial participation (an absent device really
-    disconnects; see :class:`AgentProcess`), else ``None``."""
-    if cfg.participation.model == "always" or cfg.participation.level == "cell":
-        return None
-    return participation(cfg).participants
 
 
 def _twice(publish: Callable[..., None]) -> Callable[..., None]:
@@ -168,10 +161,7 @@ class Emulation:
             check_resumable(cfg, algorithm)
         if cfg.runtime.onnx_devices:
             export_onnx(spec, algorithm.initial_params(), cfg.runtime.onnx_model)
-        avail = participation(cfg)
-        partial = cfg.participation.model != "always"
-        by_cell = partial and cfg.participation.level == "cell"
-        availability = (lambda r, e: avail.participants(r)) if partial and not by_cell else None
+        availability = edge_availability(cfg)
 
         broker = loop = cloud = None
         cells: dict[str, Any] = {}
@@ -199,7 +189,7 @@ class Emulation:
                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
                                 output_dir=out, resume=self.resume, startup_wait=cfg.runtime.startup_wait,
                                 on_round=self.on_round,
-                                availability=avail.participants if by_cell else None)
+                                availability=cell_availability(cfg))
             for node in (*cells.values(), cloud):
                 node.transport.wait_subscribed()
             _on_loop(loop, cloud.start)

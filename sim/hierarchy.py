@@ -4,7 +4,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -62,6 +62,27 @@ def participation(cfg: RunConfig) -> ParticipationModel:
         return make_participation(cfg.participation.spec(), units, cfg.run.seed)
     except ValueError as exc:
         raise ConfigError(f"participation: {exc}") from None
+
+
+def device_availability(cfg: RunConfig) -> Callable[[int], frozenset[str]] | None:
+    """``round -> devices that take part`` for device-level partial participation, else ``None``: the
+    cells' plan (sim and run) and the agents' churn (run, deployment) use this one function."""
+    if cfg.participation.model == "always" or cfg.participation.level == "cell":
+        return None
+    return participation(cfg).participants
+
+
+def cell_availability(cfg: RunConfig) -> Callable[[int], frozenset[str]] | None:
+    """``round -> cells that take part`` for cell-level participation (the cloud's hook), else ``None``."""
+    if cfg.participation.model == "always" or cfg.participation.level != "cell":
+        return None
+    return participation(cfg).participants
+
+
+def edge_availability(cfg: RunConfig) -> Callable[[int, int], frozenset[str]] | None:
+    """:func:`device_availability` in the form a cell server takes: ``(round, edge round) -> devices``."""
+    takes_part = device_availability(cfg)
+    return (lambda r, e: takes_part(r)) if takes_part is not None else None
 
 
 def make_evaluator(spec: ModelSpec, x: np.ndarray, y: np.ndarray, device: str = "cpu"):

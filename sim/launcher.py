@@ -25,7 +25,7 @@ from protocols.wire.keys import with_run_keys
 
 from .clock import ClockModel
 from .executors import InlineExecutor, start_workers
-from .hierarchy import check_resumable, fresh_output, make_evaluator, participation, prepare
+from .hierarchy import cell_availability, check_resumable, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers
 
 
@@ -99,14 +99,11 @@ class SimHierarchy:
         train = cfg.train
         self.clock = clock = ClockModel(cfg.clock, cfg.topology.all_devices(), cfg.run.seed, train.local_steps)
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
-        avail = participation(cfg)
-        partial = cfg.participation.model != "always"
-        by_cell = partial and cfg.participation.level == "cell"  # whole cells absent: the cloud's hook
-        availability = (lambda r, e: avail.participants(r)) if partial and not by_cell else None
         self.cloud = build_cloud(cfg, hub.connect("cloud"), algorithm,
                                  evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
                                  output_dir=self.output_dir, resume=resume, on_round=on_round,
-                                 availability=avail.participants if by_cell else None)
+                                 availability=cell_availability(cfg))
+        availability = edge_availability(cfg)
         self.cells = {c: build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability,
                                     output_dir=self.output_dir) for c in cfg.topology.cell_ids()}
         trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,

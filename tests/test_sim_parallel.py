@@ -6,7 +6,6 @@ import os
 import signal
 from typing import Any
 
-import numpy as np
 import pytest
 
 from protocols.transport.memory import VirtualLoop
