@@ -104,12 +104,18 @@ def decode_message(
     if header.payload_len > max_payload:
         raise WireError(f"payload of {header.payload_len} bytes exceeds the limit of {max_payload}")
     if key is not None:
-        if header.sig is None:
-            raise WireError("unsigned message where a signature is required")
-        unsigned = header.model_copy(update={"sig": None}).to_json()
-        if not hmac.compare_digest(header.sig, _sign(key, unsigned, bytes(payload))):
-            raise WireError("bad signature")
+        verify_signature(header, payload, key)
     return header, payload
+
+
+def verify_signature(header: Header, payload: bytes | memoryview, key: bytes) -> None:
+    """Raise :class:`WireError` unless ``header`` carries a valid signature of ``key`` over itself
+    (without the signature) and ``payload``."""
+    if header.sig is None:
+        raise WireError("unsigned message where a signature is required")
+    unsigned = header.model_copy(update={"sig": None}).to_json()
+    if not hmac.compare_digest(header.sig, _sign(key, unsigned, bytes(payload))):
+        raise WireError("bad signature")
 
 
 def _short(exc: Exception) -> str:

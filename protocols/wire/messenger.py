@@ -12,7 +12,8 @@ from typing import Callable
 
 from ..transport.base import Transport
 from .dedup import SeenIds
-from .envelope import DEFAULT_MAX_PAYLOAD, Header, MessageKind, WireError, decode_message, encode_message, new_msg_id
+from .envelope import (DEFAULT_MAX_PAYLOAD, Header, MessageKind, WireError, decode_message, encode_message,
+                       new_msg_id, verify_signature)
 from .payload import Payload, decode_payload, encode_payload
 
 log = logging.getLogger("fedtier.wire")
@@ -75,10 +76,10 @@ class Messenger:
                 raise WireError(f"message for run {header.run!r}, this is run {self.run!r}")
             if kinds is not None and header.kind not in kinds:
                 raise WireError(f"unexpected message kind {header.kind!r} on {topic}")
-            if self.keys is not None and header.sender in self.keys:
-                header, raw = decode_message(data, max_payload=self.max_payload, key=self.keys[header.sender])
-            elif self.keys is not None:
-                raise WireError(f"unknown sender {header.sender!r}")
+            if self.keys is not None:
+                if header.sender not in self.keys:
+                    raise WireError(f"unknown sender {header.sender!r}")
+                verify_signature(header, raw, self.keys[header.sender])
             if not self.seen.first_time(header.msg_id):
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
                 return None
