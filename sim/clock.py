@@ -23,6 +23,11 @@ from protocols.wire.payload import Payload
 from protocols.wire.topics import tier_of
 
 
+def clock_modelled(clock: ClockSection) -> bool:
+    """True when ``[clock]`` asks for any time to be modelled."""
+    return any(v > 0 for v in clock.model_dump().values())
+
+
 class ClockModel:
     """Link and compute delays for one run (deterministic in the run seed)."""
 
@@ -38,7 +43,7 @@ class ClockModel:
 
     @property
     def enabled(self) -> bool:
-        return any(v > 0 for v in self.c.model_dump().values())
+        return clock_modelled(self.c)
 
     def link_delay(self, topic: str, nbytes: int) -> float:
         tier = tier_of(topic)

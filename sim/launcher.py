@@ -23,7 +23,7 @@ from protocols.config import RunConfig
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
-from .clock import ClockModel
+from .clock import ClockModel, clock_modelled
 from .executors import InlineExecutor, start_workers
 from .hierarchy import cell_availability, check_resumable, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers
@@ -56,12 +56,7 @@ class RunResult:
                 "cumulative_bytes": last.get("cumulative_bytes", {}), "wall_s": round(self.wall_s, 3),
                 **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
                 **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {}),
-                **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config) else {})}
-
-
-def clock_modelled(cfg: RunConfig) -> bool:
-    """True when the config asks for a virtual clock (``[clock]``)."""
-    return any(v > 0 for v in cfg.clock.model_dump().values())
+                **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config.clock) else {})}
 
 
 def set_torch_threads(n: int = 1) -> None:
