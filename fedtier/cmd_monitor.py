@@ -37,8 +37,8 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, usern
     Follow a run folder (RUN_DIR, tailing its JSON-lines logs) or a live run's telemetry topics
     (--broker mqtt://host:port --run NAME). Ctrl-C leaves.
     """
-    from sim.monitor_sources import RunDirFollower, TelemetryFeed, wait_quiet
-    from sim.monitor_view import MonitorState, render
+    from monitor.sources import RunDirFollower, TelemetryFeed, wait_quiet
+    from monitor.view import MonitorState, render
 
     if (run_dir is None) == (broker is None):
         fail("give either RUN_DIR or --broker URL --run NAME", 2)

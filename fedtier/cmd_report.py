@@ -19,7 +19,7 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from sim.report import write_report
+    from monitor.report import write_report
 
     target = Path(out) if out else (Path(run_dirs[0]) / "report.html" if len(run_dirs) == 1 else Path("report.html"))
     try:

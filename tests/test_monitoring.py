@@ -20,9 +20,9 @@ from fedtier.cmd_logs import filter_records, parse_round_range  # noqa: E402
 from protocols import runfiles  # noqa: E402
 from protocols.records import CellRecord, RoundRecord, parse_record, read_records, read_run  # noqa: E402
 from sim.launcher import SimHierarchy  # noqa: E402
-from sim.monitor_sources import RunDirFollower, TelemetryFeed  # noqa: E402
-from sim.monitor_view import MonitorState, render_text  # noqa: E402
-from sim.report import load_run, participation_matrix, write_report  # noqa: E402
+from monitor.sources import RunDirFollower, TelemetryFeed  # noqa: E402
+from monitor.view import MonitorState, render_text  # noqa: E402
+from monitor.report import load_run, participation_matrix, write_report  # noqa: E402
 
 
 class Silent:
