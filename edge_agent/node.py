@@ -12,9 +12,9 @@ from .agent import DeviceAgent
 
 def cell_of(cfg: RunConfig, device: str) -> str:
     """The cell a device id belongs to in the config's topology."""
-    for cell in cfg.topology.cell_ids():
-        if device in cfg.topology.device_ids(cell):
-            return cell
+    cell = cfg.topology.cell_of(device)
+    if cell is not None:
+        return cell
     raise ValueError(f"device {device!r} is not in the topology (ids look like c0-d0 ... "
                      f"c{cfg.topology.cells - 1}-d{cfg.topology.devices_per_cell - 1})")
 

@@ -49,6 +49,19 @@ class TopologySection(_Section):
     def all_devices(self) -> list[str]:
         return [d for c in self.cell_ids() for d in self.device_ids(c)]
 
+    def cell_of(self, device: str) -> str | None:
+        """The cell of a device id of this topology (``c{i}-d{j}``), or ``None``; O(1), no table."""
+        cell, sep, j = device.rpartition("-d")
+        i = cell[1:]
+        if not (sep and cell[:1] == "c" and _index(i, self.cells) and _index(j, self.devices_per_cell)):
+            return None
+        return cell
+
+
+def _index(text: str, n: int) -> bool:
+    """``text`` is a canonical decimal in ``range(n)`` ("0", "12"; not "012", "+1" or " 1")."""
+    return text.isdigit() and text.isascii() and (text == "0" or text[0] != "0") and int(text) < n
+
 
 class ModelSection(_Section):
     name: Literal["mlp", "cnn", "logreg"] = "mlp"
@@ -67,6 +80,20 @@ class DataSection(_Section):
     alpha_devices: float = Field(default=1.0, gt=0, description="within a cell (hierarchical)")
     max_train: int = Field(default=0, ge=0, description="0: the whole training set")
     max_test: int = Field(default=0, ge=0, description="0: the whole test set")
+    n: int = Field(default=0, ge=0, description="synthetic: training samples to draw (0: 1000); size it to the "
+                   "population, e.g. 10 per device")
+    n_test: int = Field(default=0, ge=0, description="synthetic: test samples (0: n / 5)")
+
+    @model_validator(mode="after")
+    def _sized_synthetic_only(self) -> "DataSection":
+        if self.dataset != "synthetic" and (self.n or self.n_test):
+            raise ValueError(f"n and n_test size the synthetic dataset only; {self.dataset!r} has a fixed size "
+                             "(use max_train / max_test to subsample it)")
+        return self
+
+    def loader_params(self) -> dict[str, int]:
+        """Parameters of the dataset's loader that the config sets (``load_dataset(**...)``)."""
+        return {k: v for k, v in (("n", self.n), ("n_test", self.n_test)) if v}
 
 
 class ParticipationSection(_Section):

@@ -33,7 +33,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     d = cfg.data
     try:
         ds = load_dataset(d.dataset, max_train=d.max_train or None, max_test=d.max_test or None,
-                          subsample_seed=cfg.run.seed)
+                          subsample_seed=cfg.run.seed, **d.loader_params())
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(f"data.dataset: {exc}") from None
     topo = cfg.topology
@@ -69,14 +69,27 @@ def device_availability(cfg: RunConfig) -> Callable[[int], frozenset[str]] | Non
     cells' plan (sim and run) and the agents' churn (run, deployment) use this one function."""
     if cfg.participation.model == "always" or cfg.participation.level == "cell":
         return None
-    return participation(cfg).participants
+    return per_round(participation(cfg).participants)
 
 
 def cell_availability(cfg: RunConfig) -> Callable[[int], frozenset[str]] | None:
     """``round -> cells that take part`` for cell-level participation (the cloud's hook), else ``None``."""
     if cfg.participation.model == "always" or cfg.participation.level != "cell":
         return None
-    return participation(cfg).participants
+    return per_round(participation(cfg).participants)
+
+
+def per_round(participants: Callable[[int], frozenset[str]]) -> Callable[[int], frozenset[str]]:
+    """``participants`` computed once per round: every cell of a process asks for the same round in
+    turn, and a draw over the whole population costs what the population does."""
+    last: list = [None, None]  # [round, its participants]
+
+    def cached(round: int) -> frozenset[str]:
+        if last[0] != round:
+            last[:] = [round, participants(round)]
+        return last[1]
+
+    return cached
 
 
 def edge_availability(cfg: RunConfig) -> Callable[[int, int], frozenset[str]] | None:

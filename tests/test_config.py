@@ -83,3 +83,27 @@ def test_the_readme_config_reference_is_a_valid_config():
 
     assert set(data) == set(RunConfig.model_fields)  # every section is documented
     assert cfg.run.name == "quickstart"
+
+
+def test_cell_of_a_device_id_is_parsed_and_unknown_ids_are_refused():
+    from edge_agent.node import cell_of
+    from protocols.config import TopologySection
+
+    topo = TopologySection(cells=12, devices_per_cell=30)
+    assert all(topo.cell_of(d) == c for c in topo.cell_ids() for d in topo.device_ids(c))
+    for bad in ("c12-d0", "c0-d30", "c01-d1", "c1-d01", "c1-d-1", "c+1-d1", "d1", "c1-d", "-d1", "c1-d١", "x1-d1"):
+        assert topo.cell_of(bad) is None, bad
+    cfg = parse_config({"topology": {"cells": 2, "devices_per_cell": 3}})
+    assert cell_of(cfg, "c1-d2") == "c1"
+    with pytest.raises(ValueError, match="not in the topology"):
+        cell_of(cfg, "c2-d0")
+
+
+def test_synthetic_dataset_is_sized_from_the_config():
+    cfg = parse_config({"topology": {"cells": 3, "devices_per_cell": 400},
+                        "data": {"dataset": "synthetic", "n": 12000, "n_test": 300}})
+    prep = prepare(cfg)
+    assert (prep.dataset.num_train, prep.dataset.num_test) == (12000, 300)
+    assert sum(len(prep.device_data[d]) for d in cfg.topology.all_devices()) == 12000
+    with pytest.raises(ConfigError, match="data: .*synthetic dataset only"):
+        parse_config({"data": {"dataset": "mnist", "n": 100}})

@@ -79,3 +79,51 @@ def test_virtual_timers_fire_in_time_order_and_cancel():
     loop.cancel(h)
     loop.run()
     assert fired == [(2.0, "early"), (5.0, "late")]
+
+
+def test_indexed_routing_matches_a_linear_scan_in_order_and_content():
+    """Exact and wildcard subscriptions, retained messages, unsubscribes and takeovers, in random
+    order: every delivery, and its order, is what scanning every subscription and retained message
+    (the hub's reference semantics) gives."""
+    import random
+
+    from protocols.transport.base import topic_matches as matches
+
+    rnd = random.Random(7)
+    levels = ["a", "b", "c"]
+    topics = ["/".join(rnd.choice(levels) for _ in range(rnd.randint(1, 3))) for _ in range(12)]
+    patterns = topics + ["+", "#", "a/+", "a/#", "+/b", "a/+/c", "+/+/+", "b/#", "a/b/#", "+/#"]
+    hub = MemoryHub()
+    got: list[tuple[str, str, bytes]] = []
+    subs: list[tuple[str, str, int]] = []  # reference: (client, pattern, tag), in subscription order
+    retained: dict[str, bytes] = {}
+    expected: list[tuple[str, str, bytes]] = []
+    clients = {c: hub.connect(c) for c in ("x", "y", "z")}
+    for step in range(600):
+        op = rnd.random()
+        client = rnd.choice(list(clients))
+        if op < 0.3:
+            pattern, tag = rnd.choice(patterns), step
+            clients[client].subscribe(pattern, lambda t, p, tag=f"{client}{tag}": got.append((tag, t, p)))
+            subs.append((client, pattern, step))
+            expected += [(f"{client}{step}", t, p) for t, p in retained.items() if matches(pattern, t)]
+        elif op < 0.4:
+            pattern = rnd.choice(patterns)
+            clients[client].unsubscribe(pattern)
+            subs = [s for s in subs if not (s[0] == client and s[1] == pattern)]
+        elif op < 0.43:
+            clients[client] = hub.connect(client)  # takeover: the old session's subscriptions go
+            subs = [s for s in subs if s[0] != client]
+        else:
+            topic, payload = rnd.choice(topics), rnd.choice([b"", b"1", b"22"])
+            retain = rnd.random() < 0.4
+            clients[client].publish(topic, payload, retain=retain)
+            if retain and payload:
+                retained[topic] = payload
+            elif retain:
+                retained.pop(topic, None)
+            expected += [(f"{c}{tag}", topic, payload) for c, p, tag in subs if matches(p, topic)]
+        if rnd.random() < 0.2:
+            hub.loop.run()
+    hub.loop.run()
+    assert len(expected) > 500 and got == expected

@@ -110,8 +110,31 @@ class _Held:
         self.fn: Callable[[], None] | None = None
 
 
+class _Sub:
+    """One subscription; ``seq`` orders deliveries (subscription order, as one list would)."""
+
+    __slots__ = ("seq", "client_id", "pattern", "handler", "group")
+
+    def __init__(self, seq: int, client_id: str, pattern: str, handler: Handler, group: dict[int, "_Sub"]) -> None:
+        self.seq, self.client_id, self.pattern, self.handler, self.group = seq, client_id, pattern, handler, group
+
+
+def _literal_key(pattern: str) -> tuple[int, str] | None:
+    """``(levels, prefix)`` of the literal levels before a pattern's first wildcard; ``None``: no wildcard."""
+    parts = pattern.split("/")
+    for i, part in enumerate(parts):
+        if part in ("+", "#"):
+            return i, "/".join(parts[:i])
+    return None
+
+
 class MemoryHub:
-    """The broker of the in-memory transport: routes, retains and fires last wills."""
+    """The broker of the in-memory transport: routes, retains and fires last wills.
+
+    Routing costs what matches, not what is subscribed: exact topics are a table, wildcard
+    subscriptions are grouped by their literal prefix (a publish looks up each prefix of its topic),
+    and retained messages are indexed by parent topic (a ``prefix/+`` subscription reads only its
+    own). Deliveries keep subscription order, and retained ones the order they were first retained."""
 
     def __init__(self, loop: VirtualLoop | None = None,
                  link_delay: Callable[[str, int], float] | None = None) -> None:
@@ -119,8 +142,12 @@ class MemoryHub:
         model, see ``sim/clock.py``); without it every message arrives at once."""
         self.loop = loop or VirtualLoop()
         self.link_delay = link_delay
-        self._subs: list[tuple[str, str, Handler]] = []  # (client_id, pattern, handler)
+        self._seq = itertools.count()
+        self._exact: dict[str, dict[int, _Sub]] = {}  # topic -> its subscriptions by seq
+        self._wild: dict[tuple[int, str], dict[int, _Sub]] = {}  # literal prefix -> wildcard subscriptions
+        self._by_client: dict[str, dict[int, _Sub]] = {}
         self._retained: dict[str, bytes] = {}
+        self._retained_under: dict[str, dict[str, None]] = {}  # parent topic -> its retained topics, in order
         self._clients: dict[str, "MemoryTransport"] = {}
 
     def connect(self, client_id: str, will: Will | None = None) -> "MemoryTransport":
@@ -132,28 +159,77 @@ class MemoryHub:
         self._clients[client_id] = transport
         return transport
 
+    def _matching(self, topic: str) -> list[_Sub]:
+        """The subscriptions ``topic`` reaches, in subscription order."""
+        exact = self._exact.get(topic)
+        found = list(exact.values()) if exact else []
+        if self._wild:
+            groups = 0
+            parts = topic.split("/")
+            for k in range(len(parts) + 1):
+                group = self._wild.get((k, "/".join(parts[:k])))
+                if group:
+                    groups += 1
+                    found.extend(s for s in group.values() if topic_matches(s.pattern, topic))
+            if groups + (1 if exact else 0) > 1:
+                found.sort(key=lambda s: s.seq)
+        return found
+
     def _route(self, topic: str, payload: bytes, retain: bool) -> None:
         if retain:
-            if payload:
-                self._retained[topic] = payload
-            else:
-                self._retained.pop(topic, None)
+            self._retain(topic, payload)
         delay = self.link_delay(topic, len(payload)) if self.link_delay is not None else 0.0
-        for client_id, pattern, handler in list(self._subs):
-            if topic_matches(pattern, topic):
-                if delay > 0:
-                    self.loop.call_later(delay, _bind(handler, topic, payload, self, client_id))
-                else:
-                    self.loop.post(_bind(handler, topic, payload, self, client_id))
+        for sub in self._matching(topic):
+            if delay > 0:
+                self.loop.call_later(delay, _bind(sub.handler, topic, payload, self, sub.client_id))
+            else:
+                self.loop.post(_bind(sub.handler, topic, payload, self, sub.client_id))
+
+    def _retain(self, topic: str, payload: bytes) -> None:
+        parent = topic.rpartition("/")[0]
+        if payload:
+            if topic not in self._retained:
+                self._retained_under.setdefault(parent, {})[topic] = None
+            self._retained[topic] = payload
+        elif self._retained.pop(topic, None) is not None:
+            under = self._retained_under[parent]
+            del under[topic]
+            if not under:
+                del self._retained_under[parent]
+
+    def _retained_for(self, pattern: str) -> list[str]:
+        """Retained topics ``pattern`` matches, in the order they were first retained."""
+        key = _literal_key(pattern)
+        if key is None:
+            return [pattern] if pattern in self._retained else []
+        if pattern.endswith("/+") and key[0] == pattern.count("/"):  # "prefix/+": one parent's topics
+            return list(self._retained_under.get(pattern[:-2], ()))
+        return [t for t in self._retained if topic_matches(pattern, t)]
 
     def _subscribe(self, client_id: str, pattern: str, handler: Handler) -> None:
-        self._subs.append((client_id, pattern, handler))
-        for topic, payload in self._retained.items():
-            if topic_matches(pattern, topic):
-                self.loop.post(_bind(handler, topic, payload, self, client_id))
+        key = _literal_key(pattern)
+        group = self._exact.setdefault(pattern, {}) if key is None else self._wild.setdefault(key, {})
+        sub = _Sub(next(self._seq), client_id, pattern, handler, group)
+        group[sub.seq] = sub
+        self._by_client.setdefault(client_id, {})[sub.seq] = sub
+        for topic in self._retained_for(pattern):
+            self.loop.post(_bind(handler, topic, self._retained[topic], self, client_id))
 
     def _unsubscribe(self, client_id: str, pattern: str | None = None) -> None:
-        self._subs = [s for s in self._subs if not (s[0] == client_id and (pattern is None or s[1] == pattern))]
+        mine = self._by_client.get(client_id)
+        if not mine:
+            return
+        for seq, sub in list(mine.items()):
+            if pattern is None or sub.pattern == pattern:
+                del mine[seq], sub.group[seq]
+                if not sub.group:
+                    key = _literal_key(sub.pattern)
+                    if key is None:
+                        self._exact.pop(sub.pattern, None)
+                    else:
+                        self._wild.pop(key, None)
+        if not mine:
+            del self._by_client[client_id]
 
     def _is_connected(self, client_id: str) -> bool:
         return client_id in self._clients
