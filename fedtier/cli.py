@@ -25,16 +25,21 @@ def main() -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--workers", type=click.IntRange(min=0), default=None,
               help="Train the devices in N worker processes (runtime.sim_workers; 0: in this process).")
+@click.option("--engine", type=click.Choice(["device", "cohort"]), default=None,
+              help="device: each device alone (bit-identical to fedtier run); cohort: an edge round's devices "
+                   "as one batched model (runtime.engine).")
 @VERBOSE
 def sim(config: str, overrides: tuple[str, ...], resume: bool, no_progress: bool, workers: int | None,
-        verbose: int) -> None:
+        engine: str | None, verbose: int) -> None:
     """Simulate CONFIG in one process, without a broker (same tier code, in-memory transport)."""
     from protocols.config import ConfigError
     from sim.executors import WorkerError
     from sim.launcher import run_simulation
 
     setup_logging(verbose)
-    cfg = load_or_exit(config, overrides + ((f"runtime.sim_workers={workers}",) if workers is not None else ()))
+    flags = ((f"runtime.sim_workers={workers}",) if workers is not None else ()) + (
+        (f"runtime.engine={engine}",) if engine is not None else ())
+    cfg = load_or_exit(config, overrides + flags)
     try:
         with round_progress(cfg, not no_progress) as on_round:
             result = run_simulation(cfg, on_round=on_round, resume=resume)

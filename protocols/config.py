@@ -143,6 +143,10 @@ class RuntimeSection(_Section):
                                                      "processes, or Ray actors (pip install 'fedtier[ray]')")
     ray_address: str | None = Field(default=None, description="Ray cluster to join (e.g. ray://head:10001 or "
                                     "auto); none: a local Ray instance")
+    engine: Literal["device", "cohort"] = Field(default="device", description="fedtier sim: train each device "
+                                                "alone (bit-identical to fedtier run) or the devices of an edge "
+                                                "round as one batched model (sim/cohort.py)")
+    cohort_size: int = Field(default=64, ge=1, description="engine = cohort: most devices trained at once")
 
 
 class ClockSection(_Section):

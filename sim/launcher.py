@@ -19,11 +19,12 @@ from cloud.node import build_cloud
 from edge_agent.node import build_agent
 from protocols import runfiles
 from protocols.checkpoint import save_params
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
 from .clock import ClockModel, clock_modelled
+from .cohort import CohortExecutor
 from .executors import InlineExecutor, start_workers
 from .hierarchy import cell_availability, check_resumable, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers
@@ -109,7 +110,12 @@ class SimHierarchy:
         if clock.enabled:
             for agent in self.agents.values():
                 agent.compute_delay = clock.compute_delay
-        self.executor = remote or InlineExecutor(self.agents)
+        if cfg.runtime.engine == "cohort":
+            if remote is not None:
+                raise ConfigError("runtime.engine = \"cohort\" trains in this process; set runtime.sim_workers = 0")
+            self.executor = CohortExecutor(self.agents, spec, loop, cfg.runtime.cohort_size, cfg.runtime.device)
+        else:
+            self.executor = remote or InlineExecutor(self.agents)
         for agent in self.agents.values():
             agent.executor = self.executor
 

@@ -30,6 +30,9 @@ class VirtualLoop(EventLoop):
         self._seq = itertools.count()
         self._held: deque[_Held] = deque()  # outstanding outside work, oldest first
         self._done = threading.Condition()
+        self.on_idle: Callable[[], None] | None = None
+        """Called when the loop would wait for outside work: nothing ready, no timer due now (the
+        cohort engine trains its queued devices then, ``sim/cohort.py``)."""
 
     def now(self) -> float:
         return self._now
@@ -75,6 +78,8 @@ class VirtualLoop(EventLoop):
                 heapq.heappop(self._timers).fn()
                 return True
             held = self._held[0]
+            if held.fn is None and self.on_idle is not None:
+                self.on_idle()
             with self._done:
                 while held.fn is None:
                     self._done.wait(1.0)

@@ -1,0 +1,263 @@
+"""The cohort trainer: the :class:`~protocols.trainer.Trainer` primitives of many devices at once.
+
+An algorithm's local update is written once, in its module, against the ``Trainer`` interface
+(``sgd``, ``loss``, ``evaluate``, ``loss_and_grad``, parameter access). The per-device backend
+(``torch_trainer.py``) runs those primitives for one device; :class:`CohortEngine` runs the same
+primitive for a cohort of devices as one array program: their parameters stacked along a leading
+device axis, the model's forward pass mapped over it with ``torch.func`` (``functional_call``,
+``grad_and_value``, ``vmap``). Devices whose batches differ in size (the last batch of an epoch) or
+whose step counts differ train together with per-sample and per-step masks; each device's minibatch
+order is drawn by :func:`~protocols.trainer.batches` from its own seeded generator, as on the
+per-device path, so results agree with it to float rounding.
+
+:class:`CohortDeviceTrainer` is the ``Trainer`` a device role sees in a cohort: parameter access is
+local, and every compute primitive becomes a request that a runner (``sim/cohort.py``) answers for
+all devices of the cohort at once.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad_and_value, vmap
+
+from .algorithms.base import ModelSpec
+from .models import build_model
+from .torch_trainer import as_tensor, pick_device
+from .trainer import LocalData, Trainer, TrainStats, batches
+
+GATHER_BYTES = 64 << 20  # input samples gathered at once per cohort sgd call (bounds memory)
+EVAL_CHUNK = 2048  # samples per device per forward pass in evaluate
+
+
+class NotVectorizable(ValueError):
+    """A model the cohort engine cannot run (a layer that keeps buffers, e.g. batch-norm statistics)."""
+
+
+def check_vectorizable(model: torch.nn.Module) -> None:
+    """Raise :class:`NotVectorizable` naming the first layer that keeps buffers (running statistics
+    would be shared across the cohort's devices instead of kept per device)."""
+    for name, module in model.named_modules():
+        buffers = [n for n, _ in module.named_buffers(recurse=False)]
+        if buffers:
+            raise NotVectorizable(
+                f"layer {name or '<model>'!r} ({type(module).__name__}) keeps buffers ({', '.join(buffers)}), which "
+                "the cohort engine cannot vectorize; use the per-device engine (runtime.engine = \"device\")")
+
+
+# ------------------------------------------------------------------------------ requests
+@dataclass
+class Request:
+    """One device's call of a compute primitive, answered by :meth:`CohortEngine.run`."""
+
+    op: str  # sgd | loss | evaluate | loss_and_grad
+    spec: ModelSpec
+    params: Mapping[str, np.ndarray]
+    x: np.ndarray
+    y: np.ndarray
+    order: list[np.ndarray] = field(default_factory=list)  # sgd: index batches
+    lr: float = 0.0
+    weight_decay: float = 0.0
+    result: Any = None
+
+    def key(self) -> tuple[str, ModelSpec, tuple[str, ...]]:
+        """Requests with equal keys run as one array program."""
+        return self.op, self.spec, tuple(self.params)
+
+
+class CohortDeviceTrainer(Trainer):
+    """One device's view of the cohort: a ``Trainer`` whose compute primitives are batched.
+
+    ``call(request)`` blocks until the cohort runner answered the request (with all devices that
+    reached a primitive at the same time) and returns ``request.result``.
+    """
+
+    def __init__(self, spec: ModelSpec, call: Callable[[Request], Any]) -> None:
+        self.spec, self.call = spec, call
+        self.params: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._others: dict[ModelSpec, CohortDeviceTrainer] = {}
+
+    def get_params(self) -> "OrderedDict[str, np.ndarray]":
+        return OrderedDict((k, v.copy()) for k, v in self.params.items())
+
+    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
+        self.params = OrderedDict((k, np.array(v, dtype=np.float32)) for k, v in params.items())
+
+    def for_model(self, spec: Any) -> "CohortDeviceTrainer":
+        if spec not in self._others:
+            self._others[spec] = CohortDeviceTrainer(spec, self.call)
+        return self._others[spec]
+
+    def loss(self, x: np.ndarray, y: np.ndarray) -> float:
+        return self.call(Request("loss", self.spec, self.params, x, y))
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
+        return self.call(Request("evaluate", self.spec, self.params, x, y))
+
+    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, "dict[str, np.ndarray]"]:
+        return self.call(Request("loss_and_grad", self.spec, self.params, x, y))
+
+    def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
+            weight_decay: float = 0.0) -> TrainStats:
+        order = list(batches(len(data), batch_size, steps, rng))  # this device's seeded order
+        params, stats = self.call(Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay))
+        self.params = params
+        return stats
+
+
+# ------------------------------------------------------------------------------ the engine
+def _masked_ce(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the samples where ``mask`` is 1 (0 when there are none)."""
+    ce = F.cross_entropy(out, y, reduction="none")
+    return (ce * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class CohortEngine:
+    """Runs batches of :class:`Request` (one per device) as vectorized torch programs on one device."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = pick_device(device)
+        self._models: dict[ModelSpec, torch.nn.Module] = {}
+        self._data: dict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
+
+    def model(self, spec: ModelSpec) -> torch.nn.Module:
+        """The zoo model of ``spec`` (its parameters are only a template: calls pass their own)."""
+        if spec not in self._models:
+            model = build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs())
+            check_vectorizable(model)
+            self._models[spec] = model.to(self.device)
+        return self._models[spec]
+
+    def tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """A device's data set as tensors, converted once (keyed by the array; a device trains on the
+        same arrays every round)."""
+        hit = self._data.get(id(x))
+        if hit is not None and hit[0] is x and hit[1].shape[0] == len(x):
+            return hit[1], hit[2]
+        xt, yt = as_tensor(x, np.float32, self.device), as_tensor(y, np.int64, self.device)
+        self._data[id(x)] = (x, xt, yt)
+        return xt, yt
+
+    def _stack(self, reqs: Sequence[Request]) -> dict[str, torch.Tensor]:
+        names = list(reqs[0].params)
+        return {k: as_tensor(np.stack([r.params[k] for r in reqs]), np.float32, self.device) for k in names}
+
+    def _padded(self, reqs: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs [D, n, ...], labels [D, n] and sample masks [D, n], padded to the largest request."""
+        n = max(1, max(len(r.y) for r in reqs))
+        feat = reqs[0].x.shape[1:]
+        x = np.zeros((len(reqs), n, *feat), np.float32)
+        y = np.zeros((len(reqs), n), np.int64)
+        m = np.zeros((len(reqs), n), np.float32)
+        for i, r in enumerate(reqs):
+            x[i, :len(r.y)], y[i, :len(r.y)], m[i, :len(r.y)] = r.x, r.y, 1.0
+        return (torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device),
+                torch.from_numpy(m).to(self.device))
+
+    def run(self, reqs: Sequence[Request]) -> None:
+        """Answer every request (sets ``request.result``), those with equal :meth:`Request.key` together."""
+        groups: dict[tuple, list[Request]] = {}
+        for r in reqs:
+            groups.setdefault(r.key(), []).append(r)
+        for (op, spec, _), group in groups.items():
+            getattr(self, f"_{op}")(self.model(spec), group)
+
+    # ---------------------------------------------------------------- the primitives, vectorized
+    def _loss(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
+        params = self._stack(reqs)
+        x, y, m = self._padded(reqs)
+        with torch.no_grad():
+            losses = vmap(lambda p, xb, yb, mb: _masked_ce(functional_call(model, p, (xb,)), yb, mb))(params, x, y, m)
+        for r, v in zip(reqs, losses.tolist()):
+            r.result = float(v)
+
+    def _loss_and_grad(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
+        params = self._stack(reqs)
+        x, y, m = self._padded(reqs)
+        fn = vmap(grad_and_value(lambda p, xb, yb, mb: _masked_ce(functional_call(model, p, (xb,)), yb, mb)))
+        grads, losses = fn(params, x, y, m)
+        arrays = {k: g.detach().cpu().numpy() for k, g in grads.items()}
+        for i, (r, v) in enumerate(zip(reqs, losses.tolist())):
+            r.result = (float(v), OrderedDict((k, arrays[k][i].copy()) for k in params))
+
+    def _evaluate(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
+        params = self._stack(reqs)
+        data = [self.tensors(r.x, r.y) for r in reqs]
+        n = max(len(r.y) for r in reqs)
+        total = torch.zeros(len(reqs), dtype=torch.float64, device=self.device)
+        correct = torch.zeros(len(reqs), dtype=torch.int64, device=self.device)
+
+        def chunk(p: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor, mb: torch.Tensor):
+            out = functional_call(model, p, (xb,))
+            ce = (F.cross_entropy(out, yb, reduction="none") * mb).sum()
+            return ce, ((out.argmax(1) == yb) & (mb > 0)).sum()
+
+        with torch.no_grad():
+            for start in range(0, n, EVAL_CHUNK):
+                xb, yb, mb = self._slices(data, start, min(n, start + EVAL_CHUNK))
+                ce, ok = vmap(chunk)(params, xb, yb, mb)
+                total += ce.double()
+                correct += ok
+        for r, t, c in zip(reqs, total.tolist(), correct.tolist()):
+            k = max(1, len(r.y))
+            r.result = (t / k, c / k)
+
+    def _slices(self, data: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, stop: int):
+        """Samples ``start:stop`` of every device's data, zero-padded, with masks."""
+        xs, ys, ms = [], [], []
+        for xt, yt in data:
+            xb, yb = xt[start:stop], yt[start:stop]
+            pad = (stop - start) - len(yb)
+            ms.append(torch.cat([torch.ones(len(yb), device=self.device), torch.zeros(pad, device=self.device)]))
+            if pad:
+                xb = torch.cat([xb, xb.new_zeros((pad, *xb.shape[1:]))])
+                yb = torch.cat([yb, yb.new_zeros(pad)])
+            xs.append(xb)
+            ys.append(yb)
+        return torch.stack(xs), torch.stack(ys), torch.stack(ms)
+
+    def _sgd(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
+        """Minibatch SGD for every device at once: step ``s`` of all devices is one vectorized step;
+        a device with fewer steps is masked out of the later ones (its parameters stay put)."""
+        dev, d = self.device, len(reqs)
+        params = self._stack(reqs)
+        data = [self.tensors(r.x, r.y) for r in reqs]
+        steps = max(len(r.order) for r in reqs)
+        b = max(1, max((len(i) for r in reqs for i in r.order), default=1))
+        idx = np.zeros((d, steps, b), np.int64)
+        mask = np.zeros((d, steps, b), np.float32)
+        for i, r in enumerate(reqs):
+            for s, batch in enumerate(r.order):
+                idx[i, s, :len(batch)], mask[i, s, :len(batch)] = batch, 1.0
+        mask_t = torch.from_numpy(mask).to(dev)
+        counts = mask_t.sum(2)  # [D, S] samples per step
+        lr = torch.tensor([r.lr for r in reqs], dtype=torch.float32, device=dev)
+        wd = torch.tensor([r.weight_decay for r in reqs], dtype=torch.float32, device=dev)
+        decay = bool((wd != 0).any())
+        step = vmap(grad_and_value(lambda p, xb, yb, mb: _masked_ce(functional_call(model, p, (xb,)), yb, mb)))
+        feat = int(np.prod(reqs[0].x.shape[1:]))
+        per_gather = max(1, GATHER_BYTES // max(1, d * b * feat * 4))  # steps of inputs gathered at once
+        losses = torch.zeros(d, steps, device=dev)
+        for s0 in range(0, steps, per_gather):
+            s1 = min(steps, s0 + per_gather)
+            chunk = torch.from_numpy(idx[:, s0:s1].reshape(d, -1)).to(dev)
+            xs = torch.stack([xt[chunk[i]] for i, (xt, _) in enumerate(data)]).reshape(d, s1 - s0, b, *data[0][0].shape[1:])
+            ys = torch.stack([yt[chunk[i]] for i, (_, yt) in enumerate(data)]).reshape(d, s1 - s0, b)
+            for s in range(s0, s1):
+                grads, loss = step(params, xs[:, s - s0], ys[:, s - s0], mask_t[:, s])
+                rate = lr * (counts[:, s] > 0)  # devices past their last step stand still
+                with torch.no_grad():
+                    for k, p in params.items():
+                        g = grads[k] + wd.view(-1, *[1] * (p.dim() - 1)) * p if decay else grads[k]
+                        params[k] = p - rate.view(-1, *[1] * (p.dim() - 1)) * g
+                losses[:, s] = loss.detach()
+        sample_loss = (losses * counts).sum(1)
+        arrays = {k: v.detach().cpu().numpy() for k, v in params.items()}
+        for i, r in enumerate(reqs):
+            samples = int(sum(len(batch) for batch in r.order))
+            stats = TrainStats(float(sample_loss[i]) / max(1, samples), len(r.order), samples)
+            r.result = (OrderedDict((k, arrays[k][i].copy()) for k in arrays), stats)

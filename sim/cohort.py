@@ -1,0 +1,153 @@
+"""The cohort engine of ``fedtier sim`` (``runtime.engine = "cohort"``): the devices a cell planned
+train as one batched model.
+
+Agents, cells and the cloud run exactly as with the per-device engine: each device receives its own
+encoded task and answers with its own encoded result, so messages, byte counts, records, deadlines
+and the virtual clock are unchanged. Only *where* a device role's ``train`` computes differs:
+:class:`CohortExecutor` queues the submitted tasks (each registered with
+:meth:`VirtualLoop.hold`, so virtual time stands still), and when the loop has nothing else to do
+at the current virtual time it trains the queue in cohorts of ``runtime.cohort_size``.
+
+In a cohort every device role runs its unchanged ``train`` in a thread of its own with a
+:class:`~protocols.cohort_trainer.CohortDeviceTrainer`; whenever every device of the cohort is
+waiting on a compute primitive (or done), the primitives are answered together, vectorized over the
+devices (:class:`~protocols.cohort_trainer.CohortEngine`). The threads only take turns (one runs at a
+time, the engine runs when all wait), so each device's order of random draws is its own, as on the
+per-device path. Completions run in submission order.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+from protocols.algorithms.base import DeviceContext, ModelSpec
+from protocols.cohort_trainer import CohortDeviceTrainer, CohortEngine, NotVectorizable, Request
+from protocols.config import ConfigError
+from protocols.torch_trainer import TorchTrainer
+from protocols.transport.memory import VirtualLoop
+from protocols.wire.payload import Payload
+
+log = logging.getLogger("fedtier.sim")
+
+Done = Callable[[Payload | None, str | None], None]
+Job = Callable[[CohortDeviceTrainer], Payload]
+Outcome = tuple[Payload | None, str | None]
+
+
+def run_cohort(engine: CohortEngine, spec: ModelSpec, jobs: Sequence[Job], names: Sequence[str] = ()) -> list[Outcome]:
+    """Run ``jobs`` (one device's ``train`` each, given its trainer) in lockstep; ``(result, None)`` or
+    ``(None, error)`` per job, in order. A job that raises fails alone, as on the per-device path."""
+    n = len(jobs)
+    cv = threading.Condition()
+    pending: list[Request | None] = [None] * n
+    outcomes: list[Outcome] = [(None, "not run")] * n
+    running = n
+
+    def call(i: int, req: Request) -> Any:
+        nonlocal running
+        with cv:
+            pending[i] = req
+            running -= 1
+            cv.notify_all()
+            while pending[i] is not None:
+                cv.wait()
+        if isinstance(req.result, BaseException):
+            raise req.result
+        return req.result
+
+    def body(i: int) -> None:
+        nonlocal running
+        try:
+            outcomes[i] = (jobs[i](CohortDeviceTrainer(spec, lambda req: call(i, req))), None)
+        except Exception as exc:  # a bad task must not kill the device
+            log.exception("device %s failed in its cohort", names[i] if i < len(names) else i)
+            outcomes[i] = (None, str(exc))
+        finally:
+            with cv:
+                running -= 1
+                cv.notify_all()
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"cohort-{i}", daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    while True:
+        with cv:
+            while running > 0:
+                cv.wait()
+            waiting = [i for i in range(n) if pending[i] is not None]
+        if not waiting:
+            break
+        _answer(engine, [pending[i] for i in waiting])  # type: ignore[misc]
+        with cv:
+            for i in waiting:
+                pending[i] = None
+            running += len(waiting)
+            cv.notify_all()
+    for t in threads:
+        t.join()
+    return outcomes
+
+
+def _answer(engine: CohortEngine, reqs: list[Request]) -> None:
+    """Answer the requests together; if that fails, one by one, so that only a bad one fails."""
+    try:
+        engine.run(reqs)
+        return
+    except Exception as exc:
+        if len(reqs) == 1:
+            reqs[0].result = exc
+            return
+    for r in reqs:
+        try:
+            engine.run([r])
+        except Exception as exc:
+            r.result = exc
+
+
+class CohortExecutor:
+    """Queues device tasks and trains them as cohorts when the virtual loop is idle (see the module)."""
+
+    def __init__(self, agents: Mapping[str, Any], spec: ModelSpec, loop: VirtualLoop, cohort_size: int,
+                 device: str = "cpu") -> None:
+        self.agents, self.spec, self.loop, self.cohort_size = agents, spec, loop, cohort_size
+        self.engine = CohortEngine(device)
+        try:
+            self.engine.model(spec)  # refuse a model we cannot vectorize before the run starts
+        except NotVectorizable as exc:
+            raise ConfigError(f"runtime.engine: {exc}") from None
+        self.queue: list[tuple[Any, Payload, DeviceContext, Callable[[Callable[[], None]], None], Done]] = []
+        self.cohorts = 0  # cohorts trained (progress and tests)
+        loop.on_idle = self.flush
+
+    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
+        agent = self.agents[device]
+        if not isinstance(agent.trainer, TorchTrainer):  # forward-only (onnx) devices train as they are
+            done(*agent.train_here(task, ctx))
+            return
+        self.queue.append((agent, task, ctx, self.loop.hold(), done))
+
+    def flush(self) -> None:
+        """Train every queued task, in cohorts of at most ``cohort_size`` (a device at most once per cohort)."""
+        queue, self.queue = self.queue, []
+        while queue:
+            chunk, seen, rest = [], set(), []
+            for item in queue:
+                if len(chunk) < self.cohort_size and item[0].device not in seen:
+                    chunk.append(item)
+                    seen.add(item[0].device)
+                else:
+                    rest.append(item)
+            queue = rest
+            jobs = [self._job(agent, task, ctx) for agent, task, ctx, _, _ in chunk]
+            outcomes = run_cohort(self.engine, self.spec, jobs, [agent.device for agent, *_ in chunk])
+            self.cohorts += 1
+            for (_, _, _, complete, done), (result, error) in zip(chunk, outcomes):
+                complete(lambda done=done, result=result, error=error: done(result, error))
+
+    @staticmethod
+    def _job(agent: Any, task: Payload, ctx: DeviceContext) -> Job:
+        return lambda trainer: agent.role.train(task, agent.data, trainer, ctx)
+
+    def close(self) -> None:
+        self.loop.on_idle = None

@@ -1,0 +1,205 @@
+"""The cohort engine (``runtime.engine = "cohort"``, ``sim/cohort.py``): every device role gives, per
+device, the per-device engine's results within float tolerance, with the same messages and records."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from protocols.cohort_trainer import CohortEngine, NotVectorizable, check_vectorizable
+from protocols.config import ConfigError
+from protocols.wire.payload import Payload
+from sim.cohort import CohortExecutor
+from sim.launcher import RunResult, SimHierarchy
+
+RTOL, ATOL = 1e-4, 1e-6
+WALL = ("time", "duration_s")
+
+
+def _run(cfg) -> tuple[RunResult, dict[tuple[str, int, int], Payload], SimHierarchy]:
+    """Run ``cfg``; also return every device's result payload by (device, round, edge round)."""
+    sim = SimHierarchy(cfg, write_output=False)
+    results: dict[tuple[str, int, int], Payload] = {}
+    for agent in sim.agents.values():
+        send = agent._send_result
+
+        def record(result: Payload, round: int, edge_round: int, agent=agent, send=send) -> None:
+            results[(agent.device, round, edge_round)] = result
+            send(result, round, edge_round)
+
+        agent._send_result = record
+    return sim.run(), results, sim
+
+
+def _pair(make_config, **sections: dict[str, Any]):
+    runtime = sections.pop("runtime", {})
+    device = _run(make_config(runtime=runtime, **sections))
+    cohort = _run(make_config(runtime={"engine": "cohort", "cohort_size": 64, **runtime}, **sections))
+    assert isinstance(cohort[2].executor, CohortExecutor) and cohort[2].executor.cohorts > 0
+    return device, cohort
+
+
+def _close(a: Payload, b: Payload, what: str, atol: float = ATOL) -> None:
+    assert list(a.tensors) == list(b.tensors), what
+    for k in a.tensors:
+        x, y = a.tensors[k], b.tensors[k]
+        assert x.dtype == y.dtype and x.shape == y.shape, (what, k)
+        if x.dtype.kind == "f":
+            assert np.allclose(x, y, rtol=RTOL, atol=atol), (what, k, float(np.abs(x - y).max()))
+        else:
+            assert (x == y).mean() > 0.999, (what, k)  # packed bits, indices: identical up to a rare tie
+    for k, v in a.meta.items():
+        w = b.meta[k]
+        if isinstance(v, float):
+            assert w == pytest.approx(v, rel=RTOL, abs=ATOL), (what, k)
+        else:
+            assert v == w, (what, k)
+
+
+def _same_traffic(a: RunResult, b: RunResult) -> None:
+    """Same messages: the same tasks and results, of the same sizes up to the digits of float metadata
+    (training losses, the cells' loss statistics: JSON text)."""
+    assert a.device_traffic.keys() == b.device_traffic.keys()
+    for d, t in a.device_traffic.items():
+        u = b.device_traffic[d]
+        assert t["tasks"] == u["tasks"], d
+        assert abs(t["bytes_in"] - u["bytes_in"]) <= 8 * t["tasks"], d
+        assert abs(t["bytes_out"] - u["bytes_out"]) <= 8 * t["tasks"], d
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in (*WALL, "bytes_in", "bytes_out")}  # noqa: E731
+                          for r in recs]
+    _approx(strip(a.cell_records), strip(b.cell_records), "cell records")
+    assert len(a.history) == len(b.history)
+
+
+def _approx(a: Any, b: Any, where: str) -> None:
+    """Equal structures; floats within the tolerance."""
+    if isinstance(a, float) and isinstance(b, float):
+        assert b == pytest.approx(a, rel=RTOL, abs=ATOL), where
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _approx(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _approx(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _equivalent(device, cohort, rounds: tuple[int, ...] = (0,), atol: float = ATOL) -> None:
+    (ra, pa, _), (rb, pb, _) = device, cohort
+    _same_traffic(ra, rb)
+    assert pa.keys() == pb.keys()
+    checked = [key for key in sorted(pa) if key[1] in rounds]
+    assert checked
+    for key in checked:
+        _close(pa[key], pb[key], f"device {key[0]} round {key[1]}.{key[2]}", atol)
+
+
+@pytest.mark.parametrize("model", [{"name": "mlp", "hidden": [32]}, {"name": "logreg"},
+                                   {"name": "cnn", "channels": [4, 8], "fc": 16}])
+def test_fedavg_uneven_devices_match_per_device_engine(make_config, model):
+    # dirichlet: uneven sample counts, so local_epochs gives uneven step counts and short last batches
+    device, cohort = _pair(make_config, model=model, run={"rounds": 2},
+                           algorithm={"local_steps": 0, "local_epochs": 1.0, "batch_size": 32, "edge_rounds": 1},
+                           data={"partition": "dirichlet", "alpha": 0.3})
+    steps = {r.meta["steps"] for r in device[1].values()}
+    assert len(steps) > 1  # the devices really differ
+    _equivalent(device, cohort, rounds=(0, 1))
+
+
+@pytest.mark.parametrize("uplink", ["signsgd", "topk", "qsgd", "fedmrn"])
+def test_uplink_codecs_per_device(make_config, uplink):
+    device, cohort = _pair(make_config, run={"rounds": 1}, algorithm={"uplink": uplink, "edge_rounds": 1,
+                                                                       "signsgd_mode": "scaled"})
+    _equivalent(device, cohort)
+
+
+def test_cohort_larger_than_cohort_size_and_weight_decay(make_config):
+    device, cohort = _pair(make_config, run={"rounds": 1}, algorithm={"weight_decay": 0.01},
+                           topology={"cells": 1, "devices_per_cell": 5}, runtime={"cohort_size": 2})
+    assert cohort[2].executor.cohorts == 2 * 3  # 2 edge rounds x ceil(5 / 2) cohorts
+    _equivalent(device, cohort)
+
+
+def test_thirty_rounds_end_within_a_third_of_a_point(make_config):
+    sections = dict(run={"rounds": 30}, algorithm={"edge_rounds": 1, "local_steps": 5, "lr": 0.05},
+                    model={"name": "logreg"}, participation={"model": "uniform", "per_round": 3})
+    device, cohort = _pair(make_config, **sections)
+    _same_traffic(device[0], cohort[0])
+    assert abs(device[0].final_accuracy - cohort[0].final_accuracy) <= 0.003
+    assert cohort[0].final_accuracy > 0.8
+
+
+def test_hist_submodels(make_config):
+    device, cohort = _pair(make_config, run={"rounds": 2}, algorithm={"name": "hist", "edge_rounds": 2},
+                           model={"name": "mlp", "hidden": [24, 16]})
+    _equivalent(device, cohort, rounds=(0,))
+
+
+def test_fedalign_probes_and_training(make_config):
+    device, cohort = _pair(make_config, run={"rounds": 4},
+                           algorithm={"name": "fedalign", "edge_rounds": 1, "priority": ["c0-d0", "c1-d1"],
+                                      "epsilon": 0.5, "warmup_rounds": 0})
+    free = [r for (d, rnd, _), r in device[1].items() if rnd >= 1 and "probe_loss" in r.meta]
+    assert free  # probes happened
+    _equivalent(device, cohort, rounds=(0, 1))
+
+
+def test_fedmrn_masks(make_config):
+    device, cohort = _pair(make_config, run={"rounds": 1},
+                           algorithm={"name": "fedmrn", "edge_rounds": 1, "local_steps": 8, "progressive": True})
+    _equivalent(device, cohort)
+
+
+def test_decomfl_several_steps_and_history_replay(make_config):
+    sections = dict(run={"rounds": 4}, model={"name": "mlp", "hidden": [16]},
+                    algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 3,
+                               "lr": 0.02, "mu": 1e-2, "batch_size": 16},
+                    participation={"model": "uniform", "per_round": 3})
+    device, cohort = _pair(make_config, **sections)
+    # some device missed a round and replayed the history before training again
+    rounds = {}
+    for (d, rnd, _) in device[1]:
+        rounds.setdefault(d, []).append(rnd)
+    assert any(np.diff(sorted(r)).max(initial=1) > 1 for r in rounds.values())
+    # the scalars are loss differences over mu: float32 rounding of losses near 2 (1e-6 relative) over mu
+    _equivalent(device, cohort, rounds=(0, 1, 2, 3), atol=3e-6 / 1e-2)
+
+
+def test_model_with_buffers_is_refused(make_config, monkeypatch):
+    bn = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8))
+    with pytest.raises(NotVectorizable, match=r"'2' \(BatchNorm1d\).*per-device engine"):
+        check_vectorizable(bn)
+    monkeypatch.setattr("protocols.cohort_trainer.build_model", lambda *a, **k: bn)
+    with pytest.raises(ConfigError, match="BatchNorm1d"):
+        SimHierarchy(make_config(runtime={"engine": "cohort"}), write_output=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cohort_on_gpu(make_config):
+    device, cohort = _pair(make_config, run={"rounds": 1}, runtime={"device": "cuda"})
+    assert cohort[2].executor.engine.device.type == "cuda"
+    _equivalent(device, cohort)
+
+
+def test_engine_evaluate_pads_uneven_devices():
+    from protocols.algorithms.base import ModelSpec
+    from protocols.cohort_trainer import Request
+    from protocols.models import build_model, init_params
+    from protocols.torch_trainer import TorchTrainer
+
+    spec = ModelSpec(name="mlp", input_shape=(6,), num_classes=3, hidden=(5,))
+    g = np.random.default_rng(0)
+    data = [(g.normal(size=(n, 6)).astype(np.float32), g.integers(0, 3, n)) for n in (7, 3000, 1)]
+    params = [init_params(build_model("mlp", (6,), 3, hidden=(5,)), s) for s in range(3)]
+    reqs = [Request("evaluate", spec, p, x, y) for p, (x, y) in zip(params, data)]
+    CohortEngine().run(reqs)
+    one = TorchTrainer.from_spec("mlp", (6,), 3, hidden=(5,))
+    for p, (x, y), r in zip(params, data, reqs):
+        one.set_params(p)
+        loss, acc = one.evaluate(x, y)
+        assert r.result[0] == pytest.approx(loss, rel=1e-5) and r.result[1] == acc
