@@ -60,6 +60,7 @@ class CellServer:
         self.in_round = False
         self.answers = Answers("device")
         self.records: list[dict[str, Any]] = []
+        self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each record (monitor.exporter)
         self.rejected: list[dict[str, str]] = []  # refused since the last record (even between rounds)
         self._timer: TimerHandle | None = None
         self._reset_edge()
@@ -264,6 +265,8 @@ class CellServer:
         self.rejected = []
         self.records.append(record)
         self.log.write(record)
+        for observe in self.observers:
+            observe(record)
         self.transport.publish(topics.telemetry_cell(self.run, self.cell),
                                json.dumps(record, separators=(",", ":")).encode(), qos=0)
 

@@ -54,6 +54,7 @@ class CloudServer:
         self.finished = False
         self.started = False
         self.history: list[dict[str, Any]] = []
+        self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each round record (monitor.exporter)
         self.cumulative = {t: 0 for t in TIERS}
         self.cell_ready: dict[str, bool] = {c: False for c in self.cells}
         self.cell_online: dict[str, bool] = {c: False for c in self.cells}
@@ -184,6 +185,8 @@ class CloudServer:
         ).to_dict()
         self.history.append(record)
         self.metrics.write(record)
+        for observe in self.observers:
+            observe(record)
         self.transport.publish(topics.telemetry_cloud(self.run), json.dumps(record).encode(), qos=0)
         if self.checkpoint_path is not None:
             state = self.role.state()

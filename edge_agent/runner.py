@@ -171,6 +171,8 @@ class AgentProcess:
         self.rejoin_poll = cfg.runtime.rejoin_poll if rejoin_poll is None else rejoin_poll
         self.connect_timeout = 30.0
         self.compute: dict[str, list[list[float]]] = {}
+        self.train_seconds = 0.0  # wall seconds all devices of this process spent training (metrics)
+        self._train_lock = threading.Lock()
         self.loop = ThreadLoop(f"agents-{self.run}")
         self._beats = ThreadLoop(f"heartbeat-{self.run}")
         self.agents: dict[str, DeviceAgent] = {}
@@ -196,8 +198,7 @@ class AgentProcess:
                 agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)
             self.agents[device] = agent
             self.clouds[device] = CloudSession()
-            if self.timing:
-                agent.role.train = self._timed(device, agent.role.train)
+            agent.role.train = self._timed(device, agent.role.train)
             with self._lock:
                 self._live.add(device)
             self._on_loop(lambda d=device, t=transport: self._connect(d, t, present=True))
@@ -234,14 +235,19 @@ class AgentProcess:
                 agent.announce("online")
 
     def _timed(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
-        spans = self.compute.setdefault(device, [])
+        """``train`` adding its time to ``train_seconds`` (and, with ``timing``, its span to ``compute``)."""
+        spans = self.compute.setdefault(device, []) if self.timing else None
 
         def timed_train(task: Any, data: Any, trainer: Any, ctx: Any) -> Any:
             start = time.monotonic()
             try:
                 return train(task, data, trainer, ctx)
             finally:
-                spans.append([ctx.round, ctx.edge_round, start, time.monotonic()])
+                end = time.monotonic()
+                with self._train_lock:
+                    self.train_seconds += end - start
+                if spans is not None:
+                    spans.append([ctx.round, ctx.edge_round, start, end])
 
         return timed_train
 

@@ -9,6 +9,7 @@ import click
 from .cli import CONFIG, SET, VERBOSE, main
 from .cmd_keys import keys_option
 from .console import console, load_or_exit, print_summary, round_progress, setup_logging
+from .metrics import linger, metrics_options, port_override, serve_metrics
 
 BROKER = click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
                       help="The broker (default: the config's [broker] url).")
@@ -111,9 +112,10 @@ def _fail(exc: Exception, code: int) -> None:
               help="A .npz (x, y) held-out set for the cloud's central evaluation.")
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@metrics_options
 @VERBOSE
 def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_data: str | None, resume: bool,
-          no_progress: bool, verbose: int, **auth) -> None:
+          no_progress: bool, metrics_port: int | None, metrics_linger: float, verbose: int, **auth) -> None:
     """Run the cloud aggregator of CONFIG; outputs go to the config's run folder."""
     from cloud.node import build_cloud
     from edge_agent.runner import offline_will
@@ -123,7 +125,7 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
     from sim.launcher import RunResult, write_final
 
     setup_logging(verbose)
-    cfg = load_or_exit(config, overrides)
+    cfg = load_or_exit(config, overrides + port_override(metrics_port))
     try:
         spec, test = _spec(cfg, test_data)
         opts = _broker(cfg, broker_url, auth)
@@ -142,7 +144,11 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
     with round_progress(cfg, not no_progress) as on_round:
         node = build_cloud(cfg, transport, cfg.build_algorithm(spec), evaluator=evaluator, output_dir=out,
                            resume=resume, startup_wait=cfg.runtime.startup_wait, on_round=on_round)
+        exporter = serve_metrics(cfg)
+        if exporter is not None:
+            exporter.watch_cloud(node)
         _serve(node, loop)
+    linger(exporter, metrics_linger)
     if node.finished:
         result = RunResult(cfg, node.role.global_params(), node.history, [], out, time.perf_counter() - t0)
         write_final(out, result)
@@ -156,9 +162,10 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
 @click.option("--cell", "cell_id", required=True, help="This cell's id (c0, c1, ...).")
 @BROKER
 @_auth
+@metrics_options
 @VERBOSE
-def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str | None, verbose: int,
-         **auth) -> None:
+def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str | None, metrics_port: int | None,
+         metrics_linger: float, verbose: int, **auth) -> None:
     """Run the edge server of one cell of CONFIG (its aggregation log goes to the config's run folder)."""
     from cell_server.node import build_cell
     from edge_agent.runner import offline_will
@@ -167,7 +174,7 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
     from protocols.wire import topics
 
     setup_logging(verbose)
-    cfg = load_or_exit(config, overrides)
+    cfg = load_or_exit(config, overrides + port_override(metrics_port))
     try:
         if cell_id not in cfg.topology.cell_ids():
             raise ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})")
@@ -189,8 +196,12 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
     # device-level participation: as in `fedtier run`, absent devices leave
     node = build_cell(cfg, cell_id, transport, cfg.build_algorithm(spec), output_dir=out, heartbeats=True,
                       availability=edge_availability(cfg))
+    exporter = serve_metrics(cfg)
+    if exporter is not None:
+        exporter.watch_cell(node)
     console.print(f"cell {cell_id} serving {len(node.devices)} devices on {opts.url} (Ctrl-C to stop)")
     _serve(node, loop)
+    linger(exporter, metrics_linger)
 
 
 @main.command()
@@ -206,9 +217,11 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
               help="With --backend onnx: the model written by `fedtier export` (sets runtime.onnx_model).")
 @BROKER
 @_auth
+@metrics_options
 @VERBOSE
 def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, backend: str,
-          onnx_model: str | None, broker_url: str | None, verbose: int, **auth) -> None:
+          onnx_model: str | None, broker_url: str | None, metrics_port: int | None, metrics_linger: float,
+          verbose: int, **auth) -> None:
     """Run one device agent of CONFIG: connect, answer tasks with the local data, exit when the run is finished."""
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess, make_trainer
@@ -217,7 +230,7 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
     setup_logging(verbose)
     if onnx_model:
         overrides = (*overrides, f"runtime.onnx_model={json.dumps(onnx_model)}")
-    cfg = load_or_exit(config, overrides)
+    cfg = load_or_exit(config, overrides + port_override(metrics_port))
     try:
         cell_of(cfg, device)
         spec, data = _spec(cfg, data_path)
@@ -232,6 +245,7 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
         _fail(exc, 2)
     except ConnectionError as exc:
         _fail(exc, 1)
+    exporter = serve_metrics(cfg, agents)
     console.print(f"device {device} ({len(data)} samples) connected to {opts.url}; waiting for tasks (Ctrl-C to stop)")
     try:
         agents.wait()
@@ -239,6 +253,7 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
         console.print("interrupted")
     finally:
         agents.stop()
+    linger(exporter, metrics_linger)
     stats = agents.stats()[device]
     console.print(f"device {device}: {stats['tasks']} tasks, {stats['wire']['bytes_out']:,} bytes sent, "
                   f"{stats['wire']['bytes_in']:,} received")

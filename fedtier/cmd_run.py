@@ -6,6 +6,7 @@ import click
 from .cli import CONFIG, SET, VERBOSE, main
 from .cmd_keys import keys_option
 from .console import console, load_or_exit, print_summary, round_progress, setup_logging
+from .metrics import linger, metrics_options, port_override, serve_metrics
 
 
 @main.command()
@@ -21,9 +22,11 @@ from .console import console, load_or_exit, print_summary, round_progress, setup
               help="MQTT chunk size (default 256 KiB).")
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@metrics_options
 @VERBOSE
 def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers: int, process_per_agent: bool,
-        max_chunk: int | None, resume: bool, no_progress: bool, verbose: int) -> None:
+        max_chunk: int | None, resume: bool, no_progress: bool, metrics_port: int | None, metrics_linger: float,
+        verbose: int) -> None:
     """Emulate CONFIG on this machine over MQTT: the cloud and cells in this process, the device agents
     in worker processes, each device with its own broker connection. Same final model as `fedtier sim`."""
     from protocols.config import ConfigError
@@ -31,12 +34,13 @@ def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers
     from sim.emulation import run_emulation
 
     setup_logging(verbose)
-    cfg = load_or_exit(config, overrides)
+    cfg = load_or_exit(config, overrides + port_override(metrics_port))
+    exporter = serve_metrics(cfg)
     try:
         with round_progress(cfg, not no_progress) as on_round:
             result = run_emulation(cfg, broker_url=broker_url, workers=workers, process_per_agent=process_per_agent,
                                    max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK, on_round=on_round,
-                                   resume=resume)
+                                   resume=resume, metrics=exporter)
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(2)
@@ -44,3 +48,4 @@ def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(1)
     print_summary(result.summary(), result.output_dir)
+    linger(exporter, metrics_linger)

@@ -175,6 +175,12 @@ class SecuritySection(_Section):
                              "sends and verifies its peers; fedtier sim/run generate it in the run folder if missing")
 
 
+class MonitoringSection(_Section):
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="serve Prometheus /metrics on this "
+                                     "port (fedtier cloud, cell, run, agent); none: no exporter; 0: a free port")
+    metrics_host: str = Field(default="127.0.0.1", description="address the /metrics server binds (0.0.0.0: all)")
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     topology: TopologySection = TopologySection()
@@ -186,6 +192,7 @@ class RunConfig(_Section):
     clock: ClockSection = ClockSection()
     broker: BrokerSection = BrokerSection()
     security: SecuritySection = SecuritySection()
+    monitoring: MonitoringSection = MonitoringSection()
 
     @property
     def train(self) -> TrainParams:

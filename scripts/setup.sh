@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up fedtier in ./.venv: CPU torch, fedtier with all extras, MNIST, and (as root, where apt
-# exists) Mosquitto and Fashion-MNIST from Debian. Safe to run again: it only adds what is missing.
+# exists) Mosquitto, Prometheus and Fashion-MNIST from Debian. Safe to run again: it only adds what is missing.
 #
 #   FEDTIER_TORCH        torch requirement to install first (default: torch==2.13.0, a CPU wheel)
 #   FEDTIER_TORCH_INDEX  a pip index URL for it, e.g. PyTorch's CPU wheel index on machines whose
@@ -13,6 +13,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   need=()
   command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
   [ -d /usr/share/datasets/fashion-mnist ] || need+=(dataset-fashion-mnist)
+  command -v prometheus >/dev/null 2>&1 || need+=(prometheus)  # the metrics tests scrape a run with it
   if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]} from Debian" >&2
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >/dev/null \

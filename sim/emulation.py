@@ -126,7 +126,8 @@ class Emulation:
                  process_per_agent: bool = False, max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
                  on_round: Callable[[dict[str, Any]], None] | None = None, faults: Faults | None = None,
                  isolate: tuple[str, ...] = (), broker_options: dict[str, Any] | None = None,
-                 join_timeout: float = 60.0, timing: bool = False, resume: bool = False) -> None:
+                 join_timeout: float = 60.0, timing: bool = False, resume: bool = False,
+                 metrics: Any = None) -> None:
         if cfg.runtime.onnx_devices:  # forward-only agents load the run's x_0 from RUN_DIR/model.onnx
             cfg = with_onnx_model(cfg)
         if workers < 1:
@@ -141,6 +142,7 @@ class Emulation:
         self.max_chunk, self.join_timeout = max_chunk, join_timeout
         self.timing = timing  # agents time their training (benchmarks/wire.py)
         self.resume = resume  # continue from the run folder's checkpoint
+        self.metrics = metrics  # a monitor.exporter.MetricsExporter that watches the cloud and the cells
         self.procs: list[Any] = []
         self.groups: list[list[str]] = []
         self.agent_stats: dict[str, dict[str, Any]] = {}
@@ -183,6 +185,8 @@ class Emulation:
                 transport = opts.transport(node, run, loop, will=offline_will(run, node)).connect()
                 cells[c] = build_cell(cfg, c, transport, algorithm, availability=availability, output_dir=out,
                                       heartbeats=True)
+                if self.metrics is not None:
+                    self.metrics.watch_cell(cells[c])
                 _on_loop(loop, cells[c].start)
             transport = opts.transport("cloud", run, loop, will=offline_will(run, "cloud")).connect()
             cloud = build_cloud(cfg, transport, algorithm,
@@ -190,6 +194,8 @@ class Emulation:
                                 output_dir=out, resume=self.resume, startup_wait=cfg.runtime.startup_wait,
                                 on_round=self.on_round,
                                 availability=cell_availability(cfg))
+            if self.metrics is not None:
+                self.metrics.watch_cloud(cloud)
             for node in (*cells.values(), cloud):
                 node.transport.wait_subscribed()
             _on_loop(loop, cloud.start)

@@ -1,0 +1,53 @@
+"""The ``--metrics-port`` / ``--metrics-linger`` options of ``fedtier cloud``, ``cell``, ``run`` and ``agent``."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+from .console import console
+
+
+def metrics_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--metrics-port`` and ``--metrics-linger`` (passed as ``metrics_port``, ``metrics_linger``)."""
+    fn = click.option("--metrics-linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                      metavar="SECONDS",
+                      help="When done, keep serving /metrics until a scraper stored the final values, at most "
+                           "this long.")(fn)
+    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+                        help="Serve Prometheus metrics on http://HOST:PORT/metrics (default: [monitoring] "
+                             "metrics_port; 0: a free port; HOST: [monitoring] metrics_host).")(fn)
+
+
+def port_override(port: int | None) -> tuple[str, ...]:
+    """The ``--set`` override that ``--metrics-port`` stands for."""
+    return () if port is None else (f"monitoring.metrics_port={port}",)
+
+
+def serve_metrics(cfg: Any, agents: Any = None) -> Any:
+    """A :class:`monitor.exporter.MetricsExporter` serving ``/metrics`` when the config asks for it, else None
+    (``agents``: an ``edge_agent.runner.AgentProcess`` whose counters it serves too)."""
+    if cfg.monitoring.metrics_port is None:
+        return None
+    from monitor.exporter import AgentCollector, MetricsExporter
+
+    exporter = MetricsExporter(cfg.run.name)
+    if agents is not None:
+        exporter.registry.register(AgentCollector(cfg.run.name, agents))
+    try:
+        port = exporter.serve(cfg.monitoring.metrics_port, cfg.monitoring.metrics_host)
+    except OSError as exc:
+        console.print(f"[bold red]error:[/] cannot serve metrics on {cfg.monitoring.metrics_host}:"
+                      f"{cfg.monitoring.metrics_port}: {exc}")
+        raise SystemExit(1)
+    console.print(f"metrics on http://{cfg.monitoring.metrics_host}:{port}/metrics")
+    return exporter
+
+
+def linger(exporter: Any, seconds: float) -> None:
+    """``--metrics-linger``: wait until the final values were scraped (or ``seconds`` passed), then stop serving."""
+    if exporter is None:
+        return
+    if seconds > 0 and not exporter.linger(seconds):
+        console.print(f"metrics: no scrape of the final values within {seconds:g} s")
+    exporter.close()

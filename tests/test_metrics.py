@@ -1,0 +1,187 @@
+"""Prometheus metrics (monitor/exporter.py): they equal the records a run writes, in-process and as scraped
+by a real Prometheus server from a ``fedtier run``."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from monitor.exporter import MetricsExporter, reason_kind
+from protocols import runfiles
+from protocols.records import CellRecord, RoundRecord, read_run
+from protocols.transport.broker import free_port
+from sim.launcher import SimHierarchy
+from tests.conftest import small_config
+
+FEDTIER = str(Path(sys.executable).parent / "fedtier")
+
+
+def sample(exporter: MetricsExporter, name: str, **labels: str) -> float | None:
+    return exporter.registry.get_sample_value(name, {"run": exporter.run, **labels})
+
+
+def expected_from(run_dir: Path) -> tuple[dict, dict]:
+    """Per cell: answered, planned, bytes per tier; per tier: the cloud's bytes (from the run's records)."""
+    records, bad = read_run(run_dir)
+    assert not bad
+    cells: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    cloud: dict[str, int] = defaultdict(int)
+    for r in records:
+        if isinstance(r, CellRecord):
+            cells[r.cell]["answered"] += len(r.answered)
+            cells[r.cell]["planned"] += len(r.planned)
+            cells[r.cell]["device_to_cell"] += r.bytes_in
+            cells[r.cell]["cell_to_device"] += r.bytes_out
+            cells[r.cell]["aggregations"] += 1
+            for why in r.absent.values():
+                cells[r.cell]["absent " + why.replace(" ", "_")] += 1
+            cells[r.cell]["participation"] = r.coverage  # the latest
+        elif isinstance(r, RoundRecord):
+            for tier, n in r.bytes.items():
+                cloud[tier] += n
+    return cells, cloud
+
+
+def test_exporter_counters_equal_the_records_of_a_simulated_run(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, participation={"model": "uniform", "per_round": 4}, run={"rounds": 3})
+    sim = SimHierarchy(cfg)
+    exporter = MetricsExporter(cfg.run.name)
+    for cell in sim.cells.values():
+        exporter.watch_cell(cell)
+    exporter.watch_cloud(sim.cloud)
+    result = sim.run()
+    cells, cloud = expected_from(result.output_dir)
+    assert set(cells) == {"c0", "c1"}
+    for cell, want in cells.items():
+        assert sample(exporter, "fedtier_cell_devices_answered_total", cell=cell) == want["answered"]
+        assert sample(exporter, "fedtier_cell_devices_planned_total", cell=cell) == want["planned"]
+        for tier in ("device_to_cell", "cell_to_device"):
+            assert sample(exporter, "fedtier_cell_bytes_total", cell=cell, tier=tier) == want[tier]
+        assert sample(exporter, "fedtier_cell_aggregation_duration_seconds_count", cell=cell) == want["aggregations"]
+        # uniform participation, 4 of 6 devices: the others are absent, "not participating"
+        assert sample(exporter, "fedtier_cell_devices_absent_total", cell=cell, reason="not_participating") \
+            == want["absent not_participating"]
+        assert sample(exporter, "fedtier_cell_participation_ratio", cell=cell) == want["participation"]
+    assert sum(w["absent not_participating"] for w in cells.values()) == 3 * 2 * 2  # rounds x edge rounds x 2
+    assert sum(w["device_to_cell"] for w in cells.values()) > 0
+    for tier, n in cloud.items():
+        assert sample(exporter, "fedtier_cloud_bytes_total", tier=tier) == n > 0
+    assert sample(exporter, "fedtier_cloud_round") == 2
+    assert sample(exporter, "fedtier_cloud_finished") == 1
+    assert sample(exporter, "fedtier_cloud_accuracy") == result.final_accuracy
+    assert sample(exporter, "fedtier_cloud_cells_reported") == 2
+    assert sample(exporter, "fedtier_cloud_round_duration_seconds_count") == 3
+
+
+def test_rejections_are_counted_by_a_bounded_reason_and_bad_records_never_raise() -> None:
+    exporter = MetricsExporter("r")
+    base = {"schema": 1, "event": "aggregation", "run": "r", "round": 0, "edge_round": 0, "cell": "c0",
+            "algorithm": "fedavg", "closed_by": "deadline", "duration_s": 0.1, "planned": ["c0-d0", "c0-d1"],
+            "answered": ["c0-d0"], "absent": {"c0-d1": "deadline"}}
+    exporter.observe({**base, "rejected": [
+        {"device": "c0-d1", "reason": "stale answer for round 0.0 (now 0.1)"},
+        {"device": "c0-d7", "reason": "update: non-finite values"},
+        {"device": "c0-d1", "reason": "bad signature of device.c0-d1"}]})
+    exporter.observe({"event": "aggregation", "schema": 99})  # logged and skipped
+    exporter.observe({**base, "answered": "not a list"})
+    assert sample(exporter, "fedtier_cell_results_rejected_total", cell="c0", reason="stale") == 1
+    assert sample(exporter, "fedtier_cell_results_rejected_total", cell="c0", reason="non_finite") == 1
+    assert sample(exporter, "fedtier_cell_results_rejected_total", cell="c0", reason="signature") == 1
+    assert sample(exporter, "fedtier_cell_devices_answered_total", cell="c0") == 1
+    assert sample(exporter, "fedtier_cell_devices_absent_total", cell="c0", reason="deadline") == 1
+    assert reason_kind("sender 'device.c0-d2' published on the topic of device 'c0-d1'") == "wrong_sender"
+    assert reason_kind("something nobody foresaw") == "invalid"
+
+
+# ------------------------------------------------------------------------------ a real Prometheus
+PROMETHEUS = shutil.which("prometheus")
+
+
+class Prometheus:
+    """A Prometheus server on a free loopback port scraping ``target`` every second."""
+
+    def __init__(self, tmp: Path, target: str) -> None:
+        self.port = free_port()
+        config = tmp / "prometheus.yml"
+        config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                          "scrape_configs:\n  - job_name: fedtier\n    static_configs:\n"
+                          f"      - targets: ['{target}']\n")
+        self.log = (tmp / "prometheus.log").open("w")
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        end = time.monotonic() + 30
+        while not self._ready():
+            assert self.proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
+            assert time.monotonic() < end, "prometheus did not become ready in 30 s"
+            time.sleep(0.1)
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def query(self, expr: str) -> dict[tuple[tuple[str, str], ...], float]:
+        """An instant query: {labels (without __name__, job, instance): value}."""
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            body = json.load(resp)
+        assert body["status"] == "success", body
+        skip = {"__name__", "job", "instance"}
+        return {tuple(sorted((k, v) for k, v in r["metric"].items() if k not in skip)): float(r["value"][1])
+                for r in body["data"]["result"]}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (Debian: apt-get install prometheus)")
+def test_a_real_prometheus_scrapes_a_fedtier_run_and_its_counters_equal_the_records(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, run={"rounds": 2})
+    config = tmp_path / "run.toml"
+    config.write_text(cfg.to_toml())
+    metrics_port = free_port()
+    prom = Prometheus(tmp_path, f"127.0.0.1:{metrics_port}")
+    try:
+        # --metrics-linger: the run exits only once Prometheus stored the final values
+        proc = subprocess.run([FEDTIER, "run", str(config), "--no-progress", "--workers", "1",
+                               "--metrics-port", str(metrics_port), "--metrics-linger", "60"],
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out = proc.stdout + proc.stderr
+        assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in out
+        assert "no scrape of the final values" not in out
+        cells, cloud = expected_from(tmp_path / "run")
+        # the run is over (its series are stale now): the last value each series had
+        answered = prom.query("last_over_time(fedtier_cell_devices_answered_total[1h])")
+        assert answered == {(("cell", c), ("run", "t")): float(w["answered"]) for c, w in cells.items()}
+        assert sum(answered.values()) == 2 * 2 * 2 * 3  # rounds x edge rounds x cells x devices, all answered
+        bytes_ = prom.query("last_over_time(fedtier_cell_bytes_total[1h])")
+        assert bytes_ == {(("cell", c), ("run", "t"), ("tier", t)): float(w[t])
+                          for c, w in cells.items() for t in ("device_to_cell", "cell_to_device")}
+        assert prom.query("last_over_time(fedtier_cloud_bytes_total[1h])") == {
+            (("run", "t"), ("tier", t)): float(n) for t, n in cloud.items()}
+        assert prom.query("last_over_time(fedtier_cloud_round[1h])") == {(("run", "t"),): 1.0}
+        assert prom.query("last_over_time(fedtier_cloud_finished[1h])") == {(("run", "t"),): 1.0}
+        # the run's own wire counters agree with the cells' (the summary is written from the same run)
+        summary = json.loads((tmp_path / "run" / runfiles.SUMMARY).read_text())
+        assert summary["cumulative_bytes"]["device_to_cell"] == sum(w["device_to_cell"] for w in cells.values())
+    finally:
+        prom.close()
