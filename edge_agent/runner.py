@@ -2,17 +2,20 @@
 ``fedtier run`` for its share of the emulated devices.
 
 Every device keeps its own connection and client id (its will marks it offline), announces itself
-online (retained), sends a heartbeat every ``heartbeat`` seconds from a thread of its own (so a long
-training step never silences it), answers its tasks, and leaves when the cloud publishes the
-retained ``finished`` control record of its current session. With churn, a device that does not
-take part in a round really disconnects and comes back for the rounds it takes part in. The devices of one process share one event loop (their
-training runs one at a time) and one trainer. torch is imported only by the torch backend.
+online (retained), sends a heartbeat every ``heartbeat`` seconds, answers its tasks, and leaves when
+the cloud publishes the retained ``finished`` control record of its current session. With churn, a
+device that does not take part in a round really disconnects and comes back for the rounds it takes
+part in. The devices of one process share one event loop (their training runs there, one at a
+time), one trainer and one I/O thread (a :class:`~protocols.transport.reactor.Reactor` on epoll):
+a device costs a socket, not a thread. Heartbeats, keepalives and reconnects are timers of the I/O
+thread, so a long training step never silences them. torch is imported only by the torch backend.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -21,10 +24,12 @@ import numpy as np
 
 from protocols.algorithms.base import Algorithm, ModelSpec
 from protocols.config import ConfigError, RunConfig
+from protocols.seeding import derive_seed
 from protocols.session import CloudSession, decode_manifest
 from protocols.status import decode_status, encode_status
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import TimerHandle, Will
+from protocols.transport.reactor import Reactor
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.messenger import Messenger
@@ -60,13 +65,14 @@ class BrokerOptions:
             raise ConfigError("broker.url: required (mqtt://host:port), or pass --broker")
         return cls(url, **fields)
 
-    def transport(self, node: str, run: str, loop: Any, will: Will | None = None) -> "Any":
-        """A (not yet connected) :class:`MqttTransport` for ``node`` with client id ``fedtier-{run}-{node}``."""
+    def transport(self, node: str, run: str, loop: Any, will: Will | None = None, **kwargs: Any) -> "Any":
+        """A (not yet connected) :class:`MqttTransport` for ``node`` with client id ``fedtier-{run}-{node}``;
+        ``kwargs`` go to the transport (``reactor``, ``backoff_seed``, ``retry_refused``)."""
         from protocols.transport.mqtt import MqttTransport
 
         return MqttTransport.from_url(self.url, client_id(run, node), loop, username=self.username,
                                       password=self.password, ca_certs=self.ca_certs, certfile=self.certfile,
-                                      keyfile=self.keyfile, will=will, max_chunk=self.max_chunk)
+                                      keyfile=self.keyfile, will=will, max_chunk=self.max_chunk, **kwargs)
 
 
 def client_id(run: str, node: str) -> str:
@@ -174,7 +180,9 @@ class AgentProcess:
         self.train_seconds = 0.0  # wall seconds all devices of this process spent training (metrics)
         self._train_lock = threading.Lock()
         self.loop = ThreadLoop(f"agents-{self.run}")
-        self._beats = ThreadLoop(f"heartbeat-{self.run}")
+        self.reactor = Reactor(f"agents-io-{self.run}")  # every device's socket, keepalives, heartbeats
+        self._beat_timer: TimerHandle | None = None
+        self.connect_window = 64  # CONNECTs under way at once (bounded rate)
         self.agents: dict[str, DeviceAgent] = {}
         self.transports: dict[str, Any] = {}  # each device's current connection
         self.clouds: dict[str, CloudSession] = {}
@@ -188,9 +196,14 @@ class AgentProcess:
         self.done = threading.Event()
 
     def start(self, connect_timeout: float = 30.0) -> "AgentProcess":
-        """Connect every device (blocking until the broker acknowledged its subscriptions) and announce it."""
+        """Connect every device (at most ``connect_window`` CONNECTs under way at once, each retried
+        with jittered backoff while the broker refuses it), wait until the broker acknowledged their
+        subscriptions, then announce them online. Raises ``ConnectionError`` if one cannot connect
+        within ``connect_timeout``."""
         self.connect_timeout = connect_timeout
+        self.reactor.start()
         self.loop.start()
+        fresh: list[tuple[str, Any]] = []
         for device, data in self.data.items():
             transport = self._transport(device)
             agent = build_agent(self.cfg, device, transport, self.algorithm, data, self.trainer)
@@ -201,20 +214,37 @@ class AgentProcess:
             agent.role.train = self._timed(device, agent.role.train)
             with self._lock:
                 self._live.add(device)
-            self._on_loop(lambda d=device, t=transport: self._connect(d, t, present=True))
+            fresh.append((device, transport))
+        self._on_loop(lambda: [self._prepare(d, t) for d, t in fresh])
+        under_way: deque[tuple[str, Any]] = deque()
+        for device, transport in fresh:
+            if len(under_way) >= self.connect_window:
+                self._connected(*under_way.popleft())
+            transport.start_connect(connect_timeout)
+            under_way.append((device, transport))
+        while under_way:
+            self._connected(*under_way.popleft())
+        for device, transport in fresh:
+            if not transport.wait_subscribed(connect_timeout):
+                raise ConnectionError(f"device {device}: the broker did not acknowledge its subscriptions "
+                                      f"within {connect_timeout:g} s")
+        self._on_loop(lambda: [self._announce(d) for d, _ in fresh])
         if self.heartbeat > 0:
-            self._beats.start()
-            self._beats.call_later(self.heartbeat, self._beat)
+            self._beat_timer = self.reactor.call_later(self.heartbeat, self._beat)
         if not self.agents:
             self.done.set()
         return self
 
     def _transport(self, device: str) -> Any:
         node = topics.device_node(device)
-        return self.broker.transport(node, self.run, self.loop, will=offline_will(self.run, node))
+        attempt = self.connections.get(device, 0)
+        return self.broker.transport(node, self.run, self.loop, will=offline_will(self.run, node),
+                                     reactor=self.reactor, retry_refused=True,
+                                     backoff_seed=derive_seed(self.cfg.run.seed, device, attempt, "mqtt-backoff"))
 
-    def _connect(self, device: str, transport: Any, present: bool) -> None:
-        """On the loop: subscribe, connect, wait for the subscriptions; announce online if ``present``."""
+    def _prepare(self, device: str, transport: Any) -> None:
+        """On the loop: make ``transport`` the device's connection and register its subscriptions
+        (sent with the CONNECT's first CONNACK)."""
         agent, run = self.agents[device], self.run
         agent.attach(transport)
         control = Messenger(transport, run, device)
@@ -226,13 +256,24 @@ class AgentProcess:
             self._past.setdefault(device, []).append(old.stats.snapshot())
         self.transports[device] = transport
         self._fresh.discard(device)
-        transport.connect(self.connect_timeout)
+
+    def _connected(self, device: str, transport: Any) -> None:
+        transport.finish_connect()
         self.connections[device] = self.connections.get(device, 0) + 1
+
+    def _announce(self, device: str) -> None:
+        with self._lock:
+            self._present.add(device)
+            self.agents[device].announce("online")
+
+    def _connect(self, device: str, transport: Any, present: bool) -> None:
+        """On the loop: subscribe, connect, wait for the subscriptions; announce online if ``present``."""
+        self._prepare(device, transport)
+        transport.start_connect(self.connect_timeout)
+        self._connected(device, transport)
         transport.wait_subscribed(self.connect_timeout)
         if present:
-            with self._lock:
-                self._present.add(device)
-                agent.announce("online")
+            self._announce(device)
 
     def _timed(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
         """``train`` adding its time to ``train_seconds`` (and, with ``timing``, its span to ``compute``)."""
@@ -271,11 +312,12 @@ class AgentProcess:
             raise error[0]
 
     def _beat(self) -> None:
+        """On the I/O thread: re-announce every present device (training on the loop cannot delay it)."""
         with self._lock:
             for device in self._present:
                 if self.transports[device].connected:
                     self.agents[device].announce("online")
-        self._beats.call_later(self.heartbeat, self._beat)
+        self._beat_timer = self.reactor.call_later(self.heartbeat, self._beat)
 
     # ------------------------------------------------------------------ cloud records (on the loop)
     def _on_control(self, device: str, messenger: Messenger, topic: str, data: bytes) -> None:
@@ -347,8 +389,11 @@ class AgentProcess:
                 return
             self._live.discard(device)
             self._present.discard(device)
-            self.agents[device].stop()  # announces offline (no heartbeat can follow), then disconnects
+            agent = self.agents[device]
+            if agent.transport.connected:
+                agent.announce("offline")  # under the lock: no heartbeat can follow it
             done = not self._live
+        agent.transport.close()  # not under the lock: the I/O thread's heartbeat takes it
         self.loop.cancel(self._polls.pop(device, None))
         if done:
             self.done.set()
@@ -359,11 +404,12 @@ class AgentProcess:
 
     def stop(self) -> None:
         """Leave: every device still connected says offline and disconnects."""
-        self._beats.stop()
+        self.reactor.cancel(self._beat_timer)
         if self.loop.running:
             for device in list(self.agents):
                 self._on_loop(lambda d=device: self._leave(d))
         self.loop.stop()
+        self.reactor.close()
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per device: its wire counters (all its connections), connections, the agent's payload bytes and tasks."""

@@ -15,8 +15,9 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
 @SET
 @click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
               help="An external broker (e.g. Mosquitto); default: [broker] url, else an embedded broker.")
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Agent worker processes; devices are dealt round-robin over them.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Agent worker processes; devices are dealt round-robin over them "
+                   "(default: one per 100 agents, at most one per core).")
 @click.option("--process-per-agent", is_flag=True, help="One worker process per device.")
 @click.option("--max-chunk", type=click.IntRange(min=1024), default=None, metavar="BYTES",
               help="MQTT chunk size (default 256 KiB).")
@@ -24,7 +25,7 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @metrics_options
 @VERBOSE
-def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers: int, process_per_agent: bool,
+def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers: int | None, process_per_agent: bool,
         max_chunk: int | None, resume: bool, no_progress: bool, metrics_port: int | None, metrics_linger: float,
         verbose: int) -> None:
     """Emulate CONFIG on this machine over MQTT: the cloud and cells in this process, the device agents

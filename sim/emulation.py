@@ -63,6 +63,40 @@ class Faults:
     duplicate: bool = False
 
 
+AGENTS_PER_CORE = 100
+"""Agents below which one more worker process is not worth its ~300 MB (a torch import): a worker's
+agents share one I/O thread and train one at a time, so workers only buy cores."""
+
+
+def agent_workers(agents: int, cores: int | None = None, fd_limit: int | None = None) -> int:
+    """Worker processes for ``agents`` emulated devices: one per ``AGENTS_PER_CORE`` agents, at most
+    one per core, and enough that no worker needs more sockets than its file-descriptor limit."""
+    cores = cores or os.cpu_count() or 1
+    if fd_limit is None:
+        import resource
+
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        fd_limit = 1 << 20 if fd_limit == resource.RLIM_INFINITY else fd_limit
+    per_worker = max(1, fd_limit - 64)  # one socket per agent, plus the process's own files
+    by_cores = min(cores, -(-agents // AGENTS_PER_CORE))
+    return max(1, by_cores, -(-agents // per_worker))
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft file-descriptor limit to its hard limit (a worker holds one socket
+    per agent); returns the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def worker_groups(devices: list[str], workers: int, isolate: tuple[str, ...] = ()) -> list[list[str]]:
     """Devices dealt round-robin over ``workers`` processes; each ``isolate`` device gets its own."""
     alone = [d for d in devices if d in isolate]
@@ -76,6 +110,7 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     """Entry point of a worker process: run the agents of ``job`` until the run is finished."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
     logging.basicConfig(level=job.get("log_level", logging.WARNING), format="%(processName)s %(message)s")
+    raise_fd_limit()
     from edge_agent.runner import load_device_data, make_trainer
     from protocols.algorithms.base import ModelSpec
 
@@ -118,11 +153,12 @@ class Emulation:
     """The emulated hierarchy of ``cfg``; :meth:`run` runs it and returns the result.
 
     ``broker_url``: an external broker (default: the config's ``[broker] url``, else an embedded
-    amqtt broker on a free port). ``workers``: agent processes (devices dealt round-robin);
+    amqtt broker on a free port). ``workers``: agent processes (devices dealt round-robin; None:
+    :func:`agent_workers` sizes the pool from the number of agents and cores);
     ``process_per_agent``: one process per device. ``max_chunk``: MQTT chunk size of every node.
     """
 
-    def __init__(self, cfg: RunConfig, *, broker_url: str | None = None, workers: int = 2,
+    def __init__(self, cfg: RunConfig, *, broker_url: str | None = None, workers: int | None = None,
                  process_per_agent: bool = False, max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
                  on_round: Callable[[dict[str, Any]], None] | None = None, faults: Faults | None = None,
                  isolate: tuple[str, ...] = (), broker_options: dict[str, Any] | None = None,
@@ -130,11 +166,12 @@ class Emulation:
                  metrics: Any = None) -> None:
         if cfg.runtime.onnx_devices:  # forward-only agents load the run's x_0 from RUN_DIR/model.onnx
             cfg = with_onnx_model(cfg)
-        if workers < 1:
+        if workers is not None and workers < 1:
             raise ConfigError("--workers must be >= 1")
         cfg = with_run_keys(cfg, cfg.output_dir())  # [security] keys naming a missing file: fresh ones
         self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
-        self.workers = len(cfg.topology.all_devices()) if process_per_agent else workers
+        n = len(cfg.topology.all_devices())
+        self.workers = n if process_per_agent else workers or agent_workers(n)
         self.isolate = tuple(isolate) + tuple(d for d in self.faults.crash if d not in isolate) \
             + tuple(cfg.runtime.onnx_devices)  # a worker runs one backend: onnx devices get their own
         self.broker_url = broker_url or cfg.broker.url

@@ -1,13 +1,17 @@
 """MQTT transport on paho-mqtt 2.x (MQTT 3.1.1, QoS 1).
 
-paho's network thread only receives, reassembles chunks and counts bytes; every handler runs on the
-node's :class:`EventLoop`. Sessions are clean: the transport remembers its subscriptions and
-re-issues them on every (re)connect, and paho reconnects with exponential backoff. Messages larger
-than ``max_chunk`` travel as chunks (``protocols.wire.chunking``); handlers only see whole messages.
+The network side (paho's own thread, or a shared :class:`~.reactor.Reactor` that drives many
+connections from one thread) only receives, reassembles chunks and counts bytes; every handler runs
+on the node's :class:`EventLoop`. Sessions are clean: the transport remembers its subscriptions and
+re-issues them on every (re)connect. A lost connection is re-established with exponential backoff
+(with a reactor: jittered from ``backoff_seed``, and a broker that hangs up before its CONNACK, e.g.
+at a connection rate limit, is retried the same way when ``retry_refused``). Messages larger than
+``max_chunk`` travel as chunks (``protocols.wire.chunking``); handlers only see whole messages.
 """
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import ssl
 import threading
@@ -20,6 +24,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from ..wire import chunking
 from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
+from .reactor import Reactor
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +117,13 @@ class MqttTransport(Transport):
         reconnect_min_delay: float = 1.0,
         reconnect_max_delay: float = 30.0,
         max_inflight: int = 64,
+        reactor: Reactor | None = None,
+        backoff_seed: int | None = None,
+        retry_refused: bool = False,
     ) -> None:
+        """``reactor``: drive the connection from that shared I/O thread instead of a paho thread
+        of its own. ``backoff_seed`` seeds the reconnect jitter; ``retry_refused``: a broker that
+        closes the connection before its CONNACK is retried until the connect timeout."""
         if max_chunk <= chunking.HEADER_BYTES:
             raise ValueError(f"max_chunk must exceed {chunking.HEADER_BYTES} bytes")
         self.client_id, self.loop, self.host, self.port = client_id, loop, host, port
@@ -135,6 +146,14 @@ class MqttTransport(Transport):
         self._reasm = chunking.Reassembler(timeout=chunk_timeout, max_bytes=max_reassembly_bytes)
         self._reasm_lock = threading.Lock()
         self._expiry: TimerHandle | None = None
+        self._reactor = reactor
+        self._retry_refused = retry_refused
+        self._backoff = (reconnect_min_delay, reconnect_max_delay)
+        self._attempts = 0  # failed (re)connect attempts in a row
+        self._rng = random.Random(backoff_seed)
+        self._deadline = 0.0  # of the first connect
+        self._connect_error: ConnectionError | None = None
+        self._gone = threading.Event()  # the socket is closed after close()
 
         c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True,
                         protocol=mqtt.MQTTv311)
@@ -152,8 +171,11 @@ class MqttTransport(Transport):
         c.max_queued_messages_set(0)  # unbounded: publish never fails while reconnecting
         c.on_connect, c.on_disconnect = self._on_connect, self._on_disconnect
         c.on_message, c.on_subscribe, c.on_publish = self._on_message, self._on_subscribe, self._on_publish
-        c.on_socket_open = _nodelay
         self._client = c
+        if reactor is not None:
+            reactor.add(c)  # sets the socket callbacks (the reactor sets TCP_NODELAY itself)
+        else:
+            c.on_socket_open = _nodelay
 
     @classmethod
     def from_url(cls, url: str, client_id: str, loop: EventLoop, **kwargs: Any) -> "MqttTransport":
@@ -167,26 +189,41 @@ class MqttTransport(Transport):
         """Connect and block until the broker's CONNACK; retries a refused TCP connect until
         ``timeout``. Raises ``ConnectionError`` naming ``host:port`` on failure, at once when the TLS
         handshake fails or the broker closes the connection before its CONNACK (a TLS listener or a
-        refused client certificate: retrying cannot help)."""
-        if self._ever_connected or self._closed:
+        refused client certificate: retrying cannot help; unless ``retry_refused``)."""
+        self.start_connect(timeout)
+        return self.finish_connect()
+
+    def start_connect(self, timeout: float = 10.0) -> None:
+        """Begin :meth:`connect`; :meth:`finish_connect` waits for the outcome. With a reactor this
+        returns at once, so one thread can have many connections under way."""
+        if self._ever_connected or self._closed or self._deadline:
             raise RuntimeError(f"{self.client_id}: connect() may be called once per transport")
-        where = f"{self.host}:{self.port}"
-        deadline = time.monotonic() + timeout
+        self._deadline = time.monotonic() + timeout
         self._client.connect_timeout = max(0.5, min(timeout, 5.0))
+        if self._reactor is not None:
+            self._reactor.run_soon(self._attempt)
+            return
         while True:
             try:
                 self._client.connect(self.host, self.port, self.keepalive)
                 break
             except ssl.SSLError as exc:  # e.g. the server's certificate is not signed by ca_certs
-                raise ConnectionError(f"TLS handshake with MQTT broker at {where} failed: {exc}") from exc
+                raise self._tls_error(exc) from exc
             except OSError as exc:
-                if time.monotonic() + 0.2 > deadline:
-                    raise ConnectionError(f"cannot connect to MQTT broker at {where}: {exc}") from exc
+                if time.monotonic() + 0.2 > self._deadline:
+                    raise ConnectionError(f"cannot connect to MQTT broker at {self._where}: {exc}") from exc
                 time.sleep(0.2)
         self._client.loop_start()
-        if not self._connack.wait(max(0.0, deadline - time.monotonic())):
+
+    def finish_connect(self) -> "MqttTransport":
+        """Wait for the CONNACK of :meth:`start_connect` (until its timeout); raise as :meth:`connect`."""
+        where = self._where
+        if not self._connack.wait(max(0.0, self._deadline - time.monotonic())):
             self._abort()
-            raise ConnectionError(f"no CONNACK from MQTT broker at {where} within {timeout:g} s")
+            raise ConnectionError(f"no CONNACK from MQTT broker at {where} within the connect timeout")
+        if self._connect_error is not None:
+            self._abort()
+            raise self._connect_error
         reason = self._connack_reason
         if reason is None:  # _on_disconnect: the broker hung up before its CONNACK
             self._abort()
@@ -194,12 +231,63 @@ class MqttTransport(Transport):
                    if self._tls else "without TLS")
             raise ConnectionError(f"MQTT broker at {where} closed the connection of {self.client_id!r} ({how}) "
                                   "before accepting it: does its listener require TLS (ca_certs) or a client "
-                                  "certificate signed by the broker's CA (certfile, keyfile)?")
+                                  "certificate signed by the broker's CA (certfile, keyfile)? Or is it at its connection limit?")
         if reason is not None and reason.is_failure:
             self._abort()
             raise ConnectionError(f"MQTT broker at {where} refused {self.client_id!r}: {reason}")
         self._schedule_expiry()
         return self
+
+    @property
+    def _where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _tls_error(self, exc: BaseException) -> ConnectionError:
+        return ConnectionError(f"TLS handshake with MQTT broker at {self._where} failed: {exc}")
+
+    # -- reactor mode: (re)connects with jittered backoff, on the reactor thread --------------------
+    def _attempt(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._client.connect(self.host, self.port, self.keepalive)
+        except ssl.SSLError as exc:
+            if not self._ever_connected:
+                self._fail(self._tls_error(exc))
+            else:
+                log.warning("%s: %s; retrying", self.client_id, self._tls_error(exc))
+                self._retry_later()
+        except OSError as exc:
+            if not self._ever_connected and time.monotonic() + 0.2 > self._deadline:
+                self._fail(ConnectionError(f"cannot connect to MQTT broker at {self._where}: {exc}"))
+            else:
+                self._retry_later()
+
+    def _fail(self, error: ConnectionError) -> None:
+        self._connect_error = error
+        self._connack.set()
+
+    def next_backoff(self) -> float:
+        """Seconds before the next (re)connect attempt: doubling from the minimum delay (0.2 s before
+        the first CONNACK) up to the maximum, times a jitter in [0.5, 1.5) drawn from ``backoff_seed``,
+        so that agents refused together do not come back together."""
+        lo, hi = self._backoff
+        base = min(hi, (lo if self._ever_connected else 0.2) * 2 ** min(self._attempts, 16))
+        self._attempts += 1
+        return base * (0.5 + self._rng.random())
+
+    def _retry_later(self) -> None:
+        assert self._reactor is not None
+        self._reactor.call_later(self.next_backoff(), self._attempt)
+
+    def _drop_socket(self) -> None:
+        """Reactor thread: close the socket without DISCONNECT and forget the client."""
+        try:
+            self._client._sock_close()  # paho 2.x: closes the socket and calls on_socket_close
+        finally:
+            assert self._reactor is not None
+            self._reactor.discard(self._client)
+            self._gone.set()
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Disconnect cleanly (the broker discards the will) after waiting up to ``flush_timeout``
@@ -210,8 +298,17 @@ class MqttTransport(Transport):
             self.flush(flush_timeout)
         self._closed = True
         self.loop.cancel(self._expiry)
-        self._client.disconnect()
-        self._client.loop_stop()
+        if self._reactor is None:
+            self._client.disconnect()
+            self._client.loop_stop()
+            return
+        if self._connected:  # the reactor writes DISCONNECT, then closes the socket
+            self._client.disconnect()
+            self._reactor.wake(self._client)
+        else:
+            self._reactor.run_soon(self._drop_socket)
+        if self._reactor.running and not self._reactor.in_thread():
+            self._gone.wait(2.0)
 
     def crash(self) -> None:
         """For tests: drop the TCP connection without DISCONNECT, so the broker fires the will."""
@@ -219,6 +316,10 @@ class MqttTransport(Transport):
             return
         self._closed = True
         self.loop.cancel(self._expiry)
+        if self._reactor is not None:
+            self._reactor.run_soon(self._drop_socket)
+            self._gone.wait(2.0)
+            return
         self._no_reconnect()
         sock = self._client.socket()
         if sock is not None:
@@ -230,6 +331,9 @@ class MqttTransport(Transport):
 
     def _abort(self) -> None:
         self._closed = True
+        if self._reactor is not None:
+            self._reactor.run_soon(self._drop_socket)
+            return
         self._no_reconnect()
         self._client.disconnect()
         self._client.loop_stop()
@@ -259,6 +363,8 @@ class MqttTransport(Transport):
         for part in parts:
             infos.append(self._client.publish(topic, part, qos=qos, retain=retain))
             self.stats._count(topic, publish_packet_bytes(tlen, len(part), qos), len(part), out=True)
+        if self._reactor is not None:
+            self._reactor.wake(self._client)
         if qos:
             with self._cv:
                 for info in infos:
@@ -306,6 +412,8 @@ class MqttTransport(Transport):
                 self._send_subscribe(add, gen)
             if drop:  # after subscribing the wider filters, so nothing falls through the gap
                 self._client.unsubscribe(drop)
+            if self._reactor is not None:
+                self._reactor.wake(self._client)
 
     # -- waiting helpers -------------------------------------------------------------------
     def wait_subscribed(self, timeout: float = 10.0) -> bool:
@@ -341,6 +449,7 @@ class MqttTransport(Transport):
             self._suback_pending.clear()
             self._suback_early.clear()
             self._cv.notify_all()
+        self._attempts = 0
         if self._ever_connected:
             log.info("%s: reconnected to %s:%s, resubscribing %d patterns", self.client_id, self.host, self.port, len(subs))
         self._ever_connected = True
@@ -350,14 +459,25 @@ class MqttTransport(Transport):
 
     def _on_disconnect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _props: Any) -> None:
         if not self._connack.is_set():  # hung up before the first CONNACK: connect() fails at once
+            if (self._reactor is not None and self._retry_refused and not self._closed
+                    and time.monotonic() + 0.2 < self._deadline):
+                log.info("%s: %s hung up before its CONNACK; retrying", self.client_id, self._where)
+                self._retry_later()
+                return
             self._connack.set()
             return
         with self._cv:
             self._connected = False
             self._suback_pending.clear()
             self._cv.notify_all()
-        if not self._closed:
+        if self._closed:
+            if self._reactor is not None:
+                self._reactor.discard(self._client)
+            self._gone.set()
+        else:
             log.warning("%s: lost connection to %s:%s (%s); reconnecting", self.client_id, self.host, self.port, reason)
+            if self._reactor is not None:
+                self._retry_later()
 
     def _send_subscribe(self, subs: list[tuple[str, int]], gen: int) -> None:
         """Send a SUBSCRIBE; the caller has counted it in ``_sub_sending`` (so that

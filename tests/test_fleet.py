@@ -1,0 +1,127 @@
+"""Fleet scale: many agents per worker process cost sockets, not threads; reconnects back off with jitter."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocols.transport.broker import MosquittoBroker, find_mosquitto, free_port
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.reactor import Reactor
+from protocols.transport.threadloop import ThreadLoop
+from sim.emulation import Emulation, agent_workers
+from tests.conftest import small_config
+
+needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+
+
+def proc_counts(pid: int) -> tuple[int, int]:
+    """(threads, open file descriptors) of process ``pid``."""
+    with open(f"/proc/{pid}/status") as f:
+        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    return threads, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@needs_mosquitto
+def test_300_agents_share_one_worker_process(tmp_path: Path) -> None:
+    """300 devices in 3 cells, all in one worker process: every device answers every edge round, and
+    the worker holds a handful of threads (a thread per agent would be 300+) and about one socket per
+    agent (paho's own loop costs 3 descriptors each)."""
+    cfg = small_config(tmp_path, run={"rounds": 1}, topology={"cells": 3, "devices_per_cell": 100},
+                       algorithm={"edge_rounds": 2, "local_steps": 1, "batch_size": 4},
+                       model={"name": "logreg"}, runtime={"device_deadline": 60.0, "heartbeat": 1.0})
+    seen: list[tuple[int, int]] = []
+
+    def sample(_record: dict[str, Any]) -> None:
+        seen.extend(proc_counts(p.pid) for p in em.procs if p.is_alive())
+
+    with MosquittoBroker() as broker:
+        em = Emulation(cfg, broker_url=broker.url, workers=1, on_round=sample)
+        result = em.run()
+    assert len(em.procs) == 1 and seen, "the worker was sampled during the run"
+    threads, fds = max(seen)
+    assert threads <= 12, f"{threads} threads for 300 agents"
+    assert 300 <= fds <= 400, f"{fds} file descriptors for 300 agents"
+    assert [r["closed_by"] for r in result.history] == ["all reported"]
+    assert len(result.cell_records) == 3 * 2
+    assert all(len(r["answered"]) == 100 and not r["absent"] for r in result.cell_records)
+    assert sum(t["tasks"] for t in result.device_traffic.values()) == 300 * 2
+
+
+def test_worker_pool_sizing() -> None:
+    assert agent_workers(6, cores=2) == 1
+    assert agent_workers(150, cores=2) == 2
+    assert agent_workers(2000, cores=2) == 2
+    assert agent_workers(2000, cores=64) == 20
+    assert agent_workers(5000, cores=2, fd_limit=1024) == 6  # a socket per agent: 960 per worker
+
+
+@needs_mosquitto
+def test_agents_retry_a_broker_that_refuses_them(tmp_path: Path) -> None:
+    """A broker that admits 20 connections refuses the rest by hanging up before the CONNACK: the
+    transports of a reactor with ``retry_refused`` back off (jitter seeded per client) and all
+    connect once the broker makes room; the backoff sequence replays from its seed."""
+    port = free_port()
+    # Mosquitto 2.0 admits max_connections + 1 clients
+    limited = MosquittoBroker(port, extra_config="max_connections 19\n").start()
+    reactor, loop = Reactor("test-io").start(), ThreadLoop("test").start()
+    first: list[MqttTransport] = []
+    rest: list[MqttTransport] = []
+    try:
+        first = [MqttTransport(f"a{i}", loop, "127.0.0.1", port, reactor=reactor).connect() for i in range(20)]
+        rest = [MqttTransport(f"b{i}", loop, "127.0.0.1", port, reactor=reactor, retry_refused=True,
+                              backoff_seed=i) for i in range(10)]
+        for t in rest:
+            t.start_connect(30.0)
+        time.sleep(1.0)
+        assert not any(t.connected for t in rest), "the broker is full"
+        for t in first:
+            t.close()
+        for t in rest:
+            t.finish_connect()
+        assert all(t.connected for t in rest)
+        assert all(t._attempts == 0 for t in rest)  # reset by the CONNACK
+    finally:
+        for t in first + rest:
+            t.close(flush_timeout=0)
+        reactor.close()
+        loop.stop()
+        limited.stop()
+    a, b = (MqttTransport("x", loop, backoff_seed=7) for _ in range(2))
+    delays = [a.next_backoff() for _ in range(6)]
+    assert delays == [b.next_backoff() for _ in range(6)]
+    assert all(0.1 <= d < 0.3 for d in delays[:1]) and delays[-1] > delays[0]
+
+
+@needs_mosquitto
+def test_reactor_reconnects_after_a_broker_restart() -> None:
+    """A transport on a reactor resubscribes after the broker comes back and receives again."""
+    with MosquittoBroker() as broker:
+        reactor, loop = Reactor("test-io").start(), ThreadLoop("test").start()
+        got: list[bytes] = []
+        arrived = threading.Event()
+        sub = MqttTransport("sub", loop, "127.0.0.1", broker.port, reactor=reactor, reconnect_min_delay=0.1,
+                            reconnect_max_delay=0.5, backoff_seed=1)
+        sub.subscribe("t/#", lambda _t, b: (got.append(b), arrived.set()))
+        sub.connect()
+        assert sub.wait_subscribed()
+        try:
+            broker.stop()
+            deadline = time.monotonic() + 10
+            while sub.connected and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not sub.connected
+            broker.start()
+            assert sub.wait_subscribed(15.0)
+            pub = MqttTransport("pub", loop, "127.0.0.1", broker.port, reactor=reactor).connect()
+            pub.publish("t/x", b"after")
+            assert arrived.wait(10.0) and got == [b"after"]
+            pub.close()
+        finally:
+            sub.close(flush_timeout=0)
+            reactor.close()
+            loop.stop()
