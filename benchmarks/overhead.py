@@ -1,17 +1,25 @@
 """Framework overhead: the standard FedAvg workload through ``fedtier sim`` vs a bare PyTorch loop.
 
-Workload: MNIST 60k/10k (pixel/256), 100 devices with an IID split of 600 samples, MLP
+Workload ``standard``: MNIST 60k/10k (pixel/256), 100 devices with an IID split of 600 samples, MLP
 784-200-200-10 (torch.manual_seed(0) init), 30 rounds, 10 devices per round sampled with a fixed
 seed, 1 local epoch of batch-32 SGD at lr 0.05 (19 steps), weighted averaging, central test
 evaluation after every round, one torch thread. fedtier runs it as one cell with one edge round
 per cloud round (plain FedAvg), with every message encoded and decoded as on the wire.
+Workload ``small`` (``--workload small``): MLP 784-64-10, 5 devices (IID, 12,000 samples each), all
+of them in every round, 5 local steps of batch 16 at lr 0.05, 2,000 rounds, central evaluation every
+100 rounds (and after the last).
 
+Sides: ``bare`` (a plain sequential PyTorch loop), ``fedtier`` (the per-device sim engine),
+``cohort`` (``runtime.engine = "cohort"``: each round's devices trained as one batched model).
 Each side runs in its own subprocess, so peak memory (max RSS) is measured separately; the sides
 alternate ``--repeat`` times and the fastest run of each counts (a busy machine only slows runs).
-``--workers N`` adds a third side: fedtier with ``runtime.sim_workers = N`` (devices trained in N
+Rounds/s and device-steps/s count the rounds' own time (the sum of the per-round wall times:
+imports, data loading and worker start excluded); wall s is the whole process.
+``--workers N`` adds a side: fedtier with ``runtime.sim_workers = N`` (devices trained in N
 worker processes; the same final model), and its speed-up over the bare loop and the sequential sim.
 CPU seconds include the worker processes; peak MB is the main process's.
-Usage: python benchmarks/overhead.py [--rounds 30] [--repeat 3] [--workers 2 [--backend processes|ray]]
+Usage: python benchmarks/overhead.py [--workload standard|small] [--rounds N] [--repeat 3]
+       [--sides bare,fedtier,cohort] [--workers 2 [--backend processes|ray]]
 """
 from __future__ import annotations
 
@@ -28,7 +36,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def bare(rounds: int) -> dict:
+WORKLOADS: dict[str, dict] = {
+    "standard": {"devices": 100, "per_round": 10, "hidden": [200, 200], "steps": 0, "batch": 32, "lr": 0.05,
+                 "rounds": 30, "eval_every": 1},
+    "small": {"devices": 5, "per_round": 5, "hidden": [64], "steps": 5, "batch": 16, "lr": 0.05,
+              "rounds": 2000, "eval_every": 100},
+}
+
+
+def steps_per_device(w: dict) -> int:
+    n = 60000 // w["devices"]
+    return w["steps"] or -(-n // w["batch"])  # one epoch when steps is 0
+
+
+def bare(w: dict, rounds: int) -> dict:
     t0 = time.perf_counter()  # both sides are timed from before their imports (torch's ~1 s too)
     import numpy as np
     import torch
@@ -43,60 +64,78 @@ def bare(rounds: int) -> dict:
     xt, yt = torch.from_numpy(ds.x_test.copy()), torch.from_numpy(ds.y_test.copy())
     rng = np.random.default_rng(0)
     perm = rng.permutation(len(y))
-    shards = [torch.from_numpy(perm[i * 600:(i + 1) * 600]) for i in range(100)]
+    n, devices, per_round, batch = len(y) // w["devices"], w["devices"], w["per_round"], w["batch"]
+    shards = [torch.from_numpy(perm[i * n:(i + 1) * n]) for i in range(devices)]
+    steps = steps_per_device(w)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
-                          nn.Linear(200, 10))
+    widths = [784, *w["hidden"]]
+    layers: list[nn.Module] = [nn.Flatten()]
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(widths[-1], 10))
     glob = [p.detach().clone() for p in model.parameters()]
     acc, times = 0.0, []
-    for _ in range(rounds):
+    for r in range(rounds):
         t_round = time.perf_counter()
-        chosen = rng.choice(100, 10, replace=False)
+        chosen = rng.choice(devices, per_round, replace=False) if per_round < devices else range(devices)
         acc_params = [torch.zeros_like(p) for p in glob]
         for d in chosen:
             with torch.no_grad():
                 for p, g in zip(model.parameters(), glob):
                     p.copy_(g)
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            idx = shards[d][torch.randperm(600)]
-            for s in range(0, 600, 32):
-                b = idx[s:s + 32]
+            opt = torch.optim.SGD(model.parameters(), lr=w["lr"])
+            idx = shards[d][torch.randperm(n)]
+            for s in range(0, min(n, steps * batch), batch):
+                b = idx[s:s + batch]
                 opt.zero_grad()
                 F.cross_entropy(model(x[b]), y[b]).backward()
                 opt.step()
             with torch.no_grad():
                 for a, p in zip(acc_params, model.parameters()):
-                    a.add_(p, alpha=600 / 6000)
+                    a.add_(p, alpha=1 / per_round)
         glob = acc_params
-        with torch.no_grad():
-            for p, g in zip(model.parameters(), glob):
-                p.copy_(g)
-            acc = float((model(xt).argmax(1) == yt).float().mean())
+        if (r + 1) % w["eval_every"] == 0 or r == rounds - 1:
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), glob):
+                    p.copy_(g)
+                acc = float((model(xt).argmax(1) == yt).float().mean())
         times.append(time.perf_counter() - t_round)
-    return {"wall_s": time.perf_counter() - t0, "accuracy": acc, "round_s": statistics.median(times)}
+    return {"wall_s": time.perf_counter() - t0, "accuracy": acc, "round_s": statistics.median(times),
+            "loop_s": sum(times)}
 
 
-def fedtier(rounds: int, workers: int = 0, backend: str = "processes") -> dict:
+def fedtier(w: dict, rounds: int, engine: str = "device", workers: int = 0, backend: str = "processes") -> dict:
     t0 = time.perf_counter()
     from protocols.config import parse_config
     from sim.launcher import run_simulation
 
+    algorithm = {"name": "fedavg", "edge_rounds": 1, "batch_size": w["batch"], "lr": w["lr"],
+                 **({"local_steps": w["steps"]} if w["steps"] else {"local_epochs": 1})}
+    participation = ({"model": "uniform", "per_round": w["per_round"]} if w["per_round"] < w["devices"]
+                     else {"model": "always"})
     cfg = parse_config({
         "run": {"name": "overhead", "seed": 0, "rounds": rounds, "output": "/tmp/fedtier-overhead"},
-        "topology": {"cells": 1, "devices_per_cell": 100},
-        "algorithm": {"name": "fedavg", "edge_rounds": 1, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
-        "model": {"name": "mlp", "hidden": [200, 200]},
+        "topology": {"cells": 1, "devices_per_cell": w["devices"]},
+        "algorithm": algorithm,
+        "model": {"name": "mlp", "hidden": w["hidden"]},
         "data": {"dataset": "mnist", "partition": "iid"},
-        "participation": {"model": "uniform", "per_round": 10},
-        "runtime": {"sim_workers": workers, "sim_backend": backend},
+        "participation": participation,
+        "runtime": {"sim_workers": workers, "sim_backend": backend, "engine": engine,
+                    "eval_every": w["eval_every"]},
     })
     result = run_simulation(cfg)
+    times = [r["duration_s"] for r in result.history]
     return {"wall_s": time.perf_counter() - t0, "accuracy": result.final_accuracy,
-            "round_s": statistics.median(r["duration_s"] for r in result.history)}
+            "round_s": statistics.median(times), "loop_s": sum(times)}
 
 
-def child(which: str, rounds: int, workers: int, backend: str) -> None:
-    out = bare(rounds) if which == "bare" else fedtier(rounds, workers if which == "parallel" else 0, backend)
+def child(which: str, workload: str, rounds: int, workers: int, backend: str) -> None:
+    w = WORKLOADS[workload]
+    if which == "bare":
+        out = bare(w, rounds)
+    else:
+        out = fedtier(w, rounds, "cohort" if which == "cohort" else "device", workers if which == "parallel" else 0,
+                      backend)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sim's worker processes (joined)
     out["peak_rss_mb"] = usage.ru_maxrss / 1024
@@ -106,37 +145,56 @@ def child(which: str, rounds: int, workers: int, backend: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="standard")
+    ap.add_argument("--rounds", type=int, default=0, help="cloud rounds (default: the workload's)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sides", default="bare,fedtier,cohort", help="comma-separated: bare, fedtier, cohort")
     ap.add_argument("--workers", type=int, default=0, help="also run fedtier with this many sim workers")
     ap.add_argument("--backend", choices=["processes", "ray"], default="processes", help="sim workers' backend")
-    ap.add_argument("--child", choices=["bare", "fedtier", "parallel"])
+    ap.add_argument("--child", choices=["bare", "fedtier", "cohort", "parallel"])
     args = ap.parse_args()
+    w = WORKLOADS[args.workload]
+    rounds = args.rounds or w["rounds"]
     if args.child:
-        child(args.child, args.rounds, args.workers, args.backend)
+        child(args.child, args.workload, rounds, args.workers, args.backend)
         return
-    sides = ("bare", "fedtier", "parallel") if args.workers > 0 else ("bare", "fedtier")
+    sides = [s for s in args.sides.split(",") if s] + (["parallel"] if args.workers > 0 else [])
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(args.repeat):
         for which in sides:
-            cmd = [sys.executable, __file__, "--child", which, "--rounds", str(args.rounds),
+            cmd = [sys.executable, __file__, "--child", which, "--workload", args.workload, "--rounds", str(rounds),
                    "--workers", str(args.workers), "--backend", args.backend]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
             runs[which].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     res = {k: min(v, key=lambda r: r["wall_s"]) for k, v in runs.items()}
-    print(f"best of {args.repeat} alternating runs; wall times seen: "
+    step_count = rounds * w["per_round"] * steps_per_device(w)
+    print(f"workload {args.workload}, {rounds} rounds, {w['per_round']} devices x {steps_per_device(w)} steps per "
+          f"round; best of {args.repeat} alternating runs; wall times seen: "
           + "; ".join(f"{k} " + ", ".join(f"{r['wall_s']:.2f}" for r in v) for k, v in runs.items()))
     cpu = {k: min(r["cpu_s"] for r in v) for k, v in runs.items()}
-    print(f"{'':12}{'wall s':>10}{'cpu s':>10}{'peak MB':>10}{'accuracy':>10}{'s/round':>10}")
+    print(f"{'':12}{'wall s':>10}{'cpu s':>10}{'peak MB':>10}{'accuracy':>10}{'s/round':>10}{'rounds/s':>10}"
+          f"{'steps/s':>10}")
     for which in sides:
         r = res[which]
         name = which if which != "parallel" else f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}"
         print(f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}"
-              f"{r['round_s']:10.3f}")
-    print(f"{'ratio':12}{res['fedtier']['wall_s'] / res['bare']['wall_s']:10.3f}{cpu['fedtier'] / cpu['bare']:10.3f}"
-          f"{res['fedtier']['peak_rss_mb'] / res['bare']['peak_rss_mb']:10.3f}"
-          f"{res['fedtier']['accuracy'] - res['bare']['accuracy']:+10.4f}")
-    if args.workers > 0:
+              f"{r['round_s']:10.4f}{rounds / r['loop_s']:10.1f}{step_count / r['loop_s']:10.0f}")
+    if "bare" in res and "fedtier" in res:
+        print(f"{'fedtier/bare':12}{res['fedtier']['wall_s'] / res['bare']['wall_s']:10.3f}"
+              f"{cpu['fedtier'] / cpu['bare']:10.3f}{res['fedtier']['peak_rss_mb'] / res['bare']['peak_rss_mb']:10.3f}"
+              f"{res['fedtier']['accuracy'] - res['bare']['accuracy']:+10.4f}")
+    if "cohort" in res:
+        c = res["cohort"]
+        if "bare" in res:
+            b = res["bare"]
+            print(f"cohort engine: {b['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
+                  f"{b['loop_s'] / c['loop_s']:.3f}x (rounds only); peak memory {c['peak_rss_mb'] / b['peak_rss_mb']:.3f}x"
+                  f" the bare loop's")
+        if "fedtier" in res:
+            f = res["fedtier"]
+            print(f"cohort engine: {f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s, "
+                  f"{f['wall_s'] / c['wall_s']:.3f}x its wall time; accuracy {c['accuracy'] - f['accuracy']:+.4f}")
+    if args.workers > 0 and "bare" in res and "fedtier" in res:
         p = res["parallel"]
         print(f"speed-up with {args.workers} workers: {res['bare']['wall_s'] / p['wall_s']:.3f}x the bare loop, "
               f"{res['fedtier']['wall_s'] / p['wall_s']:.3f}x the sequential sim (wall); per round (median, "

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
 from .algorithms.base import ModelSpec
 from .models import build_model
@@ -47,6 +47,74 @@ def check_vectorizable(model: torch.nn.Module) -> None:
             raise NotVectorizable(
                 f"layer {name or '<model>'!r} ({type(module).__name__}) keeps buffers ({', '.join(buffers)}), which "
                 "the cohort engine cannot vectorize; use the per-device engine (runtime.engine = \"device\")")
+
+
+# ------------------------------------------------------------------------------ batched forward pass
+def _fast_layers(model: torch.nn.Module) -> bool:
+    """True when ``model`` is a sequence of layers :func:`batched_forward` runs as batched kernels."""
+    from .models import Reshape
+
+    if not isinstance(model, torch.nn.Sequential):
+        return False
+    for m in model:
+        if isinstance(m, torch.nn.Conv2d):
+            if m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str):
+                return False
+        elif isinstance(m, torch.nn.Flatten):
+            if m.start_dim != 1 or m.end_dim != -1:
+                return False
+        elif not isinstance(m, (torch.nn.Linear, torch.nn.ReLU, torch.nn.MaxPool2d, Reshape)):
+            return False
+    return True
+
+
+def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The outputs ``[D, B, ...]`` of ``model`` under each device's parameters (``params[k]``: ``[D, *shape]``)
+    on each device's inputs ``x`` ``[D, B, ...]``.
+
+    The zoo's layers run as batched kernels (``baddbmm`` for linear layers, one grouped convolution for
+    the devices' convolutions, activations and pooling on the stacked tensors); other models go
+    through ``torch.func.vmap`` of ``functional_call``.
+    """
+    from .models import Reshape
+
+    if not _fast_layers(model):
+        return vmap(lambda p, xb: functional_call(model, p, (xb,)))(dict(params), x)
+    d, b = x.shape[0], x.shape[1]
+    grouped = False  # conv layers run on [B, D*C, H, W]; the others on [D, B, ...]
+    for name, m in model.named_children():
+        if isinstance(m, torch.nn.Linear):
+            if grouped:
+                x, grouped = x.reshape(b, d, -1).transpose(0, 1), False
+            w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
+            x = torch.bmm(x, w.transpose(1, 2)) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))
+        elif isinstance(m, torch.nn.Conv2d):
+            if not grouped:
+                x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
+            w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
+            x = F.conv2d(x, w.reshape(-1, *w.shape[2:]), None if bias is None else bias.reshape(-1), m.stride,
+                         m.padding, m.dilation, groups=d)
+        elif isinstance(m, torch.nn.ReLU):
+            x = torch.relu(x)
+        elif isinstance(m, torch.nn.MaxPool2d):
+            if not grouped:
+                x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
+            x = F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+        elif isinstance(m, torch.nn.Flatten):
+            x = x.reshape(b, d, -1).transpose(0, 1) if grouped else x.reshape(d, b, -1)
+            grouped = False
+        elif isinstance(m, Reshape):
+            x = x.reshape(b, d, -1).transpose(0, 1) if grouped else x
+            x, grouped = x.reshape(d, b, *m.shape), False
+    if grouped:
+        x = x.reshape(b, d, x.shape[1] // d, *x.shape[2:]).transpose(0, 1)
+    return x
+
+
+def _device_losses(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each device's mean cross-entropy ``[D]`` over its real samples (``mask`` 1; 0 when there are none)."""
+    ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view_as(mask)
+    return (ce * mask).sum(1) / mask.sum(1).clamp(min=1.0)
 
 
 # ------------------------------------------------------------------------------ requests
@@ -110,12 +178,6 @@ class CohortDeviceTrainer(Trainer):
 
 
 # ------------------------------------------------------------------------------ the engine
-def _masked_ce(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the samples where ``mask`` is 1 (0 when there are none)."""
-    ce = F.cross_entropy(out, y, reduction="none")
-    return (ce * mask).sum() / mask.sum().clamp(min=1.0)
-
-
 class CohortEngine:
     """Runs batches of :class:`Request` (one per device) as vectorized torch programs on one device."""
 
@@ -171,16 +233,16 @@ class CohortEngine:
         params = self._stack(reqs)
         x, y, m = self._padded(reqs)
         with torch.no_grad():
-            losses = vmap(lambda p, xb, yb, mb: _masked_ce(functional_call(model, p, (xb,)), yb, mb))(params, x, y, m)
+            losses = _device_losses(batched_forward(model, params, x), y, m)
         for r, v in zip(reqs, losses.tolist()):
             r.result = float(v)
 
     def _loss_and_grad(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
-        params = self._stack(reqs)
+        params = {k: v.requires_grad_() for k, v in self._stack(reqs).items()}
         x, y, m = self._padded(reqs)
-        fn = vmap(grad_and_value(lambda p, xb, yb, mb: _masked_ce(functional_call(model, p, (xb,)), yb, mb)))
-        grads, losses = fn(params, x, y, m)
-        arrays = {k: g.detach().cpu().numpy() for k, g in grads.items()}
+        losses = _device_losses(batched_forward(model, params, x), y, m)
+        grads = torch.autograd.grad(losses.sum(), list(params.values()))  # devices are independent
+        arrays = {k: g.cpu().numpy() for k, g in zip(params, grads)}
         for i, (r, v) in enumerate(zip(reqs, losses.tolist())):
             r.result = (float(v), OrderedDict((k, arrays[k][i].copy()) for k in params))
 
@@ -190,18 +252,13 @@ class CohortEngine:
         n = max(len(r.y) for r in reqs)
         total = torch.zeros(len(reqs), dtype=torch.float64, device=self.device)
         correct = torch.zeros(len(reqs), dtype=torch.int64, device=self.device)
-
-        def chunk(p: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor, mb: torch.Tensor):
-            out = functional_call(model, p, (xb,))
-            ce = (F.cross_entropy(out, yb, reduction="none") * mb).sum()
-            return ce, ((out.argmax(1) == yb) & (mb > 0)).sum()
-
         with torch.no_grad():
             for start in range(0, n, EVAL_CHUNK):
                 xb, yb, mb = self._slices(data, start, min(n, start + EVAL_CHUNK))
-                ce, ok = vmap(chunk)(params, xb, yb, mb)
-                total += ce.double()
-                correct += ok
+                out = batched_forward(model, params, xb)
+                ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), yb.reshape(-1), reduction="none").view_as(mb)
+                total += (ce * mb).sum(1).double()
+                correct += ((out.argmax(-1) == yb) & (mb > 0)).sum(1)
         for r, t, c in zip(reqs, total.tolist(), correct.tolist()):
             k = max(1, len(r.y))
             r.result = (t / k, c / k)
@@ -221,10 +278,10 @@ class CohortEngine:
         return torch.stack(xs), torch.stack(ys), torch.stack(ms)
 
     def _sgd(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
-        """Minibatch SGD for every device at once: step ``s`` of all devices is one vectorized step;
+        """Minibatch SGD for every device at once: step ``s`` of all devices is one batched step;
         a device with fewer steps is masked out of the later ones (its parameters stay put)."""
         dev, d = self.device, len(reqs)
-        params = self._stack(reqs)
+        params = {k: v.requires_grad_() for k, v in self._stack(reqs).items()}
         data = [self.tensors(r.x, r.y) for r in reqs]
         steps = max(len(r.order) for r in reqs)
         b = max(1, max((len(i) for r in reqs for i in r.order), default=1))
@@ -235,26 +292,31 @@ class CohortEngine:
                 idx[i, s, :len(batch)], mask[i, s, :len(batch)] = batch, 1.0
         mask_t = torch.from_numpy(mask).to(dev)
         counts = mask_t.sum(2)  # [D, S] samples per step
+        shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor
         lr = torch.tensor([r.lr for r in reqs], dtype=torch.float32, device=dev)
+        rates = lr.unsqueeze(1) * (counts > 0)  # [D, S]: devices past their last step stand still
         wd = torch.tensor([r.weight_decay for r in reqs], dtype=torch.float32, device=dev)
         decay = bool((wd != 0).any())
-        step = vmap(grad_and_value(lambda p, xb, yb, mb: _masked_ce(functional_call(model, p, (xb,)), yb, mb)))
         feat = int(np.prod(reqs[0].x.shape[1:]))
         per_gather = max(1, GATHER_BYTES // max(1, d * b * feat * 4))  # steps of inputs gathered at once
         losses = torch.zeros(d, steps, device=dev)
+        leaves = list(params.values())
         for s0 in range(0, steps, per_gather):
             s1 = min(steps, s0 + per_gather)
             chunk = torch.from_numpy(idx[:, s0:s1].reshape(d, -1)).to(dev)
-            xs = torch.stack([xt[chunk[i]] for i, (xt, _) in enumerate(data)]).reshape(d, s1 - s0, b, *data[0][0].shape[1:])
+            xs = torch.stack([xt[chunk[i]] for i, (xt, _) in enumerate(data)])
+            xs = xs.reshape(d, s1 - s0, b, *xs.shape[2:])
             ys = torch.stack([yt[chunk[i]] for i, (_, yt) in enumerate(data)]).reshape(d, s1 - s0, b)
             for s in range(s0, s1):
-                grads, loss = step(params, xs[:, s - s0], ys[:, s - s0], mask_t[:, s])
-                rate = lr * (counts[:, s] > 0)  # devices past their last step stand still
+                loss = _device_losses(batched_forward(model, params, xs[:, s - s0]), ys[:, s - s0], mask_t[:, s])
+                grads = torch.autograd.grad(loss.sum(), leaves)  # devices are independent: each its own
                 with torch.no_grad():
-                    for k, p in params.items():
-                        g = grads[k] + wd.view(-1, *[1] * (p.dim() - 1)) * p if decay else grads[k]
-                        params[k] = p - rate.view(-1, *[1] * (p.dim() - 1)) * g
-                losses[:, s] = loss.detach()
+                    rate = rates[:, s]
+                    for p, g in zip(leaves, grads):
+                        if decay:
+                            g = g + wd.view(shape(p)) * p
+                        p.sub_(rate.view(shape(p)) * g)
+                    losses[:, s] = loss
         sample_loss = (losses * counts).sum(1)
         arrays = {k: v.detach().cpu().numpy() for k, v in params.items()}
         for i, r in enumerate(reqs):

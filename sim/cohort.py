@@ -8,18 +8,19 @@ and the virtual clock are unchanged. Only *where* a device role's ``train`` comp
 :meth:`VirtualLoop.hold`, so virtual time stands still), and when the loop has nothing else to do
 at the current virtual time it trains the queue in cohorts of ``runtime.cohort_size``.
 
-In a cohort every device role runs its unchanged ``train`` in a thread of its own with a
+In a cohort every device role runs its unchanged ``train`` in a greenlet of its own with a
 :class:`~protocols.cohort_trainer.CohortDeviceTrainer`; whenever every device of the cohort is
 waiting on a compute primitive (or done), the primitives are answered together, vectorized over the
-devices (:class:`~protocols.cohort_trainer.CohortEngine`). The threads only take turns (one runs at a
-time, the engine runs when all wait), so each device's order of random draws is its own, as on the
-per-device path. Completions run in submission order.
+devices (:class:`~protocols.cohort_trainer.CohortEngine`). The greenlets take turns in a fixed order
+(no threads), so each device's random draws are its own, as on the per-device path. Completions
+run in submission order.
 """
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Callable, Mapping, Sequence
+
+import greenlet
 
 from protocols.algorithms.base import DeviceContext, ModelSpec
 from protocols.cohort_trainer import CohortDeviceTrainer, CohortEngine, NotVectorizable, Request
@@ -37,55 +38,35 @@ Outcome = tuple[Payload | None, str | None]
 
 def run_cohort(engine: CohortEngine, spec: ModelSpec, jobs: Sequence[Job], names: Sequence[str] = ()) -> list[Outcome]:
     """Run ``jobs`` (one device's ``train`` each, given its trainer) in lockstep; ``(result, None)`` or
-    ``(None, error)`` per job, in order. A job that raises fails alone, as on the per-device path."""
-    n = len(jobs)
-    cv = threading.Condition()
-    pending: list[Request | None] = [None] * n
-    outcomes: list[Outcome] = [(None, "not run")] * n
-    running = n
+    ``(None, error)`` per job, in order. A job that raises fails alone, as on the per-device path.
 
-    def call(i: int, req: Request) -> Any:
-        nonlocal running
-        with cv:
-            pending[i] = req
-            running -= 1
-            cv.notify_all()
-            while pending[i] is not None:
-                cv.wait()
+    Each job runs in a greenlet; a compute call switches back here with its request, and once every
+    job is waiting (or done) the requests are answered together and the jobs resumed in order."""
+    main = greenlet.getcurrent()
+    outcomes: list[Outcome] = [(None, "not run")] * len(jobs)
+
+    def call(req: Request) -> Any:
+        main.switch(req)  # resumed once the cohort's requests are answered
         if isinstance(req.result, BaseException):
             raise req.result
         return req.result
 
     def body(i: int) -> None:
-        nonlocal running
         try:
-            outcomes[i] = (jobs[i](CohortDeviceTrainer(spec, lambda req: call(i, req))), None)
+            outcomes[i] = (jobs[i](CohortDeviceTrainer(spec, call)), None)
         except Exception as exc:  # a bad task must not kill the device
             log.exception("device %s failed in its cohort", names[i] if i < len(names) else i)
             outcomes[i] = (None, str(exc))
-        finally:
-            with cv:
-                running -= 1
-                cv.notify_all()
 
-    threads = [threading.Thread(target=body, args=(i,), name=f"cohort-{i}", daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    while True:
-        with cv:
-            while running > 0:
-                cv.wait()
-            waiting = [i for i in range(n) if pending[i] is not None]
-        if not waiting:
-            break
-        _answer(engine, [pending[i] for i in waiting])  # type: ignore[misc]
-        with cv:
-            for i in waiting:
-                pending[i] = None
-            running += len(waiting)
-            cv.notify_all()
-    for t in threads:
-        t.join()
+    lets = [greenlet.greenlet(lambda i=i: body(i)) for i in range(len(jobs))]
+    pending = {i: req for i, g in enumerate(lets) if (req := g.switch()) is not None}
+    while pending:
+        _answer(engine, list(pending.values()))
+        answered, pending = pending, {}
+        for i, req in answered.items():
+            following = lets[i].switch(req)
+            if following is not None:
+                pending[i] = following
     return outcomes
 
 

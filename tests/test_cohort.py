@@ -203,3 +203,22 @@ def test_engine_evaluate_pads_uneven_devices():
         one.set_params(p)
         loss, acc = one.evaluate(x, y)
         assert r.result[0] == pytest.approx(loss, rel=1e-5) and r.result[1] == acc
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "other"])
+def test_batched_forward_matches_each_device(name):
+    from protocols.cohort_trainer import batched_forward
+    from protocols.models import build_model
+
+    torch.manual_seed(0)
+    if name == "other":  # a layer without a batched kernel: the vmap fallback
+        make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))  # noqa: E731
+    else:
+        make = lambda: build_model(name, (8, 8), 3, hidden=(7,), channels=(2, 3), fc=5)  # noqa: E731
+    models = [make() for _ in range(3)]
+    x = torch.randn(3, 4, 64)
+    params = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models])
+              for k, _ in models[0].named_parameters()}
+    out = batched_forward(models[0], params, x)
+    for i, m in enumerate(models):
+        assert torch.allclose(out[i], m(x[i]), rtol=RTOL, atol=ATOL)
