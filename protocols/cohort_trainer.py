@@ -181,10 +181,12 @@ class CohortDeviceTrainer(Trainer):
 class CohortEngine:
     """Runs batches of :class:`Request` (one per device) as vectorized torch programs on one device."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", data_cache: int = 256) -> None:
+        """``data_cache``: devices whose data sets stay converted (least recently used ones dropped)."""
         self.device = pick_device(device)
         self._models: dict[ModelSpec, torch.nn.Module] = {}
-        self._data: dict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
+        self._data: OrderedDict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._data_cache = data_cache
 
     def model(self, spec: ModelSpec) -> torch.nn.Module:
         """The zoo model of ``spec`` (its parameters are only a template: calls pass their own)."""
@@ -199,9 +201,12 @@ class CohortEngine:
         same arrays every round)."""
         hit = self._data.get(id(x))
         if hit is not None and hit[0] is x and hit[1].shape[0] == len(x):
+            self._data.move_to_end(id(x))
             return hit[1], hit[2]
         xt, yt = as_tensor(x, np.float32, self.device), as_tensor(y, np.int64, self.device)
         self._data[id(x)] = (x, xt, yt)
+        while len(self._data) > self._data_cache:
+            self._data.popitem(last=False)
         return xt, yt
 
     def _stack(self, reqs: Sequence[Request]) -> dict[str, torch.Tensor]:
@@ -295,6 +300,8 @@ class CohortEngine:
         shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor
         lr = torch.tensor([r.lr for r in reqs], dtype=torch.float32, device=dev)
         rates = lr.unsqueeze(1) * (counts > 0)  # [D, S]: devices past their last step stand still
+        same_lr = reqs[0].lr
+        same_rate = (mask.sum(2) > 0).all(0) & all(r.lr == same_lr for r in reqs)  # [S]
         wd = torch.tensor([r.weight_decay for r in reqs], dtype=torch.float32, device=dev)
         decay = bool((wd != 0).any())
         feat = int(np.prod(reqs[0].x.shape[1:]))
@@ -311,11 +318,13 @@ class CohortEngine:
                 loss = _device_losses(batched_forward(model, params, xs[:, s - s0]), ys[:, s - s0], mask_t[:, s])
                 grads = torch.autograd.grad(loss.sum(), leaves)  # devices are independent: each its own
                 with torch.no_grad():
-                    rate = rates[:, s]
-                    for p, g in zip(leaves, grads):
-                        if decay:
-                            g = g + wd.view(shape(p)) * p
-                        p.sub_(rate.view(shape(p)) * g)
+                    if decay:
+                        grads = [g + wd.view(shape(p)) * p for p, g in zip(leaves, grads)]
+                    if same_rate[s]:  # every device steps with the same lr (the usual case): one fused update
+                        torch._foreach_add_(leaves, grads, alpha=-same_lr)
+                    else:
+                        for p, g in zip(leaves, grads):
+                            p.sub_(rates[:, s].view(shape(p)) * g)
                     losses[:, s] = loss
         sample_loss = (losses * counts).sum(1)
         arrays = {k: v.detach().cpu().numpy() for k, v in params.items()}

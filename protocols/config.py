@@ -148,6 +148,12 @@ class RuntimeSection(_Section):
                                                 "round as one batched model (sim/cohort.py)")
     cohort_size: int = Field(default=64, ge=1, description="engine = cohort: most devices trained at once")
 
+    @model_validator(mode="after")
+    def _engine_ok(self) -> "RuntimeSection":
+        if self.engine == "cohort" and self.sim_workers > 0:
+            raise ValueError("engine = \"cohort\" trains in the main process; set sim_workers = 0")
+        return self
+
 
 class ClockSection(_Section):
     """The virtual clock of ``fedtier sim`` (see ``sim/clock.py``); 0 everywhere: no time modelled."""

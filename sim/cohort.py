@@ -92,7 +92,7 @@ class CohortExecutor:
     def __init__(self, agents: Mapping[str, Any], spec: ModelSpec, loop: VirtualLoop, cohort_size: int,
                  device: str = "cpu") -> None:
         self.agents, self.spec, self.loop, self.cohort_size = agents, spec, loop, cohort_size
-        self.engine = CohortEngine(device)
+        self.engine = CohortEngine(device, data_cache=max(256, 2 * cohort_size))
         try:
             self.engine.model(spec)  # refuse a model we cannot vectorize before the run starts
         except NotVectorizable as exc:

@@ -19,7 +19,7 @@ from cloud.node import build_cloud
 from edge_agent.node import build_agent
 from protocols import runfiles
 from protocols.checkpoint import save_params
-from protocols.config import ConfigError, RunConfig
+from protocols.config import RunConfig
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
@@ -111,8 +111,6 @@ class SimHierarchy:
             for agent in self.agents.values():
                 agent.compute_delay = clock.compute_delay
         if cfg.runtime.engine == "cohort":
-            if remote is not None:
-                raise ConfigError("runtime.engine = \"cohort\" trains in this process; set runtime.sim_workers = 0")
             self.executor = CohortExecutor(self.agents, spec, loop, cfg.runtime.cohort_size, cfg.runtime.device)
         else:
             self.executor = remote or InlineExecutor(self.agents)

@@ -222,3 +222,22 @@ def test_batched_forward_matches_each_device(name):
     out = batched_forward(models[0], params, x)
     for i, m in enumerate(models):
         assert torch.allclose(out[i], m(x[i]), rtol=RTOL, atol=ATOL)
+
+
+def test_cli_engine_flag_and_config_checks(tmp_path, make_config):
+    import json
+
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+    from protocols import runfiles
+
+    cfg = make_config(run={"rounds": 2, "output": str(tmp_path / "out")})
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    res = CliRunner().invoke(main, ["sim", str(path), "--engine", "cohort", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["rounds"] == 2
+    assert "engine = \"cohort\"" in (tmp_path / "out" / runfiles.CONFIG).read_text()
+    with pytest.raises(ConfigError, match="sim_workers = 0"):
+        make_config(runtime={"engine": "cohort", "sim_workers": 2})
