@@ -70,7 +70,7 @@ class CellServer:
     def start(self) -> None:
         self.transport.subscribe(topics.cell_task(self.run, self.cell), self._on_cell_task)
         self.transport.subscribe(topics.device_results(self.run, self.cell), self._on_result)
-        self.transport.subscribe(topics.statuses(self.run), self._on_status)
+        self.transport.subscribe(topics.device_statuses(self.run, self.cell), self._on_status)
         self._announce()
         if self.heartbeat > 0 or self.heartbeat_timeout > 0:
             self._beat_timer = self.loop.call_later(self._beat_period(), self._beat)

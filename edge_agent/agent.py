@@ -55,7 +55,7 @@ class DeviceAgent:
         transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
 
     def announce(self, state: str) -> None:
-        self.transport.publish(topics.status(self.run, topics.device_node(self.device)),
+        self.transport.publish(topics.device_status(self.run, self.cell, self.device),
                                encode_status(state, cell=self.cell, samples=len(self.data)), retain=True)
 
     def stop(self) -> None:

@@ -85,6 +85,11 @@ def offline_will(run: str, node: str) -> Will:
     return Will(topics.status(run, node), encode_status("offline"), retain=True)
 
 
+def device_will(run: str, cell: str, device: str) -> Will:
+    """The last will of a device: its retained status (under its cell) says offline."""
+    return Will(topics.device_status(run, cell, device), encode_status("offline"), retain=True)
+
+
 # ------------------------------------------------------------------------------------ device data
 def save_device_data(path: str | Path, data: LocalData, spec: ModelSpec) -> None:
     """A device's samples as ``.npz``: ``x``, ``y``, plus the model's ``input_shape`` and ``num_classes``."""
@@ -238,7 +243,8 @@ class AgentProcess:
     def _transport(self, device: str) -> Any:
         node = topics.device_node(device)
         attempt = self.connections.get(device, 0)
-        return self.broker.transport(node, self.run, self.loop, will=offline_will(self.run, node),
+        will = device_will(self.run, self.cfg.topology.cell_of(device), device)
+        return self.broker.transport(node, self.run, self.loop, will=will,
                                      reactor=self.reactor, retry_refused=True,
                                      backoff_seed=derive_seed(self.cfg.run.seed, device, attempt, "mqtt-backoff"))
 

@@ -90,6 +90,7 @@ class TelemetryFeed:
     def start(self) -> "TelemetryFeed":
         self.transport.subscribe(topics.telemetry_all(self.run), self._on_record, qos=0)
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
+        self.transport.subscribe(topics.device_statuses(self.run), self._on_status)
         return self
 
     def _on_record(self, topic: str, data: bytes) -> None:

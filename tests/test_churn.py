@@ -66,7 +66,7 @@ def test_absent_agents_disconnect_and_rejoin_bit_identically(model: dict, tmp_pa
     with EmbeddedBroker() as broker:
         loop = ThreadLoop("watcher").start()
         watcher = MqttTransport.from_url(broker.url, "watcher", loop)
-        watcher.subscribe(topics.statuses(cfg.run.name), lambda t, b: seen.setdefault(
+        watcher.subscribe(topics.device_statuses(cfg.run.name), lambda t, b: seen.setdefault(
             t.rsplit("/", 1)[-1], []).append(decode_status(b)["state"]))
         watcher.connect().wait_subscribed()
         emulation = Emulation(cfg, broker_url=broker.url)

@@ -106,7 +106,7 @@ def test_stale_heartbeat_marks_device_offline() -> None:
     devices = {d: hub.connect(d) for d in cell.devices}
 
     def beat(device: str) -> None:
-        devices[device].publish(topics.status("r", f"device.{device}"), encode_status("online"), retain=True)
+        devices[device].publish(topics.device_status("r", "c0", device), encode_status("online"), retain=True)
 
     beat("c0-d0"), beat("c0-d1")
     loop = hub.loop

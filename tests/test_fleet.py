@@ -9,6 +9,12 @@ from typing import Any
 
 import pytest
 
+from cell_server.server import CellServer
+from protocols.algorithms import get_algorithm
+from protocols.algorithms.base import ModelSpec
+from protocols.status import encode_status
+from protocols.transport.memory import MemoryHub
+from protocols.wire import topics
 from protocols.transport.broker import MosquittoBroker, find_mosquitto, free_port
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.reactor import Reactor
@@ -125,3 +131,29 @@ def test_reactor_reconnects_after_a_broker_restart() -> None:
             sub.close(flush_timeout=0)
             reactor.close()
             loop.stop()
+
+
+def test_a_cell_receives_only_its_devices_statuses() -> None:
+    """Device statuses travel under their cell: each cell's status handler sees its own devices only,
+    and the cloud's ``status/+`` carries no device status at all."""
+    hub = MemoryHub()
+    spec = ModelSpec(name="logreg", input_shape=(4,), num_classes=2)
+    fedavg = get_algorithm("fedavg")
+    algorithm = fedavg(fedavg.Params(name="fedavg"), spec, 0)
+    seen: dict[str, list[str]] = {"c0": [], "c1": []}
+    cells = {}
+    for c in seen:
+        cell = CellServer(hub.connect(f"cell-{c}"), run="r", cell=c, devices=[f"{c}-d0", f"{c}-d1"],
+                          role=algorithm.cell(c), algorithm="fedavg", device_deadline=5.0)
+        handler = cell._on_status
+        cell._on_status = lambda t, b, c=c, h=handler: (seen[c].append(t.rsplit("/", 1)[-1]), h(t, b))
+        cell.start()
+        cells[c] = cell
+    cloud_seen: list[str] = []
+    hub.connect("cloud").subscribe(topics.statuses("r"), lambda t, b: cloud_seen.append(t))
+    for c in seen:
+        for d in (f"{c}-d0", f"{c}-d1"):
+            hub.connect(d).publish(topics.device_status("r", c, d), encode_status("online", cell=c), retain=True)
+    hub.loop.run(until=lambda: all(all(cell.online.values()) for cell in cells.values()))
+    assert seen == {c: [f"device.{c}-d0", f"device.{c}-d1"] for c in seen}
+    assert not any("device." in t for t in cloud_seen)

@@ -9,7 +9,8 @@ topic                                          what                             
 ``fedtier/{run}/cloud/up/{cell}/report``       cell -> cloud report                no
 ``fedtier/{run}/cloud/control``                run control (finished)              yes
 ``fedtier/{run}/cloud/round``                  round manifest (session, round)     yes
-``fedtier/{run}/status/{node}``                liveness: online/offline            yes
+``fedtier/{run}/status/{node}``                liveness of the cloud and cells     yes
+``fedtier/{run}/cell/{cell}/status/{node}``    liveness of the cell's devices      yes
 ``fedtier/{run}/telemetry/cell/{cell}``        cell aggregation records            no
 ``fedtier/{run}/telemetry/cloud``              cloud round records                 no
 =============================================  ==================================  ===========
@@ -70,7 +71,19 @@ def status(run: str, node: str) -> str:
 
 
 def statuses(run: str) -> str:
+    """The cloud's and the cells' statuses (devices have theirs under their cell)."""
     return f"{root(run)}/status/+"
+
+
+def device_status(run: str, cell: str, device: str) -> str:
+    """A device's liveness, under its cell: only that cell (and its broker) carries it, so a cell
+    receives its own devices' heartbeats, not the whole fleet's."""
+    return f"{root(run)}/cell/{cell}/status/{device_node(device)}"
+
+
+def device_statuses(run: str, cell: str | None = None) -> str:
+    """The statuses of ``cell``'s devices (of every cell's when ``cell`` is None: monitors)."""
+    return f"{root(run)}/cell/{cell or '+'}/status/+"
 
 
 def telemetry_cell(run: str, cell: str) -> str:
