@@ -14,9 +14,10 @@ from .server import Availability, CellServer
 
 def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algorithm, *,
                availability: Availability | None = None, output_dir: Path | None = None,
-               heartbeats: bool = False) -> CellServer:
+               heartbeats: bool = False, assume_online: bool = False) -> CellServer:
     """``heartbeats``: use the config's MQTT liveness settings, ``runtime.heartbeat``, ``heartbeat_timeout``
-    and ``rejoin_wait`` (the sim has none: nobody disconnects there)."""
+    and ``rejoin_wait`` (the sim has none: nobody disconnects there). ``assume_online``: devices count as
+    online until their status says otherwise (the sim's devices do not announce themselves)."""
     if cell not in cfg.topology.cell_ids():
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
@@ -26,5 +27,6 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
         availability=availability, log_path=str(output_dir / runfiles.AGGREGATION) if output_dir else None,
         heartbeat=cfg.runtime.heartbeat if heartbeats else 0.0,
         heartbeat_timeout=cfg.runtime.heartbeat_timeout if heartbeats else 0.0,
-        rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0,
+        rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0, assume_online=assume_online,
+        absent_ids=cfg.runtime.absent_ids,
         sign_key=trust.sign_key if trust else None, keys=trust.peers if trust else None)

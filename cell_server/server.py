@@ -27,6 +27,16 @@ Availability = Callable[[int, int], Iterable[str]]
 """``(cloud round, edge round) -> devices that may take part`` (participation, in sim/emulation)."""
 
 
+def absence(absent: dict[str, str], limit: int) -> dict[str, Any]:
+    """The record's ``absent`` (device -> reason, for reasons with at most ``limit`` devices) and
+    ``absent_counts`` (reason -> devices), the latter only when some ids were left out."""
+    counts: dict[str, int] = {}
+    for why in absent.values():
+        counts[why] = counts.get(why, 0) + 1
+    listed = {d: why for d, why in sorted(absent.items()) if counts[why] <= limit}
+    return {"absent": listed, "absent_counts": dict(sorted(counts.items())) if len(listed) < len(absent) else None}
+
+
 class CellServer:
     """One cell's edge server."""
 
@@ -35,11 +45,13 @@ class CellServer:
                  availability: Availability | None = None, log_path: str | None = None,
                  sign_key: bytes | None = None, keys: dict[str, bytes] | None = None,
                  assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0,
-                 rejoin_wait: float = 0.0) -> None:
+                 rejoin_wait: float = 0.0, absent_ids: int = 100) -> None:
         """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
         ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never);
         ``rejoin_wait``: before planning an edge round, wait up to this long for the devices that
-        ``availability`` lets take part but that are offline (they may be reconnecting; 0: no wait)."""
+        ``availability`` lets take part but that are offline (they may be reconnecting; 0: no wait);
+        ``absent_ids``: a record names the absent devices of a reason only up to this many (it always
+        counts them), so a cell of a large population does not list every device that sits a round out."""
         if not 0 < quorum <= 1:
             raise ValueError("quorum must be in (0, 1]")
         self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
@@ -52,6 +64,7 @@ class CellServer:
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
         self._beat_timer: TimerHandle | None = None
         self.rejoin_wait = rejoin_wait
+        self.absent_ids = absent_ids
         self._waiting: set[str] = set()  # participating devices this edge round waits for
         self._gave_up: set[str] = set()  # ... and those it waited for in vain this cloud round
         self._wait_timer: TimerHandle | None = None
@@ -256,7 +269,7 @@ class CellServer:
         now = self.loop.now()
         record = CellRecord(
             run=self.run, round=self.round, edge_round=self.edge_round, cell=self.cell, algorithm=self.algorithm,
-            planned=self.planned, answered=answered, absent=dict(sorted(self.absent.items())),
+            planned=self.planned, answered=answered, **absence(self.absent, self.absent_ids),
             rejected=self.rejected, closed_by=why, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
             loss_mean=mean, loss_std=spread, duration_s=round(time.perf_counter() - self._wall0, 6),
             clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,

@@ -41,6 +41,7 @@ class DeviceAgent:
         self.on_task = on_task
         self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``); None: here
         self.tasks_done = 0
+        self.pending = 0  # tasks taken whose result has not left yet (training, or a modelled delay)
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -64,6 +65,10 @@ class DeviceAgent:
             self.announce("offline")
             self.transport.close()
 
+    def receive_task(self, topic: str, data: bytes) -> None:
+        """Handle one message of this device's task topic (as its subscription does)."""
+        self._on_task(topic, data)
+
     def _on_task(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("device_task",))
         if msg is None:
@@ -75,6 +80,7 @@ class DeviceAgent:
         if self.on_task is not None:
             self.on_task(h.round, h.edge_round)
         self.bytes_in += msg.nbytes
+        self.pending += 1
         ctx = DeviceContext(self.seed, h.round, h.edge_round, self.cell, self.device)
         if self.executor is not None:  # training elsewhere; the result comes back on this loop
             self.executor.submit(self.device, msg.payload, ctx,
@@ -92,6 +98,7 @@ class DeviceAgent:
 
     def _trained(self, topic: str, h: Header, result: Payload | None, error: str | None) -> None:
         if result is None:
+            self.pending -= 1
             self.messenger.reject(topic, f"training failed: {error}", h.sender)
             return
         delay = self.compute_delay(self.device, result) if self.compute_delay is not None else 0.0
@@ -101,6 +108,7 @@ class DeviceAgent:
             self._send_result(result, h.round, h.edge_round)
 
     def _send_result(self, result: Payload, round: int, edge_round: int) -> None:
+        self.pending -= 1
         if not self.transport.connected:
             return  # the device left while it was computing
         self.bytes_out += self.messenger.send(

@@ -68,7 +68,9 @@ def records_table(records: list[Record]) -> Table:
         table.add_column(col, justify="right" if col not in ("event", "cell", "absent / rejected", "closed by") else "left")
     for r in records:
         if isinstance(r, CellRecord):
-            absent = ", ".join(f"{d}: {why}" for d, why in r.absent.items())
+            listed = set(r.absent.values())
+            absent = ", ".join([*(f"{d}: {why}" for d, why in r.absent.items()),
+                                *(f"{n:,} {why}" for why, n in (r.absent_counts or {}).items() if why not in listed)])
             rejected = ", ".join(f"{x.device}: {x.reason}" for x in r.rejected)
             table.add_row("aggregation", f"{r.round}.{r.edge_round}", r.cell, f"{len(r.answered)}/{len(r.planned)}",
                           "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",

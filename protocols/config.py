@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -49,6 +50,15 @@ class TopologySection(_Section):
     def all_devices(self) -> list[str]:
         return [d for c in self.cell_ids() for d in self.device_ids(c)]
 
+    def devices(self, cell: str | None = None) -> "DeviceIds":
+        """The ids of every device (or of one cell's) in topology order, computed on access."""
+        if cell is None:
+            return DeviceIds(range(self.cells), self.devices_per_cell)
+        if self.cell_of(f"{cell}-d0") is None:
+            raise ValueError(f"cell {cell!r} is not in the topology")
+        i = int(cell[1:])
+        return DeviceIds(range(i, i + 1), self.devices_per_cell)
+
     def cell_of(self, device: str) -> str | None:
         """The cell of a device id of this topology (``c{i}-d{j}``), or ``None``; O(1), no table."""
         cell, sep, j = device.rpartition("-d")
@@ -56,6 +66,54 @@ class TopologySection(_Section):
         if not (sep and cell[:1] == "c" and _index(i, self.cells) and _index(j, self.devices_per_cell)):
             return None
         return cell
+
+
+class DeviceIds(Sequence[str]):
+    """Device ids ``c{i}-d{j}`` of consecutive cells, in topology order, made when read: a sequence of a
+    million ids that costs no memory (``position`` is the inverse of indexing)."""
+
+    def __init__(self, cells: range, devices_per_cell: int) -> None:
+        self.cells, self.per_cell = cells, devices_per_cell
+
+    def __len__(self) -> int:
+        return len(self.cells) * self.per_cell
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: "int | slice") -> "str | list[str]":
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"device {i} of {n}")
+        cell, j = divmod(i % n, self.per_cell)
+        return f"c{self.cells[cell]}-d{j}"
+
+    def __iter__(self) -> Iterator[str]:
+        return (f"c{c}-d{j}" for c in self.cells for j in range(self.per_cell))
+
+    def position(self, device: object) -> int | None:
+        """Where ``device`` is in this sequence, or ``None``."""
+        if not isinstance(device, str):
+            return None
+        cell, sep, j = device.rpartition("-d")
+        i = cell[1:]
+        if not (sep and cell[:1] == "c" and _index(i, self.cells.stop) and _index(j, self.per_cell)) \
+                or int(i) < self.cells.start:
+            return None
+        return (int(i) - self.cells.start) * self.per_cell + int(j)
+
+    def __contains__(self, device: object) -> bool:
+        return self.position(device) is not None
+
+    def index(self, device: object, start: int = 0, stop: int | None = None) -> int:
+        at = self.position(device)
+        if at is None or at < start or (stop is not None and at >= stop):
+            raise ValueError(f"{device!r} is not in the device ids")
+        return at
 
 
 def _index(text: str, n: int) -> bool:
@@ -132,6 +190,9 @@ class RuntimeSection(_Section):
                                "round, for participating devices that are offline (rejoining; MQTT)")
     rejoin_poll: float = Field(default=0.5, gt=0, description="seconds between an absent agent's reconnections "
                                "to read the round manifest (participation in fedtier run)")
+    absent_ids: int = Field(default=100, ge=0, description="a cell's aggregation record names the absent devices "
+                            "of a reason (not participating, offline...) up to this many, and only counts them "
+                            "beyond (large populations)")
     onnx_devices: list[str] = Field(default_factory=list, description="device ids that run forward-only on "
                                     "onnxruntime (sim/emulation); the others run torch")
     onnx_model: str | None = Field(default=None, description="the .onnx file (fedtier export) that onnx-backend "
@@ -232,7 +293,7 @@ class RunConfig(_Section):
         algorithm = get_algorithm(self.train.name)(self.train, spec, self.run.seed, init_seed=seed)
         topo = self.topology
         try:
-            algorithm.bind_topology({c: topo.device_ids(c) for c in topo.cell_ids()})
+            algorithm.bind_topology({c: topo.devices(c) for c in topo.cell_ids()})
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return algorithm

@@ -69,7 +69,10 @@ class CellRecord(_Record):
     planned: list[str] = Field(default_factory=list, description="devices sent a task")
     answered: list[str] = Field(default_factory=list, description="devices whose result was aggregated")
     absent: dict[str, str] = Field(default_factory=dict,
-                                   description="device -> offline | not participating | not selected | deadline")
+                                   description="device -> offline | not participating | not selected | deadline "
+                                   "(reasons with more than runtime.absent_ids devices only counted)")
+    absent_counts: dict[str, int] | None = Field(None, description="reason -> absent devices, when `absent` "
+                                                 "leaves some out")
     rejected: list[Rejection] = Field(default_factory=list, description="results refused, with reasons")
     bytes_in: int = Field(0, ge=0, description="device -> cell payload bytes of this edge round")
     bytes_out: int = Field(0, ge=0, description="cell -> device payload bytes of this edge round")

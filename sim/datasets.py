@@ -183,9 +183,17 @@ def _load_synthetic(n: int = 1000, dim: int = 20, classes: int = 4, seed: int = 
     means = rng(seed, "synthetic", "means").normal(0.0, separation, size=(classes, dim))
 
     def draw(m: int, part: str) -> tuple[np.ndarray, np.ndarray]:
+        """``y = permutation(arange(m) % classes)``, ``x = means[y] + normal(0, noise, (m, dim))`` as float32,
+        drawn in blocks (the same stream, so the same numbers) to hold no float64 copy of the whole set."""
         g = rng(seed, "synthetic", part)
-        y = g.permutation(np.arange(m) % classes)
-        x = means[y] + g.normal(0.0, noise, size=(m, dim))
+        y = np.arange(m, dtype=np.int64)
+        y %= classes
+        g.shuffle(y)  # what g.permutation(y) does, without the copy
+        x = np.empty((m, dim), dtype=np.float32)
+        block = max(1, (1 << 22) // dim)
+        for a in range(0, m, block):
+            b = min(m, a + block)
+            x[a:b] = means[y[a:b]] + g.normal(0.0, noise, size=(b - a, dim))
         return x, y
 
     xtr, ytr = draw(n, "train")

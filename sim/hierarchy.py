@@ -4,13 +4,13 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm, ModelSpec
-from protocols.config import ConfigError, RunConfig
+from protocols.config import ConfigError, RunConfig, TopologySection
 from protocols.trainer import LocalData
 
 from .datasets import Dataset, load_dataset
@@ -24,8 +24,36 @@ class Prepared:
 
     config: RunConfig
     dataset: Dataset
-    device_data: dict[str, LocalData]
+    device_data: Mapping[str, LocalData]
     spec: ModelSpec
+
+
+class DeviceData(Mapping[str, LocalData]):
+    """Each device's samples by id, copied out of the dataset when asked for: the partition stays a
+    set of index views, and only the devices that are built hold their data."""
+
+    def __init__(self, ds: Dataset, topology: TopologySection, parts: Sequence[Sequence[np.ndarray]]) -> None:
+        self.ds, self.topology, self.parts = ds, topology, parts
+
+    def indices(self, device: str) -> np.ndarray:
+        """The device's sample indices in the training set."""
+        cell = self.topology.cell_of(device) if isinstance(device, str) else None
+        if cell is None:
+            raise KeyError(device)
+        return self.parts[int(cell[1:])][int(device.rpartition("-d")[2])]
+
+    def __getitem__(self, device: str) -> LocalData:
+        idx = self.indices(device)
+        return LocalData(self.ds.x_train[idx], self.ds.y_train[idx])
+
+    def __iter__(self) -> Iterator[str]:
+        return (d for c in self.topology.cell_ids() for d in self.topology.device_ids(c))
+
+    def __len__(self) -> int:
+        return self.topology.cells * self.topology.devices_per_cell
+
+    def __contains__(self, device: object) -> bool:
+        return isinstance(device, str) and self.topology.cell_of(device) is not None
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -48,16 +76,12 @@ def prepare(cfg: RunConfig) -> Prepared:
         parts = partition_hierarchy(ds.y_train, topo.cells, topo.devices_per_cell, d.partition, cfg.run.seed, **params)
     except ValueError as exc:
         raise ConfigError(f"data.partition: {exc}") from None
-    device_data: dict[str, LocalData] = {}
-    for cell, cell_parts in zip(topo.cell_ids(), parts):
-        for device, idx in zip(topo.device_ids(cell), cell_parts):
-            device_data[device] = LocalData(ds.x_train[idx], ds.y_train[idx])
-    return Prepared(cfg, ds, device_data, cfg.model_spec(ds.input_shape, ds.num_classes))
+    return Prepared(cfg, ds, DeviceData(ds, topo, parts), cfg.model_spec(ds.input_shape, ds.num_classes))
 
 
 def participation(cfg: RunConfig) -> ParticipationModel:
     """The participation model over the devices, or over the cells with ``participation.level = "cell"``."""
-    units = cfg.topology.cell_ids() if cfg.participation.level == "cell" else cfg.topology.all_devices()
+    units = cfg.topology.cell_ids() if cfg.participation.level == "cell" else cfg.topology.devices()
     try:
         return make_participation(cfg.participation.spec(), units, cfg.run.seed)
     except ValueError as exc:

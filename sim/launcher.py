@@ -16,7 +16,7 @@ import numpy as np
 
 from cell_server.node import build_cell
 from cloud.node import build_cloud
-from edge_agent.node import build_agent
+from edge_agent.agent import DeviceAgent
 from protocols import runfiles
 from protocols.checkpoint import save_params
 from protocols.config import RunConfig
@@ -28,6 +28,7 @@ from .cohort import CohortExecutor
 from .executors import InlineExecutor, start_workers
 from .hierarchy import cell_availability, check_resumable, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers
+from .population import Population
 
 
 @dataclass
@@ -93,7 +94,8 @@ class SimHierarchy:
         if resume:
             check_resumable(cfg, algorithm)
         train = cfg.train
-        self.clock = clock = ClockModel(cfg.clock, cfg.topology.all_devices(), cfg.run.seed, train.local_steps)
+        self.clock = clock = ClockModel(cfg.clock, cfg.topology.all_devices() if clock_modelled(cfg.clock) else [],
+                                        cfg.run.seed, train.local_steps)
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
         self.cloud = build_cloud(cfg, hub.connect("cloud"), algorithm,
                                  evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
@@ -101,21 +103,22 @@ class SimHierarchy:
                                  availability=cell_availability(cfg))
         availability = edge_availability(cfg)
         self.cells = {c: build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability,
-                                    output_dir=self.output_dir) for c in cfg.topology.cell_ids()}
+                                    output_dir=self.output_dir, assume_online=True) for c in cfg.topology.cell_ids()}
         trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
                                          **spec.build_kwargs())
         onnx = onnx_trainers(cfg, spec, algorithm, self.output_dir)  # forward-only devices
-        self.agents = {d: build_agent(cfg, d, hub.connect(f"device.{d}"), algorithm, prep.device_data[d],
-                                      onnx.get(d, trainer)) for d in cfg.topology.all_devices()}
-        if clock.enabled:
-            for agent in self.agents.values():
-                agent.compute_delay = clock.compute_delay
+        self.agents = Population(cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer),
+                                 self._configure)  # built as devices are needed
         if cfg.runtime.engine == "cohort":
-            self.executor = CohortExecutor(self.agents, spec, loop, cfg.runtime.cohort_size, cfg.runtime.device)
+            self.executor = CohortExecutor(self.agents.active(), spec, loop, cfg.runtime.cohort_size,
+                                           cfg.runtime.device)
         else:
-            self.executor = remote or InlineExecutor(self.agents)
-        for agent in self.agents.values():
-            agent.executor = self.executor
+            self.executor = remote or InlineExecutor(self.agents.active())
+
+    def _configure(self, agent: DeviceAgent) -> None:
+        agent.executor = self.executor
+        if self.clock.enabled:
+            agent.compute_delay = self.clock.compute_delay
 
     def run(self) -> RunResult:
         """Run every round; write the final model and summary; return the result. Workers stop either way."""
@@ -125,8 +128,9 @@ class SimHierarchy:
             self.executor.close()
 
     def _run(self) -> RunResult:
-        for node in (*self.cells.values(), *self.agents.values()):
-            node.start()
+        for cell in self.cells.values():
+            cell.start()
+        self.agents.start()
         self.hub.loop.run()  # deliver the birth records before the first round
         self.cloud.start()
         self.hub.loop.run(until=lambda: self.cloud.finished)
@@ -134,11 +138,10 @@ class SimHierarchy:
             raise RuntimeError("the simulation stalled before the last round (no events left)")
         result = RunResult(self.cfg, self.cloud.role.global_params(), self.cloud.history,
                            [r for c in self.cells.values() for r in c.records], self.output_dir,
-                           time.perf_counter() - self.t0,
-                           {d: {"bytes_in": a.bytes_in, "bytes_out": a.bytes_out, "tasks": a.tasks_done}
-                            for d, a in self.agents.items()})
-        for node in (*self.agents.values(), *self.cells.values()):
-            node.stop()
+                           time.perf_counter() - self.t0, self.agents.traffic())
+        self.agents.stop()
+        for cell in self.cells.values():
+            cell.stop()
         self.cloud.stop()
         if self.output_dir is not None:
             write_final(self.output_dir, result)

@@ -41,6 +41,6 @@ def with_onnx_model(cfg: RunConfig) -> RunConfig:
 
 
 def check_onnx_devices(cfg: RunConfig) -> None:
-    unknown = sorted(set(cfg.runtime.onnx_devices) - set(cfg.topology.all_devices()))
+    unknown = sorted(d for d in set(cfg.runtime.onnx_devices) if cfg.topology.cell_of(d) is None)
     if unknown:
         raise ConfigError(f"runtime.onnx_devices: {unknown} are not devices of the topology")

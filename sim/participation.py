@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from protocols.config import DeviceIds
 from protocols.seeding import rng
 
 __all__ = ["ParticipationModel", "Always", "UniformSample", "Bernoulli", "CyclicGroups", "RegularizedPermutation",
@@ -52,14 +53,20 @@ class ParticipationModel:
     name = "base"
 
     def __init__(self, devices: Sequence[str], seed: int = 0) -> None:
+        self.seed = int(seed)
+        if isinstance(devices, DeviceIds):  # a topology's ids: unique, made when read (large populations)
+            if not len(devices):
+                raise ValueError("devices must be a non-empty list of device ids")
+            self.devices: Sequence[str] = devices
+            self.index: Mapping[str, int] = _Positions(devices)
+            return
         devs = tuple(str(d) for d in devices)
         if not devs:
             raise ValueError("devices must be a non-empty list of device ids")
         if len(set(devs)) != len(devs):
             raise ValueError("devices must be unique")
-        self.devices: tuple[str, ...] = devs
+        self.devices = devs
         self.index = {d: i for i, d in enumerate(devs)}
-        self.seed = int(seed)
 
     @property
     def num_devices(self) -> int:
@@ -71,7 +78,7 @@ class ParticipationModel:
 
     def participants(self, round: int) -> frozenset[str]:
         m = self.mask(_check_round(round))
-        return frozenset(d for d, on in zip(self.devices, m) if on)
+        return frozenset(self.devices[i] for i in np.flatnonzero(m).tolist())
 
     def expected_rate(self, device: str) -> float | None:
         """Long-run participation frequency of ``device`` (``None`` if not meaningful)."""
@@ -88,6 +95,25 @@ class ParticipationModel:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={self.num_devices}, seed={self.seed})"
+
+
+class _Positions(Mapping[str, int]):
+    """``device -> position`` of a :class:`DeviceIds`, computed (no table)."""
+
+    def __init__(self, ids: DeviceIds) -> None:
+        self.ids = ids
+
+    def __getitem__(self, device: str) -> int:
+        at = self.ids.position(device)
+        if at is None:
+            raise KeyError(device)
+        return at
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 def _per_device(name: str, value: Any, devices: tuple[str, ...]) -> np.ndarray:

@@ -28,13 +28,51 @@ devices into cells.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, Sequence, overload
 
 import numpy as np
 
 from protocols.seeding import rng
 
-__all__ = ["partition", "hierarchical_partition", "partition_hierarchy", "label_histogram", "SCHEMES"]
+__all__ = ["Parts", "partition", "hierarchical_partition", "partition_hierarchy", "label_histogram", "SCHEMES"]
+
+
+class Parts(Sequence[np.ndarray]):
+    """Index arrays of consecutive parts kept as one flat array and offsets: ``parts[i]`` is a view,
+    ``parts[a:b]`` a ``Parts`` over the same array, so a million devices cost two arrays, not a
+    million (the partitions of a population are index views)."""
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray) -> None:
+        self.flat, self.offsets = flat, offsets
+
+    @classmethod
+    def of(cls, parts: Sequence[np.ndarray]) -> "Parts":
+        sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+        flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if len(parts) else np.zeros(0, np.int64)
+        return cls(flat, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, i: slice) -> "Parts": ...
+
+    def __getitem__(self, i: int | slice) -> "np.ndarray | Parts":
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return Parts.of([self[j] for j in range(start, stop, step)])
+            return Parts(self.flat, self.offsets[start:max(start, stop) + 1])
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"part {i} of {n}")
+        i %= n
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
 
 SCHEMES = ("iid", "dirichlet", "shards")
 
@@ -68,18 +106,32 @@ def _check_alpha(name: str, alpha: Any) -> float:
     return a
 
 
-def _finish(parts: list[np.ndarray]) -> list[np.ndarray]:
-    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+def _finish(parts: list[np.ndarray]) -> Parts:
+    return Parts.of([np.sort(np.asarray(p, dtype=np.int64)) for p in parts])
 
 
 # ---------------------------------------------------------------------------------------------- schemes
-def _iid(y: np.ndarray, k: int, seed: int) -> list[np.ndarray]:
-    perm = rng(seed, "partition", "iid").permutation(y.size)
-    return _finish(np.array_split(perm, k))
+def _iid(y: np.ndarray, k: int, seed: int) -> Parts:
+    """``np.array_split`` of a seeded permutation into ``k`` parts, each sorted (in one vectorised sort)."""
+    n = y.size
+    perm = rng(seed, "partition", "iid").permutation(n)
+    sizes = np.full(k, n // k, dtype=np.int64)
+    sizes[: n % k] += 1  # array_split's sizes: the first n % k parts one larger
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    step = max(1, (1 << 20) // max(1, n // k))  # parts per block of about a million samples
+    for first in range(0, k, step):  # sort each part in place: key = (part in block) * n + index
+        last = min(k, first + step)
+        lo, hi = offsets[first], offsets[last]
+        block = np.repeat(np.arange(last - first, dtype=np.int64) * n, sizes[first:last])
+        block += perm[lo:hi]
+        block.sort()
+        block %= n
+        perm[lo:hi] = block
+    return Parts(perm, offsets)
 
 
 def _dirichlet(y: np.ndarray, k: int, alpha: float, min_size: int, max_attempts: int,
-               keys: tuple, alpha_name: str = "alpha") -> list[np.ndarray]:
+               keys: tuple, alpha_name: str = "alpha") -> Parts:
     """Dirichlet split of positions ``0..len(y)-1`` over ``k`` parts; draws from ``rng(*keys, attempt)``."""
     n = y.size
     if min_size * k > n:
@@ -118,7 +170,7 @@ def _apportion(counts: np.ndarray, total: int) -> np.ndarray:
     return share
 
 
-def _shards(y: np.ndarray, k: int, per_device: int, seed: int) -> list[np.ndarray]:
+def _shards(y: np.ndarray, k: int, per_device: int, seed: int) -> Parts:
     n_shards = k * per_device
     if n_shards > y.size:
         raise ValueError(f"shards_per_device ({per_device}) x num_devices ({k}) = {n_shards} shards "
@@ -155,7 +207,7 @@ def _take(params: dict[str, Any], scheme: str, allowed: dict[str, Any]) -> dict[
 
 
 
-def partition(labels: np.ndarray, num_devices: int, scheme: str, seed: int, **params: Any) -> list[np.ndarray]:
+def partition(labels: np.ndarray, num_devices: int, scheme: str, seed: int, **params: Any) -> Parts:
     """Split sample indices over ``num_devices``; returns one sorted index array per device.
 
     ``scheme``: ``iid``; ``dirichlet`` (``alpha``, ``min_size=1``, ``max_attempts=1000``); ``shards``
@@ -181,7 +233,7 @@ def partition(labels: np.ndarray, num_devices: int, scheme: str, seed: int, **pa
 
 def hierarchical_partition(labels: np.ndarray, cells: int, devices_per_cell: int, seed: int,
                            alpha_cells: float, alpha_devices: float, *, min_size: int = 1,
-                           max_attempts: int = 1000) -> list[list[np.ndarray]]:
+                           max_attempts: int = 1000) -> list[Parts]:
     """Dirichlet(``alpha_cells``) across cells, then Dirichlet(``alpha_devices``) within each cell.
 
     Returns ``parts[cell][device]`` (global, sorted index arrays). Each device gets ``>= min_size`` samples.
@@ -205,7 +257,7 @@ def hierarchical_partition(labels: np.ndarray, cells: int, devices_per_cell: int
 
 
 def partition_hierarchy(labels: np.ndarray, cells: int, devices_per_cell: int, scheme: str, seed: int,
-                        **params: Any) -> list[list[np.ndarray]]:
+                        **params: Any) -> list[Parts]:
     """``parts[cell][device]``: ``hierarchical`` (``alpha_cells``, ``alpha_devices``) or a flat scheme
     over ``cells * devices_per_cell`` devices grouped consecutively into cells."""
     c = _check_count("cells", cells)
@@ -213,10 +265,10 @@ def partition_hierarchy(labels: np.ndarray, cells: int, devices_per_cell: int, s
     if scheme == "hierarchical":
         return hierarchical_partition(labels, c, d, seed, **params)
     flat = partition(labels, c * d, scheme, seed, **params)
-    return [flat[i * d:(i + 1) * d] for i in range(c)]
+    return [flat[i * d:(i + 1) * d] for i in range(c)]  # views of one flat index array
 
 
-def label_histogram(labels: np.ndarray, parts: list[np.ndarray], num_classes: int | None = None) -> np.ndarray:
+def label_histogram(labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int | None = None) -> np.ndarray:
     """Counts ``[len(parts), num_classes]`` of each label in each part (int64)."""
     y = _check_labels(labels)
     k = int(num_classes) if num_classes is not None else (int(y.max()) + 1 if y.size else 0)

@@ -127,3 +127,16 @@ def test_subsample_and_errors():
     assert load_dataset("synthetic", n=500, max_train=0, max_test=0) is full  # 0: everything
     with pytest.raises(ValueError, match="max_train"):
         load_dataset("synthetic", max_train=-1)
+
+
+def test_synthetic_drawn_in_blocks_is_the_one_shot_draw():
+    """The block-wise draw (no float64 copy of a large set) gives exactly the numbers of one draw."""
+    from protocols.seeding import rng
+
+    n, dim, classes = 300_000, 7, 3  # more than one block
+    ds = load_dataset("synthetic", n=n, dim=dim, classes=classes, seed=4, n_test=10)
+    means = rng(4, "synthetic", "means").normal(0.0, 3.0, size=(classes, dim))
+    g = rng(4, "synthetic", "train")
+    y = g.permutation(np.arange(n) % classes)
+    x = (means[y] + g.normal(0.0, 1.0, size=(n, dim))).astype(np.float32)
+    assert np.array_equal(ds.y_train, y) and np.array_equal(ds.x_train, x)

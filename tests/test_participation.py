@@ -212,3 +212,21 @@ def test_bad_round_and_devices():
         Always(["a", "a"])
     with pytest.raises(ValueError, match="devices"):
         Always([])
+
+
+@pytest.mark.parametrize("spec", [
+    {"model": "uniform", "per_round": 7}, {"model": "bernoulli", "prob": 0.3},
+    {"model": "cyclic", "groups": 4, "period": 2, "per_round": 3}, {"model": "permutation", "per_round": 5},
+    {"model": "markov", "p_off": 0.3, "p_on": 0.4},
+])
+def test_a_topologys_computed_ids_draw_the_same_participants_as_a_list(spec):
+    """``TopologySection.devices()`` (ids made when read, for large populations) is the id list."""
+    from protocols.config import TopologySection
+    from sim.participation import make_participation
+
+    topo = TopologySection(cells=3, devices_per_cell=11)
+    lazy, listed = make_participation(spec, topo.devices(), 5), make_participation(spec, topo.all_devices(), 5)
+    assert all(lazy.participants(r) == listed.participants(r) for r in range(6))
+    assert lazy.expected_rate("c2-d10") == listed.expected_rate("c2-d10")
+    with pytest.raises(KeyError):
+        lazy.expected_rate("c3-d0")

@@ -156,3 +156,18 @@ def test_label_histogram():
 def test_validation(call, match):
     with pytest.raises(ValueError, match=match):
         call(_labels(100))
+
+
+@pytest.mark.parametrize("n, k", [(10, 3), (3_000_000, 7), (2_500_000, 1_000_000)])
+def test_iid_parts_are_views_of_one_array_equal_to_sorted_array_splits(n, k):
+    """The IID split is ``np.array_split`` of the seeded permutation with each part sorted, held as
+    one flat index array (parts are views; a million parts cost two arrays)."""
+    from protocols.seeding import rng
+    from sim.partition import Parts
+
+    parts = partition(np.zeros(n, dtype=np.int64), k, "iid", seed=3)
+    assert isinstance(parts, Parts) and len(parts) == k and parts.flat.size == n
+    expected = np.array_split(rng(3, "partition", "iid").permutation(n), k)
+    picks = range(k) if k < 100 else (0, 1, k // 2, k - 1)
+    assert all(np.array_equal(parts[i], np.sort(expected[i])) and parts[i].base is not None for i in picks)
+    assert all(np.array_equal(a, b) for a, b in zip(parts[2:5], parts[2:5][0:3]))

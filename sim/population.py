@@ -1,0 +1,144 @@
+"""The device agents of ``fedtier sim``, built when a device is first needed: a population costs what is active.
+
+A device that takes no part in a round holds nothing: no agent, messenger, role, data copy or hub
+connection. The first task published to a device's topic builds its agent (one wildcard subscription
+of the population sees it), which takes that task at once and subscribes its own topic for the next
+ones, so delivery order and every message are those of a population built up front. When a new cloud
+round starts (the retained round manifest), idle agents are dropped; an algorithm whose devices keep
+state across rounds (``Algorithm.devices_keep_state``: DeComFL's replicas) keeps them, and an agent
+that code outside asked for by id (``population[device]``, as tests do to tamper with a device)
+stays until the end.
+
+The sim's devices do not announce themselves (the cells count them online: nobody disconnects in a
+simulation unless made to); an agent connects with the offline status as its last will, so a
+device that is made to crash is seen offline, as under MQTT.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping
+
+from edge_agent.agent import DeviceAgent
+from edge_agent.node import build_agent
+from protocols.algorithms.base import Algorithm
+from protocols.config import RunConfig
+from protocols.status import encode_status
+from protocols.trainer import LocalData, Trainer
+from protocols.transport.base import Will
+from protocols.transport.memory import MemoryHub
+from protocols.wire import topics
+
+TRAFFIC = ("bytes_in", "bytes_out", "tasks")
+
+
+class Population(Mapping[str, DeviceAgent]):
+    """Every device of the topology by id; an agent exists only while its device is needed.
+
+    Iterating yields device ids without building anything; ``population[device]`` builds (and keeps)
+    that device's agent; :meth:`built` is the agents that exist now."""
+
+    def __init__(self, cfg: RunConfig, hub: MemoryHub, algorithm: Algorithm, data: Mapping[str, LocalData],
+                 trainer_for: Callable[[str], Trainer], configure: Callable[[DeviceAgent], None]) -> None:
+        """``trainer_for(device)``: its trainer (shared ones are fine: roles hold no trainer state);
+        ``configure(agent)``: runs on each new agent before it takes a task (executor, clock)."""
+        self.cfg, self.hub, self.algorithm, self.data = cfg, hub, algorithm, data
+        self.trainer_for, self.configure = trainer_for, configure
+        self.run = cfg.run.name
+        self._agents: dict[str, DeviceAgent] = {}
+        self._kept: set[str] = set()  # asked for from outside: never dropped
+        self._traffic: dict[str, dict[str, int]] = {}  # of dropped agents
+        self._started = False
+        self._announced: set[str] = set()
+        self._listener = hub.connect("population")
+        self._listener.subscribe(topics.device_task(self.run, "+", "+"), self._on_task)
+        self._listener.subscribe(topics.round_manifest(self.run), lambda _t, _d: self.drop_idle())
+
+    # ------------------------------------------------------------------ Mapping over the topology
+    def __getitem__(self, device: str) -> DeviceAgent:
+        if not isinstance(device, str) or self.cfg.topology.cell_of(device) is None:
+            raise KeyError(device)
+        self._kept.add(device)
+        return self._need(device)
+
+    def __iter__(self) -> Iterator[str]:
+        topo = self.cfg.topology
+        return (d for c in topo.cell_ids() for d in topo.device_ids(c))
+
+    def __len__(self) -> int:
+        return self.cfg.topology.cells * self.cfg.topology.devices_per_cell
+
+    def __contains__(self, device: object) -> bool:
+        return isinstance(device, str) and self.cfg.topology.cell_of(device) is not None
+
+    # ------------------------------------------------------------------ lifecycle
+    def built(self) -> list[DeviceAgent]:
+        """The agents that exist now."""
+        return list(self._agents.values())
+
+    def active(self) -> Mapping[str, DeviceAgent]:
+        """The agents that exist, by device (a live view; reading it builds nothing)."""
+        return self._agents
+
+    def start(self) -> None:
+        """Start the agents asked for before the run (they announce themselves, as deployed agents do)."""
+        self._started = True
+        self._announced = set(self._agents)
+        for agent in self.built():
+            agent.start()
+
+    def stop(self) -> None:
+        """Agents that announced themselves say offline; the others just disconnect (cleanly)."""
+        for d, agent in self._agents.items():
+            if d in self._announced:
+                agent.stop()
+            else:
+                agent.transport.close()
+        self._listener.close()
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes in and out and tasks of every device that existed during the run, in topology order."""
+        out = {d: dict(t) for d, t in self._traffic.items()}
+        for d, a in self._agents.items():
+            mine = out.setdefault(d, dict.fromkeys(TRAFFIC, 0))
+            for key, value in zip(TRAFFIC, (a.bytes_in, a.bytes_out, a.tasks_done)):
+                mine[key] += value
+        return dict(sorted(out.items(), key=lambda item: _order(item[0])))
+
+    def drop_idle(self) -> None:
+        """Drop the agents with nothing in flight, unless their devices keep state or they were asked for."""
+        if self.algorithm.devices_keep_state:
+            return
+        for d, agent in list(self._agents.items()):
+            if d in self._kept or agent.pending or not agent.transport.connected:
+                continue
+            tally = self._traffic.setdefault(d, dict.fromkeys(TRAFFIC, 0))
+            for key, value in zip(TRAFFIC, (agent.bytes_in, agent.bytes_out, agent.tasks_done)):
+                tally[key] += value
+            agent.transport.close()
+            del self._agents[d]
+
+    # ------------------------------------------------------------------ building
+    def _need(self, device: str) -> DeviceAgent:
+        agent = self._agents.get(device)
+        if agent is None:
+            node = topics.device_node(device)
+            will = Will(topics.status(self.run, node), encode_status("offline"), retain=True)
+            agent = build_agent(self.cfg, device, self.hub.connect(node, will=will), self.algorithm,
+                                self.data[device], self.trainer_for(device))
+            self.configure(agent)
+            self._agents[device] = agent
+            if self._started:
+                agent.attach(agent.transport)
+        return agent
+
+    def _on_task(self, topic: str, data: bytes) -> None:
+        """A task for a device: the first one builds its agent, which takes it at once."""
+        parts = topic.split("/")
+        device, cell = parts[-2], parts[-4]
+        if device in self._agents or self.cfg.topology.cell_of(device) != cell:
+            return  # its agent has its own subscription; or no such device in that cell (nobody gets it)
+        self._need(device).receive_task(topic, data)
+
+
+def _order(device: str) -> tuple[int, int]:
+    cell, _, j = device.rpartition("-d")
+    return int(cell[1:]), int(j)

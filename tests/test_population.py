@@ -1,0 +1,73 @@
+"""A simulated population costs what is active: agents built on a device's first task, dropped when idle."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from protocols import runfiles
+from protocols.checkpoint import load_params
+from sim.launcher import SimHierarchy
+
+
+def partial(make_config, tmp_path, name: str, **sections):
+    return make_config(run={"rounds": 4, "output": str(tmp_path / name)}, topology={"cells": 2, "devices_per_cell": 6},
+                       participation={"model": "uniform", "per_round": 3}, **sections)
+
+
+def run_counting_agents(sim: SimHierarchy) -> tuple[list[int], object]:
+    """Run; return how many agents existed when each cloud round closed, and the result."""
+    alive: list[int] = []
+    sim.cloud.on_round = lambda record: alive.append(len(sim.agents.built()))
+    return alive, sim.run()
+
+
+def test_lazy_population_gives_the_eager_model_and_records_byte_for_byte(make_config, tmp_path):
+    lazy = SimHierarchy(partial(make_config, tmp_path, "lazy"))
+    assert lazy.agents.built() == [] and len(lazy.agents) == 12  # nothing built before a task
+    alive, lazy_result = run_counting_agents(lazy)
+    eager = SimHierarchy(partial(make_config, tmp_path, "eager"))
+    for device in eager.agents:  # every device built up front, announced, kept (what the sim did before)
+        eager.agents[device]
+    eager_alive, eager_result = run_counting_agents(eager)
+
+    a, b = (load_params(tmp_path / n / runfiles.FINAL_MODEL) for n in ("lazy", "eager"))
+    assert all(a[k].tobytes() == b[k].tobytes() for k in b)
+    strip = lambda records: [{k: v for k, v in r.items() if k not in ("time", "duration_s")} for r in records]  # noqa: E731
+    assert strip(lazy_result.cell_records) == strip(eager_result.cell_records)
+    assert [h["cumulative_bytes"] for h in lazy_result.history] == [h["cumulative_bytes"] for h in eager_result.history]
+    active = {d: t for d, t in eager_result.device_traffic.items() if t["tasks"]}
+    assert lazy_result.device_traffic == active and len(active) < 12
+    # idle agents are dropped when the next round begins: only the round's 3 devices exist when it
+    # closes; the eager run held all 12 throughout
+    assert eager_alive == [12] * 4 and alive == [3] * 4
+
+
+def test_devices_that_keep_state_keep_their_agents(make_config, tmp_path):
+    cfg = partial(make_config, tmp_path, "decomfl",
+                  algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2, "lr": 0.02,
+                             "mu": 1e-3, "batch_size": 16})
+    sim = SimHierarchy(cfg, write_output=False)
+    alive, result = run_counting_agents(sim)
+    took_part = {d for r in result.cell_records for d in r["planned"]}
+    assert alive == sorted(alive) and alive[-1] == len(took_part)  # never dropped: replicas live on
+    assert {a.device for a in sim.agents.built()} == took_part
+
+
+def test_large_populations_count_absent_devices_instead_of_listing_them(make_config, tmp_path):
+    cfg = partial(make_config, tmp_path, "counted", runtime={"absent_ids": 2})
+    SimHierarchy(cfg).run()
+    records = [json.loads(line) for line in (tmp_path / "counted" / runfiles.AGGREGATION).read_text().splitlines()]
+    for r in records:
+        sitting_out = 6 - len(r["planned"])
+        if sitting_out > 2:  # too many to name: counted only
+            assert r["absent_counts"] == {"not participating": sitting_out} and r["absent"] == {}
+        else:
+            assert "absent_counts" not in r and len(r["absent"]) == sitting_out
+    assert any("absent_counts" in r for r in records)
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    out = CliRunner().invoke(main, ["logs", str(tmp_path / "counted")])
+    assert out.exit_code == 0 and "not participating" in out.output
