@@ -47,13 +47,13 @@ class DeviceData(Mapping[str, LocalData]):
         return LocalData(self.ds.x_train[idx], self.ds.y_train[idx])
 
     def __iter__(self) -> Iterator[str]:
-        return (d for c in self.topology.cell_ids() for d in self.topology.device_ids(c))
+        return iter(self.topology.devices())
 
     def __len__(self) -> int:
-        return self.topology.cells * self.topology.devices_per_cell
+        return len(self.topology.devices())
 
     def __contains__(self, device: object) -> bool:
-        return isinstance(device, str) and self.topology.cell_of(device) is not None
+        return device in self.topology.devices()
 
 
 def prepare(cfg: RunConfig) -> Prepared:

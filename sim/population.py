@@ -60,14 +60,13 @@ class Population(Mapping[str, DeviceAgent]):
         return self._need(device)
 
     def __iter__(self) -> Iterator[str]:
-        topo = self.cfg.topology
-        return (d for c in topo.cell_ids() for d in topo.device_ids(c))
+        return iter(self.cfg.topology.devices())
 
     def __len__(self) -> int:
-        return self.cfg.topology.cells * self.cfg.topology.devices_per_cell
+        return len(self.cfg.topology.devices())
 
     def __contains__(self, device: object) -> bool:
-        return isinstance(device, str) and self.cfg.topology.cell_of(device) is not None
+        return device in self.cfg.topology.devices()
 
     # ------------------------------------------------------------------ lifecycle
     def built(self) -> list[DeviceAgent]:
@@ -101,7 +100,8 @@ class Population(Mapping[str, DeviceAgent]):
             mine = out.setdefault(d, dict.fromkeys(TRAFFIC, 0))
             for key, value in zip(TRAFFIC, (a.bytes_in, a.bytes_out, a.tasks_done)):
                 mine[key] += value
-        return dict(sorted(out.items(), key=lambda item: _order(item[0])))
+        ids = self.cfg.topology.devices()
+        return dict(sorted(out.items(), key=lambda item: ids.position(item[0]) or 0))
 
     def drop_idle(self) -> None:
         """Drop the agents with nothing in flight, unless their devices keep state or they were asked for."""
@@ -137,8 +137,3 @@ class Population(Mapping[str, DeviceAgent]):
         if device in self._agents or self.cfg.topology.cell_of(device) != cell:
             return  # its agent has its own subscription; or no such device in that cell (nobody gets it)
         self._need(device).receive_task(topic, data)
-
-
-def _order(device: str) -> tuple[int, int]:
-    cell, _, j = device.rpartition("-d")
-    return int(cell[1:]), int(j)
