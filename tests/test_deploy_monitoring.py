@@ -1,0 +1,103 @@
+"""deploy/: the Grafana dashboard and the Prometheus alert rules parse (promtool), the alerts fire when
+they should (promtool's rule unit tests), and every metric they name is one the exporter serves."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from monitor.exporter import AgentCollector, MetricsExporter
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "fedtier-dashboard.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian: prometheus)")
+# Grafana's template variables, as a dashboard user may set them
+VARIABLES = {"$__rate_interval": "1m", "$run": ".*", "$cell": ".*", "$topn": "10"}
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 20 and all(exprs)
+    out = []
+    for expr in exprs:
+        for var, value in VARIABLES.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, f"unknown template variable in {expr}"
+        out.append(expr)
+    return out
+
+
+def alert_exprs() -> list[str]:
+    return [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
+
+
+def served_names() -> set[str]:
+    """Every sample name the exporter and an agent process serve, each metric given a value."""
+    exporter = MetricsExporter("r")
+    exporter.observe({"schema": 1, "event": "aggregation", "run": "r", "round": 0, "edge_round": 0, "cell": "c0",
+                      "algorithm": "fedavg", "closed_by": "deadline", "duration_s": 0.1, "planned": ["c0-d0"],
+                      "answered": ["c0-d0"], "absent": {"c0-d1": "offline"}, "bytes_in": 5, "bytes_out": 7,
+                      "loss_mean": 1.0, "loss_std": 0.1, "deadline_s": 5.0, "time": 1.0,
+                      "rejected": [{"device": "c0-d2", "reason": "stale"}]})
+    exporter.observe({"schema": 1, "event": "round", "run": "r", "round": 0, "rounds": 2, "closed_by": "deadline",
+                      "duration_s": 1.0, "cells_planned": ["c0", "c1"], "cells_reported": ["c0"],
+                      "cells_absent": ["c1"], "bytes": {"cloud_to_cell": 1}, "accuracy": 0.5, "loss": 1.0,
+                      "rejected": [{"from": "c1", "reason": "stale"}], "time": 1.0})
+    exporter.watch_cell(SimpleNamespace(observers=[], cell="c0", online={"c0-d0": True}, devices=["c0-d0"],
+                                        device_deadline=5.0))
+    exporter.watch_cloud(SimpleNamespace(observers=[], cell_deadline=10.0, rounds=2))
+    agent = SimpleNamespace(agents={"c0-d0": SimpleNamespace(tasks_done=3)}, train_seconds=1.5,
+                            connections={"c0-d0": 2})
+    exporter.registry.register(AgentCollector("r", agent))
+    return {s.name for family in exporter.registry.collect() for s in family.samples}
+
+
+def test_the_dashboard_and_the_alerts_name_only_metrics_the_exporter_serves() -> None:
+    served = served_names()
+    used = {name for expr in dashboard_exprs() + alert_exprs() for name in re.findall(r"\bfedtier_[a-z_]+", expr)}
+    assert len(used) >= 20
+    assert used <= served, f"not served: {sorted(used - served)}"
+    assert {"fedtier_agent_tasks_total", "fedtier_agent_reconnects_total"} <= served
+
+
+@needs_promtool
+def test_every_expression_of_the_dashboard_and_the_alert_rules_parses(tmp_path: Path) -> None:
+    checked = promtool("check", "rules", str(ALERTS))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 7 rules found" in checked.stdout
+    # the dashboard's queries, as recording rules, so that promtool parses each one
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": expr}
+                                                        for i, expr in enumerate(dashboard_exprs())]}]}
+    (tmp_path / "dashboard.yml").write_text(yaml.safe_dump(rules))
+    checked = promtool("check", "rules", str(tmp_path / "dashboard.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # and promtool does refuse a query that does not parse
+    rules["groups"][0]["rules"].append({"record": "dashboard:broken", "expr": "sum by (run (fedtier_cloud_round)"})
+    (tmp_path / "broken.yml").write_text(yaml.safe_dump(rules))
+    assert promtool("check", "rules", str(tmp_path / "broken.yml")).returncode != 0
+
+
+@needs_promtool
+def test_the_alerts_fire_on_a_silent_cell_a_participation_drop_rejections_and_an_overdue_round() -> None:
+    tested = promtool("test", "rules", str(DEPLOY / "prometheus" / "alerts_test.yml"))
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert "SUCCESS" in tested.stdout
+
+
+@needs_promtool
+def test_the_example_prometheus_config_is_valid() -> None:
+    checked = promtool("check", "config", str(DEPLOY / "prometheus" / "prometheus.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
