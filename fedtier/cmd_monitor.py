@@ -29,20 +29,30 @@ from fedtier.console import fail
               help="Flag a cell whose participation falls below this fraction of its recent mean.")
 @click.option("--exit-when-done", is_flag=True, help="Leave once the cloud's last round is in.")
 @click.option("--width", type=int, default=None, help="Frame width for --once (default: the terminal's).")
+@click.option("--top", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Rows at most; with more cells, those that matter most (see --sort).")
+@click.option("--sort", type=click.Choice(["severity", "lag", "drop", "silent", "name"]), default=None,
+              help="Row order (default: name when every cell fits, else severity: silent, offline, drop, then lag).")
+@click.option("--cell", "patterns", multiple=True, metavar="GLOB", help="Only cells matching (e.g. 'c1*'; repeatable).")
+@click.option("--state", "states", multiple=True, type=click.Choice(["silent", "offline", "drop", "waiting", "ok"]),
+              help="Only cells in this state (repeatable).")
 def monitor(run_dir: str | None, broker: str | None, run_name: str | None, username: str | None,
             password: str | None, once: bool, wait: float, refresh: float, deadline: float | None,
-            drop_ratio: float, exit_when_done: bool, width: int | None) -> None:
+            drop_ratio: float, exit_when_done: bool, width: int | None, top: int, sort: str | None,
+            patterns: tuple[str, ...], states: tuple[str, ...]) -> None:
     """Watch a run's cells: participation, bytes, loss, lag behind the cloud, alerts.
 
     Follow a run folder (RUN_DIR, tailing its JSON-lines logs) or a live run's telemetry topics
-    (--broker mqtt://host:port --run NAME). Ctrl-C leaves.
+    (--broker mqtt://host:port --run NAME). A summary line counts the cells per state; with many cells
+    the table shows the --top that matter most (--sort, --cell, --state narrow it). Ctrl-C leaves.
     """
     from monitor.sources import RunDirFollower, TelemetryFeed, wait_quiet
-    from monitor.view import MonitorState, render
+    from monitor.view import CellFilter, MonitorState, render
 
     if (run_dir is None) == (broker is None):
         fail("give either RUN_DIR or --broker URL --run NAME", 2)
     state = MonitorState(drop_ratio=drop_ratio, deadline=deadline)
+    flt = CellFilter(patterns=patterns, states=states, top=top, sort=sort)
     feed: RunDirFollower | TelemetryFeed
     if broker is not None:
         if not run_name:
@@ -82,12 +92,12 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, usern
             if isinstance(feed, TelemetryFeed):
                 wait_quiet(feed, quiet=min(1.0, wait), timeout=wait)
             pull()
-            out.print(render(state))
+            out.print(render(state, flt=flt))
             return
-        with Live(render(state), console=out, auto_refresh=False, transient=False) as live:
+        with Live(render(state, flt=flt), console=out, auto_refresh=False, transient=False) as live:
             while True:
                 pull()
-                live.update(render(state), refresh=True)
+                live.update(render(state, flt=flt), refresh=True)
                 if exit_when_done and state.finished:
                     return
                 time.sleep(refresh)

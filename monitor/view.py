@@ -3,13 +3,16 @@
 :class:`MonitorState` folds cell aggregation records and cloud round records (``protocols.records``),
 plus liveness statuses, into one row per cell; :meth:`MonitorState.alerts` names the cells that fell
 silent for longer than their deadline, whose participation dropped, or that had results rejected.
-:func:`render` turns the state into a rich renderable for a given wall-clock ``now``. No I/O here.
+:func:`render` turns the state into a rich renderable for a given wall-clock ``now``: a summary line,
+and the rows of the cells that matter most (all of them when they fit in ``top``), so that a fleet of
+a thousand cells stays readable; :class:`CellFilter` narrows the rows to some cells or states. No I/O here.
 """
 from __future__ import annotations
 
+import fnmatch
 import io
 import time as _time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -21,6 +24,10 @@ from rich.text import Text
 from protocols.records import BadLine, CellRecord, Record, RoundRecord
 
 SPARK = "▁▂▃▄▅▆▇█"
+STATES = ("silent", "offline", "drop", "waiting", "ok")
+"""A cell's state in the monitor, most serious first."""
+SORTS = ("severity", "lag", "drop", "silent", "name")
+GROUP_ALERTS = 5  # more cells than this with the same alert: one line for all of them
 
 
 @dataclass
@@ -58,6 +65,7 @@ class MonitorState:
     accuracy: list[tuple[int, float]] = field(default_factory=list)
     bad: list[BadLine] = field(default_factory=list)
     finished: bool = False
+    _max_round: int | None = None
 
     # ------------------------------------------------------------------ feeding
     def add(self, record: Record, received: float | None = None) -> None:
@@ -69,6 +77,7 @@ class MonitorState:
             view = self._cell(record.cell)
             if view.last is None or (record.round, record.edge_round) >= (view.last.round, view.last.edge_round):
                 view.last = record
+                self._seen_round(record.round)
             view.records += 1
             view.rejected_total += len(record.rejected)
             if record.coverage is not None:
@@ -77,6 +86,7 @@ class MonitorState:
             return
         if self.cloud is None or record.round >= self.cloud.round:
             self.cloud, self.cloud_seen = record, seen
+            self._seen_round(record.round)
         for cell in record.cells_planned:
             self._cell(cell)
         if record.accuracy is not None:
@@ -97,6 +107,9 @@ class MonitorState:
             if received is not None and view.last_seen is None:
                 view.last_seen = received
 
+    def _seen_round(self, rnd: int) -> None:
+        self._max_round = rnd if self._max_round is None else max(self._max_round, rnd)
+
     def _cell(self, cell: str) -> CellView:
         if cell not in self.cells:
             self.cells[cell] = CellView(cell)
@@ -106,10 +119,7 @@ class MonitorState:
     @property
     def current_round(self) -> int | None:
         """The most advanced cloud round any record mentions."""
-        rounds = [v.round for v in self.cells.values() if v.round is not None]
-        if self.cloud is not None:
-            rounds.append(self.cloud.round)
-        return max(rounds) if rounds else None
+        return self._max_round
 
     def lag(self, view: CellView) -> int | None:
         """Cloud rounds the cell is behind the most advanced round."""
@@ -132,26 +142,53 @@ class MonitorState:
         mean = sum(before) / len(before)
         return (latest, mean) if latest < self.drop_ratio * mean else None
 
+    def state_of(self, view: CellView, now: float) -> str:
+        """The cell's state, one of :data:`STATES`."""
+        if self.silent(view, now) is not None:
+            return "silent"
+        if view.online is False and not self.finished:
+            return "offline"
+        if self.dropped(view) is not None:
+            return "drop"
+        return "waiting" if view.last is None else "ok"
+
     def alerts(self, now: float) -> list[str]:
-        """Human-readable alerts, most serious first."""
-        out: list[str] = []
+        """Human-readable alerts, most serious first; more than :data:`GROUP_ALERTS` cells with the same
+        alert make one line (the worst first)."""
+        silent: list[tuple[float, str, str]] = []
+        offline: list[tuple[float, str, str]] = []
+        drops: list[tuple[float, str, str]] = []
+        rejects: list[tuple[float, str, str]] = []
         for cell, view in sorted(self.cells.items()):
             quiet = self.silent(view, now)
             if quiet is not None:
-                out.append(f"cell {cell} silent for {quiet:.0f} s (deadline "
-                           f"{self.deadline if self.deadline is not None else view.last.deadline_s:g} s)")
+                silent.append((-quiet, cell, f"cell {cell} silent for {quiet:.0f} s (deadline "
+                               f"{self.deadline if self.deadline is not None else view.last.deadline_s:g} s)"))
             if view.online is False and not self.finished:
-                out.append(f"cell {cell} is offline")
+                offline.append((0.0, cell, f"cell {cell} is offline"))
             drop = self.dropped(view)
             if drop is not None:
-                out.append(f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)")
+                drops.append((drop[0] / drop[1], cell,
+                              f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)"))
             if view.last is not None and view.last.rejected:
                 reasons = sorted({r.reason for r in view.last.rejected})
-                out.append(f"cell {cell} rejected {len(view.last.rejected)} result(s) in round "
-                           f"{view.last.round}.{view.last.edge_round}: {'; '.join(reasons)[:120]}")
+                rejects.append((-len(view.last.rejected), cell,
+                                f"cell {cell} rejected {len(view.last.rejected)} result(s) in round "
+                                f"{view.last.round}.{view.last.edge_round}: {'; '.join(reasons)[:120]}"))
+        out: list[str] = []
+        for what, found in (("silent", silent), ("offline", offline), ("with a participation drop", drops),
+                            ("with rejected results", rejects)):
+            if len(found) <= GROUP_ALERTS:
+                out += [line for _, _, line in found]
+            else:
+                found.sort()
+                names = ", ".join(cell for _, cell, _ in found[:GROUP_ALERTS])
+                out.append(f"{len(found)} cells {what}: {names}, ... (worst: {found[0][2]})")
         if self.cloud is not None and self.cloud.cells_absent:
-            out.append(f"cloud round {self.cloud.round} closed by {self.cloud.closed_by} without "
-                       f"{', '.join(self.cloud.cells_absent)}")
+            absent = self.cloud.cells_absent
+            names = ", ".join(absent[:GROUP_ALERTS]) + (f", ... ({len(absent)} cells)" if len(absent) > GROUP_ALERTS
+                                                        else "")
+            out.append(f"cloud round {self.cloud.round} closed by {self.cloud.closed_by} without {names}")
         if self.bad:
             out.append(f"{len(self.bad)} invalid record(s), last: {self.bad[-1]}")
         return out
@@ -184,27 +221,77 @@ def _ago(now: float, then: float | None) -> str:
     return f"{s:.1f} s ago" if s < 60 else f"{s / 60:.1f} min ago" if s < 3600 else f"{s / 3600:.1f} h ago"
 
 
-def cell_table(state: MonitorState, now: float) -> Table:
+_STATE_STYLE = {"silent": ("SILENT", "bold red"), "offline": ("offline", "red"), "drop": ("DROP", "bold yellow"),
+                "waiting": ("waiting", "dim"), "ok": ("ok", "green")}
+
+
+@dataclass(frozen=True)
+class CellFilter:
+    """Which cells the table shows, and how many: ``patterns`` (globs on the cell id, any matches),
+    ``states`` (of :data:`STATES`), at most ``top`` rows ordered by ``sort`` (one of :data:`SORTS`;
+    default: by name when every selected cell fits, else by severity)."""
+
+    patterns: tuple[str, ...] = ()
+    states: tuple[str, ...] = ()
+    top: int = 20
+    sort: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.top < 1:
+            raise ValueError("top must be at least 1")
+        if self.sort is not None and self.sort not in SORTS:
+            raise ValueError(f"sort must be one of {', '.join(SORTS)}")
+        if set(self.states) - set(STATES):
+            raise ValueError(f"states must be among {', '.join(STATES)}")
+
+
+@dataclass
+class _Row:
+    view: CellView
+    state: str
+    lag: int | None
+    quiet: float  # seconds since last seen (0: never seen)
+    drop: float  # latest / mean participation (1: no drop known)
+
+
+def _rows(state: MonitorState, now: float, flt: CellFilter) -> tuple[list[_Row], int]:
+    """The rows to show, and how many cells the filter selected."""
+    rows = []
+    for cell, view in state.cells.items():
+        if flt.patterns and not any(fnmatch.fnmatchcase(cell, p) for p in flt.patterns):
+            continue
+        st = state.state_of(view, now)
+        if flt.states and st not in flt.states:
+            continue
+        drop = state.dropped(view)
+        rows.append(_Row(view, st, state.lag(view), now - view.last_seen if view.last_seen is not None else 0.0,
+                         drop[0] / drop[1] if drop else 1.0))
+    sort = flt.sort or ("name" if len(rows) <= flt.top else "severity")
+    keys = {
+        "name": lambda r: r.view.cell,
+        "severity": lambda r: (STATES.index(r.state), -(r.lag or 0), r.drop, -r.quiet, r.view.cell),
+        "lag": lambda r: (-(r.lag or 0), r.view.cell),
+        "drop": lambda r: (r.drop, r.view.cell),
+        "silent": lambda r: (-r.quiet, r.view.cell),
+    }
+    rows.sort(key=keys[sort])
+    return rows[:flt.top], len(rows)
+
+
+def cell_table(state: MonitorState, now: float, flt: CellFilter | None = None) -> Table:
+    """The cells selected by ``flt`` (default: the 20 that matter most), and a last row for the others."""
+    flt = flt or CellFilter()
     table = Table(expand=False, header_style="bold")
     for name, justify in (("cell", "left"), ("round", "right"), ("answered", "right"), ("bytes in/out", "right"),
                           ("loss", "right"), ("lag", "right"), ("closed by", "left"), ("last seen", "right"),
                           ("state", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for cell, view in sorted(state.cells.items()):
-        rec = view.last
-        lag = state.lag(view)
-        if state.silent(view, now) is not None:
-            status = Text("SILENT", style="bold red")
-        elif view.online is False and not state.finished:
-            status = Text("offline", style="red")
-        elif state.dropped(view) is not None:
-            status = Text("DROP", style="bold yellow")
-        elif rec is None:
-            status = Text("waiting", style="dim")
-        else:
-            status = Text("ok", style="green")
+    rows, selected = _rows(state, now, flt)
+    for row in rows:
+        view, rec, lag = row.view, row.view.last, row.lag
+        status = Text(*_STATE_STYLE[row.state])
         if rec is None:
-            table.add_row(cell, "-", "-", "-", "-", str(lag) if lag is not None else "-", "-",
+            table.add_row(view.cell, "-", "-", "-", "-", str(lag) if lag is not None else "-", "-",
                           _ago(now, view.last_seen), status)
             continue
         part = rec.participation
@@ -212,10 +299,28 @@ def cell_table(state: MonitorState, now: float) -> Table:
             f" of {rec.cell_size}" if rec.cell_size != len(rec.planned) else "")
         loss = "-" if rec.loss_mean is None else f"{rec.loss_mean:.4f}" + (
             f" ± {rec.loss_std:.3f}" if rec.loss_std is not None else "")
-        table.add_row(cell, f"{rec.round}.{rec.edge_round}", answered,
+        table.add_row(view.cell, f"{rec.round}.{rec.edge_round}", answered,
                       f"{human_bytes(rec.bytes_in)} / {human_bytes(rec.bytes_out)}", loss,
                       Text(str(lag), style="yellow" if lag else ""), rec.closed_by, _ago(now, view.last_seen), status)
+    if selected > len(rows):
+        table.add_row(Text(f"... {selected - len(rows)} more", style="dim"), *[""] * 8)
     return table
+
+
+def summary_line(state: MonitorState, now: float) -> Text:
+    """Counts of cells per state, devices answered in the cells' latest aggregations, the largest lag."""
+    views = list(state.cells.values())
+    counts = Counter(state.state_of(v, now) for v in views)
+    text = Text.assemble(("cells ", "bold"), f"{len(views)}: ")
+    text.append(", ".join(f"{counts[s]} {s}" for s in STATES if counts[s]) or "none")
+    answered = sum(len(v.last.answered) for v in views if v.last is not None)
+    planned = sum(len(v.last.planned) for v in views if v.last is not None)
+    if planned:
+        text.append(f"  devices answered {answered}/{planned} ({answered / planned:.0%})")
+    lags = [lag for v in views if (lag := state.lag(v))]
+    if lags:
+        text.append(f"  behind: {len(lags)} cells, up to {max(lags)} rounds", style="yellow")
+    return text
 
 
 def cloud_line(state: MonitorState, now: float) -> Text:
@@ -238,19 +343,20 @@ def cloud_line(state: MonitorState, now: float) -> Text:
     return text
 
 
-def render(state: MonitorState, now: float | None = None) -> Group:
-    """The monitor frame: header, cloud line, one row per cell, alerts."""
+def render(state: MonitorState, now: float | None = None, flt: CellFilter | None = None) -> Group:
+    """The monitor frame: header, cloud line, cell summary, the rows ``flt`` selects, alerts."""
     now = _time.time() if now is None else now
     alerts = state.alerts(now)
     alert_text = Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
     title = f"fedtier monitor: {state.run or '?'}  ({len(state.cells)} cells)"
-    return Group(Panel(Group(cloud_line(state, now), cell_table(state, now)), title=title, title_align="left",
-                       expand=False),
+    body = Group(cloud_line(state, now), summary_line(state, now), cell_table(state, now, flt))
+    return Group(Panel(body, title=title, title_align="left", expand=False),
                  Panel(alert_text, title="alerts", title_align="left", expand=False))
 
 
-def render_text(state: MonitorState, now: float | None = None, width: int = 140) -> str:
+def render_text(state: MonitorState, now: float | None = None, width: int = 140,
+                flt: CellFilter | None = None) -> str:
     """The frame as plain text (for ``--once`` in scripts and for tests)."""
     console = Console(width=width, file=io.StringIO(), color_system=None)
-    console.print(render(state, now))
+    console.print(render(state, now, flt))
     return console.file.getvalue()  # type: ignore[attr-defined]

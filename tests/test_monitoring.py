@@ -21,7 +21,7 @@ from protocols import runfiles  # noqa: E402
 from protocols.records import CellRecord, RoundRecord, parse_record, read_records, read_run  # noqa: E402
 from sim.launcher import SimHierarchy  # noqa: E402
 from monitor.sources import RunDirFollower, TelemetryFeed  # noqa: E402
-from monitor.view import MonitorState, render_text  # noqa: E402
+from monitor.view import CellFilter, MonitorState, render_text  # noqa: E402
 from monitor.report import load_run, participation_matrix, write_report  # noqa: E402
 
 
@@ -280,3 +280,65 @@ def test_monitor_follows_a_live_fedtier_run_over_mqtt(tmp_path):
 
 def state_count(state: MonitorState) -> int:
     return sum(v.records for v in state.cells.values()) + (state.cloud.round + 1 if state.cloud else 0)
+
+
+def _fleet(cells: int = 1000) -> list[CellRecord | RoundRecord]:
+    """Synthetic records of a 1,000-cell run at round 3: c0000-c0009 silent since t=10, c0010-c0019 with a
+    participation drop, c0020-c0024 two rounds behind (and quiet, but not past their deadline)."""
+    out: list[CellRecord | RoundRecord] = []
+    for i in range(cells):
+        cell = f"c{i:04d}"
+        last = 1 if i < 10 or 20 <= i < 25 else 3
+        for rnd in range(last + 1):
+            t = 10.0 if i < 10 else 60.0 + rnd
+            out.append(_cell(rnd, cell, 1 if 10 <= i < 20 and rnd == 3 else 4, t))
+    out.append(RoundRecord(run="live", round=3, rounds=10, closed_by="deadline",
+                           cells_planned=[f"c{i:04d}" for i in range(cells)],
+                           cells_reported=[f"c{i:04d}" for i in range(25, cells)],
+                           cells_absent=[f"c{i:04d}" for i in range(25)], duration_s=1.0, accuracy=0.5))
+    return out
+
+
+def _rows(text: str) -> list[str]:
+    return re.findall(r"│ (c\d{4}) ", text)
+
+
+def test_monitor_stays_readable_at_a_thousand_cells():
+    state = MonitorState()
+    state.add_all(_fleet())
+    now = 70.0
+    text = render_text(state, now=now, width=160)
+    assert "(1000 cells)" in text
+    assert "cells 1000: 10 silent, 10 drop, 980 ok" in text
+    assert "devices answered 3970/4000 (99%)" in text and "behind: 15 cells, up to 2 rounds" in text
+    # 20 rows, the worst first: the silent cells, then the drops; the rest summed up in one row
+    assert _rows(text) == [f"c{i:04d}" for i in range(20)]
+    assert "... 980 more" in text
+    assert len(text.splitlines()) < 45  # a frame, not a scroll of 1,000 rows
+    alerts = state.alerts(now)
+    assert len(alerts) == 3  # one line per kind, not one per cell
+    assert alerts[0].startswith("10 cells silent: c0000, c0001, c0002, c0003, c0004, ... (worst: cell c0000 silent")
+    assert alerts[1].startswith("10 cells with a participation drop: c0010")
+    assert alerts[2] == ("cloud round 3 closed by deadline without c0000, c0001, c0002, c0003, c0004, "
+                         "... (25 cells)")
+    # top-N by lag, filters by state and by name
+    by_lag = render_text(state, now=now, width=160, flt=CellFilter(top=5, sort="lag"))
+    assert _rows(by_lag) == ["c0000", "c0001", "c0002", "c0003", "c0004"] and "... 995 more" in by_lag
+    lag_only = render_text(state, now=now, width=160, flt=CellFilter(states=("ok",), sort="lag", top=5))
+    assert _rows(lag_only) == ["c0020", "c0021", "c0022", "c0023", "c0024"]
+    drops = render_text(state, now=now, width=160, flt=CellFilter(states=("drop",)))
+    assert _rows(drops) == [f"c{i:04d}" for i in range(10, 20)] and "more" not in drops
+    named = render_text(state, now=now, width=160, flt=CellFilter(patterns=("c099*", "c0005")))
+    assert _rows(named) == ["c0005", *[f"c{i:04d}" for i in range(990, 1000)]]
+
+
+def test_monitor_cli_filters_a_thousand_cell_run_dir(tmp_path):
+    lines = [r.to_json() for r in _fleet()]
+    (tmp_path / runfiles.AGGREGATION).write_text("\n".join(l for l in lines if '"aggregation"' in l) + "\n")
+    (tmp_path / runfiles.METRICS).write_text("\n".join(l for l in lines if '"round"' in l) + "\n")
+    res = CliRunner().invoke(main, ["monitor", str(tmp_path), "--once", "--width", "160", "--top", "3",
+                                    "--sort", "drop", "--cell", "c001*"])
+    assert res.exit_code == 0, res.output
+    assert _rows(res.stdout) == ["c0010", "c0011", "c0012"] and "... 7 more" in res.stdout
+    res = CliRunner().invoke(main, ["monitor", str(tmp_path), "--once", "--state", "bogus"])
+    assert res.exit_code == 2
