@@ -154,7 +154,8 @@ class Prometheus:
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (Debian: apt-get install prometheus)")
 def test_a_real_prometheus_scrapes_a_fedtier_run_and_its_counters_equal_the_records(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path, run={"rounds": 2})
+    # a generous device deadline: on a loaded machine every device still answers (rounds close on "all answered")
+    cfg = small_config(tmp_path, run={"rounds": 2}, runtime={"device_deadline": 60.0})
     config = tmp_path / "run.toml"
     config.write_text(cfg.to_toml())
     metrics_port = free_port()
@@ -185,3 +186,64 @@ def test_a_real_prometheus_scrapes_a_fedtier_run_and_its_counters_equal_the_reco
         assert summary["cumulative_bytes"]["device_to_cell"] == sum(w["device_to_cell"] for w in cells.values())
     finally:
         prom.close()
+
+
+def test_every_tier_over_mqtt_serves_its_metrics_over_http(tmp_path: Path) -> None:
+    """A cloud, a cell and an agent process over a broker, one exporter serving them all on a loopback port:
+    the scraped text has the cell's and the cloud's counters (equal to the records) and the agent
+    process's tasks, training seconds and reconnects."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cell_server.node import build_cell
+    from cloud.node import build_cloud
+    from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, offline_will
+    from monitor.exporter import AgentCollector
+    from protocols.transport.broker import EmbeddedBroker
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+    from sim.hierarchy import prepare
+
+    cfg = small_config(tmp_path, run={"rounds": 2}, topology={"cells": 1, "devices_per_cell": 2},
+                       runtime={"startup_wait": 20.0, "device_deadline": 60.0})
+    run, out = cfg.run.name, tmp_path / "run"
+    prep = prepare(cfg)
+    algorithm = cfg.build_algorithm(prep.spec)
+    exporter = MetricsExporter(run)
+    port = exporter.serve(0)
+    with EmbeddedBroker() as broker:
+        opts = BrokerOptions(broker.url)
+        loop = ThreadLoop("tiers").start()
+        cell_t = opts.transport(topics.cell_node("c0"), run, loop, will=offline_will(run, "cell.c0")).connect()
+        cell = build_cell(cfg, "c0", cell_t, algorithm, heartbeats=True, output_dir=out)
+        cloud_t = opts.transport("cloud", run, loop, will=offline_will(run, "cloud")).connect()
+        cloud = build_cloud(cfg, cloud_t, algorithm, startup_wait=cfg.runtime.startup_wait, output_dir=out)
+        exporter.watch_cell(cell)
+        exporter.watch_cloud(cloud)
+        for node in (cell, cloud):
+            node.transport.wait_subscribed()
+            loop.post(node.start)
+        agents = AgentProcess(cfg, algorithm, prep.device_data, make_trainer("torch", prep.spec, cfg), opts).start()
+        exporter.registry.register(AgentCollector(run, agents))
+        try:
+            assert agents.wait(60.0) and cloud.finished
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        finally:
+            agents.stop()
+            for node in (cell, cloud):
+                loop.post(node.stop)
+            loop.stop()
+            exporter.close()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in text_string_to_metric_families(text) for s in family.samples}
+    cells, cloud_bytes = expected_from(out)
+    assert got[("fedtier_cell_devices_answered_total", (("cell", "c0"), ("run", run)))] == cells["c0"]["answered"] == 8
+    for tier in ("device_to_cell", "cell_to_device"):
+        assert got[("fedtier_cell_bytes_total", (("cell", "c0"), ("run", run), ("tier", tier)))] == cells["c0"][tier]
+    for tier, n in cloud_bytes.items():
+        assert got[("fedtier_cloud_bytes_total", (("run", run), ("tier", tier)))] == n
+    assert got[("fedtier_agent_devices", (("run", run),))] == 2
+    assert got[("fedtier_agent_tasks_total", (("run", run),))] == 8  # 2 rounds x 2 edge rounds x 2 devices
+    assert 0 < got[("fedtier_agent_training_seconds_total", (("run", run),))] < 60
+    assert got[("fedtier_agent_reconnects_total", (("run", run),))] == 0
+    assert not any(name.endswith("_created") for name, _ in got)
