@@ -19,11 +19,10 @@ from typing import Callable, Iterator, Mapping
 
 from edge_agent.agent import DeviceAgent
 from edge_agent.node import build_agent
+from edge_agent.runner import device_will
 from protocols.algorithms.base import Algorithm
 from protocols.config import RunConfig
-from protocols.status import encode_status
 from protocols.trainer import LocalData, Trainer
-from protocols.transport.base import Will
 from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
 
@@ -120,10 +119,9 @@ class Population(Mapping[str, DeviceAgent]):
     def _need(self, device: str) -> DeviceAgent:
         agent = self._agents.get(device)
         if agent is None:
-            node = topics.device_node(device)
-            will = Will(topics.status(self.run, node), encode_status("offline"), retain=True)
-            agent = build_agent(self.cfg, device, self.hub.connect(node, will=will), self.algorithm,
-                                self.data[device], self.trainer_for(device))
+            will = device_will(self.run, self.cfg.topology.cell_of(device) or "", device)
+            agent = build_agent(self.cfg, device, self.hub.connect(topics.device_node(device), will=will),
+                                self.algorithm, self.data[device], self.trainer_for(device))
             self.configure(agent)
             self._agents[device] = agent
             if self._started:
