@@ -35,7 +35,7 @@ from protocols.wire import chunking, topics
 from protocols.wire.messenger import Messenger
 
 from .agent import DeviceAgent
-from .node import build_agent
+from .node import build_agent, cell_of
 
 log = logging.getLogger("fedtier.agent")
 
@@ -166,15 +166,17 @@ class AgentProcess:
     long enough to read the retained manifest, and stays, announced online, from the first round it
     takes part in. Every connection is a new MQTT session with the same client id; ``stats()`` counts
     them (``connections``) and sums their wire counters. Cloud records (manifest, ``finished``) count
-    only when they belong to the cloud's current session (``protocols.session``).
+    only when they belong to the cloud's current session (``protocols.session``). ``cell_brokers``
+    maps a cell to the broker of its devices (a broker per cell); other devices use ``broker``.
     """
 
     def __init__(self, cfg: RunConfig, algorithm: Algorithm, data: dict[str, LocalData], trainer: Trainer,
                  broker: BrokerOptions, *, heartbeat: float | None = None,
                  on_task: Callable[[str, int, int], None] | None = None, timing: bool = False,
                  availability: Callable[[int], Iterable[str]] | None = None,
-                 rejoin_poll: float | None = None) -> None:
+                 rejoin_poll: float | None = None, cell_brokers: dict[str, BrokerOptions] | None = None) -> None:
         self.cfg, self.algorithm, self.data, self.trainer, self.broker = cfg, algorithm, data, trainer, broker
+        self.cell_brokers = cell_brokers or {}  # cell -> its own broker (bridged cell brokers)
         self.run = cfg.run.name
         self.heartbeat = cfg.runtime.heartbeat if heartbeat is None else heartbeat
         self.on_task, self.timing = on_task, timing
@@ -243,8 +245,9 @@ class AgentProcess:
     def _transport(self, device: str) -> Any:
         node = topics.device_node(device)
         attempt = self.connections.get(device, 0)
-        will = device_will(self.run, self.cfg.topology.cell_of(device), device)
-        return self.broker.transport(node, self.run, self.loop, will=will,
+        cell = cell_of(self.cfg, device)
+        broker = self.cell_brokers.get(cell, self.broker)
+        return broker.transport(node, self.run, self.loop, will=device_will(self.run, cell, device),
                                      reactor=self.reactor, retry_refused=True,
                                      backoff_seed=derive_seed(self.cfg.run.seed, device, attempt, "mqtt-backoff"))
 

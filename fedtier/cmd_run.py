@@ -14,7 +14,11 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
 @CONFIG
 @SET
 @click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
-              help="An external broker (e.g. Mosquitto); default: [broker] url, else an embedded broker.")
+              help="An external broker; default: [broker] url, else a Mosquitto started for the run "
+                   "(the embedded amqtt broker where Mosquitto is not installed).")
+@click.option("--brokers", type=click.Choice(["shared", "per-cell"]), default="shared", show_default=True,
+              help="per-cell: a Mosquitto per cell, bridged to a cloud Mosquitto (only cell <-> cloud "
+                   "topics cross); prints the bytes through each broker.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Agent worker processes; devices are dealt round-robin over them "
                    "(default: one per 100 agents, at most one per core).")
@@ -25,23 +29,25 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @metrics_options
 @VERBOSE
-def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers: int | None, process_per_agent: bool,
+def run(config: str, overrides: tuple[str, ...], broker_url: str | None, brokers: str, workers: int | None,
+        process_per_agent: bool,
         max_chunk: int | None, resume: bool, no_progress: bool, metrics_port: int | None, metrics_linger: float,
         verbose: int) -> None:
     """Emulate CONFIG on this machine over MQTT: the cloud and cells in this process, the device agents
     in worker processes, each device with its own broker connection. Same final model as `fedtier sim`."""
     from protocols.config import ConfigError
     from protocols.wire import chunking
-    from sim.emulation import run_emulation
+    from sim.emulation import Emulation
 
     setup_logging(verbose)
     cfg = load_or_exit(config, overrides + port_override(metrics_port))
     exporter = serve_metrics(cfg)
     try:
         with round_progress(cfg, not no_progress) as on_round:
-            result = run_emulation(cfg, broker_url=broker_url, workers=workers, process_per_agent=process_per_agent,
-                                   max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK, on_round=on_round,
-                                   resume=resume, metrics=exporter)
+            emulation = Emulation(cfg, broker_url=broker_url, brokers=brokers, workers=workers,
+                                  process_per_agent=process_per_agent, on_round=on_round, resume=resume,
+                                  max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK, metrics=exporter)
+            result = emulation.run()
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(2)
@@ -49,4 +55,6 @@ def run(config: str, overrides: tuple[str, ...], broker_url: str | None, workers
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(1)
     print_summary(result.summary(), result.output_dir)
+    for name, counts in emulation.broker_bytes.items():
+        console.print(f"broker {name}: {counts['received']:,} bytes received, {counts['sent']:,} sent")
     linger(exporter, metrics_linger)

@@ -15,6 +15,7 @@ are still alive). Same config and seed -> the same final model, byte for byte, a
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -31,6 +32,9 @@ from cloud.node import build_cloud
 from edge_agent.runner import AgentProcess, BrokerOptions, offline_will, save_device_data
 from protocols import runfiles
 from protocols.config import ConfigError, RunConfig, load_config
+from protocols.transport.bridge import bridge_config
+from protocols.transport.broker import find_mosquitto
+from protocols.transport.reactor import Reactor
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
@@ -42,6 +46,7 @@ from .onnx_devices import export_onnx, with_onnx_model
 
 log = logging.getLogger("fedtier.run")
 
+SYS_STATS = "sys_interval 1\n"  # Mosquitto publishes its $SYS byte counters every second
 WIRE_TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell", "control")
 
 
@@ -126,7 +131,9 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
         def on_task(device: str, rnd: int, edge: int) -> None:
             if tuple(faults.crash.get(device, ())) == (rnd, edge):
                 os.kill(os.getpid(), signal.SIGKILL)
+    cell_brokers = {c: BrokerOptions(**o) for c, o in job.get("cell_brokers", {}).items()}
     agents = AgentProcess(cfg, cfg.build_algorithm(spec), data, trainer, BrokerOptions(**job["broker"]),
+                          cell_brokers=cell_brokers,
                           on_task=on_task, timing=job.get("timing", False), availability=device_availability(cfg))
     try:
         agents.start(job.get("connect_timeout", 30.0))
@@ -162,7 +169,7 @@ class Emulation:
                  process_per_agent: bool = False, max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
                  on_round: Callable[[dict[str, Any]], None] | None = None, faults: Faults | None = None,
                  isolate: tuple[str, ...] = (), broker_options: dict[str, Any] | None = None,
-                 join_timeout: float = 60.0, timing: bool = False, resume: bool = False,
+                 join_timeout: float = 60.0, brokers: str = "shared", timing: bool = False, resume: bool = False,
                  metrics: Any = None) -> None:
         if cfg.runtime.onnx_devices:  # forward-only agents load the run's x_0 from RUN_DIR/model.onnx
             cfg = with_onnx_model(cfg)
@@ -180,9 +187,46 @@ class Emulation:
         self.timing = timing  # agents time their training (benchmarks/wire.py)
         self.resume = resume  # continue from the run folder's checkpoint
         self.metrics = metrics  # a monitor.exporter.MetricsExporter that watches the cloud and the cells
+        if brokers not in ("shared", "per-cell"):
+            raise ConfigError(f"--brokers {brokers!r}: expected 'shared' or 'per-cell'")
+        if brokers == "per-cell" and self.broker_url is not None:
+            raise ConfigError("--brokers per-cell starts its own brokers: drop --broker / [broker] url")
+        if brokers == "per-cell" and find_mosquitto() is None:
+            raise ConfigError("--brokers per-cell needs Mosquitto (apt-get install mosquitto)")
+        self.brokers = brokers
+        self.started_brokers: dict[str, Any] = {}
+        self.broker_bytes: dict[str, dict[str, int]] = {}  # per-cell: $SYS byte counters at the end
         self.procs: list[Any] = []
         self.groups: list[list[str]] = []
         self.agent_stats: dict[str, dict[str, Any]] = {}
+
+    def _start_brokers(self) -> tuple[str, dict[str, str]]:
+        """The broker URL of the cloud and of each cell: one broker for all (the given one, else
+        Mosquitto where installed, else embedded amqtt), or with ``brokers="per-cell"`` a Mosquitto
+        per cell bridged to a cloud Mosquitto (``protocols.transport.bridge``)."""
+        from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
+
+        cells = self.cfg.topology.cell_ids()
+        if self.brokers == "per-cell":
+            cloud = MosquittoBroker(extra_config=SYS_STATS)
+            self.started_brokers["cloud"] = cloud.start()
+            for c in cells:
+                bridge = bridge_config(self.cfg.run.name, c, cloud.url)
+                self.started_brokers[c] = MosquittoBroker(extra_config=SYS_STATS + bridge).start()
+            return cloud.url, {c: self.started_brokers[c].url for c in cells}
+        if self.broker_url is not None:
+            return self.broker_url, {c: self.broker_url for c in cells}
+        # amqtt breaks at scale (see EmbeddedBroker): Mosquitto wherever it is installed
+        broker = MosquittoBroker(extra_config=SYS_STATS) if find_mosquitto() else EmbeddedBroker()
+        self.started_brokers["shared"] = broker.start()
+        return broker.url, {c: broker.url for c in cells}
+
+    def broker_traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes each started Mosquitto received and sent so far (its ``$SYS`` counters), by name:
+        ``cloud`` and the cells with ``brokers="per-cell"``, else ``shared``."""
+        from protocols.transport.broker import MosquittoBroker, sys_bytes
+
+        return {name: sys_bytes(b.url) for name, b in self.started_brokers.items() if isinstance(b, MosquittoBroker)}
 
     def run(self) -> RunResult:
         cfg = self.cfg
@@ -202,30 +246,27 @@ class Emulation:
             export_onnx(spec, algorithm.initial_params(), cfg.runtime.onnx_model)
         availability = edge_availability(cfg)
 
-        broker = loop = cloud = None
+        loop = cloud = None
         cells: dict[str, Any] = {}
         results: Any = None
         agent_stats: dict[str, dict[str, Any]] = {}
+        reactor = Reactor("run-io").start()  # the sockets of the cloud and every cell
         try:
-            if self.broker_url is None:
-                from protocols.transport.broker import EmbeddedBroker
-
-                broker = EmbeddedBroker().start()
-                url = broker.url
-            else:
-                url = self.broker_url
+            url, cell_urls = self._start_brokers()
             opts = BrokerOptions.from_config(cfg, url, **self.broker_options, max_chunk=self.max_chunk)
+            cell_opts = {c: dataclasses.replace(opts, url=u) for c, u in cell_urls.items()}
             run = cfg.run.name
             loop = ThreadLoop(f"run-{run}").start()
             for c in cfg.topology.cell_ids():
                 node = topics.cell_node(c)
-                transport = opts.transport(node, run, loop, will=offline_will(run, node)).connect()
+                transport = cell_opts[c].transport(node, run, loop, will=offline_will(run, node),
+                                                   reactor=reactor).connect()
                 cells[c] = build_cell(cfg, c, transport, algorithm, availability=availability, output_dir=out,
                                       heartbeats=True)
                 if self.metrics is not None:
                     self.metrics.watch_cell(cells[c])
                 _on_loop(loop, cells[c].start)
-            transport = opts.transport("cloud", run, loop, will=offline_will(run, "cloud")).connect()
+            transport = opts.transport("cloud", run, loop, will=offline_will(run, "cloud"), reactor=reactor).connect()
             cloud = build_cloud(cfg, transport, algorithm,
                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
                                 output_dir=out, resume=self.resume, startup_wait=cfg.runtime.startup_wait,
@@ -236,7 +277,7 @@ class Emulation:
             for node in (*cells.values(), cloud):
                 node.transport.wait_subscribed()
             _on_loop(loop, cloud.start)
-            results = self._spawn(out, device_files, spec, opts)
+            results = self._spawn(out, device_files, spec, opts, cell_opts)
             self._wait_finished(cloud)
             agent_stats = self.agent_stats = self._collect(results)
             for node in (*cells.values(), cloud):
@@ -259,11 +300,15 @@ class Emulation:
                     node.transport.close(flush_timeout=1.0)
             if results is not None:
                 results.close()
-            if broker is not None:
-                broker.stop()
+            reactor.close()
+            if self.brokers == "per-cell" and self.started_brokers:
+                self.broker_bytes = self.broker_traffic()
+            for b in self.started_brokers.values():
+                b.stop()
 
     # ------------------------------------------------------------------------------- workers
-    def _spawn(self, out: Path, files: dict[str, Path], spec: Any, opts: BrokerOptions) -> Any:
+    def _spawn(self, out: Path, files: dict[str, Path], spec: Any, opts: BrokerOptions,
+               cell_opts: dict[str, BrokerOptions]) -> Any:
         ctx = mp.get_context("spawn")  # never fork: this process has threads
         results = ctx.Queue()
         level = logging.getLogger().getEffectiveLevel()
@@ -271,6 +316,7 @@ class Emulation:
         for i, group in enumerate(groups):
             job = {"config": str(out / runfiles.CONFIG), "devices": {d: str(files[d]) for d in group},
                    "spec": spec.model_dump(mode="json"), "broker": opts.__dict__, "log_level": level,
+                   "cell_brokers": {c: o.__dict__ for c, o in cell_opts.items() if o != opts},
                    "backend": "onnx" if group[0] in self.cfg.runtime.onnx_devices else "torch",
                    "faults": {"crash": {d: v for d, v in self.faults.crash.items() if d in group},
                               "duplicate": self.faults.duplicate}, "timing": self.timing}

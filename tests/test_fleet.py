@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from cell_server.server import CellServer
+from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import ModelSpec
 from protocols.status import encode_status
@@ -20,6 +21,7 @@ from protocols.transport.mqtt import MqttTransport
 from protocols.transport.reactor import Reactor
 from protocols.transport.threadloop import ThreadLoop
 from sim.emulation import Emulation, agent_workers
+from sim.launcher import run_simulation
 from tests.conftest import small_config
 
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
@@ -157,3 +159,68 @@ def test_a_cell_receives_only_its_devices_statuses() -> None:
     hub.loop.run(until=lambda: all(all(cell.online.values()) for cell in cells.values()))
     assert seen == {c: [f"device.{c}-d0", f"device.{c}-d1"] for c in seen}
     assert not any("device." in t for t in cloud_seen)
+
+
+@needs_mosquitto
+def test_bridged_cell_brokers_are_bit_identical_to_sim(tmp_path: Path) -> None:
+    """``brokers="per-cell"``: two cell Mosquittos bridged to a cloud Mosquitto. The final model is the
+    sim's byte for byte; the cloud broker sees the cells' tasks, reports and statuses but no device
+    topic, and carries a fraction of the cell brokers' bytes."""
+    sim = run_simulation(small_config(tmp_path / "sim", run={"rounds": 2}))
+    cfg = small_config(tmp_path / "run", run={"rounds": 2})
+    at_cloud: list[str] = []
+    watchers: list[Any] = []
+
+    def watch(record: dict[str, Any]) -> None:
+        if record["round"] == 0:  # round 1 then runs under the watcher's eyes
+            loop = ThreadLoop("cloud-watcher").start()
+            w = MqttTransport.from_url(em.started_brokers["cloud"].url, "watcher", loop)
+            w.subscribe("fedtier/#", lambda t, _b: at_cloud.append(t))
+            w.connect().wait_subscribed()
+            watchers.append((w, loop))
+
+    em = Emulation(cfg, brokers="per-cell", on_round=watch)
+    try:
+        result = em.run()
+    finally:
+        for w, loop in watchers:
+            w.close(flush_timeout=0)
+            loop.stop()
+    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == \
+        (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
+    assert all(r["closed_by"] == "all reported" for r in result.history)
+    run = cfg.run.name
+    seen = set(at_cloud)
+    assert {topics.cell_task(run, c) for c in ("c0", "c1")} <= seen
+    assert {topics.cell_report(run, c) for c in ("c0", "c1")} <= seen
+    assert not [t for t in seen if "/up/c" in t and t.endswith("/result") or "/status/device." in t
+                or t.endswith("/task") and t.count("/") > 5], sorted(seen)
+    traffic = em.broker_bytes
+    assert set(traffic) == {"cloud", "c0", "c1"}
+    cells_in = traffic["c0"]["received"] + traffic["c1"]["received"]
+    assert 0 < traffic["cloud"]["received"] < cells_in
+
+
+def test_bridge_config_command(tmp_path: Path) -> None:
+    """``fedtier bridge-config`` writes one Mosquitto bridge per cell that names only that cell's
+    cell <-> cloud topics; an unknown cell is a clear error."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\nname = "f"\n[topology]\ncells = 2\ndevices_per_cell = 2\n[data]\ndataset = "digits"\n')
+    res = CliRunner().invoke(main, ["bridge-config", str(cfg), "--cloud", "mqtt://cloud.example:1884",
+                                    "--out", str(tmp_path / "bridges")])
+    assert res.exit_code == 0, res.output
+    conf = (tmp_path / "bridges" / "c1.conf").read_text()
+    lines = conf.splitlines()
+    assert "address cloud.example:1884" in lines and "cleansession false" in lines
+    crossing = {tuple(line.split()[1:3]) for line in lines if line.startswith("topic ")}
+    assert crossing == {("fedtier/f/cell/c1/down/task", "in"), ("fedtier/f/cloud/round", "in"),
+                        ("fedtier/f/cloud/control", "in"), ("fedtier/f/status/cloud", "in"),
+                        ("fedtier/f/cloud/up/c1/report", "out"), ("fedtier/f/status/cell.c1", "out"),
+                        ("fedtier/f/telemetry/cell/c1", "out")}
+    assert "c0" not in conf.replace("fedtier-f-bridge", "")
+    bad = CliRunner().invoke(main, ["bridge-config", str(cfg), "--cloud", "mqtt://x:1", "--cell", "c7"])
+    assert bad.exit_code == 2 and "unknown cell" in bad.output

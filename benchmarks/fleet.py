@@ -1,0 +1,163 @@
+"""Fleet scale of ``fedtier run``: thousands of real MQTT agents on one machine.
+
+1. ``--agents`` agents (default 2,000) in ``--cells`` cells (20) on one Mosquitto, ``--rounds`` cloud
+   rounds (3) of hierarchical FedAvg (E = 2 edge rounds of H = 2 local steps) on a 3.2 kB MLP and
+   synthetic data (10 samples per device). Prints startup time (launch to round 0), seconds per
+   round, whether every device answered every edge round, and the peak, over the run, of the whole
+   process tree (launcher, agent workers, Mosquitto): memory (RSS), threads, file descriptors.
+2. ``--bridged-agents`` agents (default 500) in ``--bridged-cells`` cells (10) with a Mosquitto per
+   cell bridged to a cloud Mosquitto (``fedtier run --brokers per-cell``): bytes through the cloud
+   broker vs the cell brokers (Mosquitto's ``$SYS`` counters).
+
+    .venv/bin/python benchmarks/fleet.py                    # both
+    .venv/bin/python benchmarks/fleet.py --skip-bridged     # only the 2,000-agent run
+
+Heavy (about a minute of startup and several GB): run it on a quiet machine, once.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from protocols.config import parse_config  # noqa: E402
+from sim.emulation import Emulation  # noqa: E402
+
+
+def fleet_config(out: Path, agents: int, cells: int, rounds: int) -> Any:
+    per_cell = agents // cells
+    return parse_config({
+        "run": {"name": "fleet", "seed": 0, "rounds": rounds, "output": str(out)},
+        "topology": {"cells": cells, "devices_per_cell": per_cell},
+        "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 2, "batch_size": 10, "lr": 0.1},
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": {"dataset": "synthetic", "partition": "iid", "n": 10 * per_cell * cells},
+        "runtime": {"device_deadline": 120.0, "startup_wait": 600.0},
+    })
+
+
+# ------------------------------------------------------------------------------- process tree
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def tree_usage(root: int) -> dict[str, int]:
+    """RSS bytes, threads and open file descriptors summed over ``root`` and its descendants."""
+    kids, todo, total = _children(), [root], {"rss": 0, "threads": 0, "fds": 0, "processes": 0}
+    while todo:
+        pid = todo.pop()
+        todo.extend(kids.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            total["rss"] += int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+            total["threads"] += int(fields["Threads"])
+            total["fds"] += len(os.listdir(f"/proc/{pid}/fd"))
+            total["processes"] += 1
+        except (OSError, KeyError, ValueError):
+            continue
+    return total
+
+
+class Peak:
+    """Samples the process tree every ``period`` seconds; keeps each figure's maximum."""
+
+    def __init__(self, period: float = 0.5) -> None:
+        self.peak = {"rss": 0, "threads": 0, "fds": 0, "processes": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
+
+    def __enter__(self) -> "Peak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self, period: float) -> None:
+        while not self._stop.wait(period):
+            for k, v in tree_usage(os.getpid()).items():
+                self.peak[k] = max(self.peak[k], v)
+
+
+# ------------------------------------------------------------------------------------- runs
+def shared_run(agents: int, cells: int, rounds: int, workers: int | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="fedtier-fleet-") as tmp:
+        cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds)
+        ends: list[float] = []
+        t0 = time.time()
+        em = Emulation(cfg, workers=workers, on_round=lambda r: ends.append(time.time()))
+        with Peak() as peak:
+            result = em.run()
+        h = result.history
+        startup = h[0]["time"] - h[0]["duration_s"] - t0
+        per_round = [r["duration_s"] for r in h]
+        answered = all(len(r["answered"]) == cfg.topology.devices_per_cell and not r["absent"]
+                       for r in result.cell_records)
+        model_bytes = sum(v.nbytes for v in result.params.values())
+        p = peak.peak
+        print(f"== {agents} agents in {cells} cells, one Mosquitto, {len(em.procs)} agent workers, "
+              f"{os.cpu_count()} cores")
+        print(f"startup (launch to round 0)  {startup:8.1f} s   (target <= 60 s)")
+        print(f"seconds per round            {' '.join(f'{s:.2f}' for s in per_round)}   (target <= 5 s)")
+        print(f"rounds / every device answered every edge round: {len(h)} / {answered}")
+        print(f"cell records {len(result.cell_records)}, device tasks {sum(t['tasks'] for t in result.device_traffic.values())}")
+        print(f"peak of the process tree: RSS {p['rss'] / 2**30:.2f} GB (target <= 6 GB), threads {p['threads']}, "
+              f"fds {p['fds']}, processes {p['processes']}")
+        print(f"model {model_bytes:,} bytes; wall {result.wall_s:.1f} s", flush=True)
+
+
+def bridged_run(agents: int, cells: int, rounds: int, workers: int | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="fedtier-fleet-") as tmp:
+        cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds)
+        em = Emulation(cfg, workers=workers, brokers="per-cell")
+        result = em.run()
+        b = em.broker_bytes
+        cloud = b["cloud"]["received"] + b["cloud"]["sent"]
+        cell_total = sum(v["received"] + v["sent"] for k, v in b.items() if k != "cloud")
+        answered = all(not r["absent"] for r in result.cell_records)
+        print(f"== {agents} agents in {cells} cells, a Mosquitto per cell bridged to a cloud Mosquitto, "
+              f"{rounds} rounds, every device answered: {answered}")
+        print(f"bytes through the cloud broker   {cloud:>12,}  (received {b['cloud']['received']:,}, "
+              f"sent {b['cloud']['sent']:,})")
+        print(f"bytes through the cell brokers   {cell_total:>12,}  ({cells} brokers, bridges included)")
+        print(f"cloud / cells                    {cloud / cell_total:12.3f}")
+        print(f"wire bytes by tier (at the publishers): {result.wire_bytes}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=2000)
+    ap.add_argument("--cells", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=None, help="agent worker processes (default: fedtier run's)")
+    ap.add_argument("--bridged-agents", type=int, default=500)
+    ap.add_argument("--bridged-cells", type=int, default=10)
+    ap.add_argument("--skip-shared", action="store_true")
+    ap.add_argument("--skip-bridged", action="store_true")
+    args = ap.parse_args()
+    if not args.skip_shared:
+        shared_run(args.agents, args.cells, args.rounds, args.workers)
+    if not args.skip_bridged:
+        bridged_run(args.bridged_agents, args.bridged_cells, args.rounds, args.workers)
+
+
+if __name__ == "__main__":
+    main()
