@@ -7,7 +7,8 @@ evaluation after every round, one torch thread. fedtier runs it as one cell with
 per cloud round (plain FedAvg), with every message encoded and decoded as on the wire.
 Workload ``small`` (``--workload small``): MLP 784-64-10, 5 devices (IID, 12,000 samples each), all
 of them in every round, 5 local steps of batch 16 at lr 0.05, 2,000 rounds, central evaluation every
-100 rounds (and after the last).
+100 rounds (and after the last); the sims write no run files there (the per-device and cohort
+sides alike: a checkpoint fsync'ed every round would add the same fixed cost to both).
 
 Sides: ``bare`` (a plain sequential PyTorch loop), ``fedtier`` (the per-device sim engine),
 ``cohort`` (``runtime.engine = "cohort"``: each round's devices trained as one batched model).
@@ -19,7 +20,7 @@ imports, data loading and worker start excluded); wall s is the whole process.
 worker processes; the same final model), and its speed-up over the bare loop and the sequential sim.
 CPU seconds include the worker processes; peak MB is the main process's.
 Usage: python benchmarks/overhead.py [--workload standard|small] [--rounds N] [--repeat 3]
-       [--sides bare,fedtier,cohort] [--workers 2 [--backend processes|ray]]
+       [--sides bare,fedtier,cohort] [--cohort-threads 1] [--workers 2 [--backend processes|ray]]
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ WORKLOADS: dict[str, dict] = {
     "standard": {"devices": 100, "per_round": 10, "hidden": [200, 200], "steps": 0, "batch": 32, "lr": 0.05,
                  "rounds": 30, "eval_every": 1},
     "small": {"devices": 5, "per_round": 5, "hidden": [64], "steps": 5, "batch": 16, "lr": 0.05,
-              "rounds": 2000, "eval_every": 100},
+              "rounds": 2000, "eval_every": 100, "write_output": False},
 }
 
 
@@ -104,7 +105,8 @@ def bare(w: dict, rounds: int) -> dict:
             "loop_s": sum(times)}
 
 
-def fedtier(w: dict, rounds: int, engine: str = "device", workers: int = 0, backend: str = "processes") -> dict:
+def fedtier(w: dict, rounds: int, engine: str = "device", workers: int = 0, backend: str = "processes",
+            cohort_threads: int = 1) -> dict:
     t0 = time.perf_counter()
     from protocols.config import parse_config
     from sim.launcher import run_simulation
@@ -121,21 +123,21 @@ def fedtier(w: dict, rounds: int, engine: str = "device", workers: int = 0, back
         "data": {"dataset": "mnist", "partition": "iid"},
         "participation": participation,
         "runtime": {"sim_workers": workers, "sim_backend": backend, "engine": engine,
-                    "eval_every": w["eval_every"]},
+                    "eval_every": w["eval_every"], "cohort_threads": cohort_threads},
     })
-    result = run_simulation(cfg)
+    result = run_simulation(cfg, write_output=w.get("write_output", True))
     times = [r["duration_s"] for r in result.history]
     return {"wall_s": time.perf_counter() - t0, "accuracy": result.final_accuracy,
             "round_s": statistics.median(times), "loop_s": sum(times)}
 
 
-def child(which: str, workload: str, rounds: int, workers: int, backend: str) -> None:
+def child(which: str, workload: str, rounds: int, workers: int, backend: str, cohort_threads: int) -> None:
     w = WORKLOADS[workload]
     if which == "bare":
         out = bare(w, rounds)
     else:
         out = fedtier(w, rounds, "cohort" if which == "cohort" else "device", workers if which == "parallel" else 0,
-                      backend)
+                      backend, cohort_threads)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sim's worker processes (joined)
     out["peak_rss_mb"] = usage.ru_maxrss / 1024
@@ -151,19 +153,21 @@ def main() -> None:
     ap.add_argument("--sides", default="bare,fedtier,cohort", help="comma-separated: bare, fedtier, cohort")
     ap.add_argument("--workers", type=int, default=0, help="also run fedtier with this many sim workers")
     ap.add_argument("--backend", choices=["processes", "ray"], default="processes", help="sim workers' backend")
+    ap.add_argument("--cohort-threads", type=int, default=1, help="runtime.cohort_threads of the cohort side")
     ap.add_argument("--child", choices=["bare", "fedtier", "cohort", "parallel"])
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     rounds = args.rounds or w["rounds"]
     if args.child:
-        child(args.child, args.workload, rounds, args.workers, args.backend)
+        child(args.child, args.workload, rounds, args.workers, args.backend, args.cohort_threads)
         return
     sides = [s for s in args.sides.split(",") if s] + (["parallel"] if args.workers > 0 else [])
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(args.repeat):
         for which in sides:
             cmd = [sys.executable, __file__, "--child", which, "--workload", args.workload, "--rounds", str(rounds),
-                   "--workers", str(args.workers), "--backend", args.backend]
+                   "--workers", str(args.workers), "--backend", args.backend, "--cohort-threads",
+                   str(args.cohort_threads)]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
             runs[which].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     res = {k: min(v, key=lambda r: r["wall_s"]) for k, v in runs.items()}

@@ -181,9 +181,10 @@ class CohortDeviceTrainer(Trainer):
 class CohortEngine:
     """Runs batches of :class:`Request` (one per device) as vectorized torch programs on one device."""
 
-    def __init__(self, device: str = "cpu", data_cache: int = 256) -> None:
-        """``data_cache``: devices whose data sets stay converted (least recently used ones dropped)."""
-        self.device = pick_device(device)
+    def __init__(self, device: str = "cpu", data_cache: int = 256, threads: int = 1) -> None:
+        """``data_cache``: devices whose data sets stay converted (least recently used ones dropped);
+        ``threads``: torch threads a cohort computes with (the rest of the process keeps its own)."""
+        self.device, self.threads = pick_device(device), threads
         self._models: dict[ModelSpec, torch.nn.Module] = {}
         self._data: OrderedDict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = OrderedDict()
         self._data_cache = data_cache
@@ -230,8 +231,15 @@ class CohortEngine:
         groups: dict[tuple, list[Request]] = {}
         for r in reqs:
             groups.setdefault(r.key(), []).append(r)
-        for (op, spec, _), group in groups.items():
-            getattr(self, f"_{op}")(self.model(spec), group)
+        before = torch.get_num_threads()
+        if self.threads != before:
+            torch.set_num_threads(self.threads)
+        try:
+            for (op, spec, _), group in groups.items():
+                getattr(self, f"_{op}")(self.model(spec), group)
+        finally:
+            if self.threads != before:
+                torch.set_num_threads(before)
 
     # ---------------------------------------------------------------- the primitives, vectorized
     def _loss(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:

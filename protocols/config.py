@@ -208,6 +208,8 @@ class RuntimeSection(_Section):
                                                 "alone (bit-identical to fedtier run) or the devices of an edge "
                                                 "round as one batched model (sim/cohort.py)")
     cohort_size: int = Field(default=64, ge=1, description="engine = cohort: most devices trained at once")
+    cohort_threads: int = Field(default=1, ge=1, description="engine = cohort: torch threads a cohort computes with "
+                                "(the machine's cores, for large cohorts)")
 
     @model_validator(mode="after")
     def _engine_ok(self) -> "RuntimeSection":

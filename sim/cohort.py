@@ -90,9 +90,9 @@ class CohortExecutor:
     """Queues device tasks and trains them as cohorts when the virtual loop is idle (see the module)."""
 
     def __init__(self, agents: Mapping[str, Any], spec: ModelSpec, loop: VirtualLoop, cohort_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", threads: int = 1) -> None:
         self.agents, self.spec, self.loop, self.cohort_size = agents, spec, loop, cohort_size
-        self.engine = CohortEngine(device, data_cache=max(256, 2 * cohort_size))
+        self.engine = CohortEngine(device, data_cache=max(256, 2 * cohort_size), threads=threads)
         try:
             self.engine.model(spec)  # refuse a model we cannot vectorize before the run starts
         except NotVectorizable as exc:

@@ -111,7 +111,7 @@ class SimHierarchy:
                                  self._configure)  # built as devices are needed
         if cfg.runtime.engine == "cohort":
             self.executor = CohortExecutor(self.agents.active(), spec, loop, cfg.runtime.cohort_size,
-                                           cfg.runtime.device)
+                                           cfg.runtime.device, cfg.runtime.cohort_threads)
         else:
             self.executor = remote or InlineExecutor(self.agents.active())
 

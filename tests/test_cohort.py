@@ -120,7 +120,8 @@ def test_uplink_codecs_per_device(make_config, uplink):
 
 def test_cohort_larger_than_cohort_size_and_weight_decay(make_config):
     device, cohort = _pair(make_config, run={"rounds": 1}, algorithm={"weight_decay": 0.01},
-                           topology={"cells": 1, "devices_per_cell": 5}, runtime={"cohort_size": 2})
+                           topology={"cells": 1, "devices_per_cell": 5},
+                           runtime={"cohort_size": 2, "cohort_threads": 2})
     assert cohort[2].executor.cohorts == 2 * 3  # 2 edge rounds x ceil(5 / 2) cohorts
     _equivalent(device, cohort)
 
