@@ -1,11 +1,12 @@
 """The cohort trainer: the :class:`~protocols.trainer.Trainer` primitives of many devices at once.
 
 An algorithm's local update is written once, in its module, against the ``Trainer`` interface
-(``sgd``, ``loss``, ``evaluate``, ``loss_and_grad``, parameter access). The per-device backend
-(``torch_trainer.py``) runs those primitives for one device; :class:`CohortEngine` runs the same
-primitive for a cohort of devices as one array program: their parameters stacked along a leading
-device axis, the model's forward pass mapped over it with ``torch.func`` (``functional_call``,
-``grad_and_value``, ``vmap``). Devices whose batches differ in size (the last batch of an epoch) or
+(``sgd``, ``loss``, ``losses``, ``evaluate``, ``loss_and_grad``, parameter access). The per-device
+backend (``torch_trainer.py``) runs those primitives for one device; :class:`CohortEngine` runs the
+same primitive for a cohort of devices as one array program: their parameters stacked along a
+leading device axis, the zoo's layers as batched kernels (:func:`batched_forward`; other layers
+through ``torch.func.vmap``), gradients by autograd of the sum of the devices' losses (each device's
+parameters get their own). Devices whose batches differ in size (the last batch of an epoch) or
 whose step counts differ train together with per-sample and per-step masks; each device's minibatch
 order is drawn by :func:`~protocols.trainer.batches` from its own seeded generator, as on the
 per-device path, so results agree with it to float rounding.
@@ -141,7 +142,8 @@ class CohortDeviceTrainer(Trainer):
     """One device's view of the cohort: a ``Trainer`` whose compute primitives are batched.
 
     ``call(request)`` blocks until the cohort runner answered the request (with all devices that
-    reached a primitive at the same time) and returns ``request.result``.
+    reached a primitive at the same time) and returns ``request.result``; ``call([requests])``
+    answers several at once (a list of results).
     """
 
     def __init__(self, spec: ModelSpec, call: Callable[[Request], Any]) -> None:
@@ -162,6 +164,12 @@ class CohortDeviceTrainer(Trainer):
 
     def loss(self, x: np.ndarray, y: np.ndarray) -> float:
         return self.call(Request("loss", self.spec, self.params, x, y))
+
+    def losses(self, params: Sequence[Mapping[str, np.ndarray]], x: np.ndarray, y: np.ndarray) -> list[float]:
+        if not params:
+            return []
+        self.set_params(params[-1])
+        return self.call([Request("loss", self.spec, p, x, y) for p in params])
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
         return self.call(Request("evaluate", self.spec, self.params, x, y))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -78,6 +78,15 @@ class Trainer(ABC):
     @abstractmethod
     def loss(self, x: np.ndarray, y: np.ndarray) -> float:
         """Mean loss of the current parameters on a batch (forward only)."""
+
+    def losses(self, params: Sequence[Mapping[str, np.ndarray]], x: np.ndarray, y: np.ndarray) -> list[float]:
+        """:meth:`loss` of each parameter set on one batch, in order (the last set stays loaded).
+        Zeroth-order methods probe many perturbed models on a batch; a cohort backend runs them at once."""
+        out = []
+        for p in params:
+            self.set_params(p)
+            out.append(self.loss(x, y))
+        return out
 
     @abstractmethod
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:

@@ -45,11 +45,13 @@ def run_cohort(engine: CohortEngine, spec: ModelSpec, jobs: Sequence[Job], names
     main = greenlet.getcurrent()
     outcomes: list[Outcome] = [(None, "not run")] * len(jobs)
 
-    def call(req: Request) -> Any:
-        main.switch(req)  # resumed once the cohort's requests are answered
-        if isinstance(req.result, BaseException):
-            raise req.result
-        return req.result
+    def call(req: Request | list[Request]) -> Any:
+        reqs = req if isinstance(req, list) else [req]
+        main.switch(reqs)  # resumed once the cohort's requests are answered
+        for r in reqs:
+            if isinstance(r.result, BaseException):
+                raise r.result
+        return [r.result for r in reqs] if isinstance(req, list) else req.result
 
     def body(i: int) -> None:
         try:
@@ -59,12 +61,12 @@ def run_cohort(engine: CohortEngine, spec: ModelSpec, jobs: Sequence[Job], names
             outcomes[i] = (None, str(exc))
 
     lets = [greenlet.greenlet(lambda i=i: body(i)) for i in range(len(jobs))]
-    pending = {i: req for i, g in enumerate(lets) if (req := g.switch()) is not None}
+    pending = {i: reqs for i, g in enumerate(lets) if (reqs := g.switch()) is not None}
     while pending:
-        _answer(engine, list(pending.values()))
+        _answer(engine, [r for reqs in pending.values() for r in reqs])
         answered, pending = pending, {}
-        for i, req in answered.items():
-            following = lets[i].switch(req)
+        for i in answered:
+            following = lets[i].switch()
             if following is not None:
                 pending[i] = following
     return outcomes

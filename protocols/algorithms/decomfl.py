@@ -287,11 +287,11 @@ class DeComFLDevice(DeviceRole):
                         rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"))
         for k, idx in enumerate(order):
             xb, yb = data.x[idx], data.y[idx]
-            trainer.set_params(x)
-            f0 = trainer.loss(xb, yb)
-            for j in range(self.P):
-                trainer.set_params(Z.perturbed(x, Z.direction(round_seed, k, j, shapes, p.direction), p.mu))
-                g[k, j] = np.float32((trainer.loss(xb, yb) - f0) / p.mu)
+            probes = [x] + [Z.perturbed(x, Z.direction(round_seed, k, j, shapes, p.direction), p.mu)
+                            for j in range(self.P)]
+            f0, *fs = trainer.losses(probes, xb, yb)  # f(x) and the P perturbed losses (one batch)
+            for j, f in enumerate(fs):
+                g[k, j] = np.float32((f - f0) / p.mu)
             if not np.isfinite(g[k]).all():
                 raise ValueError(f"non-finite ZO scalars at step {k} (lr or mu too large?)")
             Z.apply_step(x, round_seed, k, g[k], p.lr, p.direction)
