@@ -104,15 +104,16 @@ class CohortExecutor:
         loop.on_idle = self.flush
 
     def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
-        agent = self.agents[device]
-        if not isinstance(agent.trainer, TorchTrainer):  # forward-only (onnx) devices train as they are
-            done(*agent.train_here(task, ctx))
-            return
-        self.queue.append((agent, task, ctx, self.loop.hold(), done))
+        self.queue.append((self.agents[device], task, ctx, self.loop.hold(), done))
 
     def flush(self) -> None:
         """Train every queued task, in cohorts of at most ``cohort_size`` (a device at most once per cohort)."""
         queue, self.queue = self.queue, []
+        for agent, task, ctx, complete, done in queue:
+            if not isinstance(agent.trainer, TorchTrainer):  # forward-only (onnx) devices train as they are
+                outcome = agent.train_here(task, ctx)
+                complete(lambda done=done, outcome=outcome: done(*outcome))
+        queue = [item for item in queue if isinstance(item[0].trainer, TorchTrainer)]
         while queue:
             chunk, seen, rest = [], set(), []
             for item in queue:

@@ -160,8 +160,11 @@ def test_decomfl_several_steps_and_history_replay(make_config):
     sections = dict(run={"rounds": 4}, model={"name": "mlp", "hidden": [16]},
                     algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 3,
                                "lr": 0.02, "mu": 1e-2, "batch_size": 16},
-                    participation={"model": "uniform", "per_round": 3})
+                    participation={"model": "uniform", "per_round": 3},
+                    runtime={"onnx_devices": ["c0-d1"]})  # a forward-only device trains beside the cohorts
     device, cohort = _pair(make_config, **sections)
+    assert type(cohort[2].agents["c0-d1"].trainer).__name__ == "OnnxTrainer"
+    assert cohort[2].agents["c0-d1"].tasks_done > 0
     # some device missed a round and replayed the history before training again
     rounds = {}
     for (d, rnd, _) in device[1]:
