@@ -30,14 +30,15 @@ log = logging.getLogger("fedtier.metrics")
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 _REASONS = (  # first match wins: a rejection's free-text reason -> a bounded label value
-    ("signature", ("signature", "signed", "unsigned", "key")),
+    ("signature", ("signature", "unsigned", "unknown sender")),
     ("replay", ("replay", "duplicate", "seen before")),
     ("stale", ("stale",)),
     ("not_planned", ("not planned", "no submodel was planned")),
-    ("wrong_sender", ("published on the topic", "on the topic of")),
+    ("wrong_sender", ("published on the topic", "on the topic of", "message for run")),
     ("non_finite", ("non-finite", "nan", "inf")),
-    ("oversized", ("too large", "oversized", "exceeds", "too many")),
-    ("malformed", ("not json", "decode", "malformed", "header", "truncated", "chunk")),
+    ("oversized", ("too large", "oversized", "exceeds")),
+    ("malformed", ("not json", "not a fedtier message", "decode", "malformed", "header", "truncated", "chunk",
+                   "unexpected message kind", "cannot be sent")),
     ("shape", ("expected", "shape", "tensors", "dtype")),
 )
 

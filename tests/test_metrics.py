@@ -99,6 +99,10 @@ def test_rejections_are_counted_by_a_bounded_reason_and_bad_records_never_raise(
     assert sample(exporter, "fedtier_cell_devices_absent_total", cell="c0", reason="deadline") == 1
     assert reason_kind("sender 'device.c0-d2' published on the topic of device 'c0-d1'") == "wrong_sender"
     assert reason_kind("something nobody foresaw") == "invalid"
+    assert reason_kind("unsigned message where a signature is required") == "signature"
+    assert reason_kind("message of 9000000 bytes exceeds the reassembly bound of 8000000") == "oversized"
+    assert reason_kind("chunk 1/3 has 10 bytes, expected 12") == "malformed"
+    assert reason_kind("update: expected float32[10, 4], got float64[10, 4]") == "shape"
 
 
 # ------------------------------------------------------------------------------ a real Prometheus
