@@ -70,7 +70,7 @@ def records_table(records: list[Record]) -> Table:
         if isinstance(r, CellRecord):
             listed = set(r.absent.values())
             absent = ", ".join([*(f"{d}: {why}" for d, why in r.absent.items()),
-                                *(f"{n:,} {why}" for why, n in (r.absent_counts or {}).items() if why not in listed)])
+                                *(f"{n:,} {why}" for why, n in r.absent_by_reason().items() if why not in listed)])
             rejected = ", ".join(f"{x.device}: {x.reason}" for x in r.rejected)
             table.add_row("aggregation", f"{r.round}.{r.edge_round}", r.cell, f"{len(r.answered)}/{len(r.planned)}",
                           "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",

@@ -155,8 +155,8 @@ class MetricsExporter:
         self.cell_edge_round.labels(run, cell).set(rec.edge_round)
         self.cell_planned.labels(run, cell).inc(len(rec.planned))
         self.cell_answered.labels(run, cell).inc(len(rec.answered))
-        for why in rec.absent.values():
-            self.cell_absent.labels(run, cell, _label(why)).inc()
+        for why, count in rec.absent_by_reason().items():  # records of large cells count, not list
+            self.cell_absent.labels(run, cell, _label(why)).inc(count)
         for rejection in rec.rejected:
             self.cell_rejected.labels(run, cell, reason_kind(rejection.reason)).inc()
         self.cell_bytes.labels(run, cell, "device_to_cell").inc(rec.bytes_in)

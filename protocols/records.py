@@ -89,13 +89,24 @@ class CellRecord(_Record):
 
     @property
     def cell_size(self) -> int:
-        """Devices of the cell this record knows of (planned or absent)."""
-        return len(set(self.planned) | set(self.absent))
+        """Devices of the cell this record knows of (planned or absent, named or only counted)."""
+        listed = set(self.absent.values())
+        unnamed = sum(n for why, n in (self.absent_counts or {}).items() if why not in listed and why != "deadline")
+        return len(set(self.planned) | set(self.absent)) + unnamed  # a reason is named in full or only counted
 
     @property
     def coverage(self) -> float | None:
         """Answered / all devices of the cell (drops when devices go offline or stop participating)."""
         return len(self.answered) / self.cell_size if self.cell_size else None
+
+    def absent_by_reason(self) -> dict[str, int]:
+        """How many devices were absent, by reason (all of them, also those ``absent`` leaves out)."""
+        if self.absent_counts is not None:
+            return dict(self.absent_counts)
+        counts: dict[str, int] = {}
+        for why in self.absent.values():
+            counts[why] = counts.get(why, 0) + 1
+        return counts
 
 
 class RoundRecord(_Record):

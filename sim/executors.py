@@ -2,9 +2,9 @@
 
 The device agents, cells and cloud always run in the main process on the virtual loop; they count
 every byte as before. Only the device role's ``train`` call moves: a worker (a process or a Ray
-actor) rebuilds, from the run's config text, the data partition (``prepare`` is deterministic), the
-algorithm's device roles and trainers of a fixed round-robin share of the devices, and keeps them for
-the whole run (roles may hold state, so a device always trains in the same worker). Main and worker
+actor) rebuilds, from the run's config text, the data partition (``prepare`` is deterministic) and
+trains a fixed round-robin share of the devices; it builds a device's role on its first task and keeps
+it for the whole run (roles may hold state, so a device always trains in the same worker). Main and worker
 exchange only the encoded task and result payloads (``protocols/wire/payload.py``) and small
 ints/strings; nothing of ours is pickled.
 
@@ -29,7 +29,7 @@ import tomllib
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
-from protocols.algorithms.base import DeviceContext
+from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.transport.memory import VirtualLoop
 from protocols.wire.payload import Payload, decode_payload, encode_payload
@@ -75,16 +75,23 @@ class DeviceWorker:
         torch_trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
                                                **spec.build_kwargs())
         onnx = onnx_trainers(cfg, spec, algorithm) if set(devices) & set(cfg.runtime.onnx_devices) else {}
-        self.data = {d: prep.device_data[d] for d in devices}
-        self.roles = {d: algorithm.device(d) for d in devices}
-        self.trainers = {d: onnx.get(d, torch_trainer) for d in devices}
+        self.mine = frozenset(devices)
+        self.data = prep.device_data  # index views: a device's samples are copied out when it trains
+        self.algorithm = algorithm
+        self.roles: dict[str, DeviceRole] = {}  # built on a device's first task, kept (roles may hold state)
+        self.trainer_for = lambda d: onnx.get(d, torch_trainer)
 
     def train(self, ctx: dict[str, Any], task: bytes) -> tuple[bytes, str]:
         """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
         c = DeviceContext(int(ctx["seed"]), int(ctx["round"]), int(ctx["edge_round"]), str(ctx["cell"]),
                           str(ctx["device"]))
         try:
-            result = self.roles[c.device].train(decode_payload(task), self.data[c.device], self.trainers[c.device], c)
+            if c.device not in self.mine:
+                raise KeyError(f"device {c.device!r} is not one of this worker's")
+            role = self.roles.get(c.device)
+            if role is None:
+                role = self.roles[c.device] = self.algorithm.device(c.device)
+            result = role.train(decode_payload(task), self.data[c.device], self.trainer_for(c.device), c)
             return encode_payload(result), ""
         except Exception as exc:  # a bad task must not kill the device (as in the main process)
             log.exception("device %s failed round %d.%d", c.device, c.round, c.edge_round)

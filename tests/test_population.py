@@ -65,6 +65,10 @@ def test_large_populations_count_absent_devices_instead_of_listing_them(make_con
         else:
             assert "absent_counts" not in r and len(r["absent"]) == sitting_out
     assert any("absent_counts" in r for r in records)
+    from protocols.records import CellRecord
+
+    for r in map(CellRecord.model_validate, records):  # what monitor and the exporter read
+        assert r.cell_size == 6 and sum(r.absent_by_reason().values()) == 6 - len(r.planned)
     from click.testing import CliRunner
 
     from fedtier.cli import main
