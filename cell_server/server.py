@@ -27,14 +27,16 @@ Availability = Callable[[int, int], Iterable[str]]
 """``(cloud round, edge round) -> devices that may take part`` (participation, in sim/emulation)."""
 
 
-def absence(absent: dict[str, str], limit: int) -> dict[str, Any]:
+def absence(absent: dict[str, str], limit: int, not_participating: int = 0) -> dict[str, Any]:
     """The record's ``absent`` (device -> reason, for reasons with at most ``limit`` devices) and
-    ``absent_counts`` (reason -> devices), the latter only when some ids were left out."""
-    counts: dict[str, int] = {}
+    ``absent_counts`` (reason -> devices), the latter only when some were left out; ``not_participating``
+    devices were counted and never named."""
+    counts: dict[str, int] = {"not participating": not_participating} if not_participating else {}
     for why in absent.values():
         counts[why] = counts.get(why, 0) + 1
     listed = {d: why for d, why in sorted(absent.items()) if counts[why] <= limit}
-    return {"absent": listed, "absent_counts": dict(sorted(counts.items())) if len(listed) < len(absent) else None}
+    left_out = not_participating or len(listed) < len(absent)
+    return {"absent": listed, "absent_counts": dict(sorted(counts.items())) if left_out else None}
 
 
 class CellServer:
@@ -171,6 +173,7 @@ class CellServer:
     def _reset_edge(self) -> None:
         self.losses: dict[str, float] = {}
         self.absent: dict[str, str] = {}
+        self._not_participating = 0  # counted, not named in self.absent (more than absent_ids)
         self.planned: list[str] = []
         self._opened = False  # planned and sent the tasks of the current edge round
         self.bytes_in = self.bytes_out = 0
@@ -195,18 +198,23 @@ class CellServer:
         self._gave_up |= self._waiting
         self._waiting = set()
         allowed = self._allowed
+        taking_part = self.devices if allowed is None else sorted(d for d in allowed if d in self.online)
+        sitting_out = len(self.devices) - len(taking_part)
+        if 0 < sitting_out <= self.absent_ids:  # named in the record; beyond, only counted (large cells)
+            part = set(taking_part)
+            self.absent.update((d, "not participating") for d in self.devices if d not in part)
+        elif sitting_out:
+            self._not_participating = sitting_out
         available = []
-        for d in self.devices:
-            if allowed is not None and d not in allowed:
-                self.absent[d] = "not participating"
-            elif not self.online[d]:
+        for d in taking_part:
+            if not self.online[d]:
                 self.absent[d] = "offline"
             else:
                 available.append(d)
         plan = self.role.plan(self.edge_round, available)
         self.planned = sorted(plan)
-        for d in self.devices:
-            if d in available and d not in plan:
+        for d in available:
+            if d not in plan:
                 self.absent[d] = "not selected"
         for d in self.planned:
             self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, d), "device_task", plan[d],
@@ -269,7 +277,7 @@ class CellServer:
         now = self.loop.now()
         record = CellRecord(
             run=self.run, round=self.round, edge_round=self.edge_round, cell=self.cell, algorithm=self.algorithm,
-            planned=self.planned, answered=answered, **absence(self.absent, self.absent_ids),
+            planned=self.planned, answered=answered, **absence(self.absent, self.absent_ids, self._not_participating),
             rejected=self.rejected, closed_by=why, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
             loss_mean=mean, loss_std=spread, duration_s=round(time.perf_counter() - self._wall0, 6),
             clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,

@@ -331,10 +331,10 @@ class RayExecutor(_Remote):
 def start_workers(cfg: RunConfig, loop: VirtualLoop) -> ProcessExecutor | RayExecutor | None:
     """The workers ``runtime.sim_workers`` and ``runtime.sim_backend`` ask for, started now (they build
     their devices meanwhile); ``None`` for 0 workers (devices train in this process: :class:`InlineExecutor`)."""
+    if cfg.runtime.sim_workers == 0:
+        return None
     devices = cfg.topology.all_devices()
     n = min(cfg.runtime.sim_workers, len(devices))
-    if n == 0:
-        return None
     groups = [devices[i::n] for i in range(n)]  # a static round-robin share: a device stays in its worker
     if cfg.runtime.sim_backend == "ray":
         return RayExecutor(cfg.to_toml(), groups, loop, cfg.runtime.ray_address)

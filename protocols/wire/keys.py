@@ -54,9 +54,9 @@ def peers_of(topology: "TopologySection", node: str) -> list[str]:
         return cells
     if node in cells:
         return ["cloud", *topology.device_ids(node)]
-    for cell in cells:
-        if node in topology.device_ids(cell):
-            return [cell]
+    cell = topology.cell_of(node)
+    if cell is not None:
+        return [cell]
     raise KeysError(f"node {node!r} is not in the topology (cloud, {cells[0]}, {cells[0]}-d0, ...)")
 
 
