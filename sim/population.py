@@ -96,9 +96,7 @@ class Population(Mapping[str, DeviceAgent]):
         """Bytes in and out and tasks of every device that existed during the run, in topology order."""
         out = {d: dict(t) for d, t in self._traffic.items()}
         for d, a in self._agents.items():
-            mine = out.setdefault(d, dict.fromkeys(TRAFFIC, 0))
-            for key, value in zip(TRAFFIC, (a.bytes_in, a.bytes_out, a.tasks_done)):
-                mine[key] += value
+            _count(out, d, a)
         ids = self.cfg.topology.devices()
         return dict(sorted(out.items(), key=lambda item: ids.position(item[0]) or 0))
 
@@ -109,9 +107,7 @@ class Population(Mapping[str, DeviceAgent]):
         for d, agent in list(self._agents.items()):
             if d in self._kept or agent.pending or not agent.transport.connected:
                 continue
-            tally = self._traffic.setdefault(d, dict.fromkeys(TRAFFIC, 0))
-            for key, value in zip(TRAFFIC, (agent.bytes_in, agent.bytes_out, agent.tasks_done)):
-                tally[key] += value
+            _count(self._traffic, d, agent)
             agent.transport.close()
             del self._agents[d]
 
@@ -135,3 +131,10 @@ class Population(Mapping[str, DeviceAgent]):
         if device in self._agents or self.cfg.topology.cell_of(device) != cell:
             return  # its agent has its own subscription; or no such device in that cell (nobody gets it)
         self._need(device).receive_task(topic, data)
+
+
+def _count(traffic: dict[str, dict[str, int]], device: str, agent: DeviceAgent) -> None:
+    """Add ``agent``'s bytes in and out and tasks to ``traffic[device]``."""
+    mine = traffic.setdefault(device, dict.fromkeys(TRAFFIC, 0))
+    for key, value in zip(TRAFFIC, (agent.bytes_in, agent.bytes_out, agent.tasks_done)):
+        mine[key] += value
