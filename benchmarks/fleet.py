@@ -57,13 +57,25 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def tree_usage(root: int) -> dict[str, int]:
-    """RSS bytes, threads and open file descriptors summed over ``root`` and its descendants."""
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_usage(root: int, cpu: dict[int, tuple[str, float]] | None = None) -> dict[str, int]:
+    """RSS bytes, threads and open file descriptors summed over ``root`` and its descendants; with
+    ``cpu``, also records each process's (kind, CPU seconds so far) in it."""
     kids, todo, total = _children(), [root], {"rss": 0, "threads": 0, "fds": 0, "processes": 0}
     while todo:
         pid = todo.pop()
         todo.extend(kids.get(pid, []))
         try:
+            if cpu is not None:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields_ = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+                kind = ("launcher" if pid == root else "mosquitto" if b"mosquitto" in cmd
+                        else "agent workers" if b"spawn_main" in cmd else "other")
+                cpu[pid] = (kind, (int(fields_[11]) + int(fields_[12])) / TICK)
             with open(f"/proc/{pid}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
             total["rss"] += int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
@@ -80,6 +92,7 @@ class Peak:
 
     def __init__(self, period: float = 0.5) -> None:
         self.peak = {"rss": 0, "threads": 0, "fds": 0, "processes": 0}
+        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds at its last sample)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
 
@@ -91,9 +104,15 @@ class Peak:
         self._stop.set()
         self._thread.join()
 
+    def cpu_by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind, seconds in self.cpu.values():
+            out[kind] = out.get(kind, 0.0) + seconds
+        return out
+
     def _run(self, period: float) -> None:
         while not self._stop.wait(period):
-            for k, v in tree_usage(os.getpid()).items():
+            for k, v in tree_usage(os.getpid(), self.cpu).items():
                 self.peak[k] = max(self.peak[k], v)
 
 
@@ -121,7 +140,8 @@ def shared_run(agents: int, cells: int, rounds: int, workers: int | None) -> Non
         print(f"cell records {len(result.cell_records)}, device tasks {sum(t['tasks'] for t in result.device_traffic.values())}")
         print(f"peak of the process tree: RSS {p['rss'] / 2**30:.2f} GB (target <= 6 GB), threads {p['threads']}, "
               f"fds {p['fds']}, processes {p['processes']}")
-        print(f"model {model_bytes:,} bytes; wall {result.wall_s:.1f} s", flush=True)
+        print(f"model {model_bytes:,} bytes; wall {result.wall_s:.1f} s; CPU seconds: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(peak.cpu_by_kind().items())), flush=True)
 
 
 def bridged_run(agents: int, cells: int, rounds: int, workers: int | None) -> None:

@@ -13,7 +13,7 @@ from cell_server.server import CellServer
 from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import ModelSpec
-from protocols.status import encode_status
+from protocols.status import decode_status, encode_status
 from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
 from protocols.transport.broker import MosquittoBroker, find_mosquitto, free_port
@@ -224,3 +224,54 @@ def test_bridge_config_command(tmp_path: Path) -> None:
     assert "c0" not in conf.replace("fedtier-f-bridge", "")
     bad = CliRunner().invoke(main, ["bridge-config", str(cfg), "--cloud", "mqtt://x:1", "--cell", "c7"])
     assert bad.exit_code == 2 and "unknown cell" in bad.output
+
+
+@needs_mosquitto
+def test_a_cell_broker_restart_mid_run_is_survived_and_recorded(tmp_path: Path) -> None:
+    """Bridged brokers; after round 0 cell c1's broker restarts (its bridge, cell server and agents all
+    drop; its retained statuses are gone). The agents and the cell server reconnect with backoff, the
+    bridge comes back, and the rounds go on: meanwhile c1 is left out of the cloud's plan (offline) or
+    closed out as absent on the deadline, and c1 takes part again, with all its devices, before the end."""
+    cfg = small_config(tmp_path, run={"rounds": 30}, algorithm={"edge_rounds": 1, "local_steps": 2},
+                       runtime={"device_deadline": 5.0, "cell_deadline": 10.0, "heartbeat": 0.3})
+    run = cfg.run.name
+    watchers: list[Any] = []
+
+    def restart(record: dict[str, Any]) -> None:
+        if record["round"] != 0:
+            return
+        broker = em.started_brokers["c1"]
+        broker.stop()
+        broker.start()  # same port, same bridge
+        online: set[str] = set()
+        back = threading.Event()
+
+        def on_status(topic: str, data: bytes) -> None:
+            status = decode_status(data)
+            if status and status["state"] == "online":
+                online.add(topic)
+                if len(online) == 3:
+                    back.set()
+
+        loop = ThreadLoop("watcher").start()
+        w = MqttTransport.from_url(broker.url, "watcher", loop)
+        w.subscribe(topics.device_statuses(run, "c1"), on_status)
+        watchers.append((w.connect(), loop))
+        # the agents (another process) reconnect by themselves; the cells wait on this loop meanwhile
+        assert back.wait(30.0), "c1's agents did not reconnect to the restarted broker"
+
+    em = Emulation(cfg, brokers="per-cell", on_round=restart)
+    try:
+        result = em.run()
+    finally:
+        for w, loop in watchers:
+            w.close(flush_timeout=0)
+            loop.stop()
+    h = result.history
+    assert [r["round"] for r in h] == list(range(30))
+    out = [r["round"] for r in h if "c1" not in r["cells_reported"]]
+    assert out == list(range(1, 1 + len(out))) and len(out) < 29, out  # from round 1 until back
+    assert all("c1" not in r["cells_planned"] or r["cells_absent"] == ["c1"] for r in h if r["round"] in out)
+    back = [r for r in result.cell_records if r["cell"] == "c1" and r["round"] > 1 + len(out)]
+    assert back and all(len(r["answered"]) == 3 and not r["absent"] for r in back)
+    assert all(set(r["absent"].values()) <= {"offline", "deadline"} for r in result.cell_records)
