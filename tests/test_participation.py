@@ -230,3 +230,15 @@ def test_a_topologys_computed_ids_draw_the_same_participants_as_a_list(spec):
     assert lazy.expected_rate("c2-d10") == listed.expected_rate("c2-d10")
     with pytest.raises(KeyError):
         lazy.expected_rate("c3-d0")
+
+
+def test_every_cell_of_a_round_shares_one_draw():
+    """``sim.hierarchy.per_round``: the cells ask in turn for the same round; the population's draw
+    (which costs what the population does) is made once per round, and a new round draws anew."""
+    from sim.hierarchy import per_round
+
+    calls: list[int] = []
+    drawn = per_round(lambda r: calls.append(r) or frozenset({f"d{r}"}))
+    assert [drawn(r) for r in (0, 0, 0, 1, 1, 2)] == [frozenset({"d0"})] * 3 + [frozenset({"d1"})] * 2 + \
+        [frozenset({"d2"})]
+    assert calls == [0, 1, 2]
