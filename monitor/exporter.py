@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from protocols.records import CellRecord, RoundRecord, parse_record
+from protocols.records import TIERS, CellRecord, RoundRecord, parse_record
 
 log = logging.getLogger("fedtier.metrics")
 
@@ -190,7 +190,8 @@ class MetricsExporter:
         for rejection in rec.rejected:
             self.cloud_rejected.labels(run, reason_kind(rejection.get("reason", ""))).inc()
         for tier, n in rec.bytes.items():
-            self.cloud_bytes.labels(run, tier).inc(n)
+            if tier in TIERS:  # a label value from a fixed set, whatever a record holds
+                self.cloud_bytes.labels(run, tier).inc(n)
         self.cloud_duration.labels(run).observe(rec.duration_s)
         self.cloud_last.labels(run).set(rec.time if rec.time is not None else time.time())
 
