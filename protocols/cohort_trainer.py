@@ -189,13 +189,11 @@ class CohortDeviceTrainer(Trainer):
 class CohortEngine:
     """Runs batches of :class:`Request` (one per device) as vectorized torch programs on one device."""
 
-    def __init__(self, device: str = "cpu", data_cache: int = 256, threads: int = 1) -> None:
-        """``data_cache``: devices whose data sets stay converted (least recently used ones dropped);
-        ``threads``: torch threads a cohort computes with (the rest of the process keeps its own)."""
+    def __init__(self, device: str = "cpu", threads: int = 1) -> None:
+        """``threads``: torch threads a cohort computes with (the rest of the process keeps its own)."""
         self.device, self.threads = pick_device(device), threads
         self._models: dict[ModelSpec, torch.nn.Module] = {}
-        self._data: OrderedDict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._data_cache = data_cache
+        self._data: dict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
 
     def model(self, spec: ModelSpec) -> torch.nn.Module:
         """The zoo model of ``spec`` (its parameters are only a template: calls pass their own)."""
@@ -206,17 +204,18 @@ class CohortEngine:
         return self._models[spec]
 
     def tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device's data set as tensors, converted once (keyed by the array; a device trains on the
-        same arrays every round)."""
+        """A device's data set as tensors, converted once until :meth:`forget_data` (a device probes and
+        trains on the same arrays within a cohort)."""
         hit = self._data.get(id(x))
         if hit is not None and hit[0] is x and hit[1].shape[0] == len(x):
-            self._data.move_to_end(id(x))
             return hit[1], hit[2]
         xt, yt = as_tensor(x, np.float32, self.device), as_tensor(y, np.int64, self.device)
         self._data[id(x)] = (x, xt, yt)
-        while len(self._data) > self._data_cache:
-            self._data.popitem(last=False)
         return xt, yt
+
+    def forget_data(self) -> None:
+        """Drop the converted data sets (after a cohort: memory stays bounded by the cohort's data)."""
+        self._data.clear()
 
     def _stack(self, reqs: Sequence[Request]) -> dict[str, torch.Tensor]:
         names = list(reqs[0].params)

@@ -94,7 +94,7 @@ class CohortExecutor:
     def __init__(self, agents: Mapping[str, Any], spec: ModelSpec, loop: VirtualLoop, cohort_size: int,
                  device: str = "cpu", threads: int = 1) -> None:
         self.agents, self.spec, self.loop, self.cohort_size = agents, spec, loop, cohort_size
-        self.engine = CohortEngine(device, data_cache=max(256, 2 * cohort_size), threads=threads)
+        self.engine = CohortEngine(device, threads=threads)
         try:
             self.engine.model(spec)  # refuse a model we cannot vectorize before the run starts
         except NotVectorizable as exc:
@@ -124,7 +124,10 @@ class CohortExecutor:
                     rest.append(item)
             queue = rest
             jobs = [self._job(agent, task, ctx) for agent, task, ctx, _, _ in chunk]
-            outcomes = run_cohort(self.engine, self.spec, jobs, [agent.device for agent, *_ in chunk])
+            try:
+                outcomes = run_cohort(self.engine, self.spec, jobs, [agent.device for agent, *_ in chunk])
+            finally:
+                self.engine.forget_data()
             self.cohorts += 1
             for (_, _, _, complete, done), (result, error) in zip(chunk, outcomes):
                 complete(lambda done=done, result=result, error=error: done(result, error))
