@@ -245,3 +245,29 @@ def test_cli_engine_flag_and_config_checks(tmp_path, make_config):
     assert "engine = \"cohort\"" in (tmp_path / "out" / runfiles.CONFIG).read_text()
     with pytest.raises(ConfigError, match="sim_workers = 0"):
         make_config(runtime={"engine": "cohort", "sim_workers": 2})
+
+
+def test_a_bad_request_fails_only_its_device():
+    from protocols.algorithms.base import ModelSpec
+    from protocols.models import build_model, init_params
+    from protocols.trainer import LocalData
+    from sim.cohort import run_cohort
+
+    spec = ModelSpec(name="mlp", input_shape=(6,), num_classes=3, hidden=(5,))
+    good = init_params(build_model("mlp", (6,), 3, hidden=(5,)), 0)
+    bad = {k: np.zeros((2, 2), np.float32) for k in good}  # a task of the wrong shape
+    g = np.random.default_rng(0)
+    data = LocalData(g.normal(size=(20, 6)).astype(np.float32), g.integers(0, 3, 20))
+
+    def job(params):
+        def train(trainer):
+            trainer.set_params(params)
+            stats = trainer.sgd(data, steps=3, batch_size=8, lr=0.1, rng=np.random.default_rng(1))
+            return Payload({"loss": stats.loss}, trainer.get_params())
+        return train
+
+    outcomes = run_cohort(CohortEngine(), spec, [job(good), job(bad), job(good)], ["a", "b", "c"])
+    assert outcomes[1][0] is None and outcomes[1][1]
+    for result, error in (outcomes[0], outcomes[2]):
+        assert error is None and np.isfinite(result.meta["loss"])
+    assert all(np.array_equal(outcomes[0][0].tensors[k], outcomes[2][0].tensors[k]) for k in good)
