@@ -101,8 +101,10 @@ class Population(Mapping[str, DeviceAgent]):
         return dict(sorted(out.items(), key=lambda item: ids.position(item[0]) or 0))
 
     def drop_idle(self) -> None:
-        """Drop the agents with nothing in flight, unless their devices keep state or they were asked for."""
-        if self.algorithm.devices_keep_state:
+        """Drop the agents with nothing in flight, unless their devices keep state or they were asked for.
+        With ``participation.model = "always"`` every device trains again next round: nothing is dropped
+        (rebuilding an agent copies its data out of the data set again)."""
+        if self.algorithm.devices_keep_state or self.cfg.participation.model == "always":
             return
         for d, agent in list(self._agents.items()):
             if d in self._kept or agent.pending or not agent.transport.connected:
