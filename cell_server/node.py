@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Mapping
 
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
@@ -14,10 +15,13 @@ from .server import Availability, CellServer
 
 def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algorithm, *,
                availability: Availability | None = None, output_dir: Path | None = None,
-               heartbeats: bool = False, assume_online: bool = False) -> CellServer:
+               heartbeats: bool = False, assume_online: bool = False,
+               samples: Mapping[str, int] | None = None) -> CellServer:
     """``heartbeats``: use the config's MQTT liveness settings, ``runtime.heartbeat``, ``heartbeat_timeout``
     and ``rejoin_wait`` (the sim has none: nobody disconnects there). ``assume_online``: devices count as
-    online until their status says otherwise (the sim's devices do not announce themselves)."""
+    online until their status says otherwise (the sim's devices do not announce themselves). ``samples``:
+    the devices' known sample counts (a result claiming a larger weight is refused; else
+    ``security.max_device_weight``)."""
     if cell not in cfg.topology.cell_ids():
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
@@ -29,4 +33,5 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
         heartbeat_timeout=cfg.runtime.heartbeat_timeout if heartbeats else 0.0,
         rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0, assume_online=assume_online,
         absent_ids=cfg.runtime.absent_ids,
-        sign_key=trust.sign_key if trust else None, keys=trust.peers if trust else None)
+        trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), max_weights=samples,
+        max_weight=cfg.security.max_device_weight)

@@ -9,17 +9,21 @@ import json
 import logging
 import math
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from protocols.algorithms.base import CellRole
 from protocols.answers import Answers
 from protocols.jsonl import JsonlWriter
 from protocols.records import CellRecord
+from protocols.session import CloudSession
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
+
+if TYPE_CHECKING:
+    from protocols.wire.keys import Trust
 
 log = logging.getLogger("fedtier.cell")
 
@@ -45,7 +49,8 @@ class CellServer:
     def __init__(self, transport: Transport, *, run: str, cell: str, devices: list[str], role: CellRole,
                  algorithm: str, device_deadline: float, quorum: float = 1.0,
                  availability: Availability | None = None, log_path: str | None = None,
-                 sign_key: bytes | None = None, keys: dict[str, bytes] | None = None,
+                 trust: "Trust | None" = None, max_message_bytes: int | None = None,
+                 max_weights: Mapping[str, float] | None = None, max_weight: float | None = None,
                  assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0,
                  rejoin_wait: float = 0.0, absent_ids: int = 100) -> None:
         """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
@@ -53,13 +58,20 @@ class CellServer:
         ``rejoin_wait``: before planning an edge round, wait up to this long for the devices that
         ``availability`` lets take part but that are offline (they may be reconnecting; 0: no wait);
         ``absent_ids``: a record names the absent devices of a reason only up to this many (it always
-        counts them), so a cell of a large population does not list every device that sits a round out."""
+        counts them), so a cell of a large population does not list every device that sits a round out.
+        ``trust``: this cell's identity (sign; verify the cloud, its devices and their status records;
+        accept only tasks of the cloud's current session). ``max_weights`` (a device's known sample
+        count) and ``max_weight`` bound the ``weight`` a device result may claim."""
         if not 0 < quorum <= 1:
             raise ValueError("quorum must be in (0, 1]")
         self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
         self.devices, self.role, self.algorithm = sorted(devices), role, algorithm
         self.device_deadline, self.quorum, self.availability = device_deadline, quorum, availability
-        self.messenger = Messenger(transport, run, cell, sign_key=sign_key, keys=keys, on_reject=self._on_reject)
+        self.trust = trust
+        self.messenger = Messenger(transport, run, cell, trust=trust, max_payload=max_message_bytes,
+                                   on_reject=self._on_reject)
+        self.cloud = CloudSession()  # the cloud's current session, from its (signed) status
+        self.max_weights, self.max_weight = dict(max_weights or {}), max_weight
         self.log = JsonlWriter(log_path)
         self.online: dict[str, bool] = {d: assume_online for d in self.devices}
         self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
@@ -86,6 +98,7 @@ class CellServer:
         self.transport.subscribe(topics.cell_task(self.run, self.cell), self._on_cell_task)
         self.transport.subscribe(topics.device_results(self.run, self.cell), self._on_result)
         self.transport.subscribe(topics.device_statuses(self.run, self.cell), self._on_status)
+        self.transport.subscribe(topics.status(self.run, "cloud"), self._on_status)  # the cloud's session
         self._announce()
         if self.heartbeat > 0 or self.heartbeat_timeout > 0:
             self._beat_timer = self.loop.call_later(self._beat_period(), self._beat)
@@ -95,15 +108,16 @@ class CellServer:
         self.loop.cancel(self._wait_timer)
         self.loop.cancel(self._beat_timer)
         if self.transport.connected:
-            self.transport.publish(topics.status(self.run, topics.cell_node(self.cell)),
-                                   encode_status("offline"), retain=True)
+            status = topics.status(self.run, topics.cell_node(self.cell))
+            self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
             self.transport.close()
         self.log.close()
 
     def _announce(self) -> None:
-        self.transport.publish(topics.status(self.run, topics.cell_node(self.cell)),
-                               encode_status("online", devices_online=sum(self.online.values()),
-                                             devices_total=len(self.devices)), retain=True)
+        status = topics.status(self.run, topics.cell_node(self.cell))
+        self.transport.publish(status, encode_status("online", topic=status, trust=self.trust,
+                                                     devices_online=sum(self.online.values()),
+                                                     devices_total=len(self.devices)), retain=True)
 
     # ----------------------------------------------------------------- liveness
     def _beat_period(self) -> float:
@@ -125,10 +139,13 @@ class CellServer:
 
     def _on_status(self, topic: str, data: bytes) -> None:
         node = topic.rsplit("/", 1)[-1]
-        if not node.startswith("device."):
+        if node == "cloud":
+            self.cloud.on_status(decode_status(data, topic, self.trust) if data else None)
+            return
+        if not node.startswith("device.") or node[len("device."):] not in self.online:
             return
         device = node[len("device."):]
-        record = decode_status(data)
+        record = decode_status(data, topic, self.trust)
         if device not in self.online or record is None:
             return
         online = record["state"] == "online"
@@ -146,6 +163,15 @@ class CellServer:
         msg = self.messenger.receive(topic, data, kinds=("cell_task",))
         if msg is None:
             return
+        if self.trust is not None:
+            h = msg.header
+            if h.sender != "cloud":
+                self.messenger.reject(topic, f"cell task signed by {h.sender!r}, not the cloud", h.sender)
+                return
+            if h.session is None or h.session != self.cloud.session:
+                self.messenger.reject(topic, f"task of cloud session {h.session!r}; the cloud's current session is "
+                                             f"{self.cloud.session!r} (replayed or forged)", h.sender)
+                return
         if msg.header.round <= self.round:
             self.messenger.reject(topic, f"task for round {msg.header.round}, already at {self.round}", msg.header.sender)
             return
@@ -158,6 +184,7 @@ class CellServer:
             self.messenger.reject(topic, f"cell task refused: {exc}", msg.header.sender)
             return
         self.round, self.edge_round, self.in_round = msg.header.round, 0, True
+        self.messenger.session = msg.header.session  # device tasks and the report belong to it
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
         self._round_devices: set[str] = set()
         self._gave_up = set()
@@ -233,7 +260,9 @@ class CellServer:
             return
         h, device = msg.header, topic.split("/")[-2]
         taken = len(self.answers.received)
-        reason = self.answers.offer(device, h.sender, (h.round, h.edge_round), msg.payload, self.role.check)
+        reason = self._bad_result(device, msg)
+        if reason is None:
+            reason = self.answers.offer(device, h.sender, (h.round, h.edge_round), msg.payload, self.role.check)
         if reason is not None:
             self.messenger.reject(topic, reason, device)
             return
@@ -245,6 +274,18 @@ class CellServer:
             self.losses[device] = float(loss)
         if len(self.answers.received) >= self._needed:
             self._close(self.round, self.edge_round, "all answered" if not self.answers.pending else "quorum")
+
+    def _bad_result(self, device: str, msg: Any) -> str | None:
+        """Runtime checks before the role sees a result: its session (signed runs) and its weight
+        against the device's known sample count or the configured bound."""
+        h = msg.header
+        if self.trust is not None and h.sender == device and h.session != self.messenger.session:
+            return f"result of session {h.session!r}, the current one is {self.messenger.session!r}"
+        weight = msg.payload.meta.get("weight")
+        bound = self.max_weights.get(device, self.max_weight)
+        if bound is not None and isinstance(weight, (int, float)) and weight > bound:
+            return f"weight {weight:g} exceeds the {bound:g} samples known for {device}"
+        return None
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
         parts = topic.split("/")

@@ -25,4 +25,4 @@ def build_cloud(cfg: RunConfig, transport: Transport, algorithm: Algorithm, *, e
         metrics_path=out / runfiles.METRICS if out else None,
         checkpoint_path=out / runfiles.CHECKPOINT if out else None,
         resume=resume, startup_wait=startup_wait, on_round=on_round, availability=availability,
-        sign_key=trust.sign_key if trust else None, keys=trust.peers if trust else None)
+        trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model))

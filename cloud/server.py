@@ -5,7 +5,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
+
+if TYPE_CHECKING:
+    from protocols.wire.keys import Trust
 
 log = logging.getLogger("fedtier.cloud")
 
@@ -37,19 +40,22 @@ class CloudServer:
     def __init__(self, transport: Transport, *, run: str, cells: list[str], role: CloudRole, rounds: int,
                  cell_deadline: float, evaluator: Evaluator | None = None, eval_every: int = 1,
                  metrics_path: str | Path | None = None, checkpoint_path: str | Path | None = None,
-                 resume: bool = False, startup_wait: float = 0.0, sign_key: bytes | None = None,
-                 keys: dict[str, bytes] | None = None,
+                 resume: bool = False, startup_wait: float = 0.0, trust: "Trust | None" = None,
+                 max_message_bytes: int | None = None,
                  on_round: Callable[[dict[str, Any]], None] | None = None,
                  availability: CellAvailability | None = None) -> None:
         self.transport, self.loop, self.run = transport, transport.loop, run
         self.cells, self.role, self.rounds = sorted(cells), role, rounds
         self.cell_deadline, self.evaluator, self.eval_every = cell_deadline, evaluator, max(1, eval_every)
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
-        self.messenger = Messenger(transport, run, "cloud", sign_key=sign_key, keys=keys, on_reject=self._on_reject)
+        self.trust = trust
+        self.messenger = Messenger(transport, run, "cloud", trust=trust, max_payload=max_message_bytes,
+                                   on_reject=self._on_reject)
         self.metrics = JsonlWriter(metrics_path)
         self.startup_wait, self.on_round = startup_wait, on_round
         self.availability = availability
         self.session = new_session()  # stamps this cloud's retained records (see protocols.session)
+        self.messenger.session = self.session  # ... and, signed, every message it sends
         self.round = 0
         self.finished = False
         self.started = False
@@ -73,8 +79,10 @@ class CloudServer:
     def start(self) -> None:
         self.transport.subscribe(topics.cell_reports(self.run), self._on_report)
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
-        self.transport.publish(topics.status(self.run, "cloud"), encode_status("online", session=self.session),
-                               retain=True)
+        status = topics.status(self.run, "cloud")
+        extra = {"started": round(time.time(), 6)} if self.trust is not None else {}
+        self.transport.publish(status, encode_status("online", topic=status, trust=self.trust, session=self.session,
+                                                     **extra), retain=True)
         if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker
             self.transport.publish(topics.control(self.run), b"", retain=True)
         if self.round >= self.rounds:
@@ -88,7 +96,8 @@ class CloudServer:
     def stop(self) -> None:
         self.loop.cancel(self._timer)
         if self.transport.connected:
-            self.transport.publish(topics.status(self.run, "cloud"), encode_status("offline"), retain=True)
+            status = topics.status(self.run, "cloud")
+            self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
             self.transport.close()
         self.metrics.close()
 
@@ -96,7 +105,7 @@ class CloudServer:
         node = topic.rsplit("/", 1)[-1]
         if not node.startswith("cell."):
             return
-        cell, record = node[len("cell."):], decode_status(data)
+        cell, record = node[len("cell."):], decode_status(data, topic, self.trust)
         if cell not in self.cell_ready or record is None:
             return
         self.cell_online[cell] = record["state"] == "online"
@@ -122,7 +131,9 @@ class CloudServer:
         plan = self.role.plan(self.round, [c for c in self.cells if (self.cell_online[c] or self.startup_wait <= 0)
                                            and c in allowed])
         self.planned = sorted(plan)
-        self.transport.publish(topics.round_manifest(self.run), encode_manifest(self.session, self.round), retain=True)
+        manifest = topics.round_manifest(self.run)
+        self.transport.publish(manifest, encode_manifest(self.session, self.round, topic=manifest, trust=self.trust),
+                               retain=True)
         for cell in self.planned:
             self._bytes["cloud_to_cell"] += self.messenger.send(topics.cell_task(self.run, cell), "cell_task",
                                                                 plan[cell], round=self.round, cell=cell)
@@ -142,6 +153,9 @@ class CloudServer:
         taken = len(self.answers.received)
         if h.cell != cell:
             reason = f"report for cell {h.cell!r} on the topic of cell {cell!r}"
+        elif self.trust is not None and (h.sender != cell or h.session != self.session):
+            reason = (f"report of session {h.session!r}, this cloud's is {self.session!r}" if h.sender == cell
+                      else f"report signed by {h.sender!r} on the topic of cell {cell!r}")
         else:
             reason = self.answers.offer(cell, h.sender, (h.round,), msg.payload, self.role.check)
         if reason is not None:

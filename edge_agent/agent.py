@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.status import encode_status
@@ -12,6 +12,10 @@ from protocols.wire import topics
 from protocols.wire.envelope import Header
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
+
+if TYPE_CHECKING:
+    from protocols.session import CloudSession
+    from protocols.wire.keys import Trust
 
 log = logging.getLogger("fedtier.agent")
 
@@ -28,16 +32,22 @@ class DeviceAgent:
     """One device. Announces itself online (retained; its will says offline), then answers tasks."""
 
     def __init__(self, transport: Transport, *, run: str, cell: str, device: str, role: DeviceRole,
-                 data: LocalData, trainer: Trainer, seed: int, sign_key: bytes | None = None,
-                 keys: dict[str, bytes] | None = None, on_task: Callable[[int, int], None] | None = None,
-                 compute_delay: Callable[[str, Payload], float] | None = None) -> None:
+                 data: LocalData, trainer: Trainer, seed: int, trust: "Trust | None" = None,
+                 max_message_bytes: int | None = None, on_task: Callable[[int, int], None] | None = None,
+                 compute_delay: Callable[[str, Payload], float] | None = None,
+                 cloud: "CloudSession | None" = None) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
-        the result leaves (a compute model for simulation, see ``sim/clock.py``). ``sign_key`` signs
-        the results; with ``keys`` (sender -> key: its cell's) only tasks signed by a known sender count."""
+        the result leaves (a compute model for simulation, see ``sim/clock.py``). ``trust`` (the device's
+        identity) signs what it sends and admits only tasks signed by its cell; ``cloud`` (what the
+        device knows of the cloud's session, from its signed records) then also admits only tasks of
+        the current session, for a round no later than the manifest's. In any case a task must be for
+        a later (round, edge round) than the last one taken in its session."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device
         self.compute_delay = compute_delay
         self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
-        self.messenger = Messenger(transport, run, device, sign_key=sign_key, keys=keys)
+        self.trust, self.cloud = trust, cloud
+        self.messenger = Messenger(transport, run, device, trust=trust, max_payload=max_message_bytes)
+        self._last: tuple[str | None, int, int] | None = None  # (session, round, edge round) of the last task
         self.on_task = on_task
         self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``); None: here
         self.tasks_done = 0
@@ -56,8 +66,9 @@ class DeviceAgent:
         transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
 
     def announce(self, state: str) -> None:
-        self.transport.publish(topics.device_status(self.run, self.cell, self.device),
-                               encode_status(state, cell=self.cell, samples=len(self.data)), retain=True)
+        status = topics.device_status(self.run, self.cell, self.device)
+        self.transport.publish(status, encode_status(state, topic=status, trust=self.trust, cell=self.cell,
+                                                     samples=len(self.data)), retain=True)
 
     def stop(self) -> None:
         """Leave cleanly: say offline, then disconnect."""
@@ -77,6 +88,12 @@ class DeviceAgent:
         if h.cell != self.cell:
             self.messenger.reject(topic, f"task for cell {h.cell!r}, this device is in {self.cell!r}", h.sender)
             return
+        reason = self._out_of_window(h)
+        if reason is not None:
+            self.messenger.reject(topic, reason, h.sender)
+            return
+        self._last = (h.session, h.round, h.edge_round)
+        self.messenger.session = h.session  # the result belongs to the task's session
         if self.on_task is not None:
             self.on_task(h.round, h.edge_round)
         self.bytes_in += msg.nbytes
@@ -87,6 +104,23 @@ class DeviceAgent:
                                  lambda result, error: self._trained(topic, h, result, error))
             return
         self._trained(topic, h, *self.train_here(msg.payload, ctx))
+
+    def _out_of_window(self, h: Header) -> str | None:
+        """Why a task is not for now: not from this device's cell, another session than the cloud's
+        current one, a round past the cloud's manifest, or not after the last task taken."""
+        if self.trust is not None and h.sender != self.cell:
+            return f"task signed by {h.sender!r}, not by this device's cell {self.cell!r}"
+        if self.trust is not None and self.cloud is not None:
+            if h.session is None or h.session != self.cloud.session:
+                return (f"task of cloud session {h.session!r}; the cloud's current session is "
+                        f"{self.cloud.session!r} (replayed or forged)")
+            now = self.cloud.round
+            if now is not None and h.round > now:
+                return f"task for round {h.round}, the cloud's manifest says round {now}"
+        if self.trust is not None and self._last is not None and self._last[0] == h.session and (h.round, h.edge_round) <= self._last[1:]:
+            return (f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} "
+                    f"(replayed)")
+        return None
 
     def train_here(self, task: Payload, ctx: DeviceContext) -> tuple[Payload | None, str | None]:
         """Run the role on this device's data: ``(result, None)``, or ``(None, error)``."""

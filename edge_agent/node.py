@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from protocols.algorithms.base import Algorithm
 from protocols.config import RunConfig
+from protocols.session import CloudSession
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
@@ -20,8 +21,10 @@ def cell_of(cfg: RunConfig, device: str) -> str:
 
 
 def build_agent(cfg: RunConfig, device: str, transport: Transport, algorithm: Algorithm, data: LocalData,
-                trainer: Trainer) -> DeviceAgent:
+                trainer: Trainer, cloud: CloudSession | None = None) -> DeviceAgent:
+    """``cloud``: what the device's process knows of the cloud's session (MQTT agents), so that only
+    tasks of the current session count."""
     trust = node_trust(cfg, device)  # [security] keys: sign, and require the cell's signature
     return DeviceAgent(transport, run=cfg.run.name, cell=cell_of(cfg, device), device=device,
                        role=algorithm.device(device), data=data, trainer=trainer, seed=cfg.run.seed,
-                       sign_key=trust.sign_key if trust else None, keys=trust.peers if trust else None)
+                       trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), cloud=cloud)

@@ -32,7 +32,9 @@ from protocols.transport.base import TimerHandle, Will
 from protocols.transport.reactor import Reactor
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
+from protocols.wire.keys import node_trust
 from protocols.wire.messenger import Messenger
+from protocols.wire.signed import signer_of
 
 from .agent import DeviceAgent
 from .node import build_agent, cell_of
@@ -80,14 +82,21 @@ def client_id(run: str, node: str) -> str:
     return f"fedtier-{run}-{node}"
 
 
-def offline_will(run: str, node: str) -> Will:
-    """The last will of a node: its retained status says offline."""
-    return Will(topics.status(run, node), encode_status("offline"), retain=True)
+def offline_will(run: str, node: str, cfg: RunConfig | None = None) -> Will:
+    """The last will of a node: its retained status says offline (signed by the node when ``cfg`` has
+    ``[security] keys``)."""
+    return _will(topics.status(run, node), cfg)
 
 
-def device_will(run: str, cell: str, device: str) -> Will:
-    """The last will of a device: its retained status (under its cell) says offline."""
-    return Will(topics.device_status(run, cell, device), encode_status("offline"), retain=True)
+def device_will(run: str, cell: str, device: str, cfg: RunConfig | None = None) -> Will:
+    """The last will of a device: its retained status (under its cell) says offline (signed as above)."""
+    return _will(topics.device_status(run, cell, device), cfg)
+
+
+def _will(topic: str, cfg: RunConfig | None) -> Will:
+    signer = signer_of(topic)
+    trust = node_trust(cfg, signer) if cfg is not None and signer is not None else None
+    return Will(topic, encode_status("offline", topic=topic, trust=trust), retain=True)
 
 
 # ------------------------------------------------------------------------------------ device data
@@ -213,11 +222,12 @@ class AgentProcess:
         fresh: list[tuple[str, Any]] = []
         for device, data in self.data.items():
             transport = self._transport(device)
-            agent = build_agent(self.cfg, device, transport, self.algorithm, data, self.trainer)
+            self.clouds[device] = CloudSession()
+            agent = build_agent(self.cfg, device, transport, self.algorithm, data, self.trainer,
+                                cloud=self.clouds[device])
             if self.on_task is not None:
                 agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)
             self.agents[device] = agent
-            self.clouds[device] = CloudSession()
             agent.role.train = self._timed(device, agent.role.train)
             with self._lock:
                 self._live.add(device)
@@ -247,7 +257,7 @@ class AgentProcess:
         attempt = self.connections.get(device, 0)
         cell = cell_of(self.cfg, device)
         broker = self.cell_brokers.get(cell, self.broker)
-        return broker.transport(node, self.run, self.loop, will=device_will(self.run, cell, device),
+        return broker.transport(node, self.run, self.loop, will=device_will(self.run, cell, device, self.cfg),
                                      reactor=self.reactor, retry_refused=True,
                                      backoff_seed=derive_seed(self.cfg.run.seed, device, attempt, "mqtt-backoff"))
 
@@ -256,10 +266,10 @@ class AgentProcess:
         (sent with the CONNECT's first CONNACK)."""
         agent, run = self.agents[device], self.run
         agent.attach(transport)
-        control = Messenger(transport, run, device)
+        control = Messenger(transport, run, device, trust=agent.trust)
         transport.subscribe(topics.control(run), lambda t, b: self._on_control(device, control, t, b))
-        transport.subscribe(topics.status(run, "cloud"), lambda t, b: self._on_cloud_status(device, b))
-        transport.subscribe(topics.round_manifest(run), lambda t, b: self._on_manifest(device, b))
+        transport.subscribe(topics.status(run, "cloud"), lambda t, b: self._on_cloud_status(device, t, b))
+        transport.subscribe(topics.round_manifest(run), lambda t, b: self._on_manifest(device, t, b))
         old = self.transports.get(device)
         if old is not None:
             self._past.setdefault(device, []).append(old.stats.snapshot())
@@ -333,16 +343,19 @@ class AgentProcess:
         if not data:
             return  # a cleared retained record
         msg = messenger.receive(topic, data, kinds=("control",))
+        if msg is not None and messenger.signed and msg.header.sender != "cloud":
+            messenger.reject(topic, f"control record signed by {msg.header.sender!r}, not the cloud", None)
+            return
         if msg is not None and msg.payload.meta.get("event") == "finished":
             self.clouds[device].on_finished(msg.payload.meta.get("session"))
             self._update(device)
 
-    def _on_cloud_status(self, device: str, data: bytes) -> None:
-        self.clouds[device].on_status(decode_status(data) if data else None)
+    def _on_cloud_status(self, device: str, topic: str, data: bytes) -> None:
+        self.clouds[device].on_status(decode_status(data, topic, self.agents[device].trust) if data else None)
         self._update(device)
 
-    def _on_manifest(self, device: str, data: bytes) -> None:
-        record = decode_manifest(data) if data else None
+    def _on_manifest(self, device: str, topic: str, data: bytes) -> None:
+        record = decode_manifest(data, topic, self.agents[device].trust) if data else None
         if record is not None:
             self.clouds[device].on_manifest(record)
             self._fresh.add(device)

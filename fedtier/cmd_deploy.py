@@ -68,17 +68,21 @@ def watch_cloud(node):
     from protocols.wire import topics
     from protocols.wire.messenger import Messenger
 
+    trust = getattr(node, "trust", None)
     cloud = CloudSession()
-    control = Messenger(node.transport, node.run, "watcher")
+    control = Messenger(node.transport, node.run, "watcher", trust=trust)
 
     def on_control(topic: str, data: bytes) -> None:
         msg = control.receive(topic, data, kinds=("control",)) if data else None
+        if msg is not None and trust is not None and msg.header.sender != "cloud":
+            control.reject(topic, f"control record signed by {msg.header.sender!r}, not the cloud", None)
+            return
         if msg is not None and msg.payload.meta.get("event") == "finished":
             cloud.on_finished(msg.payload.meta.get("session"))
 
     node.transport.subscribe(topics.control(node.run), on_control)
     node.transport.subscribe(topics.status(node.run, "cloud"),
-                             lambda _t, data: cloud.on_status(decode_status(data) if data else None))
+                             lambda t, data: cloud.on_status(decode_status(data, t, trust) if data else None))
     return cloud
 
 
@@ -132,7 +136,7 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
         _check_keys(cfg, "cloud")
         out = fresh_output(cfg, resume)
         loop = ThreadLoop("cloud")
-        transport = opts.transport("cloud", cfg.run.name, loop, will=offline_will(cfg.run.name, "cloud")).connect()
+        transport = opts.transport("cloud", cfg.run.name, loop, will=offline_will(cfg.run.name, "cloud", cfg)).connect()
     except ConfigError as exc:
         _fail(exc, 2)
     except ConnectionError as exc:
@@ -186,7 +190,7 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
         loop = ThreadLoop(f"cell-{cell_id}")
         node_name = topics.cell_node(cell_id)
         transport = opts.transport(node_name, cfg.run.name, loop,
-                                   will=offline_will(cfg.run.name, node_name)).connect()
+                                   will=offline_will(cfg.run.name, node_name, cfg)).connect()
     except ConfigError as exc:
         _fail(exc, 2)
     except ConnectionError as exc:

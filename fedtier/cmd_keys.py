@@ -33,15 +33,16 @@ def keys_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 @SET
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="The keys file to write.")
 @click.option("--node", default=None, metavar="NODE",
-              help="Write only what NODE needs (cloud, c0, c0-d1...): its key and its peers' (a device: its "
-                   "cell's; a cell: the cloud's and its devices'; the cloud: the cells').")
+              help="Write only what NODE needs (cloud, c0, c0-d1...): its private key and its peers' public "
+                   "keys (a device: the cloud's and its cell's; a cell: the cloud's and its devices'; the cloud: "
+                   "everyone's).")
 @click.option("--from", "from_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="With --node: the full keys file to take the keys from (default: security.keys).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 def keys(config: str, overrides: tuple[str, ...], out_path: str, node: str | None, from_path: str | None,
          force: bool) -> None:
-    """Generate one random signing key per node of CONFIG's topology (HMAC-SHA256, 32 bytes each), or
-    extract one node's share of a keys file with --node. Use the file with [security] keys or --keys."""
+    """Generate an Ed25519 identity per node of CONFIG's topology (private and public keys), or extract
+    one node's share of a keys file with --node. Use the file with [security] keys or --keys."""
     from protocols.config import ConfigError
     from protocols.wire.keys import generate_keys, load_keys, node_subset, write_keys
 
@@ -57,10 +58,11 @@ def keys(config: str, overrides: tuple[str, ...], out_path: str, node: str | Non
             if not source:
                 raise ConfigError("--node: give the full keys file with --from (or set security.keys)")
             chosen = node_subset(load_keys(source), cfg.topology, node)
-            comment = f"node {node!r} of run {cfg.run.name!r}: its own key and its peers'"
+            comment = f"node {node!r} of run {cfg.run.name!r}: its private key and its peers' public keys"
         path = write_keys(out_path, chosen, comment=comment, overwrite=force)
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(2)
-    names = ", ".join(list(chosen)[:6]) + (", ..." if len(chosen) > 6 else "")
-    console.print(f"wrote {len(chosen)} keys ({names}) to {path} (mode 600)")
+    names = ", ".join(list(chosen.private)[:6]) + (", ..." if len(chosen.private) > 6 else "")
+    console.print(f"wrote {len(chosen.private)} private keys ({names}) and {len(chosen.public)} public keys to "
+                  f"{path} (mode 600)")

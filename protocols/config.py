@@ -210,6 +210,9 @@ class RuntimeSection(_Section):
     cohort_size: int = Field(default=64, ge=1, description="engine = cohort: most devices trained at once")
     cohort_threads: int = Field(default=1, ge=1, description="engine = cohort: torch threads a cohort computes with "
                                 "(the machine's cores, for large cohorts)")
+    max_message_bytes: int | None = Field(default=None, gt=1024, description="largest message a node accepts "
+                                          "(chunked sets are refused at their first chunk); none: 8 x the model's "
+                                          "float32 size + 4 MiB")
 
     @model_validator(mode="after")
     def _engine_ok(self) -> "RuntimeSection":
@@ -242,6 +245,12 @@ class BrokerSection(_Section):
 class SecuritySection(_Section):
     keys: str | None = Field(default=None, description="TOML keys file (`fedtier keys`): every node signs what it "
                              "sends and verifies its peers; fedtier sim/run generate it in the run folder if missing")
+    max_device_weight: float | None = Field(default=None, gt=0, description="a cell refuses a device result "
+                                            "whose weight (samples) exceeds this; fedtier sim/run check each "
+                                            "device's known sample count anyway")
+    max_device_weight: float | None = Field(default=None, gt=0, description="a cell refuses a device result "
+                                            "whose weight (samples) exceeds this; fedtier sim/run check each "
+                                            "device's known sample count anyway")
 
 
 class MonitoringSection(_Section):
@@ -288,6 +297,10 @@ class RunConfig(_Section):
         m = self.model
         return ModelSpec(name=m.name, input_shape=tuple(input_shape), num_classes=num_classes,
                          hidden=m.hidden, channels=m.channels, fc=m.fc)
+
+    def max_message_bytes(self, spec: ModelSpec) -> int:
+        """``runtime.max_message_bytes``, or its default from the model's size."""
+        return self.runtime.max_message_bytes or 8 * 4 * spec.num_params() + 4 * 1024 * 1024
 
     def build_algorithm(self, spec: ModelSpec) -> Algorithm:
         """The algorithm of this run, ready to build its roles."""

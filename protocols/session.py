@@ -8,9 +8,17 @@ left on the broker never steer it, whatever order the broker delivers them in.
 """
 from __future__ import annotations
 
-import json
+import logging
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .wire.envelope import WireError
+from .wire.signed import open_record, seal_record
+
+if TYPE_CHECKING:
+    from .wire.keys import Trust
+
+log = logging.getLogger("fedtier.session")
 
 
 def new_session() -> str:
@@ -18,18 +26,22 @@ def new_session() -> str:
     return secrets.token_hex(8)
 
 
-def encode_manifest(session: str, round: int) -> bytes:
-    """The retained round manifest: ``{"session": ..., "round": r}`` (the cloud round in progress)."""
-    return json.dumps({"session": session, "round": round}, separators=(",", ":")).encode()
+def encode_manifest(session: str, round: int, *, topic: str = "", trust: "Trust | None" = None) -> bytes:
+    """The retained round manifest: ``{"session": ..., "round": r}`` (the cloud round in progress),
+    signed by the cloud for ``topic`` with ``trust``."""
+    return seal_record({"session": session, "round": round}, topic, trust.sign if trust is not None else None)
 
 
-def decode_manifest(data: bytes) -> dict[str, Any] | None:
-    """Parse a manifest; ``None`` if it is not one (a cleared record, garbage)."""
+def decode_manifest(data: bytes, topic: str = "", trust: "Trust | None" = None) -> dict[str, Any] | None:
+    """Parse a manifest; ``None`` if it is not one (a cleared record, garbage) or, with ``trust``, if
+    the cloud did not sign it (logged)."""
     try:
-        record = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        record = open_record(data, topic, "cloud", trust.verify if trust is not None else None)
+    except WireError as exc:
+        if trust is not None:
+            log.warning("rejected a round manifest on %s: %s", topic, exc)
         return None
-    if not isinstance(record, dict) or not _session_ok(record.get("session")):
+    if not _session_ok(record.get("session")):
         return None
     r = record.get("round")
     if isinstance(r, bool) or not isinstance(r, int) or r < 0:
@@ -50,13 +62,24 @@ class CloudSession:
 
     def __init__(self) -> None:
         self.session: str | None = None
+        self.started: float | None = None  # the current session's start time (its status says)
         self.manifest: dict[str, Any] | None = None
         self.finished_sessions: set[str] = set()  # sessions whose ``finished`` was seen
 
     def on_status(self, record: dict[str, Any] | None) -> None:
-        """A cloud status record (``protocols.status``); an ``offline`` one keeps the session."""
-        if record is not None and record.get("state") == "online" and _session_ok(record.get("session")):
-            self.session = record["session"]
+        """A cloud status record (``protocols.status``); an ``offline`` one keeps the session. A record
+        whose ``started`` time is older than the current session's (a replayed record of an earlier
+        cloud) does not replace it."""
+        if record is None or record.get("state") != "online" or not _session_ok(record.get("session")):
+            return
+        started = record.get("started")
+        started = float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None
+        if (record["session"] != self.session and self.started is not None
+                and (started is None or started < self.started)):
+            log.warning("ignored cloud session %s: it started before the current one (%s)", record["session"],
+                        self.session)
+            return
+        self.session, self.started = record["session"], started
 
     def on_manifest(self, record: dict[str, Any] | None) -> None:
         if record is not None:

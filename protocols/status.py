@@ -1,21 +1,41 @@
-"""Liveness records published (retained) on ``fedtier/{run}/status/{node}``."""
+"""Liveness records published (retained) on ``fedtier/{run}/status/{node}``.
+
+On a run with signing keys, a record carries its node's signature (``protocols.wire.signed``) and a
+reader with ``trust`` drops, with a logged reason, any record that is not signed by the node its
+topic names.
+"""
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .wire.envelope import WireError
+from .wire.signed import open_record, seal_record, signer_of
+
+if TYPE_CHECKING:
+    from .wire.keys import Trust
+
+log = logging.getLogger("fedtier.status")
 
 
-def encode_status(state: str, **extra: Any) -> bytes:
-    """A small JSON record: ``{"state": "online"|"offline", ...}``."""
-    return json.dumps({"state": state, **extra}, separators=(",", ":")).encode()
+def encode_status(state: str, *, topic: str = "", trust: "Trust | None" = None, **extra: Any) -> bytes:
+    """A small JSON record: ``{"state": "online"|"offline", ...}``, signed for ``topic`` with ``trust``."""
+    record = {"state": state, **extra}
+    if trust is None:
+        return json.dumps(record, separators=(",", ":")).encode()
+    return seal_record(record, topic, trust.sign)
 
 
-def decode_status(data: bytes) -> dict[str, Any] | None:
-    """Parse a status record; ``None`` if it is not one (it is then ignored)."""
+def decode_status(data: bytes, topic: str = "", trust: "Trust | None" = None) -> dict[str, Any] | None:
+    """Parse a status record; ``None`` if it is not one (it is then ignored) or, with ``trust``, if it
+    is not signed by the node of ``topic`` (logged)."""
     try:
-        record = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        record = open_record(data, topic, signer_of(topic), trust.verify if trust is not None else None)
+    except WireError as exc:
+        if trust is not None:
+            log.warning("rejected a status record on %s: %s", topic, exc)
         return None
-    if not isinstance(record, dict) or record.get("state") not in ("online", "offline"):
+    if record.get("state") not in ("online", "offline"):
         return None
     return record

@@ -41,7 +41,7 @@ from protocols.wire.keys import with_run_keys
 
 from .hierarchy import (cell_availability, check_resumable, device_availability, edge_availability, fresh_output,
                         make_evaluator, prepare)
-from .launcher import RunResult, set_torch_threads, write_final
+from .launcher import RunResult, device_samples, set_torch_threads, write_final
 from .onnx_devices import export_onnx, with_onnx_model
 
 log = logging.getLogger("fedtier.run")
@@ -259,14 +259,14 @@ class Emulation:
             loop = ThreadLoop(f"run-{run}").start()
             for c in cfg.topology.cell_ids():
                 node = topics.cell_node(c)
-                transport = cell_opts[c].transport(node, run, loop, will=offline_will(run, node),
+                transport = cell_opts[c].transport(node, run, loop, will=offline_will(run, node, cfg),
                                                    reactor=reactor).connect()
                 cells[c] = build_cell(cfg, c, transport, algorithm, availability=availability, output_dir=out,
-                                      heartbeats=True)
+                                      heartbeats=True, samples=device_samples(prep.device_data, cfg.topology.device_ids(c)))
                 if self.metrics is not None:
                     self.metrics.watch_cell(cells[c])
                 _on_loop(loop, cells[c].start)
-            transport = opts.transport("cloud", run, loop, will=offline_will(run, "cloud"), reactor=reactor).connect()
+            transport = opts.transport("cloud", run, loop, will=offline_will(run, "cloud", cfg), reactor=reactor).connect()
             cloud = build_cloud(cfg, transport, algorithm,
                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
                                 output_dir=out, resume=self.resume, startup_wait=cfg.runtime.startup_wait,

@@ -10,7 +10,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -68,6 +68,11 @@ def set_torch_threads(n: int = 1) -> None:
     torch.set_num_threads(n)
 
 
+def device_samples(device_data: Any, devices: Iterable[str]) -> dict[str, int]:
+    """Each device's sample count (``DeviceData.indices``, no copy): the largest weight a cell accepts."""
+    return {d: len(device_data.indices(d)) for d in devices}
+
+
 class SimHierarchy:
     """The hierarchy of ``cfg`` built on an in-memory hub: ``cloud``, ``cells``, ``agents``.
 
@@ -103,7 +108,9 @@ class SimHierarchy:
                                  availability=cell_availability(cfg))
         availability = edge_availability(cfg)
         self.cells = {c: build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability,
-                                    output_dir=self.output_dir, assume_online=True) for c in cfg.topology.cell_ids()}
+                                    output_dir=self.output_dir, assume_online=True,
+                                    samples=device_samples(prep.device_data, cfg.topology.device_ids(c)))
+                      for c in cfg.topology.cell_ids()}
         trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
                                          **spec.build_kwargs())
         onnx = onnx_trainers(cfg, spec, algorithm, self.output_dir)  # forward-only devices

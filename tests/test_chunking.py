@@ -79,7 +79,7 @@ def test_incomplete_set_expires_and_memory_returns_to_zero() -> None:
     r = Reassembler(timeout=10.0, clock=clock)
     parts = split(os.urandom(5000), 1024)
     feed_all(r, "t", parts[:-1])
-    assert r.pending == 1 and r.reserved == 5000
+    assert r.pending == 1 and r.reserved == 5000 - (len(parts[-1]) - HEADER_BYTES)  # only what arrived
     clock.t = 9.9
     assert r.expire() == 0 and r.pending == 1
     clock.t = 20.0
@@ -117,9 +117,9 @@ def test_memory_bound_evicts_oldest_incomplete_set() -> None:
     r = Reassembler(max_bytes=8000, clock=clock)
     a, b = os.urandom(5000), os.urandom(5000)
     pa, pb = split(a, 1024), split(b, 1024)
-    r.feed("t", pa[0])
+    feed_all(r, "t", pa[:-1])
     clock.t = 1.0
-    assert r.reserved == 5000
+    assert r.reserved == 5000 - (len(pa[-1]) - HEADER_BYTES)
     assert feed_all(r, "t", pb) == [b]  # needs room: a is evicted
     assert r.pending == 0 and r.reserved == 0 and r.dropped == 1
     assert r.reserved <= r.max_bytes
@@ -140,7 +140,7 @@ def test_inconsistent_headers_rejected() -> None:
     parts = split(data, 1024)
     r = Reassembler()
     assert r.feed("t", parts[0][:-1]) is None  # truncated chunk
-    forged = chunking._HEAD.pack(MAGIC, b"\0" * 16, 5, 3, 984, 3000) + b"x" * 984  # index >= count
+    forged = chunking._HEAD.pack(MAGIC, b"\0" * 16, 5, 3, 982, 3000, 0, 0) + b"x" * 982  # index >= count
     assert r.feed("t", forged) is None
     assert r.pending == 0 and r.dropped == 2
 
@@ -148,3 +148,69 @@ def test_inconsistent_headers_rejected() -> None:
 def test_max_chunk_must_exceed_header() -> None:
     with pytest.raises(ValueError):
         split(b"x" * 100, HEADER_BYTES)
+
+
+# ------------------------------------------------------------------ memory before trust (issue 13)
+def _trusts() -> tuple["Trust", "Trust", "Trust"]:
+    """The cell c0 (receiver), its device c0-d0, and an intruder claiming to be c0-d0."""
+    from protocols.config import TopologySection
+    from protocols.wire.keys import Trust, generate_keys, new_seed
+
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=1))
+    return (Trust("c0", ring.private["c0"], ring.public), Trust("c0-d0", ring.private["c0-d0"], ring.public),
+            Trust("c0-d0", new_seed(), ring.public))
+
+
+def test_signed_chunks_round_trip_and_bind_the_topic() -> None:
+    cell, device, _ = _trusts()
+    data = os.urandom(10_000)
+    parts = split(data, 1024, topic="t/result", auth=device)
+    assert all(len(p) <= 1024 for p in parts) and len(parts) > 1
+    assert feed_all(Reassembler(auth=cell), "t/result", parts) == [data]
+    r = Reassembler(auth=cell)  # the same chunks replayed on another topic: every one refused
+    assert feed_all(r, "t/other", parts) == [] and r.pending == 0 and r.dropped == len(parts)
+
+
+def test_bogus_chunks_are_dropped_one_by_one_and_the_genuine_set_completes() -> None:
+    """An intruder who saw the first genuine chunk injects a bogus copy of every other index (same
+    content id) before the genuine ones arrive: signed, each bogus chunk is refused on its own and the
+    genuine message is delivered; unsigned (the control), the genuine set is lost."""
+    cell, device, intruder = _trusts()
+    data = os.urandom(10_000)
+    genuine = split(data, 1024, topic="t", auth=device)
+    bogus = [chunking._HEAD.pack(*chunking._HEAD.unpack_from(p)[:6], 5, 64) + b"c0-d0" + os.urandom(64)
+             + os.urandom(len(p) - chunking.HEADER_BYTES - 5 - 64) for p in genuine[1:]]
+    forged = split(os.urandom(10_000), 1024, topic="t", auth=intruder)  # validly framed, a key of its own
+    r = Reassembler(auth=cell)
+    assert feed_all(r, "t", [genuine[0], *bogus, *forged, *genuine[1:]]) == [data]
+    assert r.dropped == len(bogus) + len(forged) and r.pending == 0 and r.reserved == 0
+    plain = split(data, 1024)
+    r = Reassembler()
+    fake = [chunking._HEAD.pack(*chunking._HEAD.unpack_from(p)[:8]) + os.urandom(len(p) - chunking.HEADER_BYTES)
+            for p in plain[1:]]
+    assert feed_all(r, "t", [plain[0], *fake, *plain[1:]]) == []  # without signatures: lost
+
+
+def test_a_tiny_header_announcing_500_mb_reserves_nothing() -> None:
+    """The 43-byte chunk (header + 1 byte) that once made a receiver allocate 500 MB: refused by size
+    at once, and even a bound-respecting announcement holds only the bytes that arrived."""
+    total = 500 * 1024 * 1024
+    tiny = chunking._HEAD.pack(MAGIC, b"\1" * 16, 0, total, 1, total, 0, 0) + b"x"
+    r = Reassembler(max_message=1_000_000)
+    assert r.feed("t", tiny) is None and r.reserved == 0 and r.pending == 0
+    ok = chunking._HEAD.pack(MAGIC, b"\2" * 16, 0, 900_000, 1, 900_000, 0, 0) + b"x"
+    assert r.feed("t", ok) is None and r.reserved == 1 and r.pending == 1
+    assert r.feed("t", os.urandom(1_000_001)) is None  # an unchunked payload over the bound, by size first
+    assert r.feed("t", b"small") == b"small"
+
+
+def test_per_sender_bound_before_authentication() -> None:
+    """One sender cannot hold more than its share of incomplete messages; others are unaffected."""
+    r = Reassembler(max_message=5000, max_bytes=100_000)
+    one = [split(os.urandom(5000), 1024) for _ in range(4)]
+    for parts in one:  # four incomplete messages from the same (unauthenticated) sender ""
+        feed_all(r, "t", parts[:-1])
+    assert r.reserved <= r.max_per_sender == 10_000
+    fake_auth = type("Named", (), {"node": "x", "sign": lambda self, data: b"s" * 64})()
+    other = os.urandom(5000)
+    assert feed_all(r, "t", split(other, 1024, auth=fake_auth)) == [other]  # sender x is not held back

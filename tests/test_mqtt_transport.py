@@ -222,7 +222,8 @@ def test_reassembly_memory_bound(clients, loop, prefix, caplog) -> None:
         pub.publish(f"{prefix}/m/huge", os.urandom(60_000))
         pub.publish(f"{prefix}/m/fits", fits := os.urandom(40_000))
         assert inbox.wait_n(1) == [(f"{prefix}/m/fits", fits)]
-    assert "exceeds the reassembly bound" in caplog.text and sub.reassembly_bytes == 0
+    assert "exceeds the bound of 50000" in caplog.text and sub.reassembly_bytes == 0
+    assert caplog.text.count("exceeds the bound") == 1  # refused at its first chunk, the rest quietly
 
 
 def test_duplicate_chunks_and_duplicate_messages(clients, loop, prefix) -> None:

@@ -14,9 +14,9 @@ from fedtier.cli import main
 from protocols import runfiles
 from protocols.config import ConfigError
 from protocols.wire import topics
-from protocols.wire.envelope import WireError, decode_message
-from protocols.wire.keys import (KEY_BYTES, KeysError, generate_keys, load_keys, node_subset, node_trust,
-                                 write_keys)
+from protocols.wire.envelope import WireError, decode_message, verify_signature
+from protocols.wire.keys import (KEY_BYTES, KeyRing, KeysError, Trust, dump_keys, generate_keys, load_keys,
+                                 new_seed, node_subset, node_trust, public_of, write_keys)
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload, decode_payload
 from protocols.transport.broker import EmbeddedBroker
@@ -34,24 +34,32 @@ def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 # ------------------------------------------------------------------------------------- keys files
 def test_keys_file_roundtrip_subsets_and_errors(tmp_path: Path) -> None:
     topo = small_config(tmp_path).topology  # 2 cells x 3 devices
-    keys = generate_keys(topo)
-    assert list(keys) == ["cloud", "c0", "c1", "c0-d0", "c0-d1", "c0-d2", "c1-d0", "c1-d1", "c1-d2"]
-    assert all(len(k) == KEY_BYTES for k in keys.values()) and len(set(keys.values())) == len(keys)
-    path = write_keys(tmp_path / "keys.toml", keys)
+    ring = generate_keys(topo)
+    assert list(ring.private) == ["cloud", "c0", "c1", "c0-d0", "c0-d1", "c0-d2", "c1-d0", "c1-d1", "c1-d2"]
+    assert all(len(k) == KEY_BYTES for k in ring.private.values()) and len(set(ring.private.values())) == 9
+    assert all(ring.public[n] == public_of(ring.private[n]) for n in ring.private)
+    path = write_keys(tmp_path / "keys.toml", ring)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # secrets: owner only
-    assert load_keys(path) == keys
+    assert load_keys(path) == ring
     with pytest.raises(KeysError, match="exists"):
-        write_keys(path, keys)
-    assert set(node_subset(keys, topo, "c0-d1")) == {"c0-d1", "c0"}
-    assert set(node_subset(keys, topo, "c1")) == {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"}
-    assert set(node_subset(keys, topo, "cloud")) == {"cloud", "c0", "c1"}
-    with pytest.raises(KeysError, match="'c0'"):  # a device file lacks its cell's key
-        node_subset({"c0-d1": keys["c0-d1"]}, topo, "c0-d1")
+        write_keys(path, ring)
+    # a node holds its own private key only, and its peers' public keys
+    d = node_subset(ring, topo, "c0-d1")
+    assert set(d.private) == {"c0-d1"} and set(d.public) == {"c0-d1", "c0", "cloud"}
+    c = node_subset(ring, topo, "c1")
+    assert set(c.private) == {"c1"} and set(c.public) == {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"}
+    assert set(node_subset(ring, topo, "cloud").public) == set(ring.public)
+    with pytest.raises(KeysError, match="'c0'"):  # a device file lacks its cell's public key
+        node_subset(KeyRing({"c0-d1": ring.private["c0-d1"]}, {}), topo, "c0-d1")
     with pytest.raises(KeysError, match="not in the topology"):
-        node_subset(keys, topo, "c9-d0")
+        node_subset(ring, topo, "c9-d0")
+    old = tmp_path / "old.toml"  # the HMAC keys file of an older fedtier
+    old.write_text('[keys]\n"cloud" = "' + "ab" * 32 + '"\n')
+    with pytest.raises(ConfigError, match="older fedtier.*fedtier keys CONFIG --out"):
+        load_keys(old)
     bad = tmp_path / "bad.toml"
-    bad.write_text('[keys]\n"cloud" = "abcd"\n')
-    with pytest.raises(ConfigError, match="at least 16 bytes"):
+    bad.write_text(dump_keys(KeyRing({"cloud": ring.private["cloud"]}, {"cloud": ring.public["c0"]})))
+    with pytest.raises(ConfigError, match="does not match"):
         load_keys(bad)
     cfg = small_config(tmp_path, security={"keys": str(tmp_path / "missing.toml")})
     with pytest.raises(ConfigError, match="cannot read"):
@@ -65,15 +73,15 @@ def test_fedtier_keys_command_writes_full_and_per_node_files(tmp_path: Path) -> 
     full = tmp_path / "keys.toml"
     res = runner.invoke(main, ["keys", str(cfg_path), "--out", str(full)])
     assert res.exit_code == 0, res.output
-    keys = load_keys(full)
-    assert len(keys) == 1 + 2 + 6
-    for node, expected in [("c0-d1", {"c0-d1", "c0"}), ("c1", {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"}),
-                           ("cloud", {"cloud", "c0", "c1"})]:
+    ring = load_keys(full)
+    assert len(ring.private) == len(ring.public) == 1 + 2 + 6
+    for node, expected in [("c0-d1", {"c0-d1", "c0", "cloud"}), ("c1", {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"})]:
         out = tmp_path / f"{node}.toml"
         res = runner.invoke(main, ["keys", str(cfg_path), "--from", str(full), "--node", node, "--out", str(out)])
         assert res.exit_code == 0, res.output
         part = load_keys(out)
-        assert set(part) == expected and all(part[n] == keys[n] for n in part)
+        assert part.private == {node: ring.private[node]}
+        assert set(part.public) == expected and all(part.public[n] == ring.public[n] for n in part.public)
     res = runner.invoke(main, ["keys", str(cfg_path), "--out", str(full)])
     assert res.exit_code == 2 and "exists" in res.output  # never silently replaces deployed keys
     res = runner.invoke(main, ["keys", str(cfg_path), "--node", "c0-d1", "--out", str(tmp_path / "x.toml")])
@@ -97,53 +105,63 @@ def test_signed_sim_is_bit_identical_to_unsigned(runs: dict) -> None:
     assert same(plain.params, signed.params)
     assert all(not r["rejected"] for r in signed.cell_records)
     assert all(not r["rejected"] for r in signed.history)
-    # every message carries a signature: 71 more header bytes each (',"g":"<64 hex>"'), nothing else
+    # every message carries its session and an Ed25519 signature: 116 more header bytes each
+    # (',"z":"<16 hex>"' and ',"g":"<86 base64url>"'), nothing else
     p, s = plain.history[-1]["cumulative_bytes"], signed.history[-1]["cumulative_bytes"]
-    assert s["device_to_cell"] - p["device_to_cell"] == 71 * 2 * 2 * 6  # rounds x edge rounds x devices
-    assert s["cell_to_cloud"] - p["cell_to_cloud"] == 71 * 2 * 2
+    assert s["device_to_cell"] - p["device_to_cell"] == 116 * 2 * 2 * 6  # rounds x edge rounds x devices
+    assert s["cell_to_cloud"] - p["cell_to_cloud"] == 116 * 2 * 2
     # the run's config points at the keys it used, so a rerun (or resume) verifies with the same keys
     assert str(runs["keys"]) in (signed.output_dir / runfiles.CONFIG).read_text()
 
 
 FORGERIES = {
-    "wrong key": ("c0-d0", os.urandom(32), "bad signature"),
+    "a key of its own": ("c0-d0", "own", "bad signature"),
     "unsigned": ("c0-d0", None, "unsigned"),
     "another device's key": ("c0-d1", "c0-d1", "published on the topic of device 'c0-d0'"),
+    "the cell forging its device": ("c0-d0", "c0", "bad signature"),
 }
 
 
-def forge(sim: SimHierarchy, sender: str, key: bytes | None) -> list[int]:
+def forge(sim: SimHierarchy, sender: str, trust: Trust | None) -> list[int]:
     """An intruder answers every task of c0-d0 first with a well-formed result (a huge delta of weight
-    1000), and once sends c1 a cell task for round 1; returns the rounds it forged."""
+    10), and once sends c1 a cell task for round 1 signed with the same key; returns the rounds it forged."""
     intruder = sim.hub.connect("intruder")
     run = sim.cfg.run.name
-    messenger = Messenger(intruder, run, sender, sign_key=key)
+    messenger = Messenger(intruder, run, sender)
+    messenger.trust = trust  # sign with it (the intruder verifies nothing)
     forged: list[int] = []
 
     def on_task(topic: str, data: bytes) -> None:
         header, raw = decode_message(data)
         task = decode_payload(raw).tensors  # the model the cell sent: the forgery has its shapes
-        bogus = Payload({"weight": 1000.0}, {k: np.full_like(v, 3.0) for k, v in task.items()})
+        bogus = Payload({"weight": 10.0}, {k: np.full_like(v, 3.0) for k, v in task.items()})
+        messenger.session = header.session
         messenger.send(topics.device_result(run, "c0", "c0-d0"), "device_result", bogus,
                        round=header.round, edge_round=header.edge_round, cell="c0")
         if not forged:
-            Messenger(intruder, run, "cloud", sign_key=key).send(
-                topics.cell_task(run, "c1"), "cell_task", Payload({}, task), round=1)
+            cloud = Messenger(intruder, run, "cloud")
+            cloud.trust, cloud.session = trust, header.session
+            cloud.send(topics.cell_task(run, "c1"), "cell_task", Payload({}, task), round=1)
         forged.append(header.round)
 
     intruder.subscribe(topics.device_task(run, "c0", "c0-d0"), on_task)
     return forged
 
 
+def signer(ring: KeyRing, claims: str, key: str | None) -> Trust | None:
+    """A signer claiming to be ``claims`` with the private key of node ``key`` ("own": a fresh one)."""
+    if key is None:
+        return None
+    return Trust(claims, new_seed() if key == "own" else ring.private[key], ring.public)
+
+
 @pytest.mark.parametrize("how", list(FORGERIES))
 def test_forged_messages_are_rejected_and_do_not_change_the_aggregate(how: str, runs: dict,
                                                                       tmp_path: Path) -> None:
     sender, key, reason = FORGERIES[how]
-    if isinstance(key, str):
-        key = load_keys(runs["keys"])[key]  # a genuine key of another device
     cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(runs["keys"])})
     sim = SimHierarchy(cfg)
-    forged = forge(sim, sender, key)
+    forged = forge(sim, sender, signer(load_keys(runs["keys"]), sender, key))
     result = sim.run()
     assert forged == [0, 0, 1, 1]  # every edge round of c0-d0 had a forgery first
     assert same(result.params, runs["signed"].params)
@@ -167,7 +185,8 @@ def test_signed_fedtier_run_is_bit_identical_to_sim(runs: dict, tmp_path: Path) 
     """Over the embedded broker, agents in a worker process load their keys from the config. A
     foreign MQTT client checks that every device result on the wire carries its device's signature,
     and answers c0-d0's first task with a forged result signed with a wrong key: rejected, logged."""
-    keys = load_keys(runs["keys"])
+    ring = load_keys(runs["keys"])
+    checker = Trust("cloud", ring.private["cloud"], ring.public)
     cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(runs["keys"])})
     run = cfg.run.name
     verified: list[str] = []
@@ -175,12 +194,13 @@ def test_signed_fedtier_run_is_bit_identical_to_sim(runs: dict, tmp_path: Path) 
     with EmbeddedBroker() as broker:
         loop = ThreadLoop("intruder").start()
         spy = MqttTransport.from_url(broker.url, "intruder", loop)
-        liar = Messenger(spy, run, "c0-d0", sign_key=os.urandom(32))
+        liar = Messenger(spy, run, "c0-d0")
+        liar.trust = Trust("c0-d0", new_seed(), ring.public)
 
         def on_result(topic: str, data: bytes) -> None:
-            header, _ = decode_message(data)
+            header, raw = decode_message(data)
             try:
-                decode_message(data, key=keys[header.sender])
+                verify_signature(header, raw, topic, checker.verify)
                 verified.append(header.sender)
             except WireError:
                 forged.append(header.sender)
@@ -188,6 +208,7 @@ def test_signed_fedtier_run_is_bit_identical_to_sim(runs: dict, tmp_path: Path) 
         def on_task(topic: str, data: bytes) -> None:
             header, raw = decode_message(data)
             if (header.round, header.edge_round) == (0, 0):
+                liar.session = header.session
                 bogus = Payload({"weight": 1000.0}, {k: np.full_like(v, 3.0)
                                                      for k, v in decode_payload(raw).tensors.items()})
                 liar.send(topics.device_result(run, "c0", "c0-d0"), "device_result", bogus, round=0, cell="c0")
@@ -206,4 +227,4 @@ def test_signed_fedtier_run_is_bit_identical_to_sim(runs: dict, tmp_path: Path) 
     assert sorted(set(verified)) == sorted(cfg.topology.all_devices()) and len(verified) == 24
     assert forged == ["c0-d0"]
     rejected = [x for r in result.cell_records for x in r["rejected"]]
-    assert rejected == [{"device": "c0-d0", "reason": "bad signature"}]
+    assert rejected == [{"device": "c0-d0", "reason": "bad signature: not signed by 'c0-d0'"}]

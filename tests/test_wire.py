@@ -8,7 +8,9 @@ import pytest
 
 from protocols.wire import Header, Payload, WireError, decode_message, decode_payload, encode_message, encode_payload
 from protocols.wire.dedup import SeenIds
-from protocols.wire.envelope import MAGIC
+from protocols.config import TopologySection
+from protocols.wire.envelope import MAGIC, verify_signature
+from protocols.wire.keys import Trust, generate_keys, new_seed
 
 
 def header(**kw) -> Header:
@@ -86,18 +88,32 @@ def test_metadata_must_be_a_json_object_without_nan():
 
 
 def test_envelope_round_trip_and_signature():
+    """Ed25519 over header, payload and topic: a tampered byte, another key, another topic, a changed
+    session or no signature at all fail; the sender's own key verifies."""
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=1))
+    me = Trust("c0-d0", ring.private["c0-d0"], ring.public)
+    liar = Trust("c0-d0", new_seed(), ring.public)  # claims to be c0-d0 with a key of its own
     body = encode_payload(sample_payload())
-    msg = encode_message(header(), body, key=b"secret")
-    h, raw = decode_message(msg, key=b"secret")
-    assert h.payload_len == len(body) and bytes(raw) == body and h.sig
+    topic = "fedtier/r/cell/c0/up/c0-d0/result"
+    msg = encode_message(header(sender="c0-d0", session="s1"), body, me.sign, topic)
+    h, raw = decode_message(msg)
+    assert h.payload_len == len(body) and bytes(raw) == body and h.sig and h.session == "s1"
+    verify_signature(h, raw, topic, me.verify)
+    with pytest.raises(WireError, match="signature"):
+        verify_signature(h, raw, "fedtier/r/cell/c0/up/c0-d1/result", me.verify)  # moved to another topic
+    with pytest.raises(WireError, match="signature"):
+        verify_signature(h.model_copy(update={"session": "s2"}), raw, topic, me.verify)  # rebound session
     tampered = bytearray(msg)
     tampered[-1] ^= 1
+    h2, raw2 = decode_message(bytes(tampered))
     with pytest.raises(WireError, match="signature"):
-        decode_message(bytes(tampered), key=b"secret")
+        verify_signature(h2, raw2, topic, me.verify)
+    h3, raw3 = decode_message(encode_message(header(sender="c0-d0"), body, liar.sign, topic))
     with pytest.raises(WireError, match="signature"):
-        decode_message(msg, key=b"other")
+        verify_signature(h3, raw3, topic, me.verify)
+    h4, raw4 = decode_message(encode_message(header(sender="c0-d0"), body))
     with pytest.raises(WireError, match="unsigned"):
-        decode_message(encode_message(header(), body), key=b"secret")
+        verify_signature(h4, raw4, topic, me.verify)
 
 
 @pytest.mark.parametrize("data, reason", [

@@ -50,6 +50,17 @@ class ModelSpec(BaseModel):
     def build_kwargs(self) -> dict[str, Any]:
         return {"hidden": self.hidden, "channels": self.channels, "fc": self.fc}
 
+    def num_params(self) -> int:
+        """Parameter count of the model (as ``protocols.models.build_model`` builds it), without torch."""
+        n_in, k = int(np.prod(self.input_shape)), self.num_classes
+        if self.name == "cnn":
+            c, h, w = self.input_shape if len(self.input_shape) == 3 else (1, *self.input_shape[-2:])
+            c1, c2 = self.channels
+            flat = c2 * (h // 4) * (w // 4)
+            return (c * 25 + 1) * c1 + (c1 * 25 + 1) * c2 + (flat + 1) * self.fc + (self.fc + 1) * k
+        widths = [n_in, *(self.hidden if self.name == "mlp" else ()), k]
+        return sum((a + 1) * b for a, b in zip(widths, widths[1:]))
+
 
 class TrainParams(BaseModel):
     """Parameters every algorithm shares. Algorithms subclass this with their own fields.

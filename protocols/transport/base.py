@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 Handler = Callable[[str, bytes], None]
 """Called with (topic, payload) on the node's event loop."""
@@ -85,6 +85,11 @@ class Transport(ABC):
     @property
     def connected(self) -> bool:
         return True
+
+    def configure_wire(self, *, auth: Any = None, max_message_bytes: int | None = None) -> None:
+        """Chunk signing/verification (a ``protocols.wire.chunking.ChunkAuth``) and the bound on one
+        incoming message, for transports that chunk (MQTT). The node's messenger calls this; a
+        transport without chunking ignores it (the messenger bounds whole messages itself)."""
 
 
 def topic_matches(pattern: str, topic: str) -> bool:

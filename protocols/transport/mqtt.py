@@ -114,6 +114,7 @@ class MqttTransport(Transport):
         max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
         chunk_timeout: float = chunking.DEFAULT_TIMEOUT,
         max_reassembly_bytes: int = chunking.DEFAULT_MAX_BYTES,
+        max_message_bytes: int | None = None,
         reconnect_min_delay: float = 1.0,
         reconnect_max_delay: float = 30.0,
         max_inflight: int = 64,
@@ -143,7 +144,9 @@ class MqttTransport(Transport):
         self._gen = 0  # connection generation: SUBACK bookkeeping of an older connection is void
         self._unacked: set[int] = set()  # mids of QoS-1 publishes awaiting PUBACK
         self._acked_early: set[int] = set()  # PUBACKs that beat publish() to the bookkeeping
-        self._reasm = chunking.Reassembler(timeout=chunk_timeout, max_bytes=max_reassembly_bytes)
+        self._reasm = chunking.Reassembler(timeout=chunk_timeout, max_bytes=max_reassembly_bytes,
+                                           max_message=max_message_bytes)
+        self._chunk_auth: chunking.ChunkAuth | None = None
         self._reasm_lock = threading.Lock()
         self._expiry: TimerHandle | None = None
         self._reactor = reactor
@@ -353,7 +356,7 @@ class MqttTransport(Transport):
             log.debug("%s: publish on %s after close dropped", self.client_id, topic)
             return
         payload = bytes(payload)
-        parts = chunking.split(payload, self.max_chunk)
+        parts = chunking.split(payload, self.max_chunk, topic=topic, auth=self._chunk_auth)
         if retain and len(parts) > 1:
             raise ValueError(f"retained message on {topic} is {len(payload)} bytes; it must fit in one chunk")
         tlen = len(topic.encode())
@@ -426,6 +429,13 @@ class MqttTransport(Transport):
         """Block until every QoS-1 publish so far is acknowledged by the broker (or ``timeout``)."""
         with self._cv:
             return self._cv.wait_for(lambda: not self._unacked, timeout)
+
+    def configure_wire(self, *, auth: chunking.ChunkAuth | None = None, max_message_bytes: int | None = None) -> None:
+        """Sign outgoing chunks and require signed incoming ones (``auth``); bound incoming messages."""
+        if auth is not None:
+            self._chunk_auth = auth
+        with self._reasm_lock:
+            self._reasm.limit(max_message_bytes, auth)
 
     @property
     def reassembly_bytes(self) -> int:

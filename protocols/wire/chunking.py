@@ -1,9 +1,18 @@
 """Chunking: split a large message into small framed pieces and reassemble them safely.
 
-A chunk is ``MAGIC | content id (16) | u32 index | u32 count | u32 chunk size | u64 total | data``
-(little-endian, 40-byte header). The content id is the first 16 bytes of the sha256 of the whole
-message, so reassembly is content-addressed: a duplicate chunk, or the same chunked message
-delivered twice, is harmless. Pure code: no sockets, no threads; time comes from a clock function.
+A chunk is ``MAGIC | content id (16) | u32 index | u32 count | u32 chunk size | u64 total |
+u8 sender length | u8 signature length | sender | signature | data`` (little-endian; 42 bytes plus the
+sender id and, on a run with signing keys, a 64-byte Ed25519 signature). The content id is the first
+16 bytes of the sha256 of the whole message, so reassembly is content-addressed: a duplicate chunk,
+or the same chunked message delivered twice, is harmless.
+
+Memory comes before trust: a receiver with a :class:`ChunkAuth` checks each chunk's signature (over
+the topic, the chunk header, the sender and the data) before it keeps a byte of it, so injected bogus
+chunks are dropped one by one and the genuine set still completes; a set announcing more than
+``max_message`` bytes is refused at its first chunk; nothing is reserved ahead (a set holds only the
+chunks that arrived), per sender at most ``max_per_sender`` bytes, in all at most ``max_bytes``. An
+unchunked payload larger than ``max_message`` is refused by size before anything parses it.
+Pure code: no sockets, no threads; time comes from a clock function.
 """
 from __future__ import annotations
 
@@ -13,16 +22,32 @@ import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
-MAGIC = b"FTC1"
-_HEAD = struct.Struct("<4s16sIIIQ")
-HEADER_BYTES = _HEAD.size  # 40
+MAGIC = b"FTC2"
+_HEAD = struct.Struct("<4s16sIIIQBB")
+HEADER_BYTES = _HEAD.size  # 42, plus the sender id and the signature
 DEFAULT_MAX_CHUNK = 256 * 1024
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_MESSAGE = 256 * 1024 * 1024
+CHUNK_DOMAIN = b"fedtier/chunk/1\0"
 
 log = logging.getLogger(__name__)
+
+
+class ChunkAuth(Protocol):
+    """Signs this node's chunks and verifies its peers' (``protocols.wire.keys.Trust``)."""
+
+    node: str
+
+    def sign(self, data: bytes) -> bytes: ...
+
+    def verify(self, signer: str, data: bytes, sig: bytes) -> None: ...
+
+
+def _signed(topic: str, head: bytes, sender: bytes, body: bytes | memoryview) -> bytes:
+    return b"".join((CHUNK_DOMAIN, topic.encode(), b"\0", head, sender, hashlib.sha256(body).digest()))
 
 
 def content_id(data: bytes | memoryview) -> bytes:
@@ -34,26 +59,38 @@ def is_chunk(data: bytes | memoryview) -> bool:
     return len(data) >= HEADER_BYTES and bytes(data[:4]) == MAGIC
 
 
-def split(data: bytes, max_chunk: int = DEFAULT_MAX_CHUNK) -> list[bytes]:
-    """Return ``[data]`` when it fits in ``max_chunk`` bytes, else framed chunks of at most that size.
+def split(data: bytes, max_chunk: int = DEFAULT_MAX_CHUNK, *, topic: str = "",
+          auth: ChunkAuth | None = None) -> list[bytes]:
+    """Return ``[data]`` when it fits in ``max_chunk`` bytes, else framed chunks of at most that size,
+    each carrying the sender (``auth.node``) and, with ``auth``, its signature for ``topic``.
 
     A small message that happens to start with the chunk magic is framed as a one-chunk set, so a
     receiver can never mistake it for a chunk.
     """
-    if max_chunk <= HEADER_BYTES:
-        raise ValueError(f"max_chunk must exceed the {HEADER_BYTES}-byte chunk header")
+    sender = auth.node.encode() if auth is not None else b""
+    if len(sender) > 255:
+        raise ValueError("sender id too long for a chunk header")
+    overhead = HEADER_BYTES + len(sender) + (64 if auth is not None else 0)
+    if max_chunk <= overhead:
+        raise ValueError(f"max_chunk must exceed the {overhead}-byte chunk header")
     if len(data) <= max_chunk and not data[:4] == MAGIC:
         return [data]
-    size = max_chunk - HEADER_BYTES
+    size = max_chunk - overhead
     count = max(1, -(-len(data) // size))
     if count > 0xFFFFFFFF:
         raise ValueError("message too large to chunk")
     cid = content_id(data)
     view = memoryview(data)
-    return [
-        _HEAD.pack(MAGIC, cid, i, count, size, len(data)) + view[i * size : (i + 1) * size]
-        for i in range(count)
-    ]
+    parts = []
+    for i in range(count):
+        body = view[i * size : (i + 1) * size]
+        sig = b""
+        if auth is not None:
+            unsigned = _HEAD.pack(MAGIC, cid, i, count, size, len(data), len(sender), 0)
+            sig = auth.sign(_signed(topic, unsigned, sender, body))
+        parts.append(b"".join((_HEAD.pack(MAGIC, cid, i, count, size, len(data), len(sender), len(sig)),
+                               sender, sig, body)))
+    return parts
 
 
 @dataclass
@@ -61,20 +98,23 @@ class _Pending:
     total: int
     count: int
     size: int
-    buf: bytearray
-    have: set[int] = field(default_factory=set)
+    sender: str
+    parts: dict[int, bytes] = field(default_factory=dict)
+    held: int = 0
     started: float = 0.0
     last: float = 0.0
 
 
 class Reassembler:
-    """Collects chunks per ``(key, content id)`` and returns whole messages.
+    """Collects chunks per ``(key, sender, content id)`` and returns whole messages.
 
-    ``feed(key, data)`` returns ``data`` itself for an unchunked message, the whole message when the
-    last missing chunk arrives (after verifying its sha256), and ``None`` otherwise. Incomplete sets
-    are dropped ``timeout`` seconds after their last chunk; the bytes reserved by incomplete sets never
-    exceed ``max_bytes`` (the oldest sets are evicted to make room; a set larger than the bound is
-    rejected). A completed content id is remembered for ``timeout`` seconds, so its late duplicate
+    ``feed(key, data)`` (``key``: the topic) returns ``data`` itself for an unchunked message, the
+    whole message when the last missing chunk arrives (after verifying its sha256), and ``None``
+    otherwise. With ``auth``, every chunk must carry a valid signature of its sender for ``key``;
+    a chunk that does not is dropped alone. Incomplete sets are dropped ``timeout`` seconds after
+    their last chunk; held bytes never exceed ``max_per_sender`` per sender nor ``max_bytes`` in
+    all (the oldest sets are evicted to make room; a message larger than ``max_message`` is refused
+    at once). A completed content id is remembered for ``timeout`` seconds, so its late duplicate
     chunks are ignored instead of starting a new set. Not thread-safe: guard it with a lock.
     """
 
@@ -83,14 +123,30 @@ class Reassembler:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        max_message: int | None = None,
+        max_per_sender: int | None = None,
+        auth: ChunkAuth | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_recent: int = 4096,
     ) -> None:
         self.timeout, self.max_bytes, self.clock, self.max_recent = timeout, max_bytes, clock, max_recent
-        self._pending: OrderedDict[tuple[str, bytes], _Pending] = OrderedDict()  # oldest activity first
-        self._recent: OrderedDict[tuple[str, bytes], float] = OrderedDict()  # completed -> when
+        self.max_message = min(max_message or DEFAULT_MAX_MESSAGE, max_bytes)
+        self.max_per_sender = max_per_sender or 2 * self.max_message
+        self.auth = auth
+        self._pending: OrderedDict[tuple[str, str, bytes], _Pending] = OrderedDict()  # oldest activity first
+        self._recent: OrderedDict[tuple[str, str, bytes], float] = OrderedDict()  # completed -> when
+        self._per_sender: dict[str, int] = {}
+        self._refused: OrderedDict[bytes, None] = OrderedDict()  # content ids refused by size: quiet after once
         self.reserved = 0
-        self.dropped = 0  # sets dropped (timeout, eviction, bad hash, rejected)
+        self.dropped = 0  # sets dropped (timeout, eviction, bad hash, rejected) and chunks refused
+
+    def limit(self, max_message: int | None = None, auth: ChunkAuth | None = None) -> None:
+        """Tighten the message bound and set the authenticator (a node's messenger calls this)."""
+        if max_message is not None:
+            self.max_message = min(max_message, self.max_bytes)
+            self.max_per_sender = 2 * self.max_message
+        if auth is not None:
+            self.auth = auth
 
     @property
     def pending(self) -> int:
@@ -99,12 +155,39 @@ class Reassembler:
 
     def feed(self, key: str, data: bytes) -> bytes | None:
         if not is_chunk(data):
+            if len(data) > self.max_message:
+                return self._reject(key, f"single message of {len(data)} bytes exceeds the bound of "
+                                         f"{self.max_message} (runtime.max_message_bytes)")
             return data
         now = self.clock()
         self.expire(now)
-        magic, cid, index, count, size, total = _HEAD.unpack_from(data)
-        body = memoryview(data)[HEADER_BYTES:]
-        ident = (key, cid)
+        magic, cid, index, count, size, total, slen, glen = _HEAD.unpack_from(data)
+        if total > self.max_message:
+            if cid in self._refused:
+                self.dropped += 1
+                return None
+            self._refused[cid] = None
+            while len(self._refused) > self.max_recent:
+                self._refused.popitem(last=False)
+            return self._reject(key, f"chunked message of {total} bytes exceeds the bound of {self.max_message} "
+                                     "(runtime.max_message_bytes)")
+        if HEADER_BYTES + slen + glen > len(data):
+            return self._reject(key, "truncated chunk header")
+        try:
+            sender = bytes(data[HEADER_BYTES : HEADER_BYTES + slen]).decode()
+        except UnicodeDecodeError:
+            return self._reject(key, "chunk sender is not UTF-8")
+        body = memoryview(data)[HEADER_BYTES + slen + glen :]
+        if self.auth is not None:
+            if glen == 0:
+                return self._reject(key, f"unsigned chunk (claims sender {sender!r}) where signatures are required")
+            head = _HEAD.pack(magic, cid, index, count, size, total, slen, 0)
+            try:
+                self.auth.verify(sender, _signed(key, head, data[HEADER_BYTES : HEADER_BYTES + slen], body),
+                                 bytes(data[HEADER_BYTES + slen : HEADER_BYTES + slen + glen]))
+            except ValueError as exc:  # WireError
+                return self._reject(key, f"chunk {index}/{count} from {sender!r}: {exc}")
+        ident = (key, sender, cid)
         if ident in self._recent:
             return None  # a late duplicate of a message already delivered
         if size == 0 or count != max(1, -(-total // size)) or index >= count:
@@ -114,25 +197,25 @@ class Reassembler:
             return self._reject(key, f"chunk {index}/{count} has {len(body)} bytes, expected {want}")
         p = self._pending.get(ident)
         if p is None:
-            if total > self.max_bytes:
-                return self._reject(key, f"message of {total} bytes exceeds the reassembly bound of {self.max_bytes}")
-            self._make_room(total)
-            p = _Pending(total, count, size, bytearray(total), started=now)
+            p = _Pending(total, count, size, sender, started=now)
             self._pending[ident] = p
-            self.reserved += total
         elif (p.total, p.count, p.size) != (total, count, size):
             return self._reject(key, "chunk header disagrees with earlier chunks of the same content")
         p.last = now
         self._pending.move_to_end(ident)
-        if index in p.have:
+        if index in p.parts:
             return None  # duplicate chunk
-        p.buf[index * size : index * size + want] = body
-        p.have.add(index)
-        if len(p.have) < p.count:
+        if self._per_sender.get(sender, 0) + want > self.max_per_sender:
+            self._drop(ident, f"sender {sender!r} holds more than {self.max_per_sender} bytes of incomplete messages")
+            return None
+        self._make_room(want, keep=ident)
+        p.parts[index] = bytes(body)
+        self._hold(p, want)
+        if len(p.parts) < p.count:
             return None
         del self._pending[ident]
-        self.reserved -= p.total
-        whole = bytes(p.buf)
+        self._hold(p, -p.held)
+        whole = b"".join(p.parts[i] for i in range(p.count))
         if content_id(whole) != cid:
             self.dropped += 1
             log.warning("dropping reassembled message on %s: sha256 does not match its content id", key)
@@ -142,6 +225,15 @@ class Reassembler:
             self._recent.popitem(last=False)
         return whole
 
+    def _hold(self, p: _Pending, n: int) -> None:
+        p.held += n
+        self.reserved += n
+        left = self._per_sender.get(p.sender, 0) + n
+        if left:
+            self._per_sender[p.sender] = left
+        else:
+            self._per_sender.pop(p.sender, None)
+
     def expire(self, now: float | None = None) -> int:
         """Drop incomplete sets idle for ``timeout`` seconds; return how many were dropped."""
         now = self.clock() if now is None else now
@@ -150,7 +242,7 @@ class Reassembler:
             ident, p = next(iter(self._pending.items()))
             if now - p.last < self.timeout:
                 break
-            self._drop(ident, f"incomplete after {self.timeout:g} s ({len(p.have)}/{p.count} chunks)")
+            self._drop(ident, f"incomplete after {self.timeout:g} s ({len(p.parts)}/{p.count} chunks)")
             dropped += 1
         while self._recent:
             ident, when = next(iter(self._recent.items()))
@@ -159,18 +251,20 @@ class Reassembler:
             del self._recent[ident]
         return dropped
 
-    def _make_room(self, total: int) -> None:
-        while self._pending and self.reserved + total > self.max_bytes:
-            ident = next(iter(self._pending))
+    def _make_room(self, n: int, keep: tuple[str, str, bytes]) -> None:
+        while self.reserved + n > self.max_bytes:
+            ident = next((i for i in self._pending if i != keep), None)
+            if ident is None:
+                break
             self._drop(ident, f"evicted to stay within the reassembly bound of {self.max_bytes} bytes")
 
-    def _drop(self, ident: tuple[str, bytes], reason: str) -> None:
+    def _drop(self, ident: tuple[str, str, bytes], reason: str) -> None:
         p = self._pending.pop(ident)
-        self.reserved -= p.total
+        self._hold(p, -p.held)
         self.dropped += 1
-        log.warning("dropping chunked message %s on %s: %s", ident[1].hex(), ident[0], reason)
+        log.warning("dropping chunked message %s from %r on %s: %s", ident[2].hex(), ident[1], ident[0], reason)
 
     def _reject(self, key: str, reason: str) -> None:
         self.dropped += 1
-        log.warning("rejecting chunk on %s: %s", key, reason)
+        log.warning("rejecting message on %s: %s", key, reason)
         return None

@@ -5,12 +5,13 @@ opaque bytes here (see ``payload.py`` for the tensor codec). Nothing is ever pic
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
-import hmac
 import json
 import struct
 import uuid
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -55,6 +56,7 @@ class Header(BaseModel):
     msg_id: str = Field(min_length=1, max_length=64, alias="i")
     codec: str = Field(default="tensors/v1", max_length=32, alias="x")
     payload_len: int = Field(ge=0, alias="l")
+    session: str | None = Field(default=None, max_length=64, alias="z")
     sig: str | None = Field(default=None, max_length=128, alias="g")
 
     def to_json(self) -> bytes:
@@ -68,28 +70,47 @@ def new_msg_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def _sign(key: bytes, header_wo_sig: bytes, payload: bytes) -> str:
-    return hmac.new(key, header_wo_sig + payload, hashlib.sha256).hexdigest()
+Signer = Callable[[bytes], bytes]
+"""``data -> signature`` (a node's :class:`protocols.wire.keys.Trust`.sign)."""
+Verifier = Callable[[str, bytes, bytes], None]
+"""``(signer, data, signature)``; raises :class:`WireError` on a bad one (``Trust.verify``)."""
+SIGNED_DOMAIN = b"fedtier/msg/1\0"
 
 
-def encode_message(header: Header, payload: bytes, key: bytes | None = None) -> bytes:
-    """Frame ``payload`` behind ``header`` (its ``payload_len`` is set here; signed when ``key``)."""
+def signed_bytes(topic: str, header_wo_sig: bytes, payload: bytes | memoryview) -> bytes:
+    """What a message signature covers: the topic it is published on, the header (run, session, kind,
+    round, edge round, cell, sender, message id, payload length) and the payload's sha256."""
+    return b"".join((SIGNED_DOMAIN, topic.encode(), b"\0", header_wo_sig, hashlib.sha256(payload).digest()))
+
+
+def encode_sig(sig: bytes) -> str:
+    return base64.urlsafe_b64encode(sig).rstrip(b"=").decode()
+
+
+def decode_sig(text: str) -> bytes:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise WireError("malformed signature") from None
+
+
+def encode_message(header: Header, payload: bytes, sign: Signer | None = None, topic: str = "") -> bytes:
+    """Frame ``payload`` behind ``header`` (its ``payload_len`` is set here); signed for ``topic``
+    when ``sign`` is given."""
     header = header.model_copy(update={"payload_len": len(payload), "sig": None})
-    if key is not None:
-        header = header.model_copy(update={"sig": _sign(key, header.to_json(), payload)})
+    if sign is not None:
+        header = header.model_copy(update={"sig": encode_sig(sign(signed_bytes(topic, header.to_json(), payload)))})
     head = header.to_json()
     return b"".join((MAGIC, struct.pack("<I", len(head)), head, payload))
 
 
-def decode_message(
-    data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD, key: bytes | None = None
-) -> tuple[Header, memoryview]:
-    """Parse and validate a framed message; raise :class:`WireError` on anything malformed.
-
-    With ``key`` the signature must be present and correct.
-    """
+def decode_message(data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Header, memoryview]:
+    """Parse and validate a framed message (not its signature); raise :class:`WireError` on anything
+    malformed or larger than ``max_payload``."""
     if len(data) < len(MAGIC) + 4 or data[:4] != MAGIC:
         raise WireError("not a fedtier message (bad magic)")
+    if len(data) > max_payload + 8 + MAX_HEADER_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_payload}")
     (head_len,) = struct.unpack_from("<I", data, 4)
     if head_len > MAX_HEADER_BYTES or 8 + head_len > len(data):
         raise WireError(f"bad header length {head_len}")
@@ -103,19 +124,16 @@ def decode_message(
         raise WireError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
     if header.payload_len > max_payload:
         raise WireError(f"payload of {header.payload_len} bytes exceeds the limit of {max_payload}")
-    if key is not None:
-        verify_signature(header, payload, key)
     return header, payload
 
 
-def verify_signature(header: Header, payload: bytes | memoryview, key: bytes) -> None:
-    """Raise :class:`WireError` unless ``header`` carries a valid signature of ``key`` over itself
-    (without the signature) and ``payload``."""
+def verify_signature(header: Header, payload: bytes | memoryview, topic: str, verify: Verifier) -> None:
+    """Raise :class:`WireError` unless ``header`` carries its sender's valid signature over itself
+    (without the signature), ``payload`` and ``topic``."""
     if header.sig is None:
         raise WireError("unsigned message where a signature is required")
     unsigned = header.model_copy(update={"sig": None}).to_json()
-    if not hmac.compare_digest(header.sig, _sign(key, unsigned, bytes(payload))):
-        raise WireError("bad signature")
+    verify(header.sender, signed_bytes(topic, unsigned, payload), decode_sig(header.sig))
 
 
 def _short(exc: Exception) -> str:

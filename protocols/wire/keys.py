@@ -1,39 +1,57 @@
-"""Per-node signing keys: one HMAC-SHA256 key per node of a run (``cloud``, each cell, each device).
+"""Per-node Ed25519 identities: every node (``cloud``, each cell, each device) has a signing key; its
+peers verify it with its public key, so no node can sign for another (a cell cannot forge its devices).
 
 A keys file is TOML::
 
-    [keys]
+    format = "fedtier-ed25519/1"
+    [private]            # secret: a node's own file holds only its own entry
+    "c0-d0" = "64 hex digits (the 32-byte Ed25519 seed)"
+    [public]
     "cloud" = "64 hex digits"
     "c0" = "..."
-    "c0-d0" = "..."
 
-With ``[security] keys = "path"`` every node signs what it sends with its own key and requires valid
-signatures from the peers it listens to: a device from its cell, a cell from its devices and the cloud,
-the cloud from its cells (:func:`node_trust`). :func:`node_subset` is what a node's own file needs to
-hold, so a device never holds another device's key. Keys come from ``os.urandom``: secrets are not
-model randomness and never touch ``protocols.seeding``.
+``fedtier keys CONFIG --out keys.toml`` writes every node's private and public key; ``--node ID``
+extracts one node's share (:func:`node_subset`: its private key and its peers' public keys). With
+``[security] keys = "path"`` every node signs what it sends and verifies what it acts on
+(:func:`node_trust`). Keys come from the OS's CSPRNG: secrets are not model randomness and never touch
+``protocols.seeding``. Files of the older HMAC format (a ``[keys]`` table) are refused with a message
+that says how to replace them.
 """
 from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, PrivateFormat, NoEncryption
+
 from ..config import ConfigError
+from .envelope import WireError
 
 if TYPE_CHECKING:
     from ..config import RunConfig, TopologySection
 
+FORMAT = "fedtier-ed25519/1"
 KEY_BYTES = 32
-MIN_KEY_BYTES = 16
+SIG_BYTES = 64
 KEYS_FILE = "keys.toml"
 
 
 class KeysError(ConfigError):
-    """A missing, unreadable or incomplete keys file (the text says which key or line)."""
+    """A missing, unreadable, outdated or incomplete keys file (the text says which key or line)."""
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    """Raw keys: ``private[node]`` (32-byte seeds, secret) and ``public[node]`` (32 bytes)."""
+
+    private: dict[str, bytes] = field(default_factory=dict)
+    public: dict[str, bytes] = field(default_factory=dict)
 
 
 def node_ids(topology: "TopologySection") -> list[str]:
@@ -41,44 +59,58 @@ def node_ids(topology: "TopologySection") -> list[str]:
     return ["cloud", *topology.cell_ids(), *topology.all_devices()]
 
 
-def generate_keys(topology: "TopologySection") -> dict[str, bytes]:
-    """A fresh random key for every node."""
-    return {node: os.urandom(KEY_BYTES) for node in node_ids(topology)}
+def public_of(seed: bytes) -> bytes:
+    return Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def new_seed() -> bytes:
+    return Ed25519PrivateKey.generate().private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+
+
+def generate_keys(topology: "TopologySection") -> KeyRing:
+    """A fresh Ed25519 key pair for every node."""
+    private = {node: new_seed() for node in node_ids(topology)}
+    return KeyRing(private, {node: public_of(seed) for node, seed in private.items()})
 
 
 def peers_of(topology: "TopologySection", node: str) -> list[str]:
-    """The nodes whose messages ``node`` verifies: cloud -> cells; cell -> cloud and its devices;
-    device -> its cell."""
+    """The nodes whose signatures ``node`` verifies: cloud -> cells and devices; cell -> cloud and its
+    devices; device -> cloud and its cell."""
     cells = topology.cell_ids()
     if node == "cloud":
-        return cells
+        return [*cells, *topology.all_devices()]
     if node in cells:
         return ["cloud", *topology.device_ids(node)]
     cell = topology.cell_of(node)
     if cell is not None:
-        return [cell]
+        return ["cloud", cell]
     raise KeysError(f"node {node!r} is not in the topology (cloud, {cells[0]}, {cells[0]}-d0, ...)")
 
 
-def node_subset(keys: Mapping[str, bytes], topology: "TopologySection", node: str) -> dict[str, bytes]:
-    """The keys ``node`` needs: its own and its peers'."""
+def node_subset(ring: KeyRing, topology: "TopologySection", node: str) -> KeyRing:
+    """What ``node`` needs: its own private key and the public keys of itself and its peers."""
     wanted = [node, *peers_of(topology, node)]
-    missing = [n for n in wanted if n not in keys]
+    if node not in ring.private:
+        raise KeysError(f"the private key of {node!r} is missing")
+    public = dict(ring.public)
+    public.setdefault(node, public_of(ring.private[node]))
+    missing = [n for n in wanted if n not in public]
     if missing:
-        raise KeysError(f"keys for {', '.join(repr(m) for m in missing)} are missing (node {node!r} needs "
-                        f"its own and its peers' keys)")
-    return {n: keys[n] for n in wanted}
+        raise KeysError(f"public keys of {', '.join(repr(m) for m in missing)} are missing (node {node!r} "
+                        f"verifies its peers)")
+    return KeyRing({node: ring.private[node]}, {n: public[n] for n in wanted})
 
 
-def dump_keys(keys: Mapping[str, bytes], comment: str = "") -> str:
+def dump_keys(ring: KeyRing, comment: str = "") -> str:
     lines = [f"# {line}" for line in comment.splitlines()] if comment else []
-    lines.append("# fedtier signing keys (HMAC-SHA256): keep this file secret")
-    lines.append("[keys]")
-    lines.extend(f'"{node}" = "{key.hex()}"' for node, key in keys.items())
+    lines += ["# fedtier node identities (Ed25519): keep [private] secret", f'format = "{FORMAT}"', "", "[private]"]
+    lines += [f'"{node}" = "{key.hex()}"' for node, key in ring.private.items()]
+    lines += ["", "[public]"]
+    lines += [f'"{node}" = "{key.hex()}"' for node, key in ring.public.items()]
     return "\n".join(lines) + "\n"
 
 
-def write_keys(path: str | Path, keys: Mapping[str, bytes], comment: str = "", overwrite: bool = False) -> Path:
+def write_keys(path: str | Path, ring: KeyRing, comment: str = "", overwrite: bool = False) -> Path:
     """Write a keys file readable by its owner only; refuses to replace one unless ``overwrite``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,62 +120,99 @@ def write_keys(path: str | Path, keys: Mapping[str, bytes], comment: str = "", o
     except FileExistsError:
         raise KeysError(f"{path} exists (use --force to replace it)") from None
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(dump_keys(keys, comment))
+        f.write(dump_keys(ring, comment))
     return path
 
 
-def load_keys(path: str | Path) -> dict[str, bytes]:
+def load_keys(path: str | Path) -> KeyRing:
     """Read a keys file; raise :class:`KeysError` naming the bad entry."""
     path = Path(path)
-    st = _stat(path)
-    return dict(_load_cached(str(path.resolve()), st.st_mtime_ns, st.st_size))
-
-
-def _stat(path: Path) -> os.stat_result:
     try:
-        return path.stat()
+        st = path.stat()
     except OSError as exc:
         raise KeysError(f"security.keys: cannot read {path}: {exc.strerror}") from None
+    private, public = _load_cached(str(path.resolve()), st.st_mtime_ns, st.st_size)
+    return KeyRing(dict(private), dict(public))
 
 
 @lru_cache(maxsize=16)
-def _load_cached(path: str, _mtime: int, _size: int) -> tuple[tuple[str, bytes], ...]:
+def _load_cached(path: str, _mtime: int, _size: int) -> tuple[tuple[tuple[str, bytes], ...], ...]:
     # every node of a sim reads the same file: parse it once (a changed file has a new mtime/size)
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise KeysError(f"security.keys: {path} is not a readable TOML keys file: {exc}") from None
-    table = data.get("keys")
-    if not isinstance(table, dict) or not table:
-        raise KeysError(f"security.keys: {path} has no [keys] table")
-    keys = []
-    for node, value in table.items():
-        try:
-            key = bytes.fromhex(value) if isinstance(value, str) else b""
-        except ValueError:
-            key = b""
-        if len(key) < MIN_KEY_BYTES:
-            raise KeysError(f"security.keys: {path}: key of {node!r} must be at least {MIN_KEY_BYTES} bytes "
-                            f"as hex digits ({2 * KEY_BYTES} for the {KEY_BYTES} bytes `fedtier keys` writes)")
-        keys.append((node, key))
-    return tuple(keys)
+    if "keys" in data and "format" not in data:
+        raise KeysError(f"security.keys: {path} holds shared HMAC keys of an older fedtier; nodes now sign with "
+                        f"Ed25519 identities: write a new file with `fedtier keys CONFIG --out FILE` (or `fedtier "
+                        f"provision`) and give each node its share again")
+    if data.get("format") != FORMAT:
+        raise KeysError(f"security.keys: {path}: format must be {FORMAT!r}, got {data.get('format')!r}")
+    tables = []
+    for name in ("private", "public"):
+        table = data.get(name, {})
+        if not isinstance(table, dict):
+            raise KeysError(f"security.keys: {path}: [{name}] must be a table")
+        entries = []
+        for node, value in table.items():
+            try:
+                key = bytes.fromhex(value) if isinstance(value, str) else b""
+            except ValueError:
+                key = b""
+            if len(key) != KEY_BYTES:
+                raise KeysError(f"security.keys: {path}: [{name}] {node!r} must be {2 * KEY_BYTES} hex digits")
+            entries.append((node, key))
+        tables.append(tuple(entries))
+    if not tables[0]:
+        raise KeysError(f"security.keys: {path} has no [private] key")
+    private = dict(tables[0])
+    for node, key in tables[1]:
+        if node in private and public_of(private[node]) != key:
+            raise KeysError(f"security.keys: {path}: the public key of {node!r} does not match its private key")
+    return tables[0], tables[1]
 
 
-@dataclass(frozen=True)
 class Trust:
-    """What one node signs with and whose signatures it requires."""
+    """One node's identity: signs with its private key, verifies its peers with their public keys.
 
-    sign_key: bytes
-    peers: dict[str, bytes]
+    Also the chunk authenticator of ``protocols.wire.chunking`` (``node``, ``sign``, ``verify``).
+    """
+
+    def __init__(self, node: str, seed: bytes, public: Mapping[str, bytes]) -> None:
+        self.node = node
+        self._private = Ed25519PrivateKey.from_private_bytes(seed)
+        self._public = {n: Ed25519PublicKey.from_public_bytes(k) for n, k in public.items()}
+
+    @property
+    def peers(self) -> list[str]:
+        """Every node whose signatures this node can check (itself included)."""
+        return list(self._public)
+
+    def knows(self, node: str) -> bool:
+        return node in self._public
+
+    def sign(self, data: bytes) -> bytes:
+        """A 64-byte Ed25519 signature of ``data``."""
+        return self._private.sign(data)
+
+    def verify(self, signer: str, data: bytes, sig: bytes) -> None:
+        """Raise :class:`WireError` unless ``sig`` is ``signer``'s signature of ``data``."""
+        key = self._public.get(signer)
+        if key is None:
+            raise WireError(f"unknown signer {signer!r}")
+        try:
+            key.verify(sig, data)
+        except InvalidSignature:
+            raise WireError(f"bad signature: not signed by {signer!r}") from None
 
 
 def node_trust(cfg: "RunConfig", node: str) -> Trust | None:
-    """``node``'s signing key and its peers' keys from ``[security] keys``; ``None`` when not configured."""
+    """``node``'s identity and its peers' public keys from ``[security] keys``; ``None`` when not configured."""
     path = cfg.security.keys
     if not path:
         return None
-    keys = node_subset(load_keys(path), cfg.topology, node)
-    return Trust(keys.pop(node), keys)
+    ring = node_subset(load_keys(path), cfg.topology, node)
+    return Trust(node, ring.private[node], ring.public)
 
 
 def with_run_keys(cfg: "RunConfig", out: Path) -> "RunConfig":

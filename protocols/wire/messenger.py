@@ -1,4 +1,5 @@
-"""Sending and receiving fedtier messages over a transport: framing, validation, de-duplication.
+"""Sending and receiving fedtier messages over a transport: framing, signatures, validation,
+de-duplication.
 
 Every runtime talks through one :class:`Messenger`, so each message is encoded and checked in one
 place. A message that fails any check is logged with its reason and reported to ``on_reject``;
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..transport.base import Transport
 from .dedup import SeenIds
 from .envelope import (DEFAULT_MAX_PAYLOAD, Header, MessageKind, WireError, decode_message, encode_message,
                        new_msg_id, verify_signature)
 from .payload import Payload, decode_payload, encode_payload
+
+if TYPE_CHECKING:
+    from .keys import Trust
 
 log = logging.getLogger("fedtier.wire")
 
@@ -32,25 +36,38 @@ class Incoming:
 class Messenger:
     """Frames payloads into envelopes for ``transport`` and validates what arrives.
 
-    ``keys`` maps a sender id to its HMAC key: when given, messages from senders in the map must be
-    signed with their key, and ``sign_key`` signs what this node sends.
+    With ``trust`` (the node's Ed25519 identity and its peers' public keys) every message sent is
+    signed for its topic and stamped with :attr:`session` (the cloud session it belongs to), and every
+    message received must carry a valid signature of a known peer for the topic it arrived on; its
+    chunks are signed and verified too (``Transport.configure_wire``). ``max_payload`` bounds one
+    incoming message (``runtime.max_message_bytes``). Message ids are remembered per session, so a
+    message is handled once.
     """
 
-    def __init__(self, transport: Transport, run: str, sender: str, *, sign_key: bytes | None = None,
-                 keys: dict[str, bytes] | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
+    def __init__(self, transport: Transport, run: str, sender: str, *, trust: "Trust | None" = None,
+                 max_payload: int | None = None,
                  on_reject: Callable[[str, str, str | None], None] | None = None) -> None:
         self.transport, self.run, self.sender = transport, run, sender
-        self.sign_key, self.keys, self.max_payload = sign_key, keys, max_payload
+        self.trust, self.max_payload = trust, max_payload or DEFAULT_MAX_PAYLOAD
         self.on_reject = on_reject
+        self.session: str | None = None
         self.seen = SeenIds()
         self._encoded: dict[int, tuple[Payload, bytes]] = {}
+        if trust is not None or max_payload is not None:
+            transport.configure_wire(auth=trust, max_message_bytes=max_payload)
+
+    @property
+    def signed(self) -> bool:
+        return self.trust is not None
 
     def frame(self, kind: MessageKind, payload: Payload, *, round: int, edge_round: int = 0,
-              cell: str | None = None) -> bytes:
-        """Encode a payload into a complete message (not sent)."""
+              cell: str | None = None, topic: str = "") -> bytes:
+        """Encode a payload into a complete message for ``topic`` (not sent)."""
         header = Header(run=self.run, kind=kind, round=round, edge_round=edge_round, cell=cell,
-                        sender=self.sender, msg_id=new_msg_id(), payload_len=0)
-        return encode_message(header, self._payload_bytes(payload), self.sign_key)
+                        sender=self.sender, msg_id=new_msg_id(), payload_len=0,
+                        session=self.session if self.trust is not None else None)
+        return encode_message(header, self._payload_bytes(payload),
+                              self.trust.sign if self.trust is not None else None, topic)
 
     def _payload_bytes(self, payload: Payload) -> bytes:
         # a role often sends one payload object to many receivers: encode it once
@@ -64,7 +81,7 @@ class Messenger:
     def send(self, topic: str, kind: MessageKind, payload: Payload, *, round: int, edge_round: int = 0,
              cell: str | None = None, retain: bool = False) -> int:
         """Frame and publish; returns the bytes published."""
-        data = self.frame(kind, payload, round=round, edge_round=edge_round, cell=cell)
+        data = self.frame(kind, payload, round=round, edge_round=edge_round, cell=cell, topic=topic)
         self.transport.publish(topic, data, qos=1, retain=retain)
         return len(data)
 
@@ -76,11 +93,11 @@ class Messenger:
                 raise WireError(f"message for run {header.run!r}, this is run {self.run!r}")
             if kinds is not None and header.kind not in kinds:
                 raise WireError(f"unexpected message kind {header.kind!r} on {topic}")
-            if self.keys is not None:
-                if header.sender not in self.keys:
+            if self.trust is not None:
+                if not self.trust.knows(header.sender):
                     raise WireError(f"unknown sender {header.sender!r}")
-                verify_signature(header, raw, self.keys[header.sender])
-            if not self.seen.first_time(header.msg_id):
+                verify_signature(header, raw, topic, self.trust.verify)
+            if not self.seen.first_time(f"{header.session}/{header.msg_id}"):
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
                 return None
             payload = decode_payload(raw)
