@@ -54,7 +54,7 @@ def sim(config: str, overrides: tuple[str, ...], resume: bool, no_progress: bool
     print_summary(result.summary(), result.output_dir)
 
 
-for _module in ("cmd_keys", "cmd_monitor", "cmd_logs", "cmd_report", "cmd_export", "cmd_run", "cmd_deploy", "cmd_bridge"):  # command modules register themselves on ``main`` when imported
+for _module in ("cmd_keys", "cmd_provision", "cmd_monitor", "cmd_logs", "cmd_report", "cmd_export", "cmd_run", "cmd_deploy", "cmd_bridge"):  # command modules register themselves on ``main`` when imported
     __import__(f"{__package__}.{_module}")
 
 if __name__ == "__main__":  # pragma: no cover

@@ -48,7 +48,7 @@ def open_record(data: bytes, topic: str, signer: str | None, verify: Verifier | 
         if signer is None:
             raise WireError(f"nobody may sign records on {topic}")
         if not isinstance(sig, str):
-            raise WireError(f"unsigned record where {signer!r}'s signature is required")
+            raise WireError(f"unsigned record (the signature of {signer!r} is required)")
         verify(signer, _signed(topic, record), decode_sig(sig))
     return record
 

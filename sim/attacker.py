@@ -1,0 +1,216 @@
+"""An adversary for emulated runs: an MQTT client that attacks a signed ``fedtier run`` (``tests/test_attacks.py``,
+``benchmarks/attacks.py``).
+
+It holds no key except where an attack says so (a compromised device, a compromised cell), reads what
+the broker lets it read, and fires each attack once, as the first task of device ``c0-d0`` arrives
+(round 0, edge round 0), so every node is up and a round is in flight. Cross-run replays use the
+genuine messages an earlier run with the same keys and run name published, recorded by
+:meth:`Attacker.capture`. Each attack names what must refuse it and the log text that says so.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from protocols.status import encode_status
+from protocols.session import encode_manifest
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import chunking, topics
+from protocols.wire.envelope import decode_message
+from protocols.wire.keys import KeyRing, Trust, new_seed
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload, decode_payload
+
+
+@dataclass(frozen=True)
+class Attack:
+    name: str
+    refused_by: str  # "signature", "replay window", "size bound" (the broker's ACLs: tests/test_provision.py)
+    log: str  # text of the rejection in the nodes' logs
+
+
+ATTACKS = [
+    Attack("cross-run replay of a cell task", "replay window", "task of cloud session"),
+    Attack("cross-run replay of a device task", "replay window", "task of cloud session"),
+    Attack("forged finished", "signature", "cloud/control: unsigned message"),
+    Attack("forged cloud status with a fake session", "signature", "status/cloud: unsigned record"),
+    Attack("forged round manifest", "signature", "rejected a round manifest"),
+    Attack("forged device status (offline)", "signature", "status/device.c0-d1: unsigned record"),
+    Attack("far-future round task (cell's own key)", "replay window", "the cloud's manifest says round"),
+    Attack("a cell forging its device's result", "signature", "bad signature: not signed by 'c0-d0'"),
+    Attack("a device claiming 10^9 samples", "size bound", "weight 1e+09 exceeds"),
+    Attack("bogus chunks injected into a genuine set", "signature", "from 'c0-d1': bad signature"),
+    Attack("43-byte chunk header announcing 500 MB", "size bound", "524288000 bytes exceeds the bound"),
+]
+FIRST_DEVICE, CHUNKED_DEVICE, REPLAY_DEVICE, REPLAY_CELL = "c0-d0", "c0-d1", "c0-d2", "c1"
+
+
+class Attacker:
+    """Connects to ``broker_url`` as client ``intruder``; :meth:`start` before the run, :meth:`stop` after."""
+
+    def __init__(self, run: str, broker_url: str, ring: KeyRing, *, captured: dict[str, bytes] | None = None,
+                 attacks: list[str] | None = None) -> None:
+        self.run, self.ring = run, ring
+        self.captured = captured or {}
+        self.wanted = set(attacks) if attacks is not None else {a.name for a in ATTACKS}
+        self.loop = ThreadLoop("intruder")
+        self.client = MqttTransport.from_url(broker_url, f"fedtier-{run}-intruder", self.loop)
+        self.sniffer = MqttTransport.from_url(broker_url, f"fedtier-{run}-sniffer", self.loop)
+        self.sniffer._reasm = _Unassembled()  # its handlers see each chunk as it travels
+        self.fired: list[str] = []
+        self.session: str | None = None
+        self._lock = threading.Lock()
+        self._chunked: set[bytes] = set()
+
+    # ------------------------------------------------------------------------------ capture mode
+    @classmethod
+    def capture(cls, run: str, broker_url: str, ring: KeyRing) -> "Attacker":
+        """An eavesdropper that records the first genuine cell task of ``c1`` and device task of
+        ``c0-d2`` (as published: signed bytes) into ``captured``."""
+        spy = cls(run, broker_url, ring, attacks=[])
+        for key, topic in (("cell_task", topics.cell_task(run, REPLAY_CELL)),
+                           ("device_task", topics.device_task(run, "c0", REPLAY_DEVICE))):
+            spy.client.subscribe(topic, lambda t, b, k=key: spy.captured.setdefault(k, b))
+        return spy
+
+    # ------------------------------------------------------------------------------ attack mode
+    def start(self) -> "Attacker":
+        run = self.run
+        self.loop.start()
+        if self.wanted:
+            self.client.subscribe(topics.status(run, "cloud"), self._on_cloud_status)
+            self.client.subscribe(topics.device_task(run, "c0", FIRST_DEVICE), self._on_first_task)
+            self.sniffer.subscribe(topics.device_result(run, "c0", CHUNKED_DEVICE), self._on_chunk)
+        for client in (self.client, self.sniffer):
+            client.connect()
+            client.wait_subscribed()
+        return self
+
+    def stop(self) -> None:
+        self.sniffer.close(flush_timeout=0)
+        self.client.close(flush_timeout=2)
+        self.loop.stop()
+
+    def _fire(self, name: str, action: Callable[[], None]) -> None:
+        if name in self.wanted and name not in self.fired:
+            action()
+            self.fired.append(name)
+
+    def _on_cloud_status(self, topic: str, data: bytes) -> None:
+        import json
+
+        try:
+            record = json.loads(data)
+        except ValueError:
+            return
+        if isinstance(record, dict) and record.get("state") == "online" and "fake" not in str(record.get("session")):
+            self.session = record.get("session")
+
+    def _signer(self, claims: str, key_of: str | None) -> Messenger:
+        """A messenger that sends as ``claims`` signed with ``key_of``'s private key (None: a fresh key)."""
+        m = Messenger(self.client, self.run, claims)  # no trust at construction: the client stays unkeyed
+        seed = self.ring.private[key_of] if key_of is not None else new_seed()
+        m.trust = Trust(claims, seed, self.ring.public)
+        m.session = self.session
+        return m
+
+    def _on_first_task(self, topic: str, data: bytes) -> None:
+        try:
+            header, raw = decode_message(data)
+        except ValueError:
+            return
+        if (header.round, header.edge_round) != (0, 0):
+            return
+        run, c = self.run, self.client
+        task = decode_payload(raw)
+        result_topic = topics.device_result(run, "c0", FIRST_DEVICE)
+
+        def poisoned(weight: float) -> Payload:
+            return Payload({"weight": weight, "loss": 0.0},
+                           {k: np.full_like(v, 3.0) for k, v in task.tensors.items()})
+
+        def result_as(key_of: str | None, weight: float) -> None:
+            m = self._signer(FIRST_DEVICE, key_of)
+            m.session = header.session
+            m.send(result_topic, "device_result", poisoned(weight), round=0, cell="c0")
+
+        self._fire("cross-run replay of a cell task",
+                   lambda: c.publish(topics.cell_task(run, REPLAY_CELL), self.captured["cell_task"]))
+        self._fire("cross-run replay of a device task",
+                   lambda: c.publish(topics.device_task(run, "c0", REPLAY_DEVICE), self.captured["device_task"]))
+        self._fire("forged finished", lambda: Messenger(c, run, "cloud").send(
+            topics.control(run), "control", Payload({"event": "finished", "round": 0, "session": self.session}),
+            round=0, retain=True))
+        self._fire("forged cloud status with a fake session", lambda: c.publish(
+            topics.status(run, "cloud"), encode_status("online", session="fake-session", started=1e12), retain=True))
+        self._fire("forged round manifest", lambda: c.publish(
+            topics.round_manifest(run), encode_manifest(str(self.session), 0), retain=True))
+        self._fire("forged device status (offline)", lambda: c.publish(
+            topics.status(run, topics.device_node(CHUNKED_DEVICE)), encode_status("offline", cell="c0"), retain=True))
+
+        def far_future() -> None:
+            m = self._signer("c0", "c0")  # a compromised cell: its genuine key, the current session
+            m.session = header.session
+            m.send(topics.device_task(run, "c0", FIRST_DEVICE), "device_task", task, round=1000, cell="c0")
+
+        self._fire("far-future round task (cell's own key)", far_future)
+        self._fire("a cell forging its device's result", lambda: result_as("c0", 10.0))
+        self._fire("a device claiming 10^9 samples", lambda: result_as(FIRST_DEVICE, 1e9))
+
+        def huge_header() -> None:
+            total = 500 * 1024 * 1024
+            head = chunking._HEAD.pack(chunking.MAGIC, os.urandom(16), 0, total, 1, total, 0, 0) + b"x"
+            self._raw(topics.device_result(run, "c0", CHUNKED_DEVICE), head)  # to the cell
+            self._raw(topics.device_task(run, "c0", CHUNKED_DEVICE), head)  # to a device
+
+        self._fire("43-byte chunk header announcing 500 MB", huge_header)
+
+    def _raw(self, topic: str, data: bytes) -> None:
+        """Publish bytes as one MQTT message, as they are (the transport would frame a chunk-like
+        payload as a one-chunk set of its own)."""
+        self.client._client.publish(topic, data, qos=1)
+
+    def _on_chunk(self, topic: str, data: bytes) -> None:
+        """Seeing a genuine chunk set start, inject a bogus copy of each of its other chunks (same
+        content id, claimed sender, a key of the attacker's own)."""
+        name = "bogus chunks injected into a genuine set"
+        if name not in self.wanted or not chunking.is_chunk(data):
+            return
+        magic, cid, index, count, size, total, slen, glen = chunking._HEAD.unpack_from(data)
+        sender = bytes(data[chunking.HEADER_BYTES:chunking.HEADER_BYTES + slen])
+        with self._lock:
+            if self._chunked or not 2 <= count <= 64 or sender != CHUNKED_DEVICE.encode():
+                return  # the first genuine chunked set only (not our own 500 MB announcement)
+            self._chunked.add(cid)
+        liar = Trust(sender.decode(), new_seed(), {})
+        for i in range(count):
+            if i == index:
+                continue
+            body = os.urandom(min(size, total - i * size))
+            head = chunking._HEAD.pack(magic, cid, i, count, size, total, slen, 0)
+            sig = liar.sign(chunking._signed(topic, head, sender, body))
+            self._raw(topic, chunking._HEAD.pack(magic, cid, i, count, size, total, slen, len(sig))
+                      + sender + sig + body)
+        if name not in self.fired:
+            self.fired.append(name)
+
+
+class _Unassembled:
+    """A stand-in for the transport's reassembler that hands every MQTT payload on as it is."""
+
+    reserved = 0
+    timeout = chunking.DEFAULT_TIMEOUT
+
+    def feed(self, key: str, data: bytes) -> bytes:
+        return data
+
+    def expire(self, now: float | None = None) -> int:
+        return 0
+
+    def limit(self, *_: object, **__: object) -> None:
+        pass
