@@ -13,8 +13,8 @@
 
 The ACL follows the README's Topics table: a device reads only its own task and the run's control
 records (``cloud/control``, ``cloud/round``, ``status/cloud``) and writes only its own result and
-status; a cell reads its cell task, its devices' results and the status records, and writes its
-devices' tasks, its report, its status and telemetry; the cloud what it orchestrates. Bridged per-cell
+status (under its cell); a cell reads its cell task, its devices' results and statuses and the cloud's
+status, and writes its devices' tasks, its report, its status and telemetry; the cloud what it orchestrates. Bridged per-cell
 brokers (the fleet-scale layout) take ``extra_broker_config`` (e.g. the bridge sections of a cell
 broker) appended to ``mosquitto.conf``.
 """
@@ -61,23 +61,24 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
     rules: dict[str, list[tuple[str, str]]] = {
         "cloud": [("write", f"{r}/cell/+/down/task"), ("read", topics.cell_reports(run)),
                   ("readwrite", topics.control(run)), ("readwrite", topics.round_manifest(run)),
-                  ("read", f"{r}/status/#"), ("write", topics.status(run, "cloud")),
+                  ("read", topics.statuses(run)), ("write", topics.status(run, "cloud")),
                   ("write", topics.telemetry_cloud(run))],
-        MONITOR: [("read", f"{r}/telemetry/#"), ("read", f"{r}/status/#"), ("read", topics.round_manifest(run)),
-                  ("read", topics.control(run))],
+        MONITOR: [("read", f"{r}/telemetry/#"), ("read", topics.statuses(run)), ("read", topics.device_statuses(run)),
+                  ("read", topics.round_manifest(run)), ("read", topics.control(run))],
     }
     for cell in cfg.topology.cell_ids():
         rules[cell] = [("read", topics.cell_task(run, cell)), ("write", f"{r}/cell/{cell}/down/+/task"),
                        ("read", topics.device_results(run, cell)), ("write", topics.cell_report(run, cell)),
                        ("read", topics.control(run)), ("read", topics.round_manifest(run)),
-                       ("read", f"{r}/status/#"), ("write", topics.status(run, topics.cell_node(cell))),
+                       ("read", topics.device_statuses(run, cell)), ("read", topics.status(run, "cloud")),
+                       ("write", topics.status(run, topics.cell_node(cell))),
                        ("write", topics.telemetry_cell(run, cell))]
         for device in cfg.topology.device_ids(cell):
             rules[device] = [("read", topics.device_task(run, cell, device)),
                              ("write", topics.device_result(run, cell, device)),
                              ("read", topics.control(run)), ("read", topics.round_manifest(run)),
                              ("read", topics.status(run, "cloud")),
-                             ("write", topics.status(run, topics.device_node(device)))]
+                             ("write", topics.device_status(run, cell, device))]
     return rules
 
 

@@ -151,7 +151,7 @@ class Attacker:
         self._fire("forged round manifest", lambda: c.publish(
             topics.round_manifest(run), encode_manifest(str(self.session), 0), retain=True))
         self._fire("forged device status (offline)", lambda: c.publish(
-            topics.status(run, topics.device_node(CHUNKED_DEVICE)), encode_status("offline", cell="c0"), retain=True))
+            topics.device_status(run, "c0", CHUNKED_DEVICE), encode_status("offline", cell="c0"), retain=True))
 
         def far_future() -> None:
             m = self._signer("c0", "c0")  # a compromised cell: its genuine key, the current session

@@ -117,7 +117,7 @@ class Population(Mapping[str, DeviceAgent]):
     def _need(self, device: str) -> DeviceAgent:
         agent = self._agents.get(device)
         if agent is None:
-            will = device_will(self.run, self.cfg.topology.cell_of(device) or "", device)
+            will = device_will(self.run, self.cfg.topology.cell_of(device) or "", device, self.cfg)
             agent = build_agent(self.cfg, device, self.hub.connect(topics.device_node(device), will=will),
                                 self.algorithm, self.data[device], self.trainer_for(device))
             self.configure(agent)

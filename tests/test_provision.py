@@ -61,7 +61,7 @@ def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[
     device = acl.split("user c0-d1\n")[1].split("\n\n")[0].splitlines()
     assert device == ["topic read fedtier/t/cell/c0/down/c0-d1/task", "topic write fedtier/t/cell/c0/up/c0-d1/result",
                       "topic read fedtier/t/cloud/control", "topic read fedtier/t/cloud/round",
-                      "topic read fedtier/t/status/cloud", "topic write fedtier/t/status/device.c0-d1"]
+                      "topic read fedtier/t/status/cloud", "topic write fedtier/t/cell/c0/status/device.c0-d1"]
     res = CliRunner().invoke(main, ["provision", str(provisioned["cfg"]), "--out", str(out)])
     assert res.exit_code == 2 and "already provisioned" in res.output  # never silently re-keys a fleet
 
