@@ -53,7 +53,7 @@ FIRST_DEVICE, CHUNKED_DEVICE, REPLAY_DEVICE, REPLAY_CELL = "c0-d0", "c0-d1", "c0
 class Attacker:
     """Connects to ``broker_url`` as client ``intruder``; :meth:`start` before the run, :meth:`stop` after."""
 
-    def __init__(self, run: str, broker_url: str, ring: KeyRing, *, captured: dict[str, bytes] | None = None,
+    def __init__(self, run: str, broker_url: str, ring: KeyRing, *, captured: dict[str, list[bytes]] | None = None,
                  attacks: list[str] | None = None) -> None:
         self.run, self.ring = run, ring
         self.captured = captured or {}
@@ -71,12 +71,20 @@ class Attacker:
     @classmethod
     def capture(cls, run: str, broker_url: str, ring: KeyRing) -> "Attacker":
         """An eavesdropper that records the first genuine cell task of ``c1`` and device task of
-        ``c0-d2`` (as published: signed bytes) into ``captured``."""
+        ``c0-d2`` as they travelled (the MQTT payloads: one message, or its signed chunks) into
+        ``captured``."""
         spy = cls(run, broker_url, ring, attacks=[])
         for key, topic in (("cell_task", topics.cell_task(run, REPLAY_CELL)),
                            ("device_task", topics.device_task(run, "c0", REPLAY_DEVICE))):
-            spy.client.subscribe(topic, lambda t, b, k=key: spy.captured.setdefault(k, b))
+            spy.sniffer.subscribe(topic, lambda t, b, k=key: spy._record(k, b))
         return spy
+
+    def _record(self, key: str, data: bytes) -> None:
+        packets = self.captured.setdefault(key, [])
+        if not packets or (chunking.is_chunk(packets[0]) and chunking.is_chunk(data)
+                           and data[4:20] == packets[0][4:20]
+                           and len(packets) < chunking._HEAD.unpack_from(packets[0])[3]):
+            packets.append(data)
 
     # ------------------------------------------------------------------------------ attack mode
     def start(self) -> "Attacker":
@@ -111,13 +119,20 @@ class Attacker:
         if isinstance(record, dict) and record.get("state") == "online" and "fake" not in str(record.get("session")):
             self.session = record.get("session")
 
-    def _signer(self, claims: str, key_of: str | None) -> Messenger:
-        """A messenger that sends as ``claims`` signed with ``key_of``'s private key (None: a fresh key)."""
+    def _send_as(self, claims: str, key_of: str, session: str | None, topic: str, kind: str, payload: Payload,
+                 **header: int | str) -> None:
+        """Send as ``claims``, the message and its chunks signed with ``key_of``'s genuine private key
+        (a compromised node), stamped with ``session``."""
+        trust = Trust(claims, self.ring.private[key_of], self.ring.public)
         m = Messenger(self.client, self.run, claims)  # no trust at construction: the client stays unkeyed
-        seed = self.ring.private[key_of] if key_of is not None else new_seed()
-        m.trust = Trust(claims, seed, self.ring.public)
-        m.session = self.session
-        return m
+        m.trust, m.session = trust, session
+        frame = m.frame(kind, payload, topic=topic, **header)  # type: ignore[arg-type]
+        for part in chunking.split(frame, chunking.DEFAULT_MAX_CHUNK, topic=topic, auth=trust):
+            self._raw(topic, part)
+
+    def _replay(self, topic: str, packets: list[bytes]) -> None:
+        for p in packets:
+            self._raw(topic, p)
 
     def _on_first_task(self, topic: str, data: bytes) -> None:
         try:
@@ -134,15 +149,14 @@ class Attacker:
             return Payload({"weight": weight, "loss": 0.0},
                            {k: np.full_like(v, 3.0) for k, v in task.tensors.items()})
 
-        def result_as(key_of: str | None, weight: float) -> None:
-            m = self._signer(FIRST_DEVICE, key_of)
-            m.session = header.session
-            m.send(result_topic, "device_result", poisoned(weight), round=0, cell="c0")
+        def result_as(key_of: str, weight: float) -> None:
+            self._send_as(FIRST_DEVICE, key_of, header.session, result_topic, "device_result", poisoned(weight),
+                          round=0, cell="c0")
 
         self._fire("cross-run replay of a cell task",
-                   lambda: c.publish(topics.cell_task(run, REPLAY_CELL), self.captured["cell_task"]))
+                   lambda: self._replay(topics.cell_task(run, REPLAY_CELL), self.captured["cell_task"]))
         self._fire("cross-run replay of a device task",
-                   lambda: c.publish(topics.device_task(run, "c0", REPLAY_DEVICE), self.captured["device_task"]))
+                   lambda: self._replay(topics.device_task(run, "c0", REPLAY_DEVICE), self.captured["device_task"]))
         self._fire("forged finished", lambda: Messenger(c, run, "cloud").send(
             topics.control(run), "control", Payload({"event": "finished", "round": 0, "session": self.session}),
             round=0, retain=True))
@@ -153,10 +167,9 @@ class Attacker:
         self._fire("forged device status (offline)", lambda: c.publish(
             topics.device_status(run, "c0", CHUNKED_DEVICE), encode_status("offline", cell="c0"), retain=True))
 
-        def far_future() -> None:
-            m = self._signer("c0", "c0")  # a compromised cell: its genuine key, the current session
-            m.session = header.session
-            m.send(topics.device_task(run, "c0", FIRST_DEVICE), "device_task", task, round=1000, cell="c0")
+        def far_future() -> None:  # a compromised cell: its genuine key, the current session
+            self._send_as("c0", "c0", header.session, topics.device_task(run, "c0", FIRST_DEVICE), "device_task",
+                          task, round=1000, cell="c0")
 
         self._fire("far-future round task (cell's own key)", far_future)
         self._fire("a cell forging its device's result", lambda: result_as("c0", 10.0))
