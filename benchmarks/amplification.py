@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from protocols import params as P  # noqa: E402
 from protocols.algorithms.base import DeviceContext, ModelSpec  # noqa: E402
 from protocols.algorithms.fedavg import FedAvg  # noqa: E402
-from protocols.algorithms.server_opt import AmplifiedParams, ServerOptimizer  # noqa: E402
+from protocols.algorithms.server_opt import ServerParams, ServerOptimizer  # noqa: E402
 from protocols.seeding import rng  # noqa: E402
 from protocols.trainer import LocalData  # noqa: E402
 from protocols.wire.payload import Payload  # noqa: E402
@@ -45,7 +45,7 @@ def quadratic_run(gamma: float, eta: float, period: int, seed: int, rounds: int 
     z = centers[avail.group_of] + 0.1 * g.standard_normal((len(devices), d))
     x_star = z.mean(0)
     x = {"x": x_star + 3 * g.standard_normal(d)}
-    opt = ServerOptimizer(AmplifiedParams(name="fedavg", local_steps=steps, amplify_eta=eta, amplify_period=period))
+    opt = ServerOptimizer(ServerParams(name="fedavg", local_steps=steps, amplify_eta=eta, amplify_period=period))
     gap = np.empty(rounds)
     for t in range(rounds):
         idx = np.array(sorted(avail.index[dv] for dv in avail.participants(t)))

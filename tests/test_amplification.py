@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from protocols.algorithms.fedavg import FedAvg
-from protocols.algorithms.server_opt import AmplifiedParams, ServerOptimizer
+from protocols.algorithms.server_opt import ServerParams, ServerOptimizer
 from protocols.config import parse_config
 from sim.launcher import run_simulation
 from sim.participation import CyclicGroups, make_participation
@@ -16,7 +16,7 @@ DEVS = [f"d{i:02d}" for i in range(20)]
 def _toy(gamma: float, eta: float, rounds: int = 15) -> float:
     """Spec 8a (App. B.1): three quadratics, one client per round in turn, I = 1, P = 3."""
     z = np.array([[-1.0, 0.0], [1.0, 0.0], [0.0, np.sqrt(3.0)]])
-    opt = ServerOptimizer(AmplifiedParams(name="fedavg", local_steps=1, amplify_eta=eta, amplify_period=3))
+    opt = ServerOptimizer(ServerParams(name="fedavg", local_steps=1, amplify_eta=eta, amplify_period=3))
     x = {"x": np.array([1.0, 2.0])}
     for t in range(rounds):
         delta = {"x": -gamma * (x["x"] - z[t % 3])}
@@ -32,7 +32,7 @@ def test_toy_matches_the_spec_table():
 
 
 def test_interval_end_is_anchor_plus_eta_u_and_warmup_is_plain():
-    opt = ServerOptimizer(AmplifiedParams(name="fedavg", local_steps=1, amplify_eta=4.0, amplify_period=3,
+    opt = ServerOptimizer(ServerParams(name="fedavg", local_steps=1, amplify_eta=4.0, amplify_period=3,
                                           amplify_start=2))
     g = np.random.default_rng(0)
     x = {"w": g.standard_normal(5).astype(np.float32)}

@@ -3,9 +3,10 @@
 Devices run H local steps from the cell model and send their model delta with their sample count.
 A cell averages the deltas (weighted by samples), applies them, and repeats for E edge rounds; it
 then reports its progress over the cloud round (cell model - cloud model) with its weight, the
-samples of the distinct devices that answered. The cloud applies the weighted mean of the reports,
-scaled by ``server_lr`` (1 = plain averaging), through :class:`~.server_opt.ServerOptimizer` (which
-amplifies the progress every ``amplify_period`` rounds by ``amplify_eta``; off by default).
+samples of the distinct devices that answered. The cloud steps the global model with the weighted mean
+of the reports through :class:`~.server_opt.ServerOptimizer`: ``server_lr`` times the mean by default
+(1 = plain averaging), or FedAvgM / FedAdagrad / FedAdam / FedYogi (``server_optimizer``), optionally
+amplifying the progress every ``amplify_period`` rounds by ``amplify_eta`` (off by default).
 
 Communication in full-model units (the HIST paper's metric): each cell reports the number of values its
 devices uploaded; the cloud's ``upload_units`` is the values uploaded per participating device in the
@@ -23,7 +24,7 @@ from ..trainer import LocalData, Trainer, num_steps
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
 from .codecs import DenseCodec, UplinkCodec, UplinkParams, make_codec, uplink_seed
-from .server_opt import AmplifiedParams, ServerOptimizer, split_state
+from .server_opt import ServerParams, ServerOptimizer, split_state
 
 
 def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str,
@@ -60,8 +61,8 @@ class CommUnits:
 
 
 class ModelCloud(CloudRole):
-    """A cloud role that keeps a global model, steps it with the server optimizer (amplification)
-    and counts uploads in full-model units; checkpoints all three."""
+    """A cloud role that keeps a global model, steps it with the server optimizer (``server_optimizer``,
+    amplification) and counts uploads in full-model units; checkpoints all three."""
 
     def __init__(self, params: TrainParams, initial: Mapping[str, np.ndarray]) -> None:
         self.p = params
@@ -169,8 +170,9 @@ class FedAvgDevice(DeviceRole):
         return out
 
 
-class FedAvgParams(AmplifiedParams, UplinkParams):
-    """FedAvg's parameters: amplification (cloud) and the device -> cell codec (``uplink``)."""
+class FedAvgParams(ServerParams, UplinkParams):
+    """FedAvg's parameters: the server optimizer and amplification (cloud) and the device -> cell codec
+    (``uplink``)."""
 
 
 class FedAvg(Algorithm):

@@ -29,7 +29,7 @@ from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected
 from .fedavg import FedAvgCell, FedAvgDevice, FedAvgParams, ModelCloud, check_delta
-from .server_opt import AmplifiedParams
+from .server_opt import ServerParams
 
 INDEX = "hist.index/"
 Axes = tuple[str | None, ...]
@@ -115,7 +115,7 @@ def split_task(task: Payload) -> tuple[dict[str, np.ndarray], dict[str, np.ndarr
 
 
 class HistCloud(ModelCloud):
-    def __init__(self, params: AmplifiedParams, spec: ModelSpec, seed: int, initial: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, params: ServerParams, spec: ModelSpec, seed: int, initial: Mapping[str, np.ndarray]) -> None:
         super().__init__(params, initial)
         self.seed = seed
         self.widths, self.axes = unit_axes(spec)
@@ -184,7 +184,7 @@ class HistCell(FedAvgCell):
 class HistDevice(DeviceRole):
     """Trains the dense submodel it received on a trainer built for the submodel's widths."""
 
-    def __init__(self, params: AmplifiedParams, spec: ModelSpec) -> None:
+    def __init__(self, params: ServerParams, spec: ModelSpec) -> None:
         self.spec = spec
         self.widths, self.axes = unit_axes(spec)
         self.inner = FedAvgDevice(params)
