@@ -316,13 +316,15 @@ class CellServer:
         mean = sum(losses) / len(losses) if losses else None
         spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if losses else None
         now = self.loop.now()
+        metrics = dict(metrics or {})
+        excluded = metrics.pop("excluded", None)  # robust aggregation: who was left out, why
         record = CellRecord(
             run=self.run, round=self.round, edge_round=self.edge_round, cell=self.cell, algorithm=self.algorithm,
             planned=self.planned, answered=answered, **absence(self.absent, self.absent_ids, self._not_participating),
             rejected=self.rejected, closed_by=why, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
             loss_mean=mean, loss_std=spread, duration_s=round(time.perf_counter() - self._wall0, 6),
             clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,
-            time=round(time.time(), 3), metrics=metrics or {},
+            time=round(time.time(), 3), metrics=metrics, excluded=excluded,
         ).to_dict()
         self.rejected = []
         self.records.append(record)

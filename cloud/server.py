@@ -183,7 +183,8 @@ class CloudServer:
         self.loop.cancel(self._timer)
         reports, absent = dict(sorted(self.answers.received.items())), sorted(self.answers.pending)
         self.answers.close()
-        role_metrics = self.role.aggregate(self.round, reports)
+        role_metrics = dict(self.role.aggregate(self.round, reports) or {})
+        excluded = role_metrics.pop("excluded", None)  # robust aggregation: cells left out, why
         for tier in TIERS:
             self.cumulative[tier] += self._bytes[tier]
         evaluation: dict[str, float] = {}
@@ -194,7 +195,7 @@ class CloudServer:
             cells_reported=sorted(reports), cells_absent=absent, devices=self._cell_devices,
             rejected=self._rejected, bytes=dict(self._bytes), cumulative_bytes=dict(self.cumulative),
             clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
-            metrics=role_metrics or {}, duration_s=round(time.perf_counter() - self._wall0, 6),
+            excluded=excluded, metrics=role_metrics, duration_s=round(time.perf_counter() - self._wall0, 6),
             time=round(time.time(), 3),
         ).to_dict()
         self.history.append(record)

@@ -233,6 +233,16 @@ class ClockSection(_Section):
     latency_s: float = Field(default=0.0, ge=0, description="per message, on every link")
 
 
+class AttackSection(_Section):
+    """Byzantine devices in ``fedtier sim`` only (``sim/attack.py``), to measure robust aggregation."""
+
+    kind: Literal["none", "scale", "sign_flip"] = Field(default="none", description="scale: send factor x delta; "
+                                                        "sign_flip: send -factor x delta")
+    fraction: float = Field(default=0.0, ge=0, lt=1, description="share of each cell's devices that attack "
+                            "(rounded down), drawn with the run seed")
+    factor: float = Field(default=10.0, gt=0)
+
+
 class BrokerSection(_Section):
     url: str | None = Field(default=None, description="mqtt://host:port; none: an embedded broker")
     username: str | None = None
@@ -268,6 +278,7 @@ class RunConfig(_Section):
     participation: ParticipationSection = ParticipationSection()
     runtime: RuntimeSection = RuntimeSection()
     clock: ClockSection = ClockSection()
+    attack: AttackSection = AttackSection()
     broker: BrokerSection = BrokerSection()
     security: SecuritySection = SecuritySection()
     monitoring: MonitoringSection = MonitoringSection()

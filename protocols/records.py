@@ -74,6 +74,8 @@ class CellRecord(_Record):
     absent_counts: dict[str, int] | None = Field(None, description="reason -> absent devices, when `absent` "
                                                  "leaves some out")
     rejected: list[Rejection] = Field(default_factory=list, description="results refused, with reasons")
+    excluded: dict[str, str] | None = Field(None, description="answered devices the robust aggregator "
+                                            "(algorithm.cell_aggregator) left out, with why")
     bytes_in: int = Field(0, ge=0, description="device -> cell payload bytes of this edge round")
     bytes_out: int = Field(0, ge=0, description="cell -> device payload bytes of this edge round")
     loss_mean: float | None = Field(None, description="mean training loss the answering devices reported")
@@ -122,6 +124,8 @@ class RoundRecord(_Record):
     cells_absent: list[str] = Field(default_factory=list)
     devices: dict[str, int] = Field(default_factory=dict, description="cell -> devices that took part")
     rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, reason")
+    excluded: dict[str, str] | None = Field(None, description="reporting cells the robust aggregator "
+                                            "(algorithm.cloud_aggregator) left out, with why")
     bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes of this round per tier")
     cumulative_bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes so far per tier")
     clock_start_s: float | None = Field(None, description="loop clock when the round began")

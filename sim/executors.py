@@ -63,6 +63,7 @@ class DeviceWorker:
     def __init__(self, config_text: str, devices: Sequence[str]) -> None:
         from protocols.torch_trainer import TorchTrainer
 
+        from .attack import ByzantineDevice, byzantine_devices
         from .hierarchy import prepare
         from .launcher import set_torch_threads
         from .onnx_devices import onnx_trainers
@@ -80,6 +81,7 @@ class DeviceWorker:
         self.algorithm = algorithm
         self.roles: dict[str, DeviceRole] = {}  # built on a device's first task, kept (roles may hold state)
         self.trainer_for = lambda d: onnx.get(d, torch_trainer)
+        self.byzantine, self.attack = set(byzantine_devices(cfg)), cfg.attack  # [attack], as in the main process
 
     def train(self, ctx: dict[str, Any], task: bytes) -> tuple[bytes, str]:
         """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
@@ -90,7 +92,10 @@ class DeviceWorker:
                 raise KeyError(f"device {c.device!r} is not one of this worker's")
             role = self.roles.get(c.device)
             if role is None:
-                role = self.roles[c.device] = self.algorithm.device(c.device)
+                role = self.algorithm.device(c.device)
+                if c.device in self.byzantine:
+                    role = ByzantineDevice(role, self.attack)
+                self.roles[c.device] = role
             result = role.train(decode_payload(task), self.data[c.device], self.trainer_for(c.device), c)
             return encode_payload(result), ""
         except Exception as exc:  # a bad task must not kill the device (as in the main process)

@@ -23,6 +23,7 @@ from protocols.config import RunConfig
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
+from .attack import ByzantineDevice, byzantine_devices
 from .clock import ClockModel, clock_modelled
 from .cohort import CohortExecutor
 from .executors import InlineExecutor, start_workers
@@ -114,6 +115,7 @@ class SimHierarchy:
         trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
                                          **spec.build_kwargs())
         onnx = onnx_trainers(cfg, spec, algorithm, self.output_dir)  # forward-only devices
+        self.byzantine = set(byzantine_devices(cfg))  # [attack]: tests, benchmarks/robust.py
         self.agents = Population(cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer),
                                  self._configure)  # built as devices are needed
         if cfg.runtime.engine == "cohort":
@@ -124,6 +126,8 @@ class SimHierarchy:
 
     def _configure(self, agent: DeviceAgent) -> None:
         agent.executor = self.executor
+        if agent.device in self.byzantine:
+            agent.role = ByzantineDevice(agent.role, self.cfg.attack)
         if self.clock.enabled:
             agent.compute_delay = self.clock.compute_delay
 

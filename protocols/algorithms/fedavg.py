@@ -24,7 +24,8 @@ from ..trainer import LocalData, Trainer, num_steps
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
 from .codecs import DenseCodec, UplinkCodec, UplinkParams, make_codec, uplink_seed
-from .server_opt import ServerParams, ServerOptimizer, split_state
+from .robust import RobustParams, aggregate
+from .server_opt import ServerOptimizer, ServerParams, split_state
 
 
 def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str,
@@ -102,9 +103,11 @@ class FedAvgCloud(ModelCloud):
         if not reports:
             self.model, amplified = self.opt.step(round, self.model, None)
             return {"cells": 0, **comm, **({"amplified": 1} if amplified else {})}
-        mean, total = P.weighted_mean((r.meta["weight"], r.tensors) for _, r in sorted(reports.items()))
-        self.model, amplified = self.opt.step(round, self.model, mean)
-        return {"cells": len(reports), "weight": total, **comm, **({"amplified": 1} if amplified else {})}
+        agg = aggregate(getattr(self.p, "cloud_aggregator", "mean"),
+                        [(c, r.meta["weight"], r.tensors) for c, r in reports.items()], self.p)
+        self.model, amplified = self.opt.step(round, self.model, agg.delta)
+        return {"cells": len(reports), "weight": agg.weight, **comm, **({"amplified": 1} if amplified else {}),
+                **({"excluded": agg.excluded} if agg.excluded else {})}
 
 
 class FedAvgCell(CellRole):
@@ -135,12 +138,14 @@ class FedAvgCell(CellRole):
             return {}
         ordered = sorted(results.items())
         deltas = [(d, r.meta["weight"], self.codec.decode(r, self.model)) for d, r in ordered]
-        mean, _ = P.weighted_mean((w, delta) for _, w, delta in deltas)
-        self.model = P.add(self.model, mean)
+        agg = aggregate(getattr(self.p, "cell_aggregator", "mean"), deltas, self.p)
+        self.model = P.add(self.model, agg.delta)
+        kept = set(agg.kept)
         for d, w, delta in deltas:
-            self.weights[d] = float(w)
+            if d in kept:  # the report's weight: the samples the cell's progress represents
+                self.weights[d] = float(w)
             self.upload_values += P.num_values(delta)
-        return {}
+        return {"excluded": agg.excluded} if agg.excluded else {}
 
     def upload_meta(self) -> dict[str, int]:
         """What the devices uploaded this cloud round (for the full-model-units metric)."""
@@ -170,9 +175,9 @@ class FedAvgDevice(DeviceRole):
         return out
 
 
-class FedAvgParams(ServerParams, UplinkParams):
-    """FedAvg's parameters: the server optimizer and amplification (cloud) and the device -> cell codec
-    (``uplink``)."""
+class FedAvgParams(ServerParams, RobustParams, UplinkParams):
+    """FedAvg's parameters: the server optimizer and amplification (cloud), robust aggregation (cells and
+    cloud) and the device -> cell codec (``uplink``)."""
 
 
 class FedAvg(Algorithm):

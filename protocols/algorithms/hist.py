@@ -29,6 +29,7 @@ from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected
 from .fedavg import FedAvgCell, FedAvgDevice, FedAvgParams, ModelCloud, check_delta
+from .robust import aggregate
 from .server_opt import ServerParams
 
 INDEX = "hist.index/"
@@ -157,14 +158,16 @@ class HistCloud(ModelCloud):
         for cell, delta in deltas.items():
             scatter(full, delta, self.axes, self.parts[cell])
         shared = [k for k, ax in self.axes.items() if not any(ax)]
-        total = 0.0
+        total, excluded = 0.0, {}
         if shared:
-            mean, total = P.weighted_mean((r.meta["weight"], {k: deltas[c][k] for k in shared})
-                                          for c, r in reports.items())
-            full.update(mean)
+            agg = aggregate(getattr(self.p, "cloud_aggregator", "mean"),
+                            [(c, r.meta["weight"], {k: deltas[c][k] for k in shared}) for c, r in reports.items()],
+                            self.p)
+            full.update(agg.delta)
+            total, excluded = agg.weight, agg.excluded
         self.model, amplified = self.opt.step(round, self.model, full)
         return {"cells": len(reports), "weight": total or sum(r.meta["weight"] for r in reports.values()),
-                **comm, **({"amplified": 1} if amplified else {})}
+                **comm, **({"amplified": 1} if amplified else {}), **({"excluded": excluded} if excluded else {})}
 
 
 class HistCell(FedAvgCell):

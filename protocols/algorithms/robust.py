@@ -1,0 +1,104 @@
+"""Robust aggregation of model deltas at a cell (over devices) or at the cloud (over cells).
+
+``aggregator`` (``cell_aggregator`` / ``cloud_aggregator`` of :class:`RobustParams`):
+
+* ``mean``: the weighted mean (weights: samples), exactly :func:`protocols.params.weighted_mean`.
+* ``median``: the coordinate-wise median (Yin et al. 2018), unweighted.
+* ``trimmed_mean``: per coordinate, drop the ``b = floor(trim_beta * n)`` largest and smallest values and
+  average the rest (Yin et al. 2018), unweighted.
+* ``krum``: the one input whose summed squared distance to its ``n - f - 2`` nearest others is smallest
+  (Blanchard et al. 2017), ``f = floor(krum_byzantine * n)``.
+* ``multikrum``: the weighted mean of the ``m`` inputs with the best Krum scores (``multikrum_keep``;
+  0: ``n - f``).
+
+Weights are claims of the senders, so the coordinate-wise rules ignore them (a Byzantine sender could
+claim any weight). Every aggregation says whom it left out and why: Krum/Multi-Krum name the inputs
+not selected, with their score; median and trimmed mean name the inputs whose values fell outside the
+kept band (the ``b``-th to ``(n-1-b)``-th order statistics, ``b >= 1`` for the median) in more than half
+of the coordinates. Inputs are taken in sender-id order, so the result does not depend on arrival order.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Sequence
+
+import numpy as np
+from pydantic import Field
+
+from .. import params as P
+from .base import TrainParams
+
+AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multikrum"]
+
+
+class RobustParams(TrainParams):
+    """How cells aggregate their devices' deltas and the cloud its cells' reports."""
+
+    cell_aggregator: AggregatorName = Field(default="mean", description="mean | median | trimmed_mean | krum | "
+                                            "multikrum: how a cell combines its devices' deltas")
+    cloud_aggregator: AggregatorName = Field(default="mean", description="the same, for the cloud over cells")
+    trim_beta: float = Field(default=0.2, ge=0, lt=0.5, description="trimmed_mean: fraction cut at each end "
+                             "per coordinate")
+    krum_byzantine: float = Field(default=0.2, ge=0, lt=0.5, description="krum/multikrum: fraction f/n of the "
+                                  "inputs assumed Byzantine")
+    multikrum_keep: int = Field(default=0, ge=0, description="multikrum: inputs averaged (0: n - f)")
+
+
+@dataclass
+class Aggregate:
+    """The combined delta, the total weight of the inputs it represents, and who was left out, why."""
+
+    delta: "dict[str, np.ndarray]"
+    weight: float
+    excluded: dict[str, str] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)
+
+
+def aggregate(kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarray]]], params: TrainParams
+              ) -> Aggregate:
+    """Combine ``(sender, weight, delta)`` items (sorted by sender here) with aggregator ``kind``."""
+    items = sorted(items, key=lambda it: it[0])
+    if not items:
+        raise ValueError("aggregate of nothing")
+    ids = [i for i, _, _ in items]
+    if kind == "mean" or len(items) == 1:
+        mean, total = P.weighted_mean((w, d) for _, w, d in items)
+        return Aggregate(dict(mean), total, {}, ids)
+    names = list(items[0][2])
+    stack = {k: np.stack([np.asarray(d[k], dtype=np.float64) for _, _, d in items]) for k in names}
+    n, total = len(items), float(sum(w for _, w, _ in items))
+    if kind in ("median", "trimmed_mean"):
+        beta = getattr(params, "trim_beta", 0.1)
+        b = min(int(math.floor(beta * n)), (n - 1) // 2)
+        out: dict[str, np.ndarray] = {}
+        outside = np.zeros(n)
+        coords = 0
+        for k, s in stack.items():
+            ordered = np.sort(s, axis=0)
+            out[k] = (np.median(s, axis=0) if kind == "median" else ordered[b:n - b].mean(axis=0)).astype(np.float32)
+            band = max(b, 1) if kind == "median" else b
+            if band:
+                lo, hi = ordered[band], ordered[n - 1 - band]
+                outside += ((s < lo) | (s > hi)).reshape(n, -1).sum(axis=1)
+            coords += s[0].size
+        share = outside / max(coords, 1)
+        excluded = {ids[i]: f"{kind}: {share[i]:.0%} of its coordinates outside the kept band"
+                    for i in range(n) if share[i] > 0.5}
+        return Aggregate(out, total, excluded, ids)
+    if kind in ("krum", "multikrum"):
+        flat = np.concatenate([s.reshape(n, -1) for s in stack.values()], axis=1)
+        sq = (flat * flat).sum(axis=1)
+        dist = np.maximum(sq[:, None] + sq[None, :] - 2.0 * flat @ flat.T, 0.0)
+        f = int(math.floor(getattr(params, "krum_byzantine", 0.2) * n))
+        near = min(max(n - f - 2, 1), n - 1)
+        scores = np.array([np.sort(np.delete(dist[i], i))[:near].sum() for i in range(n)])
+        order = sorted(range(n), key=lambda i: (scores[i], i))
+        keep_n = 1 if kind == "krum" else (getattr(params, "multikrum_keep", 0) or n - f)
+        keep = sorted(order[:min(keep_n, n)])
+        rank = {i: r for r, i in enumerate(order, start=1)}
+        mean, weight = P.weighted_mean((items[i][1], items[i][2]) for i in keep)
+        excluded = {ids[i]: f"{kind}: score {scores[i]:.4g} ranked {rank[i]} of {n}, {len(keep)} kept (f = {f})"
+                    for i in range(n) if i not in keep}
+        return Aggregate(dict(mean), weight, excluded, [ids[i] for i in keep])
+    raise ValueError(f"unknown aggregator {kind!r}")

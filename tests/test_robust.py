@@ -1,0 +1,134 @@
+"""Robust aggregation (median, trimmed mean, Krum, Multi-Krum) at cells and cloud, against Byzantine devices."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocols import params as P
+from protocols.algorithms.fedavg import FedAvgCloud, FedAvgParams
+from protocols.algorithms.robust import aggregate
+from protocols.config import ConfigError, parse_config
+from protocols.wire.payload import Payload
+from sim.attack import byzantine_devices
+from sim.launcher import run_simulation
+
+
+def _items(n: int = 7, outliers: tuple[int, ...] = (), seed: int = 0):
+    g = np.random.default_rng(seed)
+    items = []
+    for i in range(n):
+        d = {"a": g.normal(1.0, 0.1, (3, 4)).astype(np.float32), "b": g.normal(-1.0, 0.1, 4).astype(np.float32)}
+        if i in outliers:
+            d = {k: (v * -50).astype(np.float32) for k, v in d.items()}
+        items.append((f"d{i}", float(10 + i), d))
+    return items
+
+
+def _params(**kw) -> FedAvgParams:
+    return FedAvgParams(name="fedavg", local_steps=1, **kw)
+
+
+def test_mean_is_the_weighted_mean_bit_for_bit():
+    items = _items()
+    got = aggregate("mean", items[::-1], _params())  # arrival order does not matter
+    want, total = P.weighted_mean((w, d) for _, w, d in items)
+    assert all(got.delta[k].tobytes() == want[k].tobytes() for k in want) and got.weight == total
+    assert got.excluded == {} and got.kept == [i for i, _, _ in items]
+
+
+def test_median_and_trimmed_mean_match_numpy_and_name_the_outliers():
+    items = _items(10, outliers=(3, 8))
+    stack = {k: np.stack([d[k].astype(np.float64) for _, _, d in items]) for k in ("a", "b")}
+    med = aggregate("median", items, _params())
+    for k, s in stack.items():
+        np.testing.assert_allclose(med.delta[k], np.median(s, axis=0).astype(np.float32), rtol=0, atol=0)
+    trim = aggregate("trimmed_mean", items, _params(trim_beta=0.2))  # b = 2 of 10 cut at each end
+    for k, s in stack.items():
+        np.testing.assert_allclose(trim.delta[k], np.sort(s, axis=0)[2:8].mean(axis=0).astype(np.float32), rtol=1e-7)
+    for agg in (med, trim):
+        assert set(agg.excluded) == {"d3", "d8"}, agg.excluded
+        assert "coordinates outside the kept band" in agg.excluded["d3"]
+        assert np.all(agg.delta["a"] > 0.5)  # the -50x outliers did not drag the result
+
+
+def test_krum_and_multikrum_select_by_score():
+    items = _items(10, outliers=(0, 5))
+    flat = np.stack([np.concatenate([d["a"].ravel(), d["b"]]).astype(np.float64) for _, _, d in items])
+    dist = ((flat[:, None, :] - flat[None, :, :]) ** 2).sum(-1)
+    f = 2  # floor(0.2 * 10)
+    scores = [np.sort(np.delete(dist[i], i))[:10 - f - 2].sum() for i in range(10)]
+    best = int(np.argmin(scores))
+    krum = aggregate("krum", items, _params(krum_byzantine=0.2))
+    assert krum.kept == [f"d{best}"]
+    assert all(krum.delta[k].tobytes() == items[best][2][k].tobytes() for k in ("a", "b"))
+    assert set(krum.excluded) == {f"d{i}" for i in range(10) if i != best}
+    assert "ranked" in krum.excluded["d0"] and krum.weight == items[best][1]
+    multi = aggregate("multikrum", items, _params(krum_byzantine=0.2))  # keeps n - f = 8
+    keep = sorted(np.argsort(scores, kind="stable")[:8])
+    assert multi.kept == [f"d{i}" for i in keep] and set(multi.excluded) == {"d0", "d5"}
+    want, total = P.weighted_mean((items[i][1], items[i][2]) for i in keep)
+    assert all(multi.delta[k].tobytes() == want[k].tobytes() for k in want) and multi.weight == total
+    three = aggregate("multikrum", items, _params(multikrum_keep=3))
+    assert len(three.kept) == 3 and len(three.excluded) == 7
+
+
+def test_cloud_median_leaves_out_a_bad_cell_and_says_so():
+    model = {"w": np.zeros(6, np.float32)}
+    cloud = FedAvgCloud(_params(cloud_aggregator="median"), model)
+    reports = {f"c{i}": Payload({"weight": 5}, {"w": np.full(6, 0.1 * (1 + i % 2), np.float32)}) for i in range(4)}
+    reports["c4"] = Payload({"weight": 1000}, {"w": np.full(6, 1e3, np.float32)})
+    metrics = cloud.aggregate(0, reports)
+    assert np.all(cloud.model["w"] == np.float32(0.2))
+    assert list(metrics["excluded"]) == ["c4"]
+
+
+def _cfg(agg: str, kind: str = "none", factor: float = 10.0, **algo) -> dict:
+    return {"run": {"name": "robust", "seed": 1, "rounds": 8},
+            "topology": {"cells": 1, "devices_per_cell": 10},
+            "algorithm": {"name": "fedavg", "local_steps": 20, "batch_size": 16, "lr": 0.2, "cell_aggregator": agg,
+                          **algo},
+            "model": {"name": "mlp", "hidden": [32]},
+            "data": {"dataset": "digits", "partition": "iid"},
+            "attack": {"kind": kind, "fraction": 0.2 if kind != "none" else 0.0, "factor": factor}}
+
+
+ATTACKS = {"scale": 10.0, "sign_flip": 4.0}
+
+
+@pytest.fixture(scope="module")
+def clean_accuracy() -> float:
+    return run_simulation(parse_config(_cfg("mean")), write_output=False).final_accuracy
+
+
+@pytest.mark.parametrize("kind", list(ATTACKS))
+def test_plain_averaging_collapses_under_byzantine_devices(kind, clean_accuracy):
+    assert clean_accuracy > 0.85
+    hit = run_simulation(parse_config(_cfg("mean", kind, ATTACKS[kind])), write_output=False)
+    assert hit.final_accuracy < clean_accuracy - 0.4, (hit.final_accuracy, clean_accuracy)
+
+
+@pytest.mark.parametrize("agg", ["median", "trimmed_mean", "krum"])
+@pytest.mark.parametrize("kind", list(ATTACKS))
+def test_robust_aggregators_keep_accuracy_within_two_points(agg, kind, clean_accuracy):
+    cfg = parse_config(_cfg(agg, kind, ATTACKS[kind]))
+    bad = byzantine_devices(cfg)
+    assert len(bad) == 2  # 20% of the cell
+    result = run_simulation(cfg, write_output=False)
+    assert result.final_accuracy >= clean_accuracy - 0.02, (result.final_accuracy, clean_accuracy)
+    for record in result.cell_records:  # every aggregation record names the attackers as left out, with a reason
+        excluded = record.get("excluded", {})
+        assert set(bad) <= set(excluded), (record["edge_round"], excluded)
+        assert all(agg in why for why in excluded.values())
+        if agg != "krum":  # Krum keeps one device and lists the others; the coordinate-wise rules only the outliers
+            assert set(excluded) == set(bad)
+
+
+def test_attack_is_a_sim_option_with_dense_uplinks_only():
+    cfg = parse_config({**_cfg("mean", "scale"), "algorithm": {"name": "fedavg", "local_steps": 1, "uplink": "signsgd"}})
+    with pytest.raises(ConfigError, match="dense"):
+        byzantine_devices(cfg)
+    from sim.emulation import Emulation
+    with pytest.raises(ConfigError, match="fedtier sim option"):
+        Emulation(parse_config(_cfg("mean", "scale")))
+    with pytest.raises(ConfigError, match="cell_aggregator"):
+        parse_config(_cfg("average"))
