@@ -92,10 +92,11 @@ class TorchTrainer(Trainer):
         return float(loss.detach()), grads
 
     def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
-            weight_decay: float = 0.0) -> TrainStats:
+            weight_decay: float = 0.0, prox_mu: float = 0.0) -> TrainStats:
         self.model.train()
         xt, yt = self._tensors(data.x, data.y)
         params = [p for p in self.model.parameters()]
+        start = [p.detach().clone() for p in params] if prox_mu else []  # FedProx: w_0
         losses, sizes = [], []
         for idx in batches(len(data), batch_size, steps, rng):
             it = torch.from_numpy(idx).to(self.device)
@@ -107,6 +108,10 @@ class TorchTrainer(Trainer):
                 for p in params:
                     if weight_decay:
                         p.grad.add_(p, alpha=weight_decay)
+                if prox_mu:
+                    for p, p0 in zip(params, start):
+                        p.grad.add_(p - p0, alpha=prox_mu)
+                for p in params:
                     p.add_(p.grad, alpha=-lr)
             losses.append(loss.detach())
             sizes.append(len(idx))

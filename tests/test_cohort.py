@@ -271,3 +271,10 @@ def test_a_bad_request_fails_only_its_device():
     for result, error in (outcomes[0], outcomes[2]):
         assert error is None and np.isfinite(result.meta["loss"])
     assert all(np.array_equal(outcomes[0][0].tensors[k], outcomes[2][0].tensors[k]) for k in good)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "hist"])
+def test_fedprox_proximal_term(make_config, name):
+    device, cohort = _pair(make_config, run={"rounds": 1}, algorithm={"name": name, "prox_mu": 0.5, "edge_rounds": 1},
+                           model={"name": "mlp", "hidden": [24]})
+    _equivalent(device, cohort)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from pydantic import Field
 
 from .. import params as P
 from ..seeding import rng
@@ -166,9 +167,10 @@ class FedAvgDevice(DeviceRole):
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         trainer.set_params(task.tensors)
         steps = num_steps(len(data), self.p.batch_size, self.p.local_steps, self.p.local_epochs)
+        mu = float(getattr(self.p, "prox_mu", 0.0))
         stats = trainer.sgd(data, steps=steps, batch_size=self.p.batch_size, lr=self.p.lr,
                             rng=rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"),
-                            weight_decay=self.p.weight_decay)
+                            weight_decay=self.p.weight_decay, **({"prox_mu": mu} if mu else {}))
         delta = P.sub(trainer.get_params(), task.tensors)
         out = self.codec.encode(delta, uplink_seed(ctx))
         out.meta.update({"weight": len(data), "loss": stats.loss, "steps": stats.steps})
@@ -177,7 +179,10 @@ class FedAvgDevice(DeviceRole):
 
 class FedAvgParams(ServerParams, RobustParams, UplinkParams):
     """FedAvg's parameters: the server optimizer and amplification (cloud), robust aggregation (cells and
-    cloud) and the device -> cell codec (``uplink``)."""
+    cloud), FedProx's proximal term (devices) and the device -> cell codec (``uplink``)."""
+
+    prox_mu: float = Field(default=0.0, ge=0, description="FedProx (Li et al. 2020): devices minimise their loss "
+                           "+ mu/2 ||w - w_task||^2 (0: FedAvg, bit for bit)")
 
 
 class FedAvg(Algorithm):
