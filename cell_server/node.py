@@ -10,6 +10,9 @@ from protocols.config import RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
 
+from protocols.algorithms.fedbuff import FedBuffCell
+
+from .async_server import AsyncCellServer
 from .server import Availability, CellServer
 
 
@@ -25,8 +28,14 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
     if cell not in cfg.topology.cell_ids():
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
-    return CellServer(
-        transport, run=cfg.run.name, cell=cell, devices=cfg.topology.device_ids(cell), role=algorithm.cell(cell),
+    train = cfg.train
+    if getattr(train, "mode", "sync") == "async":  # FedBuff: keep devices busy, push every M updates / T s
+        server, extra = AsyncCellServer, {"role": FedBuffCell(train, cell), "push_every": train.async_push_every,
+                                          "push_seconds": train.async_push_seconds}  # type: ignore[attr-defined]
+    else:
+        server, extra = CellServer, {"role": algorithm.cell(cell)}
+    return server(
+        transport, run=cfg.run.name, cell=cell, devices=cfg.topology.device_ids(cell), **extra,
         algorithm=algorithm.name, device_deadline=cfg.runtime.device_deadline, quorum=cfg.runtime.quorum,
         availability=availability, log_path=str(output_dir / runfiles.AGGREGATION) if output_dir else None,
         heartbeat=cfg.runtime.heartbeat if heartbeats else 0.0,

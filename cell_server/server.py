@@ -326,6 +326,10 @@ class CellServer:
             clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,
             time=round(time.time(), 3), metrics=metrics, excluded=excluded,
         ).to_dict()
+        self._emit(record)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        """Keep, log and publish an aggregation record; the rejections it lists are reset."""
         self.rejected = []
         self.records.append(record)
         self.log.write(record)

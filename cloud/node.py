@@ -10,6 +10,10 @@ from protocols.config import RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
 
+from protocols.algorithms.fedbuff import FedBuffCloud
+from protocols.config import ConfigError
+
+from .async_server import AsyncCloudServer
 from .server import CellAvailability, CloudServer, Evaluator
 
 
@@ -19,8 +23,15 @@ def build_cloud(cfg: RunConfig, transport: Transport, algorithm: Algorithm, *, e
                 availability: CellAvailability | None = None) -> CloudServer:
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
-    return CloudServer(
-        transport, run=cfg.run.name, cells=cfg.topology.cell_ids(), role=algorithm.cloud(), rounds=cfg.run.rounds,
+    if getattr(cfg.train, "mode", "sync") == "async":  # FedBuff over cells
+        if resume:
+            raise ConfigError("--resume: algorithm.mode = \"async\" does not resume from a checkpoint yet "
+                              "(buffered pushes and cell versions are not checkpointed); run again")
+        server, extra = AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, algorithm.cloud())}  # type: ignore
+    else:
+        server, extra = CloudServer, {"role": algorithm.cloud()}
+    return server(
+        transport, run=cfg.run.name, cells=cfg.topology.cell_ids(), rounds=cfg.run.rounds, **extra,
         cell_deadline=cfg.cell_deadline(), evaluator=evaluator, eval_every=cfg.runtime.eval_every,
         metrics_path=out / runfiles.METRICS if out else None,
         checkpoint_path=out / runfiles.CHECKPOINT if out else None,

@@ -123,20 +123,7 @@ class CloudServer:
 
     # ----------------------------------------------------------------- rounds
     def _begin_round(self) -> None:
-        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
-        self._rejected = []
-        self._bytes = {t: 0 for t in TIERS}
-        self._cell_devices: dict[str, int] = {}
-        allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
-        plan = self.role.plan(self.round, [c for c in self.cells if (self.cell_online[c] or self.startup_wait <= 0)
-                                           and c in allowed])
-        self.planned = sorted(plan)
-        manifest = topics.round_manifest(self.run)
-        self.transport.publish(manifest, encode_manifest(self.session, self.round, topic=manifest, trust=self.trust),
-                               retain=True)
-        for cell in self.planned:
-            self._bytes["cloud_to_cell"] += self.messenger.send(topics.cell_task(self.run, cell), "cell_task",
-                                                                plan[cell], round=self.round, cell=cell)
+        self._send_tasks([c for c in self.cells if self.cell_online[c] or self.startup_wait <= 0])
         self.answers.open((self.round,), self.planned)
         self._in_round = True
         r = self.round
@@ -144,6 +131,22 @@ class CloudServer:
             self.loop.post(lambda: self._close(r, "no cells"))
         else:
             self._timer = self.loop.call_later(self.cell_deadline, lambda: self._close(r, "deadline"))
+
+    def _send_tasks(self, candidates: list[str]) -> None:
+        """Start counting the next round record; plan the ``candidates`` that may take part; send their tasks."""
+        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
+        self._rejected = []
+        self._bytes = {t: 0 for t in TIERS}
+        self._cell_devices: dict[str, int] = {}
+        allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
+        plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
+        self.planned = sorted(plan)
+        manifest = topics.round_manifest(self.run)
+        self.transport.publish(manifest, encode_manifest(self.session, self.round, topic=manifest, trust=self.trust),
+                               retain=True)
+        for cell in self.planned:
+            self._bytes["cloud_to_cell"] += self.messenger.send(topics.cell_task(self.run, cell), "cell_task",
+                                                                plan[cell], round=self.round, cell=cell)
 
     def _on_report(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("cell_report",))
@@ -163,15 +166,19 @@ class CloudServer:
             return
         if len(self.answers.received) == taken:
             return  # a repeat counts once
+        self._cell_devices[cell] = self._count(msg)
+        if not self.answers.pending:
+            self._close(self.round, "all reported")
+
+    def _count(self, msg: Any) -> int:
+        """Add a taken report's bytes (and the device traffic it declares) to the round; its device count."""
         self._bytes["cell_to_cloud"] += msg.nbytes
         traffic = msg.payload.meta.get("traffic", {})
         for tier in ("cell_to_device", "device_to_cell"):
             value = traffic.get(tier, 0) if isinstance(traffic, dict) else 0
             self._bytes[tier] += int(value) if isinstance(value, (int, float)) and value >= 0 else 0
         devices = msg.payload.meta.get("devices", 0)
-        self._cell_devices[cell] = int(devices) if isinstance(devices, int) else 0
-        if not self.answers.pending:
-            self._close(self.round, "all reported")
+        return int(devices) if isinstance(devices, int) and devices >= 0 else 0
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
         self._rejected.append({"from": sender or topic, "reason": reason})
@@ -183,7 +190,11 @@ class CloudServer:
         self.loop.cancel(self._timer)
         reports, absent = dict(sorted(self.answers.received.items())), sorted(self.answers.pending)
         self.answers.close()
-        role_metrics = dict(self.role.aggregate(self.round, reports) or {})
+        self._record_round(why, sorted(reports), absent, self.role.aggregate(self.round, reports))
+
+    def _record_round(self, why: str, reported: list[str], absent: list[str], metrics: Mapping[str, Any]) -> None:
+        """Write, publish and checkpoint the record of the model update that just happened, then go on."""
+        role_metrics = dict(metrics or {})
         excluded = role_metrics.pop("excluded", None)  # robust aggregation: cells left out, why
         for tier in TIERS:
             self.cumulative[tier] += self._bytes[tier]
@@ -192,7 +203,7 @@ class CloudServer:
             evaluation = self.evaluator(self.role.global_params())
         record = RoundRecord(
             run=self.run, round=self.round, rounds=self.rounds, closed_by=why, cells_planned=self.planned,
-            cells_reported=sorted(reports), cells_absent=absent, devices=self._cell_devices,
+            cells_reported=reported, cells_absent=absent, devices=self._cell_devices,
             rejected=self._rejected, bytes=dict(self._bytes), cumulative_bytes=dict(self.cumulative),
             clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
             excluded=excluded, metrics=role_metrics, duration_s=round(time.perf_counter() - self._wall0, 6),

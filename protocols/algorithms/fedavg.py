@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .. import params as P
 from ..seeding import rng
@@ -27,6 +27,7 @@ from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rej
 from .codecs import DenseCodec, UplinkCodec, UplinkParams, make_codec, uplink_seed
 from .robust import RobustParams, aggregate
 from .server_opt import ServerOptimizer, ServerParams, split_state
+from .staleness import AsyncParams
 
 
 def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str,
@@ -177,12 +178,24 @@ class FedAvgDevice(DeviceRole):
         return out
 
 
-class FedAvgParams(ServerParams, RobustParams, UplinkParams):
+class FedAvgParams(ServerParams, RobustParams, AsyncParams, UplinkParams):
     """FedAvg's parameters: the server optimizer and amplification (cloud), robust aggregation (cells and
-    cloud), FedProx's proximal term (devices) and the device -> cell codec (``uplink``)."""
+    cloud), the asynchronous mode (FedBuff), FedProx's proximal term (devices) and the device -> cell codec
+    (``uplink``)."""
 
     prox_mu: float = Field(default=0.0, ge=0, description="FedProx (Li et al. 2020): devices minimise their loss "
                            "+ mu/2 ||w - w_task||^2 (0: FedAvg, bit for bit)")
+
+    @model_validator(mode="after")
+    def _async_fits(self) -> "FedAvgParams":
+        if self.mode == "async":
+            if self.name != "fedavg":
+                raise ValueError(f"mode = \"async\" is built for fedavg, not {self.name!r} (HIST redraws its "
+                                 "partition every synchronous cloud round)")
+            if (self.cell_aggregator, self.cloud_aggregator) != ("mean", "mean"):
+                raise ValueError("mode = \"async\" aggregates with staleness weights: set cell_aggregator and "
+                                 "cloud_aggregator to \"mean\"")
+        return self
 
 
 class FedAvg(Algorithm):

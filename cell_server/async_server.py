@@ -1,0 +1,158 @@
+"""The cell runtime of ``algorithm.mode = "async"`` (FedBuff; the maths in ``protocols/algorithms/fedbuff.py``).
+
+No edge rounds: every online, participating device always has a task. A device that answers gets the
+current cell model at once; every K results the cell updates its model (one aggregation record each);
+every M updates, or T seconds with unpushed progress, it pushes its progress to the cloud. Task headers
+carry the cell model version (``round``) and the device's task number (``edge_round``, which also keys
+its minibatch seeds); a result must answer the device's outstanding task, else it is rejected.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from protocols.algorithms.base import Rejected
+from protocols.algorithms.fedbuff import FedBuffCell
+from protocols.records import CellRecord
+from protocols.transport.base import TimerHandle, Transport
+from protocols.wire import topics
+
+from .server import CellServer
+
+log = logging.getLogger("fedtier.cell")
+
+
+class AsyncCellServer(CellServer):
+    """One cell's edge server in asynchronous mode (membership, liveness and records as :class:`CellServer`)."""
+
+    def __init__(self, transport: Transport, *, role: FedBuffCell, push_every: int = 1, push_seconds: float = 0.0,
+                 **kwargs: Any) -> None:
+        super().__init__(transport, role=role, **kwargs)  # type: ignore[arg-type]
+        self.fb = role
+        self.push_every, self.push_seconds = push_every, push_seconds
+        self.outstanding: dict[str, tuple[int, int]] = {}  # device -> (model version, task number) it works on
+        self.task_no = {d: 0 for d in self.devices}
+        self._push_timer: TimerHandle | None = None
+        self._window()
+
+    def _window(self) -> None:
+        """Start counting what the next aggregation record reports."""
+        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
+        self.dispatched: set[str] = set()
+        self.bytes_in = self.bytes_out = 0
+        self.losses = {}
+        self.absent = {}
+
+    def stop(self) -> None:
+        self.loop.cancel(self._push_timer)
+        super().stop()
+
+    # ----------------------------------------------------------------- cloud model
+    def _on_cell_task(self, topic: str, data: bytes) -> None:
+        msg = self.messenger.receive(topic, data, kinds=("cell_task",))
+        if msg is None:
+            return
+        first = not self.fb.ready
+        try:
+            self.fb.adopt(msg.header.round, msg.payload.tensors)
+        except (Rejected, ValueError) as exc:
+            self.messenger.reject(topic, f"cloud model refused: {exc}", msg.header.sender)
+            return
+        self.round = msg.header.round
+        if first:
+            self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
+            if self.push_seconds > 0:
+                self._push_timer = self.loop.call_later(self.push_seconds, self._on_push_timer)
+            for device in self.devices:
+                self._dispatch(device)
+
+    # ----------------------------------------------------------------- devices
+    def _may_work(self, device: str) -> bool:
+        if not self.fb.ready or not self.online.get(device, False) or device in self.outstanding:
+            return False
+        return self.availability is None or device in set(self.availability(max(self.round, 0), self.fb.version))
+
+    def _dispatch(self, device: str) -> None:
+        if not self._may_work(device):
+            return
+        number = self.task_no[device]
+        self.task_no[device] = number + 1
+        self.outstanding[device] = (self.fb.version, number)
+        self.dispatched.add(device)
+        self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, device), "device_task",
+                                              self.fb.task(), round=self.fb.version, edge_round=number, cell=self.cell)
+
+    def _on_status(self, topic: str, data: bytes) -> None:
+        super()._on_status(topic, data)
+        node = topic.rsplit("/", 1)[-1]
+        device = node[len("device."):] if node.startswith("device.") else None
+        if device in self.online:
+            if not self.online[device]:
+                self.outstanding.pop(device, None)  # its task is lost; it gets a new one when it is back
+            else:
+                self._dispatch(device)
+
+    def _on_result(self, topic: str, data: bytes) -> None:
+        msg = self.messenger.receive(topic, data, kinds=("device_result",))
+        if msg is None:
+            return
+        h, device = msg.header, topic.split("/")[-2]
+        if h.sender != device:
+            self.messenger.reject(topic, f"sender {h.sender!r} published on the topic of device {device!r}", device)
+            return
+        if self.outstanding.get(device) != (h.round, h.edge_round):
+            self.messenger.reject(topic, f"result for task {h.round}.{h.edge_round}, which is not the task "
+                                  f"outstanding for {device}", device)
+            return
+        del self.outstanding[device]
+        self.bytes_in += msg.nbytes
+        try:
+            self.fb.check(device, h.round, msg.payload)
+        except Rejected as exc:  # too stale, or a bad result: logged in the next record; the device goes on
+            self.messenger.reject(topic, str(exc), device)
+        else:
+            self.fb.offer(device, h.round, msg.payload)
+            loss = msg.payload.meta.get("loss")
+            if isinstance(loss, (int, float)) and math.isfinite(loss):
+                self.losses[device] = float(loss)
+            if self.fb.buffer.full:
+                self._aggregate()
+        self._dispatch(device)
+
+    # ----------------------------------------------------------------- aggregation and pushes
+    def _aggregate(self) -> None:
+        metrics = self.fb.aggregate()
+        answered = metrics.pop("senders")
+        self._round_bytes["cell_to_device"] += self.bytes_out
+        self._round_bytes["device_to_cell"] += self.bytes_in
+        self._record_async(metrics, answered)
+        if self.fb.updates >= self.push_every:
+            self._push()
+
+    def _record_async(self, metrics: dict[str, Any], answered: list[str]) -> None:
+        losses = list(self.losses.values())
+        mean = sum(losses) / len(losses) if losses else None
+        now = self.loop.now()
+        record = CellRecord(
+            run=self.run, round=max(self.round, 0), edge_round=self.fb.version, cell=self.cell,
+            algorithm=self.algorithm, planned=sorted(self.dispatched), answered=sorted(set(answered)),
+            rejected=self.rejected, closed_by="buffer full", bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+            loss_mean=mean, duration_s=round(time.perf_counter() - self._wall0, 6), clock_s=round(now - self._t0, 6),
+            clock_end_s=round(now, 6), time=round(time.time(), 3), metrics=metrics,
+        ).to_dict()
+        self._emit(record)
+        self._window()
+
+    def _push(self) -> None:
+        report = self.fb.report()
+        report.meta["traffic"] = dict(self._round_bytes)
+        self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
+        self.messenger.send(topics.cell_report(self.run, self.cell), "cell_report", report,
+                            round=self.fb.global_version, cell=self.cell)
+
+    def _on_push_timer(self) -> None:
+        if self.fb.updates > 0:
+            self._push()
+        self._push_timer = self.loop.call_later(self.push_seconds, self._on_push_timer)

@@ -1,0 +1,53 @@
+"""The cloud runtime of ``algorithm.mode = "async"`` (FedBuff over cells; the maths in
+``protocols/algorithms/fedbuff.py``).
+
+Cells push their progress whenever they have some; every ``async_cloud_buffer`` pushes the cloud makes a
+new model version (one round record each, evaluated every ``eval_every`` versions) and sends it to the
+cells whose pushes it used. A push names the cloud version it derives from (``round`` in its header):
+a future version, or one staler than ``max_staleness``, is rejected and logged. ``run.rounds`` counts
+cloud versions.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from protocols.algorithms.base import Rejected
+from protocols.algorithms.fedbuff import FedBuffCloud
+from protocols.transport.base import Transport
+from protocols.wire import topics
+
+from .server import CloudServer
+
+
+class AsyncCloudServer(CloudServer):
+    """The cloud in asynchronous mode; records, evaluation, checkpoints and start-up as :class:`CloudServer`."""
+
+    def __init__(self, transport: Transport, *, fedbuff: FedBuffCloud, **kwargs: Any) -> None:
+        super().__init__(transport, role=fedbuff.inner, **kwargs)
+        self.fb = fedbuff
+        self._notify = list(self.cells)  # the cells the next model version goes to
+
+    def _begin_round(self) -> None:
+        """Send the current version to the cells that need it, and start counting the next record."""
+        self._send_tasks(self._notify)
+        self._in_round = True
+
+    def _on_report(self, topic: str, data: bytes) -> None:
+        msg = self.messenger.receive(topic, data, kinds=("cell_report",))
+        if msg is None or self.finished:
+            return
+        h, cell = msg.header, topic.split("/")[-2]
+        try:
+            if cell not in self.cells or h.cell != cell or h.sender != cell:
+                raise Rejected(f"push of {h.sender!r} for cell {h.cell!r} on the topic of cell {cell!r}")
+            self.fb.check(cell, h.round, msg.payload)
+        except Rejected as exc:
+            self.messenger.reject(topic, str(exc), cell)
+            return
+        self.fb.offer(cell, h.round, msg.payload)
+        self._cell_devices[cell] = self._cell_devices.get(cell, 0) + self._count(msg)
+        if self.fb.buffer.full:
+            metrics = self.fb.aggregate()
+            self._notify = sorted(set(metrics.pop("senders")))
+            self._in_round = False
+            self._record_round("buffer full", self._notify, [], metrics)

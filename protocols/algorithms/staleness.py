@@ -1,0 +1,87 @@
+"""Staleness-weighted buffers of asynchronous aggregation (FedBuff) and the async mode's parameters.
+
+See :mod:`.fedbuff` for the mode; this module holds what ``fedavg``'s parameters and both tiers share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import numpy as np
+from pydantic import Field
+
+from .base import Rejected, TrainParams
+
+
+class AsyncParams(TrainParams):
+    """The asynchronous mode's parameters (ignored with ``mode = "sync"``)."""
+
+    mode: Literal["sync", "async"] = Field(default="sync", description="async: buffered asynchronous "
+                                           "aggregation at cells and cloud (FedBuff; fedavg only)")
+    async_buffer: int = Field(default=5, ge=1, description="K: device results per cell update")
+    async_push_every: int = Field(default=1, ge=1, description="M: cell updates per push to the cloud")
+    async_push_seconds: float = Field(default=0.0, ge=0, description="T: a cell with unpushed progress pushes "
+                                      "at least this often (loop-clock seconds; 0: only every M updates)")
+    async_cloud_buffer: int = Field(default=1, ge=1, description="cell pushes per cloud update")
+    staleness_exponent: float = Field(default=0.5, ge=0, description="a result s versions old weighs "
+                                      "(1 + s)^-exponent (0.5: FedBuff's 1/sqrt(1 + s); 0: no discount)")
+    max_staleness: int = Field(default=20, ge=0, description="results (and cell pushes) staler than this many "
+                               "versions are dropped and logged")
+
+
+def staleness_weight(staleness: int, exponent: float) -> float:
+    """``(1 + s)^-exponent``."""
+    return float((1.0 + staleness) ** -exponent)
+
+
+@dataclass
+class Entry:
+    sender: str
+    base: int
+    weight: float
+    delta: Mapping[str, np.ndarray]
+
+
+class StalenessBuffer:
+    """Holds results until ``size`` arrived, then forms the staleness-weighted step (see the module doc)."""
+
+    def __init__(self, size: int, exponent: float, max_staleness: int) -> None:
+        self.size, self.exponent, self.max_staleness = size, exponent, max_staleness
+        self.entries: list[Entry] = []
+
+    def admit(self, version: int, base: Any, what: str) -> int:
+        """The staleness of a result trained from ``base`` when the holder is at ``version``; raise
+        :class:`Rejected` for a version that is not a known past one or that is too stale."""
+        if not isinstance(base, int) or isinstance(base, bool) or base < 0:
+            raise Rejected(f"{what}: model version {base!r} is not a version")
+        if base > version:
+            raise Rejected(f"{what}: model version {base} is in the future (current {version})")
+        staleness = version - base
+        if staleness > self.max_staleness:
+            raise Rejected(f"{what}: stale: version {base} is {staleness} versions old (bound {self.max_staleness})")
+        return staleness
+
+    def add(self, sender: str, base: int, weight: float, delta: Mapping[str, np.ndarray]) -> None:
+        self.entries.append(Entry(sender, base, float(weight), delta))
+
+    @property
+    def full(self) -> bool:
+        return len(self.entries) >= self.size
+
+    def flush(self, version: int) -> tuple["dict[str, np.ndarray]", float, dict[str, Any]]:
+        """(step, total sample weight, info) over the buffered results; the buffer is emptied. Summed in
+        float64 in (sender, base) order, so the step does not depend on arrival order."""
+        entries = sorted(self.entries, key=lambda e: (e.sender, e.base))
+        self.entries = []
+        total = sum(e.weight for e in entries)
+        stale = [version - e.base for e in entries]
+        acc: dict[str, np.ndarray] = {}
+        for e, s in zip(entries, stale):
+            scale = e.weight * staleness_weight(s, self.exponent)
+            for k, v in e.delta.items():
+                term = np.asarray(v, dtype=np.float64) * scale
+                acc[k] = acc[k] + term if k in acc else term
+        step = {k: (v / total).astype(np.float32) for k, v in acc.items()}
+        info = {"senders": [e.sender for e in entries], "staleness_mean": float(np.mean(stale)),
+                "staleness_max": int(max(stale))}
+        return step, total, info

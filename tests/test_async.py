@@ -1,0 +1,121 @@
+"""Buffered asynchronous aggregation (algorithm.mode = "async", FedBuff) at cells and cloud."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocols.algorithms.base import Rejected
+from protocols.algorithms.fedavg import FedAvgParams
+from protocols.algorithms.fedbuff import FedBuffCell
+from protocols.algorithms.staleness import StalenessBuffer
+from protocols.config import ConfigError, parse_config
+from protocols.transport.broker import EmbeddedBroker
+from protocols.wire.payload import Payload
+from sim.emulation import Emulation, Faults
+from sim.launcher import SimHierarchy, run_simulation
+from tests.conftest import small_config
+
+
+def test_buffer_applies_staleness_weights_and_the_bound_as_computed_directly():
+    g = np.random.default_rng(0)
+    buf = StalenessBuffer(size=3, exponent=0.5, max_staleness=4)
+    items = [("d2", 6, 10.0), ("d0", 3, 20.0), ("d1", 5, 5.0)]
+    deltas = {d: {"w": g.standard_normal(5).astype(np.float32)} for d, _, _ in items}
+    for device, base, weight in items:
+        assert buf.admit(6, base, device) == 6 - base
+        buf.add(device, base, weight, deltas[device])
+        assert buf.full == (device == "d1")
+    step, total, info = buf.flush(6)
+    want = sum(w * (1 + 6 - b) ** -0.5 * deltas[d]["w"].astype(np.float64) for d, b, w in items) / 35.0
+    np.testing.assert_allclose(step["w"], want.astype(np.float32), rtol=1e-6)
+    assert total == 35.0 and info["senders"] == ["d0", "d1", "d2"] and info["staleness_max"] == 3
+    assert buf.entries == []
+    with pytest.raises(Rejected, match="stale: version 1 is 5 versions old"):
+        buf.admit(6, 1, "result of d9")
+    with pytest.raises(Rejected, match="future"):
+        buf.admit(6, 7, "result of d9")
+    for bad in ("3", -1, True, 2.0):
+        with pytest.raises(Rejected, match="not a version"):
+            buf.admit(6, bad, "result of d9")
+    flat = StalenessBuffer(size=1, exponent=0.0, max_staleness=9)  # exponent 0: no discount
+    flat.add("d0", 0, 4.0, {"w": np.ones(2, np.float32)})
+    assert flat.flush(5)[0]["w"].tolist() == [1.0, 1.0]
+
+
+def test_cell_keeps_unpushed_progress_when_it_adopts_a_new_cloud_model():
+    params = FedAvgParams(name="fedavg", local_steps=1, mode="async", async_buffer=2)
+    cell = FedBuffCell(params, "c0")
+    cell.adopt(0, {"w": np.zeros(3, np.float32)})
+    assert cell.version == 0
+    for device, value in (("d0", 1.0), ("d1", 3.0)):
+        result = Payload({"weight": 1}, {"w": np.full(3, value, np.float32)})
+        assert cell.check(device, 0, result) == 0
+        cell.offer(device, 0, result)
+    cell.aggregate()  # mean 2.0, no staleness
+    assert cell.version == 1 and cell.model["w"].tolist() == [2.0] * 3
+    pushed = cell.report()
+    assert pushed.tensors["w"].tolist() == [2.0] * 3 and pushed.meta["weight"] == 2
+    cell.offer("d0", 1, Payload({"weight": 1}, {"w": np.full(3, 1.0, np.float32)}))
+    cell.offer("d1", 1, Payload({"weight": 1}, {"w": np.full(3, 1.0, np.float32)}))
+    cell.aggregate()  # +1, not pushed yet
+    cell.adopt(1, {"w": np.full(3, 10.0, np.float32)})
+    assert cell.model["w"].tolist() == [11.0] * 3 and cell.version == 3
+    with pytest.raises(Rejected, match="already at"):
+        cell.adopt(1, {"w": np.zeros(3, np.float32)})
+    with pytest.raises(Rejected, match="future"):
+        cell.check("d0", 4, Payload({"weight": 1}, {"w": np.zeros(3, np.float32)}))
+
+
+def _cfg(mode: str, rounds: int, **algo) -> dict:
+    return {"run": {"name": "async", "seed": 4, "rounds": rounds},
+            "topology": {"cells": 2, "devices_per_cell": 4},
+            "algorithm": {"name": "fedavg", "local_steps": 10, "batch_size": 16, "lr": 0.1, "mode": mode, **algo},
+            "model": {"name": "mlp", "hidden": [32]},
+            "data": {"dataset": "digits", "partition": "iid"},
+            "clock": {"device_steps_per_s": 10.0, "latency_s": 0.01}}
+
+
+def _run(cfg: dict, slow: str | None = None):
+    sim = SimHierarchy(parse_config(cfg), write_output=False)
+    if slow is not None:
+        sim.clock.speed[slow] /= 10  # one device 10x slower than the rest
+    return sim.run()
+
+
+def test_async_is_deterministic_and_beats_sync_with_a_straggler():
+    sync = _run(_cfg("sync", 5), slow="c0-d0")
+    target, sync_time = sync.history[-1]["accuracy"], sync.history[-1]["clock_s"]
+    cfg = _cfg("async", 40, async_buffer=2, max_staleness=4)
+    first, again = _run(cfg, slow="c0-d0"), _run(cfg, slow="c0-d0")
+    assert all(first.params[k].tobytes() == again.params[k].tobytes() for k in first.params)
+    assert [(h["clock_s"], h["accuracy"]) for h in first.history] == [(h["clock_s"], h["accuracy"]) for h in again.history]
+    reached = [h["clock_s"] for h in first.history if h["accuracy"] >= target]
+    assert reached and reached[0] < sync_time, (target, sync_time, [(h["clock_s"], h["accuracy"]) for h in first.history])
+    # the straggler's results are too stale for max_staleness = 4: dropped, and logged with the reason
+    dropped = [x for r in first.cell_records for x in r["rejected"] if x["device"] == "c0-d0"]
+    assert dropped and all("stale" in x["reason"] for x in dropped)
+    assert all("c0-d0" not in r["answered"] for r in first.cell_records)
+    assert len(first.history) == 40 and all(r["closed_by"] == "buffer full" for r in first.history)
+
+
+def test_async_config_is_refused_where_it_does_not_apply(tmp_path):
+    with pytest.raises(ConfigError, match="fedavg"):
+        parse_config({"algorithm": {"name": "hist", "mode": "async"}})
+    with pytest.raises(ConfigError, match="mean"):
+        parse_config({"algorithm": {"name": "fedavg", "mode": "async", "cell_aggregator": "median"}})
+    cfg = _cfg("async", 2)
+    cfg["run"]["output"] = str(tmp_path / "{name}")
+    run_simulation(parse_config(cfg))
+    with pytest.raises(ConfigError, match="resume"):
+        run_simulation(parse_config(cfg), resume=True)
+
+
+def test_async_over_mqtt_completes_with_a_killed_device(tmp_path):
+    cfg = small_config(tmp_path, run={"rounds": 4}, topology={"cells": 2, "devices_per_cell": 3},
+                       algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1})
+    with EmbeddedBroker() as broker:
+        result = Emulation(cfg, broker_url=broker.url, faults=Faults(crash={"c0-d1": (0, 0)})).run()
+    assert [r["round"] for r in result.history] == [0, 1, 2, 3]
+    assert np.isfinite(result.history[-1]["accuracy"])
+    assert all("c0-d1" not in r["answered"] for r in result.cell_records)
+    assert {r["cell"] for r in result.cell_records} == {"c0", "c1"}
