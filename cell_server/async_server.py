@@ -85,14 +85,15 @@ class AsyncCellServer(CellServer):
                                               self.fb.task(), round=self.fb.version, edge_round=number, cell=self.cell)
 
     def _on_status(self, topic: str, data: bytes) -> None:
-        super()._on_status(topic, data)
         node = topic.rsplit("/", 1)[-1]
         device = node[len("device."):] if node.startswith("device.") else None
-        if device in self.online:
-            if not self.online[device]:
-                self.outstanding.pop(device, None)  # its task is lost; it gets a new one when it is back
-            else:
-                self._dispatch(device)
+        was_online = self.online.get(device, False) if device else False
+        super()._on_status(topic, data)
+        if device not in self.online or self.online[device] == was_online:
+            return
+        self.outstanding.pop(device, None)  # gone, or back (rejoined): its old task is lost either way
+        if self.online[device]:
+            self._dispatch(device)
 
     def _on_result(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("device_result",))
