@@ -34,6 +34,8 @@ from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.transport.memory import VirtualLoop
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
+from .attack import ByzantineDevice, byzantine_devices
+
 log = logging.getLogger("fedtier.sim")
 
 Done = Callable[[Payload | None, str | None], None]
@@ -63,7 +65,6 @@ class DeviceWorker:
     def __init__(self, config_text: str, devices: Sequence[str]) -> None:
         from protocols.torch_trainer import TorchTrainer
 
-        from .attack import ByzantineDevice, byzantine_devices
         from .hierarchy import prepare
         from .launcher import set_torch_threads
         from .onnx_devices import onnx_trainers

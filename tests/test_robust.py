@@ -132,3 +132,14 @@ def test_attack_is_a_sim_option_with_dense_uplinks_only():
         Emulation(parse_config(_cfg("mean", "scale")))
     with pytest.raises(ConfigError, match="cell_aggregator"):
         parse_config(_cfg("average"))
+
+
+def test_byzantine_devices_are_the_same_in_sim_workers():
+    cfg = {**_cfg("median", "sign_flip", 4.0), "run": {"name": "robust-w", "seed": 1, "rounds": 2},
+           "topology": {"cells": 1, "devices_per_cell": 5}}
+    cfg["algorithm"] = {**cfg["algorithm"], "local_steps": 3}
+    inline = run_simulation(parse_config(cfg), write_output=False)
+    workers = run_simulation(parse_config({**cfg, "runtime": {"sim_workers": 1}}), write_output=False)
+    assert all(inline.params[k].tobytes() == workers.params[k].tobytes() for k in inline.params)
+    assert [r.get("excluded") for r in inline.cell_records] == [r.get("excluded") for r in workers.cell_records]
+    assert all(r["rejected"] == [] for r in workers.cell_records)
