@@ -52,7 +52,7 @@ class AsyncCellServer(CellServer):
     # ----------------------------------------------------------------- cloud model
     def _on_cell_task(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("cell_task",))
-        if msg is None:
+        if msg is None or not self._from_current_cloud(topic, msg):
             return
         first = not self.fb.ready
         try:
@@ -102,6 +102,10 @@ class AsyncCellServer(CellServer):
         h, device = msg.header, topic.split("/")[-2]
         if h.sender != device:
             self.messenger.reject(topic, f"sender {h.sender!r} published on the topic of device {device!r}", device)
+            return
+        reason = self._bad_result(device, msg)  # session (signed runs), weight bound
+        if reason is not None:
+            self.messenger.reject(topic, reason, device)
             return
         if self.outstanding.get(device) != (h.round, h.edge_round):
             self.messenger.reject(topic, f"result for task {h.round}.{h.edge_round}, which is not the task "

@@ -163,15 +163,8 @@ class CellServer:
         msg = self.messenger.receive(topic, data, kinds=("cell_task",))
         if msg is None:
             return
-        if self.trust is not None:
-            h = msg.header
-            if h.sender != "cloud":
-                self.messenger.reject(topic, f"cell task signed by {h.sender!r}, not the cloud", h.sender)
-                return
-            if h.session is None or h.session != self.cloud.session:
-                self.messenger.reject(topic, f"task of cloud session {h.session!r}; the cloud's current session is "
-                                             f"{self.cloud.session!r} (replayed or forged)", h.sender)
-                return
+        if not self._from_current_cloud(topic, msg):
+            return
         if msg.header.round <= self.round:
             self.messenger.reject(topic, f"task for round {msg.header.round}, already at {self.round}", msg.header.sender)
             return
@@ -189,6 +182,20 @@ class CellServer:
         self._round_devices: set[str] = set()
         self._gave_up = set()
         self._start_edge()
+
+    def _from_current_cloud(self, topic: str, msg: Any) -> bool:
+        """With trust: a cell task must be signed by the cloud of the current session (else rejected, logged)."""
+        if self.trust is None:
+            return True
+        h = msg.header
+        if h.sender != "cloud":
+            self.messenger.reject(topic, f"cell task signed by {h.sender!r}, not the cloud", h.sender)
+            return False
+        if h.session is None or h.session != self.cloud.session:
+            self.messenger.reject(topic, f"task of cloud session {h.session!r}; the cloud's current session is "
+                                         f"{self.cloud.session!r} (replayed or forged)", h.sender)
+            return False
+        return True
 
     def _end_round(self) -> None:
         self.loop.cancel(self._timer)
