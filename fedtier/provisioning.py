@@ -7,6 +7,7 @@
     OUT/broker/                      mosquitto.conf (TLS listener), listener.conf (its options alone),
                                      server.crt/.key, ca.crt, passwd (PBKDF2-SHA512, as mosquitto_passwd),
                                      acl (per node: what it may read and write)
+    OUT/cells/{cell}/                with per_cell: that cell's broker (the same files, plus bridge.crt/.key)
     OUT/nodes/{node}/                one bundle per node (cloud, each cell, each device, monitor):
                                      config.toml (broker URL, credentials, TLS files, keys), keys.toml
                                      (its private key, its peers' public keys), client.crt/.key, ca.crt
@@ -14,9 +15,13 @@
 The ACL follows the README's Topics table: a device reads only its own task and the run's control
 records (``cloud/control``, ``cloud/round``, ``status/cloud``) and writes only its own result and
 status (under its cell); a cell reads its cell task, its devices' results and statuses and the cloud's
-status, and writes its devices' tasks, its report, its status and telemetry; the cloud what it orchestrates. Bridged per-cell
-brokers (the fleet-scale layout) take ``extra_broker_config`` (e.g. the bridge sections of a cell
-broker) appended to ``mosquitto.conf``.
+status, and writes its devices' tasks, its report, its status and telemetry; the cloud what it orchestrates.
+
+With ``per_cell`` (the fleet-scale layout of ``protocols/transport/bridge.py``), ``OUT/cells/{cell}/``
+holds one more broker per cell (its own server certificate, password file and ACL for the cell server
+and its devices only, and a TLS bridge to the cloud broker with its own user, password and client
+certificate); the cloud broker in ``OUT/broker`` then knows only ``cloud``, ``monitor`` and the bridges,
+each allowed exactly its cell's bridged topics. Cell and device bundles point at their cell broker.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import hashlib
 import ipaddress
 import os
 import secrets
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
@@ -35,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from protocols.config import RunConfig
+from protocols.transport.bridge import bridge_config, bridge_topics
 from protocols.wire import topics
 from protocols.wire.chunking import DEFAULT_MAX_CHUNK
 from protocols.wire.keys import generate_keys, node_subset, write_keys
@@ -51,6 +58,7 @@ class Provisioned:
     broker: Path
     bundles: dict[str, Path]
     passwords: dict[str, str]
+    cell_brokers: dict[str, Path] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------- ACL
@@ -148,66 +156,131 @@ def _pem_cert(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
+# ------------------------------------------------------------------------------------------ broker
+def bridge_user(cell: str) -> str:
+    """The user name the bridge of ``cell``'s broker logs in with at the cloud broker."""
+    return f"bridge.{cell}"
+
+
+def bridge_rules(run: str, cell: str) -> list[tuple[str, str]]:
+    """The cloud broker's ACL for ``cell``'s bridge: exactly the bridged topics (``in``: the bridge
+    subscribes, ``out``: it publishes)."""
+    return [("read" if t.direction == "in" else "write", t.pattern) for t in bridge_topics(run, cell)]
+
+
+@dataclass(frozen=True)
+class _Pki:
+    name: str
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+
+    def issue(self, folder: Path, stem: str, cn: str, hosts: tuple[str, ...] = ()) -> None:
+        """Write ``stem.key`` (mode 600), ``stem.crt`` signed by this CA, and ``ca.crt`` into ``folder``."""
+        key = _key()
+        _write(folder / f"{stem}.key", _pem_key(key), secret=True)
+        _write(folder / f"{stem}.crt", _pem_cert(_cert(cn, key, self.name, self.key, hosts=hosts)))
+        _write(folder / "ca.crt", _pem_cert(self.cert))
+
+
+def _write_broker(folder: Path, title: str, pki: _Pki, host: str, port: int, max_packet: int,
+                  rules: dict[str, list[tuple[str, str]]], passwords: dict[str, str], extra: str = "",
+                  broker_user: str | None = None, bind: str = "") -> None:
+    """One broker folder: server certificate, CA, password file, ACL, listener.conf, mosquitto.conf.
+    With ``broker_user`` (as root), the broker's secrets are chowned to that user and the config says
+    ``user NAME``: Mosquitto started as root drops to it and reads the bridge key after that."""
+    pki.issue(folder, "server", host, hosts=tuple(dict.fromkeys((host, "127.0.0.1", "localhost"))))
+    _write(folder / "passwd", "\n".join(password_line(u, passwords[u]) for u in rules) + "\n", secret=True)
+    _write(folder / "acl", acl_file(rules))
+    options = listener_options(max_packet).replace("{dir}", str(folder.resolve()))
+    _write(folder / "listener.conf", options)
+    _write(folder / "mosquitto.conf",  # secret: a bridge section holds the bridge's password
+           f"# {title} (fedtier provision)\n"
+           + (f"user {broker_user}\n" if broker_user else "") +
+           "per_listener_settings false\nallow_anonymous false\npersistence false\nset_tcp_nodelay true\n"
+           "max_queued_messages 100000\nmax_inflight_messages 64\n"
+           f"listener {port}{' ' + bind if bind else ''}\n{options}" + (f"\n{extra}\n" if extra else ""), secret=True)
+    if broker_user:
+        try:
+            for f in folder.iterdir():
+                shutil.chown(f, user=broker_user)
+        except (PermissionError, LookupError) as exc:
+            from protocols.config import ConfigError
+
+            raise ConfigError(f"cannot give {folder} to broker user {broker_user!r} ({exc}): "
+                              "run provision as root, with an existing user") from None
+
+
 # ------------------------------------------------------------------------------------------ bundle
 def provision(cfg: RunConfig, out: str | Path, *, host: str = "127.0.0.1", port: int = 8883,
               max_chunk: int = DEFAULT_MAX_CHUNK, extra_broker_config: str = "",
-              overwrite: bool = False) -> Provisioned:
+              per_cell: bool = False, cell_host: str = "{cell}", cell_port: int = 8883,
+              broker_user: str | None = None, bind: str = "", overwrite: bool = False) -> Provisioned:
     """Write the CA, the broker's config and files, and one bundle per node (see the module doc).
 
     Every fedtier node sends messages larger than ``max_chunk`` as chunks, so the broker refuses any
     MQTT packet larger than a chunk plus room for the topic (``max_packet_size``): an oversized
-    single payload never reaches a node."""
+    single payload never reaches a node.
+
+    ``per_cell``: one broker per cell in ``OUT/cells/CELL`` (at ``cell_host``, where ``{cell}`` is
+    replaced by the cell id, and ``cell_port``) for the cell server and its devices, bridged over TLS to
+    the cloud broker in ``OUT/broker`` (which then has users ``cloud``, ``monitor`` and one
+    ``bridge.CELL`` per cell, allowed exactly that cell's bridged topics). ``bind``: the brokers' listen
+    address (default: all interfaces). ``broker_user``: see :func:`_write_broker`."""
     out = Path(out)
     if (out / "keys.toml").exists() and not overwrite:
         from protocols.config import ConfigError
 
         raise ConfigError(f"{out} is already provisioned (use --force to replace it)")
     max_packet = max_chunk + 4096  # a chunk, its topic and the MQTT header
+    run = cfg.run.name
     ca_key = _key()
-    ca_cert = _cert(f"fedtier {cfg.run.name} CA", ca_key, f"fedtier {cfg.run.name} CA", ca_key, ca=True)
+    pki = _Pki(f"fedtier {run} CA", ca_key, _cert(f"fedtier {run} CA", ca_key, f"fedtier {run} CA", ca_key, ca=True))
     _write(out / "ca" / "ca.key", _pem_key(ca_key), secret=True)
-    _write(out / "ca" / "ca.crt", _pem_cert(ca_cert))
+    _write(out / "ca" / "ca.crt", _pem_cert(pki.cert))
     ring = generate_keys(cfg.topology)
-    write_keys(out / "keys.toml", ring, comment=f"all identities of run {cfg.run.name!r} (keep offline)",
-               overwrite=True)
+    write_keys(out / "keys.toml", ring, comment=f"all identities of run {run!r} (keep offline)", overwrite=True)
 
-    broker = out / "broker"
-    server_key = _key()
-    hosts = tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
-    _write(broker / "server.key", _pem_key(server_key), secret=True)
-    _write(broker / "server.crt", _pem_cert(_cert(host, server_key, f"fedtier {cfg.run.name} CA", ca_key,
-                                                  hosts=hosts)))
-    _write(broker / "ca.crt", _pem_cert(ca_cert))
     rules = acl_rules(cfg)
     passwords = {user: secrets.token_urlsafe(18) for user in rules}
-    _write(broker / "passwd", "\n".join(password_line(u, p) for u, p in passwords.items()) + "\n", secret=True)
-    _write(broker / "acl", acl_file(rules))
-    options = listener_options(max_packet).replace("{dir}", str(broker.resolve()))
-    _write(broker / "listener.conf", options)
-    _write(broker / "mosquitto.conf",
-           f"# fedtier broker for run {cfg.run.name!r} (fedtier provision)\n"
-           "per_listener_settings false\nallow_anonymous false\npersistence false\nset_tcp_nodelay true\n"
-           "max_queued_messages 100000\nmax_inflight_messages 64\n"
-           f"listener {port}\n{options}" + (f"\n{extra_broker_config}\n" if extra_broker_config else ""))
+    url = f"mqtts://{host}:{port}"
+    urls = dict.fromkeys(rules, url)
+    cloud_rules = rules
+    cell_brokers: dict[str, Path] = {}
+    if per_cell:
+        cloud_rules = {n: rules[n] for n in ("cloud", MONITOR)}
+        for cell in cfg.topology.cell_ids():
+            bridge = bridge_user(cell)
+            passwords[bridge] = secrets.token_urlsafe(18)
+            cloud_rules[bridge] = bridge_rules(run, cell)
+            folder = out / "cells" / cell
+            pki.issue(folder, "bridge", bridge)
+            b = folder.resolve()
+            extra = bridge_config(run, cell, url, username=bridge, password=passwords[bridge], cafile=f"{b}/ca.crt",
+                                  certfile=f"{b}/bridge.crt", keyfile=f"{b}/bridge.key")
+            members = [cell, *cfg.topology.device_ids(cell)]
+            chost = cell_host.replace("{cell}", cell)
+            _write_broker(folder, f"fedtier broker of cell {cell}, run {run!r}, bridged to the cloud broker", pki,
+                          chost, cell_port, max_packet, {n: rules[n] for n in members}, passwords, extra, broker_user, bind)
+            urls.update(dict.fromkeys(members, f"mqtts://{chost}:{cell_port}"))
+            cell_brokers[cell] = folder
+    broker = out / "broker"
+    _write_broker(broker, f"fedtier {'cloud ' if per_cell else ''}broker for run {run!r}", pki, host, port,
+                  max_packet, cloud_rules, passwords, extra_broker_config, broker_user, bind)
 
     bundles: dict[str, Path] = {}
-    url = f"mqtts://{host}:{port}"
     for node in rules:
         d = out / "nodes" / node
-        key = _key()
-        _write(d / "client.key", _pem_key(key), secret=True)
-        _write(d / "client.crt", _pem_cert(_cert(node, key, f"fedtier {cfg.run.name} CA", ca_key)))
-        _write(d / "ca.crt", _pem_cert(ca_cert))
+        pki.issue(d, "client", node)
         security: dict[str, str] = {}
         if node != MONITOR:
             write_keys(d / "keys.toml", node_subset(ring, cfg.topology, node),
-                       comment=f"node {node!r} of run {cfg.run.name!r}", overwrite=True)
+                       comment=f"node {node!r} of run {run!r}", overwrite=True)
             security = {"keys": "keys.toml"}
         node_cfg = cfg.model_copy(update={
-            "broker": cfg.broker.model_copy(update={"url": url, "username": node, "password": passwords[node],
+            "broker": cfg.broker.model_copy(update={"url": urls[node], "username": node, "password": passwords[node],
                                                     "ca_certs": "ca.crt", "certfile": "client.crt",
                                                     "keyfile": "client.key"}),
             "security": cfg.security.model_copy(update=security)})
         _write(d / "config.toml", node_cfg.to_toml(), secret=True)  # holds the broker password
         bundles[node] = d
-    return Provisioned(out, broker, bundles, passwords)
+    return Provisioned(out, broker, bundles, passwords, cell_brokers)

@@ -1,10 +1,15 @@
-"""``fedtier provision`` against a real Mosquitto started with the provisioned listener options: TLS,
-password file and the per-node ACL are enforced by the broker."""
+"""``fedtier provision`` against real Mosquitto brokers started with the provisioned ``mosquitto.conf``
+files: TLS, password files and the per-node ACLs are enforced by the brokers, and with ``--brokers
+per-cell`` each cell broker bridges exactly its cell's topics to the cloud broker."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
+import pwd
 import stat
+import subprocess
+import tempfile
 import threading
 import tomllib
 from pathlib import Path
@@ -15,7 +20,7 @@ from click.testing import CliRunner
 
 from fedtier.cli import main
 from fedtier.provisioning import password_line
-from protocols.transport.broker import MosquittoBroker, find_mosquitto, free_port
+from protocols.transport.broker import find_mosquitto, free_port, wait_for_port
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -33,15 +38,58 @@ def test_password_lines_match_mosquitto_passwd_format() -> None:
         "fsAcdlEzxl+3cekxA==")
 
 
+def broker_user() -> list[str]:
+    """As root, Mosquitto drops to its service user (``mosquitto``) before reading its password file and
+    keys: provision gives it the broker's files, as a deployment does (``--broker-user``)."""
+    if os.geteuid() != 0:
+        return []
+    try:
+        return ["--broker-user", pwd.getpwnam("mosquitto").pw_name]
+    except KeyError:
+        return ["--broker-user", "root"]
+
+
 @pytest.fixture(scope="module")
-def provisioned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("prov")
-    cfg_path = tmp / "cfg.toml"
+def reachable_tmp() -> Iterator[Path]:
+    """A folder the broker's service user can traverse (pytest's own tmp folders are mode 700)."""
+    with tempfile.TemporaryDirectory(prefix="fedtier-prov-") as d:
+        os.chmod(d, 0o711)
+        yield Path(d)
+
+
+def provision_cli(tmp: Path, name: str, *extra: str) -> dict[str, Any]:
+    cfg_path = tmp / f"{name}.toml"
     cfg_path.write_text(small_config(tmp).to_toml())
     port = free_port()
-    res = CliRunner().invoke(main, ["provision", str(cfg_path), "--out", str(tmp / "out"), "--port", str(port)])
+    res = CliRunner().invoke(main, ["provision", str(cfg_path), "--out", str(tmp / name), "--port", str(port),
+                                    "--bind", "127.0.0.1", *broker_user(), *extra])
     assert res.exit_code == 0, res.output
-    return {"out": tmp / "out", "port": port, "cfg": cfg_path}
+    return {"out": tmp / name, "port": port, "cfg": cfg_path}
+
+
+@contextlib.contextmanager
+def mosquitto(conf: Path, port: int) -> Iterator[subprocess.Popen]:
+    """``mosquitto -c conf`` exactly as provisioned, until it listens on 127.0.0.1:port."""
+    proc = subprocess.Popen([find_mosquitto(), "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_for_port("127.0.0.1", port, WAIT, alive=lambda: proc.poll() is None)
+        except (RuntimeError, TimeoutError):
+            proc.kill()
+            raise AssertionError(proc.communicate(timeout=WAIT)[0].decode(errors="replace")) from None
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(WAIT)
+
+
+@pytest.fixture(scope="module")
+def provisioned(reachable_tmp: Path) -> dict[str, Any]:
+    return provision_cli(reachable_tmp, "out")
 
 
 def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[str, Any]) -> None:
@@ -67,10 +115,9 @@ def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[
 
 
 @pytest.fixture(scope="module")
-def broker(provisioned: dict[str, Any]) -> Iterator[MosquittoBroker]:
-    options = (provisioned["out"] / "broker" / "listener.conf").read_text()
-    with MosquittoBroker(port=provisioned["port"], extra_config=options, allow_anonymous=False) as b:
-        yield b
+def broker(provisioned: dict[str, Any]) -> Iterator[subprocess.Popen]:
+    with mosquitto(provisioned["out"] / "broker" / "mosquitto.conf", provisioned["port"]) as proc:
+        yield proc
 
 
 class Inbox:
@@ -89,24 +136,34 @@ class Inbox:
             return list(self.items)
 
 
-@pytest.fixture
-def connect(provisioned: dict[str, Any], broker: MosquittoBroker) -> Iterator[Any]:
-    loop = ThreadLoop("acl").start()
-    made: list[MqttTransport] = []
-
-    def make(node: str, password: str | None = None) -> MqttTransport:
-        d: Path = provisioned["out"] / "nodes" / node
-        cfg = tomllib.loads((d / "config.toml").read_text())["broker"]
-        t = MqttTransport(f"acl-{node}", loop, "127.0.0.1", provisioned["port"], username=node,
-                          password=password or cfg["password"], ca_certs=str(d / "ca.crt"),
-                          certfile=str(d / "client.crt"), keyfile=str(d / "client.key"))
+def client_factory(loop: ThreadLoop, made: list[MqttTransport]) -> Any:
+    def make(bundle: Path, port: int, password: str | None = None, username: str | None = None) -> MqttTransport:
+        cfg = tomllib.loads((bundle / "config.toml").read_text())["broker"]
+        t = MqttTransport(f"acl-{bundle.name}-{len(made)}", loop, "127.0.0.1", port,
+                          username=username or cfg["username"],
+                          password=password or cfg["password"], ca_certs=str(bundle / "ca.crt"),
+                          certfile=str(bundle / "client.crt"), keyfile=str(bundle / "client.key"))
         made.append(t)
         return t
+    return make
 
-    yield make
-    for t in made:
-        t.close(flush_timeout=1)
-    loop.stop()
+
+@contextlib.contextmanager
+def clients() -> Iterator[Any]:
+    loop = ThreadLoop("acl").start()
+    made: list[MqttTransport] = []
+    try:
+        yield client_factory(loop, made)
+    finally:
+        for t in made:
+            t.close(flush_timeout=1)
+        loop.stop()
+
+
+@pytest.fixture
+def connect(provisioned: dict[str, Any], broker: subprocess.Popen) -> Iterator[Any]:
+    with clients() as make:
+        yield lambda node, password=None: make(provisioned["out"] / "nodes" / node, provisioned["port"], password)
 
 
 @needs_mosquitto
@@ -144,3 +201,86 @@ def test_broker_refuses_a_device_reading_another_devices_task(connect) -> None:
 def test_broker_refuses_wrong_credentials(connect) -> None:
     with pytest.raises(ConnectionError, match="refused"):
         connect("c0-d0", password="guess").connect(WAIT)
+
+
+# ------------------------------------------------------------------------------- per-cell brokers
+RUN = "t"
+
+
+@pytest.fixture(scope="module")
+def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
+    """The cloud broker and cell c0's broker, each started with its provisioned mosquitto.conf. The
+    test adds one user to the cloud broker, ``observer``, who may read every fedtier topic: it sees
+    whatever reaches the cloud broker, whichever ACL would hide it from the cloud."""
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    cell_port = free_port()
+    p = provision_cli(reachable_tmp, "cells", "--brokers", "per-cell", "--cell-host", "127.0.0.1",
+                      "--cell-port", str(cell_port))
+    p["cell_port"] = cell_port
+    cloud_broker = p["out"] / "broker"
+    with open(cloud_broker / "acl", "a") as f:
+        f.write("\nuser observer\ntopic read fedtier/#\n")
+    with open(cloud_broker / "passwd", "a") as f:
+        f.write(password_line("observer", "watch") + "\n")
+    with mosquitto(cloud_broker / "mosquitto.conf", p["port"]), \
+            mosquitto(p["out"] / "cells" / "c0" / "mosquitto.conf", cell_port):
+        yield p
+
+
+def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, Any]) -> None:
+    out = per_cell["out"]
+    users = lambda f: sorted(line.split(":")[0] for line in f.read_text().splitlines() if line)  # noqa: E731
+    assert users(out / "broker" / "passwd") == ["bridge.c0", "bridge.c1", "cloud", "monitor", "observer"]
+    assert users(out / "cells" / "c0" / "passwd") == ["c0", "c0-d0", "c0-d1", "c0-d2"]
+    acl = (out / "broker" / "acl").read_text()
+    assert acl.split("user bridge.c0\n")[1].split("\n\n")[0].splitlines() == [
+        "topic read fedtier/t/cell/c0/down/task", "topic read fedtier/t/cloud/round", "topic read fedtier/t/cloud/control",
+        "topic read fedtier/t/status/cloud", "topic write fedtier/t/cloud/up/c0/report",
+        "topic write fedtier/t/status/cell.c0", "topic write fedtier/t/telemetry/cell/c0"]
+    for node, port in (("cloud", per_cell["port"]), ("c0", per_cell["cell_port"]), ("c0-d2", per_cell["cell_port"])):
+        cfg = tomllib.loads((out / "nodes" / node / "config.toml").read_text())
+        assert cfg["broker"]["url"] == f"mqtts://127.0.0.1:{port}"
+    for secret in (out / "cells" / "c0" / "mosquitto.conf", out / "cells" / "c0" / "bridge.key"):
+        assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600, secret  # the bridge's password and key
+
+
+def test_cell_broker_bridges_only_the_cells_topics_to_the_cloud(per_cell: dict[str, Any]) -> None:
+    nodes, cloud_port, cell_port = per_cell["out"] / "nodes", per_cell["port"], per_cell["cell_port"]
+    with clients() as make:
+        cloud, observer = make(nodes / "cloud", cloud_port), make(nodes / "monitor", cloud_port, "watch", "observer")
+        cell, device = make(nodes / "c0", cell_port), make(nodes / "c0-d0", cell_port)
+        at_cloud, at_cell = Inbox(), Inbox()
+        observer.subscribe(f"fedtier/{RUN}/#", at_cloud)
+        cell.subscribe(topics.cell_task(RUN, "c0"), at_cell)
+        for t in (cloud, observer, cell, device):
+            t.connect(WAIT)
+        assert observer.wait_subscribed(WAIT) and cell.wait_subscribed(WAIT)
+        # the bridge is up (and subscribed at the cloud broker) once the cell's status crosses it
+        cell.publish(topics.status(RUN, topics.cell_node("c0")), b"cell up", retain=True)
+        at_cloud.wait_for(topics.status(RUN, topics.cell_node("c0")))
+        cloud.publish(topics.cell_task(RUN, "c0"), b"task for c0")
+        assert at_cell.wait_for(topics.cell_task(RUN, "c0")) == [(topics.cell_task(RUN, "c0"), b"task for c0")]
+        device.publish(topics.device_result(RUN, "c0", "c0-d0"), b"device result")  # stays in the cell
+        assert device.flush(WAIT)  # the cell broker has it before the report below
+        cell.publish(topics.cell_report(RUN, "c0"), b"report of c0")
+        got = at_cloud.wait_for(topics.cell_report(RUN, "c0"))  # one bridge: in order
+        assert [t for t, _ in got] == [topics.status(RUN, topics.cell_node("c0")), topics.cell_task(RUN, "c0"),
+                                       topics.cell_report(RUN, "c0")]  # and no device result
+        with pytest.raises(ConnectionError, match="refused"):  # another cell's device is no user of c0's broker
+            make(nodes / "c1-d0", cell_port).connect(WAIT)
+
+
+def test_cell_broker_refuses_a_device_reading_another_devices_task(per_cell: dict[str, Any]) -> None:
+    nodes, cell_port = per_cell["out"] / "nodes", per_cell["cell_port"]
+    with clients() as make:
+        cell, spy = make(nodes / "c0", cell_port), make(nodes / "c0-d0", cell_port)
+        inbox = Inbox()
+        spy.subscribe(topics.device_task(RUN, "c0", "c0-d1"), inbox)  # denied by the cell broker's ACL
+        spy.subscribe(topics.device_task(RUN, "c0", "c0-d0"), inbox)
+        cell.connect(WAIT), spy.connect(WAIT)
+        assert spy.wait_subscribed(WAIT)
+        cell.publish(topics.device_task(RUN, "c0", "c0-d1"), b"task of d1")
+        cell.publish(topics.device_task(RUN, "c0", "c0-d0"), b"task of d0")
+        assert inbox.wait_for(topics.device_task(RUN, "c0", "c0-d0")) == [
+            (topics.device_task(RUN, "c0", "c0-d0"), b"task of d0")]
