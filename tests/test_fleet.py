@@ -34,6 +34,25 @@ def proc_counts(pid: int) -> tuple[int, int]:
     return threads, len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.fixture
+def watcher():
+    """``open(url, pattern, handler)``: an MQTT client on its own loop watching ``pattern``; all are
+    closed at teardown."""
+    opened: list[tuple[MqttTransport, ThreadLoop]] = []
+
+    def open_(url: str, pattern: str, handler: Any) -> MqttTransport:
+        loop = ThreadLoop("watcher").start()
+        w = MqttTransport.from_url(url, "watcher", loop)
+        w.subscribe(pattern, handler)
+        opened.append((w, loop))
+        return w.connect()
+
+    yield open_
+    for w, loop in opened:
+        w.close(flush_timeout=0)
+        loop.stop()
+
+
 @needs_mosquitto
 def test_300_agents_share_one_worker_process(tmp_path: Path) -> None:
     """300 devices in 3 cells, all in one worker process: every device answers every edge round, and
@@ -162,30 +181,20 @@ def test_a_cell_receives_only_its_devices_statuses() -> None:
 
 
 @needs_mosquitto
-def test_bridged_cell_brokers_are_bit_identical_to_sim(tmp_path: Path) -> None:
+def test_bridged_cell_brokers_are_bit_identical_to_sim(tmp_path: Path, watcher: Any) -> None:
     """``brokers="per-cell"``: two cell Mosquittos bridged to a cloud Mosquitto. The final model is the
     sim's byte for byte; the cloud broker sees the cells' tasks, reports and statuses but no device
     topic, and carries a fraction of the cell brokers' bytes."""
     sim = run_simulation(small_config(tmp_path / "sim", run={"rounds": 2}))
     cfg = small_config(tmp_path / "run", run={"rounds": 2})
     at_cloud: list[str] = []
-    watchers: list[Any] = []
 
     def watch(record: dict[str, Any]) -> None:
         if record["round"] == 0:  # round 1 then runs under the watcher's eyes
-            loop = ThreadLoop("cloud-watcher").start()
-            w = MqttTransport.from_url(em.started_brokers["cloud"].url, "watcher", loop)
-            w.subscribe("fedtier/#", lambda t, _b: at_cloud.append(t))
-            w.connect().wait_subscribed()
-            watchers.append((w, loop))
+            watcher(em.started_brokers["cloud"].url, "fedtier/#", lambda t, _b: at_cloud.append(t)).wait_subscribed()
 
     em = Emulation(cfg, brokers="per-cell", on_round=watch)
-    try:
-        result = em.run()
-    finally:
-        for w, loop in watchers:
-            w.close(flush_timeout=0)
-            loop.stop()
+    result = em.run()
     assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == \
         (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
     assert all(r["closed_by"] == "all reported" for r in result.history)
@@ -227,7 +236,7 @@ def test_bridge_config_command(tmp_path: Path) -> None:
 
 
 @needs_mosquitto
-def test_a_cell_broker_restart_mid_run_is_survived_and_recorded(tmp_path: Path) -> None:
+def test_a_cell_broker_restart_mid_run_is_survived_and_recorded(tmp_path: Path, watcher: Any) -> None:
     """Bridged brokers; after round 0 cell c1's broker restarts (its bridge, cell server and agents all
     drop; its retained statuses are gone). The agents and the cell server reconnect with backoff, the
     bridge comes back, and the rounds go on: meanwhile c1 is left out of the cloud's plan (offline) or
@@ -235,7 +244,6 @@ def test_a_cell_broker_restart_mid_run_is_survived_and_recorded(tmp_path: Path) 
     cfg = small_config(tmp_path, run={"rounds": 30}, algorithm={"edge_rounds": 1, "local_steps": 2},
                        runtime={"device_deadline": 5.0, "cell_deadline": 10.0, "heartbeat": 0.3})
     run = cfg.run.name
-    watchers: list[Any] = []
 
     def restart(record: dict[str, Any]) -> None:
         if record["round"] != 0:
@@ -253,20 +261,12 @@ def test_a_cell_broker_restart_mid_run_is_survived_and_recorded(tmp_path: Path) 
                 if len(online) == 3:
                     back.set()
 
-        loop = ThreadLoop("watcher").start()
-        w = MqttTransport.from_url(broker.url, "watcher", loop)
-        w.subscribe(topics.device_statuses(run, "c1"), on_status)
-        watchers.append((w.connect(), loop))
+        watcher(broker.url, topics.device_statuses(run, "c1"), on_status)
         # the agents (another process) reconnect by themselves; the cells wait on this loop meanwhile
         assert back.wait(30.0), "c1's agents did not reconnect to the restarted broker"
 
     em = Emulation(cfg, brokers="per-cell", on_round=restart)
-    try:
-        result = em.run()
-    finally:
-        for w, loop in watchers:
-            w.close(flush_timeout=0)
-            loop.stop()
+    result = em.run()
     h = result.history
     assert [r["round"] for r in h] == list(range(30))
     out = [r["round"] for r in h if "c1" not in r["cells_reported"]]
