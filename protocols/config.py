@@ -258,9 +258,6 @@ class SecuritySection(_Section):
     max_device_weight: float | None = Field(default=None, gt=0, description="a cell refuses a device result "
                                             "whose weight (samples) exceeds this; fedtier sim/run check each "
                                             "device's known sample count anyway")
-    max_device_weight: float | None = Field(default=None, gt=0, description="a cell refuses a device result "
-                                            "whose weight (samples) exceeds this; fedtier sim/run check each "
-                                            "device's known sample count anyway")
 
 
 class MonitoringSection(_Section):
