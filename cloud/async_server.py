@@ -38,8 +38,11 @@ class AsyncCloudServer(CloudServer):
             return
         h, cell = msg.header, topic.split("/")[-2]
         try:
-            if cell not in self.cells or h.cell != cell or h.sender != cell:
-                raise Rejected(f"push of {h.sender!r} for cell {h.cell!r} on the topic of cell {cell!r}")
+            if cell not in self.cells or h.sender != cell:
+                raise Rejected(f"push of {h.sender!r} on the topic of cell {cell!r}")
+            reason = self._bad_report(cell, msg)  # its cell, and its session in signed runs
+            if reason is not None:
+                raise Rejected(reason)
             self.fb.check(cell, h.round, msg.payload)
         except Rejected as exc:
             self.messenger.reject(topic, str(exc), cell)

@@ -154,12 +154,8 @@ class CloudServer:
             return
         h, cell = msg.header, topic.split("/")[-2]
         taken = len(self.answers.received)
-        if h.cell != cell:
-            reason = f"report for cell {h.cell!r} on the topic of cell {cell!r}"
-        elif self.trust is not None and (h.sender != cell or h.session != self.session):
-            reason = (f"report of session {h.session!r}, this cloud's is {self.session!r}" if h.sender == cell
-                      else f"report signed by {h.sender!r} on the topic of cell {cell!r}")
-        else:
+        reason = self._bad_report(cell, msg)
+        if reason is None:
             reason = self.answers.offer(cell, h.sender, (h.round,), msg.payload, self.role.check)
         if reason is not None:
             self.messenger.reject(topic, reason, cell)
@@ -169,6 +165,17 @@ class CloudServer:
         self._cell_devices[cell] = self._count(msg)
         if not self.answers.pending:
             self._close(self.round, "all reported")
+
+    def _bad_report(self, cell: str, msg: Any) -> str | None:
+        """Runtime checks before the role sees a report: it is for the cell of its topic and, in signed
+        runs, signed by that cell in this cloud's session."""
+        h = msg.header
+        if h.cell != cell:
+            return f"report for cell {h.cell!r} on the topic of cell {cell!r}"
+        if self.trust is not None and (h.sender != cell or h.session != self.session):
+            return (f"report of session {h.session!r}, this cloud's is {self.session!r}" if h.sender == cell
+                    else f"report signed by {h.sender!r} on the topic of cell {cell!r}")
+        return None
 
     def _count(self, msg: Any) -> int:
         """Add a taken report's bytes (and the device traffic it declares) to the round; its device count."""
