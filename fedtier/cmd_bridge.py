@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from .cli import CONFIG, SET, main
-from .console import console, load_or_exit
+from .console import console, fail, load_or_exit
 
 
 @main.command("bridge-config")
@@ -34,14 +34,12 @@ def bridge_config_cmd(config: str, overrides: tuple[str, ...], cloud_url: str, c
     known = cfg.topology.cell_ids()
     unknown = [c for c in cells if c not in known]
     if unknown:
-        console.print(f"[bold red]error:[/] unknown cell(s) {unknown}; the config has {known[0]} ... {known[-1]}")
-        raise SystemExit(2)
+        fail(f"unknown cell(s) {unknown}; the config has {known[0]} ... {known[-1]}", 2)
     try:
         confs = {c: bridge_config(cfg.run.name, c, cloud_url, username=username, password=password, cafile=cafile,
                                   certfile=certfile, keyfile=keyfile) for c in (cells or known)}
     except ValueError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        raise SystemExit(2)
+        fail(str(exc), 2)
     if out_dir is None:
         click.echo("\n".join(confs.values()), nl=False)
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .cli import CONFIG, SET, main
-from .console import console, load_or_exit
+from .console import console, fail, load_or_exit
 
 
 @main.command()
@@ -43,8 +43,7 @@ def provision(config: str, overrides: tuple[str, ...], out_dir: str, host: str, 
                      per_cell=brokers == "per-cell", cell_host=cell_host, cell_port=cell_port, broker_user=broker_user,
                      bind=bind)
     except ConfigError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        raise SystemExit(2)
+        fail(str(exc), 2)
     console.print(f"provisioned run {cfg.run.name!r} in {done.out}: broker config in {done.broker} "
                   f"(mosquitto -c {done.broker / 'mosquitto.conf'}), {len(done.bundles)} node bundles in "
                   f"{done.out / 'nodes'}"
