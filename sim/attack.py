@@ -36,6 +36,12 @@ def byzantine_devices(cfg: RunConfig) -> list[str]:
     return sorted(chosen)
 
 
+def attacked(role: DeviceRole, device: str, byzantine: "set[str] | list[str]", attack: AttackSection) -> DeviceRole:
+    """``role`` as ``device`` runs it: wrapped in :class:`ByzantineDevice` when the device is Byzantine
+    (the one place the sim process and its workers decide it)."""
+    return ByzantineDevice(role, attack) if device in byzantine else role
+
+
 class ByzantineDevice(DeviceRole):
     """Trains like ``inner``, then sends its delta scaled by ``factor`` (``scale``) or ``-factor`` (``sign_flip``)."""
 

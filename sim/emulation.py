@@ -206,7 +206,7 @@ class Emulation:
         """The broker URL of the cloud and of each cell: one broker for all (the given one, else
         Mosquitto where installed, else embedded amqtt), or with ``brokers="per-cell"`` a Mosquitto
         per cell bridged to a cloud Mosquitto (``protocols.transport.bridge``)."""
-        from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
+        from protocols.transport.broker import EmbeddedBroker, MosquittoBroker
 
         cells = self.cfg.topology.cell_ids()
         if self.brokers == "per-cell":

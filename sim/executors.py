@@ -34,7 +34,7 @@ from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.transport.memory import VirtualLoop
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
-from .attack import ByzantineDevice, byzantine_devices
+from .attack import attacked, byzantine_devices
 
 log = logging.getLogger("fedtier.sim")
 
@@ -93,9 +93,7 @@ class DeviceWorker:
                 raise KeyError(f"device {c.device!r} is not one of this worker's")
             role = self.roles.get(c.device)
             if role is None:
-                role = self.algorithm.device(c.device)
-                if c.device in self.byzantine:
-                    role = ByzantineDevice(role, self.attack)
+                role = attacked(self.algorithm.device(c.device), c.device, self.byzantine, self.attack)
                 self.roles[c.device] = role
             result = role.train(decode_payload(task), self.data[c.device], self.trainer_for(c.device), c)
             return encode_payload(result), ""

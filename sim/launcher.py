@@ -23,7 +23,7 @@ from protocols.config import RunConfig
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
-from .attack import ByzantineDevice, byzantine_devices
+from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
 from .cohort import CohortExecutor
 from .executors import InlineExecutor, start_workers
@@ -126,8 +126,7 @@ class SimHierarchy:
 
     def _configure(self, agent: DeviceAgent) -> None:
         agent.executor = self.executor
-        if agent.device in self.byzantine:
-            agent.role = ByzantineDevice(agent.role, self.cfg.attack)
+        agent.role = attacked(agent.role, agent.device, self.byzantine, self.cfg.attack)
         if self.clock.enabled:
             agent.compute_delay = self.clock.compute_delay
 
