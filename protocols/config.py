@@ -61,11 +61,8 @@ class TopologySection(_Section):
 
     def cell_of(self, device: str) -> str | None:
         """The cell of a device id of this topology (``c{i}-d{j}``), or ``None``; O(1), no table."""
-        cell, sep, j = device.rpartition("-d")
-        i = cell[1:]
-        if not (sep and cell[:1] == "c" and _index(i, self.cells) and _index(j, self.devices_per_cell)):
-            return None
-        return cell
+        at = self.devices().position(device)
+        return None if at is None else f"c{at // self.devices_per_cell}"
 
 
 class DeviceIds(Sequence[str]):

@@ -37,10 +37,11 @@ class DeviceData(Mapping[str, LocalData]):
 
     def indices(self, device: str) -> np.ndarray:
         """The device's sample indices in the training set."""
-        cell = self.topology.cell_of(device) if isinstance(device, str) else None
-        if cell is None:
+        at = self.topology.devices().position(device)
+        if at is None:
             raise KeyError(device)
-        return self.parts[int(cell[1:])][int(device.rpartition("-d")[2])]
+        cell, j = divmod(at, self.topology.devices_per_cell)
+        return self.parts[cell][j]
 
     def __getitem__(self, device: str) -> LocalData:
         idx = self.indices(device)

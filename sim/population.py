@@ -53,7 +53,7 @@ class Population(Mapping[str, DeviceAgent]):
 
     # ------------------------------------------------------------------ Mapping over the topology
     def __getitem__(self, device: str) -> DeviceAgent:
-        if not isinstance(device, str) or self.cfg.topology.cell_of(device) is None:
+        if self.cfg.topology.cell_of(device) is None:
             raise KeyError(device)
         self._kept.add(device)
         return self._need(device)
