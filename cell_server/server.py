@@ -146,7 +146,7 @@ class CellServer:
             return
         device = node[len("device."):]
         record = decode_status(data, topic, self.trust)
-        if device not in self.online or record is None:
+        if record is None:
             return
         online = record["state"] == "online"
         self.last_seen[device] = self.loop.now()

@@ -6,7 +6,6 @@ topic names.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +20,7 @@ log = logging.getLogger("fedtier.status")
 
 def encode_status(state: str, *, topic: str = "", trust: "Trust | None" = None, **extra: Any) -> bytes:
     """A small JSON record: ``{"state": "online"|"offline", ...}``, signed for ``topic`` with ``trust``."""
-    record = {"state": state, **extra}
-    if trust is None:
-        return json.dumps(record, separators=(",", ":")).encode()
-    return seal_record(record, topic, trust.sign)
+    return seal_record({"state": state, **extra}, topic, trust.sign if trust is not None else None)
 
 
 def decode_status(data: bytes, topic: str = "", trust: "Trust | None" = None) -> dict[str, Any] | None:
