@@ -128,9 +128,9 @@ class ModelSection(_Section):
 
 class DataSection(_Section):
     dataset: Literal["mnist", "fmnist", "fashion-mnist", "digits", "synthetic"] = "mnist"
-    partition: Literal["iid", "dirichlet", "shards", "hierarchical"] = "iid"
+    partition: Literal["iid", "dirichlet", "shards", "hierarchical", "cell_shards"] = "iid"
     alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration (dirichlet)")
-    shards_per_device: int = Field(default=2, ge=1)
+    shards_per_device: int = Field(default=2, ge=1, description="shards, cell_shards")
     alpha_cells: float = Field(default=0.5, gt=0, description="across cells (hierarchical)")
     alpha_devices: float = Field(default=1.0, gt=0, description="within a cell (hierarchical)")
     max_train: int = Field(default=0, ge=0, description="0: the whole training set")

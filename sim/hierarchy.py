@@ -72,6 +72,7 @@ def prepare(cfg: RunConfig) -> Prepared:
                           f"but data.dataset {d.dataset!r} has only {ds.num_train} training samples"
                           + (f" (data.max_train = {d.max_train})" if d.max_train else ""))
     params = {"iid": {}, "dirichlet": {"alpha": d.alpha}, "shards": {"shards_per_device": d.shards_per_device},
+              "cell_shards": {"shards_per_device": d.shards_per_device},
               "hierarchical": {"alpha_cells": d.alpha_cells, "alpha_devices": d.alpha_devices}}[d.partition]
     try:
         parts = partition_hierarchy(ds.y_train, topo.cells, topo.devices_per_cell, d.partition, cfg.run.seed, **params)

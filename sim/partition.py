@@ -22,8 +22,9 @@ Schemes (:func:`partition`):
   cut into ``S`` near-equal shards instead (shards may then mix labels).
 
 :func:`hierarchical_partition`: Dirichlet(``alpha_cells``) across cells, then, within each cell,
-Dirichlet(``alpha_devices``) across that cell's devices. :func:`partition_hierarchy` dispatches on the
-scheme name; for flat schemes it partitions over ``cells * devices_per_cell`` devices and groups consecutive
+Dirichlet(``alpha_devices``) across that cell's devices. :func:`cell_shards_partition` (HIST's split (ii),
+"cells iid, devices non-iid"): an ``iid`` split into one equal part per cell, then ``shards`` within each
+cell. :func:`partition_hierarchy` dispatches on the scheme name; for flat schemes it partitions over ``cells * devices_per_cell`` devices and groups consecutive
 devices into cells.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 
 from protocols.seeding import rng
 
-__all__ = ["Parts", "partition", "hierarchical_partition", "partition_hierarchy", "label_histogram", "SCHEMES"]
+__all__ = ["Parts", "partition", "hierarchical_partition", "cell_shards_partition", "partition_hierarchy", "label_histogram", "SCHEMES"]
 
 
 class Parts(Sequence[np.ndarray]):
@@ -111,10 +112,10 @@ def _finish(parts: list[np.ndarray]) -> Parts:
 
 
 # ---------------------------------------------------------------------------------------------- schemes
-def _iid(y: np.ndarray, k: int, seed: int) -> Parts:
+def _iid(y: np.ndarray, k: int, seed: int, *keys: Any) -> Parts:
     """``np.array_split`` of a seeded permutation into ``k`` parts, each sorted (in one vectorised sort)."""
     n = y.size
-    perm = rng(seed, "partition", "iid").permutation(n)
+    perm = rng(seed, "partition", "iid", *keys).permutation(n)
     sizes = np.full(k, n // k, dtype=np.int64)
     sizes[: n % k] += 1  # array_split's sizes: the first n % k parts one larger
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -170,12 +171,12 @@ def _apportion(counts: np.ndarray, total: int) -> np.ndarray:
     return share
 
 
-def _shards(y: np.ndarray, k: int, per_device: int, seed: int) -> Parts:
+def _shards(y: np.ndarray, k: int, per_device: int, seed: int, *keys: Any) -> Parts:
     n_shards = k * per_device
     if n_shards > y.size:
         raise ValueError(f"shards_per_device ({per_device}) x num_devices ({k}) = {n_shards} shards "
                          f"exceeds the number of samples ({y.size})")
-    g = rng(seed, "partition", "shards")
+    g = rng(seed, "partition", "shards", *keys)
     perm = g.permutation(y.size)
     order = perm[np.argsort(y[perm], kind="stable")]  # sorted by label, random within a label
     classes, counts = np.unique(y, return_counts=True)
@@ -256,14 +257,33 @@ def hierarchical_partition(labels: np.ndarray, cells: int, devices_per_cell: int
     return out
 
 
+def cell_shards_partition(labels: np.ndarray, cells: int, devices_per_cell: int, seed: int,
+                          shards_per_device: int) -> list[Parts]:
+    """HIST's split (ii): an ``iid`` split into ``cells`` equal parts, then within each cell the ``shards``
+    scheme over its devices (label-sorted shards, ``shards_per_device`` each). Returns ``parts[cell][device]``."""
+    y = _check_labels(labels)
+    c = _check_count("cells", cells, y.size)
+    d = _check_count("devices_per_cell", devices_per_cell)
+    k = _check_count("shards_per_device", shards_per_device)
+    out = []
+    for ci, idx in enumerate(_iid(y, c, seed, "cells")):
+        local = _shards(y[idx], d, k, seed, "cell", ci)
+        out.append(_finish([idx[p] for p in local]))
+    return out
+
+
 def partition_hierarchy(labels: np.ndarray, cells: int, devices_per_cell: int, scheme: str, seed: int,
                         **params: Any) -> list[Parts]:
-    """``parts[cell][device]``: ``hierarchical`` (``alpha_cells``, ``alpha_devices``) or a flat scheme
-    over ``cells * devices_per_cell`` devices grouped consecutively into cells."""
+    """``parts[cell][device]``: ``hierarchical`` (``alpha_cells``, ``alpha_devices``), ``cell_shards``
+    (``shards_per_device``) or a flat scheme over ``cells * devices_per_cell`` devices grouped
+    consecutively into cells."""
     c = _check_count("cells", cells)
     d = _check_count("devices_per_cell", devices_per_cell)
     if scheme == "hierarchical":
         return hierarchical_partition(labels, c, d, seed, **params)
+    if scheme == "cell_shards":
+        p = _take(params, scheme, {"shards_per_device": _REQUIRED})
+        return cell_shards_partition(labels, c, d, seed, p["shards_per_device"])
     flat = partition(labels, c * d, scheme, seed, **params)
     return [flat[i * d:(i + 1) * d] for i in range(c)]  # views of one flat index array
 

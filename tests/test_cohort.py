@@ -135,9 +135,9 @@ def test_thirty_rounds_end_within_a_third_of_a_point(make_config):
     assert cohort[0].final_accuracy > 0.8
 
 
-def test_hist_submodels(make_config):
-    device, cohort = _pair(make_config, run={"rounds": 2}, algorithm={"name": "hist", "edge_rounds": 2},
-                           model={"name": "mlp", "hidden": [24, 16]})
+@pytest.mark.parametrize("model", [{"name": "mlp", "hidden": [24, 16, 12]}, {"name": "cnn", "channels": [4, 6], "fc": 16}])
+def test_hist_submodels(make_config, model):
+    device, cohort = _pair(make_config, run={"rounds": 2}, algorithm={"name": "hist", "edge_rounds": 2}, model=model)
     _equivalent(device, cohort, rounds=(0,))
 
 

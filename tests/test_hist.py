@@ -9,7 +9,7 @@ from protocols import params as P
 from protocols.algorithms.base import DeviceContext, ModelSpec, Rejected
 from protocols.algorithms.hist import (INDEX, Hist, HistCloud, draw_partition, split_task, sub_spec,
                                        unit_axes)
-from protocols.config import parse_config
+from protocols.config import ConfigError, parse_config
 from protocols.seeding import rng
 from protocols.torch_trainer import TorchTrainer
 from protocols.trainer import LocalData
@@ -17,8 +17,9 @@ from protocols.wire.payload import Payload, encode_payload
 from sim.launcher import run_simulation
 
 torch.set_num_threads(1)
-MLP = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(30, 21))
-CNN = ModelSpec(name="cnn", input_shape=(1, 8, 8), num_classes=10, channels=(4, 8), fc=24)
+MLP = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(30, 21, 18))
+DEEP = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(16, 12, 14, 9, 11))
+CNN = ModelSpec(name="cnn", input_shape=(1, 8, 8), num_classes=10, channels=(6, 8), fc=24)
 
 
 def _cloud(spec: ModelSpec, **extra) -> HistCloud:
@@ -42,32 +43,97 @@ def test_partition_disjoint_covering_fresh(cells):
     assert any(not np.array_equal(later[c]["fc1"], parts[c]["fc1"]) for c in ids)  # redrawn every round
 
 
-@pytest.mark.parametrize("spec", [MLP, CNN])
-def test_untrained_submodels_reassemble_bit_for_bit(spec):
+def _mask(axes, idx, shape) -> np.ndarray:
+    """The 0/1 mask p_j of eq. (2) over one tensor, from the index sets (an outer product of memberships)."""
+    mask = np.ones(shape, dtype=bool)
+    for dim, (layer, n) in enumerate(zip(axes, shape)):
+        if layer is not None:
+            member = np.zeros(n, dtype=bool)
+            member[idx[layer]] = True
+            mask &= member.reshape([-1 if d == dim else 1 for d in range(len(shape))])
+    return mask
+
+
+def _embed(sub, idx, axes, shapes) -> dict[str, np.ndarray]:
+    """The dense submodel written into a zero full model (``p_j ⊙ x`` with the submodel's values)."""
+    out = {}
+    for k, shape in shapes.items():
+        full = np.zeros(shape, np.float64)
+        full[_mask(axes[k], idx, shape)] = sub[k].ravel()  # boolean indexing runs in the slices' row-major order
+        out[k] = full
+    return out
+
+
+@pytest.mark.parametrize("spec", [MLP, DEEP, CNN])
+@pytest.mark.parametrize("cells", [2, 3, 5])
+def test_every_weight_in_exactly_one_submodel(spec, cells):
+    """Eq. (3): the masks of a round are disjoint and cover every weight; only whole layers' biases are shared."""
     cloud = _cloud(spec)
     before = P.copy(cloud.model)
-    tasks = cloud.plan(0, ["c0", "c1", "c2"])
+    tasks = cloud.plan(4, [f"c{i}" for i in range(cells)])
     widths, axes = unit_axes(spec)
-    covered = {k: np.zeros(v.shape, dtype=int) for k, v in before.items()}
+    count = {k: np.zeros(v.shape, dtype=int) for k, v in before.items()}
     for cell, task in tasks.items():
         sub, idx = split_task(task)
         assert set(idx) == set(widths)
-        for k, ax in axes.items():  # the slices are the model's values at the unit indices
-            if any(ax):
-                index = np.ix_(*(idx[a] if a else np.arange(n) for a, n in zip(ax, before[k].shape)))
-                np.testing.assert_array_equal(sub[k], before[k][index])
-                covered[k][index] += 1
-        report = Payload({"weight": 1.0}, {**P.zeros_like(sub), **{INDEX + k: v for k, v in idx.items()}})
-        cloud.check(cell, report)
-    # each unit's own weights (its row and bias; the output weights of the last layer) belong to one cell
-    for k in ("fc1.weight", "fc1.bias", "out.weight"):
-        assert (covered[k] == 1).all()
+        for k in before:
+            mask = _mask(axes[k], idx, before[k].shape)
+            assert sub[k].size == mask.sum()
+            np.testing.assert_array_equal(sub[k].ravel(), before[k][mask])  # the slice holds the model's values
+            count[k] += mask
+    shared = sorted(k for k, c in count.items() if (c == cells).all())
+    for k, c in count.items():
+        if k not in shared:
+            assert (c == 1).all(), k  # disjoint and covering
+    assert all(k.endswith(".bias") for k in shared)  # every weight belongs to exactly one submodel
+    if spec.name == "cnn":
+        assert widths == {"conv1": 6, "fc1": 24} and shared == ["conv2.bias", "out.bias"]
+    else:
+        assert list(widths) == [f"fc{i}" for i in range(1, len(spec.hidden) + 1, 2)]
+        assert shared == sorted([f"fc{i}.bias" for i in range(2, len(spec.hidden) + 1, 2)] + ["out.bias"])
+    # untrained submodels reassemble bit for bit
     reports = {c: Payload({"weight": 1.0}, {**P.zeros_like(split_task(t)[0]),
                                              **{INDEX + k: v for k, v in split_task(t)[1].items()}})
                for c, t in tasks.items()}
-    cloud.aggregate(0, reports)
+    for c, r in reports.items():
+        cloud.check(c, r)
+    cloud.aggregate(4, reports)
+    assert all(cloud.model[k].tobytes() == before[k].tobytes() for k in before)
+
+
+@pytest.mark.parametrize("spec", [MLP, CNN])
+def test_cloud_merge_equals_numpy(spec):
+    """x̄ ← Σ_j p_j ⊙ x̄_j for the partitioned weights (eq. 6), a weighted mean for the shared biases."""
+    cloud = _cloud(spec)
+    before = {k: v.astype(np.float64) for k, v in cloud.model.items()}
+    cells = ["c0", "c1", "c2", "c3"]
+    tasks = cloud.plan(2, cells)
+    _, axes = unit_axes(spec)
+    g = rng(3, "test.deltas")
+    reports, expected = {}, {k: np.zeros_like(v) for k, v in before.items()}
+    weights = {c: float(w) for c, w in zip(cells, (1.0, 2.0, 0.5, 3.0))}
+    for cell in cells:
+        sub, idx = split_task(tasks[cell])
+        delta = {k: g.standard_normal(v.shape).astype(np.float32) for k, v in sub.items()}
+        reports[cell] = Payload({"weight": weights[cell]}, {**delta, **{INDEX + k: v for k, v in idx.items()}})
+        full = _embed(delta, idx, axes, {k: v.shape for k, v in before.items()})
+        for k in before:
+            shared = not any(axes[k])
+            expected[k] += full[k] * (weights[cell] / sum(weights.values()) if shared else 1.0)
+    cloud.aggregate(2, reports)
     for k in before:
-        assert cloud.model[k].tobytes() == before[k].tobytes()
+        np.testing.assert_allclose(cloud.model[k], before[k] + expected[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_without_an_exact_partition_is_refused_at_start():
+    for model, match in (({"name": "mlp", "hidden": [24, 16]}, "2 hidden layers"),
+                         ({"name": "mlp", "hidden": [24, 2, 2]}, r"\{.fc3.: 2\} have fewer units than the 3 cells"),
+                         ({"name": "cnn", "channels": [2, 8], "fc": 32}, "conv1"),
+                         ({"name": "logreg"}, "has none")):
+        cfg = _config("hist", 3)
+        cfg["model"] = model
+        with pytest.raises(ConfigError, match=match):
+            run_simulation(parse_config(cfg), write_output=False)
 
 
 def test_cloud_scatters_cell_values_and_averages_shared():
@@ -105,30 +171,28 @@ def test_check_rejects_wrong_index_sets_and_shapes():
         cloud.check("c9", Payload({"weight": 1.0}, {**sub, **{INDEX + k: v for k, v in idx.items()}}))
 
 
-def test_dense_submodel_equals_masked_full_model():
+@pytest.mark.parametrize("spec", [ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(24,)), MLP, CNN])
+def test_dense_submodel_equals_masked_full_model(spec):
     """Training the small dense submodel = training the full model with the other units zeroed (eq. 4)."""
-    spec = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(24,))
     cloud = _cloud(spec)
     sub, idx = split_task(cloud.plan(0, ["c0", "c1"])["c0"])
+    _, axes = unit_axes(spec)
     g = rng(1, "data")
     data = LocalData(g.random((40, 64), dtype=np.float32), g.integers(0, 10, 40))
-    full = TorchTrainer.from_spec("mlp", (64,), 10, hidden=(24,))
-    dense = full.for_model(sub_spec(spec, {"fc1": len(idx["fc1"])}))
-    assert full.for_model(sub_spec(spec, {"fc1": len(idx["fc1"])})) is dense  # cached per shape
-    masked = {k: np.zeros_like(v) for k, v in cloud.model.items()}
-    masked["out.bias"] = sub["out.bias"]
-    masked["fc1.weight"][idx["fc1"]] = sub["fc1.weight"]
-    masked["fc1.bias"][idx["fc1"]] = sub["fc1.bias"]
-    masked["out.weight"][:, idx["fc1"]] = sub["out.weight"]
+    full = TorchTrainer.from_spec(spec.name, spec.input_shape, 10, **spec.build_kwargs())
+    narrow = sub_spec(spec, {k: len(v) for k, v in idx.items()})
+    dense = full.for_model(narrow)
+    assert full.for_model(narrow) is dense  # cached per shape
+    shapes = {k: v.shape for k, v in cloud.model.items()}
     dense.set_params(sub)
-    full.set_params(masked)
+    full.set_params({k: v.astype(np.float32) for k, v in _embed(sub, idx, axes, shapes).items()})
     for t in (dense, full):
         t.sgd(data, steps=5, batch_size=8, lr=0.1, rng=rng(2, "batches"))
     a, b = dense.get_params(), full.get_params()
-    np.testing.assert_allclose(a["fc1.weight"], b["fc1.weight"][idx["fc1"]], atol=1e-6)
-    np.testing.assert_allclose(a["out.weight"], b["out.weight"][:, idx["fc1"]], atol=1e-6)
-    others = np.setdiff1d(np.arange(24), idx["fc1"])
-    assert not b["fc1.weight"][others].any() and not b["out.weight"][:, others].any()  # masked units stay 0
+    for k in a:
+        mask = _mask(axes[k], idx, shapes[k])
+        np.testing.assert_allclose(a[k].ravel(), b[k][mask], atol=1e-5)
+        assert not b[k][~mask].any(), k  # masked units stay 0
 
 
 def _config(alg: str, cells: int, **algo) -> dict:
@@ -172,14 +236,16 @@ def test_hist_learns_and_is_deterministic():
     assert all(a.params[k].tobytes() == b.params[k].tobytes() for k in a.params)
 
 
-def test_hist_cnn_runs_and_shares_conv_layers():
+def test_hist_cnn_partitions_conv_channels_and_runs():
     cfg = _config("hist", 2)
     cfg["model"] = {"name": "cnn", "channels": [4, 8], "fc": 32}
     cfg["run"]["rounds"] = 2
     res = run_simulation(parse_config(cfg), write_output=False)
     widths, axes = unit_axes(ModelSpec(name="cnn", input_shape=(1, 8, 8), num_classes=10, channels=(4, 8), fc=32))
-    assert widths == {"fc1": 32} and not any(axes["conv1.weight"])
+    assert widths == {"conv1": 4, "fc1": 32} and axes["conv2.weight"][1] == "conv1"
     assert np.isfinite(res.final_accuracy) and res.history[-1]["metrics"]["cells"] == 2
+    # each cell's devices upload half of the partitioned values (plus the two shared biases)
+    assert res.history[-1]["metrics"]["upload_units"] < 0.6 * 2
 
 
 def test_device_rejects_a_task_of_another_model():

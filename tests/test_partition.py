@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.partition import hierarchical_partition, label_histogram, partition, partition_hierarchy
+from sim.partition import (cell_shards_partition, hierarchical_partition, label_histogram, partition,
+                           partition_hierarchy)
 
 
 def _labels(n: int = 6000, classes: int = 10, seed: int = 0, balanced: bool = False) -> np.ndarray:
@@ -117,6 +118,24 @@ def test_hierarchical_skew_across_and_within():
     flat = lambda h: [p for c in h for p in c]  # noqa: E731
     assert all(np.array_equal(a, b) for a, b in zip(flat(hp), flat(again)))
     assert any(not np.array_equal(a, b) for a, b in zip(flat(hp), flat(other)))
+
+
+def test_cell_shards_cells_iid_devices_non_iid():
+    """HIST's split (ii): cells hold iid, equal parts; inside a cell every device has <= 2 labels."""
+    y = _labels(12000, balanced=True)
+    hp = partition_hierarchy(y, 4, 5, "cell_shards", seed=3, shards_per_device=2)
+    assert len(hp) == 4 and all(len(c) == 5 for c in hp)
+    _assert_exact_cover([p for c in hp for p in c], 12000)
+    assert [sum(len(p) for p in c) for c in hp] == [3000] * 4  # equal cells
+    assert _skew(np.stack([label_histogram(y, c, 10).sum(0) for c in hp])) < 0.05  # iid across cells
+    for c in hp:
+        assert all((h > 0).sum() <= 2 for h in label_histogram(y, c, 10))  # non-iid within a cell
+    flat = partition_hierarchy(y, 4, 5, "shards", seed=3, shards_per_device=2)  # split (i) for contrast
+    assert _skew(np.stack([label_histogram(y, c, 10).sum(0) for c in flat])) > 0.2
+    again = cell_shards_partition(y, 4, 5, seed=3, shards_per_device=2)
+    assert all(np.array_equal(a, b) for ca, cb in zip(hp, again) for a, b in zip(ca, cb))
+    with pytest.raises(ValueError, match="shards_per_device"):
+        partition_hierarchy(y, 4, 5, "cell_shards", seed=3)
 
 
 def test_partition_hierarchy_groups_consecutive():

@@ -1,21 +1,31 @@
 """HIST: hierarchical independent submodel training (Fang, Han, Brinton).
 
-Every cloud round the cloud draws, for each partitioned hidden layer, a fresh uniformly random
-partition of its units into one near-equal disjoint group per cell (``np.array_split`` of a seeded
-permutation). Cell ``j`` receives only its submodel: the slices of the full model that touch its
-units (a unit brings its input weights, its bias and its output weights) plus the index sets, and
-the parameters that touch no partitioned unit ("shared": the output bias; the conv layers of the
-CNN). Cells and devices then run hierarchical FedAvg on the small, dense submodel (E edge rounds of
-H device steps). The cloud writes each cell's slices back where they came from (eq. 6: a scatter,
-no averaging across cells) and averages the shared parameters over cells; the result goes through
+Every cloud round the cloud draws, for each partitioned layer, a fresh uniformly random partition of its
+units into one near-equal disjoint group per cell (``np.array_split`` of a seeded permutation). Cell ``j``
+receives only its submodel: the slices of the full model that touch its units (a unit brings its input
+weights, its bias and its output weights) plus the index sets. Cells and devices then run hierarchical
+FedAvg on the small, dense submodel (E edge rounds of H device steps). The cloud writes each cell's
+slices back where they came from (eq. 6: a scatter, no averaging across cells); the result goes through
 the cloud optimizer (:mod:`.server_opt`, so amplification composes with HIST).
 
-Partitioned layers: the MLP's hidden layers ``fc1, fc2, ...`` (with several hidden layers, the
-weights between units of different groups belong to no submodel and keep their value that round,
-as in independent subnet training) and the CNN's ``fc1``. A neuron's bias travels with it (unlike
-the authors' code, which never sends biases and re-initialises them every round). Devices train a
-physically smaller dense model (``Trainer.for_model`` with the narrower widths): the same math as
-masking the full model, with the compute and storage savings the paper claims.
+Which layers are partitioned. The paper's masks are disjoint and cover the model (eq. 3). With unit
+groups that only holds when every weight tensor joins exactly one partitioned layer to one whole layer:
+a weight between units of two different cells' groups would get no gradient in any submodel (one of its
+ends is zeroed in each), and a weight between two whole layers would belong to every submodel. So the
+partitioned layers alternate with whole ones, the input and the output being whole:
+
+- ``mlp`` with an odd number of hidden layers: ``fc1, fc3, ...`` are partitioned, ``fc2, fc4, ...`` stay
+  whole (the paper's 784-300-10 is the one-hidden-layer case). An even number of hidden layers has no
+  such partition and is refused when the run is configured.
+- ``cnn``: the channels of ``conv1`` (a channel brings its 5x5 filters, its bias and its input slice of
+  ``conv2``) and the units of ``fc1``; ``conv2``'s output channels stay whole.
+
+Every weight then belongs to exactly one submodel. The biases of whole layers (the output bias, and
+``fc2``'s, ``conv2``'s) touch no partitioned unit: they are shared, trained by every cell and averaged
+by the cloud (option (b) of the spec for the output bias). A neuron's bias travels with it (unlike the
+authors' code, which never sends biases and re-initialises them every round). Devices train a physically
+smaller dense model (``Trainer.for_model`` with the narrower widths): the same math as masking the full
+model, with the compute and storage savings the paper claims.
 """
 from __future__ import annotations
 
@@ -37,24 +47,45 @@ Axes = tuple[str | None, ...]
 
 
 def unit_axes(spec: ModelSpec) -> tuple[dict[str, int], dict[str, Axes]]:
-    """The partitioned layers ``{layer: width}`` and, per parameter, which layer indexes each axis."""
+    """The partitioned layers ``{layer: width}`` and, per parameter, which layer indexes each axis.
+
+    Raises ``ValueError`` for a model without a disjoint covering partition (see the module docstring).
+    """
     if spec.name == "mlp":
-        hidden = {f"fc{i}": int(h) for i, h in enumerate(spec.hidden, start=1)}
-        names = list(hidden)
+        depth = len(spec.hidden)
+        if depth % 2 == 0:
+            raise ValueError(
+                f"HIST partitions hidden units into disjoint submodels that cover every weight; an mlp with "
+                f"{depth} hidden layers has no such partition (the weights between two partitioned layers would "
+                f"belong to no submodel, those between two whole layers to all): use 1, 3, 5... hidden layers "
+                f"(fc1, fc3, ... are partitioned, fc2, fc4, ... stay whole)")
+        widths: dict[str, int] = {}
         axes: dict[str, Axes] = {}
-        for i, layer in enumerate(names):
-            axes[f"{layer}.weight"] = (layer, names[i - 1] if i else None)
-            axes[f"{layer}.bias"] = (layer,)
-        axes["out.weight"] = (None, names[-1] if names else None)
-        axes["out.bias"] = (None,)
-        if not hidden:
-            raise ValueError("HIST partitions hidden units: the mlp needs at least one hidden layer")
-        return hidden, axes
+        below: str | None = None  # the partitioned layer feeding this one (None: the input or a whole layer)
+        for i, h in enumerate(spec.hidden, start=1):
+            layer = f"fc{i}"
+            own = layer if i % 2 else None
+            if own:
+                widths[layer] = int(h)
+            axes[f"{layer}.weight"], axes[f"{layer}.bias"] = (own, below), (own,)
+            below = own
+        axes["out.weight"], axes["out.bias"] = (None, below), (None,)
+        return widths, axes
     if spec.name == "cnn":
-        axes = {f"{c}.{p}": (None,) * (4 if p == "weight" else 1) for c in ("conv1", "conv2") for p in ("weight", "bias")}
-        axes.update({"fc1.weight": ("fc1", None), "fc1.bias": ("fc1",), "out.weight": (None, "fc1"), "out.bias": (None,)})
-        return {"fc1": int(spec.fc)}, axes
+        axes = {"conv1.weight": ("conv1", None, None, None), "conv1.bias": ("conv1",),
+                "conv2.weight": (None, "conv1", None, None), "conv2.bias": (None,),
+                "fc1.weight": ("fc1", None), "fc1.bias": ("fc1",), "out.weight": (None, "fc1"), "out.bias": (None,)}
+        return {"conv1": int(spec.channels[0]), "fc1": int(spec.fc)}, axes
     raise ValueError(f"HIST partitions hidden units: model {spec.name!r} has none (use mlp or cnn)")
+
+
+def check_fits(spec: ModelSpec, cells: int) -> None:
+    """Raise ``ValueError`` unless ``spec`` can be split into ``cells`` non-empty disjoint submodels."""
+    widths, _ = unit_axes(spec)
+    narrow = {layer: w for layer, w in widths.items() if w < cells}
+    if narrow:
+        raise ValueError(f"HIST gives every cell its own units: layer(s) {narrow} have fewer units than the "
+                         f"{cells} cells (model.hidden / model.channels / model.fc)")
 
 
 def draw_partition(seed: int, round: int, widths: Mapping[str, int], cells: Sequence[str]
@@ -92,8 +123,9 @@ def scatter(target: dict[str, np.ndarray], sub: Mapping[str, np.ndarray], axes: 
 def sub_spec(spec: ModelSpec, widths: Mapping[str, int]) -> ModelSpec:
     """``spec`` with the partitioned layers narrowed to ``widths``."""
     if spec.name == "mlp":
-        return spec.model_copy(update={"hidden": tuple(int(widths[f"fc{i}"]) for i in range(1, len(spec.hidden) + 1))})
-    return spec.model_copy(update={"fc": int(widths["fc1"])})
+        hidden = tuple(int(widths.get(f"fc{i}", h)) for i, h in enumerate(spec.hidden, start=1))
+        return spec.model_copy(update={"hidden": hidden})
+    return spec.model_copy(update={"channels": (int(widths["conv1"]), spec.channels[1]), "fc": int(widths["fc1"])})
 
 
 def widths_of(tensors: Mapping[str, np.ndarray], axes: Mapping[str, Axes], layers: Sequence[str]) -> dict[str, int]:
@@ -204,6 +236,9 @@ class Hist(Algorithm):
 
     name = "hist"
     Params = FedAvgParams  # amplification at the cloud, any uplink codec (algorithm.uplink) on devices
+
+    def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+        check_fits(self.model, len(cells))  # type: ignore[arg-type]
 
     def cloud(self) -> CloudRole:
         return HistCloud(self.params, self.model, self.seed, self.initial_params())  # type: ignore[arg-type]
