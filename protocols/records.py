@@ -21,6 +21,8 @@ from typing import Any, Iterable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .jsonl import loads
+
 SCHEMA_VERSION = 1
 
 TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
@@ -31,7 +33,7 @@ _HEAD = ("schema", "event", "run", "round", "edge_round", "cell", "algorithm")
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     schema_version: Literal[1] = Field(SCHEMA_VERSION, alias="schema", description="record schema version")
     run: str | None = Field(None, description="run name")
@@ -114,7 +116,7 @@ class CellRecord(_Record):
 class RoundRecord(_Record):
     """One cloud round. ``accuracy`` and ``loss`` are present on evaluated rounds only."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
     __pydantic_extra__: dict[str, float] = Field(init=False)  # other evaluation numbers
 
     event: Literal["round"] = "round"
@@ -154,8 +156,8 @@ def parse_record(obj: Any) -> Record:
     """Validate one record (a dict, JSON text or bytes); raise ``ValueError`` naming the problem."""
     if isinstance(obj, (bytes, bytearray, str)):
         try:
-            obj = json.loads(obj)
-        except (ValueError, UnicodeDecodeError) as exc:
+            obj = loads(obj, finite=True)
+        except ValueError as exc:
             raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"a record is a JSON object, got {type(obj).__name__}")

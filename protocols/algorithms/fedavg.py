@@ -14,6 +14,8 @@ round divided by the full model's size (``E`` for FedAvg with every device in ev
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -34,10 +36,19 @@ def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str
                 codec: UplinkCodec | None = None) -> float:
     """Validate a delta (dense, or encoded with ``codec``) with a positive finite ``weight``; return the weight."""
     weight = payload.meta.get("weight")
-    if not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight <= 0:
-        raise Rejected(f"{what}: weight must be a positive number, got {weight!r}")
+    # (bool is an int; an int too large for a float, e.g. 10**400 from JSON, is refused, not raised)
+    if (not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(_as_float(weight))
+            or weight <= 0):
+        raise Rejected(f"{what}: weight must be a positive number, got {str(weight)[:40]}")
     (codec or DenseCodec()).check(payload, reference, what)
     return float(weight)
+
+
+def _as_float(x: int | float) -> float:
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
 
 
 def upload_stats(reports: Mapping[str, Payload]) -> tuple[int, int]:

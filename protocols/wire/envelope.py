@@ -8,12 +8,13 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import struct
 import uuid
 from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..jsonl import loads
 
 MAGIC = b"FTW1"
 MAX_HEADER_BYTES = 16 * 1024
@@ -115,7 +116,7 @@ def decode_message(data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tu
     if head_len > MAX_HEADER_BYTES or 8 + head_len > len(data):
         raise WireError(f"bad header length {head_len}")
     try:
-        raw = json.loads(bytes(data[8 : 8 + head_len]))
+        raw = loads(bytes(data[8 : 8 + head_len]))
         header = Header.model_validate(raw)
     except (ValueError, ValidationError) as exc:
         raise WireError(f"invalid header: {_short(exc)}") from None

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..jsonl import loads
 from .envelope import WireError
 
 DTYPES: dict[int, np.dtype] = {
@@ -87,7 +88,7 @@ def decode_payload(data: bytes | memoryview, *, require_finite: bool = True) -> 
     if meta_len > MAX_META_BYTES:
         raise WireError(f"metadata of {meta_len} bytes is too large")
     try:
-        meta = json.loads(bytes(take(meta_len)), parse_constant=_reject_constant)
+        meta = loads(bytes(take(meta_len)), finite=True)
     except ValueError as exc:
         raise WireError(f"bad metadata: {exc}") from None
     if not isinstance(meta, dict):
@@ -117,7 +118,3 @@ def decode_payload(data: bytes | memoryview, *, require_finite: bool = True) -> 
     if pos != len(buf):
         raise WireError(f"{len(buf) - pos} trailing bytes after the last tensor")
     return Payload(meta, tensors)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed in metadata")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..jsonl import loads
 from .envelope import Signer, Verifier, WireError, decode_sig, encode_sig
 
 RECORD_DOMAIN = b"fedtier/record/1\0"
@@ -38,8 +39,8 @@ def open_record(data: bytes, topic: str, signer: str | None, verify: Verifier | 
     if len(data) > MAX_RECORD_BYTES:
         raise WireError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
     try:
-        record = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        record = loads(data)
+    except ValueError:
         raise WireError("not a JSON record") from None
     if not isinstance(record, dict):
         raise WireError("not a JSON object")

@@ -169,6 +169,9 @@ class DenseCodec(UplinkCodec):
             P.check_like(payload.tensors, like, what)
         except ValueError as exc:
             raise Rejected(str(exc)) from None
+        for k, v in payload.tensors.items():  # a float64 delta could overflow the float32 model
+            if v.dtype != np.float32:
+                raise Rejected(f"{what}: tensor {k!r} has dtype {v.dtype}, expected float32")
 
     def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
         return OrderedDict(payload.tensors)
