@@ -188,6 +188,7 @@ class Request:
     lr: float = 0.0
     weight_decay: float = 0.0
     prox_mu: float = 0.0  # sgd: FedProx proximal coefficient
+    momentum: float = 0.0  # sgd: heavy-ball beta
     result: Any = None
 
     def key(self) -> tuple[str, ModelSpec, tuple[str, ...]]:
@@ -235,10 +236,10 @@ class CohortDeviceTrainer(Trainer):
         return self.call(Request("loss_and_grad", self.spec, self.params, x, y))
 
     def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
-            weight_decay: float = 0.0, prox_mu: float = 0.0) -> TrainStats:
+            weight_decay: float = 0.0, prox_mu: float = 0.0, momentum: float = 0.0) -> TrainStats:
         order = list(batches(len(data), batch_size, steps, rng))  # this device's seeded order
         params, stats = self.call(Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay,
-                                          prox_mu))
+                                          prox_mu, momentum))
         self.params = params
         return stats
 
@@ -380,6 +381,8 @@ class CohortEngine:
         decay = bool((wd != 0).any())
         mu = torch.tensor([r.prox_mu for r in reqs], dtype=torch.float32, device=dev)
         start = [v.detach().clone() for v in params.values()] if bool((mu != 0).any()) else None  # FedProx: w_0
+        beta = torch.tensor([r.momentum for r in reqs], dtype=torch.float32, device=dev)
+        bufs = [torch.zeros_like(v) for v in params.values()] if bool((beta != 0).any()) else None  # heavy ball
         feat = int(np.prod(reqs[0].x.shape[1:]))
         per_gather = max(1, GATHER_BYTES // max(1, d * b * feat * 4))  # steps of inputs gathered at once
         losses = torch.zeros(d, steps, device=dev)
@@ -402,6 +405,8 @@ class CohortEngine:
                         grads = [g + wd.view(shape(p)) * p for p, g in zip(leaves, grads)]
                     if start is not None:  # FedProx: + mu (w - w_0)
                         grads = [g + mu.view(shape(p)) * (p - p0) for p, g, p0 in zip(leaves, grads, start)]
+                    if bufs is not None:  # b = beta * b + g, per device; the step follows b
+                        grads = [b.mul_(beta.view(shape(b))).add_(g) for b, g in zip(bufs, grads)]
                     if same_rate[s]:  # every device steps with the same lr (the usual case): one fused update
                         torch._foreach_add_(leaves, grads, alpha=-same_lr)
                     else:

@@ -119,11 +119,20 @@ def _index(text: str, n: int) -> bool:
 
 
 class ModelSection(_Section):
-    name: Literal["mlp", "cnn", "logreg"] = "mlp"
+    name: Literal["mlp", "cnn", "cnn4", "logreg"] = "mlp"
     hidden: tuple[int, ...] = (200, 200)
-    channels: tuple[int, int] = (32, 64)
+    channels: tuple[int, ...] = Field(default=(32, 64), description="cnn: 2 widths; cnn4: 4")
     fc: int = Field(default=512, ge=1)
+    init_std: float | None = Field(default=None, gt=0, description="conv/linear weights ~ N(0, init_std^2), "
+                                   "biases 0 (unset: torch's default initialisers)")
     init_seed: int | None = Field(default=None, ge=0, description="defaults to run.seed")
+
+    @model_validator(mode="after")
+    def _channels_fit(self) -> "ModelSection":
+        need = {"cnn": 2, "cnn4": 4}.get(self.name)
+        if need is not None and len(self.channels) != need:
+            raise ValueError(f"model.channels: {self.name} needs {need} widths, got {list(self.channels)}")
+        return self
 
 
 class DataSection(_Section):
@@ -300,8 +309,11 @@ class RunConfig(_Section):
     def model_spec(self, input_shape: tuple[int, ...], num_classes: int) -> ModelSpec:
         """The zoo model of this run for data of ``input_shape`` and ``num_classes``."""
         m = self.model
+        if m.name == "cnn4" and min(input_shape[-2:]) < 16:
+            raise ConfigError(f"model.name: cnn4 pools 4 times and needs images of at least 16x16; "
+                              f"{self.data.dataset} has {'x'.join(map(str, input_shape))}")
         return ModelSpec(name=m.name, input_shape=tuple(input_shape), num_classes=num_classes,
-                         hidden=m.hidden, channels=m.channels, fc=m.fc)
+                         hidden=m.hidden, channels=m.channels, fc=m.fc, init_std=m.init_std)
 
     def max_message_bytes(self, spec: ModelSpec) -> int:
         """``runtime.max_message_bytes``, or its default from the model's size."""

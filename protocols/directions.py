@@ -15,6 +15,11 @@ The scheme (DeComFL and any other seeded-direction algorithm use exactly this):
   order (rounds oldest first, k ascending, p ascending) and rounding are the same everywhere; the
   elementwise float32 multiply and subtract are correctly rounded IEEE operations, so the result
   does not depend on the machine.
+* With **momentum** beta > 0 (torch's heavy ball, which the DeComFL repository runs: its SGD steps on the
+  ZO estimate), a step keeps a buffer ``b`` beside ``x``: ``b *= float32(beta)``, then for p = 0..P-1
+  ``b += float32(g[p] / P) * z_p``, then ``x -= float32(lr) * b`` (:func:`apply_momentum_step`). The
+  buffer is part of the global trajectory: a device reverts it with ``x`` after its local steps and
+  replays it with ``x`` when it catches up, so both stay bit-identical to the cloud's.
 
 :func:`fingerprint` hashes a small direction: parties can compare it at start-up to catch a numpy
 whose generator stream differs.
@@ -83,11 +88,37 @@ def apply_step(params: MutableMapping[str, np.ndarray], round_seed: int, k: int,
             v -= c * z[name]
 
 
+def apply_momentum_step(params: MutableMapping[str, np.ndarray], buf: MutableMapping[str, np.ndarray],
+                        round_seed: int, k: int, g: np.ndarray, lr: float, momentum: float,
+                        kind: Kind = "gaussian") -> None:
+    """In place, heavy ball on the ZO estimate: ``b = beta * b + sum_p (g[p] / P) z_p; x -= lr * b``."""
+    g = np.asarray(g)
+    shapes = shapes_of(params)
+    beta, rate = np.float32(momentum), np.float32(lr)
+    for v in buf.values():
+        v *= beta
+    for p in range(g.shape[0]):
+        c = np.float32(float(g[p]) / g.shape[0])
+        if c == 0:
+            continue
+        z = direction(round_seed, k, p, shapes, kind)
+        for name, v in buf.items():
+            v += c * z[name]
+    for name, v in params.items():
+        v -= rate * buf[name]
+
+
 def apply_round(params: MutableMapping[str, np.ndarray], round_seed: int, g: np.ndarray, lr: float,
-                kind: Kind = "gaussian") -> None:
-    """In place: one round's global update from its K x P averaged scalars (k ascending)."""
+                kind: Kind = "gaussian", buf: MutableMapping[str, np.ndarray] | None = None,
+                momentum: float = 0.0) -> None:
+    """In place: one round's global update from its K x P averaged scalars (k ascending); with
+    ``momentum`` > 0 the heavy-ball buffer ``buf`` is stepped too."""
     for k in range(g.shape[0]):
-        apply_step(params, round_seed, k, g[k], lr, kind)
+        if momentum:
+            assert buf is not None, "momentum needs its buffer"
+            apply_momentum_step(params, buf, round_seed, k, g[k], lr, momentum, kind)
+        else:
+            apply_step(params, round_seed, k, g[k], lr, kind)
 
 
 def fingerprint(kind: Kind = "gaussian") -> str:

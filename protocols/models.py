@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+import math
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -31,6 +33,11 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden:
     - ``mlp``: flatten -> ``fc{i}`` Linear/ReLU for each ``hidden`` width -> ``out`` Linear.
     - ``cnn``: the small CNN of the FedAvg/FedMRN papers for 28x28 (or 8x8) images: conv5x5 c1 ->
       ReLU -> maxpool2 -> conv5x5 c2 -> ReLU -> maxpool2 -> ``fc1`` -> ReLU -> ``out``.
+    - ``cnn4``: the CNN4 of the FedMRN paper with GroupNorm in place of its batch norm: for each of the
+      four ``channels`` widths, ``conv{i}`` 3x3 (padding 1, no bias) -> ``norm{i}`` GroupNorm -> ReLU ->
+      maxpool2, then ``out`` Linear (no bias). GroupNorm keeps no running statistics, so the model is its
+      parameters alone: it federates by averaging like any other layer and behaves the same in training and
+      evaluation (batch norm's statistics would need their own handling). Groups: ``gcd(8, width)``.
     - ``logreg``: a single linear layer.
     """
     in_features = int(np.prod(input_shape))
@@ -56,20 +63,41 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden:
             ("fc1", nn.Linear(c2 * (h // 4) * (w // 4), fc)), ("relu3", nn.ReLU()),
             ("out", nn.Linear(fc, num_classes)),
         ]))
-    raise ValueError(f"unknown model {name!r} (choose mlp, cnn or logreg)")
+    if name == "cnn4":
+        c, h, w = (int(x) for x in input_shape) if len(input_shape) == 3 else (1, *(int(x) for x in input_shape))
+        widths = [int(x) for x in channels]
+        if len(widths) != 4:
+            raise ValueError(f"cnn4 needs 4 channel widths, got {widths}")
+        if h < 16 or w < 16:
+            raise ValueError(f"cnn4 pools 4 times: images of at least 16x16 needed, got {h}x{w}")
+        layers = [("reshape", Reshape((c, h, w)))]
+        for i, width in enumerate(widths, start=1):
+            layers += [(f"conv{i}", nn.Conv2d(c, width, 3, padding=1, bias=False)),
+                       (f"norm{i}", nn.GroupNorm(math.gcd(8, width), width)), (f"relu{i}", nn.ReLU()),
+                       (f"pool{i}", nn.MaxPool2d(2))]
+            c, h, w = width, h // 2, w // 2
+        layers += [("flatten", nn.Flatten()), ("out", nn.Linear(c * h * w, num_classes, bias=False))]
+        return nn.Sequential(OrderedDict(layers))
+    raise ValueError(f"unknown model {name!r} (choose mlp, cnn, cnn4 or logreg)")
 
 
-def init_params(model: nn.Module, seed: int) -> "OrderedDict[str, np.ndarray]":
+def init_params(model: nn.Module, seed: int, std: float | None = None) -> "OrderedDict[str, np.ndarray]":
     """Re-initialise ``model`` deterministically from ``seed`` and return its parameters.
 
     Uses torch's default initialisers under ``torch.manual_seed(seed)`` inside a forked RNG, so
-    the global torch RNG is left as it was.
+    the global torch RNG is left as it was. ``std``: conv and linear weights drawn from N(0, std^2)
+    instead, their biases zero (the FedMRN paper's N(0, 0.01)); norm layers keep scale 1, shift 0.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for module in model.modules():
             if hasattr(module, "reset_parameters") and module is not model:
                 module.reset_parameters()
+            if std is not None and isinstance(module, (nn.Linear, nn.Conv2d)):
+                with torch.no_grad():
+                    module.weight.normal_(0.0, std)
+                    if module.bias is not None:
+                        module.bias.zero_()
     return get_params(model)
 
 

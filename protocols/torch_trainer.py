@@ -92,11 +92,12 @@ class TorchTrainer(Trainer):
         return float(loss.detach()), grads
 
     def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
-            weight_decay: float = 0.0, prox_mu: float = 0.0) -> TrainStats:
+            weight_decay: float = 0.0, prox_mu: float = 0.0, momentum: float = 0.0) -> TrainStats:
         self.model.train()
         xt, yt = self._tensors(data.x, data.y)
         params = [p for p in self.model.parameters()]
         start = [p.detach().clone() for p in params] if prox_mu else []  # FedProx: w_0
+        bufs = [torch.zeros_like(p) for p in params] if momentum else []
         losses, sizes = [], []
         for idx in batches(len(data), batch_size, steps, rng):
             it = torch.from_numpy(idx).to(self.device)
@@ -111,6 +112,8 @@ class TorchTrainer(Trainer):
                 if prox_mu:
                     for p, p0 in zip(params, start):
                         p.grad.add_(p - p0, alpha=prox_mu)
+                for b, p in zip(bufs, params):  # heavy ball: the step follows b = beta * b + g
+                    p.grad = b.mul_(momentum).add_(p.grad)
                 for p in params:
                     p.add_(p.grad, alpha=-lr)
             losses.append(loss.detach())

@@ -97,11 +97,13 @@ class Trainer(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot compute gradients")
 
     def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
-            weight_decay: float = 0.0, prox_mu: float = 0.0) -> TrainStats:
+            weight_decay: float = 0.0, prox_mu: float = 0.0, momentum: float = 0.0) -> TrainStats:
         """Plain minibatch SGD on ``data`` for ``steps`` steps; batches from :func:`batches`.
 
         Each step's gradient is the batch loss's, plus ``weight_decay * w``, plus the FedProx proximal
-        term's ``prox_mu * (w - w_0)`` (``w_0``: the parameters when the call starts; 0: plain SGD)."""
+        term's ``prox_mu * (w - w_0)`` (``w_0``: the parameters when the call starts; 0: plain SGD).
+        ``momentum`` beta > 0: torch's heavy ball, ``b = beta * b + g; w -= lr * b``, with ``b`` zero at
+        the start of the call (momentum lives within one call: a device keeps no state across rounds)."""
         raise NotImplementedError(f"{type(self).__name__} cannot run SGD")
 
     def for_model(self, spec: Any) -> "Trainer":

@@ -126,6 +126,12 @@ def test_cohort_larger_than_cohort_size_and_weight_decay(make_config):
     _equivalent(device, cohort)
 
 
+def test_local_momentum_matches_per_device_engine(make_config):
+    device, cohort = _pair(make_config, run={"rounds": 2}, data={"partition": "dirichlet", "alpha": 0.3},
+                           algorithm={"momentum": 0.5, "local_steps": 0, "local_epochs": 1.0, "edge_rounds": 1})
+    _equivalent(device, cohort, rounds=(0, 1))
+
+
 def test_thirty_rounds_end_within_a_third_of_a_point(make_config):
     sections = dict(run={"rounds": 30}, algorithm={"edge_rounds": 1, "local_steps": 5, "lr": 0.05},
                     model={"name": "logreg"}, participation={"model": "uniform", "per_round": 3})
@@ -209,18 +215,23 @@ def test_engine_evaluate_pads_uneven_devices():
         assert r.result[0] == pytest.approx(loss, rel=1e-5) and r.result[1] == acc
 
 
-@pytest.mark.parametrize("name", ["cnn", "mlp", "other"])
+@pytest.mark.parametrize("name", ["cnn", "mlp", "other", "cnn4"])
 def test_batched_forward_matches_each_device(name):
     from protocols.cohort_trainer import batched_forward
     from protocols.models import build_model
 
     torch.manual_seed(0)
+    side = 16 if name == "cnn4" else 8
     if name == "other":  # a layer without a batched kernel: the vmap fallback
         make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))  # noqa: E731
+    elif name == "cnn4":  # GroupNorm: no buffers, so vectorizable (through vmap)
+        make = lambda: build_model(name, (side, side), 3, channels=(2, 4, 8, 8))  # noqa: E731
     else:
-        make = lambda: build_model(name, (8, 8), 3, hidden=(7,), channels=(2, 3), fc=5)  # noqa: E731
+        make = lambda: build_model(name, (side, side), 3, hidden=(7,), channels=(2, 3), fc=5)  # noqa: E731
     models = [make() for _ in range(3)]
-    x = torch.randn(3, 4, 64)
+    for m in models:
+        check_vectorizable(m)
+    x = torch.randn(3, 4, side * side)
     params = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models])
               for k, _ in models[0].named_parameters()}
     out = batched_forward(models[0], params, x)

@@ -27,6 +27,8 @@ def test_examples_are_valid():
     ({"data": {"dataset": "cifar10"}}, "data.dataset"),
     ({"runtime": {"quorum": 1.5}}, "runtime.quorum"),
     ({"run": {"name": "a/b"}}, "run"),
+    ({"model": {"name": "cnn4", "channels": [8, 16]}}, "model.channels: cnn4 needs 4 widths"),
+    ({"algorithm": {"name": "decomfl", "momentum": 1.0}}, "algorithm.momentum"),
 ])
 def test_bad_config_names_key(data, key):
     with pytest.raises(ConfigError) as err:

@@ -377,3 +377,74 @@ def test_simulated_resume_is_refused_because_devices_keep_state(make_config):
     run_simulation(cfg)
     with pytest.raises(ConfigError, match="keeps state on the devices"):
         run_simulation(cfg, resume=True)
+
+
+def _snapshots_with_momentum(sim):
+    """Record the cloud's (model, momentum buffer) after every round of ``sim``."""
+    copy = lambda role: ({k: v.copy() for k, v in role.model.items()}, {k: v.copy() for k, v in role.buf.items()})  # noqa: E731
+    snaps = {0: copy(sim.cloud.role)}
+    sim.cloud.on_round = lambda rec: snaps.__setitem__(rec["round"] + 1, copy(sim.cloud.role))
+    return snaps
+
+
+def test_momentum_rejoining_device_equals_the_always_online_device_bit_for_bit():
+    params = DeComFLParams(name="decomfl", local_steps=2, perturbations=3, lr=0.02, mu=1e-3, batch_size=16,
+                           momentum=0.5)
+    spec = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(8,))
+    x0 = init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()), 0)
+    trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs())
+    rng = np.random.default_rng(0)
+    data = {d: LocalData(rng.random((48, 64), dtype=np.float32), rng.integers(0, 10, 48)) for d in ("on", "back")}
+    cloud = DeComFLCloud(params, 0, x0)
+    cell = DeComFLCell(params, "c0", ["on", "back"])
+    devices = {d: DeComFLDevice(params, lambda: x0) for d in data}
+    for r in range(6):
+        cell.begin(r, cloud.plan(r, ["c0"])["c0"])
+        answering = ["on", "back"] if r in (0, 5) else ["on"]  # "back" misses rounds 1-4
+        tasks = cell.plan(0, answering)
+        before = (P_copy(cloud.model), P_copy(cloud.buf))  # x_r and its buffer
+        results = {d: devices[d].train(tasks[d], data[d], trainer, DeviceContext(0, r, 0, "c0", d)) for d in answering}
+        for d in answering:  # after training every device holds x_r and its buffer (reverted), exactly
+            assert all(np.array_equal(devices[d].model[k], before[0][k]) for k in x0), (r, d)
+            assert all(np.array_equal(devices[d].buf[k], before[1][k]) for k in x0), (r, d)
+        cell.aggregate(0, results)
+        cloud.aggregate(r, {"c0": cell.report()})
+    on, back = devices["on"], devices["back"]
+    assert tasks["back"].meta["from"] == 0 and tasks["on"].meta["from"] == 4  # rounds 0-4 replayed by "back"
+    assert back.synced == on.synced == 5
+    for k in x0:  # the rejoined device equals the always-online one, buffer included
+        assert np.array_equal(back.model[k], on.model[k]) and np.array_equal(back.buf[k], on.buf[k]), k
+    assert max(float(np.abs(v).max()) for v in on.buf.values()) > 0  # the buffer is really in play
+    plain = DeComFLCloud(params.model_copy(update={"momentum": 0.0}), 0, x0)
+    assert plain.buf is None
+
+
+def P_copy(params):
+    return {k: v.copy() for k, v in params.items()}
+
+
+@pytest.mark.parametrize("engine", ["device", "cohort"])
+def test_momentum_replay_is_exact_in_both_engines(make_config, engine):
+    cfg = decomfl_config(make_config, [16], rounds=8, momentum=0.5)
+    cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"engine": engine})})
+    sim = SimHierarchy(cfg, write_output=False)
+    snaps = _snapshots_with_momentum(sim)
+    assert (type(sim.executor).__name__ == "CohortExecutor") == (engine == "cohort")
+    result = sim.run()
+    cloud, seen = sim.cloud.role, 0
+    for d, agent in sim.agents.items():
+        role = agent.role
+        if role.model is None:
+            continue
+        seen += 1
+        model, buf = snaps[role.synced]
+        assert all(np.array_equal(role.model[k], model[k]) and np.array_equal(role.buf[k], buf[k]) for k in model), d
+        i = role.synced - cloud.base
+        role.catch_up(role.synced, np.array(cloud.seeds[i:], np.uint64), np.stack(cloud.g[i:]))
+        assert all(np.array_equal(role.model[k], result.params[k]) for k in model), d
+        assert all(np.array_equal(role.buf[k], cloud.buf[k]) for k in model), d
+    assert seen >= 4
+    # the checkpoint carries the buffer
+    again = DeComFLCloud(cloud.p, cloud.seed, sim.algorithm.initial_params())
+    again.load_state(cloud.state())
+    assert all(np.array_equal(again.buf[k], cloud.buf[k]) for k in cloud.buf)

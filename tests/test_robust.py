@@ -143,3 +143,24 @@ def test_byzantine_devices_are_the_same_in_sim_workers():
     assert all(inline.params[k].tobytes() == workers.params[k].tobytes() for k in inline.params)
     assert [r.get("excluded") for r in inline.cell_records] == [r.get("excluded") for r in workers.cell_records]
     assert all(r["rejected"] == [] for r in workers.cell_records)
+
+
+def test_majority_vote_is_the_sign_of_the_sign_sum_scaled_by_the_mean_magnitude():
+    items = [(f"d{i}", 1.0, {"a": np.array([1.0, -2.0, 3.0, -1.0], np.float32) * s, "b": np.array([s], np.float32)})
+             for i, s in enumerate((1.0, 1.0, -3.0, 0.5))]  # 3 of 4 inputs agree on every sign
+    got = aggregate("majority", items, _params())
+    # per tensor scale: mean over inputs of mean |x|: "a": (1.75 + 1.75 + 5.25 + 0.875) / 4
+    np.testing.assert_allclose(got.delta["a"], 2.40625 * np.array([1, -1, 1, -1], np.float32), rtol=1e-7)
+    np.testing.assert_allclose(got.delta["b"], [(1 + 1 + 3 + 0.5) / 4], rtol=1e-7)  # 3 of 4 positive
+    tie = aggregate("majority", items[:2] + [("d9", 1.0, {"a": -items[0][2]["a"], "b": np.array([-1.0], np.float32)}),
+                                            ("d8", 5.0, {"a": -items[0][2]["a"], "b": np.array([-1.0], np.float32)})],
+                    _params())
+    assert not tie.delta["a"].any() and not tie.delta["b"].any()  # 2 against 2, whatever the weights: 0
+
+
+def test_majority_vote_signsgd_learns(make_config):
+    cfg = make_config(run={"rounds": 10}, topology={"cells": 1, "devices_per_cell": 5},
+                      algorithm={"name": "fedavg", "edge_rounds": 1, "local_steps": 10, "lr": 0.5, "uplink": "signsgd",
+                                 "signsgd_mode": "scaled", "cell_aggregator": "majority"})
+    result = run_simulation(cfg, write_output=False)
+    assert result.final_accuracy > 0.8

@@ -44,8 +44,16 @@ class ModelSpec(BaseModel):
     input_shape: tuple[int, ...] = (784,)
     num_classes: int = Field(default=10, ge=2)
     hidden: tuple[int, ...] = (200, 200)
-    channels: tuple[int, int] = (32, 64)
+    channels: tuple[int, ...] = (32, 64)
     fc: int = Field(default=512, ge=1)
+    init_std: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _channels_fit(self) -> "ModelSpec":
+        need = {"cnn": 2, "cnn4": 4}.get(self.name)
+        if need is not None and len(self.channels) != need:
+            raise ValueError(f"model {self.name} needs {need} channel widths, got {list(self.channels)}")
+        return self
 
     def build_kwargs(self) -> dict[str, Any]:
         return {"hidden": self.hidden, "channels": self.channels, "fc": self.fc}
@@ -53,6 +61,13 @@ class ModelSpec(BaseModel):
     def num_params(self) -> int:
         """Parameter count of the model (as ``protocols.models.build_model`` builds it), without torch."""
         n_in, k = int(np.prod(self.input_shape)), self.num_classes
+        if self.name == "cnn4":
+            c, h, w = self.input_shape if len(self.input_shape) == 3 else (1, *self.input_shape[-2:])
+            total, side = 0, (h, w)
+            for width in self.channels:
+                total += c * width * 9 + 2 * width  # conv (no bias) + GroupNorm scale and shift
+                c, side = width, (side[0] // 2, side[1] // 2)
+            return total + c * side[0] * side[1] * k
         if self.name == "cnn":
             c, h, w = self.input_shape if len(self.input_shape) == 3 else (1, *self.input_shape[-2:])
             c1, c2 = self.channels
@@ -177,7 +192,7 @@ class Algorithm(ABC):
 
         spec = self.model
         return init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()),
-                           self.init_seed)
+                           self.init_seed, spec.init_std)
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         """The run's device ids per cell, given by ``RunConfig.build_algorithm`` before any role is built.

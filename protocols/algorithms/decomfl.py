@@ -16,6 +16,11 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
   k then p ascending) to reach x_r, runs K local ZO steps with P forward-difference perturbations
   each (one minibatch per step, ``g = (f(x + mu z) - f(x)) / mu``, update ``x -= (lr/P) sum_p g_p z_p``),
   returns the K x P scalars (float32) and **reverts** to the snapshot x_r by copying (spec 1.3/5.2).
+  With ``momentum`` beta > 0 (the paper's MNIST runs use 0.5 for every method; appendix A eqs. 8-9) the
+  device and the cloud also keep the heavy-ball buffer of the global trajectory (torch's rule, as the
+  paper's repository steps it; ``directions.apply_momentum_step``): local steps run on copies of both,
+  both are reverted, and catch-up replays both, so a device that rejoins holds the cloud's x_r and
+  buffer bit for bit.
   The device remembers the round it is synced to, so a history that starts earlier (the cloud missed
   a report) is skipped where already applied; one that starts later cannot be replayed and fails.
 
@@ -48,6 +53,8 @@ class DeComFLParams(TrainParams):
     direction: Literal["gaussian", "rademacher"] = "gaussian"
     weighting: Literal["uniform", "samples"] = "uniform"
     server_model: bool = Field(default=True, description="the cloud keeps x_r (evaluation only)")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="heavy-ball beta of the ZO-SGD steps; the "
+                            "buffer is replayed with the model (0: plain ZO-SGD, bit for bit)")
 
     @model_validator(mode="after")
     def _supported(self) -> "DeComFLParams":
@@ -94,6 +101,7 @@ class DeComFLCloud(CloudRole):
         self.p, self.seed = params, seed
         self.K, self.P = params.local_steps, params.perturbations
         self.model = P.copy(initial)
+        self.buf = P.zeros_like(self.model) if params.momentum else None  # heavy-ball buffer of x_r
         self.base = 0                      # first round kept in the history
         self.seeds: list[int] = []         # round seeds of rounds base..
         self.g: list[np.ndarray] = []      # averaged K x P scalars of rounds base..
@@ -152,7 +160,7 @@ class DeComFLCloud(CloudRole):
         self.seeds.append(self.round_seed)
         self.g.append(gbar)
         if self.p.server_model:
-            Z.apply_round(self.model, self.round_seed, gbar, self.p.lr, self.p.direction)
+            Z.apply_round(self.model, self.round_seed, gbar, self.p.lr, self.p.direction, self.buf, self.p.momentum)
         self._prune(round + 1)
         return {"cells": len(reports), "devices": devices, "weight": total, "history_rounds": len(self.g),
                 "g_abs_mean": float(np.abs(gbar).mean())}
@@ -171,12 +179,18 @@ class DeComFLCloud(CloudRole):
     def state(self) -> Payload:
         meta = {"base": self.base, "synced": self.synced, "need": self.need, "cells": sorted(self.cells)}
         hist = np.stack(self.g) if self.g else np.zeros((0, self.K, self.P), np.float32)
-        return Payload(meta, {**self.model, "history:s": np.asarray(self.seeds, np.uint64), "history:g": hist})
+        buf = {f"momentum:{k}": v for k, v in (self.buf or {}).items()}
+        return Payload(meta, {**self.model, **buf, "history:s": np.asarray(self.seeds, np.uint64),
+                              "history:g": hist})
 
     def load_state(self, state: Payload) -> None:
         t = dict(state.tensors)
         seeds, hist = t.pop("history:s"), t.pop("history:g")
+        buf = {k[len("momentum:"):]: t.pop(k) for k in list(t) if k.startswith("momentum:")}
         P.check_like(t, self.model, "checkpoint")
+        if self.buf is not None:
+            P.check_like(buf, self.model, "checkpoint momentum")
+            self.buf = P.copy(buf)
         self.model = P.copy(t)
         self.base = int(state.meta["base"])
         self.seeds = [int(s) for s in seeds]
@@ -246,18 +260,20 @@ class DeComFLCell(CellRole):
 
 # --------------------------------------------------------------------------------------------- device
 class DeComFLDevice(DeviceRole):
-    """One device for the whole run: holds x_{synced} between rounds."""
+    """One device for the whole run: holds x_{synced} (and its momentum buffer) between rounds."""
 
     def __init__(self, params: DeComFLParams, initial: Callable[[], Mapping[str, np.ndarray]]) -> None:
         self.p, self.initial = params, initial
         self.K, self.P = params.local_steps, params.perturbations
         self.model: dict[str, np.ndarray] | None = None
+        self.buf: dict[str, np.ndarray] | None = None  # heavy-ball buffer of x_{synced} (momentum > 0)
         self.synced = 0
 
     def _init(self, trainer: Trainer) -> None:
         # a forward-only backend ships x_0 with its exported model; torch devices build it from the spec
         source = getattr(trainer, "initial_params", None)
         self.model = P.copy(source() if callable(source) else self.initial())
+        self.buf = P.zeros_like(self.model) if self.p.momentum else None
 
     def catch_up(self, start: int, seeds: np.ndarray, hist: np.ndarray) -> None:
         """Replay rounds ``start .. start+h-1`` on the device model (skipping those already applied)."""
@@ -265,7 +281,7 @@ class DeComFLDevice(DeviceRole):
         if start > self.synced:
             raise ValueError(f"history starts at round {start}, but this device is synced to round {self.synced}")
         for i in range(self.synced - start, len(hist)):
-            Z.apply_round(self.model, int(seeds[i]), hist[i], self.p.lr, self.p.direction)
+            Z.apply_round(self.model, int(seeds[i]), hist[i], self.p.lr, self.p.direction, self.buf, self.p.momentum)
         self.synced = start + len(hist)
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
@@ -273,14 +289,15 @@ class DeComFLDevice(DeviceRole):
             self._init(trainer)
         start, seeds, hist = read_history(task, ctx.round, self.K, self.P, "task")
         self.catch_up(start, seeds, hist)
-        snapshot = self.model
-        g = self.local_update(P.copy(snapshot), int(seeds[-1]), data, trainer, ctx)
-        self.model = snapshot  # revert by copy: x stays x_r exactly (the local steps ran on a copy)
+        buf = P.copy(self.buf) if self.buf is not None else None
+        g = self.local_update(P.copy(self.model), int(seeds[-1]), data, trainer, ctx, buf)
+        # revert by copy: x and the buffer stay x_r's exactly (the local steps ran on copies)
         return Payload({"weight": len(data)}, {"g": g})
 
     def local_update(self, x: dict[str, np.ndarray], round_seed: int, data: LocalData, trainer: Trainer,
-                     ctx: DeviceContext) -> np.ndarray:
-        """K ZO-SGD steps on ``x`` (modified in place); returns the K x P float32 scalars."""
+                     ctx: DeviceContext, buf: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """K ZO-SGD steps on ``x`` (and the momentum buffer ``buf``; both modified in place); returns the
+        K x P float32 scalars."""
         p, shapes = self.p, Z.shapes_of(x)
         g = np.zeros((self.K, self.P), np.float32)
         order = batches(len(data), p.batch_size, self.K,
@@ -294,7 +311,11 @@ class DeComFLDevice(DeviceRole):
                 g[k, j] = np.float32((f - f0) / p.mu)
             if not np.isfinite(g[k]).all():
                 raise ValueError(f"non-finite ZO scalars at step {k} (lr or mu too large?)")
-            Z.apply_step(x, round_seed, k, g[k], p.lr, p.direction)
+            if p.momentum:
+                assert buf is not None, "momentum needs its buffer"
+                Z.apply_momentum_step(x, buf, round_seed, k, g[k], p.lr, p.momentum, p.direction)
+            else:
+                Z.apply_step(x, round_seed, k, g[k], p.lr, p.direction)
         return g
 
 

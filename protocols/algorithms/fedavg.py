@@ -179,10 +179,11 @@ class FedAvgDevice(DeviceRole):
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         trainer.set_params(task.tensors)
         steps = num_steps(len(data), self.p.batch_size, self.p.local_steps, self.p.local_epochs)
-        mu = float(getattr(self.p, "prox_mu", 0.0))
+        mu, beta = float(getattr(self.p, "prox_mu", 0.0)), float(getattr(self.p, "momentum", 0.0))
         stats = trainer.sgd(data, steps=steps, batch_size=self.p.batch_size, lr=self.p.lr,
                             rng=rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"),
-                            weight_decay=self.p.weight_decay, **({"prox_mu": mu} if mu else {}))
+                            weight_decay=self.p.weight_decay, **({"prox_mu": mu} if mu else {}),
+                            **({"momentum": beta} if beta else {}))
         delta = P.sub(trainer.get_params(), task.tensors)
         out = self.codec.encode(delta, uplink_seed(ctx))
         out.meta.update({"weight": len(data), "loss": stats.loss, "steps": stats.steps})
@@ -196,6 +197,8 @@ class FedAvgParams(ServerParams, RobustParams, AsyncParams, UplinkParams):
 
     prox_mu: float = Field(default=0.0, ge=0, description="FedProx (Li et al. 2020): devices minimise their loss "
                            "+ mu/2 ||w - w_task||^2 (0: FedAvg, bit for bit)")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="devices' local SGD heavy-ball beta (torch's rule; "
+                            "the buffer starts at zero every edge round; 0: plain SGD, bit for bit)")
 
     @model_validator(mode="after")
     def _async_fits(self) -> "FedAvgParams":

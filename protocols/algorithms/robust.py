@@ -10,6 +10,10 @@
   (Blanchard et al. 2017), ``f = floor(krum_byzantine * n)``.
 * ``multikrum``: the weighted mean of the ``m`` inputs with the best Krum scores (``multikrum_keep``;
   0: ``n - f``).
+* ``majority``: signSGD with majority vote (Bernstein et al. 2019), the 1-bit baseline beside the scaled
+  SignSGD codec: per coordinate the sign of the unweighted sum of the inputs' signs (a tie gives 0),
+  times, per tensor, the inputs' mean absolute value (so with ``uplink = "signsgd"`` and
+  ``signsgd_mode = "scaled"`` it needs no extra learning rate). One input, one vote.
 
 Weights are claims of the senders, so the coordinate-wise rules ignore them (a Byzantine sender could
 claim any weight). Every aggregation says whom it left out and why: Krum/Multi-Krum name the inputs
@@ -29,14 +33,14 @@ from pydantic import Field
 from .. import params as P
 from .base import TrainParams
 
-AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multikrum"]
+AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multikrum", "majority"]
 
 
 class RobustParams(TrainParams):
     """How cells aggregate their devices' deltas and the cloud its cells' reports."""
 
     cell_aggregator: AggregatorName = Field(default="mean", description="mean | median | trimmed_mean | krum | "
-                                            "multikrum: how a cell combines its devices' deltas")
+                                            "multikrum | majority: how a cell combines its devices' deltas")
     cloud_aggregator: AggregatorName = Field(default="mean", description="the same, for the cloud over cells")
     trim_beta: float = Field(default=0.2, ge=0, lt=0.5, description="trimmed_mean: fraction cut at each end "
                              "per coordinate")
@@ -68,6 +72,10 @@ def aggregate(kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarr
     names = list(items[0][2])
     stack = {k: np.stack([np.asarray(d[k], dtype=np.float64) for _, _, d in items]) for k in names}
     n, total = len(items), float(sum(w for _, w, _ in items))
+    if kind == "majority":
+        votes = {k: (np.abs(s).reshape(n, -1).mean(axis=1).mean() * np.sign(np.sign(s).sum(axis=0))).astype(np.float32)
+                 for k, s in stack.items()}
+        return Aggregate(votes, total, {}, ids)
     if kind in ("median", "trimmed_mean"):
         beta = getattr(params, "trim_beta", 0.1)
         b = min(int(math.floor(beta * n)), (n - 1) // 2)
