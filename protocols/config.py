@@ -272,6 +272,21 @@ class MonitoringSection(_Section):
     metrics_host: str = Field(default="127.0.0.1", description="address the /metrics server binds (0.0.0.0: all)")
 
 
+class PrivacySection(_Section):
+    """Secure aggregation inside each cell (``protocols/privacy/secagg.py``)."""
+
+    secure_aggregation: bool = Field(default=False, description="SecAgg+: a cell learns only the sum of its "
+                                     "devices' (clipped, quantised) updates; fedavg and hist")
+    secagg_threshold: float = Field(default=0.5, ge=0, lt=1, description="t = floor(threshold x degree) + 1 "
+                                    "neighbours' shares recover a device's secret (> degree / 2 by default)")
+    secagg_neighbours: int = Field(default=0, ge=0, description="degree of each device in the sparse neighbour "
+                                   "graph; 0: about 3 log2(n), capped at n - 1 (n - 1: SecAgg's complete graph)")
+    secagg_bound: float = Field(default=1.0, gt=0, description="every update value is clipped to [-bound, bound] "
+                                "before quantisation to 32-bit fixed point")
+    secagg_deadline: float = Field(default=30.0, gt=0, description="seconds a cell waits in each extra phase "
+                                   "(keys, shares, unmasking) before going on without the silent devices")
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     topology: TopologySection = TopologySection()
@@ -285,6 +300,7 @@ class RunConfig(_Section):
     broker: BrokerSection = BrokerSection()
     security: SecuritySection = SecuritySection()
     monitoring: MonitoringSection = MonitoringSection()
+    privacy: PrivacySection = PrivacySection()
 
     @property
     def train(self) -> TrainParams:
@@ -360,7 +376,13 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format(exc)) from None
-    cfg.train  # validates the algorithm section
+    train = cfg.train  # validates the algorithm section
+    if cfg.privacy.secure_aggregation:
+        from .privacy.secagg import refusal
+
+        reason = refusal(train)
+        if reason is not None:
+            raise ConfigError(f"privacy.secure_aggregation: {reason}")
     return cfg
 
 

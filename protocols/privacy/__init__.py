@@ -1,0 +1,1 @@
+"""Privacy protocols: secure aggregation inside a cell (``secagg``, ``shamir``)."""

@@ -1,0 +1,571 @@
+"""SecAgg+ (Bell et al. 2020) inside one cell: the cell learns the *sum* of its devices' updates, never one.
+
+One edge round, as the cell and device runtimes drive it (``U1 ⊇ U2 ⊇ U3``)::
+
+    cell -> device   device_task       (the model, as without secure aggregation)
+    device -> cell   secagg_keys       two fresh X25519 public keys (c: shares, s: masks) and its weight bound
+    cell -> device   secagg_roster     U1 = the devices that advertised, their weight total, the
+                                       device's neighbours' public keys (a sparse graph seeded from
+                                       (run seed, round, edge round, cell): degree ~ 3 log2 |U1|)
+    device -> cell   secagg_shares     per neighbour: AES-GCM(Shamir share of its self-mask seed b and of
+                                       its mask key s_sk), sealed with the pair's c key; a commitment to b
+    cell -> device   secagg_routed     U2 = devices whose shares arrived, the ciphertexts addressed to it
+    device -> cell   device_result     its update, clipped to ±bound, weighted, quantised to Z_2^32, plus
+                                       PRG(b) and ±PRG(s_ij) for every neighbour j in U2
+    cell -> device   secagg_unmask     U3 = the survivors (masked results accepted), D = U2 - U3 (dropped)
+    device -> cell   secagg_reveal     shares of b_j for its neighbours in U3, of s_sk_j for those in D
+
+The cell adds the masked vectors; pairwise masks between survivors cancel; it removes the survivors'
+self-masks (b_j from t shares, checked against the commitment) and the dropped devices' pairwise masks
+(s_sk_j from t shares, checked against the advertised public key). What is left is
+``sum_{i in U3} round(w_i * clip(x_i) * scale) mod 2^32``, exactly the plain sum of the quantised updates.
+A device reveals once per edge round and only for disjoint U3 / D, so the cell never holds both secrets
+of one device. Fewer than ``t`` shares for any secret -> :class:`SecAggFailure` (the round is lost).
+
+Secrets (keys, self-mask seeds, Shamir coefficients, nonces) come from the OS's cryptographic source,
+never from the run seed; the graph and the quantisation are public and deterministic, so the unmasked
+sum (and the model) is the same in ``fedtier sim`` and ``fedtier run``.
+
+Pure code: no sockets, no clocks. The roles here are driven by ``cell_server`` and ``edge_agent``.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from ..algorithms.base import Rejected
+from ..seeding import rng
+from ..wire.payload import Payload
+from . import shamir
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+SEALED_BYTES = NONCE_BYTES + 2 * shamir.SHARE_BYTES + 16  # nonce | share of b | share of s_sk | GCM tag
+QUANT_MAX = 2**31 - 1  # |sum of quantised values| stays below this: no wrap-around in Z_2^32
+KINDS = ("secagg_keys", "secagg_roster", "secagg_shares", "secagg_routed", "secagg_unmask", "secagg_reveal")
+
+
+class SecAggFailure(RuntimeError):
+    """The round cannot be unmasked (too few devices or shares); the cell reports nothing for it."""
+
+
+@dataclass(frozen=True)
+class SecAggSettings:
+    """What both sides derive from the run's config (``[privacy]``): nothing here comes over the wire."""
+
+    seed: int
+    threshold: float = 0.5  # t = floor(threshold * degree) + 1 shares reconstruct a secret
+    neighbours: int = 0  # degree of the graph; 0: the smallest even number >= 3 log2 n (capped at n - 1)
+    bound: float = 1.0  # every update value is clipped to [-bound, bound] before quantisation
+
+    def degree(self, n: int) -> int:
+        """Neighbours per device among ``n`` devices."""
+        if n <= 1:
+            return 0
+        k = self.neighbours or 2 * math.ceil(1.5 * math.log2(n))
+        return min(k + k % 2, n - 1)  # even below n - 1: the ring graph is then symmetric
+
+    def t(self, n: int) -> int:
+        """Shares needed to reconstruct a secret of a device among ``n`` (``t > degree / 2`` by default)."""
+        return max(1, math.floor(self.threshold * self.degree(n)) + 1) if n > 1 else 1
+
+
+@dataclass(frozen=True)
+class RoundId:
+    """Which aggregation: every key, ciphertext and commitment is bound to it (no replay across rounds)."""
+
+    run: str
+    cell: str
+    round: int
+    edge_round: int
+
+    def label(self, *parts: str) -> bytes:
+        return "/".join(["fedtier-secagg", self.run, self.cell, str(self.round), str(self.edge_round),
+                         *parts]).encode()
+
+
+_NEEDS_INDIVIDUAL = {
+    "fedalign": "FedALIGN's cell admits each non-priority device by its own loss, so it must see each result",
+    "fedmrn": "FedMRN's cell decodes each device's seed and masks; use fedavg/hist with dense updates",
+    "decomfl": "DeComFL's uplink is K x P scalars per device: the keys and shares of secure aggregation would "
+               "cost more than the scalars, and its cells replay per-device histories; not supported",
+}
+
+
+def refusal(params: Any) -> str | None:
+    """Why secure aggregation cannot run with these algorithm parameters (``None``: it can). The cell
+    only ever sees the sum, so the algorithm must aggregate a cell's devices by a (weighted) sum of
+    dense updates: hierarchical FedAvg and HIST, synchronous, with the mean cell aggregator."""
+    name = params.name
+    if name not in ("fedavg", "hist"):
+        return _NEEDS_INDIVIDUAL.get(name, f"{name!r} is not built for it") + " (fedavg and hist are)"
+    if getattr(params, "uplink", "dense") != "dense":
+        return f"algorithm.uplink = {params.uplink!r}: secure aggregation quantises dense updates itself; use \"dense\""
+    if getattr(params, "cell_aggregator", "mean") != "mean":
+        return (f"algorithm.cell_aggregator = {params.cell_aggregator!r} needs each device's update; the cell "
+                "only sees the sum (use \"mean\")")
+    if getattr(params, "mode", "sync") != "sync":
+        return "algorithm.mode = \"async\" aggregates results one by one with staleness weights (use \"sync\")"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- graph
+def neighbour_graph(devices: Sequence[str], settings: SecAggSettings, rid: RoundId) -> dict[str, list[str]]:
+    """A Harary-style graph over ``devices``: in a seeded ring order, each device is joined to its
+    ``degree / 2`` successors and predecessors (all others when the degree is n - 1). Public and
+    deterministic: every device checks the cell's roster against it."""
+    ring = sorted(devices)
+    n, k = len(ring), settings.degree(len(ring))
+    if k >= n - 1:
+        return {d: [e for e in ring if e != d] for d in ring}
+    order = [ring[i] for i in rng(settings.seed, rid.round, rid.edge_round, rid.cell, "secagg graph").permutation(n)]
+    at = {d: i for i, d in enumerate(order)}
+    half = k // 2
+    out = {}
+    for d in ring:
+        i = at[d]
+        near = {order[(i + s) % n] for s in range(1, half + 1)} | {order[(i - s) % n] for s in range(1, half + 1)}
+        out[d] = sorted(near)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- crypto
+def _kdf(secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
+
+
+def _public(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def _private(key: X25519PrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                             serialization.NoEncryption())
+
+
+def _agree(private: bytes | X25519PrivateKey, public: bytes, info: bytes) -> bytes:
+    key = private if isinstance(private, X25519PrivateKey) else X25519PrivateKey.from_private_bytes(private)
+    return _kdf(key.exchange(X25519PublicKey.from_public_bytes(public)), info)
+
+
+def prg(key: bytes, n: int) -> np.ndarray:
+    """``n`` pseudo-random uint32 (ChaCha20 keystream of ``key``, little-endian)."""
+    stream = Cipher(algorithms.ChaCha20(key, b"\0" * 16), mode=None).encryptor().update(bytes(4 * n))
+    return np.frombuffer(stream, dtype="<u4").astype(np.uint32)
+
+
+def pair_sign(me: str, other: str) -> int:
+    """The lower id of a pair adds the pairwise mask, the higher subtracts it."""
+    return 1 if me < other else -1
+
+
+def pair_mask(private: bytes | X25519PrivateKey, public: bytes, rid: RoundId, n: int) -> np.ndarray:
+    return prg(_agree(private, public, rid.label("pair mask")), n)
+
+
+def self_mask(b: bytes, rid: RoundId, n: int) -> np.ndarray:
+    return prg(_kdf(b, rid.label("self mask")), n)
+
+
+def commitment(b: bytes, device: str, rid: RoundId) -> str:
+    return hashlib.sha256(rid.label("commit", device) + b).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- quantisation
+def scale_for(settings: SecAggSettings, total_weight: float) -> float:
+    """Fixed-point scale: the weighted sum of ``total_weight`` samples' clipped values fits in ±QUANT_MAX."""
+    return QUANT_MAX / (settings.bound * total_weight)
+
+
+def quantize(values: np.ndarray, weight: float, settings: SecAggSettings, total_weight: float) -> np.ndarray:
+    """``round(weight * clip(values) * scale) mod 2^32`` as uint32."""
+    v = np.clip(values.astype(np.float64), -settings.bound, settings.bound) * (weight * scale_for(settings, total_weight))
+    return (np.rint(v).astype(np.int64) & 0xFFFFFFFF).astype(np.uint32)
+
+
+def dequantize(total: np.ndarray, settings: SecAggSettings, total_weight: float) -> np.ndarray:
+    """The weighted sum (float64) from a sum of :func:`quantize` outputs mod 2^32."""
+    return total.astype(np.uint32).view(np.int32).astype(np.float64) / scale_for(settings, total_weight)
+
+
+Layout = list[tuple[str, tuple[int, ...]]]
+
+
+def flatten(tensors: Mapping[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
+    names = sorted(tensors)
+    layout = [(n, tuple(int(s) for s in np.shape(tensors[n]))) for n in names]
+    flat = np.concatenate([np.ravel(tensors[n]).astype(np.float64) for n in names]) if names else np.zeros(0)
+    return flat, layout
+
+
+def unflatten(flat: np.ndarray, layout: Layout, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    out, at = {}, 0
+    for name, shape in layout:
+        size = math.prod(shape)
+        out[name] = flat[at:at + size].reshape(shape).astype(dtype)
+        at += size
+    return out
+
+
+def _layout_of(meta: Any) -> Layout:
+    """A layout from JSON (``[[name, [dims]], ...]``), validated."""
+    if not isinstance(meta, list) or not meta or len(meta) > 4096:
+        raise Rejected("secure aggregation: missing or bad layout")
+    out = []
+    for item in meta:
+        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                or not isinstance(item[1], list) or len(item[1]) > 8
+                or not all(isinstance(s, int) and 0 <= s < 2**31 for s in item[1])):
+            raise Rejected("secure aggregation: bad layout entry")
+        out.append((item[0], tuple(item[1])))
+    return out
+
+
+def _device_list(value: Any, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(d, str) for d in value) or len(set(value)) != len(value):
+        raise Rejected(f"secure aggregation: {what} is not a list of distinct device ids")
+    return sorted(value)
+
+
+def _bytes(payload: Payload, name: str, size: int, what: str) -> bytes:
+    arr = payload.tensors.get(name)
+    if arr is None or arr.dtype != np.uint8 or arr.shape != (size,):
+        raise Rejected(f"secure aggregation: {what} needs {name!r} as {size} bytes")
+    return arr.tobytes()
+
+
+def _u8(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8).copy()
+
+
+# ---------------------------------------------------------------------------------------------- device
+@dataclass
+class SecAggDevice:
+    """One device's side of one aggregation. Each method answers one cell message; a message it cannot
+    use raises :class:`Rejected` (the runtime logs it and the device sits the round out)."""
+
+    settings: SecAggSettings
+    rid: RoundId
+    device: str
+    weight_bound: float
+    _c: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
+    _s: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
+    _b: bytes = field(default_factory=lambda: os.urandom(KEY_BYTES), repr=False)
+    roster: list[str] = field(default_factory=list)
+    neighbours: list[str] = field(default_factory=list)
+    total_weight: float = 0.0
+    _peer_c: dict[str, bytes] = field(default_factory=dict, repr=False)
+    _peer_s: dict[str, bytes] = field(default_factory=dict, repr=False)
+    _held: dict[str, tuple[bytes, bytes]] = field(default_factory=dict, repr=False)  # from j: (b share, s_sk share)
+    shared: list[str] = field(default_factory=list)  # U2 as the cell announced it
+    revealed: bool = False
+
+    def advertise(self) -> Payload:
+        """``secagg_keys``: the two public keys and the largest weight this device's update will carry."""
+        return Payload({"weight": self.weight_bound}, {"c": _u8(_public(self._c)), "s": _u8(_public(self._s))})
+
+    def share(self, roster: Payload) -> Payload:
+        """``secagg_shares`` from ``secagg_roster``: Shamir shares of b and s_sk, sealed per neighbour."""
+        if self.roster:
+            raise Rejected("secure aggregation: a second roster for this round")
+        devices = _device_list(roster.meta.get("devices"), "roster")
+        total = roster.meta.get("total_weight")
+        if self.device not in devices:
+            raise Rejected("secure aggregation: this device is not in the roster")
+        if not isinstance(total, (int, float)) or not math.isfinite(total) or total < self.weight_bound:
+            raise Rejected(f"secure aggregation: total weight {total!r} below this device's")
+        graph = neighbour_graph(devices, self.settings, self.rid)
+        near = graph[self.device]
+        expected = {f"{p}/{j}" for j in near for p in ("c", "s")}
+        if set(roster.tensors) != expected:
+            raise Rejected("secure aggregation: the roster's keys are not those of this device's neighbours")
+        for j in near:
+            self._peer_c[j] = _bytes(roster, f"c/{j}", KEY_BYTES, "roster")
+            self._peer_s[j] = _bytes(roster, f"s/{j}", KEY_BYTES, "roster")
+        self.roster, self.neighbours, self.total_weight = devices, near, float(total)
+        t = self.settings.t(len(devices))
+        points = [devices.index(j) + 1 for j in near]  # x of j's share: its position in U1, + 1
+        b_shares = shamir.split(self._b, points, t) if near else []
+        s_shares = shamir.split(_private(self._s), points, t) if near else []
+        sealed = {}
+        for j, x, (_, bs), (_, ss) in zip(near, points, b_shares, s_shares):
+            key = _agree(self._c, self._peer_c[j], self.rid.label("seal"))
+            nonce = os.urandom(NONCE_BYTES)
+            sealed[f"e/{j}"] = _u8(nonce + AESGCM(key).encrypt(nonce, bs + ss, self.rid.label(self.device, j, str(x))))
+        return Payload({"commit": commitment(self._b, self.device, self.rid)}, sealed)
+
+    def receive(self, routed: Payload) -> int:
+        """``secagg_routed``: U2 and the shares neighbours sealed for this device; returns how many opened.
+        A share that does not open (tampered, replayed from another round) is dropped: this device
+        then cannot help recover that neighbour, which costs at most that neighbour's recovery."""
+        if not self.roster:
+            raise Rejected("secure aggregation: shares routed before the roster")
+        if self.shared:
+            raise Rejected("secure aggregation: shares routed twice this round")
+        shared = _device_list(routed.meta.get("shared"), "shared")
+        if self.device not in shared or not set(shared) <= set(self.roster):
+            raise Rejected("secure aggregation: the routed set does not fit the roster")
+        x = self.roster.index(self.device) + 1
+        for j in self.neighbours:
+            arr = routed.tensors.get(f"e/{j}")
+            if j not in shared or arr is None or arr.dtype != np.uint8 or arr.shape != (SEALED_BYTES,):
+                continue
+            blob = arr.tobytes()
+            key = _agree(self._c, self._peer_c[j], self.rid.label("seal"))
+            try:
+                plain = AESGCM(key).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], self.rid.label(j, self.device, str(x)))
+            except InvalidTag:
+                continue
+            self._held[j] = (plain[:shamir.SHARE_BYTES], plain[shamir.SHARE_BYTES:])
+        self.shared = shared
+        return len(self._held)
+
+    def mask(self, result: Payload) -> Payload:
+        """The masked ``device_result`` for a dense result (tensors, ``weight``): one uint32 vector."""
+        if not self.shared:
+            raise Rejected("secure aggregation: masking before the shares were routed")
+        weight = result.meta.get("weight")
+        if not isinstance(weight, (int, float)) or not 0 < weight <= self.weight_bound:
+            raise Rejected(f"secure aggregation: weight {weight!r} outside (0, {self.weight_bound:g}]")
+        flat, layout = flatten(result.tensors)
+        masked = quantize(flat, float(weight), self.settings, self.total_weight)
+        n = masked.size
+        masked += self_mask(self._b, self.rid, n)
+        for j in self.neighbours:
+            if j in self.shared:
+                pm = pair_mask(self._s, self._peer_s[j], self.rid, n)
+                masked += pm if pair_sign(self.device, j) > 0 else -pm  # uint32: wraps mod 2^32
+        meta = {k: v for k, v in result.meta.items() if k in ("weight", "loss", "steps")}
+        meta["layout"] = [[name, list(shape)] for name, shape in layout]
+        return Payload(meta, {"masked": masked})
+
+    def reveal(self, request: Payload) -> Payload:
+        """``secagg_reveal`` for ``secagg_unmask``: b shares of surviving neighbours, s_sk shares of dropped ones."""
+        if self.revealed:
+            raise Rejected("secure aggregation: a second unmask request this round (refused)")
+        survivors = _device_list(request.meta.get("survivors"), "survivors")
+        dropped = _device_list(request.meta.get("dropped"), "dropped")
+        if set(survivors) & set(dropped) or not set(survivors) | set(dropped) <= set(self.shared):
+            raise Rejected("secure aggregation: survivors and dropped overlap or leave the shared set")
+        if self.device not in survivors:
+            raise Rejected("secure aggregation: unmask request that does not count this device")
+        if len(survivors) < self.settings.t(len(self.roster)):
+            raise Rejected("secure aggregation: fewer survivors than the threshold")
+        self.revealed = True
+        out: dict[str, np.ndarray] = {}
+        for j, (bs, ss) in self._held.items():
+            if j in survivors:
+                out[f"b/{j}"] = _u8(bs)
+            elif j in dropped:
+                out[f"s/{j}"] = _u8(ss)
+        return Payload({}, out)
+
+
+# ---------------------------------------------------------------------------------------------- cell
+@dataclass
+class Unmasked:
+    """The outcome of an aggregation: the weighted sum of the survivors' clipped updates."""
+
+    weighted_sum: dict[str, np.ndarray]  # sum_i w_i * clip(x_i), float32, by tensor
+    quantised_sum: np.ndarray  # the unmasked uint32 vector: sum_i quantize(x_i) mod 2^32
+    weights: dict[str, float]  # survivor -> weight
+    dropped: list[str]  # shared their secrets, then no (valid) masked result: their masks were removed
+    stats: dict[str, int]
+
+
+class SecAggCell:
+    """A cell's side of one aggregation: checks each device message, builds the next phase's messages,
+    unmasks the sum. ``planned``: the devices sent a task; ``weight_bound(d)``: the largest weight the
+    cell accepts from ``d`` (None: any). Raises :class:`Rejected` for a message it refuses and
+    :class:`SecAggFailure` when the round cannot be completed."""
+
+    def __init__(self, settings: SecAggSettings, rid: RoundId, planned: Sequence[str],
+                 weight_bound: Any = None) -> None:
+        self.settings, self.rid, self.planned = settings, rid, set(planned)
+        self.weight_bound = weight_bound or (lambda d: None)
+        self.phase = "keys"
+        self.keys: dict[str, tuple[bytes, bytes, float]] = {}  # U1: c_pk, s_pk, weight bound
+        self.roster: list[str] = []
+        self.graph: dict[str, list[str]] = {}
+        self.sealed: dict[str, Payload] = {}  # U2: device -> its sealed shares
+        self.commits: dict[str, str] = {}
+        self.masked: dict[str, Payload] = {}
+        self.shared: list[str] = []
+        self.survivors: list[str] = []
+        self.dropped: list[str] = []
+        self.reveals: dict[str, Payload] = {}
+        self.total_weight = 0.0
+
+    def _expect(self, phase: str, device: str) -> None:
+        if device not in self.planned:
+            raise Rejected(f"secure aggregation: {device} was not planned for this round")
+        if self.phase != phase:
+            raise Rejected(f"secure aggregation: a {phase} message during the {self.phase} phase")
+
+    def add_keys(self, device: str, payload: Payload) -> None:
+        self._expect("keys", device)
+        if device in self.keys:
+            raise Rejected("secure aggregation: keys sent twice")
+        c, s = _bytes(payload, "c", KEY_BYTES, "keys"), _bytes(payload, "s", KEY_BYTES, "keys")
+        w = payload.meta.get("weight")
+        bound = self.weight_bound(device)
+        if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0 or (bound is not None and w > bound):
+            raise Rejected(f"secure aggregation: weight {w!r} refused (bound {bound})")
+        self.keys[device] = (c, s, float(w))
+
+    @property
+    def keys_complete(self) -> bool:
+        return self.phase == "keys" and set(self.keys) == self.planned
+
+    def rosters(self) -> dict[str, Payload]:
+        """Close the key phase: each advertising device's ``secagg_roster``."""
+        self.phase = "shares"
+        self.roster = sorted(self.keys)
+        if len(self.roster) < max(2, self.settings.t(len(self.roster))):
+            self._fail(f"{len(self.roster)} devices sent keys, too few to hide one update")
+        self.graph = neighbour_graph(self.roster, self.settings, self.rid)
+        self.total_weight = sum(w for _, _, w in self.keys.values())
+        meta = {"devices": self.roster, "total_weight": self.total_weight}
+        return {d: Payload(meta, {f"{p}/{j}": _u8(self.keys[j][i]) for j in near for i, p in ((0, "c"), (1, "s"))})
+                for d, near in self.graph.items()}
+
+    def add_shares(self, device: str, payload: Payload) -> None:
+        self._expect("shares", device)
+        if device not in self.graph:
+            raise Rejected("secure aggregation: shares from a device not in the roster")
+        if device in self.sealed:
+            raise Rejected("secure aggregation: shares sent twice")
+        if set(payload.tensors) != {f"e/{j}" for j in self.graph[device]}:
+            raise Rejected("secure aggregation: shares are not one per neighbour")
+        for j in self.graph[device]:
+            _bytes(payload, f"e/{j}", SEALED_BYTES, "shares")
+        commit = payload.meta.get("commit")
+        if not isinstance(commit, str) or len(commit) != 64:
+            raise Rejected("secure aggregation: missing commitment")
+        self.sealed[device], self.commits[device] = payload, commit
+
+    @property
+    def shares_complete(self) -> bool:
+        return self.phase == "shares" and set(self.sealed) == set(self.roster)
+
+    def routes(self) -> dict[str, Payload]:
+        """Close the share phase: each sharing device's ``secagg_routed`` (the ciphertexts sealed for it)."""
+        self.phase = "masked"
+        self.shared = sorted(self.sealed)
+        if len(self.shared) < max(2, self.settings.t(len(self.roster))):
+            self._fail(f"{len(self.shared)} devices shared their secrets, fewer than the threshold "
+                       f"{self.settings.t(len(self.roster))}")
+        meta = {"shared": self.shared}
+        return {d: Payload(meta, {f"e/{j}": self.sealed[j].tensors[f"e/{d}"] for j in self.graph[d] if j in self.sealed})
+                for d in self.shared}
+
+    def check_masked(self, device: str, payload: Payload) -> Layout:
+        """Refuse a masked result that cannot be summed; its layout otherwise."""
+        self._expect("masked", device)
+        if device not in self.sealed:
+            raise Rejected("secure aggregation: a result from a device whose shares did not arrive")
+        layout = _layout_of(payload.meta.get("layout"))
+        arr = payload.tensors.get("masked")
+        size = sum(math.prod(s) for _, s in layout)
+        if set(payload.tensors) != {"masked"} or arr is None or arr.dtype != np.uint32 or arr.shape != (size,):
+            raise Rejected("secure aggregation: the masked vector does not match its layout")
+        w = payload.meta.get("weight")
+        if not isinstance(w, (int, float)) or not 0 < w <= self.keys[device][2]:
+            raise Rejected(f"secure aggregation: weight {w!r} above the {self.keys[device][2]:g} advertised")
+        for other in self.masked.values():
+            if other.meta["layout"] != payload.meta["layout"]:
+                raise Rejected("secure aggregation: a layout unlike the other devices'")
+        return layout
+
+    def add_masked(self, device: str, payload: Payload) -> None:
+        self.check_masked(device, payload)
+        self.masked[device] = payload
+
+    def unmask_requests(self) -> dict[str, Payload]:
+        """Close the result phase: each survivor's ``secagg_unmask``."""
+        self.phase = "reveal"
+        self.survivors = sorted(self.masked)
+        self.dropped = sorted(set(self.shared) - set(self.masked))
+        t = self.settings.t(len(self.roster))
+        if len(self.survivors) < t or not self.survivors:
+            self._fail(f"{len(self.survivors)} survivors, fewer than the threshold {t}")
+        meta = {"survivors": self.survivors, "dropped": self.dropped}
+        return {d: Payload(meta, {}) for d in self.survivors}
+
+    def add_reveal(self, device: str, payload: Payload) -> None:
+        self._expect("reveal", device)
+        if device not in self.masked:
+            raise Rejected("secure aggregation: a reveal from a device that is not a survivor")
+        if device in self.reveals:
+            raise Rejected("secure aggregation: reveal sent twice")
+        near = set(self.graph[device])
+        allowed = {f"b/{j}" for j in self.survivors if j in near} | {f"s/{j}" for j in self.dropped if j in near}
+        if not set(payload.tensors) <= allowed:
+            raise Rejected("secure aggregation: a reveal with shares it should not hold")
+        for name in payload.tensors:
+            _bytes(payload, name, shamir.SHARE_BYTES, "reveal")
+        self.reveals[device] = payload
+
+    @property
+    def reveals_complete(self) -> bool:
+        return self.phase == "reveal" and set(self.reveals) == set(self.survivors)
+
+    def _shares_of(self, prefix: str, j: str) -> list[shamir.Share]:
+        return [(self.roster.index(r) + 1, p.tensors[f"{prefix}/{j}"].tobytes())
+                for r, p in sorted(self.reveals.items()) if f"{prefix}/{j}" in p.tensors]
+
+    def _recover(self, prefix: str, j: str, length: int, valid: Any) -> bytes:
+        """A secret of ``j`` from the revealed shares, checked by ``valid``; tolerates one bad share."""
+        shares, t = self._shares_of(prefix, j), self.settings.t(len(self.roster))
+        if len(shares) < t:
+            self._fail(f"{len(shares)} shares to recover {j}, fewer than the threshold {t}")
+        for subset in [shares] + [shares[:i] + shares[i + 1:] for i in range(len(shares))] * (len(shares) > t):
+            try:
+                secret = shamir.combine(subset, length)
+            except shamir.ShareError:
+                continue
+            if valid(secret):
+                return secret
+        self._fail(f"the shares revealed for {j} do not reconstruct its secret")
+        raise AssertionError  # unreachable
+
+    def finish(self) -> Unmasked:
+        """Unmask the sum of the survivors' quantised updates."""
+        self.phase = "done"
+        layout = _layout_of(self.masked[self.survivors[0]].meta["layout"])
+        n = sum(math.prod(s) for _, s in layout)
+        total = np.zeros(n, dtype=np.uint32)
+        for d in self.survivors:
+            total += self.masked[d].tensors["masked"]
+        for d in self.survivors:
+            b = self._recover("b", d, KEY_BYTES, lambda s, d=d: commitment(s, d, self.rid) == self.commits[d])
+            total -= self_mask(b, self.rid, n)
+        for j in self.dropped:
+            s_pub = self.keys[j][1]
+            sk = self._recover("s", j, KEY_BYTES,
+                               lambda s: _public(X25519PrivateKey.from_private_bytes(s)) == s_pub)
+            for i in self.graph[j]:
+                if i in self.masked:  # i added sign(i, j) * mask(i, j): take it out
+                    pm = pair_mask(sk, self.keys[i][1], self.rid, n)
+                    total -= pm if pair_sign(i, j) > 0 else -pm
+        summed = unflatten(dequantize(total, self.settings, self.total_weight), layout)
+        stats = {"planned": len(self.planned), "keys": len(self.roster), "shared": len(self.shared),
+                 "survivors": len(self.survivors), "dropped": len(self.dropped), "recovered": len(self.dropped),
+                 "degree": self.settings.degree(len(self.roster)), "threshold": self.settings.t(len(self.roster))}
+        return Unmasked(summed, total, {d: float(self.masked[d].meta["weight"]) for d in self.survivors},
+                        list(self.dropped), stats)
+
+    def _fail(self, why: str) -> None:
+        self.phase = "failed"
+        raise SecAggFailure(why)
