@@ -43,4 +43,5 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
         rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0, assume_online=assume_online,
         absent_ids=cfg.runtime.absent_ids,
         trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), max_weights=samples,
-        max_weight=cfg.security.max_device_weight)
+        max_weight=cfg.security.max_device_weight, secagg=cfg.secagg_settings(),
+        secagg_deadline=cfg.privacy.secagg_deadline)

@@ -23,6 +23,7 @@ from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
+    from protocols.privacy.secagg import SecAggSettings
     from protocols.wire.keys import Trust
 
 log = logging.getLogger("fedtier.cell")
@@ -52,7 +53,8 @@ class CellServer:
                  trust: "Trust | None" = None, max_message_bytes: int | None = None,
                  max_weights: Mapping[str, float] | None = None, max_weight: float | None = None,
                  assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0,
-                 rejoin_wait: float = 0.0, absent_ids: int = 100) -> None:
+                 rejoin_wait: float = 0.0, absent_ids: int = 100, secagg: "SecAggSettings | None" = None,
+                 secagg_deadline: float = 30.0) -> None:
         """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
         ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never);
         ``rejoin_wait``: before planning an edge round, wait up to this long for the devices that
@@ -61,7 +63,8 @@ class CellServer:
         counts them), so a cell of a large population does not list every device that sits a round out.
         ``trust``: this cell's identity (sign; verify the cloud, its devices and their status records;
         accept only tasks of the cloud's current session). ``max_weights`` (a device's known sample
-        count) and ``max_weight`` bound the ``weight`` a device result may claim."""
+        count) and ``max_weight`` bound the ``weight`` a device result may claim. ``secagg``: aggregate
+        with secure aggregation (``cell_server/secagg.py``; ``secagg_deadline`` per extra phase)."""
         if not 0 < quorum <= 1:
             raise ValueError("quorum must be in (0, 1]")
         self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
@@ -92,6 +95,15 @@ class CellServer:
         self._timer: TimerHandle | None = None
         self._reset_edge()
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
+        self.secagg = None
+        self._result_kinds: tuple[str, ...] = ("device_result",)
+        if secagg is not None:
+            from protocols.privacy.secagg import KINDS
+
+            from .secagg import CellSecAgg
+
+            self.secagg = CellSecAgg(self, secagg, secagg_deadline)
+            self._result_kinds += KINDS
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -203,6 +215,8 @@ class CellServer:
         self._waiting = set()
         self.in_round = False
         self.answers.close()
+        if self.secagg is not None:
+            self.secagg.cancel()
 
     def _reset_edge(self) -> None:
         self.losses: dict[str, float] = {}
@@ -254,6 +268,8 @@ class CellServer:
             self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, d), "device_task", plan[d],
                                                   round=self.round, edge_round=self.edge_round, cell=self.cell)
         self.answers.open((self.round, self.edge_round), self.planned)
+        if self.secagg is not None:
+            self.secagg.begin(self.planned)
         self._needed = math.ceil(self.quorum * len(self.planned))
         if not self.planned:
             self.loop.post(lambda r=self.round, e=self.edge_round: self._close(r, e, "no devices"))
@@ -262,14 +278,22 @@ class CellServer:
                                                lambda r=self.round, e=self.edge_round: self._close(r, e, "deadline"))
 
     def _on_result(self, topic: str, data: bytes) -> None:
-        msg = self.messenger.receive(topic, data, kinds=("device_result",))
+        msg = self.messenger.receive(topic, data, kinds=self._result_kinds)
         if msg is None:
             return
         h, device = msg.header, topic.split("/")[-2]
+        if self.secagg is not None and h.kind != "device_result":
+            reason = self._bad_result(device, msg)  # the session of signed runs, the weight bound
+            if reason is not None:
+                self.messenger.reject(topic, reason, device)
+            else:
+                self.secagg.on_message(topic, device, msg)
+            return
         taken = len(self.answers.received)
         reason = self._bad_result(device, msg)
         if reason is None:
-            reason = self.answers.offer(device, h.sender, (h.round, h.edge_round), msg.payload, self.role.check)
+            check = self.secagg.check if self.secagg is not None else self.role.check
+            reason = self.answers.offer(device, h.sender, (h.round, h.edge_round), msg.payload, check)
         if reason is not None:
             self.messenger.reject(topic, reason, device)
             return
@@ -307,7 +331,14 @@ class CellServer:
         for d in self.answers.pending:
             self.absent[d] = "deadline"
         self.answers.close()
-        metrics = self.role.aggregate(self.edge_round, results)
+        if self.secagg is not None:  # masked results: unmask the sum first (it calls _aggregate)
+            self.secagg.unmask(results, why)
+            return
+        self._aggregate(why, results)
+
+    def _aggregate(self, why: str, results: dict[str, Payload], extra: dict[str, Any] | None = None) -> None:
+        """Fold the edge round's results into the cell role, record it, and go on to the next one."""
+        metrics = {**(self.role.aggregate(self.edge_round, results) or {}), **(extra or {})}
         self._round_bytes["cell_to_device"] += self.bytes_out
         self._round_bytes["device_to_cell"] += self.bytes_in
         self._round_devices |= set(results)

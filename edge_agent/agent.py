@@ -14,6 +14,7 @@ from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
+    from protocols.privacy.secagg import SecAggSettings
     from protocols.session import CloudSession
     from protocols.wire.keys import Trust
 
@@ -35,13 +36,14 @@ class DeviceAgent:
                  data: LocalData, trainer: Trainer, seed: int, trust: "Trust | None" = None,
                  max_message_bytes: int | None = None, on_task: Callable[[int, int], None] | None = None,
                  compute_delay: Callable[[str, Payload], float] | None = None,
-                 cloud: "CloudSession | None" = None) -> None:
+                 cloud: "CloudSession | None" = None, secagg: "SecAggSettings | None" = None) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
         the result leaves (a compute model for simulation, see ``sim/clock.py``). ``trust`` (the device's
         identity) signs what it sends and admits only tasks signed by its cell; ``cloud`` (what the
         device knows of the cloud's session, from its signed records) then also admits only tasks of
         the current session, for a round no later than the manifest's. In any case a task must be for
-        a later (round, edge round) than the last one taken in its session."""
+        a later (round, edge round) than the last one taken in its session. ``secagg``: take part in
+        secure aggregation (``edge_agent/secagg.py``): results leave masked."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device
         self.compute_delay = compute_delay
         self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
@@ -54,6 +56,15 @@ class DeviceAgent:
         self.pending = 0  # tasks taken whose result has not left yet (training, or a modelled delay)
         self.bytes_in = 0
         self.bytes_out = 0
+        self.secagg = None
+        self._task_kinds: tuple[str, ...] = ("device_task",)
+        if secagg is not None:
+            from protocols.privacy.secagg import KINDS
+
+            from .secagg import DeviceSecAgg
+
+            self.secagg = DeviceSecAgg(self, secagg)
+            self._task_kinds += KINDS
 
     def start(self) -> None:
         self.attach(self.transport)
@@ -81,10 +92,13 @@ class DeviceAgent:
         self._on_task(topic, data)
 
     def _on_task(self, topic: str, data: bytes) -> None:
-        msg = self.messenger.receive(topic, data, kinds=("device_task",))
+        msg = self.messenger.receive(topic, data, kinds=self._task_kinds)
         if msg is None:
             return
         h = msg.header
+        if self.secagg is not None and h.kind != "device_task":
+            self.secagg.on_message(topic, msg)
+            return
         if h.cell != self.cell:
             self.messenger.reject(topic, f"task for cell {h.cell!r}, this device is in {self.cell!r}", h.sender)
             return
@@ -99,11 +113,16 @@ class DeviceAgent:
         self.bytes_in += msg.nbytes
         self.pending += 1
         ctx = DeviceContext(self.seed, h.round, h.edge_round, self.cell, self.device)
-        if self.executor is not None:  # training elsewhere; the result comes back on this loop
-            self.executor.submit(self.device, msg.payload, ctx,
-                                 lambda result, error: self._trained(topic, h, result, error))
+        if self.secagg is not None:  # keys first; training once the shares are out
+            self.secagg.begin(h, lambda: self._train(topic, h, msg.payload, ctx))
             return
-        self._trained(topic, h, *self.train_here(msg.payload, ctx))
+        self._train(topic, h, msg.payload, ctx)
+
+    def _train(self, topic: str, h: Header, task: Payload, ctx: DeviceContext) -> None:
+        if self.executor is not None:  # training elsewhere; the result comes back on this loop
+            self.executor.submit(self.device, task, ctx, lambda result, error: self._trained(topic, h, result, error))
+            return
+        self._trained(topic, h, *self.train_here(task, ctx))
 
     def _out_of_window(self, h: Header) -> str | None:
         """Why a task is not for now: not from this device's cell, another session than the cloud's
@@ -145,6 +164,13 @@ class DeviceAgent:
         self.pending -= 1
         if not self.transport.connected:
             return  # the device left while it was computing
+        if self.secagg is not None:  # it leaves masked, once the cell routed the shares
+            self.secagg.result_ready(result, round, edge_round)
+            return
+        self.publish_result(result, round, edge_round)
+
+    def publish_result(self, result: Payload, round: int, edge_round: int) -> None:
+        """Send a result to the cell."""
         self.bytes_out += self.messenger.send(
             topics.device_result(self.run, self.cell, self.device), "device_result", result,
             round=round, edge_round=edge_round, cell=self.cell)

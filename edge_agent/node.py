@@ -27,4 +27,5 @@ def build_agent(cfg: RunConfig, device: str, transport: Transport, algorithm: Al
     trust = node_trust(cfg, device)  # [security] keys: sign, and require the cell's signature
     return DeviceAgent(transport, run=cfg.run.name, cell=cell_of(cfg, device), device=device,
                        role=algorithm.device(device), data=data, trainer=trainer, seed=cfg.run.seed,
-                       trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), cloud=cloud)
+                       trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), cloud=cloud,
+                       secagg=cfg.secagg_settings())

@@ -331,6 +331,16 @@ class RunConfig(_Section):
         return ModelSpec(name=m.name, input_shape=tuple(input_shape), num_classes=num_classes,
                          hidden=m.hidden, channels=m.channels, fc=m.fc, init_std=m.init_std)
 
+    def secagg_settings(self) -> Any:
+        """The ``SecAggSettings`` of ``[privacy]`` when secure aggregation is on, else ``None``."""
+        if not self.privacy.secure_aggregation:
+            return None
+        from .privacy.secagg import SecAggSettings
+
+        p = self.privacy
+        return SecAggSettings(seed=self.run.seed, threshold=p.secagg_threshold, neighbours=p.secagg_neighbours,
+                              bound=p.secagg_bound)
+
     def max_message_bytes(self, spec: ModelSpec) -> int:
         """``runtime.max_message_bytes``, or its default from the model's size."""
         return self.runtime.max_message_bytes or 8 * 4 * spec.num_params() + 4 * 1024 * 1024

@@ -203,7 +203,8 @@ Layout = list[tuple[str, tuple[int, ...]]]
 
 
 def flatten(tensors: Mapping[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
-    names = sorted(tensors)
+    """One float64 vector of the tensors, in their order, and the layout that undoes it."""
+    names = list(tensors)
     layout = [(n, tuple(int(s) for s in np.shape(tensors[n]))) for n in names]
     flat = np.concatenate([np.ravel(tensors[n]).astype(np.float64) for n in names]) if names else np.zeros(0)
     return flat, layout

@@ -29,6 +29,12 @@ MessageKind = Literal[
     "telemetry",      # aggregation records
     "control",        # run-level control (e.g. run finished)
     "chunk",          # a piece of a larger message
+    "secagg_keys",    # device -> cell: secure aggregation (protocols/privacy/secagg.py), on the result topic
+    "secagg_roster",  # cell -> device, on its task topic
+    "secagg_shares",  # device -> cell
+    "secagg_routed",  # cell -> device
+    "secagg_unmask",  # cell -> device
+    "secagg_reveal",  # device -> cell
 ]
 
 

@@ -1,0 +1,189 @@
+"""The cell's side of secure aggregation at runtime: messages, phase deadlines, the record's numbers.
+
+The protocol (what is checked, what is computed) is ``protocols.privacy.secagg.SecAggCell``; this class
+moves its messages and decides when each phase ends: the key and share phases when every device
+expected answered or after ``privacy.secagg_deadline`` seconds; the result phase is the cell's usual
+one (all answered, quorum or ``runtime.device_deadline`` from the tasks); the unmasking phase when every
+survivor revealed or after ``secagg_deadline``. Extra messages travel on the existing topics: to a
+device on its task topic, from a device on its result topic. Nothing secret is logged: the records
+carry counts, and a rejection's reason names the message, never its content.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from protocols.algorithms.base import Rejected
+from protocols.privacy.secagg import RoundId, SecAggCell, SecAggFailure, SecAggSettings, unflatten
+from protocols.wire import topics
+from protocols.wire.payload import Payload
+
+if TYPE_CHECKING:
+    from protocols.wire.messenger import Incoming
+
+    from .server import CellServer
+
+log = logging.getLogger("fedtier.cell")
+
+_ADD = {"secagg_keys": "add_keys", "secagg_shares": "add_shares", "secagg_reveal": "add_reveal"}
+
+
+class CellSecAgg:
+    """Secure aggregation of one cell server's edge rounds."""
+
+    def __init__(self, server: "CellServer", settings: SecAggSettings, deadline: float) -> None:
+        self.server, self.settings, self.deadline = server, settings, deadline
+        self.state: SecAggCell | None = None
+        self.key: tuple[int, int] | None = None
+        self.failed: str | None = None
+        self._timer = None
+        self._why = ""
+
+    # ---------------------------------------------------------------- phases
+    def begin(self, planned: list[str]) -> None:
+        """The tasks of an edge round went out: wait for the planned devices' keys."""
+        s = self.server
+        self.cancel()
+        self.key, self.failed = (s.round, s.edge_round), None
+        self.state = SecAggCell(self.settings, RoundId(s.run, s.cell, s.round, s.edge_round), planned,
+                                weight_bound=lambda d: s.max_weights.get(d, s.max_weight))
+        if planned:
+            self._arm("keys")
+
+    def _arm(self, phase: str) -> None:
+        self.server.loop.cancel(self._timer)
+        self._timer = self.server.loop.call_later(self.deadline, lambda k=self.key: self._timeout(k, phase))
+
+    def cancel(self) -> None:
+        self.server.loop.cancel(self._timer)
+        self.state = None
+
+    def _timeout(self, key: tuple[int, int] | None, phase: str) -> None:
+        if self.state is None or key != self.key or self.state.phase != phase:
+            return
+        self._advance()
+
+    def _advance(self) -> None:
+        """Close the current phase (everybody answered, or its deadline passed) and open the next."""
+        st = self.state
+        assert st is not None
+        try:
+            if st.phase == "keys":
+                self._send("secagg_roster", st.rosters())
+                self._arm("shares")
+            elif st.phase == "shares":
+                self.server.loop.cancel(self._timer)
+                self._send("secagg_routed", st.routes())  # the result phase: the cell's deadline or quorum
+                self._expect_results(st)
+            elif st.phase == "reveal":
+                self.server.loop.cancel(self._timer)
+                self._finish()
+        except SecAggFailure as exc:
+            self._fail(str(exc))
+
+    def _expect_results(self, st: SecAggCell) -> None:
+        """Only devices whose shares arrived can send a result: the others are absent already."""
+        s = self.server
+        for d in sorted(s.answers.pending - set(st.shared)):
+            s.answers.pending.discard(d)
+            s.absent[d] = "no secagg keys" if d not in st.keys else "no secagg shares"
+        s._needed = math.ceil(s.quorum * len(st.shared))
+
+    def _send(self, kind: str, messages: Mapping[str, Payload]) -> None:
+        s = self.server
+        for d, payload in sorted(messages.items()):
+            s.bytes_out += s.messenger.send(topics.device_task(s.run, s.cell, d), kind, payload,  # type: ignore[arg-type]
+                                            round=s.round, edge_round=s.edge_round, cell=s.cell)
+
+    def _fail(self, why: str) -> None:
+        """Give the edge round up: logged, recorded, nothing aggregated; the next one starts as usual."""
+        log.warning("cell %s: secure aggregation of round %d.%d failed: %s", self.server.cell, *self.key, why)
+        self.failed = why
+        if self.state is not None and self.state.phase != "failed":
+            self.state.phase = "failed"
+        if self.server.answers.is_open:  # still collecting results: close the edge round now
+            self.server._close(self.server.round, self.server.edge_round, "secure aggregation failed")
+        else:
+            self._record_failure()
+
+    def _record_failure(self) -> None:
+        self.server.loop.cancel(self._timer)
+        stats = self._stats()
+        stats["failed"] = self.failed
+        self.state = None
+        self.server._aggregate("secure aggregation failed", {}, {"secagg": stats})
+
+    def _stats(self) -> dict[str, Any]:
+        st = self.state
+        if st is None:
+            return {}
+        return {"keys": len(st.keys), "shared": len(st.sealed), "survivors": len(st.survivors),
+                "dropped": len(st.dropped)}
+
+    # ---------------------------------------------------------------- messages
+    def on_message(self, topic: str, device: str, msg: "Incoming") -> None:
+        """A ``secagg_*`` message from ``device`` (its result topic)."""
+        s, h = self.server, msg.header
+        if h.sender != device:
+            s.messenger.reject(topic, f"sender {h.sender!r} published on the topic of device {device!r}", device)
+            return
+        if self.state is None or (h.round, h.edge_round) != self.key:
+            s.messenger.reject(topic, f"{h.kind} for round {h.round}.{h.edge_round}, not the current aggregation "
+                                      "(stale or replayed)", device)
+            return
+        method = _ADD.get(h.kind)
+        if method is None:
+            s.messenger.reject(topic, f"unexpected message kind {h.kind!r} from a device", device)
+            return
+        try:
+            getattr(self.state, method)(device, msg.payload)
+        except Rejected as exc:
+            s.messenger.reject(topic, str(exc), device)
+            return
+        s.bytes_in += msg.nbytes
+        st = self.state
+        if st.keys_complete or st.shares_complete or st.reveals_complete:
+            self._advance()
+
+    def check(self, device: str, result: Payload) -> None:
+        """A masked ``device_result``: it fits the protocol and (unmasked shapes) the cell role."""
+        if self.state is None:
+            raise Rejected("secure aggregation: no aggregation in progress")
+        layout = self.state.check_masked(device, result)
+        zeros = unflatten(np.zeros(sum(int(np.prod(s)) for _, s in layout)), layout)
+        self.server.role.check(device, Payload({"weight": result.meta["weight"]}, zeros))
+
+    def unmask(self, results: Mapping[str, Payload], why: str) -> None:
+        """The result phase closed with ``results`` (masked): ask the survivors for their shares."""
+        st = self.state
+        if self.failed is not None:
+            self._record_failure()
+            return
+        if st is None or st.phase != "masked":
+            self.failed = f"the result phase closed ({why}) before the shares were routed"
+            self._record_failure()
+            return
+        st.masked = dict(results)
+        self._why = why
+        try:
+            self._send("secagg_unmask", st.unmask_requests())
+        except SecAggFailure as exc:
+            self.failed = str(exc)
+            self._record_failure()
+            return
+        self._arm("reveal")
+
+    def _finish(self) -> None:
+        st = self.state
+        assert st is not None
+        out = st.finish()  # SecAggFailure: handled by _advance
+        self.state = None
+        total = sum(out.weights.values())
+        mean = {k: (v / total).astype(np.float32) for k, v in out.weighted_sum.items()}
+        # the role sees every survivor with the cell's mean update and its own weight: its weighted
+        # mean is then that mean, and its per-device bookkeeping (weights, uploads) stays right
+        results = {d: Payload({"weight": w}, mean) for d, w in sorted(out.weights.items())}
+        self.server._aggregate(self._why, results, {"secagg": out.stats})

@@ -1,0 +1,102 @@
+"""A device's side of secure aggregation at runtime (the protocol: ``protocols.privacy.secagg``).
+
+On a task the device advertises fresh keys; it trains once it has sealed its shares for the roster
+its cell sent (so the key and share phases take no training time); its result leaves masked, once
+the cell routed the shares. Every ``secagg_*`` message must be for the aggregation in progress
+(session, round, edge round) and, in signed runs, signed by the device's cell; anything else is
+rejected and logged.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+from protocols.algorithms.base import Rejected
+from protocols.privacy.secagg import RoundId, SecAggDevice, SecAggSettings
+from protocols.wire import topics
+from protocols.wire.payload import Payload
+
+if TYPE_CHECKING:
+    from protocols.wire.envelope import Header
+    from protocols.wire.messenger import Incoming
+
+    from .agent import DeviceAgent
+
+log = logging.getLogger("fedtier.agent")
+
+
+class DeviceSecAgg:
+    """Secure aggregation of one device agent's tasks."""
+
+    def __init__(self, agent: "DeviceAgent", settings: SecAggSettings) -> None:
+        self.agent, self.settings = agent, settings
+        self.state: SecAggDevice | None = None
+        self.key: tuple[str | None, int, int] | None = None
+        self._train: Callable[[], None] | None = None  # starts the task's training (once the shares are out)
+        self._result: Payload | None = None
+
+    def begin(self, h: "Header", train: Callable[[], None]) -> None:
+        """A task arrived: advertise keys; ``train`` runs once the shares are sealed."""
+        if self._train is not None:  # the previous task never got its roster: it will not train
+            self.agent.pending -= 1
+        a = self.agent
+        self.key = (h.session, h.round, h.edge_round)
+        self.state = SecAggDevice(self.settings, RoundId(a.run, a.cell, h.round, h.edge_round), a.device,
+                                  float(len(a.data)))
+        self._train, self._result = train, None
+        self._send("secagg_keys", self.state.advertise())
+
+    def _send(self, kind: str, payload: Payload) -> None:
+        a = self.agent
+        assert self.key is not None
+        a.bytes_out += a.messenger.send(topics.device_result(a.run, a.cell, a.device), kind, payload,  # type: ignore[arg-type]
+                                        round=self.key[1], edge_round=self.key[2], cell=a.cell)
+
+    def on_message(self, topic: str, msg: "Incoming") -> None:
+        """A ``secagg_*`` message on this device's task topic."""
+        a, h = self.agent, msg.header
+        if h.cell != a.cell or (a.trust is not None and h.sender != a.cell):
+            a.messenger.reject(topic, f"{h.kind} from {h.sender!r} of cell {h.cell!r}, not this device's cell", h.sender)
+            return
+        if self.state is None or (h.session, h.round, h.edge_round) != self.key:
+            a.messenger.reject(topic, f"{h.kind} for round {h.round}.{h.edge_round}, not the aggregation in "
+                                      "progress (stale or replayed)", h.sender)
+            return
+        a.bytes_in += msg.nbytes
+        try:
+            if h.kind == "secagg_roster":
+                self._send("secagg_shares", self.state.share(msg.payload))
+                train, self._train = self._train, None
+                if train is not None:
+                    train()
+            elif h.kind == "secagg_routed":
+                self.state.receive(msg.payload)
+                if self._result is not None:
+                    self._send_masked()
+            elif h.kind == "secagg_unmask":
+                self._send("secagg_reveal", self.state.reveal(msg.payload))
+            else:
+                raise Rejected(f"unexpected message kind {h.kind!r} for a device")
+        except Rejected as exc:
+            a.messenger.reject(topic, str(exc), h.sender)
+
+    def result_ready(self, result: Payload, round: int, edge_round: int) -> None:
+        """The training's result: it leaves masked once the shares are routed."""
+        if self.state is None or self.key is None or (round, edge_round) != self.key[1:]:
+            log.warning("device %s: result of %d.%d dropped, its aggregation is over", self.agent.device, round,
+                        edge_round)
+            return
+        self._result = result
+        if self.state.shared:
+            self._send_masked()
+
+    def _send_masked(self) -> None:
+        assert self.state is not None and self._result is not None and self.key is not None
+        result, self._result = self._result, None
+        try:
+            masked = self.state.mask(result)
+        except Rejected as exc:
+            self.agent.messenger.reject(topics.device_task(self.agent.run, self.agent.cell, self.agent.device),
+                                        str(exc), None)
+            return
+        self.agent.publish_result(masked, self.key[1], self.key[2])
