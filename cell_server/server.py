@@ -15,7 +15,7 @@ from protocols.algorithms.base import CellRole
 from protocols.answers import Answers
 from protocols.jsonl import JsonlWriter
 from protocols.records import CellRecord
-from protocols.session import CloudSession
+from protocols.session import CloudSession, decode_manifest
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -104,6 +104,7 @@ class CellServer:
 
             self.secagg = CellSecAgg(self, secagg, secagg_deadline)
             self._result_kinds += KINDS
+        self._sent_report: bytes | None = None  # the report of ``round``, once sent (re-sent on request)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -111,6 +112,8 @@ class CellServer:
         self.transport.subscribe(topics.device_results(self.run, self.cell), self._on_result)
         self.transport.subscribe(topics.device_statuses(self.run, self.cell), self._on_status)
         self.transport.subscribe(topics.status(self.run, "cloud"), self._on_status)  # the cloud's session
+        if self.trust is not None:  # signed runs: the cloud's round, to refuse replays of older tasks
+            self.transport.subscribe(topics.round_manifest(self.run), self._on_manifest)
         self._announce()
         if self.heartbeat > 0 or self.heartbeat_timeout > 0:
             self._beat_timer = self.loop.call_later(self._beat_period(), self._beat)
@@ -170,6 +173,9 @@ class CellServer:
             if not self._waiting:
                 self._plan_edge(self.round, self.edge_round)
 
+    def _on_manifest(self, topic: str, data: bytes) -> None:
+        self.cloud.on_manifest(decode_manifest(data, topic, self.trust) if data else None)
+
     # ----------------------------------------------------------------- rounds
     def _on_cell_task(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("cell_task",))
@@ -177,8 +183,16 @@ class CellServer:
             return
         if not self._from_current_cloud(topic, msg):
             return
-        if msg.header.round <= self.round:
+        if msg.header.round == self.round:  # a resumed cloud re-sends the round: answer it again, once
+            self._again(topic, msg.header.round)
+            return
+        if msg.header.round < self.round:
             self.messenger.reject(topic, f"task for round {msg.header.round}, already at {self.round}", msg.header.sender)
+            return
+        manifest = self.cloud.round
+        if manifest is not None and msg.header.round < manifest:
+            self.messenger.reject(topic, f"task for round {msg.header.round}, the cloud's manifest says round "
+                                         f"{manifest} (replayed)", msg.header.sender)
             return
         if self.in_round:
             log.warning("cell %s: round %d abandoned, the cloud moved on to %d", self.cell, self.round, msg.header.round)
@@ -189,11 +203,21 @@ class CellServer:
             self.messenger.reject(topic, f"cell task refused: {exc}", msg.header.sender)
             return
         self.round, self.edge_round, self.in_round = msg.header.round, 0, True
+        self._sent_report = None
         self.messenger.session = msg.header.session  # device tasks and the report belong to it
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
         self._round_devices: set[str] = set()
         self._gave_up = set()
         self._start_edge()
+
+    def _again(self, topic: str, rnd: int) -> None:
+        """The task of the round this cell has or is working on: re-send the report if it was sent (the
+        same message: the cloud counts it once), else carry on (the report leaves when the round closes)."""
+        if self.in_round:
+            log.info("cell %s: task for round %d again, still working on it", self.cell, rnd)
+        elif self._sent_report is not None:
+            log.warning("cell %s: task for round %d again (a resumed cloud), re-sending its report", self.cell, rnd)
+            self.transport.publish(topics.cell_report(self.run, self.cell), self._sent_report, qos=1)
 
     def _from_current_cloud(self, topic: str, msg: Any) -> bool:
         """With trust: a cell task must be signed by the cloud of the current session (else rejected, logged)."""
@@ -381,6 +405,7 @@ class CellServer:
         report = self.role.report()
         report.meta["traffic"] = dict(self._round_bytes)
         report.meta["devices"] = len(self._round_devices)
-        self.messenger.send(topics.cell_report(self.run, self.cell), "cell_report", report,
-                            round=self.round, cell=self.cell)
+        topic = topics.cell_report(self.run, self.cell)
+        self._sent_report = self.messenger.frame("cell_report", report, round=self.round, cell=self.cell, topic=topic)
+        self.transport.publish(topic, self._sent_report, qos=1)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -12,7 +13,7 @@ import numpy as np
 from protocols.algorithms.base import CloudRole
 from protocols.answers import Answers
 from protocols.checkpoint import load_payload, save_payload
-from protocols.jsonl import JsonlWriter
+from protocols.jsonl import JsonlWriter, read_jsonl
 from protocols.records import RoundRecord
 from protocols.session import encode_manifest, new_session
 from protocols.status import decode_status, encode_status
@@ -30,6 +31,19 @@ Evaluator = Callable[[Mapping[str, np.ndarray]], dict[str, float]]
 CellAvailability = Callable[[int], Iterable[str]]
 """``cloud round -> cells that may take part`` (cell-level participation; an unavailable cell is not planned)."""
 TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
+
+
+def repair_metrics(path: Path, next_round: int, record: dict[str, Any] | None) -> None:
+    """Make ``metrics.jsonl`` end with the checkpointed round: drop records of rounds a resumed cloud
+    runs again, and add the checkpoint's own record if the crash came before it was written."""
+    if not path.exists():
+        return
+    kept = [r for r in read_jsonl(path) if isinstance(r.get("round"), int) and r["round"] < next_round]
+    if record is not None and not any(r["round"] == record.get("round") for r in kept):
+        kept.append(record)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 class CloudServer:
@@ -51,7 +65,6 @@ class CloudServer:
         self.trust = trust
         self.messenger = Messenger(transport, run, "cloud", trust=trust, max_payload=max_message_bytes,
                                    on_reject=self._on_reject)
-        self.metrics = JsonlWriter(metrics_path)
         self.startup_wait, self.on_round = startup_wait, on_round
         self.availability = availability
         self.session = new_session()  # stamps this cloud's retained records (see protocols.session)
@@ -68,15 +81,24 @@ class CloudServer:
         self._in_round = False
         self.answers = Answers("cell")
         self._rejected: list[dict[str, str]] = []
+        self.resumed = False
         if resume and self.checkpoint_path and self.checkpoint_path.exists():
             state = load_payload(self.checkpoint_path)
             self.role.load_state(Payload(state.meta.get("role", {}), state.tensors))
             self.round = int(state.meta["round"]) + 1
             self.cumulative.update(state.meta.get("cumulative", {}))
-            log.info("resumed from %s at round %d", self.checkpoint_path, self.round)
+            if isinstance(state.meta.get("session"), str):  # the same session: cells take the re-sent round
+                self.session = self.messenger.session = state.meta["session"]
+            self.resumed = True
+            if metrics_path is not None:
+                repair_metrics(Path(metrics_path), self.round, state.meta.get("record"))
+            log.info("resumed from %s at round %d (session %s)", self.checkpoint_path, self.round, self.session)
+        self.metrics = JsonlWriter(metrics_path)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
+        if not self.resumed:  # crash-consistent from the first round on: a checkpoint precedes any task
+            self._checkpoint(None)
         self.transport.subscribe(topics.cell_reports(self.run), self._on_report)
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
         status = topics.status(self.run, "cloud")
@@ -221,10 +243,7 @@ class CloudServer:
         for observe in self.observers:
             observe(record)
         self.transport.publish(topics.telemetry_cloud(self.run), json.dumps(record).encode(), qos=0)
-        if self.checkpoint_path is not None:
-            state = self.role.state()
-            save_payload(self.checkpoint_path, Payload(
-                {"round": self.round, "cumulative": self.cumulative, "role": state.meta}, state.tensors))
+        self._checkpoint(record)
         if self.on_round is not None:
             self.on_round(record)
         self.round += 1
@@ -232,6 +251,17 @@ class CloudServer:
             self.loop.post(self._begin_round)
         else:
             self._finish()
+
+    def _checkpoint(self, record: dict[str, Any] | None) -> None:
+        """Atomically save the state after round ``self.round`` (before round 0: -1) and its ``record``,
+        before the next round's tasks leave: a cloud killed at any point resumes from the last round it
+        closed, in the same session, and re-sends the round the cells may already be working on."""
+        if self.checkpoint_path is None:
+            return
+        state = self.role.state()
+        done = self.round if record is not None else self.round - 1
+        meta = {"round": done, "session": self.session, "cumulative": self.cumulative, "role": state.meta}
+        save_payload(self.checkpoint_path, Payload({**meta, "record": record} if record else meta, state.tensors))
 
     def _finish(self) -> None:
         self.finished = True

@@ -82,7 +82,10 @@ class CloudSession:
         self.session, self.started = record["session"], started
 
     def on_manifest(self, record: dict[str, Any] | None) -> None:
-        if record is not None:
+        """A manifest; within one session the round never goes back (a replayed older manifest is ignored)."""
+        m = self.manifest
+        if record is not None and not (m is not None and m["session"] == record["session"]
+                                       and record["round"] < m["round"]):
             self.manifest = record
 
     def on_finished(self, session: Any) -> None:

@@ -54,7 +54,7 @@ class RunResult:
 
     def summary(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else {}
-        return {"run": self.config.run.name, "algorithm": self.config.train.name, "rounds": len(self.history),
+        return {"run": self.config.run.name, "algorithm": self.config.train.name, "rounds": last.get("round", -1) + 1,  # a resumed run counts its earlier rounds
                 "accuracy": self.final_accuracy, "loss": last.get("loss"),
                 "cumulative_bytes": last.get("cumulative_bytes", {}), "wall_s": round(self.wall_s, 3),
                 **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
