@@ -34,6 +34,10 @@ class RunSection(_Section):
     @model_validator(mode="after")
     def _name_ok(self) -> "RunSection":
         check_name("run", self.name)
+        try:
+            self.output.format(name=self.name)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"output {self.output!r}: only {{name}} may be substituted ({exc!r})") from None
         return self
 
 
@@ -403,6 +407,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     for item in overrides:

@@ -12,6 +12,7 @@ import json
 import math
 import struct
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedavg import check_delta
 from protocols.algorithms.codecs import FedMRNCodec, QSGDCodec, SignSGDCodec, TopKCodec
 from protocols.algorithms.codecs.base import DenseCodec, pack_bits, pack_codes, unpack_bits, unpack_codes
+from protocols.config import ConfigError, load_config
 from protocols.jsonl import loads
 from protocols.records import parse_record
 from protocols.status import decode_status, encode_status
@@ -428,3 +430,42 @@ def test_delta_weight_is_a_positive_finite_number_or_rejected(weight) -> None:
         assert not valid
         return
     assert valid and got == float(weight)
+
+
+# ------------------------------------------------------------------ config files
+EXAMPLES = sorted(Path(__file__).resolve().parents[1].glob("examples/*.toml"))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(EXAMPLES), st.data())
+def test_mutated_config_is_a_config_error_or_a_config_that_round_trips(tmp_path: Path, example: Path,
+                                                                       data: st.DataObject) -> None:
+    path = tmp_path / "run.toml"
+    text = example.read_bytes()
+    if data.draw(st.booleans()):  # a line replaced by a plausible but maybe invalid setting
+        lines = text.split(b"\n")
+        i = data.draw(st.integers(0, len(lines) - 1))
+        lines[i] = data.draw(st.sampled_from([b'output = "runs/{x}"', b'output = "a}"', b"rounds = 0", b"lr = nan",
+                                              b"hidden = []", b"devices_per_cell = 0", b"seed = -1", b'name = ""',
+                                              b"batch_size = 1e400", b"edge_rounds = 99999999999999999999"]))
+        text = b"\n".join(lines)
+    path.write_bytes(data.draw(mutated(text)))
+    try:
+        cfg = load_config(path)
+    except ConfigError:
+        return
+    cfg.output_dir()
+    path.write_text(cfg.to_toml())
+    again = load_config(path)  # (to_toml writes the algorithm section with its defaults filled in)
+    assert again.train == cfg.train
+    assert again.model_copy(update={"algorithm": {}}) == cfg.model_copy(update={"algorithm": {}})
+
+
+def test_config_that_is_not_utf8_or_substitutes_unknown_names_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_bytes(b'[run]\nname = "\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path)
+    path.write_text('[run]\noutput = "runs/{run}"\n')
+    with pytest.raises(ConfigError, match="only {name}"):
+        load_config(path)
