@@ -1,8 +1,9 @@
 """Property-based tests (hypothesis) of every decoder of untrusted bytes: the envelope, signed records,
-the ``tensors/v1`` payload, the uplink codecs, chunk reassembly, status and telemetry records.
+the ``tensors/v1`` payload, the uplink codecs, chunk reassembly, status and telemetry records, the round
+manifest, checkpoint files and config files.
 
 Each decoder, given arbitrary or mutated genuine bytes, returns a value or raises its documented
-rejection (``WireError``, ``Rejected``, ``ValueError``), never any other exception, never allocates
+rejection (``WireError``, ``Rejected``, ``ValueError``, ``ConfigError``), never any other exception, never allocates
 more than its bound, and decodes what its encoder wrote to the same value. Examples are few and
 small so the whole file runs in a few seconds.
 """
@@ -24,7 +25,9 @@ from protocols.algorithms.fedavg import check_delta
 from protocols.algorithms.codecs import FedMRNCodec, QSGDCodec, SignSGDCodec, TopKCodec
 from protocols.algorithms.codecs.base import DenseCodec, pack_bits, pack_codes, unpack_bits, unpack_codes
 from protocols.config import ConfigError, load_config
+from protocols.checkpoint import load_payload, save_payload
 from protocols.jsonl import loads
+from protocols.session import decode_manifest, encode_manifest
 from protocols.records import parse_record
 from protocols.status import decode_status, encode_status
 from protocols.wire import chunking
@@ -469,3 +472,30 @@ def test_config_that_is_not_utf8_or_substitutes_unknown_names_is_a_config_error(
     path.write_text('[run]\noutput = "runs/{run}"\n')
     with pytest.raises(ConfigError, match="only {name}"):
         load_config(path)
+
+
+# ------------------------------------------------------------------ round manifest and checkpoint files
+@FAST
+@given(st.text(min_size=1, max_size=64), st.integers(0, 2**40), st.data())
+def test_round_manifest_round_trip_and_mutations(session: str, round_: int, data: st.DataObject) -> None:
+    topic = "fedtier/fz/cloud/round"
+    cloud = Trust("cloud", SEED, {"cloud": public_of(SEED)})
+    blob = encode_manifest(session, round_, topic=topic, trust=cloud)
+    assert decode_manifest(blob, topic, cloud) == {"session": session, "round": round_}
+    got = decode_manifest(data.draw(mutated(blob)), topic, cloud)
+    assert got is None or got == {"session": session, "round": round_}
+    plain = decode_manifest(data.draw(mutated(encode_manifest(session, round_))))
+    assert plain is None or (isinstance(plain["round"], int) and plain["round"] >= 0 and plain["session"])
+
+
+@FAST
+@given(payloads, st.data())
+def test_checkpoint_file_round_trip_and_corruption(tmp_path_factory, payload: Payload, data: st.DataObject) -> None:
+    path = tmp_path_factory.mktemp("ck") / "model.ftw"
+    save_payload(path, payload)
+    assert same_payload(load_payload(path), payload)
+    path.write_bytes(data.draw(mutated(path.read_bytes())))
+    try:
+        load_payload(path)
+    except ValueError:  # WireError, or not a checkpoint file at all
+        pass
