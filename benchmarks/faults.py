@@ -29,6 +29,8 @@ Usage: python benchmarks/faults.py [--only NAME ...] [--rounds 4] [--keep DIR] [
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import random
 import signal
@@ -160,8 +162,13 @@ class Watcher:
             head, _ = decode_message(msg.payload)
             ev = Event(time.time(), msg.topic, head.kind, head.round, head.edge_round, head.sender, head.cell,
                        msg.payload)
-        except ValueError:
+        except ValueError:  # a JSON record: status, manifest, telemetry
             ev = Event(time.time(), msg.topic, "record", -1, -1, "", None, msg.payload)
+            if msg.topic.endswith("/telemetry/cloud"):
+                try:
+                    ev.kind, ev.round = "round_record", int(json.loads(msg.payload)["round"])
+                except (ValueError, KeyError, TypeError):
+                    pass
         with self.cond:
             self.events.append(ev)
             self.cond.notify_all()
@@ -255,13 +262,13 @@ def first(kind: str, round_: int, edge: int | None = None, cell: str | None = No
 
 def all_of(kind: str, round_: int, n: int, edge: int | None = None, cell: str | None = None
            ) -> Callable[[list[Event]], bool]:
-    return lambda evs: len({e.sender for e in evs if e.kind == kind and e.round == round_
+    """``n`` messages of ``kind`` on distinct topics (one per device or cell)."""
+    return lambda evs: len({e.topic for e in evs if e.kind == kind and e.round == round_
                             and (edge is None or e.edge_round == edge) and (cell is None or e.cell == cell)}) >= n
 
 
 def round_record(round_: int) -> Callable[[list[Event]], bool]:
-    return lambda evs: any(e.topic.endswith("/telemetry/cloud") and f'"round":{round_},'.encode() in e.data
-                           and b'"event":"round"' in e.data for e in evs)
+    return first("round_record", round_)
 
 
 MID_EDGE = ("mid edge round", lambda: all_of("device_task", 1, 5, 0, "c0"))  # c0's devices are training
@@ -331,11 +338,16 @@ def scenarios() -> list[Scenario]:
 def republisher(seed: int) -> Callable[[Watcher, Event], None]:
     rng = random.Random(seed)
     lock = threading.Lock()
+    done: set[bytes] = set()  # what was republished already: its copies come back to the watcher too
 
     def on(w: Watcher, ev: Event) -> None:
         if ev.kind not in ("cell_task", "device_task", "device_result", "cell_report"):
             return
         with lock:
+            key = hashlib.sha1(ev.topic.encode() + b"\0" + ev.data).digest()
+            if key in done:
+                return
+            done.add(key)
             delays = [rng.uniform(0, 0.3) for _ in range(rng.randint(1, 2))]
         for d in delays:
             threading.Timer(d, w.publish, (ev.topic, ev.data)).start()
@@ -426,9 +438,12 @@ def run_scenario(tmp: Path, sc: Scenario | None, rounds: int, data: Path, timeou
         for node in [*d.cells, *d.devices]:
             d.start(node)
         if sc is not None and sc.trigger is not None and sc.fault is not None:
-            if w.wait(sc.trigger(), timeout):
-                fault_at = time.time()
-                sc.fault(d, broker, w)
+            trigger = sc.trigger()
+            while time.monotonic() - t0 < timeout and d.procs["cloud"].poll() is None:
+                if w.wait(trigger, 1.0):
+                    fault_at = time.time()
+                    sc.fault(d, broker, w)
+                    break
         d.rc = d.wait(max(1.0, timeout - (time.monotonic() - t0)))
     finally:
         d.close()
@@ -445,6 +460,7 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="keep run folders and logs here")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that every scenario's processes are ended
     chosen = [s for s in scenarios() if not args.only or any(o in f"{s.name} @ {s.point}" for o in args.only)]
     if args.list:
         for s in chosen:

@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -379,9 +380,11 @@ def run_once(tmp: Path, name: str, rounds: int, keys: Path | None, fuzz: tuple[i
         try:
             rc: int | None = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
             rc = None
+        finally:  # on a timeout, or this script interrupted: end the run's whole process group
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
     wall = time.monotonic() - t0
     if fuzzer is not None:
         fuzzer.stop()
@@ -438,6 +441,7 @@ def main() -> None:
                     help="also send well-formed forgeries (field edits) in the unsigned run, where nothing "
                          "authenticates them: they are accepted by design (the broker's ACLs are the defence)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the run under test is ended too
 
     from protocols.config import load_config
     from protocols.wire.keys import generate_keys, write_keys
