@@ -27,6 +27,8 @@ whose generator stream differs.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from typing import Literal, Mapping, MutableMapping
 
 import numpy as np
@@ -42,10 +44,43 @@ def round_seed(run_seed: int, round: int) -> int:
     return derive_seed(run_seed, round, "zo-round")
 
 
+CACHE_BYTES = 64 << 20  # directions kept for reuse within a process (bounds memory)
+_cache: "OrderedDict[tuple, dict[str, np.ndarray]]" = OrderedDict()
+_cached_bytes = 0
+_lock = threading.Lock()  # agents may run as threads of one process (fedtier run)
+
+
 def direction(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]],
               kind: Kind = "gaussian") -> "dict[str, np.ndarray]":
-    """z(round_seed, k, p): float32 arrays of ``shapes``, drawn in the order of ``shapes``."""
-    gen = rng(int(round_seed), int(k), int(p), "zo-direction")
+    """z(round_seed, k, p): float32 arrays of ``shapes``, drawn in the order of ``shapes``; read-only.
+
+    Every device of a round (and its cell, and the cloud) needs the same directions: a process draws
+    each once and hands out the same arrays while they fit in ``CACHE_BYTES`` (least recently used
+    dropped first), so a cohort of simulated devices costs one draw, not one per device."""
+    global _cached_bytes
+    key = (int(round_seed), int(k), int(p), kind, tuple((n, tuple(s)) for n, s in shapes.items()))
+    with _lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return dict(hit)
+    out = _draw(int(round_seed), int(k), int(p), shapes, kind)
+    size = sum(v.nbytes for v in out.values())
+    if size <= CACHE_BYTES:
+        for v in out.values():
+            v.flags.writeable = False
+        with _lock:
+            if key not in _cache:
+                _cache[key] = out
+                _cached_bytes += size
+            while _cached_bytes > CACHE_BYTES:
+                _, old = _cache.popitem(last=False)
+                _cached_bytes -= sum(v.nbytes for v in old.values())
+    return dict(out)
+
+
+def _draw(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> "dict[str, np.ndarray]":
+    gen = rng(round_seed, k, p, "zo-direction")
     out: dict[str, np.ndarray] = {}
     for name, shape in shapes.items():
         n = int(np.prod(shape, dtype=np.int64))

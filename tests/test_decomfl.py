@@ -448,3 +448,21 @@ def test_momentum_replay_is_exact_in_both_engines(make_config, engine):
     again = DeComFLCloud(cloud.p, cloud.seed, sim.algorithm.initial_params())
     again.load_state(cloud.state())
     assert all(np.array_equal(again.buf[k], cloud.buf[k]) for k in cloud.buf)
+
+
+def test_directions_are_drawn_once_per_process_and_stay_bounded(monkeypatch):
+    """A direction is drawn once and shared read-only (every device of a round needs the same ones);
+    the shared copies equal a fresh draw, and the cache drops the oldest beyond its byte bound."""
+    shapes = {"w": (3, 4), "b": (4,)}
+    fresh = Z._draw(77, 1, 2, shapes, "gaussian")
+    first, again = Z.direction(77, 1, 2, shapes), Z.direction(77, 1, 2, shapes)
+    for k in shapes:
+        assert np.array_equal(first[k], fresh[k]) and again[k] is first[k]
+        assert not first[k].flags.writeable
+        with pytest.raises(ValueError):
+            first[k] += 1.0
+    monkeypatch.setattr(Z, "CACHE_BYTES", 2 * 16 * 4)  # two directions of 16 floats
+    for p in range(5):
+        Z.direction(78, 0, p, shapes)
+    assert Z._cached_bytes <= Z.CACHE_BYTES and len(Z._cache) <= 2
+    assert np.array_equal(Z.direction(78, 0, 0, shapes)["w"], Z._draw(78, 0, 0, shapes, "gaussian")["w"])
