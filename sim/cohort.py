@@ -72,6 +72,35 @@ def run_cohort(engine: CohortEngine, spec: ModelSpec, jobs: Sequence[Job], names
     return outcomes
 
 
+def cohort_engine(spec: ModelSpec, device: str = "cpu", threads: int = 1) -> CohortEngine:
+    """A :class:`CohortEngine` for ``spec``; a model it cannot vectorize is refused here, before the run
+    starts (:class:`ConfigError` naming the layer)."""
+    engine = CohortEngine(device, threads=threads)
+    try:
+        engine.model(spec)
+    except NotVectorizable as exc:
+        raise ConfigError(f"runtime.engine: {exc}") from None
+    return engine
+
+
+def cohorts(items: Sequence[Any], device: Callable[[Any], str], size: int) -> list[list[Any]]:
+    """``items`` (queued tasks) cut into cohorts of at most ``size``, in order, a device at most once
+    per cohort (a device's later task waits for the next cohort)."""
+    out: list[list[Any]] = []
+    items = list(items)
+    while items:
+        chunk, seen, rest = [], set(), []
+        for item in items:
+            if len(chunk) < size and device(item) not in seen:
+                chunk.append(item)
+                seen.add(device(item))
+            else:
+                rest.append(item)
+        out.append(chunk)
+        items = rest
+    return out
+
+
 def _answer(engine: CohortEngine, reqs: list[Request]) -> None:
     """Answer the requests together; if that fails, one by one, so that only a bad one fails."""
     try:
@@ -94,11 +123,7 @@ class CohortExecutor:
     def __init__(self, agents: Mapping[str, Any], spec: ModelSpec, loop: VirtualLoop, cohort_size: int,
                  device: str = "cpu", threads: int = 1) -> None:
         self.agents, self.spec, self.loop, self.cohort_size = agents, spec, loop, cohort_size
-        self.engine = CohortEngine(device, threads=threads)
-        try:
-            self.engine.model(spec)  # refuse a model we cannot vectorize before the run starts
-        except NotVectorizable as exc:
-            raise ConfigError(f"runtime.engine: {exc}") from None
+        self.engine = cohort_engine(spec, device, threads)
         self.queue: list[tuple[Any, Payload, DeviceContext, Callable[[Callable[[], None]], None], Done]] = []
         self.cohorts = 0  # cohorts trained (progress and tests)
         loop.on_idle = self.flush
@@ -114,15 +139,7 @@ class CohortExecutor:
                 outcome = agent.train_here(task, ctx)
                 complete(lambda done=done, outcome=outcome: done(*outcome))
         queue = [item for item in queue if isinstance(item[0].trainer, TorchTrainer)]
-        while queue:
-            chunk, seen, rest = [], set(), []
-            for item in queue:
-                if len(chunk) < self.cohort_size and item[0].device not in seen:
-                    chunk.append(item)
-                    seen.add(item[0].device)
-                else:
-                    rest.append(item)
-            queue = rest
+        for chunk in cohorts(queue, lambda item: item[0].device, self.cohort_size):
             jobs = [self._job(agent, task, ctx) for agent, task, ctx, _, _ in chunk]
             try:
                 outcomes = run_cohort(self.engine, self.spec, jobs, [agent.device for agent, *_ in chunk])

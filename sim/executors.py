@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.config import ConfigError, RunConfig, parse_config
+from protocols.trainer import LocalData
 from protocols.transport.memory import VirtualLoop
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
@@ -39,6 +40,7 @@ from .attack import attacked, byzantine_devices
 log = logging.getLogger("fedtier.sim")
 
 Done = Callable[[Payload | None, str | None], None]
+LOCAL_DATA_BYTES = 512 << 20  # a worker keeps its recently trained devices' samples up to this size
 
 
 class WorkerError(RuntimeError):
@@ -83,23 +85,78 @@ class DeviceWorker:
         self.roles: dict[str, DeviceRole] = {}  # built on a device's first task, kept (roles may hold state)
         self.trainer_for = lambda d: onnx.get(d, torch_trainer)
         self.byzantine, self.attack = set(byzantine_devices(cfg)), cfg.attack  # [attack], as in the main process
+        self.spec, self.cohort_size = spec, cfg.runtime.cohort_size
+        self.engine = None  # engine = "cohort": this worker's share of a round trains as cohorts
+        if cfg.runtime.engine == "cohort":
+            from .cohort import cohort_engine
 
-    def train(self, ctx: dict[str, Any], task: bytes) -> tuple[bytes, str]:
-        """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
+            self.engine = cohort_engine(spec, cfg.runtime.device, cfg.runtime.cohort_threads)
+        self._local: dict[str, LocalData] = {}  # recently trained devices' samples (copied out once)
+        self._local_bytes = 0
+
+    def _device(self, ctx: dict[str, Any]) -> tuple[DeviceContext, DeviceRole, LocalData]:
         c = DeviceContext(int(ctx["seed"]), int(ctx["round"]), int(ctx["edge_round"]), str(ctx["cell"]),
                           str(ctx["device"]))
+        if c.device not in self.mine:
+            raise KeyError(f"device {c.device!r} is not one of this worker's")
+        role = self.roles.get(c.device)
+        if role is None:
+            role = attacked(self.algorithm.device(c.device), c.device, self.byzantine, self.attack)
+            self.roles[c.device] = role
+        return c, role, self._data(c.device)
+
+    def _data(self, device: str) -> LocalData:
+        """The device's samples, kept for its next tasks while the kept ones fit in ``LOCAL_DATA_BYTES``
+        (copying a large share out of the data set every round costs more than training it)."""
+        data = self._local.pop(device, None)
+        if data is None:
+            data = self.data[device]
+            self._local_bytes += data.x.nbytes + data.y.nbytes
+        self._local[device] = data  # most recently used last
+        while self._local_bytes > LOCAL_DATA_BYTES and len(self._local) > 1:
+            old = self._local.pop(next(iter(self._local)))
+            self._local_bytes -= old.x.nbytes + old.y.nbytes
+        return data
+
+    def train(self, ctx: dict[str, Any], task: bytes | memoryview) -> tuple[bytes, str]:
+        """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
         try:
-            if c.device not in self.mine:
-                raise KeyError(f"device {c.device!r} is not one of this worker's")
-            role = self.roles.get(c.device)
-            if role is None:
-                role = attacked(self.algorithm.device(c.device), c.device, self.byzantine, self.attack)
-                self.roles[c.device] = role
-            result = role.train(decode_payload(task), self.data[c.device], self.trainer_for(c.device), c)
+            c, role, data = self._device(ctx)
+            result = role.train(decode_payload(task), data, self.trainer_for(c.device), c)
             return encode_payload(result), ""
         except Exception as exc:  # a bad task must not kill the device (as in the main process)
-            log.exception("device %s failed round %d.%d", c.device, c.round, c.edge_round)
+            log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
             return b"", str(exc)
+
+    def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[bytes, str]]:
+        """:meth:`train` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
+        train as cohorts of at most ``cohort_size`` (``sim/cohort.py``), the others one by one."""
+        from protocols.torch_trainer import TorchTrainer
+
+        from .cohort import cohorts, run_cohort
+
+        out: list[tuple[bytes, str]] = [(b"", "not run")] * len(items)
+        jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []
+        for i, (ctx, task) in enumerate(items):
+            if self.engine is None or not isinstance(self.trainer_for(str(ctx["device"])), TorchTrainer):
+                out[i] = self.train(ctx, task)
+                continue
+            try:
+                c, role, data = self._device(ctx)
+                jobs.append((i, c, role, data, decode_payload(task)))
+            except Exception as exc:
+                log.exception("device %s: bad task", ctx.get("device"))
+                out[i] = (b"", str(exc))
+        for chunk in cohorts(jobs, lambda job: job[1].device, self.cohort_size):
+            run = [lambda trainer, c=c, role=role, data=data, task=task: role.train(task, data, trainer, c)
+                   for _, c, role, data, task in chunk]
+            try:
+                outcomes = run_cohort(self.engine, self.spec, run, [job[1].device for job in chunk])
+            finally:
+                self.engine.forget_data()
+            for (i, *_), (result, error) in zip(chunk, outcomes):
+                out[i] = (encode_payload(result), "") if result is not None else (b"", error or "failed")
+        return out
 
 
 def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
@@ -129,6 +186,14 @@ def process_main(tasks: Any, results: Any, config_text: str, devices: list[str])
             return
         if header.get("stop"):
             return
+        if "batch" in header:  # engine = cohort: a round's tasks for this worker, answered one by one
+            items, at = [], 0
+            for item in header["batch"]:
+                items.append((item["ctx"], body[at:at + item["n"]]))
+                at += item["n"]
+            for item, (result, error) in zip(header["batch"], worker.train_many(items)):
+                results.send_bytes(_frame({"id": item["id"], "error": error}, result))
+            continue
         result, error = worker.train(header["ctx"], body)
         results.send_bytes(_frame({"id": header["id"], "error": error}, result))
 
@@ -137,8 +202,14 @@ def process_main(tasks: Any, results: Any, config_text: str, devices: list[str])
 class _Remote:
     """What the process and Ray executors share: device -> worker, outstanding tasks, completions."""
 
-    def __init__(self, groups: list[list[str]], loop: VirtualLoop) -> None:
+    def __init__(self, groups: list[list[str]], loop: VirtualLoop, batched: bool = False) -> None:
+        """``batched`` (engine = cohort): tasks wait until the loop is idle, then go to each worker as one
+        batch, which it trains as cohorts; otherwise each task goes at once."""
         self.loop, self.groups = loop, groups
+        self._batches: dict[int, list[tuple[int, dict[str, Any], bytes]]] | None = {} if batched else None
+        self.largest_batch = 0  # most tasks a worker got at once (tests, progress)
+        if batched:
+            loop.on_idle = self.flush
         self.owner = {d: i for i, group in enumerate(groups) for d in group}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -154,10 +225,23 @@ class _Remote:
             self._pending[task_id] = (worker, device, f"{ctx.round}.{ctx.edge_round}", self.loop.hold(), done)
         header = {"seed": ctx.seed, "round": ctx.round, "edge_round": ctx.edge_round, "cell": ctx.cell,
                   "device": ctx.device}
-        self._send(worker, task_id, header, encode_payload(task))
+        if self._batches is not None:
+            self._batches.setdefault(worker, []).append((task_id, header, encode_payload(task)))
+        else:
+            self._send(worker, task_id, header, encode_payload(task))
+
+    def flush(self) -> None:
+        """Send each worker its queued tasks as one batch (the loop is idle: the round's tasks are all in)."""
+        batches, self._batches = self._batches or {}, {}
+        for worker, items in batches.items():
+            self.largest_batch = max(self.largest_batch, len(items))
+            self._send_batch(worker, items)
 
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
         raise NotImplementedError
+
+    def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], bytes]]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} trains per device")
 
     def _reply(self, task_id: int, result: bytes | memoryview, error: str) -> None:
         """A worker's answer (any thread): decode it here, deliver it on the loop."""
@@ -196,8 +280,8 @@ def _raise(exc: Exception) -> None:
 class ProcessExecutor(_Remote):
     """Local worker processes (``spawn``: never fork a process that has threads), one pipe each way."""
 
-    def __init__(self, config_text: str, groups: list[list[str]], loop: VirtualLoop) -> None:
-        super().__init__(groups, loop)
+    def __init__(self, config_text: str, groups: list[list[str]], loop: VirtualLoop, batched: bool = False) -> None:
+        super().__init__(groups, loop, batched)
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self._outboxes: list[queue.Queue[bytes | None]] = []
@@ -226,6 +310,10 @@ class ProcessExecutor(_Remote):
 
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
         self._outboxes[worker].put(_frame({"id": task_id, "ctx": ctx}, task))
+
+    def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], bytes]]) -> None:
+        head = [{"id": task_id, "ctx": ctx, "n": len(task)} for task_id, ctx, task in items]
+        self._outboxes[worker].put(_frame({"batch": head}, b"".join(task for _, _, task in items)))
 
     def _writer(self, worker: int, conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
         """Sends tasks in order without blocking the loop (a pipe holds only 64 KiB)."""
@@ -263,6 +351,8 @@ class ProcessExecutor(_Remote):
     def close(self) -> None:
         """Stop the workers (terminate those that do not exit within a few seconds); idempotent."""
         self._closing = True
+        if self._batches is not None and self.loop.on_idle == self.flush:
+            self.loop.on_idle = None
         for outbox in self._outboxes:
             outbox.put(None)
         for proc in self.procs:
@@ -342,4 +432,4 @@ def start_workers(cfg: RunConfig, loop: VirtualLoop) -> ProcessExecutor | RayExe
     groups = [devices[i::n] for i in range(n)]  # a static round-robin share: a device stays in its worker
     if cfg.runtime.sim_backend == "ray":
         return RayExecutor(cfg.to_toml(), groups, loop, cfg.runtime.ray_address)
-    return ProcessExecutor(cfg.to_toml(), groups, loop)
+    return ProcessExecutor(cfg.to_toml(), groups, loop, batched=cfg.runtime.engine == "cohort")

@@ -25,7 +25,7 @@ from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
-from .cohort import CohortExecutor
+from .cohort import CohortExecutor, cohort_engine
 from .executors import InlineExecutor, start_workers
 from .hierarchy import cell_availability, check_resumable, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers
@@ -118,7 +118,9 @@ class SimHierarchy:
         self.byzantine = set(byzantine_devices(cfg))  # [attack]: tests, benchmarks/robust.py
         self.agents = Population(cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer),
                                  self._configure)  # built as devices are needed
-        if cfg.runtime.engine == "cohort":
+        if cfg.runtime.engine == "cohort" and remote is not None:
+            cohort_engine(spec, cfg.runtime.device)  # refuse a model the workers could not vectorize, now
+        if cfg.runtime.engine == "cohort" and remote is None:
             self.executor = CohortExecutor(self.agents.active(), spec, loop, cfg.runtime.cohort_size,
                                            cfg.runtime.device, cfg.runtime.cohort_threads)
         else:

@@ -132,6 +132,22 @@ def test_local_momentum_matches_per_device_engine(make_config):
     _equivalent(device, cohort, rounds=(0, 1))
 
 
+def test_cohorts_in_worker_processes(make_config):
+    """engine = cohort with sim_workers: each worker gets its share of an edge round at once and trains it
+    as cohorts; every device's result is the per-device engine's, with the same messages and records."""
+    from sim.executors import ProcessExecutor
+
+    sections = dict(run={"rounds": 2}, topology={"cells": 1, "devices_per_cell": 5},
+                    algorithm={"local_steps": 0, "local_epochs": 1.0, "batch_size": 32, "edge_rounds": 1},
+                    data={"partition": "dirichlet", "alpha": 0.3})
+    device = _run(make_config(**sections))
+    cohort = _run(make_config(runtime={"engine": "cohort", "sim_workers": 2, "cohort_size": 2}, **sections))
+    executor = cohort[2].executor
+    assert isinstance(executor, ProcessExecutor) and executor.largest_batch == 3  # 5 devices over 2 workers
+    assert all(not p.is_alive() for p in executor.procs)
+    _equivalent(device, cohort, rounds=(0, 1))
+
+
 def test_thirty_rounds_end_within_a_third_of_a_point(make_config):
     sections = dict(run={"rounds": 30}, algorithm={"edge_rounds": 1, "local_steps": 5, "lr": 0.05},
                     model={"name": "logreg"}, participation={"model": "uniform", "per_round": 3})
@@ -280,8 +296,8 @@ def test_cli_engine_flag_and_config_checks(tmp_path, make_config):
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["rounds"] == 2
     assert "engine = \"cohort\"" in (tmp_path / "out" / runfiles.CONFIG).read_text()
-    with pytest.raises(ConfigError, match="sim_workers = 0"):
-        make_config(runtime={"engine": "cohort", "sim_workers": 2})
+    with pytest.raises(ConfigError, match="sim_backend"):
+        make_config(runtime={"engine": "cohort", "sim_workers": 2, "sim_backend": "ray"})
 
 
 def test_a_bad_request_fails_only_its_device():
