@@ -226,8 +226,9 @@ class RuntimeSection(_Section):
 
     @model_validator(mode="after")
     def _engine_ok(self) -> "RuntimeSection":
-        if self.engine == "cohort" and self.sim_workers > 0:
-            raise ValueError("engine = \"cohort\" trains in the main process; set sim_workers = 0")
+        if self.engine == "cohort" and self.sim_workers > 0 and self.sim_backend == "ray":
+            raise ValueError("engine = \"cohort\" with sim_workers runs its cohorts in worker processes; "
+                             "set sim_backend = \"processes\" (Ray actors train per device)")
         return self
 
 
