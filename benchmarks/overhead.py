@@ -17,7 +17,8 @@ alternate ``--repeat`` times and the fastest run of each counts (a busy machine 
 Rounds/s and device-steps/s count the rounds' own time (the sum of the per-round wall times:
 imports, data loading and worker start excluded); wall s is the whole process.
 ``--workers N`` adds a side: fedtier with ``runtime.sim_workers = N`` (devices trained in N
-worker processes; the same final model), and its speed-up over the bare loop and the sequential sim.
+worker processes; the same final model), and its speed-up over the bare loop and the sequential sim;
+with the ``cohort`` side, also ``cohort`` with N workers (each trains its share of a round as cohorts).
 CPU seconds include the worker processes; peak MB is the main process's.
 Usage: python benchmarks/overhead.py [--workload standard|small] [--rounds N] [--repeat 3]
        [--sides bare,fedtier,cohort] [--cohort-threads 1] [--workers 2 [--backend processes|ray]]
@@ -136,8 +137,8 @@ def child(which: str, workload: str, rounds: int, workers: int, backend: str, co
     if which == "bare":
         out = bare(w, rounds)
     else:
-        out = fedtier(w, rounds, "cohort" if which == "cohort" else "device", workers if which == "parallel" else 0,
-                      backend, cohort_threads)
+        out = fedtier(w, rounds, "cohort" if which.startswith("cohort") else "device",
+                      workers if which in ("parallel", "cohort-parallel") else 0, backend, cohort_threads)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sim's worker processes (joined)
     out["peak_rss_mb"] = usage.ru_maxrss / 1024
@@ -154,14 +155,16 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0, help="also run fedtier with this many sim workers")
     ap.add_argument("--backend", choices=["processes", "ray"], default="processes", help="sim workers' backend")
     ap.add_argument("--cohort-threads", type=int, default=1, help="runtime.cohort_threads of the cohort side")
-    ap.add_argument("--child", choices=["bare", "fedtier", "cohort", "parallel"])
+    ap.add_argument("--child", choices=["bare", "fedtier", "cohort", "parallel", "cohort-parallel"])
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     rounds = args.rounds or w["rounds"]
     if args.child:
         child(args.child, args.workload, rounds, args.workers, args.backend, args.cohort_threads)
         return
-    sides = [s for s in args.sides.split(",") if s] + (["parallel"] if args.workers > 0 else [])
+    sides = [s for s in args.sides.split(",") if s]
+    if args.workers > 0:
+        sides += ["parallel"] + (["cohort-parallel"] if "cohort" in sides else [])
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(args.repeat):
         for which in sides:
@@ -180,7 +183,8 @@ def main() -> None:
           f"{'steps/s':>10}")
     for which in sides:
         r = res[which]
-        name = which if which != "parallel" else f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}"
+        name = {"parallel": f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}",
+                "cohort-parallel": f"cohort+{args.workers}w"}.get(which, which)
         print(f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}"
               f"{r['round_s']:10.4f}{rounds / r['loop_s']:10.1f}{step_count / r['loop_s']:10.0f}")
     if "bare" in res and "fedtier" in res:
@@ -198,6 +202,13 @@ def main() -> None:
             f = res["fedtier"]
             print(f"cohort engine: {f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s, "
                   f"{f['wall_s'] / c['wall_s']:.3f}x its wall time; accuracy {c['accuracy'] - f['accuracy']:+.4f}")
+    if "cohort-parallel" in res:
+        c, f = res["cohort-parallel"], res.get("fedtier")
+        print(f"cohort engine with {args.workers} workers: "
+              + (f"{res['bare']['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
+                 f"{res['bare']['loop_s'] / c['loop_s']:.3f}x (rounds only); " if "bare" in res else "")
+              + (f"{f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s; " if f else "")
+              + f"{res['cohort']['loop_s'] / c['loop_s']:.3f}x the one-process cohort engine's rounds/s")
     if args.workers > 0 and "bare" in res and "fedtier" in res:
         p = res["parallel"]
         print(f"speed-up with {args.workers} workers: {res['bare']['wall_s'] / p['wall_s']:.3f}x the bare loop, "
