@@ -162,8 +162,8 @@ class DeviceAgent:
 
     def _send_result(self, result: Payload, round: int, edge_round: int) -> None:
         self.pending -= 1
-        if not self.transport.connected:
-            return  # the device left while it was computing
+        if self.transport.closed:
+            return  # the device left while it was computing (a broken connection sends it after reconnecting)
         if self.secagg is not None:  # it leaves masked, once the cell routed the shares
             self.secagg.result_ready(result, round, edge_round)
             return

@@ -68,9 +68,13 @@ class BrokerOptions:
         return cls(url, **fields)
 
     def transport(self, node: str, run: str, loop: Any, will: Will | None = None, **kwargs: Any) -> "Any":
-        """A (not yet connected) :class:`MqttTransport` for ``node`` with client id ``fedtier-{run}-{node}``;
-        ``kwargs`` go to the transport (``reactor``, ``backoff_seed``, ``retry_refused``)."""
+        """A (not yet connected) :class:`MqttTransport` for ``node`` with client id ``fedtier-{run}-{node}``
+        and a persistent session (a node restarted under the same id gets what the broker queued for
+        it meanwhile); ``kwargs`` go to the transport (``reactor``, ``backoff_seed``, ``retry_refused``,
+        ``persistent``)."""
         from protocols.transport.mqtt import MqttTransport
+
+        kwargs.setdefault("persistent", True)
 
         return MqttTransport.from_url(self.url, client_id(run, node), loop, username=self.username,
                                       password=self.password, ca_certs=self.ca_certs, certfile=self.certfile,

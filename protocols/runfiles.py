@@ -5,3 +5,4 @@ AGGREGATION = "aggregation.jsonl" # one cell aggregation record per line (all ce
 FINAL_MODEL = "final_model.ftw"   # the final global model (tensors/v1, see protocols.checkpoint)
 CHECKPOINT = "checkpoint.ftw"     # the cloud's state after its last round, for --resume
 SUMMARY = "summary.json"          # final accuracy, bytes, wall time
+BROKER = "broker"                 # fedtier run: the Mosquitto it started keeps mosquitto.db here

@@ -20,6 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -62,10 +63,33 @@ def wire_by_tier(snapshots: list[dict[str, Any]]) -> dict[str, int]:
 @dataclass
 class Faults:
     """Fault injection for tests: ``crash`` kills a device's worker with SIGKILL when that device
-    receives its task for ``(round, edge_round)``; ``duplicate`` publishes every device result twice."""
+    receives its task for ``(round, edge_round)``; ``duplicate`` publishes every device result twice;
+    ``hold`` maps a device to ``(round, edge_round, path)``: on that task it creates ``path.held``
+    and trains only once ``path`` exists (at most ``HOLD_LIMIT`` seconds), so a test can act while
+    the device is known to be mid-task."""
 
     crash: dict[str, tuple[int, int]] = field(default_factory=dict)
     duplicate: bool = False
+    hold: dict[str, tuple[int, int, str]] = field(default_factory=dict)
+
+    def on_task(self, device: str, rnd: int, edge: int) -> None:
+        """Called by a worker before ``device`` trains its task of ``(rnd, edge)``."""
+        if tuple(self.crash.get(device, ())) == (rnd, edge):
+            os.kill(os.getpid(), signal.SIGKILL)
+        hold = self.hold.get(device)
+        if hold is not None and tuple(hold[:2]) == (rnd, edge):
+            Path(f"{hold[2]}.held").touch()
+            deadline = time.monotonic() + HOLD_LIMIT
+            while not os.path.exists(hold[2]) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Devices a fault targets (each gets a worker of its own)."""
+        return (*self.crash, *(d for d in self.hold if d not in self.crash))
+
+
+HOLD_LIMIT = 120.0
 
 
 AGENTS_PER_CORE = 100
@@ -126,11 +150,7 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     spec = cfg.model_spec(shape, classes) if shape and classes else ModelSpec.model_validate(job["spec"])
     trainer = make_trainer(job.get("backend", "torch"), spec, cfg)
     faults = Faults(**job.get("faults", {}))
-    on_task = None
-    if faults.crash:
-        def on_task(device: str, rnd: int, edge: int) -> None:
-            if tuple(faults.crash.get(device, ())) == (rnd, edge):
-                os.kill(os.getpid(), signal.SIGKILL)
+    on_task = faults.on_task if faults.crash or faults.hold else None
     cell_brokers = {c: BrokerOptions(**o) for c, o in job.get("cell_brokers", {}).items()}
     agents = AgentProcess(cfg, cfg.build_algorithm(spec), data, trainer, BrokerOptions(**job["broker"]),
                           cell_brokers=cell_brokers,
@@ -181,7 +201,7 @@ class Emulation:
         self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
         n = len(cfg.topology.all_devices())
         self.workers = n if process_per_agent else workers or agent_workers(n)
-        self.isolate = tuple(isolate) + tuple(d for d in self.faults.crash if d not in isolate) \
+        self.isolate = tuple(isolate) + tuple(d for d in self.faults.devices if d not in isolate) \
             + tuple(cfg.runtime.onnx_devices)  # a worker runs one backend: onnx devices get their own
         self.broker_url = broker_url or cfg.broker.url
         self.broker_options = {k: v for k, v in (broker_options or {}).items() if v is not None}
@@ -201,6 +221,7 @@ class Emulation:
         self.procs: list[Any] = []
         self.groups: list[list[str]] = []
         self.agent_stats: dict[str, dict[str, Any]] = {}
+        self.cells: dict[str, Any] = {}
 
     def _start_brokers(self) -> tuple[str, dict[str, str]]:
         """The broker URL of the cloud and of each cell: one broker for all (the given one, else
@@ -209,17 +230,23 @@ class Emulation:
         from protocols.transport.broker import EmbeddedBroker, MosquittoBroker
 
         cells = self.cfg.topology.cell_ids()
+
+        def mosquitto(name: str, extra: str = "") -> MosquittoBroker:
+            # sessions and queued messages persist in the run folder: a broker restart loses nothing
+            broker = MosquittoBroker(extra_config=SYS_STATS + extra,
+                                     persistence=self.cfg.output_dir() / runfiles.BROKER / name)
+            self.started_brokers[name] = broker.start()
+            return broker
+
         if self.brokers == "per-cell":
-            cloud = MosquittoBroker(extra_config=SYS_STATS)
-            self.started_brokers["cloud"] = cloud.start()
+            cloud = mosquitto("cloud")
             for c in cells:
-                bridge = bridge_config(self.cfg.run.name, c, cloud.url)
-                self.started_brokers[c] = MosquittoBroker(extra_config=SYS_STATS + bridge).start()
+                mosquitto(c, bridge_config(self.cfg.run.name, c, cloud.url))
             return cloud.url, {c: self.started_brokers[c].url for c in cells}
         if self.broker_url is not None:
             return self.broker_url, {c: self.broker_url for c in cells}
         # amqtt breaks at scale (see EmbeddedBroker): Mosquitto wherever it is installed
-        broker = MosquittoBroker(extra_config=SYS_STATS) if find_mosquitto() else EmbeddedBroker()
+        broker = mosquitto("shared") if find_mosquitto() else EmbeddedBroker()
         self.started_brokers["shared"] = broker.start()
         return broker.url, {c: broker.url for c in cells}
 
@@ -237,6 +264,8 @@ class Emulation:
         prep = prepare(cfg)
         spec, ds = prep.spec, prep.dataset
         out = fresh_output(cfg, self.resume)
+        if not self.resume:  # a fresh run: no broker sessions of an earlier one
+            shutil.rmtree(out / runfiles.BROKER, ignore_errors=True)
         device_files = {}
         for device, data in prep.device_data.items():
             device_files[device] = out / "devices" / f"{device}.npz"
@@ -250,6 +279,7 @@ class Emulation:
 
         loop = cloud = None
         cells: dict[str, Any] = {}
+        self.cells = cells  # the cell servers, for tests that watch a round
         results: Any = None
         agent_stats: dict[str, dict[str, Any]] = {}
         reactor = Reactor("run-io").start()  # the sockets of the cloud and every cell
@@ -321,6 +351,7 @@ class Emulation:
                    "cell_brokers": {c: o.__dict__ for c, o in cell_opts.items() if o != opts},
                    "backend": "onnx" if group[0] in self.cfg.runtime.onnx_devices else "torch",
                    "faults": {"crash": {d: v for d, v in self.faults.crash.items() if d in group},
+                              "hold": {d: v for d, v in self.faults.hold.items() if d in group},
                               "duplicate": self.faults.duplicate}, "timing": self.timing}
             proc = ctx.Process(target=worker_main, args=(job, results), name=f"fedtier-agents-{i}", daemon=True)
             proc.start()

@@ -86,6 +86,12 @@ class Transport(ABC):
     def connected(self) -> bool:
         return True
 
+    @property
+    def closed(self) -> bool:
+        """True once the node closed (or crashed) this transport; a connection that is being
+        re-established is not closed (what is published meanwhile is sent after the reconnect)."""
+        return not self.connected
+
     def configure_wire(self, *, auth: Any = None, max_message_bytes: int | None = None) -> None:
         """Chunk signing/verification (a ``protocols.wire.chunking.ChunkAuth``) and the bound on one
         incoming message, for transports that chunk (MQTT). The node's messenger calls this; a

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -17,7 +18,12 @@ import time
 from typing import Callable
 from urllib.parse import urlsplit
 
+from .. import procs
+
 log = logging.getLogger(__name__)
+
+MAX_QUEUED = 100000
+"""Messages Mosquitto queues per session (in flight or waiting for a disconnected client)."""
 
 
 def parse_broker_url(url: str) -> tuple[str, int]:
@@ -113,7 +119,8 @@ class EmbeddedBroker(_Broker):
         return {
             "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port or 0}"}},
             # no packet logging, no $SYS; amqtt has no message size limit to raise
-            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+            # every client in, not as "anonymous": amqtt keeps no session for an anonymous client
+            "plugins": {"protocols.transport.amqtt_auth.OpenAuth": {}},
         }
 
     def start(self, timeout: float = 10.0) -> "EmbeddedBroker":
@@ -183,10 +190,18 @@ class MosquittoBroker(_Broker):
     (``cafile``, ``certfile``, ``keyfile``, ``require_certificate true``) or ``password_file``; with
     ``allow_anonymous=False`` clients must log in. Run as root, Mosquitto stays root (instead of
     switching to the ``mosquitto`` user) so it can read the caller's files.
+
+    ``persistence``: keep sessions, subscriptions, queued and retained messages in ``mosquitto.db``
+    (in that folder; ``True``: the broker's temporary folder), saved every ``autosave_interval``
+    seconds and at a clean stop, and loaded again at start: a broker killed with SIGKILL and started
+    again loses at most what it queued for disconnected clients since its last save (messages it has
+    not acknowledged are re-sent by their publishers). Each session may queue ``MAX_QUEUED`` messages.
+    The process asks the kernel to kill it when its parent dies (``protocols.procs``).
     """
 
     def __init__(self, port: int | None = None, binary: str | None = None, extra_config: str = "",
-                 allow_anonymous: bool = True) -> None:
+                 allow_anonymous: bool = True, persistence: bool | str | os.PathLike[str] = False,
+                 autosave_interval: int = 1) -> None:
         super().__init__(port)
         self.binary = binary or find_mosquitto()
         if self.binary is None:
@@ -194,6 +209,7 @@ class MosquittoBroker(_Broker):
         if not os.access(self.binary, os.X_OK):
             raise FileNotFoundError(f"mosquitto binary {self.binary!r} is not an executable file")
         self.extra_config, self.allow_anonymous = extra_config, allow_anonymous
+        self.persistence, self.autosave_interval = persistence, autosave_interval
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -209,8 +225,8 @@ class MosquittoBroker(_Broker):
                 f"listener {self.port} {self.host}\n"
                 f"allow_anonymous {'true' if self.allow_anonymous else 'false'}\n"
                 + ("user root\n" if hasattr(os, "geteuid") and os.geteuid() == 0 else "") +
-                "persistence false\n"
-                "max_queued_messages 100000\n"  # a chunked model must not overflow a client's queue
+                self._persistence_config() +
+                f"max_queued_messages {MAX_QUEUED}\n"  # a chunked model must not overflow a client's queue
                 "max_queued_bytes 0\n"
                 "max_inflight_messages 64\n"
                 "set_tcp_nodelay true\n"  # else Nagle + delayed ACK add ~40 ms per small message
@@ -218,7 +234,7 @@ class MosquittoBroker(_Broker):
                 f"{self.extra_config}\n"
             )
         self._log = open(os.path.join(self._dir.name, "mosquitto.log"), "wb")
-        self._proc = subprocess.Popen([self.binary, "-c", conf], stdout=self._log, stderr=subprocess.STDOUT)
+        self._proc = procs.popen([self.binary, "-c", conf], stdout=self._log, stderr=subprocess.STDOUT)
         try:
             wait_for_port(self.host, self.port, timeout, alive=lambda: self._proc.poll() is None)
         except (RuntimeError, TimeoutError) as exc:
@@ -227,6 +243,28 @@ class MosquittoBroker(_Broker):
             raise RuntimeError(f"mosquitto did not start on port {self.port}: {exc}\n{out}") from None
         log.info("mosquitto (pid %d) listening on %s", self._proc.pid, self.url)
         return self
+
+    @property
+    def persistence_dir(self) -> str | None:
+        """Where ``mosquitto.db`` lives (``None`` without persistence)."""
+        if not self.persistence:
+            return None
+        if self.persistence is True:
+            assert self._dir is not None, "start() first"
+            return self._dir.name
+        return os.fspath(self.persistence)
+
+    def _persistence_config(self) -> str:
+        where = self.persistence_dir
+        if where is None:
+            return "persistence false\n"
+        os.makedirs(where, exist_ok=True)
+        return (f"persistence true\npersistence_location {os.path.join(os.path.abspath(where), '')}\n"
+                f"autosave_interval {self.autosave_interval}\n")
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def log_text(self) -> str:
         if self._dir is None:
@@ -247,6 +285,28 @@ class MosquittoBroker(_Broker):
                 proc.kill()
                 proc.wait()
             self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the broker (a crash: nothing is saved) and reap it; :meth:`start` restarts it."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            self._log.close()
+
+    def save(self, timeout: float = 5.0) -> bool:
+        """Ask the broker to write its persistence database now (SIGUSR1) and wait until it has."""
+        db = os.path.join(self.persistence_dir or "", "mosquitto.db")
+        if self._proc is None or not self.persistence:
+            return False
+        before = os.stat(db).st_mtime_ns if os.path.exists(db) else None
+        self._proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(db) and os.stat(db).st_mtime_ns != before:
+                return True
+            time.sleep(0.01)
+        return False
 
     def __del__(self) -> None:
         if getattr(self, "_proc", None) is not None:

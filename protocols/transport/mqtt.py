@@ -2,8 +2,12 @@
 
 The network side (paho's own thread, or a shared :class:`~.reactor.Reactor` that drives many
 connections from one thread) only receives, reassembles chunks and counts bytes; every handler runs
-on the node's :class:`EventLoop`. Sessions are clean: the transport remembers its subscriptions and
-re-issues them on every (re)connect. A lost connection is re-established with exponential backoff
+on the node's :class:`EventLoop`. With ``persistent`` the MQTT session survives a disconnect (MQTT 3.1.1
+``clean_session=False``, under a client id that is stable across restarts of the node): the broker
+keeps the node's subscriptions and queues QoS-1 messages for it while it is away, and a broker with
+persistence keeps them across its own restart. Either way the transport remembers its subscriptions
+and re-issues them on every (re)connect, and paho re-sends every QoS-1 publish not yet acknowledged
+(receivers de-duplicate by message id, chunks by content id). A lost connection is re-established with exponential backoff
 (with a reactor: jittered from ``backoff_seed``, and a broker that hangs up before its CONNACK, e.g.
 at a connection rate limit, is retried the same way when ``retry_refused``). Messages larger than
 ``max_chunk`` travel as chunks (``protocols.wire.chunking``); handlers only see whole messages.
@@ -121,8 +125,10 @@ class MqttTransport(Transport):
         reactor: Reactor | None = None,
         backoff_seed: int | None = None,
         retry_refused: bool = False,
+        persistent: bool = False,
     ) -> None:
-        """``reactor``: drive the connection from that shared I/O thread instead of a paho thread
+        """``persistent``: keep the broker-side session across disconnects (see the module doc).
+        ``reactor``: drive the connection from that shared I/O thread instead of a paho thread
         of its own. ``backoff_seed`` seeds the reconnect jitter; ``retry_refused``: a broker that
         closes the connection before its CONNACK is retried until the connect timeout."""
         if max_chunk <= chunking.HEADER_BYTES:
@@ -158,7 +164,8 @@ class MqttTransport(Transport):
         self._connect_error: ConnectionError | None = None
         self._gone = threading.Event()  # the socket is closed after close()
 
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True,
+        self.persistent = persistent
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not persistent,
                         protocol=mqtt.MQTTv311)
         if username is not None:
             c.username_pw_set(username, password)
@@ -350,6 +357,10 @@ class MqttTransport(Transport):
     def connected(self) -> bool:
         return self._connected and not self._closed
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # -- Transport -------------------------------------------------------------------------
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         if self._closed:
@@ -443,7 +454,7 @@ class MqttTransport(Transport):
         return self._reasm.reserved
 
     # -- paho callbacks (network thread) ---------------------------------------------------
-    def _on_connect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _props: Any) -> None:
+    def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, reason: Any, _props: Any) -> None:
         self._connack_reason = reason
         if reason.is_failure:
             log.warning("%s: broker %s:%s refused the connection: %s", self.client_id, self.host, self.port, reason)
@@ -451,7 +462,7 @@ class MqttTransport(Transport):
             return
         with self._cv:
             self._connected = True
-            self._at_broker = self._wanted()  # a clean session starts with no subscriptions
+            self._at_broker = self._wanted()  # re-issued even on a resumed session (the broker may have lost it)
             subs = list(self._at_broker.items())
             self._sub_sending += bool(subs)
             self._gen += 1
@@ -461,7 +472,8 @@ class MqttTransport(Transport):
             self._cv.notify_all()
         self._attempts = 0
         if self._ever_connected:
-            log.info("%s: reconnected to %s:%s, resubscribing %d patterns", self.client_id, self.host, self.port, len(subs))
+            log.info("%s: reconnected to %s:%s (%s session), resubscribing %d patterns", self.client_id, self.host,
+                     self.port, "resumed" if getattr(flags, "session_present", False) else "new", len(subs))
         self._ever_connected = True
         if subs:
             self._send_subscribe(subs, gen)

@@ -1,0 +1,84 @@
+"""Child processes that die with their parent, even when the parent is killed with SIGKILL.
+
+A process killed with SIGKILL runs no ``finally`` and no ``atexit``: its children (agent workers,
+the Mosquitto it started) would run on as orphans. Two mechanisms, both used:
+
+* Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``): the kernel kills the child as
+  soon as its parent exits. The "parent" is the *thread* that started the child, so start children
+  from a thread that outlives them (the launchers do: they stop their children in ``finally``).
+* a watchdog thread in Python children (:func:`die_with_parent`) that polls the parent pid and kills
+  its own process once it changes (the child was re-parented: its parent is gone), for platforms
+  without ``prctl``.
+
+External programs (Mosquitto) get the signal through :func:`popen` (``setpriv --pdeathsig`` when
+util-linux has it, else a ``preexec_fn``).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+WATCHDOG_PERIOD = 0.5
+
+
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()  # looked up once, before any fork: a preexec_fn must not load libraries
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent (thread) exits; False where
+    that is not available (not Linux)."""
+    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def die_with_parent(parent: int | None = None, period: float = WATCHDOG_PERIOD) -> None:
+    """Call first in a child process: it is killed when ``parent`` (default: its parent now) dies —
+    by the parent-death signal, and by a daemon watchdog thread checking every ``period`` seconds."""
+    parent = os.getppid() if parent is None else parent
+    set_parent_death_signal()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            time.sleep(period)
+            if os.getppid() != parent:
+                log.warning("parent process %d is gone: exiting", parent)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _child_setup() -> None:  # runs between fork and exec: no imports, no allocations of note
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **kwargs)`` whose process the kernel kills when the calling thread's
+    process dies (Linux; elsewhere a plain ``Popen``)."""
+    if _PRCTL is None:
+        return subprocess.Popen(list(cmd), **kwargs)
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", *cmd], **kwargs)
+    return subprocess.Popen(list(cmd), preexec_fn=_child_setup, **kwargs)  # noqa: PLW1509
