@@ -177,7 +177,8 @@ class AgentProcess:
     round manifest, a device that does not take part says offline and disconnects (after the results
     it owes: the manifest is handled after them), then reconnects every ``rejoin_poll`` seconds just
     long enough to read the retained manifest, and stays, announced online, from the first round it
-    takes part in. Every connection is a new MQTT session with the same client id; ``stats()`` counts
+    takes part in. A device's connections share its client id; its sessions are persistent, except
+    that its polls start clean (ending what the broker queued while it sat out); ``stats()`` counts
     them (``connections``) and sums their wire counters. Cloud records (manifest, ``finished``) count
     only when they belong to the cloud's current session (``protocols.session``). ``cell_brokers``
     maps a cell to the broker of its devices (a broker per cell); other devices use ``broker``.
@@ -256,13 +257,13 @@ class AgentProcess:
             self.done.set()
         return self
 
-    def _transport(self, device: str) -> Any:
+    def _transport(self, device: str, persistent: bool = True) -> Any:
         node = topics.device_node(device)
         attempt = self.connections.get(device, 0)
         cell = cell_of(self.cfg, device)
         broker = self.cell_brokers.get(cell, self.broker)
         return broker.transport(node, self.run, self.loop, will=device_will(self.run, cell, device, self.cfg),
-                                     reactor=self.reactor, retry_refused=True,
+                                     reactor=self.reactor, retry_refused=True, persistent=persistent,
                                      backoff_seed=derive_seed(self.cfg.run.seed, device, attempt, "mqtt-backoff"))
 
     def _prepare(self, device: str, transport: Any) -> None:
@@ -388,6 +389,7 @@ class AgentProcess:
         elif device in self._fresh:  # a poll that read the manifest
             if takes_part:
                 log.info("device %s: back for round %d", device, rnd)
+                self.transports[device].persist()
                 with self._lock:
                     self._present.add(device)
                     self.agents[device].announce("online")
@@ -403,7 +405,9 @@ class AgentProcess:
         if device not in self._live:
             return
         try:
-            self._connect(device, self._transport(device), present=False)
+            # a clean session: it ends the one the device left, and what the broker queued for it
+            # while it sat out (records it reads retained anyway); persistent again once it stays
+            self._connect(device, self._transport(device, persistent=False), present=False)
         except (ConnectionError, RuntimeError) as exc:
             log.warning("device %s: reconnect failed (%s); retrying", device, exc)
             self.transports[device].close(flush_timeout=0)

@@ -4,14 +4,16 @@ A process killed with SIGKILL runs no ``finally`` and no ``atexit``: its childre
 the Mosquitto it started) would run on as orphans. Two mechanisms, both used:
 
 * Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``): the kernel kills the child as
-  soon as its parent exits. The "parent" is the *thread* that started the child, so start children
-  from a thread that outlives them (the launchers do: they stop their children in ``finally``).
+  soon as its parent exits. The "parent" is the *thread* that started the child, so children are
+  started through :func:`spawn`, on one long-lived thread of the process (a child started by a
+  short-lived thread would die with that thread).
 * a watchdog thread in Python children (:func:`die_with_parent`) that polls the parent pid and kills
   its own process once it changes (the child was re-parented: its parent is gone), for platforms
   without ``prctl``.
 
 External programs (Mosquitto) get the signal through :func:`popen` (``setpriv --pdeathsig`` when
-util-linux has it, else a ``preexec_fn``).
+util-linux has it, else a ``preexec_fn``); Python children (``multiprocessing``) call
+:func:`die_with_parent` first thing and are started with ``spawn(process.start)``.
 """
 from __future__ import annotations
 
@@ -24,12 +26,23 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence, TypeVar
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 WATCHDOG_PERIOD = 0.5
+T = TypeVar("T")
+_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="fedtier-spawner")  # its thread lives as long as we do
+
+
+def spawn(start: Callable[[], T]) -> T:
+    """Run ``start`` (which starts a child process) on the process's long-lived spawner thread, so a
+    parent-death signal fires when this process dies, not when the calling thread ends."""
+    if threading.current_thread().name.startswith("fedtier-spawner"):
+        return start()
+    return _SPAWNER.submit(start).result()
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -80,5 +93,5 @@ def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         return subprocess.Popen(list(cmd), **kwargs)
     setpriv = shutil.which("setpriv")
     if setpriv is not None:
-        return subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", *cmd], **kwargs)
-    return subprocess.Popen(list(cmd), preexec_fn=_child_setup, **kwargs)  # noqa: PLW1509
+        return spawn(lambda: subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", *cmd], **kwargs))
+    return spawn(lambda: subprocess.Popen(list(cmd), preexec_fn=_child_setup, **kwargs))  # noqa: PLW1509

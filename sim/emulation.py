@@ -31,7 +31,7 @@ from typing import Any, Callable
 from cell_server.node import build_cell
 from cloud.node import build_cloud
 from edge_agent.runner import AgentProcess, BrokerOptions, offline_will, save_device_data
-from protocols import runfiles
+from protocols import procs, runfiles
 from protocols.config import ConfigError, RunConfig, load_config
 from protocols.transport.bridge import bridge_config
 from protocols.transport.broker import find_mosquitto
@@ -138,6 +138,7 @@ def worker_groups(devices: list[str], workers: int, isolate: tuple[str, ...] = (
 def worker_main(job: dict[str, Any], results: Any) -> None:
     """Entry point of a worker process: run the agents of ``job`` until the run is finished."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
+    procs.die_with_parent(job.get("parent"))  # a SIGKILLed launcher leaves no worker behind
     logging.basicConfig(level=job.get("log_level", logging.WARNING), format="%(processName)s %(message)s")
     raise_fd_limit()
     from edge_agent.runner import load_device_data, make_trainer
@@ -352,9 +353,9 @@ class Emulation:
                    "backend": "onnx" if group[0] in self.cfg.runtime.onnx_devices else "torch",
                    "faults": {"crash": {d: v for d, v in self.faults.crash.items() if d in group},
                               "hold": {d: v for d, v in self.faults.hold.items() if d in group},
-                              "duplicate": self.faults.duplicate}, "timing": self.timing}
+                              "duplicate": self.faults.duplicate}, "timing": self.timing, "parent": os.getpid()}
             proc = ctx.Process(target=worker_main, args=(job, results), name=f"fedtier-agents-{i}", daemon=True)
-            proc.start()
+            procs.spawn(proc.start)
             self.procs.append(proc)
         return results
 

@@ -29,6 +29,7 @@ import tomllib
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
+from protocols import procs
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.trainer import LocalData
@@ -173,6 +174,7 @@ def _unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
 def process_main(tasks: Any, results: Any, config_text: str, devices: list[str]) -> None:
     """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
+    procs.die_with_parent()  # even a SIGKILLed main process leaves no worker behind
     logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
     try:
         worker = DeviceWorker(config_text, devices)
@@ -293,7 +295,7 @@ class ProcessExecutor(_Remote):
                 result_r, result_w = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=process_main, args=(task_r, result_w, config_text, group),
                                    name=f"fedtier-sim-worker-{i}", daemon=True)
-                proc.start()
+                procs.spawn(proc.start)
                 task_r.close()  # our copies of the child's ends: EOF reaches us when it dies
                 result_w.close()
                 self.procs.append(proc)

@@ -10,6 +10,7 @@ from pathlib import Path
 from edge_agent.runner import save_device_data
 from protocols import runfiles
 from protocols.config import load_config
+from protocols.procs import popen
 from protocols.trainer import LocalData
 from protocols.transport.broker import EmbeddedBroker
 from sim.hierarchy import prepare
@@ -70,7 +71,7 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
                            "--data", str(tmp_path / "c0-d1.npz"), "--backend", "onnx",
                            "--onnx-model", str(tmp_path / "model.onnx")],
         }
-        procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs = {name: popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for name, cmd in commands.items()}
         try:
             outputs = {name: p.communicate(timeout=180)[0] for name, p in procs.items()}

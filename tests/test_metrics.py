@@ -16,6 +16,7 @@ import pytest
 
 from monitor.exporter import MetricsExporter, reason_kind
 from protocols import runfiles
+from protocols.procs import popen
 from protocols.records import CellRecord, RoundRecord, read_run
 from protocols.transport.broker import free_port
 from sim.launcher import SimHierarchy
@@ -119,7 +120,7 @@ class Prometheus:
                           "scrape_configs:\n  - job_name: fedtier\n    static_configs:\n"
                           f"      - targets: ['{target}']\n")
         self.log = (tmp / "prometheus.log").open("w")
-        self.proc = subprocess.Popen(
+        self.proc = popen(  # dies with the test process, even a SIGKILLed one
             [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from fedtier.cli import main
 from fedtier.provisioning import password_line
+from protocols.procs import popen
 from protocols.transport.broker import find_mosquitto, free_port, wait_for_port
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
@@ -70,7 +71,7 @@ def provision_cli(tmp: Path, name: str, *extra: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def mosquitto(conf: Path, port: int) -> Iterator[subprocess.Popen]:
     """``mosquitto -c conf`` exactly as provisioned, until it listens on 127.0.0.1:port."""
-    proc = subprocess.Popen([find_mosquitto(), "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = popen([find_mosquitto(), "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         try:
             wait_for_port("127.0.0.1", port, WAIT, alive=lambda: proc.poll() is None)

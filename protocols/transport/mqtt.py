@@ -361,6 +361,11 @@ class MqttTransport(Transport):
     def closed(self) -> bool:
         return self._closed
 
+    def persist(self) -> None:
+        """Keep the session from the next (re)connect on (a clean connection that became worth keeping)."""
+        self.persistent = True
+        self._client._clean_session = False  # paho reads it for every CONNECT
+
     # -- Transport -------------------------------------------------------------------------
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         if self._closed:

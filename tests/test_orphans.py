@@ -1,0 +1,107 @@
+"""No orphan processes: children die with their parent, even a parent killed with SIGKILL (issue #14)."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from protocols import procs
+from protocols.transport.broker import find_mosquitto
+from tests.conftest import small_config
+
+FEDTIER = str(Path(sys.executable).parent / "fedtier")
+linux_only = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[1])
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of ``pid``: {pid: command line}."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            children.setdefault(st[1], []).append(int(entry))
+    found, todo = {}, list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        try:
+            found[p] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        todo += children.get(p, [])
+    return found
+
+
+def alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")  # a zombie is dead, waiting to be reaped
+
+
+def wait_for(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@linux_only
+def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
+    """``fedtier run`` with 2 agent workers (and its own Mosquitto where installed) is killed with
+    SIGKILL mid-run (once a cell has aggregated: the workers are past their start-up): within a few
+    seconds none of its descendants is alive."""
+    cfg = small_config(tmp_path, run={"rounds": 500}, runtime={"device_deadline": 60.0})
+    config = tmp_path / "run.toml"
+    config.write_text(cfg.to_toml())
+    run = procs.popen([FEDTIER, "run", str(config), "--no-progress", "--workers", "2"],
+                      stdout=open(tmp_path / "run.log", "wb"), stderr=-2)
+    try:
+        def started() -> bool:
+            kids = descendants(run.pid)
+            workers = [p for p, cmd in kids.items() if "multiprocessing" in cmd and "spawn_main" in cmd]
+            broker = [p for p, cmd in kids.items() if "mosquitto" in cmd] if find_mosquitto() else [0]
+            log = tmp_path / "run" / "aggregation.jsonl"  # a record: the agents are up and training
+            return len(workers) == 2 and bool(broker) and log.exists() and log.stat().st_size > 0
+
+        assert wait_for(started, 120), (tmp_path / "run.log").read_text()[-3000:]
+        kids = descendants(run.pid)
+        run.send_signal(signal.SIGKILL)
+        run.wait(10)
+        left = lambda: {p: cmd for p, cmd in kids.items() if alive(p)}  # noqa: E731
+        assert wait_for(lambda: not left(), 10), f"still running after their parent was killed: {left()}"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
+
+@linux_only
+def test_a_child_started_by_a_short_lived_thread_outlives_it(tmp_path: Path) -> None:
+    """The parent-death signal is bound to the thread that started the child: ``procs.popen`` starts it
+    on a long-lived thread, so the child lives until its process (not the calling thread) ends."""
+    import threading
+
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(procs.popen(["sleep", "30"])))
+    t.start()
+    t.join()
+    child = box[0]
+    try:
+        time.sleep(0.3)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
