@@ -15,6 +15,7 @@ from typing import Any
 
 from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedbuff import FedBuffCell
+from protocols.divergence import diverged_reason
 from protocols.records import CellRecord
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -44,6 +45,7 @@ class AsyncCellServer(CellServer):
         self.bytes_in = self.bytes_out = 0
         self.losses = {}
         self.absent = {}
+        self.diverged = {}
 
     def stop(self) -> None:
         self.loop.cancel(self._push_timer)
@@ -113,6 +115,12 @@ class AsyncCellServer(CellServer):
             return
         del self.outstanding[device]
         self.bytes_in += msg.nbytes
+        diverged = diverged_reason(msg.payload)
+        if diverged is not None:  # recorded in the next record, never aggregated; the device goes on
+            log.warning("cell %s: %s diverged on task %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
+            self.diverged[device] = diverged
+            self._dispatch(device)
+            return
         try:
             self.fb.check(device, h.round, msg.payload)
         except Rejected as exc:  # too stale, or a bad result: logged in the next record; the device goes on
@@ -145,7 +153,7 @@ class AsyncCellServer(CellServer):
             algorithm=self.algorithm, planned=sorted(self.dispatched), answered=sorted(set(answered)),
             rejected=self.rejected, closed_by="buffer full", bytes_in=self.bytes_in, bytes_out=self.bytes_out,
             loss_mean=mean, duration_s=round(time.perf_counter() - self._wall0, 6), clock_s=round(now - self._t0, 6),
-            clock_end_s=round(now, 6), time=round(time.time(), 3), metrics=metrics,
+            clock_end_s=round(now, 6), time=round(time.time(), 3), metrics=metrics, diverged=self.diverged or None,
         ).to_dict()
         self._emit(record)
         self._window()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from protocols.algorithms.base import CellRole
 from protocols.answers import Answers
+from protocols.divergence import diverged_reason
 from protocols.jsonl import JsonlWriter
 from protocols.records import CellRecord
 from protocols.session import CloudSession, decode_manifest
@@ -245,6 +246,7 @@ class CellServer:
     def _reset_edge(self) -> None:
         self.losses: dict[str, float] = {}
         self.absent: dict[str, str] = {}
+        self.diverged: dict[str, str] = {}  # device -> why its training diverged (not aggregated)
         self._not_participating = 0  # counted, not named in self.absent (more than absent_ids)
         self.planned: list[str] = []
         self._opened = False  # planned and sent the tasks of the current edge round
@@ -313,22 +315,28 @@ class CellServer:
             else:
                 self.secagg.on_message(topic, device, msg)
             return
-        taken = len(self.answers.received)
+        taken = len(self.answers.received) + len(self.answers.settled)
+        diverged = diverged_reason(msg.payload)
         reason = self._bad_result(device, msg)
         if reason is None:
             check = self.secagg.check if self.secagg is not None else self.role.check
-            reason = self.answers.offer(device, h.sender, (h.round, h.edge_round), msg.payload, check)
+            reason = self.answers.offer(device, h.sender, (h.round, h.edge_round),
+                                        None if diverged is not None else msg.payload, check)
         if reason is not None:
             self.messenger.reject(topic, reason, device)
             return
-        if len(self.answers.received) == taken:
+        if len(self.answers.received) + len(self.answers.settled) == taken:
             return  # a repeat of an answer already taken counts once
         self.bytes_in += msg.nbytes
-        loss = msg.payload.meta.get("loss")
-        if isinstance(loss, (int, float)) and math.isfinite(loss):
+        if diverged is not None:  # recorded, never aggregated
+            log.warning("cell %s: %s diverged in round %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
+            self.diverged[device] = diverged
+        elif isinstance(loss := msg.payload.meta.get("loss"), (int, float)) and math.isfinite(loss):
             self.losses[device] = float(loss)
-        if len(self.answers.received) >= self._needed:
-            self._close(self.round, self.edge_round, "all answered" if not self.answers.pending else "quorum")
+        if not self.answers.pending:
+            self._close(self.round, self.edge_round, "all answered")
+        elif len(self.answers.received) >= self._needed:
+            self._close(self.round, self.edge_round, "quorum")
 
     def _bad_result(self, device: str, msg: Any) -> str | None:
         """Runtime checks before the role sees a result: its session (signed runs) and its weight
@@ -386,7 +394,7 @@ class CellServer:
             rejected=self.rejected, closed_by=why, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
             loss_mean=mean, loss_std=spread, duration_s=round(time.perf_counter() - self._wall0, 6),
             clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,
-            time=round(time.time(), 3), metrics=metrics, excluded=excluded,
+            time=round(time.time(), 3), metrics=metrics, excluded=excluded, diverged=self.diverged or None,
         ).to_dict()
         self._emit(record)
 

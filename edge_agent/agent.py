@@ -5,6 +5,7 @@ import logging
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
+from protocols.divergence import diverged_reason, diverged_result, nonfinite
 from protocols.status import encode_status
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
@@ -73,7 +74,8 @@ class DeviceAgent:
     def attach(self, transport: Transport) -> None:
         """Take tasks on ``transport`` (a new connection of a device that rejoins: same role, same
         de-duplication of messages); does not announce."""
-        self.transport = self.messenger.transport = transport
+        self.transport = transport
+        self.messenger.attach(transport)  # chunk signing and the message bound on the new connection too
         transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
 
     def announce(self, state: str) -> None:
@@ -106,7 +108,7 @@ class DeviceAgent:
         if reason is not None:
             self.messenger.reject(topic, reason, h.sender)
             return
-        self._last = (h.session, h.round, h.edge_round)
+        self._last = (self._session_of(h), h.round, h.edge_round)
         self.messenger.session = h.session  # the result belongs to the task's session
         if self.on_task is not None:
             self.on_task(h.round, h.edge_round)
@@ -126,7 +128,8 @@ class DeviceAgent:
 
     def _out_of_window(self, h: Header) -> str | None:
         """Why a task is not for now: not from this device's cell, another session than the cloud's
-        current one, a round past the cloud's manifest, or not after the last task taken."""
+        current one, a round past the cloud's manifest (signed runs), a round before it, or not after
+        the last task taken in its session (a replay: never trained twice)."""
         if self.trust is not None and h.sender != self.cell:
             return f"task signed by {h.sender!r}, not by this device's cell {self.cell!r}"
         if self.trust is not None and self.cloud is not None:
@@ -136,10 +139,20 @@ class DeviceAgent:
             now = self.cloud.round
             if now is not None and h.round > now:
                 return f"task for round {h.round}, the cloud's manifest says round {now}"
-        if self.trust is not None and self._last is not None and self._last[0] == h.session and (h.round, h.edge_round) <= self._last[1:]:
+        now = self.cloud.round if self.cloud is not None else None
+        if now is not None and h.round < now:
+            return f"stale task for round {h.round}, the cloud's manifest says round {now}"
+        if self._last is not None and self._last[0] == self._session_of(h) and (h.round, h.edge_round) <= self._last[1:]:
             return (f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} "
                     f"(replayed)")
         return None
+
+    def _session_of(self, h: Header) -> str | None:
+        """The cloud session a task belongs to: its header's (signed runs), else the cloud's current one
+        (unsigned headers carry none), so a new cloud session starts a new window."""
+        if h.session is not None or self.cloud is None:
+            return h.session
+        return self.cloud.session
 
     def train_here(self, task: Payload, ctx: DeviceContext) -> tuple[Payload | None, str | None]:
         """Run the role on this device's data: ``(result, None)``, or ``(None, error)``."""
@@ -154,6 +167,10 @@ class DeviceAgent:
             self.pending -= 1
             self.messenger.reject(topic, f"training failed: {error}", h.sender)
             return
+        why = nonfinite(result)
+        if why is not None:  # the cell records it and leaves it out of the aggregate
+            log.warning("device %s diverged in round %d.%d: %s", self.device, h.round, h.edge_round, why)
+            result = diverged_result(why)
         delay = self.compute_delay(self.device, result) if self.compute_delay is not None else 0.0
         if delay > 0:
             self.transport.loop.call_later(delay, lambda: self._send_result(result, h.round, h.edge_round))
@@ -164,14 +181,18 @@ class DeviceAgent:
         self.pending -= 1
         if self.transport.closed:
             return  # the device left while it was computing (a broken connection sends it after reconnecting)
-        if self.secagg is not None:  # it leaves masked, once the cell routed the shares
-            self.secagg.result_ready(result, round, edge_round)
-            return
+        if self.secagg is not None and diverged_reason(result) is None:  # masked, once the cell routed
+            self.secagg.result_ready(result, round, edge_round)  # the shares (a diverged one leaves as is:
+            return  # to the aggregation it is a dropout)
         self.publish_result(result, round, edge_round)
 
     def publish_result(self, result: Payload, round: int, edge_round: int) -> None:
         """Send a result to the cell."""
-        self.bytes_out += self.messenger.send(
-            topics.device_result(self.run, self.cell, self.device), "device_result", result,
-            round=round, edge_round=edge_round, cell=self.cell)
+        try:
+            self.bytes_out += self.messenger.send(
+                topics.device_result(self.run, self.cell, self.device), "device_result", result,
+                round=round, edge_round=edge_round, cell=self.cell)
+        except (ValueError, TypeError) as exc:  # a result the wire cannot carry: logged, not sent
+            log.error("device %s: result of round %d.%d not sent: %s", self.device, round, edge_round, exc)
+            return
         self.tasks_done += 1

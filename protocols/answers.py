@@ -16,9 +16,10 @@ class Answers:
         self.key: tuple[int, ...] | None = None
         self.pending: set[str] = set()
         self.received: dict[str, Payload] = {}
+        self.settled: set[str] = set()
 
     def open(self, key: tuple[int, ...], planned: list[str]) -> None:
-        self.key, self.pending, self.received = key, set(planned), {}
+        self.key, self.pending, self.received, self.settled = key, set(planned), {}, set()
 
     def close(self) -> None:
         self.key = None
@@ -27,9 +28,11 @@ class Answers:
     def is_open(self) -> bool:
         return self.key is not None
 
-    def offer(self, who: str, sender: str, key: tuple[int, ...], payload: Payload,
+    def offer(self, who: str, sender: str, key: tuple[int, ...], payload: Payload | None,
               check: Callable[[str, Payload], None]) -> str | None:
-        """Take ``payload`` from ``who`` (the party named by the topic; ``sender`` signed the header).
+        """Take ``payload`` from ``who`` (the party named by the topic; ``sender`` signed the header);
+        ``payload=None`` settles ``who`` (it answered, e.g. that its training diverged, with nothing to
+        aggregate: no longer pending, not in ``received``).
 
         Returns ``None`` when taken or when it is a repeat of a taken answer (counted once), else the
         reason it is refused.
@@ -39,10 +42,14 @@ class Answers:
         if key != self.key:
             now = ".".join(map(str, self.key)) if self.key else "between rounds"
             return f"stale answer for round {'.'.join(map(str, key))} (now {now})"
-        if who in self.received:
+        if who in self.received or who in self.settled:
             return None
         if who not in self.pending:
             return f"{self.kind} {who} was not planned for this round"
+        if payload is None:  # settle: answered, with nothing to aggregate
+            self.settled.add(who)
+            self.pending.discard(who)
+            return None
         try:
             check(who, payload)
         except Rejected as exc:

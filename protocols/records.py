@@ -78,6 +78,8 @@ class CellRecord(_Record):
     rejected: list[Rejection] = Field(default_factory=list, description="results refused, with reasons")
     excluded: dict[str, str] | None = Field(None, description="answered devices the robust aggregator "
                                             "(algorithm.cell_aggregator) left out, with why")
+    diverged: dict[str, str] | None = Field(None, description="devices whose training diverged (non-finite "
+                                            "loss or parameters): answered, not aggregated, with why")
     bytes_in: int = Field(0, ge=0, description="device -> cell payload bytes of this edge round")
     bytes_out: int = Field(0, ge=0, description="cell -> device payload bytes of this edge round")
     loss_mean: float | None = Field(None, description="mean training loss the answering devices reported")

@@ -76,7 +76,7 @@ def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
             log = tmp_path / "run" / "aggregation.jsonl"  # a record: the agents are up and training
             return len(workers) == 2 and bool(broker) and log.exists() and log.stat().st_size > 0
 
-        assert wait_for(started, 120), (tmp_path / "run.log").read_text()[-3000:]
+        assert wait_for(started, 240), (tmp_path / "run.log").read_text()[-3000:]
         kids = descendants(run.pid)
         run.send_signal(signal.SIGKILL)
         run.wait(10)

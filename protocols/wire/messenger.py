@@ -53,8 +53,15 @@ class Messenger:
         self.session: str | None = None
         self.seen = SeenIds()
         self._encoded: dict[int, tuple[Payload, bytes]] = {}
-        if trust is not None or max_payload is not None:
-            transport.configure_wire(auth=trust, max_message_bytes=max_payload)
+        self._bound = max_payload
+        self.attach(transport)
+
+    def attach(self, transport: Transport) -> None:
+        """Send and receive on ``transport`` from now on (a node's new connection), with this
+        messenger's chunk signing and message bound configured on it."""
+        self.transport = transport
+        if self.trust is not None or self._bound is not None:
+            transport.configure_wire(auth=self.trust, max_message_bytes=self._bound)
 
     @property
     def signed(self) -> bool:

@@ -1,0 +1,107 @@
+"""A diverged device is a clean, logged "diverged" result the cell records and never aggregates; a stale
+or replayed task is never trained (issue #14)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from edge_agent.agent import DeviceAgent
+from protocols.algorithms.base import DeviceContext, DeviceRole
+from protocols.divergence import diverged_reason, diverged_result, nonfinite
+from protocols.session import CloudSession
+from protocols.trainer import LocalData
+from protocols.transport.memory import MemoryHub
+from protocols.wire import topics
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload
+from sim.launcher import SimHierarchy
+from tests.conftest import small_config
+
+
+def test_nonfinite_finds_loss_overflow_and_bad_tensors() -> None:
+    ok = Payload({"weight": 3, "loss": 0.5, "nested": {"a": [1.0, 2.0]}}, {"d": np.ones(3, np.float32)})
+    assert nonfinite(ok) is None
+    assert "loss" in nonfinite(Payload({"loss": float("inf")}, {}))
+    assert "nested.a[1]" in nonfinite(Payload({"nested": {"a": [1.0, float("nan")]}}, {}))
+    assert "2 non-finite" in nonfinite(Payload({}, {"d": np.array([1, np.inf, np.nan], np.float32)}))
+    assert nonfinite(Payload({}, {"bits": np.array([255], np.uint8)})) is None
+    assert diverged_reason(diverged_result("loss inf")) == "loss inf"
+    assert diverged_reason(ok) is None
+    assert diverged_reason(Payload({"diverged": "x"}, {"d": np.ones(1, np.float32)})) is None  # carries numbers
+
+
+def test_a_device_whose_loss_overflows_sends_diverged_and_the_cell_records_it(tmp_path: Path, caplog) -> None:
+    """c0-d1's inputs are scaled to overflow float32: its loss is inf/NaN. It sends a logged "diverged"
+    result (no traceback); c0 records it in every aggregation, closes on "all answered" without it, and
+    the model stays finite."""
+    cfg = small_config(tmp_path, run={"rounds": 2})
+    h = SimHierarchy(cfg)
+    configure = h.agents.configure
+
+    def overflowing(agent: DeviceAgent) -> None:
+        configure(agent)
+        if agent.device == "c0-d1":
+            agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
+
+    h.agents.configure = overflowing
+    with caplog.at_level(logging.WARNING):
+        result = h.run()
+    c0 = [r for r in result.cell_records if r["cell"] == "c0"]
+    assert len(c0) == 4
+    for record in c0:
+        assert set(record["diverged"]) == {"c0-d1"} and "not finite" in record["diverged"]["c0-d1"]
+        assert record["answered"] == ["c0-d0", "c0-d2"] and record["closed_by"] == "all answered"
+        assert not record["absent"] and not record["rejected"]
+    assert all("diverged" not in r for r in result.cell_records if r["cell"] == "c1")
+    assert all(np.isfinite(v).all() for v in result.params.values())
+    assert "device c0-d1 diverged in round 0.0" in caplog.text
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+class _Counting(DeviceRole):
+    def __init__(self) -> None:
+        self.trained: list[tuple[int, int]] = []
+
+    def train(self, task: Payload, data: LocalData, trainer, ctx: DeviceContext) -> Payload:
+        self.trained.append((ctx.round, ctx.edge_round))
+        return Payload({"weight": 1, "loss": 0.1}, {})
+
+
+def test_replayed_and_stale_tasks_are_never_trained() -> None:
+    """Unsigned run (anyone can forge; the window still holds): a task re-sent for a (round, edge round)
+    already taken, or an older one, is rejected as a replay; a task for a round before the cloud's
+    manifest is rejected as stale; a new cloud session opens a new window."""
+    hub = MemoryHub()
+    role = _Counting()
+    cloud = CloudSession()
+    cloud.on_status({"state": "online", "session": "s1", "started": 1.0})
+    agent = DeviceAgent(hub.connect("d"), run="r", cell="c0", device="c0-d0", role=role,
+                        data=LocalData(np.zeros((1, 2), np.float32), np.zeros(1, np.int64)), trainer=None,
+                        seed=0, cloud=cloud)
+    agent.start()
+    cell = Messenger(hub.connect("cell"), "r", "c0")
+    rejected: list[str] = []
+    agent.messenger.on_reject = lambda topic, reason, sender: rejected.append(reason)
+
+    def task(rnd: int, edge: int) -> None:
+        cell.send(topics.device_task("r", "c0", "c0-d0"), "device_task", Payload({}, {}),
+                  round=rnd, edge_round=edge, cell="c0")
+        hub.loop.run()
+
+    task(1, 0)
+    task(1, 1)
+    task(1, 1)  # the same task again, a new message id: a replay
+    task(0, 3)  # an older one
+    assert role.trained == [(1, 0), (1, 1)]
+    assert sum("(replayed)" in r for r in rejected) == 2
+    cloud.on_manifest({"session": "s1", "round": 3})
+    task(2, 0)  # the cloud is at round 3 already
+    assert role.trained == [(1, 0), (1, 1)] and "stale task for round 2" in rejected[-1]
+    task(3, 0)
+    cloud.on_status({"state": "online", "session": "s2", "started": 2.0})  # a restarted cloud
+    cloud.on_manifest({"session": "s2", "round": 0})
+    task(0, 0)
+    assert role.trained == [(1, 0), (1, 1), (3, 0), (0, 0)]
+    assert agent.tasks_done == 4
