@@ -15,7 +15,7 @@ from protocols.algorithms.base import CellRole
 from protocols.answers import Answers
 from protocols.divergence import diverged_reason
 from protocols.jsonl import JsonlWriter
-from protocols.records import CellRecord
+from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
 from protocols.session import CloudSession, decode_manifest
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
@@ -93,6 +93,7 @@ class CellServer:
         self.records: list[dict[str, Any]] = []
         self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each record (monitor.exporter)
         self.rejected: list[dict[str, str]] = []  # refused since the last record (even between rounds)
+        self.rejected_more = 0  # refused beyond the listed ones
         self._timer: TimerHandle | None = None
         self._reset_edge()
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
@@ -347,13 +348,20 @@ class CellServer:
         weight = msg.payload.meta.get("weight")
         bound = self.max_weights.get(device, self.max_weight)
         if bound is not None and isinstance(weight, (int, float)) and weight > bound:
-            return f"weight {weight:g} exceeds the {bound:g} samples known for {device}"
+            try:
+                shown = f"{float(weight):g}"
+            except OverflowError:  # an int beyond float range, e.g. 10**400 from JSON
+                shown = f"{str(weight)[:12]}..."
+            return f"weight {shown} exceeds the {bound:g} samples known for {device}"
         return None
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
         parts = topic.split("/")
         who = sender or (parts[-2] if len(parts) >= 2 and parts[-1] == "result" else topic)
-        self.rejected.append({"device": who, "reason": reason})
+        if len(self.rejected) < MAX_LISTED_REJECTIONS:
+            self.rejected.append({"device": who, "reason": reason})
+        else:
+            self.rejected_more += 1
 
     def _close(self, rnd: int, edge_round: int, why: str) -> None:
         if not self.in_round or (rnd, edge_round) != (self.round, self.edge_round):
@@ -400,7 +408,9 @@ class CellServer:
 
     def _emit(self, record: dict[str, Any]) -> None:
         """Keep, log and publish an aggregation record; the rejections it lists are reset."""
-        self.rejected = []
+        if self.rejected_more:
+            record["rejected_more"] = self.rejected_more
+        self.rejected, self.rejected_more = [], 0
         self.records.append(record)
         self.log.write(record)
         for observe in self.observers:

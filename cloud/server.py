@@ -14,7 +14,7 @@ from protocols.algorithms.base import CloudRole
 from protocols.answers import Answers
 from protocols.checkpoint import load_payload, save_payload
 from protocols.jsonl import JsonlWriter, read_jsonl
-from protocols.records import RoundRecord
+from protocols.records import MAX_LISTED_REJECTIONS, RoundRecord
 from protocols.session import encode_manifest, new_session
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
@@ -81,6 +81,7 @@ class CloudServer:
         self._in_round = False
         self.answers = Answers("cell")
         self._rejected: list[dict[str, str]] = []
+        self._rejected_more = 0
         self.resumed = False
         if resume and self.checkpoint_path and self.checkpoint_path.exists():
             state = load_payload(self.checkpoint_path)
@@ -157,7 +158,6 @@ class CloudServer:
     def _send_tasks(self, candidates: list[str]) -> None:
         """Start counting the next round record; plan the ``candidates`` that may take part; send their tasks."""
         self._t0, self._wall0 = self.loop.now(), time.perf_counter()
-        self._rejected = []
         self._bytes = {t: 0 for t in TIERS}
         self._cell_devices: dict[str, int] = {}
         allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
@@ -210,7 +210,10 @@ class CloudServer:
         return int(devices) if isinstance(devices, int) and devices >= 0 else 0
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
-        self._rejected.append({"from": sender or topic, "reason": reason})
+        if len(self._rejected) < MAX_LISTED_REJECTIONS:
+            self._rejected.append({"from": sender or topic, "reason": reason})
+        else:
+            self._rejected_more += 1
 
     def _close(self, rnd: int, why: str) -> None:
         if not self._in_round or rnd != self.round:
@@ -233,11 +236,13 @@ class CloudServer:
         record = RoundRecord(
             run=self.run, round=self.round, rounds=self.rounds, closed_by=why, cells_planned=self.planned,
             cells_reported=reported, cells_absent=absent, devices=self._cell_devices,
-            rejected=self._rejected, bytes=dict(self._bytes), cumulative_bytes=dict(self.cumulative),
+            rejected=self._rejected, rejected_more=self._rejected_more or None, bytes=dict(self._bytes),
+            cumulative_bytes=dict(self.cumulative),
             clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
             excluded=excluded, metrics=role_metrics, duration_s=round(time.perf_counter() - self._wall0, 6),
             time=round(time.time(), 3),
         ).to_dict()
+        self._rejected, self._rejected_more = [], 0  # the next record lists what is refused from now on
         self.history.append(record)
         self.metrics.write(record)
         for observe in self.observers:

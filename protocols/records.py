@@ -25,6 +25,10 @@ from .jsonl import loads
 
 SCHEMA_VERSION = 1
 
+MAX_LISTED_REJECTIONS = 100
+"""A record lists at most this many rejections (a flood of bad messages keeps records and memory small);
+``rejected_more`` counts the others."""
+
 TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
 """The four links whose bytes every round record counts."""
 
@@ -76,6 +80,7 @@ class CellRecord(_Record):
     absent_counts: dict[str, int] | None = Field(None, description="reason -> absent devices, when `absent` "
                                                  "leaves some out")
     rejected: list[Rejection] = Field(default_factory=list, description="results refused, with reasons")
+    rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
     excluded: dict[str, str] | None = Field(None, description="answered devices the robust aggregator "
                                             "(algorithm.cell_aggregator) left out, with why")
     diverged: dict[str, str] | None = Field(None, description="devices whose training diverged (non-finite "
@@ -128,6 +133,7 @@ class RoundRecord(_Record):
     cells_absent: list[str] = Field(default_factory=list)
     devices: dict[str, int] = Field(default_factory=dict, description="cell -> devices that took part")
     rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, reason")
+    rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
     excluded: dict[str, str] | None = Field(None, description="reporting cells the robust aggregator "
                                             "(algorithm.cloud_aggregator) left out, with why")
     bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes of this round per tier")

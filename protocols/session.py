@@ -13,12 +13,14 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from .wire.envelope import WireError
+from .wire.ratelog import RateLimitedLog
 from .wire.signed import open_record, seal_record
 
 if TYPE_CHECKING:
     from .wire.keys import Trust
 
 log = logging.getLogger("fedtier.session")
+_rejections = RateLimitedLog(log)
 
 
 def new_session() -> str:
@@ -39,7 +41,7 @@ def decode_manifest(data: bytes, topic: str = "", trust: "Trust | None" = None) 
         record = open_record(data, topic, "cloud", trust.verify if trust is not None else None)
     except WireError as exc:
         if trust is not None:
-            log.warning("rejected a round manifest on %s: %s", topic, exc)
+            _rejections.warning("rejected a round manifest on %s: %s", topic, exc)
         return None
     if not _session_ok(record.get("session")):
         return None

@@ -10,12 +10,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .wire.envelope import WireError
+from .wire.ratelog import RateLimitedLog
 from .wire.signed import open_record, seal_record, signer_of
 
 if TYPE_CHECKING:
     from .wire.keys import Trust
 
 log = logging.getLogger("fedtier.status")
+_rejections = RateLimitedLog(log)
 
 
 def encode_status(state: str, *, topic: str = "", trust: "Trust | None" = None, **extra: Any) -> bytes:
@@ -30,7 +32,7 @@ def decode_status(data: bytes, topic: str = "", trust: "Trust | None" = None) ->
         record = open_record(data, topic, signer_of(topic), trust.verify if trust is not None else None)
     except WireError as exc:
         if trust is not None:
-            log.warning("rejected a status record on %s: %s", topic, exc)
+            _rejections.warning("rejected a status record on %s: %s", topic, exc)
         return None
     if record.get("state") not in ("online", "offline"):
         return None

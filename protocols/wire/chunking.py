@@ -24,6 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from .ratelog import RateLimitedLog
+
 MAGIC = b"FTC2"
 _HEAD = struct.Struct("<4s16sIIIQBB")
 HEADER_BYTES = _HEAD.size  # 42, plus the sender id and the signature
@@ -138,6 +140,7 @@ class Reassembler:
         self._per_sender: dict[str, int] = {}
         self._refused: OrderedDict[bytes, None] = OrderedDict()  # content ids refused by size: quiet after once
         self.reserved = 0
+        self._log = RateLimitedLog(log)
         self.dropped = 0  # sets dropped (timeout, eviction, bad hash, rejected) and chunks refused
 
     def limit(self, max_message: int | None = None, auth: ChunkAuth | None = None) -> None:
@@ -218,7 +221,7 @@ class Reassembler:
         whole = b"".join(p.parts[i] for i in range(p.count))
         if content_id(whole) != cid:
             self.dropped += 1
-            log.warning("dropping reassembled message on %s: sha256 does not match its content id", key)
+            self._log.warning("dropping reassembled message on %s: sha256 does not match its content id", key)
             return None
         self._recent[ident] = now
         while len(self._recent) > self.max_recent:
@@ -262,9 +265,9 @@ class Reassembler:
         p = self._pending.pop(ident)
         self._hold(p, -p.held)
         self.dropped += 1
-        log.warning("dropping chunked message %s from %r on %s: %s", ident[2].hex(), ident[1], ident[0], reason)
+        self._log.warning("dropping chunked message %s from %r on %s: %s", ident[2].hex(), ident[1], ident[0], reason)
 
     def _reject(self, key: str, reason: str) -> None:
         self.dropped += 1
-        log.warning("rejecting message on %s: %s", key, reason)
+        self._log.warning("rejecting message on %s: %s", key, reason)
         return None

@@ -16,6 +16,7 @@ from .dedup import SeenIds
 from .envelope import (DEFAULT_MAX_PAYLOAD, Header, MessageKind, WireError, decode_message, encode_message,
                        new_msg_id, verify_signature)
 from .payload import Payload, decode_payload, encode_payload
+from .ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
     from .keys import Trust
@@ -52,6 +53,7 @@ class Messenger:
         self.on_reject = on_reject
         self.session: str | None = None
         self.seen = SeenIds()
+        self._log = RateLimitedLog(log)
         self._encoded: dict[int, tuple[Payload, bytes]] = {}
         self._bound = max_payload
         self.attach(transport)
@@ -115,6 +117,6 @@ class Messenger:
 
     def reject(self, topic: str, reason: str, sender: str | None) -> None:
         """Log a rejected message and tell the owner (who records it in its aggregation log)."""
-        log.warning("%s rejected a message on %s: %s", self.sender, topic, reason)
+        self._log.warning("%s rejected a message on %s: %s", self.sender, topic, reason)
         if self.on_reject is not None:
             self.on_reject(topic, reason, sender)
