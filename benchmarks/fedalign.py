@@ -26,7 +26,7 @@ Scenarios:
 
 Presets: ``paper`` = shards + the three synth levels + planted, 200 iterations, 5 seeds, lr grid
 0.03-1.0 (the paper uses 0.1 for every method); ``quick`` = shards + synth-medium, 40 iterations (4 warm-up),
-2 seeds, lr grid 0.03, 0.1, 0.3.
+2 seeds, the same lr grid.
 
     python benchmarks/fedalign.py --preset quick
     python benchmarks/fedalign.py --preset paper [--scenarios shards] [--seeds 3]   # a documented subset
@@ -55,7 +55,7 @@ from sim.launcher import SimHierarchy  # noqa: E402
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(scenarios=["shards", "synth-low", "synth-medium", "synth-high", "planted"], iterations=200,
                   seeds=5, lrs=[0.03, 0.1, 0.3, 1.0]),
-    "quick": dict(scenarios=["shards", "synth-medium"], iterations=40, seeds=2, lrs=[0.03, 0.1, 0.3]),
+    "quick": dict(scenarios=["shards", "synth-medium"], iterations=40, seeds=2, lrs=[0.03, 0.1, 0.3, 1.0]),
 }
 SKEW = {"synth-low": (0.5, 0.2), "synth-medium": (1.5, 0.2), "synth-high": (5.0, 0.4)}  # skew, epsilon
 METHODS = {"priority-only": 0.0, "all": math.inf, "fedalign": None}  # None: the scenario's epsilon
@@ -225,7 +225,7 @@ def main() -> None:
             f = [r["final"] for r in runs]
             edge = "*" if lr in (min(p["lrs"]), max(p["lrs"])) else " "
             line += f"{f'{np.mean(f):.3f} ± {np.std(f):.3f} ({lr:g}{edge})':>26}"
-        line += f"{np.nanmean([r['admit'] for r in best['fedalign'][1]]):>10.2f}"
+        line += f"{np.nanmean([r['admit'] for r in best['fedalign'][1]]):>10.2f}  "
         mine = np.array([r["final"] for r in best["fedalign"][1]])
         for base in ("priority-only", "all"):
             d = mine - np.array([r["final"] for r in best[base][1]])

@@ -130,7 +130,7 @@ def main() -> None:
     print(head + f"{'best acc':>9}")
     for (split, cells, method), (lr, runs) in table.items():
         edge = " edge" if lr in (min(p["lrs"]), max(p["lrs"])) else ""
-        line = f"({split}){'':<3}{cells:>2} {METHODS[method]:<8}{lr:>7}{edge}"
+        line = f"{'(' + split + ')':<6}{cells:>2} {METHODS[method]:<8}{lr:>7}{edge}"
         for t in p["targets"]:
             got = [r["hits"][t] for r in runs if t in r["hits"]]
             if len(got) < len(runs):
