@@ -6,7 +6,7 @@ from typing import Mapping
 
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
 
@@ -19,21 +19,29 @@ from .server import Availability, CellServer
 def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algorithm, *,
                availability: Availability | None = None, output_dir: Path | None = None,
                heartbeats: bool = False, assume_online: bool = False,
-               samples: Mapping[str, int] | None = None) -> CellServer:
+               samples: Mapping[str, int] | None = None, journal: bool = False, resume: bool = False) -> CellServer:
     """``heartbeats``: use the config's MQTT liveness settings, ``runtime.heartbeat``, ``heartbeat_timeout``
     and ``rejoin_wait`` (the sim has none: nobody disconnects there). ``assume_online``: devices count as
     online until their status says otherwise (the sim's devices do not announce themselves). ``samples``:
     the devices' known sample counts (a result claiming a larger weight is refused; else
-    ``security.max_device_weight``)."""
+    ``security.max_device_weight``). ``journal``: keep the current round crash-consistently in the output
+    folder (``fedtier cell``); ``resume``: continue the round found there."""
     if cell not in cfg.topology.cell_ids():
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
     train = cfg.train
     if getattr(train, "mode", "sync") == "async":  # FedBuff: keep devices busy, push every M updates / T s
+        if resume:
+            raise ConfigError("--resume: algorithm.mode = \"async\" cells do not resume yet; start them afresh")
         server, extra = AsyncCellServer, {"role": FedBuffCell(train, cell), "push_every": train.async_push_every,
                                           "push_seconds": train.async_push_seconds}  # type: ignore[attr-defined]
     else:
-        server, extra = CellServer, {"role": algorithm.cell(cell)}
+        if resume and cfg.secagg_settings() is not None:
+            raise ConfigError("--resume: a cell under secure aggregation does not resume its round (the masks' "
+                              "key shares are not journaled); start it afresh")
+        server, extra = CellServer, {"role": algorithm.cell(cell), "resume": resume}
+        if journal and output_dir is not None and cfg.secagg_settings() is None:
+            extra["journal_path"] = output_dir / runfiles.CELL_JOURNAL.format(cell=cell)
     return server(
         transport, run=cfg.run.name, cell=cell, devices=cfg.topology.device_ids(cell), **extra,
         algorithm=algorithm.name, device_deadline=cfg.runtime.device_deadline, quorum=cfg.runtime.quorum,

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from protocols.algorithms.base import CellRole
@@ -22,6 +23,8 @@ from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
+
+from .recovery import RoundJournal, recover
 
 if TYPE_CHECKING:
     from protocols.privacy.secagg import SecAggSettings
@@ -55,7 +58,8 @@ class CellServer:
                  max_weights: Mapping[str, float] | None = None, max_weight: float | None = None,
                  assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0,
                  rejoin_wait: float = 0.0, absent_ids: int = 100, secagg: "SecAggSettings | None" = None,
-                 secagg_deadline: float = 30.0) -> None:
+                 secagg_deadline: float = 30.0, journal_path: str | Path | None = None,
+                 resume: bool = False) -> None:
         """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
         ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never);
         ``rejoin_wait``: before planning an edge round, wait up to this long for the devices that
@@ -65,7 +69,10 @@ class CellServer:
         ``trust``: this cell's identity (sign; verify the cloud, its devices and their status records;
         accept only tasks of the cloud's current session). ``max_weights`` (a device's known sample
         count) and ``max_weight`` bound the ``weight`` a device result may claim. ``secagg``: aggregate
-        with secure aggregation (``cell_server/secagg.py``; ``secagg_deadline`` per extra phase)."""
+        with secure aggregation (``cell_server/secagg.py``; ``secagg_deadline`` per extra phase).
+        ``journal_path``: where the cell keeps its current round crash-consistently
+        (``cell_server.recovery``; not with ``secagg``); with ``resume`` it continues the round found
+        there when it starts, else it starts afresh."""
         if not 0 < quorum <= 1:
             raise ValueError("quorum must be in (0, 1]")
         self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
@@ -107,6 +114,8 @@ class CellServer:
             self.secagg = CellSecAgg(self, secagg, secagg_deadline)
             self._result_kinds += KINDS
         self._sent_report: bytes | None = None  # the report of ``round``, once sent (re-sent on request)
+        self.journal = RoundJournal(journal_path) if journal_path is not None else None
+        self._recovered = self.journal.load(resume) if self.journal is not None else []
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -119,6 +128,9 @@ class CellServer:
         self._announce()
         if self.heartbeat > 0 or self.heartbeat_timeout > 0:
             self._beat_timer = self.loop.call_later(self._beat_period(), self._beat)
+        if self._recovered:
+            recover(self, self._recovered)
+            self._recovered = []
 
     def stop(self) -> None:
         self.loop.cancel(self._timer)
@@ -129,6 +141,8 @@ class CellServer:
             self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
             self.transport.close()
         self.log.close()
+        if self.journal is not None:
+            self.journal.close()
 
     def _announce(self) -> None:
         status = topics.status(self.run, topics.cell_node(self.cell))
@@ -204,13 +218,19 @@ class CellServer:
         except Exception as exc:  # a task the role cannot use must not take the cell down
             self.messenger.reject(topic, f"cell task refused: {exc}", msg.header.sender)
             return
-        self.round, self.edge_round, self.in_round = msg.header.round, 0, True
+        if self.journal is not None:
+            self.journal.task(msg.header.round, msg.header.session, msg.payload)
+        self._enter_round(msg.header.round, msg.header.session)
+        self._start_edge()
+
+    def _enter_round(self, rnd: int, session: str | None) -> None:
+        """Take up cloud round ``rnd`` of cloud session ``session`` (the role has begun it)."""
+        self.round, self.edge_round, self.in_round = rnd, 0, True
         self._sent_report = None
-        self.messenger.session = msg.header.session  # device tasks and the report belong to it
+        self.messenger.session = session  # device tasks and the report belong to it
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
         self._round_devices: set[str] = set()
         self._gave_up = set()
-        self._start_edge()
 
     def _again(self, topic: str, rnd: int) -> None:
         """The task of the round this cell has or is working on: re-send the report if it was sent (the
@@ -286,23 +306,37 @@ class CellServer:
                 self.absent[d] = "offline"
             else:
                 available.append(d)
-        plan = self.role.plan(self.edge_round, available)
+        if self.journal is not None:
+            self.journal.plan(self.edge_round, available, self.absent, self._not_participating)
+        self._open_edge(self.role.plan(self.edge_round, available), available)
+
+    def _open_edge(self, plan: Mapping[str, Payload], available: list[str],
+                   taken: Mapping[str, Payload] | None = None) -> None:
+        """Send the edge round's tasks (not to devices whose result is ``taken`` already: a resumed cell)
+        and wait for the answers until the quorum or the deadline."""
         self.planned = sorted(plan)
         for d in available:
             if d not in plan:
                 self.absent[d] = "not selected"
         for d in self.planned:
-            self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, d), "device_task", plan[d],
-                                                  round=self.round, edge_round=self.edge_round, cell=self.cell)
+            if taken is None or d not in taken:
+                self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, d), "device_task",
+                                                      plan[d], round=self.round, edge_round=self.edge_round,
+                                                      cell=self.cell)
         self.answers.open((self.round, self.edge_round), self.planned)
+        for d, result in (taken or {}).items():
+            self.answers.received[d] = result
+            self.answers.pending.discard(d)
         if self.secagg is not None:
             self.secagg.begin(self.planned)
         self._needed = math.ceil(self.quorum * len(self.planned))
+        r, e = self.round, self.edge_round
         if not self.planned:
-            self.loop.post(lambda r=self.round, e=self.edge_round: self._close(r, e, "no devices"))
+            self.loop.post(lambda: self._close(r, e, "no devices"))
+        elif taken and len(self.answers.received) >= self._needed:
+            self.loop.post(lambda: self._close(r, e, "all answered" if not self.answers.pending else "quorum"))
         else:
-            self._timer = self.loop.call_later(self.device_deadline,
-                                               lambda r=self.round, e=self.edge_round: self._close(r, e, "deadline"))
+            self._timer = self.loop.call_later(self.device_deadline, lambda: self._close(r, e, "deadline"))
 
     def _on_result(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=self._result_kinds)
@@ -328,6 +362,8 @@ class CellServer:
             return
         if len(self.answers.received) + len(self.answers.settled) == taken:
             return  # a repeat of an answer already taken counts once
+        if self.journal is not None:
+            self.journal.result(self.edge_round, device, msg.payload, msg.nbytes)
         self.bytes_in += msg.nbytes
         if diverged is not None:  # recorded, never aggregated
             log.warning("cell %s: %s diverged in round %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
@@ -404,6 +440,8 @@ class CellServer:
             clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,
             time=round(time.time(), 3), metrics=metrics, excluded=excluded, diverged=self.diverged or None,
         ).to_dict()
+        if self.journal is not None:
+            self.journal.closed(self.edge_round, record)
         self._emit(record)
 
     def _emit(self, record: dict[str, Any]) -> None:
@@ -425,5 +463,7 @@ class CellServer:
         report.meta["devices"] = len(self._round_devices)
         topic = topics.cell_report(self.run, self.cell)
         self._sent_report = self.messenger.frame("cell_report", report, round=self.round, cell=self.cell, topic=topic)
+        if self.journal is not None:
+            self.journal.report(self._sent_report)
         self.transport.publish(topic, self._sent_report, qos=1)
 

@@ -69,7 +69,8 @@ def watch_cloud(node):
     from protocols.wire.messenger import Messenger
 
     trust = getattr(node, "trust", None)
-    cloud = CloudSession()
+    own = getattr(node, "cloud", None)  # a cell's own view, fed by its status handler: share it (a second
+    cloud = own if isinstance(own, CloudSession) else CloudSession()  # handler could miss the retained status)
     control = Messenger(node.transport, node.run, "watcher", trust=trust)
 
     def on_control(topic: str, data: bytes) -> None:
@@ -81,8 +82,9 @@ def watch_cloud(node):
             cloud.on_finished(msg.payload.meta.get("session"))
 
     node.transport.subscribe(topics.control(node.run), on_control)
-    node.transport.subscribe(topics.status(node.run, "cloud"),
-                             lambda t, data: cloud.on_status(decode_status(data, t, trust) if data else None))
+    if cloud is not own:
+        node.transport.subscribe(topics.status(node.run, "cloud"),
+                                 lambda t, data: cloud.on_status(decode_status(data, t, trust) if data else None))
     return cloud
 
 
@@ -164,12 +166,13 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
 @CONFIG
 @SET
 @click.option("--cell", "cell_id", required=True, help="This cell's id (c0, c1, ...).")
+@click.option("--resume", is_flag=True, help="Continue the round the cell was in when it stopped (its journal).")
 @BROKER
 @_auth
 @metrics_options
 @VERBOSE
-def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str | None, metrics_port: int | None,
-         metrics_linger: float, verbose: int, **auth) -> None:
+def cell(config: str, overrides: tuple[str, ...], cell_id: str, resume: bool, broker_url: str | None,
+         metrics_port: int | None, metrics_linger: float, verbose: int, **auth) -> None:
     """Run the edge server of one cell of CONFIG (its aggregation log goes to the config's run folder)."""
     from cell_server.node import build_cell
     from edge_agent.runner import offline_will
@@ -198,8 +201,12 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, broker_url: str 
     from sim.hierarchy import edge_availability
 
     # device-level participation: as in `fedtier run`, absent devices leave
-    node = build_cell(cfg, cell_id, transport, cfg.build_algorithm(spec), output_dir=out, heartbeats=True,
-                      availability=edge_availability(cfg))
+    try:
+        node = build_cell(cfg, cell_id, transport, cfg.build_algorithm(spec), output_dir=out, heartbeats=True,
+                          availability=edge_availability(cfg), journal=True, resume=resume)
+    except ConfigError as exc:
+        transport.close()
+        _fail(exc, 2)
     exporter = serve_metrics(cfg)
     if exporter is not None:
         exporter.watch_cell(node)

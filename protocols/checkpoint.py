@@ -1,4 +1,4 @@
-"""Model files and checkpoints in the ``tensors/v1`` payload format (never pickle).
+"""Model files, checkpoints and journals in the ``tensors/v1`` payload format (never pickle).
 
 The bytes depend only on the tensors and metadata, so two runs that end in the same model write
 byte-identical files. Writes go to a temporary file that is then renamed: a crash leaves the
@@ -7,11 +7,14 @@ previous file intact.
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from .wire.envelope import WireError
 from .wire.payload import Payload, decode_payload, encode_payload
 
 MAGIC = b"FTCK1\n"
@@ -43,3 +46,77 @@ def save_params(path: str | Path, params: Mapping[str, np.ndarray], **meta: Any)
 def load_params(path: str | Path) -> dict[str, np.ndarray]:
     """Read a model written by :func:`save_params`."""
     return load_payload(path).tensors
+
+
+JOURNAL_MAGIC = b"FTJL1\n"
+_ENTRY = struct.Struct("<II")  # length, crc32 of the encoded payload
+
+
+class Journal:
+    """An append-only file of payloads, each fsynced before :meth:`append` returns, for state that grows
+    by events (a cell's round: its task, then each result). :meth:`reset` atomically replaces the whole
+    file with one first entry (a new round), so the file never holds more than one round. A torn or
+    corrupt tail (a crash mid-append) is ignored by :meth:`read` and cut off by the next :meth:`append`."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._fh: Any = None
+        self._end: int | None = None  # where the entries :meth:`read` found end
+
+    def read(self) -> list[Payload]:
+        """The entries up to the first torn or corrupt one (the file is not changed)."""
+        if not self.path.exists():
+            return []
+        data = self.path.read_bytes()
+        if not data.startswith(JOURNAL_MAGIC):
+            raise ValueError(f"{self.path} is not a fedtier journal")
+        entries, pos = [], len(JOURNAL_MAGIC)
+        while pos + _ENTRY.size <= len(data):
+            size, crc = _ENTRY.unpack_from(data, pos)
+            body = data[pos + _ENTRY.size:pos + _ENTRY.size + size]
+            if len(body) < size or zlib.crc32(body) != crc:
+                break
+            try:
+                entries.append(decode_payload(body))
+            except WireError:
+                break
+            pos += _ENTRY.size + size
+        self._end = pos
+        return entries
+
+    def reset(self, first: Payload) -> None:
+        """Replace the journal with ``first`` as its only entry (atomic: temporary file, fsync, rename)."""
+        self.close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        with tmp.open("wb") as fh:
+            fh.write(JOURNAL_MAGIC + _frame(first))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        self._end = None
+
+    def append(self, entry: Payload) -> None:
+        """Add ``entry`` durably (fsync) after the existing ones."""
+        if self._fh is None:
+            self._fh = self.path.open("ab")
+            if self._end is not None:  # a torn tail that read() skipped goes before anything is added
+                self._fh.truncate(self._end)
+                self._end = None
+        self._fh.write(_frame(entry))
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def clear(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def _frame(entry: Payload) -> bytes:
+    body = encode_payload(entry)
+    return _ENTRY.pack(len(body), zlib.crc32(body)) + body

@@ -14,16 +14,26 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
+
+from cell_server.node import build_cell
 
 from edge_agent.runner import save_device_data
 from protocols import runfiles
+from protocols.checkpoint import Journal
 from protocols.config import load_config
 from protocols.jsonl import read_jsonl
+from protocols.status import decode_status
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
 from protocols.wire.keys import generate_keys, write_keys
 from sim.hierarchy import prepare
-from sim.launcher import run_simulation
+from protocols.wire.payload import Payload
+from sim.launcher import SimHierarchy, device_samples, run_simulation
+from tests.conftest import small_config
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
 
@@ -52,6 +62,66 @@ heartbeat = 1.0
 [security]
 keys = "{keys}"
 """
+
+
+def test_journal_keeps_what_was_fsynced_and_cuts_a_torn_tail(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j")
+    journal.reset(Payload({"k": "task", "round": 1}, {"x": np.arange(3, dtype=np.float32)}))
+    journal.append(Payload({"k": "result", "n": 1}))
+    journal.close()
+    data = (tmp_path / "j").read_bytes()
+    (tmp_path / "j").write_bytes(data + data[-7:])  # a crash in the middle of the next append
+    again = Journal(tmp_path / "j")
+    entries = again.read()
+    assert [e.meta["k"] for e in entries] == ["task", "result"]
+    assert entries[0].tensors["x"].tolist() == [0, 1, 2]
+    again.append(Payload({"k": "result", "n": 2}))  # goes where the torn entry began
+    assert [e.meta.get("n") for e in Journal(tmp_path / "j").read()] == [None, 1, 2]
+    again.reset(Payload({"k": "task", "round": 2}))  # a new round: one entry, whatever was there
+    assert [e.meta["round"] for e in Journal(tmp_path / "j").read()] == [2]
+
+
+def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_model(tmp_path: Path) -> None:
+    """In memory: cell c0 crashes (no clean-up, nothing delivered to it until it is back) once it has
+    closed round 1's first edge round and taken one result of its second; a new cell server resumes
+    from the journal (replays the closed edge round, keeps the result, re-sends the pending tasks):
+    the model and c0's records are those of the uninterrupted run."""
+    def config(name: str):
+        return small_config(tmp_path / name, algorithm={"edge_rounds": 2}, runtime={"device_deadline": 50.0})
+
+    straight = run_simulation(config("straight"))
+    sim = SimHierarchy(config("crashed"))
+    cfg, out = sim.cfg, sim.output_dir
+
+    def cell(resume: bool):
+        return build_cell(cfg, "c0", sim.hub.connect("cell.c0"), sim.algorithm, output_dir=out, assume_online=True,
+                          journal=True, resume=resume, samples=device_samples(sim.prep.device_data, cfg.topology.device_ids("c0")))
+
+    def crash_and_restart(old) -> None:
+        old.transport.crash()
+        old.stop()
+        sim.hub.loop.post(lambda: restart())  # results already on their way reach nobody
+
+    def restart() -> None:
+        sim.cells["c0"] = new = cell(resume=True)
+        new.start()
+
+    first = sim.cells["c0"] = cell(resume=False)
+    journal_result = first.journal.result
+
+    def result(edge_round, device, payload, nbytes):
+        journal_result(edge_round, device, payload, nbytes)
+        if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
+            crash_and_restart(first)
+
+    first.journal.result = result
+    crashed = sim.run()
+    assert sim.cells["c0"] is not first
+    assert all(np.array_equal(straight.params[k], crashed.params[k]) for k in straight.params)
+    c0 = [r for r in read_jsonl(out / runfiles.AGGREGATION) if r["cell"] == "c0"]
+    assert [(r["round"], r["edge_round"]) for r in c0] == [(r, e) for r in range(3) for e in range(2)]
+    assert all(r["answered"] == cfg.topology.device_ids("c0") for r in c0), c0
+    assert [m["cells_reported"] for m in crashed.history] == [["c0", "c1"]] * 3
 
 
 class Deployment:
@@ -84,12 +154,10 @@ class Deployment:
         self.procs[name] = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
-    def start_all(self) -> None:
-        self.start("cloud")
-        for cell in self.cfg.topology.cell_ids():
-            self.start(cell)
-        for device in self.cfg.topology.all_devices():
-            self.start(device)
+    def start_all_but(self, *started: str) -> None:
+        for name in ("cloud", *self.cfg.topology.cell_ids(), *self.cfg.topology.all_devices()):
+            if name not in started:
+                self.start(name)
 
     def cell_dir(self, cell: str) -> Path:
         return self.tmp / "cells" / cell
@@ -99,6 +167,27 @@ class Deployment:
         proc = self.procs[name]
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
+
+    def device_online(self, device: str) -> bool:
+        """The device's retained status on the broker says online."""
+        cell = self.cfg.topology.cell_of(device)
+        topic = topics.device_status(self.cfg.run.name, cell, device)
+        seen: list[bytes] = []
+        loop = ThreadLoop("watcher").start()
+        watcher = MqttTransport.from_url(self.url, f"watcher-{time.monotonic_ns()}", loop)
+        try:
+            watcher.subscribe(topic, lambda t, data: seen.append(data))
+            watcher.connect().wait_subscribed()
+            deadline = time.monotonic() + 2.0
+            while not seen and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            watcher.close()
+            loop.stop()
+        return any((decode_status(d, topic) or {}).get("state") == "online" for d in seen)
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].send_signal(sig)
 
     def wait_all(self, timeout: float = 150.0) -> None:
         deadline = time.monotonic() + timeout
@@ -151,7 +240,7 @@ def test_cloud_killed_mid_round_resumes_to_the_uninterrupted_model(tmp_path: Pat
     cells = dep.cfg.topology.cell_ids()
     with ExitStack() as stack:
         stack.callback(dep.close)
-        dep.start_all()
+        dep.start_all_but()
         wait_for("every cell's round-1 record", lambda: all(
             any(r["round"] == 1 for r in records(dep.cell_dir(c) / runfiles.AGGREGATION)) for c in cells))
         dep.kill("cloud")
@@ -164,3 +253,35 @@ def test_cloud_killed_mid_round_resumes_to_the_uninterrupted_model(tmp_path: Pat
     assert all(m["cells_reported"] == cells and m["closed_by"] == "all reported" for m in metrics), metrics
     if 1 not in done:  # the usual case: the cloud died before it took round 1's reports
         assert all("re-sending its report" in dep.log(c) for c in cells)
+
+
+def test_cell_killed_mid_round_resumes_and_loses_no_device_result(tmp_path: Path, broker) -> None:
+    """Agent c0-d1 is paused (SIGSTOP) once online, so round 0's first edge round of cell c0 cannot
+    close; once c0 has journaled c0-d0's result, c0 is SIGKILLed, c0-d1 continues (its result goes to
+    a cell that is down) and ``fedtier cell --resume`` restarts c0: it keeps c0-d0's result, re-sends
+    the task to c0-d1 (which answers again), and the run goes on. No device result of the round is
+    lost: every edge round has both devices, every round both cells, the model is the uninterrupted run's."""
+    dep = Deployment(tmp_path, broker.url, edge_rounds=2)
+    expected = uninterrupted(dep)
+    journal = Journal(dep.cell_dir("c0") / runfiles.CELL_JOURNAL.format(cell="c0"))
+    with ExitStack() as stack:
+        stack.callback(dep.close)
+        dep.start("c0-d1")
+        wait_for("agent c0-d1 online", lambda: dep.device_online("c0-d1"))
+        dep.signal("c0-d1", signal.SIGSTOP)
+        dep.start_all_but("c0-d1")
+        wait_for("c0-d0's result of round 0 in c0's journal", lambda: any(
+            e.meta.get("k") == "result" and e.meta.get("device") == "c0-d0" for e in journal.read()))
+        dep.kill("c0")
+        dep.signal("c0-d1", signal.SIGCONT)
+        dep.start("c0", "--resume")
+        dep.wait_all()
+    assert "resumed round 0, edge round 0 with 1 of 2 results" in dep.log("c0")
+    assert (tmp_path / "cloud" / runfiles.FINAL_MODEL).read_bytes() == expected
+    metrics = records(tmp_path / "cloud" / runfiles.METRICS)
+    assert [m["round"] for m in metrics] == [0, 1, 2]
+    assert all(m["cells_reported"] == ["c0", "c1"] for m in metrics), metrics
+    for cell in ("c0", "c1"):
+        aggregation = records(dep.cell_dir(cell) / runfiles.AGGREGATION)
+        assert [(r["round"], r["edge_round"]) for r in aggregation] == [(r, e) for r in range(3) for e in range(2)]
+        assert all(r["answered"] == dep.cfg.topology.device_ids(cell) for r in aggregation), aggregation

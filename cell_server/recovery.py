@@ -1,0 +1,145 @@
+"""A cell's crash-consistent round: what ``fedtier cell --resume`` continues from.
+
+The cell journals, each entry fsynced before it acts on it, the inputs of its current cloud round: the
+cloud's task (which starts a fresh journal, atomically: the file never holds more than one round),
+then per edge round the devices it planned from, every device result it took, the record of each
+edge round it closed, and finally the report message it sent. Roles are deterministic, so replaying
+these inputs rebuilds the cell's state exactly: a restarted cell re-plans the edge round it was in
+(the same plan), keeps the results it had, re-sends the task to the devices still pending (a device
+that already answered answers again: the same result) and waits for them; a cell that had reported
+re-sends the same report message when the cloud asks again. On disk: one round's inbound traffic at
+most (its task and its devices' results).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from protocols.checkpoint import Journal
+from protocols.jsonl import read_jsonl
+from protocols.wire.payload import Payload
+
+if TYPE_CHECKING:
+    from .server import CellServer
+
+log = logging.getLogger("fedtier.cell")
+
+
+class RoundJournal:
+    """The typed entries of a cell's round journal (see the module docstring)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.file = Journal(path)
+
+    def load(self, resume: bool) -> list[Payload]:
+        """The entries to continue from (``resume``), else none and the journal is removed; an unreadable
+        journal is logged and removed (the cell then starts afresh)."""
+        if resume:
+            try:
+                return self.file.read()
+            except (OSError, ValueError) as exc:
+                log.warning("cannot resume from %s (%s): starting afresh", self.file.path, exc)
+        self.file.clear()
+        return []
+
+    def task(self, rnd: int, session: str | None, task: Payload) -> None:
+        self.file.reset(Payload({"k": "task", "round": rnd, "session": session, "task": task.meta}, task.tensors))
+
+    def plan(self, edge_round: int, available: list[str], absent: Mapping[str, str], not_participating: int) -> None:
+        self.file.append(Payload({"k": "plan", "edge": edge_round, "available": list(available),
+                                  "absent": dict(absent), "not_participating": not_participating}))
+
+    def result(self, edge_round: int, device: str, result: Payload, nbytes: int) -> None:
+        self.file.append(Payload({"k": "result", "edge": edge_round, "device": device, "nbytes": nbytes,
+                                  "meta": result.meta}, result.tensors))
+
+    def closed(self, edge_round: int, record: dict[str, Any]) -> None:
+        self.file.append(Payload({"k": "closed", "edge": edge_round, "record": record}))
+
+    def report(self, message: bytes) -> None:
+        self.file.append(Payload({"k": "report"}, {"message": np.frombuffer(message, np.uint8)}))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def recover(cell: "CellServer", entries: list[Payload]) -> None:
+    """Bring ``cell`` (started, with a fresh role) back to where its journal ends, and go on from there."""
+    first = entries[0].meta
+    if first.get("k") != "task":
+        log.warning("cell %s: journal does not start with a task, starting afresh", cell.cell)
+        return
+    rnd, session = int(first["round"]), first.get("session")
+    plans: dict[int, dict[str, Any]] = {}
+    results: dict[int, dict[str, Payload]] = {}
+    nbytes: dict[int, int] = {}
+    closed: dict[int, dict[str, Any]] = {}
+    report: bytes | None = None
+    for entry in entries[1:]:
+        m, e = entry.meta, entry.meta.get("edge", -1)
+        if m["k"] == "plan":
+            plans[e] = m
+        elif m["k"] == "result":
+            results.setdefault(e, {})[m["device"]] = Payload(m["meta"], entry.tensors)
+            nbytes[e] = nbytes.get(e, 0) + int(m["nbytes"])
+        elif m["k"] == "closed":
+            closed[e] = m["record"]
+        elif m["k"] == "report":
+            report = entry.tensors["message"].tobytes()
+    if report is not None:  # the round is over here: answer the cloud's repeat of it with this report
+        cell.round, cell.messenger.session, cell._sent_report = rnd, session, report
+        log.warning("cell %s: resumed after round %d (its report was sent)", cell.cell, rnd)
+        return
+    try:
+        cell.role.begin(rnd, Payload(first["task"], entries[0].tensors))
+    except Exception as exc:  # the same task was accepted before the crash; never expected
+        log.warning("cell %s: cannot resume round %d (%s): starting afresh", cell.cell, rnd, exc)
+        return
+    cell._enter_round(rnd, session)
+    logged = _logged(cell, rnd)
+    for e in range(cell.role.edge_rounds):
+        cell.edge_round = e
+        cell._reset_edge()
+        if e not in plans:  # crashed before planning it: plan it now
+            log.warning("cell %s: resumed round %d at edge round %d", cell.cell, rnd, e)
+            cell._start_edge()
+            return
+        plan = cell.role.plan(e, plans[e]["available"])  # deterministic: the plan of before the crash
+        cell.absent = dict(plans[e]["absent"])
+        cell._not_participating = int(plans[e]["not_participating"])
+        taken = dict(sorted(results.get(e, {}).items()))
+        if e in closed:
+            cell.role.aggregate(e, taken)
+            record = closed[e]
+            cell._round_bytes["cell_to_device"] += int(record.get("bytes_out", 0))
+            cell._round_bytes["device_to_cell"] += int(record.get("bytes_in", 0))
+            cell._round_devices |= set(taken)
+            if (rnd, e) not in logged:  # the crash came between the journal and the aggregation log
+                cell._emit(record)
+            continue
+        log.warning("cell %s: resumed round %d, edge round %d with %d of %d results", cell.cell, rnd, e,
+                    len(taken), len(plan))
+        cell._t0, cell._wall0 = cell.loop.now(), time.perf_counter()
+        cell._opened = True
+        cell.bytes_in = nbytes.get(e, 0)
+        for d, result in taken.items():
+            loss = result.meta.get("loss")
+            if isinstance(loss, (int, float)) and np.isfinite(loss):
+                cell.losses[d] = float(loss)
+        cell._open_edge(plan, plans[e]["available"], taken)
+        return
+    cell.edge_round = cell.role.edge_rounds  # every edge round closed, the report not sent yet
+    cell._report()
+
+
+def _logged(cell: "CellServer", rnd: int) -> set[tuple[int, int]]:
+    """The (round, edge round) of ``rnd`` that this cell's aggregation log already holds."""
+    path = cell.log.path
+    if path is None or not path.exists():
+        return set()
+    return {(r["round"], r["edge_round"]) for r in read_jsonl(path)
+            if r.get("cell") == cell.cell and r.get("round") == rnd}
