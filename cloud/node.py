@@ -20,7 +20,9 @@ from .server import CellAvailability, CloudServer, Evaluator
 def build_cloud(cfg: RunConfig, transport: Transport, algorithm: Algorithm, *, evaluator: Evaluator | None = None,
                 output_dir: Path | None = None, resume: bool = False, startup_wait: float = 0.0,
                 on_round: Callable[[dict[str, Any]], None] | None = None,
-                availability: CellAvailability | None = None) -> CloudServer:
+                availability: CellAvailability | None = None, devices_recreated: bool = False) -> CloudServer:
+    """``devices_recreated``: with ``resume``, the devices are new (a launcher rebuilt them), see
+    ``CloudRole.forget_devices``."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
     if getattr(cfg.train, "mode", "sync") == "async":  # FedBuff over cells
@@ -36,4 +38,5 @@ def build_cloud(cfg: RunConfig, transport: Transport, algorithm: Algorithm, *, e
         metrics_path=out / runfiles.METRICS if out else None,
         checkpoint_path=out / runfiles.CHECKPOINT if out else None,
         resume=resume, startup_wait=startup_wait, on_round=on_round, availability=availability,
+        devices_recreated=devices_recreated,
         trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model))

@@ -57,7 +57,7 @@ class CloudServer:
                  resume: bool = False, startup_wait: float = 0.0, trust: "Trust | None" = None,
                  max_message_bytes: int | None = None,
                  on_round: Callable[[dict[str, Any]], None] | None = None,
-                 availability: CellAvailability | None = None) -> None:
+                 availability: CellAvailability | None = None, devices_recreated: bool = False) -> None:
         self.transport, self.loop, self.run = transport, transport.loop, run
         self.cells, self.role, self.rounds = sorted(cells), role, rounds
         self.cell_deadline, self.evaluator, self.eval_every = cell_deadline, evaluator, max(1, eval_every)
@@ -86,6 +86,8 @@ class CloudServer:
         if resume and self.checkpoint_path and self.checkpoint_path.exists():
             state = load_payload(self.checkpoint_path)
             self.role.load_state(Payload(state.meta.get("role", {}), state.tensors))
+            if devices_recreated:  # a launcher that rebuilt its devices (fedtier sim / run --resume)
+                self.role.forget_devices()
             self.round = int(state.meta["round"]) + 1
             self.cumulative.update(state.meta.get("cumulative", {}))
             if isinstance(state.meta.get("session"), str):  # the same session: cells take the re-sent round

@@ -40,7 +40,7 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
 
-from .hierarchy import (cell_availability, check_resumable, device_availability, edge_availability, fresh_output,
+from .hierarchy import (cell_availability, device_availability, edge_availability, fresh_output,
                         make_evaluator, prepare)
 from .launcher import RunResult, device_samples, set_torch_threads, write_final
 from .onnx_devices import export_onnx, with_onnx_model
@@ -272,8 +272,6 @@ class Emulation:
             device_files[device] = out / "devices" / f"{device}.npz"
             save_device_data(device_files[device], data, spec)
         algorithm = cfg.build_algorithm(spec)
-        if self.resume:
-            check_resumable(cfg, algorithm)
         if cfg.runtime.onnx_devices:
             export_onnx(spec, algorithm.initial_params(), cfg.runtime.onnx_model)
         availability = edge_availability(cfg)
@@ -303,6 +301,7 @@ class Emulation:
             cloud = build_cloud(cfg, transport, algorithm,
                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
                                 output_dir=out, resume=self.resume, startup_wait=cfg.runtime.startup_wait,
+                                devices_recreated=True,
                                 on_round=self.on_round,
                                 availability=cell_availability(cfg))
             if self.metrics is not None:

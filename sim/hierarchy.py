@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from protocols import runfiles
-from protocols.algorithms.base import Algorithm, ModelSpec
+from protocols.algorithms.base import ModelSpec
 from protocols.config import ConfigError, RunConfig, TopologySection
 from protocols.trainer import LocalData
 
@@ -149,12 +149,3 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
         shutil.rmtree(out / "devices", ignore_errors=True)
     (out / runfiles.CONFIG).write_text(cfg.to_toml(), encoding="utf-8")
     return out
-
-
-def check_resumable(cfg: RunConfig, algorithm: Algorithm) -> None:
-    """A simulated or emulated run recreates its devices: refuse to resume an algorithm whose devices
-    hold state the checkpoint lacks (a deployed cloud can resume: its devices keep their state)."""
-    if algorithm.devices_keep_state:
-        raise ConfigError(f"algorithm.name: {algorithm.name!r} keeps state on the devices, which this launcher "
-                          "recreates from scratch; resume is only possible for a deployed cloud whose agents "
-                          "kept running. Run again without --resume.")

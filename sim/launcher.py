@@ -27,7 +27,7 @@ from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
 from .cohort import CohortExecutor, cohort_engine
 from .executors import InlineExecutor, start_workers
-from .hierarchy import cell_availability, check_resumable, edge_availability, fresh_output, make_evaluator, prepare
+from .hierarchy import cell_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers
 from .population import Population
 
@@ -97,15 +97,13 @@ class SimHierarchy:
         spec, ds = prep.spec, prep.dataset
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
-        if resume:
-            check_resumable(cfg, algorithm)
         train = cfg.train
         self.clock = clock = ClockModel(cfg.clock, cfg.topology.all_devices() if clock_modelled(cfg.clock) else [],
                                         cfg.run.seed, train.local_steps)
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
         self.cloud = build_cloud(cfg, hub.connect("cloud"), algorithm,
                                  evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
-                                 output_dir=self.output_dir, resume=resume, on_round=on_round,
+                                 output_dir=self.output_dir, resume=resume, on_round=on_round, devices_recreated=True,
                                  availability=cell_availability(cfg))
         availability = edge_availability(cfg)
         self.cells = {c: build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability,

@@ -369,14 +369,50 @@ def test_emulation_over_mqtt_with_an_onnx_device_is_bit_identical_to_sim(make_co
     assert (tmp_path / "emu" / "model.onnx").exists()
 
 
-def test_simulated_resume_is_refused_because_devices_keep_state(make_config):
-    from protocols.config import ConfigError
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_resume_rebuilds_the_recreated_devices_replicas_from_the_clouds_log(make_config, tmp_path, momentum):
+    """`fedtier sim --resume` recreates every device at x_0 (and a zero momentum buffer): the resumed
+    cloud sends the history from round 0, kept in its log although its window was pruned, each device
+    replays it, and the run ends with the uninterrupted run's model bit for bit."""
+    def cfg(rounds: int, out: str):
+        return make_config(run={"rounds": rounds, "output": str(tmp_path / out)},
+                           algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2,
+                                      "lr": 0.02, "momentum": momentum})
 
-    cfg = make_config(run={"rounds": 2}, algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 1,
-                                                    "perturbations": 2})
-    run_simulation(cfg)
-    with pytest.raises(ConfigError, match="keeps state on the devices"):
-        run_simulation(cfg, resume=True)
+    straight = run_simulation(cfg(5, "straight"))
+    first = run_simulation(cfg(3, "resumed"))
+    assert first.history[-1]["metrics"]["history_rounds"] < 3  # the window no longer starts at round 0
+    resumed = run_simulation(cfg(5, "resumed"), resume=True)
+    assert [r["round"] for r in resumed.history] == [3, 4]
+    assert all(r["metrics"]["devices"] == 6 for r in resumed.history)  # every device answered
+    assert all(straight.params[k].tobytes() == resumed.params[k].tobytes() for k in straight.params)
+
+
+def test_a_device_that_lost_its_replica_resyncs_from_the_clouds_log(make_config, tmp_path):
+    """c0-d0 restarts after round 1 (a fresh role at x_0, as a restarted agent): round 2 it answers
+    ``resync`` (it cannot replay from round 1), the cloud's window grows back to round 0, and from round
+    3 it replays the whole history and trains: its replica is the cloud's model bit for bit again."""
+    cfg = make_config(run={"rounds": 5, "output": str(tmp_path / "run")},
+                      algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2,
+                                 "lr": 0.02, "momentum": 0.5})
+    sim = SimHierarchy(cfg)
+    snaps = _snapshots_with_momentum(sim)
+    take = sim.cloud.on_round
+
+    def restart_after_round_1(record):
+        take(record)
+        if record["round"] == 1:
+            sim.agents["c0-d0"].role = sim.algorithm.device("c0-d0")
+
+    sim.cloud.on_round = restart_after_round_1
+    result = sim.run()
+    devices = [r["metrics"]["devices"] for r in result.history]
+    assert devices == [6, 6, 5, 6, 6]  # round 2: c0-d0 resynced instead of training
+    assert [r["metrics"]["history_rounds"] for r in result.history] == [1, 1, 3, 1, 1]
+    role = sim.agents["c0-d0"].role
+    model, buf = snaps[role.synced]
+    assert role.synced == 4 and all(np.array_equal(role.model[k], model[k]) for k in model)
+    assert all(np.array_equal(role.buf[k], buf[k]) for k in buf)
 
 
 def _snapshots_with_momentum(sim):

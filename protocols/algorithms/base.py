@@ -139,6 +139,10 @@ class CloudRole(ABC):
     def load_state(self, state: Payload) -> None:
         """Restore what :meth:`state` returned."""
 
+    def forget_devices(self) -> None:
+        """After :meth:`load_state`: the devices were recreated and lost any state they kept across rounds
+        (``Algorithm.devices_keep_state``); plan as for devices never seen. Nothing to do by default."""
+
 
 class CellRole(ABC):
     """Runs the edge rounds of one cell and reports to the cloud."""
@@ -180,7 +184,8 @@ class Algorithm(ABC):
     Params: ClassVar[type[TrainParams]] = TrainParams
     devices_keep_state: ClassVar[bool] = False
     """True when device roles carry state across rounds that the cloud's checkpoint does not hold
-    (DeComFL's model replicas): a launcher that recreates its devices cannot resume such a run."""
+    (DeComFL's model replicas): a launcher that recreates its devices resumes such a run through
+    ``CloudRole.forget_devices`` (DeComFL's devices replay the cloud's round log)."""
 
     def __init__(self, params: TrainParams, model: ModelSpec, seed: int, init_seed: int | None = None) -> None:
         self.params, self.model, self.seed = params, model, seed

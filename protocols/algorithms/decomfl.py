@@ -22,7 +22,13 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
   both are reverted, and catch-up replays both, so a device that rejoins holds the cloud's x_r and
   buffer bit for bit.
   The device remembers the round it is synced to, so a history that starts earlier (the cloud missed
-  a report) is skipped where already applied; one that starts later cannot be replayed and fails.
+  a report) is skipped where already applied; one that starts later cannot be replayed and fails,
+  except for a device back at x_0 (its process restarted): it answers ``{"resync": true}``, its cell
+  reports it (``resync``) and the cloud sends it the whole history the next round.
+* **the cloud's log**: the seeds and scalars of every round since round 0 (8 + 4KP bytes a round, in
+  the checkpoint). The history sent is the log from the oldest round a device needs, so it grows back
+  for a device that resyncs, and a resumed run whose devices were all recreated
+  (``forget_devices``: ``fedtier sim/run --resume``) replays it from round 0.
 
 Bytes: device uplink = one ``(K, P)`` float32 tensor and ``{"weight": n}``; downlink = ``{"from": t}``,
 ``h + 1`` uint64 seeds and an ``(h, K, P)`` float32 tensor (h = rounds missed). None depends on the
@@ -95,6 +101,10 @@ def read_history(task: Payload, round: int, K: int, Pn: int, what: str) -> tuple
     return start, seeds, g
 
 
+def _stack(g: list[np.ndarray], K: int, Pn: int) -> np.ndarray:
+    return np.stack(g) if g else np.zeros((0, K, Pn), np.float32)
+
+
 # --------------------------------------------------------------------------------------------- cloud
 class DeComFLCloud(CloudRole):
     def __init__(self, params: DeComFLParams, seed: int, initial: Mapping[str, np.ndarray]) -> None:
@@ -105,6 +115,8 @@ class DeComFLCloud(CloudRole):
         self.base = 0                      # first round kept in the history
         self.seeds: list[int] = []         # round seeds of rounds base..
         self.g: list[np.ndarray] = []      # averaged K x P scalars of rounds base..
+        self.log_seeds: list[int] = []     # the cloud's log: seeds and scalars of every round since 0, from
+        self.log_g: list[np.ndarray] | None = []  # which devices that lost their replicas are rebuilt
         self.synced: dict[str, dict[str, int]] = {}
         self.need: dict[str, int] = {}
         self.cells: set[str] = set()
@@ -135,6 +147,10 @@ class DeComFLCloud(CloudRole):
         if not isinstance(answered, list) or not all(isinstance(d, str) for d in answered) \
                 or len(set(answered)) != len(answered):
             raise Rejected(f"{what}: answered must be a list of distinct device ids")
+        resync = meta.get("resync", [])
+        if not isinstance(resync, list) or not all(isinstance(d, str) for d in resync) \
+                or len(set(resync)) != len(resync) or set(resync) & set(answered):
+            raise Rejected(f"{what}: resync must be a list of distinct device ids that did not answer")
         if self.p.weighting == "uniform" and w != len(answered):
             raise Rejected(f"{what}: weight {w} but {len(answered)} devices answered (uniform weighting)")
         if w == 0:
@@ -151,6 +167,8 @@ class DeComFLCloud(CloudRole):
             table = self.synced.setdefault(c, {})
             for d in r.meta["answered"]:
                 table[d] = round
+            for d in r.meta.get("resync", []):
+                table.pop(d, None)  # back at x_0: its next task carries the history from round 0
             devices += len(r.meta["answered"])
             self.need[c] = int(r.meta["need"])
             if r.meta["weight"]:
@@ -159,6 +177,9 @@ class DeComFLCloud(CloudRole):
         gbar = (acc / total).astype(np.float32) if total > 0 else np.zeros((self.K, self.P), np.float32)
         self.seeds.append(self.round_seed)
         self.g.append(gbar)
+        if self.log_g is not None:
+            self.log_seeds.append(self.round_seed)
+            self.log_g.append(gbar)  # the same array as the window's: no copy
         if self.p.server_model:
             Z.apply_round(self.model, self.round_seed, gbar, self.p.lr, self.p.direction, self.buf, self.p.momentum)
         self._prune(round + 1)
@@ -167,6 +188,10 @@ class DeComFLCloud(CloudRole):
 
     def _prune(self, next_round: int) -> None:
         oldest = min((self.need.get(c, 0) for c in self.cells), default=0)
+        if self.log_g is not None:  # the window is the log from the oldest round needed (it may grow back)
+            self.base = min(oldest, next_round)
+            self.seeds, self.g = self.log_seeds[self.base:], self.log_g[self.base:]
+            return
         oldest = min(max(oldest, self.base), next_round)
         drop = oldest - self.base
         if drop > 0:
@@ -176,16 +201,29 @@ class DeComFLCloud(CloudRole):
     def global_params(self) -> "dict[str, np.ndarray]":
         return self.model
 
+    def forget_devices(self) -> None:
+        """Every device lost its replica (a launcher recreated them at x_0): from now on the tasks carry
+        the history from round 0, from the cloud's log, and each device replays it (bit for bit the
+        replica it had: the same rounds applied in the same order)."""
+        if self.log_g is None:
+            raise ValueError("the checkpoint holds no round log (written by an older fedtier): devices that "
+                             "lost their replicas cannot be rebuilt; run again without --resume")
+        self.base, self.seeds, self.g = 0, list(self.log_seeds), list(self.log_g)
+        self.synced, self.need = {}, {}
+
     def state(self) -> Payload:
         meta = {"base": self.base, "synced": self.synced, "need": self.need, "cells": sorted(self.cells)}
         hist = np.stack(self.g) if self.g else np.zeros((0, self.K, self.P), np.float32)
         buf = {f"momentum:{k}": v for k, v in (self.buf or {}).items()}
+        log = {"log:s": np.asarray(self.log_seeds, np.uint64), "log:g": _stack(self.log_g, self.K, self.P)} \
+            if self.log_g is not None else {}
         return Payload(meta, {**self.model, **buf, "history:s": np.asarray(self.seeds, np.uint64),
-                              "history:g": hist})
+                              "history:g": hist, **log})
 
     def load_state(self, state: Payload) -> None:
         t = dict(state.tensors)
         seeds, hist = t.pop("history:s"), t.pop("history:g")
+        log_s, log_g = t.pop("log:s", None), t.pop("log:g", None)
         buf = {k[len("momentum:"):]: t.pop(k) for k in list(t) if k.startswith("momentum:")}
         P.check_like(t, self.model, "checkpoint")
         if self.buf is not None:
@@ -195,6 +233,12 @@ class DeComFLCloud(CloudRole):
         self.base = int(state.meta["base"])
         self.seeds = [int(s) for s in seeds]
         self.g = [np.array(x, np.float32) for x in hist]
+        if log_s is not None and log_g is not None and len(log_s) == len(log_g) == self.base + len(self.g):
+            self.log_seeds = [int(s) for s in log_s]
+            self.log_g = [np.array(x, np.float32) for x in log_g]
+            self.g = self.log_g[self.base:]  # the window shares the log's arrays
+        else:  # a checkpoint without (or with an inconsistent) log: no rebuilding replicas
+            self.log_seeds, self.log_g = (list(self.seeds), list(self.g)) if self.base == 0 else ([], None)
         self.synced = {c: {d: int(r) for d, r in v.items()} for c, v in state.meta["synced"].items()}
         self.need = {c: int(v) for c, v in state.meta["need"].items()}
         self.cells = set(state.meta["cells"])
@@ -219,6 +263,7 @@ class DeComFLCell(CellRole):
         self.sum = np.zeros((self.K, self.P), np.float64)
         self.weight = 0.0
         self.answered: list[str] = []
+        self.resync: list[str] = []  # devices that lost their replica (restarted): back at x_0
 
     def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
         tasks = {}
@@ -232,6 +277,10 @@ class DeComFLCell(CellRole):
 
     def check(self, device: str, result: Payload) -> None:
         what = f"result of device {device}"
+        if "resync" in result.meta:
+            if result.meta != {"resync": True} or result.tensors:
+                raise Rejected(f"{what}: a resync answer carries nothing else")
+            return
         w = result.meta.get("weight")
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not np.isfinite(w) or w <= 0:
             raise Rejected(f"{what}: weight must be a positive number, got {w!r}")
@@ -239,6 +288,9 @@ class DeComFLCell(CellRole):
 
     def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
         for d, r in sorted(results.items()):
+            if r.meta.get("resync"):
+                self.resync.append(d)
+                continue
             w = 1.0 if self.p.weighting == "uniform" else float(r.meta["weight"])
             self.sum += w * r.tensors["g"].astype(np.float64)
             self.weight += w
@@ -248,11 +300,12 @@ class DeComFLCell(CellRole):
     def _need(self) -> int:
         if self.roster is None:
             return 0  # unknown roster: a device never seen may still need round 0
-        after = {**self.synced, **{d: self.round for d in self.answered}}
+        after = {**self.synced, **{d: self.round for d in self.answered}, **{d: 0 for d in self.resync}}
         return min((after.get(d, 0) for d in self.roster), default=self.round)
 
     def report(self) -> Payload:
-        meta = {"weight": self.weight, "answered": sorted(self.answered), "need": self._need()}
+        meta = {"weight": self.weight, "answered": sorted(self.answered), "need": self._need(),
+                **({"resync": sorted(self.resync)} if self.resync else {})}
         if self.weight == 0:
             return Payload({**meta, "weight": 0}, {})
         return Payload(meta, {"g": self.sum})
@@ -288,6 +341,8 @@ class DeComFLDevice(DeviceRole):
         if self.model is None:
             self._init(trainer)
         start, seeds, hist = read_history(task, ctx.round, self.K, self.P, "task")
+        if start > self.synced == 0:  # a device that lost its replica (restarted): x_0 again, ask for it all
+            return Payload({"resync": True})
         self.catch_up(start, seeds, hist)
         buf = P.copy(self.buf) if self.buf is not None else None
         g = self.local_update(P.copy(self.model), int(seeds[-1]), data, trainer, ctx, buf)
