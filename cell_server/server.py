@@ -199,6 +199,13 @@ class CellServer:
             return
         if not self._from_current_cloud(topic, msg):
             return
+        if self.trust is not None and self.round >= 0 and msg.header.session != self.messenger.session:
+            # the cloud (announced by its signed status) started afresh: its rounds count from the start
+            log.warning("cell %s: cloud session %s started, round %d of session %s left", self.cell,
+                        msg.header.session, self.round, self.messenger.session)
+            if self.in_round:
+                self._end_round()
+            self.round, self._sent_report = -1, None
         if msg.header.round == self.round:  # a resumed cloud re-sends the round: answer it again, once
             self._again(topic, msg.header.round)
             return

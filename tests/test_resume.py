@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from cell_server.node import build_cell
+from cloud.node import build_cloud
 
 from edge_agent.runner import save_device_data
 from protocols import runfiles
@@ -122,6 +123,26 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     assert [(r["round"], r["edge_round"]) for r in c0] == [(r, e) for r in range(3) for e in range(2)]
     assert all(r["answered"] == cfg.topology.device_ids("c0") for r in c0), c0
     assert [m["cells_reported"] for m in crashed.history] == [["c0", "c1"]] * 3
+
+
+def test_a_cell_follows_a_cloud_that_started_afresh_in_a_new_session(tmp_path: Path) -> None:
+    """Signed, in memory: after a finished run the same cells (at round 1) serve a cloud started again
+    without --resume (a new session, announced by its signed status): they take its round 0 instead of
+    refusing it as older, and the new run ends with the same model (fedavg devices keep no state)."""
+    sim = SimHierarchy(small_config(tmp_path, run={"rounds": 2}, security={"keys": "keys.toml"}))
+    for cell in sim.cells.values():
+        cell.start()
+    sim.agents.start()
+    sim.hub.loop.run()
+    sim.cloud.start()
+    sim.hub.loop.run(until=lambda: sim.cloud.finished)
+    again = build_cloud(sim.cfg, sim.hub.connect("cloud"), sim.algorithm, output_dir=tmp_path / "again")
+    assert again.session != sim.cloud.session
+    again.start()
+    sim.hub.loop.run(until=lambda: again.finished)
+    assert [r["cells_reported"] for r in again.history] == [["c0", "c1"]] * 2
+    first, second = sim.cloud.role.global_params(), again.role.global_params()
+    assert all(np.array_equal(first[k], second[k]) for k in first)
 
 
 class Deployment:
