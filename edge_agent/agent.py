@@ -43,9 +43,9 @@ class DeviceAgent:
         identity) signs what it sends and admits only tasks signed by its cell; ``cloud`` (what the
         device knows of the cloud's session, from its signed records) then also admits only tasks of
         the current session, for a round no later than the manifest's. In any case a task must be for
-        a later (round, edge round) than the last one taken in its session, or that one again (a cell
-        that restarted re-sends it: it is trained again, once its first training is over, with the same
-        result). ``secagg``: take part in secure aggregation (``edge_agent/secagg.py``): results leave
+        a later (round, edge round) than the last one taken in its session, or, signed, that one again (a
+        cell that restarted re-sends it: it is trained again, once its first training is over, with the
+        same result). ``secagg``: take part in secure aggregation (``edge_agent/secagg.py``): results leave
         masked."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device
         self.compute_delay = compute_delay
@@ -106,7 +106,7 @@ class DeviceAgent:
         if h.cell != self.cell:
             self.messenger.reject(topic, f"task for cell {h.cell!r}, this device is in {self.cell!r}", h.sender)
             return
-        if self.pending and self._last == (self._session_of(h), h.round, h.edge_round):
+        if self.pending and self.trust is not None and self._last == (h.session, h.round, h.edge_round):
             log.info("device %s: task %d.%d again while training it", self.device, h.round, h.edge_round)
             return
         reason = self._out_of_window(h)
@@ -133,10 +133,10 @@ class DeviceAgent:
 
     def _out_of_window(self, h: Header) -> str | None:
         """Why a task is not for now: not from this device's cell, another session than the cloud's
-        current one, a round past the cloud's manifest (signed runs), a round before it, or before the
-        last task taken in its session (a replay). The last task again with a new message id (a cell
-        that restarted re-sends it; a replayed copy is dropped by its id) is trained again: the same
-        result, counted once."""
+        current one, a round past the cloud's manifest (signed runs), a round before it, or not after
+        the last task taken in its session (a replay: never trained twice), except, signed, that last
+        task again: only its cell can sign it anew (a restarted cell re-sends it; a replayed copy is
+        dropped by its message id), and it is trained again once, the same result, counted once."""
         if self.trust is not None and h.sender != self.cell:
             return f"task signed by {h.sender!r}, not by this device's cell {self.cell!r}"
         if self.trust is not None and self.cloud is not None:
@@ -149,7 +149,8 @@ class DeviceAgent:
         now = self.cloud.round if self.cloud is not None else None
         if now is not None and h.round < now:
             return f"stale task for round {h.round}, the cloud's manifest says round {now}"
-        if self._last is not None and self._last[0] == self._session_of(h) and (h.round, h.edge_round) < self._last[1:]:
+        if self._last is not None and self._last[0] == self._session_of(h) and (
+                (h.round, h.edge_round) < self._last[1:] or (h.round, h.edge_round) == self._last[1:] and self.trust is None):
             return (f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} "
                     f"(replayed)")
         return None

@@ -88,7 +88,8 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     from the journal (replays the closed edge round, keeps the result, re-sends the pending tasks):
     the model and c0's records are those of the uninterrupted run."""
     def config(name: str):
-        return small_config(tmp_path / name, algorithm={"edge_rounds": 2}, runtime={"device_deadline": 50.0})
+        return small_config(tmp_path / name, algorithm={"edge_rounds": 2}, runtime={"device_deadline": 50.0},
+                            security={"keys": "keys.toml"})  # signed: devices take the re-sent task again
 
     straight = run_simulation(config("straight"))
     sim = SimHierarchy(config("crashed"))
