@@ -1,8 +1,9 @@
 """Shared fixtures: small, fast configs on scikit-learn digits."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -33,3 +34,13 @@ def make_config(tmp_path: Path):
         return small_config(tmp_path, **sections)
 
     return make
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, period: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(period)
+    return True

@@ -11,7 +11,7 @@ import pytest
 
 from protocols import procs
 from protocols.transport.broker import find_mosquitto
-from tests.conftest import small_config
+from tests.conftest import small_config, wait_until
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
 linux_only = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
@@ -49,15 +49,6 @@ def alive(pid: int) -> bool:
     return st is not None and st[0] not in ("Z", "X")  # a zombie is dead, waiting to be reaped
 
 
-def wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 @linux_only
 def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
     """``fedtier run`` with 2 agent workers (and its own Mosquitto where installed) is killed with
@@ -76,12 +67,12 @@ def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
             log = tmp_path / "run" / "aggregation.jsonl"  # a record: the agents are up and training
             return len(workers) == 2 and bool(broker) and log.exists() and log.stat().st_size > 0
 
-        assert wait_for(started, 240), (tmp_path / "run.log").read_text()[-3000:]
+        assert wait_until(started, 240), (tmp_path / "run.log").read_text()[-3000:]
         kids = descendants(run.pid)
         run.send_signal(signal.SIGKILL)
         run.wait(10)
         left = lambda: {p: cmd for p, cmd in kids.items() if alive(p)}  # noqa: E731
-        assert wait_for(lambda: not left(), 10), f"still running after their parent was killed: {left()}"
+        assert wait_until(lambda: not left(), 10), f"still running after their parent was killed: {left()}"
     finally:
         if run.poll() is None:
             run.kill()

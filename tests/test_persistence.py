@@ -17,7 +17,7 @@ from protocols.transport.reactor import Reactor
 from protocols.transport.threadloop import ThreadLoop
 from sim.emulation import Emulation, Faults
 from sim.launcher import run_simulation
-from tests.conftest import small_config
+from tests.conftest import small_config, wait_until
 from tests.test_mqtt_transport import BROKERS, WAIT, Inbox, make_broker, needs_mosquitto
 
 FAST = dict(reconnect_min_delay=0.1, reconnect_max_delay=0.5)
@@ -32,15 +32,6 @@ def loop() -> Iterator[ThreadLoop]:
 
 def client(broker: EmbeddedBroker | MosquittoBroker, cid: str, loop: ThreadLoop, **kw) -> MqttTransport:
     return MqttTransport.from_url(broker.url, cid, loop, max_chunk=4096, **{**FAST, **kw})
-
-
-def wait_until(pred, timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.mark.parametrize("kind", BROKERS)
