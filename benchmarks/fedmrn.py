@@ -1,161 +1,113 @@
-"""FedMRN vs uplink codecs on Fashion-MNIST (non-IID, hierarchical: cells of devices).
+"""FedMRN (Li et al., ACM MM 2024) at its Fashion-MNIST settings, against FedAvg and two 1-bit SignSGD baselines.
 
-Runs hierarchical FedAvg (dense, SignSGD, top-k, QSGD uplinks) and FedMRN / FedMRN-S through
-``fedtier sim`` and prints final accuracy, best accuracy and the measured device -> cell bytes per
-device-round (whole messages: envelope, metadata, data) with the bits per model parameter they mean.
+Through ``fedtier sim`` with the cohort engine: one cell of 100 devices, 10 a round (uniform), Dirichlet 0.3,
+10 local epochs of batch 64, plain SGD, CNN4 (4 x [conv3x3 -> GroupNorm -> ReLU -> maxpool] -> linear; the
+paper's batch norm replaced by GroupNorm, which keeps no running statistics and so federates by plain
+averaging), weights ~ N(0, 0.01^2), FedMRN noise U[-0.01, 0.01] (binary masks) and U[-0.005, 0.005]
+(FedMRN-S, signed masks). Baselines: FedAvg (dense float32 uplink), SignSGD (stochastic binarization, the
+paper's: R = max|x| per tensor, unbiased) and SignSGD with majority vote (Bernstein et al. 2019: devices
+send sign bits plus mean|x| per tensor, the cell takes the per-coordinate majority). Every method gets the
+same learning-rate grid (the paper's {1, 0.3, 0.1, 0.03, 0.01}, or the part the preset affords) on the tuning
+seeds; the winner (best mean of the best-round accuracy, the paper's metric) then runs on the remaining seeds.
 
-Two presets (``--model``): ``cnn`` (default; closer to the paper: the small CNN, Dirichlet 0.1, 2 cells x
-10 devices, 2 local epochs) and ``mlp`` (the earlier setup: MLP 784-200-10, Dirichlet 0.3, 2 x 5 devices,
-1 local epoch). Every other option overrides the preset.
-
-    /work/main/.venv/bin/python benchmarks/fedmrn.py              # defaults (cnn, 3 seeds, 2 jobs): see README
-    /work/main/.venv/bin/python benchmarks/fedmrn.py --model mlp  # the earlier MLP table
-    /work/main/.venv/bin/python benchmarks/fedmrn.py --rounds 3 --max-train 2000 --seeds 0   # smoke run
+    python benchmarks/fedmrn.py --preset quick   # ~15 min on 2 cores
+    python benchmarks/fedmrn.py --preset paper   # see benchmarks/README.md for what it scales down
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protocols.config import parse_config  # noqa: E402
-from sim.launcher import run_simulation  # noqa: E402
+from benchmarks.tuning import Cell, edge_note, grid_line, pick, sweep  # noqa: E402
 
-# preset -> shared settings; every key is also a command-line option
-PRESETS: dict[str, dict] = {
-    "cnn": {"channels": "16,32", "fc": 128, "hidden": 200, "cells": 2, "devices": 10, "partition": "dirichlet",
-            "dirichlet": 0.1, "rounds": 15, "edge_rounds": 1, "local_epochs": 2.0, "max_train": 6000, "max_test": 2000},
-    "mlp": {"channels": "16,32", "fc": 128, "hidden": 200, "cells": 2, "devices": 5, "partition": "dirichlet",
-            "dirichlet": 0.3, "rounds": 30, "edge_rounds": 2, "local_epochs": 1.0, "max_train": 12000, "max_test": 0},
+PRESETS: dict[str, dict[str, Any]] = {
+    # the paper: 60k train / 10k test, channels 32-64-128-256, 100 rounds, 5 seeds, lr grid of 5
+    "paper": {"devices": 100, "per_round": 10, "max_train": 6000, "max_test": 2000, "channels": [16, 32, 64, 128],
+              "rounds": 100, "epochs": 10, "grid": [0.03, 0.1, 0.3], "tune_seeds": [0, 1], "seeds": [0, 1, 2, 3, 4]},
+    "quick": {"devices": 100, "per_round": 10, "max_train": 3000, "max_test": 1000, "channels": [8, 8, 16, 16],
+              "rounds": 20, "epochs": 5, "grid": [0.03, 0.1, 0.3], "tune_seeds": [0, 1], "seeds": [0, 1, 2]},
 }
-
-# preset -> method -> [algorithm] section (on top of the shared local-training keys).
-# lr and alpha: the best of short sweeps on the same grid for every method (see benchmarks/README.md).
-METHODS: dict[str, dict[str, dict]] = {
-    "cnn": {
-        "FedAvg": {"name": "fedavg", "lr": 0.2},
-        "FedMRN": {"name": "fedmrn", "lr": 0.2, "alpha": 0.2},
-        "FedMRN-S": {"name": "fedmrn", "lr": 0.4, "alpha": 0.05, "signed": True},
-        "SignSGD": {"name": "fedavg", "lr": 0.1, "uplink": "signsgd"},
-        "SignSGD scaled": {"name": "fedavg", "lr": 0.1, "uplink": "signsgd", "signsgd_mode": "scaled"},
-        "FedAvg w. SM": {"name": "fedavg", "lr": 0.1, "uplink": "fedmrn", "mrn_alpha": 0.1},
-        "Top-3%": {"name": "fedavg", "lr": 0.1, "uplink": "topk", "topk_fraction": 0.03},
-    },
-    "mlp": {
-        "FedAvg": {"name": "fedavg", "lr": 0.1},
-        "FedMRN": {"name": "fedmrn", "lr": 0.1, "alpha": 0.1},
-        "FedMRN-S": {"name": "fedmrn", "lr": 0.1, "alpha": 0.05, "signed": True},
-        "SignSGD": {"name": "fedavg", "lr": 0.1, "uplink": "signsgd"},
-        "SignSGD scaled": {"name": "fedavg", "lr": 0.1, "uplink": "signsgd", "signsgd_mode": "scaled"},
-        "Top-3%": {"name": "fedavg", "lr": 0.1, "uplink": "topk", "topk_fraction": 0.03},
-        "QSGD s=1": {"name": "fedavg", "lr": 0.1, "uplink": "qsgd", "qsgd_levels": 1},
-        "FedAvg w. SM": {"name": "fedavg", "lr": 0.1, "uplink": "fedmrn", "mrn_alpha": 0.1},
-    },
+METHODS: dict[str, dict[str, Any]] = {
+    "FedAvg": {"name": "fedavg"},
+    "FedMRN": {"name": "fedmrn", "alpha": 0.01},
+    "FedMRN-S": {"name": "fedmrn", "alpha": 0.005, "signed": True},
+    "SignSGD": {"name": "fedavg", "uplink": "signsgd"},
+    "SignSGD-MV": {"name": "fedavg", "uplink": "signsgd", "signsgd_mode": "scaled", "cell_aggregator": "majority"},
 }
 
 
-def config(method: str, args: argparse.Namespace, overrides: dict, seed: int) -> dict:
-    """The run configuration of one method and seed."""
-    alg = {"edge_rounds": args.edge_rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size,
-           **METHODS[args.model][method], **overrides.get(method, {}), **overrides.get("*", {})}
-    model = {"name": args.model, "hidden": [args.hidden]} if args.model == "mlp" else {
-        "name": "cnn", "channels": [int(c) for c in args.channels.split(",")], "fc": args.fc}
-    data = {"dataset": args.dataset, "partition": args.partition, "max_train": args.max_train,
-            "max_test": args.max_test}
-    data.update({"alpha": args.dirichlet} if args.partition == "dirichlet" else
-                {"shards_per_device": args.shards} if args.partition == "shards" else {})
-    return {"run": {"name": "bench-fedmrn", "seed": seed, "rounds": args.rounds},
-            "topology": {"cells": args.cells, "devices_per_cell": args.devices},
-            "algorithm": alg, "model": model, "data": data}
+def config(method: str, lr: float, seed: int, s: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "run": {"name": "bench-fedmrn", "seed": seed, "rounds": s["rounds"]},
+        "topology": {"cells": 1, "devices_per_cell": s["devices"]},
+        "algorithm": {**METHODS[method], "lr": lr, "edge_rounds": 1, "local_steps": 0, "local_epochs": s["epochs"],
+                      "batch_size": 64},
+        "model": {"name": "cnn4", "channels": s["channels"], "init_std": 0.01},
+        "data": {"dataset": "fmnist", "partition": "dirichlet", "alpha": 0.3, "max_train": s["max_train"],
+                 "max_test": s["max_test"]},
+        "participation": {"model": "uniform", "per_round": s["per_round"]},
+        "runtime": {"engine": "cohort", "eval_every": 1},
+    }
 
 
-def run(method: str, raw: dict) -> dict:
-    """Run one configuration; accuracy, bytes and time of the run."""
+def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
+    from protocols.config import parse_config
+    from sim.launcher import run_simulation
+
     t0 = time.perf_counter()
-    result = run_simulation(parse_config(raw), write_output=False)
-    accs = [r["accuracy"] for r in result.history if "accuracy" in r]
+    result = run_simulation(parse_config(config(method, lr, seed, settings)), write_output=False)
+    accs = [r["accuracy"] if math.isfinite(r.get("accuracy", math.nan)) else 0.0 for r in result.history
+            if "accuracy" in r]
     device_rounds = sum(len(r["answered"]) for r in result.cell_records)
     up = result.history[-1]["cumulative_bytes"]["device_to_cell"]
-    n_params = sum(v.size for v in result.params.values())
-    return {"method": method, "acc": accs[-1], "best": max(accs), "last5": sum(accs[-5:]) / len(accs[-5:]),
-            "bytes": up / device_rounds, "bpp": 8 * up / device_rounds / n_params, "params": n_params,
-            "s": time.perf_counter() - t0,
-            "cell_to_cloud": result.history[-1]["cumulative_bytes"]["cell_to_cloud"] / len(result.history)}
-
-
-def parse_overrides(items: list[str]) -> dict[str, dict]:
-    """``[METHOD:]key=value`` items -> method (or ``*``) -> {key: value}."""
-    out: dict[str, dict] = {}
-    for item in items:
-        target, _, kv = item.rpartition(":") if ":" in item.partition("=")[0] else ("*", "", item)
-        k, _, v = kv.partition("=")
-        value: object = v
-        if v in ("true", "false"):
-            value = v == "true"
-        else:
-            try:
-                value = int(v) if v.lstrip("-").isdigit() else float(v)
-            except ValueError:
-                pass
-        out.setdefault(target, {})[k] = value
-    return out
+    n = sum(v.size for v in result.params.values())
+    return {"best": max(accs), "final": accs[-1], "bpp": 8 * up / max(1, device_rounds) / n, "params": n,
+            "s": time.perf_counter() - t0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=list(PRESETS), default="cnn", help="preset (see the module docstring)")
-    ap.add_argument("--channels", help="cnn: conv channels c1,c2")
-    ap.add_argument("--fc", type=int, help="cnn: hidden fully connected width")
-    ap.add_argument("--hidden", type=int, help="mlp: hidden width")
-    ap.add_argument("--cells", type=int)
-    ap.add_argument("--devices", type=int, help="devices per cell")
-    ap.add_argument("--partition", choices=["dirichlet", "shards", "iid"])
-    ap.add_argument("--dirichlet", type=float, help="Dirichlet concentration")
-    ap.add_argument("--shards", type=int, default=2, help="shards per device (--partition shards)")
-    ap.add_argument("--rounds", type=int)
-    ap.add_argument("--edge-rounds", type=int)
-    ap.add_argument("--local-epochs", type=float)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--dataset", default="fmnist")
-    ap.add_argument("--max-train", type=int)
-    ap.add_argument("--max-test", type=int, help="0: the whole test set")
-    ap.add_argument("--seeds", default="0,1,2", help="run seeds (data split, init, sampling); means are printed")
-    ap.add_argument("--methods", help="comma-separated subset of the preset's methods")
-    ap.add_argument("--set", action="append", default=[],
-                    help="algorithm override [METHOD:]key=value (all methods without METHOD:)")
+    ap.add_argument("--preset", choices=list(PRESETS), default="quick")
+    ap.add_argument("--methods", help="comma-separated subset of " + ", ".join(METHODS))
+    ap.add_argument("--tune-seeds", help="comma-separated seeds of the lr grid (default: the preset's)")
+    ap.add_argument("--seeds", help="comma-separated seeds of the winners (default: the preset's)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     args = ap.parse_args()
-    for k, v in PRESETS[args.model].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    default = [m for m in METHODS[args.model] if not (args.model == "cnn" and m == "Top-3%")]  # time budget
-    methods = [m.strip() for m in (args.methods.split(",") if args.methods else default)]
-    unknown = [m for m in methods if m not in METHODS[args.model]]
-    if unknown:
-        ap.error(f"unknown methods {unknown}; {args.model} has {', '.join(METHODS[args.model])}")
-    overrides = parse_overrides(args.set)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    print(f"{'method':<16}{'final acc':>10}{'last-5 acc':>11}{'best acc':>10}{'up B/dev-round':>16}{'bits/param':>12}"
-          f"{'cell->cloud B/round':>21}{'time s':>8}", flush=True)
+    s = dict(PRESETS[args.preset])
+    for key in ("tune_seeds", "seeds"):
+        if getattr(args, key):
+            s[key] = [int(x) for x in getattr(args, key).split(",")]
+    methods = [m for m in METHODS if not args.methods or m in args.methods.split(",")]
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {m: [pool.submit(run, m, config(m, args, overrides, s)) for s in seeds] for m in methods}
-        rows = []
-        for method, fs in futures.items():
-            runs = [f.result() for f in fs]
-            r = {k: (sum(x[k] for x in runs) / len(runs) if k != "method" else runs[0][k]) for k in runs[0]}
-            r["s"] = sum(x["s"] for x in runs)
-            rows.append(r)
-            seeds_txt = " ".join(f"{100 * x['acc']:.2f}" for x in runs)
-            print(f"{r['method']:<16}{100 * r['acc']:>10.2f}{100 * r['last5']:>11.2f}{100 * r['best']:>10.2f}"
-                  f"{r['bytes']:>16.0f}{r['bpp']:>12.3f}{r['cell_to_cloud']:>21.0f}{r['s']:>8.1f}"
-                  f"   final per seed: {seeds_txt}", flush=True)
-    print(f"model parameters: {rows[0]['params']:.0f}; accuracies: means over seeds {args.seeds}; device->cell bytes "
-          f"are whole messages (envelope, metadata, data) as counted by the cells; wall {time.perf_counter() - t0:.0f} s")
+    cells = sweep(run, {m: s["grid"] for m in methods}, s["tune_seeds"], args.jobs, settings=s)
+    winners = pick(cells, "best", lower_is_better=False)
+    rest = [x for x in s["seeds"] if x not in s["tune_seeds"]]
+    if rest:  # the winners on the remaining seeds (every method the same number of runs)
+        more = sweep(run, {m: [w.cell.value] for m, w in winners.items()}, rest, args.jobs, settings=s)
+        for m, w in winners.items():
+            w.cell = Cell(m, w.cell.value, w.cell.runs + more[m][0].runs)
+    wall = time.perf_counter() - t0
+    params = next(iter(cells.values()))[0].runs[0]["params"]
+    print(f"\nFedMRN preset {args.preset}: Fashion-MNIST ({s['max_train']} train / {s['max_test']} test), "
+          f"{s['devices']} devices, {s['per_round']} a round, Dirichlet 0.3, CNN4-GroupNorm {s['channels']} "
+          f"({params:,} params), N(0, 0.01) init, {s['epochs']} local epochs, batch 64, {s['rounds']} rounds; "
+          f"lr grid {s['grid']} on seeds {s['tune_seeds']}, winners on seeds {s['seeds']}; wall {wall:.0f} s "
+          f"({args.jobs} jobs)")
+    print("\ntuning (mean best-round accuracy on the tuning seeds; lr: value):")
+    for m, row in cells.items():
+        print(f"  {m:<11} " + grid_line(row, "best", lambda v: f"{100 * v:.2f}"))
+    print(f"\n{'method':<11}{'lr':>6}{'best acc %':>16}{'final acc %':>16}{'uplink bits/param':>19}   best per seed")
+    for m, w in winners.items():
+        c = w.cell
+        print(f"{m:<11}{c.value:>6g}{100 * c.mean('best'):>10.2f} ±{100 * c.std('best'):>4.2f}"
+              f"{100 * c.mean('final'):>10.2f} ±{100 * c.std('final'):>4.2f}{c.mean('bpp'):>19.3f}   "
+              + " ".join(f"{100 * r['best']:.2f}" for r in c.runs) + edge_note(w))
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ class ModelSection(_Section):
     name: Literal["mlp", "cnn", "cnn4", "logreg"] = "mlp"
     hidden: tuple[int, ...] = (200, 200)
     channels: tuple[int, ...] = Field(default=(32, 64), description="cnn: 2 widths; cnn4: 4")
-    fc: int = Field(default=512, ge=1)
+    fc: int = Field(default=512, ge=0, description="cnn: hidden fully connected width (0: none)")
     init_std: float | None = Field(default=None, gt=0, description="conv/linear weights ~ N(0, init_std^2), "
                                    "biases 0 (unset: torch's default initialisers)")
     init_seed: int | None = Field(default=None, ge=0, description="defaults to run.seed")

@@ -32,7 +32,8 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden:
 
     - ``mlp``: flatten -> ``fc{i}`` Linear/ReLU for each ``hidden`` width -> ``out`` Linear.
     - ``cnn``: the small CNN of the FedAvg/FedMRN papers for 28x28 (or 8x8) images: conv5x5 c1 ->
-      ReLU -> maxpool2 -> conv5x5 c2 -> ReLU -> maxpool2 -> ``fc1`` -> ReLU -> ``out``.
+      ReLU -> maxpool2 -> conv5x5 c2 -> ReLU -> maxpool2 -> ``fc1`` -> ReLU -> ``out``; ``fc = 0``: no
+      ``fc1`` (the DeComFL paper's 28,938-parameter MNIST CNN is ``channels = (16, 32), fc = 0``).
     - ``cnn4``: the CNN4 of the FedMRN paper with GroupNorm in place of its batch norm: for each of the
       four ``channels`` widths, ``conv{i}`` 3x3 (padding 1, no bias) -> ``norm{i}`` GroupNorm -> ReLU ->
       maxpool2, then ``out`` Linear (no bias). GroupNorm keeps no running statistics, so the model is its
@@ -55,13 +56,14 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden:
         c, h, w = (int(x) for x in input_shape) if len(input_shape) == 3 else (1, *(int(x) for x in input_shape))
         c1, c2 = (int(x) for x in channels)
         # 'same' padding: 28 -> 14 -> 7 and 8 -> 4 -> 2 after the two poolings
+        flat = c2 * (h // 4) * (w // 4)
+        head = [("fc1", nn.Linear(flat, fc)), ("relu3", nn.ReLU()), ("out", nn.Linear(fc, num_classes))] if fc else [
+            ("out", nn.Linear(flat, num_classes))]
         return nn.Sequential(OrderedDict([
             ("reshape", Reshape((c, h, w))),
             ("conv1", nn.Conv2d(c, c1, 5, padding=2)), ("relu1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
             ("conv2", nn.Conv2d(c1, c2, 5, padding=2)), ("relu2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)),
-            ("flatten", nn.Flatten()),
-            ("fc1", nn.Linear(c2 * (h // 4) * (w // 4), fc)), ("relu3", nn.ReLU()),
-            ("out", nn.Linear(fc, num_classes)),
+            ("flatten", nn.Flatten()), *head,
         ]))
     if name == "cnn4":
         c, h, w = (int(x) for x in input_shape) if len(input_shape) == 3 else (1, *(int(x) for x in input_shape))

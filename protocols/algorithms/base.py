@@ -45,7 +45,7 @@ class ModelSpec(BaseModel):
     num_classes: int = Field(default=10, ge=2)
     hidden: tuple[int, ...] = (200, 200)
     channels: tuple[int, ...] = (32, 64)
-    fc: int = Field(default=512, ge=1)
+    fc: int = Field(default=512, ge=0)  # cnn: 0 = no hidden fully connected layer
     init_std: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
@@ -72,7 +72,8 @@ class ModelSpec(BaseModel):
             c, h, w = self.input_shape if len(self.input_shape) == 3 else (1, *self.input_shape[-2:])
             c1, c2 = self.channels
             flat = c2 * (h // 4) * (w // 4)
-            return (c * 25 + 1) * c1 + (c1 * 25 + 1) * c2 + (flat + 1) * self.fc + (self.fc + 1) * k
+            head = (flat + 1) * self.fc + (self.fc + 1) * k if self.fc else (flat + 1) * k
+            return (c * 25 + 1) * c1 + (c1 * 25 + 1) * c2 + head
         widths = [n_in, *(self.hidden if self.name == "mlp" else ()), k]
         return sum((a + 1) * b for a, b in zip(widths, widths[1:]))
 
