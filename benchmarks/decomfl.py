@@ -78,7 +78,8 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
             curve.append((r["round"] + 1, r["accuracy"], (b["cell_to_device"] + b["device_to_cell"]) / n))
     out: dict[str, Any] = {"best": max((a for _, a, _ in curve), default=0.0),
                            "final": curve[-1][1] if curve else 0.0,
-                           "params": sum(v.size for v in result.params.values()), "s": time.perf_counter() - t0}
+                           "params": sum(v.size for v in result.params.values()), "s": time.perf_counter() - t0,
+                           "bytes_total": curve[-1][2] if curve else 0.0}
     for t in settings["targets"]:
         hit = next((b for _, a, b in curve if a >= t), math.inf)
         out[f"bytes@{t}"] = hit
