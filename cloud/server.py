@@ -71,6 +71,7 @@ class CloudServer:
         self.messenger.session = self.session  # ... and, signed, every message it sends
         self.round = 0
         self.finished = False
+        self.stopped: str | None = None  # why the run ended before ``rounds`` (the role's stop_reason)
         self.started = False
         self.history: list[dict[str, Any]] = []
         self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each round record (monitor.exporter)
@@ -110,7 +111,8 @@ class CloudServer:
                                                      **extra), retain=True)
         if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker
             self.transport.publish(topics.control(self.run), b"", retain=True)
-        if self.round >= self.rounds:
+            self._check_stop()
+        if self.round >= self.rounds or self.stopped:
             self.loop.post(self._finish)
             return
         self._start_at = self.loop.now()
@@ -230,6 +232,7 @@ class CloudServer:
         """Write, publish and checkpoint the record of the model update that just happened, then go on."""
         role_metrics = dict(metrics or {})
         excluded = role_metrics.pop("excluded", None)  # robust aggregation: cells left out, why
+        epsilon = role_metrics.pop("epsilon", None)  # differential privacy: spent so far
         for tier in TIERS:
             self.cumulative[tier] += self._bytes[tier]
         evaluation: dict[str, float] = {}
@@ -241,7 +244,8 @@ class CloudServer:
             rejected=self._rejected, rejected_more=self._rejected_more or None, bytes=dict(self._bytes),
             cumulative_bytes=dict(self.cumulative),
             clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
-            excluded=excluded, metrics=role_metrics, duration_s=round(time.perf_counter() - self._wall0, 6),
+            excluded=excluded, epsilon=epsilon if epsilon is not None and np.isfinite(epsilon) else None,
+            metrics=role_metrics, duration_s=round(time.perf_counter() - self._wall0, 6),
             time=round(time.time(), 3),
         ).to_dict()
         self._rejected, self._rejected_more = [], 0  # the next record lists what is refused from now on
@@ -254,7 +258,7 @@ class CloudServer:
         if self.on_round is not None:
             self.on_round(record)
         self.round += 1
-        if self.round < self.rounds:
+        if self.round < self.rounds and not self._check_stop():
             self.loop.post(self._begin_round)
         else:
             self._finish()
@@ -270,8 +274,17 @@ class CloudServer:
         meta = {"round": done, "session": self.session, "cumulative": self.cumulative, "role": state.meta}
         save_payload(self.checkpoint_path, Payload({**meta, "record": record} if record else meta, state.tensors))
 
+    def _check_stop(self) -> str | None:
+        """Whether the role forbids the next round (e.g. a privacy budget, protocols/privacy/dp.py); logged."""
+        stop = getattr(self.role, "stop_reason", None)
+        self.stopped = stop(self.round) if stop is not None else None
+        if self.stopped:
+            log.warning("stopping before round %d of %d: %s", self.round, self.rounds, self.stopped)
+        return self.stopped
+
     def _finish(self) -> None:
         self.finished = True
+        extra = {"stopped": self.stopped} if self.stopped else {}
         self.messenger.send(topics.control(self.run), "control", Payload({"event": "finished", "round": self.round,
-                                                                       "session": self.session}),
+                                                                       "session": self.session, **extra}),
                             round=self.round, retain=True)

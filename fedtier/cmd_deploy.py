@@ -156,7 +156,8 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
         _serve(node, loop)
     linger(exporter, metrics_linger)
     if node.finished:
-        result = RunResult(cfg, node.role.global_params(), node.history, [], out, time.perf_counter() - t0)
+        result = RunResult(cfg, node.role.global_params(), node.history, [], out, time.perf_counter() - t0,
+                           stopped=node.stopped)
         write_final(out, result)
         print_summary(result.summary(), out)
 

@@ -54,7 +54,7 @@ def print_summary(summary: dict[str, Any], output_dir: Any) -> None:
     table = Table(title="run summary", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    for key in ("run", "algorithm", "rounds", "accuracy", "loss", "wall_s", "virtual_time_s"):
+    for key in ("run", "algorithm", "rounds", "accuracy", "loss", "epsilon", "stopped", "wall_s", "virtual_time_s"):
         if key not in summary:
             continue
         value = summary.get(key)

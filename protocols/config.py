@@ -1,20 +1,25 @@
 """The run configuration: one TOML file, validated with pydantic; every error names its key.
 
 Sections: ``[run]``, ``[topology]``, ``[algorithm]`` (``name`` plus that algorithm's parameters),
-``[model]``, ``[data]``, ``[participation]``, ``[runtime]``, ``[broker]``, ``[security]``. Unknown keys are errors.
+``[model]``, ``[data]``, ``[participation]``, ``[runtime]``, ``[broker]``, ``[security]``, ``[privacy]``. Unknown
+keys are errors.
 """
 from __future__ import annotations
 
+import functools
 import tomllib
 from pathlib import Path
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .algorithms import get_algorithm
 from .algorithms.base import Algorithm, ModelSpec, TrainParams
 from .wire.topics import check_name
+
+if TYPE_CHECKING:
+    from .privacy.accountant import Accountant
 
 
 class ConfigError(ValueError):
@@ -271,14 +276,9 @@ class SecuritySection(_Section):
                                             "device's known sample count anyway")
 
 
-class MonitoringSection(_Section):
-    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="serve Prometheus /metrics on this "
-                                     "port (fedtier cloud, cell, run, agent); none: no exporter; 0: a free port")
-    metrics_host: str = Field(default="127.0.0.1", description="address the /metrics server binds (0.0.0.0: all)")
-
-
 class PrivacySection(_Section):
-    """Secure aggregation inside each cell (``protocols/privacy/secagg.py``)."""
+    """Secure aggregation inside each cell (``protocols/privacy/secagg.py``), and differential privacy
+    (``protocols/privacy/dp.py``): per-device clipping and Gaussian noise, with its accountant."""
 
     secure_aggregation: bool = Field(default=False, description="SecAgg+: a cell learns only the sum of its "
                                      "devices' (clipped, quantised) updates; fedavg and hist")
@@ -290,6 +290,35 @@ class PrivacySection(_Section):
                                 "before quantisation to 32-bit fixed point")
     secagg_deadline: float = Field(default=30.0, gt=0, description="seconds a cell waits in each extra phase "
                                    "(keys, shares, unmasking) before going on without the silent devices")
+    dp: Literal["off", "local", "cell"] = Field(default="off", description="local: each device noises its clipped "
+                                                "update; cell: the cell noises the sum of its devices' clipped "
+                                                "updates once (central DP at the cell)")
+    clip: float = Field(default=1.0, gt=0, description="L2 bound of a device's update (its delta per edge round)")
+    noise_multiplier: float | None = Field(default=None, ge=0, description="z: noise std = z x clip")
+    target_epsilon: float | None = Field(default=None, gt=0, description="instead of noise_multiplier: the "
+                                         "smallest z whose run.rounds spend at most this epsilon")
+    delta: float = Field(default=1e-5, gt=0, lt=1, description="the delta of the (epsilon, delta) guarantee")
+    epsilon_budget: float | None = Field(default=None, gt=0, description="the most epsilon a run may spend")
+    on_budget: Literal["refuse", "stop"] = Field(default="refuse", description="refuse: a run whose rounds would "
+                                                 "exceed the budget does not start; stop: it runs the rounds that "
+                                                 "fit and stops cleanly before the first that would not")
+    noise_seed: int | Literal["system"] | None = Field(default=None, description="seed of the DP noise (none: "
+                                                       "run.seed, reproducible; system: drawn from the OS by "
+                                                       "each noising party)")
+
+    @model_validator(mode="after")
+    def _noise_set(self) -> "PrivacySection":
+        if isinstance(self.noise_seed, int) and self.noise_seed < 0:
+            raise ValueError("noise_seed must be a non-negative integer or \"system\"")
+        if self.dp != "off" and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(f"dp = \"{self.dp}\" needs exactly one of noise_multiplier or target_epsilon")
+        return self
+
+
+class MonitoringSection(_Section):
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="serve Prometheus /metrics on this "
+                                     "port (fedtier cloud, cell, run, agent); none: no exporter; 0: a free port")
+    metrics_host: str = Field(default="127.0.0.1", description="address the /metrics server binds (0.0.0.0: all)")
 
 
 class RunConfig(_Section):
@@ -359,7 +388,77 @@ class RunConfig(_Section):
             algorithm.bind_topology({c: topo.devices(c) for c in topo.cell_ids()})
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.privacy.dp != "off":
+            from .privacy.dp import DpSettings, PrivateAlgorithm
+
+            pv = self.privacy
+            dp = DpSettings(pv.dp, pv.clip, self.dp_accountant().noise_multiplier,  # type: ignore[arg-type]
+                            self.run.seed if pv.noise_seed is None else pv.noise_seed)
+            algorithm = PrivateAlgorithm(algorithm, dp, self.dp_accountant(), pv.epsilon_budget)
         return algorithm
+
+    def dp_sampling_rate(self) -> float:
+        """A device's probability of taking part in a cloud round, as the accountant amplifies by it:
+        ``bernoulli`` participation's ``prob`` (the largest of ``probs``; at device or cell level), else 1."""
+        p = self.participation
+        if p.model == "bernoulli":
+            return float(p.prob if p.prob is not None else max(p.probs or [1.0]))
+        return 1.0
+
+    def dp_accountant(self) -> "Accountant":
+        """The accountant of this run's ``[privacy]`` (dp must be on); ``target_epsilon`` calibrated to z."""
+        from .privacy.accountant import Accountant
+
+        pv = self.privacy
+        if pv.dp == "off":
+            raise ConfigError("privacy.dp is off: there is nothing to account")
+        q, e = self.dp_sampling_rate(), self.train.edge_rounds
+        z = pv.noise_multiplier if pv.noise_multiplier is not None else \
+            _calibrated(pv.target_epsilon, self.run.rounds, pv.dp, q, e, pv.delta)  # type: ignore[arg-type]
+        return Accountant(pv.dp, z, q, e, pv.delta)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrated(target: float, rounds: int, mode: str, q: float, edge_rounds: int, delta: float) -> float:
+    from .privacy.accountant import calibrate
+
+    try:
+        return calibrate(target, rounds, mode=mode, sampling_rate=q, edge_rounds=edge_rounds,  # type: ignore[arg-type]
+                         delta=delta)
+    except ValueError as exc:
+        raise ConfigError(f"privacy.target_epsilon: {exc}") from None
+
+
+_DP_ALGORITHMS = ("fedavg", "hist")
+
+
+def check_privacy(cfg: RunConfig) -> None:
+    """Refuse ``[privacy]`` settings the run cannot honour, naming the key; with ``on_budget = "refuse"``,
+    a run whose ``run.rounds`` would spend more than ``epsilon_budget``."""
+    pv, train = cfg.privacy, cfg.train
+    if pv.dp == "off":
+        return
+    if train.name not in _DP_ALGORITHMS:
+        raise ConfigError(f"privacy.dp: differential privacy is built for {' and '.join(_DP_ALGORITHMS)} (dense "
+                          f"model deltas), not {train.name!r}")
+    for key, value, want in (("uplink", getattr(train, "uplink", "dense"), "dense"),
+                             ("mode", getattr(train, "mode", "sync"), "sync"),
+                             ("cell_aggregator", getattr(train, "cell_aggregator", "mean"), "mean"),
+                             ("cloud_aggregator", getattr(train, "cloud_aggregator", "mean"), "mean")):
+        if value != want:
+            raise ConfigError(f"privacy.dp: needs algorithm.{key} = \"{want}\" (the accountant's mechanism is "
+                              f"a clipped, noised sum of dense updates), got {value!r}")
+    if pv.dp == "cell" and pv.secure_aggregation:
+        raise ConfigError("privacy.dp = \"cell\" with secure aggregation (devices adding shares of the noise) is "
+                          "not built yet: use dp = \"local\", or turn secure aggregation off")
+    if pv.epsilon_budget is not None and pv.on_budget == "refuse":
+        acc = cfg.dp_accountant()
+        spent = acc.epsilon(cfg.run.rounds)
+        if spent > pv.epsilon_budget:
+            fit = acc.max_rounds(pv.epsilon_budget, cfg.run.rounds)
+            raise ConfigError(f"privacy.epsilon_budget: {cfg.run.rounds} rounds would spend epsilon {spent:.4g} > "
+                              f"{pv.epsilon_budget:g} (delta {pv.delta:g}); {fit} rounds fit (set run.rounds = "
+                              f"{fit}, more noise, or privacy.on_budget = \"stop\")")
 
 
 def validate_algorithm(section: dict[str, Any]) -> TrainParams:
@@ -398,6 +497,7 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         reason = refusal(train)
         if reason is not None:
             raise ConfigError(f"privacy.secure_aggregation: {reason}")
+    check_privacy(cfg)
     return cfg
 
 

@@ -140,6 +140,8 @@ class RoundRecord(_Record):
     cumulative_bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes so far per tier")
     clock_start_s: float | None = Field(None, description="loop clock when the round began")
     clock_s: float = Field(0.0, description="loop clock when the round closed (virtual time in simulation)")
+    epsilon: float | None = Field(None, ge=0, description="differential privacy: epsilon spent after this round "
+                                  "(at privacy.delta; see protocols/privacy/accountant.py)")
     accuracy: float | None = None
     loss: float | None = None
 

@@ -320,7 +320,7 @@ class Emulation:
             result = RunResult(cfg, cloud.role.global_params(), cloud.history,
                                [r for c in cells.values() for r in c.records], out, time.perf_counter() - t0,
                                {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")}
-                                for d, s in sorted(agent_stats.items())}, wire)
+                                for d, s in sorted(agent_stats.items())}, wire, stopped=cloud.stopped)
             write_final(out, result)
             return result
         finally:

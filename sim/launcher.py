@@ -44,6 +44,7 @@ class RunResult:
     wall_s: float = 0.0
     device_traffic: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes_in/out, tasks per device
     wire_bytes: dict[str, int] = field(default_factory=dict)  # MQTT bytes per tier (fedtier run only)
+    stopped: str | None = None  # why the cloud stopped before run.rounds (a privacy budget)
 
     @property
     def final_accuracy(self) -> float | None:
@@ -59,7 +60,9 @@ class RunResult:
                 "cumulative_bytes": last.get("cumulative_bytes", {}), "wall_s": round(self.wall_s, 3),
                 **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
                 **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {}),
-                **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config.clock) else {})}
+                **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config.clock) else {}),
+                **({"epsilon": last["epsilon"]} if "epsilon" in last else {}),
+                **({"stopped": self.stopped} if self.stopped else {})}
 
 
 def set_torch_threads(n: int = 1) -> None:
@@ -148,7 +151,7 @@ class SimHierarchy:
             raise RuntimeError("the simulation stalled before the last round (no events left)")
         result = RunResult(self.cfg, self.cloud.role.global_params(), self.cloud.history,
                            [r for c in self.cells.values() for r in c.records], self.output_dir,
-                           time.perf_counter() - self.t0, self.agents.traffic())
+                           time.perf_counter() - self.t0, self.agents.traffic(), stopped=self.cloud.stopped)
         self.agents.stop()
         for cell in self.cells.values():
             cell.stop()

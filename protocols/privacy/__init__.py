@@ -1,1 +1,2 @@
-"""Privacy protocols: secure aggregation inside a cell (``secagg``, ``shamir``)."""
+"""Privacy protocols: secure aggregation inside a cell (``secagg``, ``shamir``) and differential privacy
+(``dp``) with its accountant (``accountant``)."""

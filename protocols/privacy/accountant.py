@@ -1,0 +1,109 @@
+"""Privacy accounting for fedtier's differential privacy (``[privacy] dp``), on Google's ``dp-accounting``.
+
+The guarantee is **device-level**: two runs are neighbours when one device's whole data set is added,
+removed (cell-level DP) or replaced (local DP). With ``z`` the noise multiplier, ``C`` the clip norm, ``E``
+edge rounds per cloud round and ``q`` a device's probability of taking part in a cloud round:
+
+* ``dp = "cell"``: a device that takes part adds its clipped update (L2 norm <= C) to its cell's sum in each
+  of the E edge rounds, and each sum gets N(0, (zC)^2) noise. The E Gaussian releases of a cloud round
+  compose exactly into one Gaussian mechanism of noise multiplier ``z / sqrt(E)``; the device takes part
+  in a cloud round with probability ``q`` (Poisson sampling), so a cloud round is the Poisson-subsampled
+  Gaussian mechanism and a run of R cloud rounds is its R-fold composition.
+* ``dp = "local"``: each device's own noisy update is released to its cell, who knows who took part: no
+  amplification by sampling (q = 1), and under replacement a clipped update moves by up to ``2C``, so a
+  release is a Gaussian mechanism of multiplier ``z / 2`` and a cloud round one of ``z / (2 sqrt(E))``;
+  R rounds compose. This bounds the worst device, one that took part in every round.
+
+The RDP accountant converts the composed Renyi-DP curve into (epsilon, delta).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+DpMode = Literal["local", "cell"]
+
+
+@dataclass(frozen=True)
+class Accountant:
+    """(epsilon, delta) of a run after a number of cloud rounds (see the module for the mechanism)."""
+
+    mode: DpMode
+    noise_multiplier: float
+    sampling_rate: float  # q: a device's probability of taking part in a cloud round (cell mode)
+    edge_rounds: int
+    delta: float
+    orders: Sequence[float] | None = None  # RDP orders; None: the library's defaults
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("local", "cell"):
+            raise ValueError(f"dp mode must be local or cell, got {self.mode!r}")
+        if not (self.noise_multiplier >= 0 and 0 < self.sampling_rate <= 1 and self.edge_rounds >= 1
+                and 0 < self.delta < 1):
+            raise ValueError(f"bad accountant parameters {self}")
+
+    @property
+    def round_multiplier(self) -> float:
+        """The noise multiplier of the Gaussian mechanism one cloud round amounts to."""
+        z = self.noise_multiplier / math.sqrt(self.edge_rounds)
+        return z / 2 if self.mode == "local" else z
+
+    @property
+    def round_sampling(self) -> float:
+        """The Poisson sampling rate the accountant applies per cloud round (1 for local DP)."""
+        return 1.0 if self.mode == "local" else self.sampling_rate
+
+    def _accountant(self, rounds: int):  # -> RdpAccountant
+        import dp_accounting
+        from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+        accountant = rdp.RdpAccountant(**({"orders": list(self.orders)} if self.orders else {}))
+        gaussian = dp_accounting.GaussianDpEvent(self.round_multiplier)
+        q = self.round_sampling
+        event = gaussian if q == 1 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
+        accountant.compose(event, rounds)
+        return accountant
+
+    def rdp(self, rounds: int) -> list[float]:
+        """The composed Renyi-DP of ``rounds`` cloud rounds at the accountant's orders."""
+        return [float(x) for x in self._accountant(rounds)._rdp]
+
+    def epsilon(self, rounds: int) -> float:
+        """Epsilon after ``rounds`` cloud rounds (0 before any; ``inf`` without noise)."""
+        if rounds <= 0:
+            return 0.0
+        if self.noise_multiplier == 0:
+            return math.inf
+        return float(self._accountant(rounds).get_epsilon(self.delta))
+
+    def max_rounds(self, budget: float, upto: int) -> int:
+        """The most cloud rounds, at most ``upto``, whose epsilon stays within ``budget``."""
+        if self.epsilon(upto) <= budget:
+            return upto
+        lo, hi = 0, upto  # epsilon(lo) <= budget < epsilon(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.epsilon(mid) <= budget else (lo, mid)
+        return lo
+
+
+def calibrate(target_epsilon: float, rounds: int, *, mode: DpMode, sampling_rate: float, edge_rounds: int,
+              delta: float, tolerance: float = 1e-3) -> float:
+    """The smallest noise multiplier (to ``tolerance``, relative) whose run of ``rounds`` cloud rounds
+    spends at most ``target_epsilon``."""
+    if not target_epsilon > 0 or math.isinf(target_epsilon):
+        raise ValueError(f"target epsilon must be positive and finite, got {target_epsilon}")
+
+    def eps(z: float) -> float:
+        return Accountant(mode, z, sampling_rate, edge_rounds, delta).epsilon(rounds)
+
+    lo, hi = 0.0, 1.0
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise ValueError(f"no noise multiplier reaches epsilon {target_epsilon} in {rounds} rounds")
+    while hi - lo > tolerance * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if eps(mid) <= target_epsilon else (mid, hi)
+    return hi

@@ -1,0 +1,196 @@
+"""Differential privacy for hierarchical FedAvg and HIST: per-device clipping and Gaussian noise.
+
+:class:`PrivateAlgorithm` wraps an algorithm's roles, so every runtime (``fedtier sim`` with either engine,
+``fedtier run``, deployed agents and cells) runs the same mechanism:
+
+* every device clips its update (the dense delta, before it is sent) to L2 norm ``clip`` and claims weight
+  1 (sample counts would leak and would let a device outweigh the clip); it leaves its training loss out;
+* ``mode = "local"``: the device adds N(0, (z clip)^2) to each coordinate of its clipped update;
+* ``mode = "cell"``: the cell clips every result again (so a device that skips clipping, e.g. a
+  Byzantine one, is bounded too), and adds N(0, (z clip)^2) once to the sum of the clipped updates; the
+  cell's update is that noisy sum over the number of answering devices (a count treated as public);
+* the cloud adds the epsilon spent so far (``protocols.privacy.accountant``) to each round's metrics and
+  says when the next round would exceed the budget (``stop_reason``).
+
+Noise is drawn from ``rng(noise_seed, round, edge_round, cell, device, "dp-noise")``: the same seed gives the
+same model. Whoever knows that seed can subtract the noise, so a deployment gives it only to the noising
+party (``privacy.noise_seed = "system"`` draws it from the OS, not reproducible).
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+
+from ..algorithms.base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole
+from ..seeding import rng
+from ..trainer import LocalData, Trainer
+from ..wire.payload import Payload
+from .accountant import Accountant
+
+NOISE = "dp-noise"
+
+
+@dataclass(frozen=True)
+class DpSettings:
+    """The mechanism of a run: ``mode``, clip norm ``C``, noise multiplier ``z``, noise seed."""
+
+    mode: Literal["local", "cell"]
+    clip: float
+    noise_multiplier: float
+    noise_seed: int | Literal["system"]
+
+    @property
+    def std(self) -> float:
+        """Standard deviation of the Gaussian noise (z C)."""
+        return self.noise_multiplier * self.clip
+
+    def seed(self) -> int:
+        """The noise seed of this process (``system``: a fresh secret one)."""
+        return secrets.randbits(63) if self.noise_seed == "system" else int(self.noise_seed)
+
+
+def l2_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm of all tensors together (in float64)."""
+    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tensors.values()))
+
+
+def clip(tensors: Mapping[str, np.ndarray], bound: float) -> tuple[dict[str, np.ndarray], float]:
+    """``tensors`` scaled to L2 norm at most ``bound`` (their dtypes kept), and their norm before."""
+    norm = l2_norm(tensors)
+    if not math.isfinite(norm):
+        raise ValueError("cannot clip a non-finite update")
+    factor = min(1.0, bound / norm) if norm > 0 else 1.0
+    if factor == 1.0:
+        return {k: np.asarray(v) for k, v in tensors.items()}, norm
+    # the scaled float32 values may exceed ``bound`` by rounding: shrink by one ulp-scale margin
+    factor *= 1 - 1e-6
+    return {k: (np.asarray(v, dtype=np.float64) * factor).astype(v.dtype) for k, v in tensors.items()}, norm
+
+
+def add_noise(tensors: Mapping[str, np.ndarray], std: float, gen: np.random.Generator) -> dict[str, np.ndarray]:
+    """``tensors`` plus i.i.d. N(0, std^2) noise, drawn in key order (float64, cast to each tensor's dtype)."""
+    if std == 0:
+        return dict(tensors)
+    return {k: (np.asarray(v, dtype=np.float64) + gen.normal(0.0, std, size=np.shape(v))).astype(v.dtype)
+            for k, v in tensors.items()}
+
+
+class PrivateDevice(DeviceRole):
+    """Trains like ``inner``; clips the update, adds local noise in local mode, claims weight 1."""
+
+    def __init__(self, inner: DeviceRole, dp: DpSettings) -> None:
+        self.inner, self.dp, self.noise_seed = inner, dp, dp.seed()
+
+    def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
+        out = self.inner.train(task, data, trainer, ctx)
+        update, _ = clip(out.tensors, self.dp.clip)
+        if self.dp.mode == "local":
+            update = add_noise(update, self.dp.std,
+                               rng(self.noise_seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, NOISE))
+        meta = {k: v for k, v in out.meta.items() if k != "loss"}
+        meta["weight"] = 1
+        return Payload(meta, update)
+
+
+class PrivateCell(CellRole):
+    """``inner`` with cell-level DP: results clipped, weight 1 each, noise added once to their sum."""
+
+    def __init__(self, inner: CellRole, dp: DpSettings, cell: str) -> None:
+        self.inner, self.dp, self.cell, self.noise_seed = inner, dp, cell, dp.seed()
+        self.edge_rounds = inner.edge_rounds
+        self.round = 0
+
+    def begin(self, round: int, task: Payload) -> None:
+        self.round = round
+        self.inner.begin(round, task)
+
+    def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
+        return self.inner.plan(edge_round, available)
+
+    def check(self, device: str, result: Payload) -> None:
+        self.inner.check(device, result)
+
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+        if self.dp.mode != "cell" or not results:
+            return self.inner.aggregate(edge_round, results)
+        clipped: dict[str, Payload] = {}
+        n_clipped = 0
+        for device, result in sorted(results.items()):
+            update, norm = clip(result.tensors, self.dp.clip)
+            n_clipped += norm > self.dp.clip
+            clipped[device] = Payload({**result.meta, "weight": 1}, update)
+        # the inner role averages with equal weights: noise on one term is noise on the sum
+        first = next(iter(clipped))
+        gen = rng(self.noise_seed, self.round, edge_round, self.cell, NOISE)
+        clipped[first] = Payload(clipped[first].meta, add_noise(clipped[first].tensors, self.dp.std, gen))
+        metrics = dict(self.inner.aggregate(edge_round, clipped) or {})
+        return {**metrics, "dp_clipped": int(n_clipped)}
+
+    def report(self) -> Payload:
+        return self.inner.report()
+
+
+class PrivateCloud(CloudRole):
+    """``inner`` plus the epsilon spent after each round (``epsilon`` in the round's metrics) and a stop
+    before a round that would spend more than ``budget`` (``stop_reason``)."""
+
+    def __init__(self, inner: CloudRole, accountant: Accountant, budget: float | None) -> None:
+        self.inner, self.accountant, self.budget = inner, accountant, budget
+
+    def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
+        return self.inner.plan(round, cells)
+
+    def check(self, cell: str, report: Payload) -> None:
+        self.inner.check(cell, report)
+
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, Any]:
+        metrics = dict(self.inner.aggregate(round, reports) or {})
+        return {**metrics, "epsilon": self.accountant.epsilon(round + 1)}
+
+    def stop_reason(self, round: int) -> str | None:
+        """Why cloud round ``round`` must not start (it would exceed the budget), or None."""
+        if self.budget is None:
+            return None
+        spent = self.accountant.epsilon(round + 1)
+        if spent <= self.budget:
+            return None
+        return (f"privacy budget: round {round} would spend epsilon {spent:.4g} > privacy.epsilon_budget "
+                f"{self.budget:g} (delta {self.accountant.delta:g})")
+
+    def global_params(self) -> "dict[str, np.ndarray]":
+        return self.inner.global_params()
+
+    def state(self) -> Payload:
+        return self.inner.state()
+
+    def load_state(self, state: Payload) -> None:
+        self.inner.load_state(state)
+
+
+class PrivateAlgorithm(Algorithm):
+    """``inner`` with its roles wrapped for differential privacy (see the module)."""
+
+    def __init__(self, inner: Algorithm, dp: DpSettings, accountant: Accountant, budget: float | None) -> None:
+        super().__init__(inner.params, inner.model, inner.seed, inner.init_seed)
+        self.inner, self.dp, self.accountant, self.budget = inner, dp, accountant, budget
+        self.name = inner.name  # type: ignore[misc]
+        self.devices_keep_state = inner.devices_keep_state  # type: ignore[misc]
+
+    def initial_params(self) -> "dict[str, np.ndarray]":
+        return self.inner.initial_params()
+
+    def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+        self.inner.bind_topology(cells)
+
+    def cloud(self) -> CloudRole:
+        return PrivateCloud(self.inner.cloud(), self.accountant, self.budget)
+
+    def cell(self, cell: str) -> CellRole:
+        return PrivateCell(self.inner.cell(cell), self.dp, cell)
+
+    def device(self, device: str) -> DeviceRole:
+        return PrivateDevice(self.inner.device(device), self.dp)
