@@ -48,6 +48,11 @@ class RunData:
         return r.clock_s - start
 
     @property
+    def has_epsilon(self) -> bool:
+        """True when the run accounted differential privacy (its round records carry ``epsilon``)."""
+        return any(r.epsilon is not None for r in self.rounds)
+
+    @property
     def has_clock(self) -> bool:
         """True when the loop clock moved (a virtual clock, deadlines, or a real-time run)."""
         return len(self.rounds) > 0 and any(self.elapsed(r) > 0 for r in self.rounds)
@@ -146,6 +151,13 @@ def plot_vs_bytes(runs: list[RunData]) -> Plot:
 def plot_vs_time(runs: list[RunData]) -> Plot:
     return _metric_plot([r for r in runs if r.has_clock], "metrics_vs_time", "Accuracy and loss vs time",
                         "seconds (loop clock: virtual in simulation)", lambda run, r: run.elapsed(r))
+
+
+def plot_vs_epsilon(runs: list[RunData]) -> Plot:
+    """Accuracy and loss against the differential-privacy epsilon spent so far (runs with ``[privacy] dp``)."""
+    return _metric_plot([r for r in runs if r.has_epsilon], "metrics_vs_epsilon",
+                        "Accuracy and loss vs privacy spent (epsilon so far)", "epsilon so far",
+                        lambda run, r: r.epsilon if r.epsilon is not None else float("nan"))
 
 
 def plot_bytes_per_tier(runs: list[RunData]) -> Plot:
@@ -250,6 +262,8 @@ def make_plots(runs: list[RunData]) -> list[Plot]:
     plots = [plot_vs_round(runs), plot_vs_bytes(runs)]
     if any(r.has_clock for r in runs):
         plots.append(plot_vs_time(runs))
+    if any(r.has_epsilon for r in runs):
+        plots.append(plot_vs_epsilon(runs))
     plots += [plot_bytes_per_tier(runs), plot_participation(runs), plot_cell_durations(runs)]
     return plots
 
@@ -264,6 +278,7 @@ def _summary_rows(runs: list[RunData]) -> str:
             run.label, str(run.path), str(len(run.rounds)), "-" if acc is None else f"{acc:.4f}",
             f"{sum(last.cumulative_bytes.values()) / MB:,.2f}",
             f"{np.mean(part):.0%}" if part else "-",
+            f"{last.epsilon:.3g}" if last.epsilon is not None else "-",
             f"{run.summary['wall_s']:.1f}" if isinstance(run.summary.get("wall_s"), (int, float)) else "-",
             str(len(run.bad)),
         ]
@@ -302,7 +317,7 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;te
 td:first-child,td:nth-child(2){{text-align:left}}img{{max-width:100%;border:1px solid #eee}}</style></head>
 <body><h1>{title}</h1>
 <table><tr><th>run</th><th>folder</th><th>rounds</th><th>final accuracy</th><th>total payload MB</th>
-<th>mean participation</th><th>wall s</th><th>invalid lines</th></tr>
+<th>mean participation</th><th>epsilon</th><th>wall s</th><th>invalid lines</th></tr>
 {rows}
 </table>
 {sections}

@@ -334,6 +334,8 @@ def cloud_line(state: MonitorState, now: float) -> Text:
         text.append(sparkline([a for _, a in state.accuracy]) + " ")
     if c.loss is not None:
         text.append(f"loss {c.loss:.4f}  ")
+    if c.epsilon is not None:
+        text.append(f"ε {c.epsilon:.3g}  ", style="magenta")
     text.append(f"bytes {human_bytes(sum(c.cumulative_bytes.values()))}  ")
     if c.clock_s:
         text.append(f"clock {c.clock_s:.1f} s  ")

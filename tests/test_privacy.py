@@ -132,6 +132,18 @@ def test_noise_is_seeded_and_epsilon_is_recorded(tmp_path: Path) -> None:
     assert summary["epsilon"] == a.history[-1]["epsilon"]
     # devices claim weight 1 and leave their training loss out
     assert all("loss_mean" not in r for r in a.cell_records)
+    # fedtier monitor shows it on the cloud line, fedtier report plots accuracy against it
+    from monitor.report import write_report
+    from monitor.view import MonitorState, render_text
+
+    state = MonitorState()
+    state.add_all(records)
+    assert f"ε {a.history[-1]['epsilon']:.3g}" in render_text(state, now=0.0)
+    page, plots = write_report([a.output_dir], tmp_path / "report.html")
+    eps_plot = next(p for p in plots if p.name == "metrics_vs_epsilon")
+    (x, _), = (v for k, v in eps_plot.series.items() if k.endswith("/accuracy"))
+    assert x == [r["epsilon"] for r in a.history]
+    assert f"<td>{a.history[-1]['epsilon']:.3g}</td>" in page.read_text()
 
 
 def test_local_dp_noises_each_device(tmp_path: Path) -> None:
