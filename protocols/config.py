@@ -7,6 +7,7 @@ keys are errors.
 from __future__ import annotations
 
 import functools
+import math
 import tomllib
 from pathlib import Path
 from collections.abc import Iterator, Sequence
@@ -302,6 +303,10 @@ class PrivacySection(_Section):
     on_budget: Literal["refuse", "stop"] = Field(default="refuse", description="refuse: a run whose rounds would "
                                                  "exceed the budget does not start; stop: it runs the rounds that "
                                                  "fit and stops cleanly before the first that would not")
+    dp_min_survivors: int | None = Field(default=None, ge=1, description="dp = cell with secure aggregation: each "
+                                         "device adds noise of variance (z clip)^2 / dp_min_survivors and no sum of "
+                                         "fewer survivors is unmasked; none: ceil(0.7 x a cell's devices expected "
+                                         "per round)")
     noise_seed: int | Literal["system"] | None = Field(default=None, description="seed of the DP noise (none: "
                                                        "run.seed, reproducible; system: drawn from the OS by "
                                                        "each noising party)")
@@ -373,7 +378,16 @@ class RunConfig(_Section):
 
         p = self.privacy
         return SecAggSettings(seed=self.run.seed, threshold=p.secagg_threshold, neighbours=p.secagg_neighbours,
-                              bound=p.secagg_bound)
+                              bound=p.secagg_bound, min_survivors=self.dp_noise_shares() or 0)
+
+    def dp_noise_shares(self) -> int | None:
+        """Cell DP under secure aggregation: the survivors m among whom the cell's noise is split (each
+        device adds variance (z clip)^2 / m; no sum of fewer than m is unmasked); otherwise None."""
+        p = self.privacy
+        if p.dp != "cell" or not p.secure_aggregation:
+            return None
+        expected = self.dp_sampling_rate() * self.topology.devices_per_cell
+        return p.dp_min_survivors or max(1, math.ceil(0.7 * expected - 1e-9))
 
     def max_message_bytes(self, spec: ModelSpec) -> int:
         """``runtime.max_message_bytes``, or its default from the model's size."""
@@ -393,7 +407,7 @@ class RunConfig(_Section):
 
             pv = self.privacy
             dp = DpSettings(pv.dp, pv.clip, self.dp_accountant().noise_multiplier,  # type: ignore[arg-type]
-                            self.run.seed if pv.noise_seed is None else pv.noise_seed)
+                            self.run.seed if pv.noise_seed is None else pv.noise_seed, self.dp_noise_shares())
             algorithm = PrivateAlgorithm(algorithm, dp, self.dp_accountant(), pv.epsilon_budget)
         return algorithm
 
@@ -448,9 +462,13 @@ def check_privacy(cfg: RunConfig) -> None:
         if value != want:
             raise ConfigError(f"privacy.dp: needs algorithm.{key} = \"{want}\" (the accountant's mechanism is "
                               f"a clipped, noised sum of dense updates), got {value!r}")
-    if pv.dp == "cell" and pv.secure_aggregation:
-        raise ConfigError("privacy.dp = \"cell\" with secure aggregation (devices adding shares of the noise) is "
-                          "not built yet: use dp = \"local\", or turn secure aggregation off")
+    if pv.secure_aggregation and pv.secagg_bound < pv.clip:
+        raise ConfigError(f"privacy.secagg_bound: {pv.secagg_bound:g} would cut updates that DP clipped to L2 norm "
+                          f"{pv.clip:g}; set secagg_bound >= clip (with room for the noise)")
+    shares = cfg.dp_noise_shares()
+    if shares is not None and shares > cfg.topology.devices_per_cell:
+        raise ConfigError(f"privacy.dp_min_survivors: {shares} survivors can never be reached in cells of "
+                          f"{cfg.topology.devices_per_cell} devices")
     if pv.epsilon_budget is not None and pv.on_budget == "refuse":
         acc = cfg.dp_accountant()
         spent = acc.epsilon(cfg.run.rounds)

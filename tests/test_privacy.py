@@ -207,3 +207,58 @@ def test_cohort_engine_runs_the_same_mechanism(tmp_path: Path) -> None:
         write_output=False)
     for k in device.params:
         np.testing.assert_allclose(cohort.params[k], device.params[k], atol=2e-4)
+
+
+# ------------------------------------------------------------------------------ with secure aggregation
+def test_cell_dp_under_secure_aggregation_splits_the_noise(tmp_path: Path) -> None:
+    """Cell DP with secure aggregation: each device adds 1/m of the noise's variance (m = dp_min_survivors),
+    so with all n devices surviving a cell's sum carries n/m times the variance of plain cell DP: one
+    round's noise (the model's move with noise minus without) is sqrt(n/m) times as large. The run
+    records the same epsilon as plain cell DP."""
+    def run(name: str, **privacy):
+        cfg = small_config(tmp_path / name, run={"rounds": 1}, algorithm={"edge_rounds": 1},
+                           topology={"cells": 2, "devices_per_cell": 5},
+                           privacy={"dp": "cell", "clip": 0.5, **privacy})
+        return run_simulation(cfg, write_output=False)
+
+    sa = {"secure_aggregation": True, "dp_min_survivors": 2, "secagg_bound": 4.0}
+    quiet, noisy = run("q", noise_multiplier=0.0, **sa), run("n", noise_multiplier=0.5, **sa)
+    plain_quiet, plain_noisy = run("pq", noise_multiplier=0.0), run("pn", noise_multiplier=0.5)
+    assert all(r["metrics"]["secagg"]["survivors"] == 5 for r in noisy.cell_records)
+    ratio = l2_norm(P.sub(noisy.params, quiet.params)) / l2_norm(P.sub(plain_noisy.params, plain_quiet.params))
+    assert ratio == pytest.approx(math.sqrt(5 / 2), rel=0.1)
+    assert noisy.history[-1]["epsilon"] == plain_noisy.history[-1]["epsilon"]
+    for k in quiet.params:  # without noise, secure aggregation changes the model by its quantisation only
+        np.testing.assert_allclose(quiet.params[k], plain_quiet.params[k], atol=1e-5)
+
+
+def test_secure_aggregation_unmasks_no_sum_with_less_noise_than_dp_needs() -> None:
+    """With noise split among m = 8 devices, a cell of 10 where 3 dropped after sharing does not unmask
+    (the sum would carry 7/8 of the noise), and a device refuses to reveal for 7 survivors."""
+    from protocols.algorithms.base import Rejected
+    from protocols.privacy.secagg import SecAggFailure, SecAggSettings
+    from tests.test_secagg import Round
+
+    r = Round(10, SecAggSettings(seed=11, min_survivors=8))
+    r.setup()
+    devices = sorted(r.results)
+    r.send_results(drop=tuple(devices[:3]))
+    with pytest.raises(SecAggFailure, match="7 survivors, fewer than the threshold 8"):
+        r.cell.unmask_requests()
+    request = Payload({"survivors": devices[3:], "dropped": devices[:3]}, {})
+    with pytest.raises(Rejected, match="fewer survivors than the threshold"):
+        r.devices[devices[3]].reveal(request)
+    ok = Round(10, SecAggSettings(seed=11, min_survivors=8))
+    ok.setup()
+    ok.send_results(drop=tuple(devices[:2]))
+    assert sorted(ok.unmask().weights) == devices[2:]
+
+
+def test_secure_aggregation_dp_settings_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="privacy.secagg_bound"):
+        _dp_config(tmp_path, clip=2.0, secure_aggregation=True)
+    with pytest.raises(ConfigError, match="privacy.dp_min_survivors: 4 survivors can never be reached"):
+        _dp_config(tmp_path, secure_aggregation=True, dp_min_survivors=4)
+    cfg = small_config(tmp_path, topology={"devices_per_cell": 10}, participation={"model": "bernoulli", "prob": 0.5},
+                       privacy={"dp": "cell", "noise_multiplier": 1.0, "secure_aggregation": True})
+    assert cfg.dp_noise_shares() == 4 and cfg.secagg_settings().min_survivors == 4  # ceil(0.7 x 0.5 x 10)

@@ -9,6 +9,9 @@
 * ``mode = "cell"``: the cell clips every result again (so a device that skips clipping, e.g. a
   Byzantine one, is bounded too), and adds N(0, (z clip)^2) once to the sum of the clipped updates; the
   cell's update is that noisy sum over the number of answering devices (a count treated as public);
+* ``mode = "cell"`` under secure aggregation (the cell sees only the sum): each device adds
+  N(0, (z clip)^2 / m) (``shares`` = m) and secure aggregation unmasks no sum of fewer than m survivors,
+  so every sum released carries at least the noise of cell DP (distributed DP);
 * the cloud adds the epsilon spent so far (``protocols.privacy.accountant``) to each round's metrics and
   says when the next round would exceed the budget (``stop_reason``).
 
@@ -42,11 +45,19 @@ class DpSettings:
     clip: float
     noise_multiplier: float
     noise_seed: int | Literal["system"]
+    shares: int | None = None  # cell DP under secure aggregation: devices add 1/shares of the noise's variance
 
     @property
     def std(self) -> float:
         """Standard deviation of the Gaussian noise (z C)."""
         return self.noise_multiplier * self.clip
+
+    @property
+    def device_std(self) -> float:
+        """The noise a device adds: all of it (local DP), its share (cell DP under secure aggregation), none."""
+        if self.mode == "local":
+            return self.std
+        return self.std / math.sqrt(self.shares) if self.shares else 0.0
 
     def seed(self) -> int:
         """The noise seed of this process (``system``: a fresh secret one)."""
@@ -80,7 +91,8 @@ def add_noise(tensors: Mapping[str, np.ndarray], std: float, gen: np.random.Gene
 
 
 class PrivateDevice(DeviceRole):
-    """Trains like ``inner``; clips the update, adds local noise in local mode, claims weight 1."""
+    """Trains like ``inner``; clips the update, adds its noise (local DP: all of it; cell DP under secure
+    aggregation: its share), claims weight 1."""
 
     def __init__(self, inner: DeviceRole, dp: DpSettings) -> None:
         self.inner, self.dp, self.noise_seed = inner, dp, dp.seed()
@@ -88,8 +100,8 @@ class PrivateDevice(DeviceRole):
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         out = self.inner.train(task, data, trainer, ctx)
         update, _ = clip(out.tensors, self.dp.clip)
-        if self.dp.mode == "local":
-            update = add_noise(update, self.dp.std,
+        if self.dp.device_std > 0:
+            update = add_noise(update, self.dp.device_std,
                                rng(self.noise_seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, NOISE))
         meta = {k: v for k, v in out.meta.items() if k != "loss"}
         meta["weight"] = 1
@@ -115,7 +127,7 @@ class PrivateCell(CellRole):
         self.inner.check(device, result)
 
     def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
-        if self.dp.mode != "cell" or not results:
+        if self.dp.mode != "cell" or self.dp.shares or not results:  # shares: the devices noised, secure aggregation summed
             return self.inner.aggregate(edge_round, results)
         clipped: dict[str, Payload] = {}
         n_clipped = 0

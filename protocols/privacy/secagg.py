@@ -68,6 +68,7 @@ class SecAggSettings:
     threshold: float = 0.5  # t = floor(threshold * degree) + 1 shares reconstruct a secret
     neighbours: int = 0  # degree of the graph; 0: the smallest even number >= 3 log2 n (capped at n - 1)
     bound: float = 1.0  # every update value is clipped to [-bound, bound] before quantisation
+    min_survivors: int = 0  # no sum of fewer survivors is unmasked (cell DP: each adds 1/min_survivors of the noise)
 
     def degree(self, n: int) -> int:
         """Neighbours per device among ``n`` devices."""
@@ -79,6 +80,10 @@ class SecAggSettings:
     def t(self, n: int) -> int:
         """Shares needed to reconstruct a secret of a device among ``n`` (``t > degree / 2`` by default)."""
         return max(1, math.floor(self.threshold * self.degree(n)) + 1) if n > 1 else 1
+
+    def survivors_needed(self, n: int) -> int:
+        """The fewest survivors whose sum may be unmasked among ``n``: the threshold, or ``min_survivors``."""
+        return max(self.t(n), self.min_survivors)
 
 
 @dataclass(frozen=True)
@@ -361,7 +366,7 @@ class SecAggDevice:
             raise Rejected("secure aggregation: survivors and dropped overlap or leave the shared set")
         if self.device not in survivors:
             raise Rejected("secure aggregation: unmask request that does not count this device")
-        if len(survivors) < self.settings.t(len(self.roster)):
+        if len(survivors) < self.settings.survivors_needed(len(self.roster)):
             raise Rejected("secure aggregation: fewer survivors than the threshold")
         self.revealed = True
         out: dict[str, np.ndarray] = {}
@@ -498,7 +503,7 @@ class SecAggCell:
         self.phase = "reveal"
         self.survivors = sorted(self.masked)
         self.dropped = sorted(set(self.shared) - set(self.masked))
-        t = self.settings.t(len(self.roster))
+        t = self.settings.survivors_needed(len(self.roster))
         if len(self.survivors) < t or not self.survivors:
             self._fail(f"{len(self.survivors)} survivors, fewer than the threshold {t}")
         meta = {"survivors": self.survivors, "dropped": self.dropped}
