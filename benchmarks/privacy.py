@@ -2,9 +2,9 @@
 
 fedtier sim with the cohort engine, MNIST, 10 cells x 100 devices (iid, 60 samples each), every device
 taking part in a cloud round with probability q = 0.5 (``participation = bernoulli``), hierarchical FedAvg
-with E = 1, H = 5 local steps, batch 16, lr 0.1, an MLP 784-32-10, clip C = 0.5, 20 cloud rounds,
+with E = 1, H = 5 local steps, batch 16, lr 0.1, logistic regression 784-10, clip C = 0.5, 15 cloud rounds,
 delta = 1e-5. For each target epsilon the accountant picks the smallest noise multiplier z that spends it
-in 20 rounds (``target_epsilon``); "inf" is clipping alone (z = 0), "off" no DP at all. Cell DP is
+in the run's rounds (``target_epsilon``); "inf" is clipping alone (z = 0), "off" no DP at all. Cell DP is
 amplified by the sampling (q = 0.5); local DP is not (the cell sees who took part) and is accounted
 under replacement (2C), so it needs far more noise for the same epsilon.
 
@@ -33,7 +33,7 @@ def config(mode: str, eps: float | None, seed: int, rounds: int, cells: int, per
     return {"run": {"name": f"bench-privacy-{mode}-{eps}", "seed": seed, "rounds": rounds},
             "topology": {"cells": cells, "devices_per_cell": per_cell},
             "algorithm": {"name": "fedavg", "local_steps": 5, "batch_size": 16, "lr": 0.1},
-            "model": {"name": "mlp", "hidden": [32]},
+            "model": {"name": "logreg"},
             "data": {"dataset": "mnist", "partition": "iid", "max_train": 60 * cells * per_cell},
             "participation": {"model": "bernoulli", "prob": 0.5},
             "runtime": {"engine": "cohort", "cohort_size": 128, "eval_every": rounds},
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 cells x 50 devices, 5 rounds, one seed")
     ap.add_argument("--eps", type=float, nargs="+", default=[1.0, 3.0, 8.0, math.inf])
     ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args()
     rounds, cells, per_cell, seeds = (5, 2, 50, 1) if a.quick else (a.rounds, 10, 100, a.seeds)
@@ -69,7 +69,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=a.jobs) as pool:
         out = dict(pool.map(run_one, jobs))
-    print(f"MNIST, {cells} cells x {per_cell} devices (iid), q = 0.5, MLP 784-32-10, E = 1, H = 5, lr 0.1, C = 0.5, "
+    print(f"MNIST, {cells} cells x {per_cell} devices (iid), q = 0.5, logistic regression, E = 1, H = 5, lr 0.1, C = 0.5, "
           f"{rounds} rounds, delta 1e-5, {seeds} seed(s), cohort engine; final test accuracy (mean, min-max)")
     label = lambda e: "off" if e is None else ("inf" if math.isinf(e) else f"{e:g}")  # noqa: E731
     print(f"{'dp':<7}" + "".join(f"{'eps ' + label(e):>22}" for e in columns))
