@@ -262,3 +262,19 @@ def test_secure_aggregation_dp_settings_are_checked(tmp_path: Path) -> None:
     cfg = small_config(tmp_path, topology={"devices_per_cell": 10}, participation={"model": "bernoulli", "prob": 0.5},
                        privacy={"dp": "cell", "noise_multiplier": 1.0, "secure_aggregation": True})
     assert cfg.dp_noise_shares() == 4 and cfg.secagg_settings().min_survivors == 4  # ceil(0.7 x 0.5 x 10)
+
+
+def test_a_diverged_update_is_left_to_the_runtime() -> None:
+    """A device whose training overflowed returns its non-finite result unclipped (no exception): the
+    runtime sends it as "diverged" and the cell never aggregates it."""
+    from protocols.algorithms.base import DeviceContext, DeviceRole
+    from protocols.privacy.dp import PrivateDevice
+
+    class Overflowing(DeviceRole):
+        def train(self, task, data, trainer, ctx):
+            return Payload({"weight": 5, "loss": float("inf")}, {"w": np.array([np.inf, 1.0], np.float32)})
+
+    out = PrivateDevice(Overflowing(), DpSettings("local", 1.0, 1.0, 0)).train(
+        Payload({}, {}), None, None, DeviceContext(0, 0, 0, "c0", "c0-d0"))  # type: ignore[arg-type]
+    from protocols.divergence import nonfinite
+    assert nonfinite(out) is not None

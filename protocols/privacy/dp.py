@@ -29,6 +29,7 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 
 from ..algorithms.base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole
+from ..divergence import nonfinite
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
@@ -99,6 +100,8 @@ class PrivateDevice(DeviceRole):
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         out = self.inner.train(task, data, trainer, ctx)
+        if nonfinite(out) is not None:  # diverged: the runtime sends it as "diverged", never aggregated
+            return out
         update, _ = clip(out.tensors, self.dp.clip)
         if self.dp.device_std > 0:
             update = add_noise(update, self.dp.device_std,
