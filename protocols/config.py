@@ -283,10 +283,11 @@ class PrivacySection(_Section):
 
     secure_aggregation: bool = Field(default=False, description="SecAgg+: a cell learns only the sum of its "
                                      "devices' (clipped, quantised) updates; fedavg and hist")
-    secagg_threshold: float = Field(default=0.5, ge=0, lt=1, description="t = floor(threshold x degree) + 1 "
-                                    "neighbours' shares recover a device's secret (> degree / 2 by default)")
+    secagg_threshold: float = Field(default=0.34, ge=0, lt=1, description="t = floor(threshold x degree) + 1 "
+                                    "neighbours' shares recover a device's secret (0.34: about a third, so 30% "
+                                    "of a cell may drop; 0.5: t > degree / 2, see README Privacy)")
     secagg_neighbours: int = Field(default=0, ge=0, description="degree of each device in the sparse neighbour "
-                                   "graph; 0: about 3 log2(n), capped at n - 1 (n - 1: SecAgg's complete graph)")
+                                   "graph; 0: about 4 log2(n), capped at n - 1 (n - 1: SecAgg's complete graph)")
     secagg_bound: float = Field(default=1.0, gt=0, description="every update value is clipped to [-bound, bound] "
                                 "before quantisation to 32-bit fixed point")
     secagg_deadline: float = Field(default=30.0, gt=0, description="seconds a cell waits in each extra phase "

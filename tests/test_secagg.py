@@ -48,7 +48,7 @@ def test_graph_is_symmetric_sparse_and_seeded(n):
     k = settings.degree(n)
     assert all(len(near) == k and d not in near for d, near in g.items())
     assert all(d in g[j] for d, near in g.items() for j in near)
-    assert k <= max(n - 1, 0) and (n < 50 or k <= 2 * math.ceil(1.5 * math.log2(n)))
+    assert k <= max(n - 1, 0) and (n < 50 or k <= 2 * math.ceil(2 * math.log2(n)))
     assert g == neighbour_graph(list(reversed(devices)), settings, RID)
     if k < n - 1:
         assert g != neighbour_graph(devices, settings, RoundId("r", "c0", 4, 1))
@@ -272,3 +272,22 @@ def test_secure_aggregation_is_accepted_for_dense_summing_algorithms(name):
     from protocols.config import parse_config
 
     assert parse_config({"algorithm": {"name": name}, "privacy": {"secure_aggregation": True}}).privacy.secure_aggregation
+
+
+def test_a_device_masking_an_out_of_range_vector_fails_the_round_instead_of_corrupting_it():
+    r = Round(6)
+    r.setup()
+    r.send_results(drop=("c0-d3",))
+    evil = r.masked["c0-d4"]  # a survivor adds 2^31 (the total weight's worth) to its vector: masks still cancel
+    r.cell.masked["c0-d4"] = Payload(evil.meta, {"masked": evil.tensors["masked"] + np.uint32(2**31)})
+    with pytest.raises(SecAggFailure, match="exceeds"):
+        r.unmask()
+
+
+def test_a_non_finite_update_is_not_sent():
+    r = Round(4)
+    r.setup()
+    bad = r.results["c0-d0"]
+    bad.tensors["w"][0] = np.nan
+    with pytest.raises(Rejected, match="non-finite"):
+        r.devices["c0-d0"].mask(bad)

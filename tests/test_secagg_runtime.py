@@ -50,9 +50,12 @@ def capture_plain(sim: SimHierarchy, devices) -> dict:
     return seen
 
 
-def test_secure_sim_learns_like_the_plain_one_and_records_the_protocol(tmp_path):
-    plain = run_simulation(small_config(tmp_path / "p", run={"rounds": 4, "output": str(tmp_path / "p")}))
-    safe = run_simulation(secure(tmp_path, run={"rounds": 4, "output": str(tmp_path / "s")}))
+@pytest.mark.parametrize("algorithm", ["fedavg", "hist"])
+def test_secure_sim_learns_like_the_plain_one_and_records_the_protocol(tmp_path, algorithm):
+    name = {"name": algorithm}
+    plain = run_simulation(small_config(tmp_path / "p", run={"rounds": 4, "output": str(tmp_path / "p")},
+                                        algorithm=name))
+    safe = run_simulation(secure(tmp_path, run={"rounds": 4, "output": str(tmp_path / "s")}, algorithm=name))
     assert safe.final_accuracy >= plain.final_accuracy - 0.03 and safe.final_accuracy > 0.8
     for rec in safe.cell_records:
         assert rec["closed_by"] == "all answered" and len(rec["answered"]) == 3 and not rec["rejected"]

@@ -6,7 +6,7 @@ One edge round, as the cell and device runtimes drive it (``U1 ⊇ U2 ⊇ U3``):
     device -> cell   secagg_keys       two fresh X25519 public keys (c: shares, s: masks) and its weight bound
     cell -> device   secagg_roster     U1 = the devices that advertised, their weight total, the
                                        device's neighbours' public keys (a sparse graph seeded from
-                                       (run seed, round, edge round, cell): degree ~ 3 log2 |U1|)
+                                       (run seed, round, edge round, cell): degree ~ 4 log2 |U1|)
     device -> cell   secagg_shares     per neighbour: AES-GCM(Shamir share of its self-mask seed b and of
                                        its mask key s_sk), sealed with the pair's c key; a commitment to b
     cell -> device   secagg_routed     U2 = devices whose shares arrived, the ciphertexts addressed to it
@@ -30,6 +30,7 @@ Pure code: no sockets, no clocks. The roles here are driven by ``cell_server`` a
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -65,8 +66,8 @@ class SecAggSettings:
     """What both sides derive from the run's config (``[privacy]``): nothing here comes over the wire."""
 
     seed: int
-    threshold: float = 0.5  # t = floor(threshold * degree) + 1 shares reconstruct a secret
-    neighbours: int = 0  # degree of the graph; 0: the smallest even number >= 3 log2 n (capped at n - 1)
+    threshold: float = 0.34  # t = floor(threshold * degree) + 1 shares reconstruct a secret
+    neighbours: int = 0  # degree of the graph; 0: the smallest even number >= 4 log2 n (capped at n - 1)
     bound: float = 1.0  # every update value is clipped to [-bound, bound] before quantisation
     min_survivors: int = 0  # no sum of fewer survivors is unmasked (cell DP: each adds 1/min_survivors of the noise)
 
@@ -74,12 +75,14 @@ class SecAggSettings:
         """Neighbours per device among ``n`` devices."""
         if n <= 1:
             return 0
-        k = self.neighbours or 2 * math.ceil(1.5 * math.log2(n))
+        k = self.neighbours or 2 * math.ceil(2 * math.log2(n))
         return min(k + k % 2, n - 1)  # even below n - 1: the ring graph is then symmetric
 
     def t(self, n: int) -> int:
-        """Shares needed to reconstruct a secret of a device among ``n`` (``t > degree / 2`` by default)."""
-        return max(1, math.floor(self.threshold * self.degree(n)) + 1) if n > 1 else 1
+        """Shares needed to reconstruct a secret of a device among ``n`` (about a third of its neighbours by
+        default: 30% of the devices may drop; ``threshold = 0.5`` makes ``t > degree / 2``)."""
+        k = self.degree(n)
+        return min(k, max(2, math.floor(self.threshold * k) + 1)) if k > 1 else 1  # never one share alone
 
     def survivors_needed(self, n: int) -> int:
         """The fewest survivors whose sum may be unmasked among ``n``: the threshold, or ``min_survivors``."""
@@ -164,10 +167,15 @@ def _agree(private: bytes | X25519PrivateKey, public: bytes, info: bytes) -> byt
     return _kdf(key.exchange(X25519PublicKey.from_public_bytes(public)), info)
 
 
+@functools.lru_cache(maxsize=2)
+def _zeros(nbytes: int) -> bytes:
+    return bytes(nbytes)
+
+
 def prg(key: bytes, n: int) -> np.ndarray:
     """``n`` pseudo-random uint32 (ChaCha20 keystream of ``key``, little-endian)."""
-    stream = Cipher(algorithms.ChaCha20(key, b"\0" * 16), mode=None).encryptor().update(bytes(4 * n))
-    return np.frombuffer(stream, dtype="<u4").astype(np.uint32)
+    stream = Cipher(algorithms.ChaCha20(key, b"\0" * 16), mode=None).encryptor().update(_zeros(4 * n))
+    return np.frombuffer(stream, dtype="<u4")  # read-only; little-endian as on every supported host
 
 
 def pair_sign(me: str, other: str) -> int:
@@ -345,6 +353,8 @@ class SecAggDevice:
         if not isinstance(weight, (int, float)) or not 0 < weight <= self.weight_bound:
             raise Rejected(f"secure aggregation: weight {weight!r} outside (0, {self.weight_bound:g}]")
         flat, layout = flatten(result.tensors)
+        if not np.isfinite(flat).all():
+            raise Rejected("secure aggregation: the update has non-finite values (not sent)")
         masked = quantize(flat, float(weight), self.settings, self.total_weight)
         n = masked.size
         masked += self_mask(self._b, self.rid, n)
@@ -528,15 +538,16 @@ class SecAggCell:
         return self.phase == "reveal" and set(self.reveals) == set(self.survivors)
 
     def _shares_of(self, prefix: str, j: str) -> list[shamir.Share]:
-        return [(self.roster.index(r) + 1, p.tensors[f"{prefix}/{j}"].tobytes())
-                for r, p in sorted(self.reveals.items()) if f"{prefix}/{j}" in p.tensors]
+        name = f"{prefix}/{j}"
+        return [(self._x[r], p.tensors[name].tobytes()) for r, p in self.reveals.items() if name in p.tensors]
 
     def _recover(self, prefix: str, j: str, length: int, valid: Any) -> bytes:
-        """A secret of ``j`` from the revealed shares, checked by ``valid``; tolerates one bad share."""
-        shares, t = self._shares_of(prefix, j), self.settings.t(len(self.roster))
+        """A secret of ``j`` from t of the revealed shares, checked by ``valid``; another t of them
+        when a share is wrong (tolerates one bad share among t + 1)."""
+        shares, t = sorted(self._shares_of(prefix, j)), self.settings.t(len(self.roster))
         if len(shares) < t:
             self._fail(f"{len(shares)} shares to recover {j}, fewer than the threshold {t}")
-        for subset in [shares] + [shares[:i] + shares[i + 1:] for i in range(len(shares))] * (len(shares) > t):
+        for subset in [shares[:t]] + [(shares[:i] + shares[i + 1:])[:t] for i in range(min(t, len(shares) - t))]:
             try:
                 secret = shamir.combine(subset, length)
             except shamir.ShareError:
@@ -549,6 +560,7 @@ class SecAggCell:
     def finish(self) -> Unmasked:
         """Unmask the sum of the survivors' quantised updates."""
         self.phase = "done"
+        self._x = {d: i + 1 for i, d in enumerate(self.roster)}  # a device's share point
         layout = _layout_of(self.masked[self.survivors[0]].meta["layout"])
         n = sum(math.prod(s) for _, s in layout)
         total = np.zeros(n, dtype=np.uint32)
@@ -557,15 +569,24 @@ class SecAggCell:
         for d in self.survivors:
             b = self._recover("b", d, KEY_BYTES, lambda s, d=d: commitment(s, d, self.rid) == self.commits[d])
             total -= self_mask(b, self.rid, n)
+        added = np.zeros(n, dtype=np.uint32)  # the dropped devices' pairwise masks the survivors added ...
+        taken = np.zeros(n, dtype=np.uint32)  # ... and subtracted
         for j in self.dropped:
             s_pub = self.keys[j][1]
-            sk = self._recover("s", j, KEY_BYTES,
-                               lambda s: _public(X25519PrivateKey.from_private_bytes(s)) == s_pub)
+            sk = X25519PrivateKey.from_private_bytes(self._recover(
+                "s", j, KEY_BYTES, lambda s: _public(X25519PrivateKey.from_private_bytes(s)) == s_pub))
             for i in self.graph[j]:
                 if i in self.masked:  # i added sign(i, j) * mask(i, j): take it out
-                    pm = pair_mask(sk, self.keys[i][1], self.rid, n)
-                    total -= pm if pair_sign(i, j) > 0 else -pm
-        summed = unflatten(dequantize(total, self.settings, self.total_weight), layout)
+                    (added if pair_sign(i, j) > 0 else taken).__iadd__(pair_mask(sk, self.keys[i][1], self.rid, n))
+        total += taken
+        total -= added
+        values = dequantize(total, self.settings, self.total_weight)
+        weight = sum(float(self.masked[d].meta["weight"]) for d in self.survivors)
+        slack = len(self.survivors) / scale_for(self.settings, self.total_weight)  # rounding, half a step each
+        if values.size and float(np.max(np.abs(values))) > self.settings.bound * weight + slack:
+            # honest inputs are clipped to the bound: a larger sum means a device masked something else
+            self._fail("the unmasked sum exceeds what clipped updates can add up to (a device sent a bad vector)")
+        summed = unflatten(values, layout)
         stats = {"planned": len(self.planned), "keys": len(self.roster), "shared": len(self.shared),
                  "survivors": len(self.survivors), "dropped": len(self.dropped), "recovered": len(self.dropped),
                  "degree": self.settings.degree(len(self.roster)), "threshold": self.settings.t(len(self.roster))}

@@ -61,14 +61,15 @@ def combine(shares: Sequence[Share], length: int) -> bytes:
     xs = [x for x, _ in points]
     if len(set(xs)) != len(xs):
         raise ShareError("two shares at the same point")
-    secret = 0
+    top, bottom = 0, 1  # the Lagrange sum at 0 as one fraction: a single modular inversion
     for i, (xi, yi) in enumerate(points):
         num = den = 1
         for j, xj in enumerate(xs):
             if j != i:
                 num = num * -xj % PRIME
                 den = den * (xi - xj) % PRIME
-        secret = (secret + yi * num * pow(den, -1, PRIME)) % PRIME
+        top, bottom = (top * den + yi * num * bottom) % PRIME, bottom * den % PRIME
+    secret = top * pow(bottom, -1, PRIME) % PRIME
     if secret >= 1 << (8 * length):
         raise ShareError("the shares do not combine to a secret of the expected size")
     return secret.to_bytes(length, "big")
