@@ -52,4 +52,4 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
         absent_ids=cfg.runtime.absent_ids,
         trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), max_weights=samples,
         max_weight=cfg.security.max_device_weight, secagg=cfg.secagg_settings(),
-        secagg_deadline=cfg.privacy.secagg_deadline)
+        secagg_deadline=cfg.secagg_deadline())

@@ -290,8 +290,10 @@ class PrivacySection(_Section):
                                    "graph; 0: about 4 log2(n), capped at n - 1 (n - 1: SecAgg's complete graph)")
     secagg_bound: float = Field(default=1.0, gt=0, description="every update value is clipped to [-bound, bound] "
                                 "before quantisation to 32-bit fixed point")
-    secagg_deadline: float = Field(default=30.0, gt=0, description="seconds a cell waits in each extra phase "
-                                   "(keys, shares, unmasking) before going on without the silent devices")
+    secagg_deadline: float | None = Field(default=None, gt=0, description="seconds a cell waits in each extra "
+                                          "phase (keys, shares, unmasking) before going on without the silent "
+                                          "devices; none: runtime.device_deadline / 4 (the key and share phases "
+                                          "run inside the device deadline)")
     dp: Literal["off", "local", "cell"] = Field(default="off", description="local: each device noises its clipped "
                                                 "update; cell: the cell noises the sum of its devices' clipped "
                                                 "updates once (central DP at the cell)")
@@ -354,7 +356,12 @@ class RunConfig(_Section):
         if self.runtime.cell_deadline is not None:
             return self.runtime.cell_deadline
         rejoin = self.runtime.rejoin_wait if self.participation.model != "always" else 0.0
-        return self.train.edge_rounds * self.runtime.device_deadline * 1.5 + 10 + rejoin
+        unmasking = self.secagg_deadline() if self.privacy.secure_aggregation else 0.0
+        return self.train.edge_rounds * (self.runtime.device_deadline + unmasking) * 1.5 + 10 + rejoin
+
+    def secagg_deadline(self) -> float:
+        """Seconds each extra phase of secure aggregation waits (``privacy.secagg_deadline``)."""
+        return self.privacy.secagg_deadline or self.runtime.device_deadline / 4
 
     def to_toml(self) -> str:
         """The config as TOML (written to each run's output folder)."""

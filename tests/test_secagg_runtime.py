@@ -103,6 +103,18 @@ def test_thirty_percent_dropping_after_sharing_the_cell_aggregates_exactly_the_s
         assert all(np.array_equal(seen_by_role[d].tensors[k], expected[k]) for k in expected)
 
 
+def test_a_device_silent_from_the_start_is_left_out_after_the_key_deadline(tmp_path):
+    cfg = secure(tmp_path, devices=4, run={"rounds": 1}, algorithm={"edge_rounds": 1},
+                 runtime={"device_deadline": 20.0})
+    sim = SimHierarchy(cfg)
+    sim.agents["c0-d2"].secagg.begin = lambda h, train: None  # takes its task, never sends keys nor trains
+    result = sim.run()
+    rec = next(r for r in result.cell_records if r["cell"] == "c0")
+    assert rec["answered"] == ["c0-d0", "c0-d1", "c0-d3"] and rec["absent"] == {"c0-d2": "no secagg keys"}
+    assert rec["metrics"]["secagg"]["keys"] == 3 and rec["metrics"]["secagg"]["dropped"] == 0
+    assert rec["closed_by"] == "all answered" and rec["clock_s"] == pytest.approx(5.0)  # device_deadline / 4
+
+
 def test_fewer_survivors_than_the_threshold_fail_the_round_cleanly_and_the_next_one_proceeds(tmp_path):
     cfg = secure(tmp_path, run={"rounds": 2}, algorithm={"edge_rounds": 1})
     sim = SimHierarchy(cfg)
