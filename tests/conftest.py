@@ -1,16 +1,24 @@
 """Shared fixtures: small, fast configs on scikit-learn digits."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+from hypothesis import settings as hypothesis_settings
 
 from protocols.config import RunConfig, parse_config
 
 torch.set_num_threads(1)
+
+# Property tests draw the same examples on every run (CI must not depend on luck); set
+# HYPOTHESIS_PROFILE=explore to search with fresh random examples.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None)
+hypothesis_settings.register_profile("explore", max_examples=1000)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def small_config(tmp_path: Path, **sections: dict[str, Any]) -> RunConfig:

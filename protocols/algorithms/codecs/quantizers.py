@@ -141,7 +141,9 @@ class QSGDCodec(UplinkCodec):
         g = rng(seed, "qsgd")
         for i, (a, b) in enumerate(segments(delta)):
             seg = x[a:b]
-            norm = float(np.float32(np.sqrt(np.dot(seg, seg))))
+            # a norm beyond float32's range (values near its maximum) is sent as the largest float32:
+            # biased for such a tensor, but finite and within the checks of every receiver
+            norm = float(np.float32(min(np.sqrt(np.dot(seg, seg)), np.finfo(np.float32).max)))
             norms[i] = norm
             if norm == 0:
                 continue
