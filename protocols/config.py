@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .algorithms import get_algorithm
-from .algorithms.base import Algorithm, ModelSpec, TrainParams
+from .algorithms.base import CHANNEL_WIDTHS, Algorithm, ModelSpec, TrainParams
 from .wire.topics import check_name
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class ModelSection(_Section):
 
     @model_validator(mode="after")
     def _channels_fit(self) -> "ModelSection":
-        need = {"cnn": 2, "cnn4": 4}.get(self.name)
+        need = CHANNEL_WIDTHS.get(self.name)
         if need is not None and len(self.channels) != need:
             raise ValueError(f"model.channels: {self.name} needs {need} widths, got {list(self.channels)}")
         return self

@@ -35,6 +35,9 @@ class Rejected(ValueError):
     """A message a role refuses (wrong shape, non-finite values, wrong round...). Logged, dropped."""
 
 
+CHANNEL_WIDTHS = {"cnn": 2, "cnn4": 4}  # conv models: how many widths model.channels lists
+
+
 class ModelSpec(BaseModel):
     """Which zoo model every tier builds (see ``protocols.models.build_model``)."""
 
@@ -50,7 +53,7 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _channels_fit(self) -> "ModelSpec":
-        need = {"cnn": 2, "cnn4": 4}.get(self.name)
+        need = CHANNEL_WIDTHS.get(self.name)
         if need is not None and len(self.channels) != need:
             raise ValueError(f"model {self.name} needs {need} channel widths, got {list(self.channels)}")
         return self
