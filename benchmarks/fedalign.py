@@ -25,8 +25,8 @@ Scenarios:
   pairs fixed to {0,1} and {2,3} and a fifth of the free devices planted with exactly those pairs.
 
 Presets: ``paper`` = shards + the three synth levels + planted, 200 iterations, 5 seeds, lr grid
-0.03-1.0 (the paper uses 0.1 for every method); ``quick`` = shards + synth-medium, 40 iterations (4 warm-up),
-2 seeds, the same lr grid.
+0.01-1.0 (the paper uses 0.1 for every method); ``quick`` = shards + synth-medium, 40 iterations (4 warm-up),
+3 seeds, lr grid 0.03-1.0. Runs go to ``--jobs`` processes.
 
     python benchmarks/fedalign.py --preset quick
     python benchmarks/fedalign.py --preset paper [--scenarios shards] [--seeds 3]   # a documented subset
@@ -39,23 +39,23 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import sim.hierarchy  # noqa: E402
+from benchmarks.tuning import grid_line, pick, sweep  # noqa: E402
 from protocols.config import parse_config  # noqa: E402
 from protocols.seeding import rng  # noqa: E402
 from protocols.trainer import LocalData  # noqa: E402
 from sim.datasets import Dataset, load_dataset  # noqa: E402
+from sim.hierarchy import prepare_given  # noqa: E402
 from sim.launcher import SimHierarchy  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(scenarios=["shards", "synth-low", "synth-medium", "synth-high", "planted"], iterations=200,
-                  seeds=5, lrs=[0.03, 0.1, 0.3, 1.0]),
-    "quick": dict(scenarios=["shards", "synth-medium"], iterations=40, seeds=2, lrs=[0.03, 0.1, 0.3, 1.0]),
+                  seeds=5, lrs=[0.01, 0.03, 0.1, 0.3, 1.0]),
+    "quick": dict(scenarios=["shards", "synth-medium"], iterations=40, seeds=3, lrs=[0.03, 0.1, 0.3, 1.0]),
 }
 SKEW = {"synth-low": (0.5, 0.2), "synth-medium": (1.5, 0.2), "synth-high": (5.0, 0.4)}  # skew, epsilon
 METHODS = {"priority-only": 0.0, "all": math.inf, "fedalign": None}  # None: the scenario's epsilon
@@ -145,6 +145,12 @@ def synth_scenario(devices: list[str], seed: int, skew: float, n: int = 200, n_t
 
 
 # ------------------------------------------------------------------------------------------ one run
+def run_key(key: str, lr: float, seed: int, iterations: int) -> dict:
+    """``run`` for a sweep cell named ``scenario/method``."""
+    scenario, method = key.split("/")
+    return run(scenario, method, lr, seed, iterations)
+
+
 def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> dict:
     synth = scenario.startswith("synth")
     cells, per_cell = (2, 10) if synth else (3, 20)
@@ -158,8 +164,11 @@ def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> di
     eps = eps_alg if METHODS[method] is None else METHODS[method]
     warmup = max(1, round(0.1 * iterations))
     rounds = warmup + (iterations - warmup) * (2 if 0 < eps < math.inf else 1)
-    x_all = np.concatenate([v.x for v in data.values()])
-    y_all = np.concatenate([v.y for v in data.values()])
+    order = list(data)
+    x_all = np.concatenate([data[d].x for d in order])
+    y_all = np.concatenate([data[d].y for d in order])
+    ends = np.cumsum([len(data[d]) for d in order])
+    parts = {d: np.arange(end - len(data[d]), end) for d, end in zip(order, ends)}
     ds = Dataset(x_all, y_all, test[0], test[1], (x_all.shape[1],), 10, scenario)
     cfg = parse_config({
         "run": {"name": f"bench-fedalign-{scenario}-{method}", "seed": seed, "rounds": rounds},
@@ -167,13 +176,8 @@ def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> di
         "algorithm": {"name": "fedalign", "priority": prio, "epsilon": eps, "warmup_rounds": warmup,
                       "local_steps": 5, "batch_size": 32, "lr": lr},
         "model": {"name": "logreg"},
-        "data": {"dataset": "digits", "partition": "iid"},  # replaced below: the scenario's data set
-        "runtime": {"engine": "cohort"}})
-    with mock.patch.object(sim.hierarchy, "load_dataset", lambda *a, **k: ds):
-        h = SimHierarchy(cfg, write_output=False)
-    for d in devices:  # the scenario's devices' data replace the config's partition
-        h.agents[d].data = data[d]
-        h.cells[cfg.topology.cell_of(d)].max_weights[d] = len(data[d])
+        "runtime": {"engine": "cohort"}})  # the data: the scenario's, given to the simulation below
+    h = SimHierarchy(cfg, write_output=False, prepared=prepare_given(cfg, ds, parts))
     t0 = time.perf_counter()
     result = h.run()
     acc = [r["accuracy"] for r in result.history if r["metrics"]["phase"] != "priority"]  # one per iteration
@@ -193,6 +197,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int)
     ap.add_argument("--iterations", type=int)
     ap.add_argument("--lrs", type=float, nargs="+")
+    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
     for key in ("scenarios", "seeds", "iterations", "lrs"):
@@ -202,17 +207,16 @@ def main() -> None:
     print(f"preset {a.preset}: scenarios {p['scenarios']}, {p['iterations']} iterations (10 % warm-up), seeds "
           f"0..{p['seeds'] - 1}, lr grid {p['lrs']}, logistic regression, E = 5 steps of batch 32, cohort engine",
           flush=True)
+    keys = {f"{sc}/{m}": p["lrs"] for sc in p["scenarios"] for m in METHODS}
+    cells = sweep(run_key, keys, list(range(p["seeds"])), a.jobs, iterations=p["iterations"])
     rows = []
     for scenario in p["scenarios"]:
         best: dict[str, tuple[float, list[dict]]] = {}
         for method in METHODS:
-            grid = {}
-            for lr in p["lrs"]:
-                grid[lr] = [run(scenario, method, lr, s, p["iterations"]) for s in range(p["seeds"])]
-                print(f"  {scenario:<13}{method:<14}lr {lr:<5} final {np.mean([r['final'] for r in grid[lr]]):.3f}  "
-                      f"{sum(r['wall'] for r in grid[lr]):.0f}s", flush=True)
-            lr = max(p["lrs"], key=lambda x: np.mean([r["final"] for r in grid[x]]))
-            best[method] = (lr, grid[lr])
+            row = cells[f"{scenario}/{method}"]
+            print(f"  {scenario:<13}{method:<14}" + grid_line(row, "final", lambda v: f"{v:.3f}"), flush=True)
+            w = pick({method: row}, "final", lower_is_better=False)[method]
+            best[method] = (w.cell.value, w.cell.runs)
         rows.append((scenario, best))
     print("\npriority test accuracy, final = mean of the last 10 iterations, at each method's best lr "
           "(mean ± std over seeds; 'edge': the best lr is at the end of the grid)")

@@ -42,7 +42,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(dataset="fmnist", devices=60, max_train=60000, max_test=10000, hidden=300, batch=25, H=40, E=5,
                   cells=[2, 3, 4, 5], targets=[0.75], lrs=[0.03, 0.1, 0.3], seeds=3, cap=12),
     "quick": dict(dataset="digits", devices=20, max_train=0, max_test=0, hidden=240, batch=10, H=10, E=5,
-                  cells=[2, 5], targets=[0.85, 0.90], lrs=[0.15, 0.5, 1.5], seeds=2, cap=30),
+                  cells=[2, 5], targets=[0.85, 0.90], lrs=[0.15, 0.5, 1.5], seeds=3, cap=30),
 }
 SPLITS = {"i": "shards", "ii": "cell_shards"}
 METHODS = {"fedavg": "HFedAvg", "hist": "HIST"}
@@ -75,7 +75,7 @@ def run(p: dict, method: str, split: str, cells: int, lr: float, seed: int) -> d
                            sum(rec["cumulative_bytes"].values()) / 1e6)
         diverged = not np.isfinite(rec.get("loss", 0.0))
         if len(hits) == len(p["targets"]) or diverged:
-            sim.cloud.rounds = rec["round"] + 1  # reached every target (or diverged): this is the last round
+            sim.cloud.request_stop("diverged" if diverged else "reached every target")
 
     sim.cloud.on_round = on_round
     t0 = time.perf_counter()

@@ -72,6 +72,7 @@ class CloudServer:
         self.round = 0
         self.finished = False
         self.stopped: str | None = None  # why the run ended before ``rounds`` (the role's stop_reason)
+        self._stop_request: str | None = None  # request_stop's reason
         self.started = False
         self.history: list[dict[str, Any]] = []
         self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each round record (monitor.exporter)
@@ -274,12 +275,19 @@ class CloudServer:
         meta = {"round": done, "session": self.session, "cumulative": self.cumulative, "role": state.meta}
         save_payload(self.checkpoint_path, Payload({**meta, "record": record} if record else meta, state.tensors))
 
+    def request_stop(self, reason: str) -> None:
+        """End the run cleanly after the current round (e.g. from ``on_round``: a target accuracy reached);
+        ``reason`` becomes the run's ``stopped``."""
+        self._stop_request = reason
+
     def _check_stop(self) -> str | None:
-        """Whether the role forbids the next round (e.g. a privacy budget, protocols/privacy/dp.py); logged."""
+        """Whether the role forbids the next round (e.g. a privacy budget, protocols/privacy/dp.py) or a caller
+        asked to stop (:meth:`request_stop`); logged."""
         stop = getattr(self.role, "stop_reason", None)
-        self.stopped = stop(self.round) if stop is not None else None
+        self.stopped = self._stop_request or (stop(self.round) if stop is not None else None)
         if self.stopped:
-            log.warning("stopping before round %d of %d: %s", self.round, self.rounds, self.stopped)
+            (log.info if self._stop_request else log.warning)("stopping before round %d of %d: %s", self.round,
+                                                               self.rounds, self.stopped)
         return self.stopped
 
     def _finish(self) -> None:

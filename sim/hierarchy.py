@@ -81,6 +81,24 @@ def prepare(cfg: RunConfig) -> Prepared:
     return Prepared(cfg, ds, DeviceData(ds, topo, parts), cfg.model_spec(ds.input_shape, ds.num_classes))
 
 
+def prepare_given(cfg: RunConfig, ds: Dataset, parts: Mapping[str, np.ndarray]) -> Prepared:
+    """Like :func:`prepare`, for a caller's own data: ``ds`` and each device's sample indices into
+    ``ds.x_train`` (every device of the topology, no other), instead of ``data.dataset`` and ``data.partition``
+    (benchmarks with data the config cannot name, e.g. a paper's synthetic recipe)."""
+    devices = list(cfg.topology.devices())
+    if set(parts) != set(devices):
+        missing, extra = sorted(set(devices) - set(parts)), sorted(set(parts) - set(devices))
+        raise ConfigError(f"given data: the devices must be the topology's (missing {missing[:3]}, unknown {extra[:3]})")
+    for d, idx in parts.items():
+        idx = np.asarray(idx)
+        if idx.ndim != 1 or len(idx) == 0 or idx.min() < 0 or idx.max() >= ds.num_train:
+            raise ConfigError(f"given data: device {d!r} needs a non-empty index vector into the "
+                              f"{ds.num_train} training samples")
+    per = cfg.topology.devices_per_cell
+    rows = [[np.asarray(parts[devices[c * per + j]]) for j in range(per)] for c in range(cfg.topology.cells)]
+    return Prepared(cfg, ds, DeviceData(ds, cfg.topology, rows), cfg.model_spec(ds.input_shape, ds.num_classes))
+
+
 def participation(cfg: RunConfig) -> ParticipationModel:
     """The participation model over the devices, or over the cells with ``participation.level = "cell"``."""
     units = cfg.topology.cell_ids() if cfg.participation.level == "cell" else cfg.topology.devices()

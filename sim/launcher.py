@@ -19,7 +19,7 @@ from cloud.node import build_cloud
 from edge_agent.agent import DeviceAgent
 from protocols import runfiles
 from protocols.checkpoint import save_params
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
@@ -27,7 +27,7 @@ from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
 from .cohort import CohortExecutor, cohort_engine
 from .executors import InlineExecutor, start_workers
-from .hierarchy import cell_availability, edge_availability, fresh_output, make_evaluator, prepare
+from .hierarchy import Prepared, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers
 from .population import Population
 
@@ -84,10 +84,15 @@ class SimHierarchy:
     """
 
     def __init__(self, cfg: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
-                 write_output: bool = True, resume: bool = False) -> None:
+                 write_output: bool = True, resume: bool = False, prepared: Prepared | None = None) -> None:
+        """``prepared``: the data of each device already built (:func:`sim.hierarchy.prepare_given`), instead of
+        ``cfg.data``'s dataset and partition; not with ``runtime.sim_workers`` (workers build from the config)."""
         from protocols.torch_trainer import TorchTrainer
 
         set_torch_threads(1)
+        if prepared is not None and (prepared.config is not cfg or cfg.runtime.sim_workers):
+            raise ConfigError("prepared data must come from this config, and runtime.sim_workers build their "
+                              "devices' data from data.dataset (set it to 0)")
         self.t0 = time.perf_counter()
         if write_output:  # [security] keys naming a missing file: fresh keys in the run folder
             cfg = with_run_keys(cfg, cfg.output_dir())
@@ -96,7 +101,7 @@ class SimHierarchy:
         remote = start_workers(cfg, loop)  # runtime.sim_workers build their devices while we build ours
         if remote is not None:
             weakref.finalize(self, remote.close)  # stopped even if building fails below
-        self.prep = prep = prepare(cfg)
+        self.prep = prep = prepared if prepared is not None else prepare(cfg)
         spec, ds = prep.spec, prep.dataset
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)

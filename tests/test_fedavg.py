@@ -238,3 +238,39 @@ def test_local_momentum_is_torchs_heavy_ball():
     for k, p in ref.named_parameters():
         np.testing.assert_allclose(out[0.5][k], p.detach().numpy(), rtol=1e-5, atol=1e-6)
         assert not np.allclose(out[0.0][k], out[0.5][k])  # momentum changes the trajectory
+
+
+def test_given_data_trains_each_device_on_its_own_samples_and_request_stop_ends_the_run(make_config):
+    """``SimHierarchy(prepared=prepare_given(...))``: a caller's own dataset and per-device indices replace
+    data.dataset / data.partition; ``cloud.request_stop`` from ``on_round`` ends the run after that round."""
+    from sim.datasets import Dataset
+    from sim.hierarchy import prepare_given
+
+    from protocols.config import ConfigError
+
+    g = np.random.default_rng(0)
+    means = g.normal(0, 2, (4, 8))
+    y = np.repeat(np.arange(4), 100)
+    x = (means[y] + g.normal(0, 1, (400, 8))).astype(np.float32)
+    yt = np.repeat(np.arange(4), 50)
+    xt = (means[yt] + g.normal(0, 1, (200, 8))).astype(np.float32)
+    ds = Dataset(x, y, xt, yt, (8,), 4, "given")
+    cfg = make_config(run={"rounds": 30}, topology={"cells": 2, "devices_per_cell": 2}, model={"name": "logreg"},
+                      algorithm={"lr": 0.02})
+    devices = list(cfg.topology.devices())
+    parts = {d: np.flatnonzero(y == k) for k, d in enumerate(devices)}  # device k holds class k only
+    with pytest.raises(ConfigError, match="missing"):
+        prepare_given(cfg, ds, {d: parts[d] for d in devices[1:]})
+    sim = SimHierarchy(cfg, write_output=False, prepared=prepare_given(cfg, ds, parts))
+    for k, d in enumerate(devices):
+        assert set(sim.prep.device_data[d].y.tolist()) == {k}
+
+    def stop_at_target(rec: dict) -> None:
+        if rec["accuracy"] >= 0.95:
+            sim.cloud.request_stop("reached 95 %")
+
+    sim.cloud.on_round = stop_at_target
+    result = sim.run()
+    assert result.history[-1]["accuracy"] >= 0.95  # learned the 4 classes from 4 single-class devices
+    assert 1 < len(result.history) < 30 and result.stopped == "reached 95 %"
+    assert all(r["accuracy"] < 0.95 for r in result.history[:-1])
