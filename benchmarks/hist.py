@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.tuning import sweep  # noqa: E402
 from protocols.config import parse_config  # noqa: E402
 from sim.launcher import SimHierarchy  # noqa: E402
 
@@ -83,6 +84,12 @@ def run(p: dict, method: str, split: str, cells: int, lr: float, seed: int) -> d
     return {"hits": hits, "best": max(accs), "rounds": len(accs), "wall": time.perf_counter() - t0}
 
 
+def run_key(key: str, lr: float, seed: int, p: dict) -> dict:
+    """``run`` for a sweep cell named ``split/N/method``."""
+    split, cells, method = key.split("/")
+    return run(p, method, split, int(cells), lr, seed)
+
+
 def median_units(runs: list[dict], target: float) -> float:
     """Median over seeds of the communication to ``target`` (inf for a seed that never reached it)."""
     return float(np.median([r["hits"][target][1] if target in r["hits"] else np.inf for r in runs]))
@@ -96,6 +103,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, help="seeds 0..S-1 (default: the preset's)")
     ap.add_argument("--lrs", type=float, nargs="+", help="learning-rate grid (default: the preset's)")
     ap.add_argument("--cap", type=int, help="HFedAvg's round cap; HIST gets N times as many (default: the preset's)")
+    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
     for key in ("cells", "seeds", "lrs", "cap"):
@@ -106,22 +114,20 @@ def main() -> None:
     print(f"preset {a.preset}: {p['dataset']}, {p['devices']} devices x 2 label shards, MLP {p['hidden']} hidden, "
           f"batch {p['batch']}, H={p['H']}, E={p['E']}, lr grid {p['lrs']}, seeds 0..{p['seeds'] - 1}, "
           f"HFedAvg cap {p['cap']} rounds (HIST N x), cohort engine", flush=True)
+    for cells in p["cells"]:
+        if p["devices"] % cells:
+            raise SystemExit(f"{p['devices']} devices do not split into {cells} equal cells")
+    keys = {f"{split}/{cells}/{method}": p["lrs"] for split in a.splits for cells in p["cells"] for method in METHODS}
+    grid = sweep(run_key, keys, list(range(p["seeds"])), a.jobs, p=p)
     table: dict[tuple[str, int, str], tuple[float, list[dict]]] = {}
-    for split in a.splits:
-        for cells in p["cells"]:
-            if p["devices"] % cells:
-                raise SystemExit(f"{p['devices']} devices do not split into {cells} equal cells")
-            for method in METHODS:
-                grid = {}
-                for lr in p["lrs"]:
-                    grid[lr] = [run(p, method, split, cells, lr, s) for s in range(p["seeds"])]
-                    units = median_units(grid[lr], top)
-                    print(f"  split ({split}) N={cells} {METHODS[method]:<7} lr {lr:<6} median units→{top:.0%} "
-                          f"{units:7.1f}  best acc {np.median([r['best'] for r in grid[lr]]):.3f}  "
-                          f"{sum(r['wall'] for r in grid[lr]):.0f}s", flush=True)
-                best = min(p["lrs"], key=lambda lr: (median_units(grid[lr], top),
-                                                     -np.median([r["best"] for r in grid[lr]])))
-                table[(split, cells, method)] = (best, grid[best])
+    for key, row in grid.items():
+        split, cells, method = key.split("/")
+        for c in row:
+            print(f"  split ({split}) N={cells} {METHODS[method]:<7} lr {c.value:<6} median units→{top:.0%} "
+                  f"{median_units(c.runs, top):7.1f}  best acc {np.median([r['best'] for r in c.runs]):.3f}  "
+                  f"{sum(r['wall'] for r in c.runs):.0f}s", flush=True)
+        best = min(row, key=lambda c: (median_units(c.runs, top), -np.median([r["best"] for r in c.runs])))
+        table[(split, int(cells), method)] = (best.value, best.runs)
     print(f"\nmedian [min-max] over seeds of the per-device upload (full-model units) to reach the target, "
           f"at each method's best lr ('edge': the best lr is at the end of the grid)")
     head = f"{'split':<6}{'N':>2} {'method':<8}{'lr':>7}"
