@@ -64,7 +64,7 @@ def _fast_layers(model: torch.nn.Module) -> bool:
         elif isinstance(m, torch.nn.Flatten):
             if m.start_dim != 1 or m.end_dim != -1:
                 return False
-        elif not isinstance(m, (torch.nn.Linear, torch.nn.ReLU, torch.nn.MaxPool2d, Reshape)):
+        elif not isinstance(m, (torch.nn.Linear, torch.nn.ReLU, torch.nn.MaxPool2d, torch.nn.GroupNorm, Reshape)):
             return False
     return True
 
@@ -74,8 +74,9 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
     on each device's inputs ``x`` ``[D, B, ...]``.
 
     The zoo's layers run as batched kernels (``baddbmm`` for linear layers, one grouped convolution for
-    the devices' convolutions, activations and pooling on the stacked tensors); other models go
-    through ``torch.func.vmap`` of ``functional_call``.
+    the devices' convolutions, one group norm with ``D x groups`` groups for their GroupNorms (cnn4),
+    activations and pooling on the stacked tensors); other models go through ``torch.func.vmap`` of
+    ``functional_call``.
     """
     from .models import Reshape
 
@@ -101,6 +102,12 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
             if not grouped:
                 x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
             x = F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+        elif isinstance(m, torch.nn.GroupNorm):  # device i's channels are a block of D*C: its groups too
+            if not grouped:
+                x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
+            w, bias = params.get(f"{name}.weight"), params.get(f"{name}.bias")
+            x = F.group_norm(x, d * m.num_groups, None if w is None else w.reshape(-1),
+                             None if bias is None else bias.reshape(-1), m.eps)
         elif isinstance(m, torch.nn.Flatten):
             x = x.reshape(b, d, -1).transpose(0, 1) if grouped else x.reshape(d, b, -1)
             grouped = False

