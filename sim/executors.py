@@ -44,6 +44,12 @@ Done = Callable[[Payload | None, str | None], None]
 LOCAL_DATA_BYTES = 512 << 20  # a worker keeps its recently trained devices' samples up to this size
 
 
+def worker_threads(cfg: RunConfig) -> int:
+    """Torch threads of a worker's cohorts: ``cohort_threads`` shared by the ``sim_workers`` (the cloud's
+    evaluation, which runs while they wait, takes all of them)."""
+    return max(1, cfg.runtime.cohort_threads // max(1, cfg.runtime.sim_workers))
+
+
 class WorkerError(RuntimeError):
     """A worker died or could not start; the run cannot go on."""
 
@@ -91,7 +97,7 @@ class DeviceWorker:
         if cfg.runtime.engine == "cohort":
             from .cohort import cohort_engine
 
-            self.engine = cohort_engine(spec, cfg.runtime.device, cfg.runtime.cohort_threads)
+            self.engine = cohort_engine(spec, cfg.runtime.device, worker_threads(cfg))
         self._local: dict[str, LocalData] = {}  # recently trained devices' samples (copied out once)
         self._local_bytes = 0
 
@@ -171,6 +177,38 @@ def _unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
     return json.loads(bytes(view[4:4 + n])), view[4 + n:]
 
 
+def _batch_frame(items: Sequence[tuple[int, dict[str, Any], bytes]]) -> bytes:
+    """One frame for a worker's batch of tasks. A task byte-identical to an earlier one of the batch (a cell
+    sends every device of an edge round the same model) is sent once: its item says ``"same": j``."""
+    head: list[dict[str, Any]] = []
+    bodies: list[bytes] = []
+    for task_id, ctx, task in items:
+        same = next((j for j, (_, _, earlier) in enumerate(items[:len(head)])
+                     if "n" in head[j] and len(earlier) == len(task) and earlier == task), None)
+        if same is None:
+            head.append({"id": task_id, "ctx": ctx, "n": len(task)})
+            bodies.append(task)
+        else:
+            head.append({"id": task_id, "ctx": ctx, "same": same})
+    return _frame({"batch": head}, b"".join(bodies))
+
+
+def _batch_items(header: dict[str, Any], body: memoryview) -> list[tuple[dict[str, Any], memoryview]]:
+    """``(ctx, task bytes)`` of each item of a :func:`_batch_frame`; a bad reference raises ``ValueError``."""
+    items: list[tuple[dict[str, Any], memoryview]] = []
+    at = 0
+    for item in header["batch"]:
+        if "same" in item:
+            j = item["same"]
+            if not (isinstance(j, int) and 0 <= j < len(items)):
+                raise ValueError(f"batch item refers to task {j!r}")
+            items.append((item["ctx"], items[j][1]))
+        else:
+            items.append((item["ctx"], body[at:at + item["n"]]))
+            at += item["n"]
+    return items
+
+
 def process_main(tasks: Any, results: Any, config_text: str, devices: list[str]) -> None:
     """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
@@ -189,11 +227,7 @@ def process_main(tasks: Any, results: Any, config_text: str, devices: list[str])
         if header.get("stop"):
             return
         if "batch" in header:  # engine = cohort: a round's tasks for this worker, answered one by one
-            items, at = [], 0
-            for item in header["batch"]:
-                items.append((item["ctx"], body[at:at + item["n"]]))
-                at += item["n"]
-            for item, (result, error) in zip(header["batch"], worker.train_many(items)):
+            for item, (result, error) in zip(header["batch"], worker.train_many(_batch_items(header, body))):
                 results.send_bytes(_frame({"id": item["id"], "error": error}, result))
             continue
         result, error = worker.train(header["ctx"], body)
@@ -314,8 +348,7 @@ class ProcessExecutor(_Remote):
         self._outboxes[worker].put(_frame({"id": task_id, "ctx": ctx}, task))
 
     def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], bytes]]) -> None:
-        head = [{"id": task_id, "ctx": ctx, "n": len(task)} for task_id, ctx, task in items]
-        self._outboxes[worker].put(_frame({"batch": head}, b"".join(task for _, _, task in items)))
+        self._outboxes[worker].put(_batch_frame(items))
 
     def _writer(self, worker: int, conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
         """Sends tasks in order without blocking the loop (a pipe holds only 64 KiB)."""

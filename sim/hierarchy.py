@@ -142,15 +142,27 @@ def edge_availability(cfg: RunConfig) -> Callable[[int, int], frozenset[str]] | 
     return (lambda r, e: takes_part(r)) if takes_part is not None else None
 
 
-def make_evaluator(spec: ModelSpec, x: np.ndarray, y: np.ndarray, device: str = "cpu"):
-    """``params -> {"accuracy", "loss"}`` on a held-out set (the cloud's central evaluation)."""
+def make_evaluator(spec: ModelSpec, x: np.ndarray, y: np.ndarray, device: str = "cpu", threads: int = 1):
+    """``params -> {"accuracy", "loss"}`` on a held-out set (the cloud's central evaluation), computed with
+    ``threads`` torch threads (the cohort engine's ``cohort_threads``; the rest of the process keeps its own)."""
+    import torch
+
     from protocols.torch_trainer import TorchTrainer
 
     trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, device, **spec.build_kwargs())
+    # writable copies, made once: a shared read-only (cached) test set would be copied at every evaluation
+    x, y = np.array(x, dtype=np.float32), np.array(y, dtype=np.int64)
 
     def evaluate(params: Mapping[str, np.ndarray]) -> dict[str, float]:
         trainer.set_params(params)
-        loss, acc = trainer.evaluate(x, y)
+        before = torch.get_num_threads()
+        if threads != before:
+            torch.set_num_threads(threads)
+        try:
+            loss, acc = trainer.evaluate(x, y)
+        finally:
+            if threads != before:
+                torch.set_num_threads(before)
         return {"accuracy": acc, "loss": loss}
 
     return evaluate

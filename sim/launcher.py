@@ -72,6 +72,11 @@ def set_torch_threads(n: int = 1) -> None:
     torch.set_num_threads(n)
 
 
+def eval_threads(cfg: RunConfig) -> int:
+    """Torch threads of the cloud's central evaluation: ``cohort_threads`` with the cohort engine, else 1."""
+    return cfg.runtime.cohort_threads if cfg.runtime.engine == "cohort" else 1
+
+
 def device_samples(device_data: Any, devices: Iterable[str]) -> dict[str, int]:
     """Each device's sample count (``DeviceData.indices``, no copy): the largest weight a cell accepts."""
     return {d: len(device_data.indices(d)) for d in devices}
@@ -110,7 +115,8 @@ class SimHierarchy:
                                         cfg.run.seed, train.local_steps)
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
         self.cloud = build_cloud(cfg, hub.connect("cloud"), algorithm,
-                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
+                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device,
+                                                         eval_threads(cfg)),
                                  output_dir=self.output_dir, resume=resume, on_round=on_round, devices_recreated=True,
                                  availability=cell_availability(cfg))
         availability = edge_availability(cfg)

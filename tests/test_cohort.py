@@ -132,6 +132,8 @@ def test_cohort_larger_than_cohort_size_and_weight_decay(make_config):
                            topology={"cells": 1, "devices_per_cell": 5},
                            runtime={"cohort_size": 2, "cohort_threads": 2})
     assert cohort[2].executor.cohorts == 2 * 3  # 2 edge rounds x ceil(5 / 2) cohorts
+    assert torch.get_num_threads() == 1  # the cohorts' and the evaluation's 2 threads were handed back
+    assert cohort[0].history[-1]["accuracy"] == pytest.approx(device[0].history[-1]["accuracy"], abs=0.01)
     _equivalent(device, cohort)
 
 
@@ -155,6 +157,29 @@ def test_cohorts_in_worker_processes(make_config):
     assert isinstance(executor, ProcessExecutor) and executor.largest_batch == 3  # 5 devices over 2 workers
     assert all(not p.is_alive() for p in executor.procs)
     _equivalent(device, cohort, rounds=(0, 1))
+
+
+def test_a_batch_for_a_worker_carries_each_distinct_task_once():
+    from sim.executors import _batch_frame, _batch_items, _unframe, worker_threads
+
+    model, other = b"m" * 1000, b"o" * 1000
+    items = [(i, {"device": f"d{i}"}, task) for i, task in enumerate([model, model, other, bytes(model), other])]
+    frame = _batch_frame(items)
+    assert len(frame) < 2 * 1000 + 400  # two distinct tasks travel, not five
+    header, body = _unframe(frame)
+    assert [(ctx, bytes(task)) for ctx, task in _batch_items(header, body)] == [(c, t) for _, c, t in items]
+    header["batch"][1]["same"] = 3  # a reference to a later item is refused, not followed
+    with pytest.raises(ValueError, match="refers to task 3"):
+        _batch_items(header, body)
+
+    class Cfg:  # cohort_threads is shared by the workers; never below one thread
+        class runtime:
+            cohort_threads, sim_workers = 2, 2
+    assert worker_threads(Cfg) == 1
+    Cfg.runtime.cohort_threads = 4
+    assert worker_threads(Cfg) == 2
+    Cfg.runtime.sim_workers = 0
+    assert worker_threads(Cfg) == 4
 
 
 def test_thirty_rounds_end_within_a_third_of_a_point(make_config):

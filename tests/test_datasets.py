@@ -140,3 +140,41 @@ def test_synthetic_drawn_in_blocks_is_the_one_shot_draw():
     y = g.permutation(np.arange(n) % classes)
     x = (means[y] + g.normal(0.0, 1.0, size=(n, dim))).astype(np.float32)
     assert np.array_equal(ds.y_train, y) and np.array_equal(ds.x_train, x)
+
+
+def test_decoded_data_sets_are_cached_on_disk_and_memory_mapped(tmp_path, monkeypatch):
+    """A decoded data set is written once per source version, then memory-mapped (read-only, equal
+    arrays); a changed source or a damaged entry is decoded again, an unwritable cache only skips writing."""
+    monkeypatch.setenv("FEDTIER_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "source.gz"
+    source.write_bytes(b"v1")
+    decoded: list[int] = []
+
+    def decode() -> Dataset:
+        decoded.append(1)
+        g = np.random.default_rng(len(decoded))
+        return datasets._make("fake", g.random((50, 16)), g.integers(0, 3, 50), g.random((10, 16)),
+                              g.integers(0, 3, 10), (1, 4, 4), 3)
+
+    first = datasets._disk_cached("fake", [source], decode, (1, 4, 4), 3)
+    again = datasets._disk_cached("fake", [source], decode, (1, 4, 4), 3)
+    assert len(decoded) == 1
+    assert isinstance(again.x_train.base, np.memmap) and not again.x_train.flags.writeable
+    for k in ("x_train", "y_train", "x_test", "y_test"):
+        assert np.array_equal(getattr(first, k), getattr(again, k)) and getattr(again, k).dtype == getattr(first, k).dtype
+    assert (again.input_shape, again.num_classes, again.name) == ((1, 4, 4), 3, "fake")
+
+    entry = next((tmp_path / "cache").iterdir())
+    (entry / "x_train.npy").write_bytes(b"\x93NUMPY garbage")  # damaged: decoded again, and rewritten
+    datasets._disk_cached("fake", [source], decode, (1, 4, 4), 3)
+    assert len(decoded) == 2
+    datasets._disk_cached("fake", [source], decode, (1, 4, 4), 3)
+    assert len(decoded) == 2
+
+    source.write_bytes(b"version 2")  # another source file: another entry
+    datasets._disk_cached("fake", [source], decode, (1, 4, 4), 3)
+    assert len(decoded) == 3 and len(list((tmp_path / "cache").iterdir())) == 2
+
+    monkeypatch.setenv("FEDTIER_CACHE_DIR", str(source))  # a file, not a folder: nothing cached, still decoded
+    ds = datasets._disk_cached("fake", [source], decode, (1, 4, 4), 3)
+    assert len(decoded) == 4 and ds.x_train.shape == (50, 16)
