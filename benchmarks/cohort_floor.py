@@ -11,9 +11,12 @@ through an MLP 784-64-10. This script times that training alone (random data, on
 - ``batched, written out``: 5 batched steps with the cohort engine's written-out mlp gradient
   (``_mlp_loss_and_grads``, what ``runtime.engine = "cohort"`` runs for mlp and logreg).
 
+- ``batched, written out, N threads`` (``--threads N``, N > 1): the same on N torch threads
+  (``runtime.cohort_threads = N``).
+
 The ratio per-device / batched bounds what batching can gain on this workload before any of the
 simulation's per-round work (messages, aggregation, records) is counted.
-Usage: python benchmarks/cohort_floor.py [--rounds 300] [--repeat 3]
+Usage: python benchmarks/cohort_floor.py [--rounds 300] [--repeat 3] [--threads 2]
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="N > 1: also the written-out side on N threads")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -71,8 +75,17 @@ def main() -> None:
                     F.cross_entropy(model(x_all.index_select(0, idx)), y_all.index_select(0, idx)).backward()
                     opt.step()
 
+    def threaded() -> None:
+        torch.set_num_threads(args.threads)
+        try:
+            batched(True)
+        finally:
+            torch.set_num_threads(1)
+
     sides = {"per-device": per_device, "batched, autograd": lambda: batched(False),
              "batched, written out": lambda: batched(True)}
+    if args.threads > 1:
+        sides[f"written out, {args.threads} threads"] = threaded
     best: dict[str, float] = {}
     for _ in range(args.repeat):  # alternate the sides; the fastest run of each counts
         for name, run in sides.items():
@@ -82,7 +95,7 @@ def main() -> None:
     print(f"training of one round ({D} devices x {STEPS} steps of batch {B}, MLP 784-64-10, one thread), "
           f"best of {args.repeat}:")
     for name, t in best.items():
-        print(f"  {name:22} {t * 1e3:7.2f} ms/round  ({best['per-device'] / t:.2f}x the per-device training)")
+        print(f"  {name:28} {t * 1e3:7.2f} ms/round  ({best['per-device'] / t:.2f}x the per-device training)")
 
 
 if __name__ == "__main__":

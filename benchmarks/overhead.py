@@ -16,12 +16,15 @@ Each side runs in its own subprocess, so peak memory (max RSS) is measured separ
 alternate ``--repeat`` times and the fastest run of each counts (a busy machine only slows runs).
 Rounds/s and device-steps/s count the rounds' own time (the sum of the per-round wall times:
 imports, data loading and worker start excluded); wall s is the whole process.
+``--cohort-threads N`` (N > 1) adds a side: the cohort engine with ``runtime.cohort_threads = N`` (its
+batched products and the cloud's evaluation on N torch threads, one process).
 ``--workers N`` adds a side: fedtier with ``runtime.sim_workers = N`` (devices trained in N
 worker processes; the same final model), and its speed-up over the bare loop and the sequential sim;
-with the ``cohort`` side, also ``cohort`` with N workers (each trains its share of a round as cohorts).
+with the ``cohort`` side, also ``cohort`` with N workers (each trains its share of a round as cohorts
+on one thread; ``cohort_threads = N``, so the cloud's evaluation, while the workers wait, uses N threads).
 CPU seconds include the worker processes; peak MB is the main process's.
 Usage: python benchmarks/overhead.py [--workload standard|small] [--rounds N] [--repeat 3]
-       [--sides bare,fedtier,cohort] [--cohort-threads 1] [--workers 2 [--backend processes|ray]]
+       [--sides bare,fedtier,cohort] [--cohort-threads 2] [--workers 2 [--backend processes|ray]]
 """
 from __future__ import annotations
 
@@ -137,8 +140,9 @@ def child(which: str, workload: str, rounds: int, workers: int, backend: str, co
     if which == "bare":
         out = bare(w, rounds)
     else:
+        threads = {"cohort-threads": cohort_threads, "cohort-parallel": workers}.get(which, 1)
         out = fedtier(w, rounds, "cohort" if which.startswith("cohort") else "device",
-                      workers if which in ("parallel", "cohort-parallel") else 0, backend, cohort_threads)
+                      workers if which in ("parallel", "cohort-parallel") else 0, backend, threads)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sim's worker processes (joined)
     out["peak_rss_mb"] = usage.ru_maxrss / 1024
@@ -154,8 +158,9 @@ def main() -> None:
     ap.add_argument("--sides", default="bare,fedtier,cohort", help="comma-separated: bare, fedtier, cohort")
     ap.add_argument("--workers", type=int, default=0, help="also run fedtier with this many sim workers")
     ap.add_argument("--backend", choices=["processes", "ray"], default="processes", help="sim workers' backend")
-    ap.add_argument("--cohort-threads", type=int, default=1, help="runtime.cohort_threads of the cohort side")
-    ap.add_argument("--child", choices=["bare", "fedtier", "cohort", "parallel", "cohort-parallel"])
+    ap.add_argument("--cohort-threads", type=int, default=1,
+                    help="N > 1: also the cohort engine with runtime.cohort_threads = N")
+    ap.add_argument("--child", choices=["bare", "fedtier", "cohort", "cohort-threads", "parallel", "cohort-parallel"])
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     rounds = args.rounds or w["rounds"]
@@ -163,6 +168,8 @@ def main() -> None:
         child(args.child, args.workload, rounds, args.workers, args.backend, args.cohort_threads)
         return
     sides = [s for s in args.sides.split(",") if s]
+    if args.cohort_threads > 1 and "cohort" in sides:
+        sides.append("cohort-threads")
     if args.workers > 0:
         sides += ["parallel"] + (["cohort-parallel"] if "cohort" in sides else [])
     runs: dict[str, list[dict]] = {k: [] for k in sides}
@@ -184,7 +191,7 @@ def main() -> None:
     for which in sides:
         r = res[which]
         name = {"parallel": f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}",
-                "cohort-parallel": f"cohort+{args.workers}w"}.get(which, which)
+                "cohort-threads": f"cohort {args.cohort_threads}t", "cohort-parallel": f"cohort+{args.workers}w"}.get(which, which)
         print(f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}"
               f"{r['round_s']:10.4f}{rounds / r['loop_s']:10.1f}{step_count / r['loop_s']:10.0f}")
     if "bare" in res and "fedtier" in res:
@@ -202,6 +209,13 @@ def main() -> None:
             f = res["fedtier"]
             print(f"cohort engine: {f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s, "
                   f"{f['wall_s'] / c['wall_s']:.3f}x its wall time; accuracy {c['accuracy'] - f['accuracy']:+.4f}")
+    if "cohort-threads" in res:
+        c, f = res["cohort-threads"], res.get("fedtier")
+        print(f"cohort engine with {args.cohort_threads} threads: "
+              + (f"{res['bare']['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
+                 f"{res['bare']['loop_s'] / c['loop_s']:.3f}x (rounds only); " if "bare" in res else "")
+              + (f"{f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s; " if f else "")
+              + f"{res['cohort']['loop_s'] / c['loop_s']:.3f}x the one-thread cohort engine's rounds/s")
     if "cohort-parallel" in res:
         c, f = res["cohort-parallel"], res.get("fedtier")
         print(f"cohort engine with {args.workers} workers: "
