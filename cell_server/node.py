@@ -15,13 +15,18 @@ from protocols.algorithms.fedbuff import FedBuffCell
 from .async_server import AsyncCellServer
 from .server import Availability, CellServer
 
+STATUS_WAIT = 2.0
+"""Seconds (at least; else one heartbeat) a started cell waits for its devices' first statuses before
+it counts a silent one offline (its retained status normally comes within milliseconds)."""
+
 
 def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algorithm, *,
                availability: Availability | None = None, output_dir: Path | None = None,
                heartbeats: bool = False, assume_online: bool = False,
                samples: Mapping[str, int] | None = None, journal: bool = False, resume: bool = False) -> CellServer:
     """``heartbeats``: use the config's MQTT liveness settings, ``runtime.heartbeat``, ``heartbeat_timeout``
-    and ``rejoin_wait`` (the sim has none: nobody disconnects there). ``assume_online``: devices count as
+    and ``rejoin_wait``, and wait for the devices' first statuses after the start (``STATUS_WAIT``) (the
+    sim has none: nobody disconnects there). ``assume_online``: devices count as
     online until their status says otherwise (the sim's devices do not announce themselves). ``samples``:
     the devices' known sample counts (a result claiming a larger weight is refused; else
     ``security.max_device_weight``). ``journal``: keep the current round crash-consistently in the output
@@ -49,6 +54,7 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
         heartbeat=cfg.runtime.heartbeat if heartbeats else 0.0,
         heartbeat_timeout=cfg.runtime.heartbeat_timeout if heartbeats else 0.0,
         rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0, assume_online=assume_online,
+        status_wait=max(cfg.runtime.heartbeat, STATUS_WAIT) if heartbeats else 0.0,
         absent_ids=cfg.runtime.absent_ids,
         trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), max_weights=samples,
         max_weight=cfg.security.max_device_weight, secagg=cfg.secagg_settings(),

@@ -59,12 +59,16 @@ class CellServer:
                  assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0,
                  rejoin_wait: float = 0.0, absent_ids: int = 100, secagg: "SecAggSettings | None" = None,
                  secagg_deadline: float = 30.0, journal_path: str | Path | None = None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, status_wait: float = 0.0) -> None:
         """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
         ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never);
         ``rejoin_wait``: before planning an edge round, wait up to this long for the devices that
         ``availability`` lets take part but that are offline (they may be reconnecting; 0: no wait);
-        ``absent_ids``: a record names the absent devices of a reason only up to this many (it always
+        ``status_wait``: for this long after :meth:`start`, a device that has sent no status yet counts
+        as unknown rather than offline, and an edge round waits (until the end of that time) for the
+        statuses of the devices it would plan: a (restarted) cell hears its devices' retained statuses
+        only once it has subscribed, and its journal or the results its session kept may let it plan at
+        once (0: no wait). ``absent_ids``: a record names the absent devices of a reason only up to this many (it always
         counts them), so a cell of a large population does not list every device that sits a round out.
         ``trust``: this cell's identity (sign; verify the cloud, its devices and their status records;
         accept only tasks of the cloud's current session). ``max_weights`` (a device's known sample
@@ -91,6 +95,9 @@ class CellServer:
         self.rejoin_wait = rejoin_wait
         self.absent_ids = absent_ids
         self._waiting: set[str] = set()  # participating devices this edge round waits for
+        self.status_wait = status_wait
+        self._started = 0.0  # loop time of start()
+        self._unknown: set[str] = set()  # ... and those whose first status it waits for
         self._gave_up: set[str] = set()  # ... and those it waited for in vain this cloud round
         self._wait_timer: TimerHandle | None = None
         self.round = -1
@@ -119,6 +126,7 @@ class CellServer:
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
+        self._started = self.loop.now()
         self.transport.subscribe(topics.cell_task(self.run, self.cell), self._on_cell_task)
         self.transport.subscribe(topics.device_results(self.run, self.cell), self._on_result)
         self.transport.subscribe(topics.device_statuses(self.run, self.cell), self._on_status)
@@ -184,10 +192,12 @@ class CellServer:
         if self.online[device] != online:
             self.online[device] = online
             self._announce()
-        if online and device in self._waiting:
+        awaited = device in self._unknown or (online and device in self._waiting)
+        self._unknown.discard(device)
+        if online:
             self._waiting.discard(device)
-            if not self._waiting:
-                self._plan_edge(self.round, self.edge_round)
+        if awaited and not self._waiting and not self._unknown:
+            self._plan_edge(self.round, self.edge_round)
 
     def _on_manifest(self, topic: str, data: bytes) -> None:
         self.cloud.on_manifest(decode_manifest(data, topic, self.trust) if data else None)
@@ -265,7 +275,7 @@ class CellServer:
     def _end_round(self) -> None:
         self.loop.cancel(self._timer)
         self.loop.cancel(self._wait_timer)
-        self._waiting = set()
+        self._waiting, self._unknown = set(), set()
         self.in_round = False
         self.answers.close()
         if self.secagg is not None:
@@ -281,14 +291,22 @@ class CellServer:
         self.bytes_in = self.bytes_out = 0
 
     def _start_edge(self) -> None:
-        """Open an edge round: first wait (up to ``rejoin_wait``) for offline devices that take part."""
+        """Open an edge round: first wait (up to ``rejoin_wait``) for offline devices that take part, and
+        (within ``status_wait`` of the start) for the first status of those not heard of yet."""
         self._reset_edge()
         self._t0, self._wall0 = self.loop.now(), time.perf_counter()
         self._allowed = set(self.availability(self.round, self.edge_round)) if self.availability else None
-        self._waiting = {d for d in self._allowed or () if d in self.online and not self.online[d]} - self._gave_up
-        if self._waiting and self.rejoin_wait > 0:
-            self._wait_timer = self.loop.call_later(
-                self.rejoin_wait, lambda r=self.round, e=self.edge_round: self._plan_edge(r, e))
+        self._waiting = ({d for d in self._allowed or () if d in self.online and not self.online[d]} - self._gave_up
+                         if self.rejoin_wait > 0 else set())
+        left = self._started + self.status_wait - self.loop.now()
+        self._unknown = {d for d in (self.devices if self._allowed is None else self._allowed)
+                         if d in self.online and not self.online[d] and d not in self.last_seen} if left > 0 else set()
+        wait = max(self.rejoin_wait if self._waiting else 0.0, left if self._unknown else 0.0)
+        if wait > 0:
+            if self._unknown:
+                log.info("cell %s: edge round %d.%d waits up to %.1f s for the first status of %d devices", self.cell,
+                         self.round, self.edge_round, wait, len(self._unknown))
+            self._wait_timer = self.loop.call_later(wait, lambda r=self.round, e=self.edge_round: self._plan_edge(r, e))
         else:
             self._plan_edge(self.round, self.edge_round)
 
@@ -298,7 +316,7 @@ class CellServer:
         self._opened = True
         self.loop.cancel(self._wait_timer)
         self._gave_up |= self._waiting
-        self._waiting = set()
+        self._waiting, self._unknown = set(), set()
         allowed = self._allowed
         taking_part = self.devices if allowed is None else sorted(d for d in allowed if d in self.online)
         sitting_out = len(self.devices) - len(taking_part)

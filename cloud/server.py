@@ -82,6 +82,7 @@ class CloudServer:
         self._timer: TimerHandle | None = None
         self._in_round = False
         self.answers = Answers("cell")
+        self._early: dict[str, tuple[str, Any]] = {}  # cell -> its report of ``round`` that came before the round opened
         self._rejected: list[dict[str, str]] = []
         self._rejected_more = 0
         self.resumed = False
@@ -155,6 +156,11 @@ class CloudServer:
         self.answers.open((self.round,), self.planned)
         self._in_round = True
         r = self.round
+        early, self._early = self._early, {}
+        for topic, msg in early.values():
+            self._take_report(topic, msg)
+        if not self._in_round or self.round != r:  # every cell had reported already
+            return
         if not self.planned:
             self.loop.post(lambda: self._close(r, "no cells"))
         else:
@@ -179,6 +185,16 @@ class CloudServer:
         msg = self.messenger.receive(topic, data, kinds=("cell_report",))
         if msg is None:
             return
+        cell = topic.split("/")[-2]
+        if not self._in_round and not self.finished and msg.header.round == self.round and cell in self.cells:
+            # a resumed cloud: what cells reported while it was down (their sessions kept it) comes before
+            # it re-opens the round; the same message again would be a duplicate, so it is kept (one per cell)
+            log.info("cloud: report of %s for round %d before the round opened: kept for it", cell, self.round)
+            self._early[cell] = (topic, msg)
+            return
+        self._take_report(topic, msg)
+
+    def _take_report(self, topic: str, msg: Any) -> None:
         h, cell = msg.header, topic.split("/")[-2]
         taken = len(self.answers.received)
         reason = self._bad_report(cell, msg)

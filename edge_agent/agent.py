@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedtier.agent")
 
+REANSWERS = 3
+"""How many times a device sends its kept result again for the same task (a cell restarted that often
+within one edge round); beyond, the task is refused as a replay (an unsigned run's forgeries cannot make a
+device send its result without end)."""
+
 
 class Executor(Protocol):
     """Runs a device's training elsewhere: ``done(result, None)`` or ``done(None, error)`` later, on
@@ -37,22 +42,30 @@ class DeviceAgent:
                  data: LocalData, trainer: Trainer, seed: int, trust: "Trust | None" = None,
                  max_message_bytes: int | None = None, on_task: Callable[[int, int], None] | None = None,
                  compute_delay: Callable[[str, Payload], float] | None = None,
-                 cloud: "CloudSession | None" = None, secagg: "SecAggSettings | None" = None) -> None:
+                 cloud: "CloudSession | None" = None, secagg: "SecAggSettings | None" = None,
+                 keep_answer: bool = False) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
         the result leaves (a compute model for simulation, see ``sim/clock.py``). ``trust`` (the device's
         identity) signs what it sends and admits only tasks signed by its cell; ``cloud`` (what the
         device knows of the cloud's session, from its signed records) then also admits only tasks of
         the current session, for a round no later than the manifest's. In any case a task must be for
-        a later (round, edge round) than the last one taken in its session, or, signed, that one again (a
-        cell that restarted re-sends it: it is trained again, once its first training is over, with the
-        same result). ``secagg``: take part in secure aggregation (``edge_agent/secagg.py``): results leave
-        masked."""
+        a later (round, edge round) than the last one taken in its session, or that one again: a cell that
+        restarted re-sends the tasks whose results it has not journaled. With ``keep_answer`` the device
+        keeps the message of its last result and sends it again, the same bytes, for that task (at most
+        ``REANSWERS`` times, signed or not; never trained twice); without, a signed task is trained again
+        (once its first training is over: the same result) and an unsigned one is refused as a replay.
+        ``keep_answer`` costs one result per device: for agents on their own (MQTT), not for simulated
+        populations. ``secagg``: take part in secure aggregation (``edge_agent/secagg.py``): results leave
+        masked (and are never kept)."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device
         self.compute_delay = compute_delay
         self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
         self.trust, self.cloud = trust, cloud
         self.messenger = Messenger(transport, run, device, trust=trust, max_payload=max_message_bytes)
         self._last: tuple[str | None, int, int] | None = None  # (session, round, edge round) of the last task
+        self.keep_answer = keep_answer and secagg is None
+        self._answer: tuple[tuple[str | None, int, int], str, bytes] | None = None  # (task, topic, result message)
+        self._reanswers = 0  # times the kept answer was sent again
         self.on_task = on_task
         self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``); None: here
         self.tasks_done = 0
@@ -106,14 +119,19 @@ class DeviceAgent:
         if h.cell != self.cell:
             self.messenger.reject(topic, f"task for cell {h.cell!r}, this device is in {self.cell!r}", h.sender)
             return
-        if self.pending and self.trust is not None and self._last == (h.session, h.round, h.edge_round):
-            log.info("device %s: task %d.%d again while training it", self.device, h.round, h.edge_round)
-            return
         reason = self._out_of_window(h)
         if reason is not None:
             self.messenger.reject(topic, reason, h.sender)
             return
+        if self._last == (self._session_of(h), h.round, h.edge_round):  # the last task again: a restarted cell
+            if self.pending:
+                log.info("device %s: task %d.%d again while training it", self.device, h.round, h.edge_round)
+                return
+            if self._answer is not None and self._answer[0] == self._last:
+                self._answer_again(topic, h)
+                return
         self._last = (self._session_of(h), h.round, h.edge_round)
+        self._answer = None
         self.messenger.session = h.session  # the result belongs to the task's session
         if self.on_task is not None:
             self.on_task(h.round, h.edge_round)
@@ -149,11 +167,26 @@ class DeviceAgent:
         now = self.cloud.round if self.cloud is not None else None
         if now is not None and h.round < now:
             return f"stale task for round {h.round}, the cloud's manifest says round {now}"
+        again = (h.round, h.edge_round) == (self._last or (None, -1, -1))[1:]
         if self._last is not None and self._last[0] == self._session_of(h) and (
-                (h.round, h.edge_round) < self._last[1:] or (h.round, h.edge_round) == self._last[1:] and self.trust is None):
+                (h.round, h.edge_round) < self._last[1:]
+                or again and self.trust is None and not self.pending and self._answer is None):
             return (f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} "
                     f"(replayed)")
         return None
+
+    def _answer_again(self, topic: str, h: Header) -> None:
+        """Send the kept result of the last task again (the same message: a cell that had it counts it once)."""
+        assert self._answer is not None
+        if self._reanswers >= REANSWERS:
+            self.messenger.reject(topic, f"task for round {h.round}.{h.edge_round} again, answered "
+                                         f"{1 + REANSWERS} times already (replayed)", h.sender)
+            return
+        self._reanswers += 1
+        log.warning("device %s: task %d.%d again (a restarted cell): sending its result again", self.device,
+                    h.round, h.edge_round)
+        _, result_topic, message = self._answer
+        self.transport.publish(result_topic, message, qos=1)
 
     def _session_of(self, h: Header) -> str | None:
         """The cloud session a task belongs to: its header's (signed runs), else the cloud's current one
@@ -195,12 +228,16 @@ class DeviceAgent:
         self.publish_result(result, round, edge_round)
 
     def publish_result(self, result: Payload, round: int, edge_round: int) -> None:
-        """Send a result to the cell."""
+        """Send a result to the cell (and keep its message, with ``keep_answer``)."""
+        topic = topics.device_result(self.run, self.cell, self.device)
         try:
-            self.bytes_out += self.messenger.send(
-                topics.device_result(self.run, self.cell, self.device), "device_result", result,
-                round=round, edge_round=edge_round, cell=self.cell)
+            message = self.messenger.frame("device_result", result, round=round, edge_round=edge_round,
+                                           cell=self.cell, topic=topic)
         except (ValueError, TypeError) as exc:  # a result the wire cannot carry: logged, not sent
             log.error("device %s: result of round %d.%d not sent: %s", self.device, round, edge_round, exc)
             return
+        self.transport.publish(topic, message, qos=1)
+        self.bytes_out += len(message)
         self.tasks_done += 1
+        if self.keep_answer and self._last is not None and self._last[1:] == (round, edge_round):
+            self._answer, self._reanswers = (self._last, topic, message), 0

@@ -21,11 +21,12 @@ def cell_of(cfg: RunConfig, device: str) -> str:
 
 
 def build_agent(cfg: RunConfig, device: str, transport: Transport, algorithm: Algorithm, data: LocalData,
-                trainer: Trainer, cloud: CloudSession | None = None) -> DeviceAgent:
+                trainer: Trainer, cloud: CloudSession | None = None, keep_answer: bool = False) -> DeviceAgent:
     """``cloud``: what the device's process knows of the cloud's session (MQTT agents), so that only
-    tasks of the current session count."""
+    tasks of the current session count. ``keep_answer``: send the last result again when a restarted cell
+    re-sends its task (MQTT agents; see :class:`DeviceAgent`)."""
     trust = node_trust(cfg, device)  # [security] keys: sign, and require the cell's signature
     return DeviceAgent(transport, run=cfg.run.name, cell=cell_of(cfg, device), device=device,
                        role=algorithm.device(device), data=data, trainer=trainer, seed=cfg.run.seed,
                        trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), cloud=cloud,
-                       secagg=cfg.secagg_settings())
+                       secagg=cfg.secagg_settings(), keep_answer=keep_answer)

@@ -229,7 +229,7 @@ class AgentProcess:
             transport = self._transport(device)
             self.clouds[device] = CloudSession()
             agent = build_agent(self.cfg, device, transport, self.algorithm, data, self.trainer,
-                                cloud=self.clouds[device])
+                                cloud=self.clouds[device], keep_answer=True)
             if self.on_task is not None:
                 agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)
             self.agents[device] = agent

@@ -105,3 +105,40 @@ def test_replayed_and_stale_tasks_are_never_trained() -> None:
     task(0, 0)
     assert role.trained == [(1, 0), (1, 1), (3, 0), (0, 0)]
     assert agent.tasks_done == 4
+
+
+def test_a_restarted_cells_task_gets_the_kept_result_again_never_a_second_training() -> None:
+    """Unsigned, ``keep_answer`` (MQTT agents): the task of the last (round, edge round) again, under a new
+    message id (a restarted cell re-sends the tasks whose results it had not journaled), gets the kept
+    result message again, byte for byte, without training; at most ``REANSWERS`` times, then it is
+    refused as a replay. An older task is still refused, and a new task replaces the kept result."""
+    from edge_agent.agent import REANSWERS
+
+    hub = MemoryHub()
+    role = _Counting()
+    agent = DeviceAgent(hub.connect("d"), run="r", cell="c0", device="c0-d0", role=role,
+                        data=LocalData(np.zeros((1, 2), np.float32), np.zeros(1, np.int64)), trainer=None,
+                        seed=0, keep_answer=True)
+    agent.start()
+    cell = Messenger(hub.connect("cell"), "r", "c0")
+    results: list[bytes] = []
+    hub.connect("watch").subscribe(topics.device_result("r", "c0", "c0-d0"), lambda t, data: results.append(data))
+    rejected: list[str] = []
+    agent.messenger.on_reject = lambda topic, reason, sender: rejected.append(reason)
+
+    def task(rnd: int, edge: int) -> None:
+        cell.send(topics.device_task("r", "c0", "c0-d0"), "device_task", Payload({}, {}),
+                  round=rnd, edge_round=edge, cell="c0")
+        hub.loop.run()
+
+    task(1, 0)
+    for _ in range(REANSWERS + 1):
+        task(1, 0)
+    assert role.trained == [(1, 0)]
+    assert len(results) == 1 + REANSWERS and len(set(results)) == 1
+    assert len(rejected) == 1 and "(replayed)" in rejected[0]
+    task(0, 5)
+    assert "(replayed)" in rejected[-1] and len(results) == 1 + REANSWERS
+    task(1, 1)
+    task(1, 1)
+    assert role.trained == [(1, 0), (1, 1)] and results[-1] == results[-2] != results[0]

@@ -2,6 +2,7 @@
 persistence, publishers re-sending what the broker never acknowledged (issue #14)."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -12,6 +13,7 @@ import pytest
 
 from protocols import runfiles
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, free_port
+from protocols.transport.hold import Hold, HoldLimits
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.reactor import Reactor
 from protocols.transport.threadloop import ThreadLoop
@@ -62,6 +64,60 @@ def test_persistent_session_receives_what_was_queued_while_away(kind: str, loop)
             time.sleep(0.2)  # nothing more may trickle in (a repeat, or the clean session's loss)
             assert len(inbox.items) == (2 if persistent else 0)
             back.close()
+
+
+@pytest.mark.parametrize("kind", BROKERS)
+def test_queued_messages_reach_a_handler_subscribed_after_the_reconnect(kind: str, loop) -> None:
+    """A node restarted under its client id connects first and subscribes its handlers later (a cell
+    builds its model in between): what the broker queued for it while it was down arrives right after
+    the CONNACK, is held, and goes to the handler subscribed later, each message once and in order."""
+    with make_broker(kind) as b:
+        inbox = Inbox(loop)
+        first = client(b, "restarted", loop, persistent=True)
+        first.subscribe("r/+/result", inbox)
+        first.connect(WAIT)
+        assert first.wait_subscribed(WAIT)
+        first.crash()  # kill -9: no DISCONNECT
+        pub = client(b, "devices", loop).connect(WAIT)
+        big = os.urandom(20_000)  # chunked
+        sent = [("r/d0/result", b"one"), ("r/d1/result", big), ("r/d2/result", b"three")]
+        for topic, data in sent:
+            pub.publish(topic, data)
+        assert pub.flush(WAIT)
+        back = client(b, "restarted", loop, persistent=True).connect(WAIT)
+        assert wait_until(lambda: back.held[0] == 3, WAIT), back.held  # delivered before any handler
+        assert back.held[1] == sum(len(d) for _, d in sent)
+        back.subscribe("r/+/status", Inbox(loop))  # another pattern takes none of them
+        assert back.held[0] == 3
+        back.subscribe("r/+/result", inbox)
+        assert inbox.wait_n(3) == sent and back.held == (0, 0)
+        assert back.wait_subscribed(WAIT)
+        pub.publish("r/d3/result", b"live")  # and the subscription works as usual
+        assert inbox.wait_n(4)[3] == ("r/d3/result", b"live")
+        for t in (pub, back):
+            t.close()
+
+
+def test_the_hold_is_bounded_in_messages_bytes_and_time(caplog) -> None:
+    """Hostile or stale deliveries cannot grow the hold: beyond its message count or byte budget a
+    message is dropped, after ``seconds`` unclaimed ones expire; each drop is logged."""
+    now = [0.0]
+    hold = Hold("cell.c0", HoldLimits(messages=3, bytes=100, seconds=10.0), clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="protocols.transport.hold"):
+        assert hold.offer("a/1", b"x" * 40) and hold.offer("b/1", b"y" * 40)
+        assert not hold.offer("a/2", b"z" * 30)  # 110 bytes > 100
+        assert hold.offer("a/3", b"z" * 20)
+        assert not hold.offer("a/4", b"")  # 3 messages already
+        assert (len(hold), hold.nbytes, hold.dropped) == (3, 100, 2)
+        assert "the hold is full" in caplog.text
+        assert hold.take("a/+") == [("a/1", b"x" * 40), ("a/3", b"z" * 20)]
+        assert (len(hold), hold.nbytes) == (1, 40)
+        now[0] = 5.0
+        assert hold.offer("c/1", b"w")
+        now[0] = 10.5  # b/1 is older than 10 s, c/1 is not
+        assert hold.take("#") == [("c/1", b"w")]
+        assert (len(hold), hold.nbytes, hold.dropped) == (0, 0, 3)
+        assert "found no handler within 10 s" in caplog.text
 
 
 @needs_mosquitto

@@ -60,7 +60,8 @@ dataset = "digits"
 [runtime]
 device_deadline = 60.0
 heartbeat = 1.0
-[security]
+"""
+SIGNED = """[security]
 keys = "{keys}"
 """
 
@@ -150,14 +151,16 @@ class Deployment:
     """A cloud, one ``fedtier cell`` per cell and one ``fedtier agent`` per device, over ``broker``; the
     cells keep their own run folders (``cells/<cell>``), as on their own machines."""
 
-    def __init__(self, tmp: Path, broker_url: str, algorithm: str = "fedavg", edge_rounds: int = 1) -> None:
+    def __init__(self, tmp: Path, broker_url: str, algorithm: str = "fedavg", edge_rounds: int = 1,
+                 signed: bool = True) -> None:
         self.tmp, self.url = tmp, broker_url
         keys = tmp / "keys.toml"
         self.config = tmp / "run.toml"
-        self.config.write_text(CONFIG.format(out=tmp / "cloud", keys=keys, algorithm=algorithm,
-                                             edge_rounds=edge_rounds))
+        self.config.write_text(CONFIG.format(out=tmp / "cloud", algorithm=algorithm, edge_rounds=edge_rounds)
+                               + (SIGNED.format(keys=keys) if signed else ""))
         self.cfg = load_config(self.config)
-        write_keys(keys, generate_keys(self.cfg.topology))
+        if signed:
+            write_keys(keys, generate_keys(self.cfg.topology))
         prep = prepare(self.cfg)
         for device, data in prep.device_data.items():
             save_device_data(tmp / f"{device}.npz", data, prep.spec)
@@ -277,13 +280,16 @@ def test_cloud_killed_mid_round_resumes_to_the_uninterrupted_model(tmp_path: Pat
         assert all("re-sending its report" in dep.log(c) for c in cells)
 
 
-def test_cell_killed_mid_round_resumes_and_loses_no_device_result(tmp_path: Path, broker) -> None:
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_cell_killed_mid_round_resumes_and_loses_no_device_result(tmp_path: Path, broker, signed: bool) -> None:
     """Agent c0-d1 is paused (SIGSTOP) once online, so round 0's first edge round of cell c0 cannot
     close; once c0 has journaled c0-d0's result, c0 is SIGKILLed, c0-d1 continues (its result goes to
-    a cell that is down) and ``fedtier cell --resume`` restarts c0: it keeps c0-d0's result, re-sends
-    the task to c0-d1 (which answers again), and the run goes on. No device result of the round is
-    lost: every edge round has both devices, every round both cells, the model is the uninterrupted run's."""
-    dep = Deployment(tmp_path, broker.url, edge_rounds=2)
+    a cell that is down: the broker queues it in c0's session) and ``fedtier cell --resume`` restarts c0:
+    it keeps c0-d0's result, gets c0-d1's from its session (held by the transport until c0 subscribes)
+    or, re-sending the task, from c0-d1 again (the same message), waits for its devices' statuses before
+    it plans the next edge round, and the run goes on. No device result of the round is lost: every
+    edge round has both devices, every round both cells, the model is the uninterrupted run's."""
+    dep = Deployment(tmp_path, broker.url, edge_rounds=2, signed=signed)
     expected = uninterrupted(dep)
     journal = Journal(dep.cell_dir("c0") / runfiles.CELL_JOURNAL.format(cell="c0"))
     with ExitStack() as stack:

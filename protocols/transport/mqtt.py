@@ -7,7 +7,10 @@ on the node's :class:`EventLoop`. With ``persistent`` the MQTT session survives 
 keeps the node's subscriptions and queues QoS-1 messages for it while it is away, and a broker with
 persistence keeps them across its own restart. Either way the transport remembers its subscriptions
 and re-issues them on every (re)connect, and paho re-sends every QoS-1 publish not yet acknowledged
-(receivers de-duplicate by message id, chunks by content id). A lost connection is re-established with exponential backoff
+(receivers de-duplicate by message id, chunks by content id). What the broker delivers from a resumed
+session before the node has subscribed a handler for it (it comes right after the CONNACK) is held, bounded
+(``protocols.transport.hold``), and handed to the first handler subscribed to a matching pattern.
+A lost connection is re-established with exponential backoff
 (with a reactor: jittered from ``backoff_seed``, and a broker that hangs up before its CONNACK, e.g.
 at a connection rate limit, is retried the same way when ``retry_refused``). Messages larger than
 ``max_chunk`` travel as chunks (``protocols.wire.chunking``); handlers only see whole messages.
@@ -28,6 +31,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from ..wire import chunking
 from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
+from .hold import Hold, HoldLimits
 from .reactor import Reactor
 
 log = logging.getLogger(__name__)
@@ -126,8 +130,10 @@ class MqttTransport(Transport):
         backoff_seed: int | None = None,
         retry_refused: bool = False,
         persistent: bool = False,
+        hold: HoldLimits = HoldLimits(),
     ) -> None:
-        """``persistent``: keep the broker-side session across disconnects (see the module doc).
+        """``persistent``: keep the broker-side session across disconnects (see the module doc);
+        ``hold`` bounds what such a session delivers before its handler is subscribed.
         ``reactor``: drive the connection from that shared I/O thread instead of a paho thread
         of its own. ``backoff_seed`` seeds the reconnect jitter; ``retry_refused``: a broker that
         closes the connection before its CONNACK is retried until the connect timeout."""
@@ -165,6 +171,8 @@ class MqttTransport(Transport):
         self._gone = threading.Event()  # the socket is closed after close()
 
         self.persistent = persistent
+        self._held = Hold(client_id, hold)  # messages of a resumed session that came before their handler
+        self._unsubscribed: set[str] = set()  # patterns given up: late deliveries on them are not held
         c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not persistent,
                         protocol=mqtt.MQTTv311)
         if username is not None:
@@ -307,6 +315,8 @@ class MqttTransport(Transport):
         if self._connected:
             self.flush(flush_timeout)
         self._closed = True
+        with self._cv:
+            self._held.clear()
         self.loop.cancel(self._expiry)
         if self._reactor is None:
             self._client.disconnect()
@@ -396,11 +406,15 @@ class MqttTransport(Transport):
         with self._cv:
             old_qos, handlers = self._subs.get(pattern, (qos, []))
             self._subs[pattern] = (max(qos, old_qos), [*handlers, handler])
+            self._unsubscribed.discard(pattern)
+            for topic, payload in self._held.take(pattern) if len(self._held) else ():
+                self.loop.post(self._bind(pattern, handler, topic, payload))
         self._sync_broker_subs()
 
     def unsubscribe(self, pattern: str) -> None:
         with self._cv:
             self._subs.pop(pattern, None)
+            self._unsubscribed.add(pattern)
         self._sync_broker_subs()
 
     def _wanted(self) -> dict[str, int]:
@@ -452,6 +466,12 @@ class MqttTransport(Transport):
             self._chunk_auth = auth
         with self._reasm_lock:
             self._reasm.limit(max_message_bytes, auth)
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(messages, bytes) held for a handler not subscribed yet (see the module doc)."""
+        with self._cv:
+            return len(self._held), self._held.nbytes
 
     @property
     def reassembly_bytes(self) -> int:
@@ -565,10 +585,14 @@ class MqttTransport(Transport):
             return
         with self.stats._lock:
             self.stats.messages_in += 1
-        with self._cv:
+        with self._cv:  # posted under the lock: a subscribe() handing out held messages cannot interleave
             targets = [(p, h) for p, (_, hs) in self._subs.items() if topic_matches(p, topic) for h in hs]
-        for pattern, handler in targets:
-            self.loop.post(self._bind(pattern, handler, topic, whole))
+            if not targets:
+                if self.persistent and not any(topic_matches(p, topic) for p in self._unsubscribed):
+                    self._held.offer(topic, whole)
+                return
+            for pattern, handler in targets:
+                self.loop.post(self._bind(pattern, handler, topic, whole))
 
     def _bind(self, pattern: str, handler: Handler, topic: str, payload: bytes) -> Callable[[], None]:
         def deliver() -> None:
@@ -587,6 +611,8 @@ class MqttTransport(Transport):
                 return
             with self._reasm_lock:
                 self._reasm.expire()
+            with self._cv:
+                self._held.expire()
             self._expiry = self.loop.call_later(period, tick)
 
         self.loop.cancel(self._expiry)
