@@ -192,6 +192,13 @@ class CellServer:
         if self.online[device] != online:
             self.online[device] = online
             self._announce()
+            if (online and self.answers.is_open and device in self.answers.pending and device in self._tasks
+                    and self.secagg is None):
+                # back (an agent restarted, or reconnected with a new session) while its result is
+                # pending: the task it was given may be lost with its old process
+                log.warning("cell %s: %s is back while its result of %d.%d is pending: its task again", self.cell,
+                            device, self.round, self.edge_round)
+                self._send_task(device)
         awaited = device in self._unknown or (online and device in self._waiting)
         self._unknown.discard(device)
         if online:
@@ -287,6 +294,7 @@ class CellServer:
         self.diverged: dict[str, str] = {}  # device -> why its training diverged (not aggregated)
         self._not_participating = 0  # counted, not named in self.absent (more than absent_ids)
         self.planned: list[str] = []
+        self._tasks: Mapping[str, Payload] = {}  # the open edge round's task of each planned device
         self._opened = False  # planned and sent the tasks of the current edge round
         self.bytes_in = self.bytes_out = 0
 
@@ -340,14 +348,13 @@ class CellServer:
         """Send the edge round's tasks (not to devices whose result is ``taken`` already: a resumed cell)
         and wait for the answers until the quorum or the deadline."""
         self.planned = sorted(plan)
+        self._tasks = plan
         for d in available:
             if d not in plan:
                 self.absent[d] = "not selected"
         for d in self.planned:
             if taken is None or d not in taken:
-                self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, d), "device_task",
-                                                      plan[d], round=self.round, edge_round=self.edge_round,
-                                                      cell=self.cell)
+                self._send_task(d)
         self.answers.open((self.round, self.edge_round), self.planned)
         for d, result in (taken or {}).items():
             self.answers.received[d] = result
@@ -362,6 +369,11 @@ class CellServer:
             self.loop.post(lambda: self._close(r, e, "all answered" if not self.answers.pending else "quorum"))
         else:
             self._timer = self.loop.call_later(self.device_deadline, lambda: self._close(r, e, "deadline"))
+
+    def _send_task(self, device: str) -> None:
+        self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, device), "device_task",
+                                              self._tasks[device], round=self.round, edge_round=self.edge_round,
+                                              cell=self.cell)
 
     def _on_result(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=self._result_kinds)

@@ -47,6 +47,12 @@ from protocols.wire.chunking import DEFAULT_MAX_CHUNK
 from protocols.wire.keys import generate_keys, node_subset, write_keys
 
 MONITOR = "monitor"
+PERSISTENCE = ("persistence true\npersistence_location {data}/\nautosave_interval 1\n"
+               "persistent_client_expiration 7d\n")
+"""A provisioned broker keeps its sessions, subscriptions, queued and retained messages across a restart
+(``data/mosquitto.db``, saved every second and at a clean stop), as the broker of ``fedtier run`` does:
+with the nodes' persistent sessions a broker restart loses nothing but what it queued in its last
+second before a crash. A session unused for 7 days is dropped (a device gone for good)."""
 VALID_DAYS = 365
 
 
@@ -193,11 +199,13 @@ def _write_broker(folder: Path, title: str, pki: _Pki, host: str, port: int, max
     _write(folder / "acl", acl_file(rules))
     options = listener_options(max_packet).replace("{dir}", str(folder.resolve()))
     _write(folder / "listener.conf", options)
+    data = folder / "data"  # mosquitto.db: sessions, queued and retained messages (model updates: private)
+    data.mkdir(mode=0o700, exist_ok=True)
     _write(folder / "mosquitto.conf",  # secret: a bridge section holds the bridge's password
            f"# {title} (fedtier provision)\n"
            + (f"user {broker_user}\n" if broker_user else "") +
-           "per_listener_settings false\nallow_anonymous false\npersistence false\nset_tcp_nodelay true\n"
-           "max_queued_messages 100000\nmax_inflight_messages 64\n"
+           "per_listener_settings false\nallow_anonymous false\nset_tcp_nodelay true\n"
+           "max_queued_messages 100000\nmax_inflight_messages 64\n" + PERSISTENCE.format(data=data.resolve()) +
            f"listener {port}{' ' + bind if bind else ''}\n{options}" + (f"\n{extra}\n" if extra else ""), secret=True)
     if broker_user:
         try:

@@ -138,12 +138,14 @@ class Inbox:
 
 
 def client_factory(loop: ThreadLoop, made: list[MqttTransport]) -> Any:
-    def make(bundle: Path, port: int, password: str | None = None, username: str | None = None) -> MqttTransport:
+    def make(bundle: Path, port: int, password: str | None = None, username: str | None = None,
+             client_id: str | None = None, persistent: bool = False) -> MqttTransport:
         cfg = tomllib.loads((bundle / "config.toml").read_text())["broker"]
-        t = MqttTransport(f"acl-{bundle.name}-{len(made)}", loop, "127.0.0.1", port,
+        t = MqttTransport(client_id or f"acl-{bundle.name}-{len(made)}", loop, "127.0.0.1", port,
                           username=username or cfg["username"],
                           password=password or cfg["password"], ca_certs=str(bundle / "ca.crt"),
-                          certfile=str(bundle / "client.crt"), keyfile=str(bundle / "client.key"))
+                          certfile=str(bundle / "client.crt"), keyfile=str(bundle / "client.key"),
+                          persistent=persistent)
         made.append(t)
         return t
     return make
@@ -202,6 +204,32 @@ def test_broker_refuses_a_device_reading_another_devices_task(connect) -> None:
 def test_broker_refuses_wrong_credentials(connect) -> None:
     with pytest.raises(ConnectionError, match="refused"):
         connect("c0-d0", password="guess").connect(WAIT)
+
+
+@needs_mosquitto
+def test_provisioned_broker_keeps_queued_messages_across_a_restart(reachable_tmp: Path) -> None:
+    """The provisioned broker has persistence on (as ``fedtier run``'s): a result published while the
+    cell is away is queued in the cell's persistent session, survives a restart of the broker, and
+    reaches the cell when it comes back under its client id."""
+    p = provision_cli(reachable_tmp, "persist")
+    conf, nodes, run = p["out"] / "broker" / "mosquitto.conf", p["out"] / "nodes", "t"
+    assert "persistence true" in conf.read_text()
+    topic = topics.device_result(run, "c0", "c0-d0")
+    with mosquitto(conf, p["port"]), clients() as make:
+        cell = make(nodes / "c0", p["port"], client_id="cell-c0", persistent=True)
+        cell.subscribe(topics.device_results(run, "c0"), Inbox())
+        cell.connect(WAIT)
+        assert cell.wait_subscribed(WAIT)
+        cell.close()
+        device = make(nodes / "c0-d0", p["port"]).connect(WAIT)
+        device.publish(topic, b"result while the cell is away")
+        assert device.flush(WAIT)
+    assert (p["out"] / "broker" / "data" / "mosquitto.db").exists()  # saved at the clean stop
+    with mosquitto(conf, p["port"]), clients() as make:
+        inbox = Inbox()
+        back = make(nodes / "c0", p["port"], client_id="cell-c0", persistent=True).connect(WAIT)
+        back.subscribe(topics.device_results(run, "c0"), inbox)
+        assert inbox.wait_for(topic) == [(topic, b"result while the cell is away")]
 
 
 # ------------------------------------------------------------------------------- per-cell brokers
