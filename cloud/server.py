@@ -79,6 +79,7 @@ class CloudServer:
         self.cumulative = {t: 0 for t in TIERS}
         self.cell_ready: dict[str, bool] = {c: False for c in self.cells}
         self.cell_online: dict[str, bool] = {c: False for c in self.cells}
+        self._offline_since: dict[str, float] = {}  # cell -> loop time it went offline (after being online)
         self._timer: TimerHandle | None = None
         self._in_round = False
         self.answers = Answers("cell")
@@ -137,7 +138,12 @@ class CloudServer:
         cell, record = node[len("cell."):], decode_status(data, topic, self.trust)
         if cell not in self.cell_ready or record is None:
             return
-        self.cell_online[cell] = record["state"] == "online"
+        online = record["state"] == "online"
+        if self.cell_online[cell] and not online:
+            self._offline_since[cell] = self.loop.now()
+        elif online:
+            self._offline_since.pop(cell, None)
+        self.cell_online[cell] = online
         self.cell_ready[cell] = self.cell_online[cell] and record.get("devices_online") == record.get("devices_total")
         self._maybe_begin()
 
@@ -152,7 +158,7 @@ class CloudServer:
 
     # ----------------------------------------------------------------- rounds
     def _begin_round(self) -> None:
-        self._send_tasks([c for c in self.cells if self.cell_online[c] or self.startup_wait <= 0])
+        self._send_tasks([c for c in self.cells if self._plannable(c)])
         self.answers.open((self.round,), self.planned)
         self._in_round = True
         r = self.round
@@ -165,6 +171,19 @@ class CloudServer:
             self.loop.post(lambda: self._close(r, "no cells"))
         else:
             self._timer = self.loop.call_later(self.cell_deadline, lambda: self._close(r, "deadline"))
+
+    def _plannable(self, cell: str) -> bool:
+        """Online (or no startup wait), or offline for less than ``cell_deadline``: a cell that just died
+        is likely restarting, and its persistent session keeps the task for it (a cell gone for good
+        delays one round, to the deadline)."""
+        if self.cell_online[cell] or self.startup_wait <= 0:
+            return True
+        gone = self._offline_since.get(cell)
+        if gone is None or self.loop.now() - gone >= self.cell_deadline:
+            return False
+        log.info("cloud: round %d plans %s, offline for %.1f s: its session keeps the task", self.round, cell,
+                 self.loop.now() - gone)
+        return True
 
     def _send_tasks(self, candidates: list[str]) -> None:
         """Start counting the next round record; plan the ``candidates`` that may take part; send their tasks."""

@@ -1,6 +1,7 @@
-"""A cell's view of its devices' liveness around restarts (issue #14), in memory on a virtual clock: a
-started cell waits for the first statuses of its devices before it counts one offline, and a device
-that comes back while its result is pending gets its task again."""
+"""Liveness around restarts (issue #14), in memory on a virtual clock: a started cell waits for the first
+statuses of its devices before it counts one offline; a device that comes back while its result is
+pending gets its task again; the cloud still plans a cell that went offline less than a cell deadline
+ago (it is likely restarting; its session keeps the task)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -79,3 +80,27 @@ def test_a_device_back_while_its_result_is_pending_gets_its_task_again(tmp_path:
     c.status("c0-d1", "online")
     c.run_until(lambda: len(c.tasks) == 4)
     assert c.tasks[3] == ("c0-d1", *c.tasks[0][1:]) and c.cell.answers.pending == set(DEVICES)
+
+
+def test_the_cloud_plans_a_cell_offline_for_less_than_a_cell_deadline(tmp_path: Path) -> None:
+    """c0 goes offline (its will) 20 s into round 0: round 1, planned at 30 s, still sends it its task; round
+    2, planned at 60 s, no longer does (offline for longer than the 30 s cell deadline); c1 gets every round."""
+    cfg = small_config(tmp_path, runtime={"cell_deadline": 30.0, "startup_wait": 5.0})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=cfg.runtime.startup_wait)
+    cells = hub.connect("cells")
+    tasks: list[tuple[str, int]] = []
+    for c in ("c0", "c1"):
+        cells.subscribe(topics.cell_task(run, c), lambda t, data, c=c: tasks.append((c, decode_message(data)[0].round)))
+
+    def status(cell: str, state: str) -> None:
+        topic = topics.status(run, topics.cell_node(cell))
+        cells.publish(topic, encode_status(state, topic=topic, devices_online=3, devices_total=3), retain=True)
+
+    status("c0", "online")
+    status("c1", "online")
+    cloud.start()
+    hub.loop.call_later(20.0, lambda: status("c0", "offline"))
+    hub.loop.run(until=lambda: cloud.finished)
+    assert tasks == [("c0", 0), ("c1", 0), ("c0", 1), ("c1", 1), ("c1", 2)]
