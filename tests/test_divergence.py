@@ -69,27 +69,33 @@ class _Counting(DeviceRole):
         return Payload({"weight": 1, "loss": 0.1}, {})
 
 
+class _Unsigned:
+    """Device c0-d0 (a counting role) on a memory hub; :meth:`task` sends it a task as its cell would."""
+
+    def __init__(self, **agent_kw) -> None:
+        self.hub, self.role = MemoryHub(), _Counting()
+        self.agent = DeviceAgent(self.hub.connect("d"), run="r", cell="c0", device="c0-d0", role=self.role,
+                                 data=LocalData(np.zeros((1, 2), np.float32), np.zeros(1, np.int64)), trainer=None,
+                                 seed=0, **agent_kw)
+        self.agent.start()
+        self.cell = Messenger(self.hub.connect("cell"), "r", "c0")
+        self.rejected: list[str] = []
+        self.agent.messenger.on_reject = lambda topic, reason, sender: self.rejected.append(reason)
+
+    def task(self, rnd: int, edge: int) -> None:
+        self.cell.send(topics.device_task("r", "c0", "c0-d0"), "device_task", Payload({}, {}),
+                       round=rnd, edge_round=edge, cell="c0")
+        self.hub.loop.run()
+
+
 def test_replayed_and_stale_tasks_are_never_trained() -> None:
     """Unsigned run (anyone can forge; the window still holds): a task re-sent for a (round, edge round)
     already taken, or an older one, is rejected as a replay; a task for a round before the cloud's
     manifest is rejected as stale; a new cloud session opens a new window."""
-    hub = MemoryHub()
-    role = _Counting()
     cloud = CloudSession()
     cloud.on_status({"state": "online", "session": "s1", "started": 1.0})
-    agent = DeviceAgent(hub.connect("d"), run="r", cell="c0", device="c0-d0", role=role,
-                        data=LocalData(np.zeros((1, 2), np.float32), np.zeros(1, np.int64)), trainer=None,
-                        seed=0, cloud=cloud)
-    agent.start()
-    cell = Messenger(hub.connect("cell"), "r", "c0")
-    rejected: list[str] = []
-    agent.messenger.on_reject = lambda topic, reason, sender: rejected.append(reason)
-
-    def task(rnd: int, edge: int) -> None:
-        cell.send(topics.device_task("r", "c0", "c0-d0"), "device_task", Payload({}, {}),
-                  round=rnd, edge_round=edge, cell="c0")
-        hub.loop.run()
-
+    d = _Unsigned(cloud=cloud)
+    role, agent, rejected, task = d.role, d.agent, d.rejected, d.task
     task(1, 0)
     task(1, 1)
     task(1, 1)  # the same task again, a new message id: a replay
@@ -114,23 +120,10 @@ def test_a_restarted_cells_task_gets_the_kept_result_again_never_a_second_traini
     refused as a replay. An older task is still refused, and a new task replaces the kept result."""
     from edge_agent.agent import REANSWERS
 
-    hub = MemoryHub()
-    role = _Counting()
-    agent = DeviceAgent(hub.connect("d"), run="r", cell="c0", device="c0-d0", role=role,
-                        data=LocalData(np.zeros((1, 2), np.float32), np.zeros(1, np.int64)), trainer=None,
-                        seed=0, keep_answer=True)
-    agent.start()
-    cell = Messenger(hub.connect("cell"), "r", "c0")
+    d = _Unsigned(keep_answer=True)
+    role, rejected, task = d.role, d.rejected, d.task
     results: list[bytes] = []
-    hub.connect("watch").subscribe(topics.device_result("r", "c0", "c0-d0"), lambda t, data: results.append(data))
-    rejected: list[str] = []
-    agent.messenger.on_reject = lambda topic, reason, sender: rejected.append(reason)
-
-    def task(rnd: int, edge: int) -> None:
-        cell.send(topics.device_task("r", "c0", "c0-d0"), "device_task", Payload({}, {}),
-                  round=rnd, edge_round=edge, cell="c0")
-        hub.loop.run()
-
+    d.hub.connect("watch").subscribe(topics.device_result("r", "c0", "c0-d0"), lambda t, data: results.append(data))
     task(1, 0)
     for _ in range(REANSWERS + 1):
         task(1, 0)
