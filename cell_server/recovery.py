@@ -7,7 +7,8 @@ edge round it closed, and finally the report message it sent. Roles are determin
 these inputs rebuilds the cell's state exactly: a restarted cell re-plans the edge round it was in
 (the same plan), keeps the results it had, re-sends the task to the devices still pending (a device
 that already answered answers again: the same result) and waits for them; a cell that had reported
-re-sends the same report message when the cloud asks again. On disk: one round's inbound traffic at
+sends the same report message again at once (it is journaled before it is published) and whenever the
+cloud asks again. On disk: one round's inbound traffic at
 most (its task and its devices' results).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from protocols.checkpoint import Journal
 from protocols.jsonl import read_jsonl
+from protocols.wire import topics
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
@@ -92,7 +94,10 @@ def recover(cell: "CellServer", entries: list[Payload]) -> None:
             report = entry.tensors["message"].tobytes()
     if report is not None:  # the round is over here: answer the cloud's repeat of it with this report
         cell.round, cell.messenger.session, cell._sent_report = rnd, session, report
-        log.warning("cell %s: resumed after round %d (its report was sent)", cell.cell, rnd)
+        # journaled before it was published: it may have died in the process (the same message again:
+        # a cloud that had it counts it once)
+        log.warning("cell %s: resumed after round %d, sending its report again", cell.cell, rnd)
+        cell.transport.publish(topics.cell_report(cell.run, cell.cell), report, qos=1)
         return
     try:
         cell.role.begin(rnd, Payload(first["task"], entries[0].tensors))

@@ -127,6 +127,42 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     assert [m["cells_reported"] for m in crashed.history] == [["c0", "c1"]] * 3
 
 
+def test_cell_killed_between_journaling_its_report_and_sending_it_sends_it_on_resume(tmp_path: Path) -> None:
+    """In memory: c0 dies right after it journaled its report of round 1 (the publish never leaves); the
+    resumed cell sends that report at once, so the cloud's round 1 has both cells and the model is the
+    uninterrupted run's."""
+    def config(name: str):
+        return small_config(tmp_path / name, runtime={"device_deadline": 50.0})
+
+    straight = run_simulation(config("straight"))
+    sim = SimHierarchy(config("crashed"))
+    cfg, out = sim.cfg, sim.output_dir
+
+    def cell(resume: bool):
+        return build_cell(cfg, "c0", sim.hub.connect("cell.c0"), sim.algorithm, output_dir=out, assume_online=True,
+                          journal=True, resume=resume, samples=device_samples(sim.prep.device_data, cfg.topology.device_ids("c0")))
+
+    def restart() -> None:
+        sim.cells["c0"] = new = cell(resume=True)
+        new.start()
+
+    first = sim.cells["c0"] = cell(resume=False)
+    journal_report = first.journal.report
+
+    def report(message: bytes) -> None:
+        journal_report(message)
+        if first.round == 1:
+            first.transport.crash()  # the publish that follows is dropped
+            first.stop()
+            sim.hub.loop.post(restart)
+
+    first.journal.report = report
+    crashed = sim.run()
+    assert sim.cells["c0"] is not first
+    assert [m["cells_reported"] for m in crashed.history] == [["c0", "c1"]] * 3
+    assert all(np.array_equal(straight.params[k], crashed.params[k]) for k in straight.params)
+
+
 def test_a_cell_follows_a_cloud_that_started_afresh_in_a_new_session(tmp_path: Path) -> None:
     """Signed, in memory: after a finished run the same cells (at round 1) serve a cloud started again
     without --resume (a new session, announced by its signed status): they take its round 0 instead of
