@@ -188,12 +188,13 @@ class CellServer:
         if record is None:
             return
         online = record["state"] == "online"
+        heard = device in self.last_seen  # a first status (a started cell) is no return
         self.last_seen[device] = self.loop.now()
         if self.online[device] != online:
             self.online[device] = online
             self._announce()
-            if (online and self.answers.is_open and device in self.answers.pending and device in self._tasks
-                    and self.secagg is None):
+            if (online and heard and self.answers.is_open and device in self.answers.pending
+                    and device in self._tasks and self.secagg is None):
                 # back (an agent restarted, or reconnected with a new session) while its result is
                 # pending: the task it was given may be lost with its old process
                 log.warning("cell %s: %s is back while its result of %d.%d is pending: its task again", self.cell,

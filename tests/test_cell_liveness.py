@@ -75,7 +75,7 @@ def test_a_device_back_while_its_result_is_pending_gets_its_task_again(tmp_path:
     c = Cell(tmp_path)
     for d in DEVICES:
         c.status(d, "online")
-    c.run_until(lambda: len(c.tasks) == 3)
+    c.run_until(lambda: len(c.tasks) == 3)  # a first status (online) is no return: each task went once
     c.status("c0-d1", "offline")
     c.status("c0-d1", "online")
     c.run_until(lambda: len(c.tasks) == 4)
