@@ -75,6 +75,8 @@ def tree_usage(root: int, cpu: dict[int, tuple[str, float]] | None = None) -> di
                     cmd = f.read()
                 kind = ("launcher" if pid == root else "mosquitto" if b"mosquitto" in cmd
                         else "agent workers" if b"spawn_main" in cmd else "other")
+                if pid in cpu and cpu[pid][0] != "other":
+                    kind = cpu[pid][0]  # an exiting process has no command line any more
                 cpu[pid] = (kind, (int(fields_[11]) + int(fields_[12])) / TICK)
             with open(f"/proc/{pid}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
@@ -93,6 +95,7 @@ class Peak:
     def __init__(self, period: float = 0.5) -> None:
         self.peak = {"rss": 0, "threads": 0, "fds": 0, "processes": 0}
         self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds at its last sample)
+        self.marks: list[dict[str, float]] = []  # CPU seconds by kind at each round's end
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
 
@@ -103,6 +106,19 @@ class Peak:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+    def mark(self) -> None:
+        """A round ended: snapshot every process's CPU seconds now (``per_round`` differences them)."""
+        cpu: dict[int, tuple[str, float]] = {}
+        tree_usage(os.getpid(), cpu)
+        self.cpu.update(cpu)
+        self.marks.append(self.cpu_by_kind())
+
+    def per_round(self, kind: str | None) -> list[float]:
+        """CPU seconds of ``kind`` (None: all) spent in each round (from the first round's end on: the
+        first round starts when startup ends, which is not marked, so round 0 is left out)."""
+        totals = [sum(m.values()) if kind is None else m.get(kind, 0.0) for m in self.marks]
+        return [b - a for a, b in zip(totals, totals[1:])]
 
     def cpu_by_kind(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -120,10 +136,9 @@ class Peak:
 def shared_run(agents: int, cells: int, rounds: int, workers: int | None) -> None:
     with tempfile.TemporaryDirectory(prefix="fedtier-fleet-") as tmp:
         cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds)
-        ends: list[float] = []
         t0 = time.time()
-        em = Emulation(cfg, workers=workers, on_round=lambda r: ends.append(time.time()))
         with Peak() as peak:
+            em = Emulation(cfg, workers=workers, on_round=lambda r: peak.mark())
             result = em.run()
         h = result.history
         startup = h[0]["time"] - h[0]["duration_s"] - t0
@@ -141,7 +156,16 @@ def shared_run(agents: int, cells: int, rounds: int, workers: int | None) -> Non
         print(f"peak of the process tree: RSS {p['rss'] / 2**30:.2f} GB (target <= 6 GB), threads {p['threads']}, "
               f"fds {p['fds']}, processes {p['processes']}")
         print(f"model {model_bytes:,} bytes; wall {result.wall_s:.1f} s; CPU seconds: "
-              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(peak.cpu_by_kind().items())), flush=True)
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(peak.cpu_by_kind().items())), flush=True)
+        tasks_per_round = 2 * agents  # E = 2 edge rounds, every device answers each
+        for kind in ("agent workers", "launcher", "mosquitto"):
+            per = peak.per_round(kind)
+            if per:
+                print(f"CPU s per round, {kind:<13} {' '.join(f'{c:.2f}' for c in per)}"
+                      + (f"   ({1e3 * sum(per) / len(per) / tasks_per_round:.2f} ms per device task)"
+                         if kind == "agent workers" else ""))
+        print(f"CPU s per round, all          {' '.join(f'{c:.2f}' for c in peak.per_round(None))}"
+              f"   (on {os.cpu_count()} cores, a round needs at least total / cores seconds)", flush=True)
 
 
 def bridged_run(agents: int, cells: int, rounds: int, workers: int | None) -> None:

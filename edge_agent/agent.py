@@ -74,6 +74,7 @@ class DeviceAgent:
         self.bytes_out = 0
         self.secagg = None
         self._task_kinds: tuple[str, ...] = ("device_task",)
+        self._status: dict[tuple[str, int], bytes] = {}  # (state, samples) -> encoded status record
         if secagg is not None:
             from protocols.privacy.secagg import KINDS
 
@@ -95,8 +96,12 @@ class DeviceAgent:
 
     def announce(self, state: str) -> None:
         status = topics.device_status(self.run, self.cell, self.device)
-        self.transport.publish(status, encode_status(state, topic=status, trust=self.trust, cell=self.cell,
-                                                     samples=len(self.data)), retain=True)
+        key = (state, len(self.data))
+        record = self._status.get(key)
+        if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
+            record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, samples=len(self.data))
+            self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
+        self.transport.publish(status, record, retain=True)
 
     def stop(self) -> None:
         """Leave cleanly: say offline, then disconnect."""

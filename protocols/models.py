@@ -103,13 +103,18 @@ def init_params(model: nn.Module, seed: int, std: float | None = None) -> "Order
     return get_params(model)
 
 
-def get_params(model: nn.Module) -> "OrderedDict[str, np.ndarray]":
+NamedParams = Sequence[tuple[str, nn.Parameter]]
+"""``list(model.named_parameters())``, listed once by a caller that reads or sets them often."""
+
+
+def get_params(model: nn.Module, named: NamedParams | None = None) -> "OrderedDict[str, np.ndarray]":
     """The model's trainable parameters as float32 numpy copies, in ``named_parameters`` order."""
-    return OrderedDict((k, v.detach().cpu().numpy().astype(np.float32, copy=True)) for k, v in model.named_parameters())
+    return OrderedDict((k, v.detach().cpu().numpy().astype(np.float32, copy=True))
+                       for k, v in (model.named_parameters() if named is None else named))
 
 
-def set_params(model: nn.Module, params: "OrderedDict[str, np.ndarray]") -> None:
+def set_params(model: nn.Module, params: "OrderedDict[str, np.ndarray]", named: NamedParams | None = None) -> None:
     """Copy ``params`` into the model in place."""
     with torch.no_grad():
-        for k, p in model.named_parameters():
+        for k, p in (model.named_parameters() if named is None else named):
             p.copy_(torch.from_numpy(np.ascontiguousarray(params[k])))

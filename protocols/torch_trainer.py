@@ -32,6 +32,8 @@ class TorchTrainer(Trainer):
     def __init__(self, model: torch.nn.Module, device: str = "cpu") -> None:
         self.device = pick_device(device)
         self.model = model.to(self.device)
+        self._named = list(self.model.named_parameters())  # listed once: a tiny model pays per call
+        self._params = [p for _, p in self._named]
         self._x_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._others: dict[Any, "TorchTrainer"] = {}
 
@@ -47,10 +49,10 @@ class TorchTrainer(Trainer):
         return self._others[spec]
 
     def get_params(self) -> "OrderedDict[str, np.ndarray]":
-        return get_params(self.model)
+        return get_params(self.model, self._named)
 
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:
-        set_params(self.model, params)  # type: ignore[arg-type]
+        set_params(self.model, params, self._named)  # type: ignore[arg-type]
 
     def _tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         # a device trains on the same arrays every round: convert them once
@@ -93,9 +95,10 @@ class TorchTrainer(Trainer):
 
     def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
             weight_decay: float = 0.0, prox_mu: float = 0.0, momentum: float = 0.0) -> TrainStats:
-        self.model.train()
+        if not self.model.training:  # (walks every module: only after loss / evaluate)
+            self.model.train()
         xt, yt = self._tensors(data.x, data.y)
-        params = [p for p in self.model.parameters()]
+        params = self._params
         start = [p.detach().clone() for p in params] if prox_mu else []  # FedProx: w_0
         bufs = [torch.zeros_like(p) for p in params] if momentum else []
         losses, sizes = [], []
@@ -114,8 +117,8 @@ class TorchTrainer(Trainer):
                         p.grad.add_(p - p0, alpha=prox_mu)
                 for b, p in zip(bufs, params):  # heavy ball: the step follows b = beta * b + g
                     p.grad = b.mul_(momentum).add_(p.grad)
-                for p in params:
-                    p.add_(p.grad, alpha=-lr)
+                # p += -lr * grad for each p: one call (on CPU, the same add_ per tensor as a loop)
+                torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
             losses.append(loss.detach())
             sizes.append(len(idx))
         w = torch.tensor(sizes, dtype=torch.float32, device=self.device)

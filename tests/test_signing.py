@@ -66,6 +66,47 @@ def test_keys_file_roundtrip_subsets_and_errors(tmp_path: Path) -> None:
         node_trust(cfg, "cloud")
 
 
+def test_verified_signature_cache_is_bounded_content_keyed_and_never_serves_a_forgery() -> None:
+    """A record verified once is not checked again (same key, signature and bytes); an altered record,
+    a forged signature, another signer's key or another node's signature of the same bytes always
+    reach the real check and fail; the cache keeps at most ``size`` entries."""
+    from protocols.status import decode_status, encode_status
+    from protocols.wire.keys import VerifiedSignatures
+
+    cloud_seed, cell_seed = new_seed(), new_seed()
+    public = {"cloud": public_of(cloud_seed), "c0": public_of(cell_seed)}
+    cloud, device = Trust("cloud", cloud_seed, public), Trust("c0-d0", new_seed(), public)
+    device.verified = cache = VerifiedSignatures(size=8)
+    real = device._public["cloud"]
+    calls = [0]
+
+    class Counting:
+        def verify(self, sig: bytes, data: bytes) -> None:
+            calls[0] += 1
+            real.verify(sig, data)
+
+    device._public["cloud"] = Counting()  # type: ignore[assignment]
+    topic = topics.status("r", "cloud")
+    record = encode_status("online", topic=topic, trust=cloud)
+    for _ in range(5):
+        assert decode_status(record, topic, device) == {"state": "online"}
+    assert calls[0] == 1 and len(cache) == 1
+    altered = record.replace(b"online", b"offline")
+    assert decode_status(altered, topic, device) is None
+    forged_sig = record[:-10] + (b"A" if record[-10:-9] != b"A" else b"B") + record[-9:]
+    assert decode_status(forged_sig, topic, device) is None
+    by_cell = encode_status("online", topic=topic, trust=Trust("c0", cell_seed, public))  # not the cloud's key
+    assert decode_status(by_cell, topic, device) is None
+    assert calls[0] == 4 and len(cache) == 1, "failures are never cached"
+    with pytest.raises(WireError):  # the same signature and bytes, claimed by another signer
+        data = b"x"
+        device.verify("c0", data, cloud.sign(data))
+    for i in range(20):
+        data = f"record {i}".encode()
+        device.verify("cloud", data, cloud.sign(data))
+    assert len(cache) == 8
+
+
 def test_fedtier_keys_command_writes_full_and_per_node_files(tmp_path: Path) -> None:
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(small_config(tmp_path).to_toml())

@@ -9,8 +9,10 @@ backoff, heartbeats). A connection then costs one socket, not a thread.
 
 Thread rules: paho sockets are opened, read, written and closed only on the reactor thread.
 Other threads may queue packets (``publish``, ``subscribe``, ``disconnect``) and must then call
-:meth:`Reactor.wake` with the client, which the reactor flushes on its next turn; paho's
-``register_write`` callback is wired to the same wake-up, so nothing queued is forgotten.
+:meth:`Reactor.wake` with the client (after paho's call has returned), which the reactor flushes
+on its next turn. paho's ``register_write`` callback only marks the client dirty: it runs inside
+paho's ``publish`` under the client's message lock, and a wake-up there (a syscall, which lets
+the I/O thread take the GIL) would make the I/O thread's PUBACK handling wait on that lock.
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ class Reactor:
         """Wire ``client``'s socket callbacks to this reactor (call before its first connect)."""
         client.on_socket_open = self._on_open
         client.on_socket_close = self._on_close
-        client.on_socket_register_write = lambda c, _u, _s: self.wake(c)
+        client.on_socket_register_write = lambda c, _u, _s: self._mark(c)
         client.on_socket_unregister_write = None  # the reactor decides from want_write()
         with self._lock:
             self._clients.add(client)
@@ -108,6 +110,12 @@ class Reactor:
             self._dirty.add(client)
         if not self.in_thread():
             self._signal()
+
+    def _mark(self, client: Any) -> None:
+        """paho's ``register_write``: remember that ``client`` has bytes to write, without waking the
+        I/O thread (the thread that queued them calls :meth:`wake` once paho's call returned)."""
+        with self._lock:
+            self._dirty.add(client)
 
     def run_soon(self, fn: Callable[[], None]) -> None:
         with self._lock:

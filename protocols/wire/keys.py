@@ -19,8 +19,11 @@ that says how to replace them.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 import tomllib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -172,6 +175,39 @@ def _load_cached(path: str, _mtime: int, _size: int) -> tuple[tuple[tuple[str, b
     return tables[0], tables[1]
 
 
+class VerifiedSignatures:
+    """The last ``size`` signatures found valid, keyed by content: (public key, signature, sha256 of
+    the signed bytes). A process whose many nodes receive the same record (every agent of a worker
+    reads the cloud's manifest; a cell re-reads each device's unchanged heartbeat) checks it once.
+    Only valid signatures are remembered, and a hit needs the same key, signature and bytes, so a
+    forged or altered message always reaches the real check. Thread-safe."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._seen: OrderedDict[tuple[bytes, bytes, bytes], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def check(self, public: bytes, key: Ed25519PublicKey, sig: bytes, data: bytes) -> None:
+        """``key.verify(sig, data)`` unless this exact (key, signature, data) was valid before."""
+        entry = (public, bytes(sig), hashlib.sha256(data).digest())
+        with self._lock:
+            if entry in self._seen:
+                self._seen.move_to_end(entry)
+                return
+        key.verify(sig, data)  # raises InvalidSignature
+        with self._lock:
+            self._seen[entry] = None
+            while len(self._seen) > self.size:
+                self._seen.popitem(last=False)
+
+
+VERIFIED = VerifiedSignatures()
+"""This process's cache of valid signatures (shared by every :class:`Trust` in it)."""
+
+
 class Trust:
     """One node's identity: signs with its private key, verifies its peers with their public keys.
 
@@ -182,6 +218,8 @@ class Trust:
         self.node = node
         self._private = Ed25519PrivateKey.from_private_bytes(seed)
         self._public = {n: Ed25519PublicKey.from_public_bytes(k) for n, k in public.items()}
+        self._raw = {n: bytes(k) for n, k in public.items()}
+        self.verified = VERIFIED
 
     @property
     def peers(self) -> list[str]:
@@ -201,7 +239,7 @@ class Trust:
         if key is None:
             raise WireError(f"unknown signer {signer!r}")
         try:
-            key.verify(sig, data)
+            self.verified.check(self._raw[signer], key, sig, data)
         except InvalidSignature:
             raise WireError(f"bad signature: not signed by {signer!r}") from None
 
