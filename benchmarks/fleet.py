@@ -4,13 +4,17 @@
    rounds (3) of hierarchical FedAvg (E = 2 edge rounds of H = 2 local steps) on a 3.2 kB MLP and
    synthetic data (10 samples per device). Prints startup time (launch to round 0), seconds per
    round, whether every device answered every edge round, and the peak, over the run, of the whole
-   process tree (launcher, agent workers, Mosquitto): memory (RSS), threads, file descriptors.
+   process tree (launcher, agent workers, Mosquitto): memory (RSS), threads, file descriptors; and
+   the CPU seconds each kind of process spent in each round after the first (and the agent workers'
+   per device task): unlike seconds per round, those hardly depend on what else the machine runs.
+   ``--signed`` signs and verifies every message (``[security] keys``).
 2. ``--bridged-agents`` agents (default 500) in ``--bridged-cells`` cells (10) with a Mosquitto per
    cell bridged to a cloud Mosquitto (``fedtier run --brokers per-cell``): bytes through the cloud
    broker vs the cell brokers (Mosquitto's ``$SYS`` counters).
 
     .venv/bin/python benchmarks/fleet.py                    # both
     .venv/bin/python benchmarks/fleet.py --skip-bridged     # only the 2,000-agent run
+    .venv/bin/python benchmarks/fleet.py --skip-bridged --rounds 4 --signed
 
 Heavy (about a minute of startup and several GB): run it on a quiet machine, once.
 """
@@ -31,9 +35,12 @@ from protocols.config import parse_config  # noqa: E402
 from sim.emulation import Emulation  # noqa: E402
 
 
-def fleet_config(out: Path, agents: int, cells: int, rounds: int) -> Any:
+def fleet_config(out: Path, agents: int, cells: int, rounds: int, signed: bool = False) -> Any:
+    """``signed``: ``[security] keys`` (fresh Ed25519 keys in the run folder): every message signed and
+    verified."""
     per_cell = agents // cells
     return parse_config({
+        **({"security": {"keys": str(out / "keys.toml")}} if signed else {}),
         "run": {"name": "fleet", "seed": 0, "rounds": rounds, "output": str(out)},
         "topology": {"cells": cells, "devices_per_cell": per_cell},
         "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 2, "batch_size": 10, "lr": 0.1},
@@ -133,9 +140,10 @@ class Peak:
 
 
 # ------------------------------------------------------------------------------------- runs
-def shared_run(agents: int, cells: int, rounds: int, workers: int | None) -> None:
+def shared_run(agents: int, cells: int, rounds: int, workers: int | None, signed: bool = False) -> None:
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fedtier-fleet-") as tmp:
-        cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds)
+        cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds, signed)
         t0 = time.time()
         with Peak() as peak:
             em = Emulation(cfg, workers=workers, on_round=lambda r: peak.mark())
@@ -148,7 +156,8 @@ def shared_run(agents: int, cells: int, rounds: int, workers: int | None) -> Non
         model_bytes = sum(v.nbytes for v in result.params.values())
         p = peak.peak
         print(f"== {agents} agents in {cells} cells, one Mosquitto, {len(em.procs)} agent workers, "
-              f"{os.cpu_count()} cores")
+              f"{os.cpu_count()} cores, {'signed' if signed else 'unsigned'}, load average before "
+              f"{load_before:.1f}")
         print(f"startup (launch to round 0)  {startup:8.1f} s   (target <= 60 s)")
         print(f"seconds per round            {' '.join(f'{s:.2f}' for s in per_round)}   (target <= 5 s)")
         print(f"rounds / every device answered every edge round: {len(h)} / {answered}")
@@ -196,9 +205,10 @@ def main() -> None:
     ap.add_argument("--bridged-cells", type=int, default=10)
     ap.add_argument("--skip-shared", action="store_true")
     ap.add_argument("--skip-bridged", action="store_true")
+    ap.add_argument("--signed", action="store_true", help="[security] keys: sign and verify every message")
     args = ap.parse_args()
     if not args.skip_shared:
-        shared_run(args.agents, args.cells, args.rounds, args.workers)
+        shared_run(args.agents, args.cells, args.rounds, args.workers, args.signed)
     if not args.skip_bridged:
         bridged_run(args.bridged_agents, args.bridged_cells, args.rounds, args.workers)
 
