@@ -31,7 +31,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"devices": 100, "per_round": 10, "max_train": 6000, "max_test": 2000, "channels": [16, 32, 64, 128],
               "rounds": 100, "epochs": 10, "grid": [0.03, 0.1, 0.3], "tune_seeds": [0, 1], "seeds": [0, 1, 2, 3, 4]},
     "quick": {"devices": 100, "per_round": 10, "max_train": 3000, "max_test": 1000, "channels": [8, 8, 16, 16],
-              "rounds": 20, "epochs": 5, "grid": [0.01, 0.03, 0.1, 0.3], "tune_seeds": [0, 1], "seeds": [0, 1, 2]},
+              "rounds": 20, "epochs": 5, "grid": [0.01, 0.03, 0.1, 0.3, 1.0], "tune_seeds": [0, 1], "seeds": [0, 1, 2]},
 }
 METHODS: dict[str, dict[str, Any]] = {
     "FedAvg": {"name": "fedavg"},
