@@ -99,3 +99,11 @@ def grid_line(cells: list[Cell], key: str, fmt: Callable[[float], str]) -> str:
 
 def edge_note(w: Winner) -> str:
     return "  EDGE: winner at the end of its grid, widen it" if w.edge else ""
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its finished children (e.g. a closed pool's workers)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
