@@ -214,7 +214,7 @@ def warm_up(dataset: str, s: dict, seed: int) -> dict:
 
 def phase2(method: str, factor: float, seed: int, dataset: str, s: dict, start: dict) -> dict:
     """One phase-2 run; the paper's metric: training loss averaged over the last 10 % of the rounds."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fed = _fed(dataset, s, seed)
     lr = GAMMA0 * factor
     wait = method == "wait-minibatch"
@@ -224,15 +224,18 @@ def phase2(method: str, factor: float, seed: int, dataset: str, s: dict, start: 
     tail = [e for e in ev if e[0] > s["warmup"] + s["rounds"] * 0.9] or ev[-1:]
     loss = float(np.mean([e[1] for e in tail]))
     return {"loss": loss if np.isfinite(loss) else float("inf"), "acc": float(np.mean([e[2] for e in tail])),
-            "final_loss": ev[-1][1], "s": time.perf_counter() - t0}
+            "final_loss": ev[-1][1], "s": time.perf_counter() - t0, "cpu": time.process_time() - c0}
 
 
-def part_b(dataset: str, preset: str, jobs: int, seeds: list[int] | None = None) -> None:
+def part_b(dataset: str, preset: str, jobs: int, seeds: list[int] | None = None,
+           factors: list[float] | None = None) -> None:
     from concurrent.futures import ProcessPoolExecutor
 
     from benchmarks.tuning import Cell, _init_worker, cpu_seconds, edge_note, grid_line, pick
 
     s = dict(PRESETS[preset], **({"seeds": seeds} if seeds else {}))
+    if factors:  # a part of the grid (e.g. to extend a finished run's grid by one value)
+        s["factors"] = s["wait_factors"] = factors
     t0, c0 = time.perf_counter(), cpu_seconds()
     with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker) as pool:
         starts = dict(zip(s["seeds"], pool.map(warm_up, [dataset] * len(s["seeds"]), [s] * len(s["seeds"]),
@@ -249,7 +252,8 @@ def part_b(dataset: str, preset: str, jobs: int, seeds: list[int] | None = None)
             r = fut.result()
             cells[m][i].runs.append(r)
             print(f"  [{n}/{len(futures)} runs, {time.perf_counter() - t0:.0f} s] {m} {cells[m][i].value:g}: "
-                  f"loss {r['loss']:.4f} acc {r['acc']:.4f} ({r['s']:.0f} s)", file=sys.stderr, flush=True)
+                  f"loss {r['loss']:.4f} acc {r['acc']:.4f} ({r['s']:.0f} s wall, {r['cpu']:.0f} s CPU)",
+                  file=sys.stderr, flush=True)
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     print(f"\n(b) preset {preset}: {dataset}, {s['devices']} devices (one majority label, 5 % other labels), 5 "
           f"label-pair groups available {s['k']} rounds each (cycle {5 * s['k']}, random offset), S = {s['s']} by "
@@ -279,6 +283,8 @@ def main() -> None:
     ap.add_argument("--part", default="ab", help="a, b or ab")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel in part (b) (each single-threaded)")
     ap.add_argument("--seeds", help="comma-separated seeds for part (b) (default: the preset's)")
+    ap.add_argument("--factors", help="comma-separated gamma factors (x gamma0) for every method of part (b) "
+                    "(default: the preset's grid)")
     a = ap.parse_args()
     import torch
 
@@ -289,7 +295,8 @@ def main() -> None:
     if "a" in a.part:
         part_a(3, 2000)
     if "b" in a.part:
-        part_b(a.dataset, a.preset, a.jobs, [int(x) for x in a.seeds.split(",")] if a.seeds else None)
+        part_b(a.dataset, a.preset, a.jobs, [int(x) for x in a.seeds.split(",")] if a.seeds else None,
+               [float(x) for x in a.factors.split(",")] if a.factors else None)
     print(f"\ntotal: wall {time.perf_counter() - t0:.0f} s, CPU {cpu_seconds() - c0:.0f} s")
 
 

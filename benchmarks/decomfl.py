@@ -67,11 +67,12 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
     from protocols.config import parse_config
     from sim.launcher import run_simulation
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         result = run_simulation(parse_config(config(method, lr, seed, settings)), write_output=False)
     except ValueError as exc:  # ZO divergence raises on non-finite scalars: a failed grid point, not a crash
-        return {"best": 0.0, "final": 0.0, "params": 0, "s": time.perf_counter() - t0, "error": str(exc),
+        return {"best": 0.0, "final": 0.0, "params": 0, "s": time.perf_counter() - t0,
+                "cpu": time.process_time() - c0, "error": str(exc),
                 **{f"bytes@{t}": math.inf for t in settings["targets"]}, "score": math.inf}
     n = settings["devices"]
     curve = []
@@ -82,6 +83,7 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
     out: dict[str, Any] = {"best": max((a for _, a, _ in curve), default=0.0),
                            "final": curve[-1][1] if curve else 0.0,
                            "params": sum(v.size for v in result.params.values()), "s": time.perf_counter() - t0,
+                           "cpu": time.process_time() - c0,
                            "bytes_total": curve[-1][2] if curve else 0.0}
     for t in settings["targets"]:
         hit = next((b for _, a, b in curve if a >= t), math.inf)
