@@ -15,7 +15,8 @@ Sides: ``bare`` (a plain sequential PyTorch loop), ``fedtier`` (the per-device s
 Each side runs in its own subprocess, so peak memory (max RSS) is measured separately; the sides
 alternate ``--repeat`` times and the fastest run of each counts (a busy machine only slows runs).
 Rounds/s and device-steps/s count the rounds' own time (the sum of the per-round wall times:
-imports, data loading and worker start excluded); wall s is the whole process.
+imports, data loading and worker start excluded); wall s is the whole process; cpu ms/rd is the main
+process's CPU time per round after the first (the steadier figure on a busy machine; workers' excluded).
 ``--cohort-threads N`` (N > 1) adds a side: the cohort engine with ``runtime.cohort_threads = N`` (its
 batched products and the cloud's evaluation on N torch threads, one process).
 ``--workers N`` adds a side: fedtier with ``runtime.sim_workers = N`` (devices trained in N
@@ -79,7 +80,7 @@ def bare(w: dict, rounds: int) -> dict:
         layers += [nn.Linear(a, b), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(widths[-1], 10))
     glob = [p.detach().clone() for p in model.parameters()]
-    acc, times = 0.0, []
+    acc, times, cpu = 0.0, [], []
     for r in range(rounds):
         t_round = time.perf_counter()
         chosen = rng.choice(devices, per_round, replace=False) if per_round < devices else range(devices)
@@ -105,8 +106,9 @@ def bare(w: dict, rounds: int) -> dict:
                     p.copy_(g)
                 acc = float((model(xt).argmax(1) == yt).float().mean())
         times.append(time.perf_counter() - t_round)
+        cpu.append(time.process_time())
     return {"wall_s": time.perf_counter() - t0, "accuracy": acc, "round_s": statistics.median(times),
-            "loop_s": sum(times)}
+            "loop_s": sum(times), "round_cpu_s": (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1)}
 
 
 def fedtier(w: dict, rounds: int, engine: str = "device", workers: int = 0, backend: str = "processes",
@@ -129,10 +131,12 @@ def fedtier(w: dict, rounds: int, engine: str = "device", workers: int = 0, back
         "runtime": {"sim_workers": workers, "sim_backend": backend, "engine": engine,
                     "eval_every": w["eval_every"], "cohort_threads": cohort_threads},
     })
-    result = run_simulation(cfg, write_output=w.get("write_output", True))
+    cpu: list[float] = []  # this process's CPU time at each round's end (workers' excluded)
+    result = run_simulation(cfg, write_output=w.get("write_output", True), on_round=lambda _: cpu.append(time.process_time()))
     times = [r["duration_s"] for r in result.history]
     return {"wall_s": time.perf_counter() - t0, "accuracy": result.final_accuracy,
-            "round_s": statistics.median(times), "loop_s": sum(times)}
+            "round_s": statistics.median(times), "loop_s": sum(times),
+            "round_cpu_s": (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1)}
 
 
 def child(which: str, workload: str, rounds: int, workers: int, backend: str, cohort_threads: int) -> None:
@@ -187,13 +191,14 @@ def main() -> None:
           + "; ".join(f"{k} " + ", ".join(f"{r['wall_s']:.2f}" for r in v) for k, v in runs.items()))
     cpu = {k: min(r["cpu_s"] for r in v) for k, v in runs.items()}
     print(f"{'':12}{'wall s':>10}{'cpu s':>10}{'peak MB':>10}{'accuracy':>10}{'s/round':>10}{'rounds/s':>10}"
-          f"{'steps/s':>10}")
+          f"{'steps/s':>10}{'cpu ms/rd':>10}")
     for which in sides:
         r = res[which]
         name = {"parallel": f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}",
                 "cohort-threads": f"cohort {args.cohort_threads}t", "cohort-parallel": f"cohort+{args.workers}w"}.get(which, which)
         print(f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}"
-              f"{r['round_s']:10.4f}{rounds / r['loop_s']:10.1f}{step_count / r['loop_s']:10.0f}")
+              f"{r['round_s']:10.4f}{rounds / r['loop_s']:10.1f}{step_count / r['loop_s']:10.0f}"
+              f"{r['round_cpu_s'] * 1e3:10.2f}")
     if "bare" in res and "fedtier" in res:
         print(f"{'fedtier/bare':12}{res['fedtier']['wall_s'] / res['bare']['wall_s']:10.3f}"
               f"{cpu['fedtier'] / cpu['bare']:10.3f}{res['fedtier']['peak_rss_mb'] / res['bare']['peak_rss_mb']:10.3f}"

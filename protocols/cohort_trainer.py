@@ -18,6 +18,7 @@ all devices of the cohort at once.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -256,8 +257,11 @@ class CohortEngine:
     """Runs batches of :class:`Request` (one per device) as vectorized torch programs on one device."""
 
     def __init__(self, device: str = "cpu", threads: int = 1) -> None:
-        """``threads``: torch threads a cohort computes with (the rest of the process keeps its own)."""
+        """``threads`` (CPU): a cohort's devices are split into up to this many parts, computed at once in
+        as many threads (each with the process's own torch threads; the devices are independent, so
+        each part's results are those of the whole cohort's program)."""
         self.device, self.threads = pick_device(device), threads
+        self._pool: ThreadPoolExecutor | None = None
         self._models: dict[ModelSpec, torch.nn.Module] = {}
         self._data: dict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
 
@@ -304,15 +308,25 @@ class CohortEngine:
         groups: dict[tuple, list[Request]] = {}
         for r in reqs:
             groups.setdefault(r.key(), []).append(r)
-        before = torch.get_num_threads()
-        if self.threads != before:
-            torch.set_num_threads(self.threads)
-        try:
-            for (op, spec, _), group in groups.items():
-                getattr(self, f"_{op}")(self.model(spec), group)
-        finally:
-            if self.threads != before:
-                torch.set_num_threads(before)
+        for (op, spec, _), group in groups.items():
+            compute = getattr(self, f"_{op}")
+            model = self.model(spec)
+            parts = min(self.threads, len(group)) if self.device.type == "cpu" else 1
+            if parts <= 1:
+                compute(model, group)
+                continue
+            # devices split into parts trained side by side (torch releases the GIL in its kernels); no
+            # per-operation hand-off between threads, so a busy machine only delays a part
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="cohort")
+            bounds = [len(group) * i // parts for i in range(parts + 1)]
+            chunks = [group[a:b] for a, b in zip(bounds, bounds[1:])]
+            futures = [self._pool.submit(compute, model, chunk) for chunk in chunks[1:]]
+            try:
+                compute(model, chunks[0])
+            finally:
+                for f in futures:
+                    f.result()  # a part that raised fails the whole call (then retried one by one)
 
     # ---------------------------------------------------------------- the primitives, vectorized
     def _loss(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:

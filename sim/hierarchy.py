@@ -143,27 +143,32 @@ def edge_availability(cfg: RunConfig) -> Callable[[int, int], frozenset[str]] | 
 
 
 def make_evaluator(spec: ModelSpec, x: np.ndarray, y: np.ndarray, device: str = "cpu", threads: int = 1):
-    """``params -> {"accuracy", "loss"}`` on a held-out set (the cloud's central evaluation), computed with
-    ``threads`` torch threads (the cohort engine's ``cohort_threads``; the rest of the process keeps its own)."""
-    import torch
+    """``params -> {"accuracy", "loss"}`` on a held-out set (the cloud's central evaluation); ``threads`` > 1
+    (the cohort engine's ``cohort_threads``): the set is cut into that many parts evaluated side by side."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from protocols.torch_trainer import TorchTrainer
 
     trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, device, **spec.build_kwargs())
     # writable copies, made once: a shared read-only (cached) test set would be copied at every evaluation
     x, y = np.array(x, dtype=np.float32), np.array(y, dtype=np.int64)
+    parts = max(1, min(threads, len(y))) if trainer.device.type == "cpu" else 1
+    bounds = [len(y) * i // parts for i in range(parts + 1)]
+    pool = ThreadPoolExecutor(parts - 1, thread_name_prefix="evaluate") if parts > 1 else None
 
     def evaluate(params: Mapping[str, np.ndarray]) -> dict[str, float]:
         trainer.set_params(params)
-        before = torch.get_num_threads()
-        if threads != before:
-            torch.set_num_threads(threads)
-        try:
+        if pool is None:
             loss, acc = trainer.evaluate(x, y)
-        finally:
-            if threads != before:
-                torch.set_num_threads(before)
-        return {"accuracy": acc, "loss": loss}
+            return {"accuracy": acc, "loss": loss}
+        part = lambda a, b: trainer.evaluate(x[a:b], y[a:b])  # noqa: E731  no_grad forward: shareable
+        futures = [pool.submit(part, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        results = [part(bounds[0], bounds[1])] + [f.result() for f in futures]
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        n = max(1, len(y))
+        loss = sum(l * k for (l, _), k in zip(results, sizes)) / n
+        correct = sum(round(a * k) for (_, a), k in zip(results, sizes))
+        return {"accuracy": correct / n, "loss": loss}
 
     return evaluate
 

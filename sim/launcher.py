@@ -73,7 +73,7 @@ def set_torch_threads(n: int = 1) -> None:
 
 
 def eval_threads(cfg: RunConfig) -> int:
-    """Torch threads of the cloud's central evaluation: ``cohort_threads`` with the cohort engine, else 1."""
+    """Threads of the cloud's central evaluation: ``cohort_threads`` with the cohort engine, else 1."""
     return cfg.runtime.cohort_threads if cfg.runtime.engine == "cohort" else 1
 
 

@@ -182,6 +182,22 @@ def test_a_batch_for_a_worker_carries_each_distinct_task_once():
     assert worker_threads(Cfg) == 4
 
 
+def test_central_evaluation_in_parts_equals_the_whole(make_config):
+    """cohort_threads > 1: the cloud evaluates parts of the test set side by side; same accuracy, same loss
+    up to float rounding."""
+    from protocols.models import build_model, init_params
+    from sim.datasets import load_dataset
+    from sim.hierarchy import make_evaluator, prepare
+
+    ds = load_dataset("digits")
+    spec = prepare(make_config()).spec
+    params = init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()), 3)
+    whole = make_evaluator(spec, ds.x_test, ds.y_test)(params)
+    for threads in (2, 3):
+        parts = make_evaluator(spec, ds.x_test, ds.y_test, threads=threads)(params)
+        assert parts["accuracy"] == whole["accuracy"] and parts["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+
+
 def test_thirty_rounds_end_within_a_third_of_a_point(make_config):
     sections = dict(run={"rounds": 30}, algorithm={"edge_rounds": 1, "local_steps": 5, "lr": 0.05},
                     model={"name": "logreg"}, participation={"model": "uniform", "per_round": 3})
