@@ -83,6 +83,14 @@ def test_journal_keeps_what_was_fsynced_and_cuts_a_torn_tail(tmp_path: Path) -> 
     assert [e.meta["round"] for e in Journal(tmp_path / "j").read()] == [2]
 
 
+
+def journaled_c0(sim: SimHierarchy, resume: bool):
+    """Cell c0 of ``sim`` with its journal, on a fresh hub connection (``resume``: from the journal)."""
+    cfg = sim.cfg
+    return build_cell(cfg, "c0", sim.hub.connect("cell.c0"), sim.algorithm, output_dir=sim.output_dir,
+                      assume_online=True, journal=True, resume=resume,
+                      samples=device_samples(sim.prep.device_data, cfg.topology.device_ids("c0")))
+
 def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_model(tmp_path: Path) -> None:
     """In memory: cell c0 crashes (no clean-up, nothing delivered to it until it is back) once it has
     closed round 1's first edge round and taken one result of its second; a new cell server resumes
@@ -97,8 +105,7 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     cfg, out = sim.cfg, sim.output_dir
 
     def cell(resume: bool):
-        return build_cell(cfg, "c0", sim.hub.connect("cell.c0"), sim.algorithm, output_dir=out, assume_online=True,
-                          journal=True, resume=resume, samples=device_samples(sim.prep.device_data, cfg.topology.device_ids("c0")))
+        return journaled_c0(sim, resume)
 
     def crash_and_restart(old) -> None:
         old.transport.crash()
@@ -136,11 +143,9 @@ def test_cell_killed_between_journaling_its_report_and_sending_it_sends_it_on_re
 
     straight = run_simulation(config("straight"))
     sim = SimHierarchy(config("crashed"))
-    cfg, out = sim.cfg, sim.output_dir
 
     def cell(resume: bool):
-        return build_cell(cfg, "c0", sim.hub.connect("cell.c0"), sim.algorithm, output_dir=out, assume_online=True,
-                          journal=True, resume=resume, samples=device_samples(sim.prep.device_data, cfg.topology.device_ids("c0")))
+        return journaled_c0(sim, resume)
 
     def restart() -> None:
         sim.cells["c0"] = new = cell(resume=True)
