@@ -214,20 +214,15 @@ def main() -> None:
             f = res["fedtier"]
             print(f"cohort engine: {f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s, "
                   f"{f['wall_s'] / c['wall_s']:.3f}x its wall time; accuracy {c['accuracy'] - f['accuracy']:+.4f}")
-    if "cohort-threads" in res:
-        c, f = res["cohort-threads"], res.get("fedtier")
-        print(f"cohort engine with {args.cohort_threads} threads: "
-              + (f"{res['bare']['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
-                 f"{res['bare']['loop_s'] / c['loop_s']:.3f}x (rounds only); " if "bare" in res else "")
-              + (f"{f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s; " if f else "")
-              + f"{res['cohort']['loop_s'] / c['loop_s']:.3f}x the one-thread cohort engine's rounds/s")
-    if "cohort-parallel" in res:
-        c, f = res["cohort-parallel"], res.get("fedtier")
-        print(f"cohort engine with {args.workers} workers: "
-              + (f"{res['bare']['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
-                 f"{res['bare']['loop_s'] / c['loop_s']:.3f}x (rounds only); " if "bare" in res else "")
-              + (f"{f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s; " if f else "")
-              + f"{res['cohort']['loop_s'] / c['loop_s']:.3f}x the one-process cohort engine's rounds/s")
+    for side, label, one in (("cohort-threads", f"{args.cohort_threads} threads", "one-thread"),
+                             ("cohort-parallel", f"{args.workers} workers", "one-process")):
+        if side in res:
+            c, f = res[side], res.get("fedtier")
+            print(f"cohort engine with {label}: "
+                  + (f"{res['bare']['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
+                     f"{res['bare']['loop_s'] / c['loop_s']:.3f}x (rounds only); " if "bare" in res else "")
+                  + (f"{f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s; " if f else "")
+                  + f"{res['cohort']['loop_s'] / c['loop_s']:.3f}x the {one} cohort engine's rounds/s")
     if args.workers > 0 and "bare" in res and "fedtier" in res:
         p = res["parallel"]
         print(f"speed-up with {args.workers} workers: {res['bare']['wall_s'] / p['wall_s']:.3f}x the bare loop, "
