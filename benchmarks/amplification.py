@@ -111,7 +111,7 @@ def majority_split(y: np.ndarray, label_of: np.ndarray, per_device: int, similar
 class Federation:
     """N devices (one majority label each), 5 label-pair groups available ``k`` rounds in turn, S a round by
     regularized selection; fedtier's FedAvg roles (one cell, E = 1) with each round's devices trained as one
-    cohort (``sim.cohort.run_cohort``: the cohort engine's batched SGD, roles unchanged)."""
+    cohort (``edge_agent.cohort.run_cohort``: the cohort engine's batched SGD, roles unchanged)."""
 
     def __init__(self, dataset: str, devices: int, k: int, s: int, seed: int, hidden: int = 64) -> None:
         from protocols.cohort_trainer import CohortEngine
@@ -154,7 +154,7 @@ class Federation:
         """Rounds [first, first + rounds): evaluations (round, train loss, test acc) every ``eval_every`` rounds
         (default: every cycle), and the final model. Wait-for-all (the paper's wait-minibatch): every device
         trains once from the same model and the cloud averages all of them once per cycle."""
-        from sim.cohort import run_cohort
+        from edge_agent.cohort import run_cohort
 
         cloud, cell, device = alg.cloud(), alg.cell("c0"), alg.device("any")
         cloud.model = P.copy(start)

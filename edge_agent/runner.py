@@ -8,17 +8,20 @@ device that does not take part in a round really disconnects and comes back for 
 part in. The devices of one process share one event loop (their training runs there, one at a
 time), one trainer and one I/O thread (a :class:`~protocols.transport.reactor.Reactor` on epoll):
 a device costs a socket, not a thread. Heartbeats, keepalives and reconnects are timers of the I/O
-thread, so a long training step never silences them. torch is imported only by the torch backend.
+thread, so a long training step never silences them. With ``runtime.engine = "cohort"`` the devices'
+tasks are queued and trained together as cohorts whenever the loop is idle (``edge_agent/cohort.py``).
+torch is imported only by the torch backend.
 """
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
@@ -38,6 +41,9 @@ from protocols.wire.signed import signer_of
 
 from .agent import DeviceAgent
 from .node import build_agent, cell_of
+
+if TYPE_CHECKING:
+    from .cohort import CohortExecutor
 
 log = logging.getLogger("fedtier.agent")
 
@@ -215,6 +221,13 @@ class AgentProcess:
         self._polls: dict[str, TimerHandle] = {}
         self._lock = threading.Lock()
         self.done = threading.Event()
+        self.executor: "CohortExecutor | None" = None  # runtime.engine = "cohort", torch agents only
+        torch_trainer = sys.modules.get("protocols.torch_trainer")  # not loaded: no torch trainer (onnx)
+        if cfg.runtime.engine == "cohort" and torch_trainer and isinstance(trainer, torch_trainer.TorchTrainer):
+            from .cohort import CohortExecutor
+
+            self.executor = CohortExecutor(self.agents, algorithm.model, self.loop, cfg.runtime.cohort_size,
+                                           cfg.runtime.device, cfg.runtime.cohort_threads)
 
     def start(self, connect_timeout: float = 30.0) -> "AgentProcess":
         """Connect every device (at most ``connect_window`` CONNECTs under way at once, each retried
@@ -234,6 +247,7 @@ class AgentProcess:
                 agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)
             self.agents[device] = agent
             agent.role.train = self._timed(device, agent.role.train)
+            agent.executor = self.executor
             with self._lock:
                 self._live.add(device)
             fresh.append((device, transport))
@@ -439,13 +453,17 @@ class AgentProcess:
             for device in list(self.agents):
                 self._on_loop(lambda d=device: self._leave(d))
         self.loop.stop()
+        if self.executor is not None:
+            self.executor.close()
         self.reactor.close()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per device: its wire counters (all its connections), connections, the agent's payload bytes and tasks."""
+        """Per device: its wire counters (all its connections), connections, the agent's payload bytes and tasks
+        (and, with the cohort engine, ``cohort_sizes``: the size of each cohort it trained in)."""
         return {d: {"wire": merge_wire([*self._past.get(d, []), self.transports[d].stats.snapshot()]),
                     "connections": self.connections.get(d, 0), "bytes_in": a.bytes_in, "bytes_out": a.bytes_out,
-                    "tasks": a.tasks_done, **({"compute": self.compute.get(d, [])} if self.timing else {})}
+                    "tasks": a.tasks_done, **({"compute": self.compute.get(d, [])} if self.timing else {}),
+                    **({"cohort_sizes": self.executor.sizes.get(d, [])} if self.executor is not None else {})}
                 for d, a in self.agents.items()}
 
 

@@ -12,7 +12,7 @@ order is drawn by :func:`~protocols.trainer.batches` from its own seeded generat
 per-device path, so results agree with it to float rounding.
 
 :class:`CohortDeviceTrainer` is the ``Trainer`` a device role sees in a cohort: parameter access is
-local, and every compute primitive becomes a request that a runner (``sim/cohort.py``) answers for
+local, and every compute primitive becomes a request that a runner (``edge_agent/cohort.py``) answers for
 all devices of the cohort at once.
 """
 from __future__ import annotations

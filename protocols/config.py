@@ -220,9 +220,10 @@ class RuntimeSection(_Section):
                                                      "processes, or Ray actors (pip install 'fedtier[ray]')")
     ray_address: str | None = Field(default=None, description="Ray cluster to join (e.g. ray://head:10001 or "
                                     "auto); none: a local Ray instance")
-    engine: Literal["device", "cohort"] = Field(default="device", description="fedtier sim: train each device "
-                                                "alone (bit-identical to fedtier run) or the devices of an edge "
-                                                "round as one batched model (sim/cohort.py)")
+    engine: Literal["device", "cohort"] = Field(default="device", description="fedtier sim and the agent "
+                                                "workers of fedtier run: train each device alone (bit-identical "
+                                                "between the two) or the queued devices as one batched model "
+                                                "(edge_agent/cohort.py)")
     cohort_size: int = Field(default=64, ge=1, description="engine = cohort: most devices trained at once")
     cohort_threads: int = Field(default=1, ge=1, description="engine = cohort: torch threads a cohort computes with "
                                 "(the machine's cores, for large cohorts)")

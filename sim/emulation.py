@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from cell_server.node import build_cell
 from cloud.node import build_cloud
+from edge_agent.cohort import cohort_engine
 from edge_agent.runner import AgentProcess, BrokerOptions, offline_will, save_device_data
 from protocols import procs, runfiles
 from protocols.config import ConfigError, RunConfig, load_config
@@ -264,6 +265,8 @@ class Emulation:
         set_torch_threads(1)
         prep = prepare(cfg)
         spec, ds = prep.spec, prep.dataset
+        if cfg.runtime.engine == "cohort":
+            cohort_engine(spec, cfg.runtime.device)  # refuse a model the workers could not vectorize, now
         out = fresh_output(cfg, self.resume)
         if not self.resume:  # a fresh run: no broker sessions of an earlier one
             shutil.rmtree(out / runfiles.BROKER, ignore_errors=True)

@@ -95,7 +95,7 @@ class DeviceWorker:
         self.spec, self.cohort_size = spec, cfg.runtime.cohort_size
         self.engine = None  # engine = "cohort": this worker's share of a round trains as cohorts
         if cfg.runtime.engine == "cohort":
-            from .cohort import cohort_engine
+            from edge_agent.cohort import cohort_engine
 
             self.engine = cohort_engine(spec, cfg.runtime.device, worker_threads(cfg))
         self._local: dict[str, LocalData] = {}  # recently trained devices' samples (copied out once)
@@ -137,10 +137,10 @@ class DeviceWorker:
 
     def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[bytes, str]]:
         """:meth:`train` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
-        train as cohorts of at most ``cohort_size`` (``sim/cohort.py``), the others one by one."""
+        train as cohorts of at most ``cohort_size`` (``edge_agent/cohort.py``), the others one by one."""
         from protocols.torch_trainer import TorchTrainer
 
-        from .cohort import cohorts, run_cohort
+        from edge_agent.cohort import cohorts, run_cohort
 
         out: list[tuple[bytes, str]] = [(b"", "not run")] * len(items)
         jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []

@@ -25,7 +25,7 @@ from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
-from .cohort import CohortExecutor, cohort_engine
+from edge_agent.cohort import CohortExecutor, cohort_engine
 from .executors import InlineExecutor, start_workers
 from .hierarchy import Prepared, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers

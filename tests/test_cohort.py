@@ -1,4 +1,4 @@
-"""The cohort engine (``runtime.engine = "cohort"``, ``sim/cohort.py``): every device role gives, per
+"""The cohort engine (``runtime.engine = "cohort"``, ``edge_agent/cohort.py``): every device role gives, per
 device, the per-device engine's results within float tolerance, with the same messages and records."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from protocols.cohort_trainer import CohortEngine, NotVectorizable, _fast_layers, check_vectorizable
 from protocols.config import ConfigError
 from protocols.wire.payload import Payload
-from sim.cohort import CohortExecutor
+from edge_agent.cohort import CohortExecutor
 from sim.launcher import RunResult, SimHierarchy
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -373,7 +373,7 @@ def test_a_bad_request_fails_only_its_device():
     from protocols.algorithms.base import ModelSpec
     from protocols.models import build_model, init_params
     from protocols.trainer import LocalData
-    from sim.cohort import run_cohort
+    from edge_agent.cohort import run_cohort
 
     spec = ModelSpec(name="mlp", input_shape=(6,), num_classes=3, hidden=(5,))
     good = init_params(build_model("mlp", (6,), 3, hidden=(5,)), 0)

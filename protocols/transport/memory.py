@@ -32,7 +32,7 @@ class VirtualLoop(EventLoop):
         self._done = threading.Condition()
         self.on_idle: Callable[[], None] | None = None
         """Called when the loop would wait for outside work: nothing ready, no timer due now (the
-        cohort engine trains its queued devices then, ``sim/cohort.py``)."""
+        cohort engine trains its queued devices then, ``edge_agent/cohort.py``)."""
 
     def now(self) -> float:
         return self._now

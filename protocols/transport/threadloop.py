@@ -3,6 +3,9 @@
 Use it either with a worker thread (``start()`` / ``stop()``), or blocking in the calling thread
 (``run(until, timeout)``). Any thread may ``post`` or ``call_later``. Many transports may share one
 loop; their handlers are then serialised. An exception in a callback is logged, never fatal.
+
+Like :class:`~protocols.transport.memory.VirtualLoop`, it offers :meth:`~ThreadLoop.hold` and an
+``on_idle`` hook, so that one executor (the cohort engine, ``edge_agent/cohort.py``) serves both.
 """
 from __future__ import annotations
 
@@ -31,6 +34,11 @@ class ThreadLoop(EventLoop):
         self._thread: threading.Thread | None = None
         self._runner: int | None = None  # ident of the thread draining the loop
         self._stopping = False
+        self._idle_called = False  # on_idle ran since the last callback
+        self.on_idle: Callable[[], None] | None = None
+        """Called on the loop's thread when nothing is ready and no timer is due, once each time the
+        loop runs out of work (the cohort engine trains its queued devices then); set it before the
+        loop starts."""
 
     # -- EventLoop -------------------------------------------------------------------------
     def now(self) -> float:
@@ -47,6 +55,12 @@ class ThreadLoop(EventLoop):
             heapq.heappush(self._timers, handle)
             self._cv.notify()
         return handle
+
+    def hold(self) -> Callable[[Callable[[], None]], None]:
+        """Register work done outside the loop's callbacks; returns ``complete(fn)``, callable from any
+        thread once, which makes ``fn`` run on the loop. In real time nothing waits for it: this is
+        :meth:`post` (the counterpart of :meth:`VirtualLoop.hold`, whose clock stands still meanwhile)."""
+        return self.post
 
     # -- running ---------------------------------------------------------------------------
     @property
@@ -121,12 +135,17 @@ class ThreadLoop(EventLoop):
         with self._cv:
             while not self._stopping:
                 if self._ready:
+                    self._idle_called = False
                     return self._ready.popleft()
                 while self._timers and self._timers[0].cancelled:
                     heapq.heappop(self._timers)
                 now = time.monotonic()
                 if self._timers and self._timers[0].when <= now:
+                    self._idle_called = False
                     return _unless_cancelled(heapq.heappop(self._timers))
+                if self.on_idle is not None and not self._idle_called:
+                    self._idle_called = True
+                    return self.on_idle
                 wait = self._timers[0].when - now if self._timers else None
                 if deadline is not None:
                     if now >= deadline:

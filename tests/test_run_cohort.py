@@ -1,0 +1,75 @@
+"""``fedtier run`` with ``runtime.engine = "cohort"``: each agent worker trains its agents' queued tasks
+as cohorts (``edge_agent/cohort.py``); the result is the per-device engine's within float tolerance,
+with the same messages and records."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocols.config import ConfigError
+from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
+from protocols.transport.threadloop import ThreadLoop
+from sim.emulation import Emulation
+from sim.launcher import run_simulation
+from tests.conftest import small_config, wait_until
+from tests.test_cohort import ATOL, RTOL, WALL, _approx
+
+
+def test_emulated_cohorts_match_the_per_device_sim(tmp_path: Path) -> None:
+    """16 agents in one worker, cohorts of at most 4: the final model is the per-device sim's within
+    float tolerance, every device answered every edge round, and tasks really trained together."""
+    sections = dict(run={"rounds": 2}, topology={"cells": 2, "devices_per_cell": 8},
+                    algorithm={"edge_rounds": 2, "local_steps": 3, "batch_size": 16})
+    sim = run_simulation(small_config(tmp_path / "sim", runtime={"device_deadline": 60.0}, **sections),
+                         write_output=False)
+    cfg = small_config(tmp_path / "run", runtime={"engine": "cohort", "cohort_size": 4, "device_deadline": 60.0},
+                       **sections)
+    with (MosquittoBroker() if find_mosquitto() else EmbeddedBroker()) as broker:
+        em = Emulation(cfg, broker_url=broker.url, workers=1)
+        run = em.run()
+    assert run.params.keys() == sim.params.keys()
+    for k, v in sim.params.items():
+        assert torch.allclose(torch.from_numpy(run.params[k]), torch.from_numpy(v), rtol=RTOL, atol=ATOL), k
+    assert all(r["closed_by"] == "all reported" for r in run.history)
+    assert all(len(r["answered"]) == 8 and not r["absent"] and not r["rejected"] for r in run.cell_records)
+    for d, t in sim.device_traffic.items():  # the same messages (float metadata: a few digits apart)
+        u = run.device_traffic[d]
+        assert t["tasks"] == u["tasks"] and abs(t["bytes_out"] - u["bytes_out"]) <= 8 * t["tasks"], d
+    real_time = (*WALL, "clock_s", "clock_end_s", "bytes_in", "bytes_out")
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in real_time} for r in recs]  # noqa: E731
+    _approx(strip(sim.cell_records), strip(run.cell_records), "cell records")
+    sizes = [s for stats in em.agent_stats.values() for s in stats["cohort_sizes"]]
+    tasks = 2 * 2 * 16
+    assert len(sizes) == tasks and max(sizes) <= 4
+    cohorts = round(sum(1 / s for s in sizes))
+    assert cohorts < tasks, f"{cohorts} cohorts for {tasks} tasks: nothing was batched"
+
+
+def test_a_model_the_cohort_engine_cannot_vectorize_is_refused_at_start(tmp_path: Path, monkeypatch) -> None:
+    bn = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8))
+    monkeypatch.setattr("protocols.cohort_trainer.build_model", lambda *a, **k: bn)
+    em = Emulation(small_config(tmp_path, runtime={"engine": "cohort"}), broker_url="mqtt://127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"runtime.engine: .*BatchNorm1d.*per-device engine"):
+        em.run()
+    assert not em.procs  # refused before any worker started
+
+
+def test_thread_loop_calls_on_idle_once_it_runs_out_of_work() -> None:
+    """The hook the cohort executor trains in: called on the loop's thread after the queued calls,
+    once per stretch of idleness (not in a busy loop), and what it posts runs after it."""
+    loop = ThreadLoop("idle")
+    seen: list[str] = []
+    loop.on_idle = lambda: seen.append("idle")
+    for i in range(3):
+        loop.post(lambda i=i: seen.append(f"call{i}"))
+    loop.start()
+    try:
+        assert wait_until(lambda: "idle" in seen, 5.0)
+        complete = loop.hold()
+        complete(lambda: seen.append("completed"))
+        assert wait_until(lambda: seen.count("idle") == 2, 5.0)
+        assert seen[:3] == ["call0", "call1", "call2"] and seen[3:] == ["idle", "completed", "idle"]
+    finally:
+        loop.stop()
