@@ -205,63 +205,55 @@ def _fed(dataset: str, s: dict, seed: int) -> Federation:
     return Federation(dataset, s["devices"], s["k"], s["s"], seed)
 
 
-def warm_up(dataset: str, s: dict, seed: int) -> dict:
+def warm_up(seed: int, dataset: str, s: dict) -> dict:
+    """Phase 1 of ``seed``: FedAvg at gamma0 from the initial model (every phase-2 run of the seed starts here)."""
     fed = _fed(dataset, s, seed)
     init = fed.algorithm(GAMMA0).initial_params()
     _, model = fed.run(fed.algorithm(GAMMA0), init, 0, s["warmup"])
     return model
 
 
-def phase2(method: str, factor: float, seed: int, dataset: str, s: dict, start: dict) -> dict:
-    """One phase-2 run; the paper's metric: training loss averaged over the last 10 % of the rounds."""
+def phase2(method: str, lr: float, seed: int, dataset: str, s: dict, prepared: dict) -> dict:
+    """One phase-2 run from the seed's warm-up model ``prepared``; the paper's metric: training loss averaged over
+    the last 10 % of the rounds."""
     t0, c0 = time.perf_counter(), time.process_time()
     fed = _fed(dataset, s, seed)
-    lr = GAMMA0 * factor
     wait = method == "wait-minibatch"
     alg = fed.algorithm(lr, 10.0, fed.cycle) if method == "amplified" else fed.algorithm(lr)
     every = fed.cycle if wait else max(1, s["rounds"] // 100)
-    ev, _ = fed.run(alg, start, s["warmup"], s["rounds"], wait_for_all=wait, eval_every=every)
+    ev, _ = fed.run(alg, prepared, s["warmup"], s["rounds"], wait_for_all=wait, eval_every=every)
     tail = [e for e in ev if e[0] > s["warmup"] + s["rounds"] * 0.9] or ev[-1:]
     loss = float(np.mean([e[1] for e in tail]))
     return {"loss": loss if np.isfinite(loss) else float("inf"), "acc": float(np.mean([e[2] for e in tail])),
-            "final_loss": ev[-1][1], "s": time.perf_counter() - t0, "cpu": time.process_time() - c0}
+            "final_loss": float(ev[-1][1]), "s": time.perf_counter() - t0, "cpu": time.process_time() - c0}
 
 
 def part_b(dataset: str, preset: str, jobs: int, seeds: list[int] | None = None,
-           factors: list[float] | None = None, methods: list[str] | None = None) -> None:
-    from concurrent.futures import ProcessPoolExecutor
-
-    from benchmarks.tuning import Cell, _init_worker, cpu_seconds, edge_note, grid_line, pick
+           factors: list[float] | None = None, methods: list[str] | None = None,
+           journal_args: argparse.Namespace | None = None) -> None:
+    from benchmarks.tuning import edge_note, grid_line, open_journal, pick, sweep
 
     s = dict(PRESETS[preset], **({"seeds": seeds} if seeds else {}))
     if factors:  # a part of the grid (e.g. to extend a finished run's grid by one value)
         s["factors"] = s["wait_factors"] = factors
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker) as pool:
-        starts = dict(zip(s["seeds"], pool.map(warm_up, [dataset] * len(s["seeds"]), [s] * len(s["seeds"]),
-                                                s["seeds"])))
-        print(f"  warm-up done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        grids = {"FedAvg": s["factors"], "amplified": s["factors"], "wait-minibatch": s["wait_factors"]}
-        grids = {m: g for m, g in grids.items() if not methods or m in methods}
-        cells = {m: [Cell(m, GAMMA0 * f) for f in g] for m, g in grids.items()}
-        # interleaved, smallest gamma first (the drift-limited end the claim is about): an interrupted run
-        # still covers every method
-        longest = max(len(g) for g in grids.values())
-        futures = [(m, len(g) - 1 - i, pool.submit(phase2, m, g[len(g) - 1 - i], seed, dataset, s, starts[seed]))
-                   for i in range(longest) for seed in s["seeds"] for m, g in grids.items() if i < len(g)]
-        for n, (m, i, fut) in enumerate(futures, 1):
-            r = fut.result()
-            cells[m][i].runs.append(r)
-            print(f"  [{n}/{len(futures)} runs, {time.perf_counter() - t0:.0f} s] {m} {cells[m][i].value:g}: "
-                  f"loss {r['loss']:.4f} acc {r['acc']:.4f} ({r['s']:.0f} s wall, {r['cpu']:.0f} s CPU)",
-                  file=sys.stderr, flush=True)
-    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    grids = {"FedAvg": s["factors"], "amplified": s["factors"], "wait-minibatch": s["wait_factors"]}
+    grids = {m: [GAMMA0 * f for f in g] for m, g in grids.items() if not methods or m in methods}
+    run_settings = {k: v for k, v in s.items() if k not in ("seeds", "factors", "wait_factors")}
+    journal = open_journal(journal_args or argparse.Namespace(journal=None, fresh=False), __file__, preset,
+                           {"dataset": dataset, "settings": run_settings, "gamma0": GAMMA0, "diverged": DIVERGED})
+    t0 = time.perf_counter()
+    # interleaved, smallest gamma first (the drift-limited end the claim is about): an interrupted run still covers
+    # every method; each seed's warm-up runs once, and only if one of its phase-2 runs is still to do
+    cells = sweep(phase2, grids, s["seeds"], jobs, journal=journal, order=lambda n: range(n - 1, -1, -1),
+                  prepare=warm_up, dataset=dataset, s=run_settings)
+    journal.close()
+    wall = time.perf_counter() - t0
     print(f"\n(b) preset {preset}: {dataset}, {s['devices']} devices (one majority label, 5 % other labels), 5 "
           f"label-pair groups available {s['k']} rounds each (cycle {5 * s['k']}, random offset), S = {s['s']} by "
           f"regularized selection, MLP 784-64-10, I = 5, batch 16; warm-up {s['warmup']} rounds of FedAvg at "
           f"gamma0 = {GAMMA0}, then {s['rounds']} rounds; amplified: eta = 10, P = {5 * s['k']}; metric: training loss "
-          f"(5000 training samples) averaged over the last 10 % of the rounds; seeds {s['seeds']}; wall {wall:.0f} s, "
-          f"CPU {cpu:.0f} s ({jobs} jobs)")
+          f"(5000 training samples) averaged over the last 10 % of the rounds; seeds {s['seeds']}; wall {wall:.0f} s "
+          f"({jobs} jobs); {journal.summary()}")
     print("  tuning (gamma: mean loss):")
     for m, row in cells.items():
         print(f"    {m:<15} " + grid_line(row, "loss", lambda v: f"{v:.4f}"))
@@ -290,6 +282,9 @@ def main() -> None:
     ap.add_argument("--factors", help="comma-separated gamma factors (x gamma0) for every method of part (b) "
                     "(default: the preset's grid)")
     ap.add_argument("--methods", help="comma-separated subset of FedAvg, amplified, wait-minibatch for part (b)")
+    from benchmarks.tuning import add_journal_args
+
+    add_journal_args(ap)
     a = ap.parse_args()
     import torch
 
@@ -302,7 +297,7 @@ def main() -> None:
     if "b" in a.part:
         part_b(a.dataset, a.preset, a.jobs, [int(x) for x in a.seeds.split(",")] if a.seeds else None,
                [float(x) for x in a.factors.split(",")] if a.factors else None,
-               a.methods.split(",") if a.methods else None)
+               a.methods.split(",") if a.methods else None, a)
     print(f"\ntotal: wall {time.perf_counter() - t0:.0f} s, CPU {cpu_seconds() - c0:.0f} s")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tuning import cpu_seconds, edge_note, grid_line, pick, sweep  # noqa: E402
+from benchmarks.tuning import add_journal_args, edge_note, grid_line, open_journal, pick, sweep  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"dataset": "digits", "devices": 50, "per_round": 5, "max_train": 0, "max_test": 0, "batch": 32,
@@ -106,13 +106,16 @@ def main() -> None:
     ap.add_argument("--seeds", help="comma-separated run seeds (default: the preset's)")
     ap.add_argument("--methods", help="comma-separated subset of " + ", ".join(GRIDS["quick"]))
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
+    add_journal_args(ap)
     args = ap.parse_args()
     s = dict(PRESETS[args.preset])
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]
     grids = {m: g for m, g in GRIDS[args.preset].items() if not args.methods or m in args.methods.split(",")}
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    cells = sweep(run, grids, seeds, args.jobs, settings=s)
-    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    journal = open_journal(args, __file__, args.preset, {k: v for k, v in s.items() if k != "seeds"})
+    t0 = time.perf_counter()
+    cells = sweep(run, grids, seeds, args.jobs, journal=journal, settings=s)
+    wall = time.perf_counter() - t0
+    journal.close()
     winners = pick(cells, "score", lower_is_better=True)
     head = s["headline"]
     print(f"\nDeComFL preset {args.preset}: {s['dataset']} ({'all' if not s['max_train'] else s['max_train']} train), "
@@ -120,7 +123,7 @@ def main() -> None:
           f"{next(iter(cells.values()))[0].runs[0]['params']:,} params, momentum 0.5, batch {s['batch']}; "
           f"DeComFL K=1 P={s['P']} mu=1e-3 gaussian, {s['zo_rounds']} rounds; FedAvg K=20 {s['fo_rounds']} rounds, K=1 "
           f"{s['k1_rounds']} rounds; "
-          f"seeds {seeds}; wall {wall:.0f} s, CPU {cpu:.0f} s ({args.jobs} jobs)")
+          f"seeds {seeds}; wall {wall:.0f} s ({args.jobs} jobs); {journal.summary()}")
     print("\ntuning (mean bytes per device to {:.0%}; lr: value):".format(head))
     for m, row in cells.items():
         print(f"  {m:<12} " + grid_line(row, f"bytes@{head}", kb))

@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tuning import grid_line, pick, sweep  # noqa: E402
+from benchmarks.tuning import add_journal_args, grid_line, open_journal, pick, sweep  # noqa: E402
 from protocols.config import parse_config  # noqa: E402
 from protocols.seeding import rng  # noqa: E402
 from protocols.trainer import LocalData  # noqa: E402
@@ -180,7 +180,7 @@ def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> di
     h = SimHierarchy(cfg, write_output=False, prepared=prepare_given(cfg, ds, parts))
     t0 = time.perf_counter()
     result = h.run()
-    acc = [r["accuracy"] for r in result.history if r["metrics"]["phase"] != "priority"]  # one per iteration
+    acc = [float(r["accuracy"]) for r in result.history if r["metrics"]["phase"] != "priority"]  # one per iteration
     admitted = tried = 0
     for rec in result.cell_records:
         for a in rec.get("metrics", {}).get("admission", {}).values():
@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int)
     ap.add_argument("--lrs", type=float, nargs="+")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
+    add_journal_args(ap)
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
     for key in ("scenarios", "seeds", "iterations", "lrs"):
@@ -208,7 +209,9 @@ def main() -> None:
           f"0..{p['seeds'] - 1}, lr grid {p['lrs']}, logistic regression, E = 5 steps of batch 32, cohort engine",
           flush=True)
     keys = {f"{sc}/{m}": p["lrs"] for sc in p["scenarios"] for m in METHODS}
-    cells = sweep(run_key, keys, list(range(p["seeds"])), a.jobs, iterations=p["iterations"])
+    journal = open_journal(a, __file__, a.preset, {"iterations": p["iterations"], "skew": SKEW, "methods": METHODS})
+    cells = sweep(run_key, keys, list(range(p["seeds"])), a.jobs, journal=journal, iterations=p["iterations"])
+    journal.close()
     rows = []
     for scenario in p["scenarios"]:
         best: dict[str, tuple[float, list[dict]]] = {}
@@ -244,7 +247,7 @@ def main() -> None:
             se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("inf")
             verdict = ("beats" if d.mean() > 2 * se else "loses to" if d.mean() < -2 * se else "ties with")
             print(f"{scenario}: FedALIGN {verdict} {base} ({d.mean():+.3f}, 2 s.e. {2 * se:.3f})")
-    print(f"total {time.perf_counter() - t0:.0f} s")
+    print(f"total {time.perf_counter() - t0:.0f} s; {journal.summary()}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tuning import Cell, edge_note, grid_line, pick, sweep  # noqa: E402
+from benchmarks.tuning import Cell, add_journal_args, edge_note, grid_line, open_journal, pick, sweep  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
     # the paper: 60k train / 10k test, channels 32-64-128-256, 100 rounds, 5 seeds, lr grid of 5
@@ -78,27 +78,32 @@ def main() -> None:
     ap.add_argument("--tune-seeds", help="comma-separated seeds of the lr grid (default: the preset's)")
     ap.add_argument("--seeds", help="comma-separated seeds of the winners (default: the preset's)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
+    add_journal_args(ap)
     args = ap.parse_args()
     s = dict(PRESETS[args.preset])
     for key in ("tune_seeds", "seeds"):
         if getattr(args, key):
             s[key] = [int(x) for x in getattr(args, key).split(",")]
     methods = [m for m in METHODS if not args.methods or m in args.methods.split(",")]
+    journal = open_journal(args, __file__, args.preset, {  # what changes a run beyond its (method, lr, seed)
+        "settings": {k: v for k, v in s.items() if k not in ("grid", "tune_seeds", "seeds")}, "methods": METHODS})
     t0 = time.perf_counter()
-    cells = sweep(run, {m: s["grid"] for m in methods}, s["tune_seeds"], args.jobs, settings=s)
+    cells = sweep(run, {m: s["grid"] for m in methods}, s["tune_seeds"], args.jobs, journal=journal, settings=s)
     winners = pick(cells, "best", lower_is_better=False)
     rest = [x for x in s["seeds"] if x not in s["tune_seeds"]]
     if rest:  # the winners on the remaining seeds (every method the same number of runs)
-        more = sweep(run, {m: [w.cell.value] for m, w in winners.items()}, rest, args.jobs, settings=s)
+        more = sweep(run, {m: [w.cell.value] for m, w in winners.items()}, rest, args.jobs, journal=journal,
+                     settings=s)
         for m, w in winners.items():
             w.cell = Cell(m, w.cell.value, w.cell.runs + more[m][0].runs)
     wall = time.perf_counter() - t0
+    journal.close()
     params = next(iter(cells.values()))[0].runs[0]["params"]
     print(f"\nFedMRN preset {args.preset}: Fashion-MNIST ({s['max_train']} train / {s['max_test']} test), "
           f"{s['devices']} devices, {s['per_round']} a round, Dirichlet 0.3, CNN4-GroupNorm {s['channels']} "
           f"({params:,} params), N(0, 0.01) init, {s['epochs']} local epochs, batch 64, {s['rounds']} rounds; "
           f"lr grid {s['grid']} on seeds {s['tune_seeds']}, winners on seeds {s['seeds']}; wall {wall:.0f} s "
-          f"({args.jobs} jobs)")
+          f"({args.jobs} jobs); {journal.summary()}")
     print("\ntuning (mean best-round accuracy on the tuning seeds; lr: value):")
     for m, row in cells.items():
         print(f"  {m:<11} " + grid_line(row, "best", lambda v: f"{100 * v:.2f}"))

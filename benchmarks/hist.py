@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tuning import sweep  # noqa: E402
+from benchmarks.tuning import add_journal_args, open_journal, sweep  # noqa: E402
 from protocols.config import parse_config  # noqa: E402
 from sim.launcher import SimHierarchy  # noqa: E402
 
@@ -64,16 +64,16 @@ def run(p: dict, method: str, split: str, cells: int, lr: float, seed: int) -> d
     """One run until the highest target or the cap; communication and bytes at the first hit of each target."""
     cap = p["cap"] * (cells if method == "hist" else 1)
     sim = SimHierarchy(parse_config(config(p, method, split, cells, lr, seed, cap)), write_output=False)
-    hits: dict[float, tuple[int, float, float]] = {}
+    hits: dict[str, list[float]] = {}  # str(target): [round, units, MB] at its first hit (JSON-plain: journaled)
     accs: list[float] = []
 
     def on_round(rec: dict) -> None:
         acc = float(rec.get("accuracy", 0.0))
         accs.append(acc if np.isfinite(acc) else 0.0)
         for t in p["targets"]:
-            if t not in hits and accs[-1] >= t:
-                hits[t] = (rec["round"] + 1, rec["metrics"]["upload_units_total"],
-                           sum(rec["cumulative_bytes"].values()) / 1e6)
+            if str(t) not in hits and accs[-1] >= t:
+                hits[str(t)] = [rec["round"] + 1, float(rec["metrics"]["upload_units_total"]),
+                                sum(rec["cumulative_bytes"].values()) / 1e6]
         diverged = not np.isfinite(rec.get("loss", 0.0))
         if len(hits) == len(p["targets"]) or diverged:
             sim.cloud.request_stop("diverged" if diverged else "reached every target")
@@ -84,6 +84,11 @@ def run(p: dict, method: str, split: str, cells: int, lr: float, seed: int) -> d
     return {"hits": hits, "best": max(accs), "rounds": len(accs), "wall": time.perf_counter() - t0}
 
 
+def hit(r: dict, target: float) -> list[float] | None:
+    """``[round, units, MB]`` at run ``r``'s first hit of ``target``, or None."""
+    return r["hits"].get(str(target))
+
+
 def run_key(key: str, lr: float, seed: int, p: dict) -> dict:
     """``run`` for a sweep cell named ``split/N/method``."""
     split, cells, method = key.split("/")
@@ -92,7 +97,7 @@ def run_key(key: str, lr: float, seed: int, p: dict) -> dict:
 
 def median_units(runs: list[dict], target: float) -> float:
     """Median over seeds of the communication to ``target`` (inf for a seed that never reached it)."""
-    return float(np.median([r["hits"][target][1] if target in r["hits"] else np.inf for r in runs]))
+    return float(np.median([h[1] if (h := hit(r, target)) else np.inf for r in runs]))
 
 
 def main() -> None:
@@ -104,6 +109,7 @@ def main() -> None:
     ap.add_argument("--lrs", type=float, nargs="+", help="learning-rate grid (default: the preset's)")
     ap.add_argument("--cap", type=int, help="HFedAvg's round cap; HIST gets N times as many (default: the preset's)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
+    add_journal_args(ap)
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
     for key in ("cells", "seeds", "lrs", "cap"):
@@ -118,7 +124,9 @@ def main() -> None:
         if p["devices"] % cells:
             raise SystemExit(f"{p['devices']} devices do not split into {cells} equal cells")
     keys = {f"{split}/{cells}/{method}": p["lrs"] for split in a.splits for cells in p["cells"] for method in METHODS}
-    grid = sweep(run_key, keys, list(range(p["seeds"])), a.jobs, p=p)
+    journal = open_journal(a, __file__, a.preset, {k: v for k, v in p.items() if k not in ("cells", "lrs", "seeds")})
+    grid = sweep(run_key, keys, list(range(p["seeds"])), a.jobs, journal=journal, p=p)
+    journal.close()
     table: dict[tuple[str, int, str], tuple[float, list[dict]]] = {}
     for key, row in grid.items():
         split, cells, method = key.split("/")
@@ -138,7 +146,7 @@ def main() -> None:
         edge = " edge" if lr in (min(p["lrs"]), max(p["lrs"])) else ""
         line = f"{'(' + split + ')':<6}{cells:>2} {METHODS[method]:<8}{lr:>7}{edge}"
         for t in p["targets"]:
-            got = [r["hits"][t] for r in runs if t in r["hits"]]
+            got = [h for r in runs if (h := hit(r, t))]
             if len(got) < len(runs):
                 line += f"{f'{len(got)}/{len(runs)} seeds reached':>41}"
                 continue
@@ -163,7 +171,7 @@ def main() -> None:
                 print(f"target {t:.0%}, split ({split}), N={cells}: HIST needs less communication: {verdict}")
             if savings:
                 print(f"target {t:.0%}, split ({split}): saving by N " + ", ".join(f"N={c}: {s:.0%}" for c, s in savings.items()))
-    print(f"total {time.perf_counter() - t0:.0f} s")
+    print(f"total {time.perf_counter() - t0:.0f} s; {journal.summary()}")
 
 
 if __name__ == "__main__":
