@@ -7,7 +7,9 @@
    process tree (launcher, agent workers, Mosquitto): memory (RSS), threads, file descriptors; and
    the CPU seconds each kind of process spent in each round after the first (and the agent workers'
    per device task): unlike seconds per round, those hardly depend on what else the machine runs.
-   ``--signed`` signs and verifies every message (``[security] keys``).
+   ``--signed`` signs and verifies every message (``[security] keys``). ``--engine cohort``: each
+   agent worker trains its queued tasks as cohorts (``runtime.engine = "cohort"``, batched over
+   devices); it then also prints how many cohorts and their mean size.
 2. ``--bridged-agents`` agents (default 500) in ``--bridged-cells`` cells (10) with a Mosquitto per
    cell bridged to a cloud Mosquitto (``fedtier run --brokers per-cell``): bytes through the cloud
    broker vs the cell brokers (Mosquitto's ``$SYS`` counters).
@@ -15,6 +17,7 @@
     .venv/bin/python benchmarks/fleet.py                    # both
     .venv/bin/python benchmarks/fleet.py --skip-bridged     # only the 2,000-agent run
     .venv/bin/python benchmarks/fleet.py --skip-bridged --rounds 4 --signed
+    .venv/bin/python benchmarks/fleet.py --skip-bridged --rounds 4 --engine cohort
 
 Heavy (about a minute of startup and several GB): run it on a quiet machine, once.
 """
@@ -35,9 +38,10 @@ from protocols.config import parse_config  # noqa: E402
 from sim.emulation import Emulation  # noqa: E402
 
 
-def fleet_config(out: Path, agents: int, cells: int, rounds: int, signed: bool = False) -> Any:
+def fleet_config(out: Path, agents: int, cells: int, rounds: int, signed: bool = False,
+                 engine: str = "device", heartbeat: float = 5.0) -> Any:
     """``signed``: ``[security] keys`` (fresh Ed25519 keys in the run folder): every message signed and
-    verified."""
+    verified. ``engine``: ``runtime.engine`` of the agent workers."""
     per_cell = agents // cells
     return parse_config({
         **({"security": {"keys": str(out / "keys.toml")}} if signed else {}),
@@ -46,7 +50,8 @@ def fleet_config(out: Path, agents: int, cells: int, rounds: int, signed: bool =
         "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 2, "batch_size": 10, "lr": 0.1},
         "model": {"name": "mlp", "hidden": [32]},
         "data": {"dataset": "synthetic", "partition": "iid", "n": 10 * per_cell * cells},
-        "runtime": {"device_deadline": 120.0, "startup_wait": 600.0},
+        "runtime": {"device_deadline": 120.0, "startup_wait": 600.0, "engine": engine,
+                    "heartbeat": heartbeat},
     })
 
 
@@ -140,10 +145,11 @@ class Peak:
 
 
 # ------------------------------------------------------------------------------------- runs
-def shared_run(agents: int, cells: int, rounds: int, workers: int | None, signed: bool = False) -> None:
+def shared_run(agents: int, cells: int, rounds: int, workers: int | None, signed: bool = False,
+               engine: str = "device", heartbeat: float = 5.0) -> None:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fedtier-fleet-") as tmp:
-        cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds, signed)
+        cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds, signed, engine, heartbeat)
         t0 = time.time()
         with Peak() as peak:
             em = Emulation(cfg, workers=workers, on_round=lambda r: peak.mark())
@@ -156,8 +162,8 @@ def shared_run(agents: int, cells: int, rounds: int, workers: int | None, signed
         model_bytes = sum(v.nbytes for v in result.params.values())
         p = peak.peak
         print(f"== {agents} agents in {cells} cells, one Mosquitto, {len(em.procs)} agent workers, "
-              f"{os.cpu_count()} cores, {'signed' if signed else 'unsigned'}, load average before "
-              f"{load_before:.1f}")
+              f"{os.cpu_count()} cores, {'signed' if signed else 'unsigned'}, engine {engine}, heartbeat "
+              f"{heartbeat:g} s, load average before {load_before:.1f}")
         print(f"startup (launch to round 0)  {startup:8.1f} s   (target <= 60 s)")
         print(f"seconds per round            {' '.join(f'{s:.2f}' for s in per_round)}   (target <= 5 s)")
         print(f"rounds / every device answered every edge round: {len(h)} / {answered}")
@@ -173,6 +179,11 @@ def shared_run(agents: int, cells: int, rounds: int, workers: int | None, signed
                 print(f"CPU s per round, {kind:<13} {' '.join(f'{c:.2f}' for c in per)}"
                       + (f"   ({1e3 * sum(per) / len(per) / tasks_per_round:.2f} ms per device task)"
                          if kind == "agent workers" else ""))
+        sizes = [s for stats in em.agent_stats.values() for s in stats.get("cohort_sizes", [])]
+        if sizes:
+            cohorts = round(sum(1 / s for s in sizes))
+            print(f"cohorts {cohorts} for {len(sizes)} device tasks: mean size {len(sizes) / cohorts:.1f}, "
+                  f"largest {max(sizes)} (runtime.cohort_size {cfg.runtime.cohort_size})")
         print(f"CPU s per round, all          {' '.join(f'{c:.2f}' for c in peak.per_round(None))}"
               f"   (on {os.cpu_count()} cores, a round needs at least total / cores seconds)", flush=True)
 
@@ -206,9 +217,12 @@ def main() -> None:
     ap.add_argument("--skip-shared", action="store_true")
     ap.add_argument("--skip-bridged", action="store_true")
     ap.add_argument("--signed", action="store_true", help="[security] keys: sign and verify every message")
+    ap.add_argument("--engine", choices=("device", "cohort"), default="device",
+                    help="runtime.engine of the agent workers (cohort: batched over the queued devices)")
+    ap.add_argument("--heartbeat", type=float, default=5.0, help="runtime.heartbeat of agents and cells (0: none)")
     args = ap.parse_args()
     if not args.skip_shared:
-        shared_run(args.agents, args.cells, args.rounds, args.workers, args.signed)
+        shared_run(args.agents, args.cells, args.rounds, args.workers, args.signed, args.engine, args.heartbeat)
     if not args.skip_bridged:
         bridged_run(args.bridged_agents, args.bridged_cells, args.rounds, args.workers)
 

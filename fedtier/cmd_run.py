@@ -23,6 +23,9 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
               help="Agent worker processes; devices are dealt round-robin over them "
                    "(default: one per 100 agents, at most one per core).")
 @click.option("--process-per-agent", is_flag=True, help="One worker process per device.")
+@click.option("--engine", type=click.Choice(["device", "cohort"]), default=None,
+              help="device: each agent trains alone (bit-identical to fedtier sim); cohort: each worker trains "
+                   "its agents' queued tasks as one batched model (runtime.engine; large emulated fleets).")
 @click.option("--max-chunk", type=click.IntRange(min=1024), default=None, metavar="BYTES",
               help="MQTT chunk size (default 256 KiB).")
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
@@ -30,17 +33,19 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
 @metrics_options
 @VERBOSE
 def run(config: str, overrides: tuple[str, ...], broker_url: str | None, brokers: str, workers: int | None,
-        process_per_agent: bool,
+        process_per_agent: bool, engine: str | None,
         max_chunk: int | None, resume: bool, no_progress: bool, metrics_port: int | None, metrics_linger: float,
         verbose: int) -> None:
     """Emulate CONFIG on this machine over MQTT: the cloud and cells in this process, the device agents
-    in worker processes, each device with its own broker connection. Same final model as `fedtier sim`."""
+    in worker processes, each device with its own broker connection. Same final model as `fedtier sim`
+    (with the cohort engine: within float tolerance)."""
     from protocols.config import ConfigError
     from protocols.wire import chunking
     from sim.emulation import Emulation
 
     setup_logging(verbose)
-    cfg = load_or_exit(config, overrides + port_override(metrics_port))
+    engine_flag = (f"runtime.engine={engine}",) if engine is not None else ()
+    cfg = load_or_exit(config, overrides + engine_flag + port_override(metrics_port))
     exporter = serve_metrics(cfg)
     try:
         with round_progress(cfg, not no_progress) as on_round:

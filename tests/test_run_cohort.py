@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
+
+from fedtier.cli import main
 
 from protocols.config import ConfigError
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
@@ -54,6 +57,11 @@ def test_a_model_the_cohort_engine_cannot_vectorize_is_refused_at_start(tmp_path
     with pytest.raises(ConfigError, match=r"runtime.engine: .*BatchNorm1d.*per-device engine"):
         em.run()
     assert not em.procs  # refused before any worker started
+    path = tmp_path / "c.toml"
+    path.write_text(small_config(tmp_path).to_toml())
+    res = CliRunner().invoke(main, ["run", str(path), "--engine", "cohort", "--broker", "mqtt://127.0.0.1:9",
+                                    "--no-progress"])
+    assert res.exit_code == 2 and "BatchNorm1d" in res.output, res.output
 
 
 def test_thread_loop_calls_on_idle_once_it_runs_out_of_work() -> None:
