@@ -39,7 +39,7 @@ from sim.emulation import Emulation  # noqa: E402
 
 
 def fleet_config(out: Path, agents: int, cells: int, rounds: int, signed: bool = False,
-                 engine: str = "device", heartbeat: float = 5.0) -> Any:
+                 engine: str = "device", heartbeat: float = 5.0, cohort_size: int = 64) -> Any:
     """``signed``: ``[security] keys`` (fresh Ed25519 keys in the run folder): every message signed and
     verified. ``engine``: ``runtime.engine`` of the agent workers."""
     per_cell = agents // cells
@@ -51,7 +51,7 @@ def fleet_config(out: Path, agents: int, cells: int, rounds: int, signed: bool =
         "model": {"name": "mlp", "hidden": [32]},
         "data": {"dataset": "synthetic", "partition": "iid", "n": 10 * per_cell * cells},
         "runtime": {"device_deadline": 120.0, "startup_wait": 600.0, "engine": engine,
-                    "heartbeat": heartbeat},
+                    "heartbeat": heartbeat, "cohort_size": cohort_size},
     })
 
 
@@ -104,7 +104,9 @@ def tree_usage(root: int, cpu: dict[int, tuple[str, float]] | None = None) -> di
 class Peak:
     """Samples the process tree every ``period`` seconds; keeps each figure's maximum."""
 
-    def __init__(self, period: float = 0.5) -> None:
+    def __init__(self, period: float = 2.0) -> None:
+        """``period``: a sample scans all of /proc and each process's descriptors, in the launcher's
+        process (its CPU counts as the launcher's): every 2 s costs it about a quarter of every 0.5 s."""
         self.peak = {"rss": 0, "threads": 0, "fds": 0, "processes": 0}
         self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds at its last sample)
         self.marks: list[dict[str, float]] = []  # CPU seconds by kind at each round's end
@@ -146,10 +148,10 @@ class Peak:
 
 # ------------------------------------------------------------------------------------- runs
 def shared_run(agents: int, cells: int, rounds: int, workers: int | None, signed: bool = False,
-               engine: str = "device", heartbeat: float = 5.0) -> None:
+               engine: str = "device", heartbeat: float = 5.0, cohort_size: int = 64) -> None:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fedtier-fleet-") as tmp:
-        cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds, signed, engine, heartbeat)
+        cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds, signed, engine, heartbeat, cohort_size)
         t0 = time.time()
         with Peak() as peak:
             em = Emulation(cfg, workers=workers, on_round=lambda r: peak.mark())
@@ -219,10 +221,12 @@ def main() -> None:
     ap.add_argument("--signed", action="store_true", help="[security] keys: sign and verify every message")
     ap.add_argument("--engine", choices=("device", "cohort"), default="device",
                     help="runtime.engine of the agent workers (cohort: batched over the queued devices)")
+    ap.add_argument("--cohort-size", type=int, default=64, help="runtime.cohort_size (with --engine cohort)")
     ap.add_argument("--heartbeat", type=float, default=5.0, help="runtime.heartbeat of agents and cells (0: none)")
     args = ap.parse_args()
     if not args.skip_shared:
-        shared_run(args.agents, args.cells, args.rounds, args.workers, args.signed, args.engine, args.heartbeat)
+        shared_run(args.agents, args.cells, args.rounds, args.workers, args.signed, args.engine, args.heartbeat,
+                   args.cohort_size)
     if not args.skip_bridged:
         bridged_run(args.bridged_agents, args.bridged_cells, args.rounds, args.workers)
 

@@ -22,6 +22,7 @@ run in submission order.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import greenlet
@@ -141,6 +142,7 @@ class CohortExecutor:
         self.engine = cohort_engine(spec, device, threads)
         self.queue: list[tuple[Any, Payload, DeviceContext, Callable[[Callable[[], None]], None], Done]] = []
         self.cohorts = 0  # cohorts trained (progress and tests)
+        self.seconds = 0.0  # wall seconds spent training them (each cohort once, not per device)
         self.sizes: dict[str, list[int]] = {}  # device -> the size of each cohort it trained in
         loop.on_idle = self.flush
 
@@ -164,10 +166,12 @@ class CohortExecutor:
         chunk, *rest = cohorts(queue, lambda item: item[0].device, self.cohort_size)
         self.queue = [item for later in rest for item in later]
         jobs = [self._job(agent, task, ctx) for agent, task, ctx, _, _ in chunk]
+        start = time.perf_counter()
         try:
             outcomes = run_cohort(self.engine, self.spec, jobs, [agent.device for agent, *_ in chunk])
         finally:
             self.engine.forget_data()
+            self.seconds += time.perf_counter() - start
         self.cohorts += 1
         for agent, *_ in chunk:
             self.sizes.setdefault(agent.device, []).append(len(chunk))

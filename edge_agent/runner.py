@@ -204,7 +204,7 @@ class AgentProcess:
         self.rejoin_poll = cfg.runtime.rejoin_poll if rejoin_poll is None else rejoin_poll
         self.connect_timeout = 30.0
         self.compute: dict[str, list[list[float]]] = {}
-        self.train_seconds = 0.0  # wall seconds all devices of this process spent training (metrics)
+        self._train_seconds = 0.0  # wall seconds the devices trained one by one (see train_seconds)
         self._train_lock = threading.Lock()
         self.loop = ThreadLoop(f"agents-{self.run}")
         self.reactor = Reactor(f"agents-io-{self.run}")  # every device's socket, keepalives, heartbeats
@@ -323,12 +323,18 @@ class AgentProcess:
                 return train(task, data, trainer, ctx)
             finally:
                 end = time.monotonic()
-                with self._train_lock:
-                    self.train_seconds += end - start
+                if self.executor is None:  # in a cohort, devices train side by side: the executor times it
+                    with self._train_lock:
+                        self._train_seconds += end - start
                 if spans is not None:
                     spans.append([ctx.round, ctx.edge_round, start, end])
 
         return timed_train
+
+    @property
+    def train_seconds(self) -> float:
+        """Wall seconds this process spent training (metrics): each device's training, or each cohort once."""
+        return self._train_seconds + (self.executor.seconds if self.executor is not None else 0.0)
 
     def _on_loop(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the agents' loop and wait for it (handlers never run concurrently with it);

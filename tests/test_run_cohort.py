@@ -3,17 +3,26 @@ as cohorts (``edge_agent/cohort.py``); the result is the per-device engine's wit
 with the same messages and records."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
 from fedtier.cli import main
 
+from edge_agent.cohort import CohortExecutor
+from protocols.algorithms.base import DeviceContext, ModelSpec
 from protocols.config import ConfigError
+from protocols.torch_trainer import TorchTrainer
+from protocols.trainer import LocalData
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
 from protocols.transport.threadloop import ThreadLoop
+from protocols.wire.payload import Payload
 from sim.emulation import Emulation
 from sim.launcher import run_simulation
 from tests.conftest import small_config, wait_until
@@ -81,3 +90,50 @@ def test_thread_loop_calls_on_idle_once_it_runs_out_of_work() -> None:
         assert seen[:3] == ["call0", "call1", "call2"] and seen[3:] == ["idle", "completed", "idle"]
     finally:
         loop.stop()
+
+
+def test_cohort_executor_on_a_thread_loop_trains_what_queued_meanwhile_together() -> None:
+    """Group commit in real time: the tasks submitted before the loop runs out of work form one cohort
+    (at most ``cohort_size``), each device's result equals its training alone, completions run on the
+    loop's thread, and the training time counts each cohort once."""
+    spec = ModelSpec(name="mlp", input_shape=(6,), num_classes=3, hidden=(8,))
+    rng = np.random.default_rng(0)
+    alone = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, hidden=spec.hidden)
+    start = {k: v.copy() for k, v in alone.get_params().items()}
+
+    def train(task: Payload, data: LocalData, trainer: Any, ctx: DeviceContext) -> Payload:
+        trainer.set_params(task.tensors)
+        trainer.sgd(data, steps=3, batch_size=4, lr=0.1, rng=np.random.default_rng(ctx.seed))
+        return Payload({}, dict(trainer.get_params()))
+
+    agents = {f"d{i}": SimpleNamespace(device=f"d{i}", trainer=alone, role=SimpleNamespace(train=train),
+                                       data=LocalData(rng.normal(size=(10, 6)).astype(np.float32),
+                                                      rng.integers(0, 3, size=10)))
+              for i in range(5)}
+    loop = ThreadLoop("cohorts")
+    executor = CohortExecutor(agents, spec, loop, cohort_size=3)
+    results: dict[str, Payload] = {}
+    threads: set[str] = set()
+
+    def done(device: str, result: Payload | None, error: str | None) -> None:
+        assert error is None, error
+        results[device] = result
+        threads.add(threading.current_thread().name)
+
+    for i, device in enumerate(agents):  # queued by callbacks, as tasks arrive
+        ctx = DeviceContext(i, 0, 0, "c0", device)
+        loop.post(lambda d=device, c=ctx: executor.submit(d, Payload({}, start), c,
+                                                          lambda r, e, d=d: done(d, r, e)))
+    loop.start()
+    try:
+        assert wait_until(lambda: len(results) == 5, 30.0)
+    finally:
+        loop.stop()
+        executor.close()
+    assert executor.cohorts == 2 and sorted(map(len, executor.sizes.values())) == [1] * 5
+    assert sorted(s[0] for s in executor.sizes.values()) == [2, 2, 3, 3, 3]
+    assert threads == {"cohorts"} and executor.seconds > 0 and loop.on_idle is None
+    for i, (device, agent) in enumerate(agents.items()):
+        want = train(Payload({}, start), agent.data, alone, DeviceContext(i, 0, 0, "c0", device))
+        for k, v in want.tensors.items():
+            assert np.allclose(results[device].tensors[k], v, rtol=RTOL, atol=ATOL), (device, k)
