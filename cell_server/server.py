@@ -86,7 +86,7 @@ class CellServer:
         self.messenger = Messenger(transport, run, cell, trust=trust, max_payload=max_message_bytes,
                                    on_reject=self._on_reject)
         self.cloud = CloudSession()  # the cloud's current session, from its (signed) status
-        self.max_weights, self.max_weight = dict(max_weights or {}), max_weight
+        self.max_weights, self.max_weight = max_weights if max_weights is not None else {}, max_weight
         self.log = JsonlWriter(log_path)
         self.online: dict[str, bool] = {d: assume_online for d in self.devices}
         self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout

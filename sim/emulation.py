@@ -296,7 +296,7 @@ class Emulation:
                 transport = cell_opts[c].transport(node, run, loop, will=offline_will(run, node, cfg),
                                                    reactor=reactor).connect()
                 cells[c] = build_cell(cfg, c, transport, algorithm, availability=availability, output_dir=out,
-                                      heartbeats=True, samples=device_samples(prep.device_data, cfg.topology.device_ids(c)))
+                                      heartbeats=True, samples=device_samples(prep.device_data, cfg.topology.devices(c)))
                 if self.metrics is not None:
                     self.metrics.watch_cell(cells[c])
                 _on_loop(loop, cells[c].start)

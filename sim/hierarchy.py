@@ -24,7 +24,7 @@ class Prepared:
 
     config: RunConfig
     dataset: Dataset
-    device_data: Mapping[str, LocalData]
+    device_data: "DeviceData"
     spec: ModelSpec
 
 
@@ -55,6 +55,26 @@ class DeviceData(Mapping[str, LocalData]):
 
     def __contains__(self, device: object) -> bool:
         return device in self.topology.devices()
+
+
+class SampleCounts(Mapping[str, int]):
+    """Each device's sample count (the length of its index view) read when asked for: what a cell bounds
+    its devices' weights with, without a table of a large cell's devices."""
+
+    def __init__(self, data: DeviceData, devices: Sequence[str]) -> None:
+        """``devices``: the ids counted (a topology's :class:`~protocols.config.DeviceIds`: O(1) lookups)."""
+        self.data, self.devices = data, devices
+
+    def __getitem__(self, device: str) -> int:
+        if device not in self.devices:
+            raise KeyError(device)
+        return len(self.data.indices(device))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.devices)
+
+    def __len__(self) -> int:
+        return len(self.devices)
 
 
 def prepare(cfg: RunConfig) -> Prepared:

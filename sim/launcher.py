@@ -10,7 +10,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
 from edge_agent.cohort import CohortExecutor, cohort_engine
 from .executors import InlineExecutor, start_workers
-from .hierarchy import Prepared, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
+from .hierarchy import DeviceData, Prepared, SampleCounts, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .onnx_devices import onnx_trainers
 from .population import Population
 
@@ -77,9 +77,10 @@ def eval_threads(cfg: RunConfig) -> int:
     return cfg.runtime.cohort_threads if cfg.runtime.engine == "cohort" else 1
 
 
-def device_samples(device_data: Any, devices: Iterable[str]) -> dict[str, int]:
-    """Each device's sample count (``DeviceData.indices``, no copy): the largest weight a cell accepts."""
-    return {d: len(device_data.indices(d)) for d in devices}
+def device_samples(device_data: DeviceData, devices: Sequence[str]) -> SampleCounts:
+    """Each device's sample count (``DeviceData.indices``, no copy, read when asked for): the largest
+    weight a cell accepts."""
+    return SampleCounts(device_data, devices)
 
 
 class SimHierarchy:
@@ -122,7 +123,7 @@ class SimHierarchy:
         availability = edge_availability(cfg)
         self.cells = {c: build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability,
                                     output_dir=self.output_dir, assume_online=True,
-                                    samples=device_samples(prep.device_data, cfg.topology.device_ids(c)))
+                                    samples=device_samples(prep.device_data, cfg.topology.devices(c)))
                       for c in cfg.topology.cell_ids()}
         trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
                                          **spec.build_kwargs())

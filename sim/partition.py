@@ -113,22 +113,17 @@ def _finish(parts: list[np.ndarray]) -> Parts:
 
 # ---------------------------------------------------------------------------------------------- schemes
 def _iid(y: np.ndarray, k: int, seed: int, *keys: Any) -> Parts:
-    """``np.array_split`` of a seeded permutation into ``k`` parts, each sorted (in one vectorised sort)."""
+    """``np.array_split`` of a seeded permutation into ``k`` parts, each sorted in place (the parts of one
+    size are the rows of a matrix view, sorted in one call)."""
     n = y.size
     perm = rng(seed, "partition", "iid", *keys).permutation(n)
-    sizes = np.full(k, n // k, dtype=np.int64)
-    sizes[: n % k] += 1  # array_split's sizes: the first n % k parts one larger
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    step = max(1, (1 << 20) // max(1, n // k))  # parts per block of about a million samples
-    for first in range(0, k, step):  # sort each part in place: key = (part in block) * n + index
-        last = min(k, first + step)
-        lo, hi = offsets[first], offsets[last]
-        block = np.repeat(np.arange(last - first, dtype=np.int64) * n, sizes[first:last])
-        block += perm[lo:hi]
-        block.sort()
-        block %= n
-        perm[lo:hi] = block
-    return Parts(perm, offsets)
+    small, extra = divmod(n, k)  # array_split's sizes: the first n % k parts one larger
+    big = extra * (small + 1)
+    perm[:big].reshape(extra, small + 1).sort(axis=1)
+    perm[big:].reshape(k - extra, small).sort(axis=1)
+    sizes = np.full(k, small, dtype=np.int64)
+    sizes[:extra] += 1
+    return Parts(perm, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
 
 
 def _dirichlet(y: np.ndarray, k: int, alpha: float, min_size: int, max_attempts: int,

@@ -129,17 +129,29 @@ def test_subsample_and_errors():
         load_dataset("synthetic", max_train=-1)
 
 
-def test_synthetic_drawn_in_blocks_is_the_one_shot_draw():
-    """The block-wise draw (no float64 copy of a large set) gives exactly the numbers of one draw."""
+def test_synthetic_blocks_follow_the_recipe_whatever_the_threads(monkeypatch):
+    """Each block of rows is drawn in float32 from its own keyed stream: 1 or 3 threads give the same data,
+    the data of the documented recipe (balanced shuffled labels, class mean + standard normal noise)."""
     from protocols.seeding import rng
 
-    n, dim, classes = 300_000, 7, 3  # more than one block
-    ds = load_dataset("synthetic", n=n, dim=dim, classes=classes, seed=4, n_test=10)
-    means = rng(4, "synthetic", "means").normal(0.0, 3.0, size=(classes, dim))
-    g = rng(4, "synthetic", "train")
-    y = g.permutation(np.arange(n) % classes)
-    x = (means[y] + g.normal(0.0, 1.0, size=(n, dim))).astype(np.float32)
-    assert np.array_equal(ds.y_train, y) and np.array_equal(ds.x_train, x)
+    block = datasets.SYNTHETIC_BLOCK
+    n, dim, classes = 3 * block + 5, 7, 3  # three whole blocks and a short one
+    drawn = []
+    for threads in (1, 3):
+        monkeypatch.setattr(datasets, "SYNTHETIC_THREADS", threads)
+        datasets.clear_cache()
+        drawn.append(load_dataset("synthetic", n=n, dim=dim, classes=classes, seed=4, n_test=10))
+    one, three = drawn
+    assert one is not three
+    assert all(np.array_equal(getattr(one, k), getattr(three, k)) for k in ("x_train", "y_train", "x_test", "y_test"))
+    y = np.arange(n) % classes
+    rng(4, "synthetic", "train").shuffle(y)
+    assert np.array_equal(three.y_train, y) and np.bincount(y).tolist() == [n // 3 + (c < n % 3) for c in range(3)]
+    means = rng(4, "synthetic", "means").normal(0.0, 3.0, size=(classes, dim)).astype(np.float32)
+    for i, rows in ((0, slice(0, block)), (3, slice(3 * block, n))):
+        noise = rng(4, "synthetic", "train", i).standard_normal((rows.stop - rows.start, dim), dtype=np.float32)
+        assert np.array_equal(three.x_train[rows], means[y[rows]] + noise)
+    assert three.x_train.dtype == np.float32 and not three.x_train.flags.writeable
 
 
 def test_decoded_data_sets_are_cached_on_disk_and_memory_mapped(tmp_path, monkeypatch):
