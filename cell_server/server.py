@@ -24,6 +24,7 @@ from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 
+from .members import DeviceList, OnlineFlags
 from .recovery import RoundJournal, recover
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def absence(absent: dict[str, str], limit: int, not_participating: int = 0) -> d
 class CellServer:
     """One cell's edge server."""
 
-    def __init__(self, transport: Transport, *, run: str, cell: str, devices: list[str], role: CellRole,
+    def __init__(self, transport: Transport, *, run: str, cell: str, devices: Iterable[str], role: CellRole,
                  algorithm: str, device_deadline: float, quorum: float = 1.0,
                  availability: Availability | None = None, log_path: str | None = None,
                  trust: "Trust | None" = None, max_message_bytes: int | None = None,
@@ -80,7 +81,7 @@ class CellServer:
         if not 0 < quorum <= 1:
             raise ValueError("quorum must be in (0, 1]")
         self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
-        self.devices, self.role, self.algorithm = sorted(devices), role, algorithm
+        self.devices, self.role, self.algorithm = DeviceList(devices), role, algorithm  # sorted, compact
         self.device_deadline, self.quorum, self.availability = device_deadline, quorum, availability
         self.trust = trust
         self.messenger = Messenger(transport, run, cell, trust=trust, max_payload=max_message_bytes,
@@ -88,7 +89,7 @@ class CellServer:
         self.cloud = CloudSession()  # the cloud's current session, from its (signed) status
         self.max_weights, self.max_weight = max_weights if max_weights is not None else {}, max_weight
         self.log = JsonlWriter(log_path)
-        self.online: dict[str, bool] = {d: assume_online for d in self.devices}
+        self.online = OnlineFlags(self.devices, assume_online)
         self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
         self._beat_timer: TimerHandle | None = None
@@ -155,7 +156,7 @@ class CellServer:
     def _announce(self) -> None:
         status = topics.status(self.run, topics.cell_node(self.cell))
         self.transport.publish(status, encode_status("online", topic=status, trust=self.trust,
-                                                     devices_online=sum(self.online.values()),
+                                                     devices_online=self.online.count(),
                                                      devices_total=len(self.devices)), retain=True)
 
     # ----------------------------------------------------------------- liveness
@@ -166,8 +167,8 @@ class CellServer:
         """Periodic: mark devices with a stale heartbeat offline, and re-announce this cell."""
         now = self.loop.now()
         if self.heartbeat_timeout > 0:
-            for d in self.devices:
-                if self.online[d] and now - self.last_seen.get(d, now) > self.heartbeat_timeout:
+            for d, online in self.online.items():
+                if online and now - self.last_seen.get(d, now) > self.heartbeat_timeout:
                     log.warning("cell %s: no heartbeat from %s for %.1f s, deemed offline", self.cell, d,
                                 now - self.last_seen[d])
                     self.online[d] = False
@@ -327,7 +328,7 @@ class CellServer:
         self._gave_up |= self._waiting
         self._waiting, self._unknown = set(), set()
         allowed = self._allowed
-        taking_part = self.devices if allowed is None else sorted(d for d in allowed if d in self.online)
+        taking_part = self.devices if allowed is None else self.devices.among(allowed)
         sitting_out = len(self.devices) - len(taking_part)
         if 0 < sitting_out <= self.absent_ids:  # named in the record; beyond, only counted (large cells)
             part = set(taking_part)
