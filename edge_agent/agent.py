@@ -67,7 +67,7 @@ class DeviceAgent:
         self._answer: tuple[tuple[str | None, int, int], str, bytes] | None = None  # (task, topic, result message)
         self._reanswers = 0  # times the kept answer was sent again
         self.on_task = on_task
-        self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``); None: here
+        self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``, ``cohort.py``); None: here
         self.tasks_done = 0
         self.pending = 0  # tasks taken whose result has not left yet (training, or a modelled delay)
         self.bytes_in = 0
