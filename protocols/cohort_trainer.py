@@ -79,13 +79,15 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
     activations and pooling on the stacked tensors); other models go through ``torch.func.vmap`` of
     ``functional_call``.
     """
-    from .models import Reshape
+    from .models import Reshape, relu_max_pool
 
     if not _fast_layers(model):
         return vmap(lambda p, xb: functional_call(model, p, (xb,)))(dict(params), x)
     d, b = x.shape[0], x.shape[1]
     grouped = False  # conv layers run on [B, D*C, H, W]; the others on [D, B, ...]
-    for name, m in model.named_children():
+    children = list(model.named_children())
+    for j, (name, m) in enumerate(children):
+        before, after = children[j - 1][1] if j else None, children[j + 1][1] if j + 1 < len(children) else None
         if isinstance(m, torch.nn.Linear):
             if grouped:
                 x, grouped = x.reshape(b, d, -1).transpose(0, 1), False
@@ -98,11 +100,13 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
             x = F.conv2d(x, w.reshape(-1, *w.shape[2:]), None if bias is None else bias.reshape(-1), m.stride,
                          m.padding, m.dilation, groups=d)
         elif isinstance(m, torch.nn.ReLU):
-            x = torch.relu(x)
+            if not isinstance(after, torch.nn.MaxPool2d):  # else it runs with the pool (relu_max_pool)
+                x = torch.relu(x)
         elif isinstance(m, torch.nn.MaxPool2d):
             if not grouped:
                 x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
-            x = F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+            x = relu_max_pool(x, m) if isinstance(before, torch.nn.ReLU) else F.max_pool2d(
+                x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
         elif isinstance(m, torch.nn.GroupNorm):  # device i's channels are a block of D*C: its groups too
             if not grouped:
                 x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True

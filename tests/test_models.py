@@ -1,0 +1,46 @@
+"""The zoo's CNNs run ReLU -> 2x2 max-pool as one fused step: the same values and gradients, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from protocols.models import ConvNet, build_model, init_params, relu_max_pool, set_params
+
+
+def layer_by_layer(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for layer in model.children():  # nn.Sequential's own forward: every layer as written
+        x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize("name, channels, side", [("cnn", (4, 8), 28), ("cnn4", (4, 8, 8, 16), 28),
+                                                  ("cnn", (4, 8), 9)])  # 9: odd sides floor as torch does
+def test_fused_relu_pool_equals_the_layers_bit_for_bit(name, channels, side):
+    model = build_model(name, (1, side, side), 10, channels=channels, fc=0 if name == "cnn" else 512)
+    assert isinstance(model, ConvNet)
+    set_params(model, init_params(model, seed=3))
+    x = torch.randn(16, side * side, generator=torch.Generator().manual_seed(0))
+    x[:4] = x[:4].round()  # integer pixels: exact ties inside pooling windows, positive and negative
+    with torch.no_grad():  # the strided forward-only path
+        assert torch.equal(model(x), layer_by_layer(model, x))
+    y = torch.randint(0, 10, (16,))
+    grads = []
+    for forward in (model, lambda v: layer_by_layer(model, v)):
+        model.zero_grad()
+        loss = nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_relu_max_pool_ties_and_other_pools():
+    x = torch.tensor([[[[3.0, 3.0, -1.0, -2.0], [1.0, 3.0, -3.0, -1.0]]]], requires_grad=True)
+    out = relu_max_pool(x, nn.MaxPool2d(2))
+    out.sum().backward()
+    assert out.tolist() == [[[[3.0, 0.0]]]]
+    # the first maximum of a window takes the gradient (as torch's pool), a non-positive window passes none
+    assert x.grad.tolist() == [[[[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]]]
+    pool3 = nn.MaxPool2d(3, stride=1, padding=1)
+    z = torch.randn(2, 3, 7, 7)
+    assert torch.equal(relu_max_pool(z, pool3), pool3(torch.relu(z)))
