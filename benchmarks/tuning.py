@@ -199,7 +199,11 @@ def open_journal(args: argparse.Namespace, script: str, preset: str, params: dic
 
 # ------------------------------------------------------------------------------------------ sweep
 def _init_worker() -> None:
+    import signal
+
     import torch
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's sweep handler: terminate() ends a worker
 
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -210,6 +214,21 @@ def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, floa
     c0, t0 = time.process_time(), time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.process_time() - c0, time.perf_counter() - t0
+
+
+def _stop_on_sigterm() -> Callable[[], None]:
+    """Until the returned function is called, SIGTERM (``timeout``, ``kill``) stops a sweep as Ctrl-C does."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def middle_out(n: int) -> list[int]:
@@ -263,6 +282,7 @@ def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]],
               f"{eta(cpu_known, len(pending))}", file=sys.stderr, flush=True)
     if pending:
         pool = ProcessPoolExecutor(max_workers=workers, initializer=_init_worker)
+        stop = _stop_on_sigterm()
         try:
             prepared: dict[int, Any] = {}
             if prepare is not None:
@@ -305,13 +325,18 @@ def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]],
                               file=sys.stderr, flush=True)
             if error is not None:
                 raise error
-        except BaseException:  # Ctrl-C or a failed run: start nothing new; the finished runs are journaled
+        except BaseException as exc:  # Ctrl-C, SIGTERM or a failed run: the finished runs are journaled
+            if not isinstance(exc, Exception):  # stopped from outside: the workers' runs in progress stop too
+                for proc in list(getattr(pool, "_processes", {}).values()):
+                    proc.terminate()
             pool.shutdown(wait=False, cancel_futures=True)
             if progress:
                 print(f"sweep stopped: {len(results)} of {len(tasks)} runs done"
                       + (f" and kept in {journal.path}; the same command resumes" if journal.path else ""),
                       file=sys.stderr, flush=True)
             raise
+        finally:
+            stop()
         pool.shutdown()
     for m, i, s in tasks:
         cells[m][i].runs.append(results[(m, i, s)])

@@ -137,3 +137,51 @@ def test_a_second_process_on_the_same_journal_is_refused(tmp_path):
                          cwd=Path(__file__).resolve().parents[1])
     j.close()
     assert out.returncode != 0 and "in use by another process" in out.stderr
+
+
+def slow_run(method: str, value: float, seed: int, calls: str) -> dict:
+    """Instant at value 0.1, otherwise a run that would take minutes; records its worker's pid."""
+    import os
+    import time
+
+    with open(calls, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    if value != 0.1:
+        time.sleep(300)
+    return {"score": value}
+
+
+def test_sigterm_stops_the_sweep_and_its_workers_and_keeps_the_finished_runs(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys; sys.path.insert(0, '.'); from benchmarks.tuning import Journal, sweep; "
+            "from tests.test_tuning import slow_run; "
+            f"sweep(slow_run, {{'a': [0.1, 1.0, 3.0]}}, [0], 2, journal=Journal({str(tmp_path / 'j.jsonl')!r}, {{}}), "
+            f"calls={str(tmp_path / 'calls')!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (
+            (tmp_path / "j.jsonl").exists() and journal_lines(tmp_path / "j.jsonl")
+            and len(calls(tmp_path / "calls")) >= 2):
+        time.sleep(0.05)
+    assert journal_lines(tmp_path / "j.jsonl"), "the instant run was not journaled"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "the same command resumes" in err
+    workers = {int(p) for p in calls(tmp_path / "calls")}
+    deadline = time.monotonic() + 15
+    alive = set(workers)
+    while alive and time.monotonic() < deadline:
+        for pid in list(alive):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                alive.discard(pid)
+        time.sleep(0.05)
+    assert not alive, f"workers {alive} outlived the sweep"
+    assert [x["value"] for x in journal_lines(tmp_path / "j.jsonl")] == [0.1]
