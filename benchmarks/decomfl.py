@@ -5,8 +5,9 @@ round, 10 % of the devices a round (uniform), Dirichlet alpha = 1 across devices
 every method (the paper's, its momentum state replayed by DeComFL devices that missed rounds), and the
 CNN of the paper's repository (conv5x5 16 -> pool -> conv5x5 32 -> pool -> linear; 28,938 parameters on
 MNIST). Baselines: FedAvg with 20 local steps and FedAvg with 1 local step. Every method gets the same
-learning-rate grid width (3 values, x~3 apart) and the same seeds; the winner per method is the lr with the
-fewest bytes to the target (a seed that misses it counts as infinite), flagged when it sits at a grid edge.
+learning-rate grid width (4 values, x~3 apart) on the same tuning seeds (quick: all 3; paper: seed 0); the winner
+per method is the lr with the fewest bytes to the target (a seed that misses it counts as infinite), flagged when
+it sits at a grid edge, and then runs on the remaining seeds (paper: 1-4). The estimated cost is printed first.
 Bytes are whole messages as the runtimes count them (envelope, metadata, data), cell <-> device, both
 directions, averaged over all M devices.
 
@@ -24,15 +25,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tuning import add_journal_args, edge_note, grid_line, open_journal, pick, sweep  # noqa: E402
+from benchmarks.tuning import add_journal_args, cost_line, edge_note, grid_line, open_journal, tune  # noqa: E402
 
+# CPU-s of one paper-preset run, per method (measured: benchmarks/README.md, DeComFL, Cost)
+CPU_PER_PAPER_RUN = {"DeComFL": 900.0, "FedAvg K=20": 120.0, "FedAvg K=1": 100.0}
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"dataset": "digits", "devices": 50, "per_round": 5, "max_train": 0, "max_test": 0, "batch": 32,
               "zo_rounds": 1000, "fo_rounds": 30, "k1_rounds": 150, "targets": [0.6, 0.7, 0.8], "headline": 0.7,
-              "P": 10, "seeds": [0, 1, 2], "zo_evals": 50},
+              "P": 10, "seeds": [0, 1, 2], "tune_seeds": [0, 1, 2], "zo_evals": 50,
+              "cpu_per_run": {"DeComFL": 35.0, "FedAvg K=20": 3.0, "FedAvg K=1": 7.0}},
+    # the paper: ~10k rounds; here 1,000 DeComFL rounds and (to fit 2 h on 2 cores: a DeComFL round costs ~0.9 CPU-s)
+    # every grid on seed 0 only, then the winners on seeds 1-4
     "paper": {"dataset": "mnist", "devices": 100, "per_round": 10, "max_train": 0, "max_test": 2000, "batch": 32,
               "zo_rounds": 1000, "fo_rounds": 50, "k1_rounds": 300, "targets": [0.80, 0.85, 0.90], "headline": 0.85,
-              "P": 10, "seeds": [0, 1, 2], "zo_evals": 50},
+              "P": 10, "seeds": [0, 1, 2, 3, 4], "tune_seeds": [0], "zo_evals": 50,
+              "cpu_per_run": CPU_PER_PAPER_RUN},
 }
 GRIDS = {  # the same width for every method: 4 values x~3 apart around the paper's (DeComFL 1e-3, FedAvg 0.1), widened
     # until no winner sits at an edge (quick: DeComFL peaked at 1e-2 and diverged at 3e-2; FedAvg K=20 peaked at 0.3)
@@ -104,27 +111,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="quick")
     ap.add_argument("--seeds", help="comma-separated run seeds (default: the preset's)")
+    ap.add_argument("--tune-seeds", help="comma-separated seeds of the lr grids; the winners then run on the other "
+                    "seeds (default: the preset's)")
     ap.add_argument("--methods", help="comma-separated subset of " + ", ".join(GRIDS["quick"]))
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     add_journal_args(ap)
     args = ap.parse_args()
     s = dict(PRESETS[args.preset])
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]
+    tune_seeds = [int(x) for x in args.tune_seeds.split(",")] if args.tune_seeds else [
+        x for x in s["tune_seeds"] if x in seeds] or seeds[:1]
     grids = {m: g for m, g in GRIDS[args.preset].items() if not args.methods or m in args.methods.split(",")}
-    journal = open_journal(args, __file__, args.preset, {k: v for k, v in s.items() if k != "seeds"})
+    print(f"DeComFL preset {args.preset}: " + cost_line(grids, tune_seeds, seeds, s["cpu_per_run"], args.jobs),
+          flush=True)
+    journal = open_journal(args, __file__, args.preset, {
+        k: v for k, v in s.items() if k not in ("seeds", "tune_seeds", "cpu_per_run")})
     t0 = time.perf_counter()
-    cells = sweep(run, grids, seeds, args.jobs, journal=journal, settings=s)
+    cells, winners = tune(run, grids, tune_seeds, seeds, args.jobs, "score", lower_is_better=True, journal=journal,
+                          settings=s)
     wall = time.perf_counter() - t0
     journal.close()
-    winners = pick(cells, "score", lower_is_better=True)
     head = s["headline"]
     print(f"\nDeComFL preset {args.preset}: {s['dataset']} ({'all' if not s['max_train'] else s['max_train']} train), "
           f"{s['devices']} devices in 2 cells, {s['per_round']} a round, Dirichlet 1, CNN "
           f"{next(iter(cells.values()))[0].runs[0]['params']:,} params, momentum 0.5, batch {s['batch']}; "
           f"DeComFL K=1 P={s['P']} mu=1e-3 gaussian, {s['zo_rounds']} rounds; FedAvg K=20 {s['fo_rounds']} rounds, K=1 "
           f"{s['k1_rounds']} rounds; "
-          f"seeds {seeds}; wall {wall:.0f} s ({args.jobs} jobs); {journal.summary()}")
-    print("\ntuning (mean bytes per device to {:.0%}; lr: value):".format(head))
+          f"lr tuned on seeds {tune_seeds}, winners on seeds {seeds}; wall {wall:.0f} s ({args.jobs} jobs); {journal.summary()}")
+    print("\ntuning (mean bytes per device to {:.0%} on the tuning seeds; lr: value):".format(head))
     for m, row in cells.items():
         print(f"  {m:<12} " + grid_line(row, f"bytes@{head}", kb))
     print(f"\n{'method':<12}{'lr':>8}{'best acc':>10}{'final acc':>11}" + "".join(f"{f'KB to {t:.0%}':>16}" for t in s["targets"])

@@ -343,6 +343,32 @@ def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]],
     return cells
 
 
+def tune(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]], tune_seeds: Sequence[int],
+         seeds: Sequence[int], jobs: int, key: str, lower_is_better: bool, journal: Journal | None = None,
+         **common: Any) -> tuple[dict[str, list[Cell]], dict[str, Winner]]:
+    """The grids on ``tune_seeds``, each method's winner by the seed mean of ``key``, then every winner on the
+    ``seeds`` not tuned on (each method the same runs). Returns the tuning cells and the winners, whose cells
+    hold the runs of every seed (the tuning seeds' first)."""
+    cells = sweep(run, grids, tune_seeds, jobs, journal=journal, **common)
+    winners = pick(cells, key, lower_is_better)
+    rest = [x for x in seeds if x not in tune_seeds]
+    if rest:
+        more = sweep(run, {m: [w.cell.value] for m, w in winners.items()}, rest, jobs, journal=journal, **common)
+        for m, w in winners.items():
+            w.cell = Cell(m, w.cell.value, w.cell.runs + more[m][0].runs)
+    return cells, winners
+
+
+def cost_line(grids: dict[str, Sequence[float]], tune_seeds: Sequence[int], seeds: Sequence[int],
+              cpu_per_run: dict[str, float], jobs: int) -> str:
+    """The estimated cost of :func:`tune`: its runs x each method's measured CPU seconds per run."""
+    rest = [x for x in seeds if x not in tune_seeds]
+    runs = {m: len(g) * len(tune_seeds) + len(rest) for m, g in grids.items()}
+    cpu = sum(n * cpu_per_run[m] for m, n in runs.items())
+    return (f"estimated cost: {sum(runs.values())} runs x ~{cpu / max(1, sum(runs.values())):.0f} CPU-s (measured per "
+            f"method) = ~{cpu:,.0f} CPU-s, ~{cpu / max(1, jobs) / 60:.0f} min on {jobs} idle cores")
+
+
 def pick(cells: dict[str, list[Cell]], key: str, lower_is_better: bool) -> dict[str, Winner]:
     """The best grid value per method by the seed mean of ``key`` (ties: the first), flagged at an edge."""
     out = {}

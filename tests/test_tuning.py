@@ -185,3 +185,20 @@ def test_sigterm_stops_the_sweep_and_its_workers_and_keeps_the_finished_runs(tmp
         time.sleep(0.05)
     assert not alive, f"workers {alive} outlived the sweep"
     assert [x["value"] for x in journal_lines(tmp_path / "j.jsonl")] == [0.1]
+
+
+def test_tune_runs_the_grids_on_the_tuning_seeds_then_only_the_winners_on_the_rest(tmp_path):
+    from benchmarks.tuning import tune
+
+    path = tmp_path / "j.jsonl"
+    j = Journal(path, {})
+    cells, winners = tune(fake_run, GRIDS, [0], [0, 1, 2], 2, "score", True, journal=j, calls=str(tmp_path / "c0"))
+    j.close()
+    assert len(calls(tmp_path / "c0")) == 6 + 2 * 2  # every grid value on seed 0, each winner on seeds 1 and 2
+    assert {m: w.cell.value for m, w in winners.items()} == {"a": 0.3, "b": 0.3}  # |log10(v) + 0.5| is least
+    assert all(len(w.cell.runs) == 3 and len(cells[m][0].runs) == 1 for m, w in winners.items())
+    j = Journal(path, {})
+    again = tune(fake_run, GRIDS, [0], [0, 1, 2], 2, "score", True, journal=j, calls=str(tmp_path / "c1"))
+    j.close()
+    assert calls(tmp_path / "c1") == [] and j.reused == 10
+    assert [w.cell.runs for w in again[1].values()] == [w.cell.runs for w in winners.values()]
