@@ -296,8 +296,9 @@ def test_engine_evaluate_pads_uneven_devices():
         assert r.result[0] == pytest.approx(loss, rel=1e-5) and r.result[1] == acc
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "forward-only"])  # forward-only: channels-last
 @pytest.mark.parametrize("name", ["cnn", "mlp", "other", "cnn4"])
-def test_batched_forward_matches_each_device(name):
+def test_batched_forward_matches_each_device(name, grad):
     from protocols.cohort_trainer import batched_forward
     from protocols.models import build_model
 
@@ -319,7 +320,8 @@ def test_batched_forward_matches_each_device(name):
     x = torch.randn(3, 4, side * side)
     params = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models])
               for k, _ in models[0].named_parameters()}
-    out = batched_forward(models[0], params, x)
+    with torch.set_grad_enabled(grad):
+        out = batched_forward(models[0], params, x)
     for i, m in enumerate(models):
         assert torch.allclose(out[i], m(x[i]), rtol=RTOL, atol=ATOL)
 
