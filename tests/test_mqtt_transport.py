@@ -113,21 +113,22 @@ def test_pubsub_with_wildcards(clients, loop, prefix) -> None:
     assert s["by_topic"][f"{prefix}/cell/c1/down"][0] == publish_packet_bytes(len(f"{prefix}/cell/c1/down"), 2)
 
 
-def test_ping_pong_latency(clients, loop, prefix) -> None:
-    """Guards against Nagle's algorithm (paho leaves it on): it made each round trip ~90 ms."""
+def test_clients_disable_nagle_and_ping_pong(clients, loop, prefix) -> None:
+    """Nagle's algorithm (paho leaves it on) made each small round trip ~90 ms: both clients' sockets must have
+    TCP_NODELAY set (checked on the socket, not by timing, which flakes on a loaded machine; the round-trip
+    time is a figure of benchmarks/wire.py), and request/answer round trips complete in order."""
+    import socket
+
     a, b = clients(), clients()
-    pong = threading.Event()
+    pongs = Inbox(loop)
     b.subscribe(f"{prefix}/ping", lambda t, p: b.publish(f"{prefix}/pong", p))
-    a.subscribe(f"{prefix}/pong", lambda t, p: pong.set())
+    a.subscribe(f"{prefix}/pong", pongs)
     assert a.wait_subscribed(WAIT) and b.wait_subscribed(WAIT)
-    rtts = []
-    for _ in range(15):
-        pong.clear()
-        t0 = time.perf_counter()
-        a.publish(f"{prefix}/ping", b"x" * 64)
-        assert pong.wait(WAIT)
-        rtts.append(time.perf_counter() - t0)
-    assert sorted(rtts)[len(rtts) // 2] < 0.03, rtts
+    for c in (a, b):
+        assert c._client.socket().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    for i in range(15):
+        a.publish(f"{prefix}/ping", b"%02d" % i)
+        assert pongs.wait_n(i + 1)[-1] == (f"{prefix}/pong", b"%02d" % i)
 
 
 def test_unsubscribe_stops_delivery(clients, loop, prefix) -> None:
