@@ -274,6 +274,7 @@ class CloudServer:
         evaluation: dict[str, float] = {}
         if self.evaluator is not None and ((self.round + 1) % self.eval_every == 0 or self.round + 1 == self.rounds):
             evaluation = self.evaluator(self.role.global_params())
+        diverged = self._diverged(evaluation)
         record = RoundRecord(
             run=self.run, round=self.round, rounds=self.rounds, closed_by=why, cells_planned=self.planned,
             cells_reported=reported, cells_absent=absent, devices=self._cell_devices,
@@ -281,6 +282,7 @@ class CloudServer:
             cumulative_bytes=dict(self.cumulative),
             clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
             excluded=excluded, epsilon=epsilon if epsilon is not None and np.isfinite(epsilon) else None,
+            diverged=diverged,
             metrics=role_metrics, duration_s=round(time.perf_counter() - self._wall0, 6),
             time=round(time.time(), 3),
         ).to_dict()
@@ -298,6 +300,19 @@ class CloudServer:
             self.loop.post(self._begin_round)
         else:
             self._finish()
+
+    def _diverged(self, evaluation: dict[str, float]) -> str | None:
+        """Drop the non-finite numbers of the global model's ``evaluation`` (in place) and, if there were any,
+        ask the run to stop after this round: no later round can bring a diverged model back. Returns what
+        was dropped, for the record."""
+        bad = sorted(k for k, v in evaluation.items() if isinstance(v, float) and not np.isfinite(v))
+        if not bad:
+            return None
+        why = ", ".join(f"{k} = {evaluation.pop(k)}" for k in bad)
+        log.error("round %d: the global model diverged (%s): the run stops after this round (a learning rate "
+                  "too large?)", self.round, why)
+        self._stop_request = self._stop_request or f"the global model diverged at round {self.round} ({why})"
+        return why
 
     def _checkpoint(self, record: dict[str, Any] | None) -> None:
         """Atomically save the state after round ``self.round`` (before round 0: -1) and its ``record``,

@@ -144,6 +144,8 @@ class RoundRecord(_Record):
                                   "(at privacy.delta; see protocols/privacy/accountant.py)")
     accuracy: float | None = None
     loss: float | None = None
+    diverged: str | None = Field(None, description="the global model's evaluation numbers that were not finite "
+                                 "(left out of the record); the run stops after this round")
 
 
 Record = Union[CellRecord, RoundRecord]

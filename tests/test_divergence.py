@@ -135,3 +135,21 @@ def test_a_restarted_cells_task_gets_the_kept_result_again_never_a_second_traini
     task(1, 1)
     task(1, 1)
     assert role.trained == [(1, 0), (1, 1)] and results[-1] == results[-2] != results[0]
+
+
+def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_path: Path, caplog) -> None:
+    """DeComFL at a far too large learning rate: the devices' scalars are finite, but the step they make
+    overflows float32, so the global model's evaluation loss is NaN (as DeComFL at lr 0.01 did on MNIST after
+    ~70 rounds). The cloud records the round without the non-finite
+    numbers (``diverged`` says which), logs it, and ends the run there with that reason: it never raises
+    (a record that refused the inf loss once crashed the run) and never burns the remaining rounds."""
+    cfg = small_config(tmp_path, run={"rounds": 30},
+                       algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 1, "perturbations": 2,
+                                  "lr": 1e30, "mu": 1e-3, "batch_size": 16},
+                       model={"name": "mlp", "hidden": [8]}, runtime={"eval_every": 1})
+    with caplog.at_level(logging.ERROR, logger="cloud.server"):
+        result = SimHierarchy(cfg, write_output=False).run()
+    last = result.history[-1]
+    assert len(result.history) < 30 and result.stopped and "diverged" in result.stopped
+    assert last["diverged"] and "loss" in last["diverged"] and "loss" not in last
+    assert any("global model diverged" in r.getMessage() for r in caplog.records)
