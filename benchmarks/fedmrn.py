@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.tuning import add_journal_args, cost_line, edge_note, grid_line, open_journal, tune  # noqa: E402
 
 # CPU-s of one 100-round paper run, per method (measured: benchmarks/README.md, FedMRN, Cost)
-CPU_PER_PAPER_RUN = {"FedAvg": 260.0, "FedMRN": 320.0, "FedMRN-S": 320.0, "SignSGD": 260.0, "SignSGD-MV": 260.0}
+CPU_PER_PAPER_RUN = {"FedAvg": 230.0, "FedMRN": 245.0, "FedMRN-S": 245.0, "SignSGD": 230.0, "SignSGD-MV": 230.0}
 PRESETS: dict[str, dict[str, Any]] = {
     # the paper: 60k train / 10k test, channels 32-64-128-256, 100 rounds, 5 seeds, lr grid {1, .3, .1, .03, .01}.
     # Here (to fit 2 h on 2 cores): a 6k / 2k subsample, channels 16-32-64-128, the lr tuned on seed 0 only, 4 values
