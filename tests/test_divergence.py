@@ -139,10 +139,10 @@ def test_a_restarted_cells_task_gets_the_kept_result_again_never_a_second_traini
 
 def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_path: Path, caplog) -> None:
     """DeComFL at a far too large learning rate: the devices' scalars are finite, but the step they make
-    overflows float32, so the global model's evaluation loss is NaN (as DeComFL at lr 0.01 did on MNIST after
-    ~70 rounds). The cloud records the round without the non-finite
-    numbers (``diverged`` says which), logs it, and ends the run there with that reason: it never raises
-    (a record that refused the inf loss once crashed the run) and never burns the remaining rounds."""
+    overflows float32, so the global model's evaluation loss is NaN (as DeComFL at lr 0.01 on MNIST reached
+    within its first minute). The cloud records the round without the non-finite numbers (``diverged`` says
+    which), logs it, and ends the run there with that reason: it never raises (a record that refused the NaN
+    loss once crashed the run) and never burns the remaining rounds."""
     cfg = small_config(tmp_path, run={"rounds": 30},
                        algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 1, "perturbations": 2,
                                   "lr": 1e30, "mu": 1e-3, "batch_size": 16},

@@ -115,8 +115,8 @@ def test_pubsub_with_wildcards(clients, loop, prefix) -> None:
 
 def test_clients_disable_nagle_and_ping_pong(clients, loop, prefix) -> None:
     """Nagle's algorithm (paho leaves it on) made each small round trip ~90 ms: both clients' sockets must have
-    TCP_NODELAY set (checked on the socket, not by timing, which flakes on a loaded machine; the round-trip
-    time is a figure of benchmarks/wire.py), and request/answer round trips complete in order."""
+    TCP_NODELAY set (checked on the socket, not by timing, which flakes on a loaded machine), and
+    request/answer round trips complete in order."""
     import socket
 
     a, b = clients(), clients()
