@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from protocols.checkpoint import Journal
+from protocols.divergence import diverged_reason
 from protocols.jsonl import read_jsonl
 from protocols.wire import topics
 from protocols.wire.payload import Payload
@@ -116,9 +117,12 @@ def recover(cell: "CellServer", entries: list[Payload]) -> None:
         plan = cell.role.plan(e, plans[e]["available"])  # deterministic: the plan of before the crash
         cell.absent = dict(plans[e]["absent"])
         cell._not_participating = int(plans[e]["not_participating"])
-        taken = dict(sorted(results.get(e, {}).items()))
+        answered = dict(sorted(results.get(e, {}).items()))
+        diverged = {d: why for d, r in answered.items() if (why := diverged_reason(r)) is not None}
+        taken = {d: r for d, r in answered.items() if d not in diverged}  # a diverged one is never aggregated
         if e in closed:
             cell.role.aggregate(e, taken)
+            cell._round_diverged |= set(diverged)
             record = closed[e]
             cell._round_bytes["cell_to_device"] += int(record.get("bytes_out", 0))
             cell._round_bytes["device_to_cell"] += int(record.get("bytes_in", 0))
@@ -135,7 +139,8 @@ def recover(cell: "CellServer", entries: list[Payload]) -> None:
             loss = result.meta.get("loss")
             if isinstance(loss, (int, float)) and np.isfinite(loss):
                 cell.losses[d] = float(loss)
-        cell._open_edge(plan, plans[e]["available"], taken)
+        cell.diverged = diverged
+        cell._open_edge(plan, plans[e]["available"], taken, settled=diverged)
         return
     cell.edge_round = cell.role.edge_rounds  # every edge round closed, the report not sent yet
     cell._report()

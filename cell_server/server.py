@@ -256,6 +256,7 @@ class CellServer:
         self.messenger.session = session  # device tasks and the report belong to it
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
         self._round_devices: set[str] = set()
+        self._round_diverged: set[str] = set()  # devices whose training diverged in some edge round
         self._gave_up = set()
 
     def _again(self, topic: str, rnd: int) -> None:
@@ -346,20 +347,25 @@ class CellServer:
         self._open_edge(self.role.plan(self.edge_round, available), available)
 
     def _open_edge(self, plan: Mapping[str, Payload], available: list[str],
-                   taken: Mapping[str, Payload] | None = None) -> None:
-        """Send the edge round's tasks (not to devices whose result is ``taken`` already: a resumed cell)
-        and wait for the answers until the quorum or the deadline."""
+                   taken: Mapping[str, Payload] | None = None, settled: Iterable[str] = ()) -> None:
+        """Send the edge round's tasks (not to devices whose result is ``taken`` already, or that answered
+        with nothing to aggregate, ``settled``: a resumed cell) and wait for the answers until the quorum
+        or the deadline."""
+        taken, settled = taken or {}, set(settled)
         self.planned = sorted(plan)
         self._tasks = plan
         for d in available:
             if d not in plan:
                 self.absent[d] = "not selected"
         for d in self.planned:
-            if taken is None or d not in taken:
+            if d not in taken and d not in settled:
                 self._send_task(d)
         self.answers.open((self.round, self.edge_round), self.planned)
-        for d, result in (taken or {}).items():
+        for d, result in taken.items():
             self.answers.received[d] = result
+            self.answers.pending.discard(d)
+        for d in settled & self.answers.pending:
+            self.answers.settled.add(d)
             self.answers.pending.discard(d)
         if self.secagg is not None:
             self.secagg.begin(self.planned)
@@ -367,7 +373,7 @@ class CellServer:
         r, e = self.round, self.edge_round
         if not self.planned:
             self.loop.post(lambda: self._close(r, e, "no devices"))
-        elif taken and len(self.answers.received) >= self._needed:
+        elif (taken or settled) and (not self.answers.pending or len(self.answers.received) >= self._needed):
             self.loop.post(lambda: self._close(r, e, "all answered" if not self.answers.pending else "quorum"))
         else:
             self._timer = self.loop.call_later(self.device_deadline, lambda: self._close(r, e, "deadline"))
@@ -457,6 +463,7 @@ class CellServer:
         self._round_bytes["cell_to_device"] += self.bytes_out
         self._round_bytes["device_to_cell"] += self.bytes_in
         self._round_devices |= set(results)
+        self._round_diverged |= set(self.diverged)
         self._record(why, metrics, list(results))
         self.edge_round += 1
         if self.edge_round < self.role.edge_rounds:
@@ -500,6 +507,8 @@ class CellServer:
         report = self.role.report()
         report.meta["traffic"] = dict(self._round_bytes)
         report.meta["devices"] = len(self._round_devices)
+        if diverged := len(self._round_diverged - self._round_devices):  # diverged in every edge round they had
+            report.meta["diverged"] = diverged
         topic = topics.cell_report(self.run, self.cell)
         self._sent_report = self.messenger.frame("cell_report", report, round=self.round, cell=self.cell, topic=topic)
         if self.journal is not None:

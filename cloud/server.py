@@ -13,6 +13,7 @@ import numpy as np
 from protocols.algorithms.base import CloudRole
 from protocols.answers import Answers
 from protocols.checkpoint import load_payload, save_payload
+from protocols.divergence import STALLED_ROUNDS
 from protocols.jsonl import JsonlWriter, read_jsonl
 from protocols.records import MAX_LISTED_REJECTIONS, RoundRecord
 from protocols.session import encode_manifest, new_session
@@ -73,6 +74,7 @@ class CloudServer:
         self.finished = False
         self.stopped: str | None = None  # why the run ended before ``rounds`` (the role's stop_reason)
         self._stop_request: str | None = None  # request_stop's reason
+        self._stalled_rounds = 0  # rounds in a row in which every answering device diverged
         self.started = False
         self.history: list[dict[str, Any]] = []
         self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each round record (monitor.exporter)
@@ -190,6 +192,7 @@ class CloudServer:
         self._t0, self._wall0 = self.loop.now(), time.perf_counter()
         self._bytes = {t: 0 for t in TIERS}
         self._cell_devices: dict[str, int] = {}
+        self._cell_diverged: dict[str, int] = {}
         allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
         plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
         self.planned = sorted(plan)
@@ -246,7 +249,9 @@ class CloudServer:
         for tier in ("cell_to_device", "device_to_cell"):
             value = traffic.get(tier, 0) if isinstance(traffic, dict) else 0
             self._bytes[tier] += int(value) if isinstance(value, (int, float)) and value >= 0 else 0
-        devices = msg.payload.meta.get("devices", 0)
+        devices, diverged = (msg.payload.meta.get(k, 0) for k in ("devices", "diverged"))
+        if isinstance(diverged, int) and not isinstance(diverged, bool) and diverged > 0:
+            self._cell_diverged[str(msg.header.cell)] = diverged
         return int(devices) if isinstance(devices, int) and devices >= 0 else 0
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
@@ -275,9 +280,11 @@ class CloudServer:
         if self.evaluator is not None and ((self.round + 1) % self.eval_every == 0 or self.round + 1 == self.rounds):
             evaluation = self.evaluator(self.role.global_params())
         diverged = self._diverged(evaluation)
+        self._stalled(reported)
         record = RoundRecord(
             run=self.run, round=self.round, rounds=self.rounds, closed_by=why, cells_planned=self.planned,
             cells_reported=reported, cells_absent=absent, devices=self._cell_devices,
+            devices_diverged=self._cell_diverged or None,
             rejected=self._rejected, rejected_more=self._rejected_more or None, bytes=dict(self._bytes),
             cumulative_bytes=dict(self.cumulative),
             clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
@@ -313,6 +320,18 @@ class CloudServer:
                   "too large?)", self.round, why)
         self._stop_request = self._stop_request or f"the global model diverged at round {self.round} ({why})"
         return why
+
+    def _stalled(self, reported: list[str]) -> None:
+        """Count the rounds in a row in which devices answered and every one diverged (no cell aggregated
+        a device); after ``STALLED_ROUNDS`` of them ask the run to stop: the global model cannot move."""
+        stalled = bool(self._cell_diverged) and not any(self._cell_devices.get(c, 0) for c in reported)
+        self._stalled_rounds = self._stalled_rounds + 1 if stalled else 0
+        if self._stalled_rounds >= STALLED_ROUNDS:
+            n = sum(self._cell_diverged.values())
+            log.error("round %d: all %d devices that answered diverged, %d rounds in a row: the run stops after "
+                      "this round (a learning rate too large?)", self.round, n, self._stalled_rounds)
+            self._stop_request = self._stop_request or (
+                f"every device diverged in rounds {self.round - self._stalled_rounds + 1}-{self.round}")
 
     def _checkpoint(self, record: dict[str, Any] | None) -> None:
         """Atomically save the state after round ``self.round`` (before round 0: -1) and its ``record``,

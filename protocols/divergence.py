@@ -1,6 +1,8 @@
 """A device whose training diverged (a loss or parameters that overflowed to inf, or NaN) sends a
 small "diverged" result instead of numbers nobody can use: the cell records it (``diverged`` in its
-aggregation record), counts the device as answered and keeps it out of the aggregate.
+aggregation record), counts the device as answered and keeps it out of the aggregate, and its report tells
+the cloud how many; a run in which every answering device diverges for ``STALLED_ROUNDS`` rounds in a
+row is stopped by the cloud.
 
 The result is a payload with only ``meta = {"diverged": reason}`` (no tensors), so it encodes whatever
 the role produced, and a receiver tells it from a real result by that key alone.
@@ -16,6 +18,9 @@ from .wire.payload import Payload
 
 KEY = "diverged"
 MAX_REASON = 200  # characters of a reason a cell keeps
+# cloud rounds in a row in which devices answered and every one of them diverged (nothing aggregated
+# anywhere: the global model cannot move) after which the cloud stops the run
+STALLED_ROUNDS = 3
 
 
 def nonfinite(result: Payload) -> str | None:

@@ -132,6 +132,8 @@ class RoundRecord(_Record):
     cells_reported: list[str] = Field(default_factory=list)
     cells_absent: list[str] = Field(default_factory=list)
     devices: dict[str, int] = Field(default_factory=dict, description="cell -> devices that took part")
+    devices_diverged: dict[str, int] | None = Field(None, description="cell -> devices whose training diverged "
+                                                    "(answered, never aggregated)")
     rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, reason")
     rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
     excluded: dict[str, str] | None = Field(None, description="reporting cells the robust aggregator "

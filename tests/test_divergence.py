@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edge_agent.agent import DeviceAgent
 from protocols.algorithms.base import DeviceContext, DeviceRole
@@ -153,3 +154,55 @@ def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_pat
     assert len(result.history) < 30 and result.stopped and "diverged" in result.stopped
     assert last["diverged"] and "loss" in last["diverged"] and "loss" not in last
     assert any("global model diverged" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("algorithm", [{"name": "fedavg"},
+                                       {"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2,
+                                        "lr": 0.01, "mu": 1e-3}])
+def test_a_run_in_which_every_device_diverges_stops_after_stalled_rounds(tmp_path: Path, algorithm, caplog) -> None:
+    """Every device's inputs overflow float32: each answers "diverged" at once (DeComFL's non-finite ZO
+    scalars too, which once made the device refuse its task, so the cell waited for the deadline and the
+    run idled through every round). Cells close on "all answered" without rejections, the cloud's records
+    count the diverged devices per cell, and after ``STALLED_ROUNDS`` such rounds in a row the cloud stops
+    the run with that reason; the global model stays finite."""
+    from protocols.divergence import STALLED_ROUNDS
+
+    cfg = small_config(tmp_path, run={"rounds": 20}, algorithm=algorithm, model={"name": "mlp", "hidden": [8]})
+    h = SimHierarchy(cfg, write_output=False)
+    configure = h.agents.configure
+
+    def overflowing(agent: DeviceAgent) -> None:
+        configure(agent)
+        agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
+
+    h.agents.configure = overflowing
+    with caplog.at_level(logging.WARNING):
+        result = h.run()
+    assert len(result.history) == STALLED_ROUNDS and result.stopped
+    assert f"every device diverged in rounds 0-{STALLED_ROUNDS - 1}" in result.stopped
+    for record in result.history:
+        assert record["devices_diverged"] == {"c0": 3, "c1": 3} and not any(record["devices"].values())
+    for record in result.cell_records:
+        assert len(record["diverged"]) == 3 and record["closed_by"] == "all answered" and not record["rejected"]
+    if algorithm["name"] == "decomfl":
+        assert all("non-finite ZO scalars" in why for r in result.cell_records for why in r["diverged"].values())
+    assert all(np.isfinite(v).all() for v in result.params.values())
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_run_stalls_only_when_every_answering_device_diverged(tmp_path: Path) -> None:
+    """One diverging device in each round is not a stalled run: the others' results move the model."""
+    cfg = small_config(tmp_path, run={"rounds": 5}, model={"name": "mlp", "hidden": [8]})
+    h = SimHierarchy(cfg, write_output=False)
+    configure = h.agents.configure
+
+    def overflowing(agent: DeviceAgent) -> None:
+        configure(agent)
+        if agent.device != "c0-d0":
+            agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
+
+    h.agents.configure = overflowing
+    result = h.run()
+    assert len(result.history) == 5 and not result.stopped
+    assert [r["devices_diverged"] for r in result.history] == [{"c0": 2, "c1": 3}] * 5
+    assert [r["devices"] for r in result.history] == [{"c0": 1, "c1": 0}] * 5

@@ -354,3 +354,54 @@ def test_cell_killed_mid_round_resumes_and_loses_no_device_result(tmp_path: Path
         aggregation = records(dep.cell_dir(cell) / runfiles.AGGREGATION)
         assert [(r["round"], r["edge_round"]) for r in aggregation] == [(r, e) for r in range(3) for e in range(2)]
         assert all(r["answered"] == dep.cfg.topology.device_ids(cell) for r in aggregation), aggregation
+
+
+def test_a_cell_resumed_from_a_journal_with_a_diverged_result_never_aggregates_it(tmp_path: Path) -> None:
+    """c0-d1's training diverges (inputs that overflow float32): its "diverged" answers are journaled like
+    any result. c0 crashes right after journaling it in round 1's second edge round; the resumed cell
+    replays the closed edge round and keeps the open one's answer without handing either to the role
+    (it once aggregated the diverged payload: a KeyError), and ends with the uninterrupted run's model
+    and records."""
+    def config(name: str):
+        return small_config(tmp_path / name, algorithm={"edge_rounds": 2}, runtime={"device_deadline": 50.0},
+                            security={"keys": "keys.toml"})
+
+    def with_overflowing_d1(sim: SimHierarchy) -> SimHierarchy:
+        configure = sim.agents.configure
+
+        def overflowing(agent) -> None:
+            configure(agent)
+            if agent.device == "c0-d1":
+                agent.data = type(agent.data)(np.full_like(agent.data.x, 3e38), agent.data.y)
+
+        sim.agents.configure = overflowing
+        return sim
+
+    straight = with_overflowing_d1(SimHierarchy(config("straight"))).run()
+    sim = with_overflowing_d1(SimHierarchy(config("crashed")))
+    out = sim.output_dir
+    resumed = []
+
+    def restart() -> None:
+        sim.cells["c0"] = new = journaled_c0(sim, resume=True)
+        resumed.append(new)
+        new.start()
+
+    first = sim.cells["c0"] = journaled_c0(sim, resume=False)
+    journal_result = first.journal.result
+
+    def result(edge_round, device, payload, nbytes):
+        journal_result(edge_round, device, payload, nbytes)
+        if (first.round, edge_round, device) == (1, 1, "c0-d1") and not resumed:
+            first.transport.crash()
+            first.stop()
+            sim.hub.loop.post(restart)
+
+    first.journal.result = result
+    crashed = sim.run()
+    assert resumed and sim.cells["c0"] is resumed[0]
+    assert all(np.array_equal(straight.params[k], crashed.params[k]) for k in straight.params)
+    c0 = [r for r in read_jsonl(out / runfiles.AGGREGATION) if r["cell"] == "c0"]
+    assert [(r["round"], r["edge_round"]) for r in c0] == [(r, e) for r in range(3) for e in range(2)]
+    assert all(set(r["diverged"]) == {"c0-d1"} and "c0-d1" not in r["answered"] for r in c0), c0
+    assert [m["devices_diverged"] for m in crashed.history] == [{"c0": 1}] * 3

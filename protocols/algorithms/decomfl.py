@@ -43,6 +43,7 @@ from pydantic import Field, model_validator
 
 from .. import params as P
 from .. import directions as Z
+from ..divergence import diverged_result
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload
@@ -347,12 +348,15 @@ class DeComFLDevice(DeviceRole):
         buf = P.copy(self.buf) if self.buf is not None else None
         g = self.local_update(P.copy(self.model), int(seeds[-1]), data, trainer, ctx, buf)
         # revert by copy: x and the buffer stay x_r's exactly (the local steps ran on copies)
+        if not np.isfinite(g).all():  # a "diverged" answer: the cell records it, never aggregates it
+            k = int(np.argmin(np.isfinite(g).all(axis=1)))
+            return diverged_result(f"non-finite ZO scalars at local step {k} (lr or mu too large?)")
         return Payload({"weight": len(data)}, {"g": g})
 
     def local_update(self, x: dict[str, np.ndarray], round_seed: int, data: LocalData, trainer: Trainer,
                      ctx: DeviceContext, buf: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """K ZO-SGD steps on ``x`` (and the momentum buffer ``buf``; both modified in place); returns the
-        K x P float32 scalars."""
+        K x P float32 scalars (at the first step whose scalars are not finite, with that step's row)."""
         p, shapes = self.p, Z.shapes_of(x)
         g = np.zeros((self.K, self.P), np.float32)
         order = batches(len(data), p.batch_size, self.K,
@@ -365,7 +369,7 @@ class DeComFLDevice(DeviceRole):
             for j, f in enumerate(fs):
                 g[k, j] = np.float32((f - f0) / p.mu)
             if not np.isfinite(g[k]).all():
-                raise ValueError(f"non-finite ZO scalars at step {k} (lr or mu too large?)")
+                return g  # the answer is "diverged" whatever the later steps give
             if p.momentum:
                 assert buf is not None, "momentum needs its buffer"
                 Z.apply_momentum_step(x, buf, round_seed, k, g[k], p.lr, p.momentum, p.direction)
