@@ -387,9 +387,12 @@ class CohortEngine:
         return torch.stack(xs), torch.stack(ys), torch.stack(ms)
 
     def _sgd(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
-        """Minibatch SGD for every device at once: step ``s`` of all devices is one batched step;
-        a device with fewer steps is masked out of the later ones (its parameters stay put)."""
+        """Minibatch SGD for every device at once: step ``s`` of all devices is one batched step. Devices
+        are ordered by step count (most first), so the devices that still have a step ``s`` are a prefix:
+        step ``s`` computes only those (a device past its last step costs nothing and stays put)."""
+        reqs = sorted(reqs, key=lambda r: -len(r.order))  # stable: results go to each request
         dev, d = self.device, len(reqs)
+        active = [sum(len(r.order) > s for r in reqs) for s in range(len(reqs[0].order))]  # [S], non-increasing
         chain = _mlp_chain(model)  # the gradient written out (mlp, logreg), else autograd
         params = {k: v if chain else v.requires_grad_() for k, v in self._stack(reqs).items()}
         data = [self.tensors(r.x, r.y) for r in reqs]
@@ -404,9 +407,10 @@ class CohortEngine:
         counts = mask_t.sum(2)  # [D, S] samples per step
         shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor
         lr = torch.tensor([r.lr for r in reqs], dtype=torch.float32, device=dev)
-        rates = lr.unsqueeze(1) * (counts > 0)  # [D, S]: devices past their last step stand still
+        rates = lr.unsqueeze(1) * (counts > 0)  # [D, S]: a device with an empty batch stands still
         same_lr = reqs[0].lr
-        same_rate = (mask.sum(2) > 0).all(0) & all(r.lr == same_lr for r in reqs)  # [S]
+        uniform = all(r.lr == same_lr for r in reqs)
+        same_rate = [uniform and bool((mask[:a, s].sum(1) > 0).all()) for s, a in enumerate(active)]  # [S]
         wd = torch.tensor([r.weight_decay for r in reqs], dtype=torch.float32, device=dev)
         decay = bool((wd != 0).any())
         mu = torch.tensor([r.prox_mu for r in reqs], dtype=torch.float32, device=dev)
@@ -418,31 +422,39 @@ class CohortEngine:
         losses = torch.zeros(d, steps, device=dev)
         leaves = list(params.values())
         for s0 in range(0, steps, per_gather):
-            s1 = min(steps, s0 + per_gather)
-            chunk = torch.from_numpy(idx[:, s0:s1].reshape(d, -1)).to(dev)
+            s1, a0 = min(steps, s0 + per_gather), active[s0]
+            chunk = torch.from_numpy(idx[:a0, s0:s1].reshape(a0, -1)).to(dev)
             # index_select: a fraction of the cost of fancy indexing (xt[chunk[i]]) for small batches
-            xs = torch.stack([xt.index_select(0, chunk[i]) for i, (xt, _) in enumerate(data)])
-            xs = xs.reshape(d, s1 - s0, b, *xs.shape[2:])
-            ys = torch.stack([yt.index_select(0, chunk[i]) for i, (_, yt) in enumerate(data)]).reshape(d, s1 - s0, b)
+            xs = torch.stack([xt.index_select(0, chunk[i]) for i, (xt, _) in enumerate(data[:a0])])
+            xs = xs.reshape(a0, s1 - s0, b, *xs.shape[2:])
+            ys = torch.stack([yt.index_select(0, chunk[i]) for i, (_, yt) in enumerate(data[:a0])])
+            ys = ys.reshape(a0, s1 - s0, b)
             for s in range(s0, s1):
+                a = active[s]  # devices 0..a-1 have a step s
+                full = a == d
+                ps = params if full else {k: v[:a] for k, v in params.items()}
+                vs = leaves if full else list(ps.values())
+                x, y, m = xs[:a, s - s0], ys[:a, s - s0], mask_t[:a, s]
                 if chain:
-                    loss, grads = _mlp_loss_and_grads(chain, params, xs[:, s - s0], ys[:, s - s0], mask_t[:, s])
+                    loss, grads = _mlp_loss_and_grads(chain, ps, x, y, m)
                 else:
-                    loss = _device_losses(batched_forward(model, params, xs[:, s - s0]), ys[:, s - s0], mask_t[:, s])
-                    grads = torch.autograd.grad(loss.sum(), leaves)  # devices are independent: each its own
+                    loss = _device_losses(batched_forward(model, ps, x), y, m)
+                    grads = torch.autograd.grad(loss.sum(), vs)  # devices are independent: each its own
                 with torch.no_grad():
+                    if not full:  # the leaves' prefixes, updated in place below
+                        vs = [p[:a] for p in leaves]
                     if decay:
-                        grads = [g + wd.view(shape(p)) * p for p, g in zip(leaves, grads)]
+                        grads = [g + wd[:a].view(shape(p)) * p for p, g in zip(vs, grads)]
                     if start is not None:  # FedProx: + mu (w - w_0)
-                        grads = [g + mu.view(shape(p)) * (p - p0) for p, g, p0 in zip(leaves, grads, start)]
+                        grads = [g + mu[:a].view(shape(p)) * (p - p0[:a]) for p, g, p0 in zip(vs, grads, start)]
                     if bufs is not None:  # b = beta * b + g, per device; the step follows b
-                        grads = [b.mul_(beta.view(shape(b))).add_(g) for b, g in zip(bufs, grads)]
+                        grads = [b[:a].mul_(beta[:a].view(shape(g))).add_(g) for b, g in zip(bufs, grads)]
                     if same_rate[s]:  # every device steps with the same lr (the usual case): one fused update
-                        torch._foreach_add_(leaves, grads, alpha=-same_lr)
+                        torch._foreach_add_(vs, grads, alpha=-same_lr)
                     else:
-                        for p, g in zip(leaves, grads):
-                            p.sub_(rates[:, s].view(shape(p)) * g)
-                    losses[:, s] = loss
+                        for p, g in zip(vs, grads):
+                            p.sub_(rates[:a, s].view(shape(p)) * g)
+                    losses[:a, s] = loss
         sample_loss = (losses * counts).sum(1)
         arrays = {k: v.detach().cpu().numpy() for k, v in params.items()}
         for i, r in enumerate(reqs):

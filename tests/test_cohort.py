@@ -143,6 +143,18 @@ def test_local_momentum_matches_per_device_engine(make_config):
     _equivalent(device, cohort, rounds=(0, 1))
 
 
+@pytest.mark.parametrize("model", [{"name": "mlp", "hidden": [16]}, {"name": "cnn", "channels": [4, 8], "fc": 16}])
+def test_uneven_devices_with_every_sgd_term_match_per_device_engine(make_config, model):
+    """Devices past their last step drop out of the cohort's later steps (it computes only the devices
+    that still have one): with weight decay, the proximal term and momentum, on the written-out (mlp) and
+    the autograd (cnn) gradient, each device still ends where it does alone."""
+    device, cohort = _pair(make_config, model=model, run={"rounds": 2}, data={"partition": "dirichlet", "alpha": 0.3},
+                           algorithm={"name": "fedavg", "prox_mu": 0.1, "weight_decay": 0.01, "momentum": 0.5,
+                                      "local_steps": 0, "local_epochs": 1.0, "batch_size": 16, "edge_rounds": 1})
+    assert len({r.meta["steps"] for r in device[1].values()}) > 2
+    _equivalent(device, cohort, rounds=(0, 1))
+
+
 def test_cohorts_in_worker_processes(make_config):
     """engine = cohort with sim_workers: each worker gets its share of an edge round at once and trains it
     as cohorts; every device's result is the per-device engine's, with the same messages and records."""
