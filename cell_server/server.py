@@ -5,7 +5,6 @@ planned device answered, a quorum did, or the deadline passed) and records *what
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -23,6 +22,7 @@ from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
+from protocols.wire.signed import seal_record
 
 from .members import DeviceList, OnlineFlags
 from .recovery import RoundJournal, recover
@@ -499,8 +499,8 @@ class CellServer:
         self.log.write(record)
         for observe in self.observers:
             observe(record)
-        self.transport.publish(topics.telemetry_cell(self.run, self.cell),
-                               json.dumps(record, separators=(",", ":")).encode(), qos=0)
+        topic = topics.telemetry_cell(self.run, self.cell)
+        self.transport.publish(topic, seal_record(record, topic, self.trust.sign if self.trust else None), qos=0)
 
     def _report(self) -> None:
         self._end_round()

@@ -22,6 +22,7 @@ from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
+from protocols.wire.signed import seal_record
 
 if TYPE_CHECKING:
     from protocols.wire.keys import Trust
@@ -298,7 +299,8 @@ class CloudServer:
         self.metrics.write(record)
         for observe in self.observers:
             observe(record)
-        self.transport.publish(topics.telemetry_cloud(self.run), json.dumps(record).encode(), qos=0)
+        topic = topics.telemetry_cloud(self.run)  # signed in signed runs: a reader with the keys checks it
+        self.transport.publish(topic, seal_record(record, topic, self.trust.sign if self.trust else None), qos=0)
         self._checkpoint(record)
         if self.on_round is not None:
             self.on_round(record)

@@ -19,6 +19,10 @@ from fedtier.console import fail
 @click.option("--run", "run_name", metavar="NAME", help="Run name (with --broker).")
 @click.option("--username", help="Broker user name.")
 @click.option("--password", help="Broker password.")
+@click.option("--keys", "keys_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="With --broker, a signed run: a keys file with the cloud's and the cells' public keys (the "
+              "run's keys.toml or the cloud's share); records and statuses not signed by the node their topic "
+              "names are rejected (counted as bad records).")
 @click.option("--once", is_flag=True, help="Render one frame to stdout and exit (scripts, tests).")
 @click.option("--wait", type=float, default=3.0, show_default=True,
               help="With --once --broker: listen this long at most (stops 1 s after telemetry went quiet).")
@@ -37,7 +41,7 @@ from fedtier.console import fail
 @click.option("--state", "states", multiple=True, type=click.Choice(["silent", "offline", "drop", "waiting", "ok"]),
               help="Only cells in this state (repeatable).")
 def monitor(run_dir: str | None, broker: str | None, run_name: str | None, username: str | None,
-            password: str | None, once: bool, wait: float, refresh: float, deadline: float | None,
+            password: str | None, keys_file: str | None, once: bool, wait: float, refresh: float, deadline: float | None,
             drop_ratio: float, exit_when_done: bool, width: int | None, top: int, sort: str | None,
             patterns: tuple[str, ...], states: tuple[str, ...]) -> None:
     """Watch a run's cells: participation, bytes, loss, lag behind the cloud, alerts.
@@ -51,6 +55,9 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, usern
 
     if (run_dir is None) == (broker is None):
         fail("give either RUN_DIR or --broker URL --run NAME", 2)
+    if keys_file is not None and broker is None:
+        fail("--keys checks the signatures of live telemetry: it goes with --broker (a run folder's logs are "
+             "not signed)", 2)
     state = MonitorState(drop_ratio=drop_ratio, deadline=deadline)
     flt = CellFilter(patterns=patterns, states=states, top=top, sort=sort)
     feed: RunDirFollower | TelemetryFeed
@@ -59,7 +66,12 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, usern
             fail("--broker needs --run NAME", 2)
         from protocols.transport.mqtt import MqttTransport
         from protocols.transport.threadloop import ThreadLoop
+        from protocols.wire.keys import KeysError, load_public_keys
 
+        try:
+            keys = load_public_keys(keys_file) if keys_file is not None else None
+        except KeysError as exc:
+            fail(str(exc), 2)
         loop = ThreadLoop("fedtier-monitor").start()
         try:
             transport = MqttTransport.from_url(broker, f"monitor-{uuid.uuid4().hex[:8]}", loop,
@@ -67,7 +79,7 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, usern
         except (ConnectionError, ValueError) as exc:
             loop.stop()
             fail(str(exc), 1)
-        feed = TelemetryFeed(transport, run_name).start()
+        feed = TelemetryFeed(transport, run_name, keys).start()
         state.run = run_name
     else:
         if once and not Path(run_dir).is_dir():

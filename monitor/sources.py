@@ -14,6 +14,11 @@ from protocols.records import BadLine, Record, parse_lines, parse_record
 from protocols.status import decode_status
 from protocols.transport.base import Transport
 from protocols.wire import topics
+from protocols.wire.envelope import WireError
+from protocols.wire.keys import PublicKeys
+from protocols.wire.signed import open_record, signer_of
+
+MAX_TELEMETRY_BYTES = 8 << 20  # a record larger than this is refused unparsed (a cell's record names its devices)
 
 Status = tuple[str, str]  # (node, "online" | "offline")
 Batch = tuple[list[Record], list[BadLine], list[Status]]
@@ -76,11 +81,15 @@ class RunDirFollower:
 class TelemetryFeed:
     """Subscribes ``fedtier/{run}/telemetry/#`` and the status topics on any :class:`Transport`.
 
-    Handlers run on the transport's loop (a broker thread for MQTT) and only queue what they get.
+    With ``keys`` (the public keys of a signed run) a record counts only if the node its topic names
+    signed it for that topic: anything else (unsigned, forged, moved to another cell's topic) is a bad
+    record saying why, and such a status is dropped. Without, signatures are not checked. Records
+    larger than ``MAX_TELEMETRY_BYTES`` are refused unparsed. Handlers run on the transport's loop (a
+    broker thread for MQTT) and only queue what they get.
     """
 
-    def __init__(self, transport: Transport, run: str) -> None:
-        self.transport, self.run = transport, run
+    def __init__(self, transport: Transport, run: str, keys: PublicKeys | None = None) -> None:
+        self.transport, self.run, self.keys = transport, run, keys
         self._lock = threading.Lock()
         self._records: list[Record] = []
         self._bad: list[BadLine] = []
@@ -97,12 +106,16 @@ class TelemetryFeed:
         with self._lock:
             self.received += 1
             try:
-                self._records.append(parse_record(data))
+                record = open_record(data, topic, signer_of(topic), self.keys.verify if self.keys else None,
+                                     max_bytes=MAX_TELEMETRY_BYTES)
+                self._records.append(parse_record(record))
+            except WireError as exc:
+                self._bad.append(BadLine(topic, self.received, f"rejected: {exc}"))
             except ValueError as exc:
                 self._bad.append(BadLine(topic, self.received, str(exc)))
 
     def _on_status(self, topic: str, data: bytes) -> None:
-        status = decode_status(data)
+        status = decode_status(data, topic, self.keys)
         if status is not None:
             with self._lock:
                 self._statuses.append((topic.rsplit("/", 1)[-1], status["state"]))

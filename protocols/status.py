@@ -14,7 +14,7 @@ from .wire.ratelog import RateLimitedLog
 from .wire.signed import open_record, seal_record, signer_of
 
 if TYPE_CHECKING:
-    from .wire.keys import Trust
+    from .wire.keys import PublicKeys, Trust
 
 log = logging.getLogger("fedtier.status")
 _rejections = RateLimitedLog(log)
@@ -25,7 +25,7 @@ def encode_status(state: str, *, topic: str = "", trust: "Trust | None" = None, 
     return seal_record({"state": state, **extra}, topic, trust.sign if trust is not None else None)
 
 
-def decode_status(data: bytes, topic: str = "", trust: "Trust | None" = None) -> dict[str, Any] | None:
+def decode_status(data: bytes, topic: str = "", trust: "PublicKeys | None" = None) -> dict[str, Any] | None:
     """Parse a status record; ``None`` if it is not one (it is then ignored) or, with ``trust``, if it
     is not signed by the node of ``topic`` (logged)."""
     try:

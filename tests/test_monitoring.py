@@ -342,3 +342,49 @@ def test_monitor_cli_filters_a_thousand_cell_run_dir(tmp_path):
     assert _rows(res.stdout) == ["c0010", "c0011", "c0012"] and "... 7 more" in res.stdout
     res = CliRunner().invoke(main, ["monitor", str(tmp_path), "--once", "--state", "bogus"])
     assert res.exit_code == 2
+
+
+def test_signed_telemetry_is_checked_by_a_monitor_with_the_keys(tmp_path):
+    """A signed run signs its telemetry. A feed given the run's public keys (``fedtier monitor --keys``)
+    takes every genuine record and rejects, as bad records saying why, an unsigned one, a genuine one
+    moved to another cell's topic, and one altered after signing; a feed without keys reads the genuine
+    records (the signature stripped) and cannot tell the forgeries."""
+    from protocols.wire import topics
+    from protocols.wire.keys import load_public_keys
+
+    cfg = small_config(tmp_path, run={"name": "signed", "rounds": 2}, data={"max_train": 400, "max_test": 100},
+                       security={"keys": "keys.toml"})
+    sim = SimHierarchy(cfg)
+    keyed = TelemetryFeed(sim.hub.connect("monitor"), "signed", load_public_keys(sim.cfg.security.keys)).start()
+    plain = TelemetryFeed(sim.hub.connect("monitor2"), "signed").start()
+    sent: dict[str, list[bytes]] = {}
+    sim.hub.connect("tap").subscribe(topics.telemetry_all("signed"), lambda t, d: sent.setdefault(t, []).append(d))
+    result = sim.run()
+    genuine = len(result.cell_records) + len(result.history)
+    c0, c1 = topics.telemetry_cell("signed", "c0"), topics.telemetry_cell("signed", "c1")
+    last = json.loads(sent[c0][-1])
+    assert "sig" in last and all("sig" not in r for r in result.cell_records)  # the files stay unsigned
+    altered = {**last, "loss_mean": 0.0}
+    unsigned = {k: v for k, v in last.items() if k != "sig"}
+    forger = sim.hub.connect("forger")
+    for topic, data in ((c0, json.dumps(unsigned).encode()), (c0, sent[c1][-1]), (c0, json.dumps(altered).encode())):
+        forger.publish(topic, data, qos=0)
+    sim.hub.loop.run()
+    records, bad, _ = keyed.poll()
+    assert len(records) == genuine and [r.to_dict() for r in records if r.event == "round"] == result.history
+    assert [b.error for b in bad] == ["rejected: unsigned record (the signature of 'c0' is required)",
+                                      "rejected: bad signature: not signed by 'c0'",
+                                      "rejected: bad signature: not signed by 'c0'"]
+    records, bad, _ = plain.poll()
+    assert len(records) == genuine + 3 and not bad
+    assert [r.to_dict() for r in records[:genuine] if r.event == "round"] == result.history
+
+
+def test_monitor_keys_option_checks(tmp_path):
+    runner = CliRunner()
+    out = runner.invoke(main, ["monitor", str(tmp_path), "--keys", "k.toml", "--once"])
+    assert out.exit_code == 2 and "--keys" in out.output and "--broker" in out.output
+    (tmp_path / "k.toml").write_text("not toml [")
+    out = runner.invoke(main, ["monitor", "--broker", "mqtt://127.0.0.1:1", "--run", "r", "--keys",
+                               str(tmp_path / "k.toml"), "--once"])
+    assert out.exit_code == 2 and "not a readable TOML keys file" in " ".join(out.output.split())

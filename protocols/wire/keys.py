@@ -127,14 +127,17 @@ def write_keys(path: str | Path, ring: KeyRing, comment: str = "", overwrite: bo
     return path
 
 
-def load_keys(path: str | Path) -> KeyRing:
-    """Read a keys file; raise :class:`KeysError` naming the bad entry."""
+def load_keys(path: str | Path, need_private: bool = True) -> KeyRing:
+    """Read a keys file; raise :class:`KeysError` naming the bad entry (or, ``need_private``, when it
+    holds no private key)."""
     path = Path(path)
     try:
         st = path.stat()
     except OSError as exc:
         raise KeysError(f"security.keys: cannot read {path}: {exc.strerror}") from None
     private, public = _load_cached(str(path.resolve()), st.st_mtime_ns, st.st_size)
+    if need_private and not private:
+        raise KeysError(f"security.keys: {path} has no [private] key")
     return KeyRing(dict(private), dict(public))
 
 
@@ -166,8 +169,6 @@ def _load_cached(path: str, _mtime: int, _size: int) -> tuple[tuple[tuple[str, b
                 raise KeysError(f"security.keys: {path}: [{name}] {node!r} must be {2 * KEY_BYTES} hex digits")
             entries.append((node, key))
         tables.append(tuple(entries))
-    if not tables[0]:
-        raise KeysError(f"security.keys: {path} has no [private] key")
     private = dict(tables[0])
     for node, key in tables[1]:
         if node in private and public_of(private[node]) != key:
@@ -208,15 +209,10 @@ VERIFIED = VerifiedSignatures()
 """This process's cache of valid signatures (shared by every :class:`Trust` in it)."""
 
 
-class Trust:
-    """One node's identity: signs with its private key, verifies its peers with their public keys.
+class PublicKeys:
+    """Verifies nodes' signatures with their public keys only: a reader such as ``fedtier monitor``."""
 
-    Also the chunk authenticator of ``protocols.wire.chunking`` (``node``, ``sign``, ``verify``).
-    """
-
-    def __init__(self, node: str, seed: bytes, public: Mapping[str, bytes]) -> None:
-        self.node = node
-        self._private = Ed25519PrivateKey.from_private_bytes(seed)
+    def __init__(self, public: Mapping[str, bytes]) -> None:
         self._public = {n: Ed25519PublicKey.from_public_bytes(k) for n, k in public.items()}
         self._raw = {n: bytes(k) for n, k in public.items()}
         self.verified = VERIFIED
@@ -229,10 +225,6 @@ class Trust:
     def knows(self, node: str) -> bool:
         return node in self._public
 
-    def sign(self, data: bytes) -> bytes:
-        """A 64-byte Ed25519 signature of ``data``."""
-        return self._private.sign(data)
-
     def verify(self, signer: str, data: bytes, sig: bytes) -> None:
         """Raise :class:`WireError` unless ``sig`` is ``signer``'s signature of ``data``."""
         key = self._public.get(signer)
@@ -244,6 +236,22 @@ class Trust:
             raise WireError(f"bad signature: not signed by {signer!r}") from None
 
 
+class Trust(PublicKeys):
+    """One node's identity: signs with its private key, verifies its peers with their public keys.
+
+    Also the chunk authenticator of ``protocols.wire.chunking`` (``node``, ``sign``, ``verify``).
+    """
+
+    def __init__(self, node: str, seed: bytes, public: Mapping[str, bytes]) -> None:
+        super().__init__(public)
+        self.node = node
+        self._private = Ed25519PrivateKey.from_private_bytes(seed)
+
+    def sign(self, data: bytes) -> bytes:
+        """A 64-byte Ed25519 signature of ``data``."""
+        return self._private.sign(data)
+
+
 def node_trust(cfg: "RunConfig", node: str) -> Trust | None:
     """``node``'s identity and its peers' public keys from ``[security] keys``; ``None`` when not configured."""
     path = cfg.security.keys
@@ -251,6 +259,16 @@ def node_trust(cfg: "RunConfig", node: str) -> Trust | None:
         return None
     ring = node_subset(load_keys(path), cfg.topology, node)
     return Trust(node, ring.private[node], ring.public)
+
+
+def load_public_keys(path: str | Path) -> PublicKeys:
+    """The public keys of a keys file (any node's share, or the run's whole file): a verifier for a
+    reader that signs nothing. Raises :class:`KeysError` for a bad file or one without public keys."""
+    ring = load_keys(path, need_private=False)
+    public = {**{n: public_of(k) for n, k in ring.private.items()}, **ring.public}
+    if not public:
+        raise KeysError(f"{path} holds no public keys")
+    return PublicKeys(public)
 
 
 def with_run_keys(cfg: "RunConfig", out: Path) -> "RunConfig":

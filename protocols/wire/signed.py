@@ -1,4 +1,5 @@
-"""Signed JSON records: the retained control plane (node status, the cloud's round manifest).
+"""Signed JSON records: the retained control plane (node status, the cloud's round manifest) and the
+telemetry (cell aggregation and cloud round records).
 
 A record stays plain JSON, so any MQTT client can read it, with one more key: ``"sig"``, its
 producer's Ed25519 signature (base64url) over the topic it is published on and the record's
@@ -33,11 +34,12 @@ def seal_record(record: dict[str, Any], topic: str, sign: Signer | None) -> byte
     return json.dumps(record, separators=(",", ":")).encode()
 
 
-def open_record(data: bytes, topic: str, signer: str | None, verify: Verifier | None) -> dict[str, Any]:
-    """Parse a record; with ``verify`` it must carry ``signer``'s valid signature for ``topic``.
-    Raises :class:`WireError` saying why not."""
-    if len(data) > MAX_RECORD_BYTES:
-        raise WireError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
+def open_record(data: bytes, topic: str, signer: str | None, verify: Verifier | None,
+                max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any]:
+    """Parse a record of at most ``max_bytes``; with ``verify`` it must carry ``signer``'s valid
+    signature for ``topic``. Raises :class:`WireError` saying why not."""
+    if len(data) > max_bytes:
+        raise WireError(f"record of {len(data)} bytes exceeds {max_bytes}")
     try:
         record = loads(data)
     except ValueError:
@@ -57,8 +59,13 @@ def open_record(data: bytes, topic: str, signer: str | None, verify: Verifier | 
 def signer_of(topic: str) -> str | None:
     """Who must sign a record on ``topic``: ``fedtier/{run}/status/{node}`` -> the node's id
     (``cloud``, the cell for ``cell.{cell}``, the device for ``device.{device}``); the round
-    manifest and run control -> ``cloud``."""
+    manifest, run control and the cloud's telemetry -> ``cloud``; a cell's telemetry
+    (``fedtier/{run}/telemetry/cell/{cell}``) -> the cell."""
     parts = topic.split("/")
+    if len(parts) >= 4 and parts[2] == "telemetry":
+        if len(parts) == 5 and parts[3] == "cell":
+            return parts[4]
+        return "cloud" if len(parts) == 4 and parts[3] == "cloud" else None
     if len(parts) >= 4 and parts[-2] == "status":
         node = parts[-1]
         for prefix in ("cell.", "device."):
