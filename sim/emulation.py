@@ -64,18 +64,20 @@ def wire_by_tier(snapshots: list[dict[str, Any]]) -> dict[str, int]:
 @dataclass
 class Faults:
     """Fault injection for tests: ``crash`` kills a device's worker with SIGKILL when that device
-    receives its task for ``(round, edge_round)``; ``duplicate`` publishes every device result twice;
+    receives its task for ``(round, edge_round)`` (round ``None``: of any round, e.g. an asynchronous
+    cell's first task of a device, ``(None, 0)``, whatever model version it carries); ``duplicate`` publishes every device result twice;
     ``hold`` maps a device to ``(round, edge_round, path)``: on that task it creates ``path.held``
     and trains only once ``path`` exists (at most ``HOLD_LIMIT`` seconds), so a test can act while
     the device is known to be mid-task."""
 
-    crash: dict[str, tuple[int, int]] = field(default_factory=dict)
+    crash: dict[str, tuple[int | None, int]] = field(default_factory=dict)
     duplicate: bool = False
     hold: dict[str, tuple[int, int, str]] = field(default_factory=dict)
 
     def on_task(self, device: str, rnd: int, edge: int) -> None:
         """Called by a worker before ``device`` trains its task of ``(rnd, edge)``."""
-        if tuple(self.crash.get(device, ())) == (rnd, edge):
+        crash = self.crash.get(device)
+        if crash is not None and crash[0] in (None, rnd) and crash[1] == edge:
             os.kill(os.getpid(), signal.SIGKILL)
         hold = self.hold.get(device)
         if hold is not None and tuple(hold[:2]) == (rnd, edge):
