@@ -94,14 +94,16 @@ class DeviceAgent:
         self.messenger.attach(transport)  # chunk signing and the message bound on the new connection too
         transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
 
-    def announce(self, state: str) -> None:
+    def announce(self, state: str, qos: int = 1) -> None:
+        """Publish this device's retained status record (``qos=0`` for a heartbeat: it repeats the record
+        the broker already retains, and the next one follows if it is lost; no acknowledgement to handle)."""
         status = topics.device_status(self.run, self.cell, self.device)
         key = (state, len(self.data))
         record = self._status.get(key)
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
             record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, samples=len(self.data))
             self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
-        self.transport.publish(status, record, retain=True)
+        self.transport.publish(status, record, qos=qos, retain=True)
 
     def stop(self) -> None:
         """Leave cleanly: say offline, then disconnect."""

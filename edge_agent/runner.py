@@ -360,7 +360,7 @@ class AgentProcess:
         with self._lock:
             for device in self._present:
                 if self.transports[device].connected:
-                    self.agents[device].announce("online")
+                    self.agents[device].announce("online", qos=0)
         self._beat_timer = self.reactor.call_later(self.heartbeat, self._beat)
 
     # ------------------------------------------------------------------ cloud records (on the loop)
