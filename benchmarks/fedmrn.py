@@ -35,8 +35,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Here (to fit 2 h on 2 cores): a 6k / 2k subsample, channels 16-32-64-128, the lr tuned on seed 0 only, 4 values
     # x~3 apart per method spanning the paper's code's lr (FedAvg 0.03, FedMRN and FedMRN-S 0.1) and the quick
     # preset's winner (FedAvg, FedMRN 0.3; FedMRN-S 1.0; SignSGD 0.1; SignSGD-MV 1.0, the top of the paper's grid,
-    # hence 3.0), then the winners on seeds 1-3 (4 seeds, the paper's 5 would cost 95 min). The per-device engine: on this model with Dirichlet-sized devices the cohort engine pads
-    # every device to the largest one's steps and costs 1.6-2.7x the CPU (measured; README).
+    # hence 3.0), then the winners on seeds 1-3 (4 seeds, the paper's 5 would cost 95 min). The per-device engine: on this model the cohort engine costs more
+    # CPU (FedAvg 1.4x since finished devices drop out of the cohort's steps, FedMRN 1.5x; measured, README).
     "paper": {"devices": 100, "per_round": 10, "max_train": 6000, "max_test": 2000, "channels": [16, 32, 64, 128],
               "rounds": 100, "epochs": 10, "engine": "device",
               # widened down where seed 0's winner sat at the low edge (FedAvg 0.01, SignSGD 0.01, SignSGD-MV 0.1 then 0.03)
