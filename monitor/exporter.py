@@ -84,6 +84,8 @@ class MetricsExporter:
                                    registry=r)
         self.cell_rejected = Counter("fedtier_cell_results_rejected", "Messages the cell refused, by kind of reason",
                                      [*cell, "reason"], registry=r)
+        self.cell_diverged = Counter("fedtier_cell_devices_diverged", "Devices whose training diverged (answered, "
+                                     "not aggregated)", cell, registry=r)
         self.cell_bytes = Counter("fedtier_cell_bytes", "Payload bytes of the cell's device links "
                                   "(tier: cell_to_device, device_to_cell)", [*cell, "tier"], registry=r)
         self.cell_duration = Histogram("fedtier_cell_aggregation_duration_seconds", "Wall seconds an edge round "
@@ -159,6 +161,8 @@ class MetricsExporter:
             self.cell_absent.labels(run, cell, _label(why)).inc(count)
         for rejection in rec.rejected:
             self.cell_rejected.labels(run, cell, reason_kind(rejection.reason)).inc()
+        if rec.diverged:
+            self.cell_diverged.labels(run, cell).inc(len(rec.diverged))
         self.cell_bytes.labels(run, cell, "device_to_cell").inc(rec.bytes_in)
         self.cell_bytes.labels(run, cell, "cell_to_device").inc(rec.bytes_out)
         self.cell_duration.labels(run, cell).observe(rec.duration_s)

@@ -2,7 +2,8 @@
 
 :class:`MonitorState` folds cell aggregation records and cloud round records (``protocols.records``),
 plus liveness statuses, into one row per cell; :meth:`MonitorState.alerts` names the cells that fell
-silent for longer than their deadline, whose participation dropped, or that had results rejected.
+silent for longer than their deadline, whose participation dropped, that had results rejected or devices
+whose training diverged.
 :func:`render` turns the state into a rich renderable for a given wall-clock ``now``: a summary line,
 and the rows of the cells that matter most (all of them when they fit in ``top``), so that a fleet of
 a thousand cells stays readable; :class:`CellFilter` narrows the rows to some cells or states. No I/O here.
@@ -159,6 +160,7 @@ class MonitorState:
         offline: list[tuple[float, str, str]] = []
         drops: list[tuple[float, str, str]] = []
         rejects: list[tuple[float, str, str]] = []
+        diverged: list[tuple[float, str, str]] = []
         for cell, view in sorted(self.cells.items()):
             quiet = self.silent(view, now)
             if quiet is not None:
@@ -175,9 +177,16 @@ class MonitorState:
                 rejects.append((-len(view.last.rejected), cell,
                                 f"cell {cell} rejected {len(view.last.rejected)} result(s) in round "
                                 f"{view.last.round}.{view.last.edge_round}: {'; '.join(reasons)[:120]}"))
+            if view.last is not None and view.last.diverged:
+                why = sorted(set(view.last.diverged.values()))
+                diverged.append((-len(view.last.diverged), cell,
+                                 f"cell {cell}: {len(view.last.diverged)} device(s) diverged in round "
+                                 f"{view.last.round}.{view.last.edge_round}: {'; '.join(why)[:120]}"))
         out: list[str] = []
+        if self.cloud is not None and self.cloud.diverged:
+            out.append(f"the global model diverged in round {self.cloud.round} ({self.cloud.diverged})")
         for what, found in (("silent", silent), ("offline", offline), ("with a participation drop", drops),
-                            ("with rejected results", rejects)):
+                            ("with rejected results", rejects), ("with diverged devices", diverged)):
             if len(found) <= GROUP_ALERTS:
                 out += [line for _, _, line in found]
             else:

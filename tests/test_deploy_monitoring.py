@@ -51,7 +51,7 @@ def served_names() -> set[str]:
                       "algorithm": "fedavg", "closed_by": "deadline", "duration_s": 0.1, "planned": ["c0-d0"],
                       "answered": ["c0-d0"], "absent": {"c0-d1": "offline"}, "bytes_in": 5, "bytes_out": 7,
                       "loss_mean": 1.0, "loss_std": 0.1, "deadline_s": 5.0, "time": 1.0,
-                      "rejected": [{"device": "c0-d2", "reason": "stale"}]})
+                      "rejected": [{"device": "c0-d2", "reason": "stale"}], "diverged": {"c0-d3": "loss inf"}})
     exporter.observe({"schema": 1, "event": "round", "run": "r", "round": 0, "rounds": 2, "closed_by": "deadline",
                       "duration_s": 1.0, "cells_planned": ["c0", "c1"], "cells_reported": ["c0"],
                       "cells_absent": ["c1"], "bytes": {"cloud_to_cell": 1}, "accuracy": 0.5, "loss": 1.0,
@@ -77,7 +77,7 @@ def test_the_dashboard_and_the_alerts_name_only_metrics_the_exporter_serves() ->
 def test_every_expression_of_the_dashboard_and_the_alert_rules_parses(tmp_path: Path) -> None:
     checked = promtool("check", "rules", str(ALERTS))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 7 rules found" in checked.stdout
+    assert "SUCCESS: 8 rules found" in checked.stdout
     # the dashboard's queries, as recording rules, so that promtool parses each one
     rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": expr}
                                                         for i, expr in enumerate(dashboard_exprs())]}]}

@@ -98,6 +98,8 @@ def test_rejections_are_counted_by_a_bounded_reason_and_bad_records_never_raise(
     assert sample(exporter, "fedtier_cell_results_rejected_total", cell="c0", reason="signature") == 1
     assert sample(exporter, "fedtier_cell_devices_answered_total", cell="c0") == 1
     assert sample(exporter, "fedtier_cell_devices_absent_total", cell="c0", reason="deadline") == 1
+    exporter.observe({**base, "edge_round": 1, "diverged": {"c0-d1": "loss is not finite", "c0-d2": "x"}})
+    assert sample(exporter, "fedtier_cell_devices_diverged_total", cell="c0") == 2
     assert reason_kind("sender 'device.c0-d2' published on the topic of device 'c0-d1'") == "wrong_sender"
     assert reason_kind("something nobody foresaw") == "invalid"
     assert reason_kind("unsigned message where a signature is required") == "signature"

@@ -216,6 +216,19 @@ def test_monitor_alerts_silence_drop_lag_and_rejections():
     assert "c3" in render_text(state, now=104.0) and "cell c3 is offline" in state.alerts(104.0)
 
 
+def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
+    state = MonitorState()
+    state.add(_cell(0, "c0", 4, 100.0))
+    assert not any("diverged" in a for a in state.alerts(now=100.5))
+    record = _cell(0, "c0", 3, 101.0, edge=1).to_dict()
+    state.add(CellRecord.model_validate({**record, "diverged": {"c0-d3": "meta loss (inf) is not finite"}}))
+    state.add(RoundRecord(run="live", round=0, rounds=10, closed_by="all reported", cells_planned=["c0"],
+                          cells_reported=["c0"], duration_s=1.0, diverged="loss = nan"))
+    alerts = state.alerts(now=101.5)
+    assert alerts[0] == "the global model diverged in round 0 (loss = nan)"
+    assert "cell c0: 1 device(s) diverged in round 0.1: meta loss (inf) is not finite" in alerts
+
+
 def test_run_dir_follower_tails_complete_lines(tmp_path):
     rec = [_cell(r, "c0", 4, float(r)).to_json() for r in range(3)]
     agg = tmp_path / runfiles.AGGREGATION
