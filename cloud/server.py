@@ -97,6 +97,8 @@ class CloudServer:
                 self.role.forget_devices()
             self.round = int(state.meta["round"]) + 1
             self.cumulative.update(state.meta.get("cumulative", {}))
+            stalled = state.meta.get("stalled", 0)
+            self._stalled_rounds = stalled if isinstance(stalled, int) and 0 <= stalled < STALLED_ROUNDS else 0
             if isinstance(state.meta.get("session"), str):  # the same session: cells take the re-sent round
                 self.session = self.messenger.session = state.meta["session"]
             self.resumed = True
@@ -343,7 +345,8 @@ class CloudServer:
             return
         state = self.role.state()
         done = self.round if record is not None else self.round - 1
-        meta = {"round": done, "session": self.session, "cumulative": self.cumulative, "role": state.meta}
+        meta = {"round": done, "session": self.session, "cumulative": self.cumulative, "role": state.meta,
+                **({"stalled": self._stalled_rounds} if self._stalled_rounds else {})}
         save_payload(self.checkpoint_path, Payload({**meta, "record": record} if record else meta, state.tensors))
 
     def request_stop(self, reason: str) -> None:

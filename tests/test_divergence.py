@@ -206,3 +206,27 @@ def test_a_run_stalls_only_when_every_answering_device_diverged(tmp_path: Path) 
     assert len(result.history) == 5 and not result.stopped
     assert [r["devices_diverged"] for r in result.history] == [{"c0": 2, "c1": 3}] * 5
     assert [r["devices"] for r in result.history] == [{"c0": 1, "c1": 0}] * 5
+
+
+def test_a_resumed_cloud_keeps_counting_stalled_rounds(tmp_path: Path) -> None:
+    """The stall count is in the cloud's checkpoint: a run stopped after 2 all-diverged rounds and resumed
+    stops after the third, as the uninterrupted run does."""
+    from protocols.divergence import STALLED_ROUNDS
+
+    def run(rounds: int, resume: bool):
+        cfg = small_config(tmp_path, run={"rounds": rounds}, model={"name": "mlp", "hidden": [8]})
+        h = SimHierarchy(cfg, resume=resume)
+        configure = h.agents.configure
+
+        def overflowing(agent: DeviceAgent) -> None:
+            configure(agent)
+            agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
+
+        h.agents.configure = overflowing
+        return h.run()
+
+    first = run(STALLED_ROUNDS - 1, resume=False)
+    assert len(first.history) == STALLED_ROUNDS - 1 and not first.stopped
+    resumed = run(20, resume=True)
+    assert [r["round"] for r in resumed.history] == [STALLED_ROUNDS - 1]
+    assert resumed.stopped and f"every device diverged in rounds 0-{STALLED_ROUNDS - 1}" in resumed.stopped
