@@ -15,7 +15,8 @@ BROKER = click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
                       help="The broker (default: the config's [broker] url).")
 
 
-def _auth(fn):
+def auth_options(fn):
+    """The broker credential and TLS flags (each defaults to the config's ``[broker]`` value)."""
     for opt in reversed((
         click.option("--username", default=None, help="Broker user name (default: [broker] username)."),
         click.option("--password", default=None, help="Broker password (default: [broker] password)."),
@@ -113,7 +114,7 @@ def _fail(exc: Exception, code: int) -> None:
 @CONFIG
 @SET
 @BROKER
-@_auth
+@auth_options
 @click.option("--test-data", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A .npz (x, y) held-out set for the cloud's central evaluation.")
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
@@ -169,7 +170,7 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
 @click.option("--cell", "cell_id", required=True, help="This cell's id (c0, c1, ...).")
 @click.option("--resume", is_flag=True, help="Continue the round the cell was in when it stopped (its journal).")
 @BROKER
-@_auth
+@auth_options
 @metrics_options
 @VERBOSE
 def cell(config: str, overrides: tuple[str, ...], cell_id: str, resume: bool, broker_url: str | None,
@@ -228,7 +229,7 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, resume: bool, br
 @click.option("--onnx-model", type=click.Path(exists=True, dir_okay=False),
               help="With --backend onnx: the model written by `fedtier export` (sets runtime.onnx_model).")
 @BROKER
-@_auth
+@auth_options
 @metrics_options
 @VERBOSE
 def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, backend: str,

@@ -10,19 +10,23 @@ from rich.console import Console
 from rich.live import Live
 
 from fedtier.cli import main
-from fedtier.console import fail
+from fedtier.cmd_deploy import auth_options
+from fedtier.console import fail, load_or_exit
 
 
 @main.command()
 @click.argument("run_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--broker", metavar="URL", help="Subscribe to the run's telemetry on this broker (mqtt://host:port).")
 @click.option("--run", "run_name", metavar="NAME", help="Run name (with --broker).")
-@click.option("--username", help="Broker user name.")
-@click.option("--password", help="Broker password.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="A config for the live view, e.g. the monitor bundle's config.toml of `fedtier provision` (run "
+              "from inside the bundle): the broker (URL, user, password, TLS files), the run name and the keys "
+              "that check signatures; the flags override it.")
+@auth_options
 @click.option("--keys", "keys_file", type=click.Path(dir_okay=False), metavar="FILE",
               help="With --broker, a signed run: a keys file with the cloud's and the cells' public keys (the "
-              "run's keys.toml or the cloud's share); records and statuses not signed by the node their topic "
-              "names are rejected (counted as bad records).")
+              "run's keys.toml, the cloud's share or the monitor bundle's); records and statuses not signed by "
+              "the node their topic names are rejected (counted as bad records).")
 @click.option("--once", is_flag=True, help="Render one frame to stdout and exit (scripts, tests).")
 @click.option("--wait", type=float, default=3.0, show_default=True,
               help="With --once --broker: listen this long at most (stops 1 s after telemetry went quiet).")
@@ -40,21 +44,31 @@ from fedtier.console import fail
 @click.option("--cell", "patterns", multiple=True, metavar="GLOB", help="Only cells matching (e.g. 'c1*'; repeatable).")
 @click.option("--state", "states", multiple=True, type=click.Choice(["silent", "offline", "drop", "waiting", "ok"]),
               help="Only cells in this state (repeatable).")
-def monitor(run_dir: str | None, broker: str | None, run_name: str | None, username: str | None,
-            password: str | None, keys_file: str | None, once: bool, wait: float, refresh: float, deadline: float | None,
+def monitor(run_dir: str | None, broker: str | None, run_name: str | None, config_path: str | None,
+            keys_file: str | None, once: bool, wait: float, refresh: float, deadline: float | None,
             drop_ratio: float, exit_when_done: bool, width: int | None, top: int, sort: str | None,
-            patterns: tuple[str, ...], states: tuple[str, ...]) -> None:
+            patterns: tuple[str, ...], states: tuple[str, ...], **auth: str | None) -> None:
     """Watch a run's cells: participation, bytes, loss, lag behind the cloud, alerts.
 
     Follow a run folder (RUN_DIR, tailing its JSON-lines logs) or a live run's telemetry topics
-    (--broker mqtt://host:port --run NAME). A summary line counts the cells per state; with many cells
-    the table shows the --top that matter most (--sort, --cell, --state narrow it). Ctrl-C leaves.
+    (--broker mqtt://host:port --run NAME, or --config with the broker and the run in it). A summary
+    line counts the cells per state; with many cells the table shows the --top that matter most
+    (--sort, --cell, --state narrow it). Ctrl-C leaves.
     """
     from monitor.sources import RunDirFollower, TelemetryFeed, wait_quiet
     from monitor.view import CellFilter, MonitorState, render
 
+    if config_path is not None:
+        if run_dir is not None:
+            fail("--config is for the live view: give RUN_DIR or --config, not both", 2)
+        cfg = load_or_exit(config_path, ())
+        broker, run_name = broker or cfg.broker.url, run_name or cfg.run.name
+        keys_file = keys_file or cfg.security.keys
+        auth = {k: v if v is not None else getattr(cfg.broker, k) for k, v in auth.items()}
+        if broker is None:
+            fail(f"{config_path} names no broker ([broker] url): give --broker URL", 2)
     if (run_dir is None) == (broker is None):
-        fail("give either RUN_DIR or --broker URL --run NAME", 2)
+        fail("give either RUN_DIR or --broker URL --run NAME (or --config)", 2)
     if keys_file is not None and broker is None:
         fail("--keys checks the signatures of live telemetry: it goes with --broker (a run folder's logs are "
              "not signed)", 2)
@@ -74,8 +88,7 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, usern
             fail(str(exc), 2)
         loop = ThreadLoop("fedtier-monitor").start()
         try:
-            transport = MqttTransport.from_url(broker, f"monitor-{uuid.uuid4().hex[:8]}", loop,
-                                               username=username, password=password).connect()
+            transport = MqttTransport.from_url(broker, f"monitor-{uuid.uuid4().hex[:8]}", loop, **auth).connect()
         except (ConnectionError, ValueError) as exc:
             loop.stop()
             fail(str(exc), 1)

@@ -10,7 +10,8 @@
     OUT/cells/{cell}/                with per_cell: that cell's broker (the same files, plus bridge.crt/.key)
     OUT/nodes/{node}/                one bundle per node (cloud, each cell, each device, monitor):
                                      config.toml (broker URL, credentials, TLS files, keys), keys.toml
-                                     (its private key, its peers' public keys), client.crt/.key, ca.crt
+                                     (its private key, its peers' public keys; the monitor's: every
+                                     node's public key), client.crt/.key, ca.crt
 
 The ACL follows the README's Topics table: a device reads only its own task and the run's control
 records (``cloud/control``, ``cloud/round``, ``status/cloud``) and writes only its own result and
@@ -44,7 +45,7 @@ from protocols.config import RunConfig
 from protocols.transport.bridge import bridge_config, bridge_topics
 from protocols.wire import topics
 from protocols.wire.chunking import DEFAULT_MAX_CHUNK
-from protocols.wire.keys import generate_keys, node_subset, write_keys
+from protocols.wire.keys import KeyRing, generate_keys, node_subset, write_keys
 
 MONITOR = "monitor"
 PERSISTENCE = ("persistence true\npersistence_location {data}/\nautosave_interval 1\n"
@@ -279,11 +280,11 @@ def provision(cfg: RunConfig, out: str | Path, *, host: str = "127.0.0.1", port:
     for node in rules:
         d = out / "nodes" / node
         pki.issue(d, "client", node)
-        security: dict[str, str] = {}
-        if node != MONITOR:
-            write_keys(d / "keys.toml", node_subset(ring, cfg.topology, node),
-                       comment=f"node {node!r} of run {run!r}", overwrite=True)
-            security = {"keys": "keys.toml"}
+        # a node's private key and its peers' public keys; the monitor signs nothing: every node's public key,
+        # to check the signed telemetry and statuses it reads (`fedtier monitor --config`)
+        subset = node_subset(ring, cfg.topology, node) if node != MONITOR else KeyRing({}, dict(ring.public))
+        write_keys(d / "keys.toml", subset, comment=f"node {node!r} of run {run!r}", overwrite=True)
+        security = {"keys": "keys.toml"}
         node_cfg = cfg.model_copy(update={
             "broker": cfg.broker.model_copy(update={"url": urls[node], "username": node, "password": passwords[node],
                                                     "ca_certs": "ca.crt", "certfile": "client.crt",

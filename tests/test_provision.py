@@ -313,3 +313,48 @@ def test_cell_broker_refuses_a_device_reading_another_devices_task(per_cell: dic
         cell.publish(topics.device_task(RUN, "c0", "c0-d0"), b"task of d0")
         assert inbox.wait_for(topics.device_task(RUN, "c0", "c0-d0")) == [
             (topics.device_task(RUN, "c0", "c0-d0"), b"task of d0")]
+
+
+@needs_mosquitto
+def test_the_monitor_bundle_watches_signed_telemetry_over_tls(provisioned: dict[str, Any], broker: subprocess.Popen,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedtier monitor --config config.toml --once`, run from inside the provisioned monitor bundle, reaches
+    the TLS broker with the monitor's user and certificate and checks signatures with the bundle's public
+    keys: c0's signed aggregation record makes its row; an unsigned one that c1 publishes on its own
+    telemetry topic (the ACL lets it) is counted as invalid, with the reason."""
+    import sys
+    import time
+
+    from protocols.records import CellRecord
+    from protocols.wire.keys import Trust
+    from protocols.wire.signed import seal_record
+
+    nodes, port = provisioned["out"] / "nodes", provisioned["port"]
+    ring = load_keys(nodes / "c0" / "keys.toml")
+    record = CellRecord(run="t", round=0, edge_round=0, cell="c0", algorithm="fedavg", planned=["c0-d0", "c0-d1"],
+                        answered=["c0-d0", "c0-d1"], closed_by="all answered", duration_s=0.1, time=time.time()).to_dict()
+    c0_topic, c1_topic = topics.telemetry_cell("t", "c0"), topics.telemetry_cell("t", "c1")
+    signed = seal_record(record, c0_topic, Trust("c0", ring.private["c0"], ring.public).sign)
+    unsigned = seal_record({**record, "cell": "c1"}, c1_topic, None)
+    monkeypatch.chdir(nodes / "monitor")
+    fedtier = str(Path(sys.executable).parent / "fedtier")
+    proc = popen([fedtier, "monitor", "--config", "config.toml", "--once", "--wait", "5", "--width", "220"],
+                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with clients() as make:
+            c0, c1 = make(nodes / "c0", port), make(nodes / "c1", port)
+            c0.connect(WAIT), c1.connect(WAIT)
+            deadline = time.monotonic() + 30
+            while proc.poll() is None and time.monotonic() < deadline:  # until the monitor has listened its 5 s
+                c0.publish(c0_topic, signed, qos=0)
+                c1.publish(c1_topic, unsigned, qos=0)
+                time.sleep(0.2)
+        output = proc.communicate(timeout=WAIT)[0].decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT)
+    assert proc.returncode == 0, output
+    assert "│ c0 " in output and "2/2" in output, output
+    assert "invalid record(s)" in output and "unsigned record (the signature of 'c1' is required)" in output, output
+    assert "│ c1 " not in output, output
