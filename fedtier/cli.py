@@ -12,6 +12,22 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
 VERBOSE = click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 
 
+def auth_options(fn):
+    """The broker credential and TLS flags (each defaults to the config's ``[broker]`` value)."""
+    for opt in reversed((
+        click.option("--username", default=None, help="Broker user name (default: [broker] username)."),
+        click.option("--password", default=None, help="Broker password (default: [broker] password)."),
+        click.option("--ca-certs", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="CA bundle for TLS (passed to paho's tls_set)."),
+        click.option("--certfile", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Client certificate for TLS."),
+        click.option("--keyfile", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Client private key for TLS."),
+    )):
+        fn = opt(fn)
+    return fn
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="fedtier")
 def main() -> None:

@@ -6,29 +6,13 @@ import json
 
 import click
 
-from .cli import CONFIG, SET, VERBOSE, main
+from .cli import CONFIG, SET, VERBOSE, auth_options, main
 from .cmd_keys import keys_option
 from .console import console, load_or_exit, print_summary, round_progress, setup_logging
 from .metrics import linger, metrics_options, port_override, serve_metrics
 
 BROKER = click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
                       help="The broker (default: the config's [broker] url).")
-
-
-def auth_options(fn):
-    """The broker credential and TLS flags (each defaults to the config's ``[broker]`` value)."""
-    for opt in reversed((
-        click.option("--username", default=None, help="Broker user name (default: [broker] username)."),
-        click.option("--password", default=None, help="Broker password (default: [broker] password)."),
-        click.option("--ca-certs", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="CA bundle for TLS (passed to paho's tls_set)."),
-        click.option("--certfile", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="Client certificate for TLS."),
-        click.option("--keyfile", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="Client private key for TLS."),
-    )):
-        fn = opt(fn)
-    return fn
 
 
 def _check_keys(cfg, node: str) -> None:

@@ -9,8 +9,7 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from fedtier.cli import main
-from fedtier.cmd_deploy import auth_options
+from fedtier.cli import auth_options, main
 from fedtier.console import fail, load_or_exit
 
 
