@@ -36,6 +36,22 @@ def small_config(tmp_path: Path, **sections: dict[str, Any]) -> RunConfig:
     return parse_config(data)
 
 
+def overflow_devices(sim: Any, which: Callable[[str], bool] = lambda device: True) -> Any:
+    """Make the devices of ``sim`` (a ``SimHierarchy``) that ``which`` selects train on inputs that
+    overflow float32 (their loss is inf/NaN: their training diverges); returns ``sim``."""
+    import numpy as np
+
+    configure = sim.agents.configure
+
+    def overflowing(agent: Any) -> None:
+        configure(agent)
+        if which(agent.device):
+            agent.data = type(agent.data)(np.full_like(agent.data.x, 3e38), agent.data.y)
+
+    sim.agents.configure = overflowing
+    return sim
+
+
 @pytest.fixture
 def make_config(tmp_path: Path):
     def make(**sections: dict[str, Any]) -> RunConfig:

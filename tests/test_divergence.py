@@ -18,7 +18,7 @@ from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 from sim.launcher import SimHierarchy
-from tests.conftest import small_config
+from tests.conftest import overflow_devices, small_config
 
 
 def test_nonfinite_finds_loss_overflow_and_bad_tensors() -> None:
@@ -38,15 +38,7 @@ def test_a_device_whose_loss_overflows_sends_diverged_and_the_cell_records_it(tm
     result (no traceback); c0 records it in every aggregation, closes on "all answered" without it, and
     the model stays finite."""
     cfg = small_config(tmp_path, run={"rounds": 2})
-    h = SimHierarchy(cfg)
-    configure = h.agents.configure
-
-    def overflowing(agent: DeviceAgent) -> None:
-        configure(agent)
-        if agent.device == "c0-d1":
-            agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
-
-    h.agents.configure = overflowing
+    h = overflow_devices(SimHierarchy(cfg), lambda device: device == "c0-d1")
     with caplog.at_level(logging.WARNING):
         result = h.run()
     c0 = [r for r in result.cell_records if r["cell"] == "c0"]
@@ -168,14 +160,7 @@ def test_a_run_in_which_every_device_diverges_stops_after_stalled_rounds(tmp_pat
     from protocols.divergence import STALLED_ROUNDS
 
     cfg = small_config(tmp_path, run={"rounds": 20}, algorithm=algorithm, model={"name": "mlp", "hidden": [8]})
-    h = SimHierarchy(cfg, write_output=False)
-    configure = h.agents.configure
-
-    def overflowing(agent: DeviceAgent) -> None:
-        configure(agent)
-        agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
-
-    h.agents.configure = overflowing
+    h = overflow_devices(SimHierarchy(cfg, write_output=False))
     with caplog.at_level(logging.WARNING):
         result = h.run()
     assert len(result.history) == STALLED_ROUNDS and result.stopped
@@ -193,15 +178,7 @@ def test_a_run_in_which_every_device_diverges_stops_after_stalled_rounds(tmp_pat
 def test_a_run_stalls_only_when_every_answering_device_diverged(tmp_path: Path) -> None:
     """One diverging device in each round is not a stalled run: the others' results move the model."""
     cfg = small_config(tmp_path, run={"rounds": 5}, model={"name": "mlp", "hidden": [8]})
-    h = SimHierarchy(cfg, write_output=False)
-    configure = h.agents.configure
-
-    def overflowing(agent: DeviceAgent) -> None:
-        configure(agent)
-        if agent.device != "c0-d0":
-            agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
-
-    h.agents.configure = overflowing
+    h = overflow_devices(SimHierarchy(cfg, write_output=False), lambda device: device != "c0-d0")
     result = h.run()
     assert len(result.history) == 5 and not result.stopped
     assert [r["devices_diverged"] for r in result.history] == [{"c0": 2, "c1": 3}] * 5
@@ -215,15 +192,7 @@ def test_a_resumed_cloud_keeps_counting_stalled_rounds(tmp_path: Path) -> None:
 
     def run(rounds: int, resume: bool):
         cfg = small_config(tmp_path, run={"rounds": rounds}, model={"name": "mlp", "hidden": [8]})
-        h = SimHierarchy(cfg, resume=resume)
-        configure = h.agents.configure
-
-        def overflowing(agent: DeviceAgent) -> None:
-            configure(agent)
-            agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
-
-        h.agents.configure = overflowing
-        return h.run()
+        return overflow_devices(SimHierarchy(cfg, resume=resume)).run()
 
     first = run(STALLED_ROUNDS - 1, resume=False)
     assert len(first.history) == STALLED_ROUNDS - 1 and not first.stopped

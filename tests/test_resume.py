@@ -34,7 +34,7 @@ from protocols.wire.keys import generate_keys, write_keys
 from sim.hierarchy import prepare
 from protocols.wire.payload import Payload
 from sim.launcher import SimHierarchy, device_samples, run_simulation
-from tests.conftest import small_config
+from tests.conftest import overflow_devices, small_config
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
 
@@ -366,19 +366,11 @@ def test_a_cell_resumed_from_a_journal_with_a_diverged_result_never_aggregates_i
         return small_config(tmp_path / name, algorithm={"edge_rounds": 2}, runtime={"device_deadline": 50.0},
                             security={"keys": "keys.toml"})
 
-    def with_overflowing_d1(sim: SimHierarchy) -> SimHierarchy:
-        configure = sim.agents.configure
+    def d1(device: str) -> bool:
+        return device == "c0-d1"
 
-        def overflowing(agent) -> None:
-            configure(agent)
-            if agent.device == "c0-d1":
-                agent.data = type(agent.data)(np.full_like(agent.data.x, 3e38), agent.data.y)
-
-        sim.agents.configure = overflowing
-        return sim
-
-    straight = with_overflowing_d1(SimHierarchy(config("straight"))).run()
-    sim = with_overflowing_d1(SimHierarchy(config("crashed")))
+    straight = overflow_devices(SimHierarchy(config("straight")), d1).run()
+    sim = overflow_devices(SimHierarchy(config("crashed")), d1)
     out = sim.output_dir
     resumed = []
 
