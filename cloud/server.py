@@ -230,7 +230,7 @@ class CloudServer:
             return
         if len(self.answers.received) == taken:
             return  # a repeat counts once
-        self._cell_devices[cell] = self._count(msg)
+        self._cell_devices[cell] = self._count(cell, msg)
         if not self.answers.pending:
             self._close(self.round, "all reported")
 
@@ -245,8 +245,9 @@ class CloudServer:
                     else f"report signed by {h.sender!r} on the topic of cell {cell!r}")
         return None
 
-    def _count(self, msg: Any) -> int:
-        """Add a taken report's bytes (and the device traffic it declares) to the round; its device count."""
+    def _count(self, cell: str, msg: Any) -> int:
+        """Add a taken report's bytes (and the device traffic and diverged devices it declares) to the round;
+        its device count."""
         self._bytes["cell_to_cloud"] += msg.nbytes
         traffic = msg.payload.meta.get("traffic", {})
         for tier in ("cell_to_device", "device_to_cell"):
@@ -254,7 +255,7 @@ class CloudServer:
             self._bytes[tier] += int(value) if isinstance(value, (int, float)) and value >= 0 else 0
         devices, diverged = (msg.payload.meta.get(k, 0) for k in ("devices", "diverged"))
         if isinstance(diverged, int) and not isinstance(diverged, bool) and diverged > 0:
-            self._cell_diverged[str(msg.header.cell)] = diverged
+            self._cell_diverged[cell] = diverged
         return int(devices) if isinstance(devices, int) and devices >= 0 else 0
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:

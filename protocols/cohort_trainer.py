@@ -391,12 +391,11 @@ class CohortEngine:
         are ordered by step count (most first), so the devices that still have a step ``s`` are a prefix:
         step ``s`` computes only those (a device past its last step costs nothing and stays put)."""
         reqs = sorted(reqs, key=lambda r: -len(r.order))  # stable: results go to each request
-        dev, d = self.device, len(reqs)
-        active = [sum(len(r.order) > s for r in reqs) for s in range(len(reqs[0].order))]  # [S], non-increasing
+        dev, d, steps = self.device, len(reqs), len(reqs[0].order)
+        active = [sum(len(r.order) > s for r in reqs) for s in range(steps)]  # [S], non-increasing
         chain = _mlp_chain(model)  # the gradient written out (mlp, logreg), else autograd
         params = {k: v if chain else v.requires_grad_() for k, v in self._stack(reqs).items()}
         data = [self.tensors(r.x, r.y) for r in reqs]
-        steps = max(len(r.order) for r in reqs)
         b = max(1, max((len(i) for r in reqs for i in r.order), default=1))
         idx = np.zeros((d, steps, b), np.int64)
         mask = np.zeros((d, steps, b), np.float32)
