@@ -48,7 +48,7 @@ class AsyncCloudServer(CloudServer):
             self.messenger.reject(topic, str(exc), cell)
             return
         self.fb.offer(cell, h.round, msg.payload)
-        self._cell_devices[cell] = self._cell_devices.get(cell, 0) + self._count(msg)
+        self._cell_devices[cell] = self._cell_devices.get(cell, 0) + self._count(cell, msg)
         if self.fb.buffer.full:
             metrics = self.fb.aggregate()
             self._notify = sorted(set(metrics.pop("senders")))
