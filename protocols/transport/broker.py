@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from typing import Any
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -130,12 +131,14 @@ class EmbeddedBroker(_Broker):
 
         ready = threading.Event()
         error: list[BaseException] = []
+        booted: list[Any] = []  # the broker this thread serves
         aloop = asyncio.new_event_loop()
 
         async def boot() -> None:
             broker = Broker(self._config(), loop=aloop)
             await broker.start()
             self._broker = broker
+            booted.append(broker)
             server = broker._servers["default"].instance  # amqtt 0.12: the asyncio.Server
             self.port = server.sockets[0].getsockname()[1]
 
@@ -150,6 +153,12 @@ class EmbeddedBroker(_Broker):
                 return
             ready.set()
             aloop.run_forever()
+            # a shutdown that timed out (a loaded machine) may leave the listening socket open, and a
+            # restart on the same port would fail with "address already in use": close it here, always
+            for listener in booted[0]._servers.values():
+                server = getattr(listener, "instance", None)
+                if server is not None:
+                    server.close()
             # amqtt leaves per-client tasks behind after shutdown: cancel and drain them before
             # closing, or they die later with "Event loop is closed"
             pending = asyncio.all_tasks(aloop)
