@@ -16,6 +16,7 @@
     python benchmarks/amplification.py --preset quick   # <= 15 min on 2 cores
     python benchmarks/amplification.py --preset paper   # see benchmarks/README.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,28 +67,36 @@ def quadratic_run(gamma: float, eta: float, period: int, seed: int, rounds: int 
 
 def part_a(seeds: int, rounds: int) -> None:
     grid = [3e-3, 1e-3, 6e-4, 3e-4, 2e-4, 1e-4, 3e-5]
-    print(f"\n(a) synthetic periodic groups (spec 8b): mean f-f* over the last {rounds // 4} of {rounds} rounds, "
-          f"{seeds} seeds")
+    print(
+        f"\n(a) synthetic periodic groups (spec 8b): mean f-f* over the last {rounds // 4} of {rounds} rounds, "
+        f"{seeds} seeds"
+    )
     print(f"{'method':<28}" + "".join(f"{g:>10.0e}" for g in grid))
     best = {}
-    for name, eta, period in (("FedAvg (eta=1)", 1.0, 0), ("amplified eta=10, P=100", 10.0, 100),
-                              ("amplified eta=10, P=20", 10.0, 20)):
+    for name, eta, period in (
+        ("FedAvg (eta=1)", 1.0, 0),
+        ("amplified eta=10, P=100", 10.0, 100),
+        ("amplified eta=10, P=20", 10.0, 20),
+    ):
         row = []
         for gamma in grid:
-            tails = [quadratic_run(gamma, eta, period, s, rounds)[-rounds // 4:].mean() for s in range(seeds)]
+            tails = [quadratic_run(gamma, eta, period, s, rounds)[-rounds // 4 :].mean() for s in range(seeds)]
             row.append(float(np.mean(tails)))
         best[name] = min(zip(row, grid))
         print(f"{name:<28}" + "".join(f"{v:>10.2e}" if np.isfinite(v) else f"{'diverged':>10}" for v in row))
     for name, (value, gamma) in best.items():
         print(f"  best {name:<26} f-f* = {value:.2e} at gamma = {gamma:g}")
     fed, amp = best["FedAvg (eta=1)"][0], best["amplified eta=10, P=100"][0]
-    print(f"  claim (amplified, P = cycle, beats best-tuned FedAvg): {'HOLDS' if amp < fed else 'FAILS'} "
-          f"({fed / amp:.1f}x lower f-f*)")
+    print(
+        f"  claim (amplified, P = cycle, beats best-tuned FedAvg): {'HOLDS' if amp < fed else 'FAILS'} "
+        f"({fed / amp:.1f}x lower f-f*)"
+    )
 
 
 # ------------------------------------------------------------------------------------------ (b) real data
-def majority_split(y: np.ndarray, label_of: np.ndarray, per_device: int, similarity: float, seed: int
-                   ) -> list[np.ndarray]:
+def majority_split(
+    y: np.ndarray, label_of: np.ndarray, per_device: int, similarity: float, seed: int
+) -> list[np.ndarray]:
     """Per device: (1 - similarity) of its samples from its majority label, the rest i.i.d. from everything."""
     g = rng(seed, "majority-split")
     pools = {c: list(g.permutation(np.flatnonzero(y == c))) for c in np.unique(y)}
@@ -136,21 +145,25 @@ class Federation:
         self.seed, self.cycle, self.per_device = seed, self.avail.cycle, per_device
 
     def algorithm(self, lr: float, eta: float = 1.0, period: int = 0) -> FedAvg:
-        params = FedAvg.Params(name="fedavg", local_steps=5, batch_size=16, lr=lr, amplify_eta=eta,
-                               amplify_period=period)
+        params = FedAvg.Params(
+            name="fedavg", local_steps=5, batch_size=16, lr=lr, amplify_eta=eta, amplify_period=period
+        )
         return FedAvg(params, self.spec, self.seed)
 
     def evaluate(self, model) -> tuple[float, float]:
         from protocols.cohort_trainer import Request
 
-        reqs = [Request("evaluate", self.spec, model, self.x_tr, self.y_tr),
-                Request("evaluate", self.spec, model, self.x_test, self.y_test)]
+        reqs = [
+            Request("evaluate", self.spec, model, self.x_tr, self.y_tr),
+            Request("evaluate", self.spec, model, self.x_test, self.y_test),
+        ]
         self.engine.run(reqs)
         self.engine.forget_data()
         return reqs[0].result[0], reqs[1].result[1]
 
-    def run(self, alg: FedAvg, start: dict, first: int, rounds: int, wait_for_all: bool = False,
-            eval_every: int = 0) -> tuple[list[tuple[int, float, float]], dict]:
+    def run(
+        self, alg: FedAvg, start: dict, first: int, rounds: int, wait_for_all: bool = False, eval_every: int = 0
+    ) -> tuple[list[tuple[int, float, float]], dict]:
         """Rounds [first, first + rounds): evaluations (round, train loss, test acc) every ``eval_every`` rounds
         (default: every cycle), and the final model. Wait-for-all (the paper's wait-minibatch): every device
         trains once from the same model and the cloud averages all of them once per cycle."""
@@ -169,8 +182,10 @@ class Federation:
                 task = cloud.plan(t, ["c0"])["c0"]
                 cell.begin(t, task)
                 plan = cell.plan(0, who)
-                jobs = [lambda tr, d=d, dt=dt: device.train(dt, self.data[d], tr, DeviceContext(self.seed, t, 0, "c0", d))
-                        for d, dt in plan.items()]
+                jobs = [
+                    lambda tr, d=d, dt=dt: device.train(dt, self.data[d], tr, DeviceContext(self.seed, t, 0, "c0", d))
+                    for d, dt in plan.items()
+                ]
                 outcomes = run_cohort(self.engine, self.spec, jobs, list(plan))
                 self.engine.forget_data()
                 cell.aggregate(0, {d: res for d, (res, _) in zip(plan, outcomes) if res is not None})
@@ -191,11 +206,27 @@ FACTORS = [3.0, 1.0, 0.1, 0.01, 0.001, 0.0001, 0.00001]
 PRESETS = {
     # the paper: N = 250, S = 10, 100-round stints (cycle 500), I = 5, batch 16, warm-up 2000 rounds at gamma0 = 0.1,
     # 300k rounds, 10 seeds, its CNN; here an MLP and a 5000-round phase 2 (10 cycles)
-    "paper": {"devices": 250, "s": 10, "k": 100, "warmup": 2000, "rounds": 5000, "seeds": [0, 1, 2],
-              "factors": FACTORS, "wait_factors": FACTORS},
+    "paper": {
+        "devices": 250,
+        "s": 10,
+        "k": 100,
+        "warmup": 2000,
+        "rounds": 5000,
+        "seeds": [0, 1, 2],
+        "factors": FACTORS,
+        "wait_factors": FACTORS,
+    },
     # quick: 20-round stints (cycle 100) so that the last 10 % of 1000 rounds is still one whole cycle
-    "quick": {"devices": 250, "s": 10, "k": 20, "warmup": 500, "rounds": 1000, "seeds": [0, 1, 2],
-              "factors": FACTORS, "wait_factors": FACTORS},
+    "quick": {
+        "devices": 250,
+        "s": 10,
+        "k": 20,
+        "warmup": 500,
+        "rounds": 1000,
+        "seeds": [0, 1, 2],
+        "factors": FACTORS,
+        "wait_factors": FACTORS,
+    },
 }
 DIVERGED = 100.0  # a training loss above this (or NaN) ends a run as diverged
 GAMMA0 = 0.1  # the paper's Fashion-MNIST warm-up step (best of its grid)
@@ -224,13 +255,24 @@ def phase2(method: str, lr: float, seed: int, dataset: str, s: dict, prepared: d
     ev, _ = fed.run(alg, prepared, s["warmup"], s["rounds"], wait_for_all=wait, eval_every=every)
     tail = [e for e in ev if e[0] > s["warmup"] + s["rounds"] * 0.9] or ev[-1:]
     loss = float(np.mean([e[1] for e in tail]))
-    return {"loss": loss if np.isfinite(loss) else float("inf"), "acc": float(np.mean([e[2] for e in tail])),
-            "final_loss": float(ev[-1][1]), "s": time.perf_counter() - t0, "cpu": time.process_time() - c0}
+    return {
+        "loss": loss if np.isfinite(loss) else float("inf"),
+        "acc": float(np.mean([e[2] for e in tail])),
+        "final_loss": float(ev[-1][1]),
+        "s": time.perf_counter() - t0,
+        "cpu": time.process_time() - c0,
+    }
 
 
-def part_b(dataset: str, preset: str, jobs: int, seeds: list[int] | None = None,
-           factors: list[float] | None = None, methods: list[str] | None = None,
-           journal_args: argparse.Namespace | None = None) -> None:
+def part_b(
+    dataset: str,
+    preset: str,
+    jobs: int,
+    seeds: list[int] | None = None,
+    factors: list[float] | None = None,
+    methods: list[str] | None = None,
+    journal_args: argparse.Namespace | None = None,
+) -> None:
     from benchmarks.tuning import edge_note, grid_line, open_journal, pick, sweep
 
     s = dict(PRESETS[preset], **({"seeds": seeds} if seeds else {}))
@@ -239,37 +281,58 @@ def part_b(dataset: str, preset: str, jobs: int, seeds: list[int] | None = None,
     grids = {"FedAvg": s["factors"], "amplified": s["factors"], "wait-minibatch": s["wait_factors"]}
     grids = {m: [GAMMA0 * f for f in g] for m, g in grids.items() if not methods or m in methods}
     run_settings = {k: v for k, v in s.items() if k not in ("seeds", "factors", "wait_factors")}
-    journal = open_journal(journal_args or argparse.Namespace(journal=None, fresh=False), __file__, preset,
-                           {"dataset": dataset, "settings": run_settings, "gamma0": GAMMA0, "diverged": DIVERGED})
+    journal = open_journal(
+        journal_args or argparse.Namespace(journal=None, fresh=False),
+        __file__,
+        preset,
+        {"dataset": dataset, "settings": run_settings, "gamma0": GAMMA0, "diverged": DIVERGED},
+    )
     t0 = time.perf_counter()
     # interleaved, smallest gamma first (the drift-limited end the claim is about): an interrupted run still covers
     # every method; each seed's warm-up runs once, and only if one of its phase-2 runs is still to do
-    cells = sweep(phase2, grids, s["seeds"], jobs, journal=journal, order=lambda n: range(n - 1, -1, -1),
-                  prepare=warm_up, dataset=dataset, s=run_settings)
+    cells = sweep(
+        phase2,
+        grids,
+        s["seeds"],
+        jobs,
+        journal=journal,
+        order=lambda n: range(n - 1, -1, -1),
+        prepare=warm_up,
+        dataset=dataset,
+        s=run_settings,
+    )
     journal.close()
     wall = time.perf_counter() - t0
-    print(f"\n(b) preset {preset}: {dataset}, {s['devices']} devices (one majority label, 5 % other labels), 5 "
-          f"label-pair groups available {s['k']} rounds each (cycle {5 * s['k']}, random offset), S = {s['s']} by "
-          f"regularized selection, MLP 784-64-10, I = 5, batch 16; warm-up {s['warmup']} rounds of FedAvg at "
-          f"gamma0 = {GAMMA0}, then {s['rounds']} rounds; amplified: eta = 10, P = {5 * s['k']}; metric: training loss "
-          f"(5000 training samples) averaged over the last 10 % of the rounds; seeds {s['seeds']}; wall {wall:.0f} s "
-          f"({jobs} jobs); {journal.summary()}")
+    print(
+        f"\n(b) preset {preset}: {dataset}, {s['devices']} devices (one majority label, 5 % other labels), 5 "
+        f"label-pair groups available {s['k']} rounds each (cycle {5 * s['k']}, random offset), S = {s['s']} by "
+        f"regularized selection, MLP 784-64-10, I = 5, batch 16; warm-up {s['warmup']} rounds of FedAvg at "
+        f"gamma0 = {GAMMA0}, then {s['rounds']} rounds; amplified: eta = 10, P = {5 * s['k']}; metric: training loss "
+        f"(5000 training samples) averaged over the last 10 % of the rounds; seeds {s['seeds']}; wall {wall:.0f} s "
+        f"({jobs} jobs); {journal.summary()}"
+    )
     print("  tuning (gamma: mean loss):")
     for m, row in cells.items():
         print(f"    {m:<15} " + grid_line(row, "loss", lambda v: f"{v:.4f}"))
     print(f"  {'method':<15}{'gamma':>9}{'train loss':>12}{'test acc':>10}   loss per seed")
     best = pick(cells, "loss", lower_is_better=True)
     for m, w in best.items():
-        print(f"  {m:<15}{w.cell.value:>9.0e}{w.cell.mean('loss'):>12.4f}{w.cell.mean('acc'):>10.4f}   "
-              + " ".join(f"{r['loss']:.4f}" for r in w.cell.runs) + edge_note(w))
+        print(
+            f"  {m:<15}{w.cell.value:>9.0e}{w.cell.mean('loss'):>12.4f}{w.cell.mean('acc'):>10.4f}   "
+            + " ".join(f"{r['loss']:.4f}" for r in w.cell.runs)
+            + edge_note(w)
+        )
     if "amplified" not in best or "FedAvg" not in best:
         return
     amp, fed = best["amplified"].cell.mean("loss"), best["FedAvg"].cell.mean("loss")
-    print(f"  claim (amplified beats the best-tuned FedAvg on the last-10% training loss): "
-          f"{'HOLDS' if amp < fed else 'FAILS'} ({amp:.4f} vs {fed:.4f})")
+    print(
+        f"  claim (amplified beats the best-tuned FedAvg on the last-10% training loss): "
+        f"{'HOLDS' if amp < fed else 'FAILS'} ({amp:.4f} vs {fed:.4f})"
+    )
     order = sorted(best, key=lambda m: best[m].cell.mean("loss"))
-    print(f"  order (lowest loss first): {' < '.join(order)}; "
-          "the paper's (Fig. 1): amplified < wait-minibatch < FedAvg")
+    print(
+        f"  order (lowest loss first): {' < '.join(order)}; the paper's (Fig. 1): amplified < wait-minibatch < FedAvg"
+    )
 
 
 def main() -> None:
@@ -279,8 +342,10 @@ def main() -> None:
     ap.add_argument("--part", default="ab", help="a, b or ab")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel in part (b) (each single-threaded)")
     ap.add_argument("--seeds", help="comma-separated seeds for part (b) (default: the preset's)")
-    ap.add_argument("--factors", help="comma-separated gamma factors (x gamma0) for every method of part (b) "
-                    "(default: the preset's grid)")
+    ap.add_argument(
+        "--factors",
+        help="comma-separated gamma factors (x gamma0) for every method of part (b) (default: the preset's grid)",
+    )
     ap.add_argument("--methods", help="comma-separated subset of FedAvg, amplified, wait-minibatch for part (b)")
     from benchmarks.tuning import add_journal_args
 
@@ -295,9 +360,15 @@ def main() -> None:
     if "a" in a.part:
         part_a(3, 2000)
     if "b" in a.part:
-        part_b(a.dataset, a.preset, a.jobs, [int(x) for x in a.seeds.split(",")] if a.seeds else None,
-               [float(x) for x in a.factors.split(",")] if a.factors else None,
-               a.methods.split(",") if a.methods else None, a)
+        part_b(
+            a.dataset,
+            a.preset,
+            a.jobs,
+            [int(x) for x in a.seeds.split(",")] if a.seeds else None,
+            [float(x) for x in a.factors.split(",")] if a.factors else None,
+            a.methods.split(",") if a.methods else None,
+            a,
+        )
     print(f"\ntotal: wall {time.perf_counter() - t0:.0f} s, CPU {cpu_seconds() - c0:.0f} s")
 
 

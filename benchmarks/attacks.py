@@ -12,6 +12,7 @@
 
 Usage: python benchmarks/attacks.py [--config examples/quickstart.toml] [--rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,17 @@ def broker_rows(cfg: Any, tmp: Path) -> list[tuple[str, str, bool, str]]:
         def client(node: str) -> MqttTransport:
             d = done.bundles[node]
             b = tomllib.loads((d / "config.toml").read_text())["broker"]
-            return MqttTransport(f"bench-{node}", loop, "127.0.0.1", port, username=node, password=b["password"],
-                                 ca_certs=str(d / "ca.crt"), certfile=str(d / "client.crt"),
-                                 keyfile=str(d / "client.key"))
+            return MqttTransport(
+                f"bench-{node}",
+                loop,
+                "127.0.0.1",
+                port,
+                username=node,
+                password=b["password"],
+                ca_certs=str(d / "ca.crt"),
+                certfile=str(d / "client.crt"),
+                keyfile=str(d / "client.key"),
+            )
 
         def on(topic: str, data: bytes) -> None:
             got.append(topic)
@@ -90,10 +99,20 @@ def broker_rows(cfg: Any, tmp: Path) -> list[tuple[str, str, bool, str]]:
         for t in (cell, dev):
             t.close()
         loop.stop()
-    return [("device writes another device's result topic", "broker (ACL)",
-             topics.device_result(run, "c0", "c0-d1") not in got, ""),
-            ("device reads another device's task topic", "broker (ACL)",
-             topics.device_task(run, "c0", "c0-d1") not in got, "")]
+    return [
+        (
+            "device writes another device's result topic",
+            "broker (ACL)",
+            topics.device_result(run, "c0", "c0-d1") not in got,
+            "",
+        ),
+        (
+            "device reads another device's task topic",
+            "broker (ACL)",
+            topics.device_task(run, "c0", "c0-d1") not in got,
+            "",
+        ),
+    ]
 
 
 def node_rows(cfg_path: str, rounds: int, tmp: Path) -> tuple[list[tuple[str, str, bool, bool]], float]:
@@ -106,8 +125,7 @@ def node_rows(cfg_path: str, rounds: int, tmp: Path) -> tuple[list[tuple[str, st
     keys = tmp / "keys.toml"
 
     def cfg_for(name: str) -> Any:
-        return load_config(cfg_path, [f"run.rounds={rounds}", f'run.output="{tmp / name}"',
-                                      f'security.keys="{keys}"'])
+        return load_config(cfg_path, [f"run.rounds={rounds}", f'run.output="{tmp / name}"', f'security.keys="{keys}"'])
 
     clean_cfg = cfg_for("clean")
     ring = generate_keys(clean_cfg.topology)
@@ -130,7 +148,8 @@ def node_rows(cfg_path: str, rounds: int, tmp: Path) -> tuple[list[tuple[str, st
             attacker.stop()
     logs = log_path.read_text(errors="replace")
     same = clean.params.keys() == attacked.params.keys() and all(
-        np.array_equal(clean.params[k], attacked.params[k]) for k in clean.params)
+        np.array_equal(clean.params[k], attacked.params[k]) for k in clean.params
+    )
     return [(a.name, a.refused_by, a.name in attacker.fired and a.log in logs, same) for a in ATTACKS], wall
 
 
@@ -145,8 +164,11 @@ def signing_figures(cfg_path: str, tmp: Path) -> dict[str, Any]:
     from sim.launcher import run_simulation
 
     plain = run_simulation(load_config(cfg_path, ["run.rounds=1", f'run.output="{tmp / "plain"}"']))
-    signed = run_simulation(load_config(cfg_path, ["run.rounds=1", f'run.output="{tmp / "signed"}"',
-                                                   f'security.keys="{tmp / "sim-keys.toml"}"']))
+    signed = run_simulation(
+        load_config(
+            cfg_path, ["run.rounds=1", f'run.output="{tmp / "signed"}"', f'security.keys="{tmp / "sim-keys.toml"}"']
+        )
+    )
     identical = all(np.array_equal(plain.params[k], signed.params[k]) for k in plain.params)
     cfg = plain.config
     ring = generate_keys(cfg.topology)
@@ -175,20 +197,31 @@ def signing_figures(cfg_path: str, tmp: Path) -> dict[str, Any]:
     frames_plain = [out_plain.frame("device_result", result, round=0, topic=topic) for _ in range(400)]
     it, it_plain = iter(frames), iter(frames_plain)
     sign_us = median_us(lambda: out_signed.frame("device_result", result, round=0, topic=topic)) - median_us(
-        lambda: out_plain.frame("device_result", result, round=0, topic=topic))
+        lambda: out_plain.frame("device_result", result, round=0, topic=topic)
+    )
     verify_us = median_us(lambda: recv.receive(topic, next(it))) - median_us(
-        lambda: recv_plain.receive(topic, next(it_plain)))
+        lambda: recv_plain.receive(topic, next(it_plain))
+    )
     from protocols.wire import chunking
 
     chunks = chunking.split(b, chunking.DEFAULT_MAX_CHUNK, topic=topic, auth=device)
     plain_chunks = chunking.split(b, chunking.DEFAULT_MAX_CHUNK, topic=topic)
-    chunk_sign_us = (median_us(lambda: chunking.split(b, chunking.DEFAULT_MAX_CHUNK, topic=topic, auth=device), 50)
-                     - median_us(lambda: chunking.split(b, chunking.DEFAULT_MAX_CHUNK, topic=topic), 50))
-    chunk_verify_us = (median_us(lambda: [chunking.Reassembler(auth=cell).feed(topic, c) for c in chunks], 50)
-                       - median_us(lambda: [chunking.Reassembler().feed(topic, c) for c in plain_chunks], 50))
-    return {"identical": identical, "message_bytes": len(a), "extra_bytes": len(b) - len(a),
-            "sign_us": sign_us, "verify_us": verify_us, "chunks": len(chunks),
-            "chunk_sign_us": chunk_sign_us, "chunk_verify_us": chunk_verify_us}
+    chunk_sign_us = median_us(
+        lambda: chunking.split(b, chunking.DEFAULT_MAX_CHUNK, topic=topic, auth=device), 50
+    ) - median_us(lambda: chunking.split(b, chunking.DEFAULT_MAX_CHUNK, topic=topic), 50)
+    chunk_verify_us = median_us(
+        lambda: [chunking.Reassembler(auth=cell).feed(topic, c) for c in chunks], 50
+    ) - median_us(lambda: [chunking.Reassembler().feed(topic, c) for c in plain_chunks], 50)
+    return {
+        "identical": identical,
+        "message_bytes": len(a),
+        "extra_bytes": len(b) - len(a),
+        "sign_us": sign_us,
+        "verify_us": verify_us,
+        "chunks": len(chunks),
+        "chunk_sign_us": chunk_sign_us,
+        "chunk_verify_us": chunk_verify_us,
+    }
 
 
 def main() -> None:
@@ -204,8 +237,10 @@ def main() -> None:
         rows = broker_rows(cfg, tmp)
         nodes, wall = node_rows(args.config, args.rounds, tmp)
         cost = signing_figures(args.config, tmp)
-    print(f"\nattacks on a signed fedtier run ({Path(args.config).name}, {args.rounds} rounds, Mosquitto; attacked "
-          f"run {wall:.1f} s)\n")
+    print(
+        f"\nattacks on a signed fedtier run ({Path(args.config).name}, {args.rounds} rounds, Mosquitto; attacked "
+        f"run {wall:.1f} s)\n"
+    )
     print(f"| {'attack':<50} | {'refused by':<14} | refused, reason logged | model unchanged |")
     print(f"|{'-' * 52}|{'-' * 16}|------------------------|----------------|")
     for name, by, ok, _ in rows:
@@ -213,11 +248,15 @@ def main() -> None:
     for name, by, ok, same in nodes:
         print(f"| {name:<50} | {by:<14} | {'yes' if ok else 'NO':<22} | {'yes' if same else 'NO':<14} |")
     print(f"\nsigned fedtier sim bit-identical to unsigned: {'yes' if cost['identical'] else 'NO'}")
-    print(f"signing overhead per message: +{cost['extra_bytes']} bytes on a {cost['message_bytes']}-byte model-sized "
-          f"message (session id + Ed25519 signature in the header; +66 bytes + sender id per chunk), "
-          f"sign {cost['sign_us']:.0f} us, verify {cost['verify_us']:.0f} us (median, this machine)")
-    print(f"over MQTT the same message is {cost['chunks']} signed chunks of 256 KiB: +{cost['chunk_sign_us']:.0f} us to "
-          f"sign them, +{cost['chunk_verify_us']:.0f} us to verify them")
+    print(
+        f"signing overhead per message: +{cost['extra_bytes']} bytes on a {cost['message_bytes']}-byte model-sized "
+        f"message (session id + Ed25519 signature in the header; +66 bytes + sender id per chunk), "
+        f"sign {cost['sign_us']:.0f} us, verify {cost['verify_us']:.0f} us (median, this machine)"
+    )
+    print(
+        f"over MQTT the same message is {cost['chunks']} signed chunks of 256 KiB: +{cost['chunk_sign_us']:.0f} us to "
+        f"sign them, +{cost['chunk_verify_us']:.0f} us to verify them"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ When the first figure is large, two runs that differ only in float rounding (the
 engine, or 1 and 2 threads) give different models and accuracies: compare such runs over seeds, not one by one.
 Usage: python benchmarks/cnn4_sensitivity.py [--std 0.01] [--lr 0.05]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,10 @@ def main() -> None:
 
     a, b = train(1.0), train(1 + 1e-7)
     drift = max(float((a[k] - b[k]).abs().max() / a[k].abs().max()) for k in a)
-    print(f"CNN4, init_std {args.std or 'torch default'}, lr {args.lr}: one step, batched vs per-device gradient: "
-          f"{step:.1e} relative; 10 steps from weights 1e-7 apart end {drift:.1e} apart (relative max difference)")
+    print(
+        f"CNN4, init_std {args.std or 'torch default'}, lr {args.lr}: one step, batched vs per-device gradient: "
+        f"{step:.1e} relative; 10 steps from weights 1e-7 apart end {drift:.1e} apart (relative max difference)"
+    )
 
 
 if __name__ == "__main__":

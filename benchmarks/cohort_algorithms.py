@@ -9,6 +9,7 @@ rounding). ``--model cnn4``: the FedMRN paper preset's CNN4 (widths 16-32-64-128
 MLP, 1 cell x 10 devices, batch 64. Usage: python benchmarks/cohort_algorithms.py [--rounds 20] [--model mlp|cnn4]
 [ALGORITHM ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,22 +41,31 @@ def main() -> None:
         best: dict[str, float] = {}
         acc: dict[str, float] = {}
         for engine in ("device", "cohort", "device", "cohort"):
-            cfg = parse_config({
-                "run": {"name": "cohort-algorithms", "seed": 0, "rounds": args.rounds},
-                "topology": {"cells": 2 if args.model == "mlp" else 1, "devices_per_cell": 10},
-                "algorithm": {"edge_rounds": 1, "batch_size": 16 if args.model == "mlp" else 64, "lr": 0.05,
-                              **ALGORITHMS[name]},
-                "model": {"name": "mlp", "hidden": [64]} if args.model == "mlp" else {
-                    "name": "cnn4", "channels": [16, 32, 64, 128], "init_std": 0.01},
-                "data": {"dataset": "mnist", "partition": "iid", "max_train": 20000},
-                "runtime": {"engine": engine, "eval_every": args.rounds},
-            })
+            cfg = parse_config(
+                {
+                    "run": {"name": "cohort-algorithms", "seed": 0, "rounds": args.rounds},
+                    "topology": {"cells": 2 if args.model == "mlp" else 1, "devices_per_cell": 10},
+                    "algorithm": {
+                        "edge_rounds": 1,
+                        "batch_size": 16 if args.model == "mlp" else 64,
+                        "lr": 0.05,
+                        **ALGORITHMS[name],
+                    },
+                    "model": {"name": "mlp", "hidden": [64]}
+                    if args.model == "mlp"
+                    else {"name": "cnn4", "channels": [16, 32, 64, 128], "init_std": 0.01},
+                    "data": {"dataset": "mnist", "partition": "iid", "max_train": 20000},
+                    "runtime": {"engine": engine, "eval_every": args.rounds},
+                }
+            )
             result = run_simulation(cfg, write_output=False)
             rate = args.rounds / sum(r["duration_s"] for r in result.history)
             best[engine] = max(best.get(engine, 0.0), rate)
             acc[engine] = result.final_accuracy or 0.0
-        print(f"{name:10}{best['device']:12.2f}{best['cohort']:12.2f}{best['cohort'] / best['device']:8.2f}"
-              f"{acc['device']:12.4f}{acc['cohort']:12.4f}")
+        print(
+            f"{name:10}{best['device']:12.2f}{best['cohort']:12.2f}{best['cohort'] / best['device']:8.2f}"
+            f"{acc['device']:12.4f}{acc['cohort']:12.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The ratio per-device / batched bounds what batching can gain on this workload be
 simulation's per-round work (messages, aggregation, records) is counted.
 Usage: python benchmarks/cohort_floor.py [--rounds 300] [--repeat 3] [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,10 @@ def main() -> None:
     mask = torch.ones(D, B)
 
     def batched(written_out: bool) -> None:
-        params = {k: v.detach().unsqueeze(0).repeat(D, *[1] * v.dim()).requires_grad_(not written_out)
-                  for k, v in model.named_parameters()}
+        params = {
+            k: v.detach().unsqueeze(0).repeat(D, *[1] * v.dim()).requires_grad_(not written_out)
+            for k, v in model.named_parameters()
+        }
         leaves = list(params.values())
         for _ in range(args.rounds):
             idx = torch.randint(0, 60000, (D * STEPS * B,))
@@ -82,8 +85,11 @@ def main() -> None:
         finally:
             torch.set_num_threads(1)
 
-    sides = {"per-device": per_device, "batched, autograd": lambda: batched(False),
-             "batched, written out": lambda: batched(True)}
+    sides = {
+        "per-device": per_device,
+        "batched, autograd": lambda: batched(False),
+        "batched, written out": lambda: batched(True),
+    }
     if args.threads > 1:
         sides[f"written out, {args.threads} threads"] = threaded
     best: dict[str, float] = {}
@@ -92,8 +98,10 @@ def main() -> None:
             t0 = time.perf_counter()
             run()
             best[name] = min(best.get(name, float("inf")), (time.perf_counter() - t0) / args.rounds)
-    print(f"training of one round ({D} devices x {STEPS} steps of batch {B}, MLP 784-64-10, one thread), "
-          f"best of {args.repeat}:")
+    print(
+        f"training of one round ({D} devices x {STEPS} steps of batch {B}, MLP 784-64-10, one thread), "
+        f"best of {args.repeat}:"
+    )
     for name, t in best.items():
         print(f"  {name:28} {t * 1e3:7.2f} ms/round  ({best['per-device'] / t:.2f}x the per-device training)")
 

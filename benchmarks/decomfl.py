@@ -14,6 +14,7 @@ directions, averaged over all M devices.
     python benchmarks/decomfl.py --preset quick    # digits, 50 devices: <= 15 min on 2 idle cores
     python benchmarks/decomfl.py --preset paper    # MNIST, 100 devices: see benchmarks/README.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,24 +31,58 @@ from benchmarks.tuning import add_journal_args, cost_line, edge_note, grid_line,
 # CPU-s of one paper-preset run, per method (measured: benchmarks/README.md, DeComFL, Cost)
 CPU_PER_PAPER_RUN = {"DeComFL": 700.0, "FedAvg K=20": 130.0, "FedAvg K=1": 95.0}
 PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {"dataset": "digits", "devices": 50, "per_round": 5, "max_train": 0, "max_test": 0, "batch": 32,
-              "zo_rounds": 1000, "fo_rounds": 30, "k1_rounds": 150, "targets": [0.6, 0.7, 0.8], "headline": 0.7,
-              "P": 10, "seeds": [0, 1, 2], "tune_seeds": [0, 1, 2], "zo_evals": 50,
-              "cpu_per_run": {"DeComFL": 35.0, "FedAvg K=20": 3.0, "FedAvg K=1": 7.0}},
+    "quick": {
+        "dataset": "digits",
+        "devices": 50,
+        "per_round": 5,
+        "max_train": 0,
+        "max_test": 0,
+        "batch": 32,
+        "zo_rounds": 1000,
+        "fo_rounds": 30,
+        "k1_rounds": 150,
+        "targets": [0.6, 0.7, 0.8],
+        "headline": 0.7,
+        "P": 10,
+        "seeds": [0, 1, 2],
+        "tune_seeds": [0, 1, 2],
+        "zo_evals": 50,
+        "cpu_per_run": {"DeComFL": 35.0, "FedAvg K=20": 3.0, "FedAvg K=1": 7.0},
+    },
     # the paper: ~10k rounds; here 1,000 DeComFL rounds and (to fit 2 h on 2 cores: a DeComFL round costs ~0.7 CPU-s)
     # every grid on seed 0 only, then the winners on seeds 1-4
-    "paper": {"dataset": "mnist", "devices": 100, "per_round": 10, "max_train": 0, "max_test": 2000, "batch": 32,
-              "zo_rounds": 1000, "fo_rounds": 50, "k1_rounds": 300, "targets": [0.80, 0.85, 0.90], "headline": 0.85,
-              "P": 10, "seeds": [0, 1, 2, 3, 4], "tune_seeds": [0], "zo_evals": 50,
-              "cpu_per_run": CPU_PER_PAPER_RUN},
+    "paper": {
+        "dataset": "mnist",
+        "devices": 100,
+        "per_round": 10,
+        "max_train": 0,
+        "max_test": 2000,
+        "batch": 32,
+        "zo_rounds": 1000,
+        "fo_rounds": 50,
+        "k1_rounds": 300,
+        "targets": [0.80, 0.85, 0.90],
+        "headline": 0.85,
+        "P": 10,
+        "seeds": [0, 1, 2, 3, 4],
+        "tune_seeds": [0],
+        "zo_evals": 50,
+        "cpu_per_run": CPU_PER_PAPER_RUN,
+    },
 }
 GRIDS = {  # the same width for every method: 4 values x~3 apart around the paper's (DeComFL 1e-3, FedAvg 0.1), widened
     # until no winner sits at an edge (quick: DeComFL peaked at 1e-2 and diverged at 3e-2; FedAvg K=20 peaked at 0.3)
-    "quick": {"DeComFL": [1e-3, 3e-3, 1e-2, 3e-2], "FedAvg K=20": [0.03, 0.1, 0.3, 1.0],
-              "FedAvg K=1": [0.03, 0.1, 0.3, 1.0]},
+    "quick": {
+        "DeComFL": [1e-3, 3e-3, 1e-2, 3e-2],
+        "FedAvg K=20": [0.03, 0.1, 0.3, 1.0],
+        "FedAvg K=1": [0.03, 0.1, 0.3, 1.0],
+    },
     # paper: shifted down one step for DeComFL after MNIST seed 0 diverged at 3e-3, 1e-2 and 3e-2 (1e-3 at the edge)
-    "paper": {"DeComFL": [3e-4, 1e-3, 3e-3, 1e-2], "FedAvg K=20": [0.03, 0.1, 0.3, 1.0],
-              "FedAvg K=1": [0.03, 0.1, 0.3, 1.0]},
+    "paper": {
+        "DeComFL": [3e-4, 1e-3, 3e-3, 1e-2],
+        "FedAvg K=20": [0.03, 0.1, 0.3, 1.0],
+        "FedAvg K=1": [0.03, 0.1, 0.3, 1.0],
+    },
 }
 
 
@@ -63,8 +98,13 @@ def config(method: str, lr: float, seed: int, s: dict[str, Any]) -> dict[str, An
         "topology": {"cells": 2, "devices_per_cell": s["devices"] // 2},
         "algorithm": {**alg, "lr": lr, "momentum": 0.5, "batch_size": s["batch"], "edge_rounds": 1},
         "model": {"name": "cnn", "channels": [16, 32], "fc": 0},
-        "data": {"dataset": s["dataset"], "partition": "dirichlet", "alpha": 1.0, "max_train": s["max_train"],
-                 "max_test": s["max_test"]},
+        "data": {
+            "dataset": s["dataset"],
+            "partition": "dirichlet",
+            "alpha": 1.0,
+            "max_train": s["max_train"],
+            "max_test": s["max_test"],
+        },
         "participation": {"model": "uniform", "per_round": s["per_round"]},
         "runtime": {"engine": "cohort", "eval_every": every},
     }
@@ -79,20 +119,30 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
     try:
         result = run_simulation(parse_config(config(method, lr, seed, settings)), write_output=False)
     except ValueError as exc:  # ZO divergence raises on non-finite scalars: a failed grid point, not a crash
-        return {"best": 0.0, "final": 0.0, "params": 0, "s": time.perf_counter() - t0,
-                "cpu": time.process_time() - c0, "error": str(exc),
-                **{f"bytes@{t}": math.inf for t in settings["targets"]}, "score": math.inf}
+        return {
+            "best": 0.0,
+            "final": 0.0,
+            "params": 0,
+            "s": time.perf_counter() - t0,
+            "cpu": time.process_time() - c0,
+            "error": str(exc),
+            **{f"bytes@{t}": math.inf for t in settings["targets"]},
+            "score": math.inf,
+        }
     n = settings["devices"]
     curve = []
     for r in result.history:
         if "accuracy" in r and math.isfinite(r["accuracy"]):
             b = r["cumulative_bytes"]
             curve.append((r["round"] + 1, r["accuracy"], (b["cell_to_device"] + b["device_to_cell"]) / n))
-    out: dict[str, Any] = {"best": max((a for _, a, _ in curve), default=0.0),
-                           "final": curve[-1][1] if curve else 0.0,
-                           "params": sum(v.size for v in result.params.values()), "s": time.perf_counter() - t0,
-                           "cpu": time.process_time() - c0,
-                           "bytes_total": curve[-1][2] if curve else 0.0}
+    out: dict[str, Any] = {
+        "best": max((a for _, a, _ in curve), default=0.0),
+        "final": curve[-1][1] if curve else 0.0,
+        "params": sum(v.size for v in result.params.values()),
+        "s": time.perf_counter() - t0,
+        "cpu": time.process_time() - c0,
+        "bytes_total": curve[-1][2] if curve else 0.0,
+    }
     for t in settings["targets"]:
         hit = next((b for _, a, b in curve if a >= t), math.inf)
         out[f"bytes@{t}"] = hit
@@ -112,43 +162,58 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="quick")
     ap.add_argument("--seeds", help="comma-separated run seeds (default: the preset's)")
-    ap.add_argument("--tune-seeds", help="comma-separated seeds of the lr grids; the winners then run on the other "
-                    "seeds (default: the preset's)")
+    ap.add_argument(
+        "--tune-seeds",
+        help="comma-separated seeds of the lr grids; the winners then run on the other seeds (default: the preset's)",
+    )
     ap.add_argument("--methods", help="comma-separated subset of " + ", ".join(GRIDS["quick"]))
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     add_journal_args(ap)
     args = ap.parse_args()
     s = dict(PRESETS[args.preset])
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]
-    tune_seeds = [int(x) for x in args.tune_seeds.split(",")] if args.tune_seeds else [
-        x for x in s["tune_seeds"] if x in seeds] or seeds[:1]
+    tune_seeds = (
+        [int(x) for x in args.tune_seeds.split(",")]
+        if args.tune_seeds
+        else [x for x in s["tune_seeds"] if x in seeds] or seeds[:1]
+    )
     grids = {m: g for m, g in GRIDS[args.preset].items() if not args.methods or m in args.methods.split(",")}
-    print(f"DeComFL preset {args.preset}: " + cost_line(grids, tune_seeds, seeds, s["cpu_per_run"], args.jobs),
-          flush=True)
-    journal = open_journal(args, __file__, args.preset, {
-        k: v for k, v in s.items() if k not in ("seeds", "tune_seeds", "cpu_per_run")})
+    print(
+        f"DeComFL preset {args.preset}: " + cost_line(grids, tune_seeds, seeds, s["cpu_per_run"], args.jobs), flush=True
+    )
+    journal = open_journal(
+        args, __file__, args.preset, {k: v for k, v in s.items() if k not in ("seeds", "tune_seeds", "cpu_per_run")}
+    )
     t0 = time.perf_counter()
-    cells, winners = tune(run, grids, tune_seeds, seeds, args.jobs, "score", lower_is_better=True, journal=journal,
-                          settings=s)
+    cells, winners = tune(
+        run, grids, tune_seeds, seeds, args.jobs, "score", lower_is_better=True, journal=journal, settings=s
+    )
     wall = time.perf_counter() - t0
     journal.close()
     head = s["headline"]
-    print(f"\nDeComFL preset {args.preset}: {s['dataset']} ({'all' if not s['max_train'] else s['max_train']} train), "
-          f"{s['devices']} devices in 2 cells, {s['per_round']} a round, Dirichlet 1, CNN "
-          f"{next(iter(cells.values()))[0].runs[0]['params']:,} params, momentum 0.5, batch {s['batch']}; "
-          f"DeComFL K=1 P={s['P']} mu=1e-3 gaussian, {s['zo_rounds']} rounds; FedAvg K=20 {s['fo_rounds']} rounds, K=1 "
-          f"{s['k1_rounds']} rounds; "
-          f"lr tuned on seeds {tune_seeds}, winners on seeds {seeds}; wall {wall:.0f} s ({args.jobs} jobs); {journal.summary()}")
+    print(
+        f"\nDeComFL preset {args.preset}: {s['dataset']} ({'all' if not s['max_train'] else s['max_train']} train), "
+        f"{s['devices']} devices in 2 cells, {s['per_round']} a round, Dirichlet 1, CNN "
+        f"{next(iter(cells.values()))[0].runs[0]['params']:,} params, momentum 0.5, batch {s['batch']}; "
+        f"DeComFL K=1 P={s['P']} mu=1e-3 gaussian, {s['zo_rounds']} rounds; FedAvg K=20 {s['fo_rounds']} rounds, K=1 "
+        f"{s['k1_rounds']} rounds; "
+        f"lr tuned on seeds {tune_seeds}, winners on seeds {seeds}; wall {wall:.0f} s ({args.jobs} jobs); {journal.summary()}"
+    )
     print("\ntuning (mean bytes per device to {:.0%} on the tuning seeds; lr: value):".format(head))
     for m, row in cells.items():
         print(f"  {m:<12} " + grid_line(row, f"bytes@{head}", kb))
-    print(f"\n{'method':<12}{'lr':>8}{'best acc':>10}{'final acc':>11}" + "".join(f"{f'KB to {t:.0%}':>16}" for t in s["targets"])
-          + f"{'round to ' + format(head, '.0%'):>14}")
+    print(
+        f"\n{'method':<12}{'lr':>8}{'best acc':>10}{'final acc':>11}"
+        + "".join(f"{f'KB to {t:.0%}':>16}" for t in s["targets"])
+        + f"{'round to ' + format(head, '.0%'):>14}"
+    )
     for m, w in winners.items():
         c = w.cell
-        print(f"{m:<12}{c.value:>8g}{c.mean('best'):>10.4f}{c.mean('final'):>11.4f}"
-              + "".join(f"{kb(c.mean(f'bytes@{t}')):>16}" for t in s["targets"])
-              + f"{c.mean(f'round@{head}'):>14.0f}{edge_note(w)}")
+        print(
+            f"{m:<12}{c.value:>8g}{c.mean('best'):>10.4f}{c.mean('final'):>11.4f}"
+            + "".join(f"{kb(c.mean(f'bytes@{t}')):>16}" for t in s["targets"])
+            + f"{c.mean(f'round@{head}'):>14.0f}{edge_note(w)}"
+        )
     zo = winners.get("DeComFL")
     for m in ("FedAvg K=20", "FedAvg K=1"):
         if zo and m in winners:
@@ -156,7 +221,7 @@ def main() -> None:
                 a, b = zo.cell.mean(f"bytes@{t}"), winners[m].cell.mean(f"bytes@{t}")
                 ratio = f"{b / a:.1f}x fewer bytes for DeComFL" if math.isfinite(a) and math.isfinite(b) else "-"
                 print(f"  to {t:.0%}: {m} (tuned) / DeComFL (tuned): {ratio}")
-    per_seed = {m: [round(r['best'], 4) for r in w.cell.runs] for m, w in winners.items()}
+    per_seed = {m: [round(r["best"], 4) for r in w.cell.runs] for m, w in winners.items()}
     print(f"best accuracy per seed at the winning lr: {per_seed}")
 
 

@@ -26,6 +26,7 @@ cell for cell and agent faults, the next cloud round record otherwise), tracebac
 
 Usage: python benchmarks/faults.py [--only NAME ...] [--rounds 4] [--keep DIR] [--list]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,7 +97,8 @@ class Broker:
             f"listener {self.port} 127.0.0.1\nallow_anonymous true\n{root}"
             f"persistence true\npersistence_location {folder}/\nautosave_interval 1\nautosave_on_changes true\n"
             "max_queued_messages 100000\nmax_queued_bytes 0\nmax_inflight_messages 64\nset_tcp_nodelay true\n"
-            "log_type error\nlog_type warning\n")
+            "log_type error\nlog_type warning\n"
+        )
         self.proc: subprocess.Popen | None = None
         self.url = f"mqtt://127.0.0.1:{self.port}"
 
@@ -160,8 +162,9 @@ class Watcher:
 
         try:
             head, _ = decode_message(msg.payload)
-            ev = Event(time.time(), msg.topic, head.kind, head.round, head.edge_round, head.sender, head.cell,
-                       msg.payload)
+            ev = Event(
+                time.time(), msg.topic, head.kind, head.round, head.edge_round, head.sender, head.cell, msg.payload
+            )
         except ValueError:  # a JSON record: status, manifest, telemetry
             ev = Event(time.time(), msg.topic, "record", -1, -1, "", None, msg.payload)
             if msg.topic.endswith("/telemetry/cloud"):
@@ -196,29 +199,39 @@ class Deployment:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.out = self.folder / "run"
         self.config = self.folder / "config.toml"
-        self.config.write_text(CONFIG.format(rounds=rounds, out=self.out, device_deadline=DEVICE_DEADLINE,
-                                             cell_deadline=CELL_DEADLINE))
+        self.config.write_text(
+            CONFIG.format(rounds=rounds, out=self.out, device_deadline=DEVICE_DEADLINE, cell_deadline=CELL_DEADLINE)
+        )
         self.data, self.broker = data, broker
         self.procs: dict[str, subprocess.Popen] = {}
         self.rc: int | None = None  # the cloud's exit code once everything exited
         self.cells = ["c0", "c1"]
         self.devices = [f"{c}-d{j}" for c in self.cells for j in range(5)]
-        self.cell_resume = "--resume" in subprocess.run([FEDTIER, "cell", "--help"], capture_output=True,
-                                                        text=True).stdout
+        self.cell_resume = (
+            "--resume" in subprocess.run([FEDTIER, "cell", "--help"], capture_output=True, text=True).stdout
+        )
 
     def command(self, node: str, resume: bool = False) -> list[str]:
         common = [str(self.config), "--broker", self.broker.url]
         if node == "cloud":
-            return [FEDTIER, "cloud", *common, "--test-data", str(self.data / "test.npz"), "--no-progress",
-                    *(["--resume"] if resume else [])]
+            return [
+                FEDTIER,
+                "cloud",
+                *common,
+                "--test-data",
+                str(self.data / "test.npz"),
+                "--no-progress",
+                *(["--resume"] if resume else []),
+            ]
         if node in self.cells:
             return [FEDTIER, "cell", *common, "--cell", node, *(["--resume"] if resume and self.cell_resume else [])]
         return [FEDTIER, "agent", *common, "--device", node, "--data", str(self.data / f"{node}.npz")]
 
     def start(self, node: str, resume: bool = False) -> None:
         log = open(self.folder / f"{node}.log", "ab")
-        self.procs[node] = subprocess.Popen(self.command(node, resume), stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.procs[node] = subprocess.Popen(
+            self.command(node, resume), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def signal(self, node: str, sig: int) -> None:
         proc = self.procs[node]
@@ -250,21 +263,39 @@ class Deployment:
                 proc.wait()
 
     def tracebacks(self) -> int:
-        return sum(p.read_text(errors="replace").count("Traceback (most recent call last)")
-                   for p in self.folder.glob("*.log"))
+        return sum(
+            p.read_text(errors="replace").count("Traceback (most recent call last)") for p in self.folder.glob("*.log")
+        )
 
 
 # ----------------------------------------------------------------------------- scenarios
 def first(kind: str, round_: int, edge: int | None = None, cell: str | None = None) -> Callable[[list[Event]], bool]:
-    return lambda evs: any(e.kind == kind and e.round == round_ and (edge is None or e.edge_round == edge)
-                           and (cell is None or e.cell == cell) for e in evs)
+    return lambda evs: any(
+        e.kind == kind
+        and e.round == round_
+        and (edge is None or e.edge_round == edge)
+        and (cell is None or e.cell == cell)
+        for e in evs
+    )
 
 
-def all_of(kind: str, round_: int, n: int, edge: int | None = None, cell: str | None = None
-           ) -> Callable[[list[Event]], bool]:
+def all_of(
+    kind: str, round_: int, n: int, edge: int | None = None, cell: str | None = None
+) -> Callable[[list[Event]], bool]:
     """``n`` messages of ``kind`` on distinct topics (one per device or cell)."""
-    return lambda evs: len({e.topic for e in evs if e.kind == kind and e.round == round_
-                            and (edge is None or e.edge_round == edge) and (cell is None or e.cell == cell)}) >= n
+    return lambda evs: (
+        len(
+            {
+                e.topic
+                for e in evs
+                if e.kind == kind
+                and e.round == round_
+                and (edge is None or e.edge_round == edge)
+                and (cell is None or e.cell == cell)
+            }
+        )
+        >= n
+    )
 
 
 def round_record(round_: int) -> Callable[[list[Event]], bool]:
@@ -292,6 +323,7 @@ def restart(node: str) -> Callable[[Deployment, Broker, Watcher], None]:
     def act(d: Deployment, _b: Broker, _w: Watcher) -> None:
         d.kill9(node)
         d.start(node, resume=True)
+
     return act
 
 
@@ -313,6 +345,7 @@ def pause(node: str, seconds: float) -> Callable[[Deployment, Broker, Watcher], 
         d.signal(node, signal.SIGSTOP)
         time.sleep(seconds)  # the fault itself is the length of the pause
         d.signal(node, signal.SIGCONT)
+
     return act
 
 
@@ -326,12 +359,26 @@ def scenarios() -> list[Scenario]:
     for point, trig in (MID_EDGE, CLOUD_AGG, BETWEEN):
         out.append(Scenario("kill -9 broker + restart", point, trig, restart_broker, "cloud"))
     out.append(Scenario("duplicate + reorder deliveries", "whole run", None, None, "cloud", republish=True))
-    out.append(Scenario(f"SIGSTOP agent c0-d1 {DEVICE_DEADLINE + 3:g} s", "its task of round 1",
-                        lambda: first("device_task", 1, 0, "c0"), pause("c0-d1", DEVICE_DEADLINE + 3), "c0",
-                        note="past the device deadline: the cell closes the edge round without it (by design)"))
-    out.append(Scenario(f"SIGSTOP cell c1 {CELL_DEADLINE + 3:g} s", "its task of round 1",
-                        lambda: first("cell_task", 1, None, "c1"), pause("c1", CELL_DEADLINE + 3), "cloud",
-                        note="past the cell deadline: the cloud closes the round without it (by design)"))
+    out.append(
+        Scenario(
+            f"SIGSTOP agent c0-d1 {DEVICE_DEADLINE + 3:g} s",
+            "its task of round 1",
+            lambda: first("device_task", 1, 0, "c0"),
+            pause("c0-d1", DEVICE_DEADLINE + 3),
+            "c0",
+            note="past the device deadline: the cell closes the edge round without it (by design)",
+        )
+    )
+    out.append(
+        Scenario(
+            f"SIGSTOP cell c1 {CELL_DEADLINE + 3:g} s",
+            "its task of round 1",
+            lambda: first("cell_task", 1, None, "c1"),
+            pause("c1", CELL_DEADLINE + 3),
+            "cloud",
+            note="past the cell deadline: the cloud closes the round without it (by design)",
+        )
+    )
     return out
 
 
@@ -351,6 +398,7 @@ def republisher(seed: int) -> Callable[[Watcher, Event], None]:
             delays = [rng.uniform(0, 0.3) for _ in range(rng.randint(1, 2))]
         for d in delays:
             threading.Timer(d, w.publish, (ev.topic, ev.data)).start()
+
     return on
 
 
@@ -405,8 +453,10 @@ def losses(ref: tuple[dict, dict, bytes], got: tuple[dict, dict, bytes]) -> tupl
             missing = devs if r is None or c not in r.cells_reported else devs - ans.get((rn, e, c), set())
             here += len(missing)
             if missing:
-                detail.append(f"round {n} edge round {e} cell {c}: lost {sorted(missing)}"
-                              + ("" if r is None or c in r.cells_reported else " (no report of the cell)"))
+                detail.append(
+                    f"round {n} edge round {e} cell {c}: lost {sorted(missing)}"
+                    + ("" if r is None or c in r.cells_reported else " (no report of the cell)")
+                )
         short += here > 0
         lost += here
     return lost_rounds, short, lost, detail
@@ -418,13 +468,19 @@ def recovery(out: Path, scope: str, since: float | None) -> float | None:
     if since is None:
         return None
     recs, _ = read_run(out)
-    times = [r.time for r in recs if r.time is not None and r.time > since
-             and (isinstance(r, CellRecord) and r.cell == scope if scope != "cloud" else not isinstance(r, CellRecord))]
+    times = [
+        r.time
+        for r in recs
+        if r.time is not None
+        and r.time > since
+        and (isinstance(r, CellRecord) and r.cell == scope if scope != "cloud" else not isinstance(r, CellRecord))
+    ]
     return min(times) - since if times else None
 
 
-def run_scenario(tmp: Path, sc: Scenario | None, rounds: int, data: Path, timeout: float
-                 ) -> tuple[Deployment, float | None, float]:
+def run_scenario(
+    tmp: Path, sc: Scenario | None, rounds: int, data: Path, timeout: float
+) -> tuple[Deployment, float | None, float]:
     name = "reference" if sc is None else f"{sc.name} @ {sc.point}".replace(" ", "_").replace("/", "_")
     broker = Broker(tmp / name / "broker").start()
     d = Deployment(tmp, name, rounds, data, broker)
@@ -476,8 +532,11 @@ def main() -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     data = tmp / "data"
     base = tmp / "base.toml"
-    base.write_text(CONFIG.format(rounds=args.rounds, out=tmp / "base", device_deadline=DEVICE_DEADLINE,
-                                  cell_deadline=CELL_DEADLINE))
+    base.write_text(
+        CONFIG.format(
+            rounds=args.rounds, out=tmp / "base", device_deadline=DEVICE_DEADLINE, cell_deadline=CELL_DEADLINE
+        )
+    )
     prep = prepare(load_config(base))
     for device, local in prep.device_data.items():
         save_device_data(data / f"{device}.npz", local, prep.spec)
@@ -487,34 +546,60 @@ def main() -> None:
     ref = read(ref_dep.out)
     if ref_dep.rc != 0 or not ref[2]:
         raise SystemExit(f"the uninterrupted run failed (exit {ref_dep.rc}); logs in {ref_dep.folder}")
-    gaps = sorted(b.time - a.time for a, b in zip(sorted(ref[1].values(), key=lambda r: r.round),
-                                                  sorted(ref[1].values(), key=lambda r: r.round)[1:]))
-    print(f"uninterrupted run: {ref_wall:.0f} s, {len(ref[1])} rounds, a round every "
-          f"{gaps[len(gaps) // 2]:.1f} s (median); tracebacks {ref_dep.tracebacks()}", flush=True)
+    gaps = sorted(
+        b.time - a.time
+        for a, b in zip(
+            sorted(ref[1].values(), key=lambda r: r.round), sorted(ref[1].values(), key=lambda r: r.round)[1:]
+        )
+    )
+    print(
+        f"uninterrupted run: {ref_wall:.0f} s, {len(ref[1])} rounds, a round every "
+        f"{gaps[len(gaps) // 2]:.1f} s (median); tracebacks {ref_dep.tracebacks()}",
+        flush=True,
+    )
     results = []
     for sc in chosen:
         d, fault_at, wall = run_scenario(tmp, sc, args.rounds, data, args.timeout)
         got = read(d.out)
         lost_rounds, short, lost, detail = losses(ref, got)
         completed = d.rc == 0 and bool(got[2]) and len(got[1]) == len(ref[1])
-        res = Result(sc.name, sc.point, completed, lost_rounds, short, lost, got[2] == ref[2],
-                     recovery(d.out, sc.scope, fault_at), d.tracebacks(), wall, sc.note, detail)
+        res = Result(
+            sc.name,
+            sc.point,
+            completed,
+            lost_rounds,
+            short,
+            lost,
+            got[2] == ref[2],
+            recovery(d.out, sc.scope, fault_at),
+            d.tracebacks(),
+            wall,
+            sc.note,
+            detail,
+        )
         if sc.trigger is not None and fault_at is None:
             res.note = "fault point never reached"
         results.append(res)
-        print(f"{sc.name} @ {sc.point}: completed {'yes' if completed else 'NO'} (exit {d.rc}), "
-              f"rounds lost {lost_rounds}, rounds short {short}, device results lost {lost}, "
-              f"model equal {'yes' if res.model_equal else 'no'}, "
-              f"recovery {'-' if res.recovery_s is None else f'{res.recovery_s:.1f} s'}, tracebacks "
-              f"{res.tracebacks}, {wall:.0f} s" + "".join(f"\n    {x}" for x in detail), flush=True)
-    print("\n| scenario | fault point | completed | rounds lost | rounds short | device results lost | "
-          "final model equal | recovery (s) | tracebacks |")
+        print(
+            f"{sc.name} @ {sc.point}: completed {'yes' if completed else 'NO'} (exit {d.rc}), "
+            f"rounds lost {lost_rounds}, rounds short {short}, device results lost {lost}, "
+            f"model equal {'yes' if res.model_equal else 'no'}, "
+            f"recovery {'-' if res.recovery_s is None else f'{res.recovery_s:.1f} s'}, tracebacks "
+            f"{res.tracebacks}, {wall:.0f} s" + "".join(f"\n    {x}" for x in detail),
+            flush=True,
+        )
+    print(
+        "\n| scenario | fault point | completed | rounds lost | rounds short | device results lost | "
+        "final model equal | recovery (s) | tracebacks |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r.name} | {r.point} | {'yes' if r.completed else 'no'} | {r.rounds_lost} | {r.rounds_short} | "
-              f"{r.results_lost} | "
-              f"{'yes' if r.model_equal else 'no'} | {'-' if r.recovery_s is None else f'{r.recovery_s:.1f}'} | "
-              f"{r.tracebacks} |" + (f" {r.note}" if r.note else ""))
+        print(
+            f"| {r.name} | {r.point} | {'yes' if r.completed else 'no'} | {r.rounds_lost} | {r.rounds_short} | "
+            f"{r.results_lost} | "
+            f"{'yes' if r.model_equal else 'no'} | {'-' if r.recovery_s is None else f'{r.recovery_s:.1f}'} | "
+            f"{r.tracebacks} |" + (f" {r.note}" if r.note else "")
+        )
     print(f"(logs: {tmp})")
 
 

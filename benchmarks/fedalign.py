@@ -31,6 +31,7 @@ Presets: ``paper`` = shards + the three synth levels + planted, 200 iterations, 
     python benchmarks/fedalign.py --preset quick
     python benchmarks/fedalign.py --preset paper [--scenarios shards] [--seeds 3]   # a documented subset
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,12 @@ from sim.hierarchy import prepare_given  # noqa: E402
 from sim.launcher import SimHierarchy  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "paper": dict(scenarios=["shards", "synth-low", "synth-medium", "synth-high", "planted"], iterations=200,
-                  seeds=5, lrs=[0.01, 0.03, 0.1, 0.3, 1.0, 3.0]),
+    "paper": dict(
+        scenarios=["shards", "synth-low", "synth-medium", "synth-high", "planted"],
+        iterations=200,
+        seeds=5,
+        lrs=[0.01, 0.03, 0.1, 0.3, 1.0, 3.0],
+    ),
     "quick": dict(scenarios=["shards", "synth-medium"], iterations=40, seeds=3, lrs=[0.03, 0.1, 0.3, 1.0, 3.0]),
 }
 SKEW = {"synth-low": (0.5, 0.2), "synth-medium": (1.5, 0.2), "synth-high": (5.0, 0.4)}  # skew, epsilon
@@ -97,13 +102,15 @@ def shard_scenario(devices: list[str], seed: int, planted: bool) -> tuple[dict[s
         data[d] = LocalData(ds.x_train[idx], ds.y_train[idx])
     labels = [c for d in prio for c in pairs[d]]  # the priority label mix (equal shards)
     g = rng(seed, "bench.fedalign.test")
-    idx = np.concatenate([g.choice(np.flatnonzero(ds.y_test == c), size=FMNIST_TEST // len(labels), replace=True)
-                          for c in labels])
+    idx = np.concatenate(
+        [g.choice(np.flatnonzero(ds.y_test == c), size=FMNIST_TEST // len(labels), replace=True) for c in labels]
+    )
     return data, (ds.x_test[idx], ds.y_test[idx]), prio
 
 
-def synth_scenario(devices: list[str], seed: int, skew: float, n: int = 200, n_test: int = 100
-                   ) -> tuple[dict[str, LocalData], Any, list[str]]:
+def synth_scenario(
+    devices: list[str], seed: int, skew: float, n: int = 200, n_test: int = 100
+) -> tuple[dict[str, LocalData], Any, list[str]]:
     """Synth(1,1): priority devices d0..d4 of each cell, free devices d5..d9 corrupted at level (j/9)^(1/skew)."""
     dim, classes = 60, 10
     prio = [d for d in devices if int(d.split("-d")[1]) < 5]
@@ -136,7 +143,7 @@ def synth_scenario(devices: list[str], seed: int, skew: float, n: int = 200, n_t
         xs, ys = zip(*(draw(g, models[k], 1) for k in owners))
         x, y = np.concatenate(xs), np.concatenate(ys)
         pick = g.permutation(n)
-        flip, junk = pick[:int(level / 2 * n)], pick[int(level / 2 * n):2 * int(level / 2 * n)]
+        flip, junk = pick[: int(level / 2 * n)], pick[int(level / 2 * n) : 2 * int(level / 2 * n)]
         y[flip] = (y[flip] + 1) % classes
         x[junk] = g.standard_normal((len(junk), dim)).astype(np.float32)
         y[junk] = g.integers(0, classes, len(junk))
@@ -170,13 +177,23 @@ def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> di
     ends = np.cumsum([len(data[d]) for d in order])
     parts = {d: np.arange(end - len(data[d]), end) for d, end in zip(order, ends)}
     ds = Dataset(x_all, y_all, test[0], test[1], (x_all.shape[1],), 10, scenario)
-    cfg = parse_config({
-        "run": {"name": f"bench-fedalign-{scenario}-{method}", "seed": seed, "rounds": rounds},
-        "topology": {"cells": cells, "devices_per_cell": per_cell},
-        "algorithm": {"name": "fedalign", "priority": prio, "epsilon": eps, "warmup_rounds": warmup,
-                      "local_steps": 5, "batch_size": 32, "lr": lr},
-        "model": {"name": "logreg"},
-        "runtime": {"engine": "cohort"}})  # the data: the scenario's, given to the simulation below
+    cfg = parse_config(
+        {
+            "run": {"name": f"bench-fedalign-{scenario}-{method}", "seed": seed, "rounds": rounds},
+            "topology": {"cells": cells, "devices_per_cell": per_cell},
+            "algorithm": {
+                "name": "fedalign",
+                "priority": prio,
+                "epsilon": eps,
+                "warmup_rounds": warmup,
+                "local_steps": 5,
+                "batch_size": 32,
+                "lr": lr,
+            },
+            "model": {"name": "logreg"},
+            "runtime": {"engine": "cohort"},
+        }
+    )  # the data: the scenario's, given to the simulation below
     h = SimHierarchy(cfg, write_output=False, prepared=prepare_given(cfg, ds, parts))
     t0 = time.perf_counter()
     result = h.run()
@@ -186,8 +203,13 @@ def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> di
         for a in rec.get("metrics", {}).get("admission", {}).values():
             tried += 1
             admitted += bool(a["admitted"])
-    return {"acc": acc, "final": float(np.mean(acc[-10:])), "admit": admitted / tried if tried else float("nan"),
-            "wall": time.perf_counter() - t0, "rounds": rounds}
+    return {
+        "acc": acc,
+        "final": float(np.mean(acc[-10:])),
+        "admit": admitted / tried if tried else float("nan"),
+        "wall": time.perf_counter() - t0,
+        "rounds": rounds,
+    }
 
 
 def main() -> None:
@@ -205,9 +227,11 @@ def main() -> None:
         if getattr(a, key) is not None:
             p[key] = getattr(a, key)
     t0 = time.perf_counter()
-    print(f"preset {a.preset}: scenarios {p['scenarios']}, {p['iterations']} iterations (10 % warm-up), seeds "
-          f"0..{p['seeds'] - 1}, lr grid {p['lrs']}, logistic regression, E = 5 steps of batch 32, cohort engine",
-          flush=True)
+    print(
+        f"preset {a.preset}: scenarios {p['scenarios']}, {p['iterations']} iterations (10 % warm-up), seeds "
+        f"0..{p['seeds'] - 1}, lr grid {p['lrs']}, logistic regression, E = 5 steps of batch 32, cohort engine",
+        flush=True,
+    )
     keys = {f"{sc}/{m}": p["lrs"] for sc in p["scenarios"] for m in METHODS}
     journal = open_journal(a, __file__, a.preset, {"iterations": p["iterations"], "skew": SKEW, "methods": METHODS})
     cells = sweep(run_key, keys, list(range(p["seeds"])), a.jobs, journal=journal, iterations=p["iterations"])
@@ -221,10 +245,15 @@ def main() -> None:
             w = pick({method: row}, "final", lower_is_better=False)[method]
             best[method] = (w.cell.value, w.cell.runs)
         rows.append((scenario, best))
-    print("\npriority test accuracy, final = mean of the last 10 iterations, at each method's best lr "
-          "(mean ± std over seeds; 'edge': the best lr is at the end of the grid)")
-    print(f"{'scenario':<14}" + "".join(f"{m + ' (lr)':>26}" for m in METHODS)
-          + f"{'admitted':>10}{'Δ vs prio-only':>22}{'Δ vs all':>22}")
+    print(
+        "\npriority test accuracy, final = mean of the last 10 iterations, at each method's best lr "
+        "(mean ± std over seeds; 'edge': the best lr is at the end of the grid)"
+    )
+    print(
+        f"{'scenario':<14}"
+        + "".join(f"{m + ' (lr)':>26}" for m in METHODS)
+        + f"{'admitted':>10}{'Δ vs prio-only':>22}{'Δ vs all':>22}"
+    )
     for scenario, best in rows:
         line = f"{scenario:<14}"
         for m in METHODS:
@@ -238,14 +267,16 @@ def main() -> None:
             d = mine - np.array([r["final"] for r in best[base][1]])
             line += f"{f'{d.mean():+.3f} [{d.min():+.3f},{d.max():+.3f}]':>22}"
         print(line)
-    print("(* = edge of the grid; admitted = admitted / probed free devices after warm-up; Δ = paired per-seed "
-          "differences, mean [min, max])")
+    print(
+        "(* = edge of the grid; admitted = admitted / probed free devices after warm-up; Δ = paired per-seed "
+        "differences, mean [min, max])"
+    )
     for scenario, best in rows:
         mine = np.array([r["final"] for r in best["fedalign"][1]])
         for base in ("priority-only", "all"):
             d = mine - np.array([r["final"] for r in best[base][1]])
             se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("inf")
-            verdict = ("beats" if d.mean() > 2 * se else "loses to" if d.mean() < -2 * se else "ties with")
+            verdict = "beats" if d.mean() > 2 * se else "loses to" if d.mean() < -2 * se else "ties with"
             print(f"{scenario}: FedALIGN {verdict} {base} ({d.mean():+.3f}, 2 s.e. {2 * se:.3f})")
     print(f"total {time.perf_counter() - t0:.0f} s; {journal.summary()}")
 

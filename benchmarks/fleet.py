@@ -21,6 +21,7 @@
 
 Heavy (about a minute of startup and several GB): run it on a quiet machine, once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,21 +39,36 @@ from protocols.config import parse_config  # noqa: E402
 from sim.emulation import Emulation  # noqa: E402
 
 
-def fleet_config(out: Path, agents: int, cells: int, rounds: int, signed: bool = False,
-                 engine: str = "device", heartbeat: float = 5.0, cohort_size: int = 64) -> Any:
+def fleet_config(
+    out: Path,
+    agents: int,
+    cells: int,
+    rounds: int,
+    signed: bool = False,
+    engine: str = "device",
+    heartbeat: float = 5.0,
+    cohort_size: int = 64,
+) -> Any:
     """``signed``: ``[security] keys`` (fresh Ed25519 keys in the run folder): every message signed and
     verified. ``engine``: ``runtime.engine`` of the agent workers."""
     per_cell = agents // cells
-    return parse_config({
-        **({"security": {"keys": str(out / "keys.toml")}} if signed else {}),
-        "run": {"name": "fleet", "seed": 0, "rounds": rounds, "output": str(out)},
-        "topology": {"cells": cells, "devices_per_cell": per_cell},
-        "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 2, "batch_size": 10, "lr": 0.1},
-        "model": {"name": "mlp", "hidden": [32]},
-        "data": {"dataset": "synthetic", "partition": "iid", "n": 10 * per_cell * cells},
-        "runtime": {"device_deadline": 120.0, "startup_wait": 600.0, "engine": engine,
-                    "heartbeat": heartbeat, "cohort_size": cohort_size},
-    })
+    return parse_config(
+        {
+            **({"security": {"keys": str(out / "keys.toml")}} if signed else {}),
+            "run": {"name": "fleet", "seed": 0, "rounds": rounds, "output": str(out)},
+            "topology": {"cells": cells, "devices_per_cell": per_cell},
+            "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 2, "batch_size": 10, "lr": 0.1},
+            "model": {"name": "mlp", "hidden": [32]},
+            "data": {"dataset": "synthetic", "partition": "iid", "n": 10 * per_cell * cells},
+            "runtime": {
+                "device_deadline": 120.0,
+                "startup_wait": 600.0,
+                "engine": engine,
+                "heartbeat": heartbeat,
+                "cohort_size": cohort_size,
+            },
+        }
+    )
 
 
 # ------------------------------------------------------------------------------- process tree
@@ -85,8 +101,15 @@ def tree_usage(root: int, cpu: dict[int, tuple[str, float]] | None = None) -> di
                     fields_ = f.read().rsplit(")", 1)[1].split()
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read()
-                kind = ("launcher" if pid == root else "mosquitto" if b"mosquitto" in cmd
-                        else "agent workers" if b"spawn_main" in cmd else "other")
+                kind = (
+                    "launcher"
+                    if pid == root
+                    else "mosquitto"
+                    if b"mosquitto" in cmd
+                    else "agent workers"
+                    if b"spawn_main" in cmd
+                    else "other"
+                )
                 if pid in cpu and cpu[pid][0] != "other":
                     kind = cpu[pid][0]  # an exiting process has no command line any more
                 cpu[pid] = (kind, (int(fields_[11]) + int(fields_[12])) / TICK)
@@ -147,8 +170,16 @@ class Peak:
 
 
 # ------------------------------------------------------------------------------------- runs
-def shared_run(agents: int, cells: int, rounds: int, workers: int | None, signed: bool = False,
-               engine: str = "device", heartbeat: float = 5.0, cohort_size: int = 64) -> None:
+def shared_run(
+    agents: int,
+    cells: int,
+    rounds: int,
+    workers: int | None,
+    signed: bool = False,
+    engine: str = "device",
+    heartbeat: float = 5.0,
+    cohort_size: int = 64,
+) -> None:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fedtier-fleet-") as tmp:
         cfg = fleet_config(Path(tmp) / "run", agents, cells, rounds, signed, engine, heartbeat, cohort_size)
@@ -159,35 +190,55 @@ def shared_run(agents: int, cells: int, rounds: int, workers: int | None, signed
         h = result.history
         startup = h[0]["time"] - h[0]["duration_s"] - t0
         per_round = [r["duration_s"] for r in h]
-        answered = all(len(r["answered"]) == cfg.topology.devices_per_cell and not r["absent"]
-                       for r in result.cell_records)
+        answered = all(
+            len(r["answered"]) == cfg.topology.devices_per_cell and not r["absent"] for r in result.cell_records
+        )
         model_bytes = sum(v.nbytes for v in result.params.values())
         p = peak.peak
-        print(f"== {agents} agents in {cells} cells, one Mosquitto, {len(em.procs)} agent workers, "
-              f"{os.cpu_count()} cores, {'signed' if signed else 'unsigned'}, engine {engine}, heartbeat "
-              f"{heartbeat:g} s, load average before {load_before:.1f}")
+        print(
+            f"== {agents} agents in {cells} cells, one Mosquitto, {len(em.procs)} agent workers, "
+            f"{os.cpu_count()} cores, {'signed' if signed else 'unsigned'}, engine {engine}, heartbeat "
+            f"{heartbeat:g} s, load average before {load_before:.1f}"
+        )
         print(f"startup (launch to round 0)  {startup:8.1f} s   (target <= 60 s)")
         print(f"seconds per round            {' '.join(f'{s:.2f}' for s in per_round)}   (target <= 5 s)")
         print(f"rounds / every device answered every edge round: {len(h)} / {answered}")
-        print(f"cell records {len(result.cell_records)}, device tasks {sum(t['tasks'] for t in result.device_traffic.values())}")
-        print(f"peak of the process tree: RSS {p['rss'] / 2**30:.2f} GB (target <= 6 GB), threads {p['threads']}, "
-              f"fds {p['fds']}, processes {p['processes']}")
-        print(f"model {model_bytes:,} bytes; wall {result.wall_s:.1f} s; CPU seconds: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(peak.cpu_by_kind().items())), flush=True)
+        print(
+            f"cell records {len(result.cell_records)}, device tasks {sum(t['tasks'] for t in result.device_traffic.values())}"
+        )
+        print(
+            f"peak of the process tree: RSS {p['rss'] / 2**30:.2f} GB (target <= 6 GB), threads {p['threads']}, "
+            f"fds {p['fds']}, processes {p['processes']}"
+        )
+        print(
+            f"model {model_bytes:,} bytes; wall {result.wall_s:.1f} s; CPU seconds: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in sorted(peak.cpu_by_kind().items())),
+            flush=True,
+        )
         tasks_per_round = 2 * agents  # E = 2 edge rounds, every device answers each
         for kind in ("agent workers", "launcher", "mosquitto"):
             per = peak.per_round(kind)
             if per:
-                print(f"CPU s per round, {kind:<13} {' '.join(f'{c:.2f}' for c in per)}"
-                      + (f"   ({1e3 * sum(per) / len(per) / tasks_per_round:.2f} ms per device task)"
-                         if kind == "agent workers" else ""))
+                print(
+                    f"CPU s per round, {kind:<13} {' '.join(f'{c:.2f}' for c in per)}"
+                    + (
+                        f"   ({1e3 * sum(per) / len(per) / tasks_per_round:.2f} ms per device task)"
+                        if kind == "agent workers"
+                        else ""
+                    )
+                )
         sizes = [s for stats in em.agent_stats.values() for s in stats.get("cohort_sizes", [])]
         if sizes:
             cohorts = round(sum(1 / s for s in sizes))
-            print(f"cohorts {cohorts} for {len(sizes)} device tasks: mean size {len(sizes) / cohorts:.1f}, "
-                  f"largest {max(sizes)} (runtime.cohort_size {cfg.runtime.cohort_size})")
-        print(f"CPU s per round, all          {' '.join(f'{c:.2f}' for c in peak.per_round(None))}"
-              f"   (on {os.cpu_count()} cores, a round needs at least total / cores seconds)", flush=True)
+            print(
+                f"cohorts {cohorts} for {len(sizes)} device tasks: mean size {len(sizes) / cohorts:.1f}, "
+                f"largest {max(sizes)} (runtime.cohort_size {cfg.runtime.cohort_size})"
+            )
+        print(
+            f"CPU s per round, all          {' '.join(f'{c:.2f}' for c in peak.per_round(None))}"
+            f"   (on {os.cpu_count()} cores, a round needs at least total / cores seconds)",
+            flush=True,
+        )
 
 
 def bridged_run(agents: int, cells: int, rounds: int, workers: int | None) -> None:
@@ -199,10 +250,14 @@ def bridged_run(agents: int, cells: int, rounds: int, workers: int | None) -> No
         cloud = b["cloud"]["received"] + b["cloud"]["sent"]
         cell_total = sum(v["received"] + v["sent"] for k, v in b.items() if k != "cloud")
         answered = all(not r["absent"] for r in result.cell_records)
-        print(f"== {agents} agents in {cells} cells, a Mosquitto per cell bridged to a cloud Mosquitto, "
-              f"{rounds} rounds, every device answered: {answered}")
-        print(f"bytes through the cloud broker   {cloud:>12,}  (received {b['cloud']['received']:,}, "
-              f"sent {b['cloud']['sent']:,})")
+        print(
+            f"== {agents} agents in {cells} cells, a Mosquitto per cell bridged to a cloud Mosquitto, "
+            f"{rounds} rounds, every device answered: {answered}"
+        )
+        print(
+            f"bytes through the cloud broker   {cloud:>12,}  (received {b['cloud']['received']:,}, "
+            f"sent {b['cloud']['sent']:,})"
+        )
         print(f"bytes through the cell brokers   {cell_total:>12,}  ({cells} brokers, bridges included)")
         print(f"cloud / cells                    {cloud / cell_total:12.3f}")
         print(f"wire bytes by tier (at the publishers): {result.wire_bytes}", flush=True)
@@ -219,14 +274,26 @@ def main() -> None:
     ap.add_argument("--skip-shared", action="store_true")
     ap.add_argument("--skip-bridged", action="store_true")
     ap.add_argument("--signed", action="store_true", help="[security] keys: sign and verify every message")
-    ap.add_argument("--engine", choices=("device", "cohort"), default="device",
-                    help="runtime.engine of the agent workers (cohort: batched over the queued devices)")
+    ap.add_argument(
+        "--engine",
+        choices=("device", "cohort"),
+        default="device",
+        help="runtime.engine of the agent workers (cohort: batched over the queued devices)",
+    )
     ap.add_argument("--cohort-size", type=int, default=64, help="runtime.cohort_size (with --engine cohort)")
     ap.add_argument("--heartbeat", type=float, default=5.0, help="runtime.heartbeat of agents and cells (0: none)")
     args = ap.parse_args()
     if not args.skip_shared:
-        shared_run(args.agents, args.cells, args.rounds, args.workers, args.signed, args.engine, args.heartbeat,
-                   args.cohort_size)
+        shared_run(
+            args.agents,
+            args.cells,
+            args.rounds,
+            args.workers,
+            args.signed,
+            args.engine,
+            args.heartbeat,
+            args.cohort_size,
+        )
     if not args.skip_bridged:
         bridged_run(args.bridged_agents, args.bridged_cells, args.rounds, args.workers)
 

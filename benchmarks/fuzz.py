@@ -22,6 +22,7 @@ run's byte for byte.
 
 Usage: python benchmarks/fuzz.py [--messages 100000] [--rate 3000] [--rounds 12] [--only signed|unsigned]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,11 +112,27 @@ def _header_edit(rng: random.Random, b: bytes) -> bytes:
         return _flip(rng, b)
     key = rng.choice(["n", "e", "k", "s", "c", "z", "r", "i", "l", "x", "v", "g", "extra"])
     value = head.get(key, 0)
-    head[key] = rng.choice([
-        value + 1 if isinstance(value, int) else 1, value - 1 if isinstance(value, int) else -1,
-        2**63, -1, 1e999 if rng.random() < 0.1 else 0.5, "", "c0-d1", "c1", "cloud", "x" * 200, None, [], {"a": 1},
-        "device_task", "cell_report", "device_result", "status",
-    ])
+    head[key] = rng.choice(
+        [
+            value + 1 if isinstance(value, int) else 1,
+            value - 1 if isinstance(value, int) else -1,
+            2**63,
+            -1,
+            1e999 if rng.random() < 0.1 else 0.5,
+            "",
+            "c0-d1",
+            "c1",
+            "cloud",
+            "x" * 200,
+            None,
+            [],
+            {"a": 1},
+            "device_task",
+            "cell_report",
+            "device_result",
+            "status",
+        ]
+    )
     text = json.dumps(head).encode()
     return MAGIC + struct.pack("<I", len(text)) + text + b[8 + n :]
 
@@ -184,16 +201,25 @@ def _oversized(rng: random.Random, b: bytes) -> bytes:
 
 
 CORRUPTIONS: dict[str, Callable[[random.Random, bytes], bytes]] = {
-    "bit flip": _flip, "truncation": _truncate, "extension": _extend, "slice deleted/duplicated": _splice,
+    "bit flip": _flip,
+    "truncation": _truncate,
+    "extension": _extend,
+    "slice deleted/duplicated": _splice,
     "oversized header": _oversized,
 }
 FORGERIES: dict[str, Callable[[random.Random, bytes], bytes]] = {
-    "header field edit": _header_edit, "metadata edit": _meta_edit, "record field edit": _json_edit,
+    "header field edit": _header_edit,
+    "metadata edit": _meta_edit,
+    "record field edit": _json_edit,
 }
 TIERS = {  # topic pattern -> tier link
-    r"/cell/[^/]+/down/task$": "cloud->cell", r"/cell/[^/]+/down/[^/]+/task$": "cell->device",
-    r"/cell/[^/]+/up/[^/]+/result$": "device->cell", r"/cloud/up/[^/]+/report$": "cell->cloud",
-    r"/status/": "status", r"/cloud/round$": "manifest", r"/cloud/control$": "control",
+    r"/cell/[^/]+/down/task$": "cloud->cell",
+    r"/cell/[^/]+/down/[^/]+/task$": "cell->device",
+    r"/cell/[^/]+/up/[^/]+/result$": "device->cell",
+    r"/cloud/up/[^/]+/report$": "cell->cloud",
+    r"/status/": "status",
+    r"/cloud/round$": "manifest",
+    r"/cloud/control$": "control",
     r"/telemetry/": "telemetry",
 }
 
@@ -348,15 +374,25 @@ def _records(out: Path) -> list[tuple]:
     rows = []
     for r in recs:
         if isinstance(r, CellRecord):
-            rows.append(("cell", r.round, r.edge_round, r.cell, tuple(sorted(r.planned)), tuple(sorted(r.answered)),
-                         r.closed_by))
+            rows.append(
+                (
+                    "cell",
+                    r.round,
+                    r.edge_round,
+                    r.cell,
+                    tuple(sorted(r.planned)),
+                    tuple(sorted(r.answered)),
+                    r.closed_by,
+                )
+            )
         else:
             rows.append(("round", r.round, tuple(sorted(r.cells_reported)), tuple(sorted(r.devices.items()))))
     return sorted(rows, key=str)
 
 
-def run_once(tmp: Path, name: str, rounds: int, keys: Path | None, fuzz: tuple[int, float, bool] | None,
-             timeout: float) -> Outcome:
+def run_once(
+    tmp: Path, name: str, rounds: int, keys: Path | None, fuzz: tuple[int, float, bool] | None, timeout: float
+) -> Outcome:
     from protocols.transport.broker import MosquittoBroker
 
     out = tmp / name
@@ -391,8 +427,15 @@ def run_once(tmp: Path, name: str, rounds: int, keys: Path | None, fuzz: tuple[i
     sniffer.stop()
     broker.stop()
     model_path = out / "final_model.ftw"
-    return Outcome(rc, wall, model_path.read_bytes() if model_path.exists() else b"",
-                   log_path.read_text(errors="replace"), sniffer.traffic.counts, _records(out), fuzzer)
+    return Outcome(
+        rc,
+        wall,
+        model_path.read_bytes() if model_path.exists() else b"",
+        log_path.read_text(errors="replace"),
+        sniffer.traffic.counts,
+        _records(out),
+        fuzzer,
+    )
 
 
 def report(label: str, clean: Outcome, fuzzed: Outcome) -> dict[str, Any]:
@@ -402,28 +445,45 @@ def report(label: str, clean: Outcome, fuzzed: Outcome) -> dict[str, Any]:
     tracebacks = fuzzed.log.count("Traceback (most recent call last)")
     rejections = len(re.findall(r"rejected|rejecting|dropping|refused|stale", fuzzed.log))
     # only more than the clean run counts: fewer can be a replay the sniffer saw before the genuine copy
-    extra = {k: fuzzed.counts[k] - clean.counts[k] for k in clean.counts | fuzzed.counts
-             if not k.startswith("status") and fuzzed.counts[k] > clean.counts[k]}
+    extra = {
+        k: fuzzed.counts[k] - clean.counts[k]
+        for k in clean.counts | fuzzed.counts
+        if not k.startswith("status") and fuzzed.counts[k] > clean.counts[k]
+    }
     rec_diff = len(set(fuzzed.records) ^ set(clean.records))
     row = {
         "run": label + ("" if f.mutations.keys() >= FORGERIES.keys() else " (corruptions, replays)"),
-        "sent": f.sent, "rate": f.sent / during if during > 0 else 0.0, "fuzz_s": during,
-        "crashed": fuzzed.rc != 0, "rc": fuzzed.rc, "tracebacks": tracebacks, "rejections_logged": rejections,
-        "extra_genuine": extra, "records_differing": rec_diff,
+        "sent": f.sent,
+        "rate": f.sent / during if during > 0 else 0.0,
+        "fuzz_s": during,
+        "crashed": fuzzed.rc != 0,
+        "rc": fuzzed.rc,
+        "tracebacks": tracebacks,
+        "rejections_logged": rejections,
+        "extra_genuine": extra,
+        "records_differing": rec_diff,
         "model_equal": bool(clean.model) and fuzzed.model == clean.model,
-        "wall_clean": clean.wall, "wall_fuzzed": fuzzed.wall,
-        "by_tier": dict(f.by_tier), "by_mutation": dict(f.by_mutation),
+        "wall_clean": clean.wall,
+        "wall_fuzzed": fuzzed.wall,
+        "by_tier": dict(f.by_tier),
+        "by_mutation": dict(f.by_mutation),
     }
-    print(f"\n== {row['run']} run: {f.sent:,} mutated messages in {during:.0f} s ({row['rate']:,.0f}/s); "
-          f"run took {fuzzed.wall:.0f} s (clean {clean.wall:.0f} s)")
+    print(
+        f"\n== {row['run']} run: {f.sent:,} mutated messages in {during:.0f} s ({row['rate']:,.0f}/s); "
+        f"run took {fuzzed.wall:.0f} s (clean {clean.wall:.0f} s)"
+    )
     if f.sent < f.total:
         print(f"   NOTE: the run ended after {f.sent:,} of {f.total:,} messages: raise --rounds")
     print(f"   by tier: {', '.join(f'{k} {v:,}' for k, v in sorted(f.by_tier.items()))}")
     print(f"   by mutation: {', '.join(f'{k} {v:,}' for k, v in sorted(f.by_mutation.items()))}")
-    print(f"   crashed: {'YES (exit ' + str(fuzzed.rc) + ')' if row['crashed'] else 'no'}; tracebacks in the logs: "
-          f"{tracebacks}; rejection lines logged: {rejections:,}")
-    print(f"   accepted-but-invalid: genuine messages beyond the clean run's {extra or 'none'}; "
-          f"records differing from the clean run's: {rec_diff}")
+    print(
+        f"   crashed: {'YES (exit ' + str(fuzzed.rc) + ')' if row['crashed'] else 'no'}; tracebacks in the logs: "
+        f"{tracebacks}; rejection lines logged: {rejections:,}"
+    )
+    print(
+        f"   accepted-but-invalid: genuine messages beyond the clean run's {extra or 'none'}; "
+        f"records differing from the clean run's: {rec_diff}"
+    )
     print(f"   final model equal to the clean run's (bytes): {'yes' if row['model_equal'] else 'NO'}")
     if tracebacks:
         first = fuzzed.log.index("Traceback (most recent call last)")
@@ -439,9 +499,12 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a fuzzed run may take")
     ap.add_argument("--only", choices=["signed", "unsigned"], default=None)
     ap.add_argument("--keep", default=None, help="keep the run folders and logs here")
-    ap.add_argument("--forge-unsigned", action="store_true",
-                    help="also send well-formed forgeries (field edits) in the unsigned run, where nothing "
-                         "authenticates them: they are accepted by design (the broker's ACLs are the defence)")
+    ap.add_argument(
+        "--forge-unsigned",
+        action="store_true",
+        help="also send well-formed forgeries (field edits) in the unsigned run, where nothing "
+        "authenticates them: they are accepted by design (the broker's ACLs are the defence)",
+    )
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the run under test is ended too
 
@@ -459,18 +522,23 @@ def main() -> None:
             continue
         k = keys if label == "signed" else None
         clean = run_once(tmp, f"{label}-clean", args.rounds, k, None, args.timeout)
-        print(f"clean {label} run: exit {clean.rc}, {clean.wall:.0f} s, genuine messages "
-              f"{dict(sorted(clean.counts.items()))}")
+        print(
+            f"clean {label} run: exit {clean.rc}, {clean.wall:.0f} s, genuine messages "
+            f"{dict(sorted(clean.counts.items()))}"
+        )
         forge = label == "signed" or args.forge_unsigned
         fuzzed = run_once(tmp, f"{label}-fuzzed", args.rounds, k, (args.messages, args.rate, forge), args.timeout)
         rows.append(report(label, clean, fuzzed))
-    print("\n| run | mutated messages | rate (msg/s) | crashes | tracebacks | accepted-but-invalid | "
-          "final model equal |")
+    print(
+        "\n| run | mutated messages | rate (msg/s) | crashes | tracebacks | accepted-but-invalid | final model equal |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         extra = sum(r["extra_genuine"].values()) + r["records_differing"]
-        print(f"| {r['run']} | {r['sent']:,} | {r['rate']:,.0f} | {int(r['crashed'])} | {r['tracebacks']} | "
-              f"{extra} | {'yes' if r['model_equal'] else 'no'} |")
+        print(
+            f"| {r['run']} | {r['sent']:,} | {r['rate']:,.0f} | {int(r['crashed'])} | {r['tracebacks']} | "
+            f"{extra} | {'yes' if r['model_equal'] else 'no'} |"
+        )
     print(f"(run folders and logs: {tmp})")
 
 

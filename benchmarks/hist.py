@@ -23,6 +23,7 @@ Presets (``--preset``):
     python benchmarks/hist.py --preset quick
     python benchmarks/hist.py --preset paper [--splits i] [--cells 3] [--seeds 2]   # a documented subset
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,24 +41,56 @@ from protocols.config import parse_config  # noqa: E402
 from sim.launcher import SimHierarchy  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "paper": dict(dataset="fmnist", devices=60, max_train=60000, max_test=10000, hidden=300, batch=25, H=40, E=5,
-                  cells=[2, 3, 4, 5], targets=[0.75], lrs=[0.03, 0.1, 0.3], seeds=3, cap=12),
-    "quick": dict(dataset="digits", devices=20, max_train=0, max_test=0, hidden=240, batch=10, H=10, E=5,
-                  cells=[2, 5], targets=[0.85, 0.90], lrs=[0.15, 0.5, 1.5], seeds=3, cap=30),
+    "paper": dict(
+        dataset="fmnist",
+        devices=60,
+        max_train=60000,
+        max_test=10000,
+        hidden=300,
+        batch=25,
+        H=40,
+        E=5,
+        cells=[2, 3, 4, 5],
+        targets=[0.75],
+        lrs=[0.03, 0.1, 0.3],
+        seeds=3,
+        cap=12,
+    ),
+    "quick": dict(
+        dataset="digits",
+        devices=20,
+        max_train=0,
+        max_test=0,
+        hidden=240,
+        batch=10,
+        H=10,
+        E=5,
+        cells=[2, 5],
+        targets=[0.85, 0.90],
+        lrs=[0.15, 0.5, 1.5],
+        seeds=3,
+        cap=30,
+    ),
 }
 SPLITS = {"i": "shards", "ii": "cell_shards"}
 METHODS = {"fedavg": "HFedAvg", "hist": "HIST"}
 
 
 def config(p: dict, method: str, split: str, cells: int, lr: float, seed: int, rounds: int) -> dict:
-    return {"run": {"name": f"bench-hist-{method}-{split}-{cells}", "seed": seed, "rounds": rounds},
-            "topology": {"cells": cells, "devices_per_cell": p["devices"] // cells},
-            "algorithm": {"name": method, "edge_rounds": p["E"], "local_steps": p["H"], "batch_size": p["batch"],
-                          "lr": lr},
-            "model": {"name": "mlp", "hidden": [p["hidden"]]},
-            "data": {"dataset": p["dataset"], "partition": SPLITS[split], "shards_per_device": 2,
-                     "max_train": p["max_train"], "max_test": p["max_test"]},
-            "runtime": {"engine": "cohort"}}
+    return {
+        "run": {"name": f"bench-hist-{method}-{split}-{cells}", "seed": seed, "rounds": rounds},
+        "topology": {"cells": cells, "devices_per_cell": p["devices"] // cells},
+        "algorithm": {"name": method, "edge_rounds": p["E"], "local_steps": p["H"], "batch_size": p["batch"], "lr": lr},
+        "model": {"name": "mlp", "hidden": [p["hidden"]]},
+        "data": {
+            "dataset": p["dataset"],
+            "partition": SPLITS[split],
+            "shards_per_device": 2,
+            "max_train": p["max_train"],
+            "max_test": p["max_test"],
+        },
+        "runtime": {"engine": "cohort"},
+    }
 
 
 def run(p: dict, method: str, split: str, cells: int, lr: float, seed: int) -> dict:
@@ -72,8 +105,11 @@ def run(p: dict, method: str, split: str, cells: int, lr: float, seed: int) -> d
         accs.append(acc if np.isfinite(acc) else 0.0)
         for t in p["targets"]:
             if str(t) not in hits and accs[-1] >= t:
-                hits[str(t)] = [rec["round"] + 1, float(rec["metrics"]["upload_units_total"]),
-                                sum(rec["cumulative_bytes"].values()) / 1e6]
+                hits[str(t)] = [
+                    rec["round"] + 1,
+                    float(rec["metrics"]["upload_units_total"]),
+                    sum(rec["cumulative_bytes"].values()) / 1e6,
+                ]
         diverged = not np.isfinite(rec.get("loss", 0.0))
         if len(hits) == len(p["targets"]) or diverged:
             sim.cloud.request_stop("diverged" if diverged else "reached every target")
@@ -117,9 +153,12 @@ def main() -> None:
             p[key] = getattr(a, key)
     top = max(p["targets"])
     t0 = time.perf_counter()
-    print(f"preset {a.preset}: {p['dataset']}, {p['devices']} devices x 2 label shards, MLP {p['hidden']} hidden, "
-          f"batch {p['batch']}, H={p['H']}, E={p['E']}, lr grid {p['lrs']}, seeds 0..{p['seeds'] - 1}, "
-          f"HFedAvg cap {p['cap']} rounds (HIST N x), cohort engine", flush=True)
+    print(
+        f"preset {a.preset}: {p['dataset']}, {p['devices']} devices x 2 label shards, MLP {p['hidden']} hidden, "
+        f"batch {p['batch']}, H={p['H']}, E={p['E']}, lr grid {p['lrs']}, seeds 0..{p['seeds'] - 1}, "
+        f"HFedAvg cap {p['cap']} rounds (HIST N x), cohort engine",
+        flush=True,
+    )
     for cells in p["cells"]:
         if p["devices"] % cells:
             raise SystemExit(f"{p['devices']} devices do not split into {cells} equal cells")
@@ -131,13 +170,18 @@ def main() -> None:
     for key, row in grid.items():
         split, cells, method = key.split("/")
         for c in row:
-            print(f"  split ({split}) N={cells} {METHODS[method]:<7} lr {c.value:<6} median units→{top:.0%} "
-                  f"{median_units(c.runs, top):7.1f}  best acc {np.median([r['best'] for r in c.runs]):.3f}  "
-                  f"{sum(r['wall'] for r in c.runs):.0f}s", flush=True)
+            print(
+                f"  split ({split}) N={cells} {METHODS[method]:<7} lr {c.value:<6} median units→{top:.0%} "
+                f"{median_units(c.runs, top):7.1f}  best acc {np.median([r['best'] for r in c.runs]):.3f}  "
+                f"{sum(r['wall'] for r in c.runs):.0f}s",
+                flush=True,
+            )
         best = min(row, key=lambda c: (median_units(c.runs, top), -np.median([r["best"] for r in c.runs])))
         table[(split, int(cells), method)] = (best.value, best.runs)
-    print(f"\nmedian [min-max] over seeds of the per-device upload (full-model units) to reach the target, "
-          f"at each method's best lr ('edge': the best lr is at the end of the grid)")
+    print(
+        f"\nmedian [min-max] over seeds of the per-device upload (full-model units) to reach the target, "
+        f"at each method's best lr ('edge': the best lr is at the end of the grid)"
+    )
     head = f"{'split':<6}{'N':>2} {'method':<8}{'lr':>7}"
     for t in p["targets"]:
         head += f"{'rounds→' + format(t, '.0%'):>11}{'units→' + format(t, '.0%'):>22}{'MB':>8}"
@@ -151,8 +195,10 @@ def main() -> None:
                 line += f"{f'{len(got)}/{len(runs)} seeds reached':>41}"
                 continue
             u = [g[1] for g in got]
-            line += (f"{np.median([g[0] for g in got]):>11.1f}"
-                     f"{f'{np.median(u):.1f} [{min(u):.1f}-{max(u):.1f}]':>22}{np.median([g[2] for g in got]):>8.1f}")
+            line += (
+                f"{np.median([g[0] for g in got]):>11.1f}"
+                f"{f'{np.median(u):.1f} [{min(u):.1f}-{max(u):.1f}]':>22}{np.median([g[2] for g in got]):>8.1f}"
+            )
         print(line + f"{np.median([r['best'] for r in runs]):>9.3f}")
     print()
     for t in p["targets"]:
@@ -162,7 +208,11 @@ def main() -> None:
                 f = median_units(table[(split, cells, "fedavg")][1], t)
                 h = median_units(table[(split, cells, "hist")][1], t)
                 if np.isinf(h):
-                    verdict = "not decidable (HIST did not reach the target)" if np.isinf(f) else "FAILS (HIST did not reach it)"
+                    verdict = (
+                        "not decidable (HIST did not reach the target)"
+                        if np.isinf(f)
+                        else "FAILS (HIST did not reach it)"
+                    )
                 elif np.isinf(f):
                     verdict = f"HOLDS: HIST {h:.1f} units, HFedAvg did not reach the target within its cap"
                 else:
@@ -170,7 +220,10 @@ def main() -> None:
                     verdict = f"{'HOLDS' if h < f else 'FAILS'}: HIST {h:.1f} vs HFedAvg {f:.1f} units (saves {1 - h / f:.0%})"
                 print(f"target {t:.0%}, split ({split}), N={cells}: HIST needs less communication: {verdict}")
             if savings:
-                print(f"target {t:.0%}, split ({split}): saving by N " + ", ".join(f"N={c}: {s:.0%}" for c, s in savings.items()))
+                print(
+                    f"target {t:.0%}, split ({split}): saving by N "
+                    + ", ".join(f"N={c}: {s:.0%}" for c, s in savings.items())
+                )
     print(f"total {time.perf_counter() - t0:.0f} s; {journal.summary()}")
 
 

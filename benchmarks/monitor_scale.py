@@ -6,6 +6,7 @@ render one frame (summary, top 20 rows, alerts), and the frame's height, for gro
 Synthetic records (4 devices per cell; 1 % of the cells silent, 1 % with a participation drop, 1 %
 two rounds behind); the median of 5 frames counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,33 @@ def fleet(cells: int, rounds: int) -> list[CellRecord | RoundRecord]:
         last = rounds - 3 if kind == 2 else rounds - 1
         for rnd in range(last + 1):
             answered = 1 if kind == 1 and rnd == last else 4
-            out.append(CellRecord(run="scale", round=rnd, edge_round=0, cell=cell, algorithm="fedavg",
-                                  planned=devices, answered=devices[:answered],
-                                  absent={d: "deadline" for d in devices[answered:]}, closed_by="quorum",
-                                  duration_s=0.1, deadline_s=30.0, time=10.0 if kind == 0 else 100.0 + rnd))
-    out.append(RoundRecord(run="scale", round=rounds - 1, rounds=rounds + 10, closed_by="deadline",
-                           cells_planned=[f"c{i:05d}" for i in range(cells)], duration_s=1.0, accuracy=0.5))
+            out.append(
+                CellRecord(
+                    run="scale",
+                    round=rnd,
+                    edge_round=0,
+                    cell=cell,
+                    algorithm="fedavg",
+                    planned=devices,
+                    answered=devices[:answered],
+                    absent={d: "deadline" for d in devices[answered:]},
+                    closed_by="quorum",
+                    duration_s=0.1,
+                    deadline_s=30.0,
+                    time=10.0 if kind == 0 else 100.0 + rnd,
+                )
+            )
+    out.append(
+        RoundRecord(
+            run="scale",
+            round=rounds - 1,
+            rounds=rounds + 10,
+            closed_by="deadline",
+            cells_planned=[f"c{i:05d}" for i in range(cells)],
+            duration_s=1.0,
+            accuracy=0.5,
+        )
+    )
     return out
 
 

@@ -27,6 +27,7 @@ CPU seconds include the worker processes; peak MB is the main process's.
 Usage: python benchmarks/overhead.py [--workload standard|small] [--rounds N] [--repeat 3]
        [--sides bare,fedtier,cohort] [--cohort-threads 2] [--workers 2 [--backend processes|ray]]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,27 @@ sys.path.insert(0, str(ROOT))
 
 
 WORKLOADS: dict[str, dict] = {
-    "standard": {"devices": 100, "per_round": 10, "hidden": [200, 200], "steps": 0, "batch": 32, "lr": 0.05,
-                 "rounds": 30, "eval_every": 1},
-    "small": {"devices": 5, "per_round": 5, "hidden": [64], "steps": 5, "batch": 16, "lr": 0.05,
-              "rounds": 2000, "eval_every": 100, "write_output": False},
+    "standard": {
+        "devices": 100,
+        "per_round": 10,
+        "hidden": [200, 200],
+        "steps": 0,
+        "batch": 32,
+        "lr": 0.05,
+        "rounds": 30,
+        "eval_every": 1,
+    },
+    "small": {
+        "devices": 5,
+        "per_round": 5,
+        "hidden": [64],
+        "steps": 5,
+        "batch": 16,
+        "lr": 0.05,
+        "rounds": 2000,
+        "eval_every": 100,
+        "write_output": False,
+    },
 }
 
 
@@ -71,7 +89,7 @@ def bare(w: dict, rounds: int) -> dict:
     rng = np.random.default_rng(0)
     perm = rng.permutation(len(y))
     n, devices, per_round, batch = len(y) // w["devices"], w["devices"], w["per_round"], w["batch"]
-    shards = [torch.from_numpy(perm[i * n:(i + 1) * n]) for i in range(devices)]
+    shards = [torch.from_numpy(perm[i * n : (i + 1) * n]) for i in range(devices)]
     steps = steps_per_device(w)
     torch.manual_seed(0)
     widths = [784, *w["hidden"]]
@@ -92,7 +110,7 @@ def bare(w: dict, rounds: int) -> dict:
             opt = torch.optim.SGD(model.parameters(), lr=w["lr"])
             idx = shards[d][torch.randperm(n)]
             for s in range(0, min(n, steps * batch), batch):
-                b = idx[s:s + batch]
+                b = idx[s : s + batch]
                 opt.zero_grad()
                 F.cross_entropy(model(x[b]), y[b]).backward()
                 opt.step()
@@ -107,36 +125,61 @@ def bare(w: dict, rounds: int) -> dict:
                 acc = float((model(xt).argmax(1) == yt).float().mean())
         times.append(time.perf_counter() - t_round)
         cpu.append(time.process_time())
-    return {"wall_s": time.perf_counter() - t0, "accuracy": acc, "round_s": statistics.median(times),
-            "loop_s": sum(times), "round_cpu_s": (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1)}
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "accuracy": acc,
+        "round_s": statistics.median(times),
+        "loop_s": sum(times),
+        "round_cpu_s": (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1),
+    }
 
 
-def fedtier(w: dict, rounds: int, engine: str = "device", workers: int = 0, backend: str = "processes",
-            cohort_threads: int = 1) -> dict:
+def fedtier(
+    w: dict, rounds: int, engine: str = "device", workers: int = 0, backend: str = "processes", cohort_threads: int = 1
+) -> dict:
     t0 = time.perf_counter()
     from protocols.config import parse_config
     from sim.launcher import run_simulation
 
-    algorithm = {"name": "fedavg", "edge_rounds": 1, "batch_size": w["batch"], "lr": w["lr"],
-                 **({"local_steps": w["steps"]} if w["steps"] else {"local_epochs": 1})}
-    participation = ({"model": "uniform", "per_round": w["per_round"]} if w["per_round"] < w["devices"]
-                     else {"model": "always"})
-    cfg = parse_config({
-        "run": {"name": "overhead", "seed": 0, "rounds": rounds, "output": "/tmp/fedtier-overhead"},
-        "topology": {"cells": 1, "devices_per_cell": w["devices"]},
-        "algorithm": algorithm,
-        "model": {"name": "mlp", "hidden": w["hidden"]},
-        "data": {"dataset": "mnist", "partition": "iid"},
-        "participation": participation,
-        "runtime": {"sim_workers": workers, "sim_backend": backend, "engine": engine,
-                    "eval_every": w["eval_every"], "cohort_threads": cohort_threads},
-    })
+    algorithm = {
+        "name": "fedavg",
+        "edge_rounds": 1,
+        "batch_size": w["batch"],
+        "lr": w["lr"],
+        **({"local_steps": w["steps"]} if w["steps"] else {"local_epochs": 1}),
+    }
+    participation = (
+        {"model": "uniform", "per_round": w["per_round"]} if w["per_round"] < w["devices"] else {"model": "always"}
+    )
+    cfg = parse_config(
+        {
+            "run": {"name": "overhead", "seed": 0, "rounds": rounds, "output": "/tmp/fedtier-overhead"},
+            "topology": {"cells": 1, "devices_per_cell": w["devices"]},
+            "algorithm": algorithm,
+            "model": {"name": "mlp", "hidden": w["hidden"]},
+            "data": {"dataset": "mnist", "partition": "iid"},
+            "participation": participation,
+            "runtime": {
+                "sim_workers": workers,
+                "sim_backend": backend,
+                "engine": engine,
+                "eval_every": w["eval_every"],
+                "cohort_threads": cohort_threads,
+            },
+        }
+    )
     cpu: list[float] = []  # this process's CPU time at each round's end (workers' excluded)
-    result = run_simulation(cfg, write_output=w.get("write_output", True), on_round=lambda _: cpu.append(time.process_time()))
+    result = run_simulation(
+        cfg, write_output=w.get("write_output", True), on_round=lambda _: cpu.append(time.process_time())
+    )
     times = [r["duration_s"] for r in result.history]
-    return {"wall_s": time.perf_counter() - t0, "accuracy": result.final_accuracy,
-            "round_s": statistics.median(times), "loop_s": sum(times),
-            "round_cpu_s": (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1)}
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "accuracy": result.final_accuracy,
+        "round_s": statistics.median(times),
+        "loop_s": sum(times),
+        "round_cpu_s": (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1),
+    }
 
 
 def child(which: str, workload: str, rounds: int, workers: int, backend: str, cohort_threads: int) -> None:
@@ -145,8 +188,14 @@ def child(which: str, workload: str, rounds: int, workers: int, backend: str, co
         out = bare(w, rounds)
     else:
         threads = {"cohort-threads": cohort_threads, "cohort-parallel": workers}.get(which, 1)
-        out = fedtier(w, rounds, "cohort" if which.startswith("cohort") else "device",
-                      workers if which in ("parallel", "cohort-parallel") else 0, backend, threads)
+        out = fedtier(
+            w,
+            rounds,
+            "cohort" if which.startswith("cohort") else "device",
+            workers if which in ("parallel", "cohort-parallel") else 0,
+            backend,
+            threads,
+        )
     usage = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sim's worker processes (joined)
     out["peak_rss_mb"] = usage.ru_maxrss / 1024
@@ -162,8 +211,9 @@ def main() -> None:
     ap.add_argument("--sides", default="bare,fedtier,cohort", help="comma-separated: bare, fedtier, cohort")
     ap.add_argument("--workers", type=int, default=0, help="also run fedtier with this many sim workers")
     ap.add_argument("--backend", choices=["processes", "ray"], default="processes", help="sim workers' backend")
-    ap.add_argument("--cohort-threads", type=int, default=1,
-                    help="N > 1: also the cohort engine with runtime.cohort_threads = N")
+    ap.add_argument(
+        "--cohort-threads", type=int, default=1, help="N > 1: also the cohort engine with runtime.cohort_threads = N"
+    )
     ap.add_argument("--child", choices=["bare", "fedtier", "cohort", "cohort-threads", "parallel", "cohort-parallel"])
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
@@ -179,56 +229,94 @@ def main() -> None:
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(args.repeat):
         for which in sides:
-            cmd = [sys.executable, __file__, "--child", which, "--workload", args.workload, "--rounds", str(rounds),
-                   "--workers", str(args.workers), "--backend", args.backend, "--cohort-threads",
-                   str(args.cohort_threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                which,
+                "--workload",
+                args.workload,
+                "--rounds",
+                str(rounds),
+                "--workers",
+                str(args.workers),
+                "--backend",
+                args.backend,
+                "--cohort-threads",
+                str(args.cohort_threads),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
             runs[which].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     res = {k: min(v, key=lambda r: r["wall_s"]) for k, v in runs.items()}
     step_count = rounds * w["per_round"] * steps_per_device(w)
-    print(f"workload {args.workload}, {rounds} rounds, {w['per_round']} devices x {steps_per_device(w)} steps per "
-          f"round; best of {args.repeat} alternating runs; wall times seen: "
-          + "; ".join(f"{k} " + ", ".join(f"{r['wall_s']:.2f}" for r in v) for k, v in runs.items()))
+    print(
+        f"workload {args.workload}, {rounds} rounds, {w['per_round']} devices x {steps_per_device(w)} steps per "
+        f"round; best of {args.repeat} alternating runs; wall times seen: "
+        + "; ".join(f"{k} " + ", ".join(f"{r['wall_s']:.2f}" for r in v) for k, v in runs.items())
+    )
     cpu = {k: min(r["cpu_s"] for r in v) for k, v in runs.items()}
-    print(f"{'':12}{'wall s':>10}{'cpu s':>10}{'peak MB':>10}{'accuracy':>10}{'s/round':>10}{'rounds/s':>10}"
-          f"{'steps/s':>10}{'cpu ms/rd':>10}")
+    print(
+        f"{'':12}{'wall s':>10}{'cpu s':>10}{'peak MB':>10}{'accuracy':>10}{'s/round':>10}{'rounds/s':>10}"
+        f"{'steps/s':>10}{'cpu ms/rd':>10}"
+    )
     for which in sides:
         r = res[which]
-        name = {"parallel": f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}",
-                "cohort-threads": f"cohort {args.cohort_threads}t", "cohort-parallel": f"cohort+{args.workers}w"}.get(which, which)
-        print(f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}"
-              f"{r['round_s']:10.4f}{rounds / r['loop_s']:10.1f}{step_count / r['loop_s']:10.0f}"
-              f"{r['round_cpu_s'] * 1e3:10.2f}")
+        name = {
+            "parallel": f"{args.workers} {'actors' if args.backend == 'ray' else 'workers'}",
+            "cohort-threads": f"cohort {args.cohort_threads}t",
+            "cohort-parallel": f"cohort+{args.workers}w",
+        }.get(which, which)
+        print(
+            f"{name:12}{r['wall_s']:10.2f}{cpu[which]:10.2f}{r['peak_rss_mb']:10.0f}{r['accuracy']:10.4f}"
+            f"{r['round_s']:10.4f}{rounds / r['loop_s']:10.1f}{step_count / r['loop_s']:10.0f}"
+            f"{r['round_cpu_s'] * 1e3:10.2f}"
+        )
     if "bare" in res and "fedtier" in res:
-        print(f"{'fedtier/bare':12}{res['fedtier']['wall_s'] / res['bare']['wall_s']:10.3f}"
-              f"{cpu['fedtier'] / cpu['bare']:10.3f}{res['fedtier']['peak_rss_mb'] / res['bare']['peak_rss_mb']:10.3f}"
-              f"{res['fedtier']['accuracy'] - res['bare']['accuracy']:+10.4f}")
+        print(
+            f"{'fedtier/bare':12}{res['fedtier']['wall_s'] / res['bare']['wall_s']:10.3f}"
+            f"{cpu['fedtier'] / cpu['bare']:10.3f}{res['fedtier']['peak_rss_mb'] / res['bare']['peak_rss_mb']:10.3f}"
+            f"{res['fedtier']['accuracy'] - res['bare']['accuracy']:+10.4f}"
+        )
     if "cohort" in res:
         c = res["cohort"]
         if "bare" in res:
             b = res["bare"]
-            print(f"cohort engine: {b['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
-                  f"{b['loop_s'] / c['loop_s']:.3f}x (rounds only); peak memory {c['peak_rss_mb'] / b['peak_rss_mb']:.3f}x"
-                  f" the bare loop's")
+            print(
+                f"cohort engine: {b['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
+                f"{b['loop_s'] / c['loop_s']:.3f}x (rounds only); peak memory {c['peak_rss_mb'] / b['peak_rss_mb']:.3f}x"
+                f" the bare loop's"
+            )
         if "fedtier" in res:
             f = res["fedtier"]
-            print(f"cohort engine: {f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s, "
-                  f"{f['wall_s'] / c['wall_s']:.3f}x its wall time; accuracy {c['accuracy'] - f['accuracy']:+.4f}")
-    for side, label, one in (("cohort-threads", f"{args.cohort_threads} threads", "one-thread"),
-                             ("cohort-parallel", f"{args.workers} workers", "one-process")):
+            print(
+                f"cohort engine: {f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s, "
+                f"{f['wall_s'] / c['wall_s']:.3f}x its wall time; accuracy {c['accuracy'] - f['accuracy']:+.4f}"
+            )
+    for side, label, one in (
+        ("cohort-threads", f"{args.cohort_threads} threads", "one-thread"),
+        ("cohort-parallel", f"{args.workers} workers", "one-process"),
+    ):
         if side in res:
             c, f = res[side], res.get("fedtier")
-            print(f"cohort engine with {label}: "
-                  + (f"{res['bare']['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
-                     f"{res['bare']['loop_s'] / c['loop_s']:.3f}x (rounds only); " if "bare" in res else "")
-                  + (f"{f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s; " if f else "")
-                  + f"{res['cohort']['loop_s'] / c['loop_s']:.3f}x the {one} cohort engine's rounds/s")
+            print(
+                f"cohort engine with {label}: "
+                + (
+                    f"{res['bare']['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
+                    f"{res['bare']['loop_s'] / c['loop_s']:.3f}x (rounds only); "
+                    if "bare" in res
+                    else ""
+                )
+                + (f"{f['loop_s'] / c['loop_s']:.3f}x the per-device sim's rounds/s; " if f else "")
+                + f"{res['cohort']['loop_s'] / c['loop_s']:.3f}x the {one} cohort engine's rounds/s"
+            )
     if args.workers > 0 and "bare" in res and "fedtier" in res:
         p = res["parallel"]
-        print(f"speed-up with {args.workers} workers: {res['bare']['wall_s'] / p['wall_s']:.3f}x the bare loop, "
-              f"{res['fedtier']['wall_s'] / p['wall_s']:.3f}x the sequential sim (wall); per round (median, "
-              f"startup excluded) {res['fedtier']['round_s'] / p['round_s']:.3f}x the sequential sim; accuracy "
-              f"{'identical' if p['accuracy'] == res['fedtier']['accuracy'] else 'DIFFERS'} to the sequential sim")
+        print(
+            f"speed-up with {args.workers} workers: {res['bare']['wall_s'] / p['wall_s']:.3f}x the bare loop, "
+            f"{res['fedtier']['wall_s'] / p['wall_s']:.3f}x the sequential sim (wall); per round (median, "
+            f"startup excluded) {res['fedtier']['round_s'] / p['round_s']:.3f}x the sequential sim; accuracy "
+            f"{'identical' if p['accuracy'] == res['fedtier']['accuracy'] else 'DIFFERS'} to the sequential sim"
+        )
 
 
 if __name__ == "__main__":

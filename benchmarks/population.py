@@ -13,6 +13,7 @@ of the data itself (features, labels and the partition's index array); the load 
 data's extra bytes.
 Usage: python benchmarks/population.py [--sizes 10000 100000 1000000] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,34 +44,47 @@ def one(devices: int, rounds: int, out: str) -> dict:
     from protocols.config import parse_config
     from sim.launcher import SimHierarchy
 
-    cfg = parse_config({
-        "run": {"name": "population", "seed": 0, "rounds": rounds, "output": out},
-        "topology": {"cells": CELLS, "devices_per_cell": devices // CELLS},
-        "algorithm": {"name": "fedavg", "edge_rounds": 1, "local_steps": 5, "batch_size": 10, "lr": 0.1},
-        "model": {"name": "mlp", "hidden": [16]},
-        "data": {"dataset": "synthetic", "partition": "iid", "n": SAMPLES_PER_DEVICE * devices, "n_test": 2000},
-        "participation": {"model": "uniform", "per_round": ACTIVE_PER_CELL * CELLS},
-        "runtime": {"device_deadline": 60.0},
-    })
+    cfg = parse_config(
+        {
+            "run": {"name": "population", "seed": 0, "rounds": rounds, "output": out},
+            "topology": {"cells": CELLS, "devices_per_cell": devices // CELLS},
+            "algorithm": {"name": "fedavg", "edge_rounds": 1, "local_steps": 5, "batch_size": 10, "lr": 0.1},
+            "model": {"name": "mlp", "hidden": [16]},
+            "data": {"dataset": "synthetic", "partition": "iid", "n": SAMPLES_PER_DEVICE * devices, "n_test": 2000},
+            "participation": {"model": "uniform", "per_round": ACTIVE_PER_CELL * CELLS},
+            "runtime": {"device_deadline": 60.0},
+        }
+    )
     ends: list[tuple[float, float]] = []  # (time, RSS MB) as each round closes
     t0, c0 = time.perf_counter(), time.process_time()
     sim = SimHierarchy(cfg, on_round=lambda _record: ends.append((time.perf_counter(), rss_mb())))
     built, built_cpu = time.perf_counter() - t0, time.process_time() - c0
     built_rss = rss_mb()
     ds, parts = sim.prep.dataset, sim.prep.device_data.parts
-    data_bytes = ds.x_train.nbytes + ds.y_train.nbytes + ds.x_test.nbytes + ds.y_test.nbytes + \
-        sum(p.flat.nbytes + p.offsets.nbytes for p in parts[:1])  # the cells' Parts share one flat array
+    data_bytes = (
+        ds.x_train.nbytes
+        + ds.y_train.nbytes
+        + ds.x_test.nbytes
+        + ds.y_test.nbytes
+        + sum(p.flat.nbytes + p.offsets.nbytes for p in parts[:1])
+    )  # the cells' Parts share one flat array
     t1 = time.perf_counter()
     result = sim.run()
     starts = [t1] + [t for t, _ in ends[:-1]]
-    return {"devices": devices, "build_s": round(built, 2), "build_cpu_s": round(built_cpu, 2),
-            "run_s": round(time.perf_counter() - t1, 2),
-            "round_s": [round(t - s, 2) for (t, _), s in zip(ends, starts)],
-            "rss_built_mb": round(built_rss, 1), "rss_rounds_mb": [round(m, 1) for _, m in ends],
-            "agents_alive": len(sim.agents.built()), "accuracy": result.final_accuracy,
-            "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "data_mb": round(data_bytes / 2**20, 1),
-            "aggregation_kb": round((Path(out) / "aggregation.jsonl").stat().st_size / 1024, 1)}
+    return {
+        "devices": devices,
+        "build_s": round(built, 2),
+        "build_cpu_s": round(built_cpu, 2),
+        "run_s": round(time.perf_counter() - t1, 2),
+        "round_s": [round(t - s, 2) for (t, _), s in zip(ends, starts)],
+        "rss_built_mb": round(built_rss, 1),
+        "rss_rounds_mb": [round(m, 1) for _, m in ends],
+        "agents_alive": len(sim.agents.built()),
+        "accuracy": result.final_accuracy,
+        "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "data_mb": round(data_bytes / 2**20, 1),
+        "aggregation_kb": round((Path(out) / "aggregation.jsonl").stat().st_size / 1024, 1),
+    }
 
 
 def main() -> None:
@@ -87,33 +101,49 @@ def main() -> None:
     rows = []
     for n in args.sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run([sys.executable, __file__, "--one", str(n), "--rounds", str(args.rounds),
-                                   "--out", tmp], capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--one", str(n), "--rounds", str(args.rounds), "--out", tmp],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
         if proc.returncode != 0:
             print(f"{n:>9,} devices: failed\n{proc.stderr[-2000:]}")
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         r = rows[-1]
-        print(f"{r['devices']:>9,} devices: build {r['build_s']:6.2f} s ({r['build_cpu_s']:.2f} CPU s), "
-              f"{args.rounds} rounds {r['run_s']:6.2f} s, peak {r['peak_mb']:7.1f} MB (data {r['data_mb']:6.1f} MB), "
-              f"{r['agents_alive']} agents alive, aggregation.jsonl {r['aggregation_kb']} KB, "
-              f"accuracy {r['accuracy']:.3f}", flush=True)
-        print(f"{'':>19}s per round {', '.join(f'{t:.2f}' for t in r['round_s'])}; RSS built "
-              f"{r['rss_built_mb']:.0f} MB, after each round {', '.join(f'{m:.0f}' for m in r['rss_rounds_mb'])} MB",
-              flush=True)
+        print(
+            f"{r['devices']:>9,} devices: build {r['build_s']:6.2f} s ({r['build_cpu_s']:.2f} CPU s), "
+            f"{args.rounds} rounds {r['run_s']:6.2f} s, peak {r['peak_mb']:7.1f} MB (data {r['data_mb']:6.1f} MB), "
+            f"{r['agents_alive']} agents alive, aggregation.jsonl {r['aggregation_kb']} KB, "
+            f"accuracy {r['accuracy']:.3f}",
+            flush=True,
+        )
+        print(
+            f"{'':>19}s per round {', '.join(f'{t:.2f}' for t in r['round_s'])}; RSS built "
+            f"{r['rss_built_mb']:.0f} MB, after each round {', '.join(f'{m:.0f}' for m in r['rss_rounds_mb'])} MB",
+            flush=True,
+        )
     if rows and rows[0]["devices"] == min(args.sizes):
         base = rows[0]
         for r in rows[1:]:
             bound = 1.5 * base["peak_mb"] + (r["data_mb"] - base["data_mb"])
-            print(f"{r['devices']:>9,}: peak {r['peak_mb']:.0f} MB vs 1.5 x {base['peak_mb']:.0f} + "
-                  f"{r['data_mb'] - base['data_mb']:.0f} MB of extra data = {bound:.0f} MB: "
-                  f"{'met' if r['peak_mb'] <= bound else 'NOT met'} ({r['peak_mb'] / bound:.0%} of the bound); "
-                  f"build {r['build_s']:.1f} s" + (f" (target <= 20 s: {'met' if r['build_s'] <= 20 else 'NOT met'})"
-                                                    if r["devices"] >= 1_000_000 else ""))
+            print(
+                f"{r['devices']:>9,}: peak {r['peak_mb']:.0f} MB vs 1.5 x {base['peak_mb']:.0f} + "
+                f"{r['data_mb'] - base['data_mb']:.0f} MB of extra data = {bound:.0f} MB: "
+                f"{'met' if r['peak_mb'] <= bound else 'NOT met'} ({r['peak_mb'] / bound:.0%} of the bound); "
+                f"build {r['build_s']:.1f} s"
+                + (
+                    f" (target <= 20 s: {'met' if r['build_s'] <= 20 else 'NOT met'})"
+                    if r["devices"] >= 1_000_000
+                    else ""
+                )
+            )
     for r in rows:
         growth = r["rss_rounds_mb"][-1] - r["rss_rounds_mb"][0] if r["rss_rounds_mb"] else 0.0
         print(f"{r['devices']:>9,}: RSS from the first round's end to the last {growth:+.0f} MB")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ under replacement (2C), so it needs far more noise for the same epsilon.
 
     .venv/bin/python benchmarks/privacy.py [--quick] [--seeds 2] [--jobs 2] [--eps 1 3 8 inf]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,16 +29,22 @@ def config(mode: str, eps: float | None, seed: int, rounds: int, cells: int, per
     """``eps``: a target epsilon, ``inf`` (clip only) or None (no DP)."""
     privacy: dict = {}
     if eps is not None:
-        privacy = {"dp": mode, "clip": 0.5, "delta": 1e-5,
-                   **({"noise_multiplier": 0.0} if math.isinf(eps) else {"target_epsilon": eps})}
-    return {"run": {"name": f"bench-privacy-{mode}-{eps}", "seed": seed, "rounds": rounds},
-            "topology": {"cells": cells, "devices_per_cell": per_cell},
-            "algorithm": {"name": "fedavg", "local_steps": 5, "batch_size": 16, "lr": 0.1},
-            "model": {"name": "logreg"},
-            "data": {"dataset": "mnist", "partition": "iid", "max_train": 60 * cells * per_cell},
-            "participation": {"model": "bernoulli", "prob": 0.5},
-            "runtime": {"engine": "cohort", "cohort_size": 128, "eval_every": rounds},
-            "privacy": privacy}
+        privacy = {
+            "dp": mode,
+            "clip": 0.5,
+            "delta": 1e-5,
+            **({"noise_multiplier": 0.0} if math.isinf(eps) else {"target_epsilon": eps}),
+        }
+    return {
+        "run": {"name": f"bench-privacy-{mode}-{eps}", "seed": seed, "rounds": rounds},
+        "topology": {"cells": cells, "devices_per_cell": per_cell},
+        "algorithm": {"name": "fedavg", "local_steps": 5, "batch_size": 16, "lr": 0.1},
+        "model": {"name": "logreg"},
+        "data": {"dataset": "mnist", "partition": "iid", "max_train": 60 * cells * per_cell},
+        "participation": {"model": "bernoulli", "prob": 0.5},
+        "runtime": {"engine": "cohort", "cohort_size": 128, "eval_every": rounds},
+        "privacy": privacy,
+    }
 
 
 def run_one(args: tuple) -> tuple[tuple, dict]:
@@ -50,8 +57,12 @@ def run_one(args: tuple) -> tuple[tuple, dict]:
     z = cfg.dp_accountant().noise_multiplier if cfg.privacy.dp != "off" else None
     t0 = time.perf_counter()
     result = run_simulation(cfg, write_output=False)
-    return (mode, eps, seed), {"accuracy": float(result.final_accuracy or 0.0), "z": z,
-                               "epsilon": result.history[-1].get("epsilon"), "wall_s": time.perf_counter() - t0}
+    return (mode, eps, seed), {
+        "accuracy": float(result.final_accuracy or 0.0),
+        "z": z,
+        "epsilon": result.history[-1].get("epsilon"),
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def main() -> None:
@@ -64,13 +75,20 @@ def main() -> None:
     a = ap.parse_args()
     rounds, cells, per_cell, seeds = (5, 2, 50, 1) if a.quick else (a.rounds, 10, 100, a.seeds)
     columns: list[float | None] = [*a.eps, None]
-    jobs = [(mode, eps, seed, rounds, cells, per_cell) for mode in MODES for eps in columns for seed in range(seeds)
-            if not (eps is None and mode != MODES[0])]
+    jobs = [
+        (mode, eps, seed, rounds, cells, per_cell)
+        for mode in MODES
+        for eps in columns
+        for seed in range(seeds)
+        if not (eps is None and mode != MODES[0])
+    ]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=a.jobs) as pool:
         out = dict(pool.map(run_one, jobs))
-    print(f"MNIST, {cells} cells x {per_cell} devices (iid), q = 0.5, logistic regression, E = 1, H = 5, lr 0.1, C = 0.5, "
-          f"{rounds} rounds, delta 1e-5, {seeds} seed(s), cohort engine; final test accuracy (mean, min-max)")
+    print(
+        f"MNIST, {cells} cells x {per_cell} devices (iid), q = 0.5, logistic regression, E = 1, H = 5, lr 0.1, C = 0.5, "
+        f"{rounds} rounds, delta 1e-5, {seeds} seed(s), cohort engine; final test accuracy (mean, min-max)"
+    )
     label = lambda e: "off" if e is None else ("inf" if math.isinf(e) else f"{e:g}")  # noqa: E731
     print(f"{'dp':<7}" + "".join(f"{'eps ' + label(e):>22}" for e in columns))
     for mode in MODES:
@@ -84,8 +102,10 @@ def main() -> None:
         print(f"{mode:<7}" + "".join(f"{v:>22}" for v in row))
         print(f"{'  z':<7}" + "".join(f"{v:>22}" for v in zs))
     walls = [v["wall_s"] for v in out.values()]
-    print(f"\n{len(jobs)} runs in {time.perf_counter() - t0:.0f} s ({min(walls):.0f}-{max(walls):.0f} s each, "
-          f"{a.jobs} at a time)")
+    print(
+        f"\n{len(jobs)} runs in {time.perf_counter() - t0:.0f} s ({min(walls):.0f}-{max(walls):.0f} s each, "
+        f"{a.jobs} at a time)"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ preset's), both ways alternately, checks that outputs and gradients are equal bi
 
     python benchmarks/relu_pool.py [--reps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,14 @@ def main() -> None:
                 secs[side][0] += c1 - c0
                 secs[side][1] += c2 - c1
         same = torch.equal(out["fused"], out["layers"]) and all(
-            torch.equal(g, h) for g, h in zip(grads["fused"], grads["layers"]))
+            torch.equal(g, h) for g, h in zip(grads["fused"], grads["layers"])
+        )
         f, l_ = secs["fused"], secs["layers"]
-        print(f"{name}: forward of 1000 samples (no autograd) {1e3 * l_[0] / a.reps:.0f} -> {1e3 * f[0] / a.reps:.0f} ms "
-              f"({l_[0] / f[0]:.2f}x); training step of batch {batch} {1e3 * l_[1] / a.reps:.1f} -> "
-              f"{1e3 * f[1] / a.reps:.1f} ms ({l_[1] / f[1]:.2f}x); bit-identical outputs and gradients: {same}")
+        print(
+            f"{name}: forward of 1000 samples (no autograd) {1e3 * l_[0] / a.reps:.0f} -> {1e3 * f[0] / a.reps:.0f} ms "
+            f"({l_[0] / f[0]:.2f}x); training step of batch {batch} {1e3 * l_[1] / a.reps:.1f} -> "
+            f"{1e3 * f[1] / a.reps:.1f} ms ({l_[1] / f[1]:.2f}x); bit-identical outputs and gradients: {same}"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ split and init for every cell of the table.
 
     .venv/bin/python benchmarks/robust.py [--quick] [--shares 0 0.1 0.2 0.3] [--seeds 1] [--jobs 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,13 +24,22 @@ ATTACKS = {"scale": 10.0, "sign_flip": 4.0}
 
 
 def config(agg: str, kind: str, share: float, seed: int, rounds: int) -> dict:
-    return {"run": {"name": f"bench-robust-{agg}-{kind}-{share}", "seed": seed, "rounds": rounds},
-            "topology": {"cells": 2, "devices_per_cell": 10},
-            "algorithm": {"name": "fedavg", "local_steps": 20, "batch_size": 16, "lr": 0.2, "cell_aggregator": agg,
-                          "trim_beta": 0.3, "krum_byzantine": 0.3},
-            "model": {"name": "mlp", "hidden": [32]},
-            "data": {"dataset": "digits", "partition": "iid"},
-            "attack": {"kind": kind, "fraction": share, "factor": ATTACKS[kind]}}
+    return {
+        "run": {"name": f"bench-robust-{agg}-{kind}-{share}", "seed": seed, "rounds": rounds},
+        "topology": {"cells": 2, "devices_per_cell": 10},
+        "algorithm": {
+            "name": "fedavg",
+            "local_steps": 20,
+            "batch_size": 16,
+            "lr": 0.2,
+            "cell_aggregator": agg,
+            "trim_beta": 0.3,
+            "krum_byzantine": 0.3,
+        },
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": {"dataset": "digits", "partition": "iid"},
+        "attack": {"kind": kind, "fraction": share, "factor": ATTACKS[kind]},
+    }
 
 
 def run_one(args: tuple[str, str, float, int, int]) -> tuple[tuple[str, str, float, int], float]:
@@ -50,13 +60,21 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args()
     rounds, shares = (3, [0.0, 0.2]) if a.quick else (a.rounds, a.shares)
-    jobs = [(agg, kind, share, seed, rounds) for kind in ATTACKS for agg in AGGREGATORS for share in shares
-            for seed in range(a.seeds) if not (share == 0 and kind != "scale")]
+    jobs = [
+        (agg, kind, share, seed, rounds)
+        for kind in ATTACKS
+        for agg in AGGREGATORS
+        for share in shares
+        for seed in range(a.seeds)
+        if not (share == 0 and kind != "scale")
+    ]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=a.jobs) as pool:
         acc = dict(pool.map(run_one, jobs))
-    print(f"digits, 2 cells x 10 devices (iid), MLP 64-32-10, H=20, lr 0.2, {rounds} rounds, {a.seeds} seed(s); "
-          "trim_beta = krum_byzantine = 0.3; final accuracy (mean over seeds)")
+    print(
+        f"digits, 2 cells x 10 devices (iid), MLP 64-32-10, H=20, lr 0.2, {rounds} rounds, {a.seeds} seed(s); "
+        "trim_beta = krum_byzantine = 0.3; final accuracy (mean over seeds)"
+    )
     for kind, factor in ATTACKS.items():
         print(f"\nattack {kind} (factor {factor:g}); columns: Byzantine share of each cell's devices")
         print(f"{'aggregator':<14}" + "".join(f"{s:>8.0%}" for s in shares))

@@ -19,6 +19,7 @@ device-round each way from the cell records and the wall time per cloud round.
 
     .venv/bin/python benchmarks/secagg.py [--sizes 10 50 200] [--dropout 0 0.1 0.3] [--repeat 3] [--values N] [--sim]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,14 @@ from protocols.wire.messenger import Messenger  # noqa: E402
 from protocols.wire.payload import Payload, decode_payload  # noqa: E402
 from protocols.wire.envelope import decode_message  # noqa: E402
 
-MLP_SHAPES = {"fc1.weight": (200, 784), "fc1.bias": (200,), "fc2.weight": (200, 200), "fc2.bias": (200,),
-              "fc3.weight": (10, 200), "fc3.bias": (10,)}
+MLP_SHAPES = {
+    "fc1.weight": (200, 784),
+    "fc1.bias": (200,),
+    "fc2.weight": (200, 200),
+    "fc2.bias": (200,),
+    "fc3.weight": (10, 200),
+    "fc3.bias": (10,),
+}
 
 
 def framed(messenger: Messenger, kind: str, payload: Payload) -> tuple[int, Payload]:
@@ -54,8 +61,13 @@ def one_round(n: int, dropout: float, shapes: dict, seed: int) -> dict:
     ids = [f"c0-d{i}" for i in range(n)]
     hub = MemoryHub()
     msgr = {d: Messenger(hub.connect(d), "bench", d) for d in ["c0", *ids]}
-    updates = {d: Payload({"weight": 60, "loss": 0.5, "steps": 5},
-                          {k: g.normal(0, 0.01, s).astype(np.float32) for k, s in shapes.items()}) for d in ids}
+    updates = {
+        d: Payload(
+            {"weight": 60, "loss": 0.5, "steps": 5},
+            {k: g.normal(0, 0.01, s).astype(np.float32) for k, s in shapes.items()},
+        )
+        for d in ids
+    }
     plain_bytes = framed(msgr[ids[0]], "device_result", updates[ids[0]])[0]
     up = dict.fromkeys(ids, 0)
     down = dict.fromkeys(ids, 0)
@@ -101,10 +113,18 @@ def one_round(n: int, dropout: float, shapes: dict, seed: int) -> dict:
     plain_sum = {k: sum(updates[d].meta["weight"] * updates[d].tensors[k] for d in survivors) for k in shapes}
     plain_s = time.perf_counter() - t0
     err = max(float(np.max(np.abs(out.weighted_sum[k] - plain_sum[k]))) for k in shapes)
-    return {"plain_bytes": plain_bytes, "up": statistics.mean(up.values()), "down": statistics.mean(down.values()),
-            "device_s": statistics.mean(dev_s.values()), "unmask_s": unmask_s, "plain_sum_s": plain_s,
-            "recovered": out.stats["recovered"], "degree": out.stats["degree"], "t": out.stats["threshold"],
-            "max_err": err}
+    return {
+        "plain_bytes": plain_bytes,
+        "up": statistics.mean(up.values()),
+        "down": statistics.mean(down.values()),
+        "device_s": statistics.mean(dev_s.values()),
+        "unmask_s": unmask_s,
+        "plain_sum_s": plain_s,
+        "recovered": out.stats["recovered"],
+        "degree": out.stats["degree"],
+        "t": out.stats["threshold"],
+        "max_err": err,
+    }
 
 
 def sim_rows(sizes: list[int]) -> None:
@@ -113,17 +133,22 @@ def sim_rows(sizes: list[int]) -> None:
 
     set_torch_threads(1)
     print("\nfedtier sim, MNIST, 1 cell of n devices (300 samples each), MLP 784-200-200-10, E = 1, H = 5, 2 rounds")
-    print(f"{'n':>4} {'secagg':>7} {'up B/dev-round':>15} {'down B/dev-round':>17} {'wall s/round':>13} {'accuracy':>9}")
+    print(
+        f"{'n':>4} {'secagg':>7} {'up B/dev-round':>15} {'down B/dev-round':>17} {'wall s/round':>13} {'accuracy':>9}"
+    )
     for n in sizes:
         for secure in (False, True):
-            cfg = parse_config({
-                "run": {"name": f"bench-secagg-{n}-{secure}", "seed": 0, "rounds": 2},
-                "topology": {"cells": 1, "devices_per_cell": n},
-                "algorithm": {"name": "fedavg", "edge_rounds": 1, "local_steps": 5, "batch_size": 16, "lr": 0.1},
-                "model": {"name": "mlp", "hidden": [200, 200]},
-                "data": {"dataset": "mnist", "partition": "iid", "max_train": 300 * n},
-                "runtime": {"eval_every": 2},
-                "privacy": {"secure_aggregation": secure}})
+            cfg = parse_config(
+                {
+                    "run": {"name": f"bench-secagg-{n}-{secure}", "seed": 0, "rounds": 2},
+                    "topology": {"cells": 1, "devices_per_cell": n},
+                    "algorithm": {"name": "fedavg", "edge_rounds": 1, "local_steps": 5, "batch_size": 16, "lr": 0.1},
+                    "model": {"name": "mlp", "hidden": [200, 200]},
+                    "data": {"dataset": "mnist", "partition": "iid", "max_train": 300 * n},
+                    "runtime": {"eval_every": 2},
+                    "privacy": {"secure_aggregation": secure},
+                }
+            )
             t0 = time.perf_counter()
             result = run_simulation(cfg, write_output=False)
             wall = (time.perf_counter() - t0) / 2
@@ -131,8 +156,10 @@ def sim_rows(sizes: list[int]) -> None:
             rounds = sum(len(r["answered"]) for r in recs)
             up = sum(r["bytes_in"] for r in recs) / rounds
             down = sum(r["bytes_out"] for r in recs) / rounds
-            print(f"{n:>4} {str(secure):>7} {up:>15,.0f} {down:>17,.0f} {wall:>13.2f} "
-                  f"{result.final_accuracy or 0:>9.4f}", flush=True)
+            print(
+                f"{n:>4} {str(secure):>7} {up:>15,.0f} {down:>17,.0f} {wall:>13.2f} {result.final_accuracy or 0:>9.4f}",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -145,18 +172,25 @@ def main() -> None:
     a = ap.parse_args()
     shapes = {"w": (a.values,)} if a.values else MLP_SHAPES
     size = sum(int(np.prod(s)) for s in shapes.values())
-    print(f"SecAgg+ per device-round, update of {size:,} float32 values; mean over {a.repeat} rounds "
-          f"(bytes: framed messages; times: this machine, shared)")
-    print(f"{'n':>4} {'drop':>5} {'k':>3} {'t':>3} {'plain B':>9} {'up B':>9} {'extra down B':>12} {'(up+down)/plain':>15} "
-          f"{'device s':>9} {'unmask s':>9} {'plain sum s':>11} {'recovered':>9} {'max |err|':>10}")
+    print(
+        f"SecAgg+ per device-round, update of {size:,} float32 values; mean over {a.repeat} rounds "
+        f"(bytes: framed messages; times: this machine, shared)"
+    )
+    print(
+        f"{'n':>4} {'drop':>5} {'k':>3} {'t':>3} {'plain B':>9} {'up B':>9} {'extra down B':>12} {'(up+down)/plain':>15} "
+        f"{'device s':>9} {'unmask s':>9} {'plain sum s':>11} {'recovered':>9} {'max |err|':>10}"
+    )
     for n in a.sizes:
         for drop in a.dropout:
             rows = [one_round(n, drop, shapes, seed) for seed in range(a.repeat)]
             m = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
             ratio = (m["up"] + m["down"]) / m["plain_bytes"]
-            print(f"{n:>4} {drop:>5.0%} {m['degree']:>3.0f} {m['t']:>3.0f} {m['plain_bytes']:>9,.0f} {m['up']:>9,.0f} "
-                  f"{m['down']:>12,.0f} {ratio:>15.3f} {m['device_s']:>9.3f} {m['unmask_s']:>9.3f} "
-                  f"{m['plain_sum_s']:>11.3f} {m['recovered']:>9.0f} {m['max_err']:>10.2e}", flush=True)
+            print(
+                f"{n:>4} {drop:>5.0%} {m['degree']:>3.0f} {m['t']:>3.0f} {m['plain_bytes']:>9,.0f} {m['up']:>9,.0f} "
+                f"{m['down']:>12,.0f} {ratio:>15.3f} {m['device_s']:>9.3f} {m['unmask_s']:>9.3f} "
+                f"{m['plain_sum_s']:>11.3f} {m['recovered']:>9.0f} {m['max_err']:>10.2e}",
+                flush=True,
+            )
     if a.sim:
         sim_rows(a.sizes)
 

@@ -9,6 +9,7 @@ Every finished run is appended to a :class:`Journal` (one JSON line, flushed and
 script, the preset and a hash of the settings that change results: a sweep killed at any point loses only
 its unfinished runs, and the same command resumes it (``--fresh`` ignores the journal).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,13 @@ class Journal:
     exclusive lock). The first line records what the file is for (script, preset, settings and their hash).
     """
 
-    def __init__(self, path: str | Path | None, params: dict[str, Any] | None = None, fresh: bool = False,
-                 label: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path | None,
+        params: dict[str, Any] | None = None,
+        fresh: bool = False,
+        label: dict[str, Any] | None = None,
+    ) -> None:
         self.path = Path(path) if path is not None else None
         self.params = params or {}
         self.digest = settings_hash({**(label or {}), "params": self.params})
@@ -107,8 +113,10 @@ class Journal:
             fcntl.lockf(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self._fh.close()
-            raise SystemExit(f"journal {self.path} is in use by another process (the same preset running "
-                             f"twice?): wait for it, or pass --journal PATH") from None
+            raise SystemExit(
+                f"journal {self.path} is in use by another process (the same preset running "
+                f"twice?): wait for it, or pass --journal PATH"
+            ) from None
         except ImportError:  # no fcntl (Windows): no lock
             pass
         self._load()
@@ -128,8 +136,10 @@ class Journal:
                 line = json.loads(raw)
                 if "journal" in line:
                     if line.get("hash") != self.digest:
-                        raise SystemExit(f"journal {self.path} was written for other settings (hash "
-                                         f"{line.get('hash')}, now {self.digest}): pass --fresh or another path")
+                        raise SystemExit(
+                            f"journal {self.path} was written for other settings (hash "
+                            f"{line.get('hash')}, now {self.digest}): pass --fresh or another path"
+                        )
                     continue
                 key = (str(line["method"]), float(line["value"]), int(line["seed"]))
                 entry = {"metrics": line["metrics"], "cpu": float(line["cpu"]), "wall": float(line["wall"])}
@@ -150,24 +160,34 @@ class Journal:
 
     def record(self, method: str, value: float, seed: int, metrics: dict[str, Any], cpu: float, wall: float) -> None:
         """Keep one finished run (and append it to the file, durably, before returning)."""
-        line = {"method": method, "value": float(value), "seed": int(seed), "metrics": metrics, "cpu": cpu,
-                "wall": wall}
+        line = {
+            "method": method,
+            "value": float(value),
+            "seed": int(seed),
+            "metrics": metrics,
+            "cpu": cpu,
+            "wall": wall,
+        }
         if self._fh is not None:
             try:
                 text = json.dumps(line)
             except TypeError as exc:
                 raise TypeError(f"{method} {value:g} seed {seed}: the run's metrics are not JSON ({exc})") from None
             if not _same(json.loads(text)["metrics"], metrics):  # a resumed table must be the same table
-                raise TypeError(f"{method} {value:g} seed {seed}: the run's metrics do not survive JSON "
-                                "(tuples, non-string keys, numpy scalars?): return plain dicts, lists, floats")
+                raise TypeError(
+                    f"{method} {value:g} seed {seed}: the run's metrics do not survive JSON "
+                    "(tuples, non-string keys, numpy scalars?): return plain dicts, lists, floats"
+                )
             self._write(text)
         self.entries[(method, float(value), int(seed))] = {"metrics": metrics, "cpu": cpu, "wall": wall}
 
     def summary(self) -> str:
         """One line: runs used, how many came from the journal, and their CPU and wall seconds."""
         where = f" (journal {self.path})" if self.path else ""
-        return (f"runs: {self.ran + self.reused}, {self.reused} reused from the journal{where}; CPU of the runs "
-                f"{self.cpu:,.0f} s, {self.cpu / max(1, self.ran + self.reused):,.0f} s per run")
+        return (
+            f"runs: {self.ran + self.reused}, {self.reused} reused from the journal{where}; CPU of the runs "
+            f"{self.cpu:,.0f} s, {self.cpu / max(1, self.ran + self.reused):,.0f} s per run"
+        )
 
     def close(self) -> None:
         if self._fh is not None:
@@ -183,8 +203,11 @@ def settings_hash(params: dict[str, Any]) -> str:
 
 def add_journal_args(ap: argparse.ArgumentParser) -> None:
     """``--journal PATH`` and ``--fresh`` for a benchmark script."""
-    ap.add_argument("--journal", help=f"journal of finished runs (default: {RESULTS.name}/<script>-<preset>-"
-                    "<settings hash>.jsonl beside this script); a rerun of the same command reuses its runs")
+    ap.add_argument(
+        "--journal",
+        help=f"journal of finished runs (default: {RESULTS.name}/<script>-<preset>-"
+        "<settings hash>.jsonl beside this script); a rerun of the same command reuses its runs",
+    )
     ap.add_argument("--fresh", action="store_true", help="ignore (move aside) the journal and run everything again")
 
 
@@ -240,10 +263,17 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]], seeds: Sequence[int],
-          jobs: int, progress: bool = True, journal: Journal | None = None,
-          order: Callable[[int], Iterable[int]] = middle_out, prepare: Callable[..., Any] | None = None,
-          **common: Any) -> dict[str, list[Cell]]:
+def sweep(
+    run: Callable[..., dict[str, Any]],
+    grids: dict[str, Sequence[float]],
+    seeds: Sequence[int],
+    jobs: int,
+    progress: bool = True,
+    journal: Journal | None = None,
+    order: Callable[[int], Iterable[int]] = middle_out,
+    prepare: Callable[..., Any] | None = None,
+    **common: Any,
+) -> dict[str, list[Cell]]:
     """``run(method, value, seed, **common)`` for every method, grid value and seed; cells per method.
 
     Runs go interleaved (grid position in ``order`` of the longest grid, then seed, then method). Runs found
@@ -278,8 +308,12 @@ def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]],
 
     if progress:
         where = f" (journal {journal.path})" if journal.path else ""
-        print(f"sweep: {len(tasks)} runs, {reused} reused{where}, {len(pending)} to run on {workers} workers"
-              f"{eta(cpu_known, len(pending))}", file=sys.stderr, flush=True)
+        print(
+            f"sweep: {len(tasks)} runs, {reused} reused{where}, {len(pending)} to run on {workers} workers"
+            f"{eta(cpu_known, len(pending))}",
+            file=sys.stderr,
+            flush=True,
+        )
     if pending:
         pool = ProcessPoolExecutor(max_workers=workers, initializer=_init_worker)
         stop = _stop_on_sigterm()
@@ -294,7 +328,8 @@ def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]],
             extra = (lambda s: {"prepared": prepared[s]}) if prepare is not None else (lambda s: {})
             futures: dict[Future, tuple[str, int, int]] = {
                 pool.submit(_timed, run, m, cells[m][i].value, s, **common, **extra(s)): (m, i, s)
-                for m, i, s in pending}
+                for m, i, s in pending
+            }
             error: BaseException | None = None
             left = set(futures)
             while left:
@@ -317,12 +352,18 @@ def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]],
                     cpu_known.append(cpu)
                     results[(m, i, s)] = metrics
                     if progress:  # every run's figures as it completes: partial sweeps stay usable
-                        brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()
-                                 if not isinstance(v, (list, dict))}
-                        print(f"  [{len(results)}/{len(tasks)} runs, {_minutes(time.perf_counter() - t0)}"
-                              f"{eta(cpu_known, len(tasks) - len(results))}] {m} "
-                              f"{cells[m][i].value:g} seed {s}: {brief} ({cpu:.0f} s CPU, {wall:.0f} s wall)",
-                              file=sys.stderr, flush=True)
+                        brief = {
+                            k: (round(v, 4) if isinstance(v, float) else v)
+                            for k, v in metrics.items()
+                            if not isinstance(v, (list, dict))
+                        }
+                        print(
+                            f"  [{len(results)}/{len(tasks)} runs, {_minutes(time.perf_counter() - t0)}"
+                            f"{eta(cpu_known, len(tasks) - len(results))}] {m} "
+                            f"{cells[m][i].value:g} seed {s}: {brief} ({cpu:.0f} s CPU, {wall:.0f} s wall)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
             if error is not None:
                 raise error
         except BaseException as exc:  # Ctrl-C, SIGTERM or a failed run: the finished runs are journaled
@@ -331,9 +372,12 @@ def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]],
                     proc.terminate()
             pool.shutdown(wait=False, cancel_futures=True)
             if progress:
-                print(f"sweep stopped: {len(results)} of {len(tasks)} runs done"
-                      + (f" and kept in {journal.path}; the same command resumes" if journal.path else ""),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"sweep stopped: {len(results)} of {len(tasks)} runs done"
+                    + (f" and kept in {journal.path}; the same command resumes" if journal.path else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
             raise
         finally:
             stop()
@@ -343,9 +387,17 @@ def sweep(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]],
     return cells
 
 
-def tune(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]], tune_seeds: Sequence[int],
-         seeds: Sequence[int], jobs: int, key: str, lower_is_better: bool, journal: Journal | None = None,
-         **common: Any) -> tuple[dict[str, list[Cell]], dict[str, Winner]]:
+def tune(
+    run: Callable[..., dict[str, Any]],
+    grids: dict[str, Sequence[float]],
+    tune_seeds: Sequence[int],
+    seeds: Sequence[int],
+    jobs: int,
+    key: str,
+    lower_is_better: bool,
+    journal: Journal | None = None,
+    **common: Any,
+) -> tuple[dict[str, list[Cell]], dict[str, Winner]]:
     """The grids on ``tune_seeds``, each method's winner by the seed mean of ``key``, then every winner on the
     ``seeds`` not tuned on (each method the same runs). Returns the tuning cells and the winners, whose cells
     hold the runs of every seed (the tuning seeds' first)."""
@@ -359,14 +411,21 @@ def tune(run: Callable[..., dict[str, Any]], grids: dict[str, Sequence[float]], 
     return cells, winners
 
 
-def cost_line(grids: dict[str, Sequence[float]], tune_seeds: Sequence[int], seeds: Sequence[int],
-              cpu_per_run: dict[str, float], jobs: int) -> str:
+def cost_line(
+    grids: dict[str, Sequence[float]],
+    tune_seeds: Sequence[int],
+    seeds: Sequence[int],
+    cpu_per_run: dict[str, float],
+    jobs: int,
+) -> str:
     """The estimated cost of :func:`tune`: its runs x each method's measured CPU seconds per run."""
     rest = [x for x in seeds if x not in tune_seeds]
     runs = {m: len(g) * len(tune_seeds) + len(rest) for m, g in grids.items()}
     cpu = sum(n * cpu_per_run[m] for m, n in runs.items())
-    return (f"estimated cost: {sum(runs.values())} runs x ~{cpu / max(1, sum(runs.values())):.0f} CPU-s (measured per "
-            f"method) = ~{cpu:,.0f} CPU-s, ~{cpu / max(1, jobs) / 60:.0f} min on {jobs} idle cores")
+    return (
+        f"estimated cost: {sum(runs.values())} runs x ~{cpu / max(1, sum(runs.values())):.0f} CPU-s (measured per "
+        f"method) = ~{cpu:,.0f} CPU-s, ~{cpu / max(1, jobs) / 60:.0f} min on {jobs} idle cores"
+    )
 
 
 def pick(cells: dict[str, list[Cell]], key: str, lower_is_better: bool) -> dict[str, Winner]:

@@ -17,6 +17,7 @@ Figures:
 
 Usage: python benchmarks/wire.py [--broker mosquitto|amqtt|mqtt://host:port] [--rounds 3] [--hidden 200 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,16 @@ sys.path.insert(0, str(ROOT))
 def config(out: Path, rounds: int, cells: int, per_cell: int, hidden: list[int]):
     from protocols.config import parse_config
 
-    return parse_config({
-        "run": {"name": "wire", "seed": 0, "rounds": rounds, "output": str(out)},
-        "topology": {"cells": cells, "devices_per_cell": per_cell},
-        "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 10, "batch_size": 32, "lr": 0.05},
-        "model": {"name": "mlp", "hidden": hidden},
-        "data": {"dataset": "mnist", "partition": "iid", "max_train": 10000, "max_test": 2000},
-        "runtime": {"device_deadline": 120.0},
-    })
+    return parse_config(
+        {
+            "run": {"name": "wire", "seed": 0, "rounds": rounds, "output": str(out)},
+            "topology": {"cells": cells, "devices_per_cell": per_cell},
+            "algorithm": {"name": "fedavg", "edge_rounds": 2, "local_steps": 10, "batch_size": 32, "lr": 0.05},
+            "model": {"name": "mlp", "hidden": hidden},
+            "data": {"dataset": "mnist", "partition": "iid", "max_train": 10000, "max_test": 2000},
+            "runtime": {"device_deadline": 120.0},
+        }
+    )
 
 
 def control_plane(emu, result) -> list[float]:
@@ -70,13 +73,21 @@ def overhead_breakdown(result, model_bytes: int) -> dict[str, int]:
 
     cfg = result.config
     frame = Messenger(_Null(), cfg.run.name, "c4-d9").frame(  # type: ignore[arg-type]
-        "device_result", Payload({"loss": 0.123456, "samples": 200}, dict(result.params)), round=9, edge_round=1,
-        cell="c4")
+        "device_result",
+        Payload({"loss": 0.123456, "samples": 200}, dict(result.params)),
+        round=9,
+        edge_round=1,
+        cell="c4",
+    )
     topic = topics.device_result(cfg.run.name, "c4", "c4-d9")
     parts = chunking.split(frame)
     mqtt = sum(publish_packet_bytes(len(topic), len(p)) - len(p) for p in parts)
-    return {"envelope": len(frame) - model_bytes, "mqtt": mqtt, "chunks": len(parts),
-            "chunk_headers": sum(len(p) for p in parts) - len(frame)}
+    return {
+        "envelope": len(frame) - model_bytes,
+        "mqtt": mqtt,
+        "chunks": len(parts),
+        "chunk_headers": sum(len(p) for p in parts) - len(frame),
+    }
 
 
 def main() -> None:
@@ -86,8 +97,13 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=5)
     ap.add_argument("--devices-per-cell", type=int, default=10)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, nargs="+", default=[200, 200],
-                    help="MLP hidden sizes (e.g. --hidden 16: a 13 KB model isolates the control plane)")
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        default=[200, 200],
+        help="MLP hidden sizes (e.g. --hidden 16: a 13 KB model isolates the control plane)",
+    )
     args = ap.parse_args()
 
     from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
@@ -129,7 +145,10 @@ def main() -> None:
         ("  of which: envelope header + tensor codec", f"{breakdown['envelope']:,}"),
         ("  of which: MQTT PUBLISH framing + topic", f"{breakdown['mqtt']:,} ({breakdown['chunks']} packets)"),
         ("  of which: chunk headers", f"{breakdown['chunk_headers']:,}"),
-        ("wire / payload, cloud<->cell", f"{(wire['cloud_to_cell'] + wire['cell_to_cloud']) / (summary['cumulative_bytes']['cloud_to_cell'] + summary['cumulative_bytes']['cell_to_cloud']):.5f}"),
+        (
+            "wire / payload, cloud<->cell",
+            f"{(wire['cloud_to_cell'] + wire['cell_to_cloud']) / (summary['cumulative_bytes']['cloud_to_cell'] + summary['cumulative_bytes']['cell_to_cloud']):.5f}",
+        ),
         ("control-plane bytes (status, heartbeats, telemetry)", f"{wire['control']:,}"),
         ("mean device compute per task (s)", f"{np.mean(compute):.4f}"),
         ("control-plane time per edge round (ms), per cloud round", ", ".join(f"{1000 * x:.1f}" for x in cp)),

@@ -6,6 +6,7 @@ every M updates, or T seconds with unpushed progress, it pushes its progress to 
 carry the cell model version (``round``) and the device's task number (``edge_round``, which also keys
 its minibatch seeds); a result must answer the device's outstanding task, else it is rejected.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,9 @@ log = logging.getLogger("fedtier.cell")
 class AsyncCellServer(CellServer):
     """One cell's edge server in asynchronous mode (membership, liveness and records as :class:`CellServer`)."""
 
-    def __init__(self, transport: Transport, *, role: FedBuffCell, push_every: int = 1, push_seconds: float = 0.0,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, transport: Transport, *, role: FedBuffCell, push_every: int = 1, push_seconds: float = 0.0, **kwargs: Any
+    ) -> None:
         super().__init__(transport, role=role, **kwargs)  # type: ignore[arg-type]
         self.fb = role
         self.push_every, self.push_seconds = push_every, push_seconds
@@ -83,12 +85,18 @@ class AsyncCellServer(CellServer):
         self.task_no[device] = number + 1
         self.outstanding[device] = (self.fb.version, number)
         self.dispatched.add(device)
-        self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, device), "device_task",
-                                              self.fb.task(), round=self.fb.version, edge_round=number, cell=self.cell)
+        self.bytes_out += self.messenger.send(
+            topics.device_task(self.run, self.cell, device),
+            "device_task",
+            self.fb.task(),
+            round=self.fb.version,
+            edge_round=number,
+            cell=self.cell,
+        )
 
     def _on_status(self, topic: str, data: bytes) -> None:
         node = topic.rsplit("/", 1)[-1]
-        device = node[len("device."):] if node.startswith("device.") else None
+        device = node[len("device.") :] if node.startswith("device.") else None
         was_online = self.online.get(device, False) if device else False
         super()._on_status(topic, data)
         if device not in self.online or self.online[device] == was_online:
@@ -110,8 +118,11 @@ class AsyncCellServer(CellServer):
             self.messenger.reject(topic, reason, device)
             return
         if self.outstanding.get(device) != (h.round, h.edge_round):
-            self.messenger.reject(topic, f"result for task {h.round}.{h.edge_round}, which is not the task "
-                                  f"outstanding for {device}", device)
+            self.messenger.reject(
+                topic,
+                f"result for task {h.round}.{h.edge_round}, which is not the task outstanding for {device}",
+                device,
+            )
             return
         del self.outstanding[device]
         self.bytes_in += msg.nbytes
@@ -149,11 +160,24 @@ class AsyncCellServer(CellServer):
         mean = sum(losses) / len(losses) if losses else None
         now = self.loop.now()
         record = CellRecord(
-            run=self.run, round=max(self.round, 0), edge_round=self.fb.version, cell=self.cell,
-            algorithm=self.algorithm, planned=sorted(self.dispatched), answered=sorted(set(answered)),
-            rejected=self.rejected, closed_by="buffer full", bytes_in=self.bytes_in, bytes_out=self.bytes_out,
-            loss_mean=mean, duration_s=round(time.perf_counter() - self._wall0, 6), clock_s=round(now - self._t0, 6),
-            clock_end_s=round(now, 6), time=round(time.time(), 3), metrics=metrics, diverged=self.diverged or None,
+            run=self.run,
+            round=max(self.round, 0),
+            edge_round=self.fb.version,
+            cell=self.cell,
+            algorithm=self.algorithm,
+            planned=sorted(self.dispatched),
+            answered=sorted(set(answered)),
+            rejected=self.rejected,
+            closed_by="buffer full",
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            loss_mean=mean,
+            duration_s=round(time.perf_counter() - self._wall0, 6),
+            clock_s=round(now - self._t0, 6),
+            clock_end_s=round(now, 6),
+            time=round(time.time(), 3),
+            metrics=metrics,
+            diverged=self.diverged or None,
         ).to_dict()
         self._emit(record)
         self._window()
@@ -162,8 +186,9 @@ class AsyncCellServer(CellServer):
         report = self.fb.report()
         report.meta["traffic"] = dict(self._round_bytes)
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
-        self.messenger.send(topics.cell_report(self.run, self.cell), "cell_report", report,
-                            round=self.fb.global_version, cell=self.cell)
+        self.messenger.send(
+            topics.cell_report(self.run, self.cell), "cell_report", report, round=self.fb.global_version, cell=self.cell
+        )
 
     def _on_push_timer(self) -> None:
         if self.fb.updates > 0:

@@ -4,6 +4,7 @@ The ids are kept sorted (in the order ``sorted`` gives strings) in one fixed-wid
 online flags in a boolean array beside it; a device's position is a binary search. A cell of a
 simulated population of 10^6 devices then holds no string, list slot or dict entry per device.
 """
+
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterable, Iterator, MutableMapping, Sequence, ValuesView
@@ -126,4 +127,3 @@ class _Items(ItemsView):
 
     def __iter__(self) -> Iterator[tuple[str, bool]]:
         return zip(self._mapping.devices, self._mapping._flags.tolist())
-

@@ -1,4 +1,5 @@
 """Build a cell server of a run from its config."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,10 +21,20 @@ STATUS_WAIT = 2.0
 it counts a silent one offline (its retained status normally comes within milliseconds)."""
 
 
-def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algorithm, *,
-               availability: Availability | None = None, output_dir: Path | None = None,
-               heartbeats: bool = False, assume_online: bool = False,
-               samples: Mapping[str, int] | None = None, journal: bool = False, resume: bool = False) -> CellServer:
+def build_cell(
+    cfg: RunConfig,
+    cell: str,
+    transport: Transport,
+    algorithm: Algorithm,
+    *,
+    availability: Availability | None = None,
+    output_dir: Path | None = None,
+    heartbeats: bool = False,
+    assume_online: bool = False,
+    samples: Mapping[str, int] | None = None,
+    journal: bool = False,
+    resume: bool = False,
+) -> CellServer:
     """``heartbeats``: use the config's MQTT liveness settings, ``runtime.heartbeat``, ``heartbeat_timeout``
     and ``rejoin_wait``, and wait for the devices' first statuses after the start (``STATUS_WAIT``) (the
     sim has none: nobody disconnects there). ``assume_online``: devices count as
@@ -37,25 +48,45 @@ def build_cell(cfg: RunConfig, cell: str, transport: Transport, algorithm: Algor
     train = cfg.train
     if getattr(train, "mode", "sync") == "async":  # FedBuff: keep devices busy, push every M updates / T s
         if resume:
-            raise ConfigError("--resume: algorithm.mode = \"async\" cells do not resume yet; start them afresh")
-        server, extra = AsyncCellServer, {"role": FedBuffCell(train, cell), "push_every": train.async_push_every,
-                                          "push_seconds": train.async_push_seconds}  # type: ignore[attr-defined]
+            raise ConfigError('--resume: algorithm.mode = "async" cells do not resume yet; start them afresh')
+        server, extra = (
+            AsyncCellServer,
+            {
+                "role": FedBuffCell(train, cell),
+                "push_every": train.async_push_every,
+                "push_seconds": train.async_push_seconds,
+            },
+        )  # type: ignore[attr-defined]
     else:
         if resume and cfg.secagg_settings() is not None:
-            raise ConfigError("--resume: a cell under secure aggregation does not resume its round (the masks' "
-                              "key shares are not journaled); start it afresh")
+            raise ConfigError(
+                "--resume: a cell under secure aggregation does not resume its round (the masks' "
+                "key shares are not journaled); start it afresh"
+            )
         server, extra = CellServer, {"role": algorithm.cell(cell), "resume": resume}
         if journal and output_dir is not None and cfg.secagg_settings() is None:
             extra["journal_path"] = output_dir / runfiles.CELL_JOURNAL.format(cell=cell)
     return server(
-        transport, run=cfg.run.name, cell=cell, devices=cfg.topology.device_ids(cell), **extra,
-        algorithm=algorithm.name, device_deadline=cfg.runtime.device_deadline, quorum=cfg.runtime.quorum,
-        availability=availability, log_path=str(output_dir / runfiles.AGGREGATION) if output_dir else None,
+        transport,
+        run=cfg.run.name,
+        cell=cell,
+        devices=cfg.topology.device_ids(cell),
+        **extra,
+        algorithm=algorithm.name,
+        device_deadline=cfg.runtime.device_deadline,
+        quorum=cfg.runtime.quorum,
+        availability=availability,
+        log_path=str(output_dir / runfiles.AGGREGATION) if output_dir else None,
         heartbeat=cfg.runtime.heartbeat if heartbeats else 0.0,
         heartbeat_timeout=cfg.runtime.heartbeat_timeout if heartbeats else 0.0,
-        rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0, assume_online=assume_online,
+        rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0,
+        assume_online=assume_online,
         status_wait=max(cfg.runtime.heartbeat, STATUS_WAIT) if heartbeats else 0.0,
         absent_ids=cfg.runtime.absent_ids,
-        trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), max_weights=samples,
-        max_weight=cfg.security.max_device_weight, secagg=cfg.secagg_settings(),
-        secagg_deadline=cfg.secagg_deadline())
+        trust=trust,
+        max_message_bytes=cfg.max_message_bytes(algorithm.model),
+        max_weights=samples,
+        max_weight=cfg.security.max_device_weight,
+        secagg=cfg.secagg_settings(),
+        secagg_deadline=cfg.secagg_deadline(),
+    )

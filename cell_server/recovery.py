@@ -11,6 +11,7 @@ sends the same report message again at once (it is journaled before it is publis
 cloud asks again. On disk: one round's inbound traffic at
 most (its task and its devices' results).
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,12 +54,25 @@ class RoundJournal:
         self.file.reset(Payload({"k": "task", "round": rnd, "session": session, "task": task.meta}, task.tensors))
 
     def plan(self, edge_round: int, available: list[str], absent: Mapping[str, str], not_participating: int) -> None:
-        self.file.append(Payload({"k": "plan", "edge": edge_round, "available": list(available),
-                                  "absent": dict(absent), "not_participating": not_participating}))
+        self.file.append(
+            Payload(
+                {
+                    "k": "plan",
+                    "edge": edge_round,
+                    "available": list(available),
+                    "absent": dict(absent),
+                    "not_participating": not_participating,
+                }
+            )
+        )
 
     def result(self, edge_round: int, device: str, result: Payload, nbytes: int) -> None:
-        self.file.append(Payload({"k": "result", "edge": edge_round, "device": device, "nbytes": nbytes,
-                                  "meta": result.meta}, result.tensors))
+        self.file.append(
+            Payload(
+                {"k": "result", "edge": edge_round, "device": device, "nbytes": nbytes, "meta": result.meta},
+                result.tensors,
+            )
+        )
 
     def closed(self, edge_round: int, record: dict[str, Any]) -> None:
         self.file.append(Payload({"k": "closed", "edge": edge_round, "record": record}))
@@ -130,8 +144,9 @@ def recover(cell: "CellServer", entries: list[Payload]) -> None:
             if (rnd, e) not in logged:  # the crash came between the journal and the aggregation log
                 cell._emit(record)
             continue
-        log.warning("cell %s: resumed round %d, edge round %d with %d of %d results", cell.cell, rnd, e,
-                    len(taken), len(plan))
+        log.warning(
+            "cell %s: resumed round %d, edge round %d with %d of %d results", cell.cell, rnd, e, len(taken), len(plan)
+        )
         cell._t0, cell._wall0 = cell.loop.now(), time.perf_counter()
         cell._opened = True
         cell.bytes_in = nbytes.get(e, 0)
@@ -151,5 +166,6 @@ def _logged(cell: "CellServer", rnd: int) -> set[tuple[int, int]]:
     path = cell.log.path
     if path is None or not path.exists():
         return set()
-    return {(r["round"], r["edge_round"]) for r in read_jsonl(path)
-            if r.get("cell") == cell.cell and r.get("round") == rnd}
+    return {
+        (r["round"], r["edge_round"]) for r in read_jsonl(path) if r.get("cell") == cell.cell and r.get("round") == rnd
+    }

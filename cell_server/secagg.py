@@ -8,6 +8,7 @@ survivor revealed or after ``secagg_deadline``. Extra messages travel on the exi
 device on its task topic, from a device on its result topic. Nothing secret is logged: the records
 carry counts, and a rejection's reason names the message, never its content.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,12 @@ class CellSecAgg:
         s = self.server
         self.cancel()
         self.key, self.failed = (s.round, s.edge_round), None
-        self.state = SecAggCell(self.settings, RoundId(s.run, s.cell, s.round, s.edge_round), planned,
-                                weight_bound=lambda d: s.max_weights.get(d, s.max_weight))
+        self.state = SecAggCell(
+            self.settings,
+            RoundId(s.run, s.cell, s.round, s.edge_round),
+            planned,
+            weight_bound=lambda d: s.max_weights.get(d, s.max_weight),
+        )
         if planned:
             self._arm("keys")
 
@@ -95,8 +100,14 @@ class CellSecAgg:
     def _send(self, kind: str, messages: Mapping[str, Payload]) -> None:
         s = self.server
         for d, payload in sorted(messages.items()):
-            s.bytes_out += s.messenger.send(topics.device_task(s.run, s.cell, d), kind, payload,  # type: ignore[arg-type]
-                                            round=s.round, edge_round=s.edge_round, cell=s.cell)
+            s.bytes_out += s.messenger.send(
+                topics.device_task(s.run, s.cell, d),
+                kind,
+                payload,  # type: ignore[arg-type]
+                round=s.round,
+                edge_round=s.edge_round,
+                cell=s.cell,
+            )
 
     def _fail(self, why: str) -> None:
         """Give the edge round up: logged, recorded, nothing aggregated; the next one starts as usual."""
@@ -120,8 +131,12 @@ class CellSecAgg:
         st = self.state
         if st is None:
             return {}
-        return {"keys": len(st.keys), "shared": len(st.sealed), "survivors": len(st.survivors),
-                "dropped": len(st.dropped)}
+        return {
+            "keys": len(st.keys),
+            "shared": len(st.sealed),
+            "survivors": len(st.survivors),
+            "dropped": len(st.dropped),
+        }
 
     # ---------------------------------------------------------------- messages
     def on_message(self, topic: str, device: str, msg: "Incoming") -> None:
@@ -131,8 +146,11 @@ class CellSecAgg:
             s.messenger.reject(topic, f"sender {h.sender!r} published on the topic of device {device!r}", device)
             return
         if self.state is None or (h.round, h.edge_round) != self.key:
-            s.messenger.reject(topic, f"{h.kind} for round {h.round}.{h.edge_round}, not the current aggregation "
-                                      "(stale or replayed)", device)
+            s.messenger.reject(
+                topic,
+                f"{h.kind} for round {h.round}.{h.edge_round}, not the current aggregation (stale or replayed)",
+                device,
+            )
             return
         method = _ADD.get(h.kind)
         if method is None:

@@ -3,6 +3,7 @@
 All algorithm logic lives in the cell role; this class decides *when* (a round closes when every
 planned device answered, a quorum did, or the deadline passed) and records *what happened*.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,15 +53,34 @@ def absence(absent: dict[str, str], limit: int, not_participating: int = 0) -> d
 class CellServer:
     """One cell's edge server."""
 
-    def __init__(self, transport: Transport, *, run: str, cell: str, devices: Iterable[str], role: CellRole,
-                 algorithm: str, device_deadline: float, quorum: float = 1.0,
-                 availability: Availability | None = None, log_path: str | None = None,
-                 trust: "Trust | None" = None, max_message_bytes: int | None = None,
-                 max_weights: Mapping[str, float] | None = None, max_weight: float | None = None,
-                 assume_online: bool = False, heartbeat: float = 0.0, heartbeat_timeout: float = 0.0,
-                 rejoin_wait: float = 0.0, absent_ids: int = 100, secagg: "SecAggSettings | None" = None,
-                 secagg_deadline: float = 30.0, journal_path: str | Path | None = None,
-                 resume: bool = False, status_wait: float = 0.0) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        run: str,
+        cell: str,
+        devices: Iterable[str],
+        role: CellRole,
+        algorithm: str,
+        device_deadline: float,
+        quorum: float = 1.0,
+        availability: Availability | None = None,
+        log_path: str | None = None,
+        trust: "Trust | None" = None,
+        max_message_bytes: int | None = None,
+        max_weights: Mapping[str, float] | None = None,
+        max_weight: float | None = None,
+        assume_online: bool = False,
+        heartbeat: float = 0.0,
+        heartbeat_timeout: float = 0.0,
+        rejoin_wait: float = 0.0,
+        absent_ids: int = 100,
+        secagg: "SecAggSettings | None" = None,
+        secagg_deadline: float = 30.0,
+        journal_path: str | Path | None = None,
+        resume: bool = False,
+        status_wait: float = 0.0,
+    ) -> None:
         """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
         ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never);
         ``rejoin_wait``: before planning an edge round, wait up to this long for the devices that
@@ -84,8 +104,9 @@ class CellServer:
         self.devices, self.role, self.algorithm = DeviceList(devices), role, algorithm  # sorted, compact
         self.device_deadline, self.quorum, self.availability = device_deadline, quorum, availability
         self.trust = trust
-        self.messenger = Messenger(transport, run, cell, trust=trust, max_payload=max_message_bytes,
-                                   on_reject=self._on_reject)
+        self.messenger = Messenger(
+            transport, run, cell, trust=trust, max_payload=max_message_bytes, on_reject=self._on_reject
+        )
         self.cloud = CloudSession()  # the cloud's current session, from its (signed) status
         self.max_weights, self.max_weight = max_weights if max_weights is not None else {}, max_weight
         self.log = JsonlWriter(log_path)
@@ -155,9 +176,17 @@ class CellServer:
 
     def _announce(self) -> None:
         status = topics.status(self.run, topics.cell_node(self.cell))
-        self.transport.publish(status, encode_status("online", topic=status, trust=self.trust,
-                                                     devices_online=self.online.count(),
-                                                     devices_total=len(self.devices)), retain=True)
+        self.transport.publish(
+            status,
+            encode_status(
+                "online",
+                topic=status,
+                trust=self.trust,
+                devices_online=self.online.count(),
+                devices_total=len(self.devices),
+            ),
+            retain=True,
+        )
 
     # ----------------------------------------------------------------- liveness
     def _beat_period(self) -> float:
@@ -169,8 +198,12 @@ class CellServer:
         if self.heartbeat_timeout > 0:
             for d, online in self.online.items():
                 if online and now - self.last_seen.get(d, now) > self.heartbeat_timeout:
-                    log.warning("cell %s: no heartbeat from %s for %.1f s, deemed offline", self.cell, d,
-                                now - self.last_seen[d])
+                    log.warning(
+                        "cell %s: no heartbeat from %s for %.1f s, deemed offline",
+                        self.cell,
+                        d,
+                        now - self.last_seen[d],
+                    )
                     self.online[d] = False
                     self._announce()
         if self.heartbeat > 0:
@@ -182,9 +215,9 @@ class CellServer:
         if node == "cloud":
             self.cloud.on_status(decode_status(data, topic, self.trust) if data else None)
             return
-        if not node.startswith("device.") or node[len("device."):] not in self.online:
+        if not node.startswith("device.") or node[len("device.") :] not in self.online:
             return
-        device = node[len("device."):]
+        device = node[len("device.") :]
         record = decode_status(data, topic, self.trust)
         if record is None:
             return
@@ -194,12 +227,23 @@ class CellServer:
         if self.online[device] != online:
             self.online[device] = online
             self._announce()
-            if (online and heard and self.answers.is_open and device in self.answers.pending
-                    and device in self._tasks and self.secagg is None):
+            if (
+                online
+                and heard
+                and self.answers.is_open
+                and device in self.answers.pending
+                and device in self._tasks
+                and self.secagg is None
+            ):
                 # back (an agent restarted, or reconnected with a new session) while its result is
                 # pending: the task it was given may be lost with its old process
-                log.warning("cell %s: %s is back while its result of %d.%d is pending: its task again", self.cell,
-                            device, self.round, self.edge_round)
+                log.warning(
+                    "cell %s: %s is back while its result of %d.%d is pending: its task again",
+                    self.cell,
+                    device,
+                    self.round,
+                    self.edge_round,
+                )
                 self._send_task(device)
         awaited = device in self._unknown or (online and device in self._waiting)
         self._unknown.discard(device)
@@ -220,8 +264,13 @@ class CellServer:
             return
         if self.trust is not None and self.round >= 0 and msg.header.session != self.messenger.session:
             # the cloud (announced by its signed status) started afresh: its rounds count from the start
-            log.warning("cell %s: cloud session %s started, round %d of session %s left", self.cell,
-                        msg.header.session, self.round, self.messenger.session)
+            log.warning(
+                "cell %s: cloud session %s started, round %d of session %s left",
+                self.cell,
+                msg.header.session,
+                self.round,
+                self.messenger.session,
+            )
             if self.in_round:
                 self._end_round()
             self.round, self._sent_report = -1, None
@@ -229,15 +278,22 @@ class CellServer:
             self._again(topic, msg.header.round)
             return
         if msg.header.round < self.round:
-            self.messenger.reject(topic, f"task for round {msg.header.round}, already at {self.round}", msg.header.sender)
+            self.messenger.reject(
+                topic, f"task for round {msg.header.round}, already at {self.round}", msg.header.sender
+            )
             return
         manifest = self.cloud.round
         if manifest is not None and msg.header.round < manifest:
-            self.messenger.reject(topic, f"task for round {msg.header.round}, the cloud's manifest says round "
-                                         f"{manifest} (replayed)", msg.header.sender)
+            self.messenger.reject(
+                topic,
+                f"task for round {msg.header.round}, the cloud's manifest says round {manifest} (replayed)",
+                msg.header.sender,
+            )
             return
         if self.in_round:
-            log.warning("cell %s: round %d abandoned, the cloud moved on to %d", self.cell, self.round, msg.header.round)
+            log.warning(
+                "cell %s: round %d abandoned, the cloud moved on to %d", self.cell, self.round, msg.header.round
+            )
             self._end_round()
         try:
             self.role.begin(msg.header.round, msg.payload)
@@ -277,8 +333,12 @@ class CellServer:
             self.messenger.reject(topic, f"cell task signed by {h.sender!r}, not the cloud", h.sender)
             return False
         if h.session is None or h.session != self.cloud.session:
-            self.messenger.reject(topic, f"task of cloud session {h.session!r}; the cloud's current session is "
-                                         f"{self.cloud.session!r} (replayed or forged)", h.sender)
+            self.messenger.reject(
+                topic,
+                f"task of cloud session {h.session!r}; the cloud's current session is "
+                f"{self.cloud.session!r} (replayed or forged)",
+                h.sender,
+            )
             return False
         return True
 
@@ -307,16 +367,32 @@ class CellServer:
         self._reset_edge()
         self._t0, self._wall0 = self.loop.now(), time.perf_counter()
         self._allowed = set(self.availability(self.round, self.edge_round)) if self.availability else None
-        self._waiting = ({d for d in self._allowed or () if d in self.online and not self.online[d]} - self._gave_up
-                         if self.rejoin_wait > 0 else set())
+        self._waiting = (
+            {d for d in self._allowed or () if d in self.online and not self.online[d]} - self._gave_up
+            if self.rejoin_wait > 0
+            else set()
+        )
         left = self._started + self.status_wait - self.loop.now()
-        self._unknown = {d for d in (self.devices if self._allowed is None else self._allowed)
-                         if d in self.online and not self.online[d] and d not in self.last_seen} if left > 0 else set()
+        self._unknown = (
+            {
+                d
+                for d in (self.devices if self._allowed is None else self._allowed)
+                if d in self.online and not self.online[d] and d not in self.last_seen
+            }
+            if left > 0
+            else set()
+        )
         wait = max(self.rejoin_wait if self._waiting else 0.0, left if self._unknown else 0.0)
         if wait > 0:
             if self._unknown:
-                log.info("cell %s: edge round %d.%d waits up to %.1f s for the first status of %d devices", self.cell,
-                         self.round, self.edge_round, wait, len(self._unknown))
+                log.info(
+                    "cell %s: edge round %d.%d waits up to %.1f s for the first status of %d devices",
+                    self.cell,
+                    self.round,
+                    self.edge_round,
+                    wait,
+                    len(self._unknown),
+                )
             self._wait_timer = self.loop.call_later(wait, lambda r=self.round, e=self.edge_round: self._plan_edge(r, e))
         else:
             self._plan_edge(self.round, self.edge_round)
@@ -346,8 +422,13 @@ class CellServer:
             self.journal.plan(self.edge_round, available, self.absent, self._not_participating)
         self._open_edge(self.role.plan(self.edge_round, available), available)
 
-    def _open_edge(self, plan: Mapping[str, Payload], available: list[str],
-                   taken: Mapping[str, Payload] | None = None, settled: Iterable[str] = ()) -> None:
+    def _open_edge(
+        self,
+        plan: Mapping[str, Payload],
+        available: list[str],
+        taken: Mapping[str, Payload] | None = None,
+        settled: Iterable[str] = (),
+    ) -> None:
         """Send the edge round's tasks (not to devices whose result is ``taken`` already, or that answered
         with nothing to aggregate, ``settled``: a resumed cell) and wait for the answers until the quorum
         or the deadline."""
@@ -379,9 +460,14 @@ class CellServer:
             self._timer = self.loop.call_later(self.device_deadline, lambda: self._close(r, e, "deadline"))
 
     def _send_task(self, device: str) -> None:
-        self.bytes_out += self.messenger.send(topics.device_task(self.run, self.cell, device), "device_task",
-                                              self._tasks[device], round=self.round, edge_round=self.edge_round,
-                                              cell=self.cell)
+        self.bytes_out += self.messenger.send(
+            topics.device_task(self.run, self.cell, device),
+            "device_task",
+            self._tasks[device],
+            round=self.round,
+            edge_round=self.edge_round,
+            cell=self.cell,
+        )
 
     def _on_result(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=self._result_kinds)
@@ -400,8 +486,9 @@ class CellServer:
         reason = self._bad_result(device, msg)
         if reason is None:
             check = self.secagg.check if self.secagg is not None else self.role.check
-            reason = self.answers.offer(device, h.sender, (h.round, h.edge_round),
-                                        None if diverged is not None else msg.payload, check)
+            reason = self.answers.offer(
+                device, h.sender, (h.round, h.edge_round), None if diverged is not None else msg.payload, check
+            )
         if reason is not None:
             self.messenger.reject(topic, reason, device)
             return
@@ -479,12 +566,28 @@ class CellServer:
         metrics = dict(metrics or {})
         excluded = metrics.pop("excluded", None)  # robust aggregation: who was left out, why
         record = CellRecord(
-            run=self.run, round=self.round, edge_round=self.edge_round, cell=self.cell, algorithm=self.algorithm,
-            planned=self.planned, answered=answered, **absence(self.absent, self.absent_ids, self._not_participating),
-            rejected=self.rejected, closed_by=why, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
-            loss_mean=mean, loss_std=spread, duration_s=round(time.perf_counter() - self._wall0, 6),
-            clock_s=round(now - self._t0, 6), clock_end_s=round(now, 6), deadline_s=self.device_deadline,
-            time=round(time.time(), 3), metrics=metrics, excluded=excluded, diverged=self.diverged or None,
+            run=self.run,
+            round=self.round,
+            edge_round=self.edge_round,
+            cell=self.cell,
+            algorithm=self.algorithm,
+            planned=self.planned,
+            answered=answered,
+            **absence(self.absent, self.absent_ids, self._not_participating),
+            rejected=self.rejected,
+            closed_by=why,
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            loss_mean=mean,
+            loss_std=spread,
+            duration_s=round(time.perf_counter() - self._wall0, 6),
+            clock_s=round(now - self._t0, 6),
+            clock_end_s=round(now, 6),
+            deadline_s=self.device_deadline,
+            time=round(time.time(), 3),
+            metrics=metrics,
+            excluded=excluded,
+            diverged=self.diverged or None,
         ).to_dict()
         if self.journal is not None:
             self.journal.closed(self.edge_round, record)
@@ -514,4 +617,3 @@ class CellServer:
         if self.journal is not None:
             self.journal.report(self._sent_report)
         self.transport.publish(topic, self._sent_report, qos=1)
-

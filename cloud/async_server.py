@@ -7,6 +7,7 @@ cells whose pushes it used. A push names the cloud version it derives from (``ro
 a future version, or one staler than ``max_staleness``, is rejected and logged. ``run.rounds`` counts
 cloud versions.
 """
+
 from __future__ import annotations
 
 from typing import Any

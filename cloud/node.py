@@ -1,4 +1,5 @@
 """Build the cloud server of a run from its config."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,26 +18,48 @@ from .async_server import AsyncCloudServer
 from .server import CellAvailability, CloudServer, Evaluator
 
 
-def build_cloud(cfg: RunConfig, transport: Transport, algorithm: Algorithm, *, evaluator: Evaluator | None = None,
-                output_dir: Path | None = None, resume: bool = False, startup_wait: float = 0.0,
-                on_round: Callable[[dict[str, Any]], None] | None = None,
-                availability: CellAvailability | None = None, devices_recreated: bool = False) -> CloudServer:
+def build_cloud(
+    cfg: RunConfig,
+    transport: Transport,
+    algorithm: Algorithm,
+    *,
+    evaluator: Evaluator | None = None,
+    output_dir: Path | None = None,
+    resume: bool = False,
+    startup_wait: float = 0.0,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    availability: CellAvailability | None = None,
+    devices_recreated: bool = False,
+) -> CloudServer:
     """``devices_recreated``: with ``resume``, the devices are new (a launcher rebuilt them), see
     ``CloudRole.forget_devices``."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
     if getattr(cfg.train, "mode", "sync") == "async":  # FedBuff over cells
         if resume:
-            raise ConfigError("--resume: algorithm.mode = \"async\" does not resume from a checkpoint yet "
-                              "(buffered pushes and cell versions are not checkpointed); run again")
+            raise ConfigError(
+                '--resume: algorithm.mode = "async" does not resume from a checkpoint yet '
+                "(buffered pushes and cell versions are not checkpointed); run again"
+            )
         server, extra = AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, algorithm.cloud())}  # type: ignore
     else:
         server, extra = CloudServer, {"role": algorithm.cloud()}
     return server(
-        transport, run=cfg.run.name, cells=cfg.topology.cell_ids(), rounds=cfg.run.rounds, **extra,
-        cell_deadline=cfg.cell_deadline(), evaluator=evaluator, eval_every=cfg.runtime.eval_every,
+        transport,
+        run=cfg.run.name,
+        cells=cfg.topology.cell_ids(),
+        rounds=cfg.run.rounds,
+        **extra,
+        cell_deadline=cfg.cell_deadline(),
+        evaluator=evaluator,
+        eval_every=cfg.runtime.eval_every,
         metrics_path=out / runfiles.METRICS if out else None,
         checkpoint_path=out / runfiles.CHECKPOINT if out else None,
-        resume=resume, startup_wait=startup_wait, on_round=on_round, availability=availability,
+        resume=resume,
+        startup_wait=startup_wait,
+        on_round=on_round,
+        availability=availability,
         devices_recreated=devices_recreated,
-        trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model))
+        trust=trust,
+        max_message_bytes=cfg.max_message_bytes(algorithm.model),
+    )

@@ -1,4 +1,5 @@
 """The cloud runtime: round orchestration, deadlines, evaluation, metrics and checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -53,20 +54,35 @@ class CloudServer:
     or ``cell_deadline`` passed. Waits, before round 0, until every cell says all its devices are
     online, or ``startup_wait`` seconds passed (0: start at once)."""
 
-    def __init__(self, transport: Transport, *, run: str, cells: list[str], role: CloudRole, rounds: int,
-                 cell_deadline: float, evaluator: Evaluator | None = None, eval_every: int = 1,
-                 metrics_path: str | Path | None = None, checkpoint_path: str | Path | None = None,
-                 resume: bool = False, startup_wait: float = 0.0, trust: "Trust | None" = None,
-                 max_message_bytes: int | None = None,
-                 on_round: Callable[[dict[str, Any]], None] | None = None,
-                 availability: CellAvailability | None = None, devices_recreated: bool = False) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        run: str,
+        cells: list[str],
+        role: CloudRole,
+        rounds: int,
+        cell_deadline: float,
+        evaluator: Evaluator | None = None,
+        eval_every: int = 1,
+        metrics_path: str | Path | None = None,
+        checkpoint_path: str | Path | None = None,
+        resume: bool = False,
+        startup_wait: float = 0.0,
+        trust: "Trust | None" = None,
+        max_message_bytes: int | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        availability: CellAvailability | None = None,
+        devices_recreated: bool = False,
+    ) -> None:
         self.transport, self.loop, self.run = transport, transport.loop, run
         self.cells, self.role, self.rounds = sorted(cells), role, rounds
         self.cell_deadline, self.evaluator, self.eval_every = cell_deadline, evaluator, max(1, eval_every)
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.trust = trust
-        self.messenger = Messenger(transport, run, "cloud", trust=trust, max_payload=max_message_bytes,
-                                   on_reject=self._on_reject)
+        self.messenger = Messenger(
+            transport, run, "cloud", trust=trust, max_payload=max_message_bytes, on_reject=self._on_reject
+        )
         self.startup_wait, self.on_round = startup_wait, on_round
         self.availability = availability
         self.session = new_session()  # stamps this cloud's retained records (see protocols.session)
@@ -86,7 +102,9 @@ class CloudServer:
         self._timer: TimerHandle | None = None
         self._in_round = False
         self.answers = Answers("cell")
-        self._early: dict[str, tuple[str, Any]] = {}  # cell -> its report of ``round`` that came before the round opened
+        self._early: dict[
+            str, tuple[str, Any]
+        ] = {}  # cell -> its report of ``round`` that came before the round opened
         self._rejected: list[dict[str, str]] = []
         self._rejected_more = 0
         self.resumed = False
@@ -115,8 +133,9 @@ class CloudServer:
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
         status = topics.status(self.run, "cloud")
         extra = {"started": round(time.time(), 6)} if self.trust is not None else {}
-        self.transport.publish(status, encode_status("online", topic=status, trust=self.trust, session=self.session,
-                                                     **extra), retain=True)
+        self.transport.publish(
+            status, encode_status("online", topic=status, trust=self.trust, session=self.session, **extra), retain=True
+        )
         if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker
             self.transport.publish(topics.control(self.run), b"", retain=True)
             self._check_stop()
@@ -140,7 +159,7 @@ class CloudServer:
         node = topic.rsplit("/", 1)[-1]
         if not node.startswith("cell."):
             return
-        cell, record = node[len("cell."):], decode_status(data, topic, self.trust)
+        cell, record = node[len("cell.") :], decode_status(data, topic, self.trust)
         if cell not in self.cell_ready or record is None:
             return
         online = record["state"] == "online"
@@ -186,8 +205,12 @@ class CloudServer:
         gone = self._offline_since.get(cell)
         if gone is None or self.loop.now() - gone >= self.cell_deadline:
             return False
-        log.info("cloud: round %d plans %s, offline for %.1f s: its session keeps the task", self.round, cell,
-                 self.loop.now() - gone)
+        log.info(
+            "cloud: round %d plans %s, offline for %.1f s: its session keeps the task",
+            self.round,
+            cell,
+            self.loop.now() - gone,
+        )
         return True
 
     def _send_tasks(self, candidates: list[str]) -> None:
@@ -200,11 +223,13 @@ class CloudServer:
         plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
         self.planned = sorted(plan)
         manifest = topics.round_manifest(self.run)
-        self.transport.publish(manifest, encode_manifest(self.session, self.round, topic=manifest, trust=self.trust),
-                               retain=True)
+        self.transport.publish(
+            manifest, encode_manifest(self.session, self.round, topic=manifest, trust=self.trust), retain=True
+        )
         for cell in self.planned:
-            self._bytes["cloud_to_cell"] += self.messenger.send(topics.cell_task(self.run, cell), "cell_task",
-                                                                plan[cell], round=self.round, cell=cell)
+            self._bytes["cloud_to_cell"] += self.messenger.send(
+                topics.cell_task(self.run, cell), "cell_task", plan[cell], round=self.round, cell=cell
+            )
 
     def _on_report(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("cell_report",))
@@ -241,8 +266,11 @@ class CloudServer:
         if h.cell != cell:
             return f"report for cell {h.cell!r} on the topic of cell {cell!r}"
         if self.trust is not None and (h.sender != cell or h.session != self.session):
-            return (f"report of session {h.session!r}, this cloud's is {self.session!r}" if h.sender == cell
-                    else f"report signed by {h.sender!r} on the topic of cell {cell!r}")
+            return (
+                f"report of session {h.session!r}, this cloud's is {self.session!r}"
+                if h.sender == cell
+                else f"report signed by {h.sender!r} on the topic of cell {cell!r}"
+            )
         return None
 
     def _count(self, cell: str, msg: Any) -> int:
@@ -286,15 +314,27 @@ class CloudServer:
         diverged = self._diverged(evaluation)
         self._stalled(reported)
         record = RoundRecord(
-            run=self.run, round=self.round, rounds=self.rounds, closed_by=why, cells_planned=self.planned,
-            cells_reported=reported, cells_absent=absent, devices=self._cell_devices,
+            run=self.run,
+            round=self.round,
+            rounds=self.rounds,
+            closed_by=why,
+            cells_planned=self.planned,
+            cells_reported=reported,
+            cells_absent=absent,
+            devices=self._cell_devices,
             devices_diverged=self._cell_diverged or None,
-            rejected=self._rejected, rejected_more=self._rejected_more or None, bytes=dict(self._bytes),
+            rejected=self._rejected,
+            rejected_more=self._rejected_more or None,
+            bytes=dict(self._bytes),
             cumulative_bytes=dict(self.cumulative),
-            clock_start_s=round(self._t0, 6), clock_s=round(self.loop.now(), 6), **evaluation,
-            excluded=excluded, epsilon=epsilon if epsilon is not None and np.isfinite(epsilon) else None,
+            clock_start_s=round(self._t0, 6),
+            clock_s=round(self.loop.now(), 6),
+            **evaluation,
+            excluded=excluded,
+            epsilon=epsilon if epsilon is not None and np.isfinite(epsilon) else None,
             diverged=diverged,
-            metrics=role_metrics, duration_s=round(time.perf_counter() - self._wall0, 6),
+            metrics=role_metrics,
+            duration_s=round(time.perf_counter() - self._wall0, 6),
             time=round(time.time(), 3),
         ).to_dict()
         self._rejected, self._rejected_more = [], 0  # the next record lists what is refused from now on
@@ -321,8 +361,11 @@ class CloudServer:
         if not bad:
             return None
         why = ", ".join(f"{k} = {evaluation.pop(k)}" for k in bad)
-        log.error("round %d: the global model diverged (%s): the run stops after this round (a learning rate "
-                  "too large?)", self.round, why)
+        log.error(
+            "round %d: the global model diverged (%s): the run stops after this round (a learning rate too large?)",
+            self.round,
+            why,
+        )
         self._stop_request = self._stop_request or f"the global model diverged at round {self.round} ({why})"
         return why
 
@@ -333,10 +376,16 @@ class CloudServer:
         self._stalled_rounds = self._stalled_rounds + 1 if stalled else 0
         if self._stalled_rounds >= STALLED_ROUNDS:
             n = sum(self._cell_diverged.values())
-            log.error("round %d: all %d devices that answered diverged, %d rounds in a row: the run stops after "
-                      "this round (a learning rate too large?)", self.round, n, self._stalled_rounds)
+            log.error(
+                "round %d: all %d devices that answered diverged, %d rounds in a row: the run stops after "
+                "this round (a learning rate too large?)",
+                self.round,
+                n,
+                self._stalled_rounds,
+            )
             self._stop_request = self._stop_request or (
-                f"every device diverged in rounds {self.round - self._stalled_rounds + 1}-{self.round}")
+                f"every device diverged in rounds {self.round - self._stalled_rounds + 1}-{self.round}"
+            )
 
     def _checkpoint(self, record: dict[str, Any] | None) -> None:
         """Atomically save the state after round ``self.round`` (before round 0: -1) and its ``record``,
@@ -346,8 +395,13 @@ class CloudServer:
             return
         state = self.role.state()
         done = self.round if record is not None else self.round - 1
-        meta = {"round": done, "session": self.session, "cumulative": self.cumulative, "role": state.meta,
-                **({"stalled": self._stalled_rounds} if self._stalled_rounds else {})}
+        meta = {
+            "round": done,
+            "session": self.session,
+            "cumulative": self.cumulative,
+            "role": state.meta,
+            **({"stalled": self._stalled_rounds} if self._stalled_rounds else {}),
+        }
         save_payload(self.checkpoint_path, Payload({**meta, "record": record} if record else meta, state.tensors))
 
     def request_stop(self, reason: str) -> None:
@@ -361,13 +415,18 @@ class CloudServer:
         stop = getattr(self.role, "stop_reason", None)
         self.stopped = self._stop_request or (stop(self.round) if stop is not None else None)
         if self.stopped:
-            (log.info if self._stop_request else log.warning)("stopping before round %d of %d: %s", self.round,
-                                                               self.rounds, self.stopped)
+            (log.info if self._stop_request else log.warning)(
+                "stopping before round %d of %d: %s", self.round, self.rounds, self.stopped
+            )
         return self.stopped
 
     def _finish(self) -> None:
         self.finished = True
         extra = {"stopped": self.stopped} if self.stopped else {}
-        self.messenger.send(topics.control(self.run), "control", Payload({"event": "finished", "round": self.round,
-                                                                       "session": self.session, **extra}),
-                            round=self.round, retain=True)
+        self.messenger.send(
+            topics.control(self.run),
+            "control",
+            Payload({"event": "finished", "round": self.round, "session": self.session, **extra}),
+            round=self.round,
+            retain=True,
+        )

@@ -1,4 +1,5 @@
 """The device runtime: receives tasks from its cell, runs the device role, publishes the result."""
+
 from __future__ import annotations
 
 import logging
@@ -31,19 +32,33 @@ class Executor(Protocol):
     """Runs a device's training elsewhere: ``done(result, None)`` or ``done(None, error)`` later, on
     the device's loop."""
 
-    def submit(self, device: str, task: Payload, ctx: DeviceContext,
-               done: Callable[[Payload | None, str | None], None]) -> None: ...
+    def submit(
+        self, device: str, task: Payload, ctx: DeviceContext, done: Callable[[Payload | None, str | None], None]
+    ) -> None: ...
 
 
 class DeviceAgent:
     """One device. Announces itself online (retained; its will says offline), then answers tasks."""
 
-    def __init__(self, transport: Transport, *, run: str, cell: str, device: str, role: DeviceRole,
-                 data: LocalData, trainer: Trainer, seed: int, trust: "Trust | None" = None,
-                 max_message_bytes: int | None = None, on_task: Callable[[int, int], None] | None = None,
-                 compute_delay: Callable[[str, Payload], float] | None = None,
-                 cloud: "CloudSession | None" = None, secagg: "SecAggSettings | None" = None,
-                 keep_answer: bool = False) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        run: str,
+        cell: str,
+        device: str,
+        role: DeviceRole,
+        data: LocalData,
+        trainer: Trainer,
+        seed: int,
+        trust: "Trust | None" = None,
+        max_message_bytes: int | None = None,
+        on_task: Callable[[int, int], None] | None = None,
+        compute_delay: Callable[[str, Payload], float] | None = None,
+        cloud: "CloudSession | None" = None,
+        secagg: "SecAggSettings | None" = None,
+        keep_answer: bool = False,
+    ) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
         the result leaves (a compute model for simulation, see ``sim/clock.py``). ``trust`` (the device's
         identity) signs what it sends and admits only tasks signed by its cell; ``cloud`` (what the
@@ -166,8 +181,10 @@ class DeviceAgent:
             return f"task signed by {h.sender!r}, not by this device's cell {self.cell!r}"
         if self.trust is not None and self.cloud is not None:
             if h.session is None or h.session != self.cloud.session:
-                return (f"task of cloud session {h.session!r}; the cloud's current session is "
-                        f"{self.cloud.session!r} (replayed or forged)")
+                return (
+                    f"task of cloud session {h.session!r}; the cloud's current session is "
+                    f"{self.cloud.session!r} (replayed or forged)"
+                )
             now = self.cloud.round
             if now is not None and h.round > now:
                 return f"task for round {h.round}, the cloud's manifest says round {now}"
@@ -175,23 +192,37 @@ class DeviceAgent:
         if now is not None and h.round < now:
             return f"stale task for round {h.round}, the cloud's manifest says round {now}"
         again = (h.round, h.edge_round) == (self._last or (None, -1, -1))[1:]
-        if self._last is not None and self._last[0] == self._session_of(h) and (
+        if (
+            self._last is not None
+            and self._last[0] == self._session_of(h)
+            and (
                 (h.round, h.edge_round) < self._last[1:]
-                or again and self.trust is None and not self.pending and self._answer is None):
-            return (f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} "
-                    f"(replayed)")
+                or again
+                and self.trust is None
+                and not self.pending
+                and self._answer is None
+            )
+        ):
+            return f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} (replayed)"
         return None
 
     def _answer_again(self, topic: str, h: Header) -> None:
         """Send the kept result of the last task again (the same message: a cell that had it counts it once)."""
         assert self._answer is not None
         if self._reanswers >= REANSWERS:
-            self.messenger.reject(topic, f"task for round {h.round}.{h.edge_round} again, answered "
-                                         f"{1 + REANSWERS} times already (replayed)", h.sender)
+            self.messenger.reject(
+                topic,
+                f"task for round {h.round}.{h.edge_round} again, answered {1 + REANSWERS} times already (replayed)",
+                h.sender,
+            )
             return
         self._reanswers += 1
-        log.warning("device %s: task %d.%d again (a restarted cell): sending its result again", self.device,
-                    h.round, h.edge_round)
+        log.warning(
+            "device %s: task %d.%d again (a restarted cell): sending its result again",
+            self.device,
+            h.round,
+            h.edge_round,
+        )
         _, result_topic, message = self._answer
         self.transport.publish(result_topic, message, qos=1)
 
@@ -238,8 +269,9 @@ class DeviceAgent:
         """Send a result to the cell (and keep its message, with ``keep_answer``)."""
         topic = topics.device_result(self.run, self.cell, self.device)
         try:
-            message = self.messenger.frame("device_result", result, round=round, edge_round=edge_round,
-                                           cell=self.cell, topic=topic)
+            message = self.messenger.frame(
+                "device_result", result, round=round, edge_round=edge_round, cell=self.cell, topic=topic
+            )
         except (ValueError, TypeError) as exc:  # a result the wire cannot carry: logged, not sent
             log.error("device %s: result of round %d.%d not sent: %s", self.device, round, edge_round, exc)
             return

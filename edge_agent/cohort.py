@@ -19,6 +19,7 @@ devices (:class:`~protocols.cohort_trainer.CohortEngine`). The greenlets take tu
 (no threads), so each device's random draws are its own, as on the per-device path. Completions
 run in submission order.
 """
+
 from __future__ import annotations
 
 import logging
@@ -136,8 +137,15 @@ class CohortExecutor:
     a forward-only (onnx) agent trains as it is. Refuses (``ConfigError``) a model the cohort engine
     cannot vectorize."""
 
-    def __init__(self, agents: Mapping[str, Any], spec: ModelSpec, loop: Loop, cohort_size: int,
-                 device: str = "cpu", threads: int = 1) -> None:
+    def __init__(
+        self,
+        agents: Mapping[str, Any],
+        spec: ModelSpec,
+        loop: Loop,
+        cohort_size: int,
+        device: str = "cpu",
+        threads: int = 1,
+    ) -> None:
         self.agents, self.spec, self.loop, self.cohort_size = agents, spec, loop, cohort_size
         self.engine = cohort_engine(spec, device, threads)
         self.queue: list[tuple[Any, Payload, DeviceContext, Callable[[Callable[[], None]], None], Done]] = []

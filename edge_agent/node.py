@@ -1,4 +1,5 @@
 """Build a device agent of a run from its config."""
+
 from __future__ import annotations
 
 from protocols.algorithms.base import Algorithm
@@ -16,17 +17,38 @@ def cell_of(cfg: RunConfig, device: str) -> str:
     cell = cfg.topology.cell_of(device)
     if cell is not None:
         return cell
-    raise ValueError(f"device {device!r} is not in the topology (ids look like c0-d0 ... "
-                     f"c{cfg.topology.cells - 1}-d{cfg.topology.devices_per_cell - 1})")
+    raise ValueError(
+        f"device {device!r} is not in the topology (ids look like c0-d0 ... "
+        f"c{cfg.topology.cells - 1}-d{cfg.topology.devices_per_cell - 1})"
+    )
 
 
-def build_agent(cfg: RunConfig, device: str, transport: Transport, algorithm: Algorithm, data: LocalData,
-                trainer: Trainer, cloud: CloudSession | None = None, keep_answer: bool = False) -> DeviceAgent:
+def build_agent(
+    cfg: RunConfig,
+    device: str,
+    transport: Transport,
+    algorithm: Algorithm,
+    data: LocalData,
+    trainer: Trainer,
+    cloud: CloudSession | None = None,
+    keep_answer: bool = False,
+) -> DeviceAgent:
     """``cloud``: what the device's process knows of the cloud's session (MQTT agents), so that only
     tasks of the current session count. ``keep_answer``: send the last result again when a restarted cell
     re-sends its task (MQTT agents; see :class:`DeviceAgent`)."""
     trust = node_trust(cfg, device)  # [security] keys: sign, and require the cell's signature
-    return DeviceAgent(transport, run=cfg.run.name, cell=cell_of(cfg, device), device=device,
-                       role=algorithm.device(device), data=data, trainer=trainer, seed=cfg.run.seed,
-                       trust=trust, max_message_bytes=cfg.max_message_bytes(algorithm.model), cloud=cloud,
-                       secagg=cfg.secagg_settings(), keep_answer=keep_answer)
+    return DeviceAgent(
+        transport,
+        run=cfg.run.name,
+        cell=cell_of(cfg, device),
+        device=device,
+        role=algorithm.device(device),
+        data=data,
+        trainer=trainer,
+        seed=cfg.run.seed,
+        trust=trust,
+        max_message_bytes=cfg.max_message_bytes(algorithm.model),
+        cloud=cloud,
+        secagg=cfg.secagg_settings(),
+        keep_answer=keep_answer,
+    )

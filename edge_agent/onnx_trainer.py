@@ -5,6 +5,7 @@ parameter as inputs, so the parameters live here as numpy arrays and are fed on 
 zeroth-order training (DeComFL), evaluation and loss probes; ``loss_and_grad`` and ``sgd`` are not
 available. Cross-entropy is computed in numpy (float64 log-sum-exp over the float32 logits).
 """
+
 from __future__ import annotations
 
 import base64

@@ -12,6 +12,7 @@ thread, so a long training step never silences them. With ``runtime.engine = "co
 tasks are queued and trained together as cohorts whenever the loop is idle (``edge_agent/cohort.py``).
 torch is imported only by the torch backend.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,8 +66,13 @@ class BrokerOptions:
     def from_config(cls, cfg: RunConfig, url: str | None = None, **overrides: Any) -> "BrokerOptions":
         """The config's ``[broker]`` section; ``url`` and non-None ``overrides`` (CLI flags) win."""
         b = cfg.broker
-        fields = {"username": b.username, "password": b.password, "ca_certs": b.ca_certs,
-                  "certfile": b.certfile, "keyfile": b.keyfile}
+        fields = {
+            "username": b.username,
+            "password": b.password,
+            "ca_certs": b.ca_certs,
+            "certfile": b.certfile,
+            "keyfile": b.keyfile,
+        }
         fields.update({k: v for k, v in overrides.items() if v is not None})
         url = url or b.url
         if not url:
@@ -82,9 +88,19 @@ class BrokerOptions:
 
         kwargs.setdefault("persistent", True)
 
-        return MqttTransport.from_url(self.url, client_id(run, node), loop, username=self.username,
-                                      password=self.password, ca_certs=self.ca_certs, certfile=self.certfile,
-                                      keyfile=self.keyfile, will=will, max_chunk=self.max_chunk, **kwargs)
+        return MqttTransport.from_url(
+            self.url,
+            client_id(run, node),
+            loop,
+            username=self.username,
+            password=self.password,
+            ca_certs=self.ca_certs,
+            certfile=self.certfile,
+            keyfile=self.keyfile,
+            will=will,
+            max_chunk=self.max_chunk,
+            **kwargs,
+        )
 
 
 def client_id(run: str, node: str) -> str:
@@ -113,8 +129,13 @@ def _will(topic: str, cfg: RunConfig | None) -> Will:
 def save_device_data(path: str | Path, data: LocalData, spec: ModelSpec) -> None:
     """A device's samples as ``.npz``: ``x``, ``y``, plus the model's ``input_shape`` and ``num_classes``."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, x=data.x, y=data.y, input_shape=np.asarray(spec.input_shape, dtype=np.int64),
-             num_classes=np.asarray(spec.num_classes, dtype=np.int64))
+    np.savez(
+        path,
+        x=data.x,
+        y=data.y,
+        input_shape=np.asarray(spec.input_shape, dtype=np.int64),
+        num_classes=np.asarray(spec.num_classes, dtype=np.int64),
+    )
 
 
 def load_device_data(path: str | Path) -> tuple[LocalData, tuple[int, ...] | None, int | None]:
@@ -132,8 +153,13 @@ def load_device_data(path: str | Path) -> tuple[LocalData, tuple[int, ...] | Non
         raise ConfigError(f"{path}: not a readable .npz data file: {exc}") from None
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or not np.issubdtype(y.dtype, np.integer):
         raise ConfigError(f"{path}: expected x [n, ...] and integer y [n], got {x.shape} and {y.dtype}{y.shape}")
-    return LocalData(np.ascontiguousarray(x.reshape(len(x), -1), dtype=np.float32),
-                     np.ascontiguousarray(y, dtype=np.int64)), shape, classes
+    return (
+        LocalData(
+            np.ascontiguousarray(x.reshape(len(x), -1), dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+        ),
+        shape,
+        classes,
+    )
 
 
 # ---------------------------------------------------------------------------------------- backends
@@ -146,8 +172,9 @@ def _torch_trainer(spec: ModelSpec, cfg: RunConfig) -> Trainer:
     from protocols.torch_trainer import TorchTrainer
 
     torch.set_num_threads(1)  # small models: one thread per process is fastest, and processes share cores
-    return TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
-                                  **spec.build_kwargs())
+    return TorchTrainer.from_spec(
+        spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
+    )
 
 
 def _onnx_trainer(spec: ModelSpec, cfg: RunConfig) -> Trainer:
@@ -190,11 +217,21 @@ class AgentProcess:
     maps a cell to the broker of its devices (a broker per cell); other devices use ``broker``.
     """
 
-    def __init__(self, cfg: RunConfig, algorithm: Algorithm, data: dict[str, LocalData], trainer: Trainer,
-                 broker: BrokerOptions, *, heartbeat: float | None = None,
-                 on_task: Callable[[str, int, int], None] | None = None, timing: bool = False,
-                 availability: Callable[[int], Iterable[str]] | None = None,
-                 rejoin_poll: float | None = None, cell_brokers: dict[str, BrokerOptions] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        algorithm: Algorithm,
+        data: dict[str, LocalData],
+        trainer: Trainer,
+        broker: BrokerOptions,
+        *,
+        heartbeat: float | None = None,
+        on_task: Callable[[str, int, int], None] | None = None,
+        timing: bool = False,
+        availability: Callable[[int], Iterable[str]] | None = None,
+        rejoin_poll: float | None = None,
+        cell_brokers: dict[str, BrokerOptions] | None = None,
+    ) -> None:
         self.cfg, self.algorithm, self.data, self.trainer, self.broker = cfg, algorithm, data, trainer, broker
         self.cell_brokers = cell_brokers or {}  # cell -> its own broker (bridged cell brokers)
         self.run = cfg.run.name
@@ -226,8 +263,14 @@ class AgentProcess:
         if cfg.runtime.engine == "cohort" and torch_trainer and isinstance(trainer, torch_trainer.TorchTrainer):
             from .cohort import CohortExecutor
 
-            self.executor = CohortExecutor(self.agents, algorithm.model, self.loop, cfg.runtime.cohort_size,
-                                           cfg.runtime.device, cfg.runtime.cohort_threads)
+            self.executor = CohortExecutor(
+                self.agents,
+                algorithm.model,
+                self.loop,
+                cfg.runtime.cohort_size,
+                cfg.runtime.device,
+                cfg.runtime.cohort_threads,
+            )
 
     def start(self, connect_timeout: float = 30.0) -> "AgentProcess":
         """Connect every device (at most ``connect_window`` CONNECTs under way at once, each retried
@@ -241,8 +284,16 @@ class AgentProcess:
         for device, data in self.data.items():
             transport = self._transport(device)
             self.clouds[device] = CloudSession()
-            agent = build_agent(self.cfg, device, transport, self.algorithm, data, self.trainer,
-                                cloud=self.clouds[device], keep_answer=True)
+            agent = build_agent(
+                self.cfg,
+                device,
+                transport,
+                self.algorithm,
+                data,
+                self.trainer,
+                cloud=self.clouds[device],
+                keep_answer=True,
+            )
             if self.on_task is not None:
                 agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)
             self.agents[device] = agent
@@ -262,8 +313,9 @@ class AgentProcess:
             self._connected(*under_way.popleft())
         for device, transport in fresh:
             if not transport.wait_subscribed(connect_timeout):
-                raise ConnectionError(f"device {device}: the broker did not acknowledge its subscriptions "
-                                      f"within {connect_timeout:g} s")
+                raise ConnectionError(
+                    f"device {device}: the broker did not acknowledge its subscriptions within {connect_timeout:g} s"
+                )
         self._on_loop(lambda: [self._announce(d) for d, _ in fresh])
         if self.heartbeat > 0:
             self._beat_timer = self.reactor.call_later(self.heartbeat, self._beat)
@@ -276,9 +328,16 @@ class AgentProcess:
         attempt = self.connections.get(device, 0)
         cell = cell_of(self.cfg, device)
         broker = self.cell_brokers.get(cell, self.broker)
-        return broker.transport(node, self.run, self.loop, will=device_will(self.run, cell, device, self.cfg),
-                                     reactor=self.reactor, retry_refused=True, persistent=persistent,
-                                     backoff_seed=derive_seed(self.cfg.run.seed, device, attempt, "mqtt-backoff"))
+        return broker.transport(
+            node,
+            self.run,
+            self.loop,
+            will=device_will(self.run, cell, device, self.cfg),
+            reactor=self.reactor,
+            retry_refused=True,
+            persistent=persistent,
+            backoff_seed=derive_seed(self.cfg.run.seed, device, attempt, "mqtt-backoff"),
+        )
 
     def _prepare(self, device: str, transport: Any) -> None:
         """On the loop: make ``transport`` the device's connection and register its subscriptions
@@ -466,11 +525,18 @@ class AgentProcess:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per device: its wire counters (all its connections), connections, the agent's payload bytes and tasks
         (and, with the cohort engine, ``cohort_sizes``: the size of each cohort it trained in)."""
-        return {d: {"wire": merge_wire([*self._past.get(d, []), self.transports[d].stats.snapshot()]),
-                    "connections": self.connections.get(d, 0), "bytes_in": a.bytes_in, "bytes_out": a.bytes_out,
-                    "tasks": a.tasks_done, **({"compute": self.compute.get(d, [])} if self.timing else {}),
-                    **({"cohort_sizes": self.executor.sizes.get(d, [])} if self.executor is not None else {})}
-                for d, a in self.agents.items()}
+        return {
+            d: {
+                "wire": merge_wire([*self._past.get(d, []), self.transports[d].stats.snapshot()]),
+                "connections": self.connections.get(d, 0),
+                "bytes_in": a.bytes_in,
+                "bytes_out": a.bytes_out,
+                "tasks": a.tasks_done,
+                **({"compute": self.compute.get(d, [])} if self.timing else {}),
+                **({"cohort_sizes": self.executor.sizes.get(d, [])} if self.executor is not None else {}),
+            }
+            for d, a in self.agents.items()
+        }
 
 
 def merge_wire(snapshots: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ the cell routed the shares. Every ``secagg_*`` message must be for the aggregati
 (session, round, edge round) and, in signed runs, signed by the device's cell; anything else is
 rejected and logged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,26 +42,38 @@ class DeviceSecAgg:
             self.agent.pending -= 1
         a = self.agent
         self.key = (h.session, h.round, h.edge_round)
-        self.state = SecAggDevice(self.settings, RoundId(a.run, a.cell, h.round, h.edge_round), a.device,
-                                  float(len(a.data)))
+        self.state = SecAggDevice(
+            self.settings, RoundId(a.run, a.cell, h.round, h.edge_round), a.device, float(len(a.data))
+        )
         self._train, self._result = train, None
         self._send("secagg_keys", self.state.advertise())
 
     def _send(self, kind: str, payload: Payload) -> None:
         a = self.agent
         assert self.key is not None
-        a.bytes_out += a.messenger.send(topics.device_result(a.run, a.cell, a.device), kind, payload,  # type: ignore[arg-type]
-                                        round=self.key[1], edge_round=self.key[2], cell=a.cell)
+        a.bytes_out += a.messenger.send(
+            topics.device_result(a.run, a.cell, a.device),
+            kind,
+            payload,  # type: ignore[arg-type]
+            round=self.key[1],
+            edge_round=self.key[2],
+            cell=a.cell,
+        )
 
     def on_message(self, topic: str, msg: "Incoming") -> None:
         """A ``secagg_*`` message on this device's task topic."""
         a, h = self.agent, msg.header
         if h.cell != a.cell or (a.trust is not None and h.sender != a.cell):
-            a.messenger.reject(topic, f"{h.kind} from {h.sender!r} of cell {h.cell!r}, not this device's cell", h.sender)
+            a.messenger.reject(
+                topic, f"{h.kind} from {h.sender!r} of cell {h.cell!r}, not this device's cell", h.sender
+            )
             return
         if self.state is None or (h.session, h.round, h.edge_round) != self.key:
-            a.messenger.reject(topic, f"{h.kind} for round {h.round}.{h.edge_round}, not the aggregation in "
-                                      "progress (stale or replayed)", h.sender)
+            a.messenger.reject(
+                topic,
+                f"{h.kind} for round {h.round}.{h.edge_round}, not the aggregation in progress (stale or replayed)",
+                h.sender,
+            )
             return
         a.bytes_in += msg.nbytes
         try:
@@ -83,8 +96,9 @@ class DeviceSecAgg:
     def result_ready(self, result: Payload, round: int, edge_round: int) -> None:
         """The training's result: it leaves masked once the shares are routed."""
         if self.state is None or self.key is None or (round, edge_round) != self.key[1:]:
-            log.warning("device %s: result of %d.%d dropped, its aggregation is over", self.agent.device, round,
-                        edge_round)
+            log.warning(
+                "device %s: result of %d.%d dropped, its aggregation is over", self.agent.device, round, edge_round
+            )
             return
         self._result = result
         if self.state.shared:
@@ -96,7 +110,8 @@ class DeviceSecAgg:
         try:
             masked = self.state.mask(result)
         except Rejected as exc:
-            self.agent.messenger.reject(topics.device_task(self.agent.run, self.agent.cell, self.agent.device),
-                                        str(exc), None)
+            self.agent.messenger.reject(
+                topics.device_task(self.agent.run, self.agent.cell, self.agent.device), str(exc), None
+            )
             return
         self.agent.publish_result(masked, self.key[1], self.key[2])

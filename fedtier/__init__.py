@@ -1,2 +1,3 @@
 """fedtier: federated learning for device -> cell -> cloud hierarchies."""
+
 __version__ = "0.1.0"

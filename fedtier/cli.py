@@ -1,4 +1,5 @@
 """The ``fedtier`` command line. ``fedtier --help`` lists the commands."""
+
 from __future__ import annotations
 
 import click
@@ -7,23 +8,42 @@ from . import __version__
 from .console import console, load_or_exit, print_summary, round_progress, setup_logging
 
 CONFIG = click.argument("config", type=click.Path(exists=True, dir_okay=False))
-SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                   help="Override a config key, e.g. --set run.rounds=5 (repeatable).")
+SET = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config key, e.g. --set run.rounds=5 (repeatable).",
+)
 VERBOSE = click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 
 
 def auth_options(fn):
     """The broker credential and TLS flags (each defaults to the config's ``[broker]`` value)."""
-    for opt in reversed((
-        click.option("--username", default=None, help="Broker user name (default: [broker] username)."),
-        click.option("--password", default=None, help="Broker password (default: [broker] password)."),
-        click.option("--ca-certs", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="CA bundle for TLS (passed to paho's tls_set)."),
-        click.option("--certfile", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="Client certificate for TLS."),
-        click.option("--keyfile", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="Client private key for TLS."),
-    )):
+    for opt in reversed(
+        (
+            click.option("--username", default=None, help="Broker user name (default: [broker] username)."),
+            click.option("--password", default=None, help="Broker password (default: [broker] password)."),
+            click.option(
+                "--ca-certs",
+                type=click.Path(exists=True, dir_okay=False),
+                default=None,
+                help="CA bundle for TLS (passed to paho's tls_set).",
+            ),
+            click.option(
+                "--certfile",
+                type=click.Path(exists=True, dir_okay=False),
+                default=None,
+                help="Client certificate for TLS.",
+            ),
+            click.option(
+                "--keyfile",
+                type=click.Path(exists=True, dir_okay=False),
+                default=None,
+                help="Client private key for TLS.",
+            ),
+        )
+    ):
         fn = opt(fn)
     return fn
 
@@ -39,14 +59,29 @@ def main() -> None:
 @SET
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option("--workers", type=click.IntRange(min=0), default=None,
-              help="Train the devices in N worker processes (runtime.sim_workers; 0: in this process).")
-@click.option("--engine", type=click.Choice(["device", "cohort"]), default=None,
-              help="device: each device alone (bit-identical to fedtier run); cohort: an edge round's devices "
-                   "as one batched model (runtime.engine).")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Train the devices in N worker processes (runtime.sim_workers; 0: in this process).",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["device", "cohort"]),
+    default=None,
+    help="device: each device alone (bit-identical to fedtier run); cohort: an edge round's devices "
+    "as one batched model (runtime.engine).",
+)
 @VERBOSE
-def sim(config: str, overrides: tuple[str, ...], resume: bool, no_progress: bool, workers: int | None,
-        engine: str | None, verbose: int) -> None:
+def sim(
+    config: str,
+    overrides: tuple[str, ...],
+    resume: bool,
+    no_progress: bool,
+    workers: int | None,
+    engine: str | None,
+    verbose: int,
+) -> None:
     """Simulate CONFIG in one process, without a broker (same tier code, in-memory transport)."""
     from protocols.config import ConfigError
     from sim.executors import WorkerError
@@ -54,7 +89,8 @@ def sim(config: str, overrides: tuple[str, ...], resume: bool, no_progress: bool
 
     setup_logging(verbose)
     flags = ((f"runtime.sim_workers={workers}",) if workers is not None else ()) + (
-        (f"runtime.engine={engine}",) if engine is not None else ())
+        (f"runtime.engine={engine}",) if engine is not None else ()
+    )
     cfg = load_or_exit(config, overrides + flags)
     try:
         with round_progress(cfg, not no_progress) as on_round:
@@ -70,7 +106,17 @@ def sim(config: str, overrides: tuple[str, ...], resume: bool, no_progress: bool
     print_summary(result.summary(), result.output_dir)
 
 
-for _module in ("cmd_keys", "cmd_provision", "cmd_monitor", "cmd_logs", "cmd_report", "cmd_export", "cmd_run", "cmd_deploy", "cmd_bridge"):  # command modules register themselves on ``main`` when imported
+for _module in (
+    "cmd_keys",
+    "cmd_provision",
+    "cmd_monitor",
+    "cmd_logs",
+    "cmd_report",
+    "cmd_export",
+    "cmd_run",
+    "cmd_deploy",
+    "cmd_bridge",
+):  # command modules register themselves on ``main`` when imported
     __import__(f"{__package__}.{_module}")
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,5 +1,6 @@
 """Deployment commands, one per tier, each able to run on its own machine over a broker:
 ``fedtier cloud``, ``fedtier cell``, ``fedtier agent``."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,9 @@ from .cmd_keys import keys_option
 from .console import console, load_or_exit, print_summary, round_progress, setup_logging
 from .metrics import linger, metrics_options, port_override, serve_metrics
 
-BROKER = click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
-                      help="The broker (default: the config's [broker] url).")
+BROKER = click.option(
+    "--broker", "broker_url", metavar="mqtt://HOST:PORT", help="The broker (default: the config's [broker] url)."
+)
 
 
 def _check_keys(cfg, node: str) -> None:
@@ -40,8 +42,12 @@ def _spec(cfg, npz: str | None):
             return cfg.model_spec(shape, classes), data
     from sim.datasets import load_dataset
 
-    ds = load_dataset(cfg.data.dataset, max_train=cfg.data.max_train or None, max_test=cfg.data.max_test or None,
-                      subsample_seed=cfg.run.seed)
+    ds = load_dataset(
+        cfg.data.dataset,
+        max_train=cfg.data.max_train or None,
+        max_test=cfg.data.max_test or None,
+        subsample_seed=cfg.run.seed,
+    )
     return cfg.model_spec(ds.input_shape, ds.num_classes), data
 
 
@@ -68,8 +74,10 @@ def watch_cloud(node):
 
     node.transport.subscribe(topics.control(node.run), on_control)
     if cloud is not own:
-        node.transport.subscribe(topics.status(node.run, "cloud"),
-                                 lambda t, data: cloud.on_status(decode_status(data, t, trust) if data else None))
+        node.transport.subscribe(
+            topics.status(node.run, "cloud"),
+            lambda t, data: cloud.on_status(decode_status(data, t, trust) if data else None),
+        )
     return cloud
 
 
@@ -99,14 +107,28 @@ def _fail(exc: Exception, code: int) -> None:
 @SET
 @BROKER
 @auth_options
-@click.option("--test-data", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A .npz (x, y) held-out set for the cloud's central evaluation.")
+@click.option(
+    "--test-data",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A .npz (x, y) held-out set for the cloud's central evaluation.",
+)
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @metrics_options
 @VERBOSE
-def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_data: str | None, resume: bool,
-          no_progress: bool, metrics_port: int | None, metrics_linger: float, verbose: int, **auth) -> None:
+def cloud(
+    config: str,
+    overrides: tuple[str, ...],
+    broker_url: str | None,
+    test_data: str | None,
+    resume: bool,
+    no_progress: bool,
+    metrics_port: int | None,
+    metrics_linger: float,
+    verbose: int,
+    **auth,
+) -> None:
     """Run the cloud aggregator of CONFIG; outputs go to the config's run folder."""
     from cloud.node import build_cloud
     from edge_agent.runner import offline_will
@@ -133,16 +155,25 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
 
     t0 = time.perf_counter()
     with round_progress(cfg, not no_progress) as on_round:
-        node = build_cloud(cfg, transport, cfg.build_algorithm(spec), evaluator=evaluator, output_dir=out,
-                           resume=resume, startup_wait=cfg.runtime.startup_wait, on_round=on_round)
+        node = build_cloud(
+            cfg,
+            transport,
+            cfg.build_algorithm(spec),
+            evaluator=evaluator,
+            output_dir=out,
+            resume=resume,
+            startup_wait=cfg.runtime.startup_wait,
+            on_round=on_round,
+        )
         exporter = serve_metrics(cfg)
         if exporter is not None:
             exporter.watch_cloud(node)
         _serve(node, loop)
     linger(exporter, metrics_linger)
     if node.finished:
-        result = RunResult(cfg, node.role.global_params(), node.history, [], out, time.perf_counter() - t0,
-                           stopped=node.stopped)
+        result = RunResult(
+            cfg, node.role.global_params(), node.history, [], out, time.perf_counter() - t0, stopped=node.stopped
+        )
         write_final(out, result)
         print_summary(result.summary(), out)
 
@@ -157,8 +188,17 @@ def cloud(config: str, overrides: tuple[str, ...], broker_url: str | None, test_
 @auth_options
 @metrics_options
 @VERBOSE
-def cell(config: str, overrides: tuple[str, ...], cell_id: str, resume: bool, broker_url: str | None,
-         metrics_port: int | None, metrics_linger: float, verbose: int, **auth) -> None:
+def cell(
+    config: str,
+    overrides: tuple[str, ...],
+    cell_id: str,
+    resume: bool,
+    broker_url: str | None,
+    metrics_port: int | None,
+    metrics_linger: float,
+    verbose: int,
+    **auth,
+) -> None:
     """Run the edge server of one cell of CONFIG (its aggregation log goes to the config's run folder)."""
     from cell_server.node import build_cell
     from edge_agent.runner import offline_will
@@ -178,8 +218,9 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, resume: bool, br
         out.mkdir(parents=True, exist_ok=True)
         loop = ThreadLoop(f"cell-{cell_id}")
         node_name = topics.cell_node(cell_id)
-        transport = opts.transport(node_name, cfg.run.name, loop,
-                                   will=offline_will(cfg.run.name, node_name, cfg)).connect()
+        transport = opts.transport(
+            node_name, cfg.run.name, loop, will=offline_will(cfg.run.name, node_name, cfg)
+        ).connect()
     except ConfigError as exc:
         _fail(exc, 2)
     except ConnectionError as exc:
@@ -188,8 +229,17 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, resume: bool, br
 
     # device-level participation: as in `fedtier run`, absent devices leave
     try:
-        node = build_cell(cfg, cell_id, transport, cfg.build_algorithm(spec), output_dir=out, heartbeats=True,
-                          availability=edge_availability(cfg), journal=True, resume=resume)
+        node = build_cell(
+            cfg,
+            cell_id,
+            transport,
+            cfg.build_algorithm(spec),
+            output_dir=out,
+            heartbeats=True,
+            availability=edge_availability(cfg),
+            journal=True,
+            resume=resume,
+        )
     except ConfigError as exc:
         transport.close()
         _fail(exc, 2)
@@ -206,19 +256,42 @@ def cell(config: str, overrides: tuple[str, ...], cell_id: str, resume: bool, br
 @CONFIG
 @SET
 @click.option("--device", required=True, help="This device's id (c0-d0, ...).")
-@click.option("--data", "data_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="The device's local data: a .npz with arrays x and y (and optionally input_shape, num_classes).")
-@click.option("--backend", type=click.Choice(["torch", "onnx"]), default="torch", show_default=True,
-              help="Trainer backend (onnx: forward-only on onnxruntime, no torch; e.g. for decomfl).")
-@click.option("--onnx-model", type=click.Path(exists=True, dir_okay=False),
-              help="With --backend onnx: the model written by `fedtier export` (sets runtime.onnx_model).")
+@click.option(
+    "--data",
+    "data_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The device's local data: a .npz with arrays x and y (and optionally input_shape, num_classes).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["torch", "onnx"]),
+    default="torch",
+    show_default=True,
+    help="Trainer backend (onnx: forward-only on onnxruntime, no torch; e.g. for decomfl).",
+)
+@click.option(
+    "--onnx-model",
+    type=click.Path(exists=True, dir_okay=False),
+    help="With --backend onnx: the model written by `fedtier export` (sets runtime.onnx_model).",
+)
 @BROKER
 @auth_options
 @metrics_options
 @VERBOSE
-def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, backend: str,
-          onnx_model: str | None, broker_url: str | None, metrics_port: int | None, metrics_linger: float,
-          verbose: int, **auth) -> None:
+def agent(
+    config: str,
+    overrides: tuple[str, ...],
+    device: str,
+    data_path: str,
+    backend: str,
+    onnx_model: str | None,
+    broker_url: str | None,
+    metrics_port: int | None,
+    metrics_linger: float,
+    verbose: int,
+    **auth,
+) -> None:
     """Run one device agent of CONFIG: connect, answer tasks with the local data, exit when the run is finished."""
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess, make_trainer
@@ -235,8 +308,14 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
         _check_keys(cfg, device)
         from sim.hierarchy import device_availability
 
-        agents = AgentProcess(cfg, cfg.build_algorithm(spec), {device: data}, make_trainer(backend, spec, cfg), opts,
-                              availability=device_availability(cfg))  # partial participation: leaves when absent
+        agents = AgentProcess(
+            cfg,
+            cfg.build_algorithm(spec),
+            {device: data},
+            make_trainer(backend, spec, cfg),
+            opts,
+            availability=device_availability(cfg),
+        )  # partial participation: leaves when absent
         agents.start()
     except (ConfigError, ValueError) as exc:
         _fail(exc, 2)
@@ -252,5 +331,7 @@ def agent(config: str, overrides: tuple[str, ...], device: str, data_path: str, 
         agents.stop()
     linger(exporter, metrics_linger)
     stats = agents.stats()[device]
-    console.print(f"device {device}: {stats['tasks']} tasks, {stats['wire']['bytes_out']:,} bytes sent, "
-                  f"{stats['wire']['bytes_in']:,} received")
+    console.print(
+        f"device {device}: {stats['tasks']} tasks, {stats['wire']['bytes_out']:,} bytes sent, "
+        f"{stats['wire']['bytes_in']:,} received"
+    )

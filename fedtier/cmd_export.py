@@ -1,4 +1,5 @@
 """``fedtier export``: the run's model as ONNX (parameters as graph inputs) for forward-only agents."""
+
 from __future__ import annotations
 
 import click

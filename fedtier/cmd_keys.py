@@ -1,4 +1,5 @@
 """``fedtier keys``: per-node signing keys for a topology, and the ``--keys`` option of the launchers."""
+
 from __future__ import annotations
 
 import functools
@@ -10,8 +11,10 @@ import click
 from .cli import CONFIG, SET, main
 from .console import console, load_or_exit
 
-KEYS_HELP = ("Signing keys file (sets security.keys): every node signs what it sends and verifies its peers. "
-             "fedtier sim/run generate it in the run folder when the file does not exist.")
+KEYS_HELP = (
+    "Signing keys file (sets security.keys): every node signs what it sends and verifies its peers. "
+    "fedtier sim/run generate it in the run folder when the file does not exist."
+)
 
 
 def keys_option(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -24,23 +27,34 @@ def keys_option(fn: Callable[..., Any]) -> Callable[..., Any]:
             kwargs["overrides"] = (*kwargs.get("overrides", ()), f"security.keys={json.dumps(keys_path)}")
         return fn(*args, **kwargs)
 
-    return click.option("--keys", "keys_path", type=click.Path(dir_okay=False), default=None,
-                        metavar="PATH", help=KEYS_HELP)(wrapper)
+    return click.option(
+        "--keys", "keys_path", type=click.Path(dir_okay=False), default=None, metavar="PATH", help=KEYS_HELP
+    )(wrapper)
 
 
 @main.command()
 @CONFIG
 @SET
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="The keys file to write.")
-@click.option("--node", default=None, metavar="NODE",
-              help="Write only what NODE needs (cloud, c0, c0-d1...): its private key and its peers' public "
-                   "keys (a device: the cloud's and its cell's; a cell: the cloud's and its devices'; the cloud: "
-                   "everyone's).")
-@click.option("--from", "from_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="With --node: the full keys file to take the keys from (default: security.keys).")
+@click.option(
+    "--node",
+    default=None,
+    metavar="NODE",
+    help="Write only what NODE needs (cloud, c0, c0-d1...): its private key and its peers' public "
+    "keys (a device: the cloud's and its cell's; a cell: the cloud's and its devices'; the cloud: "
+    "everyone's).",
+)
+@click.option(
+    "--from",
+    "from_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="With --node: the full keys file to take the keys from (default: security.keys).",
+)
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
-def keys(config: str, overrides: tuple[str, ...], out_path: str, node: str | None, from_path: str | None,
-         force: bool) -> None:
+def keys(
+    config: str, overrides: tuple[str, ...], out_path: str, node: str | None, from_path: str | None, force: bool
+) -> None:
     """Generate an Ed25519 identity per node of CONFIG's topology (private and public keys), or extract
     one node's share of a keys file with --node. Use the file with [security] keys or --keys."""
     from protocols.config import ConfigError
@@ -64,5 +78,6 @@ def keys(config: str, overrides: tuple[str, ...], out_path: str, node: str | Non
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(2)
     names = ", ".join(list(chosen.private)[:6]) + (", ..." if len(chosen.private) > 6 else "")
-    console.print(f"wrote {len(chosen.private)} private keys ({names}) and {len(chosen.public)} public keys to "
-                  f"{path} (mode 600)")
+    console.print(
+        f"wrote {len(chosen.private)} private keys ({names}) and {len(chosen.public)} public keys to {path} (mode 600)"
+    )

@@ -1,4 +1,5 @@
 """``fedtier logs``: filter and print a run's cell aggregation and cloud round records."""
+
 from __future__ import annotations
 
 import sys
@@ -29,8 +30,13 @@ def parse_round_range(text: str) -> tuple[int | None, int | None]:
     return low, high
 
 
-def filter_records(records: Iterable[Record], *, cells: Iterable[str] = (), rounds: tuple[int | None, int | None]
-                   = (None, None), events: Iterable[str] = ()) -> list[Record]:
+def filter_records(
+    records: Iterable[Record],
+    *,
+    cells: Iterable[str] = (),
+    rounds: tuple[int | None, int | None] = (None, None),
+    events: Iterable[str] = (),
+) -> list[Record]:
     """Records matching every filter, ordered by (round, edge round, cell; cloud after its cells).
 
     ``cells`` keeps aggregation records of those cells and round records that involve one of them.
@@ -63,29 +69,63 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 def records_table(records: list[Record]) -> Table:
     table = Table(header_style="bold")
-    for col in ("event", "round", "cell", "answered", "absent / rejected", "bytes in", "bytes out",
-                "loss", "accuracy", "closed by", "duration s"):
-        table.add_column(col, justify="right" if col not in ("event", "cell", "absent / rejected", "closed by") else "left")
+    for col in (
+        "event",
+        "round",
+        "cell",
+        "answered",
+        "absent / rejected",
+        "bytes in",
+        "bytes out",
+        "loss",
+        "accuracy",
+        "closed by",
+        "duration s",
+    ):
+        table.add_column(
+            col, justify="right" if col not in ("event", "cell", "absent / rejected", "closed by") else "left"
+        )
     for r in records:
         if isinstance(r, CellRecord):
             listed = set(r.absent.values())
-            absent = ", ".join([*(f"{d}: {why}" for d, why in r.absent.items()),
-                                *(f"{n:,} {why}" for why, n in r.absent_by_reason().items() if why not in listed)])
+            absent = ", ".join(
+                [
+                    *(f"{d}: {why}" for d, why in r.absent.items()),
+                    *(f"{n:,} {why}" for why, n in r.absent_by_reason().items() if why not in listed),
+                ]
+            )
             rejected = ", ".join(f"{x.device}: {x.reason}" for x in r.rejected)
-            table.add_row("aggregation", f"{r.round}.{r.edge_round}", r.cell, f"{len(r.answered)}/{len(r.planned)}",
-                          "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",
-                          f"{r.bytes_in:,}", f"{r.bytes_out:,}",
-                          _fmt(r.loss_mean) + ("" if r.loss_std is None else f" ± {r.loss_std:.3f}"), "-",
-                          r.closed_by, f"{r.duration_s:.3f}")
+            table.add_row(
+                "aggregation",
+                f"{r.round}.{r.edge_round}",
+                r.cell,
+                f"{len(r.answered)}/{len(r.planned)}",
+                "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",
+                f"{r.bytes_in:,}",
+                f"{r.bytes_out:,}",
+                _fmt(r.loss_mean) + ("" if r.loss_std is None else f" ± {r.loss_std:.3f}"),
+                "-",
+                r.closed_by,
+                f"{r.duration_s:.3f}",
+            )
         else:
             up = r.bytes.get("cell_to_cloud", 0) + r.bytes.get("device_to_cell", 0)
             down = r.bytes.get("cloud_to_cell", 0) + r.bytes.get("cell_to_device", 0)
             absent = ", ".join(r.cells_absent)
             rejected = ", ".join(f"{x.get('from')}: {x.get('reason')}" for x in r.rejected)
-            table.add_row("round", str(r.round), "cloud", f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
-                          "; ".join(filter(None, (absent and f"absent {absent}", rejected and f"rejected {rejected}")))
-                          or "-", f"{up:,}", f"{down:,}", _fmt(r.loss), _fmt(r.accuracy), r.closed_by,
-                          f"{r.duration_s:.3f}")
+            table.add_row(
+                "round",
+                str(r.round),
+                "cloud",
+                f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
+                "; ".join(filter(None, (absent and f"absent {absent}", rejected and f"rejected {rejected}"))) or "-",
+                f"{up:,}",
+                f"{down:,}",
+                _fmt(r.loss),
+                _fmt(r.accuracy),
+                r.closed_by,
+                f"{r.duration_s:.3f}",
+            )
     return table
 
 
@@ -93,11 +133,15 @@ def records_table(records: list[Record]) -> Table:
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--cell", "cells", multiple=True, metavar="CELL", help="Only this cell (repeatable).")
 @click.option("--round", "round_range", metavar="A:B", help="Cloud rounds A to B, both included (A:, :B, A).")
-@click.option("--event", "events", multiple=True, type=click.Choice(EVENTS),
-              help="Only cell aggregations or cloud rounds (repeatable).")
+@click.option(
+    "--event",
+    "events",
+    multiple=True,
+    type=click.Choice(EVENTS),
+    help="Only cell aggregations or cloud rounds (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON record per line (for jq and friends).")
-def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: tuple[str, ...],
-         as_json: bool) -> None:
+def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: tuple[str, ...], as_json: bool) -> None:
     """Print RUN_DIR's cell aggregation and cloud round records, filtered.
 
     Invalid lines are reported on stderr and skipped. Bytes in a cloud row: up = device->cell +

@@ -1,4 +1,5 @@
 """``fedtier monitor``: a live terminal view of a run's cells, from its folder or from the broker."""
+
 from __future__ import annotations
 
 import time
@@ -17,36 +18,89 @@ from fedtier.console import fail, load_or_exit
 @click.argument("run_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--broker", metavar="URL", help="Subscribe to the run's telemetry on this broker (mqtt://host:port).")
 @click.option("--run", "run_name", metavar="NAME", help="Run name (with --broker).")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="A config for the live view, e.g. the monitor bundle's config.toml of `fedtier provision` (run "
-              "from inside the bundle): the broker (URL, user, password, TLS files), the run name and the keys "
-              "that check signatures; the flags override it.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="A config for the live view, e.g. the monitor bundle's config.toml of `fedtier provision` (run "
+    "from inside the bundle): the broker (URL, user, password, TLS files), the run name and the keys "
+    "that check signatures; the flags override it.",
+)
 @auth_options
-@click.option("--keys", "keys_file", type=click.Path(dir_okay=False), metavar="FILE",
-              help="With --broker, a signed run: a keys file with the cloud's and the cells' public keys (the "
-              "run's keys.toml, the cloud's share or the monitor bundle's); records and statuses not signed by "
-              "the node their topic names are rejected (counted as bad records).")
+@click.option(
+    "--keys",
+    "keys_file",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="With --broker, a signed run: a keys file with the cloud's and the cells' public keys (the "
+    "run's keys.toml, the cloud's share or the monitor bundle's); records and statuses not signed by "
+    "the node their topic names are rejected (counted as bad records).",
+)
 @click.option("--once", is_flag=True, help="Render one frame to stdout and exit (scripts, tests).")
-@click.option("--wait", type=float, default=3.0, show_default=True,
-              help="With --once --broker: listen this long at most (stops 1 s after telemetry went quiet).")
+@click.option(
+    "--wait",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="With --once --broker: listen this long at most (stops 1 s after telemetry went quiet).",
+)
 @click.option("--refresh", type=float, default=0.5, show_default=True, help="Seconds between frames.")
-@click.option("--deadline", type=float, help="Flag a cell silent after this many seconds "
-              "(default: the device deadline its records carry).")
-@click.option("--drop", "drop_ratio", type=float, default=0.75, show_default=True,
-              help="Flag a cell whose participation falls below this fraction of its recent mean.")
+@click.option(
+    "--deadline",
+    type=float,
+    help="Flag a cell silent after this many seconds (default: the device deadline its records carry).",
+)
+@click.option(
+    "--drop",
+    "drop_ratio",
+    type=float,
+    default=0.75,
+    show_default=True,
+    help="Flag a cell whose participation falls below this fraction of its recent mean.",
+)
 @click.option("--exit-when-done", is_flag=True, help="Leave once the cloud's last round is in.")
 @click.option("--width", type=int, default=None, help="Frame width for --once (default: the terminal's).")
-@click.option("--top", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Rows at most; with more cells, those that matter most (see --sort).")
-@click.option("--sort", type=click.Choice(["severity", "lag", "drop", "silent", "name"]), default=None,
-              help="Row order (default: name when every cell fits, else severity: silent, offline, drop, then lag).")
+@click.option(
+    "--top",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Rows at most; with more cells, those that matter most (see --sort).",
+)
+@click.option(
+    "--sort",
+    type=click.Choice(["severity", "lag", "drop", "silent", "name"]),
+    default=None,
+    help="Row order (default: name when every cell fits, else severity: silent, offline, drop, then lag).",
+)
 @click.option("--cell", "patterns", multiple=True, metavar="GLOB", help="Only cells matching (e.g. 'c1*'; repeatable).")
-@click.option("--state", "states", multiple=True, type=click.Choice(["silent", "offline", "drop", "waiting", "ok"]),
-              help="Only cells in this state (repeatable).")
-def monitor(run_dir: str | None, broker: str | None, run_name: str | None, config_path: str | None,
-            keys_file: str | None, once: bool, wait: float, refresh: float, deadline: float | None,
-            drop_ratio: float, exit_when_done: bool, width: int | None, top: int, sort: str | None,
-            patterns: tuple[str, ...], states: tuple[str, ...], **auth: str | None) -> None:
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice(["silent", "offline", "drop", "waiting", "ok"]),
+    help="Only cells in this state (repeatable).",
+)
+def monitor(
+    run_dir: str | None,
+    broker: str | None,
+    run_name: str | None,
+    config_path: str | None,
+    keys_file: str | None,
+    once: bool,
+    wait: float,
+    refresh: float,
+    deadline: float | None,
+    drop_ratio: float,
+    exit_when_done: bool,
+    width: int | None,
+    top: int,
+    sort: str | None,
+    patterns: tuple[str, ...],
+    states: tuple[str, ...],
+    **auth: str | None,
+) -> None:
     """Watch a run's cells: participation, bytes, loss, lag behind the cloud, alerts.
 
     Follow a run folder (RUN_DIR, tailing its JSON-lines logs) or a live run's telemetry topics
@@ -69,8 +123,11 @@ def monitor(run_dir: str | None, broker: str | None, run_name: str | None, confi
     if (run_dir is None) == (broker is None):
         fail("give either RUN_DIR or --broker URL --run NAME (or --config)", 2)
     if keys_file is not None and broker is None:
-        fail("--keys checks the signatures of live telemetry: it goes with --broker (a run folder's logs are "
-             "not signed)", 2)
+        fail(
+            "--keys checks the signatures of live telemetry: it goes with --broker (a run folder's logs are "
+            "not signed)",
+            2,
+        )
     state = MonitorState(drop_ratio=drop_ratio, deadline=deadline)
     flt = CellFilter(patterns=patterns, states=states, top=top, sort=sort)
     feed: RunDirFollower | TelemetryFeed

@@ -1,5 +1,6 @@
 """``fedtier provision``: a CA, certificates, node identities, a Mosquitto config with ACLs, and one
 bundle per node (``fedtier/provisioning.py``)."""
+
 from __future__ import annotations
 
 import click
@@ -12,25 +13,58 @@ from .console import console, fail, load_or_exit
 @CONFIG
 @SET
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="The broker's host name or IP (in its certificate and the nodes' broker URL).")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="The broker's host name or IP (in its certificate and the nodes' broker URL).",
+)
 @click.option("--port", default=8883, show_default=True, type=int, help="The broker's TLS port.")
-@click.option("--max-chunk", default=256 * 1024, show_default=True, type=int,
-              help="The nodes' MQTT chunk size (--max-chunk of fedtier run/agent): the broker refuses larger packets.")
-@click.option("--brokers", type=click.Choice(["shared", "per-cell"]), default="shared", show_default=True,
-              help="per-cell: also a broker per cell in OUT/cells/CELL for its server and devices, bridged over "
-                   "TLS to the cloud broker (as fedtier run --brokers per-cell).")
-@click.option("--cell-host", default="{cell}", show_default=True,
-              help="With --brokers per-cell: each cell broker's host ({cell} is replaced by the cell id).")
+@click.option(
+    "--max-chunk",
+    default=256 * 1024,
+    show_default=True,
+    type=int,
+    help="The nodes' MQTT chunk size (--max-chunk of fedtier run/agent): the broker refuses larger packets.",
+)
+@click.option(
+    "--brokers",
+    type=click.Choice(["shared", "per-cell"]),
+    default="shared",
+    show_default=True,
+    help="per-cell: also a broker per cell in OUT/cells/CELL for its server and devices, bridged over "
+    "TLS to the cloud broker (as fedtier run --brokers per-cell).",
+)
+@click.option(
+    "--cell-host",
+    default="{cell}",
+    show_default=True,
+    help="With --brokers per-cell: each cell broker's host ({cell} is replaced by the cell id).",
+)
 @click.option("--cell-port", default=8883, show_default=True, type=int, help="... and TLS port.")
-@click.option("--broker-user", default=None, metavar="USER",
-              help="Give the brokers' files to this user (as root; e.g. mosquitto): Mosquitto started as root "
-                   "drops to it and must still read its keys.")
+@click.option(
+    "--broker-user",
+    default=None,
+    metavar="USER",
+    help="Give the brokers' files to this user (as root; e.g. mosquitto): Mosquitto started as root "
+    "drops to it and must still read its keys.",
+)
 @click.option("--bind", default="", metavar="ADDRESS", help="The brokers' listen address (default: all interfaces).")
 @click.option("--force", is_flag=True, help="Replace an earlier provisioning in --out.")
-def provision(config: str, overrides: tuple[str, ...], out_dir: str, host: str, port: int, max_chunk: int,
-              brokers: str, cell_host: str, cell_port: int, broker_user: str | None, bind: str,
-              force: bool) -> None:
+def provision(
+    config: str,
+    overrides: tuple[str, ...],
+    out_dir: str,
+    host: str,
+    port: int,
+    max_chunk: int,
+    brokers: str,
+    cell_host: str,
+    cell_port: int,
+    broker_user: str | None,
+    bind: str,
+    force: bool,
+) -> None:
     """Provision a deployment of CONFIG: a CA and per-node certificates, Ed25519 identities, a Mosquitto
     config (TLS listener, password_file, ACL file) and a bundle per node in OUT/nodes/NODE."""
     from protocols.config import ConfigError
@@ -39,13 +73,25 @@ def provision(config: str, overrides: tuple[str, ...], out_dir: str, host: str, 
 
     cfg = load_or_exit(config, overrides)
     try:
-        done = write(cfg, out_dir, host=host, port=port, max_chunk=max_chunk, overwrite=force,
-                     per_cell=brokers == "per-cell", cell_host=cell_host, cell_port=cell_port, broker_user=broker_user,
-                     bind=bind)
+        done = write(
+            cfg,
+            out_dir,
+            host=host,
+            port=port,
+            max_chunk=max_chunk,
+            overwrite=force,
+            per_cell=brokers == "per-cell",
+            cell_host=cell_host,
+            cell_port=cell_port,
+            broker_user=broker_user,
+            bind=bind,
+        )
     except ConfigError as exc:
         fail(str(exc), 2)
-    console.print(f"provisioned run {cfg.run.name!r} in {done.out}: broker config in {done.broker} "
-                  f"(mosquitto -c {done.broker / 'mosquitto.conf'}), {len(done.bundles)} node bundles in "
-                  f"{done.out / 'nodes'}"
-                  + (f", {len(done.cell_brokers)} cell brokers in {done.out / 'cells'}" if done.cell_brokers else "")
-                  + f"; keep {done.out / 'ca'} and {done.out / 'keys.toml'} offline")
+    console.print(
+        f"provisioned run {cfg.run.name!r} in {done.out}: broker config in {done.broker} "
+        f"(mosquitto -c {done.broker / 'mosquitto.conf'}), {len(done.bundles)} node bundles in "
+        f"{done.out / 'nodes'}"
+        + (f", {len(done.cell_brokers)} cell brokers in {done.out / 'cells'}" if done.cell_brokers else "")
+        + f"; keep {done.out / 'ca'} and {done.out / 'keys.toml'} offline"
+    )

@@ -1,4 +1,5 @@
 """``fedtier report``: an HTML page of plots for one run, or several overlaid (e.g. FedAvg vs HIST)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,11 @@ from fedtier.console import console, fail
 
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--out", type=click.Path(dir_okay=False), help="HTML file to write "
-              "(default: RUN_DIR/report.html for one run, ./report.html for several).")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    help="HTML file to write (default: RUN_DIR/report.html for one run, ./report.html for several).",
+)
 def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     """Plot RUN_DIRS: accuracy and loss vs round, bytes and time; bytes per tier; participation;
     per-cell aggregation durations. Writes a self-contained HTML page and the PNGs next to it."""
@@ -26,5 +30,6 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
         path, plots = write_report(list(run_dirs), target)
     except ValueError as exc:
         fail(str(exc), 1)
-    console.print(f"wrote [bold]{path}[/] ({len(plots)} plots, PNGs in {path.with_name(path.stem + '_plots')})",
-                  highlight=False)
+    console.print(
+        f"wrote [bold]{path}[/] ({len(plots)} plots, PNGs in {path.with_name(path.stem + '_plots')})", highlight=False
+    )

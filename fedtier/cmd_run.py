@@ -1,4 +1,5 @@
 """``fedtier run``: the emulated hierarchy (cloud, cells, agent processes) over a real MQTT broker."""
+
 from __future__ import annotations
 
 import click
@@ -13,29 +14,62 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
 @keys_option
 @CONFIG
 @SET
-@click.option("--broker", "broker_url", metavar="mqtt://HOST:PORT",
-              help="An external broker; default: [broker] url, else a Mosquitto started for the run "
-                   "(the embedded amqtt broker where Mosquitto is not installed).")
-@click.option("--brokers", type=click.Choice(["shared", "per-cell"]), default="shared", show_default=True,
-              help="per-cell: a Mosquitto per cell, bridged to a cloud Mosquitto (only cell <-> cloud "
-                   "topics cross); prints the bytes through each broker.")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Agent worker processes; devices are dealt round-robin over them "
-                   "(default: one per 100 agents, at most one per core).")
+@click.option(
+    "--broker",
+    "broker_url",
+    metavar="mqtt://HOST:PORT",
+    help="An external broker; default: [broker] url, else a Mosquitto started for the run "
+    "(the embedded amqtt broker where Mosquitto is not installed).",
+)
+@click.option(
+    "--brokers",
+    type=click.Choice(["shared", "per-cell"]),
+    default="shared",
+    show_default=True,
+    help="per-cell: a Mosquitto per cell, bridged to a cloud Mosquitto (only cell <-> cloud "
+    "topics cross); prints the bytes through each broker.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Agent worker processes; devices are dealt round-robin over them "
+    "(default: one per 100 agents, at most one per core).",
+)
 @click.option("--process-per-agent", is_flag=True, help="One worker process per device.")
-@click.option("--engine", type=click.Choice(["device", "cohort"]), default=None,
-              help="device: each agent trains alone (bit-identical to fedtier sim); cohort: each worker trains "
-                   "its agents' queued tasks as one batched model (runtime.engine; large emulated fleets).")
-@click.option("--max-chunk", type=click.IntRange(min=1024), default=None, metavar="BYTES",
-              help="MQTT chunk size (default 256 KiB).")
+@click.option(
+    "--engine",
+    type=click.Choice(["device", "cohort"]),
+    default=None,
+    help="device: each agent trains alone (bit-identical to fedtier sim); cohort: each worker trains "
+    "its agents' queued tasks as one batched model (runtime.engine; large emulated fleets).",
+)
+@click.option(
+    "--max-chunk",
+    type=click.IntRange(min=1024),
+    default=None,
+    metavar="BYTES",
+    help="MQTT chunk size (default 256 KiB).",
+)
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @metrics_options
 @VERBOSE
-def run(config: str, overrides: tuple[str, ...], broker_url: str | None, brokers: str, workers: int | None,
-        process_per_agent: bool, engine: str | None,
-        max_chunk: int | None, resume: bool, no_progress: bool, metrics_port: int | None, metrics_linger: float,
-        verbose: int) -> None:
+def run(
+    config: str,
+    overrides: tuple[str, ...],
+    broker_url: str | None,
+    brokers: str,
+    workers: int | None,
+    process_per_agent: bool,
+    engine: str | None,
+    max_chunk: int | None,
+    resume: bool,
+    no_progress: bool,
+    metrics_port: int | None,
+    metrics_linger: float,
+    verbose: int,
+) -> None:
     """Emulate CONFIG on this machine over MQTT: the cloud and cells in this process, the device agents
     in worker processes, each device with its own broker connection. Same final model as `fedtier sim`
     (with the cohort engine: within float tolerance)."""
@@ -49,9 +83,17 @@ def run(config: str, overrides: tuple[str, ...], broker_url: str | None, brokers
     exporter = serve_metrics(cfg)
     try:
         with round_progress(cfg, not no_progress) as on_round:
-            emulation = Emulation(cfg, broker_url=broker_url, brokers=brokers, workers=workers,
-                                  process_per_agent=process_per_agent, on_round=on_round, resume=resume,
-                                  max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK, metrics=exporter)
+            emulation = Emulation(
+                cfg,
+                broker_url=broker_url,
+                brokers=brokers,
+                workers=workers,
+                process_per_agent=process_per_agent,
+                on_round=on_round,
+                resume=resume,
+                max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK,
+                metrics=exporter,
+            )
             result = emulation.run()
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")

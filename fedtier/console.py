@@ -1,4 +1,5 @@
 """Shared terminal output for the CLI: progress over rounds, summaries, config loading with errors."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,13 @@ console = Console(stderr=True)
 
 def setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]",
-                        handlers=[RichHandler(console=console, show_path=False)], force=True)
+    logging.basicConfig(
+        level=level,
+        format="%(message)s",
+        datefmt="[%X]",
+        handlers=[RichHandler(console=console, show_path=False)],
+        force=True,
+    )
 
 
 def load_or_exit(path: str, overrides: tuple[str, ...]) -> RunConfig:
@@ -38,8 +44,14 @@ def round_progress(cfg: RunConfig, enabled: bool = True) -> Iterator[Callable[[d
     if not enabled:
         yield lambda record: None
         return
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task(f"{cfg.run.name} ({cfg.train.name})", total=cfg.run.rounds, status="")
 

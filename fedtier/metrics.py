@@ -1,4 +1,5 @@
 """The ``--metrics-port`` / ``--metrics-linger`` options of ``fedtier cloud``, ``cell``, ``run`` and ``agent``."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -10,13 +11,22 @@ from .console import console
 
 def metrics_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Add ``--metrics-port`` and ``--metrics-linger`` (passed as ``metrics_port``, ``metrics_linger``)."""
-    fn = click.option("--metrics-linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
-                      metavar="SECONDS",
-                      help="When done, keep serving /metrics until a scraper stored the final values, at most "
-                           "this long.")(fn)
-    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
-                        help="Serve Prometheus metrics on http://HOST:PORT/metrics (default: [monitoring] "
-                             "metrics_port; 0: a free port; HOST: [monitoring] metrics_host).")(fn)
+    fn = click.option(
+        "--metrics-linger",
+        type=click.FloatRange(min=0),
+        default=0.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="When done, keep serving /metrics until a scraper stored the final values, at most this long.",
+    )(fn)
+    return click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=None,
+        metavar="PORT",
+        help="Serve Prometheus metrics on http://HOST:PORT/metrics (default: [monitoring] "
+        "metrics_port; 0: a free port; HOST: [monitoring] metrics_host).",
+    )(fn)
 
 
 def port_override(port: int | None) -> tuple[str, ...]:
@@ -37,8 +47,10 @@ def serve_metrics(cfg: Any, agents: Any = None) -> Any:
     try:
         port = exporter.serve(cfg.monitoring.metrics_port, cfg.monitoring.metrics_host)
     except OSError as exc:
-        console.print(f"[bold red]error:[/] cannot serve metrics on {cfg.monitoring.metrics_host}:"
-                      f"{cfg.monitoring.metrics_port}: {exc}")
+        console.print(
+            f"[bold red]error:[/] cannot serve metrics on {cfg.monitoring.metrics_host}:"
+            f"{cfg.monitoring.metrics_port}: {exc}"
+        )
         raise SystemExit(1)
     console.print(f"metrics on http://{cfg.monitoring.metrics_host}:{port}/metrics")
     return exporter

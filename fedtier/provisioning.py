@@ -24,6 +24,7 @@ and its devices only, and a TLS bridge to the cloud broker with its own user, pa
 certificate); the cloud broker in ``OUT/broker`` then knows only ``cloud``, ``monitor`` and the bridges,
 each allowed exactly its cell's bridged topics. Cell and device bundles point at their cell broker.
 """
+
 from __future__ import annotations
 
 import base64
@@ -48,8 +49,7 @@ from protocols.wire.chunking import DEFAULT_MAX_CHUNK
 from protocols.wire.keys import KeyRing, generate_keys, node_subset, write_keys
 
 MONITOR = "monitor"
-PERSISTENCE = ("persistence true\npersistence_location {data}/\nautosave_interval 1\n"
-               "persistent_client_expiration 7d\n")
+PERSISTENCE = "persistence true\npersistence_location {data}/\nautosave_interval 1\npersistent_client_expiration 7d\n"
 """A provisioned broker keeps its sessions, subscriptions, queued and retained messages across a restart
 (``data/mosquitto.db``, saved every second and at a clean stop), as the broker of ``fedtier run`` does:
 with the nodes' persistent sessions a broker restart loses nothing but what it queued in its last
@@ -74,26 +74,45 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
     run = cfg.run.name
     r = topics.root(run)
     rules: dict[str, list[tuple[str, str]]] = {
-        "cloud": [("write", f"{r}/cell/+/down/task"), ("read", topics.cell_reports(run)),
-                  ("readwrite", topics.control(run)), ("readwrite", topics.round_manifest(run)),
-                  ("read", topics.statuses(run)), ("write", topics.status(run, "cloud")),
-                  ("write", topics.telemetry_cloud(run))],
-        MONITOR: [("read", f"{r}/telemetry/#"), ("read", topics.statuses(run)), ("read", topics.device_statuses(run)),
-                  ("read", topics.round_manifest(run)), ("read", topics.control(run))],
+        "cloud": [
+            ("write", f"{r}/cell/+/down/task"),
+            ("read", topics.cell_reports(run)),
+            ("readwrite", topics.control(run)),
+            ("readwrite", topics.round_manifest(run)),
+            ("read", topics.statuses(run)),
+            ("write", topics.status(run, "cloud")),
+            ("write", topics.telemetry_cloud(run)),
+        ],
+        MONITOR: [
+            ("read", f"{r}/telemetry/#"),
+            ("read", topics.statuses(run)),
+            ("read", topics.device_statuses(run)),
+            ("read", topics.round_manifest(run)),
+            ("read", topics.control(run)),
+        ],
     }
     for cell in cfg.topology.cell_ids():
-        rules[cell] = [("read", topics.cell_task(run, cell)), ("write", f"{r}/cell/{cell}/down/+/task"),
-                       ("read", topics.device_results(run, cell)), ("write", topics.cell_report(run, cell)),
-                       ("read", topics.control(run)), ("read", topics.round_manifest(run)),
-                       ("read", topics.device_statuses(run, cell)), ("read", topics.status(run, "cloud")),
-                       ("write", topics.status(run, topics.cell_node(cell))),
-                       ("write", topics.telemetry_cell(run, cell))]
+        rules[cell] = [
+            ("read", topics.cell_task(run, cell)),
+            ("write", f"{r}/cell/{cell}/down/+/task"),
+            ("read", topics.device_results(run, cell)),
+            ("write", topics.cell_report(run, cell)),
+            ("read", topics.control(run)),
+            ("read", topics.round_manifest(run)),
+            ("read", topics.device_statuses(run, cell)),
+            ("read", topics.status(run, "cloud")),
+            ("write", topics.status(run, topics.cell_node(cell))),
+            ("write", topics.telemetry_cell(run, cell)),
+        ]
         for device in cfg.topology.device_ids(cell):
-            rules[device] = [("read", topics.device_task(run, cell, device)),
-                             ("write", topics.device_result(run, cell, device)),
-                             ("read", topics.control(run)), ("read", topics.round_manifest(run)),
-                             ("read", topics.status(run, "cloud")),
-                             ("write", topics.device_status(run, cell, device))]
+            rules[device] = [
+                ("read", topics.device_task(run, cell, device)),
+                ("write", topics.device_result(run, cell, device)),
+                ("read", topics.control(run)),
+                ("read", topics.round_manifest(run)),
+                ("read", topics.status(run, "cloud")),
+                ("write", topics.device_status(run, cell, device)),
+            ]
     return rules
 
 
@@ -115,9 +134,11 @@ def password_line(user: str, password: str, salt: bytes | None = None) -> str:
 def listener_options(max_packet_size: int) -> str:
     """The options that follow the ``listener`` line (paths relative to the broker folder's files:
     the caller substitutes absolute paths)."""
-    return ("cafile {dir}/ca.crt\ncertfile {dir}/server.crt\nkeyfile {dir}/server.key\n"
-            "require_certificate true\npassword_file {dir}/passwd\nacl_file {dir}/acl\n"
-            f"max_packet_size {max_packet_size}\n")
+    return (
+        "cafile {dir}/ca.crt\ncertfile {dir}/server.crt\nkeyfile {dir}/server.key\n"
+        "require_certificate true\npassword_file {dir}/passwd\nacl_file {dir}/acl\n"
+        f"max_packet_size {max_packet_size}\n"
+    )
 
 
 # --------------------------------------------------------------------------------------------- PKI
@@ -129,13 +150,26 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, issuer_key: ec.EllipticCurvePrivateKey, *,
-          ca: bool = False, hosts: tuple[str, ...] = ()) -> x509.Certificate:
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: str,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    hosts: tuple[str, ...] = (),
+) -> x509.Certificate:
     now = dt.datetime.now(dt.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=VALID_DAYS))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if hosts:
         names: list[x509.GeneralName] = []
         for h in hosts:
@@ -155,8 +189,9 @@ def _write(path: Path, data: bytes | str, secret: bool = False) -> None:
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _pem_cert(cert: x509.Certificate) -> bytes:
@@ -189,9 +224,19 @@ class _Pki:
         _write(folder / "ca.crt", _pem_cert(self.cert))
 
 
-def _write_broker(folder: Path, title: str, pki: _Pki, host: str, port: int, max_packet: int,
-                  rules: dict[str, list[tuple[str, str]]], passwords: dict[str, str], extra: str = "",
-                  broker_user: str | None = None, bind: str = "") -> None:
+def _write_broker(
+    folder: Path,
+    title: str,
+    pki: _Pki,
+    host: str,
+    port: int,
+    max_packet: int,
+    rules: dict[str, list[tuple[str, str]]],
+    passwords: dict[str, str],
+    extra: str = "",
+    broker_user: str | None = None,
+    bind: str = "",
+) -> None:
     """One broker folder: server certificate, CA, password file, ACL, listener.conf, mosquitto.conf.
     With ``broker_user`` (as root), the broker's secrets are chowned to that user and the config says
     ``user NAME``: Mosquitto started as root drops to it and reads the bridge key after that."""
@@ -202,12 +247,17 @@ def _write_broker(folder: Path, title: str, pki: _Pki, host: str, port: int, max
     _write(folder / "listener.conf", options)
     data = folder / "data"  # mosquitto.db: sessions, queued and retained messages (model updates: private)
     data.mkdir(mode=0o700, exist_ok=True)
-    _write(folder / "mosquitto.conf",  # secret: a bridge section holds the bridge's password
-           f"# {title} (fedtier provision)\n"
-           + (f"user {broker_user}\n" if broker_user else "") +
-           "per_listener_settings false\nallow_anonymous false\nset_tcp_nodelay true\n"
-           "max_queued_messages 100000\nmax_inflight_messages 64\n" + PERSISTENCE.format(data=data.resolve()) +
-           f"listener {port}{' ' + bind if bind else ''}\n{options}" + (f"\n{extra}\n" if extra else ""), secret=True)
+    _write(
+        folder / "mosquitto.conf",  # secret: a bridge section holds the bridge's password
+        f"# {title} (fedtier provision)\n"
+        + (f"user {broker_user}\n" if broker_user else "")
+        + "per_listener_settings false\nallow_anonymous false\nset_tcp_nodelay true\n"
+        "max_queued_messages 100000\nmax_inflight_messages 64\n"
+        + PERSISTENCE.format(data=data.resolve())
+        + f"listener {port}{' ' + bind if bind else ''}\n{options}"
+        + (f"\n{extra}\n" if extra else ""),
+        secret=True,
+    )
     if broker_user:
         try:
             for f in folder.iterdir():
@@ -215,15 +265,28 @@ def _write_broker(folder: Path, title: str, pki: _Pki, host: str, port: int, max
         except (PermissionError, LookupError) as exc:
             from protocols.config import ConfigError
 
-            raise ConfigError(f"cannot give {folder} to broker user {broker_user!r} ({exc}): "
-                              "run provision as root, with an existing user") from None
+            raise ConfigError(
+                f"cannot give {folder} to broker user {broker_user!r} ({exc}): "
+                "run provision as root, with an existing user"
+            ) from None
 
 
 # ------------------------------------------------------------------------------------------ bundle
-def provision(cfg: RunConfig, out: str | Path, *, host: str = "127.0.0.1", port: int = 8883,
-              max_chunk: int = DEFAULT_MAX_CHUNK, extra_broker_config: str = "",
-              per_cell: bool = False, cell_host: str = "{cell}", cell_port: int = 8883,
-              broker_user: str | None = None, bind: str = "", overwrite: bool = False) -> Provisioned:
+def provision(
+    cfg: RunConfig,
+    out: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8883,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    extra_broker_config: str = "",
+    per_cell: bool = False,
+    cell_host: str = "{cell}",
+    cell_port: int = 8883,
+    broker_user: str | None = None,
+    bind: str = "",
+    overwrite: bool = False,
+) -> Provisioned:
     """Write the CA, the broker's config and files, and one bundle per node (see the module doc).
 
     Every fedtier node sends messages larger than ``max_chunk`` as chunks, so the broker refuses any
@@ -264,17 +327,47 @@ def provision(cfg: RunConfig, out: str | Path, *, host: str = "127.0.0.1", port:
             folder = out / "cells" / cell
             pki.issue(folder, "bridge", bridge)
             b = folder.resolve()
-            extra = bridge_config(run, cell, url, username=bridge, password=passwords[bridge], cafile=f"{b}/ca.crt",
-                                  certfile=f"{b}/bridge.crt", keyfile=f"{b}/bridge.key")
+            extra = bridge_config(
+                run,
+                cell,
+                url,
+                username=bridge,
+                password=passwords[bridge],
+                cafile=f"{b}/ca.crt",
+                certfile=f"{b}/bridge.crt",
+                keyfile=f"{b}/bridge.key",
+            )
             members = [cell, *cfg.topology.device_ids(cell)]
             chost = cell_host.replace("{cell}", cell)
-            _write_broker(folder, f"fedtier broker of cell {cell}, run {run!r}, bridged to the cloud broker", pki,
-                          chost, cell_port, max_packet, {n: rules[n] for n in members}, passwords, extra, broker_user, bind)
+            _write_broker(
+                folder,
+                f"fedtier broker of cell {cell}, run {run!r}, bridged to the cloud broker",
+                pki,
+                chost,
+                cell_port,
+                max_packet,
+                {n: rules[n] for n in members},
+                passwords,
+                extra,
+                broker_user,
+                bind,
+            )
             urls.update(dict.fromkeys(members, f"mqtts://{chost}:{cell_port}"))
             cell_brokers[cell] = folder
     broker = out / "broker"
-    _write_broker(broker, f"fedtier {'cloud ' if per_cell else ''}broker for run {run!r}", pki, host, port,
-                  max_packet, cloud_rules, passwords, extra_broker_config, broker_user, bind)
+    _write_broker(
+        broker,
+        f"fedtier {'cloud ' if per_cell else ''}broker for run {run!r}",
+        pki,
+        host,
+        port,
+        max_packet,
+        cloud_rules,
+        passwords,
+        extra_broker_config,
+        broker_user,
+        bind,
+    )
 
     bundles: dict[str, Path] = {}
     for node in rules:
@@ -285,11 +378,21 @@ def provision(cfg: RunConfig, out: str | Path, *, host: str = "127.0.0.1", port:
         subset = node_subset(ring, cfg.topology, node) if node != MONITOR else KeyRing({}, dict(ring.public))
         write_keys(d / "keys.toml", subset, comment=f"node {node!r} of run {run!r}", overwrite=True)
         security = {"keys": "keys.toml"}
-        node_cfg = cfg.model_copy(update={
-            "broker": cfg.broker.model_copy(update={"url": urls[node], "username": node, "password": passwords[node],
-                                                    "ca_certs": "ca.crt", "certfile": "client.crt",
-                                                    "keyfile": "client.key"}),
-            "security": cfg.security.model_copy(update=security)})
+        node_cfg = cfg.model_copy(
+            update={
+                "broker": cfg.broker.model_copy(
+                    update={
+                        "url": urls[node],
+                        "username": node,
+                        "password": passwords[node],
+                        "ca_certs": "ca.crt",
+                        "certfile": "client.crt",
+                        "keyfile": "client.key",
+                    }
+                ),
+                "security": cfg.security.model_copy(update=security),
+            }
+        )
         _write(d / "config.toml", node_cfg.to_toml(), secret=True)  # holds the broker password
         bundles[node] = d
     return Provisioned(out, broker, bundles, passwords, cell_brokers)

@@ -10,6 +10,7 @@ Names follow Prometheus conventions: ``fedtier_<tier>_<what>_<unit>``, counters 
 times in seconds, sizes in bytes. Labels are bounded: ``run``, ``cell``, ``tier`` (the four links),
 ``reason`` (a small fixed vocabulary, :func:`reason_kind`), ``closed_by``. No device ids.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,20 @@ _REASONS = (  # first match wins: a rejection's free-text reason -> a bounded la
     ("wrong_sender", ("published on the topic", "on the topic of", "message for run")),
     ("non_finite", ("non-finite", "nan", "inf")),
     ("oversized", ("too large", "oversized", "exceeds")),
-    ("malformed", ("not json", "not a fedtier message", "decode", "malformed", "header", "truncated", "chunk",
-                   "unexpected message kind", "cannot be sent")),
+    (
+        "malformed",
+        (
+            "not json",
+            "not a fedtier message",
+            "decode",
+            "malformed",
+            "header",
+            "truncated",
+            "chunk",
+            "unexpected message kind",
+            "cannot be sent",
+        ),
+    ),
     ("shape", ("expected", "shape", "tensors", "dtype")),
 )
 
@@ -70,68 +83,123 @@ class MetricsExporter:
         self.registry.register(_ScrapeCounter(self))  # first: a record that comes mid-scrape resets the count
         r, cell, cloud = self.registry, ("run", "cell"), ("run",)
         # ---------------------------------------------------------------- cells
-        self.cell_aggregations = Counter("fedtier_cell_aggregations", "Edge-round aggregations a cell closed",
-                                         [*cell, "closed_by"], registry=r)
-        self.cell_round = Gauge("fedtier_cell_round", "Cloud round of the cell's latest aggregation", cell,
-                                registry=r)
-        self.cell_edge_round = Gauge("fedtier_cell_edge_round", "Edge round of the cell's latest aggregation",
-                                     cell, registry=r)
+        self.cell_aggregations = Counter(
+            "fedtier_cell_aggregations", "Edge-round aggregations a cell closed", [*cell, "closed_by"], registry=r
+        )
+        self.cell_round = Gauge("fedtier_cell_round", "Cloud round of the cell's latest aggregation", cell, registry=r)
+        self.cell_edge_round = Gauge(
+            "fedtier_cell_edge_round", "Edge round of the cell's latest aggregation", cell, registry=r
+        )
         self.cell_planned = Counter("fedtier_cell_devices_planned", "Devices sent a task", cell, registry=r)
-        self.cell_answered = Counter("fedtier_cell_devices_answered", "Device results aggregated", cell,
-                                     registry=r)
-        self.cell_absent = Counter("fedtier_cell_devices_absent", "Devices absent from an aggregation, by reason "
-                                   "(offline, not_participating, not_selected, deadline)", [*cell, "reason"],
-                                   registry=r)
-        self.cell_rejected = Counter("fedtier_cell_results_rejected", "Messages the cell refused, by kind of reason",
-                                     [*cell, "reason"], registry=r)
-        self.cell_diverged = Counter("fedtier_cell_devices_diverged", "Devices whose training diverged (answered, "
-                                     "not aggregated)", cell, registry=r)
-        self.cell_bytes = Counter("fedtier_cell_bytes", "Payload bytes of the cell's device links "
-                                  "(tier: cell_to_device, device_to_cell)", [*cell, "tier"], registry=r)
-        self.cell_duration = Histogram("fedtier_cell_aggregation_duration_seconds", "Wall seconds an edge round "
-                                       "took, from the tasks to the aggregate", cell, buckets=DURATION_BUCKETS,
-                                       registry=r)
-        self.cell_loss = Gauge("fedtier_cell_device_loss", "Mean training loss the answering devices reported "
-                               "in the latest aggregation", cell, registry=r)
-        self.cell_loss_std = Gauge("fedtier_cell_device_loss_stddev", "Its standard deviation over devices",
-                                   cell, registry=r)
-        self.cell_participation = Gauge("fedtier_cell_participation_ratio", "Answered / devices of the cell in "
-                                        "the latest aggregation", cell, registry=r)
+        self.cell_answered = Counter("fedtier_cell_devices_answered", "Device results aggregated", cell, registry=r)
+        self.cell_absent = Counter(
+            "fedtier_cell_devices_absent",
+            "Devices absent from an aggregation, by reason (offline, not_participating, not_selected, deadline)",
+            [*cell, "reason"],
+            registry=r,
+        )
+        self.cell_rejected = Counter(
+            "fedtier_cell_results_rejected",
+            "Messages the cell refused, by kind of reason",
+            [*cell, "reason"],
+            registry=r,
+        )
+        self.cell_diverged = Counter(
+            "fedtier_cell_devices_diverged",
+            "Devices whose training diverged (answered, not aggregated)",
+            cell,
+            registry=r,
+        )
+        self.cell_bytes = Counter(
+            "fedtier_cell_bytes",
+            "Payload bytes of the cell's device links (tier: cell_to_device, device_to_cell)",
+            [*cell, "tier"],
+            registry=r,
+        )
+        self.cell_duration = Histogram(
+            "fedtier_cell_aggregation_duration_seconds",
+            "Wall seconds an edge round took, from the tasks to the aggregate",
+            cell,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.cell_loss = Gauge(
+            "fedtier_cell_device_loss",
+            "Mean training loss the answering devices reported in the latest aggregation",
+            cell,
+            registry=r,
+        )
+        self.cell_loss_std = Gauge(
+            "fedtier_cell_device_loss_stddev", "Its standard deviation over devices", cell, registry=r
+        )
+        self.cell_participation = Gauge(
+            "fedtier_cell_participation_ratio",
+            "Answered / devices of the cell in the latest aggregation",
+            cell,
+            registry=r,
+        )
         self.cell_devices = Gauge("fedtier_cell_devices", "Devices of the cell", cell, registry=r)
-        self.cell_last = Gauge("fedtier_cell_last_aggregation_timestamp_seconds", "Unix time of the cell's latest "
-                               "aggregation", cell, registry=r)
-        self.cell_deadline = Gauge("fedtier_cell_device_deadline_seconds", "Seconds the cell waits for its devices",
-                                   cell, registry=r)
+        self.cell_last = Gauge(
+            "fedtier_cell_last_aggregation_timestamp_seconds",
+            "Unix time of the cell's latest aggregation",
+            cell,
+            registry=r,
+        )
+        self.cell_deadline = Gauge(
+            "fedtier_cell_device_deadline_seconds", "Seconds the cell waits for its devices", cell, registry=r
+        )
         self.cell_online = Gauge("fedtier_cell_devices_online", "Devices the cell deems online", cell, registry=r)
         # ---------------------------------------------------------------- cloud
-        self.cloud_rounds = Counter("fedtier_cloud_rounds", "Cloud rounds closed", [*cloud, "closed_by"],
-                                    registry=r)
-        self.cloud_round = Gauge("fedtier_cloud_round", "The latest closed cloud round (0-based)", cloud,
-                                 registry=r)
-        self.cloud_rounds_planned = Gauge("fedtier_cloud_rounds_planned", "Cloud rounds the run is configured for",
-                                          cloud, registry=r)
+        self.cloud_rounds = Counter("fedtier_cloud_rounds", "Cloud rounds closed", [*cloud, "closed_by"], registry=r)
+        self.cloud_round = Gauge("fedtier_cloud_round", "The latest closed cloud round (0-based)", cloud, registry=r)
+        self.cloud_rounds_planned = Gauge(
+            "fedtier_cloud_rounds_planned", "Cloud rounds the run is configured for", cloud, registry=r
+        )
         self.cloud_finished = Gauge("fedtier_cloud_finished", "1 once the last round closed", cloud, registry=r)
-        self.cloud_accuracy = Gauge("fedtier_cloud_accuracy", "Test accuracy of the global model (latest "
-                                    "evaluated round)", cloud, registry=r)
-        self.cloud_loss = Gauge("fedtier_cloud_loss", "Test loss of the global model (latest evaluated round)",
-                                cloud, registry=r)
-        self.cloud_cells_planned = Gauge("fedtier_cloud_cells_planned", "Cells planned in the latest round", cloud,
-                                         registry=r)
-        self.cloud_cells_reported = Gauge("fedtier_cloud_cells_reported", "Cells whose report the latest round "
-                                          "aggregated", cloud, registry=r)
-        self.cloud_cells_absent = Counter("fedtier_cloud_cells_absent", "Planned cells that did not report in time",
-                                          cloud, registry=r)
-        self.cloud_rejected = Counter("fedtier_cloud_reports_rejected", "Messages the cloud refused, by kind of "
-                                      "reason", [*cloud, "reason"], registry=r)
-        self.cloud_bytes = Counter("fedtier_cloud_bytes", "Payload bytes per tier (cloud_to_cell, cell_to_cloud, "
-                                   "cell_to_device, device_to_cell), as the cells report them", [*cloud, "tier"],
-                                   registry=r)
-        self.cloud_duration = Histogram("fedtier_cloud_round_duration_seconds", "Wall seconds a cloud round took",
-                                        cloud, buckets=DURATION_BUCKETS, registry=r)
-        self.cloud_last = Gauge("fedtier_cloud_last_round_timestamp_seconds", "Unix time the latest round closed "
-                                "(or the cloud started)", cloud, registry=r)
-        self.cloud_deadline = Gauge("fedtier_cloud_cell_deadline_seconds", "Seconds the cloud waits for its cells",
-                                    cloud, registry=r)
+        self.cloud_accuracy = Gauge(
+            "fedtier_cloud_accuracy", "Test accuracy of the global model (latest evaluated round)", cloud, registry=r
+        )
+        self.cloud_loss = Gauge(
+            "fedtier_cloud_loss", "Test loss of the global model (latest evaluated round)", cloud, registry=r
+        )
+        self.cloud_cells_planned = Gauge(
+            "fedtier_cloud_cells_planned", "Cells planned in the latest round", cloud, registry=r
+        )
+        self.cloud_cells_reported = Gauge(
+            "fedtier_cloud_cells_reported", "Cells whose report the latest round aggregated", cloud, registry=r
+        )
+        self.cloud_cells_absent = Counter(
+            "fedtier_cloud_cells_absent", "Planned cells that did not report in time", cloud, registry=r
+        )
+        self.cloud_rejected = Counter(
+            "fedtier_cloud_reports_rejected",
+            "Messages the cloud refused, by kind of reason",
+            [*cloud, "reason"],
+            registry=r,
+        )
+        self.cloud_bytes = Counter(
+            "fedtier_cloud_bytes",
+            "Payload bytes per tier (cloud_to_cell, cell_to_cloud, "
+            "cell_to_device, device_to_cell), as the cells report them",
+            [*cloud, "tier"],
+            registry=r,
+        )
+        self.cloud_duration = Histogram(
+            "fedtier_cloud_round_duration_seconds",
+            "Wall seconds a cloud round took",
+            cloud,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.cloud_last = Gauge(
+            "fedtier_cloud_last_round_timestamp_seconds",
+            "Unix time the latest round closed (or the cloud started)",
+            cloud,
+            registry=r,
+        )
+        self.cloud_deadline = Gauge(
+            "fedtier_cloud_cell_deadline_seconds", "Seconds the cloud waits for its cells", cloud, registry=r
+        )
 
     # ------------------------------------------------------------------ feeding
     def observe(self, record: dict[str, Any] | CellRecord | RoundRecord) -> None:
@@ -279,19 +347,15 @@ class AgentCollector(Collector):
         agents = self.agents
         devices = GaugeMetricFamily("fedtier_agent_devices", "Devices this agent process runs", labels=["run"])
         devices.add_metric([self.run], len(agents.agents))
-        tasks = CounterMetricFamily("fedtier_agent_tasks", "Tasks the devices of this process answered",
-                                    labels=["run"])
+        tasks = CounterMetricFamily("fedtier_agent_tasks", "Tasks the devices of this process answered", labels=["run"])
         tasks.add_metric([self.run], sum(a.tasks_done for a in list(agents.agents.values())))
-        train = CounterMetricFamily("fedtier_agent_training_seconds", "Wall seconds spent training",
-                                    labels=["run"])
+        train = CounterMetricFamily("fedtier_agent_training_seconds", "Wall seconds spent training", labels=["run"])
         train.add_metric([self.run], agents.train_seconds)
-        reconnects = CounterMetricFamily("fedtier_agent_reconnects", "Broker connections beyond each device's "
-                                         "first", labels=["run"])
+        reconnects = CounterMetricFamily(
+            "fedtier_agent_reconnects", "Broker connections beyond each device's first", labels=["run"]
+        )
         reconnects.add_metric([self.run], sum(max(0, n - 1) for n in list(agents.connections.values())))
         return [devices, tasks, train, reconnects]
 
     def describe(self) -> Iterable[Any]:
         return []
-
-
-

@@ -4,6 +4,7 @@ Each ``plot_*`` function takes loaded runs and returns a :class:`Plot`: the matp
 exact series it drew (``series[name] = (x, y)``, or a matrix for the heatmap), so what is on the
 page can be checked against the records. Several runs share the axes (e.g. FedAvg vs HIST).
 """
+
 from __future__ import annotations
 
 import base64
@@ -115,8 +116,14 @@ def _figure(ncols: int = 1, nrows: int = 1, width: float = 6.0, height: float = 
     return fig, [ax for row in axes for ax in row]
 
 
-def _metric_plot(runs: list[RunData], name: str, title: str, xlabel: str,
-                 x_of: Callable[[RunData, RoundRecord], float], integer_x: bool = False) -> Plot:
+def _metric_plot(
+    runs: list[RunData],
+    name: str,
+    title: str,
+    xlabel: str,
+    x_of: Callable[[RunData, RoundRecord], float],
+    integer_x: bool = False,
+) -> Plot:
     fig, (ax_acc, ax_loss) = _figure(2)
     series: dict[str, Any] = {}
     for run in runs:
@@ -139,25 +146,45 @@ def _metric_plot(runs: list[RunData], name: str, title: str, xlabel: str,
 
 
 def plot_vs_round(runs: list[RunData]) -> Plot:
-    return _metric_plot(runs, "metrics_vs_round", "Accuracy and loss per cloud round", "cloud round",
-                        lambda run, r: r.round + 1, integer_x=True)
+    return _metric_plot(
+        runs,
+        "metrics_vs_round",
+        "Accuracy and loss per cloud round",
+        "cloud round",
+        lambda run, r: r.round + 1,
+        integer_x=True,
+    )
 
 
 def plot_vs_bytes(runs: list[RunData]) -> Plot:
-    return _metric_plot(runs, "metrics_vs_bytes", "Accuracy and loss vs cumulative bytes (all tiers)",
-                        "cumulative payload MB (all tiers)", lambda run, r: sum(r.cumulative_bytes.values()) / MB)
+    return _metric_plot(
+        runs,
+        "metrics_vs_bytes",
+        "Accuracy and loss vs cumulative bytes (all tiers)",
+        "cumulative payload MB (all tiers)",
+        lambda run, r: sum(r.cumulative_bytes.values()) / MB,
+    )
 
 
 def plot_vs_time(runs: list[RunData]) -> Plot:
-    return _metric_plot([r for r in runs if r.has_clock], "metrics_vs_time", "Accuracy and loss vs time",
-                        "seconds (loop clock: virtual in simulation)", lambda run, r: run.elapsed(r))
+    return _metric_plot(
+        [r for r in runs if r.has_clock],
+        "metrics_vs_time",
+        "Accuracy and loss vs time",
+        "seconds (loop clock: virtual in simulation)",
+        lambda run, r: run.elapsed(r),
+    )
 
 
 def plot_vs_epsilon(runs: list[RunData]) -> Plot:
     """Accuracy and loss against the differential-privacy epsilon spent so far (runs with ``[privacy] dp``)."""
-    return _metric_plot([r for r in runs if r.has_epsilon], "metrics_vs_epsilon",
-                        "Accuracy and loss vs privacy spent (epsilon so far)", "epsilon so far",
-                        lambda run, r: r.epsilon if r.epsilon is not None else float("nan"))
+    return _metric_plot(
+        [r for r in runs if r.has_epsilon],
+        "metrics_vs_epsilon",
+        "Accuracy and loss vs privacy spent (epsilon so far)",
+        "epsilon so far",
+        lambda run, r: r.epsilon if r.epsilon is not None else float("nan"),
+    )
 
 
 def plot_bytes_per_tier(runs: list[RunData]) -> Plot:
@@ -221,8 +248,15 @@ def plot_participation(runs: list[RunData]) -> Plot:
     for ax, run in zip(axes, runs):
         devices, cells, matrix = participation_matrix(run)
         series[run.label] = {"devices": devices, "cells": cells, "matrix": matrix}
-        image = ax.imshow(matrix, aspect="auto", cmap="Greens", vmin=0, vmax=1, interpolation="nearest",
-                          extent=(0.5, matrix.shape[1] + 0.5, len(devices) - 0.5, -0.5))
+        image = ax.imshow(
+            matrix,
+            aspect="auto",
+            cmap="Greens",
+            vmin=0,
+            vmax=1,
+            interpolation="nearest",
+            extent=(0.5, matrix.shape[1] + 0.5, len(devices) - 0.5, -0.5),
+        )
         ax.set_yticks(range(len(devices)), devices, fontsize="x-small" if len(devices) > 20 else "small")
         for i in range(1, len(cells)):
             if cells[i] != cells[i - 1]:
@@ -275,7 +309,10 @@ def _summary_rows(runs: list[RunData]) -> str:
         acc = run.evaluated[-1].accuracy if run.evaluated else None
         part = [r.participation for r in run.cells if r.participation is not None]
         cells = [
-            run.label, str(run.path), str(len(run.rounds)), "-" if acc is None else f"{acc:.4f}",
+            run.label,
+            str(run.path),
+            str(len(run.rounds)),
+            "-" if acc is None else f"{acc:.4f}",
             f"{sum(last.cumulative_bytes.values()) / MB:,.2f}",
             f"{np.mean(part):.0%}" if part else "-",
             f"{last.epsilon:.3g}" if last.epsilon is not None else "-",
@@ -299,13 +336,17 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, lis
     for plot in plots:
         data = plot.png()
         (png_dir / f"{plot.name}.png").write_bytes(data)
-        sections.append(f'<h2>{html.escape(plot.title)}</h2>\n<img alt="{plot.name}" '
-                        f'src="data:image/png;base64,{base64.b64encode(data).decode()}">')
+        sections.append(
+            f'<h2>{html.escape(plot.title)}</h2>\n<img alt="{plot.name}" '
+            f'src="data:image/png;base64,{base64.b64encode(data).decode()}">'
+        )
     bad = [str(b) for run in runs for b in run.bad]
     page = _PAGE.format(
         title=html.escape("fedtier report: " + ", ".join(r.label for r in runs)),
-        rows=_summary_rows(runs), sections="\n".join(sections),
-        bad=("<h2>Invalid records (skipped)</h2><pre>" + html.escape("\n".join(bad[:50])) + "</pre>") if bad else "")
+        rows=_summary_rows(runs),
+        sections="\n".join(sections),
+        bad=("<h2>Invalid records (skipped)</h2><pre>" + html.escape("\n".join(bad[:50])) + "</pre>") if bad else "",
+    )
     out.write_text(page, encoding="utf-8")
     return out, plots
 

@@ -3,6 +3,7 @@
 Both are polled from the caller's thread: ``poll()`` returns what arrived since the last call as
 ``(records, bad lines, statuses)``, so the monitor state is only ever touched by one thread.
 """
+
 from __future__ import annotations
 
 import threading
@@ -106,8 +107,13 @@ class TelemetryFeed:
         with self._lock:
             self.received += 1
             try:
-                record = open_record(data, topic, signer_of(topic), self.keys.verify if self.keys else None,
-                                     max_bytes=MAX_TELEMETRY_BYTES)
+                record = open_record(
+                    data,
+                    topic,
+                    signer_of(topic),
+                    self.keys.verify if self.keys else None,
+                    max_bytes=MAX_TELEMETRY_BYTES,
+                )
                 self._records.append(parse_record(record))
             except WireError as exc:
                 self._bad.append(BadLine(topic, self.received, f"rejected: {exc}"))

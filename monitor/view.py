@@ -8,6 +8,7 @@ whose training diverged.
 and the rows of the cells that matter most (all of them when they fit in ``top``), so that a fleet of
 a thousand cells stays readable; :class:`CellFilter` narrows the rows to some cells or states. No I/O here.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -103,7 +104,7 @@ class MonitorState:
     def add_status(self, node: str, state: str, received: float | None = None) -> None:
         """A liveness status of ``node`` (``cell.<id>``; other nodes are ignored)."""
         if node.startswith("cell."):
-            view = self._cell(node[len("cell."):])
+            view = self._cell(node[len("cell.") :])
             view.online = state == "online"
             if received is not None and view.last_seen is None:
                 view.last_seen = received
@@ -164,29 +165,55 @@ class MonitorState:
         for cell, view in sorted(self.cells.items()):
             quiet = self.silent(view, now)
             if quiet is not None:
-                silent.append((-quiet, cell, f"cell {cell} silent for {quiet:.0f} s (deadline "
-                               f"{self.deadline if self.deadline is not None else view.last.deadline_s:g} s)"))
+                silent.append(
+                    (
+                        -quiet,
+                        cell,
+                        f"cell {cell} silent for {quiet:.0f} s (deadline "
+                        f"{self.deadline if self.deadline is not None else view.last.deadline_s:g} s)",
+                    )
+                )
             if view.online is False and not self.finished:
                 offline.append((0.0, cell, f"cell {cell} is offline"))
             drop = self.dropped(view)
             if drop is not None:
-                drops.append((drop[0] / drop[1], cell,
-                              f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)"))
+                drops.append(
+                    (
+                        drop[0] / drop[1],
+                        cell,
+                        f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)",
+                    )
+                )
             if view.last is not None and view.last.rejected:
                 reasons = sorted({r.reason for r in view.last.rejected})
-                rejects.append((-len(view.last.rejected), cell,
-                                f"cell {cell} rejected {len(view.last.rejected)} result(s) in round "
-                                f"{view.last.round}.{view.last.edge_round}: {'; '.join(reasons)[:120]}"))
+                rejects.append(
+                    (
+                        -len(view.last.rejected),
+                        cell,
+                        f"cell {cell} rejected {len(view.last.rejected)} result(s) in round "
+                        f"{view.last.round}.{view.last.edge_round}: {'; '.join(reasons)[:120]}",
+                    )
+                )
             if view.last is not None and view.last.diverged:
                 why = sorted(set(view.last.diverged.values()))
-                diverged.append((-len(view.last.diverged), cell,
-                                 f"cell {cell}: {len(view.last.diverged)} device(s) diverged in round "
-                                 f"{view.last.round}.{view.last.edge_round}: {'; '.join(why)[:120]}"))
+                diverged.append(
+                    (
+                        -len(view.last.diverged),
+                        cell,
+                        f"cell {cell}: {len(view.last.diverged)} device(s) diverged in round "
+                        f"{view.last.round}.{view.last.edge_round}: {'; '.join(why)[:120]}",
+                    )
+                )
         out: list[str] = []
         if self.cloud is not None and self.cloud.diverged:
             out.append(f"the global model diverged in round {self.cloud.round} ({self.cloud.diverged})")
-        for what, found in (("silent", silent), ("offline", offline), ("with a participation drop", drops),
-                            ("with rejected results", rejects), ("with diverged devices", diverged)):
+        for what, found in (
+            ("silent", silent),
+            ("offline", offline),
+            ("with a participation drop", drops),
+            ("with rejected results", rejects),
+            ("with diverged devices", diverged),
+        ):
             if len(found) <= GROUP_ALERTS:
                 out += [line for _, _, line in found]
             else:
@@ -195,8 +222,9 @@ class MonitorState:
                 out.append(f"{len(found)} cells {what}: {names}, ... (worst: {found[0][2]})")
         if self.cloud is not None and self.cloud.cells_absent:
             absent = self.cloud.cells_absent
-            names = ", ".join(absent[:GROUP_ALERTS]) + (f", ... ({len(absent)} cells)" if len(absent) > GROUP_ALERTS
-                                                        else "")
+            names = ", ".join(absent[:GROUP_ALERTS]) + (
+                f", ... ({len(absent)} cells)" if len(absent) > GROUP_ALERTS else ""
+            )
             out.append(f"cloud round {self.cloud.round} closed by {self.cloud.closed_by} without {names}")
         if self.bad:
             out.append(f"{len(self.bad)} invalid record(s), last: {self.bad[-1]}")
@@ -230,8 +258,13 @@ def _ago(now: float, then: float | None) -> str:
     return f"{s:.1f} s ago" if s < 60 else f"{s / 60:.1f} min ago" if s < 3600 else f"{s / 3600:.1f} h ago"
 
 
-_STATE_STYLE = {"silent": ("SILENT", "bold red"), "offline": ("offline", "red"), "drop": ("DROP", "bold yellow"),
-                "waiting": ("waiting", "dim"), "ok": ("ok", "green")}
+_STATE_STYLE = {
+    "silent": ("SILENT", "bold red"),
+    "offline": ("offline", "red"),
+    "drop": ("DROP", "bold yellow"),
+    "waiting": ("waiting", "dim"),
+    "ok": ("ok", "green"),
+}
 
 
 @dataclass(frozen=True)
@@ -273,8 +306,15 @@ def _rows(state: MonitorState, now: float, flt: CellFilter) -> tuple[list[_Row],
         if flt.states and st not in flt.states:
             continue
         drop = state.dropped(view)
-        rows.append(_Row(view, st, state.lag(view), now - view.last_seen if view.last_seen is not None else 0.0,
-                         drop[0] / drop[1] if drop else 1.0))
+        rows.append(
+            _Row(
+                view,
+                st,
+                state.lag(view),
+                now - view.last_seen if view.last_seen is not None else 0.0,
+                drop[0] / drop[1] if drop else 1.0,
+            )
+        )
     sort = flt.sort or ("name" if len(rows) <= flt.top else "severity")
     keys = {
         "name": lambda r: r.view.cell,
@@ -284,33 +324,64 @@ def _rows(state: MonitorState, now: float, flt: CellFilter) -> tuple[list[_Row],
         "silent": lambda r: (-r.quiet, r.view.cell),
     }
     rows.sort(key=keys[sort])
-    return rows[:flt.top], len(rows)
+    return rows[: flt.top], len(rows)
 
 
 def cell_table(state: MonitorState, now: float, flt: CellFilter | None = None) -> Table:
     """The cells selected by ``flt`` (default: the 20 that matter most), and a last row for the others."""
     flt = flt or CellFilter()
     table = Table(expand=False, header_style="bold")
-    for name, justify in (("cell", "left"), ("round", "right"), ("answered", "right"), ("bytes in/out", "right"),
-                          ("loss", "right"), ("lag", "right"), ("closed by", "left"), ("last seen", "right"),
-                          ("state", "left")):
+    for name, justify in (
+        ("cell", "left"),
+        ("round", "right"),
+        ("answered", "right"),
+        ("bytes in/out", "right"),
+        ("loss", "right"),
+        ("lag", "right"),
+        ("closed by", "left"),
+        ("last seen", "right"),
+        ("state", "left"),
+    ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     rows, selected = _rows(state, now, flt)
     for row in rows:
         view, rec, lag = row.view, row.view.last, row.lag
         status = Text(*_STATE_STYLE[row.state])
         if rec is None:
-            table.add_row(view.cell, "-", "-", "-", "-", str(lag) if lag is not None else "-", "-",
-                          _ago(now, view.last_seen), status)
+            table.add_row(
+                view.cell,
+                "-",
+                "-",
+                "-",
+                "-",
+                str(lag) if lag is not None else "-",
+                "-",
+                _ago(now, view.last_seen),
+                status,
+            )
             continue
         part = rec.participation
-        answered = f"{len(rec.answered)}/{len(rec.planned)}" + (f" ({part:.0%})" if part is not None else "") + (
-            f" of {rec.cell_size}" if rec.cell_size != len(rec.planned) else "")
-        loss = "-" if rec.loss_mean is None else f"{rec.loss_mean:.4f}" + (
-            f" ± {rec.loss_std:.3f}" if rec.loss_std is not None else "")
-        table.add_row(view.cell, f"{rec.round}.{rec.edge_round}", answered,
-                      f"{human_bytes(rec.bytes_in)} / {human_bytes(rec.bytes_out)}", loss,
-                      Text(str(lag), style="yellow" if lag else ""), rec.closed_by, _ago(now, view.last_seen), status)
+        answered = (
+            f"{len(rec.answered)}/{len(rec.planned)}"
+            + (f" ({part:.0%})" if part is not None else "")
+            + (f" of {rec.cell_size}" if rec.cell_size != len(rec.planned) else "")
+        )
+        loss = (
+            "-"
+            if rec.loss_mean is None
+            else f"{rec.loss_mean:.4f}" + (f" ± {rec.loss_std:.3f}" if rec.loss_std is not None else "")
+        )
+        table.add_row(
+            view.cell,
+            f"{rec.round}.{rec.edge_round}",
+            answered,
+            f"{human_bytes(rec.bytes_in)} / {human_bytes(rec.bytes_out)}",
+            loss,
+            Text(str(lag), style="yellow" if lag else ""),
+            rec.closed_by,
+            _ago(now, view.last_seen),
+            status,
+        )
     if selected > len(rows):
         table.add_row(Text(f"... {selected - len(rows)} more", style="dim"), *[""] * 8)
     return table
@@ -358,15 +429,18 @@ def render(state: MonitorState, now: float | None = None, flt: CellFilter | None
     """The monitor frame: header, cloud line, cell summary, the rows ``flt`` selects, alerts."""
     now = _time.time() if now is None else now
     alerts = state.alerts(now)
-    alert_text = Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
+    alert_text = (
+        Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
+    )
     title = f"fedtier monitor: {state.run or '?'}  ({len(state.cells)} cells)"
     body = Group(cloud_line(state, now), summary_line(state, now), cell_table(state, now, flt))
-    return Group(Panel(body, title=title, title_align="left", expand=False),
-                 Panel(alert_text, title="alerts", title_align="left", expand=False))
+    return Group(
+        Panel(body, title=title, title_align="left", expand=False),
+        Panel(alert_text, title="alerts", title_align="left", expand=False),
+    )
 
 
-def render_text(state: MonitorState, now: float | None = None, width: int = 140,
-                flt: CellFilter | None = None) -> str:
+def render_text(state: MonitorState, now: float | None = None, width: int = 140, flt: CellFilter | None = None) -> str:
     """The frame as plain text (for ``--once`` in scripts and for tests)."""
     console = Console(width=width, file=io.StringIO(), color_system=None)
     console.print(render(state, now, flt))

@@ -1,5 +1,6 @@
 """Collecting one answer per planned party for the current round: the rule the cell applies to device
 results and the cloud to cell reports, so both refuse the same things for the same reasons."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -28,8 +29,14 @@ class Answers:
     def is_open(self) -> bool:
         return self.key is not None
 
-    def offer(self, who: str, sender: str, key: tuple[int, ...], payload: Payload | None,
-              check: Callable[[str, Payload], None]) -> str | None:
+    def offer(
+        self,
+        who: str,
+        sender: str,
+        key: tuple[int, ...],
+        payload: Payload | None,
+        check: Callable[[str, Payload], None],
+    ) -> str | None:
         """Take ``payload`` from ``who`` (the party named by the topic; ``sender`` signed the header);
         ``payload=None`` settles ``who`` (it answered, e.g. that its training diverged, with nothing to
         aggregate: no longer pending, not in ``received``).

@@ -4,6 +4,7 @@ The bytes depend only on the tensors and metadata, so two runs that end in the s
 byte-identical files. Writes go to a temporary file that is then renamed: a crash leaves the
 previous file intact.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,7 @@ def load_payload(path: str | Path) -> Payload:
     data = Path(path).read_bytes()
     if not data.startswith(MAGIC):
         raise ValueError(f"{path} is not a fedtier model/checkpoint file")
-    return decode_payload(data[len(MAGIC):])
+    return decode_payload(data[len(MAGIC) :])
 
 
 def save_params(path: str | Path, params: Mapping[str, np.ndarray], **meta: Any) -> None:
@@ -73,7 +74,7 @@ class Journal:
         entries, pos = [], len(JOURNAL_MAGIC)
         while pos + _ENTRY.size <= len(data):
             size, crc = _ENTRY.unpack_from(data, pos)
-            body = data[pos + _ENTRY.size:pos + _ENTRY.size + size]
+            body = data[pos + _ENTRY.size : pos + _ENTRY.size + size]
             if len(body) < size or zlib.crc32(body) != crc:
                 break
             try:

@@ -15,6 +15,7 @@ per-device path, so results agree with it to float rounding.
 local, and every compute primitive becomes a request that a runner (``edge_agent/cohort.py``) answers for
 all devices of the cohort at once.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -48,7 +49,8 @@ def check_vectorizable(model: torch.nn.Module) -> None:
         if buffers:
             raise NotVectorizable(
                 f"layer {name or '<model>'!r} ({type(module).__name__}) keeps buffers ({', '.join(buffers)}), which "
-                "the cohort engine cannot vectorize; use the per-device engine (runtime.engine = \"device\")")
+                'the cohort engine cannot vectorize; use the per-device engine (runtime.engine = "device")'
+            )
 
 
 # ------------------------------------------------------------------------------ batched forward pass
@@ -95,29 +97,48 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
             if grouped:
                 x, grouped = x.reshape(b, d, -1).transpose(0, 1), False
             w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
-            x = torch.bmm(x, w.transpose(1, 2)) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))
+            x = (
+                torch.bmm(x, w.transpose(1, 2))
+                if bias is None
+                else torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))
+            )
         elif isinstance(m, torch.nn.Conv2d):
             if not grouped:
                 x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
             w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
-            x = F.conv2d(x, w.reshape(-1, *w.shape[2:]), None if bias is None else bias.reshape(-1), m.stride,
-                         m.padding, m.dilation, groups=d)
+            x = F.conv2d(
+                x,
+                w.reshape(-1, *w.shape[2:]),
+                None if bias is None else bias.reshape(-1),
+                m.stride,
+                m.padding,
+                m.dilation,
+                groups=d,
+            )
         elif isinstance(m, torch.nn.ReLU):
             if not isinstance(after, torch.nn.MaxPool2d):  # else it runs with the pool (relu_max_pool)
                 x = torch.relu(x)
         elif isinstance(m, torch.nn.MaxPool2d):
             if not grouped:
                 x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
-            x = relu_max_pool(x, m) if isinstance(before, torch.nn.ReLU) else F.max_pool2d(
-                x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+            x = (
+                relu_max_pool(x, m)
+                if isinstance(before, torch.nn.ReLU)
+                else F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+            )
         elif isinstance(m, torch.nn.GroupNorm):  # device i's channels are a block of D*C: its groups too
             if not grouped:
                 x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
             w, bias = params.get(f"{name}.weight"), params.get(f"{name}.bias")
-            x = F.group_norm(x, d * m.num_groups, None if w is None else w.reshape(-1),
-                             None if bias is None else bias.reshape(-1), m.eps)
+            x = F.group_norm(
+                x,
+                d * m.num_groups,
+                None if w is None else w.reshape(-1),
+                None if bias is None else bias.reshape(-1),
+                m.eps,
+            )
         elif isinstance(m, torch.nn.Flatten):
             x = x.reshape(b, d, -1).transpose(0, 1) if grouped else x.reshape(d, b, -1)
             grouped = False
@@ -147,8 +168,13 @@ def _mlp_chain(model: torch.nn.Module) -> list[tuple[str, bool]] | None:
     return chain or None
 
 
-def _mlp_loss_and_grads(chain: Sequence[tuple[str, bool]], params: Mapping[str, torch.Tensor], x: torch.Tensor,
-                        y: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _mlp_loss_and_grads(
+    chain: Sequence[tuple[str, bool]],
+    params: Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Each device's masked mean cross-entropy ``[D]`` (as :func:`_device_losses`) and its gradient with
     respect to each device's parameters (in ``params`` order), for a :func:`_mlp_chain` model: the
     backward pass written out as batched products, which on small models costs a fraction of
@@ -252,11 +278,22 @@ class CohortDeviceTrainer(Trainer):
     def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, "dict[str, np.ndarray]"]:
         return self.call(Request("loss_and_grad", self.spec, self.params, x, y))
 
-    def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
-            weight_decay: float = 0.0, prox_mu: float = 0.0, momentum: float = 0.0) -> TrainStats:
+    def sgd(
+        self,
+        data: LocalData,
+        *,
+        steps: int,
+        batch_size: int,
+        lr: float,
+        rng: np.random.Generator,
+        weight_decay: float = 0.0,
+        prox_mu: float = 0.0,
+        momentum: float = 0.0,
+    ) -> TrainStats:
         order = list(batches(len(data), batch_size, steps, rng))  # this device's seeded order
-        params, stats = self.call(Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay,
-                                          prox_mu, momentum))
+        params, stats = self.call(
+            Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay, prox_mu, momentum)
+        )
         self.params = params
         return stats
 
@@ -308,9 +345,12 @@ class CohortEngine:
         y = np.zeros((len(reqs), n), np.int64)
         m = np.zeros((len(reqs), n), np.float32)
         for i, r in enumerate(reqs):
-            x[i, :len(r.y)], y[i, :len(r.y)], m[i, :len(r.y)] = r.x, r.y, 1.0
-        return (torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device),
-                torch.from_numpy(m).to(self.device))
+            x[i, : len(r.y)], y[i, : len(r.y)], m[i, : len(r.y)] = r.x, r.y, 1.0
+        return (
+            torch.from_numpy(x).to(self.device),
+            torch.from_numpy(y).to(self.device),
+            torch.from_numpy(m).to(self.device),
+        )
 
     def run(self, reqs: Sequence[Request]) -> None:
         """Answer every request (sets ``request.result``), those with equal :meth:`Request.key` together."""
@@ -401,7 +441,7 @@ class CohortEngine:
         mask = np.zeros((d, steps, b), np.float32)
         for i, r in enumerate(reqs):
             for s, batch in enumerate(r.order):
-                idx[i, s, :len(batch)], mask[i, s, :len(batch)] = batch, 1.0
+                idx[i, s, : len(batch)], mask[i, s, : len(batch)] = batch, 1.0
         mask_t = torch.from_numpy(mask).to(dev)
         counts = mask_t.sum(2)  # [D, S] samples per step
         shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor

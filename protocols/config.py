@@ -4,6 +4,7 @@ Sections: ``[run]``, ``[topology]``, ``[algorithm]`` (``name`` plus that algorit
 ``[model]``, ``[data]``, ``[participation]``, ``[runtime]``, ``[broker]``, ``[security]``, ``[privacy]``. Unknown
 keys are errors.
 """
+
 from __future__ import annotations
 
 import functools
@@ -108,8 +109,10 @@ class DeviceIds(Sequence[str]):
             return None
         cell, sep, j = device.rpartition("-d")
         i = cell[1:]
-        if not (sep and cell[:1] == "c" and _index(i, self.cells.stop) and _index(j, self.per_cell)) \
-                or int(i) < self.cells.start:
+        if (
+            not (sep and cell[:1] == "c" and _index(i, self.cells.stop) and _index(j, self.per_cell))
+            or int(i) < self.cells.start
+        ):
             return None
         return (int(i) - self.cells.start) * self.per_cell + int(j)
 
@@ -133,8 +136,11 @@ class ModelSection(_Section):
     hidden: tuple[int, ...] = (200, 200)
     channels: tuple[int, ...] = Field(default=(32, 64), description="cnn: 2 widths; cnn4: 4")
     fc: int = Field(default=512, ge=0, description="cnn: hidden fully connected width (0: none)")
-    init_std: float | None = Field(default=None, gt=0, description="conv/linear weights ~ N(0, init_std^2), "
-                                   "biases 0 (unset: torch's default initialisers)")
+    init_std: float | None = Field(
+        default=None,
+        gt=0,
+        description="conv/linear weights ~ N(0, init_std^2), biases 0 (unset: torch's default initialisers)",
+    )
     init_seed: int | None = Field(default=None, ge=0, description="defaults to run.seed")
 
     @model_validator(mode="after")
@@ -154,15 +160,20 @@ class DataSection(_Section):
     alpha_devices: float = Field(default=1.0, gt=0, description="within a cell (hierarchical)")
     max_train: int = Field(default=0, ge=0, description="0: the whole training set")
     max_test: int = Field(default=0, ge=0, description="0: the whole test set")
-    n: int = Field(default=0, ge=0, description="synthetic: training samples to draw (0: 1000); size it to the "
-                   "population, e.g. 10 per device")
+    n: int = Field(
+        default=0,
+        ge=0,
+        description="synthetic: training samples to draw (0: 1000); size it to the population, e.g. 10 per device",
+    )
     n_test: int = Field(default=0, ge=0, description="synthetic: test samples (0: n / 5)")
 
     @model_validator(mode="after")
     def _sized_synthetic_only(self) -> "DataSection":
         if self.dataset != "synthetic" and (self.n or self.n_test):
-            raise ValueError(f"n and n_test size the synthetic dataset only; {self.dataset!r} has a fixed size "
-                             "(use max_train / max_test to subsample it)")
+            raise ValueError(
+                f"n and n_test size the synthetic dataset only; {self.dataset!r} has a fixed size "
+                "(use max_train / max_test to subsample it)"
+            )
         return self
 
     def loader_params(self) -> dict[str, int]:
@@ -172,8 +183,10 @@ class DataSection(_Section):
 
 class ParticipationSection(_Section):
     model: Literal["always", "uniform", "bernoulli", "cyclic", "permutation", "markov", "trace"] = "always"
-    level: Literal["device", "cell"] = Field(default="device", description="device: devices come and go (the "
-                                             "cell's availability hook); cell: whole cells (the cloud's)")
+    level: Literal["device", "cell"] = Field(
+        default="device",
+        description="device: devices come and go (the cell's availability hook); cell: whole cells (the cloud's)",
+    )
     active: int | None = Field(default=None, ge=1, description="cyclic: groups available at once")
     period: int | None = Field(default=None, ge=1, description="cyclic: rounds each group stays available")
     selection: Literal["uniform", "permutation"] | None = None
@@ -198,44 +211,84 @@ class RuntimeSection(_Section):
     eval_every: int = Field(default=1, ge=1)
     device: str = Field(default="cpu", description="torch device: cpu, cuda or auto")
     startup_wait: float = Field(default=60.0, ge=0, description="seconds to wait for all devices (MQTT)")
-    heartbeat: float = Field(default=5.0, ge=0, description="seconds between heartbeats of agents and cells "
-                             "(MQTT; 0: none, the broker's last will only)")
-    heartbeat_timeout: float = Field(default=30.0, ge=0, description="a cell deems a device offline when its "
-                                     "last heartbeat is older than this (MQTT; 0: never)")
-    rejoin_wait: float = Field(default=30.0, ge=0, description="seconds a cell waits, before planning an edge "
-                               "round, for participating devices that are offline (rejoining; MQTT)")
-    rejoin_poll: float = Field(default=0.5, gt=0, description="seconds between an absent agent's reconnections "
-                               "to read the round manifest (participation in fedtier run)")
-    absent_ids: int = Field(default=100, ge=0, description="a cell's aggregation record names the absent devices "
-                            "of a reason (not participating, offline...) up to this many, and only counts them "
-                            "beyond (large populations)")
-    onnx_devices: list[str] = Field(default_factory=list, description="device ids that run forward-only on "
-                                    "onnxruntime (sim/emulation); the others run torch")
-    onnx_model: str | None = Field(default=None, description="the .onnx file (fedtier export) that onnx-backend "
-                                   "agents load")
-    sim_workers: int = Field(default=0, ge=0, description="fedtier sim: worker processes (or Ray actors) that "
-                             "train the devices in parallel, each a fixed round-robin share; 0: in the main "
-                             "process. Same final model either way")
-    sim_backend: Literal["processes", "ray"] = Field(default="processes", description="fedtier sim workers: local "
-                                                     "processes, or Ray actors (pip install 'fedtier[ray]')")
-    ray_address: str | None = Field(default=None, description="Ray cluster to join (e.g. ray://head:10001 or "
-                                    "auto); none: a local Ray instance")
-    engine: Literal["device", "cohort"] = Field(default="device", description="fedtier sim and the agent "
-                                                "workers of fedtier run: train each device alone (bit-identical "
-                                                "between the two) or the queued devices as one batched model "
-                                                "(edge_agent/cohort.py)")
+    heartbeat: float = Field(
+        default=5.0,
+        ge=0,
+        description="seconds between heartbeats of agents and cells (MQTT; 0: none, the broker's last will only)",
+    )
+    heartbeat_timeout: float = Field(
+        default=30.0,
+        ge=0,
+        description="a cell deems a device offline when its last heartbeat is older than this (MQTT; 0: never)",
+    )
+    rejoin_wait: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds a cell waits, before planning an edge "
+        "round, for participating devices that are offline (rejoining; MQTT)",
+    )
+    rejoin_poll: float = Field(
+        default=0.5,
+        gt=0,
+        description="seconds between an absent agent's reconnections "
+        "to read the round manifest (participation in fedtier run)",
+    )
+    absent_ids: int = Field(
+        default=100,
+        ge=0,
+        description="a cell's aggregation record names the absent devices "
+        "of a reason (not participating, offline...) up to this many, and only counts them "
+        "beyond (large populations)",
+    )
+    onnx_devices: list[str] = Field(
+        default_factory=list,
+        description="device ids that run forward-only on onnxruntime (sim/emulation); the others run torch",
+    )
+    onnx_model: str | None = Field(
+        default=None, description="the .onnx file (fedtier export) that onnx-backend agents load"
+    )
+    sim_workers: int = Field(
+        default=0,
+        ge=0,
+        description="fedtier sim: worker processes (or Ray actors) that "
+        "train the devices in parallel, each a fixed round-robin share; 0: in the main "
+        "process. Same final model either way",
+    )
+    sim_backend: Literal["processes", "ray"] = Field(
+        default="processes",
+        description="fedtier sim workers: local processes, or Ray actors (pip install 'fedtier[ray]')",
+    )
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster to join (e.g. ray://head:10001 or auto); none: a local Ray instance"
+    )
+    engine: Literal["device", "cohort"] = Field(
+        default="device",
+        description="fedtier sim and the agent "
+        "workers of fedtier run: train each device alone (bit-identical "
+        "between the two) or the queued devices as one batched model "
+        "(edge_agent/cohort.py)",
+    )
     cohort_size: int = Field(default=64, ge=1, description="engine = cohort: most devices trained at once")
-    cohort_threads: int = Field(default=1, ge=1, description="engine = cohort: torch threads a cohort computes with "
-                                "(the machine's cores, for large cohorts)")
-    max_message_bytes: int | None = Field(default=None, gt=1024, description="largest message a node accepts "
-                                          "(chunked sets are refused at their first chunk); none: 8 x the model's "
-                                          "float32 size + 4 MiB")
+    cohort_threads: int = Field(
+        default=1,
+        ge=1,
+        description="engine = cohort: torch threads a cohort computes with (the machine's cores, for large cohorts)",
+    )
+    max_message_bytes: int | None = Field(
+        default=None,
+        gt=1024,
+        description="largest message a node accepts "
+        "(chunked sets are refused at their first chunk); none: 8 x the model's "
+        "float32 size + 4 MiB",
+    )
 
     @model_validator(mode="after")
     def _engine_ok(self) -> "RuntimeSection":
         if self.engine == "cohort" and self.sim_workers > 0 and self.sim_backend == "ray":
-            raise ValueError("engine = \"cohort\" with sim_workers runs its cohorts in worker processes; "
-                             "set sim_backend = \"processes\" (Ray actors train per device)")
+            raise ValueError(
+                'engine = "cohort" with sim_workers runs its cohorts in worker processes; '
+                'set sim_backend = "processes" (Ray actors train per device)'
+            )
         return self
 
 
@@ -243,8 +296,9 @@ class ClockSection(_Section):
     """The virtual clock of ``fedtier sim`` (see ``sim/clock.py``); 0 everywhere: no time modelled."""
 
     device_steps_per_s: float = Field(default=0.0, ge=0, description="local SGD steps a device runs per second")
-    device_speed_spread: float = Field(default=0.0, ge=0, description="sigma of a seeded log-normal factor on "
-                                       "each device's speed (stragglers)")
+    device_speed_spread: float = Field(
+        default=0.0, ge=0, description="sigma of a seeded log-normal factor on each device's speed (stragglers)"
+    )
     downlink_bytes_per_s: float = Field(default=0.0, ge=0, description="cell -> device")
     uplink_bytes_per_s: float = Field(default=0.0, ge=0, description="device -> cell")
     backhaul_bytes_per_s: float = Field(default=0.0, ge=0, description="cell <-> cloud")
@@ -254,10 +308,15 @@ class ClockSection(_Section):
 class AttackSection(_Section):
     """Byzantine devices in ``fedtier sim`` only (``sim/attack.py``), to measure robust aggregation."""
 
-    kind: Literal["none", "scale", "sign_flip"] = Field(default="none", description="scale: send factor x delta; "
-                                                        "sign_flip: send -factor x delta")
-    fraction: float = Field(default=0.0, ge=0, lt=1, description="share of each cell's devices that attack "
-                            "(rounded down), drawn with the run seed")
+    kind: Literal["none", "scale", "sign_flip"] = Field(
+        default="none", description="scale: send factor x delta; sign_flip: send -factor x delta"
+    )
+    fraction: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="share of each cell's devices that attack (rounded down), drawn with the run seed",
+    )
     factor: float = Field(default=10.0, gt=0)
 
 
@@ -271,62 +330,108 @@ class BrokerSection(_Section):
 
 
 class SecuritySection(_Section):
-    keys: str | None = Field(default=None, description="TOML keys file (`fedtier keys`): every node signs what it "
-                             "sends and verifies its peers; fedtier sim/run generate it in the run folder if missing")
-    max_device_weight: float | None = Field(default=None, gt=0, description="a cell refuses a device result "
-                                            "whose weight (samples) exceeds this; fedtier sim/run check each "
-                                            "device's known sample count anyway")
+    keys: str | None = Field(
+        default=None,
+        description="TOML keys file (`fedtier keys`): every node signs what it "
+        "sends and verifies its peers; fedtier sim/run generate it in the run folder if missing",
+    )
+    max_device_weight: float | None = Field(
+        default=None,
+        gt=0,
+        description="a cell refuses a device result "
+        "whose weight (samples) exceeds this; fedtier sim/run check each "
+        "device's known sample count anyway",
+    )
 
 
 class PrivacySection(_Section):
     """Secure aggregation inside each cell (``protocols/privacy/secagg.py``), and differential privacy
     (``protocols/privacy/dp.py``): per-device clipping and Gaussian noise, with its accountant."""
 
-    secure_aggregation: bool = Field(default=False, description="SecAgg+: a cell learns only the sum of its "
-                                     "devices' (clipped, quantised) updates; fedavg and hist")
-    secagg_threshold: float = Field(default=0.34, ge=0, lt=1, description="t = floor(threshold x degree) + 1 "
-                                    "neighbours' shares recover a device's secret (0.34: about a third, so 30% "
-                                    "of a cell may drop; 0.5: t > degree / 2, see README Privacy)")
-    secagg_neighbours: int = Field(default=0, ge=0, description="degree of each device in the sparse neighbour "
-                                   "graph; 0: about 4 log2(n), capped at n - 1 (n - 1: SecAgg's complete graph)")
-    secagg_bound: float = Field(default=1.0, gt=0, description="every update value is clipped to [-bound, bound] "
-                                "before quantisation to 32-bit fixed point")
-    secagg_deadline: float | None = Field(default=None, gt=0, description="seconds a cell waits in each extra "
-                                          "phase (keys, shares, unmasking) before going on without the silent "
-                                          "devices; none: runtime.device_deadline / 4 (the key and share phases "
-                                          "run inside the device deadline)")
-    dp: Literal["off", "local", "cell"] = Field(default="off", description="local: each device noises its clipped "
-                                                "update; cell: the cell noises the sum of its devices' clipped "
-                                                "updates once (central DP at the cell)")
+    secure_aggregation: bool = Field(
+        default=False,
+        description="SecAgg+: a cell learns only the sum of its devices' (clipped, quantised) updates; fedavg and hist",
+    )
+    secagg_threshold: float = Field(
+        default=0.34,
+        ge=0,
+        lt=1,
+        description="t = floor(threshold x degree) + 1 "
+        "neighbours' shares recover a device's secret (0.34: about a third, so 30% "
+        "of a cell may drop; 0.5: t > degree / 2, see README Privacy)",
+    )
+    secagg_neighbours: int = Field(
+        default=0,
+        ge=0,
+        description="degree of each device in the sparse neighbour "
+        "graph; 0: about 4 log2(n), capped at n - 1 (n - 1: SecAgg's complete graph)",
+    )
+    secagg_bound: float = Field(
+        default=1.0,
+        gt=0,
+        description="every update value is clipped to [-bound, bound] before quantisation to 32-bit fixed point",
+    )
+    secagg_deadline: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds a cell waits in each extra "
+        "phase (keys, shares, unmasking) before going on without the silent "
+        "devices; none: runtime.device_deadline / 4 (the key and share phases "
+        "run inside the device deadline)",
+    )
+    dp: Literal["off", "local", "cell"] = Field(
+        default="off",
+        description="local: each device noises its clipped "
+        "update; cell: the cell noises the sum of its devices' clipped "
+        "updates once (central DP at the cell)",
+    )
     clip: float = Field(default=1.0, gt=0, description="L2 bound of a device's update (its delta per edge round)")
     noise_multiplier: float | None = Field(default=None, ge=0, description="z: noise std = z x clip")
-    target_epsilon: float | None = Field(default=None, gt=0, description="instead of noise_multiplier: the "
-                                         "smallest z whose run.rounds spend at most this epsilon")
+    target_epsilon: float | None = Field(
+        default=None,
+        gt=0,
+        description="instead of noise_multiplier: the smallest z whose run.rounds spend at most this epsilon",
+    )
     delta: float = Field(default=1e-5, gt=0, lt=1, description="the delta of the (epsilon, delta) guarantee")
     epsilon_budget: float | None = Field(default=None, gt=0, description="the most epsilon a run may spend")
-    on_budget: Literal["refuse", "stop"] = Field(default="refuse", description="refuse: a run whose rounds would "
-                                                 "exceed the budget does not start; stop: it runs the rounds that "
-                                                 "fit and stops cleanly before the first that would not")
-    dp_min_survivors: int | None = Field(default=None, ge=1, description="dp = cell with secure aggregation: each "
-                                         "device adds noise of variance (z clip)^2 / dp_min_survivors and no sum of "
-                                         "fewer survivors is unmasked; none: ceil(0.7 x a cell's devices expected "
-                                         "per round)")
-    noise_seed: int | Literal["system"] | None = Field(default=None, description="seed of the DP noise (none: "
-                                                       "run.seed, reproducible; system: drawn from the OS by "
-                                                       "each noising party)")
+    on_budget: Literal["refuse", "stop"] = Field(
+        default="refuse",
+        description="refuse: a run whose rounds would "
+        "exceed the budget does not start; stop: it runs the rounds that "
+        "fit and stops cleanly before the first that would not",
+    )
+    dp_min_survivors: int | None = Field(
+        default=None,
+        ge=1,
+        description="dp = cell with secure aggregation: each "
+        "device adds noise of variance (z clip)^2 / dp_min_survivors and no sum of "
+        "fewer survivors is unmasked; none: ceil(0.7 x a cell's devices expected "
+        "per round)",
+    )
+    noise_seed: int | Literal["system"] | None = Field(
+        default=None,
+        description="seed of the DP noise (none: "
+        "run.seed, reproducible; system: drawn from the OS by "
+        "each noising party)",
+    )
 
     @model_validator(mode="after")
     def _noise_set(self) -> "PrivacySection":
         if isinstance(self.noise_seed, int) and self.noise_seed < 0:
-            raise ValueError("noise_seed must be a non-negative integer or \"system\"")
+            raise ValueError('noise_seed must be a non-negative integer or "system"')
         if self.dp != "off" and (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError(f"dp = \"{self.dp}\" needs exactly one of noise_multiplier or target_epsilon")
+            raise ValueError(f'dp = "{self.dp}" needs exactly one of noise_multiplier or target_epsilon')
         return self
 
 
 class MonitoringSection(_Section):
-    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="serve Prometheus /metrics on this "
-                                     "port (fedtier cloud, cell, run, agent); none: no exporter; 0: a free port")
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="serve Prometheus /metrics on this "
+        "port (fedtier cloud, cell, run, agent); none: no exporter; 0: a free port",
+    )
     metrics_host: str = Field(default="127.0.0.1", description="address the /metrics server binds (0.0.0.0: all)")
 
 
@@ -374,10 +479,19 @@ class RunConfig(_Section):
         """The zoo model of this run for data of ``input_shape`` and ``num_classes``."""
         m = self.model
         if m.name == "cnn4" and min(input_shape[-2:]) < 16:
-            raise ConfigError(f"model.name: cnn4 pools 4 times and needs images of at least 16x16; "
-                              f"{self.data.dataset} has {'x'.join(map(str, input_shape))}")
-        return ModelSpec(name=m.name, input_shape=tuple(input_shape), num_classes=num_classes,
-                         hidden=m.hidden, channels=m.channels, fc=m.fc, init_std=m.init_std)
+            raise ConfigError(
+                f"model.name: cnn4 pools 4 times and needs images of at least 16x16; "
+                f"{self.data.dataset} has {'x'.join(map(str, input_shape))}"
+            )
+        return ModelSpec(
+            name=m.name,
+            input_shape=tuple(input_shape),
+            num_classes=num_classes,
+            hidden=m.hidden,
+            channels=m.channels,
+            fc=m.fc,
+            init_std=m.init_std,
+        )
 
     def secagg_settings(self) -> Any:
         """The ``SecAggSettings`` of ``[privacy]`` when secure aggregation is on, else ``None``."""
@@ -386,8 +500,13 @@ class RunConfig(_Section):
         from .privacy.secagg import SecAggSettings
 
         p = self.privacy
-        return SecAggSettings(seed=self.run.seed, threshold=p.secagg_threshold, neighbours=p.secagg_neighbours,
-                              bound=p.secagg_bound, min_survivors=self.dp_noise_shares() or 0)
+        return SecAggSettings(
+            seed=self.run.seed,
+            threshold=p.secagg_threshold,
+            neighbours=p.secagg_neighbours,
+            bound=p.secagg_bound,
+            min_survivors=self.dp_noise_shares() or 0,
+        )
 
     def dp_noise_shares(self) -> int | None:
         """Cell DP under secure aggregation: the survivors m among whom the cell's noise is split (each
@@ -415,8 +534,13 @@ class RunConfig(_Section):
             from .privacy.dp import DpSettings, PrivateAlgorithm
 
             pv = self.privacy
-            dp = DpSettings(pv.dp, pv.clip, self.dp_accountant().noise_multiplier,  # type: ignore[arg-type]
-                            self.run.seed if pv.noise_seed is None else pv.noise_seed, self.dp_noise_shares())
+            dp = DpSettings(
+                pv.dp,
+                pv.clip,
+                self.dp_accountant().noise_multiplier,  # type: ignore[arg-type]
+                self.run.seed if pv.noise_seed is None else pv.noise_seed,
+                self.dp_noise_shares(),
+            )
             algorithm = PrivateAlgorithm(algorithm, dp, self.dp_accountant(), pv.epsilon_budget)
         return algorithm
 
@@ -436,8 +560,11 @@ class RunConfig(_Section):
         if pv.dp == "off":
             raise ConfigError("privacy.dp is off: there is nothing to account")
         q, e = self.dp_sampling_rate(), self.train.edge_rounds
-        z = pv.noise_multiplier if pv.noise_multiplier is not None else \
-            _calibrated(pv.target_epsilon, self.run.rounds, pv.dp, q, e, pv.delta)  # type: ignore[arg-type]
+        z = (
+            pv.noise_multiplier
+            if pv.noise_multiplier is not None
+            else _calibrated(pv.target_epsilon, self.run.rounds, pv.dp, q, e, pv.delta)
+        )  # type: ignore[arg-type]
         return Accountant(pv.dp, z, q, e, pv.delta)  # type: ignore[arg-type]
 
 
@@ -446,8 +573,14 @@ def _calibrated(target: float, rounds: int, mode: str, q: float, edge_rounds: in
     from .privacy.accountant import calibrate
 
     try:
-        return calibrate(target, rounds, mode=mode, sampling_rate=q, edge_rounds=edge_rounds,  # type: ignore[arg-type]
-                         delta=delta)
+        return calibrate(
+            target,
+            rounds,
+            mode=mode,
+            sampling_rate=q,
+            edge_rounds=edge_rounds,  # type: ignore[arg-type]
+            delta=delta,
+        )
     except ValueError as exc:
         raise ConfigError(f"privacy.target_epsilon: {exc}") from None
 
@@ -462,36 +595,48 @@ def check_privacy(cfg: RunConfig) -> None:
     if pv.dp == "off":
         return
     if train.name not in _DP_ALGORITHMS:
-        raise ConfigError(f"privacy.dp: differential privacy is built for {' and '.join(_DP_ALGORITHMS)} (dense "
-                          f"model deltas), not {train.name!r}")
-    for key, value, want in (("uplink", getattr(train, "uplink", "dense"), "dense"),
-                             ("mode", getattr(train, "mode", "sync"), "sync"),
-                             ("cell_aggregator", getattr(train, "cell_aggregator", "mean"), "mean"),
-                             ("cloud_aggregator", getattr(train, "cloud_aggregator", "mean"), "mean")):
+        raise ConfigError(
+            f"privacy.dp: differential privacy is built for {' and '.join(_DP_ALGORITHMS)} (dense "
+            f"model deltas), not {train.name!r}"
+        )
+    for key, value, want in (
+        ("uplink", getattr(train, "uplink", "dense"), "dense"),
+        ("mode", getattr(train, "mode", "sync"), "sync"),
+        ("cell_aggregator", getattr(train, "cell_aggregator", "mean"), "mean"),
+        ("cloud_aggregator", getattr(train, "cloud_aggregator", "mean"), "mean"),
+    ):
         if value != want:
-            raise ConfigError(f"privacy.dp: needs algorithm.{key} = \"{want}\" (the accountant's mechanism is "
-                              f"a clipped, noised sum of dense updates), got {value!r}")
+            raise ConfigError(
+                f'privacy.dp: needs algorithm.{key} = "{want}" (the accountant\'s mechanism is '
+                f"a clipped, noised sum of dense updates), got {value!r}"
+            )
     if pv.secure_aggregation and pv.secagg_bound < pv.clip:
-        raise ConfigError(f"privacy.secagg_bound: {pv.secagg_bound:g} would cut updates that DP clipped to L2 norm "
-                          f"{pv.clip:g}; set secagg_bound >= clip (with room for the noise)")
+        raise ConfigError(
+            f"privacy.secagg_bound: {pv.secagg_bound:g} would cut updates that DP clipped to L2 norm "
+            f"{pv.clip:g}; set secagg_bound >= clip (with room for the noise)"
+        )
     shares = cfg.dp_noise_shares()
     if shares is not None and shares > cfg.topology.devices_per_cell:
-        raise ConfigError(f"privacy.dp_min_survivors: {shares} survivors can never be reached in cells of "
-                          f"{cfg.topology.devices_per_cell} devices")
+        raise ConfigError(
+            f"privacy.dp_min_survivors: {shares} survivors can never be reached in cells of "
+            f"{cfg.topology.devices_per_cell} devices"
+        )
     if pv.epsilon_budget is not None and pv.on_budget == "refuse":
         acc = cfg.dp_accountant()
         spent = acc.epsilon(cfg.run.rounds)
         if spent > pv.epsilon_budget:
             fit = acc.max_rounds(pv.epsilon_budget, cfg.run.rounds)
-            raise ConfigError(f"privacy.epsilon_budget: {cfg.run.rounds} rounds would spend epsilon {spent:.4g} > "
-                              f"{pv.epsilon_budget:g} (delta {pv.delta:g}); {fit} rounds fit (set run.rounds = "
-                              f"{fit}, more noise, or privacy.on_budget = \"stop\")")
+            raise ConfigError(
+                f"privacy.epsilon_budget: {cfg.run.rounds} rounds would spend epsilon {spent:.4g} > "
+                f"{pv.epsilon_budget:g} (delta {pv.delta:g}); {fit} rounds fit (set run.rounds = "
+                f'{fit}, more noise, or privacy.on_budget = "stop")'
+            )
 
 
 def validate_algorithm(section: dict[str, Any]) -> TrainParams:
     name = section.get("name")
     if not isinstance(name, str):
-        raise ConfigError("algorithm.name: required (e.g. \"fedavg\")")
+        raise ConfigError('algorithm.name: required (e.g. "fedavg")')
     try:
         cls = get_algorithm(name)
     except ValueError as exc:

@@ -24,6 +24,7 @@ The scheme (DeComFL and any other seeded-direction algorithm use exactly this):
 :func:`fingerprint` hashes a small direction: parties can compare it at start-up to catch a numpy
 whose generator stream differs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,9 @@ _cached_bytes = 0
 _lock = threading.Lock()  # agents may run as threads of one process (fedtier run)
 
 
-def direction(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]],
-              kind: Kind = "gaussian") -> "dict[str, np.ndarray]":
+def direction(
+    round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind = "gaussian"
+) -> "dict[str, np.ndarray]":
     """z(round_seed, k, p): float32 arrays of ``shapes``, drawn in the order of ``shapes``; read-only.
 
     Every device of a round (and its cell, and the cloud) needs the same directions: a process draws
@@ -79,7 +81,9 @@ def direction(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, .
     return dict(out)
 
 
-def _draw(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> "dict[str, np.ndarray]":
+def _draw(
+    round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind
+) -> "dict[str, np.ndarray]":
     gen = rng(round_seed, k, p, "zo-direction")
     out: dict[str, np.ndarray] = {}
     for name, shape in shapes.items():
@@ -109,8 +113,9 @@ def step_coefficient(lr: float, perturbations: int, g: float) -> np.float32:
     return np.float32(float(lr) / int(perturbations) * float(g))
 
 
-def apply_step(params: MutableMapping[str, np.ndarray], round_seed: int, k: int, g: np.ndarray, lr: float,
-               kind: Kind = "gaussian") -> None:
+def apply_step(
+    params: MutableMapping[str, np.ndarray], round_seed: int, k: int, g: np.ndarray, lr: float, kind: Kind = "gaussian"
+) -> None:
     """In place: ``x -= (lr / P) * g[p] * z(round_seed, k, p)`` for p = 0..P-1 (``g`` holds P scalars)."""
     g = np.asarray(g)
     shapes = shapes_of(params)
@@ -123,9 +128,16 @@ def apply_step(params: MutableMapping[str, np.ndarray], round_seed: int, k: int,
             v -= c * z[name]
 
 
-def apply_momentum_step(params: MutableMapping[str, np.ndarray], buf: MutableMapping[str, np.ndarray],
-                        round_seed: int, k: int, g: np.ndarray, lr: float, momentum: float,
-                        kind: Kind = "gaussian") -> None:
+def apply_momentum_step(
+    params: MutableMapping[str, np.ndarray],
+    buf: MutableMapping[str, np.ndarray],
+    round_seed: int,
+    k: int,
+    g: np.ndarray,
+    lr: float,
+    momentum: float,
+    kind: Kind = "gaussian",
+) -> None:
     """In place, heavy ball on the ZO estimate: ``b = beta * b + sum_p (g[p] / P) z_p; x -= lr * b``."""
     g = np.asarray(g)
     shapes = shapes_of(params)
@@ -143,9 +155,15 @@ def apply_momentum_step(params: MutableMapping[str, np.ndarray], buf: MutableMap
         v -= rate * buf[name]
 
 
-def apply_round(params: MutableMapping[str, np.ndarray], round_seed: int, g: np.ndarray, lr: float,
-                kind: Kind = "gaussian", buf: MutableMapping[str, np.ndarray] | None = None,
-                momentum: float = 0.0) -> None:
+def apply_round(
+    params: MutableMapping[str, np.ndarray],
+    round_seed: int,
+    g: np.ndarray,
+    lr: float,
+    kind: Kind = "gaussian",
+    buf: MutableMapping[str, np.ndarray] | None = None,
+    momentum: float = 0.0,
+) -> None:
     """In place: one round's global update from its K x P averaged scalars (k ascending); with
     ``momentum`` > 0 the heavy-ball buffer ``buf`` is stepped too."""
     for k in range(g.shape[0]):

@@ -7,6 +7,7 @@ row is stopped by the cloud.
 The result is a payload with only ``meta = {"diverged": reason}`` (no tensors), so it encodes whatever
 the role produced, and a receiver tells it from a real result by that key alone.
 """
+
 from __future__ import annotations
 
 import math

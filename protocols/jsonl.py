@@ -1,4 +1,5 @@
 """Append-only JSON-lines files: one record per line, flushed at once so a crash loses nothing."""
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 Parameters cross tiers as ``name -> float32 array`` in ``state_dict`` order (see ``params.py``).
 This module needs torch; forward-only (onnxruntime) devices never import it.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -29,8 +30,14 @@ class Reshape(nn.Module):
 
 def _is_2x2(pool: nn.MaxPool2d) -> bool:
     pair = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v, v)  # noqa: E731
-    return (pair(pool.kernel_size) == (2, 2) and pair(pool.stride) == (2, 2) and pair(pool.padding) == (0, 0)
-            and pair(pool.dilation) == (1, 1) and not pool.ceil_mode and not pool.return_indices)
+    return (
+        pair(pool.kernel_size) == (2, 2)
+        and pair(pool.stride) == (2, 2)
+        and pair(pool.padding) == (0, 0)
+        and pair(pool.dilation) == (1, 1)
+        and not pool.ceil_mode
+        and not pool.return_indices
+    )
 
 
 def relu_max_pool(x: torch.Tensor, pool: nn.MaxPool2d) -> torch.Tensor:
@@ -50,8 +57,12 @@ def relu_max_pool(x: torch.Tensor, pool: nn.MaxPool2d) -> torch.Tensor:
             x = x.contiguous(memory_format=torch.channels_last)
         return torch.relu(F.max_pool2d(x, 2)).contiguous()
     h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
-    return torch.relu(torch.maximum(torch.maximum(x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2]),
-                                    torch.maximum(x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2])))
+    return torch.relu(
+        torch.maximum(
+            torch.maximum(x[..., 0:h:2, 0:w:2], x[..., 0:h:2, 1:w:2]),
+            torch.maximum(x[..., 1:h:2, 0:w:2], x[..., 1:h:2, 1:w:2]),
+        )
+    )
 
 
 class ConvNet(nn.Sequential):
@@ -69,8 +80,14 @@ class ConvNet(nn.Sequential):
         return x
 
 
-def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (200, 200),
-                channels: Sequence[int] = (32, 64), fc: int = 512) -> nn.Module:
+def build_model(
+    name: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    hidden: Sequence[int] = (200, 200),
+    channels: Sequence[int] = (32, 64),
+    fc: int = 512,
+) -> nn.Module:
     """Build a model of the zoo.
 
     - ``mlp``: flatten -> ``fc{i}`` Linear/ReLU for each ``hidden`` width -> ``out`` Linear.
@@ -100,14 +117,26 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden:
         c1, c2 = (int(x) for x in channels)
         # 'same' padding: 28 -> 14 -> 7 and 8 -> 4 -> 2 after the two poolings
         flat = c2 * (h // 4) * (w // 4)
-        head = [("fc1", nn.Linear(flat, fc)), ("relu3", nn.ReLU()), ("out", nn.Linear(fc, num_classes))] if fc else [
-            ("out", nn.Linear(flat, num_classes))]
-        return ConvNet(OrderedDict([
-            ("reshape", Reshape((c, h, w))),
-            ("conv1", nn.Conv2d(c, c1, 5, padding=2)), ("relu1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
-            ("conv2", nn.Conv2d(c1, c2, 5, padding=2)), ("relu2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)),
-            ("flatten", nn.Flatten()), *head,
-        ]))
+        head = (
+            [("fc1", nn.Linear(flat, fc)), ("relu3", nn.ReLU()), ("out", nn.Linear(fc, num_classes))]
+            if fc
+            else [("out", nn.Linear(flat, num_classes))]
+        )
+        return ConvNet(
+            OrderedDict(
+                [
+                    ("reshape", Reshape((c, h, w))),
+                    ("conv1", nn.Conv2d(c, c1, 5, padding=2)),
+                    ("relu1", nn.ReLU()),
+                    ("pool1", nn.MaxPool2d(2)),
+                    ("conv2", nn.Conv2d(c1, c2, 5, padding=2)),
+                    ("relu2", nn.ReLU()),
+                    ("pool2", nn.MaxPool2d(2)),
+                    ("flatten", nn.Flatten()),
+                    *head,
+                ]
+            )
+        )
     if name == "cnn4":
         c, h, w = (int(x) for x in input_shape) if len(input_shape) == 3 else (1, *(int(x) for x in input_shape))
         widths = [int(x) for x in channels]
@@ -117,9 +146,12 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden:
             raise ValueError(f"cnn4 pools 4 times: images of at least 16x16 needed, got {h}x{w}")
         layers = [("reshape", Reshape((c, h, w)))]
         for i, width in enumerate(widths, start=1):
-            layers += [(f"conv{i}", nn.Conv2d(c, width, 3, padding=1, bias=False)),
-                       (f"norm{i}", nn.GroupNorm(math.gcd(8, width), width)), (f"relu{i}", nn.ReLU()),
-                       (f"pool{i}", nn.MaxPool2d(2))]
+            layers += [
+                (f"conv{i}", nn.Conv2d(c, width, 3, padding=1, bias=False)),
+                (f"norm{i}", nn.GroupNorm(math.gcd(8, width), width)),
+                (f"relu{i}", nn.ReLU()),
+                (f"pool{i}", nn.MaxPool2d(2)),
+            ]
             c, h, w = width, h // 2, w // 2
         layers += [("flatten", nn.Flatten()), ("out", nn.Linear(c * h * w, num_classes, bias=False))]
         return ConvNet(OrderedDict(layers))
@@ -152,12 +184,14 @@ NamedParams = Sequence[tuple[str, nn.Parameter]]
 
 def get_params(model: nn.Module, named: NamedParams | None = None) -> "OrderedDict[str, np.ndarray]":
     """The model's trainable parameters as float32 numpy copies, in ``named_parameters`` order."""
-    return OrderedDict((k, v.detach().cpu().numpy().astype(np.float32, copy=True))
-                       for k, v in (model.named_parameters() if named is None else named))
+    return OrderedDict(
+        (k, v.detach().cpu().numpy().astype(np.float32, copy=True))
+        for k, v in (model.named_parameters() if named is None else named)
+    )
 
 
 def set_params(model: nn.Module, params: "OrderedDict[str, np.ndarray]", named: NamedParams | None = None) -> None:
     """Copy ``params`` into the model in place."""
     with torch.no_grad():
-        for k, p in (model.named_parameters() if named is None else named):
+        for k, p in model.named_parameters() if named is None else named:
             p.copy_(torch.from_numpy(np.ascontiguousarray(params[k])))

@@ -8,6 +8,7 @@ The initial parameters x_0 (and the model spec) travel inside the file, as custo
 (``fedtier.params``: base64 of a ``tensors/v1`` payload), so an agent without torch or the ``onnx``
 package starts from the same x_0 as every other party (see ``edge_agent.onnx_trainer``).
 """
+
 from __future__ import annotations
 
 import base64
@@ -58,9 +59,16 @@ def export_onnx(spec: ModelSpec, params: Mapping[str, np.ndarray], path: str | P
     features = int(np.prod(spec.input_shape))
     example = (torch.zeros(2, features), *(torch.from_numpy(np.array(params[k], np.float32)) for k in names))
     buf = io.BytesIO()
-    torch.onnx.export(ParamsAsInputs(), example, buf, input_names=["x", *names], output_names=["logits"],
-                      dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}}, opset_version=OPSET,
-                      dynamo=False)
+    torch.onnx.export(
+        ParamsAsInputs(),
+        example,
+        buf,
+        input_names=["x", *names],
+        output_names=["logits"],
+        dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
+        opset_version=OPSET,
+        dynamo=False,
+    )
     proto = onnx.load_from_string(buf.getvalue())
     x0 = base64.b64encode(encode_payload(Payload({}, {k: np.asarray(params[k], np.float32) for k in names})))
     for key, value in ((PARAMS_KEY, x0.decode()), (SPEC_KEY, spec.model_dump_json())):

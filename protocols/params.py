@@ -1,4 +1,5 @@
 """Model parameters as they travel between tiers: an ordered dict of name -> float32 numpy array."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -28,7 +29,9 @@ def add(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], scale: float =
     return OrderedDict((k, (a[k] + np.asarray(scale, dtype=np.float64) * b[k]).astype(a[k].dtype)) for k in a)
 
 
-def weighted_mean(items: Iterable[tuple[float, Mapping[str, np.ndarray]]]) -> tuple["OrderedDict[str, np.ndarray]", float]:
+def weighted_mean(
+    items: Iterable[tuple[float, Mapping[str, np.ndarray]]],
+) -> tuple["OrderedDict[str, np.ndarray]", float]:
     """Weighted mean of several parameter dicts, accumulated in float64, returned as float32.
 
     Items are summed in the order given; callers pass them sorted by sender id so the result does

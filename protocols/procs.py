@@ -15,6 +15,7 @@ External programs (Mosquitto) get the signal through :func:`popen` (``setpriv --
 util-linux has it, else a ``preexec_fn``); Python children (``multiprocessing``) call
 :func:`die_with_parent` first thing and are started with ``spawn(process.start)``.
 """
+
 from __future__ import annotations
 
 import ctypes

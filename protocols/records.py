@@ -12,6 +12,7 @@ JSON. Algorithms put their own numbers under the free-form ``metrics`` dict; the
 numbers (floats) next to ``accuracy`` and ``loss``. Readers validate every line: a bad line is
 reported as a :class:`BadLine` and skipped, never fatal.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,17 +75,24 @@ class CellRecord(_Record):
     algorithm: str
     planned: list[str] = Field(default_factory=list, description="devices sent a task")
     answered: list[str] = Field(default_factory=list, description="devices whose result was aggregated")
-    absent: dict[str, str] = Field(default_factory=dict,
-                                   description="device -> offline | not participating | not selected | deadline "
-                                   "(reasons with more than runtime.absent_ids devices only counted)")
-    absent_counts: dict[str, int] | None = Field(None, description="reason -> absent devices, when `absent` "
-                                                 "leaves some out")
+    absent: dict[str, str] = Field(
+        default_factory=dict,
+        description="device -> offline | not participating | not selected | deadline "
+        "(reasons with more than runtime.absent_ids devices only counted)",
+    )
+    absent_counts: dict[str, int] | None = Field(
+        None, description="reason -> absent devices, when `absent` leaves some out"
+    )
     rejected: list[Rejection] = Field(default_factory=list, description="results refused, with reasons")
     rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
-    excluded: dict[str, str] | None = Field(None, description="answered devices the robust aggregator "
-                                            "(algorithm.cell_aggregator) left out, with why")
-    diverged: dict[str, str] | None = Field(None, description="devices whose training diverged (non-finite "
-                                            "loss or parameters): answered, not aggregated, with why")
+    excluded: dict[str, str] | None = Field(
+        None, description="answered devices the robust aggregator (algorithm.cell_aggregator) left out, with why"
+    )
+    diverged: dict[str, str] | None = Field(
+        None,
+        description="devices whose training diverged (non-finite "
+        "loss or parameters): answered, not aggregated, with why",
+    )
     bytes_in: int = Field(0, ge=0, description="device -> cell payload bytes of this edge round")
     bytes_out: int = Field(0, ge=0, description="cell -> device payload bytes of this edge round")
     loss_mean: float | None = Field(None, description="mean training loss the answering devices reported")
@@ -132,22 +140,31 @@ class RoundRecord(_Record):
     cells_reported: list[str] = Field(default_factory=list)
     cells_absent: list[str] = Field(default_factory=list)
     devices: dict[str, int] = Field(default_factory=dict, description="cell -> devices that took part")
-    devices_diverged: dict[str, int] | None = Field(None, description="cell -> devices whose training diverged "
-                                                    "(answered, never aggregated)")
+    devices_diverged: dict[str, int] | None = Field(
+        None, description="cell -> devices whose training diverged (answered, never aggregated)"
+    )
     rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, reason")
     rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
-    excluded: dict[str, str] | None = Field(None, description="reporting cells the robust aggregator "
-                                            "(algorithm.cloud_aggregator) left out, with why")
+    excluded: dict[str, str] | None = Field(
+        None, description="reporting cells the robust aggregator (algorithm.cloud_aggregator) left out, with why"
+    )
     bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes of this round per tier")
     cumulative_bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes so far per tier")
     clock_start_s: float | None = Field(None, description="loop clock when the round began")
     clock_s: float = Field(0.0, description="loop clock when the round closed (virtual time in simulation)")
-    epsilon: float | None = Field(None, ge=0, description="differential privacy: epsilon spent after this round "
-                                  "(at privacy.delta; see protocols/privacy/accountant.py)")
+    epsilon: float | None = Field(
+        None,
+        ge=0,
+        description="differential privacy: epsilon spent after this round "
+        "(at privacy.delta; see protocols/privacy/accountant.py)",
+    )
     accuracy: float | None = None
     loss: float | None = None
-    diverged: str | None = Field(None, description="the global model's evaluation numbers that were not finite "
-                                 "(left out of the record); the run stops after this round")
+    diverged: str | None = Field(
+        None,
+        description="the global model's evaluation numbers that were not finite "
+        "(left out of the record); the run stops after this round",
+    )
 
 
 Record = Union[CellRecord, RoundRecord]
@@ -188,8 +205,9 @@ def parse_record(obj: Any) -> Record:
         raise ValueError(errors) from None
 
 
-def parse_lines(lines: Iterable[str], source: str = "<records>", first_line: int = 1
-                ) -> tuple[list[Record], list[BadLine]]:
+def parse_lines(
+    lines: Iterable[str], source: str = "<records>", first_line: int = 1
+) -> tuple[list[Record], list[BadLine]]:
     """Validate JSON lines; blank lines are skipped, bad ones reported."""
     records: list[Record] = []
     bad: list[BadLine] = []

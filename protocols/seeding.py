@@ -5,6 +5,7 @@ only on those keys, so any party in any process regenerates the same draws (a de
 regenerate the same noise; a re-run gives the same partitions and selections). Strings are mapped
 to integers with CRC-32, which is stable across processes (unlike ``hash``).
 """
+
 from __future__ import annotations
 
 import zlib

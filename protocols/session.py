@@ -6,6 +6,7 @@ on a manifest or on ``finished`` only when its session is the one of the cloud's
 status, so the retained records that an earlier run with the same name (or an earlier cloud process)
 left on the broker never steer it, whatever order the broker delivers them in.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,18 +77,23 @@ class CloudSession:
             return
         started = record.get("started")
         started = float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None
-        if (record["session"] != self.session and self.started is not None
-                and (started is None or started < self.started)):
-            log.warning("ignored cloud session %s: it started before the current one (%s)", record["session"],
-                        self.session)
+        if (
+            record["session"] != self.session
+            and self.started is not None
+            and (started is None or started < self.started)
+        ):
+            log.warning(
+                "ignored cloud session %s: it started before the current one (%s)", record["session"], self.session
+            )
             return
         self.session, self.started = record["session"], started
 
     def on_manifest(self, record: dict[str, Any] | None) -> None:
         """A manifest; within one session the round never goes back (a replayed older manifest is ignored)."""
         m = self.manifest
-        if record is not None and not (m is not None and m["session"] == record["session"]
-                                       and record["round"] < m["round"]):
+        if record is not None and not (
+            m is not None and m["session"] == record["session"] and record["round"] < m["round"]
+        ):
             self.manifest = record
 
     def on_finished(self, session: Any) -> None:

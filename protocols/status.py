@@ -4,6 +4,7 @@ On a run with signing keys, a record carries its node's signature (``protocols.w
 reader with ``trust`` drops, with a logged reason, any record that is not signed by the node its
 topic names.
 """
+
 from __future__ import annotations
 
 import logging

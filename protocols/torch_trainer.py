@@ -1,4 +1,5 @@
 """The torch trainer backend: CPU, or CUDA when asked for (``device="auto"`` picks CUDA if present)."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -44,8 +45,9 @@ class TorchTrainer(Trainer):
     def for_model(self, spec: Any) -> "TorchTrainer":
         """A cached trainer, on the same device, for the zoo model of ``spec`` (a frozen ``ModelSpec``)."""
         if spec not in self._others:
-            self._others[spec] = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes,
-                                                        str(self.device), **spec.build_kwargs())
+            self._others[spec] = TorchTrainer.from_spec(
+                spec.name, spec.input_shape, spec.num_classes, str(self.device), **spec.build_kwargs()
+            )
         return self._others[spec]
 
     def get_params(self) -> "OrderedDict[str, np.ndarray]":
@@ -93,8 +95,18 @@ class TorchTrainer(Trainer):
         grads = OrderedDict((k, p.grad.detach().cpu().numpy().copy()) for k, p in self.model.named_parameters())
         return float(loss.detach()), grads
 
-    def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
-            weight_decay: float = 0.0, prox_mu: float = 0.0, momentum: float = 0.0) -> TrainStats:
+    def sgd(
+        self,
+        data: LocalData,
+        *,
+        steps: int,
+        batch_size: int,
+        lr: float,
+        rng: np.random.Generator,
+        weight_decay: float = 0.0,
+        prox_mu: float = 0.0,
+        momentum: float = 0.0,
+    ) -> TrainStats:
         if not self.model.training:  # (walks every module: only after loss / evaluate)
             self.model.train()
         xt, yt = self._tensors(data.x, data.y)

@@ -4,6 +4,7 @@ Roles use only this interface, so the same role runs on torch (``torch_trainer.p
 onnxruntime (forward-only devices, ``edge_agent``). Batches are drawn by ``batches()`` from a seeded
 generator, so every backend visits the same samples in the same order.
 """
+
 from __future__ import annotations
 
 import math
@@ -96,8 +97,18 @@ class Trainer(ABC):
         """Mean loss and its gradient; forward-only backends raise ``NotImplementedError``."""
         raise NotImplementedError(f"{type(self).__name__} cannot compute gradients")
 
-    def sgd(self, data: LocalData, *, steps: int, batch_size: int, lr: float, rng: np.random.Generator,
-            weight_decay: float = 0.0, prox_mu: float = 0.0, momentum: float = 0.0) -> TrainStats:
+    def sgd(
+        self,
+        data: LocalData,
+        *,
+        steps: int,
+        batch_size: int,
+        lr: float,
+        rng: np.random.Generator,
+        weight_decay: float = 0.0,
+        prox_mu: float = 0.0,
+        momentum: float = 0.0,
+    ) -> TrainStats:
         """Plain minibatch SGD on ``data`` for ``steps`` steps; batches from :func:`batches`.
 
         Each step's gradient is the batch loss's, plus ``weight_decay * w``, plus the FedProx proximal

@@ -11,6 +11,7 @@ How: a copy of the page gets a small script that, on the load event (every image
 writes the count of images that loaded (``naturalWidth > 0``) into the DOM, which ``--dump-dom`` prints.
 A second Chromium run takes the screenshot.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--hide-scrollbars",
+]
 PROBE = """<script>
 window.addEventListener("load", () => {  // fires once every image loaded or failed
   const imgs = Array.from(document.images);
@@ -65,12 +74,19 @@ def find_chromium() -> str | None:
 
 
 def _chromium(binary: str, profile: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([binary, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [binary, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
-def check_report(html: str | Path, screenshot: str | Path | None, *, chromium: str | None = None,
-                 width: int = 1200, timeout: float = 120.0) -> BrowserCheck:
+def check_report(
+    html: str | Path,
+    screenshot: str | Path | None,
+    *,
+    chromium: str | None = None,
+    width: int = 1200,
+    timeout: float = 120.0,
+) -> BrowserCheck:
     """Render ``html`` in headless Chromium (a fresh profile each run) and, unless ``screenshot`` is None,
     take a screenshot to that PNG; raise ``RuntimeError`` when Chromium fails."""
     binary = chromium or find_chromium()
@@ -82,8 +98,9 @@ def check_report(html: str | Path, screenshot: str | Path | None, *, chromium: s
     images = len(re.findall(r"<img\b", page))
     with tempfile.TemporaryDirectory(prefix="fedtier-chromium-") as tmp:
         probe = Path(tmp) / "page.html"
-        probe.write_text(page.replace("</body>", PROBE + "</body>") if "</body>" in page else page + PROBE,
-                         encoding="utf-8")
+        probe.write_text(
+            page.replace("</body>", PROBE + "</body>") if "</body>" in page else page + PROBE, encoding="utf-8"
+        )
         dom = _chromium(binary, Path(tmp) / "profile-dom", "--dump-dom", probe.as_uri(), timeout=timeout)
         found = re.search(r"images-loaded (\d+)/(\d+) ?([^<]*)", dom.stdout)
         if found is None:
@@ -91,13 +108,24 @@ def check_report(html: str | Path, screenshot: str | Path | None, *, chromium: s
         if screenshot is not None:
             # tall enough for every plot (each at most ~600 px at this width) plus the summary table
             height = 400 + 650 * max(1, images)
-            shot = _chromium(binary, Path(tmp) / "profile-shot", f"--screenshot={screenshot}",
-                             f"--window-size={width},{height}", html.as_uri(), timeout=timeout)
+            shot = _chromium(
+                binary,
+                Path(tmp) / "profile-shot",
+                f"--screenshot={screenshot}",
+                f"--window-size={width},{height}",
+                html.as_uri(),
+                timeout=timeout,
+            )
             if not screenshot.exists():
                 raise RuntimeError(f"chromium wrote no screenshot (exit {shot.returncode}): {shot.stderr[-1000:]}")
     loaded, total = int(found.group(1)), int(found.group(2))
-    return BrowserCheck(total, loaded, [a for a in found.group(3).strip().split(",") if a], screenshot,
-                        blank=screenshot is not None and _blank(screenshot))
+    return BrowserCheck(
+        total,
+        loaded,
+        [a for a in found.group(3).strip().split(",") if a],
+        screenshot,
+        blank=screenshot is not None and _blank(screenshot),
+    )
 
 
 def _blank(png: Path) -> bool:
@@ -123,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{result.loaded}/{result.total} plots loaded in Chromium; screenshot {result.screenshot}"
-          + (" (blank!)" if result.blank else "") + (f"; failed: {', '.join(result.failed)}" if result.failed else ""))
+    print(
+        f"{result.loaded}/{result.total} plots loaded in Chromium; screenshot {result.screenshot}"
+        + (" (blank!)" if result.blank else "")
+        + (f"; failed: {', '.join(result.failed)}" if result.failed else "")
+    )
     return 0 if result.ok else 1
 
 

@@ -6,6 +6,7 @@ In each cell, ``floor(fraction * devices_per_cell)`` devices, drawn with the run
 then corrupt their delta before sending it: ``scale`` sends ``factor x delta``, ``sign_flip`` sends
 ``-factor x delta``. Their claimed weight (sample count) is left as it is.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,7 @@ def byzantine_devices(cfg: RunConfig) -> list[str]:
     if a.kind == "none" or a.fraction == 0:
         return []
     if getattr(cfg.train, "uplink", "dense") != "dense":
-        raise ConfigError("attack: Byzantine devices corrupt dense deltas; set algorithm.uplink = \"dense\"")
+        raise ConfigError('attack: Byzantine devices corrupt dense deltas; set algorithm.uplink = "dense"')
     if cfg.train.name not in ("fedavg", "hist"):
         raise ConfigError(f"attack: supported for fedavg and hist, not {cfg.train.name!r}")
     topo = cfg.topology
@@ -52,4 +53,3 @@ class ByzantineDevice(DeviceRole):
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         out = self.inner.train(task, data, trainer, ctx)
         return Payload(out.meta, {k: (v * self.scale).astype(v.dtype) for k, v in out.tensors.items()})
-

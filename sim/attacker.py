@@ -7,6 +7,7 @@ the broker lets it read, and fires each attack once, as the first task of device
 genuine messages an earlier run with the same keys and run name published, recorded by
 :meth:`Attacker.capture`. Each attack names what must refuse it and the log text that says so.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,15 @@ FIRST_DEVICE, CHUNKED_DEVICE, REPLAY_DEVICE, REPLAY_CELL = "c0-d0", "c0-d1", "c0
 class Attacker:
     """Connects to ``broker_url`` as client ``intruder``; :meth:`start` before the run, :meth:`stop` after."""
 
-    def __init__(self, run: str, broker_url: str, ring: KeyRing, *, captured: dict[str, list[bytes]] | None = None,
-                 attacks: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        run: str,
+        broker_url: str,
+        ring: KeyRing,
+        *,
+        captured: dict[str, list[bytes]] | None = None,
+        attacks: list[str] | None = None,
+    ) -> None:
         self.run, self.ring = run, ring
         self.captured = captured or {}
         self.wanted = set(attacks) if attacks is not None else {a.name for a in ATTACKS}
@@ -74,16 +82,21 @@ class Attacker:
         ``c0-d2`` as they travelled (the MQTT payloads: one message, or its signed chunks) into
         ``captured``."""
         spy = cls(run, broker_url, ring, attacks=[])
-        for key, topic in (("cell_task", topics.cell_task(run, REPLAY_CELL)),
-                           ("device_task", topics.device_task(run, "c0", REPLAY_DEVICE))):
+        for key, topic in (
+            ("cell_task", topics.cell_task(run, REPLAY_CELL)),
+            ("device_task", topics.device_task(run, "c0", REPLAY_DEVICE)),
+        ):
             spy.sniffer.subscribe(topic, lambda t, b, k=key: spy._record(k, b))
         return spy
 
     def _record(self, key: str, data: bytes) -> None:
         packets = self.captured.setdefault(key, [])
-        if not packets or (chunking.is_chunk(packets[0]) and chunking.is_chunk(data)
-                           and data[4:20] == packets[0][4:20]
-                           and len(packets) < chunking._HEAD.unpack_from(packets[0])[3]):
+        if not packets or (
+            chunking.is_chunk(packets[0])
+            and chunking.is_chunk(data)
+            and data[4:20] == packets[0][4:20]
+            and len(packets) < chunking._HEAD.unpack_from(packets[0])[3]
+        ):
             packets.append(data)
 
     # ------------------------------------------------------------------------------ attack mode
@@ -119,8 +132,16 @@ class Attacker:
         if isinstance(record, dict) and record.get("state") == "online" and "fake" not in str(record.get("session")):
             self.session = record.get("session")
 
-    def _send_as(self, claims: str, key_of: str, session: str | None, topic: str, kind: str, payload: Payload,
-                 **header: int | str) -> None:
+    def _send_as(
+        self,
+        claims: str,
+        key_of: str,
+        session: str | None,
+        topic: str,
+        kind: str,
+        payload: Payload,
+        **header: int | str,
+    ) -> None:
         """Send as ``claims``, the message and its chunks signed with ``key_of``'s genuine private key
         (a compromised node), stamped with ``session``."""
         trust = Trust(claims, self.ring.private[key_of], self.ring.public)
@@ -146,30 +167,66 @@ class Attacker:
         result_topic = topics.device_result(run, "c0", FIRST_DEVICE)
 
         def poisoned(weight: float) -> Payload:
-            return Payload({"weight": weight, "loss": 0.0},
-                           {k: np.full_like(v, 3.0) for k, v in task.tensors.items()})
+            return Payload({"weight": weight, "loss": 0.0}, {k: np.full_like(v, 3.0) for k, v in task.tensors.items()})
 
         def result_as(key_of: str, weight: float) -> None:
-            self._send_as(FIRST_DEVICE, key_of, header.session, result_topic, "device_result", poisoned(weight),
-                          round=0, cell="c0")
+            self._send_as(
+                FIRST_DEVICE,
+                key_of,
+                header.session,
+                result_topic,
+                "device_result",
+                poisoned(weight),
+                round=0,
+                cell="c0",
+            )
 
-        self._fire("cross-run replay of a cell task",
-                   lambda: self._replay(topics.cell_task(run, REPLAY_CELL), self.captured["cell_task"]))
-        self._fire("cross-run replay of a device task",
-                   lambda: self._replay(topics.device_task(run, "c0", REPLAY_DEVICE), self.captured["device_task"]))
-        self._fire("forged finished", lambda: Messenger(c, run, "cloud").send(
-            topics.control(run), "control", Payload({"event": "finished", "round": 0, "session": self.session}),
-            round=0, retain=True))
-        self._fire("forged cloud status with a fake session", lambda: c.publish(
-            topics.status(run, "cloud"), encode_status("online", session="fake-session", started=1e12), retain=True))
-        self._fire("forged round manifest", lambda: c.publish(
-            topics.round_manifest(run), encode_manifest(str(self.session), 0), retain=True))
-        self._fire("forged device status (offline)", lambda: c.publish(
-            topics.device_status(run, "c0", CHUNKED_DEVICE), encode_status("offline", cell="c0"), retain=True))
+        self._fire(
+            "cross-run replay of a cell task",
+            lambda: self._replay(topics.cell_task(run, REPLAY_CELL), self.captured["cell_task"]),
+        )
+        self._fire(
+            "cross-run replay of a device task",
+            lambda: self._replay(topics.device_task(run, "c0", REPLAY_DEVICE), self.captured["device_task"]),
+        )
+        self._fire(
+            "forged finished",
+            lambda: Messenger(c, run, "cloud").send(
+                topics.control(run),
+                "control",
+                Payload({"event": "finished", "round": 0, "session": self.session}),
+                round=0,
+                retain=True,
+            ),
+        )
+        self._fire(
+            "forged cloud status with a fake session",
+            lambda: c.publish(
+                topics.status(run, "cloud"), encode_status("online", session="fake-session", started=1e12), retain=True
+            ),
+        )
+        self._fire(
+            "forged round manifest",
+            lambda: c.publish(topics.round_manifest(run), encode_manifest(str(self.session), 0), retain=True),
+        )
+        self._fire(
+            "forged device status (offline)",
+            lambda: c.publish(
+                topics.device_status(run, "c0", CHUNKED_DEVICE), encode_status("offline", cell="c0"), retain=True
+            ),
+        )
 
         def far_future() -> None:  # a compromised cell: its genuine key, the current session
-            self._send_as("c0", "c0", header.session, topics.device_task(run, "c0", FIRST_DEVICE), "device_task",
-                          task, round=1000, cell="c0")
+            self._send_as(
+                "c0",
+                "c0",
+                header.session,
+                topics.device_task(run, "c0", FIRST_DEVICE),
+                "device_task",
+                task,
+                round=1000,
+                cell="c0",
+            )
 
         self._fire("far-future round task (cell's own key)", far_future)
         self._fire("a cell forging its device's result", lambda: result_as("c0", 10.0))
@@ -195,7 +252,7 @@ class Attacker:
         if name not in self.wanted or not chunking.is_chunk(data):
             return
         magic, cid, index, count, size, total, slen, glen = chunking._HEAD.unpack_from(data)
-        sender = bytes(data[chunking.HEADER_BYTES:chunking.HEADER_BYTES + slen])
+        sender = bytes(data[chunking.HEADER_BYTES : chunking.HEADER_BYTES + slen])
         with self._lock:
             if self._chunked or not 2 <= count <= 64 or sender != CHUNKED_DEVICE.encode():
                 return  # the first genuine chunked set only (not our own 500 MB announcement)
@@ -207,8 +264,9 @@ class Attacker:
             body = os.urandom(min(size, total - i * size))
             head = chunking._HEAD.pack(magic, cid, i, count, size, total, slen, 0)
             sig = liar.sign(chunking._signed(topic, head, sender, body))
-            self._raw(topic, chunking._HEAD.pack(magic, cid, i, count, size, total, slen, len(sig))
-                      + sender + sig + body)
+            self._raw(
+                topic, chunking._HEAD.pack(magic, cid, i, count, size, total, slen, len(sig)) + sender + sig + body
+            )
         if name not in self.fired:
             self.fired.append(name)
 

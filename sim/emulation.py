@@ -13,6 +13,7 @@ really disconnect and rejoin when they take part again (the cloud's retained rou
 them the round; cells wait up to ``runtime.rejoin_wait`` for them), so the run stays bit-identical. Everything is torn down in ``finally`` (workers are terminated if they
 are still alive). Same config and seed -> the same final model, byte for byte, as ``fedtier sim``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,7 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
 
-from .hierarchy import (cell_availability, device_availability, edge_availability, fresh_output,
-                        make_evaluator, prepare)
+from .hierarchy import cell_availability, device_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .launcher import RunResult, device_samples, set_torch_threads, write_final
 from .onnx_devices import export_onnx, with_onnx_model
 
@@ -156,9 +156,17 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     faults = Faults(**job.get("faults", {}))
     on_task = faults.on_task if faults.crash or faults.hold else None
     cell_brokers = {c: BrokerOptions(**o) for c, o in job.get("cell_brokers", {}).items()}
-    agents = AgentProcess(cfg, cfg.build_algorithm(spec), data, trainer, BrokerOptions(**job["broker"]),
-                          cell_brokers=cell_brokers,
-                          on_task=on_task, timing=job.get("timing", False), availability=device_availability(cfg))
+    agents = AgentProcess(
+        cfg,
+        cfg.build_algorithm(spec),
+        data,
+        trainer,
+        BrokerOptions(**job["broker"]),
+        cell_brokers=cell_brokers,
+        on_task=on_task,
+        timing=job.get("timing", False),
+        availability=device_availability(cfg),
+    )
     try:
         agents.start(job.get("connect_timeout", 30.0))
         if faults.duplicate:
@@ -189,12 +197,24 @@ class Emulation:
     ``process_per_agent``: one process per device. ``max_chunk``: MQTT chunk size of every node.
     """
 
-    def __init__(self, cfg: RunConfig, *, broker_url: str | None = None, workers: int | None = None,
-                 process_per_agent: bool = False, max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
-                 on_round: Callable[[dict[str, Any]], None] | None = None, faults: Faults | None = None,
-                 isolate: tuple[str, ...] = (), broker_options: dict[str, Any] | None = None,
-                 join_timeout: float = 60.0, brokers: str = "shared", timing: bool = False, resume: bool = False,
-                 metrics: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        broker_url: str | None = None,
+        workers: int | None = None,
+        process_per_agent: bool = False,
+        max_chunk: int = chunking.DEFAULT_MAX_CHUNK,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        faults: Faults | None = None,
+        isolate: tuple[str, ...] = (),
+        broker_options: dict[str, Any] | None = None,
+        join_timeout: float = 60.0,
+        brokers: str = "shared",
+        timing: bool = False,
+        resume: bool = False,
+        metrics: Any = None,
+    ) -> None:
         if cfg.runtime.onnx_devices:  # forward-only agents load the run's x_0 from RUN_DIR/model.onnx
             cfg = with_onnx_model(cfg)
         if workers is not None and workers < 1:
@@ -205,8 +225,9 @@ class Emulation:
         self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
         n = len(cfg.topology.all_devices())
         self.workers = n if process_per_agent else workers or agent_workers(n)
-        self.isolate = tuple(isolate) + tuple(d for d in self.faults.devices if d not in isolate) \
-            + tuple(cfg.runtime.onnx_devices)  # a worker runs one backend: onnx devices get their own
+        self.isolate = (
+            tuple(isolate) + tuple(d for d in self.faults.devices if d not in isolate) + tuple(cfg.runtime.onnx_devices)
+        )  # a worker runs one backend: onnx devices get their own
         self.broker_url = broker_url or cfg.broker.url
         self.broker_options = {k: v for k, v in (broker_options or {}).items() if v is not None}
         self.max_chunk, self.join_timeout = max_chunk, join_timeout
@@ -237,8 +258,9 @@ class Emulation:
 
         def mosquitto(name: str, extra: str = "") -> MosquittoBroker:
             # sessions and queued messages persist in the run folder: a broker restart loses nothing
-            broker = MosquittoBroker(extra_config=SYS_STATS + extra,
-                                     persistence=self.cfg.output_dir() / runfiles.BROKER / name)
+            broker = MosquittoBroker(
+                extra_config=SYS_STATS + extra, persistence=self.cfg.output_dir() / runfiles.BROKER / name
+            )
             self.started_brokers[name] = broker.start()
             return broker
 
@@ -295,20 +317,39 @@ class Emulation:
             loop = ThreadLoop(f"run-{run}").start()
             for c in cfg.topology.cell_ids():
                 node = topics.cell_node(c)
-                transport = cell_opts[c].transport(node, run, loop, will=offline_will(run, node, cfg),
-                                                   reactor=reactor).connect()
-                cells[c] = build_cell(cfg, c, transport, algorithm, availability=availability, output_dir=out,
-                                      heartbeats=True, samples=device_samples(prep.device_data, cfg.topology.devices(c)))
+                transport = (
+                    cell_opts[c]
+                    .transport(node, run, loop, will=offline_will(run, node, cfg), reactor=reactor)
+                    .connect()
+                )
+                cells[c] = build_cell(
+                    cfg,
+                    c,
+                    transport,
+                    algorithm,
+                    availability=availability,
+                    output_dir=out,
+                    heartbeats=True,
+                    samples=device_samples(prep.device_data, cfg.topology.devices(c)),
+                )
                 if self.metrics is not None:
                     self.metrics.watch_cell(cells[c])
                 _on_loop(loop, cells[c].start)
-            transport = opts.transport("cloud", run, loop, will=offline_will(run, "cloud", cfg), reactor=reactor).connect()
-            cloud = build_cloud(cfg, transport, algorithm,
-                                evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
-                                output_dir=out, resume=self.resume, startup_wait=cfg.runtime.startup_wait,
-                                devices_recreated=True,
-                                on_round=self.on_round,
-                                availability=cell_availability(cfg))
+            transport = opts.transport(
+                "cloud", run, loop, will=offline_will(run, "cloud", cfg), reactor=reactor
+            ).connect()
+            cloud = build_cloud(
+                cfg,
+                transport,
+                algorithm,
+                evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
+                output_dir=out,
+                resume=self.resume,
+                startup_wait=cfg.runtime.startup_wait,
+                devices_recreated=True,
+                on_round=self.on_round,
+                availability=cell_availability(cfg),
+            )
             if self.metrics is not None:
                 self.metrics.watch_cloud(cloud)
             for node in (*cells.values(), cloud):
@@ -320,12 +361,21 @@ class Emulation:
             for node in (*cells.values(), cloud):
                 _on_loop(loop, node.stop)
             loop.stop()
-            wire = wire_by_tier([n.transport.stats.snapshot() for n in (*cells.values(), cloud)]
-                                + [s["wire"] for s in agent_stats.values()])
-            result = RunResult(cfg, cloud.role.global_params(), cloud.history,
-                               [r for c in cells.values() for r in c.records], out, time.perf_counter() - t0,
-                               {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")}
-                                for d, s in sorted(agent_stats.items())}, wire, stopped=cloud.stopped)
+            wire = wire_by_tier(
+                [n.transport.stats.snapshot() for n in (*cells.values(), cloud)]
+                + [s["wire"] for s in agent_stats.values()]
+            )
+            result = RunResult(
+                cfg,
+                cloud.role.global_params(),
+                cloud.history,
+                [r for c in cells.values() for r in c.records],
+                out,
+                time.perf_counter() - t0,
+                {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")} for d, s in sorted(agent_stats.items())},
+                wire,
+                stopped=cloud.stopped,
+            )
             write_final(out, result)
             return result
         finally:
@@ -344,20 +394,30 @@ class Emulation:
                 b.stop()
 
     # ------------------------------------------------------------------------------- workers
-    def _spawn(self, out: Path, files: dict[str, Path], spec: Any, opts: BrokerOptions,
-               cell_opts: dict[str, BrokerOptions]) -> Any:
+    def _spawn(
+        self, out: Path, files: dict[str, Path], spec: Any, opts: BrokerOptions, cell_opts: dict[str, BrokerOptions]
+    ) -> Any:
         ctx = mp.get_context("spawn")  # never fork: this process has threads
         results = ctx.Queue()
         level = logging.getLogger().getEffectiveLevel()
         groups = self.groups = worker_groups(self.cfg.topology.all_devices(), self.workers, self.isolate)
         for i, group in enumerate(groups):
-            job = {"config": str(out / runfiles.CONFIG), "devices": {d: str(files[d]) for d in group},
-                   "spec": spec.model_dump(mode="json"), "broker": opts.__dict__, "log_level": level,
-                   "cell_brokers": {c: o.__dict__ for c, o in cell_opts.items() if o != opts},
-                   "backend": "onnx" if group[0] in self.cfg.runtime.onnx_devices else "torch",
-                   "faults": {"crash": {d: v for d, v in self.faults.crash.items() if d in group},
-                              "hold": {d: v for d, v in self.faults.hold.items() if d in group},
-                              "duplicate": self.faults.duplicate}, "timing": self.timing, "parent": os.getpid()}
+            job = {
+                "config": str(out / runfiles.CONFIG),
+                "devices": {d: str(files[d]) for d in group},
+                "spec": spec.model_dump(mode="json"),
+                "broker": opts.__dict__,
+                "log_level": level,
+                "cell_brokers": {c: o.__dict__ for c, o in cell_opts.items() if o != opts},
+                "backend": "onnx" if group[0] in self.cfg.runtime.onnx_devices else "torch",
+                "faults": {
+                    "crash": {d: v for d, v in self.faults.crash.items() if d in group},
+                    "hold": {d: v for d, v in self.faults.hold.items() if d in group},
+                    "duplicate": self.faults.duplicate,
+                },
+                "timing": self.timing,
+                "parent": os.getpid(),
+            }
             proc = ctx.Process(target=worker_main, args=(job, results), name=f"fedtier-agents-{i}", daemon=True)
             procs.spawn(proc.start)
             self.procs.append(proc)
@@ -369,8 +429,10 @@ class Emulation:
             if not cloud.started:
                 dead = [p for p in self.procs if p.exitcode not in (None, 0, -signal.SIGKILL)]
                 if dead:
-                    raise RuntimeError(f"agent worker {dead[0].name} exited with code {dead[0].exitcode} "
-                                       "before the first round (see its log above)")
+                    raise RuntimeError(
+                        f"agent worker {dead[0].name} exited with code {dead[0].exitcode} "
+                        "before the first round (see its log above)"
+                    )
             time.sleep(0.05)
 
     def _collect(self, results: Any) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ where it matters (answers reach a cell in the same order, at the same virtual ti
 model is byte-identical whatever the number of workers. A worker that dies ends the run with an
 error naming the device and the worker's last words; workers are always shut down (:meth:`close`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -83,8 +84,9 @@ class DeviceWorker:
         prep = prepare(cfg)
         spec = prep.spec
         algorithm = cfg.build_algorithm(spec)
-        torch_trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
-                                               **spec.build_kwargs())
+        torch_trainer = TorchTrainer.from_spec(
+            spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
+        )
         onnx = onnx_trainers(cfg, spec, algorithm) if set(devices) & set(cfg.runtime.onnx_devices) else {}
         self.mine = frozenset(devices)
         self.data = prep.device_data  # index views: a device's samples are copied out when it trains
@@ -102,8 +104,9 @@ class DeviceWorker:
         self._local_bytes = 0
 
     def _device(self, ctx: dict[str, Any]) -> tuple[DeviceContext, DeviceRole, LocalData]:
-        c = DeviceContext(int(ctx["seed"]), int(ctx["round"]), int(ctx["edge_round"]), str(ctx["cell"]),
-                          str(ctx["device"]))
+        c = DeviceContext(
+            int(ctx["seed"]), int(ctx["round"]), int(ctx["edge_round"]), str(ctx["cell"]), str(ctx["device"])
+        )
         if c.device not in self.mine:
             raise KeyError(f"device {c.device!r} is not one of this worker's")
         role = self.roles.get(c.device)
@@ -155,8 +158,10 @@ class DeviceWorker:
                 log.exception("device %s: bad task", ctx.get("device"))
                 out[i] = (b"", str(exc))
         for chunk in cohorts(jobs, lambda job: job[1].device, self.cohort_size):
-            run = [lambda trainer, c=c, role=role, data=data, task=task: role.train(task, data, trainer, c)
-                   for _, c, role, data, task in chunk]
+            run = [
+                lambda trainer, c=c, role=role, data=data, task=task: role.train(task, data, trainer, c)
+                for _, c, role, data, task in chunk
+            ]
             try:
                 outcomes = run_cohort(self.engine, self.spec, run, [job[1].device for job in chunk])
             finally:
@@ -174,7 +179,7 @@ def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
 def _unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
     (n,) = struct.unpack_from("<I", data)
     view = memoryview(data)
-    return json.loads(bytes(view[4:4 + n])), view[4 + n:]
+    return json.loads(bytes(view[4 : 4 + n])), view[4 + n :]
 
 
 def _batch_frame(items: Sequence[tuple[int, dict[str, Any], bytes]]) -> bytes:
@@ -183,8 +188,14 @@ def _batch_frame(items: Sequence[tuple[int, dict[str, Any], bytes]]) -> bytes:
     head: list[dict[str, Any]] = []
     bodies: list[bytes] = []
     for task_id, ctx, task in items:
-        same = next((j for j, (_, _, earlier) in enumerate(items[:len(head)])
-                     if "n" in head[j] and len(earlier) == len(task) and earlier == task), None)
+        same = next(
+            (
+                j
+                for j, (_, _, earlier) in enumerate(items[: len(head)])
+                if "n" in head[j] and len(earlier) == len(task) and earlier == task
+            ),
+            None,
+        )
         if same is None:
             head.append({"id": task_id, "ctx": ctx, "n": len(task)})
             bodies.append(task)
@@ -204,7 +215,7 @@ def _batch_items(header: dict[str, Any], body: memoryview) -> list[tuple[dict[st
                 raise ValueError(f"batch item refers to task {j!r}")
             items.append((item["ctx"], items[j][1]))
         else:
-            items.append((item["ctx"], body[at:at + item["n"]]))
+            items.append((item["ctx"], body[at : at + item["n"]]))
             at += item["n"]
     return items
 
@@ -259,8 +270,13 @@ class _Remote:
                 raise WorkerError(f"device {device} (round {ctx.round}.{ctx.edge_round}): {self._dead[worker]}")
             task_id = next(self._ids)
             self._pending[task_id] = (worker, device, f"{ctx.round}.{ctx.edge_round}", self.loop.hold(), done)
-        header = {"seed": ctx.seed, "round": ctx.round, "edge_round": ctx.edge_round, "cell": ctx.cell,
-                  "device": ctx.device}
+        header = {
+            "seed": ctx.seed,
+            "round": ctx.round,
+            "edge_round": ctx.edge_round,
+            "cell": ctx.cell,
+            "device": ctx.device,
+        }
         if self._batches is not None:
             self._batches.setdefault(worker, []).append((task_id, header, encode_payload(task)))
         else:
@@ -327,8 +343,12 @@ class ProcessExecutor(_Remote):
             for i, group in enumerate(groups):
                 task_r, task_w = ctx.Pipe(duplex=False)
                 result_r, result_w = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=process_main, args=(task_r, result_w, config_text, group),
-                                   name=f"fedtier-sim-worker-{i}", daemon=True)
+                proc = ctx.Process(
+                    target=process_main,
+                    args=(task_r, result_w, config_text, group),
+                    name=f"fedtier-sim-worker-{i}",
+                    daemon=True,
+                )
                 procs.spawn(proc.start)
                 task_r.close()  # our copies of the child's ends: EOF reaches us when it dies
                 result_w.close()
@@ -336,8 +356,9 @@ class ProcessExecutor(_Remote):
                 outbox: queue.Queue[bytes | None] = queue.Queue()
                 self._outboxes.append(outbox)
                 for target, args in ((self._writer, (i, task_w, outbox)), (self._reader, (i, result_r))):
-                    thread = threading.Thread(target=target, args=args, name=f"sim-worker-{i}-{target.__name__}",
-                                              daemon=True)
+                    thread = threading.Thread(
+                        target=target, args=args, name=f"sim-worker-{i}-{target.__name__}", daemon=True
+                    )
                     thread.start()
                     self._threads.append(thread)
         except BaseException:
@@ -407,9 +428,9 @@ class ProcessExecutor(_Remote):
 class RayExecutor(_Remote):
     """Ray actors (``runtime.ray_address``: a cluster; none: a local Ray), one CPU each."""
 
-
-    def __init__(self, config_text: str, groups: list[list[str]], loop: VirtualLoop,
-                 address: str | None = None) -> None:
+    def __init__(
+        self, config_text: str, groups: list[list[str]], loop: VirtualLoop, address: str | None = None
+    ) -> None:
         try:
             import ray
         except ImportError:
@@ -418,8 +439,9 @@ class RayExecutor(_Remote):
         self.ray = ray
         self._owns = not ray.is_initialized()
         if self._owns:
-            ray.init(address=address or None, include_dashboard=False, log_to_driver=True,
-                     logging_level=logging.WARNING)
+            ray.init(
+                address=address or None, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING
+            )
         self.actors: list[Any] = []
         try:
             cpus = ray.cluster_resources().get("CPU", 0)

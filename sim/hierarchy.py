@@ -1,4 +1,5 @@
 """What every launcher needs from a config: the data of each device, the model spec, the evaluator."""
+
 from __future__ import annotations
 
 import shutil
@@ -81,19 +82,30 @@ def prepare(cfg: RunConfig) -> Prepared:
     """Load the dataset and partition it over the topology; raise ConfigError on impossible setups."""
     d = cfg.data
     try:
-        ds = load_dataset(d.dataset, max_train=d.max_train or None, max_test=d.max_test or None,
-                          subsample_seed=cfg.run.seed, **d.loader_params())
+        ds = load_dataset(
+            d.dataset,
+            max_train=d.max_train or None,
+            max_test=d.max_test or None,
+            subsample_seed=cfg.run.seed,
+            **d.loader_params(),
+        )
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(f"data.dataset: {exc}") from None
     topo = cfg.topology
     total = topo.cells * topo.devices_per_cell
     if total > ds.num_train:
-        raise ConfigError(f"topology: {topo.cells} cells x {topo.devices_per_cell} devices = {total} devices, "
-                          f"but data.dataset {d.dataset!r} has only {ds.num_train} training samples"
-                          + (f" (data.max_train = {d.max_train})" if d.max_train else ""))
-    params = {"iid": {}, "dirichlet": {"alpha": d.alpha}, "shards": {"shards_per_device": d.shards_per_device},
-              "cell_shards": {"shards_per_device": d.shards_per_device},
-              "hierarchical": {"alpha_cells": d.alpha_cells, "alpha_devices": d.alpha_devices}}[d.partition]
+        raise ConfigError(
+            f"topology: {topo.cells} cells x {topo.devices_per_cell} devices = {total} devices, "
+            f"but data.dataset {d.dataset!r} has only {ds.num_train} training samples"
+            + (f" (data.max_train = {d.max_train})" if d.max_train else "")
+        )
+    params = {
+        "iid": {},
+        "dirichlet": {"alpha": d.alpha},
+        "shards": {"shards_per_device": d.shards_per_device},
+        "cell_shards": {"shards_per_device": d.shards_per_device},
+        "hierarchical": {"alpha_cells": d.alpha_cells, "alpha_devices": d.alpha_devices},
+    }[d.partition]
     try:
         parts = partition_hierarchy(ds.y_train, topo.cells, topo.devices_per_cell, d.partition, cfg.run.seed, **params)
     except ValueError as exc:
@@ -108,12 +120,15 @@ def prepare_given(cfg: RunConfig, ds: Dataset, parts: Mapping[str, np.ndarray]) 
     devices = list(cfg.topology.devices())
     if set(parts) != set(devices):
         missing, extra = sorted(set(devices) - set(parts)), sorted(set(parts) - set(devices))
-        raise ConfigError(f"given data: the devices must be the topology's (missing {missing[:3]}, unknown {extra[:3]})")
+        raise ConfigError(
+            f"given data: the devices must be the topology's (missing {missing[:3]}, unknown {extra[:3]})"
+        )
     for d, idx in parts.items():
         idx = np.asarray(idx)
         if idx.ndim != 1 or len(idx) == 0 or idx.min() < 0 or idx.max() >= ds.num_train:
-            raise ConfigError(f"given data: device {d!r} needs a non-empty index vector into the "
-                              f"{ds.num_train} training samples")
+            raise ConfigError(
+                f"given data: device {d!r} needs a non-empty index vector into the {ds.num_train} training samples"
+            )
     per = cfg.topology.devices_per_cell
     rows = [[np.asarray(parts[devices[c * per + j]]) for j in range(per)] for c in range(cfg.topology.cells)]
     return Prepared(cfg, ds, DeviceData(ds, cfg.topology, rows), cfg.model_spec(ds.input_shape, ds.num_classes))
@@ -198,8 +213,13 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
-        for name in (runfiles.METRICS, runfiles.AGGREGATION, runfiles.CHECKPOINT, runfiles.FINAL_MODEL,
-                     runfiles.SUMMARY):
+        for name in (
+            runfiles.METRICS,
+            runfiles.AGGREGATION,
+            runfiles.CHECKPOINT,
+            runfiles.FINAL_MODEL,
+            runfiles.SUMMARY,
+        ):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "devices", ignore_errors=True)
     (out / runfiles.CONFIG).write_text(cfg.to_toml(), encoding="utf-8")

@@ -3,6 +3,7 @@
 The cloud, cell and device runtimes are the very ones deployments use; only the transport differs
 (messages are still encoded and decoded, so the bytes counted are the bytes MQTT would carry).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,16 @@ from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
 from edge_agent.cohort import CohortExecutor, cohort_engine
 from .executors import InlineExecutor, start_workers
-from .hierarchy import DeviceData, Prepared, SampleCounts, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
+from .hierarchy import (
+    DeviceData,
+    Prepared,
+    SampleCounts,
+    cell_availability,
+    edge_availability,
+    fresh_output,
+    make_evaluator,
+    prepare,
+)
 from .onnx_devices import onnx_trainers
 from .population import Population
 
@@ -55,14 +65,20 @@ class RunResult:
 
     def summary(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else {}
-        return {"run": self.config.run.name, "algorithm": self.config.train.name, "rounds": last.get("round", -1) + 1,  # a resumed run counts its earlier rounds
-                "accuracy": self.final_accuracy, "loss": last.get("loss"),
-                "cumulative_bytes": last.get("cumulative_bytes", {}), "wall_s": round(self.wall_s, 3),
-                **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
-                **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {}),
-                **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config.clock) else {}),
-                **({"epsilon": last["epsilon"]} if "epsilon" in last else {}),
-                **({"stopped": self.stopped} if self.stopped else {})}
+        return {
+            "run": self.config.run.name,
+            "algorithm": self.config.train.name,
+            "rounds": last.get("round", -1) + 1,  # a resumed run counts its earlier rounds
+            "accuracy": self.final_accuracy,
+            "loss": last.get("loss"),
+            "cumulative_bytes": last.get("cumulative_bytes", {}),
+            "wall_s": round(self.wall_s, 3),
+            **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
+            **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {}),
+            **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config.clock) else {}),
+            **({"epsilon": last["epsilon"]} if "epsilon" in last else {}),
+            **({"stopped": self.stopped} if self.stopped else {}),
+        }
 
 
 def set_torch_threads(n: int = 1) -> None:
@@ -89,16 +105,25 @@ class SimHierarchy:
     Build, optionally tamper with nodes (tests do), then :meth:`run`.
     """
 
-    def __init__(self, cfg: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
-                 write_output: bool = True, resume: bool = False, prepared: Prepared | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        write_output: bool = True,
+        resume: bool = False,
+        prepared: Prepared | None = None,
+    ) -> None:
         """``prepared``: the data of each device already built (:func:`sim.hierarchy.prepare_given`), instead of
         ``cfg.data``'s dataset and partition; not with ``runtime.sim_workers`` (workers build from the config)."""
         from protocols.torch_trainer import TorchTrainer
 
         set_torch_threads(1)
         if prepared is not None and (prepared.config is not cfg or cfg.runtime.sim_workers):
-            raise ConfigError("prepared data must come from this config, and runtime.sim_workers build their "
-                              "devices' data from data.dataset (set it to 0)")
+            raise ConfigError(
+                "prepared data must come from this config, and runtime.sim_workers build their "
+                "devices' data from data.dataset (set it to 0)"
+            )
         self.t0 = time.perf_counter()
         if write_output:  # [security] keys naming a missing file: fresh keys in the run folder
             cfg = with_run_keys(cfg, cfg.output_dir())
@@ -112,30 +137,54 @@ class SimHierarchy:
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
         train = cfg.train
-        self.clock = clock = ClockModel(cfg.clock, cfg.topology.all_devices() if clock_modelled(cfg.clock) else [],
-                                        cfg.run.seed, train.local_steps)
+        self.clock = clock = ClockModel(
+            cfg.clock, cfg.topology.all_devices() if clock_modelled(cfg.clock) else [], cfg.run.seed, train.local_steps
+        )
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
-        self.cloud = build_cloud(cfg, hub.connect("cloud"), algorithm,
-                                 evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device,
-                                                         eval_threads(cfg)),
-                                 output_dir=self.output_dir, resume=resume, on_round=on_round, devices_recreated=True,
-                                 availability=cell_availability(cfg))
+        self.cloud = build_cloud(
+            cfg,
+            hub.connect("cloud"),
+            algorithm,
+            evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device, eval_threads(cfg)),
+            output_dir=self.output_dir,
+            resume=resume,
+            on_round=on_round,
+            devices_recreated=True,
+            availability=cell_availability(cfg),
+        )
         availability = edge_availability(cfg)
-        self.cells = {c: build_cell(cfg, c, hub.connect(f"cell.{c}"), algorithm, availability=availability,
-                                    output_dir=self.output_dir, assume_online=True,
-                                    samples=device_samples(prep.device_data, cfg.topology.devices(c)))
-                      for c in cfg.topology.cell_ids()}
-        trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device,
-                                         **spec.build_kwargs())
+        self.cells = {
+            c: build_cell(
+                cfg,
+                c,
+                hub.connect(f"cell.{c}"),
+                algorithm,
+                availability=availability,
+                output_dir=self.output_dir,
+                assume_online=True,
+                samples=device_samples(prep.device_data, cfg.topology.devices(c)),
+            )
+            for c in cfg.topology.cell_ids()
+        }
+        trainer = TorchTrainer.from_spec(
+            spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
+        )
         onnx = onnx_trainers(cfg, spec, algorithm, self.output_dir)  # forward-only devices
         self.byzantine = set(byzantine_devices(cfg))  # [attack]: tests, benchmarks/robust.py
-        self.agents = Population(cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer),
-                                 self._configure)  # built as devices are needed
+        self.agents = Population(
+            cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer), self._configure
+        )  # built as devices are needed
         if cfg.runtime.engine == "cohort" and remote is not None:
             cohort_engine(spec, cfg.runtime.device)  # refuse a model the workers could not vectorize, now
         if cfg.runtime.engine == "cohort" and remote is None:
-            self.executor = CohortExecutor(self.agents.active(), spec, loop, cfg.runtime.cohort_size,
-                                           cfg.runtime.device, cfg.runtime.cohort_threads)
+            self.executor = CohortExecutor(
+                self.agents.active(),
+                spec,
+                loop,
+                cfg.runtime.cohort_size,
+                cfg.runtime.device,
+                cfg.runtime.cohort_threads,
+            )
         else:
             self.executor = remote or InlineExecutor(self.agents.active())
 
@@ -161,9 +210,16 @@ class SimHierarchy:
         self.hub.loop.run(until=lambda: self.cloud.finished)
         if not self.cloud.finished:
             raise RuntimeError("the simulation stalled before the last round (no events left)")
-        result = RunResult(self.cfg, self.cloud.role.global_params(), self.cloud.history,
-                           [r for c in self.cells.values() for r in c.records], self.output_dir,
-                           time.perf_counter() - self.t0, self.agents.traffic(), stopped=self.cloud.stopped)
+        result = RunResult(
+            self.cfg,
+            self.cloud.role.global_params(),
+            self.cloud.history,
+            [r for c in self.cells.values() for r in c.records],
+            self.output_dir,
+            time.perf_counter() - self.t0,
+            self.agents.traffic(),
+            stopped=self.cloud.stopped,
+        )
         self.agents.stop()
         for cell in self.cells.values():
             cell.stop()
@@ -173,8 +229,13 @@ class SimHierarchy:
         return result
 
 
-def run_simulation(cfg: RunConfig, *, on_round: Callable[[dict[str, Any]], None] | None = None,
-                   write_output: bool = True, resume: bool = False) -> RunResult:
+def run_simulation(
+    cfg: RunConfig,
+    *,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    write_output: bool = True,
+    resume: bool = False,
+) -> RunResult:
     """Run ``cfg`` in memory and return the result; writes the run files unless ``write_output`` is off."""
     return SimHierarchy(cfg, on_round=on_round, write_output=write_output, resume=resume).run()
 

@@ -1,4 +1,5 @@
 """Forward-only devices in a launched hierarchy: ``[runtime] onnx_devices`` run on onnxruntime."""
+
 from __future__ import annotations
 
 import tempfile
@@ -12,8 +13,9 @@ from protocols.trainer import Trainer
 ONNX_MODEL = "model.onnx"
 
 
-def onnx_trainers(cfg: RunConfig, spec: ModelSpec, algorithm: Algorithm,
-                  output_dir: Path | None = None) -> dict[str, Trainer]:
+def onnx_trainers(
+    cfg: RunConfig, spec: ModelSpec, algorithm: Algorithm, output_dir: Path | None = None
+) -> dict[str, Trainer]:
     """``device -> OnnxTrainer`` for the devices listed in ``runtime.onnx_devices`` (one shared session).
 
     The model is exported with the run's x_0 to ``output_dir/model.onnx`` (or a temporary file that

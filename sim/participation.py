@@ -7,6 +7,7 @@ The Markov model's state at round ``r`` depends on earlier rounds, so its chain 
 round 0 (each step keyed by its round) and cached. ``expected_rate(device)`` is the long-run fraction of
 rounds in which the device participates (``None`` where not meaningful).
 """
+
 from __future__ import annotations
 
 import csv
@@ -20,8 +21,18 @@ import numpy as np
 from protocols.config import DeviceIds
 from protocols.seeding import rng
 
-__all__ = ["ParticipationModel", "Always", "UniformSample", "Bernoulli", "CyclicGroups", "RegularizedPermutation",
-           "Markov", "Trace", "make_participation", "MODELS"]
+__all__ = [
+    "ParticipationModel",
+    "Always",
+    "UniformSample",
+    "Bernoulli",
+    "CyclicGroups",
+    "RegularizedPermutation",
+    "Markov",
+    "Trace",
+    "make_participation",
+    "MODELS",
+]
 
 
 def _check_round(r: Any) -> int:
@@ -122,8 +133,9 @@ def _per_device(name: str, value: Any, devices: tuple[str, ...]) -> np.ndarray:
         missing = [d for d in devices if d not in value]
         extra = sorted(set(map(str, value)) - set(devices))
         if missing or extra:
-            raise ValueError(f"{name}: mapping must cover exactly the devices (missing {missing[:5]}, "
-                             f"unknown {extra[:5]})")
+            raise ValueError(
+                f"{name}: mapping must cover exactly the devices (missing {missing[:5]}, unknown {extra[:5]})"
+            )
         vals = [value[d] for d in devices]
     elif isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, str):
         vals = list(value)
@@ -171,8 +183,9 @@ class Bernoulli(ParticipationModel):
 
     name = "bernoulli"
 
-    def __init__(self, devices: Sequence[str], probs: float | Mapping[str, float] | Sequence[float],
-                 seed: int = 0) -> None:
+    def __init__(
+        self, devices: Sequence[str], probs: float | Mapping[str, float] | Sequence[float], seed: int = 0
+    ) -> None:
         super().__init__(devices, seed)
         self.probs = _per_device("probs", probs, self.devices)
 
@@ -199,9 +212,17 @@ class CyclicGroups(ParticipationModel):
 
     name = "cyclic"
 
-    def __init__(self, devices: Sequence[str], groups: int, seed: int = 0, active: int = 1,
-                 random_offset: bool = True, per_round: int | None = None, period: int = 1,
-                 selection: str = "uniform") -> None:
+    def __init__(
+        self,
+        devices: Sequence[str],
+        groups: int,
+        seed: int = 0,
+        active: int = 1,
+        random_offset: bool = True,
+        per_round: int | None = None,
+        period: int = 1,
+        selection: str = "uniform",
+    ) -> None:
         super().__init__(devices, seed)
         self.groups = _check_int("groups", groups, 1, self.num_devices)
         self.period = _check_int("period", period, 1)
@@ -213,13 +234,16 @@ class CyclicGroups(ParticipationModel):
         self.group_of = np.empty(self.num_devices, dtype=np.int64)
         for g, members in enumerate(np.array_split(perm, self.groups)):
             self.group_of[members] = g
-        self.offset = int(rng(self.seed, "participation", self.name, "offset").integers(self.cycle)) \
-            if random_offset else 0
+        self.offset = (
+            int(rng(self.seed, "participation", self.name, "offset").integers(self.cycle)) if random_offset else 0
+        )
         sizes = np.bincount(self.group_of, minlength=self.groups)
-        self._avail_sizes = np.array([sum(sizes[(p + j) % self.groups] for j in range(self.active))
-                                      for p in range(self.groups)])
-        self.per_round = None if per_round is None else _check_int(
-            "per_round", per_round, 1, int(self._avail_sizes.min()))
+        self._avail_sizes = np.array(
+            [sum(sizes[(p + j) % self.groups] for j in range(self.active)) for p in range(self.groups)]
+        )
+        self.per_round = (
+            None if per_round is None else _check_int("per_round", per_round, 1, int(self._avail_sizes.min()))
+        )
 
     @property
     def cycle(self) -> int:
@@ -288,8 +312,9 @@ class Markov(ParticipationModel):
 
     name = "markov"
 
-    def __init__(self, devices: Sequence[str], p_on_to_off: Any, p_off_to_on: Any,
-                 start_on_prob: Any = None, seed: int = 0) -> None:
+    def __init__(
+        self, devices: Sequence[str], p_on_to_off: Any, p_off_to_on: Any, start_on_prob: Any = None, seed: int = 0
+    ) -> None:
         super().__init__(devices, seed)
         self.p_off = _per_device("p_off", p_on_to_off, self.devices)
         self.p_on = _per_device("p_on", p_off_to_on, self.devices)
@@ -422,8 +447,9 @@ def make_participation(spec: Mapping[str, Any] | Any, devices: Sequence[str], se
         raise ValueError(f"unknown participation model {name!r}; expected one of {list(MODELS)}")
     extra = sorted(set(params) - _SPEC_KEYS[name])
     if extra:
-        raise ValueError(f"participation model {name!r} has no parameter(s) {extra}; "
-                         f"allowed: {sorted(_SPEC_KEYS[name])}")
+        raise ValueError(
+            f"participation model {name!r} has no parameter(s) {extra}; allowed: {sorted(_SPEC_KEYS[name])}"
+        )
 
     def need(key: str) -> Any:
         if key not in params:
@@ -444,9 +470,16 @@ def make_participation(spec: Mapping[str, Any] | Any, devices: Sequence[str], se
         ro = params.get("random_offset", True)
         if not isinstance(ro, bool):
             raise ValueError(f"random_offset must be a boolean, got {ro!r}")
-        return CyclicGroups(devices, need("groups"), seed, active=params.get("active", 1), random_offset=ro,
-                            per_round=params.get("per_round"), period=params.get("period", 1),
-                            selection=params.get("selection", "uniform"))
+        return CyclicGroups(
+            devices,
+            need("groups"),
+            seed,
+            active=params.get("active", 1),
+            random_offset=ro,
+            per_round=params.get("per_round"),
+            period=params.get("period", 1),
+            selection=params.get("selection", "uniform"),
+        )
     if name == "permutation":
         return RegularizedPermutation(devices, need("per_round"), seed)
     if name == "markov":

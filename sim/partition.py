@@ -27,6 +27,7 @@ Dirichlet(``alpha_devices``) across that cell's devices. :func:`cell_shards_part
 cell. :func:`partition_hierarchy` dispatches on the scheme name; for flat schemes it partitions over ``cells * devices_per_cell`` devices and groups consecutive
 devices into cells.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterator, Sequence, overload
@@ -35,7 +36,15 @@ import numpy as np
 
 from protocols.seeding import rng
 
-__all__ = ["Parts", "partition", "hierarchical_partition", "cell_shards_partition", "partition_hierarchy", "label_histogram", "SCHEMES"]
+__all__ = [
+    "Parts",
+    "partition",
+    "hierarchical_partition",
+    "cell_shards_partition",
+    "partition_hierarchy",
+    "label_histogram",
+    "SCHEMES",
+]
 
 
 class Parts(Sequence[np.ndarray]):
@@ -65,15 +74,16 @@ class Parts(Sequence[np.ndarray]):
             start, stop, step = i.indices(len(self))
             if step != 1:
                 return Parts.of([self[j] for j in range(start, stop, step)])
-            return Parts(self.flat, self.offsets[start:max(start, stop) + 1])
+            return Parts(self.flat, self.offsets[start : max(start, stop) + 1])
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"part {i} of {n}")
         i %= n
-        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+        return self.flat[self.offsets[i] : self.offsets[i + 1]]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))
+
 
 SCHEMES = ("iid", "dirichlet", "shards")
 
@@ -126,8 +136,9 @@ def _iid(y: np.ndarray, k: int, seed: int, *keys: Any) -> Parts:
     return Parts(perm, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
 
 
-def _dirichlet(y: np.ndarray, k: int, alpha: float, min_size: int, max_attempts: int,
-               keys: tuple, alpha_name: str = "alpha") -> Parts:
+def _dirichlet(
+    y: np.ndarray, k: int, alpha: float, min_size: int, max_attempts: int, keys: tuple, alpha_name: str = "alpha"
+) -> Parts:
     """Dirichlet split of positions ``0..len(y)-1`` over ``k`` parts; draws from ``rng(*keys, attempt)``."""
     n = y.size
     if min_size * k > n:
@@ -150,7 +161,8 @@ def _dirichlet(y: np.ndarray, k: int, alpha: float, min_size: int, max_attempts:
     raise ValueError(
         f"dirichlet partition: no draw in max_attempts={max_attempts} gave every one of {k} parts at least "
         f"min_size={min_size} samples (smallest part had {int(sizes.min())}); increase {alpha_name} "
-        f"(now {alpha}), lower min_size, use fewer parts, or raise max_attempts")
+        f"(now {alpha}), lower min_size, use fewer parts, or raise max_attempts"
+    )
 
 
 def _apportion(counts: np.ndarray, total: int) -> np.ndarray:
@@ -169,8 +181,10 @@ def _apportion(counts: np.ndarray, total: int) -> np.ndarray:
 def _shards(y: np.ndarray, k: int, per_device: int, seed: int, *keys: Any) -> Parts:
     n_shards = k * per_device
     if n_shards > y.size:
-        raise ValueError(f"shards_per_device ({per_device}) x num_devices ({k}) = {n_shards} shards "
-                         f"exceeds the number of samples ({y.size})")
+        raise ValueError(
+            f"shards_per_device ({per_device}) x num_devices ({k}) = {n_shards} shards "
+            f"exceeds the number of samples ({y.size})"
+        )
     g = rng(seed, "partition", "shards", *keys)
     perm = g.permutation(y.size)
     order = perm[np.argsort(y[perm], kind="stable")]  # sorted by label, random within a label
@@ -183,8 +197,7 @@ def _shards(y: np.ndarray, k: int, per_device: int, seed: int, *keys: Any) -> Pa
     else:
         shards = np.array_split(order, n_shards)
     deal = g.permutation(n_shards)
-    return _finish([np.concatenate([shards[s] for s in deal[d * per_device:(d + 1) * per_device]])
-                    for d in range(k)])
+    return _finish([np.concatenate([shards[s] for s in deal[d * per_device : (d + 1) * per_device]]) for d in range(k)])
 
 
 _REQUIRED = object()
@@ -200,7 +213,6 @@ def _take(params: dict[str, Any], scheme: str, allowed: dict[str, Any]) -> dict[
     if missing:
         raise ValueError(f"scheme {scheme!r} needs parameter(s) {missing}")
     return out
-
 
 
 def partition(labels: np.ndarray, num_devices: int, scheme: str, seed: int, **params: Any) -> Parts:
@@ -223,13 +235,23 @@ def partition(labels: np.ndarray, num_devices: int, scheme: str, seed: int, **pa
     if scheme == "shards":
         p = _take(params, scheme, {"shards_per_device": _REQUIRED})
         return _shards(y, k, _check_count("shards_per_device", p["shards_per_device"]), seed)
-    raise ValueError(f"unknown partition scheme {scheme!r}; expected one of {list(SCHEMES)} "
-                     f"(or 'hierarchical' via partition_hierarchy)")
+    raise ValueError(
+        f"unknown partition scheme {scheme!r}; expected one of {list(SCHEMES)} "
+        f"(or 'hierarchical' via partition_hierarchy)"
+    )
 
 
-def hierarchical_partition(labels: np.ndarray, cells: int, devices_per_cell: int, seed: int,
-                           alpha_cells: float, alpha_devices: float, *, min_size: int = 1,
-                           max_attempts: int = 1000) -> list[Parts]:
+def hierarchical_partition(
+    labels: np.ndarray,
+    cells: int,
+    devices_per_cell: int,
+    seed: int,
+    alpha_cells: float,
+    alpha_devices: float,
+    *,
+    min_size: int = 1,
+    max_attempts: int = 1000,
+) -> list[Parts]:
     """Dirichlet(``alpha_cells``) across cells, then Dirichlet(``alpha_devices``) within each cell.
 
     Returns ``parts[cell][device]`` (global, sorted index arrays). Each device gets ``>= min_size`` samples.
@@ -242,18 +264,21 @@ def hierarchical_partition(labels: np.ndarray, cells: int, devices_per_cell: int
     a_d = _check_alpha("alpha_devices", alpha_devices)
     min_size = _check_count("min_size", min_size)
     attempts = _check_count("max_attempts", max_attempts)
-    cell_parts = _dirichlet(y, c, a_c, min_size * d, attempts, (seed, "partition", "hierarchical", "cells"),
-                            "alpha_cells")
+    cell_parts = _dirichlet(
+        y, c, a_c, min_size * d, attempts, (seed, "partition", "hierarchical", "cells"), "alpha_cells"
+    )
     out = []
     for ci, idx in enumerate(cell_parts):
-        local = _dirichlet(y[idx], d, a_d, min_size, attempts,
-                           (seed, "partition", "hierarchical", "cell", ci), "alpha_devices")
+        local = _dirichlet(
+            y[idx], d, a_d, min_size, attempts, (seed, "partition", "hierarchical", "cell", ci), "alpha_devices"
+        )
         out.append(_finish([idx[p] for p in local]))
     return out
 
 
-def cell_shards_partition(labels: np.ndarray, cells: int, devices_per_cell: int, seed: int,
-                          shards_per_device: int) -> list[Parts]:
+def cell_shards_partition(
+    labels: np.ndarray, cells: int, devices_per_cell: int, seed: int, shards_per_device: int
+) -> list[Parts]:
     """HIST's split (ii): an ``iid`` split into ``cells`` equal parts, then within each cell the ``shards``
     scheme over its devices (label-sorted shards, ``shards_per_device`` each). Returns ``parts[cell][device]``."""
     y = _check_labels(labels)
@@ -267,8 +292,9 @@ def cell_shards_partition(labels: np.ndarray, cells: int, devices_per_cell: int,
     return out
 
 
-def partition_hierarchy(labels: np.ndarray, cells: int, devices_per_cell: int, scheme: str, seed: int,
-                        **params: Any) -> list[Parts]:
+def partition_hierarchy(
+    labels: np.ndarray, cells: int, devices_per_cell: int, scheme: str, seed: int, **params: Any
+) -> list[Parts]:
     """``parts[cell][device]``: ``hierarchical`` (``alpha_cells``, ``alpha_devices``), ``cell_shards``
     (``shards_per_device``) or a flat scheme over ``cells * devices_per_cell`` devices grouped
     consecutively into cells."""
@@ -280,13 +306,15 @@ def partition_hierarchy(labels: np.ndarray, cells: int, devices_per_cell: int, s
         p = _take(params, scheme, {"shards_per_device": _REQUIRED})
         return cell_shards_partition(labels, c, d, seed, p["shards_per_device"])
     flat = partition(labels, c * d, scheme, seed, **params)
-    return [flat[i * d:(i + 1) * d] for i in range(c)]  # views of one flat index array
+    return [flat[i * d : (i + 1) * d] for i in range(c)]  # views of one flat index array
 
 
 def label_histogram(labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int | None = None) -> np.ndarray:
     """Counts ``[len(parts), num_classes]`` of each label in each part (int64)."""
     y = _check_labels(labels)
     k = int(num_classes) if num_classes is not None else (int(y.max()) + 1 if y.size else 0)
-    return np.stack([np.bincount(y[np.asarray(p, dtype=np.int64)], minlength=k) for p in parts]) \
-        if parts else np.zeros((0, k), dtype=np.int64)
-
+    return (
+        np.stack([np.bincount(y[np.asarray(p, dtype=np.int64)], minlength=k) for p in parts])
+        if parts
+        else np.zeros((0, k), dtype=np.int64)
+    )

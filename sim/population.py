@@ -13,6 +13,7 @@ The sim's devices do not announce themselves (the cells count them online: nobod
 simulation unless made to); an agent connects with the offline status as its last will, so a
 device that is made to crash is seen offline, as under MQTT.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterator, Mapping
@@ -35,8 +36,15 @@ class Population(Mapping[str, DeviceAgent]):
     Iterating yields device ids without building anything; ``population[device]`` builds (and keeps)
     that device's agent; :meth:`built` is the agents that exist now."""
 
-    def __init__(self, cfg: RunConfig, hub: MemoryHub, algorithm: Algorithm, data: Mapping[str, LocalData],
-                 trainer_for: Callable[[str], Trainer], configure: Callable[[DeviceAgent], None]) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        hub: MemoryHub,
+        algorithm: Algorithm,
+        data: Mapping[str, LocalData],
+        trainer_for: Callable[[str], Trainer],
+        configure: Callable[[DeviceAgent], None],
+    ) -> None:
         """``trainer_for(device)``: its trainer (shared ones are fine: roles hold no trainer state);
         ``configure(agent)``: runs on each new agent before it takes a task (executor, clock)."""
         self.cfg, self.hub, self.algorithm, self.data = cfg, hub, algorithm, data
@@ -118,8 +126,14 @@ class Population(Mapping[str, DeviceAgent]):
         agent = self._agents.get(device)
         if agent is None:
             will = device_will(self.run, self.cfg.topology.cell_of(device) or "", device, self.cfg)
-            agent = build_agent(self.cfg, device, self.hub.connect(topics.device_node(device), will=will),
-                                self.algorithm, self.data[device], self.trainer_for(device))
+            agent = build_agent(
+                self.cfg,
+                device,
+                self.hub.connect(topics.device_node(device), will=will),
+                self.algorithm,
+                self.data[device],
+                self.trainer_for(device),
+            )
             self.configure(agent)
             self._agents[device] = agent
             if self._started:

@@ -1,4 +1,5 @@
 """Shared fixtures: small, fast configs on scikit-learn digits."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Amplified cloud updates (Wang & Ji) and the periodic participation they are made for."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,8 +33,9 @@ def test_toy_matches_the_spec_table():
 
 
 def test_interval_end_is_anchor_plus_eta_u_and_warmup_is_plain():
-    opt = ServerOptimizer(ServerParams(name="fedavg", local_steps=1, amplify_eta=4.0, amplify_period=3,
-                                          amplify_start=2))
+    opt = ServerOptimizer(
+        ServerParams(name="fedavg", local_steps=1, amplify_eta=4.0, amplify_period=3, amplify_start=2)
+    )
     g = np.random.default_rng(0)
     x = {"w": g.standard_normal(5).astype(np.float32)}
     history, deltas, flags = [x], [], []
@@ -52,12 +54,14 @@ def test_interval_end_is_anchor_plus_eta_u_and_warmup_is_plain():
 
 
 def _cfg(**algo) -> dict:
-    return {"run": {"name": "amp", "seed": 3, "rounds": 6},
-            "topology": {"cells": 2, "devices_per_cell": 4},
-            "algorithm": {"name": "fedavg", "edge_rounds": 1, "local_steps": 5, "batch_size": 16, "lr": 0.05, **algo},
-            "model": {"name": "mlp", "hidden": [32]},
-            "data": {"dataset": "digits", "partition": "shards", "shards_per_device": 2},
-            "participation": {"model": "cyclic", "groups": 2, "per_round": 2}}
+    return {
+        "run": {"name": "amp", "seed": 3, "rounds": 6},
+        "topology": {"cells": 2, "devices_per_cell": 4},
+        "algorithm": {"name": "fedavg", "edge_rounds": 1, "local_steps": 5, "batch_size": 16, "lr": 0.05, **algo},
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": {"dataset": "digits", "partition": "shards", "shards_per_device": 2},
+        "participation": {"model": "cyclic", "groups": 2, "per_round": 2},
+    }
 
 
 def test_eta_one_is_fedavg_bit_for_bit():
@@ -94,11 +98,11 @@ def test_cyclic_blocks_with_regularized_selection_equal_weight_per_cycle():
     assert m.cycle == 40 and all(masks.sum(1) == 1)
     stint_starts = [r for r in range(masks.shape[0] - m.cycle + 1) if (r + m.offset) % 5 == 0]
     for t0 in stint_starts:  # any window of one cycle starting on a pass boundary: every device twice
-        assert np.all(masks[t0:t0 + m.cycle].sum(0) == 2)
+        assert np.all(masks[t0 : t0 + m.cycle].sum(0) == 2)
     # without sub-selection every window of one cycle is regularized, whatever its start
     full = CyclicGroups(DEVS, 4, seed=1, period=10)
     fm = np.stack([full.mask(r) for r in range(200)])
-    assert all(np.all(fm[t:t + 40].sum(0) == 10) for t in range(160))
+    assert all(np.all(fm[t : t + 40].sum(0) == 10) for t in range(160))
     # the first group gets a random remainder of its period (random offset over the whole cycle)
     offsets = {CyclicGroups(DEVS, 4, seed=s, period=10).offset for s in range(30)}
     assert len(offsets) > 5 and max(offsets) < 40
@@ -106,8 +110,9 @@ def test_cyclic_blocks_with_regularized_selection_equal_weight_per_cycle():
 
 
 def test_cyclic_factory_and_config_keys():
-    m = make_participation({"model": "cyclic", "groups": 2, "period": 3, "per_round": 2, "selection": "permutation"},
-                           DEVS, 0)
+    m = make_participation(
+        {"model": "cyclic", "groups": 2, "period": 3, "per_round": 2, "selection": "permutation"}, DEVS, 0
+    )
     assert isinstance(m, CyclicGroups) and m.cycle == 6
     with pytest.raises(ValueError, match="selection"):
         CyclicGroups(DEVS, 2, selection="roundrobin")

@@ -1,4 +1,5 @@
 """Buffered asynchronous aggregation (algorithm.mode = "async", FedBuff) at cells and cloud."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -67,12 +68,14 @@ def test_cell_keeps_unpushed_progress_when_it_adopts_a_new_cloud_model():
 
 
 def _cfg(mode: str, rounds: int, **algo) -> dict:
-    return {"run": {"name": "async", "seed": 4, "rounds": rounds},
-            "topology": {"cells": 2, "devices_per_cell": 4},
-            "algorithm": {"name": "fedavg", "local_steps": 10, "batch_size": 16, "lr": 0.1, "mode": mode, **algo},
-            "model": {"name": "mlp", "hidden": [32]},
-            "data": {"dataset": "digits", "partition": "iid"},
-            "clock": {"device_steps_per_s": 10.0, "latency_s": 0.01}}
+    return {
+        "run": {"name": "async", "seed": 4, "rounds": rounds},
+        "topology": {"cells": 2, "devices_per_cell": 4},
+        "algorithm": {"name": "fedavg", "local_steps": 10, "batch_size": 16, "lr": 0.1, "mode": mode, **algo},
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": {"dataset": "digits", "partition": "iid"},
+        "clock": {"device_steps_per_s": 10.0, "latency_s": 0.01},
+    }
 
 
 def _run(cfg: dict, slow: str | None = None):
@@ -88,9 +91,15 @@ def test_async_is_deterministic_and_beats_sync_with_a_straggler():
     cfg = _cfg("async", 40, async_buffer=2, max_staleness=4)
     first, again = _run(cfg, slow="c0-d0"), _run(cfg, slow="c0-d0")
     assert all(first.params[k].tobytes() == again.params[k].tobytes() for k in first.params)
-    assert [(h["clock_s"], h["accuracy"]) for h in first.history] == [(h["clock_s"], h["accuracy"]) for h in again.history]
+    assert [(h["clock_s"], h["accuracy"]) for h in first.history] == [
+        (h["clock_s"], h["accuracy"]) for h in again.history
+    ]
     reached = [h["clock_s"] for h in first.history if h["accuracy"] >= target]
-    assert reached and reached[0] < sync_time, (target, sync_time, [(h["clock_s"], h["accuracy"]) for h in first.history])
+    assert reached and reached[0] < sync_time, (
+        target,
+        sync_time,
+        [(h["clock_s"], h["accuracy"]) for h in first.history],
+    )
     # the straggler's results are too stale for max_staleness = 4: dropped, and logged with the reason
     dropped = [x for r in first.cell_records for x in r["rejected"] if x["device"] == "c0-d0"]
     assert dropped and all("stale" in x["reason"] for x in dropped)
@@ -115,8 +124,12 @@ def test_async_over_mqtt_completes_with_a_killed_device(tmp_path):
     its round, so the fault targets the first task whatever its version: a worker that came online late
     (a loaded machine) gets a later version first, and a fault pinned to version 0 then never fired (a
     flake)."""
-    cfg = small_config(tmp_path, run={"rounds": 4}, topology={"cells": 2, "devices_per_cell": 3},
-                       algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1})
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 4},
+        topology={"cells": 2, "devices_per_cell": 3},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+    )
     with EmbeddedBroker() as broker:
         result = Emulation(cfg, broker_url=broker.url, faults=Faults(crash={"c0-d1": (None, 0)})).run()
     assert [r["round"] for r in result.history] == [0, 1, 2, 3]

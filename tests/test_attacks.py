@@ -2,6 +2,7 @@
 logged reason and the final model is the clean run's, bit for bit; the 500 MB chunk announcement
 leaves the receiving process's peak memory where the clean run's was. (The broker-level ACL attacks:
 ``tests/test_provision.py``.)"""
+
 from __future__ import annotations
 
 import logging
@@ -60,7 +61,8 @@ def test_every_attack_is_refused_logged_and_the_model_is_the_clean_runs(tmp_path
         attacked_cfg = small_config(tmp_path / "b", run={"rounds": 2}, security={"keys": str(keys)})
         with caplog.at_level(logging.WARNING):
             attacked, attacker, attacked_peak = run(
-                attacked_cfg, broker, lambda url: Attacker(cfg.run.name, url, ring, captured=spy.captured))
+                attacked_cfg, broker, lambda url: Attacker(cfg.run.name, url, ring, captured=spy.captured)
+            )
     logs = caplog.text + capfd.readouterr().err  # the cells' (this process) and the agents' (a worker)
     assert sorted(attacker.fired) == sorted(a.name for a in ATTACKS), set(a.name for a in ATTACKS) - set(attacker.fired)
     missing = [a.name for a in ATTACKS if a.log not in logs]
@@ -69,8 +71,9 @@ def test_every_attack_is_refused_logged_and_the_model_is_the_clean_runs(tmp_path
     assert clean.params.keys() == attacked.params.keys()
     assert all(np.array_equal(clean.params[k], attacked.params[k]) for k in clean.params)
     records = attacked.cell_records
-    assert all(sorted(r["answered"]) == sorted(r["planned"]) == sorted(cfg.topology.device_ids(r["cell"]))
-               for r in records), records  # no genuine answer lost, no device excluded
+    assert all(
+        sorted(r["answered"]) == sorted(r["planned"]) == sorted(cfg.topology.device_ids(r["cell"])) for r in records
+    ), records  # no genuine answer lost, no device excluded
     # a 43-byte header announcing 500 MB costs the receiving cell nothing: peak RSS as in the clean run
     print(f"peak RSS growth: clean run {clean_peak} kB, attacked run {attacked_peak} kB")
     assert attacked_peak < 128 * 1024, (clean_peak, attacked_peak)  # MB of growth, far below the 500 MB announced

@@ -2,6 +2,7 @@
 statuses of its devices before it counts one offline; a device that comes back while its result is
 pending gets its task again; the cloud still plans a cell that went offline less than a cell deadline
 ago (it is likely restarting; its session keeps the task)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """A cell's device list and online flags: what a sorted list and a dict did, in ~13 bytes a device."""
+
 from __future__ import annotations
 
 import tracemalloc

@@ -1,4 +1,5 @@
 """Chunk splitting and reassembly, driven by a fake clock."""
+
 from __future__ import annotations
 
 import os
@@ -70,7 +71,7 @@ def test_same_content_on_two_topics_is_two_messages() -> None:
 def test_interleaved_messages() -> None:
     a, b = os.urandom(5000), os.urandom(7000)
     pa, pb = split(a, 1024), split(b, 1024)
-    mixed = [p for pair in zip(pa, pb) for p in pair] + pb[len(pa):]
+    mixed = [p for pair in zip(pa, pb) for p in pair] + pb[len(pa) :]
     assert sorted(feed_all(Reassembler(), "t", mixed)) == sorted([a, b])
 
 
@@ -157,8 +158,11 @@ def _trusts() -> tuple["Trust", "Trust", "Trust"]:
     from protocols.wire.keys import Trust, generate_keys, new_seed
 
     ring = generate_keys(TopologySection(cells=1, devices_per_cell=1))
-    return (Trust("c0", ring.private["c0"], ring.public), Trust("c0-d0", ring.private["c0-d0"], ring.public),
-            Trust("c0-d0", new_seed(), ring.public))
+    return (
+        Trust("c0", ring.private["c0"], ring.public),
+        Trust("c0-d0", ring.private["c0-d0"], ring.public),
+        Trust("c0-d0", new_seed(), ring.public),
+    )
 
 
 def test_signed_chunks_round_trip_and_bind_the_topic() -> None:
@@ -178,16 +182,23 @@ def test_bogus_chunks_are_dropped_one_by_one_and_the_genuine_set_completes() -> 
     cell, device, intruder = _trusts()
     data = os.urandom(10_000)
     genuine = split(data, 1024, topic="t", auth=device)
-    bogus = [chunking._HEAD.pack(*chunking._HEAD.unpack_from(p)[:6], 5, 64) + b"c0-d0" + os.urandom(64)
-             + os.urandom(len(p) - chunking.HEADER_BYTES - 5 - 64) for p in genuine[1:]]
+    bogus = [
+        chunking._HEAD.pack(*chunking._HEAD.unpack_from(p)[:6], 5, 64)
+        + b"c0-d0"
+        + os.urandom(64)
+        + os.urandom(len(p) - chunking.HEADER_BYTES - 5 - 64)
+        for p in genuine[1:]
+    ]
     forged = split(os.urandom(10_000), 1024, topic="t", auth=intruder)  # validly framed, a key of its own
     r = Reassembler(auth=cell)
     assert feed_all(r, "t", [genuine[0], *bogus, *forged, *genuine[1:]]) == [data]
     assert r.dropped == len(bogus) + len(forged) and r.pending == 0 and r.reserved == 0
     plain = split(data, 1024)
     r = Reassembler()
-    fake = [chunking._HEAD.pack(*chunking._HEAD.unpack_from(p)[:8]) + os.urandom(len(p) - chunking.HEADER_BYTES)
-            for p in plain[1:]]
+    fake = [
+        chunking._HEAD.pack(*chunking._HEAD.unpack_from(p)[:8]) + os.urandom(len(p) - chunking.HEADER_BYTES)
+        for p in plain[1:]
+    ]
     assert feed_all(r, "t", [plain[0], *fake, *plain[1:]]) == []  # without signatures: lost
 
 

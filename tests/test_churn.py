@@ -1,6 +1,7 @@
 """Churn in ``fedtier run``: a device that does not take part in a round really disconnects from the
 broker and rejoins for the rounds it takes part in, bit-identically to ``fedtier sim``; retained
 records of an earlier run with the same name never stop a new run's nodes."""
+
 from __future__ import annotations
 
 import threading
@@ -33,11 +34,14 @@ MARKOV = {"model": "markov", "p_off": 0.5, "p_on": 0.5, "start_on": 0.5}
 
 
 def churn_config(tmp_path: Path, name: str, model: dict):
-    return small_config(tmp_path / name, run={"rounds": 3},
-                        topology={"cells": 2, "devices_per_cell": 2},
-                        algorithm={"name": "fedavg", "edge_rounds": 2, "local_steps": 5, "batch_size": 16, "lr": 0.1},
-                        participation=model,
-                        runtime={"device_deadline": 10.0, "rejoin_poll": 0.2, "rejoin_wait": 20.0})
+    return small_config(
+        tmp_path / name,
+        run={"rounds": 3},
+        topology={"cells": 2, "devices_per_cell": 2},
+        algorithm={"name": "fedavg", "edge_rounds": 2, "local_steps": 5, "batch_size": 16, "lr": 0.1},
+        participation=model,
+        runtime={"device_deadline": 10.0, "rejoin_poll": 0.2, "rejoin_wait": 20.0},
+    )
 
 
 def collapse(states: list[str]) -> list[str]:
@@ -66,18 +70,23 @@ def test_absent_agents_disconnect_and_rejoin_bit_identically(model: dict, tmp_pa
     with EmbeddedBroker() as broker:
         loop = ThreadLoop("watcher").start()
         watcher = MqttTransport.from_url(broker.url, "watcher", loop)
-        watcher.subscribe(topics.device_statuses(cfg.run.name), lambda t, b: seen.setdefault(
-            t.rsplit("/", 1)[-1], []).append(decode_status(b)["state"]))
+        watcher.subscribe(
+            topics.device_statuses(cfg.run.name),
+            lambda t, b: seen.setdefault(t.rsplit("/", 1)[-1], []).append(decode_status(b)["state"]),
+        )
         watcher.connect().wait_subscribed()
         emulation = Emulation(cfg, broker_url=broker.url)
         result = emulation.run()
         watcher.close()
         loop.stop()
-    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == \
-        (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
+    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == (
+        sim.output_dir / runfiles.FINAL_MODEL
+    ).read_bytes()
     keys = ("round", "edge_round", "cell", "planned", "answered", "absent")
     assert [{k: r[k] for k in keys} for r in result.cell_records] == [{k: r[k] for k in keys} for r in sim.cell_records]
-    assert any(r["absent"] == {d: "not participating" for d in r["absent"]} and r["absent"] for r in result.cell_records)
+    assert any(
+        r["absent"] == {d: "not participating" for d in r["absent"]} and r["absent"] for r in result.cell_records
+    )
     for device in cfg.topology.all_devices():
         takes_part = ["online" if device in takes.participants(r) else "offline" for r in range(cfg.run.rounds)]
         assert collapse(seen[f"device.{device}"]) == collapse(["online", *takes_part, "offline"]), device
@@ -90,9 +99,13 @@ def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
     """A cell and an agent start before the cloud while the broker still holds an earlier run's retained
     records (cloud offline, ``finished``, a manifest of round 5): they wait, work through the new run,
     and leave on its own ``finished``."""
-    cfg = small_config(tmp_path, run={"rounds": 1}, topology={"cells": 1, "devices_per_cell": 1},
-                       algorithm={"name": "fedavg", "edge_rounds": 1, "local_steps": 2, "batch_size": 16, "lr": 0.1},
-                       runtime={"startup_wait": 20.0})
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 1},
+        topology={"cells": 1, "devices_per_cell": 1},
+        algorithm={"name": "fedavg", "edge_rounds": 1, "local_steps": 2, "batch_size": 16, "lr": 0.1},
+        runtime={"startup_wait": 20.0},
+    )
     run, device = cfg.run.name, "c0-d0"
     prep = prepare(cfg)
     algorithm = cfg.build_algorithm(prep.spec)
@@ -100,9 +113,13 @@ def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
         opts = BrokerOptions(broker.url)
         old_loop = ThreadLoop("old").start()
         old = MqttTransport.from_url(broker.url, "old-cloud", old_loop).connect()
-        Messenger(old, run, "cloud").send(topics.control(run), "control",
-                                          Payload({"event": "finished", "round": 5, "session": "old"}),
-                                          round=5, retain=True)
+        Messenger(old, run, "cloud").send(
+            topics.control(run),
+            "control",
+            Payload({"event": "finished", "round": 5, "session": "old"}),
+            round=5,
+            retain=True,
+        )
         old.publish(topics.round_manifest(run), encode_manifest("old", 5), retain=True)
         old.publish(topics.status(run, "cloud"), encode_status("offline"), retain=True)
         assert old.flush(5.0)
@@ -115,10 +132,12 @@ def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
         cell_watch = watch_cloud(cell)
         cell_thread = threading.Thread(target=_serve, args=(cell, cell_loop, cell_watch), daemon=True)
         cell_thread.start()
-        agents = AgentProcess(cfg, algorithm, {device: prep.device_data[device]},
-                              make_trainer("torch", prep.spec, cfg), opts).start()
-        assert until(lambda: cell_watch.finished_sessions == {"old"}
-                     and agents.clouds[device].finished_sessions == {"old"})
+        agents = AgentProcess(
+            cfg, algorithm, {device: prep.device_data[device]}, make_trainer("torch", prep.spec, cfg), opts
+        ).start()
+        assert until(
+            lambda: cell_watch.finished_sessions == {"old"} and agents.clouds[device].finished_sessions == {"old"}
+        )
         assert cell_thread.is_alive() and not agents.done.is_set()  # the stale records were not obeyed
 
         cloud_loop = ThreadLoop("cloud").start()
@@ -184,8 +203,14 @@ def test_heartbeats_repeat_the_retained_status_at_qos_0(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(BrokerOptions, "transport", recording)
     with EmbeddedBroker() as broker:
-        agents = AgentProcess(cfg, algorithm, {device: prep.device_data[device]},
-                              make_trainer("torch", prep.spec, cfg), BrokerOptions(broker.url), heartbeat=0.05)
+        agents = AgentProcess(
+            cfg,
+            algorithm,
+            {device: prep.device_data[device]},
+            make_trainer("torch", prep.spec, cfg),
+            BrokerOptions(broker.url),
+            heartbeat=0.05,
+        )
         try:
             agents.start()
             assert enough.wait(20.0), sent

@@ -1,4 +1,5 @@
 """The ``fedtier`` CLI as a user runs it."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The virtual clock: exact simulated time from bytes and steps, stragglers that miss deadlines."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +7,13 @@ import pytest
 
 from sim.launcher import SimHierarchy, run_simulation
 
-CLOCK = {"device_steps_per_s": 20.0, "downlink_bytes_per_s": 2e5, "uplink_bytes_per_s": 5e4,
-         "backhaul_bytes_per_s": 1e6, "latency_s": 0.01}
+CLOCK = {
+    "device_steps_per_s": 20.0,
+    "downlink_bytes_per_s": 2e5,
+    "uplink_bytes_per_s": 5e4,
+    "backhaul_bytes_per_s": 1e6,
+    "latency_s": 0.01,
+}
 
 
 def test_round_time_is_latency_plus_bytes_over_bandwidth_plus_compute(make_config):
@@ -22,8 +28,13 @@ def test_round_time_is_latency_plus_bytes_over_bandwidth_plus_compute(make_confi
         up = c["latency_s"] + rec["bytes"]["cell_to_cloud"] / 2 / c["backhaul_bytes_per_s"]
         for r in cells:  # equal-sized tasks; results differ by a few bytes (the loss's digits): 2 ms here
             n = len(r["answered"])
-            edge = (c["latency_s"] + r["bytes_out"] / n / c["downlink_bytes_per_s"] + 10 / c["device_steps_per_s"]
-                    + c["latency_s"] + r["bytes_in"] / n / c["uplink_bytes_per_s"])
+            edge = (
+                c["latency_s"]
+                + r["bytes_out"] / n / c["downlink_bytes_per_s"]
+                + 10 / c["device_steps_per_s"]
+                + c["latency_s"]
+                + r["bytes_in"] / n / c["uplink_bytes_per_s"]
+            )
             assert r["clock_s"] == pytest.approx(edge, abs=2e-3)
         edges = [sum(r["clock_s"] for r in cells if r["cell"] == cell) for cell in ("c0", "c1")]
         assert rec["clock_s"] - start == pytest.approx(down + max(edges) + up, abs=1e-5)  # exact from records
@@ -39,9 +50,12 @@ def test_the_clock_changes_time_not_the_model(make_config, tmp_path):
 
 
 def test_stragglers_miss_the_deadline(make_config):
-    cfg = make_config(run={"rounds": 2}, algorithm={"edge_rounds": 1, "local_steps": 10},
-                      clock={"device_steps_per_s": 10.0, "device_speed_spread": 1.0},
-                      runtime={"device_deadline": 1.5})
+    cfg = make_config(
+        run={"rounds": 2},
+        algorithm={"edge_rounds": 1, "local_steps": 10},
+        clock={"device_steps_per_s": 10.0, "device_speed_spread": 1.0},
+        runtime={"device_deadline": 1.5},
+    )
     sim = SimHierarchy(cfg, write_output=False)
     speeds = sim.clock.speed
     result = sim.run()

@@ -1,4 +1,5 @@
 """Uplink codecs: exact decode of each definition, exact sizes, unbiasedness, rejection of bad input."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,17 @@ import numpy as np
 import pytest
 
 from protocols.algorithms.base import Rejected
-from protocols.algorithms.codecs import (DenseCodec, FedMRNCodec, QSGDCodec, SignSGDCodec, TopKCodec, make_codec,
-                                         pack_bits, unpack_bits, wire_size)
+from protocols.algorithms.codecs import (
+    DenseCodec,
+    FedMRNCodec,
+    QSGDCodec,
+    SignSGDCodec,
+    TopKCodec,
+    make_codec,
+    pack_bits,
+    unpack_bits,
+    wire_size,
+)
 from protocols.algorithms.codecs.base import pack_codes, unpack_codes
 from protocols.algorithms.fedavg import FedAvgParams
 from protocols.wire.payload import Payload, decode_payload, encode_payload
@@ -18,14 +28,27 @@ from protocols.wire.payload import Payload, decode_payload, encode_payload
 
 def delta(seed: int = 0) -> "OrderedDict[str, np.ndarray]":
     g = np.random.default_rng(seed)
-    return OrderedDict([("fc1.weight", g.normal(size=(13, 7)).astype(np.float32)),
-                        ("fc1.bias", g.normal(size=13).astype(np.float32)),
-                        ("out.weight", (g.normal(size=(3, 13)) * 0.01).astype(np.float32)),
-                        ("out.bias", np.zeros(3, np.float32))])
+    return OrderedDict(
+        [
+            ("fc1.weight", g.normal(size=(13, 7)).astype(np.float32)),
+            ("fc1.bias", g.normal(size=13).astype(np.float32)),
+            ("out.weight", (g.normal(size=(3, 13)) * 0.01).astype(np.float32)),
+            ("out.bias", np.zeros(3, np.float32)),
+        ]
+    )
 
 
-CODECS = [DenseCodec(), SignSGDCodec(), SignSGDCodec("scaled"), TopKCodec(0.1), QSGDCodec(1), QSGDCodec(5),
-          FedMRNCodec(alpha=0.5), FedMRNCodec("gauss", 0.5, signed=True), FedMRNCodec("bernoulli", 0.5)]
+CODECS = [
+    DenseCodec(),
+    SignSGDCodec(),
+    SignSGDCodec("scaled"),
+    TopKCodec(0.1),
+    QSGDCodec(1),
+    QSGDCodec(5),
+    FedMRNCodec(alpha=0.5),
+    FedMRNCodec("gauss", 0.5, signed=True),
+    FedMRNCodec("bernoulli", 0.5),
+]
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}")
@@ -150,8 +173,9 @@ def test_specific_rejections() -> None:
     q = QSGDCodec(2)
     codes = np.full(sum(v.size for v in x.values()), 7, np.uint32)  # 7 > 2s
     with pytest.raises(Rejected, match="code"):
-        q.check(Payload({"codec": "qsgd"}, {"codes": pack_codes(codes, q.width), "scale": np.ones(4, np.float32)}),
-                x, "t")
+        q.check(
+            Payload({"codec": "qsgd"}, {"codes": pack_codes(codes, q.width), "scale": np.ones(4, np.float32)}), x, "t"
+        )
     mrn = FedMRNCodec().encode(x, 0)
     with pytest.raises(Rejected, match="seed"):
         FedMRNCodec().check(Payload({**mrn.meta, "seed": 12}, mrn.tensors), x, "t")

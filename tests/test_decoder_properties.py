@@ -7,6 +7,7 @@ rejection (``WireError``, ``Rejected``, ``ValueError``, ``ConfigError``), never 
 more than its bound, and decodes what its encoder wrote to the same value. Examples are few and
 small so the whole file runs in a few seconds.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,15 @@ from protocols.session import decode_manifest, encode_manifest
 from protocols.records import parse_record
 from protocols.status import decode_status, encode_status
 from protocols.wire import chunking
-from protocols.wire.envelope import (MAGIC, MAX_HEADER_BYTES, Header, WireError, decode_message, encode_message,
-                                     verify_signature)
+from protocols.wire.envelope import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    Header,
+    WireError,
+    decode_message,
+    encode_message,
+    verify_signature,
+)
 from protocols.wire.keys import Trust, new_seed, public_of
 from protocols.wire.payload import DTYPES, MAX_META_BYTES, Payload, decode_payload, encode_payload
 from protocols.wire.signed import MAX_RECORD_BYTES, open_record, seal_record
@@ -59,7 +67,7 @@ def mutated(draw: st.DrawFn, genuine: bytes) -> bytes:
         elif op == "set" and n:
             data[draw(st.integers(0, n - 1))] = draw(st.integers(0, 255))
         elif op == "truncate":
-            del data[draw(st.integers(0, n)):]
+            del data[draw(st.integers(0, n)) :]
         elif op == "extend":
             data += draw(st.binary(min_size=1, max_size=64))
         elif op == "delete" and n:
@@ -74,10 +82,18 @@ def mutated(draw: st.DrawFn, genuine: bytes) -> bytes:
     return bytes(data)
 
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**53), 2**53),
-                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**53), 2**53),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 names = st.text(min_size=1, max_size=12)
 
 
@@ -92,14 +108,22 @@ def arrays(draw: st.DrawFn) -> np.ndarray:
     return arr
 
 
-payloads = st.builds(Payload, st.dictionaries(st.text(max_size=8), json_values, max_size=4),
-                     st.dictionaries(names, arrays(), max_size=4))
+payloads = st.builds(
+    Payload, st.dictionaries(st.text(max_size=8), json_values, max_size=4), st.dictionaries(names, arrays(), max_size=4)
+)
 
 
 def same_payload(a: Payload, b: Payload) -> bool:
-    return (a.meta == b.meta and list(a.tensors) == list(b.tensors)
-            and all(a.tensors[k].dtype == b.tensors[k].dtype and a.tensors[k].shape == b.tensors[k].shape
-                    and a.tensors[k].tobytes() == b.tensors[k].tobytes() for k in a.tensors))
+    return (
+        a.meta == b.meta
+        and list(a.tensors) == list(b.tensors)
+        and all(
+            a.tensors[k].dtype == b.tensors[k].dtype
+            and a.tensors[k].shape == b.tensors[k].shape
+            and a.tensors[k].tobytes() == b.tensors[k].tobytes()
+            for k in a.tensors
+        )
+    )
 
 
 # ------------------------------------------------------------------ tensors/v1 payload
@@ -122,7 +146,9 @@ def test_mutated_payload_is_a_payload_or_a_wire_error(data: st.DataObject) -> No
     # metadata need not be canonical, e.g. "\u001F" and "\u001f"), finite floats only
     again = decode_payload(encode_payload(out))
     assert again.meta == out.meta and list(again.tensors) == list(out.tensors)
-    assert all(again.tensors[k].dtype == v.dtype and np.array_equal(again.tensors[k], v) for k, v in out.tensors.items())
+    assert all(
+        again.tensors[k].dtype == v.dtype and np.array_equal(again.tensors[k], v) for k, v in out.tensors.items()
+    )
     assert all(np.isfinite(v).all() for v in out.tensors.values() if v.dtype.kind == "f")
     assert sum(v.nbytes for v in out.tensors.values()) <= len(blob)
 
@@ -153,11 +179,19 @@ def test_payload_with_a_huge_declared_shape_allocates_nothing() -> None:
 
 
 # ------------------------------------------------------------------ envelope
-headers = st.fixed_dictionaries(dict(
-    run=st.text(min_size=1, max_size=20), kind=st.sampled_from(["device_result", "cell_task", "chunk"]),
-    round=st.integers(0, 2**31), edge_round=st.integers(0, 100), cell=st.none() | st.text(max_size=10),
-    sender=st.text(min_size=1, max_size=20), msg_id=st.text(min_size=1, max_size=16), payload_len=st.just(0),
-    session=st.none() | st.text(max_size=16))).map(lambda fields: Header(**fields))
+headers = st.fixed_dictionaries(
+    dict(
+        run=st.text(min_size=1, max_size=20),
+        kind=st.sampled_from(["device_result", "cell_task", "chunk"]),
+        round=st.integers(0, 2**31),
+        edge_round=st.integers(0, 100),
+        cell=st.none() | st.text(max_size=10),
+        sender=st.text(min_size=1, max_size=20),
+        msg_id=st.text(min_size=1, max_size=16),
+        payload_len=st.just(0),
+        session=st.none() | st.text(max_size=16),
+    )
+).map(lambda fields: Header(**fields))
 
 
 @FAST
@@ -251,8 +285,11 @@ def test_records_refuse_deep_nesting_and_oversize() -> None:
 
 
 @FAST
-@given(st.sampled_from(["online", "offline"]), st.dictionaries(st.sampled_from(["session", "round", "cell"]),
-                                                                json_scalars, max_size=3), st.data())
+@given(
+    st.sampled_from(["online", "offline"]),
+    st.dictionaries(st.sampled_from(["session", "round", "cell"]), json_scalars, max_size=3),
+    st.data(),
+)
 def test_status_round_trip_and_mutations(state: str, extra: dict, data: st.DataObject) -> None:
     topic = "fedtier/fz/status/device.c0-d0"
     blob = encode_status(state, topic=topic, trust=TRUST, **extra)
@@ -265,9 +302,21 @@ def test_status_round_trip_and_mutations(state: str, extra: dict, data: st.DataO
 
 # ------------------------------------------------------------------ telemetry records
 def _cell_record(round_: int, edge: int, loss: float | None) -> dict:
-    rec = {"schema": 1, "event": "aggregation", "run": "fz", "round": round_, "edge_round": edge, "cell": "c0",
-           "algorithm": "fedavg", "closed_by": "all answered", "duration_s": 0.5, "planned": ["c0-d0"],
-           "answered": ["c0-d0"], "bytes_in": 10, "bytes_out": 20}
+    rec = {
+        "schema": 1,
+        "event": "aggregation",
+        "run": "fz",
+        "round": round_,
+        "edge_round": edge,
+        "cell": "c0",
+        "algorithm": "fedavg",
+        "closed_by": "all answered",
+        "duration_s": 0.5,
+        "planned": ["c0-d0"],
+        "answered": ["c0-d0"],
+        "bytes_in": 10,
+        "bytes_out": 20,
+    }
     if loss is not None:
         rec["loss_mean"] = loss
     return rec
@@ -278,8 +327,9 @@ finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 
 @FAST
 @given(st.integers(0, 1000), st.integers(0, 10), st.none() | finite, st.data())
-def test_telemetry_record_round_trip_and_mutations(round_: int, edge: int, loss: float | None,
-                                                   data: st.DataObject) -> None:
+def test_telemetry_record_round_trip_and_mutations(
+    round_: int, edge: int, loss: float | None, data: st.DataObject
+) -> None:
     text = json.dumps(_cell_record(round_, edge, loss)).encode()
     rec = parse_record(text)
     assert parse_record(rec.to_json()) == rec
@@ -291,9 +341,14 @@ def test_telemetry_record_round_trip_and_mutations(round_: int, edge: int, loss:
     json.loads(got.to_json())  # whatever is accepted serialises back to strict JSON
 
 
-@pytest.mark.parametrize("bad", [b"[" * 50_000, b'{"schema":1,"event":"round","round":1,"closed_by":"x",'
-                                 b'"duration_s":1,"accuracy":1e999}', b'{"schema":1,"event":"round","round":1,'
-                                 b'"closed_by":"x","duration_s":1,"top5":NaN}'])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"[" * 50_000,
+        b'{"schema":1,"event":"round","round":1,"closed_by":"x","duration_s":1,"accuracy":1e999}',
+        b'{"schema":1,"event":"round","round":1,"closed_by":"x","duration_s":1,"top5":NaN}',
+    ],
+)
 def test_telemetry_refuses_deep_nesting_and_non_finite_numbers(bad: bytes) -> None:
     with pytest.raises(ValueError):
         parse_record(bad)
@@ -306,11 +361,22 @@ def test_loads_turns_recursion_into_value_error() -> None:
 
 # ------------------------------------------------------------------ uplink codecs
 LIKE = OrderedDict(w=np.zeros((3, 5), np.float32), b=np.zeros(5, np.float32), v=np.zeros((2, 2), np.float32))
-CODECS = [DenseCodec(), SignSGDCodec("stochastic"), SignSGDCodec("scaled"), TopKCodec(0.3), QSGDCodec(3),
-          FedMRNCodec("uniform", 0.01), FedMRNCodec("gauss", 0.01, signed=True)]
+CODECS = [
+    DenseCodec(),
+    SignSGDCodec("stochastic"),
+    SignSGDCodec("scaled"),
+    TopKCodec(0.3),
+    QSGDCodec(3),
+    FedMRNCodec("uniform", 0.01),
+    FedMRNCodec("gauss", 0.01, signed=True),
+]
 deltas = st.lists(finite, min_size=24, max_size=24).map(
-    lambda xs: OrderedDict(w=np.array(xs[:15], np.float32).reshape(3, 5), b=np.array(xs[15:20], np.float32),
-                           v=np.array(xs[20:], np.float32).reshape(2, 2)))
+    lambda xs: OrderedDict(
+        w=np.array(xs[:15], np.float32).reshape(3, 5),
+        b=np.array(xs[15:20], np.float32),
+        v=np.array(xs[20:], np.float32).reshape(2, 2),
+    )
+)
 
 
 def _decoded_ok(codec, payload: Payload) -> None:
@@ -329,8 +395,9 @@ def test_codec_round_trip_through_the_wire(codec, delta, seed: int) -> None:
     _decoded_ok(codec, payload)
     if isinstance(codec, DenseCodec):
         assert all(np.array_equal(codec.decode(payload, LIKE)[k], delta[k]) for k in delta)
-    assert len(encode_payload(payload)) - len(encode_payload(Payload(payload.meta))) == \
-        codec.data_bytes(LIKE) + codec.framing_bytes(LIKE)
+    assert len(encode_payload(payload)) - len(encode_payload(Payload(payload.meta))) == codec.data_bytes(
+        LIKE
+    ) + codec.framing_bytes(LIKE)
 
 
 def test_qsgd_of_a_tensor_whose_norm_overflows_float32_stays_finite() -> None:
@@ -356,10 +423,18 @@ def test_mutated_codec_payload_is_rejected_or_decodes_to_the_model_layout(codec,
 
 
 codec_like_payloads = st.builds(
-    Payload, st.fixed_dictionaries({}, optional={"codec": st.sampled_from([c.name for c in CODECS]),
-                                                 "seed": st.sampled_from(["00000000000000ff", "xyz", 5])}),
-    st.dictionaries(st.sampled_from(["w", "b", "v", "bits", "scale", "idx", "val", "codes", "mask"]), arrays(),
-                    max_size=3))
+    Payload,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "codec": st.sampled_from([c.name for c in CODECS]),
+            "seed": st.sampled_from(["00000000000000ff", "xyz", 5]),
+        },
+    ),
+    st.dictionaries(
+        st.sampled_from(["w", "b", "v", "bits", "scale", "idx", "val", "codes", "mask"]), arrays(), max_size=3
+    ),
+)
 
 
 @FAST
@@ -398,8 +473,9 @@ def test_chunks_reassemble_in_any_order(data: bytes, max_chunk: int, signed: boo
 
 @FAST
 @given(st.binary(min_size=600, max_size=3000), st.booleans(), st.data())
-def test_mutated_chunks_never_deliver_anything_else_and_stay_bounded(data: bytes, signed: bool,
-                                                                      draw: st.DataObject) -> None:
+def test_mutated_chunks_never_deliver_anything_else_and_stay_bounded(
+    data: bytes, signed: bool, draw: st.DataObject
+) -> None:
     auth = TRUST if signed else None
     parts = chunking.split(data, 256, topic=TOPIC, auth=auth)
     limit = 4096
@@ -453,16 +529,30 @@ EXAMPLES = sorted(Path(__file__).resolve().parents[1].glob("examples/*.toml"))
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(EXAMPLES), st.data())
-def test_mutated_config_is_a_config_error_or_a_config_that_round_trips(tmp_path: Path, example: Path,
-                                                                       data: st.DataObject) -> None:
+def test_mutated_config_is_a_config_error_or_a_config_that_round_trips(
+    tmp_path: Path, example: Path, data: st.DataObject
+) -> None:
     path = tmp_path / "run.toml"
     text = example.read_bytes()
     if data.draw(st.booleans()):  # a line replaced by a plausible but maybe invalid setting
         lines = text.split(b"\n")
         i = data.draw(st.integers(0, len(lines) - 1))
-        lines[i] = data.draw(st.sampled_from([b'output = "runs/{x}"', b'output = "a}"', b"rounds = 0", b"lr = nan",
-                                              b"hidden = []", b"devices_per_cell = 0", b"seed = -1", b'name = ""',
-                                              b"batch_size = 1e400", b"edge_rounds = 99999999999999999999"]))
+        lines[i] = data.draw(
+            st.sampled_from(
+                [
+                    b'output = "runs/{x}"',
+                    b'output = "a}"',
+                    b"rounds = 0",
+                    b"lr = nan",
+                    b"hidden = []",
+                    b"devices_per_cell = 0",
+                    b"seed = -1",
+                    b'name = ""',
+                    b"batch_size = 1e400",
+                    b"edge_rounds = 99999999999999999999",
+                ]
+            )
+        )
         text = b"\n".join(lines)
     path.write_bytes(data.draw(mutated(text)))
     try:

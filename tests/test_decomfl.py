@@ -1,4 +1,5 @@
 """DeComFL: bit-exact reconstruction after any absences, exact dimension-free bytes, onnxruntime devices."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,16 @@ ONNX_DEVICES = ["c0-d1", "c1-d0", "c1-d2"]
 def decomfl_config(make_config, hidden: list[int], rounds: int = 14, onnx: list[str] | None = None, **algo):
     return make_config(
         run={"rounds": rounds},
-        algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": K, "perturbations": P, "lr": 0.02, "mu": 1e-3,
-                   "batch_size": 16, **algo},
+        algorithm={
+            "name": "decomfl",
+            "edge_rounds": 1,
+            "local_steps": K,
+            "perturbations": P,
+            "lr": 0.02,
+            "mu": 1e-3,
+            "batch_size": 16,
+            **algo,
+        },
         model={"name": "mlp", "hidden": hidden},
         participation={"model": "uniform", "per_round": 2},  # 2 of 6 devices a round: long absences
         runtime={"device_deadline": 5.0, "eval_every": rounds, "onnx_devices": onnx or []},
@@ -43,8 +52,9 @@ def run_traced(cfg):
     """Run the sim; return the hierarchy, the cloud model after every round, and the device uplinks."""
     sim = SimHierarchy(cfg, write_output=False)
     snapshots = {0: {k: v.copy() for k, v in sim.cloud.role.model.items()}}
-    sim.cloud.on_round = lambda rec: snapshots.__setitem__(rec["round"] + 1, {
-        k: v.copy() for k, v in sim.cloud.role.model.items()})
+    sim.cloud.on_round = lambda rec: snapshots.__setitem__(
+        rec["round"] + 1, {k: v.copy() for k, v in sim.cloud.role.model.items()}
+    )
     uplinks: list[tuple[str, bytes]] = []
     spy = sim.hub.connect("spy")
     for c in sim.cells:
@@ -97,10 +107,19 @@ def test_onnx_devices_take_part_and_stay_exact(runs):
 
 
 def test_the_model_learns(make_config):
-    cfg = make_config(run={"rounds": 40},
-                      algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 5,
-                                 "lr": 0.1, "batch_size": 32},
-                      model={"name": "mlp", "hidden": [16]}, runtime={"eval_every": 40})
+    cfg = make_config(
+        run={"rounds": 40},
+        algorithm={
+            "name": "decomfl",
+            "edge_rounds": 1,
+            "local_steps": 2,
+            "perturbations": 5,
+            "lr": 0.1,
+            "batch_size": 32,
+        },
+        model={"name": "mlp", "hidden": [16]},
+        runtime={"eval_every": 40},
+    )
     sim = SimHierarchy(cfg, write_output=False)
     spec, ds = sim.prep.spec, sim.prep.dataset
     trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs())
@@ -220,14 +239,17 @@ def _params() -> DeComFLParams:
     return DeComFLParams(name="decomfl", local_steps=K, perturbations=P)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (Payload({"weight": 4}, {"g": np.zeros((K, P + 1), np.float32)}), "expected"),
-    (Payload({"weight": 4}, {"g": np.zeros((K, P), np.float64)}), "expected"),
-    (Payload({"weight": 4}, {"g": np.full((K, P), np.nan, np.float32)}), "non-finite"),
-    (Payload({"weight": 4}, {}), "expected"),
-    (Payload({"weight": 0}, {"g": np.zeros((K, P), np.float32)}), "weight"),
-    (Payload({"weight": True}, {"g": np.zeros((K, P), np.float32)}), "weight"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (Payload({"weight": 4}, {"g": np.zeros((K, P + 1), np.float32)}), "expected"),
+        (Payload({"weight": 4}, {"g": np.zeros((K, P), np.float64)}), "expected"),
+        (Payload({"weight": 4}, {"g": np.full((K, P), np.nan, np.float32)}), "non-finite"),
+        (Payload({"weight": 4}, {}), "expected"),
+        (Payload({"weight": 0}, {"g": np.zeros((K, P), np.float32)}), "weight"),
+        (Payload({"weight": True}, {"g": np.zeros((K, P), np.float32)}), "weight"),
+    ],
+)
 def test_bad_device_results_are_rejected_and_do_not_touch_the_sum(bad, match):
     cloud = DeComFLCloud(_params(), 0, {"w": np.zeros(3, np.float32)})
     cell = DeComFLCell(_params(), "c0", ["d1", "d2"])
@@ -240,11 +262,13 @@ def test_bad_device_results_are_rejected_and_do_not_touch_the_sum(bad, match):
     report = cell.report()
     assert report.meta == {"weight": 1.0, "answered": ["d2"], "need": 0}
     cloud.check("c0", report)
-    for bad_report in (Payload({**report.meta, "need": -1}, report.tensors),
-                       Payload({**report.meta, "answered": "d2"}, report.tensors),
-                       Payload({**report.meta, "weight": 2.0}, report.tensors),  # uniform: 1 per device
-                       Payload({**report.meta, "answered": ["d2", "d2"]}, report.tensors),
-                       Payload(report.meta, {"g": report.tensors["g"].astype(np.float32)})):
+    for bad_report in (
+        Payload({**report.meta, "need": -1}, report.tensors),
+        Payload({**report.meta, "answered": "d2"}, report.tensors),
+        Payload({**report.meta, "weight": 2.0}, report.tensors),  # uniform: 1 per device
+        Payload({**report.meta, "answered": ["d2", "d2"]}, report.tensors),
+        Payload(report.meta, {"g": report.tensors["g"].astype(np.float32)}),
+    ):
         with pytest.raises(Rejected):
             cloud.check("c0", bad_report)
 
@@ -321,8 +345,9 @@ def test_direction_scheme_is_fixed():
     z1, z2 = Z.direction(7, 1, 2, shapes), Z.direction(7, 1, 2, shapes)
     assert all(z1[k].dtype == np.float32 and np.array_equal(z1[k], z2[k]) for k in shapes)
     # one generator walks the parameters in model order
-    flat = np.random.Generator(np.random.PCG64(__import__("protocols.seeding", fromlist=["x"]).seed_sequence(
-        7, 1, 2, "zo-direction"))).standard_normal(15, dtype=np.float32)
+    flat = np.random.Generator(
+        np.random.PCG64(__import__("protocols.seeding", fromlist=["x"]).seed_sequence(7, 1, 2, "zo-direction"))
+    ).standard_normal(15, dtype=np.float32)
     assert np.array_equal(np.concatenate([z1["a.weight"].ravel(), z1["a.bias"]]), flat)
     r = Z.direction(7, 1, 2, shapes, "rademacher")
     assert set(np.unique(np.concatenate([v.ravel() for v in r.values()]))) <= {-1.0, 1.0}
@@ -331,9 +356,17 @@ def test_direction_scheme_is_fixed():
 
 
 def test_example_config_runs_and_export_cli(tmp_path):
-    cfg = load_config(REPO / "examples" / "decomfl.toml",
-                      ["data.dataset=\"digits\"", "data.max_train=0", "run.rounds=3", "runtime.eval_every=3",
-                       f"run.output=\"{tmp_path / 'run'}\"", "runtime.onnx_devices=[\"c0-d0\"]"])
+    cfg = load_config(
+        REPO / "examples" / "decomfl.toml",
+        [
+            'data.dataset="digits"',
+            "data.max_train=0",
+            "run.rounds=3",
+            "runtime.eval_every=3",
+            f'run.output="{tmp_path / "run"}"',
+            'runtime.onnx_devices=["c0-d0"]',
+        ],
+    )
     result = run_simulation(cfg)
     assert len(result.history) == 3 and result.final_accuracy is not None
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -344,8 +377,9 @@ def test_example_config_runs_and_export_cli(tmp_path):
     from fedtier.cli import main
 
     out = tmp_path / "m.onnx"
-    res = CliRunner().invoke(main, ["export", str(REPO / "examples" / "decomfl.toml"), "--set",
-                                    "data.dataset=\"digits\"", "--out", str(out)])
+    res = CliRunner().invoke(
+        main, ["export", str(REPO / "examples" / "decomfl.toml"), "--set", 'data.dataset="digits"', "--out", str(out)]
+    )
     assert res.exit_code == 0, res.output
     from edge_agent.onnx_trainer import build_onnx_trainer
 
@@ -374,10 +408,19 @@ def test_resume_rebuilds_the_recreated_devices_replicas_from_the_clouds_log(make
     """`fedtier sim --resume` recreates every device at x_0 (and a zero momentum buffer): the resumed
     cloud sends the history from round 0, kept in its log although its window was pruned, each device
     replays it, and the run ends with the uninterrupted run's model bit for bit."""
+
     def cfg(rounds: int, out: str):
-        return make_config(run={"rounds": rounds, "output": str(tmp_path / out)},
-                           algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2,
-                                      "lr": 0.02, "momentum": momentum})
+        return make_config(
+            run={"rounds": rounds, "output": str(tmp_path / out)},
+            algorithm={
+                "name": "decomfl",
+                "edge_rounds": 1,
+                "local_steps": 2,
+                "perturbations": 2,
+                "lr": 0.02,
+                "momentum": momentum,
+            },
+        )
 
     straight = run_simulation(cfg(5, "straight"))
     first = run_simulation(cfg(3, "resumed"))
@@ -392,9 +435,17 @@ def test_a_device_that_lost_its_replica_resyncs_from_the_clouds_log(make_config,
     """c0-d0 restarts after round 1 (a fresh role at x_0, as a restarted agent): round 2 it answers
     ``resync`` (it cannot replay from round 1), the cloud's window grows back to round 0, and from round
     3 it replays the whole history and trains: its replica is the cloud's model bit for bit again."""
-    cfg = make_config(run={"rounds": 5, "output": str(tmp_path / "run")},
-                      algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2,
-                                 "lr": 0.02, "momentum": 0.5})
+    cfg = make_config(
+        run={"rounds": 5, "output": str(tmp_path / "run")},
+        algorithm={
+            "name": "decomfl",
+            "edge_rounds": 1,
+            "local_steps": 2,
+            "perturbations": 2,
+            "lr": 0.02,
+            "momentum": 0.5,
+        },
+    )
     sim = SimHierarchy(cfg)
     snaps = _snapshots_with_momentum(sim)
     take = sim.cloud.on_round
@@ -424,8 +475,9 @@ def _snapshots_with_momentum(sim):
 
 
 def test_momentum_rejoining_device_equals_the_always_online_device_bit_for_bit():
-    params = DeComFLParams(name="decomfl", local_steps=2, perturbations=3, lr=0.02, mu=1e-3, batch_size=16,
-                           momentum=0.5)
+    params = DeComFLParams(
+        name="decomfl", local_steps=2, perturbations=3, lr=0.02, mu=1e-3, batch_size=16, momentum=0.5
+    )
     spec = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(8,))
     x0 = init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()), 0)
     trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs())

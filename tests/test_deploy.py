@@ -1,6 +1,7 @@
 """Deployment as a user runs it: ``fedtier cloud``, ``fedtier cell`` and two ``fedtier agent``s, each its
 own OS process started from the command line, over one broker; one agent is forward-only
 (``--backend onnx`` with the model from ``fedtier export``). The result is ``fedtier sim``'s, byte for byte."""
+
 from __future__ import annotations
 
 import subprocess
@@ -56,23 +57,52 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     for device, data in prep.device_data.items():
         save_device_data(tmp_path / f"{device}.npz", data, prep.spec)
     save_device_data(tmp_path / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
-    subprocess.run([FEDTIER, "export", str(config), "--out", str(tmp_path / "model.onnx")], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [FEDTIER, "export", str(config), "--out", str(tmp_path / "model.onnx")], check=True, capture_output=True
+    )
 
     with EmbeddedBroker() as broker:
         common = ["--broker", broker.url]
         commands = {
-            "cloud": [FEDTIER, "cloud", str(config), *common, "--test-data", str(tmp_path / "test.npz"),
-                      "--no-progress"],
+            "cloud": [
+                FEDTIER,
+                "cloud",
+                str(config),
+                *common,
+                "--test-data",
+                str(tmp_path / "test.npz"),
+                "--no-progress",
+            ],
             "cell": [FEDTIER, "cell", str(config), *common, "--cell", "c0"],
-            "torch agent": [FEDTIER, "agent", str(config), *common, "--device", "c0-d0",
-                            "--data", str(tmp_path / "c0-d0.npz")],
-            "onnx agent": [FEDTIER, "agent", str(config), *common, "--device", "c0-d1",
-                           "--data", str(tmp_path / "c0-d1.npz"), "--backend", "onnx",
-                           "--onnx-model", str(tmp_path / "model.onnx")],
+            "torch agent": [
+                FEDTIER,
+                "agent",
+                str(config),
+                *common,
+                "--device",
+                "c0-d0",
+                "--data",
+                str(tmp_path / "c0-d0.npz"),
+            ],
+            "onnx agent": [
+                FEDTIER,
+                "agent",
+                str(config),
+                *common,
+                "--device",
+                "c0-d1",
+                "--data",
+                str(tmp_path / "c0-d1.npz"),
+                "--backend",
+                "onnx",
+                "--onnx-model",
+                str(tmp_path / "model.onnx"),
+            ],
         }
-        procs = {name: popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for name, cmd in commands.items()}
+        procs = {
+            name: popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for name, cmd in commands.items()
+        }
         try:
             outputs = {name: p.communicate(timeout=180)[0] for name, p in procs.items()}
         finally:

@@ -1,5 +1,6 @@
 """deploy/: the Grafana dashboard and the Prometheus alert rules parse (promtool), the alerts fire when
 they should (promtool's rule unit tests), and every metric they name is one the exporter serves."""
+
 from __future__ import annotations
 
 import json
@@ -47,20 +48,56 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def served_names() -> set[str]:
     """Every sample name the exporter and an agent process serve, each metric given a value."""
     exporter = MetricsExporter("r")
-    exporter.observe({"schema": 1, "event": "aggregation", "run": "r", "round": 0, "edge_round": 0, "cell": "c0",
-                      "algorithm": "fedavg", "closed_by": "deadline", "duration_s": 0.1, "planned": ["c0-d0"],
-                      "answered": ["c0-d0"], "absent": {"c0-d1": "offline"}, "bytes_in": 5, "bytes_out": 7,
-                      "loss_mean": 1.0, "loss_std": 0.1, "deadline_s": 5.0, "time": 1.0,
-                      "rejected": [{"device": "c0-d2", "reason": "stale"}], "diverged": {"c0-d3": "loss inf"}})
-    exporter.observe({"schema": 1, "event": "round", "run": "r", "round": 0, "rounds": 2, "closed_by": "deadline",
-                      "duration_s": 1.0, "cells_planned": ["c0", "c1"], "cells_reported": ["c0"],
-                      "cells_absent": ["c1"], "bytes": {"cloud_to_cell": 1}, "accuracy": 0.5, "loss": 1.0,
-                      "rejected": [{"from": "c1", "reason": "stale"}], "time": 1.0})
-    exporter.watch_cell(SimpleNamespace(observers=[], cell="c0", online={"c0-d0": True}, devices=["c0-d0"],
-                                        device_deadline=5.0))
+    exporter.observe(
+        {
+            "schema": 1,
+            "event": "aggregation",
+            "run": "r",
+            "round": 0,
+            "edge_round": 0,
+            "cell": "c0",
+            "algorithm": "fedavg",
+            "closed_by": "deadline",
+            "duration_s": 0.1,
+            "planned": ["c0-d0"],
+            "answered": ["c0-d0"],
+            "absent": {"c0-d1": "offline"},
+            "bytes_in": 5,
+            "bytes_out": 7,
+            "loss_mean": 1.0,
+            "loss_std": 0.1,
+            "deadline_s": 5.0,
+            "time": 1.0,
+            "rejected": [{"device": "c0-d2", "reason": "stale"}],
+            "diverged": {"c0-d3": "loss inf"},
+        }
+    )
+    exporter.observe(
+        {
+            "schema": 1,
+            "event": "round",
+            "run": "r",
+            "round": 0,
+            "rounds": 2,
+            "closed_by": "deadline",
+            "duration_s": 1.0,
+            "cells_planned": ["c0", "c1"],
+            "cells_reported": ["c0"],
+            "cells_absent": ["c1"],
+            "bytes": {"cloud_to_cell": 1},
+            "accuracy": 0.5,
+            "loss": 1.0,
+            "rejected": [{"from": "c1", "reason": "stale"}],
+            "time": 1.0,
+        }
+    )
+    exporter.watch_cell(
+        SimpleNamespace(observers=[], cell="c0", online={"c0-d0": True}, devices=["c0-d0"], device_deadline=5.0)
+    )
     exporter.watch_cloud(SimpleNamespace(observers=[], cell_deadline=10.0, rounds=2))
-    agent = SimpleNamespace(agents={"c0-d0": SimpleNamespace(tasks_done=3)}, train_seconds=1.5,
-                            connections={"c0-d0": 2})
+    agent = SimpleNamespace(
+        agents={"c0-d0": SimpleNamespace(tasks_done=3)}, train_seconds=1.5, connections={"c0-d0": 2}
+    )
     exporter.registry.register(AgentCollector("r", agent))
     return {s.name for family in exporter.registry.collect() for s in family.samples}
 
@@ -79,8 +116,14 @@ def test_every_expression_of_the_dashboard_and_the_alert_rules_parses(tmp_path: 
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS: 8 rules found" in checked.stdout
     # the dashboard's queries, as recording rules, so that promtool parses each one
-    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": expr}
-                                                        for i, expr in enumerate(dashboard_exprs())]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [{"record": f"dashboard:query_{i}", "expr": expr} for i, expr in enumerate(dashboard_exprs())],
+            }
+        ]
+    }
     (tmp_path / "dashboard.yml").write_text(yaml.safe_dump(rules))
     checked = promtool("check", "rules", str(tmp_path / "dashboard.yml"))
     assert checked.returncode == 0, checked.stdout + checked.stderr

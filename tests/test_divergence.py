@@ -1,5 +1,6 @@
 """A diverged device is a clean, logged "diverged" result the cell records and never aggregates; a stale
 or replayed task is never trained (issue #14)."""
+
 from __future__ import annotations
 
 import logging
@@ -67,17 +68,31 @@ class _Unsigned:
 
     def __init__(self, **agent_kw) -> None:
         self.hub, self.role = MemoryHub(), _Counting()
-        self.agent = DeviceAgent(self.hub.connect("d"), run="r", cell="c0", device="c0-d0", role=self.role,
-                                 data=LocalData(np.zeros((1, 2), np.float32), np.zeros(1, np.int64)), trainer=None,
-                                 seed=0, **agent_kw)
+        self.agent = DeviceAgent(
+            self.hub.connect("d"),
+            run="r",
+            cell="c0",
+            device="c0-d0",
+            role=self.role,
+            data=LocalData(np.zeros((1, 2), np.float32), np.zeros(1, np.int64)),
+            trainer=None,
+            seed=0,
+            **agent_kw,
+        )
         self.agent.start()
         self.cell = Messenger(self.hub.connect("cell"), "r", "c0")
         self.rejected: list[str] = []
         self.agent.messenger.on_reject = lambda topic, reason, sender: self.rejected.append(reason)
 
     def task(self, rnd: int, edge: int) -> None:
-        self.cell.send(topics.device_task("r", "c0", "c0-d0"), "device_task", Payload({}, {}),
-                       round=rnd, edge_round=edge, cell="c0")
+        self.cell.send(
+            topics.device_task("r", "c0", "c0-d0"),
+            "device_task",
+            Payload({}, {}),
+            round=rnd,
+            edge_round=edge,
+            cell="c0",
+        )
         self.hub.loop.run()
 
 
@@ -136,10 +151,21 @@ def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_pat
     within its first minute). The cloud records the round without the non-finite numbers (``diverged`` says
     which), logs it, and ends the run there with that reason: it never raises (a record that refused the NaN
     loss once crashed the run) and never burns the remaining rounds."""
-    cfg = small_config(tmp_path, run={"rounds": 30},
-                       algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 1, "perturbations": 2,
-                                  "lr": 1e30, "mu": 1e-3, "batch_size": 16},
-                       model={"name": "mlp", "hidden": [8]}, runtime={"eval_every": 1})
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 30},
+        algorithm={
+            "name": "decomfl",
+            "edge_rounds": 1,
+            "local_steps": 1,
+            "perturbations": 2,
+            "lr": 1e30,
+            "mu": 1e-3,
+            "batch_size": 16,
+        },
+        model={"name": "mlp", "hidden": [8]},
+        runtime={"eval_every": 1},
+    )
     with caplog.at_level(logging.ERROR, logger="cloud.server"):
         result = SimHierarchy(cfg, write_output=False).run()
     last = result.history[-1]
@@ -148,9 +174,13 @@ def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_pat
     assert any("global model diverged" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("algorithm", [{"name": "fedavg"},
-                                       {"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2,
-                                        "lr": 0.01, "mu": 1e-3}])
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "fedavg"},
+        {"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2, "lr": 0.01, "mu": 1e-3},
+    ],
+)
 def test_a_run_in_which_every_device_diverges_stops_after_stalled_rounds(tmp_path: Path, algorithm, caplog) -> None:
     """Every device's inputs overflow float32: each answers "diverged" at once (DeComFL's non-finite ZO
     scalars too, which once made the device refuse its task, so the cell waited for the deadline and the

@@ -1,4 +1,5 @@
 """``fedtier run`` (the emulated hierarchy over MQTT): bit-identical to ``fedtier sim``, and robust."""
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ def test_run_is_bit_identical_to_sim(kind: str, sim_model: bytes, tmp_path: Path
     ~50 chunks) and every device result is published twice: neither changes a bit."""
     cfg = quickstart(tmp_path)
     opts = {} if kind == "amqtt" else {"max_chunk": 16 * 1024, "faults": Faults(duplicate=True)}
-    with (EmbeddedBroker() if kind == "amqtt" else MosquittoBroker()) as broker:
+    with EmbeddedBroker() if kind == "amqtt" else MosquittoBroker() as broker:
         result = Emulation(cfg, broker_url=broker.url, **opts).run()
     out = result.output_dir
     assert (out / runfiles.FINAL_MODEL).read_bytes() == sim_model
@@ -65,9 +66,11 @@ def test_killed_agent_and_foreign_garbage(tmp_path: Path) -> None:
     """c0-d1's worker is SIGKILLed on its task of round 1, edge round 0: the cell closes that edge round
     on its deadline with the survivor, the next one without the (now offline, by its will) device, and
     the run completes. Garbage published by a foreign client on a device topic is rejected and logged."""
-    cfg = small_config(tmp_path, run={"rounds": 2}, topology={"cells": 2, "devices_per_cell": 2},
-                       runtime={"device_deadline": 3.0})
+    cfg = small_config(
+        tmp_path, run={"rounds": 2}, topology={"cells": 2, "devices_per_cell": 2}, runtime={"device_deadline": 3.0}
+    )
     with EmbeddedBroker() as broker:
+
         def inject(record: dict) -> None:
             if record["round"] == 0:
                 foreign = MqttTransport.from_url(broker.url, "intruder", ThreadLoop()).connect()
@@ -75,8 +78,7 @@ def test_killed_agent_and_foreign_garbage(tmp_path: Path) -> None:
                 assert foreign.flush(5.0)
                 foreign.close()
 
-        result = Emulation(cfg, broker_url=broker.url, on_round=inject,
-                           faults=Faults(crash={"c0-d1": (1, 0)})).run()
+        result = Emulation(cfg, broker_url=broker.url, on_round=inject, faults=Faults(crash={"c0-d1": (1, 0)})).run()
     assert [r["round"] for r in result.history] == [0, 1]
     rec = {(r["round"], r["edge_round"], r["cell"]): r for r in result.cell_records}
     assert rec[1, 0, "c0"]["closed_by"] == "deadline"
@@ -96,9 +98,17 @@ def test_stale_heartbeat_marks_device_offline() -> None:
     hub = MemoryHub()
     spec = ModelSpec(name="logreg", input_shape=(4,), num_classes=2)
     algorithm = get_algorithm("fedavg")(get_algorithm("fedavg").Params(name="fedavg"), spec, 0)
-    cell = CellServer(hub.connect("cell"), run="r", cell="c0", devices=["c0-d0", "c0-d1"],
-                      role=algorithm.cell("c0"), algorithm="fedavg", device_deadline=5.0,
-                      heartbeat=2.0, heartbeat_timeout=6.0)
+    cell = CellServer(
+        hub.connect("cell"),
+        run="r",
+        cell="c0",
+        devices=["c0-d0", "c0-d1"],
+        role=algorithm.cell("c0"),
+        algorithm="fedavg",
+        device_deadline=5.0,
+        heartbeat=2.0,
+        heartbeat_timeout=6.0,
+    )
     statuses: list[dict] = []
     watcher = hub.connect("watcher")
     watcher.subscribe(topics.status("r", "cell.c0"), lambda t, b: statuses.append(decode_status(b)))
@@ -130,9 +140,16 @@ def test_helpers() -> None:
     assert topics.tier_of(topics.device_task("r", "c0", "c0-d0")) == "cell_to_device"
     assert topics.tier_of(topics.device_result("r", "c0", "c0-d0")) == "device_to_cell"
     assert topics.tier_of(topics.cell_report("r", "c0")) == "cell_to_cloud"
-    assert {topics.tier_of(t) for t in (topics.status("r", "device.c0-d0"), topics.control("r"),
-                                        topics.round_manifest("r"), topics.telemetry_cell("r", "c0"),
-                                        topics.telemetry_cloud("r"))} == {None}
+    assert {
+        topics.tier_of(t)
+        for t in (
+            topics.status("r", "device.c0-d0"),
+            topics.control("r"),
+            topics.round_manifest("r"),
+            topics.telemetry_cell("r", "c0"),
+            topics.telemetry_cloud("r"),
+        )
+    } == {None}
 
 
 def test_run_resumes_after_a_stop(sim_model: bytes, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
 """FedALIGN: baselines bit for bit, two-sided admission, probes before training, the paper's weights."""
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,13 @@ PRIORITY = ["c0-d1", "c1-d0"]
 
 def base_config(**algorithm) -> dict:
     alg = {"name": "fedalign", "priority": PRIORITY, "local_steps": 3, "lr": 0.1, "epsilon": 0.5, **algorithm}
-    return {"run": {"name": "fa", "rounds": 4, "seed": 3}, "topology": {"cells": 2, "devices_per_cell": 3},
-            "algorithm": alg, "model": {"name": "logreg"},
-            "data": {"dataset": "digits", "partition": "shards", "shards_per_device": 2, "max_train": 600}}
+    return {
+        "run": {"name": "fa", "rounds": 4, "seed": 3},
+        "topology": {"cells": 2, "devices_per_cell": 3},
+        "algorithm": alg,
+        "model": {"name": "logreg"},
+        "data": {"dataset": "digits", "partition": "shards", "shards_per_device": 2, "max_train": 600},
+    }
 
 
 def fedavg_config(cfg: dict, probs: list[float] | None) -> dict:
@@ -42,8 +47,9 @@ def test_epsilon_zero_is_fedavg_on_the_priority_devices_bit_for_bit():
     cfg = base_config(epsilon=0.0)
     a = run_simulation(parse_config(cfg), write_output=False)
     devices = parse_config(cfg).topology.all_devices()
-    b = run_simulation(parse_config(fedavg_config(cfg, [1.0 if d in PRIORITY else 0.0 for d in devices])),
-                       write_output=False)
+    b = run_simulation(
+        parse_config(fedavg_config(cfg, [1.0 if d in PRIORITY else 0.0 for d in devices])), write_output=False
+    )
     assert same(a.params, b.params)
     c = run_simulation(parse_config(fedavg_config(cfg, None)), write_output=False)
     assert not same(a.params, c.params)  # the comparison can fail
@@ -85,8 +91,16 @@ def test_toml_inf_and_config_errors(tmp_path):
 def test_schedule_warmup_two_phase_matching_and_epsilon_drop():
     p = parse_config(base_config(warmup_rounds=2, epsilon=0.3, epsilon_later=0.0, epsilon_drop_round=4)).train
     s = Schedule(p)
-    assert [s.at(r) for r in range(8)] == [(0, "solo"), (1, "solo"), (2, "priority"), (2, "free"),
-                                          (3, "priority"), (3, "free"), (4, "solo"), (5, "solo")]
+    assert [s.at(r) for r in range(8)] == [
+        (0, "solo"),
+        (1, "solo"),
+        (2, "priority"),
+        (2, "free"),
+        (3, "priority"),
+        (3, "free"),
+        (4, "solo"),
+        (5, "solo"),
+    ]
     assert [s.epsilon(i) for i in range(6)] == [0.0, 0.0, 0.3, 0.3, 0.0, 0.0]
 
 
@@ -149,8 +163,11 @@ def test_admission_is_two_sided_and_aggregation_follows_the_paper():
     p = {"p0": 100 / 400, "p1": 300 / 400, "match": 200 / 400}
     z = 1 + p["match"]
     for k in w:
-        upd = (p["p0"] * prio["p0"][0][k].astype(np.float64) + p["p1"] * prio["p1"][0][k]
-               + p["match"] * params(4, 0.1)[k].astype(np.float64)) / z
+        upd = (
+            p["p0"] * prio["p0"][0][k].astype(np.float64)
+            + p["p1"] * prio["p1"][0][k]
+            + p["match"] * params(4, 0.1)[k].astype(np.float64)
+        ) / z
         np.testing.assert_allclose(cloud.global_params()[k], w[k] + upd, rtol=1e-5, atol=1e-6)
 
 
@@ -158,21 +175,34 @@ def test_cloud_checkpoint_keeps_the_held_priority_updates():
     train = parse_config(base_config()).train
     cloud = FedAlignCloud(train, params(0))
     cloud.plan(0, ["c0"])
-    rep = Payload({"phase": "priority", "weight": 5, "prio_weight": 5.0, "prio_loss": 5.0, "prio_accuracy": 2.0,
-                   "admitted": 0, "refused": 0}, params(1, 0.1))
+    rep = Payload(
+        {
+            "phase": "priority",
+            "weight": 5,
+            "prio_weight": 5.0,
+            "prio_loss": 5.0,
+            "prio_accuracy": 2.0,
+            "admitted": 0,
+            "refused": 0,
+        },
+        params(1, 0.1),
+    )
     cloud.aggregate(0, {"c0": rep})
     other = FedAlignCloud(train, params(9))
     other.load_state(cloud.state())
     assert other.F == 1.0 and same(other.held["c0"].tensors, rep.tensors) and same(other.model, cloud.model)
 
 
-@pytest.mark.parametrize("meta, tensors, match", [
-    ({"weight": 5, "probe_loss": float("nan"), "probe_accuracy": 0.5, "trained": True}, True, "probe_loss"),
-    ({"weight": 5, "probe_loss": 1.0, "probe_accuracy": 1.5, "trained": True}, True, "probe_accuracy"),
-    ({"weight": 5, "probe_loss": 1.0, "probe_accuracy": 0.5, "trained": False}, True, "no tensors"),
-    ({"weight": 5, "probe_loss": 1.0, "probe_accuracy": 0.5, "trained": "yes"}, False, "trained"),
-    ({"weight": 5, "probe_loss": 1.0, "probe_accuracy": 0.5, "trained": False}, False, "trained"),  # priority
-])
+@pytest.mark.parametrize(
+    "meta, tensors, match",
+    [
+        ({"weight": 5, "probe_loss": float("nan"), "probe_accuracy": 0.5, "trained": True}, True, "probe_loss"),
+        ({"weight": 5, "probe_loss": 1.0, "probe_accuracy": 1.5, "trained": True}, True, "probe_accuracy"),
+        ({"weight": 5, "probe_loss": 1.0, "probe_accuracy": 0.5, "trained": False}, True, "no tensors"),
+        ({"weight": 5, "probe_loss": 1.0, "probe_accuracy": 0.5, "trained": "yes"}, False, "trained"),
+        ({"weight": 5, "probe_loss": 1.0, "probe_accuracy": 0.5, "trained": False}, False, "trained"),  # priority
+    ],
+)
 def test_bad_results_are_rejected(meta, tensors, match):
     train = parse_config(base_config()).train
     cell = FedAlignCell(train, "c0", frozenset({"p"}))
@@ -219,7 +249,12 @@ def test_run_logs_admissions_and_is_deterministic():
     b = run_simulation(cfg, write_output=False)
     assert same(a.params, b.params)
     assert [(r["metrics"]["iteration"], r["metrics"]["phase"]) for r in a.history] == [
-        (0, "solo"), (1, "priority"), (1, "free"), (2, "priority"), (2, "free")]
+        (0, "solo"),
+        (1, "priority"),
+        (1, "free"),
+        (2, "priority"),
+        (2, "free"),
+    ]
     free = [r for r in a.cell_records if r["metrics"]["phase"] == "free"]
     assert len(free) == 4
     for rec in free:
@@ -246,14 +281,15 @@ def test_emulation_over_mqtt_is_bit_identical_to_sim(tmp_path):
     example = Path(__file__).resolve().parent.parent / "examples" / "fedalign.toml"
 
     def cfg(out: Path):
-        return load_config(example, [f"run.output={json.dumps(str(out))}", "run.rounds=5",
-                                     "algorithm.warmup_rounds=1"])
+        return load_config(example, [f"run.output={json.dumps(str(out))}", "run.rounds=5", "algorithm.warmup_rounds=1"])
 
     sim = run_simulation(cfg(tmp_path / "sim"))
     with EmbeddedBroker() as broker:
         emu = Emulation(cfg(tmp_path / "emu"), broker_url=broker.url).run()
     assert same(emu.params, sim.params)
     assert [r["metrics"]["phase"] for r in emu.history] == ["solo", "priority", "free", "priority", "free"]
-    admitted = lambda res: sorted((r["round"], r["cell"], tuple(r["metrics"].get("admitted", ())))  # noqa: E731
-                                  for r in res.cell_records)
+    admitted = lambda res: sorted(
+        (r["round"], r["cell"], tuple(r["metrics"].get("admitted", ())))  # noqa: E731
+        for r in res.cell_records
+    )
     assert admitted(emu) == admitted(sim)

@@ -1,4 +1,5 @@
 """Hierarchical FedAvg: exact aggregation weights, learning, determinism, deadlines, bad input."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,15 +47,21 @@ def test_cell_and_cloud_weights_match_direct_numpy_computation():
         np.testing.assert_allclose(cloud.global_params()[k], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (Payload({"weight": 5}, {"w": np.zeros((4, 3), np.float32)}), "wrong tensors"),
-    (Payload({"weight": 5}, {"w": np.zeros((3, 4), np.float32), "b": np.zeros(3, np.float32)}), "shape"),
-    (Payload({"weight": -1}, params(1)), "weight"),
-    (Payload({"weight": float("inf")}, params(1)), "weight"),
-    (Payload({}, params(1)), "weight"),
-    (Payload({"weight": 3}, {"w": np.full((4, 3), np.nan, np.float32), "b": np.zeros(3, np.float32)}), "non-finite"),
-    (Payload({"weight": 3}, {"w": np.zeros((4, 3), np.int32), "b": np.zeros(3, np.float32)}), "dtype"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (Payload({"weight": 5}, {"w": np.zeros((4, 3), np.float32)}), "wrong tensors"),
+        (Payload({"weight": 5}, {"w": np.zeros((3, 4), np.float32), "b": np.zeros(3, np.float32)}), "shape"),
+        (Payload({"weight": -1}, params(1)), "weight"),
+        (Payload({"weight": float("inf")}, params(1)), "weight"),
+        (Payload({}, params(1)), "weight"),
+        (
+            Payload({"weight": 3}, {"w": np.full((4, 3), np.nan, np.float32), "b": np.zeros(3, np.float32)}),
+            "non-finite",
+        ),
+        (Payload({"weight": 3}, {"w": np.zeros((4, 3), np.int32), "b": np.zeros(3, np.float32)}), "dtype"),
+    ],
+)
 def test_bad_results_are_rejected(bad, match):
     cell = FedAvgCell(parse_config({}).train, "c0")
     cell.begin(0, Payload({}, params(0)))
@@ -255,8 +262,12 @@ def test_given_data_trains_each_device_on_its_own_samples_and_request_stop_ends_
     yt = np.repeat(np.arange(4), 50)
     xt = (means[yt] + g.normal(0, 1, (200, 8))).astype(np.float32)
     ds = Dataset(x, y, xt, yt, (8,), 4, "given")
-    cfg = make_config(run={"rounds": 30}, topology={"cells": 2, "devices_per_cell": 2}, model={"name": "logreg"},
-                      algorithm={"lr": 0.02})
+    cfg = make_config(
+        run={"rounds": 30},
+        topology={"cells": 2, "devices_per_cell": 2},
+        model={"name": "logreg"},
+        algorithm={"lr": 0.02},
+    )
     devices = list(cfg.topology.devices())
     parts = {d: np.flatnonzero(y == k) for k, d in enumerate(devices)}  # device k holds class k only
     with pytest.raises(ConfigError, match="missing"):

@@ -1,4 +1,5 @@
 """FedMRN: masks on the wire (exact bytes), unbiased stochastic masking, exact reconstruction, learning."""
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,15 @@ from sim.launcher import run_simulation
 
 def config(rounds: int = 1, **algorithm):
     alg = {"name": "fedmrn", "local_epochs": 1, "batch_size": 16, "lr": 0.1, "alpha": 0.1, **algorithm}
-    return parse_config({"run": {"name": "mrn", "seed": 3, "rounds": rounds},
-                         "topology": {"cells": 2, "devices_per_cell": 2}, "algorithm": alg,
-                         "model": {"name": "mlp", "hidden": [32]},
-                         "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5}})
+    return parse_config(
+        {
+            "run": {"name": "mrn", "seed": 3, "rounds": rounds},
+            "topology": {"cells": 2, "devices_per_cell": 2},
+            "algorithm": alg,
+            "model": {"name": "mlp", "hidden": [32]},
+            "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.5},
+        }
+    )
 
 
 def device_results(cfg):
@@ -32,15 +38,21 @@ def device_results(cfg):
     prep = prepare(cfg)
     algorithm = cfg.build_algorithm(prep.spec)
     w = algorithm.initial_params()
-    trainer = TorchTrainer.from_spec(prep.spec.name, prep.spec.input_shape, prep.spec.num_classes,
-                                     **prep.spec.build_kwargs())
+    trainer = TorchTrainer.from_spec(
+        prep.spec.name, prep.spec.input_shape, prep.spec.num_classes, **prep.spec.build_kwargs()
+    )
     out = {}
     for cell in cfg.topology.cell_ids():
         for d in cfg.topology.device_ids(cell):
             role = algorithm.device(d)
             ctx = DeviceContext(cfg.run.seed, 0, 0, cell, d)
-            out[d] = (cell, role, role.local_update(w, prep.device_data[d], trainer, ctx),
-                      role.train(Payload({}, w), prep.device_data[d], trainer, ctx), w)
+            out[d] = (
+                cell,
+                role,
+                role.local_update(w, prep.device_data[d], trainer, ctx),
+                role.train(Payload({}, w), prep.device_data[d], trainer, ctx),
+                w,
+            )
     return out
 
 
@@ -59,8 +71,16 @@ def test_device_update_bytes_on_the_wire_are_exact() -> None:
             meta = json.dumps(payload.meta, separators=(",", ":")).encode()
             assert len(body) == math.ceil(masked / 8) + 4 * extras + framing + 4 + len(meta) + 2 == 514 + len(meta)
             assert len(meta) < 120 and set(payload.meta) == {"codec", "seed", "weight", "loss", "steps"}
-            header = Header(run=cfg.run.name, kind="device_result", round=0, edge_round=0, cell=cell, sender=d,
-                            msg_id=new_msg_id(), payload_len=0)
+            header = Header(
+                run=cfg.run.name,
+                kind="device_result",
+                round=0,
+                edge_round=0,
+                cell=cell,
+                sender=d,
+                msg_id=new_msg_id(),
+                payload_len=0,
+            )
             on_wire += len(encode_message(header, body))
         assert record["bytes_in"] == on_wire  # the runtime counted exactly these messages
         assert record["metrics"]["cell_uplink"] == "masks"
@@ -163,9 +183,11 @@ def test_cloud_rejects_malformed_forwarded_reports() -> None:
     for k in w:  # one edge round: the rebuilt delta is the cell's own mean
         np.testing.assert_allclose(rebuilt[k], cell.model[k] - w[k], atol=1e-6)
     bad_entries = [[0, 5, "zz"]] + report.meta["entries"][1:]
-    for meta, tensors in [({**report.meta, "entries": bad_entries}, report.tensors),
-                          ({**report.meta, "entries": report.meta["entries"][:1]}, report.tensors),
-                          (report.meta, {**report.tensors, "mask.0": report.tensors["mask.0"][:-1]})]:
+    for meta, tensors in [
+        ({**report.meta, "entries": bad_entries}, report.tensors),
+        ({**report.meta, "entries": report.meta["entries"][:1]}, report.tensors),
+        (report.meta, {**report.tensors, "mask.0": report.tensors["mask.0"][:-1]}),
+    ]:
         with pytest.raises(Rejected):
             cloud.check("c0", Payload(meta, tensors))
     with pytest.raises(Rejected):
@@ -204,18 +226,21 @@ def _mnist_installed() -> bool:
 def test_fedmrn_on_cnn4_with_groupnorm_learns_in_the_cohort_engine():
     """CNN4 with GroupNorm (no running statistics: the cohort engine takes it, averaging federates it);
     the norm layers' scales and shifts travel in float32 beside the masked conv and linear weights."""
-    raw = {"run": {"name": "mrn-cnn4", "seed": 0, "rounds": 5}, "topology": {"cells": 1, "devices_per_cell": 4},
-           "algorithm": {"name": "fedmrn", "edge_rounds": 1, "local_epochs": 2, "batch_size": 32, "lr": 0.2,
-                         "alpha": 0.1},
-           "model": {"name": "cnn4", "channels": [8, 8, 16, 16]},
-           "data": {"dataset": "mnist", "partition": "iid", "max_train": 1200, "max_test": 500},
-           "runtime": {"engine": "cohort", "eval_every": 1}}
+    raw = {
+        "run": {"name": "mrn-cnn4", "seed": 0, "rounds": 5},
+        "topology": {"cells": 1, "devices_per_cell": 4},
+        "algorithm": {"name": "fedmrn", "edge_rounds": 1, "local_epochs": 2, "batch_size": 32, "lr": 0.2, "alpha": 0.1},
+        "model": {"name": "cnn4", "channels": [8, 8, 16, 16]},
+        "data": {"dataset": "mnist", "partition": "iid", "max_train": 1200, "max_test": 500},
+        "runtime": {"engine": "cohort", "eval_every": 1},
+    }
     result = run_simulation(parse_config(raw), write_output=False)
     accs = [r["accuracy"] for r in result.history]
     assert accs[-1] > 0.7 and accs[-1] > accs[0] + 0.3, accs
     norms = [k for k in result.params if k.startswith("norm")]
-    assert len(norms) == 8 and any(not np.allclose(result.params[k], 1.0 if k.endswith("weight") else 0.0)
-                                   for k in norms)  # the norm layers trained (float32 extras)
+    assert len(norms) == 8 and any(
+        not np.allclose(result.params[k], 1.0 if k.endswith("weight") else 0.0) for k in norms
+    )  # the norm layers trained (float32 extras)
     codec = FedMRNCodec("uniform", 0.1, False, False)
     assert set(codec.extra_names(result.params)) == set(norms)
     assert codec.masked_count(result.params) == sum(v.size for k, v in result.params.items() if k not in norms)

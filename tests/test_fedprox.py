@@ -1,4 +1,5 @@
 """FedProx (``algorithm.prox_mu``): the device's proximal term, on FedAvg and HIST."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,11 +51,13 @@ def test_proximal_sgd_matches_autograd_on_the_prox_objective():
 
 
 def _cfg(name: str, **algo) -> dict:
-    return {"run": {"name": "prox", "seed": 2, "rounds": 2},
-            "topology": {"cells": 2, "devices_per_cell": 3},
-            "algorithm": {"name": name, "local_steps": 5, "batch_size": 16, "lr": 0.1, **algo},
-            "model": {"name": "mlp", "hidden": [16]},
-            "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.3}}
+    return {
+        "run": {"name": "prox", "seed": 2, "rounds": 2},
+        "topology": {"cells": 2, "devices_per_cell": 3},
+        "algorithm": {"name": name, "local_steps": 5, "batch_size": 16, "lr": 0.1, **algo},
+        "model": {"name": "mlp", "hidden": [16]},
+        "data": {"dataset": "digits", "partition": "dirichlet", "alpha": 0.3},
+    }
 
 
 @pytest.mark.parametrize("name", ["fedavg", "hist"])

@@ -1,4 +1,5 @@
 """Fleet scale: many agents per worker process cost sockets, not threads; reconnects back off with jitter."""
+
 from __future__ import annotations
 
 import os
@@ -58,9 +59,14 @@ def test_300_agents_share_one_worker_process(tmp_path: Path) -> None:
     """300 devices in 3 cells, all in one worker process: every device answers every edge round, and
     the worker holds a handful of threads (a thread per agent would be 300+) and about one socket per
     agent (paho's own loop costs 3 descriptors each)."""
-    cfg = small_config(tmp_path, run={"rounds": 1}, topology={"cells": 3, "devices_per_cell": 100},
-                       algorithm={"edge_rounds": 2, "local_steps": 1, "batch_size": 4},
-                       model={"name": "logreg"}, runtime={"device_deadline": 60.0, "heartbeat": 1.0})
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 1},
+        topology={"cells": 3, "devices_per_cell": 100},
+        algorithm={"edge_rounds": 2, "local_steps": 1, "batch_size": 4},
+        model={"name": "logreg"},
+        runtime={"device_deadline": 60.0, "heartbeat": 1.0},
+    )
     seen: list[tuple[int, int]] = []
 
     def sample(_record: dict[str, Any]) -> None:
@@ -100,8 +106,10 @@ def test_agents_retry_a_broker_that_refuses_them(tmp_path: Path) -> None:
     rest: list[MqttTransport] = []
     try:
         first = [MqttTransport(f"a{i}", loop, "127.0.0.1", port, reactor=reactor).connect() for i in range(20)]
-        rest = [MqttTransport(f"b{i}", loop, "127.0.0.1", port, reactor=reactor, retry_refused=True,
-                              backoff_seed=i) for i in range(10)]
+        rest = [
+            MqttTransport(f"b{i}", loop, "127.0.0.1", port, reactor=reactor, retry_refused=True, backoff_seed=i)
+            for i in range(10)
+        ]
         for t in rest:
             t.start_connect(30.0)
         time.sleep(1.0)
@@ -131,8 +139,16 @@ def test_reactor_reconnects_after_a_broker_restart() -> None:
         reactor, loop = Reactor("test-io").start(), ThreadLoop("test").start()
         got: list[bytes] = []
         arrived = threading.Event()
-        sub = MqttTransport("sub", loop, "127.0.0.1", broker.port, reactor=reactor, reconnect_min_delay=0.1,
-                            reconnect_max_delay=0.5, backoff_seed=1)
+        sub = MqttTransport(
+            "sub",
+            loop,
+            "127.0.0.1",
+            broker.port,
+            reactor=reactor,
+            reconnect_min_delay=0.1,
+            reconnect_max_delay=0.5,
+            backoff_seed=1,
+        )
         sub.subscribe("t/#", lambda _t, b: (got.append(b), arrived.set()))
         sub.connect()
         assert sub.wait_subscribed()
@@ -164,8 +180,15 @@ def test_a_cell_receives_only_its_devices_statuses() -> None:
     seen: dict[str, list[str]] = {"c0": [], "c1": []}
     cells = {}
     for c in seen:
-        cell = CellServer(hub.connect(f"cell-{c}"), run="r", cell=c, devices=[f"{c}-d0", f"{c}-d1"],
-                          role=algorithm.cell(c), algorithm="fedavg", device_deadline=5.0)
+        cell = CellServer(
+            hub.connect(f"cell-{c}"),
+            run="r",
+            cell=c,
+            devices=[f"{c}-d0", f"{c}-d1"],
+            role=algorithm.cell(c),
+            algorithm="fedavg",
+            device_deadline=5.0,
+        )
         handler = cell._on_status
         cell._on_status = lambda t, b, c=c, h=handler: (seen[c].append(t.rsplit("/", 1)[-1]), h(t, b))
         cell.start()
@@ -195,15 +218,19 @@ def test_bridged_cell_brokers_are_bit_identical_to_sim(tmp_path: Path, watcher: 
 
     em = Emulation(cfg, brokers="per-cell", on_round=watch)
     result = em.run()
-    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == \
-        (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
+    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == (
+        sim.output_dir / runfiles.FINAL_MODEL
+    ).read_bytes()
     assert all(r["closed_by"] == "all reported" for r in result.history)
     run = cfg.run.name
     seen = set(at_cloud)
     assert {topics.cell_task(run, c) for c in ("c0", "c1")} <= seen
     assert {topics.cell_report(run, c) for c in ("c0", "c1")} <= seen
-    assert not [t for t in seen if "/up/c" in t and t.endswith("/result") or "/status/device." in t
-                or t.endswith("/task") and t.count("/") > 5], sorted(seen)
+    assert not [
+        t
+        for t in seen
+        if "/up/c" in t and t.endswith("/result") or "/status/device." in t or t.endswith("/task") and t.count("/") > 5
+    ], sorted(seen)
     traffic = em.broker_bytes
     assert set(traffic) == {"cloud", "c0", "c1"}
     cells_in = traffic["c0"]["received"] + traffic["c1"]["received"]
@@ -219,17 +246,23 @@ def test_bridge_config_command(tmp_path: Path) -> None:
 
     cfg = tmp_path / "run.toml"
     cfg.write_text('[run]\nname = "f"\n[topology]\ncells = 2\ndevices_per_cell = 2\n[data]\ndataset = "digits"\n')
-    res = CliRunner().invoke(main, ["bridge-config", str(cfg), "--cloud", "mqtt://cloud.example:1884",
-                                    "--out", str(tmp_path / "bridges")])
+    res = CliRunner().invoke(
+        main, ["bridge-config", str(cfg), "--cloud", "mqtt://cloud.example:1884", "--out", str(tmp_path / "bridges")]
+    )
     assert res.exit_code == 0, res.output
     conf = (tmp_path / "bridges" / "c1.conf").read_text()
     lines = conf.splitlines()
     assert "address cloud.example:1884" in lines and "cleansession false" in lines
     crossing = {tuple(line.split()[1:3]) for line in lines if line.startswith("topic ")}
-    assert crossing == {("fedtier/f/cell/c1/down/task", "in"), ("fedtier/f/cloud/round", "in"),
-                        ("fedtier/f/cloud/control", "in"), ("fedtier/f/status/cloud", "in"),
-                        ("fedtier/f/cloud/up/c1/report", "out"), ("fedtier/f/status/cell.c1", "out"),
-                        ("fedtier/f/telemetry/cell/c1", "out")}
+    assert crossing == {
+        ("fedtier/f/cell/c1/down/task", "in"),
+        ("fedtier/f/cloud/round", "in"),
+        ("fedtier/f/cloud/control", "in"),
+        ("fedtier/f/status/cloud", "in"),
+        ("fedtier/f/cloud/up/c1/report", "out"),
+        ("fedtier/f/status/cell.c1", "out"),
+        ("fedtier/f/telemetry/cell/c1", "out"),
+    }
     assert "c0" not in conf.replace("fedtier-f-bridge", "")
     bad = CliRunner().invoke(main, ["bridge-config", str(cfg), "--cloud", "mqtt://x:1", "--cell", "c7"])
     assert bad.exit_code == 2 and "unknown cell" in bad.output
@@ -241,8 +274,12 @@ def test_a_cell_broker_restart_mid_run_is_survived_and_recorded(tmp_path: Path, 
     drop; its retained statuses are gone). The agents and the cell server reconnect with backoff, the
     bridge comes back, and the rounds go on: meanwhile c1 is left out of the cloud's plan (offline) or
     closed out as absent on the deadline, and c1 takes part again, with all its devices, before the end."""
-    cfg = small_config(tmp_path, run={"rounds": 30}, algorithm={"edge_rounds": 1, "local_steps": 2},
-                       runtime={"device_deadline": 5.0, "cell_deadline": 10.0, "heartbeat": 0.3})
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 30},
+        algorithm={"edge_rounds": 1, "local_steps": 2},
+        runtime={"device_deadline": 5.0, "cell_deadline": 10.0, "heartbeat": 0.3},
+    )
     run = cfg.run.name
 
     def restart(record: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """A flood of bad messages costs a node little: its rejections are logged at a bounded rate and its
 records list a bounded number of them (the rest counted), and the run is unchanged."""
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,9 @@ def test_rate_limited_log_keeps_a_burst_per_window_and_says_how_many_it_left_out
         clock.t = 10.0
         log.warning("bad %d", 12)
     assert [r.getMessage() for r in caplog.records[5:]] == [
-        "7 more rejections were not logged (at most 5 lines per 10 s)", "bad 12"]
+        "7 more rejections were not logged (at most 5 lines per 10 s)",
+        "bad 12",
+    ]
 
 
 def test_flood_of_garbage_is_bounded_in_records_and_logs_and_changes_nothing(make_config, tmp_path, caplog) -> None:

@@ -1,4 +1,5 @@
 """HIST: disjoint covering submodels, exact reassembly, slice-only traffic, a model that learns."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,7 @@ import torch
 
 from protocols import params as P
 from protocols.algorithms.base import DeviceContext, ModelSpec, Rejected
-from protocols.algorithms.hist import (INDEX, Hist, HistCloud, draw_partition, split_task, sub_spec,
-                                       unit_axes)
+from protocols.algorithms.hist import INDEX, Hist, HistCloud, draw_partition, split_task, sub_spec, unit_axes
 from protocols.config import ConfigError, parse_config
 from protocols.seeding import rng
 from protocols.torch_trainer import TorchTrainer
@@ -92,9 +92,12 @@ def test_every_weight_in_exactly_one_submodel(spec, cells):
         assert list(widths) == [f"fc{i}" for i in range(1, len(spec.hidden) + 1, 2)]
         assert shared == sorted([f"fc{i}.bias" for i in range(2, len(spec.hidden) + 1, 2)] + ["out.bias"])
     # untrained submodels reassemble bit for bit
-    reports = {c: Payload({"weight": 1.0}, {**P.zeros_like(split_task(t)[0]),
-                                             **{INDEX + k: v for k, v in split_task(t)[1].items()}})
-               for c, t in tasks.items()}
+    reports = {
+        c: Payload(
+            {"weight": 1.0}, {**P.zeros_like(split_task(t)[0]), **{INDEX + k: v for k, v in split_task(t)[1].items()}}
+        )
+        for c, t in tasks.items()
+    }
     for c, r in reports.items():
         cloud.check(c, r)
     cloud.aggregate(4, reports)
@@ -126,10 +129,12 @@ def test_cloud_merge_equals_numpy(spec):
 
 
 def test_a_model_without_an_exact_partition_is_refused_at_start():
-    for model, match in (({"name": "mlp", "hidden": [24, 16]}, "2 hidden layers"),
-                         ({"name": "mlp", "hidden": [24, 2, 2]}, r"\{.fc3.: 2\} have fewer units than the 3 cells"),
-                         ({"name": "cnn", "channels": [2, 8], "fc": 32}, "conv1"),
-                         ({"name": "logreg"}, "has none")):
+    for model, match in (
+        ({"name": "mlp", "hidden": [24, 16]}, "2 hidden layers"),
+        ({"name": "mlp", "hidden": [24, 2, 2]}, r"\{.fc3.: 2\} have fewer units than the 3 cells"),
+        ({"name": "cnn", "channels": [2, 8], "fc": 32}, "conv1"),
+        ({"name": "logreg"}, "has none"),
+    ):
         cfg = _config("hist", 3)
         cfg["model"] = model
         with pytest.raises(ConfigError, match=match):
@@ -196,11 +201,13 @@ def test_dense_submodel_equals_masked_full_model(spec):
 
 
 def _config(alg: str, cells: int, **algo) -> dict:
-    return {"run": {"name": "t", "seed": 1, "rounds": 4},
-            "topology": {"cells": cells, "devices_per_cell": 2},
-            "algorithm": {"name": alg, "edge_rounds": 2, "local_steps": 8, "batch_size": 16, "lr": 0.1, **algo},
-            "model": {"name": "mlp", "hidden": [120]},
-            "data": {"dataset": "digits", "partition": "shards", "shards_per_device": 2}}
+    return {
+        "run": {"name": "t", "seed": 1, "rounds": 4},
+        "topology": {"cells": cells, "devices_per_cell": 2},
+        "algorithm": {"name": alg, "edge_rounds": 2, "local_steps": 8, "batch_size": 16, "lr": 0.1, **algo},
+        "model": {"name": "mlp", "hidden": [120]},
+        "data": {"dataset": "digits", "partition": "shards", "shards_per_device": 2},
+    }
 
 
 @pytest.mark.parametrize("cells", [2, 3])
@@ -253,8 +260,12 @@ def test_device_rejects_a_task_of_another_model():
     ctx = DeviceContext(0, 0, 0, "c0", "c0-d0")
     data = LocalData(np.zeros((4, 64), np.float32), np.zeros(4, np.int64))
     with pytest.raises(Rejected):
-        alg.device("c0-d0").train(Payload({}, {"w": np.zeros(3, np.float32)}), data,
-                                  TorchTrainer.from_spec("mlp", (64,), 10, hidden=(30, 21)), ctx)
+        alg.device("c0-d0").train(
+            Payload({}, {"w": np.zeros(3, np.float32)}),
+            data,
+            TorchTrainer.from_spec("mlp", (64,), 10, hidden=(30, 21)),
+            ctx,
+        )
     assert len(encode_payload(Payload({}, {}))) < 16
 
 

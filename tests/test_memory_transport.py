@@ -1,4 +1,5 @@
 """In-memory transport: MQTT matching, deterministic order, retained messages, wills, virtual time."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,11 +8,20 @@ from protocols.transport import Will, topic_matches
 from protocols.transport.memory import MemoryHub, VirtualLoop
 
 
-@pytest.mark.parametrize("pattern, topic, expected", [
-    ("a/b", "a/b", True), ("a/+", "a/b", True), ("a/+", "a/b/c", False), ("a/#", "a/b/c", True),
-    ("a/#", "a", True), ("+/+/c", "x/y/c", True), ("a/b", "a/c", False), ("#", "anything/at/all", True),
-    ("a/+/c", "a/b", False),
-])
+@pytest.mark.parametrize(
+    "pattern, topic, expected",
+    [
+        ("a/b", "a/b", True),
+        ("a/+", "a/b", True),
+        ("a/+", "a/b/c", False),
+        ("a/#", "a/b/c", True),
+        ("a/#", "a", True),
+        ("+/+/c", "x/y/c", True),
+        ("a/b", "a/c", False),
+        ("#", "anything/at/all", True),
+        ("a/+/c", "a/b", False),
+    ],
+)
 def test_topic_matching(pattern, topic, expected):
     assert topic_matches(pattern, topic) is expected
 

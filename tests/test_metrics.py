@@ -1,5 +1,6 @@
 """Prometheus metrics (monitor/exporter.py): they equal the records a run writes, in-process and as scraped
 by a real Prometheus server from a ``fedtier run``."""
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,10 @@ def test_exporter_counters_equal_the_records_of_a_simulated_run(tmp_path: Path) 
             assert sample(exporter, "fedtier_cell_bytes_total", cell=cell, tier=tier) == want[tier]
         assert sample(exporter, "fedtier_cell_aggregation_duration_seconds_count", cell=cell) == want["aggregations"]
         # uniform participation, 4 of 6 devices: the others are absent, "not participating"
-        assert sample(exporter, "fedtier_cell_devices_absent_total", cell=cell, reason="not_participating") \
+        assert (
+            sample(exporter, "fedtier_cell_devices_absent_total", cell=cell, reason="not_participating")
             == want["absent not_participating"]
+        )
         assert sample(exporter, "fedtier_cell_participation_ratio", cell=cell) == want["participation"]
     assert sum(w["absent not_participating"] for w in cells.values()) == 3 * 2 * 2  # rounds x edge rounds x 2
     assert sum(w["device_to_cell"] for w in cells.values()) > 0
@@ -84,13 +87,30 @@ def test_exporter_counters_equal_the_records_of_a_simulated_run(tmp_path: Path) 
 
 def test_rejections_are_counted_by_a_bounded_reason_and_bad_records_never_raise() -> None:
     exporter = MetricsExporter("r")
-    base = {"schema": 1, "event": "aggregation", "run": "r", "round": 0, "edge_round": 0, "cell": "c0",
-            "algorithm": "fedavg", "closed_by": "deadline", "duration_s": 0.1, "planned": ["c0-d0", "c0-d1"],
-            "answered": ["c0-d0"], "absent": {"c0-d1": "deadline"}}
-    exporter.observe({**base, "rejected": [
-        {"device": "c0-d1", "reason": "stale answer for round 0.0 (now 0.1)"},
-        {"device": "c0-d7", "reason": "update: non-finite values"},
-        {"device": "c0-d1", "reason": "bad signature of device.c0-d1"}]})
+    base = {
+        "schema": 1,
+        "event": "aggregation",
+        "run": "r",
+        "round": 0,
+        "edge_round": 0,
+        "cell": "c0",
+        "algorithm": "fedavg",
+        "closed_by": "deadline",
+        "duration_s": 0.1,
+        "planned": ["c0-d0", "c0-d1"],
+        "answered": ["c0-d0"],
+        "absent": {"c0-d1": "deadline"},
+    }
+    exporter.observe(
+        {
+            **base,
+            "rejected": [
+                {"device": "c0-d1", "reason": "stale answer for round 0.0 (now 0.1)"},
+                {"device": "c0-d7", "reason": "update: non-finite values"},
+                {"device": "c0-d1", "reason": "bad signature of device.c0-d1"},
+            ],
+        }
+    )
     exporter.observe({"event": "aggregation", "schema": 99})  # logged and skipped
     exporter.observe({**base, "answered": "not a list"})
     assert sample(exporter, "fedtier_cell_results_rejected_total", cell="c0", reason="stale") == 1
@@ -118,13 +138,22 @@ class Prometheus:
     def __init__(self, tmp: Path, target: str) -> None:
         self.port = free_port()
         config = tmp / "prometheus.yml"
-        config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-                          "scrape_configs:\n  - job_name: fedtier\n    static_configs:\n"
-                          f"      - targets: ['{target}']\n")
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            "scrape_configs:\n  - job_name: fedtier\n    static_configs:\n"
+            f"      - targets: ['{target}']\n"
+        )
         self.log = (tmp / "prometheus.log").open("w")
         self.proc = popen(  # dies with the test process, even a SIGKILLed one
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         end = time.monotonic() + 30
         while not self._ready():
@@ -146,8 +175,10 @@ class Prometheus:
             body = json.load(resp)
         assert body["status"] == "success", body
         skip = {"__name__", "job", "instance"}
-        return {tuple(sorted((k, v) for k, v in r["metric"].items() if k not in skip)): float(r["value"][1])
-                for r in body["data"]["result"]}
+        return {
+            tuple(sorted((k, v) for k, v in r["metric"].items() if k not in skip)): float(r["value"][1])
+            for r in body["data"]["result"]
+        }
 
     def close(self) -> None:
         self.proc.terminate()
@@ -169,9 +200,23 @@ def test_a_real_prometheus_scrapes_a_fedtier_run_and_its_counters_equal_the_reco
     prom = Prometheus(tmp_path, f"127.0.0.1:{metrics_port}")
     try:
         # --metrics-linger: the run exits only once Prometheus stored the final values
-        proc = subprocess.run([FEDTIER, "run", str(config), "--no-progress", "--workers", "1",
-                               "--metrics-port", str(metrics_port), "--metrics-linger", "60"],
-                              capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [
+                FEDTIER,
+                "run",
+                str(config),
+                "--no-progress",
+                "--workers",
+                "1",
+                "--metrics-port",
+                str(metrics_port),
+                "--metrics-linger",
+                "60",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out = proc.stdout + proc.stderr
         assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in out
@@ -182,10 +227,14 @@ def test_a_real_prometheus_scrapes_a_fedtier_run_and_its_counters_equal_the_reco
         assert answered == {(("cell", c), ("run", "t")): float(w["answered"]) for c, w in cells.items()}
         assert sum(answered.values()) == 2 * 2 * 2 * 3  # rounds x edge rounds x cells x devices, all answered
         bytes_ = prom.query("last_over_time(fedtier_cell_bytes_total[1h])")
-        assert bytes_ == {(("cell", c), ("run", "t"), ("tier", t)): float(w[t])
-                          for c, w in cells.items() for t in ("device_to_cell", "cell_to_device")}
+        assert bytes_ == {
+            (("cell", c), ("run", "t"), ("tier", t)): float(w[t])
+            for c, w in cells.items()
+            for t in ("device_to_cell", "cell_to_device")
+        }
         assert prom.query("last_over_time(fedtier_cloud_bytes_total[1h])") == {
-            (("run", "t"), ("tier", t)): float(n) for t, n in cloud.items()}
+            (("run", "t"), ("tier", t)): float(n) for t, n in cloud.items()
+        }
         assert prom.query("last_over_time(fedtier_cloud_round[1h])") == {(("run", "t"),): 1.0}
         assert prom.query("last_over_time(fedtier_cloud_finished[1h])") == {(("run", "t"),): 1.0}
         # the run's own wire counters agree with the cells' (the summary is written from the same run)
@@ -210,8 +259,12 @@ def test_every_tier_over_mqtt_serves_its_metrics_over_http(tmp_path: Path) -> No
     from protocols.wire import topics
     from sim.hierarchy import prepare
 
-    cfg = small_config(tmp_path, run={"rounds": 2}, topology={"cells": 1, "devices_per_cell": 2},
-                       runtime={"startup_wait": 20.0, "device_deadline": 60.0})
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 2},
+        topology={"cells": 1, "devices_per_cell": 2},
+        runtime={"startup_wait": 20.0, "device_deadline": 60.0},
+    )
     run, out = cfg.run.name, tmp_path / "run"
     prep = prepare(cfg)
     algorithm = cfg.build_algorithm(prep.spec)
@@ -241,8 +294,11 @@ def test_every_tier_over_mqtt_serves_its_metrics_over_http(tmp_path: Path) -> No
                 loop.post(node.stop)
             loop.stop()
             exporter.close()
-    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-           for family in text_string_to_metric_families(text) for s in family.samples}
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     cells, cloud_bytes = expected_from(out)
     assert got[("fedtier_cell_devices_answered_total", (("cell", "c0"), ("run", run)))] == cells["c0"]["answered"] == 8
     for tier in ("device_to_cell", "cell_to_device"):

@@ -1,4 +1,5 @@
 """The zoo's CNNs run ReLU -> 2x2 max-pool as one fused step: the same values and gradients, bit for bit."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ def layer_by_layer(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("name, channels, side", [("cnn", (4, 8), 28), ("cnn4", (4, 8, 8, 16), 28),
-                                                  ("cnn", (4, 8), 9)])  # 9: odd sides floor as torch does
+@pytest.mark.parametrize(
+    "name, channels, side", [("cnn", (4, 8), 28), ("cnn4", (4, 8, 8, 16), 28), ("cnn", (4, 8), 9)]
+)  # 9: odd sides floor as torch does
 def test_fused_relu_pool_equals_the_layers_bit_for_bit(name, channels, side):
     model = build_model(name, (1, side, side), 10, channels=channels, fc=0 if name == "cnn" else 512)
     assert isinstance(model, ConvNet)

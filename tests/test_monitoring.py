@@ -1,4 +1,5 @@
 """Telemetry records (schema), ``fedtier logs``, ``fedtier report`` and ``fedtier monitor``."""
+
 from __future__ import annotations
 
 import base64
@@ -33,8 +34,9 @@ class Silent:
 
 
 def _run(tmp: Path, name: str, silent: str | None = None):
-    cfg = small_config(tmp, run={"name": name, "rounds": 3, "output": str(tmp / name)},
-                       data={"max_train": 600, "max_test": 200})
+    cfg = small_config(
+        tmp, run={"name": name, "rounds": 3, "output": str(tmp / name)}, data={"max_train": 600, "max_test": 200}
+    )
     sim = SimHierarchy(cfg)
     if silent:
         sim.agents[silent].role = Silent()
@@ -59,8 +61,9 @@ def test_run_files_round_trip_through_the_schema(runs):
             assert [r.to_dict() for r in records] == raw  # exactly what was written
             assert [parse_record(r.to_json()) for r in records] == records
         order = lambda r: (r["round"], r["edge_round"], r["cell"])  # noqa: E731
-        assert sorted((json.loads(json.dumps(r)) for r in result.cell_records), key=order) == \
-            sorted((json.loads(x) for x in (out / runfiles.AGGREGATION).read_text().splitlines()), key=order)
+        assert sorted((json.loads(json.dumps(r)) for r in result.cell_records), key=order) == sorted(
+            (json.loads(x) for x in (out / runfiles.AGGREGATION).read_text().splitlines()), key=order
+        )
     silent = [CellRecord.model_validate(r) for r in runs[0].cell_records if r["cell"] == "c0"]
     assert len(silent) == 6 and all(r.absent == {"c0-d1": "deadline"} and r.closed_by == "deadline" for r in silent)
     assert all(r.clock_s == 5.0 and r.deadline_s == 5.0 and r.participation == 2 / 3 for r in silent)
@@ -70,12 +73,32 @@ def test_run_files_round_trip_through_the_schema(runs):
 
 
 def test_bad_lines_are_reported_not_fatal(tmp_path):
-    good = CellRecord(round=0, edge_round=0, cell="c0", algorithm="fedavg", planned=["a", "b"], answered=["a"],
-                      absent={"b": "deadline"}, rejected=[{"device": "x", "reason": "bad shape"}], closed_by="deadline",
-                      bytes_in=10, bytes_out=20, duration_s=0.5, metrics={"anything": [1, 2]})
-    lines = [good.to_json(), "not json", json.dumps({**good.to_dict(), "schema": 99}),
-             json.dumps({**good.to_dict(), "bytes_in": -1}), json.dumps({**good.to_dict(), "surprise": 1}),
-             json.dumps({"schema": 1, "event": "party"}), "", good.to_json(), '{"schema":1,"ev']
+    good = CellRecord(
+        round=0,
+        edge_round=0,
+        cell="c0",
+        algorithm="fedavg",
+        planned=["a", "b"],
+        answered=["a"],
+        absent={"b": "deadline"},
+        rejected=[{"device": "x", "reason": "bad shape"}],
+        closed_by="deadline",
+        bytes_in=10,
+        bytes_out=20,
+        duration_s=0.5,
+        metrics={"anything": [1, 2]},
+    )
+    lines = [
+        good.to_json(),
+        "not json",
+        json.dumps({**good.to_dict(), "schema": 99}),
+        json.dumps({**good.to_dict(), "bytes_in": -1}),
+        json.dumps({**good.to_dict(), "surprise": 1}),
+        json.dumps({"schema": 1, "event": "party"}),
+        "",
+        good.to_json(),
+        '{"schema":1,"ev',
+    ]
     path = tmp_path / "a.jsonl"
     path.write_text("\n".join(lines))
     records, bad = read_records(path)
@@ -84,8 +107,9 @@ def test_bad_lines_are_reported_not_fatal(tmp_path):
     assert "schema version 99" in bad[1].error and "bytes_in" in bad[2].error and "surprise" in bad[3].error
     assert records[0].rejected[0].device == "x" and records[0].metrics == {"anything": [1, 2]}
     # a round record accepts extra evaluation numbers, but only numbers
-    assert parse_record({"schema": 1, "event": "round", "round": 0, "closed_by": "x", "duration_s": 0,
-                         "f1": 0.5}).model_extra == {"f1": 0.5}
+    assert parse_record(
+        {"schema": 1, "event": "round", "round": 0, "closed_by": "x", "duration_s": 0, "f1": 0.5}
+    ).model_extra == {"f1": 0.5}
     with pytest.raises(ValueError, match="f1"):
         parse_record({"schema": 1, "event": "round", "round": 0, "closed_by": "x", "duration_s": 0, "f1": "high"})
 
@@ -107,8 +131,11 @@ def test_logs_filters(runs):
     res = CliRunner().invoke(main, ["logs", str(out), "--round", "1:", "--cell", "c0", "--json"])
     assert res.exit_code == 0, res.output
     got = [json.loads(line) for line in res.stdout.splitlines()]
-    raw = [json.loads(x) for name in (runfiles.AGGREGATION, runfiles.METRICS)
-           for x in (out / name).read_text().splitlines()]
+    raw = [
+        json.loads(x)
+        for name in (runfiles.AGGREGATION, runfiles.METRICS)
+        for x in (out / name).read_text().splitlines()
+    ]
     expected = [r for r in raw if r["round"] >= 1 and r.get("cell", "c0") == "c0"]
     key = lambda r: (r["round"], r["event"] == "round", r.get("edge_round", 0))  # noqa: E731
     assert got == sorted(expected, key=key) and len(got) == 6
@@ -125,8 +152,14 @@ def test_report_plots_the_runs_data(runs, tmp_path):
     html_path, plots = write_report(dirs, tmp_path / "rep" / "report.html")
     page = html_path.read_text()
     names = {p.name for p in plots}
-    assert names == {"metrics_vs_round", "metrics_vs_bytes", "metrics_vs_time", "bytes_per_tier", "participation",
-                     "cell_durations"}
+    assert names == {
+        "metrics_vs_round",
+        "metrics_vs_bytes",
+        "metrics_vs_time",
+        "bytes_per_tier",
+        "participation",
+        "cell_durations",
+    }
     for p in plots:
         png = (tmp_path / "rep" / "report_plots" / f"{p.name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and base64.b64encode(png).decode() in page
@@ -142,9 +175,9 @@ def test_report_plots_the_runs_data(runs, tmp_path):
         cum = [sum(r["cumulative_bytes"].values()) / 1e6 for r in result.history]
         assert by["metrics_vs_bytes"].series[f"{label}/loss"] == (cum, [r["loss"] for r in result.history])
         last = result.history[-1]["cumulative_bytes"]
-        assert by["bytes_per_tier"].series[f"{label}/total_mb"][1] == [last[t] / 1e6 for t in
-                                                                       ("cloud_to_cell", "cell_to_cloud",
-                                                                        "cell_to_device", "device_to_cell")]
+        assert by["bytes_per_tier"].series[f"{label}/total_mb"][1] == [
+            last[t] / 1e6 for t in ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
+        ]
         durations = [r["duration_s"] for r in result.cell_records if r["cell"] == "c1"]
         assert by["cell_durations"].series[f"{label}/c1"][1] == durations
     # only the run whose (virtual) clock moved is on the time axes: 2 edge rounds x 5 s deadline per round
@@ -188,9 +221,20 @@ def test_monitor_view_of_a_recorded_run(runs):
 
 def _cell(rnd: int, cell: str, answered: int, t: float, edge: int = 0) -> CellRecord:
     devices = [f"{cell}-d{i}" for i in range(4)]
-    return CellRecord(run="live", round=rnd, edge_round=edge, cell=cell, algorithm="fedavg", planned=devices,
-                      answered=devices[:answered], absent={d: "deadline" for d in devices[answered:]},
-                      closed_by="quorum", duration_s=0.1, deadline_s=30.0, time=t)
+    return CellRecord(
+        run="live",
+        round=rnd,
+        edge_round=edge,
+        cell=cell,
+        algorithm="fedavg",
+        planned=devices,
+        answered=devices[:answered],
+        absent={d: "deadline" for d in devices[answered:]},
+        closed_by="quorum",
+        duration_s=0.1,
+        deadline_s=30.0,
+        time=t,
+    )
 
 
 def test_monitor_alerts_silence_drop_lag_and_rejections():
@@ -199,8 +243,19 @@ def test_monitor_alerts_silence_drop_lag_and_rejections():
         state.add(_cell(rnd, "c0", 4, 100.0 + rnd))
         state.add(_cell(rnd, "c1", 4 if rnd < 3 else 1, 100.0 + rnd))
     state.add(_cell(1, "c2", 4, 60.0))  # fell behind, and quiet since t=60
-    state.add(RoundRecord(run="live", round=2, rounds=10, closed_by="deadline", cells_planned=["c0", "c1", "c2"],
-                          cells_reported=["c0", "c1"], cells_absent=["c2"], duration_s=1.0, accuracy=0.5))
+    state.add(
+        RoundRecord(
+            run="live",
+            round=2,
+            rounds=10,
+            closed_by="deadline",
+            cells_planned=["c0", "c1", "c2"],
+            cells_reported=["c0", "c1"],
+            cells_absent=["c2"],
+            duration_s=1.0,
+            accuracy=0.5,
+        )
+    )
     rejected = _cell(3, "c0", 4, 103.5, edge=1).to_dict()
     state.add(CellRecord.model_validate({**rejected, "rejected": [{"device": "c0-d9", "reason": "NaN in w"}]}))
     alerts = state.alerts(now=104.0)
@@ -222,8 +277,18 @@ def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
     assert not any("diverged" in a for a in state.alerts(now=100.5))
     record = _cell(0, "c0", 3, 101.0, edge=1).to_dict()
     state.add(CellRecord.model_validate({**record, "diverged": {"c0-d3": "meta loss (inf) is not finite"}}))
-    state.add(RoundRecord(run="live", round=0, rounds=10, closed_by="all reported", cells_planned=["c0"],
-                          cells_reported=["c0"], duration_s=1.0, diverged="loss = nan"))
+    state.add(
+        RoundRecord(
+            run="live",
+            round=0,
+            rounds=10,
+            closed_by="all reported",
+            cells_planned=["c0"],
+            cells_reported=["c0"],
+            duration_s=1.0,
+            diverged="loss = nan",
+        )
+    )
     alerts = state.alerts(now=101.5)
     assert alerts[0] == "the global model diverged in round 0 (loss = nan)"
     assert "cell c0: 1 device(s) diverged in round 0.1: meta loss (inf) is not finite" in alerts
@@ -262,8 +327,11 @@ def test_monitor_follows_a_live_fedtier_run_over_mqtt(tmp_path):
     from protocols.transport.threadloop import ThreadLoop
     from sim.emulation import Emulation
 
-    cfg = small_config(tmp_path, run={"name": "live", "rounds": 2, "output": str(tmp_path / "live")},
-                       data={"max_train": 400, "max_test": 100})
+    cfg = small_config(
+        tmp_path,
+        run={"name": "live", "rounds": 2, "output": str(tmp_path / "live")},
+        data={"max_train": 400, "max_test": 100},
+    )
     loop = ThreadLoop().start()
     with EmbeddedBroker() as broker:
         feed = TelemetryFeed(MqttTransport.from_url(broker.url, "monitor", loop).connect(), "live").start()
@@ -305,10 +373,19 @@ def _fleet(cells: int = 1000) -> list[CellRecord | RoundRecord]:
         for rnd in range(last + 1):
             t = 10.0 if i < 10 else 60.0 + rnd
             out.append(_cell(rnd, cell, 1 if 10 <= i < 20 and rnd == 3 else 4, t))
-    out.append(RoundRecord(run="live", round=3, rounds=10, closed_by="deadline",
-                           cells_planned=[f"c{i:04d}" for i in range(cells)],
-                           cells_reported=[f"c{i:04d}" for i in range(25, cells)],
-                           cells_absent=[f"c{i:04d}" for i in range(25)], duration_s=1.0, accuracy=0.5))
+    out.append(
+        RoundRecord(
+            run="live",
+            round=3,
+            rounds=10,
+            closed_by="deadline",
+            cells_planned=[f"c{i:04d}" for i in range(cells)],
+            cells_reported=[f"c{i:04d}" for i in range(25, cells)],
+            cells_absent=[f"c{i:04d}" for i in range(25)],
+            duration_s=1.0,
+            accuracy=0.5,
+        )
+    )
     return out
 
 
@@ -332,8 +409,7 @@ def test_monitor_stays_readable_at_a_thousand_cells():
     assert len(alerts) == 3  # one line per kind, not one per cell
     assert alerts[0].startswith("10 cells silent: c0000, c0001, c0002, c0003, c0004, ... (worst: cell c0000 silent")
     assert alerts[1].startswith("10 cells with a participation drop: c0010")
-    assert alerts[2] == ("cloud round 3 closed by deadline without c0000, c0001, c0002, c0003, c0004, "
-                         "... (25 cells)")
+    assert alerts[2] == ("cloud round 3 closed by deadline without c0000, c0001, c0002, c0003, c0004, ... (25 cells)")
     # top-N by lag, filters by state and by name
     by_lag = render_text(state, now=now, width=160, flt=CellFilter(top=5, sort="lag"))
     assert _rows(by_lag) == ["c0000", "c0001", "c0002", "c0003", "c0004"] and "... 995 more" in by_lag
@@ -349,8 +425,9 @@ def test_monitor_cli_filters_a_thousand_cell_run_dir(tmp_path):
     lines = [r.to_json() for r in _fleet()]
     (tmp_path / runfiles.AGGREGATION).write_text("\n".join(l for l in lines if '"aggregation"' in l) + "\n")
     (tmp_path / runfiles.METRICS).write_text("\n".join(l for l in lines if '"round"' in l) + "\n")
-    res = CliRunner().invoke(main, ["monitor", str(tmp_path), "--once", "--width", "160", "--top", "3",
-                                    "--sort", "drop", "--cell", "c001*"])
+    res = CliRunner().invoke(
+        main, ["monitor", str(tmp_path), "--once", "--width", "160", "--top", "3", "--sort", "drop", "--cell", "c001*"]
+    )
     assert res.exit_code == 0, res.output
     assert _rows(res.stdout) == ["c0010", "c0011", "c0012"] and "... 7 more" in res.stdout
     res = CliRunner().invoke(main, ["monitor", str(tmp_path), "--once", "--state", "bogus"])
@@ -365,8 +442,12 @@ def test_signed_telemetry_is_checked_by_a_monitor_with_the_keys(tmp_path):
     from protocols.wire import topics
     from protocols.wire.keys import load_public_keys
 
-    cfg = small_config(tmp_path, run={"name": "signed", "rounds": 2}, data={"max_train": 400, "max_test": 100},
-                       security={"keys": "keys.toml"})
+    cfg = small_config(
+        tmp_path,
+        run={"name": "signed", "rounds": 2},
+        data={"max_train": 400, "max_test": 100},
+        security={"keys": "keys.toml"},
+    )
     sim = SimHierarchy(cfg)
     keyed = TelemetryFeed(sim.hub.connect("monitor"), "signed", load_public_keys(sim.cfg.security.keys)).start()
     plain = TelemetryFeed(sim.hub.connect("monitor2"), "signed").start()
@@ -385,9 +466,11 @@ def test_signed_telemetry_is_checked_by_a_monitor_with_the_keys(tmp_path):
     sim.hub.loop.run()
     records, bad, _ = keyed.poll()
     assert len(records) == genuine and [r.to_dict() for r in records if r.event == "round"] == result.history
-    assert [b.error for b in bad] == ["rejected: unsigned record (the signature of 'c0' is required)",
-                                      "rejected: bad signature: not signed by 'c0'",
-                                      "rejected: bad signature: not signed by 'c0'"]
+    assert [b.error for b in bad] == [
+        "rejected: unsigned record (the signature of 'c0' is required)",
+        "rejected: bad signature: not signed by 'c0'",
+        "rejected: bad signature: not signed by 'c0'",
+    ]
     records, bad, _ = plain.poll()
     assert len(records) == genuine + 3 and not bad
     assert [r.to_dict() for r in records[:genuine] if r.event == "round"] == result.history
@@ -398,6 +481,7 @@ def test_monitor_keys_option_checks(tmp_path):
     out = runner.invoke(main, ["monitor", str(tmp_path), "--keys", "k.toml", "--once"])
     assert out.exit_code == 2 and "--keys" in out.output and "--broker" in out.output
     (tmp_path / "k.toml").write_text("not toml [")
-    out = runner.invoke(main, ["monitor", "--broker", "mqtt://127.0.0.1:1", "--run", "r", "--keys",
-                               str(tmp_path / "k.toml"), "--once"])
+    out = runner.invoke(
+        main, ["monitor", "--broker", "mqtt://127.0.0.1:1", "--run", "r", "--keys", str(tmp_path / "k.toml"), "--once"]
+    )
     assert out.exit_code == 2 and "not a readable TOML keys file" in " ".join(out.output.split())

@@ -1,4 +1,5 @@
 """MqttTransport over a real broker (embedded amqtt and Mosquitto), ThreadLoop, broker helpers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -86,6 +87,7 @@ def clients(broker, loop) -> Iterator[Callable[..., MqttTransport]]:
 
 
 # -- pub/sub -----------------------------------------------------------------------------------
+
 
 def test_pubsub_with_wildcards(clients, loop, prefix) -> None:
     pub, sub = clients(), clients()
@@ -274,6 +276,7 @@ def test_connect_failure_is_clear(loop) -> None:
 
 # -- reconnect -------------------------------------------------------------------------------
 
+
 def test_embedded_broker_restarts_on_its_port_after_a_shutdown_that_timed_out() -> None:
     """amqtt's shutdown can outlast ``stop``'s timeout on a loaded machine (seen once in CI); the listening
     socket is closed anyway, so the broker starts again on the same port (it failed: "address already in
@@ -322,6 +325,7 @@ def test_reconnect_after_broker_restart_resubscribes(kind: str, loop) -> None:
 
 # -- ThreadLoop ------------------------------------------------------------------------------
 
+
 def test_threadloop_timers_in_order_and_cancel() -> None:
     lp = ThreadLoop()
     fired: list[str] = []
@@ -355,8 +359,12 @@ def test_threadloop_survives_exceptions_and_serialises(caplog) -> None:
         raise ValueError("boom")
 
     with caplog.at_level(logging.ERROR):
-        posters = [threading.Thread(target=lambda k=k: [lp.post(boom if j == 0 else (lambda v=k * 100 + j: work(v)))
-                                                       for j in range(101)]) for k in range(2)]
+        posters = [
+            threading.Thread(
+                target=lambda k=k: [lp.post(boom if j == 0 else (lambda v=k * 100 + j: work(v))) for j in range(101)]
+            )
+            for k in range(2)
+        ]
         for p in posters:
             p.start()
         assert done.wait(5)
@@ -376,6 +384,7 @@ def test_threadloop_run_timeout_and_stop_from_callback() -> None:
 
 
 # -- brokers ---------------------------------------------------------------------------------
+
 
 def test_parse_broker_url() -> None:
     assert parse_broker_url("mqtt://127.0.0.1:1884") == ("127.0.0.1", 1884)

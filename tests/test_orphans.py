@@ -1,4 +1,5 @@
 """No orphan processes: children die with their parent, even a parent killed with SIGKILL (issue #14)."""
+
 from __future__ import annotations
 
 import os
@@ -57,9 +58,13 @@ def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
     cfg = small_config(tmp_path, run={"rounds": 500}, runtime={"device_deadline": 60.0})
     config = tmp_path / "run.toml"
     config.write_text(cfg.to_toml())
-    run = procs.popen([FEDTIER, "run", str(config), "--no-progress", "--workers", "2"],
-                      stdout=open(tmp_path / "run.log", "wb"), stderr=-2)
+    run = procs.popen(
+        [FEDTIER, "run", str(config), "--no-progress", "--workers", "2"],
+        stdout=open(tmp_path / "run.log", "wb"),
+        stderr=-2,
+    )
     try:
+
         def started() -> bool:
             kids = descendants(run.pid)
             workers = [p for p, cmd in kids.items() if "multiprocessing" in cmd and "spawn_main" in cmd]

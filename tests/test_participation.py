@@ -1,11 +1,20 @@
 """Participation models: determinism, call-order independence, long-run rates, structure, traces, factory."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sim.participation import (Always, Bernoulli, CyclicGroups, Markov, RegularizedPermutation, Trace,
-                               UniformSample, make_participation)
+from sim.participation import (
+    Always,
+    Bernoulli,
+    CyclicGroups,
+    Markov,
+    RegularizedPermutation,
+    Trace,
+    UniformSample,
+    make_participation,
+)
 
 DEVS = [f"d{i:02d}" for i in range(20)]
 
@@ -73,7 +82,7 @@ def test_cyclic_equal_counts_per_window(groups, active):
     m = CyclicGroups(DEVS, groups, seed=3, active=active)
     masks = np.stack([m.mask(r) for r in range(groups * 12)])
     for start in range(0, masks.shape[0] - groups + 1):  # every window of one cycle length
-        assert np.all(masks[start:start + groups].sum(0) == active)
+        assert np.all(masks[start : start + groups].sum(0) == active)
     sizes = np.bincount(m.group_of, minlength=groups)
     assert sizes.max() - sizes.min() <= 1
     assert all(m.expected_rate(d) == pytest.approx(active / groups) for d in DEVS)
@@ -102,11 +111,11 @@ def test_permutation_once_per_block(s):
     assert B == -(-len(DEVS) // s)
     masks = np.stack([m.mask(r) for r in range(B * 10)])
     for b in range(10):
-        assert np.all(masks[b * B:(b + 1) * B].sum(0) == 1)
+        assert np.all(masks[b * B : (b + 1) * B].sum(0) == 1)
     assert masks.sum(1).max() <= s
     if len(DEVS) % s == 0:
         assert np.all(masks.sum(1) == s)
-    assert not np.array_equal(masks[:B], masks[B:2 * B])  # fresh permutation per block
+    assert not np.array_equal(masks[:B], masks[B : 2 * B])  # fresh permutation per block
     assert m.expected_rate("d05") == pytest.approx(1 / B)
 
 
@@ -129,24 +138,36 @@ def test_trace_replay(tmp_path):
     path = tmp_path / "trace.csv"
     path.write_text("device,start,end\nd00,0,3\nd00,5,7\nd01,2,4\n\nd02,1,2\nd00,2,4\n")
     m = Trace(DEVS, path)
-    expect = {0: {"d00"}, 1: {"d00", "d02"}, 2: {"d00", "d01"}, 3: {"d00", "d01"}, 4: set(),
-              5: {"d00"}, 6: {"d00"}, 7: set(), 100: set()}
+    expect = {
+        0: {"d00"},
+        1: {"d00", "d02"},
+        2: {"d00", "d01"},
+        3: {"d00", "d01"},
+        4: set(),
+        5: {"d00"},
+        6: {"d00"},
+        7: set(),
+        100: set(),
+    }
     for r, want in expect.items():
         assert m.participants(r) == frozenset(want), r
     assert m.expected_rate("d00") == pytest.approx(6 / 7)
     assert make_participation({"model": "trace", "path": str(path)}, DEVS, 0).participants(3) == {"d00", "d01"}
 
 
-@pytest.mark.parametrize("body,match", [
-    ("dev,start,end\nd00,0,1\n", "header"),
-    ("device,start,end\nd00,0\n", ":2: expected 3 fields"),
-    ("device,start,end\nd00,0,1\nd00,a,2\n", ":3: start and end must be integers"),
-    ("device,start,end\nd00,3,3\n", "start < end"),
-    ("device,start,end\nd00,-1,3\n", "start < end"),
-    ("device,start,end\nzz,0,3\n", "unknown device 'zz'"),
-    ("device,start,end\n,0,3\n", "empty device"),
-    ("", "header"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ("dev,start,end\nd00,0,1\n", "header"),
+        ("device,start,end\nd00,0\n", ":2: expected 3 fields"),
+        ("device,start,end\nd00,0,1\nd00,a,2\n", ":3: start and end must be integers"),
+        ("device,start,end\nd00,3,3\n", "start < end"),
+        ("device,start,end\nd00,-1,3\n", "start < end"),
+        ("device,start,end\nzz,0,3\n", "unknown device 'zz'"),
+        ("device,start,end\n,0,3\n", "empty device"),
+        ("", "header"),
+    ],
+)
 def test_trace_malformed(tmp_path, body, match):
     path = tmp_path / "t.csv"
     path.write_text(body)
@@ -175,31 +196,34 @@ def test_factory_accepts_pydantic_model():
     assert isinstance(make_participation(Spec(model="cyclic", groups=2), DEVS, 0), CyclicGroups)
 
 
-@pytest.mark.parametrize("spec,match", [
-    ({}, "model"),
-    ({"model": "sometimes"}, "sometimes"),
-    ({"model": "uniform"}, "per_round"),
-    ({"model": "uniform", "per_round": 0}, "per_round"),
-    ({"model": "uniform", "per_round": 21}, "per_round"),
-    ({"model": "uniform", "per_round": 2, "prob": 0.5}, "prob"),
-    ({"model": "bernoulli"}, "prob"),
-    ({"model": "bernoulli", "prob": 1.5}, "prob"),
-    ({"model": "bernoulli", "prob": 0.5, "probs": [0.5] * 20}, "probs"),
-    ({"model": "bernoulli", "probs": [0.5] * 3}, "probs"),
-    ({"model": "bernoulli", "probs": {"d00": 0.5}}, "probs"),
-    ({"model": "cyclic"}, "groups"),
-    ({"model": "cyclic", "groups": 0}, "groups"),
-    ({"model": "cyclic", "groups": 21}, "groups"),
-    ({"model": "cyclic", "groups": 4, "per_round": 6}, "per_round"),
-    ({"model": "cyclic", "groups": 4, "random_offset": "yes"}, "random_offset"),
-    ({"model": "permutation", "per_round": 0}, "per_round"),
-    ({"model": "markov", "p_off": 0.2}, "p_on"),
-    ({"model": "markov", "p_off": -0.1, "p_on": 0.1}, "p_off"),
-    ({"model": "markov", "p_off": 0.1, "p_on": 2}, "p_on"),
-    ({"model": "markov", "p_off": 0.1, "p_on": 0.1, "start_on": 3}, "start_on"),
-    ({"model": "markov", "p_off": 0.0, "p_on": 0.0}, "start_on"),
-    ({"model": "trace"}, "path"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ({}, "model"),
+        ({"model": "sometimes"}, "sometimes"),
+        ({"model": "uniform"}, "per_round"),
+        ({"model": "uniform", "per_round": 0}, "per_round"),
+        ({"model": "uniform", "per_round": 21}, "per_round"),
+        ({"model": "uniform", "per_round": 2, "prob": 0.5}, "prob"),
+        ({"model": "bernoulli"}, "prob"),
+        ({"model": "bernoulli", "prob": 1.5}, "prob"),
+        ({"model": "bernoulli", "prob": 0.5, "probs": [0.5] * 20}, "probs"),
+        ({"model": "bernoulli", "probs": [0.5] * 3}, "probs"),
+        ({"model": "bernoulli", "probs": {"d00": 0.5}}, "probs"),
+        ({"model": "cyclic"}, "groups"),
+        ({"model": "cyclic", "groups": 0}, "groups"),
+        ({"model": "cyclic", "groups": 21}, "groups"),
+        ({"model": "cyclic", "groups": 4, "per_round": 6}, "per_round"),
+        ({"model": "cyclic", "groups": 4, "random_offset": "yes"}, "random_offset"),
+        ({"model": "permutation", "per_round": 0}, "per_round"),
+        ({"model": "markov", "p_off": 0.2}, "p_on"),
+        ({"model": "markov", "p_off": -0.1, "p_on": 0.1}, "p_off"),
+        ({"model": "markov", "p_off": 0.1, "p_on": 2}, "p_on"),
+        ({"model": "markov", "p_off": 0.1, "p_on": 0.1, "start_on": 3}, "start_on"),
+        ({"model": "markov", "p_off": 0.0, "p_on": 0.0}, "start_on"),
+        ({"model": "trace"}, "path"),
+    ],
+)
 def test_factory_errors_name_parameter(spec, match):
     with pytest.raises(ValueError, match=match):
         make_participation(spec, DEVS, seed=0)
@@ -214,11 +238,16 @@ def test_bad_round_and_devices():
         Always([])
 
 
-@pytest.mark.parametrize("spec", [
-    {"model": "uniform", "per_round": 7}, {"model": "bernoulli", "prob": 0.3},
-    {"model": "cyclic", "groups": 4, "period": 2, "per_round": 3}, {"model": "permutation", "per_round": 5},
-    {"model": "markov", "p_off": 0.3, "p_on": 0.4},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"model": "uniform", "per_round": 7},
+        {"model": "bernoulli", "prob": 0.3},
+        {"model": "cyclic", "groups": 4, "period": 2, "per_round": 3},
+        {"model": "permutation", "per_round": 5},
+        {"model": "markov", "p_off": 0.3, "p_on": 0.4},
+    ],
+)
 def test_a_topologys_computed_ids_draw_the_same_participants_as_a_list(spec):
     """``TopologySection.devices()`` (ids made when read, for large populations) is the id list."""
     from protocols.config import TopologySection
@@ -239,6 +268,7 @@ def test_every_cell_of_a_round_shares_one_draw():
 
     calls: list[int] = []
     drawn = per_round(lambda r: calls.append(r) or frozenset({f"d{r}"}))
-    assert [drawn(r) for r in (0, 0, 0, 1, 1, 2)] == [frozenset({"d0"})] * 3 + [frozenset({"d1"})] * 2 + \
-        [frozenset({"d2"})]
+    assert [drawn(r) for r in (0, 0, 0, 1, 1, 2)] == [frozenset({"d0"})] * 3 + [frozenset({"d1"})] * 2 + [
+        frozenset({"d2"})
+    ]
     assert calls == [0, 1, 2]

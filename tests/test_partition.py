@@ -1,11 +1,11 @@
 """Partitioners: exact cover, skew, label limits, hierarchy, determinism, validation."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sim.partition import (cell_shards_partition, hierarchical_partition, label_histogram, partition,
-                           partition_hierarchy)
+from sim.partition import cell_shards_partition, hierarchical_partition, label_histogram, partition, partition_hierarchy
 
 
 def _labels(n: int = 6000, classes: int = 10, seed: int = 0, balanced: bool = False) -> np.ndarray:
@@ -29,8 +29,13 @@ def _skew(hist: np.ndarray) -> float:
     return float(0.5 * np.abs(dist - glob).sum(1).mean())
 
 
-FLAT = [("iid", {}), ("dirichlet", {"alpha": 0.1}), ("dirichlet", {"alpha": 10.0}),
-        ("shards", {"shards_per_device": 2}), ("shards", {"shards_per_device": 3})]
+FLAT = [
+    ("iid", {}),
+    ("dirichlet", {"alpha": 0.1}),
+    ("dirichlet", {"alpha": 10.0}),
+    ("shards", {"shards_per_device": 2}),
+    ("shards", {"shards_per_device": 3}),
+]
 
 
 @pytest.mark.parametrize("scheme,params", FLAT)
@@ -62,10 +67,9 @@ def test_iid_sizes_and_balance():
 
 def test_dirichlet_skew_measured():
     y = _labels(20000)
-    skews = {a: _skew(label_histogram(y, partition(y, 20, "dirichlet", seed=0, alpha=a)))
-             for a in (0.05, 0.5, 100.0)}
+    skews = {a: _skew(label_histogram(y, partition(y, 20, "dirichlet", seed=0, alpha=a))) for a in (0.05, 0.5, 100.0)}
     iid = _skew(label_histogram(y, partition(y, 20, "iid", seed=0)))
-    assert skews[0.05] > 0.6            # nearly one or two classes per device
+    assert skews[0.05] > 0.6  # nearly one or two classes per device
     assert skews[0.5] > 0.3
     assert skews[100.0] < 0.08 and iid < 0.08  # near-uniform like iid
     assert skews[0.05] > skews[0.5] > skews[100.0]
@@ -154,24 +158,27 @@ def test_label_histogram():
     assert h.tolist() == [[1, 1, 0, 0], [0, 1, 3, 0]]
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda y: partition(y, 101, "iid", 0), "num_devices"),
-    (lambda y: partition(y, 0, "iid", 0), "num_devices"),
-    (lambda y: partition(y, 5, "dirichlet", 0, alpha=0.0), "alpha"),
-    (lambda y: partition(y, 5, "dirichlet", 0, alpha=-1), "alpha"),
-    (lambda y: partition(y, 5, "dirichlet", 0), "alpha"),
-    (lambda y: partition(y, 5, "dirichlet", 0, alpha=1, min_size=0), "min_size"),
-    (lambda y: partition(y, 5, "shards", 0, shards_per_device=0), "shards_per_device"),
-    (lambda y: partition(y, 50, "shards", 0, shards_per_device=3), "shards_per_device"),
-    (lambda y: partition(y, 5, "shards", 0, shards_per_device=1.5), "shards_per_device"),
-    (lambda y: partition(y, 5, "iid", 0, alpha=1), "alpha"),
-    (lambda y: partition(y, 5, "bogus", 0), "scheme"),
-    (lambda y: partition(y.reshape(10, 10), 5, "iid", 0), "labels"),
-    (lambda y: hierarchical_partition(y, 5, 30, 0, 1.0, 1.0), "devices_per_cell"),
-    (lambda y: hierarchical_partition(y, 2, 3, 0, 0.0, 1.0), "alpha_cells"),
-    (lambda y: hierarchical_partition(y, 2, 3, 0, 1.0, -2), "alpha_devices"),
-    (lambda y: partition_hierarchy(y, 0, 3, "iid", 0), "cells"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda y: partition(y, 101, "iid", 0), "num_devices"),
+        (lambda y: partition(y, 0, "iid", 0), "num_devices"),
+        (lambda y: partition(y, 5, "dirichlet", 0, alpha=0.0), "alpha"),
+        (lambda y: partition(y, 5, "dirichlet", 0, alpha=-1), "alpha"),
+        (lambda y: partition(y, 5, "dirichlet", 0), "alpha"),
+        (lambda y: partition(y, 5, "dirichlet", 0, alpha=1, min_size=0), "min_size"),
+        (lambda y: partition(y, 5, "shards", 0, shards_per_device=0), "shards_per_device"),
+        (lambda y: partition(y, 50, "shards", 0, shards_per_device=3), "shards_per_device"),
+        (lambda y: partition(y, 5, "shards", 0, shards_per_device=1.5), "shards_per_device"),
+        (lambda y: partition(y, 5, "iid", 0, alpha=1), "alpha"),
+        (lambda y: partition(y, 5, "bogus", 0), "scheme"),
+        (lambda y: partition(y.reshape(10, 10), 5, "iid", 0), "labels"),
+        (lambda y: hierarchical_partition(y, 5, 30, 0, 1.0, 1.0), "devices_per_cell"),
+        (lambda y: hierarchical_partition(y, 2, 3, 0, 0.0, 1.0), "alpha_cells"),
+        (lambda y: hierarchical_partition(y, 2, 3, 0, 1.0, -2), "alpha_devices"),
+        (lambda y: partition_hierarchy(y, 0, 3, "iid", 0), "cells"),
+    ],
+)
 def test_validation(call, match):
     with pytest.raises(ValueError, match=match):
         call(_labels(100))

@@ -1,5 +1,6 @@
 """Nothing lost to a broker restart or a disconnected subscriber: persistent MQTT sessions, Mosquitto
 persistence, publishers re-sending what the broker never acknowledged (issue #14)."""
+
 from __future__ import annotations
 
 import logging
@@ -211,5 +212,6 @@ def test_broker_sigkill_mid_round_loses_no_result(tmp_path: Path) -> None:
     assert [r["closed_by"] for r in result.history] == ["all reported"] * 2
     for record in result.cell_records:
         assert record["closed_by"] == "all answered" and not record["absent"], record
-    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == \
-        (reference.output_dir / runfiles.FINAL_MODEL).read_bytes()
+    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == (
+        reference.output_dir / runfiles.FINAL_MODEL
+    ).read_bytes()

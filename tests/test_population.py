@@ -1,4 +1,5 @@
 """A simulated population costs what is active: agents built on a device's first task, dropped when idle."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,12 @@ from sim.launcher import SimHierarchy
 
 
 def partial(make_config, tmp_path, name: str, **sections):
-    return make_config(run={"rounds": 4, "output": str(tmp_path / name)}, topology={"cells": 2, "devices_per_cell": 6},
-                       participation={"model": "uniform", "per_round": 3}, **sections)
+    return make_config(
+        run={"rounds": 4, "output": str(tmp_path / name)},
+        topology={"cells": 2, "devices_per_cell": 6},
+        participation={"model": "uniform", "per_round": 3},
+        **sections,
+    )
 
 
 def run_counting_agents(sim: SimHierarchy) -> tuple[list[int], object]:
@@ -44,9 +49,20 @@ def test_lazy_population_gives_the_eager_model_and_records_byte_for_byte(make_co
 
 
 def test_devices_that_keep_state_keep_their_agents(make_config, tmp_path):
-    cfg = partial(make_config, tmp_path, "decomfl",
-                  algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2, "lr": 0.02,
-                             "mu": 1e-3, "batch_size": 16})
+    cfg = partial(
+        make_config,
+        tmp_path,
+        "decomfl",
+        algorithm={
+            "name": "decomfl",
+            "edge_rounds": 1,
+            "local_steps": 2,
+            "perturbations": 2,
+            "lr": 0.02,
+            "mu": 1e-3,
+            "batch_size": 16,
+        },
+    )
     sim = SimHierarchy(cfg, write_output=False)
     alive, result = run_counting_agents(sim)
     took_part = {d for r in result.cell_records for d in r["planned"]}

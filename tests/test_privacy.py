@@ -1,4 +1,5 @@
 """Differential privacy (``[privacy] dp``): the accountant, clipping, seeded noise, the budget, sim == run."""
+
 from __future__ import annotations
 
 import json
@@ -93,9 +94,14 @@ def test_cell_clips_a_crafted_huge_update() -> None:
 
 def _byzantine(tmp_path: Path, dp: dict) -> float:
     """The global model's move in one round with a 1e6-scaling Byzantine device per cell."""
-    cfg = small_config(tmp_path, run={"rounds": 1}, algorithm={"edge_rounds": 1},
-                       topology={"cells": 2, "devices_per_cell": 5},
-                       attack={"kind": "scale", "fraction": 0.2, "factor": 1e6}, privacy=dp)
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 1},
+        algorithm={"edge_rounds": 1},
+        topology={"cells": 2, "devices_per_cell": 5},
+        attack={"kind": "scale", "fraction": 0.2, "factor": 1e6},
+        privacy=dp,
+    )
     start = cfg.build_algorithm(cfg.model_spec((64,), 10)).initial_params()
     result = run_simulation(cfg, write_output=False)
     return l2_norm(P.sub(result.params, start))
@@ -112,8 +118,9 @@ def test_clipping_bounds_a_byzantine_device(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- runs
 def _dp_config(tmp_path: Path, **privacy):
-    return small_config(tmp_path, run={"rounds": 4}, privacy={"dp": "cell", "clip": 1.0, "noise_multiplier": 1.0,
-                                                              **privacy})
+    return small_config(
+        tmp_path, run={"rounds": 4}, privacy={"dp": "cell", "clip": 1.0, "noise_multiplier": 1.0, **privacy}
+    )
 
 
 def test_noise_is_seeded_and_epsilon_is_recorded(tmp_path: Path) -> None:
@@ -141,7 +148,7 @@ def test_noise_is_seeded_and_epsilon_is_recorded(tmp_path: Path) -> None:
     assert f"ε {a.history[-1]['epsilon']:.3g}" in render_text(state, now=0.0)
     page, plots = write_report([a.output_dir], tmp_path / "report.html")
     eps_plot = next(p for p in plots if p.name == "metrics_vs_epsilon")
-    (x, _), = (v for k, v in eps_plot.series.items() if k.endswith("/accuracy"))
+    ((x, _),) = (v for k, v in eps_plot.series.items() if k.endswith("/accuracy"))
     assert x == [r["epsilon"] for r in a.history]
     assert f"<td>{a.history[-1]['epsilon']:.3g}</td>" in page.read_text()
 
@@ -178,8 +185,12 @@ def test_bad_privacy_configs_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="algorithm.uplink"):
         small_config(tmp_path, algorithm={"uplink": "signsgd"}, privacy={"dp": "local", "noise_multiplier": 1.0})
     with pytest.raises(ConfigError, match="not 'fedalign'"):
-        parse_config({"algorithm": {"name": "fedalign", "local_steps": 1, "priority_fraction": 0.5},
-                      "privacy": {"dp": "cell", "noise_multiplier": 1.0}})
+        parse_config(
+            {
+                "algorithm": {"name": "fedalign", "local_steps": 1, "priority_fraction": 0.5},
+                "privacy": {"dp": "cell", "noise_multiplier": 1.0},
+            }
+        )
     with pytest.raises(ConfigError, match="privacy.clip"):
         _dp_config(tmp_path, clip=0)
 
@@ -194,17 +205,21 @@ def test_dp_run_over_mqtt_gives_the_sim_model(tmp_path: Path) -> None:
     run_cfg = small_config(tmp_path / "run", run={"rounds": 2}, privacy={"dp": "cell", "noise_multiplier": 0.8})
     with EmbeddedBroker() as broker:
         emulated = Emulation(run_cfg, broker_url=broker.url).run()
-    assert (emulated.output_dir / runfiles.FINAL_MODEL).read_bytes() == \
-        (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
+    assert (emulated.output_dir / runfiles.FINAL_MODEL).read_bytes() == (
+        sim.output_dir / runfiles.FINAL_MODEL
+    ).read_bytes()
     assert [r["epsilon"] for r in emulated.history] == [r["epsilon"] for r in sim.history]
 
 
 def test_cohort_engine_runs_the_same_mechanism(tmp_path: Path) -> None:
     """The cohort engine trains the same devices with the same noise: the same model to float rounding."""
     device = run_simulation(_dp_config(tmp_path / "d", dp="local"), write_output=False)
-    cohort = run_simulation(_dp_config(tmp_path / "c", dp="local").model_copy(
-        update={"runtime": _dp_config(tmp_path / "c").runtime.model_copy(update={"engine": "cohort"})}),
-        write_output=False)
+    cohort = run_simulation(
+        _dp_config(tmp_path / "c", dp="local").model_copy(
+            update={"runtime": _dp_config(tmp_path / "c").runtime.model_copy(update={"engine": "cohort"})}
+        ),
+        write_output=False,
+    )
     for k in device.params:
         np.testing.assert_allclose(cohort.params[k], device.params[k], atol=2e-4)
 
@@ -215,10 +230,15 @@ def test_cell_dp_under_secure_aggregation_splits_the_noise(tmp_path: Path) -> No
     so with all n devices surviving a cell's sum carries n/m times the variance of plain cell DP: one
     round's noise (the model's move with noise minus without) is sqrt(n/m) times as large. The run
     records the same epsilon as plain cell DP."""
+
     def run(name: str, **privacy):
-        cfg = small_config(tmp_path / name, run={"rounds": 1}, algorithm={"edge_rounds": 1},
-                           topology={"cells": 2, "devices_per_cell": 5},
-                           privacy={"dp": "cell", "clip": 0.5, **privacy})
+        cfg = small_config(
+            tmp_path / name,
+            run={"rounds": 1},
+            algorithm={"edge_rounds": 1},
+            topology={"cells": 2, "devices_per_cell": 5},
+            privacy={"dp": "cell", "clip": 0.5, **privacy},
+        )
         return run_simulation(cfg, write_output=False)
 
     sa = {"secure_aggregation": True, "dp_min_survivors": 2, "secagg_bound": 4.0}
@@ -259,8 +279,12 @@ def test_secure_aggregation_dp_settings_are_checked(tmp_path: Path) -> None:
         _dp_config(tmp_path, clip=2.0, secure_aggregation=True)
     with pytest.raises(ConfigError, match="privacy.dp_min_survivors: 4 survivors can never be reached"):
         _dp_config(tmp_path, secure_aggregation=True, dp_min_survivors=4)
-    cfg = small_config(tmp_path, topology={"devices_per_cell": 10}, participation={"model": "bernoulli", "prob": 0.5},
-                       privacy={"dp": "cell", "noise_multiplier": 1.0, "secure_aggregation": True})
+    cfg = small_config(
+        tmp_path,
+        topology={"devices_per_cell": 10},
+        participation={"model": "bernoulli", "prob": 0.5},
+        privacy={"dp": "cell", "noise_multiplier": 1.0, "secure_aggregation": True},
+    )
     assert cfg.dp_noise_shares() == 4 and cfg.secagg_settings().min_survivors == 4  # ceil(0.7 x 0.5 x 10)
 
 
@@ -275,6 +299,8 @@ def test_a_diverged_update_is_left_to_the_runtime() -> None:
             return Payload({"weight": 5, "loss": float("inf")}, {"w": np.array([np.inf, 1.0], np.float32)})
 
     out = PrivateDevice(Overflowing(), DpSettings("local", 1.0, 1.0, 0)).train(
-        Payload({}, {}), None, None, DeviceContext(0, 0, 0, "c0", "c0-d0"))  # type: ignore[arg-type]
+        Payload({}, {}), None, None, DeviceContext(0, 0, 0, "c0", "c0-d0")
+    )  # type: ignore[arg-type]
     from protocols.divergence import nonfinite
+
     assert nonfinite(out) is not None

@@ -1,6 +1,7 @@
 """``fedtier provision`` against real Mosquitto brokers started with the provisioned ``mosquitto.conf``
 files: TLS, password files and the per-node ACLs are enforced by the brokers, and with ``--brokers
 per-cell`` each cell broker bridges exactly its cell's topics to the cloud broker."""
+
 from __future__ import annotations
 
 import base64
@@ -36,7 +37,8 @@ def test_password_lines_match_mosquitto_passwd_format() -> None:
     # the line mosquitto_passwd 2.0.11 writes for alice/secret with this salt
     assert password_line("alice", "secret", base64.b64decode("sqzBqxC1jNIuFmH7")) == (
         "alice:$7$101$sqzBqxC1jNIuFmH7$ybCLIMDqjN0Ftfpu3ZaKd59eTqga+5X6OhbGFGzvFA4VWTSxEm6a3ERz88M8qKBR4OU3Z"
-        "fsAcdlEzxl+3cekxA==")
+        "fsAcdlEzxl+3cekxA=="
+    )
 
 
 def broker_user() -> list[str]:
@@ -62,8 +64,21 @@ def provision_cli(tmp: Path, name: str, *extra: str) -> dict[str, Any]:
     cfg_path = tmp / f"{name}.toml"
     cfg_path.write_text(small_config(tmp).to_toml())
     port = free_port()
-    res = CliRunner().invoke(main, ["provision", str(cfg_path), "--out", str(tmp / name), "--port", str(port),
-                                    "--bind", "127.0.0.1", *broker_user(), *extra])
+    res = CliRunner().invoke(
+        main,
+        [
+            "provision",
+            str(cfg_path),
+            "--out",
+            str(tmp / name),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            *broker_user(),
+            *extra,
+        ],
+    )
     assert res.exit_code == 0, res.output
     return {"out": tmp / name, "port": port, "cfg": cfg_path}
 
@@ -100,17 +115,28 @@ def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[
     d = out / "nodes" / "c0-d1"
     ring = load_keys(d / "keys.toml")
     assert set(ring.private) == {"c0-d1"} and set(ring.public) == {"c0-d1", "c0", "cloud"}
-    for secret in (d / "keys.toml", d / "client.key", d / "config.toml", out / "ca" / "ca.key",
-                   out / "broker" / "passwd", out / "broker" / "server.key"):
+    for secret in (
+        d / "keys.toml",
+        d / "client.key",
+        d / "config.toml",
+        out / "ca" / "ca.key",
+        out / "broker" / "passwd",
+        out / "broker" / "server.key",
+    ):
         assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600, secret
     cfg = tomllib.loads((d / "config.toml").read_text())
     assert cfg["broker"]["url"] == f"mqtts://127.0.0.1:{provisioned['port']}"
     assert cfg["broker"]["username"] == "c0-d1" and cfg["security"]["keys"] == "keys.toml"
     acl = (out / "broker" / "acl").read_text()
     device = acl.split("user c0-d1\n")[1].split("\n\n")[0].splitlines()
-    assert device == ["topic read fedtier/t/cell/c0/down/c0-d1/task", "topic write fedtier/t/cell/c0/up/c0-d1/result",
-                      "topic read fedtier/t/cloud/control", "topic read fedtier/t/cloud/round",
-                      "topic read fedtier/t/status/cloud", "topic write fedtier/t/cell/c0/status/device.c0-d1"]
+    assert device == [
+        "topic read fedtier/t/cell/c0/down/c0-d1/task",
+        "topic write fedtier/t/cell/c0/up/c0-d1/result",
+        "topic read fedtier/t/cloud/control",
+        "topic read fedtier/t/cloud/round",
+        "topic read fedtier/t/status/cloud",
+        "topic write fedtier/t/cell/c0/status/device.c0-d1",
+    ]
     res = CliRunner().invoke(main, ["provision", str(provisioned["cfg"]), "--out", str(out)])
     assert res.exit_code == 2 and "already provisioned" in res.output  # never silently re-keys a fleet
 
@@ -138,16 +164,30 @@ class Inbox:
 
 
 def client_factory(loop: ThreadLoop, made: list[MqttTransport]) -> Any:
-    def make(bundle: Path, port: int, password: str | None = None, username: str | None = None,
-             client_id: str | None = None, persistent: bool = False) -> MqttTransport:
+    def make(
+        bundle: Path,
+        port: int,
+        password: str | None = None,
+        username: str | None = None,
+        client_id: str | None = None,
+        persistent: bool = False,
+    ) -> MqttTransport:
         cfg = tomllib.loads((bundle / "config.toml").read_text())["broker"]
-        t = MqttTransport(client_id or f"acl-{bundle.name}-{len(made)}", loop, "127.0.0.1", port,
-                          username=username or cfg["username"],
-                          password=password or cfg["password"], ca_certs=str(bundle / "ca.crt"),
-                          certfile=str(bundle / "client.crt"), keyfile=str(bundle / "client.key"),
-                          persistent=persistent)
+        t = MqttTransport(
+            client_id or f"acl-{bundle.name}-{len(made)}",
+            loop,
+            "127.0.0.1",
+            port,
+            username=username or cfg["username"],
+            password=password or cfg["password"],
+            ca_certs=str(bundle / "ca.crt"),
+            certfile=str(bundle / "client.crt"),
+            keyfile=str(bundle / "client.key"),
+            persistent=persistent,
+        )
         made.append(t)
         return t
+
     return make
 
 
@@ -244,16 +284,19 @@ def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")
     cell_port = free_port()
-    p = provision_cli(reachable_tmp, "cells", "--brokers", "per-cell", "--cell-host", "127.0.0.1",
-                      "--cell-port", str(cell_port))
+    p = provision_cli(
+        reachable_tmp, "cells", "--brokers", "per-cell", "--cell-host", "127.0.0.1", "--cell-port", str(cell_port)
+    )
     p["cell_port"] = cell_port
     cloud_broker = p["out"] / "broker"
     with open(cloud_broker / "acl", "a") as f:
         f.write("\nuser observer\ntopic read fedtier/#\n")
     with open(cloud_broker / "passwd", "a") as f:
         f.write(password_line("observer", "watch") + "\n")
-    with mosquitto(cloud_broker / "mosquitto.conf", p["port"]), \
-            mosquitto(p["out"] / "cells" / "c0" / "mosquitto.conf", cell_port):
+    with (
+        mosquitto(cloud_broker / "mosquitto.conf", p["port"]),
+        mosquitto(p["out"] / "cells" / "c0" / "mosquitto.conf", cell_port),
+    ):
         yield p
 
 
@@ -264,9 +307,14 @@ def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, 
     assert users(out / "cells" / "c0" / "passwd") == ["c0", "c0-d0", "c0-d1", "c0-d2"]
     acl = (out / "broker" / "acl").read_text()
     assert acl.split("user bridge.c0\n")[1].split("\n\n")[0].splitlines() == [
-        "topic read fedtier/t/cell/c0/down/task", "topic read fedtier/t/cloud/round", "topic read fedtier/t/cloud/control",
-        "topic read fedtier/t/status/cloud", "topic write fedtier/t/cloud/up/c0/report",
-        "topic write fedtier/t/status/cell.c0", "topic write fedtier/t/telemetry/cell/c0"]
+        "topic read fedtier/t/cell/c0/down/task",
+        "topic read fedtier/t/cloud/round",
+        "topic read fedtier/t/cloud/control",
+        "topic read fedtier/t/status/cloud",
+        "topic write fedtier/t/cloud/up/c0/report",
+        "topic write fedtier/t/status/cell.c0",
+        "topic write fedtier/t/telemetry/cell/c0",
+    ]
     for node, port in (("cloud", per_cell["port"]), ("c0", per_cell["cell_port"]), ("c0-d2", per_cell["cell_port"])):
         cfg = tomllib.loads((out / "nodes" / node / "config.toml").read_text())
         assert cfg["broker"]["url"] == f"mqtts://127.0.0.1:{port}"
@@ -294,8 +342,11 @@ def test_cell_broker_bridges_only_the_cells_topics_to_the_cloud(per_cell: dict[s
         assert device.flush(WAIT)  # the cell broker has it before the report below
         cell.publish(topics.cell_report(RUN, "c0"), b"report of c0")
         got = at_cloud.wait_for(topics.cell_report(RUN, "c0"))  # one bridge: in order
-        assert [t for t, _ in got] == [topics.status(RUN, topics.cell_node("c0")), topics.cell_task(RUN, "c0"),
-                                       topics.cell_report(RUN, "c0")]  # and no device result
+        assert [t for t, _ in got] == [
+            topics.status(RUN, topics.cell_node("c0")),
+            topics.cell_task(RUN, "c0"),
+            topics.cell_report(RUN, "c0"),
+        ]  # and no device result
         with pytest.raises(ConnectionError, match="refused"):  # another cell's device is no user of c0's broker
             make(nodes / "c1-d0", cell_port).connect(WAIT)
 
@@ -312,12 +363,14 @@ def test_cell_broker_refuses_a_device_reading_another_devices_task(per_cell: dic
         cell.publish(topics.device_task(RUN, "c0", "c0-d1"), b"task of d1")
         cell.publish(topics.device_task(RUN, "c0", "c0-d0"), b"task of d0")
         assert inbox.wait_for(topics.device_task(RUN, "c0", "c0-d0")) == [
-            (topics.device_task(RUN, "c0", "c0-d0"), b"task of d0")]
+            (topics.device_task(RUN, "c0", "c0-d0"), b"task of d0")
+        ]
 
 
 @needs_mosquitto
-def test_the_monitor_bundle_watches_signed_telemetry_over_tls(provisioned: dict[str, Any], broker: subprocess.Popen,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_monitor_bundle_watches_signed_telemetry_over_tls(
+    provisioned: dict[str, Any], broker: subprocess.Popen, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`fedtier monitor --config config.toml --once`, run from inside the provisioned monitor bundle, reaches
     the TLS broker with the monitor's user and certificate and checks signatures with the bundle's public
     keys: c0's signed aggregation record makes its row; an unsigned one that c1 publishes on its own
@@ -331,15 +384,28 @@ def test_the_monitor_bundle_watches_signed_telemetry_over_tls(provisioned: dict[
 
     nodes, port = provisioned["out"] / "nodes", provisioned["port"]
     ring = load_keys(nodes / "c0" / "keys.toml")
-    record = CellRecord(run="t", round=0, edge_round=0, cell="c0", algorithm="fedavg", planned=["c0-d0", "c0-d1"],
-                        answered=["c0-d0", "c0-d1"], closed_by="all answered", duration_s=0.1, time=time.time()).to_dict()
+    record = CellRecord(
+        run="t",
+        round=0,
+        edge_round=0,
+        cell="c0",
+        algorithm="fedavg",
+        planned=["c0-d0", "c0-d1"],
+        answered=["c0-d0", "c0-d1"],
+        closed_by="all answered",
+        duration_s=0.1,
+        time=time.time(),
+    ).to_dict()
     c0_topic, c1_topic = topics.telemetry_cell("t", "c0"), topics.telemetry_cell("t", "c1")
     signed = seal_record(record, c0_topic, Trust("c0", ring.private["c0"], ring.public).sign)
     unsigned = seal_record({**record, "cell": "c1"}, c1_topic, None)
     monkeypatch.chdir(nodes / "monitor")
     fedtier = str(Path(sys.executable).parent / "fedtier")
-    proc = popen([fedtier, "monitor", "--config", "config.toml", "--once", "--wait", "5", "--width", "220"],
-                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = popen(
+        [fedtier, "monitor", "--config", "config.toml", "--once", "--wait", "5", "--width", "220"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         with clients() as make:
             c0, c1 = make(nodes / "c0", port), make(nodes / "c1", port)

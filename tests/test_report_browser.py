@@ -1,5 +1,6 @@
 """The HTML report renders every plot in a real browser (headless Chromium; skipped where it is absent:
 it is large, so scripts/setup.sh does not install it; Debian: apt-get install chromium)."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -2,6 +2,7 @@
 Mosquitto (amqtt where Mosquitto is not installed), signed, killed with SIGKILL at a point the test
 waits for (a record in a file, bounded), restarted with ``--resume``; the final model is the
 uninterrupted run's (``fedtier sim`` of the same config), byte for byte, and no round lost a cell."""
+
 from __future__ import annotations
 
 import json
@@ -83,22 +84,35 @@ def test_journal_keeps_what_was_fsynced_and_cuts_a_torn_tail(tmp_path: Path) -> 
     assert [e.meta["round"] for e in Journal(tmp_path / "j").read()] == [2]
 
 
-
 def journaled_c0(sim: SimHierarchy, resume: bool):
     """Cell c0 of ``sim`` with its journal, on a fresh hub connection (``resume``: from the journal)."""
     cfg = sim.cfg
-    return build_cell(cfg, "c0", sim.hub.connect("cell.c0"), sim.algorithm, output_dir=sim.output_dir,
-                      assume_online=True, journal=True, resume=resume,
-                      samples=device_samples(sim.prep.device_data, cfg.topology.device_ids("c0")))
+    return build_cell(
+        cfg,
+        "c0",
+        sim.hub.connect("cell.c0"),
+        sim.algorithm,
+        output_dir=sim.output_dir,
+        assume_online=True,
+        journal=True,
+        resume=resume,
+        samples=device_samples(sim.prep.device_data, cfg.topology.device_ids("c0")),
+    )
+
 
 def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_model(tmp_path: Path) -> None:
     """In memory: cell c0 crashes (no clean-up, nothing delivered to it until it is back) once it has
     closed round 1's first edge round and taken one result of its second; a new cell server resumes
     from the journal (replays the closed edge round, keeps the result, re-sends the pending tasks):
     the model and c0's records are those of the uninterrupted run."""
+
     def config(name: str):
-        return small_config(tmp_path / name, algorithm={"edge_rounds": 2}, runtime={"device_deadline": 50.0},
-                            security={"keys": "keys.toml"})  # signed: devices take the re-sent task again
+        return small_config(
+            tmp_path / name,
+            algorithm={"edge_rounds": 2},
+            runtime={"device_deadline": 50.0},
+            security={"keys": "keys.toml"},
+        )  # signed: devices take the re-sent task again
 
     straight = run_simulation(config("straight"))
     sim = SimHierarchy(config("crashed"))
@@ -138,6 +152,7 @@ def test_cell_killed_between_journaling_its_report_and_sending_it_sends_it_on_re
     """In memory: c0 dies right after it journaled its report of round 1 (the publish never leaves); the
     resumed cell sends that report at once, so the cloud's round 1 has both cells and the model is the
     uninterrupted run's."""
+
     def config(name: str):
         return small_config(tmp_path / name, runtime={"device_deadline": 50.0})
 
@@ -192,13 +207,16 @@ class Deployment:
     """A cloud, one ``fedtier cell`` per cell and one ``fedtier agent`` per device, over ``broker``; the
     cells keep their own run folders (``cells/<cell>``), as on their own machines."""
 
-    def __init__(self, tmp: Path, broker_url: str, algorithm: str = "fedavg", edge_rounds: int = 1,
-                 signed: bool = True) -> None:
+    def __init__(
+        self, tmp: Path, broker_url: str, algorithm: str = "fedavg", edge_rounds: int = 1, signed: bool = True
+    ) -> None:
         self.tmp, self.url = tmp, broker_url
         keys = tmp / "keys.toml"
         self.config = tmp / "run.toml"
-        self.config.write_text(CONFIG.format(out=tmp / "cloud", algorithm=algorithm, edge_rounds=edge_rounds)
-                               + (SIGNED.format(keys=keys) if signed else ""))
+        self.config.write_text(
+            CONFIG.format(out=tmp / "cloud", algorithm=algorithm, edge_rounds=edge_rounds)
+            + (SIGNED.format(keys=keys) if signed else "")
+        )
         self.cfg = load_config(self.config)
         if signed:
             write_keys(keys, generate_keys(self.cfg.topology))
@@ -213,12 +231,21 @@ class Deployment:
         if name == "cloud":
             cmd = [FEDTIER, "cloud", *common, "--no-progress"]
         elif name in self.cfg.topology.cell_ids():
-            cmd = [FEDTIER, "cell", *common, "--cell", name, "--set", f"run.output={json.dumps(str(self.cell_dir(name)))}"]
+            cmd = [
+                FEDTIER,
+                "cell",
+                *common,
+                "--cell",
+                name,
+                "--set",
+                f"run.output={json.dumps(str(self.cell_dir(name)))}",
+            ]
         else:
             cmd = [FEDTIER, "agent", *common, "--device", name, "--data", str(self.tmp / f"{name}.npz")]
         log = (self.tmp / f"{name}.log").open("a")
-        self.procs[name] = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            [*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def start_all_but(self, *started: str) -> None:
         for name in ("cloud", *self.cfg.topology.cell_ids(), *self.cfg.topology.all_devices()):
@@ -288,7 +315,7 @@ def records(path: Path) -> list[dict]:
 
 @pytest.fixture
 def broker():
-    with (MosquittoBroker() if find_mosquitto() else EmbeddedBroker()) as b:
+    with MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as b:
         yield b
 
 
@@ -307,8 +334,10 @@ def test_cloud_killed_mid_round_resumes_to_the_uninterrupted_model(tmp_path: Pat
     with ExitStack() as stack:
         stack.callback(dep.close)
         dep.start_all_but()
-        wait_for("every cell's round-1 record", lambda: all(
-            any(r["round"] == 1 for r in records(dep.cell_dir(c) / runfiles.AGGREGATION)) for c in cells))
+        wait_for(
+            "every cell's round-1 record",
+            lambda: all(any(r["round"] == 1 for r in records(dep.cell_dir(c) / runfiles.AGGREGATION)) for c in cells),
+        )
         dep.kill("cloud")
         done = [r["round"] for r in records(tmp_path / "cloud" / runfiles.METRICS)]
         dep.start("cloud", "--resume")
@@ -339,8 +368,10 @@ def test_cell_killed_mid_round_resumes_and_loses_no_device_result(tmp_path: Path
         wait_for("agent c0-d1 online", lambda: dep.device_online("c0-d1"))
         dep.signal("c0-d1", signal.SIGSTOP)
         dep.start_all_but("c0-d1")
-        wait_for("c0-d0's result of round 0 in c0's journal", lambda: any(
-            e.meta.get("k") == "result" and e.meta.get("device") == "c0-d0" for e in journal.read()))
+        wait_for(
+            "c0-d0's result of round 0 in c0's journal",
+            lambda: any(e.meta.get("k") == "result" and e.meta.get("device") == "c0-d0" for e in journal.read()),
+        )
         dep.kill("c0")
         dep.signal("c0-d1", signal.SIGCONT)
         dep.start("c0", "--resume")
@@ -362,9 +393,14 @@ def test_a_cell_resumed_from_a_journal_with_a_diverged_result_never_aggregates_i
     replays the closed edge round and keeps the open one's answer without handing either to the role
     (it once aggregated the diverged payload: a KeyError), and ends with the uninterrupted run's model
     and records."""
+
     def config(name: str):
-        return small_config(tmp_path / name, algorithm={"edge_rounds": 2}, runtime={"device_deadline": 50.0},
-                            security={"keys": "keys.toml"})
+        return small_config(
+            tmp_path / name,
+            algorithm={"edge_rounds": 2},
+            runtime={"device_deadline": 50.0},
+            security={"keys": "keys.toml"},
+        )
 
     def d1(device: str) -> bool:
         return device == "c0-d1"

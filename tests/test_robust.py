@@ -1,4 +1,5 @@
 """Robust aggregation (median, trimmed mean, Krum, Multi-Krum) at cells and cloud, against Byzantine devices."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,7 +57,7 @@ def test_krum_and_multikrum_select_by_score():
     flat = np.stack([np.concatenate([d["a"].ravel(), d["b"]]).astype(np.float64) for _, _, d in items])
     dist = ((flat[:, None, :] - flat[None, :, :]) ** 2).sum(-1)
     f = 2  # floor(0.2 * 10)
-    scores = [np.sort(np.delete(dist[i], i))[:10 - f - 2].sum() for i in range(10)]
+    scores = [np.sort(np.delete(dist[i], i))[: 10 - f - 2].sum() for i in range(10)]
     best = int(np.argmin(scores))
     krum = aggregate("krum", items, _params(krum_byzantine=0.2))
     assert krum.kept == [f"d{best}"]
@@ -83,13 +84,14 @@ def test_cloud_median_leaves_out_a_bad_cell_and_says_so():
 
 
 def _cfg(agg: str, kind: str = "none", factor: float = 10.0, **algo) -> dict:
-    return {"run": {"name": "robust", "seed": 1, "rounds": 8},
-            "topology": {"cells": 1, "devices_per_cell": 10},
-            "algorithm": {"name": "fedavg", "local_steps": 20, "batch_size": 16, "lr": 0.2, "cell_aggregator": agg,
-                          **algo},
-            "model": {"name": "mlp", "hidden": [32]},
-            "data": {"dataset": "digits", "partition": "iid"},
-            "attack": {"kind": kind, "fraction": 0.2 if kind != "none" else 0.0, "factor": factor}}
+    return {
+        "run": {"name": "robust", "seed": 1, "rounds": 8},
+        "topology": {"cells": 1, "devices_per_cell": 10},
+        "algorithm": {"name": "fedavg", "local_steps": 20, "batch_size": 16, "lr": 0.2, "cell_aggregator": agg, **algo},
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": {"dataset": "digits", "partition": "iid"},
+        "attack": {"kind": kind, "fraction": 0.2 if kind != "none" else 0.0, "factor": factor},
+    }
 
 
 ATTACKS = {"scale": 10.0, "sign_flip": 4.0}
@@ -124,10 +126,13 @@ def test_robust_aggregators_keep_accuracy_within_two_points(agg, kind, clean_acc
 
 
 def test_attack_is_a_sim_option_with_dense_uplinks_only():
-    cfg = parse_config({**_cfg("mean", "scale"), "algorithm": {"name": "fedavg", "local_steps": 1, "uplink": "signsgd"}})
+    cfg = parse_config(
+        {**_cfg("mean", "scale"), "algorithm": {"name": "fedavg", "local_steps": 1, "uplink": "signsgd"}}
+    )
     with pytest.raises(ConfigError, match="dense"):
         byzantine_devices(cfg)
     from sim.emulation import Emulation
+
     with pytest.raises(ConfigError, match="fedtier sim option"):
         Emulation(parse_config(_cfg("mean", "scale")))
     with pytest.raises(ConfigError, match="cell_aggregator"):
@@ -135,8 +140,11 @@ def test_attack_is_a_sim_option_with_dense_uplinks_only():
 
 
 def test_byzantine_devices_are_the_same_in_sim_workers():
-    cfg = {**_cfg("median", "sign_flip", 4.0), "run": {"name": "robust-w", "seed": 1, "rounds": 2},
-           "topology": {"cells": 1, "devices_per_cell": 5}}
+    cfg = {
+        **_cfg("median", "sign_flip", 4.0),
+        "run": {"name": "robust-w", "seed": 1, "rounds": 2},
+        "topology": {"cells": 1, "devices_per_cell": 5},
+    }
     cfg["algorithm"] = {**cfg["algorithm"], "local_steps": 3}
     inline = run_simulation(parse_config(cfg), write_output=False)
     workers = run_simulation(parse_config({**cfg, "runtime": {"sim_workers": 1}}), write_output=False)
@@ -146,21 +154,39 @@ def test_byzantine_devices_are_the_same_in_sim_workers():
 
 
 def test_majority_vote_is_the_sign_of_the_sign_sum_scaled_by_the_mean_magnitude():
-    items = [(f"d{i}", 1.0, {"a": np.array([1.0, -2.0, 3.0, -1.0], np.float32) * s, "b": np.array([s], np.float32)})
-             for i, s in enumerate((1.0, 1.0, -3.0, 0.5))]  # 3 of 4 inputs agree on every sign
+    items = [
+        (f"d{i}", 1.0, {"a": np.array([1.0, -2.0, 3.0, -1.0], np.float32) * s, "b": np.array([s], np.float32)})
+        for i, s in enumerate((1.0, 1.0, -3.0, 0.5))
+    ]  # 3 of 4 inputs agree on every sign
     got = aggregate("majority", items, _params())
     # per tensor scale: mean over inputs of mean |x|: "a": (1.75 + 1.75 + 5.25 + 0.875) / 4
     np.testing.assert_allclose(got.delta["a"], 2.40625 * np.array([1, -1, 1, -1], np.float32), rtol=1e-7)
     np.testing.assert_allclose(got.delta["b"], [(1 + 1 + 3 + 0.5) / 4], rtol=1e-7)  # 3 of 4 positive
-    tie = aggregate("majority", items[:2] + [("d9", 1.0, {"a": -items[0][2]["a"], "b": np.array([-1.0], np.float32)}),
-                                            ("d8", 5.0, {"a": -items[0][2]["a"], "b": np.array([-1.0], np.float32)})],
-                    _params())
+    tie = aggregate(
+        "majority",
+        items[:2]
+        + [
+            ("d9", 1.0, {"a": -items[0][2]["a"], "b": np.array([-1.0], np.float32)}),
+            ("d8", 5.0, {"a": -items[0][2]["a"], "b": np.array([-1.0], np.float32)}),
+        ],
+        _params(),
+    )
     assert not tie.delta["a"].any() and not tie.delta["b"].any()  # 2 against 2, whatever the weights: 0
 
 
 def test_majority_vote_signsgd_learns(make_config):
-    cfg = make_config(run={"rounds": 10}, topology={"cells": 1, "devices_per_cell": 5},
-                      algorithm={"name": "fedavg", "edge_rounds": 1, "local_steps": 10, "lr": 0.5, "uplink": "signsgd",
-                                 "signsgd_mode": "scaled", "cell_aggregator": "majority"})
+    cfg = make_config(
+        run={"rounds": 10},
+        topology={"cells": 1, "devices_per_cell": 5},
+        algorithm={
+            "name": "fedavg",
+            "edge_rounds": 1,
+            "local_steps": 10,
+            "lr": 0.5,
+            "uplink": "signsgd",
+            "signsgd_mode": "scaled",
+            "cell_aggregator": "majority",
+        },
+    )
     result = run_simulation(cfg, write_output=False)
     assert result.final_accuracy > 0.8

@@ -1,6 +1,7 @@
 """``fedtier run`` with ``runtime.engine = "cohort"``: each agent worker trains its agents' queued tasks
 as cohorts (``edge_agent/cohort.py``); the result is the per-device engine's within float tolerance,
 with the same messages and records."""
+
 from __future__ import annotations
 
 import threading
@@ -32,13 +33,18 @@ from tests.test_cohort import ATOL, RTOL, WALL, _approx
 def test_emulated_cohorts_match_the_per_device_sim(tmp_path: Path) -> None:
     """16 agents in one worker, cohorts of at most 4: the final model is the per-device sim's within
     float tolerance, every device answered every edge round, and tasks really trained together."""
-    sections = dict(run={"rounds": 2}, topology={"cells": 2, "devices_per_cell": 8},
-                    algorithm={"edge_rounds": 2, "local_steps": 3, "batch_size": 16})
-    sim = run_simulation(small_config(tmp_path / "sim", runtime={"device_deadline": 60.0}, **sections),
-                         write_output=False)
-    cfg = small_config(tmp_path / "run", runtime={"engine": "cohort", "cohort_size": 4, "device_deadline": 60.0},
-                       **sections)
-    with (MosquittoBroker() if find_mosquitto() else EmbeddedBroker()) as broker:
+    sections = dict(
+        run={"rounds": 2},
+        topology={"cells": 2, "devices_per_cell": 8},
+        algorithm={"edge_rounds": 2, "local_steps": 3, "batch_size": 16},
+    )
+    sim = run_simulation(
+        small_config(tmp_path / "sim", runtime={"device_deadline": 60.0}, **sections), write_output=False
+    )
+    cfg = small_config(
+        tmp_path / "run", runtime={"engine": "cohort", "cohort_size": 4, "device_deadline": 60.0}, **sections
+    )
+    with MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as broker:
         em = Emulation(cfg, broker_url=broker.url, workers=1)
         run = em.run()
     assert run.params.keys() == sim.params.keys()
@@ -68,8 +74,9 @@ def test_a_model_the_cohort_engine_cannot_vectorize_is_refused_at_start(tmp_path
     assert not em.procs  # refused before any worker started
     path = tmp_path / "c.toml"
     path.write_text(small_config(tmp_path).to_toml())
-    res = CliRunner().invoke(main, ["run", str(path), "--engine", "cohort", "--broker", "mqtt://127.0.0.1:9",
-                                    "--no-progress"])
+    res = CliRunner().invoke(
+        main, ["run", str(path), "--engine", "cohort", "--broker", "mqtt://127.0.0.1:9", "--no-progress"]
+    )
     assert res.exit_code == 2 and "BatchNorm1d" in res.output, res.output
 
 
@@ -106,10 +113,15 @@ def test_cohort_executor_on_a_thread_loop_trains_what_queued_meanwhile_together(
         trainer.sgd(data, steps=3, batch_size=4, lr=0.1, rng=np.random.default_rng(ctx.seed))
         return Payload({}, dict(trainer.get_params()))
 
-    agents = {f"d{i}": SimpleNamespace(device=f"d{i}", trainer=alone, role=SimpleNamespace(train=train),
-                                       data=LocalData(rng.normal(size=(10, 6)).astype(np.float32),
-                                                      rng.integers(0, 3, size=10)))
-              for i in range(5)}
+    agents = {
+        f"d{i}": SimpleNamespace(
+            device=f"d{i}",
+            trainer=alone,
+            role=SimpleNamespace(train=train),
+            data=LocalData(rng.normal(size=(10, 6)).astype(np.float32), rng.integers(0, 3, size=10)),
+        )
+        for i in range(5)
+    }
     loop = ThreadLoop("cohorts")
     executor = CohortExecutor(agents, spec, loop, cohort_size=3)
     results: dict[str, Payload] = {}
@@ -122,8 +134,7 @@ def test_cohort_executor_on_a_thread_loop_trains_what_queued_meanwhile_together(
 
     for i, device in enumerate(agents):  # queued by callbacks, as tasks arrive
         ctx = DeviceContext(i, 0, 0, "c0", device)
-        loop.post(lambda d=device, c=ctx: executor.submit(d, Payload({}, start), c,
-                                                          lambda r, e, d=d: done(d, r, e)))
+        loop.post(lambda d=device, c=ctx: executor.submit(d, Payload({}, start), c, lambda r, e, d=d: done(d, r, e)))
     loop.start()
     try:
         assert wait_until(lambda: len(results) == 5, 30.0)

@@ -1,5 +1,6 @@
 """Secure aggregation (SecAgg+) inside a cell: Shamir sharing, the neighbour graph, and the protocol's
 maths end to end (the cell unmasks exactly the survivors' sum, survives dropouts, refuses bad input)."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,16 @@ import pytest
 
 from protocols.algorithms.base import Rejected
 from protocols.privacy import shamir
-from protocols.privacy.secagg import (RoundId, SecAggCell, SecAggDevice, SecAggFailure, SecAggSettings, flatten,
-                                      neighbour_graph, quantize)
+from protocols.privacy.secagg import (
+    RoundId,
+    SecAggCell,
+    SecAggDevice,
+    SecAggFailure,
+    SecAggSettings,
+    flatten,
+    neighbour_graph,
+    quantize,
+)
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
 RID = RoundId("r", "c0", 3, 1)
@@ -57,10 +66,13 @@ def test_graph_is_symmetric_sparse_and_seeded(n):
 # ----------------------------------------------------------------------------- the protocol
 def updates(n: int, seed: int = 0, size: int = 37) -> dict[str, Payload]:
     g = np.random.default_rng(seed)
-    return {f"c0-d{i}": Payload({"weight": float(g.integers(10, 100))},
-                                {"w": g.normal(0, 0.3, (size - 5,)).astype(np.float32),
-                                 "b": g.normal(0, 0.3, (5,)).astype(np.float32)})
-            for i in range(n)}
+    return {
+        f"c0-d{i}": Payload(
+            {"weight": float(g.integers(10, 100))},
+            {"w": g.normal(0, 0.3, (size - 5,)).astype(np.float32), "b": g.normal(0, 0.3, (5,)).astype(np.float32)},
+        )
+        for i in range(n)
+    }
 
 
 def wire(p: Payload) -> Payload:
@@ -103,8 +115,12 @@ class Round:
     def expected(self, survivors) -> np.ndarray:
         total = np.zeros_like(self.masked[survivors[0]].tensors["masked"])
         for d in survivors:
-            total += quantize(flatten(self.results[d].tensors)[0], self.results[d].meta["weight"], self.settings,
-                              self.cell.total_weight)
+            total += quantize(
+                flatten(self.results[d].tensors)[0],
+                self.results[d].meta["weight"],
+                self.settings,
+                self.cell.total_weight,
+            )
         return total
 
 
@@ -118,8 +134,10 @@ def test_cell_unmasks_exactly_the_sum_and_no_single_update(n):
     assert np.array_equal(out.quantised_sum, r.expected(survivors))
     assert out.dropped == [] and out.stats["survivors"] == n
     bound = r.settings.bound
-    plain = sum(r.results[d].meta["weight"] * np.clip(r.results[d].tensors["w"].astype(np.float64), -bound, bound)
-                for d in survivors)
+    plain = sum(
+        r.results[d].meta["weight"] * np.clip(r.results[d].tensors["w"].astype(np.float64), -bound, bound)
+        for d in survivors
+    )
     assert np.allclose(out.weighted_sum["w"], plain, atol=1e-3)
     for d in survivors:  # a masked vector is not its quantised update (nor close to it)
         own = r.expected([d])
@@ -153,7 +171,7 @@ def test_fewer_survivors_than_the_threshold_fail_cleanly():
     r = Round(10)
     r.setup()
     t = r.settings.t(10)
-    r.send_results(drop=tuple(sorted(r.results)[t - 1:]))  # t - 1 survivors
+    r.send_results(drop=tuple(sorted(r.results)[t - 1 :]))  # t - 1 survivors
     with pytest.raises(SecAggFailure, match="threshold"):
         r.cell.unmask_requests()
 
@@ -251,14 +269,17 @@ def test_masked_result_with_a_wrong_layout_or_weight_is_refused():
 
 
 # ----------------------------------------------------------------------------- config
-@pytest.mark.parametrize("algorithm, match", [
-    ({"name": "fedalign", "priority_fraction": 0.5}, "FedALIGN"),
-    ({"name": "decomfl"}, "DeComFL"),
-    ({"name": "fedmrn"}, "FedMRN"),
-    ({"name": "fedavg", "uplink": "qsgd"}, "uplink"),
-    ({"name": "fedavg", "cell_aggregator": "krum"}, "cell_aggregator"),
-    ({"name": "fedavg", "mode": "async"}, "async"),
-])
+@pytest.mark.parametrize(
+    "algorithm, match",
+    [
+        ({"name": "fedalign", "priority_fraction": 0.5}, "FedALIGN"),
+        ({"name": "decomfl"}, "DeComFL"),
+        ({"name": "fedmrn"}, "FedMRN"),
+        ({"name": "fedavg", "uplink": "qsgd"}, "uplink"),
+        ({"name": "fedavg", "cell_aggregator": "krum"}, "cell_aggregator"),
+        ({"name": "fedavg", "mode": "async"}, "async"),
+    ],
+)
 def test_secure_aggregation_is_refused_where_cells_need_individual_updates(algorithm, match):
     from protocols.config import ConfigError, parse_config
 
@@ -271,7 +292,9 @@ def test_secure_aggregation_is_refused_where_cells_need_individual_updates(algor
 def test_secure_aggregation_is_accepted_for_dense_summing_algorithms(name):
     from protocols.config import parse_config
 
-    assert parse_config({"algorithm": {"name": name}, "privacy": {"secure_aggregation": True}}).privacy.secure_aggregation
+    assert parse_config(
+        {"algorithm": {"name": name}, "privacy": {"secure_aggregation": True}}
+    ).privacy.secure_aggregation
 
 
 def test_a_device_masking_an_out_of_range_vector_fails_the_round_instead_of_corrupting_it():

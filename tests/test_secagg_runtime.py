@@ -1,6 +1,7 @@
 """Secure aggregation in the running hierarchy (``fedtier sim`` and ``fedtier run``): the cell aggregates
 exactly the survivors' quantised updates, survives devices dropping after the share phase, fails a
 round cleanly below the threshold, keeps secrets out of its log, and refuses bad secagg messages."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -53,22 +54,32 @@ def capture_plain(sim: SimHierarchy, devices) -> dict:
 @pytest.mark.parametrize("algorithm", ["fedavg", "hist"])
 def test_secure_sim_learns_like_the_plain_one_and_records_the_protocol(tmp_path, algorithm):
     name = {"name": algorithm}
-    plain = run_simulation(small_config(tmp_path / "p", run={"rounds": 4, "output": str(tmp_path / "p")},
-                                        algorithm=name))
+    plain = run_simulation(
+        small_config(tmp_path / "p", run={"rounds": 4, "output": str(tmp_path / "p")}, algorithm=name)
+    )
     safe = run_simulation(secure(tmp_path, run={"rounds": 4, "output": str(tmp_path / "s")}, algorithm=name))
     assert safe.final_accuracy >= plain.final_accuracy - 0.03 and safe.final_accuracy > 0.8
     for rec in safe.cell_records:
         assert rec["closed_by"] == "all answered" and len(rec["answered"]) == 3 and not rec["rejected"]
-        assert rec["metrics"]["secagg"] == {"planned": 3, "keys": 3, "shared": 3, "survivors": 3, "dropped": 0,
-                                            "recovered": 0, "degree": 2, "threshold": 2}
+        assert rec["metrics"]["secagg"] == {
+            "planned": 3,
+            "keys": 3,
+            "shared": 3,
+            "survivors": 3,
+            "dropped": 0,
+            "recovered": 0,
+            "degree": 2,
+            "threshold": 2,
+        }
     # the masked vector is as large as the plain update; keys and shares add a little
     ratio = safe.cell_records[0]["bytes_in"] / plain.cell_records[0]["bytes_in"]
     assert 1.0 < ratio < 1.3
 
 
 def test_thirty_percent_dropping_after_sharing_the_cell_aggregates_exactly_the_survivors(tmp_path):
-    cfg = secure(tmp_path, devices=10, run={"rounds": 1}, algorithm={"edge_rounds": 1},
-                 runtime={"device_deadline": 20.0})
+    cfg = secure(
+        tmp_path, devices=10, run={"rounds": 1}, algorithm={"edge_rounds": 1}, runtime={"device_deadline": 20.0}
+    )
     sim = SimHierarchy(cfg)
     cell = sim.cells["c0"]
     devices = cfg.topology.device_ids("c0")
@@ -91,12 +102,16 @@ def test_thirty_percent_dropping_after_sharing_the_cell_aggregates_exactly_the_s
     # what the role got is exactly the survivors' quantised sum, unmasked, over their weight
     settings = cfg.secagg_settings()
     total_weight = float(sum(len(sim.prep.device_data[d]) for d in devices))  # every device sent keys
-    total = sum(quantize(flatten(plain[(0, 0, d)].tensors)[0], plain[(0, 0, d)].meta["weight"], settings,
-                         total_weight) for d in survivors)
+    total = sum(
+        quantize(flatten(plain[(0, 0, d)].tensors)[0], plain[(0, 0, d)].meta["weight"], settings, total_weight)
+        for d in survivors
+    )
     layout = flatten(plain[(0, 0, survivors[0])].tensors)[1]
     weight = sum(plain[(0, 0, d)].meta["weight"] for d in survivors)
-    expected = {k: (v / weight).astype(np.float32)
-                for k, v in unflatten(dequantize(total, settings, total_weight), layout).items()}
+    expected = {
+        k: (v / weight).astype(np.float32)
+        for k, v in unflatten(dequantize(total, settings, total_weight), layout).items()
+    }
     assert sorted(seen_by_role) == survivors
     for d in survivors:
         assert seen_by_role[d].meta["weight"] == plain[(0, 0, d)].meta["weight"]
@@ -104,8 +119,9 @@ def test_thirty_percent_dropping_after_sharing_the_cell_aggregates_exactly_the_s
 
 
 def test_a_device_silent_from_the_start_is_left_out_after_the_key_deadline(tmp_path):
-    cfg = secure(tmp_path, devices=4, run={"rounds": 1}, algorithm={"edge_rounds": 1},
-                 runtime={"device_deadline": 20.0})
+    cfg = secure(
+        tmp_path, devices=4, run={"rounds": 1}, algorithm={"edge_rounds": 1}, runtime={"device_deadline": 20.0}
+    )
     sim = SimHierarchy(cfg)
     sim.agents["c0-d2"].secagg.begin = lambda h, train: None  # takes its task, never sends keys nor trains
     result = sim.run()
@@ -173,15 +189,24 @@ def test_bad_secagg_messages_are_rejected_and_logged_and_the_sum_stays_right(tmp
         if c0.round == 1 and st.phase == "keys" and not state["done"]:
             state["done"] = True
             # keys from a device not planned this round
-            intruder.messenger.send(rogue_topic, "secagg_keys", Payload({"weight": 5.0}, {
-                "c": np.zeros(32, np.uint8), "s": np.zeros(32, np.uint8)}), round=1, cell="c0")
+            intruder.messenger.send(
+                rogue_topic,
+                "secagg_keys",
+                Payload({"weight": 5.0}, {"c": np.zeros(32, np.uint8), "s": np.zeros(32, np.uint8)}),
+                round=1,
+                cell="c0",
+            )
             # a share message replayed from round 0 (framed anew, its old round in the header)
             topic, old = captured[(0, "secagg_shares")]
             d1.messenger.send(topic, "secagg_shares", old, round=0, cell="c0")
             # a malformed shares message for this round from d2 (one ciphertext cut short)
-            sim.agents["c0-d2"].messenger.send(topics.device_result(cfg.run.name, "c0", "c0-d2"), "secagg_shares",
-                                               Payload({"commit": "0" * 64}, {"e/c0-d0": np.zeros(3, np.uint8)}),
-                                               round=1, cell="c0")
+            sim.agents["c0-d2"].messenger.send(
+                topics.device_result(cfg.run.name, "c0", "c0-d2"),
+                "secagg_shares",
+                Payload({"commit": "0" * 64}, {"e/c0-d0": np.zeros(3, np.uint8)}),
+                round=1,
+                cell="c0",
+            )
         keep_advance()
 
     c0.secagg._advance = advance
@@ -191,8 +216,9 @@ def test_bad_secagg_messages_are_rejected_and_logged_and_the_sum_stays_right(tmp
     assert "not planned" in reasons and "stale or replayed" in reasons and "shares" in reasons
     # d2's real shares came after its malformed message was refused: everybody survives, the sum is whole
     assert rec["closed_by"] == "all answered" and len(rec["answered"]) == 5
-    clean = run_simulation(secure(tmp_path, devices=5, run={"rounds": 2, "output": str(tmp_path / "clean")},
-                                  algorithm={"edge_rounds": 1}))
+    clean = run_simulation(
+        secure(tmp_path, devices=5, run={"rounds": 2, "output": str(tmp_path / "clean")}, algorithm={"edge_rounds": 1})
+    )
     assert all(np.array_equal(result.params[k], clean.params[k]) for k in clean.params)  # the very same model
 
 
@@ -204,7 +230,7 @@ def test_secure_aggregation_over_mqtt_gives_the_same_model_as_the_sim(tmp_path):
     extra = {"security": {"keys": str(tmp_path / "keys.toml")}}
     sim = run_simulation(secure(tmp_path, run={"rounds": 2, "output": str(tmp_path / "sim")}, **extra))
     cfg = secure(tmp_path, run={"rounds": 2, "output": str(tmp_path / "run")}, **extra)
-    with (MosquittoBroker() if find_mosquitto() else EmbeddedBroker()) as broker:
+    with MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as broker:
         run = Emulation(cfg, broker_url=broker.url).run()
     assert (run.output_dir / runfiles.FINAL_MODEL).read_bytes() == (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
     assert all(r["metrics"]["secagg"]["survivors"] == 3 and not r["rejected"] for r in run.cell_records)

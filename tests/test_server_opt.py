@@ -1,4 +1,5 @@
 """Server optimizers at the cloud (FedAvgM, FedAdagrad, FedAdam, FedYogi): the update rules, checkpoints, configs."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +15,17 @@ LR, B1, B2, TAU, MOM = 0.05, 0.8, 0.95, 0.01, 0.7
 
 
 def _params(name: str, **kw) -> FedAvgParams:
-    return FedAvgParams(name="fedavg", local_steps=1, server_optimizer=name, server_lr=LR, server_beta1=B1,
-                        server_beta2=B2, server_tau=TAU, server_momentum=MOM, **kw)
+    return FedAvgParams(
+        name="fedavg",
+        local_steps=1,
+        server_optimizer=name,
+        server_lr=LR,
+        server_beta1=B1,
+        server_beta2=B2,
+        server_tau=TAU,
+        server_momentum=MOM,
+        **kw,
+    )
 
 
 def _deltas() -> list[np.ndarray]:
@@ -28,7 +38,7 @@ def _deltas() -> list[np.ndarray]:
 
 def _reference(name: str, x0: np.ndarray, deltas: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Reddi et al. 2021, Algorithm 2 (m_{-1} = 0, v_{-1} = tau^2), and FedAvgM; the model is float32 each round."""
-    x, m, v = x0.astype(np.float32), np.zeros(x0.shape), np.full(x0.shape, TAU ** 2)
+    x, m, v = x0.astype(np.float32), np.zeros(x0.shape), np.full(x0.shape, TAU**2)
     xs, signs = [], []
     for d in (dd.astype(np.float64) for dd in deltas):
         if name == "fedavgm":
@@ -37,12 +47,12 @@ def _reference(name: str, x0: np.ndarray, deltas: list[np.ndarray]) -> tuple[lis
         else:
             m = B1 * m + (1 - B1) * d
             if name == "fedadagrad":
-                v = v + d ** 2
+                v = v + d**2
             elif name == "fedadam":
-                v = B2 * v + (1 - B2) * d ** 2
+                v = B2 * v + (1 - B2) * d**2
             else:
-                signs.append(np.sign(v - d ** 2))
-                v = v - (1 - B2) * d ** 2 * np.sign(v - d ** 2)
+                signs.append(np.sign(v - d**2))
+                v = v - (1 - B2) * d**2 * np.sign(v - d**2)
             step = m / (np.sqrt(v) + TAU)
         x = (x.astype(np.float64) + LR * step).astype(np.float32)
         xs.append(x)
@@ -88,8 +98,9 @@ def test_a_round_without_reports_leaves_model_and_state_alone():
 def test_amplification_with_momentum_or_adaptive_optimizers_is_refused():
     for name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad"):
         with pytest.raises(ConfigError, match="cannot be combined with amplification"):
-            parse_config({"algorithm": {"name": "fedavg", "server_optimizer": name, "amplify_eta": 2.0,
-                                        "amplify_period": 3}})
+            parse_config(
+                {"algorithm": {"name": "fedavg", "server_optimizer": name, "amplify_eta": 2.0, "amplify_period": 3}}
+            )
         parse_config({"algorithm": {"name": "hist", "server_optimizer": name}})  # alone: fine
     parse_config({"algorithm": {"name": "fedavg", "amplify_eta": 2.0, "amplify_period": 3}})  # sgd + amplification
     with pytest.raises(ConfigError, match="server_optimizer"):
@@ -113,11 +124,13 @@ def test_optimizer_state_that_does_not_match_the_model_is_refused_on_resume():
 
 
 def _cfg(tmp_path, **algo) -> dict:
-    return {"run": {"name": "sopt", "seed": 5, "rounds": 6, "output": str(tmp_path / "{name}")},
-            "topology": {"cells": 2, "devices_per_cell": 3},
-            "algorithm": {"name": "fedavg", "local_steps": 20, "batch_size": 16, "lr": 0.2, **algo},
-            "model": {"name": "mlp", "hidden": [32]},
-            "data": {"dataset": "digits", "partition": "iid"}}
+    return {
+        "run": {"name": "sopt", "seed": 5, "rounds": 6, "output": str(tmp_path / "{name}")},
+        "topology": {"cells": 2, "devices_per_cell": 3},
+        "algorithm": {"name": "fedavg", "local_steps": 20, "batch_size": 16, "lr": 0.2, **algo},
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": {"dataset": "digits", "partition": "iid"},
+    }
 
 
 def test_fedadam_run_learns_and_resumes_bit_identically(tmp_path):

@@ -1,5 +1,6 @@
 """Per-node message signing (``[security] keys``): keys files, ``fedtier keys``, forged messages
 rejected in the sim, and a signed ``fedtier run`` bit-identical to ``fedtier sim``."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,20 @@ from protocols import runfiles
 from protocols.config import ConfigError
 from protocols.wire import topics
 from protocols.wire.envelope import WireError, decode_message, verify_signature
-from protocols.wire.keys import (KEY_BYTES, KeyRing, KeysError, Trust, dump_keys, generate_keys, load_keys,
-                                 new_seed, node_subset, node_trust, public_of, write_keys)
+from protocols.wire.keys import (
+    KEY_BYTES,
+    KeyRing,
+    KeysError,
+    Trust,
+    dump_keys,
+    generate_keys,
+    load_keys,
+    new_seed,
+    node_subset,
+    node_trust,
+    public_of,
+    write_keys,
+)
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload, decode_payload
 from protocols.transport.broker import EmbeddedBroker
@@ -177,8 +190,14 @@ def forge(sim: SimHierarchy, sender: str, trust: Trust | None) -> list[int]:
         task = decode_payload(raw).tensors  # the model the cell sent: the forgery has its shapes
         bogus = Payload({"weight": 10.0}, {k: np.full_like(v, 3.0) for k, v in task.items()})
         messenger.session = header.session
-        messenger.send(topics.device_result(run, "c0", "c0-d0"), "device_result", bogus,
-                       round=header.round, edge_round=header.edge_round, cell="c0")
+        messenger.send(
+            topics.device_result(run, "c0", "c0-d0"),
+            "device_result",
+            bogus,
+            round=header.round,
+            edge_round=header.edge_round,
+            cell="c0",
+        )
         if not forged:
             cloud = Messenger(intruder, run, "cloud")
             cloud.trust, cloud.session = trust, header.session
@@ -197,8 +216,7 @@ def signer(ring: KeyRing, claims: str, key: str | None) -> Trust | None:
 
 
 @pytest.mark.parametrize("how", list(FORGERIES))
-def test_forged_messages_are_rejected_and_do_not_change_the_aggregate(how: str, runs: dict,
-                                                                      tmp_path: Path) -> None:
+def test_forged_messages_are_rejected_and_do_not_change_the_aggregate(how: str, runs: dict, tmp_path: Path) -> None:
     sender, key, reason = FORGERIES[how]
     cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(runs["keys"])})
     sim = SimHierarchy(cfg)
@@ -250,8 +268,9 @@ def test_signed_fedtier_run_is_bit_identical_to_sim(runs: dict, tmp_path: Path) 
             header, raw = decode_message(data)
             if (header.round, header.edge_round) == (0, 0):
                 liar.session = header.session
-                bogus = Payload({"weight": 1000.0}, {k: np.full_like(v, 3.0)
-                                                     for k, v in decode_payload(raw).tensors.items()})
+                bogus = Payload(
+                    {"weight": 1000.0}, {k: np.full_like(v, 3.0) for k, v in decode_payload(raw).tensors.items()}
+                )
                 liar.send(topics.device_result(run, "c0", "c0-d0"), "device_result", bogus, round=0, cell="c0")
 
         spy.subscribe(topics.device_results(run, "+"), on_result)

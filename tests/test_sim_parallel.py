@@ -1,4 +1,5 @@
 """Parallel device training in ``fedtier sim`` (``sim/executors.py``): the same run, byte for byte."""
+
 from __future__ import annotations
 
 import multiprocessing.connection
@@ -54,12 +55,21 @@ def test_fedavg_two_workers_is_byte_identical(make_config):
 
 def test_decomfl_stateful_devices_with_partial_participation(make_config):
     inline, parallel = _pair(
-        make_config, run={"rounds": 6},
-        algorithm={"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 3, "lr": 0.02,
-                   "mu": 1e-3, "batch_size": 16},
+        make_config,
+        run={"rounds": 6},
+        algorithm={
+            "name": "decomfl",
+            "edge_rounds": 1,
+            "local_steps": 2,
+            "perturbations": 3,
+            "lr": 0.02,
+            "mu": 1e-3,
+            "batch_size": 16,
+        },
         model={"name": "mlp", "hidden": [16]},
         participation={"model": "uniform", "per_round": 2},  # devices miss rounds, then replay the history
-        runtime={"device_deadline": 5.0, "eval_every": 6})
+        runtime={"device_deadline": 5.0, "eval_every": 6},
+    )
     _same(inline, parallel)
     missed = [r for r in inline.cell_records if any(why == "not participating" for why in r["absent"].values())]
     assert missed
@@ -67,10 +77,18 @@ def test_decomfl_stateful_devices_with_partial_participation(make_config):
 
 def test_clock_stragglers_miss_the_same_deadlines(make_config):
     inline, parallel = _pair(
-        make_config, run={"rounds": 2}, algorithm={"edge_rounds": 2, "local_steps": 10},
-        clock={"device_steps_per_s": 10.0, "device_speed_spread": 1.0, "downlink_bytes_per_s": 2e5,
-               "uplink_bytes_per_s": 5e4, "latency_s": 0.01},
-        runtime={"device_deadline": 1.5})
+        make_config,
+        run={"rounds": 2},
+        algorithm={"edge_rounds": 2, "local_steps": 10},
+        clock={
+            "device_steps_per_s": 10.0,
+            "device_speed_spread": 1.0,
+            "downlink_bytes_per_s": 2e5,
+            "uplink_bytes_per_s": 5e4,
+            "latency_s": 0.01,
+        },
+        runtime={"device_deadline": 1.5},
+    )
     _same(inline, parallel)
     late = [d for r in inline.cell_records for d, why in r["absent"].items() if why == "deadline"]
     assert late and parallel.history[-1]["clock_s"] > 3.0
@@ -90,8 +108,11 @@ def test_a_worker_that_dies_ends_the_run_with_the_device_named(make_config):
 
     sim.agents[victim].on_task = kill
     group = sim.executor.groups[sim.executor.owner[victim]]  # the error names the first task lost with it
-    with pytest.raises(WorkerError, match=rf"device ({'|'.join(group)}) \(round 1\.[01]\).*"
-                                          rf"\(devices {', '.join(group)}\) died with exit code -9"):
+    with pytest.raises(
+        WorkerError,
+        match=rf"device ({'|'.join(group)}) \(round 1\.[01]\).*"
+        rf"\(devices {', '.join(group)}\) died with exit code -9",
+    ):
         sim.run()
     assert all(not p.is_alive() for p in sim.executor.procs)
 
@@ -116,9 +137,10 @@ def test_ray_actors_are_byte_identical(make_config):
     try:
         cfg = make_config(run={"rounds": 2})
         inline = run_simulation(cfg, write_output=False)
-        on_ray = run_simulation(make_config(run={"rounds": 2}, runtime={"sim_workers": 2, "sim_backend": "ray",
-                                                                        "device_deadline": 5.0}),
-                                write_output=False)
+        on_ray = run_simulation(
+            make_config(run={"rounds": 2}, runtime={"sim_workers": 2, "sim_backend": "ray", "device_deadline": 5.0}),
+            write_output=False,
+        )
         _same(inline, on_ray)
     finally:
         ray.shutdown()

@@ -1,6 +1,7 @@
 """Broker-level trust over a real Mosquitto: TLS (server-authenticated and mutual) and user name /
 password, with certificates from a throwaway CA made by the ``openssl`` CLI in a tmp dir; and the
 whole stack at once: ``fedtier run`` over mutual TLS + password with signed messages."""
+
 from __future__ import annotations
 
 import shutil
@@ -23,8 +24,10 @@ OPENSSL = shutil.which("openssl")
 MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd")
 pytestmark = [
     pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed"),
-    pytest.mark.skipif(OPENSSL is None, reason="the openssl CLI is not installed (and the venv has no "
-                       "`cryptography` to make test certificates with)"),
+    pytest.mark.skipif(
+        OPENSSL is None,
+        reason="the openssl CLI is not installed (and the venv has no `cryptography` to make test certificates with)",
+    ),
 ]
 
 
@@ -33,18 +36,62 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _key_and_csr(name: str, cn: str, d: Path) -> None:
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
-             f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
+    _openssl(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={cn}",
+        cwd=d,
+    )
 
 
 def _ca(name: str, d: Path) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-             "-keyout", f"{name}.key", "-out", f"{name}.crt", "-subj", f"/CN={name}", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-days",
+        "1",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.crt",
+        "-subj",
+        f"/CN={name}",
+        cwd=d,
+    )
 
 
 def _sign(name: str, ca: str, d: Path, ext: str | None = None) -> None:
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-days", "1", "-out", f"{name}.crt", *(("-extfile", ext) if ext else ()), cwd=d)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.crt",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-out",
+        f"{name}.crt",
+        *(("-extfile", ext) if ext else ()),
+        cwd=d,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +102,20 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _ca("ca", d)
     _ca("rogue", d)
     (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, cn, ca, ext in [("server", "127.0.0.1", "ca", "san.cnf"), ("client", "c0-d0", "ca", None),
-                              ("rogue-client", "c0-d0", "rogue", None)]:
+    for name, cn, ca, ext in [
+        ("server", "127.0.0.1", "ca", "san.cnf"),
+        ("client", "c0-d0", "ca", None),
+        ("rogue-client", "c0-d0", "rogue", None),
+    ]:
         _key_and_csr(name, cn, d)
         _sign(name, ca, d, ext)
     return d
 
 
 def tls_config(d: Path, mutual: bool) -> str:
-    return (f"cafile {d / 'ca.crt'}\ncertfile {d / 'server.crt'}\nkeyfile {d / 'server.key'}\n"
-            + ("require_certificate true\n" if mutual else ""))
+    return f"cafile {d / 'ca.crt'}\ncertfile {d / 'server.crt'}\nkeyfile {d / 'server.key'}\n" + (
+        "require_certificate true\n" if mutual else ""
+    )
 
 
 @pytest.fixture
@@ -110,8 +161,14 @@ def test_mutual_tls(pki: Path, loop: ThreadLoop) -> None:
         with pytest.raises(ConnectionError, match=r"\(with TLS, no client certificate\).*client certificate"):
             connect(broker, loop, "no-cert", ca_certs=str(pki / "ca.crt"))
         with pytest.raises(ConnectionError, match="closed the connection"):
-            connect(broker, loop, "rogue-cert", ca_certs=str(pki / "ca.crt"),
-                    certfile=str(pki / "rogue-client.crt"), keyfile=str(pki / "rogue-client.key"))
+            connect(
+                broker,
+                loop,
+                "rogue-cert",
+                ca_certs=str(pki / "ca.crt"),
+                certfile=str(pki / "rogue-client.crt"),
+                keyfile=str(pki / "rogue-client.key"),
+            )
         with pytest.raises(ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
             connect(broker, loop, "wrong-ca", ca_certs=str(pki / "rogue.crt"), **client)
 
@@ -139,13 +196,23 @@ def test_fedtier_run_over_mutual_tls_and_password_with_signed_messages(pki: Path
     """Every node (cloud, cells, agents in a worker process) reaches Mosquitto over mutual TLS with a
     user name and password, and signs its messages: the same model as the unsigned sim."""
     passwd = password_file(tmp_path, {"fedtier": "pw"})
-    broker_cfg = {"username": "fedtier", "password": "pw", "ca_certs": str(pki / "ca.crt"),
-                  "certfile": str(pki / "client.crt"), "keyfile": str(pki / "client.key")}
+    broker_cfg = {
+        "username": "fedtier",
+        "password": "pw",
+        "ca_certs": str(pki / "ca.crt"),
+        "certfile": str(pki / "client.crt"),
+        "keyfile": str(pki / "client.key"),
+    }
     sim = run_simulation(small_config(tmp_path / "sim", run={"rounds": 2}))
-    with MosquittoBroker(extra_config=tls_config(pki, mutual=True) + f"password_file {passwd}\n",
-                         allow_anonymous=False) as broker:
-        cfg = small_config(tmp_path / "run", run={"rounds": 2}, broker={"url": broker.url, **broker_cfg},
-                           security={"keys": str(tmp_path / "keys.toml")})
+    with MosquittoBroker(
+        extra_config=tls_config(pki, mutual=True) + f"password_file {passwd}\n", allow_anonymous=False
+    ) as broker:
+        cfg = small_config(
+            tmp_path / "run",
+            run={"rounds": 2},
+            broker={"url": broker.url, **broker_cfg},
+            security={"keys": str(tmp_path / "keys.toml")},
+        )
         result = Emulation(cfg, workers=1).run()
     assert all(np.array_equal(sim.params[k], result.params[k]) for k in sim.params)
     assert all(not r["rejected"] for r in result.cell_records) and len(result.history) == 2

@@ -1,4 +1,5 @@
 """The benchmarks' shared sweep keeps every finished run in a journal: a killed sweep resumes where it stopped."""
+
 from __future__ import annotations
 
 import argparse
@@ -101,11 +102,14 @@ def test_a_changed_setting_or_fresh_does_not_reuse_runs(tmp_path, monkeypatch):
     j = open_journal(args, "benchmarks/x.py", "paper", paper)
     sweep(fake_run, GRIDS, SEEDS, 2, journal=j, calls=str(tmp_path / "c1"))
     j.close()
-    other = open_journal(argparse.Namespace(journal=None, fresh=False), "benchmarks/x.py", "paper",
-                         {**paper, "rounds": 50})
+    other = open_journal(
+        argparse.Namespace(journal=None, fresh=False), "benchmarks/x.py", "paper", {**paper, "rounds": 50}
+    )
     other.close()
-    assert other.path != open_journal(argparse.Namespace(journal=None, fresh=False), "benchmarks/x.py", "paper",
-                                      paper).path
+    assert (
+        other.path
+        != open_journal(argparse.Namespace(journal=None, fresh=False), "benchmarks/x.py", "paper", paper).path
+    )
     with pytest.raises(SystemExit, match="other settings"):  # an explicit path written for other settings
         open_journal(args, "benchmarks/x.py", "paper", {**paper, "rounds": 50})
     j = open_journal(argparse.Namespace(journal=args.journal, fresh=True), "benchmarks/x.py", "paper", paper)
@@ -131,10 +135,17 @@ def test_a_second_process_on_the_same_journal_is_refused(tmp_path):
     import sys
 
     j = Journal(tmp_path / "j.jsonl", {})
-    code = ("import sys; sys.path.insert(0, '.'); from benchmarks.tuning import Journal; "
-            f"Journal({str(tmp_path / 'j.jsonl')!r}, {{}})")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys; sys.path.insert(0, '.'); from benchmarks.tuning import Journal; "
+        f"Journal({str(tmp_path / 'j.jsonl')!r}, {{}})"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     j.close()
     assert out.returncode != 0 and "in use by another process" in out.stderr
 
@@ -158,16 +169,23 @@ def test_sigterm_stops_the_sweep_and_its_workers_and_keeps_the_finished_runs(tmp
     import sys
     import time
 
-    code = ("import sys; sys.path.insert(0, '.'); from benchmarks.tuning import Journal, sweep; "
-            "from tests.test_tuning import slow_run; "
-            f"sweep(slow_run, {{'a': [0.1, 1.0, 3.0]}}, [0], 2, journal=Journal({str(tmp_path / 'j.jsonl')!r}, {{}}), "
-            f"calls={str(tmp_path / 'calls')!r})")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code = (
+        "import sys; sys.path.insert(0, '.'); from benchmarks.tuning import Journal, sweep; "
+        "from tests.test_tuning import slow_run; "
+        f"sweep(slow_run, {{'a': [0.1, 1.0, 3.0]}}, [0], 2, journal=Journal({str(tmp_path / 'j.jsonl')!r}, {{}}), "
+        f"calls={str(tmp_path / 'calls')!r})"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (
-            (tmp_path / "j.jsonl").exists() and journal_lines(tmp_path / "j.jsonl")
-            and len(calls(tmp_path / "calls")) >= 2):
+        (tmp_path / "j.jsonl").exists() and journal_lines(tmp_path / "j.jsonl") and len(calls(tmp_path / "calls")) >= 2
+    ):
         time.sleep(0.05)
     assert journal_lines(tmp_path / "j.jsonl"), "the instant run was not journaled"
     proc.send_signal(signal.SIGTERM)

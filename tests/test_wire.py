@@ -1,4 +1,5 @@
 """Envelope and payload codec: exact round trips, and every malformed input rejected with a reason."""
+
 from __future__ import annotations
 
 import struct
@@ -14,16 +15,23 @@ from protocols.wire.keys import Trust, generate_keys, new_seed
 
 
 def header(**kw) -> Header:
-    base = dict(run="r", kind="device_result", round=3, edge_round=1, cell="c0", sender="c0-d1",
-                msg_id="m1", payload_len=0)
+    base = dict(
+        run="r", kind="device_result", round=3, edge_round=1, cell="c0", sender="c0-d1", msg_id="m1", payload_len=0
+    )
     base.update(kw)
     return Header(**base)
 
 
 def sample_payload() -> Payload:
-    return Payload({"weight": 600, "loss": 0.5},
-                   {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "mask": np.array([255, 1], dtype=np.uint8),
-                    "idx": np.array([1, 2, 3], dtype=np.int64), "scalar": np.float64(2.5) * np.ones((), np.float64)})
+    return Payload(
+        {"weight": 600, "loss": 0.5},
+        {
+            "w": np.arange(12, dtype=np.float32).reshape(3, 4),
+            "mask": np.array([255, 1], dtype=np.uint8),
+            "idx": np.array([1, 2, 3], dtype=np.int64),
+            "scalar": np.float64(2.5) * np.ones((), np.float64),
+        },
+    )
 
 
 def test_payload_round_trip_is_exact_and_sized_by_content():
@@ -116,13 +124,16 @@ def test_envelope_round_trip_and_signature():
         verify_signature(h4, raw4, topic, me.verify)
 
 
-@pytest.mark.parametrize("data, reason", [
-    (b"", "magic"),
-    (b"XXXX" + b"\0" * 10, "magic"),
-    (MAGIC + struct.pack("<I", 10**6) + b"{}", "header length"),
-    (MAGIC + struct.pack("<I", 4) + b"nope", "invalid header"),
-    (MAGIC + struct.pack("<I", 2) + b"{}", "invalid header"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "magic"),
+        (b"XXXX" + b"\0" * 10, "magic"),
+        (MAGIC + struct.pack("<I", 10**6) + b"{}", "header length"),
+        (MAGIC + struct.pack("<I", 4) + b"nope", "invalid header"),
+        (MAGIC + struct.pack("<I", 2) + b"{}", "invalid header"),
+    ],
+)
 def test_malformed_envelopes_rejected(data, reason):
     with pytest.raises(WireError, match=reason):
         decode_message(data)
@@ -132,6 +143,7 @@ def test_header_fields_validated():
     h = header().model_dump()
     h["round"] = -1
     import json
+
     head = json.dumps(h).encode()
     with pytest.raises(WireError, match="round"):
         decode_message(MAGIC + struct.pack("<I", len(head)) + head)

@@ -1,4 +1,5 @@
 """Algorithms: each module defines an :class:`Algorithm` with its cloud, cell and device roles."""
+
 from __future__ import annotations
 
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected, TrainParams
@@ -8,7 +9,13 @@ from .fedavg import FedAvg
 from .fedmrn import FedMRN
 from .hist import Hist
 
-ALGORITHMS: dict[str, type[Algorithm]] = {FedAlign.name: FedAlign, DeComFL.name: DeComFL, FedAvg.name: FedAvg, FedMRN.name: FedMRN, Hist.name: Hist}
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    FedAlign.name: FedAlign,
+    DeComFL.name: DeComFL,
+    FedAvg.name: FedAvg,
+    FedMRN.name: FedMRN,
+    Hist.name: Hist,
+}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
@@ -24,5 +31,16 @@ def get_algorithm(name: str) -> type[Algorithm]:
         raise ValueError(f"unknown algorithm {name!r} (available: {', '.join(sorted(ALGORITHMS))})") from None
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "CellRole", "CloudRole", "DeviceContext", "DeviceRole", "ModelSpec",
-           "Rejected", "TrainParams", "get_algorithm", "register"]
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "CellRole",
+    "CloudRole",
+    "DeviceContext",
+    "DeviceRole",
+    "ModelSpec",
+    "Rejected",
+    "TrainParams",
+    "get_algorithm",
+    "register",
+]

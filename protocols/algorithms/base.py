@@ -18,6 +18,7 @@ A round, as the runtimes drive it::
     cloud.check(cell, report)       raises Rejected on a bad report
     cloud.aggregate(r, reports)     -> metrics
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -200,8 +201,11 @@ class Algorithm(ABC):
         from ..models import build_model, init_params
 
         spec = self.model
-        return init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()),
-                           self.init_seed, spec.init_std)
+        return init_params(
+            build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()),
+            self.init_seed,
+            spec.init_std,
+        )
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         """The run's device ids per cell, given by ``RunConfig.build_algorithm`` before any role is built.

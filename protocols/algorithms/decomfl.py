@@ -34,6 +34,7 @@ Bytes: device uplink = one ``(K, P)`` float32 tensor and ``{"weight": n}``; down
 ``h + 1`` uint64 seeds and an ``(h, K, P)`` float32 tensor (h = rounds missed). None depends on the
 model size. Needs only forward passes, so a device may run on onnxruntime (``edge_agent.onnx_trainer``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -60,8 +61,13 @@ class DeComFLParams(TrainParams):
     direction: Literal["gaussian", "rademacher"] = "gaussian"
     weighting: Literal["uniform", "samples"] = "uniform"
     server_model: bool = Field(default=True, description="the cloud keeps x_r (evaluation only)")
-    momentum: float = Field(default=0.0, ge=0, lt=1, description="heavy-ball beta of the ZO-SGD steps; the "
-                            "buffer is replayed with the model (0: plain ZO-SGD, bit for bit)")
+    momentum: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="heavy-ball beta of the ZO-SGD steps; the "
+        "buffer is replayed with the model (0: plain ZO-SGD, bit for bit)",
+    )
 
     @model_validator(mode="after")
     def _supported(self) -> "DeComFLParams":
@@ -113,10 +119,10 @@ class DeComFLCloud(CloudRole):
         self.K, self.P = params.local_steps, params.perturbations
         self.model = P.copy(initial)
         self.buf = P.zeros_like(self.model) if params.momentum else None  # heavy-ball buffer of x_r
-        self.base = 0                      # first round kept in the history
-        self.seeds: list[int] = []         # round seeds of rounds base..
-        self.g: list[np.ndarray] = []      # averaged K x P scalars of rounds base..
-        self.log_seeds: list[int] = []     # the cloud's log: seeds and scalars of every round since 0, from
+        self.base = 0  # first round kept in the history
+        self.seeds: list[int] = []  # round seeds of rounds base..
+        self.g: list[np.ndarray] = []  # averaged K x P scalars of rounds base..
+        self.log_seeds: list[int] = []  # the cloud's log: seeds and scalars of every round since 0, from
         self.log_g: list[np.ndarray] | None = []  # which devices that lost their replicas are rebuilt
         self.synced: dict[str, dict[str, int]] = {}
         self.need: dict[str, int] = {}
@@ -133,8 +139,11 @@ class DeComFLCloud(CloudRole):
             start = max(self.need.get(c, 0), self.base)
             i = start - self.base
             hist = np.stack(self.g[i:]) if self.g[i:] else np.zeros((0, self.K, self.P), np.float32)
-            tasks[c] = history_payload({"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))},
-                                       [*self.seeds[i:], self.round_seed], hist)
+            tasks[c] = history_payload(
+                {"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))},
+                [*self.seeds[i:], self.round_seed],
+                hist,
+            )
         return tasks
 
     def check(self, cell: str, report: Payload) -> None:
@@ -145,12 +154,19 @@ class DeComFLCloud(CloudRole):
             raise Rejected(f"{what}: weight must be a non-negative number, got {w!r}")
         _int(meta, "need", what, 0, self.base + len(self.g))  # at most this round
         answered = meta.get("answered")
-        if not isinstance(answered, list) or not all(isinstance(d, str) for d in answered) \
-                or len(set(answered)) != len(answered):
+        if (
+            not isinstance(answered, list)
+            or not all(isinstance(d, str) for d in answered)
+            or len(set(answered)) != len(answered)
+        ):
             raise Rejected(f"{what}: answered must be a list of distinct device ids")
         resync = meta.get("resync", [])
-        if not isinstance(resync, list) or not all(isinstance(d, str) for d in resync) \
-                or len(set(resync)) != len(resync) or set(resync) & set(answered):
+        if (
+            not isinstance(resync, list)
+            or not all(isinstance(d, str) for d in resync)
+            or len(set(resync)) != len(resync)
+            or set(resync) & set(answered)
+        ):
             raise Rejected(f"{what}: resync must be a list of distinct device ids that did not answer")
         if self.p.weighting == "uniform" and w != len(answered):
             raise Rejected(f"{what}: weight {w} but {len(answered)} devices answered (uniform weighting)")
@@ -184,14 +200,19 @@ class DeComFLCloud(CloudRole):
         if self.p.server_model:
             Z.apply_round(self.model, self.round_seed, gbar, self.p.lr, self.p.direction, self.buf, self.p.momentum)
         self._prune(round + 1)
-        return {"cells": len(reports), "devices": devices, "weight": total, "history_rounds": len(self.g),
-                "g_abs_mean": float(np.abs(gbar).mean())}
+        return {
+            "cells": len(reports),
+            "devices": devices,
+            "weight": total,
+            "history_rounds": len(self.g),
+            "g_abs_mean": float(np.abs(gbar).mean()),
+        }
 
     def _prune(self, next_round: int) -> None:
         oldest = min((self.need.get(c, 0) for c in self.cells), default=0)
         if self.log_g is not None:  # the window is the log from the oldest round needed (it may grow back)
             self.base = min(oldest, next_round)
-            self.seeds, self.g = self.log_seeds[self.base:], self.log_g[self.base:]
+            self.seeds, self.g = self.log_seeds[self.base :], self.log_g[self.base :]
             return
         oldest = min(max(oldest, self.base), next_round)
         drop = oldest - self.base
@@ -207,8 +228,10 @@ class DeComFLCloud(CloudRole):
         the history from round 0, from the cloud's log, and each device replays it (bit for bit the
         replica it had: the same rounds applied in the same order)."""
         if self.log_g is None:
-            raise ValueError("the checkpoint holds no round log (written by an older fedtier): devices that "
-                             "lost their replicas cannot be rebuilt; run again without --resume")
+            raise ValueError(
+                "the checkpoint holds no round log (written by an older fedtier): devices that "
+                "lost their replicas cannot be rebuilt; run again without --resume"
+            )
         self.base, self.seeds, self.g = 0, list(self.log_seeds), list(self.log_g)
         self.synced, self.need = {}, {}
 
@@ -216,16 +239,20 @@ class DeComFLCloud(CloudRole):
         meta = {"base": self.base, "synced": self.synced, "need": self.need, "cells": sorted(self.cells)}
         hist = np.stack(self.g) if self.g else np.zeros((0, self.K, self.P), np.float32)
         buf = {f"momentum:{k}": v for k, v in (self.buf or {}).items()}
-        log = {"log:s": np.asarray(self.log_seeds, np.uint64), "log:g": _stack(self.log_g, self.K, self.P)} \
-            if self.log_g is not None else {}
-        return Payload(meta, {**self.model, **buf, "history:s": np.asarray(self.seeds, np.uint64),
-                              "history:g": hist, **log})
+        log = (
+            {"log:s": np.asarray(self.log_seeds, np.uint64), "log:g": _stack(self.log_g, self.K, self.P)}
+            if self.log_g is not None
+            else {}
+        )
+        return Payload(
+            meta, {**self.model, **buf, "history:s": np.asarray(self.seeds, np.uint64), "history:g": hist, **log}
+        )
 
     def load_state(self, state: Payload) -> None:
         t = dict(state.tensors)
         seeds, hist = t.pop("history:s"), t.pop("history:g")
         log_s, log_g = t.pop("log:s", None), t.pop("log:g", None)
-        buf = {k[len("momentum:"):]: t.pop(k) for k in list(t) if k.startswith("momentum:")}
+        buf = {k[len("momentum:") :]: t.pop(k) for k in list(t) if k.startswith("momentum:")}
         P.check_like(t, self.model, "checkpoint")
         if self.buf is not None:
             P.check_like(buf, self.model, "checkpoint momentum")
@@ -237,7 +264,7 @@ class DeComFLCloud(CloudRole):
         if log_s is not None and log_g is not None and len(log_s) == len(log_g) == self.base + len(self.g):
             self.log_seeds = [int(s) for s in log_s]
             self.log_g = [np.array(x, np.float32) for x in log_g]
-            self.g = self.log_g[self.base:]  # the window shares the log's arrays
+            self.g = self.log_g[self.base :]  # the window shares the log's arrays
         else:  # a checkpoint without (or with an inconsistent) log: no rebuilding replicas
             self.log_seeds, self.log_g = (list(self.seeds), list(self.g)) if self.base == 0 else ([], None)
         self.synced = {c: {d: int(r) for d, r in v.items()} for c, v in state.meta["synced"].items()}
@@ -305,8 +332,12 @@ class DeComFLCell(CellRole):
         return min((after.get(d, 0) for d in self.roster), default=self.round)
 
     def report(self) -> Payload:
-        meta = {"weight": self.weight, "answered": sorted(self.answered), "need": self._need(),
-                **({"resync": sorted(self.resync)} if self.resync else {})}
+        meta = {
+            "weight": self.weight,
+            "answered": sorted(self.answered),
+            "need": self._need(),
+            **({"resync": sorted(self.resync)} if self.resync else {}),
+        }
         if self.weight == 0:
             return Payload({**meta, "weight": 0}, {})
         return Payload(meta, {"g": self.sum})
@@ -353,18 +384,27 @@ class DeComFLDevice(DeviceRole):
             return diverged_result(f"non-finite ZO scalars at local step {k} (lr or mu too large?)")
         return Payload({"weight": len(data)}, {"g": g})
 
-    def local_update(self, x: dict[str, np.ndarray], round_seed: int, data: LocalData, trainer: Trainer,
-                     ctx: DeviceContext, buf: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    def local_update(
+        self,
+        x: dict[str, np.ndarray],
+        round_seed: int,
+        data: LocalData,
+        trainer: Trainer,
+        ctx: DeviceContext,
+        buf: dict[str, np.ndarray] | None = None,
+    ) -> np.ndarray:
         """K ZO-SGD steps on ``x`` (and the momentum buffer ``buf``; both modified in place); returns the
         K x P float32 scalars (at the first step whose scalars are not finite, with that step's row)."""
         p, shapes = self.p, Z.shapes_of(x)
         g = np.zeros((self.K, self.P), np.float32)
-        order = batches(len(data), p.batch_size, self.K,
-                        rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"))
+        order = batches(
+            len(data), p.batch_size, self.K, rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches")
+        )
         for k, idx in enumerate(order):
             xb, yb = data.x[idx], data.y[idx]
-            probes = [x] + [Z.perturbed(x, Z.direction(round_seed, k, j, shapes, p.direction), p.mu)
-                            for j in range(self.P)]
+            probes = [x] + [
+                Z.perturbed(x, Z.direction(round_seed, k, j, shapes, p.direction), p.mu) for j in range(self.P)
+            ]
             f0, *fs = trainer.losses(probes, xb, yb)  # f(x) and the P perturbed losses (one batch)
             for j, f in enumerate(fs):
                 g[k, j] = np.float32((f - f0) / p.mu)

@@ -32,6 +32,7 @@ phase of each cloud round are a pure function of the parameters (:class:`Schedul
 Wire: ``epsilon`` travels as ``null`` for infinity (JSON has no inf). A free device that declines
 answers with its probe values and no tensors, so its cell never waits for it until the deadline.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,9 @@ class FedAlignParams(TrainParams):
     """FedALIGN's keys of the ``[algorithm]`` section."""
 
     priority: list[str] = Field(default_factory=list, description="priority device ids (e.g. c0-d3)")
-    priority_fraction: float = Field(default=0.0, ge=0, le=1,
-                                     description="or: this fraction of all devices, drawn with run.seed")
+    priority_fraction: float = Field(
+        default=0.0, ge=0, le=1, description="or: this fraction of all devices, drawn with run.seed"
+    )
     epsilon: float = Field(default=0.2, ge=0, description="matching threshold; 0 = priority only, inf = all")
     epsilon_later: float = Field(default=0.0, ge=0, description="threshold from epsilon_drop_round on")
     epsilon_drop_round: int = Field(default=0, ge=0, description="iteration of the drop (0 = no drop)")
@@ -70,8 +72,10 @@ class FedAlignParams(TrainParams):
         if len(set(self.priority)) != len(self.priority):
             raise ValueError("priority: device ids must be unique")
         if self.edge_rounds != 1:
-            raise ValueError("edge_rounds: FedALIGN aggregates once per round (the admission needs the cloud's "
-                             "priority loss of the model being trained), use edge_rounds = 1")
+            raise ValueError(
+                "edge_rounds: FedALIGN aggregates once per round (the admission needs the cloud's "
+                "priority loss of the model being trained), use edge_rounds = 1"
+            )
         return self
 
 
@@ -133,15 +137,19 @@ class FedAlignCloud(CloudRole):
     def __init__(self, params: FedAlignParams, initial: Mapping[str, np.ndarray]) -> None:
         self.p, self.schedule = params, Schedule(params)
         self.model = P.copy(initial)
-        self.F: float | None = None          # criterion value of the current model (phase free)
-        self.held: dict[str, Payload] = {}    # phase-priority reports awaiting the free phase
+        self.F: float | None = None  # criterion value of the current model (phase free)
+        self.held: dict[str, Payload] = {}  # phase-priority reports awaiting the free phase
         self.phase = "solo"
 
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         it, self.phase = self.schedule.at(round)
         eps = self.schedule.epsilon(it)
-        meta: dict[str, Any] = {"phase": self.phase, "iteration": it, "criterion": self.p.criterion,
-                                "epsilon": None if math.isinf(eps) else eps}
+        meta: dict[str, Any] = {
+            "phase": self.phase,
+            "iteration": it,
+            "criterion": self.p.criterion,
+            "epsilon": None if math.isinf(eps) else eps,
+        }
         if self.phase == "free":
             meta["F"] = self.F
         task = Payload(meta, self.model)
@@ -204,7 +212,7 @@ class FedAlignCloud(CloudRole):
         self.held = {}
         for cell, meta in dict(state.meta.get("held", {})).items():
             prefix = f"{HELD}{cell}/"
-            delta = {k[len(prefix):]: v for k, v in state.tensors.items() if k.startswith(prefix)}
+            delta = {k[len(prefix) :]: v for k, v in state.tensors.items() if k.startswith(prefix)}
             P.check_like(delta, self.model, f"held report of cell {cell}")
             self.held[cell] = Payload(dict(meta), P.copy(delta))
 
@@ -227,16 +235,22 @@ class FedAlignCell(FedAvgCell):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
                 raise Rejected(f"cell task: {key} must be a finite number or null, got {v!r}")
         super().begin(round, task)
-        self.task = {"phase": m["phase"], "iteration": m.get("iteration"), "criterion": m["criterion"],
-                     "epsilon": eps, "F": F}
+        self.task = {
+            "phase": m["phase"],
+            "iteration": m.get("iteration"),
+            "criterion": m["criterion"],
+            "epsilon": eps,
+            "F": F,
+        }
         self.planned, self.decisions = {}, {}
         self.prio = {"prio_weight": 0.0, "prio_loss": 0.0, "prio_accuracy": 0.0}
 
     def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
         phase, t = self.task["phase"], self.task
         prio_task = Payload({"role": "priority"}, self.model)
-        free_task = Payload({"role": "free", "criterion": t["criterion"], "epsilon": t["epsilon"],
-                             "F": t["F"]}, self.model)
+        free_task = Payload(
+            {"role": "free", "criterion": t["criterion"], "epsilon": t["epsilon"], "F": t["F"]}, self.model
+        )
         plan = {}
         for d in available:
             if d in self.priority and phase in ("solo", "priority", "all"):
@@ -281,24 +295,36 @@ class FedAlignCell(FedAvgCell):
             ok = bool(m["trained"]) and admits(value, F, eps)
             if ok:
                 included[d] = r
-            admission[d] = {"admitted": ok, "by": None if ok else ("cell" if m["trained"] else "device"),
-                            "loss": m["probe_loss"], "accuracy": m["probe_accuracy"],
-                            "gap": None if F is None else value - F}
+            admission[d] = {
+                "admitted": ok,
+                "by": None if ok else ("cell" if m["trained"] else "device"),
+                "loss": m["probe_loss"],
+                "accuracy": m["probe_accuracy"],
+                "gap": None if F is None else value - F,
+            }
         self.decisions.update(admission)
         super().aggregate(edge_round, included)
-        metrics: dict[str, Any] = {"phase": t["phase"], "iteration": t["iteration"], "epsilon": eps,
-                                   "priority": sorted(d for d in results if self.planned[d] == "priority")}
+        metrics: dict[str, Any] = {
+            "phase": t["phase"],
+            "iteration": t["iteration"],
+            "epsilon": eps,
+            "priority": sorted(d for d in results if self.planned[d] == "priority"),
+        }
         if t["phase"] in ("free", "all"):
-            metrics.update(F=F, admission=admission,
-                           admitted=sorted(d for d, a in admission.items() if a["admitted"]),
-                           refused=sorted(d for d, a in admission.items() if not a["admitted"]))
+            metrics.update(
+                F=F,
+                admission=admission,
+                admitted=sorted(d for d, a in admission.items() if a["admitted"]),
+                refused=sorted(d for d, a in admission.items() if not a["admitted"]),
+            )
         return metrics
 
     def report(self) -> Payload:
         report = super().report()
         admitted = sum(a["admitted"] for a in self.decisions.values())
-        report.meta.update(phase=self.task["phase"], admitted=admitted, refused=len(self.decisions) - admitted,
-                           **self.prio)
+        report.meta.update(
+            phase=self.task["phase"], admitted=admitted, refused=len(self.decisions) - admitted, **self.prio
+        )
         return report
 
 
@@ -342,8 +368,10 @@ class FedAlign(Algorithm):
         if p.priority:
             unknown = [d for d in p.priority if d not in set(devices)]
             if unknown:
-                raise ValueError(f"algorithm.priority: {', '.join(map(repr, unknown))} not in the topology "
-                                 f"(device ids look like {devices[0]} ... {devices[-1]})")
+                raise ValueError(
+                    f"algorithm.priority: {', '.join(map(repr, unknown))} not in the topology "
+                    f"(device ids look like {devices[0]} ... {devices[-1]})"
+                )
             self.priority = frozenset(p.priority)
         else:
             self.priority = frozenset(draw_priority(devices, p.priority_fraction, self.seed))
@@ -351,8 +379,10 @@ class FedAlign(Algorithm):
     def _priority(self) -> frozenset[str]:
         if not hasattr(self, "priority"):
             if not self.params.priority:  # type: ignore[attr-defined]
-                raise ValueError("algorithm.priority_fraction needs the topology: build the algorithm with "
-                                 "RunConfig.build_algorithm (or call bind_topology)")
+                raise ValueError(
+                    "algorithm.priority_fraction needs the topology: build the algorithm with "
+                    "RunConfig.build_algorithm (or call bind_topology)"
+                )
             self.priority = frozenset(self.params.priority)  # type: ignore[attr-defined]
         return self.priority
 

@@ -12,6 +12,7 @@ Communication in full-model units (the HIST paper's metric): each cell reports t
 devices uploaded; the cloud's ``upload_units`` is the values uploaded per participating device in the
 round divided by the full model's size (``E`` for FedAvg with every device in every edge round).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,13 +33,18 @@ from .server_opt import ServerOptimizer, ServerParams, split_state
 from .staleness import AsyncParams
 
 
-def check_delta(payload: Payload, reference: Mapping[str, np.ndarray], what: str,
-                codec: UplinkCodec | None = None) -> float:
+def check_delta(
+    payload: Payload, reference: Mapping[str, np.ndarray], what: str, codec: UplinkCodec | None = None
+) -> float:
     """Validate a delta (dense, or encoded with ``codec``) with a positive finite ``weight``; return the weight."""
     weight = payload.meta.get("weight")
     # (bool is an int; an int too large for a float, e.g. 10**400 from JSON, is refused, not raised)
-    if (not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(_as_float(weight))
-            or weight <= 0):
+    if (
+        not isinstance(weight, (int, float))
+        or isinstance(weight, bool)
+        or not math.isfinite(_as_float(weight))
+        or weight <= 0
+    ):
         raise Rejected(f"{what}: weight must be a positive number, got {str(weight)[:40]}")
     (codec or DenseCodec()).check(payload, reference, what)
     return float(weight)
@@ -100,7 +106,6 @@ class ModelCloud(CloudRole):
 
 
 class FedAvgCloud(ModelCloud):
-
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         task = Payload({}, self.model)
         return {c: task for c in cells}
@@ -116,11 +121,19 @@ class FedAvgCloud(ModelCloud):
         if not reports:
             self.model, amplified = self.opt.step(round, self.model, None)
             return {"cells": 0, **comm, **({"amplified": 1} if amplified else {})}
-        agg = aggregate(getattr(self.p, "cloud_aggregator", "mean"),
-                        [(c, r.meta["weight"], r.tensors) for c, r in reports.items()], self.p)
+        agg = aggregate(
+            getattr(self.p, "cloud_aggregator", "mean"),
+            [(c, r.meta["weight"], r.tensors) for c, r in reports.items()],
+            self.p,
+        )
         self.model, amplified = self.opt.step(round, self.model, agg.delta)
-        return {"cells": len(reports), "weight": agg.weight, **comm, **({"amplified": 1} if amplified else {}),
-                **({"excluded": agg.excluded} if agg.excluded else {})}
+        return {
+            "cells": len(reports),
+            "weight": agg.weight,
+            **comm,
+            **({"amplified": 1} if amplified else {}),
+            **({"excluded": agg.excluded} if agg.excluded else {}),
+        }
 
 
 class FedAvgCell(CellRole):
@@ -180,10 +193,16 @@ class FedAvgDevice(DeviceRole):
         trainer.set_params(task.tensors)
         steps = num_steps(len(data), self.p.batch_size, self.p.local_steps, self.p.local_epochs)
         mu, beta = float(getattr(self.p, "prox_mu", 0.0)), float(getattr(self.p, "momentum", 0.0))
-        stats = trainer.sgd(data, steps=steps, batch_size=self.p.batch_size, lr=self.p.lr,
-                            rng=rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"),
-                            weight_decay=self.p.weight_decay, **({"prox_mu": mu} if mu else {}),
-                            **({"momentum": beta} if beta else {}))
+        stats = trainer.sgd(
+            data,
+            steps=steps,
+            batch_size=self.p.batch_size,
+            lr=self.p.lr,
+            rng=rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"),
+            weight_decay=self.p.weight_decay,
+            **({"prox_mu": mu} if mu else {}),
+            **({"momentum": beta} if beta else {}),
+        )
         delta = P.sub(trainer.get_params(), task.tensors)
         out = self.codec.encode(delta, uplink_seed(ctx))
         out.meta.update({"weight": len(data), "loss": stats.loss, "steps": stats.steps})
@@ -195,20 +214,33 @@ class FedAvgParams(ServerParams, RobustParams, AsyncParams, UplinkParams):
     cloud), the asynchronous mode (FedBuff), FedProx's proximal term (devices) and the device -> cell codec
     (``uplink``)."""
 
-    prox_mu: float = Field(default=0.0, ge=0, description="FedProx (Li et al. 2020): devices minimise their loss "
-                           "+ mu/2 ||w - w_task||^2 (0: FedAvg, bit for bit)")
-    momentum: float = Field(default=0.0, ge=0, lt=1, description="devices' local SGD heavy-ball beta (torch's rule; "
-                            "the buffer starts at zero every edge round; 0: plain SGD, bit for bit)")
+    prox_mu: float = Field(
+        default=0.0,
+        ge=0,
+        description="FedProx (Li et al. 2020): devices minimise their loss "
+        "+ mu/2 ||w - w_task||^2 (0: FedAvg, bit for bit)",
+    )
+    momentum: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="devices' local SGD heavy-ball beta (torch's rule; "
+        "the buffer starts at zero every edge round; 0: plain SGD, bit for bit)",
+    )
 
     @model_validator(mode="after")
     def _async_fits(self) -> "FedAvgParams":
         if self.mode == "async":
             if self.name != "fedavg":
-                raise ValueError(f"mode = \"async\" is built for fedavg, not {self.name!r} (HIST redraws its "
-                                 "partition every synchronous cloud round)")
+                raise ValueError(
+                    f'mode = "async" is built for fedavg, not {self.name!r} (HIST redraws its '
+                    "partition every synchronous cloud round)"
+                )
             if (self.cell_aggregator, self.cloud_aggregator) != ("mean", "mean"):
-                raise ValueError("mode = \"async\" aggregates with staleness weights: set cell_aggregator and "
-                                 "cloud_aggregator to \"mean\"")
+                raise ValueError(
+                    'mode = "async" aggregates with staleness weights: set cell_aggregator and '
+                    'cloud_aggregator to "mean"'
+                )
         return self
 
 

@@ -20,6 +20,7 @@ progress it made since its last push (that progress is not in the cloud model ye
 ``run.rounds`` counts cloud versions. The roles here are pure; ``cell_server/async_server.py`` and
 ``cloud/async_server.py`` own the timing.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -96,8 +97,10 @@ class FedBuffCell:
     def report(self) -> Payload:
         """The progress since the last push, with its weight; the push resets the counters."""
         assert self.model is not None
-        out = Payload({"weight": self.weight, "updates": self.updates, "devices": len(self.devices)},
-                      P.sub(self.model, self.pushed))
+        out = Payload(
+            {"weight": self.weight, "updates": self.updates, "devices": len(self.devices)},
+            P.sub(self.model, self.pushed),
+        )
         self.pushed = P.copy(self.model)
         self.updates, self.weight, self.devices = 0, 0.0, set()
         return out

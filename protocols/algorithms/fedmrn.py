@@ -17,6 +17,7 @@ cell delta and the forwarded masks and seeds of every device result of the round
 edge round and weight, from which the cloud rebuilds the same edge-round averages); the choice and
 both sizes appear in the cell aggregation record's ``metrics``.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -48,7 +49,8 @@ class FedMRNParams(TrainParams):
     progressive: bool = Field(default=True, description="progressive masking tau/S (false: p = 1, ablation)")
     mask_vectors: bool = Field(default=False, description="mask 1-D tensors too (else float32)")
     cell_uplink: Literal["auto", "dense", "masks"] = Field(
-        default="auto", description="cell -> cloud: the cheaper (auto), the dense delta, or the forwarded masks")
+        default="auto", description="cell -> cloud: the cheaper (auto), the dense delta, or the forwarded masks"
+    )
 
 
 @dataclass
@@ -71,8 +73,9 @@ class FedMRNDevice(DeviceRole):
     def __init__(self, params: FedMRNParams, codec: FedMRNCodec) -> None:
         self.p, self.codec = params, codec
 
-    def local_update(self, w: Mapping[str, np.ndarray], data: LocalData, trainer: Trainer,
-                     ctx: DeviceContext) -> MaskedUpdate:
+    def local_update(
+        self, w: Mapping[str, np.ndarray], data: LocalData, trainer: Trainer, ctx: DeviceContext
+    ) -> MaskedUpdate:
         """Progressive stochastic masking from the frozen model ``w`` (Alg. 1, ClientLocalUpdate)."""
         p, codec = self.p, self.codec
         seed = derive_seed(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "fedmrn-noise")
@@ -83,8 +86,9 @@ class FedMRNDevice(DeviceRole):
         steps = num_steps(len(data), p.batch_size, p.local_steps, p.local_epochs)
         lr, wd = np.float32(p.lr), np.float32(p.weight_decay)
         total, samples = 0.0, 0
-        order = batches(len(data), p.batch_size, steps, rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell,
-                                                               ctx.device, "batches"))
+        order = batches(
+            len(data), p.batch_size, steps, rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches")
+        )
         for tau, idx in enumerate(order, start=1):
             prob = tau / steps if p.progressive else 1.0
             current = OrderedDict()
@@ -102,8 +106,7 @@ class FedMRNDevice(DeviceRole):
                 target -= lr * grad  # straight-through: the gradient at w + u_hat updates u
             total += loss * len(idx)
             samples += len(idx)
-        masks = OrderedDict((k, sample_mask(u[k], n, p.signed, g if p.stochastic else None))
-                            for k, n in noise.items())
+        masks = OrderedDict((k, sample_mask(u[k], n, p.signed, g if p.stochastic else None)) for k, n in noise.items())
         extra_delta = OrderedDict((k, extras[k] - w[k]) for k in extras)
         return MaskedUpdate(seed, noise, masks, extra_delta, total / max(1, samples), steps)
 
@@ -146,12 +149,16 @@ class FedMRNCell(FedAvgCell):
         sizes = {"dense": wire_size(dense), "masks": wire_size(forward)}
         pick = self.mode if self.mode != "auto" else min(sizes, key=lambda m: (sizes[m], m != "masks"))
         return (forward if pick == "masks" else dense), {
-            "cell_uplink": pick, "cell_uplink_bytes": sizes[pick],
-            "cell_dense_bytes": sizes["dense"], "cell_masks_bytes": sizes["masks"]}
+            "cell_uplink": pick,
+            "cell_uplink_bytes": sizes[pick],
+            "cell_dense_bytes": sizes["dense"],
+            "cell_masks_bytes": sizes["masks"],
+        }
 
     def _forward(self, dense: Payload) -> Payload:
         tensors: OrderedDict[str, np.ndarray] = OrderedDict(
-            (f"{FORWARD_MASK}{i}", mask) for i, (_, _, _, mask) in enumerate(self.entries))
+            (f"{FORWARD_MASK}{i}", mask) for i, (_, _, _, mask) in enumerate(self.entries)
+        )
         for k in self.codec.extra_names(self.base):
             tensors[k] = dense.tensors[k]
         meta = {**dense.meta, "uplink": "masks", "entries": [[e, w, s] for e, w, s, _ in self.entries]}
@@ -186,8 +193,15 @@ class FedMRNCloud(FedAvgCloud):
         if list(report.tensors) != names:
             raise Rejected(f"{what}: expected tensors {names[:3]}..., got {list(report.tensors)[:3]}...")
         for i, entry in enumerate(entries):
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int) and entry[0] >= 0
-                    and isinstance(entry[1], (int, float)) and np.isfinite(entry[1]) and entry[1] > 0):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and isinstance(entry[0], int)
+                and entry[0] >= 0
+                and isinstance(entry[1], (int, float))
+                and np.isfinite(entry[1])
+                and entry[1] > 0
+            ):
                 raise Rejected(f"{what}: entry {i} must be [edge round, weight > 0, seed]")
             parse_seed(entry[2], f"{what}: entry {i}")
             unpack_bits(report.tensors[f"{FORWARD_MASK}{i}"], count, f"{what}: mask {i}")
@@ -203,9 +217,16 @@ class FedMRNCloud(FedAvgCloud):
         total = P.zeros_like(masked)
         entries = report.meta["entries"]
         for e in sorted({entry[0] for entry in entries}):
-            group = [(entry[1], self.codec.masked_delta(parse_seed(entry[2], "seed"),
-                                                        report.tensors[f"{FORWARD_MASK}{i}"], self.model))
-                     for i, entry in enumerate(entries) if entry[0] == e]
+            group = [
+                (
+                    entry[1],
+                    self.codec.masked_delta(
+                        parse_seed(entry[2], "seed"), report.tensors[f"{FORWARD_MASK}{i}"], self.model
+                    ),
+                )
+                for i, entry in enumerate(entries)
+                if entry[0] == e
+            ]
             mean, _ = P.weighted_mean(group)
             total = P.add(total, mean)
         delta = OrderedDict((k, total[k] if k in total else report.tensors[k]) for k in self.model)

@@ -27,6 +27,7 @@ authors' code, which never sends biases and re-initialises them every round). De
 smaller dense model (``Trainer.for_model`` with the narrower widths): the same math as masking the full
 model, with the compute and storage savings the paper claims.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -58,7 +59,8 @@ def unit_axes(spec: ModelSpec) -> tuple[dict[str, int], dict[str, Axes]]:
                 f"HIST partitions hidden units into disjoint submodels that cover every weight; an mlp with "
                 f"{depth} hidden layers has no such partition (the weights between two partitioned layers would "
                 f"belong to no submodel, those between two whole layers to all): use 1, 3, 5... hidden layers "
-                f"(fc1, fc3, ... are partitioned, fc2, fc4, ... stay whole)")
+                f"(fc1, fc3, ... are partitioned, fc2, fc4, ... stay whole)"
+            )
         widths: dict[str, int] = {}
         axes: dict[str, Axes] = {}
         below: str | None = None  # the partitioned layer feeding this one (None: the input or a whole layer)
@@ -72,9 +74,16 @@ def unit_axes(spec: ModelSpec) -> tuple[dict[str, int], dict[str, Axes]]:
         axes["out.weight"], axes["out.bias"] = (None, below), (None,)
         return widths, axes
     if spec.name == "cnn":
-        axes = {"conv1.weight": ("conv1", None, None, None), "conv1.bias": ("conv1",),
-                "conv2.weight": (None, "conv1", None, None), "conv2.bias": (None,),
-                "fc1.weight": ("fc1", None), "fc1.bias": ("fc1",), "out.weight": (None, "fc1"), "out.bias": (None,)}
+        axes = {
+            "conv1.weight": ("conv1", None, None, None),
+            "conv1.bias": ("conv1",),
+            "conv2.weight": (None, "conv1", None, None),
+            "conv2.bias": (None,),
+            "fc1.weight": ("fc1", None),
+            "fc1.bias": ("fc1",),
+            "out.weight": (None, "fc1"),
+            "out.bias": (None,),
+        }
         return {"conv1": int(spec.channels[0]), "fc1": int(spec.fc)}, axes
     raise ValueError(f"HIST partitions hidden units: model {spec.name!r} has none (use mlp or cnn)")
 
@@ -84,12 +93,15 @@ def check_fits(spec: ModelSpec, cells: int) -> None:
     widths, _ = unit_axes(spec)
     narrow = {layer: w for layer, w in widths.items() if w < cells}
     if narrow:
-        raise ValueError(f"HIST gives every cell its own units: layer(s) {narrow} have fewer units than the "
-                         f"{cells} cells (model.hidden / model.channels / model.fc)")
+        raise ValueError(
+            f"HIST gives every cell its own units: layer(s) {narrow} have fewer units than the "
+            f"{cells} cells (model.hidden / model.channels / model.fc)"
+        )
 
 
-def draw_partition(seed: int, round: int, widths: Mapping[str, int], cells: Sequence[str]
-                   ) -> dict[str, dict[str, np.ndarray]]:
+def draw_partition(
+    seed: int, round: int, widths: Mapping[str, int], cells: Sequence[str]
+) -> dict[str, dict[str, np.ndarray]]:
     """``{cell: {layer: sorted unit indices}}``: disjoint, covering, near-equal groups (cells in order)."""
     parts: dict[str, dict[str, np.ndarray]] = {c: {} for c in cells}
     for layer, width in widths.items():
@@ -105,15 +117,22 @@ def _index(axes: Axes, idx: Mapping[str, np.ndarray], shape: tuple[int, ...]) ->
     return np.ix_(*(idx[a] if a else np.arange(n) for a, n in zip(axes, shape)))
 
 
-def slice_model(model: Mapping[str, np.ndarray], axes: Mapping[str, Axes], idx: Mapping[str, np.ndarray]
-                ) -> "dict[str, np.ndarray]":
+def slice_model(
+    model: Mapping[str, np.ndarray], axes: Mapping[str, Axes], idx: Mapping[str, np.ndarray]
+) -> "dict[str, np.ndarray]":
     """The submodel of the units ``idx`` (eq. 2 as a dense model); shared parameters are copied whole."""
-    return {k: (np.ascontiguousarray(v[_index(axes[k], idx, v.shape)]) if any(axes[k]) else v.copy())
-            for k, v in model.items()}
+    return {
+        k: (np.ascontiguousarray(v[_index(axes[k], idx, v.shape)]) if any(axes[k]) else v.copy())
+        for k, v in model.items()
+    }
 
 
-def scatter(target: dict[str, np.ndarray], sub: Mapping[str, np.ndarray], axes: Mapping[str, Axes],
-            idx: Mapping[str, np.ndarray]) -> None:
+def scatter(
+    target: dict[str, np.ndarray],
+    sub: Mapping[str, np.ndarray],
+    axes: Mapping[str, Axes],
+    idx: Mapping[str, np.ndarray],
+) -> None:
     """Write a submodel's partitioned slices back into ``target`` in place (eq. 6)."""
     for k, v in sub.items():
         if any(axes[k]):
@@ -143,7 +162,7 @@ def widths_of(tensors: Mapping[str, np.ndarray], axes: Mapping[str, Axes], layer
 
 def split_task(task: Payload) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(parameter slices, index sets) of a HIST cell task or cell report."""
-    idx = {k[len(INDEX):]: v for k, v in task.tensors.items() if k.startswith(INDEX)}
+    idx = {k[len(INDEX) :]: v for k, v in task.tensors.items() if k.startswith(INDEX)}
     return {k: v for k, v in task.tensors.items() if not k.startswith(INDEX)}, idx
 
 
@@ -192,14 +211,21 @@ class HistCloud(ModelCloud):
         shared = [k for k, ax in self.axes.items() if not any(ax)]
         total, excluded = 0.0, {}
         if shared:
-            agg = aggregate(getattr(self.p, "cloud_aggregator", "mean"),
-                            [(c, r.meta["weight"], {k: deltas[c][k] for k in shared}) for c, r in reports.items()],
-                            self.p)
+            agg = aggregate(
+                getattr(self.p, "cloud_aggregator", "mean"),
+                [(c, r.meta["weight"], {k: deltas[c][k] for k in shared}) for c, r in reports.items()],
+                self.p,
+            )
             full.update(agg.delta)
             total, excluded = agg.weight, agg.excluded
         self.model, amplified = self.opt.step(round, self.model, full)
-        return {"cells": len(reports), "weight": total or sum(r.meta["weight"] for r in reports.values()),
-                **comm, **({"amplified": 1} if amplified else {}), **({"excluded": excluded} if excluded else {})}
+        return {
+            "cells": len(reports),
+            "weight": total or sum(r.meta["weight"] for r in reports.values()),
+            **comm,
+            **({"amplified": 1} if amplified else {}),
+            **({"excluded": excluded} if excluded else {}),
+        }
 
 
 class HistCell(FedAvgCell):

@@ -21,6 +21,7 @@ not selected, with their score; median and trimmed mean name the inputs whose va
 kept band (the ``b``-th to ``(n-1-b)``-th order statistics, ``b >= 1`` for the median) in more than half
 of the coordinates. Inputs are taken in sender-id order, so the result does not depend on arrival order.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,13 +40,18 @@ AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multikrum", 
 class RobustParams(TrainParams):
     """How cells aggregate their devices' deltas and the cloud its cells' reports."""
 
-    cell_aggregator: AggregatorName = Field(default="mean", description="mean | median | trimmed_mean | krum | "
-                                            "multikrum | majority: how a cell combines its devices' deltas")
+    cell_aggregator: AggregatorName = Field(
+        default="mean",
+        description="mean | median | trimmed_mean | krum | "
+        "multikrum | majority: how a cell combines its devices' deltas",
+    )
     cloud_aggregator: AggregatorName = Field(default="mean", description="the same, for the cloud over cells")
-    trim_beta: float = Field(default=0.2, ge=0, lt=0.5, description="trimmed_mean: fraction cut at each end "
-                             "per coordinate")
-    krum_byzantine: float = Field(default=0.2, ge=0, lt=0.5, description="krum/multikrum: fraction f/n of the "
-                                  "inputs assumed Byzantine")
+    trim_beta: float = Field(
+        default=0.2, ge=0, lt=0.5, description="trimmed_mean: fraction cut at each end per coordinate"
+    )
+    krum_byzantine: float = Field(
+        default=0.2, ge=0, lt=0.5, description="krum/multikrum: fraction f/n of the inputs assumed Byzantine"
+    )
     multikrum_keep: int = Field(default=0, ge=0, description="multikrum: inputs averaged (0: n - f)")
 
 
@@ -59,8 +65,9 @@ class Aggregate:
     kept: list[str] = field(default_factory=list)
 
 
-def aggregate(kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarray]]], params: TrainParams
-              ) -> Aggregate:
+def aggregate(
+    kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarray]]], params: TrainParams
+) -> Aggregate:
     """Combine ``(sender, weight, delta)`` items (sorted by sender here) with aggregator ``kind``."""
     items = sorted(items, key=lambda it: it[0])
     if not items:
@@ -73,8 +80,10 @@ def aggregate(kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarr
     stack = {k: np.stack([np.asarray(d[k], dtype=np.float64) for _, _, d in items]) for k in names}
     n, total = len(items), float(sum(w for _, w, _ in items))
     if kind == "majority":
-        votes = {k: (np.abs(s).reshape(n, -1).mean(axis=1).mean() * np.sign(np.sign(s).sum(axis=0))).astype(np.float32)
-                 for k, s in stack.items()}
+        votes = {
+            k: (np.abs(s).reshape(n, -1).mean(axis=1).mean() * np.sign(np.sign(s).sum(axis=0))).astype(np.float32)
+            for k, s in stack.items()
+        }
         return Aggregate(votes, total, {}, ids)
     if kind in ("median", "trimmed_mean"):
         beta = getattr(params, "trim_beta", 0.1)
@@ -84,15 +93,18 @@ def aggregate(kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarr
         coords = 0
         for k, s in stack.items():
             ordered = np.sort(s, axis=0)
-            out[k] = (np.median(s, axis=0) if kind == "median" else ordered[b:n - b].mean(axis=0)).astype(np.float32)
+            out[k] = (np.median(s, axis=0) if kind == "median" else ordered[b : n - b].mean(axis=0)).astype(np.float32)
             band = max(b, 1) if kind == "median" else b
             if band:
                 lo, hi = ordered[band], ordered[n - 1 - band]
                 outside += ((s < lo) | (s > hi)).reshape(n, -1).sum(axis=1)
             coords += s[0].size
         share = outside / max(coords, 1)
-        excluded = {ids[i]: f"{kind}: {share[i]:.0%} of its coordinates outside the kept band"
-                    for i in range(n) if share[i] > 0.5}
+        excluded = {
+            ids[i]: f"{kind}: {share[i]:.0%} of its coordinates outside the kept band"
+            for i in range(n)
+            if share[i] > 0.5
+        }
         return Aggregate(out, total, excluded, ids)
     if kind in ("krum", "multikrum"):
         flat = np.concatenate([s.reshape(n, -1) for s in stack.values()], axis=1)
@@ -103,10 +115,13 @@ def aggregate(kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarr
         scores = np.array([np.sort(np.delete(dist[i], i))[:near].sum() for i in range(n)])
         order = sorted(range(n), key=lambda i: (scores[i], i))
         keep_n = 1 if kind == "krum" else (getattr(params, "multikrum_keep", 0) or n - f)
-        keep = sorted(order[:min(keep_n, n)])
+        keep = sorted(order[: min(keep_n, n)])
         rank = {i: r for r, i in enumerate(order, start=1)}
         mean, weight = P.weighted_mean((items[i][1], items[i][2]) for i in keep)
-        excluded = {ids[i]: f"{kind}: score {scores[i]:.4g} ranked {rank[i]} of {n}, {len(keep)} kept (f = {f})"
-                    for i in range(n) if i not in keep}
+        excluded = {
+            ids[i]: f"{kind}: score {scores[i]:.4g} ranked {rank[i]} of {n}, {len(keep)} kept (f = {f})"
+            for i in range(n)
+            if i not in keep
+        }
         return Aggregate(dict(mean), weight, excluded, [ids[i] for i in keep])
     raise ValueError(f"unknown aggregator {kind!r}")

@@ -40,6 +40,7 @@ rounds with weights that depend on its position in the interval (and leaks it in
 the adaptive optimizers rescale every coordinate by a state that depends on who took part before.
 Either breaks that equal weighting, so such configs are refused.
 """
+
 from __future__ import annotations
 
 from typing import Literal, Mapping
@@ -62,13 +63,17 @@ ADAPTIVE = ("fedadagrad", "fedadam", "fedyogi")
 class ServerParams(TrainParams):
     """:class:`TrainParams` plus the cloud's server optimizer and the amplification of its update."""
 
-    server_optimizer: OptimizerName = Field(default="sgd", description="sgd | fedavgm | fedadagrad | fedadam | "
-                                            "fedyogi: how the cloud steps the global model with the mean delta")
+    server_optimizer: OptimizerName = Field(
+        default="sgd",
+        description="sgd | fedavgm | fedadagrad | fedadam | "
+        "fedyogi: how the cloud steps the global model with the mean delta",
+    )
     server_momentum: float = Field(default=0.9, ge=0, lt=1, description="fedavgm: server momentum beta")
     server_beta1: float = Field(default=0.9, ge=0, lt=1, description="fedadam/fedyogi/fedadagrad: first moment decay")
     server_beta2: float = Field(default=0.99, ge=0, lt=1, description="fedadam/fedyogi: second moment decay")
-    server_tau: float = Field(default=1e-3, gt=0, description="fedadam/fedyogi/fedadagrad: adaptivity tau "
-                              "(v starts at tau^2)")
+    server_tau: float = Field(
+        default=1e-3, gt=0, description="fedadam/fedyogi/fedadagrad: adaptivity tau (v starts at tau^2)"
+    )
     amplify_eta: float = Field(default=1.0, gt=0, description="eta: amplification factor (1 = plain FedAvg)")
     amplify_period: int = Field(default=0, ge=0, description="P: cloud rounds per interval (0 = off)")
     amplify_start: int = Field(default=0, ge=0, description="first cloud round of the first interval")
@@ -76,12 +81,13 @@ class ServerParams(TrainParams):
     @model_validator(mode="after")
     def _amplification_composes(self) -> "ServerParams":
         if self.server_optimizer != "sgd" and self.amplify_period > 0 and self.amplify_eta != 1.0:
-            raise ValueError(f"server_optimizer = {self.server_optimizer!r} cannot be combined with amplification "
-                             "(amplify_eta, amplify_period): amplification needs every round's update weighted "
-                             "equally over its interval, which momentum and adaptive steps do not give; use "
-                             "server_optimizer = \"sgd\" with amplification, or set amplify_period = 0")
+            raise ValueError(
+                f"server_optimizer = {self.server_optimizer!r} cannot be combined with amplification "
+                "(amplify_eta, amplify_period): amplification needs every round's update weighted "
+                "equally over its interval, which momentum and adaptive steps do not give; use "
+                'server_optimizer = "sgd" with amplification, or set amplify_period = 0'
+            )
         return self
-
 
 
 class ServerOptimizer:
@@ -107,16 +113,19 @@ class ServerOptimizer:
     def active(self) -> bool:
         return self.period > 0 and self.eta != 1.0
 
-    def step(self, round: int, model: Mapping[str, np.ndarray],
-             delta: Mapping[str, np.ndarray] | None) -> tuple["dict[str, np.ndarray]", bool]:
+    def step(
+        self, round: int, model: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray] | None
+    ) -> tuple["dict[str, np.ndarray]", bool]:
         """The model after cloud round ``round`` (``delta`` None: nobody reported); True if amplified."""
         if self.active and round >= self.start and self.anchor is None:
             self.anchor, self.t0 = P.copy(model), round  # first interval (or first round after a warm-up)
         new = self._apply(model, delta) if delta is not None else model
         if not self.active or self.anchor is None or round + 1 - self.t0 < self.period:
             return new, False
-        amplified = {k: (v.astype(np.float64) + (self.eta - 1.0) * (v.astype(np.float64) - self.anchor[k]))
-                     .astype(v.dtype) for k, v in new.items()}
+        amplified = {
+            k: (v.astype(np.float64) + (self.eta - 1.0) * (v.astype(np.float64) - self.anchor[k])).astype(v.dtype)
+            for k, v in new.items()
+        }
         self.anchor, self.t0 = P.copy(amplified), round + 1
         return amplified, True
 
@@ -132,7 +141,7 @@ class ServerOptimizer:
             step = self.m
         else:
             if self.v is None:
-                self.v = {k: np.full_like(v, self.tau ** 2) for k, v in d.items()}
+                self.v = {k: np.full_like(v, self.tau**2) for k, v in d.items()}
             b1, b2 = self.beta1, self.beta2
             self.m = {k: b1 * self.m[k] + (1.0 - b1) * d[k] for k in d}
             sq = {k: d[k] * d[k] for k in d}
@@ -163,9 +172,11 @@ class ServerOptimizer:
         match ``reference`` (the model). Without an anchor the next round starts a new interval."""
         saved = state.meta.get("server_optimizer", "sgd")
         if saved != self.name:
-            raise ValueError(f"checkpoint: its server optimizer is {saved!r} but algorithm.server_optimizer is "
-                             f"{self.name!r}; resume with the same optimizer or start a new run")
-        part = {p: {k[len(p):]: v for k, v in state.tensors.items() if k.startswith(p)} for p in STATE_PREFIXES}
+            raise ValueError(
+                f"checkpoint: its server optimizer is {saved!r} but algorithm.server_optimizer is "
+                f"{self.name!r}; resume with the same optimizer or start a new run"
+            )
+        part = {p: {k[len(p) :]: v for k, v in state.tensors.items() if k.startswith(p)} for p in STATE_PREFIXES}
         for prefix, what in ((MOMENT, "server optimizer first moment"), (SECOND, "server optimizer second moment")):
             if part[prefix]:
                 P.check_like(part[prefix], reference, f"checkpoint: {what}")

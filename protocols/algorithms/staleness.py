@@ -2,6 +2,7 @@
 
 See :mod:`.fedbuff` for the mode; this module holds what ``fedavg``'s parameters and both tiers share.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,17 +17,26 @@ from .base import Rejected, TrainParams
 class AsyncParams(TrainParams):
     """The asynchronous mode's parameters (ignored with ``mode = "sync"``)."""
 
-    mode: Literal["sync", "async"] = Field(default="sync", description="async: buffered asynchronous "
-                                           "aggregation at cells and cloud (FedBuff; fedavg only)")
+    mode: Literal["sync", "async"] = Field(
+        default="sync", description="async: buffered asynchronous aggregation at cells and cloud (FedBuff; fedavg only)"
+    )
     async_buffer: int = Field(default=5, ge=1, description="K: device results per cell update")
     async_push_every: int = Field(default=1, ge=1, description="M: cell updates per push to the cloud")
-    async_push_seconds: float = Field(default=0.0, ge=0, description="T: a cell with unpushed progress pushes "
-                                      "at least this often (loop-clock seconds; 0: only every M updates)")
+    async_push_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="T: a cell with unpushed progress pushes "
+        "at least this often (loop-clock seconds; 0: only every M updates)",
+    )
     async_cloud_buffer: int = Field(default=1, ge=1, description="cell pushes per cloud update")
-    staleness_exponent: float = Field(default=0.5, ge=0, description="a result s versions old weighs "
-                                      "(1 + s)^-exponent (0.5: FedBuff's 1/sqrt(1 + s); 0: no discount)")
-    max_staleness: int = Field(default=20, ge=0, description="results (and cell pushes) staler than this many "
-                               "versions are dropped and logged")
+    staleness_exponent: float = Field(
+        default=0.5,
+        ge=0,
+        description="a result s versions old weighs (1 + s)^-exponent (0.5: FedBuff's 1/sqrt(1 + s); 0: no discount)",
+    )
+    max_staleness: int = Field(
+        default=20, ge=0, description="results (and cell pushes) staler than this many versions are dropped and logged"
+    )
 
 
 def staleness_weight(staleness: int, exponent: float) -> float:
@@ -82,6 +92,9 @@ class StalenessBuffer:
                 term = np.asarray(v, dtype=np.float64) * scale
                 acc[k] = acc[k] + term if k in acc else term
         step = {k: (v / total).astype(np.float32) for k, v in acc.items()}
-        info = {"senders": [e.sender for e in entries], "staleness_mean": float(np.mean(stale)),
-                "staleness_max": int(max(stale))}
+        info = {
+            "senders": [e.sender for e in entries],
+            "staleness_mean": float(np.mean(stale)),
+            "staleness_max": int(max(stale)),
+        }
         return step, total, info

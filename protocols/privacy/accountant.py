@@ -16,6 +16,7 @@ edge rounds per cloud round and ``q`` a device's probability of taking part in a
 
 The RDP accountant converts the composed Renyi-DP curve into (epsilon, delta).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,9 @@ class Accountant:
     def __post_init__(self) -> None:
         if self.mode not in ("local", "cell"):
             raise ValueError(f"dp mode must be local or cell, got {self.mode!r}")
-        if not (self.noise_multiplier >= 0 and 0 < self.sampling_rate <= 1 and self.edge_rounds >= 1
-                and 0 < self.delta < 1):
+        if not (
+            self.noise_multiplier >= 0 and 0 < self.sampling_rate <= 1 and self.edge_rounds >= 1 and 0 < self.delta < 1
+        ):
             raise ValueError(f"bad accountant parameters {self}")
 
     @property
@@ -98,8 +100,16 @@ class Accountant:
         return lo
 
 
-def calibrate(target_epsilon: float, rounds: int, *, mode: DpMode, sampling_rate: float, edge_rounds: int,
-              delta: float, tolerance: float = 1e-3) -> float:
+def calibrate(
+    target_epsilon: float,
+    rounds: int,
+    *,
+    mode: DpMode,
+    sampling_rate: float,
+    edge_rounds: int,
+    delta: float,
+    tolerance: float = 1e-3,
+) -> float:
     """The smallest noise multiplier (to ``tolerance``, relative) whose run of ``rounds`` cloud rounds
     spends at most ``target_epsilon``."""
     if not target_epsilon > 0 or math.isinf(target_epsilon):

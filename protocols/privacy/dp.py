@@ -19,6 +19,7 @@ Noise is drawn from ``rng(noise_seed, round, edge_round, cell, device, "dp-noise
 same model. Whoever knows that seed can subtract the noise, so a deployment gives it only to the noising
 party (``privacy.noise_seed = "system"`` draws it from the OS, not reproducible).
 """
+
 from __future__ import annotations
 
 import math
@@ -87,8 +88,10 @@ def add_noise(tensors: Mapping[str, np.ndarray], std: float, gen: np.random.Gene
     """``tensors`` plus i.i.d. N(0, std^2) noise, drawn in key order (float64, cast to each tensor's dtype)."""
     if std == 0:
         return dict(tensors)
-    return {k: (np.asarray(v, dtype=np.float64) + gen.normal(0.0, std, size=np.shape(v))).astype(v.dtype)
-            for k, v in tensors.items()}
+    return {
+        k: (np.asarray(v, dtype=np.float64) + gen.normal(0.0, std, size=np.shape(v))).astype(v.dtype)
+        for k, v in tensors.items()
+    }
 
 
 class PrivateDevice(DeviceRole):
@@ -104,8 +107,9 @@ class PrivateDevice(DeviceRole):
             return out
         update, _ = clip(out.tensors, self.dp.clip)
         if self.dp.device_std > 0:
-            update = add_noise(update, self.dp.device_std,
-                               rng(self.noise_seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, NOISE))
+            update = add_noise(
+                update, self.dp.device_std, rng(self.noise_seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, NOISE)
+            )
         meta = {k: v for k, v in out.meta.items() if k != "loss"}
         meta["weight"] = 1
         return Payload(meta, update)
@@ -130,7 +134,9 @@ class PrivateCell(CellRole):
         self.inner.check(device, result)
 
     def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
-        if self.dp.mode != "cell" or self.dp.shares or not results:  # shares: the devices noised, secure aggregation summed
+        if (
+            self.dp.mode != "cell" or self.dp.shares or not results
+        ):  # shares: the devices noised, secure aggregation summed
             return self.inner.aggregate(edge_round, results)
         clipped: dict[str, Payload] = {}
         n_clipped = 0
@@ -173,8 +179,10 @@ class PrivateCloud(CloudRole):
         spent = self.accountant.epsilon(round + 1)
         if spent <= self.budget:
             return None
-        return (f"privacy budget: round {round} would spend epsilon {spent:.4g} > privacy.epsilon_budget "
-                f"{self.budget:g} (delta {self.accountant.delta:g})")
+        return (
+            f"privacy budget: round {round} would spend epsilon {spent:.4g} > privacy.epsilon_budget "
+            f"{self.budget:g} (delta {self.accountant.delta:g})"
+        )
 
     def global_params(self) -> "dict[str, np.ndarray]":
         return self.inner.global_params()

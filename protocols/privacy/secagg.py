@@ -28,6 +28,7 @@ sum (and the model) is the same in ``fedtier sim`` and ``fedtier run``.
 
 Pure code: no sockets, no clocks. The roles here are driven by ``cell_server`` and ``edge_agent``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -99,15 +100,14 @@ class RoundId:
     edge_round: int
 
     def label(self, *parts: str) -> bytes:
-        return "/".join(["fedtier-secagg", self.run, self.cell, str(self.round), str(self.edge_round),
-                         *parts]).encode()
+        return "/".join(["fedtier-secagg", self.run, self.cell, str(self.round), str(self.edge_round), *parts]).encode()
 
 
 _NEEDS_INDIVIDUAL = {
     "fedalign": "FedALIGN's cell admits each non-priority device by its own loss, so it must see each result",
     "fedmrn": "FedMRN's cell decodes each device's seed and masks; use fedavg/hist with dense updates",
     "decomfl": "DeComFL's uplink is K x P scalars per device: the keys and shares of secure aggregation would "
-               "cost more than the scalars, and its cells replay per-device histories; not supported",
+    "cost more than the scalars, and its cells replay per-device histories; not supported",
 }
 
 
@@ -119,12 +119,14 @@ def refusal(params: Any) -> str | None:
     if name not in ("fedavg", "hist"):
         return _NEEDS_INDIVIDUAL.get(name, f"{name!r} is not built for it") + " (fedavg and hist are)"
     if getattr(params, "uplink", "dense") != "dense":
-        return f"algorithm.uplink = {params.uplink!r}: secure aggregation quantises dense updates itself; use \"dense\""
+        return f'algorithm.uplink = {params.uplink!r}: secure aggregation quantises dense updates itself; use "dense"'
     if getattr(params, "cell_aggregator", "mean") != "mean":
-        return (f"algorithm.cell_aggregator = {params.cell_aggregator!r} needs each device's update; the cell "
-                "only sees the sum (use \"mean\")")
+        return (
+            f"algorithm.cell_aggregator = {params.cell_aggregator!r} needs each device's update; the cell "
+            'only sees the sum (use "mean")'
+        )
     if getattr(params, "mode", "sync") != "sync":
-        return "algorithm.mode = \"async\" aggregates results one by one with staleness weights (use \"sync\")"
+        return 'algorithm.mode = "async" aggregates results one by one with staleness weights (use "sync")'
     return None
 
 
@@ -158,8 +160,7 @@ def _public(key: X25519PrivateKey) -> bytes:
 
 
 def _private(key: X25519PrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                             serialization.NoEncryption())
+    return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
 
 
 def _agree(private: bytes | X25519PrivateKey, public: bytes, info: bytes) -> bytes:
@@ -203,7 +204,9 @@ def scale_for(settings: SecAggSettings, total_weight: float) -> float:
 
 def quantize(values: np.ndarray, weight: float, settings: SecAggSettings, total_weight: float) -> np.ndarray:
     """``round(weight * clip(values) * scale) mod 2^32`` as uint32."""
-    v = np.clip(values.astype(np.float64), -settings.bound, settings.bound) * (weight * scale_for(settings, total_weight))
+    v = np.clip(values.astype(np.float64), -settings.bound, settings.bound) * (
+        weight * scale_for(settings, total_weight)
+    )
     return (np.rint(v).astype(np.int64) & 0xFFFFFFFF).astype(np.uint32)
 
 
@@ -227,7 +230,7 @@ def unflatten(flat: np.ndarray, layout: Layout, dtype: Any = np.float32) -> dict
     out, at = {}, 0
     for name, shape in layout:
         size = math.prod(shape)
-        out[name] = flat[at:at + size].reshape(shape).astype(dtype)
+        out[name] = flat[at : at + size].reshape(shape).astype(dtype)
         at += size
     return out
 
@@ -238,9 +241,14 @@ def _layout_of(meta: Any) -> Layout:
         raise Rejected("secure aggregation: missing or bad layout")
     out = []
     for item in meta:
-        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
-                or not isinstance(item[1], list) or len(item[1]) > 8
-                or not all(isinstance(s, int) and 0 <= s < 2**31 for s in item[1])):
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], list)
+            or len(item[1]) > 8
+            or not all(isinstance(s, int) and 0 <= s < 2**31 for s in item[1])
+        ):
             raise Rejected("secure aggregation: bad layout entry")
         out.append((item[0], tuple(item[1])))
     return out
@@ -338,10 +346,12 @@ class SecAggDevice:
             blob = arr.tobytes()
             key = _agree(self._c, self._peer_c[j], self.rid.label("seal"))
             try:
-                plain = AESGCM(key).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], self.rid.label(j, self.device, str(x)))
+                plain = AESGCM(key).decrypt(
+                    blob[:NONCE_BYTES], blob[NONCE_BYTES:], self.rid.label(j, self.device, str(x))
+                )
             except InvalidTag:
                 continue
-            self._held[j] = (plain[:shamir.SHARE_BYTES], plain[shamir.SHARE_BYTES:])
+            self._held[j] = (plain[: shamir.SHARE_BYTES], plain[shamir.SHARE_BYTES :])
         self.shared = shared
         return len(self._held)
 
@@ -406,8 +416,9 @@ class SecAggCell:
     cell accepts from ``d`` (None: any). Raises :class:`Rejected` for a message it refuses and
     :class:`SecAggFailure` when the round cannot be completed."""
 
-    def __init__(self, settings: SecAggSettings, rid: RoundId, planned: Sequence[str],
-                 weight_bound: Any = None) -> None:
+    def __init__(
+        self, settings: SecAggSettings, rid: RoundId, planned: Sequence[str], weight_bound: Any = None
+    ) -> None:
         self.settings, self.rid, self.planned = settings, rid, set(planned)
         self.weight_bound = weight_bound or (lambda d: None)
         self.phase = "keys"
@@ -453,8 +464,10 @@ class SecAggCell:
         self.graph = neighbour_graph(self.roster, self.settings, self.rid)
         self.total_weight = sum(w for _, _, w in self.keys.values())
         meta = {"devices": self.roster, "total_weight": self.total_weight}
-        return {d: Payload(meta, {f"{p}/{j}": _u8(self.keys[j][i]) for j in near for i, p in ((0, "c"), (1, "s"))})
-                for d, near in self.graph.items()}
+        return {
+            d: Payload(meta, {f"{p}/{j}": _u8(self.keys[j][i]) for j in near for i, p in ((0, "c"), (1, "s"))})
+            for d, near in self.graph.items()
+        }
 
     def add_shares(self, device: str, payload: Payload) -> None:
         self._expect("shares", device)
@@ -480,11 +493,15 @@ class SecAggCell:
         self.phase = "masked"
         self.shared = sorted(self.sealed)
         if len(self.shared) < max(2, self.settings.t(len(self.roster))):
-            self._fail(f"{len(self.shared)} devices shared their secrets, fewer than the threshold "
-                       f"{self.settings.t(len(self.roster))}")
+            self._fail(
+                f"{len(self.shared)} devices shared their secrets, fewer than the threshold "
+                f"{self.settings.t(len(self.roster))}"
+            )
         meta = {"shared": self.shared}
-        return {d: Payload(meta, {f"e/{j}": self.sealed[j].tensors[f"e/{d}"] for j in self.graph[d] if j in self.sealed})
-                for d in self.shared}
+        return {
+            d: Payload(meta, {f"e/{j}": self.sealed[j].tensors[f"e/{d}"] for j in self.graph[d] if j in self.sealed})
+            for d in self.shared
+        }
 
     def check_masked(self, device: str, payload: Payload) -> Layout:
         """Refuse a masked result that cannot be summed; its layout otherwise."""
@@ -547,7 +564,7 @@ class SecAggCell:
         shares, t = sorted(self._shares_of(prefix, j)), self.settings.t(len(self.roster))
         if len(shares) < t:
             self._fail(f"{len(shares)} shares to recover {j}, fewer than the threshold {t}")
-        for subset in [shares[:t]] + [(shares[:i] + shares[i + 1:])[:t] for i in range(min(t, len(shares) - t))]:
+        for subset in [shares[:t]] + [(shares[:i] + shares[i + 1 :])[:t] for i in range(min(t, len(shares) - t))]:
             try:
                 secret = shamir.combine(subset, length)
             except shamir.ShareError:
@@ -573,8 +590,9 @@ class SecAggCell:
         taken = np.zeros(n, dtype=np.uint32)  # ... and subtracted
         for j in self.dropped:
             s_pub = self.keys[j][1]
-            sk = X25519PrivateKey.from_private_bytes(self._recover(
-                "s", j, KEY_BYTES, lambda s: _public(X25519PrivateKey.from_private_bytes(s)) == s_pub))
+            sk = X25519PrivateKey.from_private_bytes(
+                self._recover("s", j, KEY_BYTES, lambda s: _public(X25519PrivateKey.from_private_bytes(s)) == s_pub)
+            )
             for i in self.graph[j]:
                 if i in self.masked:  # i added sign(i, j) * mask(i, j): take it out
                     (added if pair_sign(i, j) > 0 else taken).__iadd__(pair_mask(sk, self.keys[i][1], self.rid, n))
@@ -587,11 +605,19 @@ class SecAggCell:
             # honest inputs are clipped to the bound: a larger sum means a device masked something else
             self._fail("the unmasked sum exceeds what clipped updates can add up to (a device sent a bad vector)")
         summed = unflatten(values, layout)
-        stats = {"planned": len(self.planned), "keys": len(self.roster), "shared": len(self.shared),
-                 "survivors": len(self.survivors), "dropped": len(self.dropped), "recovered": len(self.dropped),
-                 "degree": self.settings.degree(len(self.roster)), "threshold": self.settings.t(len(self.roster))}
-        return Unmasked(summed, total, {d: float(self.masked[d].meta["weight"]) for d in self.survivors},
-                        list(self.dropped), stats)
+        stats = {
+            "planned": len(self.planned),
+            "keys": len(self.roster),
+            "shared": len(self.shared),
+            "survivors": len(self.survivors),
+            "dropped": len(self.dropped),
+            "recovered": len(self.dropped),
+            "degree": self.settings.degree(len(self.roster)),
+            "threshold": self.settings.t(len(self.roster)),
+        }
+        return Unmasked(
+            summed, total, {d: float(self.masked[d].meta["weight"]) for d in self.survivors}, list(self.dropped), stats
+        )
 
     def _fail(self, why: str) -> None:
         self.phase = "failed"

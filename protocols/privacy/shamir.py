@@ -5,6 +5,7 @@ polynomial at ``x`` (``x`` = 1, 2, ...). Any ``t`` shares give the secret back (
 reveal nothing about it. Coefficients come from :mod:`secrets` (a cryptographic source: a secret's
 shares must not be reproducible from the run seed).
 """
+
 from __future__ import annotations
 
 import secrets

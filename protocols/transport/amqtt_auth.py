@@ -4,6 +4,7 @@ amqtt (0.12) keeps no session for an anonymous client: it queues nothing for a d
 ``clean_session=False`` client that logged in through its ``AnonymousAuthPlugin``. The embedded
 broker (loopback only, for emulation and tests) uses this plugin instead, so persistent sessions work.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@ A node (device agent, cell server, cloud) owns one :class:`Transport`. Handlers 
 :class:`EventLoop`, one at a time, so a runtime never needs locks. Two implementations fit this
 contract: the deterministic in-memory hub (``memory.py``) and MQTT (``mqtt.py``).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -20,6 +20,7 @@ topic                                      dir.   what
 (``cleansession false``), so what is published while the bridge is down waits on the other side
 and crosses when it is back; the bridge reconnects with backoff (``restart_timeout``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,9 +49,18 @@ def bridge_topics(run: str, cell: str) -> list[BridgeTopic]:
     ]
 
 
-def bridge_config(run: str, cell: str, cloud_url: str, *, username: str | None = None,
-                  password: str | None = None, cafile: str | None = None, certfile: str | None = None,
-                  keyfile: str | None = None, restart: tuple[float, float] = (1.0, 30.0)) -> str:
+def bridge_config(
+    run: str,
+    cell: str,
+    cloud_url: str,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    cafile: str | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    restart: tuple[float, float] = (1.0, 30.0),
+) -> str:
     """The Mosquitto config lines of ``cell``'s broker that bridge it to the cloud broker at
     ``cloud_url`` (``mqtt://`` or ``mqtts://host:port``), to append to the cell broker's
     ``mosquitto.conf``. Credentials and TLS files are those the bridge presents to the cloud broker."""

@@ -3,6 +3,7 @@
 Both listen on 127.0.0.1 (a free port unless one is given), return from ``start()`` once the port
 accepts connections, can be stopped and started again on the same port, and are context managers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -208,9 +209,15 @@ class MosquittoBroker(_Broker):
     The process asks the kernel to kill it when its parent dies (``protocols.procs``).
     """
 
-    def __init__(self, port: int | None = None, binary: str | None = None, extra_config: str = "",
-                 allow_anonymous: bool = True, persistence: bool | str | os.PathLike[str] = False,
-                 autosave_interval: int = 1) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        binary: str | None = None,
+        extra_config: str = "",
+        allow_anonymous: bool = True,
+        persistence: bool | str | os.PathLike[str] = False,
+        autosave_interval: int = 1,
+    ) -> None:
         super().__init__(port)
         self.binary = binary or find_mosquitto()
         if self.binary is None:
@@ -233,9 +240,9 @@ class MosquittoBroker(_Broker):
             f.write(
                 f"listener {self.port} {self.host}\n"
                 f"allow_anonymous {'true' if self.allow_anonymous else 'false'}\n"
-                + ("user root\n" if hasattr(os, "geteuid") and os.geteuid() == 0 else "") +
-                self._persistence_config() +
-                f"max_queued_messages {MAX_QUEUED}\n"  # a chunked model must not overflow a client's queue
+                + ("user root\n" if hasattr(os, "geteuid") and os.geteuid() == 0 else "")
+                + self._persistence_config()
+                + f"max_queued_messages {MAX_QUEUED}\n"  # a chunked model must not overflow a client's queue
                 "max_queued_bytes 0\n"
                 "max_inflight_messages 64\n"
                 "set_tcp_nodelay true\n"  # else Nagle + delayed ACK add ~40 ms per small message
@@ -268,8 +275,10 @@ class MosquittoBroker(_Broker):
         if where is None:
             return "persistence false\n"
         os.makedirs(where, exist_ok=True)
-        return (f"persistence true\npersistence_location {os.path.join(os.path.abspath(where), '')}\n"
-                f"autosave_interval {self.autosave_interval}\n")
+        return (
+            f"persistence true\npersistence_location {os.path.join(os.path.abspath(where), '')}\n"
+            f"autosave_interval {self.autosave_interval}\n"
+        )
 
     @property
     def pid(self) -> int | None:

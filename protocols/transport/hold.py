@@ -9,6 +9,7 @@ subscribed to a matching pattern. Hostile or stale input must not grow memory: t
 not claimed in time, is dropped and logged (rate-limited). Pure code: no sockets, no threads of its
 own (the caller serialises access); time comes from a clock function.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,9 @@ class HoldLimits:
 class Hold:
     """Whole messages (topic, payload) waiting for their first handler, oldest first."""
 
-    def __init__(self, owner: str, limits: HoldLimits = HoldLimits(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, owner: str, limits: HoldLimits = HoldLimits(), clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.owner, self.limits, self.clock = owner, limits, clock
         self._items: deque[tuple[float, str, bytes]] = deque()
         self.nbytes = 0
@@ -53,13 +55,23 @@ class Hold:
         lim = self.limits
         if len(self._items) >= lim.messages or self.nbytes + len(payload) > lim.bytes:
             self.dropped += 1
-            self._log.warning("%s: a message on %s arrived before any handler of it and the hold is full "
-                              "(%d messages, %d bytes; at most %d, %d): dropped", self.owner, topic,
-                              len(self._items), self.nbytes, lim.messages, lim.bytes)
+            self._log.warning(
+                "%s: a message on %s arrived before any handler of it and the hold is full "
+                "(%d messages, %d bytes; at most %d, %d): dropped",
+                self.owner,
+                topic,
+                len(self._items),
+                self.nbytes,
+                lim.messages,
+                lim.bytes,
+            )
             return False
         if not self._items:
-            log.info("%s: holding messages that arrived before their handler (a resumed session's queue), "
-                     "first on %s", self.owner, topic)
+            log.info(
+                "%s: holding messages that arrived before their handler (a resumed session's queue), first on %s",
+                self.owner,
+                topic,
+            )
         self._items.append((self.clock(), topic, payload))
         self.nbytes += len(payload)
         return True
@@ -84,8 +96,13 @@ class Hold:
             gone.append(topic)
         if gone:
             self.dropped += len(gone)
-            self._log.warning("%s: %d held messages (first on %s) found no handler within %g s: dropped",
-                              self.owner, len(gone), gone[0], self.limits.seconds)
+            self._log.warning(
+                "%s: %d held messages (first on %s) found no handler within %g s: dropped",
+                self.owner,
+                len(gone),
+                gone[0],
+                self.limits.seconds,
+            )
         return len(gone)
 
     def clear(self) -> None:

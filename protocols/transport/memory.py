@@ -9,6 +9,7 @@ with :meth:`VirtualLoop.hold`: while any is unfinished the clock does not advanc
 still fire), and the loop blocks until the oldest one completes. Completions run in the order the
 work was registered, so the run does not depend on which worker finishes first.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -141,8 +142,7 @@ class MemoryHub:
     and retained messages are indexed by parent topic (a ``prefix/+`` subscription reads only its
     own). Deliveries keep subscription order, and retained ones the order they were first retained."""
 
-    def __init__(self, loop: VirtualLoop | None = None,
-                 link_delay: Callable[[str, int], float] | None = None) -> None:
+    def __init__(self, loop: VirtualLoop | None = None, link_delay: Callable[[str, int], float] | None = None) -> None:
         """``link_delay(topic, nbytes)``: virtual seconds a message takes to arrive (a network
         model, see ``sim/clock.py``); without it every message arrives at once."""
         self.loop = loop or VirtualLoop()

@@ -15,6 +15,7 @@ A lost connection is re-established with exponential backoff
 at a connection rate limit, is retried the same way when ``retry_refused``). Messages larger than
 ``max_chunk`` travel as chunks (``protocols.wire.chunking``); handlers only see whole messages.
 """
+
 from __future__ import annotations
 
 import logging
@@ -156,8 +157,9 @@ class MqttTransport(Transport):
         self._gen = 0  # connection generation: SUBACK bookkeeping of an older connection is void
         self._unacked: set[int] = set()  # mids of QoS-1 publishes awaiting PUBACK
         self._acked_early: set[int] = set()  # PUBACKs that beat publish() to the bookkeeping
-        self._reasm = chunking.Reassembler(timeout=chunk_timeout, max_bytes=max_reassembly_bytes,
-                                           max_message=max_message_bytes)
+        self._reasm = chunking.Reassembler(
+            timeout=chunk_timeout, max_bytes=max_reassembly_bytes, max_message=max_message_bytes
+        )
         self._chunk_auth: chunking.ChunkAuth | None = None
         self._reasm_lock = threading.Lock()
         self._expiry: TimerHandle | None = None
@@ -173,8 +175,9 @@ class MqttTransport(Transport):
         self.persistent = persistent
         self._held = Hold(client_id, hold)  # messages of a resumed session that came before their handler
         self._unsubscribed: set[str] = set()  # patterns given up: late deliveries on them are not held
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not persistent,
-                        protocol=mqtt.MQTTv311)
+        c = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not persistent, protocol=mqtt.MQTTv311
+        )
         if username is not None:
             c.username_pw_set(username, password)
         self._tls, self._client_cert = bool(ca_certs or certfile or keyfile), bool(certfile)
@@ -245,11 +248,16 @@ class MqttTransport(Transport):
         reason = self._connack_reason
         if reason is None:  # _on_disconnect: the broker hung up before its CONNACK
             self._abort()
-            how = ("with TLS" + (", client certificate" if self._client_cert else ", no client certificate")
-                   if self._tls else "without TLS")
-            raise ConnectionError(f"MQTT broker at {where} closed the connection of {self.client_id!r} ({how}) "
-                                  "before accepting it: does its listener require TLS (ca_certs) or a client "
-                                  "certificate signed by the broker's CA (certfile, keyfile)? Or is it at its connection limit?")
+            how = (
+                "with TLS" + (", client certificate" if self._client_cert else ", no client certificate")
+                if self._tls
+                else "without TLS"
+            )
+            raise ConnectionError(
+                f"MQTT broker at {where} closed the connection of {self.client_id!r} ({how}) "
+                "before accepting it: does its listener require TLS (ca_certs) or a client "
+                "certificate signed by the broker's CA (certfile, keyfile)? Or is it at its connection limit?"
+            )
         if reason is not None and reason.is_failure:
             self._abort()
             raise ConnectionError(f"MQTT broker at {where} refused {self.client_id!r}: {reason}")
@@ -453,7 +461,8 @@ class MqttTransport(Transport):
         """Block until connected and every subscription so far is acknowledged by the broker."""
         with self._cv:
             return self._cv.wait_for(
-                lambda: self._connected and not self._suback_pending and not self._sub_sending, timeout)
+                lambda: self._connected and not self._suback_pending and not self._sub_sending, timeout
+            )
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until every QoS-1 publish so far is acknowledged by the broker (or ``timeout``)."""
@@ -497,8 +506,14 @@ class MqttTransport(Transport):
             self._cv.notify_all()
         self._attempts = 0
         if self._ever_connected:
-            log.info("%s: reconnected to %s:%s (%s session), resubscribing %d patterns", self.client_id, self.host,
-                     self.port, "resumed" if getattr(flags, "session_present", False) else "new", len(subs))
+            log.info(
+                "%s: reconnected to %s:%s (%s session), resubscribing %d patterns",
+                self.client_id,
+                self.host,
+                self.port,
+                "resumed" if getattr(flags, "session_present", False) else "new",
+                len(subs),
+            )
         self._ever_connected = True
         if subs:
             self._send_subscribe(subs, gen)
@@ -506,8 +521,12 @@ class MqttTransport(Transport):
 
     def _on_disconnect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _props: Any) -> None:
         if not self._connack.is_set():  # hung up before the first CONNACK: connect() fails at once
-            if (self._reactor is not None and self._retry_refused and not self._closed
-                    and time.monotonic() + 0.2 < self._deadline):
+            if (
+                self._reactor is not None
+                and self._retry_refused
+                and not self._closed
+                and time.monotonic() + 0.2 < self._deadline
+            ):
                 log.info("%s: %s hung up before its CONNACK; retrying", self.client_id, self._where)
                 self._retry_later()
                 return

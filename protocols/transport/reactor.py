@@ -14,6 +14,7 @@ on its next turn. paho's ``register_write`` callback only marks the client dirty
 paho's ``publish`` under the client's message lock, and a wake-up there (a syscall, which lets
 the I/O thread take the GIL) would make the I/O thread's PUBACK handling wait on that lock.
 """
+
 from __future__ import annotations
 
 import heapq

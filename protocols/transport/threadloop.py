@@ -7,6 +7,7 @@ loop; their handlers are then serialised. An exception in a callback is logged, 
 Like :class:`~protocols.transport.memory.VirtualLoop`, it offers :meth:`~ThreadLoop.hold` and an
 ``on_idle`` hook, so that one executor (the cohort engine, ``edge_agent/cohort.py``) serves both.
 """
+
 from __future__ import annotations
 
 import heapq

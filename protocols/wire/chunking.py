@@ -14,6 +14,7 @@ chunks that arrived), per sender at most ``max_per_sender`` bytes, in all at mos
 unchunked payload larger than ``max_message`` is refused by size before anything parses it.
 Pure code: no sockets, no threads; time comes from a clock function.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,8 +62,9 @@ def is_chunk(data: bytes | memoryview) -> bool:
     return len(data) >= HEADER_BYTES and bytes(data[:4]) == MAGIC
 
 
-def split(data: bytes, max_chunk: int = DEFAULT_MAX_CHUNK, *, topic: str = "",
-          auth: ChunkAuth | None = None) -> list[bytes]:
+def split(
+    data: bytes, max_chunk: int = DEFAULT_MAX_CHUNK, *, topic: str = "", auth: ChunkAuth | None = None
+) -> list[bytes]:
     """Return ``[data]`` when it fits in ``max_chunk`` bytes, else framed chunks of at most that size,
     each carrying the sender (``auth.node``) and, with ``auth``, its signature for ``topic``.
 
@@ -90,8 +92,9 @@ def split(data: bytes, max_chunk: int = DEFAULT_MAX_CHUNK, *, topic: str = "",
         if auth is not None:
             unsigned = _HEAD.pack(MAGIC, cid, i, count, size, len(data), len(sender), 0)
             sig = auth.sign(_signed(topic, unsigned, sender, body))
-        parts.append(b"".join((_HEAD.pack(MAGIC, cid, i, count, size, len(data), len(sender), len(sig)),
-                               sender, sig, body)))
+        parts.append(
+            b"".join((_HEAD.pack(MAGIC, cid, i, count, size, len(data), len(sender), len(sig)), sender, sig, body))
+        )
     return parts
 
 
@@ -159,8 +162,11 @@ class Reassembler:
     def feed(self, key: str, data: bytes) -> bytes | None:
         if not is_chunk(data):
             if len(data) > self.max_message:
-                return self._reject(key, f"single message of {len(data)} bytes exceeds the bound of "
-                                         f"{self.max_message} (runtime.max_message_bytes)")
+                return self._reject(
+                    key,
+                    f"single message of {len(data)} bytes exceeds the bound of "
+                    f"{self.max_message} (runtime.max_message_bytes)",
+                )
             return data
         now = self.clock()
         self.expire(now)
@@ -172,8 +178,10 @@ class Reassembler:
             self._refused[cid] = None
             while len(self._refused) > self.max_recent:
                 self._refused.popitem(last=False)
-            return self._reject(key, f"chunked message of {total} bytes exceeds the bound of {self.max_message} "
-                                     "(runtime.max_message_bytes)")
+            return self._reject(
+                key,
+                f"chunked message of {total} bytes exceeds the bound of {self.max_message} (runtime.max_message_bytes)",
+            )
         if HEADER_BYTES + slen + glen > len(data):
             return self._reject(key, "truncated chunk header")
         try:
@@ -186,15 +194,20 @@ class Reassembler:
                 return self._reject(key, f"unsigned chunk (claims sender {sender!r}) where signatures are required")
             head = _HEAD.pack(magic, cid, index, count, size, total, slen, 0)
             try:
-                self.auth.verify(sender, _signed(key, head, data[HEADER_BYTES : HEADER_BYTES + slen], body),
-                                 bytes(data[HEADER_BYTES + slen : HEADER_BYTES + slen + glen]))
+                self.auth.verify(
+                    sender,
+                    _signed(key, head, data[HEADER_BYTES : HEADER_BYTES + slen], body),
+                    bytes(data[HEADER_BYTES + slen : HEADER_BYTES + slen + glen]),
+                )
             except ValueError as exc:  # WireError
                 return self._reject(key, f"chunk {index}/{count} from {sender!r}: {exc}")
         ident = (key, sender, cid)
         if ident in self._recent:
             return None  # a late duplicate of a message already delivered
         if size == 0 or count != max(1, -(-total // size)) or index >= count:
-            return self._reject(key, f"inconsistent chunk header (index {index}, count {count}, size {size}, total {total})")
+            return self._reject(
+                key, f"inconsistent chunk header (index {index}, count {count}, size {size}, total {total})"
+            )
         want = min(size, total - index * size)
         if len(body) != want:
             return self._reject(key, f"chunk {index}/{count} has {len(body)} bytes, expected {want}")

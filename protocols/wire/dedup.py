@@ -1,4 +1,5 @@
 """Idempotent receipt: remember recent message ids so a redelivered message is handled once."""
+
 from __future__ import annotations
 
 from collections import OrderedDict

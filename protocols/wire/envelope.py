@@ -3,6 +3,7 @@
 The header is small and validated with pydantic before anything reads the payload; the payload is
 opaque bytes here (see ``payload.py`` for the tensor codec). Nothing is ever pickled.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,15 +22,15 @@ MAX_HEADER_BYTES = 16 * 1024
 DEFAULT_MAX_PAYLOAD = 256 * 1024 * 1024
 
 MessageKind = Literal[
-    "cell_task",      # cloud -> cell: what to do this cloud round
-    "device_task",    # cell -> device: what to do this edge round
+    "cell_task",  # cloud -> cell: what to do this cloud round
+    "device_task",  # cell -> device: what to do this edge round
     "device_result",  # device -> cell
-    "cell_report",    # cell -> cloud
-    "status",         # liveness (birth / will / heartbeat)
-    "telemetry",      # aggregation records
-    "control",        # run-level control (e.g. run finished)
-    "chunk",          # a piece of a larger message
-    "secagg_keys",    # device -> cell: secure aggregation (protocols/privacy/secagg.py), on the result topic
+    "cell_report",  # cell -> cloud
+    "status",  # liveness (birth / will / heartbeat)
+    "telemetry",  # aggregation records
+    "control",  # run-level control (e.g. run finished)
+    "chunk",  # a piece of a larger message
+    "secagg_keys",  # device -> cell: secure aggregation (protocols/privacy/secagg.py), on the result topic
     "secagg_roster",  # cell -> device, on its task topic
     "secagg_shares",  # device -> cell
     "secagg_routed",  # cell -> device
@@ -50,8 +51,9 @@ class Header(BaseModel):
     "i":"9f2c51d07a3e4b18","l":51054}`` (about 100 bytes). Code uses the descriptive names.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True,
-                              serialize_by_alias=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
 
     v: Literal[1] = 1
     run: str = Field(min_length=1, max_length=128, alias="r")

@@ -17,6 +17,7 @@ extracts one node's share (:func:`node_subset`: its private key and its peers' p
 ``protocols.seeding``. Files of the older HMAC format (a ``[keys]`` table) are refused with a message
 that says how to replace them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -99,8 +100,9 @@ def node_subset(ring: KeyRing, topology: "TopologySection", node: str) -> KeyRin
     public.setdefault(node, public_of(ring.private[node]))
     missing = [n for n in wanted if n not in public]
     if missing:
-        raise KeysError(f"public keys of {', '.join(repr(m) for m in missing)} are missing (node {node!r} "
-                        f"verifies its peers)")
+        raise KeysError(
+            f"public keys of {', '.join(repr(m) for m in missing)} are missing (node {node!r} verifies its peers)"
+        )
     return KeyRing({node: ring.private[node]}, {n: public[n] for n in wanted})
 
 
@@ -149,9 +151,11 @@ def _load_cached(path: str, _mtime: int, _size: int) -> tuple[tuple[tuple[str, b
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise KeysError(f"security.keys: {path} is not a readable TOML keys file: {exc}") from None
     if "keys" in data and "format" not in data:
-        raise KeysError(f"security.keys: {path} holds shared HMAC keys of an older fedtier; nodes now sign with "
-                        f"Ed25519 identities: write a new file with `fedtier keys CONFIG --out FILE` (or `fedtier "
-                        f"provision`) and give each node its share again")
+        raise KeysError(
+            f"security.keys: {path} holds shared HMAC keys of an older fedtier; nodes now sign with "
+            f"Ed25519 identities: write a new file with `fedtier keys CONFIG --out FILE` (or `fedtier "
+            f"provision`) and give each node its share again"
+        )
     if data.get("format") != FORMAT:
         raise KeysError(f"security.keys: {path}: format must be {FORMAT!r}, got {data.get('format')!r}")
     tables = []

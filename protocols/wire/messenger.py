@@ -5,6 +5,7 @@ Every runtime talks through one :class:`Messenger`, so each message is encoded a
 place. A message that fails any check is logged with its reason and reported to ``on_reject``;
 it never reaches a role.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,16 @@ from typing import TYPE_CHECKING, Callable
 
 from ..transport.base import Transport
 from .dedup import SeenIds
-from .envelope import (DEFAULT_MAX_PAYLOAD, Header, MessageKind, WireError, decode_message, encode_message,
-                       new_msg_id, verify_signature)
+from .envelope import (
+    DEFAULT_MAX_PAYLOAD,
+    Header,
+    MessageKind,
+    WireError,
+    decode_message,
+    encode_message,
+    new_msg_id,
+    verify_signature,
+)
 from .payload import Payload, decode_payload, encode_payload
 from .ratelog import RateLimitedLog
 
@@ -45,9 +54,16 @@ class Messenger:
     message is handled once.
     """
 
-    def __init__(self, transport: Transport, run: str, sender: str, *, trust: "Trust | None" = None,
-                 max_payload: int | None = None,
-                 on_reject: Callable[[str, str, str | None], None] | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        run: str,
+        sender: str,
+        *,
+        trust: "Trust | None" = None,
+        max_payload: int | None = None,
+        on_reject: Callable[[str, str, str | None], None] | None = None,
+    ) -> None:
         self.transport, self.run, self.sender = transport, run, sender
         self.trust, self.max_payload = trust, max_payload or DEFAULT_MAX_PAYLOAD
         self.on_reject = on_reject
@@ -69,14 +85,31 @@ class Messenger:
     def signed(self) -> bool:
         return self.trust is not None
 
-    def frame(self, kind: MessageKind, payload: Payload, *, round: int, edge_round: int = 0,
-              cell: str | None = None, topic: str = "") -> bytes:
+    def frame(
+        self,
+        kind: MessageKind,
+        payload: Payload,
+        *,
+        round: int,
+        edge_round: int = 0,
+        cell: str | None = None,
+        topic: str = "",
+    ) -> bytes:
         """Encode a payload into a complete message for ``topic`` (not sent)."""
-        header = Header(run=self.run, kind=kind, round=round, edge_round=edge_round, cell=cell,
-                        sender=self.sender, msg_id=new_msg_id(), payload_len=0,
-                        session=self.session if self.trust is not None else None)
-        return encode_message(header, self._payload_bytes(payload),
-                              self.trust.sign if self.trust is not None else None, topic)
+        header = Header(
+            run=self.run,
+            kind=kind,
+            round=round,
+            edge_round=edge_round,
+            cell=cell,
+            sender=self.sender,
+            msg_id=new_msg_id(),
+            payload_len=0,
+            session=self.session if self.trust is not None else None,
+        )
+        return encode_message(
+            header, self._payload_bytes(payload), self.trust.sign if self.trust is not None else None, topic
+        )
 
     def _payload_bytes(self, payload: Payload) -> bytes:
         # a role often sends one payload object to many receivers: encode it once
@@ -87,8 +120,17 @@ class Messenger:
         self._encoded = {id(payload): (payload, data)}
         return data
 
-    def send(self, topic: str, kind: MessageKind, payload: Payload, *, round: int, edge_round: int = 0,
-             cell: str | None = None, retain: bool = False) -> int:
+    def send(
+        self,
+        topic: str,
+        kind: MessageKind,
+        payload: Payload,
+        *,
+        round: int,
+        edge_round: int = 0,
+        cell: str | None = None,
+        retain: bool = False,
+    ) -> int:
         """Frame and publish; returns the bytes published."""
         data = self.frame(kind, payload, round=round, edge_round=edge_round, cell=cell, topic=topic)
         self.transport.publish(topic, data, qos=1, retain=retain)

@@ -10,6 +10,7 @@ Arrays travel as their raw little-endian bytes: a float32 tensor of n values cos
 its name and shape. Packed bit masks are ``uint8`` tensors, seeds and scalars go in the metadata.
 Decoding checks every length, the dtype, the shape, and (by default) that floats are finite.
 """
+
 from __future__ import annotations
 
 import json

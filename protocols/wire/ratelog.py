@@ -6,6 +6,7 @@ at 1,000 messages/s would otherwise keep a node busy logging. :class:`RateLimite
 ``burst`` lines per ``window`` seconds and counts the rest; the next line after the window says how
 many were left out. The rejections themselves are unaffected (their counts and records).
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,13 @@ DEFAULT_WINDOW = 10.0
 class RateLimitedLog:
     """``warning(...)`` as ``logger.warning``, at most ``burst`` lines per ``window`` seconds."""
 
-    def __init__(self, logger: logging.Logger, burst: int = DEFAULT_BURST, window: float = DEFAULT_WINDOW,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        burst: int = DEFAULT_BURST,
+        window: float = DEFAULT_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger, self.burst, self.window, self.clock = logger, burst, window, clock
         self._start = clock()
         self._logged = self.suppressed = 0
@@ -39,6 +45,7 @@ class RateLimitedLog:
                 return
             self._logged += 1
         if left_out:
-            self.logger.warning("%d more rejections were not logged (at most %d lines per %g s)", left_out,
-                                self.burst, self.window)
+            self.logger.warning(
+                "%d more rejections were not logged (at most %d lines per %g s)", left_out, self.burst, self.window
+            )
         self.logger.warning(msg, *args)

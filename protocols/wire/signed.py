@@ -7,6 +7,7 @@ canonical JSON (sorted keys, no spaces, ``sig`` left out). The signer is not nam
 the topic says who must have produced it (:func:`signer_of`), so a record cannot be moved to another
 node's topic and keep a valid signature.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ def seal_record(record: dict[str, Any], topic: str, sign: Signer | None) -> byte
     return json.dumps(record, separators=(",", ":")).encode()
 
 
-def open_record(data: bytes, topic: str, signer: str | None, verify: Verifier | None,
-                max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any]:
+def open_record(
+    data: bytes, topic: str, signer: str | None, verify: Verifier | None, max_bytes: int = MAX_RECORD_BYTES
+) -> dict[str, Any]:
     """Parse a record of at most ``max_bytes``; with ``verify`` it must carry ``signer``'s valid
     signature for ``topic``. Raises :class:`WireError` saying why not."""
     if len(data) > max_bytes:
@@ -70,7 +72,7 @@ def signer_of(topic: str) -> str | None:
         node = parts[-1]
         for prefix in ("cell.", "device."):
             if node.startswith(prefix):
-                return node[len(prefix):]
+                return node[len(prefix) :]
         return node if node == "cloud" else None
     if len(parts) == 4 and parts[2] == "cloud" and parts[3] in ("round", "control"):
         return "cloud"

@@ -15,6 +15,7 @@ topic                                          what                             
 ``fedtier/{run}/telemetry/cloud``              cloud round records                 no
 =============================================  ==================================  ===========
 """
+
 from __future__ import annotations
 
 import re

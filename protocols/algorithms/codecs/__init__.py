@@ -12,6 +12,7 @@ Any algorithm whose device sends a model delta can offer them. To adopt the laye
 Every codec reports the exact size of its encoding (``data_bytes`` + ``framing_bytes`` + metadata)
 and is deterministic given its seed; see each module for the wire layout.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -25,8 +26,9 @@ from .mrn import FedMRNCodec, NoiseKind
 from .quantizers import QSGDCodec, SignSGDCodec, TopKCodec
 
 UplinkName = Literal["dense", "signsgd", "topk", "qsgd", "fedmrn"]
-CODECS: dict[str, type[UplinkCodec]] = {c.name: c for c in (DenseCodec, SignSGDCodec, TopKCodec, QSGDCodec,
-                                                           FedMRNCodec)}
+CODECS: dict[str, type[UplinkCodec]] = {
+    c.name: c for c in (DenseCodec, SignSGDCodec, TopKCodec, QSGDCodec, FedMRNCodec)
+}
 
 
 class UplinkParams(TrainParams):
@@ -62,5 +64,19 @@ def uplink_seed(ctx: DeviceContext) -> int:
     return derive_seed(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "uplink")
 
 
-__all__ = ["CODECS", "DenseCodec", "FedMRNCodec", "QSGDCodec", "SignSGDCodec", "TopKCodec", "UplinkCodec",
-           "UplinkName", "UplinkParams", "make_codec", "pack_bits", "unpack_bits", "uplink_seed", "wire_size"]
+__all__ = [
+    "CODECS",
+    "DenseCodec",
+    "FedMRNCodec",
+    "QSGDCodec",
+    "SignSGDCodec",
+    "TopKCodec",
+    "UplinkCodec",
+    "UplinkName",
+    "UplinkParams",
+    "make_codec",
+    "pack_bits",
+    "unpack_bits",
+    "uplink_seed",
+    "wire_size",
+]

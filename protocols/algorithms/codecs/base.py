@@ -6,6 +6,7 @@ names and shapes never travel for compressed codecs: only the packed data does. 
 per byte with ``np.packbits(..., bitorder="little")`` (element ``i`` is bit ``i % 8`` of byte
 ``i // 8``); padding bits must be zero and are checked.
 """
+
 from __future__ import annotations
 
 import math

@@ -23,6 +23,7 @@ Deterministic masking (DM, the ablation) takes ``m = [sign u == sign n]`` or ``m
 The clipped value is ``clip(u/n, 0|-1, 1) * n``. Progressive masking mixes, element-wise with a
 Bernoulli(p) selector, the masked value and the clipped value (:func:`masked_value`).
 """
+
 from __future__ import annotations
 
 import math
@@ -78,8 +79,9 @@ def clipped(u: np.ndarray, n: np.ndarray, signed: bool) -> np.ndarray:
     return np.clip(u / n, -1 if signed else 0, 1) * n
 
 
-def masked_value(u: np.ndarray, n: np.ndarray, signed: bool, prob: float, g: np.random.Generator,
-                 stochastic: bool = True) -> np.ndarray:
+def masked_value(
+    u: np.ndarray, n: np.ndarray, signed: bool, prob: float, g: np.random.Generator, stochastic: bool = True
+) -> np.ndarray:
     """The forward value of progressive (stochastic) masking at masking probability ``prob``.
 
     Each element is the masked noise ``n * m`` with probability ``prob``, else ``clipped(u, n)``;
@@ -102,8 +104,9 @@ class FedMRNCodec(UplinkCodec):
 
     name = "fedmrn"
 
-    def __init__(self, noise: NoiseKind = "uniform", alpha: float = 0.01, signed: bool = False,
-                 mask_vectors: bool = False) -> None:
+    def __init__(
+        self, noise: NoiseKind = "uniform", alpha: float = 0.01, signed: bool = False, mask_vectors: bool = False
+    ) -> None:
         if not alpha > 0:
             raise ValueError(f"noise alpha must be positive, got {alpha}")
         self.noise, self.alpha, self.signed, self.mask_vectors = noise, alpha, signed, mask_vectors
@@ -121,8 +124,10 @@ class FedMRNCodec(UplinkCodec):
 
     def noise_for(self, seed: int, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
         """The noise of every masked tensor of ``like`` for ``seed``."""
-        return OrderedDict((k, make_noise(seed, like[k].shape, i, self.noise, self.alpha))
-                           for i, k in enumerate(self.masked_names(like)))
+        return OrderedDict(
+            (k, make_noise(seed, like[k].shape, i, self.noise, self.alpha))
+            for i, k in enumerate(self.masked_names(like))
+        )
 
     # ---------------------------------------------------------------- wire
     def pack(self, seed: int, masks: Mapping[str, np.ndarray], extras: Mapping[str, np.ndarray]) -> Payload:
@@ -149,8 +154,9 @@ class FedMRNCodec(UplinkCodec):
     def encode(self, delta: Mapping[str, np.ndarray], seed: int) -> Payload:
         noise = self.noise_for(seed, delta)
         g = rng(seed, "fedmrn-posthoc-sm")
-        masks = OrderedDict((k, sample_mask(np.asarray(delta[k], np.float32), n, self.signed, g))
-                            for k, n in noise.items())
+        masks = OrderedDict(
+            (k, sample_mask(np.asarray(delta[k], np.float32), n, self.signed, g)) for k, n in noise.items()
+        )
         return self.pack(seed, masks, OrderedDict((k, delta[k]) for k in self.extra_names(delta)))
 
     def check(self, payload: Payload, like: Mapping[str, np.ndarray], what: str) -> None:
@@ -165,7 +171,9 @@ class FedMRNCodec(UplinkCodec):
         for k in extras:
             expect_array(payload.tensors[k], np.float32, like[k].shape, f"{what}: {k}")
 
-    def masked_delta(self, seed: int, packed: np.ndarray, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def masked_delta(
+        self, seed: int, packed: np.ndarray, like: Mapping[str, np.ndarray]
+    ) -> "OrderedDict[str, np.ndarray]":
         """``n * m`` of every masked tensor, rebuilt from the seed and the packed mask bits."""
         noise = self.noise_for(seed, like)
         masks = self.masks_of(Payload({}, {MASK: packed}), like)

@@ -14,6 +14,7 @@ cell knows the layout from its model. Stochastic choices draw from ``protocols.s
   (unbiased). Wire: ``codes`` (``l*sign + s`` in ``ceil(log2(2s+1))`` bits each) and ``scale``
   (norms): ``ceil(d*b/8) + 4T`` bytes.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,18 @@ from ... import params as P
 from ...seeding import rng
 from ...wire.payload import Payload
 from ..base import Rejected
-from .base import (UplinkCodec, expect_array, expect_names, flatten, pack_bits, pack_codes, segments,
-                   unflatten, unpack_bits, unpack_codes)
+from .base import (
+    UplinkCodec,
+    expect_array,
+    expect_names,
+    flatten,
+    pack_bits,
+    pack_codes,
+    segments,
+    unflatten,
+    unpack_bits,
+    unpack_codes,
+)
 
 
 class SignSGDCodec(UplinkCodec):
