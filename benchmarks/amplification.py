@@ -31,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from protocols import params as P  # noqa: E402
 from protocols.algorithms.base import DeviceContext, ModelSpec  # noqa: E402
 from protocols.algorithms.fedavg import FedAvg  # noqa: E402
-from protocols.algorithms.server_opt import ServerParams, ServerOptimizer  # noqa: E402
+from protocols.algorithms.server_opt import ServerOptimizer, ServerParams  # noqa: E402
 from protocols.seeding import rng  # noqa: E402
 from protocols.trainer import LocalData  # noqa: E402
-from protocols.wire.payload import Payload  # noqa: E402
 from sim.participation import CyclicGroups  # noqa: E402
 
 

@@ -199,7 +199,7 @@ def main() -> None:
         f"{s['k1_rounds']} rounds; "
         f"lr tuned on seeds {tune_seeds}, winners on seeds {seeds}; wall {wall:.0f} s ({args.jobs} jobs); {journal.summary()}"
     )
-    print("\ntuning (mean bytes per device to {:.0%} on the tuning seeds; lr: value):".format(head))
+    print(f"\ntuning (mean bytes per device to {head:.0%} on the tuning seeds; lr: value):")
     for m, row in cells.items():
         print(f"  {m:<12} " + grid_line(row, f"bytes@{head}", kb))
     print(

@@ -40,9 +40,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -102,7 +103,7 @@ class Broker:
         self.proc: subprocess.Popen | None = None
         self.url = f"mqtt://127.0.0.1:{self.port}"
 
-    def start(self) -> "Broker":
+    def start(self) -> Broker:
         from protocols.transport.broker import wait_for_port
 
         log = open(self.folder / "mosquitto.log", "ab")
@@ -143,7 +144,7 @@ class Watcher:
     """Records every fedtier message of the run (decoded headers), reconnecting after a broker restart;
     :meth:`wait` blocks until a predicate over the events holds."""
 
-    def __init__(self, url: str, republish: Callable[["Watcher", Event], None] | None = None) -> None:
+    def __init__(self, url: str, republish: Callable[[Watcher, Event], None] | None = None) -> None:
         import paho.mqtt.client as mqtt
 
         self.events: list[Event] = []
@@ -313,7 +314,7 @@ class Scenario:
     name: str
     point: str
     trigger: Callable[[], Callable[[list[Event]], bool]] | None
-    fault: Callable[[Deployment, Broker, "Watcher"], None] | None
+    fault: Callable[[Deployment, Broker, Watcher], None] | None
     scope: str  # "cloud" or a cell: where recovery is measured
     republish: bool = False
     note: str = ""

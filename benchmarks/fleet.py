@@ -136,7 +136,7 @@ class Peak:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
 
-    def __enter__(self) -> "Peak":
+    def __enter__(self) -> Peak:
         self._thread.start()
         return self
 

@@ -179,8 +179,8 @@ def main() -> None:
         best = min(row, key=lambda c: (median_units(c.runs, top), -np.median([r["best"] for r in c.runs])))
         table[(split, int(cells), method)] = (best.value, best.runs)
     print(
-        f"\nmedian [min-max] over seeds of the per-device upload (full-model units) to reach the target, "
-        f"at each method's best lr ('edge': the best lr is at the end of the grid)"
+        "\nmedian [min-max] over seeds of the per-device upload (full-model units) to reach the target, "
+        "at each method's best lr ('edge': the best lr is at the end of the grid)"
     )
     head = f"{'split':<6}{'N':>2} {'method':<8}{'lr':>7}"
     for t in p["targets"]:

@@ -34,9 +34,9 @@ import numpy as np  # noqa: E402
 
 from protocols.privacy.secagg import RoundId, SecAggCell, SecAggDevice, SecAggSettings  # noqa: E402
 from protocols.transport.memory import MemoryHub  # noqa: E402
+from protocols.wire.envelope import decode_message  # noqa: E402
 from protocols.wire.messenger import Messenger  # noqa: E402
 from protocols.wire.payload import Payload, decode_payload  # noqa: E402
-from protocols.wire.envelope import decode_message  # noqa: E402
 
 MLP_SHAPES = {
     "fc1.weight": (200, 784),

@@ -19,10 +19,11 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"  # default home of the journals (gitignored)
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
+from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.config import ConfigError, RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
-
-from protocols.algorithms.fedbuff import FedBuffCell
 
 from .async_server import AsyncCellServer
 from .server import Availability, CellServer

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -84,7 +85,7 @@ class RoundJournal:
         self.file.close()
 
 
-def recover(cell: "CellServer", entries: list[Payload]) -> None:
+def recover(cell: CellServer, entries: list[Payload]) -> None:
     """Bring ``cell`` (started, with a fresh role) back to where its journal ends, and go on from there."""
     first = entries[0].meta
     if first.get("k") != "task":
@@ -161,7 +162,7 @@ def recover(cell: "CellServer", entries: list[Payload]) -> None:
     cell._report()
 
 
-def _logged(cell: "CellServer", rnd: int) -> set[tuple[int, int]]:
+def _logged(cell: CellServer, rnd: int) -> set[tuple[int, int]]:
     """The (round, edge round) of ``rnd`` that this cell's aggregation log already holds."""
     path = cell.log.path
     if path is None or not path.exists():

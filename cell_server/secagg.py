@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ _ADD = {"secagg_keys": "add_keys", "secagg_shares": "add_shares", "secagg_reveal
 class CellSecAgg:
     """Secure aggregation of one cell server's edge rounds."""
 
-    def __init__(self, server: "CellServer", settings: SecAggSettings, deadline: float) -> None:
+    def __init__(self, server: CellServer, settings: SecAggSettings, deadline: float) -> None:
         self.server, self.settings, self.deadline = server, settings, deadline
         self.state: SecAggCell | None = None
         self.key: tuple[int, int] | None = None
@@ -139,7 +140,7 @@ class CellSecAgg:
         }
 
     # ---------------------------------------------------------------- messages
-    def on_message(self, topic: str, device: str, msg: "Incoming") -> None:
+    def on_message(self, topic: str, device: str, msg: Incoming) -> None:
         """A ``secagg_*`` message from ``device`` (its result topic)."""
         s, h = self.server, msg.header
         if h.sender != device:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from protocols.algorithms.base import CellRole
 from protocols.answers import Answers
@@ -66,7 +67,7 @@ class CellServer:
         quorum: float = 1.0,
         availability: Availability | None = None,
         log_path: str | None = None,
-        trust: "Trust | None" = None,
+        trust: Trust | None = None,
         max_message_bytes: int | None = None,
         max_weights: Mapping[str, float] | None = None,
         max_weight: float | None = None,
@@ -75,7 +76,7 @@ class CellServer:
         heartbeat_timeout: float = 0.0,
         rejoin_wait: float = 0.0,
         absent_ids: int = 100,
-        secagg: "SecAggSettings | None" = None,
+        secagg: SecAggSettings | None = None,
         secagg_deadline: float = 30.0,
         journal_path: str | Path | None = None,
         resume: bool = False,

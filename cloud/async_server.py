@@ -15,7 +15,6 @@ from typing import Any
 from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.transport.base import Transport
-from protocols.wire import topics
 
 from .server import CloudServer
 

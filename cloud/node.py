@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
-from protocols.config import RunConfig
+from protocols.algorithms.fedbuff import FedBuffCloud
+from protocols.config import ConfigError, RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
-
-from protocols.algorithms.fedbuff import FedBuffCloud
-from protocols.config import ConfigError
 
 from .async_server import AsyncCloudServer
 from .server import CellAvailability, CloudServer, Evaluator

@@ -6,8 +6,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class CloudServer:
         checkpoint_path: str | Path | None = None,
         resume: bool = False,
         startup_wait: float = 0.0,
-        trust: "Trust | None" = None,
+        trust: Trust | None = None,
         max_message_bytes: int | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         availability: CellAvailability | None = None,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
@@ -51,12 +52,12 @@ class DeviceAgent:
         data: LocalData,
         trainer: Trainer,
         seed: int,
-        trust: "Trust | None" = None,
+        trust: Trust | None = None,
         max_message_bytes: int | None = None,
         on_task: Callable[[int, int], None] | None = None,
         compute_delay: Callable[[str, Payload], float] | None = None,
-        cloud: "CloudSession | None" = None,
-        secagg: "SecAggSettings | None" = None,
+        cloud: CloudSession | None = None,
+        secagg: SecAggSettings | None = None,
         keep_answer: bool = False,
     ) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before

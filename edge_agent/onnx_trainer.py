@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -48,11 +49,11 @@ class OnnxTrainer(Trainer):
             raise ValueError(f"{path}: graph inputs {names[:4]}... do not match its parameters")
         self.params: dict[str, np.ndarray] = {k: v.copy() for k, v in self._x0.items()}
 
-    def initial_params(self) -> "dict[str, np.ndarray]":
+    def initial_params(self) -> dict[str, np.ndarray]:
         """x_0 as exported: every party of the run starts from these values."""
         return {k: v.copy() for k, v in self._x0.items()}
 
-    def get_params(self) -> "dict[str, np.ndarray]":
+    def get_params(self) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self.params.items()}
 
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:

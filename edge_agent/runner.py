@@ -20,9 +20,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class BrokerOptions:
     max_chunk: int = chunking.DEFAULT_MAX_CHUNK
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, url: str | None = None, **overrides: Any) -> "BrokerOptions":
+    def from_config(cls, cfg: RunConfig, url: str | None = None, **overrides: Any) -> BrokerOptions:
         """The config's ``[broker]`` section; ``url`` and non-None ``overrides`` (CLI flags) win."""
         b = cfg.broker
         fields = {
@@ -79,7 +80,7 @@ class BrokerOptions:
             raise ConfigError("broker.url: required (mqtt://host:port), or pass --broker")
         return cls(url, **fields)
 
-    def transport(self, node: str, run: str, loop: Any, will: Will | None = None, **kwargs: Any) -> "Any":
+    def transport(self, node: str, run: str, loop: Any, will: Will | None = None, **kwargs: Any) -> Any:
         """A (not yet connected) :class:`MqttTransport` for ``node`` with client id ``fedtier-{run}-{node}``
         and a persistent session (a node restarted under the same id gets what the broker queued for
         it meanwhile); ``kwargs`` go to the transport (``reactor``, ``backoff_seed``, ``retry_refused``,
@@ -258,7 +259,7 @@ class AgentProcess:
         self._polls: dict[str, TimerHandle] = {}
         self._lock = threading.Lock()
         self.done = threading.Event()
-        self.executor: "CohortExecutor | None" = None  # runtime.engine = "cohort", torch agents only
+        self.executor: CohortExecutor | None = None  # runtime.engine = "cohort", torch agents only
         torch_trainer = sys.modules.get("protocols.torch_trainer")  # not loaded: no torch trainer (onnx)
         if cfg.runtime.engine == "cohort" and torch_trainer and isinstance(trainer, torch_trainer.TorchTrainer):
             from .cohort import CohortExecutor
@@ -272,7 +273,7 @@ class AgentProcess:
                 cfg.runtime.cohort_threads,
             )
 
-    def start(self, connect_timeout: float = 30.0) -> "AgentProcess":
+    def start(self, connect_timeout: float = 30.0) -> AgentProcess:
         """Connect every device (at most ``connect_window`` CONNECTs under way at once, each retried
         with jittered backoff while the broker refuses it), wait until the broker acknowledged their
         subscriptions, then announce them online. Raises ``ConnectionError`` if one cannot connect

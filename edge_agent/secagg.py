@@ -10,7 +10,8 @@ rejected and logged.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from protocols.algorithms.base import Rejected
 from protocols.privacy.secagg import RoundId, SecAggDevice, SecAggSettings
@@ -29,14 +30,14 @@ log = logging.getLogger("fedtier.agent")
 class DeviceSecAgg:
     """Secure aggregation of one device agent's tasks."""
 
-    def __init__(self, agent: "DeviceAgent", settings: SecAggSettings) -> None:
+    def __init__(self, agent: DeviceAgent, settings: SecAggSettings) -> None:
         self.agent, self.settings = agent, settings
         self.state: SecAggDevice | None = None
         self.key: tuple[str | None, int, int] | None = None
         self._train: Callable[[], None] | None = None  # starts the task's training (once the shares are out)
         self._result: Payload | None = None
 
-    def begin(self, h: "Header", train: Callable[[], None]) -> None:
+    def begin(self, h: Header, train: Callable[[], None]) -> None:
         """A task arrived: advertise keys; ``train`` runs once the shares are sealed."""
         if self._train is not None:  # the previous task never got its roster: it will not train
             self.agent.pending -= 1
@@ -60,7 +61,7 @@ class DeviceSecAgg:
             cell=a.cell,
         )
 
-    def on_message(self, topic: str, msg: "Incoming") -> None:
+    def on_message(self, topic: str, msg: Incoming) -> None:
         """A ``secagg_*`` message on this device's task topic."""
         a, h = self.agent, msg.header
         if h.cell != a.cell or (a.trust is not None and h.sender != a.cell):

@@ -159,7 +159,7 @@ def _cert(
     ca: bool = False,
     hosts: tuple[str, ...] = (),
 ) -> x509.Certificate:
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     b = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))

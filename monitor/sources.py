@@ -97,7 +97,7 @@ class TelemetryFeed:
         self._statuses: list[Status] = []
         self.received = 0
 
-    def start(self) -> "TelemetryFeed":
+    def start(self) -> TelemetryFeed:
         self.transport.subscribe(topics.telemetry_all(self.run), self._on_record, qos=0)
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
         self.transport.subscribe(topics.device_statuses(self.run), self._on_status)

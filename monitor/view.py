@@ -15,8 +15,8 @@ import fnmatch
 import io
 import time as _time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from rich.console import Console, Group
 from rich.panel import Panel

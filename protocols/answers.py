@@ -3,7 +3,7 @@ results and the cloud to cell reports, so both refuse the same things for the sa
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .algorithms.base import Rejected
 from .wire.payload import Payload

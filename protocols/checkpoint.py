@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -19,9 +19,10 @@ all devices of the cohort at once.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -252,13 +253,13 @@ class CohortDeviceTrainer(Trainer):
         self.params: OrderedDict[str, np.ndarray] = OrderedDict()
         self._others: dict[ModelSpec, CohortDeviceTrainer] = {}
 
-    def get_params(self) -> "OrderedDict[str, np.ndarray]":
+    def get_params(self) -> OrderedDict[str, np.ndarray]:
         return OrderedDict((k, v.copy()) for k, v in self.params.items())
 
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:
         self.params = OrderedDict((k, np.array(v, dtype=np.float32)) for k, v in params.items())
 
-    def for_model(self, spec: Any) -> "CohortDeviceTrainer":
+    def for_model(self, spec: Any) -> CohortDeviceTrainer:
         if spec not in self._others:
             self._others[spec] = CohortDeviceTrainer(spec, self.call)
         return self._others[spec]
@@ -275,7 +276,7 @@ class CohortDeviceTrainer(Trainer):
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
         return self.call(Request("evaluate", self.spec, self.params, x, y))
 
-    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, "dict[str, np.ndarray]"]:
+    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         return self.call(Request("loss_and_grad", self.spec, self.params, x, y))
 
     def sgd(

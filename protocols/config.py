@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import math
 import tomllib
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -39,7 +39,7 @@ class RunSection(_Section):
     output: str = "runs/{name}"
 
     @model_validator(mode="after")
-    def _name_ok(self) -> "RunSection":
+    def _name_ok(self) -> RunSection:
         check_name("run", self.name)
         try:
             self.output.format(name=self.name)
@@ -61,7 +61,7 @@ class TopologySection(_Section):
     def all_devices(self) -> list[str]:
         return [d for c in self.cell_ids() for d in self.device_ids(c)]
 
-    def devices(self, cell: str | None = None) -> "DeviceIds":
+    def devices(self, cell: str | None = None) -> DeviceIds:
         """The ids of every device (or of one cell's) in topology order, computed on access."""
         if cell is None:
             return DeviceIds(range(self.cells), self.devices_per_cell)
@@ -91,7 +91,7 @@ class DeviceIds(Sequence[str]):
     @overload
     def __getitem__(self, i: slice) -> list[str]: ...
 
-    def __getitem__(self, i: "int | slice") -> "str | list[str]":
+    def __getitem__(self, i: int | slice) -> str | list[str]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self)
@@ -144,7 +144,7 @@ class ModelSection(_Section):
     init_seed: int | None = Field(default=None, ge=0, description="defaults to run.seed")
 
     @model_validator(mode="after")
-    def _channels_fit(self) -> "ModelSection":
+    def _channels_fit(self) -> ModelSection:
         need = CHANNEL_WIDTHS.get(self.name)
         if need is not None and len(self.channels) != need:
             raise ValueError(f"model.channels: {self.name} needs {need} widths, got {list(self.channels)}")
@@ -168,7 +168,7 @@ class DataSection(_Section):
     n_test: int = Field(default=0, ge=0, description="synthetic: test samples (0: n / 5)")
 
     @model_validator(mode="after")
-    def _sized_synthetic_only(self) -> "DataSection":
+    def _sized_synthetic_only(self) -> DataSection:
         if self.dataset != "synthetic" and (self.n or self.n_test):
             raise ValueError(
                 f"n and n_test size the synthetic dataset only; {self.dataset!r} has a fixed size "
@@ -283,7 +283,7 @@ class RuntimeSection(_Section):
     )
 
     @model_validator(mode="after")
-    def _engine_ok(self) -> "RuntimeSection":
+    def _engine_ok(self) -> RuntimeSection:
         if self.engine == "cohort" and self.sim_workers > 0 and self.sim_backend == "ray":
             raise ValueError(
                 'engine = "cohort" with sim_workers runs its cohorts in worker processes; '
@@ -416,7 +416,7 @@ class PrivacySection(_Section):
     )
 
     @model_validator(mode="after")
-    def _noise_set(self) -> "PrivacySection":
+    def _noise_set(self) -> PrivacySection:
         if isinstance(self.noise_seed, int) and self.noise_seed < 0:
             raise ValueError('noise_seed must be a non-negative integer or "system"')
         if self.dp != "off" and (self.noise_multiplier is None) == (self.target_epsilon is None):
@@ -552,7 +552,7 @@ class RunConfig(_Section):
             return float(p.prob if p.prob is not None else max(p.probs or [1.0]))
         return 1.0
 
-    def dp_accountant(self) -> "Accountant":
+    def dp_accountant(self) -> Accountant:
         """The accountant of this run's ``[privacy]`` (dp must be on); ``target_epsilon`` calibrated to z."""
         from .privacy.accountant import Accountant
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from typing import Literal, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Literal
 
 import numpy as np
 
@@ -46,14 +47,14 @@ def round_seed(run_seed: int, round: int) -> int:
 
 
 CACHE_BYTES = 64 << 20  # directions kept for reuse within a process (bounds memory)
-_cache: "OrderedDict[tuple, dict[str, np.ndarray]]" = OrderedDict()
+_cache: OrderedDict[tuple, dict[str, np.ndarray]] = OrderedDict()
 _cached_bytes = 0
 _lock = threading.Lock()  # agents may run as threads of one process (fedtier run)
 
 
 def direction(
     round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind = "gaussian"
-) -> "dict[str, np.ndarray]":
+) -> dict[str, np.ndarray]:
     """z(round_seed, k, p): float32 arrays of ``shapes``, drawn in the order of ``shapes``; read-only.
 
     Every device of a round (and its cell, and the cloud) needs the same directions: a process draws
@@ -83,7 +84,7 @@ def direction(
 
 def _draw(
     round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind
-) -> "dict[str, np.ndarray]":
+) -> dict[str, np.ndarray]:
     gen = rng(round_seed, k, p, "zo-direction")
     out: dict[str, np.ndarray] = {}
     for name, shape in shapes.items():
@@ -98,11 +99,11 @@ def _draw(
     return out
 
 
-def shapes_of(params: Mapping[str, np.ndarray]) -> "dict[str, tuple[int, ...]]":
+def shapes_of(params: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in params.items()}
 
 
-def perturbed(params: Mapping[str, np.ndarray], z: Mapping[str, np.ndarray], mu: float) -> "dict[str, np.ndarray]":
+def perturbed(params: Mapping[str, np.ndarray], z: Mapping[str, np.ndarray], mu: float) -> dict[str, np.ndarray]:
     """``x + mu * z`` as new float32 arrays (``params`` is not touched)."""
     m = np.float32(mu)
     return {k: (v + m * z[k]).astype(np.float32, copy=False) for k, v in params.items()}

@@ -6,10 +6,9 @@ This module needs torch; forward-only (onnxruntime) devices never import it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Sequence
-
 import math
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -158,7 +157,7 @@ def build_model(
     raise ValueError(f"unknown model {name!r} (choose mlp, cnn, cnn4 or logreg)")
 
 
-def init_params(model: nn.Module, seed: int, std: float | None = None) -> "OrderedDict[str, np.ndarray]":
+def init_params(model: nn.Module, seed: int, std: float | None = None) -> OrderedDict[str, np.ndarray]:
     """Re-initialise ``model`` deterministically from ``seed`` and return its parameters.
 
     Uses torch's default initialisers under ``torch.manual_seed(seed)`` inside a forked RNG, so
@@ -182,7 +181,7 @@ NamedParams = Sequence[tuple[str, nn.Parameter]]
 """``list(model.named_parameters())``, listed once by a caller that reads or sets them often."""
 
 
-def get_params(model: nn.Module, named: NamedParams | None = None) -> "OrderedDict[str, np.ndarray]":
+def get_params(model: nn.Module, named: NamedParams | None = None) -> OrderedDict[str, np.ndarray]:
     """The model's trainable parameters as float32 numpy copies, in ``named_parameters`` order."""
     return OrderedDict(
         (k, v.detach().cpu().numpy().astype(np.float32, copy=True))
@@ -190,7 +189,7 @@ def get_params(model: nn.Module, named: NamedParams | None = None) -> "OrderedDi
     )
 
 
-def set_params(model: nn.Module, params: "OrderedDict[str, np.ndarray]", named: NamedParams | None = None) -> None:
+def set_params(model: nn.Module, params: OrderedDict[str, np.ndarray], named: NamedParams | None = None) -> None:
     """Copy ``params`` into the model in place."""
     with torch.no_grad():
         for k, p in model.named_parameters() if named is None else named:

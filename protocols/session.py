@@ -29,13 +29,13 @@ def new_session() -> str:
     return secrets.token_hex(8)
 
 
-def encode_manifest(session: str, round: int, *, topic: str = "", trust: "Trust | None" = None) -> bytes:
+def encode_manifest(session: str, round: int, *, topic: str = "", trust: Trust | None = None) -> bytes:
     """The retained round manifest: ``{"session": ..., "round": r}`` (the cloud round in progress),
     signed by the cloud for ``topic`` with ``trust``."""
     return seal_record({"session": session, "round": round}, topic, trust.sign if trust is not None else None)
 
 
-def decode_manifest(data: bytes, topic: str = "", trust: "Trust | None" = None) -> dict[str, Any] | None:
+def decode_manifest(data: bytes, topic: str = "", trust: Trust | None = None) -> dict[str, Any] | None:
     """Parse a manifest; ``None`` if it is not one (a cleared record, garbage) or, with ``trust``, if
     the cloud did not sign it (logged)."""
     try:

@@ -21,12 +21,12 @@ log = logging.getLogger("fedtier.status")
 _rejections = RateLimitedLog(log)
 
 
-def encode_status(state: str, *, topic: str = "", trust: "Trust | None" = None, **extra: Any) -> bytes:
+def encode_status(state: str, *, topic: str = "", trust: Trust | None = None, **extra: Any) -> bytes:
     """A small JSON record: ``{"state": "online"|"offline", ...}``, signed for ``topic`` with ``trust``."""
     return seal_record({"state": state, **extra}, topic, trust.sign if trust is not None else None)
 
 
-def decode_status(data: bytes, topic: str = "", trust: "PublicKeys | None" = None) -> dict[str, Any] | None:
+def decode_status(data: bytes, topic: str = "", trust: PublicKeys | None = None) -> dict[str, Any] | None:
     """Parse a status record; ``None`` if it is not one (it is then ignored) or, with ``trust``, if it
     is not signed by the node of ``topic`` (logged)."""
     try:

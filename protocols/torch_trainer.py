@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,13 +37,13 @@ class TorchTrainer(Trainer):
         self._named = list(self.model.named_parameters())  # listed once: a tiny model pays per call
         self._params = [p for _, p in self._named]
         self._x_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
-        self._others: dict[Any, "TorchTrainer"] = {}
+        self._others: dict[Any, TorchTrainer] = {}
 
     @classmethod
-    def from_spec(cls, name: str, input_shape, num_classes: int, device: str = "cpu", **kwargs) -> "TorchTrainer":
+    def from_spec(cls, name: str, input_shape, num_classes: int, device: str = "cpu", **kwargs) -> TorchTrainer:
         return cls(build_model(name, input_shape, num_classes, **kwargs), device)
 
-    def for_model(self, spec: Any) -> "TorchTrainer":
+    def for_model(self, spec: Any) -> TorchTrainer:
         """A cached trainer, on the same device, for the zoo model of ``spec`` (a frozen ``ModelSpec``)."""
         if spec not in self._others:
             self._others[spec] = TorchTrainer.from_spec(
@@ -50,7 +51,7 @@ class TorchTrainer(Trainer):
             )
         return self._others[spec]
 
-    def get_params(self) -> "OrderedDict[str, np.ndarray]":
+    def get_params(self) -> OrderedDict[str, np.ndarray]:
         return get_params(self.model, self._named)
 
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:
@@ -85,7 +86,7 @@ class TorchTrainer(Trainer):
         n = max(1, len(y))
         return total_loss / n, correct / n
 
-    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, "OrderedDict[str, np.ndarray]"]:
+    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, OrderedDict[str, np.ndarray]]:
         self.model.train()
         self.model.zero_grad(set_to_none=True)
         xt = as_tensor(x, np.float32, self.device)

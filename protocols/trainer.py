@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class Trainer(ABC):
     """Device compute used by roles. Parameters are ``name -> float32 array`` dicts."""
 
     @abstractmethod
-    def get_params(self) -> "dict[str, np.ndarray]":
+    def get_params(self) -> dict[str, np.ndarray]:
         """A copy of the current parameters."""
 
     @abstractmethod
@@ -93,7 +94,7 @@ class Trainer(ABC):
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
         """(mean loss, accuracy) on a data set, forward only."""
 
-    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, "dict[str, np.ndarray]"]:
+    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """Mean loss and its gradient; forward-only backends raise ``NotImplementedError``."""
         raise NotImplementedError(f"{type(self).__name__} cannot compute gradients")
 
@@ -117,7 +118,7 @@ class Trainer(ABC):
         the start of the call (momentum lives within one call: a device keeps no state across rounds)."""
         raise NotImplementedError(f"{type(self).__name__} cannot run SGD")
 
-    def for_model(self, spec: Any) -> "Trainer":
+    def for_model(self, spec: Any) -> Trainer:
         """A trainer of the same backend for another architecture (a ``ModelSpec``), e.g. a submodel
         with narrower hidden layers (HIST); backends cache one per spec."""
         raise NotImplementedError(f"{type(self).__name__} cannot build other architectures")

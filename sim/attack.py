@@ -37,7 +37,7 @@ def byzantine_devices(cfg: RunConfig) -> list[str]:
     return sorted(chosen)
 
 
-def attacked(role: DeviceRole, device: str, byzantine: "set[str] | list[str]", attack: AttackSection) -> DeviceRole:
+def attacked(role: DeviceRole, device: str, byzantine: set[str] | list[str], attack: AttackSection) -> DeviceRole:
     """``role`` as ``device`` runs it: wrapped in :class:`ByzantineDevice` when the device is Byzantine
     (the one place the sim process and its workers decide it)."""
     return ByzantineDevice(role, attack) if device in byzantine else role

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from protocols.status import encode_status
 from protocols.session import encode_manifest
+from protocols.status import encode_status
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
@@ -77,7 +77,7 @@ class Attacker:
 
     # ------------------------------------------------------------------------------ capture mode
     @classmethod
-    def capture(cls, run: str, broker_url: str, ring: KeyRing) -> "Attacker":
+    def capture(cls, run: str, broker_url: str, ring: KeyRing) -> Attacker:
         """An eavesdropper that records the first genuine cell task of ``c1`` and device task of
         ``c0-d2`` as they travelled (the MQTT payloads: one message, or its signed chunks) into
         ``captured``."""
@@ -100,7 +100,7 @@ class Attacker:
             packets.append(data)
 
     # ------------------------------------------------------------------------------ attack mode
-    def start(self) -> "Attacker":
+    def start(self) -> Attacker:
         run = self.run
         self.loop.start()
         if self.wanted:

@@ -14,7 +14,7 @@ Deadlines run on the same clock, so a slow device misses them as it would in the
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

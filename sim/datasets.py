@@ -35,10 +35,11 @@ import os
 import pickle
 import shutil
 import struct
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -349,7 +350,7 @@ def subsample(ds: Dataset, max_train: int | None = None, max_test: int | None = 
 _LOADERS = {"mnist": _load_mnist, "fmnist": _load_fmnist, "digits": _load_digits, "synthetic": _load_synthetic}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached(name: str, params: tuple[tuple[str, Any], ...]) -> Dataset:
     allowed = set(inspect.signature(_LOADERS[name]).parameters)
     bad = sorted(set(dict(params)) - allowed)

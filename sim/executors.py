@@ -28,7 +28,8 @@ import sys
 import threading
 import tomllib
 import traceback
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from protocols import procs
 from protocols.algorithms.base import DeviceContext, DeviceRole
@@ -141,9 +142,8 @@ class DeviceWorker:
     def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[bytes, str]]:
         """:meth:`train` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
         train as cohorts of at most ``cohort_size`` (``edge_agent/cohort.py``), the others one by one."""
-        from protocols.torch_trainer import TorchTrainer
-
         from edge_agent.cohort import cohorts, run_cohort
+        from protocols.torch_trainer import TorchTrainer
 
         out: list[tuple[bytes, str]] = [(b"", "not run")] * len(items)
         jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []
@@ -371,7 +371,7 @@ class ProcessExecutor(_Remote):
     def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], bytes]]) -> None:
         self._outboxes[worker].put(_batch_frame(items))
 
-    def _writer(self, worker: int, conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
+    def _writer(self, worker: int, conn: Any, outbox: queue.Queue[bytes | None]) -> None:
         """Sends tasks in order without blocking the loop (a pipe holds only 64 KiB)."""
         try:
             while (data := outbox.get()) is not None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -25,7 +25,7 @@ class Prepared:
 
     config: RunConfig
     dataset: Dataset
-    device_data: "DeviceData"
+    device_data: DeviceData
     spec: ModelSpec
 
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from cell_server.node import build_cell
 from cloud.node import build_cloud
 from edge_agent.agent import DeviceAgent
+from edge_agent.cohort import CohortExecutor, cohort_engine
 from protocols import runfiles
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
@@ -26,7 +28,6 @@ from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
-from edge_agent.cohort import CohortExecutor, cohort_engine
 from .executors import InlineExecutor, start_workers
 from .hierarchy import (
     DeviceData,

@@ -30,7 +30,8 @@ devices into cells.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence, overload
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class Parts(Sequence[np.ndarray]):
         self.flat, self.offsets = flat, offsets
 
     @classmethod
-    def of(cls, parts: Sequence[np.ndarray]) -> "Parts":
+    def of(cls, parts: Sequence[np.ndarray]) -> Parts:
         sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
         flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if len(parts) else np.zeros(0, np.int64)
         return cls(flat, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
@@ -67,9 +68,9 @@ class Parts(Sequence[np.ndarray]):
     @overload
     def __getitem__(self, i: int) -> np.ndarray: ...
     @overload
-    def __getitem__(self, i: slice) -> "Parts": ...
+    def __getitem__(self, i: slice) -> Parts: ...
 
-    def __getitem__(self, i: int | slice) -> "np.ndarray | Parts":
+    def __getitem__(self, i: int | slice) -> np.ndarray | Parts:
         if isinstance(i, slice):
             start, stop, step = i.indices(len(self))
             if step != 1:

@@ -16,7 +16,7 @@ device that is made to crash is seen offline, as under MQTT.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from edge_agent.agent import DeviceAgent
 from edge_agent.node import build_agent

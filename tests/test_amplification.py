@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from protocols.algorithms.fedavg import FedAvg
-from protocols.algorithms.server_opt import ServerParams, ServerOptimizer
+from protocols.algorithms.server_opt import ServerOptimizer, ServerParams
 from protocols.config import parse_config
 from sim.launcher import run_simulation
 from sim.participation import CyclicGroups, make_participation

@@ -152,7 +152,7 @@ def test_max_chunk_must_exceed_header() -> None:
 
 
 # ------------------------------------------------------------------ memory before trust (issue 13)
-def _trusts() -> tuple["Trust", "Trust", "Trust"]:
+def _trusts() -> tuple[Trust, Trust, Trust]:
     """The cell c0 (receiver), its device c0-d0, and an intruder claiming to be c0-d0."""
     from protocols.config import TopologySection
     from protocols.wire.keys import Trust, generate_keys, new_seed

@@ -28,7 +28,6 @@ from sim.hierarchy import participation, prepare
 from sim.launcher import run_simulation
 from tests.conftest import small_config
 
-
 CYCLIC = {"model": "cyclic", "groups": 2, "random_offset": False}
 MARKOV = {"model": "markov", "p_off": 0.5, "p_on": 0.5, "start_on": 0.5}
 

@@ -26,7 +26,7 @@ from protocols.algorithms.fedavg import FedAvgParams
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
 
-def delta(seed: int = 0) -> "OrderedDict[str, np.ndarray]":
+def delta(seed: int = 0) -> OrderedDict[str, np.ndarray]:
     g = np.random.default_rng(seed)
     return OrderedDict(
         [

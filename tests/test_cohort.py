@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from edge_agent.cohort import CohortExecutor
 from protocols.cohort_trainer import CohortEngine, NotVectorizable, _fast_layers, check_vectorizable
 from protocols.config import ConfigError
 from protocols.wire.payload import Payload
-from edge_agent.cohort import CohortExecutor
 from sim.launcher import RunResult, SimHierarchy
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -459,10 +459,10 @@ def test_cli_engine_flag_and_config_checks(tmp_path, make_config):
 
 
 def test_a_bad_request_fails_only_its_device():
+    from edge_agent.cohort import run_cohort
     from protocols.algorithms.base import ModelSpec
     from protocols.models import build_model, init_params
     from protocols.trainer import LocalData
-    from edge_agent.cohort import run_cohort
 
     spec = ModelSpec(name="mlp", input_shape=(6,), num_classes=3, hidden=(5,))
     good = init_params(build_model("mlp", (6,), 3, hidden=(5,)), 0)

@@ -22,14 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocols.algorithms.base import Rejected
-from protocols.algorithms.fedavg import check_delta
 from protocols.algorithms.codecs import FedMRNCodec, QSGDCodec, SignSGDCodec, TopKCodec
 from protocols.algorithms.codecs.base import DenseCodec, pack_bits, pack_codes, unpack_bits, unpack_codes
-from protocols.config import ConfigError, load_config
+from protocols.algorithms.fedavg import check_delta
 from protocols.checkpoint import load_payload, save_payload
+from protocols.config import ConfigError, load_config
 from protocols.jsonl import loads
-from protocols.session import decode_manifest, encode_manifest
 from protocols.records import parse_record
+from protocols.session import decode_manifest, encode_manifest
 from protocols.status import decode_status, encode_status
 from protocols.wire import chunking
 from protocols.wire.envelope import (

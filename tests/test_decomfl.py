@@ -17,8 +17,8 @@ from protocols.algorithms.decomfl import DeComFLCell, DeComFLCloud, DeComFLDevic
 from protocols.config import load_config
 from protocols.models import build_model, init_params
 from protocols.onnx_export import export_onnx
-from protocols.trainer import LocalData
 from protocols.torch_trainer import TorchTrainer
+from protocols.trainer import LocalData
 from protocols.wire import topics
 from protocols.wire.envelope import decode_message
 from protocols.wire.payload import Payload, decode_payload

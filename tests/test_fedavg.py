@@ -219,9 +219,9 @@ def test_local_momentum_is_torchs_heavy_ball():
     import torch
 
     from protocols.models import build_model, init_params
+    from protocols.seeding import rng
     from protocols.torch_trainer import TorchTrainer
     from protocols.trainer import LocalData, batches
-    from protocols.seeding import rng
 
     spec = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(16,))
     x0 = init_params(build_model(spec.name, spec.input_shape, 10, **spec.build_kwargs()), 0)
@@ -250,10 +250,9 @@ def test_local_momentum_is_torchs_heavy_ball():
 def test_given_data_trains_each_device_on_its_own_samples_and_request_stop_ends_the_run(make_config):
     """``SimHierarchy(prepared=prepare_given(...))``: a caller's own dataset and per-device indices replace
     data.dataset / data.partition; ``cloud.request_stop`` from ``on_round`` ends the run after that round."""
+    from protocols.config import ConfigError
     from sim.datasets import Dataset
     from sim.hierarchy import prepare_given
-
-    from protocols.config import ConfigError
 
     g = np.random.default_rng(0)
     means = g.normal(0, 2, (4, 8))

@@ -15,12 +15,12 @@ from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import ModelSpec
 from protocols.status import decode_status, encode_status
-from protocols.transport.memory import MemoryHub
-from protocols.wire import topics
 from protocols.transport.broker import MosquittoBroker, find_mosquitto, free_port
+from protocols.transport.memory import MemoryHub
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.reactor import Reactor
 from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
 from sim.emulation import Emulation, agent_workers
 from sim.launcher import run_simulation
 from tests.conftest import small_config

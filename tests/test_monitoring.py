@@ -18,12 +18,12 @@ from conftest import small_config  # noqa: E402
 
 from fedtier.cli import main  # noqa: E402
 from fedtier.cmd_logs import filter_records, parse_round_range  # noqa: E402
+from monitor.report import load_run, participation_matrix, write_report  # noqa: E402
+from monitor.sources import RunDirFollower, TelemetryFeed  # noqa: E402
+from monitor.view import CellFilter, MonitorState, render_text  # noqa: E402
 from protocols import runfiles  # noqa: E402
 from protocols.records import CellRecord, RoundRecord, parse_record, read_records, read_run  # noqa: E402
 from sim.launcher import SimHierarchy  # noqa: E402
-from monitor.sources import RunDirFollower, TelemetryFeed  # noqa: E402
-from monitor.view import CellFilter, MonitorState, render_text  # noqa: E402
-from monitor.report import load_run, participation_matrix, write_report  # noqa: E402
 
 
 class Silent:

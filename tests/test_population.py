@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-
 from protocols import runfiles
 from protocols.checkpoint import load_params
 from sim.launcher import SimHierarchy

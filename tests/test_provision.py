@@ -13,8 +13,9 @@ import subprocess
 import tempfile
 import threading
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from click.testing import CliRunner

@@ -11,16 +11,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 
 from cell_server.node import build_cell
 from cloud.node import build_cloud
-
 from edge_agent.runner import save_device_data
 from protocols import runfiles
 from protocols.checkpoint import Journal
@@ -32,8 +31,8 @@ from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import generate_keys, write_keys
-from sim.hierarchy import prepare
 from protocols.wire.payload import Payload
+from sim.hierarchy import prepare
 from sim.launcher import SimHierarchy, device_samples, run_simulation
 from tests.conftest import overflow_devices, small_config
 

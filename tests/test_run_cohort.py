@@ -14,9 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fedtier.cli import main
-
 from edge_agent.cohort import CohortExecutor
+from fedtier.cli import main
 from protocols.algorithms.base import DeviceContext, ModelSpec
 from protocols.config import ConfigError
 from protocols.torch_trainer import TorchTrainer

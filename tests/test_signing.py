@@ -14,6 +14,9 @@ from click.testing import CliRunner
 from fedtier.cli import main
 from protocols import runfiles
 from protocols.config import ConfigError
+from protocols.transport.broker import EmbeddedBroker
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.envelope import WireError, decode_message, verify_signature
 from protocols.wire.keys import (
@@ -32,9 +35,6 @@ from protocols.wire.keys import (
 )
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload, decode_payload
-from protocols.transport.broker import EmbeddedBroker
-from protocols.transport.mqtt import MqttTransport
-from protocols.transport.threadloop import ThreadLoop
 from sim.emulation import Emulation
 from sim.launcher import SimHierarchy, run_simulation
 from tests.conftest import small_config

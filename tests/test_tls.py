@@ -7,8 +7,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest

@@ -7,9 +7,9 @@ import struct
 import numpy as np
 import pytest
 
+from protocols.config import TopologySection
 from protocols.wire import Header, Payload, WireError, decode_message, decode_payload, encode_message, encode_payload
 from protocols.wire.dedup import SeenIds
-from protocols.config import TopologySection
 from protocols.wire.envelope import MAGIC, verify_signature
 from protocols.wire.keys import Trust, generate_keys, new_seed
 

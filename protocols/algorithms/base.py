@@ -22,8 +22,9 @@ A round, as the runtimes drive it::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,7 +54,7 @@ class ModelSpec(BaseModel):
     init_std: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _channels_fit(self) -> "ModelSpec":
+    def _channels_fit(self) -> ModelSpec:
         need = CHANNEL_WIDTHS.get(self.name)
         if need is not None and len(self.channels) != need:
             raise ValueError(f"model {self.name} needs {need} channel widths, got {list(self.channels)}")
@@ -101,7 +102,7 @@ class TrainParams(BaseModel):
     server_lr: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
-    def _some_local_work(self) -> "TrainParams":
+    def _some_local_work(self) -> TrainParams:
         if self.local_steps == 0 and self.local_epochs == 0:
             raise ValueError("set local_steps or local_epochs to a positive value")
         return self
@@ -133,7 +134,7 @@ class CloudRole(ABC):
         """Update the global state from the reports that arrived (sorted by cell id); metrics out."""
 
     @abstractmethod
-    def global_params(self) -> "dict[str, np.ndarray]":
+    def global_params(self) -> dict[str, np.ndarray]:
         """The global model, for evaluation and for the final output."""
 
     @abstractmethod
@@ -196,7 +197,7 @@ class Algorithm(ABC):
         self.params, self.model, self.seed = params, model, seed
         self.init_seed = seed if init_seed is None else init_seed
 
-    def initial_params(self) -> "dict[str, np.ndarray]":
+    def initial_params(self) -> dict[str, np.ndarray]:
         """The initial global model (built with torch: only the cloud calls this)."""
         from ..models import build_model, init_params
 

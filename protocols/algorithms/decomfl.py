@@ -37,13 +37,14 @@ model size. Needs only forward passes, so a device may run on onnxruntime (``edg
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from .. import params as P
 from .. import directions as Z
+from .. import params as P
 from ..divergence import diverged_result
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
@@ -70,7 +71,7 @@ class DeComFLParams(TrainParams):
     )
 
     @model_validator(mode="after")
-    def _supported(self) -> "DeComFLParams":
+    def _supported(self) -> DeComFLParams:
         if self.edge_rounds != 1:
             raise ValueError("decomfl runs one edge round per cloud round (edge_rounds = 1)")
         if self.weight_decay != 0 or self.server_lr != 1.0:
@@ -220,7 +221,7 @@ class DeComFLCloud(CloudRole):
             del self.seeds[:drop], self.g[:drop]
             self.base = oldest
 
-    def global_params(self) -> "dict[str, np.ndarray]":
+    def global_params(self) -> dict[str, np.ndarray]:
         return self.model
 
     def forget_devices(self) -> None:
@@ -433,7 +434,7 @@ class DeComFL(Algorithm):
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         self.rosters = {c: list(devices) for c, devices in cells.items()}
 
-    def initial_params(self) -> "dict[str, np.ndarray]":
+    def initial_params(self) -> dict[str, np.ndarray]:
         if self._x0 is None:
             self._x0 = super().initial_params()
         return P.copy(self._x0)

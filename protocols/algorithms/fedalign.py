@@ -36,7 +36,8 @@ answers with its probe values and no tensors, so its cell never waits for it unt
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -66,7 +67,7 @@ class FedAlignParams(TrainParams):
     criterion: Literal["loss", "accuracy"] = "loss"
 
     @model_validator(mode="after")
-    def _fedalign_ok(self) -> "FedAlignParams":
+    def _fedalign_ok(self) -> FedAlignParams:
         if bool(self.priority) == (self.priority_fraction > 0):
             raise ValueError("set exactly one of priority (device ids) and priority_fraction")
         if len(set(self.priority)) != len(self.priority):
@@ -193,7 +194,7 @@ class FedAlignCloud(CloudRole):
             metrics["weight"] = total
         return metrics
 
-    def global_params(self) -> "dict[str, np.ndarray]":
+    def global_params(self) -> dict[str, np.ndarray]:
         return self.model
 
     def state(self) -> Payload:

@@ -16,8 +16,8 @@ round divided by the full model's size (``E`` for FedAvg with every device in ev
 from __future__ import annotations
 
 import math
-
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -90,7 +90,7 @@ class ModelCloud(CloudRole):
         self.opt = ServerOptimizer(params)
         self.comm = CommUnits(P.num_values(self.model))
 
-    def global_params(self) -> "dict[str, np.ndarray]":
+    def global_params(self) -> dict[str, np.ndarray]:
         return self.model
 
     def state(self) -> Payload:
@@ -229,7 +229,7 @@ class FedAvgParams(ServerParams, RobustParams, AsyncParams, UplinkParams):
     )
 
     @model_validator(mode="after")
-    def _async_fits(self) -> "FedAvgParams":
+    def _async_fits(self) -> FedAvgParams:
         if self.mode == "async":
             if self.name != "fedavg":
                 raise ValueError(

@@ -23,7 +23,8 @@ progress it made since its last push (that progress is not in the cloud model ye
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +43,8 @@ class FedBuffCell:
         self.p, self.cell = params, cell
         self.codec = make_codec(params)
         self.buffer = StalenessBuffer(params.async_buffer, params.staleness_exponent, params.max_staleness)
-        self.model: "dict[str, np.ndarray] | None" = None
-        self.pushed: "dict[str, np.ndarray]" = {}  # the cell model at the last push (or adoption)
+        self.model: dict[str, np.ndarray] | None = None
+        self.pushed: dict[str, np.ndarray] = {}  # the cell model at the last push (or adoption)
         self.version = -1  # cell model version: +1 on every update or adoption
         self.global_version = -1  # the cloud version the cell's model derives from
         self.updates = 0  # cell updates since the last push

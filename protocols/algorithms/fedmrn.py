@@ -21,8 +21,9 @@ both sizes appear in the cell aggregation record's ``metrics``.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -58,13 +59,13 @@ class MaskedUpdate:
     """What a device's local training produced: the seed, its noise, the final masks, the extras."""
 
     seed: int
-    noise: "OrderedDict[str, np.ndarray]"
-    masks: "OrderedDict[str, np.ndarray]"
-    extras: "OrderedDict[str, np.ndarray]"
+    noise: OrderedDict[str, np.ndarray]
+    masks: OrderedDict[str, np.ndarray]
+    extras: OrderedDict[str, np.ndarray]
     loss: float
     steps: int
 
-    def delta(self) -> "OrderedDict[str, np.ndarray]":
+    def delta(self) -> OrderedDict[str, np.ndarray]:
         """The masked noise ``n * m`` of every masked tensor."""
         return OrderedDict((k, self.noise[k] * self.masks[k]) for k in self.masks)
 

@@ -30,7 +30,7 @@ model, with the compute and storage savings the paper claims.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -119,7 +119,7 @@ def _index(axes: Axes, idx: Mapping[str, np.ndarray], shape: tuple[int, ...]) ->
 
 def slice_model(
     model: Mapping[str, np.ndarray], axes: Mapping[str, Axes], idx: Mapping[str, np.ndarray]
-) -> "dict[str, np.ndarray]":
+) -> dict[str, np.ndarray]:
     """The submodel of the units ``idx`` (eq. 2 as a dense model); shared parameters are copied whole."""
     return {
         k: (np.ascontiguousarray(v[_index(axes[k], idx, v.shape)]) if any(axes[k]) else v.copy())

@@ -25,8 +25,9 @@ of the coordinates. Inputs are taken in sender-id order, so the result does not 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
@@ -59,7 +60,7 @@ class RobustParams(TrainParams):
 class Aggregate:
     """The combined delta, the total weight of the inputs it represents, and who was left out, why."""
 
-    delta: "dict[str, np.ndarray]"
+    delta: dict[str, np.ndarray]
     weight: float
     excluded: dict[str, str] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)

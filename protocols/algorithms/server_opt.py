@@ -43,7 +43,8 @@ Either breaks that equal weighting, so such configs are refused.
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -79,7 +80,7 @@ class ServerParams(TrainParams):
     amplify_start: int = Field(default=0, ge=0, description="first cloud round of the first interval")
 
     @model_validator(mode="after")
-    def _amplification_composes(self) -> "ServerParams":
+    def _amplification_composes(self) -> ServerParams:
         if self.server_optimizer != "sgd" and self.amplify_period > 0 and self.amplify_eta != 1.0:
             raise ValueError(
                 f"server_optimizer = {self.server_optimizer!r} cannot be combined with amplification "
@@ -104,10 +105,10 @@ class ServerOptimizer:
         self.eta = float(getattr(params, "amplify_eta", 1.0))
         self.period = int(getattr(params, "amplify_period", 0))
         self.start = int(getattr(params, "amplify_start", 0))
-        self.anchor: "dict[str, np.ndarray] | None" = None
+        self.anchor: dict[str, np.ndarray] | None = None
         self.t0 = -1
-        self.m: "dict[str, np.ndarray] | None" = None  # first moment (fedavgm: the momentum buffer)
-        self.v: "dict[str, np.ndarray] | None" = None  # second moment (adaptive optimizers)
+        self.m: dict[str, np.ndarray] | None = None  # first moment (fedavgm: the momentum buffer)
+        self.v: dict[str, np.ndarray] | None = None  # second moment (adaptive optimizers)
 
     @property
     def active(self) -> bool:
@@ -115,7 +116,7 @@ class ServerOptimizer:
 
     def step(
         self, round: int, model: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray] | None
-    ) -> tuple["dict[str, np.ndarray]", bool]:
+    ) -> tuple[dict[str, np.ndarray], bool]:
         """The model after cloud round ``round`` (``delta`` None: nobody reported); True if amplified."""
         if self.active and round >= self.start and self.anchor is None:
             self.anchor, self.t0 = P.copy(model), round  # first interval (or first round after a warm-up)
@@ -129,7 +130,7 @@ class ServerOptimizer:
         self.anchor, self.t0 = P.copy(amplified), round + 1
         return amplified, True
 
-    def _apply(self, model: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -> "dict[str, np.ndarray]":
+    def _apply(self, model: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One step of the configured optimizer (``sgd``: exactly the historical ``P.add``)."""
         if self.name == "sgd":
             return P.add(model, delta, self.lr)

@@ -5,8 +5,9 @@ See :mod:`.fedbuff` for the mode; this module holds what ``fedavg``'s parameters
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -78,7 +79,7 @@ class StalenessBuffer:
     def full(self) -> bool:
         return len(self.entries) >= self.size
 
-    def flush(self, version: int) -> tuple["dict[str, np.ndarray]", float, dict[str, Any]]:
+    def flush(self, version: int) -> tuple[dict[str, np.ndarray], float, dict[str, Any]]:
         """(step, total sample weight, info) over the buffered results; the buffer is emptied. Summed in
         float64 in (sender, base) order, so the step does not depend on arrival order."""
         entries = sorted(self.entries, key=lambda e: (e.sender, e.base))

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -184,7 +185,7 @@ class PrivateCloud(CloudRole):
             f"{self.budget:g} (delta {self.accountant.delta:g})"
         )
 
-    def global_params(self) -> "dict[str, np.ndarray]":
+    def global_params(self) -> dict[str, np.ndarray]:
         return self.inner.global_params()
 
     def state(self) -> Payload:
@@ -203,7 +204,7 @@ class PrivateAlgorithm(Algorithm):
         self.name = inner.name  # type: ignore[misc]
         self.devices_keep_state = inner.devices_keep_state  # type: ignore[misc]
 
-    def initial_params(self) -> "dict[str, np.ndarray]":
+    def initial_params(self) -> dict[str, np.ndarray]:
         return self.inner.initial_params()
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:

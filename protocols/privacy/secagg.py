@@ -35,8 +35,9 @@ import functools
 import hashlib
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from cryptography.exceptions import InvalidTag

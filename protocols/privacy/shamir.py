@@ -9,7 +9,7 @@ shares must not be reproducible from the run seed).
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
 
 PRIME = 2**521 - 1  # a Mersenne prime: any 64-byte secret is an element
 SHARE_BYTES = 66  # a field element, big-endian

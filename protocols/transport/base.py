@@ -8,8 +8,9 @@ contract: the deterministic in-memory hub (``memory.py``) and MQTT (``mqtt.py``)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 Handler = Callable[[str, bytes], None]
 """Called with (topic, payload) on the node's event loop."""
@@ -23,7 +24,7 @@ class TimerHandle:
     def __init__(self, when: float, seq: int, fn: Callable[[], None]) -> None:
         self.when, self.seq, self.fn, self.cancelled = when, seq, fn, False
 
-    def __lt__(self, other: "TimerHandle") -> bool:
+    def __lt__(self, other: TimerHandle) -> bool:
         return (self.when, self.seq) < (other.when, other.seq)
 
 

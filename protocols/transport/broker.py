@@ -16,8 +16,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
-from typing import Callable
 from urllib.parse import urlsplit
 
 from .. import procs
@@ -78,13 +78,13 @@ class _Broker:
             raise RuntimeError("broker not started")
         return f"mqtt://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 10.0) -> "_Broker":
+    def start(self, timeout: float = 10.0) -> _Broker:
         raise NotImplementedError
 
     def stop(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> "_Broker":
+    def __enter__(self) -> _Broker:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -125,7 +125,7 @@ class EmbeddedBroker(_Broker):
             "plugins": {"protocols.transport.amqtt_auth.OpenAuth": {}},
         }
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedBroker":
+    def start(self, timeout: float = 10.0) -> EmbeddedBroker:
         if self._thread is not None:
             return self
         from amqtt.broker import Broker
@@ -229,7 +229,7 @@ class MosquittoBroker(_Broker):
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
-    def start(self, timeout: float = 10.0) -> "MosquittoBroker":
+    def start(self, timeout: float = 10.0) -> MosquittoBroker:
         if self._proc is not None:
             return self
         if self.port is None:

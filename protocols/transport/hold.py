@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..wire.ratelog import RateLimitedLog
 from .base import topic_matches

@@ -16,7 +16,7 @@ import heapq
 import itertools
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
 
@@ -121,7 +121,7 @@ class _Sub:
 
     __slots__ = ("seq", "client_id", "pattern", "handler", "group")
 
-    def __init__(self, seq: int, client_id: str, pattern: str, handler: Handler, group: dict[int, "_Sub"]) -> None:
+    def __init__(self, seq: int, client_id: str, pattern: str, handler: Handler, group: dict[int, _Sub]) -> None:
         self.seq, self.client_id, self.pattern, self.handler, self.group = seq, client_id, pattern, handler, group
 
 
@@ -153,9 +153,9 @@ class MemoryHub:
         self._by_client: dict[str, dict[int, _Sub]] = {}
         self._retained: dict[str, bytes] = {}
         self._retained_under: dict[str, dict[str, None]] = {}  # parent topic -> its retained topics, in order
-        self._clients: dict[str, "MemoryTransport"] = {}
+        self._clients: dict[str, MemoryTransport] = {}
 
-    def connect(self, client_id: str, will: Will | None = None) -> "MemoryTransport":
+    def connect(self, client_id: str, will: Will | None = None) -> MemoryTransport:
         """Connect a client; an existing session with the same id is taken over (as MQTT does)."""
         old = self._clients.get(client_id)
         if old is not None:

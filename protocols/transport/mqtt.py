@@ -24,8 +24,9 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -199,14 +200,14 @@ class MqttTransport(Transport):
             c.on_socket_open = _nodelay
 
     @classmethod
-    def from_url(cls, url: str, client_id: str, loop: EventLoop, **kwargs: Any) -> "MqttTransport":
+    def from_url(cls, url: str, client_id: str, loop: EventLoop, **kwargs: Any) -> MqttTransport:
         from .broker import parse_broker_url
 
         host, port = parse_broker_url(url)
         return cls(client_id, loop, host, port, **kwargs)
 
     # -- lifecycle -------------------------------------------------------------------------
-    def connect(self, timeout: float = 10.0) -> "MqttTransport":
+    def connect(self, timeout: float = 10.0) -> MqttTransport:
         """Connect and block until the broker's CONNACK; retries a refused TCP connect until
         ``timeout``. Raises ``ConnectionError`` naming ``host:port`` on failure, at once when the TLS
         handshake fails or the broker closes the connection before its CONNACK (a TLS listener or a
@@ -236,7 +237,7 @@ class MqttTransport(Transport):
                 time.sleep(0.2)
         self._client.loop_start()
 
-    def finish_connect(self) -> "MqttTransport":
+    def finish_connect(self) -> MqttTransport:
         """Wait for the CONNACK of :meth:`start_connect` (until its timeout); raise as :meth:`connect`."""
         where = self._where
         if not self._connack.wait(max(0.0, self._deadline - time.monotonic())):

@@ -24,7 +24,8 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .base import TimerHandle
 
@@ -59,7 +60,7 @@ class Reactor:
         self._signalled = False
 
     # -- any thread --------------------------------------------------------------------------
-    def start(self) -> "Reactor":
+    def start(self) -> Reactor:
         if self._thread is None:
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)

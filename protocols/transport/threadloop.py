@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from .base import EventLoop, TimerHandle
 
@@ -72,7 +72,7 @@ class ThreadLoop(EventLoop):
         """True when called from the thread currently draining this loop."""
         return self._runner == threading.get_ident()
 
-    def start(self) -> "ThreadLoop":
+    def start(self) -> ThreadLoop:
         """Drain the loop on a daemon worker thread (no-op if it already runs)."""
         with self._cv:
             if self._thread is not None and self._thread.is_alive():

@@ -22,8 +22,9 @@ import logging
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .ratelog import RateLimitedLog
 

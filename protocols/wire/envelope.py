@@ -11,7 +11,8 @@ import binascii
 import hashlib
 import struct
 import uuid
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 

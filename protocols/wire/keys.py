@@ -25,14 +25,15 @@ import os
 import threading
 import tomllib
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, PrivateFormat, NoEncryption
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from ..config import ConfigError
 from .envelope import WireError
@@ -58,7 +59,7 @@ class KeyRing:
     public: dict[str, bytes] = field(default_factory=dict)
 
 
-def node_ids(topology: "TopologySection") -> list[str]:
+def node_ids(topology: TopologySection) -> list[str]:
     """Every node of a topology: ``cloud``, the cells, the devices."""
     return ["cloud", *topology.cell_ids(), *topology.all_devices()]
 
@@ -71,13 +72,13 @@ def new_seed() -> bytes:
     return Ed25519PrivateKey.generate().private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
 
 
-def generate_keys(topology: "TopologySection") -> KeyRing:
+def generate_keys(topology: TopologySection) -> KeyRing:
     """A fresh Ed25519 key pair for every node."""
     private = {node: new_seed() for node in node_ids(topology)}
     return KeyRing(private, {node: public_of(seed) for node, seed in private.items()})
 
 
-def peers_of(topology: "TopologySection", node: str) -> list[str]:
+def peers_of(topology: TopologySection, node: str) -> list[str]:
     """The nodes whose signatures ``node`` verifies: cloud -> cells and devices; cell -> cloud and its
     devices; device -> cloud and its cell."""
     cells = topology.cell_ids()
@@ -91,7 +92,7 @@ def peers_of(topology: "TopologySection", node: str) -> list[str]:
     raise KeysError(f"node {node!r} is not in the topology (cloud, {cells[0]}, {cells[0]}-d0, ...)")
 
 
-def node_subset(ring: KeyRing, topology: "TopologySection", node: str) -> KeyRing:
+def node_subset(ring: KeyRing, topology: TopologySection, node: str) -> KeyRing:
     """What ``node`` needs: its own private key and the public keys of itself and its peers."""
     wanted = [node, *peers_of(topology, node)]
     if node not in ring.private:
@@ -256,7 +257,7 @@ class Trust(PublicKeys):
         return self._private.sign(data)
 
 
-def node_trust(cfg: "RunConfig", node: str) -> Trust | None:
+def node_trust(cfg: RunConfig, node: str) -> Trust | None:
     """``node``'s identity and its peers' public keys from ``[security] keys``; ``None`` when not configured."""
     path = cfg.security.keys
     if not path:
@@ -275,7 +276,7 @@ def load_public_keys(path: str | Path) -> PublicKeys:
     return PublicKeys(public)
 
 
-def with_run_keys(cfg: "RunConfig", out: Path) -> "RunConfig":
+def with_run_keys(cfg: RunConfig, out: Path) -> RunConfig:
     """``cfg`` with usable keys for a one-machine run (``fedtier sim`` / ``run``): when the configured
     keys file does not exist, fresh keys for the whole topology go to ``out/keys.toml`` and the returned
     config points there (absolute path). Unchanged without ``[security] keys`` or when the file exists."""

@@ -9,8 +9,9 @@ it never reaches a role.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ..transport.base import Transport
 from .dedup import SeenIds
@@ -60,7 +61,7 @@ class Messenger:
         run: str,
         sender: str,
         *,
-        trust: "Trust | None" = None,
+        trust: Trust | None = None,
         max_payload: int | None = None,
         on_reject: Callable[[str, str, str | None], None] | None = None,
     ) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_BURST = 100
 DEFAULT_WINDOW = 10.0

@@ -13,7 +13,8 @@ import math
 import re
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -88,7 +89,7 @@ def flatten(delta: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(v, dtype=np.float32).ravel() for v in delta.values()])
 
 
-def unflatten(flat: np.ndarray, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+def unflatten(flat: np.ndarray, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
     """Split a flat vector into tensors shaped like ``like`` (float32)."""
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     pos = 0
@@ -137,7 +138,7 @@ class UplinkCodec(ABC):
         """Raise :class:`Rejected` unless ``payload`` decodes to a delta shaped like ``like``."""
 
     @abstractmethod
-    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         """The dense delta a checked payload stands for."""
 
     @abstractmethod
@@ -174,7 +175,7 @@ class DenseCodec(UplinkCodec):
             if v.dtype != np.float32:
                 raise Rejected(f"{what}: tensor {k!r} has dtype {v.dtype}, expected float32")
 
-    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         return OrderedDict(payload.tensors)
 
     def data_bytes(self, like: Mapping[str, np.ndarray]) -> int:

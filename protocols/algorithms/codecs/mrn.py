@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
 
 from ...seeding import rng
 from ...wire.payload import Payload
-from .base import UplinkCodec, expect_array, expect_names, pack_bits, parse_seed, seed_hex, unpack_bits
 from ..base import Rejected
+from .base import UplinkCodec, expect_array, expect_names, pack_bits, parse_seed, seed_hex, unpack_bits
 
 NoiseKind = Literal["uniform", "gauss", "bernoulli"]
 MASK = "mask"
@@ -122,7 +123,7 @@ class FedMRNCodec(UplinkCodec):
     def extra_names(self, like: Mapping[str, np.ndarray]) -> list[str]:
         return [k for k, v in like.items() if not self.is_masked(k, v)]
 
-    def noise_for(self, seed: int, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def noise_for(self, seed: int, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         """The noise of every masked tensor of ``like`` for ``seed``."""
         return OrderedDict(
             (k, make_noise(seed, like[k].shape, i, self.noise, self.alpha))
@@ -138,7 +139,7 @@ class FedMRNCodec(UplinkCodec):
             tensors[k] = np.asarray(v, dtype=np.float32)
         return Payload({"codec": self.name, "seed": seed_hex(seed)}, tensors)
 
-    def masks_of(self, payload: Payload, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def masks_of(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         """The masks (float32 {0,1} or {-1,+1}) of a checked payload."""
         names = self.masked_names(like)
         count = sum(like[k].size for k in names)
@@ -173,13 +174,13 @@ class FedMRNCodec(UplinkCodec):
 
     def masked_delta(
         self, seed: int, packed: np.ndarray, like: Mapping[str, np.ndarray]
-    ) -> "OrderedDict[str, np.ndarray]":
+    ) -> OrderedDict[str, np.ndarray]:
         """``n * m`` of every masked tensor, rebuilt from the seed and the packed mask bits."""
         noise = self.noise_for(seed, like)
         masks = self.masks_of(Payload({}, {MASK: packed}), like)
         return OrderedDict((k, noise[k] * masks[k]) for k in noise)
 
-    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         masked = self.masked_delta(parse_seed(payload.meta.get("seed"), "fedmrn payload"), payload.tensors[MASK], like)
         return OrderedDict((k, masked[k] if k in masked else payload.tensors[k]) for k in like)
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class SignSGDCodec(UplinkCodec):
         if (scale < 0).any():
             raise Rejected(f"{what}: negative scale")
 
-    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         signs = unpack_bits(payload.tensors["bits"], P.num_values(like), "bits").astype(np.float32) * 2 - 1
         scale = payload.tensors["scale"]
         out = np.empty_like(signs)
@@ -121,7 +122,7 @@ class TopKCodec(UplinkCodec):
         if total and (int(idx[-1]) >= P.num_values(like) or (np.diff(idx.astype(np.int64)) <= 0).any()):
             raise Rejected(f"{what}: indices must be increasing and below {P.num_values(like)}")
 
-    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         out = np.zeros(P.num_values(like), np.float32)
         out[payload.tensors["idx"].astype(np.int64)] = payload.tensors["val"]
         return unflatten(out, like)
@@ -177,7 +178,7 @@ class QSGDCodec(UplinkCodec):
         if (scale < 0).any():
             raise Rejected(f"{what}: negative norm")
 
-    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         levels = self._codes(payload, like, "codes").astype(np.float32) - np.float32(self.levels)
         scale = payload.tensors["scale"]
         out = np.empty_like(levels)
