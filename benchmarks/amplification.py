@@ -182,7 +182,9 @@ class Federation:
                 cell.begin(t, task)
                 plan = cell.plan(0, who)
                 jobs = [
-                    lambda tr, d=d, dt=dt: device.train(dt, self.data[d], tr, DeviceContext(self.seed, t, 0, "c0", d))
+                    lambda tr, d=d, dt=dt, t=t: device.train(
+                        dt, self.data[d], tr, DeviceContext(self.seed, t, 0, "c0", d)
+                    )
                     for d, dt in plan.items()
                 ]
                 outcomes = run_cohort(self.engine, self.spec, jobs, list(plan))

@@ -197,7 +197,8 @@ def main() -> None:
         f"{next(iter(cells.values()))[0].runs[0]['params']:,} params, momentum 0.5, batch {s['batch']}; "
         f"DeComFL K=1 P={s['P']} mu=1e-3 gaussian, {s['zo_rounds']} rounds; FedAvg K=20 {s['fo_rounds']} rounds, K=1 "
         f"{s['k1_rounds']} rounds; "
-        f"lr tuned on seeds {tune_seeds}, winners on seeds {seeds}; wall {wall:.0f} s ({args.jobs} jobs); {journal.summary()}"
+        f"lr tuned on seeds {tune_seeds}, winners on seeds {seeds}; "
+        f"wall {wall:.0f} s ({args.jobs} jobs); {journal.summary()}"
     )
     print(f"\ntuning (mean bytes per device to {head:.0%} on the tuning seeds; lr: value):")
     for m, row in cells.items():

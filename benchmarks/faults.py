@@ -246,7 +246,7 @@ class Deployment:
     def wait(self, timeout: float) -> int | None:
         """The cloud's exit code once every process has exited, ``None`` on timeout."""
         end = time.monotonic() + timeout
-        for node, proc in list(self.procs.items()):
+        for _node, proc in list(self.procs.items()):
             try:
                 proc.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:

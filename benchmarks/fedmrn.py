@@ -1,6 +1,7 @@
 """FedMRN (Li et al., ACM MM 2024) at its Fashion-MNIST settings, against FedAvg and two 1-bit SignSGD baselines.
 
-Through ``fedtier sim`` (paper preset: the per-device engine, see below; quick: the cohort engine): one cell of 100 devices, 10 a round (uniform), Dirichlet 0.3,
+Through ``fedtier sim`` (paper preset: the per-device engine, see below; quick: the cohort engine): one cell of
+100 devices, 10 a round (uniform), Dirichlet 0.3,
 10 local epochs of batch 64, plain SGD, CNN4 (4 x [conv3x3 -> GroupNorm -> ReLU -> maxpool] -> linear; the
 paper's batch norm replaced by GroupNorm, which keeps no running statistics and so federates by plain
 averaging), weights ~ N(0, 0.01^2), FedMRN noise U[-0.01, 0.01] (binary masks) and U[-0.005, 0.005]
@@ -36,7 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Here (to fit 2 h on 2 cores): a 6k / 2k subsample, channels 16-32-64-128, the lr tuned on seed 0 only, 4 values
     # x~3 apart per method spanning the paper's code's lr (FedAvg 0.03, FedMRN and FedMRN-S 0.1) and the quick
     # preset's winner (FedAvg, FedMRN 0.3; FedMRN-S 1.0; SignSGD 0.1; SignSGD-MV 1.0, the top of the paper's grid,
-    # hence 3.0), then the winners on seeds 1-3 (4 seeds, the paper's 5 would cost 95 min). The per-device engine: on this model the cohort engine costs more
+    # hence 3.0), then the winners on seeds 1-3 (4 seeds, the paper's 5 would cost 95 min). The per-device engine:
+    # on this model the cohort engine costs more
     # CPU (FedAvg 1.4x since finished devices drop out of the cohort's steps, FedMRN 1.5x; measured, README).
     "paper": {
         "devices": 100,

@@ -204,7 +204,8 @@ def shared_run(
         print(f"seconds per round            {' '.join(f'{s:.2f}' for s in per_round)}   (target <= 5 s)")
         print(f"rounds / every device answered every edge round: {len(h)} / {answered}")
         print(
-            f"cell records {len(result.cell_records)}, device tasks {sum(t['tasks'] for t in result.device_traffic.values())}"
+            f"cell records {len(result.cell_records)}, "
+            f"device tasks {sum(t['tasks'] for t in result.device_traffic.values())}"
         )
         print(
             f"peak of the process tree: RSS {p['rss'] / 2**30:.2f} GB (target <= 6 GB), threads {p['threads']}, "

@@ -217,7 +217,10 @@ def main() -> None:
                     verdict = f"HOLDS: HIST {h:.1f} units, HFedAvg did not reach the target within its cap"
                 else:
                     savings[cells] = 1 - h / f
-                    verdict = f"{'HOLDS' if h < f else 'FAILS'}: HIST {h:.1f} vs HFedAvg {f:.1f} units (saves {1 - h / f:.0%})"
+                    verdict = (
+                        f"{'HOLDS' if h < f else 'FAILS'}: HIST {h:.1f} vs HFedAvg {f:.1f} units "
+                        f"(saves {1 - h / f:.0%})"
+                    )
                 print(f"target {t:.0%}, split ({split}), N={cells}: HIST needs less communication: {verdict}")
             if savings:
                 print(

@@ -283,7 +283,8 @@ def main() -> None:
             b = res["bare"]
             print(
                 f"cohort engine: {b['wall_s'] / c['wall_s']:.3f}x faster than the bare loop (wall), "
-                f"{b['loop_s'] / c['loop_s']:.3f}x (rounds only); peak memory {c['peak_rss_mb'] / b['peak_rss_mb']:.3f}x"
+                f"{b['loop_s'] / c['loop_s']:.3f}x (rounds only); "
+                f"peak memory {c['peak_rss_mb'] / b['peak_rss_mb']:.3f}x"
                 f" the bare loop's"
             )
         if "fedtier" in res:

@@ -9,7 +9,8 @@ Each size runs in a fresh subprocess (so its peak RSS is its own). Printed per s
 (``SimHierarchy``: data, partition, cloud, cells, population; wall and CPU seconds, the latter less
 sensitive to a shared machine's load) and to run the 3 rounds (and each round), agents alive at the
 end, peak RSS, RSS when built and after each round (it must not grow with the rounds), and the bytes
-of the data itself (features, labels and the partition's index array); the load average before and after. Targets (issue 12): 10^6 devices built in <= 20 s; peak RSS within 1.5x that of 10^4 plus the
+of the data itself (features, labels and the partition's index array); the load average before and after.
+Targets (issue 12): 10^6 devices built in <= 20 s; peak RSS within 1.5x that of 10^4 plus the
 data's extra bytes.
 Usage: python benchmarks/population.py [--sizes 10000 100000 1000000] [--rounds 3]
 """

@@ -86,7 +86,8 @@ def main() -> None:
     with ProcessPoolExecutor(max_workers=a.jobs) as pool:
         out = dict(pool.map(run_one, jobs))
     print(
-        f"MNIST, {cells} cells x {per_cell} devices (iid), q = 0.5, logistic regression, E = 1, H = 5, lr 0.1, C = 0.5, "
+        f"MNIST, {cells} cells x {per_cell} devices (iid), q = 0.5, logistic regression, "
+        f"E = 1, H = 5, lr 0.1, C = 0.5, "
         f"{rounds} rounds, delta 1e-5, {seeds} seed(s), cohort engine; final test accuracy (mean, min-max)"
     )
     label = lambda e: "off" if e is None else ("inf" if math.isinf(e) else f"{e:g}")  # noqa: E731

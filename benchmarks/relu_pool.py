@@ -41,7 +41,7 @@ def main() -> None:
         secs = {"fused": [0.0, 0.0], "layers": [0.0, 0.0]}
         out, grads = {}, {}
         for _ in range(a.reps):
-            for side, fwd in (("fused", model), ("layers", lambda v: layer_by_layer(model, v))):
+            for side, fwd in (("fused", model), ("layers", lambda v, model=model: layer_by_layer(model, v))):
                 c0 = time.process_time()
                 with torch.no_grad():
                     out[side] = fwd(xe)

@@ -177,7 +177,8 @@ def main() -> None:
         f"(bytes: framed messages; times: this machine, shared)"
     )
     print(
-        f"{'n':>4} {'drop':>5} {'k':>3} {'t':>3} {'plain B':>9} {'up B':>9} {'extra down B':>12} {'(up+down)/plain':>15} "
+        f"{'n':>4} {'drop':>5} {'k':>3} {'t':>3} {'plain B':>9} {'up B':>9} "
+        f"{'extra down B':>12} {'(up+down)/plain':>15} "
         f"{'device s':>9} {'unmask s':>9} {'plain sum s':>11} {'recovered':>9} {'max |err|':>10}"
     )
     for n in a.sizes:

@@ -90,6 +90,11 @@ def overhead_breakdown(result, model_bytes: int) -> dict[str, int]:
     }
 
 
+def _tier_payload(summary: dict) -> int:
+    """Payload bytes between the cloud and the cells, both ways."""
+    return summary["cumulative_bytes"]["cloud_to_cell"] + summary["cumulative_bytes"]["cell_to_cloud"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--broker", default="mosquitto", help="mosquitto (default if installed), amqtt, or a URL")
@@ -147,7 +152,7 @@ def main() -> None:
         ("  of which: chunk headers", f"{breakdown['chunk_headers']:,}"),
         (
             "wire / payload, cloud<->cell",
-            f"{(wire['cloud_to_cell'] + wire['cell_to_cloud']) / (summary['cumulative_bytes']['cloud_to_cell'] + summary['cumulative_bytes']['cell_to_cloud']):.5f}",
+            f"{(wire['cloud_to_cell'] + wire['cell_to_cloud']) / _tier_payload(summary):.5f}",
         ),
         ("control-plane bytes (status, heartbeats, telemetry)", f"{wire['control']:,}"),
         ("mean device compute per task (s)", f"{np.mean(compute):.4f}"),

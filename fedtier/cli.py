@@ -97,12 +97,12 @@ def sim(
             result = run_simulation(cfg, on_round=on_round, resume=resume)
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")
-        raise SystemExit(2)
+        raise SystemExit(2) from exc
     except WorkerError as exc:
         from rich.markup import escape
 
         console.print(f"[bold red]error:[/] {escape(str(exc))}")  # a worker's traceback may hold [brackets]
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     print_summary(result.summary(), result.output_dir)
 
 

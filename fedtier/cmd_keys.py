@@ -77,7 +77,7 @@ def keys(
         path = write_keys(out_path, chosen, comment=comment, overwrite=force)
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")
-        raise SystemExit(2)
+        raise SystemExit(2) from exc
     names = ", ".join(list(chosen.private)[:6]) + (", ..." if len(chosen.private) > 6 else "")
     console.print(
         f"wrote {len(chosen.private)} private keys ({names}) and {len(chosen.public)} public keys to {path} (mode 600)"

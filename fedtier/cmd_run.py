@@ -97,10 +97,10 @@ def run(
             result = emulation.run()
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")
-        raise SystemExit(2)
+        raise SystemExit(2) from exc
     except (ConnectionError, RuntimeError, TimeoutError) as exc:
         console.print(f"[bold red]error:[/] {exc}")
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     print_summary(result.summary(), result.output_dir)
     for name, counts in emulation.broker_bytes.items():
         console.print(f"broker {name}: {counts['received']:,} bytes received, {counts['sent']:,} sent")

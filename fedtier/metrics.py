@@ -52,7 +52,7 @@ def serve_metrics(cfg: Any, agents: Any = None) -> Any:
             f"[bold red]error:[/] cannot serve metrics on {cfg.monitoring.metrics_host}:"
             f"{cfg.monitoring.metrics_port}: {exc}"
         )
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     console.print(f"metrics on http://{cfg.monitoring.metrics_host}:{port}/metrics")
     return exporter
 

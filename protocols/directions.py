@@ -82,9 +82,7 @@ def direction(
     return dict(out)
 
 
-def _draw(
-    round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind
-) -> dict[str, np.ndarray]:
+def _draw(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> dict[str, np.ndarray]:
     gen = rng(round_seed, k, p, "zo-direction")
     out: dict[str, np.ndarray] = {}
     for name, shape in shapes.items():

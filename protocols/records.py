@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -168,7 +168,7 @@ class RoundRecord(_Record):
     )
 
 
-Record = Union[CellRecord, RoundRecord]
+Record = CellRecord | RoundRecord
 _BY_EVENT: dict[str, type[_Record]] = {"aggregation": CellRecord, "round": RoundRecord}
 
 

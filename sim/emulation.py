@@ -10,7 +10,8 @@ themselves (retained status) -> the cloud waits until every cell reports all its
 (``runtime.startup_wait``) -> rounds -> the cloud publishes the retained ``finished`` record ->
 agents leave, workers exit. With device-level partial participation, each round's absent devices
 really disconnect and rejoin when they take part again (the cloud's retained round manifest tells
-them the round; cells wait up to ``runtime.rejoin_wait`` for them), so the run stays bit-identical. Everything is torn down in ``finally`` (workers are terminated if they
+them the round; cells wait up to ``runtime.rejoin_wait`` for them), so the run stays bit-identical. Everything is
+torn down in ``finally`` (workers are terminated if they
 are still alive). Same config and seed -> the same final model, byte for byte, as ``fedtier sim``.
 """
 
@@ -66,7 +67,8 @@ def wire_by_tier(snapshots: list[dict[str, Any]]) -> dict[str, int]:
 class Faults:
     """Fault injection for tests: ``crash`` kills a device's worker with SIGKILL when that device
     receives its task for ``(round, edge_round)`` (round ``None``: of any round, e.g. an asynchronous
-    cell's first task of a device, ``(None, 0)``, whatever model version it carries); ``duplicate`` publishes every device result twice;
+    cell's first task of a device, ``(None, 0)``, whatever model version it carries); ``duplicate`` publishes every
+    device result twice;
     ``hold`` maps a device to ``(round, edge_round, path)``: on that task it creates ``path.held``
     and trains only once ``path`` exists (at most ``HOLD_LIMIT`` seconds), so a test can act while
     the device is known to be mid-task."""

@@ -201,7 +201,7 @@ def make_evaluator(spec: ModelSpec, x: np.ndarray, y: np.ndarray, device: str = 
         results = [part(bounds[0], bounds[1])] + [f.result() for f in futures]
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
         n = max(1, len(y))
-        loss = sum(l * k for (l, _), k in zip(results, sizes)) / n
+        loss = sum(value * k for (value, _), k in zip(results, sizes)) / n
         correct = sum(round(a * k) for (_, a), k in zip(results, sizes))
         return {"accuracy": correct / n, "loss": loss}
 

@@ -24,7 +24,8 @@ Schemes (:func:`partition`):
 :func:`hierarchical_partition`: Dirichlet(``alpha_cells``) across cells, then, within each cell,
 Dirichlet(``alpha_devices``) across that cell's devices. :func:`cell_shards_partition` (HIST's split (ii),
 "cells iid, devices non-iid"): an ``iid`` split into one equal part per cell, then ``shards`` within each
-cell. :func:`partition_hierarchy` dispatches on the scheme name; for flat schemes it partitions over ``cells * devices_per_cell`` devices and groups consecutive
+cell. :func:`partition_hierarchy` dispatches on the scheme name; for flat schemes it partitions over
+``cells * devices_per_cell`` devices and groups consecutive
 devices into cells.
 """
 

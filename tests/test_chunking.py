@@ -9,6 +9,7 @@ import pytest
 
 from protocols.wire import chunking
 from protocols.wire.chunking import HEADER_BYTES, MAGIC, Reassembler, is_chunk, split
+from protocols.wire.keys import Trust
 
 
 class FakeClock:

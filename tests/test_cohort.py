@@ -79,10 +79,13 @@ def _same_traffic(a: RunResult, b: RunResult) -> None:
         assert t["tasks"] == u["tasks"], d
         assert abs(t["bytes_in"] - u["bytes_in"]) <= 8 * t["tasks"], d
         assert abs(t["bytes_out"] - u["bytes_out"]) <= 8 * t["tasks"], d
-    strip = lambda recs: [
-        {k: v for k, v in r.items() if k not in (*WALL, "bytes_in", "bytes_out")}  # noqa: E731
-        for r in recs
-    ]
+
+    def strip(recs):
+        return [
+            {k: v for k, v in r.items() if k not in (*WALL, "bytes_in", "bytes_out")}  # noqa: E731
+            for r in recs
+        ]
+
     _approx(strip(a.cell_records), strip(b.cell_records), "cell records")
     assert len(a.history) == len(b.history)
 

@@ -133,7 +133,7 @@ def test_the_model_learns(make_config):
 def test_uplink_is_kp_scalars_plus_a_fixed_header_exactly(runs):
     for sim, _, _, uplinks in runs:
         assert len(uplinks) == sum(a.tasks_done for a in sim.agents.values()) > 0
-        for topic, data in uplinks:
+        for _topic, data in uplinks:
             header, raw = decode_message(data)
             payload = decode_payload(raw)
             meta = json.dumps(payload.meta, separators=(",", ":")).encode()

@@ -260,7 +260,7 @@ def test_run_logs_admissions_and_is_deterministic():
     for rec in free:
         adm = rec["metrics"]["admission"]
         assert set(adm) == set(rec["planned"]) and not set(adm) & set(PRIORITY)
-        for d, entry in adm.items():
+        for _d, entry in adm.items():
             assert entry["admitted"] == (abs(entry["gap"]) <= 1.0 and entry["by"] is None)
     assert {d for r in free for d in r["metrics"]["admitted"]} == {"c0-d2", "c1-d2"}
     assert {d for r in free for d in r["metrics"]["refused"]} == {"c0-d0", "c1-d1"}
@@ -288,8 +288,11 @@ def test_emulation_over_mqtt_is_bit_identical_to_sim(tmp_path):
         emu = Emulation(cfg(tmp_path / "emu"), broker_url=broker.url).run()
     assert same(emu.params, sim.params)
     assert [r["metrics"]["phase"] for r in emu.history] == ["solo", "priority", "free", "priority", "free"]
-    admitted = lambda res: sorted(
-        (r["round"], r["cell"], tuple(r["metrics"].get("admitted", ())))  # noqa: E731
-        for r in res.cell_records
-    )
+
+    def admitted(res):
+        return sorted(
+            (r["round"], r["cell"], tuple(r["metrics"].get("admitted", ())))  # noqa: E731
+            for r in res.cell_records
+        )
+
     assert admitted(emu) == admitted(sim)

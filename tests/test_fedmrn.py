@@ -88,7 +88,7 @@ def test_device_update_bytes_on_the_wire_are_exact() -> None:
 
 def test_cell_rebuilds_exactly_what_the_device_applied() -> None:
     cfg = config()
-    for d, (cell, role, update, payload, w) in device_results(cfg).items():
+    for d, (_cell, role, update, payload, w) in device_results(cfg).items():
         codec = role.codec
         assert set(np.unique(np.concatenate([m.ravel() for m in update.masks.values()]))) <= {0.0, 1.0}
         wire = decode_payload(encode_payload(payload))

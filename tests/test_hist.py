@@ -73,7 +73,7 @@ def test_every_weight_in_exactly_one_submodel(spec, cells):
     tasks = cloud.plan(4, [f"c{i}" for i in range(cells)])
     widths, axes = unit_axes(spec)
     count = {k: np.zeros(v.shape, dtype=int) for k, v in before.items()}
-    for cell, task in tasks.items():
+    for _cell, task in tasks.items():
         sub, idx = split_task(task)
         assert set(idx) == set(widths)
         for k in before:

@@ -423,8 +423,8 @@ def test_monitor_stays_readable_at_a_thousand_cells():
 
 def test_monitor_cli_filters_a_thousand_cell_run_dir(tmp_path):
     lines = [r.to_json() for r in _fleet()]
-    (tmp_path / runfiles.AGGREGATION).write_text("\n".join(l for l in lines if '"aggregation"' in l) + "\n")
-    (tmp_path / runfiles.METRICS).write_text("\n".join(l for l in lines if '"round"' in l) + "\n")
+    (tmp_path / runfiles.AGGREGATION).write_text("\n".join(x for x in lines if '"aggregation"' in x) + "\n")
+    (tmp_path / runfiles.METRICS).write_text("\n".join(x for x in lines if '"round"' in x) + "\n")
     res = CliRunner().invoke(
         main, ["monitor", str(tmp_path), "--once", "--width", "160", "--top", "3", "--sort", "drop", "--cell", "c001*"]
     )

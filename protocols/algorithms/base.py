@@ -126,7 +126,7 @@ class CloudRole(ABC):
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         """The task of each cell this round."""
 
-    def check(self, cell: str, report: Payload) -> None:
+    def check(self, cell: str, report: Payload) -> None:  # noqa: B027 an optional hook, empty by default
         """Raise :class:`Rejected` if ``report`` cannot be aggregated."""
 
     @abstractmethod
@@ -145,7 +145,7 @@ class CloudRole(ABC):
     def load_state(self, state: Payload) -> None:
         """Restore what :meth:`state` returned."""
 
-    def forget_devices(self) -> None:
+    def forget_devices(self) -> None:  # noqa: B027 an optional hook, empty by default
         """After :meth:`load_state`: the devices were recreated and lost any state they kept across rounds
         (``Algorithm.devices_keep_state``); plan as for devices never seen. Nothing to do by default."""
 
@@ -163,7 +163,7 @@ class CellRole(ABC):
     def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
         """The task of each device taking part in this edge round (a subset of ``available``)."""
 
-    def check(self, device: str, result: Payload) -> None:
+    def check(self, device: str, result: Payload) -> None:  # noqa: B027 an optional hook, empty by default
         """Raise :class:`Rejected` if ``result`` cannot be aggregated."""
 
     @abstractmethod
@@ -208,7 +208,7 @@ class Algorithm(ABC):
             spec.init_std,
         )
 
-    def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+    def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:  # noqa: B027 an optional hook, empty by default
         """The run's device ids per cell, given by ``RunConfig.build_algorithm`` before any role is built.
 
         Algorithms whose parameters name devices (FedALIGN's priority set) override this and raise

@@ -592,7 +592,9 @@ class SecAggCell:
         for j in self.dropped:
             s_pub = self.keys[j][1]
             sk = X25519PrivateKey.from_private_bytes(
-                self._recover("s", j, KEY_BYTES, lambda s: _public(X25519PrivateKey.from_private_bytes(s)) == s_pub)
+                self._recover(
+                    "s", j, KEY_BYTES, lambda s, s_pub=s_pub: _public(X25519PrivateKey.from_private_bytes(s)) == s_pub
+                )
             )
             for i in self.graph[j]:
                 if i in self.masked:  # i added sign(i, j) * mask(i, j): take it out

@@ -94,7 +94,7 @@ class Transport(ABC):
         re-established is not closed (what is published meanwhile is sent after the reconnect)."""
         return not self.connected
 
-    def configure_wire(self, *, auth: Any = None, max_message_bytes: int | None = None) -> None:
+    def configure_wire(self, *, auth: Any = None, max_message_bytes: int | None = None) -> None:  # noqa: B027 optional: only chunking transports use it
         """Chunk signing/verification (a ``protocols.wire.chunking.ChunkAuth``) and the bound on one
         incoming message, for transports that chunk (MQTT). The node's messenger calls this; a
         transport without chunking ignores it (the messenger bounds whole messages itself)."""
