@@ -30,8 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tuning import add_journal_args, cost_line, edge_note, grid_line, open_journal, tune  # noqa: E402
 
-# CPU-s of one 100-round paper run, per method (measured: benchmarks/README.md, FedMRN, Cost)
-CPU_PER_PAPER_RUN = {"FedAvg": 230.0, "FedMRN": 245.0, "FedMRN-S": 245.0, "SignSGD": 230.0, "SignSGD-MV": 230.0}
+# CPU-s of one 100-round paper run, per method: measured before the epoch fix (benchmarks/README.md, FedMRN, Cost),
+# times 1,420 / 987, the steps 10 full epochs take on the preset's partition over those the old count ran
+CPU_PER_PAPER_RUN = {"FedAvg": 330.0, "FedMRN": 352.0, "FedMRN-S": 352.0, "SignSGD": 330.0, "SignSGD-MV": 330.0}
+# what a journal line's run means beyond its settings: bumped when the code's meaning of a setting changes
+# (2: ``local_epochs`` = E full passes over a device's data; version 1 ran ceil(E * n / batch) steps, fewer)
+RUN_SEMANTICS = {"local_epochs": 2}
 PRESETS: dict[str, dict[str, Any]] = {
     # the paper: 60k train / 10k test, channels 32-64-128-256, 100 rounds, 5 seeds, lr grid {1, .3, .1, .03, .01}.
     # Here (to fit 2 h on 2 cores): a 6k / 2k subsample, channels 16-32-64-128, the lr tuned on seed 0 only, 4 values
@@ -165,6 +169,7 @@ def main() -> None:
                 k: v for k, v in s.items() if k not in ("grid", "grids", "tune_seeds", "seeds", "cpu_per_run")
             },
             "methods": METHODS,
+            "semantics": RUN_SEMANTICS,
         },
     )
     t0 = time.perf_counter()

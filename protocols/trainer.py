@@ -41,11 +41,17 @@ class TrainStats:
 
 
 def num_steps(n: int, batch_size: int, steps: int = 0, epochs: float = 0) -> int:
-    """Local steps: ``steps`` if given, else ``ceil(epochs * n / batch_size)``."""
+    """Local steps: ``steps`` if given, else ``epochs`` full passes over ``n`` samples.
+
+    An epoch is ``ceil(n / batch_size)`` batches (the last one short, as :func:`batches` draws them), so
+    ``epochs`` passes take ``ceil(epochs * ceil(n / batch_size))`` steps: a fractional ``epochs`` rounds up
+    to the next batch."""
     if steps > 0:
         return steps
     if epochs > 0:
-        return max(1, math.ceil(epochs * n / batch_size))
+        if n <= 0 or batch_size <= 0:
+            raise ValueError(f"epochs need samples and a batch size (n={n}, batch_size={batch_size})")
+        return max(1, math.ceil(epochs * math.ceil(n / batch_size)))
     raise ValueError("either local_steps or local_epochs must be positive")
 
 

@@ -3,6 +3,7 @@ device, the per-device engine's results within float tolerance, with the same me
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -131,6 +132,22 @@ def test_fedavg_uneven_devices_match_per_device_engine(make_config, model):
     steps = {r.meta["steps"] for r in device[1].values()}
     assert len(steps) > 1  # the devices really differ
     _equivalent(device, cohort, rounds=(0, 1))
+
+
+def test_local_epochs_are_full_passes_in_both_engines(make_config):
+    # uneven devices (dirichlet), short last batches: every device runs ceil(E * ceil(n / batch)) steps
+    device, cohort = _pair(
+        make_config,
+        run={"rounds": 1},
+        algorithm={"local_steps": 0, "local_epochs": 2.5, "batch_size": 32, "edge_rounds": 1},
+        data={"partition": "dirichlet", "alpha": 0.3},
+    )
+    sizes = {key: r.meta["weight"] for key, r in device[1].items()}
+    assert any(n % 32 for n in sizes.values()) and len(set(sizes.values())) > 1
+    for key, n in sizes.items():
+        want = math.ceil(2.5 * math.ceil(n / 32))
+        assert device[1][key].meta["steps"] == cohort[1][key].meta["steps"] == want, (key, n)
+    _equivalent(device, cohort)
 
 
 @pytest.mark.parametrize("uplink", ["signsgd", "topk", "qsgd", "fedmrn"])

@@ -133,6 +133,36 @@ def test_progressive_masking_mixes_masked_and_clipped_values() -> None:
     np.testing.assert_array_equal(masked_value(u, n, False, 1.0, rng(2, "x")) / n % 1, 0)
 
 
+def test_progressive_schedule_spans_every_local_epoch(monkeypatch) -> None:
+    # local_epochs = 3 at batch 16: ceil(3 * ceil(n / 16)) steps, and the masking probability tau / S
+    # climbs to 1 at the last of them (the schedule follows the true step count)
+    import protocols.algorithms.fedmrn as fedmrn
+
+    probs: list[float] = []
+
+    def spy(u, n, signed, prob, g, stochastic=True):
+        probs.append(prob)
+        return masked_value(u, n, signed, prob, g, stochastic)
+
+    monkeypatch.setattr(fedmrn, "masked_value", spy)
+    cfg = config(local_epochs=3)
+    prep = prepare(cfg)
+    algorithm = cfg.build_algorithm(prep.spec)
+    w = algorithm.initial_params()
+    trainer = TorchTrainer.from_spec(
+        prep.spec.name, prep.spec.input_shape, prep.spec.num_classes, **prep.spec.build_kwargs()
+    )
+    sizes = {d: len(prep.device_data[d]) for c in cfg.topology.cell_ids() for d in cfg.topology.device_ids(c)}
+    assert any(n % 16 for n in sizes.values())
+    for d, n in sizes.items():
+        probs.clear()
+        update = algorithm.device(d).local_update(w, prep.device_data[d], trainer, DeviceContext(3, 0, 0, "c", d))
+        steps = 3 * math.ceil(n / 16)
+        assert update.steps == steps, (d, n)
+        per_step = len(probs) // steps  # one call per masked tensor per step
+        assert probs[::per_step] == pytest.approx([tau / steps for tau in range(1, steps + 1)])
+
+
 def test_noise_is_deterministic_and_documented() -> None:
     a = make_noise(123, (3, 5), 2, "uniform", 0.01)
     g = np.random.Generator(np.random.PCG64(np.random.SeedSequence([123, 2])))
