@@ -11,8 +11,8 @@ import binascii
 import hashlib
 import struct
 import uuid
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -87,10 +87,30 @@ Verifier = Callable[[str, bytes, bytes], None]
 SIGNED_DOMAIN = b"fedtier/msg/1\0"
 
 
-def signed_bytes(topic: str, header_wo_sig: bytes, payload: bytes | memoryview) -> bytes:
+Buffers = Sequence[Any]
+"""A payload as buffers in order (``bytes`` or byte arrays, e.g. :func:`~protocols.wire.payload.payload_parts`)."""
+
+
+def _sha256(payload: bytes | memoryview | Buffers) -> bytes:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return hashlib.sha256(payload).digest()
+    h = hashlib.sha256()
+    for part in payload:
+        h.update(part)
+    return h.digest()
+
+
+def _nbytes(payload: bytes | memoryview | Buffers) -> int:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return memoryview(payload).nbytes
+    return sum(memoryview(p).nbytes for p in payload)
+
+
+def signed_bytes(topic: str, header_wo_sig: bytes, payload: bytes | memoryview | Buffers) -> bytes:
     """What a message signature covers: the topic it is published on, the header (run, session, kind,
-    round, edge round, cell, sender, message id, payload length) and the payload's sha256."""
-    return b"".join((SIGNED_DOMAIN, topic.encode(), b"\0", header_wo_sig, hashlib.sha256(payload).digest()))
+    round, edge round, cell, sender, message id, payload length) and the payload's sha256 (``payload``
+    as bytes or as its buffers in order: the same digest)."""
+    return b"".join((SIGNED_DOMAIN, topic.encode(), b"\0", header_wo_sig, _sha256(payload)))
 
 
 def encode_sig(sig: bytes) -> str:
@@ -104,14 +124,17 @@ def decode_sig(text: str) -> bytes:
         raise WireError("malformed signature") from None
 
 
-def encode_message(header: Header, payload: bytes, sign: Signer | None = None, topic: str = "") -> bytes:
+def encode_message(header: Header, payload: bytes | Buffers, sign: Signer | None = None, topic: str = "") -> bytes:
     """Frame ``payload`` behind ``header`` (its ``payload_len`` is set here); signed for ``topic``
-    when ``sign`` is given."""
-    header = header.model_copy(update={"payload_len": len(payload), "sig": None})
+    when ``sign`` is given. ``payload``: its bytes, or its buffers in order
+    (:func:`~protocols.wire.payload.payload_parts`), joined here with the header: the message then
+    costs one copy of the tensors' data."""
+    header = header.model_copy(update={"payload_len": _nbytes(payload), "sig": None})
     if sign is not None:
         header = header.model_copy(update={"sig": encode_sig(sign(signed_bytes(topic, header.to_json(), payload)))})
     head = header.to_json()
-    return b"".join((MAGIC, struct.pack("<I", len(head)), head, payload))
+    body = (payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else tuple(payload)
+    return b"".join((MAGIC, struct.pack("<I", len(head)), head, *body))
 
 
 def decode_message(data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Header, memoryview]:

@@ -25,7 +25,7 @@ from .envelope import (
     new_msg_id,
     verify_signature,
 )
-from .payload import Payload, decode_payload, encode_payload
+from .payload import Parts, Payload, decode_payload, payload_parts
 from .ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class Messenger:
         self.session: str | None = None
         self.seen = SeenIds()
         self._log = RateLimitedLog(log)
-        self._encoded: dict[int, tuple[Payload, bytes]] = {}
+        self._encoded: dict[int, tuple[Payload, Parts]] = {}
         self._bound = max_payload
         self.attach(transport)
 
@@ -112,14 +112,15 @@ class Messenger:
             header, self._payload_bytes(payload), self.trust.sign if self.trust is not None else None, topic
         )
 
-    def _payload_bytes(self, payload: Payload) -> bytes:
-        # a role often sends one payload object to many receivers: encode it once
+    def _payload_bytes(self, payload: Payload) -> Parts:
+        # a role often sends one payload object to many receivers: encode it once. The parts are views
+        # of the payload's arrays (a message is one copy of them); a role never changes a sent payload
         cached = self._encoded.get(id(payload))
         if cached is not None and cached[0] is payload:
             return cached[1]
-        data = encode_payload(payload)
-        self._encoded = {id(payload): (payload, data)}
-        return data
+        parts = payload_parts(payload)
+        self._encoded = {id(payload): (payload, parts)}
+        return parts
 
     def send(
         self,

@@ -58,18 +58,47 @@ def _code(arr: np.ndarray) -> int:
         raise WireError(f"dtype {arr.dtype} cannot be sent") from None
 
 
-def encode_payload(payload: Payload) -> bytes:
-    """Serialise a :class:`Payload` (metadata must be JSON-serialisable, floats finite)."""
+Parts = list[bytes | np.ndarray]
+"""A payload's encoding as buffers in order (headers as ``bytes``, each tensor's data as a byte view of
+its array): joined once (``b"".join``), they are its bytes."""
+
+
+def payload_parts(payload: Payload) -> Parts:
+    """The encoding of ``payload`` as buffers, without copying any tensor's data (a tensor that is not
+    contiguous, little-endian and of a wire dtype is converted once). Join them with the frame's header
+    (:func:`~protocols.wire.envelope.encode_message`) for a message built with one copy of the data."""
     meta = json.dumps(payload.meta, separators=(",", ":"), allow_nan=False).encode()
-    parts = [struct.pack("<I", len(meta)), meta, struct.pack("<H", len(payload.tensors))]
+    parts: Parts = [struct.pack("<I", len(meta)), meta, struct.pack("<H", len(payload.tensors))]
     for name, arr in payload.tensors.items():
         arr = np.asarray(arr)
         code = _code(arr)
         le = arr.astype(DTYPES[code], order="C", copy=False)  # (ascontiguousarray would make 0-d arrays 1-d)
         name_b = name.encode()
         parts.append(struct.pack(f"<H{len(name_b)}sBB{le.ndim}I", len(name_b), name_b, code, le.ndim, *le.shape))
-        parts.append(le.tobytes())
-    return b"".join(parts)
+        parts.append(le.reshape(-1).view(np.uint8))  # a view: its bytes are the array's (C order, little-endian)
+    return parts
+
+
+def parts_size(parts: Parts) -> int:
+    """The bytes that ``parts`` join to."""
+    return sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
+
+
+def encode_payload(payload: Payload) -> bytes:
+    """Serialise a :class:`Payload` (metadata must be JSON-serialisable, floats finite): one copy of
+    each tensor's data (:func:`payload_parts` joined)."""
+    return b"".join(payload_parts(payload))
+
+
+def payload_size(payload: Payload) -> int:
+    """The exact bytes :func:`encode_payload` would return, without building them."""
+    return parts_size(payload_parts(payload))
+
+
+def _finite(arr: np.ndarray) -> bool:
+    """True when every value of a float array is finite: its minimum and maximum are (a NaN propagates
+    into both, an infinity is one of them); two vectorised passes and no temporary array."""
+    return arr.size == 0 or bool(np.isfinite(arr.min()) and np.isfinite(arr.max()))
 
 
 def decode_payload(data: bytes | memoryview, *, require_finite: bool = True) -> Payload:
@@ -110,8 +139,9 @@ def decode_payload(data: bytes | memoryview, *, require_finite: bool = True) -> 
         shape = struct.unpack(f"<{ndim}I", take(4 * ndim))
         dtype = DTYPES[code]
         nbytes = math.prod(shape) * dtype.itemsize
+        # the one copy of the tensor's bytes: out of the message, into an array of its own (writable, native)
         arr = np.frombuffer(take(nbytes), dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=True)
-        if require_finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        if require_finite and arr.dtype.kind == "f" and not _finite(arr):
             raise WireError(f"tensor {name!r} has non-finite values")
         if name in tensors:
             raise WireError(f"tensor {name!r} appears twice")

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ... import params as P
-from ...wire.payload import Payload, encode_payload
+from ...wire.payload import Payload, payload_size
 from ..base import Rejected
 
 Delta = "OrderedDict[str, np.ndarray]"
@@ -110,7 +110,7 @@ def segments(like: Mapping[str, np.ndarray]) -> list[tuple[int, int]]:
 
 def wire_size(payload: Payload) -> int:
     """The exact bytes of ``payload`` under the ``tensors/v1`` codec (what the envelope carries)."""
-    return len(encode_payload(payload))
+    return payload_size(payload)
 
 
 def tensor_header_bytes(name: str, ndim: int) -> int:
