@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocols.algorithms.base import CellRole
 from protocols.answers import Answers
+from protocols.bounds import weight_over
 from protocols.divergence import diverged_reason
 from protocols.jsonl import JsonlWriter
 from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
@@ -514,15 +515,10 @@ class CellServer:
         h = msg.header
         if self.trust is not None and h.sender == device and h.session != self.messenger.session:
             return f"result of session {h.session!r}, the current one is {self.messenger.session!r}"
-        weight = msg.payload.meta.get("weight")
         bound = self.max_weights.get(device, self.max_weight)
-        if bound is not None and isinstance(weight, (int, float)) and weight > bound:
-            try:
-                shown = f"{float(weight):g}"
-            except OverflowError:  # an int beyond float range, e.g. 10**400 from JSON
-                shown = f"{str(weight)[:12]}..."
-            return f"weight {shown} exceeds the {bound:g} samples known for {device}"
-        return None
+        if bound is None:
+            return None
+        return weight_over(msg.payload.meta.get("weight"), bound, f"the {bound:g} samples known for {device}")
 
     def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
         parts = topic.split("/")

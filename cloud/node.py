@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
 from protocols.algorithms.fedbuff import FedBuffCloud
+from protocols.bounds import CellBounds
 from protocols.config import ConfigError, RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
@@ -29,9 +30,11 @@ def build_cloud(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     availability: CellAvailability | None = None,
     devices_recreated: bool = False,
+    cell_bounds: Mapping[str, float] | None = None,
 ) -> CloudServer:
     """``devices_recreated``: with ``resume``, the devices are new (a launcher rebuilt them), see
-    ``CloudRole.forget_devices``."""
+    ``CloudRole.forget_devices``. ``cell_bounds``: the largest weight each cell may report (a launcher's,
+    from its devices' sample counts); else :func:`config_cell_bounds`."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
     if getattr(cfg.train, "mode", "sync") == "async":  # FedBuff over cells
@@ -61,4 +64,15 @@ def build_cloud(
         devices_recreated=devices_recreated,
         trust=trust,
         max_message_bytes=cfg.max_message_bytes(algorithm.model),
+        cell_bounds=cell_bounds if cell_bounds is not None else config_cell_bounds(cfg),
     )
+
+
+def config_cell_bounds(cfg: RunConfig) -> Mapping[str, float] | None:
+    """Each cell's weight bound from ``security.max_device_weight`` (which ``fedtier provision`` writes into
+    every bundle), or ``None`` (no bound) when it is unset."""
+    bound = cfg.security.max_device_weight
+    if bound is None:
+        return None
+    per_cell = cfg.topology.devices_per_cell
+    return CellBounds(cfg.topology.cell_ids(), cfg.train, lambda cell: [bound] * per_cell)

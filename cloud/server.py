@@ -14,6 +14,7 @@ import numpy as np
 
 from protocols.algorithms.base import CloudRole
 from protocols.answers import Answers
+from protocols.bounds import weight_over
 from protocols.checkpoint import load_payload, save_payload
 from protocols.divergence import STALLED_ROUNDS
 from protocols.jsonl import JsonlWriter, read_jsonl
@@ -75,8 +76,13 @@ class CloudServer:
         on_round: Callable[[dict[str, Any]], None] | None = None,
         availability: CellAvailability | None = None,
         devices_recreated: bool = False,
+        cell_bounds: Mapping[str, float] | None = None,
     ) -> None:
+        """``cell_bounds``: the largest weight each cell's report may claim (the sum of its devices' bounds
+        times the results a report adds up, :func:`protocols.bounds.cell_weight_bound`); a report claiming
+        more is refused."""
         self.transport, self.loop, self.run = transport, transport.loop, run
+        self.cell_bounds = cell_bounds
         self.cells, self.role, self.rounds = sorted(cells), role, rounds
         self.cell_deadline, self.evaluator, self.eval_every = cell_deadline, evaluator, max(1, eval_every)
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
@@ -261,8 +267,8 @@ class CloudServer:
             self._close(self.round, "all reported")
 
     def _bad_report(self, cell: str, msg: Any) -> str | None:
-        """Runtime checks before the role sees a report: it is for the cell of its topic and, in signed
-        runs, signed by that cell in this cloud's session."""
+        """Runtime checks before the role sees a report: it is for the cell of its topic, in signed runs
+        signed by that cell in this cloud's session, and its weight within the cell's bound."""
         h = msg.header
         if h.cell != cell:
             return f"report for cell {h.cell!r} on the topic of cell {cell!r}"
@@ -272,7 +278,10 @@ class CloudServer:
                 if h.sender == cell
                 else f"report signed by {h.sender!r} on the topic of cell {cell!r}"
             )
-        return None
+        bound = self.cell_bounds.get(cell) if self.cell_bounds is not None else None
+        if bound is None:
+            return None
+        return weight_over(msg.payload.meta.get("weight"), bound, f"the bound of cell {cell} ({bound:g} samples)")
 
     def _count(self, cell: str, msg: Any) -> int:
         """Add a taken report's bytes (and the device traffic and diverged devices it declares) to the round;

@@ -50,6 +50,15 @@ from .console import console, fail, load_or_exit
     "drops to it and must still read its keys.",
 )
 @click.option("--bind", default="", metavar="ADDRESS", help="The brokers' listen address (default: all interfaces).")
+@click.option(
+    "--max-device-samples",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="N",
+    help="The most samples a device may claim (security.max_device_weight in every bundle: a cell refuses "
+    "a larger device weight, the cloud a cell weight above its devices' bounds). Default: the config's, "
+    "else the largest device of the config's data partition.",
+)
 @click.option("--force", is_flag=True, help="Replace an earlier provisioning in --out.")
 def provision(
     config: str,
@@ -63,6 +72,7 @@ def provision(
     cell_port: int,
     broker_user: str | None,
     bind: str,
+    max_device_samples: float | None,
     force: bool,
 ) -> None:
     """Provision a deployment of CONFIG: a CA and per-node certificates, Ed25519 identities, a Mosquitto
@@ -73,6 +83,7 @@ def provision(
 
     cfg = load_or_exit(config, overrides)
     try:
+        bound = max_device_samples or cfg.security.max_device_weight or partition_bound(cfg)
         done = write(
             cfg,
             out_dir,
@@ -85,6 +96,7 @@ def provision(
             cell_port=cell_port,
             broker_user=broker_user,
             bind=bind,
+            max_device_weight=bound,
         )
     except ConfigError as exc:
         fail(str(exc), 2)
@@ -93,5 +105,18 @@ def provision(
         f"(mosquitto -c {done.broker / 'mosquitto.conf'}), {len(done.bundles)} node bundles in "
         f"{done.out / 'nodes'}"
         + (f", {len(done.cell_brokers)} cell brokers in {done.out / 'cells'}" if done.cell_brokers else "")
+        + f"; devices may claim at most {bound:g} samples"
         + f"; keep {done.out / 'ca'} and {done.out / 'keys.toml'} offline"
     )
+
+
+def partition_bound(cfg) -> int:
+    """The sample count of the largest device of ``cfg``'s data partition (what `fedtier run` gives it)."""
+    from protocols.config import ConfigError
+    from sim.hierarchy import prepare
+
+    try:
+        prep = prepare(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (or give --max-device-samples)") from None
+    return max(len(prep.device_data.indices(d)) for d in cfg.topology.devices())

@@ -286,6 +286,7 @@ def provision(
     broker_user: str | None = None,
     bind: str = "",
     overwrite: bool = False,
+    max_device_weight: float | None = None,
 ) -> Provisioned:
     """Write the CA, the broker's config and files, and one bundle per node (see the module doc).
 
@@ -297,7 +298,9 @@ def provision(
     replaced by the cell id, and ``cell_port``) for the cell server and its devices, bridged over TLS to
     the cloud broker in ``OUT/broker`` (which then has users ``cloud``, ``monitor`` and one
     ``bridge.CELL`` per cell, allowed exactly that cell's bridged topics). ``bind``: the brokers' listen
-    address (default: all interfaces). ``broker_user``: see :func:`_write_broker`."""
+    address (default: all interfaces). ``broker_user``: see :func:`_write_broker`. ``max_device_weight``:
+    the samples a device may claim, written into every bundle (``security.max_device_weight``): cells refuse
+    a larger device weight and the cloud a cell weight above its devices' bounds (default: the config's)."""
     out = Path(out)
     if (out / "keys.toml").exists() and not overwrite:
         from protocols.config import ConfigError
@@ -377,7 +380,9 @@ def provision(
         # to check the signed telemetry and statuses it reads (`fedtier monitor --config`)
         subset = node_subset(ring, cfg.topology, node) if node != MONITOR else KeyRing({}, dict(ring.public))
         write_keys(d / "keys.toml", subset, comment=f"node {node!r} of run {run!r}", overwrite=True)
-        security = {"keys": "keys.toml"}
+        security: dict[str, object] = {"keys": "keys.toml"}
+        if max_device_weight is not None:
+            security["max_device_weight"] = float(max_device_weight)
         node_cfg = cfg.model_copy(
             update={
                 "broker": cfg.broker.model_copy(

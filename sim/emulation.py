@@ -45,7 +45,7 @@ from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
 
 from .hierarchy import cell_availability, device_availability, edge_availability, fresh_output, make_evaluator, prepare
-from .launcher import RunResult, device_samples, set_torch_threads, write_final
+from .launcher import RunResult, cell_bounds, device_samples, set_torch_threads, write_final
 from .onnx_devices import export_onnx, with_onnx_model
 
 log = logging.getLogger("fedtier.run")
@@ -352,6 +352,7 @@ class Emulation:
                 devices_recreated=True,
                 on_round=self.on_round,
                 availability=cell_availability(cfg),
+                cell_bounds=cell_bounds(cfg, prep.device_data),
             )
             if self.metrics is not None:
                 self.metrics.watch_cloud(cloud)

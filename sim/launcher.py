@@ -21,6 +21,7 @@ from cloud.node import build_cloud
 from edge_agent.agent import DeviceAgent
 from edge_agent.cohort import CohortExecutor, cohort_engine
 from protocols import runfiles
+from protocols.bounds import CellBounds
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
 from protocols.transport.memory import MemoryHub, VirtualLoop
@@ -100,6 +101,13 @@ def device_samples(device_data: DeviceData, devices: Sequence[str]) -> SampleCou
     return SampleCounts(device_data, devices)
 
 
+def cell_bounds(cfg: RunConfig, device_data: DeviceData) -> CellBounds:
+    """Each cell's weight bound at the cloud from its devices' sample counts (computed at its first report)."""
+    return CellBounds(
+        cfg.topology.cell_ids(), cfg.train, lambda c: device_samples(device_data, cfg.topology.devices(c)).values()
+    )
+
+
 class SimHierarchy:
     """The hierarchy of ``cfg`` built on an in-memory hub: ``cloud``, ``cells``, ``agents``.
 
@@ -152,6 +160,7 @@ class SimHierarchy:
             on_round=on_round,
             devices_recreated=True,
             availability=cell_availability(cfg),
+            cell_bounds=cell_bounds(cfg, prep.device_data),
         )
         availability = edge_availability(cfg)
         self.cells = {

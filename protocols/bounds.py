@@ -1,0 +1,63 @@
+"""Weight bounds: how many samples a device, and so a cell, may claim.
+
+A result's or report's ``weight`` decides its share of the mean it joins. A node that lies about it, with
+valid credentials, takes the model over (one device claiming 1e12 samples, one cell claiming 1e15), so every
+tier bounds what it accepts by what the federation knows: a device by its provisioned bound (or its known
+sample count in ``fedtier sim|run``), a cell by the sum of its devices' bounds times the number of device
+results one report may add up (:func:`cell_weight_bound`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+
+def weight_over(weight: object, bound: float | None, what: str) -> str | None:
+    """Why a claimed ``weight`` is refused against ``bound`` (``what`` names the bound), or ``None``
+    when there is no bound, the weight is no number (the role's checks refuse it), or it is within."""
+    if bound is None or not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= bound:
+        return None
+    try:
+        shown = f"{float(weight):g}"
+    except OverflowError:  # an int beyond float range, e.g. 10**400 from JSON
+        shown = f"{str(weight)[:12]}..."
+    return f"weight {shown} exceeds {what}"
+
+
+def cell_weight_bound(train: Any, device_bounds: Iterable[float]) -> float:
+    """The largest weight an honest report of a cell whose devices have ``device_bounds`` can carry.
+
+    Rounds (``algorithm.mode = "sync"``): every device counts at most once per edge round, so ``E`` times
+    the sum of the bounds (FedAvg-like cells count a device once per cloud round; DeComFL adds every edge
+    round). FedBuff (``"async"``): a push adds ``async_push_every`` (M) cell updates of ``async_buffer`` (K)
+    results each, so ``K x M`` times the largest bound."""
+    bounds = list(device_bounds)
+    if not bounds:
+        return 0.0
+    if getattr(train, "mode", "sync") == "async":
+        return float(train.async_buffer * train.async_push_every * max(bounds))
+    return float(train.edge_rounds * sum(bounds))
+
+
+class CellBounds(Mapping[str, float]):
+    """``cell -> cell_weight_bound`` computed on first access (a cell of a million devices costs nothing
+    until its first report), from ``device_bounds(cell)``."""
+
+    def __init__(self, cells: Iterable[str], train: Any, device_bounds: Callable[[str], Iterable[float]]) -> None:
+        self._cells, self._train, self._device_bounds = list(cells), train, device_bounds
+        self._members = set(self._cells)
+        self._known: dict[str, float] = {}
+
+    def __getitem__(self, cell: str) -> float:
+        if cell not in self._known:
+            if cell not in self._members:
+                raise KeyError(cell)
+            self._known[cell] = cell_weight_bound(self._train, self._device_bounds(cell))
+        return self._known[cell]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cells)
+
+    def __len__(self) -> int:
+        return len(self._cells)
