@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from protocols.privacy.secagg import RoundId, SecAggCell, SecAggDevice, SecAggSettings  # noqa: E402
 from protocols.transport.memory import MemoryHub  # noqa: E402
 from protocols.wire.envelope import decode_message  # noqa: E402
+from protocols.wire.keys import Trust, new_seed, public_of  # noqa: E402
 from protocols.wire.messenger import Messenger  # noqa: E402
 from protocols.wire.payload import Payload, decode_payload  # noqa: E402
 
@@ -72,7 +73,9 @@ def one_round(n: int, dropout: float, shapes: dict, seed: int) -> dict:
     up = dict.fromkeys(ids, 0)
     down = dict.fromkeys(ids, 0)
     dev_s = dict.fromkeys(ids, 0.0)
-    devices = {d: SecAggDevice(settings, rid, d, 60.0) for d in ids}
+    seeds = {d: new_seed() for d in ids}  # signed: the actively secure protocol (signed keys and views)
+    public = {d: public_of(s) for d, s in seeds.items()}
+    devices = {d: SecAggDevice(settings, rid, d, 60.0, identity=Trust(d, seeds[d], public)) for d in ids}
     cell = SecAggCell(settings, rid, ids)
 
     def device_step(d: str, kind: str, fn, *args) -> Payload:
@@ -103,7 +106,9 @@ def one_round(n: int, dropout: float, shapes: dict, seed: int) -> dict:
             cell.add_masked(d, masked)
     requests = cell.unmask_requests()
     for d, req in requests.items():
-        cell.add_reveal(d, device_step(d, "secagg_reveal", devices[d].reveal, to_device(d, "secagg_unmask", req)))
+        cell.add_consent(d, device_step(d, "secagg_consent", devices[d].consent, to_device(d, "secagg_unmask", req)))
+    for d, views in cell.views().items():
+        cell.add_reveal(d, device_step(d, "secagg_reveal", devices[d].reveal, to_device(d, "secagg_views", views)))
     survivors = sorted(requests)
     # the cell's unmasking vs the plain weighted sum of the same survivors' float32 updates, alternately
     t0 = time.perf_counter()

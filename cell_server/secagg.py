@@ -3,10 +3,10 @@
 The protocol (what is checked, what is computed) is ``protocols.privacy.secagg.SecAggCell``; this class
 moves its messages and decides when each phase ends: the key and share phases when every device
 expected answered or after ``privacy.secagg_deadline`` seconds; the result phase is the cell's usual
-one (all answered, quorum or ``runtime.device_deadline`` from the tasks); the unmasking phase when every
-survivor revealed or after ``secagg_deadline``. Extra messages travel on the existing topics: to a
-device on its task topic, from a device on its result topic. Nothing secret is logged: the records
-carry counts, and a rejection's reason names the message, never its content.
+one (all answered, quorum or ``runtime.device_deadline`` from the tasks); the consistency round and the
+unmasking phase each when every survivor answered or after ``secagg_deadline``. Extra messages travel on
+the existing topics: to a device on its task topic, from a device on its result topic. Nothing secret is
+logged: the records carry counts, and a rejection's reason names the message, never its content.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedtier.cell")
 
-_ADD = {"secagg_keys": "add_keys", "secagg_shares": "add_shares", "secagg_reveal": "add_reveal"}
+_ADD = {
+    "secagg_keys": "add_keys",
+    "secagg_shares": "add_shares",
+    "secagg_consent": "add_consent",
+    "secagg_reveal": "add_reveal",
+}
 
 
 class CellSecAgg:
@@ -84,6 +89,9 @@ class CellSecAgg:
                 self.server.loop.cancel(self._timer)
                 self._send("secagg_routed", st.routes())  # the result phase: the cell's deadline or quorum
                 self._expect_results(st)
+            elif st.phase == "consent":
+                self._send("secagg_views", st.views())
+                self._arm("reveal")
             elif st.phase == "reveal":
                 self.server.loop.cancel(self._timer)
                 self._finish()
@@ -137,6 +145,8 @@ class CellSecAgg:
             "shared": len(st.sealed),
             "survivors": len(st.survivors),
             "dropped": len(st.dropped),
+            "consents": len(st.consents),
+            "reveals": len(st.reveals),
         }
 
     # ---------------------------------------------------------------- messages
@@ -164,7 +174,7 @@ class CellSecAgg:
             return
         s.bytes_in += msg.nbytes
         st = self.state
-        if st.keys_complete or st.shares_complete or st.reveals_complete:
+        if st.keys_complete or st.shares_complete or st.consents_complete or st.reveals_complete:
             self._advance()
 
     def check(self, device: str, result: Payload) -> None:
@@ -193,7 +203,7 @@ class CellSecAgg:
             self.failed = str(exc)
             self._record_failure()
             return
-        self._arm("reveal")
+        self._arm("consent")
 
     def _finish(self) -> None:
         st = self.state

@@ -4,7 +4,9 @@ On a task the device advertises fresh keys; it trains once it has sealed its sha
 its cell sent (so the key and share phases take no training time); its result leaves masked, once
 the cell routed the shares. Every ``secagg_*`` message must be for the aggregation in progress
 (session, round, edge round) and, in signed runs, signed by the device's cell; anything else is
-rejected and logged.
+rejected and logged. In signed runs the device signs its keys and its view of the round with its
+identity and checks its neighbours' against theirs: a cell caught lying (a substituted key, views that
+disagree) is logged once per round with the reason and counted (``cell_lies``); the device reveals nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from protocols.algorithms.base import Rejected
-from protocols.privacy.secagg import RoundId, SecAggDevice, SecAggSettings
+from protocols.privacy.secagg import CellLied, RoundId, SecAggDevice, SecAggSettings
 from protocols.wire import topics
 from protocols.wire.payload import Payload
 
@@ -36,6 +38,8 @@ class DeviceSecAgg:
         self.key: tuple[str | None, int, int] | None = None
         self._train: Callable[[], None] | None = None  # starts the task's training (once the shares are out)
         self._result: Payload | None = None
+        self.cell_lies = 0  # aggregations in which this device caught its cell lying
+        self.last_lie: str | None = None  # the reason, the last time
 
     def begin(self, h: Header, train: Callable[[], None]) -> None:
         """A task arrived: advertise keys; ``train`` runs once the shares are sealed."""
@@ -44,7 +48,11 @@ class DeviceSecAgg:
         a = self.agent
         self.key = (h.session, h.round, h.edge_round)
         self.state = SecAggDevice(
-            self.settings, RoundId(a.run, a.cell, h.round, h.edge_round), a.device, float(len(a.data))
+            self.settings,
+            RoundId(a.run, a.cell, h.round, h.edge_round),
+            a.device,
+            float(len(a.data)),
+            identity=a.trust,
         )
         self._train, self._result = train, None
         self._send("secagg_keys", self.state.advertise())
@@ -88,9 +96,16 @@ class DeviceSecAgg:
                 if self._result is not None:
                     self._send_masked()
             elif h.kind == "secagg_unmask":
+                self._send("secagg_consent", self.state.consent(msg.payload))
+            elif h.kind == "secagg_views":
                 self._send("secagg_reveal", self.state.reveal(msg.payload))
             else:
                 raise Rejected(f"unexpected message kind {h.kind!r} for a device")
+        except CellLied as exc:
+            self.cell_lies += 1
+            self.last_lie = str(exc)
+            a.messenger.reject(topic, f"cell {h.sender} lied: {exc}", h.sender)
+            self.state = None  # nothing more for this aggregation: the round is lost, the next one is not
         except Rejected as exc:
             a.messenger.reject(topic, str(exc), h.sender)
 

@@ -353,12 +353,12 @@ class PrivacySection(_Section):
         description="SecAgg+: a cell learns only the sum of its devices' (clipped, quantised) updates; fedavg and hist",
     )
     secagg_threshold: float = Field(
-        default=0.34,
+        default=0.5,
         ge=0,
         lt=1,
         description="t = floor(threshold x degree) + 1 "
-        "neighbours' shares recover a device's secret (0.34: about a third, so 30% "
-        "of a cell may drop; 0.5: t > degree / 2, see README Privacy)",
+        "neighbours' shares recover a device's secret (0.5: t > degree / 2, so a lying cell can never get "
+        "both secrets of a device from two halves of its neighbours; below 0.5 it can, see README Privacy)",
     )
     secagg_neighbours: int = Field(
         default=0,
@@ -410,9 +410,10 @@ class PrivacySection(_Section):
     )
     noise_seed: int | Literal["system"] | None = Field(
         default=None,
-        description="seed of the DP noise (none: "
-        "run.seed, reproducible; system: drawn from the OS by "
-        "each noising party)",
+        description="seed of the DP noise; none: run.seed in fedtier sim/run (reproducible), drawn "
+        "from the OS by each noising party in deployments (fedtier provision, cloud, cell, agent); system: "
+        "drawn from the OS everywhere; an integer: reproducible everywhere, so anyone holding the config can "
+        "regenerate the noise and subtract it (deployments warn)",
     )
 
     @model_validator(mode="after")
@@ -631,6 +632,24 @@ def check_privacy(cfg: RunConfig) -> None:
                 f"{pv.epsilon_budget:g} (delta {pv.delta:g}); {fit} rounds fit (set run.rounds = "
                 f'{fit}, more noise, or privacy.on_budget = "stop")'
             )
+
+
+def deployment_config(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """``cfg`` as a deployment runs it (``fedtier provision``, ``fedtier cloud|cell|agent``): DP noise drawn
+    from the OS by each noising party (``privacy.noise_seed = "system"``), since every node's bundle holds
+    ``run.seed``; unless the operator set an integer ``noise_seed``, which is kept, with the warning returned
+    (who can then remove the noise). ``fedtier sim`` and ``run`` keep their reproducible seeds."""
+    pv = cfg.privacy
+    if pv.dp == "off" or pv.noise_seed == "system":
+        return cfg, None
+    if pv.noise_seed is None:
+        return cfg.model_copy(update={"privacy": pv.model_copy(update={"noise_seed": "system"})}), None
+    return cfg, (
+        f"privacy.noise_seed = {pv.noise_seed}: the DP noise is reproducible, so anyone holding this config "
+        f"(the operator, and every node whose bundle carries it) can regenerate the noise and subtract it; "
+        f'epsilon then holds only against parties without the config (leave noise_seed out, or "system", '
+        f"for noise drawn from the OS)"
+    )
 
 
 def validate_algorithm(section: dict[str, Any]) -> TrainParams:

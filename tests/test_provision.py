@@ -115,7 +115,7 @@ def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[
     assert nodes == sorted(["cloud", "monitor", "c0", "c1", "c0-d0", "c0-d1", "c0-d2", "c1-d0", "c1-d1", "c1-d2"])
     d = out / "nodes" / "c0-d1"
     ring = load_keys(d / "keys.toml")
-    assert set(ring.private) == {"c0-d1"} and set(ring.public) == {"c0-d1", "c0", "cloud"}
+    assert set(ring.private) == {"c0-d1"} and set(ring.public) == {"c0-d1", "c0", "cloud", "c0-d0", "c0-d2"}
     for secret in (
         d / "keys.toml",
         d / "client.key",

@@ -109,7 +109,9 @@ class Round:
 
     def unmask(self):
         for d, req in self.cell.unmask_requests().items():
-            self.cell.add_reveal(d, wire(self.devices[d].reveal(wire(req))))
+            self.cell.add_consent(d, wire(self.devices[d].consent(wire(req))))
+        for d, views in self.cell.views().items():
+            self.cell.add_reveal(d, wire(self.devices[d].reveal(wire(views))))
         return self.cell.finish()
 
     def expected(self, survivors) -> np.ndarray:
@@ -232,9 +234,10 @@ def test_a_wrong_revealed_share_is_detected_never_a_wrong_sum():
     r = Round(8)
     r.setup()
     r.send_results(drop=("c0-d2",))
-    requests = r.cell.unmask_requests()
-    for i, (d, req) in enumerate(sorted(requests.items())):
-        reveal = r.devices[d].reveal(req)
+    for d, req in r.cell.unmask_requests().items():
+        r.cell.add_consent(d, r.devices[d].consent(req))
+    for i, (d, views) in enumerate(sorted(r.cell.views().items())):
+        reveal = r.devices[d].reveal(views)
         if i == 0:  # a well-formed but wrong share of every secret it holds
             for name in reveal.tensors:
                 reveal.tensors[name] = np.frombuffer((12345).to_bytes(66, "big"), np.uint8).copy()
@@ -247,13 +250,20 @@ def test_a_device_reveals_once_and_never_both_secrets_of_one_device():
     r = Round(6)
     r.setup()
     r.send_results()
-    req = r.cell.unmask_requests()["c0-d0"]
-    r.devices["c0-d0"].reveal(req)
+    requests = r.cell.unmask_requests()
+    for d, req in requests.items():
+        r.cell.add_consent(d, r.devices[d].consent(req))
     with pytest.raises(Rejected, match="second"):
-        r.devices["c0-d0"].reveal(req)
+        r.devices["c0-d0"].consent(requests["c0-d0"])
+    views = r.cell.views()["c0-d0"]
+    r.devices["c0-d0"].reveal(views)
+    with pytest.raises(Rejected, match="second"):
+        r.devices["c0-d0"].reveal(views)
     overlap = Payload({"survivors": ["c0-d0", "c0-d1", "c0-d2", "c0-d3", "c0-d4"], "dropped": ["c0-d1"]}, {})
+    fresh = Round(6)
+    fresh.setup()
     with pytest.raises(Rejected, match="overlap"):
-        r.devices["c0-d3"].reveal(overlap)
+        fresh.devices["c0-d3"].consent(overlap)
 
 
 def test_masked_result_with_a_wrong_layout_or_weight_is_refused():

@@ -68,6 +68,7 @@ def test_secure_sim_learns_like_the_plain_one_and_records_the_protocol(tmp_path,
             "survivors": 3,
             "dropped": 0,
             "recovered": 0,
+            "consents": 3,
             "degree": 2,
             "threshold": 2,
         }

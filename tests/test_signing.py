@@ -58,7 +58,7 @@ def test_keys_file_roundtrip_subsets_and_errors(tmp_path: Path) -> None:
         write_keys(path, ring)
     # a node holds its own private key only, and its peers' public keys
     d = node_subset(ring, topo, "c0-d1")
-    assert set(d.private) == {"c0-d1"} and set(d.public) == {"c0-d1", "c0", "cloud"}
+    assert set(d.private) == {"c0-d1"} and set(d.public) == {"c0-d1", "c0", "cloud", "c0-d0", "c0-d2"}
     c = node_subset(ring, topo, "c1")
     assert set(c.private) == {"c1"} and set(c.public) == {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"}
     assert set(node_subset(ring, topo, "cloud").public) == set(ring.public)
@@ -90,7 +90,9 @@ def test_verified_signature_cache_is_bounded_content_keyed_and_never_serves_a_fo
     public = {"cloud": public_of(cloud_seed), "c0": public_of(cell_seed)}
     cloud, device = Trust("cloud", cloud_seed, public), Trust("c0-d0", new_seed(), public)
     device.verified = cache = VerifiedSignatures(size=8)
-    real = device._public["cloud"]
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    real = Ed25519PublicKey.from_public_bytes(public["cloud"])
     calls = [0]
 
     class Counting:
@@ -129,7 +131,10 @@ def test_fedtier_keys_command_writes_full_and_per_node_files(tmp_path: Path) -> 
     assert res.exit_code == 0, res.output
     ring = load_keys(full)
     assert len(ring.private) == len(ring.public) == 1 + 2 + 6
-    for node, expected in [("c0-d1", {"c0-d1", "c0", "cloud"}), ("c1", {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"})]:
+    for node, expected in [
+        ("c0-d1", {"c0-d1", "c0", "cloud", "c0-d0", "c0-d2"}),  # its cell's devices: secure aggregation
+        ("c1", {"c1", "cloud", "c1-d0", "c1-d1", "c1-d2"}),
+    ]:
         out = tmp_path / f"{node}.toml"
         res = runner.invoke(main, ["keys", str(cfg_path), "--from", str(full), "--node", node, "--out", str(out)])
         assert res.exit_code == 0, res.output

@@ -1,26 +1,38 @@
-"""SecAgg+ (Bell et al. 2020) inside one cell: the cell learns the *sum* of its devices' updates, never one.
+"""SecAgg+ (Bell et al. 2020) inside one cell: the cell learns the *sum* of its devices' updates, never one,
+even when it lies (the actively secure variant: signed key advertisements and a consistency round).
 
 One edge round, as the cell and device runtimes drive it (``U1 ⊇ U2 ⊇ U3``)::
 
     cell -> device   device_task       (the model, as without secure aggregation)
-    device -> cell   secagg_keys       two fresh X25519 public keys (c: shares, s: masks) and its weight bound
+    device -> cell   secagg_keys       two fresh X25519 public keys (c: shares, s: masks), its weight bound,
+                                       and (signed runs) its Ed25519 signature of the two keys for this round
     cell -> device   secagg_roster     U1 = the devices that advertised, their weight total, the
-                                       device's neighbours' public keys (a sparse graph seeded from
-                                       (run seed, round, edge round, cell): degree ~ 4 log2 |U1|)
+                                       device's neighbours' public keys and signatures (a sparse graph
+                                       seeded from (run seed, round, edge round, cell): degree ~ 4 log2 |U1|)
     device -> cell   secagg_shares     per neighbour: AES-GCM(Shamir share of its self-mask seed b and of
                                        its mask key s_sk), sealed with the pair's c key; a commitment to b
     cell -> device   secagg_routed     U2 = devices whose shares arrived, the ciphertexts addressed to it
     device -> cell   device_result     its update, clipped to ±bound, weighted, quantised to Z_2^32, plus
                                        PRG(b) and ±PRG(s_ij) for every neighbour j in U2
     cell -> device   secagg_unmask     U3 = the survivors (masked results accepted), D = U2 - U3 (dropped)
+    device -> cell   secagg_consent    the digest of its view (U1, U3, D), signed (the consistency round)
+    cell -> device   secagg_views      its neighbours' signed digests
     device -> cell   secagg_reveal     shares of b_j for its neighbours in U3, of s_sk_j for those in D
 
 The cell adds the masked vectors; pairwise masks between survivors cancel; it removes the survivors'
 self-masks (b_j from t shares, checked against the commitment) and the dropped devices' pairwise masks
 (s_sk_j from t shares, checked against the advertised public key). What is left is
 ``sum_{i in U3} round(w_i * clip(x_i) * scale) mod 2^32``, exactly the plain sum of the quantised updates.
-A device reveals once per edge round and only for disjoint U3 / D, so the cell never holds both secrets
-of one device. Fewer than ``t`` shares for any secret -> :class:`SecAggFailure` (the round is lost).
+Fewer than ``t`` shares for any secret -> :class:`SecAggFailure` (the round is lost).
+
+Against a cell that lies (it holds valid credentials, but no device's): a device verifies every
+neighbour's key advertisement against that neighbour's Ed25519 identity (the keys provisioned by the
+cloud), so a cell cannot substitute its own keys and open the shares; a device reveals only after at
+least ``t`` of its neighbours signed the very view it got, and refuses (logged, counted) when a neighbour
+signed another one: a cell that tells some devices "j survived" and others "j dropped" gets nothing; and
+``t`` exceeds half the neighbourhood by default, so two disjoint halves can never both reach ``t``. A
+device reveals once per edge round, for disjoint U3 / D. Unsigned runs (no ``[security] keys``) skip the
+signatures: secure against a cell that follows the protocol only (the views are still compared).
 
 Secrets (keys, self-mask seeds, Shamir coefficients, nonces) come from the OS's cryptographic source,
 never from the run seed; the graph and the quantisation are public and deterministic, so the unmasked
@@ -37,7 +49,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -56,11 +68,36 @@ KEY_BYTES = 32
 NONCE_BYTES = 12
 SEALED_BYTES = NONCE_BYTES + 2 * shamir.SHARE_BYTES + 16  # nonce | share of b | share of s_sk | GCM tag
 QUANT_MAX = 2**31 - 1  # |sum of quantised values| stays below this: no wrap-around in Z_2^32
-KINDS = ("secagg_keys", "secagg_roster", "secagg_shares", "secagg_routed", "secagg_unmask", "secagg_reveal")
+SIG_BYTES = 64  # Ed25519
+KINDS = (
+    "secagg_keys",
+    "secagg_roster",
+    "secagg_shares",
+    "secagg_routed",
+    "secagg_unmask",
+    "secagg_consent",
+    "secagg_views",
+    "secagg_reveal",
+)
+
+
+class Identity(Protocol):
+    """A node's signing identity and its peers' public keys (``protocols.wire.keys.Trust``)."""
+
+    node: str
+
+    def sign(self, data: bytes) -> bytes: ...
+
+    def verify(self, signer: str, data: bytes, sig: bytes) -> None:
+        """Raise (any exception) unless ``sig`` is ``signer``'s signature of ``data``."""
 
 
 class SecAggFailure(RuntimeError):
     """The round cannot be unmasked (too few devices or shares); the cell reports nothing for it."""
+
+
+class CellLied(Rejected):
+    """A device caught its cell lying (a substituted key, views that disagree): it sits the round out."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +105,7 @@ class SecAggSettings:
     """What both sides derive from the run's config (``[privacy]``): nothing here comes over the wire."""
 
     seed: int
-    threshold: float = 0.34  # t = floor(threshold * degree) + 1 shares reconstruct a secret
+    threshold: float = 0.5  # t = floor(threshold * degree) + 1 shares reconstruct a secret (> half: see module)
     neighbours: int = 0  # degree of the graph; 0: the smallest even number >= 4 log2 n (capped at n - 1)
     bound: float = 1.0  # every update value is clipped to [-bound, bound] before quantisation
     min_survivors: int = 0  # no sum of fewer survivors is unmasked (cell DP: each adds 1/min_survivors of the noise)
@@ -81,8 +118,8 @@ class SecAggSettings:
         return min(k + k % 2, n - 1)  # even below n - 1: the ring graph is then symmetric
 
     def t(self, n: int) -> int:
-        """Shares needed to reconstruct a secret of a device among ``n`` (about a third of its neighbours by
-        default: 30% of the devices may drop; ``threshold = 0.5`` makes ``t > degree / 2``)."""
+        """Shares needed to reconstruct a secret of a device among ``n``: more than half its neighbours by
+        default (``t > degree / 2``: no two disjoint groups of neighbours both reach it)."""
         k = self.degree(n)
         return min(k, max(2, math.floor(self.threshold * k) + 1)) if k > 1 else 1  # never one share alone
 
@@ -197,6 +234,32 @@ def commitment(b: bytes, device: str, rid: RoundId) -> str:
     return hashlib.sha256(rid.label("commit", device) + b).hexdigest()
 
 
+def advert_bytes(device: str, c_pk: bytes, s_pk: bytes, rid: RoundId) -> bytes:
+    """What a device signs when it advertises its keys: both keys, bound to itself and the round."""
+    return rid.label("keys", device) + c_pk + s_pk
+
+
+def view_digest(roster: Sequence[str], survivors: Sequence[str], dropped: Sequence[str], rid: RoundId) -> bytes:
+    """The digest of what a cell told a device about one round (U1, U3, D): equal views, equal digests."""
+    h = hashlib.sha256(rid.label("view"))
+    for part in (roster, survivors, dropped):
+        h.update(b"\x1e" + "\x1f".join(sorted(part)).encode())
+    return h.digest()
+
+
+def view_bytes(device: str, digest: bytes, rid: RoundId) -> bytes:
+    """What a device signs in the consistency round: the digest of its view, bound to itself and the round."""
+    return rid.label("consent", device) + digest
+
+
+def _signed_by(identity: Identity, signer: str, data: bytes, sig: bytes) -> bool:
+    try:
+        identity.verify(signer, data, sig)
+    except Exception:  # a wire error, an unknown signer, a malformed key: not signed by ``signer``
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------- quantisation
 def scale_for(settings: SecAggSettings, total_weight: float) -> float:
     """Fixed-point scale: the weighted sum of ``total_weight`` samples' clipped values fits in ±QUANT_MAX."""
@@ -276,12 +339,15 @@ def _u8(data: bytes) -> np.ndarray:
 @dataclass
 class SecAggDevice:
     """One device's side of one aggregation. Each method answers one cell message; a message it cannot
-    use raises :class:`Rejected` (the runtime logs it and the device sits the round out)."""
+    use raises :class:`Rejected` (the runtime logs it and the device sits the round out). ``identity``
+    (signed runs): signs this device's advertisement and view, verifies its neighbours' (a lying cell
+    is refused with :class:`CellLied`)."""
 
     settings: SecAggSettings
     rid: RoundId
     device: str
     weight_bound: float
+    identity: Identity | None = None
     _c: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
     _s: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
     _b: bytes = field(default_factory=lambda: os.urandom(KEY_BYTES), repr=False)
@@ -292,11 +358,17 @@ class SecAggDevice:
     _peer_s: dict[str, bytes] = field(default_factory=dict, repr=False)
     _held: dict[str, tuple[bytes, bytes]] = field(default_factory=dict, repr=False)  # from j: (b share, s_sk share)
     shared: list[str] = field(default_factory=list)  # U2 as the cell announced it
+    view: tuple[list[str], list[str], bytes] | None = None  # (U3, D, digest) as the cell announced them
     revealed: bool = False
 
     def advertise(self) -> Payload:
-        """``secagg_keys``: the two public keys and the largest weight this device's update will carry."""
-        return Payload({"weight": self.weight_bound}, {"c": _u8(_public(self._c)), "s": _u8(_public(self._s))})
+        """``secagg_keys``: the two public keys, the largest weight this device's update will carry and,
+        with an identity, its signature of the keys."""
+        c, s = _public(self._c), _public(self._s)
+        tensors = {"c": _u8(c), "s": _u8(s)}
+        if self.identity is not None:
+            tensors["g"] = _u8(self.identity.sign(advert_bytes(self.device, c, s, self.rid)))
+        return Payload({"weight": self.weight_bound}, tensors)
 
     def share(self, roster: Payload) -> Payload:
         """``secagg_shares`` from ``secagg_roster``: Shamir shares of b and s_sk, sealed per neighbour."""
@@ -311,18 +383,27 @@ class SecAggDevice:
         graph = neighbour_graph(devices, self.settings, self.rid)
         near = graph[self.device]
         expected = {f"{p}/{j}" for j in near for p in ("c", "s")}
-        if set(roster.tensors) != expected:
+        signatures = {f"g/{j}" for j in near}
+        if not expected <= set(roster.tensors) <= expected | signatures:
             raise Rejected("secure aggregation: the roster's keys are not those of this device's neighbours")
         for j in near:
             self._peer_c[j] = _bytes(roster, f"c/{j}", KEY_BYTES, "roster")
             self._peer_s[j] = _bytes(roster, f"s/{j}", KEY_BYTES, "roster")
+        if self.identity is not None:
+            for j in near:
+                sig = roster.tensors.get(f"g/{j}")
+                data = advert_bytes(j, self._peer_c[j], self._peer_s[j], self.rid)
+                if sig is None or sig.dtype != np.uint8 or not _signed_by(self.identity, j, data, sig.tobytes()):
+                    self._peer_c.clear()
+                    self._peer_s.clear()
+                    raise CellLied(f"the keys the cell gave for neighbour {j} are not signed by {j} (substituted)")
         self.roster, self.neighbours, self.total_weight = devices, near, float(total)
         t = self.settings.t(len(devices))
         points = [devices.index(j) + 1 for j in near]  # x of j's share: its position in U1, + 1
         b_shares = shamir.split(self._b, points, t) if near else []
         s_shares = shamir.split(_private(self._s), points, t) if near else []
         sealed = {}
-        for j, x, (_, bs), (_, ss) in zip(near, points, b_shares, s_shares):
+        for j, x, (_, bs), (_, ss) in zip(near, points, b_shares, s_shares, strict=True):
             key = _agree(self._c, self._peer_c[j], self.rid.label("seal"))
             nonce = os.urandom(NONCE_BYTES)
             sealed[f"e/{j}"] = _u8(nonce + AESGCM(key).encrypt(nonce, bs + ss, self.rid.label(self.device, j, str(x))))
@@ -377,19 +458,62 @@ class SecAggDevice:
         meta["layout"] = [[name, list(shape)] for name, shape in layout]
         return Payload(meta, {"masked": masked})
 
-    def reveal(self, request: Payload) -> Payload:
-        """``secagg_reveal`` for ``secagg_unmask``: b shares of surviving neighbours, s_sk shares of dropped ones."""
-        if self.revealed:
+    def consent(self, request: Payload) -> Payload:
+        """``secagg_consent`` for ``secagg_unmask``: the digest of this device's view of the round (U1, U3,
+        D), signed with its identity; nothing is revealed before its neighbours confirmed the same view."""
+        if self.view is not None:
             raise Rejected("secure aggregation: a second unmask request this round (refused)")
         survivors = _device_list(request.meta.get("survivors"), "survivors")
         dropped = _device_list(request.meta.get("dropped"), "dropped")
         if set(survivors) & set(dropped) or not set(survivors) | set(dropped) <= set(self.shared):
-            raise Rejected("secure aggregation: survivors and dropped overlap or leave the shared set")
+            raise CellLied("secure aggregation: survivors and dropped overlap or leave the shared set")
         if self.device not in survivors:
             raise Rejected("secure aggregation: unmask request that does not count this device")
         if len(survivors) < self.settings.survivors_needed(len(self.roster)):
             raise Rejected("secure aggregation: fewer survivors than the threshold")
-        self.revealed = True
+        digest = view_digest(self.roster, survivors, dropped, self.rid)
+        self.view = (survivors, dropped, digest)
+        tensors = (
+            {} if self.identity is None else {"g": _u8(self.identity.sign(view_bytes(self.device, digest, self.rid)))}
+        )
+        return Payload({"view": digest.hex()}, tensors)
+
+    def reveal(self, views: Payload) -> Payload:
+        """``secagg_reveal`` for ``secagg_views``: once at least ``t`` neighbours signed this device's very view,
+        the b shares of its surviving neighbours and the s_sk shares of its dropped ones. A neighbour's view
+        that differs, or a signature that is not its own, means the cell told devices different things: the
+        device refuses (:class:`CellLied`) and reveals nothing this round."""
+        if self.view is None:
+            raise Rejected("secure aggregation: views before the unmask request")
+        if self.revealed:
+            raise Rejected("secure aggregation: a second views message this round (refused)")
+        self.revealed = True  # one answer per round, whatever it is
+        survivors, dropped, digest = self.view
+        seen = views.meta.get("views")
+        near = set(self.neighbours) & set(survivors)
+        if not isinstance(seen, dict) or not all(isinstance(j, str) and isinstance(v, str) for j, v in seen.items()):
+            raise Rejected("secure aggregation: views is not a map of device ids to digests")
+        if not set(seen) <= near or not set(views.tensors) <= {f"g/{j}" for j in seen}:
+            raise CellLied(
+                "secure aggregation: views of devices that are not surviving neighbours in this device's view "
+                "(the cell reported devices inconsistently); no shares revealed"
+            )
+        for j, other in sorted(seen.items()):
+            if other != digest.hex():
+                raise CellLied(
+                    f"secure aggregation: neighbour {j} was told another view of this round (survivors, dropped "
+                    "or roster): the cell reported devices inconsistently; no shares revealed"
+                )
+            if self.identity is not None:
+                sig = views.tensors.get(f"g/{j}")
+                data = view_bytes(j, digest, self.rid)
+                if sig is None or sig.dtype != np.uint8 or not _signed_by(self.identity, j, data, sig.tobytes()):
+                    raise CellLied(f"secure aggregation: the view of neighbour {j} is not signed by {j}")
+        t = self.settings.t(len(self.roster))
+        if len(seen) < t:
+            raise Rejected(
+                f"secure aggregation: {len(seen)} neighbours confirmed this view, fewer than the threshold {t}"
+            )
         out: dict[str, np.ndarray] = {}
         for j, (bs, ss) in self._held.items():
             if j in survivors:
@@ -424,6 +548,7 @@ class SecAggCell:
         self.weight_bound = weight_bound or (lambda d: None)
         self.phase = "keys"
         self.keys: dict[str, tuple[bytes, bytes, float]] = {}  # U1: c_pk, s_pk, weight bound
+        self.signatures: dict[str, bytes] = {}  # device -> its signature of its keys (signed runs)
         self.roster: list[str] = []
         self.graph: dict[str, list[str]] = {}
         self.sealed: dict[str, Payload] = {}  # U2: device -> its sealed shares
@@ -432,6 +557,7 @@ class SecAggCell:
         self.shared: list[str] = []
         self.survivors: list[str] = []
         self.dropped: list[str] = []
+        self.consents: dict[str, Payload] = {}  # survivor -> its (signed) view digest
         self.reveals: dict[str, Payload] = {}
         self.total_weight = 0.0
 
@@ -446,6 +572,10 @@ class SecAggCell:
         if device in self.keys:
             raise Rejected("secure aggregation: keys sent twice")
         c, s = _bytes(payload, "c", KEY_BYTES, "keys"), _bytes(payload, "s", KEY_BYTES, "keys")
+        if not set(payload.tensors) <= {"c", "s", "g"}:
+            raise Rejected("secure aggregation: keys with unknown parts")
+        if "g" in payload.tensors:  # its signature of the keys: forwarded, each neighbour checks it
+            self.signatures[device] = _bytes(payload, "g", SIG_BYTES, "keys")
         w = payload.meta.get("weight")
         bound = self.weight_bound(device)
         if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0 or (bound is not None and w > bound):
@@ -465,10 +595,12 @@ class SecAggCell:
         self.graph = neighbour_graph(self.roster, self.settings, self.rid)
         self.total_weight = sum(w for _, _, w in self.keys.values())
         meta = {"devices": self.roster, "total_weight": self.total_weight}
-        return {
-            d: Payload(meta, {f"{p}/{j}": _u8(self.keys[j][i]) for j in near for i, p in ((0, "c"), (1, "s"))})
-            for d, near in self.graph.items()
-        }
+        out = {}
+        for d, near in self.graph.items():
+            tensors = {f"{p}/{j}": _u8(self.keys[j][i]) for j in near for i, p in ((0, "c"), (1, "s"))}
+            tensors.update({f"g/{j}": _u8(self.signatures[j]) for j in near if j in self.signatures})
+            out[d] = Payload(meta, tensors)
+        return out
 
     def add_shares(self, device: str, payload: Payload) -> None:
         self._expect("shares", device)
@@ -528,7 +660,7 @@ class SecAggCell:
 
     def unmask_requests(self) -> dict[str, Payload]:
         """Close the result phase: each survivor's ``secagg_unmask``."""
-        self.phase = "reveal"
+        self.phase = "consent"
         self.survivors = sorted(self.masked)
         self.dropped = sorted(set(self.shared) - set(self.masked))
         t = self.settings.survivors_needed(len(self.roster))
@@ -537,10 +669,39 @@ class SecAggCell:
         meta = {"survivors": self.survivors, "dropped": self.dropped}
         return {d: Payload(meta, {}) for d in self.survivors}
 
+    def add_consent(self, device: str, payload: Payload) -> None:
+        """A survivor's ``secagg_consent``: the (signed) digest of the view it was sent."""
+        self._expect("consent", device)
+        if device not in self.masked:
+            raise Rejected("secure aggregation: a consent from a device that is not a survivor")
+        if device in self.consents:
+            raise Rejected("secure aggregation: consent sent twice")
+        view = payload.meta.get("view")
+        if not isinstance(view, str) or len(view) != 64 or not set(payload.tensors) <= {"g"}:
+            raise Rejected("secure aggregation: a consent without its view digest")
+        if "g" in payload.tensors:
+            _bytes(payload, "g", SIG_BYTES, "consent")
+        self.consents[device] = payload
+
+    @property
+    def consents_complete(self) -> bool:
+        return self.phase == "consent" and set(self.consents) == set(self.survivors)
+
+    def views(self) -> dict[str, Payload]:
+        """Close the consistency round: each consenting survivor's ``secagg_views`` (its surviving
+        neighbours' signed digests, as they sent them)."""
+        self.phase = "reveal"
+        out = {}
+        for d in sorted(self.consents):
+            near = [j for j in self.graph[d] if j in self.consents]
+            sigs = {f"g/{j}": self.consents[j].tensors["g"] for j in near if "g" in self.consents[j].tensors}
+            out[d] = Payload({"views": {j: self.consents[j].meta["view"] for j in near}}, sigs)
+        return out
+
     def add_reveal(self, device: str, payload: Payload) -> None:
         self._expect("reveal", device)
-        if device not in self.masked:
-            raise Rejected("secure aggregation: a reveal from a device that is not a survivor")
+        if device not in self.consents:
+            raise Rejected("secure aggregation: a reveal from a device that was not sent the views")
         if device in self.reveals:
             raise Rejected("secure aggregation: reveal sent twice")
         near = set(self.graph[device])
@@ -553,7 +714,7 @@ class SecAggCell:
 
     @property
     def reveals_complete(self) -> bool:
-        return self.phase == "reveal" and set(self.reveals) == set(self.survivors)
+        return self.phase == "reveal" and set(self.reveals) == set(self.consents)
 
     def _shares_of(self, prefix: str, j: str) -> list[shamir.Share]:
         name = f"{prefix}/{j}"
@@ -615,6 +776,7 @@ class SecAggCell:
             "survivors": len(self.survivors),
             "dropped": len(self.dropped),
             "recovered": len(self.dropped),
+            "consents": len(self.consents),
             "degree": self.settings.degree(len(self.roster)),
             "threshold": self.settings.t(len(self.roster)),
         }

@@ -36,6 +36,8 @@ MessageKind = Literal[
     "secagg_shares",  # device -> cell
     "secagg_routed",  # cell -> device
     "secagg_unmask",  # cell -> device
+    "secagg_consent",  # device -> cell: the consistency round (its signed view)
+    "secagg_views",  # cell -> device: its neighbours' signed views
     "secagg_reveal",  # device -> cell
 ]
 

@@ -80,7 +80,8 @@ def generate_keys(topology: TopologySection) -> KeyRing:
 
 def peers_of(topology: TopologySection, node: str) -> list[str]:
     """The nodes whose signatures ``node`` verifies: cloud -> cells and devices; cell -> cloud and its
-    devices; device -> cloud and its cell."""
+    devices; device -> cloud, its cell and the other devices of its cell (secure aggregation: it checks
+    its neighbours' key advertisements and views, which its cell relays, against their identities)."""
     cells = topology.cell_ids()
     if node == "cloud":
         return [*cells, *topology.all_devices()]
@@ -88,7 +89,7 @@ def peers_of(topology: TopologySection, node: str) -> list[str]:
         return ["cloud", *topology.device_ids(node)]
     cell = topology.cell_of(node)
     if cell is not None:
-        return ["cloud", cell]
+        return ["cloud", cell, *(d for d in topology.device_ids(cell) if d != node)]
     raise KeysError(f"node {node!r} is not in the topology (cloud, {cells[0]}, {cells[0]}-d0, ...)")
 
 
@@ -218,23 +219,29 @@ class PublicKeys:
     """Verifies nodes' signatures with their public keys only: a reader such as ``fedtier monitor``."""
 
     def __init__(self, public: Mapping[str, bytes]) -> None:
-        self._public = {n: Ed25519PublicKey.from_public_bytes(k) for n, k in public.items()}
+        for n, k in public.items():
+            if len(k) != KEY_BYTES:
+                raise KeysError(f"the public key of {n!r} is not {KEY_BYTES} bytes")
         self._raw = {n: bytes(k) for n, k in public.items()}
+        self._public: dict[str, Ed25519PublicKey] = {}  # parsed on first use (a device knows its whole cell)
         self.verified = VERIFIED
 
     @property
     def peers(self) -> list[str]:
         """Every node whose signatures this node can check (itself included)."""
-        return list(self._public)
+        return list(self._raw)
 
     def knows(self, node: str) -> bool:
-        return node in self._public
+        return node in self._raw
 
     def verify(self, signer: str, data: bytes, sig: bytes) -> None:
         """Raise :class:`WireError` unless ``sig`` is ``signer``'s signature of ``data``."""
         key = self._public.get(signer)
         if key is None:
-            raise WireError(f"unknown signer {signer!r}")
+            raw = self._raw.get(signer)
+            if raw is None:
+                raise WireError(f"unknown signer {signer!r}")
+            key = self._public[signer] = Ed25519PublicKey.from_public_bytes(raw)
         try:
             self.verified.check(self._raw[signer], key, sig, data)
         except InvalidSignature:

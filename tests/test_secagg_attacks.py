@@ -1,0 +1,184 @@
+"""A cell that lies under secure aggregation (``sim/lying_cell.py``) against devices that sign: it substitutes
+its own keys for a target's neighbours', or tells half the neighbours the target survived and half that it
+dropped. The target's update is never recovered; the devices log and count the lie; the round fails cleanly.
+The same attacks against what the protocol guarded before (unsigned keys, the threshold of one third)
+recover the target's update exactly: the attacks are real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocols.algorithms.base import Rejected
+from protocols.privacy.secagg import (
+    CellLied,
+    RoundId,
+    SecAggCell,
+    SecAggDevice,
+    SecAggFailure,
+    SecAggSettings,
+    flatten,
+    quantize,
+)
+from protocols.wire.keys import Trust, new_seed, public_of
+from protocols.wire.payload import Payload, decode_payload, encode_payload
+from sim.lying_cell import LyingCell
+from tests.conftest import small_config
+
+RID = RoundId("r", "c0", 0, 0)
+TARGET = "c0-d1"
+
+
+def wire(p: Payload) -> Payload:
+    return decode_payload(encode_payload(p))
+
+
+def identities(devices: list[str]) -> dict[str, Trust]:
+    seeds = {d: new_seed() for d in devices}
+    public = {d: public_of(s) for d, s in seeds.items()}
+    return {d: Trust(d, seeds[d], public) for d in devices}
+
+
+def aggregation(liar: LyingCell | None, n: int = 6, signed: bool = True, threshold: float | None = None):
+    """One aggregation of ``n`` devices against the (lying) cell: (each device's refusal, the outcome,
+    the devices' plain updates, the settings)."""
+    settings = SecAggSettings(seed=3) if threshold is None else SecAggSettings(seed=3, threshold=threshold)
+    names = [f"c0-d{i}" for i in range(n)]
+    ids = identities(names) if signed else {}
+    g = np.random.default_rng(0)
+    results = {d: Payload({"weight": 1.0}, {"w": g.normal(0, 0.3, 40).astype(np.float32)}) for d in names}
+    devices = {d: SecAggDevice(settings, RID, d, 1.0, identity=ids.get(d)) for d in names}
+    cell = liar.protocol(settings, RID, names) if liar else SecAggCell(settings, RID, names)
+    refused: dict[str, Rejected] = {}
+
+    def answer(d: str, method, message: Payload):
+        if d in refused:
+            return None
+        try:
+            return wire(method(wire(message)))
+        except Rejected as exc:
+            refused[d] = exc
+            return None
+
+    for d, dev in devices.items():
+        cell.add_keys(d, wire(dev.advertise()))
+    for d, roster in cell.rosters().items():
+        if (shares := answer(d, devices[d].share, roster)) is not None:
+            cell.add_shares(d, shares)
+    for d, routed in cell.routes().items():
+        devices[d].receive(wire(routed))
+    for d in cell.shared:
+        cell.add_masked(d, wire(devices[d].mask(results[d])))
+    for d, req in cell.unmask_requests().items():
+        if (consent := answer(d, devices[d].consent, req)) is not None:
+            cell.add_consent(d, consent)
+    for d, views in cell.views().items():
+        if (reveal := answer(d, devices[d].reveal, views)) is not None:
+            cell.add_reveal(d, reveal)
+    try:
+        outcome: object = cell.finish()
+    except SecAggFailure as exc:
+        outcome = exc
+    return refused, outcome, results, settings, cell
+
+
+def target_quantised(results, settings, cell) -> np.ndarray:
+    return quantize(flatten(results[TARGET].tensors)[0], 1.0, settings, cell.total_weight)
+
+
+# ----------------------------------------------------------------------------- key substitution
+def test_key_substitution_reads_an_unsigned_target_exactly():
+    liar = LyingCell("keys", TARGET)
+    _, _, results, settings, cell = aggregation(liar, signed=False)
+    assert np.array_equal(liar.recovered[(0, 0)], target_quantised(results, settings, cell))
+
+
+def test_key_substitution_is_refused_by_a_signed_target_that_then_sends_nothing():
+    liar = LyingCell("keys", TARGET)
+    refused, outcome, _, _, cell = aggregation(liar)
+    assert liar.attempts == 1 and liar.recovered == {}
+    assert list(refused) == [TARGET] and isinstance(refused[TARGET], CellLied)
+    assert "not signed by" in str(refused[TARGET]) and "substituted" in str(refused[TARGET])
+    assert TARGET not in cell.sealed and TARGET not in cell.masked  # nothing of the target ever left it
+    assert sorted(outcome.weights) == ["c0-d0", "c0-d2", "c0-d3", "c0-d4", "c0-d5"]  # the others' sum, intact
+
+
+# ----------------------------------------------------------------------------- the dropout lie
+def test_the_dropout_lie_reads_the_target_at_the_old_threshold_of_a_third():
+    liar = LyingCell("dropout", TARGET, hide=True)
+    _, _, results, settings, cell = aggregation(liar, threshold=0.34)
+    assert np.array_equal(liar.recovered[(0, 0)], target_quantised(results, settings, cell))
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_the_dropout_lie_gets_nothing_and_fails_the_round_cleanly(hide):
+    liar = LyingCell("dropout", TARGET, hide=hide)
+    refused, outcome, _, settings, cell = aggregation(liar)
+    assert settings.t(6) == 3 > cell.settings.degree(6) / 2  # more than half the neighbourhood
+    assert liar.attempts == 1 and liar.recovered == {}
+    assert isinstance(outcome, SecAggFailure) and "threshold" in str(outcome)
+    told_dropped = {d for d, v in cell.views_sent.items() if v != cell.views_sent[TARGET]}
+    assert told_dropped and set(refused) >= told_dropped
+    if hide:  # what each device was shown agrees with it, but too few neighbours confirm it
+        assert all("fewer than the threshold" in str(refused[d]) for d in told_dropped)
+    else:  # the devices see the disagreement and say so
+        assert all(isinstance(e, CellLied) and "inconsistently" in str(e) for e in refused.values())
+        assert set(refused) == set(cell.consents)  # every device saw a neighbour told otherwise
+
+
+def test_an_honest_signed_round_is_unchanged():
+    refused, outcome, results, settings, cell = aggregation(None)
+    assert refused == {} and outcome.stats["consents"] == 6
+    total = sum(quantize(flatten(r.tensors)[0], 1.0, settings, cell.total_weight) for r in results.values())
+    assert np.array_equal(outcome.quantised_sum, total)
+
+
+# ----------------------------------------------------------------------------- the real runtime
+def secure(tmp_path: Path, **sections):
+    sections.setdefault("privacy", {}).setdefault("secure_aggregation", True)
+    sections.setdefault("topology", {"cells": 2, "devices_per_cell": 6})
+    sections.setdefault("security", {"keys": str(tmp_path / "keys.toml")})
+    return small_config(tmp_path, run={"rounds": 1}, algorithm={"edge_rounds": 1}, **sections)
+
+
+@pytest.mark.parametrize("attack", ["keys", "dropout"])
+def test_a_lying_cell_in_the_sim_learns_nothing_and_its_devices_count_the_lie(tmp_path, attack):
+    from sim.launcher import SimHierarchy
+
+    liar = LyingCell(attack, TARGET)
+    with liar.install():
+        sim = SimHierarchy(secure(tmp_path))
+        result = sim.run()
+    assert liar.attempts == 1 and liar.recovered == {}
+    rec = next(r for r in result.cell_records if r["cell"] == "c0")
+    lies = {d: a.secagg.cell_lies for d, a in sim.agents.items() if d.startswith("c0-")}
+    if attack == "keys":  # the target refused its roster: the others' sum, without it
+        assert lies == {d: int(d == TARGET) for d in lies}
+        assert rec["absent"] == {TARGET: "no secagg shares"} and TARGET not in rec["answered"]
+    else:
+        assert rec["closed_by"] == "secure aggregation failed" and rec["answered"] == []
+        assert all(n == 1 for n in lies.values())
+    assert "substituted" in (sim.agents[TARGET].secagg.last_lie or "") or attack == "dropout"
+    c1 = next(r for r in result.cell_records if r["cell"] == "c1")
+    assert len(c1["answered"]) == 6  # an honest cell beside it is untouched
+
+
+@pytest.mark.parametrize("attack", ["keys", "dropout"])
+def test_a_lying_cell_over_mqtt_never_recovers_the_target_and_the_devices_log_why(tmp_path, attack, capfd):
+    from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
+    from sim.emulation import Emulation
+
+    cfg = secure(tmp_path, runtime={"device_deadline": 8.0})
+    liar = LyingCell(attack, TARGET)
+    with liar.install(), MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as broker:
+        run = Emulation(cfg, broker_url=broker.url).run()
+    assert liar.attempts == 1 and liar.recovered == {}
+    rec = next(r for r in run.cell_records if r["cell"] == "c0")
+    if attack == "keys":
+        assert rec["absent"].get(TARGET) == "no secagg shares" and TARGET not in rec["answered"]
+    else:
+        assert rec["closed_by"] == "secure aggregation failed" and "threshold" in rec["metrics"]["secagg"]["failed"]
+    logged = capfd.readouterr().err
+    assert "cell c0 lied" in logged and ("substituted" if attack == "keys" else "inconsistently") in logged
