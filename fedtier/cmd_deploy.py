@@ -9,7 +9,7 @@ import click
 
 from .cli import CONFIG, SET, VERBOSE, auth_options, main
 from .cmd_keys import keys_option
-from .console import console, load_or_exit, print_summary, round_progress, setup_logging
+from .console import console, load_deployment_or_exit, print_summary, round_progress, setup_logging
 from .metrics import linger, metrics_options, port_override, serve_metrics
 
 BROKER = click.option(
@@ -138,7 +138,7 @@ def cloud(
     from sim.launcher import RunResult, write_final
 
     setup_logging(verbose)
-    cfg = load_or_exit(config, overrides + port_override(metrics_port))
+    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
     try:
         spec, test = _spec(cfg, test_data)
         opts = _broker(cfg, broker_url, auth)
@@ -207,7 +207,7 @@ def cell(
     from protocols.wire import topics
 
     setup_logging(verbose)
-    cfg = load_or_exit(config, overrides + port_override(metrics_port))
+    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
     try:
         if cell_id not in cfg.topology.cell_ids():
             raise ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})")
@@ -300,7 +300,7 @@ def agent(
     setup_logging(verbose)
     if onnx_model:
         overrides = (*overrides, f"runtime.onnx_model={json.dumps(onnx_model)}")
-    cfg = load_or_exit(config, overrides + port_override(metrics_port))
+    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
     try:
         cell_of(cfg, device)
         spec, data = _spec(cfg, data_path)

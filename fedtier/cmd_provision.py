@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from .cli import CONFIG, SET, main
-from .console import console, fail, load_or_exit
+from .console import console, fail, load_deployment_or_exit
 
 
 @main.command()
@@ -81,7 +81,7 @@ def provision(
 
     from .provisioning import provision as write
 
-    cfg = load_or_exit(config, overrides)
+    cfg = load_deployment_or_exit(config, overrides)
     try:
         bound = max_device_samples or cfg.security.max_device_weight or partition_bound(cfg)
         done = write(

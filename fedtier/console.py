@@ -39,6 +39,17 @@ def load_or_exit(path: str, overrides: tuple[str, ...]) -> RunConfig:
         sys.exit(2)
 
 
+def load_deployment_or_exit(path: str, overrides: tuple[str, ...]) -> RunConfig:
+    """:func:`load_or_exit` for a deployment command: DP noise drawn from the OS unless the config sets an
+    integer ``privacy.noise_seed`` (then a warning says who can remove the noise)."""
+    from protocols.config import deployment_config
+
+    cfg, warning = deployment_config(load_or_exit(path, overrides))
+    if warning is not None:
+        console.print(f"[bold yellow]warning:[/] {warning}")
+    return cfg
+
+
 @contextmanager
 def round_progress(cfg: RunConfig, enabled: bool = True) -> Iterator[Callable[[dict[str, Any]], None]]:
     """A progress bar over cloud rounds; yields the ``on_round`` callback that advances it."""

@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from protocols.config import RunConfig
+from protocols.config import RunConfig, deployment_config
 from protocols.transport.bridge import bridge_config, bridge_topics
 from protocols.wire import topics
 from protocols.wire.chunking import DEFAULT_MAX_CHUNK
@@ -300,7 +300,9 @@ def provision(
     ``bridge.CELL`` per cell, allowed exactly that cell's bridged topics). ``bind``: the brokers' listen
     address (default: all interfaces). ``broker_user``: see :func:`_write_broker`. ``max_device_weight``:
     the samples a device may claim, written into every bundle (``security.max_device_weight``): cells refuse
-    a larger device weight and the cloud a cell weight above its devices' bounds (default: the config's)."""
+    a larger device weight and the cloud a cell weight above its devices' bounds (default: the config's).
+    Bundles say ``privacy.noise_seed = "system"`` unless the config sets an integer (``deployment_config``)."""
+    cfg, _ = deployment_config(cfg)
     out = Path(out)
     if (out / "keys.toml").exists() and not overwrite:
         from protocols.config import ConfigError
