@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from protocols.algorithms.base import Algorithm, ModelSpec
 from protocols.config import ConfigError, RunConfig
 from protocols.seeding import derive_seed
@@ -42,6 +40,7 @@ from protocols.wire.messenger import Messenger
 from protocols.wire.signed import signer_of
 
 from .agent import DeviceAgent
+from .datasources import DataSource
 from .node import build_agent, cell_of
 
 if TYPE_CHECKING:
@@ -129,38 +128,21 @@ def _will(topic: str, cfg: RunConfig | None) -> Will:
 # ------------------------------------------------------------------------------------ device data
 def save_device_data(path: str | Path, data: LocalData, spec: ModelSpec) -> None:
     """A device's samples as ``.npz``: ``x``, ``y``, plus the model's ``input_shape`` and ``num_classes``."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(
-        path,
-        x=data.x,
-        y=data.y,
-        input_shape=np.asarray(spec.input_shape, dtype=np.int64),
-        num_classes=np.asarray(spec.num_classes, dtype=np.int64),
-    )
+    from .datasources import write_source
+
+    write_source(path, data, spec.input_shape, spec.num_classes, "npz")
 
 
-def load_device_data(path: str | Path) -> tuple[LocalData, tuple[int, ...] | None, int | None]:
-    """``(data, input_shape, num_classes)`` from a ``.npz`` with arrays ``x`` and ``y`` (never pickled);
-    the last two are ``None`` when the file does not carry them."""
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            missing = {"x", "y"} - set(f.files)
-            if missing:
-                raise ConfigError(f"{path}: missing array(s) {sorted(missing)} (expected x and y)")
-            x, y = f["x"], f["y"]
-            shape = tuple(int(v) for v in f["input_shape"]) if "input_shape" in f.files else None
-            classes = int(f["num_classes"]) if "num_classes" in f.files else None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable .npz data file: {exc}") from None
-    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or not np.issubdtype(y.dtype, np.integer):
-        raise ConfigError(f"{path}: expected x [n, ...] and integer y [n], got {x.shape} and {y.dtype}{y.shape}")
-    return (
-        LocalData(
-            np.ascontiguousarray(x.reshape(len(x), -1), dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
-        ),
-        shape,
-        classes,
-    )
+def load_device_data(
+    source: str | Path | DataSource, input_shape: tuple[int, ...] | None = None
+) -> tuple[LocalData, tuple[int, ...] | None, int | None]:
+    """``(data, input_shape, num_classes)`` of a device's data source (``.npz``, CSV, a folder of images
+    by class, or a loader: :mod:`edge_agent.datasources`); the last two are ``None`` when the source
+    does not record them. Raises ``DataSourceError`` (a ``ConfigError``) naming the defect."""
+    from .datasources import load_source
+
+    d = load_source(source, input_shape=input_shape)
+    return d.data, d.input_shape, d.num_classes
 
 
 # ---------------------------------------------------------------------------------------- backends

@@ -113,6 +113,7 @@ for _module in (
     "cmd_logs",
     "cmd_report",
     "cmd_export",
+    "cmd_partition",
     "cmd_run",
     "cmd_deploy",
     "cmd_bridge",

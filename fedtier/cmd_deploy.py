@@ -30,25 +30,19 @@ def _broker(cfg, broker_url, auth):
     return BrokerOptions.from_config(cfg, broker_url, **auth)
 
 
-def _spec(cfg, npz: str | None):
-    """``(model spec, data of npz or None)``: the spec from the data file when it records it, else
-    from the config's dataset."""
+def _spec(cfg, source=None):
+    """``(model spec, data of source or None)``: the model's geometry from the data source when it records
+    it, else from the config's dataset name (known without loading the dataset)."""
+    from sim.datasets import dataset_geometry
+
+    shape, classes = dataset_geometry(cfg.data.dataset, **cfg.data.loader_params())
     data = None
-    if npz:
+    if source is not None:
         from edge_agent.runner import load_device_data
 
-        data, shape, classes = load_device_data(npz)
-        if shape and classes:
-            return cfg.model_spec(shape, classes), data
-    from sim.datasets import load_dataset
-
-    ds = load_dataset(
-        cfg.data.dataset,
-        max_train=cfg.data.max_train or None,
-        max_test=cfg.data.max_test or None,
-        subsample_seed=cfg.run.seed,
-    )
-    return cfg.model_spec(ds.input_shape, ds.num_classes), data
+        data, own_shape, own_classes = load_device_data(source, input_shape=shape)
+        shape, classes = own_shape or shape, own_classes or classes
+    return cfg.model_spec(shape, classes), data
 
 
 def watch_cloud(node):
@@ -260,9 +254,12 @@ def cell(
     "--data",
     "data_path",
     required=True,
-    type=click.Path(exists=True, dir_okay=False),
-    help="The device's local data: a .npz with arrays x and y (and optionally input_shape, num_classes).",
+    type=click.Path(exists=True),
+    help="The device's local data: a .npz (x, y), a .csv with a header and a label column, or a folder of "
+    "images in one sub-folder per integer label (see `fedtier partition`).",
 )
+@click.option("--label-column", default="label", show_default=True, help="The label column of a CSV source.")
+@click.option("--loader", default=None, metavar="MODULE:FUNCTION", help="Read --data with your own (x, y) loader.")
 @click.option(
     "--backend",
     type=click.Choice(["torch", "onnx"]),
@@ -284,6 +281,8 @@ def agent(
     overrides: tuple[str, ...],
     device: str,
     data_path: str,
+    label_column: str,
+    loader: str | None,
     backend: str,
     onnx_model: str | None,
     broker_url: str | None,
@@ -303,7 +302,9 @@ def agent(
     cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
     try:
         cell_of(cfg, device)
-        spec, data = _spec(cfg, data_path)
+        from edge_agent.datasources import DataSource
+
+        spec, data = _spec(cfg, DataSource(data_path, label_column=label_column, loader=loader))
         opts = _broker(cfg, broker_url, auth)
         _check_keys(cfg, device)
         from sim.hierarchy import device_availability

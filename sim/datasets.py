@@ -45,7 +45,7 @@ import numpy as np
 
 from protocols.seeding import rng
 
-__all__ = ["Dataset", "load_dataset", "subsample", "DATASET_NAMES", "FMNIST_DIR", "mnist_path"]
+__all__ = ["Dataset", "load_dataset", "dataset_geometry", "subsample", "DATASET_NAMES", "FMNIST_DIR", "mnist_path"]
 
 # FEDTIER_FMNIST_DIR optionally overrides the Fashion-MNIST folder.
 FMNIST_DIR = Path(os.environ.get("FEDTIER_FMNIST_DIR") or "/usr/share/datasets/fashion-mnist")
@@ -362,6 +362,26 @@ def _cached(name: str, params: tuple[tuple[str, Any], ...]) -> Dataset:
 @functools.lru_cache(maxsize=32)
 def _cached_sub(name: str, params: tuple, max_train: int | None, max_test: int | None, seed: int) -> Dataset:
     return subsample(_cached(name, params), max_train, max_test, seed)
+
+
+_GEOMETRY: dict[str, tuple[tuple[int, ...], int]] = {
+    "mnist": ((1, 28, 28), 10),
+    "fmnist": ((1, 28, 28), 10),
+    "digits": ((1, 8, 8), 10),
+}
+
+
+def dataset_geometry(name: str, **params: Any) -> tuple[tuple[int, ...], int]:
+    """``(input_shape, num_classes)`` of a dataset, without loading it (a device with its own data needs
+    only the model's geometry, not the whole dataset)."""
+    key = _ALIASES.get(str(name).strip().lower())
+    if key is None:
+        raise ValueError(f"unknown dataset name {name!r}; expected one of {sorted(_ALIASES)}")
+    if key == "synthetic":
+        defaults = inspect.signature(_load_synthetic).parameters
+        dim = int(params.get("dim", defaults["dim"].default))
+        return (dim,), int(params.get("classes", defaults["classes"].default))
+    return _GEOMETRY[key]
 
 
 def load_dataset(
