@@ -55,6 +55,10 @@ PERSISTENCE = "persistence true\npersistence_location {data}/\nautosave_interval
 with the nodes' persistent sessions a broker restart loses nothing but what it queued in its last
 second before a crash. A session unused for 7 days is dropped (a device gone for good)."""
 VALID_DAYS = 365
+CRL_DAYS = 10 * 365
+MAX_QUEUED_BYTES = 512 * 1024 * 1024
+"""What a broker queues at most for one client that is away (``max_queued_bytes``, besides
+``max_queued_messages``): a node that floods an offline peer's topics costs the broker this much, not gigabytes."""
 
 
 @dataclass(frozen=True)
@@ -133,10 +137,18 @@ def password_line(user: str, password: str, salt: bytes | None = None) -> str:
 
 def listener_options(max_packet_size: int) -> str:
     """The options that follow the ``listener`` line (paths relative to the broker folder's files:
-    the caller substitutes absolute paths)."""
+    the caller substitutes absolute paths).
+
+    A login is tied to its node: the broker takes the user name from the client certificate's common name
+    (the node id, ``use_identity_as_username``: the certificate's private key is the credential) and the
+    client id from the user name (``use_username_as_clientid``), so a node's persistent session (client id
+    ``fedtier-{run}-{node}`` on the wire) is keyed by the node's own identity at the broker: no other
+    node's credentials can connect under it, kick it off or inherit or wipe its session. A certificate
+    listed in the CA's revocation list (``ca.crl``, :func:`renew`) is refused."""
     return (
-        "cafile {dir}/ca.crt\ncertfile {dir}/server.crt\nkeyfile {dir}/server.key\n"
-        "require_certificate true\npassword_file {dir}/passwd\nacl_file {dir}/acl\n"
+        "cafile {dir}/ca.crt\ncertfile {dir}/server.crt\nkeyfile {dir}/server.key\ncrlfile {dir}/ca.crl\n"
+        "require_certificate true\nuse_identity_as_username true\nuse_username_as_clientid true\n"
+        "password_file {dir}/passwd\nacl_file {dir}/acl\n"
         f"max_packet_size {max_packet_size}\n"
     )
 
@@ -198,6 +210,19 @@ def _pem_cert(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
+def load_pki(out: str | Path) -> _Pki:
+    """The CA of the provisioning in ``out`` (``OUT/ca``), to issue or revoke certificates with."""
+    ca = Path(out) / "ca"
+    key = serialization.load_pem_private_key((ca / "ca.key").read_bytes(), None)
+    cert = x509.load_pem_x509_certificate((ca / "ca.crt").read_bytes())
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        from protocols.config import ConfigError
+
+        raise ConfigError(f"{ca / 'ca.key'}: not the EC key fedtier provision writes")
+    name = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    return _Pki(str(name), key, cert)
+
+
 # ------------------------------------------------------------------------------------------ broker
 def bridge_user(cell: str) -> str:
     """The user name the bridge of ``cell``'s broker logs in with at the cloud broker."""
@@ -223,6 +248,22 @@ class _Pki:
         _write(folder / f"{stem}.crt", _pem_cert(_cert(cn, key, self.name, self.key, hosts=hosts)))
         _write(folder / "ca.crt", _pem_cert(self.cert))
 
+    def crl(self, revoked: list[int]) -> bytes:
+        """A PEM revocation list of the certificate serial numbers ``revoked``, signed by this CA (valid for
+        ``CRL_DAYS``: a broker refuses every client once its list has expired)."""
+        now = dt.datetime.now(dt.UTC)
+        b = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(self.cert.subject)
+            .last_update(now - dt.timedelta(minutes=5))
+            .next_update(now + dt.timedelta(days=CRL_DAYS))
+        )
+        for serial in sorted(set(revoked)):
+            b = b.add_revoked_certificate(
+                x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+            )
+        return b.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
 
 def _write_broker(
     folder: Path,
@@ -241,6 +282,7 @@ def _write_broker(
     With ``broker_user`` (as root), the broker's secrets are chowned to that user and the config says
     ``user NAME``: Mosquitto started as root drops to it and reads the bridge key after that."""
     pki.issue(folder, "server", host, hosts=tuple(dict.fromkeys((host, "127.0.0.1", "localhost"))))
+    _write(folder / "ca.crl", pki.crl([]))
     _write(folder / "passwd", "\n".join(password_line(u, passwords[u]) for u in rules) + "\n", secret=True)
     _write(folder / "acl", acl_file(rules))
     options = listener_options(max_packet).replace("{dir}", str(folder.resolve()))
@@ -252,7 +294,7 @@ def _write_broker(
         f"# {title} (fedtier provision)\n"
         + (f"user {broker_user}\n" if broker_user else "")
         + "per_listener_settings false\nallow_anonymous false\nset_tcp_nodelay true\n"
-        "max_queued_messages 100000\nmax_inflight_messages 64\n"
+        f"max_queued_messages 100000\nmax_queued_bytes {MAX_QUEUED_BYTES}\nmax_inflight_messages 64\n"
         + PERSISTENCE.format(data=data.resolve())
         + f"listener {port}{' ' + bind if bind else ''}\n{options}"
         + (f"\n{extra}\n" if extra else ""),

@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from fedtier.cli import main
-from fedtier.provisioning import password_line
+from fedtier.provisioning import _cert, _key, _Pki, load_pki, password_line
 from protocols.procs import popen
 from protocols.transport.broker import find_mosquitto, free_port, wait_for_port
 from protocols.transport.mqtt import MqttTransport
@@ -242,9 +242,56 @@ def test_broker_refuses_a_device_reading_another_devices_task(connect) -> None:
 
 
 @needs_mosquitto
-def test_broker_refuses_wrong_credentials(connect) -> None:
-    with pytest.raises(ConnectionError, match="refused"):
-        connect("c0-d0", password="guess").connect(WAIT)
+def test_broker_refuses_a_certificate_of_another_ca(provisioned: dict[str, Any], broker, tmp_path: Path) -> None:
+    """The login is the client certificate (its common name is the user): one that claims to be the cloud
+    but comes from another CA is refused, whatever user name and password it sends."""
+    key = _key()
+    _Pki("another CA", key, _cert("another CA", key, "another CA", key, ca=True)).issue(tmp_path, "client", "cloud")
+    (tmp_path / "config.toml").write_text((provisioned["out"] / "nodes" / "cloud" / "config.toml").read_text())
+    (tmp_path / "ca.crt").write_bytes((provisioned["out"] / "ca" / "ca.crt").read_bytes())  # trusts the broker
+    with clients() as make, pytest.raises(ConnectionError):
+        make(tmp_path, provisioned["port"]).connect(WAIT)
+
+
+@needs_mosquitto
+def test_no_node_can_take_the_clouds_session(
+    provisioned: dict[str, Any], broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device's and the monitor's valid credentials, connecting with the cloud's client id (and its user
+    name and password), neither kick the cloud off nor inherit or wipe its persistent session: the broker
+    names every session after its certificate (``use_identity_as_username``, ``use_username_as_clientid``).
+    A report queued for the cloud while it is away reaches it when it comes back, after both intruders."""
+    import logging
+
+    nodes, port, run = provisioned["out"] / "nodes", provisioned["port"], "t"
+    cloud_id = "fedtier-t-cloud"
+    password = tomllib.loads((nodes / "cloud" / "config.toml").read_text())["broker"]["password"]
+    report = topics.cell_report(run, "c0")
+    with caplog.at_level(logging.INFO), clients() as make:
+        inbox = Inbox()
+        cloud = make(nodes / "cloud", port, client_id=cloud_id, persistent=True)
+        cloud.subscribe(topics.cell_reports(run), inbox)
+        cloud.connect(WAIT)
+        assert cloud.wait_subscribed(WAIT)
+        cell = make(nodes / "c0", port).connect(WAIT)
+        for node in ("c0-d0", "monitor"):  # while the cloud is connected: it is not kicked off
+            intruder = make(nodes / node, port, password, "cloud", client_id=cloud_id)
+            intruder.connect(WAIT)
+            cell.publish(report, f"report while {node} is connected".encode())
+            inbox.wait_for(report)
+            intruder.close()
+        assert len(inbox.items) == 2
+        cloud.close()  # away, its session kept: a report is queued for it
+        cell.publish(report, b"queued for the cloud")
+        assert cell.flush(WAIT)
+        for node in ("c0-d0", "monitor"):  # a clean session under the cloud's client id would wipe it
+            make(nodes / node, port, password, "cloud", client_id=cloud_id).connect(WAIT).close()
+        back = Inbox()
+        cloud = make(nodes / "cloud", port, client_id=cloud_id, persistent=True)
+        cloud.subscribe(topics.cell_reports(run), back)
+        cloud.connect(WAIT)
+        assert back.wait_for(report) == [(report, b"queued for the cloud")]
+    assert "fedtier-t-cloud: lost connection" not in caplog.text
 
 
 @needs_mosquitto
@@ -290,6 +337,9 @@ def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
     )
     p["cell_port"] = cell_port
     cloud_broker = p["out"] / "broker"
+    observer = p["out"] / "nodes" / "observer"  # its login is its certificate, issued by the deployment's CA
+    load_pki(p["out"]).issue(observer, "client", "observer")
+    (observer / "config.toml").write_text((p["out"] / "nodes" / "monitor" / "config.toml").read_text())
     with open(cloud_broker / "acl", "a") as f:
         f.write("\nuser observer\ntopic read fedtier/#\n")
     with open(cloud_broker / "passwd", "a") as f:
@@ -326,7 +376,7 @@ def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, 
 def test_cell_broker_bridges_only_the_cells_topics_to_the_cloud(per_cell: dict[str, Any]) -> None:
     nodes, cloud_port, cell_port = per_cell["out"] / "nodes", per_cell["port"], per_cell["cell_port"]
     with clients() as make:
-        cloud, observer = make(nodes / "cloud", cloud_port), make(nodes / "monitor", cloud_port, "watch", "observer")
+        cloud, observer = make(nodes / "cloud", cloud_port), make(nodes / "observer", cloud_port, "watch", "observer")
         cell, device = make(nodes / "c0", cell_port), make(nodes / "c0-d0", cell_port)
         at_cloud, at_cell = Inbox(), Inbox()
         observer.subscribe(f"fedtier/{RUN}/#", at_cloud)
@@ -348,8 +398,18 @@ def test_cell_broker_bridges_only_the_cells_topics_to_the_cloud(per_cell: dict[s
             topics.cell_task(RUN, "c0"),
             topics.cell_report(RUN, "c0"),
         ]  # and no device result
-        with pytest.raises(ConnectionError, match="refused"):  # another cell's device is no user of c0's broker
-            make(nodes / "c1-d0", cell_port).connect(WAIT)
+        # another cell's device: its certificate (the deployment's CA) logs it in, but c0's broker grants it nothing
+        outsider, results, spied = make(nodes / "c1-d0", cell_port).connect(WAIT), Inbox(), Inbox()
+        outsider.subscribe(f"fedtier/{RUN}/#", spied)
+        cell.subscribe(topics.device_results(RUN, "c0"), results)
+        assert outsider.wait_subscribed(WAIT) and cell.wait_subscribed(WAIT)
+        outsider.publish(topics.device_result(RUN, "c0", "c0-d0"), b"forged")
+        assert outsider.flush(WAIT)
+        device.publish(topics.device_result(RUN, "c0", "c0-d0"), b"genuine")
+        assert results.wait_for(topics.device_result(RUN, "c0", "c0-d0")) == [
+            (topics.device_result(RUN, "c0", "c0-d0"), b"genuine")
+        ]
+        assert spied.items == []
 
 
 def test_cell_broker_refuses_a_device_reading_another_devices_task(per_cell: dict[str, Any]) -> None:
