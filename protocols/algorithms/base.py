@@ -92,14 +92,20 @@ class TrainParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    edge_rounds: int = Field(default=1, ge=1)
-    local_steps: int = Field(default=0, ge=0)
-    local_epochs: float = Field(default=1.0, ge=0)
-    batch_size: int = Field(default=32, ge=1)
-    lr: float = Field(default=0.05, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    server_lr: float = Field(default=1.0, gt=0)
+    name: str = Field(description="the algorithm: fedavg, hist, fedalign, decomfl or fedmrn")
+    edge_rounds: int = Field(default=1, ge=1, description="E: edge rounds a cell runs per cloud round")
+    local_steps: int = Field(
+        default=0, ge=0, description="H: local SGD steps a device runs per edge round (0: local_epochs)"
+    )
+    local_epochs: float = Field(
+        default=1.0, ge=0, description="epochs over its data a device runs per edge round (when local_steps = 0)"
+    )
+    batch_size: int = Field(default=32, ge=1, description="devices' minibatch size")
+    lr: float = Field(default=0.05, gt=0, description="devices' learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, description="devices' L2 weight decay")
+    server_lr: float = Field(
+        default=1.0, gt=0, description="the cloud applies server_lr x the weighted mean of the cells' progress"
+    )
 
     @model_validator(mode="after")
     def _some_local_work(self) -> TrainParams:

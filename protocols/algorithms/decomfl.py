@@ -55,12 +55,16 @@ from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rej
 class DeComFLParams(TrainParams):
     """``local_steps`` is K; ``perturbations`` is P; ``lr`` is eta (ZO rates are small); ``mu`` the smoothing."""
 
-    local_steps: int = Field(default=1, ge=1)
-    lr: float = Field(default=1e-3, gt=0)
-    perturbations: int = Field(default=5, ge=1)
-    mu: float = Field(default=1e-3, gt=0)
-    direction: Literal["gaussian", "rademacher"] = "gaussian"
-    weighting: Literal["uniform", "samples"] = "uniform"
+    local_steps: int = Field(default=1, ge=1, description="K: zeroth-order steps a device runs per edge round")
+    lr: float = Field(default=1e-3, gt=0, description="eta: the ZO-SGD learning rate (ZO rates are small)")
+    perturbations: int = Field(default=5, ge=1, description="P: seeded random directions per step")
+    mu: float = Field(default=1e-3, gt=0, description="smoothing radius of the finite differences")
+    direction: Literal["gaussian", "rademacher"] = Field(
+        default="gaussian", description="distribution of the directions"
+    )
+    weighting: Literal["uniform", "samples"] = Field(
+        default="uniform", description="how a cell weights its devices' scalars: equally, or by sample count"
+    )
     server_model: bool = Field(default=True, description="the cloud keeps x_r (evaluation only)")
     momentum: float = Field(
         default=0.0,

@@ -64,7 +64,9 @@ class FedAlignParams(TrainParams):
     epsilon_later: float = Field(default=0.0, ge=0, description="threshold from epsilon_drop_round on")
     epsilon_drop_round: int = Field(default=0, ge=0, description="iteration of the drop (0 = no drop)")
     warmup_rounds: int = Field(default=0, ge=0, description="first iterations with priority devices only")
-    criterion: Literal["loss", "accuracy"] = "loss"
+    criterion: Literal["loss", "accuracy"] = Field(
+        default="loss", description="what a non-priority device matches against the priority devices' value"
+    )
 
     @model_validator(mode="after")
     def _fedalign_ok(self) -> FedAlignParams:

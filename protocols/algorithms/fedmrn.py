@@ -43,7 +43,7 @@ FORWARD_MASK = "mask."
 class FedMRNParams(TrainParams):
     """FedMRN's ``[algorithm]`` keys (FedMRN-S: ``signed = true``)."""
 
-    noise: NoiseKind = "uniform"
+    noise: NoiseKind = Field(default="uniform", description="distribution of the seeded noise the masks select from")
     alpha: float = Field(default=0.01, gt=0, description="noise scale: U[-a, a], N(0, a) or {-a, +a}")
     signed: bool = Field(default=False, description="signed masks {-1,+1} (FedMRN-S) instead of {0,1}")
     stochastic: bool = Field(default=True, description="stochastic masking (false: deterministic, ablation)")

@@ -31,34 +31,42 @@ def check_name(kind: str, name: str) -> str:
 
 
 def root(run: str) -> str:
+    """The root of every topic of run ``run``."""
     return f"fedtier/{run}"
 
 
 def cell_task(run: str, cell: str) -> str:
+    """Cloud -> cell: the cell's task of a cloud round (the cell subscribes)."""
     return f"{root(run)}/cell/{cell}/down/task"
 
 
 def device_task(run: str, cell: str, device: str) -> str:
+    """Cell -> device: the device's task of an edge round (only that device may read it)."""
     return f"{root(run)}/cell/{cell}/down/{device}/task"
 
 
 def device_result(run: str, cell: str, device: str) -> str:
+    """Device -> cell: the device's result (only that device may write it)."""
     return f"{root(run)}/cell/{cell}/up/{device}/result"
 
 
 def device_results(run: str, cell: str) -> str:
+    """A cell's subscription to all its devices' results."""
     return f"{root(run)}/cell/{cell}/up/+/result"
 
 
 def cell_report(run: str, cell: str) -> str:
+    """Cell -> cloud: the cell's report of a cloud round."""
     return f"{root(run)}/cloud/up/{cell}/report"
 
 
 def cell_reports(run: str) -> str:
+    """The cloud's subscription to every cell's report."""
     return f"{root(run)}/cloud/up/+/report"
 
 
 def control(run: str) -> str:
+    """Cloud -> everyone: run control (``finished``, with the cloud's session), retained."""
     return f"{root(run)}/cloud/control"
 
 
@@ -68,6 +76,7 @@ def round_manifest(run: str) -> str:
 
 
 def status(run: str, node: str) -> str:
+    """Liveness of the cloud (``cloud``) and the cells (``cell.{cell}``): birth, heartbeats, last will; retained."""
     return f"{root(run)}/status/{node}"
 
 
@@ -88,14 +97,17 @@ def device_statuses(run: str, cell: str | None = None) -> str:
 
 
 def telemetry_cell(run: str, cell: str) -> str:
+    """A cell's aggregation records (JSON, signed by the cell in signed runs)."""
     return f"{root(run)}/telemetry/cell/{cell}"
 
 
 def telemetry_cloud(run: str) -> str:
+    """The cloud's round records (JSON, signed by the cloud in signed runs)."""
     return f"{root(run)}/telemetry/cloud"
 
 
 def telemetry_all(run: str) -> str:
+    """A monitor's subscription to all of a run's telemetry."""
     return f"{root(run)}/telemetry/#"
 
 

@@ -34,13 +34,19 @@ CODECS: dict[str, type[UplinkCodec]] = {
 class UplinkParams(TrainParams):
     """``TrainParams`` plus the choice of device -> cell codec and its parameters."""
 
-    uplink: UplinkName = "dense"
-    signsgd_mode: Literal["stochastic", "scaled"] = "stochastic"
-    topk_fraction: float = Field(default=0.03, gt=0, le=1)
-    qsgd_levels: int = Field(default=1, ge=1, le=1 << 15)
-    mrn_noise: NoiseKind = "uniform"
-    mrn_alpha: float = Field(default=0.01, gt=0)
-    mrn_signed: bool = False
+    uplink: UplinkName = Field(
+        default="dense",
+        description="device -> cell codec: dense (float32), signsgd (1 bit + a scale per tensor), topk, qsgd, "
+        "fedmrn (post-hoc stochastic masking)",
+    )
+    signsgd_mode: Literal["stochastic", "scaled"] = Field(
+        default="stochastic", description="signsgd: stochastic signs, or sign x mean magnitude (scaled)"
+    )
+    topk_fraction: float = Field(default=0.03, gt=0, le=1, description="topk: fraction of coordinates sent")
+    qsgd_levels: int = Field(default=1, ge=1, le=1 << 15, description="qsgd: quantisation levels")
+    mrn_noise: NoiseKind = Field(default="uniform", description="fedmrn uplink: the noise's distribution")
+    mrn_alpha: float = Field(default=0.01, gt=0, description="fedmrn uplink: the noise's scale")
+    mrn_signed: bool = Field(default=False, description="fedmrn uplink: signed masks {-1, +1} instead of {0, 1}")
 
 
 def make_codec(params: TrainParams) -> UplinkCodec:
