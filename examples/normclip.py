@@ -40,6 +40,8 @@ class NormClipParams(TrainParams):
     """The ``[algorithm]`` keys: every ``TrainParams`` key plus ``max_norm``."""
 
     max_norm: float = Field(default=1.0, gt=0, description="a cell clips each device's delta to this L2 norm")
+
+
 # --8<-- [end:params]
 
 
@@ -92,6 +94,8 @@ class NormClipCloud(CloudRole):
     def load_state(self, state: Payload) -> None:
         P.check_like(state.tensors, self.model, "checkpoint")
         self.model = P.copy(state.tensors)
+
+
 # --8<-- [end:cloud]
 
 
@@ -129,6 +133,8 @@ class NormClipCell(CellRole):
         if weight == 0:
             return Payload({"weight": 0}, {})
         return Payload({"weight": weight}, P.sub(self.model, self.base))
+
+
 # --8<-- [end:cell]
 
 
@@ -150,6 +156,8 @@ class NormClipDevice(DeviceRole):
         )
         delta = P.sub(trainer.get_params(), task.tensors)
         return Payload({"weight": len(data), "loss": stats.loss}, delta)
+
+
 # --8<-- [end:device]
 
 
@@ -166,4 +174,6 @@ class NormClip(Algorithm):
 
     def device(self, device: str) -> DeviceRole:
         return NormClipDevice(self.params)  # type: ignore[arg-type]
+
+
 # --8<-- [end:algorithm]
