@@ -352,6 +352,9 @@ def main() -> None:
 
     add_journal_args(ap)
     a = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     import torch
 
     torch.set_num_threads(1)

@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--max-train", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     if a.quick:
         a.devices, a.cells, a.rounds, a.max_train = 40, 4, 5, 8000
     t0 = time.perf_counter()

@@ -230,6 +230,9 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "examples" / "quickstart.toml"))
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     from protocols.config import load_config
 
     with tempfile.TemporaryDirectory(prefix="fedtier-attacks-") as d:

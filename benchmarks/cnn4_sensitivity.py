@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--std", type=float, default=0.01, help="init_std (0: torch's default initialisation)")
     ap.add_argument("--lr", type=float, default=0.05)
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     torch.set_num_threads(1)
     ds = load_dataset("mnist")
     model = build_model("cnn4", (1, 28, 28), 10, channels=(16, 32, 64, 128))

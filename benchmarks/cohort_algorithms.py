@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--model", choices=["mlp", "cnn4"], default="mlp")
     ap.add_argument("algorithms", nargs="*", default=list(ALGORITHMS), choices=[[], *ALGORITHMS])
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     print(f"{'algorithm':10}{'device r/s':>12}{'cohort r/s':>12}{'ratio':>8}{'acc device':>12}{'acc cohort':>12}")
     for name in args.algorithms:
         best: dict[str, float] = {}

@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="N > 1: also the written-out side on N threads")
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x_all, y_all = torch.rand(60000, 784), torch.randint(0, 10, (60000,))

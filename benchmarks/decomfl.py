@@ -170,6 +170,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     add_journal_args(ap)
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     s = dict(PRESETS[args.preset])
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]
     tune_seeds = (

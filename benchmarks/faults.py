@@ -517,6 +517,9 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="keep run folders and logs here")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that every scenario's processes are ended
     chosen = [s for s in scenarios() if not args.only or any(o in f"{s.name} @ {s.point}" for o in args.only)]
     if args.list:

@@ -284,6 +284,9 @@ def main() -> None:
     ap.add_argument("--cohort-size", type=int, default=64, help="runtime.cohort_size (with --engine cohort)")
     ap.add_argument("--heartbeat", type=float, default=5.0, help="runtime.heartbeat of agents and cells (0: none)")
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     if not args.skip_shared:
         shared_run(
             args.agents,

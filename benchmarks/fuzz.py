@@ -507,6 +507,9 @@ def main() -> None:
         "authenticates them: they are accepted by design (the broker's ACLs are the defence)",
     )
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the run under test is ended too
 
     from protocols.config import load_config

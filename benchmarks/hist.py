@@ -147,6 +147,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     add_journal_args(ap)
     a = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     p = dict(PRESETS[a.preset])
     for key in ("cells", "seeds", "lrs", "cap"):
         if getattr(a, key) is not None:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from monitor.view import MonitorState, render_text
-from protocols.records import CellRecord, RoundRecord
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from monitor.view import MonitorState, render_text  # noqa: E402
+from protocols.records import CellRecord, RoundRecord  # noqa: E402
 
 
 def fleet(cells: int, rounds: int) -> list[CellRecord | RoundRecord]:
@@ -60,6 +64,9 @@ def main() -> None:
     parser.add_argument("--cells", type=int, nargs="+", default=[100, 1000, 5000])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     print("| cells | records | fold s/round | render s/frame | frame lines |")
     print("|---|---|---|---|---|")
     for n in args.cells:

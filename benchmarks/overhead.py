@@ -221,6 +221,9 @@ def main() -> None:
     if args.child:
         child(args.child, args.workload, rounds, args.workers, args.backend, args.cohort_threads)
         return
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     sides = [s for s in args.sides.split(",") if s]
     if args.cohort_threads > 1 and "cohort" in sides:
         sides.append("cohort-threads")

@@ -98,6 +98,9 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one, args.rounds, args.out)))
         return
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     rows = []
     for n in args.sizes:

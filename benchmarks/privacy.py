@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     rounds, cells, per_cell, seeds = (5, 2, 50, 1) if a.quick else (a.rounds, 10, 100, a.seeds)
     columns: list[float | None] = [*a.eps, None]
     jobs = [

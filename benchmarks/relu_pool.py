@@ -32,6 +32,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cases = [("cnn", {"channels": (16, 32), "fc": 0}, 320), ("cnn4", {"channels": (16, 32, 64, 128)}, 64)]

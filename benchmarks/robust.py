@@ -59,6 +59,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     rounds, shares = (3, [0.0, 0.2]) if a.quick else (a.rounds, a.shares)
     jobs = [
         (agg, kind, share, seed, rounds)

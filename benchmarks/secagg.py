@@ -175,6 +175,9 @@ def main() -> None:
     ap.add_argument("--values", type=int, default=0, help="a flat update of this many values instead of the MLP")
     ap.add_argument("--sim", action="store_true", help="also time fedtier sim with and without secure aggregation")
     a = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     shapes = {"w": (a.values,)} if a.values else MLP_SHAPES
     size = sum(int(np.prod(s)) for s in shapes.values())
     print(

@@ -110,6 +110,9 @@ def main() -> None:
         help="MLP hidden sizes (e.g. --hidden 16: a 13 KB model isolates the control plane)",
     )
     args = ap.parse_args()
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
 
     from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
     from sim.emulation import Emulation
