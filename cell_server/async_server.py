@@ -14,10 +14,10 @@ import math
 import time
 from typing import Any
 
-from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.divergence import diverged_reason
 from protocols.records import CellRecord
+from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 
@@ -62,7 +62,9 @@ class AsyncCellServer(CellServer):
         try:
             self.fb.adopt(msg.header.round, msg.payload.tensors)
         except (Rejected, ValueError) as exc:
-            self.messenger.reject(topic, f"cloud model refused: {exc}", msg.header.sender)
+            self.messenger.reject(
+                topic, kind_of(exc, RejectKind.SHAPE), f"cloud model refused: {exc}", msg.header.sender
+            )
             return
         self.round = msg.header.round
         if first:
@@ -111,15 +113,21 @@ class AsyncCellServer(CellServer):
             return
         h, device = msg.header, topic.split("/")[-2]
         if h.sender != device:
-            self.messenger.reject(topic, f"sender {h.sender!r} published on the topic of device {device!r}", device)
+            self.messenger.reject(
+                topic,
+                RejectKind.WRONG_SENDER,
+                f"sender {h.sender!r} published on the topic of device {device!r}",
+                device,
+            )
             return
-        reason = self._bad_result(device, msg)  # session (signed runs), weight bound
-        if reason is not None:
-            self.messenger.reject(topic, reason, device)
+        refused = self._bad_result(device, msg)  # session (signed runs), weight bound
+        if refused is not None:
+            self.messenger.reject(topic, refused.kind, str(refused), device)
             return
         if self.outstanding.get(device) != (h.round, h.edge_round):
             self.messenger.reject(
                 topic,
+                RejectKind.STALE,
                 f"result for task {h.round}.{h.edge_round}, which is not the task outstanding for {device}",
                 device,
             )
@@ -135,7 +143,7 @@ class AsyncCellServer(CellServer):
         try:
             self.fb.check(device, h.round, msg.payload)
         except Rejected as exc:  # too stale, or a bad result: logged in the next record; the device goes on
-            self.messenger.reject(topic, str(exc), device)
+            self.messenger.reject(topic, exc.kind, str(exc), device)
         else:
             self.fb.offer(device, h.round, msg.payload)
             loss = msg.payload.meta.get("loss")
@@ -147,8 +155,8 @@ class AsyncCellServer(CellServer):
 
     # ----------------------------------------------------------------- aggregation and pushes
     def _aggregate(self) -> None:
-        metrics = self.fb.aggregate()
-        answered = metrics.pop("senders")
+        out = self.fb.aggregate()
+        metrics, answered = dict(out.metrics), list(out.senders)
         self._round_bytes["cell_to_device"] += self.bytes_out
         self._round_bytes["device_to_cell"] += self.bytes_in
         self._record_async(metrics, answered)

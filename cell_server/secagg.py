@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protocols.algorithms.base import Rejected
 from protocols.privacy.secagg import RoundId, SecAggCell, SecAggFailure, SecAggSettings, unflatten
+from protocols.rejections import Rejected, RejectKind
 from protocols.wire import topics
 from protocols.wire.payload import Payload
 
@@ -154,23 +154,29 @@ class CellSecAgg:
         """A ``secagg_*`` message from ``device`` (its result topic)."""
         s, h = self.server, msg.header
         if h.sender != device:
-            s.messenger.reject(topic, f"sender {h.sender!r} published on the topic of device {device!r}", device)
+            s.messenger.reject(
+                topic,
+                RejectKind.WRONG_SENDER,
+                f"sender {h.sender!r} published on the topic of device {device!r}",
+                device,
+            )
             return
         if self.state is None or (h.round, h.edge_round) != self.key:
             s.messenger.reject(
                 topic,
+                RejectKind.STALE,
                 f"{h.kind} for round {h.round}.{h.edge_round}, not the current aggregation (stale or replayed)",
                 device,
             )
             return
         method = _ADD.get(h.kind)
         if method is None:
-            s.messenger.reject(topic, f"unexpected message kind {h.kind!r} from a device", device)
+            s.messenger.reject(topic, RejectKind.MALFORMED, f"unexpected message kind {h.kind!r} from a device", device)
             return
         try:
             getattr(self.state, method)(device, msg.payload)
         except Rejected as exc:
-            s.messenger.reject(topic, str(exc), device)
+            s.messenger.reject(topic, exc.kind, str(exc), device)
             return
         s.bytes_in += msg.nbytes
         st = self.state
@@ -180,7 +186,7 @@ class CellSecAgg:
     def check(self, device: str, result: Payload) -> None:
         """A masked ``device_result``: it fits the protocol and (unmasked shapes) the cell role."""
         if self.state is None:
-            raise Rejected("secure aggregation: no aggregation in progress")
+            raise Rejected(RejectKind.OUT_OF_ORDER, "secure aggregation: no aggregation in progress")
         layout = self.state.check_masked(device, result)
         zeros = unflatten(np.zeros(sum(int(np.prod(s)) for _, s in layout)), layout)
         self.server.role.check(device, Payload({"weight": result.meta["weight"]}, zeros))

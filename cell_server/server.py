@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocols.algorithms.base import CellRole
+from protocols.algorithms.outcome import Outcome
 from protocols.answers import Answers
 from protocols.bounds import weight_over
 from protocols.divergence import diverged_reason
 from protocols.jsonl import JsonlWriter
 from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
+from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.session import CloudSession, decode_manifest
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
@@ -281,13 +283,17 @@ class CellServer:
             return
         if msg.header.round < self.round:
             self.messenger.reject(
-                topic, f"task for round {msg.header.round}, already at {self.round}", msg.header.sender
+                topic,
+                RejectKind.STALE,
+                f"task for round {msg.header.round}, already at {self.round}",
+                msg.header.sender,
             )
             return
         manifest = self.cloud.round
         if manifest is not None and msg.header.round < manifest:
             self.messenger.reject(
                 topic,
+                RejectKind.STALE,
                 f"task for round {msg.header.round}, the cloud's manifest says round {manifest} (replayed)",
                 msg.header.sender,
             )
@@ -300,7 +306,7 @@ class CellServer:
         try:
             self.role.begin(msg.header.round, msg.payload)
         except Exception as exc:  # a task the role cannot use must not take the cell down
-            self.messenger.reject(topic, f"cell task refused: {exc}", msg.header.sender)
+            self.messenger.reject(topic, kind_of(exc), f"cell task refused: {exc}", msg.header.sender)
             return
         if self.journal is not None:
             self.journal.task(msg.header.round, msg.header.session, msg.payload)
@@ -332,11 +338,14 @@ class CellServer:
             return True
         h = msg.header
         if h.sender != "cloud":
-            self.messenger.reject(topic, f"cell task signed by {h.sender!r}, not the cloud", h.sender)
+            self.messenger.reject(
+                topic, RejectKind.WRONG_SENDER, f"cell task signed by {h.sender!r}, not the cloud", h.sender
+            )
             return False
         if h.session is None or h.session != self.cloud.session:
             self.messenger.reject(
                 topic,
+                RejectKind.SIGNATURE,
                 f"task of cloud session {h.session!r}; the cloud's current session is "
                 f"{self.cloud.session!r} (replayed or forged)",
                 h.sender,
@@ -477,22 +486,22 @@ class CellServer:
             return
         h, device = msg.header, topic.split("/")[-2]
         if self.secagg is not None and h.kind != "device_result":
-            reason = self._bad_result(device, msg)  # the session of signed runs, the weight bound
-            if reason is not None:
-                self.messenger.reject(topic, reason, device)
+            refused = self._bad_result(device, msg)  # the session of signed runs, the weight bound
+            if refused is not None:
+                self.messenger.reject(topic, refused.kind, str(refused), device)
             else:
                 self.secagg.on_message(topic, device, msg)
             return
         taken = len(self.answers.received) + len(self.answers.settled)
         diverged = diverged_reason(msg.payload)
-        reason = self._bad_result(device, msg)
-        if reason is None:
+        refused = self._bad_result(device, msg)
+        if refused is None:
             check = self.secagg.check if self.secagg is not None else self.role.check
-            reason = self.answers.offer(
+            refused = self.answers.offer(
                 device, h.sender, (h.round, h.edge_round), None if diverged is not None else msg.payload, check
             )
-        if reason is not None:
-            self.messenger.reject(topic, reason, device)
+        if refused is not None:
+            self.messenger.reject(topic, refused.kind, str(refused), device)
             return
         if len(self.answers.received) + len(self.answers.settled) == taken:
             return  # a repeat of an answer already taken counts once
@@ -509,22 +518,25 @@ class CellServer:
         elif len(self.answers.received) >= self._needed:
             self._close(self.round, self.edge_round, "quorum")
 
-    def _bad_result(self, device: str, msg: Any) -> str | None:
+    def _bad_result(self, device: str, msg: Any) -> Rejected | None:
         """Runtime checks before the role sees a result: its session (signed runs) and its weight
         against the device's known sample count or the configured bound."""
         h = msg.header
         if self.trust is not None and h.sender == device and h.session != self.messenger.session:
-            return f"result of session {h.session!r}, the current one is {self.messenger.session!r}"
+            return Rejected(
+                RejectKind.SIGNATURE, f"result of session {h.session!r}, the current one is {self.messenger.session!r}"
+            )
         bound = self.max_weights.get(device, self.max_weight)
         if bound is None:
             return None
-        return weight_over(msg.payload.meta.get("weight"), bound, f"the {bound:g} samples known for {device}")
+        over = weight_over(msg.payload.meta.get("weight"), bound, f"the {bound:g} samples known for {device}")
+        return Rejected(RejectKind.BOUND, over) if over is not None else None
 
-    def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
+    def _on_reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
         parts = topic.split("/")
         who = sender or (parts[-2] if len(parts) >= 2 and parts[-1] == "result" else topic)
         if len(self.rejected) < MAX_LISTED_REJECTIONS:
-            self.rejected.append({"device": who, "reason": reason})
+            self.rejected.append({"device": who, "kind": kind.value, "reason": reason})
         else:
             self.rejected_more += 1
 
@@ -543,25 +555,25 @@ class CellServer:
 
     def _aggregate(self, why: str, results: dict[str, Payload], extra: dict[str, Any] | None = None) -> None:
         """Fold the edge round's results into the cell role, record it, and go on to the next one."""
-        metrics = {**(self.role.aggregate(self.edge_round, results) or {}), **(extra or {})}
+        outcome = self.role.aggregate(self.edge_round, results).with_metrics(**(extra or {}))
         self._round_bytes["cell_to_device"] += self.bytes_out
         self._round_bytes["device_to_cell"] += self.bytes_in
         self._round_devices |= set(results)
         self._round_diverged |= set(self.diverged)
-        self._record(why, metrics, list(results))
+        self._record(why, outcome, list(results))
         self.edge_round += 1
         if self.edge_round < self.role.edge_rounds:
             self._start_edge()
         else:
             self._report()
 
-    def _record(self, why: str, metrics: dict[str, Any], answered: list[str]) -> None:
+    def _record(self, why: str, outcome: Outcome, answered: list[str]) -> None:
         losses = list(self.losses.values())
         mean = sum(losses) / len(losses) if losses else None
         spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if losses else None
         now = self.loop.now()
-        metrics = dict(metrics or {})
-        excluded = metrics.pop("excluded", None)  # robust aggregation: who was left out, why
+        metrics = dict(outcome.metrics)
+        excluded = outcome.excluded or None  # robust aggregation: who was left out, why
         record = CellRecord(
             run=self.run,
             round=self.round,

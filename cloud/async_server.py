@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedbuff import FedBuffCloud
+from protocols.rejections import Rejected, RejectKind
 from protocols.transport.base import Transport
 
 from .server import CloudServer
@@ -39,18 +39,18 @@ class AsyncCloudServer(CloudServer):
         h, cell = msg.header, topic.split("/")[-2]
         try:
             if cell not in self.cells or h.sender != cell:
-                raise Rejected(f"push of {h.sender!r} on the topic of cell {cell!r}")
-            reason = self._bad_report(cell, msg)  # its cell, and its session in signed runs
-            if reason is not None:
-                raise Rejected(reason)
+                raise Rejected(RejectKind.WRONG_SENDER, f"push of {h.sender!r} on the topic of cell {cell!r}")
+            refused = self._bad_report(cell, msg)  # its cell, and its session in signed runs
+            if refused is not None:
+                raise refused
             self.fb.check(cell, h.round, msg.payload)
         except Rejected as exc:
-            self.messenger.reject(topic, str(exc), cell)
+            self.messenger.reject(topic, exc.kind, str(exc), cell)
             return
         self.fb.offer(cell, h.round, msg.payload)
         self._cell_devices[cell] = self._cell_devices.get(cell, 0) + self._count(cell, msg)
         if self.fb.buffer.full:
-            metrics = self.fb.aggregate()
-            self._notify = sorted(set(metrics.pop("senders")))
+            out = self.fb.aggregate()
+            self._notify = sorted(set(out.senders))
             self._in_round = False
-            self._record_round("buffer full", self._notify, [], metrics)
+            self._record_round("buffer full", self._notify, [], out)

@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protocols.algorithms.base import CloudRole
+from protocols.algorithms.outcome import Outcome
 from protocols.answers import Answers
 from protocols.bounds import weight_over
 from protocols.checkpoint import load_payload, save_payload
 from protocols.divergence import STALLED_ROUNDS
 from protocols.jsonl import JsonlWriter, read_jsonl
 from protocols.records import MAX_LISTED_REJECTIONS, RoundRecord
+from protocols.rejections import Rejected, RejectKind
 from protocols.session import encode_manifest, new_session
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
@@ -254,11 +256,11 @@ class CloudServer:
     def _take_report(self, topic: str, msg: Any) -> None:
         h, cell = msg.header, topic.split("/")[-2]
         taken = len(self.answers.received)
-        reason = self._bad_report(cell, msg)
-        if reason is None:
-            reason = self.answers.offer(cell, h.sender, (h.round,), msg.payload, self.role.check)
-        if reason is not None:
-            self.messenger.reject(topic, reason, cell)
+        refused = self._bad_report(cell, msg)
+        if refused is None:
+            refused = self.answers.offer(cell, h.sender, (h.round,), msg.payload, self.role.check)
+        if refused is not None:
+            self.messenger.reject(topic, refused.kind, str(refused), cell)
             return
         if len(self.answers.received) == taken:
             return  # a repeat counts once
@@ -266,22 +268,23 @@ class CloudServer:
         if not self.answers.pending:
             self._close(self.round, "all reported")
 
-    def _bad_report(self, cell: str, msg: Any) -> str | None:
+    def _bad_report(self, cell: str, msg: Any) -> Rejected | None:
         """Runtime checks before the role sees a report: it is for the cell of its topic, in signed runs
         signed by that cell in this cloud's session, and its weight within the cell's bound."""
         h = msg.header
         if h.cell != cell:
-            return f"report for cell {h.cell!r} on the topic of cell {cell!r}"
+            return Rejected(RejectKind.WRONG_SENDER, f"report for cell {h.cell!r} on the topic of cell {cell!r}")
         if self.trust is not None and (h.sender != cell or h.session != self.session):
-            return (
-                f"report of session {h.session!r}, this cloud's is {self.session!r}"
-                if h.sender == cell
-                else f"report signed by {h.sender!r} on the topic of cell {cell!r}"
-            )
+            if h.sender == cell:
+                return Rejected(
+                    RejectKind.SIGNATURE, f"report of session {h.session!r}, this cloud's is {self.session!r}"
+                )
+            return Rejected(RejectKind.WRONG_SENDER, f"report signed by {h.sender!r} on the topic of cell {cell!r}")
         bound = self.cell_bounds.get(cell) if self.cell_bounds is not None else None
         if bound is None:
             return None
-        return weight_over(msg.payload.meta.get("weight"), bound, f"the bound of cell {cell} ({bound:g} samples)")
+        over = weight_over(msg.payload.meta.get("weight"), bound, f"the bound of cell {cell} ({bound:g} samples)")
+        return Rejected(RejectKind.BOUND, over) if over is not None else None
 
     def _count(self, cell: str, msg: Any) -> int:
         """Add a taken report's bytes (and the device traffic and diverged devices it declares) to the round;
@@ -296,9 +299,9 @@ class CloudServer:
             self._cell_diverged[cell] = diverged
         return int(devices) if isinstance(devices, int) and devices >= 0 else 0
 
-    def _on_reject(self, topic: str, reason: str, sender: str | None) -> None:
+    def _on_reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
         if len(self._rejected) < MAX_LISTED_REJECTIONS:
-            self._rejected.append({"from": sender or topic, "reason": reason})
+            self._rejected.append({"from": sender or topic, "kind": kind.value, "reason": reason})
         else:
             self._rejected_more += 1
 
@@ -311,11 +314,11 @@ class CloudServer:
         self.answers.close()
         self._record_round(why, sorted(reports), absent, self.role.aggregate(self.round, reports))
 
-    def _record_round(self, why: str, reported: list[str], absent: list[str], metrics: Mapping[str, Any]) -> None:
+    def _record_round(self, why: str, reported: list[str], absent: list[str], outcome: Outcome) -> None:
         """Write, publish and checkpoint the record of the model update that just happened, then go on."""
-        role_metrics = dict(metrics or {})
-        excluded = role_metrics.pop("excluded", None)  # robust aggregation: cells left out, why
-        epsilon = role_metrics.pop("epsilon", None)  # differential privacy: spent so far
+        role_metrics = dict(outcome.metrics)
+        excluded = outcome.excluded or None  # robust aggregation: cells left out, why
+        epsilon = outcome.epsilon  # differential privacy: spent so far
         for tier in TIERS:
             self.cumulative[tier] += self._bytes[tier]
         evaluation: dict[str, float] = {}
@@ -422,8 +425,7 @@ class CloudServer:
     def _check_stop(self) -> str | None:
         """Whether the role forbids the next round (e.g. a privacy budget, protocols/privacy/dp.py) or a caller
         asked to stop (:meth:`request_stop`); logged."""
-        stop = getattr(self.role, "stop_reason", None)
-        self.stopped = self._stop_request or (stop(self.round) if stop is not None else None)
+        self.stopped = self._stop_request or self.role.stop_reason(self.round)
         if self.stopped:
             (log.info if self._stop_request else log.warning)(
                 "stopping before round %d of %d: %s", self.round, self.rounds, self.stopped

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
+from protocols.rejections import Rejected, RejectKind
 from protocols.status import encode_status
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
@@ -140,11 +141,13 @@ class DeviceAgent:
             self.secagg.on_message(topic, msg)
             return
         if h.cell != self.cell:
-            self.messenger.reject(topic, f"task for cell {h.cell!r}, this device is in {self.cell!r}", h.sender)
+            self.messenger.reject(
+                topic, RejectKind.WRONG_SENDER, f"task for cell {h.cell!r}, this device is in {self.cell!r}", h.sender
+            )
             return
-        reason = self._out_of_window(h)
-        if reason is not None:
-            self.messenger.reject(topic, reason, h.sender)
+        refused = self._out_of_window(h)
+        if refused is not None:
+            self.messenger.reject(topic, refused.kind, str(refused), h.sender)
             return
         if self._last == (self._session_of(h), h.round, h.edge_round):  # the last task again: a restarted cell
             if self.pending:
@@ -172,26 +175,29 @@ class DeviceAgent:
             return
         self._trained(topic, h, *self.train_here(task, ctx))
 
-    def _out_of_window(self, h: Header) -> str | None:
+    def _out_of_window(self, h: Header) -> Rejected | None:
         """Why a task is not for now: not from this device's cell, another session than the cloud's
         current one, a round past the cloud's manifest (signed runs), a round before it, or not after
         the last task taken in its session (a replay: never trained twice), except, signed, that last
         task again: only its cell can sign it anew (a restarted cell re-sends it; a replayed copy is
         dropped by its message id), and it is trained again once, the same result, counted once."""
         if self.trust is not None and h.sender != self.cell:
-            return f"task signed by {h.sender!r}, not by this device's cell {self.cell!r}"
+            return Rejected(
+                RejectKind.WRONG_SENDER, f"task signed by {h.sender!r}, not by this device's cell {self.cell!r}"
+            )
         if self.trust is not None and self.cloud is not None:
             if h.session is None or h.session != self.cloud.session:
-                return (
+                return Rejected(
+                    RejectKind.SIGNATURE,
                     f"task of cloud session {h.session!r}; the cloud's current session is "
-                    f"{self.cloud.session!r} (replayed or forged)"
+                    f"{self.cloud.session!r} (replayed or forged)",
                 )
             now = self.cloud.round
             if now is not None and h.round > now:
-                return f"task for round {h.round}, the cloud's manifest says round {now}"
+                return Rejected(RejectKind.STALE, f"task for round {h.round}, the cloud's manifest says round {now}")
         now = self.cloud.round if self.cloud is not None else None
         if now is not None and h.round < now:
-            return f"stale task for round {h.round}, the cloud's manifest says round {now}"
+            return Rejected(RejectKind.STALE, f"stale task for round {h.round}, the cloud's manifest says round {now}")
         again = (h.round, h.edge_round) == (self._last or (None, -1, -1))[1:]
         if (
             self._last is not None
@@ -204,7 +210,10 @@ class DeviceAgent:
                 and self._answer is None
             )
         ):
-            return f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} (replayed)"
+            return Rejected(
+                RejectKind.REPLAY,
+                f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} (replayed)",
+            )
         return None
 
     def _answer_again(self, topic: str, h: Header) -> None:
@@ -213,6 +222,7 @@ class DeviceAgent:
         if self._reanswers >= REANSWERS:
             self.messenger.reject(
                 topic,
+                RejectKind.REPLAY,
                 f"task for round {h.round}.{h.edge_round} again, answered {1 + REANSWERS} times already (replayed)",
                 h.sender,
             )
@@ -245,7 +255,7 @@ class DeviceAgent:
     def _trained(self, topic: str, h: Header, result: Payload | None, error: str | None) -> None:
         if result is None:
             self.pending -= 1
-            self.messenger.reject(topic, f"training failed: {error}", h.sender)
+            self.messenger.reject(topic, RejectKind.FAILED, f"training failed: {error}", h.sender)
             return
         why = nonfinite(result)
         if why is not None:  # the cell records it and leaves it out of the aggregate

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocols.algorithms.base import Algorithm, ModelSpec
 from protocols.config import ConfigError, RunConfig
+from protocols.rejections import RejectKind
 from protocols.seeding import derive_seed
 from protocols.session import CloudSession, decode_manifest
 from protocols.status import decode_status, encode_status
@@ -411,7 +412,9 @@ class AgentProcess:
             return  # a cleared retained record
         msg = messenger.receive(topic, data, kinds=("control",))
         if msg is not None and messenger.signed and msg.header.sender != "cloud":
-            messenger.reject(topic, f"control record signed by {msg.header.sender!r}, not the cloud", None)
+            messenger.reject(
+                topic, RejectKind.WRONG_SENDER, f"control record signed by {msg.header.sender!r}, not the cloud", None
+            )
             return
         if msg is not None and msg.payload.meta.get("event") == "finished":
             self.clouds[device].on_finished(msg.payload.meta.get("session"))

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from protocols.algorithms.base import Rejected
 from protocols.privacy.secagg import CellLied, RoundId, SecAggDevice, SecAggSettings
+from protocols.rejections import Rejected, RejectKind
 from protocols.wire import topics
 from protocols.wire.payload import Payload
 
@@ -74,12 +74,16 @@ class DeviceSecAgg:
         a, h = self.agent, msg.header
         if h.cell != a.cell or (a.trust is not None and h.sender != a.cell):
             a.messenger.reject(
-                topic, f"{h.kind} from {h.sender!r} of cell {h.cell!r}, not this device's cell", h.sender
+                topic,
+                RejectKind.WRONG_SENDER,
+                f"{h.kind} from {h.sender!r} of cell {h.cell!r}, not this device's cell",
+                h.sender,
             )
             return
         if self.state is None or (h.session, h.round, h.edge_round) != self.key:
             a.messenger.reject(
                 topic,
+                RejectKind.STALE,
                 f"{h.kind} for round {h.round}.{h.edge_round}, not the aggregation in progress (stale or replayed)",
                 h.sender,
             )
@@ -100,14 +104,14 @@ class DeviceSecAgg:
             elif h.kind == "secagg_views":
                 self._send("secagg_reveal", self.state.reveal(msg.payload))
             else:
-                raise Rejected(f"unexpected message kind {h.kind!r} for a device")
+                raise Rejected(RejectKind.MALFORMED, f"unexpected message kind {h.kind!r} for a device")
         except CellLied as exc:
             self.cell_lies += 1
             self.last_lie = str(exc)
-            a.messenger.reject(topic, f"cell {h.sender} lied: {exc}", h.sender)
+            a.messenger.reject(topic, exc.kind, f"cell {h.sender} lied: {exc}", h.sender)
             self.state = None  # nothing more for this aggregation: the round is lost, the next one is not
         except Rejected as exc:
-            a.messenger.reject(topic, str(exc), h.sender)
+            a.messenger.reject(topic, exc.kind, str(exc), h.sender)
 
     def result_ready(self, result: Payload, round: int, edge_round: int) -> None:
         """The training's result: it leaves masked once the shares are routed."""
@@ -127,7 +131,7 @@ class DeviceSecAgg:
             masked = self.state.mask(result)
         except Rejected as exc:
             self.agent.messenger.reject(
-                topics.device_task(self.agent.run, self.agent.cell, self.agent.device), str(exc), None
+                topics.device_task(self.agent.run, self.agent.cell, self.agent.device), exc.kind, str(exc), None
             )
             return
         self.agent.publish_result(masked, self.key[1], self.key[2])

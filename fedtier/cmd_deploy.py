@@ -7,6 +7,8 @@ import json
 
 import click
 
+from protocols.rejections import RejectKind
+
 from .cli import CONFIG, SET, VERBOSE, auth_options, main
 from .cmd_keys import keys_option
 from .console import console, load_deployment_or_exit, print_summary, round_progress, setup_logging
@@ -61,7 +63,9 @@ def watch_cloud(node):
     def on_control(topic: str, data: bytes) -> None:
         msg = control.receive(topic, data, kinds=("control",)) if data else None
         if msg is not None and trust is not None and msg.header.sender != "cloud":
-            control.reject(topic, f"control record signed by {msg.header.sender!r}, not the cloud", None)
+            control.reject(
+                topic, RejectKind.WRONG_SENDER, f"control record signed by {msg.header.sender!r}, not the cloud", None
+            )
             return
         if msg is not None and msg.payload.meta.get("event") == "finished":
             cloud.on_finished(msg.payload.meta.get("session"))

@@ -8,7 +8,8 @@ each scrape. :meth:`MetricsExporter.serve` serves ``/metrics``.
 
 Names follow Prometheus conventions: ``fedtier_<tier>_<what>_<unit>``, counters end in ``_total``,
 times in seconds, sizes in bytes. Labels are bounded: ``run``, ``cell``, ``tier`` (the four links),
-``reason`` (a small fixed vocabulary, :func:`reason_kind`), ``closed_by``. No device ids.
+``reason`` (a rejection's kind, ``protocols.rejections.RejectKind``: a small fixed vocabulary that rewording a
+message never changes), ``closed_by``. No device ids.
 """
 
 from __future__ import annotations
@@ -25,45 +26,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from protocols.records import TIERS, CellRecord, RoundRecord, parse_record
+from protocols.rejections import RejectKind
 
 log = logging.getLogger("fedtier.metrics")
 
 # wall seconds an aggregation or a round takes: from a few ms (a small sim) to the deadlines (minutes)
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
-_REASONS = (  # first match wins: a rejection's free-text reason -> a bounded label value
-    ("signature", ("signature", "unsigned", "unknown sender")),
-    ("replay", ("replay", "duplicate", "seen before")),
-    ("stale", ("stale",)),
-    ("not_planned", ("not planned", "no submodel was planned")),
-    ("wrong_sender", ("published on the topic", "on the topic of", "message for run")),
-    ("non_finite", ("non-finite", "nan", "inf")),
-    ("oversized", ("too large", "oversized", "exceeds")),
-    (
-        "malformed",
-        (
-            "not json",
-            "not a fedtier message",
-            "decode",
-            "malformed",
-            "header",
-            "truncated",
-            "chunk",
-            "unexpected message kind",
-            "cannot be sent",
-        ),
-    ),
-    ("shape", ("expected", "shape", "tensors", "dtype")),
-)
 
-
-def reason_kind(reason: str) -> str:
-    """A rejection reason reduced to one of a few label values (``invalid`` when none fits)."""
-    text = reason.lower()
-    for kind, words in _REASONS:
-        if any(re.search(rf"\b{re.escape(w)}", text) for w in words):
-            return kind
-    return "invalid"
+def _kind_label(kind: str | None) -> str:
+    """A cloud record's rejection kind as a label value (``invalid`` for one it does not know, or none)."""
+    try:
+        return RejectKind(kind).value
+    except ValueError:
+        return RejectKind.INVALID.value
 
 
 def _label(text: str) -> str:
@@ -229,7 +205,7 @@ class MetricsExporter:
         for why, count in rec.absent_by_reason().items():  # records of large cells count, not list
             self.cell_absent.labels(run, cell, _label(why)).inc(count)
         for rejection in rec.rejected:
-            self.cell_rejected.labels(run, cell, reason_kind(rejection.reason)).inc()
+            self.cell_rejected.labels(run, cell, rejection.kind.value).inc()
         if rec.diverged:
             self.cell_diverged.labels(run, cell).inc(len(rec.diverged))
         self.cell_bytes.labels(run, cell, "device_to_cell").inc(rec.bytes_in)
@@ -261,7 +237,7 @@ class MetricsExporter:
         self.cloud_cells_reported.labels(run).set(len(rec.cells_reported))
         self.cloud_cells_absent.labels(run).inc(len(rec.cells_absent))
         for rejection in rec.rejected:
-            self.cloud_rejected.labels(run, reason_kind(rejection.get("reason", ""))).inc()
+            self.cloud_rejected.labels(run, _kind_label(rejection.get("kind"))).inc()
         for tier, n in rec.bytes.items():
             if tier in TIERS:  # a label value from a fixed set, whatever a record holds
                 self.cloud_bytes.labels(run, tier).inc(n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .algorithms.base import Rejected
+from .rejections import Rejected, RejectKind
 from .wire.payload import Payload
 
 
@@ -36,23 +36,23 @@ class Answers:
         key: tuple[int, ...],
         payload: Payload | None,
         check: Callable[[str, Payload], None],
-    ) -> str | None:
+    ) -> Rejected | None:
         """Take ``payload`` from ``who`` (the party named by the topic; ``sender`` signed the header);
         ``payload=None`` settles ``who`` (it answered, e.g. that its training diverged, with nothing to
         aggregate: no longer pending, not in ``received``).
 
-        Returns ``None`` when taken or when it is a repeat of a taken answer (counted once), else the
-        reason it is refused.
+        Returns ``None`` when taken or when it is a repeat of a taken answer (counted once), else why it is
+        refused (a :class:`Rejected`, not raised).
         """
         if sender != who:
-            return f"sender {sender!r} published on the topic of {self.kind} {who!r}"
+            return Rejected(RejectKind.WRONG_SENDER, f"sender {sender!r} published on the topic of {self.kind} {who!r}")
         if key != self.key:
             now = ".".join(map(str, self.key)) if self.key else "between rounds"
-            return f"stale answer for round {'.'.join(map(str, key))} (now {now})"
+            return Rejected(RejectKind.STALE, f"stale answer for round {'.'.join(map(str, key))} (now {now})")
         if who in self.received or who in self.settled:
             return None
         if who not in self.pending:
-            return f"{self.kind} {who} was not planned for this round"
+            return Rejected(RejectKind.NOT_PLANNED, f"{self.kind} {who} was not planned for this round")
         if payload is None:  # settle: answered, with nothing to aggregate
             self.settled.add(who)
             self.pending.discard(who)
@@ -60,7 +60,7 @@ class Answers:
         try:
             check(who, payload)
         except Rejected as exc:
-            return str(exc)
+            return exc
         self.received[who] = payload
         self.pending.discard(who)
         return None

@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from .rejections import Rejected, RejectKind
+
 Params = "OrderedDict[str, np.ndarray]"
 
 
@@ -53,18 +55,21 @@ def weighted_mean(
 
 
 def check_like(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], what: str = "update") -> None:
-    """Raise ValueError unless ``params`` has exactly ``reference``'s names, shapes and float dtype."""
+    """Raise :class:`Rejected` (a ValueError) unless ``params`` has exactly ``reference``'s names, shapes, float
+    dtype, and finite values."""
     if list(params) != list(reference):
         missing = [k for k in reference if k not in params]
         extra = [k for k in params if k not in reference]
-        raise ValueError(f"{what} has the wrong tensors (missing {missing[:3]}, unexpected {extra[:3]})")
+        raise Rejected(
+            RejectKind.SHAPE, f"{what} has the wrong tensors (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     for k, v in params.items():
         if v.shape != reference[k].shape:
-            raise ValueError(f"{what}: tensor {k!r} has shape {v.shape}, expected {reference[k].shape}")
+            raise Rejected(RejectKind.SHAPE, f"{what}: tensor {k!r} has shape {v.shape}, expected {reference[k].shape}")
         if v.dtype.kind != "f":
-            raise ValueError(f"{what}: tensor {k!r} has dtype {v.dtype}, expected floats")
+            raise Rejected(RejectKind.SHAPE, f"{what}: tensor {k!r} has dtype {v.dtype}, expected floats")
         if not np.isfinite(v).all():
-            raise ValueError(f"{what}: tensor {k!r} has non-finite values")
+            raise Rejected(RejectKind.NON_FINITE, f"{what}: tensor {k!r} has non-finite values")
 
 
 def num_values(params: Mapping[str, np.ndarray]) -> int:

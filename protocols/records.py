@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .jsonl import loads
+from .rejections import RejectKind
 
 SCHEMA_VERSION = 1
 
@@ -64,7 +65,12 @@ class Rejection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     device: str = Field(description="the device (or topic) it came from")
-    reason: str
+    kind: RejectKind = Field(
+        RejectKind.INVALID,
+        description="what was wrong, from a fixed vocabulary (protocols/rejections.py; the metrics' reason label); "
+        "`invalid` in records written before kinds existed",
+    )
+    reason: str = Field(description="why, in words (free text: may be reworded at any time)")
 
 
 class CellRecord(_Record):
@@ -144,7 +150,7 @@ class RoundRecord(_Record):
     devices_diverged: dict[str, int] | None = Field(
         None, description="cell -> devices whose training diverged (answered, never aggregated)"
     )
-    rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, reason")
+    rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, kind, reason")
     rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
     excluded: dict[str, str] | None = Field(
         None, description="reporting cells the robust aggregator (algorithm.cloud_aggregator) left out, with why"

@@ -82,7 +82,7 @@ class _Unsigned:
         self.agent.start()
         self.cell = Messenger(self.hub.connect("cell"), "r", "c0")
         self.rejected: list[str] = []
-        self.agent.messenger.on_reject = lambda topic, reason, sender: self.rejected.append(reason)
+        self.agent.messenger.on_reject = lambda topic, kind, reason, sender: self.rejected.append(reason)
 
     def task(self, rnd: int, edge: int) -> None:
         self.cell.send(

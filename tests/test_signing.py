@@ -292,4 +292,4 @@ def test_signed_fedtier_run_is_bit_identical_to_sim(runs: dict, tmp_path: Path) 
     assert sorted(set(verified)) == sorted(cfg.topology.all_devices()) and len(verified) == 24
     assert forged == ["c0-d0"]
     rejected = [x for r in result.cell_records for x in r["rejected"]]
-    assert rejected == [{"device": "c0-d0", "reason": "bad signature: not signed by 'c0-d0'"}]
+    assert rejected == [{"device": "c0-d0", "kind": "signature", "reason": "bad signature: not signed by 'c0-d0'"}]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected, TrainParams
+from ..rejections import Rejected
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, TrainParams
 from .decomfl import DeComFL
 from .fedalign import FedAlign
 from .fedavg import FedAvg

@@ -13,10 +13,11 @@ A round, as the runtimes drive it::
         cell.plan(e, available)     -> {device: task}                (cell -> device)
           device.train(task, ...)   -> result                        (device -> cell)
         cell.check(device, result)  raises Rejected on a bad result
-        cell.aggregate(e, results)  -> metrics
+        cell.aggregate(e, results)  -> Outcome (metrics, excluded)
       cell.report()                 -> report                        (cell -> cloud)
     cloud.check(cell, report)       raises Rejected on a bad report
-    cloud.aggregate(r, reports)     -> metrics
+    cloud.aggregate(r, reports)     -> Outcome (metrics, excluded, epsilon)
+    cloud.stop_reason(r + 1)        -> None, or why the run ends here
 """
 
 from __future__ import annotations
@@ -29,13 +30,10 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..rejections import Rejected as Rejected  # re-exported: roles import it with the other role types
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
-
-
-class Rejected(ValueError):
-    """A message a role refuses (wrong shape, non-finite values, wrong round...). Logged, dropped."""
-
+from .outcome import Outcome
 
 CHANNEL_WIDTHS = {"cnn": 2, "cnn4": 4}  # conv models: how many widths model.channels lists
 
@@ -136,8 +134,12 @@ class CloudRole(ABC):
         """Raise :class:`Rejected` if ``report`` cannot be aggregated."""
 
     @abstractmethod
-    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
-        """Update the global state from the reports that arrived (sorted by cell id); metrics out."""
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
+        """Update the global state from the reports that arrived (sorted by cell id); its outcome out."""
+
+    def stop_reason(self, round: int) -> str | None:
+        """Why cloud round ``round`` must not start (e.g. it would exceed a privacy budget), or None (go on)."""
+        return None
 
     @abstractmethod
     def global_params(self) -> dict[str, np.ndarray]:
@@ -173,8 +175,8 @@ class CellRole(ABC):
         """Raise :class:`Rejected` if ``result`` cannot be aggregated."""
 
     @abstractmethod
-    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
-        """Fold the results that arrived (sorted by device id) into the cell state; metrics out."""
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
+        """Fold the results that arrived (sorted by device id) into the cell state; its outcome out."""
 
     @abstractmethod
     def report(self) -> Payload:

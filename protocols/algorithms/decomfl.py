@@ -46,10 +46,12 @@ from pydantic import Field, model_validator
 from .. import directions as Z
 from .. import params as P
 from ..divergence import diverged_result
+from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
+from .outcome import Outcome
 
 
 class DeComFLParams(TrainParams):
@@ -86,16 +88,16 @@ class DeComFLParams(TrainParams):
 def _shape_ok(arr: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
     if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != np.dtype(dtype):
         got = (getattr(arr, "shape", None), getattr(arr, "dtype", None))
-        raise Rejected(f"{what}: expected {dtype} {shape}, got {got}")
+        raise Rejected(RejectKind.SHAPE, f"{what}: expected {dtype} {shape}, got {got}")
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise Rejected(f"{what}: non-finite values")
+        raise Rejected(RejectKind.NON_FINITE, f"{what}: non-finite values")
     return arr
 
 
 def _int(meta: Mapping[str, Any], key: str, what: str, lo: int = 0, hi: int | None = None) -> int:
     v = meta.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise Rejected(f"{what}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
+        raise Rejected(RejectKind.BOUND, f"{what}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
 
 
@@ -156,7 +158,7 @@ class DeComFLCloud(CloudRole):
         meta = report.meta
         w = meta.get("weight")
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not np.isfinite(w) or w < 0:
-            raise Rejected(f"{what}: weight must be a non-negative number, got {w!r}")
+            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a non-negative number, got {w!r}")
         _int(meta, "need", what, 0, self.base + len(self.g))  # at most this round
         answered = meta.get("answered")
         if (
@@ -164,7 +166,7 @@ class DeComFLCloud(CloudRole):
             or not all(isinstance(d, str) for d in answered)
             or len(set(answered)) != len(answered)
         ):
-            raise Rejected(f"{what}: answered must be a list of distinct device ids")
+            raise Rejected(RejectKind.MALFORMED, f"{what}: answered must be a list of distinct device ids")
         resync = meta.get("resync", [])
         if (
             not isinstance(resync, list)
@@ -172,18 +174,22 @@ class DeComFLCloud(CloudRole):
             or len(set(resync)) != len(resync)
             or set(resync) & set(answered)
         ):
-            raise Rejected(f"{what}: resync must be a list of distinct device ids that did not answer")
+            raise Rejected(
+                RejectKind.MALFORMED, f"{what}: resync must be a list of distinct device ids that did not answer"
+            )
         if self.p.weighting == "uniform" and w != len(answered):
-            raise Rejected(f"{what}: weight {w} but {len(answered)} devices answered (uniform weighting)")
+            raise Rejected(
+                RejectKind.INCONSISTENT, f"{what}: weight {w} but {len(answered)} devices answered (uniform weighting)"
+            )
         if w == 0:
             if report.tensors or answered:
-                raise Rejected(f"{what}: weight 0 with results")
+                raise Rejected(RejectKind.INCONSISTENT, f"{what}: weight 0 with results")
             return
         if not answered:
-            raise Rejected(f"{what}: positive weight but no device answered")
+            raise Rejected(RejectKind.INCONSISTENT, f"{what}: positive weight but no device answered")
         _shape_ok(report.tensors.get("g"), (self.K, self.P), "float64", f"{what} scalars")
 
-    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         total, acc, devices = 0.0, np.zeros((self.K, self.P), np.float64), 0
         for c, r in sorted(reports.items()):
             table = self.synced.setdefault(c, {})
@@ -205,13 +211,15 @@ class DeComFLCloud(CloudRole):
         if self.p.server_model:
             Z.apply_round(self.model, self.round_seed, gbar, self.p.lr, self.p.direction, self.buf, self.p.momentum)
         self._prune(round + 1)
-        return {
-            "cells": len(reports),
-            "devices": devices,
-            "weight": total,
-            "history_rounds": len(self.g),
-            "g_abs_mean": float(np.abs(gbar).mean()),
-        }
+        return Outcome(
+            {
+                "cells": len(reports),
+                "devices": devices,
+                "weight": total,
+                "history_rounds": len(self.g),
+                "g_abs_mean": float(np.abs(gbar).mean()),
+            }
+        )
 
     def _prune(self, next_round: int) -> None:
         oldest = min((self.need.get(c, 0) for c in self.cells), default=0)
@@ -291,7 +299,7 @@ class DeComFLCell(CellRole):
         self.start, self.seeds, self.hist = read_history(task, round, self.K, self.P, f"task of cell {self.cell}")
         synced = task.meta.get("synced", {})
         if not isinstance(synced, dict) or not all(isinstance(v, int) and 0 <= v < round for v in synced.values()):
-            raise Rejected(f"task of cell {self.cell}: bad synced table")
+            raise Rejected(RejectKind.MALFORMED, f"task of cell {self.cell}: bad synced table")
         self.synced: dict[str, int] = dict(synced)
         self.sum = np.zeros((self.K, self.P), np.float64)
         self.weight = 0.0
@@ -312,14 +320,14 @@ class DeComFLCell(CellRole):
         what = f"result of device {device}"
         if "resync" in result.meta:
             if result.meta != {"resync": True} or result.tensors:
-                raise Rejected(f"{what}: a resync answer carries nothing else")
+                raise Rejected(RejectKind.INCONSISTENT, f"{what}: a resync answer carries nothing else")
             return
         w = result.meta.get("weight")
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not np.isfinite(w) or w <= 0:
-            raise Rejected(f"{what}: weight must be a positive number, got {w!r}")
+            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {w!r}")
         _shape_ok(result.tensors.get("g"), (self.K, self.P), "float32", f"{what} scalars")
 
-    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
         for d, r in sorted(results.items()):
             if r.meta.get("resync"):
                 self.resync.append(d)
@@ -328,7 +336,7 @@ class DeComFLCell(CellRole):
             self.sum += w * r.tensors["g"].astype(np.float64)
             self.weight += w
             self.answered.append(d)
-        return {"answered": len(results)} if results else {}
+        return Outcome({"answered": len(results)} if results else {})
 
     def _need(self) -> int:
         if self.roster is None:

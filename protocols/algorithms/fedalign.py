@@ -43,11 +43,13 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .. import params as P
+from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
 from .fedavg import FedAvgCell, FedAvgDevice, check_delta
+from .outcome import Outcome
 
 PHASES = ("solo", "priority", "free", "all")
 HELD = "held/"
@@ -116,7 +118,7 @@ class Schedule:
 def _finite(meta: Mapping[str, Any], key: str, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
     v = meta.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise Rejected(f"{what}: {key} must be a finite number in [{lo}, {hi}], got {v!r}")
+        raise Rejected(RejectKind.BOUND, f"{what}: {key} must be a finite number in [{lo}, {hi}], got {v!r}")
     return float(v)
 
 
@@ -160,14 +162,17 @@ class FedAlignCloud(CloudRole):
 
     def check(self, cell: str, report: Payload) -> None:
         if report.meta.get("phase") != self.phase:
-            raise Rejected(f"report of cell {cell}: phase {report.meta.get('phase')!r}, expected {self.phase!r}")
+            raise Rejected(
+                RejectKind.OUT_OF_ORDER,
+                f"report of cell {cell}: phase {report.meta.get('phase')!r}, expected {self.phase!r}",
+            )
         for key in ("prio_weight", "prio_loss", "prio_accuracy"):
             _finite(report.meta, key, f"report of cell {cell}")
         if report.meta.get("weight") == 0 and not report.tensors:
             return
         check_delta(report, self.model, f"report of cell {cell}")
 
-    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, Any]:
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         it, phase = self.schedule.at(round)
         metrics: dict[str, Any] = {"iteration": it, "phase": phase}
         eps = self.schedule.epsilon(it)
@@ -186,7 +191,7 @@ class FedAlignCloud(CloudRole):
         contributing = {c: r for c, r in sorted(reports.items()) if r.meta.get("weight")}
         if phase == "priority":
             self.held = contributing
-            return metrics
+            return Outcome(metrics)
         items = [(r.meta["weight"], r.tensors) for r in self.held.values()] if phase == "free" else []
         items += [(r.meta["weight"], r.tensors) for r in contributing.values()]
         self.held = {}
@@ -194,7 +199,7 @@ class FedAlignCloud(CloudRole):
             mean, total = P.weighted_mean(items)
             self.model = P.add(self.model, mean, self.p.server_lr)
             metrics["weight"] = total
-        return metrics
+        return Outcome(metrics)
 
     def global_params(self) -> dict[str, np.ndarray]:
         return self.model
@@ -232,11 +237,13 @@ class FedAlignCell(FedAvgCell):
     def begin(self, round: int, task: Payload) -> None:
         m = task.meta
         if m.get("phase") not in PHASES or m.get("criterion") not in ("loss", "accuracy"):
-            raise Rejected(f"cell task: bad phase/criterion {m.get('phase')!r}/{m.get('criterion')!r}")
+            raise Rejected(
+                RejectKind.MALFORMED, f"cell task: bad phase/criterion {m.get('phase')!r}/{m.get('criterion')!r}"
+            )
         eps, F = m.get("epsilon"), m.get("F")
         for key, v in (("epsilon", eps), ("F", F)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-                raise Rejected(f"cell task: {key} must be a finite number or null, got {v!r}")
+                raise Rejected(RejectKind.MALFORMED, f"cell task: {key} must be a finite number or null, got {v!r}")
         super().begin(round, task)
         self.task = {
             "phase": m["phase"],
@@ -267,20 +274,23 @@ class FedAlignCell(FedAvgCell):
         what = f"result of device {device}"
         role = self.planned.get(device)
         if role is None:
-            raise Rejected(f"{what}: not planned")
+            raise Rejected(RejectKind.NOT_PLANNED, f"{what}: not planned")
         _finite(result.meta, "probe_loss", what)
         _finite(result.meta, "probe_accuracy", what, 0.0, 1.0)
         trained = result.meta.get("trained")
         if not isinstance(trained, bool) or (role == "priority" and not trained):
-            raise Rejected(f"{what}: trained must be true/false (true for a priority device), got {trained!r}")
+            raise Rejected(
+                RejectKind.MALFORMED,
+                f"{what}: trained must be true/false (true for a priority device), got {trained!r}",
+            )
         if trained:
             check_delta(result, self.model, what)
         else:
             _finite(result.meta, "weight", what)
             if result.tensors:
-                raise Rejected(f"{what}: a device that declined sends no tensors")
+                raise Rejected(RejectKind.INCONSISTENT, f"{what}: a device that declined sends no tensors")
 
-    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
         t = self.task
         F, eps, crit = t["F"], t["epsilon"], t["criterion"]
         included: dict[str, Payload] = {}
@@ -320,7 +330,7 @@ class FedAlignCell(FedAvgCell):
                 admitted=sorted(d for d, a in admission.items() if a["admitted"]),
                 refused=sorted(d for d, a in admission.items() if not a["admitted"]),
             )
-        return metrics
+        return Outcome(metrics)
 
     def report(self) -> Payload:
         report = super().report()

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from .. import params as P
+from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, num_steps
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
 from .codecs import DenseCodec, UplinkCodec, UplinkParams, make_codec, uplink_seed
+from .outcome import Outcome
 from .robust import RobustParams, aggregate
 from .server_opt import ServerOptimizer, ServerParams, split_state
 from .staleness import AsyncParams
@@ -45,7 +46,7 @@ def check_delta(
         or not math.isfinite(_as_float(weight))
         or weight <= 0
     ):
-        raise Rejected(f"{what}: weight must be a positive number, got {str(weight)[:40]}")
+        raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {str(weight)[:40]}")
     (codec or DenseCodec()).check(payload, reference, what)
     return float(weight)
 
@@ -115,25 +116,20 @@ class FedAvgCloud(ModelCloud):
             return  # no device of the cell answered this round
         check_delta(report, self.model, f"report of cell {cell}")
 
-    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         reports = {c: r for c, r in reports.items() if r.meta.get("weight")}
         comm = self.comm.update(reports)
         if not reports:
             self.model, amplified = self.opt.step(round, self.model, None)
-            return {"cells": 0, **comm, **({"amplified": 1} if amplified else {})}
+            return Outcome({"cells": 0, **comm, **({"amplified": 1} if amplified else {})})
         agg = aggregate(
             getattr(self.p, "cloud_aggregator", "mean"),
             [(c, r.meta["weight"], r.tensors) for c, r in reports.items()],
             self.p,
         )
         self.model, amplified = self.opt.step(round, self.model, agg.delta)
-        return {
-            "cells": len(reports),
-            "weight": agg.weight,
-            **comm,
-            **({"amplified": 1} if amplified else {}),
-            **({"excluded": agg.excluded} if agg.excluded else {}),
-        }
+        metrics = {"cells": len(reports), "weight": agg.weight, **comm, **({"amplified": 1} if amplified else {})}
+        return Outcome(metrics, excluded=agg.excluded)
 
 
 class FedAvgCell(CellRole):
@@ -159,9 +155,9 @@ class FedAvgCell(CellRole):
     def check(self, device: str, result: Payload) -> None:
         check_delta(result, self.model, f"result of device {device}", self.codec)
 
-    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
         if not results:
-            return {}
+            return Outcome()
         ordered = sorted(results.items())
         deltas = [(d, r.meta["weight"], self.codec.decode(r, self.model)) for d, r in ordered]
         agg = aggregate(getattr(self.p, "cell_aggregator", "mean"), deltas, self.p)
@@ -171,7 +167,7 @@ class FedAvgCell(CellRole):
             if d in kept:  # the report's weight: the samples the cell's progress represents
                 self.weights[d] = float(w)
             self.upload_values += P.num_values(delta)
-        return {"excluded": agg.excluded} if agg.excluded else {}
+        return Outcome(excluded=agg.excluded)
 
     def upload_meta(self) -> dict[str, int]:
         """What the devices uploaded this cloud round (for the full-model-units metric)."""

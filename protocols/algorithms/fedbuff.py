@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from .. import params as P
+from ..rejections import Rejected, RejectKind
 from ..wire.payload import Payload
-from .base import Rejected
 from .codecs import make_codec
 from .fedavg import ModelCloud, check_delta
+from .outcome import Outcome
 from .staleness import AsyncParams, StalenessBuffer
 
 
@@ -58,7 +59,7 @@ class FedBuffCell:
     def adopt(self, global_version: int, model: Mapping[str, np.ndarray]) -> None:
         """A new cloud model: keep the progress made since the last push on top of it."""
         if global_version <= self.global_version:
-            raise Rejected(f"cloud model version {global_version}, already at {self.global_version}")
+            raise Rejected(RejectKind.STALE, f"cloud model version {global_version}, already at {self.global_version}")
         if self.model is None:
             self.model = P.copy(model)
         else:
@@ -84,16 +85,16 @@ class FedBuffCell:
         assert self.model is not None
         self.buffer.add(device, base, result.meta["weight"], self.codec.decode(result, self.model))
 
-    def aggregate(self) -> dict[str, Any]:
-        """Apply the buffered results: a new cell version. Metrics out (``senders``: the results used)."""
+    def aggregate(self) -> Outcome:
+        """Apply the buffered results: a new cell version. Its outcome out (``senders``: the results used)."""
         assert self.model is not None
-        step, total, info = self.buffer.flush(self.version)
+        step, total, out = self.buffer.flush(self.version)
         self.model = P.add(self.model, step)
         self.version += 1
         self.updates += 1
         self.weight += total
-        self.devices |= set(info["senders"])
-        return {**info, "version": self.version}
+        self.devices |= set(out.senders)
+        return out.with_metrics(version=self.version)
 
     def report(self) -> Payload:
         """The progress since the last push, with its weight; the push resets the counters."""
@@ -124,9 +125,9 @@ class FedBuffCloud:
     def offer(self, cell: str, base: int, report: Payload) -> None:
         self.buffer.add(cell, base, report.meta["weight"], report.tensors)
 
-    def aggregate(self) -> dict[str, Any]:
-        """A new cloud version from the buffered pushes, through the server optimizer."""
-        step, total, info = self.buffer.flush(self.version)
+    def aggregate(self) -> Outcome:
+        """A new cloud version from the buffered pushes, through the server optimizer (``senders``: the cells)."""
+        step, total, out = self.buffer.flush(self.version)
         self.inner.model, amplified = self.inner.opt.step(self.version, self.inner.model, step)
         self.version += 1
-        return {**info, "weight": total, **({"amplified": 1} if amplified else {})}
+        return out.with_metrics(weight=total, **({"amplified": 1} if amplified else {}))

@@ -29,13 +29,15 @@ import numpy as np
 from pydantic import Field
 
 from .. import params as P
+from ..rejections import Rejected, RejectKind
 from ..seeding import derive_seed, rng
 from ..trainer import LocalData, Trainer, batches, num_steps
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, Rejected, TrainParams
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
 from .codecs.base import expect_array, parse_seed, unpack_bits, wire_size
 from .codecs.mrn import FedMRNCodec, NoiseKind, masked_value, sample_mask
 from .fedavg import FedAvgCell, FedAvgCloud
+from .outcome import Outcome
 
 FORWARD_MASK = "mask."
 
@@ -132,14 +134,14 @@ class FedMRNCell(FedAvgCell):
         super().begin(round, task)
         self.entries, self._report = [], None
 
-    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
-        metrics = super().aggregate(edge_round, results)
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
+        out = super().aggregate(edge_round, results)
         for _, r in sorted(results.items()):
             self.entries.append((edge_round, float(r.meta["weight"]), r.meta["seed"], r.tensors["mask"]))
         if edge_round == self.edge_rounds - 1:
             self._report, choice = self._choose()
-            metrics = {**metrics, **choice}
-        return metrics
+            out = out.with_metrics(**choice)
+        return out
 
     def _choose(self) -> tuple[Payload, dict[str, Any]]:
         dense = super().report()
@@ -184,15 +186,17 @@ class FedMRNCloud(FedAvgCloud):
         what = f"report of cell {cell}"
         weight = report.meta.get("weight")
         if not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight <= 0:
-            raise Rejected(f"{what}: weight must be a positive number, got {weight!r}")
+            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {weight!r}")
         entries = report.meta.get("entries")
         if not isinstance(entries, list) or not entries:
-            raise Rejected(f"{what}: entries must be a non-empty list")
+            raise Rejected(RejectKind.MALFORMED, f"{what}: entries must be a non-empty list")
         count = self.codec.masked_count(self.model)
         extras = self.codec.extra_names(self.model)
         names = [f"{FORWARD_MASK}{i}" for i in range(len(entries))] + extras
         if list(report.tensors) != names:
-            raise Rejected(f"{what}: expected tensors {names[:3]}..., got {list(report.tensors)[:3]}...")
+            raise Rejected(
+                RejectKind.SHAPE, f"{what}: expected tensors {names[:3]}..., got {list(report.tensors)[:3]}..."
+            )
         for i, entry in enumerate(entries):
             if not (
                 isinstance(entry, list)
@@ -203,11 +207,11 @@ class FedMRNCloud(FedAvgCloud):
                 and np.isfinite(entry[1])
                 and entry[1] > 0
             ):
-                raise Rejected(f"{what}: entry {i} must be [edge round, weight > 0, seed]")
+                raise Rejected(RejectKind.MALFORMED, f"{what}: entry {i} must be [edge round, weight > 0, seed]")
             parse_seed(entry[2], f"{what}: entry {i}")
             unpack_bits(report.tensors[f"{FORWARD_MASK}{i}"], count, f"{what}: mask {i}")
         if any(a[0] > b[0] for a, b in zip(entries, entries[1:])):
-            raise Rejected(f"{what}: entries must be in edge-round order")
+            raise Rejected(RejectKind.INCONSISTENT, f"{what}: entries must be in edge-round order")
         for k in extras:
             expect_array(report.tensors[k], np.float32, self.model[k].shape, f"{what}: {k}")
 
@@ -233,7 +237,7 @@ class FedMRNCloud(FedAvgCloud):
         delta = OrderedDict((k, total[k] if k in total else report.tensors[k]) for k in self.model)
         return Payload(report.meta, delta)
 
-    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         dense = {c: self.rebuild(r) if r.meta.get("uplink") == "masks" else r for c, r in reports.items()}
         return super().aggregate(round, dense)
 

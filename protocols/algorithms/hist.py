@@ -35,11 +35,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from .. import params as P
+from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, Rejected
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec
 from .fedavg import FedAvgCell, FedAvgDevice, FedAvgParams, ModelCloud, check_delta
+from .outcome import Outcome
 from .robust import aggregate
 from .server_opt import ServerParams
 
@@ -156,7 +158,7 @@ def widths_of(tensors: Mapping[str, np.ndarray], axes: Mapping[str, Axes], layer
                 widths[layer] = int(tensors[name].shape[dim])
     missing = [layer for layer in layers if layer not in widths]
     if missing:
-        raise Rejected(f"submodel lacks the tensors of layer(s) {missing}")
+        raise Rejected(RejectKind.SHAPE, f"submodel lacks the tensors of layer(s) {missing}")
     return widths
 
 
@@ -191,19 +193,21 @@ class HistCloud(ModelCloud):
         if report.meta.get("weight") == 0 and not report.tensors:
             return
         if cell not in self.parts:
-            raise Rejected(f"report of cell {cell}: no submodel was planned for it")
+            raise Rejected(RejectKind.NOT_PLANNED, f"report of cell {cell}: no submodel was planned for it")
         delta, idx = split_task(report)
         planned = self.parts[cell]
         if set(idx) != set(planned) or any(not np.array_equal(idx[k], planned[k]) for k in planned):
-            raise Rejected(f"report of cell {cell}: index sets differ from this round's partition")
+            raise Rejected(
+                RejectKind.INCONSISTENT, f"report of cell {cell}: index sets differ from this round's partition"
+            )
         check_delta(Payload(report.meta, delta), self.shapes[cell], f"report of cell {cell}")
 
-    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         reports = {c: r for c, r in sorted(reports.items()) if r.meta.get("weight")}
         comm = self.comm.update(reports)
         if not reports:
             self.model, amplified = self.opt.step(round, self.model, None)
-            return {"cells": 0, **comm, **({"amplified": 1} if amplified else {})}
+            return Outcome({"cells": 0, **comm, **({"amplified": 1} if amplified else {})})
         deltas = {c: split_task(r)[0] for c, r in reports.items()}
         full = P.zeros_like(self.model)
         for cell, delta in deltas.items():
@@ -219,13 +223,13 @@ class HistCloud(ModelCloud):
             full.update(agg.delta)
             total, excluded = agg.weight, agg.excluded
         self.model, amplified = self.opt.step(round, self.model, full)
-        return {
+        metrics = {
             "cells": len(reports),
             "weight": total or sum(r.meta["weight"] for r in reports.values()),
             **comm,
             **({"amplified": 1} if amplified else {}),
-            **({"excluded": excluded} if excluded else {}),
         }
+        return Outcome(metrics, excluded=excluded)
 
 
 class HistCell(FedAvgCell):
@@ -252,7 +256,10 @@ class HistDevice(DeviceRole):
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         if list(task.tensors) != list(self.axes):
-            raise Rejected(f"HIST task has tensors {list(task.tensors)[:4]}..., expected {list(self.axes)[:4]}...")
+            raise Rejected(
+                RejectKind.SHAPE,
+                f"HIST task has tensors {list(task.tensors)[:4]}..., expected {list(self.axes)[:4]}...",
+            )
         widths = widths_of(task.tensors, self.axes, list(self.widths))
         return self.inner.train(task, data, trainer.for_model(sub_spec(self.spec, widths)), ctx)
 

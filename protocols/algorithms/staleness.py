@@ -12,7 +12,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from .base import Rejected, TrainParams
+from ..rejections import Rejected, RejectKind
+from .base import TrainParams
+from .outcome import Outcome
 
 
 class AsyncParams(TrainParams):
@@ -64,12 +66,15 @@ class StalenessBuffer:
         """The staleness of a result trained from ``base`` when the holder is at ``version``; raise
         :class:`Rejected` for a version that is not a known past one or that is too stale."""
         if not isinstance(base, int) or isinstance(base, bool) or base < 0:
-            raise Rejected(f"{what}: model version {base!r} is not a version")
+            raise Rejected(RejectKind.MALFORMED, f"{what}: model version {base!r} is not a version")
         if base > version:
-            raise Rejected(f"{what}: model version {base} is in the future (current {version})")
+            raise Rejected(RejectKind.STALE, f"{what}: model version {base} is in the future (current {version})")
         staleness = version - base
         if staleness > self.max_staleness:
-            raise Rejected(f"{what}: stale: version {base} is {staleness} versions old (bound {self.max_staleness})")
+            raise Rejected(
+                RejectKind.STALE,
+                f"{what}: stale: version {base} is {staleness} versions old (bound {self.max_staleness})",
+            )
         return staleness
 
     def add(self, sender: str, base: int, weight: float, delta: Mapping[str, np.ndarray]) -> None:
@@ -79,9 +84,10 @@ class StalenessBuffer:
     def full(self) -> bool:
         return len(self.entries) >= self.size
 
-    def flush(self, version: int) -> tuple[dict[str, np.ndarray], float, dict[str, Any]]:
-        """(step, total sample weight, info) over the buffered results; the buffer is emptied. Summed in
-        float64 in (sender, base) order, so the step does not depend on arrival order."""
+    def flush(self, version: int) -> tuple[dict[str, np.ndarray], float, Outcome]:
+        """(step, total sample weight, outcome: the senders and staleness numbers) over the buffered results;
+        the buffer is emptied. Summed in float64 in (sender, base) order, so the step does not depend on
+        arrival order."""
         entries = sorted(self.entries, key=lambda e: (e.sender, e.base))
         self.entries = []
         total = sum(e.weight for e in entries)
@@ -93,9 +99,5 @@ class StalenessBuffer:
                 term = np.asarray(v, dtype=np.float64) * scale
                 acc[k] = acc[k] + term if k in acc else term
         step = {k: (v / total).astype(np.float32) for k, v in acc.items()}
-        info = {
-            "senders": [e.sender for e in entries],
-            "staleness_mean": float(np.mean(stale)),
-            "staleness_max": int(max(stale)),
-        }
-        return step, total, info
+        numbers = {"staleness_mean": float(np.mean(stale)), "staleness_max": int(max(stale))}
+        return step, total, Outcome(numbers, senders=tuple(e.sender for e in entries))

@@ -25,12 +25,13 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 
 from ..algorithms.base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole
+from ..algorithms.outcome import Outcome
 from ..divergence import nonfinite
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
@@ -134,7 +135,7 @@ class PrivateCell(CellRole):
     def check(self, device: str, result: Payload) -> None:
         self.inner.check(device, result)
 
-    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
         if (
             self.dp.mode != "cell" or self.dp.shares or not results
         ):  # shares: the devices noised, secure aggregation summed
@@ -149,15 +150,14 @@ class PrivateCell(CellRole):
         first = next(iter(clipped))
         gen = rng(self.noise_seed, self.round, edge_round, self.cell, NOISE)
         clipped[first] = Payload(clipped[first].meta, add_noise(clipped[first].tensors, self.dp.std, gen))
-        metrics = dict(self.inner.aggregate(edge_round, clipped) or {})
-        return {**metrics, "dp_clipped": int(n_clipped)}
+        return self.inner.aggregate(edge_round, clipped).with_metrics(dp_clipped=int(n_clipped))
 
     def report(self) -> Payload:
         return self.inner.report()
 
 
 class PrivateCloud(CloudRole):
-    """``inner`` plus the epsilon spent after each round (``epsilon`` in the round's metrics) and a stop
+    """``inner`` plus the epsilon spent after each round (the outcome's ``epsilon``) and a stop
     before a round that would spend more than ``budget`` (``stop_reason``)."""
 
     def __init__(self, inner: CloudRole, accountant: Accountant, budget: float | None) -> None:
@@ -169,9 +169,8 @@ class PrivateCloud(CloudRole):
     def check(self, cell: str, report: Payload) -> None:
         self.inner.check(cell, report)
 
-    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, Any]:
-        metrics = dict(self.inner.aggregate(round, reports) or {})
-        return {**metrics, "epsilon": self.accountant.epsilon(round + 1)}
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
+        return replace(self.inner.aggregate(round, reports), epsilon=self.accountant.epsilon(round + 1))
 
     def stop_reason(self, round: int) -> str | None:
         """Why cloud round ``round`` must not start (it would exceed the budget), or None."""

@@ -59,7 +59,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..algorithms.base import Rejected
+from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..wire.payload import Payload
 from . import shamir
@@ -97,7 +97,14 @@ class SecAggFailure(RuntimeError):
 
 
 class CellLied(Rejected):
-    """A device caught its cell lying (a substituted key, views that disagree): it sits the round out."""
+    """A device caught its cell lying (a substituted key, views that disagree): it sits the round out.
+    Its kind is always ``inconsistent``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(RejectKind.INCONSISTENT, reason)
+
+    def __reduce__(self) -> tuple[type[CellLied], tuple[str]]:  # type: ignore[override]  # one argument, no kind
+        return type(self), (str(self),)
 
 
 @dataclass(frozen=True)
@@ -302,7 +309,7 @@ def unflatten(flat: np.ndarray, layout: Layout, dtype: Any = np.float32) -> dict
 def _layout_of(meta: Any) -> Layout:
     """A layout from JSON (``[[name, [dims]], ...]``), validated."""
     if not isinstance(meta, list) or not meta or len(meta) > 4096:
-        raise Rejected("secure aggregation: missing or bad layout")
+        raise Rejected(RejectKind.MALFORMED, "secure aggregation: missing or bad layout")
     out = []
     for item in meta:
         if (
@@ -313,21 +320,21 @@ def _layout_of(meta: Any) -> Layout:
             or len(item[1]) > 8
             or not all(isinstance(s, int) and 0 <= s < 2**31 for s in item[1])
         ):
-            raise Rejected("secure aggregation: bad layout entry")
+            raise Rejected(RejectKind.MALFORMED, "secure aggregation: bad layout entry")
         out.append((item[0], tuple(item[1])))
     return out
 
 
 def _device_list(value: Any, what: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(d, str) for d in value) or len(set(value)) != len(value):
-        raise Rejected(f"secure aggregation: {what} is not a list of distinct device ids")
+        raise Rejected(RejectKind.MALFORMED, f"secure aggregation: {what} is not a list of distinct device ids")
     return sorted(value)
 
 
 def _bytes(payload: Payload, name: str, size: int, what: str) -> bytes:
     arr = payload.tensors.get(name)
     if arr is None or arr.dtype != np.uint8 or arr.shape != (size,):
-        raise Rejected(f"secure aggregation: {what} needs {name!r} as {size} bytes")
+        raise Rejected(RejectKind.MALFORMED, f"secure aggregation: {what} needs {name!r} as {size} bytes")
     return arr.tobytes()
 
 
@@ -373,19 +380,22 @@ class SecAggDevice:
     def share(self, roster: Payload) -> Payload:
         """``secagg_shares`` from ``secagg_roster``: Shamir shares of b and s_sk, sealed per neighbour."""
         if self.roster:
-            raise Rejected("secure aggregation: a second roster for this round")
+            raise Rejected(RejectKind.REPLAY, "secure aggregation: a second roster for this round")
         devices = _device_list(roster.meta.get("devices"), "roster")
         total = roster.meta.get("total_weight")
         if self.device not in devices:
-            raise Rejected("secure aggregation: this device is not in the roster")
+            raise Rejected(RejectKind.UNKNOWN_SENDER, "secure aggregation: this device is not in the roster")
         if not isinstance(total, (int, float)) or not math.isfinite(total) or total < self.weight_bound:
-            raise Rejected(f"secure aggregation: total weight {total!r} below this device's")
+            raise Rejected(RejectKind.BOUND, f"secure aggregation: total weight {total!r} below this device's")
         graph = neighbour_graph(devices, self.settings, self.rid)
         near = graph[self.device]
         expected = {f"{p}/{j}" for j in near for p in ("c", "s")}
         signatures = {f"g/{j}" for j in near}
         if not expected <= set(roster.tensors) <= expected | signatures:
-            raise Rejected("secure aggregation: the roster's keys are not those of this device's neighbours")
+            raise Rejected(
+                RejectKind.INCONSISTENT,
+                "secure aggregation: the roster's keys are not those of this device's neighbours",
+            )
         for j in near:
             self._peer_c[j] = _bytes(roster, f"c/{j}", KEY_BYTES, "roster")
             self._peer_s[j] = _bytes(roster, f"s/{j}", KEY_BYTES, "roster")
@@ -414,12 +424,12 @@ class SecAggDevice:
         A share that does not open (tampered, replayed from another round) is dropped: this device
         then cannot help recover that neighbour, which costs at most that neighbour's recovery."""
         if not self.roster:
-            raise Rejected("secure aggregation: shares routed before the roster")
+            raise Rejected(RejectKind.OUT_OF_ORDER, "secure aggregation: shares routed before the roster")
         if self.shared:
-            raise Rejected("secure aggregation: shares routed twice this round")
+            raise Rejected(RejectKind.REPLAY, "secure aggregation: shares routed twice this round")
         shared = _device_list(routed.meta.get("shared"), "shared")
         if self.device not in shared or not set(shared) <= set(self.roster):
-            raise Rejected("secure aggregation: the routed set does not fit the roster")
+            raise Rejected(RejectKind.INCONSISTENT, "secure aggregation: the routed set does not fit the roster")
         x = self.roster.index(self.device) + 1
         for j in self.neighbours:
             arr = routed.tensors.get(f"e/{j}")
@@ -440,13 +450,15 @@ class SecAggDevice:
     def mask(self, result: Payload) -> Payload:
         """The masked ``device_result`` for a dense result (tensors, ``weight``): one uint32 vector."""
         if not self.shared:
-            raise Rejected("secure aggregation: masking before the shares were routed")
+            raise Rejected(RejectKind.OUT_OF_ORDER, "secure aggregation: masking before the shares were routed")
         weight = result.meta.get("weight")
         if not isinstance(weight, (int, float)) or not 0 < weight <= self.weight_bound:
-            raise Rejected(f"secure aggregation: weight {weight!r} outside (0, {self.weight_bound:g}]")
+            raise Rejected(
+                RejectKind.BOUND, f"secure aggregation: weight {weight!r} outside (0, {self.weight_bound:g}]"
+            )
         flat, layout = flatten(result.tensors)
         if not np.isfinite(flat).all():
-            raise Rejected("secure aggregation: the update has non-finite values (not sent)")
+            raise Rejected(RejectKind.NON_FINITE, "secure aggregation: the update has non-finite values (not sent)")
         masked = quantize(flat, float(weight), self.settings, self.total_weight)
         n = masked.size
         masked += self_mask(self._b, self.rid, n)
@@ -462,15 +474,15 @@ class SecAggDevice:
         """``secagg_consent`` for ``secagg_unmask``: the digest of this device's view of the round (U1, U3,
         D), signed with its identity; nothing is revealed before its neighbours confirmed the same view."""
         if self.view is not None:
-            raise Rejected("secure aggregation: a second unmask request this round (refused)")
+            raise Rejected(RejectKind.REPLAY, "secure aggregation: a second unmask request this round (refused)")
         survivors = _device_list(request.meta.get("survivors"), "survivors")
         dropped = _device_list(request.meta.get("dropped"), "dropped")
         if set(survivors) & set(dropped) or not set(survivors) | set(dropped) <= set(self.shared):
             raise CellLied("secure aggregation: survivors and dropped overlap or leave the shared set")
         if self.device not in survivors:
-            raise Rejected("secure aggregation: unmask request that does not count this device")
+            raise Rejected(RejectKind.NOT_PLANNED, "secure aggregation: unmask request that does not count this device")
         if len(survivors) < self.settings.survivors_needed(len(self.roster)):
-            raise Rejected("secure aggregation: fewer survivors than the threshold")
+            raise Rejected(RejectKind.INCONSISTENT, "secure aggregation: fewer survivors than the threshold")
         digest = view_digest(self.roster, survivors, dropped, self.rid)
         self.view = (survivors, dropped, digest)
         tensors = (
@@ -484,15 +496,15 @@ class SecAggDevice:
         that differs, or a signature that is not its own, means the cell told devices different things: the
         device refuses (:class:`CellLied`) and reveals nothing this round."""
         if self.view is None:
-            raise Rejected("secure aggregation: views before the unmask request")
+            raise Rejected(RejectKind.OUT_OF_ORDER, "secure aggregation: views before the unmask request")
         if self.revealed:
-            raise Rejected("secure aggregation: a second views message this round (refused)")
+            raise Rejected(RejectKind.REPLAY, "secure aggregation: a second views message this round (refused)")
         self.revealed = True  # one answer per round, whatever it is
         survivors, dropped, digest = self.view
         seen = views.meta.get("views")
         near = set(self.neighbours) & set(survivors)
         if not isinstance(seen, dict) or not all(isinstance(j, str) and isinstance(v, str) for j, v in seen.items()):
-            raise Rejected("secure aggregation: views is not a map of device ids to digests")
+            raise Rejected(RejectKind.MALFORMED, "secure aggregation: views is not a map of device ids to digests")
         if not set(seen) <= near or not set(views.tensors) <= {f"g/{j}" for j in seen}:
             raise CellLied(
                 "secure aggregation: views of devices that are not surviving neighbours in this device's view "
@@ -512,7 +524,8 @@ class SecAggDevice:
         t = self.settings.t(len(self.roster))
         if len(seen) < t:
             raise Rejected(
-                f"secure aggregation: {len(seen)} neighbours confirmed this view, fewer than the threshold {t}"
+                RejectKind.INCONSISTENT,
+                f"secure aggregation: {len(seen)} neighbours confirmed this view, fewer than the threshold {t}",
             )
         out: dict[str, np.ndarray] = {}
         for j, (bs, ss) in self._held.items():
@@ -563,23 +576,25 @@ class SecAggCell:
 
     def _expect(self, phase: str, device: str) -> None:
         if device not in self.planned:
-            raise Rejected(f"secure aggregation: {device} was not planned for this round")
+            raise Rejected(RejectKind.NOT_PLANNED, f"secure aggregation: {device} was not planned for this round")
         if self.phase != phase:
-            raise Rejected(f"secure aggregation: a {phase} message during the {self.phase} phase")
+            raise Rejected(
+                RejectKind.OUT_OF_ORDER, f"secure aggregation: a {phase} message during the {self.phase} phase"
+            )
 
     def add_keys(self, device: str, payload: Payload) -> None:
         self._expect("keys", device)
         if device in self.keys:
-            raise Rejected("secure aggregation: keys sent twice")
+            raise Rejected(RejectKind.REPLAY, "secure aggregation: keys sent twice")
         c, s = _bytes(payload, "c", KEY_BYTES, "keys"), _bytes(payload, "s", KEY_BYTES, "keys")
         if not set(payload.tensors) <= {"c", "s", "g"}:
-            raise Rejected("secure aggregation: keys with unknown parts")
+            raise Rejected(RejectKind.MALFORMED, "secure aggregation: keys with unknown parts")
         if "g" in payload.tensors:  # its signature of the keys: forwarded, each neighbour checks it
             self.signatures[device] = _bytes(payload, "g", SIG_BYTES, "keys")
         w = payload.meta.get("weight")
         bound = self.weight_bound(device)
         if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0 or (bound is not None and w > bound):
-            raise Rejected(f"secure aggregation: weight {w!r} refused (bound {bound})")
+            raise Rejected(RejectKind.BOUND, f"secure aggregation: weight {w!r} refused (bound {bound})")
         self.keys[device] = (c, s, float(w))
 
     @property
@@ -605,16 +620,16 @@ class SecAggCell:
     def add_shares(self, device: str, payload: Payload) -> None:
         self._expect("shares", device)
         if device not in self.graph:
-            raise Rejected("secure aggregation: shares from a device not in the roster")
+            raise Rejected(RejectKind.UNKNOWN_SENDER, "secure aggregation: shares from a device not in the roster")
         if device in self.sealed:
-            raise Rejected("secure aggregation: shares sent twice")
+            raise Rejected(RejectKind.REPLAY, "secure aggregation: shares sent twice")
         if set(payload.tensors) != {f"e/{j}" for j in self.graph[device]}:
-            raise Rejected("secure aggregation: shares are not one per neighbour")
+            raise Rejected(RejectKind.INCONSISTENT, "secure aggregation: shares are not one per neighbour")
         for j in self.graph[device]:
             _bytes(payload, f"e/{j}", SEALED_BYTES, "shares")
         commit = payload.meta.get("commit")
         if not isinstance(commit, str) or len(commit) != 64:
-            raise Rejected("secure aggregation: missing commitment")
+            raise Rejected(RejectKind.MALFORMED, "secure aggregation: missing commitment")
         self.sealed[device], self.commits[device] = payload, commit
 
     @property
@@ -640,18 +655,22 @@ class SecAggCell:
         """Refuse a masked result that cannot be summed; its layout otherwise."""
         self._expect("masked", device)
         if device not in self.sealed:
-            raise Rejected("secure aggregation: a result from a device whose shares did not arrive")
+            raise Rejected(
+                RejectKind.NOT_PLANNED, "secure aggregation: a result from a device whose shares did not arrive"
+            )
         layout = _layout_of(payload.meta.get("layout"))
         arr = payload.tensors.get("masked")
         size = sum(math.prod(s) for _, s in layout)
         if set(payload.tensors) != {"masked"} or arr is None or arr.dtype != np.uint32 or arr.shape != (size,):
-            raise Rejected("secure aggregation: the masked vector does not match its layout")
+            raise Rejected(RejectKind.SHAPE, "secure aggregation: the masked vector does not match its layout")
         w = payload.meta.get("weight")
         if not isinstance(w, (int, float)) or not 0 < w <= self.keys[device][2]:
-            raise Rejected(f"secure aggregation: weight {w!r} above the {self.keys[device][2]:g} advertised")
+            raise Rejected(
+                RejectKind.BOUND, f"secure aggregation: weight {w!r} above the {self.keys[device][2]:g} advertised"
+            )
         for other in self.masked.values():
             if other.meta["layout"] != payload.meta["layout"]:
-                raise Rejected("secure aggregation: a layout unlike the other devices'")
+                raise Rejected(RejectKind.INCONSISTENT, "secure aggregation: a layout unlike the other devices'")
         return layout
 
     def add_masked(self, device: str, payload: Payload) -> None:
@@ -673,12 +692,12 @@ class SecAggCell:
         """A survivor's ``secagg_consent``: the (signed) digest of the view it was sent."""
         self._expect("consent", device)
         if device not in self.masked:
-            raise Rejected("secure aggregation: a consent from a device that is not a survivor")
+            raise Rejected(RejectKind.NOT_PLANNED, "secure aggregation: a consent from a device that is not a survivor")
         if device in self.consents:
-            raise Rejected("secure aggregation: consent sent twice")
+            raise Rejected(RejectKind.REPLAY, "secure aggregation: consent sent twice")
         view = payload.meta.get("view")
         if not isinstance(view, str) or len(view) != 64 or not set(payload.tensors) <= {"g"}:
-            raise Rejected("secure aggregation: a consent without its view digest")
+            raise Rejected(RejectKind.MALFORMED, "secure aggregation: a consent without its view digest")
         if "g" in payload.tensors:
             _bytes(payload, "g", SIG_BYTES, "consent")
         self.consents[device] = payload
@@ -701,13 +720,15 @@ class SecAggCell:
     def add_reveal(self, device: str, payload: Payload) -> None:
         self._expect("reveal", device)
         if device not in self.consents:
-            raise Rejected("secure aggregation: a reveal from a device that was not sent the views")
+            raise Rejected(
+                RejectKind.OUT_OF_ORDER, "secure aggregation: a reveal from a device that was not sent the views"
+            )
         if device in self.reveals:
-            raise Rejected("secure aggregation: reveal sent twice")
+            raise Rejected(RejectKind.REPLAY, "secure aggregation: reveal sent twice")
         near = set(self.graph[device])
         allowed = {f"b/{j}" for j in self.survivors if j in near} | {f"s/{j}" for j in self.dropped if j in near}
         if not set(payload.tensors) <= allowed:
-            raise Rejected("secure aggregation: a reveal with shares it should not hold")
+            raise Rejected(RejectKind.INCONSISTENT, "secure aggregation: a reveal with shares it should not hold")
         for name in payload.tensors:
             _bytes(payload, name, shamir.SHARE_BYTES, "reveal")
         self.reveals[device] = payload

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..jsonl import loads
+from ..rejections import Refusal, RejectKind
 
 MAGIC = b"FTW1"
 MAX_HEADER_BYTES = 16 * 1024
@@ -42,8 +43,9 @@ MessageKind = Literal[
 ]
 
 
-class WireError(ValueError):
-    """A message that cannot be accepted; the text says why. Receivers log it and drop the message."""
+class WireError(Refusal):
+    """A message that cannot be accepted: ``kind`` says what was wrong, the text says why. Receivers log it
+    and drop the message."""
 
 
 class Header(BaseModel):
@@ -123,7 +125,7 @@ def decode_sig(text: str) -> bytes:
     try:
         return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError):
-        raise WireError("malformed signature") from None
+        raise WireError(RejectKind.SIGNATURE, "malformed signature") from None
 
 
 def encode_message(header: Header, payload: bytes | Buffers, sign: Signer | None = None, topic: str = "") -> bytes:
@@ -143,22 +145,24 @@ def decode_message(data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tu
     """Parse and validate a framed message (not its signature); raise :class:`WireError` on anything
     malformed or larger than ``max_payload``."""
     if len(data) < len(MAGIC) + 4 or data[:4] != MAGIC:
-        raise WireError("not a fedtier message (bad magic)")
+        raise WireError(RejectKind.MALFORMED, "not a fedtier message (bad magic)")
     if len(data) > max_payload + 8 + MAX_HEADER_BYTES:
-        raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_payload}")
+        raise WireError(RejectKind.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_payload}")
     (head_len,) = struct.unpack_from("<I", data, 4)
     if head_len > MAX_HEADER_BYTES or 8 + head_len > len(data):
-        raise WireError(f"bad header length {head_len}")
+        raise WireError(RejectKind.MALFORMED, f"bad header length {head_len}")
     try:
         raw = loads(bytes(data[8 : 8 + head_len]))
         header = Header.model_validate(raw)
     except (ValueError, ValidationError) as exc:
-        raise WireError(f"invalid header: {_short(exc)}") from None
+        raise WireError(RejectKind.MALFORMED, f"invalid header: {_short(exc)}") from None
     payload = memoryview(data)[8 + head_len :]
     if len(payload) != header.payload_len:
-        raise WireError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
+        raise WireError(RejectKind.MALFORMED, f"payload is {len(payload)} bytes, header says {header.payload_len}")
     if header.payload_len > max_payload:
-        raise WireError(f"payload of {header.payload_len} bytes exceeds the limit of {max_payload}")
+        raise WireError(
+            RejectKind.OVERSIZED, f"payload of {header.payload_len} bytes exceeds the limit of {max_payload}"
+        )
     return header, payload
 
 
@@ -166,7 +170,7 @@ def verify_signature(header: Header, payload: bytes | memoryview, topic: str, ve
     """Raise :class:`WireError` unless ``header`` carries its sender's valid signature over itself
     (without the signature), ``payload`` and ``topic``."""
     if header.sig is None:
-        raise WireError("unsigned message where a signature is required")
+        raise WireError(RejectKind.SIGNATURE, "unsigned message where a signature is required")
     unsigned = header.model_copy(update={"sig": None}).to_json()
     verify(header.sender, signed_bytes(topic, unsigned, payload), decode_sig(header.sig))
 

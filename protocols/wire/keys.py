@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from ..config import ConfigError
+from ..rejections import RejectKind
 from .envelope import WireError
 
 if TYPE_CHECKING:
@@ -240,12 +241,12 @@ class PublicKeys:
         if key is None:
             raw = self._raw.get(signer)
             if raw is None:
-                raise WireError(f"unknown signer {signer!r}")
+                raise WireError(RejectKind.UNKNOWN_SENDER, f"unknown signer {signer!r}")
             key = self._public[signer] = Ed25519PublicKey.from_public_bytes(raw)
         try:
             self.verified.check(self._raw[signer], key, sig, data)
         except InvalidSignature:
-            raise WireError(f"bad signature: not signed by {signer!r}") from None
+            raise WireError(RejectKind.SIGNATURE, f"bad signature: not signed by {signer!r}") from None
 
 
 class Trust(PublicKeys):

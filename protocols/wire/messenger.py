@@ -2,7 +2,7 @@
 de-duplication.
 
 Every runtime talks through one :class:`Messenger`, so each message is encoded and checked in one
-place. A message that fails any check is logged with its reason and reported to ``on_reject``;
+place. A message that fails any check is logged with its kind and reason and reported to ``on_reject``;
 it never reaches a role.
 """
 
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..rejections import RejectKind
 from ..transport.base import Transport
 from .dedup import SeenIds
 from .envelope import (
@@ -63,7 +64,7 @@ class Messenger:
         *,
         trust: Trust | None = None,
         max_payload: int | None = None,
-        on_reject: Callable[[str, str, str | None], None] | None = None,
+        on_reject: Callable[[str, RejectKind, str, str | None], None] | None = None,
     ) -> None:
         self.transport, self.run, self.sender = transport, run, sender
         self.trust, self.max_payload = trust, max_payload or DEFAULT_MAX_PAYLOAD
@@ -143,24 +144,24 @@ class Messenger:
         try:
             header, raw = decode_message(data, max_payload=self.max_payload)
             if header.run != self.run:
-                raise WireError(f"message for run {header.run!r}, this is run {self.run!r}")
+                raise WireError(RejectKind.WRONG_SENDER, f"message for run {header.run!r}, this is run {self.run!r}")
             if kinds is not None and header.kind not in kinds:
-                raise WireError(f"unexpected message kind {header.kind!r} on {topic}")
+                raise WireError(RejectKind.MALFORMED, f"unexpected message kind {header.kind!r} on {topic}")
             if self.trust is not None:
                 if not self.trust.knows(header.sender):
-                    raise WireError(f"unknown sender {header.sender!r}")
+                    raise WireError(RejectKind.UNKNOWN_SENDER, f"unknown sender {header.sender!r}")
                 verify_signature(header, raw, topic, self.trust.verify)
             if not self.seen.first_time(f"{header.session}/{header.msg_id}"):
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
                 return None
             payload = decode_payload(raw)
         except WireError as exc:
-            self.reject(topic, str(exc), None)
+            self.reject(topic, exc.kind, str(exc), None)
             return None
         return Incoming(topic, header, payload, len(data))
 
-    def reject(self, topic: str, reason: str, sender: str | None) -> None:
-        """Log a rejected message and tell the owner (who records it in its aggregation log)."""
-        self._log.warning("%s rejected a message on %s: %s", self.sender, topic, reason)
+    def reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
+        """Log a rejected message and tell the owner (who records it, with its kind, in its aggregation log)."""
+        self._log.warning("%s rejected a message on %s (%s): %s", self.sender, topic, kind.value, reason)
         if self.on_reject is not None:
-            self.on_reject(topic, reason, sender)
+            self.on_reject(topic, kind, reason, sender)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..jsonl import loads
+from ..rejections import RejectKind
 from .envelope import WireError
 
 DTYPES: dict[int, np.dtype] = {
@@ -55,7 +56,7 @@ def _code(arr: np.ndarray) -> int:
     try:
         return _CODES[key]
     except KeyError:
-        raise WireError(f"dtype {arr.dtype} cannot be sent") from None
+        raise WireError(RejectKind.SHAPE, f"dtype {arr.dtype} cannot be sent") from None
 
 
 Parts = list[bytes | np.ndarray]
@@ -109,20 +110,20 @@ def decode_payload(data: bytes | memoryview, *, require_finite: bool = True) -> 
     def take(n: int) -> memoryview:
         nonlocal pos
         if n < 0 or pos + n > len(buf):
-            raise WireError("payload truncated")
+            raise WireError(RejectKind.MALFORMED, "payload truncated")
         out = buf[pos : pos + n]
         pos += n
         return out
 
     (meta_len,) = struct.unpack("<I", take(4))
     if meta_len > MAX_META_BYTES:
-        raise WireError(f"metadata of {meta_len} bytes is too large")
+        raise WireError(RejectKind.OVERSIZED, f"metadata of {meta_len} bytes is too large")
     try:
         meta = loads(bytes(take(meta_len)), finite=True)
     except ValueError as exc:
-        raise WireError(f"bad metadata: {exc}") from None
+        raise WireError(RejectKind.MALFORMED, f"bad metadata: {exc}") from None
     if not isinstance(meta, dict):
-        raise WireError("metadata is not an object")
+        raise WireError(RejectKind.MALFORMED, "metadata is not an object")
     (count,) = struct.unpack("<H", take(2))
     tensors: dict[str, np.ndarray] = {}
     for _ in range(count):
@@ -130,22 +131,22 @@ def decode_payload(data: bytes | memoryview, *, require_finite: bool = True) -> 
         try:
             name = bytes(take(name_len)).decode()
         except UnicodeDecodeError:
-            raise WireError("tensor name is not utf-8") from None
+            raise WireError(RejectKind.MALFORMED, "tensor name is not utf-8") from None
         code, ndim = struct.unpack("<BB", take(2))
         if code not in DTYPES:
-            raise WireError(f"tensor {name!r}: unknown dtype code {code}")
+            raise WireError(RejectKind.SHAPE, f"tensor {name!r}: unknown dtype code {code}")
         if ndim > MAX_NDIM:
-            raise WireError(f"tensor {name!r}: {ndim} dimensions")
+            raise WireError(RejectKind.SHAPE, f"tensor {name!r}: {ndim} dimensions")
         shape = struct.unpack(f"<{ndim}I", take(4 * ndim))
         dtype = DTYPES[code]
         nbytes = math.prod(shape) * dtype.itemsize
         # the one copy of the tensor's bytes: out of the message, into an array of its own (writable, native)
         arr = np.frombuffer(take(nbytes), dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=True)
         if require_finite and arr.dtype.kind == "f" and not _finite(arr):
-            raise WireError(f"tensor {name!r} has non-finite values")
+            raise WireError(RejectKind.NON_FINITE, f"tensor {name!r} has non-finite values")
         if name in tensors:
-            raise WireError(f"tensor {name!r} appears twice")
+            raise WireError(RejectKind.MALFORMED, f"tensor {name!r} appears twice")
         tensors[name] = arr
     if pos != len(buf):
-        raise WireError(f"{len(buf) - pos} trailing bytes after the last tensor")
+        raise WireError(RejectKind.MALFORMED, f"{len(buf) - pos} trailing bytes after the last tensor")
     return Payload(meta, tensors)

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from ..jsonl import loads
+from ..rejections import RejectKind
 from .envelope import Signer, Verifier, WireError, decode_sig, encode_sig
 
 RECORD_DOMAIN = b"fedtier/record/1\0"
@@ -41,19 +42,19 @@ def open_record(
     """Parse a record of at most ``max_bytes``; with ``verify`` it must carry ``signer``'s valid
     signature for ``topic``. Raises :class:`WireError` saying why not."""
     if len(data) > max_bytes:
-        raise WireError(f"record of {len(data)} bytes exceeds {max_bytes}")
+        raise WireError(RejectKind.OVERSIZED, f"record of {len(data)} bytes exceeds {max_bytes}")
     try:
         record = loads(data)
     except ValueError:
-        raise WireError("not a JSON record") from None
+        raise WireError(RejectKind.MALFORMED, "not a JSON record") from None
     if not isinstance(record, dict):
-        raise WireError("not a JSON object")
+        raise WireError(RejectKind.MALFORMED, "not a JSON object")
     sig = record.pop("sig", None)
     if verify is not None:
         if signer is None:
-            raise WireError(f"nobody may sign records on {topic}")
+            raise WireError(RejectKind.UNKNOWN_SENDER, f"nobody may sign records on {topic}")
         if not isinstance(sig, str):
-            raise WireError(f"unsigned record (the signature of {signer!r} is required)")
+            raise WireError(RejectKind.SIGNATURE, f"unsigned record (the signature of {signer!r} is required)")
         verify(signer, _signed(topic, record), decode_sig(sig))
     return record
 

@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ... import params as P
+from ...rejections import Rejected, RejectKind
 from ...wire.payload import Payload, payload_size
-from ..base import Rejected
 
 Delta = "OrderedDict[str, np.ndarray]"
 SEED_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -36,7 +36,7 @@ def seed_hex(seed: int) -> str:
 def parse_seed(value: Any, what: str) -> int:
     """The seed of ``seed_hex``; :class:`Rejected` if malformed."""
     if not isinstance(value, str) or not SEED_RE.match(value):
-        raise Rejected(f"{what}: seed must be 16 hex digits, got {value!r}")
+        raise Rejected(RejectKind.MALFORMED, f"{what}: seed must be 16 hex digits, got {value!r}")
     return int(value, 16)
 
 
@@ -50,7 +50,7 @@ def unpack_bits(packed: np.ndarray, count: int, what: str) -> np.ndarray:
     expect_array(packed, np.uint8, (math.ceil(count / 8),), what)
     bits = np.unpackbits(packed, bitorder="little")
     if bits[count:].any():
-        raise Rejected(f"{what}: padding bits are not zero")
+        raise Rejected(RejectKind.MALFORMED, f"{what}: padding bits are not zero")
     return bits[:count]
 
 
@@ -71,15 +71,15 @@ def expect_array(arr: Any, dtype: type, shape: tuple[int, ...], what: str) -> np
     """Check an incoming array's dtype and shape (and finiteness for floats)."""
     if not isinstance(arr, np.ndarray) or arr.dtype != np.dtype(dtype) or arr.shape != shape:
         got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
-        raise Rejected(f"{what}: expected {np.dtype(dtype)}{list(shape)}, got {got}")
+        raise Rejected(RejectKind.SHAPE, f"{what}: expected {np.dtype(dtype)}{list(shape)}, got {got}")
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise Rejected(f"{what}: non-finite values")
+        raise Rejected(RejectKind.NON_FINITE, f"{what}: non-finite values")
     return arr
 
 
 def expect_names(payload: Payload, names: list[str], what: str) -> None:
     if list(payload.tensors) != names:
-        raise Rejected(f"{what}: expected tensors {names}, got {list(payload.tensors)[:5]}")
+        raise Rejected(RejectKind.SHAPE, f"{what}: expected tensors {names}, got {list(payload.tensors)[:5]}")
 
 
 def flatten(delta: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -155,7 +155,9 @@ class UplinkCodec(ABC):
 
     def _check_codec(self, payload: Payload, what: str) -> None:
         if payload.meta.get("codec") != self.name:
-            raise Rejected(f"{what}: expected codec {self.name!r}, got {payload.meta.get('codec')!r}")
+            raise Rejected(
+                RejectKind.MALFORMED, f"{what}: expected codec {self.name!r}, got {payload.meta.get('codec')!r}"
+            )
 
 
 class DenseCodec(UplinkCodec):
@@ -167,13 +169,10 @@ class DenseCodec(UplinkCodec):
         return Payload({}, OrderedDict(delta))
 
     def check(self, payload: Payload, like: Mapping[str, np.ndarray], what: str) -> None:
-        try:
-            P.check_like(payload.tensors, like, what)
-        except ValueError as exc:
-            raise Rejected(str(exc)) from None
+        P.check_like(payload.tensors, like, what)  # raises Rejected
         for k, v in payload.tensors.items():  # a float64 delta could overflow the float32 model
             if v.dtype != np.float32:
-                raise Rejected(f"{what}: tensor {k!r} has dtype {v.dtype}, expected float32")
+                raise Rejected(RejectKind.SHAPE, f"{what}: tensor {k!r} has dtype {v.dtype}, expected float32")
 
     def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         return OrderedDict(payload.tensors)

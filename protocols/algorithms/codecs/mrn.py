@@ -33,9 +33,9 @@ from typing import Literal
 
 import numpy as np
 
+from ...rejections import Rejected, RejectKind
 from ...seeding import rng
 from ...wire.payload import Payload
-from ..base import Rejected
 from .base import UplinkCodec, expect_array, expect_names, pack_bits, parse_seed, seed_hex, unpack_bits
 
 NoiseKind = Literal["uniform", "gauss", "bernoulli"]
@@ -165,7 +165,9 @@ class FedMRNCodec(UplinkCodec):
         parse_seed(payload.meta.get("seed"), what)
         extras = self.extra_names(like)
         if MASK in like:
-            raise Rejected(f"{what}: the model has a tensor named {MASK!r}, which FedMRN reserves")
+            raise Rejected(
+                RejectKind.MALFORMED, f"{what}: the model has a tensor named {MASK!r}, which FedMRN reserves"
+            )
         expect_names(payload, [MASK, *extras], what)
         count = sum(like[k].size for k in self.masked_names(like))
         unpack_bits(payload.tensors[MASK], count, f"{what}: mask")

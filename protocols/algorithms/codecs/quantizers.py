@@ -25,9 +25,9 @@ from typing import Literal
 import numpy as np
 
 from ... import params as P
+from ...rejections import Rejected, RejectKind
 from ...seeding import rng
 from ...wire.payload import Payload
-from ..base import Rejected
 from .base import (
     UplinkCodec,
     expect_array,
@@ -74,7 +74,7 @@ class SignSGDCodec(UplinkCodec):
         unpack_bits(payload.tensors["bits"], P.num_values(like), f"{what}: bits")
         scale = expect_array(payload.tensors["scale"], np.float32, (len(like),), f"{what}: scale")
         if (scale < 0).any():
-            raise Rejected(f"{what}: negative scale")
+            raise Rejected(RejectKind.BOUND, f"{what}: negative scale")
 
     def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         signs = unpack_bits(payload.tensors["bits"], P.num_values(like), "bits").astype(np.float32) * 2 - 1
@@ -120,7 +120,7 @@ class TopKCodec(UplinkCodec):
         idx = expect_array(payload.tensors["idx"], np.uint32, (total,), f"{what}: idx")
         expect_array(payload.tensors["val"], np.float32, (total,), f"{what}: val")
         if total and (int(idx[-1]) >= P.num_values(like) or (np.diff(idx.astype(np.int64)) <= 0).any()):
-            raise Rejected(f"{what}: indices must be increasing and below {P.num_values(like)}")
+            raise Rejected(RejectKind.BOUND, f"{what}: indices must be increasing and below {P.num_values(like)}")
 
     def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         out = np.zeros(P.num_values(like), np.float32)
@@ -173,10 +173,10 @@ class QSGDCodec(UplinkCodec):
         expect_names(payload, ["codes", "scale"], what)
         codes = self._codes(payload, like, what)
         if codes.size and int(codes.max()) > 2 * self.levels:
-            raise Rejected(f"{what}: quantization code above {2 * self.levels}")
+            raise Rejected(RejectKind.BOUND, f"{what}: quantization code above {2 * self.levels}")
         scale = expect_array(payload.tensors["scale"], np.float32, (len(like),), f"{what}: scale")
         if (scale < 0).any():
-            raise Rejected(f"{what}: negative norm")
+            raise Rejected(RejectKind.BOUND, f"{what}: negative norm")
 
     def decode(self, payload: Payload, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         levels = self._codes(payload, like, "codes").astype(np.float32) - np.float32(self.levels)

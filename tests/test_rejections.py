@@ -1,0 +1,137 @@
+"""Rejections carry a kind from a fixed vocabulary, from where they are raised to the metric label."""
+
+from __future__ import annotations
+
+import ast
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from monitor.exporter import MetricsExporter
+from protocols.answers import Answers
+from protocols.records import CellRecord
+from protocols.rejections import Rejected, RejectKind, kind_of
+from protocols.transport.memory import MemoryHub
+from protocols.wire.envelope import WireError
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("protocols", "edge_agent", "cell_server", "cloud", "sim", "monitor", "fedtier")
+
+
+def _calls(name: str) -> list[tuple[str, ast.Call]]:
+    found = []
+    for pkg in PRODUCT:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call):
+                    func = node.func
+                    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                    if called == name:
+                        found.append((f"{path.relative_to(ROOT)}:{node.lineno}", node))
+    return found
+
+
+def _names_a_kind(arg: ast.expr) -> bool:
+    """``RejectKind.X``, or a kind taken from a refusal (``exc.kind``, ``kind_of(...)``, a ``kind`` variable)."""
+    if isinstance(arg, ast.Attribute):
+        return (isinstance(arg.value, ast.Name) and arg.value.id == "RejectKind") or arg.attr == "kind"
+    if isinstance(arg, ast.Call):
+        return getattr(arg.func, "id", None) == "kind_of"
+    return isinstance(arg, ast.Name) and arg.id == "kind"
+
+
+@pytest.mark.parametrize("name", ["Rejected", "WireError"])
+def test_every_refusal_names_its_kind(name: str) -> None:
+    calls = _calls(name)
+    assert len(calls) >= (80 if name == "Rejected" else 25)
+    missing = [where for where, call in calls if not call.args or not _names_a_kind(call.args[0])]
+    assert not missing, f"{name}(...) without a RejectKind first: {missing}"
+
+
+def test_every_reported_rejection_names_its_kind() -> None:
+    calls = _calls("reject")
+    assert len(calls) >= 25
+    bad = [where for where, call in calls if len(call.args) != 4 or not _names_a_kind(call.args[1])]
+    assert not bad, f"Messenger.reject(topic, kind, reason, sender) without a kind: {bad}"
+
+
+def test_a_refusal_without_a_kind_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="RejectKind"):
+        Rejected("stale", "no kind")  # type: ignore[arg-type]  # the mistake this test is about
+    with pytest.raises(TypeError):
+        WireError("bad magic")  # type: ignore[call-arg]  # the mistake this test is about
+
+
+def test_the_kind_survives_pickling_and_kind_of_defaults() -> None:
+    exc = pickle.loads(pickle.dumps(Rejected(RejectKind.BOUND, "weight 1e+09 exceeds")))
+    assert isinstance(exc, Rejected) and exc.kind is RejectKind.BOUND and str(exc) == "weight 1e+09 exceeds"
+    assert kind_of(WireError(RejectKind.OVERSIZED, "too big")) is RejectKind.OVERSIZED
+    assert kind_of(ValueError("plain")) is RejectKind.INVALID
+    assert kind_of(ValueError("plain"), RejectKind.SHAPE) is RejectKind.SHAPE
+
+
+def _record(*rejected: tuple[str, str]) -> CellRecord:
+    return CellRecord.model_validate(
+        {
+            "round": 0,
+            "edge_round": 0,
+            "cell": "c0",
+            "algorithm": "fedavg",
+            "closed_by": "deadline",
+            "duration_s": 0.1,
+            "rejected": [{"device": "c0-d1", "kind": k, "reason": why} for k, why in rejected],
+        }
+    )
+
+
+def _rejected_by_label(exporter: MetricsExporter) -> dict[str, float]:
+    return {
+        s.labels["reason"]: s.value
+        for family in exporter.registry.collect()
+        for s in family.samples
+        if s.name == "fedtier_cell_results_rejected_total"
+    }
+
+
+def test_rewording_a_reason_does_not_change_the_metric_label() -> None:
+    exporter = MetricsExporter("r", CollectorRegistry())
+    # the same kind in other words counts under one label; words that name another kind do not move it
+    exporter.observe(_record(("stale", "stale answer for round 0.0 (now 0.1)")).to_dict())
+    exporter.observe(_record(("stale", "this answer came in late, a non-finite signature")).to_dict())
+    exporter.observe(_record(("bound", "weight 1e+09 exceeds the 600 samples known for c0-d1")).to_dict())
+    assert _rejected_by_label(exporter) == {"stale": 2.0, "bound": 1.0}
+    # a record written before kinds existed still parses, and counts as invalid
+    old = _record(("stale", "bad signature")).to_dict()
+    del old["rejected"][0]["kind"]
+    exporter.observe(old)
+    assert _rejected_by_label(exporter) == {"stale": 2.0, "bound": 1.0, "invalid": 1.0}
+
+
+def test_the_runtimes_report_the_kind_of_what_they_refuse() -> None:
+    seen: list[tuple[RejectKind, str]] = []
+    hub = MemoryHub()
+    receiver = Messenger(hub.connect("cell"), "r", "c0", on_reject=lambda t, kind, why, s: seen.append((kind, why)))
+    receiver.receive("t", b"not a fedtier message at all")
+    receiver.receive(
+        "t", Messenger(hub.connect("x"), "other-run", "c0-d0").frame("device_result", Payload({}), round=0)
+    )
+    assert [k for k, _ in seen] == [RejectKind.MALFORMED, RejectKind.WRONG_SENDER]
+
+    answers = Answers("device")
+    answers.open((1, 0), ["c0-d0"])
+    result = Payload({"weight": 1.0}, {"w": np.zeros(2, np.float32)})
+    ok = answers.offer("c0-d0", "c0-d0", (0, 0), result, lambda who, p: None)
+    assert ok is not None and ok.kind is RejectKind.STALE
+    assert answers.offer("c0-d9", "c0-d9", (1, 0), result, lambda who, p: None).kind is RejectKind.NOT_PLANNED  # type: ignore[union-attr]  # a refusal is expected here
+
+    def check(who: str, payload: Payload) -> None:
+        raise Rejected(RejectKind.NON_FINITE, "update: non-finite values")
+
+    refused = answers.offer("c0-d0", "c0-d0", (1, 0), result, check)
+    assert refused is not None and refused.kind is RejectKind.NON_FINITE and "c0-d0" in answers.pending
