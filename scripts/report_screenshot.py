@@ -4,8 +4,8 @@
     .venv/bin/python scripts/report_screenshot.py runs/quickstart/report.html [--out shot.png]
 
 Exit 0 when every ``<img>`` of the page decoded to a non-empty picture in the browser and the screenshot
-is not blank; 1 otherwise; 2 when Chromium is missing. Chromium is not installed by scripts/setup.sh
-(it is large): on Debian, ``apt-get install chromium``; or point ``CHROMIUM`` at a Chrome/Chromium binary.
+is not blank; 1 otherwise; 2 when Chromium is missing. scripts/setup.sh installs Debian's ``chromium`` when run
+as root; elsewhere point ``CHROMIUM`` at a Chrome/Chromium binary.
 
 How: a copy of the page gets a small script that, on the load event (every image loaded or failed),
 writes the count of images that loaded (``naturalWidth > 0``) into the DOM, which ``--dump-dom`` prints.

@@ -1,5 +1,5 @@
-"""The HTML report renders every plot in a real browser (headless Chromium; skipped where it is absent:
-it is large, so scripts/setup.sh does not install it; Debian: apt-get install chromium)."""
+"""The HTML report renders every plot in a real browser (headless Chromium: scripts/setup.sh installs Debian's
+chromium when run as root; skipped where it is absent)."""
 
 from __future__ import annotations
 
