@@ -88,4 +88,5 @@ def build_cell(
         max_weight=cfg.security.max_device_weight,
         secagg=cfg.secagg_settings(),
         secagg_deadline=cfg.secagg_deadline(),
+        requirements=None if cfg.requirements.nothing_required() else cfg.requirements,
     )

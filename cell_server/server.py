@@ -17,6 +17,7 @@ from protocols.algorithms.base import CellRole
 from protocols.algorithms.outcome import Outcome
 from protocols.answers import Answers
 from protocols.bounds import weight_over
+from protocols.capabilities import unmet
 from protocols.divergence import diverged_reason
 from protocols.jsonl import JsonlWriter
 from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
@@ -33,6 +34,7 @@ from .members import DeviceList, OnlineFlags
 from .recovery import RoundJournal, recover
 
 if TYPE_CHECKING:
+    from protocols.config import RequirementsSection
     from protocols.privacy.secagg import SecAggSettings
     from protocols.wire.keys import Trust
 
@@ -84,6 +86,7 @@ class CellServer:
         journal_path: str | Path | None = None,
         resume: bool = False,
         status_wait: float = 0.0,
+        requirements: RequirementsSection | None = None,
     ) -> None:
         """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
         ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never);
@@ -117,6 +120,8 @@ class CellServer:
         self.online = OnlineFlags(self.devices, assume_online)
         self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
+        self.requirements = requirements
+        self.unmet: dict[str, str] = {}  # device -> why it cannot serve this job (its announced capabilities)
         self._beat_timer: TimerHandle | None = None
         self.rejoin_wait = rejoin_wait
         self.absent_ids = absent_ids
@@ -226,6 +231,14 @@ class CellServer:
         if record is None:
             return
         online = record["state"] == "online"
+        if online and self.requirements is not None:
+            caps = record.get("caps")
+            reason = unmet(caps if isinstance(caps, dict) else None, self.requirements)
+            if reason is None:
+                self.unmet.pop(device, None)
+            elif self.unmet.get(device) != reason:
+                self.unmet[device] = reason
+                log.info("cell %s: %s does not meet the job's requirements: %s", self.cell, device, reason)
         heard = device in self.last_seen  # a first status (a started cell) is no return
         self.last_seen[device] = self.loop.now()
         if self.online[device] != online:
@@ -427,6 +440,8 @@ class CellServer:
         for d in taking_part:
             if not self.online[d]:
                 self.absent[d] = "offline"
+            elif d in self.unmet:
+                self.absent[d] = f"requirements: {self.unmet[d]}"
             else:
                 available.append(d)
         if self.journal is not None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
@@ -60,6 +60,7 @@ class DeviceAgent:
         cloud: CloudSession | None = None,
         secagg: SecAggSettings | None = None,
         keep_answer: bool = False,
+        caps: Mapping[str, Any] | None = None,
     ) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
         the result leaves (a compute model for simulation, see ``sim/clock.py``). ``trust`` (the device's
@@ -81,6 +82,7 @@ class DeviceAgent:
         self.messenger = Messenger(transport, run, device, trust=trust, max_payload=max_message_bytes)
         self._last: tuple[str | None, int, int] | None = None  # (session, round, edge round) of the last task
         self.keep_answer = keep_answer and secagg is None
+        self.caps = caps  # announced in the status (protocols.capabilities); cells plan by them
         self._answer: tuple[tuple[str | None, int, int], str, bytes] | None = None  # (task, topic, result message)
         self._reanswers = 0  # times the kept answer was sent again
         self.on_task = on_task
@@ -118,7 +120,10 @@ class DeviceAgent:
         key = (state, len(self.data))
         record = self._status.get(key)
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
-            record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, samples=len(self.data))
+            extra = {"caps": dict(self.caps)} if self.caps is not None and state == "online" else {}
+            record = encode_status(
+                state, topic=status, trust=self.trust, cell=self.cell, samples=len(self.data), **extra
+            )
             self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
         self.transport.publish(status, record, qos=qos, retain=True)
 

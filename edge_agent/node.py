@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
+
 from protocols.algorithms.base import Algorithm
+from protocols.capabilities import probe
 from protocols.config import RunConfig
 from protocols.session import CloudSession
 from protocols.trainer import LocalData, Trainer
@@ -23,6 +28,12 @@ def cell_of(cfg: RunConfig, device: str) -> str:
     )
 
 
+@cache
+def machine_caps() -> dict[str, Any]:
+    """This machine's capabilities (probed once a process), announced by every agent it runs."""
+    return probe()
+
+
 def build_agent(
     cfg: RunConfig,
     device: str,
@@ -32,6 +43,7 @@ def build_agent(
     trainer: Trainer,
     cloud: CloudSession | None = None,
     keep_answer: bool = False,
+    caps: Mapping[str, Any] | None = None,
 ) -> DeviceAgent:
     """``cloud``: what the device's process knows of the cloud's session (MQTT agents), so that only
     tasks of the current session count. ``keep_answer``: send the last result again when a restarted cell
@@ -51,4 +63,5 @@ def build_agent(
         cloud=cloud,
         secagg=cfg.secagg_settings(),
         keep_answer=keep_answer,
+        caps=machine_caps() if caps is None else caps,
     )

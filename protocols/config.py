@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .algorithms import get_algorithm
 from .algorithms.base import CHANNEL_WIDTHS, Algorithm, ModelSpec, TrainParams
+from .capabilities import WIRE_VERSION
 from .wire.topics import check_name
 
 if TYPE_CHECKING:
@@ -477,6 +478,25 @@ class MonitoringSection(_Section):
     metrics_host: str = Field(default="127.0.0.1", description="address the /metrics server binds (0.0.0.0: all)")
 
 
+class RequirementsSection(_Section):
+    """What a device must have to take part in this job (checked against the capabilities its signed
+    status announces, ``protocols.capabilities``); devices that do not meet them are not planned."""
+
+    min_cores: int = Field(default=0, ge=0, description="Fewest CPU cores a device must have (0: any).")
+    min_memory_mb: int = Field(default=0, ge=0, description="Least memory in MB a device must have (0: any).")
+    accelerator: Literal["any", "cuda"] = Field(
+        default="any", description="'cuda': only devices that announce a CUDA GPU take part."
+    )
+    backend: Literal["any", "torch", "onnx"] = Field(
+        default="any", description="A trainer backend the device must be able to run."
+    )
+    wire: int = Field(default=WIRE_VERSION, ge=1, description="The wire-protocol version devices must speak.")
+
+    def nothing_required(self) -> bool:
+        """True when the section asks nothing beyond the default wire protocol."""
+        return self == RequirementsSection()
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     topology: TopologySection = TopologySection()
@@ -491,6 +511,7 @@ class RunConfig(_Section):
     security: SecuritySection = SecuritySection()
     monitoring: MonitoringSection = MonitoringSection()
     privacy: PrivacySection = PrivacySection()
+    requirements: RequirementsSection = RequirementsSection()
 
     @property
     def train(self) -> TrainParams:

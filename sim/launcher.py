@@ -239,6 +239,18 @@ class SimHierarchy:
         return result
 
 
+def check_requirements(cfg: RunConfig) -> None:
+    """Refuse, with the reason, a job whose ``[requirements]`` this machine's simulated devices do not meet."""
+    if cfg.requirements.nothing_required():
+        return
+    from edge_agent.node import machine_caps
+    from protocols.capabilities import unmet
+
+    reason = unmet(machine_caps(), cfg.requirements)
+    if reason is not None:
+        raise ConfigError(f"requirements: the simulated devices (this machine) do not meet them: {reason}")
+
+
 def run_simulation(
     cfg: RunConfig,
     *,
@@ -246,7 +258,9 @@ def run_simulation(
     write_output: bool = True,
     resume: bool = False,
 ) -> RunResult:
-    """Run ``cfg`` in memory and return the result; writes the run files unless ``write_output`` is off."""
+    """Run ``cfg`` in memory and return the result; writes the run files unless ``write_output`` is off.
+    Simulated devices have this machine's capabilities: a job whose ``[requirements]`` they miss is refused."""
+    check_requirements(cfg)
     return SimHierarchy(cfg, on_round=on_round, write_output=write_output, resume=resume).run()
 
 

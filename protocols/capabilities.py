@@ -1,0 +1,91 @@
+"""What a node is: its capabilities, announced in its signed status, and what a job may require of them.
+
+An agent probes its machine once at start (:func:`probe`): cores, memory, accelerator, the trainer
+backends it can run, the fedtier and wire-protocol versions. The record travels in the node's status
+(signed like the rest of it), so the fleet view and the cells read it without asking the node. A job's
+``[requirements]`` (:class:`protocols.config.RequirementsSection`) are checked against it by
+:func:`unmet`: a cell plans only the devices that meet them, and says why the others were left out.
+
+Capabilities are declared by the node, not inferred from its name; a device that lies about them gains
+nothing but tasks it then fails (counted), so they are a planning aid, not a security boundary.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+WIRE_VERSION = 1
+"""The wire protocol this build speaks (the envelope ``FTW1``, its signatures and topics)."""
+
+
+def _memory_mb() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024))
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+def _cuda() -> tuple[bool, str]:
+    """``(available, name)``, without importing torch where torch is not installed."""
+    if importlib.util.find_spec("torch") is None:
+        return False, ""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, ""
+    return True, torch.cuda.get_device_name(0)
+
+
+def probe(backends: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """This machine's capabilities, as the small JSON-able record a status carries."""
+    has_cuda, gpu = _cuda()
+    if backends is None:
+        backends = tuple(b for b, mod in (("torch", "torch"), ("onnx", "onnxruntime")) if importlib.util.find_spec(mod))
+    caps: dict[str, Any] = {
+        "cores": os.cpu_count() or 1,
+        "memory_mb": _memory_mb(),
+        "accelerator": "cuda" if has_cuda else "none",
+        "backends": sorted(backends),
+        "fedtier": _version(),
+        "wire": WIRE_VERSION,
+        "python": platform.python_version(),
+    }
+    if gpu:
+        caps["gpu"] = gpu
+    return caps
+
+
+def unmet(caps: Mapping[str, Any] | None, requirements: Any) -> str | None:
+    """Why a node with ``caps`` cannot serve a job with ``requirements`` (a ``RequirementsSection``), or
+    ``None`` if it can. A node that announced no capabilities meets only a job that requires nothing."""
+    r = requirements
+    if caps is None:
+        return None if r.nothing_required() else "announced no capabilities"
+    if _int(caps.get("wire"), WIRE_VERSION) != r.wire:
+        return f"speaks wire protocol {caps.get('wire')!r}, the job needs {r.wire}"
+    if _int(caps.get("cores"), 0) < r.min_cores:
+        return f"{caps.get('cores')} cores < min_cores {r.min_cores}"
+    if _int(caps.get("memory_mb"), 0) < r.min_memory_mb:
+        return f"{caps.get('memory_mb')} MB memory < min_memory_mb {r.min_memory_mb}"
+    if r.accelerator != "any" and caps.get("accelerator") != r.accelerator:
+        return f"accelerator {caps.get('accelerator')!r}, the job needs {r.accelerator!r}"
+    backends = caps.get("backends")
+    if r.backend != "any" and not (isinstance(backends, list) and r.backend in backends):
+        return f"backends {backends!r} lack {r.backend!r}"
+    return None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("fedtier")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default

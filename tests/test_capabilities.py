@@ -1,0 +1,96 @@
+"""Capabilities: agents announce what their machine has in their signed status; a job's requirements
+leave out the devices that miss them, with the reason; `fedtier sim` refuses a job its machine cannot serve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from protocols.capabilities import WIRE_VERSION, probe, unmet
+from protocols.config import ConfigError, RequirementsSection, load_config
+from sim.launcher import run_simulation
+
+CONFIG = """
+[run]
+name = "caps"
+rounds = 1
+output = "{out}"
+[topology]
+cells = 1
+devices_per_cell = 2
+[algorithm]
+name = "fedavg"
+local_steps = 1
+[model]
+name = "mlp"
+hidden = [8]
+[data]
+dataset = "digits"
+max_train = 100
+[runtime]
+device_deadline = 30.0
+heartbeat = 1.0
+"""
+
+
+def test_probe_reports_this_machine():
+    import os
+
+    import torch
+
+    caps = probe()
+    assert caps["cores"] == os.cpu_count() and caps["memory_mb"] > 0 and caps["wire"] == WIRE_VERSION
+    assert caps["accelerator"] == ("cuda" if torch.cuda.is_available() else "none")
+    assert "torch" in caps["backends"] and json.loads(json.dumps(caps)) == caps  # travels as JSON
+
+
+@pytest.mark.parametrize(
+    "req, why",
+    [
+        ({}, None),
+        ({"min_cores": 2}, None),
+        ({"min_cores": 3}, "2 cores < min_cores 3"),
+        ({"min_memory_mb": 5000}, "4096 MB memory < min_memory_mb 5000"),
+        ({"accelerator": "cuda"}, "accelerator 'none', the job needs 'cuda'"),
+        ({"backend": "onnx"}, "backends ['torch'] lack 'onnx'"),
+        ({"wire": 2}, "speaks wire protocol 1, the job needs 2"),
+    ],
+)
+def test_requirements_against_capabilities(req, why):
+    caps = {"cores": 2, "memory_mb": 4096, "accelerator": "none", "backends": ["torch"], "wire": 1}
+    assert unmet(caps, RequirementsSection(**req)) == why
+
+
+def test_a_node_that_announced_nothing_serves_only_jobs_that_require_nothing():
+    assert unmet(None, RequirementsSection()) is None
+    assert unmet(None, RequirementsSection(min_cores=1)) == "announced no capabilities"
+    assert unmet({"cores": "many", "wire": 1}, RequirementsSection(min_cores=1)) == "many cores < min_cores 1"
+
+
+def load_config_text(tmp_path, extra: str = ""):
+    path = tmp_path / "caps.toml"
+    path.write_text(CONFIG.format(out=tmp_path / "out") + extra)
+    return load_config(path)
+
+
+def test_sim_refuses_a_job_its_machine_cannot_serve(tmp_path):
+    cfg = load_config_text(tmp_path, "[requirements]\nmin_memory_mb = 1000000000\n")
+    with pytest.raises(ConfigError, match="requirements: .* MB memory < min_memory_mb 1000000000"):
+        run_simulation(cfg)
+
+
+def test_a_deployed_cell_plans_only_devices_that_meet_the_job(tmp_path):
+    """`fedtier run` (real broker, agent processes): a job needing more memory than the agents announce
+    plans nobody, and each cell record says why each device sat out."""
+    from sim.emulation import Emulation
+
+    cfg = load_config_text(tmp_path, "[requirements]\nmin_memory_mb = 1000000000\n")
+    result = Emulation(cfg).run()
+    record = result.cell_records[0]
+    assert record["planned"] == [] and set(record["absent"]) == {"c0-d0", "c0-d1"}
+    # the reason quotes what each agent announced in its signed status
+    from edge_agent.node import machine_caps
+
+    want = f"requirements: {machine_caps()['memory_mb']} MB memory < min_memory_mb 1000000000"
+    assert set(record["absent"].values()) == {want}
