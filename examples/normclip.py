@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 from pydantic import Field
 
 from protocols import params as P
-from protocols.algorithms.base import (
-    Algorithm,
-    CellRole,
-    CloudRole,
-    DeviceContext,
-    DeviceRole,
-    Rejected,
-    TrainParams,
-)
+from protocols.algorithms.base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
+from protocols.algorithms.outcome import Outcome
+from protocols.rejections import Rejected, RejectKind
 from protocols.seeding import rng
 from protocols.trainer import LocalData, Trainer, num_steps
 from protocols.wire.payload import Payload
@@ -49,11 +42,8 @@ def checked_weight(payload: Payload, reference: Mapping[str, np.ndarray], what: 
     """The positive finite ``weight`` of a delta shaped like ``reference``; raise :class:`Rejected` otherwise."""
     weight = payload.meta.get("weight")
     if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight < math.inf:
-        raise Rejected(f"{what}: weight must be a positive number")
-    try:
-        P.check_like(payload.tensors, reference, what)
-    except ValueError as exc:
-        raise Rejected(str(exc)) from None
+        raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number")
+    P.check_like(payload.tensors, reference, what)  # raises Rejected (shape, non_finite)
     return float(weight)
 
 
@@ -78,12 +68,12 @@ class NormClipCloud(CloudRole):
             return  # none of the cell's devices answered
         checked_weight(report, self.model, f"report of cell {cell}")
 
-    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> dict[str, float]:
+    def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         live = [(r.meta["weight"], r.tensors) for r in reports.values() if r.meta.get("weight")]
         if live:
             mean, _ = P.weighted_mean(live)
             self.model = P.add(self.model, mean)
-        return {"cells": len(live)}
+        return Outcome({"cells": len(live)})
 
     def global_params(self) -> dict[str, np.ndarray]:
         return self.model
@@ -115,9 +105,9 @@ class NormClipCell(CellRole):
     def check(self, device: str, result: Payload) -> None:
         checked_weight(result, self.model, f"result of device {device}")
 
-    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> dict[str, Any]:
+    def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
         if not results:
-            return {}
+            return Outcome()
         items, clipped = [], 0
         for device, result in results.items():  # sorted by device id: the sum's order is fixed
             delta, norm = clip(result.tensors, self.p.max_norm)
@@ -126,7 +116,7 @@ class NormClipCell(CellRole):
             self.weights[device] = float(result.meta["weight"])
         mean, _ = P.weighted_mean(items)
         self.model = P.add(self.model, mean)
-        return {"clipped": clipped}
+        return Outcome({"clipped": clipped})
 
     def report(self) -> Payload:
         weight = sum(self.weights.values())

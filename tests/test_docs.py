@@ -226,7 +226,7 @@ def test_the_example_algorithm_learns_and_bounds_a_lying_device(tmp_path: Path, 
     results = {"c0-d0": Payload({"weight": 10}, honest), "c0-d1": Payload({"weight": 10}, liar)}
     for device, r in results.items():
         cell.check(device, r)  # both are well-formed
-    assert cell.aggregate(0, results) == {"clipped": 1}
+    assert cell.aggregate(0, results).metrics == {"clipped": 1}
     moved = np.sqrt(sum(np.sum((cell.model[k] - model[k]) ** 2) for k in model))
     assert moved <= (5.0 + np.sqrt(sum(np.sum(v**2) for v in honest.values()))) / 2 + 1e-4
 
