@@ -114,6 +114,7 @@ for _module in (
     "cmd_report",
     "cmd_export",
     "cmd_partition",
+    "cmd_fleet",
     "cmd_run",
     "cmd_deploy",
     "cmd_bridge",

@@ -1,0 +1,89 @@
+"""``fedtier fleet``: every node of a run or federation, from the broker's retained status records."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import click
+
+from fedtier.cli import auth_options, main
+from fedtier.console import console, fail, load_or_exit
+
+
+@main.command()
+@click.option("--broker", metavar="URL", help="The broker (mqtt://host:port or mqtts://...).")
+@click.option("--run", "run_name", metavar="NAME", help="The run or federation name.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="A bundle's config.toml (e.g. the monitor's, run from inside the bundle): broker, credentials, TLS "
+    "files, name and keys; the flags override it.",
+)
+@auth_options
+@click.option(
+    "--keys",
+    "keys_file",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Public keys of the nodes: a status counts only if the node its topic names signed it.",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0.1),
+    default=3.0,
+    show_default=True,
+    help="Seconds to listen: retained statuses come at once, heartbeats say who is alive now.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per node instead of the table.")
+def fleet(
+    broker: str | None,
+    run_name: str | None,
+    config_path: str | None,
+    keys_file: str | None,
+    wait: float,
+    as_json: bool,
+    **auth: str | None,
+) -> None:
+    """List every node (cloud, cells, devices): online or not, when last heard, fedtier and wire versions,
+    capabilities (cores, memory, accelerator, backends), the cloud's current job. Exit 1 if no node answered."""
+    from monitor.fleet import Fleet, render
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire.keys import KeysError, load_public_keys
+
+    if config_path is not None:
+        cfg = load_or_exit(config_path, ())
+        broker, run_name = broker or cfg.broker.url, run_name or cfg.run.name
+        keys_file = keys_file or cfg.security.keys
+        auth = {k: v if v is not None else getattr(cfg.broker, k) for k, v in auth.items()}
+    if not broker or not run_name:
+        fail("give --broker URL --run NAME, or --config with both in it", 2)
+    try:
+        keys = load_public_keys(keys_file) if keys_file is not None else None
+    except KeysError as exc:
+        fail(str(exc), 2)
+    loop = ThreadLoop("fedtier-fleet").start()
+    try:
+        transport = MqttTransport.from_url(broker, f"fleet-{uuid.uuid4().hex[:8]}", loop, **auth).connect()
+    except (ConnectionError, ValueError) as exc:
+        loop.stop()
+        fail(str(exc), 1)
+    view = Fleet(run_name, keys)
+    try:
+        view.start(transport)
+        time.sleep(wait)
+    finally:
+        transport.close()
+        loop.stop()
+    if not view.nodes:
+        fail(f"no node of {run_name!r} has a status on {broker} (wrong name or broker, or nothing ever started)", 1)
+    if as_json:
+        now = view.clock()
+        for row in view.rows():
+            click.echo(json.dumps(row.as_dict(now), sort_keys=True))
+        return
+    console.print(render(view))

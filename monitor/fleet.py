@@ -1,0 +1,170 @@
+"""The fleet view: every node of a federation from its retained, signed status records.
+
+Each node (the cloud, every cell, every device) keeps a retained status on the broker: online or
+offline, and for agents the capabilities they announced (``protocols.capabilities``). A reader that
+subscribes gets them all at once, then each heartbeat as it comes, so the view says which nodes are up,
+when each was last heard (while the view listens), what each runs and can do, and which job the cloud
+is running. With the federation's public keys a record counts only if the node its topic names signed
+it; others are counted as refused, with the reason, and never shown as a node.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from protocols.status import decode_status
+from protocols.wire import topics
+
+if TYPE_CHECKING:
+    from protocols.transport.base import Transport
+    from protocols.wire.keys import PublicKeys
+
+ROLE_ORDER = {"cloud": 0, "cell": 1, "device": 2}
+
+
+@dataclass
+class NodeView:
+    """What the fleet knows of one node."""
+
+    node: str
+    role: str
+    cell: str | None
+    state: str
+    record: dict[str, Any]
+    first_heard: float
+    last_heard: float
+    updates: int = 1
+
+    @property
+    def caps(self) -> dict[str, Any]:
+        caps = self.record.get("caps")
+        return caps if isinstance(caps, dict) else {}
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        """A row for ``--json``: the node, its state, when last heard (seconds ago), versions, capabilities."""
+        caps = self.caps
+        return {
+            "node": self.node,
+            "role": self.role,
+            "cell": self.cell,
+            "state": self.state,
+            "heard_s_ago": round(now - self.last_heard, 3),
+            "heartbeats_seen": self.updates - 1,
+            "fedtier": caps.get("fedtier"),
+            "wire": caps.get("wire"),
+            "capabilities": {k: v for k, v in caps.items() if k not in ("fedtier", "wire")},
+            "samples": self.record.get("samples"),
+            "session": self.record.get("session"),
+            "devices_online": self.record.get("devices_online"),
+            "devices_total": self.record.get("devices_total"),
+        }
+
+
+@dataclass
+class Fleet:
+    """Nodes by id, fed by :meth:`on_status` (any thread); ``refused`` counts records that failed checks."""
+
+    run: str
+    keys: PublicKeys | None = None
+    clock: Any = time.monotonic
+    nodes: dict[str, NodeView] = field(default_factory=dict)
+    refused: int = 0
+    received: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def start(self, transport: Transport) -> Fleet:
+        """Subscribe to every status topic of the run on ``transport`` (retained records arrive at once)."""
+        transport.subscribe(topics.statuses(self.run), self.on_status)
+        transport.subscribe(topics.device_statuses(self.run), self.on_status)
+        return self
+
+    def on_status(self, topic: str, data: bytes) -> None:
+        with self._lock:
+            self.received += 1
+            if not data:  # a cleared retained status: the node was removed (revoked)
+                self.nodes.pop(_node_of(topic)[0], None)
+                return
+            record = decode_status(data, topic, self.keys)
+            if record is None:
+                self.refused += 1
+                return
+            node, role, cell = _node_of(topic)
+            now = self.clock()
+            view = self.nodes.get(node)
+            if view is None:
+                self.nodes[node] = NodeView(node, role, cell, record["state"], record, now, now)
+            else:
+                view.state, view.record, view.last_heard = record["state"], record, now
+                view.updates += 1
+
+    def rows(self) -> list[NodeView]:
+        with self._lock:
+            return sorted(self.nodes.values(), key=lambda v: (ROLE_ORDER.get(v.role, 3), v.cell or "", v.node))
+
+    def current_job(self) -> str | None:
+        """The cloud's current session (``{job}.{config hash}`` in a federation), from its status."""
+        cloud = self.nodes.get("cloud")
+        session = cloud.record.get("session") if cloud is not None and cloud.state == "online" else None
+        return session if isinstance(session, str) else None
+
+
+def _node_of(topic: str) -> tuple[str, str, str | None]:
+    """``(node id, role, cell)`` of a status topic."""
+    parts = topic.split("/")
+    name = parts[-1]
+    if name == "cloud":
+        return "cloud", "cloud", None
+    if name.startswith("cell."):
+        cell = name[len("cell.") :]
+        return cell, "cell", cell
+    device = name[len("device.") :] if name.startswith("device.") else name
+    cell = parts[-3] if len(parts) >= 4 and parts[-4] == "cell" else None
+    return device, "device", cell
+
+
+def render(fleet: Fleet, now: float | None = None) -> Any:
+    """The fleet as a rich table (every field escaped: node ids and records come from the network)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    now = fleet.clock() if now is None else now
+    rows = fleet.rows()
+    online = sum(v.state == "online" for v in rows)
+    job = fleet.current_job()
+    title = f"fleet {escape(fleet.run)}: {online}/{len(rows)} nodes online" + (f", job {escape(job)}" if job else "")
+    if fleet.refused:
+        title += f", {fleet.refused} status records refused"
+    table = Table(title=title, title_justify="left")
+    for col in ("node", "role", "cell", "state", "heard", "fedtier", "cores", "memory", "accel", "backends", "detail"):
+        table.add_column(col)
+    for v in rows:
+        caps = v.caps
+        heard = f"{now - v.last_heard:.1f}s ago" if v.updates > 1 else "retained"
+        detail = ""
+        if v.role == "cell" and "devices_total" in v.record:
+            detail = f"{v.record.get('devices_online')}/{v.record.get('devices_total')} devices online"
+        elif v.role == "device" and "samples" in v.record:
+            detail = f"{v.record['samples']} samples"
+        mem = caps.get("memory_mb")
+        table.add_row(
+            *(
+                escape(str(x))
+                for x in (
+                    v.node,
+                    v.role,
+                    v.cell or "",
+                    v.state,
+                    heard,
+                    caps.get("fedtier", ""),
+                    caps.get("cores", ""),
+                    f"{mem / 1024:.1f} GiB" if isinstance(mem, int) else "",
+                    caps.get("gpu") or caps.get("accelerator", ""),
+                    ",".join(map(str, caps.get("backends", []))) if isinstance(caps.get("backends"), list) else "",
+                    detail,
+                )
+            )
+        )
+    return table

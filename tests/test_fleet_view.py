@@ -1,0 +1,118 @@
+"""`fedtier fleet`: every node from its retained, signed status, with what agents announced; forged
+records refused and counted, never shown; what the network sends is escaped before it is rendered."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from monitor.fleet import Fleet, render
+from protocols.config import TopologySection, load_config
+from protocols.status import encode_status
+from protocols.transport.broker import EmbeddedBroker
+from protocols.wire import topics
+from protocols.wire.keys import PublicKeys, Trust, generate_keys
+
+FEDTIER = str(Path(sys.executable).parent / "fedtier")
+
+CONFIG = """
+[run]
+name = "fleetview"
+rounds = 3
+output = "{out}"
+[topology]
+cells = 1
+devices_per_cell = 2
+[algorithm]
+name = "fedavg"
+local_steps = 1
+[model]
+name = "mlp"
+hidden = [8]
+[data]
+dataset = "digits"
+max_train = 100
+[runtime]
+device_deadline = 30.0
+heartbeat = 0.5
+"""
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_fleet_takes_only_statuses_signed_by_the_node_their_topic_names():
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=2))
+    keys = PublicKeys(ring.public)
+    clock = Clock()
+    fleet = Fleet("fed", keys, clock=clock)
+
+    def sign(node: str):
+        return Trust(node, ring.private[node], ring.public)
+
+    dev = topics.device_status("fed", "c0", "c0-d0")
+    fleet.on_status(dev, encode_status("online", topic=dev, trust=sign("c0-d0"), caps={"cores": 4}))
+    # a cell (valid credentials, valid key) forges its device's status, and a device claims to be the cloud
+    other = topics.device_status("fed", "c0", "c0-d1")
+    fleet.on_status(other, encode_status("online", topic=other, trust=sign("c0")))
+    cloud = topics.status("fed", "cloud")
+    fleet.on_status(cloud, encode_status("online", topic=cloud, trust=sign("c0-d0"), session="evil"))
+    fleet.on_status(other, encode_status("online", topic=other))  # unsigned
+    assert [v.node for v in fleet.rows()] == ["c0-d0"] and fleet.refused == 3
+    clock.t = 103.0
+    fleet.on_status(dev, encode_status("online", topic=dev, trust=sign("c0-d0"), caps={"cores": 4}))  # heartbeat
+    row = fleet.rows()[0].as_dict(clock.t + 1)
+    assert row["heartbeats_seen"] == 1 and row["heard_s_ago"] == 1.0 and row["capabilities"] == {"cores": 4}
+    fleet.on_status(dev, b"")  # its retained status cleared (revoked): gone from the view
+    assert fleet.rows() == []
+
+
+def test_what_nodes_send_is_escaped_before_it_is_rendered():
+    fleet = Fleet("fed", None, clock=Clock())
+    topic = topics.device_status("fed", "c0", "[red]x")
+    fleet.on_status(topic, encode_status("online", topic=topic, caps={"fedtier": "[bold]1.0", "backends": ["[i]"]}))
+    out = Console(width=200, record=True)
+    out.print(render(fleet))
+    text = out.export_text()
+    assert "[red]x" in text and "[bold]1.0" in text and "[i]" in text
+
+
+def test_fleet_lists_every_node_of_a_live_run_with_its_capabilities(tmp_path):
+    from edge_agent.node import machine_caps
+    from sim.emulation import Emulation
+
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG.format(out=tmp_path / "out"))
+    cfg = load_config(config)
+    seen: list[list[dict]] = []
+    with EmbeddedBroker() as broker:
+
+        def during_round(_record: dict) -> None:
+            if seen:
+                return
+            proc = subprocess.run(
+                [FEDTIER, "fleet", "--broker", broker.url, "--run", "fleetview", "--wait", "1.5", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            seen.append([json.loads(line) for line in proc.stdout.splitlines()])
+
+        Emulation(cfg, broker_url=broker.url, on_round=during_round).run()
+    rows = {r["node"]: r for r in seen[0]}
+    assert set(rows) == {"cloud", "c0", "c0-d0", "c0-d1"} and all(r["state"] == "online" for r in rows.values())
+    assert rows["c0"]["devices_total"] == 2 and rows["cloud"]["session"]
+    caps = machine_caps()
+    for device in ("c0-d0", "c0-d1"):
+        r = rows[device]
+        assert r["cell"] == "c0" and r["samples"] > 0 and r["heartbeats_seen"] >= 1  # alive, not just retained
+        assert r["fedtier"] == caps["fedtier"] and r["capabilities"]["cores"] == caps["cores"]
