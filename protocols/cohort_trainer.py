@@ -31,11 +31,22 @@ from torch.func import functional_call, vmap
 
 from .algorithms.base import ModelSpec
 from .models import build_model
-from .torch_trainer import as_tensor, pick_device
+from .torch_trainer import as_tensor, pick_device, say
 from .trainer import LocalData, Trainer, TrainStats, batches
 
 GATHER_BYTES = 64 << 20  # input samples gathered at once per cohort sgd call (bounds memory)
 EVAL_CHUNK = 2048  # samples per device per forward pass in evaluate
+# device = "auto" with a GPU: a cohort whose step costs fewer multiply-adds than this (devices x batch x
+# parameters) trains on the CPU, where its small kernels run faster than the GPU's launches and
+# synchronisations (benchmarks/gpu.py: the small workload, 5 x 16 x 51k = 4M, ran 3.3x slower on an H200
+# than on one CPU core; the standard one, 10 x 32 x 199k = 64M, 4.5x faster)
+AUTO_GPU_MIN_MACS = 16e6
+DEVICE_DATA_BYTES = 4 << 30  # a GPU engine keeps devices' data sets on the GPU across cohorts, up to this
+MEMORY_SHARE = 0.8  # of the GPU memory free for it, what a cohort part may plan to use
+# on a CPU a cohort's sgd runs in parts of devices whose parameters and gradients fit about this much
+# (a shared cache): 64 devices of MLP 784-200-200-10 at once ran 0.66 ms a device-step, 4 to 8 at once
+# 0.31 to 0.36 (one core; benchmarks/README.md, the GPU-resident cohort engine)
+CPU_PART_BYTES = 16 << 20
 
 
 class NotVectorizable(ValueError):
@@ -175,11 +186,17 @@ def _mlp_loss_and_grads(
     x: torch.Tensor,
     y: torch.Tensor,
     mask: torch.Tensor,
+    lr: float | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Each device's masked mean cross-entropy ``[D]`` (as :func:`_device_losses`) and its gradient with
     respect to each device's parameters (in ``params`` order), for a :func:`_mlp_chain` model: the
     backward pass written out as batched products, which on small models costs a fraction of
-    autograd's bookkeeping. ``x`` ``[D, B, ...]``, ``y`` and ``mask`` ``[D, B]``."""
+    autograd's bookkeeping. ``x`` ``[D, B, ...]``, ``y`` and ``mask`` ``[D, B]``.
+
+    With ``lr`` (plain SGD, every device at that rate) the step is taken in place instead and no
+    gradient returned: each layer's weight gradient is added into the weights by the product itself
+    (``baddbmm_``, after the layer's input gradient is taken with the old weights), so the gradients are
+    never written out and read back (on a CPU, 2x faster for a cohort of 64 such MLPs)."""
     d, b = x.shape[0], x.shape[1]
     a = x.reshape(d, b, -1)
     inputs, actives = [], []
@@ -204,18 +221,41 @@ def _mlp_loss_and_grads(
         name, _ = chain[i]
         if actives[i] is not None:
             g = g * actives[i]
-        grads[f"{name}.weight"] = torch.bmm(g.transpose(1, 2), inputs[i])
-        if f"{name}.bias" in params:
-            grads[f"{name}.bias"] = g.sum(1)
-        if i:
-            g = torch.bmm(g, params[f"{name}.weight"])
-    return loss, [grads[k] for k in params]
+        w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
+        below = torch.bmm(g, w) if i else None  # the input gradient, with the weights before the step
+        if lr is None:
+            grads[f"{name}.weight"] = torch.bmm(g.transpose(1, 2), inputs[i])
+            if bias is not None:
+                grads[f"{name}.bias"] = g.sum(1)
+        else:
+            w.baddbmm_(g.transpose(1, 2), inputs[i], alpha=-lr)
+            if bias is not None:
+                bias.sub_(g.sum(1), alpha=lr)
+        if below is not None:
+            g = below
+    return loss, [grads[k] for k in params] if lr is None else []
 
 
 def _device_losses(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each device's mean cross-entropy ``[D]`` over its real samples (``mask`` 1; 0 when there are none)."""
     ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view_as(mask)
     return (ce * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def _device_bytes(op: str, model: torch.nn.Module, r: Request) -> int:
+    """An estimate (an upper bound in practice) of the engine-device bytes one device's request needs:
+    its parameters stacked, their gradients and optimizer state, its data set, and a step's inputs and
+    activations (taken as 8 times the inputs' width)."""
+    params = sum(int(np.prod(v.shape)) for v in r.params.values())
+    feat = int(np.prod(r.x.shape[1:])) if r.x.ndim > 1 else 1
+    if op == "sgd":
+        state = 2 + (r.momentum != 0) + (r.prox_mu != 0)  # parameters, gradients, momentum, FedProx's w_0
+        batch = max((len(i) for i in r.order), default=1)
+        steps = min(len(r.order), max(1, GATHER_BYTES // max(1, batch * feat * 4)))
+        work = batch * feat * 4 * (steps + 8) + 16 * len(r.order) * batch  # gathered inputs, activations, indices
+    else:
+        state, work = 2, min(len(r.y), EVAL_CHUNK) * feat * 4 * 9
+    return 4 * params * (state + 1) + len(r.y) * (feat * 4 + 8) + work  # (+1: the host-side stack's upload)
 
 
 # ------------------------------------------------------------------------------ requests
@@ -306,11 +346,19 @@ class CohortEngine:
     def __init__(self, device: str = "cpu", threads: int = 1) -> None:
         """``threads`` (CPU): a cohort's devices are split into up to this many parts, computed at once in
         as many threads (each with the process's own torch threads; the devices are independent, so
-        each part's results are those of the whole cohort's program)."""
-        self.device, self.threads = pick_device(device), threads
+        each part's results are those of the whole cohort's program).
+
+        ``device = "auto"`` with a GPU: the engine starts on the CPU and chooses at its first cohort, by
+        the work of a step (:data:`AUTO_GPU_MIN_MACS`), logging its choice and why."""
+        self.auto = device == "auto" and torch.cuda.is_available()
+        self.device, self.threads = (torch.device("cpu") if self.auto else pick_device(device)), threads
         self._pool: ThreadPoolExecutor | None = None
         self._models: dict[ModelSpec, torch.nn.Module] = {}
         self._data: dict[int, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
+        self._data_bytes = 0
+        # bytes a cohort part may plan to use (None: the CPU, unbounded; on a GPU, read before each call)
+        self.memory_limit: int | None = None
+        self.part_devices = 0  # most devices computed at once (0: no bound but memory's)
 
     def model(self, spec: ModelSpec) -> torch.nn.Module:
         """The zoo model of ``spec`` (its parameters are only a template: calls pass their own)."""
@@ -321,18 +369,30 @@ class CohortEngine:
         return self._models[spec]
 
     def tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device's data set as tensors, converted once until :meth:`forget_data` (a device probes and
-        trains on the same arrays within a cohort)."""
+        """A device's data set as tensors on the engine's device, converted once: within a cohort (a
+        device probes and trains on the same arrays) and, on a GPU, across cohorts while the device keeps
+        its arrays (its agent lives), up to :data:`DEVICE_DATA_BYTES` (see :meth:`forget_data`)."""
         hit = self._data.get(id(x))
         if hit is not None and hit[0] is x and hit[1].shape[0] == len(x):
+            if self.device.type != "cpu":  # most recently used last: the oldest go first
+                self._data[id(x)] = self._data.pop(id(x))
             return hit[1], hit[2]
         xt, yt = as_tensor(x, np.float32, self.device), as_tensor(y, np.int64, self.device)
-        self._data[id(x)] = (x, xt, yt)
+        self._data[id(x)] = (x, xt, yt)  # keeps x alive: its id cannot be reused while cached
+        self._data_bytes += xt.nbytes + yt.nbytes
         return xt, yt
 
     def forget_data(self) -> None:
-        """Drop the converted data sets (after a cohort: memory stays bounded by the cohort's data)."""
-        self._data.clear()
+        """After a cohort: drop the converted data sets, so memory stays bounded by a cohort's data. On a
+        GPU only the least recently used beyond :data:`DEVICE_DATA_BYTES` go (each device's data is
+        uploaded once, not every round); on the CPU the tensors share the arrays' memory anyway."""
+        if self.device.type == "cpu":
+            self._data.clear()
+            self._data_bytes = 0
+            return
+        while self._data and self._data_bytes > DEVICE_DATA_BYTES:
+            _, xt, yt = self._data.pop(next(iter(self._data)))
+            self._data_bytes -= xt.nbytes + yt.nbytes
 
     def _stack(self, reqs: Sequence[Request]) -> dict[str, torch.Tensor]:
         names = list(reqs[0].params)
@@ -353,17 +413,72 @@ class CohortEngine:
             torch.from_numpy(m).to(self.device),
         )
 
+    def _choose(self, reqs: Sequence[Request]) -> None:
+        """``auto``: the CPU or the GPU for this engine, from its first cohort's step (once, logged)."""
+        self.auto = False
+        r = reqs[0]
+        batch = max((len(i) for i in r.order), default=0) if r.op == "sgd" else len(r.y)
+        count = sum(int(np.prod(v.shape)) for v in r.params.values())
+        macs = len(reqs) * max(1, batch) * count
+        if macs >= AUTO_GPU_MIN_MACS:
+            self.device = pick_device("auto")
+            why = f">= {AUTO_GPU_MIN_MACS:.0f}: the GPU"
+        else:
+            why = f"< {AUTO_GPU_MIN_MACS:.0f}: the CPU's small kernels are faster than the GPU's launches"
+        say(
+            f"cohort engine, runtime.device = auto: chose {self.device.type} ({len(reqs)} devices x batch {batch} x "
+            f"{count} parameters = {macs:.0f} multiply-adds a step {why})"
+        )
+        self._models.clear()
+        self._data.clear()
+        self._data_bytes = 0
+
+    def part_size(self, op: str, model: torch.nn.Module, reqs: Sequence[Request]) -> int:
+        """The most devices of ``reqs`` computed at once: :attr:`part_devices` (on a CPU by default those
+        whose sgd state fits :data:`CPU_PART_BYTES`), and on a GPU what fits the
+        memory free for it (:attr:`memory_limit`, else :data:`MEMORY_SHARE` of what is free). A cohort
+        larger than that is computed in parts, one after another (devices are independent: the same
+        results); one whose single device does not fit is refused (``MemoryError`` with the sizes)."""
+        size = self.part_devices or len(reqs)
+        if self.device.type == "cpu" and not self.part_devices and op == "sgd":
+            count = sum(int(np.prod(v.shape)) for v in reqs[0].params.values())
+            size = max(1, min(size, CPU_PART_BYTES // max(1, 8 * count)))
+        limit = self.memory_limit
+        if limit is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            limit = int(
+                MEMORY_SHARE
+                * (free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+            )
+        if limit is None:
+            return size
+        per = max(_device_bytes(op, model, r) for r in reqs)
+        if per > limit:
+            raise MemoryError(
+                f"one device's {op} needs about {per / 2**20:.1f} MiB on {self.device}, but {limit / 2**20:.1f} MiB "
+                "is free for it: use a smaller model or batch, or the CPU"
+            )
+        return max(1, min(size, limit // per))
+
     def run(self, reqs: Sequence[Request]) -> None:
         """Answer every request (sets ``request.result``), those with equal :meth:`Request.key` together."""
+        if self.auto and reqs:
+            self._choose(reqs)
         groups: dict[tuple, list[Request]] = {}
         for r in reqs:
             groups.setdefault(r.key(), []).append(r)
         for (op, spec, _), group in groups.items():
             compute = getattr(self, f"_{op}")
             model = self.model(spec)
+            size = self.part_size(op, model, group)
+
+            def work(devices: Sequence[Request], compute=compute, model=model, size=size) -> None:
+                for i in range(0, len(devices), size):  # parts that fit, one after another
+                    compute(model, devices[i : i + size])
+
             parts = min(self.threads, len(group)) if self.device.type == "cpu" else 1
             if parts <= 1:
-                compute(model, group)
+                work(group)
                 continue
             # devices split into parts trained side by side (torch releases the GIL in its kernels); no
             # per-operation hand-off between threads, so a busy machine only delays a part
@@ -371,9 +486,9 @@ class CohortEngine:
                 self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="cohort")
             bounds = [len(group) * i // parts for i in range(parts + 1)]
             chunks = [group[a:b] for a, b in zip(bounds, bounds[1:])]
-            futures = [self._pool.submit(compute, model, chunk) for chunk in chunks[1:]]
+            futures = [self._pool.submit(work, chunk) for chunk in chunks[1:]]
             try:
-                compute(model, chunks[0])
+                work(chunks[0])
             finally:
                 for f in futures:
                     f.result()  # a part that raised fails the whole call (then retried one by one)
@@ -437,13 +552,27 @@ class CohortEngine:
         chain = _mlp_chain(model)  # the gradient written out (mlp, logreg), else autograd
         params = {k: v if chain else v.requires_grad_() for k, v in self._stack(reqs).items()}
         data = [self.tensors(r.x, r.y) for r in reqs]
+        # every device's data set as one tensor on the engine's device, and every minibatch of the call
+        # (each device's seeded order, built by its role before the call) as indices into it, built once
+        # here: a chunk of steps is then one gather on the device for the whole cohort
+        x_all, y_all = (
+            (data[0][0], data[0][1]) if d == 1 else (torch.cat([t[0] for t in data]), torch.cat([t[1] for t in data]))
+        )
+        offsets = np.cumsum([0] + [len(t[1]) for t in data[:-1]])
         b = max(1, max((len(i) for r in reqs for i in r.order), default=1))
         idx = np.zeros((d, steps, b), np.int64)
         mask = np.zeros((d, steps, b), np.float32)
         for i, r in enumerate(reqs):
-            for s, batch in enumerate(r.order):
-                idx[i, s, : len(batch)], mask[i, s, : len(batch)] = batch, 1.0
-        mask_t = torch.from_numpy(mask).to(dev)
+            if r.order:
+                sizes = [len(batch) for batch in r.order]
+                if min(sizes) == b:  # full batches (the usual case): one copy
+                    idx[i, : len(r.order)] = np.stack(r.order)
+                    mask[i, : len(r.order)] = 1.0
+                else:
+                    for s, batch in enumerate(r.order):
+                        idx[i, s, : len(batch)], mask[i, s, : len(batch)] = batch, 1.0
+            idx[i] += offsets[i]  # (padding points at the device's first sample: masked out)
+        mask_t, idx_t = torch.from_numpy(mask).to(dev), torch.from_numpy(idx).to(dev)
         counts = mask_t.sum(2)  # [D, S] samples per step
         shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor
         lr = torch.tensor([r.lr for r in reqs], dtype=torch.float32, device=dev)
@@ -457,24 +586,26 @@ class CohortEngine:
         start = [v.detach().clone() for v in params.values()] if bool((mu != 0).any()) else None  # FedProx: w_0
         beta = torch.tensor([r.momentum for r in reqs], dtype=torch.float32, device=dev)
         bufs = [torch.zeros_like(v) for v in params.values()] if bool((beta != 0).any()) else None  # heavy ball
+        fused = chain is not None and not decay and start is None and bufs is None  # plain SGD (the usual case)
         feat = int(np.prod(reqs[0].x.shape[1:]))
         per_gather = max(1, GATHER_BYTES // max(1, d * b * feat * 4))  # steps of inputs gathered at once
         losses = torch.zeros(d, steps, device=dev)
         leaves = list(params.values())
         for s0 in range(0, steps, per_gather):
             s1, a0 = min(steps, s0 + per_gather), active[s0]
-            chunk = torch.from_numpy(idx[:a0, s0:s1].reshape(a0, -1)).to(dev)
-            # index_select: a fraction of the cost of fancy indexing (xt[chunk[i]]) for small batches
-            xs = torch.stack([xt.index_select(0, chunk[i]) for i, (xt, _) in enumerate(data[:a0])])
-            xs = xs.reshape(a0, s1 - s0, b, *xs.shape[2:])
-            ys = torch.stack([yt.index_select(0, chunk[i]) for i, (_, yt) in enumerate(data[:a0])])
-            ys = ys.reshape(a0, s1 - s0, b)
+            chunk = idx_t[:a0, s0:s1].reshape(-1)
+            # index_select: a fraction of the cost of fancy indexing (x_all[chunk]) for small batches
+            xs = x_all.index_select(0, chunk).reshape(a0, s1 - s0, b, *x_all.shape[1:])
+            ys = y_all.index_select(0, chunk).reshape(a0, s1 - s0, b)
             for s in range(s0, s1):
                 a = active[s]  # devices 0..a-1 have a step s
                 full = a == d
                 ps = params if full else {k: v[:a] for k, v in params.items()}
                 vs = leaves if full else list(ps.values())
                 x, y, m = xs[:a, s - s0], ys[:a, s - s0], mask_t[:a, s]
+                if fused and same_rate[s]:  # plain SGD at one rate: the step taken inside the backward pass
+                    losses[:a, s] = _mlp_loss_and_grads(chain, ps, x, y, m, lr=same_lr)[0]
+                    continue
                 if chain:
                     loss, grads = _mlp_loss_and_grads(chain, ps, x, y, m)
                 else:
@@ -495,9 +626,9 @@ class CohortEngine:
                         for p, g in zip(vs, grads):
                             p.sub_(rates[:a, s].view(shape(p)) * g)
                     losses[:a, s] = loss
-        sample_loss = (losses * counts).sum(1)
+        sample_loss = (losses * counts).sum(1).tolist()  # one transfer from the device, not one per device
         arrays = {k: v.detach().cpu().numpy() for k, v in params.items()}
         for i, r in enumerate(reqs):
             samples = int(sum(len(batch) for batch in r.order))
-            stats = TrainStats(float(sample_loss[i]) / max(1, samples), len(r.order), samples)
+            stats = TrainStats(sample_loss[i] / max(1, samples), len(r.order), samples)
             r.result = (OrderedDict((k, arrays[k][i].copy()) for k in arrays), stats)

@@ -249,7 +249,12 @@ class RuntimeSection(_Section):
         description="a cell closes an edge round once this fraction of its planned devices answered",
     )
     eval_every: int = Field(default=1, ge=1, description="the cloud evaluates the global model every this many rounds")
-    device: str = Field(default="cpu", description="torch device: cpu, cuda or auto")
+    device: str = Field(
+        default="cpu",
+        pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$",
+        description="torch device: cpu, cuda (cuda:N), or auto (CUDA when present; the cohort engine keeps "
+        "small workloads on the CPU and logs its choice); cuda without a CUDA device is an error at start",
+    )
     startup_wait: float = Field(default=60.0, ge=0, description="seconds to wait for all devices (MQTT)")
     heartbeat: float = Field(
         default=5.0,

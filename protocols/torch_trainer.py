@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -10,8 +11,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .config import ConfigError
 from .models import build_model, get_params, set_params
 from .trainer import LocalData, Trainer, TrainStats, batches
+
+log = logging.getLogger("fedtier.device")
+_told: set[str] = set()  # the auto choices logged in this process (once each)
 
 
 def as_tensor(a: np.ndarray, dtype: np.dtype, device: torch.device) -> torch.Tensor:
@@ -23,9 +28,34 @@ def as_tensor(a: np.ndarray, dtype: np.dtype, device: torch.device) -> torch.Ten
 
 
 def pick_device(device: str = "cpu") -> torch.device:
+    """The torch device of ``runtime.device``: ``auto`` is CUDA when torch sees a GPU, else the CPU
+    (the choice logged once per process); ``cuda`` (``cuda:N``) without that GPU is a
+    :class:`~protocols.config.ConfigError` saying so, raised where the run builds its first trainer."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        chosen = "cuda" if torch.cuda.is_available() else "cpu"
+        why = torch.cuda.get_device_name(0) if chosen == "cuda" else "torch sees no CUDA device"
+        say(f"runtime.device = auto: chose {chosen} ({why})")
+        return torch.device(chosen)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"runtime.device = {device!r} is not a torch device (cpu, cuda, cuda:N or auto)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index or 0) >= count:
+            built = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", built without CUDA")
+            raise ConfigError(
+                f"runtime.device = {device!r} but this machine has {count} CUDA device(s) ({built}); "
+                'use runtime.device = "cpu" or "auto"'
+            )
+    return dev
+
+
+def say(message: str) -> None:
+    """Log a device choice once per process (every trainer and engine of a run asks)."""
+    if message not in _told:
+        _told.add(message)
+        log.info(message)
 
 
 class TorchTrainer(Trainer):

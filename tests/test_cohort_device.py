@@ -1,0 +1,158 @@
+"""Where the engines compute (issue #33): ``runtime.device`` checked at start, ``auto``'s logged choice,
+a cohort computed in parts (a CPU's cache, a GPU's memory) with the whole cohort's results, a device too
+large for the GPU refused with the sizes, and the CUDA paths (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from edge_agent.cohort import run_cohort
+from protocols.algorithms.base import ModelSpec
+from protocols.cohort_trainer import CohortEngine, Request
+from protocols.config import ConfigError
+from protocols.models import build_model, init_params
+from protocols.torch_trainer import pick_device
+from protocols.trainer import LocalData
+from protocols.wire.payload import Payload
+from sim.launcher import SimHierarchy
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+SPEC = ModelSpec(name="mlp", input_shape=(8,), num_classes=3, hidden=(6,))
+
+
+def requests(n: int, momentum: float = 0.0) -> list[Request]:
+    """``n`` devices' sgd requests: uneven data (so uneven steps and short last batches), seeded orders."""
+    g = np.random.default_rng(0)
+    params = init_params(build_model("mlp", (8,), 3, hidden=(6,)), 0)
+    out = []
+    for i in range(n):
+        m = 5 + 7 * i
+        x, y = g.normal(size=(m, 8)).astype(np.float32), g.integers(0, 3, m)
+        order = [np.random.default_rng(i).permutation(m)[s : s + 4] for s in range(0, m, 4)]
+        out.append(Request("sgd", SPEC, params, x, y, order, lr=0.1, momentum=momentum))
+    return out
+
+
+def results(engine: CohortEngine, reqs: list[Request]) -> list:
+    engine.run(reqs)
+    return [r.result for r in reqs]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["plain", "momentum"])
+def test_a_cohort_in_parts_gives_the_whole_cohorts_results(momentum: float) -> None:
+    whole = results(CohortEngine(), requests(7, momentum))
+    parts = CohortEngine()
+    parts.part_devices = 3  # 3 + 3 + 1
+    limited = CohortEngine()
+    limited.memory_limit = 2 * max(_bytes(r) for r in requests(7, momentum))  # 2 devices fit at once
+    for engine in (parts, limited):
+        for (p, s), (q, t) in zip(whole, results(engine, requests(7, momentum))):
+            assert s.steps == t.steps and s.samples == t.samples and t.loss == pytest.approx(s.loss, rel=1e-5)
+            for k in p:
+                np.testing.assert_allclose(q[k], p[k], rtol=1e-5, atol=1e-7)
+    assert len({s.steps for _, s in whole}) > 1  # the devices really differ
+
+
+def _bytes(r: Request) -> int:
+    from protocols.cohort_trainer import _device_bytes
+
+    return _device_bytes("sgd", build_model("mlp", (8,), 3, hidden=(6,)), r)
+
+
+def test_a_device_too_large_for_the_memory_is_refused_with_the_sizes() -> None:
+    engine = CohortEngine()
+    engine.memory_limit = 1000  # bytes: not one device fits
+    with pytest.raises(MemoryError, match=r"needs about .* MiB on cpu, but .* MiB is free"):
+        engine.run(requests(2))
+
+    def job(trainer):
+        r = requests(1)[0]
+        trainer.set_params(r.params)
+        stats = trainer.sgd(LocalData(r.x, r.y), steps=2, batch_size=4, lr=0.1, rng=np.random.default_rng(0))
+        return Payload({"loss": stats.loss}, trainer.get_params())
+
+    outcomes = run_cohort(engine, SPEC, [job, job], ["a", "b"])  # each device fails alone, with the reason
+    assert all(result is None and "MiB" in error for result, error in outcomes)
+
+
+def test_device_setting_is_checked(make_config) -> None:
+    with pytest.raises(ConfigError, match="runtime.device"):
+        make_config(runtime={"device": "gpu"})
+    assert make_config(runtime={"device": "cuda:1"}).runtime.device == "cuda:1"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("engine", ["device", "cohort"])
+def test_cuda_without_cuda_is_one_clear_error_at_start(make_config, engine: str) -> None:
+    cfg = make_config(runtime={"device": "cuda", "engine": engine})
+    with pytest.raises(ConfigError, match=r"runtime.device = 'cuda' but this machine has 0 CUDA device"):
+        SimHierarchy(cfg, write_output=False)
+
+
+def test_auto_logs_its_choice(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="fedtier.device")
+    from protocols import torch_trainer
+
+    torch_trainer._told.clear()
+    chosen = pick_device("auto")
+    assert chosen.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert f"runtime.device = auto: chose {chosen.type}" in caplog.text
+
+
+def test_auto_keeps_a_small_cohort_on_the_cpu(monkeypatch, caplog) -> None:
+    """With a GPU present (here pretended), ``auto`` computes a cohort whose step is little work on the
+    CPU and says why; the results are the CPU engine's."""
+    caplog.set_level(logging.INFO, logger="fedtier.device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine = CohortEngine("auto")
+    got = results(engine, requests(3))
+    assert engine.device.type == "cpu" and "chose cpu" in caplog.text and "multiply-adds a step" in caplog.text
+    for (p, _), (q, _) in zip(results(CohortEngine(), requests(3)), got):
+        for k in p:
+            np.testing.assert_array_equal(p[k], q[k])
+
+
+# ------------------------------------------------------------------------------ on a GPU only
+@cuda
+def test_per_device_engine_trains_on_cuda(make_config) -> None:
+    """Item 6: the per-device engine (what fedtier agent runs) on CUDA reaches the CPU's model."""
+    cpu = SimHierarchy(make_config(run={"rounds": 2}), write_output=False).run()
+    gpu_sim = SimHierarchy(make_config(run={"rounds": 2}, runtime={"device": "cuda"}), write_output=False)
+    gpu = gpu_sim.run()
+    for k in cpu.params:
+        np.testing.assert_allclose(gpu.params[k], cpu.params[k], rtol=1e-3, atol=1e-5)
+    assert abs(gpu.final_accuracy - cpu.final_accuracy) <= 0.02
+
+
+@cuda
+def test_cohort_on_cuda_keeps_data_on_the_gpu_and_splits_to_fit() -> None:
+    engine = CohortEngine("cuda")
+    reqs = requests(5)
+    first = results(engine, reqs)
+    engine.forget_data()
+    assert engine._data and all(xt.is_cuda for _, xt, _ in engine._data.values())  # kept for the next round
+    engine.memory_limit = 2 * max(_bytes(r) for r in reqs)
+    for (p, _), (q, _) in zip(first, results(engine, reqs)):
+        for k in p:
+            np.testing.assert_allclose(q[k], p[k], rtol=1e-5, atol=1e-7)
+    for (p, _), (q, _) in zip(results(CohortEngine(), requests(5)), first):
+        for k in p:
+            np.testing.assert_allclose(q[k], p[k], rtol=1e-4, atol=1e-6)
+
+
+@cuda
+def test_auto_puts_a_large_cohort_on_the_gpu(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="fedtier.device")
+    spec = ModelSpec(name="mlp", input_shape=(784,), num_classes=10, hidden=(200, 200))
+    params = init_params(build_model("mlp", (784,), 10, hidden=(200, 200)), 0)
+    g = np.random.default_rng(0)
+    x, y = g.random((60, 784), dtype=np.float32), g.integers(0, 10, 60)
+    order = [np.arange(s, s + 10) for s in range(0, 60, 10)]
+    reqs = [Request("sgd", spec, params, x, y, order, lr=0.05) for _ in range(16)]
+    engine = CohortEngine("auto")
+    engine.run(reqs)
+    assert engine.device.type == "cuda" and "chose cuda" in caplog.text
