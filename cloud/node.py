@@ -31,10 +31,12 @@ def build_cloud(
     availability: CellAvailability | None = None,
     devices_recreated: bool = False,
     cell_bounds: Mapping[str, float] | None = None,
+    session: str | None = None,
 ) -> CloudServer:
     """``devices_recreated``: with ``resume``, the devices are new (a launcher rebuilt them), see
     ``CloudRole.forget_devices``. ``cell_bounds``: the largest weight each cell may report (a launcher's,
-    from its devices' sample counts); else :func:`config_cell_bounds`."""
+    from its devices' sample counts); else :func:`config_cell_bounds`. ``session``: the job's cloud
+    session (synchronous mode only)."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
     if getattr(cfg.train, "mode", "sync") == "async":  # FedBuff over cells
@@ -45,7 +47,7 @@ def build_cloud(
             )
         server, extra = AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, algorithm.cloud())}  # type: ignore
     else:
-        server, extra = CloudServer, {"role": algorithm.cloud()}
+        server, extra = CloudServer, {"role": algorithm.cloud(), "session": session}
     return server(
         transport,
         run=cfg.run.name,

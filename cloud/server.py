@@ -79,10 +79,12 @@ class CloudServer:
         availability: CellAvailability | None = None,
         devices_recreated: bool = False,
         cell_bounds: Mapping[str, float] | None = None,
+        session: str | None = None,
     ) -> None:
         """``cell_bounds``: the largest weight each cell's report may claim (the sum of its devices' bounds
         times the results a report adds up, :func:`protocols.bounds.cell_weight_bound`); a report claiming
-        more is refused."""
+        more is refused. ``session``: the cloud session (a job's, ``protocols.jobs.job_session``); default
+        a fresh one."""
         self.transport, self.loop, self.run = transport, transport.loop, run
         self.cell_bounds = cell_bounds
         self.cells, self.role, self.rounds = sorted(cells), role, rounds
@@ -94,7 +96,7 @@ class CloudServer:
         )
         self.startup_wait, self.on_round = startup_wait, on_round
         self.availability = availability
-        self.session = new_session()  # stamps this cloud's retained records (see protocols.session)
+        self.session = session or new_session()  # stamps this cloud's retained records (see protocols.session)
         self.messenger.session = self.session  # ... and, signed, every message it sends
         self.round = 0
         self.finished = False

@@ -215,7 +215,9 @@ class AgentProcess:
         availability: Callable[[int], Iterable[str]] | None = None,
         rejoin_poll: float | None = None,
         cell_brokers: dict[str, BrokerOptions] | None = None,
+        session: str | None = None,
     ) -> None:
+        self.session = session  # serving one job: only its cloud session counts (protocols.jobs)
         self.cfg, self.algorithm, self.data, self.trainer, self.broker = cfg, algorithm, data, trainer, broker
         self.cell_brokers = cell_brokers or {}  # cell -> its own broker (bridged cell brokers)
         self.run = cfg.run.name
@@ -267,7 +269,7 @@ class AgentProcess:
         fresh: list[tuple[str, Any]] = []
         for device, data in self.data.items():
             transport = self._transport(device)
-            self.clouds[device] = CloudSession()
+            self.clouds[device] = CloudSession(pinned=self.session)
             agent = build_agent(
                 self.cfg,
                 device,

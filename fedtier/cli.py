@@ -118,6 +118,7 @@ for _module in (
     "cmd_run",
     "cmd_deploy",
     "cmd_bridge",
+    "cmd_jobs",
 ):  # command modules register themselves on ``main`` when imported
     __import__(f"{__package__}.{_module}")
 

@@ -113,6 +113,12 @@ def _fail(exc: Exception, code: int) -> None:
 )
 @click.option("--resume", is_flag=True, help="Continue from the run's last checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Long-lived node of a provisioned federation: serve one submitted job after another (each job's "
+    "config comes from the cloud, signed; the bundle's training sections are ignored) until SIGTERM.",
+)
 @metrics_options
 @VERBOSE
 def cloud(
@@ -121,6 +127,7 @@ def cloud(
     broker_url: str | None,
     test_data: str | None,
     resume: bool,
+    serve: bool,
     no_progress: bool,
     metrics_port: int | None,
     metrics_linger: float,
@@ -137,6 +144,18 @@ def cloud(
 
     setup_logging(verbose)
     cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
+    if serve:
+        from cloud.jobs import JobQueueError
+
+        from .serve import serve_cloud
+
+        try:
+            serve_cloud(cfg, _broker(cfg, broker_url, auth), test_data, _spec)
+        except ConfigError as exc:
+            _fail(exc, 2)
+        except JobQueueError as exc:
+            _fail(exc, 1)
+        return
     try:
         spec, test = _spec(cfg, test_data)
         opts = _broker(cfg, broker_url, auth)
@@ -182,6 +201,12 @@ def cloud(
 @SET
 @click.option("--cell", "cell_id", required=True, help="This cell's id (c0, c1, ...).")
 @click.option("--resume", is_flag=True, help="Continue the round the cell was in when it stopped (its journal).")
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Long-lived node of a provisioned federation: serve one submitted job after another (each job's "
+    "config comes from the cloud, signed; the bundle's training sections are ignored) until SIGTERM.",
+)
 @BROKER
 @auth_options
 @metrics_options
@@ -191,6 +216,7 @@ def cell(
     overrides: tuple[str, ...],
     cell_id: str,
     resume: bool,
+    serve: bool,
     broker_url: str | None,
     metrics_port: int | None,
     metrics_linger: float,
@@ -209,6 +235,12 @@ def cell(
     try:
         if cell_id not in cfg.topology.cell_ids():
             raise ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})")
+        if serve:
+            from .serve import serve_cell
+
+            served = serve_cell(cfg, cell_id, _broker(cfg, broker_url, auth), _spec)
+            console.print(f"cell {cell_id}: served {len(served)} jobs ({', '.join(served)})")
+            return
         spec, _ = _spec(cfg, None)
         opts = _broker(cfg, broker_url, auth)
         _check_keys(cfg, cell_id)
@@ -276,6 +308,12 @@ def cell(
     type=click.Path(exists=True, dir_okay=False),
     help="With --backend onnx: the model written by `fedtier export` (sets runtime.onnx_model).",
 )
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Long-lived node of a provisioned federation: serve one submitted job after another (each job's "
+    "config comes from the cloud, signed; the bundle's training sections are ignored) until SIGTERM.",
+)
 @BROKER
 @auth_options
 @metrics_options
@@ -289,6 +327,7 @@ def agent(
     loader: str | None,
     backend: str,
     onnx_model: str | None,
+    serve: bool,
     broker_url: str | None,
     metrics_port: int | None,
     metrics_linger: float,
@@ -304,6 +343,26 @@ def agent(
     if onnx_model:
         overrides = (*overrides, f"runtime.onnx_model={json.dumps(onnx_model)}")
     cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
+    if serve:
+        from edge_agent.datasources import DataSource
+
+        from .serve import serve_agent
+
+        source = DataSource(data_path, label_column=label_column, loader=loader)
+        try:
+            _, data = _spec(cfg, source)
+            served, tasks = serve_agent(
+                cfg,
+                device,
+                data,
+                _broker(cfg, broker_url, auth),
+                lambda job_cfg, spec: make_trainer(backend, spec, job_cfg),
+                lambda job_cfg, _: _spec(job_cfg, source),
+            )
+        except (ConfigError, ValueError) as exc:
+            _fail(exc, 2)
+        console.print(f"device {device}: served {len(served)} jobs ({', '.join(served)}), {tasks} tasks")
+        return
     try:
         cell_of(cfg, device)
         from edge_agent.datasources import DataSource

@@ -60,6 +60,18 @@ from .console import console, fail, load_deployment_or_exit
     "else the largest device of the config's data partition.",
 )
 @click.option("--force", is_flag=True, help="Replace an earlier provisioning in --out.")
+@click.option(
+    "--federation",
+    is_flag=True,
+    help="Bundles for long-lived nodes (fedtier cloud|cell|agent --serve, jobs via fedtier submit): no "
+    "training config, and a systemd unit per node.",
+)
+@click.option(
+    "--fedtier-bin",
+    default="/usr/local/bin/fedtier",
+    show_default=True,
+    help="With --federation: the fedtier script the systemd units run.",
+)
 def provision(
     config: str,
     overrides: tuple[str, ...],
@@ -74,6 +86,8 @@ def provision(
     bind: str,
     max_device_samples: float | None,
     force: bool,
+    federation: bool,
+    fedtier_bin: str,
 ) -> None:
     """Provision a deployment of CONFIG: a CA and per-node certificates, Ed25519 identities, a Mosquitto
     config (TLS listener, password_file, ACL file) and a bundle per node in OUT/nodes/NODE."""
@@ -97,11 +111,14 @@ def provision(
             broker_user=broker_user,
             bind=bind,
             max_device_weight=bound,
+            federation=federation,
+            fedtier_bin=fedtier_bin,
         )
     except ConfigError as exc:
         fail(str(exc), 2)
     console.print(
-        f"provisioned run {cfg.run.name!r} in {done.out}: broker config in {done.broker} "
+        f"provisioned {'federation' if federation else 'run'} {cfg.run.name!r} in {done.out}: "
+        f"broker config in {done.broker} "
         f"(mosquitto -c {done.broker / 'mosquitto.conf'}), {len(done.bundles)} node bundles in "
         f"{done.out / 'nodes'}"
         + (f", {len(done.cell_brokers)} cell brokers in {done.out / 'cells'}" if done.cell_brokers else "")

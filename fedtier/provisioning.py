@@ -42,11 +42,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from protocols.config import RunConfig, deployment_config
+from protocols.config import RunConfig, RunSection, deployment_config, dump_toml
+from protocols.jobs import OPERATOR
 from protocols.transport.bridge import bridge_config, bridge_topics
 from protocols.wire import topics
 from protocols.wire.chunking import DEFAULT_MAX_CHUNK
-from protocols.wire.keys import KeyRing, generate_keys, node_subset, write_keys
+from protocols.wire.keys import KeyRing, generate_keys, new_seed, node_subset, public_of, write_keys
 
 MONITOR = "monitor"
 PERSISTENCE = "persistence true\npersistence_location {data}/\nautosave_interval 1\npersistent_client_expiration 7d\n"
@@ -86,6 +87,16 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("read", topics.statuses(run)),
             ("write", topics.status(run, "cloud")),
             ("write", topics.telemetry_cloud(run)),
+            ("read", topics.job_submit(run)),
+            ("write", topics.job_replies(run)),
+            ("write", topics.job_list(run)),
+            ("write", topics.current_job(run)),
+        ],
+        OPERATOR: [
+            ("write", topics.job_submit(run)),
+            ("read", topics.job_replies(run)),
+            ("read", topics.job_list(run)),
+            ("read", topics.current_job(run)),
         ],
         MONITOR: [
             ("read", f"{r}/telemetry/#"),
@@ -93,6 +104,8 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("read", topics.device_statuses(run)),
             ("read", topics.round_manifest(run)),
             ("read", topics.control(run)),
+            ("read", topics.current_job(run)),
+            ("read", topics.job_list(run)),
         ],
     }
     for cell in cfg.topology.cell_ids():
@@ -107,6 +120,7 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("read", topics.status(run, "cloud")),
             ("write", topics.status(run, topics.cell_node(cell))),
             ("write", topics.telemetry_cell(run, cell)),
+            ("read", topics.current_job(run)),
         ]
         for device in cfg.topology.device_ids(cell):
             rules[device] = [
@@ -116,6 +130,7 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
                 ("read", topics.round_manifest(run)),
                 ("read", topics.status(run, "cloud")),
                 ("write", topics.device_status(run, cell, device)),
+                ("read", topics.current_job(run)),
             ]
     return rules
 
@@ -314,6 +329,106 @@ def _write_broker(
 
 
 # ------------------------------------------------------------------------------------------ bundle
+FEDTIER_BIN = "/usr/local/bin/fedtier"
+INSTALL_DIR = "/etc/fedtier"
+"""Where a node's bundle is installed (``INSTALL_DIR/{node}``: the unit's working directory)."""
+STATE_DIR = "/var/lib/fedtier"
+"""Where a long-lived node writes (``STATE_DIR/{node}``: systemd's StateDirectory, its run folders)."""
+SERVICE_USER = "fedtier"
+
+
+def _key_subset(ring: KeyRing, cfg: RunConfig, node: str) -> KeyRing:
+    """A node's keys file: its private key and the public keys it verifies (the cloud also the operator's;
+    the operator the cloud's; the monitor, which signs nothing, every node's)."""
+    if node == MONITOR:
+        return KeyRing({}, dict(ring.public))
+    if node == OPERATOR:
+        return KeyRing({OPERATOR: ring.private[OPERATOR]}, {n: ring.public[n] for n in (OPERATOR, "cloud")})
+    subset = node_subset(ring, cfg.topology, node)
+    if node == "cloud":
+        subset.public[OPERATOR] = ring.public[OPERATOR]
+    return subset
+
+
+def federation_bundle(cfg: RunConfig) -> RunConfig:
+    """What a long-lived node's bundle holds of the provisioning config: the federation's name, its
+    topology and the node's monitoring settings (broker and keys are set per node); no training config."""
+    return RunConfig(run=RunSection(name=cfg.run.name), topology=cfg.topology, monitoring=cfg.monitoring)
+
+
+def federation_toml(cfg: RunConfig) -> str:
+    """A long-lived node's ``config.toml``: only the sections of :func:`federation_bundle` (no defaults of
+    training sections, so that nothing in the bundle looks like a job's setting)."""
+    sections = ("run", "topology", "broker", "security", "monitoring")
+    data = cfg.model_dump(mode="json", exclude_none=True, include=set(sections))
+    data["run"] = {"name": cfg.run.name, "output": cfg.run.output}
+    return dump_toml({k: data[k] for k in sections if data.get(k)})
+
+
+def unit_name(node: str) -> str:
+    return f"fedtier-{node}.service"
+
+
+def systemd_unit(cfg: RunConfig, node: str, fedtier_bin: str = FEDTIER_BIN) -> str | None:
+    """The systemd unit of a long-lived node (``None`` for the operator and the monitor: commands, not
+    services). It runs ``fedtier cloud|cell|agent --serve`` from the bundle installed in
+    ``INSTALL_DIR/{node}`` as the unprivileged ``SERVICE_USER``, writes only ``STATE_DIR/{node}``,
+    restarts on failure and stops with SIGTERM (the node leaves cleanly; a running job resumes)."""
+    state = f"{STATE_DIR}/{node}"
+    out = f'--set run.output="{state}"'
+    if node == "cloud":
+        command, what = f"cloud config.toml --serve {out} --no-progress", "cloud"
+    elif node in cfg.topology.cell_ids():
+        command, what = f"cell config.toml --serve {out} --cell {node}", f"cell {node}"
+    elif cfg.topology.cell_of(node) is not None:
+        command, what = f"agent config.toml --serve {out} --device {node} --data {state}/data.npz", f"device {node}"
+    else:
+        return None
+    return f"""# fedtier {what} of federation {cfg.run.name!r} (fedtier provision --federation)
+# install: copy this bundle to {INSTALL_DIR}/{node} (owned by {SERVICE_USER}, mode 700), then
+#   cp {unit_name(node)} /etc/systemd/system/ && systemctl daemon-reload && systemctl enable --now {unit_name(node)}
+[Unit]
+Description=fedtier {what} of federation {cfg.run.name}
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=simple
+User={SERVICE_USER}
+Group={SERVICE_USER}
+WorkingDirectory={INSTALL_DIR}/{node}
+ExecStart={fedtier_bin} {command}
+Restart=on-failure
+RestartSec=5
+KillSignal=SIGTERM
+TimeoutStopSec=30
+StateDirectory=fedtier/{node}
+StateDirectoryMode=0700
+UMask=0077
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=yes
+PrivateTmp=yes
+PrivateDevices=yes
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX
+RestrictNamespaces=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+CapabilityBoundingSet=
+SystemCallArchitectures=native
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
 def provision(
     cfg: RunConfig,
     out: str | Path,
@@ -329,6 +444,8 @@ def provision(
     bind: str = "",
     overwrite: bool = False,
     max_device_weight: float | None = None,
+    federation: bool = False,
+    fedtier_bin: str = FEDTIER_BIN,
 ) -> Provisioned:
     """Write the CA, the broker's config and files, and one bundle per node (see the module doc).
 
@@ -343,7 +460,12 @@ def provision(
     address (default: all interfaces). ``broker_user``: see :func:`_write_broker`. ``max_device_weight``:
     the samples a device may claim, written into every bundle (``security.max_device_weight``): cells refuse
     a larger device weight and the cloud a cell weight above its devices' bounds (default: the config's).
-    Bundles say ``privacy.noise_seed = "system"`` unless the config sets an integer (``deployment_config``)."""
+    Bundles say ``privacy.noise_seed = "system"`` unless the config sets an integer (``deployment_config``).
+
+    ``federation``: bundles for long-lived nodes (``fedtier cloud|cell|agent --serve``): no training
+    config (jobs bring it, ``protocols.jobs``), and a systemd unit per node (:func:`systemd_unit`,
+    ``fedtier_bin``: the installed ``fedtier`` script). Every provisioning has the operator identity
+    (``nodes/operator``: it alone may submit jobs) and the job topics in its ACL."""
     cfg, _ = deployment_config(cfg)
     out = Path(out)
     if (out / "keys.toml").exists() and not overwrite:
@@ -357,6 +479,8 @@ def provision(
     _write(out / "ca" / "ca.key", _pem_key(ca_key), secret=True)
     _write(out / "ca" / "ca.crt", _pem_cert(pki.cert))
     ring = generate_keys(cfg.topology)
+    ring.private[OPERATOR] = new_seed()  # the operator identity: signs jobs (`fedtier submit`)
+    ring.public[OPERATOR] = public_of(ring.private[OPERATOR])
     write_keys(out / "keys.toml", ring, comment=f"all identities of run {run!r} (keep offline)", overwrite=True)
 
     rules = acl_rules(cfg)
@@ -366,7 +490,7 @@ def provision(
     cloud_rules = rules
     cell_brokers: dict[str, Path] = {}
     if per_cell:
-        cloud_rules = {n: rules[n] for n in ("cloud", MONITOR)}
+        cloud_rules = {n: rules[n] for n in ("cloud", OPERATOR, MONITOR)}
         for cell in cfg.topology.cell_ids():
             bridge = bridge_user(cell)
             passwords[bridge] = secrets.token_urlsafe(18)
@@ -422,12 +546,12 @@ def provision(
         pki.issue(d, "client", node)
         # a node's private key and its peers' public keys; the monitor signs nothing: every node's public key,
         # to check the signed telemetry and statuses it reads (`fedtier monitor --config`)
-        subset = node_subset(ring, cfg.topology, node) if node != MONITOR else KeyRing({}, dict(ring.public))
+        subset = _key_subset(ring, cfg, node)
         write_keys(d / "keys.toml", subset, comment=f"node {node!r} of run {run!r}", overwrite=True)
         security: dict[str, object] = {"keys": "keys.toml"}
         if max_device_weight is not None:
             security["max_device_weight"] = float(max_device_weight)
-        node_cfg = cfg.model_copy(
+        node_cfg = (federation_bundle(cfg) if federation else cfg).model_copy(
             update={
                 "broker": cfg.broker.model_copy(
                     update={
@@ -442,6 +566,11 @@ def provision(
                 "security": cfg.security.model_copy(update=security),
             }
         )
-        _write(d / "config.toml", node_cfg.to_toml(), secret=True)  # holds the broker password
+        text = federation_toml(node_cfg) if federation else node_cfg.to_toml()
+        _write(d / "config.toml", text, secret=True)  # holds the broker password
+        if federation:
+            unit = systemd_unit(cfg, node, fedtier_bin)
+            if unit is not None:
+                _write(d / unit_name(node), unit)
         bundles[node] = d
     return Provisioned(out, broker, bundles, passwords, cell_brokers)

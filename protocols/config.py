@@ -537,10 +537,11 @@ class RunConfig(_Section):
         """Seconds each extra phase of secure aggregation waits (``privacy.secagg_deadline``)."""
         return self.privacy.secagg_deadline or self.runtime.device_deadline / 4
 
-    def to_toml(self) -> str:
-        """The config as TOML (written to each run's output folder)."""
-        data = self.model_dump(mode="json", exclude_none=True)
-        data["algorithm"] = self.train.model_dump(mode="json")
+    def to_toml(self, exclude: tuple[str, ...] = ()) -> str:
+        """The config as TOML (written to each run's output folder), without the ``exclude`` sections."""
+        data = self.model_dump(mode="json", exclude_none=True, exclude=set(exclude))
+        if "algorithm" not in exclude:
+            data["algorithm"] = self.train.model_dump(mode="json")
         return dump_toml(data)
 
     def model_spec(self, input_shape: tuple[int, ...], num_classes: int) -> ModelSpec:

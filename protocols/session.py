@@ -63,7 +63,8 @@ class CloudSession:
     ``finished`` only ever reflect records of the session of the latest ``online`` cloud status.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: str | None = None) -> None:
+        self.pinned = pinned  # a node serving one job (protocols.jobs): only that job's session counts
         self.session: str | None = None
         self.started: float | None = None  # the current session's start time (its status says)
         self.manifest: dict[str, Any] | None = None
@@ -74,6 +75,8 @@ class CloudSession:
         whose ``started`` time is older than the current session's (a replayed record of an earlier
         cloud) does not replace it."""
         if record is None or record.get("state") != "online" or not _session_ok(record.get("session")):
+            return
+        if self.pinned is not None and record["session"] != self.pinned:
             return
         started = record.get("started")
         started = float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None

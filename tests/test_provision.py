@@ -112,7 +112,9 @@ def provisioned(reachable_tmp: Path) -> dict[str, Any]:
 def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[str, Any]) -> None:
     out = provisioned["out"]
     nodes = sorted(p.name for p in (out / "nodes").iterdir())
-    assert nodes == sorted(["cloud", "monitor", "c0", "c1", "c0-d0", "c0-d1", "c0-d2", "c1-d0", "c1-d1", "c1-d2"])
+    assert nodes == sorted(
+        ["cloud", "operator", "monitor", "c0", "c1", "c0-d0", "c0-d1", "c0-d2", "c1-d0", "c1-d1", "c1-d2"]
+    )
     d = out / "nodes" / "c0-d1"
     ring = load_keys(d / "keys.toml")
     assert set(ring.private) == {"c0-d1"} and set(ring.public) == {"c0-d1", "c0", "cloud", "c0-d0", "c0-d2"}
@@ -137,7 +139,13 @@ def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[
         "topic read fedtier/t/cloud/round",
         "topic read fedtier/t/status/cloud",
         "topic write fedtier/t/cell/c0/status/device.c0-d1",
+        "topic read fedtier/t/cloud/job",
     ]
+    # only the operator may submit jobs; the cloud alone verifies the operator's signature
+    operator = acl.split("user operator\n")[1].split("\n\n")[0].splitlines()
+    assert operator[0] == "topic write fedtier/t/jobs/submit" and all(" read " in g for g in operator[1:])
+    assert set(load_keys(out / "nodes" / "operator" / "keys.toml").private) == {"operator"}
+    assert "operator" in load_keys(out / "nodes" / "cloud" / "keys.toml").public
     res = CliRunner().invoke(main, ["provision", str(provisioned["cfg"]), "--out", str(out)])
     assert res.exit_code == 2 and "already provisioned" in res.output  # never silently re-keys a fleet
 
@@ -354,7 +362,7 @@ def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
 def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, Any]) -> None:
     out = per_cell["out"]
     users = lambda f: sorted(line.split(":")[0] for line in f.read_text().splitlines() if line)  # noqa: E731
-    assert users(out / "broker" / "passwd") == ["bridge.c0", "bridge.c1", "cloud", "monitor", "observer"]
+    assert users(out / "broker" / "passwd") == ["bridge.c0", "bridge.c1", "cloud", "monitor", "observer", "operator"]
     assert users(out / "cells" / "c0" / "passwd") == ["c0", "c0-d0", "c0-d1", "c0-d2"]
     acl = (out / "broker" / "acl").read_text()
     assert acl.split("user bridge.c0\n")[1].split("\n\n")[0].splitlines() == [
@@ -362,6 +370,7 @@ def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, 
         "topic read fedtier/t/cloud/round",
         "topic read fedtier/t/cloud/control",
         "topic read fedtier/t/status/cloud",
+        "topic read fedtier/t/cloud/job",
         "topic write fedtier/t/cloud/up/c0/report",
         "topic write fedtier/t/status/cell.c0",
         "topic write fedtier/t/telemetry/cell/c0",

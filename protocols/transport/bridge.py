@@ -11,6 +11,7 @@ topic                                      dir.   what
 ``fedtier/{run}/cloud/round``              in     the cloud's round manifest (retained)
 ``fedtier/{run}/cloud/control``            in     run control, e.g. ``finished`` (retained)
 ``fedtier/{run}/status/cloud``             in     the cloud's liveness (retained)
+``fedtier/{run}/cloud/job``                in     the job in progress (retained)
 ``fedtier/{run}/cloud/up/{cell}/report``   out    the cell's report to the cloud
 ``fedtier/{run}/status/cell.{cell}``       out    the cell's liveness (retained)
 ``fedtier/{run}/telemetry/cell/{cell}``    out    the cell's aggregation records
@@ -43,6 +44,7 @@ def bridge_topics(run: str, cell: str) -> list[BridgeTopic]:
         BridgeTopic(topics.round_manifest(run), "in"),
         BridgeTopic(topics.control(run), "in"),
         BridgeTopic(topics.status(run, "cloud"), "in"),
+        BridgeTopic(topics.current_job(run), "in"),
         BridgeTopic(topics.cell_report(run, cell), "out"),
         BridgeTopic(topics.status(run, topics.cell_node(cell)), "out"),
         BridgeTopic(topics.telemetry_cell(run, cell), "out"),

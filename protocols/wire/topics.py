@@ -13,7 +13,13 @@ topic                                          what                             
 ``fedtier/{run}/cell/{cell}/status/{node}``    liveness of the cell's devices      yes
 ``fedtier/{run}/telemetry/cell/{cell}``        cell aggregation records            no
 ``fedtier/{run}/telemetry/cloud``              cloud round records                 no
+``fedtier/{fed}/cloud/job``                    the job in progress (its config)    yes
+``fedtier/{fed}/jobs/submit``                  operator -> cloud: submit, cancel   no
+``fedtier/{fed}/jobs/reply/{job}``             cloud -> operator: accepted or not  no
+``fedtier/{fed}/jobs/list``                    every job and its state             yes
 =============================================  ==================================  ===========
+
+In a federation (``protocols.jobs``) ``{run}`` is the federation's name: every job uses the same topics.
 """
 
 from __future__ import annotations
@@ -109,6 +115,31 @@ def telemetry_cloud(run: str) -> str:
 def telemetry_all(run: str) -> str:
     """A monitor's subscription to all of a run's telemetry."""
     return f"{root(run)}/telemetry/#"
+
+
+def current_job(federation: str) -> str:
+    """The cloud's retained, signed record of the job in progress (its config, hash and session)."""
+    return f"{root(federation)}/cloud/job"
+
+
+def job_submit(federation: str) -> str:
+    """Where the operator publishes signed job submissions and cancellations."""
+    return f"{root(federation)}/jobs/submit"
+
+
+def job_reply(federation: str, job: str) -> str:
+    """The cloud's signed answer to a request about ``job``."""
+    return f"{root(federation)}/jobs/reply/{job}"
+
+
+def job_replies(federation: str) -> str:
+    """Every reply of the cloud to the operator (its ACL pattern)."""
+    return f"{root(federation)}/jobs/reply/+"
+
+
+def job_list(federation: str) -> str:
+    """The cloud's retained, signed list of jobs and their states."""
+    return f"{root(federation)}/jobs/list"
 
 
 def device_node(device: str) -> str:

@@ -1,0 +1,95 @@
+"""The long-lived cell of a federation: serves one job after another, each with the config the cloud
+published for it (``protocols.jobs``), on one connection per job, until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from protocols.config import RunConfig
+from protocols.jobs import CurrentJob, JobError, JobWatch
+from protocols.transport.base import Transport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire.keys import Trust
+
+from .server import CellServer
+
+log = logging.getLogger("fedtier.cell.service")
+
+
+class CellService:
+    """``connect()`` returns a connected transport on ``loop`` (the caller retries and backs off);
+    ``build(cfg, transport)`` builds the cell server of a job's (localized) config on it."""
+
+    def __init__(
+        self,
+        bundle: RunConfig,
+        cell: str,
+        loop: ThreadLoop,
+        connect: Callable[[], Transport | None],
+        build: Callable[[RunConfig, Transport], CellServer],
+        trust: Trust | None,
+    ) -> None:
+        self.bundle, self.cell, self.loop, self.connect, self.build, self.trust = (
+            bundle,
+            cell,
+            loop,
+            connect,
+            build,
+            trust,
+        )
+        self.stopping = threading.Event()
+        self.served: list[str] = []  # the jobs this process served, in order
+        self.node: CellServer | None = None
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.loop.post(lambda: None)
+
+    def serve(self) -> None:
+        """Serve jobs until :meth:`stop`."""
+        done: set[str] = set()
+        fed = self.bundle.run.name
+        while not self.stopping.is_set():
+            transport = self.connect()
+            if transport is None:  # stopped while the broker was unreachable
+                break
+            watch = JobWatch(transport, fed, self.trust)
+            current = self._next_job(watch, done)
+            if current is None:
+                transport.close()
+                break
+            try:
+                cfg = current.run_config(self.bundle)
+                node = self.build(cfg, transport)
+            except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
+                log.error("cell %s cannot serve job %s: %s", self.cell, current.job, exc)
+                done.add(current.session)
+                transport.close()
+                continue
+            node.cloud.pinned = current.session  # tasks of this job's session only
+            self.node = node
+            log.info("cell %s serves job %s", self.cell, current.job)
+            self.loop.post(node.start)
+            self._until_job_ends(watch, current)
+            if not self.stopping.is_set():
+                done.add(current.session)
+                self.served.append(current.job)
+            self.node = None
+            node.stop()
+
+    def _next_job(self, watch: JobWatch, done: set[str]) -> CurrentJob | None:
+        """Wait for a job this cell has yet to serve (``None``: stopped)."""
+        self.loop.run(until=lambda: self.stopping.is_set() or watch.pending(done) is not None)
+        return None if self.stopping.is_set() else watch.pending(done)
+
+    def _until_job_ends(self, watch: JobWatch, current: CurrentJob) -> None:
+        """Serve until the cloud finished the job, moved to another one, or :meth:`stop`."""
+        self.loop.run(
+            until=lambda: (
+                self.stopping.is_set()
+                or current.session in watch.finished
+                or (watch.current is not None and watch.current.session != current.session)
+            )
+        )

@@ -1,0 +1,149 @@
+"""The cloud's durable job queue: every job submitted to the federation, its state and its reason.
+
+The queue is one JSON file (``{output}/jobs.json``), rewritten atomically (a temporary file, fsync,
+rename, fsync of the folder) before the cloud acknowledges or acts on a change, so a cloud killed at
+any point restarts with every job it accepted: a job that was ``running`` runs on (resumed from its
+checkpoint), queued jobs follow in submission order. A queue that cannot be written raises
+:class:`JobQueueError`: the cloud stops with that error rather than accept a job it could lose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from protocols.jobs import MAX_LISTED, STATES, JobError, check_job_id
+
+FORMAT = 1
+ENDED = ("finished", "failed", "cancelled")
+
+
+class JobQueueError(RuntimeError):
+    """The queue file cannot be read or written (the cloud must stop: it could lose a job)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job: its id, canonical config text and hash, who submitted it, what it starts from, its state."""
+
+    job: str
+    config: str
+    digest: str
+    submitter: str
+    init_from: str | None = None
+    state: str = "queued"
+    reason: str = ""
+    submitted: float = field(default_factory=time.time)
+    started: float | None = None
+    ended: float | None = None
+    cancel_requested: bool = False
+
+    def summary(self) -> dict[str, Any]:
+        """What ``fedtier jobs`` lists (no config text)."""
+        keys = ("job", "state", "reason", "submitter", "init_from", "submitted", "started", "ended")
+        return {k: getattr(self, k) for k in keys} | {"hash": self.digest}
+
+
+class JobQueue:
+    """Jobs in submission order, persisted in ``path`` on every change."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.jobs: dict[str, Job] = {}
+        if self.path.exists():
+            try:
+                data = json.loads(self.path.read_text(encoding="utf-8"))
+                if data.get("format") != FORMAT:
+                    raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+                for item in data["jobs"]:
+                    job = Job(**item)
+                    self.jobs[job.job] = job
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise JobQueueError(f"job queue {self.path} is unreadable: {exc}") from None
+        else:
+            self._save()  # fail now, not at the first submission, when the folder is not writable
+
+    # ------------------------------------------------------------------ queries
+    def get(self, job: str) -> Job | None:
+        return self.jobs.get(job)
+
+    def next(self) -> Job | None:
+        """The job to run now: one left ``running`` by a crash first, else the oldest ``queued``."""
+        running = [j for j in self.jobs.values() if j.state == "running"]
+        if running:
+            return running[0]
+        return next((j for j in self.jobs.values() if j.state == "queued"), None)
+
+    def listing(self) -> list[dict[str, Any]]:
+        """The last ``MAX_LISTED`` jobs, oldest first."""
+        return [j.summary() for j in list(self.jobs.values())[-MAX_LISTED:]]
+
+    # ------------------------------------------------------------------ changes (each persisted)
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; :class:`JobError` for a taken id or an ``init_from`` that is not a finished job."""
+        check_job_id(job.job)
+        if job.job in self.jobs:
+            raise JobError(f"job {job.job!r} exists already ({self.jobs[job.job].state})")
+        if job.init_from is not None:
+            base = self.jobs.get(job.init_from)
+            if base is None:
+                raise JobError(f"init_from: no job {job.init_from!r}")
+            if base.state in ("failed", "cancelled"):
+                raise JobError(f"init_from: job {job.init_from!r} ended {base.state}")
+        self._change(job.job, replace(job, state="queued"))
+
+    def start(self, job: str) -> Job:
+        return self._change(job, replace(self.jobs[job], state="running", started=time.time()))
+
+    def end(self, job: str, state: str, reason: str = "") -> Job:
+        if state not in ENDED:
+            raise ValueError(f"a job ends {', '.join(ENDED)}, not {state!r}")
+        return self._change(job, replace(self.jobs[job], state=state, reason=reason, ended=time.time()))
+
+    def cancel(self, job: str) -> Job:
+        """A queued job is cancelled at once; a running one after its current round (``cancel_requested``)."""
+        current = self.jobs.get(job)
+        if current is None:
+            raise JobError(f"no job {job!r}")
+        if current.state in ENDED:
+            raise JobError(f"job {job!r} has ended ({current.state})")
+        if current.state == "queued":
+            return self.end(job, "cancelled", "cancelled by the operator before it started")
+        return self._change(job, replace(current, cancel_requested=True))
+
+    def _change(self, key: str, job: Job) -> Job:
+        assert job.state in STATES
+        before = self.jobs.get(key)
+        self.jobs[key] = job
+        try:
+            self._save()
+        except JobQueueError:
+            if before is None:
+                del self.jobs[key]
+            else:
+                self.jobs[key] = before
+            raise
+        return job
+
+    def _save(self) -> None:
+        data = json.dumps({"format": FORMAT, "jobs": [asdict(j) for j in self.jobs.values()]}, indent=1)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dirfd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dirfd)
+            finally:
+                os.close(dirfd)
+        except OSError as exc:
+            raise JobQueueError(f"cannot write the job queue {self.path}: {exc}") from None

@@ -1,0 +1,228 @@
+"""The long-lived cloud of a federation: takes signed jobs from the operator, queues them durably and runs
+them one after another, each as a :class:`CloudServer` with its own run folder and its job's session.
+
+On the loop thread: submissions and cancellations (``protocols.jobs``) are verified against the operator's
+public key, validated against the federation, written to the queue (:mod:`cloud.jobs`) and answered with a
+signed reply. :meth:`CloudService.serve` (the caller's thread) runs the queue: it publishes the job in
+progress (retained, signed: cells and agents take its config from there), runs its rounds, records how it
+ended, and starts the next. Killed while a job runs, the restarted service resumes it from its checkpoint
+(same session, so cells and agents carry on) and then runs the queued ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocols import runfiles
+from protocols.algorithms.base import Algorithm
+from protocols.config import RunConfig
+from protocols.jobs import (
+    OPERATOR,
+    CurrentJob,
+    JobError,
+    canonical_job,
+    check_job_id,
+    config_hash,
+    open_job_record,
+)
+from protocols.transport.base import Transport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
+from protocols.wire.keys import PublicKeys, Trust
+from protocols.wire.signed import seal_record
+
+from .jobs import Job, JobQueue, JobQueueError
+from .node import build_cloud
+from .server import CloudServer, Evaluator
+
+log = logging.getLogger("fedtier.cloud.service")
+
+
+@dataclass(frozen=True)
+class JobParts:
+    """What the caller builds for a job's config (they need the data set: not the cloud's business)."""
+
+    algorithm: Algorithm
+    evaluator: Evaluator | None = None
+
+
+class CloudService:
+    """``connect()`` returns a connected transport on ``loop`` (the caller retries and backs off);
+    ``parts(cfg)`` builds a job's algorithm and evaluator; ``on_end(job, cfg, node, out)`` writes a
+    finished job's final model and summary. ``operator``: the operator's public key (``None``: unsigned
+    federation, any submitter accepted; for tests and ``fedtier run`` only)."""
+
+    def __init__(
+        self,
+        bundle: RunConfig,
+        loop: ThreadLoop,
+        connect: Callable[[], Transport | None],
+        queue: JobQueue,
+        parts: Callable[[RunConfig], JobParts],
+        *,
+        trust: Trust | None,
+        operator: bytes | None,
+        on_end: Callable[[Job, RunConfig, CloudServer, Path], None] | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.bundle, self.loop, self.connect, self.queue, self.parts = bundle, loop, connect, queue, parts
+        self.fed = bundle.run.name
+        self.trust, self.on_end, self.on_round = trust, on_end, on_round
+        self.operator = PublicKeys({OPERATOR: operator}) if operator is not None else None
+        self.node: CloudServer | None = None
+        self.transport: Transport | None = None
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None  # a queue that could not be written: the service stops
+        self.wake = threading.Event()
+
+    # ------------------------------------------------------------------ the queue runner (caller's thread)
+    def serve(self) -> None:
+        """Run jobs until :meth:`stop` (SIGTERM) or a queue error (re-raised)."""
+        while not self.stopping.is_set():
+            if self.transport is None:
+                self.transport = self._connect()
+                if self.transport is None:
+                    break
+            job = self.queue.next()
+            if job is None:
+                self.wake.clear()
+                self.loop.run(until=lambda: self.stopping.is_set() or self.wake.is_set(), timeout=1.0)
+                self._raise()
+                continue
+            self._run(job, self.transport)
+            self.transport = None  # the job's server closed it
+            self._raise()
+        if self.transport is not None:
+            self.transport.close()
+
+    def stop(self) -> None:
+        """Stop after the running round's messages are handled (a running job resumes at the next start)."""
+        self.stopping.set()
+        self.loop.post(lambda: None)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _connect(self) -> Transport | None:
+        transport = self.connect()
+        if transport is None:  # stopped while the broker was unreachable
+            return None
+        transport.subscribe(topics.job_submit(self.fed), self._on_submit)
+        self.loop.post(lambda: self._publish_list(transport))
+        return transport
+
+    def _run(self, job: Job, transport: Transport) -> None:
+        resumed = job.state == "running"
+        current = CurrentJob(job.job, job.config, job.digest)
+        cfg = current.run_config(self.bundle)
+        out = cfg.output_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / runfiles.CONFIG).write_text(cfg.to_toml(), encoding="utf-8")
+        parts = self.parts(cfg)
+        node = build_cloud(
+            cfg,
+            transport,
+            parts.algorithm,
+            evaluator=parts.evaluator,
+            output_dir=out,
+            resume=resumed and (out / runfiles.CHECKPOINT).exists(),
+            startup_wait=cfg.runtime.startup_wait,
+            on_round=self.on_round,
+            session=current.session,
+        )
+        job = self.queue.start(job.job) if not resumed else job
+        log.info("job %s %s (hash %s)", job.job, "resumed" if resumed else "started", job.digest[:12])
+
+        def begin() -> None:
+            self.node = node
+            if job.cancel_requested:
+                node.request_stop("cancelled by the operator")
+            topic = topics.current_job(self.fed)
+            transport.publish(topic, self._seal(current.record(), topic), retain=True)
+            self._publish_list(transport)
+            node.start()
+
+        self.loop.post(begin)
+        self.loop.run(until=lambda: node.finished or self.stopping.is_set() or self.error is not None)
+        self.node = None
+        if node.finished:
+            ended = self.queue.get(job.job) or job
+            state, reason = ("cancelled", "cancelled by the operator") if ended.cancel_requested else ("finished", "")
+            if self.on_end is not None and state == "finished":
+                self.on_end(ended, cfg, node, out)
+            self.queue.end(job.job, state, reason or (node.stopped or ""))
+            log.info("job %s %s", job.job, state)
+            self._publish_list(transport)
+        node.stop()
+
+    # ------------------------------------------------------------------ operator requests (loop thread)
+    def _on_submit(self, topic: str, data: bytes) -> None:
+        if not data:
+            return
+        try:  # the job id first (to answer on its topic), then the operator's signature
+            job = check_job_id(open_job_record(data, topic, OPERATOR, None).get("job"))
+        except JobError as exc:
+            log.warning("refused a job request: %s", exc)  # no job id to answer on
+            return
+        try:
+            record = open_job_record(data, topic, OPERATOR, self.operator.verify if self.operator else None)
+        except JobError as exc:
+            log.warning("refused job %s: %s", job, exc)
+            self._reply(job, False, str(exc))
+            return
+        try:
+            if record.get("action") == "cancel":
+                self._cancel(job)
+                self._reply(job, True, "cancelled" if self.queue.jobs[job].state == "cancelled" else "cancelling")
+            elif record.get("action") == "submit":
+                self._submit(job, record)
+                self._reply(job, True, "queued")
+            else:
+                raise JobError(f"unknown action {record.get('action')!r}")
+        except JobError as exc:
+            log.warning("refused job %s: %s", job, exc)
+            self._reply(job, False, str(exc))
+        except JobQueueError as exc:
+            self._reply(job, False, str(exc))
+            self.error = exc  # the queue cannot be written: stop rather than lose a job
+            return
+        if self.transport is not None or self.node is not None:
+            self._publish_list(self.node.transport if self.node is not None else self.transport)
+        self.wake.set()
+
+    def _submit(self, job: str, record: dict[str, Any]) -> None:
+        config = record.get("config")
+        init_from = record.get("init_from")
+        if not isinstance(config, str):
+            raise JobError("the job has no config")
+        if init_from is not None:  # planned: the cloud role and the devices' initial model from that job's
+            raise JobError("init_from is not supported yet")  # final model (DeComFL's devices replay x0)
+        _, text = canonical_job(config, self.bundle)
+        self.queue.submit(Job(job, text, config_hash(text), OPERATOR, init_from))
+        log.info("job %s queued (hash %s)", job, config_hash(text)[:12])
+
+    def _cancel(self, job: str) -> None:
+        cancelled = self.queue.cancel(job)
+        if self.node is not None and cancelled.state == "running":
+            self.node.request_stop("cancelled by the operator")
+
+    def _reply(self, job: str, accepted: bool, reason: str) -> None:
+        transport = self.node.transport if self.node is not None else self.transport
+        if transport is None:
+            return
+        topic = topics.job_reply(self.fed, job)
+        transport.publish(topic, self._seal({"job": job, "accepted": accepted, "reason": reason}, topic))
+
+    def _publish_list(self, transport: Transport) -> None:
+        topic = topics.job_list(self.fed)
+        transport.publish(topic, self._seal({"jobs": self.queue.listing(), "at": time.time()}, topic), retain=True)
+
+    def _seal(self, record: dict[str, Any], topic: str) -> bytes:
+        return seal_record(record, topic, self.trust.sign if self.trust is not None else None)

@@ -1,0 +1,208 @@
+"""The operator's commands on a federation: ``fedtier submit``, ``fedtier jobs``, ``fedtier cancel``.
+
+Each reads the operator bundle's ``config.toml`` (``fedtier provision`` writes ``nodes/operator/``: the
+broker login, TLS files and the operator's signing key), signs its request with the operator identity and
+waits for the cloud's signed answer."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import click
+
+from .cli import VERBOSE, main
+from .console import console, load_or_exit, setup_logging
+
+OPERATOR_CONFIG = click.option(
+    "--config",
+    "config",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The operator bundle's config.toml (fedtier provision: nodes/operator/config.toml).",
+)
+WAIT = click.option(
+    "--wait", type=click.FloatRange(min=0.1), default=30.0, show_default=True, help="Seconds to wait for the cloud."
+)
+
+
+def _fail(message: str, code: int) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise SystemExit(code)
+
+
+def _operator(cfg: Any) -> Any:
+    """The operator's identity (``None`` in an unsigned federation)."""
+    from protocols.jobs import OPERATOR
+    from protocols.wire.keys import KeysError, Trust, load_keys
+
+    if not cfg.security.keys:
+        return None
+    ring = load_keys(cfg.security.keys)
+    if OPERATOR not in ring.private or "cloud" not in ring.public:
+        raise KeysError(
+            f"{cfg.security.keys}: not an operator's keys (the operator's private key, the cloud's public key)"
+        )
+    return Trust(OPERATOR, ring.private[OPERATOR], ring.public)
+
+
+class _Session:
+    """A short connection of the operator to the federation's broker."""
+
+    def __init__(self, cfg: Any) -> None:
+        from edge_agent.runner import BrokerOptions
+        from protocols.jobs import OPERATOR
+        from protocols.transport.threadloop import ThreadLoop
+
+        self.cfg, self.fed = cfg, cfg.run.name
+        self.trust = _operator(cfg)
+        self.loop = ThreadLoop("operator")
+        opts = BrokerOptions.from_config(cfg)
+        self.transport = opts.transport(OPERATOR, self.fed, self.loop, persistent=False).connect()
+
+    def read(self, topic: str, signer: str, wait: float, until: Any = None) -> dict[str, Any] | None:
+        """Subscribe to ``topic`` and return the first record ``signer`` signed (``until(record)`` true), or None."""
+        from protocols.jobs import JobError, open_job_record
+
+        got: list[dict[str, Any]] = []
+
+        def on_record(t: str, data: bytes) -> None:
+            if not data:
+                return
+            try:
+                record = open_job_record(data, t, signer, self.trust.verify if self.trust is not None else None)
+            except JobError as exc:
+                console.print(f"[yellow]ignored:[/] {exc}")
+                return
+            if until is None or until(record):
+                got.append(record)
+
+        self.transport.subscribe(topic, on_record)
+        self.transport.wait_subscribed(wait)
+        self.loop.run(until=lambda: bool(got), timeout=wait)
+        return got[0] if got else None
+
+    def request(self, record: dict[str, Any], job: str, wait: float) -> dict[str, Any] | None:
+        """Publish a signed request about ``job`` and wait for the cloud's signed reply."""
+        from protocols.wire import topics
+        from protocols.wire.signed import seal_record
+
+        topic = topics.job_reply(self.fed, job)
+        replies: list[dict[str, Any]] = []
+        self.transport.subscribe(topic, lambda t, d: replies.append({"_topic": t, "_data": d}))
+        self.transport.wait_subscribed(wait)
+        submit = topics.job_submit(self.fed)
+        self.transport.publish(submit, seal_record(record, submit, self.trust.sign if self.trust else None))
+        self.loop.run(until=lambda: bool(replies), timeout=wait)
+        if not replies:
+            return None
+        from protocols.jobs import open_job_record
+
+        first = replies[0]
+        return open_job_record(first["_data"], first["_topic"], "cloud", self.trust.verify if self.trust else None)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _answer(session: _Session, record: dict[str, Any], job: str, wait: float) -> None:
+    from protocols.jobs import JobError
+
+    try:
+        reply = session.request(record, job, wait)
+    except JobError as exc:
+        _fail(f"the reply is not the cloud's: {exc}", 1)
+    finally:
+        session.close()
+    if reply is None:
+        _fail(f"no answer from the cloud within {wait:g} s (is `fedtier cloud --serve` running?)", 1)
+    if not reply.get("accepted"):
+        _fail(f"job {job} refused: {reply.get('reason')}", 1)
+    console.print(f"job {job}: {reply.get('reason')}")
+
+
+def _connect(config: str) -> _Session:
+    from protocols.config import ConfigError
+
+    cfg = load_or_exit(config, ())
+    try:
+        return _Session(cfg)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    except ConnectionError as exc:
+        _fail(str(exc), 1)
+    raise AssertionError
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@OPERATOR_CONFIG
+@click.option("--id", "job_id", default=None, help="The job's id (default: [job] id, else the file's name).")
+@WAIT
+@VERBOSE
+def submit(job_file: str, config: str, job_id: str | None, wait: float, verbose: int) -> None:
+    """Submit JOB_FILE (a run config, plus an optional [job] section) to the federation's cloud queue.
+
+    The job is validated here first (the same errors as fedtier sim), signed with the operator identity,
+    and accepted or refused by the cloud (exit 0 / 1, with its reason)."""
+    from protocols.jobs import JobError, canonical_job, read_job_file, submit_record
+
+    setup_logging(verbose)
+    cfg = load_or_exit(config, ())
+    try:
+        request = read_job_file(job_file, job_id)
+        canonical_job(request.config, cfg)
+    except JobError as exc:
+        _fail(str(exc), 2)
+    _answer(_connect(config), submit_record(request), request.job, wait)
+
+
+@main.command()
+@click.argument("job")
+@OPERATOR_CONFIG
+@WAIT
+@VERBOSE
+def cancel(job: str, config: str, wait: float, verbose: int) -> None:
+    """Cancel JOB: a queued job at once, a running one after its current round."""
+    from protocols.jobs import JobError, cancel_record
+
+    setup_logging(verbose)
+    try:
+        record = cancel_record(job)
+    except JobError as exc:
+        _fail(str(exc), 2)
+    _answer(_connect(config), record, job, wait)
+
+
+@main.command()
+@OPERATOR_CONFIG
+@WAIT
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+@VERBOSE
+def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
+    """List the federation's jobs (queued, running, finished, failed, cancelled), as the cloud signed them."""
+    import json
+
+    from rich.table import Table
+
+    from protocols.wire import topics
+
+    setup_logging(verbose)
+    session = _connect(config)
+    try:
+        record = session.read(topics.job_list(session.fed), "cloud", wait)
+    finally:
+        session.close()
+    if record is None:
+        _fail(f"no job list from the cloud within {wait:g} s (is `fedtier cloud --serve` running?)", 1)
+    listed = record.get("jobs") if isinstance(record.get("jobs"), list) else []
+    if as_json:
+        click.echo(json.dumps(listed))
+        return
+    table = Table("job", "state", "submitted", "hash", "reason")
+    for j in listed:
+        when = dt.datetime.fromtimestamp(j.get("submitted") or 0, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(
+            str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], str(j.get("reason", ""))
+        )
+    console.print(table)

@@ -1,0 +1,177 @@
+"""Long-lived nodes of a federation (``fedtier cloud|cell|agent --serve``): they stay up across jobs,
+take each job's config from the cloud's signed job record, reconnect with backoff while the broker is
+unreachable, and stop cleanly on SIGTERM or Ctrl-C (a running job resumes when they come back)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from protocols.config import ConfigError, RunConfig
+
+log = logging.getLogger("fedtier.serve")
+BACKOFF_MAX = 30.0
+QUEUE_FILE = "jobs.json"
+
+
+def connect_forever(make: Callable[[], Any], stopping: threading.Event, what: str) -> Any:
+    """``make().connect()``, retried with doubling delays (1 s to ``BACKOFF_MAX``) while it raises
+    ``ConnectionError``; ``None`` once ``stopping`` is set."""
+    delay = 1.0
+    while not stopping.is_set():
+        try:
+            return make().connect()
+        except ConnectionError as exc:
+            log.warning("%s: broker unreachable (%s); retrying in %.0f s", what, exc, delay)
+            stopping.wait(delay)
+            delay = min(2 * delay, BACKOFF_MAX)
+    return None
+
+
+def on_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call ``stop`` (the service then leaves its loop and disconnects cleanly)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop())
+
+
+def operator_key(cfg: RunConfig) -> bytes | None:
+    """The operator's public key from the cloud's keys file; ``None`` in an unsigned federation."""
+    from protocols.jobs import OPERATOR
+    from protocols.wire.keys import load_keys
+
+    if not cfg.security.keys:
+        return None
+    key = load_keys(cfg.security.keys).public.get(OPERATOR)
+    if key is None:
+        raise ConfigError(
+            f"{cfg.security.keys} holds no operator key: provision the federation again (fedtier provision)"
+        )
+    return key
+
+
+def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Callable[..., Any]) -> None:
+    """Run the federation's cloud: the job queue in ``{output}/jobs.json``, a run folder per job."""
+    from cloud.jobs import JobQueue
+    from cloud.service import CloudService, JobParts
+    from edge_agent.runner import offline_will
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire.keys import node_trust
+    from sim.hierarchy import make_evaluator
+    from sim.launcher import RunResult, write_final
+
+    fed = cfg.run.name
+    trust = node_trust(cfg, "cloud")
+    operator = operator_key(cfg)
+    queue = JobQueue(cfg.output_dir() / QUEUE_FILE)
+    loop = ThreadLoop("cloud")
+    stopping = threading.Event()
+
+    def connect() -> Any:
+        return connect_forever(
+            lambda: opts.transport("cloud", fed, loop, will=offline_will(fed, "cloud", cfg)), stopping, "cloud"
+        )
+
+    def parts(job_cfg: RunConfig) -> JobParts:
+        spec, test = spec_of(job_cfg, test_data)
+        evaluator = make_evaluator(spec, test.x, test.y, job_cfg.runtime.device) if test is not None else None
+        return JobParts(job_cfg.build_algorithm(spec), evaluator)
+
+    def on_end(job: Any, job_cfg: RunConfig, node: Any, out: Path) -> None:
+        wall = time.time() - (job.started or time.time())
+        write_final(
+            out, RunResult(job_cfg, node.role.global_params(), node.history, [], out, wall, stopped=node.stopped)
+        )
+
+    service = CloudService(cfg, loop, connect, queue, parts, trust=trust, operator=operator, on_end=on_end)
+    on_signals(lambda: (stopping.set(), service.stop()))
+    log.info("cloud of federation %s serving jobs (queue %s)", fed, queue.path)
+    service.serve()
+
+
+def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]) -> list[str]:
+    """Run one cell of the federation across jobs; returns the jobs it served."""
+    from cell_server.node import build_cell
+    from cell_server.service import CellService
+    from edge_agent.runner import offline_will
+    from protocols import runfiles
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+    from protocols.wire.keys import node_trust
+    from sim.hierarchy import edge_availability
+
+    fed, node_name = cfg.run.name, topics.cell_node(cell)
+    trust = node_trust(cfg, cell)
+    loop = ThreadLoop(f"cell-{cell}")
+    stopping = threading.Event()
+
+    def connect() -> Any:
+        return connect_forever(
+            lambda: opts.transport(node_name, fed, loop, will=offline_will(fed, node_name, cfg)), stopping, node_name
+        )
+
+    def build(job_cfg: RunConfig, transport: Any) -> Any:
+        spec, _ = spec_of(job_cfg, None)
+        out = job_cfg.output_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        journal = out / runfiles.CELL_JOURNAL.format(cell=cell)
+        return build_cell(
+            job_cfg,
+            cell,
+            transport,
+            job_cfg.build_algorithm(spec),
+            output_dir=out,
+            heartbeats=True,
+            availability=edge_availability(job_cfg),
+            journal=True,
+            resume=journal.exists() and job_cfg.secagg_settings() is None,
+        )
+
+    service = CellService(cfg, cell, loop, connect, build, trust)
+    on_signals(lambda: (stopping.set(), service.stop()))
+    service.serve()
+    return service.served
+
+
+def serve_agent(
+    cfg: RunConfig, device: str, data: Any, opts: Any, make_trainer: Callable[[RunConfig, Any], Any], spec_of: Any
+) -> tuple[list[str], int]:
+    """Run one device's agent across jobs; returns the jobs it served and the tasks it answered."""
+    from edge_agent.node import cell_of
+    from edge_agent.runner import AgentProcess
+    from edge_agent.service import AgentService
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+    from protocols.wire.keys import node_trust
+    from sim.hierarchy import device_availability
+
+    fed = cfg.run.name
+    cell_of(cfg, device)
+    trust = node_trust(cfg, device)
+    loop = ThreadLoop(f"agent-{device}")
+    stopping = threading.Event()
+
+    def watch() -> Any:  # a clean session: what a persistent one queued for the last job is dropped
+        node = topics.device_node(device)
+        return connect_forever(lambda: opts.transport(node, fed, loop, persistent=False), stopping, node)
+
+    def build(job_cfg: RunConfig, session: str) -> AgentProcess:
+        spec, _ = spec_of(job_cfg, None)
+        return AgentProcess(
+            job_cfg,
+            job_cfg.build_algorithm(spec),
+            {device: data},
+            make_trainer(job_cfg, spec),
+            opts,
+            availability=device_availability(job_cfg),
+            session=session,
+        )
+
+    service = AgentService(cfg, device, loop, watch, build, trust)
+    on_signals(lambda: (stopping.set(), service.stop()))
+    service.serve()
+    return service.served, service.tasks

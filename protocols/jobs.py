@@ -1,0 +1,244 @@
+"""Jobs on a federation: what a job is, and the signed records that carry it.
+
+A **federation** is what ``fedtier provision`` provisions: identities, brokers, ACLs and topics rooted at
+``fedtier/{federation}/...`` (the provisioning config's ``run.name``). A **job** is one training config
+run on it. Its canonical text (:func:`canonical_job`: the job's TOML with the federation's name and
+topology, and nothing node-local) is what the cloud publishes; its **config hash** is the sha256 of that
+text, and the job's **cloud session** is ``{job}.{hash[:16]}`` (:func:`job_session`). Every signed
+envelope binds the session, so every task a node receives carries the job id and its config hash, and a
+node pinned to a job (``CloudSession(pinned=...)``) takes nothing of another job or another config.
+
+Records (plain JSON with an Ed25519 signature, :mod:`protocols.wire.signed`):
+
+========================================  ================================  ==========  ========
+topic                                     what                              signed by   retained
+========================================  ================================  ==========  ========
+``fedtier/{fed}/jobs/submit``             submit / cancel a job             operator    no
+``fedtier/{fed}/jobs/reply/{job}``        accepted or refused, with reason  cloud       no
+``fedtier/{fed}/jobs/list``               every job and its state           cloud       yes
+``fedtier/{fed}/cloud/job``               the job in progress (its config)  cloud       yes
+========================================  ================================  ==========  ========
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config
+from .wire import topics
+from .wire.envelope import WireError
+from .wire.signed import open_record
+
+if TYPE_CHECKING:
+    from .transport.base import Transport
+    from .wire.envelope import Verifier
+    from .wire.keys import Trust
+
+log = logging.getLogger("fedtier.jobs")
+
+OPERATOR = "operator"
+"""The operator identity's node id: the only one that may submit or cancel jobs."""
+MAX_JOB_ID = 40
+MAX_JOB_RECORD_BYTES = 256 * 1024
+"""Bound on a job record (a job's config is a few KiB; the job list holds at most ``MAX_LISTED`` jobs)."""
+MAX_LISTED = 200
+STATES = ("queued", "running", "finished", "failed", "cancelled")
+NODE_LOCAL = ("broker", "security", "monitoring")
+"""Sections a job may not set: each node's bundle does (identities, broker, its own metrics port)."""
+
+
+class JobError(ConfigError):
+    """A job that cannot be accepted, or a job record that is malformed; the text says why."""
+
+
+# ------------------------------------------------------------------------------------------------ jobs
+def check_job_id(job: Any) -> str:
+    """A job id goes into topics and folder names: 1-40 safe characters."""
+    if not isinstance(job, str) or len(job) > MAX_JOB_ID:
+        raise JobError(f"job id {job!r} must be a string of at most {MAX_JOB_ID} characters")
+    try:
+        return topics.check_name("job", job)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+
+
+def config_hash(text: str) -> str:
+    """The job's config hash: sha256 (hex) of its canonical text."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def job_session(job: str, digest: str) -> str:
+    """The cloud session of a job: binds the job id and its config hash into every signed envelope."""
+    return f"{job}.{digest[:16]}"
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What the operator asks for: a job id, the job's TOML text (``[job]`` section removed) and the
+    finished job whose final model it starts from (``init_from``)."""
+
+    job: str
+    config: str
+    init_from: str | None = None
+
+
+def read_job_file(path: str | Path, job: str | None = None) -> JobRequest:
+    """Read JOB.toml: a run config (sections as in ``fedtier sim``) plus an optional ``[job]`` section
+    (``id``, ``init_from``). ``job`` overrides ``[job] id``; without either the file's stem is the id."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = tomllib.loads(text)
+    except FileNotFoundError:
+        raise JobError(f"job file {path} does not exist") from None
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise JobError(f"{path}: not valid TOML: {exc}") from None
+    section = data.pop("job", {})
+    if not isinstance(section, dict) or set(section) - {"id", "init_from"}:
+        raise JobError(f"{path}: [job] may hold only id and init_from")
+    init_from = section.get("init_from")
+    if init_from is not None:
+        check_job_id(init_from)
+    return JobRequest(check_job_id(job or section.get("id") or path.stem), dump_toml(data), init_from)
+
+
+def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
+    """Validate a job's TOML text against the federation; return its config and its canonical text.
+
+    The job may not set the node-local sections (``broker``, ``security``, ``monitoring``) nor another
+    topology; its run name is the federation's. Raises :class:`JobError` with today's config errors."""
+    try:
+        data = tomllib.loads(config)
+    except tomllib.TOMLDecodeError as exc:
+        raise JobError(f"job config is not valid TOML: {exc}") from None
+    local = [s for s in NODE_LOCAL if s in data]
+    if local:
+        raise JobError(f"a job may not set [{'], ['.join(local)}]: each node's bundle does")
+    topo = data.pop("topology", None)
+    if topo is not None and topo != federation.topology.model_dump(mode="json", exclude_defaults=True):
+        fed_topo = federation.topology.model_dump(mode="json")
+        if {**fed_topo, **topo} != fed_topo:
+            raise JobError(f"the job's [topology] {topo} is not the federation's {fed_topo}")
+    run = data.setdefault("run", {})
+    if not isinstance(run, dict):
+        raise JobError("[run] must be a section")
+    run.pop("output", None)
+    run["name"] = federation.run.name
+    data["topology"] = federation.topology.model_dump(mode="json")
+    try:
+        cfg = parse_config(data)
+    except ConfigError as exc:
+        raise JobError(str(exc)) from None
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output": RunSection().output})})
+    return cfg, cfg.to_toml(exclude=NODE_LOCAL)
+
+
+def localize(job_cfg: RunConfig, bundle: RunConfig, job: str) -> RunConfig:
+    """The job's config as one node runs it: its bundle's broker, keys and monitoring, the job's own
+    folder under the bundle's output folder (``{output}/jobs/{job}``), DP noise as deployments draw it."""
+    out = bundle.output_dir() / "jobs" / check_job_id(job)
+    job_cfg, _ = deployment_config(job_cfg)  # DP noise from the OS unless the job sets an integer noise_seed
+    return job_cfg.model_copy(
+        update={
+            "broker": bundle.broker,
+            "security": bundle.security,
+            "monitoring": bundle.monitoring,
+            "run": job_cfg.run.model_copy(update={"output": str(out)}),
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------- records
+def open_job_record(data: bytes, topic: str, signer: str, verify: Verifier | None) -> dict[str, Any]:
+    """A job record on ``topic`` that ``signer`` must have signed (when ``verify``); :class:`JobError` if not."""
+    try:
+        return open_record(data, topic, signer, verify, max_bytes=MAX_JOB_RECORD_BYTES)
+    except WireError as exc:
+        raise JobError(f"job record on {topic}: {exc}") from None
+
+
+def submit_record(request: JobRequest) -> dict[str, Any]:
+    return {"action": "submit", "job": request.job, "config": request.config, "init_from": request.init_from}
+
+
+def cancel_record(job: str) -> dict[str, Any]:
+    return {"action": "cancel", "job": check_job_id(job)}
+
+
+@dataclass(frozen=True)
+class CurrentJob:
+    """The job the cloud published as in progress: id, canonical config text, hash and session."""
+
+    job: str
+    config: str
+    digest: str
+
+    @property
+    def session(self) -> str:
+        return job_session(self.job, self.digest)
+
+    def record(self) -> dict[str, Any]:
+        return {"job": self.job, "config": self.config, "hash": self.digest, "session": self.session}
+
+    def run_config(self, bundle: RunConfig) -> RunConfig:
+        """The job's config for the node of ``bundle`` (validated; the hash checked again)."""
+        if config_hash(self.config) != self.digest:
+            raise JobError(f"job {self.job}: the config does not match its hash")
+        try:
+            cfg = parse_config(tomllib.loads(self.config))
+        except (ConfigError, tomllib.TOMLDecodeError) as exc:
+            raise JobError(f"job {self.job}: {exc}") from None
+        if cfg.run.name != bundle.run.name or cfg.topology != bundle.topology:
+            raise JobError(f"job {self.job} is not for federation {bundle.run.name!r} as provisioned")
+        return localize(cfg, bundle, self.job)
+
+
+def parse_current(record: dict[str, Any]) -> CurrentJob:
+    """The in-progress job of a (verified) ``cloud/job`` record; :class:`JobError` if malformed."""
+    job, config, digest = record.get("job"), record.get("config"), record.get("hash")
+    if not isinstance(config, str) or not isinstance(digest, str) or config_hash(config) != digest:
+        raise JobError("job record: config missing or not matching its hash")
+    return CurrentJob(check_job_id(job), config, digest)
+
+
+class JobWatch:
+    """What a cell or an agent knows of the federation's jobs, from ``transport``: the job in progress
+    (the cloud's retained, signed ``cloud/job`` record) and the sessions the cloud declared finished
+    (its ``finished`` control record). With ``trust`` (the node's own identity: its transport's chunk
+    signing is configured from it) only the cloud's signatures count."""
+
+    def __init__(self, transport: Transport, federation: str, trust: Trust | None) -> None:
+        from .wire.messenger import Messenger
+
+        self.federation, self.trust = federation, trust
+        self.current: CurrentJob | None = None
+        self.finished: set[str] = set()
+        self._control = Messenger(transport, federation, "watcher", trust=trust)
+        transport.subscribe(topics.current_job(federation), self._on_job)
+        transport.subscribe(topics.control(federation), self._on_control)
+
+    def pending(self, done: set[str]) -> CurrentJob | None:
+        """The job in progress if this node has yet to serve it (not in ``done``, not finished)."""
+        c = self.current
+        return c if c is not None and c.session not in done and c.session not in self.finished else None
+
+    def _on_job(self, topic: str, data: bytes) -> None:
+        if not data:
+            return
+        try:
+            record = open_job_record(data, topic, "cloud", self.trust.verify if self.trust is not None else None)
+            self.current = parse_current(record)
+        except JobError as exc:
+            log.warning("ignored a job record: %s", exc)
+
+    def _on_control(self, topic: str, data: bytes) -> None:
+        msg = self._control.receive(topic, data, kinds=("control",)) if data else None
+        if msg is None or (self.trust is not None and msg.header.sender != "cloud"):
+            return
+        if msg.payload.meta.get("event") == "finished" and isinstance(msg.payload.meta.get("session"), str):
+            self.finished.add(msg.payload.meta["session"])

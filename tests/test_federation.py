@@ -1,0 +1,214 @@
+"""A federation that stays up, as an operator runs it: ``fedtier provision --federation``, the provisioned
+Mosquitto (TLS, ACLs), every node its own long-lived process started from its bundle (``--serve``), and
+jobs submitted with ``fedtier submit``, signed by the operator identity.
+
+Two jobs (FedAvg on an MLP, DeComFL on a logistic regression) run back to back on the same cloud, cell
+and agents, with no node restarted between them, and each ends with the model ``fedtier sim`` gives for
+it; the cloud is killed (SIGKILL) with the first running and the second queued, restarted, and both
+finish; a job signed with another key is refused; the nodes stop cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from edge_agent.runner import save_device_data
+from fedtier.provisioning import provision
+from protocols import runfiles
+from protocols.jobs import canonical_job, read_job_file
+from protocols.procs import popen
+from protocols.trainer import LocalData
+from protocols.transport.broker import find_mosquitto, free_port
+from protocols.wire.keys import KeyRing, new_seed, public_of, write_keys
+from sim.hierarchy import prepare
+from sim.launcher import run_simulation
+from tests.conftest import small_config, wait_until
+from tests.test_provision import broker_user, mosquitto, reachable_tmp  # noqa: F401 (a fixture)
+
+FEDTIER = str(Path(sys.executable).parent / "fedtier")
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+
+COMMON = """
+[run]
+seed = 1
+rounds = 4
+[data]
+dataset = "digits"
+partition = "iid"
+max_train = 400
+[runtime]
+device_deadline = 30.0
+startup_wait = 30.0
+heartbeat = 1.0
+"""
+JOB_A = (
+    """
+[job]
+id = "A"
+[algorithm]
+name = "fedavg"
+edge_rounds = 1
+local_steps = 5
+batch_size = 16
+lr = 0.1
+[model]
+name = "mlp"
+hidden = [16]
+"""
+    + COMMON
+)
+JOB_B = (
+    """
+[job]
+id = "B"
+[algorithm]
+name = "decomfl"
+edge_rounds = 1
+local_steps = 1
+perturbations = 4
+lr = 0.02
+batch_size = 16
+[model]
+name = "logreg"
+"""
+    + COMMON
+)
+
+
+def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    return popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+
+
+def _jobs(cloud_out: Path) -> dict[str, str]:
+    path = cloud_out / "jobs.json"
+    try:
+        return {j["job"]: j["state"] for j in json.loads(path.read_text())["jobs"]}
+    except (OSError, ValueError):
+        return {}
+
+
+def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path) -> None:  # noqa: F811
+    tmp = reachable_tmp / "fed"
+    fed_cfg = small_config(tmp, run={"name": "fed"}, topology={"cells": 1, "devices_per_cell": 2})
+    port = free_port()
+    user = broker_user()
+    done = provision(
+        fed_cfg,
+        tmp / "prov",
+        port=port,
+        bind="127.0.0.1",
+        broker_user=user[1] if user else None,
+        federation=True,
+        fedtier_bin=FEDTIER,
+    )
+    nodes = done.out / "nodes"
+    assert "algorithm" not in tomllib.loads((nodes / "c0-d0" / "config.toml").read_text())  # no training config
+    for name, text in (("A", JOB_A), ("B", JOB_B)):
+        (tmp / f"{name}.toml").write_text(text)
+    # what the operator ships to each device (its data) and to the cloud (a test set), once
+    cfg_a, _ = canonical_job(read_job_file(tmp / "A.toml").config, fed_cfg)
+    prep = prepare(cfg_a)
+    for device, data in prep.device_data.items():
+        save_device_data(nodes / device / "data.npz", data, prep.spec)
+    save_device_data(nodes / "cloud" / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
+
+    cloud_cmd = [FEDTIER, "cloud", "config.toml", "--serve", "--test-data", "test.npz", "--no-progress"]
+    cloud_out = nodes / "cloud" / "runs" / "fed"
+    with mosquitto(done.broker / "mosquitto.conf", port):
+        procs = {
+            "cell": _start([FEDTIER, "cell", "config.toml", "--serve", "--cell", "c0"], nodes / "c0"),
+            **{
+                d: _start([FEDTIER, "agent", "config.toml", "--serve", "--device", d, "--data", "data.npz"], nodes / d)
+                for d in ("c0-d0", "c0-d1")
+            },
+        }
+        cloud = _start(cloud_cmd, nodes / "cloud")
+        try:
+            operator = nodes / "operator"
+            res = _run([FEDTIER, "jobs", "--config", "config.toml", "--wait", "50"], operator)  # the cloud is up
+            assert res.returncode == 0, res.stdout
+            for name in ("A", "B"):
+                res = _run([FEDTIER, "submit", str(tmp / f"{name}.toml"), "--config", "config.toml"], operator)
+                assert res.returncode == 0 and "queued" in res.stdout, res.stdout
+            # kill -9 the cloud with A running (a round done) and B queued; restart it from its bundle
+            metrics_a = cloud_out / "jobs" / "A" / runfiles.METRICS
+            assert wait_until(lambda: metrics_a.exists() and metrics_a.read_text().count("\n") >= 1, 90)
+            cloud.send_signal(signal.SIGKILL)
+            cloud.communicate(timeout=10)
+            assert _jobs(cloud_out) == {"A": "running", "B": "queued"}
+            cloud = _start(cloud_cmd, nodes / "cloud")
+            # an identity that is not the operator's: same broker login, another signing key -> refused
+            forged = tmp / "forged"
+            forged.mkdir()
+            for f in ("config.toml", "ca.crt", "client.crt", "client.key"):
+                (forged / f).write_bytes((operator / f).read_bytes())
+            seed, cloud_public = new_seed(), (tomllib.loads((operator / "keys.toml").read_text()))["public"]["cloud"]
+            write_keys(
+                forged / "keys.toml",
+                KeyRing({"operator": seed}, {"operator": public_of(seed), "cloud": bytes.fromhex(cloud_public)}),
+            )
+            res = _run([FEDTIER, "submit", str(tmp / "A.toml"), "--config", "config.toml", "--id", "evil"], forged)
+            assert res.returncode == 1 and "refused" in res.stdout and "signature" in res.stdout, res.stdout
+
+            assert wait_until(lambda: _jobs(cloud_out) == {"A": "finished", "B": "finished"}, 120), _jobs(cloud_out)
+            res = _run([FEDTIER, "jobs", "--config", "config.toml", "--json"], operator)
+            assert res.returncode == 0 and [j["state"] for j in json.loads(res.stdout)] == ["finished"] * 2
+            for name, p in procs.items():
+                assert p.poll() is None, f"{name} exited: {p.communicate()[0]}"  # nobody restarted between jobs
+        finally:
+            outputs = {}
+            for p in (*procs.values(), cloud):
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for name, p in {**procs, "cloud": cloud}.items():
+                try:
+                    outputs[name] = p.communicate(timeout=20)[0]
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    outputs[name] = p.communicate()[0]
+    for name in procs:
+        assert procs[name].returncode == 0, f"{name}: {outputs[name]}"  # SIGTERM: a clean stop
+    assert "served 2 jobs (A, B)" in outputs["c0-d0"], outputs["c0-d0"]
+    for name in ("A", "B"):
+        cfg, _ = canonical_job(read_job_file(tmp / f"{name}.toml").config, fed_cfg)
+        sim = run_simulation(
+            cfg.model_copy(update={"run": cfg.run.model_copy(update={"output": str(tmp / f"sim{name}")})})
+        )
+        deployed = cloud_out / "jobs" / name / runfiles.FINAL_MODEL
+        assert deployed.read_bytes() == (sim.output_dir / runfiles.FINAL_MODEL).read_bytes(), name
+
+
+def test_every_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    import shutil
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
+    done = provision(
+        small_config(tmp_path, run={"name": "fed"}), tmp_path / "prov", federation=True, fedtier_bin=FEDTIER
+    )
+    units = sorted(done.out.glob("nodes/*/fedtier-*.service"))
+    assert [u.parent.name for u in units] == sorted(
+        ["cloud", "c0", "c1", *(f"c{c}-d{d}" for c in range(2) for d in range(3))]
+    )
+    for unit in units:
+        text = unit.read_text()
+        assert "Restart=on-failure" in text and "User=fedtier" in text and "NoNewPrivileges=yes" in text
+        res = subprocess.run(
+            ["systemd-analyze", "verify", str(unit)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "SYSTEMD_LOG_LEVEL": "warning"},
+        )
+        assert res.returncode == 0 and unit.name not in res.stderr, res.stderr

@@ -1,0 +1,169 @@
+"""Jobs on a federation, without a broker: the job's canonical config and hash, the records that carry
+it, and the cloud's durable queue (``protocols/jobs.py``, ``cloud/jobs.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cloud.jobs import Job, JobQueue, JobQueueError
+from protocols.jobs import (
+    OPERATOR,
+    CurrentJob,
+    JobError,
+    canonical_job,
+    config_hash,
+    job_session,
+    open_job_record,
+    parse_current,
+    read_job_file,
+)
+from protocols.session import CloudSession
+from protocols.wire import topics
+from protocols.wire.keys import PublicKeys, Trust, new_seed, public_of
+from protocols.wire.signed import seal_record
+from tests.conftest import small_config
+
+JOB = """
+[job]
+id = "a1"
+[run]
+seed = 3
+rounds = 2
+[algorithm]
+name = "fedavg"
+lr = 0.5
+[model]
+name = "mlp"
+hidden = [8]
+"""
+
+
+def federation(tmp_path: Path):
+    return small_config(tmp_path, run={"name": "fed"})
+
+
+def test_a_job_is_validated_against_the_federation_and_hashed_canonically(tmp_path: Path) -> None:
+    fed = federation(tmp_path)
+    (tmp_path / "a.toml").write_text(JOB)
+    request = read_job_file(tmp_path / "a.toml")
+    assert request.job == "a1" and request.init_from is None
+    cfg, text = canonical_job(request.config, fed)
+    assert cfg.run.name == "fed" and cfg.topology == fed.topology and cfg.train.lr == 0.5
+    assert "url =" not in text and "keys =" not in text  # nothing node-local in what every node hashes
+    # the hash is over the canonical text: every node computes it alike, any change changes it
+    again, text2 = canonical_job(request.config, fed)
+    assert text2 == text and config_hash(text) == config_hash(text2)
+    _, other = canonical_job(request.config.replace("lr = 0.5", "lr = 0.1"), fed)
+    assert config_hash(other) != config_hash(text)
+    # a node builds the same config from the published record, with its own broker and folder
+    current = parse_current(CurrentJob("a1", text, config_hash(text)).record())
+    local = current.run_config(fed)
+    assert local.train == cfg.train and local.output_dir() == fed.output_dir() / "jobs" / "a1"
+    assert current.session == job_session("a1", config_hash(text)) and current.session.startswith("a1.")
+
+
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        ('[broker]\nurl = "mqtt://elsewhere:1883"\n', "may not set"),
+        ("[topology]\ncells = 5\n", "is not the federation's"),
+        ('[algorithm]\nname = "fedavg"\nlr = -1\n', "lr"),
+        ('[algorithm]\nname = "nonesuch"\n', "nonesuch"),
+    ],
+)
+def test_a_bad_job_is_refused_with_the_reason(tmp_path: Path, edit: str, reason: str) -> None:
+    with pytest.raises(JobError, match=reason):
+        canonical_job(edit, federation(tmp_path))
+
+
+def test_a_node_refuses_a_job_record_whose_config_does_not_match_its_hash(tmp_path: Path) -> None:
+    _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
+    record = CurrentJob("a1", text, config_hash(text)).record()
+    with pytest.raises(JobError, match="hash"):
+        parse_current({**record, "config": text.replace("rounds = 2", "rounds = 3")})
+    with pytest.raises(JobError, match="job id"):
+        parse_current({**record, "job": "a/../b"})
+
+
+def test_only_the_operators_signature_submits_a_job() -> None:
+    operator, intruder = new_seed(), new_seed()
+    keys = PublicKeys({OPERATOR: public_of(operator)})
+    topic = topics.job_submit("fed")
+    record = {"action": "submit", "job": "a1", "config": ""}
+    signed = seal_record(record, topic, Trust(OPERATOR, operator, {}).sign)
+    assert open_job_record(signed, topic, OPERATOR, keys.verify)["job"] == "a1"
+    forged = seal_record(record, topic, Trust(OPERATOR, intruder, {}).sign)
+    with pytest.raises(JobError, match="bad signature"):
+        open_job_record(forged, topic, OPERATOR, keys.verify)
+    with pytest.raises(JobError, match="unsigned"):
+        open_job_record(seal_record(record, topic, None), topic, OPERATOR, keys.verify)
+    with pytest.raises(JobError, match="bad signature"):  # a signed record moved to another topic
+        open_job_record(signed, topics.job_submit("other"), OPERATOR, keys.verify)
+
+
+def test_a_node_pinned_to_a_job_ignores_another_jobs_cloud_session() -> None:
+    cloud = CloudSession(pinned="a1.0123456789abcdef")
+    cloud.on_status({"state": "online", "session": "b2.fedcba9876543210", "started": 1.0})
+    assert cloud.session is None
+    cloud.on_status({"state": "online", "session": "a1.0123456789abcdef", "started": 2.0})
+    assert cloud.session == "a1.0123456789abcdef"
+    cloud.on_status({"state": "online", "session": "b2.fedcba9876543210", "started": 3.0})
+    assert cloud.session == "a1.0123456789abcdef"
+
+
+def job(name: str, **kw) -> Job:
+    return Job(name, f"[run]\nname = {name!r}\n", config_hash(name), OPERATOR, **kw)
+
+
+def test_the_queue_survives_a_restart_with_the_running_job_first(tmp_path: Path) -> None:
+    q = JobQueue(tmp_path / "jobs.json")
+    for name in ("a", "b", "c"):
+        q.submit(job(name))
+    q.start("a")
+    q.cancel("c")
+    # a cloud killed now: the file on disk is all the next one knows
+    again = JobQueue(tmp_path / "jobs.json")
+    assert [(j.job, j.state) for j in again.jobs.values()] == [("a", "running"), ("b", "queued"), ("c", "cancelled")]
+    assert again.next().job == "a"
+    again.end("a", "finished")
+    assert again.next().job == "b"
+    again.cancel("b")  # cancelling a queued job ends it at once
+    assert again.next() is None and again.get("b").state == "cancelled"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_queue_refuses_duplicates_unknown_bases_and_ended_jobs(tmp_path: Path) -> None:
+    q = JobQueue(tmp_path / "jobs.json")
+    q.submit(job("a"))
+    with pytest.raises(JobError, match="exists already"):
+        q.submit(job("a"))
+    with pytest.raises(JobError, match="no job 'zz'"):
+        q.submit(job("b", init_from="zz"))
+    q.start("a")
+    q.cancel("a")  # running: after its current round
+    assert q.get("a").state == "running" and q.get("a").cancel_requested
+    q.end("a", "cancelled", "cancelled by the operator")
+    with pytest.raises(JobError, match="has ended"):
+        q.cancel("a")
+    with pytest.raises(JobError, match="ended cancelled"):
+        q.submit(job("b", init_from="a"))
+
+
+def test_a_queue_that_cannot_be_written_is_an_error_and_loses_nothing(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(JobQueueError, match="cannot write the job queue"):
+        JobQueue(blocker / "jobs.json")  # its folder is a file: nothing can be written there
+    q = JobQueue(tmp_path / "q" / "jobs.json")
+    q.submit(job("a"))
+    (tmp_path / "q" / "jobs.json.tmp").mkdir()  # the temporary file cannot be created now
+    with pytest.raises(JobQueueError):
+        q.submit(job("b"))
+    assert list(q.jobs) == ["a"]  # not accepted: the queue in memory is the queue on disk
+    assert [j["job"] for j in json.loads((tmp_path / "q" / "jobs.json").read_text())["jobs"]] == ["a"]
+    (tmp_path / "q" / "jobs.json").write_text("{not json")
+    with pytest.raises(JobQueueError, match="unreadable"):
+        JobQueue(tmp_path / "q" / "jobs.json")
