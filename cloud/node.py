@@ -36,7 +36,7 @@ def build_cloud(
     """``devices_recreated``: with ``resume``, the devices are new (a launcher rebuilt them), see
     ``CloudRole.forget_devices``. ``cell_bounds``: the largest weight each cell may report (a launcher's,
     from its devices' sample counts); else :func:`config_cell_bounds`. ``session``: the job's cloud
-    session (synchronous mode only)."""
+    session."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
     if getattr(cfg.train, "mode", "sync") == "async":  # FedBuff over cells
@@ -47,7 +47,7 @@ def build_cloud(
             )
         server, extra = AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, algorithm.cloud())}  # type: ignore
     else:
-        server, extra = CloudServer, {"role": algorithm.cloud(), "session": session}
+        server, extra = CloudServer, {"role": algorithm.cloud()}
     return server(
         transport,
         run=cfg.run.name,
@@ -64,6 +64,7 @@ def build_cloud(
         on_round=on_round,
         availability=availability,
         devices_recreated=devices_recreated,
+        session=session,
         trust=trust,
         max_message_bytes=cfg.max_message_bytes(algorithm.model),
         cell_bounds=cell_bounds if cell_bounds is not None else config_cell_bounds(cfg),

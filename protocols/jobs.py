@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .capabilities import WIRE_VERSION
 from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config
 from .wire import topics
 from .wire.envelope import WireError
@@ -134,8 +135,16 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
         cfg = parse_config(data)
     except ConfigError as exc:
         raise JobError(str(exc)) from None
+    check_wire(cfg)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output": RunSection().output})})
     return cfg, cfg.to_toml(exclude=NODE_LOCAL)
+
+
+def check_wire(cfg: RunConfig) -> None:
+    """A job needing a wire protocol this node does not speak cannot be served here (the node is absent
+    from it, with this reason)."""
+    if cfg.requirements.wire != WIRE_VERSION:
+        raise JobError(f"the job needs wire protocol {cfg.requirements.wire}, this node speaks {WIRE_VERSION}")
 
 
 def localize(job_cfg: RunConfig, bundle: RunConfig, job: str) -> RunConfig:
@@ -195,6 +204,7 @@ class CurrentJob:
             raise JobError(f"job {self.job}: {exc}") from None
         if cfg.run.name != bundle.run.name or cfg.topology != bundle.topology:
             raise JobError(f"job {self.job} is not for federation {bundle.run.name!r} as provisioned")
+        check_wire(cfg)
         return localize(cfg, bundle, self.job)
 
 

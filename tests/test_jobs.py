@@ -72,6 +72,7 @@ def test_a_job_is_validated_against_the_federation_and_hashed_canonically(tmp_pa
         ("[topology]\ncells = 5\n", "is not the federation's"),
         ('[algorithm]\nname = "fedavg"\nlr = -1\n', "lr"),
         ('[algorithm]\nname = "nonesuch"\n', "nonesuch"),
+        ("[requirements]\nwire = 2\n", "needs wire protocol 2"),
     ],
 )
 def test_a_bad_job_is_refused_with_the_reason(tmp_path: Path, edit: str, reason: str) -> None:
