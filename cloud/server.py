@@ -321,6 +321,7 @@ class CloudServer:
         role_metrics = dict(outcome.metrics)
         excluded = outcome.excluded or None  # robust aggregation: cells left out, why
         epsilon = outcome.epsilon  # differential privacy: spent so far
+        by_party, basis = outcome.epsilon_by_party, outcome.epsilon_basis  # ... against each party, and why
         for tier in TIERS:
             self.cumulative[tier] += self._bytes[tier]
         evaluation: dict[str, float] = {}
@@ -347,6 +348,8 @@ class CloudServer:
             **evaluation,
             excluded=excluded,
             epsilon=epsilon if epsilon is not None and np.isfinite(epsilon) else None,
+            epsilon_by_party=by_party,
+            epsilon_basis=basis,
             diverged=diverged,
             metrics=role_metrics,
             duration_s=round(time.perf_counter() - self._wall0, 6),

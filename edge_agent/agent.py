@@ -117,13 +117,16 @@ class DeviceAgent:
         """Publish this device's retained status record (``qos=0`` for a heartbeat: it repeats the record
         the broker already retains, and the next one follows if it is lost; no acknowledgement to handle)."""
         status = topics.device_status(self.run, self.cell, self.device)
-        key = (state, len(self.data))
+        samples = (
+            len(self.data) if getattr(self.role, "reveals_data_size", True) else None
+        )  # DP: the data's size stays here
+        key = (state, samples or 0)
         record = self._status.get(key)
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
             extra = {"caps": dict(self.caps)} if self.caps is not None and state == "online" else {}
-            record = encode_status(
-                state, topic=status, trust=self.trust, cell=self.cell, samples=len(self.data), **extra
-            )
+            if samples is not None:
+                extra["samples"] = samples
+            record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)
             self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
         self.transport.publish(status, record, qos=qos, retain=True)
 

@@ -51,7 +51,9 @@ class DeviceSecAgg:
             self.settings,
             RoundId(a.run, a.cell, h.round, h.edge_round),
             a.device,
-            float(len(a.data)),
+            float(len(a.data))
+            if getattr(a.role, "reveals_data_size", True)
+            else 1.0,  # DP: weight 1, the size stays here
             identity=a.trust,
         )
         self._train, self._result = train, None

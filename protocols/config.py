@@ -452,8 +452,8 @@ class PrivacySection(_Section):
         ge=1,
         description="dp = cell with secure aggregation: each "
         "device adds noise of variance (z clip)^2 / dp_min_survivors and no sum of "
-        "fewer survivors is unmasked; none: ceil(0.7 x a cell's devices expected "
-        "per round)",
+        "fewer survivors is unmasked; none: what the participation model lets survive, 70% of a cell's "
+        "expected participants less two standard deviations (a trace needs it set)",
     )
     noise_seed: int | Literal["system"] | None = Field(
         default=None,
@@ -583,8 +583,18 @@ class RunConfig(_Section):
         p = self.privacy
         if p.dp != "cell" or not p.secure_aggregation:
             return None
-        expected = self.dp_sampling_rate() * self.topology.devices_per_cell
-        return p.dp_min_survivors or max(1, math.ceil(0.7 * expected - 1e-9))
+        if p.dp_min_survivors:
+            return p.dp_min_survivors
+        n, f = self.topology.devices_per_cell, self.participation_fraction()
+        if f is None:
+            raise ConfigError(
+                f"privacy.dp_min_survivors: set it for participation.model = {self.participation.model!r} "
+                "(the survivors a cell's sum must have; fedtier cannot tell from a trace)"
+            )
+        # what the participation model lets survive: the expected participants less two standard deviations of
+        # a random draw, of whom 70% (secure aggregation's 30% dropout after sharing)
+        spread = 2 * math.sqrt(n * f * (1 - f))  # a cell's share of a seeded draw varies (binomial-like)
+        return max(1, math.floor(0.7 * (n * f - spread) + 1e-9))
 
     def max_message_bytes(self, spec: ModelSpec) -> int:
         """``runtime.max_message_bytes``, or its default from the model's size."""
@@ -613,13 +623,21 @@ class RunConfig(_Section):
             algorithm = PrivateAlgorithm(algorithm, dp, self.dp_accountant(), pv.epsilon_budget)
         return algorithm
 
-    def dp_sampling_rate(self) -> float:
-        """A device's probability of taking part in a cloud round, as the accountant amplifies by it:
-        ``bernoulli`` participation's ``prob`` (the largest of ``probs``; at device or cell level), else 1."""
-        p = self.participation
+    def participation_fraction(self) -> float | None:
+        """The fraction of a cell's devices that take part in a round on average, from the participation
+        model (``None``: a trace, unknown here). Cell-level participation keeps whole cells: 1."""
+        p, n = self.participation, self.topology.cells * self.topology.devices_per_cell
+        if p.model == "always" or p.level == "cell":
+            return 1.0
+        if p.model in ("uniform", "permutation") and p.per_round:
+            return min(1.0, p.per_round / n)
         if p.model == "bernoulli":
-            return float(p.prob if p.prob is not None else max(p.probs or [1.0]))
-        return 1.0
+            return float(p.prob if p.prob is not None else sum(p.probs or [1.0]) / len(p.probs or [1.0]))
+        if p.model == "cyclic" and p.groups:
+            return min(1.0, p.per_round / n if p.per_round else (p.active or 1) / p.groups)
+        if p.model == "markov" and p.p_on is not None and p.p_off is not None and p.p_on + p.p_off > 0:
+            return p.p_on / (p.p_on + p.p_off)
+        return None if p.model == "trace" else 1.0
 
     def dp_accountant(self) -> Accountant:
         """The accountant of this run's ``[privacy]`` (dp must be on); ``target_epsilon`` calibrated to z."""
@@ -628,13 +646,22 @@ class RunConfig(_Section):
         pv = self.privacy
         if pv.dp == "off":
             raise ConfigError("privacy.dp is off: there is nothing to account")
-        q, e = self.dp_sampling_rate(), self.train.edge_rounds
+        e = self.train.edge_rounds
         z = (
             pv.noise_multiplier
             if pv.noise_multiplier is not None
-            else _calibrated(pv.target_epsilon, self.run.rounds, pv.dp, q, e, pv.delta)
+            else _calibrated(pv.target_epsilon, self.run.rounds, pv.dp, 1.0, e, pv.delta)
         )  # type: ignore[arg-type]
-        return Accountant(pv.dp, z, q, e, pv.delta)  # type: ignore[arg-type]
+        # participation comes from run.seed or availability and is named in records: q = 1, replace-one
+        return Accountant(
+            pv.dp,  # type: ignore[arg-type]
+            z,
+            1.0,
+            e,
+            pv.delta,
+            known_participation=True,
+            cell_sees_updates=pv.dp == "cell" and not pv.secure_aggregation,
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -649,6 +676,7 @@ def _calibrated(target: float, rounds: int, mode: str, q: float, edge_rounds: in
             sampling_rate=q,
             edge_rounds=edge_rounds,  # type: ignore[arg-type]
             delta=delta,
+            known=True,
         )
     except ValueError as exc:
         raise ConfigError(f"privacy.target_epsilon: {exc}") from None
@@ -679,12 +707,20 @@ def check_privacy(cfg: RunConfig) -> None:
                 f'privacy.dp: needs algorithm.{key} = "{want}" (the accountant\'s mechanism is '
                 f"a clipped, noised sum of dense updates), got {value!r}"
             )
-    if pv.secure_aggregation and pv.secagg_bound < pv.clip:
-        raise ConfigError(
-            f"privacy.secagg_bound: {pv.secagg_bound:g} would cut updates that DP clipped to L2 norm "
-            f"{pv.clip:g}; set secagg_bound >= clip (with room for the noise)"
-        )
     shares = cfg.dp_noise_shares()
+    if pv.secure_aggregation:
+        # each coordinate a device sends is at most clip plus its noise; secure aggregation clips it to
+        # +-secagg_bound before quantising: the bound must leave the noise whole (6 standard deviations),
+        # or the sum carries less noise than epsilon assumes
+        z = cfg.dp_accountant().noise_multiplier
+        std = z * pv.clip / (math.sqrt(shares) if shares else 1.0)
+        need = pv.clip + 6 * std
+        if pv.secagg_bound < need:
+            raise ConfigError(
+                f"privacy.secagg_bound: {pv.secagg_bound:g} would cut the updates DP clipped to L2 norm {pv.clip:g} "
+                f"or their noise (std {std:.4g} per value): quantisation would remove noise that epsilon counts "
+                f"on; set secagg_bound >= clip + 6 x std = {need:.4g}"
+            )
     if shares is not None and shares > cfg.topology.devices_per_cell:
         raise ConfigError(
             f"privacy.dp_min_survivors: {shares} survivors can never be reached in cells of "

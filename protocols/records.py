@@ -165,6 +165,14 @@ class RoundRecord(_Record):
         description="differential privacy: epsilon spent after this round "
         "(at privacy.delta; see protocols/privacy/accountant.py)",
     )
+    epsilon_by_party: dict[str, float | None] | None = Field(
+        None,
+        description="differential privacy: epsilon against the cloud, a device's cell and the other devices "
+        "(null: no guarantee against that party, e.g. the cell under cell DP without secure aggregation)",
+    )
+    epsilon_basis: str | None = Field(
+        None, description="what the epsilon assumes: the sampling rate q, the neighbouring relation, the noise"
+    )
     accuracy: float | None = None
     loss: float | None = None
     diverged: str | None = Field(

@@ -5,7 +5,8 @@ is sent, with the bandwidth of the link it crosses (by its tier, ``protocols.wir
 device (``downlink_bytes_per_s``), device -> cell (``uplink_bytes_per_s``) and cell <-> cloud
 (``backhaul_bytes_per_s``). Each message has its own link (no queueing between devices). A device's
 result leaves ``steps / speed`` virtual seconds after its task arrived, ``steps`` being what the
-device reported (``meta["steps"]``, else the configured local steps) and ``speed`` the configured
+device reported (``meta["steps"]``), else the simulator's own count for it (``steps_of``: a device under
+DP reports none), else the configured local steps, and ``speed`` the configured
 steps per second times a seeded per-device log-normal factor (``device_speed_spread``: stragglers).
 
 Deadlines run on the same clock, so a slow device misses them as it would in the field; the records'
@@ -14,7 +15,7 @@ Deadlines run on the same clock, so a slow device misses them as it would in the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -32,9 +33,17 @@ def clock_modelled(clock: ClockSection) -> bool:
 class ClockModel:
     """Link and compute delays for one run (deterministic in the run seed)."""
 
-    def __init__(self, clock: ClockSection, devices: Sequence[str], seed: int, default_steps: int = 1) -> None:
+    def __init__(
+        self,
+        clock: ClockSection,
+        devices: Sequence[str],
+        seed: int,
+        default_steps: int = 1,
+        steps_of: Callable[[str], int] | None = None,
+    ) -> None:
         self.c = clock
         self.default_steps = max(1, default_steps)
+        self.steps_of = steps_of
         self.rates = {
             "cell_to_device": clock.downlink_bytes_per_s,
             "device_to_cell": clock.uplink_bytes_per_s,
@@ -65,5 +74,6 @@ class ClockModel:
         if speed <= 0:
             return 0.0
         steps = result.meta.get("steps")
-        steps = steps if isinstance(steps, (int, float)) and steps > 0 else self.default_steps
+        if not (isinstance(steps, (int, float)) and steps > 0):
+            steps = self.steps_of(device) if self.steps_of is not None else self.default_steps
         return float(steps) / speed

@@ -101,6 +101,16 @@ def device_samples(device_data: DeviceData, devices: Sequence[str]) -> SampleCou
     return SampleCounts(device_data, devices)
 
 
+def device_steps(cfg: RunConfig, prep: Any) -> Callable[[str], int]:
+    """``device -> local steps per edge round`` from the simulator's own bookkeeping (its sample count and
+    the algorithm's ``local_steps`` / ``local_epochs``): the virtual clock's count for devices that report
+    none (DP devices keep their data's size to themselves)."""
+    from protocols.trainer import num_steps
+
+    t = cfg.train
+    return lambda d: num_steps(len(prep.device_data[d]), t.batch_size, t.local_steps, t.local_epochs)
+
+
 def cell_bounds(cfg: RunConfig, device_data: DeviceData) -> CellBounds:
     """Each cell's weight bound at the cloud from its devices' sample counts (computed at its first report)."""
     return CellBounds(
@@ -147,7 +157,11 @@ class SimHierarchy:
         self.algorithm = algorithm = cfg.build_algorithm(spec)
         train = cfg.train
         self.clock = clock = ClockModel(
-            cfg.clock, cfg.topology.all_devices() if clock_modelled(cfg.clock) else [], cfg.run.seed, train.local_steps
+            cfg.clock,
+            cfg.topology.all_devices() if clock_modelled(cfg.clock) else [],
+            cfg.run.seed,
+            train.local_steps,
+            steps_of=device_steps(cfg, prep) if cfg.privacy.dp != "off" else None,  # DP devices report none
         )
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
         self.cloud = build_cloud(

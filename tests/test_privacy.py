@@ -160,7 +160,13 @@ def test_local_dp_noises_each_device(tmp_path: Path) -> None:
     assert all(local.params[k].tobytes() == clipped.params[k].tobytes() for k in local.params)  # z = 0: same
     noisy = run_simulation(_dp_config(tmp_path / "n", dp="local", noise_multiplier=1.0), write_output=False)
     cell = run_simulation(_dp_config(tmp_path / "m", noise_multiplier=1.0), write_output=False)
-    assert noisy.history[-1]["epsilon"] > cell.history[-1]["epsilon"]  # replace-one: z / 2 per release
+    # participation is known: both are replace-one releases of z / 2 against the cloud; against the cell,
+    # local DP still holds and cell DP (the cell sees the clipped updates) holds nothing
+    assert noisy.history[-1]["epsilon"] == cell.history[-1]["epsilon"]
+    assert noisy.history[-1]["epsilon_by_party"]["cell"] == noisy.history[-1]["epsilon"]
+    eps = cell.history[-1]["epsilon"]
+    assert cell.history[-1]["epsilon_by_party"] == {"cloud": eps, "cell": None, "devices": eps}
+    assert cell.history[-1]["epsilon_basis"].startswith("q = 1 (participation drawn from run.seed")
     dist = lambda r: l2_norm(P.sub(r.params, clipped.params))  # noqa: E731
     assert dist(noisy) > 1.5 * dist(cell)
 
@@ -267,7 +273,7 @@ def test_secure_aggregation_unmasks_no_sum_with_less_noise_than_dp_needs() -> No
         r.cell.unmask_requests()
     request = Payload({"survivors": devices[3:], "dropped": devices[:3]}, {})
     with pytest.raises(Rejected, match="fewer survivors than the threshold"):
-        r.devices[devices[3]].reveal(request)
+        r.devices[devices[3]].consent(request)
     ok = Round(10, SecAggSettings(seed=11, min_survivors=8))
     ok.setup()
     ok.send_results(drop=tuple(devices[:2]))
@@ -278,14 +284,14 @@ def test_secure_aggregation_dp_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="privacy.secagg_bound"):
         _dp_config(tmp_path, clip=2.0, secure_aggregation=True)
     with pytest.raises(ConfigError, match="privacy.dp_min_survivors: 4 survivors can never be reached"):
-        _dp_config(tmp_path, secure_aggregation=True, dp_min_survivors=4)
+        _dp_config(tmp_path, secure_aggregation=True, dp_min_survivors=4, secagg_bound=10.0)
     cfg = small_config(
         tmp_path,
         topology={"devices_per_cell": 10},
-        participation={"model": "bernoulli", "prob": 0.5},
-        privacy={"dp": "cell", "noise_multiplier": 1.0, "secure_aggregation": True},
+        participation={"model": "bernoulli", "prob": 0.8},
+        privacy={"dp": "cell", "noise_multiplier": 1.0, "secure_aggregation": True, "secagg_bound": 10.0},
     )
-    assert cfg.dp_noise_shares() == 4 and cfg.secagg_settings().min_survivors == 4  # ceil(0.7 x 0.5 x 10)
+    assert cfg.dp_noise_shares() == 3 and cfg.secagg_settings().min_survivors == 3  # 0.7 (8 - 2 x 1.26)
 
 
 def test_a_diverged_update_is_left_to_the_runtime() -> None:

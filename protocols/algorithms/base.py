@@ -184,7 +184,10 @@ class CellRole(ABC):
 
 
 class DeviceRole(ABC):
-    """Local work of a device on its private data."""
+    """Local work of a device on its private data. ``reveals_data_size``: the device's runtime may tell its
+    sample count (status records, secure aggregation's weight bound); False under differential privacy."""
+
+    reveals_data_size: ClassVar[bool] = True
 
     @abstractmethod
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:

@@ -28,7 +28,11 @@ class Outcome(Mapping[str, Any]):
     excluded: dict[str, str] = field(default_factory=dict)
     """parties (devices of a cell, cells of the cloud) the robust aggregator left out, with why"""
     epsilon: float | None = None
-    """differential privacy: the epsilon spent after this round (cloud outcomes of DP runs)"""
+    """differential privacy: the epsilon spent after this round (cloud outcomes of DP runs), against the cloud"""
+    epsilon_by_party: dict[str, float | None] | None = None
+    """differential privacy: epsilon against the cloud, a device's cell, the other devices (None: no guarantee)"""
+    epsilon_basis: str | None = None
+    """differential privacy: what the epsilon assumes (sampling rate, neighbouring relation, noise)"""
     senders: tuple[str, ...] = ()
     """asynchronous flushes: whose buffered updates went into the new version"""
 

@@ -15,6 +15,17 @@ edge rounds per cloud round and ``q`` a device's probability of taking part in a
   R rounds compose. This bounds the worst device, one that took part in every round.
 
 The RDP accountant converts the composed Renyi-DP curve into (epsilon, delta).
+
+**What a run records** (``RunConfig.dp_accountant``): ``known_participation``. Who takes part in a round is
+drawn from ``run.seed`` (which every node's config holds) or is plain availability, and the records name
+the participants: nobody's participation is secret, so sampling amplifies nothing (``q = 1``), and since a
+device's taking part is known, its neighbouring runs differ by its data *replaced*, not removed: a clipped
+update moves a sum by up to ``2C``, and a release is the Gaussian mechanism of multiplier ``z / 2`` at
+every tier (the noise of cell DP, the noise of each device in local DP, the noise left in a securely
+aggregated sum of at least ``dp_min_survivors`` devices). :meth:`Accountant.by_party` states epsilon
+against the cloud, the cell and the other devices separately: the cloud and the other devices see the
+cells' noisy reports and the models built from them; a cell sees what its devices send, which under
+cell DP without secure aggregation are the clipped updates themselves (no guarantee against the cell).
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ class Accountant:
     edge_rounds: int
     delta: float
     orders: Sequence[float] | None = None  # RDP orders; None: the library's defaults
+    known_participation: bool = False  # participation is public: q = 1 and replace-one neighbours (the module)
+    cell_sees_updates: bool = False  # cell DP without secure aggregation: the cell sees each clipped update
 
     def __post_init__(self) -> None:
         if self.mode not in ("local", "cell"):
@@ -60,12 +73,30 @@ class Accountant:
     def round_multiplier(self) -> float:
         """The noise multiplier of the Gaussian mechanism one cloud round amounts to."""
         z = self.noise_multiplier / math.sqrt(self.edge_rounds)
-        return z / 2 if self.mode == "local" else z
+        return z / 2 if self.mode == "local" or self.known_participation else z
 
     @property
     def round_sampling(self) -> float:
-        """The Poisson sampling rate the accountant applies per cloud round (1 for local DP)."""
-        return 1.0 if self.mode == "local" else self.sampling_rate
+        """The Poisson sampling rate the accountant applies per cloud round (1 for local DP and for a
+        participation that is not secret)."""
+        return 1.0 if self.mode == "local" or self.known_participation else self.sampling_rate
+
+    @property
+    def basis(self) -> str:
+        """What the epsilon assumes, in words (records carry it)."""
+        if self.round_sampling == 1:
+            q = "q = 1 (participation drawn from run.seed or observed: no amplification)"
+        else:
+            q = f"q = {self.round_sampling:g} (Poisson sampling from a secret)"
+        replace = self.mode == "local" or self.known_participation
+        neighbours = "replace-one (sensitivity 2C)" if replace else "add/remove-one (sensitivity C)"
+        return f"{q}; {neighbours}; z {self.noise_multiplier:g} per edge round, E = {self.edge_rounds}"
+
+    def by_party(self, rounds: int) -> dict[str, float]:
+        """Epsilon after ``rounds`` cloud rounds against the cloud, a device's cell, and the other devices
+        (``inf``: no guarantee against that party)."""
+        eps = self.epsilon(rounds)
+        return {"cloud": eps, "cell": math.inf if self.cell_sees_updates and rounds > 0 else eps, "devices": eps}
 
     def _accountant(self, rounds: int):  # -> RdpAccountant
         import dp_accounting
@@ -110,6 +141,7 @@ def calibrate(
     edge_rounds: int,
     delta: float,
     tolerance: float = 1e-3,
+    known: bool = False,
 ) -> float:
     """The smallest noise multiplier (to ``tolerance``, relative) whose run of ``rounds`` cloud rounds
     spends at most ``target_epsilon``."""
@@ -117,7 +149,7 @@ def calibrate(
         raise ValueError(f"target epsilon must be positive and finite, got {target_epsilon}")
 
     def eps(z: float) -> float:
-        return Accountant(mode, z, sampling_rate, edge_rounds, delta).epsilon(rounds)
+        return Accountant(mode, z, sampling_rate, edge_rounds, delta, known_participation=known).epsilon(rounds)
 
     lo, hi = 0.0, 1.0
     while eps(hi) > target_epsilon:

@@ -4,7 +4,9 @@
 ``fedtier run``, deployed agents and cells) runs the same mechanism:
 
 * every device clips its update (the dense delta, before it is sent) to L2 norm ``clip`` and claims weight
-  1 (sample counts would leak and would let a device outweigh the clip); it leaves its training loss out;
+  1 (sample counts would leak and would let a device outweigh the clip); it leaves its training loss and
+  its step count out (``reveals_data_size = False``: its runtime announces no sample count either, and
+  its secure-aggregation weight bound is 1);
 * ``mode = "local"``: the device adds N(0, (z clip)^2) to each coordinate of its clipped update;
 * ``mode = "cell"``: the cell clips every result again (so a device that skips clipping, e.g. a
   Byzantine one, is bounded too), and adds N(0, (z clip)^2) once to the sum of the clipped updates; the
@@ -98,7 +100,9 @@ def add_noise(tensors: Mapping[str, np.ndarray], std: float, gen: np.random.Gene
 
 class PrivateDevice(DeviceRole):
     """Trains like ``inner``; clips the update, adds its noise (local DP: all of it; cell DP under secure
-    aggregation: its share), claims weight 1."""
+    aggregation: its share), claims weight 1 and says nothing of its data's size."""
+
+    reveals_data_size = False
 
     def __init__(self, inner: DeviceRole, dp: DpSettings) -> None:
         self.inner, self.dp, self.noise_seed = inner, dp, dp.seed()
@@ -112,7 +116,7 @@ class PrivateDevice(DeviceRole):
             update = add_noise(
                 update, self.dp.device_std, rng(self.noise_seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, NOISE)
             )
-        meta = {k: v for k, v in out.meta.items() if k != "loss"}
+        meta = {k: v for k, v in out.meta.items() if k not in ("loss", "steps")}  # both tell the data's size
         meta["weight"] = 1
         return Payload(meta, update)
 
@@ -170,7 +174,14 @@ class PrivateCloud(CloudRole):
         self.inner.check(cell, report)
 
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
-        return replace(self.inner.aggregate(round, reports), epsilon=self.accountant.epsilon(round + 1))
+        parties = self.accountant.by_party(round + 1)
+        return replace(
+            self.inner.aggregate(round, reports),
+            epsilon=parties["cloud"],  # against the cloud (what the budget bounds)
+            # against a device's cell and the other devices; None: no guarantee (the cell sees the updates)
+            epsilon_by_party={k: (v if math.isfinite(v) else None) for k, v in parties.items()},
+            epsilon_basis=self.accountant.basis,
+        )
 
     def stop_reason(self, round: int) -> str | None:
         """Why cloud round ``round`` must not start (it would exceed the budget), or None."""
