@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from .algorithms import get_algorithm
 from .algorithms.base import CHANNEL_WIDTHS, Algorithm, ModelSpec, TrainParams
@@ -53,17 +53,56 @@ class TopologySection(_Section):
     cells: int = Field(default=2, ge=1, description="cells, with ids c0, c1, ...")
     devices_per_cell: int = Field(default=5, ge=1, description="devices in each cell, with ids c0-d0, c0-d1, ...")
 
+    members: dict[str, list[str]] | None = Field(
+        default=None,
+        description="Explicit membership, each cell id -> its device ids (cells may differ in size); replaces "
+        "cells x devices_per_cell. `fedtier provision add-device|add-cell|revoke` keep it, and the signed roster "
+        "carries the same to the running nodes.",
+    )
+    _cell_index: dict[str, str] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _explicit_members(self) -> TopologySection:
+        if self.members is None:
+            return self
+        if not self.members:
+            raise ValueError("members: at least one cell")
+        seen: set[str] = set()
+        for cell, devices in self.members.items():
+            check_name("cell", cell)
+            for d in devices:
+                check_name("device", d)
+                if d in seen or d in self.members:
+                    raise ValueError(f"members: {d!r} appears twice")
+                seen.add(d)
+        # the counts follow the members (what code that sizes things by them sees)
+        object.__setattr__(self, "cells", len(self.members))
+        object.__setattr__(self, "devices_per_cell", max((len(d) for d in self.members.values()), default=0) or 1)
+        return self
+
+    def uniform(self) -> bool:
+        """Every cell ``c{i}`` holds ``c{i}-d0 ...`` of the same count (the simulator's partitioners need it)."""
+        return self.members is None
+
     def cell_ids(self) -> list[str]:
+        if self.members is not None:
+            return list(self.members)
         return [f"c{i}" for i in range(self.cells)]
 
     def device_ids(self, cell: str) -> list[str]:
+        if self.members is not None:
+            return list(self.members.get(cell, ()))
         return [f"{cell}-d{j}" for j in range(self.devices_per_cell)]
 
     def all_devices(self) -> list[str]:
         return [d for c in self.cell_ids() for d in self.device_ids(c)]
 
-    def devices(self, cell: str | None = None) -> DeviceIds:
+    def devices(self, cell: str | None = None) -> Sequence[str]:
         """The ids of every device (or of one cell's) in topology order, computed on access."""
+        if self.members is not None:
+            if cell is not None and cell not in self.members:
+                raise ValueError(f"cell {cell!r} is not in the topology")
+            return MemberIds(self.all_devices() if cell is None else self.device_ids(cell))
         if cell is None:
             return DeviceIds(range(self.cells), self.devices_per_cell)
         if self.cell_of(f"{cell}-d0") is None:
@@ -72,9 +111,22 @@ class TopologySection(_Section):
         return DeviceIds(range(i, i + 1), self.devices_per_cell)
 
     def cell_of(self, device: str) -> str | None:
-        """The cell of a device id of this topology (``c{i}-d{j}``), or ``None``; O(1), no table."""
-        at = self.devices().position(device)
+        """The cell of a device id of this topology, or ``None``; O(1) (no table for ``c{i}-d{j}`` ids)."""
+        if self.members is not None:
+            if self._cell_index is None:
+                self._cell_index = {d: c for c, devs in self.members.items() for d in devs}
+            return self._cell_index.get(device) if isinstance(device, str) else None
+        at = DeviceIds(range(self.cells), self.devices_per_cell).position(device)
         return None if at is None else f"c{at // self.devices_per_cell}"
+
+
+class MemberIds(list[str]):
+    """Device ids of an explicit membership, in topology order, with :meth:`position` as :class:`DeviceIds`."""
+
+    def position(self, device: object) -> int | None:
+        if not hasattr(self, "_at"):
+            self._at = {d: i for i, d in enumerate(self)}
+        return self._at.get(device) if isinstance(device, str) else None
 
 
 class DeviceIds(Sequence[str]):
@@ -844,6 +896,8 @@ def dump_toml(data: dict[str, Any]) -> str:
             return json.dumps(v)
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):  # an inline table (topology.members)
+            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
     out = []

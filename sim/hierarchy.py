@@ -16,7 +16,7 @@ from protocols.trainer import LocalData
 
 from .datasets import Dataset, load_dataset
 from .participation import ParticipationModel, make_participation
-from .partition import partition_hierarchy
+from .partition import partition, partition_hierarchy
 
 
 @dataclass
@@ -35,9 +35,19 @@ class DeviceData(Mapping[str, LocalData]):
 
     def __init__(self, ds: Dataset, topology: TopologySection, parts: Sequence[Sequence[np.ndarray]]) -> None:
         self.ds, self.topology, self.parts = ds, topology, parts
+        self._where: dict[str, tuple[int, int]] | None = None
+        if not topology.uniform():  # explicit members: a table (such topologies are small)
+            self._where = {
+                d: (i, j) for i, c in enumerate(topology.cell_ids()) for j, d in enumerate(topology.device_ids(c))
+            }
 
     def indices(self, device: str) -> np.ndarray:
         """The device's sample indices in the training set."""
+        if self._where is not None:
+            if device not in self._where:
+                raise KeyError(device)
+            cell, j = self._where[device]
+            return self.parts[cell][j]
         at = self.topology.devices().position(device)
         if at is None:
             raise KeyError(device)
@@ -92,10 +102,10 @@ def prepare(cfg: RunConfig) -> Prepared:
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(f"data.dataset: {exc}") from None
     topo = cfg.topology
-    total = topo.cells * topo.devices_per_cell
+    total = len(topo.devices())
     if total > ds.num_train:
         raise ConfigError(
-            f"topology: {topo.cells} cells x {topo.devices_per_cell} devices = {total} devices, "
+            f"topology: {topo.cells} cells, {total} devices, "
             f"but data.dataset {d.dataset!r} has only {ds.num_train} training samples"
             + (f" (data.max_train = {d.max_train})" if d.max_train else "")
         )
@@ -107,10 +117,30 @@ def prepare(cfg: RunConfig) -> Prepared:
         "hierarchical": {"alpha_cells": d.alpha_cells, "alpha_devices": d.alpha_devices},
     }[d.partition]
     try:
-        parts = partition_hierarchy(ds.y_train, topo.cells, topo.devices_per_cell, d.partition, cfg.run.seed, **params)
+        if topo.uniform():
+            parts = partition_hierarchy(
+                ds.y_train, topo.cells, topo.devices_per_cell, d.partition, cfg.run.seed, **params
+            )
+        else:
+            parts = _partition_members(ds.y_train, topo, d.partition, cfg.run.seed, params)
     except ValueError as exc:
         raise ConfigError(f"data.partition: {exc}") from None
     return Prepared(cfg, ds, DeviceData(ds, topo, parts), cfg.model_spec(ds.input_shape, ds.num_classes))
+
+
+def _partition_members(
+    labels: np.ndarray, topo: TopologySection, scheme: str, seed: int, params: Mapping[str, object]
+) -> list[list[np.ndarray]]:
+    """A flat partition over every device of an explicit membership, cut into cells of their own sizes."""
+    if scheme in ("hierarchical", "cell_shards"):
+        raise ValueError(f"{scheme!r} needs cells of equal size; topology.members gives each cell its own")
+    flat = partition(labels, len(topo.devices()), scheme, seed, **params)
+    out, at = [], 0
+    for cell in topo.cell_ids():
+        n = len(topo.device_ids(cell))
+        out.append(list(flat[at : at + n]))
+        at += n
+    return out
 
 
 def prepare_given(cfg: RunConfig, ds: Dataset, parts: Mapping[str, np.ndarray]) -> Prepared:
