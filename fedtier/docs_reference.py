@@ -165,11 +165,12 @@ def missing_descriptions() -> list[str]:
 def _param_row(param: click.Parameter, ctx: click.Context) -> str:
     if isinstance(param, click.Option):
         names = ", ".join(f"`{o}`" for o in (*param.opts, *param.secondary_opts))
-        meta = "" if param.is_flag else param.make_metavar(ctx)
+        meta = "" if param.is_flag else _cell(param.make_metavar(ctx))
         default = param.default
-        shown = "" if default in (None, (), False) or callable(default) else f"`{default}`"
+        unset = default is getattr(click.core, "UNSET", object()) or default in (None, (), False)
+        shown = "" if unset or callable(default) else f"`{default}`"
         return f"| {names} | {meta} | {shown} | {_cell(param.help or '')} |"
-    return f"| `{param.human_readable_name}` (argument) | {param.make_metavar(ctx)} | | |"
+    return f"| `{param.human_readable_name}` (argument) | {_cell(param.make_metavar(ctx))} | | |"
 
 
 def _commands(
