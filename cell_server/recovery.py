@@ -3,7 +3,8 @@
 The cell journals, each entry fsynced before it acts on it, the inputs of its current cloud round: the
 cloud's task (which starts a fresh journal, atomically: the file never holds more than one round),
 then per edge round the devices it planned from, every device result it took, the record of each
-edge round it closed, and finally the report message it sent. Roles are deterministic, so replaying
+edge round it closed, and finally the report message it sent (and the seed of the noise its role adds
+under cell DP, secret like the noise: a resumed cell re-sends what it released). Roles are deterministic, so replaying
 these inputs rebuilds the cell's state exactly: a restarted cell re-plans the edge round it was in
 (the same plan), keeps the results it had, re-sends the task to the devices still pending (a device
 that already answered answers again: the same result) and waits for them; a cell that had reported
@@ -51,8 +52,13 @@ class RoundJournal:
         self.file.clear()
         return []
 
-    def task(self, rnd: int, session: str | None, task: Payload) -> None:
-        self.file.reset(Payload({"k": "task", "round": rnd, "session": session, "task": task.meta}, task.tensors))
+    def task(self, rnd: int, session: str | None, task: Payload, noise_seed: int | None = None) -> None:
+        """A cloud task starts the round's journal; ``noise_seed``: the seed of the noise the cell role adds
+        (cell DP, drawn from the OS in deployments), kept so that a resumed cell adds the very same noise."""
+        meta = {"k": "task", "round": rnd, "session": session, "task": task.meta}
+        if noise_seed is not None:
+            meta["noise_seed"] = noise_seed
+        self.file.reset(Payload(meta, task.tensors))
 
     def plan(self, edge_round: int, available: list[str], absent: Mapping[str, str], not_participating: int) -> None:
         self.file.append(
@@ -92,6 +98,10 @@ def recover(cell: CellServer, entries: list[Payload]) -> None:
         log.warning("cell %s: journal does not start with a task, starting afresh", cell.cell)
         return
     rnd, session = int(first["round"]), first.get("session")
+    if isinstance(first.get("noise_seed"), int) and hasattr(cell.role, "noise_seed"):
+        # cell DP: replaying a closed edge round with fresh noise would release its sum twice, with two
+        # independent noises (their mean has less): the same seed re-sends exactly what was released
+        cell.role.noise_seed = first["noise_seed"]
     plans: dict[int, dict[str, Any]] = {}
     results: dict[int, dict[str, Payload]] = {}
     nbytes: dict[int, int] = {}

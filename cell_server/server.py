@@ -322,7 +322,7 @@ class CellServer:
             self.messenger.reject(topic, kind_of(exc), f"cell task refused: {exc}", msg.header.sender)
             return
         if self.journal is not None:
-            self.journal.task(msg.header.round, msg.header.session, msg.payload)
+            self.journal.task(msg.header.round, msg.header.session, msg.payload, getattr(self.role, "noise_seed", None))
         self._enter_round(msg.header.round, msg.header.session)
         self._start_edge()
 

@@ -91,7 +91,8 @@ class Journal:
         self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        with tmp.open("wb") as fh:
+        # owner only: it holds the devices' results of the round and the cell's noise seed
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
             fh.write(JOURNAL_MAGIC + _frame(first))
             fh.flush()
             os.fsync(fh.fileno())

@@ -147,6 +147,55 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     assert [m["cells_reported"] for m in crashed.history] == [["c0", "c1"]] * 3
 
 
+def test_a_cell_resumed_under_cell_dp_with_secret_noise_re_sends_what_it_released(tmp_path: Path) -> None:
+    """Cell DP with noise drawn from the OS (as deployed): c0 crashes in round 1's second edge round, after
+    sending its tasks, which carry edge round 0's noisy sum. The resumed cell replays edge round 0 with the
+    noise seed it journaled, so the tasks it sends again are the bytes it released; with fresh noise the
+    same sum would go out twice with independent noises (whose mean carries less)."""
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 2},
+        algorithm={"edge_rounds": 2},
+        runtime={"device_deadline": 50.0},
+        security={"keys": "keys.toml"},
+        privacy={"dp": "cell", "noise_multiplier": 1.0, "noise_seed": "system"},
+    )
+    sim = SimHierarchy(cfg)
+    sent: dict[str, list[bytes]] = {}  # a device's task topic -> the tasks c0 sent it for round 1, edge round 1
+
+    def watched(cell):
+        send = cell.messenger.send
+
+        def spy(topic, kind, payload, **kw):
+            if kind == "device_task" and (kw.get("round"), kw.get("edge_round")) == (1, 1):
+                sent.setdefault(topic, []).append(b"".join(v.tobytes() for _, v in sorted(payload.tensors.items())))
+            return send(topic, kind, payload, **kw)
+
+        cell.messenger.send = spy
+        return cell
+
+    def restart() -> None:
+        sim.cells["c0"] = new = watched(journaled_c0(sim, resume=True))
+        new.start()
+
+    first = sim.cells["c0"] = watched(journaled_c0(sim, resume=False))
+    journal_result = first.journal.result
+
+    def result(edge_round, device, payload, nbytes):
+        journal_result(edge_round, device, payload, nbytes)
+        if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
+            first.transport.crash()
+            first.stop()
+            sim.hub.loop.post(restart)
+
+    first.journal.result = result
+    sim.run()
+    assert sim.cells["c0"] is not first
+    again = {d: tasks for d, tasks in sent.items() if len(tasks) > 1}
+    assert again, sent  # the pending devices got their task again
+    assert all(len(set(tasks)) == 1 for tasks in again.values())  # the very bytes released before the crash
+
+
 def test_cell_killed_between_journaling_its_report_and_sending_it_sends_it_on_resume(tmp_path: Path) -> None:
     """In memory: c0 dies right after it journaled its report of round 1 (the publish never leaves); the
     resumed cell sends that report at once, so the cloud's round 1 has both cells and the model is the
