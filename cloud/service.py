@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from protocols import runfiles
+from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import Algorithm
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.jobs import (
     OPERATOR,
     CurrentJob,
@@ -95,8 +96,8 @@ class CloudService:
                 self.loop.run(until=lambda: self.stopping.is_set() or self.wake.is_set(), timeout=1.0)
                 self._raise()
                 continue
-            self._run(job, self.transport)
-            self.transport = None  # the job's server closed it
+            if self._run(job, self.transport):
+                self.transport = None  # the job's server closed it
             self._raise()
         if self.transport is not None:
             self.transport.close()
@@ -118,14 +119,29 @@ class CloudService:
         self.loop.post(lambda: self._publish_list(transport))
         return transport
 
-    def _run(self, job: Job, transport: Transport) -> None:
+    def _run(self, job: Job, transport: Transport) -> bool:
+        """Run ``job`` on ``transport`` until it ends or the service stops; ``False`` if it failed before
+        it started (the transport is still open)."""
         resumed = job.state == "running"
         current = CurrentJob(job.job, job.config, job.digest)
         cfg = current.run_config(self.bundle)
+        if job.init_from is not None:
+            base = self.queue.get(job.init_from)
+            model = cfg.output_dir().parent / job.init_from / runfiles.FINAL_MODEL
+            if base is None or base.state != "finished" or not model.exists():
+                self._fail(
+                    job, f"init_from: job {job.init_from!r} has no final model ({base.state if base else 'none'})"
+                )
+                return False
+            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(model)})})
         out = cfg.output_dir()
         out.mkdir(parents=True, exist_ok=True)
         (out / runfiles.CONFIG).write_text(cfg.to_toml(), encoding="utf-8")
-        parts = self.parts(cfg)
+        try:
+            parts = self.parts(cfg)
+        except ConfigError as exc:  # e.g. init_from a model of another architecture
+            self._fail(job, str(exc))
+            return False
         node = build_cloud(
             cfg,
             transport,
@@ -161,6 +177,14 @@ class CloudService:
             log.info("job %s %s", job.job, state)
             self._publish_list(transport)
         node.stop()
+        return True
+
+    def _fail(self, job: Job, reason: str) -> None:
+        """End ``job`` as failed before it started (nodes never saw it: nothing to tell them)."""
+        log.error("job %s failed: %s", job.job, reason)
+        self.queue.end(job.job, "failed", reason)
+        if self.transport is not None:
+            self.loop.post(lambda t=self.transport: self._publish_list(t))
 
     # ------------------------------------------------------------------ operator requests (loop thread)
     def _on_submit(self, topic: str, data: bytes) -> None:
@@ -202,9 +226,12 @@ class CloudService:
         init_from = record.get("init_from")
         if not isinstance(config, str):
             raise JobError("the job has no config")
-        if init_from is not None:  # planned: the cloud role and the devices' initial model from that job's
-            raise JobError("init_from is not supported yet")  # final model (DeComFL's devices replay x0)
-        _, text = canonical_job(config, self.bundle)
+        cfg, text = canonical_job(config, self.bundle)
+        if init_from is not None and get_algorithm(cfg.train.name).devices_keep_state:
+            raise JobError(
+                f"init_from: {cfg.train.name}'s devices keep a model replica from the initial model, which only "
+                "the cloud would have"
+            )
         self.queue.submit(Job(job, text, config_hash(text), OPERATOR, init_from))
         log.info("job %s queued (hash %s)", job, config_hash(text)[:12])
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -22,6 +22,8 @@ from .capabilities import WIRE_VERSION
 from .wire.topics import check_name
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .privacy.accountant import Accountant
 
 
@@ -38,6 +40,11 @@ class RunSection(_Section):
     seed: int = Field(default=0, ge=0, description="the run seed: every random draw (except secrets) derives from it")
     rounds: int = Field(default=10, ge=1, description="cloud rounds (async mode: cloud model versions)")
     output: str = Field(default="runs/{name}", description="the run folder; {name} is replaced by run.name")
+    init_model: str | None = Field(
+        default=None,
+        description="a model file (a run's final_model.ftw) to start from instead of the seeded initial model; "
+        "its parameters must match the model's names and shapes (a job says [job] init_from = JOB instead)",
+    )
 
     @model_validator(mode="after")
     def _name_ok(self) -> RunSection:
@@ -661,6 +668,8 @@ class RunConfig(_Section):
             algorithm.bind_topology({c: topo.devices(c) for c in topo.cell_ids()})
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.run.init_model:
+            algorithm.initial_params = _initial_model(self.run.init_model, algorithm.initial_params)  # type: ignore[method-assign]
         if self.privacy.dp != "off":
             from .privacy.dp import DpSettings, PrivateAlgorithm
 
@@ -717,6 +726,31 @@ class RunConfig(_Section):
 
 
 @functools.lru_cache(maxsize=64)
+def _initial_model(path: str, seeded: Callable[[], dict[str, np.ndarray]]) -> Callable[[], dict[str, np.ndarray]]:
+    """``initial_params`` returning the model in ``path`` (a copy each call), checked now against the
+    names, shapes and dtypes of the seeded initial model; :class:`ConfigError` says what differs."""
+    import numpy as np
+
+    from .checkpoint import load_params
+
+    try:
+        loaded = load_params(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"run.init_model: cannot read {path}: {exc}") from None
+    expected = seeded()
+    if set(loaded) != set(expected):
+        raise ConfigError(
+            f"run.init_model: {path} has parameters {sorted(loaded)[:4]}..., the model has {sorted(expected)[:4]}..."
+        )
+    for name, value in expected.items():
+        if loaded[name].shape != value.shape or loaded[name].dtype != value.dtype:
+            raise ConfigError(
+                f"run.init_model: {name} is {loaded[name].dtype}{list(loaded[name].shape)} in {path}, "
+                f"the model's is {value.dtype}{list(value.shape)}"
+            )
+    return lambda: {name: np.array(value, copy=True) for name, value in loaded.items()}
+
+
 def _calibrated(target: float, rounds: int, mode: str, q: float, edge_rounds: int, delta: float) -> float:
     from .privacy.accountant import calibrate
 

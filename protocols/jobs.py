@@ -128,6 +128,11 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
     run = data.setdefault("run", {})
     if not isinstance(run, dict):
         raise JobError("[run] must be a section")
+    if run.get("init_model") is not None:
+        raise JobError(
+            "a job may not set run.init_model (a path on the cloud): [job] init_from = JOB starts it "
+            "from a finished job's model"
+        )
     run.pop("output", None)
     run["name"] = federation.run.name
     data["topology"] = federation.topology.model_dump(mode="json")

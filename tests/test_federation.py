@@ -81,6 +81,8 @@ name = "logreg"
     + COMMON
 )
 
+JOB_C = JOB_A.replace('id = "A"', 'id = "C"\ninit_from = "A"').replace("rounds = 4", "rounds = 2")
+
 
 def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
     return popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -162,8 +164,17 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             assert res.returncode == 1 and "refused" in res.stdout and "signature" in res.stdout, res.stdout
 
             assert wait_until(lambda: _jobs(cloud_out) == {"A": "finished", "B": "finished"}, 120), _jobs(cloud_out)
+            # job C starts from A's final model; DeComFL cannot (its devices would need A's model too)
+            for name, text, answer in (
+                ("C", JOB_C, "queued"),
+                ("D", JOB_B.replace('id = "B"', 'id = "D"\ninit_from = "A"'), "replica"),
+            ):
+                (tmp / f"{name}.toml").write_text(text)
+                res = _run([FEDTIER, "submit", str(tmp / f"{name}.toml"), "--config", "config.toml"], operator)
+                assert answer in res.stdout, res.stdout
+            assert wait_until(lambda: _jobs(cloud_out).get("C") == "finished", 60), _jobs(cloud_out)
             res = _run([FEDTIER, "jobs", "--config", "config.toml", "--json"], operator)
-            assert res.returncode == 0 and [j["state"] for j in json.loads(res.stdout)] == ["finished"] * 2
+            assert res.returncode == 0 and [j["state"] for j in json.loads(res.stdout)] == ["finished"] * 3
             for name, p in procs.items():
                 assert p.poll() is None, f"{name} exited: {p.communicate()[0]}"  # nobody restarted between jobs
         finally:
@@ -179,9 +190,12 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
                     outputs[name] = p.communicate()[0]
     for name in procs:
         assert procs[name].returncode == 0, f"{name}: {outputs[name]}"  # SIGTERM: a clean stop
-    assert "served 2 jobs (A, B)" in outputs["c0-d0"], outputs["c0-d0"]
-    for name in ("A", "B"):
+    assert "served 3 jobs (A, B, C)" in outputs["c0-d0"], outputs["c0-d0"]
+    for name in ("A", "B", "C"):
         cfg, _ = canonical_job(read_job_file(tmp / f"{name}.toml").config, fed_cfg)
+        if name == "C":  # fedtier sim from the model job A ended with
+            init = str(cloud_out / "jobs" / "A" / runfiles.FINAL_MODEL)
+            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": init})})
         sim = run_simulation(
             cfg.model_copy(update={"run": cfg.run.model_copy(update={"output": str(tmp / f"sim{name}")})})
         )

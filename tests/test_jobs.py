@@ -73,6 +73,7 @@ def test_a_job_is_validated_against_the_federation_and_hashed_canonically(tmp_pa
         ('[algorithm]\nname = "fedavg"\nlr = -1\n', "lr"),
         ('[algorithm]\nname = "nonesuch"\n', "nonesuch"),
         ("[requirements]\nwire = 2\n", "needs wire protocol 2"),
+        ('[run]\ninit_model = "/etc/passwd"\n', "init_from"),
     ],
 )
 def test_a_bad_job_is_refused_with_the_reason(tmp_path: Path, edit: str, reason: str) -> None:
@@ -168,3 +169,21 @@ def test_a_queue_that_cannot_be_written_is_an_error_and_loses_nothing(tmp_path: 
     (tmp_path / "q" / "jobs.json").write_text("{not json")
     with pytest.raises(JobQueueError, match="unreadable"):
         JobQueue(tmp_path / "q" / "jobs.json")
+
+
+def test_a_run_starts_from_a_given_model_of_the_same_shapes_only(tmp_path: Path) -> None:
+    from protocols.checkpoint import save_params
+    from protocols.config import ConfigError
+
+    cfg = small_config(tmp_path)
+    spec = cfg.model_spec((64,), 10)
+    seeded = cfg.build_algorithm(spec).initial_params()
+    start = {k: v + 1.0 for k, v in seeded.items()}
+    save_params(tmp_path / "start.ftw", start)
+    given = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(tmp_path / "start.ftw")})})
+    got = given.build_algorithm(spec).initial_params()
+    assert all((got[k] == start[k]).all() for k in start) and got.keys() == start.keys()
+    save_params(tmp_path / "other.ftw", cfg.build_algorithm(cfg.model_spec((32,), 10)).initial_params())
+    other = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(tmp_path / "other.ftw")})})
+    with pytest.raises(ConfigError, match=r"run.init_model: .* in .*other.ftw, the model's is"):
+        other.build_algorithm(spec)
