@@ -156,7 +156,7 @@ def _meta_edit(rng: random.Random, b: bytes) -> bytes:
         return _flip(rng, b)
     if not isinstance(meta, dict) or not isinstance(head, dict):
         return _flip(rng, b)
-    key = rng.choice(["weight", "loss", "codec", "seed", "steps", "samples", "upload_values", "round"])
+    key = rng.choice(["weight", "loss", "codec", "seed", "steps", "samples", "upload_bytes", "round"])
     meta[key] = rng.choice([0, -1, 1e30, 10**400, True, "NaN", None, [1, 2], 3.5, "fedmrn", "ffffffffffffffff"])
     text = json.dumps(meta).encode()
     body = struct.pack("<I", len(text)) + text + body[4 + m :]

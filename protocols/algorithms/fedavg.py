@@ -8,9 +8,12 @@ of the reports through :class:`~.server_opt.ServerOptimizer`: ``server_lr`` time
 (1 = plain averaging), or FedAvgM / FedAdagrad / FedAdam / FedYogi (``server_optimizer``), optionally
 amplifying the progress every ``amplify_period`` rounds by ``amplify_eta`` (off by default).
 
-Communication in full-model units (the HIST paper's metric): each cell reports the number of values its
-devices uploaded; the cloud's ``upload_units`` is the values uploaded per participating device in the
-round divided by the full model's size (``E`` for FedAvg with every device in every edge round).
+Communication in full-model units (the HIST paper's metric), derived from bytes sent: each cell reports the
+tensor bytes its aggregated devices uploaded (what their uplink codec put on the wire: packed sign bits under
+``signsgd``, a submodel under HIST) and how many distinct devices were aggregated; the cloud's ``upload_units``
+is those bytes per aggregated device in the round divided by the full model's dense float32 bytes (``E`` for
+dense FedAvg with every device in every edge round, ~``E / 32`` under signsgd). Devices that robust
+aggregation left out count in neither the bytes nor the devices.
 """
 
 from __future__ import annotations
@@ -58,25 +61,32 @@ def _as_float(x: int | float) -> float:
         return math.inf
 
 
+def sent_bytes(result: Payload) -> int:
+    """The tensor bytes of a device's result: what its uplink codec sent (framing and metadata aside)."""
+    return sum(int(t.nbytes) for t in result.tensors.values())
+
+
 def upload_stats(reports: Mapping[str, Payload]) -> tuple[int, int]:
-    """(values uploaded by devices, distinct devices that uploaded) summed over cell reports."""
-    values = devices = 0
+    """(tensor bytes uploaded by aggregated devices, distinct aggregated devices) summed over cell reports;
+    a report whose counts are not non-negative integers counts nothing."""
+    sent = devices = 0
     for r in reports.values():
-        v, d = r.meta.get("upload_values", 0), r.meta.get("upload_devices", 0)
-        if isinstance(v, int) and isinstance(d, int) and v >= 0 and d >= 0:
-            values, devices = values + v, devices + d
-    return values, devices
+        b, d = r.meta.get("upload_bytes", 0), r.meta.get("upload_devices", 0)
+        if type(b) is int and type(d) is int and b >= 0 and d >= 0:
+            sent, devices = sent + b, devices + d
+    return sent, devices
 
 
 class CommUnits:
-    """Per-device upload volume in full-model units, per round and cumulative (HIST paper, Sec. V)."""
+    """Per-device upload volume in full-model units, per round and cumulative (HIST paper, Sec. V), from the
+    bytes the aggregated devices sent over the full model's dense float32 bytes."""
 
-    def __init__(self, full_values: int) -> None:
-        self.full, self.total = full_values, 0.0
+    def __init__(self, full_bytes: int) -> None:
+        self.full, self.total = full_bytes, 0.0
 
     def update(self, reports: Mapping[str, Payload]) -> dict[str, float]:
-        values, devices = upload_stats(reports)
-        units = values / (self.full * devices) if devices else 0.0
+        sent, devices = upload_stats(reports)
+        units = sent / (self.full * devices) if devices else 0.0
         self.total += units
         return {"upload_units": units, "upload_units_total": self.total}
 
@@ -89,7 +99,7 @@ class ModelCloud(CloudRole):
         self.p = params
         self.model = P.copy(initial)
         self.opt = ServerOptimizer(params)
-        self.comm = CommUnits(P.num_values(self.model))
+        self.comm = CommUnits(4 * P.num_values(self.model))  # the dense float32 model
 
     def global_params(self) -> dict[str, np.ndarray]:
         return self.model
@@ -118,8 +128,8 @@ class FedAvgCloud(ModelCloud):
 
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         reports = {c: r for c, r in reports.items() if r.meta.get("weight")}
-        comm = self.comm.update(reports)
         if not reports:
+            comm = self.comm.update({})
             self.model, amplified = self.opt.step(round, self.model, None)
             return Outcome({"cells": 0, **comm, **({"amplified": 1} if amplified else {})})
         agg = aggregate(
@@ -127,6 +137,7 @@ class FedAvgCloud(ModelCloud):
             [(c, r.meta["weight"], r.tensors) for c, r in reports.items()],
             self.p,
         )
+        comm = self.comm.update({c: reports[c] for c in agg.kept})  # the devices of the cells aggregated
         self.model, amplified = self.opt.step(round, self.model, agg.delta)
         metrics = {"cells": len(reports), "weight": agg.weight, **comm, **({"amplified": 1} if amplified else {})}
         return Outcome(metrics, excluded=agg.excluded)
@@ -139,14 +150,14 @@ class FedAvgCell(CellRole):
         self.base: Mapping[str, np.ndarray] = {}
         self.model: Mapping[str, np.ndarray] = {}
         self.weights: dict[str, float] = {}
-        self.upload_values = 0
+        self.upload_bytes = 0
         self.codec = make_codec(params)
 
     def begin(self, round: int, task: Payload) -> None:
         self.base = task.tensors
         self.model = task.tensors
         self.weights = {}
-        self.upload_values = 0
+        self.upload_bytes = 0
 
     def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
         task = Payload({}, self.model)
@@ -163,15 +174,15 @@ class FedAvgCell(CellRole):
         agg = aggregate(getattr(self.p, "cell_aggregator", "mean"), deltas, self.p)
         self.model = P.add(self.model, agg.delta)
         kept = set(agg.kept)
-        for d, w, delta in deltas:
+        for d, w, _ in deltas:
             if d in kept:  # the report's weight: the samples the cell's progress represents
                 self.weights[d] = float(w)
-            self.upload_values += P.num_values(delta)
+                self.upload_bytes += sent_bytes(results[d])
         return Outcome(excluded=agg.excluded)
 
     def upload_meta(self) -> dict[str, int]:
-        """What the devices uploaded this cloud round (for the full-model-units metric)."""
-        return {"upload_values": self.upload_values, "upload_devices": len(self.weights)}
+        """What the aggregated devices uploaded this cloud round (for the full-model-units metric)."""
+        return {"upload_bytes": self.upload_bytes, "upload_devices": len(self.weights)}
 
     def report(self) -> Payload:
         weight = sum(self.weights.values())
