@@ -213,7 +213,7 @@ class Deployment:
         )
 
     def command(self, node: str, resume: bool = False) -> list[str]:
-        common = [str(self.config), "--broker", self.broker.url]
+        common = [str(self.config), "--broker", self.broker.url, "--insecure"]
         if node == "cloud":
             return [
                 FEDTIER,

@@ -19,6 +19,33 @@ BROKER = click.option(
 )
 
 
+INSECURE = click.option(
+    "--insecure",
+    is_flag=True,
+    help="Run without [security] keys: nothing signed, so anyone the broker lets publish can forge the "
+    "cloud's, a cell's or a device's messages (a test bed only).",
+)
+
+
+def _require_signed(cfg, insecure: bool) -> None:
+    """Refuse (exit 2, saying why) to run an unsigned deployment node unless ``--insecure``; warn when it is."""
+    if cfg.security.keys is not None:
+        return
+    if not insecure:
+        _fail(
+            ValueError(
+                "unsigned deployment refused: the config has no [security] keys, so nothing this node sends "
+                "or receives is signed and any client the broker admits could forge the cloud's, a cell's or "
+                "a device's messages. Give --keys FILE (fedtier keys; fedtier provision writes one per "
+                "bundle), or --insecure to run unsigned anyway (a test bed only)"
+            ),
+            2,
+        )
+    import logging
+
+    logging.getLogger("fedtier").warning("--insecure: running unsigned; any broker client can forge messages")
+
+
 def _check_keys(cfg, node: str) -> None:
     """With [security] keys: fail now (exit 2) if the file lacks what ``node`` needs."""
     from protocols.wire.keys import node_trust
@@ -120,6 +147,7 @@ def _fail(exc: Exception, code: int) -> None:
     "config comes from the cloud, signed; the bundle's training sections are ignored) until SIGTERM.",
 )
 @metrics_options
+@INSECURE
 @VERBOSE
 def cloud(
     config: str,
@@ -131,6 +159,7 @@ def cloud(
     no_progress: bool,
     metrics_port: int | None,
     metrics_linger: float,
+    insecure: bool,
     verbose: int,
     **auth,
 ) -> None:
@@ -144,6 +173,7 @@ def cloud(
 
     setup_logging(verbose)
     cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
+    _require_signed(cfg, insecure)
     if serve:
         from cloud.jobs import JobQueueError
 
@@ -210,6 +240,7 @@ def cloud(
 @BROKER
 @auth_options
 @metrics_options
+@INSECURE
 @VERBOSE
 def cell(
     config: str,
@@ -220,6 +251,7 @@ def cell(
     broker_url: str | None,
     metrics_port: int | None,
     metrics_linger: float,
+    insecure: bool,
     verbose: int,
     **auth,
 ) -> None:
@@ -232,6 +264,7 @@ def cell(
 
     setup_logging(verbose)
     cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
+    _require_signed(cfg, insecure)
     try:
         if cell_id not in cfg.topology.cell_ids():
             raise ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})")
@@ -317,6 +350,7 @@ def cell(
 @BROKER
 @auth_options
 @metrics_options
+@INSECURE
 @VERBOSE
 def agent(
     config: str,
@@ -331,6 +365,7 @@ def agent(
     broker_url: str | None,
     metrics_port: int | None,
     metrics_linger: float,
+    insecure: bool,
     verbose: int,
     **auth,
 ) -> None:
@@ -343,6 +378,7 @@ def agent(
     if onnx_model:
         overrides = (*overrides, f"runtime.onnx_model={json.dumps(onnx_model)}")
     cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
+    _require_signed(cfg, insecure)
     if serve:
         from edge_agent.datasources import DataSource
 

@@ -173,7 +173,18 @@ def test_an_agent_given_a_bad_csv_says_so_and_exits_2(tmp_path):
     config = _config(tmp_path)
     bad = _csv(tmp_path, "a,label\n1,dog\n")
     proc = subprocess.run(
-        [FEDTIER, "agent", str(config), "--device", "c0-d0", "--data", str(bad), "--broker", "mqtt://127.0.0.1:1"],
+        [
+            FEDTIER,
+            "agent",
+            str(config),
+            "--device",
+            "c0-d0",
+            "--data",
+            str(bad),
+            "--broker",
+            "mqtt://127.0.0.1:1",
+            "--insecure",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -193,7 +204,7 @@ def test_agents_fed_csv_and_image_sources_train_as_the_simulation_does(tmp_path)
     _partition(config, tmp_path / "csv", "csv")
     _partition(config, tmp_path / "img", "images")
     with EmbeddedBroker() as broker:
-        common = ["--broker", broker.url]
+        common = ["--broker", broker.url, "--insecure"]
         commands = {
             "cloud": [FEDTIER, "cloud", str(config), *common, "--test-data", str(tmp_path / "csv" / "test.npz")],
             "cell": [FEDTIER, "cell", str(config), *common, "--cell", "c0"],

@@ -62,7 +62,7 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     )
 
     with EmbeddedBroker() as broker:
-        common = ["--broker", broker.url]
+        common = ["--broker", broker.url, "--insecure"]
         commands = {
             "cloud": [
                 FEDTIER,
@@ -114,3 +114,27 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     assert "c0-d1: 3 tasks" in outputs["onnx agent"] and "c0-d0: 3 tasks" in outputs["torch agent"]
     deployed = (tmp_path / "deployed" / runfiles.FINAL_MODEL).read_bytes()
     assert deployed == (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
+
+
+def test_unsigned_deployment_commands_refuse_to_start_without_insecure(tmp_path: Path) -> None:
+    """``fedtier cloud|cell|agent`` of a config without [security] keys exit 2 before connecting, saying why
+    and what to do; with ``--insecure`` a cell goes on (here: to the unreachable broker, exit 1), warned."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    config = tmp_path / "deploy.toml"
+    config.write_text(CONFIG.format(out=tmp_path / "run"))
+    prep = prepare(load_config(config))
+    data = tmp_path / "d.npz"
+    save_device_data(data, prep.device_data["c0-d0"], prep.spec)
+    nowhere = ["--broker", "mqtt://127.0.0.1:1"]
+    for node in (["cloud"], ["cell", "--cell", "c0"], ["agent", "--device", "c0-d0", "--data", str(data)]):
+        refused = CliRunner().invoke(main, [node[0], str(config), *node[1:], *nowhere])
+        said = " ".join(refused.output.split())  # the console wraps lines
+        assert refused.exit_code == 2, said
+        assert "unsigned deployment refused" in said and "or --insecure to run unsigned" in said, said
+    allowed = CliRunner().invoke(main, ["cell", str(config), "--cell", "c0", *nowhere, "--insecure"])
+    assert allowed.exit_code == 1, allowed.output  # it went on, to the broker
+    said = " ".join(allowed.output.split())
+    assert "unsigned deployment refused" not in said and "--insecure: running unsigned" in said, said

@@ -275,7 +275,7 @@ class Deployment:
 
     def start(self, name: str, *extra: str) -> None:
         """Start node ``name`` (``cloud``, a cell id or a device id) as its own process."""
-        common = [str(self.config), "--broker", self.url]
+        common = [str(self.config), "--broker", self.url, "--insecure"]
         if name == "cloud":
             cmd = [FEDTIER, "cloud", *common, "--no-progress"]
         elif name in self.cfg.topology.cell_ids():
