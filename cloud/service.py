@@ -12,6 +12,7 @@ ended, and starts the next. Killed while a job runs, the restarted service resum
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from protocols.jobs import (
     config_hash,
     open_job_record,
 )
+from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -81,6 +83,7 @@ class CloudService:
         self.stopping = threading.Event()
         self.error: BaseException | None = None  # a queue that could not be written: the service stops
         self.wake = threading.Event()
+        self.ledger = PrivacyLedger(queue.path.parent / LEDGER_FILE)  # epsilon per device across jobs
 
     # ------------------------------------------------------------------ the queue runner (caller's thread)
     def serve(self) -> None:
@@ -173,6 +176,8 @@ class CloudService:
             state, reason = ("cancelled", "cancelled by the operator") if ended.cancel_requested else ("finished", "")
             if self.on_end is not None and state == "finished":
                 self.on_end(ended, cfg, node, out)
+            spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
+            self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
             self.queue.end(job.job, state, reason or (node.stopped or ""))
             log.info("job %s %s", job.job, state)
             self._publish_list(transport)
@@ -232,11 +237,20 @@ class CloudService:
                 f"init_from: {cfg.train.name}'s devices keep a model replica from the initial model, which only "
                 "the cloud would have"
             )
+        epsilon = cfg.dp_accountant().epsilon(cfg.run.rounds) if cfg.privacy.dp != "off" else math.inf
+        devices = cfg.topology.all_devices()
+        reason = self.ledger.refusal(job, devices, epsilon, self.bundle.privacy.federation_epsilon_budget)
+        if reason is not None:
+            raise JobError(reason)
         self.queue.submit(Job(job, text, config_hash(text), OPERATOR, init_from))
+        if math.isfinite(epsilon):
+            self.ledger.reserve(job, devices, epsilon, cfg.privacy.delta)
         log.info("job %s queued (hash %s)", job, config_hash(text)[:12])
 
     def _cancel(self, job: str) -> None:
         cancelled = self.queue.cancel(job)
+        if cancelled.state == "cancelled":  # never ran: it spent nothing
+            self.ledger.settle(job, 0.0)
         if self.node is not None and cancelled.state == "running":
             self.node.request_stop("cancelled by the operator")
 

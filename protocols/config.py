@@ -500,6 +500,13 @@ class PrivacySection(_Section):
     )
     delta: float = Field(default=1e-5, gt=0, lt=1, description="the delta of the (epsilon, delta) guarantee")
     epsilon_budget: float | None = Field(default=None, gt=0, description="the most epsilon a run may spend")
+    federation_epsilon_budget: float | None = Field(
+        default=None,
+        gt=0,
+        description="federations (the cloud's bundle): the most epsilon any device's data may spend over all "
+        "jobs (protocols/privacy/ledger.py); a job that would exceed it, or runs without DP, is refused at "
+        "submission",
+    )
     on_budget: Literal["refuse", "stop"] = Field(
         default="refuse",
         description="refuse: a run whose rounds would "

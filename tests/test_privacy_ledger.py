@@ -1,0 +1,65 @@
+"""The federation's privacy ledger: epsilon per device accumulates across jobs, and the federation's budget
+refuses a job that would exceed it (``protocols/privacy/ledger.py``, ``cloud/service.py``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from cloud.jobs import JobQueue
+from cloud.service import CloudService
+from protocols.jobs import JobError
+from protocols.privacy.ledger import LEDGER_FILE, LedgerError, PrivacyLedger
+from tests.conftest import small_config
+
+JOB = """
+[run]
+seed = 3
+rounds = {rounds}
+[algorithm]
+name = "fedavg"
+[privacy]
+dp = "cell"
+noise_multiplier = 4.0
+"""
+
+
+def test_the_ledger_adds_up_each_devices_jobs_and_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / LEDGER_FILE
+    ledger = PrivacyLedger(path)
+    ledger.reserve("a", ["c0-d0", "c0-d1"], 1.5, 1e-5)
+    ledger.reserve("b", ["c0-d1"], 2.0, 1e-5)
+    assert ledger.spent("c0-d0") == 1.5 and ledger.spent("c0-d1") == 3.5 and ledger.spent("c1-d0") == 0
+    assert ledger.refusal("c", ["c0-d0"], 2.0, budget=4.0) is None
+    reason = ledger.refusal("c", ["c0-d0", "c0-d1"], 1.0, budget=4.0)
+    assert reason is not None and "c0-d1" in reason and "4.5 > privacy.federation_epsilon_budget 4" in reason
+    assert "no differential privacy" in (ledger.refusal("d", ["c0-d0"], math.inf, budget=100.0) or "")
+    ledger.settle("b", 0.5)  # stopped early: the rest of its reservation is released
+    again = PrivacyLedger(path)
+    assert again.spent("c0-d1") == 2.0 and again.jobs["b"]["ended"]
+    path.write_text("{}")
+    with pytest.raises(LedgerError, match="not a fedtier privacy ledger"):
+        PrivacyLedger(path)
+
+
+def test_the_federations_budget_refuses_a_job_that_would_exceed_it(tmp_path: Path) -> None:
+    bundle = small_config(tmp_path, run={"name": "fed"}, privacy={"federation_epsilon_budget": 10.0})
+    queue = JobQueue(tmp_path / "q" / "jobs.json")
+    service = CloudService(bundle, None, lambda: None, queue, None, trust=None, operator=None)  # type: ignore[arg-type]
+    for job in ("j1", "j2"):
+        service._submit(job, {"config": JOB.format(rounds=3)})
+    per_job = service.ledger.jobs["j1"]["epsilon"]  # the job's accountant: 3 rounds at z = 4, E = 1
+    assert 3.4 < per_job < 5  # two such jobs fit in 10, a third does not
+    assert [j.job for j in queue.jobs.values()] == ["j1", "j2"]
+    assert service.ledger.spent("c1-d2") == pytest.approx(2 * per_job)
+    with pytest.raises(JobError, match=r"would spend epsilon .* > privacy.federation_epsilon_budget 10"):
+        service._submit("j3", {"config": JOB.format(rounds=3)})
+    with pytest.raises(JobError, match="no differential privacy"):
+        service._submit("plain", {"config": '[algorithm]\nname = "fedavg"\n'})
+    assert "j3" not in queue.jobs and "plain" not in queue.jobs  # refused jobs are not queued
+    service._cancel("j2")  # never ran: its reservation goes back
+    service._submit("j3", {"config": JOB.format(rounds=3)})
+    restarted = CloudService(bundle, None, lambda: None, queue, None, trust=None, operator=None)  # type: ignore[arg-type]
+    assert restarted.ledger.spent("c0-d0") == pytest.approx(2 * per_job)  # j1 and j3, from the file
