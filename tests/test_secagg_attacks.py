@@ -105,6 +105,53 @@ def test_key_substitution_is_refused_by_a_signed_target_that_then_sends_nothing(
     assert sorted(outcome.weights) == ["c0-d0", "c0-d2", "c0-d3", "c0-d4", "c0-d5"]  # the others' sum, intact
 
 
+def test_neighbours_keys_are_checked_against_the_roster_the_cloud_signed():
+    """Devices verify their neighbours' advertisements against the federation's roster (signed by the
+    cloud, verified by each device): the key substitution is refused, an honest round completes, and a
+    neighbour the roster revoked is refused like a stranger."""
+    from protocols.privacy.secagg import RosterIdentity
+    from protocols.roster import Roster, sign_roster, verify_roster
+    from protocols.wire.keys import PublicKeys
+
+    names = [f"c0-d{i}" for i in range(6)]
+    seeds = {n: new_seed() for n in ["cloud", "c0", *names]}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    cloud = Trust("cloud", seeds["cloud"], public)
+    signed = sign_roster(Roster.from_topology("fed", {"c0": names}, public, 100.0), cloud.sign)
+    roster = verify_roster(signed, PublicKeys({"cloud": public["cloud"]}).verify, federation="fed")
+
+    def devices(r):
+        return {
+            d: SecAggDevice(SecAggSettings(seed=3), RID, d, 1.0, identity=RosterIdentity(Trust(d, seeds[d], {}), r))
+            for d in names
+        }
+
+    def roster_round(liar, r):
+        devs = devices(r)
+        cell = (
+            liar.protocol(devs[names[0]].settings, RID, names)
+            if liar
+            else SecAggCell(SecAggSettings(seed=3), RID, names)
+        )
+        for d, dev in devs.items():
+            cell.add_keys(d, wire(dev.advertise()))
+        refused = {}
+        for d, ros in cell.rosters().items():
+            try:
+                devs[d].share(wire(ros))
+            except CellLied as exc:
+                refused[d] = str(exc)
+        return refused
+
+    assert roster_round(None, roster) == {}
+    liar = LyingCell("keys", TARGET)
+    assert list(roster_round(liar, roster)) == [TARGET] and liar.recovered == {}
+    revoked = roster.without("c0-d3")  # a device the cloud revoked still advertises through a colluding cell
+    refused = roster_round(None, revoked)
+    assert set(refused) == set(names)  # c0-d3 itself is no member: it trusts no neighbour either
+    assert all("neighbour c0-d3 " in why for d, why in refused.items() if d != "c0-d3")
+
+
 # ----------------------------------------------------------------------------- the dropout lie
 def test_the_dropout_lie_reads_the_target_at_the_old_threshold_of_a_third():
     liar = LyingCell("dropout", TARGET, hide=True)

@@ -259,6 +259,31 @@ def view_bytes(device: str, digest: bytes, rid: RoundId) -> bytes:
     return rid.label("consent", device) + digest
 
 
+@dataclass(frozen=True)
+class RosterIdentity:
+    """A device's :class:`Identity` whose neighbours' keys come from the federation's roster, signed by the
+    cloud (``protocols.roster``): a neighbour must be a current member of the same cell. ``signer``: the
+    device's own identity (``protocols.wire.keys.Trust``)."""
+
+    signer: Any
+    roster: Any  # protocols.roster.Roster, verified (verify_roster)
+
+    @property
+    def node(self) -> str:
+        return str(self.signer.node)
+
+    def sign(self, data: bytes) -> bytes:
+        return bytes(self.signer.sign(data))
+
+    def verify(self, signer: str, data: bytes, sig: bytes) -> None:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        key = self.roster.device_key(signer)
+        if key is None or self.roster.cell_of(signer) != self.roster.cell_of(self.node):
+            raise ValueError(f"{signer!r} is not a member of this device's cell in roster v{self.roster.version}")
+        Ed25519PublicKey.from_public_bytes(key).verify(sig, data)  # InvalidSignature if not
+
+
 def _signed_by(identity: Identity, signer: str, data: bytes, sig: bytes) -> bool:
     try:
         identity.verify(signer, data, sig)
@@ -406,7 +431,10 @@ class SecAggDevice:
                 if sig is None or sig.dtype != np.uint8 or not _signed_by(self.identity, j, data, sig.tobytes()):
                     self._peer_c.clear()
                     self._peer_s.clear()
-                    raise CellLied(f"the keys the cell gave for neighbour {j} are not signed by {j} (substituted)")
+                    raise CellLied(
+                        f"the keys the cell gave for neighbour {j} are not signed by {j} (substituted, or {j} is "
+                        "not a member of this cell)"
+                    )
         self.roster, self.neighbours, self.total_weight = devices, near, float(total)
         t = self.settings.t(len(devices))
         points = [devices.index(j) + 1 for j in near]  # x of j's share: its position in U1, + 1
