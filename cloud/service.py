@@ -23,6 +23,7 @@ from typing import Any
 from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import Algorithm
+from protocols.checkpoint import private_file
 from protocols.config import ConfigError, RunConfig
 from protocols.jobs import (
     OPERATOR,
@@ -139,7 +140,8 @@ class CloudService:
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(model)})})
         out = cfg.output_dir()
         out.mkdir(parents=True, exist_ok=True)
-        (out / runfiles.CONFIG).write_text(cfg.to_toml(), encoding="utf-8")
+        with private_file(out / runfiles.CONFIG) as f:  # mode 600: it may hold the broker password
+            f.write(cfg.to_toml().encode())
         try:
             parts = self.parts(cfg)
         except ConfigError as exc:  # e.g. init_from a model of another architecture

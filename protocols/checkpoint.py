@@ -22,11 +22,20 @@ from .wire.payload import Payload, decode_payload, encode_payload
 MAGIC = b"FTCK1\n"
 
 
+def private_file(path: Path) -> Any:
+    """``path`` opened for writing (created or truncated), readable by its owner only (mode 600, also when it
+    existed): checkpoints, journals and config copies hold models, individual updates or a broker password."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "wb")
+
+
 def save_payload(path: str | Path, payload: Payload) -> None:
+    """Write ``payload`` atomically (temporary file, fsync, rename), mode 600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("wb") as fh:
+    with private_file(tmp) as fh:
         fh.write(MAGIC + encode_payload(payload))
         fh.flush()
         os.fsync(fh.fileno())
@@ -92,7 +101,7 @@ class Journal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         # owner only: it holds the devices' results of the round and the cell's noise seed
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
+        with private_file(tmp) as fh:
             fh.write(JOURNAL_MAGIC + _frame(first))
             fh.flush()
             os.fsync(fh.fileno())

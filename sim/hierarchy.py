@@ -11,6 +11,7 @@ import numpy as np
 
 from protocols import runfiles
 from protocols.algorithms.base import ModelSpec
+from protocols.checkpoint import private_file
 from protocols.config import ConfigError, RunConfig, TopologySection
 from protocols.trainer import LocalData
 
@@ -252,5 +253,6 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
         ):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "devices", ignore_errors=True)
-    (out / runfiles.CONFIG).write_text(cfg.to_toml(), encoding="utf-8")
+    with private_file(out / runfiles.CONFIG) as f:  # a deployment's config holds its broker password
+        f.write(cfg.to_toml().encode())
     return out

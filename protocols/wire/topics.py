@@ -30,9 +30,12 @@ _SAFE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 def check_name(kind: str, name: str) -> str:
-    """Ids go into topics, so they may not contain ``/``, ``+``, ``#`` or spaces."""
-    if not _SAFE.match(name):
-        raise ValueError(f"{kind} id {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+    """Ids go into topics, so they may not contain ``/``, ``+``, ``#`` or spaces; and into file paths (a run's
+    or a job's folder), so each is one plain path component: not ``.``, ``..`` or hidden (a leading ``.``)."""
+    if not isinstance(name, str) or not _SAFE.match(name) or name.startswith("."):
+        raise ValueError(
+            f"{kind} id {name!r} must be 1-64 characters of letters, digits, '_', '.', '-', not starting with '.'"
+        )
     return name
 
 

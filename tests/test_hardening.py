@@ -1,0 +1,62 @@
+"""Deployment hardening (issue 31): run and job names that are one safe path component, and files that hold
+secrets or individual updates readable by their owner only."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocols import runfiles
+from protocols.checkpoint import Journal
+from protocols.config import ConfigError, parse_config
+from protocols.jobs import JobError, check_job_id
+from protocols.wire.payload import Payload
+from sim.launcher import run_simulation
+from tests.conftest import small_config
+
+
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "../up", "run 1", "", "x" * 65])
+def test_a_run_or_job_name_that_is_no_single_safe_path_component_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="run"):
+        parse_config({"run": {"name": name}})
+    with pytest.raises(JobError):
+        check_job_id(name)
+
+
+def test_plain_names_are_kept() -> None:
+    assert parse_config({"run": {"name": "fleet-2.v1_a"}}).run.name == "fleet-2.v1_a"
+    assert check_job_id("job-a.2") == "job-a.2"
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """Files created meanwhile would be world-readable unless their writer restricts them."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_checkpoints_journals_and_the_run_config_are_mode_600(tmp_path: Path, open_umask: None) -> None:
+    cfg = small_config(tmp_path, run={"rounds": 1}, broker={"password": "secret"})
+    out = run_simulation(cfg).output_dir
+    assert out is not None
+    for name in (runfiles.CHECKPOINT, runfiles.CONFIG, runfiles.FINAL_MODEL):
+        assert mode(out / name) == 0o600, name
+    assert 'password = "secret"' in (out / runfiles.CONFIG).read_text()
+    (out / runfiles.CONFIG).chmod(0o644)  # a copy an older version left readable is restricted when rewritten
+    run_simulation(cfg)
+    assert mode(out / runfiles.CONFIG) == 0o600
+    journal = Journal(tmp_path / "cell-c0.journal")
+    journal.reset(Payload({"task": 1}, {}))
+    journal.append(Payload({"result": "c0-d0"}, {}))
+    assert mode(journal.path) == 0o600 and len(journal.read()) == 2
