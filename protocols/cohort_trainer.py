@@ -552,13 +552,14 @@ class CohortEngine:
         chain = _mlp_chain(model)  # the gradient written out (mlp, logreg), else autograd
         params = {k: v if chain else v.requires_grad_() for k, v in self._stack(reqs).items()}
         data = [self.tensors(r.x, r.y) for r in reqs]
-        # every device's data set as one tensor on the engine's device, and every minibatch of the call
-        # (each device's seeded order, built by its role before the call) as indices into it, built once
-        # here: a chunk of steps is then one gather on the device for the whole cohort
-        x_all, y_all = (
-            (data[0][0], data[0][1]) if d == 1 else (torch.cat([t[0] for t in data]), torch.cat([t[1] for t in data]))
-        )
-        offsets = np.cumsum([0] + [len(t[1]) for t in data[:-1]])
+        # every minibatch of the call (each device's seeded order, drawn by its role before the call) as
+        # indices, built once here; where the cohort's data sets are not much larger than what the call
+        # gathers, they are joined into one tensor and a chunk of steps is one gather for the whole cohort
+        # (else one per device: joining a few large data sets would copy them all to gather a few rows)
+        total = sum(len(t[1]) for t in data)
+        joined = d > 1 and total <= 2 * sum(len(i) for r in reqs for i in r.order)
+        x_all, y_all = (torch.cat([t[0] for t in data]), torch.cat([t[1] for t in data])) if joined else data[0]
+        offsets = np.cumsum([0] + [len(t[1]) for t in data[:-1]]) if joined else np.zeros(d, np.int64)
         b = max(1, max((len(i) for r in reqs for i in r.order), default=1))
         idx = np.zeros((d, steps, b), np.int64)
         mask = np.zeros((d, steps, b), np.float32)
@@ -593,10 +594,17 @@ class CohortEngine:
         leaves = list(params.values())
         for s0 in range(0, steps, per_gather):
             s1, a0 = min(steps, s0 + per_gather), active[s0]
-            chunk = idx_t[:a0, s0:s1].reshape(-1)
             # index_select: a fraction of the cost of fancy indexing (x_all[chunk]) for small batches
-            xs = x_all.index_select(0, chunk).reshape(a0, s1 - s0, b, *x_all.shape[1:])
-            ys = y_all.index_select(0, chunk).reshape(a0, s1 - s0, b)
+            if joined or d == 1:
+                chunk = idx_t[:a0, s0:s1].reshape(-1)
+                xs = x_all.index_select(0, chunk).reshape(a0, s1 - s0, b, *x_all.shape[1:])
+                ys = y_all.index_select(0, chunk).reshape(a0, s1 - s0, b)
+            else:
+                chunk = idx_t[:a0, s0:s1].reshape(a0, -1)
+                xs = torch.stack([xt.index_select(0, chunk[i]) for i, (xt, _) in enumerate(data[:a0])])
+                xs = xs.reshape(a0, s1 - s0, b, *xs.shape[2:])
+                ys = torch.stack([yt.index_select(0, chunk[i]) for i, (_, yt) in enumerate(data[:a0])])
+                ys = ys.reshape(a0, s1 - s0, b)
             for s in range(s0, s1):
                 a = active[s]  # devices 0..a-1 have a step s
                 full = a == d

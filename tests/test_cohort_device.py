@@ -24,8 +24,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
 SPEC = ModelSpec(name="mlp", input_shape=(8,), num_classes=3, hidden=(6,))
 
 
-def requests(n: int, momentum: float = 0.0) -> list[Request]:
-    """``n`` devices' sgd requests: uneven data (so uneven steps and short last batches), seeded orders."""
+def requests(n: int, momentum: float = 0.0, steps: int = 0) -> list[Request]:
+    """``n`` devices' sgd requests: uneven data (so uneven steps and short last batches), seeded orders
+    (an epoch, or its first ``steps`` batches)."""
     g = np.random.default_rng(0)
     params = init_params(build_model("mlp", (8,), 3, hidden=(6,)), 0)
     out = []
@@ -33,6 +34,7 @@ def requests(n: int, momentum: float = 0.0) -> list[Request]:
         m = 5 + 7 * i
         x, y = g.normal(size=(m, 8)).astype(np.float32), g.integers(0, 3, m)
         order = [np.random.default_rng(i).permutation(m)[s : s + 4] for s in range(0, m, 4)]
+        order = order[:steps] if steps else order
         out.append(Request("sgd", SPEC, params, x, y, order, lr=0.1, momentum=momentum))
     return out
 
@@ -55,6 +57,18 @@ def test_a_cohort_in_parts_gives_the_whole_cohorts_results(momentum: float) -> N
             for k in p:
                 np.testing.assert_allclose(q[k], p[k], rtol=1e-5, atol=1e-7)
     assert len({s.steps for _, s in whole}) > 1  # the devices really differ
+
+
+@pytest.mark.parametrize("steps", [0, 2], ids=["epoch", "few-steps"])
+def test_the_cohorts_gather_gives_each_devices_own_batches(steps: int) -> None:
+    """An epoch gathers from the joined data sets, two steps from each device's (its data is much larger
+    than its batches): either way each device's result is the one it gets trained alone."""
+    whole = results(CohortEngine(), requests(6, steps=steps))
+    for i, (p, s) in enumerate(whole):
+        alone = results(CohortEngine(), [requests(6, steps=steps)[i]])[0]
+        assert s.steps == alone[1].steps and s.loss == pytest.approx(alone[1].loss, rel=1e-5)
+        for k in p:
+            np.testing.assert_allclose(p[k], alone[0][k], rtol=1e-5, atol=1e-7)
 
 
 def _bytes(r: Request) -> int:

