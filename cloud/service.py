@@ -35,6 +35,7 @@ from protocols.jobs import (
     open_job_record,
 )
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from protocols.roster import roster_topic
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -59,7 +60,8 @@ class JobParts:
 class CloudService:
     """``connect()`` returns a connected transport on ``loop`` (the caller retries and backs off);
     ``parts(cfg)`` builds a job's algorithm and evaluator; ``on_end(job, cfg, node, out)`` writes a
-    finished job's final model and summary. ``operator``: the operator's public key (``None``: unsigned
+    finished job's final model and summary; ``roster``: the signed roster it publishes (retained) on every
+    connection. ``operator``: the operator's public key (``None``: unsigned
     federation, any submitter accepted; for tests and ``fedtier run`` only)."""
 
     def __init__(
@@ -74,7 +76,9 @@ class CloudService:
         operator: bytes | None,
         on_end: Callable[[Job, RunConfig, CloudServer, Path], None] | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        roster: bytes | None = None,
     ) -> None:
+        self.roster = roster  # the federation's signed roster (protocols.roster), published retained
         self.bundle, self.loop, self.connect, self.queue, self.parts = bundle, loop, connect, queue, parts
         self.fed = bundle.run.name
         self.trust, self.on_end, self.on_round = trust, on_end, on_round
@@ -120,6 +124,8 @@ class CloudService:
         if transport is None:  # stopped while the broker was unreachable
             return None
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
+        if self.roster is not None:
+            transport.publish(roster_topic(self.fed), self.roster, retain=True)
         self.loop.post(lambda: self._publish_list(transport))
         return transport
 

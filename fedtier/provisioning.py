@@ -44,6 +44,7 @@ from cryptography.x509.oid import NameOID
 
 from protocols.config import RunConfig, RunSection, deployment_config, dump_toml
 from protocols.jobs import OPERATOR
+from protocols.roster import roster_topic
 from protocols.transport.bridge import bridge_config, bridge_topics
 from protocols.wire import topics
 from protocols.wire.chunking import DEFAULT_MAX_CHUNK
@@ -91,12 +92,14 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("write", topics.job_replies(run)),
             ("write", topics.job_list(run)),
             ("write", topics.current_job(run)),
+            ("write", roster_topic(run)),
         ],
         OPERATOR: [
             ("write", topics.job_submit(run)),
             ("read", topics.job_replies(run)),
             ("read", topics.job_list(run)),
             ("read", topics.current_job(run)),
+            ("read", roster_topic(run)),
         ],
         MONITOR: [
             ("read", f"{r}/telemetry/#"),
@@ -106,6 +109,7 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("read", topics.control(run)),
             ("read", topics.current_job(run)),
             ("read", topics.job_list(run)),
+            ("read", roster_topic(run)),
         ],
     }
     for cell in cfg.topology.cell_ids():
@@ -121,6 +125,7 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("write", topics.status(run, topics.cell_node(cell))),
             ("write", topics.telemetry_cell(run, cell)),
             ("read", topics.current_job(run)),
+            ("read", roster_topic(run)),
         ]
         for device in cfg.topology.device_ids(cell):
             rules[device] = [
@@ -131,6 +136,7 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
                 ("read", topics.status(run, "cloud")),
                 ("write", topics.device_status(run, cell, device)),
                 ("read", topics.current_job(run)),
+                ("read", roster_topic(run)),
             ]
     return rules
 

@@ -5,6 +5,7 @@ unreachable, and stop cleanly on SIGTERM or Ctrl-C (a running job resumes when t
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -54,6 +55,38 @@ def operator_key(cfg: RunConfig) -> bytes | None:
     return key
 
 
+ROSTER_FILE = "roster.json"
+
+
+def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
+    """The federation's signed roster (``{output}/roster.json``, kept across restarts: membership changes
+    raise its version); version 1 from the cloud's keys file and ``security.max_device_weight`` when there is
+    none yet. ``None`` in an unsigned federation or without a weight bound (logged)."""
+    from protocols.roster import Roster, sign_roster, verify_roster
+    from protocols.wire.keys import load_keys
+
+    if trust is None:
+        return None
+    path = cfg.output_dir() / ROSTER_FILE
+    if path.exists():
+        data = path.read_bytes()
+        verify_roster(data, trust.verify, federation=cfg.run.name)  # RosterError (a ConfigError): exit 2
+        return data
+    bound = cfg.security.max_device_weight
+    if bound is None:
+        log.warning("no roster: security.max_device_weight is not set (fedtier provision sets it)")
+        return None
+    topo = cfg.topology
+    public = load_keys(cfg.security.keys).public
+    roster = Roster.from_topology(cfg.run.name, {c: topo.devices(c) for c in topo.cell_ids()}, public, bound)
+    data = sign_roster(roster, trust.sign)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return data
+
+
 def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Callable[..., Any]) -> None:
     """Run the federation's cloud: the job queue in ``{output}/jobs.json``, a run folder per job."""
     from cloud.jobs import JobQueue
@@ -87,7 +120,10 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
             out, RunResult(job_cfg, node.role.global_params(), node.history, [], out, wall, stopped=node.stopped)
         )
 
-    service = CloudService(cfg, loop, connect, queue, parts, trust=trust, operator=operator, on_end=on_end)
+    roster = federation_roster(cfg, trust)
+    service = CloudService(
+        cfg, loop, connect, queue, parts, trust=trust, operator=operator, on_end=on_end, roster=roster
+    )
     on_signals(lambda: (stopping.set(), service.stop()))
     log.info("cloud of federation %s serving jobs (queue %s)", fed, queue.path)
     service.serve()

@@ -24,13 +24,14 @@ from fedtier.provisioning import provision
 from protocols import runfiles
 from protocols.jobs import canonical_job, read_job_file
 from protocols.procs import popen
+from protocols.roster import roster_topic, verify_roster
 from protocols.trainer import LocalData
 from protocols.transport.broker import find_mosquitto, free_port
-from protocols.wire.keys import KeyRing, new_seed, public_of, write_keys
+from protocols.wire.keys import KeyRing, PublicKeys, load_keys, new_seed, public_of, write_keys
 from sim.hierarchy import prepare
 from sim.launcher import run_simulation
 from tests.conftest import small_config, wait_until
-from tests.test_provision import broker_user, mosquitto, reachable_tmp  # noqa: F401 (a fixture)
+from tests.test_provision import WAIT, Inbox, broker_user, clients, mosquitto, reachable_tmp  # noqa: F401
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
@@ -113,6 +114,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
         broker_user=user[1] if user else None,
         federation=True,
         fedtier_bin=FEDTIER,
+        max_device_weight=500,
     )
     nodes = done.out / "nodes"
     assert "algorithm" not in tomllib.loads((nodes / "c0-d0" / "config.toml").read_text())  # no training config
@@ -177,6 +179,16 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             assert res.returncode == 0 and [j["state"] for j in json.loads(res.stdout)] == ["finished"] * 3
             for name, p in procs.items():
                 assert p.poll() is None, f"{name} exited: {p.communicate()[0]}"  # nobody restarted between jobs
+            # the cloud publishes the federation's roster, signed, retained: what provisioning knows
+            with clients() as make:
+                inbox = Inbox()
+                monitor = make(nodes / "monitor", port, client_id="monitor").connect(WAIT)
+                monitor.subscribe(roster_topic("fed"), inbox)
+                (_, data), *_ = inbox.wait_for(roster_topic("fed"))
+            ring = load_keys(nodes / "monitor" / "keys.toml", need_private=False)
+            roster = verify_roster(data, PublicKeys(ring.public).verify, federation="fed")
+            assert roster.members("c0") == ["c0-d0", "c0-d1"] and roster.device_key("c0-d1") == ring.public["c0-d1"]
+            assert roster.cell_bound("c0") == 1000
         finally:
             outputs = {}
             for p in (*procs.values(), cloud):

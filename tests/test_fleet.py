@@ -260,6 +260,7 @@ def test_bridge_config_command(tmp_path: Path) -> None:
         ("fedtier/f/cloud/control", "in"),
         ("fedtier/f/status/cloud", "in"),
         ("fedtier/f/cloud/job", "in"),
+        ("fedtier/f/roster", "in"),
         ("fedtier/f/cloud/up/c1/report", "out"),
         ("fedtier/f/status/cell.c1", "out"),
         ("fedtier/f/telemetry/cell/c1", "out"),

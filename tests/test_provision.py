@@ -140,6 +140,7 @@ def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[
         "topic read fedtier/t/status/cloud",
         "topic write fedtier/t/cell/c0/status/device.c0-d1",
         "topic read fedtier/t/cloud/job",
+        "topic read fedtier/t/roster",
     ]
     # only the operator may submit jobs; the cloud alone verifies the operator's signature
     operator = acl.split("user operator\n")[1].split("\n\n")[0].splitlines()
@@ -371,6 +372,7 @@ def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, 
         "topic read fedtier/t/cloud/control",
         "topic read fedtier/t/status/cloud",
         "topic read fedtier/t/cloud/job",
+        "topic read fedtier/t/roster",
         "topic write fedtier/t/cloud/up/c0/report",
         "topic write fedtier/t/status/cell.c0",
         "topic write fedtier/t/telemetry/cell/c0",

@@ -12,6 +12,7 @@ topic                                      dir.   what
 ``fedtier/{run}/cloud/control``            in     run control, e.g. ``finished`` (retained)
 ``fedtier/{run}/status/cloud``             in     the cloud's liveness (retained)
 ``fedtier/{run}/cloud/job``                in     the job in progress (retained)
+``fedtier/{run}/roster``                   in     the federation's signed roster (retained)
 ``fedtier/{run}/cloud/up/{cell}/report``   out    the cell's report to the cloud
 ``fedtier/{run}/status/cell.{cell}``       out    the cell's liveness (retained)
 ``fedtier/{run}/telemetry/cell/{cell}``    out    the cell's aggregation records
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..roster import roster_topic
 from ..wire import topics
 from .broker import parse_broker_url
 
@@ -45,6 +47,7 @@ def bridge_topics(run: str, cell: str) -> list[BridgeTopic]:
         BridgeTopic(topics.control(run), "in"),
         BridgeTopic(topics.status(run, "cloud"), "in"),
         BridgeTopic(topics.current_job(run), "in"),
+        BridgeTopic(roster_topic(run), "in"),
         BridgeTopic(topics.cell_report(run, cell), "out"),
         BridgeTopic(topics.status(run, topics.cell_node(cell)), "out"),
         BridgeTopic(topics.telemetry_cell(run, cell), "out"),
