@@ -8,6 +8,7 @@ from pathlib import Path
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
 from protocols.algorithms.fedbuff import FedBuffCell
+from protocols.algorithms.traits import Trait
 from protocols.config import ConfigError, RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
@@ -45,7 +46,7 @@ def build_cell(
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
     train = cfg.train
-    if getattr(train, "mode", "sync") == "async":  # FedBuff: keep devices busy, push every M updates / T s
+    if Trait.ASYNC in algorithm.stack_traits():  # FedBuff: keep devices busy, push every M updates / T s
         if resume:
             raise ConfigError('--resume: algorithm.mode = "async" cells do not resume yet; start them afresh')
         server, extra = (

@@ -9,6 +9,7 @@ from typing import Any
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
 from protocols.algorithms.fedbuff import FedBuffCloud
+from protocols.algorithms.traits import Trait
 from protocols.bounds import CellBounds
 from protocols.config import ConfigError, RunConfig
 from protocols.transport.base import Transport
@@ -39,7 +40,7 @@ def build_cloud(
     session."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
-    if getattr(cfg.train, "mode", "sync") == "async":  # FedBuff over cells
+    if Trait.ASYNC in algorithm.stack_traits():  # FedBuff over cells
         if resume:
             raise ConfigError(
                 '--resume: algorithm.mode = "async" does not resume from a checkpoint yet '

@@ -10,7 +10,10 @@ results one report may add up (:func:`cell_weight_bound`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+
+from .algorithms.base import TrainParams
+from .algorithms.staleness import AsyncParams
+from .algorithms.traits import Trait, compose_traits
 
 
 def weight_over(weight: object, bound: float | None, what: str) -> str | None:
@@ -25,7 +28,7 @@ def weight_over(weight: object, bound: float | None, what: str) -> str | None:
     return f"weight {shown} exceeds {what}"
 
 
-def cell_weight_bound(train: Any, device_bounds: Iterable[float]) -> float:
+def cell_weight_bound(train: TrainParams, device_bounds: Iterable[float]) -> float:
     """The largest weight an honest report of a cell whose devices have ``device_bounds`` can carry.
 
     Rounds (``algorithm.mode = "sync"``): every device counts at most once per edge round, so ``E`` times
@@ -35,7 +38,7 @@ def cell_weight_bound(train: Any, device_bounds: Iterable[float]) -> float:
     bounds = list(device_bounds)
     if not bounds:
         return 0.0
-    if getattr(train, "mode", "sync") == "async":
+    if isinstance(train, AsyncParams) and Trait.ASYNC in compose_traits((), train.layers()):
         return float(train.async_buffer * train.async_push_every * max(bounds))
     return float(train.edge_rounds * sum(bounds))
 
@@ -44,7 +47,9 @@ class CellBounds(Mapping[str, float]):
     """``cell -> cell_weight_bound`` computed on first access (a cell of a million devices costs nothing
     until its first report), from ``device_bounds(cell)``."""
 
-    def __init__(self, cells: Iterable[str], train: Any, device_bounds: Callable[[str], Iterable[float]]) -> None:
+    def __init__(
+        self, cells: Iterable[str], train: TrainParams, device_bounds: Callable[[str], Iterable[float]]
+    ) -> None:
         self._cells, self._train, self._device_bounds = list(cells), train, device_bounds
         self._members = set(self._cells)
         self._known: dict[str, float] = {}

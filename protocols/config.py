@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from .algorithms import get_algorithm
 from .algorithms.base import CHANNEL_WIDTHS, Algorithm, ModelSpec, TrainParams
+from .algorithms.compose import check_layers, compose, needs
+from .algorithms.traits import Trait
 from .capabilities import WIRE_VERSION
 from .wire.topics import check_name
 
@@ -667,29 +669,8 @@ class RunConfig(_Section):
         return self.runtime.max_message_bytes or 8 * 4 * spec.num_params() + 4 * 1024 * 1024
 
     def build_algorithm(self, spec: ModelSpec) -> Algorithm:
-        """The algorithm of this run, ready to build its roles."""
-        seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
-        algorithm = get_algorithm(self.train.name)(self.train, spec, self.run.seed, init_seed=seed)
-        topo = self.topology
-        try:
-            algorithm.bind_topology({c: topo.devices(c) for c in topo.cell_ids()})
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if self.run.init_model:
-            algorithm.initial_params = _initial_model(self.run.init_model, algorithm.initial_params)  # type: ignore[method-assign]
-        if self.privacy.dp != "off":
-            from .privacy.dp import DpSettings, PrivateAlgorithm
-
-            pv = self.privacy
-            dp = DpSettings(
-                pv.dp,
-                pv.clip,
-                self.dp_accountant().noise_multiplier,  # type: ignore[arg-type]
-                self.run.seed if pv.noise_seed is None else pv.noise_seed,
-                self.dp_noise_shares(),
-            )
-            algorithm = PrivateAlgorithm(algorithm, dp, self.dp_accountant(), pv.epsilon_budget)
-        return algorithm
+        """The algorithm stack of this run, ready to build its roles (``protocols.algorithms.compose``)."""
+        return compose(self, spec)
 
     def participation_fraction(self) -> float | None:
         """The fraction of a cell's devices that take part in a round on average, from the participation
@@ -775,30 +756,18 @@ def _calibrated(target: float, rounds: int, mode: str, q: float, edge_rounds: in
         raise ConfigError(f"privacy.target_epsilon: {exc}") from None
 
 
-_DP_ALGORITHMS = ("fedavg", "hist")
-
-
 def check_privacy(cfg: RunConfig) -> None:
     """Refuse ``[privacy]`` settings the run cannot honour, naming the key; with ``on_budget = "refuse"``,
     a run whose ``run.rounds`` would spend more than ``epsilon_budget``."""
     pv, train = cfg.privacy, cfg.train
     if pv.dp == "off":
         return
-    if train.name not in _DP_ALGORITHMS:
-        raise ConfigError(
-            f"privacy.dp: differential privacy is built for {' and '.join(_DP_ALGORITHMS)} (dense "
-            f"model deltas), not {train.name!r}"
-        )
-    for key, value, want in (
-        ("uplink", getattr(train, "uplink", "dense"), "dense"),
-        ("mode", getattr(train, "mode", "sync"), "sync"),
-        ("cell_aggregator", getattr(train, "cell_aggregator", "mean"), "mean"),
-        ("cloud_aggregator", getattr(train, "cloud_aggregator", "mean"), "mean"),
-    ):
-        if value != want:
+    for trait in (Trait.CELL_SUM, Trait.CLOUD_SUM):  # the accountant's mechanism: a clipped, noised sum
+        why = needs(train, trait)
+        if why is not None:
             raise ConfigError(
-                f'privacy.dp: needs algorithm.{key} = "{want}" (the accountant\'s mechanism is '
-                f"a clipped, noised sum of dense updates), got {value!r}"
+                "privacy.dp: differential privacy needs cells and a cloud that sum dense model deltas (the "
+                f"accountant's mechanism is a clipped, noised sum), not {train.name!r} as configured: {why}"
             )
     shares = cfg.dp_noise_shares()
     if pv.secure_aggregation:
@@ -858,9 +827,13 @@ def validate_algorithm(section: dict[str, Any]) -> TrainParams:
     except ValueError as exc:
         raise ConfigError(f"algorithm.name: {exc}") from None
     try:
-        return cls.Params.model_validate(section)
+        params = cls.Params.model_validate(section)
     except ValidationError as exc:
         raise ConfigError(_format(exc, "algorithm")) from None
+    refused = check_layers(params)
+    if refused is not None:
+        raise ConfigError(f"algorithm: {refused}")
+    return params
 
 
 def _format(exc: ValidationError, prefix: str = "") -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
+from protocols.algorithms.compose import needs
+from protocols.algorithms.traits import Trait
 from protocols.config import AttackSection, ConfigError, RunConfig
 from protocols.seeding import rng
 from protocols.trainer import LocalData, Trainer
@@ -23,10 +25,9 @@ def byzantine_devices(cfg: RunConfig) -> list[str]:
     a = cfg.attack
     if a.kind == "none" or a.fraction == 0:
         return []
-    if getattr(cfg.train, "uplink", "dense") != "dense":
-        raise ConfigError('attack: Byzantine devices corrupt dense deltas; set algorithm.uplink = "dense"')
-    if cfg.train.name not in ("fedavg", "hist"):
-        raise ConfigError(f"attack: supported for fedavg and hist, not {cfg.train.name!r}")
+    why = needs(cfg.train, Trait.PLAIN_DELTA_UPLINK)
+    if why is not None:
+        raise ConfigError(f"attack: Byzantine devices corrupt the dense deltas devices send; {why}")
     topo = cfg.topology
     k = int(math.floor(a.fraction * topo.devices_per_cell + 1e-9))
     chosen: list[str] = []

@@ -34,6 +34,7 @@ from ..rejections import Rejected as Rejected  # re-exported: roles import it wi
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .outcome import Outcome
+from .traits import Layer, Trait, compose_traits, lacks
 
 CHANNEL_WIDTHS = {"cnn": 2, "cnn4": 4}  # conv models: how many widths model.channels lists
 
@@ -104,6 +105,11 @@ class TrainParams(BaseModel):
     server_lr: float = Field(
         default=1.0, gt=0, description="the cloud applies server_lr x the weighted mean of the cells' progress"
     )
+
+    def layers(self) -> tuple[Layer, ...]:
+        """The layers these parameters put over the base algorithm (codec, robust aggregation, server
+        optimizer, asynchronous mode), innermost first; parameter mixins add theirs to ``super().layers()``."""
+        return ()
 
     @model_validator(mode="after")
     def _some_local_work(self) -> TrainParams:
@@ -203,6 +209,25 @@ class Algorithm(ABC):
     """True when device roles carry state across rounds that the cloud's checkpoint does not hold
     (DeComFL's model replicas): a launcher that recreates its devices resumes such a run through
     ``CloudRole.forget_devices`` (DeComFL's devices replay the cloud's round log)."""
+    traits: ClassVar[frozenset[Trait]] = frozenset()
+    """What the base algorithm's roles do (``protocols.algorithms.traits``), before any layer."""
+    without: ClassVar[dict[Trait, str]] = {}
+    """For traits it lacks: why, in words (shown when a layer or a feature needs one)."""
+
+    @classmethod
+    def traits_with(cls, params: TrainParams) -> frozenset[Trait]:
+        """The traits of this algorithm under the layers ``params`` configure."""
+        return compose_traits(cls.traits, params.layers())
+
+    @classmethod
+    def lacks(cls, params: TrainParams, trait: Trait) -> str | None:
+        """Why this algorithm with ``params`` lacks ``trait`` (the layer that took it away, or the base's
+        own reason), or ``None`` when it has it."""
+        return lacks(cls.name, cls.traits, cls.without, params.layers(), trait)
+
+    def stack_traits(self) -> frozenset[Trait]:
+        """The traits of the stack this object runs (wrappers add their own layers)."""
+        return self.traits_with(self.params)
 
     def __init__(self, params: TrainParams, model: ModelSpec, seed: int, init_seed: int | None = None) -> None:
         self.params, self.model, self.seed = params, model, seed

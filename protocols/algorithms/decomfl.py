@@ -52,6 +52,7 @@ from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
 from .outcome import Outcome
+from .traits import Trait
 
 
 class DeComFLParams(TrainParams):
@@ -437,6 +438,14 @@ class DeComFL(Algorithm):
     name = "decomfl"
     Params = DeComFLParams
     devices_keep_state = True
+    traits = frozenset({Trait.DEVICE_STATE, Trait.FORWARD_ONLY})
+    without = {
+        Trait.CELL_SUM: "DeComFL's uplink is K x P scalars per device: the keys and shares of secure aggregation "
+        "would cost more than the scalars, and its cells replay per-device histories; not supported",
+        Trait.CLOUD_SUM: "DeComFL's cloud averages scalars per seeded direction, not model deltas",
+        Trait.PLAIN_DELTA_UPLINK: "DeComFL's devices send K x P scalars",
+        Trait.VERSIONED: "DeComFL's devices replay the cloud's round history",
+    }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -50,6 +50,7 @@ from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
 from .fedavg import FedAvgCell, FedAvgDevice, check_delta
 from .outcome import Outcome
+from .traits import Trait
 
 PHASES = ("solo", "priority", "free", "all")
 HELD = "held/"
@@ -374,6 +375,13 @@ class FedAlign(Algorithm):
 
     name = "fedalign"
     Params = FedAlignParams
+    traits = frozenset({Trait.CLOUD_SUM})
+    without = {
+        Trait.CELL_SUM: "FedALIGN's cell admits each non-priority device by its own loss, so it must see each result",
+        Trait.PLAIN_DELTA_UPLINK: "FedALIGN's devices answer with their admission probes (a declined device "
+        "sends no delta)",
+        Trait.VERSIONED: "FedALIGN's phases are synchronous rounds",
+    }
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         devices = [d for c in sorted(cells) for d in cells[c]]

@@ -32,9 +32,10 @@ from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
 from .codecs import DenseCodec, UplinkCodec, UplinkParams, make_codec, uplink_seed
 from .outcome import Outcome
-from .robust import RobustParams, aggregate
+from .robust import RobustParams, aggregate, robust_params
 from .server_opt import ServerOptimizer, ServerParams, split_state
 from .staleness import AsyncParams
+from .traits import Trait
 
 
 def check_delta(
@@ -133,7 +134,7 @@ class FedAvgCloud(ModelCloud):
             self.model, amplified = self.opt.step(round, self.model, None)
             return Outcome({"cells": 0, **comm, **({"amplified": 1} if amplified else {})})
         agg = aggregate(
-            getattr(self.p, "cloud_aggregator", "mean"),
+            robust_params(self.p).cloud_aggregator,
             [(c, r.meta["weight"], r.tensors) for c, r in reports.items()],
             self.p,
         )
@@ -171,7 +172,7 @@ class FedAvgCell(CellRole):
             return Outcome()
         ordered = sorted(results.items())
         deltas = [(d, r.meta["weight"], self.codec.decode(r, self.model)) for d, r in ordered]
-        agg = aggregate(getattr(self.p, "cell_aggregator", "mean"), deltas, self.p)
+        agg = aggregate(robust_params(self.p).cell_aggregator, deltas, self.p)
         self.model = P.add(self.model, agg.delta)
         kept = set(agg.kept)
         for d, w, _ in deltas:
@@ -199,7 +200,7 @@ class FedAvgDevice(DeviceRole):
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         trainer.set_params(task.tensors)
         steps = num_steps(len(data), self.p.batch_size, self.p.local_steps, self.p.local_epochs)
-        mu, beta = float(getattr(self.p, "prox_mu", 0.0)), float(getattr(self.p, "momentum", 0.0))
+        mu, beta = (self.p.prox_mu, self.p.momentum) if isinstance(self.p, FedAvgParams) else (0.0, 0.0)
         stats = trainer.sgd(
             data,
             steps=steps,
@@ -237,17 +238,11 @@ class FedAvgParams(ServerParams, RobustParams, AsyncParams, UplinkParams):
 
     @model_validator(mode="after")
     def _async_fits(self) -> FedAvgParams:
-        if self.mode == "async":
-            if self.name != "fedavg":
-                raise ValueError(
-                    f'mode = "async" is built for fedavg, not {self.name!r} (HIST redraws its '
-                    "partition every synchronous cloud round)"
-                )
-            if (self.cell_aggregator, self.cloud_aggregator) != ("mean", "mean"):
-                raise ValueError(
-                    'mode = "async" aggregates with staleness weights: set cell_aggregator and '
-                    'cloud_aggregator to "mean"'
-                )
+        # which algorithms can run by versions is their trait (Trait.VERSIONED, checked by compose.check_layers)
+        if self.mode == "async" and (self.cell_aggregator, self.cloud_aggregator) != ("mean", "mean"):
+            raise ValueError(
+                'mode = "async" aggregates with staleness weights: set cell_aggregator and cloud_aggregator to "mean"'
+            )
         return self
 
 
@@ -256,6 +251,7 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     Params = FedAvgParams
+    traits = frozenset({Trait.CELL_SUM, Trait.CLOUD_SUM, Trait.PLAIN_DELTA_UPLINK, Trait.VERSIONED})
 
     def cloud(self) -> CloudRole:
         return FedAvgCloud(self.params, self.initial_params())

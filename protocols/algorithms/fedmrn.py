@@ -38,6 +38,7 @@ from .codecs.base import expect_array, parse_seed, unpack_bits, wire_size
 from .codecs.mrn import FedMRNCodec, NoiseKind, masked_value, sample_mask
 from .fedavg import FedAvgCell, FedAvgCloud
 from .outcome import Outcome
+from .traits import Trait
 
 FORWARD_MASK = "mask."
 
@@ -247,6 +248,12 @@ class FedMRN(Algorithm):
 
     name = "fedmrn"
     Params = FedMRNParams
+    traits = frozenset({Trait.CLOUD_SUM})
+    without = {
+        Trait.CELL_SUM: "FedMRN's cell decodes each device's seed and masks; use fedavg/hist with dense updates",
+        Trait.PLAIN_DELTA_UPLINK: "FedMRN's devices send a seed and packed mask bits",
+        Trait.VERSIONED: "FedMRN's cells choose their uplink once per synchronous cloud round",
+    }
 
     def codec(self) -> FedMRNCodec:
         p = self.params

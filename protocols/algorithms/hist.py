@@ -42,8 +42,9 @@ from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec
 from .fedavg import FedAvgCell, FedAvgDevice, FedAvgParams, ModelCloud, check_delta
 from .outcome import Outcome
-from .robust import aggregate
+from .robust import aggregate, robust_params
 from .server_opt import ServerParams
+from .traits import Trait
 
 INDEX = "hist.index/"
 Axes = tuple[str | None, ...]
@@ -216,7 +217,7 @@ class HistCloud(ModelCloud):
         total, excluded = 0.0, {}
         if shared:
             agg = aggregate(
-                getattr(self.p, "cloud_aggregator", "mean"),
+                robust_params(self.p).cloud_aggregator,
                 [(c, r.meta["weight"], {k: deltas[c][k] for k in shared}) for c, r in reports.items()],
                 self.p,
             )
@@ -269,6 +270,8 @@ class Hist(Algorithm):
 
     name = "hist"
     Params = FedAvgParams  # amplification at the cloud, any uplink codec (algorithm.uplink) on devices
+    traits = frozenset({Trait.CELL_SUM, Trait.CLOUD_SUM, Trait.PLAIN_DELTA_UPLINK})
+    without = {Trait.VERSIONED: "HIST redraws its partition every synchronous cloud round"}
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         check_fits(self.model, len(cells))  # type: ignore[arg-type]

@@ -34,6 +34,7 @@ from pydantic import Field
 
 from .. import params as P
 from .base import TrainParams
+from .traits import Layer, Trait
 
 AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multikrum", "majority"]
 
@@ -54,6 +55,24 @@ class RobustParams(TrainParams):
         default=0.2, ge=0, lt=0.5, description="krum/multikrum: fraction f/n of the inputs assumed Byzantine"
     )
     multikrum_keep: int = Field(default=0, ge=0, description="multikrum: inputs averaged (0: n - f)")
+
+    def layers(self) -> tuple[Layer, ...]:
+        out = list(super().layers())
+        if self.cell_aggregator != "mean":
+            why = "the cell's robust aggregator needs each device's update, not their sum"
+            out.append(Layer("algorithm.cell_aggregator", self.cell_aggregator, frozenset({Trait.CELL_SUM}), why=why))
+        if self.cloud_aggregator != "mean":
+            why = "the cloud's robust aggregator needs each cell's update, not their sum"
+            out.append(
+                Layer("algorithm.cloud_aggregator", self.cloud_aggregator, frozenset({Trait.CLOUD_SUM}), why=why)
+            )
+        return tuple(out)
+
+
+def robust_params(params: TrainParams) -> RobustParams:
+    """The robust aggregation settings of ``params`` (their defaults, the plain mean, for algorithms whose
+    parameters have none)."""
+    return params if isinstance(params, RobustParams) else RobustParams(name=params.name)
 
 
 @dataclass
@@ -87,7 +106,7 @@ def aggregate(
         }
         return Aggregate(votes, total, {}, ids)
     if kind in ("median", "trimmed_mean"):
-        beta = getattr(params, "trim_beta", 0.1)
+        beta = robust_params(params).trim_beta
         b = min(int(math.floor(beta * n)), (n - 1) // 2)
         out: dict[str, np.ndarray] = {}
         outside = np.zeros(n)
@@ -111,11 +130,11 @@ def aggregate(
         flat = np.concatenate([s.reshape(n, -1) for s in stack.values()], axis=1)
         sq = (flat * flat).sum(axis=1)
         dist = np.maximum(sq[:, None] + sq[None, :] - 2.0 * flat @ flat.T, 0.0)
-        f = int(math.floor(getattr(params, "krum_byzantine", 0.2) * n))
+        f = int(math.floor(robust_params(params).krum_byzantine * n))
         near = min(max(n - f - 2, 1), n - 1)
         scores = np.array([np.sort(np.delete(dist[i], i))[:near].sum() for i in range(n)])
         order = sorted(range(n), key=lambda i: (scores[i], i))
-        keep_n = 1 if kind == "krum" else (getattr(params, "multikrum_keep", 0) or n - f)
+        keep_n = 1 if kind == "krum" else (robust_params(params).multikrum_keep or n - f)
         keep = sorted(order[: min(keep_n, n)])
         rank = {i: r for r, i in enumerate(order, start=1)}
         mean, weight = P.weighted_mean((items[i][1], items[i][2]) for i in keep)

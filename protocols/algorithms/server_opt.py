@@ -52,6 +52,7 @@ from pydantic import Field, model_validator
 from .. import params as P
 from ..wire.payload import Payload
 from .base import TrainParams
+from .traits import Layer
 
 ANCHOR = "amplify_anchor/"
 MOMENT = "server_opt.m/"
@@ -79,6 +80,14 @@ class ServerParams(TrainParams):
     amplify_period: int = Field(default=0, ge=0, description="P: cloud rounds per interval (0 = off)")
     amplify_start: int = Field(default=0, ge=0, description="first cloud round of the first interval")
 
+    def layers(self) -> tuple[Layer, ...]:
+        out = list(super().layers())
+        if self.server_optimizer != "sgd":
+            out.append(Layer("algorithm.server_optimizer", self.server_optimizer, why="steps the global model"))
+        if self.amplify_period > 0 and self.amplify_eta != 1.0:
+            out.append(Layer("algorithm.amplify_eta", f"{self.amplify_eta:g}", why="amplifies the cloud's update"))
+        return tuple(out)
+
     @model_validator(mode="after")
     def _amplification_composes(self) -> ServerParams:
         if self.server_optimizer != "sgd" and self.amplify_period > 0 and self.amplify_eta != 1.0:
@@ -97,14 +106,15 @@ class ServerOptimizer:
 
     def __init__(self, params: TrainParams) -> None:
         self.lr = params.server_lr
-        self.name: str = getattr(params, "server_optimizer", "sgd")
-        self.momentum = float(getattr(params, "server_momentum", 0.9))
-        self.beta1 = float(getattr(params, "server_beta1", 0.9))
-        self.beta2 = float(getattr(params, "server_beta2", 0.99))
-        self.tau = float(getattr(params, "server_tau", 1e-3))
-        self.eta = float(getattr(params, "amplify_eta", 1.0))
-        self.period = int(getattr(params, "amplify_period", 0))
-        self.start = int(getattr(params, "amplify_start", 0))
+        p = params if isinstance(params, ServerParams) else ServerParams(name=params.name)  # its defaults: plain sgd
+        self.name: str = p.server_optimizer
+        self.momentum, self.beta1, self.beta2, self.tau = (
+            p.server_momentum,
+            p.server_beta1,
+            p.server_beta2,
+            p.server_tau,
+        )
+        self.eta, self.period, self.start = p.amplify_eta, p.amplify_period, p.amplify_start
         self.anchor: dict[str, np.ndarray] | None = None
         self.t0 = -1
         self.m: dict[str, np.ndarray] | None = None  # first moment (fedavgm: the momentum buffer)

@@ -15,6 +15,7 @@ from pydantic import Field
 from ..rejections import Rejected, RejectKind
 from .base import TrainParams
 from .outcome import Outcome
+from .traits import Layer, Trait
 
 
 class AsyncParams(TrainParams):
@@ -32,6 +33,20 @@ class AsyncParams(TrainParams):
         "at least this often (loop-clock seconds; 0: only every M updates)",
     )
     async_cloud_buffer: int = Field(default=1, ge=1, description="cell pushes per cloud update")
+
+    def layers(self) -> tuple[Layer, ...]:
+        if self.mode == "sync":
+            return super().layers()
+        versions = Layer(
+            "algorithm.mode",
+            self.mode,
+            removes=frozenset({Trait.CELL_SUM, Trait.CLOUD_SUM}),
+            adds=frozenset({Trait.ASYNC}),
+            needs=frozenset({Trait.VERSIONED}),
+            why="results are aggregated one by one with staleness weights, by model versions instead of rounds",
+        )
+        return (*super().layers(), versions)
+
     staleness_exponent: float = Field(
         default=0.5,
         ge=0,

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..algorithms.base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole
 from ..algorithms.outcome import Outcome
+from ..algorithms.traits import Trait
 from ..divergence import nonfinite
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
@@ -213,6 +214,9 @@ class PrivateAlgorithm(Algorithm):
         self.inner, self.dp, self.accountant, self.budget = inner, dp, accountant, budget
         self.name = inner.name  # type: ignore[misc]
         self.devices_keep_state = inner.devices_keep_state  # type: ignore[misc]
+
+    def stack_traits(self) -> frozenset[Trait]:
+        return self.inner.stack_traits()
 
     def initial_params(self) -> dict[str, np.ndarray]:
         return self.inner.initial_params()

@@ -59,6 +59,9 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from ..algorithms.base import TrainParams
+from ..algorithms.compose import needs
+from ..algorithms.traits import Trait
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..wire.payload import Payload
@@ -148,31 +151,12 @@ class RoundId:
         return "/".join(["fedtier-secagg", self.run, self.cell, str(self.round), str(self.edge_round), *parts]).encode()
 
 
-_NEEDS_INDIVIDUAL = {
-    "fedalign": "FedALIGN's cell admits each non-priority device by its own loss, so it must see each result",
-    "fedmrn": "FedMRN's cell decodes each device's seed and masks; use fedavg/hist with dense updates",
-    "decomfl": "DeComFL's uplink is K x P scalars per device: the keys and shares of secure aggregation would "
-    "cost more than the scalars, and its cells replay per-device histories; not supported",
-}
-
-
-def refusal(params: Any) -> str | None:
+def refusal(params: TrainParams) -> str | None:
     """Why secure aggregation cannot run with these algorithm parameters (``None``: it can). The cell
-    only ever sees the sum, so the algorithm must aggregate a cell's devices by a (weighted) sum of
-    dense updates: hierarchical FedAvg and HIST, synchronous, with the mean cell aggregator."""
-    name = params.name
-    if name not in ("fedavg", "hist"):
-        return _NEEDS_INDIVIDUAL.get(name, f"{name!r} is not built for it") + " (fedavg and hist are)"
-    if getattr(params, "uplink", "dense") != "dense":
-        return f'algorithm.uplink = {params.uplink!r}: secure aggregation quantises dense updates itself; use "dense"'
-    if getattr(params, "cell_aggregator", "mean") != "mean":
-        return (
-            f"algorithm.cell_aggregator = {params.cell_aggregator!r} needs each device's update; the cell "
-            'only sees the sum (use "mean")'
-        )
-    if getattr(params, "mode", "sync") != "sync":
-        return 'algorithm.mode = "async" aggregates results one by one with staleness weights (use "sync")'
-    return None
+    only ever sees the sum, so the stack must aggregate a cell's devices by a (weighted) sum of dense
+    updates (``Trait.CELL_SUM``)."""
+    why = needs(params, Trait.CELL_SUM)
+    return None if why is None else f"the cell would see only the sum of its devices' updates; {why}"
 
 
 # ---------------------------------------------------------------------------------------------- graph

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from ...seeding import derive_seed
 from ..base import DeviceContext, TrainParams
+from ..traits import Layer, Trait
 from .base import DenseCodec, UplinkCodec, pack_bits, unpack_bits, wire_size
 from .mrn import FedMRNCodec, NoiseKind
 from .quantizers import QSGDCodec, SignSGDCodec, TopKCodec
@@ -48,20 +49,33 @@ class UplinkParams(TrainParams):
     mrn_alpha: float = Field(default=0.01, gt=0, description="fedmrn uplink: the noise's scale")
     mrn_signed: bool = Field(default=False, description="fedmrn uplink: signed masks {-1, +1} instead of {0, 1}")
 
+    def layers(self) -> tuple[Layer, ...]:
+        if self.uplink == "dense":
+            return super().layers()
+        codec = Layer(
+            "algorithm.uplink",
+            self.uplink,
+            removes=frozenset({Trait.CELL_SUM, Trait.PLAIN_DELTA_UPLINK}),
+            why="devices send encoded updates that the cell decodes one by one, not dense deltas",
+        )
+        return (*super().layers(), codec)
+
 
 def make_codec(params: TrainParams) -> UplinkCodec:
     """The uplink codec ``params`` ask for (dense when the params have no ``uplink``)."""
-    name = getattr(params, "uplink", "dense")
+    if not isinstance(params, UplinkParams):
+        return DenseCodec()
+    name = params.uplink
     if name == "dense":
         return DenseCodec()
     if name == "signsgd":
-        return SignSGDCodec(params.signsgd_mode)  # type: ignore[attr-defined]
+        return SignSGDCodec(params.signsgd_mode)
     if name == "topk":
-        return TopKCodec(params.topk_fraction)  # type: ignore[attr-defined]
+        return TopKCodec(params.topk_fraction)
     if name == "qsgd":
-        return QSGDCodec(params.qsgd_levels)  # type: ignore[attr-defined]
+        return QSGDCodec(params.qsgd_levels)
     if name == "fedmrn":
-        return FedMRNCodec(params.mrn_noise, params.mrn_alpha, params.mrn_signed)  # type: ignore[attr-defined]
+        return FedMRNCodec(params.mrn_noise, params.mrn_alpha, params.mrn_signed)
     raise ValueError(f"unknown uplink codec {name!r} (available: {', '.join(CODECS)})")
 
 

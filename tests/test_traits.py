@@ -1,0 +1,105 @@
+"""Validation, privacy and attacks ask an algorithm stack's traits, never algorithm names."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocols.algorithms import ALGORITHMS, register
+from protocols.algorithms.compose import check_layers, needs
+from protocols.algorithms.fedavg import FedAvg
+from protocols.algorithms.traits import Trait
+from protocols.config import ConfigError, parse_config
+from protocols.privacy.secagg import refusal
+from sim.attack import byzantine_devices
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("protocols", "edge_agent", "cell_server", "cloud", "sim", "monitor", "fedtier")
+
+
+def _product_trees() -> Iterator[tuple[str, ast.AST]]:
+    for pkg in PRODUCT:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            yield str(path.relative_to(ROOT)), ast.parse(path.read_text(), str(path))
+
+
+def _strings(node: ast.expr) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [s for elt in node.elts for s in _strings(elt)]
+    return []
+
+
+def test_no_algorithm_name_is_compared_outside_the_registry() -> None:
+    names = set(ALGORITHMS)
+    found = []
+    for where, tree in _product_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):  # e.g. train.name in ("fedavg", "hist"), params.name != "fedavg"
+                sides = (node.left, *node.comparators)
+                by_name = any(isinstance(side, ast.Attribute) and side.attr == "name" for side in sides)
+                if by_name and any(names & set(_strings(side)) for side in sides):
+                    found.append(f"{where}:{node.lineno}")
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(names & set(_strings(node))) >= 2:
+                found.append(f"{where}:{node.lineno}")  # a list of algorithm names
+    assert not found, f"algorithm names compared or listed outside the registry: {found}"
+
+
+def test_no_getattr_probe_of_algorithm_params() -> None:
+    probes = []
+    for where, tree in _product_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and node.args:
+                target = ast.unparse(node.args[0])
+                if target in ("params", "self.p", "self.params", "train", "cfg.train", "self.train"):
+                    probes.append(f"{where}:{node.lineno}: getattr({target}, ...)")
+    assert not probes, probes
+
+
+@pytest.mark.parametrize(
+    "algorithm, trait, has",
+    [
+        ({"name": "fedavg"}, Trait.CELL_SUM, True),
+        ({"name": "hist"}, Trait.CELL_SUM, True),
+        ({"name": "fedavg", "uplink": "topk"}, Trait.CELL_SUM, False),
+        ({"name": "fedavg", "uplink": "topk"}, Trait.PLAIN_DELTA_UPLINK, False),
+        ({"name": "fedavg", "cell_aggregator": "median"}, Trait.PLAIN_DELTA_UPLINK, True),
+        ({"name": "fedavg", "cloud_aggregator": "krum"}, Trait.CELL_SUM, True),
+        ({"name": "fedavg", "cloud_aggregator": "krum"}, Trait.CLOUD_SUM, False),
+        ({"name": "fedavg", "mode": "async"}, Trait.ASYNC, True),
+        ({"name": "fedavg"}, Trait.ASYNC, False),
+        ({"name": "decomfl"}, Trait.FORWARD_ONLY, True),
+        ({"name": "fedmrn"}, Trait.CLOUD_SUM, True),
+    ],
+)
+def test_layers_take_traits_away_and_add_them(algorithm: dict, trait: Trait, has: bool) -> None:
+    train = parse_config({"algorithm": algorithm}).train
+    assert (trait in ALGORITHMS[train.name].traits_with(train)) is has
+    assert (needs(train, trait) is None) is has
+
+
+def test_a_plugin_is_judged_by_the_traits_it_declares() -> None:
+    class Summing(FedAvg):
+        name = "test-summing"
+        traits = frozenset({Trait.CELL_SUM, Trait.CLOUD_SUM})
+        without = {Trait.PLAIN_DELTA_UPLINK: "its devices add a control variate to their result"}
+
+    register(Summing)
+    try:
+        train = parse_config({"algorithm": {"name": "test-summing"}}).train
+        assert refusal(train) is None  # secure aggregation: its cells sum dense deltas
+        parse_config({"algorithm": {"name": "test-summing"}, "privacy": {"secure_aggregation": True}})
+        attacked = parse_config({"algorithm": {"name": "test-summing"}, "attack": {"kind": "scale", "fraction": 0.2}})
+        with pytest.raises(ConfigError, match="control variate"):  # attacks need plain deltas: its own reason
+            byzantine_devices(attacked)
+        with pytest.raises(ConfigError, match=r"versioned \(fedavg\)"):  # async: only what declares VERSIONED
+            parse_config({"algorithm": {"name": "test-summing", "mode": "async"}})
+        krum = parse_config({"algorithm": {"name": "test-summing", "cell_aggregator": "krum"}}).train
+        assert "cell_aggregator = 'krum'" in (refusal(krum) or "")
+        assert check_layers(train) is None
+    finally:
+        del ALGORITHMS["test-summing"]
