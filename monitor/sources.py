@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from protocols import runfiles
-from protocols.records import BadLine, Record, parse_lines, parse_record
+from protocols.records import BadLine, CellRecord, Record, RoundRecord, parse_lines, parse_record
 from protocols.status import decode_status
 from protocols.transport.base import Transport
 from protocols.wire import topics
@@ -79,6 +79,22 @@ class RunDirFollower:
         return sum(t.restarts for t in self._tails)
 
 
+def check_topic(record: Record, topic: str, run: str) -> None:
+    """Raise ``ValueError`` saying why when ``record`` is not what ``topic`` carries: a cell's telemetry topic
+    carries that cell's aggregation records, the cloud's its round records (a node, even one that signs what it
+    publishes, may only speak for itself)."""
+    parts = topic.split("/")
+    if isinstance(record, CellRecord):
+        expected = topics.telemetry_cell(run, record.cell)
+    elif isinstance(record, RoundRecord):
+        expected = topics.telemetry_cloud(run)
+    else:
+        raise ValueError(f"a {type(record).__name__} is no telemetry record")
+    if topic != expected:
+        what = f"cell {record.cell!r}" if isinstance(record, CellRecord) else "the cloud"
+        raise ValueError(f"record of {what} on {'/'.join(parts[2:]) or topic}: refused (its topic is {expected})")
+
+
 class TelemetryFeed:
     """Subscribes ``fedtier/{run}/telemetry/#`` and the status topics on any :class:`Transport`.
 
@@ -114,7 +130,9 @@ class TelemetryFeed:
                     self.keys.verify if self.keys else None,
                     max_bytes=MAX_TELEMETRY_BYTES,
                 )
-                self._records.append(parse_record(record))
+                parsed = parse_record(record)
+                check_topic(parsed, topic, self.run)
+                self._records.append(parsed)
             except WireError as exc:
                 self._bad.append(BadLine(topic, self.received, f"rejected: {exc}"))
             except ValueError as exc:

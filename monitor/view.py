@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -349,7 +350,7 @@ def cell_table(state: MonitorState, now: float, flt: CellFilter | None = None) -
         status = Text(*_STATE_STYLE[row.state])
         if rec is None:
             table.add_row(
-                view.cell,
+                Text(view.cell),
                 "-",
                 "-",
                 "-",
@@ -372,13 +373,13 @@ def cell_table(state: MonitorState, now: float, flt: CellFilter | None = None) -
             else f"{rec.loss_mean:.4f}" + (f" ± {rec.loss_std:.3f}" if rec.loss_std is not None else "")
         )
         table.add_row(
-            view.cell,
+            Text(view.cell),  # Text: what came from the network is shown as it is, never read as markup
             f"{rec.round}.{rec.edge_round}",
             answered,
             f"{human_bytes(rec.bytes_in)} / {human_bytes(rec.bytes_out)}",
             loss,
             Text(str(lag), style="yellow" if lag else ""),
-            rec.closed_by,
+            Text(rec.closed_by),
             _ago(now, view.last_seen),
             status,
         )
@@ -432,7 +433,7 @@ def render(state: MonitorState, now: float | None = None, flt: CellFilter | None
     alert_text = (
         Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
     )
-    title = f"fedtier monitor: {state.run or '?'}  ({len(state.cells)} cells)"
+    title = f"fedtier monitor: {escape(state.run or '?')}  ({len(state.cells)} cells)"
     body = Group(cloud_line(state, now), summary_line(state, now), cell_table(state, now, flt))
     return Group(
         Panel(body, title=title, title_align="left", expand=False),

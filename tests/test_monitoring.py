@@ -471,9 +471,37 @@ def test_signed_telemetry_is_checked_by_a_monitor_with_the_keys(tmp_path):
         "rejected: bad signature: not signed by 'c0'",
         "rejected: bad signature: not signed by 'c0'",
     ]
-    records, bad, _ = plain.poll()
-    assert len(records) == genuine + 3 and not bad
+    records, bad, _ = plain.poll()  # unsigned: c1's record on c0's topic is still refused, by its content
+    assert len(records) == genuine + 2
+    assert [b.error for b in bad] == [
+        "record of cell 'c1' on telemetry/cell/c0: refused (its topic is fedtier/signed/telemetry/cell/c1)"
+    ]
     assert [r.to_dict() for r in records[:genuine] if r.event == "round"] == result.history
+
+
+def test_the_monitor_shows_record_text_as_it_is_never_as_markup():
+    """Text from the network (a cell id, why an aggregation closed, the run) is escaped: rich markup in it is
+    shown literally, and an unbalanced closing tag cannot break the frame."""
+    state = MonitorState()
+    evil = "[/bold] all [red]answered[link=http://x]"
+    state.add_all(
+        [
+            CellRecord(
+                run="[blink]r[/blink]",
+                round=0,
+                edge_round=0,
+                cell="c0",
+                algorithm="fedavg",
+                planned=["c0-d0"],
+                answered=["c0-d0"],
+                closed_by=evil,
+                duration_s=0.1,
+                time=time.time(),
+            )
+        ]
+    )
+    text = render_text(state, width=240)
+    assert evil in text and "[blink]r[/blink]" in text, text
 
 
 def test_monitor_keys_option_checks(tmp_path):
