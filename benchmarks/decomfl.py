@@ -106,7 +106,7 @@ def config(method: str, lr: float, seed: int, s: dict[str, Any]) -> dict[str, An
             "max_test": s["max_test"],
         },
         "participation": {"model": "uniform", "per_round": s["per_round"]},
-        "runtime": {"engine": "cohort", "eval_every": every},
+        "runtime": {"engine": "cohort", "eval_every": every, "device": s.get("device", "cpu")},
     }
 
 
@@ -167,6 +167,14 @@ def main() -> None:
         help="comma-separated seeds of the lr grids; the winners then run on the other seeds (default: the preset's)",
     )
     ap.add_argument("--methods", help="comma-separated subset of " + ", ".join(GRIDS["quick"]))
+    ap.add_argument(
+        "--rounds", type=int, help="DeComFL's rounds, the horizon (default: the preset's; the paper ran ~10,000)"
+    )
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "auto"],
+        help="runtime.device (default cpu); with cuda, the --jobs runs share the one GPU",
+    )
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     add_journal_args(ap)
     args = ap.parse_args()
@@ -174,6 +182,11 @@ def main() -> None:
 
     print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     s = dict(PRESETS[args.preset])
+    if args.rounds:  # the estimate scales with the horizon; the journal's settings record it (and the device)
+        s["cpu_per_run"] = {**s["cpu_per_run"], "DeComFL": s["cpu_per_run"]["DeComFL"] * args.rounds / s["zo_rounds"]}
+        s["zo_rounds"] = args.rounds
+    if args.device:
+        s["device"] = args.device
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]
     tune_seeds = (
         [int(x) for x in args.tune_seeds.split(",")]

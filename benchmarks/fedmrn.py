@@ -109,7 +109,7 @@ def config(method: str, lr: float, seed: int, s: dict[str, Any]) -> dict[str, An
             "max_test": s["max_test"],
         },
         "participation": {"model": "uniform", "per_round": s["per_round"]},
-        "runtime": {"engine": s.get("engine", "cohort"), "eval_every": 1},
+        "runtime": {"engine": s.get("engine", "cohort"), "eval_every": 1, "device": s.get("device", "cpu")},
     }
 
 
@@ -142,6 +142,11 @@ def main() -> None:
     ap.add_argument("--seeds", help="comma-separated seeds of the winners (default: the preset's)")
     ap.add_argument("--rounds", type=int, help="rounds per run (default: the preset's; fewer: a cost probe)")
     ap.add_argument("--engine", choices=["device", "cohort"], help="runtime.engine (default: the preset's)")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "auto"],
+        help="runtime.device (default cpu); with cuda, the --jobs runs share the one GPU",
+    )
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     add_journal_args(ap)
     args = ap.parse_args()
@@ -152,7 +157,7 @@ def main() -> None:
     for key in ("tune_seeds", "seeds"):
         if getattr(args, key):
             s[key] = [int(x) for x in getattr(args, key).split(",")]
-    for key in ("rounds", "engine"):
+    for key in ("rounds", "engine", "device"):
         if getattr(args, key):
             s[key] = getattr(args, key)
     methods = [m for m in METHODS if not args.methods or m in args.methods.split(",")]

