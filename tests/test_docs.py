@@ -150,9 +150,17 @@ def _toml_blocks() -> list[Block]:
 
 
 @pytest.mark.parametrize("block", _toml_blocks(), ids=str)
-def test_toml_example_goes_through_the_validator(block: Block) -> None:
-    parse_config(tomllib.loads(block.text))  # raises ConfigError naming the key
-    same = re.match(r"same-as (\S+)", block.mark)
+def test_toml_example_goes_through_the_validator(block: Block, tmp_path: Path) -> None:
+    job = re.match(r"job (\S+?);?(\s|$)", block.mark)
+    if job:  # a job file: validated against its federation, as fedtier submit does
+        from protocols.config import load_config
+        from protocols.jobs import canonical_job, read_job_file
+
+        (tmp_path / "job.toml").write_text(block.text, encoding="utf-8")
+        canonical_job(read_job_file(tmp_path / "job.toml").config, load_config(ROOT / job.group(1)))
+    else:
+        parse_config(tomllib.loads(block.text))  # raises ConfigError naming the key
+    same = re.search(r"same-as (\S+)", block.mark)
     if same:
         assert block.text == (ROOT / same.group(1)).read_text(encoding="utf-8"), f"{block} differs from {same[1]}"
 
@@ -193,6 +201,21 @@ def test_tutorial_shell_blocks_run(page: Path, tmp_path: Path) -> None:
         assert done.returncode == 0, (
             f"{b} failed ({done.returncode}):\n{script}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
+
+
+def test_deployment_tutorial_shows_the_commands_the_end_to_end_deployment_test_runs() -> None:
+    from tests import test_federation as e2e
+
+    shown = "\n".join(b.text for b in _shell_blocks(DOCS / "tutorials" / "deploy-fleet.md"))
+    for line in (
+        e2e.CLOUD,
+        e2e.CELL.format(cell="c0"),
+        e2e.AGENT.format(device="c0-d0"),
+        e2e.JOBS_WAIT,
+        e2e.SUBMIT.format(job="job-a.toml"),
+        e2e.JOBS_LIST,
+    ):
+        assert line in shown, f"docs/tutorials/deploy-fleet.md does not show {line!r}"
 
 
 def test_first_run_tutorial_ends_with_the_same_model_over_mqtt_as_in_simulation() -> None:

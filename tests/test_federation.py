@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,6 +35,21 @@ from tests.conftest import small_config, wait_until
 from tests.test_provision import WAIT, Inbox, broker_user, clients, mosquitto, reachable_tmp  # noqa: F401
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
+# The commands of docs/tutorials/deploy-fleet.md, run here as the tutorial shows them, each in its bundle
+# (tests/test_docs.py checks that the page shows these very lines).
+CLOUD = "fedtier cloud config.toml --serve --test-data test.npz --no-progress"
+CELL = "fedtier cell config.toml --serve --cell {cell}"
+AGENT = "fedtier agent config.toml --serve --device {device} --data data.npz"
+JOBS_WAIT = "fedtier jobs --config config.toml --wait 50"
+SUBMIT = "fedtier submit {job} --config config.toml"
+JOBS_LIST = "fedtier jobs --config config.toml --json"
+
+
+def command(line: str, **names: str) -> list[str]:
+    """A tutorial command line as this test runs it: the venv's fedtier, ``names`` filled in."""
+    return [FEDTIER, *shlex.split(line.format(**names))[1:]]
+
+
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 
 COMMON = """
@@ -127,23 +143,20 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
         save_device_data(nodes / device / "data.npz", data, prep.spec)
     save_device_data(nodes / "cloud" / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
 
-    cloud_cmd = [FEDTIER, "cloud", "config.toml", "--serve", "--test-data", "test.npz", "--no-progress"]
+    cloud_cmd = command(CLOUD)
     cloud_out = nodes / "cloud" / "runs" / "fed"
     with mosquitto(done.broker / "mosquitto.conf", port):
         procs = {
-            "cell": _start([FEDTIER, "cell", "config.toml", "--serve", "--cell", "c0"], nodes / "c0"),
-            **{
-                d: _start([FEDTIER, "agent", "config.toml", "--serve", "--device", d, "--data", "data.npz"], nodes / d)
-                for d in ("c0-d0", "c0-d1")
-            },
+            "cell": _start(command(CELL, cell="c0"), nodes / "c0"),
+            **{d: _start(command(AGENT, device=d), nodes / d) for d in ("c0-d0", "c0-d1")},
         }
         cloud = _start(cloud_cmd, nodes / "cloud")
         try:
             operator = nodes / "operator"
-            res = _run([FEDTIER, "jobs", "--config", "config.toml", "--wait", "50"], operator)  # the cloud is up
+            res = _run(command(JOBS_WAIT), operator)  # the cloud is up
             assert res.returncode == 0, res.stdout
             for name in ("A", "B"):
-                res = _run([FEDTIER, "submit", str(tmp / f"{name}.toml"), "--config", "config.toml"], operator)
+                res = _run(command(SUBMIT, job=str(tmp / f"{name}.toml")), operator)
                 assert res.returncode == 0 and "queued" in res.stdout, res.stdout
             # kill -9 the cloud with A running (a round done) and B queued; restart it from its bundle
             metrics_a = cloud_out / "jobs" / "A" / runfiles.METRICS
@@ -172,10 +185,10 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
                 ("D", JOB_B.replace('id = "B"', 'id = "D"\ninit_from = "A"'), "replica"),
             ):
                 (tmp / f"{name}.toml").write_text(text)
-                res = _run([FEDTIER, "submit", str(tmp / f"{name}.toml"), "--config", "config.toml"], operator)
+                res = _run(command(SUBMIT, job=str(tmp / f"{name}.toml")), operator)
                 assert answer in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("C") == "finished", 60), _jobs(cloud_out)
-            res = _run([FEDTIER, "jobs", "--config", "config.toml", "--json"], operator)
+            res = _run(command(JOBS_LIST), operator)
             assert res.returncode == 0 and [j["state"] for j in json.loads(res.stdout)] == ["finished"] * 3
             for name, p in procs.items():
                 assert p.poll() is None, f"{name} exited: {p.communicate()[0]}"  # nobody restarted between jobs
