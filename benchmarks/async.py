@@ -3,12 +3,18 @@
 fedtier sim, MNIST (``--max-train`` samples, iid), 200 devices in 10 cells, MLP 784-64-10, H = 10 local
 steps, batch 16, lr 0.05; ``[clock]``: 10 steps/s per device times a seeded log-normal factor
 (``device_speed_spread``, sigma 1 by default), 1 MB/s device links, 10 MB/s backhaul, 20 ms latency.
-Sync: E = 1 edge round per cloud round, every device every round (a round waits for the slowest
-device of every cell). Async: K = ``--buffer`` results per cell update, a push every cell update, a
-cloud version every ``--cloud-buffer`` pushes, staleness weight 1/sqrt(1+s). Prints accuracy vs virtual
-time for both and the virtual time async needs to reach sync's final accuracy (target: <= 0.5x).
 
-    .venv/bin/python benchmarks/async.py [--quick] [--rounds 15] [--spread 1.0]
+Sync gets the same tuning effort as async: E = 1 edge round per cloud round, every device planned every round,
+over a grid of device deadlines (``runtime.device_deadline``, virtual seconds) and quorums (``runtime.quorum``,
+the fraction of a cell's devices it waits for): the usual fixes for stragglers, which drop the slow devices'
+results. The untuned setting (no deadline, quorum 1: a round waits for the slowest device of every cell) runs
+``--rounds`` rounds; its final accuracy is the target and its virtual time T the budget of every other setting.
+Each setting prints its rounds, its virtual time to the target and its accuracy at T. Async: K = ``--buffer``
+results per cell update, a push every cell update, a cloud version every ``--cloud-buffer`` pushes, staleness
+weight 1/sqrt(1+s). The headline is async's time to the target over the best sync setting's (and over the
+untuned one's).
+
+    .venv/bin/python benchmarks/async.py [--quick] [--rounds 15] [--spread 1.0] [--deadlines 6,3,2] [--quorums 1,0.75]
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protocols.config import parse_config  # noqa: E402
-from sim.launcher import run_simulation  # noqa: E402
+from sim.launcher import SimHierarchy  # noqa: E402
+
+DEADLINES = [0.0, 6.0, 3.0, 2.0]  # virtual s a cell waits for its devices (0: no deadline); median device ~1.4 s
+QUORUMS = [1.0, 0.9, 0.75, 0.5]
 
 
-def config(mode: str, rounds: int, a: argparse.Namespace) -> dict:
+def config(mode: str, rounds: int, a: argparse.Namespace, deadline: float = 0.0, quorum: float = 1.0) -> dict:
     algo = {"name": "fedavg", "edge_rounds": 1, "local_steps": 10, "batch_size": 16, "lr": 0.05, "mode": mode}
     if mode == "async":
         algo.update(
@@ -36,7 +45,11 @@ def config(mode: str, rounds: int, a: argparse.Namespace) -> dict:
         "algorithm": algo,
         "model": {"name": "mlp", "hidden": [64]},
         "data": {"dataset": a.dataset, "partition": "iid", "max_train": a.max_train, "max_test": 2000},
-        "runtime": {"device_deadline": 1e6, "eval_every": 1 if mode == "sync" else a.eval_every},
+        "runtime": {
+            "device_deadline": deadline or 1e6,
+            "quorum": quorum,
+            "eval_every": 1 if mode == "sync" else a.eval_every,
+        },
         "clock": {
             "device_steps_per_s": 10.0,
             "device_speed_spread": a.spread,
@@ -48,24 +61,81 @@ def config(mode: str, rounds: int, a: argparse.Namespace) -> dict:
     }
 
 
-def curve(history: list[dict]) -> list[tuple[float, float]]:
-    return [(h["clock_s"], h["accuracy"]) for h in history if "accuracy" in h]
+def time_to(points: list[tuple[float, float]], target: float) -> float | None:
+    """The first virtual time at which the accuracy reached ``target`` (None: never)."""
+    return next((t for t, acc in points if acc >= target), None)
+
+
+def at_time(points: list[tuple[float, float]], budget: float) -> float:
+    """The accuracy of the last evaluation at or before virtual time ``budget``."""
+    before = [acc for t, acc in points if t <= budget + 1e-9]
+    return before[-1] if before else float("nan")
+
+
+def timed_run(
+    a: argparse.Namespace,
+    mode: str,
+    rounds: int,
+    deadline: float = 0.0,
+    quorum: float = 1.0,
+    budget: float = 0.0,
+    target: float | None = None,
+) -> dict:
+    """One setting: ``rounds`` rounds (async: cloud versions), or fewer when its virtual time passes ``budget``
+    (> 0) or, with ``target``, once the accuracy reached it."""
+    sim = SimHierarchy(parse_config(config(mode, rounds, a, deadline, quorum)), write_output=False)
+    points: list[tuple[float, float]] = []
+
+    done = [0]  # rounds (async: cloud versions) completed
+
+    def on_round(rec: dict) -> None:
+        done[0] += 1
+        if "accuracy" in rec:
+            points.append((rec["clock_s"], rec["accuracy"]))
+        if budget and rec["clock_s"] >= budget:
+            sim.cloud.request_stop("time budget")
+        elif target is not None and points and points[-1][1] >= target:
+            sim.cloud.request_stop("reached the target")
+
+    sim.cloud.on_round = on_round
+    t0 = time.perf_counter()
+    sim.run()
+    return {
+        "deadline": deadline,
+        "quorum": quorum,
+        "points": points,
+        "rounds": done[0],
+        "wall": time.perf_counter() - t0,
+    }
+
+
+def _fmt(t: float | None) -> str:
+    return f"{t:.1f}" if t is not None else "never"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="40 devices in 4 cells, 5 sync rounds")
-    ap.add_argument("--rounds", type=int, default=15, help="sync cloud rounds")
+    ap.add_argument("--rounds", type=int, default=15, help="rounds of the untuned sync setting (the target's)")
     ap.add_argument("--devices", type=int, default=200)
     ap.add_argument("--cells", type=int, default=10)
     ap.add_argument("--spread", type=float, default=1.0, help="sigma of the log-normal device speed factor")
+    ap.add_argument("--deadlines", default=",".join(f"{d:g}" for d in DEADLINES), help="sync grid, 0: none")
+    ap.add_argument("--quorums", default=",".join(f"{q:g}" for q in QUORUMS), help="sync grid")
+    ap.add_argument("--max-rounds", type=int, default=0, help="cap of a tuned sync setting (0: 20 x --rounds)")
+    ap.add_argument(
+        "--to-target",
+        action="store_true",
+        help="stop each setting at the target (cheaper; its final accuracy is then the one at that round) "
+        "instead of at the untuned setting's virtual time T",
+    )
     ap.add_argument("--buffer", type=int, default=5, help="K: device results per cell update")
     ap.add_argument("--cloud-buffer", type=int, default=3, help="cell pushes per cloud version")
     ap.add_argument("--max-staleness", type=int, default=40)
     ap.add_argument(
-        "--versions", type=int, default=0, help="async cloud versions (0: as many device results as sync used)"
+        "--versions", type=int, default=0, help="async cloud versions cap (0: 20x the device results untuned sync used)"
     )
-    ap.add_argument("--eval-every", type=int, default=10, help="async: evaluate every N cloud versions")
+    ap.add_argument("--eval-every", type=int, default=2, help="async: evaluate every N cloud versions")
     ap.add_argument("--dataset", default="mnist")
     ap.add_argument("--max-train", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
@@ -75,48 +145,61 @@ def main() -> None:
     print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     if a.quick:
         a.devices, a.cells, a.rounds, a.max_train = 40, 4, 5, 8000
+    deadlines = [float(x) for x in a.deadlines.split(",")]
+    quorums = [float(x) for x in a.quorums.split(",")]
     t0 = time.perf_counter()
-    sync = run_simulation(parse_config(config("sync", a.rounds, a)), write_output=False)
-    sync_wall = time.perf_counter() - t0
-    sc = curve(sync.history)
-    target, sync_time = sc[-1][1], sc[-1][0]
-    # async gets the device results sync used (rounds x devices), K x cloud buffer of them per version
-    versions = a.versions or max(10, a.rounds * a.devices // (a.buffer * a.cloud_buffer))
-    t1 = time.perf_counter()
-    found: list[float] = []
-
-    def stop_when_reached(record: dict) -> None:
-        if record.get("accuracy", 0.0) >= target and not found:
-            found.append(record["clock_s"])
-
-    asy = run_simulation(parse_config(config("async", versions, a)), write_output=False, on_round=stop_when_reached)
-    async_wall = time.perf_counter() - t1
-    ac = curve(asy.history)
+    base = timed_run(a, "sync", a.rounds)
+    target, budget = base["points"][-1][1], base["points"][-1][0]
     print(
         f"{a.dataset}, {a.devices} devices in {a.cells} cells (iid, {a.max_train} samples), MLP 784-64-10, H=10, "
-        f"lr 0.05; clock: 10 steps/s x log-normal(sigma {a.spread}); async K={a.buffer}, cloud buffer "
-        f"{a.cloud_buffer}, {versions} versions"
+        f"lr 0.05; clock: 10 steps/s x log-normal(sigma {a.spread}); untuned sync: {a.rounds} rounds, final "
+        f"accuracy {target:.3f} (the target) at {budget:.1f} virtual s (the budget T)",
+        flush=True,
     )
+    stop_at = target if a.to_target else None
+    runs = [base]
+    for d in deadlines:
+        for q in quorums:
+            if d or q < 1:
+                runs.append(timed_run(a, "sync", a.max_rounds or 20 * a.rounds, d, q, budget, stop_at))
+                r = runs[-1]
+                print(
+                    f"  sync deadline {d or 'none'} quorum {q:g}: {r['rounds']} rounds, to target "
+                    f"{_fmt(time_to(r['points'], target))} s, accuracy at T {at_time(r['points'], budget):.3f} "
+                    f"({r['wall']:.0f} s wall)",
+                    flush=True,
+                )
+    sync_wall = time.perf_counter() - t0
+    # async runs to the same budget T (or the target); its version cap: 20x the device results the untuned sync used
+    versions = a.versions or max(10, 20 * a.rounds * a.devices // (a.buffer * a.cloud_buffer))
+    asy = timed_run(a, "async", versions, budget=budget, target=stop_at)
+    async_wall, ac = asy["wall"], asy["points"]
     print(
-        f"\nsync ({a.rounds} rounds, {sync_wall:.0f} s wall)      async ({len(asy.history)} versions, "
-        f"{async_wall:.0f} s wall)"
+        f"\nsync grid: deadlines {deadlines} (0: none) x quorums {quorums}, {len(runs)} settings, {sync_wall:.0f} s "
+        f"wall; async K={a.buffer}, cloud buffer {a.cloud_buffer}, {versions} versions, {async_wall:.0f} s wall"
     )
-    print(f"{'virtual s':>10} {'accuracy':>9}      {'virtual s':>10} {'accuracy':>9}")
-    step = max(1, len(ac) // max(1, len(sc)))
-    rows = max(len(sc), len(ac[::step]))
-    for i in range(rows):
-        left = f"{sc[i][0]:>10.1f} {sc[i][1]:>9.3f}" if i < len(sc) else " " * 20
-        right = f"{ac[i * step][0]:>10.1f} {ac[i * step][1]:>9.3f}" if i * step < len(ac) else ""
-        print(f"{left}      {right}")
-    if found:
-        print(
-            f"\nsync's final accuracy {target:.3f} at {sync_time:.1f} virtual s; async reaches it at "
-            f"{found[0]:.1f} s: ratio {found[0] / sync_time:.2f} (target <= 0.5)"
-        )
+    print(f"\n| setting | rounds | virtual s to {target:.3f} | accuracy at T = {budget:.1f} s | final accuracy |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for r in runs:
+        p = r["points"]
+        name = f"sync, deadline {r['deadline'] or 'none'}, quorum {r['quorum']:g}"
+        rows.append((name, time_to(p, target)))
+        print(f"| {name} | {r['rounds']} | {_fmt(rows[-1][1])} | {at_time(p, budget):.3f} | {p[-1][1]:.3f} |")
+    t_async = time_to(ac, target)
+    print(
+        f"| async (FedBuff) | {asy['rounds']} versions | {_fmt(t_async)} | {at_time(ac, budget):.3f} | "
+        f"{ac[-1][1]:.3f} |"
+    )
+    reached = [(t, name) for name, t in rows if t is not None]
+    best_t, best = min(reached)
+    print(f"\nbest sync: {best}, {best_t:.1f} virtual s to {target:.3f}")
+    if t_async is None:
+        print(f"async did not reach {target:.3f} within {ac[-1][0]:.1f} virtual s (best {max(x for _, x in ac):.3f})")
     else:
         print(
-            f"\nasync did not reach sync's final accuracy {target:.3f} within {ac[-1][0]:.1f} virtual s "
-            f"(best {max(x for _, x in ac):.3f})"
+            f"async reaches {target:.3f} at {t_async:.1f} virtual s: ratio {t_async / best_t:.2f} against the best "
+            f"sync setting ({t_async / budget:.2f} against the untuned one)"
         )
 
 
