@@ -10,7 +10,11 @@
    message the bytes a signature adds and the microseconds to sign and to verify it (median of
    repeats, on the run's model-sized messages).
 
-Usage: python benchmarks/attacks.py [--config examples/quickstart.toml] [--rounds 2]
+4. A cell that lies under secure aggregation (``sim/lying_cell.py``, issue 27): key substitution and the
+   dropout lie against signed devices over Mosquitto (refused? logged? the target's update recovered?), and
+   the same attacks against the protocol as it was (unsigned keys; threshold 1/3), which recover it.
+
+Usage: python benchmarks/attacks.py [--config examples/quickstart.toml] [--rounds 2] [--only-lying-cell]
 """
 
 from __future__ import annotations
@@ -154,6 +158,46 @@ def node_rows(cfg_path: str, rounds: int, tmp: Path) -> tuple[list[tuple[str, st
     return [(a.name, a.refused_by, a.name in attacker.fired and a.log in logs, same) for a in ATTACKS], wall
 
 
+def lying_cell_rows(cfg_path: str, tmp: Path) -> list[tuple[str, str, bool, bool]]:
+    """(attack, refused by, refused and reason logged, target's update recovered) for a cell that lies under
+    secure aggregation (``sim/lying_cell.py``): the two attacks against signed devices over Mosquitto (one
+    round, one edge round), then the same attacks against what the protocol guarded before (unsigned keys;
+    the threshold of one third), in ``fedtier sim``, where they recover the target's update exactly."""
+    from protocols.config import load_config
+    from protocols.transport.broker import MosquittoBroker
+    from sim.emulation import Emulation
+    from sim.launcher import run_simulation
+    from sim.lying_cell import LyingCell
+
+    base = ["run.rounds=1", "algorithm.edge_rounds=1", "algorithm.local_steps=5", "privacy.secure_aggregation=true"]
+    base += ["runtime.device_deadline=10.0", "topology.devices_per_cell=6"]
+    rows = []
+    for attack, name, log in (
+        ("keys", "lying cell: its own keys for the target's neighbours", "substituted"),
+        ("dropout", "lying cell: half told 'survived', half 'dropped'", "inconsistently"),
+    ):
+        keys = tmp / f"lie-{attack}.toml"
+        cfg = load_config(cfg_path, [*base, f'run.output="{tmp / attack}"', f'security.keys="{keys}"'])
+        liar = LyingCell(attack, "c0-d1")
+        log_path = tmp / f"lie-{attack}.log"
+        with captured_stderr(log_path), liar.install(), MosquittoBroker() as broker:
+            logging.basicConfig(level=logging.WARNING, force=True)
+            Emulation(cfg, broker_url=broker.url).run()
+        text = log_path.read_text(errors="replace")
+        refused = liar.attempts > 0 and "cell c0 lied" in text and log in text
+        rows.append((name, "signatures" if attack == "keys" else "consistency", refused, bool(liar.recovered)))
+    for attack, name, extra in (
+        ("keys", "  same, devices without identities (before)", []),
+        ("dropout", "  same, threshold 1/3, views hidden (before)", ["privacy.secagg_threshold=0.34"]),
+    ):
+        cfg = load_config(cfg_path, [*base, *extra, f'run.output="{tmp / (attack + "-before")}"'])
+        liar = LyingCell(attack, "c0-d1", hide=True)
+        with liar.install():
+            run_simulation(cfg, write_output=False)
+        rows.append((name, "nothing", False, bool(liar.recovered)))
+    return rows
+
+
 def signing_figures(cfg_path: str, tmp: Path) -> dict[str, Any]:
     """Bit-identity of a signed sim, and per-message signing cost on the model-sized messages."""
     from protocols.config import load_config
@@ -225,21 +269,35 @@ def signing_figures(cfg_path: str, tmp: Path) -> dict[str, Any]:
     }
 
 
+def print_lies(lies: list[tuple[str, str, bool, bool]]) -> None:
+    head = "a cell that lies under secure aggregation (target c0-d1)"
+    print(f"\n| {head:<56} | {'refused by':<12} | refused, reason logged | target's update recovered |")
+    print(f"|{'-' * 58}|{'-' * 14}|------------------------|---------------------------|")
+    for name, by, ok, recovered in lies:
+        print(f"| {name:<56} | {by:<12} | {'yes' if ok else 'no':<22} | {'YES' if recovered else 'no':<25} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "examples" / "quickstart.toml"))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only-lying-cell", action="store_true", help="only the lying-cell rows (section 4)")
     args = ap.parse_args()
     from benchmarks.calibration import calibration_line
 
     print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     from protocols.config import load_config
 
+    if args.only_lying_cell:
+        with tempfile.TemporaryDirectory(prefix="fedtier-attacks-") as d:
+            print_lies(lying_cell_rows(args.config, Path(d)))
+        return
     with tempfile.TemporaryDirectory(prefix="fedtier-attacks-") as d:
         tmp = Path(d)
         cfg = load_config(args.config)
         rows = broker_rows(cfg, tmp)
         nodes, wall = node_rows(args.config, args.rounds, tmp)
+        lies = lying_cell_rows(args.config, tmp)
         cost = signing_figures(args.config, tmp)
     print(
         f"\nattacks on a signed fedtier run ({Path(args.config).name}, {args.rounds} rounds, Mosquitto; attacked "
@@ -251,6 +309,7 @@ def main() -> None:
         print(f"| {name:<50} | {by:<14} | {'yes' if ok else 'NO':<22} | {'n/a':<14} |")
     for name, by, ok, same in nodes:
         print(f"| {name:<50} | {by:<14} | {'yes' if ok else 'NO':<22} | {'yes' if same else 'NO':<14} |")
+    print_lies(lies)
     print(f"\nsigned fedtier sim bit-identical to unsigned: {'yes' if cost['identical'] else 'NO'}")
     print(
         f"signing overhead per message: +{cost['extra_bytes']} bytes on a {cost['message_bytes']}-byte model-sized "
