@@ -9,7 +9,46 @@ from .cli import CONFIG, SET, main
 from .console import console, fail, load_deployment_or_exit
 
 
-@main.command()
+class _ProvisionCommand(click.Command):
+    """``fedtier provision CONFIG ...`` provisions; ``fedtier provision renew ...`` is :func:`renew`."""
+
+    def make_context(self, info_name, args, parent=None, **extra):  # type: ignore[no-untyped-def]
+        if args and args[0] == "renew":
+            return renew.make_context(f"{info_name} renew", list(args[1:]), parent=parent, **extra)
+        return super().make_context(info_name, args, parent=parent, **extra)
+
+
+@click.command()
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, exists=True), help="The folder.")
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    metavar="NODE",
+    help="Renew this node's certificate only (repeatable); default: every bundle's, the brokers' and bridges'.",
+)
+@click.option("--days", type=click.IntRange(min=1), default=None, help="Validity (default: the provisioning's).")
+def renew(out_dir: str, nodes: tuple[str, ...], days: int | None) -> None:
+    """Re-issue certificates of the provisioning in OUT with new keys and revoke the old ones (the brokers
+    refuse them once restarted); Ed25519 identities and passwords stay. Copy each renewed bundle's
+    client.crt and client.key to its node, and restart the brokers."""
+    from protocols.config import ConfigError
+
+    from .renewal import renew as write
+
+    try:
+        done = write(out_dir, list(nodes) or None, days=days)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+    console.print(
+        f"renewed {len(done.certificates)} certificates in {out_dir} "
+        f"({', '.join(p.parent.name + '/' + p.name for p in done.certificates[:6])}"
+        f"{', ...' if len(done.certificates) > 6 else ''}); {len(done.revoked)} revoked in ca/ca.crl and "
+        "every broker folder: restart the brokers, copy the renewed client.crt/client.key to their nodes"
+    )
+
+
+@main.command(cls=_ProvisionCommand)
 @CONFIG
 @SET
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
@@ -90,7 +129,8 @@ def provision(
     fedtier_bin: str,
 ) -> None:
     """Provision a deployment of CONFIG: a CA and per-node certificates, Ed25519 identities, a Mosquitto
-    config (TLS listener, password_file, ACL file) and a bundle per node in OUT/nodes/NODE."""
+    config (TLS listener, password_file, ACL file) and a bundle per node in OUT/nodes/NODE.
+    `fedtier provision renew --out OUT [--node NODE]` re-issues certificates later (see its --help)."""
     from protocols.config import ConfigError
 
     from .provisioning import provision as write

@@ -45,6 +45,8 @@ def serve_metrics(cfg: Any, agents: Any = None) -> Any:
     exporter = MetricsExporter(cfg.run.name)
     if agents is not None:
         exporter.registry.register(AgentCollector(cfg.run.name, agents))
+    if cfg.broker.certfile and cfg.broker.username:  # a provisioned node: its certificate's days to expiry
+        exporter.watch_certificate(cfg.broker.username, cfg.broker.certfile)
     try:
         port = exporter.serve(cfg.monitoring.metrics_port, cfg.monitoring.metrics_host)
     except OSError as exc:

@@ -191,6 +191,7 @@ def _cert(
     *,
     ca: bool = False,
     hosts: tuple[str, ...] = (),
+    days: int = VALID_DAYS,
 ) -> x509.Certificate:
     now = dt.datetime.now(dt.UTC)
     b = (
@@ -200,7 +201,7 @@ def _cert(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if hosts:

@@ -14,11 +14,14 @@ message never changes), ``closed_by``. No device ids.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+import math
 import re
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -44,6 +47,17 @@ def _kind_label(kind: str | None) -> str:
 
 def _label(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "unknown"
+
+
+def certificate_days_left(certfile: str | Path, now: dt.datetime | None = None) -> float:
+    """Days until the PEM certificate in ``certfile`` expires (negative once it has; NaN when unreadable)."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(Path(certfile).read_bytes())
+    except (OSError, ValueError):
+        return math.nan
+    return (cert.not_valid_after_utc - (now or dt.datetime.now(dt.UTC))).total_seconds() / 86400
 
 
 class MetricsExporter:
@@ -261,6 +275,17 @@ class MetricsExporter:
         self.cloud_last.labels(self.run).set(time.time())  # "overdue" counts from the start
 
     # ------------------------------------------------------------------ serving
+    def watch_certificate(self, node: str, certfile: str | Path) -> None:
+        """``fedtier_certificate_expiry_days{run,node}``: days until the node's broker certificate expires, read
+        at each scrape (so a renewed file shows at once; ``fedtier provision renew``)."""
+        gauge = Gauge(
+            "fedtier_certificate_expiry_days",
+            "Days until this node's client certificate expires (negative: expired)",
+            ["run", "node"],
+            registry=self.registry,
+        )
+        gauge.labels(self.run, node).set_function(lambda: certificate_days_left(certfile))
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread (port 0: a free one); the bound port."""
         from prometheus_client import disable_created_metrics, start_http_server

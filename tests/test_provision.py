@@ -496,3 +496,39 @@ def test_the_monitor_bundle_watches_signed_telemetry_over_tls(
     assert "│ c0 " in output and "2/2" in output, output
     assert "invalid record(s)" in output and "unsigned record (the signature of 'c1' is required)" in output, output
     assert "│ c1 " not in output, output
+
+
+@needs_mosquitto
+def test_a_renewed_certificate_logs_in_and_the_old_one_is_refused(reachable_tmp: Path) -> None:
+    """`fedtier provision renew --node c0-d0` gives the device a new key and certificate from the deployment's
+    CA and revokes the old one: after the broker restarts the new one logs in, a kept copy of the old key and
+    certificate is refused, other nodes are untouched; the exporter shows the renewed certificate's days left."""
+    import shutil
+
+    from monitor.exporter import MetricsExporter
+
+    p = provision_cli(reachable_tmp, "renew")
+    out, port = p["out"], p["port"]
+    bundle, old = out / "nodes" / "c0-d0", reachable_tmp / "old-c0-d0"
+    shutil.copytree(bundle, old)
+    conf = out / "broker" / "mosquitto.conf"
+    with mosquitto(conf, port), clients() as make:
+        make(old, port).connect(WAIT)  # the original certificate logs in
+    res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--node", "c0-d0", "--days", "30"])
+    assert res.exit_code == 0, res.output
+    assert (bundle / "client.crt").read_bytes() != (old / "client.crt").read_bytes()
+    assert (bundle / "client.key").read_bytes() != (old / "client.key").read_bytes()  # the key is rotated
+    assert stat.S_IMODE(os.stat(bundle / "client.key").st_mode) == 0o600
+    with mosquitto(conf, port), clients() as make:
+        make(bundle, port).connect(WAIT)
+        make(out / "nodes" / "c0-d1", port).connect(WAIT)  # not renewed, not revoked
+        with pytest.raises(ConnectionError):
+            make(old, port).connect(WAIT)
+    exporter = MetricsExporter("t")
+    exporter.watch_certificate("c0-d0", bundle / "client.crt")
+    days = exporter.registry.get_sample_value("fedtier_certificate_expiry_days", {"run": "t", "node": "c0-d0"})
+    assert days is not None and 29.9 < days <= 30.01, days
+    res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--node", "nobody"])
+    assert res.exit_code == 2 and "nobody" in res.output
+    res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out)])  # everything: 10 bundles, the broker
+    assert res.exit_code == 0 and "renewed 11 certificates" in " ".join(res.output.split()), res.output

@@ -1,0 +1,107 @@
+"""Certificate renewal of a provisioned deployment (``fedtier provision renew``), without re-provisioning it.
+
+Provisioned certificates last ``VALID_DAYS``. :func:`renew` re-issues the client certificates of some node
+bundles (or of all, with the brokers' server and bridge certificates), each with a new key (the node's TLS key
+is rotated), from the deployment's CA (``OUT/ca``), with the same common name and host names. The replaced
+certificates are revoked: their serial numbers join the CA's revocation list (``OUT/ca/ca.crl``), copied into
+every broker folder, which a provisioned broker reads (``crlfile``) when it (re)starts, so a copy of an old
+key and certificate no longer logs in. Ed25519 identities and broker passwords are unchanged. Copy each renewed
+bundle's ``client.crt``/``client.key`` to its node and restart the brokers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from protocols.config import ConfigError
+
+from .provisioning import _cert, _key, _pem_cert, _pem_key, _write, load_pki
+
+CRL = "ca.crl"
+
+
+@dataclass(frozen=True)
+class Renewed:
+    """What :func:`renew` re-issued (``folder/stem.crt`` files) and the serial numbers it revoked."""
+
+    certificates: list[Path]
+    revoked: list[int]
+
+
+def _hosts(cert: x509.Certificate) -> tuple[str, ...]:
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    return tuple(str(n.value) for n in names if isinstance(n, (x509.DNSName, x509.IPAddress)))
+
+
+def _keep_owner(path: Path, stat: os.stat_result) -> None:
+    """Give ``path`` the owner of the file it replaced (a broker that drops to its own user must still read it)."""
+    if os.geteuid() == 0 and (stat.st_uid, stat.st_gid) != (0, 0):
+        os.chown(path, stat.st_uid, stat.st_gid)
+
+
+def _brokers(out: Path) -> list[Path]:
+    return [d for d in (out / "broker", *sorted((out / "cells").glob("*"))) if (d / "mosquitto.conf").exists()]
+
+
+def certificates(out: Path, nodes: list[str] | None) -> list[Path]:
+    """The certificate files :func:`renew` replaces: the named nodes' ``client.crt``, or every bundle's and the
+    brokers' ``server.crt`` and ``bridge.crt``."""
+    bundles = out / "nodes"
+    if nodes is not None:
+        missing = [n for n in nodes if not (bundles / n / "client.crt").exists()]
+        if missing:
+            raise ConfigError(f"no bundle with a certificate in {bundles} for: {', '.join(missing)}")
+        return [bundles / n / "client.crt" for n in nodes]
+    found = sorted(bundles.glob("*/client.crt"))
+    for broker in _brokers(out):
+        found += [broker / name for name in ("server.crt", "bridge.crt") if (broker / name).exists()]
+    return found
+
+
+def revoked_serials(out: Path) -> list[int]:
+    """The serial numbers the deployment's revocation list holds (none before the first renewal)."""
+    path = out / "ca" / CRL
+    if not path.exists():
+        return []
+    return [r.serial_number for r in x509.load_pem_x509_crl(path.read_bytes())]
+
+
+def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None = None) -> Renewed:
+    """Re-issue the certificates :func:`certificates` lists (a new key each, ``days`` of validity, default the
+    provisioning's), revoke the replaced ones and write the revocation list into ``OUT/ca`` and every broker."""
+    from .provisioning import VALID_DAYS
+
+    out = Path(out)
+    if not (out / "ca" / "ca.key").exists():
+        raise ConfigError(f"{out} holds no provisioned CA (ca/ca.key): run fedtier provision first")
+    pki = load_pki(out)
+    revoked = revoked_serials(out)
+    renewed: list[Path] = []
+    for crt in certificates(out, nodes):
+        old = x509.load_pem_x509_certificate(crt.read_bytes())
+        cn = str(old.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value)
+        key_path = crt.with_suffix(".key")
+        owner = os.stat(crt)
+        key = _key()
+        cert = _cert(cn, key, pki.name, pki.key, hosts=_hosts(old), days=days or VALID_DAYS)
+        _write(key_path, _pem_key(key), secret=True)
+        _write(crt, _pem_cert(cert))
+        for f in (crt, key_path):
+            _keep_owner(f, owner)
+        revoked.append(old.serial_number)
+        renewed.append(crt)
+    crl = pki.crl(revoked)
+    _write(out / "ca" / CRL, crl)
+    for broker in _brokers(out):
+        owner = os.stat(broker / "mosquitto.conf")
+        _write(broker / CRL, crl)
+        _keep_owner(broker / CRL, owner)
+    return Renewed(renewed, sorted(set(revoked)))
