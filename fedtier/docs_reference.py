@@ -334,6 +334,48 @@ def wire_constants_reference() -> str:
     return "\n".join(out) + "\n"
 
 
+def wire_example_reference() -> str:
+    """Markdown: one small ``device_result`` framed by the real encoder (unsigned), as a hex dump with its parts."""
+    import numpy as np
+
+    from protocols.wire.envelope import MAGIC, Header, encode_message
+    from protocols.wire.payload import Payload, encode_payload
+
+    payload = encode_payload(Payload({"weight": 12, "loss": 0.5}, {"b": np.array([0.5, -1.0], dtype=np.float32)}))
+    header = Header(
+        run="demo", kind="device_result", round=3, edge_round=1, cell="c0", sender="c0-d1",
+        msg_id="9f2c51d07a3e4b18", payload_len=0,
+    )  # fmt: skip
+    frame = encode_message(header, payload)
+    head_len = int.from_bytes(frame[4:8], "little")
+    meta_len = int.from_bytes(payload[:4], "little")
+    parts = [
+        ("magic", frame[:4]),
+        (f"header length ({head_len}, u32)", frame[4:8]),
+        ("header JSON", frame[8 : 8 + head_len]),
+        (f"meta length ({meta_len}, u32)", payload[:4]),
+        ("meta JSON", payload[4 : 4 + meta_len]),
+    ]
+    rest = payload[4 + meta_len :]
+    parts += [
+        ("tensor count (1, u16)", rest[:2]),
+        ("name length (1, u16)", rest[2:4]),
+        ("name", rest[4:5]),
+        ("dtype code (1: float32), ndim (1)", rest[5:7]),
+        ("shape (2, u32)", rest[7:11]),
+        ("data: 0.5, -1.0 (float32)", rest[11:]),
+    ]
+    assert frame[:4] == MAGIC and b"".join(b for _, b in parts) == frame  # the parts are the whole frame
+    out = ["```text"]
+    for what, data in parts:
+        shown = data.decode() if what.endswith("JSON") or what in ("magic", "name") else data.hex(" ")
+        out.append(f"{what:<36} {shown}")
+    out += ["```", "", f"{len(frame)} bytes in all; the same message as one hex string:", "", "```text"]
+    out += [frame.hex()[i : i + 96] for i in range(0, len(frame.hex()), 96)]
+    out.append("```")
+    return "\n".join(out) + "\n"
+
+
 REFERENCES: dict[str, Callable[[], str]] = {
     "config": config_reference,
     "cli": cli_reference,
@@ -342,6 +384,7 @@ REFERENCES: dict[str, Callable[[], str]] = {
     "wire_header": wire_header_reference,
     "wire_dtypes": wire_dtypes_reference,
     "wire_constants": wire_constants_reference,
+    "wire_example": wire_example_reference,
 }
 
 

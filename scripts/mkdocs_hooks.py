@@ -33,3 +33,11 @@ def expand(markdown: str) -> str:
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
     return expand(markdown)
+
+
+ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|exc|obj):(?=<code>)")
+
+
+def on_page_content(html: str, **_: Any) -> str:
+    """Docstrings use Sphinx roles (``:class:`Payload```), which mkdocstrings leaves in the text: drop them."""
+    return ROLE.sub("", html)

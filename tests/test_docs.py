@@ -130,6 +130,18 @@ def test_topic_map_and_wire_page_cover_every_topic_and_message_kind() -> None:
     assert "| `l` | `payload_len` | int | required | ≥ 0 |" in header
 
 
+def test_wire_page_example_decodes_to_what_it_says() -> None:
+    from protocols.wire.envelope import decode_message
+    from protocols.wire.payload import decode_payload
+
+    text = ref.wire_example_reference()
+    hexed = "".join(text.split("one hex string:")[1].replace("```text", "").replace("```", "").split())
+    header, body = decode_message(bytes.fromhex(hexed))
+    payload = decode_payload(body)
+    assert (header.kind, header.round, header.edge_round, header.sender) == ("device_result", 3, 1, "c0-d1")
+    assert payload.meta == {"weight": 12, "loss": 0.5} and payload.tensors["b"].tolist() == [0.5, -1.0]
+
+
 def test_every_reference_marker_names_a_reference() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
