@@ -639,4 +639,4 @@ class CohortEngine:
         for i, r in enumerate(reqs):
             samples = int(sum(len(batch) for batch in r.order))
             stats = TrainStats(sample_loss[i] / max(1, samples), len(r.order), samples)
-            r.result = (OrderedDict((k, arrays[k][i].copy()) for k in arrays), stats)
+            r.result = (OrderedDict((k, arrays[k][i]) for k in arrays), stats)  # views of this call's own arrays

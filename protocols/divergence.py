@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .wire.payload import Payload
+from .wire.payload import Payload, all_finite
 
 KEY = "diverged"
 MAX_REASON = 200  # characters of a reason a cell keeps
@@ -31,7 +31,7 @@ def nonfinite(result: Payload) -> str | None:
         return f"{where} is not finite"
     for name, arr in result.tensors.items():
         a = np.asarray(arr)
-        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+        if a.dtype.kind in "fc" and not (all_finite(a) if a.dtype.kind == "f" else np.isfinite(a).all()):
             bad = int(a.size - np.count_nonzero(np.isfinite(a)))
             return f"tensor {name!r} has {bad} non-finite values"
     return None

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from .rejections import Rejected, RejectKind
+from .wire.payload import all_finite
 
 Params = "OrderedDict[str, np.ndarray]"
 
@@ -68,7 +69,7 @@ def check_like(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndar
             raise Rejected(RejectKind.SHAPE, f"{what}: tensor {k!r} has shape {v.shape}, expected {reference[k].shape}")
         if v.dtype.kind != "f":
             raise Rejected(RejectKind.SHAPE, f"{what}: tensor {k!r} has dtype {v.dtype}, expected floats")
-        if not np.isfinite(v).all():
+        if not all_finite(v):
             raise Rejected(RejectKind.NON_FINITE, f"{what}: tensor {k!r} has non-finite values")
 
 

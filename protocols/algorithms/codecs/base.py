@@ -20,7 +20,7 @@ import numpy as np
 
 from ... import params as P
 from ...rejections import Rejected, RejectKind
-from ...wire.payload import Payload, payload_size
+from ...wire.payload import Payload, all_finite, payload_size
 
 Delta = "OrderedDict[str, np.ndarray]"
 SEED_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -72,7 +72,7 @@ def expect_array(arr: Any, dtype: type, shape: tuple[int, ...], what: str) -> np
     if not isinstance(arr, np.ndarray) or arr.dtype != np.dtype(dtype) or arr.shape != shape:
         got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
         raise Rejected(RejectKind.SHAPE, f"{what}: expected {np.dtype(dtype)}{list(shape)}, got {got}")
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+    if arr.dtype.kind == "f" and not all_finite(arr):
         raise Rejected(RejectKind.NON_FINITE, f"{what}: non-finite values")
     return arr
 
