@@ -219,12 +219,12 @@ def _declared_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
 
     from monitor.exporter import AgentCollector, MetricsExporter
 
-    found = []
+    found: list[tuple[str, str, str, tuple[str, ...]]] = []
     exporter = MetricsExporter("run")
     for value in vars(exporter).values():
         if isinstance(value, MetricWrapperBase):
             name = value._name + ("_total" if value._type == "counter" else "")
-            found.append((name, value._type, value._documentation, tuple(value._labelnames)))
+            found.append((name, str(value._type), str(value._documentation), tuple(value._labelnames)))
 
     class _Agents:  # the attributes AgentCollector reads, empty
         agents: dict[str, Any] = {}
@@ -234,7 +234,7 @@ def _declared_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
     for family in AgentCollector("run", _Agents()).collect():
         name = family.name + ("_total" if family.type == "counter" else "")
         labels = tuple(family.samples[0].labels) if family.samples else ()
-        found.append((name, family.type, family.documentation, labels))
+        found.append((str(name), str(family.type), str(family.documentation), labels))
     return found
 
 
