@@ -32,7 +32,8 @@ import greenlet
 from protocols.algorithms.base import DeviceContext, ModelSpec
 from protocols.cohort_trainer import CohortDeviceTrainer, CohortEngine, NotVectorizable, Request
 from protocols.config import ConfigError
-from protocols.torch_trainer import TorchTrainer
+from protocols.execution import ExecutionPlan
+from protocols.trainer import Trainer
 from protocols.wire.payload import Payload
 
 log = logging.getLogger("fedtier.cohort")
@@ -87,6 +88,48 @@ def cohort_engine(spec: ModelSpec, device: str = "cpu", threads: int = 1) -> Coh
     except NotVectorizable as exc:
         raise ConfigError(f"runtime.engine: {exc}") from None
     return engine
+
+
+class CohortRunner:
+    """The one cohort loop of both executors: trains device jobs as cohorts of at most ``size`` (a device
+    at most once per cohort) on one :class:`CohortEngine`, and counts what it trained.
+
+    :class:`CohortExecutor` (``fedtier sim`` in one process, ``fedtier run``'s agent workers) trains one
+    cohort per idle turn of its loop; ``sim.executors.DeviceWorker`` trains a worker's whole batch."""
+
+    def __init__(self, spec: ModelSpec, size: int, device: str = "cpu", threads: int = 1) -> None:
+        self.spec, self.size = spec, size
+        self.engine = cohort_engine(spec, device, threads)
+        self.cohorts = 0  # cohorts trained (progress and tests)
+        self.seconds = 0.0  # wall seconds spent training them (each cohort once, not per device)
+        self.sizes: dict[str, list[int]] = {}  # device -> the size of each cohort it trained in
+
+    def split(self, items: Sequence[Any], device: Callable[[Any], str]) -> list[list[Any]]:
+        """``items`` cut into this runner's cohorts (see :func:`cohorts`)."""
+        return cohorts(items, device, self.size)
+
+    def train(self, devices: Sequence[str], jobs: Sequence[Job]) -> list[Outcome]:
+        """Train one cohort: ``jobs[i]`` is device ``devices[i]``'s ``train``; an outcome per job, in order."""
+        start = time.perf_counter()
+        try:
+            outcomes = run_cohort(self.engine, self.spec, jobs, devices)
+        finally:
+            self.engine.forget_data()
+            self.seconds += time.perf_counter() - start
+        self.cohorts += 1
+        for d in devices:
+            self.sizes.setdefault(d, []).append(len(devices))
+        return outcomes
+
+
+def make_cohort_executor(
+    plan: ExecutionPlan, agents: Mapping[str, Any], spec: ModelSpec, loop: Loop, trainer: Trainer
+) -> CohortExecutor | None:
+    """The executor of an agent process under ``plan``: a :class:`CohortExecutor` when the plan asks for
+    cohorts and ``trainer`` can train in them, else ``None`` (each device trains as its task comes)."""
+    if not plan.batches(trainer):
+        return None
+    return CohortExecutor(agents, spec, loop, plan.cohort_size, plan.device, plan.threads)
 
 
 def cohorts(items: Sequence[Any], device: Callable[[Any], str], size: int) -> list[list[Any]]:
@@ -147,13 +190,30 @@ class CohortExecutor:
         device: str = "cpu",
         threads: int = 1,
     ) -> None:
-        self.agents, self.spec, self.loop, self.cohort_size = agents, spec, loop, cohort_size
-        self.engine = cohort_engine(spec, device, threads)
+        self.agents, self.spec, self.loop = agents, spec, loop
+        self.runner = CohortRunner(spec, cohort_size, device, threads)
         self.queue: list[tuple[Any, Payload, DeviceContext, Callable[[Callable[[], None]], None], Done]] = []
-        self.cohorts = 0  # cohorts trained (progress and tests)
-        self.seconds = 0.0  # wall seconds spent training them (each cohort once, not per device)
-        self.sizes: dict[str, list[int]] = {}  # device -> the size of each cohort it trained in
         loop.on_idle = self.flush
+
+    @property
+    def engine(self) -> CohortEngine:
+        """The engine the cohorts run on."""
+        return self.runner.engine
+
+    @property
+    def cohorts(self) -> int:
+        """Cohorts trained so far."""
+        return self.runner.cohorts
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds spent training cohorts (each cohort once, not per device)."""
+        return self.runner.seconds
+
+    @property
+    def sizes(self) -> dict[str, list[int]]:
+        """Device -> the size of each cohort it trained in."""
+        return self.runner.sizes
 
     def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
         self.queue.append((self.agents[device], task, ctx, self.loop.hold(), done))
@@ -165,25 +225,17 @@ class CohortExecutor:
             return
         queue = self.queue
         for agent, task, ctx, complete, done in queue:
-            if not isinstance(agent.trainer, TorchTrainer):  # forward-only (onnx) devices train as they are
+            if not agent.trainer.trains_in_cohorts:  # forward-only (onnx) devices train as they are
                 outcome = agent.train_here(task, ctx)
                 complete(lambda done=done, outcome=outcome: done(*outcome))
-        queue = [item for item in queue if isinstance(item[0].trainer, TorchTrainer)]
+        queue = [item for item in queue if item[0].trainer.trains_in_cohorts]
         if not queue:
             self.queue = []
             return
-        chunk, *rest = cohorts(queue, lambda item: item[0].device, self.cohort_size)
+        chunk, *rest = self.runner.split(queue, lambda item: item[0].device)
         self.queue = [item for later in rest for item in later]
         jobs = [self._job(agent, task, ctx) for agent, task, ctx, _, _ in chunk]
-        start = time.perf_counter()
-        try:
-            outcomes = run_cohort(self.engine, self.spec, jobs, [agent.device for agent, *_ in chunk])
-        finally:
-            self.engine.forget_data()
-            self.seconds += time.perf_counter() - start
-        self.cohorts += 1
-        for agent, *_ in chunk:
-            self.sizes.setdefault(agent.device, []).append(len(chunk))
+        outcomes = self.runner.train([agent.device for agent, *_ in chunk], jobs)
         for (_, _, _, complete, done), (result, error) in zip(chunk, outcomes):
             complete(lambda done=done, result=result, error=error: done(result, error))
 

@@ -16,7 +16,6 @@ torch is imported only by the torch backend.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from protocols.algorithms.base import Algorithm, ModelSpec
 from protocols.config import ConfigError, RunConfig
+from protocols.execution import execution_plan
 from protocols.rejections import RejectKind
 from protocols.seeding import derive_seed
 from protocols.session import CloudSession, decode_manifest
@@ -244,19 +244,12 @@ class AgentProcess:
         self._polls: dict[str, TimerHandle] = {}
         self._lock = threading.Lock()
         self.done = threading.Event()
-        self.executor: CohortExecutor | None = None  # runtime.engine = "cohort", torch agents only
-        torch_trainer = sys.modules.get("protocols.torch_trainer")  # not loaded: no torch trainer (onnx)
-        if cfg.runtime.engine == "cohort" and torch_trainer and isinstance(trainer, torch_trainer.TorchTrainer):
-            from .cohort import CohortExecutor
+        self.executor: CohortExecutor | None = None  # cohorts (runtime.engine = "cohort"), torch agents only
+        plan = execution_plan(cfg)
+        if plan.batches(trainer):  # onnx-only agents never load the cohort engine (torch)
+            from .cohort import make_cohort_executor
 
-            self.executor = CohortExecutor(
-                self.agents,
-                algorithm.model,
-                self.loop,
-                cfg.runtime.cohort_size,
-                cfg.runtime.device,
-                cfg.runtime.cohort_threads,
-            )
+            self.executor = make_cohort_executor(plan, self.agents, algorithm.model, self.loop, trainer)
 
     def start(self, connect_timeout: float = 30.0) -> AgentProcess:
         """Connect every device (at most ``connect_window`` CONNECTs under way at once, each retried

@@ -61,6 +61,8 @@ def say(message: str) -> None:
 class TorchTrainer(Trainer):
     """Runs one model of the zoo. One instance can serve many simulated devices in turn."""
 
+    trains_in_cohorts = True
+
     def __init__(self, model: torch.nn.Module, device: str = "cpu") -> None:
         self.device = pick_device(device)
         self.model = model.to(self.device)

@@ -11,7 +11,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -74,6 +74,10 @@ def batches(n: int, batch_size: int, steps: int, rng: np.random.Generator) -> It
 
 class Trainer(ABC):
     """Device compute used by roles. Parameters are ``name -> float32 array`` dicts."""
+
+    trains_in_cohorts: ClassVar[bool] = False
+    """Whether the devices this trainer serves can train batched in cohorts (``runtime.engine = "cohort"``:
+    the torch trainer); the others (forward-only onnx devices) train one by one."""
 
     @abstractmethod
     def get_params(self) -> dict[str, np.ndarray]:

@@ -37,6 +37,7 @@ from edge_agent.cohort import cohort_engine
 from edge_agent.runner import AgentProcess, BrokerOptions, offline_will, save_device_data
 from protocols import procs, runfiles
 from protocols.config import ConfigError, RunConfig, load_config
+from protocols.execution import execution_plan
 from protocols.transport.bridge import bridge_config
 from protocols.transport.broker import find_mosquitto
 from protocols.transport.reactor import Reactor
@@ -292,7 +293,7 @@ class Emulation:
         set_torch_threads(1)
         prep = prepare(cfg)
         spec, ds = prep.spec, prep.dataset
-        if cfg.runtime.engine == "cohort":
+        if execution_plan(cfg).cohort:
             cohort_engine(spec, cfg.runtime.device)  # refuse a model the workers could not vectorize, now
         out = fresh_output(cfg, self.resume)
         if not self.resume:  # a fresh run: no broker sessions of an earlier one

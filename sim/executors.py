@@ -29,16 +29,20 @@ import threading
 import tomllib
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocols import procs
-from protocols.algorithms.base import DeviceContext, DeviceRole
+from protocols.algorithms.base import DeviceContext, DeviceRole, ModelSpec
 from protocols.config import ConfigError, RunConfig, parse_config
-from protocols.trainer import LocalData
+from protocols.execution import ExecutionPlan, execution_plan, shared_threads
+from protocols.trainer import LocalData, Trainer
 from protocols.transport.memory import VirtualLoop
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
 from .attack import attacked, byzantine_devices
+
+if TYPE_CHECKING:
+    from edge_agent.cohort import CohortExecutor
 
 log = logging.getLogger("fedtier.sim")
 
@@ -49,7 +53,7 @@ LOCAL_DATA_BYTES = 512 << 20  # a worker keeps its recently trained devices' sam
 def worker_threads(cfg: RunConfig) -> int:
     """Torch threads of a worker's cohorts: ``cohort_threads`` shared by the ``sim_workers`` (the cloud's
     evaluation, which runs while they wait, takes all of them)."""
-    return max(1, cfg.runtime.cohort_threads // max(1, cfg.runtime.sim_workers))
+    return shared_threads(cfg.runtime.cohort_threads, cfg.runtime.sim_workers)
 
 
 class WorkerError(RuntimeError):
@@ -95,12 +99,13 @@ class DeviceWorker:
         self.roles: dict[str, DeviceRole] = {}  # built on a device's first task, kept (roles may hold state)
         self.trainer_for = lambda d: onnx.get(d, torch_trainer)
         self.byzantine, self.attack = set(byzantine_devices(cfg)), cfg.attack  # [attack], as in the main process
-        self.spec, self.cohort_size = spec, cfg.runtime.cohort_size
-        self.engine = None  # engine = "cohort": this worker's share of a round trains as cohorts
-        if cfg.runtime.engine == "cohort":
-            from edge_agent.cohort import cohort_engine
+        self.spec = spec
+        plan = execution_plan(cfg)
+        self.runner = None  # the cohort engine: this worker's share of a round trains as cohorts
+        if plan.cohort:
+            from edge_agent.cohort import CohortRunner
 
-            self.engine = cohort_engine(spec, cfg.runtime.device, worker_threads(cfg))
+            self.runner = CohortRunner(spec, plan.cohort_size, plan.device, plan.worker_threads)
         self._local: dict[str, LocalData] = {}  # recently trained devices' samples (copied out once)
         self._local_bytes = 0
 
@@ -141,14 +146,11 @@ class DeviceWorker:
 
     def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[bytes, str]]:
         """:meth:`train` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
-        train as cohorts of at most ``cohort_size`` (``edge_agent/cohort.py``), the others one by one."""
-        from edge_agent.cohort import cohorts, run_cohort
-        from protocols.torch_trainer import TorchTrainer
-
+        train as cohorts of at most ``cohort_size`` (``edge_agent.cohort.CohortRunner``), the others one by one."""
         out: list[tuple[bytes, str]] = [(b"", "not run")] * len(items)
         jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []
         for i, (ctx, task) in enumerate(items):
-            if self.engine is None or not isinstance(self.trainer_for(str(ctx["device"])), TorchTrainer):
+            if self.runner is None or not self.trainer_for(str(ctx["device"])).trains_in_cohorts:
                 out[i] = self.train(ctx, task)
                 continue
             try:
@@ -157,15 +159,14 @@ class DeviceWorker:
             except Exception as exc:
                 log.exception("device %s: bad task", ctx.get("device"))
                 out[i] = (b"", str(exc))
-        for chunk in cohorts(jobs, lambda job: job[1].device, self.cohort_size):
+        if self.runner is None:
+            return out
+        for chunk in self.runner.split(jobs, lambda job: job[1].device):
             run = [
                 lambda trainer, c=c, role=role, data=data, task=task: role.train(task, data, trainer, c)
                 for _, c, role, data, task in chunk
             ]
-            try:
-                outcomes = run_cohort(self.engine, self.spec, run, [job[1].device for job in chunk])
-            finally:
-                self.engine.forget_data()
+            outcomes = self.runner.train([job[1].device for job in chunk], run)
             for (i, *_), (result, error) in zip(chunk, outcomes):
                 out[i] = (encode_payload(result), "") if result is not None else (b"", error or "failed")
         return out
@@ -480,13 +481,34 @@ class RayExecutor(_Remote):
 
 
 def start_workers(cfg: RunConfig, loop: VirtualLoop) -> ProcessExecutor | RayExecutor | None:
-    """The workers ``runtime.sim_workers`` and ``runtime.sim_backend`` ask for, started now (they build
-    their devices meanwhile); ``None`` for 0 workers (devices train in this process: :class:`InlineExecutor`)."""
-    if cfg.runtime.sim_workers == 0:
+    """The workers the run's execution plan asks for (``runtime.sim_workers``, ``runtime.sim_backend``),
+    started now (they build their devices meanwhile); ``None`` for 0 workers (devices train in this process:
+    :func:`make_executor`)."""
+    plan = execution_plan(cfg)
+    if plan.workers == 0:
         return None
     devices = cfg.topology.all_devices()
-    n = min(cfg.runtime.sim_workers, len(devices))
+    n = min(plan.workers, len(devices))
     groups = [devices[i::n] for i in range(n)]  # a static round-robin share: a device stays in its worker
-    if cfg.runtime.sim_backend == "ray":
-        return RayExecutor(cfg.to_toml(), groups, loop, cfg.runtime.ray_address)
-    return ProcessExecutor(cfg.to_toml(), groups, loop, batched=cfg.runtime.engine == "cohort")
+    if plan.backend == "ray":
+        return RayExecutor(cfg.to_toml(), groups, loop, plan.ray_address)
+    return ProcessExecutor(cfg.to_toml(), groups, loop, batched=plan.cohort)
+
+
+def make_executor(
+    plan: ExecutionPlan,
+    agents: Mapping[str, Any],
+    spec: ModelSpec,
+    loop: VirtualLoop,
+    trainer: Trainer,
+    workers: ProcessExecutor | RayExecutor | None,
+) -> ProcessExecutor | RayExecutor | CohortExecutor | InlineExecutor:
+    """The executor of ``fedtier sim``'s devices under ``plan``: its ``workers`` (:func:`start_workers`),
+    else cohorts in this process (``trainer`` can train in them), else each device at once."""
+    from edge_agent.cohort import cohort_engine, make_cohort_executor
+
+    if workers is not None:
+        if plan.cohort:
+            cohort_engine(spec, plan.device)  # refuse a model the workers could not vectorize, now
+        return workers
+    return make_cohort_executor(plan, agents, spec, loop, trainer) or InlineExecutor(agents)

@@ -19,17 +19,17 @@ import numpy as np
 from cell_server.node import build_cell
 from cloud.node import build_cloud
 from edge_agent.agent import DeviceAgent
-from edge_agent.cohort import CohortExecutor, cohort_engine
 from protocols import runfiles
 from protocols.bounds import CellBounds
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
+from protocols.execution import execution_plan
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
-from .executors import InlineExecutor, start_workers
+from .executors import make_executor, start_workers
 from .hierarchy import (
     DeviceData,
     Prepared,
@@ -92,7 +92,7 @@ def set_torch_threads(n: int = 1) -> None:
 
 def eval_threads(cfg: RunConfig) -> int:
     """Threads of the cloud's central evaluation: ``cohort_threads`` with the cohort engine, else 1."""
-    return cfg.runtime.cohort_threads if cfg.runtime.engine == "cohort" else 1
+    return execution_plan(cfg).eval_threads
 
 
 def device_samples(device_data: DeviceData, devices: Sequence[str]) -> SampleCounts:
@@ -198,19 +198,7 @@ class SimHierarchy:
         self.agents = Population(
             cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer), self._configure
         )  # built as devices are needed
-        if cfg.runtime.engine == "cohort" and remote is not None:
-            cohort_engine(spec, cfg.runtime.device)  # refuse a model the workers could not vectorize, now
-        if cfg.runtime.engine == "cohort" and remote is None:
-            self.executor = CohortExecutor(
-                self.agents.active(),
-                spec,
-                loop,
-                cfg.runtime.cohort_size,
-                cfg.runtime.device,
-                cfg.runtime.cohort_threads,
-            )
-        else:
-            self.executor = remote or InlineExecutor(self.agents.active())
+        self.executor = make_executor(execution_plan(cfg), self.agents.active(), spec, loop, trainer, remote)
 
     def _configure(self, agent: DeviceAgent) -> None:
         agent.executor = self.executor

@@ -1,0 +1,69 @@
+"""Where a run's devices train, decided once from ``[runtime]``.
+
+:func:`execution_plan` is the one reading of ``runtime.engine`` and its knobs; the launchers and agent
+workers build their executor from the plan (``sim.executors.make_executor``,
+``edge_agent.cohort.make_cohort_executor``): per device or as batched cohorts, in this process or in worker
+processes / Ray actors, with how many torch threads, on which torch device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+    from .trainer import Trainer
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """How the devices of one process (or its workers) train."""
+
+    cohort: bool
+    """batched cohorts (``runtime.engine = "cohort"``), else one device at a time"""
+    cohort_size: int
+    """most devices trained at once in a cohort"""
+    device: str
+    """the torch device (``runtime.device``)"""
+    threads: int
+    """torch threads of this process's cohorts (``runtime.cohort_threads``)"""
+    workers: int
+    """worker processes or Ray actors of ``fedtier sim`` (0: devices train in this process)"""
+    backend: Literal["processes", "ray"]
+    ray_address: str | None
+
+    def batches(self, trainer: Trainer) -> bool:
+        """Whether the devices ``trainer`` serves train as cohorts under this plan (the cohort engine, and a
+        trainer that declares it can: ``Trainer.trains_in_cohorts``)."""
+        return self.cohort and trainer.trains_in_cohorts
+
+    @property
+    def eval_threads(self) -> int:
+        """Threads of the cloud's central evaluation: the cohorts' threads with the cohort engine, else 1."""
+        return self.threads if self.cohort else 1
+
+    @property
+    def worker_threads(self) -> int:
+        """Torch threads of each worker's cohorts: ``threads`` shared by the workers (the cloud's evaluation,
+        which runs while they wait, takes all of them); never below one."""
+        return shared_threads(self.threads, self.workers)
+
+
+def shared_threads(threads: int, workers: int) -> int:
+    """``threads`` shared by ``workers`` (0: this process alone), never below one each."""
+    return max(1, threads // max(1, workers))
+
+
+def execution_plan(cfg: RunConfig) -> ExecutionPlan:
+    """The execution plan of run ``cfg``."""
+    rt = cfg.runtime
+    return ExecutionPlan(
+        cohort=rt.engine == "cohort",
+        cohort_size=rt.cohort_size,
+        device=rt.device,
+        threads=rt.cohort_threads,
+        workers=rt.sim_workers,
+        backend=rt.sim_backend,
+        ray_address=rt.ray_address,
+    )
