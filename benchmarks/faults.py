@@ -78,6 +78,7 @@ heartbeat_timeout = 5.0
 rejoin_wait = 0.0
 """
 DEVICE_DEADLINE, CELL_DEADLINE = 20.0, 60.0  # an edge round takes ~3 s here; on a loaded shared machine >10 s
+LONG_DEADLINE = 120.0  # a dead device's scenario: what waiting out the deadline would cost
 
 
 # ----------------------------------------------------------------------------- broker
@@ -195,13 +196,16 @@ class Watcher:
 class Deployment:
     """One cloud, its cells and agents as OS processes (own process groups, logs in files)."""
 
-    def __init__(self, tmp: Path, name: str, rounds: int, data: Path, broker: Broker) -> None:
+    def __init__(
+        self, tmp: Path, name: str, rounds: int, data: Path, broker: Broker, device_deadline: float = DEVICE_DEADLINE
+    ) -> None:
         self.folder = tmp / name
         self.folder.mkdir(parents=True, exist_ok=True)
         self.out = self.folder / "run"
         self.config = self.folder / "config.toml"
+        cell_deadline = max(CELL_DEADLINE, 2 * device_deadline * 1.5 + 10)
         self.config.write_text(
-            CONFIG.format(rounds=rounds, out=self.out, device_deadline=DEVICE_DEADLINE, cell_deadline=CELL_DEADLINE)
+            CONFIG.format(rounds=rounds, out=self.out, device_deadline=device_deadline, cell_deadline=cell_deadline)
         )
         self.data, self.broker = data, broker
         self.procs: dict[str, subprocess.Popen] = {}
@@ -318,12 +322,20 @@ class Scenario:
     scope: str  # "cloud" or a cell: where recovery is measured
     republish: bool = False
     note: str = ""
+    device_deadline: float | None = None  # this scenario's runtime.device_deadline (else DEVICE_DEADLINE)
 
 
 def restart(node: str) -> Callable[[Deployment, Broker, Watcher], None]:
     def act(d: Deployment, _b: Broker, _w: Watcher) -> None:
         d.kill9(node)
         d.start(node, resume=True)
+
+    return act
+
+
+def kill(node: str) -> Callable[[Deployment, Broker, Watcher], None]:
+    def act(d: Deployment, _b: Broker, _w: Watcher) -> None:
+        d.kill9(node)  # and no restart: it is gone for good
 
     return act
 
@@ -368,6 +380,17 @@ def scenarios() -> list[Scenario]:
             pause("c0-d1", DEVICE_DEADLINE + 3),
             "c0",
             note="past the device deadline: the cell closes the edge round without it (by design)",
+        )
+    )
+    out.append(
+        Scenario(
+            f"kill -9 agent c0-d1, no restart (device_deadline {LONG_DEADLINE:g} s)",
+            MID_EDGE[0],
+            MID_EDGE[1],
+            kill("c0-d1"),
+            "c0",
+            note="the time lost is the recovery: its will says offline at once, the edge round waits heartbeat_timeout",
+            device_deadline=LONG_DEADLINE,
         )
     )
     out.append(
@@ -484,7 +507,8 @@ def run_scenario(
 ) -> tuple[Deployment, float | None, float]:
     name = "reference" if sc is None else f"{sc.name} @ {sc.point}".replace(" ", "_").replace("/", "_")
     broker = Broker(tmp / name / "broker").start()
-    d = Deployment(tmp, name, rounds, data, broker)
+    deadline = sc.device_deadline if sc is not None and sc.device_deadline else DEVICE_DEADLINE
+    d = Deployment(tmp, name, rounds, data, broker, deadline)
     w = Watcher(broker.url, republisher(7) if sc is not None and sc.republish else None)
     fault_at: float | None = None
     t0 = time.monotonic()

@@ -16,7 +16,8 @@ from typing import Any
 
 from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.divergence import diverged_reason
-from protocols.records import CellRecord
+from protocols.failures import count_reasons, failed_reason
+from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
 from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -48,6 +49,7 @@ class AsyncCellServer(CellServer):
         self.losses = {}
         self.absent = {}
         self.diverged = {}
+        self.failed = {}
 
     def stop(self) -> None:
         self.loop.cancel(self._push_timer)
@@ -140,6 +142,12 @@ class AsyncCellServer(CellServer):
             self.diverged[device] = diverged
             self._dispatch(device)
             return
+        failed = failed_reason(msg.payload)
+        if failed is not None:  # its task raised: recorded with the reason in the next record; the device goes on
+            log.warning("cell %s: %s failed task %d.%d: %s", self.cell, device, h.round, h.edge_round, failed)
+            self.failed[device] = failed
+            self._dispatch(device)
+            return
         try:
             self.fb.check(device, h.round, msg.payload)
         except Rejected as exc:  # too stale, or a bad result: logged in the next record; the device goes on
@@ -186,6 +194,8 @@ class AsyncCellServer(CellServer):
             time=round(time.time(), 3),
             metrics=metrics,
             diverged=self.diverged or None,
+            failed=dict(sorted(self.failed.items())[:MAX_LISTED_REJECTIONS]) or None,
+            failed_counts=count_reasons(self.failed) or None,
         ).to_dict()
         self._emit(record)
         self._window()

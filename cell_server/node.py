@@ -77,6 +77,7 @@ def build_cell(
         quorum=cfg.runtime.quorum,
         availability=availability,
         log_path=str(output_dir / runfiles.AGGREGATION) if output_dir else None,
+        max_record_bytes=cfg.runtime.max_record_bytes,
         heartbeat=cfg.runtime.heartbeat if heartbeats else 0.0,
         heartbeat_timeout=cfg.runtime.heartbeat_timeout if heartbeats else 0.0,
         rejoin_wait=cfg.runtime.rejoin_wait if heartbeats else 0.0,

@@ -25,6 +25,7 @@ import numpy as np
 
 from protocols.checkpoint import Journal
 from protocols.divergence import diverged_reason
+from protocols.failures import failed_reason
 from protocols.jsonl import read_jsonl
 from protocols.wire import topics
 from protocols.wire.payload import Payload
@@ -144,10 +145,12 @@ def recover(cell: CellServer, entries: list[Payload]) -> None:
         cell._not_participating = int(plans[e]["not_participating"])
         answered = dict(sorted(results.get(e, {}).items()))
         diverged = {d: why for d, r in answered.items() if (why := diverged_reason(r)) is not None}
-        taken = {d: r for d, r in answered.items() if d not in diverged}  # a diverged one is never aggregated
+        failed = {d: why for d, r in answered.items() if (why := failed_reason(r)) is not None}
+        taken = {d: r for d, r in answered.items() if d not in diverged and d not in failed}  # never aggregated
         if e in closed:
             cell.role.aggregate(e, taken)
             cell._round_diverged |= set(diverged)
+            cell._round_failed.update(failed)
             record = closed[e]
             cell._round_bytes["cell_to_device"] += int(record.get("bytes_out", 0))
             cell._round_bytes["device_to_cell"] += int(record.get("bytes_in", 0))
@@ -165,8 +168,8 @@ def recover(cell: CellServer, entries: list[Payload]) -> None:
             loss = result.meta.get("loss")
             if isinstance(loss, (int, float)) and np.isfinite(loss):
                 cell.losses[d] = float(loss)
-        cell.diverged = diverged
-        cell._open_edge(plan, plans[e]["available"], taken, settled=diverged)
+        cell.diverged, cell.failed = diverged, failed
+        cell._open_edge(plan, plans[e]["available"], taken, settled=set(diverged) | set(failed))
         return
     cell.edge_round = cell.role.edge_rounds  # every edge round closed, the report not sent yet
     cell._report()

@@ -19,10 +19,12 @@ from protocols.answers import Answers
 from protocols.bounds import weight_over
 from protocols.capabilities import unmet
 from protocols.divergence import diverged_reason
+from protocols.failures import count_reasons, failed_payload, failed_reason, guarded
 from protocols.jsonl import JsonlWriter
 from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
 from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.session import CloudSession, decode_manifest
+from protocols.state import MAX_WAITING, publish_state
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -72,6 +74,7 @@ class CellServer:
         quorum: float = 1.0,
         availability: Availability | None = None,
         log_path: str | None = None,
+        max_record_bytes: int | None = None,
         trust: Trust | None = None,
         max_message_bytes: int | None = None,
         max_weights: Mapping[str, float] | None = None,
@@ -116,13 +119,14 @@ class CellServer:
         )
         self.cloud = CloudSession()  # the cloud's current session, from its (signed) status
         self.max_weights, self.max_weight = max_weights if max_weights is not None else {}, max_weight
-        self.log = JsonlWriter(log_path)
+        self.log = JsonlWriter(log_path, max_record_bytes)  # rotates past max_record_bytes (long-lived nodes)
         self.online = OnlineFlags(self.devices, assume_online)
         self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
         self.requirements = requirements
         self.unmet: dict[str, str] = {}  # device -> why it cannot serve this job (its announced capabilities)
         self._beat_timer: TimerHandle | None = None
+        self._leaving: dict[str, TimerHandle] = {}  # offline devices the open edge round waits for, a while
         self.rejoin_wait = rejoin_wait
         self.absent_ids = absent_ids
         self._waiting: set[str] = set()  # participating devices this edge round waits for
@@ -154,22 +158,69 @@ class CellServer:
         self._sent_report: bytes | None = None  # the report of ``round``, once sent (re-sent on request)
         self.journal = RoundJournal(journal_path) if journal_path is not None else None
         self._recovered = self.journal.load(resume) if self.journal is not None else []
+        self.failure: str | None = None  # an exception in a handler of this cell (a bug): rounds answer it
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._started = self.loop.now()
-        self.transport.subscribe(topics.cell_task(self.run, self.cell), self._on_cell_task)
-        self.transport.subscribe(topics.device_results(self.run, self.cell), self._on_result)
-        self.transport.subscribe(topics.device_statuses(self.run, self.cell), self._on_status)
-        self.transport.subscribe(topics.status(self.run, "cloud"), self._on_status)  # the cloud's session
+        guard = self._guard
+        self.transport.subscribe(topics.cell_task(self.run, self.cell), guard(self._on_cell_task, "task handler"))
+        self.transport.subscribe(topics.device_results(self.run, self.cell), guard(self._on_result, "result handler"))
+        self.transport.subscribe(topics.device_statuses(self.run, self.cell), guard(self._on_status, "status handler"))
+        self.transport.subscribe(topics.status(self.run, "cloud"), guard(self._on_status, "status handler"))
         if self.trust is not None:  # signed runs: the cloud's round, to refuse replays of older tasks
-            self.transport.subscribe(topics.round_manifest(self.run), self._on_manifest)
+            self.transport.subscribe(topics.round_manifest(self.run), guard(self._on_manifest, "manifest handler"))
         self._announce()
         if self.heartbeat > 0 or self.heartbeat_timeout > 0:
-            self._beat_timer = self.loop.call_later(self._beat_period(), self._beat)
+            self._beat_timer = self.loop.call_later(self._beat_period(), guard(self._beat, "heartbeat"))
         if self._recovered:
             recover(self, self._recovered)
             self._recovered = []
+
+    def _guard(self, fn: Callable[..., None], what: str) -> Callable[..., None]:
+        """``fn`` as a handler or timer of this cell: an exception in it (a bug) fails the cell (:meth:`fail`)."""
+        return guarded(fn, self.fail, f"cell {self.cell}: {what}")
+
+    def fail(self, reason: str) -> None:
+        """This cell cannot go on (a handler raised): it answers its current round, and every later task,
+        with a "failed" report carrying ``reason``; the cloud fails the job with it."""
+        if self.failure is None:
+            log.error("cell %s: failed: %s (the job fails with it)", self.cell, reason)
+            self.failure = reason
+        if self.in_round:
+            self._end_round()
+            self._send_failure(self.round)
+
+    def _state(self, phase: str, waiting: Iterable[str] = (), **extra: Any) -> None:
+        """Publish this cell's retained current state (``protocols.state``): a monitor started mid-stall sees it."""
+        publish_state(
+            self.transport,
+            self.run,
+            topics.cell_node(self.cell),
+            phase,
+            trust=self.trust,
+            waiting=waiting,
+            round=self.round if self.round >= 0 else None,
+            **extra,
+        )
+
+    def _waiting_state(self) -> None:
+        self._state(
+            "waiting",
+            self.answers.pending,
+            since=self._edge_since,
+            edge_round=self.edge_round,
+            deadline_s=self.device_deadline,
+        )
+
+    def _send_failure(self, rnd: int) -> None:
+        assert self.failure is not None
+        self._state("failed", reason=self.failure)
+        topic = topics.cell_report(self.run, self.cell)
+        self._sent_report = self.messenger.frame(
+            "cell_report", failed_payload(self.failure), round=rnd, cell=self.cell, topic=topic
+        )
+        self.transport.publish(topic, self._sent_report, qos=1)
 
     def stop(self) -> None:
         self.loop.cancel(self._timer)
@@ -215,9 +266,10 @@ class CellServer:
                     )
                     self.online[d] = False
                     self._announce()
+                    self._gone(d, 0.0)  # silent for heartbeat_timeout already: out of the round now
         if self.heartbeat > 0:
             self._announce()
-        self._beat_timer = self.loop.call_later(self._beat_period(), self._beat)
+        self._beat_timer = self.loop.call_later(self._beat_period(), self._guard(self._beat, "heartbeat"))
 
     def _on_status(self, topic: str, data: bytes) -> None:
         node = topic.rsplit("/", 1)[-1]
@@ -262,12 +314,63 @@ class CellServer:
                     self.edge_round,
                 )
                 self._send_task(device)
+            if online:
+                self.loop.cancel(self._leaving.pop(device, None))
+            else:
+                self._gone(device, self.heartbeat_timeout + self.heartbeat)  # a restart's time to come back
         awaited = device in self._unknown or (online and device in self._waiting)
         self._unknown.discard(device)
         if online:
             self._waiting.discard(device)
         if awaited and not self._waiting and not self._unknown:
             self._plan_edge(self.round, self.edge_round)
+
+    def _gone(self, device: str, grace: float) -> None:
+        """``device`` went offline (its will, a clean leave, or a stale heartbeat): if the open edge round waits
+        for its result, it leaves the round after ``grace`` seconds (heartbeat_timeout + one heartbeat after its
+        will; at once when its heartbeat went stale) unless it is back by then (an agent that restarts gets its
+        task again), and the round closes once every remaining planned device answered,
+        instead of waiting out ``device_deadline``. Liveness needs heartbeat_timeout > 0; not under secure
+        aggregation (its dropout recovery decides)."""
+        if (
+            self.heartbeat_timeout <= 0
+            or self.secagg is not None
+            or not self.answers.is_open
+            or device not in self.answers.pending
+        ):
+            return
+        r, e = self.round, self.edge_round
+        self.loop.cancel(self._leaving.pop(device, None))
+        if grace <= 0:
+            self._leave(device, r, e)
+        else:
+            self._leaving[device] = self.loop.call_later(
+                grace, self._guard(lambda: self._leave(device, r, e), "liveness timer")
+            )
+
+    def _leave(self, device: str, rnd: int, edge_round: int) -> None:
+        """Take ``device`` (offline) out of edge round ``rnd.edge_round`` if it is still open and waits for it."""
+        self._leaving.pop(device, None)
+        if (
+            not self.in_round
+            or (rnd, edge_round) != (self.round, self.edge_round)
+            or not self.answers.is_open
+            or device not in self.answers.pending
+            or self.online[device]
+        ):
+            return
+        log.warning(
+            "cell %s: %s is offline: edge round %d.%d no longer waits for it", self.cell, device, rnd, edge_round
+        )
+        self.answers.pending.discard(device)
+        self.absent[device] = "offline"
+        if self.answers.pending and len(self.answers.received) < self._needed:
+            self._waiting_state()
+        if not self.answers.pending:
+            answered = self.answers.received or self.answers.settled
+            self._close(rnd, edge_round, "all answered" if answered else "all offline")
+        elif len(self.answers.received) >= self._needed:
+            self._close(rnd, edge_round, "quorum")
 
     def _on_manifest(self, topic: str, data: bytes) -> None:
         self.cloud.on_manifest(decode_manifest(data, topic, self.trust) if data else None)
@@ -316,6 +419,10 @@ class CellServer:
                 "cell %s: round %d abandoned, the cloud moved on to %d", self.cell, self.round, msg.header.round
             )
             self._end_round()
+        if self.failure is not None:  # a failed cell does no work: it answers the round with its failure
+            self.round, self.messenger.session = msg.header.round, msg.header.session
+            self._send_failure(msg.header.round)
+            return
         try:
             self.role.begin(msg.header.round, msg.payload)
         except Exception as exc:  # a task the role cannot use must not take the cell down
@@ -334,6 +441,7 @@ class CellServer:
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
         self._round_devices: set[str] = set()
         self._round_diverged: set[str] = set()  # devices whose training diverged in some edge round
+        self._round_failed: dict[str, str] = {}  # devices whose task failed in some edge round, why
         self._gave_up = set()
 
     def _again(self, topic: str, rnd: int) -> None:
@@ -379,6 +487,7 @@ class CellServer:
         self.losses: dict[str, float] = {}
         self.absent: dict[str, str] = {}
         self.diverged: dict[str, str] = {}  # device -> why its training diverged (not aggregated)
+        self.failed: dict[str, str] = {}  # device -> why its task failed (not aggregated)
         self._not_participating = 0  # counted, not named in self.absent (more than absent_ids)
         self.planned: list[str] = []
         self._tasks: Mapping[str, Payload] = {}  # the open edge round's task of each planned device
@@ -417,7 +526,9 @@ class CellServer:
                     wait,
                     len(self._unknown),
                 )
-            self._wait_timer = self.loop.call_later(wait, lambda r=self.round, e=self.edge_round: self._plan_edge(r, e))
+            self._wait_timer = self.loop.call_later(
+                wait, self._guard(lambda r=self.round, e=self.edge_round: self._plan_edge(r, e), "edge round start")
+            )
         else:
             self._plan_edge(self.round, self.edge_round)
 
@@ -477,13 +588,20 @@ class CellServer:
         if self.secagg is not None:
             self.secagg.begin(self.planned)
         self._needed = math.ceil(self.quorum * len(self.planned))
+        self._edge_since = time.time()
+        if self.answers.pending:
+            self._waiting_state()
         r, e = self.round, self.edge_round
+        guard = self._guard
         if not self.planned:
-            self.loop.post(lambda: self._close(r, e, "no devices"))
+            self.loop.post(guard(lambda: self._close(r, e, "no devices"), "edge round close"))
         elif (taken or settled) and (not self.answers.pending or len(self.answers.received) >= self._needed):
-            self.loop.post(lambda: self._close(r, e, "all answered" if not self.answers.pending else "quorum"))
+            why = "all answered" if not self.answers.pending else "quorum"
+            self.loop.post(guard(lambda: self._close(r, e, why), "edge round close"))
         else:
-            self._timer = self.loop.call_later(self.device_deadline, lambda: self._close(r, e, "deadline"))
+            self._timer = self.loop.call_later(
+                self.device_deadline, guard(lambda: self._close(r, e, "deadline"), "edge round deadline")
+            )
 
     def _send_task(self, device: str) -> None:
         self.bytes_out += self.messenger.send(
@@ -509,11 +627,13 @@ class CellServer:
             return
         taken = len(self.answers.received) + len(self.answers.settled)
         diverged = diverged_reason(msg.payload)
+        failed = failed_reason(msg.payload)
         refused = self._bad_result(device, msg)
         if refused is None:
             check = self.secagg.check if self.secagg is not None else self.role.check
+            settle = diverged is not None or failed is not None  # answered, with nothing to aggregate
             refused = self.answers.offer(
-                device, h.sender, (h.round, h.edge_round), None if diverged is not None else msg.payload, check
+                device, h.sender, (h.round, h.edge_round), None if settle else msg.payload, check
             )
         if refused is not None:
             self.messenger.reject(topic, refused.kind, str(refused), device)
@@ -526,12 +646,17 @@ class CellServer:
         if diverged is not None:  # recorded, never aggregated
             log.warning("cell %s: %s diverged in round %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
             self.diverged[device] = diverged
+        elif failed is not None:  # its task raised: recorded with the reason, never aggregated
+            log.warning("cell %s: %s failed its task %d.%d: %s", self.cell, device, h.round, h.edge_round, failed)
+            self.failed[device] = failed
         elif isinstance(loss := msg.payload.meta.get("loss"), (int, float)) and math.isfinite(loss):
             self.losses[device] = float(loss)
         if not self.answers.pending:
             self._close(self.round, self.edge_round, "all answered")
         elif len(self.answers.received) >= self._needed:
             self._close(self.round, self.edge_round, "quorum")
+        elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
+            self._waiting_state()
 
     def _bad_result(self, device: str, msg: Any) -> Rejected | None:
         """Runtime checks before the role sees a result: its session (signed runs) and its weight
@@ -575,6 +700,7 @@ class CellServer:
         self._round_bytes["device_to_cell"] += self.bytes_in
         self._round_devices |= set(results)
         self._round_diverged |= set(self.diverged)
+        self._round_failed.update(self.failed)
         self._record(why, outcome, list(results))
         self.edge_round += 1
         if self.edge_round < self.role.edge_rounds:
@@ -612,6 +738,8 @@ class CellServer:
             metrics=metrics,
             excluded=excluded,
             diverged=self.diverged or None,
+            failed=dict(sorted(self.failed.items())[:MAX_LISTED_REJECTIONS]) or None,
+            failed_counts=count_reasons(self.failed) or None,
         ).to_dict()
         if self.journal is not None:
             self.journal.closed(self.edge_round, record)
@@ -626,8 +754,8 @@ class CellServer:
         self.log.write(record)
         for observe in self.observers:
             observe(record)
-        topic = topics.telemetry_cell(self.run, self.cell)
-        self.transport.publish(topic, seal_record(record, topic, self.trust.sign if self.trust else None), qos=0)
+        topic = topics.telemetry_cell(self.run, self.cell)  # QoS 1: a deployed cloud keeps every record
+        self.transport.publish(topic, seal_record(record, topic, self.trust.sign if self.trust else None), qos=1)
 
     def _report(self) -> None:
         self._end_round()
@@ -636,8 +764,13 @@ class CellServer:
         report.meta["devices"] = len(self._round_devices)
         if diverged := len(self._round_diverged - self._round_devices):  # diverged in every edge round they had
             report.meta["diverged"] = diverged
+        failed = {d: why for d, why in self._round_failed.items() if d not in self._round_devices}
+        if failed:  # failed in every edge round they had, per reason
+            report.meta["failed_devices"] = len(failed)
+            report.meta["failures"] = count_reasons(failed)
         topic = topics.cell_report(self.run, self.cell)
         self._sent_report = self.messenger.frame("cell_report", report, round=self.round, cell=self.cell, topic=topic)
         if self.journal is not None:
             self.journal.report(self._sent_report)
         self.transport.publish(topic, self._sent_report, qos=1)
+        self._state("idle")

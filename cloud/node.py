@@ -33,11 +33,13 @@ def build_cloud(
     devices_recreated: bool = False,
     cell_bounds: Mapping[str, float] | None = None,
     session: str | None = None,
+    collect_cell_records: bool = False,
 ) -> CloudServer:
     """``devices_recreated``: with ``resume``, the devices are new (a launcher rebuilt them), see
     ``CloudRole.forget_devices``. ``cell_bounds``: the largest weight each cell may report (a launcher's,
     from its devices' sample counts); else :func:`config_cell_bounds`. ``session``: the job's cloud
-    session."""
+    session. ``collect_cell_records``: write every cell's aggregation records (their telemetry) to the run
+    folder's ``cells.jsonl`` (a deployed cloud: its cells write on their own machines)."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
     if Trait.ASYNC in algorithm.stack_traits():  # FedBuff over cells
@@ -66,9 +68,13 @@ def build_cloud(
         availability=availability,
         devices_recreated=devices_recreated,
         session=session,
+        cell_records_path=out / runfiles.CELL_RECORDS if out and collect_cell_records else None,
+        max_record_bytes=cfg.runtime.max_record_bytes,
         trust=trust,
         max_message_bytes=cfg.max_message_bytes(algorithm.model),
         cell_bounds=cell_bounds if cell_bounds is not None else config_cell_bounds(cfg),
+        max_stalled_rounds=cfg.runtime.max_stalled_rounds,
+        min_cells=cfg.runtime.min_cells,
     )
 
 

@@ -18,16 +18,20 @@ from protocols.answers import Answers
 from protocols.bounds import weight_over
 from protocols.checkpoint import load_payload, save_payload
 from protocols.divergence import STALLED_ROUNDS
+from protocols.failures import StallWatch, failed_reason, guarded, merge_counts
 from protocols.jsonl import JsonlWriter, read_jsonl
 from protocols.records import MAX_LISTED_REJECTIONS, RoundRecord
 from protocols.rejections import Rejected, RejectKind
 from protocols.session import encode_manifest, new_session
+from protocols.state import publish_state
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 from protocols.wire.signed import seal_record
+
+from .cell_records import CellRecordCollector
 
 if TYPE_CHECKING:
     from protocols.wire.keys import Trust
@@ -80,11 +84,18 @@ class CloudServer:
         devices_recreated: bool = False,
         cell_bounds: Mapping[str, float] | None = None,
         session: str | None = None,
+        cell_records_path: str | Path | None = None,
+        max_record_bytes: int | None = None,
+        max_stalled_rounds: int = STALLED_ROUNDS,
+        min_cells: int = 1,
     ) -> None:
         """``cell_bounds``: the largest weight each cell's report may claim (the sum of its devices' bounds
         times the results a report adds up, :func:`protocols.bounds.cell_weight_bound`); a report claiming
         more is refused. ``session``: the cloud session (a job's, ``protocols.jobs.job_session``); default
-        a fresh one."""
+        a fresh one. ``max_stalled_rounds``, ``min_cells``: when the job fails for lack of progress
+        (:class:`protocols.failures.StallWatch`). ``cell_records_path``: write every cell's aggregation records,
+        from their telemetry, there (``cloud.cell_records``; a deployed cloud, whose cells write elsewhere).
+        ``max_record_bytes``: rotate the records files past this size (``protocols.jsonl.JsonlWriter``)."""
         self.transport, self.loop, self.run = transport, transport.loop, run
         self.cell_bounds = cell_bounds
         self.cells, self.role, self.rounds = sorted(cells), role, rounds
@@ -102,10 +113,13 @@ class CloudServer:
         self.finished = False
         self.stopped: str | None = None  # why the run ended before ``rounds`` (the role's stop_reason)
         self._stop_request: str | None = None  # request_stop's reason
-        self._stalled_rounds = 0  # rounds in a row in which every answering device diverged
+        self.failed: str | None = None  # why the job failed (it ended early; one-shot commands exit non-zero)
+        self._fail_request: str | None = None  # a failure found while recording a round: fail after it
+        self.stall = StallWatch(max_stalled_rounds, min_cells)
         self.started = False
         self.history: list[dict[str, Any]] = []
         self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each round record (monitor.exporter)
+        self.failure_observers: list[Callable[[str], None]] = []  # get the reason the job failed
         self.cumulative = {t: 0 for t in TIERS}
         self.cell_ready: dict[str, bool] = {c: False for c in self.cells}
         self.cell_online: dict[str, bool] = {c: False for c in self.cells}
@@ -127,26 +141,36 @@ class CloudServer:
             self.round = int(state.meta["round"]) + 1
             self.cumulative.update(state.meta.get("cumulative", {}))
             stalled = state.meta.get("stalled", 0)
-            self._stalled_rounds = stalled if isinstance(stalled, int) and 0 <= stalled < STALLED_ROUNDS else 0
+            if isinstance(stalled, int) and 0 < stalled < self.stall.max_rounds:
+                self.stall.stalled, self.stall.first = stalled, self.round - stalled
             if isinstance(state.meta.get("session"), str):  # the same session: cells take the re-sent round
                 self.session = self.messenger.session = state.meta["session"]
             self.resumed = True
             if metrics_path is not None:
                 repair_metrics(Path(metrics_path), self.round, state.meta.get("record"))
             log.info("resumed from %s at round %d (session %s)", self.checkpoint_path, self.round, self.session)
-        self.metrics = JsonlWriter(metrics_path)
+        self.metrics = JsonlWriter(metrics_path, max_record_bytes)
+        self.cell_records = (
+            CellRecordCollector(transport, run, self.cells, cell_records_path, trust, max_record_bytes)
+            if cell_records_path is not None
+            else None
+        )
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         if not self.resumed:  # crash-consistent from the first round on: a checkpoint precedes any task
             self._checkpoint(None)
-        self.transport.subscribe(topics.cell_reports(self.run), self._on_report)
-        self.transport.subscribe(topics.statuses(self.run), self._on_status)
+        self.transport.subscribe(topics.cell_reports(self.run), self._guard(self._on_report, "report handler"))
+        self.transport.subscribe(topics.statuses(self.run), self._guard(self._on_status, "status handler"))
+        if self.cell_records is not None:
+            self.cell_records.start(lambda h: self._guard(h, "cell record handler"))
         status = topics.status(self.run, "cloud")
         extra = {"started": round(time.time(), 6)} if self.trust is not None else {}
         self.transport.publish(
             status, encode_status("online", topic=status, trust=self.trust, session=self.session, **extra), retain=True
         )
+        self._started_wall = time.time()
+        self._state("starting", waiting=[c for c in self.cells if not self.cell_ready[c]])
         if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker
             self.transport.publish(topics.control(self.run), b"", retain=True)
             self._check_stop()
@@ -155,8 +179,27 @@ class CloudServer:
             return
         self._start_at = self.loop.now()
         if self.startup_wait > 0:
-            self.loop.call_later(self.startup_wait, self._begin_once)
-        self.loop.post(self._maybe_begin)
+            self.loop.call_later(self.startup_wait, self._guard(self._begin_once, "round start"))
+        self.loop.post(self._guard(self._maybe_begin, "round start"))
+
+    def _state(self, phase: str, waiting: Iterable[str] = (), **extra: Any) -> None:
+        """Publish this cloud's retained current state (``protocols.state``): a monitor started mid-stall sees it."""
+        publish_state(
+            self.transport,
+            self.run,
+            "cloud",
+            phase,
+            trust=self.trust,
+            waiting=waiting,
+            round=self.round,
+            rounds=self.rounds,
+            started=round(self._started_wall, 3),
+            **extra,
+        )
+
+    def _guard(self, fn: Callable[..., None], what: str) -> Callable[..., None]:
+        """``fn`` as a handler or timer of this cloud: an exception in it (a bug) fails the job."""
+        return guarded(fn, self.fail, f"cloud: {what}")
 
     def stop(self) -> None:
         self.loop.cancel(self._timer)
@@ -165,6 +208,8 @@ class CloudServer:
             self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
             self.transport.close()
         self.metrics.close()
+        if self.cell_records is not None:
+            self.cell_records.close()
 
     def _on_status(self, topic: str, data: bytes) -> None:
         node = topic.rsplit("/", 1)[-1]
@@ -203,9 +248,11 @@ class CloudServer:
         if not self._in_round or self.round != r:  # every cell had reported already
             return
         if not self.planned:
-            self.loop.post(lambda: self._close(r, "no cells"))
+            self.loop.post(self._guard(lambda: self._close(r, "no cells"), "round close"))
         else:
-            self._timer = self.loop.call_later(self.cell_deadline, lambda: self._close(r, "deadline"))
+            self._timer = self.loop.call_later(
+                self.cell_deadline, self._guard(lambda: self._close(r, "deadline"), "round deadline")
+            )
 
     def _plannable(self, cell: str) -> bool:
         """Online (or no startup wait), or offline for less than ``cell_deadline``: a cell that just died
@@ -230,6 +277,8 @@ class CloudServer:
         self._bytes = {t: 0 for t in TIERS}
         self._cell_devices: dict[str, int] = {}
         self._cell_diverged: dict[str, int] = {}
+        self._cell_failed: dict[str, int] = {}
+        self._failures: dict[str, int] = {}  # reason -> devices whose task failed, over the cells
         allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
         plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
         self.planned = sorted(plan)
@@ -241,6 +290,8 @@ class CloudServer:
             self._bytes["cloud_to_cell"] += self.messenger.send(
                 topics.cell_task(self.run, cell), "cell_task", plan[cell], round=self.round, cell=cell
             )
+        self._round_since = time.time()
+        self._state("waiting", self.planned, since=self._round_since, deadline_s=self.cell_deadline)
 
     def _on_report(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("cell_report",))
@@ -259,16 +310,23 @@ class CloudServer:
         h, cell = msg.header, topic.split("/")[-2]
         taken = len(self.answers.received)
         refused = self._bad_report(cell, msg)
+        failure = failed_reason(msg.payload)
         if refused is None:
-            refused = self.answers.offer(cell, h.sender, (h.round,), msg.payload, self.role.check)
+            payload = None if failure is not None else msg.payload
+            refused = self.answers.offer(cell, h.sender, (h.round,), payload, self.role.check)
         if refused is not None:
             self.messenger.reject(topic, refused.kind, str(refused), cell)
+            return
+        if failure is not None:  # the cell's own handler raised (a bug): the job cannot go on as planned
+            self.fail(f"cell {cell} failed in round {h.round}: {failure}")
             return
         if len(self.answers.received) == taken:
             return  # a repeat counts once
         self._cell_devices[cell] = self._count(cell, msg)
         if not self.answers.pending:
             self._close(self.round, "all reported")
+        else:
+            self._state("waiting", self.answers.pending, since=self._round_since, deadline_s=self.cell_deadline)
 
     def _bad_report(self, cell: str, msg: Any) -> Rejected | None:
         """Runtime checks before the role sees a report: it is for the cell of its topic, in signed runs
@@ -299,6 +357,10 @@ class CloudServer:
         devices, diverged = (msg.payload.meta.get(k, 0) for k in ("devices", "diverged"))
         if isinstance(diverged, int) and not isinstance(diverged, bool) and diverged > 0:
             self._cell_diverged[cell] = diverged
+        failed = msg.payload.meta.get("failed_devices", 0)
+        if isinstance(failed, int) and not isinstance(failed, bool) and failed > 0:
+            self._cell_failed[cell] = failed
+        merge_counts(self._failures, msg.payload.meta.get("failures"))
         return int(devices) if isinstance(devices, int) and devices >= 0 else 0
 
     def _on_reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
@@ -329,6 +391,7 @@ class CloudServer:
             evaluation = self.evaluator(self.role.global_params())
         diverged = self._diverged(evaluation)
         self._stalled(reported)
+        failed = self._fail_request
         record = RoundRecord(
             run=self.run,
             round=self.round,
@@ -339,6 +402,8 @@ class CloudServer:
             cells_absent=absent,
             devices=self._cell_devices,
             devices_diverged=self._cell_diverged or None,
+            devices_failed=self._cell_failed or None,
+            failures=self._failures or None,
             rejected=self._rejected,
             rejected_more=self._rejected_more or None,
             bytes=dict(self._bytes),
@@ -351,11 +416,14 @@ class CloudServer:
             epsilon_by_party=by_party,
             epsilon_basis=basis,
             diverged=diverged,
+            failed=failed,
             metrics=role_metrics,
             duration_s=round(time.perf_counter() - self._wall0, 6),
             time=round(time.time(), 3),
         ).to_dict()
         self._rejected, self._rejected_more = [], 0  # the next record lists what is refused from now on
+        self._log_round(record)
+        self._state("idle")
         self.history.append(record)
         self.metrics.write(record)
         for observe in self.observers:
@@ -366,10 +434,29 @@ class CloudServer:
         if self.on_round is not None:
             self.on_round(record)
         self.round += 1
-        if self.round < self.rounds and not self._check_stop():
-            self.loop.post(self._begin_round)
+        if failed is not None:
+            self.fail(failed)
+        elif self.round < self.rounds and not self._check_stop():
+            self.loop.post(self._guard(self._begin_round, "round start"))
         else:
             self._finish()
+
+    def _log_round(self, record: dict[str, Any]) -> None:
+        """One info line per round: what an operator watching the cloud's log needs."""
+        accuracy = record.get("accuracy")
+        log.info(
+            "cloud: round %d/%d closed (%s): cells %d/%d answered, devices %d%s, accuracy %s, %s bytes, %.2f s",
+            record["round"],
+            self.rounds,
+            record["closed_by"],
+            len(record["cells_reported"]),
+            len(record["cells_planned"]),
+            sum(record["devices"].values()),
+            f" (failed {sum(record['devices_failed'].values())})" if record.get("devices_failed") else "",
+            f"{accuracy:.4f}" if isinstance(accuracy, float) else "-",
+            f"{sum(record['bytes'].values()):,}",
+            record["duration_s"],
+        )
 
     def _diverged(self, evaluation: dict[str, float]) -> str | None:
         """Drop the non-finite numbers of the global model's ``evaluation`` (in place) and, if there were any,
@@ -380,30 +467,27 @@ class CloudServer:
             return None
         why = ", ".join(f"{k} = {evaluation.pop(k)}" for k in bad)
         log.error(
-            "round %d: the global model diverged (%s): the run stops after this round (a learning rate too large?)",
+            "round %d: the global model diverged (%s): the job fails after this round (a learning rate too large?)",
             self.round,
             why,
         )
-        self._stop_request = self._stop_request or f"the global model diverged at round {self.round} ({why})"
+        self._fail_request = self._fail_request or f"the global model diverged at round {self.round} ({why})"
         return why
 
     def _stalled(self, reported: list[str]) -> None:
-        """Count the rounds in a row in which devices answered and every one diverged (no cell aggregated
-        a device); after ``STALLED_ROUNDS`` of them ask the run to stop: the global model cannot move."""
-        stalled = bool(self._cell_diverged) and not any(self._cell_devices.get(c, 0) for c in reported)
-        self._stalled_rounds = self._stalled_rounds + 1 if stalled else 0
-        if self._stalled_rounds >= STALLED_ROUNDS:
-            n = sum(self._cell_diverged.values())
-            log.error(
-                "round %d: all %d devices that answered diverged, %d rounds in a row: the run stops after "
-                "this round (a learning rate too large?)",
-                self.round,
-                n,
-                self._stalled_rounds,
-            )
-            self._stop_request = self._stop_request or (
-                f"every device diverged in rounds {self.round - self._stalled_rounds + 1}-{self.round}"
-            )
+        """Count a round without progress (no cell answered, or every device that answered failed or
+        diverged); after ``max_stalled_rounds`` of them in a row the job fails after this round."""
+        aggregated = sum(self._cell_devices.get(c, 0) for c in reported)
+        why = self.stall.observe(
+            self.round,
+            len(reported),
+            len(self.cells),
+            aggregated,
+            self._failures,
+            sum(self._cell_diverged.values()),
+        )
+        if why is not None:
+            self._fail_request = self._fail_request or why
 
     def _checkpoint(self, record: dict[str, Any] | None) -> None:
         """Atomically save the state after round ``self.round`` (before round 0: -1) and its ``record``,
@@ -418,7 +502,7 @@ class CloudServer:
             "session": self.session,
             "cumulative": self.cumulative,
             "role": state.meta,
-            **({"stalled": self._stalled_rounds} if self._stalled_rounds else {}),
+            **({"stalled": self.stall.stalled} if self.stall.stalled else {}),
         }
         save_payload(self.checkpoint_path, Payload({**meta, "record": record} if record else meta, state.tensors))
 
@@ -437,9 +521,31 @@ class CloudServer:
             )
         return self.stopped
 
+    def fail(self, reason: str) -> None:
+        """End the job now as failed with ``reason`` (logged; ``failed`` in the ``finished`` record, the summary
+        and the metrics): a stalled job, a cell that failed, an exception in one of this cloud's handlers."""
+        if self.finished:
+            return
+        log.error("cloud: the job fails at round %d: %s", self.round, reason)
+        self.failed = reason
+        self._in_round = False
+        self.loop.cancel(self._timer)
+        self.answers.close()
+        for observe in self.failure_observers:
+            observe(reason)
+        self._finish()
+
+    @property
+    def outcome(self) -> str:
+        """``finished`` (every round), ``stopped`` (a budget, a target: not an error) or ``failed``."""
+        return "failed" if self.failed else "stopped" if self.stopped else "finished"
+
     def _finish(self) -> None:
         self.finished = True
         extra = {"stopped": self.stopped} if self.stopped else {}
+        if self.failed:
+            extra["failed"] = self.failed
+        self._state(self.outcome, reason=self.failed or self.stopped)
         self.messenger.send(
             topics.control(self.run),
             "control",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
+from protocols.failures import failed_payload, failed_reason
 from protocols.rejections import Rejected, RejectKind
 from protocols.status import encode_status
 from protocols.trainer import LocalData, Trainer
@@ -258,13 +259,12 @@ class DeviceAgent:
             return self.role.train(task, self.data, self.trainer, ctx), None
         except Exception as exc:  # a bad task must not kill the device
             log.exception("device %s failed round %d.%d", self.device, ctx.round, ctx.edge_round)
-            return None, str(exc)
+            return None, f"{type(exc).__name__}: {exc}"
 
     def _trained(self, topic: str, h: Header, result: Payload | None, error: str | None) -> None:
-        if result is None:
-            self.pending -= 1
-            self.messenger.reject(topic, RejectKind.FAILED, f"training failed: {error}", h.sender)
-            return
+        if result is None:  # the cell hears why at once (recorded per reason), rather than at its deadline
+            log.warning("device %s: task %d.%d failed: %s", self.device, h.round, h.edge_round, error)
+            result = failed_payload(f"{error}")
         why = nonfinite(result)
         if why is not None:  # the cell records it and leaves it out of the aggregate
             log.warning("device %s diverged in round %d.%d: %s", self.device, h.round, h.edge_round, why)
@@ -279,7 +279,9 @@ class DeviceAgent:
         self.pending -= 1
         if self.transport.closed:
             return  # the device left while it was computing (a broken connection sends it after reconnecting)
-        if self.secagg is not None and diverged_reason(result) is None:  # masked, once the cell routed
+        if (
+            self.secagg is not None and diverged_reason(result) is None and failed_reason(result) is None
+        ):  # masked, once the cell routed
             self.secagg.result_ready(result, round, edge_round)  # the shares (a diverged one leaves as is:
             return  # to the aggregation it is a dropout)
         self.publish_result(result, round, edge_round)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from . import __version__
-from .console import console, load_or_exit, print_summary, round_progress, setup_logging
+from .console import JOB_FAILED, console, exit_if_failed, load_or_exit, print_summary, round_progress, setup_logging
 
 CONFIG = click.argument("config", type=click.Path(exists=True, dir_okay=False))
 SET = click.option(
@@ -84,6 +84,7 @@ def sim(
 ) -> None:
     """Simulate CONFIG in one process, without a broker (same tier code, in-memory transport)."""
     from protocols.config import ConfigError
+    from protocols.jsonl import StorageError
     from sim.executors import WorkerError
     from sim.launcher import run_simulation
 
@@ -103,7 +104,11 @@ def sim(
 
         console.print(f"[bold red]error:[/] {escape(str(exc))}")  # a worker's traceback may hold [brackets]
         raise SystemExit(1) from exc
+    except StorageError as exc:  # a full disk while writing the final files
+        console.print(f"[bold red]job failed:[/] {exc}")
+        raise SystemExit(JOB_FAILED) from exc
     print_summary(result.summary(), result.output_dir)
+    exit_if_failed(result)
 
 
 for _module in (

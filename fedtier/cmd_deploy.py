@@ -11,7 +11,15 @@ from protocols.rejections import RejectKind
 
 from .cli import CONFIG, SET, VERBOSE, auth_options, main
 from .cmd_keys import keys_option
-from .console import console, load_deployment_or_exit, print_summary, round_progress, setup_logging
+from .console import (
+    JOB_FAILED,
+    console,
+    exit_if_failed,
+    load_deployment_or_exit,
+    print_summary,
+    round_progress,
+    setup_logging,
+)
 from .metrics import linger, metrics_options, port_override, serve_metrics
 
 BROKER = click.option(
@@ -167,6 +175,7 @@ def cloud(
     from cloud.node import build_cloud
     from edge_agent.runner import offline_will
     from protocols.config import ConfigError
+    from protocols.jsonl import StorageError
     from protocols.transport.threadloop import ThreadLoop
     from sim.hierarchy import fresh_output, make_evaluator
     from sim.launcher import RunResult, write_final
@@ -211,6 +220,7 @@ def cloud(
             resume=resume,
             startup_wait=cfg.runtime.startup_wait,
             on_round=on_round,
+            collect_cell_records=True,
         )
         exporter = serve_metrics(cfg)
         if exporter is not None:
@@ -219,10 +229,22 @@ def cloud(
     linger(exporter, metrics_linger)
     if node.finished:
         result = RunResult(
-            cfg, node.role.global_params(), node.history, [], out, time.perf_counter() - t0, stopped=node.stopped
+            cfg,
+            node.role.global_params(),
+            node.history,
+            [],
+            out,
+            time.perf_counter() - t0,
+            stopped=node.stopped,
+            failed=node.failed,
         )
-        write_final(out, result)
+        try:
+            write_final(out, result)
+        except StorageError as exc:  # a full disk: the job's files are incomplete, say so
+            console.print(f"[bold red]job failed:[/] {exc}")
+            raise SystemExit(JOB_FAILED) from exc
         print_summary(result.summary(), out)
+        exit_if_failed(result)
 
 
 @main.command()

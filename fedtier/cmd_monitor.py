@@ -166,6 +166,9 @@ def monitor(
         state.add_all(records, bad, received=now)
         for node, s in statuses:
             state.add_status(node, s, time.time())
+        if isinstance(feed, TelemetryFeed):
+            for current in feed.poll_states():
+                state.add_state(current)
 
     out = Console(width=width) if width else Console()
     try:

@@ -6,7 +6,7 @@ import click
 
 from .cli import CONFIG, SET, VERBOSE, main
 from .cmd_keys import keys_option
-from .console import console, load_or_exit, print_summary, round_progress, setup_logging
+from .console import JOB_FAILED, console, exit_if_failed, load_or_exit, print_summary, round_progress, setup_logging
 from .metrics import linger, metrics_options, port_override, serve_metrics
 
 
@@ -74,6 +74,7 @@ def run(
     in worker processes, each device with its own broker connection. Same final model as `fedtier sim`
     (with the cohort engine: within float tolerance)."""
     from protocols.config import ConfigError
+    from protocols.jsonl import StorageError
     from protocols.wire import chunking
     from sim.emulation import Emulation
 
@@ -101,7 +102,11 @@ def run(
     except (ConnectionError, RuntimeError, TimeoutError) as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise SystemExit(1) from exc
+    except StorageError as exc:  # a full disk while writing the final files
+        console.print(f"[bold red]job failed:[/] {exc}")
+        raise SystemExit(JOB_FAILED) from exc
     print_summary(result.summary(), result.output_dir)
     for name, counts in emulation.broker_bytes.items():
         console.print(f"broker {name}: {counts['received']:,} bytes received, {counts['sent']:,} sent")
     linger(exporter, metrics_linger)
+    exit_if_failed(result)

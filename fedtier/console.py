@@ -78,7 +78,8 @@ def print_summary(summary: dict[str, Any], output_dir: Any) -> None:
     table = Table(title="run summary", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    for key in ("run", "algorithm", "rounds", "accuracy", "loss", "epsilon", "stopped", "wall_s", "virtual_time_s"):
+    keys = ("run", "status", "failed", "algorithm", "rounds", "accuracy", "loss", "epsilon", "stopped", "wall_s")
+    for key in (*keys, "virtual_time_s"):
         if key not in summary:
             continue
         value = summary.get(key)
@@ -97,3 +98,17 @@ def print_summary(summary: dict[str, Any], output_dir: Any) -> None:
 def fail(message: str, code: int = 1) -> None:
     console.print(f"[bold red]error:[/] {message}")
     raise click.exceptions.Exit(code)
+
+
+JOB_FAILED = 3
+"""Exit status of a one-shot command (``fedtier run|sim|cloud``) whose job failed (1: an error before it ran,
+2: a bad config)."""
+
+
+def exit_if_failed(result: Any) -> None:
+    """Exit with :data:`JOB_FAILED` and the reason when the job of ``result`` (a ``RunResult``) failed."""
+    if getattr(result, "failed", None):
+        from rich.markup import escape
+
+        console.print(f"[bold red]job failed:[/] {escape(result.failed)}")
+        raise SystemExit(JOB_FAILED)

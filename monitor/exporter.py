@@ -45,6 +45,31 @@ def _kind_label(kind: str | None) -> str:
         return RejectKind.INVALID.value
 
 
+_FAILURES = (  # first match wins: why a job failed -> a bounded label value
+    ("storage", ("no space left", "cannot write", "cannot open")),
+    ("diverged", ("global model diverged",)),
+    ("stalled", ("no cell answered", "cells answered in round", "failed or diverged")),
+    ("cell_failed", ("failed in round",)),
+    ("handler_error", (" raised ",)),
+)
+MAX_TASK_FAILURE_KINDS = 8  # distinct exception names a run's metrics label (devices choose them); then "other"
+
+
+def failure_kind(reason: str) -> str:
+    """Why a job failed, reduced to one of a few label values (``other`` when none fits)."""
+    text = reason.lower()
+    for kind, words in _FAILURES:
+        if any(w in text for w in words):
+            return kind
+    return "other"
+
+
+def task_failure_kind(reason: str) -> str:
+    """A device's task failure ("ValueError: shapes...") reduced to its exception name (``other`` if none)."""
+    name = reason.split(":", 1)[0].strip()
+    return _label(name) if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]{0,40}", name) else "other"
+
+
 def _label(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "unknown"
 
@@ -101,6 +126,13 @@ class MetricsExporter:
             cell,
             registry=r,
         )
+        self.cell_failed = Counter(
+            "fedtier_cell_devices_failed",
+            "Devices whose task raised (answered with the reason, not aggregated), by exception name",
+            [*cell, "reason"],
+            registry=r,
+        )
+        self._task_failure_kinds: set[str] = set()
         self.cell_bytes = Counter(
             "fedtier_cell_bytes",
             "Payload bytes of the cell's device links (tier: cell_to_device, device_to_cell)",
@@ -146,7 +178,16 @@ class MetricsExporter:
         self.cloud_rounds_planned = Gauge(
             "fedtier_cloud_rounds_planned", "Cloud rounds the run is configured for", cloud, registry=r
         )
-        self.cloud_finished = Gauge("fedtier_cloud_finished", "1 once the last round closed", cloud, registry=r)
+        self.cloud_finished = Gauge(
+            "fedtier_cloud_finished", "1 once the last round closed (or the job failed)", cloud, registry=r
+        )
+        self.cloud_job_failed = Gauge(
+            "fedtier_cloud_job_failed",
+            "1 once the cloud ended the job as failed, by kind (stalled, cell_failed, handler_error, diverged, "
+            "storage, other); the reason is in summary.json and the cloud's log",
+            [*cloud, "kind"],
+            registry=r,
+        )
         self.cloud_accuracy = Gauge(
             "fedtier_cloud_accuracy", "Test accuracy of the global model (latest evaluated round)", cloud, registry=r
         )
@@ -222,6 +263,12 @@ class MetricsExporter:
             self.cell_rejected.labels(run, cell, rejection.kind.value).inc()
         if rec.diverged:
             self.cell_diverged.labels(run, cell).inc(len(rec.diverged))
+        for why, count in (rec.failed_counts or {}).items():
+            kind = task_failure_kind(why)
+            if kind not in self._task_failure_kinds and len(self._task_failure_kinds) >= MAX_TASK_FAILURE_KINDS:
+                kind = "other"
+            self._task_failure_kinds.add(kind)
+            self.cell_failed.labels(run, cell, kind).inc(count)
         self.cell_bytes.labels(run, cell, "device_to_cell").inc(rec.bytes_in)
         self.cell_bytes.labels(run, cell, "cell_to_device").inc(rec.bytes_out)
         self.cell_duration.labels(run, cell).observe(rec.duration_s)
@@ -256,6 +303,8 @@ class MetricsExporter:
             if tier in TIERS:  # a label value from a fixed set, whatever a record holds
                 self.cloud_bytes.labels(run, tier).inc(n)
         self.cloud_duration.labels(run).observe(rec.duration_s)
+        if rec.failed:
+            self.job_failed(rec.failed)
         self.cloud_last.labels(run).set(rec.time if rec.time is not None else time.time())
 
     # ------------------------------------------------------------------ runtimes
@@ -266,9 +315,16 @@ class MetricsExporter:
         self.cell_devices.labels(self.run, server.cell).set(len(server.devices))
         self.cell_deadline.labels(self.run, server.cell).set(server.device_deadline)
 
+    def job_failed(self, reason: str) -> None:
+        """The cloud ended the job as failed with ``reason``."""
+        with self._lock:
+            self.cloud_job_failed.labels(self.run, failure_kind(reason)).set(1)
+            self.cloud_finished.labels(self.run).set(1)
+
     def watch_cloud(self, server: Any) -> None:
-        """Observe a :class:`cloud.server.CloudServer`: its round records and its deadline."""
+        """Observe a :class:`cloud.server.CloudServer`: its round records, its deadline, a failed job."""
         server.observers.append(self.observe)
+        server.failure_observers.append(self.job_failed)
         self.cloud_deadline.labels(self.run).set(server.cell_deadline)
         self.cloud_rounds_planned.labels(self.run).set(server.rounds)
         self.cloud_finished.labels(self.run).set(0)

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from protocols import runfiles
-from protocols.records import BadLine, CellRecord, Record, RoundRecord, parse_lines, parse_record
+from protocols.records import BadLine, CellRecord, Dedup, Record, RoundRecord, parse_lines, parse_record
+from protocols.state import decode_state
 from protocols.status import decode_status
 from protocols.transport.base import Transport
 from protocols.wire import topics
@@ -39,14 +40,31 @@ class _Tail:
         except FileNotFoundError:
             return [], self.line
         size = stat.st_size
+        if stat.st_ino != self.inode and self._rotated():  # the writer rotated: finish the old file, then on
+            first = self.line
+            early, _ = self._read_from(self.path.with_name(self.path.name + ".1"))
+            self.offset, self.buffer, self.inode = 0, b"", stat.st_ino
+            lines, _ = self._read_from(self.path)
+            return early + lines, first
         if size < self.offset or stat.st_ino != self.inode:  # truncated or replaced: a new run in the folder
             self.restarts += self.inode is not None
             self.offset, self.line, self.buffer, self.inode = 0, 1, b"", stat.st_ino
         if size == self.offset:
             return [], self.line
-        with self.path.open("rb") as fh:
+        return self._read_from(self.path)
+
+    def _rotated(self) -> bool:
+        """Whether the file this tail read (its inode) is now ``path.1``: rotated by the writer, not a new run."""
+        try:
+            return self.inode is not None and self.path.with_name(self.path.name + ".1").stat().st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def _read_from(self, path: Path) -> tuple[list[str], int]:
+        """The complete lines of ``path`` past ``offset`` (and their first number)."""
+        with path.open("rb") as fh:
             fh.seek(self.offset)
-            data = fh.read(size - self.offset)
+            data = fh.read()
         self.offset += len(data)
         data = self.buffer + data
         head, sep, self.buffer = data.rpartition(b"\n")
@@ -57,12 +75,16 @@ class _Tail:
 
 
 class RunDirFollower:
-    """Tails ``aggregation.jsonl`` and ``metrics.jsonl`` of a run folder; ``restarts`` counts the times
-    a file was replaced or truncated (a new run started in the folder)."""
+    """Tails ``aggregation.jsonl``, ``cells.jsonl`` (the cells' records a deployed cloud collected; a record in
+    both files counts once) and ``metrics.jsonl`` of a run folder; ``restarts`` counts the times a file was
+    replaced or truncated (a new run started in the folder)."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
-        self._tails = [_Tail(self.run_dir / runfiles.AGGREGATION), _Tail(self.run_dir / runfiles.METRICS)]
+        self._tails = [
+            _Tail(self.run_dir / name) for name in (runfiles.AGGREGATION, runfiles.CELL_RECORDS, runfiles.METRICS)
+        ]
+        self._dedup, self._restarts_seen = Dedup(), 0
 
     def poll(self) -> Batch:
         records: list[Record] = []
@@ -72,7 +94,10 @@ class RunDirFollower:
             r, b = parse_lines(lines, str(tail.path), first)
             records += r
             bad += b
-        return records, bad, []
+        restarts = self.restarts
+        if restarts != self._restarts_seen:  # a new run in the folder: its records are new
+            self._dedup, self._restarts_seen = Dedup(), restarts
+        return self._dedup(records), bad, []
 
     @property
     def restarts(self) -> int:
@@ -111,13 +136,27 @@ class TelemetryFeed:
         self._records: list[Record] = []
         self._bad: list[BadLine] = []
         self._statuses: list[Status] = []
+        self._states: list[dict] = []
         self.received = 0
 
     def start(self) -> TelemetryFeed:
         self.transport.subscribe(topics.telemetry_all(self.run), self._on_record, qos=0)
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
         self.transport.subscribe(topics.device_statuses(self.run), self._on_status)
+        self.transport.subscribe(topics.states(self.run), self._on_state)  # retained: a stall shows at once
         return self
+
+    def _on_state(self, topic: str, data: bytes) -> None:
+        state = decode_state(data, topic, self.keys) if data else None
+        if state is not None:
+            with self._lock:
+                self._states.append(state)
+
+    def poll_states(self) -> list[dict]:
+        """The current-state records (``protocols.state``) that arrived since the last call."""
+        with self._lock:
+            states, self._states = self._states, []
+        return states
 
     def _on_record(self, topic: str, data: bytes) -> None:
         with self._lock:

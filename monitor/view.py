@@ -68,6 +68,7 @@ class MonitorState:
     accuracy: list[tuple[int, float]] = field(default_factory=list)
     bad: list[BadLine] = field(default_factory=list)
     finished: bool = False
+    states: dict[str, dict] = field(default_factory=dict)  # node -> its current state (protocols.state)
     _max_round: int | None = None
 
     # ------------------------------------------------------------------ feeding
@@ -109,6 +110,43 @@ class MonitorState:
             view.online = state == "online"
             if received is not None and view.last_seen is None:
                 view.last_seen = received
+
+    def add_state(self, state: dict) -> None:
+        """A node's retained current state (``protocols.state``): the latest one counts."""
+        node = state["node"]
+        self.states[node] = state
+        if node.startswith("cell."):
+            self._cell(node[len("cell.") :])
+        if node == "cloud" and state.get("phase") in ("finished", "stopped", "failed"):
+            self.finished = True
+
+    def started(self) -> float | None:
+        """Wall clock of the run's start: the cloud's state says it, else its first round record implies it."""
+        cloud = self.states.get("cloud", {}).get("started")
+        if isinstance(cloud, (int, float)):
+            return float(cloud)
+        return None
+
+    def overdue(self, now: float) -> list[str]:
+        """Rounds (cloud) and edge rounds (cells) open for longer than their deadline, with whom they wait for."""
+        out = []
+        for node, s in sorted(self.states.items()):
+            deadline = s.get("deadline_s")
+            if s.get("phase") != "waiting" or not isinstance(deadline, (int, float)):
+                continue
+            age = now - s["since"]
+            if age <= deadline:
+                continue
+            what = (
+                f"round {s.get('round')}"
+                if node == "cloud"
+                else f"{node.removeprefix('cell.')} edge round {s.get('round')}.{s.get('edge_round')}"
+            )
+            out.append(
+                f"{'cloud ' if node == 'cloud' else 'cell '}{what} open for {age:.0f} s, past its "
+                f"{deadline:g} s deadline, {waiting_text(s)}"
+            )
+        return out
 
     def _seen_round(self, rnd: int) -> None:
         self._max_round = rnd if self._max_round is None else max(self._max_round, rnd)
@@ -206,6 +244,12 @@ class MonitorState:
                     )
                 )
         out: list[str] = []
+        cloud_state = self.states.get("cloud", {})
+        if cloud_state.get("phase") == "failed":
+            out.append(f"the job failed: {cloud_state.get('reason', '?')}")
+        elif self.cloud is not None and self.cloud.failed:
+            out.append(f"the job failed: {self.cloud.failed}")
+        out += self.overdue(now)
         if self.cloud is not None and self.cloud.diverged:
             out.append(f"the global model diverged in round {self.cloud.round} ({self.cloud.diverged})")
         for what, found in (
@@ -404,6 +448,33 @@ def summary_line(state: MonitorState, now: float) -> Text:
     return text
 
 
+def waiting_text(s: dict) -> str:
+    """``waiting for a, b (+3 more)`` of a state record."""
+    names = list(s.get("waiting", []))
+    more = int(s.get("waiting_count", len(names))) - len(names)
+    return "waiting for " + (", ".join(names) or "nobody") + (f" (+{more} more)" if more > 0 else "")
+
+
+def state_line(state: MonitorState, now: float) -> Text | None:
+    """What the cloud is doing now (its retained state): the open round, since when, whom it waits for."""
+    s = state.states.get("cloud")
+    if s is None:
+        return None
+    text = Text.assemble(("now ", "bold"))
+    phase = s.get("phase")
+    if phase == "waiting":
+        text.append(f"round {s.get('round')}: {waiting_text(s)} for {now - s['since']:.0f} s")
+        deadline = s.get("deadline_s")
+        if isinstance(deadline, (int, float)) and now - s["since"] > deadline:
+            text.append(f" (deadline {deadline:g} s passed)", style="bold red")
+    else:
+        text.append(f"{phase}" + (f": {s['reason']}" if s.get("reason") else "") + f" since {now - s['since']:.0f} s")
+    started = state.started()
+    if started is not None:
+        text.append(f"  age {now - started:.0f} s")
+    return text
+
+
 def cloud_line(state: MonitorState, now: float) -> Text:
     c = state.cloud
     if c is None:
@@ -418,8 +489,6 @@ def cloud_line(state: MonitorState, now: float) -> Text:
     if c.epsilon is not None:
         text.append(f"ε {c.epsilon:.3g}  ", style="magenta")
     text.append(f"bytes {human_bytes(sum(c.cumulative_bytes.values()))}  ")
-    if c.clock_s:
-        text.append(f"clock {c.clock_s:.1f} s  ")
     text.append(f"last {_ago(now, state.cloud_seen)}")
     if state.finished:
         text.append("  finished", style="bold green")
@@ -434,7 +503,13 @@ def render(state: MonitorState, now: float | None = None, flt: CellFilter | None
         Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
     )
     title = f"fedtier monitor: {escape(state.run or '?')}  ({len(state.cells)} cells)"
-    body = Group(cloud_line(state, now), summary_line(state, now), cell_table(state, now, flt))
+    current = state_line(state, now)
+    body = Group(
+        cloud_line(state, now),
+        *((current,) if current is not None else ()),
+        summary_line(state, now),
+        cell_table(state, now, flt),
+    )
     return Group(
         Panel(body, title=title, title_align="left", expand=False),
         Panel(alert_text, title="alerts", title_align="left", expand=False),

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .jsonl import StorageError
 from .wire.envelope import WireError
 from .wire.payload import Payload, decode_payload, encode_payload
 
@@ -35,10 +36,14 @@ def save_payload(path: str | Path, payload: Payload) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with private_file(tmp) as fh:
-        fh.write(MAGIC + encode_payload(payload))
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with private_file(tmp) as fh:
+            fh.write(MAGIC + encode_payload(payload))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:  # a full disk: the previous file stays whole, the partial one goes
+        tmp.unlink(missing_ok=True)
+        raise StorageError(exc.errno, f"cannot write {path}: {exc.strerror or exc} (the previous one is kept)") from exc
     os.replace(tmp, path)
 
 

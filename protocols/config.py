@@ -327,6 +327,25 @@ class RuntimeSection(_Section):
         ge=0,
         description="a cell deems a device offline when its last heartbeat is older than this (MQTT; 0: never)",
     )
+    max_record_bytes: int | None = Field(
+        default=256 << 20,
+        gt=4096,
+        description="a records file (metrics.jsonl, aggregation.jsonl, cells.jsonl) rotates past this size, the "
+        "4 latest rotated files kept (file.1 ... file.4; readers take them all): bounded disk use for long-lived "
+        "nodes; none: never rotate",
+    )
+    max_stalled_rounds: int = Field(
+        default=3,
+        ge=1,
+        description="the job fails after this many cloud rounds in a row without progress: no cell answered "
+        "(fewer than min_cells), or every device that answered failed its task or diverged",
+    )
+    min_cells: int = Field(
+        default=1,
+        ge=1,
+        description="a cloud round makes progress only when at least this many cells answered (at most every "
+        "cell of the job); see max_stalled_rounds",
+    )
     rejoin_wait: float = Field(
         default=30.0,
         ge=0,

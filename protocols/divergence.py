@@ -1,8 +1,8 @@
 """A device whose training diverged (a loss or parameters that overflowed to inf, or NaN) sends a
 small "diverged" result instead of numbers nobody can use: the cell records it (``diverged`` in its
 aggregation record), counts the device as answered and keeps it out of the aggregate, and its report tells
-the cloud how many; a run in which every answering device diverges for ``STALLED_ROUNDS`` rounds in a
-row is stopped by the cloud.
+the cloud how many; a job in which every answering device diverges for ``STALLED_ROUNDS`` rounds in a
+row is failed by the cloud.
 
 The result is a payload with only ``meta = {"diverged": reason}`` (no tensors), so it encodes whatever
 the role produced, and a receiver tells it from a real result by that key alone.
@@ -20,7 +20,8 @@ from .wire.payload import Payload, all_finite
 KEY = "diverged"
 MAX_REASON = 200  # characters of a reason a cell keeps
 # cloud rounds in a row in which devices answered and every one of them diverged (nothing aggregated
-# anywhere: the global model cannot move) after which the cloud stops the run
+# anywhere: the global model cannot move) after which the cloud fails the job
+# (the default of runtime.max_stalled_rounds, protocols.failures.StallWatch)
 STALLED_ROUNDS = 3
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,25 +33,79 @@ def _finite_float(text: str) -> float:
     return value
 
 
-class JsonlWriter:
-    """Appends records to ``path`` (created with its folder); each write is flushed."""
+class StorageError(OSError):
+    """A run file could not be written (a full disk, a read-only folder): the tier's guard fails the job with
+    this message; nothing half-written is left behind."""
 
-    def __init__(self, path: str | Path | None) -> None:
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (a write may take part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def rotated(path: Path) -> list[Path]:
+    """``path`` and its rotated predecessors (``path.1`` the newest of them), oldest first, those that exist."""
+    older = sorted(
+        (p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()),
+        key=lambda p: -int(p.suffix[1:]),
+    )
+    return [*older, *([path] if path.exists() else [])]
+
+
+class JsonlWriter:
+    """Appends records to ``path`` (created with its folder); each record is one ``write`` to the file (no
+    buffer: a crash loses nothing). A record that cannot be written (``ENOSPC``...) is cut off the file again
+    and raises :class:`StorageError`. With ``max_bytes`` the file rotates when it grows past that size:
+    ``path`` -> ``path.1`` -> ... -> ``path.{keep}`` (the oldest is dropped), so a long-lived node's records
+    stay bounded; readers take the kept files in order (:func:`rotated`)."""
+
+    def __init__(self, path: str | Path | None, max_bytes: int | None = None, keep: int = 4) -> None:
         self.path = Path(path) if path is not None else None
-        self._fh = None
+        self.max_bytes, self.keep = max_bytes, max(1, keep)
+        self._fd: int | None = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a", encoding="utf-8")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise StorageError(exc.errno, f"cannot open {self.path}: {exc.strerror or exc}") from exc
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._fh is not None:
-            self._fh.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
-            self._fh.flush()
+        if self._fd is None:
+            return
+        data = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            write_all(self._fd, data)
+        except OSError as exc:
+            try:  # no torn line: readers would skip it, the next record would be glued to it
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+            raise StorageError(
+                exc.errno, f"cannot write {self.path}: {exc.strerror or exc} (the record is not written)"
+            ) from exc
+        if self.max_bytes is not None and start + len(data) >= self.max_bytes:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        assert self.path is not None and self._fd is not None
+        os.close(self._fd)
+        oldest = self.path.with_name(f"{self.path.name}.{self.keep}")
+        oldest.unlink(missing_ok=True)
+        for n in range(self.keep - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{n}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{n + 1}"))
+        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:

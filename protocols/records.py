@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .jsonl import loads
+from .jsonl import loads, rotated
 from .rejections import RejectKind
 
 SCHEMA_VERSION = 1
@@ -100,6 +100,12 @@ class CellRecord(_Record):
         description="devices whose training diverged (non-finite "
         "loss or parameters): answered, not aggregated, with why",
     )
+    failed: dict[str, str] | None = Field(
+        None, description="devices whose task raised (answered with the reason, not aggregated): device -> reason"
+    )
+    failed_counts: dict[str, int] | None = Field(
+        None, description="reason -> devices whose task failed with it (at most 8 reasons, the rest as other)"
+    )
     bytes_in: int = Field(0, ge=0, description="device -> cell payload bytes of this edge round")
     bytes_out: int = Field(0, ge=0, description="cell -> device payload bytes of this edge round")
     loss_mean: float | None = Field(None, description="mean training loss the answering devices reported")
@@ -150,6 +156,12 @@ class RoundRecord(_Record):
     devices_diverged: dict[str, int] | None = Field(
         None, description="cell -> devices whose training diverged (answered, never aggregated)"
     )
+    devices_failed: dict[str, int] | None = Field(
+        None, description="cell -> devices whose task failed in every edge round they had (answered, not aggregated)"
+    )
+    failures: dict[str, int] | None = Field(
+        None, description="reason -> devices whose task failed with it this round, over the cells (bounded)"
+    )
     rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, kind, reason")
     rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
     excluded: dict[str, str] | None = Field(
@@ -178,8 +190,9 @@ class RoundRecord(_Record):
     diverged: str | None = Field(
         None,
         description="the global model's evaluation numbers that were not finite "
-        "(left out of the record); the run stops after this round",
+        "(left out of the record); the job fails after this round",
     )
+    failed: str | None = Field(None, description="why the job failed after this round (it ends here)")
 
 
 Record = CellRecord | RoundRecord
@@ -237,18 +250,52 @@ def parse_lines(
 
 
 def read_records(path: str | Path) -> tuple[list[Record], list[BadLine]]:
-    """Every valid record of a JSON-lines file, and the lines that are not (a missing file: none)."""
-    path = Path(path)
-    if not path.exists():
-        return [], []
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        return parse_lines(fh, str(path))
+    """Every valid record of a JSON-lines file and of its rotated predecessors (``path.1``...: a long-lived
+    node's bounded files, ``protocols.jsonl.JsonlWriter``), oldest first, and the lines that are not (a missing
+    file: none)."""
+    records: list[Record] = []
+    bad: list[BadLine] = []
+    for part in rotated(Path(path)):
+        with part.open(encoding="utf-8", errors="replace") as fh:
+            r, b = parse_lines(fh, str(part))
+        records += r
+        bad += b
+    return records, bad
+
+
+def record_key(record: Record) -> tuple[Any, ...]:
+    """What tells two copies of one record apart from two records: a cell's record as the cell wrote it and as
+    a deployed cloud received it (``cells.jsonl``) have the same key."""
+    if isinstance(record, CellRecord):
+        return ("aggregation", record.cell, record.round, record.edge_round, record.time)
+    return ("round", record.round, record.time)
+
+
+class Dedup:
+    """Passes each record once (by :func:`record_key`)."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[Any, ...]] = set()
+
+    def __call__(self, records: Iterable[Record]) -> list[Record]:
+        fresh = []
+        for r in records:
+            key = record_key(r)
+            if key not in self.seen:
+                self.seen.add(key)
+                fresh.append(r)
+        return fresh
 
 
 def read_run(run_dir: str | Path) -> tuple[list[Record], list[BadLine]]:
-    """The cell records (``aggregation.jsonl``) then the cloud records (``metrics.jsonl``) of a run folder."""
+    """The cell records (``aggregation.jsonl``, then those a deployed cloud collected in ``cells.jsonl`` that
+    are not in it) then the cloud records (``metrics.jsonl``) of a run folder."""
     from . import runfiles
 
     cells, bad_cells = read_records(Path(run_dir) / runfiles.AGGREGATION)
+    collected, bad_collected = read_records(Path(run_dir) / runfiles.CELL_RECORDS)
     rounds, bad_rounds = read_records(Path(run_dir) / runfiles.METRICS)
-    return [*cells, *rounds], [*bad_cells, *bad_rounds]
+    merged = Dedup()([*cells, *collected])
+    if collected and cells:  # both: order the cells' records as they happened
+        merged.sort(key=lambda r: (r.round, getattr(r, "edge_round", 0), r.time or 0.0, getattr(r, "cell", "")))
+    return [*merged, *rounds], [*bad_cells, *bad_collected, *bad_rounds]

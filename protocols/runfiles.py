@@ -3,6 +3,7 @@
 CONFIG = "config.toml"  # the config the run used, overrides applied
 METRICS = "metrics.jsonl"  # one cloud round record per line
 AGGREGATION = "aggregation.jsonl"  # one cell aggregation record per line (all cells)
+CELL_RECORDS = "cells.jsonl"  # a deployed cloud: every cell's aggregation records, from their signed telemetry
 FINAL_MODEL = "final_model.ftw"  # the final global model (tensors/v1, see protocols.checkpoint)
 CHECKPOINT = "checkpoint.ftw"  # the cloud's state after its last round, for --resume
 SUMMARY = "summary.json"  # final accuracy, bytes, wall time

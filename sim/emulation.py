@@ -380,6 +380,7 @@ class Emulation:
                 {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")} for d, s in sorted(agent_stats.items())},
                 wire,
                 stopped=cloud.stopped,
+                failed=cloud.failed,
             )
             write_final(out, result)
             return result

@@ -57,6 +57,12 @@ class RunResult:
     device_traffic: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes_in/out, tasks per device
     wire_bytes: dict[str, int] = field(default_factory=dict)  # MQTT bytes per tier (fedtier run only)
     stopped: str | None = None  # why the cloud stopped before run.rounds (a privacy budget)
+    failed: str | None = None  # why the job failed (a stall, a failed cell, a handler's exception)
+
+    @property
+    def status(self) -> str:
+        """``finished``, ``stopped`` (before run.rounds, not an error) or ``failed``."""
+        return "failed" if self.failed else "stopped" if self.stopped else "finished"
 
     @property
     def final_accuracy(self) -> float | None:
@@ -69,6 +75,8 @@ class RunResult:
         last = self.history[-1] if self.history else {}
         return {
             "run": self.config.run.name,
+            "status": self.status,
+            **({"failed": self.failed} if self.failed else {}),
             "algorithm": self.config.train.name,
             "rounds": last.get("round", -1) + 1,  # a resumed run counts its earlier rounds
             "accuracy": self.final_accuracy,
@@ -231,6 +239,7 @@ class SimHierarchy:
             time.perf_counter() - self.t0,
             self.agents.traffic(),
             stopped=self.cloud.stopped,
+            failed=self.cloud.failed,
         )
         self.agents.stop()
         for cell in self.cells.values():

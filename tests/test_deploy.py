@@ -4,6 +4,7 @@ own OS process started from the command line, over one broker; one agent is forw
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from edge_agent.runner import save_device_data
 from protocols import runfiles
 from protocols.config import load_config
 from protocols.procs import popen
+from protocols.records import CellRecord, read_records, read_run
 from protocols.trainer import LocalData
 from protocols.transport.broker import EmbeddedBroker
 from sim.hierarchy import prepare
@@ -72,8 +74,18 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
                 "--test-data",
                 str(tmp_path / "test.npz"),
                 "--no-progress",
+                "-v",
             ],
-            "cell": [FEDTIER, "cell", str(config), *common, "--cell", "c0"],
+            "cell": [  # on its own machine: its own run folder
+                FEDTIER,
+                "cell",
+                str(config),
+                *common,
+                "--cell",
+                "c0",
+                "--set",
+                f'run.output="{tmp_path / "cell"}"',
+            ],
             "torch agent": [
                 FEDTIER,
                 "agent",
@@ -114,6 +126,16 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     assert "c0-d1: 3 tasks" in outputs["onnx agent"] and "c0-d0: 3 tasks" in outputs["torch agent"]
     deployed = (tmp_path / "deployed" / runfiles.FINAL_MODEL).read_bytes()
     assert deployed == (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
+    # the cloud's folder holds the whole run: the cell's records came with its telemetry, as the cell wrote them
+    cloud_dir, cell_dir = tmp_path / "deployed", tmp_path / "cell"
+    own, _ = read_records(cell_dir / runfiles.AGGREGATION)
+    records, bad = read_run(cloud_dir)
+    assert not bad and not (cloud_dir / runfiles.AGGREGATION).exists() and len(own) == 3
+    assert [r for r in records if isinstance(r, CellRecord)] == own
+    logs = subprocess.run([FEDTIER, "logs", str(cloud_dir), "--json"], capture_output=True, text=True, check=True)
+    shown = [json.loads(line) for line in logs.stdout.splitlines()]
+    assert [r for r in shown if r["event"] == "aggregation"] == [r.to_dict() for r in own]
+    assert "cloud: round 2/3 closed (all reported): cells 1/1 answered" in outputs["cloud"]  # -v: a line a round
 
 
 def test_unsigned_deployment_commands_refuse_to_start_without_insecure(tmp_path: Path) -> None:

@@ -70,6 +70,8 @@ def served_names() -> set[str]:
             "time": 1.0,
             "rejected": [{"device": "c0-d2", "reason": "stale"}],
             "diverged": {"c0-d3": "loss inf"},
+            "failed": {"c0-d4": "ValueError: shapes"},
+            "failed_counts": {"ValueError: shapes": 1},
         }
     )
     exporter.observe(
@@ -94,7 +96,8 @@ def served_names() -> set[str]:
     exporter.watch_cell(
         SimpleNamespace(observers=[], cell="c0", online={"c0-d0": True}, devices=["c0-d0"], device_deadline=5.0)
     )
-    exporter.watch_cloud(SimpleNamespace(observers=[], cell_deadline=10.0, rounds=2))
+    exporter.watch_cloud(SimpleNamespace(observers=[], failure_observers=[], cell_deadline=10.0, rounds=2))
+    exporter.job_failed("no cell answered in rounds 0-2")
     agent = SimpleNamespace(
         agents={"c0-d0": SimpleNamespace(tasks_done=3)}, train_seconds=1.5, connections={"c0-d0": 2}
     )
@@ -114,7 +117,7 @@ def test_the_dashboard_and_the_alerts_name_only_metrics_the_exporter_serves() ->
 def test_every_expression_of_the_dashboard_and_the_alert_rules_parses(tmp_path: Path) -> None:
     checked = promtool("check", "rules", str(ALERTS))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 8 rules found" in checked.stdout
+    assert "SUCCESS: 10 rules found" in checked.stdout
     # the dashboard's queries, as recording rules, so that promtool parses each one
     rules = {
         "groups": [

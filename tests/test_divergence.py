@@ -169,7 +169,7 @@ def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_pat
     with caplog.at_level(logging.ERROR, logger="cloud.server"):
         result = SimHierarchy(cfg, write_output=False).run()
     last = result.history[-1]
-    assert len(result.history) < 30 and result.stopped and "diverged" in result.stopped
+    assert len(result.history) < 30 and result.status == "failed" and "global model diverged" in result.failed
     assert last["diverged"] and "loss" in last["diverged"] and "loss" not in last
     assert any("global model diverged" in r.getMessage() for r in caplog.records)
 
@@ -181,11 +181,11 @@ def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_pat
         {"name": "decomfl", "edge_rounds": 1, "local_steps": 2, "perturbations": 2, "lr": 0.01, "mu": 1e-3},
     ],
 )
-def test_a_run_in_which_every_device_diverges_stops_after_stalled_rounds(tmp_path: Path, algorithm, caplog) -> None:
+def test_a_run_in_which_every_device_diverges_fails_after_stalled_rounds(tmp_path: Path, algorithm, caplog) -> None:
     """Every device's inputs overflow float32: each answers "diverged" at once (DeComFL's non-finite ZO
     scalars too, which once made the device refuse its task, so the cell waited for the deadline and the
     run idled through every round). Cells close on "all answered" without rejections, the cloud's records
-    count the diverged devices per cell, and after ``STALLED_ROUNDS`` such rounds in a row the cloud stops
+    count the diverged devices per cell, and after ``STALLED_ROUNDS`` such rounds in a row the cloud fails
     the run with that reason; the global model stays finite."""
     from protocols.divergence import STALLED_ROUNDS
 
@@ -193,8 +193,10 @@ def test_a_run_in_which_every_device_diverges_stops_after_stalled_rounds(tmp_pat
     h = overflow_devices(SimHierarchy(cfg, write_output=False))
     with caplog.at_level(logging.WARNING):
         result = h.run()
-    assert len(result.history) == STALLED_ROUNDS and result.stopped
-    assert f"every device diverged in rounds 0-{STALLED_ROUNDS - 1}" in result.stopped
+    assert len(result.history) == STALLED_ROUNDS and result.status == "failed"
+    assert (
+        result.failed == f"every device that answered failed or diverged (6 diverged) in rounds 0-{STALLED_ROUNDS - 1}"
+    )
     for record in result.history:
         assert record["devices_diverged"] == {"c0": 3, "c1": 3} and not any(record["devices"].values())
     for record in result.cell_records:
@@ -210,7 +212,7 @@ def test_a_run_stalls_only_when_every_answering_device_diverged(tmp_path: Path) 
     cfg = small_config(tmp_path, run={"rounds": 5}, model={"name": "mlp", "hidden": [8]})
     h = overflow_devices(SimHierarchy(cfg, write_output=False), lambda device: device != "c0-d0")
     result = h.run()
-    assert len(result.history) == 5 and not result.stopped
+    assert len(result.history) == 5 and result.status == "finished"
     assert [r["devices_diverged"] for r in result.history] == [{"c0": 2, "c1": 3}] * 5
     assert [r["devices"] for r in result.history] == [{"c0": 1, "c1": 0}] * 5
 
@@ -225,7 +227,7 @@ def test_a_resumed_cloud_keeps_counting_stalled_rounds(tmp_path: Path) -> None:
         return overflow_devices(SimHierarchy(cfg, resume=resume)).run()
 
     first = run(STALLED_ROUNDS - 1, resume=False)
-    assert len(first.history) == STALLED_ROUNDS - 1 and not first.stopped
+    assert len(first.history) == STALLED_ROUNDS - 1 and first.status == "finished"
     resumed = run(20, resume=True)
     assert [r["round"] for r in resumed.history] == [STALLED_ROUNDS - 1]
-    assert resumed.stopped and f"every device diverged in rounds 0-{STALLED_ROUNDS - 1}" in resumed.stopped
+    assert resumed.failed and f"(6 diverged) in rounds 0-{STALLED_ROUNDS - 1}" in resumed.failed

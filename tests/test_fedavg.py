@@ -126,25 +126,28 @@ def test_run_files_are_written(make_config):
     assert metrics[0]["bytes"]["cell_to_device"] == sum(r["bytes_out"] for r in cells if r["round"] == 0)
 
 
-class Silent:
-    """A device role that never answers (its training raises; the agent logs and sends nothing)."""
+class Failing:
+    """A device role whose training raises (a bug, a model mismatch): the agent answers "failed" with why."""
 
     def train(self, *a, **k):
-        raise RuntimeError("this device hangs")
+        raise RuntimeError("this device cannot train")
 
 
-def test_device_that_never_answers_does_not_block_the_round(make_config):
+def test_device_whose_task_raises_does_not_block_the_round(make_config):
+    """c0-d1's task raises: it answers "failed" with the reason at once, so c0 closes every edge round as
+    soon as all answered (it used to wait out the 30 s deadline), records the failure, and aggregates the rest."""
     sim = SimHierarchy(make_config(run={"rounds": 2}, runtime={"device_deadline": 30.0}))
-    sim.agents["c0-d1"].role = Silent()
+    sim.agents["c0-d1"].role = Failing()
     result = sim.run()
     c0 = [r for r in result.cell_records if r["cell"] == "c0"]
-    assert len(c0) == 4
+    assert len(c0) == 4 and result.status == "finished"
     for r in c0:
-        assert r["closed_by"] == "deadline" and r["absent"] == {"c0-d1": "deadline"}
-        assert r["answered"] == ["c0-d0", "c0-d2"]
-        assert r["clock_s"] == pytest.approx(30.0)
+        assert r["closed_by"] == "all answered" and not r["absent"]
+        assert r["failed"] == {"c0-d1": "RuntimeError: this device cannot train"}
+        assert r["failed_counts"] == {"RuntimeError: this device cannot train": 1}
+        assert r["answered"] == ["c0-d0", "c0-d2"] and r["clock_s"] < 1.0
     assert all(r["closed_by"] == "all answered" for r in result.cell_records if r["cell"] == "c1")
-    # the survivors' aggregate is exactly what the cell would compute without the silent device
+    assert [r["devices_failed"] for r in result.history] == [{"c0": 1}] * 2
     assert result.history[-1]["accuracy"] > 0.5
 
 

@@ -69,7 +69,7 @@ def signer_of(topic: str) -> str | None:
         if len(parts) == 5 and parts[3] == "cell":
             return parts[4]
         return "cloud" if len(parts) == 4 and parts[3] == "cloud" else None
-    if len(parts) >= 4 and parts[-2] == "status":
+    if len(parts) >= 4 and parts[-2] in ("status", "state"):
         node = parts[-1]
         for prefix in ("cell.", "device."):
             if node.startswith(prefix):

@@ -105,6 +105,15 @@ def device_statuses(run: str, cell: str | None = None) -> str:
     return f"{root(run)}/cell/{cell or '+'}/status/+"
 
 
+def state(run: str, node: str) -> str:
+    """A node's retained current state (``protocols.state``): ``cloud`` or ``cell.{cell}``."""
+    return f"{root(run)}/state/{node}"
+
+
+def states(run: str) -> str:
+    return f"{root(run)}/state/+"
+
+
 def telemetry_cell(run: str, cell: str) -> str:
     """A cell's aggregation records (JSON, signed by the cell in signed runs)."""
     return f"{root(run)}/telemetry/cell/{cell}"

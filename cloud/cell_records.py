@@ -1,0 +1,76 @@
+"""The cloud keeps the whole run: every cell's aggregation records, as their signed telemetry brings them.
+
+Each cell writes ``aggregation.jsonl`` on its own machine and publishes every record on
+``fedtier/{run}/telemetry/cell/{cell}`` (bridged to the cloud's broker). A deployed cloud subscribes to them
+and appends each record that its cell signed for that topic (signed runs; as ``fedtier monitor --keys``
+checks) to ``cells.jsonl`` in its run folder, so ``fedtier monitor|logs|report`` on the cloud's folder show
+every cell (``protocols.records.read_run`` merges both files and drops a record present in both, as when a
+cell shares the cloud's folder). A record that fails its checks is logged (rate-limited) and dropped: a
+hostile cell can neither write another cell's records nor stop the job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from protocols.jsonl import JsonlWriter
+from protocols.records import CellRecord, parse_record
+from protocols.transport.base import Handler, Transport
+from protocols.wire import topics
+from protocols.wire.envelope import WireError
+from protocols.wire.ratelog import RateLimitedLog
+from protocols.wire.signed import open_record, signer_of
+
+if TYPE_CHECKING:
+    from protocols.wire.keys import PublicKeys
+
+log = logging.getLogger("fedtier.cloud")
+_rejections = RateLimitedLog(log)
+
+MAX_RECORD_BYTES = 8 << 20  # as the monitor's bound: a cell's record names its devices
+
+
+class CellRecordCollector:
+    """Appends the aggregation records of ``cells`` that arrive as telemetry to ``path``."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        run: str,
+        cells: list[str],
+        path: str | Path,
+        keys: PublicKeys | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.transport, self.run, self.cells, self.keys = transport, run, set(cells), keys
+        self.writer = JsonlWriter(path, max_bytes)
+        self.written = 0
+        self.dropped = 0
+
+    def start(self, wrap: Callable[[Handler], Handler] = lambda h: h) -> None:
+        """Subscribe (``wrap``: the cloud's guard around the handler)."""
+        self.transport.subscribe(topics.telemetry_cell(self.run, "+"), wrap(self._on_record))
+
+    def _on_record(self, topic: str, data: bytes) -> None:
+        cell = topic.rsplit("/", 1)[-1]
+        try:
+            if cell not in self.cells:
+                raise ValueError(f"cell {cell!r} is not in this job")
+            raw = open_record(
+                data, topic, signer_of(topic), self.keys.verify if self.keys else None, max_bytes=MAX_RECORD_BYTES
+            )
+            record = parse_record(raw)
+            if not isinstance(record, CellRecord) or record.cell != cell or record.run not in (None, self.run):
+                raise ValueError(f"not an aggregation record of cell {cell!r} of run {self.run!r}")
+        except (WireError, ValueError) as exc:
+            self.dropped += 1
+            _rejections.warning("cloud: dropped a record on %s: %s", topic, exc)
+            return
+        self.writer.write(raw)
+        self.written += 1
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,112 @@
+"""Failures that end things: a task a device could not run, a bug in a tier's handler, a job that stalls.
+
+- A device whose task raised answers with a small "failed" result (``meta = {"failed": reason}``, no
+  tensors) instead of leaving its cell to wait out the deadline: the cell records it per reason, counts the
+  device as answered and keeps it out of the aggregate (as a diverged device, ``protocols.divergence``).
+- A cell whose handler raised (a bug) answers its round with a "failed" report of the same shape: the cloud
+  fails the job with that reason.
+- :func:`guarded` wraps a tier's message handlers and timers: an exception is logged with its traceback
+  and handed to the tier's ``fail``, never left to leave a round open forever.
+- :class:`StallWatch` is the cloud's rule for a job that cannot make progress (``runtime.max_stalled_rounds``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .wire.payload import Payload
+
+log = logging.getLogger("fedtier.failures")
+
+KEY = "failed"
+MAX_REASON = 200  # characters of a reason kept from another node
+MAX_REASONS = 8  # distinct reasons counted per record; the rest under OTHER
+OTHER = "other"
+
+
+def failed_payload(reason: str) -> Payload:
+    """The answer of a node that could not do its part (a device's task, a cell's round)."""
+    return Payload(meta={KEY: reason[:MAX_REASON] or "failed"})
+
+
+def failed_reason(payload: Payload) -> str | None:
+    """The reason of a "failed" answer (``None`` for any other payload)."""
+    reason = payload.meta.get(KEY)
+    if isinstance(reason, str) and not payload.tensors:
+        return reason[:MAX_REASON] or "failed"
+    return None
+
+
+def count_reasons(reasons: Mapping[str, str] | list[str], limit: int = MAX_REASONS) -> dict[str, int]:
+    """``reason -> how many``, for at most ``limit`` distinct reasons (the rest under ``"other"``): a bounded
+    record whatever the reasons hostile devices make up."""
+    counts: dict[str, int] = {}
+    for why in reasons.values() if isinstance(reasons, Mapping) else reasons:
+        key = why if why in counts or len(counts) < limit else OTHER
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def merge_counts(into: dict[str, int], more: Any, limit: int = MAX_REASONS) -> None:
+    """Add a reported ``reason -> count`` map (from another node: checked, bounded) to ``into``."""
+    if not isinstance(more, dict):
+        return
+    for why, n in list(more.items())[: limit + 1]:
+        if not isinstance(why, str) or not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            continue
+        why = why[:MAX_REASON]
+        key = why if why in into or len(into) < limit else OTHER
+        into[key] = into.get(key, 0) + min(n, 1 << 31)
+
+
+def guarded(fn: Callable[..., None], fail: Callable[[str], None], what: str) -> Callable[..., None]:
+    """``fn`` as a handler or timer callback whose exception (a bug) is logged with its traceback and
+    passed to ``fail`` as a reason, instead of vanishing into the event loop's log."""
+
+    def call(*args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("%s raised", what)
+            fail(f"{what} raised {type(exc).__name__}: {exc}"[: MAX_REASON * 2])
+
+    return call
+
+
+@dataclass
+class StallWatch:
+    """Counts the cloud rounds in a row that made no progress; past ``max_rounds`` of them the job fails.
+
+    A round makes no progress when fewer than ``min_cells`` cells reported (no cell at all, by default), or
+    when devices answered and every one failed its task or diverged (nothing aggregated anywhere). A round
+    whose devices were merely absent is not a stall: participation may leave a round empty."""
+
+    max_rounds: int = 3
+    min_cells: int = 1
+    stalled: int = 0
+    first: int = 0  # the first round of the current stall
+
+    def observe(
+        self, rnd: int, reported: int, cells: int, aggregated: int, failed: Mapping[str, int], diverged: int
+    ) -> str | None:
+        """Count round ``rnd`` (cells that reported, cells of the job, devices aggregated, failed devices per
+        reason, diverged devices); the reason the job fails, once it stalled ``max_rounds`` rounds in a row."""
+        needed = min(self.min_cells, cells)
+        why = None
+        if reported < needed:
+            why = "no cell answered" if reported == 0 else f"fewer than {needed} cells answered"
+        elif aggregated == 0 and (failed or diverged):
+            parts = [f"{n} failed: {r}" for r, n in failed.items()] + ([f"{diverged} diverged"] if diverged else [])
+            why = "every device that answered failed or diverged (" + "; ".join(parts) + ")"
+        if why is None:
+            self.stalled = 0
+            return None
+        if self.stalled == 0:
+            self.first = rnd
+        self.stalled += 1
+        if self.stalled < self.max_rounds:
+            return None
+        return f"{why} in rounds {self.first}-{rnd}" if self.first != rnd else f"{why} in round {rnd}"

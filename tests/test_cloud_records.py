@@ -1,0 +1,84 @@
+"""The cloud's run folder holds the whole run: cells' aggregation records reach it as signed telemetry
+(``cloud.cell_records``), a forged or misplaced one is dropped, and readers merge the cloud's copy with a
+cell's own file without counting a record twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cloud.cell_records import CellRecordCollector
+from monitor.sources import RunDirFollower
+from protocols import runfiles
+from protocols.records import CellRecord, read_run
+from protocols.transport.memory import MemoryHub
+from protocols.wire import topics
+from protocols.wire.keys import Trust, generate_keys
+from protocols.wire.signed import seal_record
+from tests.conftest import small_config
+
+
+def record(cell: str, rnd: int, edge: int) -> dict:
+    return CellRecord(
+        run="t",
+        round=rnd,
+        edge_round=edge,
+        cell=cell,
+        algorithm="fedavg",
+        closed_by="all answered",
+        duration_s=0.1,
+        time=1000.0 + rnd * 10 + edge,
+        planned=[f"{cell}-d0"],
+        answered=[f"{cell}-d0"],
+    ).to_dict()
+
+
+def test_the_cloud_keeps_signed_cell_records_and_drops_forgeries(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    ring = generate_keys(cfg.topology)
+    hub = MemoryHub()
+    collector = CellRecordCollector(
+        hub.connect("cloud"),
+        "t",
+        ["c0", "c1"],
+        tmp_path / runfiles.CELL_RECORDS,
+        Trust("cloud", ring.private["cloud"], ring.public),
+    )
+    collector.start()
+    peer = hub.connect("cells")
+
+    def send(cell_topic: str, rec: dict, signer: str | None) -> None:
+        topic = topics.telemetry_cell("t", cell_topic)
+        sign = Trust(signer, ring.private[signer], ring.public).sign if signer else None
+        peer.publish(topic, seal_record(rec, topic, sign))
+
+    send("c0", record("c0", 0, 0), "c0")  # genuine
+    send("c1", record("c1", 0, 0), "c1")  # genuine
+    send("c1", record("c1", 0, 1), "c0")  # c0 forging c1's record
+    send("c0", record("c1", 0, 1), "c0")  # c0's signature, c1's record on c0's topic
+    send("c0", record("c0", 0, 1), None)  # unsigned in a signed run
+    send("c9", record("c9", 0, 0), None)  # not a cell of the job
+    peer.publish(topics.telemetry_cell("t", "c0"), b"\xff not json")
+    hub.loop.run()
+    collector.close()
+    written = [json.loads(line) for line in (tmp_path / runfiles.CELL_RECORDS).read_text().splitlines()]
+    assert [(r["cell"], r["edge_round"]) for r in written] == [("c0", 0), ("c1", 0)]
+    assert collector.written == 2 and collector.dropped == 5
+
+
+def test_readers_merge_a_cells_file_with_the_clouds_copy(tmp_path: Path) -> None:
+    """A cell that shares the cloud's folder (one machine): each record is in both files and counts once;
+    the live follower does the same."""
+    own = [record("c0", 0, 0), record("c0", 0, 1)]
+    collected = [record("c0", 0, 0), record("c1", 0, 0), record("c0", 0, 1)]
+    (tmp_path / runfiles.AGGREGATION).write_text("".join(json.dumps(r) + "\n" for r in own))
+    (tmp_path / runfiles.CELL_RECORDS).write_text("".join(json.dumps(r) + "\n" for r in collected))
+    records, bad = read_run(tmp_path)
+    assert not bad and [(r.cell, r.edge_round) for r in records] == [("c0", 0), ("c1", 0), ("c0", 1)]
+    follower = RunDirFollower(tmp_path)
+    got, bad, _ = follower.poll()
+    assert not bad and len(got) == 3
+    with (tmp_path / runfiles.CELL_RECORDS).open("a") as fh:
+        fh.write(json.dumps(record("c0", 0, 1)) + "\n" + json.dumps(record("c1", 0, 1)) + "\n")
+    got, _, _ = follower.poll()
+    assert [(r.cell, r.edge_round) for r in got] == [("c1", 1)]

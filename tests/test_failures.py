@@ -1,0 +1,252 @@
+"""Jobs that cannot make progress end as ``failed``, loudly: a summary with the reason, a non-zero exit.
+
+Covered: a cloud whose cells never come, agents that fail every task (a model mismatch), an exception in
+the cloud's and in a cell's handler (a bug) over MQTT, and the rule that a rejected message never fails a job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edge_agent.runner import save_device_data
+from protocols import runfiles
+from protocols.config import load_config
+from protocols.failures import StallWatch, count_reasons, guarded, merge_counts
+from protocols.procs import popen
+from protocols.transport.broker import EmbeddedBroker
+from sim.hierarchy import prepare
+from sim.launcher import SimHierarchy
+from tests.conftest import small_config
+
+FEDTIER = str(Path(sys.executable).parent / "fedtier")
+JOB_FAILED = 3
+
+
+def mismatched_devices(sim: Any) -> Any:
+    """Give every device of ``sim`` data of the wrong shape (as an agent configured for another model):
+    each task raises in the device's training."""
+    configure = sim.agents.configure
+
+    def wrong(agent: Any) -> None:
+        configure(agent)
+        agent.data = type(agent.data)(np.zeros((len(agent.data), 5), np.float32), agent.data.y)
+
+    sim.agents.configure = wrong
+    return sim
+
+
+# ------------------------------------------------------------------------------- the rule, alone
+def test_stall_watch_counts_rounds_without_progress() -> None:
+    watch = StallWatch(max_rounds=2)
+    assert watch.observe(0, 0, 2, 0, {}, 0) is None  # no cell: 1 of 2
+    assert watch.observe(1, 2, 2, 5, {}, 0) is None  # progress resets the count
+    assert watch.observe(2, 2, 2, 0, {}, 0) is None  # cells answered, devices merely absent: not a stall
+    assert watch.observe(3, 2, 2, 0, {"ValueError: x": 3}, 1) is None
+    why = watch.observe(4, 0, 2, 0, {}, 0)
+    assert why == "no cell answered in rounds 3-4"
+    quorum = StallWatch(max_rounds=1, min_cells=2)
+    assert quorum.observe(7, 1, 3, 4, {}, 0) == "fewer than 2 cells answered in round 7"
+    assert StallWatch(max_rounds=1, min_cells=5).observe(0, 2, 2, 1, {}, 0) is None  # at most every cell
+
+
+def test_reason_counts_stay_bounded_whatever_devices_claim() -> None:
+    counts = count_reasons({f"d{i}": f"made-up reason {i}" for i in range(100)}, limit=4)
+    assert len(counts) == 5 and counts["other"] == 96 and sum(counts.values()) == 100
+    into: dict[str, int] = {}
+    merge_counts(into, {"a": 2, "b": -1, "c": True, "d" * 500: 1, 5: 3})
+    merge_counts(into, "not a map")
+    assert into == {"a": 2, "d" * 200: 1}
+    merge_counts(into, {"e": 1, "f": 2, "a": 1}, limit=3)
+    assert into == {"a": 3, "d" * 200: 1, "e": 1, "other": 2}
+
+
+def test_guarded_logs_the_traceback_and_fails_with_the_reason(caplog: pytest.LogCaptureFixture) -> None:
+    reasons: list[str] = []
+
+    def handler(topic: str, data: bytes) -> None:
+        raise TypeError("unsupported operand")
+
+    guarded(handler, reasons.append, "cloud: report handler")("t", b"")
+    assert reasons == ["cloud: report handler raised TypeError: unsupported operand"]
+    assert any(r.exc_info and "report handler raised" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------- in memory
+def test_agents_failing_every_task_fail_the_job_with_the_reasons_counted(tmp_path: Path) -> None:
+    """Every device's task raises (data of another model's shape): each answers "failed" with the reason at
+    once (cells close on "all answered", never on their deadline), records count the reasons, and after
+    ``max_stalled_rounds`` rounds the job fails with them; the summary says so."""
+    cfg = small_config(tmp_path, run={"rounds": 10}, runtime={"max_stalled_rounds": 2, "device_deadline": 600.0})
+    result = mismatched_devices(SimHierarchy(cfg)).run()
+    assert len(result.history) == 2 and result.status == "failed"
+    assert "every device that answered failed or diverged (6 failed: " in result.failed
+    assert result.failed.endswith("in rounds 0-1")
+    last = result.history[-1]
+    assert last["devices_failed"] == {"c0": 3, "c1": 3} and sum(last["failures"].values()) == 6
+    assert last["failed"] == result.failed
+    (reason,) = last["failures"]
+    assert "shapes cannot be multiplied" in reason or "mat1" in reason
+    for record in result.cell_records:
+        assert record["closed_by"] == "all answered" and record["failed_counts"] == {reason: 3}
+        assert not record["rejected"] and record["clock_s"] < 1.0  # virtual seconds: no deadline waited
+    summary = json.loads((result.output_dir / runfiles.SUMMARY).read_text())
+    assert summary["status"] == "failed" and summary["failed"] == result.failed
+
+
+def test_a_job_with_some_failing_devices_goes_on(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, run={"rounds": 4}, runtime={"max_stalled_rounds": 1})
+    sim = SimHierarchy(cfg, write_output=False)
+    configure = sim.agents.configure
+
+    def one_wrong(agent: Any) -> None:
+        configure(agent)
+        if agent.device == "c0-d0":
+            agent.data = type(agent.data)(np.zeros((len(agent.data), 5), np.float32), agent.data.y)
+
+    sim.agents.configure = one_wrong
+    result = sim.run()
+    assert result.status == "finished" and len(result.history) == 4
+    assert [r["devices_failed"] for r in result.history] == [{"c0": 1}] * 4
+
+
+# ------------------------------------------------------------------------------- over MQTT
+def emulate(cfg: Any, monkeypatch: pytest.MonkeyPatch, cls: type, name: str, fn: Any) -> tuple[Any, float]:
+    from sim.emulation import Emulation
+
+    monkeypatch.setattr(cls, name, fn)
+    t0 = time.monotonic()
+    with EmbeddedBroker() as broker:
+        result = Emulation(cfg, broker_url=broker.url, workers=1).run()
+    return result, time.monotonic() - t0
+
+
+def mqtt_config(tmp_path: Path) -> Any:
+    return small_config(
+        tmp_path,
+        run={"rounds": 4},
+        topology={"cells": 2, "devices_per_cell": 1},
+        algorithm={"edge_rounds": 1, "local_steps": 2},
+        runtime={"device_deadline": 300.0, "cell_deadline": 300.0, "startup_wait": 30.0, "heartbeat": 1.0},
+    )
+
+
+def test_an_exception_in_the_clouds_report_handler_fails_the_job(tmp_path: Path, monkeypatch) -> None:
+    """The bug of the issue: a TypeError in the cloud's report handler left the round open (an emulation hung
+    for more than 15 minutes). Now the job fails at once with the traceback logged and the reason."""
+    from cloud.server import CloudServer
+
+    def broken(self: Any, cell: str, msg: Any) -> int:
+        raise TypeError("unsupported operand type(s) for +=: 'int' and 'str'")
+
+    result, took = emulate(mqtt_config(tmp_path), monkeypatch, CloudServer, "_count", broken)
+    assert result.status == "failed" and not result.history
+    assert result.failed.startswith("cloud: report handler raised TypeError: unsupported operand")
+    assert took < 120  # far from the 300 s deadlines
+    assert json.loads((result.output_dir / runfiles.SUMMARY).read_text())["status"] == "failed"
+
+
+def test_an_exception_in_a_cells_handler_fails_the_job(tmp_path: Path, monkeypatch) -> None:
+    """A cell's aggregation raises in cell c1 only (a bug): c1 answers the round with a signed "failed" report
+    and the cloud fails the job with c1's reason, instead of waiting out the cell deadline."""
+    from cell_server.server import CellServer
+
+    aggregate = CellServer._aggregate
+
+    def broken(self: Any, why: str, results: dict, extra: Any = None) -> None:
+        if self.cell == "c1":
+            raise KeyError("weight")
+        aggregate(self, why, results, extra)
+
+    result, took = emulate(mqtt_config(tmp_path), monkeypatch, CellServer, "_aggregate", broken)
+    assert result.status == "failed" and not result.history
+    # raised where c1 aggregates: on the last result, or on a close it posted (both are c1's handlers)
+    assert re.fullmatch(r"cell c1 failed in round 0: cell c1: .+ raised KeyError: 'weight'", result.failed)
+    assert took < 120
+
+
+def test_a_cloud_whose_cells_never_come_fails_with_a_non_zero_exit(tmp_path: Path) -> None:
+    """``fedtier cloud`` alone (the cells' run name denied, or the cells down): it used to run every round alone
+    and exit 0. Now it fails after ``max_stalled_rounds`` rounds, exit 3, the reason in summary.json."""
+    config = tmp_path / "cloud.toml"
+    config.write_text(
+        f'[run]\nname = "lonely"\nrounds = 20\noutput = "{tmp_path / "out"}"\n'
+        '[topology]\ncells = 2\ndevices_per_cell = 1\n[algorithm]\nname = "fedavg"\n'
+        '[model]\nname = "mlp"\nhidden = [8]\n[data]\ndataset = "digits"\n'
+        "[runtime]\nstartup_wait = 0.5\ncell_deadline = 0.5\nmax_stalled_rounds = 2\n"
+    )
+    with EmbeddedBroker() as broker:
+        proc = subprocess.run(
+            [FEDTIER, "cloud", str(config), "--broker", broker.url, "--no-progress", "--insecure"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == JOB_FAILED, proc.stdout + proc.stderr
+    assert "job failed: no cell answered in rounds 0-1" in proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())
+    assert summary["status"] == "failed" and summary["failed"] == "no cell answered in rounds 0-1"
+    metrics = [json.loads(line) for line in (tmp_path / "out" / runfiles.METRICS).read_text().splitlines()]
+    assert [m["round"] for m in metrics] == [0, 1] and metrics[-1]["failed"] == summary["failed"]
+
+
+def test_agents_of_another_model_fail_a_deployed_job(tmp_path: Path) -> None:
+    """A deployed run whose agents were given another model (hidden = [16] against the cloud's [8]): each task
+    raises on the device, the cell hears why at once, and the cloud fails the job with the reason counted
+    (it used to "finish" at chance accuracy, exit 0)."""
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        f'[run]\nname = "mismatch"\nrounds = 10\noutput = "{tmp_path / "out"}"\n'
+        '[topology]\ncells = 1\ndevices_per_cell = 2\n[algorithm]\nname = "fedavg"\nedge_rounds = 1\n'
+        'local_steps = 1\n[model]\nname = "mlp"\nhidden = [8]\n[data]\ndataset = "digits"\n'
+        "[runtime]\ndevice_deadline = 300.0\nheartbeat = 1.0\nmax_stalled_rounds = 2\n"
+    )
+    cfg = load_config(config)
+    prep = prepare(cfg)
+    for device, data in prep.device_data.items():
+        save_device_data(tmp_path / f"{device}.npz", data, prep.spec)
+    with EmbeddedBroker() as broker:
+        common = [str(config), "--broker", broker.url, "--insecure"]
+        commands = {
+            "cloud": [FEDTIER, "cloud", *common, "--no-progress"],
+            "cell": [FEDTIER, "cell", *common, "--cell", "c0"],
+            **{
+                d: [
+                    FEDTIER,
+                    "agent",
+                    *common,
+                    "--device",
+                    d,
+                    "--data",
+                    str(tmp_path / f"{d}.npz"),
+                    "--set",
+                    "model.hidden=[16]",
+                ]
+                for d in ("c0-d0", "c0-d1")
+            },
+        }
+        procs = {n: popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n, c in commands.items()}
+        try:
+            outputs = {n: p.communicate(timeout=150)[0] for n, p in procs.items()}
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+    assert procs["cloud"].returncode == JOB_FAILED, outputs["cloud"]
+    for name in ("cell", "c0-d0", "c0-d1"):  # the others leave when the job is over, as after a success
+        assert procs[name].returncode == 0, f"{name}: {outputs[name]}"
+    summary = json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())
+    assert (
+        summary["status"] == "failed"
+        and "every device that answered failed or diverged (2 failed: " in summary["failed"]
+    )
+    metrics = [json.loads(line) for line in (tmp_path / "out" / runfiles.METRICS).read_text().splitlines()]
+    assert all(m["devices_failed"] == {"c0": 2} and sum(m["failures"].values()) == 2 for m in metrics)

@@ -1,0 +1,54 @@
+"""Stalls are visible: the cloud and the cells publish a retained current state, so a monitor started in the
+middle of a stalled round shows what each waits for and flags a round open past its deadline; its header
+gives the run's age (not a monotonic clock)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from cell_server.node import build_cell
+from cloud.node import build_cloud
+from monitor.sources import TelemetryFeed
+from monitor.view import MonitorState, render_text
+from protocols.status import encode_status
+from protocols.transport.memory import MemoryHub
+from protocols.wire import topics
+from sim.hierarchy import prepare
+from tests.conftest import small_config
+
+DEADLINE = 50.0
+
+
+def test_a_monitor_started_mid_stall_shows_it(tmp_path: Path) -> None:
+    """c0's devices are online but never answer; c1 never came. A monitor that subscribes only now gets the
+    retained states: the cloud waits for c0 and c1, c0's edge round waits for its three devices, and once the
+    rounds are older than their deadlines both are flagged."""
+    cfg = small_config(tmp_path, runtime={"heartbeat": 0.0, "heartbeat_timeout": 0.0, "device_deadline": DEADLINE})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    hub = MemoryHub()
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm)
+    devices = hub.connect("devices")
+    for d in ("c0-d0", "c0-d1", "c0-d2"):
+        topic = topics.device_status("t", "c0", d)
+        devices.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10), retain=True)
+    cell.start()
+    cloud.start()
+    hub.loop.run(until=lambda: bool(cell.planned))
+    t0 = time.time()
+
+    feed = TelemetryFeed(hub.connect("monitor"), "t").start()
+    got: list[dict] = []
+    hub.loop.run(until=lambda: len(got.__iadd__(feed.poll_states())) >= 2)  # the retained ones, at once
+    state = MonitorState(run="t")
+    for s in got:
+        state.add_state(s)
+    fresh = render_text(state, now=t0 + 1, width=200)
+    assert "round 0: waiting for c0, c1 for" in fresh and "no alerts" in fresh
+    late = render_text(state, now=t0 + 4 * DEADLINE, width=200)
+    assert "deadline" in late.split("now ", 1)[1].splitlines()[0]
+    assert "cell c0 edge round 0.0 open for 200 s, past its 50 s deadline, waiting for c0-d0, c0-d1, c0-d2" in late
+    assert "cloud round 0 open for 200 s, past its 160 s deadline, waiting for c0, c1" in late
+    assert re.search(r"age 20[0-2] s", late)  # the run started just before t0
