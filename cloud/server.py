@@ -536,7 +536,7 @@ class CloudServer:
         self._finish()
 
     @property
-    def outcome(self) -> str:
+    def job_status(self) -> str:
         """``finished`` (every round), ``stopped`` (a budget, a target: not an error) or ``failed``."""
         return "failed" if self.failed else "stopped" if self.stopped else "finished"
 
@@ -545,7 +545,7 @@ class CloudServer:
         extra = {"stopped": self.stopped} if self.stopped else {}
         if self.failed:
             extra["failed"] = self.failed
-        self._state(self.outcome, reason=self.failed or self.stopped)
+        self._state(self.job_status, reason=self.failed or self.stopped)
         self.messenger.send(
             topics.control(self.run),
             "control",
