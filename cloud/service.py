@@ -163,6 +163,7 @@ class CloudService:
             startup_wait=cfg.runtime.startup_wait,
             on_round=self.on_round,
             session=current.session,
+            collect_cell_records=True,  # the cells write on their own machines: the job's folder gets them all
         )
         job = self.queue.start(job.job) if not resumed else job
         log.info("job %s %s (hash %s)", job.job, "resumed" if resumed else "started", job.digest[:12])
@@ -181,8 +182,14 @@ class CloudService:
         self.node = None
         if node.finished:
             ended = self.queue.get(job.job) or job
-            state, reason = ("cancelled", "cancelled by the operator") if ended.cancel_requested else ("finished", "")
-            if self.on_end is not None and state == "finished":
+            state, reason = (
+                ("cancelled", "cancelled by the operator")
+                if ended.cancel_requested
+                else ("failed", node.failed)
+                if node.failed  # a stall, a failed cell, a handler's exception, a full disk (protocols.failures)
+                else ("finished", "")
+            )
+            if self.on_end is not None and state in ("finished", "failed"):
                 self.on_end(ended, cfg, node, out)
             spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
             self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
