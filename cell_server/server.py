@@ -127,6 +127,7 @@ class CellServer:
         self.unmet: dict[str, str] = {}  # device -> why it cannot serve this job (its announced capabilities)
         self._beat_timer: TimerHandle | None = None
         self._leaving: dict[str, TimerHandle] = {}  # offline devices the open edge round waits for, a while
+        self.revoked: set[str] = set()  # devices taken out for good (revoke): their statuses are ignored
         self.rejoin_wait = rejoin_wait
         self.absent_ids = absent_ids
         self._waiting: set[str] = set()  # participating devices this edge round waits for
@@ -279,6 +280,8 @@ class CellServer:
         if not node.startswith("device.") or node[len("device.") :] not in self.online:
             return
         device = node[len("device.") :]
+        if device in self.revoked:
+            return
         record = decode_status(data, topic, self.trust)
         if record is None:
             return
@@ -325,6 +328,20 @@ class CellServer:
         if awaited and not self._waiting and not self._unknown:
             self._plan_edge(self.round, self.edge_round)
 
+    def revoke(self, device: str) -> None:
+        """Take ``device`` out for good (revoked: e.g. the signed roster no longer lists it): offline from now on
+        whatever its statuses say, out of the open edge round at once (which closes if every remaining planned
+        device answered), never planned again."""
+        if device not in self.online or device in self.revoked:
+            return
+        log.warning("cell %s: %s revoked", self.cell, device)
+        self.revoked.add(device)
+        self.online[device] = False
+        self._announce()
+        self.loop.cancel(self._leaving.pop(device, None))
+        if self.answers.is_open and device in self.answers.pending and self.secagg is None:
+            self._leave(device, self.round, self.edge_round, "revoked")
+
     def _gone(self, device: str, grace: float) -> None:
         """``device`` went offline (its will, a clean leave, or a stale heartbeat): if the open edge round waits
         for its result, it leaves the round after ``grace`` seconds (heartbeat_timeout + one heartbeat after its
@@ -348,7 +365,7 @@ class CellServer:
                 grace, self._guard(lambda: self._leave(device, r, e), "liveness timer")
             )
 
-    def _leave(self, device: str, rnd: int, edge_round: int) -> None:
+    def _leave(self, device: str, rnd: int, edge_round: int, why: str = "offline") -> None:
         """Take ``device`` (offline) out of edge round ``rnd.edge_round`` if it is still open and waits for it."""
         self._leaving.pop(device, None)
         if (
@@ -360,10 +377,10 @@ class CellServer:
         ):
             return
         log.warning(
-            "cell %s: %s is offline: edge round %d.%d no longer waits for it", self.cell, device, rnd, edge_round
+            "cell %s: %s is %s: edge round %d.%d no longer waits for it", self.cell, device, why, rnd, edge_round
         )
         self.answers.pending.discard(device)
-        self.absent[device] = "offline"
+        self.absent[device] = why
         if self.answers.pending and len(self.answers.received) < self._needed:
             self._waiting_state()
         if not self.answers.pending:

@@ -140,3 +140,18 @@ def test_a_device_killed_mid_round_costs_heartbeat_timeout_not_the_deadline(tmp_
     assert rec[1, 0]["clock_s"] < timeout + beat + 2.0  # + the survivor's training and the will's delivery
     assert rec[1, 1]["planned"] == ["c0-d0"] and rec[1, 1]["absent"] == {"c0-d1": "offline"}
     assert result.status == "finished" and len(result.history) == 2
+
+
+def test_a_revoked_device_leaves_at_once_and_stays_out(tmp_path: Path) -> None:
+    """Revoked mid-round (its heartbeats go on: it lies with valid credentials): out of the round at once, the
+    round closes as the others answered, its later 'online' statuses change nothing, the next round skips it."""
+    c = Cell(tmp_path)
+    start = c.hub.loop.now()
+    c.answer("c0-d0", 0)
+    c.answer("c0-d2", 0)
+    c.run_until(lambda: not c.cell.answers.pending - {"c0-d1"})
+    c.cell.revoke("c0-d1")
+    assert c.cell.records[0]["absent"] == {"c0-d1": "revoked"} and c.hub.loop.now() == start
+    c.run_until(lambda: len(c.tasks) == 5)
+    c.run_until(lambda: c.hub.loop.now() >= start + 3 * BEAT)  # c0-d1 keeps beating "online"
+    assert sorted(d for d, _, e in c.tasks if e == 1) == ["c0-d0", "c0-d2"] and not c.cell.online["c0-d1"]
