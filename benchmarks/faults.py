@@ -385,8 +385,8 @@ def scenarios() -> list[Scenario]:
     out.append(
         Scenario(
             f"kill -9 agent c0-d1, no restart (device_deadline {LONG_DEADLINE:g} s)",
-            MID_EDGE[0],
-            MID_EDGE[1],
+            "its task of round 1 (training)",
+            lambda: lambda evs: any(e.kind == "device_task" and e.round == 1 and "/c0-d1/" in e.topic for e in evs),
             kill("c0-d1"),
             "c0",
             note="the time lost is the recovery: its will says offline at once, the edge round waits heartbeat_timeout",
