@@ -1,8 +1,9 @@
-"""The attacks of issue 13 against a signed ``fedtier run`` over Mosquitto, and the cost of signing.
+"""The attacks of issues 13 and 31 against a signed ``fedtier run`` over Mosquitto, and the cost of signing.
 
-1. Broker: ``fedtier provision`` writes the broker's TLS listener, passwords and ACL; a Mosquitto with
-   them refuses a device (with its own valid credentials) writing another device's result or reading
-   another device's task.
+1. Broker: ``fedtier provision`` writes the broker's TLS listener, certificate logins, ACL and revocation list;
+   a Mosquitto with them refuses a device (with its own valid credentials) writing another device's result
+   or reading another device's task, a device's or the monitor's login taking the cloud's session, and a
+   renewed device's old certificate.
 2. Nodes: a clean signed run (while an eavesdropper records genuine signed tasks), then the same run
    (same keys, same run name) under every attack of ``sim/attacker.py``. For each: what refused it,
    whether the refusal was logged with its reason, and whether the final model is the clean run's.
@@ -118,6 +119,79 @@ def broker_rows(cfg: Any, tmp: Path) -> list[tuple[str, str, bool, str]]:
             "",
         ),
     ]
+
+
+def login_rows(cfg: Any, tmp: Path) -> list[tuple[str, str, bool, str]]:
+    """(attack, refused by, refused?, note) for issue 31's broker attacks on a provisioned Mosquitto: a device's
+    and the monitor's valid credentials under the cloud's client id (its session survives: a report queued
+    while the cloud is away still reaches it), and a renewed device's old certificate (refused)."""
+    import shutil
+    import tomllib
+
+    from fedtier.provisioning import provision
+    from fedtier.renewal import renew
+    from protocols.transport.broker import MosquittoBroker, free_port
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+
+    port, run = free_port(), cfg.run.name
+    done = provision(cfg, tmp / "login", port=port)
+    options = (done.broker / "listener.conf").read_text()
+    cloud_id, report = f"fedtier-{run}-cloud", topics.cell_report(run, "c0")
+    password = tomllib.loads((done.bundles["cloud"] / "config.toml").read_text())["broker"]["password"]
+    loop = ThreadLoop("login").start()
+
+    def client(folder: Path, client_id: str, persistent: bool = False, user: str | None = None) -> MqttTransport:
+        b = tomllib.loads((folder / "config.toml").read_text())["broker"]
+        return MqttTransport(
+            client_id,
+            loop,
+            "127.0.0.1",
+            port,
+            username=user or b["username"],
+            password=password if user else b["password"],
+            ca_certs=str(folder / "ca.crt"),
+            certfile=str(folder / "client.crt"),
+            keyfile=str(folder / "client.key"),
+            persistent=persistent,
+        )
+
+    rows = []
+    try:
+        for intruder in ("c0-d0", "monitor"):
+            got = threading.Event()
+            with MosquittoBroker(port=port, extra_config=options, allow_anonymous=False):
+                cloud = client(done.bundles["cloud"], cloud_id, persistent=True)
+                cloud.subscribe(topics.cell_reports(run), lambda t, d: None)
+                cloud.connect()
+                cloud.wait_subscribed()
+                cloud.close()  # away: its session keeps what comes
+                cell = client(done.bundles["c0"], "bench-c0").connect()
+                cell.publish(report, b"queued for the cloud")
+                cell.flush()
+                cell.close()
+                client(done.bundles[intruder], cloud_id, user="cloud").connect().close()  # clean session, cloud's id
+                back = client(done.bundles["cloud"], cloud_id, persistent=True)
+                back.subscribe(topics.cell_reports(run), lambda t, d, got=got: got.set())
+                back.connect()
+                got.wait(10)
+                back.close()
+            rows.append((f"{intruder}'s login takes the cloud's session", "broker (login)", got.is_set(), ""))
+        old = tmp / "old-c0-d0"
+        shutil.copytree(done.bundles["c0-d0"], old)
+        renew(done.out, ["c0-d0"])
+        with MosquittoBroker(port=port, extra_config=options, allow_anonymous=False):
+            try:
+                client(old, "bench-old").connect().close()
+                refused = False
+            except ConnectionError:
+                refused = True
+            client(done.bundles["c0-d0"], "bench-new").connect().close()  # the renewed one logs in
+        rows.append(("a renewed device's old certificate", "broker (CRL)", refused, ""))
+    finally:
+        loop.stop()
+    return rows
 
 
 def node_rows(cfg_path: str, rounds: int, tmp: Path) -> tuple[list[tuple[str, str, bool, bool]], float]:
@@ -295,7 +369,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fedtier-attacks-") as d:
         tmp = Path(d)
         cfg = load_config(args.config)
-        rows = broker_rows(cfg, tmp)
+        rows = broker_rows(cfg, tmp) + login_rows(cfg, tmp)
         nodes, wall = node_rows(args.config, args.rounds, tmp)
         lies = lying_cell_rows(args.config, tmp)
         cost = signing_figures(args.config, tmp)

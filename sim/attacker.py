@@ -31,20 +31,21 @@ from protocols.wire.payload import Payload, decode_payload
 @dataclass(frozen=True)
 class Attack:
     name: str
-    refused_by: str  # "signature", "replay window", "size bound" (the broker's ACLs: tests/test_provision.py)
+    refused_by: str  # "signature", "replay window", "size bound", "weight bound" (the broker: tests/test_provision.py)
     log: str  # text of the rejection in the nodes' logs
 
 
 ATTACKS = [
     Attack("cross-run replay of a cell task", "replay window", "task of cloud session"),
     Attack("cross-run replay of a device task", "replay window", "task of cloud session"),
-    Attack("forged finished", "signature", "cloud/control: unsigned message"),
+    Attack("forged finished", "signature", "cloud/control (signature): unsigned message"),
     Attack("forged cloud status with a fake session", "signature", "status/cloud: unsigned record"),
     Attack("forged round manifest", "signature", "rejected a round manifest"),
     Attack("forged device status (offline)", "signature", "status/device.c0-d1: unsigned record"),
     Attack("far-future round task (cell's own key)", "replay window", "the cloud's manifest says round"),
     Attack("a cell forging its device's result", "signature", "bad signature: not signed by 'c0-d0'"),
-    Attack("a device claiming 10^9 samples", "size bound", "weight 1e+09 exceeds"),
+    Attack("a device claiming 10^12 samples (its own key)", "weight bound", "weight 1e+12 exceeds"),
+    Attack("a cell claiming 10^15 samples (its own key)", "weight bound", "weight 1e+15 exceeds the bound of cell c0"),
     Attack("bogus chunks injected into a genuine set", "signature", "from 'c0-d1': bad signature"),
     Attack("43-byte chunk header announcing 500 MB", "size bound", "524288000 bytes exceeds the bound"),
 ]
@@ -230,7 +231,20 @@ class Attacker:
 
         self._fire("far-future round task (cell's own key)", far_future)
         self._fire("a cell forging its device's result", lambda: result_as("c0", 10.0))
-        self._fire("a device claiming 10^9 samples", lambda: result_as(FIRST_DEVICE, 1e9))
+        self._fire("a device claiming 10^12 samples (its own key)", lambda: result_as(FIRST_DEVICE, 1e12))
+        self._fire(
+            "a cell claiming 10^15 samples (its own key)",
+            lambda: self._send_as(
+                "c0",
+                "c0",
+                self.session,
+                topics.cell_report(run, "c0"),
+                "cell_report",
+                poisoned(1e15),
+                round=0,
+                cell="c0",
+            ),
+        )
 
         def huge_header() -> None:
             total = 500 * 1024 * 1024
