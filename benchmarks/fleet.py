@@ -25,6 +25,7 @@ Heavy (about a minute of startup and several GB): run it on a quiet machine, onc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -264,6 +265,208 @@ def bridged_run(agents: int, cells: int, rounds: int, workers: int | None) -> No
         print(f"wire bytes by tier (at the publishers): {result.wire_bytes}", flush=True)
 
 
+# ------------------------------------------------------------------------- two jobs, one federation
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def jobs_worker(job: dict[str, Any], results: Any) -> None:
+    """A worker process of long-lived agents (``edge_agent.service.AgentService``): its devices serve every
+    job the cloud publishes until the launcher terminates it; after each job it reports to ``results``."""
+    import logging
+    import signal
+
+    from edge_agent.runner import AgentProcess, BrokerOptions, load_device_data, make_trainer
+    from edge_agent.service import AgentService
+    from protocols import procs
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+    from sim.emulation import raise_fd_limit
+    from sim.hierarchy import device_availability
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    procs.die_with_parent(job["parent"])
+    logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
+    raise_fd_limit()
+    bundle = parse_config(job["bundle"])
+    data, shape, classes = {}, None, None
+    for device, path in job["devices"].items():
+        data[device], shape, classes = load_device_data(path)
+    opts = BrokerOptions(**job["broker"])
+    loop = ThreadLoop("agents-watch")
+    first = topics.device_node(next(iter(data)))
+
+    def build(cfg: Any, session: str) -> AgentProcess:
+        spec = cfg.model_spec(shape, classes)
+        algorithm = cfg.build_algorithm(spec)
+        trainer = make_trainer("torch", spec, cfg)
+        return AgentProcess(cfg, algorithm, data, trainer, opts, availability=device_availability(cfg), session=session)
+
+    service = AgentService(
+        bundle,
+        list(data),
+        loop,
+        lambda: opts.transport(first, bundle.run.name, loop, persistent=False).connect(),
+        build,
+        None,
+    )
+    service.on_job_end = lambda name: results.put((job["index"], name, time.time()))
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    service.serve()
+
+
+def jobs_run(agents: int, cells: int, rounds: int, jobs: int, workers: int | None) -> None:
+    """``jobs`` jobs back to back on one federation of long-lived nodes: the cloud and cells as services in
+    this process (``CloudService``, ``CellService``), the agents in worker processes that serve every job
+    (``AgentService``), one Mosquitto; unsigned. Prints, per job, when it ended and when the next one's
+    round 0 began, and the process tree's RSS and threads after each job."""
+    import multiprocessing as mp
+
+    from cell_server.node import build_cell
+    from cell_server.service import CellService
+    from cloud.jobs import JobQueue
+    from cloud.service import CloudService, JobParts
+    from edge_agent.runner import BrokerOptions, save_device_data
+    from protocols import procs, runfiles
+    from protocols.jobs import JobRequest, submit_record
+    from protocols.transport.broker import MosquittoBroker
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+    from protocols.wire.signed import seal_record
+    from sim.emulation import agent_workers, worker_groups
+    from sim.hierarchy import edge_availability, make_evaluator, prepare
+
+    with tempfile.TemporaryDirectory(prefix="fedtier-fleet-jobs-") as tmp:
+        root = Path(tmp)
+        cfg = fleet_config(root / "run", agents, cells, rounds)
+        fed = cfg.run.name
+        prep = prepare(cfg)
+        files = {}
+        (root / "devices").mkdir(parents=True)
+        for device, data in prep.device_data.items():
+            files[device] = str(root / "devices" / f"{device}.npz")
+            save_device_data(Path(files[device]), data, prep.spec)
+        broker = MosquittoBroker().start()
+        opts = BrokerOptions(broker.url)
+        bundle = {"run": {"name": fed, "output": str(root / "cloud")}, "topology": cfg.topology.model_dump()}
+        cloud_bundle = parse_config(bundle)
+        cell_bundle = parse_config({**bundle, "run": {"name": fed, "output": str(root / "cells")}})
+        t0 = time.time()
+
+        cloud_loop = ThreadLoop("cloud")
+        evaluator = make_evaluator(prep.spec, prep.dataset.x_test, prep.dataset.y_test, "cpu")
+        cloud = CloudService(
+            cloud_bundle,
+            cloud_loop,
+            lambda: opts.transport("cloud", fed, cloud_loop).connect(),
+            JobQueue(root / "cloud" / "jobs.json"),
+            lambda c: JobParts(c.build_algorithm(prep.spec), evaluator),
+            trust=None,
+            operator=None,
+        )
+        threads = [threading.Thread(target=cloud.serve, name="cloud", daemon=True)]
+        services = [cloud]
+        for c in cfg.topology.cell_ids():
+            loop = ThreadLoop(f"cell-{c}")
+
+            def build(job_cfg: Any, transport: Any, c: str = c) -> Any:
+                job_cfg.output_dir().mkdir(parents=True, exist_ok=True)
+                return build_cell(
+                    job_cfg,
+                    c,
+                    transport,
+                    job_cfg.build_algorithm(prep.spec),
+                    output_dir=job_cfg.output_dir(),
+                    heartbeats=True,
+                    availability=edge_availability(job_cfg),
+                )
+
+            node = topics.cell_node(c)
+            cell = CellService(
+                cell_bundle, c, loop, lambda n=node, lp=loop: opts.transport(n, fed, lp).connect(), build, None
+            )
+            services.append(cell)
+            threads.append(threading.Thread(target=cell.serve, name=f"cell-{c}", daemon=True))
+        for t in threads:
+            t.start()
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        groups = worker_groups(cfg.topology.all_devices(), workers or agent_workers(agents))
+        workers_ = []
+        for i, group in enumerate(groups):
+            job = {
+                "index": i,
+                "parent": os.getpid(),
+                "bundle": bundle,
+                "broker": opts.__dict__,
+                "devices": {d: files[d] for d in group},
+            }
+            proc = ctx.Process(target=jobs_worker, args=(job, results), name=f"fedtier-agents-{i}", daemon=True)
+            procs.spawn(proc.start)
+            workers_.append(proc)
+
+        while cloud.transport is None or not cloud.transport.wait_subscribed(1.0):  # its first session: until
+            time.sleep(0.1)  # it subscribed, a submission would reach nobody
+        operator_loop = ThreadLoop("operator").start()
+        operator = opts.transport("operator", fed, operator_loop, persistent=False).connect()
+        names = [f"job{j + 1}" for j in range(jobs)]
+        for j, name in enumerate(names):
+            job_cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": j})})
+            text = job_cfg.to_toml(exclude=("broker", "security", "monitoring"))
+            topic = topics.job_submit(fed)
+            operator.publish(topic, seal_record(submit_record(JobRequest(name, text)), topic, None))
+        usage = []
+        for name in names:
+            waited = 0
+            while (job := cloud.queue.get(name)) is None or job.state not in ("finished", "failed", "cancelled"):
+                time.sleep(0.2)
+                waited += 1
+                if waited % 50 == 0 and os.environ.get("FLEET_DEBUG"):
+                    node = cloud.node
+                    print(
+                        f"  {name}: {job.state if job else 'unknown'}, cloud round "
+                        f"{node.round if node else None}, ready {node.cell_ready if node else None}, "
+                        f"results so far {results.qsize()}",
+                        flush=True,
+                    )
+            time.sleep(1.0)  # the agents leave the job and go back to waiting
+            usage.append(tree_usage(os.getpid()))
+            print(
+                f"{name}: {job.state} at +{job.ended - t0:.1f} s; process tree RSS {usage[-1]['rss'] / 2**30:.2f} GB, "
+                f"threads {usage[-1]['threads']}",
+                flush=True,
+            )
+        for a, b in zip(names, names[1:]):
+            first = json.loads((root / "cloud" / "jobs" / b / runfiles.METRICS).read_text().splitlines()[0])
+            ended = cloud.queue.get(a).ended
+            print(f"{a} end -> {b} round 0 start: {first['time'] - first['duration_s'] - ended:.1f} s (target <= 10 s)")
+        for name in names:
+            records = [r for f in (root / "cells" / "jobs" / name).glob("aggregation*.jsonl") for r in _jsonl(f)]
+            answered = sum(len(r["answered"]) for r in records)
+            planned = sum(len(r["planned"]) for r in records)
+            rounds_done = len((root / "cloud" / "jobs" / name / runfiles.METRICS).read_text().splitlines())
+            print(
+                f"{name}: {rounds_done} rounds, {len(records)} cell records, {answered} of {planned} planned device "
+                f"tasks answered"
+            )
+        if len(usage) > 1:
+            u, v = usage[0], usage[-1]
+            print(
+                f"after the last job vs after the first: RSS {100 * (v['rss'] / u['rss'] - 1):+.1f}%, "
+                f"threads {100 * (v['threads'] / u['threads'] - 1):+.1f}% (target within 5%)",
+                flush=True,
+            )
+        for s in services:
+            s.stop()
+        for p in workers_:
+            p.terminate()
+        for p in workers_:
+            p.join(10)
+        operator.close()
+        operator_loop.stop()
+        broker.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=2000)
@@ -283,10 +486,19 @@ def main() -> None:
     )
     ap.add_argument("--cohort-size", type=int, default=64, help="runtime.cohort_size (with --engine cohort)")
     ap.add_argument("--heartbeat", type=float, default=5.0, help="runtime.heartbeat of agents and cells (0: none)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="instead: JOBS jobs back to back on one federation of long-lived nodes (--agents, --cells, --rounds)",
+    )
     args = ap.parse_args()
     from benchmarks.calibration import calibration_line
 
     print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
+    if args.jobs:
+        jobs_run(args.agents, args.cells, args.rounds, args.jobs, args.workers)
+        return
     if not args.skip_shared:
         shared_run(
             args.agents,

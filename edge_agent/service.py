@@ -1,7 +1,8 @@
-"""The long-lived agent of a federation's device: answers one job after another, each with the config
-the cloud published for it (``protocols.jobs``), until SIGTERM. Between jobs it keeps one clean
-connection open to learn the next job; during a job, an :class:`AgentProcess` pinned to the job's
-session does the work."""
+"""The long-lived agents of a federation's devices (one, ``fedtier agent --serve``, or many in one
+process): they answer one job after another, each with the config the cloud published for it
+(``protocols.jobs``), until SIGTERM. Between jobs one clean connection (the first device's) learns the
+next job; during a job, an :class:`AgentProcess` of all the devices, pinned to the job's session, does
+the work."""
 
 from __future__ import annotations
 
@@ -22,20 +23,21 @@ log = logging.getLogger("fedtier.agent.service")
 
 class AgentService:
     """``watch()`` returns a connected transport on ``loop`` for reading the job (a clean session);
-    ``build(cfg, session)`` an (unstarted) :class:`AgentProcess` for a job's (localized) config."""
+    ``build(cfg, session)`` an (unstarted) :class:`AgentProcess` of ``devices`` for a job's (localized)
+    config."""
 
     def __init__(
         self,
         bundle: RunConfig,
-        device: str,
+        devices: list[str],
         loop: ThreadLoop,
         watch: Callable[[], Transport | None],
         build: Callable[[RunConfig, str], AgentProcess],
         trust: Trust | None,
     ) -> None:
-        self.bundle, self.device, self.loop, self.watch, self.build, self.trust = (
+        self.bundle, self.devices, self.loop, self.watch, self.build, self.trust = (
             bundle,
-            device,
+            devices,
             loop,
             watch,
             build,
@@ -45,6 +47,7 @@ class AgentService:
         self.served: list[str] = []
         self.tasks = 0
         self.agents: AgentProcess | None = None
+        self.on_job_end: Callable[[str], None] | None = None  # called after each job served (benchmarks)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -68,10 +71,10 @@ class AgentService:
             try:
                 agents = self.build(current.run_config(self.bundle), current.session)
             except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
-                log.error("device %s cannot serve job %s: %s", self.device, current.job, exc)
+                log.error("devices %s cannot serve job %s: %s", ", ".join(self.devices[:3]), current.job, exc)
                 done.add(current.session)
                 continue
-            log.info("device %s serves job %s", self.device, current.job)
+            log.info("%d devices serve job %s", len(self.devices), current.job)
             self.agents = agents
             try:
                 agents.start()
@@ -83,7 +86,9 @@ class AgentService:
             if not self.stopping.is_set():
                 done.add(current.session)
                 self.served.append(current.job)
-                self.tasks += agents.stats()[self.device]["tasks"]
+                self.tasks += sum(s["tasks"] for s in agents.stats().values())
+                if self.on_job_end is not None:
+                    self.on_job_end(current.job)
 
     def _next_job(self, watch: JobWatch, done: set[str]) -> CurrentJob | None:
         """Wait for a job this device has yet to serve (``None``: stopped)."""

@@ -217,7 +217,7 @@ def serve_agent(
             session=session,
         )
 
-    service = AgentService(cfg, device, loop, watch, build, trust)
+    service = AgentService(cfg, [device], loop, watch, build, trust)
     on_signals(lambda: (stopping.set(), service.stop()))
     service.serve()
     return service.served, service.tasks
