@@ -332,6 +332,14 @@ class AgentProcess:
             self._past.setdefault(device, []).append(old.stats.snapshot())
         self.transports[device] = transport
         self._fresh.discard(device)
+        transport.on_session_lost = lambda: self._session_lost(device)
+
+    def _session_lost(self, device: str) -> None:
+        """On the I/O thread: the broker had no session for a present device (expired while it was away):
+        announce it online again at once (QoS 1), so its cell re-sends a task whose copy the session lost."""
+        with self._lock:
+            if device in self._present and self.transports.get(device) is not None:
+                self.agents[device].announce("online")
 
     def _connected(self, device: str, transport: Any) -> None:
         transport.finish_connect()

@@ -398,3 +398,34 @@ def test_parse_broker_url() -> None:
 def test_mosquitto_missing_binary_is_clear() -> None:
     with pytest.raises(FileNotFoundError, match="mosquitto"):
         MosquittoBroker(binary="/nonexistent/mosquitto")
+
+
+@needs_mosquitto
+def test_a_persistent_client_whose_session_is_gone_says_so_and_re_announces(loop, caplog) -> None:
+    """A broker that kept no session for a persistent client when it comes back (expired after its
+    ``persistent_client_expiration``, here: restarted without persistence) is noticed: a warning saying what
+    was lost, a count, and the ``on_session_lost`` hook (an agent re-announces itself there); the client
+    resubscribes and receives again. A clean client says nothing."""
+    b = MosquittoBroker(free_port()).start()
+    try:
+        kw = dict(reconnect_min_delay=0.1, reconnect_max_delay=0.5)
+        node = connect(b, "fedtier-t-c0-d0", loop, persistent=True, **kw)
+        clean = connect(b, "clean", loop, **kw)
+        told = threading.Event()
+        node.on_session_lost = told.set
+        inbox = Inbox(loop)
+        node.subscribe("s/+", inbox)
+        assert node.wait_subscribed(WAIT)
+        with caplog.at_level(logging.INFO):
+            b.stop()
+            b.start()
+            assert told.wait(WAIT) and node.wait_subscribed(WAIT)
+            clean.publish("s/1", b"after")
+            assert inbox.wait(lambda items: b"after" in [p for _, p in items]), inbox.items
+        assert node.sessions_lost == 1 and clean.sessions_lost == 0
+        lost = [r.getMessage() for r in caplog.records if "kept no session" in r.getMessage()]
+        assert len(lost) == 1 and lost[0].startswith("fedtier-t-c0-d0:") and "are lost" in lost[0], lost
+        node.close()
+        clean.close()
+    finally:
+        b.stop()

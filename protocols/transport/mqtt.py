@@ -174,6 +174,8 @@ class MqttTransport(Transport):
         self._gone = threading.Event()  # the socket is closed after close()
 
         self.persistent = persistent
+        self.sessions_lost = 0  # reconnects of a persistent client that found no session at the broker
+        self.on_session_lost: Callable[[], None] | None = None  # then called (network thread): re-announce
         self._held = Hold(client_id, hold)  # messages of a resumed session that came before their handler
         self._unsubscribed: set[str] = set()  # patterns given up: late deliveries on them are not held
         c = mqtt.Client(
@@ -506,7 +508,19 @@ class MqttTransport(Transport):
             self._suback_early.clear()
             self._cv.notify_all()
         self._attempts = 0
-        if self._ever_connected:
+        lost = self.persistent and self._ever_connected and not getattr(flags, "session_present", False)
+        if lost:  # the broker expired it (persistent_client_expiration) or lost its state: say so
+            self.sessions_lost += 1
+            log.warning(
+                "%s: the broker %s:%s kept no session for this client (expired after its "
+                "persistent_client_expiration, or the broker lost its state): messages queued for it while it "
+                "was away are lost; resubscribing %d patterns and re-announcing",
+                self.client_id,
+                self.host,
+                self.port,
+                len(subs),
+            )
+        elif self._ever_connected:
             log.info(
                 "%s: reconnected to %s:%s (%s session), resubscribing %d patterns",
                 self.client_id,
@@ -519,6 +533,8 @@ class MqttTransport(Transport):
         if subs:
             self._send_subscribe(subs, gen)
         self._connack.set()
+        if lost and self.on_session_lost is not None:
+            self.on_session_lost()
 
     def _on_disconnect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _props: Any) -> None:
         if not self._connack.is_set():  # hung up before the first CONNACK: connect() fails at once
