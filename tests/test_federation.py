@@ -188,8 +188,18 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
                 res = _run(command(SUBMIT, job=str(tmp / f"{name}.toml")), operator)
                 assert answer in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("C") == "finished", 60), _jobs(cloud_out)
+            # job E (50 rounds) cancelled once it runs: it stops after its current round
+            (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 4", "rounds = 50"))
+            res = _run([FEDTIER, "submit", str(tmp / "E.toml"), "--config", "config.toml"], operator)
+            metrics_e = cloud_out / "jobs" / "E" / runfiles.METRICS
+            assert wait_until(lambda: metrics_e.exists() and metrics_e.read_text().count("\n") >= 1, 60)
+            res = _run([FEDTIER, "cancel", "E", "--config", "config.toml"], operator)
+            assert res.returncode == 0 and "cancelling" in res.stdout, res.stdout
+            assert wait_until(lambda: _jobs(cloud_out).get("E") == "cancelled", 60), _jobs(cloud_out)
+            assert metrics_e.read_text().count("\n") < 50
             res = _run(command(JOBS_LIST), operator)
-            assert res.returncode == 0 and [j["state"] for j in json.loads(res.stdout)] == ["finished"] * 3
+            states = [j["state"] for j in json.loads(res.stdout)]
+            assert res.returncode == 0 and states == ["finished"] * 3 + ["cancelled"], states
             for name, p in procs.items():
                 assert p.poll() is None, f"{name} exited: {p.communicate()[0]}"  # nobody restarted between jobs
             # the cloud publishes the federation's roster, signed, retained: what provisioning knows
@@ -215,7 +225,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
                     outputs[name] = p.communicate()[0]
     for name in procs:
         assert procs[name].returncode == 0, f"{name}: {outputs[name]}"  # SIGTERM: a clean stop
-    assert "served 3 jobs (A, B, C)" in outputs["c0-d0"], outputs["c0-d0"]
+    assert "served 4 jobs (A, B, C, E)" in outputs["c0-d0"], outputs["c0-d0"]
     for name in ("A", "B", "C"):
         cfg, _ = canonical_job(read_job_file(tmp / f"{name}.toml").config, fed_cfg)
         if name == "C":  # fedtier sim from the model job A ended with
