@@ -88,6 +88,8 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("read", topics.statuses(run)),
             ("write", topics.status(run, "cloud")),
             ("write", topics.telemetry_cloud(run)),
+            ("read", topics.telemetry_cell(run, "+")),  # every cell's records, into the cloud's run folder
+            ("write", topics.state(run, "cloud")),
             ("read", topics.job_submit(run)),
             ("write", topics.job_replies(run)),
             ("write", topics.job_list(run)),
@@ -103,6 +105,7 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
         ],
         MONITOR: [
             ("read", f"{r}/telemetry/#"),
+            ("read", topics.states(run)),
             ("read", topics.statuses(run)),
             ("read", topics.device_statuses(run)),
             ("read", topics.round_manifest(run)),
@@ -124,6 +127,7 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("read", topics.status(run, "cloud")),
             ("write", topics.status(run, topics.cell_node(cell))),
             ("write", topics.telemetry_cell(run, cell)),
+            ("write", topics.state(run, topics.cell_node(cell))),
             ("read", topics.current_job(run)),
             ("read", roster_topic(run)),
         ]

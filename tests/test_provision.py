@@ -376,6 +376,7 @@ def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, 
         "topic write fedtier/t/cloud/up/c0/report",
         "topic write fedtier/t/status/cell.c0",
         "topic write fedtier/t/telemetry/cell/c0",
+        "topic write fedtier/t/state/cell.c0",
     ]
     for node, port in (("cloud", per_cell["port"]), ("c0", per_cell["cell_port"]), ("c0-d2", per_cell["cell_port"])):
         cfg = tomllib.loads((out / "nodes" / node / "config.toml").read_text())

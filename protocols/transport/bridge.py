@@ -16,6 +16,7 @@ topic                                      dir.   what
 ``fedtier/{run}/cloud/up/{cell}/report``   out    the cell's report to the cloud
 ``fedtier/{run}/status/cell.{cell}``       out    the cell's liveness (retained)
 ``fedtier/{run}/telemetry/cell/{cell}``    out    the cell's aggregation records
+``fedtier/{run}/state/cell.{cell}``        out    the cell's current state (retained)
 =========================================  =====  ==========================================
 
 ``in`` = from the cloud broker into the cell broker. The bridge session is persistent
@@ -51,6 +52,7 @@ def bridge_topics(run: str, cell: str) -> list[BridgeTopic]:
         BridgeTopic(topics.cell_report(run, cell), "out"),
         BridgeTopic(topics.status(run, topics.cell_node(cell)), "out"),
         BridgeTopic(topics.telemetry_cell(run, cell), "out"),
+        BridgeTopic(topics.state(run, topics.cell_node(cell)), "out"),
     ]
 
 
