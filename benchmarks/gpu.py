@@ -219,9 +219,15 @@ def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, cp
 
 
 def child(side: str, workload: str, rounds: int) -> None:
+    import logging
+
     import torch
 
     torch.set_num_threads(1)
+    said = logging.StreamHandler()  # the engines' device choices (auto), shown by the parent
+    said.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logging.getLogger("fedtier.device").addHandler(said)
+    logging.getLogger("fedtier.device").setLevel(logging.INFO)
     w = WORKLOADS[workload]
     cpu = [time.process_time()]  # then at each round's end
     if side.startswith("bare"):
