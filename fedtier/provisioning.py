@@ -13,7 +13,7 @@
                                      (its private key, its peers' public keys; the monitor's: every
                                      node's public key), client.crt/.key, ca.crt
 
-The ACL follows the README's Topics table: a device reads only its own task and the run's control
+The ACL follows the topic map (docs/reference/topics.md): a device reads only its own task and the run's control
 records (``cloud/control``, ``cloud/round``, ``status/cloud``) and writes only its own result and
 status (under its cell); a cell reads its cell task, its devices' results and statuses and the cloud's
 status, and writes its devices' tasks, its report, its status and telemetry; the cloud what it orchestrates.

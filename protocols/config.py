@@ -485,7 +485,7 @@ class PrivacySection(_Section):
         lt=1,
         description="t = floor(threshold x degree) + 1 "
         "neighbours' shares recover a device's secret (0.5: t > degree / 2, so a lying cell can never get "
-        "both secrets of a device from two halves of its neighbours; below 0.5 it can, see README Privacy)",
+        "both secrets of a device from two halves of its neighbours; below 0.5 it can: docs/concepts/privacy.md)",
     )
     secagg_neighbours: int = Field(
         default=0,
