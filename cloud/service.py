@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import Algorithm
+from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file
 from protocols.config import ConfigError, RunConfig
 from protocols.jobs import (
@@ -35,7 +36,7 @@ from protocols.jobs import (
     open_job_record,
 )
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
-from protocols.roster import roster_topic
+from protocols.roster import roster_topic, verify_roster
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -89,6 +90,13 @@ class CloudService:
         self.error: BaseException | None = None  # a queue that could not be written: the service stops
         self.wake = threading.Event()
         self.ledger = PrivacyLedger(queue.path.parent / LEDGER_FILE)  # epsilon per device across jobs
+
+    def _cell_bounds(self, cfg: RunConfig) -> Mapping[str, float] | None:
+        """Each cell's weight bound from the federation's signed roster (the sum of its devices' bounds), or
+        ``None`` (the job config's ``security.max_device_weight`` then, see ``cloud.node``)."""
+        if self.roster is None or self.trust is None:
+            return None
+        return roster_cell_bounds(verify_roster(self.roster, self.trust.verify, federation=self.fed), cfg.train)
 
     # ------------------------------------------------------------------ the queue runner (caller's thread)
     def serve(self) -> None:
@@ -164,6 +172,7 @@ class CloudService:
             on_round=self.on_round,
             session=current.session,
             collect_cell_records=True,  # the cells write on their own machines: the job's folder gets them all
+            cell_bounds=self._cell_bounds(cfg),
         )
         job = self.queue.start(job.job) if not resumed else job
         log.info("job %s %s (hash %s)", job.job, "resumed" if resumed else "started", job.digest[:12])

@@ -10,10 +10,14 @@ results one report may add up (:func:`cell_weight_bound`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from .algorithms.base import TrainParams
 from .algorithms.staleness import AsyncParams
 from .algorithms.traits import Trait, compose_traits
+
+if TYPE_CHECKING:
+    from .roster import Roster
 
 
 def weight_over(weight: object, bound: float | None, what: str) -> str | None:
@@ -66,3 +70,8 @@ class CellBounds(Mapping[str, float]):
 
     def __len__(self) -> int:
         return len(self._cells)
+
+
+def roster_cell_bounds(roster: Roster, train: TrainParams) -> CellBounds:
+    """Each cell's weight bound from a signed roster (``protocols.roster.Roster``): its devices' bounds there."""
+    return CellBounds(roster.cells, train, lambda cell: [entry.max_weight for entry in roster.cells[cell].values()])

@@ -128,3 +128,22 @@ def test_a_cells_bound_is_what_its_devices_can_add_up() -> None:
     assert weight_over(10**400, 5.0, "b") == "weight 100000000000... exceeds b"  # no OverflowError
     assert weight_over(float("nan"), 5.0, "b") == "weight nan exceeds b"
     assert weight_over(5, 5.0, "b") is None and weight_over(True, 0.5, "b") is None
+
+
+def test_a_federation_cloud_bounds_each_cell_by_its_devices_in_the_signed_roster() -> None:
+    """The long-lived cloud takes each cell's bound from the roster it signed: the sum of the bounds of the
+    devices the roster lists (per device), times the edge rounds."""
+    from protocols.bounds import roster_cell_bounds
+    from protocols.roster import Roster
+    from protocols.wire.keys import generate_keys
+
+    cfg = parse_config(
+        {"topology": {"cells": 2, "devices_per_cell": 2}, "algorithm": {"name": "fedavg", "edge_rounds": 2}}
+    )
+    ring = generate_keys(cfg.topology)
+    bounds = {"c0-d0": 10.0, "c0-d1": 30.0, "c1-d0": 5.0, "c1-d1": 5.0}
+    topo = cfg.topology
+    roster = Roster.from_topology("fed", {c: topo.devices(c) for c in topo.cell_ids()}, ring.public, bounds)
+    cells = roster_cell_bounds(roster, cfg.train)
+    assert dict(cells) == {"c0": 80.0, "c1": 20.0}
+    assert weight_over(81.0, cells["c0"], "b") is not None and weight_over(80.0, cells["c0"], "b") is None
