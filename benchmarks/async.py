@@ -191,9 +191,17 @@ def main() -> None:
         f"| async (FedBuff) | {asy['rounds']} versions | {_fmt(t_async)} | {at_time(ac, budget):.3f} | "
         f"{ac[-1][1]:.3f} |"
     )
-    reached = [(t, name) for name, t in rows if t is not None]
-    best_t, best = min(reached)
-    print(f"\nbest sync: {best}, {best_t:.1f} virtual s to {target:.3f}")
+    reached = [(t, i) for i, (_, t) in enumerate(rows) if t is not None]
+    best_t, i = min(reached)
+    edge = [
+        what
+        for what, v, grid in (("deadline", runs[i]["deadline"], deadlines), ("quorum", runs[i]["quorum"], quorums))
+        if v and len(grid) > 1 and v == min(x for x in grid if x)
+    ]
+    print(
+        f"\nbest sync: {rows[i][0]}, {best_t:.1f} virtual s to {target:.3f}"
+        + (f" (EDGE: the grid's smallest {' and '.join(edge)}; widen it)" if edge else "")
+    )
     if t_async is None:
         print(f"async did not reach {target:.3f} within {ac[-1][0]:.1f} virtual s (best {max(x for _, x in ac):.3f})")
     else:
