@@ -194,6 +194,38 @@ def login_rows(cfg: Any, tmp: Path) -> list[tuple[str, str, bool, str]]:
     return rows
 
 
+def monitor_rows() -> list[tuple[str, str, bool, str]]:
+    """(attack, refused by, refused?, note): a cell's record published on another cell's telemetry topic, at a
+    ``fedtier monitor`` feed of an unsigned run (the signed run's monitor refuses it by its signature too)."""
+    import json
+
+    from monitor.sources import TelemetryFeed
+    from protocols.transport.memory import MemoryHub, VirtualLoop
+    from protocols.wire import topics
+
+    hub, run = MemoryHub(VirtualLoop()), "t"
+    feed = TelemetryFeed(hub.connect("monitor"), run).start()
+    record = {
+        "schema": 1,
+        "event": "aggregation",
+        "run": run,
+        "round": 0,
+        "edge_round": 0,
+        "cell": "c1",
+        "algorithm": "fedavg",
+        "planned": ["c1-d0"],
+        "answered": ["c1-d0"],
+        "closed_by": "all answered",
+        "duration_s": 0.1,
+        "time": 0.0,
+    }
+    hub.connect("c0").publish(topics.telemetry_cell(run, "c0"), json.dumps(record).encode(), qos=0)
+    hub.loop.run()
+    records, bad, _ = feed.poll()
+    refused = not records and len(bad) == 1 and "record of cell 'c1' on telemetry/cell/c0" in bad[0].error
+    return [("a cell's record on another cell's telemetry topic", "monitor (topic)", refused, "")]
+
+
 def node_rows(cfg_path: str, rounds: int, tmp: Path) -> tuple[list[tuple[str, str, bool, bool]], float]:
     from protocols.config import load_config
     from protocols.transport.broker import MosquittoBroker
@@ -369,7 +401,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fedtier-attacks-") as d:
         tmp = Path(d)
         cfg = load_config(args.config)
-        rows = broker_rows(cfg, tmp) + login_rows(cfg, tmp)
+        rows = broker_rows(cfg, tmp) + login_rows(cfg, tmp) + monitor_rows()
         nodes, wall = node_rows(args.config, args.rounds, tmp)
         lies = lying_cell_rows(args.config, tmp)
         cost = signing_figures(args.config, tmp)
