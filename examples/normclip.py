@@ -22,6 +22,7 @@ from pydantic import Field
 from protocols import params as P
 from protocols.algorithms.base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
 from protocols.algorithms.outcome import Outcome
+from protocols.algorithms.traits import Trait
 from protocols.rejections import Rejected, RejectKind
 from protocols.seeding import rng
 from protocols.trainer import LocalData, Trainer, num_steps
@@ -155,6 +156,12 @@ class NormClipDevice(DeviceRole):
 class NormClip(Algorithm):
     name = "normclip"
     Params = NormClipParams
+    # what the roles do (validation, privacy and attacks ask these, never the name), and why not the rest
+    traits = frozenset({Trait.CLOUD_SUM, Trait.PLAIN_DELTA_UPLINK})
+    without = {
+        Trait.CELL_SUM: "normclip's cell clips each device's delta before the mean: it needs every update, not a sum",
+        Trait.VERSIONED: "normclip runs synchronous rounds only",
+    }
 
     def cloud(self) -> CloudRole:
         return NormClipCloud(self.initial_params())

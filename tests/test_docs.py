@@ -18,7 +18,7 @@ import pytest
 
 from examples.normclip import NormClip
 from fedtier import docs_reference as ref
-from protocols.config import RunConfig, parse_config
+from protocols.config import ConfigError, RunConfig, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -250,6 +250,10 @@ def test_the_example_algorithm_learns_and_bounds_a_lying_device(tmp_path: Path, 
     cfg = small_config(tmp_path, algorithm={"name": "normclip", "max_norm": 5.0}, run={"rounds": 4})
     result = run_simulation(cfg)
     assert result.final_accuracy is not None and result.final_accuracy > 0.8  # it learns (chance: 0.1)
+
+    # its declared traits decide what it combines with: secure aggregation needs a cell that sums
+    with pytest.raises(ConfigError, match="clips each device's delta"):
+        small_config(tmp_path, algorithm={"name": "normclip"}, privacy={"secure_aggregation": True})
 
     # a device that sends 1000x an honest delta moves its cell's model by at most max_norm
     algo = NormClip(cfg.train, cfg.model_spec((64,), 10), seed=0)
