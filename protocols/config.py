@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from .algorithms import get_algorithm
 from .algorithms.base import CHANNEL_WIDTHS, Algorithm, ModelSpec, TrainParams
-from .algorithms.compose import check_layers, compose, needs
+from .algorithms.compose import Wrapper, check_layers, compose, needs
 from .algorithms.traits import Trait
 from .capabilities import WIRE_VERSION
 from .wire.topics import check_name
@@ -689,7 +689,40 @@ class RunConfig(_Section):
 
     def build_algorithm(self, spec: ModelSpec) -> Algorithm:
         """The algorithm stack of this run, ready to build its roles (``protocols.algorithms.compose``)."""
-        return compose(self, spec)
+        wrappers: list[Wrapper] = []
+        if self.run.init_model:
+            wrappers.append(functools.partial(_start_from, self.run.init_model))
+        if self.privacy.dp != "off":
+            wrappers.append(self._private)
+        topo = self.topology
+        init_seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
+        try:
+            return compose(
+                self.train,
+                spec,
+                seed=self.run.seed,
+                init_seed=init_seed,
+                cells={c: topo.devices(c) for c in topo.cell_ids()},
+                wrappers=wrappers,
+            )
+        except ConfigError:
+            raise
+        except ValueError as exc:  # the parameters do not fit the topology (the message names the key)
+            raise ConfigError(str(exc)) from None
+
+    def _private(self, algorithm: Algorithm) -> Algorithm:
+        """``algorithm`` wrapped for this run's differential privacy."""
+        from .privacy.dp import DpSettings, PrivateAlgorithm
+
+        pv, accountant = self.privacy, self.dp_accountant()
+        dp = DpSettings(
+            pv.dp,
+            pv.clip,
+            accountant.noise_multiplier,  # type: ignore[arg-type]  # calibrated: dp_accountant sets it
+            self.run.seed if pv.noise_seed is None else pv.noise_seed,
+            self.dp_noise_shares(),
+        )
+        return PrivateAlgorithm(algorithm, dp, accountant, pv.epsilon_budget)
 
     def participation_fraction(self) -> float | None:
         """The fraction of a cell's devices that take part in a round on average, from the participation
@@ -756,6 +789,12 @@ def _initial_model(path: str, seeded: Callable[[], dict[str, np.ndarray]]) -> Ca
                 f"the model's is {value.dtype}{list(value.shape)}"
             )
     return lambda: {name: np.array(value, copy=True) for name, value in loaded.items()}
+
+
+def _start_from(path: str, algorithm: Algorithm) -> Algorithm:
+    """``algorithm`` starting from the model in ``path`` (``run.init_model``) instead of its seeded one."""
+    algorithm.initial_params = _initial_model(path, algorithm.initial_params)  # type: ignore[method-assign]  # the run's starting model
+    return algorithm
 
 
 def _calibrated(target: float, rounds: int, mode: str, q: float, edge_rounds: int, delta: float) -> float:

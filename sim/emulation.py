@@ -45,8 +45,9 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
 
+from .executors import set_torch_threads
 from .hierarchy import cell_availability, device_availability, edge_availability, fresh_output, make_evaluator, prepare
-from .launcher import RunResult, cell_bounds, device_samples, set_torch_threads, write_final
+from .launcher import RunResult, cell_bounds, device_samples, write_final
 from .onnx_devices import export_onnx, with_onnx_model
 
 log = logging.getLogger("fedtier.run")
@@ -283,7 +284,8 @@ class Emulation:
     def broker_traffic(self) -> dict[str, dict[str, int]]:
         """Bytes each started Mosquitto received and sent so far (its ``$SYS`` counters), by name:
         ``cloud`` and the cells with ``brokers="per-cell"``, else ``shared``."""
-        from protocols.transport.broker import MosquittoBroker, sys_bytes
+        from protocols.transport.broker import MosquittoBroker
+        from protocols.transport.mqtt import sys_bytes
 
         return {name: sys_bytes(b.url) for name, b in self.started_brokers.items() if isinstance(b, MosquittoBroker)}
 

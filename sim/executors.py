@@ -50,6 +50,13 @@ Done = Callable[[Payload | None, str | None], None]
 LOCAL_DATA_BYTES = 512 << 20  # a worker keeps its recently trained devices' samples up to this size
 
 
+def set_torch_threads(n: int = 1) -> None:
+    """One torch thread per worker: on small models, more threads are much slower here."""
+    import torch
+
+    torch.set_num_threads(n)
+
+
 def worker_threads(cfg: RunConfig) -> int:
     """Torch threads of a worker's cohorts: ``cohort_threads`` shared by the ``sim_workers`` (the cloud's
     evaluation, which runs while they wait, takes all of them)."""
@@ -81,7 +88,6 @@ class DeviceWorker:
         from protocols.torch_trainer import TorchTrainer
 
         from .hierarchy import prepare
-        from .launcher import set_torch_threads
         from .onnx_devices import onnx_trainers
 
         set_torch_threads(1)

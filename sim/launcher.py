@@ -29,7 +29,7 @@ from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
-from .executors import make_executor, start_workers
+from .executors import make_executor, set_torch_threads, start_workers
 from .hierarchy import (
     DeviceData,
     Prepared,
@@ -89,13 +89,6 @@ class RunResult:
             **({"epsilon": last["epsilon"]} if "epsilon" in last else {}),
             **({"stopped": self.stopped} if self.stopped else {}),
         }
-
-
-def set_torch_threads(n: int = 1) -> None:
-    """One torch thread per worker: on small models, more threads are much slower here."""
-    import torch
-
-    torch.set_num_threads(n)
 
 
 def eval_threads(cfg: RunConfig) -> int:

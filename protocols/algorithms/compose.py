@@ -2,21 +2,19 @@
 
 :func:`compose` builds the base algorithm of ``algorithm.name`` from the registry with the layers its
 parameters configure (uplink codec, robust aggregation, server optimizer, asynchronous mode: the roles
-build them from ``TrainParams``), then wraps it for differential privacy; secure aggregation is the cell
-runtime's layer over the cell role's sum. Config validation (:func:`check_layers`, :func:`needs`), privacy
+build them from ``TrainParams``), then applies the run's wrappers (its initial model, differential
+privacy: ``RunConfig.build_algorithm``); secure aggregation is the cell runtime's layer over the cell
+role's sum. Config validation (:func:`check_layers`, :func:`needs`), privacy
 and attacks ask the stack's traits (``protocols.algorithms.traits``), never algorithm names.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
 
 from . import ALGORITHMS, get_algorithm
 from .base import Algorithm, ModelSpec, TrainParams
 from .traits import Trait
-
-if TYPE_CHECKING:
-    from ..config import RunConfig
 
 
 def needs(params: TrainParams, trait: Trait) -> str | None:
@@ -39,30 +37,25 @@ def check_layers(params: TrainParams) -> str | None:
     return None
 
 
-def compose(cfg: RunConfig, spec: ModelSpec) -> Algorithm:
-    """The algorithm stack of run ``cfg`` for model ``spec``, ready to build its roles."""
-    from ..config import ConfigError, _initial_model
+Wrapper = Callable[[Algorithm], Algorithm]
+"""A layer around a built algorithm (its starting model, differential privacy): takes it, returns the stack."""
 
-    seed = cfg.model.init_seed if cfg.model.init_seed is not None else cfg.run.seed
-    algorithm = get_algorithm(cfg.train.name)(cfg.train, spec, cfg.run.seed, init_seed=seed)
-    topo = cfg.topology
-    try:
-        algorithm.bind_topology({c: topo.devices(c) for c in topo.cell_ids()})
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if cfg.run.init_model:
-        algorithm.initial_params = _initial_model(cfg.run.init_model, algorithm.initial_params)  # type: ignore[method-assign]  # the run's starting model instead
-    pv = cfg.privacy
-    if pv.dp != "off":
-        from ..privacy.dp import DpSettings, PrivateAlgorithm
 
-        accountant = cfg.dp_accountant()
-        dp = DpSettings(
-            pv.dp,
-            pv.clip,
-            accountant.noise_multiplier,  # type: ignore[arg-type]  # calibrated: set by dp_accountant
-            cfg.run.seed if pv.noise_seed is None else pv.noise_seed,
-            cfg.dp_noise_shares(),
-        )
-        algorithm = PrivateAlgorithm(algorithm, dp, accountant, pv.epsilon_budget)
+def compose(
+    params: TrainParams,
+    spec: ModelSpec,
+    *,
+    seed: int,
+    init_seed: int,
+    cells: Mapping[str, Sequence[str]],
+    wrappers: Sequence[Wrapper] = (),
+) -> Algorithm:
+    """The algorithm stack of a run: the base algorithm ``params.name`` from the registry (the layers its
+    ``params`` configure are built by its roles), bound to the topology ``cells`` (``ValueError`` naming the
+    key when the parameters do not fit it), then each of ``wrappers`` in order (``RunConfig.build_algorithm``
+    passes the run's initial model and differential privacy)."""
+    algorithm = get_algorithm(params.name)(params, spec, seed, init_seed=init_seed)
+    algorithm.bind_topology(cells)
+    for wrap in wrappers:
+        algorithm = wrap(algorithm)
     return algorithm

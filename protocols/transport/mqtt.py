@@ -19,6 +19,7 @@ at a connection rate limit, is retried the same way when ``retry_refused``). Mes
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 import ssl
@@ -653,3 +654,31 @@ class MqttTransport(Transport):
 
         self.loop.cancel(self._expiry)
         self._expiry = self.loop.call_later(period, tick)
+
+
+def sys_bytes(url: str, timeout: float = 5.0) -> dict[str, int]:
+    """``{"received": ..., "sent": ...}``: the bytes a Mosquitto broker received and sent since it
+    started, from its ``$SYS/broker/bytes/*`` counters (published every ``sys_interval`` seconds;
+    this waits for a publication made after it subscribed, so nothing before the call is missed)."""
+    from .threadloop import ThreadLoop
+
+    loop = ThreadLoop("sys-bytes").start()
+    seen: dict[str, list[int]] = {"received": [], "sent": []}
+    done = threading.Event()
+
+    def on(topic: str, data: bytes) -> None:
+        seen[topic.rsplit("/", 1)[-1]].append(int(data))
+        if all(len(v) >= 2 for v in seen.values()):  # the retained value, then a fresh one
+            done.set()
+
+    client = MqttTransport.from_url(url, f"fedtier-sys-{os.getpid()}-{time.monotonic_ns()}", loop)
+    try:
+        client.subscribe("$SYS/broker/bytes/+", on)
+        client.connect(timeout)
+        done.wait(timeout)
+    finally:
+        client.close(flush_timeout=0)
+        loop.stop()
+    if not all(seen.values()):
+        raise TimeoutError(f"no $SYS/broker/bytes counters from {url} within {timeout} s (sys_interval set?)")
+    return {k: v[-1] for k, v in seen.items()}
