@@ -48,9 +48,11 @@ def forge_once(sim: SimHierarchy, watch: str, sender: str, topic: str, kind: str
     return fired
 
 
-def run(cfg: Any, attack: Any = None) -> tuple[Any, list[int]]:
+def run(cfg: Any, attack: Any = None, exporter: Any = None) -> tuple[Any, list[int]]:
     sim = SimHierarchy(cfg)
     fired = attack(sim) if attack else []
+    if exporter is not None:
+        exporter.watch_cloud(sim.cloud)
     return sim.run(), fired
 
 
@@ -59,13 +61,21 @@ def same_model(a: Any, b: Any) -> bool:
 
 
 def test_the_cloud_refuses_a_cell_claiming_1e15_samples(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from monitor.exporter import MetricsExporter
+
     clean, _ = run(small_config(tmp_path / "clean", run={"rounds": 2}))
+    exporter = MetricsExporter(RUN)
     attacked, fired = run(
         small_config(tmp_path / "attacked", run={"rounds": 2}),
         lambda sim: forge_once(
             sim, topics.cell_task(RUN, "c0"), "c0", topics.cell_report(RUN, "c0"), "cell_report", 1e15
         ),
+        exporter,
     )
+    counted = exporter.registry.get_sample_value(
+        "fedtier_cloud_reports_rejected_total", {"run": RUN, "reason": "bound"}
+    )
+    assert counted == 1  # counted in the metrics, with its kind
     assert fired == [0]
     assert same_model(clean, attacked)  # the genuine report of c0 came after and counted
     rejected = attacked.history[0]["rejected"]
