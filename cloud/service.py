@@ -25,7 +25,7 @@ from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import Algorithm
 from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file
-from protocols.config import ConfigError, RunConfig
+from protocols.config import RunConfig
 from protocols.jobs import (
     OPERATOR,
     CurrentJob,
@@ -139,41 +139,15 @@ class CloudService:
 
     def _run(self, job: Job, transport: Transport) -> bool:
         """Run ``job`` on ``transport`` until it ends or the service stops; ``False`` if it failed before
-        it started (the transport is still open)."""
+        it started (the transport is still open): a job that cannot be built fails with the reason, and
+        the queue goes on (a restarted cloud would meet the same error: no crash loop)."""
         resumed = job.state == "running"
         current = CurrentJob(job.job, job.config, job.digest)
-        cfg = current.run_config(self.bundle)
-        if job.init_from is not None:
-            base = self.queue.get(job.init_from)
-            model = cfg.output_dir().parent / job.init_from / runfiles.FINAL_MODEL
-            if base is None or base.state != "finished" or not model.exists():
-                self._fail(
-                    job, f"init_from: job {job.init_from!r} has no final model ({base.state if base else 'none'})"
-                )
-                return False
-            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(model)})})
-        out = cfg.output_dir()
-        out.mkdir(parents=True, exist_ok=True)
-        with private_file(out / runfiles.CONFIG) as f:  # mode 600: it may hold the broker password
-            f.write(cfg.to_toml().encode())
         try:
-            parts = self.parts(cfg)
-        except ConfigError as exc:  # e.g. init_from a model of another architecture
+            cfg, out, node = self._build(job, current, transport, resumed)
+        except (ValueError, OSError) as exc:  # ConfigError, JobError: the job's, not the cloud's fault
             self._fail(job, str(exc))
             return False
-        node = build_cloud(
-            cfg,
-            transport,
-            parts.algorithm,
-            evaluator=parts.evaluator,
-            output_dir=out,
-            resume=resumed and (out / runfiles.CHECKPOINT).exists(),
-            startup_wait=cfg.runtime.startup_wait,
-            on_round=self.on_round,
-            session=current.session,
-            collect_cell_records=True,  # the cells write on their own machines: the job's folder gets them all
-            cell_bounds=self._cell_bounds(cfg),
-        )
         job = self.queue.start(job.job) if not resumed else job
         log.info("job %s %s (hash %s)", job.job, "resumed" if resumed else "started", job.digest[:12])
 
@@ -207,6 +181,40 @@ class CloudService:
             self._publish_list(transport)
         node.stop()
         return True
+
+    def _build(self, job: Job, current: CurrentJob, transport: Transport, resumed: bool) -> tuple[Any, Path, Any]:
+        """The job's localized config, its run folder and its cloud server on ``transport``."""
+        cfg = current.run_config(self.bundle)
+        if job.init_from is not None:
+            base = self.queue.get(job.init_from)
+            model = cfg.output_dir().parent / job.init_from / runfiles.FINAL_MODEL
+            if base is None or base.state != "finished" or not model.exists():
+                raise JobError(
+                    f"init_from: job {job.init_from!r} has no final model ({base.state if base else 'none'})"
+                )
+            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(model)})})
+        out = cfg.output_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        with private_file(out / runfiles.CONFIG) as f:  # mode 600: it may hold the broker password
+            f.write(cfg.to_toml().encode())
+        parts = self.parts(cfg)  # ConfigError: e.g. init_from a model of another architecture
+        return (
+            cfg,
+            out,
+            build_cloud(
+                cfg,
+                transport,
+                parts.algorithm,
+                evaluator=parts.evaluator,
+                output_dir=out,
+                resume=resumed and (out / runfiles.CHECKPOINT).exists(),
+                startup_wait=cfg.runtime.startup_wait,
+                on_round=self.on_round,
+                session=current.session,
+                collect_cell_records=True,  # the cells write on their own machines: the job's folder gets them all
+                cell_bounds=self._cell_bounds(cfg),
+            ),
+        )
 
     def _fail(self, job: Job, reason: str) -> None:
         """End ``job`` as failed before it started (nodes never saw it: nothing to tell them)."""

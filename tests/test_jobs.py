@@ -187,3 +187,30 @@ def test_a_run_starts_from_a_given_model_of_the_same_shapes_only(tmp_path: Path)
     other = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(tmp_path / "other.ftw")})})
     with pytest.raises(ConfigError, match=r"run.init_model: .* in .*other.ftw, the model's is"):
         other.build_algorithm(spec)
+
+
+def test_a_job_the_cloud_cannot_build_fails_with_its_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
+    """No crash (a restarted cloud would meet the same error again): the job ends ``failed`` with why."""
+    from cloud.service import CloudService
+    from protocols.config import ConfigError
+    from protocols.transport.threadloop import ThreadLoop
+
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n", fed)
+    queue = JobQueue(tmp_path / "jobs.json")
+
+    def parts(cfg):
+        raise ConfigError("model.name: no such model here")
+
+    service = CloudService(fed, ThreadLoop("t"), lambda: None, queue, parts, trust=None, operator=None)
+    for name in ("a", "b", "c"):
+        queue.submit(Job(name, text, config_hash(text), OPERATOR, init_from="a" if name == "c" else None))
+    assert service._run(queue.next(), transport=None) is False  # type: ignore[arg-type]
+    assert (queue.get("a").state, queue.get("a").reason) == ("failed", "model.name: no such model here")
+    assert queue.next().job == "b"
+    queue.end("b", "cancelled")
+    assert service._run(queue.next(), transport=None) is False  # type: ignore[arg-type]
+    assert (
+        queue.get("c").state == "failed" and "init_from: job 'a' has no final model (failed)" in queue.get("c").reason
+    )
+    assert queue.next() is None
