@@ -43,6 +43,7 @@ from protocols.wire.signed import signer_of
 from .agent import DeviceAgent
 from .datasources import DataSource
 from .node import build_agent, cell_of
+from .secagg import cell_lies
 
 if TYPE_CHECKING:
     from .cohort import CohortExecutor
@@ -521,6 +522,7 @@ class AgentProcess:
                 "bytes_in": a.bytes_in,
                 "bytes_out": a.bytes_out,
                 "tasks": a.tasks_done,
+                "cell_lies": cell_lies(a),
                 **({"compute": self.compute.get(d, [])} if self.timing else {}),
                 **({"cohort_sizes": self.executor.sizes.get(d, [])} if self.executor is not None else {}),
             }

@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedtier.agent")
 
 
+def cell_lies(agent: DeviceAgent) -> int:
+    """How many times ``agent`` caught its cell lying under secure aggregation (0 without it)."""
+    secagg = getattr(agent, "secagg", None)
+    return int(secagg.cell_lies) if secagg is not None else 0
+
+
 class DeviceSecAgg:
     """Secure aggregation of one device agent's tasks."""
 

@@ -413,7 +413,14 @@ class AgentCollector(Collector):
             "fedtier_agent_reconnects", "Broker connections beyond each device's first", labels=["run"]
         )
         reconnects.add_metric([self.run], sum(max(0, n - 1) for n in list(agents.connections.values())))
-        return [devices, tasks, train, reconnects]
+        lies = CounterMetricFamily(
+            "fedtier_agent_secagg_cell_lies",
+            "Secure aggregations in which a device caught its cell lying (a substituted key, views that disagree)",
+            labels=["run"],
+        )
+        caught = (getattr(getattr(a, "secagg", None), "cell_lies", 0) for a in list(agents.agents.values()))
+        lies.add_metric([self.run], sum(int(n) for n in caught))
+        return [devices, tasks, train, reconnects, lies]
 
     def describe(self) -> Iterable[Any]:
         return []

@@ -220,8 +220,11 @@ def test_a_lying_cell_over_mqtt_never_recovers_the_target_and_the_devices_log_wh
     cfg = secure(tmp_path, runtime={"device_deadline": 8.0})
     liar = LyingCell(attack, TARGET)
     with liar.install(), MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as broker:
-        run = Emulation(cfg, broker_url=broker.url).run()
+        emulation = Emulation(cfg, broker_url=broker.url)
+        run = emulation.run()
     assert liar.attempts == 1 and liar.recovered == {}
+    lies = {d: s["cell_lies"] for d, s in emulation.agent_stats.items() if d.startswith("c0-")}  # counted
+    assert lies == ({d: int(d == TARGET) for d in lies} if attack == "keys" else dict.fromkeys(lies, 1)), lies
     rec = next(r for r in run.cell_records if r["cell"] == "c0")
     if attack == "keys":
         assert rec["absent"].get(TARGET) == "no secagg shares" and TARGET not in rec["answered"]
