@@ -214,3 +214,38 @@ def test_a_job_the_cloud_cannot_build_fails_with_its_reason_and_the_queue_goes_o
         queue.get("c").state == "failed" and "init_from: job 'a' has no final model (failed)" in queue.get("c").reason
     )
     assert queue.next() is None
+
+
+def test_a_node_takes_only_the_job_the_cloud_signed_and_leaves_on_its_finished() -> None:
+    """A cell or an agent builds a job from the retained ``cloud/job`` record only when the cloud signed
+    it: a record signed by a lying cell (valid credentials, its own key) or unsigned is ignored."""
+    from protocols.jobs import JobWatch
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire.messenger import Messenger
+    from protocols.wire.payload import Payload
+
+    seeds = {n: new_seed() for n in ("cloud", "c0", "c0-d0")}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    trust = {n: Trust(n, s, public) for n, s in seeds.items()}
+    hub = MemoryHub()
+    watch = JobWatch(hub.connect("device.c0-d0"), "fed", trust["c0-d0"])
+    topic = topics.current_job("fed")
+    text = "[run]\nname = 'fed'\n"
+    real = CurrentJob("a1", text, config_hash(text))
+    forged = CurrentJob("evil", text + "# other\n", config_hash(text + "# other\n"))
+    lying_cell = hub.connect("cell.c0")
+    lying_cell.publish(topic, seal_record(forged.record(), topic, trust["c0"].sign), retain=True)
+    lying_cell.publish(topic, seal_record(forged.record(), topic, None), retain=True)
+    hub.loop.run()
+    assert watch.current is None and watch.pending(set()) is None
+    cloud = hub.connect("cloud")
+    cloud.publish(topic, seal_record(real.record(), topic, trust["cloud"].sign), retain=True)
+    hub.loop.run()
+    assert watch.pending(set()) == real and watch.pending({real.session}) is None
+    # the job's end: the cloud's signed finished for that session (a cell's forgery does not count)
+    for sender in ("c0", "cloud"):
+        Messenger(hub.connect(f"m-{sender}"), "fed", sender, trust=trust[sender]).send(
+            topics.control("fed"), "control", Payload({"event": "finished", "session": real.session}), round=0
+        )
+        hub.loop.run()
+        assert (real.session in watch.finished) == (sender == "cloud")
