@@ -310,7 +310,16 @@ def test_provisioned_broker_keeps_queued_messages_across_a_restart(reachable_tmp
     reaches the cell when it comes back under its client id."""
     p = provision_cli(reachable_tmp, "persist")
     conf, nodes, run = p["out"] / "broker" / "mosquitto.conf", p["out"] / "nodes", "t"
-    assert "persistence true" in conf.read_text()
+    text = conf.read_text()
+    assert "persistence true" in text
+    for line in (  # logins bound to sessions, revocation, a bounded queue per client (issue 31)
+        "use_identity_as_username true",
+        "use_username_as_clientid true",
+        f"crlfile {(p['out'] / 'broker').resolve()}/ca.crl",
+        f"max_queued_bytes {512 * 1024 * 1024}",
+        "max_queued_messages 100000",
+    ):
+        assert line in text.splitlines(), line
     topic = topics.device_result(run, "c0", "c0-d0")
     with mosquitto(conf, p["port"]), clients() as make:
         cell = make(nodes / "c0", p["port"], client_id="cell-c0", persistent=True)
