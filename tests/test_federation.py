@@ -98,7 +98,7 @@ name = "logreg"
     + COMMON
 )
 
-JOB_C = JOB_A.replace('id = "A"', 'id = "C"\ninit_from = "A"').replace("rounds = 4", "rounds = 2")
+JOB_C = JOB_A.replace('id = "A"', 'id = "C"\ninit_from = "A"').replace("rounds = 4", "rounds = 1")
 
 
 def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
@@ -179,14 +179,10 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             assert res.returncode == 1 and "refused" in res.stdout and "signature" in res.stdout, res.stdout
 
             assert wait_until(lambda: _jobs(cloud_out) == {"A": "finished", "B": "finished"}, 120), _jobs(cloud_out)
-            # job C starts from A's final model; DeComFL cannot (its devices would need A's model too)
-            for name, text, answer in (
-                ("C", JOB_C, "queued"),
-                ("D", JOB_B.replace('id = "B"', 'id = "D"\ninit_from = "A"'), "replica"),
-            ):
-                (tmp / f"{name}.toml").write_text(text)
-                res = _run(command(SUBMIT, job=str(tmp / f"{name}.toml")), operator)
-                assert answer in res.stdout, res.stdout
+            # job C starts from A's final model (DeComFL could not: tests/test_jobs.py)
+            (tmp / "C.toml").write_text(JOB_C)
+            res = _run(command(SUBMIT, job=str(tmp / "C.toml")), operator)
+            assert "queued" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("C") == "finished", 60), _jobs(cloud_out)
             # job E (50 rounds) cancelled once it runs: it stops after its current round
             (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 4", "rounds = 50"))
