@@ -249,3 +249,20 @@ def test_a_node_takes_only_the_job_the_cloud_signed_and_leaves_on_its_finished()
         )
         hub.loop.run()
         assert (real.session in watch.finished) == (sender == "cloud")
+
+
+def test_init_from_is_refused_for_devices_that_keep_a_replica_of_the_initial_model(tmp_path: Path) -> None:
+    """DeComFL's devices replay from x0: only the cloud would have the base job's model."""
+    from cloud.service import CloudService
+
+    fed = federation(tmp_path)
+    queue = JobQueue(tmp_path / "jobs.json")
+    service = CloudService(fed, None, lambda: None, queue, None, trust=None, operator=None)  # type: ignore[arg-type]
+    fedavg = '[algorithm]\nname = "fedavg"\n'
+    service._submit("a", {"config": fedavg})
+    queue.start("a")
+    queue.end("a", "finished")
+    service._submit("b", {"config": fedavg, "init_from": "a"})
+    with pytest.raises(JobError, match="keep a model replica"):
+        service._submit("c", {"config": '[algorithm]\nname = "decomfl"\n', "init_from": "a"})
+    assert [j.job for j in queue.jobs.values()] == ["a", "b"]
