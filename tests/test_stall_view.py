@@ -52,3 +52,57 @@ def test_a_monitor_started_mid_stall_shows_it(tmp_path: Path) -> None:
     assert "cell c0 edge round 0.0 open for 200 s, past its 50 s deadline, waiting for c0-d0, c0-d1, c0-d2" in late
     assert "cloud round 0 open for 200 s, past its 160 s deadline, waiting for c0, c1" in late
     assert re.search(r"age 20[0-2] s", late)  # the run started just before t0
+
+
+def test_fedtier_monitor_started_mid_stall_over_mqtt_flags_it(tmp_path: Path) -> None:
+    """Over a broker: the cloud and cell c0 run (in this process); c0's edge round hangs (its deadline timer is
+    lost, as in the bug that hung an emulation). ``fedtier monitor --broker --once`` started afterwards shows
+    whom c0 waits for and flags the edge round as past its deadline, from the retained states alone."""
+    import subprocess
+    import sys
+
+    from protocols.transport.broker import EmbeddedBroker
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from sim.emulation import _on_loop
+    from tests.conftest import wait_until
+
+    cfg = small_config(
+        tmp_path,
+        run={"name": "stall"},
+        topology={"cells": 1, "devices_per_cell": 2},
+        runtime={"heartbeat": 0.0, "heartbeat_timeout": 0.0, "device_deadline": 0.5, "startup_wait": 0.0},
+    )
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    loop = ThreadLoop("stall").start()
+    with EmbeddedBroker() as broker:
+        connect = lambda name: MqttTransport.from_url(broker.url, name, loop).connect()  # noqa: E731
+        devices = connect("devices")
+        for d in ("c0-d0", "c0-d1"):
+            topic = topics.device_status("stall", "c0", d)
+            devices.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10), retain=True)
+        cell = build_cell(cfg, "c0", connect("cell.c0"), algorithm, heartbeats=True)
+        cloud = build_cloud(cfg, connect("cloud"), algorithm)
+        try:
+            _on_loop(loop, cell.start)
+            cell.transport.wait_subscribed()
+            _on_loop(loop, cloud.start)
+            assert wait_until(lambda: bool(cell.planned) and cell._timer is not None, 30)
+            _on_loop(loop, lambda: loop.cancel(cell._timer))  # the hang: nothing will close this edge round
+            time.sleep(1.0)
+            shown = subprocess.run(
+                [str(Path(sys.executable).parent / "fedtier"), "monitor", "--broker", broker.url, "--run", "stall"]
+                + ["--once", "--wait", "3", "--width", "220"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            for node in (cell, cloud):
+                _on_loop(loop, node.stop)
+            devices.close()
+            loop.stop()
+    out = " ".join(shown.stdout.split())
+    assert shown.returncode == 0, shown.stderr
+    assert "round 0: waiting for c0 for" in out
+    assert re.search(r"cell c0 edge round 0\.0 open for \d+ s, past its 0\.5 s deadline, waiting for c0-d0, c0-d1", out)
