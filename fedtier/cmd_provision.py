@@ -12,9 +12,15 @@ from .console import console, fail, load_deployment_or_exit
 class _ProvisionCommand(click.Command):
     """``fedtier provision CONFIG ...`` provisions; ``fedtier provision renew ...`` is :func:`renew`."""
 
+    @property
+    def subcommands(self) -> dict[str, click.Command]:
+        """The words after ``provision`` that name another command (the CLI reference lists them too)."""
+        return {"renew": renew}
+
     def make_context(self, info_name, args, parent=None, **extra):  # type: ignore[no-untyped-def]
-        if args and args[0] == "renew":
-            return renew.make_context(f"{info_name} renew", list(args[1:]), parent=parent, **extra)
+        if args and args[0] in self.subcommands:
+            sub = self.subcommands[args[0]]
+            return sub.make_context(f"{info_name} {args[0]}", list(args[1:]), parent=parent, **extra)
         return super().make_context(info_name, args, parent=parent, **extra)
 
 

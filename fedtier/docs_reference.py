@@ -184,6 +184,8 @@ def _commands(
         yield f"{prefix} {name}", cmd, sub
         if isinstance(cmd, click.Group):
             yield from _commands(cmd, sub, f"{prefix} {name}")
+        for word, extra in sorted(getattr(cmd, "subcommands", {}).items()):  # declared by a command itself
+            yield f"{prefix} {name} {word}", extra, click.Context(extra, info_name=f"{name} {word}", parent=ctx)
 
 
 def cli_reference() -> str:

@@ -92,15 +92,28 @@ def test_config_reference_lists_every_key_with_type_default_and_constraint() -> 
 
 
 def test_cli_reference_has_every_command_and_option() -> None:
+    import click
+
     from fedtier.cli import main
 
     text = ref.cli_reference()
+    commands = {name: cmd for name, cmd in main.commands.items()}
     for name, cmd in main.commands.items():
+        commands.update({f"{name} {w}": sub for w, sub in getattr(cmd, "subcommands", {}).items()})
+    assert "provision renew" in commands
+    for name, cmd in commands.items():
         assert f"## `fedtier {name}`" in text
         for param in cmd.params:
             for opt in getattr(param, "opts", []):
                 if opt.startswith("-"):
                     assert f"`{opt}`" in text, f"fedtier {name} {opt}"
+    # every click command the CLI modules define is reachable (so it is in the reference), none hidden
+    reachable = {id(c) for c in commands.values()}
+    for module in sorted((ROOT / "fedtier").glob("cmd_*.py")):
+        mod = __import__(f"fedtier.{module.stem}", fromlist=["_"])
+        for value in vars(mod).values():
+            if isinstance(value, click.Command) and not isinstance(value, click.Group):
+                assert id(value) in reachable, f"{module.name}: command {value.name!r} is not reachable from fedtier"
 
 
 def test_metrics_reference_has_every_exported_metric() -> None:
