@@ -34,18 +34,33 @@ class _ProvisionCommand(click.Command):
     help="Renew this node's certificate only (repeatable); default: every bundle's, the brokers' and bridges'.",
 )
 @click.option("--days", type=click.IntRange(min=1), default=None, help="Validity (default: the provisioning's).")
-def renew(out_dir: str, nodes: tuple[str, ...], days: int | None) -> None:
+@click.option(
+    "--identity",
+    is_flag=True,
+    help="Also give each --node a new Ed25519 identity (its keys.toml, and its public key in every bundle "
+    "that knows it: copy those keys.toml files to their nodes too).",
+)
+def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool) -> None:
     """Re-issue certificates of the provisioning in OUT with new keys and revoke the old ones (the brokers
     refuse them once restarted); Ed25519 identities and passwords stay. Copy each renewed bundle's
     client.crt and client.key to its node, and restart the brokers."""
     from protocols.config import ConfigError
 
     from .renewal import renew as write
+    from .renewal import rotate_identity
 
+    if identity and not nodes:
+        fail("--identity rotates the identities of the --node NODEs given (none given)", 2)
     try:
         done = write(out_dir, list(nodes) or None, days=days)
+        rotated = sorted({p for node in (nodes if identity else ()) for p in rotate_identity(out_dir, node)})
     except ConfigError as exc:
         fail(str(exc), 2)
+    if rotated:
+        console.print(
+            f"new Ed25519 identity for {', '.join(nodes)}: copy these keys files to their nodes: "
+            + ", ".join(str(p.relative_to(out_dir)) for p in rotated)
+        )
     console.print(
         f"renewed {len(done.certificates)} certificates in {out_dir} "
         f"({', '.join(p.parent.name + '/' + p.name for p in done.certificates[:6])}"

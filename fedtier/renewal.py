@@ -105,3 +105,30 @@ def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None =
         _write(broker / CRL, crl)
         _keep_owner(broker / CRL, owner)
     return Renewed(renewed, sorted(set(revoked)))
+
+
+def rotate_identity(out: str | Path, node: str) -> list[Path]:
+    """Give ``node`` a new Ed25519 identity: its private key in ``OUT/keys.toml`` and its bundle, its public key
+    in every bundle that knows it (its peers, the monitor). Returns the keys files rewritten. Peers must get
+    their rewritten ``keys.toml`` too (a message signed with the old key is refused from then on); a
+    federation's cloud keeps its signed roster, which must be re-issued with the new key."""
+    from protocols.wire.keys import KeyRing, load_keys, new_seed, public_of, write_keys
+
+    out = Path(out)
+    ring = load_keys(out / "keys.toml")
+    if node not in ring.private:
+        raise ConfigError(f"{out / 'keys.toml'} has no identity for {node!r}")
+    seed = new_seed()
+    files = [out / "keys.toml", *sorted((out / "nodes").glob("*/keys.toml"))]
+    written: list[Path] = []
+    for path in files:
+        held = load_keys(path, need_private=False)
+        if node not in held.private and node not in held.public:
+            continue
+        owner = os.stat(path)
+        private = {n: seed if n == node else k for n, k in held.private.items()}
+        public = {n: public_of(seed) if n == node else k for n, k in held.public.items()}
+        write_keys(path, KeyRing(private, public), comment=f"identity of {node!r} rotated", overwrite=True)
+        _keep_owner(path, owner)
+        written.append(path)
+    return written

@@ -543,3 +543,28 @@ def test_a_renewed_certificate_logs_in_and_the_old_one_is_refused(reachable_tmp:
     res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out)])  # everything: bundles, the broker
     n = len(list((out / "nodes").glob("*/client.crt"))) + 1
     assert res.exit_code == 0 and f"renewed {n} certificates" in " ".join(res.output.split()), res.output
+
+
+def test_renew_identity_rotates_a_nodes_ed25519_key_in_every_bundle_that_knows_it(reachable_tmp: Path) -> None:
+    """`fedtier provision renew --node c0-d0 --identity`: a new Ed25519 key for c0-d0 in OUT/keys.toml and its
+    bundle; its cell, the cloud's keys file if it knows it, and the monitor get the new public key: a message
+    signed with the old key is refused by the cell, one signed with the new key verified."""
+    from protocols.wire.envelope import WireError
+    from protocols.wire.keys import PublicKeys, Trust, load_keys, public_of
+
+    out = provision_cli(reachable_tmp, "identity")["out"]
+    old = load_keys(out / "nodes" / "c0-d0" / "keys.toml").private["c0-d0"]
+    res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--node", "c0-d0", "--identity"])
+    assert res.exit_code == 0, res.output
+    new = load_keys(out / "nodes" / "c0-d0" / "keys.toml").private["c0-d0"]
+    assert new != old and load_keys(out / "keys.toml").private["c0-d0"] == new
+    for peer in ("c0", "monitor"):
+        assert load_keys(out / "nodes" / peer / "keys.toml", need_private=False).public["c0-d0"] == public_of(new)
+    assert "c0-d0" not in load_keys(out / "nodes" / "c1" / "keys.toml").public  # another cell never knew it
+    cell = PublicKeys(load_keys(out / "nodes" / "c0" / "keys.toml").public)
+    cell.verify("c0-d0", b"result", Trust("c0-d0", new, {}).sign(b"result"))
+    with pytest.raises(WireError, match="bad signature"):
+        cell.verify("c0-d0", b"result", Trust("c0-d0", old, {}).sign(b"result"))
+    assert stat.S_IMODE(os.stat(out / "nodes" / "c0" / "keys.toml").st_mode) == 0o600
+    res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--identity"])
+    assert res.exit_code == 2 and "--node" in res.output
