@@ -107,6 +107,19 @@ def test_cuda_without_cuda_is_one_clear_error_at_start(make_config, engine: str)
         SimHierarchy(cfg, write_output=False)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_fedtier_sim_on_cuda_without_cuda_exits_2_with_one_line(tmp_path, make_config) -> None:
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    path = tmp_path / "c.toml"
+    path.write_text(make_config(run={"rounds": 1, "output": str(tmp_path / "out")}).to_toml())
+    res = CliRunner().invoke(main, ["sim", str(path), "--set", "runtime.device=cuda", "--no-progress"])
+    assert res.exit_code == 2 and "runtime.device = 'cuda' but this machine has 0 CUDA device" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "out" / "summary.json").exists()
+
+
 def test_auto_logs_its_choice(caplog) -> None:
     caplog.set_level(logging.INFO, logger="fedtier.device")
     from protocols import torch_trainer
