@@ -127,6 +127,7 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
             "cpu": time.process_time() - c0,
             "error": str(exc),
             **{f"bytes@{t}": math.inf for t in settings["targets"]},
+            **{f"round@{t}": math.inf for t in settings["targets"]},
             "score": math.inf,
         }
     n = settings["devices"]
