@@ -23,7 +23,7 @@ from protocols.jsonl import JsonlWriter, read_jsonl
 from protocols.records import MAX_LISTED_REJECTIONS, RoundRecord
 from protocols.rejections import Rejected, RejectKind
 from protocols.session import encode_manifest, new_session
-from protocols.state import publish_state
+from protocols.state import MAX_WAITING, publish_state
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -325,7 +325,7 @@ class CloudServer:
         self._cell_devices[cell] = self._count(cell, msg)
         if not self.answers.pending:
             self._close(self.round, "all reported")
-        else:
+        elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self._state("waiting", self.answers.pending, since=self._round_since, deadline_s=self.cell_deadline)
 
     def _bad_report(self, cell: str, msg: Any) -> Rejected | None:

@@ -135,6 +135,10 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     logs = subprocess.run([FEDTIER, "logs", str(cloud_dir), "--json"], capture_output=True, text=True, check=True)
     shown = [json.loads(line) for line in logs.stdout.splitlines()]
     assert [r for r in shown if r["event"] == "aggregation"] == [r.to_dict() for r in own]
+    view = subprocess.run(
+        [FEDTIER, "monitor", str(cloud_dir), "--once", "--width", "200"], capture_output=True, text=True, check=True
+    )
+    assert "cells 1: 1 ok" in view.stdout and "finished" in view.stdout  # it was "seen never, rounds behind"
     assert "cloud: round 2/3 closed (all reported): cells 1/1 answered" in outputs["cloud"]  # -v: a line a round
 
 
