@@ -280,6 +280,7 @@ class CloudServer:
         self._cell_failed: dict[str, int] = {}
         self._failures: dict[str, int] = {}  # reason -> devices whose task failed, over the cells
         allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
+        self._expected = len(allowed & set(self.cells))  # cells that may answer: a stall is fewer than this
         plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
         self.planned = sorted(plan)
         manifest = topics.round_manifest(self.run)
@@ -481,7 +482,7 @@ class CloudServer:
         why = self.stall.observe(
             self.round,
             len(reported),
-            len(self.cells),
+            self._expected,  # cell participation may leave a round to fewer cells, or none
             aggregated,
             self._failures,
             sum(self._cell_diverged.values()),

@@ -56,6 +56,7 @@ def test_stall_watch_counts_rounds_without_progress() -> None:
     quorum = StallWatch(max_rounds=1, min_cells=2)
     assert quorum.observe(7, 1, 3, 4, {}, 0) == "fewer than 2 cells answered in round 7"
     assert StallWatch(max_rounds=1, min_cells=5).observe(0, 2, 2, 1, {}, 0) is None  # at most every cell
+    assert StallWatch(max_rounds=1).observe(0, 0, 0, 0, {}, 0) is None  # participation let no cell take part
 
 
 def test_reason_counts_stay_bounded_whatever_devices_claim() -> None:
