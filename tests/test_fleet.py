@@ -263,6 +263,7 @@ def test_bridge_config_command(tmp_path: Path) -> None:
         ("fedtier/f/roster", "in"),
         ("fedtier/f/cloud/up/c1/report", "out"),
         ("fedtier/f/status/cell.c1", "out"),
+        ("fedtier/f/state/cell.c1", "out"),
         ("fedtier/f/telemetry/cell/c1", "out"),
     }
     assert "c0" not in conf.replace("fedtier-f-bridge", "")
