@@ -124,6 +124,7 @@ class CellServer:
         self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
         self.requirements = requirements
+        self.revoked: set[str] = set()  # members the federation revoked (its roster): never planned again
         self.unmet: dict[str, str] = {}  # device -> why it cannot serve this job (its announced capabilities)
         self._beat_timer: TimerHandle | None = None
         self._leaving: dict[str, TimerHandle] = {}  # offline devices the open edge round waits for, a while
@@ -566,7 +567,9 @@ class CellServer:
             self._not_participating = sitting_out
         available = []
         for d in taking_part:
-            if not self.online[d]:
+            if d in self.revoked:
+                self.absent[d] = "revoked"
+            elif not self.online[d]:
                 self.absent[d] = "offline"
             elif d in self.unmet:
                 self.absent[d] = f"requirements: {self.unmet[d]}"
@@ -674,6 +677,29 @@ class CellServer:
             self._close(self.round, self.edge_round, "quorum")
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self._waiting_state()
+
+    def revoke(self, devices: Iterable[str]) -> None:
+        """The federation revoked these members (the cloud's signed roster): their signatures no longer
+        verify (what they send is refused and counted), they are never planned again, and an open edge
+        round stops waiting for them at once (it closes when every other planned device answered)."""
+        mine = [d for d in devices if self.devices.position(d) is not None and d not in self.revoked]
+        if not mine:
+            return
+        self.revoked.update(mine)
+        if self.trust is not None:
+            self.trust.forget(mine)
+        for d in mine:
+            log.warning("cell %s: %s was revoked; it is out of this job", self.cell, d)
+            self.online[d] = False
+            status = topics.device_status(self.run, self.cell, d)
+            self.transport.publish(status, b"", retain=True)  # its retained "online" cleared
+            if self.answers.is_open and d in self.answers.pending:
+                self.answers.pending.discard(d)
+                self.absent[d] = "revoked"
+        self._waiting.difference_update(mine)
+        self._unknown.difference_update(mine)
+        if self.answers.is_open and not self.answers.pending:
+            self._close(self.round, self.edge_round, "all answered")
 
     def _bad_result(self, device: str, msg: Any) -> Rejected | None:
         """Runtime checks before the role sees a result: its session (signed runs) and its weight

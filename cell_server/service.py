@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch
+from protocols.roster import Roster
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire.keys import Trust
@@ -16,6 +17,17 @@ from protocols.wire.keys import Trust
 from .server import CellServer
 
 log = logging.getLogger("fedtier.cell.service")
+
+
+def apply_roster(node: CellServer, cell: str, roster: Roster) -> None:
+    """What the cloud's signed roster says of this cell: its members' keys (devices enrolled after the
+    cell's keys file was written), their weight bounds, and the revoked ones (out at once)."""
+    members = [d for d in roster.members(cell) if node.devices.position(d) is not None]
+    if node.trust is not None:
+        node.trust.learn({d: key for d in members if (key := roster.device_key(d)) is not None})
+    if isinstance(node.max_weights, dict):
+        node.max_weights.update({d: b for d in members if (b := roster.device_bound(cell, d)) is not None})
+    node.revoke(roster.revoked)
 
 
 class CellService:
@@ -61,7 +73,7 @@ class CellService:
                 transport.close()
                 break
             try:
-                cfg = current.run_config(self.bundle)
+                cfg = current.run_config(self.bundle, self.cell)
                 node = self.build(cfg, transport)
             except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
                 log.error("cell %s cannot serve job %s: %s", self.cell, current.job, exc)
@@ -69,6 +81,9 @@ class CellService:
                 transport.close()
                 continue
             node.cloud.pinned = current.session  # tasks of this job's session only
+            watch.on_roster = lambda roster, node=node: apply_roster(node, self.cell, roster)
+            if watch.roster is not None:
+                apply_roster(node, self.cell, watch.roster)
             self.node = node
             log.info("cell %s serves job %s", self.cell, current.job)
             self.loop.post(node.start)

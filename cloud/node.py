@@ -84,5 +84,5 @@ def config_cell_bounds(cfg: RunConfig) -> Mapping[str, float] | None:
     bound = cfg.security.max_device_weight
     if bound is None:
         return None
-    per_cell = cfg.topology.devices_per_cell
-    return CellBounds(cfg.topology.cell_ids(), cfg.train, lambda cell: [bound] * per_cell)
+    topo = cfg.topology
+    return CellBounds(topo.cell_ids(), cfg.train, lambda cell: [bound] * len(topo.device_ids(cell)))

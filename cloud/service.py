@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,7 +26,7 @@ from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import Algorithm
 from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file
-from protocols.config import RunConfig
+from protocols.config import RunConfig, TopologySection
 from protocols.jobs import (
     OPERATOR,
     CurrentJob,
@@ -36,7 +37,7 @@ from protocols.jobs import (
     open_job_record,
 )
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
-from protocols.roster import roster_topic, verify_roster
+from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -78,8 +79,8 @@ class CloudService:
         on_end: Callable[[Job, RunConfig, CloudServer, Path], None] | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         roster: bytes | None = None,
+        roster_path: Path | None = None,
     ) -> None:
-        self.roster = roster  # the federation's signed roster (protocols.roster), published retained
         self.bundle, self.loop, self.connect, self.queue, self.parts = bundle, loop, connect, queue, parts
         self.fed = bundle.run.name
         self.trust, self.on_end, self.on_round = trust, on_end, on_round
@@ -90,13 +91,17 @@ class CloudService:
         self.error: BaseException | None = None  # a queue that could not be written: the service stops
         self.wake = threading.Event()
         self.ledger = PrivacyLedger(queue.path.parent / LEDGER_FILE)  # epsilon per device across jobs
+        self.roster_path = roster_path  # where an adopted (newer) roster is kept across restarts
+        self.roster: Roster | None = None  # the federation's membership; jobs are planned on it
+        if roster is not None and trust is not None:
+            self._adopt(verify_roster(roster, trust.verify, federation=self.fed), write=False)
 
     def _cell_bounds(self, cfg: RunConfig) -> Mapping[str, float] | None:
         """Each cell's weight bound from the federation's signed roster (the sum of its devices' bounds), or
         ``None`` (the job config's ``security.max_device_weight`` then, see ``cloud.node``)."""
         if self.roster is None or self.trust is None:
             return None
-        return roster_cell_bounds(verify_roster(self.roster, self.trust.verify, federation=self.fed), cfg.train)
+        return roster_cell_bounds(self.roster, cfg.train)
 
     # ------------------------------------------------------------------ the queue runner (caller's thread)
     def serve(self) -> None:
@@ -132,8 +137,8 @@ class CloudService:
         if transport is None:  # stopped while the broker was unreachable
             return None
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
-        if self.roster is not None:
-            transport.publish(roster_topic(self.fed), self.roster, retain=True)
+        transport.subscribe(roster_topic(self.fed), self._on_roster)
+        self.loop.post(lambda: self._publish_roster(transport))
         self.loop.post(lambda: self._publish_list(transport))
         return transport
 
@@ -222,6 +227,46 @@ class CloudService:
         self.queue.end(job.job, "failed", reason)
         if self.transport is not None:
             self.loop.post(lambda t=self.transport: self._publish_list(t))
+
+    # ------------------------------------------------------------------ the roster (loop thread)
+    def _adopt(self, roster: Roster, write: bool = True) -> None:
+        """Take ``roster`` as the federation's membership: the next jobs are planned on its members."""
+        if write and self.roster_path is not None:
+            tmp = self.roster_path.with_name(self.roster_path.name + ".tmp")
+            tmp.write_bytes(self._roster_bytes(roster))
+            os.replace(tmp, self.roster_path)
+        self.roster = roster
+        members = {c: roster.members(c) for c in roster.cells}
+        topo = self.bundle.topology
+        if members != {c: list(topo.device_ids(c)) for c in topo.cell_ids()}:  # changed since provisioning
+            self.bundle = self.bundle.model_copy(update={"topology": TopologySection(members=members)})
+        log.info(
+            "roster version %d: %d cells, %d devices", roster.version, len(members), sum(map(len, members.values()))
+        )
+
+    def _roster_bytes(self, roster: Roster) -> bytes:
+        assert self.trust is not None
+        return sign_roster(roster, self.trust.sign)
+
+    def _publish_roster(self, transport: Transport) -> None:
+        if self.roster is not None and self.trust is not None:
+            transport.publish(roster_topic(self.fed), self._roster_bytes(self.roster), retain=True)
+
+    def _on_roster(self, topic: str, data: bytes) -> None:
+        """A roster on the broker: a newer one (the operator's, signed with this cloud's key by
+        `fedtier provision`) is adopted; an older one is replaced by this cloud's."""
+        if not data or self.trust is None:
+            return
+        try:
+            roster = verify_roster(data, self.trust.verify, federation=self.fed)
+        except RosterError as exc:
+            log.warning("refused a roster: %s", exc)
+            return
+        transport = self.node.transport if self.node is not None else self.transport
+        if self.roster is None or roster.version > self.roster.version:
+            self._adopt(roster)
+        elif roster.version < self.roster.version and transport is not None:
+            self._publish_roster(transport)
 
     # ------------------------------------------------------------------ operator requests (loop thread)
     def _on_submit(self, topic: str, data: bytes) -> None:

@@ -114,6 +114,7 @@ def sim(
 for _module in (
     "cmd_keys",
     "cmd_provision",
+    "cmd_membership",
     "cmd_monitor",
     "cmd_logs",
     "cmd_report",

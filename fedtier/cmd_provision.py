@@ -9,22 +9,23 @@ from .cli import CONFIG, SET, main
 from .console import console, fail, load_deployment_or_exit
 
 
-class _ProvisionCommand(click.Command):
-    """``fedtier provision CONFIG ...`` provisions; ``fedtier provision renew ...`` is :func:`renew`."""
+class _ProvisionGroup(click.Group):
+    """``fedtier provision CONFIG --out DIR`` provisions (the ``create`` command); ``fedtier provision
+    add-device|add-cell|revoke ...`` change a provisioned federation's membership."""
 
-    @property
-    def subcommands(self) -> dict[str, click.Command]:
-        """The words after ``provision`` that name another command (the CLI reference lists them too)."""
-        return {"renew": renew}
-
-    def make_context(self, info_name, args, parent=None, **extra):  # type: ignore[no-untyped-def]
-        if args and args[0] in self.subcommands:
-            sub = self.subcommands[args[0]]
-            return sub.make_context(f"{info_name} {args[0]}", list(args[1:]), parent=parent, **extra)
-        return super().make_context(info_name, args, parent=parent, **extra)
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["create", *args]
+        return super().parse_args(ctx, args)
 
 
-@click.command()
+@main.group(cls=_ProvisionGroup)
+def provision() -> None:
+    """Provision a deployment (`fedtier provision CONFIG --out DIR`), then change its membership while it
+    runs (`add-device`, `add-cell`, `revoke`)."""
+
+
+@provision.command("renew")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, exists=True), help="The folder.")
 @click.option(
     "--node",
@@ -69,7 +70,7 @@ def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool
     )
 
 
-@main.command(cls=_ProvisionCommand)
+@provision.command("create")
 @CONFIG
 @SET
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
@@ -132,7 +133,7 @@ def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool
     show_default=True,
     help="With --federation: the fedtier script the systemd units run.",
 )
-def provision(
+def create(
     config: str,
     overrides: tuple[str, ...],
     out_dir: str,

@@ -94,10 +94,11 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("write", topics.job_replies(run)),
             ("write", topics.job_list(run)),
             ("write", topics.current_job(run)),
-            ("write", roster_topic(run)),
+            ("readwrite", roster_topic(run)),
         ],
         OPERATOR: [
             ("write", topics.job_submit(run)),
+            ("readwrite", roster_topic(run)),
             ("read", topics.job_replies(run)),
             ("read", topics.job_list(run)),
             ("read", topics.current_job(run)),
@@ -123,7 +124,7 @@ def acl_rules(cfg: RunConfig) -> dict[str, list[tuple[str, str]]]:
             ("write", topics.cell_report(run, cell)),
             ("read", topics.control(run)),
             ("read", topics.round_manifest(run)),
-            ("read", topics.device_statuses(run, cell)),
+            ("readwrite", topics.device_statuses(run, cell)),  # write: clears a revoked device's status
             ("read", topics.status(run, "cloud")),
             ("write", topics.status(run, topics.cell_node(cell))),
             ("write", topics.telemetry_cell(run, cell)),
@@ -322,6 +323,7 @@ def _write_broker(
         + "per_listener_settings false\nallow_anonymous false\nset_tcp_nodelay true\n"
         f"max_queued_messages 100000\nmax_queued_bytes {MAX_QUEUED_BYTES}\nmax_inflight_messages 64\n"
         + PERSISTENCE.format(data=data.resolve())
+        + f"pid_file {data.resolve()}/mosquitto.pid\n"  # `fedtier provision add-device|revoke` reload it (SIGHUP)
         + f"listener {port}{' ' + bind if bind else ''}\n{options}"
         + (f"\n{extra}\n" if extra else ""),
         secret=True,
@@ -440,6 +442,54 @@ WantedBy=multi-user.target
 """
 
 
+def write_bundle(
+    out: Path,
+    pki: _Pki,
+    ring: KeyRing,
+    cfg: RunConfig,
+    node: str,
+    url: str,
+    password: str,
+    max_device_weight: float | None,
+    federation: bool,
+    fedtier_bin: str,
+) -> Path:
+    """One node's bundle in ``OUT/nodes/{node}``: its certificate, its keys, its config (and systemd unit)."""
+    d = out / "nodes" / node
+    pki.issue(d, "client", node)
+    # a node's private key and its peers' public keys; the monitor signs nothing: every node's public key,
+    # to check the signed telemetry and statuses it reads (`fedtier monitor --config`)
+    subset = _key_subset(ring, cfg, node)
+    write_keys(d / "keys.toml", subset, comment=f"node {node!r} of run {cfg.run.name!r}", overwrite=True)
+    security: dict[str, object] = {"keys": "keys.toml"}
+    if federation:
+        security["membership"] = "roster"
+    if max_device_weight is not None:
+        security["max_device_weight"] = float(max_device_weight)
+    node_cfg = (federation_bundle(cfg) if federation else cfg).model_copy(
+        update={
+            "broker": cfg.broker.model_copy(
+                update={
+                    "url": url,
+                    "username": node,
+                    "password": password,
+                    "ca_certs": "ca.crt",
+                    "certfile": "client.crt",
+                    "keyfile": "client.key",
+                }
+            ),
+            "security": cfg.security.model_copy(update=security),
+        }
+    )
+    text = federation_toml(node_cfg) if federation else node_cfg.to_toml()
+    _write(d / "config.toml", text, secret=True)  # holds the broker password
+    if federation:
+        unit = systemd_unit(cfg, node, fedtier_bin)
+        if unit is not None:
+            _write(d / unit_name(node), unit)
+    return d
+
+
 def provision(
     cfg: RunConfig,
     out: str | Path,
@@ -551,37 +601,30 @@ def provision(
         bind,
     )
 
-    bundles: dict[str, Path] = {}
-    for node in rules:
-        d = out / "nodes" / node
-        pki.issue(d, "client", node)
-        # a node's private key and its peers' public keys; the monitor signs nothing: every node's public key,
-        # to check the signed telemetry and statuses it reads (`fedtier monitor --config`)
-        subset = _key_subset(ring, cfg, node)
-        write_keys(d / "keys.toml", subset, comment=f"node {node!r} of run {run!r}", overwrite=True)
-        security: dict[str, object] = {"keys": "keys.toml"}
-        if max_device_weight is not None:
-            security["max_device_weight"] = float(max_device_weight)
-        node_cfg = (federation_bundle(cfg) if federation else cfg).model_copy(
-            update={
-                "broker": cfg.broker.model_copy(
-                    update={
-                        "url": urls[node],
-                        "username": node,
-                        "password": passwords[node],
-                        "ca_certs": "ca.crt",
-                        "certfile": "client.crt",
-                        "keyfile": "client.key",
-                    }
-                ),
-                "security": cfg.security.model_copy(update=security),
-            }
+    bundles = {
+        node: write_bundle(
+            out, pki, ring, cfg, node, urls[node], passwords[node], max_device_weight, federation, fedtier_bin
         )
-        text = federation_toml(node_cfg) if federation else node_cfg.to_toml()
-        _write(d / "config.toml", text, secret=True)  # holds the broker password
-        if federation:
-            unit = systemd_unit(cfg, node, fedtier_bin)
-            if unit is not None:
-                _write(d / unit_name(node), unit)
-        bundles[node] = d
+        for node in rules
+    }
+    from .membership import record_federation
+
+    record_federation(
+        out,
+        cfg,
+        ring,
+        {
+            "host": host,
+            "port": port,
+            "max_chunk": max_chunk,
+            "per_cell": per_cell,
+            "cell_host": cell_host,
+            "cell_port": cell_port,
+            "broker_user": broker_user,
+            "bind": bind,
+            "max_device_weight": max_device_weight,
+            "federation": federation,
+            "fedtier_bin": fedtier_bin,
+        },
+    )
     return Provisioned(out, broker, bundles, passwords, cell_brokers)

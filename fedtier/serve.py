@@ -59,8 +59,8 @@ ROSTER_FILE = "roster.json"
 
 
 def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
-    """The federation's signed roster (``{output}/roster.json``, kept across restarts: membership changes
-    raise its version); version 1 from the cloud's keys file and ``security.max_device_weight`` when there is
+    """The federation's signed roster (``{output}/roster.json``, kept across restarts, or the bundle's from
+    `fedtier provision`, whichever is newer: membership changes raise its version); else version 1 from the cloud's keys file and ``security.max_device_weight`` when there is
     none yet. ``None`` in an unsigned federation or without a weight bound (logged)."""
     from protocols.roster import Roster, sign_roster, verify_roster
     from protocols.wire.keys import load_keys
@@ -68,10 +68,13 @@ def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
     if trust is None:
         return None
     path = cfg.output_dir() / ROSTER_FILE
-    if path.exists():
-        data = path.read_bytes()
-        verify_roster(data, trust.verify, federation=cfg.run.name)  # RosterError (a ConfigError): exit 2
-        return data
+    found = []  # the one kept across restarts, and the one `fedtier provision` put in the bundle: the newer wins
+    for where in (path, Path(cfg.security.keys).with_name(ROSTER_FILE)):
+        if where.exists():
+            data = where.read_bytes()
+            found.append((verify_roster(data, trust.verify, federation=cfg.run.name).version, data))  # RosterError
+    if found:
+        return max(found)[1]
     bound = cfg.security.max_device_weight
     if bound is None:
         log.warning("no roster: security.max_device_weight is not set (fedtier provision sets it)")
@@ -132,7 +135,16 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
 
     roster = federation_roster(cfg, trust)
     service = CloudService(
-        cfg, loop, connect, queue, parts, trust=trust, operator=operator, on_end=on_end, roster=roster
+        cfg,
+        loop,
+        connect,
+        queue,
+        parts,
+        trust=trust,
+        operator=operator,
+        on_end=on_end,
+        roster=roster,
+        roster_path=cfg.output_dir() / ROSTER_FILE,
     )
     on_signals(lambda: (stopping.set(), service.stop()))
     log.info("cloud of federation %s serving jobs (queue %s)", fed, queue.path)

@@ -469,6 +469,12 @@ class SecuritySection(_Section):
         "whose weight (samples) exceeds this; fedtier sim/run check each "
         "device's known sample count anyway",
     )
+    membership: Literal["static", "roster"] = Field(
+        default="static",
+        description="'roster': the membership changes while the federation runs (`fedtier provision add-device|"
+        "revoke`; federation bundles say so): a keys file may lag it, and the cloud's signed roster brings the "
+        "newer members' keys; 'static': every peer's key must be in the keys file",
+    )
 
 
 class PrivacySection(_Section):

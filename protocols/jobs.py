@@ -25,12 +25,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .capabilities import WIRE_VERSION
 from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config
+from .roster import Roster, RosterError, roster_topic, verify_roster
 from .wire import topics
 from .wire.envelope import WireError
 from .wire.signed import open_record
@@ -199,16 +201,21 @@ class CurrentJob:
     def record(self) -> dict[str, Any]:
         return {"job": self.job, "config": self.config, "hash": self.digest, "session": self.session}
 
-    def run_config(self, bundle: RunConfig) -> RunConfig:
-        """The job's config for the node of ``bundle`` (validated; the hash checked again)."""
+    def run_config(self, bundle: RunConfig, node: str | None = None) -> RunConfig:
+        """The job's config for ``node`` of ``bundle`` (validated; the hash checked again). The job's
+        membership is the cloud's (its roster when the job was submitted), not the bundle's: a node takes
+        part only if it is a member (a device enrolled later serves the next job; a revoked one none)."""
         if config_hash(self.config) != self.digest:
             raise JobError(f"job {self.job}: the config does not match its hash")
         try:
             cfg = parse_config(tomllib.loads(self.config))
         except (ConfigError, tomllib.TOMLDecodeError) as exc:
             raise JobError(f"job {self.job}: {exc}") from None
-        if cfg.run.name != bundle.run.name or cfg.topology != bundle.topology:
-            raise JobError(f"job {self.job} is not for federation {bundle.run.name!r} as provisioned")
+        if cfg.run.name != bundle.run.name:
+            raise JobError(f"job {self.job} is not for federation {bundle.run.name!r}")
+        topo = cfg.topology
+        if node is not None and node not in topo.cell_ids() and topo.cell_of(node) is None:
+            raise JobError(f"{node} is not a member of job {self.job} (the federation's roster when it was submitted)")
         check_wire(cfg)
         return localize(cfg, bundle, self.job)
 
@@ -233,8 +240,11 @@ class JobWatch:
         self.federation, self.trust = federation, trust
         self.current: CurrentJob | None = None
         self.finished: set[str] = set()
+        self.roster: Roster | None = None  # the newest verified roster (cells refuse revoked devices by it)
+        self.on_roster: Callable[[Roster], None] | None = None
         self._control = Messenger(transport, federation, "watcher", trust=trust)
         transport.subscribe(topics.current_job(federation), self._on_job)
+        transport.subscribe(roster_topic(federation), self._on_roster)
         transport.subscribe(topics.control(federation), self._on_control)
 
     def pending(self, done: set[str]) -> CurrentJob | None:
@@ -250,6 +260,24 @@ class JobWatch:
             self.current = parse_current(record)
         except JobError as exc:
             log.warning("ignored a job record: %s", exc)
+
+    def _on_roster(self, topic: str, data: bytes) -> None:
+        if not data or self.trust is None:  # an unsigned federation has no roster to check
+            return
+        try:
+            roster = verify_roster(
+                data,
+                self.trust.verify,
+                federation=self.federation,
+                min_version=self.roster.version + 1 if self.roster is not None else 0,
+            )
+        except RosterError as exc:
+            if self.roster is None or "older" not in str(exc):
+                log.warning("ignored a roster: %s", exc)
+            return
+        self.roster = roster
+        if self.on_roster is not None:
+            self.on_roster(roster)
 
     def _on_control(self, topic: str, data: bytes) -> None:
         msg = self._control.receive(topic, data, kinds=("control",)) if data else None

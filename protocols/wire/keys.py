@@ -25,7 +25,7 @@ import os
 import threading
 import tomllib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -94,15 +94,19 @@ def peers_of(topology: TopologySection, node: str) -> list[str]:
     raise KeysError(f"node {node!r} is not in the topology (cloud, {cells[0]}, {cells[0]}-d0, ...)")
 
 
-def node_subset(ring: KeyRing, topology: TopologySection, node: str) -> KeyRing:
-    """What ``node`` needs: its own private key and the public keys of itself and its peers."""
+def node_subset(ring: KeyRing, topology: TopologySection, node: str, strict: bool = True) -> KeyRing:
+    """What ``node`` needs: its own private key and the public keys of itself and its peers. Not ``strict``
+    (a federation whose membership changed since the file was written): peers without a key are left out,
+    and their messages refused until the cloud's signed roster brings their keys."""
     wanted = [node, *peers_of(topology, node)]
     if node not in ring.private:
         raise KeysError(f"the private key of {node!r} is missing")
     public = dict(ring.public)
     public.setdefault(node, public_of(ring.private[node]))
     missing = [n for n in wanted if n not in public]
-    if missing:
+    if not strict:
+        wanted = [n for n in wanted if n in public]
+    elif missing:
         raise KeysError(
             f"public keys of {', '.join(repr(m) for m in missing)} are missing (node {node!r} verifies its peers)"
         )
@@ -235,6 +239,22 @@ class PublicKeys:
     def knows(self, node: str) -> bool:
         return node in self._raw
 
+    def learn(self, public: Mapping[str, bytes]) -> None:
+        """Trust these nodes' keys too (members enrolled after this node's keys file was written: the
+        cloud's signed roster names them)."""
+        for node, key in public.items():
+            if len(key) != KEY_BYTES:
+                raise KeysError(f"the public key of {node!r} is not {KEY_BYTES} bytes")
+            if self._raw.get(node) != bytes(key):
+                self._raw[node] = bytes(key)
+                self._public.pop(node, None)
+
+    def forget(self, nodes: Iterable[str]) -> None:
+        """Stop trusting these nodes (revoked): their signatures no longer verify."""
+        for node in nodes:
+            self._raw.pop(node, None)
+            self._public.pop(node, None)
+
     def verify(self, signer: str, data: bytes, sig: bytes) -> None:
         """Raise :class:`WireError` unless ``sig`` is ``signer``'s signature of ``data``."""
         key = self._public.get(signer)
@@ -270,7 +290,8 @@ def node_trust(cfg: RunConfig, node: str) -> Trust | None:
     path = cfg.security.keys
     if not path:
         return None
-    ring = node_subset(load_keys(path), cfg.topology, node)
+    # a federation's membership changes while it runs: the roster brings the keys its members' files lack
+    ring = node_subset(load_keys(path), cfg.topology, node, strict=cfg.security.membership == "static")
     return Trust(node, ring.private[node], ring.public)
 
 

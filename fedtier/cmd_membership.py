@@ -1,0 +1,94 @@
+"""``fedtier provision add-device|add-cell|revoke``: change a provisioned federation's members while it
+runs (``fedtier/membership.py``)."""
+
+from __future__ import annotations
+
+import click
+
+from .cmd_provision import provision
+from .console import console, fail
+
+OUT = click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="The provisioned folder (fedtier provision --out).",
+)
+PUBLISH = click.option(
+    "--publish/--no-publish",
+    default=True,
+    show_default=True,
+    help="Publish the new roster on the broker with the operator's bundle, so the running cloud and cells take it now.",
+)
+
+
+def _done(change, out_dir: str, publish: bool, what: str) -> None:
+    from .membership import publish_roster
+
+    for line in change.brokers:
+        console.print(line)
+    console.print(f"{what}; roster version {change.version} in {out_dir}/roster.json")
+    if publish:
+        try:
+            console.print(publish_roster(out_dir))
+        except (ConnectionError, OSError) as exc:
+            fail(
+                f"could not publish the roster ({exc}); the cloud takes roster.json from its bundle at its next "
+                f"start, or run this again with the broker up",
+                1,
+            )
+
+
+@provision.command("add-device")
+@OUT
+@click.option("--cell", required=True, help="The cell the device joins.")
+@click.option("--device", required=True, help="The new device's id (never one revoked before).")
+@click.option(
+    "--max-samples", type=click.FloatRange(min=0, min_open=True), help="Its weight bound (default: the federation's)."
+)
+@PUBLISH
+def add_device(out_dir: str, cell: str, device: str, max_samples: float | None, publish: bool) -> None:
+    """Enroll a device: identity, certificate, bundle (OUT/nodes/DEVICE), broker login and ACL (the running
+    broker reloaded), and a new roster version."""
+    from .membership import MembershipError
+    from .membership import add_device as add
+
+    try:
+        change = add(out_dir, cell, device, max_samples)
+    except (MembershipError, ValueError) as exc:
+        fail(str(exc), 2)
+    _done(change, out_dir, publish, f"enrolled {device} in {cell}: its bundle is {change.bundle}")
+
+
+@provision.command("add-cell")
+@OUT
+@click.option("--cell", required=True, help="The new cell's id.")
+@PUBLISH
+def add_cell(out_dir: str, cell: str, publish: bool) -> None:
+    """Enroll a cell (then its devices with add-device)."""
+    from .membership import MembershipError
+    from .membership import add_cell as add
+
+    try:
+        change = add(out_dir, cell)
+    except (MembershipError, ValueError) as exc:
+        fail(str(exc), 2)
+    _done(change, out_dir, publish, f"enrolled cell {cell}: its bundle is {change.bundle}")
+
+
+@provision.command("revoke")
+@OUT
+@click.argument("node")
+@PUBLISH
+def revoke(out_dir: str, node: str, publish: bool) -> None:
+    """Revoke NODE (a device, or a cell with its devices): its login and ACL removed, its certificate in the
+    revocation list, its key dropped, a roster without it; cells refuse its messages."""
+    from .membership import MembershipError
+    from .membership import revoke as rv
+
+    try:
+        change = rv(out_dir, node)
+    except (MembershipError, ValueError) as exc:
+        fail(str(exc), 2)
+    _done(change, out_dir, publish, f"revoked {node}")

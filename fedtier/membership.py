@@ -1,0 +1,374 @@
+"""A provisioned federation's membership, changed while it runs: enroll a device or a cell, revoke a node.
+
+``fedtier provision`` records what it provisioned in ``OUT/federation.json`` (the deployment config, with
+its membership, and the provisioning parameters) and the first signed roster in ``OUT/roster.json`` (and
+the cloud's bundle). :func:`add_device`, :func:`add_cell` and :func:`revoke` change one member:
+
+- identities: a new Ed25519 key (``keys.toml``), a client certificate, a bundle (``OUT/nodes/{node}``);
+  revoking drops the node's key from every peer's keys file and lists its certificate in the CA's
+  revocation list (``ca.crl`` of every broker);
+- broker: the node's login (password file) and ACL entries added or removed, then the running Mosquitto
+  reloaded (SIGHUP to the pid in its ``mosquitto.pid``; Mosquitto rereads password, ACL and CRL files);
+- roster: a new version, signed with the cloud's key (``protocols.roster``), written to ``OUT/roster.json``
+  and the cloud's bundle, and published retained on the roster topic with the operator's login
+  (:func:`publish_roster`): the running cloud takes it, so the next job plans the new membership, and
+  cells refuse a revoked device at once.
+
+Ids are never reused: a revoked id stays revoked (the roster lists it), so an old key or certificate can
+never come back under it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+
+from protocols.config import ConfigError, RunConfig, TopologySection, parse_config
+from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
+from protocols.wire import topics
+from protocols.wire.keys import KeyRing, PublicKeys, Trust, load_keys, new_seed, public_of, write_keys
+
+STATE_FILE = "federation.json"
+ROSTER_FILE = "roster.json"
+FORMAT = "fedtier-federation/1"
+
+
+class MembershipError(ConfigError):
+    """A membership change that cannot be made (the text says why); nothing was changed."""
+
+
+@dataclass
+class Federation:
+    """What ``OUT`` holds of a provisioned federation."""
+
+    out: Path
+    cfg: RunConfig
+    params: dict[str, Any]
+    ring: KeyRing
+    roster: Roster
+    revoked_serials: list[int]
+
+    @property
+    def name(self) -> str:
+        return self.cfg.run.name
+
+
+# ------------------------------------------------------------------------------------------ records
+def _write(path: Path, data: bytes | str, secret: bool = False) -> None:
+    """Replace ``path`` atomically, keeping its owner (a broker that dropped to its user must still read it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    if secret:
+        os.chmod(tmp, 0o600)
+    if path.exists():
+        st = path.stat()
+        try:
+            os.chown(tmp, st.st_uid, st.st_gid)
+        except PermissionError:
+            pass  # not root: the file stays ours, as it was
+    os.replace(tmp, path)
+
+
+def _sign(ring: KeyRing, roster: Roster) -> bytes:
+    return sign_roster(roster, Trust("cloud", ring.private["cloud"], {"cloud": ring.public["cloud"]}).sign)
+
+
+def _members(topology: TopologySection) -> dict[str, list[str]]:
+    return {c: list(topology.device_ids(c)) for c in topology.cell_ids()}
+
+
+def record_federation(out: Path, cfg: RunConfig, ring: KeyRing, params: dict[str, Any]) -> None:
+    """Called by ``provision``: the state file and the first roster (version 1)."""
+    bound = params.get("max_device_weight") or cfg.security.max_device_weight or 1e12
+    roster = Roster.from_topology(cfg.run.name, _members(cfg.topology), ring.public, float(bound))
+    _save(Federation(Path(out), cfg, params, ring, roster, []), keys=False)
+
+
+def _save(fed: Federation, keys: bool = True) -> None:
+    state = {
+        "format": FORMAT,
+        "config": fed.cfg.to_toml(),
+        "params": fed.params,
+        "revoked_serials": fed.revoked_serials,
+    }
+    _write(fed.out / STATE_FILE, json.dumps(state, indent=2) + "\n", secret=True)
+    data = _sign(fed.ring, fed.roster)
+    _write(fed.out / ROSTER_FILE, data)
+    if (fed.out / "nodes" / "cloud").is_dir():
+        _write(fed.out / "nodes" / "cloud" / ROSTER_FILE, data)
+    if keys:
+        write_keys(
+            fed.out / "keys.toml", fed.ring, comment=f"all identities of {fed.name!r} (keep offline)", overwrite=True
+        )
+
+
+def load_federation(out: str | Path) -> Federation:
+    """The provisioned federation in ``out``; :class:`MembershipError` if it is not one."""
+    import tomllib
+
+    out = Path(out)
+    try:
+        state = json.loads((out / STATE_FILE).read_text())
+        if state.get("format") != FORMAT:
+            raise ValueError(f"format {state.get('format')!r}")
+        cfg = parse_config(tomllib.loads(state["config"]))
+        ring = load_keys(out / "keys.toml")
+        roster = verify_roster(
+            (out / ROSTER_FILE).read_bytes(), PublicKeys({"cloud": ring.public["cloud"]}).verify, federation=None
+        )
+    except (OSError, ValueError, KeyError, RosterError, tomllib.TOMLDecodeError) as exc:
+        raise MembershipError(
+            f"{out} is not a provisioned federation of this version ({type(exc).__name__}: {exc}); "
+            f"provision it with `fedtier provision CONFIG --out {out}`"
+        ) from None
+    return Federation(out, cfg, dict(state["params"]), ring, roster, list(state.get("revoked_serials", [])))
+
+
+# ------------------------------------------------------------------------------------------ brokers
+def _broker_dirs(fed: Federation, cell: str | None) -> list[Path]:
+    """The broker folders whose login and ACL files name ``cell``'s members (the cloud broker's when shared)."""
+    if fed.params.get("per_cell") and cell is not None:
+        return [fed.out / "cells" / cell]
+    return [fed.out / "broker"]
+
+
+def _rewrite_broker(fed: Federation, folder: Path, users: list[str], new_passwords: dict[str, str]) -> None:
+    """``folder``'s password file keeps the lines of ``users`` (new ones hashed from ``new_passwords``), and
+    its ACL becomes theirs; a user not in ``users`` loses its login."""
+    from .provisioning import acl_file, acl_rules, bridge_rules, bridge_user, password_line
+
+    lines = {}
+    for line in (folder / "passwd").read_text().splitlines():
+        user = line.split(":", 1)[0]
+        if user in users:
+            lines[user] = line
+    for user, password in new_passwords.items():
+        lines[user] = password_line(user, password)
+    rules = acl_rules(fed.cfg)
+    for cell in fed.cfg.topology.cell_ids():
+        rules[bridge_user(cell)] = bridge_rules(fed.name, cell)
+    wanted = {u: rules[u] for u in users if u in rules}
+    _write(folder / "passwd", "\n".join(lines[u] for u in users if u in lines) + "\n", secret=True)
+    _write(folder / "acl", acl_file(wanted))
+
+
+def _users(folder: Path) -> list[str]:
+    return [line.split(":", 1)[0] for line in (folder / "passwd").read_text().splitlines() if ":" in line]
+
+
+def reload_brokers(folders: list[Path]) -> list[str]:
+    """SIGHUP each running Mosquitto of ``folders`` (its ``data/mosquitto.pid``): it rereads its password, ACL
+    and CRL files. Returns what was done, one line a broker (a stopped broker takes them when it starts)."""
+    done = []
+    for folder in folders:
+        pid_file = folder / "data" / "mosquitto.pid"
+        try:
+            pid = int(pid_file.read_text().strip())
+            os.kill(pid, signal.SIGHUP)
+            done.append(f"reloaded the broker in {folder} (pid {pid})")
+        except (OSError, ValueError):
+            done.append(f"the broker in {folder} is not running: it takes the change when it starts")
+    return done
+
+
+# ------------------------------------------------------------------------------------------ changes
+@dataclass(frozen=True)
+class Change:
+    """What a membership change did: the bundle written (if any), the roster's new version, the brokers."""
+
+    node: str
+    bundle: Path | None
+    version: int
+    brokers: list[str]
+
+
+def _url(fed: Federation, cell: str) -> str:
+    p = fed.params
+    if p.get("per_cell"):
+        return f"mqtts://{str(p['cell_host']).replace('{cell}', cell)}:{p['cell_port']}"
+    return f"mqtts://{p['host']}:{p['port']}"
+
+
+def _refresh_keys(fed: Federation, nodes: list[str]) -> None:
+    """Rewrite the keys files of ``nodes``' bundles (their peers' public keys follow the membership)."""
+    from .provisioning import _key_subset
+
+    for node in nodes:
+        path = fed.out / "nodes" / node / "keys.toml"
+        if path.parent.is_dir():
+            write_keys(
+                path, _key_subset(fed.ring, fed.cfg, node), comment=f"node {node!r} of {fed.name!r}", overwrite=True
+            )
+
+
+def _check_new(fed: Federation, node: str) -> None:
+    topics.check_name("node", node)
+    if node in fed.roster.revoked:
+        raise MembershipError(f"{node!r} was revoked; a revoked id is never reused (choose another)")
+    if node in fed.ring.public or fed.cfg.topology.cell_of(node) is not None or node in fed.cfg.topology.cell_ids():
+        raise MembershipError(f"{node!r} is already a node of federation {fed.name!r}")
+
+
+def add_device(out: str | Path, cell: str, device: str, max_weight: float | None = None) -> Change:
+    """Enroll ``device`` in ``cell``: identity, certificate, bundle, broker login and ACL, roster."""
+    from .provisioning import load_pki, write_bundle
+
+    fed = load_federation(out)
+    if cell not in fed.cfg.topology.cell_ids():
+        raise MembershipError(f"no cell {cell!r} in federation {fed.name!r} ({', '.join(fed.cfg.topology.cell_ids())})")
+    _check_new(fed, device)
+    members = _members(fed.cfg.topology)
+    members[cell].append(device)
+    fed.cfg = fed.cfg.model_copy(update={"topology": TopologySection(members=members)})
+    seed = new_seed()
+    fed.ring.private[device], fed.ring.public[device] = seed, public_of(seed)
+    bound = float(max_weight or fed.params.get("max_device_weight") or fed.cfg.security.max_device_weight or 1e12)
+    fed.roster = fed.roster.with_device(cell, device, fed.ring.public[device], bound)
+    password = secrets.token_urlsafe(18)
+    folders = _broker_dirs(fed, cell)
+    for folder in folders:
+        _rewrite_broker(fed, folder, [*_users(folder), device], {device: password})
+    p = fed.params
+    bundle = write_bundle(
+        fed.out,
+        load_pki(fed.out),
+        fed.ring,
+        fed.cfg,
+        device,
+        _url(fed, cell),
+        password,
+        p.get("max_device_weight"),
+        bool(p.get("federation")),
+        p.get("fedtier_bin") or "fedtier",
+    )
+    _save(fed)
+    _refresh_keys(fed, ["cloud", cell, "monitor"])
+    return Change(device, bundle, fed.roster.version, reload_brokers(folders))
+
+
+def add_cell(out: str | Path, cell: str) -> Change:
+    """Enroll a new cell (no devices yet: add them with :func:`add_device`). Shared-broker federations only:
+    a per-cell broker is provisioned with the federation."""
+    from .provisioning import load_pki, write_bundle
+
+    fed = load_federation(out)
+    if fed.params.get("per_cell"):
+        raise MembershipError("add-cell: this federation has a broker per cell; provision the new cell's broker anew")
+    _check_new(fed, cell)
+    members = {**_members(fed.cfg.topology), cell: []}
+    fed.cfg = fed.cfg.model_copy(update={"topology": TopologySection(members=members)})
+    seed = new_seed()
+    fed.ring.private[cell], fed.ring.public[cell] = seed, public_of(seed)
+    fed.roster = fed.roster.with_cell(cell, fed.ring.public[cell])
+    password = secrets.token_urlsafe(18)
+    folders = _broker_dirs(fed, None)
+    for folder in folders:
+        _rewrite_broker(fed, folder, [*_users(folder), cell], {cell: password})
+    p = fed.params
+    bundle = write_bundle(
+        fed.out,
+        load_pki(fed.out),
+        fed.ring,
+        fed.cfg,
+        cell,
+        _url(fed, cell),
+        password,
+        p.get("max_device_weight"),
+        bool(p.get("federation")),
+        p.get("fedtier_bin") or "fedtier",
+    )
+    _save(fed)
+    _refresh_keys(fed, ["cloud", "monitor"])
+    return Change(cell, bundle, fed.roster.version, reload_brokers(folders))
+
+
+def revoke(out: str | Path, node: str) -> Change:
+    """Revoke a device (or a cell with its devices): login and ACL removed, certificate revoked, key dropped
+    from its peers' keys files, roster without it (and listing it as revoked)."""
+    from .provisioning import load_pki
+
+    fed = load_federation(out)
+    topo = fed.cfg.topology
+    if node in topo.cell_ids():
+        gone, cell = [node, *topo.device_ids(node)], node
+    elif topo.cell_of(node) is not None:
+        gone, cell = [node], topo.cell_of(node)
+    else:
+        raise MembershipError(f"{node!r} is not a cell or a device of federation {fed.name!r}")
+    if len(topo.cell_ids()) == 1 and node == cell:
+        raise MembershipError(f"{node!r} is the federation's only cell")
+    members = {c: [d for d in devs if d not in gone] for c, devs in _members(topo).items() if c not in gone}
+    fed.cfg = fed.cfg.model_copy(update={"topology": TopologySection(members=members)})
+    fed.roster = fed.roster.without(node)
+    for n in gone:
+        crt = fed.out / "nodes" / n / "client.crt"
+        if crt.exists():
+            fed.revoked_serials.append(x509.load_pem_x509_certificate(crt.read_bytes()).serial_number)
+        fed.ring.private.pop(n, None)
+        fed.ring.public.pop(n, None)
+    crl = load_pki(fed.out).crl(fed.revoked_serials)
+    folders = _broker_dirs(fed, cell) if node != cell else _broker_dirs(fed, None)
+    all_brokers = (
+        [fed.out / "broker", *sorted((fed.out / "cells").glob("*"))]
+        if (fed.out / "cells").is_dir()
+        else [fed.out / "broker"]
+    )
+    for folder in all_brokers:
+        if (folder / "ca.crl").exists():
+            _write(folder / "ca.crl", crl)
+    for folder in folders:
+        _rewrite_broker(fed, folder, [u for u in _users(folder) if u not in gone], {})
+    _save(fed)
+    _refresh_keys(fed, ["cloud", "monitor", *([cell] if node != cell else [])])
+    return Change(node, None, fed.roster.version, reload_brokers(sorted(set(all_brokers))))
+
+
+# ------------------------------------------------------------------------------------------ publishing
+def publish_roster(out: str | Path, timeout: float = 15.0) -> str:
+    """Publish ``OUT/roster.json`` (retained) with the operator's bundle (``OUT/nodes/operator``): the running
+    cloud and cells take it. Returns a line saying so; raises ``ConnectionError`` if the broker is unreachable."""
+    from edge_agent.runner import BrokerOptions
+    from protocols.config import load_config
+    from protocols.transport.threadloop import ThreadLoop
+
+    out = Path(out)
+    fed = load_federation(out)
+    bundle = out / "nodes" / "operator"
+    cwd = os.getcwd()
+    os.chdir(bundle)  # the bundle's paths (TLS files) are relative to it
+    try:
+        cfg = load_config(bundle / "config.toml")
+        opts = BrokerOptions.from_config(cfg, None)
+        loop = ThreadLoop("fedtier-roster").start()
+        try:
+            transport = opts.transport("operator", fed.name, loop, persistent=False).connect()
+            data = (out / ROSTER_FILE).read_bytes()
+            topic = roster_topic(fed.name)
+            done: list[bool] = []
+
+            def echo(_topic: str, got: bytes) -> None:  # the broker holds it once it hands it back to us
+                if got == data:
+                    done.append(True)
+
+            transport.subscribe(topic, echo)
+            transport.publish(topic, data, retain=True)
+            end = time.monotonic() + timeout
+            while not done and time.monotonic() < end:
+                time.sleep(0.05)
+            transport.close()
+        finally:
+            loop.stop()
+    finally:
+        os.chdir(cwd)
+    if not done:
+        raise ConnectionError(f"the broker did not acknowledge the roster within {timeout:.0f} s")
+    return f"published roster version {fed.roster.version} on {roster_topic(fed.name)}"

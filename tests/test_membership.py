@@ -1,0 +1,181 @@
+"""A fleet whose membership changes while it runs (``fedtier provision add-device|revoke``), as an operator
+runs it: a provisioned federation (Mosquitto with TLS and ACLs, every node its own long-lived process from
+its bundle), a job, then a device enrolled and another revoked with the broker up, then a second job: the
+new device takes part, the revoked one is not planned, its login is refused, and no edge round waits out a
+deadline. Below it, the cell's side: a device revoked mid-round is refused, counted, and not waited for."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent.runner import save_device_data
+from fedtier.membership import load_federation
+from fedtier.provisioning import provision
+from protocols.jobs import canonical_job, read_job_file
+from protocols.procs import popen
+from protocols.trainer import LocalData
+from protocols.transport.broker import find_mosquitto, free_port
+from sim.hierarchy import prepare
+from tests.conftest import small_config, wait_until
+from tests.test_provision import broker_user, mosquitto, reachable_tmp  # noqa: F401 (a fixture)
+
+FEDTIER = str(Path(sys.executable).parent / "fedtier")
+
+JOB = """
+[job]
+id = "{id}"
+[run]
+seed = 1
+rounds = 2
+[algorithm]
+name = "fedavg"
+edge_rounds = 1
+local_steps = 3
+batch_size = 16
+lr = 0.1
+[model]
+name = "mlp"
+hidden = [16]
+[data]
+dataset = "digits"
+partition = "iid"
+max_train = 300
+[runtime]
+device_deadline = 60.0
+startup_wait = 30.0
+heartbeat = 1.0
+"""
+
+
+def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    return popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=90)
+
+
+def _jobs(cloud_out: Path) -> dict[str, str]:
+    try:
+        return {j["job"]: j["state"] for j in json.loads((cloud_out / "jobs.json").read_text())["jobs"]}
+    except (OSError, ValueError):
+        return {}
+
+
+def _login(bundle: Path) -> str:
+    """Connect with ``bundle``'s credentials and certificate; "ok" or the broker's refusal."""
+    code = (
+        "import os, sys\n"
+        "from protocols.config import load_config\n"
+        "from edge_agent.runner import BrokerOptions\n"
+        "from protocols.transport.threadloop import ThreadLoop\n"
+        "cfg = load_config('config.toml')\n"
+        "loop = ThreadLoop('probe').start()\n"
+        "try:\n"
+        "    t = BrokerOptions.from_config(cfg, None).transport('probe', cfg.run.name, loop, persistent=False)\n"
+        "    t.connect(); t.close(); print('ok')\n"
+        "except ConnectionError as e:\n"
+        "    print('refused:', e)\n"
+        "finally:\n"
+        "    loop.stop()\n"
+    )
+    return _run([sys.executable, "-c", code], cwd=bundle).stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: Path) -> None:  # noqa: F811
+    tmp = reachable_tmp / "members"
+    fed_cfg = small_config(tmp, run={"name": "fleet"}, topology={"cells": 1, "devices_per_cell": 2})
+    port = free_port()
+    user = broker_user()
+    prov = tmp / "prov"
+    done = provision(
+        fed_cfg,
+        prov,
+        port=port,
+        bind="127.0.0.1",
+        broker_user=user[1] if user else None,
+        federation=True,
+        fedtier_bin=FEDTIER,
+        max_device_weight=1000,
+    )
+    nodes = done.out / "nodes"
+    for name in ("A", "B"):
+        (tmp / f"{name}.toml").write_text(JOB.format(id=name))
+    cfg_a, _ = canonical_job(read_job_file(tmp / "A.toml").config, fed_cfg)
+    prep = prepare(cfg_a)
+    for device, data in prep.device_data.items():
+        save_device_data(nodes / device / "data.npz", data, prep.spec)
+    save_device_data(nodes / "cloud" / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
+    cloud_out, cell_out = nodes / "cloud" / "runs" / "fleet", nodes / "c0" / "runs" / "fleet"
+
+    def agent(device: str) -> subprocess.Popen:
+        cmd = [FEDTIER, "agent", "config.toml", "--serve", "--device", device, "--data", "data.npz"]
+        return _start(cmd, nodes / device)
+
+    with mosquitto(done.broker / "mosquitto.conf", port):
+        procs = {
+            "cloud": _start([FEDTIER, "cloud", "config.toml", "--serve", "--test-data", "test.npz"], nodes / "cloud"),
+            "cell": _start([FEDTIER, "cell", "config.toml", "--serve", "--cell", "c0"], nodes / "c0"),
+            "c0-d0": agent("c0-d0"),
+            "c0-d1": agent("c0-d1"),
+        }
+        try:
+            operator = nodes / "operator"
+            res = _run([FEDTIER, "jobs", "--config", "config.toml", "--wait", "50"], operator)  # the cloud is up
+            assert res.returncode == 0, res.stdout + (
+                procs["cloud"].poll() is not None and procs["cloud"].communicate()[0] or ""
+            )
+            res = _run([FEDTIER, "submit", str(tmp / "A.toml"), "--config", "config.toml"], operator)
+            assert res.returncode == 0 and "queued" in res.stdout, res.stdout
+            assert wait_until(lambda: _jobs(cloud_out).get("A") == "finished", 120), _jobs(cloud_out)
+
+            # enroll c0-d2 and revoke c0-d1 while everything runs (the broker reloaded, the roster published)
+            res = _run([FEDTIER, "provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d2"])
+            assert res.returncode == 0 and "published roster version 2" in res.stdout, res.stdout
+            assert "reloaded the broker" in res.stdout, res.stdout
+            rng = np.random.default_rng(0)  # the new device's own data: some of the training set
+            pick = rng.choice(len(prep.dataset.y_train), 60, replace=False)
+            save_device_data(
+                nodes / "c0-d2" / "data.npz",
+                LocalData(prep.dataset.x_train[pick], prep.dataset.y_train[pick]),
+                prep.spec,
+            )
+            procs["c0-d2"] = agent("c0-d2")
+            res = _run([FEDTIER, "provision", "revoke", "--out", str(prov), "c0-d1"])
+            assert res.returncode == 0 and "published roster version 3" in res.stdout, res.stdout
+            assert _login(nodes / "c0-d1").startswith("refused"), "a revoked device still logs in"
+            assert _login(nodes / "c0-d2") == "ok"
+
+            res = _run([FEDTIER, "submit", str(tmp / "B.toml"), "--config", "config.toml"], operator)
+            assert res.returncode == 0 and "queued" in res.stdout, res.stdout
+            assert wait_until(lambda: _jobs(cloud_out).get("B") == "finished", 150), _jobs(cloud_out)
+        finally:
+            outputs = {}
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for name, p in procs.items():
+                try:
+                    outputs[name] = p.communicate(timeout=20)[0]
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    outputs[name] = p.communicate()[0]
+    records = [json.loads(line) for line in (cell_out / "jobs" / "B" / "aggregation.jsonl").read_text().splitlines()]
+    summary = [(r["planned"], r["answered"], r["absent"], r["closed_by"]) for r in records]
+    Path("/tmp/membership-outputs.json").write_text(json.dumps(outputs))
+    assert records and all(r["answered"] == ["c0-d0", "c0-d2"] for r in records), summary
+    assert all(r["closed_by"] == "all answered" and r["duration_s"] < 30 for r in records)  # no deadline waited
+    first = [json.loads(line) for line in (cell_out / "jobs" / "A" / "aggregation.jsonl").read_text().splitlines()]
+    assert first[0]["answered"] == ["c0-d0", "c0-d1"]
+    fed = load_federation(prov)
+    assert fed.roster.version == 3 and "c0-d1" in fed.roster.revoked and fed.roster.members("c0") == ["c0-d0", "c0-d2"]
+    assert "c0-d1" not in (prov / "broker" / "passwd").read_text()
+    assert "served 1 jobs (A)" in outputs["c0-d1"] or "served 1 job" in outputs["c0-d1"], outputs["c0-d1"]
