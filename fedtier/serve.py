@@ -60,7 +60,8 @@ ROSTER_FILE = "roster.json"
 
 def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
     """The federation's signed roster (``{output}/roster.json``, kept across restarts, or the bundle's from
-    `fedtier provision`, whichever is newer: membership changes raise its version); else version 1 from the cloud's keys file and ``security.max_device_weight`` when there is
+    `fedtier provision`, whichever is newer: membership changes raise its version); else version 1 from the
+    cloud's keys file and ``security.max_device_weight`` when there is
     none yet. ``None`` in an unsigned federation or without a weight bound (logged)."""
     from protocols.roster import Roster, sign_roster, verify_roster
     from protocols.wire.keys import load_keys

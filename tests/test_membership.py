@@ -135,7 +135,7 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             )
             res = _run([FEDTIER, "submit", str(tmp / "A.toml"), "--config", "config.toml"], operator)
             assert res.returncode == 0 and "queued" in res.stdout, res.stdout
-            assert wait_until(lambda: _jobs(cloud_out).get("A") == "finished", 120), _jobs(cloud_out)
+            assert wait_until(lambda: _jobs(cloud_out).get("A") == "finished", 240), _jobs(cloud_out)
 
             # enroll c0-d2 and revoke c0-d1 while everything runs (the broker reloaded, the roster published)
             res = _run([FEDTIER, "provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d2"])
@@ -156,7 +156,7 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
 
             res = _run([FEDTIER, "submit", str(tmp / "B.toml"), "--config", "config.toml"], operator)
             assert res.returncode == 0 and "queued" in res.stdout, res.stdout
-            assert wait_until(lambda: _jobs(cloud_out).get("B") == "finished", 150), _jobs(cloud_out)
+            assert wait_until(lambda: _jobs(cloud_out).get("B") == "finished", 240), _jobs(cloud_out)
         finally:
             outputs = {}
             for p in procs.values():
