@@ -69,7 +69,7 @@ class AgentService:
             if current is None:
                 break
             try:
-                agents = self.build(current.run_config(self.bundle, self.device), current.session)
+                agents = self.build(current.run_config(self.bundle, self.devices), current.session)
             except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
                 log.error("devices %s cannot serve job %s: %s", ", ".join(self.devices[:3]), current.job, exc)
                 done.add(current.session)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -201,7 +201,7 @@ class CurrentJob:
     def record(self) -> dict[str, Any]:
         return {"job": self.job, "config": self.config, "hash": self.digest, "session": self.session}
 
-    def run_config(self, bundle: RunConfig, node: str | None = None) -> RunConfig:
+    def run_config(self, bundle: RunConfig, node: str | Sequence[str] | None = None) -> RunConfig:
         """The job's config for ``node`` of ``bundle`` (validated; the hash checked again). The job's
         membership is the cloud's (its roster when the job was submitted), not the bundle's: a node takes
         part only if it is a member (a device enrolled later serves the next job; a revoked one none)."""
@@ -214,8 +214,9 @@ class CurrentJob:
         if cfg.run.name != bundle.run.name:
             raise JobError(f"job {self.job} is not for federation {bundle.run.name!r}")
         topo = cfg.topology
-        if node is not None and node not in topo.cell_ids() and topo.cell_of(node) is None:
-            raise JobError(f"{node} is not a member of job {self.job} (the federation's roster when it was submitted)")
+        for n in [node] if isinstance(node, str) else (node or []):
+            if n not in topo.cell_ids() and topo.cell_of(n) is None:
+                raise JobError(f"{n} is not a member of job {self.job} (the federation's roster when it was submitted)")
         check_wire(cfg)
         return localize(cfg, bundle, self.job)
 
