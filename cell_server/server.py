@@ -124,7 +124,6 @@ class CellServer:
         self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
         self.requirements = requirements
-        self.revoked: set[str] = set()  # members the federation revoked (its roster): never planned again
         self.unmet: dict[str, str] = {}  # device -> why it cannot serve this job (its announced capabilities)
         self._beat_timer: TimerHandle | None = None
         self._leaving: dict[str, TimerHandle] = {}  # offline devices the open edge round waits for, a while
@@ -678,28 +677,16 @@ class CellServer:
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self._waiting_state()
 
-    def revoke(self, devices: Iterable[str]) -> None:
-        """The federation revoked these members (the cloud's signed roster): their signatures no longer
-        verify (what they send is refused and counted), they are never planned again, and an open edge
-        round stops waiting for them at once (it closes when every other planned device answered)."""
+    def revoke_members(self, devices: Iterable[str]) -> None:
+        """The federation revoked these members (the cloud's signed roster): each is out as :meth:`revoke`
+        says, its signatures no longer verify (what it sends is refused and counted) and its retained
+        "online" status is cleared."""
         mine = [d for d in devices if self.devices.position(d) is not None and d not in self.revoked]
-        if not mine:
-            return
-        self.revoked.update(mine)
         if self.trust is not None:
             self.trust.forget(mine)
         for d in mine:
-            log.warning("cell %s: %s was revoked; it is out of this job", self.cell, d)
-            self.online[d] = False
-            status = topics.device_status(self.run, self.cell, d)
-            self.transport.publish(status, b"", retain=True)  # its retained "online" cleared
-            if self.answers.is_open and d in self.answers.pending:
-                self.answers.pending.discard(d)
-                self.absent[d] = "revoked"
-        self._waiting.difference_update(mine)
-        self._unknown.difference_update(mine)
-        if self.answers.is_open and not self.answers.pending:
-            self._close(self.round, self.edge_round, "all answered")
+            self.revoke(d)
+            self.transport.publish(topics.device_status(self.run, self.cell, d), b"", retain=True)
 
     def _bad_result(self, device: str, msg: Any) -> Rejected | None:
         """Runtime checks before the role sees a result: its session (signed runs) and its weight

@@ -27,7 +27,7 @@ def apply_roster(node: CellServer, cell: str, roster: Roster) -> None:
         node.trust.learn({d: key for d in members if (key := roster.device_key(d)) is not None})
     if isinstance(node.max_weights, dict):
         node.max_weights.update({d: b for d in members if (b := roster.device_bound(cell, d)) is not None})
-    node.revoke(roster.revoked)
+    node.revoke_members(roster.revoked)
 
 
 class CellService:
