@@ -721,10 +721,11 @@ class RunConfig(_Section):
         from .privacy.dp import DpSettings, PrivateAlgorithm
 
         pv, accountant = self.privacy, self.dp_accountant()
+        assert pv.dp != "off"  # build_algorithm wraps only then
         dp = DpSettings(
             pv.dp,
             pv.clip,
-            accountant.noise_multiplier,  # type: ignore[arg-type]  # calibrated: dp_accountant sets it
+            accountant.noise_multiplier,
             self.run.seed if pv.noise_seed is None else pv.noise_seed,
             self.dp_noise_shares(),
         )
@@ -754,14 +755,14 @@ class RunConfig(_Section):
         if pv.dp == "off":
             raise ConfigError("privacy.dp is off: there is nothing to account")
         e = self.train.edge_rounds
-        z = (
-            pv.noise_multiplier
-            if pv.noise_multiplier is not None
-            else _calibrated(pv.target_epsilon, self.run.rounds, pv.dp, 1.0, e, pv.delta)
-        )  # type: ignore[arg-type]
+        if pv.noise_multiplier is not None:
+            z = pv.noise_multiplier
+        else:
+            assert pv.target_epsilon is not None  # the section's validator requires one of the two
+            z = _calibrated(pv.target_epsilon, self.run.rounds, pv.dp, 1.0, e, pv.delta)
         # participation comes from run.seed or availability and is named in records: q = 1, replace-one
         return Accountant(
-            pv.dp,  # type: ignore[arg-type]
+            pv.dp,
             z,
             1.0,
             e,
@@ -803,7 +804,9 @@ def _start_from(path: str, algorithm: Algorithm) -> Algorithm:
     return algorithm
 
 
-def _calibrated(target: float, rounds: int, mode: str, q: float, edge_rounds: int, delta: float) -> float:
+def _calibrated(
+    target: float, rounds: int, mode: Literal["local", "cell"], q: float, edge_rounds: int, delta: float
+) -> float:
     from .privacy.accountant import calibrate
 
     try:
@@ -812,7 +815,7 @@ def _calibrated(target: float, rounds: int, mode: str, q: float, edge_rounds: in
             rounds,
             mode=mode,
             sampling_rate=q,
-            edge_rounds=edge_rounds,  # type: ignore[arg-type]
+            edge_rounds=edge_rounds,
             delta=delta,
             known=True,
         )

@@ -168,7 +168,7 @@ def init_params(model: nn.Module, seed: int, std: float | None = None) -> Ordere
         torch.manual_seed(seed)
         for module in model.modules():
             if hasattr(module, "reset_parameters") and module is not model:
-                module.reset_parameters()
+                module.reset_parameters()  # type: ignore[operator]  # a Module's attributes are typed Tensor | Module
             if std is not None and isinstance(module, (nn.Linear, nn.Conv2d)):
                 with torch.no_grad():
                     module.weight.normal_(0.0, std)

@@ -62,7 +62,7 @@ def export_onnx(spec: ModelSpec, params: Mapping[str, np.ndarray], path: str | P
     torch.onnx.export(
         ParamsAsInputs(),
         example,
-        buf,
+        buf,  # type: ignore[arg-type]  # torch.onnx.export writes to a file object too (typed: paths only)
         input_names=["x", *names],
         output_names=["logits"],
         dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},

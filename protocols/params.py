@@ -13,19 +13,19 @@ from .wire.payload import all_finite
 Params = "OrderedDict[str, np.ndarray]"
 
 
-def zeros_like(params: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+def zeros_like(params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return OrderedDict((k, np.zeros_like(v)) for k, v in params.items())
 
 
-def copy(params: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+def copy(params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return OrderedDict((k, np.array(v, copy=True)) for k, v in params.items())
 
 
-def sub(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+def sub(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return OrderedDict((k, a[k] - b[k]) for k in a)
 
 
-def add(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], scale: float = 1.0) -> OrderedDict[str, np.ndarray]:
+def add(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], scale: float = 1.0) -> dict[str, np.ndarray]:
     """``a + scale * b`` in ``a``'s dtype."""
     if scale == 1.0:
         return OrderedDict((k, (a[k] + b[k]).astype(a[k].dtype, copy=False)) for k in a)
@@ -34,7 +34,7 @@ def add(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], scale: float =
 
 def weighted_mean(
     items: Iterable[tuple[float, Mapping[str, np.ndarray]]],
-) -> tuple[OrderedDict[str, np.ndarray], float]:
+) -> tuple[dict[str, np.ndarray], float]:
     """Weighted mean of several parameter dicts, accumulated in float64, returned as float32.
 
     Items are summed in the order given; callers pass them sorted by sender id so the result does

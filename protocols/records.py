@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .jsonl import loads, rotated
 from .rejections import RejectKind
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 MAX_LISTED_REJECTIONS = 100
 """A record lists at most this many rejections (a flood of bad messages keeps records and memory small);
@@ -196,7 +196,7 @@ class RoundRecord(_Record):
 
 
 Record = CellRecord | RoundRecord
-_BY_EVENT: dict[str, type[_Record]] = {"aggregation": CellRecord, "round": RoundRecord}
+_BY_EVENT: dict[str, type[CellRecord] | type[RoundRecord]] = {"aggregation": CellRecord, "round": RoundRecord}
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def parse_record(obj: Any) -> Record:
     """Validate one record (a dict, JSON text or bytes); raise ``ValueError`` naming the problem."""
     if isinstance(obj, (bytes, bytearray, str)):
         try:
-            obj = loads(obj, finite=True)
+            obj = loads(bytes(obj) if isinstance(obj, bytearray) else obj, finite=True)
         except ValueError as exc:
             raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(obj, dict):

@@ -102,7 +102,7 @@ def _int(meta: Mapping[str, Any], key: str, what: str, lo: int = 0, hi: int | No
     return v
 
 
-def history_payload(meta: dict[str, Any], seeds: Sequence[int], g: np.ndarray) -> Payload:
+def history_payload(meta: dict[str, Any], seeds: Sequence[int] | np.ndarray, g: np.ndarray) -> Payload:
     """A downlink: ``seeds`` (history rounds then the current round) as uint64, history scalars float32."""
     return Payload(meta, {"s": np.asarray(seeds, dtype=np.uint64), "g": np.asarray(g, dtype=np.float32)})
 
@@ -390,6 +390,7 @@ class DeComFLDevice(DeviceRole):
         if start > self.synced == 0:  # a device that lost its replica (restarted): x_0 again, ask for it all
             return Payload({"resync": True})
         self.catch_up(start, seeds, hist)
+        assert self.model is not None  # _init set it
         buf = P.copy(self.buf) if self.buf is not None else None
         g = self.local_update(P.copy(self.model), int(seeds[-1]), data, trainer, ctx, buf)
         # revert by copy: x and the buffer stay x_r's exactly (the local steps ran on copies)

@@ -253,7 +253,8 @@ class FedAlignCell(FedAvgCell):
             "epsilon": eps,
             "F": F,
         }
-        self.planned, self.decisions = {}, {}
+        self.planned = {}
+        self.decisions: dict[str, dict[str, Any]] = {}
         self.prio = {"prio_weight": 0.0, "prio_loss": 0.0, "prio_accuracy": 0.0}
 
     def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:

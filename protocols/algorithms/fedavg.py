@@ -148,8 +148,8 @@ class FedAvgCell(CellRole):
     def __init__(self, params: TrainParams, cell: str) -> None:
         self.p, self.cell = params, cell
         self.edge_rounds = params.edge_rounds
-        self.base: Mapping[str, np.ndarray] = {}
-        self.model: Mapping[str, np.ndarray] = {}
+        self.base: dict[str, np.ndarray] = {}
+        self.model: dict[str, np.ndarray] = {}
         self.weights: dict[str, float] = {}
         self.upload_bytes = 0
         self.codec = make_codec(params)

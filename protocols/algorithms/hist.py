@@ -274,7 +274,7 @@ class Hist(Algorithm):
     without = {Trait.VERSIONED: "HIST redraws its partition every synchronous cloud round"}
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
-        check_fits(self.model, len(cells))  # type: ignore[arg-type]
+        check_fits(self.model, len(cells))
 
     def cloud(self) -> CloudRole:
         return HistCloud(self.params, self.model, self.seed, self.initial_params())  # type: ignore[arg-type]

@@ -624,7 +624,9 @@ class SecAggCell:
         meta = {"devices": self.roster, "total_weight": self.total_weight}
         out = {}
         for d, near in self.graph.items():
-            tensors = {f"{p}/{j}": _u8(self.keys[j][i]) for j in near for i, p in ((0, "c"), (1, "s"))}
+            tensors = {
+                f"{p}/{j}": _u8(key) for j in near for key, p in ((self.keys[j][0], "c"), (self.keys[j][1], "s"))
+            }
             tensors.update({f"g/{j}": _u8(self.signatures[j]) for j in near if j in self.signatures})
             out[d] = Payload(meta, tensors)
         return out

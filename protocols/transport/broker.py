@@ -219,9 +219,10 @@ class MosquittoBroker(_Broker):
         autosave_interval: int = 1,
     ) -> None:
         super().__init__(port)
-        self.binary = binary or find_mosquitto()
-        if self.binary is None:
+        found = binary or find_mosquitto()
+        if found is None:
             raise FileNotFoundError("mosquitto is not installed (looked for /usr/sbin/mosquitto and on PATH)")
+        self.binary: str = found
         if not os.access(self.binary, os.X_OK):
             raise FileNotFoundError(f"mosquitto binary {self.binary!r} is not an executable file")
         self.extra_config, self.allow_anonymous = extra_config, allow_anonymous
@@ -250,9 +251,9 @@ class MosquittoBroker(_Broker):
                 f"{self.extra_config}\n"
             )
         self._log = open(os.path.join(self._dir.name, "mosquitto.log"), "wb")
-        self._proc = procs.popen([self.binary, "-c", conf], stdout=self._log, stderr=subprocess.STDOUT)
+        self._proc = proc = procs.popen([self.binary, "-c", conf], stdout=self._log, stderr=subprocess.STDOUT)
         try:
-            wait_for_port(self.host, self.port, timeout, alive=lambda: self._proc.poll() is None)
+            wait_for_port(self.host, self.port, timeout, alive=lambda: proc.poll() is None)
         except (RuntimeError, TimeoutError) as exc:
             out = self.log_text()
             self.stop()
@@ -327,8 +328,9 @@ class MosquittoBroker(_Broker):
         return False
 
     def __del__(self) -> None:
-        if getattr(self, "_proc", None) is not None:
-            self._proc.kill()
+        proc = getattr(self, "_proc", None)  # None also when __init__ failed before setting it
+        if proc is not None:
+            proc.kill()
 
 
 def find_mosquitto() -> str | None:

@@ -356,7 +356,7 @@ class MqttTransport(Transport):
         sock = self._client.socket()
         if sock is not None:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]  # paho's SocketLike: a real socket here
             except OSError:
                 pass
         self._client.loop_stop()
@@ -615,6 +615,7 @@ class MqttTransport(Transport):
         if self._closed:
             return
         topic, data = msg.topic, msg.payload
+        data = bytes(data) if isinstance(data, bytearray) else data  # paho hands bytes (typed: or bytearray)
         self.stats._count(topic, publish_packet_bytes(len(topic.encode()), len(data), msg.qos), len(data), out=False)
         with self._reasm_lock:
             whole = self._reasm.feed(topic, data)

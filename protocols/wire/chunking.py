@@ -163,11 +163,12 @@ class Reassembler:
     def feed(self, key: str, data: bytes) -> bytes | None:
         if not is_chunk(data):
             if len(data) > self.max_message:
-                return self._reject(
+                self._reject(
                     key,
                     f"single message of {len(data)} bytes exceeds the bound of "
                     f"{self.max_message} (runtime.max_message_bytes)",
                 )
+                return None
             return data
         now = self.clock()
         self.expire(now)
@@ -179,20 +180,24 @@ class Reassembler:
             self._refused[cid] = None
             while len(self._refused) > self.max_recent:
                 self._refused.popitem(last=False)
-            return self._reject(
+            self._reject(
                 key,
                 f"chunked message of {total} bytes exceeds the bound of {self.max_message} (runtime.max_message_bytes)",
             )
+            return None
         if HEADER_BYTES + slen + glen > len(data):
-            return self._reject(key, "truncated chunk header")
+            self._reject(key, "truncated chunk header")
+            return None
         try:
             sender = bytes(data[HEADER_BYTES : HEADER_BYTES + slen]).decode()
         except UnicodeDecodeError:
-            return self._reject(key, "chunk sender is not UTF-8")
+            self._reject(key, "chunk sender is not UTF-8")
+            return None
         body = memoryview(data)[HEADER_BYTES + slen + glen :]
         if self.auth is not None:
             if glen == 0:
-                return self._reject(key, f"unsigned chunk (claims sender {sender!r}) where signatures are required")
+                self._reject(key, f"unsigned chunk (claims sender {sender!r}) where signatures are required")
+                return None
             head = _HEAD.pack(magic, cid, index, count, size, total, slen, 0)
             try:
                 self.auth.verify(
@@ -201,23 +206,25 @@ class Reassembler:
                     bytes(data[HEADER_BYTES + slen : HEADER_BYTES + slen + glen]),
                 )
             except ValueError as exc:  # WireError
-                return self._reject(key, f"chunk {index}/{count} from {sender!r}: {exc}")
+                self._reject(key, f"chunk {index}/{count} from {sender!r}: {exc}")
+                return None
         ident = (key, sender, cid)
         if ident in self._recent:
             return None  # a late duplicate of a message already delivered
         if size == 0 or count != max(1, -(-total // size)) or index >= count:
-            return self._reject(
-                key, f"inconsistent chunk header (index {index}, count {count}, size {size}, total {total})"
-            )
+            self._reject(key, f"inconsistent chunk header (index {index}, count {count}, size {size}, total {total})")
+            return None
         want = min(size, total - index * size)
         if len(body) != want:
-            return self._reject(key, f"chunk {index}/{count} has {len(body)} bytes, expected {want}")
+            self._reject(key, f"chunk {index}/{count} has {len(body)} bytes, expected {want}")
+            return None
         p = self._pending.get(ident)
         if p is None:
             p = _Pending(total, count, size, sender, started=now)
             self._pending[ident] = p
         elif (p.total, p.count, p.size) != (total, count, size):
-            return self._reject(key, "chunk header disagrees with earlier chunks of the same content")
+            self._reject(key, "chunk header disagrees with earlier chunks of the same content")
+            return None
         p.last = now
         self._pending.move_to_end(ident)
         if index in p.parts:

@@ -12,7 +12,7 @@ import hashlib
 import struct
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -99,7 +99,7 @@ def _sha256(payload: bytes | memoryview | Buffers) -> bytes:
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return hashlib.sha256(payload).digest()
     h = hashlib.sha256()
-    for part in payload:
+    for part in cast(Buffers, payload):  # its parts (bytes returned above), not a bytes' ints
         h.update(part)
     return h.digest()
 
@@ -107,7 +107,7 @@ def _sha256(payload: bytes | memoryview | Buffers) -> bytes:
 def _nbytes(payload: bytes | memoryview | Buffers) -> int:
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return memoryview(payload).nbytes
-    return sum(memoryview(p).nbytes for p in payload)
+    return sum(memoryview(p).nbytes for p in cast(Buffers, payload))
 
 
 def signed_bytes(topic: str, header_wo_sig: bytes, payload: bytes | memoryview | Buffers) -> bytes:

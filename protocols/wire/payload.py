@@ -88,7 +88,7 @@ def parts_size(parts: Parts) -> int:
 def encode_payload(payload: Payload) -> bytes:
     """Serialise a :class:`Payload` (metadata must be JSON-serialisable, floats finite): one copy of
     each tensor's data (:func:`payload_parts` joined)."""
-    return b"".join(payload_parts(payload))
+    return b"".join(payload_parts(payload))  # type: ignore[arg-type]  # arrays are buffers; typeshed does not say so
 
 
 def payload_size(payload: Payload) -> int:
