@@ -358,6 +358,8 @@ class CohortEngine:
         self._data_bytes = 0
         # bytes a cohort part may plan to use (None: the CPU, unbounded; on a GPU, read before each call)
         self.memory_limit: int | None = None
+        # keep devices' data sets across cohorts (on a GPU: an upload saved; on the CPU they share the arrays)
+        self.keep_data = self.device.type != "cpu"
         self.part_devices = 0  # most devices computed at once (0: no bound but memory's)
 
     def model(self, spec: ModelSpec) -> torch.nn.Module:
@@ -374,7 +376,7 @@ class CohortEngine:
         its arrays (its agent lives), up to :data:`DEVICE_DATA_BYTES` (see :meth:`forget_data`)."""
         hit = self._data.get(id(x))
         if hit is not None and hit[0] is x and hit[1].shape[0] == len(x):
-            if self.device.type != "cpu":  # most recently used last: the oldest go first
+            if self.keep_data:  # most recently used last: the oldest go first
                 self._data[id(x)] = self._data.pop(id(x))
             return hit[1], hit[2]
         xt, yt = as_tensor(x, np.float32, self.device), as_tensor(y, np.int64, self.device)
@@ -386,7 +388,7 @@ class CohortEngine:
         """After a cohort: drop the converted data sets, so memory stays bounded by a cohort's data. On a
         GPU only the least recently used beyond :data:`DEVICE_DATA_BYTES` go (each device's data is
         uploaded once, not every round); on the CPU the tensors share the arrays' memory anyway."""
-        if self.device.type == "cpu":
+        if not self.keep_data:
             self._data.clear()
             self._data_bytes = 0
             return
@@ -432,6 +434,7 @@ class CohortEngine:
         self._models.clear()
         self._data.clear()
         self._data_bytes = 0
+        self.keep_data = self.device.type != "cpu"
 
     def part_size(self, op: str, model: torch.nn.Module, reqs: Sequence[Request]) -> int:
         """The most devices of ``reqs`` computed at once: :attr:`part_devices` (on a CPU by default those

@@ -77,6 +77,39 @@ def _bytes(r: Request) -> int:
     return _device_bytes("sgd", build_model("mlp", (8,), 3, hidden=(6,)), r)
 
 
+def test_data_kept_across_cohorts_within_a_byte_budget(monkeypatch) -> None:
+    """What a GPU engine does (here on the CPU, ``keep_data`` on): each device's data set is converted once
+    and kept across cohorts, the least recently used dropped beyond the budget; results unchanged."""
+    import protocols.cohort_trainer as ct
+
+    reqs = requests(4)  # 5, 12, 19, 26 samples
+
+    def size(r: Request) -> int:
+        return r.x.size * 4 + r.y.size * 8  # float32 inputs, int64 labels
+
+    monkeypatch.setattr(ct, "DEVICE_DATA_BYTES", size(reqs[1]) + size(reqs[2]))  # the first two fit, not all three
+    engine = ct.CohortEngine()
+    engine.keep_data = True
+    first = results(engine, reqs[:2])
+    engine.forget_data()
+    kept = {id(r.x) for r in reqs[:2]}
+    assert set(engine._data) == kept  # both fit the budget: kept for the next round
+    xt = engine.tensors(reqs[0].x, reqs[0].y)[0]
+    assert engine.tensors(reqs[0].x, reqs[0].y)[0] is xt  # converted once
+    again = results(engine, reqs[:2])
+    for (p, _), (q, _) in zip(first, again):
+        for k in p:
+            np.testing.assert_array_equal(p[k], q[k])
+    results(engine, reqs[2:3])  # a third device: over the budget once this cohort is done
+    engine.forget_data()
+    assert set(engine._data) == {id(reqs[0].x), id(reqs[2].x)}  # the least recently used (device 1) went
+    assert engine._data_bytes == sum(x.nbytes + y.nbytes for _, x, y in engine._data.values())
+    plain = ct.CohortEngine()
+    results(plain, reqs[:2])
+    plain.forget_data()
+    assert not plain._data  # on the CPU nothing is kept by default
+
+
 def test_a_device_too_large_for_the_memory_is_refused_with_the_sizes() -> None:
     engine = CohortEngine()
     engine.memory_limit = 1000  # bytes: not one device fits
