@@ -20,117 +20,29 @@ never come back under it.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 
-from protocols.config import ConfigError, RunConfig, TopologySection, parse_config
-from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
+from protocols.config import TopologySection
+from protocols.roster import roster_topic
 from protocols.wire import topics
-from protocols.wire.keys import KeyRing, PublicKeys, Trust, load_keys, new_seed, public_of, write_keys
+from protocols.wire.keys import new_seed, public_of, write_keys
 
-STATE_FILE = "federation.json"
-ROSTER_FILE = "roster.json"
-FORMAT = "fedtier-federation/1"
-
-
-class MembershipError(ConfigError):
-    """A membership change that cannot be made (the text says why); nothing was changed."""
-
-
-@dataclass
-class Federation:
-    """What ``OUT`` holds of a provisioned federation."""
-
-    out: Path
-    cfg: RunConfig
-    params: dict[str, Any]
-    ring: KeyRing
-    roster: Roster
-    revoked_serials: list[int]
-
-    @property
-    def name(self) -> str:
-        return self.cfg.run.name
-
-
-# ------------------------------------------------------------------------------------------ records
-def _write(path: Path, data: bytes | str, secret: bool = False) -> None:
-    """Replace ``path`` atomically, keeping its owner (a broker that dropped to its user must still read it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    if secret:
-        os.chmod(tmp, 0o600)
-    if path.exists():
-        st = path.stat()
-        try:
-            os.chown(tmp, st.st_uid, st.st_gid)
-        except PermissionError:
-            pass  # not root: the file stays ours, as it was
-    os.replace(tmp, path)
-
-
-def _sign(ring: KeyRing, roster: Roster) -> bytes:
-    return sign_roster(roster, Trust("cloud", ring.private["cloud"], {"cloud": ring.public["cloud"]}).sign)
-
-
-def _members(topology: TopologySection) -> dict[str, list[str]]:
-    return {c: list(topology.device_ids(c)) for c in topology.cell_ids()}
-
-
-def record_federation(out: Path, cfg: RunConfig, ring: KeyRing, params: dict[str, Any]) -> None:
-    """Called by ``provision``: the state file and the first roster (version 1)."""
-    bound = params.get("max_device_weight") or cfg.security.max_device_weight or 1e12
-    roster = Roster.from_topology(cfg.run.name, _members(cfg.topology), ring.public, float(bound))
-    _save(Federation(Path(out), cfg, params, ring, roster, []), keys=False)
-
-
-def _save(fed: Federation, keys: bool = True) -> None:
-    state = {
-        "format": FORMAT,
-        "config": fed.cfg.to_toml(),
-        "params": fed.params,
-        "revoked_serials": fed.revoked_serials,
-    }
-    _write(fed.out / STATE_FILE, json.dumps(state, indent=2) + "\n", secret=True)
-    data = _sign(fed.ring, fed.roster)
-    _write(fed.out / ROSTER_FILE, data)
-    if (fed.out / "nodes" / "cloud").is_dir():
-        _write(fed.out / "nodes" / "cloud" / ROSTER_FILE, data)
-    if keys:
-        write_keys(
-            fed.out / "keys.toml", fed.ring, comment=f"all identities of {fed.name!r} (keep offline)", overwrite=True
-        )
-
-
-def load_federation(out: str | Path) -> Federation:
-    """The provisioned federation in ``out``; :class:`MembershipError` if it is not one."""
-    import tomllib
-
-    out = Path(out)
-    try:
-        state = json.loads((out / STATE_FILE).read_text())
-        if state.get("format") != FORMAT:
-            raise ValueError(f"format {state.get('format')!r}")
-        cfg = parse_config(tomllib.loads(state["config"]))
-        ring = load_keys(out / "keys.toml")
-        roster = verify_roster(
-            (out / ROSTER_FILE).read_bytes(), PublicKeys({"cloud": ring.public["cloud"]}).verify, federation=None
-        )
-    except (OSError, ValueError, KeyError, RosterError, tomllib.TOMLDecodeError) as exc:
-        raise MembershipError(
-            f"{out} is not a provisioned federation of this version ({type(exc).__name__}: {exc}); "
-            f"provision it with `fedtier provision CONFIG --out {out}`"
-        ) from None
-    return Federation(out, cfg, dict(state["params"]), ring, roster, list(state.get("revoked_serials", [])))
+from .federation import (
+    ROSTER_FILE,
+    Federation,
+    MembershipError,
+    _members,
+    _save,
+    _write,
+    load_federation,
+)
 
 
 # ------------------------------------------------------------------------------------------ brokers

@@ -607,7 +607,7 @@ def provision(
         )
         for node in rules
     }
-    from .membership import record_federation
+    from .federation import record_federation
 
     record_federation(
         out,
