@@ -590,7 +590,8 @@ class CohortEngine:
         start = [v.detach().clone() for v in params.values()] if bool((mu != 0).any()) else None  # FedProx: w_0
         beta = torch.tensor([r.momentum for r in reqs], dtype=torch.float32, device=dev)
         bufs = [torch.zeros_like(v) for v in params.values()] if bool((beta != 0).any()) else None  # heavy ball
-        fused = chain is not None and not decay and start is None and bufs is None  # plain SGD (the usual case)
+        # plain SGD (the usual case): the written-out gradient's chain, else None
+        fused = chain if not decay and start is None and bufs is None else None
         feat = int(np.prod(reqs[0].x.shape[1:]))
         per_gather = max(1, GATHER_BYTES // max(1, d * b * feat * 4))  # steps of inputs gathered at once
         losses = torch.zeros(d, steps, device=dev)
@@ -614,8 +615,8 @@ class CohortEngine:
                 ps = params if full else {k: v[:a] for k, v in params.items()}
                 vs = leaves if full else list(ps.values())
                 x, y, m = xs[:a, s - s0], ys[:a, s - s0], mask_t[:a, s]
-                if fused and same_rate[s]:  # plain SGD at one rate: the step taken inside the backward pass
-                    losses[:a, s] = _mlp_loss_and_grads(chain, ps, x, y, m, lr=same_lr)[0]
+                if fused is not None and same_rate[s]:  # plain SGD at one rate: the step inside the backward pass
+                    losses[:a, s] = _mlp_loss_and_grads(fused, ps, x, y, m, lr=same_lr)[0]
                     continue
                 if chain:
                     loss, grads = _mlp_loss_and_grads(chain, ps, x, y, m)
