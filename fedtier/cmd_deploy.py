@@ -334,6 +334,11 @@ def cell(
     console.print(f"cell {cell_id} serving {len(node.devices)} devices on {opts.url} (Ctrl-C to stop)")
     _serve(node, loop)
     linger(exporter, metrics_linger)
+    if node.failure is not None:  # its handler raised: the job failed with it (the cloud says so too)
+        from rich.markup import escape
+
+        console.print(f"[bold red]cell {cell_id} failed:[/] {escape(node.failure)}")
+        raise SystemExit(JOB_FAILED)
 
 
 @main.command()
