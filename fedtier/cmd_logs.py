@@ -8,7 +8,9 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from fedtier.cli import main
 from fedtier.console import console, fail
@@ -67,6 +69,10 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _plain(*cells: str) -> list[Text]:
+    return [Text(c) for c in cells]
+
+
 def records_table(records: list[Record]) -> Table:
     table = Table(header_style="bold")
     for col in (
@@ -95,36 +101,41 @@ def records_table(records: list[Record]) -> Table:
                 ]
             )
             rejected = ", ".join(f"{x.device}: {x.reason}" for x in r.rejected)
-            table.add_row(
-                "aggregation",
-                f"{r.round}.{r.edge_round}",
-                r.cell,
-                f"{len(r.answered)}/{len(r.planned)}",
-                "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",
-                f"{r.bytes_in:,}",
-                f"{r.bytes_out:,}",
-                _fmt(r.loss_mean) + ("" if r.loss_std is None else f" ± {r.loss_std:.3f}"),
-                "-",
-                r.closed_by,
-                f"{r.duration_s:.3f}",
+            table.add_row(  # Text: record text is shown as it is, never read as markup
+                *_plain(
+                    "aggregation",
+                    f"{r.round}.{r.edge_round}",
+                    r.cell,
+                    f"{len(r.answered)}/{len(r.planned)}",
+                    "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",
+                    f"{r.bytes_in:,}",
+                    f"{r.bytes_out:,}",
+                    _fmt(r.loss_mean) + ("" if r.loss_std is None else f" ± {r.loss_std:.3f}"),
+                    "-",
+                    r.closed_by,
+                    f"{r.duration_s:.3f}",
+                )
             )
         else:
             up = r.bytes.get("cell_to_cloud", 0) + r.bytes.get("device_to_cell", 0)
             down = r.bytes.get("cloud_to_cell", 0) + r.bytes.get("cell_to_device", 0)
             absent = ", ".join(r.cells_absent)
             rejected = ", ".join(f"{x.get('from')}: {x.get('reason')}" for x in r.rejected)
-            table.add_row(
-                "round",
-                str(r.round),
-                "cloud",
-                f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
-                "; ".join(filter(None, (absent and f"absent {absent}", rejected and f"rejected {rejected}"))) or "-",
-                f"{up:,}",
-                f"{down:,}",
-                _fmt(r.loss),
-                _fmt(r.accuracy),
-                r.closed_by,
-                f"{r.duration_s:.3f}",
+            table.add_row(  # Text: record text is shown as it is, never read as markup
+                *_plain(
+                    "round",
+                    str(r.round),
+                    "cloud",
+                    f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
+                    "; ".join(filter(None, (absent and f"absent {absent}", rejected and f"rejected {rejected}")))
+                    or "-",
+                    f"{up:,}",
+                    f"{down:,}",
+                    _fmt(r.loss),
+                    _fmt(r.accuracy),
+                    r.closed_by,
+                    f"{r.duration_s:.3f}",
+                )
             )
     return table
 
@@ -153,7 +164,7 @@ def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: 
         fail(str(exc), 2)
     records, bad = read_run(Path(run_dir))
     for line in bad:
-        console.print(f"[yellow]warning:[/] invalid record {line}", highlight=False)
+        console.print(f"[yellow]warning:[/] invalid record {escape(str(line))}", highlight=False)
     if not records and not bad:
         fail(f"{run_dir} has no records (aggregation.jsonl, metrics.jsonl)", 1)
     chosen = filter_records(records, cells=cells, rounds=rounds, events=events)

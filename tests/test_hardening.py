@@ -60,3 +60,32 @@ def test_checkpoints_journals_and_the_run_config_are_mode_600(tmp_path: Path, op
     journal.reset(Payload({"task": 1}, {}))
     journal.append(Payload({"result": "c0-d0"}, {}))
     assert mode(journal.path) == 0o600 and len(journal.read()) == 2
+
+
+def test_fedtier_logs_shows_record_text_as_it_is_never_as_markup() -> None:
+    """A record's text (a cloud of a federation writes its cells' records: text a cell chose) is rendered
+    literally by `fedtier logs`; an unbalanced closing tag cannot break the table."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from fedtier.cmd_logs import records_table
+    from protocols.records import CellRecord
+
+    evil = "[/bold] all [red]answered[link=http://x]"
+    record = CellRecord(
+        run="r",
+        round=0,
+        edge_round=0,
+        cell="c0",
+        algorithm="fedavg",
+        planned=["c0-d0"],
+        answered=["c0-d0"],
+        closed_by=evil,
+        duration_s=0.1,
+        time=time.time(),
+    )
+    out = Console(width=400, file=io.StringIO(), color_system=None)
+    out.print(records_table([record]))
+    assert evil in out.file.getvalue()  # type: ignore[attr-defined]
