@@ -300,7 +300,9 @@ def jobs_worker(job: dict[str, Any], results: Any) -> None:
         spec = cfg.model_spec(shape, classes)
         algorithm = cfg.build_algorithm(spec)
         trainer = make_trainer("torch", spec, cfg)
-        return AgentProcess(cfg, algorithm, data, trainer, opts, availability=device_availability(cfg), session=session)
+        return AgentProcess(
+            cfg, algorithm, data, trainer, opts, availability=device_availability(cfg), session=session, long_lived=True
+        )
 
     service = AgentService(
         bundle,

@@ -217,8 +217,17 @@ class AgentProcess:
         rejoin_poll: float | None = None,
         cell_brokers: dict[str, BrokerOptions] | None = None,
         session: str | None = None,
+        long_lived: bool = False,
     ) -> None:
-        self.session = session  # serving one job: only its cloud session counts (protocols.jobs)
+        """``session``: serving one job, only its cloud session counts (``protocols.jobs``). ``long_lived``:
+        at the job's end the devices stay connected, announced offline (``done`` is set), and :meth:`next_job`
+        serves the next job on the same connections; ``on_job_record`` (set before :meth:`start`) gets the
+        cloud's ``cloud/job`` records, on the first device's connection."""
+        self.session = session
+        self.long_lived = long_lived
+        self.on_job_record: Callable[[str, bytes], None] | None = None
+        self._last_status: dict[str, dict[str, Any] | None] = {}  # each device's latest cloud status record
+        self._last_manifest: dict[str, dict[str, Any]] = {}
         self.cfg, self.algorithm, self.data, self.trainer, self.broker = cfg, algorithm, data, trainer, broker
         self.cell_brokers = cell_brokers or {}  # cell -> its own broker (bridged cell brokers)
         self.run = cfg.run.name
@@ -261,24 +270,9 @@ class AgentProcess:
         self.reactor.start()
         self.loop.start()
         fresh: list[tuple[str, Any]] = []
-        for device, data in self.data.items():
+        for device in self.data:
             transport = self._transport(device)
-            self.clouds[device] = CloudSession(pinned=self.session)
-            agent = build_agent(
-                self.cfg,
-                device,
-                transport,
-                self.algorithm,
-                data,
-                self.trainer,
-                cloud=self.clouds[device],
-                keep_answer=True,
-            )
-            if self.on_task is not None:
-                agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)
-            self.agents[device] = agent
-            agent.role.train = self._timed(device, agent.role.train)
-            agent.executor = self.executor
+            self.agents[device] = self._make_agent(device, transport)
             with self._lock:
                 self._live.add(device)
             fresh.append((device, transport))
@@ -302,6 +296,76 @@ class AgentProcess:
         if not self.agents:
             self.done.set()
         return self
+
+    def _make_agent(self, device: str, transport: Any) -> DeviceAgent:
+        """The device's agent for the current job (its cloud view pinned to the job's session)."""
+        self.clouds[device] = CloudSession(pinned=self.session)
+        agent = build_agent(
+            self.cfg,
+            device,
+            transport,
+            self.algorithm,
+            self.data[device],
+            self.trainer,
+            cloud=self.clouds[device],
+            keep_answer=True,
+        )
+        if self.on_task is not None:
+            agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)  # type: ignore[misc]
+        agent.role.train = self._timed(device, agent.role.train)
+        agent.executor = self.executor
+        return agent
+
+    def next_job(
+        self,
+        cfg: RunConfig,
+        algorithm: Algorithm,
+        trainer: Trainer,
+        session: str,
+        availability: Callable[[int], Iterable[str]] | None = None,
+    ) -> None:
+        """Long-lived agents: serve the job of ``session`` with new roles on the same connections (a device
+        that sat out the last round connects again); ``done`` is cleared until it is finished."""
+        old = self.executor
+        self.cfg, self.algorithm, self.trainer, self.session = cfg, algorithm, trainer, session
+        self.availability = availability
+        self.done.clear()
+        offline: list[str] = []
+
+        def swap() -> None:
+            if old is not None:
+                old.close()
+            plan = execution_plan(cfg)
+            self.executor = None
+            if plan.batches(trainer):
+                from .cohort import make_cohort_executor
+
+                self.executor = make_cohort_executor(plan, self.agents, algorithm.model, self.loop, trainer)
+            for device in self.data:
+                transport = self.transports[device]
+                transport.unsubscribe(topics.device_task(self.run, cell_of(cfg, device), device))
+                agent = self.agents[device] = self._make_agent(device, transport)
+                agent.attach(transport)
+                cloud = self.clouds[device]
+                cloud.on_status(self._last_status.get(device))  # the new job's cloud may have announced itself
+                if device in self._last_manifest:
+                    cloud.on_manifest(self._last_manifest[device])
+                with self._lock:
+                    self._live.add(device)
+                if transport.connected:
+                    with self._lock:
+                        self._present.add(device)
+                        agent.announce("online")
+                else:
+                    offline.append(device)
+            if not self.data:
+                self.done.set()
+
+        self._on_loop(swap)
+        for device in offline:
+            self._on_loop(lambda d=device: self._connect(d, self._transport(d), present=True))  # type: ignore[misc]
+        for device in self.data:
+            self._on_loop(lambda d=device: self._update(d))  # type: ignore[misc]
 
     def _transport(self, device: str, persistent: bool = True) -> Any:
         node = topics.device_node(device)
@@ -328,6 +392,8 @@ class AgentProcess:
         transport.subscribe(topics.control(run), lambda t, b: self._on_control(device, control, t, b))
         transport.subscribe(topics.status(run, "cloud"), lambda t, b: self._on_cloud_status(device, t, b))
         transport.subscribe(topics.round_manifest(run), lambda t, b: self._on_manifest(device, t, b))
+        if self.on_job_record is not None and device == next(iter(self.data)):
+            transport.subscribe(topics.current_job(run), self.on_job_record)
         old = self.transports.get(device)
         if old is not None:
             self._past.setdefault(device, []).append(old.stats.snapshot())
@@ -425,12 +491,17 @@ class AgentProcess:
             self._update(device)
 
     def _on_cloud_status(self, device: str, topic: str, data: bytes) -> None:
-        self.clouds[device].on_status(decode_status(data, topic, self.agents[device].trust) if data else None)
+        record = decode_status(data, topic, self.agents[device].trust) if data else None
+        if self.long_lived:
+            self._last_status[device] = record
+        self.clouds[device].on_status(record)
         self._update(device)
 
     def _on_manifest(self, device: str, topic: str, data: bytes) -> None:
         record = decode_manifest(data, topic, self.agents[device].trust) if data else None
         if record is not None:
+            if self.long_lived:
+                self._last_manifest[device] = record
             self.clouds[device].on_manifest(record)
             self._fresh.add(device)
             self._update(device)
@@ -442,7 +513,10 @@ class AgentProcess:
             return
         if cloud.finished:
             log.info("device %s: the run is finished", device)
-            self._leave(device)
+            if self.long_lived:
+                self._job_done(device)
+            else:
+                self._leave(device)
             return
         rnd = cloud.round
         if self.availability is None or rnd is None:
@@ -481,6 +555,21 @@ class AgentProcess:
             log.warning("device %s: reconnect failed (%s); retrying", device, exc)
             self.transports[device].close(flush_timeout=0)
             self._polls[device] = self.loop.call_later(self.rejoin_poll, lambda: self._poll(device))
+
+    def _job_done(self, device: str) -> None:
+        """Long-lived: the device's job is finished; it stays connected for the next one, announced offline
+        until it has that job's role (a cell of the next job plans it only then)."""
+        with self._lock:
+            if device not in self._live:
+                return
+            self._live.discard(device)
+            if device in self._present and self.agents[device].transport.connected:
+                self.agents[device].announce("offline")  # under the lock: no heartbeat can follow it
+            self._present.discard(device)
+            done = not self._live
+        self.loop.cancel(self._polls.pop(device, None))
+        if done:
+            self.done.set()
 
     def _leave(self, device: str) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch
@@ -19,6 +20,7 @@ from protocols.wire.keys import Trust
 from .runner import AgentProcess
 
 log = logging.getLogger("fedtier.agent.service")
+T = TypeVar("T")
 
 
 class AgentService:
@@ -57,38 +59,62 @@ class AgentService:
             agents.done.set()
 
     def serve(self) -> None:
-        """Serve jobs until :meth:`stop`."""
+        """Serve jobs until :meth:`stop`. The first job is learnt on a clean watch connection; then the
+        devices stay connected (a long-lived :class:`AgentProcess`) and learn each next job from the cloud's
+        job record on the first device's connection."""
         done: set[str] = set()
         fed = self.bundle.run.name
-        while not self.stopping.is_set():
-            transport = self.watch()
-            if transport is None:  # stopped while the broker was unreachable
-                break
-            current = self._next_job(JobWatch(transport, fed, self.trust), done)
-            transport.close()
-            if current is None:
-                break
-            try:
-                agents = self.build(current.run_config(self.bundle, self.devices), current.session)
-            except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
-                log.error("devices %s cannot serve job %s: %s", ", ".join(self.devices[:3]), current.job, exc)
-                done.add(current.session)
-                continue
-            log.info("%d devices serve job %s", len(self.devices), current.job)
-            self.agents = agents
-            try:
-                agents.start()
-                while not agents.done.wait(0.5) and not self.stopping.is_set():
-                    pass
-            finally:
-                self.agents = None
-                agents.stop()
-            if not self.stopping.is_set():
+        records = JobWatch(None, fed, self.trust)  # fed by the agents' first connection
+        agents: AgentProcess | None = None
+        try:
+            while not self.stopping.is_set():
+                if agents is None:
+                    transport = self.watch()
+                    if transport is None:  # stopped while the broker was unreachable
+                        break
+                    current = self._next_job(JobWatch(transport, fed, self.trust), done)
+                    transport.close()
+                else:
+                    current = self._poll(lambda: records.pending(done))
+                if current is None:
+                    break
+                try:
+                    fresh = self.build(current.run_config(self.bundle, self.devices), current.session)
+                except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
+                    log.error("devices %s cannot serve job %s: %s", ", ".join(self.devices[:3]), current.job, exc)
+                    done.add(current.session)
+                    continue
+                log.info("%d devices serve job %s", len(self.devices), current.job)
+                if agents is None:
+                    agents = self.agents = fresh
+                    agents.on_job_record = records.on_job
+                    agents.start()
+                else:  # the same connections, the next job's roles
+                    agents.next_job(fresh.cfg, fresh.algorithm, fresh.trainer, current.session, fresh.availability)
+                    if fresh.executor is not None:
+                        fresh.executor.close()
+                moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
+                self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
+                if self.stopping.is_set():
+                    break
                 done.add(current.session)
                 self.served.append(current.job)
                 self.tasks += sum(s["tasks"] for s in agents.stats().values())
                 if self.on_job_end is not None:
                     self.on_job_end(current.job)
+        finally:
+            self.agents = None
+            if agents is not None:
+                agents.stop()
+
+    def _poll(self, ready: Callable[[], T | None]) -> T | None:
+        """``ready()``'s first value that is not None, checked every 0.2 s (``None``: stopped)."""
+        while not self.stopping.is_set():
+            value = ready()
+            if value is not None:
+                return value
+            self.stopping.wait(0.2)
+        return None
 
     def _next_job(self, watch: JobWatch, done: set[str]) -> CurrentJob | None:
         """Wait for a job this device has yet to serve (``None``: stopped)."""

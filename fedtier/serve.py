@@ -228,6 +228,7 @@ def serve_agent(
             opts,
             availability=device_availability(job_cfg),
             session=session,
+            long_lived=True,
         )
 
     service = AgentService(cfg, [device], loop, watch, build, trust)

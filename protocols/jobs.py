@@ -233,9 +233,10 @@ class JobWatch:
     """What a cell or an agent knows of the federation's jobs, from ``transport``: the job in progress
     (the cloud's retained, signed ``cloud/job`` record) and the sessions the cloud declared finished
     (its ``finished`` control record). With ``trust`` (the node's own identity: its transport's chunk
-    signing is configured from it) only the cloud's signatures count."""
+    signing is configured from it) only the cloud's signatures count. Without ``transport`` it subscribes
+    nothing: the owner feeds :meth:`on_job` (long-lived agents, on a connection they already hold)."""
 
-    def __init__(self, transport: Transport, federation: str, trust: Trust | None) -> None:
+    def __init__(self, transport: Transport | None, federation: str, trust: Trust | None) -> None:
         from .wire.messenger import Messenger
 
         self.federation, self.trust = federation, trust
@@ -243,17 +244,19 @@ class JobWatch:
         self.finished: set[str] = set()
         self.roster: Roster | None = None  # the newest verified roster (cells refuse revoked devices by it)
         self.on_roster: Callable[[Roster], None] | None = None
-        self._control = Messenger(transport, federation, "watcher", trust=trust)
-        transport.subscribe(topics.current_job(federation), self._on_job)
-        transport.subscribe(roster_topic(federation), self._on_roster)
-        transport.subscribe(topics.control(federation), self._on_control)
+        if transport is not None:
+            self._control = Messenger(transport, federation, "watcher", trust=trust)
+            transport.subscribe(topics.current_job(federation), self.on_job)
+            transport.subscribe(roster_topic(federation), self._on_roster)
+            transport.subscribe(topics.control(federation), self._on_control)
 
     def pending(self, done: set[str]) -> CurrentJob | None:
         """The job in progress if this node has yet to serve it (not in ``done``, not finished)."""
         c = self.current
         return c if c is not None and c.session not in done and c.session not in self.finished else None
 
-    def _on_job(self, topic: str, data: bytes) -> None:
+    def on_job(self, topic: str, data: bytes) -> None:
+        """A ``cloud/job`` record: the job in progress when the cloud signed it (else logged, ignored)."""
         if not data:
             return
         try:
