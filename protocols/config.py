@@ -497,7 +497,9 @@ class PrivacySection(_Section):
         default=0,
         ge=0,
         description="degree of each device in the sparse neighbour "
-        "graph; 0: about 4 log2(n), capped at n - 1 (n - 1: SecAgg's complete graph)",
+        "graph; 0: the least even degree from 4 log2(n) at which a round with 30% of the devices dropping "
+        "after sharing fails with probability <= 1% (about 10 log2(n) at threshold 0.5), capped at n - 1 "
+        "(n - 1: SecAgg's complete graph)",
     )
     secagg_bound: float = Field(
         default=1.0,

@@ -8,7 +8,7 @@ One edge round, as the cell and device runtimes drive it (``U1 ⊇ U2 ⊇ U3``):
                                        and (signed runs) its Ed25519 signature of the two keys for this round
     cell -> device   secagg_roster     U1 = the devices that advertised, their weight total, the
                                        device's neighbours' public keys and signatures (a sparse graph
-                                       seeded from (run seed, round, edge round, cell): degree ~ 4 log2 |U1|)
+                                       seeded from (run seed, round, edge round, cell): degree ~ 10 log2 |U1|)
     device -> cell   secagg_shares     per neighbour: AES-GCM(Shamir share of its self-mask seed b and of
                                        its mask key s_sk), sealed with the pair's c key; a commitment to b
     cell -> device   secagg_routed     U2 = devices whose shares arrived, the ciphertexts addressed to it
@@ -116,15 +116,17 @@ class SecAggSettings:
 
     seed: int
     threshold: float = 0.5  # t = floor(threshold * degree) + 1 shares reconstruct a secret (> half: see module)
-    neighbours: int = 0  # degree of the graph; 0: the smallest even number >= 4 log2 n (capped at n - 1)
+    neighbours: int = 0  # degree of the graph; 0: default_degree (survives 30% dropping; capped at n - 1)
     bound: float = 1.0  # every update value is clipped to [-bound, bound] before quantisation
     min_survivors: int = 0  # no sum of fewer survivors is unmasked (cell DP: each adds 1/min_survivors of the noise)
 
     def degree(self, n: int) -> int:
-        """Neighbours per device among ``n`` devices."""
+        """Neighbours per device among ``n`` devices: ``neighbours``, or by default the smallest even degree
+        from 4 log2 n up at which a round with 30% of the devices dropping after sharing fails with
+        probability at most 1% (:func:`default_degree`)."""
         if n <= 1:
             return 0
-        k = self.neighbours or 2 * math.ceil(2 * math.log2(n))
+        k = self.neighbours or default_degree(n, self.threshold)
         return min(k + k % 2, n - 1)  # even below n - 1: the ring graph is then symmetric
 
     def t(self, n: int) -> int:
@@ -136,6 +138,28 @@ class SecAggSettings:
     def survivors_needed(self, n: int) -> int:
         """The fewest survivors whose sum may be unmasked among ``n``: the threshold, or ``min_survivors``."""
         return max(self.t(n), self.min_survivors)
+
+
+DESIGN_DROPOUT = 0.3  # the default degree survives this fraction of a cell dropping after sharing ...
+DESIGN_FAILURE = 0.01  # ... but with this probability (a union bound over the devices)
+
+
+@functools.lru_cache(maxsize=256)
+def default_degree(n: int, threshold: float) -> int:
+    """The smallest even k >= 4 log2 n (at most n - 1) such that ``n`` times the chance that a device keeps
+    fewer than t = floor(threshold k) + 1 of its k neighbours, each dropping with probability
+    ``DESIGN_DROPOUT``, is at most ``DESIGN_FAILURE``: a secret of one of them would then be lost. With
+    t > k/2 (the default, against a lying cell) this needs k of about 9-12 log2 n, against 4 log2 n at
+    t = k/3."""
+    k = 2 * math.ceil(2 * math.log2(n))
+    while k < n - 1:
+        t = max(2, math.floor(threshold * k) + 1)
+        keep = 1 - DESIGN_DROPOUT
+        lost = sum(math.comb(k, i) * keep**i * DESIGN_DROPOUT ** (k - i) for i in range(min(t, k + 1)))
+        if n * lost <= DESIGN_FAILURE:
+            break
+        k += 2
+    return min(k, n - 1)
 
 
 @dataclass(frozen=True)
