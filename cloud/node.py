@@ -75,6 +75,7 @@ def build_cloud(
         cell_bounds=cell_bounds if cell_bounds is not None else config_cell_bounds(cfg),
         max_stalled_rounds=cfg.runtime.max_stalled_rounds,
         min_cells=cfg.runtime.min_cells,
+        fail_on_cell_failure=cfg.runtime.fail_on_cell_failure,
     )
 
 

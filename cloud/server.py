@@ -88,6 +88,7 @@ class CloudServer:
         max_record_bytes: int | None = None,
         max_stalled_rounds: int = STALLED_ROUNDS,
         min_cells: int = 1,
+        fail_on_cell_failure: bool = True,
     ) -> None:
         """``cell_bounds``: the largest weight each cell's report may claim (the sum of its devices' bounds
         times the results a report adds up, :func:`protocols.bounds.cell_weight_bound`); a report claiming
@@ -95,7 +96,9 @@ class CloudServer:
         a fresh one. ``max_stalled_rounds``, ``min_cells``: when the job fails for lack of progress
         (:class:`protocols.failures.StallWatch`). ``cell_records_path``: write every cell's aggregation records,
         from their telemetry, there (``cloud.cell_records``; a deployed cloud, whose cells write elsewhere).
-        ``max_record_bytes``: rotate the records files past this size (``protocols.jsonl.JsonlWriter``)."""
+        ``max_record_bytes``: rotate the records files past this size (``protocols.jsonl.JsonlWriter``).
+        ``fail_on_cell_failure``: a cell's "failed" report (its handler raised) fails the job; off, the cell is
+        left out of the round with its reason (``cells_failed``) and the stall rule decides."""
         self.transport, self.loop, self.run = transport, transport.loop, run
         self.cell_bounds = cell_bounds
         self.cells, self.role, self.rounds = sorted(cells), role, rounds
@@ -116,6 +119,7 @@ class CloudServer:
         self.failed: str | None = None  # why the job failed (it ended early; one-shot commands exit non-zero)
         self._fail_request: str | None = None  # a failure found while recording a round: fail after it
         self.stall = StallWatch(max_stalled_rounds, min_cells)
+        self.fail_on_cell_failure = fail_on_cell_failure
         self.started = False
         self.history: list[dict[str, Any]] = []
         self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each round record (monitor.exporter)
@@ -279,6 +283,7 @@ class CloudServer:
         self._cell_diverged: dict[str, int] = {}
         self._cell_failed: dict[str, int] = {}
         self._failures: dict[str, int] = {}  # reason -> devices whose task failed, over the cells
+        self._cells_failed: dict[str, str] = {}  # cell -> why it failed (fail_on_cell_failure off)
         allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
         self._expected = len(allowed & set(self.cells))  # cells that may answer: a stall is fewer than this
         plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
@@ -318,8 +323,14 @@ class CloudServer:
         if refused is not None:
             self.messenger.reject(topic, refused.kind, str(refused), cell)
             return
-        if failure is not None:  # the cell's own handler raised (a bug): the job cannot go on as planned
-            self.fail(f"cell {cell} failed in round {h.round}: {failure}")
+        if failure is not None:  # the cell's own handler raised (a bug)
+            if self.fail_on_cell_failure:  # the job cannot go on as planned
+                self.fail(f"cell {cell} failed in round {h.round}: {failure}")
+                return
+            log.error("cloud: cell %s failed in round %d: %s (left out of the round)", cell, h.round, failure)
+            self._cells_failed[cell] = failure  # settled: answered, nothing to aggregate
+            if not self.answers.pending:
+                self._close(self.round, "all reported")
             return
         if len(self.answers.received) == taken:
             return  # a repeat counts once
@@ -401,6 +412,7 @@ class CloudServer:
             cells_planned=self.planned,
             cells_reported=reported,
             cells_absent=absent,
+            cells_failed=self._cells_failed or None,
             devices=self._cell_devices,
             devices_diverged=self._cell_diverged or None,
             devices_failed=self._cell_failed or None,

@@ -346,6 +346,12 @@ class RuntimeSection(_Section):
         description="a cloud round makes progress only when at least this many cells answered (at most every "
         "cell of the job); see max_stalled_rounds",
     )
+    fail_on_cell_failure: bool = Field(
+        default=True,
+        description="a cell whose handler raised (a bug) answers its rounds 'failed' and the cloud fails the job; "
+        "false: the cloud leaves that cell out of the round (cells_failed in its record) and the stall rule "
+        "decides (a federation whose cells are not all trusted: a cell with valid credentials cannot end the job)",
+    )
     rejoin_wait: float = Field(
         default=30.0,
         ge=0,

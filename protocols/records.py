@@ -156,6 +156,10 @@ class RoundRecord(_Record):
     devices_diverged: dict[str, int] | None = Field(
         None, description="cell -> devices whose training diverged (answered, never aggregated)"
     )
+    cells_failed: dict[str, str] | None = Field(
+        None,
+        description="cells that answered 'failed' (their handler raised), with why (runtime.fail_on_cell_failure off)",
+    )
     devices_failed: dict[str, int] | None = Field(
         None, description="cell -> devices whose task failed in every edge round they had (answered, not aggregated)"
     )

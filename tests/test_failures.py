@@ -251,3 +251,22 @@ def test_agents_of_another_model_fail_a_deployed_job(tmp_path: Path) -> None:
     )
     metrics = [json.loads(line) for line in (tmp_path / "out" / runfiles.METRICS).read_text().splitlines()]
     assert all(m["devices_failed"] == {"c0": 2} and sum(m["failures"].values()) == 2 for m in metrics)
+
+
+def test_a_failed_cell_is_left_out_when_the_job_must_not_depend_on_one_cell(tmp_path: Path) -> None:
+    """runtime.fail_on_cell_failure = false (cells not all trusted: one with valid credentials must not end the
+    job by saying it failed): c1's aggregation raises, its rounds answer "failed", the cloud leaves it out with
+    the reason and goes on with c0."""
+    cfg = small_config(tmp_path, run={"rounds": 3}, runtime={"fail_on_cell_failure": False})
+    sim = SimHierarchy(cfg, write_output=False)
+    c1 = sim.cells["c1"]
+
+    def broken(*a: Any, **k: Any) -> None:
+        raise KeyError("weight")
+
+    c1._aggregate = broken  # type: ignore[method-assign]
+    result = sim.run()
+    assert result.status == "finished" and len(result.history) == 3
+    for record in result.history:
+        assert record["cells_reported"] == ["c0"] and record["closed_by"] == "all reported"
+        assert record["cells_failed"] == {"c1": c1.failure} and "raised KeyError: 'weight'" in c1.failure
