@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import math
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -316,7 +317,8 @@ def sweep(
             flush=True,
         )
     if pending:
-        pool = ProcessPoolExecutor(max_workers=workers, initializer=_init_worker)
+        # spawned, not forked: a worker forked after the parent touched CUDA cannot use it (CUDA initialization error)
+        pool = ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, mp_context=mp.get_context("spawn"))
         stop = _stop_on_sigterm()
         try:
             prepared: dict[int, Any] = {}
