@@ -28,6 +28,7 @@ from protocols.algorithms.base import Algorithm, ModelSpec
 from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan
 from protocols.rejections import RejectKind
+from protocols.roster import Roster, RosterError, roster_topic, verify_roster
 from protocols.seeding import derive_seed
 from protocols.session import CloudSession, decode_manifest
 from protocols.status import decode_status, encode_status
@@ -43,7 +44,7 @@ from protocols.wire.signed import signer_of
 from .agent import DeviceAgent
 from .datasources import DataSource
 from .node import build_agent, cell_of
-from .secagg import cell_lies
+from .secagg import cell_lies, learn_roster
 
 if TYPE_CHECKING:
     from .cohort import CohortExecutor
@@ -226,6 +227,7 @@ class AgentProcess:
         self.session = session
         self.long_lived = long_lived
         self.on_job_record: Callable[[str, bytes], None] | None = None
+        self.roster: Roster | None = None  # long-lived: the newest verified roster (its members' keys)
         self._last_status: dict[str, dict[str, Any] | None] = {}  # each device's latest cloud status record
         self._last_manifest: dict[str, dict[str, Any]] = {}
         self.cfg, self.algorithm, self.data, self.trainer, self.broker = cfg, algorithm, data, trainer, broker
@@ -314,7 +316,26 @@ class AgentProcess:
             agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)  # type: ignore[misc]
         agent.role.train = self._timed(device, agent.role.train)
         agent.executor = self.executor
+        if self.roster is not None:
+            learn_roster(agent, self.roster)
         return agent
+
+    def _on_roster(self, trust: Any, data: bytes) -> None:
+        """A roster on the federation's topic (first device's connection): verified with the cloud's key, a
+        newer one teaches every device its cell's members' keys (``edge_agent.secagg.learn_roster``)."""
+        if not data:
+            return
+        try:
+            roster = verify_roster(
+                data, trust.verify, federation=self.run, min_version=self.roster.version + 1 if self.roster else 0
+            )
+        except RosterError as exc:
+            if self.roster is None or "older" not in str(exc):
+                log.warning("ignored a roster: %s", exc)
+            return
+        self.roster = roster
+        for agent in list(self.agents.values()):
+            learn_roster(agent, roster)
 
     def next_job(
         self,
@@ -394,6 +415,8 @@ class AgentProcess:
         transport.subscribe(topics.round_manifest(run), lambda t, b: self._on_manifest(device, t, b))
         if self.on_job_record is not None and device == next(iter(self.data)):
             transport.subscribe(topics.current_job(run), self.on_job_record)
+        if self.long_lived and agent.trust is not None and device == next(iter(self.data)):
+            transport.subscribe(roster_topic(run), lambda t, b: self._on_roster(agent.trust, b))
         old = self.transports.get(device)
         if old is not None:
             self._past.setdefault(device, []).append(old.stats.snapshot())

@@ -21,12 +21,24 @@ from protocols.wire import topics
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
+    from protocols.roster import Roster
     from protocols.wire.envelope import Header
     from protocols.wire.messenger import Incoming
 
     from .agent import DeviceAgent
 
 log = logging.getLogger("fedtier.agent")
+
+
+def learn_roster(agent: DeviceAgent, roster: Roster) -> None:
+    """What the cloud's signed roster tells a device of its cell: its members' identity keys (a device
+    enrolled after this one's keys file was written; secure aggregation checks each neighbour's key
+    advertisement and view against them) and the revoked nodes, no longer trusted."""
+    trust = agent.trust
+    if trust is None:
+        return
+    trust.learn({d: key for d in roster.members(agent.cell) if (key := roster.device_key(d)) is not None})
+    trust.forget(n for n in roster.revoked if n != agent.device)
 
 
 def cell_lies(agent: DeviceAgent) -> int:

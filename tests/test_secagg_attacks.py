@@ -152,6 +152,46 @@ def test_neighbours_keys_are_checked_against_the_roster_the_cloud_signed():
     assert all("neighbour c0-d3 " in why for d, why in refused.items() if d != "c0-d3")
 
 
+def test_a_device_learns_a_neighbour_enrolled_later_from_the_roster_and_forgets_a_revoked_one():
+    """Long-lived agents apply each roster the cloud signs (``edge_agent.secagg.learn_roster``): a device
+    whose keys file predates a neighbour's enrolment refuses that neighbour's advertisement until the roster
+    names it, then takes part; a neighbour the roster revokes is refused again."""
+    from types import SimpleNamespace
+
+    from edge_agent.secagg import learn_roster
+    from protocols.roster import Roster
+
+    names = [f"c0-d{i}" for i in range(6)]
+    seeds = {n: new_seed() for n in ["cloud", "c0", *names]}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    provisioned = {n: k for n, k in public.items() if n != "c0-d5"}  # c0-d5 enrolled after the others' files
+    agents = {d: SimpleNamespace(device=d, cell="c0", trust=Trust(d, seeds[d], provisioned)) for d in names}
+    agents["c0-d5"].trust.learn(public)
+    settings = SecAggSettings(seed=3)
+
+    def refusals() -> dict[str, str]:
+        devs = {d: SecAggDevice(settings, RID, d, 1.0, identity=a.trust) for d, a in agents.items()}
+        cell = SecAggCell(settings, RID, names)
+        for d, dev in devs.items():
+            cell.add_keys(d, wire(dev.advertise()))
+        out = {}
+        for d, ros in cell.rosters().items():
+            try:
+                devs[d].share(wire(ros))
+            except CellLied as exc:
+                out[d] = str(exc)
+        return out
+
+    assert set(refusals()) == set(names) - {"c0-d5"}  # they cannot tell c0-d5's keys from the cell's
+    roster = Roster.from_topology("fed", {"c0": names}, public, 100.0)
+    for agent in agents.values():
+        learn_roster(agent, roster)  # type: ignore[arg-type]
+    assert refusals() == {}
+    for agent in agents.values():
+        learn_roster(agent, roster.without("c0-d5"))  # type: ignore[arg-type]
+    assert set(refusals()) == set(names) - {"c0-d5"}  # revoked: nobody takes its keys any more
+
+
 # ----------------------------------------------------------------------------- the dropout lie
 def test_the_dropout_lie_reads_the_target_at_the_old_threshold_of_a_third():
     liar = LyingCell("dropout", TARGET, hide=True)
