@@ -270,3 +270,24 @@ def test_a_failed_cell_is_left_out_when_the_job_must_not_depend_on_one_cell(tmp_
     for record in result.history:
         assert record["cells_reported"] == ["c0"] and record["closed_by"] == "all reported"
         assert record["cells_failed"] == {"c1": c1.failure} and "raised KeyError: 'weight'" in c1.failure
+
+
+def test_fedtier_sim_exits_non_zero_when_the_job_fails(tmp_path: Path) -> None:
+    """The one-shot commands say a failed job failed: the global model diverges (learning rate 1e30), so
+    ``fedtier sim`` prints the reason and exits 3, with the reason in summary.json."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    config = tmp_path / "diverge.toml"
+    config.write_text(
+        f'[run]\nname = "d"\nrounds = 30\noutput = "{tmp_path / "out"}"\n[topology]\ncells = 2\ndevices_per_cell = 2\n'
+        '[algorithm]\nname = "decomfl"\nedge_rounds = 1\nlocal_steps = 1\nperturbations = 2\nlr = 1e30\nmu = 1e-3\n'
+        'batch_size = 16\n[model]\nname = "mlp"\nhidden = [8]\n[data]\ndataset = "digits"\n'
+    )
+    ran = CliRunner().invoke(main, ["sim", str(config), "--no-progress"])
+    assert ran.exit_code == JOB_FAILED, ran.output
+    said = " ".join(ran.output.split())
+    assert "job failed: the global model diverged at round" in said
+    summary = json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())
+    assert summary["status"] == "failed" and summary["failed"].startswith("the global model diverged at round")
