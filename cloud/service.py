@@ -225,8 +225,9 @@ class CloudService:
         """End ``job`` as failed before it started (nodes never saw it: nothing to tell them)."""
         log.error("job %s failed: %s", job.job, reason)
         self.queue.end(job.job, "failed", reason)
-        if self.transport is not None:
-            self.loop.post(lambda t=self.transport: self._publish_list(t))
+        transport = self.transport
+        if transport is not None:
+            self.loop.post(lambda: self._publish_list(transport))
 
     # ------------------------------------------------------------------ the roster (loop thread)
     def _adopt(self, roster: Roster, write: bool = True) -> None:
@@ -299,8 +300,9 @@ class CloudService:
             self._reply(job, False, str(exc))
             self.error = exc  # the queue cannot be written: stop rather than lose a job
             return
-        if self.transport is not None or self.node is not None:
-            self._publish_list(self.node.transport if self.node is not None else self.transport)
+        transport = self.node.transport if self.node is not None else self.transport
+        if transport is not None:
+            self._publish_list(transport)
         self.wake.set()
 
     def _submit(self, job: str, record: dict[str, Any]) -> None:

@@ -312,9 +312,10 @@ class AgentProcess:
             cloud=self.clouds[device],
             keep_answer=True,
         )
-        if self.on_task is not None:
-            agent.on_task = lambda r, e, d=device: self.on_task(d, r, e)  # type: ignore[misc]
-        agent.role.train = self._timed(device, agent.role.train)
+        on_task = self.on_task
+        if on_task is not None:
+            agent.on_task = lambda r, e: on_task(device, r, e)
+        agent.role.train = self._timed(device, agent.role.train)  # type: ignore[method-assign]
         agent.executor = self.executor
         if self.roster is not None:
             learn_roster(agent, self.roster)
