@@ -103,7 +103,7 @@ class AsyncCellServer(CellServer):
         device = node[len("device.") :] if node.startswith("device.") else None
         was_online = self.online.get(device, False) if device else False
         super()._on_status(topic, data)
-        if device not in self.online or self.online[device] == was_online:
+        if device is None or device not in self.online or self.online[device] == was_online:
             return
         self.outstanding.pop(device, None)  # gone, or back (rejoined): its old task is lost either way
         if self.online[device]:
@@ -158,11 +158,11 @@ class AsyncCellServer(CellServer):
             if isinstance(loss, (int, float)) and math.isfinite(loss):
                 self.losses[device] = float(loss)
             if self.fb.buffer.full:
-                self._aggregate()
+                self._flush()
         self._dispatch(device)
 
     # ----------------------------------------------------------------- aggregation and pushes
-    def _aggregate(self) -> None:
+    def _flush(self) -> None:
         out = self.fb.aggregate()
         metrics, answered = dict(out.metrics), list(out.senders)
         self._round_bytes["cell_to_device"] += self.bytes_out

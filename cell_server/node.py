@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
 from protocols.algorithms.fedbuff import FedBuffCell
+from protocols.algorithms.staleness import AsyncParams
 from protocols.algorithms.traits import Trait
 from protocols.config import ConfigError, RunConfig
 from protocols.transport.base import Transport
@@ -46,7 +48,10 @@ def build_cell(
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
     train = cfg.train
+    server: type[CellServer]
+    extra: dict[str, Any]
     if Trait.ASYNC in algorithm.stack_traits():  # FedBuff: keep devices busy, push every M updates / T s
+        assert isinstance(train, AsyncParams)  # the asynchronous layer is AsyncParams
         if resume:
             raise ConfigError('--resume: algorithm.mode = "async" cells do not resume yet; start them afresh')
         server, extra = (
@@ -56,7 +61,7 @@ def build_cell(
                 "push_every": train.async_push_every,
                 "push_seconds": train.async_push_seconds,
             },
-        )  # type: ignore[attr-defined]
+        )
     else:
         if resume and cfg.secagg_settings() is not None:
             raise ConfigError(

@@ -11,6 +11,7 @@ logged: the records carry counts, and a rejection's reason names the message, ne
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -24,6 +25,8 @@ from protocols.wire import topics
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
+    from protocols.transport.base import TimerHandle
+    from protocols.wire.envelope import MessageKind
     from protocols.wire.messenger import Incoming
 
     from .server import CellServer
@@ -46,7 +49,7 @@ class CellSecAgg:
         self.state: SecAggCell | None = None
         self.key: tuple[int, int] | None = None
         self.failed: str | None = None
-        self._timer = None
+        self._timer: TimerHandle | None = None
         self._why = ""
 
     # ---------------------------------------------------------------- phases
@@ -66,7 +69,7 @@ class CellSecAgg:
 
     def _arm(self, phase: str) -> None:
         self.server.loop.cancel(self._timer)
-        self._timer = self.server.loop.call_later(self.deadline, lambda k=self.key: self._timeout(k, phase))
+        self._timer = self.server.loop.call_later(self.deadline, functools.partial(self._timeout, self.key, phase))
 
     def cancel(self) -> None:
         self.server.loop.cancel(self._timer)
@@ -106,13 +109,13 @@ class CellSecAgg:
             s.absent[d] = "no secagg keys" if d not in st.keys else "no secagg shares"
         s._needed = math.ceil(s.quorum * len(st.shared))
 
-    def _send(self, kind: str, messages: Mapping[str, Payload]) -> None:
+    def _send(self, kind: MessageKind, messages: Mapping[str, Payload]) -> None:
         s = self.server
         for d, payload in sorted(messages.items()):
             s.bytes_out += s.messenger.send(
                 topics.device_task(s.run, s.cell, d),
                 kind,
-                payload,  # type: ignore[arg-type]
+                payload,
                 round=s.round,
                 edge_round=s.edge_round,
                 cell=s.cell,
@@ -120,6 +123,7 @@ class CellSecAgg:
 
     def _fail(self, why: str) -> None:
         """Give the edge round up: logged, recorded, nothing aggregated; the next one starts as usual."""
+        assert self.key is not None  # set when the aggregation began
         log.warning("cell %s: secure aggregation of round %d.%d failed: %s", self.server.cell, *self.key, why)
         self.failed = why
         if self.state is not None and self.state.phase != "failed":

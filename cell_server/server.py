@@ -741,7 +741,7 @@ class CellServer:
     def _record(self, why: str, outcome: Outcome, answered: list[str]) -> None:
         losses = list(self.losses.values())
         mean = sum(losses) / len(losses) if losses else None
-        spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if losses else None
+        spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if mean is not None else None
         now = self.loop.now()
         metrics = dict(outcome.metrics)
         excluded = outcome.excluded or None  # robust aggregation: who was left out, why

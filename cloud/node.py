@@ -8,7 +8,9 @@ from typing import Any
 
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm
+from protocols.algorithms.fedavg import ModelCloud
 from protocols.algorithms.fedbuff import FedBuffCloud
+from protocols.algorithms.staleness import AsyncParams
 from protocols.algorithms.traits import Trait
 from protocols.bounds import CellBounds
 from protocols.config import ConfigError, RunConfig
@@ -42,13 +44,17 @@ def build_cloud(
     folder's ``cells.jsonl`` (a deployed cloud: its cells write on their own machines)."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
+    server: type[CloudServer]
+    extra: dict[str, Any]
     if Trait.ASYNC in algorithm.stack_traits():  # FedBuff over cells
         if resume:
             raise ConfigError(
                 '--resume: algorithm.mode = "async" does not resume from a checkpoint yet '
                 "(buffered pushes and cell versions are not checkpointed); run again"
             )
-        server, extra = AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, algorithm.cloud())}  # type: ignore
+        inner = algorithm.cloud()
+        assert isinstance(cfg.train, AsyncParams) and isinstance(inner, ModelCloud)  # FedAvg's (the VERSIONED one)
+        server, extra = AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, inner)}
     else:
         server, extra = CloudServer, {"role": algorithm.cloud()}
     return server(

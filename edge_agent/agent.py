@@ -124,7 +124,7 @@ class DeviceAgent:
         key = (state, samples or 0)
         record = self._status.get(key)
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
-            extra = {"caps": dict(self.caps)} if self.caps is not None and state == "online" else {}
+            extra: dict[str, Any] = {"caps": dict(self.caps)} if self.caps is not None and state == "online" else {}
             if samples is not None:
                 extra["samples"] = samples
             record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)

@@ -22,6 +22,7 @@ run in submission order.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -138,7 +139,9 @@ def cohorts(items: Sequence[Any], device: Callable[[Any], str], size: int) -> li
     out: list[list[Any]] = []
     items = list(items)
     while items:
-        chunk, seen, rest = [], set(), []
+        chunk: list[Any] = []
+        seen: set[str] = set()
+        rest: list[Any] = []
         for item in items:
             if len(chunk) < size and device(item) not in seen:
                 chunk.append(item)
@@ -227,7 +230,7 @@ class CohortExecutor:
         for agent, task, ctx, complete, done in queue:
             if not agent.trainer.trains_in_cohorts:  # forward-only (onnx) devices train as they are
                 outcome = agent.train_here(task, ctx)
-                complete(lambda done=done, outcome=outcome: done(*outcome))
+                complete(functools.partial(done, *outcome))
         queue = [item for item in queue if item[0].trainer.trains_in_cohorts]
         if not queue:
             self.queue = []

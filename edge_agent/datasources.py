@@ -231,11 +231,11 @@ def _load_images(src: DataSource, input_shape: tuple[int, ...] | None, max_sampl
     ys: list[int] = []
     for _, label, file in files:
         try:
-            with Image.open(file) as im:
-                if channels is None:  # no model shape given: the first image decides
-                    channels = 1 if im.mode in ("1", "L", "I", "I;16", "F") else 3
-                    size = im.size
-                im = im.convert("L" if channels == 1 else "RGB")
+            with Image.open(file) as opened:
+                if channels is None or size is None:  # no model shape given: the first image decides
+                    channels = 1 if opened.mode in ("1", "L", "I", "I;16", "F") else 3
+                    size = opened.size
+                im = opened.convert("L" if channels == 1 else "RGB")
                 if im.size != size:
                     im = im.resize(size, Image.Resampling.BILINEAR)
                 a = np.asarray(im, dtype=np.float32) * PIXEL_SCALE

@@ -15,11 +15,12 @@ torch is imported only by the torch backend.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,7 @@ class BrokerOptions:
     def from_config(cls, cfg: RunConfig, url: str | None = None, **overrides: Any) -> BrokerOptions:
         """The config's ``[broker]`` section; ``url`` and non-None ``overrides`` (CLI flags) win."""
         b = cfg.broker
-        fields = {
+        fields: dict[str, Any] = {
             "username": b.username,
             "password": b.password,
             "ca_certs": b.ca_certs,
@@ -278,7 +279,7 @@ class AgentProcess:
             with self._lock:
                 self._live.add(device)
             fresh.append((device, transport))
-        self._on_loop(lambda: [self._prepare(d, t) for d, t in fresh])
+        self._on_loop(lambda: self._each(fresh, self._prepare))
         under_way: deque[tuple[str, Any]] = deque()
         for device, transport in fresh:
             if len(under_way) >= self.connect_window:
@@ -292,7 +293,7 @@ class AgentProcess:
                 raise ConnectionError(
                     f"device {device}: the broker did not acknowledge its subscriptions within {connect_timeout:g} s"
                 )
-        self._on_loop(lambda: [self._announce(d) for d, _ in fresh])
+        self._on_loop(lambda: self._each([(d,) for d, _ in fresh], self._announce))
         if self.heartbeat > 0:
             self._beat_timer = self.reactor.call_later(self.heartbeat, self._beat)
         if not self.agents:
@@ -473,6 +474,12 @@ class AgentProcess:
         """Wall seconds this process spent training (metrics): each device's training, or each cohort once."""
         return self._train_seconds + (self.executor.seconds if self.executor is not None else 0.0)
 
+    @staticmethod
+    def _each(items: Sequence[tuple[Any, ...]], fn: Callable[..., None]) -> None:
+        """``fn(*item)`` for each item, in order."""
+        for item in items:
+            fn(*item)
+
     def _on_loop(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the agents' loop and wait for it (handlers never run concurrently with it);
         re-raises its exception here."""
@@ -619,7 +626,7 @@ class AgentProcess:
         self.reactor.cancel(self._beat_timer)
         if self.loop.running:
             for device in list(self.agents):
-                self._on_loop(lambda d=device: self._leave(d))
+                self._on_loop(functools.partial(self._leave, device))
         self.loop.stop()
         if self.executor is not None:
             self.executor.close()

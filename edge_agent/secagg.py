@@ -22,7 +22,7 @@ from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
     from protocols.roster import Roster
-    from protocols.wire.envelope import Header
+    from protocols.wire.envelope import Header, MessageKind
     from protocols.wire.messenger import Incoming
 
     from .agent import DeviceAgent
@@ -77,13 +77,13 @@ class DeviceSecAgg:
         self._train, self._result = train, None
         self._send("secagg_keys", self.state.advertise())
 
-    def _send(self, kind: str, payload: Payload) -> None:
+    def _send(self, kind: MessageKind, payload: Payload) -> None:
         a = self.agent
         assert self.key is not None
         a.bytes_out += a.messenger.send(
             topics.device_result(a.run, a.cell, a.device),
             kind,
-            payload,  # type: ignore[arg-type]
+            payload,
             round=self.key[1],
             edge_round=self.key[2],
             cell=a.cell,

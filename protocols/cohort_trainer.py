@@ -143,12 +143,12 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
         elif isinstance(m, torch.nn.GroupNorm):  # device i's channels are a block of D*C: its groups too
             if not grouped:
                 x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
-            w, bias = params.get(f"{name}.weight"), params.get(f"{name}.bias")
+            scale, shift = params.get(f"{name}.weight"), params.get(f"{name}.bias")
             x = F.group_norm(
                 x,
                 d * m.num_groups,
-                None if w is None else w.reshape(-1),
-                None if bias is None else bias.reshape(-1),
+                None if scale is None else scale.reshape(-1),
+                None if shift is None else shift.reshape(-1),
                 m.eps,
             )
         elif isinstance(m, torch.nn.Flatten):
@@ -199,7 +199,8 @@ def _mlp_loss_and_grads(
     never written out and read back (on a CPU, 2x faster for a cohort of 64 such MLPs)."""
     d, b = x.shape[0], x.shape[1]
     a = x.reshape(d, b, -1)
-    inputs, actives = [], []
+    inputs: list[torch.Tensor] = []
+    actives: list[torch.Tensor | None] = []
     for name, relu in chain:
         w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
         inputs.append(a)
@@ -219,8 +220,9 @@ def _mlp_loss_and_grads(
     grads: dict[str, torch.Tensor] = {}
     for i in range(len(chain) - 1, -1, -1):
         name, _ = chain[i]
-        if actives[i] is not None:
-            g = g * actives[i]
+        active = actives[i]
+        if active is not None:
+            g = g * active
         w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
         below = torch.bmm(g, w) if i else None  # the input gradient, with the weights before the step
         if lr is None:
@@ -288,7 +290,7 @@ class CohortDeviceTrainer(Trainer):
     answers several at once (a list of results).
     """
 
-    def __init__(self, spec: ModelSpec, call: Callable[[Request], Any]) -> None:
+    def __init__(self, spec: ModelSpec, call: Callable[[Request | list[Request]], Any]) -> None:
         self.spec, self.call = spec, call
         self.params: OrderedDict[str, np.ndarray] = OrderedDict()
         self._others: dict[ModelSpec, CohortDeviceTrainer] = {}
@@ -622,7 +624,7 @@ class CohortEngine:
                     loss, grads = _mlp_loss_and_grads(chain, ps, x, y, m)
                 else:
                     loss = _device_losses(batched_forward(model, ps, x), y, m)
-                    grads = torch.autograd.grad(loss.sum(), vs)  # devices are independent: each its own
+                    grads = list(torch.autograd.grad(loss.sum(), vs))  # devices are independent: each its own
                 with torch.no_grad():
                     if not full:  # the leaves' prefixes, updated in place below
                         vs = [p[:a] for p in leaves]

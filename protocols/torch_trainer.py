@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +20,7 @@ log = logging.getLogger("fedtier.device")
 _told: set[str] = set()  # the auto choices logged in this process (once each)
 
 
-def as_tensor(a: np.ndarray, dtype: np.dtype, device: torch.device) -> torch.Tensor:
+def as_tensor(a: np.ndarray, dtype: npt.DTypeLike, device: torch.device) -> torch.Tensor:
     """A torch tensor of ``a`` (copied when ``a`` is read-only, e.g. a shared cached data set)."""
     a = np.ascontiguousarray(a, dtype=dtype)
     if not a.flags.writeable:
@@ -125,7 +126,10 @@ class TorchTrainer(Trainer):
         yt = as_tensor(y, np.int64, self.device)
         loss = F.cross_entropy(self.model(xt), yt)
         loss.backward()
-        grads = OrderedDict((k, p.grad.detach().cpu().numpy().copy()) for k, p in self.model.named_parameters())
+        grads = OrderedDict(
+            (k, p.grad.detach().cpu().numpy().copy())  # type: ignore[union-attr]  # set by backward() above
+            for k, p in self.model.named_parameters()
+        )
         return float(loss.detach()), grads
 
     def sgd(
@@ -156,14 +160,14 @@ class TorchTrainer(Trainer):
             with torch.no_grad():
                 for p in params:
                     if weight_decay:
-                        p.grad.add_(p, alpha=weight_decay)
+                        p.grad.add_(p, alpha=weight_decay)  # type: ignore[union-attr]  # set by backward() above
                 if prox_mu:
                     for p, p0 in zip(params, start):
-                        p.grad.add_(p - p0, alpha=prox_mu)
+                        p.grad.add_(p - p0, alpha=prox_mu)  # type: ignore[union-attr]  # set by backward() above
                 for b, p in zip(bufs, params):  # heavy ball: the step follows b = beta * b + g
-                    p.grad = b.mul_(momentum).add_(p.grad)
+                    p.grad = b.mul_(momentum).add_(p.grad)  # type: ignore[arg-type]  # set by backward() above
                 # p += -lr * grad for each p: one call (on CPU, the same add_ per tensor as a loop)
-                torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
+                torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)  # type: ignore[arg-type,misc]  # grads set by backward(); Parameters are Tensors
             losses.append(loss.detach())
             sizes.append(len(idx))
         w = torch.tensor(sizes, dtype=torch.float32, device=self.device)
