@@ -24,6 +24,7 @@ from typing import Any
 from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import Algorithm
+from protocols.algorithms.traits import Trait
 from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file
 from protocols.config import RunConfig, TopologySection
@@ -311,7 +312,7 @@ class CloudService:
         if not isinstance(config, str):
             raise JobError("the job has no config")
         cfg, text = canonical_job(config, self.bundle)
-        if init_from is not None and get_algorithm(cfg.train.name).devices_keep_state:
+        if init_from is not None and Trait.DEVICE_STATE in get_algorithm(cfg.train.name).traits_with(cfg.train):
             raise JobError(
                 f"init_from: {cfg.train.name}'s devices keep a model replica from the initial model, which only "
                 "the cloud would have"

@@ -5,7 +5,7 @@ connection. The first task published to a device's topic builds its agent (one w
 of the population sees it), which takes that task at once and subscribes its own topic for the next
 ones, so delivery order and every message are those of a population built up front. When a new cloud
 round starts (the retained round manifest), idle agents are dropped; an algorithm whose devices keep
-state across rounds (``Algorithm.devices_keep_state``: DeComFL's replicas) keeps them, and an agent
+state across rounds (``Trait.DEVICE_STATE``: DeComFL's replicas) keeps them, and an agent
 that code outside asked for by id (``population[device]``, as tests do to tamper with a device)
 stays until the end.
 
@@ -22,6 +22,7 @@ from edge_agent.agent import DeviceAgent
 from edge_agent.node import build_agent
 from edge_agent.runner import device_will
 from protocols.algorithms.base import Algorithm
+from protocols.algorithms.traits import Trait
 from protocols.config import RunConfig
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.memory import MemoryHub
@@ -112,7 +113,7 @@ class Population(Mapping[str, DeviceAgent]):
         """Drop the agents with nothing in flight, unless their devices keep state or they were asked for.
         With ``participation.model = "always"`` every device trains again next round: nothing is dropped
         (rebuilding an agent copies its data out of the data set again)."""
-        if self.algorithm.devices_keep_state or self.cfg.participation.model == "always":
+        if Trait.DEVICE_STATE in self.algorithm.stack_traits() or self.cfg.participation.model == "always":
             return
         for d, agent in list(self._agents.items()):
             if d in self._kept or agent.pending or not agent.transport.connected:

@@ -161,7 +161,7 @@ class CloudRole(ABC):
 
     def forget_devices(self) -> None:  # noqa: B027 an optional hook, empty by default
         """After :meth:`load_state`: the devices were recreated and lost any state they kept across rounds
-        (``Algorithm.devices_keep_state``); plan as for devices never seen. Nothing to do by default."""
+        (``Trait.DEVICE_STATE``); plan as for devices never seen. Nothing to do by default."""
 
 
 class CellRole(ABC):
@@ -205,10 +205,6 @@ class Algorithm(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type[TrainParams]] = TrainParams
-    devices_keep_state: ClassVar[bool] = False
-    """True when device roles carry state across rounds that the cloud's checkpoint does not hold
-    (DeComFL's model replicas): a launcher that recreates its devices resumes such a run through
-    ``CloudRole.forget_devices`` (DeComFL's devices replay the cloud's round log)."""
     traits: ClassVar[frozenset[Trait]] = frozenset()
     """What the base algorithm's roles do (``protocols.algorithms.traits``), before any layer."""
     without: ClassVar[dict[Trait, str]] = {}

@@ -438,7 +438,6 @@ class DeComFL(Algorithm):
 
     name = "decomfl"
     Params = DeComFLParams
-    devices_keep_state = True
     traits = frozenset({Trait.DEVICE_STATE, Trait.FORWARD_ONLY})
     without = {
         Trait.CELL_SUM: "DeComFL's uplink is K x P scalars per device: the keys and shares of secure aggregation "

@@ -30,7 +30,9 @@ class Trait(StrEnum):
     ASYNC = "async"
     """runs by model versions (buffered asynchronous aggregation, FedBuff) instead of rounds"""
     DEVICE_STATE = "device_state"
-    """devices keep state across rounds that the cloud's checkpoint does not hold"""
+    """devices keep state across rounds that the cloud's checkpoint does not hold (DeComFL's model replicas): a
+    launcher that recreates its devices resumes such a run through ``CloudRole.forget_devices``, and a job
+    cannot start it from a given model (only the cloud would have it)"""
     FORWARD_ONLY = "forward_only"
     """devices only ever run forward passes (no gradients): any inference runtime can serve them"""
 

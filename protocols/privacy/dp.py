@@ -213,7 +213,6 @@ class PrivateAlgorithm(Algorithm):
         super().__init__(inner.params, inner.model, inner.seed, inner.init_seed)
         self.inner, self.dp, self.accountant, self.budget = inner, dp, accountant, budget
         self.name = inner.name  # type: ignore[misc]
-        self.devices_keep_state = inner.devices_keep_state  # type: ignore[misc]
 
     def stack_traits(self) -> frozenset[Trait]:
         return self.inner.stack_traits()
