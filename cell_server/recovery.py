@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -31,9 +31,59 @@ from protocols.wire import topics
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
-    from .server import CellServer
+    from protocols.algorithms.base import CellRole
+    from protocols.jsonl import JsonlWriter
+    from protocols.transport.base import EventLoop, Transport
+    from protocols.wire.messenger import Messenger
 
 log = logging.getLogger("fedtier.cell")
+
+
+class Host(Protocol):
+    """What recovery needs of the cell server it restores (``cell_server.server.CellServer`` is one): its
+    round state, to set it as the journal says, and the steps it resumes from."""
+
+    run: str
+    cell: str
+    round: int
+    edge_round: int
+    loop: EventLoop
+    transport: Transport
+    role: CellRole
+    messenger: Messenger
+    log: JsonlWriter
+    absent: dict[str, str]
+    diverged: dict[str, str]
+    failed: dict[str, str]
+    losses: dict[str, float]
+    bytes_in: int
+    _not_participating: int
+    _opened: bool
+    _round_bytes: dict[str, int]
+    _round_devices: set[str]
+    _round_diverged: set[str]
+    _round_failed: dict[str, str]
+    _sent_report: bytes | None
+    _t0: float
+    _wall0: float
+
+    def _emit(self, record: dict[str, Any]) -> None: ...
+
+    def _enter_round(self, rnd: int, session: str | None) -> None: ...
+
+    def _open_edge(
+        self,
+        plan: Mapping[str, Payload],
+        available: list[str],
+        taken: Mapping[str, Payload] | None = None,
+        settled: Iterable[str] = (),
+    ) -> None: ...
+
+    def _report(self) -> None: ...
+
+    def _reset_edge(self) -> None: ...
+
+    def _start_edge(self) -> None: ...
 
 
 class RoundJournal:
@@ -92,7 +142,7 @@ class RoundJournal:
         self.file.close()
 
 
-def recover(cell: CellServer, entries: list[Payload]) -> None:
+def recover(cell: Host, entries: list[Payload]) -> None:
     """Bring ``cell`` (started, with a fresh role) back to where its journal ends, and go on from there."""
     first = entries[0].meta
     if first.get("k") != "task":
@@ -175,7 +225,7 @@ def recover(cell: CellServer, entries: list[Payload]) -> None:
     cell._report()
 
 
-def _logged(cell: CellServer, rnd: int) -> set[tuple[int, int]]:
+def _logged(cell: Host, rnd: int) -> set[tuple[int, int]]:
     """The (round, edge round) of ``rnd`` that this cell's aggregation log already holds."""
     path = cell.log.path
     if path is None or not path.exists():

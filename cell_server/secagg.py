@@ -15,23 +15,50 @@ import functools
 import logging
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from protocols.algorithms.base import CellRole
+from protocols.answers import Answers
 from protocols.privacy.secagg import RoundId, SecAggCell, SecAggFailure, SecAggSettings, unflatten
 from protocols.rejections import Rejected, RejectKind
 from protocols.wire import topics
+from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
-    from protocols.transport.base import TimerHandle
+    from protocols.transport.base import EventLoop, TimerHandle
     from protocols.wire.envelope import MessageKind
     from protocols.wire.messenger import Incoming
 
-    from .server import CellServer
 
 log = logging.getLogger("fedtier.cell")
+
+
+class Host(Protocol):
+    """What secure aggregation needs of its cell server (``cell_server.server.CellServer`` is one)."""
+
+    run: str
+    cell: str
+    round: int
+    edge_round: int
+    loop: EventLoop
+    role: CellRole
+    messenger: Messenger
+    answers: Answers
+    absent: dict[str, str]
+    bytes_in: int
+    bytes_out: int
+    quorum: float
+    max_weights: Mapping[str, float]
+    max_weight: float | None
+    _needed: int
+
+    def _aggregate(self, why: str, results: dict[str, Payload], extra: dict[str, Any] | None = None) -> None: ...
+
+    def _close(self, rnd: int, edge_round: int, why: str) -> None: ...
+
 
 _ADD = {
     "secagg_keys": "add_keys",
@@ -44,7 +71,7 @@ _ADD = {
 class CellSecAgg:
     """Secure aggregation of one cell server's edge rounds."""
 
-    def __init__(self, server: CellServer, settings: SecAggSettings, deadline: float) -> None:
+    def __init__(self, server: Host, settings: SecAggSettings, deadline: float) -> None:
         self.server, self.settings, self.deadline = server, settings, deadline
         self.state: SecAggCell | None = None
         self.key: tuple[int, int] | None = None

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from protocols.session import CloudSession
     from protocols.wire.keys import Trust
 
+    from .secagg import DeviceSecAgg
+
 log = logging.getLogger("fedtier.agent")
 
 REANSWERS = 3
@@ -92,7 +94,7 @@ class DeviceAgent:
         self.pending = 0  # tasks taken whose result has not left yet (training, or a modelled delay)
         self.bytes_in = 0
         self.bytes_out = 0
-        self.secagg = None
+        self.secagg: DeviceSecAgg | None = None
         self._task_kinds: tuple[str, ...] = ("device_task",)
         self._status: dict[tuple[str, int], bytes] = {}  # (state, samples) -> encoded status record
         if secagg is not None:

@@ -13,24 +13,44 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from protocols.algorithms.base import DeviceRole
 from protocols.privacy.secagg import CellLied, RoundId, SecAggDevice, SecAggSettings
 from protocols.rejections import Rejected, RejectKind
+from protocols.trainer import LocalData
 from protocols.wire import topics
+from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
     from protocols.roster import Roster
     from protocols.wire.envelope import Header, MessageKind
+    from protocols.wire.keys import Trust
     from protocols.wire.messenger import Incoming
-
-    from .agent import DeviceAgent
 
 log = logging.getLogger("fedtier.agent")
 
 
-def learn_roster(agent: DeviceAgent, roster: Roster) -> None:
+class Host(Protocol):
+    """What secure aggregation needs of its device agent (``edge_agent.agent.DeviceAgent`` is one)."""
+
+    run: str
+    cell: str
+    device: str
+    trust: Trust | None
+    messenger: Messenger
+    role: DeviceRole
+    data: LocalData
+    pending: int
+    bytes_in: int
+    bytes_out: int
+    secagg: DeviceSecAgg | None
+
+    def publish_result(self, result: Payload, round: int, edge_round: int) -> None: ...
+
+
+def learn_roster(agent: Host, roster: Roster) -> None:
     """What the cloud's signed roster tells a device of its cell: its members' identity keys (a device
     enrolled after this one's keys file was written; secure aggregation checks each neighbour's key
     advertisement and view against them) and the revoked nodes, no longer trusted."""
@@ -41,16 +61,15 @@ def learn_roster(agent: DeviceAgent, roster: Roster) -> None:
     trust.forget(n for n in roster.revoked if n != agent.device)
 
 
-def cell_lies(agent: DeviceAgent) -> int:
+def cell_lies(agent: Host) -> int:
     """How many times ``agent`` caught its cell lying under secure aggregation (0 without it)."""
-    secagg = getattr(agent, "secagg", None)
-    return int(secagg.cell_lies) if secagg is not None else 0
+    return agent.secagg.cell_lies if agent.secagg is not None else 0
 
 
 class DeviceSecAgg:
     """Secure aggregation of one device agent's tasks."""
 
-    def __init__(self, agent: DeviceAgent, settings: SecAggSettings) -> None:
+    def __init__(self, agent: Host, settings: SecAggSettings) -> None:
         self.agent, self.settings = agent, settings
         self.state: SecAggDevice | None = None
         self.key: tuple[str | None, int, int] | None = None
