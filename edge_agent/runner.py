@@ -627,6 +627,9 @@ class AgentProcess:
         if self.loop.running:
             for device in list(self.agents):
                 self._on_loop(functools.partial(self._leave, device))
+            for device, transport in list(self.transports.items()):  # long-lived: between jobs, still connected
+                if device not in self._live and transport.connected:
+                    self._on_loop(transport.close)
         self.loop.stop()
         if self.executor is not None:
             self.executor.close()
