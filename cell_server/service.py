@@ -80,7 +80,7 @@ class CellService:
                 done.add(current.session)
                 transport.close()
                 continue
-            node.cloud.pinned = current.session  # tasks of this job's session only
+            node.cloud.pin(current.session)  # tasks of this job's session only, from the start
             watch.on_roster = lambda roster, node=node: apply_roster(node, self.cell, roster)
             if watch.roster is not None:
                 apply_roster(node, self.cell, watch.roster)

@@ -64,11 +64,19 @@ class CloudSession:
     """
 
     def __init__(self, pinned: str | None = None) -> None:
-        self.pinned = pinned  # a node serving one job (protocols.jobs): only that job's session counts
+        self.pinned: str | None = None
         self.session: str | None = None
         self.started: float | None = None  # the current session's start time (its status says)
         self.manifest: dict[str, Any] | None = None
         self.finished_sessions: set[str] = set()  # sessions whose ``finished`` was seen
+        if pinned is not None:
+            self.pin(pinned)
+
+    def pin(self, session: str) -> None:
+        """Serve only the cloud session ``session`` (a job's, ``protocols.jobs``: the cloud signed it in the
+        job record), from now on: it is current at once (a resumed node's held task needs no status first),
+        and no other session's status replaces it."""
+        self.pinned = self.session = session
 
     def on_status(self, record: dict[str, Any] | None) -> None:
         """A cloud status record (``protocols.status``); an ``offline`` one keeps the session. A record

@@ -5,7 +5,9 @@ jobs submitted with ``fedtier submit``, signed by the operator identity.
 Two jobs (FedAvg on an MLP, DeComFL on a logistic regression) run back to back on the same cloud, cell
 and agents, with no node restarted between them, and each ends with the model ``fedtier sim`` gives for
 it; the cloud is killed (SIGKILL) with the first running and the second queued, restarted, and both
-finish; a job signed with another key is refused; the nodes stop cleanly on SIGTERM."""
+finish; a job signed with another key is refused; job C starts from A's model; a long job's cell is killed
+(SIGKILL) and restarted mid-job and serves the rest of it, then the job is cancelled; the nodes stop cleanly on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -184,15 +186,24 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             res = _run(command(SUBMIT, job=str(tmp / "C.toml")), operator)
             assert "queued" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("C") == "finished", 60), _jobs(cloud_out)
-            # job E (50 rounds) cancelled once it runs: it stops after its current round
-            (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 4", "rounds = 50"))
+            # job E (500 rounds): its cell is killed (SIGKILL) mid-job and restarted from its bundle: it
+            # resumes its round and serves the rest of the job; then E is cancelled: it stops after its round
+            (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 4", "rounds = 500"))
             res = _run([FEDTIER, "submit", str(tmp / "E.toml"), "--config", "config.toml"], operator)
             metrics_e = cloud_out / "jobs" / "E" / runfiles.METRICS
-            assert wait_until(lambda: metrics_e.exists() and metrics_e.read_text().count("\n") >= 1, 60)
+            rounds_e = lambda: metrics_e.read_text().count("\n") if metrics_e.exists() else 0  # noqa: E731
+            assert wait_until(lambda: rounds_e() >= 1, 60)
+            procs["cell"].send_signal(signal.SIGKILL)
+            procs["cell"].communicate(timeout=10)
+            killed_at = rounds_e()
+            procs["cell"] = _start(command(CELL, cell="c0"), nodes / "c0")
+            assert wait_until(lambda: rounds_e() >= killed_at + 3, 90), rounds_e()
+            records = [json.loads(line) for line in metrics_e.read_text().splitlines()]
+            assert all(r["cells_reported"] == ["c0"] for r in records[killed_at + 1 :]), records[killed_at:]
             res = _run([FEDTIER, "cancel", "E", "--config", "config.toml"], operator)
             assert res.returncode == 0 and "cancelling" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("E") == "cancelled", 60), _jobs(cloud_out)
-            assert metrics_e.read_text().count("\n") < 50
+            assert rounds_e() < 500
             res = _run(command(JOBS_LIST), operator)
             states = [j["state"] for j in json.loads(res.stdout)]
             assert res.returncode == 0 and states == ["finished"] * 3 + ["cancelled"], states

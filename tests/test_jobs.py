@@ -108,8 +108,9 @@ def test_only_the_operators_signature_submits_a_job() -> None:
 
 def test_a_node_pinned_to_a_job_ignores_another_jobs_cloud_session() -> None:
     cloud = CloudSession(pinned="a1.0123456789abcdef")
+    assert cloud.session == "a1.0123456789abcdef"  # current at once: the cloud signed it in the job record
     cloud.on_status({"state": "online", "session": "b2.fedcba9876543210", "started": 1.0})
-    assert cloud.session is None
+    assert cloud.session == "a1.0123456789abcdef"
     cloud.on_status({"state": "online", "session": "a1.0123456789abcdef", "started": 2.0})
     assert cloud.session == "a1.0123456789abcdef"
     cloud.on_status({"state": "online", "session": "b2.fedcba9876543210", "started": 3.0})
