@@ -145,6 +145,14 @@ class CellServer:
         self.rejected: list[dict[str, str]] = []  # refused since the last record (even between rounds)
         self.rejected_more = 0  # refused beyond the listed ones
         self._timer: TimerHandle | None = None
+        # the cloud round's (_enter_round) and the edge round's (_reset_edge, _start_edge, _open_edge) state
+        self._round_devices: set[str] = set()  # devices whose result some edge round of the round took
+        self._round_diverged: set[str] = set()  # devices whose training diverged in some edge round
+        self._round_failed: dict[str, str] = {}  # devices whose task failed in some edge round, why
+        self._t0, self._wall0 = 0.0, 0.0  # loop and wall time the edge round started
+        self._allowed: set[str] | None = None  # the devices the availability hook lets in this edge round
+        self._needed = 0  # results that close the edge round (the quorum of the planned devices)
+        self._edge_since = 0.0  # wall time the edge round's tasks left
         self._reset_edge()
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
         self.secagg = None
@@ -456,9 +464,9 @@ class CellServer:
         self._sent_report = None
         self.messenger.session = session  # device tasks and the report belong to it
         self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
-        self._round_devices: set[str] = set()
-        self._round_diverged: set[str] = set()  # devices whose training diverged in some edge round
-        self._round_failed: dict[str, str] = {}  # devices whose task failed in some edge round, why
+        self._round_devices = set()
+        self._round_diverged = set()
+        self._round_failed = {}
         self._gave_up = set()
 
     def _again(self, topic: str, rnd: int) -> None:
