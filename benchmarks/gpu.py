@@ -279,6 +279,9 @@ def main() -> int:
     if args.child:
         child(args.child, args.workload, args.rounds)
         return 0
+    from benchmarks.calibration import calibration_line
+
+    print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
     import torch
 
     cuda = torch.cuda.is_available()

@@ -19,7 +19,7 @@ def test_calibration_measures_both_workloads_and_names_the_cpu():
     assert c.torch_step_ms is not None and 0 < c.torch_step_ms < 1000
     assert 0 < c.python_loop_ms < 10_000
     line = c.line()
-    assert re.search(r"torch step .* [0-9.]+ ms; python loop .* [0-9.]+ ms$", line), line
+    assert re.search(r"torch step .* [0-9.]+ ms; python loop .* [0-9.]+ ms \(CPU time\)$", line), line
     assert c.cpu in line and f"{c.cores} logical cores" in line
 
 
