@@ -102,7 +102,14 @@ def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool
     show_default=True,
     help="With --brokers per-cell: each cell broker's host ({cell} is replaced by the cell id).",
 )
-@click.option("--cell-port", default=8883, show_default=True, type=int, help="... and TLS port.")
+@click.option(
+    "--cell-port",
+    default=8883,
+    show_default=True,
+    type=int,
+    help="... and TLS port of the first cell's broker: each next cell's is one more (brokers on one host "
+    "do not collide).",
+)
 @click.option(
     "--broker-user",
     default=None,

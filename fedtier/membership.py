@@ -106,7 +106,8 @@ class Change:
 def _url(fed: Federation, cell: str) -> str:
     p = fed.params
     if p.get("per_cell"):
-        return f"mqtts://{str(p['cell_host']).replace('{cell}', cell)}:{p['cell_port']}"
+        port = p.get("cell_ports", {}).get(cell, p["cell_port"])  # older provisionings: one port for all
+        return f"mqtts://{str(p['cell_host']).replace('{cell}', cell)}:{port}"
     return f"mqtts://{p['host']}:{p['port']}"
 
 

@@ -341,6 +341,17 @@ def _write_broker(
             ) from None
 
 
+def cell_ports(cells: list[str], first: int) -> dict[str, int]:
+    """Each cell broker's TLS port: ``first`` for the first cell, then +1 per cell (in topology order),
+    so per-cell brokers provisioned on one host each listen on their own port."""
+    ports = {cell: first + i for i, cell in enumerate(cells)}
+    if ports and (first < 1 or max(ports.values()) > 65535):
+        from protocols.config import ConfigError
+
+        raise ConfigError(f"cell broker ports {first}..{first + len(cells) - 1} are outside 1..65535 (--cell-port)")
+    return ports
+
+
 # ------------------------------------------------------------------------------------------ bundle
 FEDTIER_BIN = "/usr/local/bin/fedtier"
 INSTALL_DIR = "/etc/fedtier"
@@ -515,7 +526,9 @@ def provision(
     single payload never reaches a node.
 
     ``per_cell``: one broker per cell in ``OUT/cells/CELL`` (at ``cell_host``, where ``{cell}`` is
-    replaced by the cell id, and ``cell_port``) for the cell server and its devices, bridged over TLS to
+    replaced by the cell id, and its own port: ``cell_port`` for the first cell, +1 for each next one, so
+    that cell brokers on one host do not collide, :func:`cell_ports`) for the cell server and its devices,
+    bridged over TLS to
     the cloud broker in ``OUT/broker`` (which then has users ``cloud``, ``monitor`` and one
     ``bridge.CELL`` per cell, allowed exactly that cell's bridged topics). ``bind``: the brokers' listen
     address (default: all interfaces). ``broker_user``: see :func:`_write_broker`. ``max_device_weight``:
@@ -550,6 +563,7 @@ def provision(
     urls = dict.fromkeys(rules, url)
     cloud_rules = rules
     cell_brokers: dict[str, Path] = {}
+    ports = cell_ports(cfg.topology.cell_ids(), cell_port) if per_cell else {}
     if per_cell:
         cloud_rules = {n: rules[n] for n in ("cloud", OPERATOR, MONITOR)}
         for cell in cfg.topology.cell_ids():
@@ -576,7 +590,7 @@ def provision(
                 f"fedtier broker of cell {cell}, run {run!r}, bridged to the cloud broker",
                 pki,
                 chost,
-                cell_port,
+                ports[cell],
                 max_packet,
                 {n: rules[n] for n in members},
                 passwords,
@@ -584,7 +598,7 @@ def provision(
                 broker_user,
                 bind,
             )
-            urls.update(dict.fromkeys(members, f"mqtts://{chost}:{cell_port}"))
+            urls.update(dict.fromkeys(members, f"mqtts://{chost}:{ports[cell]}"))
             cell_brokers[cell] = folder
     broker = out / "broker"
     _write_broker(
@@ -620,6 +634,7 @@ def provision(
             "per_cell": per_cell,
             "cell_host": cell_host,
             "cell_port": cell_port,
+            "cell_ports": ports,
             "broker_user": broker_user,
             "bind": bind,
             "max_device_weight": max_device_weight,

@@ -345,7 +345,8 @@ RUN = "t"
 
 @pytest.fixture(scope="module")
 def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
-    """The cloud broker and cell c0's broker, each started with its provisioned mosquitto.conf. The
+    """The cloud broker and the brokers of cells c0 and c1 (on one host: each its own port), each started
+    with its provisioned mosquitto.conf. The
     test adds one user to the cloud broker, ``observer``, who may read every fedtier topic: it sees
     whatever reaches the cloud broker, whichever ACL would hide it from the cloud."""
     if find_mosquitto() is None:
@@ -366,6 +367,7 @@ def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
     with (
         mosquitto(cloud_broker / "mosquitto.conf", p["port"]),
         mosquitto(p["out"] / "cells" / "c0" / "mosquitto.conf", cell_port),
+        mosquitto(p["out"] / "cells" / "c1" / "mosquitto.conf", cell_port + 1),
     ):
         yield p
 
@@ -432,6 +434,24 @@ def test_cell_broker_bridges_only_the_cells_topics_to_the_cloud(per_cell: dict[s
             (topics.device_result(RUN, "c0", "c0-d0"), b"genuine")
         ]
         assert spied.items == []
+
+
+def test_per_cell_brokers_on_one_host_each_get_their_own_port_and_bridge(per_cell: dict[str, Any]) -> None:
+    out, cloud_port, first = per_cell["out"], per_cell["port"], per_cell["cell_port"]
+    for cell, port in (("c0", first), ("c1", first + 1)):
+        assert f"listener {port} 127.0.0.1\n" in (out / "cells" / cell / "mosquitto.conf").read_text()
+        for node in (cell, f"{cell}-d0"):
+            assert f"127.0.0.1:{port}" in (out / "nodes" / node / "config.toml").read_text()
+    with clients() as make:
+        observer = make(out / "nodes" / "observer", cloud_port, "watch", "observer")
+        at_cloud = Inbox()
+        observer.subscribe(f"fedtier/{RUN}/#", at_cloud)
+        observer.connect(WAIT)
+        assert observer.wait_subscribed(WAIT)
+        c1 = make(out / "nodes" / "c1", first + 1).connect(WAIT)  # c1's broker, bridged to the cloud's
+        c1.publish(topics.status(RUN, topics.cell_node("c1")), b"c1 up", retain=True)
+        got = at_cloud.wait_for(topics.status(RUN, topics.cell_node("c1")))
+        assert (topics.status(RUN, topics.cell_node("c1")), b"c1 up") in got
 
 
 def test_cell_broker_refuses_a_device_reading_another_devices_task(per_cell: dict[str, Any]) -> None:
