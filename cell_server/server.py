@@ -149,6 +149,7 @@ class CellServer:
         self._round_devices: set[str] = set()  # devices whose result some edge round of the round took
         self._round_diverged: set[str] = set()  # devices whose training diverged in some edge round
         self._round_failed: dict[str, str] = {}  # devices whose task failed in some edge round, why
+        self._round_unmet: dict[str, str] = {}  # devices left out for the job's requirements, why
         self._t0, self._wall0 = 0.0, 0.0  # loop and wall time the edge round started
         self._allowed: set[str] | None = None  # the devices the availability hook lets in this edge round
         self._needed = 0  # results that close the edge round (the quorum of the planned devices)
@@ -467,6 +468,7 @@ class CellServer:
         self._round_devices = set()
         self._round_diverged = set()
         self._round_failed = {}
+        self._round_unmet = {}
         self._gave_up = set()
 
     def _again(self, topic: str, rnd: int) -> None:
@@ -579,7 +581,7 @@ class CellServer:
             elif not self.online[d]:
                 self.absent[d] = "offline"
             elif d in self.unmet:
-                self.absent[d] = f"requirements: {self.unmet[d]}"
+                self.absent[d] = self._round_unmet[d] = f"requirements: {self.unmet[d]}"
             else:
                 available.append(d)
         if self.journal is not None:
@@ -806,6 +808,9 @@ class CellServer:
         if failed:  # failed in every edge round they had, per reason
             report.meta["failed_devices"] = len(failed)
             report.meta["failures"] = count_reasons(failed)
+        unmet = {d: why for d, why in self._round_unmet.items() if d not in self._round_devices}
+        if unmet:  # left out for the job's requirements: a job no device can serve fails with why
+            report.meta["unmet"] = count_reasons(unmet)
         topic = topics.cell_report(self.run, self.cell)
         self._sent_report = self.messenger.frame("cell_report", report, round=self.round, cell=self.cell, topic=topic)
         if self.journal is not None:

@@ -283,6 +283,7 @@ class CloudServer:
         self._cell_diverged: dict[str, int] = {}
         self._cell_failed: dict[str, int] = {}
         self._failures: dict[str, int] = {}  # reason -> devices whose task failed, over the cells
+        self._unmet: dict[str, int] = {}  # reason -> devices left out for the job's requirements
         self._cells_failed: dict[str, str] = {}  # cell -> why it failed (fail_on_cell_failure off)
         allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
         self._expected = len(allowed & set(self.cells))  # cells that may answer: a stall is fewer than this
@@ -373,6 +374,7 @@ class CloudServer:
         if isinstance(failed, int) and not isinstance(failed, bool) and failed > 0:
             self._cell_failed[cell] = failed
         merge_counts(self._failures, msg.payload.meta.get("failures"))
+        merge_counts(self._unmet, msg.payload.meta.get("unmet"))
         return int(devices) if isinstance(devices, int) and devices >= 0 else 0
 
     def _on_reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
@@ -498,6 +500,7 @@ class CloudServer:
             aggregated,
             self._failures,
             sum(self._cell_diverged.values()),
+            self._unmet,
         )
         if why is not None:
             self._fail_request = self._fail_request or why

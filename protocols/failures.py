@@ -90,10 +90,18 @@ class StallWatch:
     first: int = 0  # the first round of the current stall
 
     def observe(
-        self, rnd: int, reported: int, cells: int, aggregated: int, failed: Mapping[str, int], diverged: int
+        self,
+        rnd: int,
+        reported: int,
+        cells: int,
+        aggregated: int,
+        failed: Mapping[str, int],
+        diverged: int,
+        unmet: Mapping[str, int] | None = None,
     ) -> str | None:
         """Count round ``rnd`` (cells that reported, cells of the job, devices aggregated, failed devices per
-        reason, diverged devices); the reason the job fails, once it stalled ``max_rounds`` rounds in a row."""
+        reason, diverged devices, devices left out per unmet requirement); the reason the job fails, once it
+        stalled ``max_rounds`` rounds in a row."""
         needed = min(self.min_cells, cells)
         why = None
         if reported < needed:
@@ -101,6 +109,8 @@ class StallWatch:
         elif aggregated == 0 and (failed or diverged):
             parts = [f"{n} failed: {r}" for r, n in failed.items()] + ([f"{diverged} diverged"] if diverged else [])
             why = "every device that answered failed or diverged (" + "; ".join(parts) + ")"
+        elif aggregated == 0 and unmet:  # nobody could take part: the job asks what no device has
+            why = "no device meets the job's requirements (" + "; ".join(f"{n}: {r}" for r, n in unmet.items()) + ")"
         if why is None:
             self.stalled = 0
             return None

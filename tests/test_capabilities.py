@@ -14,7 +14,7 @@ from sim.launcher import run_simulation
 CONFIG = """
 [run]
 name = "caps"
-rounds = 1
+rounds = 4
 output = "{out}"
 [topology]
 cells = 1
@@ -80,17 +80,24 @@ def test_sim_refuses_a_job_its_machine_cannot_serve(tmp_path):
         run_simulation(cfg)
 
 
-def test_a_deployed_cell_plans_only_devices_that_meet_the_job(tmp_path):
-    """`fedtier run` (real broker, agent processes): a job needing more memory than the agents announce
-    plans nobody, and each cell record says why each device sat out."""
-    from sim.emulation import Emulation
+def test_a_job_no_device_can_serve_fails_with_that_reason(tmp_path):
+    """`fedtier run` (real broker, agent processes): a job needing more memory than the agents announce plans
+    nobody, each cell record says why each device sat out, and the job fails (exit 3) with that reason."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    cfg = load_config_text(tmp_path, "[requirements]\nmin_memory_mb = 1000000000\n")
-    result = Emulation(cfg).run()
-    record = result.cell_records[0]
-    assert record["planned"] == [] and set(record["absent"]) == {"c0-d0", "c0-d1"}
-    # the reason quotes what each agent announced in its signed status
     from edge_agent.node import machine_caps
 
+    path = tmp_path / "caps.toml"
+    path.write_text(CONFIG.format(out=tmp_path / "out") + "[requirements]\nmin_memory_mb = 1000000000\n")
+    fedtier = str(Path(sys.executable).parent / "fedtier")
+    proc = subprocess.run([fedtier, "run", str(path), "--no-progress"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
     want = f"requirements: {machine_caps()['memory_mb']} MB memory < min_memory_mb 1000000000"
-    assert set(record["absent"].values()) == {want}
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "no device meets the job's requirements" in summary["failed"]
+    assert want in summary["failed"]  # the reason quotes what each agent announced in its signed status
+    records = [json.loads(x) for x in (tmp_path / "out" / "aggregation.jsonl").read_text().splitlines()]
+    assert all(r["planned"] == [] and set(r["absent"].values()) == {want} for r in records)
