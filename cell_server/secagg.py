@@ -21,7 +21,7 @@ import numpy as np
 
 from protocols.algorithms.base import CellRole
 from protocols.answers import Answers
-from protocols.privacy.secagg import RoundId, SecAggCell, SecAggFailure, SecAggSettings, unflatten
+from protocols.privacy.secagg import Phase, RoundId, SecAggCell, SecAggFailure, SecAggSettings, unflatten
 from protocols.rejections import Rejected, RejectKind
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
@@ -92,9 +92,9 @@ class CellSecAgg:
             weight_bound=lambda d: s.max_weights.get(d, s.max_weight),
         )
         if planned:
-            self._arm("keys")
+            self._arm(Phase.KEYS)
 
-    def _arm(self, phase: str) -> None:
+    def _arm(self, phase: Phase) -> None:
         self.server.loop.cancel(self._timer)
         self._timer = self.server.loop.call_later(self.deadline, functools.partial(self._timeout, self.key, phase))
 
@@ -102,7 +102,7 @@ class CellSecAgg:
         self.server.loop.cancel(self._timer)
         self.state = None
 
-    def _timeout(self, key: tuple[int, int] | None, phase: str) -> None:
+    def _timeout(self, key: tuple[int, int] | None, phase: Phase) -> None:
         if self.state is None or key != self.key or self.state.phase != phase:
             return
         self._advance()
@@ -112,17 +112,17 @@ class CellSecAgg:
         st = self.state
         assert st is not None
         try:
-            if st.phase == "keys":
+            if st.phase == Phase.KEYS:
                 self._send("secagg_roster", st.rosters())
-                self._arm("shares")
-            elif st.phase == "shares":
+                self._arm(Phase.SHARES)
+            elif st.phase == Phase.SHARES:
                 self.server.loop.cancel(self._timer)
                 self._send("secagg_routed", st.routes())  # the result phase: the cell's deadline or quorum
                 self._expect_results(st)
-            elif st.phase == "consent":
+            elif st.phase == Phase.CONSENT:
                 self._send("secagg_views", st.views())
-                self._arm("reveal")
-            elif st.phase == "reveal":
+                self._arm(Phase.REVEAL)
+            elif st.phase == Phase.REVEAL:
                 self.server.loop.cancel(self._timer)
                 self._finish()
         except SecAggFailure as exc:
@@ -153,8 +153,8 @@ class CellSecAgg:
         assert self.key is not None  # set when the aggregation began
         log.warning("cell %s: secure aggregation of round %d.%d failed: %s", self.server.cell, *self.key, why)
         self.failed = why
-        if self.state is not None and self.state.phase != "failed":
-            self.state.phase = "failed"
+        if self.state is not None and self.state.phase != Phase.FAILED:
+            self.state.phase = Phase.FAILED
         if self.server.answers.is_open:  # still collecting results: close the edge round now
             self.server._close(self.server.round, self.server.edge_round, "secure aggregation failed")
         else:
@@ -228,7 +228,7 @@ class CellSecAgg:
         if self.failed is not None:
             self._record_failure()
             return
-        if st is None or st.phase != "masked":
+        if st is None or st.phase != Phase.MASKED:
             self.failed = f"the result phase closed ({why}) before the shares were routed"
             self._record_failure()
             return
@@ -240,7 +240,7 @@ class CellSecAgg:
             self.failed = str(exc)
             self._record_failure()
             return
-        self._arm("consent")
+        self._arm(Phase.CONSENT)
 
     def _finish(self) -> None:
         st = self.state

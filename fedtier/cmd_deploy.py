@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import NoReturn
 
 import click
 
@@ -129,7 +130,7 @@ def _serve(node, loop, cloud=None) -> None:
         node.stop()
 
 
-def _fail(exc: Exception, code: int) -> None:
+def _fail(exc: Exception, code: int) -> NoReturn:
     console.print(f"[bold red]error:[/] {exc}")
     raise SystemExit(code)
 

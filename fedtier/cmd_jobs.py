@@ -7,7 +7,7 @@ waits for the cloud's signed answer."""
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -26,7 +26,7 @@ WAIT = click.option(
 )
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int) -> NoReturn:
     console.print(f"[bold red]error:[/] {message}")
     raise SystemExit(code)
 

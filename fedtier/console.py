@@ -6,7 +6,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
@@ -95,7 +95,7 @@ def print_summary(summary: dict[str, Any], output_dir: Any) -> None:
     Console().print(table)
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     console.print(f"[bold red]error:[/] {message}")
     raise click.exceptions.Exit(code)
 

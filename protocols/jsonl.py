@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def loads(data: str | bytes, *, finite: bool = False) -> Any:
@@ -22,7 +22,7 @@ def loads(data: str | bytes, *, finite: bool = False) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-def _refuse_constant(name: str) -> Any:
+def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not allowed")
 
 

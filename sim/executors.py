@@ -29,7 +29,7 @@ import threading
 import tomllib
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from protocols import procs
 from protocols.algorithms.base import DeviceContext, DeviceRole, ModelSpec
@@ -332,7 +332,7 @@ class _Remote:
             complete(lambda m=message: _raise(WorkerError(m)))
 
 
-def _raise(exc: Exception) -> None:
+def _raise(exc: Exception) -> NoReturn:
     raise exc
 
 

@@ -49,7 +49,8 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from enum import StrEnum
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -97,6 +98,18 @@ class Identity(Protocol):
 
 class SecAggFailure(RuntimeError):
     """The round cannot be unmasked (too few devices or shares); the cell reports nothing for it."""
+
+
+class Phase(StrEnum):
+    """The steps of one secure aggregation at the cell, in order (``failed``: given up, nothing unmasked)."""
+
+    KEYS = "keys"
+    SHARES = "shares"
+    MASKED = "masked"
+    CONSENT = "consent"
+    REVEAL = "reveal"
+    DONE = "done"
+    FAILED = "failed"
 
 
 class CellLied(Rejected):
@@ -595,7 +608,7 @@ class SecAggCell:
     ) -> None:
         self.settings, self.rid, self.planned = settings, rid, set(planned)
         self.weight_bound = weight_bound or (lambda d: None)
-        self.phase = "keys"
+        self.phase: Phase = Phase.KEYS
         self.keys: dict[str, tuple[bytes, bytes, float]] = {}  # U1: c_pk, s_pk, weight bound
         self.signatures: dict[str, bytes] = {}  # device -> its signature of its keys (signed runs)
         self.roster: list[str] = []
@@ -610,7 +623,7 @@ class SecAggCell:
         self.reveals: dict[str, Payload] = {}
         self.total_weight = 0.0
 
-    def _expect(self, phase: str, device: str) -> None:
+    def _expect(self, phase: Phase, device: str) -> None:
         if device not in self.planned:
             raise Rejected(RejectKind.NOT_PLANNED, f"secure aggregation: {device} was not planned for this round")
         if self.phase != phase:
@@ -619,7 +632,7 @@ class SecAggCell:
             )
 
     def add_keys(self, device: str, payload: Payload) -> None:
-        self._expect("keys", device)
+        self._expect(Phase.KEYS, device)
         if device in self.keys:
             raise Rejected(RejectKind.REPLAY, "secure aggregation: keys sent twice")
         c, s = _bytes(payload, "c", KEY_BYTES, "keys"), _bytes(payload, "s", KEY_BYTES, "keys")
@@ -635,11 +648,11 @@ class SecAggCell:
 
     @property
     def keys_complete(self) -> bool:
-        return self.phase == "keys" and set(self.keys) == self.planned
+        return self.phase == Phase.KEYS and set(self.keys) == self.planned
 
     def rosters(self) -> dict[str, Payload]:
         """Close the key phase: each advertising device's ``secagg_roster``."""
-        self.phase = "shares"
+        self.phase = Phase.SHARES
         self.roster = sorted(self.keys)
         if len(self.roster) < max(2, self.settings.t(len(self.roster))):
             self._fail(f"{len(self.roster)} devices sent keys, too few to hide one update")
@@ -656,7 +669,7 @@ class SecAggCell:
         return out
 
     def add_shares(self, device: str, payload: Payload) -> None:
-        self._expect("shares", device)
+        self._expect(Phase.SHARES, device)
         if device not in self.graph:
             raise Rejected(RejectKind.UNKNOWN_SENDER, "secure aggregation: shares from a device not in the roster")
         if device in self.sealed:
@@ -672,11 +685,11 @@ class SecAggCell:
 
     @property
     def shares_complete(self) -> bool:
-        return self.phase == "shares" and set(self.sealed) == set(self.roster)
+        return self.phase == Phase.SHARES and set(self.sealed) == set(self.roster)
 
     def routes(self) -> dict[str, Payload]:
         """Close the share phase: each sharing device's ``secagg_routed`` (the ciphertexts sealed for it)."""
-        self.phase = "masked"
+        self.phase = Phase.MASKED
         self.shared = sorted(self.sealed)
         if len(self.shared) < max(2, self.settings.t(len(self.roster))):
             self._fail(
@@ -691,7 +704,7 @@ class SecAggCell:
 
     def check_masked(self, device: str, payload: Payload) -> Layout:
         """Refuse a masked result that cannot be summed; its layout otherwise."""
-        self._expect("masked", device)
+        self._expect(Phase.MASKED, device)
         if device not in self.sealed:
             raise Rejected(
                 RejectKind.NOT_PLANNED, "secure aggregation: a result from a device whose shares did not arrive"
@@ -717,7 +730,7 @@ class SecAggCell:
 
     def unmask_requests(self) -> dict[str, Payload]:
         """Close the result phase: each survivor's ``secagg_unmask``."""
-        self.phase = "consent"
+        self.phase = Phase.CONSENT
         self.survivors = sorted(self.masked)
         self.dropped = sorted(set(self.shared) - set(self.masked))
         t = self.settings.survivors_needed(len(self.roster))
@@ -728,7 +741,7 @@ class SecAggCell:
 
     def add_consent(self, device: str, payload: Payload) -> None:
         """A survivor's ``secagg_consent``: the (signed) digest of the view it was sent."""
-        self._expect("consent", device)
+        self._expect(Phase.CONSENT, device)
         if device not in self.masked:
             raise Rejected(RejectKind.NOT_PLANNED, "secure aggregation: a consent from a device that is not a survivor")
         if device in self.consents:
@@ -742,12 +755,12 @@ class SecAggCell:
 
     @property
     def consents_complete(self) -> bool:
-        return self.phase == "consent" and set(self.consents) == set(self.survivors)
+        return self.phase == Phase.CONSENT and set(self.consents) == set(self.survivors)
 
     def views(self) -> dict[str, Payload]:
         """Close the consistency round: each consenting survivor's ``secagg_views`` (its surviving
         neighbours' signed digests, as they sent them)."""
-        self.phase = "reveal"
+        self.phase = Phase.REVEAL
         out = {}
         for d in sorted(self.consents):
             near = [j for j in self.graph[d] if j in self.consents]
@@ -756,7 +769,7 @@ class SecAggCell:
         return out
 
     def add_reveal(self, device: str, payload: Payload) -> None:
-        self._expect("reveal", device)
+        self._expect(Phase.REVEAL, device)
         if device not in self.consents:
             raise Rejected(
                 RejectKind.OUT_OF_ORDER, "secure aggregation: a reveal from a device that was not sent the views"
@@ -773,7 +786,7 @@ class SecAggCell:
 
     @property
     def reveals_complete(self) -> bool:
-        return self.phase == "reveal" and set(self.reveals) == set(self.consents)
+        return self.phase == Phase.REVEAL and set(self.reveals) == set(self.consents)
 
     def _shares_of(self, prefix: str, j: str) -> list[shamir.Share]:
         name = f"{prefix}/{j}"
@@ -797,7 +810,7 @@ class SecAggCell:
 
     def finish(self) -> Unmasked:
         """Unmask the sum of the survivors' quantised updates."""
-        self.phase = "done"
+        self.phase = Phase.DONE
         self._x = {d: i + 1 for i, d in enumerate(self.roster)}  # a device's share point
         layout = _layout_of(self.masked[self.survivors[0]].meta["layout"])
         n = sum(math.prod(s) for _, s in layout)
@@ -843,6 +856,6 @@ class SecAggCell:
             summed, total, {d: float(self.masked[d].meta["weight"]) for d in self.survivors}, list(self.dropped), stats
         )
 
-    def _fail(self, why: str) -> None:
-        self.phase = "failed"
+    def _fail(self, why: str) -> NoReturn:
+        self.phase = Phase.FAILED
         raise SecAggFailure(why)
