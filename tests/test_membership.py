@@ -179,3 +179,76 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
     assert fed.roster.version == 3 and "c0-d1" in fed.roster.revoked and fed.roster.members("c0") == ["c0-d0", "c0-d2"]
     assert "c0-d1" not in (prov / "broker" / "passwd").read_text()
     assert "served 1 jobs (A)" in outputs["c0-d1"] or "served 1 job" in outputs["c0-d1"], outputs["c0-d1"]
+
+
+def test_a_device_revoked_by_the_roster_mid_round_is_refused_counted_and_not_waited_for(tmp_path: Path) -> None:
+    """The cell's side, in memory on a virtual clock with signed messages: the cloud's roster revokes c0-d1 while
+    the round waits for it (device deadline 100 s); the round closes at once with the others' results, and what
+    c0-d1 then sends, signed with its real key, is refused and counted in the next record."""
+    from cell_server.node import build_cell
+    from cell_server.service import apply_roster
+    from protocols.roster import Roster
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire import topics
+    from protocols.wire.envelope import decode_message
+    from protocols.wire.keys import Trust, generate_keys, write_keys
+    from protocols.wire.messenger import Messenger
+    from protocols.wire.payload import Payload
+
+    cfg = small_config(
+        tmp_path,
+        topology={"cells": 1, "devices_per_cell": 3},
+        algorithm={"edge_rounds": 2},
+        runtime={"heartbeat": 1.0, "heartbeat_timeout": 4.0, "device_deadline": 100.0},
+    )
+    ring = generate_keys(cfg.topology)
+    write_keys(tmp_path / "keys.toml", ring)
+    cfg = cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True, assume_online=True)
+    cell.cloud.pin("job.0")
+    peer = hub.connect("peer")
+    tasks: list[tuple[str, int]] = []
+    for d in ("c0-d0", "c0-d1", "c0-d2"):
+        peer.subscribe(
+            topics.device_task(run, "c0", d),
+            lambda t, data: tasks.append((t.split("/")[-2], decode_message(data)[0].edge_round)),
+        )
+    cell.start()
+
+    def signed(node: str) -> Messenger:
+        m = Messenger(peer, run, node, trust=Trust(node, ring.private[node], ring.public))
+        m.session = "job.0"
+        return m
+
+    signed("cloud").send(
+        topics.cell_task(run, "c0"), "cell_task", algorithm.cloud().plan(0, ["c0"])["c0"], round=0, cell="c0"
+    )
+    hub.loop.run(until=lambda: len(tasks) == 3)
+    start = hub.loop.now()
+
+    def answer(device: str, edge_round: int) -> None:
+        signed(device).send(
+            topics.device_result(run, "c0", device),
+            "device_result",
+            Payload({"diverged": "test"}),
+            round=0,
+            edge_round=edge_round,
+            cell="c0",
+        )
+
+    answer("c0-d0", 0)
+    answer("c0-d2", 0)
+    hub.loop.run(until=lambda: cell.answers.pending == {"c0-d1"})
+    roster = Roster.from_topology(run, {"c0": ["c0-d0", "c0-d1", "c0-d2"]}, ring.public, 100.0).without("c0-d1")
+    apply_roster(cell, "c0", roster)
+    assert cell.records[0]["absent"] == {"c0-d1": "revoked"} and hub.loop.now() == start  # no deadline waited
+    hub.loop.run(until=lambda: len(tasks) == 5)
+    assert sorted(d for d, e in tasks if e == 1) == ["c0-d0", "c0-d2"]  # not planned again
+    answer("c0-d1", 1)  # it goes on, with its real key: refused, and counted in the next record
+    answer("c0-d0", 1)
+    answer("c0-d2", 1)
+    hub.loop.run(until=lambda: len(cell.records) == 2)
+    refused = cell.records[1]["rejected"]
+    assert [(r["device"], r["kind"]) for r in refused] == [("c0-d1", "unknown_sender")], refused
