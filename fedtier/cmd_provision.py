@@ -115,7 +115,8 @@ def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool
     default=None,
     metavar="USER",
     help="Give the brokers' files to this user (as root; e.g. mosquitto): Mosquitto started as root "
-    "drops to it and must still read its keys.",
+    "drops to it and must still read its keys. As root without it: the mosquitto user if it exists, "
+    "else a warning.",
 )
 @click.option("--bind", default="", metavar="ADDRESS", help="The brokers' listen address (default: all interfaces).")
 @click.option(
@@ -185,6 +186,8 @@ def create(
         )
     except ConfigError as exc:
         fail(str(exc), 2)
+    for warning in done.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     console.print(
         f"provisioned {'federation' if federation else 'run'} {cfg.run.name!r} in {done.out}: "
         f"broker config in {done.broker} "

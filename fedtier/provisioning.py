@@ -72,6 +72,8 @@ class Provisioned:
     bundles: dict[str, Path]
     passwords: dict[str, str]
     cell_brokers: dict[str, Path] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    """What the operator should fix or know (e.g. root without a broker user)."""
 
 
 # ----------------------------------------------------------------------------------------------- ACL
@@ -352,6 +354,33 @@ def cell_ports(cells: list[str], first: int) -> dict[str, int]:
     return ports
 
 
+MOSQUITTO_USER = "mosquitto"
+"""The service user of Debian's (and most distributions') Mosquitto package."""
+
+
+def broker_user_for_root(broker_user: str | None) -> tuple[str | None, str | None]:
+    """The broker user to provision for, and a warning if any. Mosquitto started as root drops to its
+    service user (``mosquitto``, unless its config says ``user``) before it reads its password file,
+    ACL and keys: files written by root with mode 0600 are then unreadable. So as root without
+    ``--broker-user``, default to the ``mosquitto`` user when it exists, else warn with the fix."""
+    import pwd
+
+    if broker_user is not None or os.geteuid() != 0:
+        return broker_user, None
+    try:
+        pwd.getpwnam(MOSQUITTO_USER)
+    except KeyError:
+        return None, (
+            f"provisioning as root without --broker-user and there is no {MOSQUITTO_USER!r} user: the broker "
+            "files are root's (mode 0600), and Mosquitto started as root cannot read them once it drops its "
+            "privileges; give --broker-user USER (the user the broker runs as)"
+        )
+    return MOSQUITTO_USER, (
+        f"provisioning as root without --broker-user: the broker files go to user {MOSQUITTO_USER!r} and the "
+        f"configs say 'user {MOSQUITTO_USER}' (Mosquitto drops to it); give --broker-user to choose another"
+    )
+
+
 # ------------------------------------------------------------------------------------------ bundle
 FEDTIER_BIN = "/usr/local/bin/fedtier"
 INSTALL_DIR = "/etc/fedtier"
@@ -531,7 +560,8 @@ def provision(
     bridged over TLS to
     the cloud broker in ``OUT/broker`` (which then has users ``cloud``, ``monitor`` and one
     ``bridge.CELL`` per cell, allowed exactly that cell's bridged topics). ``bind``: the brokers' listen
-    address (default: all interfaces). ``broker_user``: see :func:`_write_broker`. ``max_device_weight``:
+    address (default: all interfaces). ``broker_user``: see :func:`_write_broker` (as root without one:
+    :func:`broker_user_for_root`). ``max_device_weight``:
     the samples a device may claim, written into every bundle (``security.max_device_weight``): cells refuse
     a larger device weight and the cloud a cell weight above its devices' bounds (default: the config's).
     Bundles say ``privacy.noise_seed = "system"`` unless the config sets an integer (``deployment_config``).
@@ -547,6 +577,7 @@ def provision(
 
         raise ConfigError(f"{out} is already provisioned (use --force to replace it)")
     max_packet = max_chunk + 4096  # a chunk, its topic and the MQTT header
+    broker_user, warning = broker_user_for_root(broker_user)
     run = cfg.run.name
     ca_key = _key()
     pki = _Pki(f"fedtier {run} CA", ca_key, _cert(f"fedtier {run} CA", ca_key, f"fedtier {run} CA", ca_key, ca=True))
@@ -642,4 +673,4 @@ def provision(
             "fedtier_bin": fedtier_bin,
         },
     )
-    return Provisioned(out, broker, bundles, passwords, cell_brokers)
+    return Provisioned(out, broker, bundles, passwords, cell_brokers, [warning] if warning else [])

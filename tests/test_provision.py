@@ -589,3 +589,44 @@ def test_renew_identity_rotates_a_nodes_ed25519_key_in_every_bundle_that_knows_i
     assert stat.S_IMODE(os.stat(out / "nodes" / "c0" / "keys.toml").st_mode) == 0o600
     res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--identity"])
     assert res.exit_code == 2 and "--node" in res.output
+
+
+# ------------------------------------------------------------------------- root without --broker-user
+def root_cli(tmp: Path, monkeypatch: pytest.MonkeyPatch, mosquitto_user: bool) -> tuple[str, Path, list[str]]:
+    """``fedtier provision`` as if run by root (euid 0), on a host with or without a ``mosquitto`` user."""
+    import shutil
+
+    def getpwnam(name: str) -> Any:
+        if name == "mosquitto" and mosquitto_user:
+            return pwd.struct_passwd(("mosquitto", "x", 104, 107, "", "/var/lib/mosquitto", "/usr/sbin/nologin"))
+        raise KeyError(name)
+
+    chowned: list[str] = []
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(pwd, "getpwnam", getpwnam)
+    monkeypatch.setattr(
+        shutil, "chown", lambda path, user=None, group=None: chowned.append(f"{Path(path).name}:{user}")
+    )
+    cfg = tmp / "root.toml"
+    cfg.write_text(small_config(tmp).to_toml())
+    res = CliRunner().invoke(main, ["provision", str(cfg), "--out", str(tmp / "root"), "--bind", "127.0.0.1"])
+    assert res.exit_code == 0, res.output
+    return res.output, tmp / "root" / "broker", chowned
+
+
+def test_provision_as_root_without_broker_user_gives_the_broker_files_to_mosquitto(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    output, broker, chowned = root_cli(tmp_path, monkeypatch, mosquitto_user=True)
+    assert "user mosquitto\n" in (broker / "mosquitto.conf").read_text()
+    assert {"passwd:mosquitto", "server.key:mosquitto", "mosquitto.conf:mosquitto", "data:mosquitto"} <= set(chowned)
+    assert "without --broker-user" in " ".join(output.split()) and "'mosquitto'" in output
+
+
+def test_provision_as_root_without_broker_user_or_mosquitto_user_warns_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    output, broker, chowned = root_cli(tmp_path, monkeypatch, mosquitto_user=False)
+    assert chowned == [] and "\nuser " not in (broker / "mosquitto.conf").read_text()
+    said = " ".join(output.split())
+    assert "warning:" in said and "cannot read them" in said and "give --broker-user USER" in said
