@@ -107,8 +107,12 @@ class _Session:
 
 def _answer(session: _Session, record: dict[str, Any], job: str, wait: float) -> None:
     from protocols.jobs import JobError
+    from protocols.wire import topics
 
     try:
+        # a cloud that never connected has no session on the broker yet: a request now would reach nobody
+        if session.read(topics.job_list(session.fed), "cloud", wait) is None:
+            _fail(f"no cloud has served federation {session.fed!r} yet (no job list within {wait:g} s)", 1)
         reply = session.request(record, job, wait)
     except JobError as exc:
         _fail(f"the reply is not the cloud's: {exc}", 1)
