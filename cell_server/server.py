@@ -28,7 +28,7 @@ from protocols.state import MAX_WAITING, publish_state
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
-from protocols.wire.messenger import Messenger
+from protocols.wire.messenger import Incoming, Messenger
 from protocols.wire.payload import Payload
 from protocols.wire.signed import seal_record
 
@@ -480,7 +480,7 @@ class CellServer:
             log.warning("cell %s: task for round %d again (a resumed cloud), re-sending its report", self.cell, rnd)
             self.transport.publish(topics.cell_report(self.run, self.cell), self._sent_report, qos=1)
 
-    def _from_current_cloud(self, topic: str, msg: Any) -> bool:
+    def _from_current_cloud(self, topic: str, msg: Incoming) -> bool:
         """With trust: a cell task must be signed by the cloud of the current session (else rejected, logged)."""
         if self.trust is None:
             return True
@@ -698,7 +698,7 @@ class CellServer:
             self.revoke(d)
             self.transport.publish(topics.device_status(self.run, self.cell, d), b"", retain=True)
 
-    def _bad_result(self, device: str, msg: Any) -> Rejected | None:
+    def _bad_result(self, device: str, msg: Incoming) -> Rejected | None:
         """Runtime checks before the role sees a result: its session (signed runs) and its weight
         against the device's known sample count or the configured bound."""
         h = msg.header

@@ -27,7 +27,7 @@ from protocols.state import MAX_WAITING, publish_state
 from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
-from protocols.wire.messenger import Messenger
+from protocols.wire.messenger import Incoming, Messenger
 from protocols.wire.payload import Payload
 from protocols.wire.signed import seal_record
 
@@ -313,7 +313,7 @@ class CloudServer:
             return
         self._take_report(topic, msg)
 
-    def _take_report(self, topic: str, msg: Any) -> None:
+    def _take_report(self, topic: str, msg: Incoming) -> None:
         h, cell = msg.header, topic.split("/")[-2]
         taken = len(self.answers.received)
         refused = self._bad_report(cell, msg)
@@ -341,7 +341,7 @@ class CloudServer:
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self._state("waiting", self.answers.pending, since=self._round_since, deadline_s=self.cell_deadline)
 
-    def _bad_report(self, cell: str, msg: Any) -> Rejected | None:
+    def _bad_report(self, cell: str, msg: Incoming) -> Rejected | None:
         """Runtime checks before the role sees a report: it is for the cell of its topic, in signed runs
         signed by that cell in this cloud's session, and its weight within the cell's bound."""
         h = msg.header
@@ -359,7 +359,7 @@ class CloudServer:
         over = weight_over(msg.payload.meta.get("weight"), bound, f"the bound of cell {cell} ({bound:g} samples)")
         return Rejected(RejectKind.BOUND, over) if over is not None else None
 
-    def _count(self, cell: str, msg: Any) -> int:
+    def _count(self, cell: str, msg: Incoming) -> int:
         """Add a taken report's bytes (and the device traffic and diverged devices it declares) to the round;
         its device count."""
         self._bytes["cell_to_cloud"] += msg.nbytes

@@ -42,6 +42,17 @@ class Executor(Protocol):
     ) -> None: ...
 
 
+class Trainee(Protocol):
+    """What an executor needs of a device agent to train its task (:class:`DeviceAgent` is one)."""
+
+    device: str
+    role: DeviceRole
+    data: LocalData
+    trainer: Trainer
+
+    def train_here(self, task: Payload, ctx: DeviceContext) -> tuple[Payload | None, str | None]: ...
+
+
 class DeviceAgent:
     """One device. Announces itself online (retained; its will says offline), then answers tasks."""
 

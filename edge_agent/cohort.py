@@ -37,6 +37,8 @@ from protocols.execution import ExecutionPlan
 from protocols.trainer import Trainer
 from protocols.wire.payload import Payload
 
+from .agent import Trainee
+
 log = logging.getLogger("fedtier.cohort")
 
 Done = Callable[[Payload | None, str | None], None]
@@ -124,7 +126,7 @@ class CohortRunner:
 
 
 def make_cohort_executor(
-    plan: ExecutionPlan, agents: Mapping[str, Any], spec: ModelSpec, loop: Loop, trainer: Trainer
+    plan: ExecutionPlan, agents: Mapping[str, Trainee], spec: ModelSpec, loop: Loop, trainer: Trainer
 ) -> CohortExecutor | None:
     """The executor of an agent process under ``plan``: a :class:`CohortExecutor` when the plan asks for
     cohorts and ``trainer`` can train in them, else ``None`` (each device trains as its task comes)."""
@@ -186,7 +188,7 @@ class CohortExecutor:
 
     def __init__(
         self,
-        agents: Mapping[str, Any],
+        agents: Mapping[str, Trainee],
         spec: ModelSpec,
         loop: Loop,
         cohort_size: int,
@@ -243,7 +245,7 @@ class CohortExecutor:
             complete(lambda done=done, result=result, error=error: done(result, error))
 
     @staticmethod
-    def _job(agent: Any, task: Payload, ctx: DeviceContext) -> Job:
+    def _job(agent: Trainee, task: Payload, ctx: DeviceContext) -> Job:
         return lambda trainer: agent.role.train(task, agent.data, trainer, ctx)
 
     def close(self) -> None:

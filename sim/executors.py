@@ -42,6 +42,7 @@ from protocols.wire.payload import Payload, decode_payload, encode_payload
 from .attack import attacked, byzantine_devices
 
 if TYPE_CHECKING:
+    from edge_agent.agent import Trainee
     from edge_agent.cohort import CohortExecutor
 
 log = logging.getLogger("fedtier.sim")
@@ -70,7 +71,7 @@ class WorkerError(RuntimeError):
 class InlineExecutor:
     """Trains in the main process, at once, on the agent's own role and trainer (the default)."""
 
-    def __init__(self, agents: Mapping[str, Any]) -> None:
+    def __init__(self, agents: Mapping[str, Trainee]) -> None:
         self.agents = agents
 
     def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
@@ -503,7 +504,7 @@ def start_workers(cfg: RunConfig, loop: VirtualLoop) -> ProcessExecutor | RayExe
 
 def make_executor(
     plan: ExecutionPlan,
-    agents: Mapping[str, Any],
+    agents: Mapping[str, Trainee],
     spec: ModelSpec,
     loop: VirtualLoop,
     trainer: Trainer,
