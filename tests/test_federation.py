@@ -148,6 +148,9 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
     cloud_cmd = command(CLOUD)
     cloud_out = nodes / "cloud" / "runs" / "fed"
     with mosquitto(done.broker / "mosquitto.conf", port):
+        # before any cloud ever connected, a submission would reach nobody: refused at once, saying so
+        early = _run([*command(SUBMIT, job=str(tmp / "A.toml")), "--wait", "1"], nodes / "operator")
+        assert early.returncode == 1 and "no cloud has served" in early.stdout, early.stdout
         procs = {
             "cell": _start(command(CELL, cell="c0"), nodes / "c0"),
             **{d: _start(command(AGENT, device=d), nodes / d) for d in ("c0-d0", "c0-d1")},
