@@ -178,7 +178,8 @@ def main() -> None:
         f"\nsync grid: deadlines {deadlines} (0: none) x quorums {quorums}, {len(runs)} settings, {sync_wall:.0f} s "
         f"wall; async K={a.buffer}, cloud buffer {a.cloud_buffer}, {versions} versions, {async_wall:.0f} s wall"
     )
-    print(f"\n| setting | rounds | virtual s to {target:.3f} | accuracy at T = {budget:.1f} s | final accuracy |")
+    at_t = f"accuracy at T = {budget:.1f} s" + (" (or at the stop)" if a.to_target else "")
+    print(f"\n| setting | rounds | virtual s to {target:.3f} | {at_t} | final accuracy |")
     print("|---|---|---|---|---|")
     rows = []
     for r in runs:
