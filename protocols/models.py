@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import plugins
+
 
 class Reshape(nn.Module):
     """Reshape flat feature rows to images: ``[B, D] -> [B, *shape]``."""
@@ -99,7 +101,10 @@ def build_model(
       parameters alone: it federates by averaging like any other layer and behaves the same in training and
       evaluation (batch norm's statistics would need their own handling). Groups: ``gcd(8, width)``.
     - ``logreg``: a single linear layer.
+    - a name registered with ``protocols.plugins.register_model``: its factory's model (the size keywords unused).
     """
+    if name in plugins.MODELS:
+        return plugins.build_registered(name, tuple(input_shape), num_classes)
     in_features = int(np.prod(input_shape))
     layers: list[tuple[str, nn.Module]] = []
     if name == "mlp":
@@ -154,7 +159,7 @@ def build_model(
             c, h, w = width, h // 2, w // 2
         layers += [("flatten", nn.Flatten()), ("out", nn.Linear(c * h * w, num_classes, bias=False))]
         return ConvNet(OrderedDict(layers))
-    raise ValueError(f"unknown model {name!r} (choose mlp, cnn, cnn4 or logreg)")
+    raise ValueError(f"unknown model {name!r} (available: {', '.join(plugins.model_names())})")
 
 
 def init_params(model: nn.Module, seed: int, std: float | None = None) -> OrderedDict[str, np.ndarray]:

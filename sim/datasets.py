@@ -15,6 +15,9 @@ Sources and scaling:
 - ``digits``: :func:`sklearn.datasets.load_digits` (bundled with scikit-learn), scaled ``/ 16``, with a
   fixed stratified 80/20 split drawn from ``rng(0, "digits-split")``.
 - ``synthetic``: a seeded Gaussian mixture (parameters ``n``, ``dim``, ``classes``, ``seed``, ...).
+- ``npz:PATH``: a user's ``.npz`` file with ``x_train, y_train, x_test, y_test`` (features of any shape, integer
+  labels) and optionally ``input_shape`` and ``num_classes``; read without pickle.
+- a name registered with ``protocols.plugins.register_dataset``: its loader's arrays, checked the same way.
 
 MNIST and Fashion-MNIST are decoded (gunzip, unpickle, scale: ~1.5 s) once per machine: the decoded
 arrays are kept as ``.npy`` files in ``$FEDTIER_CACHE_DIR`` (default ``~/.cache/fedtier``), named after
@@ -43,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from protocols import plugins
 from protocols.seeding import rng
 
 __all__ = ["Dataset", "load_dataset", "dataset_geometry", "subsample", "DATASET_NAMES", "FMNIST_DIR", "mnist_path"]
@@ -347,11 +351,65 @@ def subsample(ds: Dataset, max_train: int | None = None, max_test: int | None = 
     return _make(ds.name, xtr, ytr, xte, yte, ds.input_shape, ds.num_classes)
 
 
+# ----------------------------------------------------------------------------------------------- users'
+MAX_USER_CLASSES = 100_000
+
+
+def _user_dataset(name: str, source: Any) -> Dataset:
+    """A :class:`Dataset` from a user's arrays (an ``.npz`` or a registered loader's result), checked: a clear
+    ``ValueError`` naming ``name`` for missing parts, mismatched lengths, non-integer or out-of-range labels."""
+    get = source.__getitem__ if hasattr(source, "keys") else lambda k: getattr(source, k)
+    try:
+        xtr, ytr, xte, yte = (np.asarray(get(k)) for k in _PARTS)
+    except (KeyError, AttributeError) as exc:
+        raise ValueError(f"dataset {name}: needs {', '.join(_PARTS)}; missing {exc}") from None
+    for x, y, part in ((xtr, ytr, "train"), (xte, yte, "test")):
+        if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
+            raise ValueError(
+                f"dataset {name}: x_{part} must be [N, ...] and y_{part} [N] with N > 0, got {x.shape} and {y.shape}"
+            )
+        if not np.issubdtype(y.dtype, np.integer) or not np.issubdtype(x.dtype, np.number):
+            raise ValueError(f"dataset {name}: y_{part} must hold integers and x_{part} numbers")
+    if xtr.shape[1:] != xte.shape[1:]:
+        raise ValueError(f"dataset {name}: x_train rows are {xtr.shape[1:]}, x_test rows {xte.shape[1:]}")
+    shape = _optional(get, "input_shape", tuple(int(s) for s in xtr.shape[1:]))
+    shape = tuple(int(s) for s in np.atleast_1d(np.asarray(shape)))
+    if int(np.prod(shape)) != int(np.prod(xtr.shape[1:])):
+        raise ValueError(f"dataset {name}: input_shape {shape} does not hold rows of {xtr.shape[1:]}")
+    low, high = min(int(ytr.min()), int(yte.min())), max(int(ytr.max()), int(yte.max()))
+    classes = int(np.asarray(_optional(get, "num_classes", high + 1)))
+    if low < 0 or high >= classes or not 2 <= classes <= MAX_USER_CLASSES:
+        raise ValueError(f"dataset {name}: labels span {low}..{high}; they must lie in 0..num_classes-1 ({classes})")
+    return _make(name, xtr, ytr, xte, yte, shape, classes)
+
+
+def _optional(get: Callable[[str], Any], key: str, default: Any) -> Any:
+    try:
+        value = get(key)
+    except (KeyError, AttributeError):
+        return default
+    return default if value is None else value
+
+
+def _load_npz(path: str) -> Dataset:
+    try:
+        with np.load(Path(path).expanduser(), allow_pickle=False) as npz:
+            return _user_dataset(f"npz:{path}", {k: npz[k] for k in npz.files})
+    except (OSError, EOFError) as exc:  # missing, unreadable, not an .npz
+        raise ValueError(f"dataset npz:{path}: cannot read it: {exc}") from None
+
+
 _LOADERS = {"mnist": _load_mnist, "fmnist": _load_fmnist, "digits": _load_digits, "synthetic": _load_synthetic}
 
 
 @functools.cache
 def _cached(name: str, params: tuple[tuple[str, Any], ...]) -> Dataset:
+    if name.startswith(plugins.NPZ_PREFIX):
+        if params:
+            raise ValueError(f"dataset {name!r} takes no parameters, got {sorted(dict(params))}")
+        return _load_npz(name[len(plugins.NPZ_PREFIX) :])
+    if name in plugins.DATASETS:
+        return _user_dataset(name, plugins.DATASETS[name](**dict(params)))
     allowed = set(inspect.signature(_LOADERS[name]).parameters)
     bad = sorted(set(dict(params)) - allowed)
     if bad:
@@ -371,12 +429,24 @@ _GEOMETRY: dict[str, tuple[tuple[int, ...], int]] = {
 }
 
 
+def _key(name: str) -> str:
+    """The loader key of a dataset name: a built-in's alias, ``npz:PATH`` or a registered name."""
+    name = str(name)
+    if name.startswith(plugins.NPZ_PREFIX) or name in plugins.DATASETS:
+        return name
+    key = _ALIASES.get(name.strip().lower())
+    if key is None:
+        plugins.check_dataset_name(name)  # raises, naming what is available
+    return str(key)
+
+
 def dataset_geometry(name: str, **params: Any) -> tuple[tuple[int, ...], int]:
     """``(input_shape, num_classes)`` of a dataset, without loading it (a device with its own data needs
     only the model's geometry, not the whole dataset)."""
-    key = _ALIASES.get(str(name).strip().lower())
-    if key is None:
-        raise ValueError(f"unknown dataset name {name!r}; expected one of {sorted(_ALIASES)}")
+    key = _key(name)
+    if key not in _LOADERS:  # a user's dataset: its geometry is in its arrays
+        ds = _cached(key, tuple(sorted(params.items())))
+        return ds.input_shape, ds.num_classes
     if key == "synthetic":
         defaults = inspect.signature(_load_synthetic).parameters
         dim = int(params.get("dim", defaults["dim"].default))
@@ -393,9 +463,7 @@ def load_dataset(
     ``fmnist`` takes ``root`` (the idx folder); ``digits`` takes ``test_fraction``. ``max_train`` /
     ``max_test`` take a seeded uniform subsample (``subsample_seed``) for fast tests (``0``/``None``: all).
     """
-    key = _ALIASES.get(str(name).strip().lower())
-    if key is None:
-        raise ValueError(f"unknown dataset name {name!r}; expected one of {sorted(_ALIASES)}")
+    key = _key(name)
     try:
         pkey = tuple(sorted(params.items()))
         hash(pkey)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .. import plugins
 from ..rejections import Rejected as Rejected  # re-exported: roles import it with the other role types
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
@@ -63,7 +64,10 @@ class ModelSpec(BaseModel):
         return {"hidden": self.hidden, "channels": self.channels, "fc": self.fc}
 
     def num_params(self) -> int:
-        """Parameter count of the model (as ``protocols.models.build_model`` builds it), without torch."""
+        """Parameter count of the model (as ``protocols.models.build_model`` builds it), without torch for the
+        zoo's; a registered model (``protocols.plugins.register_model``) is built once and counted."""
+        if self.name in plugins.MODELS:
+            return plugins.registered_num_params(self.name, self.input_shape, self.num_classes)
         n_in, k = int(np.prod(self.input_shape)), self.num_classes
         if self.name == "cnn4":
             c, h, w = self.input_shape if len(self.input_shape) == 3 else (1, *self.input_shape[-2:])

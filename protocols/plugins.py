@@ -1,0 +1,192 @@
+"""The extension API: what users add (algorithms, models, datasets) and how every process finds it.
+
+A plugin is an installed package that declares entry points in one of three groups::
+
+    [project.entry-points."fedtier.algorithms"]
+    scaffold = "my_plugin.scaffold:Scaffold"        # an Algorithm subclass (or a module that registers its own)
+    [project.entry-points."fedtier.models"]
+    resnet8 = "my_plugin.models:resnet8"            # factory(input_shape, num_classes) -> torch.nn.Module
+    [project.entry-points."fedtier.datasets"]
+    sensors = "my_plugin.data:load_sensors"         # loader(**params) -> x_train, y_train, x_test, y_test, ...
+
+or a module named in the config's ``[run] plugins`` list that calls :func:`register_model`,
+:func:`register_dataset` or ``protocols.algorithms.register`` when imported. :func:`load_plugins` loads both;
+``parse_config`` calls it before it validates any name, so the CLI, spawned simulation workers and agents
+(which all parse the config they are given) see the same registry. This module needs no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import re
+from collections.abc import Callable, Iterable
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+log = logging.getLogger("fedtier.plugins")
+
+GROUPS = ("fedtier.algorithms", "fedtier.models", "fedtier.datasets")
+BUILTIN_MODELS = ("mlp", "cnn", "cnn4", "logreg")
+BUILTIN_DATASETS = ("mnist", "fmnist", "fashion-mnist", "digits", "synthetic")
+NPZ_PREFIX = "npz:"
+
+ModelFactory = Callable[[tuple[int, ...], int], "nn.Module"]
+"""``factory(input_shape, num_classes)``: a fresh model for data of that geometry (parameters in any state:
+every tier re-initialises them from the run seed)."""
+
+DatasetLoader = Callable[..., Any]
+"""``loader(**params)``: an object or mapping with ``x_train, y_train, x_test, y_test`` (features of any shape,
+integer labels) and optionally ``input_shape`` and ``num_classes`` (default: the features' shape, max label + 1)."""
+
+MODELS: dict[str, ModelFactory] = {}
+DATASETS: dict[str, DatasetLoader] = {}
+
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+
+
+class PluginError(ValueError):
+    """A plugin that cannot be loaded or registered; the message names it."""
+
+
+def _check_name(kind: str, name: str, builtin: Iterable[str]) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise PluginError(f"{kind} name {name!r}: 1-64 lowercase letters, digits, '_', '.' or '-'")
+    if name in builtin:
+        raise PluginError(f"{kind} name {name!r} is built in; choose another")
+
+
+def register_model(name: str, factory: ModelFactory) -> ModelFactory:
+    """Make ``model.name = name`` build ``factory(input_shape, num_classes)`` on every tier.
+
+    Its parameter count (and so the default message bound) is taken from a built model, never guessed.
+    Registering the same factory twice is a no-op; another factory under a taken name is an error.
+    """
+    _check_name("model", name, BUILTIN_MODELS)
+    if not callable(factory):
+        raise PluginError(f"model {name!r}: the factory must be callable, got {type(factory).__name__}")
+    if MODELS.get(name, factory) is not factory:
+        raise PluginError(f"model {name!r} is already registered by {MODELS[name]!r}")
+    MODELS[name] = factory
+    return factory
+
+
+def register_dataset(name: str, loader: DatasetLoader) -> DatasetLoader:
+    """Make ``data.dataset = name`` load ``loader(**params)`` (see :data:`DatasetLoader`)."""
+    _check_name("dataset", name, BUILTIN_DATASETS)
+    if name.startswith("npz"):
+        raise PluginError(f"dataset name {name!r}: 'npz' names are reserved for npz:PATH")
+    if not callable(loader):
+        raise PluginError(f"dataset {name!r}: the loader must be callable, got {type(loader).__name__}")
+    if DATASETS.get(name, loader) is not loader:
+        raise PluginError(f"dataset {name!r} is already registered by {DATASETS[name]!r}")
+    DATASETS[name] = loader
+    return loader
+
+
+def model_names() -> tuple[str, ...]:
+    """Every model name ``model.name`` accepts now (built in, then registered)."""
+    return (*BUILTIN_MODELS, *sorted(MODELS))
+
+
+def check_model_name(name: str) -> str:
+    """``name`` when it names a built-in or registered model; ``ValueError`` listing them otherwise."""
+    if name in BUILTIN_MODELS or name in MODELS:
+        return name
+    raise ValueError(
+        f"unknown model {name!r} (available: {', '.join(model_names())}; a plugin's model needs its package "
+        "installed or its module in run.plugins)"
+    )
+
+
+def check_dataset_name(name: str) -> str:
+    """``name`` when it names a built-in or registered dataset or ``npz:PATH``; ``ValueError`` otherwise."""
+    if name in BUILTIN_DATASETS or name in DATASETS:
+        return name
+    if name.startswith(NPZ_PREFIX):
+        if not name[len(NPZ_PREFIX) :].strip():
+            raise ValueError("npz:PATH needs a path (e.g. npz:data/sensors.npz)")
+        return name
+    raise ValueError(
+        f"unknown dataset {name!r} (available: {', '.join((*BUILTIN_DATASETS, *sorted(DATASETS)))}, or npz:PATH; "
+        "a plugin's dataset needs its package installed or its module in run.plugins)"
+    )
+
+
+@functools.cache
+def registered_num_params(name: str, input_shape: tuple[int, ...], num_classes: int) -> int:
+    """Trainable parameters of the registered model ``name`` built for this geometry (counted, not guessed)."""
+    model = build_registered(name, input_shape, num_classes)
+    return sum(int(p.numel()) for p in model.parameters() if p.requires_grad)
+
+
+def build_registered(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A fresh registered model; ``PluginError`` when the factory does not return a ``torch.nn.Module``."""
+    import torch.nn as nn
+
+    model = MODELS[name](tuple(int(s) for s in input_shape), int(num_classes))
+    if not isinstance(model, nn.Module):
+        raise PluginError(f"model {name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+    if not any(True for _ in model.parameters()):
+        raise PluginError(f"model {name!r}: the model has no parameters to train")
+    return model
+
+
+def _load_entry(group: str, ep: Any) -> None:
+    obj = ep.load()
+    if group == "fedtier.models":
+        register_model(ep.name, obj)
+    elif group == "fedtier.datasets":
+        register_dataset(ep.name, obj)
+    elif isinstance(obj, type):  # fedtier.algorithms: a class to register (a module registers its own)
+        from .algorithms import register
+        from .algorithms.base import Algorithm
+
+        if not issubclass(obj, Algorithm):
+            raise PluginError(f"{ep.value}: not an Algorithm subclass")
+        register(obj)
+
+
+@functools.cache
+def load_entry_points() -> tuple[str, ...]:
+    """Load every installed plugin of :data:`GROUPS` once per process; the names loaded. A plugin that
+    fails to load raises :class:`PluginError` naming it (a half-registered plugin would fail later, less clearly)."""
+    loaded = []
+    for group in GROUPS:
+        for ep in sorted(entry_points(group=group), key=lambda e: e.name):
+            try:
+                _load_entry(group, ep)
+            except PluginError:
+                raise
+            except Exception as exc:  # an import error in the user's code: say which plugin
+                raise PluginError(f"plugin {ep.name} ({group} = {ep.value!r}) failed to load: {exc!r}") from exc
+            loaded.append(f"{group}:{ep.name}")
+    if loaded:
+        log.debug("plugins loaded: %s", ", ".join(loaded))
+    return tuple(loaded)
+
+
+def check_module_names(modules: Any) -> list[str]:
+    """``run.plugins`` as a list of dotted module names; ``PluginError`` otherwise."""
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
+        raise PluginError(f"run.plugins: a list of module names, got {modules!r}")
+    for m in modules:
+        if not _MODULE.fullmatch(m):
+            raise PluginError(f"run.plugins: {m!r} is not a module name (dotted identifiers)")
+    return list(modules)
+
+
+def load_plugins(modules: Iterable[str] = ()) -> None:
+    """Load the installed entry-point plugins (once) and import each of ``modules`` (``run.plugins``), whose
+    import registers what it adds. ``PluginError`` naming the module that cannot be imported."""
+    load_entry_points()
+    for module in check_module_names(list(modules)):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise PluginError(f"run.plugins: cannot import {module!r}: {exc!r}") from exc

@@ -1,0 +1,204 @@
+"""The extension API (issue #34 item 7): a user's algorithm, model and dataset, registered or installed as a
+package with entry points, run through ``fedtier sim``, its worker processes and ``fedtier run`` without editing
+fedtier; a user model is sized from the built model; ``npz:PATH`` datasets; unknown names are clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.nn as nn
+
+from protocols import plugins
+from protocols.algorithms.base import ModelSpec
+from protocols.config import ConfigError
+from protocols.models import build_model
+from sim.datasets import dataset_geometry, load_dataset
+from tests.conftest import small_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PLUGIN = '''
+"""A plugin package as a user writes it: an algorithm, a model and a dataset."""
+import numpy as np
+import torch.nn as nn
+
+from examples.normclip import NormClip
+
+
+class ClipAvg(NormClip):
+    name = "clipavg"
+
+
+def wide(input_shape, num_classes):
+    d = int(np.prod(input_shape))
+    return nn.Sequential(nn.Flatten(), nn.Linear(d, 48), nn.ReLU(), nn.Linear(48, num_classes))
+
+
+def blobs(n=600, seed=3):
+    """Three separable Gaussian blobs in 8 dimensions."""
+    g = np.random.default_rng(seed)
+    centres = g.normal(0, 3, (3, 8))
+    y = g.integers(0, 3, n + n // 4)
+    x = (centres[y] + g.normal(0, 1, (len(y), 8))).astype(np.float32)
+    return {"x_train": x[:n], "y_train": y[:n], "x_test": x[n:], "y_test": y[n:]}
+'''
+
+ENTRY_POINTS = """
+[fedtier.algorithms]
+clipavg = fedtier_testplugin:ClipAvg
+
+[fedtier.models]
+wide = fedtier_testplugin:wide
+
+[fedtier.datasets]
+blobs = fedtier_testplugin:blobs
+"""
+
+CONFIG = """
+[run]
+name = "plug"
+rounds = 3
+output = "{out}"
+[topology]
+cells = 2
+devices_per_cell = 2
+[algorithm]
+name = "clipavg"
+max_norm = 5.0
+local_steps = 10
+lr = 0.1
+[model]
+name = "wide"
+[data]
+dataset = "blobs"
+[runtime]
+device_deadline = 20.0
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin package as installed into a site folder (what ``pip install --target`` leaves: the package and
+    its ``.dist-info`` with ``entry_points.txt``; written directly: offline, and this venv's setuptools cannot
+    build wheels). Only ``PYTHONPATH`` tells a process about it."""
+    site = tmp_path_factory.mktemp("plugin-site")
+    (site / "fedtier_testplugin").mkdir()
+    (site / "fedtier_testplugin" / "__init__.py").write_text(PLUGIN)
+    info = site / "fedtier_testplugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fedtier-testplugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    return site
+
+
+def fedtier(site: Path | None, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*([str(site)] if site else []), str(ROOT)]))
+    return subprocess.run(
+        [sys.executable, "-c", "from fedtier.cli import main; main()", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_installed_plugin_runs_in_sim_workers_and_run(plugin_site: Path, tmp_path: Path) -> None:
+    """The package's algorithm, model and dataset, found by entry points alone, learn in ``fedtier sim``, in its
+    spawned workers (same model, byte for byte) and in ``fedtier run`` over MQTT (same model again)."""
+    without = tmp_path / "c0.toml"
+    without.write_text(CONFIG.format(out=tmp_path / "none"))
+    res = fedtier(None, "sim", str(without), "--no-progress")
+    assert res.returncode == 2 and "unknown model 'wide'" in res.stderr and "unknown dataset 'blobs'" in res.stderr
+
+    models = []
+    for name, extra in (("sim", ()), ("workers", ("--workers", "2")), ("run", ())):
+        cfg = tmp_path / f"{name}.toml"
+        cfg.write_text(CONFIG.format(out=tmp_path / name))
+        cmd = "run" if name == "run" else "sim"
+        res = fedtier(plugin_site, cmd, str(cfg), "--no-progress", *extra)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+        s = summary(tmp_path / name)
+        assert s["rounds"] == 3 and s["accuracy"] > 0.8, s  # three blobs: chance is 1/3
+        models.append((tmp_path / name / "final_model.ftw").read_bytes())
+    assert models[0] == models[1] == models[2]
+
+
+def test_run_plugins_key_loads_a_module(tmp_path: Path) -> None:
+    """``[run] plugins`` imports a module that registers itself; the workers parse the same config."""
+    (tmp_path / "my_norm.py").write_text(
+        "from examples.normclip import NormClip\nfrom protocols.algorithms import "
+        "register\n\nregister(type('Clip2', (NormClip,), {'name': 'clip2'}))\n"
+    )
+    cfg = tmp_path / "c.toml"
+    text = CONFIG.format(out=tmp_path / "out").replace('name = "plug"', 'name = "plug"\nplugins = ["my_norm"]')
+    cfg.write_text(
+        text.replace('"clipavg"', '"clip2"').replace('"wide"', '"mlp"\nhidden = [16]').replace('"blobs"', '"digits"')
+    )
+    res = fedtier(tmp_path, "sim", str(cfg), "--no-progress", "--workers", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary(tmp_path / "out")["accuracy"] > 0.25  # digits: chance is 0.1
+
+
+class Wide(nn.Module):
+    def __init__(self, d: int, k: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 300), nn.Linear(300, k)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.b(self.a(x.flatten(1)).relu())
+
+
+def test_registered_model_is_sized_from_the_built_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The parameter count, hence the default message bound, is the built model's, not a one-layer guess."""
+    monkeypatch.setitem(plugins.MODELS, "wide300", lambda shape, k: Wide(int(np.prod(shape)), k))
+    cfg = small_config(tmp_path, model={"name": "wide300", "hidden": [200]})
+    spec = cfg.model_spec((1, 8, 8), 10)
+    built = build_model("wide300", (1, 8, 8), 10)
+    assert isinstance(built, Wide)
+    count = sum(p.numel() for p in built.parameters())
+    assert spec.num_params() == count == 64 * 300 + 300 + 300 * 10 + 10  # the zoo's guess for "wide300": 650
+    assert cfg.max_message_bytes(spec) >= 8 * 4 * count
+
+
+def test_bad_plugins_are_clear_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model\.name.*unknown model 'resnet9'"):
+        small_config(tmp_path, model={"name": "resnet9"})
+    with pytest.raises(ConfigError, match=r"run\.plugins: cannot import 'no_such_plugin_mod'"):
+        small_config(tmp_path, run={"plugins": ["no_such_plugin_mod"]})
+    with pytest.raises(ConfigError, match=r"run\.plugins: 'os; rm' is not a module name"):
+        small_config(tmp_path, run={"plugins": ["os; rm"]})
+    with pytest.raises(plugins.PluginError, match="built in"):
+        plugins.register_model("mlp", Wide)
+    monkeypatch.setitem(plugins.MODELS, "notamodel", lambda shape, k: "nope")
+    with pytest.raises(plugins.PluginError, match="not a torch.nn.Module"):
+        ModelSpec(name="notamodel").num_params()
+
+
+def test_npz_dataset(tmp_path: Path) -> None:
+    """``npz:PATH``: any feature shape, geometry from the file, labels checked; parses as a config value."""
+    g = np.random.default_rng(0)
+    path = tmp_path / "d.npz"
+    x, y = g.normal(size=(50, 2, 3, 3)).astype(np.float32), g.integers(0, 4, 50)
+    np.savez(path, x_train=x[:40], y_train=y[:40], x_test=x[40:], y_test=y[40:], num_classes=5)
+    name = f"npz:{path}"
+    assert dataset_geometry(name) == ((2, 3, 3), 5)
+    ds = load_dataset(name)
+    assert ds.x_train.shape == (40, 18) and np.array_equal(ds.y_test, y[40:])
+    cfg = small_config(tmp_path, data={"dataset": name})
+    assert cfg.data.dataset == name
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x_train=x[:40], y_train=y[:40] - 1, x_test=x[40:], y_test=y[40:])
+    with pytest.raises(ValueError, match="labels span -1"):
+        load_dataset(f"npz:{bad}")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_dataset(f"npz:{tmp_path / 'missing.npz'}")
