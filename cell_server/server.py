@@ -125,6 +125,7 @@ class CellServer:
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
         self.requirements = requirements
         self.unmet: dict[str, str] = {}  # device -> why it cannot serve this job (its announced capabilities)
+        self.caps: dict[str, dict[str, Any]] = {}  # device -> capabilities its latest signed status announced
         self._beat_timer: TimerHandle | None = None
         self._leaving: dict[str, TimerHandle] = {}  # offline devices the open edge round waits for, a while
         self.revoked: set[str] = set()  # devices taken out for good (revoke): their statuses are ignored
@@ -295,6 +296,8 @@ class CellServer:
         if record is None:
             return
         online = record["state"] == "online"
+        if online and isinstance(record.get("caps"), dict):
+            self.caps[device] = record["caps"]  # the fleet view on the metrics port (monitor.exporter)
         if online and self.requirements is not None:
             caps = record.get("caps")
             reason = unmet(caps if isinstance(caps, dict) else None, self.requirements)

@@ -314,6 +314,7 @@ class MetricsExporter:
         self.cell_online.labels(self.run, server.cell).set_function(lambda: sum(server.online.values()))
         self.cell_devices.labels(self.run, server.cell).set(len(server.devices))
         self.cell_deadline.labels(self.run, server.cell).set(server.device_deadline)
+        self.registry.register(DeviceFleetCollector(self.run, server))
 
     def job_failed(self, reason: str) -> None:
         """The cloud ended the job as failed with ``reason``."""
@@ -393,6 +394,47 @@ class _ScrapeCounter(Collector):
 
     def describe(self) -> Iterable[Any]:
         return []  # registering must not count as a scrape
+
+
+def _announced(value: Any) -> str:
+    """A label value from a device's own announcement (signed, still the device's word): short, plain text."""
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value if value is not None else "")
+    return "".join(c if c.isalnum() or c in "._-+:, " else "_" for c in text[:64])
+
+
+class DeviceFleetCollector(Collector):
+    """A cell's devices as the fleet view shows them (``fedtier fleet``), read on each scrape: online or not,
+    and what each announced in its signed status (versions, accelerator, backends, cores, memory)."""
+
+    def __init__(self, run: str, server: Any) -> None:
+        self.run, self.server = run, server
+
+    def collect(self) -> Iterable[Any]:
+        s, labels = self.server, ["run", "cell", "device"]
+        online = GaugeMetricFamily("fedtier_device_online", "1 if the cell deems the device online", labels=labels)
+        info = GaugeMetricFamily(
+            "fedtier_device_info",
+            "A device's announced versions and capabilities (value 1)",
+            labels=[*labels, "fedtier", "wire", "accelerator", "backends"],
+        )
+        cores = GaugeMetricFamily("fedtier_device_cores", "CPU cores a device announced", labels=labels)
+        memory = GaugeMetricFamily("fedtier_device_memory_mb", "Memory (MB) a device announced", labels=labels)
+        caps = dict(s.caps)
+        for device in list(s.devices)[:10_000]:  # a simulated population is not a fleet: bounded
+            key = [self.run, s.cell, device]
+            online.add_metric(key, 1.0 if s.online[device] else 0.0)
+            c = caps.get(device)
+            if c is None:
+                continue
+            fields = (c.get("fedtier"), c.get("wire"), c.get("gpu") or c.get("accelerator"), c.get("backends"))
+            info.add_metric([*key, *(_announced(v) for v in fields)], 1.0)
+            for family, name in ((cores, "cores"), (memory, "memory_mb")):
+                if isinstance(c.get(name), int) and not isinstance(c.get(name), bool):
+                    family.add_metric(key, float(c[name]))
+        return [online, info, cores, memory]
+
+    def describe(self) -> Iterable[Any]:
+        return []
 
 
 class AgentCollector(Collector):

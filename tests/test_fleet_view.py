@@ -116,3 +116,45 @@ def test_fleet_lists_every_node_of_a_live_run_with_its_capabilities(tmp_path):
         r = rows[device]
         assert r["cell"] == "c0" and r["samples"] > 0 and r["heartbeats_seen"] >= 1  # alive, not just retained
         assert r["fedtier"] == caps["fedtier"] and r["capabilities"]["cores"] == caps["cores"]
+
+
+def test_a_cells_metrics_port_shows_its_devices_as_the_fleet_view_does(tmp_path):
+    """The daemons export the fleet: a cell's exporter lists each device online or not, with the versions and
+    capabilities its signed status announced (label text from devices made plain)."""
+    from prometheus_client import generate_latest
+
+    from cell_server.node import build_cell
+    from monitor.exporter import MetricsExporter
+    from protocols.transport.memory import MemoryHub
+    from sim.hierarchy import prepare
+    from tests.conftest import small_config
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}, runtime={"heartbeat": 1.0})
+    hub = MemoryHub()
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), cfg.build_algorithm(prepare(cfg).spec), heartbeats=True)
+    exporter = MetricsExporter(cfg.run.name)
+    exporter.watch_cell(cell)
+    cell.start()
+    peer = hub.connect("peer")
+    topic = topics.device_status(cfg.run.name, "c0", "c0-d0")
+    caps = {
+        "fedtier": "0.1.0",
+        "wire": 1,
+        "accelerator": "none",
+        "backends": ["onnx", "torch"],
+        "cores": 4,
+        "memory_mb": 2048,
+        "gpu": "<b>x</b>\n",
+    }
+    peer.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10, caps=caps), retain=True)
+    hub.loop.run(until=lambda: "c0-d0" in cell.caps)
+    text = generate_latest(exporter.registry).decode()
+    assert 'fedtier_device_online{cell="c0",device="c0-d0",run="t"} 1.0' in text
+    assert 'fedtier_device_online{cell="c0",device="c0-d1",run="t"} 0.0' in text
+    assert 'fedtier_device_cores{cell="c0",device="c0-d0",run="t"} 4.0' in text
+    assert 'fedtier_device_memory_mb{cell="c0",device="c0-d0",run="t"} 2048.0' in text
+    info = [line for line in text.splitlines() if line.startswith("fedtier_device_info{")]
+    assert info == [
+        'fedtier_device_info{accelerator="_b_x__b__",backends="onnx,torch",cell="c0",device="c0-d0",'
+        'fedtier="0.1.0",run="t",wire="1"} 1.0'
+    ]
