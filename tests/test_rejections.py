@@ -135,3 +135,8 @@ def test_the_runtimes_report_the_kind_of_what_they_refuse() -> None:
 
     refused = answers.offer("c0-d0", "c0-d0", (1, 0), result, check)
     assert refused is not None and refused.kind is RejectKind.NON_FINITE and "c0-d0" in answers.pending
+
+
+def test_the_metrics_reference_names_every_kind() -> None:
+    text = (ROOT / "docs" / "reference" / "metrics.md").read_text()
+    assert [k.value for k in RejectKind if f"`{k.value}`" not in text] == []
