@@ -75,6 +75,7 @@ class DeviceAgent:
         secagg: SecAggSettings | None = None,
         keep_answer: bool = False,
         caps: Mapping[str, Any] | None = None,
+        instance: str | None = None,
     ) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
         the result leaves (a compute model for simulation, see ``sim/clock.py``). ``trust`` (the device's
@@ -88,7 +89,8 @@ class DeviceAgent:
         (once its first training is over: the same result) and an unsigned one is refused as a replay.
         ``keep_answer`` costs one result per device: for agents on their own (MQTT), not for simulated
         populations. ``secagg``: take part in secure aggregation (``edge_agent/secagg.py``): results leave
-        masked (and are never kept)."""
+        masked (and are never kept). ``instance``: the agent process's nonce, in every status record
+        (``edge_agent/twin.py``: a second process under this device id is refused)."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device
         self.compute_delay = compute_delay
         self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
@@ -96,6 +98,7 @@ class DeviceAgent:
         self.messenger = Messenger(transport, run, device, trust=trust, max_payload=max_message_bytes)
         self._last: tuple[str | None, int, int] | None = None  # (session, round, edge round) of the last task
         self.keep_answer = keep_answer and secagg is None
+        self.instance = instance
         self.caps = caps  # announced in the status (protocols.capabilities); cells plan by them
         self._answer: tuple[tuple[str | None, int, int], str, bytes] | None = None  # (task, topic, result message)
         self._reanswers = 0  # times the kept answer was sent again
@@ -140,6 +143,8 @@ class DeviceAgent:
             extra: dict[str, Any] = {"caps": dict(self.caps)} if self.caps is not None and state == "online" else {}
             if samples is not None:
                 extra["samples"] = samples
+            if self.instance is not None:
+                extra["instance"] = self.instance
             record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)
             self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
         self.transport.publish(status, record, qos=qos, retain=True)

@@ -44,6 +44,7 @@ def build_agent(
     cloud: CloudSession | None = None,
     keep_answer: bool = False,
     caps: Mapping[str, Any] | None = None,
+    instance: str | None = None,
 ) -> DeviceAgent:
     """``cloud``: what the device's process knows of the cloud's session (MQTT agents), so that only
     tasks of the current session count. ``keep_answer``: send the last result again when a restarted cell
@@ -64,4 +65,5 @@ def build_agent(
         secagg=cfg.secagg_settings(),
         keep_answer=keep_answer,
         caps=machine_caps() if caps is None else caps,
+        instance=instance,
     )

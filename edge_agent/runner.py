@@ -46,6 +46,7 @@ from .agent import DeviceAgent
 from .datasources import DataSource
 from .node import build_agent, cell_of
 from .secagg import cell_lies, learn_roster
+from .twin import TwinAgentError, TwinWatch, new_instance
 
 if TYPE_CHECKING:
     from .cohort import CohortExecutor
@@ -220,8 +221,12 @@ class AgentProcess:
         cell_brokers: dict[str, BrokerOptions] | None = None,
         session: str | None = None,
         long_lived: bool = False,
+        twin_window: float | None = None,
     ) -> None:
-        """``session``: serving one job, only its cloud session counts (``protocols.jobs``). ``long_lived``:
+        """``twin_window``: before announcing, listen that long on the devices' own status topics and refuse
+        to start (:class:`~edge_agent.twin.TwinAgentError`) if another agent process is live under one of
+        their ids (``edge_agent/twin.py``; deployed agents: one heartbeat and a second; ``None``: no check).
+        ``session``: serving one job, only its cloud session counts (``protocols.jobs``). ``long_lived``:
         at the job's end the devices stay connected, announced offline (``done`` is set), and :meth:`next_job`
         serves the next job on the same connections; ``on_job_record`` (set before :meth:`start`) gets the
         cloud's ``cloud/job`` records, on the first device's connection."""
@@ -255,6 +260,8 @@ class AgentProcess:
         self._present: set[str] = set()  # connected and announced online (the heartbeat keeps them so)
         self._fresh: set[str] = set()  # read a manifest on their current connection
         self._polls: dict[str, TimerHandle] = {}
+        self.twin_window = twin_window
+        self.twins = TwinWatch(new_instance())  # this process's nonce, in every status record
         self._lock = threading.Lock()
         self.done = threading.Event()
         self.executor: CohortExecutor | None = None  # cohorts (runtime.engine = "cohort"), torch agents only
@@ -279,6 +286,7 @@ class AgentProcess:
             with self._lock:
                 self._live.add(device)
             fresh.append((device, transport))
+        self.twins.checking = self.twin_window is not None  # no task is taken before the check is over
         self._on_loop(lambda: self._each(fresh, self._prepare))
         under_way: deque[tuple[str, Any]] = deque()
         for device, transport in fresh:
@@ -293,12 +301,48 @@ class AgentProcess:
                 raise ConnectionError(
                     f"device {device}: the broker did not acknowledge its subscriptions within {connect_timeout:g} s"
                 )
+        if self.twin_window is not None:
+            self._check_twins(self.twin_window)
+            self._on_loop(lambda: self._each(fresh, lambda d, t: self.agents[d].attach(t)))  # held tasks follow
         self._on_loop(lambda: self._each([(d,) for d, _ in fresh], self._announce))
         if self.heartbeat > 0:
             self._beat_timer = self.reactor.call_later(self.heartbeat, self._beat)
         if not self.agents:
             self.done.set()
         return self
+
+    def _check_twins(self, window: float) -> None:
+        """Refuse to start if another agent process is live under one of these device ids: leave a
+        retained record saying so (the live one reads it when it takes its session back), disconnect
+        without announcing anything, raise :class:`TwinAgentError`."""
+        twin = self.twins.check(window)
+        if twin is None:
+            return
+        device, other = twin
+        reason = (
+            f"device {device}: another agent process (instance {other}) is live under this device id on the "
+            f"broker: refusing to start a second one (two agents with one id take the broker session from each "
+            f"other); stop the other agent first"
+        )
+        log.error("%s", reason)
+        transport, agent = self.transports[device], self.agents[device]
+        status = topics.device_status(self.run, agent.cell, device)
+        self._on_loop(lambda: transport.publish(status, self.twins.refusal(status, agent.trust), qos=1, retain=True))
+        transport.flush(self.connect_timeout)
+        for t in list(self.transports.values()):
+            self._on_loop(t.close)  # a clean DISCONNECT: no will, the live agent's status stays
+        self.loop.stop()
+        if self.executor is not None:
+            self.executor.close()
+        self.reactor.close()
+        raise TwinAgentError(reason)
+
+    def _on_own_status(self, device: str, topic: str, data: bytes) -> None:
+        """A record on the device's own status topic: another instance's means a second agent (see twin.py)."""
+        trust = self.agents[device].trust
+        self.twins.on_status(
+            device, topic, data, trust.verify if trust is not None else None, lambda: self._session_lost(device)
+        )
 
     def _make_agent(self, device: str, transport: Any) -> DeviceAgent:
         """The device's agent for the current job (its cloud view pinned to the job's session)."""
@@ -312,6 +356,7 @@ class AgentProcess:
             self.trainer,
             cloud=self.clouds[device],
             keep_answer=True,
+            instance=self.twins.instance,
         )
         on_task = self.on_task
         if on_task is not None:
@@ -410,7 +455,12 @@ class AgentProcess:
         """On the loop: make ``transport`` the device's connection and register its subscriptions
         (sent with the CONNECT's first CONNACK)."""
         agent, run = self.agents[device], self.run
-        agent.attach(transport)
+        if not self.twins.checking:
+            agent.attach(transport)
+        if self.twin_window is not None:  # its own status: who else announces under this id
+            transport.subscribe(
+                topics.device_status(run, agent.cell, device), lambda t, b: self._on_own_status(device, t, b)
+            )
         control = Messenger(transport, run, device, trust=agent.trust)
         transport.subscribe(topics.control(run), lambda t, b: self._on_control(device, control, t, b))
         transport.subscribe(topics.status(run, "cloud"), lambda t, b: self._on_cloud_status(device, t, b))

@@ -443,6 +443,7 @@ def agent(
             make_trainer(backend, spec, cfg),
             opts,
             availability=device_availability(cfg),
+            twin_window=cfg.runtime.heartbeat + 1.0,  # a second agent under this id is refused (twin.py)
         )  # partial participation: leaves when absent
         agents.start()
     except (ConfigError, ValueError) as exc:

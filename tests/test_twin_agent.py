@@ -1,0 +1,118 @@
+"""A second agent process under a live device id is refused loudly (``edge_agent/twin.py``), over a real
+Mosquitto (two connections with one client id take the session from each other); a stale retained
+"online" left by a crashed predecessor does not block a restart."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer
+from edge_agent.twin import TwinAgentError
+from protocols.status import decode_status, encode_status
+from protocols.transport.broker import MosquittoBroker, find_mosquitto
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
+from sim.hierarchy import prepare
+from tests.conftest import small_config
+
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+DEVICE = "c0-d0"
+WINDOW = 3.0  # > the live agent's first reconnect (reconnect_min_delay 1 s, jitter up to 1.5x)
+
+
+def until(cond: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+class Retained:
+    """The device's retained status record, as a cell would read it."""
+
+    def __init__(self, url: str, status: str) -> None:
+        self.loop = ThreadLoop("spy").start()
+        self.records: list[dict[str, Any]] = []
+        self.transport = MqttTransport.from_url(url, "spy", self.loop)
+        self.transport.subscribe(status, lambda t, b: self.records.append(decode_status(b) or {"state": "other"}))
+        self.transport.connect()
+
+    def close(self) -> None:
+        self.transport.close()
+        self.loop.stop()
+
+
+def agents_of(tmp_path: Path, url: str, window: float) -> AgentProcess:
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    prep = prepare(cfg)
+    return AgentProcess(
+        cfg,
+        cfg.build_algorithm(prep.spec),
+        {DEVICE: prep.device_data[DEVICE]},
+        make_trainer("torch", prep.spec, cfg),
+        BrokerOptions(url),
+        heartbeat=0.3,
+        twin_window=window,
+    )
+
+
+def test_a_second_agent_under_a_live_device_id_is_refused_and_the_first_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="fedtier.agent.twin")
+    with MosquittoBroker() as broker:
+        first = agents_of(tmp_path, broker.url, 0.2).start()
+        status = topics.device_status(first.run, "c0", DEVICE)
+        spy = Retained(broker.url, status)
+        try:
+            assert until(lambda: any(r.get("instance") == first.twins.instance for r in spy.records))
+            second = agents_of(tmp_path, broker.url, WINDOW)
+            started = time.monotonic()
+            with pytest.raises(TwinAgentError, match=f"device {DEVICE}: another agent process .* is live"):
+                second.start()
+            assert time.monotonic() - started < WINDOW + 10
+            assert second.twins.twin == (DEVICE, first.twins.instance)
+            # the first took its session back, read the refusal, said so loudly and announced itself again
+            assert until(lambda: first.twins.taken >= 1)
+            assert any("took this agent's broker session" in r.getMessage() for r in caplog.records)
+            assert until(lambda: spy.records[-1].get("instance") == first.twins.instance)
+            assert spy.records[-1]["state"] == "online"
+            assert all(r.get("instance") != second.twins.instance or r["state"] == "other" for r in spy.records)
+        finally:
+            spy.close()
+            first.stop()
+
+
+def test_a_stale_retained_online_of_a_crashed_predecessor_does_not_block_a_restart(tmp_path: Path) -> None:
+    with MosquittoBroker() as broker:
+        probe = agents_of(tmp_path, broker.url, 0.0)
+        status = topics.device_status(probe.run, "c0", DEVICE)
+        loop = ThreadLoop("predecessor").start()
+        stale = MqttTransport.from_url(broker.url, "predecessor", loop).connect()
+        stale.publish(status, encode_status("online", topic=status, cell="c0", instance="crashed0"), retain=True)
+        assert stale.flush(10.0)
+        stale.close()
+        loop.stop()
+        spy = Retained(broker.url, status)
+        assert until(lambda: [r.get("instance") for r in spy.records] == ["crashed0"])
+        agents = agents_of(tmp_path, broker.url, 1.5)
+        done = threading.Event()
+        try:
+            agents.start()
+            done.set()
+            assert agents.twins.twin is None and agents.twins.seen == {DEVICE: ["crashed0"]}
+            assert until(lambda: spy.records[-1].get("instance") == agents.twins.instance)
+            assert spy.records[-1]["state"] == "online"
+        finally:
+            spy.close()
+            if done.is_set():
+                agents.stop()
