@@ -31,8 +31,8 @@ from torch.func import functional_call, vmap
 
 from .algorithms.base import ModelSpec
 from .models import build_model
-from .torch_trainer import as_tensor, pick_device, say
-from .trainer import LocalData, Trainer, TrainStats, batches
+from .torch_trainer import as_tensor, pick_device, say, transform_state
+from .trainer import GradTransform, LocalData, Trainer, TrainStats, batches
 
 GATHER_BYTES = 64 << 20  # input samples gathered at once per cohort sgd call (bounds memory)
 EVAL_CHUNK = 2048  # samples per device per forward pass in evaluate
@@ -275,11 +275,13 @@ class Request:
     weight_decay: float = 0.0
     prox_mu: float = 0.0  # sgd: FedProx proximal coefficient
     momentum: float = 0.0  # sgd: heavy-ball beta
+    grad_transform: GradTransform | None = None  # sgd: applied to each step's gradient
     result: Any = None
 
-    def key(self) -> tuple[str, ModelSpec, tuple[str, ...]]:
-        """Requests with equal keys run as one array program."""
-        return self.op, self.spec, tuple(self.params)
+    def key(self) -> tuple[str, ModelSpec, tuple[str, ...], Any]:
+        """Requests with equal keys run as one array program (devices whose gradient transforms share their
+        function together)."""
+        return self.op, self.spec, tuple(self.params), self.grad_transform and self.grad_transform.fn
 
 
 class CohortDeviceTrainer(Trainer):
@@ -332,11 +334,12 @@ class CohortDeviceTrainer(Trainer):
         weight_decay: float = 0.0,
         prox_mu: float = 0.0,
         momentum: float = 0.0,
+        grad_transform: GradTransform | None = None,
     ) -> TrainStats:
         order = list(batches(len(data), batch_size, steps, rng))  # this device's seeded order
-        params, stats = self.call(
-            Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay, prox_mu, momentum)
-        )
+        request = Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay, prox_mu, momentum)
+        request.grad_transform = grad_transform
+        params, stats = self.call(request)
         self.params = params
         return stats
 
@@ -472,7 +475,7 @@ class CohortEngine:
         groups: dict[tuple, list[Request]] = {}
         for r in reqs:
             groups.setdefault(r.key(), []).append(r)
-        for (op, spec, _), group in groups.items():
+        for (op, spec, _, _), group in groups.items():
             compute = getattr(self, f"_{op}")
             model = self.model(spec)
             size = self.part_size(op, model, group)
@@ -547,6 +550,13 @@ class CohortEngine:
             ys.append(yb)
         return torch.stack(xs), torch.stack(ys), torch.stack(ms)
 
+    def _transform_states(self, model: torch.nn.Module, reqs: Sequence[Request]) -> list[torch.Tensor]:
+        """The requests' gradient-transform states stacked per parameter (``[D, *shape]``), checked as the
+        per-device trainer checks them."""
+        named = list(model.named_parameters())
+        per_device = [transform_state(r.grad_transform, named, self.device) for r in reqs]
+        return [torch.stack(ts) for ts in zip(*per_device)]
+
     def _sgd(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
         """Minibatch SGD for every device at once: step ``s`` of all devices is one batched step. Devices
         are ordered by step count (most first), so the devices that still have a step ``s`` are a prefix:
@@ -592,8 +602,10 @@ class CohortEngine:
         start = [v.detach().clone() for v in params.values()] if bool((mu != 0).any()) else None  # FedProx: w_0
         beta = torch.tensor([r.momentum for r in reqs], dtype=torch.float32, device=dev)
         bufs = [torch.zeros_like(v) for v in params.values()] if bool((beta != 0).any()) else None  # heavy ball
+        transform = reqs[0].grad_transform  # one fn for the group (Request.key); the devices' states stacked
+        state = self._transform_states(model, reqs) if transform is not None else []
         # plain SGD (the usual case): the written-out gradient's chain, else None
-        fused = chain if not decay and start is None and bufs is None else None
+        fused = chain if not decay and start is None and bufs is None and transform is None else None
         feat = int(np.prod(reqs[0].x.shape[1:]))
         per_gather = max(1, GATHER_BYTES // max(1, d * b * feat * 4))  # steps of inputs gathered at once
         losses = torch.zeros(d, steps, device=dev)
@@ -632,6 +644,8 @@ class CohortEngine:
                         grads = [g + wd[:a].view(shape(p)) * p for p, g in zip(vs, grads)]
                     if start is not None:  # FedProx: + mu (w - w_0)
                         grads = [g + mu[:a].view(shape(p)) * (p - p0[:a]) for p, g, p0 in zip(vs, grads, start)]
+                    if transform is not None:  # one call for the cohort's devices
+                        grads = transform.fn(list(grads), list(vs), [c[:a] for c in state])
                     if bufs is not None:  # b = beta * b + g, per device; the step follows b
                         grads = [b[:a].mul_(beta[:a].view(shape(g))).add_(g) for b, g in zip(bufs, grads)]
                     if same_rate[s]:  # every device steps with the same lr (the usual case): one fused update

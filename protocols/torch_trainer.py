@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .config import ConfigError
 from .models import build_model, get_params, set_params
-from .trainer import LocalData, Trainer, TrainStats, batches
+from .trainer import GradTransform, LocalData, Trainer, TrainStats, batches
 
 log = logging.getLogger("fedtier.device")
 _told: set[str] = set()  # the auto choices logged in this process (once each)
@@ -57,6 +57,25 @@ def say(message: str) -> None:
     if message not in _told:
         _told.add(message)
         log.info(message)
+
+
+def transform_state(
+    transform: GradTransform | None, named: list[tuple[str, torch.nn.Parameter]], device: torch.device
+) -> list[torch.Tensor]:
+    """A gradient transform's per-device state as float32 tensors in parameter order; ``ValueError`` when it
+    does not name every parameter with its shape."""
+    if transform is None:
+        return []
+    state = transform.state
+    if list(state) != [k for k, _ in named]:
+        raise ValueError(f"grad_transform state names {sorted(state)[:4]}... are not the model's parameters")
+    out = []
+    for k, p in named:
+        v = np.asarray(state[k], dtype=np.float32)
+        if v.shape != tuple(p.shape):
+            raise ValueError(f"grad_transform state {k} is {list(v.shape)}, the parameter {list(p.shape)}")
+        out.append(torch.from_numpy(np.ascontiguousarray(v)).to(device))
+    return out
 
 
 class TorchTrainer(Trainer):
@@ -143,6 +162,7 @@ class TorchTrainer(Trainer):
         weight_decay: float = 0.0,
         prox_mu: float = 0.0,
         momentum: float = 0.0,
+        grad_transform: GradTransform | None = None,
     ) -> TrainStats:
         if not self.model.training:  # (walks every module: only after loss / evaluate)
             self.model.train()
@@ -150,6 +170,7 @@ class TorchTrainer(Trainer):
         params = self._params
         start = [p.detach().clone() for p in params] if prox_mu else []  # FedProx: w_0
         bufs = [torch.zeros_like(p) for p in params] if momentum else []
+        state = transform_state(grad_transform, self._named, self.device)
         losses, sizes = [], []
         for idx in batches(len(data), batch_size, steps, rng):
             it = torch.from_numpy(idx).to(self.device)
@@ -164,6 +185,10 @@ class TorchTrainer(Trainer):
                 if prox_mu:
                     for p, p0 in zip(params, start):
                         p.grad.add_(p - p0, alpha=prox_mu)  # type: ignore[union-attr]  # set by backward() above
+                if grad_transform is not None:
+                    grads = grad_transform.fn([p.grad for p in params], list(params), state)  # type: ignore[misc]  # set by backward() above
+                    for p, g in zip(params, grads):
+                        p.grad = g
                 for b, p in zip(bufs, params):  # heavy ball: the step follows b = beta * b + g
                     p.grad = b.mul_(momentum).add_(p.grad)  # type: ignore[arg-type]  # set by backward() above
                 # p += -lr * grad for each p: one call (on CPU, the same add_ per tensor as a loop)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,35 @@ class TrainStats:
     loss: float
     steps: int
     samples: int
+
+
+GradFn = Callable[[list["torch.Tensor"], list["torch.Tensor"], list["torch.Tensor"]], list["torch.Tensor"]]
+"""``fn(grads, params, state) -> grads``, each a list in parameter order: elementwise torch code that works on
+one device's tensors (``[*shape]``) and on a cohort's stacked ones (``[D, *shape]``) alike."""
+
+
+@dataclass(frozen=True)
+class GradTransform:
+    """A change to each SGD step's gradient (after weight decay and the proximal term, before momentum), with
+    per-device ``state`` (``name -> array`` shaped like the parameter, e.g. SCAFFOLD's ``c - c_i``).
+
+    The cohort engine runs the same ``fn`` for every device of a cohort at once on their stacked states, so
+    ``fn`` must be elementwise (broadcasting over a leading device axis) and a module-level function (devices
+    whose transforms share ``fn`` train together). :func:`correction` is SCAFFOLD's."""
+
+    fn: GradFn
+    state: Mapping[str, np.ndarray]
+
+
+def add_state(grads: list[torch.Tensor], params: list[torch.Tensor], state: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``g + state``: a constant correction of every step's gradient."""
+    return [g + c for g, c in zip(grads, state)]
+
+
+def correction(offset: Mapping[str, np.ndarray]) -> GradTransform:
+    """Add ``offset`` to every step's gradient (SCAFFOLD: ``offset = c - c_i``, the server's control variate
+    less the device's)."""
+    return GradTransform(add_state, offset)
 
 
 def num_steps(n: int, batch_size: int, steps: int = 0, epochs: float = 0) -> int:
@@ -119,13 +151,15 @@ class Trainer(ABC):
         weight_decay: float = 0.0,
         prox_mu: float = 0.0,
         momentum: float = 0.0,
+        grad_transform: GradTransform | None = None,
     ) -> TrainStats:
         """Plain minibatch SGD on ``data`` for ``steps`` steps; batches from :func:`batches`.
 
         Each step's gradient is the batch loss's, plus ``weight_decay * w``, plus the FedProx proximal
         term's ``prox_mu * (w - w_0)`` (``w_0``: the parameters when the call starts; 0: plain SGD).
         ``momentum`` beta > 0: torch's heavy ball, ``b = beta * b + g; w -= lr * b``, with ``b`` zero at
-        the start of the call (momentum lives within one call: a device keeps no state across rounds)."""
+        the start of the call (momentum lives within one call: a device keeps no state across rounds).
+        ``grad_transform``: applied to each step's gradient before momentum (:class:`GradTransform`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot run SGD")
 
     def for_model(self, spec: Any) -> Trainer:

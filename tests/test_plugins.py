@@ -14,11 +14,19 @@ import numpy as np
 import pytest
 import torch.nn as nn
 
+from examples.normclip import NormClip, NormClipDevice
+from protocols import params as P
 from protocols import plugins
+from protocols.algorithms import ALGORITHMS, DeviceContext, DeviceRole
 from protocols.algorithms.base import ModelSpec
 from protocols.config import ConfigError
 from protocols.models import build_model
+from protocols.seeding import rng
+from protocols.torch_trainer import TorchTrainer
+from protocols.trainer import LocalData, Trainer, correction
+from protocols.wire.payload import Payload
 from sim.datasets import dataset_geometry, load_dataset
+from sim.testkit import assert_engines_agree
 from tests.conftest import small_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,3 +210,71 @@ def test_npz_dataset(tmp_path: Path) -> None:
         load_dataset(f"npz:{bad}")
     with pytest.raises(ValueError, match="cannot read"):
         load_dataset(f"npz:{tmp_path / 'missing.npz'}")
+
+
+class Corrected(NormClip):
+    """NormClip whose devices add a fixed, seeded per-device offset to every gradient (SCAFFOLD's ``c - c_i``
+    in shape: the grad_transform hook as an outside algorithm uses it)."""
+
+    name = "corrected-test"
+
+    def device(self, device: str) -> DeviceRole:
+        return CorrectedDevice(self.params)  # type: ignore[arg-type]
+
+
+class CorrectedDevice(NormClipDevice):
+    def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
+        p, g = self.p, rng(ctx.seed, ctx.cell, ctx.device, "offset")
+        offset = {k: (0.05 * g.standard_normal(v.shape)).astype(np.float32) for k, v in task.tensors.items()}
+        trainer.set_params(task.tensors)
+        stats = trainer.sgd(
+            data,
+            steps=p.local_steps,
+            batch_size=p.batch_size,
+            lr=p.lr,
+            rng=rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"),
+            momentum=0.5,
+            grad_transform=correction(offset),
+        )
+        return Payload({"weight": len(data), "loss": stats.loss}, P.sub(trainer.get_params(), task.tensors))
+
+
+@pytest.mark.parametrize("model", [{"name": "mlp", "hidden": [16]}, {"name": "cnn", "channels": [2, 4], "fc": 8}])
+def test_grad_transform_runs_batched_in_the_cohort_engine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: dict
+) -> None:
+    """Each device's own correction, batched by the cohort engine, gives the per-device engine's results."""
+    monkeypatch.setitem(ALGORITHMS, Corrected.name, Corrected)
+    cfg = small_config(
+        tmp_path,
+        algorithm={"name": Corrected.name, "max_norm": 10.0, "local_steps": 4},
+        model=model,
+        run={"rounds": 2},
+        data={"max_train": 300, "max_test": 100},
+    )
+    assert_engines_agree(cfg)
+
+
+def test_grad_transform_adds_to_each_step(tmp_path: Path) -> None:
+    """One SGD step with ``correction(c)`` is ``w - lr (grad + c)``; a state that does not fit is refused."""
+    trainer = TorchTrainer.from_spec("mlp", (1, 8, 8), 10, "cpu", hidden=(8,))
+    g = np.random.default_rng(0)
+    x, y = g.normal(size=(16, 64)).astype(np.float32), g.integers(0, 10, 16)
+    w0 = trainer.get_params()
+    _, grad = trainer.loss_and_grad(x, y)
+    offset = {k: g.normal(size=v.shape).astype(np.float32) for k, v in w0.items()}
+    trainer.sgd(
+        LocalData(x, y), steps=1, batch_size=16, lr=0.1, rng=np.random.default_rng(1), grad_transform=correction(offset)
+    )
+    for k, w in trainer.get_params().items():
+        np.testing.assert_allclose(w, w0[k] - 0.1 * (grad[k] + offset[k]), rtol=1e-5, atol=1e-6)
+    bad = {k: v[..., :1] for k, v in offset.items()}
+    with pytest.raises(ValueError, match="grad_transform state"):
+        trainer.sgd(
+            LocalData(x, y),
+            steps=1,
+            batch_size=16,
+            lr=0.1,
+            rng=np.random.default_rng(1),
+            grad_transform=correction(bad),
+        )
