@@ -262,6 +262,7 @@ class AgentProcess:
         self._polls: dict[str, TimerHandle] = {}
         self.twin_window = twin_window
         self.twins = TwinWatch(new_instance())  # this process's nonce, in every status record
+        self._refused = False  # refused to start (a twin): already stopped, nothing announced
         self._lock = threading.Lock()
         self.done = threading.Event()
         self.executor: CohortExecutor | None = None  # cohorts (runtime.engine = "cohort"), torch agents only
@@ -335,6 +336,7 @@ class AgentProcess:
         if self.executor is not None:
             self.executor.close()
         self.reactor.close()
+        self._refused = True
         raise TwinAgentError(reason)
 
     def _on_own_status(self, device: str, topic: str, data: bytes) -> None:
@@ -673,6 +675,8 @@ class AgentProcess:
 
     def stop(self) -> None:
         """Leave: every device still connected says offline and disconnects."""
+        if self._refused:
+            return
         self.reactor.cancel(self._beat_timer)
         if self.loop.running:
             for device in list(self.agents):

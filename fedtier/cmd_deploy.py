@@ -425,6 +425,8 @@ def agent(
             )
         except (ConfigError, ValueError) as exc:
             _fail(exc, 2)
+        except ConnectionError as exc:  # e.g. another agent is live under this device id (edge_agent/twin.py)
+            _fail(exc, 1)
         console.print(f"device {device}: served {len(served)} jobs ({', '.join(served)}), {tasks} tasks")
         return
     try:

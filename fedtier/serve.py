@@ -229,6 +229,7 @@ def serve_agent(
             availability=device_availability(job_cfg),
             session=session,
             long_lived=True,
+            twin_window=job_cfg.runtime.heartbeat + 1.0,  # a second agent under this id is refused (twin.py)
         )
 
     service = AgentService(cfg, [device], loop, watch, build, trust)
