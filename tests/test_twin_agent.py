@@ -5,6 +5,8 @@ Mosquitto (two connections with one client id take the session from each other);
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer
+from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, save_device_data
 from edge_agent.twin import TwinAgentError
 from protocols.status import decode_status, encode_status
 from protocols.transport.broker import MosquittoBroker, find_mosquitto
@@ -116,3 +118,24 @@ def test_a_stale_retained_online_of_a_crashed_predecessor_does_not_block_a_resta
             spy.close()
             if done.is_set():
                 agents.stop()
+
+
+def test_fedtier_agent_under_a_live_device_id_exits_1_naming_it(tmp_path: Path) -> None:
+    """The command a deployment runs: ``fedtier agent`` (default heartbeat: a 6 s window) refused, exit 1."""
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    config, data = tmp_path / "run.toml", tmp_path / f"{DEVICE}.npz"
+    config.write_text(cfg.to_toml())
+    prep = prepare(cfg)
+    save_device_data(data, prep.device_data[DEVICE], prep.spec)
+    with MosquittoBroker() as broker:
+        first = agents_of(tmp_path, broker.url, 0.2).start()
+        try:
+            command = [str(Path(sys.executable).parent / "fedtier"), "agent", str(config), "--device", DEVICE]
+            command += ["--data", str(data), "--broker", broker.url, "--insecure"]
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            said = " ".join((proc.stdout + proc.stderr).split())
+            assert proc.returncode == 1, said
+            assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
+            assert until(lambda: first.twins.taken >= 1)
+        finally:
+            first.stop()
