@@ -179,7 +179,9 @@ def _toml_blocks() -> list[Block]:
 @pytest.mark.parametrize("block", _toml_blocks(), ids=str)
 def test_toml_example_goes_through_the_validator(block: Block, tmp_path: Path) -> None:
     job = re.match(r"job (\S+?);?(\s|$)", block.mark)
-    if job:  # a job file: validated against its federation, as fedtier submit does
+    if block.mark.startswith("pyproject"):  # packaging metadata: TOML, with the entry points it shows
+        assert "fedtier.algorithms" in tomllib.loads(block.text)["project"]["entry-points"]
+    elif job:  # a job file: validated against its federation, as fedtier submit does
         from protocols.config import load_config
         from protocols.jobs import canonical_job, read_job_file
 
@@ -243,6 +245,19 @@ def test_deployment_tutorial_shows_the_commands_the_end_to_end_deployment_test_r
         e2e.JOBS_LIST,
     ):
         assert line in shown, f"docs/tutorials/deploy-fleet.md does not show {line!r}"
+
+
+@pytest.mark.timeout(600)
+def test_how_to_blocks_marked_run_run(tmp_path: Path) -> None:
+    """Shell blocks of the how-to guides marked ``<!-- docs-test: run -->`` run too (small sizes)."""
+    marked = [b for page in sorted((DOCS / "how-to").glob("*.md")) for b in _shell_blocks(page) if b.mark == "run"]
+    assert marked, "the write-an-algorithm guide runs its plugin command"
+    for name in (".venv", "examples", "scripts", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    for b in marked:
+        script = "set -euo pipefail\n" + _small(b.text)
+        done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{b} failed:\n{script}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
 def test_first_run_tutorial_ends_with_the_same_model_over_mqtt_as_in_simulation() -> None:
