@@ -70,6 +70,26 @@ def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool
     )
 
 
+@provision.command("relocate")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, exists=True), help="The folder.")
+def relocate(out_dir: str) -> None:
+    """Point a moved provisioning folder's broker configs at where their files are now (Mosquitto resolves
+    relative paths against its working directory, so the configs hold absolute ones); then restart the
+    brokers."""
+    from protocols.config import ConfigError
+
+    from .provisioning import relocate as rewrite
+
+    try:
+        moved = rewrite(out_dir)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+    if not moved:
+        console.print(f"{out_dir}: the broker configs already name their folders; nothing to do")
+    for folder in moved:
+        console.print(f"{folder / 'mosquitto.conf'}: paths now under {folder.resolve()}")
+
+
 @provision.command("create")
 @CONFIG
 @SET

@@ -354,6 +354,41 @@ def cell_ports(cells: list[str], first: int) -> dict[str, int]:
     return ports
 
 
+BROKER_CONFIGS = ("mosquitto.conf", "listener.conf")
+"""The files of a broker folder that name its files by absolute path (see :func:`relocate`)."""
+
+
+def relocate(out: str | Path) -> list[Path]:
+    """Point the broker configs of a moved provisioning folder ``out`` at where their files are now.
+
+    Mosquitto resolves a relative path in its config against its working directory, not the config's
+    folder, so provision writes absolute paths (``password_file /old/DIR/broker/passwd``); after the
+    folder moved, this rewrites every broker folder's (``broker``, ``cells/*``) configs from the folder
+    they name (read off their ``password_file`` line) to the broker folder's current absolute path,
+    owner and mode kept. Returns the broker folders rewritten (none if nothing moved)."""
+    from protocols.config import ConfigError
+
+    out = Path(out)
+    folders = [d for d in (out / "broker", *sorted((out / "cells").glob("*"))) if (d / "mosquitto.conf").is_file()]
+    if not folders:
+        raise ConfigError(f"{out} holds no provisioned broker (no broker/mosquitto.conf)")
+    moved = []
+    for folder in folders:
+        conf = (folder / "mosquitto.conf").read_text()
+        named = [line.split(" ", 1)[1] for line in conf.splitlines() if line.startswith("password_file ")]
+        if len(named) != 1 or not named[0].endswith("/passwd"):
+            raise ConfigError(f"{folder / 'mosquitto.conf'} is not a fedtier broker config (one password_file line)")
+        old, new = named[0][: -len("/passwd")], str(folder.resolve())
+        if old == new:
+            continue
+        for name in BROKER_CONFIGS:
+            path = folder / name
+            if path.is_file():  # _write truncates in place: the file keeps its owner (a broker user's)
+                _write(path, path.read_text().replace(f"{old}/", f"{new}/"), secret=name == "mosquitto.conf")
+        moved.append(folder)
+    return moved
+
+
 MOSQUITTO_USER = "mosquitto"
 """The service user of Debian's (and most distributions') Mosquitto package."""
 

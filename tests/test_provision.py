@@ -630,3 +630,26 @@ def test_provision_as_root_without_broker_user_or_mosquitto_user_warns_with_the_
     assert chowned == [] and "\nuser " not in (broker / "mosquitto.conf").read_text()
     said = " ".join(output.split())
     assert "warning:" in said and "cannot read them" in said and "give --broker-user USER" in said
+
+
+# ------------------------------------------------------------------------------------------ moved folder
+@needs_mosquitto
+def test_a_moved_provisioning_folder_works_again_after_relocate(reachable_tmp: Path) -> None:
+    """Mosquitto resolves relative config paths against its working directory, so the configs hold absolute
+    ones: a moved folder's broker cannot start until ``fedtier provision relocate`` rewrites them."""
+    p = provision_cli(reachable_tmp, "before-move")
+    moved = reachable_tmp / "after-move"
+    p["out"].rename(moved)
+    conf = moved / "broker" / "mosquitto.conf"
+    with pytest.raises(AssertionError, match="Unable to"), mosquitto(conf, p["port"]):
+        pass  # it names files under the old folder: it exits
+    res = CliRunner().invoke(main, ["provision", "relocate", "--out", str(moved)])
+    assert res.exit_code == 0, res.output
+    assert (
+        "before-move" not in conf.read_text() and f"password_file {moved.resolve()}/broker/passwd" in conf.read_text()
+    )
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    with mosquitto(conf, p["port"]), clients() as make:
+        assert make(moved / "nodes" / "cloud", p["port"]).connect(WAIT).connected
+    again = CliRunner().invoke(main, ["provision", "relocate", "--out", str(moved)])
+    assert again.exit_code == 0 and "nothing to do" in again.output
