@@ -653,3 +653,16 @@ def test_a_moved_provisioning_folder_works_again_after_relocate(reachable_tmp: P
         assert make(moved / "nodes" / "cloud", p["port"]).connect(WAIT).connected
     again = CliRunner().invoke(main, ["provision", "relocate", "--out", str(moved)])
     assert again.exit_code == 0 and "nothing to do" in again.output
+
+
+def test_a_device_added_to_a_per_cell_federation_points_at_its_own_cells_port(tmp_path: Path) -> None:
+    from fedtier.membership import add_device
+    from fedtier.provisioning import provision
+
+    cfg = small_config(tmp_path, topology={"cells": 2, "devices_per_cell": 1})
+    done = provision(cfg, tmp_path / "fed", per_cell=True, cell_host="127.0.0.1", cell_port=9000, federation=True)
+    assert sorted(done.cell_brokers) == ["c0", "c1"]
+    change = add_device(tmp_path / "fed", "c1", "c1-d9")
+    assert change.bundle is not None
+    broker = tomllib.loads((change.bundle / "config.toml").read_text())["broker"]
+    assert broker["url"] == "mqtts://127.0.0.1:9001"  # c1's broker, not c0's (9000)
