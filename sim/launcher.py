@@ -87,6 +87,7 @@ class RunResult:
             **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {}),
             **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config.clock) else {}),
             **({"epsilon": last["epsilon"]} if "epsilon" in last else {}),
+            **{k: last[k] for k in ("epsilon_by_party", "epsilon_basis") if last.get(k) is not None},
             **({"stopped": self.stopped} if self.stopped else {}),
         }
 

@@ -137,6 +137,8 @@ def test_noise_is_seeded_and_epsilon_is_recorded(tmp_path: Path) -> None:
     assert not bad and [r.epsilon for r in records if r.event == "round"] == [r["epsilon"] for r in a.history]
     summary = json.loads((a.output_dir / runfiles.SUMMARY).read_text())
     assert summary["epsilon"] == a.history[-1]["epsilon"]
+    assert summary["epsilon_by_party"] == {"cloud": summary["epsilon"], "cell": None, "devices": summary["epsilon"]}
+    assert summary["epsilon_basis"].startswith("q = 1") and "replace-one" in summary["epsilon_basis"]
     # devices claim weight 1 and leave their training loss out
     assert all("loss_mean" not in r for r in a.cell_records)
     # fedtier monitor shows it on the cloud line, fedtier report plots accuracy against it
