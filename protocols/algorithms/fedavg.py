@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -201,6 +202,7 @@ class FedAvgDevice(DeviceRole):
         trainer.set_params(task.tensors)
         steps = num_steps(len(data), self.p.batch_size, self.p.local_steps, self.p.local_epochs)
         mu, beta = (self.p.prox_mu, self.p.momentum) if isinstance(self.p, FedAvgParams) else (0.0, 0.0)
+        options: dict[str, Any] = {**({"prox_mu": mu} if mu else {}), **({"momentum": beta} if beta else {})}
         stats = trainer.sgd(
             data,
             steps=steps,
@@ -208,8 +210,7 @@ class FedAvgDevice(DeviceRole):
             lr=self.p.lr,
             rng=rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches"),
             weight_decay=self.p.weight_decay,
-            **({"prox_mu": mu} if mu else {}),
-            **({"momentum": beta} if beta else {}),
+            **options,
         )
         delta = P.sub(trainer.get_params(), task.tensors)
         out = self.codec.encode(delta, uplink_seed(ctx))
