@@ -637,7 +637,10 @@ def test_provision_as_root_without_broker_user_or_mosquitto_user_warns_with_the_
 def test_a_moved_provisioning_folder_works_again_after_relocate(reachable_tmp: Path) -> None:
     """Mosquitto resolves relative config paths against its working directory, so the configs hold absolute
     ones: a moved folder's broker cannot start until ``fedtier provision relocate`` rewrites them."""
-    p = provision_cli(reachable_tmp, "before-move")
+    cell_port = free_port()
+    p = provision_cli(
+        reachable_tmp, "before-move", "--brokers", "per-cell", "--cell-host", "127.0.0.1", "--cell-port", str(cell_port)
+    )
     moved = reachable_tmp / "after-move"
     p["out"].rename(moved)
     conf = moved / "broker" / "mosquitto.conf"
@@ -649,8 +652,11 @@ def test_a_moved_provisioning_folder_works_again_after_relocate(reachable_tmp: P
         "before-move" not in conf.read_text() and f"password_file {moved.resolve()}/broker/passwd" in conf.read_text()
     )
     assert stat.S_IMODE(conf.stat().st_mode) == 0o600
-    with mosquitto(conf, p["port"]), clients() as make:
+    for cell in ("c0", "c1"):  # each cell broker's config and its bridge section too
+        assert "before-move" not in (moved / "cells" / cell / "mosquitto.conf").read_text()
+    with mosquitto(conf, p["port"]), mosquitto(moved / "cells" / "c0" / "mosquitto.conf", cell_port), clients() as make:
         assert make(moved / "nodes" / "cloud", p["port"]).connect(WAIT).connected
+        assert make(moved / "nodes" / "c0-d0", cell_port).connect(WAIT).connected
     again = CliRunner().invoke(main, ["provision", "relocate", "--out", str(moved)])
     assert again.exit_code == 0 and "nothing to do" in again.output
 
