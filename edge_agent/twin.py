@@ -4,7 +4,7 @@ Two agents with one device id share one broker session (the client id is the nod
 force it from the login), so each connection takes the session from the other, silently, without end. So
 every agent process draws a random *instance* nonce and puts it in its (signed) status records. Before it
 announces anything, a starting process listens on its devices' own status topics for ``window`` seconds
-(one heartbeat and a second): a record of another instance seen *twice* is live (the broker hands the
+(:func:`twin_window`): a record of another instance seen *twice* is live (the broker hands the
 retained copy once per subscription; a second copy is a heartbeat, a re-announce, or the retained copy
 again after the live agent took the session back and this one reconnected), and the process refuses to
 start (:class:`TwinAgentError`, exit 1). A single copy is what a crashed predecessor left retained: it does
@@ -38,6 +38,14 @@ DUPLICATE = "duplicate"
 
 class TwinAgentError(ConnectionError):
     """Another agent process is live under this device id."""
+
+
+def twin_window(heartbeat: float) -> float:
+    """How long a starting agent listens (seconds): one heartbeat and a second, and at least the two
+    reconnects a takeover takes to show (the live agent's, then this one's, each within 1.5 x the
+    transport's 1 s minimum reconnect delay: the two share one broker session, so the live one's records
+    reach this one only as the retained copy re-sent when this one connects again)."""
+    return max(heartbeat, 3.0) + 1.0
 
 
 def new_instance() -> str:

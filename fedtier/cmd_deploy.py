@@ -400,6 +400,7 @@ def agent(
     """Run one device agent of CONFIG: connect, answer tasks with the local data, exit when the run is finished."""
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess, make_trainer
+    from edge_agent.twin import twin_window
     from protocols.config import ConfigError
 
     setup_logging(verbose)
@@ -445,7 +446,7 @@ def agent(
             make_trainer(backend, spec, cfg),
             opts,
             availability=device_availability(cfg),
-            twin_window=cfg.runtime.heartbeat + 1.0,  # a second agent under this id is refused (twin.py)
+            twin_window=twin_window(cfg.runtime.heartbeat),  # a second agent under this id is refused (twin.py)
         )  # partial participation: leaves when absent
         agents.start()
     except (ConfigError, ValueError) as exc:

@@ -203,6 +203,7 @@ def serve_agent(
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess
     from edge_agent.service import AgentService
+    from edge_agent.twin import twin_window
     from protocols.transport.threadloop import ThreadLoop
     from protocols.wire import topics
     from protocols.wire.keys import node_trust
@@ -229,7 +230,7 @@ def serve_agent(
             availability=device_availability(job_cfg),
             session=session,
             long_lived=True,
-            twin_window=job_cfg.runtime.heartbeat + 1.0,  # a second agent under this id is refused (twin.py)
+            twin_window=twin_window(job_cfg.runtime.heartbeat),  # a second agent under this id is refused (twin.py)
         )
 
     service = AgentService(cfg, [device], loop, watch, build, trust)

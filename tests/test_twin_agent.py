@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, save_device_data
-from edge_agent.twin import TwinAgentError
+from edge_agent.twin import TwinAgentError, twin_window
 from protocols.status import decode_status, encode_status
 from protocols.transport.broker import MosquittoBroker, find_mosquitto
 from protocols.transport.mqtt import MqttTransport
@@ -26,7 +26,7 @@ from tests.conftest import small_config
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 DEVICE = "c0-d0"
-WINDOW = 3.0  # > the live agent's first reconnect (reconnect_min_delay 1 s, jitter up to 1.5x)
+WINDOW = twin_window(0.3)  # the live agent's reconnect, then the refused one's
 
 
 def until(cond: Any, timeout: float = 20.0) -> bool:
@@ -122,6 +122,7 @@ def test_a_stale_retained_online_of_a_crashed_predecessor_does_not_block_a_resta
 
 def test_fedtier_agent_under_a_live_device_id_exits_1_naming_it(tmp_path: Path) -> None:
     """The command a deployment runs: ``fedtier agent`` (default heartbeat: a 6 s window) refused, exit 1."""
+    assert twin_window(5.0) == 6.0
     cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
     config, data = tmp_path / "run.toml", tmp_path / f"{DEVICE}.npz"
     config.write_text(cfg.to_toml())
