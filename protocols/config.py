@@ -22,6 +22,7 @@ from .algorithms.base import CHANNEL_WIDTHS, Algorithm, ModelSpec, TrainParams
 from .algorithms.compose import Wrapper, check_layers, compose, needs
 from .algorithms.traits import Trait
 from .capabilities import WIRE_VERSION
+from .plugin_loading import load_plugins
 from .wire.topics import check_name
 
 if TYPE_CHECKING:
@@ -940,7 +941,7 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     and ``run.plugins`` first, so the names they register validate."""
     run = data.get("run") if isinstance(data, dict) else None
     try:
-        plugins.load_plugins(run.get("plugins", []) if isinstance(run, dict) else [])
+        load_plugins(run.get("plugins", []) if isinstance(run, dict) else [])
     except plugins.PluginError as exc:
         raise ConfigError(str(exc)) from None
     try:

@@ -10,25 +10,21 @@ A plugin is an installed package that declares entry points in one of three grou
     sensors = "my_plugin.data:load_sensors"         # loader(**params) -> x_train, y_train, x_test, y_test, ...
 
 or a module named in the config's ``[run] plugins`` list that calls :func:`register_model`,
-:func:`register_dataset` or ``protocols.algorithms.register`` when imported. :func:`load_plugins` loads both;
-``parse_config`` calls it before it validates any name, so the CLI, spawned simulation workers and agents
-(which all parse the config they are given) see the same registry. This module needs no torch.
+:func:`register_dataset` or ``protocols.algorithms.register`` when imported. ``load_plugins`` loads both;
+``parse_config`` calls it (``protocols.plugin_loading``) before it validates any name, so the CLI,
+spawned simulation workers and agents (which all parse the config they are given) see the same registry.
+This module holds the registries and needs no torch.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import logging
 import re
 from collections.abc import Callable, Iterable
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch.nn as nn
-
-log = logging.getLogger("fedtier.plugins")
 
 GROUPS = ("fedtier.algorithms", "fedtier.models", "fedtier.datasets")
 BUILTIN_MODELS = ("mlp", "cnn", "cnn4", "logreg")
@@ -137,40 +133,6 @@ def build_registered(name: str, input_shape: tuple[int, ...], num_classes: int) 
     return model
 
 
-def _load_entry(group: str, ep: Any) -> None:
-    obj = ep.load()
-    if group == "fedtier.models":
-        register_model(ep.name, obj)
-    elif group == "fedtier.datasets":
-        register_dataset(ep.name, obj)
-    elif isinstance(obj, type):  # fedtier.algorithms: a class to register (a module registers its own)
-        from .algorithms import register
-        from .algorithms.base import Algorithm
-
-        if not issubclass(obj, Algorithm):
-            raise PluginError(f"{ep.value}: not an Algorithm subclass")
-        register(obj)
-
-
-@functools.cache
-def load_entry_points() -> tuple[str, ...]:
-    """Load every installed plugin of :data:`GROUPS` once per process; the names loaded. A plugin that
-    fails to load raises :class:`PluginError` naming it (a half-registered plugin would fail later, less clearly)."""
-    loaded = []
-    for group in GROUPS:
-        for ep in sorted(entry_points(group=group), key=lambda e: e.name):
-            try:
-                _load_entry(group, ep)
-            except PluginError:
-                raise
-            except Exception as exc:  # an import error in the user's code: say which plugin
-                raise PluginError(f"plugin {ep.name} ({group} = {ep.value!r}) failed to load: {exc!r}") from exc
-            loaded.append(f"{group}:{ep.name}")
-    if loaded:
-        log.debug("plugins loaded: %s", ", ".join(loaded))
-    return tuple(loaded)
-
-
 def check_module_names(modules: Any) -> list[str]:
     """``run.plugins`` as a list of dotted module names; ``PluginError`` otherwise."""
     if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
@@ -179,14 +141,3 @@ def check_module_names(modules: Any) -> list[str]:
         if not _MODULE.fullmatch(m):
             raise PluginError(f"run.plugins: {m!r} is not a module name (dotted identifiers)")
     return list(modules)
-
-
-def load_plugins(modules: Iterable[str] = ()) -> None:
-    """Load the installed entry-point plugins (once) and import each of ``modules`` (``run.plugins``), whose
-    import registers what it adds. ``PluginError`` naming the module that cannot be imported."""
-    load_entry_points()
-    for module in check_module_names(list(modules)):
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            raise PluginError(f"run.plugins: cannot import {module!r}: {exc!r}") from exc

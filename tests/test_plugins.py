@@ -71,7 +71,7 @@ blobs = fedtier_testplugin:blobs
 CONFIG = """
 [run]
 name = "plug"
-rounds = 3
+rounds = 2
 output = "{out}"
 [topology]
 cells = 2
@@ -136,7 +136,7 @@ def test_installed_plugin_runs_in_sim_workers_and_run(plugin_site: Path, tmp_pat
         res = fedtier(plugin_site, cmd, str(cfg), "--no-progress", *extra)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
         s = summary(tmp_path / name)
-        assert s["rounds"] == 3 and s["accuracy"] > 0.8, s  # three blobs: chance is 1/3
+        assert s["rounds"] == 2 and s["accuracy"] > 0.8, s  # three blobs: chance is 1/3
         models.append((tmp_path / name / "final_model.ftw").read_bytes())
     assert models[0] == models[1] == models[2]
 
@@ -148,7 +148,11 @@ def test_run_plugins_key_loads_a_module(tmp_path: Path) -> None:
         "register\n\nregister(type('Clip2', (NormClip,), {'name': 'clip2'}))\n"
     )
     cfg = tmp_path / "c.toml"
-    text = CONFIG.format(out=tmp_path / "out").replace('name = "plug"', 'name = "plug"\nplugins = ["my_norm"]')
+    text = (
+        CONFIG.format(out=tmp_path / "out")
+        .replace("rounds = 2", 'plugins = ["my_norm"]\nrounds = 1')
+        .replace("local_steps = 10", "local_steps = 60")
+    )
     cfg.write_text(
         text.replace('"clipavg"', '"clip2"').replace('"wide"', '"mlp"\nhidden = [16]').replace('"blobs"', '"digits"')
     )
