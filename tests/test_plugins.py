@@ -282,3 +282,34 @@ def test_grad_transform_adds_to_each_step(tmp_path: Path) -> None:
             rng=np.random.default_rng(1),
             grad_transform=correction(bad),
         )
+
+
+def test_entry_points_register_and_a_broken_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each group's entry points register under their names; one that fails to import is a PluginError naming
+    it (not a half-registered registry, not a traceback from deep inside validation)."""
+    from importlib.metadata import EntryPoint
+
+    from protocols import plugin_loading
+
+    eps = {
+        "fedtier.algorithms": [EntryPoint("clipx", "tests.test_plugins:Corrected", "fedtier.algorithms")],
+        "fedtier.models": [EntryPoint("widex", "tests.test_plugins:Wide", "fedtier.models")],
+        "fedtier.datasets": [EntryPoint("blobsx", "numpy:load", "fedtier.datasets")],
+    }
+    monkeypatch.setattr(plugin_loading, "entry_points", lambda group: eps[group])
+    saved = dict(plugins.MODELS), dict(plugins.DATASETS), dict(ALGORITHMS)
+    plugin_loading.load_entry_points.cache_clear()
+    try:
+        assert len(plugin_loading.load_entry_points()) == 3
+        # (the entry point imports tests.test_plugins anew: the same classes by name)
+        assert plugins.MODELS["widex"].__qualname__ == "Wide" and plugins.DATASETS["blobsx"] is np.load
+        assert ALGORITHMS["corrected-test"].__qualname__ == "Corrected"
+        eps["fedtier.models"] = [EntryPoint("gone", "no_such_module_xyz:f", "fedtier.models")]
+        plugin_loading.load_entry_points.cache_clear()
+        with pytest.raises(plugins.PluginError, match=r"plugin gone \(fedtier.models = 'no_such_module_xyz:f'\)"):
+            plugin_loading.load_entry_points()
+    finally:
+        for registry, old in zip((plugins.MODELS, plugins.DATASETS, ALGORITHMS), saved):
+            registry.clear()
+            registry.update(old)
+        plugin_loading.load_entry_points.cache_clear()
