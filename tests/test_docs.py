@@ -260,6 +260,20 @@ def test_how_to_blocks_marked_run_run(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{b} failed:\n{script}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
+def test_readme_is_a_landing_page_with_the_two_commands_and_working_links() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150, "the README is a landing page: move details into docs/"
+    for command in (
+        "bash scripts/setup.sh && .venv/bin/fedtier run examples/quickstart.toml",
+        "bash scripts/setup.sh && .venv/bin/python -m pytest -q",
+    ):
+        assert f"```bash\n{command}\n```" in text
+    links = re.findall(r"\]\(([^)#\s]+)", text)
+    assert len(links) >= 15
+    for link in links:
+        assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
+
+
 def test_first_run_tutorial_ends_with_the_same_model_over_mqtt_as_in_simulation() -> None:
     """The claim the tutorial's emulation block checks with cmp, kept in its text."""
     page = (DOCS / "tutorials" / "first-run.md").read_text(encoding="utf-8")
