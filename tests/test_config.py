@@ -9,10 +9,17 @@ from sim.hierarchy import prepare
 
 
 def test_examples_are_valid():
+    """Every example: a run config, or a job file (`[job]`) valid for the example federation."""
     from pathlib import Path
 
+    from protocols.jobs import canonical_job, read_job_file
+
+    federation = load_config("examples/federation.toml")
     for path in sorted(Path("examples").glob("*.toml")):
-        load_config(path)
+        if "\n[job]" in "\n" + path.read_text():
+            canonical_job(read_job_file(path).config, federation)
+        else:
+            load_config(path)
 
 
 @pytest.mark.parametrize(

@@ -94,7 +94,9 @@ def served_names() -> set[str]:
         }
     )
     exporter.watch_cell(
-        SimpleNamespace(observers=[], cell="c0", online={"c0-d0": True}, devices=["c0-d0"], device_deadline=5.0)
+        SimpleNamespace(
+            observers=[], cell="c0", online={"c0-d0": True}, devices=["c0-d0"], device_deadline=5.0, caps={}
+        )
     )
     exporter.watch_cloud(SimpleNamespace(observers=[], failure_observers=[], cell_deadline=10.0, rounds=2))
     exporter.job_failed("no cell answered in rounds 0-2")

@@ -130,7 +130,10 @@ class ServerOptimizer:
         """The model after cloud round ``round`` (``delta`` None: nobody reported); True if amplified."""
         if self.active and round >= self.start and self.anchor is None:
             self.anchor, self.t0 = P.copy(model), round  # first interval (or first round after a warm-up)
-        new = self._apply(model, delta) if delta is not None else dict(model)
+        if delta is not None:
+            new = self._apply(model, delta)
+        else:  # nobody reported: the model itself, untouched (a dict already, as the cloud keeps it)
+            new = model if isinstance(model, dict) else dict(model)
         if not self.active or self.anchor is None or round + 1 - self.t0 < self.period:
             return new, False
         amplified = {
