@@ -143,3 +143,35 @@ def test_example_configs_validate(name):
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / f"{name}.toml")
     assert cfg.train.name in ("hist", "fedavg")
+
+
+def test_wait_minibatch_is_evaluated_at_the_same_rounds_as_the_others():
+    # benchmarks/amplification.py: wait-minibatch's model moves once a cycle; it is evaluated at the same rounds as
+    # the other methods (the model in place over the whole window), an unchanged model repeating its figures
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.amplification import Federation
+    from protocols.algorithms.base import ModelSpec
+    from protocols.cohort_trainer import CohortEngine
+    from protocols.trainer import LocalData
+
+    fed = object.__new__(Federation)  # a tiny federation: 4 devices, cycle 4, no data set to load
+    g = np.random.default_rng(0)
+    fed.ids, fed.cycle, fed.seed, fed.engine = [f"d{i}" for i in range(4)], 4, 0, CohortEngine()
+    fed.spec = ModelSpec(name="mlp", input_shape=(4,), num_classes=3, hidden=(5,))
+    fed.data = {d: LocalData(g.normal(size=(8, 4)).astype(np.float32), g.integers(0, 3, 8)) for d in fed.ids}
+    passes: list[float] = []
+
+    def evaluate(model):
+        passes.append(float(sum(np.abs(v).sum() for v in model.values())))
+        return passes[-1], 0.5
+
+    fed.evaluate = evaluate
+    alg = FedAvg(FedAvg.Params(name="fedavg", local_steps=2, batch_size=4, lr=0.5), fed.spec, 0)
+    evals, _ = fed.run(alg, alg.initial_params(), 0, 12, wait_for_all=True, eval_every=1)
+    assert [e[0] for e in evals] == list(range(1, 13))  # every round, as the other methods' schedule
+    assert len(passes) == 4 and len(set(passes)) == 4  # one pass per model: the start, after rounds 4, 8 and 12
+    losses = [e[1] for e in evals]
+    assert losses[:3] == [passes[0]] * 3 and losses[3:7] == [passes[1]] * 4 and losses[11] == passes[3]
