@@ -131,9 +131,41 @@ def _check_new(fed: Federation, node: str) -> None:
         raise MembershipError(f"{node!r} is already a node of federation {fed.name!r}")
 
 
+def _new_identity(fed: Federation, node: str) -> bytes:
+    """A fresh Ed25519 identity for ``node`` in the federation's keys; its public key."""
+    seed = new_seed()
+    fed.ring.private[node], fed.ring.public[node] = seed, public_of(seed)
+    return fed.ring.public[node]
+
+
+def _enroll(fed: Federation, node: str, cell: str, folders: list[Path], peers: list[str]) -> Change:
+    """The rest of enrolling ``node`` (its identity and roster entry made): a login and ACL on ``folders``'
+    brokers, its certificate and bundle, the saved state and roster, its ``peers``' keys files, the reload."""
+    from .provisioning import load_pki, write_bundle
+
+    password = secrets.token_urlsafe(18)
+    for folder in folders:
+        _rewrite_broker(fed, folder, [*_users(folder), node], {node: password})
+    p = fed.params
+    bundle = write_bundle(
+        fed.out,
+        load_pki(fed.out),
+        fed.ring,
+        fed.cfg,
+        node,
+        _url(fed, cell),
+        password,
+        p.get("max_device_weight"),
+        bool(p.get("federation")),
+        p.get("fedtier_bin") or "fedtier",
+    )
+    _save(fed)
+    _refresh_keys(fed, peers)
+    return Change(node, bundle, fed.roster.version, reload_brokers(folders))
+
+
 def add_device(out: str | Path, cell: str, device: str, max_weight: float | None = None) -> Change:
     """Enroll ``device`` in ``cell``: identity, certificate, bundle, broker login and ACL, roster."""
-    from .provisioning import load_pki, write_bundle
 
     fed = load_federation(out)
     if cell not in fed.cfg.topology.cell_ids():
@@ -142,36 +174,14 @@ def add_device(out: str | Path, cell: str, device: str, max_weight: float | None
     members = _members(fed.cfg.topology)
     members[cell].append(device)
     fed.cfg = fed.cfg.model_copy(update={"topology": TopologySection(members=members)})
-    seed = new_seed()
-    fed.ring.private[device], fed.ring.public[device] = seed, public_of(seed)
     bound = float(max_weight or fed.params.get("max_device_weight") or fed.cfg.security.max_device_weight or 1e12)
-    fed.roster = fed.roster.with_device(cell, device, fed.ring.public[device], bound)
-    password = secrets.token_urlsafe(18)
-    folders = _broker_dirs(fed, cell)
-    for folder in folders:
-        _rewrite_broker(fed, folder, [*_users(folder), device], {device: password})
-    p = fed.params
-    bundle = write_bundle(
-        fed.out,
-        load_pki(fed.out),
-        fed.ring,
-        fed.cfg,
-        device,
-        _url(fed, cell),
-        password,
-        p.get("max_device_weight"),
-        bool(p.get("federation")),
-        p.get("fedtier_bin") or "fedtier",
-    )
-    _save(fed)
-    _refresh_keys(fed, ["cloud", cell, "monitor"])
-    return Change(device, bundle, fed.roster.version, reload_brokers(folders))
+    fed.roster = fed.roster.with_device(cell, device, _new_identity(fed, device), bound)
+    return _enroll(fed, device, cell, _broker_dirs(fed, cell), ["cloud", cell, "monitor"])
 
 
 def add_cell(out: str | Path, cell: str) -> Change:
     """Enroll a new cell (no devices yet: add them with :func:`add_device`). Shared-broker federations only:
     a per-cell broker is provisioned with the federation."""
-    from .provisioning import load_pki, write_bundle
 
     fed = load_federation(out)
     if fed.params.get("per_cell"):
@@ -179,29 +189,8 @@ def add_cell(out: str | Path, cell: str) -> Change:
     _check_new(fed, cell)
     members = {**_members(fed.cfg.topology), cell: []}
     fed.cfg = fed.cfg.model_copy(update={"topology": TopologySection(members=members)})
-    seed = new_seed()
-    fed.ring.private[cell], fed.ring.public[cell] = seed, public_of(seed)
-    fed.roster = fed.roster.with_cell(cell, fed.ring.public[cell])
-    password = secrets.token_urlsafe(18)
-    folders = _broker_dirs(fed, None)
-    for folder in folders:
-        _rewrite_broker(fed, folder, [*_users(folder), cell], {cell: password})
-    p = fed.params
-    bundle = write_bundle(
-        fed.out,
-        load_pki(fed.out),
-        fed.ring,
-        fed.cfg,
-        cell,
-        _url(fed, cell),
-        password,
-        p.get("max_device_weight"),
-        bool(p.get("federation")),
-        p.get("fedtier_bin") or "fedtier",
-    )
-    _save(fed)
-    _refresh_keys(fed, ["cloud", "monitor"])
-    return Change(cell, bundle, fed.roster.version, reload_brokers(folders))
+    fed.roster = fed.roster.with_cell(cell, _new_identity(fed, cell))
+    return _enroll(fed, cell, cell, _broker_dirs(fed, None), ["cloud", "monitor"])
 
 
 def revoke(out: str | Path, node: str) -> Change:
