@@ -1,6 +1,6 @@
 """The docs site's generated references, written from the code that defines each thing (one source of truth).
 
-- :func:`config_reference`: every config key from the pydantic models (``protocols/config.py`` and each
+- :func:`config_reference`: every config key from the pydantic models (``protocols/config/`` and each
   algorithm's ``Params``): type, default, constraints, description;
 - :func:`cli_reference`: every ``fedtier`` command and option from the click commands;
 - :func:`metrics_reference`: every Prometheus metric from the exporter's declarations (``monitor/exporter.py``);

@@ -1,0 +1,101 @@
+"""Reading a config: TOML file -> overrides -> plugins -> sections -> the checks across sections."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .. import plugins
+from ..algorithms.compose import needs
+from ..algorithms.traits import Trait
+from ..plugin_loading import load_plugins
+from .errors import ConfigError, format_errors
+from .run import RunConfig
+from .toml_io import apply_override
+
+
+def parse_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a config dict; raise :class:`ConfigError` naming every bad key. Loads the installed plugins
+    and ``run.plugins`` first, so the names they register validate."""
+    run = data.get("run") if isinstance(data, dict) else None
+    try:
+        load_plugins(run.get("plugins", []) if isinstance(run, dict) else [])
+    except plugins.PluginError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc)) from None
+    train = cfg.train  # validates the algorithm section
+    if cfg.privacy.secure_aggregation:
+        from ..privacy.secagg import refusal
+
+        reason = refusal(train)
+        if reason is not None:
+            raise ConfigError(f"privacy.secure_aggregation: {reason}")
+    check_privacy(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a TOML config and apply ``key.path=value`` overrides (values parsed as TOML)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for item in overrides:
+        apply_override(data, item)
+    return parse_config(data)
+
+
+def check_privacy(cfg: RunConfig) -> None:
+    """Refuse ``[privacy]`` settings the run cannot honour, naming the key; with ``on_budget = "refuse"``,
+    a run whose ``run.rounds`` would spend more than ``epsilon_budget``."""
+    pv, train = cfg.privacy, cfg.train
+    if pv.dp == "off":
+        return
+    for trait in (Trait.CELL_SUM, Trait.CLOUD_SUM):  # the accountant's mechanism: a clipped, noised sum
+        why = needs(train, trait)
+        if why is not None:
+            raise ConfigError(
+                "privacy.dp: differential privacy needs cells and a cloud that sum dense model deltas (the "
+                f"accountant's mechanism is a clipped, noised sum), not {train.name!r} as configured: {why}"
+            )
+    shares = cfg.dp_noise_shares()
+    if pv.secure_aggregation:
+        # each coordinate a device sends is at most clip plus its noise; secure aggregation clips it to
+        # +-secagg_bound before quantising: the bound must leave the noise whole (6 standard deviations),
+        # or the sum carries less noise than epsilon assumes
+        z = cfg.dp_accountant().noise_multiplier
+        std = z * pv.clip / (math.sqrt(shares) if shares else 1.0)
+        need = pv.clip + 6 * std
+        if pv.secagg_bound < need:
+            raise ConfigError(
+                f"privacy.secagg_bound: {pv.secagg_bound:g} would cut the updates DP clipped to L2 norm {pv.clip:g} "
+                f"or their noise (std {std:.4g} per value): quantisation would remove noise that epsilon counts "
+                f"on; set secagg_bound >= clip + 6 x std = {need:.4g}"
+            )
+    if shares is not None and shares > cfg.topology.devices_per_cell:
+        raise ConfigError(
+            f"privacy.dp_min_survivors: {shares} survivors can never be reached in cells of "
+            f"{cfg.topology.devices_per_cell} devices"
+        )
+    if pv.epsilon_budget is not None and pv.on_budget == "refuse":
+        acc = cfg.dp_accountant()
+        spent = acc.epsilon(cfg.run.rounds)
+        if spent > pv.epsilon_budget:
+            fit = acc.max_rounds(pv.epsilon_budget, cfg.run.rounds)
+            raise ConfigError(
+                f"privacy.epsilon_budget: {cfg.run.rounds} rounds would spend epsilon {spent:.4g} > "
+                f"{pv.epsilon_budget:g} (delta {pv.delta:g}); {fit} rounds fit (set run.rounds = "
+                f'{fit}, more noise, or privacy.on_budget = "stop")'
+            )

@@ -1,0 +1,285 @@
+"""The whole run configuration (:class:`RunConfig`): its sections, and what a run derives from them (the
+algorithm stack, deadlines, secure aggregation and DP settings); its TOML form and its deployment form."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, ValidationError
+
+from ..algorithms import get_algorithm
+from ..algorithms.base import Algorithm, ModelSpec, TrainParams
+from ..algorithms.compose import Wrapper, check_layers, compose
+from .errors import ConfigError, format_errors
+from .privacy import PrivacySection, calibrated_noise
+from .sections import (
+    AttackSection,
+    BrokerSection,
+    ClockSection,
+    DataSection,
+    ModelSection,
+    MonitoringSection,
+    ParticipationSection,
+    RequirementsSection,
+    RunSection,
+    RuntimeSection,
+    Section,
+    SecuritySection,
+)
+from .toml_io import dump_toml
+from .topology import TopologySection
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..privacy.accountant import Accountant
+
+
+class RunConfig(Section):
+    run: RunSection = RunSection()
+    topology: TopologySection = TopologySection()
+    algorithm: dict[str, Any] = Field(default_factory=lambda: {"name": "fedavg"})
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    participation: ParticipationSection = ParticipationSection()
+    runtime: RuntimeSection = RuntimeSection()
+    clock: ClockSection = ClockSection()
+    attack: AttackSection = AttackSection()
+    broker: BrokerSection = BrokerSection()
+    security: SecuritySection = SecuritySection()
+    monitoring: MonitoringSection = MonitoringSection()
+    privacy: PrivacySection = PrivacySection()
+    requirements: RequirementsSection = RequirementsSection()
+
+    @property
+    def train(self) -> TrainParams:
+        """The validated algorithm parameters."""
+        return validate_algorithm(self.algorithm)
+
+    def output_dir(self) -> Path:
+        return Path(self.run.output.format(name=self.run.name))
+
+    def cell_deadline(self) -> float:
+        if self.runtime.cell_deadline is not None:
+            return self.runtime.cell_deadline
+        rejoin = self.runtime.rejoin_wait if self.participation.model != "always" else 0.0
+        unmasking = self.secagg_deadline() if self.privacy.secure_aggregation else 0.0
+        return self.train.edge_rounds * (self.runtime.device_deadline + unmasking) * 1.5 + 10 + rejoin
+
+    def secagg_deadline(self) -> float:
+        """Seconds each extra phase of secure aggregation waits (``privacy.secagg_deadline``)."""
+        return self.privacy.secagg_deadline or self.runtime.device_deadline / 4
+
+    def to_toml(self, exclude: tuple[str, ...] = ()) -> str:
+        """The config as TOML (written to each run's output folder), without the ``exclude`` sections."""
+        data = self.model_dump(mode="json", exclude_none=True, exclude=set(exclude))
+        if "algorithm" not in exclude:
+            data["algorithm"] = self.train.model_dump(mode="json")
+        return dump_toml(data)
+
+    def model_spec(self, input_shape: tuple[int, ...], num_classes: int) -> ModelSpec:
+        """The zoo model of this run for data of ``input_shape`` and ``num_classes``."""
+        m = self.model
+        if m.name == "cnn4" and min(input_shape[-2:]) < 16:
+            raise ConfigError(
+                f"model.name: cnn4 pools 4 times and needs images of at least 16x16; "
+                f"{self.data.dataset} has {'x'.join(map(str, input_shape))}"
+            )
+        return ModelSpec(
+            name=m.name,
+            input_shape=tuple(input_shape),
+            num_classes=num_classes,
+            hidden=m.hidden,
+            channels=m.channels,
+            fc=m.fc,
+            init_std=m.init_std,
+        )
+
+    def secagg_settings(self) -> Any:
+        """The ``SecAggSettings`` of ``[privacy]`` when secure aggregation is on, else ``None``."""
+        if not self.privacy.secure_aggregation:
+            return None
+        from ..privacy.secagg import SecAggSettings
+
+        p = self.privacy
+        return SecAggSettings(
+            seed=self.run.seed,
+            threshold=p.secagg_threshold,
+            neighbours=p.secagg_neighbours,
+            bound=p.secagg_bound,
+            min_survivors=self.dp_noise_shares() or 0,
+        )
+
+    def dp_noise_shares(self) -> int | None:
+        """Cell DP under secure aggregation: the survivors m among whom the cell's noise is split (each
+        device adds variance (z clip)^2 / m; no sum of fewer than m is unmasked); otherwise None."""
+        p = self.privacy
+        if p.dp != "cell" or not p.secure_aggregation:
+            return None
+        if p.dp_min_survivors:
+            return p.dp_min_survivors
+        n, f = self.topology.devices_per_cell, self.participation_fraction()
+        if f is None:
+            raise ConfigError(
+                f"privacy.dp_min_survivors: set it for participation.model = {self.participation.model!r} "
+                "(the survivors a cell's sum must have; fedtier cannot tell from a trace)"
+            )
+        # what the participation model lets survive: the expected participants less two standard deviations of
+        # a random draw, of whom 70% (secure aggregation's 30% dropout after sharing)
+        spread = 2 * math.sqrt(n * f * (1 - f))  # a cell's share of a seeded draw varies (binomial-like)
+        return max(1, math.floor(0.7 * (n * f - spread) + 1e-9))
+
+    def max_message_bytes(self, spec: ModelSpec) -> int:
+        """``runtime.max_message_bytes``, or its default from the model's size."""
+        return self.runtime.max_message_bytes or 8 * 4 * spec.num_params() + 4 * 1024 * 1024
+
+    def build_algorithm(self, spec: ModelSpec) -> Algorithm:
+        """The algorithm stack of this run, ready to build its roles (``protocols.algorithms.compose``)."""
+        wrappers: list[Wrapper] = []
+        if self.run.init_model:
+            wrappers.append(functools.partial(_start_from, self.run.init_model))
+        if self.privacy.dp != "off":
+            wrappers.append(self._private)
+        topo = self.topology
+        init_seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
+        try:
+            return compose(
+                self.train,
+                spec,
+                seed=self.run.seed,
+                init_seed=init_seed,
+                cells={c: topo.devices(c) for c in topo.cell_ids()},
+                wrappers=wrappers,
+            )
+        except ConfigError:
+            raise
+        except ValueError as exc:  # the parameters do not fit the topology (the message names the key)
+            raise ConfigError(str(exc)) from None
+
+    def _private(self, algorithm: Algorithm) -> Algorithm:
+        """``algorithm`` wrapped for this run's differential privacy."""
+        from ..privacy.dp import DpSettings, PrivateAlgorithm
+
+        pv, accountant = self.privacy, self.dp_accountant()
+        assert pv.dp != "off"  # build_algorithm wraps only then
+        dp = DpSettings(
+            pv.dp,
+            pv.clip,
+            accountant.noise_multiplier,
+            self.run.seed if pv.noise_seed is None else pv.noise_seed,
+            self.dp_noise_shares(),
+        )
+        return PrivateAlgorithm(algorithm, dp, accountant, pv.epsilon_budget)
+
+    def participation_fraction(self) -> float | None:
+        """The fraction of a cell's devices that take part in a round on average, from the participation
+        model (``None``: a trace, unknown here). Cell-level participation keeps whole cells: 1."""
+        p, n = self.participation, self.topology.cells * self.topology.devices_per_cell
+        if p.model == "always" or p.level == "cell":
+            return 1.0
+        if p.model in ("uniform", "permutation") and p.per_round:
+            return min(1.0, p.per_round / n)
+        if p.model == "bernoulli":
+            return float(p.prob if p.prob is not None else sum(p.probs or [1.0]) / len(p.probs or [1.0]))
+        if p.model == "cyclic" and p.groups:
+            return min(1.0, p.per_round / n if p.per_round else (p.active or 1) / p.groups)
+        if p.model == "markov" and p.p_on is not None and p.p_off is not None and p.p_on + p.p_off > 0:
+            return p.p_on / (p.p_on + p.p_off)
+        return None if p.model == "trace" else 1.0
+
+    def dp_accountant(self) -> Accountant:
+        """The accountant of this run's ``[privacy]`` (dp must be on); ``target_epsilon`` calibrated to z."""
+        from ..privacy.accountant import Accountant
+
+        pv = self.privacy
+        if pv.dp == "off":
+            raise ConfigError("privacy.dp is off: there is nothing to account")
+        e = self.train.edge_rounds
+        if pv.noise_multiplier is not None:
+            z = pv.noise_multiplier
+        else:
+            assert pv.target_epsilon is not None  # the section's validator requires one of the two
+            z = calibrated_noise(pv.target_epsilon, self.run.rounds, pv.dp, 1.0, e, pv.delta)
+        # participation comes from run.seed or availability and is named in records: q = 1, replace-one
+        return Accountant(
+            pv.dp,
+            z,
+            1.0,
+            e,
+            pv.delta,
+            known_participation=True,
+            cell_sees_updates=pv.dp == "cell" and not pv.secure_aggregation,
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _initial_model(path: str, seeded: Callable[[], dict[str, np.ndarray]]) -> Callable[[], dict[str, np.ndarray]]:
+    """``initial_params`` returning the model in ``path`` (a copy each call), checked now against the
+    names, shapes and dtypes of the seeded initial model; :class:`ConfigError` says what differs."""
+    import numpy as np
+
+    from ..checkpoint import load_params
+
+    try:
+        loaded = load_params(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"run.init_model: cannot read {path}: {exc}") from None
+    expected = seeded()
+    if set(loaded) != set(expected):
+        raise ConfigError(
+            f"run.init_model: {path} has parameters {sorted(loaded)[:4]}..., the model has {sorted(expected)[:4]}..."
+        )
+    for name, value in expected.items():
+        if loaded[name].shape != value.shape or loaded[name].dtype != value.dtype:
+            raise ConfigError(
+                f"run.init_model: {name} is {loaded[name].dtype}{list(loaded[name].shape)} in {path}, "
+                f"the model's is {value.dtype}{list(value.shape)}"
+            )
+    return lambda: {name: np.array(value, copy=True) for name, value in loaded.items()}
+
+
+def _start_from(path: str, algorithm: Algorithm) -> Algorithm:
+    """``algorithm`` starting from the model in ``path`` (``run.init_model``) instead of its seeded one."""
+    algorithm.initial_params = _initial_model(path, algorithm.initial_params)  # type: ignore[method-assign]  # the run's starting model
+    return algorithm
+
+
+def deployment_config(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """``cfg`` as a deployment runs it (``fedtier provision``, ``fedtier cloud|cell|agent``): DP noise drawn
+    from the OS by each noising party (``privacy.noise_seed = "system"``), since every node's bundle holds
+    ``run.seed``; unless the operator set an integer ``noise_seed``, which is kept, with the warning returned
+    (who can then remove the noise). ``fedtier sim`` and ``run`` keep their reproducible seeds."""
+    pv = cfg.privacy
+    if pv.dp == "off" or pv.noise_seed == "system":
+        return cfg, None
+    if pv.noise_seed is None:
+        return cfg.model_copy(update={"privacy": pv.model_copy(update={"noise_seed": "system"})}), None
+    return cfg, (
+        f"privacy.noise_seed = {pv.noise_seed}: the DP noise is reproducible, so anyone holding this config "
+        f"(the operator, and every node whose bundle carries it) can regenerate the noise and subtract it; "
+        f'epsilon then holds only against parties without the config (leave noise_seed out, or "system", '
+        f"for noise drawn from the OS)"
+    )
+
+
+def validate_algorithm(section: dict[str, Any]) -> TrainParams:
+    """The ``[algorithm]`` table validated against the named algorithm's ``Params`` and its layers."""
+    name = section.get("name")
+    if not isinstance(name, str):
+        raise ConfigError('algorithm.name: required (e.g. "fedavg")')
+    try:
+        cls = get_algorithm(name)
+    except ValueError as exc:
+        raise ConfigError(f"algorithm.name: {exc}") from None
+    try:
+        params = cls.Params.model_validate(section)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc, "algorithm")) from None
+    refused = check_layers(params)
+    if refused is not None:
+        raise ConfigError(f"algorithm: {refused}")
+    return params

@@ -1,0 +1,53 @@
+"""Config dicts to and from TOML text: ``key.path=value`` overrides, and a small writer."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from typing import Any
+
+from .errors import ConfigError
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is read as TOML, or else as a string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected key.path=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """A small TOML writer for config dicts (sections of scalars and lists)."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):  # an inline table (topology.members)
+            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    out = []
+    for section, body in data.items():
+        out.append(f"[{section}]")
+        for k, v in body.items():
+            out.append(f"{k} = {value(v)}")
+        out.append("")
+    return "\n".join(out)
