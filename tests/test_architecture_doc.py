@@ -122,7 +122,10 @@ def tracked_rooms() -> set[str]:
 
 
 def test_everything_the_codemap_names_exists() -> None:
-    assert problems(DOC.read_text(encoding="utf-8")) == []
+    text = DOC.read_text(encoding="utf-8")
+    split = [n for n, line in enumerate(text.splitlines(), 1) if line.count("`") % 2 and not line.startswith("```")]
+    assert split == [], f"lines {split}: a code span across lines is not checked; keep each on one line"
+    assert problems(text) == []
 
 
 def test_a_codemap_naming_what_does_not_exist_is_caught() -> None:
