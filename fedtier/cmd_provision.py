@@ -78,7 +78,7 @@ def relocate(out_dir: str) -> None:
     brokers."""
     from protocols.config import ConfigError
 
-    from .provisioning import relocate as rewrite
+    from .broker_files import relocate as rewrite
 
     try:
         moved = rewrite(out_dir)

@@ -56,7 +56,8 @@ def _broker_dirs(fed: Federation, cell: str | None) -> list[Path]:
 def _rewrite_broker(fed: Federation, folder: Path, users: list[str], new_passwords: dict[str, str]) -> None:
     """``folder``'s password file keeps the lines of ``users`` (new ones hashed from ``new_passwords``), and
     its ACL becomes theirs; a user not in ``users`` loses its login."""
-    from .provisioning import acl_file, acl_rules, bridge_rules, bridge_user, password_line
+    from .acl import acl_file, acl_rules, bridge_rules, bridge_user
+    from .broker_files import password_line
 
     lines = {}
     for line in (folder / "passwd").read_text().splitlines():
@@ -113,13 +114,13 @@ def _url(fed: Federation, cell: str) -> str:
 
 def _refresh_keys(fed: Federation, nodes: list[str]) -> None:
     """Rewrite the keys files of ``nodes``' bundles (their peers' public keys follow the membership)."""
-    from .provisioning import _key_subset
+    from .bundles import key_subset
 
     for node in nodes:
         path = fed.out / "nodes" / node / "keys.toml"
         if path.parent.is_dir():
             write_keys(
-                path, _key_subset(fed.ring, fed.cfg, node), comment=f"node {node!r} of {fed.name!r}", overwrite=True
+                path, key_subset(fed.ring, fed.cfg, node), comment=f"node {node!r} of {fed.name!r}", overwrite=True
             )
 
 
@@ -141,7 +142,8 @@ def _new_identity(fed: Federation, node: str) -> bytes:
 def _enroll(fed: Federation, node: str, cell: str, folders: list[Path], peers: list[str]) -> Change:
     """The rest of enrolling ``node`` (its identity and roster entry made): a login and ACL on ``folders``'
     brokers, its certificate and bundle, the saved state and roster, its ``peers``' keys files, the reload."""
-    from .provisioning import load_pki, write_bundle
+    from .bundles import write_bundle
+    from .pki import load_pki
 
     password = secrets.token_urlsafe(18)
     for folder in folders:
@@ -196,7 +198,7 @@ def add_cell(out: str | Path, cell: str) -> Change:
 def revoke(out: str | Path, node: str) -> Change:
     """Revoke a device (or a cell with its devices): login and ACL removed, certificate revoked, key dropped
     from its peers' keys files, roster without it (and listing it as revoked)."""
-    from .provisioning import load_pki
+    from .pki import load_pki
 
     fed = load_federation(out)
     topo = fed.cfg.topology

@@ -20,7 +20,7 @@ from cryptography.x509.oid import NameOID
 
 from protocols.config import ConfigError
 
-from .provisioning import _cert, _key, _pem_cert, _pem_key, _write, load_pki
+from .pki import VALID_DAYS, certificate, load_pki, new_key, pem_cert, pem_key, write_file
 
 CRL = "ca.crl"
 
@@ -77,7 +77,6 @@ def revoked_serials(out: Path) -> list[int]:
 def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None = None) -> Renewed:
     """Re-issue the certificates :func:`certificates` lists (a new key each, ``days`` of validity, default the
     provisioning's), revoke the replaced ones and write the revocation list into ``OUT/ca`` and every broker."""
-    from .provisioning import VALID_DAYS
 
     out = Path(out)
     if not (out / "ca" / "ca.key").exists():
@@ -90,19 +89,19 @@ def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None =
         cn = str(old.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value)
         key_path = crt.with_suffix(".key")
         owner = os.stat(crt)
-        key = _key()
-        cert = _cert(cn, key, pki.name, pki.key, hosts=_hosts(old), days=days or VALID_DAYS)
-        _write(key_path, _pem_key(key), secret=True)
-        _write(crt, _pem_cert(cert))
+        key = new_key()
+        cert = certificate(cn, key, pki.name, pki.key, hosts=_hosts(old), days=days or VALID_DAYS)
+        write_file(key_path, pem_key(key), secret=True)
+        write_file(crt, pem_cert(cert))
         for f in (crt, key_path):
             _keep_owner(f, owner)
         revoked.append(old.serial_number)
         renewed.append(crt)
     crl = pki.crl(revoked)
-    _write(out / "ca" / CRL, crl)
+    write_file(out / "ca" / CRL, crl)
     for broker in _brokers(out):
         owner = os.stat(broker / "mosquitto.conf")
-        _write(broker / CRL, crl)
+        write_file(broker / CRL, crl)
         _keep_owner(broker / CRL, owner)
     return Renewed(renewed, sorted(set(revoked)))
 

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from fedtier.broker_files import password_line
 from fedtier.cli import main
-from fedtier.provisioning import _cert, _key, _Pki, load_pki, password_line
+from fedtier.pki import CertificateAuthority, certificate, load_pki, new_key
 from protocols.procs import popen
 from protocols.transport.broker import find_mosquitto, free_port, wait_for_port
 from protocols.transport.mqtt import MqttTransport
@@ -255,8 +256,10 @@ def test_broker_refuses_a_device_reading_another_devices_task(connect) -> None:
 def test_broker_refuses_a_certificate_of_another_ca(provisioned: dict[str, Any], broker, tmp_path: Path) -> None:
     """The login is the client certificate (its common name is the user): one that claims to be the cloud
     but comes from another CA is refused, whatever user name and password it sends."""
-    key = _key()
-    _Pki("another CA", key, _cert("another CA", key, "another CA", key, ca=True)).issue(tmp_path, "client", "cloud")
+    key = new_key()
+    CertificateAuthority("another CA", key, certificate("another CA", key, "another CA", key, ca=True)).issue(
+        tmp_path, "client", "cloud"
+    )
     (tmp_path / "config.toml").write_text((provisioned["out"] / "nodes" / "cloud" / "config.toml").read_text())
     (tmp_path / "ca.crt").write_bytes((provisioned["out"] / "ca" / "ca.crt").read_bytes())  # trusts the broker
     with clients() as make, pytest.raises(ConnectionError):

@@ -1,0 +1,170 @@
+"""The folder of a provisioned Mosquitto broker: its TLS listener, logins, ACL, persistence and bridge.
+
+:func:`write_broker` writes ``server.crt``/``.key``, ``ca.crt``, ``ca.crl``, ``passwd`` (PBKDF2-SHA512, as
+``mosquitto_passwd``), ``acl``, ``listener.conf`` (the listener's options alone) and ``mosquitto.conf``;
+:func:`relocate` points them at a moved folder; :func:`broker_user_for_root` picks the user a broker
+started as root drops to.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from protocols.config import ConfigError
+
+from .acl import Grants, acl_file
+from .pki import CertificateAuthority, write_file
+
+PERSISTENCE = "persistence true\npersistence_location {data}/\nautosave_interval 1\npersistent_client_expiration 7d\n"
+"""A provisioned broker keeps its sessions, subscriptions, queued and retained messages across a restart
+(``data/mosquitto.db``, saved every second and at a clean stop), as the broker of ``fedtier run`` does:
+with the nodes' persistent sessions a broker restart loses nothing but what it queued in its last
+second before a crash. A session unused for 7 days is dropped (a device gone for good)."""
+MAX_QUEUED_BYTES = 512 * 1024 * 1024
+"""What a broker queues at most for one client that is away (``max_queued_bytes``, besides
+``max_queued_messages``): a node that floods an offline peer's topics costs the broker this much, not gigabytes."""
+
+
+def password_line(user: str, password: str, salt: bytes | None = None) -> str:
+    """One ``password_file`` line in Mosquitto 2's format (``$7$``: PBKDF2-SHA512, 101 iterations)."""
+    salt = salt or os.urandom(12)
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, 101)
+    return f"{user}:$7$101${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def listener_options(max_packet_size: int) -> str:
+    """The options that follow the ``listener`` line (paths relative to the broker folder's files:
+    the caller substitutes absolute paths).
+
+    A login is tied to its node: the broker takes the user name from the client certificate's common name
+    (the node id, ``use_identity_as_username``: the certificate's private key is the credential) and the
+    client id from the user name (``use_username_as_clientid``), so a node's persistent session (client id
+    ``fedtier-{run}-{node}`` on the wire) is keyed by the node's own identity at the broker: no other
+    node's credentials can connect under it, kick it off or inherit or wipe its session. A certificate
+    listed in the CA's revocation list (``ca.crl``, ``renewal.renew``) is refused."""
+    return (
+        "cafile {dir}/ca.crt\ncertfile {dir}/server.crt\nkeyfile {dir}/server.key\ncrlfile {dir}/ca.crl\n"
+        "require_certificate true\nuse_identity_as_username true\nuse_username_as_clientid true\n"
+        "password_file {dir}/passwd\nacl_file {dir}/acl\n"
+        f"max_packet_size {max_packet_size}\n"
+    )
+
+
+def write_broker(
+    folder: Path,
+    title: str,
+    pki: CertificateAuthority,
+    host: str,
+    port: int,
+    max_packet: int,
+    rules: dict[str, Grants],
+    passwords: dict[str, str],
+    extra: str = "",
+    broker_user: str | None = None,
+    bind: str = "",
+) -> None:
+    """One broker folder: server certificate, CA, password file, ACL, listener.conf, mosquitto.conf.
+    With ``broker_user`` (as root), the broker's secrets are chowned to that user and the config says
+    ``user NAME``: Mosquitto started as root drops to it and reads the bridge key after that."""
+    pki.issue(folder, "server", host, hosts=tuple(dict.fromkeys((host, "127.0.0.1", "localhost"))))
+    write_file(folder / "ca.crl", pki.crl([]))
+    write_file(folder / "passwd", "\n".join(password_line(u, passwords[u]) for u in rules) + "\n", secret=True)
+    write_file(folder / "acl", acl_file(rules))
+    options = listener_options(max_packet).replace("{dir}", str(folder.resolve()))
+    write_file(folder / "listener.conf", options)
+    data = folder / "data"  # mosquitto.db: sessions, queued and retained messages (model updates: private)
+    data.mkdir(mode=0o700, exist_ok=True)
+    write_file(
+        folder / "mosquitto.conf",  # secret: a bridge section holds the bridge's password
+        f"# {title} (fedtier provision)\n"
+        + (f"user {broker_user}\n" if broker_user else "")
+        + "per_listener_settings false\nallow_anonymous false\nset_tcp_nodelay true\n"
+        f"max_queued_messages 100000\nmax_queued_bytes {MAX_QUEUED_BYTES}\nmax_inflight_messages 64\n"
+        + PERSISTENCE.format(data=data.resolve())
+        + f"pid_file {data.resolve()}/mosquitto.pid\n"  # `fedtier provision add-device|revoke` reload it (SIGHUP)
+        + f"listener {port}{' ' + bind if bind else ''}\n{options}"
+        + (f"\n{extra}\n" if extra else ""),
+        secret=True,
+    )
+    if broker_user:
+        try:
+            for f in folder.iterdir():
+                shutil.chown(f, user=broker_user)
+        except (PermissionError, LookupError) as exc:
+            raise ConfigError(
+                f"cannot give {folder} to broker user {broker_user!r} ({exc}): "
+                "run provision as root, with an existing user"
+            ) from None
+
+
+def cell_ports(cells: list[str], first: int) -> dict[str, int]:
+    """Each cell broker's TLS port: ``first`` for the first cell, then +1 per cell (in topology order),
+    so per-cell brokers provisioned on one host each listen on their own port."""
+    ports = {cell: first + i for i, cell in enumerate(cells)}
+    if ports and (first < 1 or max(ports.values()) > 65535):
+        raise ConfigError(f"cell broker ports {first}..{first + len(cells) - 1} are outside 1..65535 (--cell-port)")
+    return ports
+
+
+BROKER_CONFIGS = ("mosquitto.conf", "listener.conf")
+"""The files of a broker folder that name its files by absolute path (see :func:`relocate`)."""
+
+
+def relocate(out: str | Path) -> list[Path]:
+    """Point the broker configs of a moved provisioning folder ``out`` at where their files are now.
+
+    Mosquitto resolves a relative path in its config against its working directory, not the config's
+    folder, so provision writes absolute paths (``password_file /old/DIR/broker/passwd``); after the
+    folder moved, this rewrites every broker folder's (``broker``, ``cells/*``) configs from the folder
+    they name (read off their ``password_file`` line) to the broker folder's current absolute path,
+    owner and mode kept. Returns the broker folders rewritten (none if nothing moved)."""
+    out = Path(out)
+    folders = [d for d in (out / "broker", *sorted((out / "cells").glob("*"))) if (d / "mosquitto.conf").is_file()]
+    if not folders:
+        raise ConfigError(f"{out} holds no provisioned broker (no broker/mosquitto.conf)")
+    moved = []
+    for folder in folders:
+        conf = (folder / "mosquitto.conf").read_text()
+        named = [line.split(" ", 1)[1] for line in conf.splitlines() if line.startswith("password_file ")]
+        if len(named) != 1 or not named[0].endswith("/passwd"):
+            raise ConfigError(f"{folder / 'mosquitto.conf'} is not a fedtier broker config (one password_file line)")
+        old, new = named[0][: -len("/passwd")], str(folder.resolve())
+        if old == new:
+            continue
+        for name in BROKER_CONFIGS:
+            path = folder / name
+            if path.is_file():  # write_file truncates in place: the file keeps its owner (a broker user's)
+                write_file(path, path.read_text().replace(f"{old}/", f"{new}/"), secret=name == "mosquitto.conf")
+        moved.append(folder)
+    return moved
+
+
+MOSQUITTO_USER = "mosquitto"
+"""The service user of Debian's (and most distributions') Mosquitto package."""
+
+
+def broker_user_for_root(broker_user: str | None) -> tuple[str | None, str | None]:
+    """The broker user to provision for, and a warning if any. Mosquitto started as root drops to its
+    service user (``mosquitto``, unless its config says ``user``) before it reads its password file,
+    ACL and keys: files written by root with mode 0600 are then unreadable. So as root without
+    ``--broker-user``, default to the ``mosquitto`` user when it exists, else warn with the fix."""
+    import pwd
+
+    if broker_user is not None or os.geteuid() != 0:
+        return broker_user, None
+    try:
+        pwd.getpwnam(MOSQUITTO_USER)
+    except KeyError:
+        return None, (
+            f"provisioning as root without --broker-user and there is no {MOSQUITTO_USER!r} user: the broker "
+            "files are root's (mode 0600), and Mosquitto started as root cannot read them once it drops its "
+            "privileges; give --broker-user USER (the user the broker runs as)"
+        )
+    return MOSQUITTO_USER, (
+        f"provisioning as root without --broker-user: the broker files go to user {MOSQUITTO_USER!r} and the "
+        f"configs say 'user {MOSQUITTO_USER}' (Mosquitto drops to it); give --broker-user to choose another"
+    )

@@ -1,0 +1,131 @@
+"""The certificate authority of a provisioning: keys, X.509 certificates and revocation lists (PEM files).
+
+``fedtier provision`` makes one CA per deployment (``OUT/ca``); it signs every broker's server certificate,
+every bridge's and node's client certificate, and the revocation list the brokers read (``ca.crl``).
+``fedtier provision renew`` (``renewal.py``) and membership changes (``membership.py``) load it again with
+:func:`load_pki`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from protocols.config import ConfigError
+
+VALID_DAYS = 365
+CRL_DAYS = 10 * 365
+
+
+def new_key() -> ec.EllipticCurvePrivateKey:
+    """A fresh P-256 private key (of a CA, a broker, a bridge or a node's TLS client)."""
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def certificate(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: str,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    hosts: tuple[str, ...] = (),
+    days: int = VALID_DAYS,
+) -> x509.Certificate:
+    """A certificate for ``key`` with common name ``subject``, signed by ``issuer_key`` (``hosts``: its
+    subject alternative names, IP addresses or DNS names), valid from five minutes ago for ``days``."""
+    now = dt.datetime.now(dt.UTC)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if hosts:
+        names: list[x509.GeneralName] = []
+        for h in hosts:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(h)))
+            except ValueError:
+                names.append(x509.DNSName(h))
+        b = b.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    return b.sign(issuer_key, hashes.SHA256())
+
+
+def write_file(path: Path, data: bytes | str, secret: bool = False) -> None:
+    """Write ``path`` in place (its owner kept), mode 600 when ``secret`` (on creation), else 644."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """``key`` as unencrypted PKCS#8 PEM."""
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def pem_cert(cert: x509.Certificate) -> bytes:
+    """``cert`` as PEM."""
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+@dataclass(frozen=True)
+class CertificateAuthority:
+    """A deployment's CA: its name (the issuer's common name), key and self-signed certificate."""
+
+    name: str
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+
+    def issue(self, folder: Path, stem: str, cn: str, hosts: tuple[str, ...] = ()) -> None:
+        """Write ``stem.key`` (mode 600), ``stem.crt`` signed by this CA, and ``ca.crt`` into ``folder``."""
+        key = new_key()
+        write_file(folder / f"{stem}.key", pem_key(key), secret=True)
+        write_file(folder / f"{stem}.crt", pem_cert(certificate(cn, key, self.name, self.key, hosts=hosts)))
+        write_file(folder / "ca.crt", pem_cert(self.cert))
+
+    def crl(self, revoked: list[int]) -> bytes:
+        """A PEM revocation list of the certificate serial numbers ``revoked``, signed by this CA (valid for
+        ``CRL_DAYS``: a broker refuses every client once its list has expired)."""
+        now = dt.datetime.now(dt.UTC)
+        b = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(self.cert.subject)
+            .last_update(now - dt.timedelta(minutes=5))
+            .next_update(now + dt.timedelta(days=CRL_DAYS))
+        )
+        for serial in sorted(set(revoked)):
+            b = b.add_revoked_certificate(
+                x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+            )
+        return b.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def load_pki(out: str | Path) -> CertificateAuthority:
+    """The CA of the provisioning in ``out`` (``OUT/ca``), to issue or revoke certificates with."""
+    ca = Path(out) / "ca"
+    key = serialization.load_pem_private_key((ca / "ca.key").read_bytes(), None)
+    cert = x509.load_pem_x509_certificate((ca / "ca.crt").read_bytes())
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ConfigError(f"{ca / 'ca.key'}: not the EC key fedtier provision writes")
+    name = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    return CertificateAuthority(str(name), key, cert)
