@@ -2,7 +2,7 @@
 
 One edge round of one cell of n devices (n = 10, 50, 200), the update of the MNIST MLP 784-200-200-10
 (199,210 float32 values), driven through the protocol classes the runtimes use
-(``protocols/privacy/secagg.py``), every message framed as on the wire (envelope + tensors/v1 payload).
+(``protocols/privacy/secagg/``), every message framed as on the wire (envelope + tensors/v1 payload).
 For each n and dropout fraction (devices that shared their secrets and then sent no result):
 
 * bytes per device-round: what a device sends (keys, shares, masked result, reveal) and receives beyond

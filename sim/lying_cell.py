@@ -31,21 +31,19 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from protocols.privacy import shamir
-from protocols.privacy.secagg import (
+from protocols.privacy.secagg import RoundId, SecAggCell, SecAggSettings
+from protocols.privacy.secagg.crypto import (
     KEY_BYTES,
     NONCE_BYTES,
-    RoundId,
-    SecAggCell,
-    SecAggSettings,
-    _agree,
-    _public,
-    _u8,
+    agree,
     commitment,
     pair_mask,
     pair_sign,
+    public_bytes,
     self_mask,
     view_digest,
 )
+from protocols.privacy.secagg.encoding import as_u8
 from protocols.wire.payload import Payload
 
 Attack = Literal["keys", "dropout"]
@@ -100,7 +98,7 @@ class _Lying(SecAggCell):
         for j in self.graph[target]:
             c, s = X25519PrivateKey.generate(), X25519PrivateKey.generate()
             self.fake[j] = (c, s)
-            tensors[f"c/{j}"], tensors[f"s/{j}"] = _u8(_public(c)), _u8(_public(s))
+            tensors[f"c/{j}"], tensors[f"s/{j}"] = as_u8(public_bytes(c)), as_u8(public_bytes(s))
         out[target] = Payload(out[target].meta, tensors)
         return out
 
@@ -114,7 +112,7 @@ class _Lying(SecAggCell):
             x = self.roster.index(j) + 1
             blob = payload.tensors[f"e/{j}"].tobytes()
             try:
-                plain = AESGCM(_agree(c, c_pub, self.rid.label("seal"))).decrypt(
+                plain = AESGCM(agree(c, c_pub, self.rid.label("seal"))).decrypt(
                     blob[:NONCE_BYTES], blob[NONCE_BYTES:], self.rid.label(device, j, str(x))
                 )
             except InvalidTag:
@@ -179,7 +177,7 @@ class _Lying(SecAggCell):
             ok = (
                 commitment(secret, target, self.rid) == self.commits.get(target)
                 if name == "b"
-                else _public(X25519PrivateKey.from_private_bytes(secret)) == self.keys[target][1]
+                else public_bytes(X25519PrivateKey.from_private_bytes(secret)) == self.keys[target][1]
             )
             if ok:
                 self.secrets[name] = secret

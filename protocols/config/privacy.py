@@ -12,7 +12,7 @@ from .sections import Section
 
 
 class PrivacySection(Section):
-    """Secure aggregation inside each cell (``protocols/privacy/secagg.py``), and differential privacy
+    """Secure aggregation inside each cell (``protocols/privacy/secagg/``), and differential privacy
     (``protocols/privacy/dp.py``): per-device clipping and Gaussian noise, with its accountant."""
 
     secure_aggregation: bool = Field(

@@ -32,7 +32,7 @@ MessageKind = Literal[
     "telemetry",  # aggregation records
     "control",  # run-level control (e.g. run finished)
     "chunk",  # a piece of a larger message
-    "secagg_keys",  # device -> cell: secure aggregation (protocols/privacy/secagg.py), on the result topic
+    "secagg_keys",  # device -> cell: secure aggregation (protocols/privacy/secagg/), on the result topic
     "secagg_roster",  # cell -> device, on its task topic
     "secagg_shares",  # device -> cell
     "secagg_routed",  # cell -> device
