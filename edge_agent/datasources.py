@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from protocols.algorithms.base import ModelSpec
 from protocols.config import ConfigError
 from protocols.trainer import LocalData
 
@@ -338,3 +339,19 @@ def _write_images(root: Path, data: LocalData, input_shape: tuple[int, ...]) -> 
         folder.mkdir(parents=True, exist_ok=True)
         arr = img[0] if input_shape[0] == 1 else img.transpose(1, 2, 0)
         Image.fromarray(arr).save(folder / f"{k:06d}.png")  # uint8 HxW -> L, HxWx3 -> RGB; named by position
+
+
+# ----------------------------------------------------------------------- a device's data, as the runtimes use it
+def save_device_data(path: str | Path, data: LocalData, spec: ModelSpec) -> None:
+    """A device's samples as ``.npz``: ``x``, ``y``, plus the model's ``input_shape`` and ``num_classes``."""
+    write_source(path, data, spec.input_shape, spec.num_classes, "npz")
+
+
+def load_device_data(
+    source: str | Path | DataSource, input_shape: tuple[int, ...] | None = None
+) -> tuple[LocalData, tuple[int, ...] | None, int | None]:
+    """``(data, input_shape, num_classes)`` of a device's data source (``.npz``, CSV, a folder of images
+    by class, or a loader); the last two are ``None`` when the source does not record them. Raises
+    ``DataSourceError`` (a ``ConfigError``) naming the defect."""
+    d = load_source(source, input_shape=input_shape)
+    return d.data, d.input_shape, d.num_classes

@@ -39,6 +39,15 @@ DUPLICATE = "duplicate"
 class TwinAgentError(ConnectionError):
     """Another agent process is live under this device id."""
 
+    @classmethod
+    def of(cls, device: str, other: str) -> TwinAgentError:
+        """The refusal of a second agent for ``device`` (``other``: the live one's instance)."""
+        return cls(
+            f"device {device}: another agent process (instance {other}) is live under this device id on the "
+            f"broker: refusing to start a second one (two agents with one id take the broker session from each "
+            f"other); stop the other agent first"
+        )
+
 
 def twin_window(heartbeat: float) -> float:
     """How long a starting agent listens (seconds): one heartbeat and a second, and at least the two
