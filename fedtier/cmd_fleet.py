@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 import click
 
 from fedtier.cli import auth_options, main
-from fedtier.console import console, fail, load_or_exit
+from fedtier.console import console, fail, live_connection, live_target, public_keys_or_exit
 
 
 @main.command()
@@ -51,36 +50,17 @@ def fleet(
     """List every node (cloud, cells, devices): online or not, when last heard, fedtier and wire versions,
     capabilities (cores, memory, accelerator, backends), the cloud's current job. Exit 1 if no node answered."""
     from monitor.fleet import Fleet, render
-    from protocols.transport.mqtt import MqttTransport
-    from protocols.transport.threadloop import ThreadLoop
-    from protocols.wire.keys import KeysError, load_public_keys
 
-    if config_path is not None:
-        cfg = load_or_exit(config_path, ())
-        broker, run_name = broker or cfg.broker.url, run_name or cfg.run.name
-        keys_file = keys_file or cfg.security.keys
-        auth = {k: v if v is not None else getattr(cfg.broker, k) for k, v in auth.items()}
-    if not broker or not run_name:
+    target = live_target(config_path, broker, run_name, keys_file, auth)
+    if not target.broker or not target.run:
         fail("give --broker URL --run NAME, or --config with both in it", 2)
-    try:
-        keys = load_public_keys(keys_file) if keys_file is not None else None
-    except KeysError as exc:
-        fail(str(exc), 2)
-    loop = ThreadLoop("fedtier-fleet").start()
-    try:
-        transport = MqttTransport.from_url(broker, f"fleet-{uuid.uuid4().hex[:8]}", loop, **auth).connect()
-    except (ConnectionError, ValueError) as exc:
-        loop.stop()
-        fail(str(exc), 1)
-    view = Fleet(run_name, keys)
-    try:
+    view = Fleet(target.run, public_keys_or_exit(target.keys_file))
+    with live_connection(target, "fleet") as transport:
         view.start(transport)
         time.sleep(wait)
-    finally:
-        transport.close()
-        loop.stop()
     if not view.nodes:
-        fail(f"no node of {run_name!r} has a status on {broker} (wrong name or broker, or nothing ever started)", 1)
+        where = f"{target.run!r} has a status on {target.broker}"
+        fail(f"no node of {where} (wrong name or broker, or nothing ever started)", 1)
     if as_json:
         now = view.clock()
         for row in view.rows():

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.live import Live
 
 from fedtier.cli import auth_options, main
-from fedtier.console import fail, load_or_exit
+from fedtier.console import fail, live_connection, live_target, public_keys_or_exit
 
 
 @main.command()
@@ -108,86 +105,34 @@ def monitor(
     line counts the cells per state; with many cells the table shows the --top that matter most
     (--sort, --cell, --state narrow it). Ctrl-C leaves.
     """
-    from monitor.sources import RunDirFollower, TelemetryFeed, wait_quiet
-    from monitor.view import CellFilter, MonitorState, render
+    from monitor.live import LiveView
+    from monitor.sources import RunDirFollower, TelemetryFeed
+    from monitor.view import CellFilter
 
-    if config_path is not None:
-        if run_dir is not None:
-            fail("--config is for the live view: give RUN_DIR or --config, not both", 2)
-        cfg = load_or_exit(config_path, ())
-        broker, run_name = broker or cfg.broker.url, run_name or cfg.run.name
-        keys_file = keys_file or cfg.security.keys
-        auth = {k: v if v is not None else getattr(cfg.broker, k) for k, v in auth.items()}
-        if broker is None:
-            fail(f"{config_path} names no broker ([broker] url): give --broker URL", 2)
-    if (run_dir is None) == (broker is None):
+    if config_path is not None and run_dir is not None:
+        fail("--config is for the live view: give RUN_DIR or --config, not both", 2)
+    target = live_target(config_path, broker, run_name, keys_file, auth)
+    if config_path is not None and target.broker is None:
+        fail(f"{config_path} names no broker ([broker] url): give --broker URL", 2)
+    if (run_dir is None) == (target.broker is None):
         fail("give either RUN_DIR or --broker URL --run NAME (or --config)", 2)
-    if keys_file is not None and broker is None:
+    if target.keys_file is not None and target.broker is None:
         fail(
             "--keys checks the signatures of live telemetry: it goes with --broker (a run folder's logs are "
             "not signed)",
             2,
         )
-    state = MonitorState(drop_ratio=drop_ratio, deadline=deadline)
     flt = CellFilter(patterns=patterns, states=states, top=top, sort=sort)
-    feed: RunDirFollower | TelemetryFeed
-    if broker is not None:
-        if not run_name:
-            fail("--broker needs --run NAME", 2)
-        from protocols.transport.mqtt import MqttTransport
-        from protocols.transport.threadloop import ThreadLoop
-        from protocols.wire.keys import KeysError, load_public_keys
-
-        try:
-            keys = load_public_keys(keys_file) if keys_file is not None else None
-        except KeysError as exc:
-            fail(str(exc), 2)
-        loop = ThreadLoop("fedtier-monitor").start()
-        try:
-            transport = MqttTransport.from_url(broker, f"monitor-{uuid.uuid4().hex[:8]}", loop, **auth).connect()
-        except (ConnectionError, ValueError) as exc:
-            loop.stop()
-            fail(str(exc), 1)
-        feed = TelemetryFeed(transport, run_name, keys).start()
-        state.run = run_name
-    else:
+    watch = LiveView(drop_ratio, deadline, flt, Console(width=width) if width else Console())
+    if run_dir is not None:
         if once and not Path(run_dir).is_dir():
             fail(f"{run_dir} is not a run folder", 2)
-        feed = RunDirFollower(run_dir)  # it may not exist yet: the run creates it
-
-    restarts = 0
-
-    def pull() -> None:
-        nonlocal state, restarts
-        records, bad, statuses = feed.poll()
-        if isinstance(feed, RunDirFollower) and feed.restarts != restarts:  # a new run in the folder
-            restarts, state = feed.restarts, MonitorState(drop_ratio=drop_ratio, deadline=deadline)
-        now = time.time() if broker is not None else None  # a folder: trust the records' own time
-        state.add_all(records, bad, received=now)
-        for node, s in statuses:
-            state.add_status(node, s, time.time())
-        if isinstance(feed, TelemetryFeed):
-            for current in feed.poll_states():
-                state.add_state(current)
-
-    out = Console(width=width) if width else Console()
-    try:
-        if once:
-            if isinstance(feed, TelemetryFeed):
-                wait_quiet(feed, quiet=min(1.0, wait), timeout=wait)
-            pull()
-            out.print(render(state, flt=flt))
-            return
-        with Live(render(state, flt=flt), console=out, auto_refresh=False, transient=False) as live:
-            while True:
-                pull()
-                live.update(render(state, flt=flt), refresh=True)
-                if exit_when_done and state.finished:
-                    return
-                time.sleep(refresh)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if isinstance(feed, TelemetryFeed):
-            feed.close()
-            loop.stop()
+        watch.follow(RunDirFollower(run_dir), once, wait, refresh, exit_when_done)  # it may not exist yet
+        return
+    if not target.run:
+        fail("--broker needs --run NAME", 2)
+    keys = public_keys_or_exit(target.keys_file)
+    with live_connection(target, "monitor") as transport:
+        feed = TelemetryFeed(transport, target.run, keys).start()
+        watch.state.run = target.run
+        watch.follow(feed, once, wait, refresh, exit_when_done)

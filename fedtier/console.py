@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 from rich.console import Console
@@ -15,6 +17,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from protocols.config import ConfigError, RunConfig, load_config
+
+if TYPE_CHECKING:
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.wire.keys import PublicKeys
 
 console = Console(stderr=True)
 
@@ -112,3 +118,59 @@ def exit_if_failed(result: Any) -> None:
 
         console.print(f"[bold red]job failed:[/] {escape(result.failed)}")
         raise SystemExit(JOB_FAILED)
+
+
+@dataclass(frozen=True)
+class LiveTarget:
+    """Where a live view (``fedtier monitor --broker``, ``fedtier fleet``) listens: the broker URL, the run
+    name, the keys file that checks signatures and the broker credentials (``auth_options``)."""
+
+    broker: str | None
+    run: str | None
+    keys_file: str | None
+    auth: dict[str, str | None]
+
+
+def live_target(
+    config_path: str | None, broker: str | None, run: str | None, keys_file: str | None, auth: dict[str, str | None]
+) -> LiveTarget:
+    """The flags, with a config (e.g. the monitor bundle's ``config.toml``) filling what they leave out: its
+    ``[broker]`` URL and credentials, its run name and ``[security] keys``."""
+    if config_path is None:
+        return LiveTarget(broker, run, keys_file, auth)
+    cfg = load_or_exit(config_path, ())
+    filled = {k: v if v is not None else getattr(cfg.broker, k) for k, v in auth.items()}
+    return LiveTarget(broker or cfg.broker.url, run or cfg.run.name, keys_file or cfg.security.keys, filled)
+
+
+def public_keys_or_exit(keys_file: str | None) -> PublicKeys | None:
+    """The public keys in ``keys_file`` (``None`` without one); a bad file exits with status 2."""
+    from protocols.wire.keys import KeysError, load_public_keys
+
+    try:
+        return load_public_keys(keys_file) if keys_file is not None else None
+    except KeysError as exc:
+        fail(str(exc), 2)
+
+
+@contextmanager
+def live_connection(target: LiveTarget, name: str) -> Iterator[MqttTransport]:
+    """A connected MQTT transport to ``target.broker`` (client id ``{name}-`` and a random suffix: several
+    watchers at once), on its own loop; closed with its loop on leaving. No connection exits with status 1."""
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+
+    if target.broker is None:
+        fail("no broker to connect to: give --broker URL", 2)
+    loop = ThreadLoop(f"fedtier-{name}").start()
+    try:
+        transport = MqttTransport.from_url(target.broker, f"{name}-{uuid.uuid4().hex[:8]}", loop, **target.auth)
+        transport.connect()
+    except (ConnectionError, ValueError) as exc:
+        loop.stop()
+        fail(str(exc), 1)
+    try:
+        yield transport
+    finally:
+        transport.close()
+        loop.stop()

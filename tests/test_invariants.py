@@ -31,8 +31,7 @@ MAY_DRAW_UNSEEDED = {
     "fedtier.pki": "CA and TLS keys: secrets",
     "fedtier.broker_files": "password salts of a broker's password file: secrets",
     "fedtier.membership": "a new member's broker password: a secret",
-    "fedtier.cmd_monitor": "the MQTT client id of a watcher: unique",
-    "fedtier.cmd_fleet": "the MQTT client id of a watcher: unique",
+    "fedtier.console": "the MQTT client id of a live watcher (monitor, fleet): unique",
     "sim.attacker": "garbage an attacker sends (tests and benchmarks): never trained on",
     "sim.lying_cell": "a lying cell's own key pairs (tests and benchmarks): secrets",
 }

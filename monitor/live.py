@@ -1,0 +1,61 @@
+"""``fedtier monitor``'s terminal loop: records pulled from a feed (a run folder or live telemetry) into a
+:class:`~monitor.view.MonitorState` and drawn, once or live."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.live import Live
+
+from .sources import RunDirFollower, TelemetryFeed, wait_quiet
+from .view import CellFilter, MonitorState, render
+
+
+class LiveView:
+    """The frames of one ``fedtier monitor``: drawn once, or live until Ctrl-C (or the run's end, with
+    ``exit_when_done``)."""
+
+    def __init__(self, drop_ratio: float, deadline: float | None, flt: CellFilter, out: Console) -> None:
+        self.drop_ratio, self.deadline, self.flt, self.out = drop_ratio, deadline, flt, out
+        self.state = MonitorState(drop_ratio=drop_ratio, deadline=deadline)
+        self.restarts = 0
+
+    def pull(self, feed: RunDirFollower | TelemetryFeed) -> None:
+        """Everything new from ``feed`` into the state (a new run in a followed folder starts a fresh one)."""
+        records, bad, statuses = feed.poll()
+        if isinstance(feed, RunDirFollower) and feed.restarts != self.restarts:  # a new run in the folder
+            self.restarts = feed.restarts
+            self.state = MonitorState(drop_ratio=self.drop_ratio, deadline=self.deadline)
+        live = isinstance(feed, TelemetryFeed)
+        self.state.add_all(records, bad, received=time.time() if live else None)  # a folder: the records' time
+        for node, s in statuses:
+            self.state.add_status(node, s, time.time())
+        if isinstance(feed, TelemetryFeed):
+            for current in feed.poll_states():
+                self.state.add_state(current)
+
+    def follow(
+        self, feed: RunDirFollower | TelemetryFeed, once: bool, wait: float, refresh: float, exit_when_done: bool
+    ) -> None:
+        """One frame (``once``: after live telemetry went quiet, ``wait`` at most) or a live view redrawn every
+        ``refresh`` seconds; a telemetry feed is closed on leaving."""
+        try:
+            if once:
+                if isinstance(feed, TelemetryFeed):
+                    wait_quiet(feed, quiet=min(1.0, wait), timeout=wait)
+                self.pull(feed)
+                self.out.print(render(self.state, flt=self.flt))
+                return
+            with Live(render(self.state, flt=self.flt), console=self.out, auto_refresh=False, transient=False) as live:
+                while True:
+                    self.pull(feed)
+                    live.update(render(self.state, flt=self.flt), refresh=True)
+                    if exit_when_done and self.state.finished:
+                        return
+                    time.sleep(refresh)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if isinstance(feed, TelemetryFeed):
+                feed.close()
