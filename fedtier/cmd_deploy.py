@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import NoReturn
+import time
 
 import click
 
@@ -21,6 +22,7 @@ from .console import (
     round_progress,
     setup_logging,
 )
+from .deploy_setup import broker_options, check_keys, fail_with, require_signed, spec_and_data
 from .metrics import linger, metrics_options, port_override, serve_metrics
 
 BROKER = click.option(
@@ -34,53 +36,6 @@ INSECURE = click.option(
     help="Run without [security] keys: nothing signed, so anyone the broker lets publish can forge the "
     "cloud's, a cell's or a device's messages (a test bed only).",
 )
-
-
-def _require_signed(cfg, insecure: bool) -> None:
-    """Refuse (exit 2, saying why) to run an unsigned deployment node unless ``--insecure``; warn when it is."""
-    if cfg.security.keys is not None:
-        return
-    if not insecure:
-        _fail(
-            ValueError(
-                "unsigned deployment refused: the config has no [security] keys, so nothing this node sends "
-                "or receives is signed and any client the broker admits could forge the cloud's, a cell's or "
-                "a device's messages. Give --keys FILE (fedtier keys; fedtier provision writes one per "
-                "bundle), or --insecure to run unsigned anyway (a test bed only)"
-            ),
-            2,
-        )
-    import logging
-
-    logging.getLogger("fedtier").warning("--insecure: running unsigned; any broker client can forge messages")
-
-
-def _check_keys(cfg, node: str) -> None:
-    """With [security] keys: fail now (exit 2) if the file lacks what ``node`` needs."""
-    from protocols.wire.keys import node_trust
-
-    node_trust(cfg, node)
-
-
-def _broker(cfg, broker_url, auth):
-    from edge_agent.runner import BrokerOptions
-
-    return BrokerOptions.from_config(cfg, broker_url, **auth)
-
-
-def _spec(cfg, source=None):
-    """``(model spec, data of source or None)``: the model's geometry from the data source when it records
-    it, else from the config's dataset name (known without loading the dataset)."""
-    from sim.datasets import dataset_geometry
-
-    shape, classes = dataset_geometry(cfg.data.dataset, **cfg.data.loader_params())
-    data = None
-    if source is not None:
-        from edge_agent.runner import load_device_data
-
-        data, own_shape, own_classes = load_device_data(source, input_shape=shape)
-        shape, classes = own_shape or shape, own_classes or classes
-    return cfg.model_spec(shape, classes), data
 
 
 def watch_cloud(node):
@@ -130,11 +85,6 @@ def _serve(node, loop, cloud=None) -> None:
         node.stop()
 
 
-def _fail(exc: Exception, code: int) -> NoReturn:
-    console.print(f"[bold red]error:[/] {exc}")
-    raise SystemExit(code)
-
-
 @main.command()
 @keys_option
 @CONFIG
@@ -173,45 +123,54 @@ def cloud(
     **auth,
 ) -> None:
     """Run the cloud aggregator of CONFIG; outputs go to the config's run folder."""
+    setup_logging(verbose)
+    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
+    require_signed(cfg, insecure)
+    if serve:
+        _serve_cloud(cfg, broker_url, auth, test_data)
+    else:
+        _run_cloud(cfg, broker_url, auth, test_data, resume, not no_progress, metrics_linger)
+
+
+def _serve_cloud(cfg, broker_url, auth, test_data: str | None) -> None:
+    """``fedtier cloud --serve``: one submitted job after another (``fedtier/serve.py``)."""
+    from cloud.jobs import JobQueueError
+    from protocols.config import ConfigError
+
+    from .serve import serve_cloud
+
+    try:
+        serve_cloud(cfg, broker_options(cfg, broker_url, auth), test_data, spec_and_data)
+    except ConfigError as exc:
+        fail_with(exc, 2)
+    except JobQueueError as exc:
+        fail_with(exc, 1)
+
+
+def _run_cloud(
+    cfg, broker_url, auth, test_data: str | None, resume: bool, progress: bool, metrics_linger: float
+) -> None:
+    """``fedtier cloud``: the one job of the config, to its end (or Ctrl-C); its result in the run folder."""
     from cloud.node import build_cloud
     from edge_agent.runner import offline_will
     from protocols.config import ConfigError
-    from protocols.jsonl import StorageError
     from protocols.transport.threadloop import ThreadLoop
     from sim.hierarchy import fresh_output, make_evaluator
-    from sim.launcher import RunResult, write_final
 
-    setup_logging(verbose)
-    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
-    _require_signed(cfg, insecure)
-    if serve:
-        from cloud.jobs import JobQueueError
-
-        from .serve import serve_cloud
-
-        try:
-            serve_cloud(cfg, _broker(cfg, broker_url, auth), test_data, _spec)
-        except ConfigError as exc:
-            _fail(exc, 2)
-        except JobQueueError as exc:
-            _fail(exc, 1)
-        return
     try:
-        spec, test = _spec(cfg, test_data)
-        opts = _broker(cfg, broker_url, auth)
-        _check_keys(cfg, "cloud")
+        spec, test = spec_and_data(cfg, test_data)
+        opts = broker_options(cfg, broker_url, auth)
+        check_keys(cfg, "cloud")
         out = fresh_output(cfg, resume)
         loop = ThreadLoop("cloud")
         transport = opts.transport("cloud", cfg.run.name, loop, will=offline_will(cfg.run.name, "cloud", cfg)).connect()
     except ConfigError as exc:
-        _fail(exc, 2)
+        fail_with(exc, 2)
     except ConnectionError as exc:
-        _fail(exc, 1)
+        fail_with(exc, 1)
     evaluator = make_evaluator(spec, test.x, test.y, cfg.runtime.device) if test is not None else None
-    import time
-
     t0 = time.perf_counter()
-    with round_progress(cfg, not no_progress) as on_round:
+    with round_progress(cfg, progress) as on_round:
         node = build_cloud(
             cfg,
             transport,
@@ -229,23 +188,31 @@ def cloud(
         _serve(node, loop)
     linger(exporter, metrics_linger)
     if node.finished:
-        result = RunResult(
-            cfg,
-            node.role.global_params(),
-            node.history,
-            [],
-            out,
-            time.perf_counter() - t0,
-            stopped=node.stopped,
-            failed=node.failed,
-        )
-        try:
-            write_final(out, result)
-        except StorageError as exc:  # a full disk: the job's files are incomplete, say so
-            console.print(f"[bold red]job failed:[/] {exc}")
-            raise SystemExit(JOB_FAILED) from exc
-        print_summary(result.summary(), out)
-        exit_if_failed(result)
+        _finish_cloud(cfg, node, out, time.perf_counter() - t0)
+
+
+def _finish_cloud(cfg, node, out, wall_s: float) -> None:
+    """The finished job's final files and summary; exit :data:`JOB_FAILED` if it failed or cannot be saved."""
+    from protocols.jsonl import StorageError
+    from sim.launcher import RunResult, write_final
+
+    result = RunResult(
+        cfg,
+        node.role.global_params(),
+        node.history,
+        [],
+        out,
+        wall_s,
+        stopped=node.stopped,
+        failed=node.failed,
+    )
+    try:
+        write_final(out, result)
+    except StorageError as exc:  # a full disk: the job's files are incomplete, say so
+        console.print(f"[bold red]job failed:[/] {exc}")
+        raise SystemExit(JOB_FAILED) from exc
+    print_summary(result.summary(), out)
+    exit_if_failed(result)
 
 
 @main.command()
@@ -279,27 +246,39 @@ def cell(
     **auth,
 ) -> None:
     """Run the edge server of one cell of CONFIG (its aggregation log goes to the config's run folder)."""
-    from cell_server.node import build_cell
+    from protocols.config import ConfigError
+
+    setup_logging(verbose)
+    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
+    require_signed(cfg, insecure)
+    if cell_id not in cfg.topology.cell_ids():
+        fail_with(ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})"), 2)
+    if serve:
+        from .serve import serve_cell
+
+        try:
+            served = serve_cell(cfg, cell_id, broker_options(cfg, broker_url, auth), spec_and_data)
+        except ConfigError as exc:
+            fail_with(exc, 2)
+        except ConnectionError as exc:
+            fail_with(exc, 1)
+        console.print(f"cell {cell_id}: served {len(served)} jobs ({', '.join(served)})")
+    else:
+        _run_cell(cfg, cell_id, broker_url, auth, resume, metrics_linger)
+
+
+def _connect_cell(cfg, cell_id: str, broker_url, auth):
+    """The cell's model spec, broker options, run folder, loop and connected transport (exit 2 on a bad config,
+    1 when the broker cannot be reached)."""
     from edge_agent.runner import offline_will
     from protocols.config import ConfigError
     from protocols.transport.threadloop import ThreadLoop
     from protocols.wire import topics
 
-    setup_logging(verbose)
-    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
-    _require_signed(cfg, insecure)
     try:
-        if cell_id not in cfg.topology.cell_ids():
-            raise ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})")
-        if serve:
-            from .serve import serve_cell
-
-            served = serve_cell(cfg, cell_id, _broker(cfg, broker_url, auth), _spec)
-            console.print(f"cell {cell_id}: served {len(served)} jobs ({', '.join(served)})")
-            return
-        spec, _ = _spec(cfg, None)
-        opts = _broker(cfg, broker_url, auth)
-        _check_keys(cfg, cell_id)
+        spec, _ = spec_and_data(cfg, None)
+        opts = broker_options(cfg, broker_url, auth)
+        check_keys(cfg, cell_id)
         out = cfg.output_dir()
         out.mkdir(parents=True, exist_ok=True)
         loop = ThreadLoop(f"cell-{cell_id}")
@@ -308,11 +287,20 @@ def cell(
             node_name, cfg.run.name, loop, will=offline_will(cfg.run.name, node_name, cfg)
         ).connect()
     except ConfigError as exc:
-        _fail(exc, 2)
+        fail_with(exc, 2)
     except ConnectionError as exc:
-        _fail(exc, 1)
+        fail_with(exc, 1)
+    return spec, opts, out, loop, transport
+
+
+def _run_cell(cfg, cell_id: str, broker_url, auth, resume: bool, metrics_linger: float) -> None:
+    """``fedtier cell``: serve the cell's devices until the cloud's job is finished (or Ctrl-C); exit
+    :data:`JOB_FAILED` if the cell failed."""
+    from cell_server.node import build_cell
+    from protocols.config import ConfigError
     from sim.hierarchy import edge_availability
 
+    spec, opts, out, loop, transport = _connect_cell(cfg, cell_id, broker_url, auth)
     # device-level participation: as in `fedtier run`, absent devices leave
     try:
         node = build_cell(
@@ -328,7 +316,7 @@ def cell(
         )
     except ConfigError as exc:
         transport.close()
-        _fail(exc, 2)
+        fail_with(exc, 2)
     exporter = serve_metrics(cfg)
     if exporter is not None:
         exporter.watch_cell(node)
@@ -398,47 +386,58 @@ def agent(
     **auth,
 ) -> None:
     """Run one device agent of CONFIG: connect, answer tasks with the local data, exit when the run is finished."""
-    from edge_agent.node import cell_of
-    from edge_agent.runner import AgentProcess, make_trainer
-    from edge_agent.twin import twin_window
-    from protocols.config import ConfigError
+    from edge_agent.datasources import DataSource
 
     setup_logging(verbose)
     if onnx_model:
         overrides = (*overrides, f"runtime.onnx_model={json.dumps(onnx_model)}")
     cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
-    _require_signed(cfg, insecure)
+    require_signed(cfg, insecure)
+    source = functools.partial(DataSource, data_path, label_column=label_column, loader=loader)
     if serve:
-        from edge_agent.datasources import DataSource
+        _serve_agent(cfg, device, source(), backend, broker_url, auth)
+    else:
+        _run_agent(cfg, device, source, backend, broker_url, auth, metrics_linger)
 
-        from .serve import serve_agent
 
-        source = DataSource(data_path, label_column=label_column, loader=loader)
-        try:
-            _, data = _spec(cfg, source)
-            served, tasks = serve_agent(
-                cfg,
-                device,
-                data,
-                _broker(cfg, broker_url, auth),
-                lambda job_cfg, spec: make_trainer(backend, spec, job_cfg),
-                lambda job_cfg, _: _spec(job_cfg, source),
-            )
-        except (ConfigError, ValueError) as exc:
-            _fail(exc, 2)
-        except ConnectionError as exc:  # e.g. another agent is live under this device id (edge_agent/twin.py)
-            _fail(exc, 1)
-        console.print(f"device {device}: served {len(served)} jobs ({', '.join(served)}), {tasks} tasks")
-        return
+def _serve_agent(cfg, device: str, source, backend: str, broker_url, auth) -> None:
+    """``fedtier agent --serve``: train for one submitted job after another with ``source``'s data."""
+    from edge_agent.runner import make_trainer
+    from protocols.config import ConfigError
+
+    from .serve import serve_agent
+
+    try:
+        _, data = spec_and_data(cfg, source)
+        served, tasks = serve_agent(
+            cfg,
+            device,
+            data,
+            broker_options(cfg, broker_url, auth),
+            lambda job_cfg, spec: make_trainer(backend, spec, job_cfg),
+            lambda job_cfg, _: spec_and_data(job_cfg, source),
+        )
+    except (ConfigError, ValueError) as exc:
+        fail_with(exc, 2)
+    except ConnectionError as exc:  # e.g. another agent is live under this device id (edge_agent/twin.py)
+        fail_with(exc, 1)
+    console.print(f"device {device}: served {len(served)} jobs ({', '.join(served)}), {tasks} tasks")
+
+
+def _run_agent(cfg, device: str, open_source, backend: str, broker_url, auth, metrics_linger: float) -> None:
+    """``fedtier agent``: answer the config's job's tasks with the data of ``open_source()`` until the run is
+    finished (or Ctrl-C)."""
+    from edge_agent.node import cell_of
+    from edge_agent.runner import AgentProcess, make_trainer
+    from edge_agent.twin import twin_window
+    from protocols.config import ConfigError
+    from sim.hierarchy import device_availability
+
     try:
         cell_of(cfg, device)
-        from edge_agent.datasources import DataSource
-
-        spec, data = _spec(cfg, DataSource(data_path, label_column=label_column, loader=loader))
-        opts = _broker(cfg, broker_url, auth)
-        _check_keys(cfg, device)
-        from sim.hierarchy import device_availability
-
+        spec, data = spec_and_data(cfg, open_source())
+        opts = broker_options(cfg, broker_url, auth)
+        check_keys(cfg, device)
         agents = AgentProcess(
             cfg,
             cfg.build_algorithm(spec),
@@ -450,9 +449,9 @@ def agent(
         )  # partial participation: leaves when absent
         agents.start()
     except (ConfigError, ValueError) as exc:
-        _fail(exc, 2)
+        fail_with(exc, 2)
     except ConnectionError as exc:
-        _fail(exc, 1)
+        fail_with(exc, 1)
     exporter = serve_metrics(cfg, agents)
     console.print(f"device {device} ({len(data)} samples) connected to {opts.url}; waiting for tasks (Ctrl-C to stop)")
     try:
