@@ -14,7 +14,7 @@ from rich.text import Text
 
 from fedtier.cli import main
 from fedtier.console import console, fail
-from protocols.records import CellRecord, Record, read_run
+from protocols.records import CellRecord, Record, RoundRecord, read_run
 
 EVENTS = ("aggregation", "round")
 
@@ -73,70 +73,76 @@ def _plain(*cells: str) -> list[Text]:
     return [Text(c) for c in cells]
 
 
-def records_table(records: list[Record]) -> Table:
-    table = Table(header_style="bold")
-    for col in (
-        "event",
+COLUMNS = (
+    "event",
+    "round",
+    "cell",
+    "answered",
+    "absent / rejected",
+    "bytes in",
+    "bytes out",
+    "loss",
+    "accuracy",
+    "closed by",
+    "duration s",
+)
+LEFT = ("event", "cell", "absent / rejected", "closed by")
+
+
+def _cell_row(r: CellRecord) -> list[Text]:
+    """A cell's aggregation record as a row of :data:`COLUMNS`."""
+    listed = set(r.absent.values())
+    absent = ", ".join(
+        [
+            *(f"{d}: {why}" for d, why in r.absent.items()),
+            *(f"{n:,} {why}" for why, n in r.absent_by_reason().items() if why not in listed),
+        ]
+    )
+    rejected = ", ".join(f"{x.device}: {x.reason}" for x in r.rejected)
+    return _plain(
+        "aggregation",
+        f"{r.round}.{r.edge_round}",
+        r.cell,
+        f"{len(r.answered)}/{len(r.planned)}",
+        "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",
+        f"{r.bytes_in:,}",
+        f"{r.bytes_out:,}",
+        _fmt(r.loss_mean) + ("" if r.loss_std is None else f" ± {r.loss_std:.3f}"),
+        "-",
+        r.closed_by,
+        f"{r.duration_s:.3f}",
+    )
+
+
+def _round_row(r: RoundRecord) -> list[Text]:
+    """A cloud round record as a row of :data:`COLUMNS`."""
+    up = r.bytes.get("cell_to_cloud", 0) + r.bytes.get("device_to_cell", 0)
+    down = r.bytes.get("cloud_to_cell", 0) + r.bytes.get("cell_to_device", 0)
+    absent = ", ".join(r.cells_absent)
+    rejected = ", ".join(f"{x.get('from')}: {x.get('reason')}" for x in r.rejected)
+    return _plain(
         "round",
-        "cell",
-        "answered",
-        "absent / rejected",
-        "bytes in",
-        "bytes out",
-        "loss",
-        "accuracy",
-        "closed by",
-        "duration s",
-    ):
-        table.add_column(
-            col, justify="right" if col not in ("event", "cell", "absent / rejected", "closed by") else "left"
-        )
+        str(r.round),
+        "cloud",
+        f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
+        "; ".join(filter(None, (absent and f"absent {absent}", rejected and f"rejected {rejected}"))) or "-",
+        f"{up:,}",
+        f"{down:,}",
+        _fmt(r.loss),
+        _fmt(r.accuracy),
+        r.closed_by,
+        f"{r.duration_s:.3f}",
+    )
+
+
+def records_table(records: list[Record]) -> Table:
+    """One row per record, cells' aggregations and cloud rounds alike; record text is shown as it is (rich
+    ``Text``), never read as markup."""
+    table = Table(header_style="bold")
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in LEFT else "right")
     for r in records:
-        if isinstance(r, CellRecord):
-            listed = set(r.absent.values())
-            absent = ", ".join(
-                [
-                    *(f"{d}: {why}" for d, why in r.absent.items()),
-                    *(f"{n:,} {why}" for why, n in r.absent_by_reason().items() if why not in listed),
-                ]
-            )
-            rejected = ", ".join(f"{x.device}: {x.reason}" for x in r.rejected)
-            table.add_row(  # Text: record text is shown as it is, never read as markup
-                *_plain(
-                    "aggregation",
-                    f"{r.round}.{r.edge_round}",
-                    r.cell,
-                    f"{len(r.answered)}/{len(r.planned)}",
-                    "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",
-                    f"{r.bytes_in:,}",
-                    f"{r.bytes_out:,}",
-                    _fmt(r.loss_mean) + ("" if r.loss_std is None else f" ± {r.loss_std:.3f}"),
-                    "-",
-                    r.closed_by,
-                    f"{r.duration_s:.3f}",
-                )
-            )
-        else:
-            up = r.bytes.get("cell_to_cloud", 0) + r.bytes.get("device_to_cell", 0)
-            down = r.bytes.get("cloud_to_cell", 0) + r.bytes.get("cell_to_device", 0)
-            absent = ", ".join(r.cells_absent)
-            rejected = ", ".join(f"{x.get('from')}: {x.get('reason')}" for x in r.rejected)
-            table.add_row(  # Text: record text is shown as it is, never read as markup
-                *_plain(
-                    "round",
-                    str(r.round),
-                    "cloud",
-                    f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
-                    "; ".join(filter(None, (absent and f"absent {absent}", rejected and f"rejected {rejected}")))
-                    or "-",
-                    f"{up:,}",
-                    f"{down:,}",
-                    _fmt(r.loss),
-                    _fmt(r.accuracy),
-                    r.closed_by,
-                    f"{r.duration_s:.3f}",
-                )
-            )
+        table.add_row(*(_cell_row(r) if isinstance(r, CellRecord) else _round_row(r)))
     return table
 
 
