@@ -1,5 +1,5 @@
 """``fedtier monitor``'s terminal loop: records pulled from a feed (a run folder or live telemetry) into a
-:class:`~monitor.view.MonitorState` and drawn, once or live."""
+:class:`~monitor.state.MonitorState` and drawn, once or live."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.live import Live
 
 from .sources import RunDirFollower, TelemetryFeed, wait_quiet
-from .view import CellFilter, MonitorState, render
+from .state import MonitorState
+from .view import CellFilter, render
 
 
 class LiveView:
