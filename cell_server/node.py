@@ -47,30 +47,9 @@ def build_cell(
     if cell not in cfg.topology.cell_ids():
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
-    train = cfg.train
-    server: type[CellServer]
-    extra: dict[str, Any]
-    if Trait.ASYNC in algorithm.stack_traits():  # FedBuff: keep devices busy, push every M updates / T s
-        assert isinstance(train, AsyncParams)  # the asynchronous layer is AsyncParams
-        if resume:
-            raise ConfigError('--resume: algorithm.mode = "async" cells do not resume yet; start them afresh')
-        server, extra = (
-            AsyncCellServer,
-            {
-                "role": FedBuffCell(train, cell),
-                "push_every": train.async_push_every,
-                "push_seconds": train.async_push_seconds,
-            },
-        )
-    else:
-        if resume and cfg.secagg_settings() is not None:
-            raise ConfigError(
-                "--resume: a cell under secure aggregation does not resume its round (the masks' "
-                "key shares are not journaled); start it afresh"
-            )
-        server, extra = CellServer, {"role": algorithm.cell(cell), "resume": resume}
-        if journal and output_dir is not None and cfg.secagg_settings() is None:
-            extra["journal_path"] = output_dir / runfiles.CELL_JOURNAL.format(cell=cell)
+    server, extra = _server_kind(cfg, cell, algorithm, resume)
+    if journal and output_dir is not None and server is CellServer and cfg.secagg_settings() is None:
+        extra["journal_path"] = output_dir / runfiles.CELL_JOURNAL.format(cell=cell)
     return server(
         transport,
         run=cfg.run.name,
@@ -97,3 +76,27 @@ def build_cell(
         secagg_deadline=cfg.secagg_deadline(),
         requirements=None if cfg.requirements.nothing_required() else cfg.requirements,
     )
+
+
+def _server_kind(
+    cfg: RunConfig, cell: str, algorithm: Algorithm, resume: bool
+) -> tuple[type[CellServer], dict[str, Any]]:
+    """The server class of ``algorithm`` and its role arguments: FedBuff (keep devices busy, push every M
+    updates or T seconds) or rounds."""
+    train = cfg.train
+    if Trait.ASYNC in algorithm.stack_traits():
+        assert isinstance(train, AsyncParams)  # the asynchronous layer is AsyncParams
+        if resume:
+            raise ConfigError('--resume: algorithm.mode = "async" cells do not resume yet; start them afresh')
+        role = FedBuffCell(train, cell)
+        return AsyncCellServer, {
+            "role": role,
+            "push_every": train.async_push_every,
+            "push_seconds": train.async_push_seconds,
+        }
+    if resume and cfg.secagg_settings() is not None:
+        raise ConfigError(
+            "--resume: a cell under secure aggregation does not resume its round (the masks' "
+            "key shares are not journaled); start it afresh"
+        )
+    return CellServer, {"role": algorithm.cell(cell), "resume": resume}

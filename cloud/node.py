@@ -44,19 +44,7 @@ def build_cloud(
     folder's ``cells.jsonl`` (a deployed cloud: its cells write on their own machines)."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
-    server: type[CloudServer]
-    extra: dict[str, Any]
-    if Trait.ASYNC in algorithm.stack_traits():  # FedBuff over cells
-        if resume:
-            raise ConfigError(
-                '--resume: algorithm.mode = "async" does not resume from a checkpoint yet '
-                "(buffered pushes and cell versions are not checkpointed); run again"
-            )
-        inner = algorithm.cloud()
-        assert isinstance(cfg.train, AsyncParams) and isinstance(inner, ModelCloud)  # FedAvg's (the VERSIONED one)
-        server, extra = AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, inner)}
-    else:
-        server, extra = CloudServer, {"role": algorithm.cloud()}
+    server, extra = _server_kind(cfg, algorithm, resume)
     return server(
         transport,
         run=cfg.run.name,
@@ -83,6 +71,20 @@ def build_cloud(
         min_cells=cfg.runtime.min_cells,
         fail_on_cell_failure=cfg.runtime.fail_on_cell_failure,
     )
+
+
+def _server_kind(cfg: RunConfig, algorithm: Algorithm, resume: bool) -> tuple[type[CloudServer], dict[str, Any]]:
+    """The server class of ``algorithm`` and its role argument: FedBuff over cells (asynchronous) or rounds."""
+    if Trait.ASYNC not in algorithm.stack_traits():
+        return CloudServer, {"role": algorithm.cloud()}
+    if resume:
+        raise ConfigError(
+            '--resume: algorithm.mode = "async" does not resume from a checkpoint yet '
+            "(buffered pushes and cell versions are not checkpointed); run again"
+        )
+    inner = algorithm.cloud()
+    assert isinstance(cfg.train, AsyncParams) and isinstance(inner, ModelCloud)  # FedAvg's (the VERSIONED one)
+    return AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, inner)}
 
 
 def config_cell_bounds(cfg: RunConfig) -> Mapping[str, float] | None:
