@@ -92,8 +92,9 @@ class CloudServer:
     ) -> None:
         """``cell_bounds``: the largest weight each cell's report may claim (the sum of its devices' bounds
         times the results a report adds up, :func:`protocols.bounds.cell_weight_bound`); a report claiming
-        more is refused. ``session``: the cloud session (a job's, ``protocols.jobs.job_session``); default
-        a fresh one. ``max_stalled_rounds``, ``min_cells``: when the job fails for lack of progress
+        more is refused. ``session``: the cloud session (a job's, ``protocols.jobs.job_session``; it wins over
+        a checkpoint's); default a fresh one (or, resuming, the checkpoint's). ``max_stalled_rounds``,
+        ``min_cells``: when the job fails for lack of progress
         (:class:`protocols.failures.StallWatch`). ``cell_records_path``: write every cell's aggregation records,
         from their telemetry, there (``cloud.cell_records``; a deployed cloud, whose cells write elsewhere).
         ``max_record_bytes``: rotate the records files past this size (``protocols.jsonl.JsonlWriter``).
@@ -147,7 +148,7 @@ class CloudServer:
             stalled = state.meta.get("stalled", 0)
             if isinstance(stalled, int) and 0 < stalled < self.stall.max_rounds:
                 self.stall.stalled, self.stall.first = stalled, self.round - stalled
-            if isinstance(state.meta.get("session"), str):  # the same session: cells take the re-sent round
+            if session is None and isinstance(state.meta.get("session"), str):  # cells take the re-sent round
                 self.session = self.messenger.session = state.meta["session"]
             self.resumed = True
             if metrics_path is not None:

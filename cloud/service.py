@@ -47,17 +47,24 @@ from protocols.wire.signed import seal_record
 
 from .jobs import Job, JobQueue, JobQueueError
 from .node import build_cloud
-from .server import CloudServer, Evaluator
+from .server import CellAvailability, CloudServer, Evaluator
 
 log = logging.getLogger("fedtier.cloud.service")
 
 
 @dataclass(frozen=True)
 class JobParts:
-    """What the caller builds for a job's config (they need the data set: not the cloud's business)."""
+    """What the caller builds for a job's config (they need the data set: not the cloud's business), and
+    how a launcher that also runs the cells and devices (``fedtier run``) wants the job's server built."""
 
     algorithm: Algorithm
     evaluator: Evaluator | None = None
+    availability: CellAvailability | None = None  # the cells' participation (``fedtier run``: the config's)
+    cell_bounds: Mapping[str, float] | None = None  # each cell's weight bound (else the roster's, the config's)
+    devices_recreated: bool = False  # see ``build_cloud``
+    resume: bool = False  # continue from the job folder's checkpoint, even as a new job (``fedtier run --resume``)
+    collect_cell_records: bool = True  # into ``cells.jsonl`` (not where the cells write to the same folder)
+    on_build: Callable[[CloudServer], None] | None = None  # called with the job's server before it starts
 
 
 class CloudService:
@@ -65,7 +72,8 @@ class CloudService:
     ``parts(cfg)`` builds a job's algorithm and evaluator; ``on_end(job, cfg, node, out)`` writes a
     finished job's final model and summary; ``roster``: the signed roster it publishes (retained) on every
     connection. ``operator``: the operator's public key (``None``: unsigned
-    federation, any submitter accepted; for tests and ``fedtier run`` only)."""
+    federation, any submitter accepted; for tests and ``fedtier run`` only). ``job_folder(job)``: a job's run
+    folder (default ``{output}/jobs/{job}``; ``fedtier run``: its own run folder)."""
 
     def __init__(
         self,
@@ -81,7 +89,9 @@ class CloudService:
         on_round: Callable[[dict[str, Any]], None] | None = None,
         roster: bytes | None = None,
         roster_path: Path | None = None,
+        job_folder: Callable[[str], Path] | None = None,
     ) -> None:
+        self.job_folder = job_folder
         self.bundle, self.loop, self.connect, self.queue, self.parts = bundle, loop, connect, queue, parts
         self.fed = bundle.run.name
         self.trust, self.on_end, self.on_round = trust, on_end, on_round
@@ -188,39 +198,45 @@ class CloudService:
         node.stop()
         return True
 
+    def _folder(self, job: str) -> Path:
+        return self.job_folder(job) if self.job_folder is not None else self.bundle.output_dir() / "jobs" / job
+
     def _build(self, job: Job, current: CurrentJob, transport: Transport, resumed: bool) -> tuple[Any, Path, Any]:
         """The job's localized config, its run folder and its cloud server on ``transport``."""
         cfg = current.run_config(self.bundle)
+        out = self._folder(job.job)
+        run = {"output": str(out)}
         if job.init_from is not None:
             base = self.queue.get(job.init_from)
-            model = cfg.output_dir().parent / job.init_from / runfiles.FINAL_MODEL
+            model = self._folder(job.init_from) / runfiles.FINAL_MODEL
             if base is None or base.state != "finished" or not model.exists():
                 raise JobError(
                     f"init_from: job {job.init_from!r} has no final model ({base.state if base else 'none'})"
                 )
-            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(model)})})
-        out = cfg.output_dir()
+            run["init_model"] = str(model)
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update=run)})
         out.mkdir(parents=True, exist_ok=True)
         with private_file(out / runfiles.CONFIG) as f:  # mode 600: it may hold the broker password
             f.write(cfg.to_toml().encode())
         parts = self.parts(cfg)  # ConfigError: e.g. init_from a model of another architecture
-        return (
+        node = build_cloud(
             cfg,
-            out,
-            build_cloud(
-                cfg,
-                transport,
-                parts.algorithm,
-                evaluator=parts.evaluator,
-                output_dir=out,
-                resume=resumed and (out / runfiles.CHECKPOINT).exists(),
-                startup_wait=cfg.runtime.startup_wait,
-                on_round=self.on_round,
-                session=current.session,
-                collect_cell_records=True,  # the cells write on their own machines: the job's folder gets them all
-                cell_bounds=self._cell_bounds(cfg),
-            ),
+            transport,
+            parts.algorithm,
+            evaluator=parts.evaluator,
+            output_dir=out,
+            resume=(resumed or parts.resume) and (out / runfiles.CHECKPOINT).exists(),
+            startup_wait=cfg.runtime.startup_wait,
+            on_round=self.on_round,
+            session=current.session,
+            collect_cell_records=parts.collect_cell_records,  # a deployment's cells write on their own machines
+            cell_bounds=parts.cell_bounds if parts.cell_bounds is not None else self._cell_bounds(cfg),
+            availability=parts.availability,
+            devices_recreated=parts.devices_recreated,
         )
+        if parts.on_build is not None:
+            parts.on_build(node)
+        return cfg, out, node
 
     def _fail(self, job: Job, reason: str) -> None:
         """End ``job`` as failed before it started (nodes never saw it: nothing to tell them)."""

@@ -50,6 +50,7 @@ class AgentService:
         self.tasks = 0
         self.agents: AgentProcess | None = None
         self.on_job_end: Callable[[str], None] | None = None  # called after each job served (benchmarks)
+        self.on_start: Callable[[AgentProcess], None] | None = None  # called once its agents started
 
     def stop(self) -> None:
         self.stopping.set()
@@ -89,6 +90,8 @@ class AgentService:
                     agents = self.agents = fresh
                     agents.on_job_record = records.on_job
                     agents.start()
+                    if self.on_start is not None:
+                        self.on_start(agents)
                 else:  # the same connections, the next job's roles
                     agents.next_job(fresh.cfg, fresh.algorithm, fresh.trainer, current.session, fresh.availability)
                     if fresh.executor is not None:
