@@ -1,18 +1,22 @@
-"""``fedtier run``: the whole hierarchy on one machine over a real MQTT broker.
+"""``fedtier run``: the whole hierarchy on one machine over a real MQTT broker, as a local federation plus
+one submitted job (the service code of ``fedtier cloud|cell|agent --serve``).
 
-The cloud and one cell server per cell run in this process on one :class:`ThreadLoop`; the device
-agents run in worker OS processes (``spawn``), each device with its own MQTT connection and client
-id, as on a real device, several devices per worker. Each device's partition is written to
-``RUN_DIR/devices/<device>.npz`` and a worker loads it from there, as ``fedtier agent`` does.
+The cloud and one cell server per cell run in this process as long-lived services (``sim.local_federation``),
+each on its own loop; the device agents run in worker OS processes (``sim.agent_workers``), each device with
+its own MQTT connection and client id, as on a real device, several devices per worker. Each device's
+partition is written to ``RUN_DIR/devices/<device>.npz`` and a worker loads it from there, as
+``fedtier agent`` does.
 
-Start order: broker -> cells and cloud subscribe -> workers connect their devices, which announce
-themselves (retained status) -> the cloud waits until every cell reports all its devices online
-(``runtime.startup_wait``) -> rounds -> the cloud publishes the retained ``finished`` record ->
-agents leave, workers exit. With device-level partial participation, each round's absent devices
-really disconnect and rejoin when they take part again (the cloud's retained round manifest tells
-them the round; cells wait up to ``runtime.rejoin_wait`` for them), so the run stays bit-identical. Everything is
-torn down in ``finally`` (workers are terminated if they
-are still alive). Same config and seed -> the same final model, byte for byte, as ``fedtier sim``.
+Start order: broker -> the cloud and cells connect -> the run's config is submitted as one job (queued in
+``RUN_DIR/jobs.json``) -> the cloud publishes it as the job in progress -> the cells and the workers' agents
+take its config from that record, connect their devices, which announce themselves (retained status) -> the
+cloud waits until every cell reports all its devices online (``runtime.startup_wait``) -> rounds -> the cloud
+publishes the retained ``finished`` record -> agents leave, workers exit, the services stop (as on SIGTERM).
+With device-level partial participation, each round's absent devices really disconnect and rejoin when they
+take part again (the cloud's retained round manifest tells them the round; cells wait up to
+``runtime.rejoin_wait`` for them), so the run stays bit-identical. Everything is torn down in ``finally``
+(workers are terminated if they are still alive). Same config and seed -> the same final model, byte for
+byte, as ``fedtier sim``.
 """
 
 from __future__ import annotations
@@ -27,17 +31,20 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cell_server.node import build_cell
-from cloud.node import build_cloud
+from cell_server.server import CellServer
+from cloud.server import CloudServer
+from cloud.service import JobParts
 from edge_agent.cohort import cohort_engine
-from edge_agent.runner import AgentProcess, BrokerOptions, offline_will, save_device_data
+from edge_agent.runner import BrokerOptions, save_device_data
 from protocols import procs, runfiles
-from protocols.config import ConfigError, RunConfig, load_config
+from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan
+from protocols.privacy.ledger import LEDGER_FILE
+from protocols.transport.base import Transport
 from protocols.transport.bridge import bridge_config
 from protocols.transport.broker import find_mosquitto
 from protocols.transport.reactor import Reactor
@@ -45,10 +52,14 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
 
+from .agent_workers import Faults, agent_workers, raise_fd_limit, with_init_model, worker_groups, worker_main
 from .executors import set_torch_threads
-from .hierarchy import cell_availability, device_availability, edge_availability, fresh_output, make_evaluator, prepare
+from .hierarchy import Prepared, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .launcher import RunResult, cell_bounds, device_samples, write_final
+from .local_federation import LocalFederation, federation_bundle, job_text
 from .onnx_devices import export_onnx, with_onnx_model
+
+__all__ = ["Emulation", "Faults", "agent_workers", "raise_fd_limit", "run_emulation", "worker_groups"]
 
 log = logging.getLogger("fedtier.run")
 
@@ -63,133 +74,6 @@ def wire_by_tier(snapshots: list[dict[str, Any]]) -> dict[str, int]:
         for topic, (out, _in) in snap["by_topic"].items():
             total[topics.tier_of(topic) or "control"] += out
     return total
-
-
-@dataclass
-class Faults:
-    """Fault injection for tests: ``crash`` kills a device's worker with SIGKILL when that device
-    receives its task for ``(round, edge_round)`` (round ``None``: of any round, e.g. an asynchronous
-    cell's first task of a device, ``(None, 0)``, whatever model version it carries); ``duplicate`` publishes every
-    device result twice;
-    ``hold`` maps a device to ``(round, edge_round, path)``: on that task it creates ``path.held``
-    and trains only once ``path`` exists (at most ``HOLD_LIMIT`` seconds), so a test can act while
-    the device is known to be mid-task."""
-
-    crash: dict[str, tuple[int | None, int]] = field(default_factory=dict)
-    duplicate: bool = False
-    hold: dict[str, tuple[int, int, str]] = field(default_factory=dict)
-
-    def on_task(self, device: str, rnd: int, edge: int) -> None:
-        """Called by a worker before ``device`` trains its task of ``(rnd, edge)``."""
-        crash = self.crash.get(device)
-        if crash is not None and crash[0] in (None, rnd) and crash[1] == edge:
-            os.kill(os.getpid(), signal.SIGKILL)
-        hold = self.hold.get(device)
-        if hold is not None and tuple(hold[:2]) == (rnd, edge):
-            Path(f"{hold[2]}.held").touch()
-            deadline = time.monotonic() + HOLD_LIMIT
-            while not os.path.exists(hold[2]) and time.monotonic() < deadline:
-                time.sleep(0.02)
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        """Devices a fault targets (each gets a worker of its own)."""
-        return (*self.crash, *(d for d in self.hold if d not in self.crash))
-
-
-HOLD_LIMIT = 120.0
-
-
-AGENTS_PER_CORE = 100
-"""Agents below which one more worker process is not worth its ~300 MB (a torch import): a worker's
-agents share one I/O thread and train one at a time, so workers only buy cores."""
-
-
-def agent_workers(agents: int, cores: int | None = None, fd_limit: int | None = None) -> int:
-    """Worker processes for ``agents`` emulated devices: one per ``AGENTS_PER_CORE`` agents, at most
-    one per core, and enough that no worker needs more sockets than its file-descriptor limit."""
-    cores = cores or os.cpu_count() or 1
-    if fd_limit is None:
-        import resource
-
-        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        fd_limit = 1 << 20 if fd_limit == resource.RLIM_INFINITY else fd_limit
-    per_worker = max(1, fd_limit - 64)  # one socket per agent, plus the process's own files
-    by_cores = min(cores, -(-agents // AGENTS_PER_CORE))
-    return max(1, by_cores, -(-agents // per_worker))
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's soft file-descriptor limit to its hard limit (a worker holds one socket
-    per agent); returns the soft limit now in force."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    return soft
-
-
-def worker_groups(devices: list[str], workers: int, isolate: tuple[str, ...] = ()) -> list[list[str]]:
-    """Devices dealt round-robin over ``workers`` processes; each ``isolate`` device gets its own."""
-    alone = [d for d in devices if d in isolate]
-    rest = [d for d in devices if d not in isolate]
-    n = max(1, min(workers, len(rest))) if rest else 0
-    return [[d] for d in alone] + [rest[i::n] for i in range(n)]
-
-
-# ---------------------------------------------------------------------------------------- workers
-def worker_main(job: dict[str, Any], results: Any) -> None:
-    """Entry point of a worker process: run the agents of ``job`` until the run is finished."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
-    procs.die_with_parent(job.get("parent"))  # a SIGKILLed launcher leaves no worker behind
-    logging.basicConfig(level=job.get("log_level", logging.WARNING), format="%(processName)s %(message)s")
-    raise_fd_limit()
-    from edge_agent.runner import load_device_data, make_trainer
-    from protocols.algorithms.base import ModelSpec
-
-    cfg = load_config(job["config"])
-    data, shape, classes = {}, None, None
-    for device, path in job["devices"].items():
-        data[device], shape, classes = load_device_data(path)
-    spec = cfg.model_spec(shape, classes) if shape and classes else ModelSpec.model_validate(job["spec"])
-    trainer = make_trainer(job.get("backend", "torch"), spec, cfg)
-    faults = Faults(**job.get("faults", {}))
-    on_task = faults.on_task if faults.crash or faults.hold else None
-    cell_brokers = {c: BrokerOptions(**o) for c, o in job.get("cell_brokers", {}).items()}
-    agents = AgentProcess(
-        cfg,
-        cfg.build_algorithm(spec),
-        data,
-        trainer,
-        BrokerOptions(**job["broker"]),
-        cell_brokers=cell_brokers,
-        on_task=on_task,
-        timing=job.get("timing", False),
-        availability=device_availability(cfg),
-    )
-    try:
-        agents.start(job.get("connect_timeout", 30.0))
-        if faults.duplicate:
-            for t in agents.transports.values():
-                t.publish = _twice(t.publish)
-        agents.wait()
-    finally:
-        agents.stop()
-        results.put(agents.stats())
-
-
-def _twice(publish: Callable[..., None]) -> Callable[..., None]:
-    def publish_twice(topic: str, payload: bytes, **kw: Any) -> None:
-        publish(topic, payload, **kw)
-        if topic.endswith("/result"):
-            publish(topic, payload, **kw)
-
-    return publish_twice
 
 
 # --------------------------------------------------------------------------------------- launcher
@@ -251,7 +135,10 @@ class Emulation:
         self.procs: list[Any] = []
         self.groups: list[list[str]] = []
         self.agent_stats: dict[str, dict[str, Any]] = {}
-        self.cells: dict[str, Any] = {}
+        self.cells: dict[str, CellServer] = {}  # the job's cell servers, as the cells build them
+        self.served: list[list[str]] = []  # per worker that reported: the job sessions its agents served
+        self.device_files: dict[str, Path] = {}
+        self._results: Any = None
 
     def _start_brokers(self) -> tuple[str, dict[str, str]]:
         """The broker URL of the cloud and of each cell: one broker for all (the given one, else
@@ -290,130 +177,147 @@ class Emulation:
         return {name: sys_bytes(b.url) for name, b in self.started_brokers.items() if isinstance(b, MosquittoBroker)}
 
     def run(self) -> RunResult:
-        cfg = self.cfg
+        """Run the config as one job on a local federation; its result (the job's outputs are in the run
+        folder). Raises :class:`ConfigError` for a job the cloud refused or could not start."""
         t0 = time.perf_counter()
         set_torch_threads(1)
-        prep = prepare(cfg)
-        spec, ds = prep.spec, prep.dataset
-        if execution_plan(cfg).cohort:
-            cohort_engine(spec, cfg.runtime.device)  # refuse a model the workers could not vectorize, now
-        out = fresh_output(cfg, self.resume)
-        if not self.resume:  # a fresh run: no broker sessions of an earlier one
-            shutil.rmtree(out / runfiles.BROKER, ignore_errors=True)
-        device_files = {}
-        for device, data in prep.device_data.items():
-            device_files[device] = out / "devices" / f"{device}.npz"
-            save_device_data(device_files[device], data, spec)
-        algorithm = cfg.build_algorithm(spec)
-        if cfg.runtime.onnx_devices:
-            export_onnx(spec, algorithm.initial_params(), cfg.runtime.onnx_model)
-        availability = edge_availability(cfg)
-
-        loop = cloud = None
-        cells: dict[str, Any] = {}
-        self.cells = cells  # the cell servers, for tests that watch a round
-        results: Any = None
-        agent_stats: dict[str, dict[str, Any]] = {}
+        prep = prepare(self.cfg)
+        out = self._prepare_folder(prep)
+        self.cells, self.served, self.procs = {}, [], []
         reactor = Reactor("run-io").start()  # the sockets of the cloud and every cell
+        fed: LocalFederation | None = None
         try:
             url, cell_urls = self._start_brokers()
-            opts = BrokerOptions.from_config(cfg, url, **self.broker_options, max_chunk=self.max_chunk)
+            opts = BrokerOptions.from_config(self.cfg, url, **self.broker_options, max_chunk=self.max_chunk)
             cell_opts = {c: dataclasses.replace(opts, url=u) for c, u in cell_urls.items()}
-            run = cfg.run.name
-            loop = ThreadLoop(f"run-{run}").start()
-            for c in cfg.topology.cell_ids():
-                node = topics.cell_node(c)
-                transport = (
-                    cell_opts[c]
-                    .transport(node, run, loop, will=offline_will(run, node, cfg), reactor=reactor)
-                    .connect()
-                )
-                cells[c] = build_cell(
-                    cfg,
-                    c,
-                    transport,
-                    algorithm,
-                    availability=availability,
-                    output_dir=out,
-                    heartbeats=True,
-                    samples=device_samples(prep.device_data, cfg.topology.devices(c)),
-                )
-                if self.metrics is not None:
-                    self.metrics.watch_cell(cells[c])
-                _on_loop(loop, cells[c].start)
-            transport = opts.transport(
-                "cloud", run, loop, will=offline_will(run, "cloud", cfg), reactor=reactor
-            ).connect()
-            cloud = build_cloud(
-                cfg,
-                transport,
-                algorithm,
-                evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device),
-                output_dir=out,
-                resume=self.resume,
-                startup_wait=cfg.runtime.startup_wait,
-                devices_recreated=True,
-                on_round=self.on_round,
-                availability=cell_availability(cfg),
-                cell_bounds=cell_bounds(cfg, prep.device_data),
-            )
-            if self.metrics is not None:
-                self.metrics.watch_cloud(cloud)
-            for node in (*cells.values(), cloud):
-                node.transport.wait_subscribed()
-            _on_loop(loop, cloud.start)
-            results = self._spawn(out, device_files, spec, opts, cell_opts)
-            self._wait_finished(cloud)
-            agent_stats = self.agent_stats = self._collect(results)
-            for node in (*cells.values(), cloud):
-                _on_loop(loop, node.stop)
-            loop.stop()
-            wire = wire_by_tier(
-                [n.transport.stats.snapshot() for n in (*cells.values(), cloud)]
-                + [s["wire"] for s in agent_stats.values()]
-            )
-            result = RunResult(
-                cfg,
-                cloud.role.global_params(),
-                cloud.history,
-                [r for c in cells.values() for r in c.records],
+            fed = LocalFederation(
+                self.cfg,
                 out,
-                time.perf_counter() - t0,
-                {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")} for d, s in sorted(agent_stats.items())},
-                wire,
-                stopped=cloud.stopped,
-                failed=cloud.failed,
+                opts,
+                cell_opts,
+                reactor,
+                self._parts(prep),
+                self._cell_builder(prep, out),
+                self.on_round,
+                resume=self.resume,
             )
-            write_final(out, result)
-            return result
+            fed.start()
+            job = fed.submit(job_text(self.cfg))
+            self._spawn(out, prep, opts, cell_opts)
+            ended = fed.wait(job, self._fail_fast)
+            if fed.server is None:  # it could not be built: the nodes never saw it
+                raise ConfigError(f"job {job} failed: {ended.reason}")
+            self.agent_stats = self._collect()
+            fed.stop()
+            return self._result(fed.server, out, t0)
         finally:
             self._terminate()
-            if loop is not None:
-                loop.stop()
-            for node in (*cells.values(), *((cloud,) if cloud is not None else ())):
-                if node.transport.connected:
-                    node.transport.close(flush_timeout=1.0)
-            if results is not None:
-                results.close()
+            if fed is not None:
+                fed.stop()
+            if self._results is not None:
+                self._results.close()
             reactor.close()
             if self.brokers == "per-cell" and self.started_brokers:
                 self.broker_bytes = self.broker_traffic()
             for b in self.started_brokers.values():
                 b.stop()
 
+    def _prepare_folder(self, prep: Prepared) -> Path:
+        """The run folder (a fresh run's old files removed), the devices' data files, the onnx model."""
+        cfg = self.cfg
+        if execution_plan(cfg).cohort:
+            cohort_engine(prep.spec, cfg.runtime.device)  # refuse a model the workers could not vectorize, now
+        out = fresh_output(cfg, self.resume)
+        if not self.resume:  # a fresh run: no broker sessions, no privacy ledger of an earlier one
+            shutil.rmtree(out / runfiles.BROKER, ignore_errors=True)
+            (out / LEDGER_FILE).unlink(missing_ok=True)
+        self.device_files = {d: out / "devices" / f"{d}.npz" for d in prep.device_data}
+        for device, data in prep.device_data.items():
+            save_device_data(self.device_files[device], data, prep.spec)
+        if cfg.runtime.onnx_devices:
+            assert cfg.runtime.onnx_model is not None  # with_onnx_model set it
+            export_onnx(prep.spec, cfg.build_algorithm(prep.spec).initial_params(), cfg.runtime.onnx_model)
+        return out
+
+    def _parts(self, prep: Prepared) -> Callable[[RunConfig], JobParts]:
+        """The cloud's part of the job, from the job's config (the cloud's record of it)."""
+        ds = prep.dataset
+
+        def parts(job_cfg: RunConfig) -> JobParts:
+            job_cfg = with_init_model(job_cfg, self.cfg.run.init_model)
+            spec = job_cfg.model_spec(ds.input_shape, ds.num_classes)
+            return JobParts(
+                job_cfg.build_algorithm(spec),
+                make_evaluator(spec, ds.x_test, ds.y_test, job_cfg.runtime.device),
+                availability=cell_availability(job_cfg),
+                cell_bounds=cell_bounds(job_cfg, prep.device_data),
+                devices_recreated=True,
+                resume=self.resume,
+                collect_cell_records=False,  # the cells write to the run folder themselves
+                on_build=self.metrics.watch_cloud if self.metrics is not None else None,
+            )
+
+        return parts
+
+    def _cell_builder(self, prep: Prepared, out: Path) -> Callable[[RunConfig, str, Transport], CellServer]:
+        """A cell's server for the job's config (the cloud's record of it); kept in ``self.cells``."""
+        ds = prep.dataset
+
+        def build(job_cfg: RunConfig, cell: str, transport: Transport) -> CellServer:
+            job_cfg = with_init_model(job_cfg, self.cfg.run.init_model)
+            spec = job_cfg.model_spec(ds.input_shape, ds.num_classes)
+            node = build_cell(
+                job_cfg,
+                cell,
+                transport,
+                job_cfg.build_algorithm(spec),
+                availability=edge_availability(job_cfg),
+                output_dir=out,
+                heartbeats=True,
+                samples=device_samples(prep.device_data, job_cfg.topology.devices(cell)),
+            )
+            self.cells[cell] = node  # for tests that watch a round
+            if self.metrics is not None:
+                self.metrics.watch_cell(node)
+            return node
+
+        return build
+
+    def _result(self, cloud: CloudServer, out: Path, t0: float) -> RunResult:
+        """The run's result from the job's cloud and cell servers and the agents' stats; written to ``out``."""
+        cells = [self.cells[c] for c in self.cfg.topology.cell_ids() if c in self.cells]  # as the sim orders them
+        transports: list[Any] = [c.transport for c in cells] + [cloud.transport]  # MqttTransports, with counters
+        agent_stats = self.agent_stats
+        wire = wire_by_tier([t.stats.snapshot() for t in transports] + [s["wire"] for s in agent_stats.values()])
+        result = RunResult(
+            self.cfg,
+            cloud.role.global_params(),
+            cloud.history,
+            [r for c in cells for r in c.records],
+            out,
+            time.perf_counter() - t0,
+            {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")} for d, s in sorted(agent_stats.items())},
+            wire,
+            stopped=cloud.stopped,
+            failed=cloud.failed,
+        )
+        write_final(out, result)
+        return result
+
     # ------------------------------------------------------------------------------- workers
-    def _spawn(
-        self, out: Path, files: dict[str, Path], spec: Any, opts: BrokerOptions, cell_opts: dict[str, BrokerOptions]
-    ) -> Any:
+    def _spawn(self, out: Path, prep: Prepared, opts: BrokerOptions, cell_opts: dict[str, BrokerOptions]) -> None:
+        """Start the agent workers; each serves the job its devices learn from the cloud."""
         ctx = mp.get_context("spawn")  # never fork: this process has threads
-        results = ctx.Queue()
+        self._results = ctx.Queue()
         level = logging.getLogger().getEffectiveLevel()
+        bundle = federation_bundle(self.cfg).to_toml()
         groups = self.groups = worker_groups(self.cfg.topology.all_devices(), self.workers, self.isolate)
         for i, group in enumerate(groups):
             job = {
-                "config": str(out / runfiles.CONFIG),
-                "devices": {d: str(files[d]) for d in group},
-                "spec": spec.model_dump(mode="json"),
+                "bundle": bundle,
+                "devices": {d: str(self.device_files[d]) for d in group},
+                "spec": prep.spec.model_dump(mode="json"),
+                "init_model": self.cfg.run.init_model,
                 "broker": opts.__dict__,
                 "log_level": level,
                 "cell_brokers": {c: o.__dict__ for c, o in cell_opts.items() if o != opts},
@@ -426,36 +330,34 @@ class Emulation:
                 "timing": self.timing,
                 "parent": os.getpid(),
             }
-            proc = ctx.Process(target=worker_main, args=(job, results), name=f"fedtier-agents-{i}", daemon=True)
+            proc = ctx.Process(target=worker_main, args=(job, self._results), name=f"fedtier-agents-{i}", daemon=True)
             procs.spawn(proc.start)
             self.procs.append(proc)
-        return results
 
-    def _wait_finished(self, cloud: Any) -> None:
-        """Until the cloud finished; fails fast when a worker dies before the first round."""
-        while not cloud.finished:
-            if not cloud.started:
-                dead = [p for p in self.procs if p.exitcode not in (None, 0, -signal.SIGKILL)]
-                if dead:
-                    raise RuntimeError(
-                        f"agent worker {dead[0].name} exited with code {dead[0].exitcode} "
-                        "before the first round (see its log above)"
-                    )
-            time.sleep(0.05)
+    def _fail_fast(self) -> None:
+        """Raise if a worker died before the first round (a SIGKILL is a fault a test injected)."""
+        dead = [p for p in self.procs if p.exitcode not in (None, 0, -signal.SIGKILL)]
+        if dead:
+            raise RuntimeError(
+                f"agent worker {dead[0].name} exited with code {dead[0].exitcode} "
+                "before the first round (see its log above)"
+            )
 
-    def _collect(self, results: Any) -> dict[str, dict[str, Any]]:
+    def _collect(self) -> dict[str, dict[str, Any]]:
         """Every worker's stats (a killed worker sends none); waits up to ``join_timeout`` for them."""
         stats: dict[str, dict[str, Any]] = {}
-        expected = len(self.procs)
         got = 0
         deadline = time.monotonic() + self.join_timeout
-        while got < expected and time.monotonic() < deadline:
+        while got < len(self.procs) and time.monotonic() < deadline:
             try:
-                stats.update(results.get(timeout=0.2))
-                got += 1
+                report = self._results.get(timeout=0.2)
             except queue.Empty:
-                if all(p.exitcode is not None for p in self.procs) and results.empty():
+                if all(p.exitcode is not None for p in self.procs) and self._results.empty():
                     break
+                continue
+            stats.update(report["agents"])
+            self.served.append(report["sessions"])
+            got += 1
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         return stats

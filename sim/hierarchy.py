@@ -250,6 +250,7 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
             runfiles.CHECKPOINT,
             runfiles.FINAL_MODEL,
             runfiles.SUMMARY,
+            runfiles.JOBS,  # fedtier run's job queue
         ):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "devices", ignore_errors=True)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cell_server.server import CellServer
+from cloud.jobs import JobQueue
 from edge_agent.runner import load_device_data
 from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import ModelSpec
-from protocols.config import load_config
+from protocols.config import load_config, parse_config
+from protocols.jobs import config_hash, job_session
 from protocols.status import decode_status, encode_status
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
 from protocols.transport.memory import MemoryHub
@@ -22,6 +25,7 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from sim.emulation import Emulation, Faults, worker_groups
 from sim.launcher import run_simulation
+from sim.local_federation import federation_bundle
 from tests.conftest import small_config
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.toml"
@@ -159,3 +163,24 @@ def test_run_resumes_after_a_stop(sim_model: bytes, tmp_path: Path) -> None:
     resumed = Emulation(quickstart(tmp_path), resume=True).run()
     assert [r["round"] for r in resumed.history] == [1]
     assert (tmp_path / runfiles.FINAL_MODEL).read_bytes() == sim_model
+
+
+def test_run_is_a_local_federation_plus_one_job(tmp_path: Path) -> None:
+    """`fedtier run` goes through the service code: its run folder holds the cloud's durable job queue, with
+    the run's config as one finished job and its config hash; every agent worker served exactly that job's
+    session, with the config of the cloud's job record (the workers' own bundle holds no training config:
+    its defaults would train another model, which no cell would accept), and the model is the sim's."""
+    sections = {"run": {"rounds": 2}, "algorithm": {"lr": 0.05}}
+    sim = run_simulation(small_config(tmp_path / "sim", **sections))
+    cfg = small_config(tmp_path / "emu", **sections)
+    emulation = Emulation(cfg, workers=2)
+    result = emulation.run()
+    assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == (
+        sim.output_dir / runfiles.FINAL_MODEL
+    ).read_bytes()
+    [job] = JobQueue(result.output_dir / runfiles.JOBS).jobs.values()
+    assert job.state == "finished" and job.digest == config_hash(job.config)
+    assert parse_config(tomllib.loads(job.config)).train == cfg.train
+    assert emulation.served == [[job_session(job.job, job.digest)]] * 2
+    bundle = federation_bundle(cfg)
+    assert bundle.model != cfg.model and bundle.train != cfg.train  # what a local copy would have trained

@@ -1,0 +1,210 @@
+"""``fedtier run``'s federation: the long-lived cloud and cells of ``fedtier cloud|cell --serve``, in this
+process, and the operator who submits the run's config to them as one job.
+
+The cloud (:class:`cloud.service.CloudService`, its durable queue in ``RUN_DIR/jobs.json``, an unsigned
+operator) and one :class:`cell_server.service.CellService` per cell each drive their own loop on a thread of
+their own. :meth:`LocalFederation.submit` publishes the job on the cloud's job topic as ``fedtier submit``
+does and waits for the cloud's answer; the cloud publishes the job in progress (retained, signed when the run
+has keys), and the cells and the agents (``sim.agent_workers``) build their roles from that record's config:
+their bundles (:func:`federation_bundle`) hold none. The job's folder is the run folder itself, so
+``fedtier run`` writes what it always wrote where it always did (plus ``jobs.json``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cell_server.server import CellServer
+from cell_server.service import CellService
+from cloud.jobs import ENDED, Job, JobQueue
+from cloud.server import CloudServer
+from cloud.service import CloudService, JobParts
+from edge_agent.runner import BrokerOptions, offline_will
+from protocols import runfiles
+from protocols.config import ConfigError, RunConfig, parse_config
+from protocols.jobs import NODE_LOCAL, JobRequest, open_job_record, submit_record
+from protocols.session import new_session
+from protocols.transport.base import Transport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
+from protocols.wire.keys import node_trust
+from protocols.wire.signed import seal_record
+
+log = logging.getLogger("fedtier.run")
+
+SUBMIT_TIMEOUT = 30.0
+STOP_TIMEOUT = 30.0
+
+
+def federation_bundle(cfg: RunConfig) -> RunConfig:
+    """The federation of ``cfg`` as its nodes' bundles hold it: its name, run folder, topology and the
+    node-local sections (broker, keys, monitoring); no training config (the job brings it)."""
+    bundle = parse_config(
+        {
+            "run": {"name": cfg.run.name, "output": str(cfg.output_dir())},
+            "topology": cfg.topology.model_dump(mode="json", exclude_none=True),
+        }
+    )
+    return bundle.model_copy(update={section: getattr(cfg, section) for section in NODE_LOCAL})
+
+
+def job_text(cfg: RunConfig) -> str:
+    """``cfg``'s training config as the operator submits it: no node-local sections, no ``run.init_model``
+    (a path: the launcher hands it to each node itself), and the DP noise seed that ``fedtier sim`` uses
+    (``run.seed``) written out, since a job without one draws its noise from the OS."""
+    update: dict[str, Any] = {"run": cfg.run.model_copy(update={"init_model": None})}
+    if cfg.privacy.dp != "off" and cfg.privacy.noise_seed is None:
+        update["privacy"] = cfg.privacy.model_copy(update={"noise_seed": cfg.run.seed})
+    return cfg.model_copy(update=update).to_toml(exclude=NODE_LOCAL)
+
+
+class LocalFederation:
+    """The cloud and cells of ``cfg``'s federation as services on threads of this process, with their job
+    folder ``out``. ``cloud_opts`` / ``cell_opts[cell]``: their brokers (their sockets on ``reactor``);
+    ``parts(job_cfg)``: the cloud's part of the job; ``build_cell(job_cfg, cell, transport)``: a cell's
+    server for the job. ``resume``: a ``fedtier run --resume``: a job the queue holds unfinished is
+    superseded by the one submitted now (which continues from the checkpoint, see ``JobParts.resume``)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out: Path,
+        cloud_opts: BrokerOptions,
+        cell_opts: dict[str, BrokerOptions],
+        reactor: Any,
+        parts: Callable[[RunConfig], JobParts],
+        build_cell: Callable[[RunConfig, str, Transport], CellServer],
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        resume: bool = False,
+    ) -> None:
+        self.cfg, self.cloud_opts = cfg, cloud_opts
+        bundle = federation_bundle(cfg)
+        run = cfg.run.name
+        queue = JobQueue(out / runfiles.JOBS)
+        for job in list(queue.jobs.values()):
+            if job.state not in ENDED and resume:
+                queue.end(job.job, "cancelled", "superseded by a fedtier run --resume")
+        loop = ThreadLoop(f"cloud-{run}")
+
+        def connect() -> Transport:
+            return cloud_opts.transport(
+                "cloud", run, loop, will=offline_will(run, "cloud", cfg), reactor=reactor
+            ).connect()
+
+        self.cloud = CloudService(
+            bundle,
+            loop,
+            connect,
+            queue,
+            parts,
+            trust=node_trust(cfg, "cloud"),
+            operator=None,
+            on_end=self._ended,
+            on_round=on_round,
+            job_folder=lambda job: out,
+        )
+        self.cells = {c: self._cell(bundle, c, cell_opts[c], reactor, build_cell) for c in cfg.topology.cell_ids()}
+        self.server: CloudServer | None = None  # the job's cloud server, once the job ended
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+
+    def _cell(
+        self, bundle: RunConfig, cell: str, opts: BrokerOptions, reactor: Any, build: Callable[..., CellServer]
+    ) -> CellService:
+        run, node = self.cfg.run.name, topics.cell_node(cell)
+        loop = ThreadLoop(f"cell-{cell}")
+
+        def connect() -> Transport:
+            return opts.transport(node, run, loop, will=offline_will(run, node, self.cfg), reactor=reactor).connect()
+
+        return CellService(bundle, cell, loop, connect, lambda cfg, t: build(cfg, cell, t), node_trust(self.cfg, cell))
+
+    def _ended(self, job: Job, cfg: RunConfig, server: CloudServer, out: Path) -> None:
+        """The job ended (finished or failed): keep its server; the cloud serves no other."""
+        self.server = server
+        self.cloud.stop()
+
+    # ------------------------------------------------------------------ lifecycle (the caller's thread)
+    def start(self) -> None:
+        """Start the cloud and the cells, each serving on a thread of its own."""
+        for name, service in (("cloud", self.cloud), *self.cells.items()):
+            thread = threading.Thread(target=self._serve, args=(service,), name=f"fedtier-{name}", daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _serve(self, service: CloudService | CellService) -> None:
+        try:
+            service.serve()
+        except BaseException as exc:  # e.g. a broker that refused it: re-raised by check()
+            log.error("%s stopped: %s", type(service).__name__, exc)
+            self.errors.append(exc)
+
+    def check(self) -> None:
+        """Raise what stopped a service, if one stopped with an error."""
+        if self.errors:
+            raise self.errors[0]
+
+    def stop(self) -> None:
+        """Stop every service (as SIGTERM would) and wait for their threads."""
+        services: list[CloudService | CellService] = [self.cloud, *self.cells.values()]
+        for service in services:
+            service.stop()
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("%s did not stop within %.0f s", thread.name, STOP_TIMEOUT)
+
+    # ------------------------------------------------------------------ the operator
+    def submit(self, text: str, timeout: float = SUBMIT_TIMEOUT) -> str:
+        """Submit ``text`` as one job, as ``fedtier submit`` does; its id once the cloud accepted it
+        (:class:`ConfigError` with the cloud's reason if it refused it)."""
+        deadline = time.monotonic() + timeout
+        while not self._cloud_subscribed():  # else the submission reaches nobody
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cloud did not subscribe to its job topic within {timeout:.0f} s")
+            time.sleep(0.02)
+        run, job = self.cfg.run.name, f"run-{new_session()[:8]}"  # unique: a broker keeps old jobs' records
+        replies: list[dict[str, Any]] = []
+        loop = ThreadLoop("operator").start()
+        operator = self.cloud_opts.transport("operator", run, loop, persistent=False).connect()
+        try:
+            reply = topics.job_reply(run, job)
+            operator.subscribe(reply, lambda topic, data: replies.append(open_job_record(data, topic, "cloud", None)))
+            operator.wait_subscribed()
+            topic = topics.job_submit(run)
+            operator.publish(topic, seal_record(submit_record(JobRequest(job, text)), topic, None))
+            while not replies:
+                self.check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the cloud did not answer job {job} within {timeout:.0f} s")
+                time.sleep(0.02)
+        finally:
+            operator.close()
+            loop.stop()
+        if not replies[0].get("accepted"):
+            raise ConfigError(f"the cloud refused the job: {replies[0].get('reason')}")
+        return job
+
+    def _cloud_subscribed(self) -> bool:
+        transport: Any = self.cloud.transport  # an MqttTransport
+        return transport is not None and bool(transport.wait_subscribed(0.1))
+
+    def wait(self, job: str, before_start: Callable[[], None]) -> Job:
+        """Until ``job`` ended; ``before_start()`` is called meanwhile until its first round (it raises to
+        fail fast, e.g. on an agent worker that died)."""
+        while True:
+            entry = self.cloud.queue.get(job)
+            if entry is not None and entry.state in ENDED:
+                return entry
+            self.check()
+            node = self.cloud.node
+            if node is None or not node.started:
+                before_start()
+            time.sleep(0.05)
