@@ -63,7 +63,7 @@ def control_plane(emu, result) -> list[float]:
 
 def overhead_breakdown(result, model_bytes: int) -> dict[str, int]:
     """Where the bytes of one device result above the raw tensors go."""
-    from protocols.transport.mqtt import publish_packet_bytes
+    from protocols.transport.traffic import publish_packet_bytes
     from protocols.wire import chunking, topics
     from protocols.wire.messenger import Messenger
     from protocols.wire.payload import Payload

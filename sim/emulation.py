@@ -172,7 +172,7 @@ class Emulation:
         """Bytes each started Mosquitto received and sent so far (its ``$SYS`` counters), by name:
         ``cloud`` and the cells with ``brokers="per-cell"``, else ``shared``."""
         from protocols.transport.broker import MosquittoBroker
-        from protocols.transport.mqtt import sys_bytes
+        from protocols.transport.sys_counters import sys_bytes
 
         return {name: sys_bytes(b.url) for name, b in self.started_brokers.items() if isinstance(b, MosquittoBroker)}
 

@@ -14,8 +14,10 @@ import pytest
 
 from protocols.transport.base import Will
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto, free_port, parse_broker_url
-from protocols.transport.mqtt import MqttTransport, pattern_covers, publish_packet_bytes
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.subscriptions import pattern_covers
 from protocols.transport.threadloop import ThreadLoop
+from protocols.transport.traffic import publish_packet_bytes
 from protocols.wire import chunking
 
 HAVE_MOSQUITTO = find_mosquitto() is not None

@@ -19,94 +19,47 @@ at a connection rate limit, is retried the same way when ``retry_refused``). Mes
 from __future__ import annotations
 
 import logging
-import os
 import random
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
 from ..wire import chunking
-from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
+from .base import EventLoop, Handler, TimerHandle, Transport, Will
 from .hold import Hold, HoldLimits
+from .inbound import Inbound
+from .paho_client import Credentials, hung_up_before_connack, new_client, nodelay
 from .reactor import Reactor
+from .subscriptions import broker_filters
+from .traffic import TransportStats, publish_packet_bytes
 
 log = logging.getLogger(__name__)
 
 
-def publish_packet_bytes(topic_len: int, payload_len: int, qos: int = 1) -> int:
-    """Size of an MQTT 3.1.1 PUBLISH packet: fixed header, topic, packet id (QoS > 0), payload."""
-    remaining = 2 + topic_len + (2 if qos else 0) + payload_len
-    varint = 1 if remaining < 128 else 2 if remaining < 16384 else 3 if remaining < 2097152 else 4
-    return 1 + varint + remaining
-
-
-def _nodelay(_client: mqtt.Client, _u: Any, sock: Any) -> None:
-    """paho leaves Nagle on: a small publish right after another would wait ~40 ms for an ACK."""
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):
-        pass
-
-
-def pattern_covers(wide: str, narrow: str) -> bool:
-    """True when every topic matching filter ``narrow`` also matches filter ``wide``."""
-    w, n = wide.split("/"), narrow.split("/")
-    for i, level in enumerate(w):
-        if level == "#":
-            return True
-        if i >= len(n) or n[i] == "#" or (level != "+" and level != n[i]):
-            return False
-    return len(w) == len(n)
-
-
-@dataclass
-class TransportStats:
-    """Traffic of one transport. ``bytes_*`` include the PUBLISH framing; ``messages_*`` count whole
-    messages, ``packets_*`` MQTT PUBLISH packets (chunks). ``by_topic[topic] = [bytes_out, bytes_in]``.
-    Outgoing bytes are counted when handed to the client; ``acked`` counts PUBACKs."""
-
-    bytes_out: int = 0
-    bytes_in: int = 0
-    payload_bytes_out: int = 0
-    payload_bytes_in: int = 0
-    messages_out: int = 0
-    messages_in: int = 0
-    packets_out: int = 0
-    packets_in: int = 0
-    acked: int = 0
-    by_topic: dict[str, list[int]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def _count(self, topic: str, wire: int, payload: int, out: bool) -> None:
-        with self._lock:
-            per = self.by_topic.setdefault(topic, [0, 0])
-            if out:
-                self.bytes_out += wire
-                self.payload_bytes_out += payload
-                self.packets_out += 1
-                per[0] += wire
-            else:
-                self.bytes_in += wire
-                self.payload_bytes_in += payload
-                self.packets_in += 1
-                per[1] += wire
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "by_topic"}
-            d["by_topic"] = {t: list(v) for t, v in self.by_topic.items()}
-        return d
-
-
-class MqttTransport(Transport):
+class MqttTransport(Inbound, Transport):
     """One node's MQTT connection. Call :meth:`connect` before use, :meth:`close` at the end."""
+
+    # scalar state, per instance once assigned: the connection ...
+    _connected = False
+    _closed = False
+    _ever_connected = False
+    _connack_reason: Any = None
+    _deadline = 0.0  # of the first connect
+    _connect_error: ConnectionError | None = None
+    _attempts = 0  # failed (re)connect attempts in a row
+    # ... its subscriptions ...
+    _sub_sending = 0  # SUBSCRIBEs decided on but not yet registered as pending
+    _gen = 0  # connection generation: SUBACK bookkeeping of an older connection is void
+    # ... the wire and the session
+    _chunk_auth: chunking.ChunkAuth | None = None
+    _expiry: TimerHandle | None = None
+    sessions_lost = 0  # reconnects of a persistent client that found no session at the broker
+    on_session_lost: Callable[[], None] | None = None  # then called (network thread): re-announce
 
     def __init__(
         self,
@@ -143,64 +96,38 @@ class MqttTransport(Transport):
         if max_chunk <= chunking.HEADER_BYTES:
             raise ValueError(f"max_chunk must exceed {chunking.HEADER_BYTES} bytes")
         self.client_id, self.loop, self.host, self.port = client_id, loop, host, port
-        self.keepalive, self.max_chunk, self.will = keepalive, max_chunk, will
+        self.keepalive, self.max_chunk, self.will, self.persistent = keepalive, max_chunk, will, persistent
         self.stats = TransportStats()
+        self._cv = threading.Condition()
         self._subs: dict[str, tuple[int, list[Handler]]] = {}  # pattern -> (qos, handlers)
         self._at_broker: dict[str, int] = {}  # pattern -> qos subscribed at the broker
-        self._cv = threading.Condition()
-        self._connected = False
-        self._closed = False
-        self._ever_connected = False
-        self._connack = threading.Event()
-        self._connack_reason: Any = None
         self._suback_pending: set[int] = set()
         self._suback_early: set[int] = set()
-        self._sub_sending = 0  # SUBSCRIBEs decided on but not yet registered as pending
-        self._gen = 0  # connection generation: SUBACK bookkeeping of an older connection is void
         self._unacked: set[int] = set()  # mids of QoS-1 publishes awaiting PUBACK
         self._acked_early: set[int] = set()  # PUBACKs that beat publish() to the bookkeeping
+        self._held = Hold(client_id, hold)  # messages of a resumed session that came before their handler
+        self._unsubscribed: set[str] = set()  # patterns given up: late deliveries on them are not held
         self._reasm = chunking.Reassembler(
             timeout=chunk_timeout, max_bytes=max_reassembly_bytes, max_message=max_message_bytes
         )
-        self._chunk_auth: chunking.ChunkAuth | None = None
         self._reasm_lock = threading.Lock()
-        self._expiry: TimerHandle | None = None
-        self._reactor = reactor
-        self._retry_refused = retry_refused
-        self._backoff = (reconnect_min_delay, reconnect_max_delay)
-        self._attempts = 0  # failed (re)connect attempts in a row
-        self._rng = random.Random(backoff_seed)
-        self._deadline = 0.0  # of the first connect
-        self._connect_error: ConnectionError | None = None
+        self._connack = threading.Event()
         self._gone = threading.Event()  # the socket is closed after close()
+        self._reactor, self._retry_refused = reactor, retry_refused
+        self._backoff = (reconnect_min_delay, reconnect_max_delay)
+        self._rng = random.Random(backoff_seed)
+        self._creds = Credentials(username, password, ca_certs, certfile, keyfile)
+        self._client = new_client(client_id, persistent, self._creds, will, max_chunk, self._backoff, max_inflight)
+        self._attach(self._client, reactor)
 
-        self.persistent = persistent
-        self.sessions_lost = 0  # reconnects of a persistent client that found no session at the broker
-        self.on_session_lost: Callable[[], None] | None = None  # then called (network thread): re-announce
-        self._held = Hold(client_id, hold)  # messages of a resumed session that came before their handler
-        self._unsubscribed: set[str] = set()  # patterns given up: late deliveries on them are not held
-        c = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not persistent, protocol=mqtt.MQTTv311
-        )
-        if username is not None:
-            c.username_pw_set(username, password)
-        self._tls, self._client_cert = bool(ca_certs or certfile or keyfile), bool(certfile)
-        if self._tls:
-            c.tls_set(ca_certs=ca_certs, certfile=certfile, keyfile=keyfile)
-        if will is not None:
-            if len(will.payload) > max_chunk:
-                raise ValueError("the will payload must fit in one chunk")
-            c.will_set(will.topic, will.payload, qos=1, retain=will.retain)
-        c.reconnect_delay_set(reconnect_min_delay, reconnect_max_delay)  # type: ignore[arg-type]
-        c.max_inflight_messages_set(max_inflight)
-        c.max_queued_messages_set(0)  # unbounded: publish never fails while reconnecting
+    def _attach(self, c: mqtt.Client, reactor: Reactor | None) -> None:
+        """Route paho's callbacks here; hand ``c`` to ``reactor``, or let paho's thread drive it (TCP_NODELAY)."""
         c.on_connect, c.on_disconnect = self._on_connect, self._on_disconnect
         c.on_message, c.on_subscribe, c.on_publish = self._on_message, self._on_subscribe, self._on_publish
-        self._client = c
         if reactor is not None:
             reactor.add(c)  # sets the socket callbacks (the reactor sets TCP_NODELAY itself)
         else:
-            c.on_socket_open = _nodelay
+            c.on_socket_open = nodelay
 
     @classmethod
     def from_url(cls, url: str, client_id: str, loop: EventLoop, **kwargs: Any) -> MqttTransport:
@@ -252,16 +179,7 @@ class MqttTransport(Transport):
         reason = self._connack_reason
         if reason is None:  # _on_disconnect: the broker hung up before its CONNACK
             self._abort()
-            how = (
-                "with TLS" + (", client certificate" if self._client_cert else ", no client certificate")
-                if self._tls
-                else "without TLS"
-            )
-            raise ConnectionError(
-                f"MQTT broker at {where} closed the connection of {self.client_id!r} ({how}) "
-                "before accepting it: does its listener require TLS (ca_certs) or a client "
-                "certificate signed by the broker's CA (certfile, keyfile)? Or is it at its connection limit?"
-            )
+            raise hung_up_before_connack(where, self.client_id, self._creds)
         if reason is not None and reason.is_failure:
             self._abort()
             raise ConnectionError(f"MQTT broker at {where} refused {self.client_id!r}: {reason}")
@@ -430,17 +348,8 @@ class MqttTransport(Transport):
         self._sync_broker_subs()
 
     def _wanted(self) -> dict[str, int]:
-        """Broker-level subscriptions: patterns not covered by another one (caller holds ``_cv``).
-
-        Brokers send one copy per matching subscription, so overlapping filters would double the
-        traffic; locally, every matching handler still gets each message.
-        """
-        wanted: dict[str, int] = {}
-        for p, (q, _) in self._subs.items():
-            if not any(o != p and pattern_covers(o, p) for o in self._subs):
-                covered = [cq for c, (cq, _) in self._subs.items() if pattern_covers(p, c)]
-                wanted[p] = max(covered, default=q)
-        return wanted
+        """Broker-level subscriptions (caller holds ``_cv``): :func:`~.subscriptions.broker_filters`."""
+        return broker_filters(self._subs)
 
     def _sync_broker_subs(self) -> None:
         with self._cv:
@@ -472,24 +381,6 @@ class MqttTransport(Transport):
         """Block until every QoS-1 publish so far is acknowledged by the broker (or ``timeout``)."""
         with self._cv:
             return self._cv.wait_for(lambda: not self._unacked, timeout)
-
-    def configure_wire(self, *, auth: chunking.ChunkAuth | None = None, max_message_bytes: int | None = None) -> None:
-        """Sign outgoing chunks and require signed incoming ones (``auth``); bound incoming messages."""
-        if auth is not None:
-            self._chunk_auth = auth
-        with self._reasm_lock:
-            self._reasm.limit(max_message_bytes, auth)
-
-    @property
-    def held(self) -> tuple[int, int]:
-        """(messages, bytes) held for a handler not subscribed yet (see the module doc)."""
-        with self._cv:
-            return len(self._held), self._held.nbytes
-
-    @property
-    def reassembly_bytes(self) -> int:
-        """Bytes reserved by incomplete chunk sets."""
-        return self._reasm.reserved
 
     # -- paho callbacks (network thread) ---------------------------------------------------
     def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, reason: Any, _props: Any) -> None:
@@ -604,82 +495,3 @@ class MqttTransport(Transport):
                 if len(self._acked_early) > 1024:  # acks of publishes made behind our back
                     self._acked_early.clear()
                 self._acked_early.add(mid)
-
-    def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        try:
-            self._receive(msg)
-        except Exception:  # an exception here would kill paho's network thread
-            log.exception("%s: failed to handle an incoming message", self.client_id)
-
-    def _receive(self, msg: mqtt.MQTTMessage) -> None:
-        if self._closed:
-            return
-        topic, data = msg.topic, msg.payload
-        data = bytes(data) if isinstance(data, bytearray) else data  # paho hands bytes (typed: or bytearray)
-        self.stats._count(topic, publish_packet_bytes(len(topic.encode()), len(data), msg.qos), len(data), out=False)
-        with self._reasm_lock:
-            whole = self._reasm.feed(topic, data)
-        if whole is None:
-            return
-        with self.stats._lock:
-            self.stats.messages_in += 1
-        with self._cv:  # posted under the lock: a subscribe() handing out held messages cannot interleave
-            targets = [(p, h) for p, (_, hs) in self._subs.items() if topic_matches(p, topic) for h in hs]
-            if not targets:
-                if self.persistent and not any(topic_matches(p, topic) for p in self._unsubscribed):
-                    self._held.offer(topic, whole)
-                return
-            for pattern, handler in targets:
-                self.loop.post(self._bind(pattern, handler, topic, whole))
-
-    def _bind(self, pattern: str, handler: Handler, topic: str, payload: bytes) -> Callable[[], None]:
-        def deliver() -> None:
-            entry = self._subs.get(pattern)
-            if not self._closed and entry is not None and handler in entry[1]:  # still subscribed
-                handler(topic, payload)
-
-        return deliver
-
-    # -- chunk expiry (on the loop) --------------------------------------------------------
-    def _schedule_expiry(self) -> None:
-        period = max(0.5, self._reasm.timeout / 2)
-
-        def tick() -> None:
-            if self._closed:
-                return
-            with self._reasm_lock:
-                self._reasm.expire()
-            with self._cv:
-                self._held.expire()
-            self._expiry = self.loop.call_later(period, tick)
-
-        self.loop.cancel(self._expiry)
-        self._expiry = self.loop.call_later(period, tick)
-
-
-def sys_bytes(url: str, timeout: float = 5.0) -> dict[str, int]:
-    """``{"received": ..., "sent": ...}``: the bytes a Mosquitto broker received and sent since it
-    started, from its ``$SYS/broker/bytes/*`` counters (published every ``sys_interval`` seconds;
-    this waits for a publication made after it subscribed, so nothing before the call is missed)."""
-    from .threadloop import ThreadLoop
-
-    loop = ThreadLoop("sys-bytes").start()
-    seen: dict[str, list[int]] = {"received": [], "sent": []}
-    done = threading.Event()
-
-    def on(topic: str, data: bytes) -> None:
-        seen[topic.rsplit("/", 1)[-1]].append(int(data))
-        if all(len(v) >= 2 for v in seen.values()):  # the retained value, then a fresh one
-            done.set()
-
-    client = MqttTransport.from_url(url, f"fedtier-sys-{os.getpid()}-{time.monotonic_ns()}", loop)
-    try:
-        client.subscribe("$SYS/broker/bytes/+", on)
-        client.connect(timeout)
-        done.wait(timeout)
-    finally:
-        client.close(flush_timeout=0)
-        loop.stop()
-    if not all(seen.values()):
-        raise TimeoutError(f"no $SYS/broker/bytes counters from {url} within {timeout} s (sys_interval set?)")
-    return {k: v[-1] for k, v in seen.items()}

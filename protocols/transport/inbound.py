@@ -1,0 +1,107 @@
+"""The receiving side of :class:`~.mqtt.MqttTransport`: every PUBLISH packet counted, chunks reassembled
+(signed chunks checked, incomplete sets expired on the loop), each whole message posted to the loop for
+every handler subscribed to a matching pattern, or held for a handler not subscribed yet (a resumed
+session's backlog, ``protocols.transport.hold``). Runs on the network thread; handlers run on the loop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from ..wire import chunking
+from .base import EventLoop, Handler, TimerHandle, topic_matches
+from .hold import Hold
+from .traffic import TransportStats, publish_packet_bytes
+
+log = logging.getLogger("protocols.transport.mqtt")
+
+
+class Inbound:
+    """What :class:`~.mqtt.MqttTransport` receives; a base of it, sharing its state (declared here, set by
+    its ``__init__``, guarded by its locks)."""
+
+    client_id: str
+    loop: EventLoop
+    persistent: bool
+    stats: TransportStats
+    _cv: threading.Condition
+    _subs: dict[str, tuple[int, list[Handler]]]
+    _unsubscribed: set[str]
+    _held: Hold
+    _reasm: chunking.Reassembler
+    _reasm_lock: threading.Lock
+    _closed: bool
+    _chunk_auth: chunking.ChunkAuth | None
+    _expiry: TimerHandle | None
+
+    def configure_wire(self, *, auth: chunking.ChunkAuth | None = None, max_message_bytes: int | None = None) -> None:
+        """Sign outgoing chunks and require signed incoming ones (``auth``); bound incoming messages."""
+        if auth is not None:
+            self._chunk_auth = auth
+        with self._reasm_lock:
+            self._reasm.limit(max_message_bytes, auth)
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(messages, bytes) held for a handler not subscribed yet (see the module doc)."""
+        with self._cv:
+            return len(self._held), self._held.nbytes
+
+    @property
+    def reassembly_bytes(self) -> int:
+        """Bytes reserved by incomplete chunk sets."""
+        return self._reasm.reserved
+
+    def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        try:
+            self._receive(msg)
+        except Exception:  # an exception here would kill paho's network thread
+            log.exception("%s: failed to handle an incoming message", self.client_id)
+
+    def _receive(self, msg: mqtt.MQTTMessage) -> None:
+        if self._closed:
+            return
+        topic, data = msg.topic, msg.payload
+        data = bytes(data) if isinstance(data, bytearray) else data  # paho hands bytes (typed: or bytearray)
+        self.stats._count(topic, publish_packet_bytes(len(topic.encode()), len(data), msg.qos), len(data), out=False)
+        with self._reasm_lock:
+            whole = self._reasm.feed(topic, data)
+        if whole is None:
+            return
+        with self.stats._lock:
+            self.stats.messages_in += 1
+        with self._cv:  # posted under the lock: a subscribe() handing out held messages cannot interleave
+            targets = [(p, h) for p, (_, hs) in self._subs.items() if topic_matches(p, topic) for h in hs]
+            if not targets:
+                if self.persistent and not any(topic_matches(p, topic) for p in self._unsubscribed):
+                    self._held.offer(topic, whole)
+                return
+            for pattern, handler in targets:
+                self.loop.post(self._bind(pattern, handler, topic, whole))
+
+    def _bind(self, pattern: str, handler: Handler, topic: str, payload: bytes) -> Callable[[], None]:
+        def deliver() -> None:
+            entry = self._subs.get(pattern)
+            if not self._closed and entry is not None and handler in entry[1]:  # still subscribed
+                handler(topic, payload)
+
+        return deliver
+
+    def _schedule_expiry(self) -> None:
+        period = max(0.5, self._reasm.timeout / 2)
+
+        def tick() -> None:
+            if self._closed:
+                return
+            with self._reasm_lock:
+                self._reasm.expire()
+            with self._cv:
+                self._held.expire()
+            self._expiry = self.loop.call_later(period, tick)
+
+        self.loop.cancel(self._expiry)
+        self._expiry = self.loop.call_later(period, tick)

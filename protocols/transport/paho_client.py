@@ -1,0 +1,78 @@
+"""The paho-mqtt client a :class:`~.mqtt.MqttTransport` drives: MQTT 3.1.1, credentials, TLS, the will,
+reconnect delays and the in-flight window set from the transport's options."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from .base import Will
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """How a client authenticates: a broker login, and TLS (on when any of the three files is set)."""
+
+    username: str | None = None
+    password: str | None = None
+    ca_certs: str | None = None  # the CA bundle that signed the broker's certificate
+    certfile: str | None = None  # this node's client certificate
+    keyfile: str | None = None  # and its private key
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca_certs or self.certfile or self.keyfile)
+
+
+def new_client(
+    client_id: str,
+    persistent: bool,
+    creds: Credentials,
+    will: Will | None,
+    max_chunk: int,
+    reconnect_delays: tuple[float, float],
+    max_inflight: int,
+) -> mqtt.Client:
+    """A paho client for ``client_id`` (``persistent``: ``clean_session=False``), logged in and with TLS as
+    ``creds`` say; its will must fit in one chunk of ``max_chunk`` bytes. The caller sets the callbacks."""
+    c = mqtt.Client(
+        CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not persistent, protocol=mqtt.MQTTv311
+    )
+    if creds.username is not None:
+        c.username_pw_set(creds.username, creds.password)
+    if creds.tls:
+        c.tls_set(ca_certs=creds.ca_certs, certfile=creds.certfile, keyfile=creds.keyfile)
+    if will is not None:
+        if len(will.payload) > max_chunk:
+            raise ValueError("the will payload must fit in one chunk")
+        c.will_set(will.topic, will.payload, qos=1, retain=will.retain)
+    c.reconnect_delay_set(*reconnect_delays)  # type: ignore[arg-type]
+    c.max_inflight_messages_set(max_inflight)
+    c.max_queued_messages_set(0)  # unbounded: publish never fails while reconnecting
+    return c
+
+
+def nodelay(_client: mqtt.Client, _u: Any, sock: Any) -> None:
+    """paho leaves Nagle on: a small publish right after another would wait ~40 ms for an ACK."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+def hung_up_before_connack(where: str, client_id: str, creds: Credentials) -> ConnectionError:
+    """The error of a broker at ``where`` that closed the connection before its CONNACK, with the likely causes."""
+    how = (
+        "with TLS" + (", client certificate" if creds.certfile else ", no client certificate")
+        if creds.tls
+        else "without TLS"
+    )
+    return ConnectionError(
+        f"MQTT broker at {where} closed the connection of {client_id!r} ({how}) "
+        "before accepting it: does its listener require TLS (ca_certs) or a client "
+        "certificate signed by the broker's CA (certfile, keyfile)? Or is it at its connection limit?"
+    )
