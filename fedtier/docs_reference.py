@@ -3,7 +3,7 @@
 - :func:`config_reference`: every config key from the pydantic models (``protocols/config/`` and each
   algorithm's ``Params``): type, default, constraints, description;
 - :func:`cli_reference`: every ``fedtier`` command and option from the click commands;
-- :func:`metrics_reference`: every Prometheus metric from the exporter's declarations (``monitor/exporter.py``);
+- :func:`metrics_reference`: every Prometheus metric from the exporter's declarations (``monitor/record_metrics.py``);
 - :func:`topics_reference`: the MQTT topic map from ``protocols/wire/topics.py``.
 
 The MkDocs hook ``scripts/mkdocs_hooks.py`` puts them into the pages at build time (a page holds
@@ -223,7 +223,8 @@ def _declared_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
 
     found: list[tuple[str, str, str, tuple[str, ...]]] = []
     exporter = MetricsExporter("run")
-    for value in vars(exporter).values():
+    groups = (exporter.cell_outcomes, exporter.cell_health, exporter.cloud_rounds, exporter.cloud_cells)
+    for value in [v for group in groups for v in vars(group).values()]:
         if isinstance(value, MetricWrapperBase):
             name = value._name + ("_total" if value._type == "counter" else "")
             found.append((name, str(value._type), str(value._documentation), tuple(value._labelnames)))

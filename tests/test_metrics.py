@@ -122,6 +122,36 @@ def test_rejections_are_counted_by_a_bounded_reason_and_bad_records_never_raise(
     assert sample(exporter, "fedtier_cell_devices_diverged_total", cell="c0") == 2
 
 
+def test_a_lying_cells_free_text_becomes_a_short_plain_label() -> None:
+    """A cell chooses its record's ``closed_by`` and its devices' absence reasons: whatever it writes, the label
+    is at most 64 characters of letters, digits and ``._-+:,`` (the one sanitizer, also for device announcements)."""
+    from monitor.record_metrics import label_value, task_failure_kind
+
+    exporter = MetricsExporter("r")
+    lie = 'all answered"}\n' + "x" * 10_000
+    record = {
+        "schema": 1,
+        "event": "aggregation",
+        "run": "r",
+        "round": 0,
+        "edge_round": 0,
+        "cell": "c0",
+        "algorithm": "fedavg",
+        "closed_by": lie,
+        "duration_s": 0.1,
+        "planned": ["c0-d0"],
+        "answered": [],
+        "absent": {"c0-d0": lie},
+    }
+    exporter.observe(record)
+    plain = "all_answered___" + "x" * 49
+    assert sample(exporter, "fedtier_cell_aggregations_total", cell="c0", closed_by=plain) == 1
+    assert sample(exporter, "fedtier_cell_devices_absent_total", cell="c0", reason=plain) == 1
+    assert label_value(["onnx", "torch"]) == "onnx,torch" and label_value(None) == ""
+    assert task_failure_kind("numpy.linalg.LinAlgError: singular") == "numpy.linalg.linalgerror"
+    assert task_failure_kind("<script>: x") == "other"
+
+
 # ------------------------------------------------------------------------------ a real Prometheus
 PROMETHEUS = shutil.which("prometheus")
 
