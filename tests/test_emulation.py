@@ -15,7 +15,7 @@ from edge_agent.runner import load_device_data
 from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import ModelSpec
-from protocols.config import load_config, parse_config
+from protocols.config import ConfigError, load_config, parse_config
 from protocols.jobs import config_hash, job_session
 from protocols.status import decode_status, encode_status
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
@@ -184,3 +184,15 @@ def test_run_is_a_local_federation_plus_one_job(tmp_path: Path) -> None:
     assert emulation.served == [[job_session(job.job, job.digest)]] * 2
     bundle = federation_bundle(cfg)
     assert bundle.model != cfg.model and bundle.train != cfg.train  # what a local copy would have trained
+
+
+def test_a_job_the_cloud_cannot_start_fails_the_run_with_its_reason(tmp_path: Path) -> None:
+    """`fedtier run --resume` of an asynchronous run (which does not resume): the cloud service fails the job
+    before it starts, with the reason, the run raises it (exit 2) and the queue keeps it as failed."""
+    cfg = small_config(tmp_path, algorithm={"mode": "async"})
+    cfg.output_dir().mkdir(parents=True)
+    (cfg.output_dir() / runfiles.CHECKPOINT).write_bytes(b"")  # a checkpoint to resume from
+    with pytest.raises(ConfigError, match='"async" does not resume'):
+        Emulation(cfg, resume=True, workers=1).run()
+    [job] = JobQueue(cfg.output_dir() / runfiles.JOBS).jobs.values()
+    assert job.state == "failed" and "does not resume" in job.reason
