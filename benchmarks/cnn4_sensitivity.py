@@ -25,7 +25,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from protocols.cohort_trainer import _device_losses, batched_forward
+    from protocols.cohort_kernels import batched_forward, device_losses
     from protocols.models import build_model, init_params, set_params
     from sim.datasets import load_dataset
 
@@ -44,7 +44,7 @@ def main() -> None:
     y = torch.from_numpy(np.array(ds.y_train[:640])).view(10, 64)
 
     params = {k: torch.from_numpy(v).unsqueeze(0).repeat(2, *[1] * v.ndim).requires_grad_() for k, v in p0.items()}
-    loss = _device_losses(batched_forward(model, params, x[:2]), y[:2], torch.ones(2, 64))
+    loss = device_losses(batched_forward(model, params, x[:2]), y[:2], torch.ones(2, 64))
     batched = torch.autograd.grad(loss.sum(), list(params.values()))
     model.zero_grad()
     F.cross_entropy(model(x[0]), y[0]).backward()

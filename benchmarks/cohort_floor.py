@@ -9,7 +9,7 @@ through an MLP 784-64-10. This script times that training alone (random data, on
 - ``batched, autograd``: 5 batched steps over the 5 devices (``batched_forward`` + autograd, the cohort
   engine's path for models without a written-out gradient);
 - ``batched, written out``: 5 batched steps with the cohort engine's written-out mlp gradient
-  (``_mlp_loss_and_grads``, what ``runtime.engine = "cohort"`` runs for mlp and logreg).
+  (``mlp_loss_and_grads``, what ``runtime.engine = "cohort"`` runs for mlp and logreg).
 
 - ``batched, written out, N threads`` (``--threads N``, N > 1): the same on N torch threads
   (``runtime.cohort_threads = N``).
@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from protocols.cohort_trainer import _device_losses, _mlp_chain, _mlp_loss_and_grads, batched_forward
+    from protocols.cohort_kernels import batched_forward, device_losses, mlp_chain, mlp_loss_and_grads
     from protocols.models import build_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -50,7 +50,7 @@ def main() -> None:
     torch.manual_seed(0)
     x_all, y_all = torch.rand(60000, 784), torch.randint(0, 10, (60000,))
     model = build_model("mlp", (784,), 10, hidden=(64,))
-    chain = _mlp_chain(model)
+    chain = mlp_chain(model)
     mask = torch.ones(D, B)
 
     def batched(written_out: bool) -> None:
@@ -64,9 +64,9 @@ def main() -> None:
             xs, ys = x_all.index_select(0, idx).view(D, STEPS, B, 784), y_all.index_select(0, idx).view(D, STEPS, B)
             for s in range(STEPS):
                 if written_out:
-                    _, grads = _mlp_loss_and_grads(chain, params, xs[:, s], ys[:, s], mask)
+                    _, grads = mlp_loss_and_grads(chain, params, xs[:, s], ys[:, s], mask)
                 else:
-                    loss = _device_losses(batched_forward(model, params, xs[:, s]), ys[:, s], mask)
+                    loss = device_losses(batched_forward(model, params, xs[:, s]), ys[:, s], mask)
                     grads = torch.autograd.grad(loss.sum(), leaves)
                 with torch.no_grad():
                     torch._foreach_add_(leaves, list(grads), alpha=-LR)

@@ -13,7 +13,7 @@ differs: :class:`CohortExecutor` queues the submitted tasks (each registered wit
 latency when the loop is idle, large cohorts when it is busy).
 
 In a cohort every device role runs its unchanged ``train`` in a greenlet of its own with a
-:class:`~protocols.cohort_trainer.CohortDeviceTrainer`; whenever every device of the cohort is
+:class:`~protocols.cohort_device.CohortDeviceTrainer`; whenever every device of the cohort is
 waiting on a compute primitive (or done), the primitives are answered together, vectorized over the
 devices (:class:`~protocols.cohort_trainer.CohortEngine`). The greenlets take turns in a fixed order
 (no threads), so each device's random draws are its own, as on the per-device path. Completions
@@ -31,7 +31,9 @@ from typing import Any, Protocol
 import greenlet
 
 from protocols.algorithms.base import DeviceContext, ModelSpec
-from protocols.cohort_trainer import CohortDeviceTrainer, CohortEngine, NotVectorizable, Request
+from protocols.cohort_device import CohortDeviceTrainer, Request
+from protocols.cohort_kernels import NotVectorizable
+from protocols.cohort_trainer import CohortEngine
 from protocols.config import ConfigError
 from protocols.execution import ExecutionPlan
 from protocols.trainer import Trainer

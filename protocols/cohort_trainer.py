@@ -4,35 +4,43 @@ An algorithm's local update is written once, in its module, against the ``Traine
 (``sgd``, ``loss``, ``losses``, ``evaluate``, ``loss_and_grad``, parameter access). The per-device
 backend (``torch_trainer.py``) runs those primitives for one device; :class:`CohortEngine` runs the
 same primitive for a cohort of devices as one array program: their parameters stacked along a
-leading device axis, the zoo's layers as batched kernels (:func:`batched_forward`; other layers
+leading device axis, the zoo's layers as batched kernels
+(:func:`~protocols.cohort_kernels.batched_forward`; other layers
 through ``torch.func.vmap``), gradients by autograd of the sum of the devices' losses (each device's
 parameters get their own). Devices whose batches differ in size (the last batch of an epoch) or
 whose step counts differ train together with per-sample and per-step masks; each device's minibatch
 order is drawn by :func:`~protocols.trainer.batches` from its own seeded generator, as on the
 per-device path, so results agree with it to float rounding.
 
-:class:`CohortDeviceTrainer` is the ``Trainer`` a device role sees in a cohort: parameter access is
-local, and every compute primitive becomes a request that a runner (``edge_agent/cohort.py``) answers for
-all devices of the cohort at once.
+:class:`~protocols.cohort_device.CohortDeviceTrainer` is the ``Trainer`` a device role sees in a cohort:
+parameter access is local, and every compute primitive becomes a :class:`~protocols.cohort_device.Request`
+that a runner (``edge_agent/cohort.py``) answers for all devices of the cohort at once, through
+:meth:`CohortEngine.run`. The batched kernels are in :mod:`protocols.cohort_kernels`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, vmap
 
 from .algorithms.base import ModelSpec
+from .cohort_device import Request
+from .cohort_kernels import (
+    batched_forward,
+    check_vectorizable,
+    device_losses,
+    mlp_chain,
+    mlp_loss_and_grads,
+)
 from .models import build_model
 from .torch_trainer import as_tensor, pick_device, say, transform_state
-from .trainer import GradTransform, LocalData, Trainer, TrainStats, batches
+from .trainer import GradTransform, TrainStats
 
 GATHER_BYTES = 64 << 20  # input samples gathered at once per cohort sgd call (bounds memory)
 EVAL_CHUNK = 2048  # samples per device per forward pass in evaluate
@@ -49,201 +57,6 @@ MEMORY_SHARE = 0.8  # of the GPU memory free for it, what a cohort part may plan
 CPU_PART_BYTES = 16 << 20
 
 
-class NotVectorizable(ValueError):
-    """A model the cohort engine cannot run (a layer that keeps buffers, e.g. batch-norm statistics)."""
-
-
-def check_vectorizable(model: torch.nn.Module) -> None:
-    """Raise :class:`NotVectorizable` naming the first layer that keeps buffers (running statistics
-    would be shared across the cohort's devices instead of kept per device)."""
-    for name, module in model.named_modules():
-        buffers = [n for n, _ in module.named_buffers(recurse=False)]
-        if buffers:
-            raise NotVectorizable(
-                f"layer {name or '<model>'!r} ({type(module).__name__}) keeps buffers ({', '.join(buffers)}), which "
-                'the cohort engine cannot vectorize; use the per-device engine (runtime.engine = "device")'
-            )
-
-
-# ------------------------------------------------------------------------------ batched forward pass
-def _fast_layers(model: torch.nn.Module) -> bool:
-    """True when ``model`` is a sequence of layers :func:`batched_forward` runs as batched kernels."""
-    from .models import Reshape
-
-    if not isinstance(model, torch.nn.Sequential):
-        return False
-    for m in model:
-        if isinstance(m, torch.nn.Conv2d):
-            if m.groups != 1 or m.padding_mode != "zeros" or isinstance(m.padding, str):
-                return False
-        elif isinstance(m, torch.nn.Flatten):
-            if m.start_dim != 1 or m.end_dim != -1:
-                return False
-        elif not isinstance(m, (torch.nn.Linear, torch.nn.ReLU, torch.nn.MaxPool2d, torch.nn.GroupNorm, Reshape)):
-            return False
-    return True
-
-
-def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """The outputs ``[D, B, ...]`` of ``model`` under each device's parameters (``params[k]``: ``[D, *shape]``)
-    on each device's inputs ``x`` ``[D, B, ...]``.
-
-    The zoo's layers run as batched kernels (``baddbmm`` for linear layers, one grouped convolution for
-    the devices' convolutions, one group norm with ``D x groups`` groups for their GroupNorms (cnn4),
-    activations and pooling on the stacked tensors); other models go through ``torch.func.vmap`` of
-    ``functional_call``.
-    """
-    from .models import Reshape, relu_max_pool
-
-    if not _fast_layers(model):
-        return vmap(lambda p, xb: functional_call(model, p, (xb,)))(dict(params), x)
-    d, b = x.shape[0], x.shape[1]
-    # forward-only grouped convolutions run 1.3-2x faster on channels-last inputs, with the same bits
-    # (benchmarks/README.md, DeComFL cost); with autograd or one device the default layout is as fast
-    channels_last = d > 1 and not torch.is_grad_enabled()
-    grouped = False  # conv layers run on [B, D*C, H, W]; the others on [D, B, ...]
-    children = list(model.named_children())
-    for j, (name, m) in enumerate(children):
-        before, after = children[j - 1][1] if j else None, children[j + 1][1] if j + 1 < len(children) else None
-        if isinstance(m, torch.nn.Linear):
-            if grouped:
-                x, grouped = x.reshape(b, d, -1).transpose(0, 1), False
-            w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
-            x = (
-                torch.bmm(x, w.transpose(1, 2))
-                if bias is None
-                else torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))
-            )
-        elif isinstance(m, torch.nn.Conv2d):
-            if not grouped:
-                x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
-            w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            x = F.conv2d(
-                x,
-                w.reshape(-1, *w.shape[2:]),
-                None if bias is None else bias.reshape(-1),
-                m.stride,
-                m.padding,
-                m.dilation,
-                groups=d,
-            )
-        elif isinstance(m, torch.nn.ReLU):
-            if not isinstance(after, torch.nn.MaxPool2d):  # else it runs with the pool (relu_max_pool)
-                x = torch.relu(x)
-        elif isinstance(m, torch.nn.MaxPool2d):
-            if not grouped:
-                x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
-            x = (
-                relu_max_pool(x, m)
-                if isinstance(before, torch.nn.ReLU)
-                else F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
-            )
-        elif isinstance(m, torch.nn.GroupNorm):  # device i's channels are a block of D*C: its groups too
-            if not grouped:
-                x, grouped = x.transpose(0, 1).reshape(b, d * x.shape[2], *x.shape[3:]), True
-            scale, shift = params.get(f"{name}.weight"), params.get(f"{name}.bias")
-            x = F.group_norm(
-                x,
-                d * m.num_groups,
-                None if scale is None else scale.reshape(-1),
-                None if shift is None else shift.reshape(-1),
-                m.eps,
-            )
-        elif isinstance(m, torch.nn.Flatten):
-            x = x.reshape(b, d, -1).transpose(0, 1) if grouped else x.reshape(d, b, -1)
-            grouped = False
-        elif isinstance(m, Reshape):
-            x = x.reshape(b, d, -1).transpose(0, 1) if grouped else x
-            x, grouped = x.reshape(d, b, *m.shape), False
-    if grouped:
-        x = x.reshape(b, d, x.shape[1] // d, *x.shape[2:]).transpose(0, 1)
-    return x
-
-
-def _mlp_chain(model: torch.nn.Module) -> list[tuple[str, bool]] | None:
-    """``[(linear layer name, ReLU after it), ...]`` when ``model`` is ``[Flatten] (Linear [ReLU])*`` (the
-    zoo's mlp and logreg), whose loss gradient :func:`_mlp_loss_and_grads` writes out; else ``None``."""
-    if not isinstance(model, torch.nn.Sequential):
-        return None
-    chain: list[tuple[str, bool]] = []
-    for i, (name, m) in enumerate(model.named_children()):
-        if isinstance(m, torch.nn.Flatten) and i == 0 and m.start_dim == 1 and m.end_dim == -1:
-            continue
-        if isinstance(m, torch.nn.Linear):
-            chain.append((name, False))
-        elif isinstance(m, torch.nn.ReLU) and chain and not chain[-1][1]:
-            chain[-1] = (chain[-1][0], True)
-        else:
-            return None
-    return chain or None
-
-
-def _mlp_loss_and_grads(
-    chain: Sequence[tuple[str, bool]],
-    params: Mapping[str, torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    mask: torch.Tensor,
-    lr: float | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Each device's masked mean cross-entropy ``[D]`` (as :func:`_device_losses`) and its gradient with
-    respect to each device's parameters (in ``params`` order), for a :func:`_mlp_chain` model: the
-    backward pass written out as batched products, which on small models costs a fraction of
-    autograd's bookkeeping. ``x`` ``[D, B, ...]``, ``y`` and ``mask`` ``[D, B]``.
-
-    With ``lr`` (plain SGD, every device at that rate) the step is taken in place instead and no
-    gradient returned: each layer's weight gradient is added into the weights by the product itself
-    (``baddbmm_``, after the layer's input gradient is taken with the old weights), so the gradients are
-    never written out and read back (on a CPU, 2x faster for a cohort of 64 such MLPs)."""
-    d, b = x.shape[0], x.shape[1]
-    a = x.reshape(d, b, -1)
-    inputs: list[torch.Tensor] = []
-    actives: list[torch.Tensor | None] = []
-    for name, relu in chain:
-        w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
-        inputs.append(a)
-        a = torch.bmm(a, w.transpose(1, 2)) if bias is None else torch.baddbmm(bias.unsqueeze(1), a, w.transpose(1, 2))
-        if relu:
-            actives.append(a > 0)
-            a = a.clamp_min(0)
-        else:
-            actives.append(None)
-    logp = torch.log_softmax(a, -1)
-    per = mask / mask.sum(1, keepdim=True).clamp(min=1.0)  # [D, B]: each real sample's weight in its mean
-    picked = logp.gather(2, y.unsqueeze(2)).squeeze(2)
-    loss = -(picked * per).sum(1)
-    g = logp.exp_()
-    g.scatter_add_(2, y.unsqueeze(2), torch.full_like(picked, -1.0).unsqueeze(2))
-    g.mul_(per.unsqueeze(2))  # d loss_d / d logits
-    grads: dict[str, torch.Tensor] = {}
-    for i in range(len(chain) - 1, -1, -1):
-        name, _ = chain[i]
-        active = actives[i]
-        if active is not None:
-            g = g * active
-        w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
-        below = torch.bmm(g, w) if i else None  # the input gradient, with the weights before the step
-        if lr is None:
-            grads[f"{name}.weight"] = torch.bmm(g.transpose(1, 2), inputs[i])
-            if bias is not None:
-                grads[f"{name}.bias"] = g.sum(1)
-        else:
-            w.baddbmm_(g.transpose(1, 2), inputs[i], alpha=-lr)
-            if bias is not None:
-                bias.sub_(g.sum(1), alpha=lr)
-        if below is not None:
-            g = below
-    return loss, [grads[k] for k in params] if lr is None else []
-
-
-def _device_losses(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each device's mean cross-entropy ``[D]`` over its real samples (``mask`` 1; 0 when there are none)."""
-    ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view_as(mask)
-    return (ce * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-
-
 def _device_bytes(op: str, model: torch.nn.Module, r: Request) -> int:
     """An estimate (an upper bound in practice) of the engine-device bytes one device's request needs:
     its parameters stacked, their gradients and optimizer state, its data set, and a step's inputs and
@@ -258,90 +71,6 @@ def _device_bytes(op: str, model: torch.nn.Module, r: Request) -> int:
     else:
         state, work = 2, min(len(r.y), EVAL_CHUNK) * feat * 4 * 9
     return 4 * params * (state + 1) + len(r.y) * (feat * 4 + 8) + work  # (+1: the host-side stack's upload)
-
-
-# ------------------------------------------------------------------------------ requests
-@dataclass
-class Request:
-    """One device's call of a compute primitive, answered by :meth:`CohortEngine.run`."""
-
-    op: str  # sgd | loss | evaluate | loss_and_grad
-    spec: ModelSpec
-    params: Mapping[str, np.ndarray]
-    x: np.ndarray
-    y: np.ndarray
-    order: list[np.ndarray] = field(default_factory=list)  # sgd: index batches
-    lr: float = 0.0
-    weight_decay: float = 0.0
-    prox_mu: float = 0.0  # sgd: FedProx proximal coefficient
-    momentum: float = 0.0  # sgd: heavy-ball beta
-    grad_transform: GradTransform | None = None  # sgd: applied to each step's gradient
-    result: Any = None
-
-    def key(self) -> tuple[str, ModelSpec, tuple[str, ...], Any]:
-        """Requests with equal keys run as one array program (devices whose gradient transforms share their
-        function together)."""
-        return self.op, self.spec, tuple(self.params), self.grad_transform and self.grad_transform.fn
-
-
-class CohortDeviceTrainer(Trainer):
-    """One device's view of the cohort: a ``Trainer`` whose compute primitives are batched.
-
-    ``call(request)`` blocks until the cohort runner answered the request (with all devices that
-    reached a primitive at the same time) and returns ``request.result``; ``call([requests])``
-    answers several at once (a list of results).
-    """
-
-    def __init__(self, spec: ModelSpec, call: Callable[[Request | list[Request]], Any]) -> None:
-        self.spec, self.call = spec, call
-        self.params: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._others: dict[ModelSpec, CohortDeviceTrainer] = {}
-
-    def get_params(self) -> OrderedDict[str, np.ndarray]:
-        return OrderedDict((k, v.copy()) for k, v in self.params.items())
-
-    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
-        self.params = OrderedDict((k, np.array(v, dtype=np.float32)) for k, v in params.items())
-
-    def for_model(self, spec: Any) -> CohortDeviceTrainer:
-        if spec not in self._others:
-            self._others[spec] = CohortDeviceTrainer(spec, self.call)
-        return self._others[spec]
-
-    def loss(self, x: np.ndarray, y: np.ndarray) -> float:
-        return self.call(Request("loss", self.spec, self.params, x, y))
-
-    def losses(self, params: Sequence[Mapping[str, np.ndarray]], x: np.ndarray, y: np.ndarray) -> list[float]:
-        if not params:
-            return []
-        self.set_params(params[-1])
-        return self.call([Request("loss", self.spec, p, x, y) for p in params])
-
-    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
-        return self.call(Request("evaluate", self.spec, self.params, x, y))
-
-    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
-        return self.call(Request("loss_and_grad", self.spec, self.params, x, y))
-
-    def sgd(
-        self,
-        data: LocalData,
-        *,
-        steps: int,
-        batch_size: int,
-        lr: float,
-        rng: np.random.Generator,
-        weight_decay: float = 0.0,
-        prox_mu: float = 0.0,
-        momentum: float = 0.0,
-        grad_transform: GradTransform | None = None,
-    ) -> TrainStats:
-        order = list(batches(len(data), batch_size, steps, rng))  # this device's seeded order
-        request = Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay, prox_mu, momentum)
-        request.grad_transform = grad_transform
-        params, stats = self.call(request)
-        self.params = params
-        return stats
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -506,14 +235,14 @@ class CohortEngine:
         params = self._stack(reqs)
         x, y, m = self._padded(reqs)
         with torch.no_grad():
-            losses = _device_losses(batched_forward(model, params, x), y, m)
+            losses = device_losses(batched_forward(model, params, x), y, m)
         for r, v in zip(reqs, losses.tolist()):
             r.result = float(v)
 
     def _loss_and_grad(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
         params = {k: v.requires_grad_() for k, v in self._stack(reqs).items()}
         x, y, m = self._padded(reqs)
-        losses = _device_losses(batched_forward(model, params, x), y, m)
+        losses = device_losses(batched_forward(model, params, x), y, m)
         grads = torch.autograd.grad(losses.sum(), list(params.values()))  # devices are independent
         arrays = {k: g.cpu().numpy() for k, g in zip(params, grads)}
         for i, (r, v) in enumerate(zip(reqs, losses.tolist())):
@@ -564,52 +293,21 @@ class CohortEngine:
         reqs = sorted(reqs, key=lambda r: -len(r.order))  # stable: results go to each request
         dev, d, steps = self.device, len(reqs), len(reqs[0].order)
         active = [sum(len(r.order) > s for r in reqs) for s in range(steps)]  # [S], non-increasing
-        chain = _mlp_chain(model)  # the gradient written out (mlp, logreg), else autograd
+        chain = mlp_chain(model)  # the gradient written out (mlp, logreg), else autograd
         params = {k: v if chain else v.requires_grad_() for k, v in self._stack(reqs).items()}
         data = [self.tensors(r.x, r.y) for r in reqs]
-        # every minibatch of the call (each device's seeded order, drawn by its role before the call) as
-        # indices, built once here; where the cohort's data sets are not much larger than what the call
-        # gathers, they are joined into one tensor and a chunk of steps is one gather for the whole cohort
-        # (else one per device: joining a few large data sets would copy them all to gather a few rows)
-        total = sum(len(t[1]) for t in data)
-        joined = d > 1 and total <= 2 * sum(len(i) for r in reqs for i in r.order)
-        x_all, y_all = (torch.cat([t[0] for t in data]), torch.cat([t[1] for t in data])) if joined else data[0]
-        offsets = np.cumsum([0] + [len(t[1]) for t in data[:-1]]) if joined else np.zeros(d, np.int64)
-        b = max(1, max((len(i) for r in reqs for i in r.order), default=1))
-        idx = np.zeros((d, steps, b), np.int64)
-        mask = np.zeros((d, steps, b), np.float32)
-        for i, r in enumerate(reqs):
-            if r.order:
-                sizes = [len(batch) for batch in r.order]
-                if min(sizes) == b:  # full batches (the usual case): one copy
-                    idx[i, : len(r.order)] = np.stack(r.order)
-                    mask[i, : len(r.order)] = 1.0
-                else:
-                    for s, batch in enumerate(r.order):
-                        idx[i, s, : len(batch)], mask[i, s, : len(batch)] = batch, 1.0
-            idx[i] += offsets[i]  # (padding points at the device's first sample: masked out)
+        joined, x_all, y_all, idx, mask = _minibatches(reqs, data)
+        b = idx.shape[2]
         mask_t, idx_t = torch.from_numpy(mask).to(dev), torch.from_numpy(idx).to(dev)
         counts = mask_t.sum(2)  # [D, S] samples per step
-        shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor
-        lr = torch.tensor([r.lr for r in reqs], dtype=torch.float32, device=dev)
-        rates = lr.unsqueeze(1) * (counts > 0)  # [D, S]: a device with an empty batch stands still
-        same_lr = reqs[0].lr
-        uniform = all(r.lr == same_lr for r in reqs)
-        same_rate = [uniform and bool((mask[:a, s].sum(1) > 0).all()) for s, a in enumerate(active)]  # [S]
-        wd = torch.tensor([r.weight_decay for r in reqs], dtype=torch.float32, device=dev)
-        decay = bool((wd != 0).any())
-        mu = torch.tensor([r.prox_mu for r in reqs], dtype=torch.float32, device=dev)
-        start = [v.detach().clone() for v in params.values()] if bool((mu != 0).any()) else None  # FedProx: w_0
-        beta = torch.tensor([r.momentum for r in reqs], dtype=torch.float32, device=dev)
-        bufs = [torch.zeros_like(v) for v in params.values()] if bool((beta != 0).any()) else None  # heavy ball
-        transform = reqs[0].grad_transform  # one fn for the group (Request.key); the devices' states stacked
-        state = self._transform_states(model, reqs) if transform is not None else []
+        terms = _step_terms(reqs, params, counts, mask, active)
+        terms.state = self._transform_states(model, reqs) if terms.transform is not None else []
         # plain SGD (the usual case): the written-out gradient's chain, else None
-        fused = chain if not decay and start is None and bufs is None and transform is None else None
+        plain = not terms.decay and terms.start is None and terms.bufs is None and terms.transform is None
+        fused = chain if plain else None
         feat = int(np.prod(reqs[0].x.shape[1:]))
         per_gather = max(1, GATHER_BYTES // max(1, d * b * feat * 4))  # steps of inputs gathered at once
         losses = torch.zeros(d, steps, device=dev)
-        leaves = list(params.values())
         for s0 in range(0, steps, per_gather):
             s1, a0 = min(steps, s0 + per_gather), active[s0]
             # index_select: a fraction of the cost of fancy indexing (x_all[chunk]) for small batches
@@ -623,40 +321,153 @@ class CohortEngine:
                 xs = xs.reshape(a0, s1 - s0, b, *xs.shape[2:])
                 ys = torch.stack([yt.index_select(0, chunk[i]) for i, (_, yt) in enumerate(data[:a0])])
                 ys = ys.reshape(a0, s1 - s0, b)
-            for s in range(s0, s1):
-                a = active[s]  # devices 0..a-1 have a step s
-                full = a == d
-                ps = params if full else {k: v[:a] for k, v in params.items()}
-                vs = leaves if full else list(ps.values())
-                x, y, m = xs[:a, s - s0], ys[:a, s - s0], mask_t[:a, s]
-                if fused is not None and same_rate[s]:  # plain SGD at one rate: the step inside the backward pass
-                    losses[:a, s] = _mlp_loss_and_grads(fused, ps, x, y, m, lr=same_lr)[0]
-                    continue
-                if chain:
-                    loss, grads = _mlp_loss_and_grads(chain, ps, x, y, m)
-                else:
-                    loss = _device_losses(batched_forward(model, ps, x), y, m)
-                    grads = list(torch.autograd.grad(loss.sum(), vs))  # devices are independent: each its own
-                with torch.no_grad():
-                    if not full:  # the leaves' prefixes, updated in place below
-                        vs = [p[:a] for p in leaves]
-                    if decay:
-                        grads = [g + wd[:a].view(shape(p)) * p for p, g in zip(vs, grads)]
-                    if start is not None:  # FedProx: + mu (w - w_0)
-                        grads = [g + mu[:a].view(shape(p)) * (p - p0[:a]) for p, g, p0 in zip(vs, grads, start)]
-                    if transform is not None:  # one call for the cohort's devices
-                        grads = transform.fn(list(grads), list(vs), [c[:a] for c in state])
-                    if bufs is not None:  # b = beta * b + g, per device; the step follows b
-                        grads = [b[:a].mul_(beta[:a].view(shape(g))).add_(g) for b, g in zip(bufs, grads)]
-                    if same_rate[s]:  # every device steps with the same lr (the usual case): one fused update
-                        torch._foreach_add_(vs, grads, alpha=-same_lr)
-                    else:
-                        for p, g in zip(vs, grads):
-                            p.sub_(rates[:a, s].view(shape(p)) * g)
-                    losses[:a, s] = loss
-        sample_loss = (losses * counts).sum(1).tolist()  # one transfer from the device, not one per device
-        arrays = {k: v.detach().cpu().numpy() for k, v in params.items()}
-        for i, r in enumerate(reqs):
-            samples = int(sum(len(batch) for batch in r.order))
-            stats = TrainStats(sample_loss[i] / max(1, samples), len(r.order), samples)
-            r.result = (OrderedDict((k, arrays[k][i]) for k in arrays), stats)  # views of this call's own arrays
+            _run_steps(model, chain, fused, params, (xs, ys, mask_t), range(s0, s1), active, terms, losses)
+        _answer_sgd(reqs, params, losses, counts)
+
+
+@dataclass
+class _StepTerms:
+    """What each step of a cohort sgd call applies per device, built once per call (the step loop reads
+    them into locals): learning rates, weight decay, FedProx's pull to the start, momentum, a transform."""
+
+    rates: torch.Tensor  # [D, S]: a device with an empty batch stands still
+    same_lr: float  # the first device's rate ...
+    same_rate: list[bool]  # [S]: ... shared by every device active at step s (one fused update)
+    wd: torch.Tensor  # [D]
+    decay: bool
+    mu: torch.Tensor  # [D]
+    start: list[torch.Tensor] | None  # FedProx: w_0
+    beta: torch.Tensor  # [D]
+    bufs: list[torch.Tensor] | None  # heavy ball
+    transform: GradTransform | None  # one fn for the group (Request.key) ...
+    state: list[torch.Tensor] = field(default_factory=list)  # ... and the devices' states stacked
+
+
+def _minibatches(
+    reqs: Sequence[Request], data: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[bool, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Every minibatch of the call (each device's seeded order, drawn by its role before the call) as indices
+    ``[D, S, B]`` with sample masks, built once; where the cohort's data sets are not much larger than what the
+    call gathers, they are joined into one tensor (``joined``; the indices then point into it) and a chunk of
+    steps is one gather for the whole cohort (else one per device: joining a few large data sets would copy
+    them all to gather a few rows). Returns ``joined``, the inputs and labels gathered from, indices, masks."""
+    d, steps = len(reqs), len(reqs[0].order)
+    total = sum(len(t[1]) for t in data)
+    joined = d > 1 and total <= 2 * sum(len(i) for r in reqs for i in r.order)
+    x_all, y_all = (torch.cat([t[0] for t in data]), torch.cat([t[1] for t in data])) if joined else data[0]
+    offsets = np.cumsum([0] + [len(t[1]) for t in data[:-1]]) if joined else np.zeros(d, np.int64)
+    b = max(1, max((len(i) for r in reqs for i in r.order), default=1))
+    idx = np.zeros((d, steps, b), np.int64)
+    mask = np.zeros((d, steps, b), np.float32)
+    for i, r in enumerate(reqs):
+        if r.order:
+            sizes = [len(batch) for batch in r.order]
+            if min(sizes) == b:  # full batches (the usual case): one copy
+                idx[i, : len(r.order)] = np.stack(r.order)
+                mask[i, : len(r.order)] = 1.0
+            else:
+                for s, batch in enumerate(r.order):
+                    idx[i, s, : len(batch)], mask[i, s, : len(batch)] = batch, 1.0
+        idx[i] += offsets[i]  # (padding points at the device's first sample: masked out)
+    return joined, x_all, y_all, idx, mask
+
+
+def _step_terms(
+    reqs: Sequence[Request],
+    params: Mapping[str, torch.Tensor],
+    counts: torch.Tensor,
+    mask: np.ndarray,
+    active: list[int],
+) -> _StepTerms:
+    """The :class:`_StepTerms` of ``reqs`` (sorted by step count), their stacked ``params``, the samples per step
+    ``counts`` ``[D, S]`` and masks ``[D, S, B]``, and the ``active`` devices of each step (the state of a
+    gradient transform is the caller's)."""
+    dev = counts.device
+    lr = torch.tensor([r.lr for r in reqs], dtype=torch.float32, device=dev)
+    same_lr = reqs[0].lr
+    uniform = all(r.lr == same_lr for r in reqs)
+    wd = torch.tensor([r.weight_decay for r in reqs], dtype=torch.float32, device=dev)
+    mu = torch.tensor([r.prox_mu for r in reqs], dtype=torch.float32, device=dev)
+    beta = torch.tensor([r.momentum for r in reqs], dtype=torch.float32, device=dev)
+    return _StepTerms(
+        rates=lr.unsqueeze(1) * (counts > 0),
+        same_lr=same_lr,
+        same_rate=[uniform and bool((mask[:a, s].sum(1) > 0).all()) for s, a in enumerate(active)],
+        wd=wd,
+        decay=bool((wd != 0).any()),
+        mu=mu,
+        start=[v.detach().clone() for v in params.values()] if bool((mu != 0).any()) else None,
+        beta=beta,
+        bufs=[torch.zeros_like(v) for v in params.values()] if bool((beta != 0).any()) else None,
+        transform=reqs[0].grad_transform,
+    )
+
+
+def _run_steps(
+    model: torch.nn.Module,
+    chain: Sequence[tuple[str, bool]] | None,
+    fused: Sequence[tuple[str, bool]] | None,
+    params: dict[str, torch.Tensor],
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    span: range,
+    active: list[int],
+    terms: _StepTerms,
+    losses: torch.Tensor,
+) -> None:
+    """Steps ``span`` of every device at once, in place on ``params`` (``[D, *shape]``), each step's losses into
+    ``losses`` ``[D, S]``. ``batch``: the inputs and labels gathered for ``span`` (``[a, len(span), B, ...]``)
+    and every step's sample masks ``[D, S, B]``; ``fused``: plain SGD's chain (the step in the backward pass)."""
+    xs, ys, mask_t = batch
+    rates, same_lr, same_rate, transform, state = (
+        terms.rates,
+        terms.same_lr,
+        terms.same_rate,
+        terms.transform,
+        terms.state,
+    )
+    wd, decay, mu, start, beta, bufs = terms.wd, terms.decay, terms.mu, terms.start, terms.beta, terms.bufs
+    shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor
+    leaves, d, s0 = list(params.values()), mask_t.shape[0], span.start
+    for s in span:
+        a = active[s]  # devices 0..a-1 have a step s
+        full = a == d
+        ps = params if full else {k: v[:a] for k, v in params.items()}
+        vs = leaves if full else list(ps.values())
+        x, y, m = xs[:a, s - s0], ys[:a, s - s0], mask_t[:a, s]
+        if fused is not None and same_rate[s]:  # plain SGD at one rate: the step inside the backward pass
+            losses[:a, s] = mlp_loss_and_grads(fused, ps, x, y, m, lr=same_lr)[0]
+            continue
+        if chain:
+            loss, grads = mlp_loss_and_grads(chain, ps, x, y, m)
+        else:
+            loss = device_losses(batched_forward(model, ps, x), y, m)
+            grads = list(torch.autograd.grad(loss.sum(), vs))  # devices are independent: each its own
+        with torch.no_grad():
+            if not full:  # the leaves' prefixes, updated in place below
+                vs = [p[:a] for p in leaves]
+            if decay:
+                grads = [g + wd[:a].view(shape(p)) * p for p, g in zip(vs, grads)]
+            if start is not None:  # FedProx: + mu (w - w_0)
+                grads = [g + mu[:a].view(shape(p)) * (p - p0[:a]) for p, g, p0 in zip(vs, grads, start)]
+            if transform is not None:  # one call for the cohort's devices
+                grads = transform.fn(list(grads), list(vs), [c[:a] for c in state])
+            if bufs is not None:  # b = beta * b + g, per device; the step follows b
+                grads = [b[:a].mul_(beta[:a].view(shape(g))).add_(g) for b, g in zip(bufs, grads)]
+            if same_rate[s]:  # every device steps with the same lr (the usual case): one fused update
+                torch._foreach_add_(vs, grads, alpha=-same_lr)
+            else:
+                for p, g in zip(vs, grads):
+                    p.sub_(rates[:a, s].view(shape(p)) * g)
+            losses[:a, s] = loss
+
+
+def _answer_sgd(
+    reqs: Sequence[Request], params: Mapping[str, torch.Tensor], losses: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Each request's result: its device's trained parameters (views of this call's own arrays) and stats."""
+    sample_loss = (losses * counts).sum(1).tolist()  # one transfer from the device, not one per device
+    arrays = {k: v.detach().cpu().numpy() for k, v in params.items()}
+    for i, r in enumerate(reqs):
+        samples = int(sum(len(batch) for batch in r.order))
+        stats = TrainStats(sample_loss[i] / max(1, samples), len(r.order), samples)
+        r.result = (OrderedDict((k, arrays[k][i]) for k in arrays), stats)

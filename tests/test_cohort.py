@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from edge_agent.cohort import CohortExecutor
-from protocols.cohort_trainer import CohortEngine, NotVectorizable, _fast_layers, check_vectorizable
+from protocols.cohort_kernels import NotVectorizable, check_vectorizable, fast_layers
+from protocols.cohort_trainer import CohortEngine
 from protocols.config import ConfigError
 from protocols.wire.payload import Payload
 from sim.launcher import RunResult, SimHierarchy
@@ -333,7 +334,7 @@ def test_fedmrn_on_cnn4_groupnorm_matches_per_device_engine(make_config):
         model={"name": "cnn4", "channels": [4, 8, 8, 16]},
         data={"dataset": "mnist", "partition": "dirichlet", "alpha": 0.5, "max_train": 300, "max_test": 100},
     )
-    assert _fast_layers(cohort[2].executor.engine.model(cohort[2].prep.spec))
+    assert fast_layers(cohort[2].executor.engine.model(cohort[2].prep.spec))
     assert len({r.meta["steps"] for r in device[1].values()}) > 1  # uneven devices
     _equivalent(device, cohort)
 
@@ -404,7 +405,7 @@ def test_engine_evaluate_pads_uneven_devices():
 @pytest.mark.parametrize("grad", [True, False], ids=["autograd", "forward-only"])  # forward-only: channels-last
 @pytest.mark.parametrize("name", ["cnn", "mlp", "other", "cnn4"])
 def test_batched_forward_matches_each_device(name, grad):
-    from protocols.cohort_trainer import batched_forward
+    from protocols.cohort_kernels import batched_forward
     from protocols.models import build_model
 
     torch.manual_seed(0)
@@ -421,7 +422,7 @@ def test_batched_forward_matches_each_device(name, grad):
         for norm in (x for x in m.modules() if isinstance(x, torch.nn.GroupNorm)):  # not the init's 1 and 0
             torch.nn.init.normal_(norm.weight)
             torch.nn.init.normal_(norm.bias)
-    assert _fast_layers(models[0]) == (name != "other")  # batched kernels, not the vmap fallback
+    assert fast_layers(models[0]) == (name != "other")  # batched kernels, not the vmap fallback
     x = torch.randn(3, 4, side * side)
     params = {
         k: torch.stack([dict(m.named_parameters())[k].detach() for m in models])
@@ -437,12 +438,12 @@ def test_batched_forward_matches_each_device(name, grad):
 def test_written_out_mlp_gradient_matches_autograd(name):
     """The cohort's written-out gradient of mlp/logreg (uneven sample masks, a device with no samples)
     equals autograd's of the same masked per-device losses; a cnn has no written-out gradient."""
-    from protocols.cohort_trainer import _device_losses, _mlp_chain, _mlp_loss_and_grads, batched_forward
+    from protocols.cohort_kernels import batched_forward, device_losses, mlp_chain, mlp_loss_and_grads
     from protocols.models import build_model
 
     torch.manual_seed(0)
     model = build_model(name, (8, 8), 3, hidden=(7, 5), channels=(2, 3), fc=5)
-    chain = _mlp_chain(model)
+    chain = mlp_chain(model)
     if name == "cnn":
         assert chain is None
         return
@@ -450,9 +451,9 @@ def test_written_out_mlp_gradient_matches_autograd(name):
     x, y = torch.randn(4, 6, 64), torch.randint(0, 3, (4, 6))
     mask = torch.ones(4, 6)
     mask[1, 4:], mask[3] = 0.0, 0.0
-    loss, grads = _mlp_loss_and_grads(chain, params, x, y, mask)
+    loss, grads = mlp_loss_and_grads(chain, params, x, y, mask)
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-    ref = _device_losses(batched_forward(model, leaves, x), y, mask)
+    ref = device_losses(batched_forward(model, leaves, x), y, mask)
     assert torch.allclose(loss, ref, rtol=RTOL, atol=ATOL)
     for g, r in zip(grads, torch.autograd.grad(ref.sum(), list(leaves.values()))):
         assert torch.allclose(g, r, rtol=RTOL, atol=ATOL)

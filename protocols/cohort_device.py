@@ -1,0 +1,98 @@
+"""A device's side of the cohort engine: :class:`CohortDeviceTrainer`, the ``Trainer`` a device role sees in a
+cohort, turns every compute primitive into a :class:`Request` that a runner (``edge_agent/cohort.py``) answers for
+all devices of the cohort at once (``protocols.cohort_trainer.CohortEngine``); parameter access stays local."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .algorithms.base import ModelSpec
+from .trainer import GradTransform, LocalData, Trainer, TrainStats, batches
+
+
+@dataclass
+class Request:
+    """One device's call of a compute primitive, answered by :meth:`CohortEngine.run`."""
+
+    op: str  # sgd | loss | evaluate | loss_and_grad
+    spec: ModelSpec
+    params: Mapping[str, np.ndarray]
+    x: np.ndarray
+    y: np.ndarray
+    order: list[np.ndarray] = field(default_factory=list)  # sgd: index batches
+    lr: float = 0.0
+    weight_decay: float = 0.0
+    prox_mu: float = 0.0  # sgd: FedProx proximal coefficient
+    momentum: float = 0.0  # sgd: heavy-ball beta
+    grad_transform: GradTransform | None = None  # sgd: applied to each step's gradient
+    result: Any = None
+
+    def key(self) -> tuple[str, ModelSpec, tuple[str, ...], Any]:
+        """Requests with equal keys run as one array program (devices whose gradient transforms share their
+        function together)."""
+        return self.op, self.spec, tuple(self.params), self.grad_transform and self.grad_transform.fn
+
+
+class CohortDeviceTrainer(Trainer):
+    """One device's view of the cohort: a ``Trainer`` whose compute primitives are batched.
+
+    ``call(request)`` blocks until the cohort runner answered the request (with all devices that
+    reached a primitive at the same time) and returns ``request.result``; ``call([requests])``
+    answers several at once (a list of results).
+    """
+
+    def __init__(self, spec: ModelSpec, call: Callable[[Request | list[Request]], Any]) -> None:
+        self.spec, self.call = spec, call
+        self.params: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._others: dict[ModelSpec, CohortDeviceTrainer] = {}
+
+    def get_params(self) -> OrderedDict[str, np.ndarray]:
+        return OrderedDict((k, v.copy()) for k, v in self.params.items())
+
+    def set_params(self, params: Mapping[str, np.ndarray]) -> None:
+        self.params = OrderedDict((k, np.array(v, dtype=np.float32)) for k, v in params.items())
+
+    def for_model(self, spec: Any) -> CohortDeviceTrainer:
+        if spec not in self._others:
+            self._others[spec] = CohortDeviceTrainer(spec, self.call)
+        return self._others[spec]
+
+    def loss(self, x: np.ndarray, y: np.ndarray) -> float:
+        return self.call(Request("loss", self.spec, self.params, x, y))
+
+    def losses(self, params: Sequence[Mapping[str, np.ndarray]], x: np.ndarray, y: np.ndarray) -> list[float]:
+        if not params:
+            return []
+        self.set_params(params[-1])
+        return self.call([Request("loss", self.spec, p, x, y) for p in params])
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
+        return self.call(Request("evaluate", self.spec, self.params, x, y))
+
+    def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        return self.call(Request("loss_and_grad", self.spec, self.params, x, y))
+
+    def sgd(
+        self,
+        data: LocalData,
+        *,
+        steps: int,
+        batch_size: int,
+        lr: float,
+        rng: np.random.Generator,
+        weight_decay: float = 0.0,
+        prox_mu: float = 0.0,
+        momentum: float = 0.0,
+        grad_transform: GradTransform | None = None,
+    ) -> TrainStats:
+        order = list(batches(len(data), batch_size, steps, rng))  # this device's seeded order
+        request = Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay, prox_mu, momentum)
+        request.grad_transform = grad_transform
+        params, stats = self.call(request)
+        self.params = params
+        return stats
