@@ -13,33 +13,30 @@ completes, and completions run in submission order, so the run is the sequential
 where it matters (answers reach a cell in the same order, at the same virtual times) and the final
 model is byte-identical whatever the number of workers. A worker that dies ends the run with an
 error naming the device and the worker's last words; workers are always shut down (:meth:`close`).
+The worker side is ``sim/device_worker.py``, the frames both sides exchange ``sim/worker_frames.py``.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import multiprocessing as mp
 import queue
-import signal
-import struct
-import sys
 import threading
-import tomllib
-import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from protocols import procs
-from protocols.algorithms.base import DeviceContext, DeviceRole, ModelSpec
-from protocols.config import ConfigError, RunConfig, parse_config
+from protocols.algorithms.base import DeviceContext, ModelSpec
+from protocols.config import ConfigError, RunConfig
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
-from protocols.trainer import LocalData, Trainer
+from protocols.trainer import Trainer
 from protocols.transport.memory import VirtualLoop
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
-from .attack import attacked, byzantine_devices
+from .device_worker import DeviceWorker, process_main
+from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
+from .worker_frames import batch_frame, frame, unframe
 
 if TYPE_CHECKING:
     from edge_agent.agent import Trainee
@@ -48,14 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedtier.sim")
 
 Done = Callable[[Payload | None, str | None], None]
-LOCAL_DATA_BYTES = 512 << 20  # a worker keeps its recently trained devices' samples up to this size
-
-
-def set_torch_threads(n: int = 1) -> None:
-    """One torch thread per worker: on small models, more threads are much slower here."""
-    import torch
-
-    torch.set_num_threads(n)
 
 
 def worker_threads(cfg: RunConfig) -> int:
@@ -79,178 +68,6 @@ class InlineExecutor:
 
     def close(self) -> None:
         pass
-
-
-# ------------------------------------------------------------------------------ the worker side
-class DeviceWorker:
-    """The devices one worker trains, built from the run's config text; used in a process or as a Ray actor."""
-
-    def __init__(self, config_text: str, devices: Sequence[str]) -> None:
-        from protocols.torch_trainer import TorchTrainer
-
-        from .hierarchy import prepare
-        from .onnx_devices import onnx_trainers
-
-        set_torch_threads(1)
-        cfg = parse_config(tomllib.loads(config_text))
-        prep = prepare(cfg)
-        spec = prep.spec
-        algorithm = cfg.build_algorithm(spec)
-        torch_trainer = TorchTrainer.from_spec(
-            spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
-        )
-        onnx = onnx_trainers(cfg, spec, algorithm) if set(devices) & set(cfg.runtime.onnx_devices) else {}
-        self.mine = frozenset(devices)
-        self.data = prep.device_data  # index views: a device's samples are copied out when it trains
-        self.algorithm = algorithm
-        self.roles: dict[str, DeviceRole] = {}  # built on a device's first task, kept (roles may hold state)
-        self.trainer_for = lambda d: onnx.get(d, torch_trainer)
-        self.byzantine, self.attack = set(byzantine_devices(cfg)), cfg.attack  # [attack], as in the main process
-        self.spec = spec
-        plan = execution_plan(cfg)
-        self.runner = None  # the cohort engine: this worker's share of a round trains as cohorts
-        if plan.cohort:
-            from edge_agent.cohort import CohortRunner
-
-            self.runner = CohortRunner(spec, plan.cohort_size, plan.device, plan.worker_threads)
-        self._local: dict[str, LocalData] = {}  # recently trained devices' samples (copied out once)
-        self._local_bytes = 0
-
-    def _device(self, ctx: dict[str, Any]) -> tuple[DeviceContext, DeviceRole, LocalData]:
-        c = DeviceContext(
-            int(ctx["seed"]), int(ctx["round"]), int(ctx["edge_round"]), str(ctx["cell"]), str(ctx["device"])
-        )
-        if c.device not in self.mine:
-            raise KeyError(f"device {c.device!r} is not one of this worker's")
-        role = self.roles.get(c.device)
-        if role is None:
-            role = attacked(self.algorithm.device(c.device), c.device, self.byzantine, self.attack)
-            self.roles[c.device] = role
-        return c, role, self._data(c.device)
-
-    def _data(self, device: str) -> LocalData:
-        """The device's samples, kept for its next tasks while the kept ones fit in ``LOCAL_DATA_BYTES``
-        (copying a large share out of the data set every round costs more than training it)."""
-        data = self._local.pop(device, None)
-        if data is None:
-            data = self.data[device]
-            self._local_bytes += data.x.nbytes + data.y.nbytes
-        self._local[device] = data  # most recently used last
-        while self._local_bytes > LOCAL_DATA_BYTES and len(self._local) > 1:
-            old = self._local.pop(next(iter(self._local)))
-            self._local_bytes -= old.x.nbytes + old.y.nbytes
-        return data
-
-    def train(self, ctx: dict[str, Any], task: bytes | memoryview) -> tuple[bytes, str]:
-        """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
-        try:
-            c, role, data = self._device(ctx)
-            result = role.train(decode_payload(task), data, self.trainer_for(c.device), c)
-            return encode_payload(result), ""
-        except Exception as exc:  # a bad task must not kill the device (as in the main process)
-            log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
-            return b"", str(exc)
-
-    def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[bytes, str]]:
-        """:meth:`train` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
-        train as cohorts of at most ``cohort_size`` (``edge_agent.cohort.CohortRunner``), the others one by one."""
-        out: list[tuple[bytes, str]] = [(b"", "not run")] * len(items)
-        jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []
-        for i, (ctx, task) in enumerate(items):
-            if self.runner is None or not self.trainer_for(str(ctx["device"])).trains_in_cohorts:
-                out[i] = self.train(ctx, task)
-                continue
-            try:
-                c, role, data = self._device(ctx)
-                jobs.append((i, c, role, data, decode_payload(task)))
-            except Exception as exc:
-                log.exception("device %s: bad task", ctx.get("device"))
-                out[i] = (b"", str(exc))
-        if self.runner is None:
-            return out
-        for chunk in self.runner.split(jobs, lambda job: job[1].device):
-            run = [
-                lambda trainer, c=c, role=role, data=data, task=task: role.train(task, data, trainer, c)
-                for _, c, role, data, task in chunk
-            ]
-            outcomes = self.runner.train([job[1].device for job in chunk], run)
-            for (i, *_), (result, error) in zip(chunk, outcomes):
-                out[i] = (encode_payload(result), "") if result is not None else (b"", error or "failed")
-        return out
-
-
-def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
-    h = json.dumps(header, separators=(",", ":")).encode()
-    return struct.pack("<I", len(h)) + h + body
-
-
-def _unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
-    (n,) = struct.unpack_from("<I", data)
-    view = memoryview(data)
-    return json.loads(bytes(view[4 : 4 + n])), view[4 + n :]
-
-
-def _batch_frame(items: Sequence[tuple[int, dict[str, Any], bytes]]) -> bytes:
-    """One frame for a worker's batch of tasks. A task byte-identical to an earlier one of the batch (a cell
-    sends every device of an edge round the same model) is sent once: its item says ``"same": j``."""
-    head: list[dict[str, Any]] = []
-    bodies: list[bytes] = []
-    for task_id, ctx, task in items:
-        same = next(
-            (
-                j
-                for j, (_, _, earlier) in enumerate(items[: len(head)])
-                if "n" in head[j] and len(earlier) == len(task) and earlier == task
-            ),
-            None,
-        )
-        if same is None:
-            head.append({"id": task_id, "ctx": ctx, "n": len(task)})
-            bodies.append(task)
-        else:
-            head.append({"id": task_id, "ctx": ctx, "same": same})
-    return _frame({"batch": head}, b"".join(bodies))
-
-
-def _batch_items(header: dict[str, Any], body: memoryview) -> list[tuple[dict[str, Any], memoryview]]:
-    """``(ctx, task bytes)`` of each item of a :func:`_batch_frame`; a bad reference raises ``ValueError``."""
-    items: list[tuple[dict[str, Any], memoryview]] = []
-    at = 0
-    for item in header["batch"]:
-        if "same" in item:
-            j = item["same"]
-            if not (isinstance(j, int) and 0 <= j < len(items)):
-                raise ValueError(f"batch item refers to task {j!r}")
-            items.append((item["ctx"], items[j][1]))
-        else:
-            items.append((item["ctx"], body[at : at + item["n"]]))
-            at += item["n"]
-    return items
-
-
-def process_main(tasks: Any, results: Any, config_text: str, devices: list[str]) -> None:
-    """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
-    procs.die_with_parent()  # even a SIGKILLed main process leaves no worker behind
-    logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
-    try:
-        worker = DeviceWorker(config_text, devices)
-    except BaseException:  # the main process shows it when a task needs this worker (it may fail the same way)
-        results.send_bytes(_frame({"fatal": traceback.format_exc()}))
-        sys.exit(1)
-    while True:
-        try:
-            header, body = _unframe(tasks.recv_bytes())
-        except EOFError:
-            return
-        if header.get("stop"):
-            return
-        if "batch" in header:  # engine = cohort: a round's tasks for this worker, answered one by one
-            for item, (result, error) in zip(header["batch"], worker.train_many(_batch_items(header, body))):
-                results.send_bytes(_frame({"id": item["id"], "error": error}, result))
-            continue
-        result, error = worker.train(header["ctx"], body)
-        results.send_bytes(_frame({"id": header["id"], "error": error}, result))
 
 
 # ------------------------------------------------------------------------------ the main side
@@ -374,17 +191,17 @@ class ProcessExecutor(_Remote):
             raise
 
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
-        self._outboxes[worker].put(_frame({"id": task_id, "ctx": ctx}, task))
+        self._outboxes[worker].put(frame({"id": task_id, "ctx": ctx}, task))
 
     def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], bytes]]) -> None:
-        self._outboxes[worker].put(_batch_frame(items))
+        self._outboxes[worker].put(batch_frame(items))
 
     def _writer(self, worker: int, conn: Any, outbox: queue.Queue[bytes | None]) -> None:
         """Sends tasks in order without blocking the loop (a pipe holds only 64 KiB)."""
         try:
             while (data := outbox.get()) is not None:
                 conn.send_bytes(data)
-            conn.send_bytes(_frame({"stop": True}))
+            conn.send_bytes(frame({"stop": True}))
         except OSError:
             pass  # the worker is gone: its reader reports it
         finally:
@@ -394,7 +211,7 @@ class ProcessExecutor(_Remote):
         fatal = ""
         try:
             while True:
-                header, body = _unframe(conn.recv_bytes())
+                header, body = unframe(conn.recv_bytes())
                 if "fatal" in header:
                     fatal = header["fatal"]
                     continue

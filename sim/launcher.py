@@ -29,7 +29,8 @@ from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
-from .executors import make_executor, set_torch_threads, start_workers
+from .device_worker import set_torch_threads
+from .executors import make_executor, start_workers
 from .hierarchy import (
     DeviceData,
     Prepared,

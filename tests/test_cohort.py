@@ -228,17 +228,18 @@ def test_cohorts_in_worker_processes(make_config):
 
 
 def test_a_batch_for_a_worker_carries_each_distinct_task_once():
-    from sim.executors import _batch_frame, _batch_items, _unframe, worker_threads
+    from sim.executors import worker_threads
+    from sim.worker_frames import batch_frame, batch_items, unframe
 
     model, other = b"m" * 1000, b"o" * 1000
     items = [(i, {"device": f"d{i}"}, task) for i, task in enumerate([model, model, other, bytes(model), other])]
-    frame = _batch_frame(items)
+    frame = batch_frame(items)
     assert len(frame) < 2 * 1000 + 400  # two distinct tasks travel, not five
-    header, body = _unframe(frame)
-    assert [(ctx, bytes(task)) for ctx, task in _batch_items(header, body)] == [(c, t) for _, c, t in items]
+    header, body = unframe(frame)
+    assert [(ctx, bytes(task)) for ctx, task in batch_items(header, body)] == [(c, t) for _, c, t in items]
     header["batch"][1]["same"] = 3  # a reference to a later item is refused, not followed
     with pytest.raises(ValueError, match="refers to task 3"):
-        _batch_items(header, body)
+        batch_items(header, body)
 
     class Cfg:  # cohort_threads is shared by the workers; never below one thread
         class runtime:

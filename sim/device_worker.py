@@ -1,0 +1,156 @@
+"""The worker side of ``fedtier sim``'s parallel training (``sim/executors.py``): a worker process or Ray actor
+rebuilds the run's data partition from the config text and trains its fixed share of the devices, keeping
+each device's role for the whole run."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import tomllib
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from protocols import procs
+from protocols.algorithms.base import DeviceContext, DeviceRole
+from protocols.config import parse_config
+from protocols.execution import execution_plan
+from protocols.trainer import LocalData
+from protocols.wire.payload import Payload, decode_payload, encode_payload
+
+from .attack import attacked, byzantine_devices
+from .worker_frames import batch_items, frame, unframe
+
+log = logging.getLogger("fedtier.sim")
+
+LOCAL_DATA_BYTES = 512 << 20  # a worker keeps its recently trained devices' samples up to this size
+
+
+def set_torch_threads(n: int = 1) -> None:
+    """One torch thread per worker: on small models, more threads are much slower here."""
+    import torch
+
+    torch.set_num_threads(n)
+
+
+class DeviceWorker:
+    """The devices one worker trains, built from the run's config text; used in a process or as a Ray actor."""
+
+    def __init__(self, config_text: str, devices: Sequence[str]) -> None:
+        from protocols.torch_trainer import TorchTrainer
+
+        from .hierarchy import prepare
+        from .onnx_devices import onnx_trainers
+
+        set_torch_threads(1)
+        cfg = parse_config(tomllib.loads(config_text))
+        prep = prepare(cfg)
+        spec = prep.spec
+        algorithm = cfg.build_algorithm(spec)
+        torch_trainer = TorchTrainer.from_spec(
+            spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
+        )
+        onnx = onnx_trainers(cfg, spec, algorithm) if set(devices) & set(cfg.runtime.onnx_devices) else {}
+        self.mine = frozenset(devices)
+        self.data = prep.device_data  # index views: a device's samples are copied out when it trains
+        self.algorithm = algorithm
+        self.roles: dict[str, DeviceRole] = {}  # built on a device's first task, kept (roles may hold state)
+        self.trainer_for = lambda d: onnx.get(d, torch_trainer)
+        self.byzantine, self.attack = set(byzantine_devices(cfg)), cfg.attack  # [attack], as in the main process
+        self.spec = spec
+        plan = execution_plan(cfg)
+        self.runner = None  # the cohort engine: this worker's share of a round trains as cohorts
+        if plan.cohort:
+            from edge_agent.cohort import CohortRunner
+
+            self.runner = CohortRunner(spec, plan.cohort_size, plan.device, plan.worker_threads)
+        self._local: dict[str, LocalData] = {}  # recently trained devices' samples (copied out once)
+        self._local_bytes = 0
+
+    def _device(self, ctx: dict[str, Any]) -> tuple[DeviceContext, DeviceRole, LocalData]:
+        c = DeviceContext(
+            int(ctx["seed"]), int(ctx["round"]), int(ctx["edge_round"]), str(ctx["cell"]), str(ctx["device"])
+        )
+        if c.device not in self.mine:
+            raise KeyError(f"device {c.device!r} is not one of this worker's")
+        role = self.roles.get(c.device)
+        if role is None:
+            role = attacked(self.algorithm.device(c.device), c.device, self.byzantine, self.attack)
+            self.roles[c.device] = role
+        return c, role, self._data(c.device)
+
+    def _data(self, device: str) -> LocalData:
+        """The device's samples, kept for its next tasks while the kept ones fit in ``LOCAL_DATA_BYTES``
+        (copying a large share out of the data set every round costs more than training it)."""
+        data = self._local.pop(device, None)
+        if data is None:
+            data = self.data[device]
+            self._local_bytes += data.x.nbytes + data.y.nbytes
+        self._local[device] = data  # most recently used last
+        while self._local_bytes > LOCAL_DATA_BYTES and len(self._local) > 1:
+            old = self._local.pop(next(iter(self._local)))
+            self._local_bytes -= old.x.nbytes + old.y.nbytes
+        return data
+
+    def train(self, ctx: dict[str, Any], task: bytes | memoryview) -> tuple[bytes, str]:
+        """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
+        try:
+            c, role, data = self._device(ctx)
+            result = role.train(decode_payload(task), data, self.trainer_for(c.device), c)
+            return encode_payload(result), ""
+        except Exception as exc:  # a bad task must not kill the device (as in the main process)
+            log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
+            return b"", str(exc)
+
+    def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[bytes, str]]:
+        """:meth:`train` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
+        train as cohorts of at most ``cohort_size`` (``edge_agent.cohort.CohortRunner``), the others one by one."""
+        out: list[tuple[bytes, str]] = [(b"", "not run")] * len(items)
+        jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []
+        for i, (ctx, task) in enumerate(items):
+            if self.runner is None or not self.trainer_for(str(ctx["device"])).trains_in_cohorts:
+                out[i] = self.train(ctx, task)
+                continue
+            try:
+                c, role, data = self._device(ctx)
+                jobs.append((i, c, role, data, decode_payload(task)))
+            except Exception as exc:
+                log.exception("device %s: bad task", ctx.get("device"))
+                out[i] = (b"", str(exc))
+        if self.runner is None:
+            return out
+        for chunk in self.runner.split(jobs, lambda job: job[1].device):
+            run = [
+                lambda trainer, c=c, role=role, data=data, task=task: role.train(task, data, trainer, c)
+                for _, c, role, data, task in chunk
+            ]
+            outcomes = self.runner.train([job[1].device for job in chunk], run)
+            for (i, *_), (result, error) in zip(chunk, outcomes):
+                out[i] = (encode_payload(result), "") if result is not None else (b"", error or "failed")
+        return out
+
+
+def process_main(tasks: Any, results: Any, config_text: str, devices: list[str]) -> None:
+    """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
+    procs.die_with_parent()  # even a SIGKILLed main process leaves no worker behind
+    logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
+    try:
+        worker = DeviceWorker(config_text, devices)
+    except BaseException:  # the main process shows it when a task needs this worker (it may fail the same way)
+        results.send_bytes(frame({"fatal": traceback.format_exc()}))
+        sys.exit(1)
+    while True:
+        try:
+            header, body = unframe(tasks.recv_bytes())
+        except EOFError:
+            return
+        if header.get("stop"):
+            return
+        if "batch" in header:  # engine = cohort: a round's tasks for this worker, answered one by one
+            for item, (result, error) in zip(header["batch"], worker.train_many(batch_items(header, body))):
+                results.send_bytes(frame({"id": item["id"], "error": error}, result))
+            continue
+        result, error = worker.train(header["ctx"], body)
+        results.send_bytes(frame({"id": header["id"], "error": error}, result))
