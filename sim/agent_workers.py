@@ -21,6 +21,7 @@ from edge_agent.runner import AgentProcess, BrokerOptions
 from edge_agent.service import AgentService
 from protocols import procs
 from protocols.config import RunConfig, parse_config
+from protocols.jobs import JobError
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import node_trust
@@ -129,7 +130,7 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     sessions: list[str] = []
     started: list[AgentProcess] = []
     service = worker_service(job, data, (shape, classes), sessions, started)
-    service.on_job_end = lambda _job: service.stop()  # one job: ``fedtier run``'s
+    service.on_job_end = lambda _job: service.stop()  # one job: the launcher's (``build`` refuses others)
     try:
         service.serve()
     finally:
@@ -139,9 +140,9 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
 def worker_service(
     job: dict[str, Any], data: dict[str, Any], shape: tuple[Any, Any], sessions: list[str], started: list[AgentProcess]
 ) -> AgentService:
-    """The :class:`AgentService` of a worker's devices: the bundle ``job["bundle"]`` (no training config), its
-    job's config from the cloud's record; ``sessions`` gets each job session it builds agents for, ``started``
-    the agents once started."""
+    """The :class:`AgentService` of a worker's devices: the bundle ``job["bundle"]`` (no training config), the
+    config of job ``job["job"]`` (only) from the cloud's record; ``sessions`` gets each job session it builds
+    agents for, ``started`` the agents once started."""
     from edge_agent.runner import make_trainer
     from protocols.algorithms.base import ModelSpec
 
@@ -153,6 +154,8 @@ def worker_service(
     loop = ThreadLoop(f"agents-watch-{fed}")
 
     def build(cfg: RunConfig, session: str) -> AgentProcess:
+        if job.get("job") is not None and not session.startswith(f"{job['job']}."):  # e.g. a killed run's record
+            raise JobError(f"job session {session} is not of job {job['job']}, the one this worker serves")
         cfg = with_init_model(cfg, job.get("init_model"))
         spec = cfg.model_spec(*shape) if all(shape) else ModelSpec.model_validate(job["spec"])
         sessions.append(session)

@@ -203,7 +203,7 @@ class Emulation:
             )
             fed.start()
             job = fed.submit(job_text(self.cfg))
-            self._spawn(out, prep, opts, cell_opts)
+            self._spawn(job, out, prep, opts, cell_opts)
             ended = fed.wait(job, self._fail_fast)
             if fed.server is None:  # it could not be built: the nodes never saw it
                 raise ConfigError(f"job {job} failed: {ended.reason}")
@@ -305,8 +305,10 @@ class Emulation:
         return result
 
     # ------------------------------------------------------------------------------- workers
-    def _spawn(self, out: Path, prep: Prepared, opts: BrokerOptions, cell_opts: dict[str, BrokerOptions]) -> None:
-        """Start the agent workers; each serves the job its devices learn from the cloud."""
+    def _spawn(
+        self, job_id: str, out: Path, prep: Prepared, opts: BrokerOptions, cell_opts: dict[str, BrokerOptions]
+    ) -> None:
+        """Start the agent workers; each serves job ``job_id`` with the config its devices learn from the cloud."""
         ctx = mp.get_context("spawn")  # never fork: this process has threads
         self._results = ctx.Queue()
         level = logging.getLogger().getEffectiveLevel()
@@ -314,6 +316,7 @@ class Emulation:
         groups = self.groups = worker_groups(self.cfg.topology.all_devices(), self.workers, self.isolate)
         for i, group in enumerate(groups):
             job = {
+                "job": job_id,
                 "bundle": bundle,
                 "devices": {d: str(self.device_files[d]) for d in group},
                 "spec": prep.spec.model_dump(mode="json"),
