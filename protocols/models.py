@@ -106,60 +106,81 @@ def build_model(
     if name in plugins.MODELS:
         return plugins.build_registered(name, tuple(input_shape), num_classes)
     in_features = int(np.prod(input_shape))
-    layers: list[tuple[str, nn.Module]] = []
     if name == "mlp":
-        width = in_features
-        for i, h in enumerate(hidden, start=1):
-            layers += [(f"fc{i}", nn.Linear(width, int(h))), (f"relu{i}", nn.ReLU())]
-            width = int(h)
-        layers.append(("out", nn.Linear(width, num_classes)))
-        return nn.Sequential(OrderedDict([("flatten", nn.Flatten()), *layers]))
+        return _mlp(in_features, hidden, num_classes)
     if name == "logreg":
         return nn.Sequential(OrderedDict([("flatten", nn.Flatten()), ("out", nn.Linear(in_features, num_classes))]))
     if name == "cnn":
-        c, h, w = (int(x) for x in input_shape) if len(input_shape) == 3 else (1, *(int(x) for x in input_shape))
-        c1, c2 = (int(x) for x in channels)
-        # 'same' padding: 28 -> 14 -> 7 and 8 -> 4 -> 2 after the two poolings
-        flat = c2 * (h // 4) * (w // 4)
-        head = (
-            [("fc1", nn.Linear(flat, fc)), ("relu3", nn.ReLU()), ("out", nn.Linear(fc, num_classes))]
-            if fc
-            else [("out", nn.Linear(flat, num_classes))]
-        )
-        return ConvNet(
-            OrderedDict(
-                [
-                    ("reshape", Reshape((c, h, w))),
-                    ("conv1", nn.Conv2d(c, c1, 5, padding=2)),
-                    ("relu1", nn.ReLU()),
-                    ("pool1", nn.MaxPool2d(2)),
-                    ("conv2", nn.Conv2d(c1, c2, 5, padding=2)),
-                    ("relu2", nn.ReLU()),
-                    ("pool2", nn.MaxPool2d(2)),
-                    ("flatten", nn.Flatten()),
-                    *head,
-                ]
-            )
-        )
+        return _cnn(_image_shape(input_shape), channels, fc, num_classes)
     if name == "cnn4":
-        c, h, w = (int(x) for x in input_shape) if len(input_shape) == 3 else (1, *(int(x) for x in input_shape))
-        widths = [int(x) for x in channels]
-        if len(widths) != 4:
-            raise ValueError(f"cnn4 needs 4 channel widths, got {widths}")
-        if h < 16 or w < 16:
-            raise ValueError(f"cnn4 pools 4 times: images of at least 16x16 needed, got {h}x{w}")
-        layers = [("reshape", Reshape((c, h, w)))]
-        for i, width in enumerate(widths, start=1):
-            layers += [
-                (f"conv{i}", nn.Conv2d(c, width, 3, padding=1, bias=False)),
-                (f"norm{i}", nn.GroupNorm(math.gcd(8, width), width)),
-                (f"relu{i}", nn.ReLU()),
-                (f"pool{i}", nn.MaxPool2d(2)),
-            ]
-            c, h, w = width, h // 2, w // 2
-        layers += [("flatten", nn.Flatten()), ("out", nn.Linear(c * h * w, num_classes, bias=False))]
-        return ConvNet(OrderedDict(layers))
+        return _cnn4(_image_shape(input_shape), channels, num_classes)
     raise ValueError(f"unknown model {name!r} (available: {', '.join(plugins.model_names())})")
+
+
+def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
+    """``(channels, height, width)`` of ``input_shape`` (a 2-d shape: one channel)."""
+    c, h, w = (int(x) for x in input_shape) if len(input_shape) == 3 else (1, *(int(x) for x in input_shape))
+    return c, h, w
+
+
+def _mlp(in_features: int, hidden: Sequence[int], num_classes: int) -> nn.Module:
+    """The zoo's ``mlp`` (see :func:`build_model`)."""
+    layers: list[tuple[str, nn.Module]] = []
+    width = in_features
+    for i, h in enumerate(hidden, start=1):
+        layers += [(f"fc{i}", nn.Linear(width, int(h))), (f"relu{i}", nn.ReLU())]
+        width = int(h)
+    layers.append(("out", nn.Linear(width, num_classes)))
+    return nn.Sequential(OrderedDict([("flatten", nn.Flatten()), *layers]))
+
+
+def _cnn(image: tuple[int, int, int], channels: Sequence[int], fc: int, num_classes: int) -> nn.Module:
+    """The zoo's ``cnn`` (see :func:`build_model`)."""
+    c, h, w = image
+    c1, c2 = (int(x) for x in channels)
+    # 'same' padding: 28 -> 14 -> 7 and 8 -> 4 -> 2 after the two poolings
+    flat = c2 * (h // 4) * (w // 4)
+    head = (
+        [("fc1", nn.Linear(flat, fc)), ("relu3", nn.ReLU()), ("out", nn.Linear(fc, num_classes))]
+        if fc
+        else [("out", nn.Linear(flat, num_classes))]
+    )
+    return ConvNet(
+        OrderedDict(
+            [
+                ("reshape", Reshape((c, h, w))),
+                ("conv1", nn.Conv2d(c, c1, 5, padding=2)),
+                ("relu1", nn.ReLU()),
+                ("pool1", nn.MaxPool2d(2)),
+                ("conv2", nn.Conv2d(c1, c2, 5, padding=2)),
+                ("relu2", nn.ReLU()),
+                ("pool2", nn.MaxPool2d(2)),
+                ("flatten", nn.Flatten()),
+                *head,
+            ]
+        )
+    )
+
+
+def _cnn4(image: tuple[int, int, int], channels: Sequence[int], num_classes: int) -> nn.Module:
+    """The zoo's ``cnn4`` (see :func:`build_model`)."""
+    c, h, w = image
+    widths = [int(x) for x in channels]
+    if len(widths) != 4:
+        raise ValueError(f"cnn4 needs 4 channel widths, got {widths}")
+    if h < 16 or w < 16:
+        raise ValueError(f"cnn4 pools 4 times: images of at least 16x16 needed, got {h}x{w}")
+    layers: list[tuple[str, nn.Module]] = [("reshape", Reshape((c, h, w)))]
+    for i, width in enumerate(widths, start=1):
+        layers += [
+            (f"conv{i}", nn.Conv2d(c, width, 3, padding=1, bias=False)),
+            (f"norm{i}", nn.GroupNorm(math.gcd(8, width), width)),
+            (f"relu{i}", nn.ReLU()),
+            (f"pool{i}", nn.MaxPool2d(2)),
+        ]
+        c, h, w = width, h // 2, w // 2
+    layers += [("flatten", nn.Flatten()), ("out", nn.Linear(c * h * w, num_classes, bias=False))]
+    return ConvNet(OrderedDict(layers))
 
 
 def init_params(model: nn.Module, seed: int, std: float | None = None) -> OrderedDict[str, np.ndarray]:
