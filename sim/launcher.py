@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,10 @@ from .hierarchy import (
 )
 from .onnx_devices import onnx_trainers
 from .population import Population
+
+if TYPE_CHECKING:
+    from cell_server.server import CellServer
+    from cloud.server import CloudServer
 
 
 @dataclass
@@ -155,7 +159,7 @@ class SimHierarchy:
         if remote is not None:
             weakref.finalize(self, remote.close)  # stopped even if building fails below
         self.prep = prep = prepared if prepared is not None else prepare(cfg)
-        spec, ds = prep.spec, prep.dataset
+        spec = prep.spec
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
         train = cfg.train
@@ -167,32 +171,8 @@ class SimHierarchy:
             steps_of=device_steps(cfg, prep) if cfg.privacy.dp != "off" else None,  # DP devices report none
         )
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
-        self.cloud = build_cloud(
-            cfg,
-            hub.connect("cloud"),
-            algorithm,
-            evaluator=make_evaluator(spec, ds.x_test, ds.y_test, cfg.runtime.device, eval_threads(cfg)),
-            output_dir=self.output_dir,
-            resume=resume,
-            on_round=on_round,
-            devices_recreated=True,
-            availability=cell_availability(cfg),
-            cell_bounds=cell_bounds(cfg, prep.device_data),
-        )
-        availability = edge_availability(cfg)
-        self.cells = {
-            c: build_cell(
-                cfg,
-                c,
-                hub.connect(f"cell.{c}"),
-                algorithm,
-                availability=availability,
-                output_dir=self.output_dir,
-                assume_online=True,
-                samples=device_samples(prep.device_data, cfg.topology.devices(c)),
-            )
-            for c in cfg.topology.cell_ids()
-        }
+        self.cloud = self._build_cloud(on_round, resume)
+        self.cells = self._build_cells()
         trainer = TorchTrainer.from_spec(
             spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
         )
@@ -202,6 +182,41 @@ class SimHierarchy:
             cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer), self._configure
         )  # built as devices are needed
         self.executor = make_executor(execution_plan(cfg), self.agents.active(), spec, loop, trainer, remote)
+
+    def _build_cloud(self, on_round: Callable[[dict[str, Any]], None] | None, resume: bool) -> CloudServer:
+        """The cloud on the hub: it evaluates on the test split and bounds each cell's weight by its devices'."""
+        cfg, prep = self.cfg, self.prep
+        ds = prep.dataset
+        return build_cloud(
+            cfg,
+            self.hub.connect("cloud"),
+            self.algorithm,
+            evaluator=make_evaluator(prep.spec, ds.x_test, ds.y_test, cfg.runtime.device, eval_threads(cfg)),
+            output_dir=self.output_dir,
+            resume=resume,
+            on_round=on_round,
+            devices_recreated=True,
+            availability=cell_availability(cfg),
+            cell_bounds=cell_bounds(cfg, prep.device_data),
+        )
+
+    def _build_cells(self) -> dict[str, CellServer]:
+        """Every cell on the hub, its devices deemed online from the start, each bounded by its samples."""
+        cfg = self.cfg
+        availability = edge_availability(cfg)
+        return {
+            c: build_cell(
+                cfg,
+                c,
+                self.hub.connect(f"cell.{c}"),
+                self.algorithm,
+                availability=availability,
+                output_dir=self.output_dir,
+                assume_online=True,
+                samples=device_samples(self.prep.device_data, cfg.topology.devices(c)),
+            )
+            for c in cfg.topology.cell_ids()
+        }
 
     def _configure(self, agent: DeviceAgent) -> None:
         agent.executor = self.executor
