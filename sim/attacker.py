@@ -157,31 +157,20 @@ class Attacker:
             self._raw(topic, p)
 
     def _on_first_task(self, topic: str, data: bytes) -> None:
+        """The first device's first task: every wanted attack fires once, in this order."""
         try:
             header, raw = decode_message(data)
         except ValueError:
             return
         if (header.round, header.edge_round) != (0, 0):
             return
+        self._replays_and_forgeries()
+        self._compromised_nodes(header.session, decode_payload(raw))
+        self._fire("43-byte chunk header announcing 500 MB", self._huge_header)
+
+    def _replays_and_forgeries(self) -> None:
+        """An outsider's attacks: another run's captured tasks replayed, and records forged without a key."""
         run, c = self.run, self.client
-        task = decode_payload(raw)
-        result_topic = topics.device_result(run, "c0", FIRST_DEVICE)
-
-        def poisoned(weight: float) -> Payload:
-            return Payload({"weight": weight, "loss": 0.0}, {k: np.full_like(v, 3.0) for k, v in task.tensors.items()})
-
-        def result_as(key_of: str, weight: float) -> None:
-            self._send_as(
-                FIRST_DEVICE,
-                key_of,
-                header.session,
-                result_topic,
-                "device_result",
-                poisoned(weight),
-                round=0,
-                cell="c0",
-            )
-
         self._fire(
             "cross-run replay of a cell task",
             lambda: self._replay(topics.cell_task(run, REPLAY_CELL), self.captured["cell_task"]),
@@ -217,19 +206,25 @@ class Attacker:
             ),
         )
 
-        def far_future() -> None:  # a compromised cell: its genuine key, the current session
+    def _compromised_nodes(self, session: str | None, task: Payload) -> None:
+        """Attacks with genuine keys (a compromised cell or device) in the current ``session``; ``task``: the
+        first device's genuine first task."""
+        run = self.run
+        result_topic = topics.device_result(run, "c0", FIRST_DEVICE)
+
+        def poisoned(weight: float) -> Payload:
+            return Payload({"weight": weight, "loss": 0.0}, {k: np.full_like(v, 3.0) for k, v in task.tensors.items()})
+
+        def result_as(key_of: str, weight: float) -> None:
             self._send_as(
-                "c0",
-                "c0",
-                header.session,
-                topics.device_task(run, "c0", FIRST_DEVICE),
-                "device_task",
-                task,
-                round=1000,
-                cell="c0",
+                FIRST_DEVICE, key_of, session, result_topic, "device_result", poisoned(weight), round=0, cell="c0"
             )
 
-        self._fire("far-future round task (cell's own key)", far_future)
+        far_topic = topics.device_task(run, "c0", FIRST_DEVICE)
+        self._fire(
+            "far-future round task (cell's own key)",
+            lambda: self._send_as("c0", "c0", session, far_topic, "device_task", task, round=1000, cell="c0"),
+        )
         self._fire("a cell forging its device's result", lambda: result_as("c0", 10.0))
         self._fire("a device claiming 10^12 samples (its own key)", lambda: result_as(FIRST_DEVICE, 1e12))
         self._fire(
@@ -246,13 +241,12 @@ class Attacker:
             ),
         )
 
-        def huge_header() -> None:
-            total = 500 * 1024 * 1024
-            head = chunking._HEAD.pack(chunking.MAGIC, os.urandom(16), 0, total, 1, total, 0, 0) + b"x"
-            self._raw(topics.device_result(run, "c0", CHUNKED_DEVICE), head)  # to the cell
-            self._raw(topics.device_task(run, "c0", CHUNKED_DEVICE), head)  # to a device
-
-        self._fire("43-byte chunk header announcing 500 MB", huge_header)
+    def _huge_header(self) -> None:
+        """A 43-byte chunk header that announces 500 MB, to the cell and to a device."""
+        total = 500 * 1024 * 1024
+        head = chunking._HEAD.pack(chunking.MAGIC, os.urandom(16), 0, total, 1, total, 0, 0) + b"x"
+        self._raw(topics.device_result(self.run, "c0", CHUNKED_DEVICE), head)  # to the cell
+        self._raw(topics.device_task(self.run, "c0", CHUNKED_DEVICE), head)  # to a device
 
     def _raw(self, topic: str, data: bytes) -> None:
         """Publish bytes as one MQTT message, as they are (the transport would frame a chunk-like
