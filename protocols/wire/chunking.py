@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from .ratelog import RateLimitedLog
 
@@ -161,6 +161,7 @@ class Reassembler:
         return len(self._pending)
 
     def feed(self, key: str, data: bytes) -> bytes | None:
+        """The whole message once ``data`` completes one, else ``None`` (see the class doc)."""
         if not is_chunk(data):
             if len(data) > self.max_message:
                 self._reject(
@@ -172,18 +173,10 @@ class Reassembler:
             return data
         now = self.clock()
         self.expire(now)
-        magic, cid, index, count, size, total, slen, glen = _HEAD.unpack_from(data)
+        fields = _HEAD.unpack_from(data)
+        _, cid, index, count, size, total, slen, glen = fields
         if total > self.max_message:
-            if cid in self._refused:
-                self.dropped += 1
-                return None
-            self._refused[cid] = None
-            while len(self._refused) > self.max_recent:
-                self._refused.popitem(last=False)
-            self._reject(
-                key,
-                f"chunked message of {total} bytes exceeds the bound of {self.max_message} (runtime.max_message_bytes)",
-            )
+            self._refuse_size(key, cid, total)
             return None
         if HEADER_BYTES + slen + glen > len(data):
             self._reject(key, "truncated chunk header")
@@ -194,20 +187,8 @@ class Reassembler:
             self._reject(key, "chunk sender is not UTF-8")
             return None
         body = memoryview(data)[HEADER_BYTES + slen + glen :]
-        if self.auth is not None:
-            if glen == 0:
-                self._reject(key, f"unsigned chunk (claims sender {sender!r}) where signatures are required")
-                return None
-            head = _HEAD.pack(magic, cid, index, count, size, total, slen, 0)
-            try:
-                self.auth.verify(
-                    sender,
-                    _signed(key, head, data[HEADER_BYTES : HEADER_BYTES + slen], body),
-                    bytes(data[HEADER_BYTES + slen : HEADER_BYTES + slen + glen]),
-                )
-            except ValueError as exc:  # WireError
-                self._reject(key, f"chunk {index}/{count} from {sender!r}: {exc}")
-                return None
+        if self.auth is not None and not self._signed_by_sender(self.auth, key, data, fields, sender, body):
+            return None
         ident = (key, sender, cid)
         if ident in self._recent:
             return None  # a late duplicate of a message already delivered
@@ -237,12 +218,50 @@ class Reassembler:
         self._hold(p, want)
         if len(p.parts) < p.count:
             return None
+        return self._assemble(ident, p, now)
+
+    def _refuse_size(self, key: str, cid: bytes, total: int) -> None:
+        """Refuse a chunked message larger than ``max_message`` (logged once per content id)."""
+        if cid in self._refused:
+            self.dropped += 1
+            return
+        self._refused[cid] = None
+        while len(self._refused) > self.max_recent:
+            self._refused.popitem(last=False)
+        self._reject(
+            key,
+            f"chunked message of {total} bytes exceeds the bound of {self.max_message} (runtime.max_message_bytes)",
+        )
+
+    def _signed_by_sender(
+        self, auth: ChunkAuth, key: str, data: bytes, fields: tuple[Any, ...], sender: str, body: memoryview
+    ) -> bool:
+        """The chunk ``data`` (its header ``fields``) carries ``sender``'s valid signature for ``key``; else
+        it is rejected (logged, counted)."""
+        magic, cid, index, count, size, total, slen, glen = fields
+        if glen == 0:
+            self._reject(key, f"unsigned chunk (claims sender {sender!r}) where signatures are required")
+            return False
+        head = _HEAD.pack(magic, cid, index, count, size, total, slen, 0)
+        try:
+            auth.verify(
+                sender,
+                _signed(key, head, data[HEADER_BYTES : HEADER_BYTES + slen], body),
+                bytes(data[HEADER_BYTES + slen : HEADER_BYTES + slen + glen]),
+            )
+        except ValueError as exc:  # WireError
+            self._reject(key, f"chunk {index}/{count} from {sender!r}: {exc}")
+            return False
+        return True
+
+    def _assemble(self, ident: tuple[str, str, bytes], p: _Pending, now: float) -> bytes | None:
+        """The message of the complete set ``ident``, checked against its content id (``None`` if it differs)."""
         del self._pending[ident]
         self._hold(p, -p.held)
         whole = b"".join(p.parts[i] for i in range(p.count))
-        if content_id(whole) != cid:
+        if content_id(whole) != ident[2]:
             self.dropped += 1
-            self._log.warning("dropping reassembled message on %s: sha256 does not match its content id", key)
+            self._log.warning("dropping reassembled message on %s: sha256 does not match its content id", ident[0])
             return None
         self._recent[ident] = now
         while len(self._recent) > self.max_recent:
