@@ -10,7 +10,6 @@ its minibatch seeds); a result must answer the device's outstanding task, else i
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -22,6 +21,7 @@ from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 
+from .parts import EdgeRound, RoundTally
 from .server import CellServer
 
 log = logging.getLogger("fedtier.cell")
@@ -43,13 +43,8 @@ class AsyncCellServer(CellServer):
 
     def _window(self) -> None:
         """Start counting what the next aggregation record reports."""
-        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
+        self.edge = EdgeRound(t0=self.loop.now(), wall0=time.perf_counter())
         self.dispatched: set[str] = set()
-        self.bytes_in = self.bytes_out = 0
-        self.losses = {}
-        self.absent = {}
-        self.diverged = {}
-        self.failed = {}
 
     def stop(self) -> None:
         self.loop.cancel(self._push_timer)
@@ -57,8 +52,8 @@ class AsyncCellServer(CellServer):
 
     # ----------------------------------------------------------------- cloud model
     def _on_cell_task(self, topic: str, data: bytes) -> None:
-        msg = self.messenger.receive(topic, data, kinds=("cell_task",))
-        if msg is None or not self._from_current_cloud(topic, msg):
+        msg = self._cloud_task(topic, data)
+        if msg is None:
             return
         first = not self.fb.ready
         try:
@@ -70,7 +65,7 @@ class AsyncCellServer(CellServer):
             return
         self.round = msg.header.round
         if first:
-            self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
+            self.tally = RoundTally()
             if self.push_seconds > 0:
                 self._push_timer = self.loop.call_later(self.push_seconds, self._on_push_timer)
             for device in self.devices:
@@ -89,7 +84,7 @@ class AsyncCellServer(CellServer):
         self.task_no[device] = number + 1
         self.outstanding[device] = (self.fb.version, number)
         self.dispatched.add(device)
-        self.bytes_out += self.messenger.send(
+        self.edge.bytes_out += self.messenger.send(
             topics.device_task(self.run, self.cell, device),
             "device_task",
             self.fb.task(),
@@ -135,17 +130,17 @@ class AsyncCellServer(CellServer):
             )
             return
         del self.outstanding[device]
-        self.bytes_in += msg.nbytes
+        self.edge.bytes_in += msg.nbytes
         diverged = diverged_reason(msg.payload)
         if diverged is not None:  # recorded in the next record, never aggregated; the device goes on
             log.warning("cell %s: %s diverged on task %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
-            self.diverged[device] = diverged
+            self.edge.diverged[device] = diverged
             self._dispatch(device)
             return
         failed = failed_reason(msg.payload)
         if failed is not None:  # its task raised: recorded with the reason in the next record; the device goes on
             log.warning("cell %s: %s failed task %d.%d: %s", self.cell, device, h.round, h.edge_round, failed)
-            self.failed[device] = failed
+            self.edge.failed[device] = failed
             self._dispatch(device)
             return
         try:
@@ -154,9 +149,7 @@ class AsyncCellServer(CellServer):
             self.messenger.reject(topic, exc.kind, str(exc), device)
         else:
             self.fb.offer(device, h.round, msg.payload)
-            loss = msg.payload.meta.get("loss")
-            if isinstance(loss, (int, float)) and math.isfinite(loss):
-                self.losses[device] = float(loss)
+            self.edge.note_loss(device, msg.payload)
             if self.fb.buffer.full:
                 self._flush()
         self._dispatch(device)
@@ -165,14 +158,14 @@ class AsyncCellServer(CellServer):
     def _flush(self) -> None:
         out = self.fb.aggregate()
         metrics, answered = dict(out.metrics), list(out.senders)
-        self._round_bytes["cell_to_device"] += self.bytes_out
-        self._round_bytes["device_to_cell"] += self.bytes_in
+        self.tally.traffic["cell_to_device"] += self.edge.bytes_out
+        self.tally.traffic["device_to_cell"] += self.edge.bytes_in
         self._record_async(metrics, answered)
         if self.fb.updates >= self.push_every:
             self._push()
 
     def _record_async(self, metrics: dict[str, Any], answered: list[str]) -> None:
-        losses = list(self.losses.values())
+        losses = list(self.edge.losses.values())
         mean = sum(losses) / len(losses) if losses else None
         now = self.loop.now()
         record = CellRecord(
@@ -183,27 +176,27 @@ class AsyncCellServer(CellServer):
             algorithm=self.algorithm,
             planned=sorted(self.dispatched),
             answered=sorted(set(answered)),
-            rejected=self.rejected,
+            rejected=self.telemetry.rejected,
             closed_by="buffer full",
-            bytes_in=self.bytes_in,
-            bytes_out=self.bytes_out,
+            bytes_in=self.edge.bytes_in,
+            bytes_out=self.edge.bytes_out,
             loss_mean=mean,
-            duration_s=round(time.perf_counter() - self._wall0, 6),
-            clock_s=round(now - self._t0, 6),
+            duration_s=round(time.perf_counter() - self.edge.wall0, 6),
+            clock_s=round(now - self.edge.t0, 6),
             clock_end_s=round(now, 6),
             time=round(time.time(), 3),
             metrics=metrics,
-            diverged=self.diverged or None,
-            failed=dict(sorted(self.failed.items())[:MAX_LISTED_REJECTIONS]) or None,
-            failed_counts=count_reasons(self.failed) or None,
+            diverged=self.edge.diverged or None,
+            failed=dict(sorted(self.edge.failed.items())[:MAX_LISTED_REJECTIONS]) or None,
+            failed_counts=count_reasons(self.edge.failed) or None,
         ).to_dict()
-        self._emit(record)
+        self.telemetry.emit(record)
         self._window()
 
     def _push(self) -> None:
         report = self.fb.report()
-        report.meta["traffic"] = dict(self._round_bytes)
-        self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
+        report.meta["traffic"] = dict(self.tally.traffic)
+        self.tally = RoundTally()
         self.messenger.send(
             topics.cell_report(self.run, self.cell), "cell_report", report, round=self.fb.global_version, cell=self.cell
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,18 +31,22 @@ from protocols.jsonl import read_jsonl
 from protocols.wire import topics
 from protocols.wire.payload import Payload
 
+from .parts import EdgeRound, RoundTally
+
 if TYPE_CHECKING:
     from protocols.algorithms.base import CellRole
-    from protocols.jsonl import JsonlWriter
     from protocols.transport.base import EventLoop, Transport
     from protocols.wire.messenger import Messenger
+
+    from .telemetry import CellTelemetry
 
 log = logging.getLogger("fedtier.cell")
 
 
 class Host(Protocol):
-    """What recovery needs of the cell server it restores (``cell_server.server.CellServer`` is one): its
-    round state, to set it as the journal says, and the steps it resumes from."""
+    """What recovery needs of the cell server it restores (``cell_server.server.CellServer`` is one): where
+    its round is and its parts (the open edge round, the cloud round's tally, the records), to set them as
+    the journal says, and the steps it resumes from."""
 
     run: str
     cell: str
@@ -51,27 +56,16 @@ class Host(Protocol):
     transport: Transport
     role: CellRole
     messenger: Messenger
-    log: JsonlWriter
-    absent: dict[str, str]
-    diverged: dict[str, str]
-    failed: dict[str, str]
-    losses: dict[str, float]
-    bytes_in: int
-    _not_participating: int
-    _opened: bool
-    _round_bytes: dict[str, int]
-    _round_devices: set[str]
-    _round_diverged: set[str]
-    _round_failed: dict[str, str]
-    _sent_report: bytes | None
-    _t0: float
-    _wall0: float
+    telemetry: CellTelemetry
+    edge: EdgeRound
+    tally: RoundTally
+    sent_report: bytes | None
 
-    def _emit(self, record: dict[str, Any]) -> None: ...
+    def enter_round(self, rnd: int, session: str | None) -> None: ...
 
-    def _enter_round(self, rnd: int, session: str | None) -> None: ...
+    def start_edge(self) -> None: ...
 
-    def _open_edge(
+    def open_edge(
         self,
         plan: Mapping[str, Payload],
         available: list[str],
@@ -79,11 +73,7 @@ class Host(Protocol):
         settled: Iterable[str] = (),
     ) -> None: ...
 
-    def _report(self) -> None: ...
-
-    def _reset_edge(self) -> None: ...
-
-    def _start_edge(self) -> None: ...
+    def send_report(self) -> None: ...
 
 
 class RoundJournal:
@@ -142,6 +132,35 @@ class RoundJournal:
         self.file.close()
 
 
+@dataclass
+class _Journaled:
+    """A round's journal, by edge round: its plans, the results taken, their bytes, the records of those
+    closed, and the report if it was sent."""
+
+    plans: dict[int, dict[str, Any]] = field(default_factory=dict)
+    results: dict[int, dict[str, Payload]] = field(default_factory=dict)
+    nbytes: dict[int, int] = field(default_factory=dict)
+    closed: dict[int, dict[str, Any]] = field(default_factory=dict)
+    report: bytes | None = None
+
+    @classmethod
+    def read(cls, entries: list[Payload]) -> _Journaled:
+        """The entries after the task, sorted by kind and edge round."""
+        j = cls()
+        for entry in entries:
+            m, e = entry.meta, entry.meta.get("edge", -1)
+            if m["k"] == "plan":
+                j.plans[e] = m
+            elif m["k"] == "result":
+                j.results.setdefault(e, {})[m["device"]] = Payload(m["meta"], entry.tensors)
+                j.nbytes[e] = j.nbytes.get(e, 0) + int(m["nbytes"])
+            elif m["k"] == "closed":
+                j.closed[e] = m["record"]
+            elif m["k"] == "report":
+                j.report = entry.tensors["message"].tobytes()
+        return j
+
+
 def recover(cell: Host, entries: list[Payload]) -> None:
     """Bring ``cell`` (started, with a fresh role) back to where its journal ends, and go on from there."""
     first = entries[0].meta
@@ -153,81 +172,72 @@ def recover(cell: Host, entries: list[Payload]) -> None:
         # cell DP: replaying a closed edge round with fresh noise would release its sum twice, with two
         # independent noises (their mean has less): the same seed re-sends exactly what was released
         cell.role.noise_seed = first["noise_seed"]
-    plans: dict[int, dict[str, Any]] = {}
-    results: dict[int, dict[str, Payload]] = {}
-    nbytes: dict[int, int] = {}
-    closed: dict[int, dict[str, Any]] = {}
-    report: bytes | None = None
-    for entry in entries[1:]:
-        m, e = entry.meta, entry.meta.get("edge", -1)
-        if m["k"] == "plan":
-            plans[e] = m
-        elif m["k"] == "result":
-            results.setdefault(e, {})[m["device"]] = Payload(m["meta"], entry.tensors)
-            nbytes[e] = nbytes.get(e, 0) + int(m["nbytes"])
-        elif m["k"] == "closed":
-            closed[e] = m["record"]
-        elif m["k"] == "report":
-            report = entry.tensors["message"].tobytes()
-    if report is not None:  # the round is over here: answer the cloud's repeat of it with this report
-        cell.round, cell.messenger.session, cell._sent_report = rnd, session, report
+    j = _Journaled.read(entries[1:])
+    if j.report is not None:  # the round is over here: answer the cloud's repeat of it with this report
+        cell.round, cell.messenger.session, cell.sent_report = rnd, session, j.report
         # journaled before it was published: it may have died in the process (the same message again:
         # a cloud that had it counts it once)
         log.warning("cell %s: resumed after round %d, sending its report again", cell.cell, rnd)
-        cell.transport.publish(topics.cell_report(cell.run, cell.cell), report, qos=1)
+        cell.transport.publish(topics.cell_report(cell.run, cell.cell), j.report, qos=1)
         return
     try:
         cell.role.begin(rnd, Payload(first["task"], entries[0].tensors))
     except Exception as exc:  # the same task was accepted before the crash; never expected
         log.warning("cell %s: cannot resume round %d (%s): starting afresh", cell.cell, rnd, exc)
         return
-    cell._enter_round(rnd, session)
+    cell.enter_round(rnd, session)
     logged = _logged(cell, rnd)
     for e in range(cell.role.edge_rounds):
         cell.edge_round = e
-        cell._reset_edge()
-        if e not in plans:  # crashed before planning it: plan it now
+        cell.edge = EdgeRound()
+        if e not in j.plans:  # crashed before planning it: plan it now
             log.warning("cell %s: resumed round %d at edge round %d", cell.cell, rnd, e)
-            cell._start_edge()
+            cell.start_edge()
             return
-        plan = cell.role.plan(e, plans[e]["available"])  # deterministic: the plan of before the crash
-        cell.absent = dict(plans[e]["absent"])
-        cell._not_participating = int(plans[e]["not_participating"])
-        answered = dict(sorted(results.get(e, {}).items()))
-        diverged = {d: why for d, r in answered.items() if (why := diverged_reason(r)) is not None}
-        failed = {d: why for d, r in answered.items() if (why := failed_reason(r)) is not None}
-        taken = {d: r for d, r in answered.items() if d not in diverged and d not in failed}  # never aggregated
-        if e in closed:
-            cell.role.aggregate(e, taken)
-            cell._round_diverged |= set(diverged)
-            cell._round_failed.update(failed)
-            record = closed[e]
-            cell._round_bytes["cell_to_device"] += int(record.get("bytes_out", 0))
-            cell._round_bytes["device_to_cell"] += int(record.get("bytes_in", 0))
-            cell._round_devices |= set(taken)
-            if (rnd, e) not in logged:  # the crash came between the journal and the aggregation log
-                cell._emit(record)
-            continue
-        log.warning(
-            "cell %s: resumed round %d, edge round %d with %d of %d results", cell.cell, rnd, e, len(taken), len(plan)
-        )
-        cell._t0, cell._wall0 = cell.loop.now(), time.perf_counter()
-        cell._opened = True
-        cell.bytes_in = nbytes.get(e, 0)
-        for d, result in taken.items():
-            loss = result.meta.get("loss")
-            if isinstance(loss, (int, float)) and np.isfinite(loss):
-                cell.losses[d] = float(loss)
-        cell.diverged, cell.failed = diverged, failed
-        cell._open_edge(plan, plans[e]["available"], taken, settled=set(diverged) | set(failed))
-        return
+        if not _replay_edge(cell, j, e, logged):
+            return
     cell.edge_round = cell.role.edge_rounds  # every edge round closed, the report not sent yet
-    cell._report()
+    cell.send_report()
+
+
+def _replay_edge(cell: Host, j: _Journaled, e: int, logged: set[tuple[int, int]]) -> bool:
+    """Replay edge round ``e`` as planned: a closed one is aggregated again (True: go on to the next); an open
+    one is re-opened with the results it had, waiting for the others (False)."""
+    plan = cell.role.plan(e, j.plans[e]["available"])  # deterministic: the plan of before the crash
+    cell.edge.absent = dict(j.plans[e]["absent"])
+    cell.edge.not_participating = int(j.plans[e]["not_participating"])
+    answered = dict(sorted(j.results.get(e, {}).items()))
+    diverged = {d: why for d, r in answered.items() if (why := diverged_reason(r)) is not None}
+    failed = {d: why for d, r in answered.items() if (why := failed_reason(r)) is not None}
+    taken = {d: r for d, r in answered.items() if d not in diverged and d not in failed}  # never aggregated
+    if e in j.closed:
+        cell.role.aggregate(e, taken)
+        record = j.closed[e]
+        cell.tally.add(int(record.get("bytes_out", 0)), int(record.get("bytes_in", 0)), taken, diverged, failed)
+        if (cell.round, e) not in logged:  # the crash came between the journal and the aggregation log
+            cell.telemetry.emit(record)
+        return True
+    log.warning(
+        "cell %s: resumed round %d, edge round %d with %d of %d results",
+        cell.cell,
+        cell.round,
+        e,
+        len(taken),
+        len(plan),
+    )
+    cell.edge.t0, cell.edge.wall0 = cell.loop.now(), time.perf_counter()
+    cell.edge.opened = True
+    cell.edge.bytes_in = j.nbytes.get(e, 0)
+    for d, result in taken.items():
+        cell.edge.note_loss(d, result)
+    cell.edge.diverged, cell.edge.failed = diverged, failed
+    cell.open_edge(plan, j.plans[e]["available"], taken, settled=set(diverged) | set(failed))
+    return False
 
 
 def _logged(cell: Host, rnd: int) -> set[tuple[int, int]]:
     """The (round, edge round) of ``rnd`` that this cell's aggregation log already holds."""
-    path = cell.log.path
+    path = cell.telemetry.log.path
     if path is None or not path.exists():
         return set()
     return {

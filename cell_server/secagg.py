@@ -27,6 +27,8 @@ from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 
+from .parts import CellLimits, EdgeRound
+
 if TYPE_CHECKING:
     from protocols.transport.base import EventLoop, TimerHandle
     from protocols.wire.envelope import MessageKind
@@ -37,7 +39,10 @@ log = logging.getLogger("fedtier.cell")
 
 
 class Host(Protocol):
-    """What secure aggregation needs of its cell server (``cell_server.server.CellServer`` is one)."""
+    """What secure aggregation needs of its cell server (``cell_server.server.CellServer`` is one): where the
+    edge round is, its answers and its state (``edge``: absent devices, traffic, the results that close
+    it), the cell's limits (quorum) and weight bounds, and the two steps it takes: close the edge round, and
+    aggregate the unmasked results (``_aggregate``: private, as tests patch it to fail a cell)."""
 
     run: str
     cell: str
@@ -47,17 +52,14 @@ class Host(Protocol):
     role: CellRole
     messenger: Messenger
     answers: Answers
-    absent: dict[str, str]
-    bytes_in: int
-    bytes_out: int
-    quorum: float
-    max_weights: Mapping[str, float]
-    max_weight: float | None
-    _needed: int
+    edge: EdgeRound
+    limits: CellLimits
+
+    def weight_bound(self, device: str) -> float | None: ...
 
     def _aggregate(self, why: str, results: dict[str, Payload], extra: dict[str, Any] | None = None) -> None: ...
 
-    def _close(self, rnd: int, edge_round: int, why: str) -> None: ...
+    def close_edge(self, rnd: int, edge_round: int, why: str) -> None: ...
 
 
 _ADD = {
@@ -89,7 +91,7 @@ class CellSecAgg:
             self.settings,
             RoundId(s.run, s.cell, s.round, s.edge_round),
             planned,
-            weight_bound=lambda d: s.max_weights.get(d, s.max_weight),
+            weight_bound=s.weight_bound,
         )
         if planned:
             self._arm(Phase.KEYS)
@@ -133,13 +135,13 @@ class CellSecAgg:
         s = self.server
         for d in sorted(s.answers.pending - set(st.shared)):
             s.answers.pending.discard(d)
-            s.absent[d] = "no secagg keys" if d not in st.keys else "no secagg shares"
-        s._needed = math.ceil(s.quorum * len(st.shared))
+            s.edge.absent[d] = "no secagg keys" if d not in st.keys else "no secagg shares"
+        s.edge.needed = math.ceil(s.limits.quorum * len(st.shared))
 
     def _send(self, kind: MessageKind, messages: Mapping[str, Payload]) -> None:
         s = self.server
         for d, payload in sorted(messages.items()):
-            s.bytes_out += s.messenger.send(
+            s.edge.bytes_out += s.messenger.send(
                 topics.device_task(s.run, s.cell, d),
                 kind,
                 payload,
@@ -156,7 +158,7 @@ class CellSecAgg:
         if self.state is not None and self.state.phase != Phase.FAILED:
             self.state.phase = Phase.FAILED
         if self.server.answers.is_open:  # still collecting results: close the edge round now
-            self.server._close(self.server.round, self.server.edge_round, "secure aggregation failed")
+            self.server.close_edge(self.server.round, self.server.edge_round, "secure aggregation failed")
         else:
             self._record_failure()
 
@@ -209,7 +211,7 @@ class CellSecAgg:
         except Rejected as exc:
             s.messenger.reject(topic, exc.kind, str(exc), device)
             return
-        s.bytes_in += msg.nbytes
+        s.edge.bytes_in += msg.nbytes
         st = self.state
         if st.keys_complete or st.shares_complete or st.consents_complete or st.reveals_complete:
             self._advance()

@@ -1,7 +1,10 @@
 """The cell runtime: membership and liveness, edge rounds with deadlines, the aggregation log.
 
 All algorithm logic lives in the cell role; this class decides *when* (a round closes when every
-planned device answered, a quorum did, or the deadline passed) and records *what happened*.
+planned device answered, a quorum did, or the deadline passed) and records *what happened*. What any
+cell server is (presence, heartbeat, records, the cloud's session) is :class:`~cell_server.cell_node.CellNode`;
+this class adds the rounds, their state in parts (``cell_server.parts``: the open edge round, the cloud
+round's tally). Recovery and secure aggregation drive it through their declared ``Host`` interfaces.
 """
 
 from __future__ import annotations
@@ -11,314 +14,145 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from protocols.algorithms.base import CellRole
 from protocols.algorithms.outcome import Outcome
 from protocols.answers import Answers
-from protocols.bounds import weight_over
-from protocols.capabilities import unmet
 from protocols.divergence import diverged_reason
-from protocols.failures import count_reasons, failed_payload, failed_reason, guarded
-from protocols.jsonl import JsonlWriter
-from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
-from protocols.rejections import Rejected, RejectKind, kind_of
-from protocols.session import CloudSession, decode_manifest
-from protocols.state import MAX_WAITING, publish_state
-from protocols.status import decode_status, encode_status
+from protocols.failures import failed_payload, failed_reason
+from protocols.rejections import kind_of
+from protocols.state import MAX_WAITING
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
-from protocols.wire.messenger import Incoming, Messenger
 from protocols.wire.payload import Payload
-from protocols.wire.signed import seal_record
 
-from .members import DeviceList, OnlineFlags
+from .cell_node import CellNode, NodeOptions
+from .liveness import StatusChange
+from .parts import EdgeRound, RoundTally
 from .recovery import RoundJournal, recover
+from .telemetry import edge_record
 
 if TYPE_CHECKING:
-    from protocols.config import RequirementsSection
     from protocols.privacy.secagg import SecAggSettings
-    from protocols.wire.keys import Trust
+
+    from .secagg import CellSecAgg
 
 log = logging.getLogger("fedtier.cell")
 
 Availability = Callable[[int, int], Iterable[str]]
 """``(cloud round, edge round) -> devices that may take part`` (participation, in sim/emulation)."""
 
-
-def absence(absent: dict[str, str], limit: int, not_participating: int = 0) -> dict[str, Any]:
-    """The record's ``absent`` (device -> reason, for reasons with at most ``limit`` devices) and
-    ``absent_counts`` (reason -> devices), the latter only when some were left out; ``not_participating``
-    devices were counted and never named."""
-    counts: dict[str, int] = {"not participating": not_participating} if not_participating else {}
-    for why in absent.values():
-        counts[why] = counts.get(why, 0) + 1
-    listed = {d: why for d, why in sorted(absent.items()) if counts[why] <= limit}
-    left_out = not_participating or len(listed) < len(absent)
-    return {"absent": listed, "absent_counts": dict(sorted(counts.items())) if left_out else None}
+__all__ = ["Availability", "CellServer"]
 
 
-class CellServer:
-    """One cell's edge server."""
+class CellServer(CellNode):
+    """One cell's edge server: synchronous edge rounds (its node, presence and records: :class:`CellNode`,
+    whose keyword arguments ``node`` are).
+
+    ``role``: the algorithm's cell role (``algorithm``: its name, in the records); ``availability``: which
+    devices may take part in an edge round (participation). ``secagg``: aggregate with secure aggregation
+    (``cell_server/secagg.py``; ``secagg_deadline`` per extra phase). ``journal_path``: where the cell keeps
+    its current round crash-consistently (``cell_server.recovery``; not with ``secagg``); with ``resume`` it
+    continues the round found there when it starts, else it starts afresh.
+    """
 
     def __init__(
         self,
         transport: Transport,
         *,
-        run: str,
-        cell: str,
-        devices: Iterable[str],
         role: CellRole,
         algorithm: str,
-        device_deadline: float,
-        quorum: float = 1.0,
         availability: Availability | None = None,
-        log_path: str | None = None,
-        max_record_bytes: int | None = None,
-        trust: Trust | None = None,
-        max_message_bytes: int | None = None,
-        max_weights: Mapping[str, float] | None = None,
-        max_weight: float | None = None,
-        assume_online: bool = False,
-        heartbeat: float = 0.0,
-        heartbeat_timeout: float = 0.0,
-        rejoin_wait: float = 0.0,
-        absent_ids: int = 100,
         secagg: SecAggSettings | None = None,
         secagg_deadline: float = 30.0,
         journal_path: str | Path | None = None,
         resume: bool = False,
-        status_wait: float = 0.0,
-        requirements: RequirementsSection | None = None,
+        **node: Unpack[NodeOptions],
     ) -> None:
-        """``heartbeat``: seconds between re-announcements of this cell's status (0: none);
-        ``heartbeat_timeout``: a device whose last status is older is deemed offline (0: never);
-        ``rejoin_wait``: before planning an edge round, wait up to this long for the devices that
-        ``availability`` lets take part but that are offline (they may be reconnecting; 0: no wait);
-        ``status_wait``: for this long after :meth:`start`, a device that has sent no status yet counts
-        as unknown rather than offline, and an edge round waits (until the end of that time) for the
-        statuses of the devices it would plan: a (restarted) cell hears its devices' retained statuses
-        only once it has subscribed, and its journal or the results its session kept may let it plan at
-        once (0: no wait). ``absent_ids``: a record names the absent devices of a reason only up to this many (it always
-        counts them), so a cell of a large population does not list every device that sits a round out.
-        ``trust``: this cell's identity (sign; verify the cloud, its devices and their status records;
-        accept only tasks of the cloud's current session). ``max_weights`` (a device's known sample
-        count) and ``max_weight`` bound the ``weight`` a device result may claim. ``secagg``: aggregate
-        with secure aggregation (``cell_server/secagg.py``; ``secagg_deadline`` per extra phase).
-        ``journal_path``: where the cell keeps its current round crash-consistently
-        (``cell_server.recovery``; not with ``secagg``); with ``resume`` it continues the round found
-        there when it starts, else it starts afresh."""
-        if not 0 < quorum <= 1:
-            raise ValueError("quorum must be in (0, 1]")
-        self.transport, self.loop, self.run, self.cell = transport, transport.loop, run, cell
-        self.devices, self.role, self.algorithm = DeviceList(devices), role, algorithm  # sorted, compact
-        self.device_deadline, self.quorum, self.availability = device_deadline, quorum, availability
-        self.trust = trust
-        self.messenger = Messenger(
-            transport, run, cell, trust=trust, max_payload=max_message_bytes, on_reject=self._on_reject
-        )
-        self.cloud = CloudSession()  # the cloud's current session, from its (signed) status
-        self.max_weights, self.max_weight = max_weights if max_weights is not None else {}, max_weight
-        self.log = JsonlWriter(log_path, max_record_bytes)  # rotates past max_record_bytes (long-lived nodes)
-        self.online = OnlineFlags(self.devices, assume_online)
-        self.heartbeat, self.heartbeat_timeout = heartbeat, heartbeat_timeout
-        self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
-        self.requirements = requirements
-        self.unmet: dict[str, str] = {}  # device -> why it cannot serve this job (its announced capabilities)
-        self.caps: dict[str, dict[str, Any]] = {}  # device -> capabilities its latest signed status announced
-        self._beat_timer: TimerHandle | None = None
-        self._leaving: dict[str, TimerHandle] = {}  # offline devices the open edge round waits for, a while
-        self.revoked: set[str] = set()  # devices taken out for good (revoke): their statuses are ignored
-        self.rejoin_wait = rejoin_wait
-        self.absent_ids = absent_ids
+        super().__init__(transport, **node)
+        self.role, self.algorithm, self.availability = role, algorithm, availability
         self._waiting: set[str] = set()  # participating devices this edge round waits for
-        self.status_wait = status_wait
-        self._started = 0.0  # loop time of start()
         self._unknown: set[str] = set()  # ... and those whose first status it waits for
         self._gave_up: set[str] = set()  # ... and those it waited for in vain this cloud round
         self._wait_timer: TimerHandle | None = None
-        self.round = -1
-        self.edge_round = 0
-        self.in_round = False
+        self.edge_round, self.in_round = 0, False
         self.answers = Answers("device")
-        self.records: list[dict[str, Any]] = []
-        self.observers: list[Callable[[dict[str, Any]], None]] = []  # get each record (monitor.exporter)
-        self.rejected: list[dict[str, str]] = []  # refused since the last record (even between rounds)
-        self.rejected_more = 0  # refused beyond the listed ones
-        self._timer: TimerHandle | None = None
-        # the cloud round's (_enter_round) and the edge round's (_reset_edge, _start_edge, _open_edge) state
-        self._round_devices: set[str] = set()  # devices whose result some edge round of the round took
-        self._round_diverged: set[str] = set()  # devices whose training diverged in some edge round
-        self._round_failed: dict[str, str] = {}  # devices whose task failed in some edge round, why
-        self._round_unmet: dict[str, str] = {}  # devices left out for the job's requirements, why
-        self._t0, self._wall0 = 0.0, 0.0  # loop and wall time the edge round started
-        self._allowed: set[str] | None = None  # the devices the availability hook lets in this edge round
-        self._needed = 0  # results that close the edge round (the quorum of the planned devices)
-        self._edge_since = 0.0  # wall time the edge round's tasks left
-        self._reset_edge()
-        self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
-        self.secagg = None
-        self._result_kinds: tuple[str, ...] = ("device_result",)
-        if secagg is not None:
-            from protocols.privacy.secagg import KINDS
-
-            from .secagg import CellSecAgg
-
-            self.secagg = CellSecAgg(self, secagg, secagg_deadline)
-            self._result_kinds += KINDS
-        self._sent_report: bytes | None = None  # the report of ``round``, once sent (re-sent on request)
+        self.edge, self.tally = EdgeRound(), RoundTally()  # the open edge round, the open cloud round
+        self._timer: TimerHandle | None = None  # the open edge round's deadline
+        self.secagg, self._result_kinds = self._secure_aggregation(secagg, secagg_deadline)
+        self.sent_report: bytes | None = None  # the report of ``round``, once sent (re-sent on request)
         self.journal = RoundJournal(journal_path) if journal_path is not None else None
         self._recovered = self.journal.load(resume) if self.journal is not None else []
-        self.failure: str | None = None  # an exception in a handler of this cell (a bug): rounds answer it
+
+    def _secure_aggregation(
+        self, settings: SecAggSettings | None, deadline: float
+    ) -> tuple[CellSecAgg | None, tuple[str, ...]]:
+        """Secure aggregation's runtime part (with ``settings``) and the kinds of message a result topic carries."""
+        if settings is None:
+            return None, ("device_result",)
+        from protocols.privacy.secagg import KINDS
+
+        from .secagg import CellSecAgg
+
+        return CellSecAgg(self, settings, deadline), ("device_result", *KINDS)
+
+    # ----------------------------------------------------------------- views of the open edge round
+    @property
+    def planned(self) -> list[str]:
+        """The devices the open edge round planned."""
+        return self.edge.planned
+
+    @property
+    def absent(self) -> dict[str, str]:
+        """The open edge round's devices without a result, and why."""
+        return self.edge.absent
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        self._started = self.loop.now()
-        guard = self._guard
-        self.transport.subscribe(topics.cell_task(self.run, self.cell), guard(self._on_cell_task, "task handler"))
-        self.transport.subscribe(topics.device_results(self.run, self.cell), guard(self._on_result, "result handler"))
-        self.transport.subscribe(topics.device_statuses(self.run, self.cell), guard(self._on_status, "status handler"))
-        self.transport.subscribe(topics.status(self.run, "cloud"), guard(self._on_status, "status handler"))
-        if self.trust is not None:  # signed runs: the cloud's round, to refuse replays of older tasks
-            self.transport.subscribe(topics.round_manifest(self.run), guard(self._on_manifest, "manifest handler"))
-        self._announce()
-        if self.heartbeat > 0 or self.heartbeat_timeout > 0:
-            self._beat_timer = self.loop.call_later(self._beat_period(), guard(self._beat, "heartbeat"))
+        """Start the node (:meth:`CellNode.start`), then continue the round its journal holds, if any."""
+        super().start()
         if self._recovered:
             recover(self, self._recovered)
             self._recovered = []
 
-    def _guard(self, fn: Callable[..., None], what: str) -> Callable[..., None]:
-        """``fn`` as a handler or timer of this cell: an exception in it (a bug) fails the cell (:meth:`fail`)."""
-        return guarded(fn, self.fail, f"cell {self.cell}: {what}")
-
-    def fail(self, reason: str) -> None:
-        """This cell cannot go on (a handler raised): it answers its current round, and every later task,
-        with a "failed" report carrying ``reason``; the cloud fails the job with it."""
-        if self.failure is None:
-            log.error("cell %s: failed: %s (the job fails with it)", self.cell, reason)
-            self.failure = reason
+    def _on_failure(self) -> None:
+        """A failed cell answers its current round with its failure (and every later task, as it comes)."""
         if self.in_round:
             self._end_round()
             self._send_failure(self.round)
-
-    def _state(self, phase: str, waiting: Iterable[str] = (), **extra: Any) -> None:
-        """Publish this cell's retained current state (``protocols.state``): a monitor started mid-stall sees it."""
-        publish_state(
-            self.transport,
-            self.run,
-            topics.cell_node(self.cell),
-            phase,
-            trust=self.trust,
-            waiting=waiting,
-            round=self.round if self.round >= 0 else None,
-            **extra,
-        )
 
     def _waiting_state(self) -> None:
         self._state(
             "waiting",
             self.answers.pending,
-            since=self._edge_since,
+            since=self.edge.since,
             edge_round=self.edge_round,
-            deadline_s=self.device_deadline,
+            deadline_s=self.limits.device_deadline,
         )
 
     def _send_failure(self, rnd: int) -> None:
         assert self.failure is not None
         self._state("failed", reason=self.failure)
         topic = topics.cell_report(self.run, self.cell)
-        self._sent_report = self.messenger.frame(
+        self.sent_report = self.messenger.frame(
             "cell_report", failed_payload(self.failure), round=rnd, cell=self.cell, topic=topic
         )
-        self.transport.publish(topic, self._sent_report, qos=1)
+        self.transport.publish(topic, self.sent_report, qos=1)
 
     def stop(self) -> None:
+        """Cancel the round's timers, stop the node (:meth:`CellNode.stop`), close the journal."""
         self.loop.cancel(self._timer)
         self.loop.cancel(self._wait_timer)
-        self.loop.cancel(self._beat_timer)
-        if self.transport.connected:
-            status = topics.status(self.run, topics.cell_node(self.cell))
-            self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
-            self.transport.close()
-        self.log.close()
+        super().stop()
         if self.journal is not None:
             self.journal.close()
 
-    def _announce(self) -> None:
-        status = topics.status(self.run, topics.cell_node(self.cell))
-        self.transport.publish(
-            status,
-            encode_status(
-                "online",
-                topic=status,
-                trust=self.trust,
-                devices_online=self.online.count(),
-                devices_total=len(self.devices),
-            ),
-            retain=True,
-        )
-
-    # ----------------------------------------------------------------- liveness
-    def _beat_period(self) -> float:
-        return self.heartbeat if self.heartbeat > 0 else self.heartbeat_timeout / 2
-
-    def _beat(self) -> None:
-        """Periodic: mark devices with a stale heartbeat offline, and re-announce this cell."""
-        now = self.loop.now()
-        if self.heartbeat_timeout > 0:
-            for d, online in self.online.items():
-                if online and now - self.last_seen.get(d, now) > self.heartbeat_timeout:
-                    log.warning(
-                        "cell %s: no heartbeat from %s for %.1f s, deemed offline",
-                        self.cell,
-                        d,
-                        now - self.last_seen[d],
-                    )
-                    self.online[d] = False
-                    self._announce()
-                    self._gone(d, 0.0)  # silent for heartbeat_timeout already: out of the round now
-        if self.heartbeat > 0:
-            self._announce()
-        self._beat_timer = self.loop.call_later(self._beat_period(), self._guard(self._beat, "heartbeat"))
-
-    def _on_status(self, topic: str, data: bytes) -> None:
-        node = topic.rsplit("/", 1)[-1]
-        if node == "cloud":
-            self.cloud.on_status(decode_status(data, topic, self.trust) if data else None)
-            return
-        if not node.startswith("device.") or node[len("device.") :] not in self.online:
-            return
-        device = node[len("device.") :]
-        if device in self.revoked:
-            return
-        record = decode_status(data, topic, self.trust)
-        if record is None:
-            return
-        online = record["state"] == "online"
-        if online and isinstance(record.get("caps"), dict):
-            self.caps[device] = record["caps"]  # the fleet view on the metrics port (monitor.exporter)
-        if online and self.requirements is not None:
-            caps = record.get("caps")
-            reason = unmet(caps if isinstance(caps, dict) else None, self.requirements)
-            if reason is None:
-                self.unmet.pop(device, None)
-            elif self.unmet.get(device) != reason:
-                self.unmet[device] = reason
-                log.info("cell %s: %s does not meet the job's requirements: %s", self.cell, device, reason)
-        heard = device in self.last_seen  # a first status (a started cell) is no return
-        self.last_seen[device] = self.loop.now()
-        if self.online[device] != online:
-            self.online[device] = online
-            self._announce()
-            if (
-                online
-                and heard
-                and self.answers.is_open
-                and device in self.answers.pending
-                and device in self._tasks
-                and self.secagg is None
-            ):
+    def _device_status(self, device: str, change: StatusChange) -> None:
+        """A device's status: one back while its result is pending gets its task again; one gone leaves the
+        open edge round (after a grace); one the edge round waits for may let it plan."""
+        if change.changed:
+            if change.online and change.heard and self._pending(device) and device in self.edge.tasks:
                 # back (an agent restarted, or reconnected with a new session) while its result is
                 # pending: the task it was given may be lost with its old process
                 log.warning(
@@ -329,30 +163,29 @@ class CellServer:
                     self.edge_round,
                 )
                 self._send_task(device)
-            if online:
-                self.loop.cancel(self._leaving.pop(device, None))
+            if change.online:
+                self.loop.cancel(self.liveness.leaving.pop(device, None))
             else:
-                self._gone(device, self.heartbeat_timeout + self.heartbeat)  # a restart's time to come back
-        awaited = device in self._unknown or (online and device in self._waiting)
+                self._gone(device, self.timing.heartbeat_timeout + self.timing.heartbeat)  # a restart's time back
+        awaited = device in self._unknown or (change.online and device in self._waiting)
         self._unknown.discard(device)
-        if online:
+        if change.online:
             self._waiting.discard(device)
         if awaited and not self._waiting and not self._unknown:
             self._plan_edge(self.round, self.edge_round)
 
-    def revoke(self, device: str) -> None:
-        """Take ``device`` out for good (revoked: e.g. the signed roster no longer lists it): offline from now on
-        whatever its statuses say, out of the open edge round at once (which closes if every remaining planned
-        device answered), never planned again."""
-        if device not in self.online or device in self.revoked:
-            return
-        log.warning("cell %s: %s revoked", self.cell, device)
-        self.revoked.add(device)
-        self.online[device] = False
-        self._announce()
-        self.loop.cancel(self._leaving.pop(device, None))
-        if self.answers.is_open and device in self.answers.pending and self.secagg is None:
+    def _pending(self, device: str) -> bool:
+        """The open edge round waits for ``device``'s result (its liveness counts: not under secure
+        aggregation, whose dropout recovery decides)."""
+        return self.answers.is_open and device in self.answers.pending and self.secagg is None
+
+    def _device_revoked(self, device: str) -> None:
+        self.loop.cancel(self.liveness.leaving.pop(device, None))
+        if self._pending(device):
             self._leave(device, self.round, self.edge_round, "revoked")
+
+    def _device_stale(self, device: str) -> None:
+        self._gone(device, 0.0)  # silent for heartbeat_timeout already: out of the round now
 
     def _gone(self, device: str, grace: float) -> None:
         """``device`` went offline (its will, a clean leave, or a stale heartbeat): if the open edge round waits
@@ -361,25 +194,20 @@ class CellServer:
         task again), and the round closes once every remaining planned device answered,
         instead of waiting out ``device_deadline``. Liveness needs heartbeat_timeout > 0; not under secure
         aggregation (its dropout recovery decides)."""
-        if (
-            self.heartbeat_timeout <= 0
-            or self.secagg is not None
-            or not self.answers.is_open
-            or device not in self.answers.pending
-        ):
+        if self.timing.heartbeat_timeout <= 0 or not self._pending(device):
             return
         r, e = self.round, self.edge_round
-        self.loop.cancel(self._leaving.pop(device, None))
+        self.loop.cancel(self.liveness.leaving.pop(device, None))
         if grace <= 0:
             self._leave(device, r, e)
         else:
-            self._leaving[device] = self.loop.call_later(
+            self.liveness.leaving[device] = self.loop.call_later(
                 grace, self._guard(lambda: self._leave(device, r, e), "liveness timer")
             )
 
     def _leave(self, device: str, rnd: int, edge_round: int, why: str = "offline") -> None:
         """Take ``device`` (offline) out of edge round ``rnd.edge_round`` if it is still open and waits for it."""
-        self._leaving.pop(device, None)
+        self.liveness.leaving.pop(device, None)
         if (
             not self.in_round
             or (rnd, edge_round) != (self.round, self.edge_round)
@@ -392,56 +220,28 @@ class CellServer:
             "cell %s: %s is %s: edge round %d.%d no longer waits for it", self.cell, device, why, rnd, edge_round
         )
         self.answers.pending.discard(device)
-        self.absent[device] = why
-        if self.answers.pending and len(self.answers.received) < self._needed:
+        self.edge.absent[device] = why
+        closing = self._closing()
+        if closing is None:
             self._waiting_state()
-        if not self.answers.pending:
-            answered = self.answers.received or self.answers.settled
-            self._close(rnd, edge_round, "all answered" if answered else "all offline")
-        elif len(self.answers.received) >= self._needed:
-            self._close(rnd, edge_round, "quorum")
-
-    def _on_manifest(self, topic: str, data: bytes) -> None:
-        self.cloud.on_manifest(decode_manifest(data, topic, self.trust) if data else None)
+        elif closing == "all answered" and not (self.answers.received or self.answers.settled):
+            self.close_edge(rnd, edge_round, "all offline")
+        else:
+            self.close_edge(rnd, edge_round, closing)
 
     # ----------------------------------------------------------------- rounds
     def _on_cell_task(self, topic: str, data: bytes) -> None:
-        msg = self.messenger.receive(topic, data, kinds=("cell_task",))
+        msg = self._cloud_task(topic, data)
         if msg is None:
             return
-        if not self._from_current_cloud(topic, msg):
-            return
-        if self.trust is not None and self.round >= 0 and msg.header.session != self.messenger.session:
-            # the cloud (announced by its signed status) started afresh: its rounds count from the start
-            log.warning(
-                "cell %s: cloud session %s started, round %d of session %s left",
-                self.cell,
-                msg.header.session,
-                self.round,
-                self.messenger.session,
-            )
+        if self._new_cloud_session(msg):  # its rounds count from the start
             if self.in_round:
                 self._end_round()
-            self.round, self._sent_report = -1, None
+            self.round, self.sent_report = -1, None
         if msg.header.round == self.round:  # a resumed cloud re-sends the round: answer it again, once
             self._again(topic, msg.header.round)
             return
-        if msg.header.round < self.round:
-            self.messenger.reject(
-                topic,
-                RejectKind.STALE,
-                f"task for round {msg.header.round}, already at {self.round}",
-                msg.header.sender,
-            )
-            return
-        manifest = self.cloud.round
-        if manifest is not None and msg.header.round < manifest:
-            self.messenger.reject(
-                topic,
-                RejectKind.STALE,
-                f"task for round {msg.header.round}, the cloud's manifest says round {manifest} (replayed)",
-                msg.header.sender,
-            )
+        if self._stale_task(topic, msg):
             return
         if self.in_round:
             log.warning(
@@ -459,19 +259,15 @@ class CellServer:
             return
         if self.journal is not None:
             self.journal.task(msg.header.round, msg.header.session, msg.payload, getattr(self.role, "noise_seed", None))
-        self._enter_round(msg.header.round, msg.header.session)
-        self._start_edge()
+        self.enter_round(msg.header.round, msg.header.session)
+        self.start_edge()
 
-    def _enter_round(self, rnd: int, session: str | None) -> None:
+    def enter_round(self, rnd: int, session: str | None) -> None:
         """Take up cloud round ``rnd`` of cloud session ``session`` (the role has begun it)."""
         self.round, self.edge_round, self.in_round = rnd, 0, True
-        self._sent_report = None
+        self.sent_report = None
         self.messenger.session = session  # device tasks and the report belong to it
-        self._round_bytes = {"cell_to_device": 0, "device_to_cell": 0}
-        self._round_devices = set()
-        self._round_diverged = set()
-        self._round_failed = {}
-        self._round_unmet = {}
+        self.tally = RoundTally()
         self._gave_up = set()
 
     def _again(self, topic: str, rnd: int) -> None:
@@ -479,30 +275,9 @@ class CellServer:
         same message: the cloud counts it once), else carry on (the report leaves when the round closes)."""
         if self.in_round:
             log.info("cell %s: task for round %d again, still working on it", self.cell, rnd)
-        elif self._sent_report is not None:
+        elif self.sent_report is not None:
             log.warning("cell %s: task for round %d again (a resumed cloud), re-sending its report", self.cell, rnd)
-            self.transport.publish(topics.cell_report(self.run, self.cell), self._sent_report, qos=1)
-
-    def _from_current_cloud(self, topic: str, msg: Incoming) -> bool:
-        """With trust: a cell task must be signed by the cloud of the current session (else rejected, logged)."""
-        if self.trust is None:
-            return True
-        h = msg.header
-        if h.sender != "cloud":
-            self.messenger.reject(
-                topic, RejectKind.WRONG_SENDER, f"cell task signed by {h.sender!r}, not the cloud", h.sender
-            )
-            return False
-        if h.session is None or h.session != self.cloud.session:
-            self.messenger.reject(
-                topic,
-                RejectKind.SIGNATURE,
-                f"task of cloud session {h.session!r}; the cloud's current session is "
-                f"{self.cloud.session!r} (replayed or forged)",
-                h.sender,
-            )
-            return False
-        return True
+            self.transport.publish(topics.cell_report(self.run, self.cell), self.sent_report, qos=1)
 
     def _end_round(self) -> None:
         self.loop.cancel(self._timer)
@@ -513,39 +288,16 @@ class CellServer:
         if self.secagg is not None:
             self.secagg.cancel()
 
-    def _reset_edge(self) -> None:
-        self.losses: dict[str, float] = {}
-        self.absent: dict[str, str] = {}
-        self.diverged: dict[str, str] = {}  # device -> why its training diverged (not aggregated)
-        self.failed: dict[str, str] = {}  # device -> why its task failed (not aggregated)
-        self._not_participating = 0  # counted, not named in self.absent (more than absent_ids)
-        self.planned: list[str] = []
-        self._tasks: Mapping[str, Payload] = {}  # the open edge round's task of each planned device
-        self._opened = False  # planned and sent the tasks of the current edge round
-        self.bytes_in = self.bytes_out = 0
-
-    def _start_edge(self) -> None:
+    def start_edge(self) -> None:
         """Open an edge round: first wait (up to ``rejoin_wait``) for offline devices that take part, and
         (within ``status_wait`` of the start) for the first status of those not heard of yet."""
-        self._reset_edge()
-        self._t0, self._wall0 = self.loop.now(), time.perf_counter()
-        self._allowed = set(self.availability(self.round, self.edge_round)) if self.availability else None
-        self._waiting = (
-            {d for d in self._allowed or () if d in self.online and not self.online[d]} - self._gave_up
-            if self.rejoin_wait > 0
-            else set()
-        )
-        left = self._started + self.status_wait - self.loop.now()
-        self._unknown = (
-            {
-                d
-                for d in (self.devices if self._allowed is None else self._allowed)
-                if d in self.online and not self.online[d] and d not in self.last_seen
-            }
-            if left > 0
-            else set()
-        )
-        wait = max(self.rejoin_wait if self._waiting else 0.0, left if self._unknown else 0.0)
+        self.edge = EdgeRound(t0=self.loop.now(), wall0=time.perf_counter())
+        self.edge.allowed = set(self.availability(self.round, self.edge_round)) if self.availability else None
+        allowed = self.edge.allowed
+        self._waiting = self.liveness.offline(allowed or ()) - self._gave_up if self.timing.rejoin_wait > 0 else set()
+        left = self._started + self.timing.status_wait - self.loop.now()
+        self._unknown = self.liveness.unheard(self.devices if allowed is None else allowed) if left > 0 else set()
+        wait = max(self.timing.rejoin_wait if self._waiting else 0.0, left if self._unknown else 0.0)
         if wait > 0:
             if self._unknown:
                 log.info(
@@ -563,35 +315,29 @@ class CellServer:
             self._plan_edge(self.round, self.edge_round)
 
     def _plan_edge(self, rnd: int, edge_round: int) -> None:
-        if not self.in_round or (rnd, edge_round) != (self.round, self.edge_round) or self._opened:
+        if not self.in_round or (rnd, edge_round) != (self.round, self.edge_round) or self.edge.opened:
             return  # a wait of a round that is over, or already planned
-        self._opened = True
+        self.edge.opened = True
         self.loop.cancel(self._wait_timer)
         self._gave_up |= self._waiting
         self._waiting, self._unknown = set(), set()
-        allowed = self._allowed
+        allowed = self.edge.allowed
         taking_part = self.devices if allowed is None else self.devices.among(allowed)
-        sitting_out = len(self.devices) - len(taking_part)
-        if 0 < sitting_out <= self.absent_ids:  # named in the record; beyond, only counted (large cells)
-            part = set(taking_part)
-            self.absent.update((d, "not participating") for d in self.devices if d not in part)
-        elif sitting_out:
-            self._not_participating = sitting_out
+        self.edge.sit_out(self.devices, taking_part, self.limits.absent_ids)
         available = []
         for d in taking_part:
-            if d in self.revoked:
-                self.absent[d] = "revoked"
-            elif not self.online[d]:
-                self.absent[d] = "offline"
-            elif d in self.unmet:
-                self.absent[d] = self._round_unmet[d] = f"requirements: {self.unmet[d]}"
-            else:
+            why = self.liveness.unavailable(d)
+            if why is None:
                 available.append(d)
+            else:
+                self.edge.absent[d] = why
+                if d in self.liveness.unmet:  # the report says why no device could serve the job
+                    self.tally.unmet[d] = why
         if self.journal is not None:
-            self.journal.plan(self.edge_round, available, self.absent, self._not_participating)
-        self._open_edge(self.role.plan(self.edge_round, available), available)
+            self.journal.plan(self.edge_round, available, self.edge.absent, self.edge.not_participating)
+        self.open_edge(self.role.plan(self.edge_round, available), available)
 
-    def _open_edge(
+    def open_edge(
         self,
         plan: Mapping[str, Payload],
         available: list[str],
@@ -602,15 +348,15 @@ class CellServer:
         with nothing to aggregate, ``settled``: a resumed cell) and wait for the answers until the quorum
         or the deadline."""
         taken, settled = taken or {}, set(settled)
-        self.planned = sorted(plan)
-        self._tasks = plan
+        self.edge.planned = sorted(plan)
+        self.edge.tasks = plan
         for d in available:
             if d not in plan:
-                self.absent[d] = "not selected"
-        for d in self.planned:
+                self.edge.absent[d] = "not selected"
+        for d in self.edge.planned:
             if d not in taken and d not in settled:
                 self._send_task(d)
-        self.answers.open((self.round, self.edge_round), self.planned)
+        self.answers.open((self.round, self.edge_round), self.edge.planned)
         for d, result in taken.items():
             self.answers.received[d] = result
             self.answers.pending.discard(d)
@@ -618,28 +364,27 @@ class CellServer:
             self.answers.settled.add(d)
             self.answers.pending.discard(d)
         if self.secagg is not None:
-            self.secagg.begin(self.planned)
-        self._needed = math.ceil(self.quorum * len(self.planned))
-        self._edge_since = time.time()
+            self.secagg.begin(self.edge.planned)
+        self.edge.needed = math.ceil(self.limits.quorum * len(self.edge.planned))
+        self.edge.since = time.time()
         if self.answers.pending:
             self._waiting_state()
         r, e = self.round, self.edge_round
         guard = self._guard
-        if not self.planned:
-            self.loop.post(guard(lambda: self._close(r, e, "no devices"), "edge round close"))
-        elif (taken or settled) and (not self.answers.pending or len(self.answers.received) >= self._needed):
-            why = "all answered" if not self.answers.pending else "quorum"
-            self.loop.post(guard(lambda: self._close(r, e, why), "edge round close"))
+        if not self.edge.planned:
+            self.loop.post(guard(lambda: self.close_edge(r, e, "no devices"), "edge round close"))
+        elif (taken or settled) and (why := self._closing()) is not None:
+            self.loop.post(guard(lambda: self.close_edge(r, e, why), "edge round close"))
         else:
             self._timer = self.loop.call_later(
-                self.device_deadline, guard(lambda: self._close(r, e, "deadline"), "edge round deadline")
+                self.limits.device_deadline, guard(lambda: self.close_edge(r, e, "deadline"), "edge round deadline")
             )
 
     def _send_task(self, device: str) -> None:
-        self.bytes_out += self.messenger.send(
+        self.edge.bytes_out += self.messenger.send(
             topics.device_task(self.run, self.cell, device),
             "device_task",
-            self._tasks[device],
+            self.edge.tasks[device],
             round=self.round,
             edge_round=self.edge_round,
             cell=self.cell,
@@ -674,62 +419,30 @@ class CellServer:
             return  # a repeat of an answer already taken counts once
         if self.journal is not None:
             self.journal.result(self.edge_round, device, msg.payload, msg.nbytes)
-        self.bytes_in += msg.nbytes
         if diverged is not None:  # recorded, never aggregated
             log.warning("cell %s: %s diverged in round %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
-            self.diverged[device] = diverged
         elif failed is not None:  # its task raised: recorded with the reason, never aggregated
             log.warning("cell %s: %s failed its task %d.%d: %s", self.cell, device, h.round, h.edge_round, failed)
-            self.failed[device] = failed
-        elif isinstance(loss := msg.payload.meta.get("loss"), (int, float)) and math.isfinite(loss):
-            self.losses[device] = float(loss)
-        if not self.answers.pending:
-            self._close(self.round, self.edge_round, "all answered")
-        elif len(self.answers.received) >= self._needed:
-            self._close(self.round, self.edge_round, "quorum")
+        self.edge.take(device, msg.payload, msg.nbytes, diverged, failed)
+        why = self._closing()
+        if why is not None:
+            self.close_edge(self.round, self.edge_round, why)
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self._waiting_state()
 
-    def revoke_members(self, devices: Iterable[str]) -> None:
-        """The federation revoked these members (the cloud's signed roster): each is out as :meth:`revoke`
-        says, its signatures no longer verify (what it sends is refused and counted) and its retained
-        "online" status is cleared."""
-        mine = [d for d in devices if self.devices.position(d) is not None and d not in self.revoked]
-        if self.trust is not None:
-            self.trust.forget(mine)
-        for d in mine:
-            self.revoke(d)
-            self.transport.publish(topics.device_status(self.run, self.cell, d), b"", retain=True)
+    def _closing(self) -> str | None:
+        """Why the open edge round closes now (every planned device answered, or a quorum did); None: it waits."""
+        if not self.answers.pending:
+            return "all answered"
+        return "quorum" if len(self.answers.received) >= self.edge.needed else None
 
-    def _bad_result(self, device: str, msg: Incoming) -> Rejected | None:
-        """Runtime checks before the role sees a result: its session (signed runs) and its weight
-        against the device's known sample count or the configured bound."""
-        h = msg.header
-        if self.trust is not None and h.sender == device and h.session != self.messenger.session:
-            return Rejected(
-                RejectKind.SIGNATURE, f"result of session {h.session!r}, the current one is {self.messenger.session!r}"
-            )
-        bound = self.max_weights.get(device, self.max_weight)
-        if bound is None:
-            return None
-        over = weight_over(msg.payload.meta.get("weight"), bound, f"the {bound:g} samples known for {device}")
-        return Rejected(RejectKind.BOUND, over) if over is not None else None
-
-    def _on_reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
-        parts = topic.split("/")
-        who = sender or (parts[-2] if len(parts) >= 2 and parts[-1] == "result" else topic)
-        if len(self.rejected) < MAX_LISTED_REJECTIONS:
-            self.rejected.append({"device": who, "kind": kind.value, "reason": reason})
-        else:
-            self.rejected_more += 1
-
-    def _close(self, rnd: int, edge_round: int, why: str) -> None:
+    def close_edge(self, rnd: int, edge_round: int, why: str) -> None:
         if not self.in_round or (rnd, edge_round) != (self.round, self.edge_round):
             return  # a timer of a round that already closed
         self.loop.cancel(self._timer)
         results = dict(sorted(self.answers.received.items()))
         for d in self.answers.pending:
-            self.absent[d] = "deadline"
+            self.edge.absent[d] = "deadline"
         self.answers.close()
         if self.secagg is not None:  # masked results: unmask the sum first (it calls _aggregate)
             self.secagg.unmask(results, why)
@@ -739,84 +452,43 @@ class CellServer:
     def _aggregate(self, why: str, results: dict[str, Payload], extra: dict[str, Any] | None = None) -> None:
         """Fold the edge round's results into the cell role, record it, and go on to the next one."""
         outcome = self.role.aggregate(self.edge_round, results).with_metrics(**(extra or {}))
-        self._round_bytes["cell_to_device"] += self.bytes_out
-        self._round_bytes["device_to_cell"] += self.bytes_in
-        self._round_devices |= set(results)
-        self._round_diverged |= set(self.diverged)
-        self._round_failed.update(self.failed)
+        self.tally.add(self.edge.bytes_out, self.edge.bytes_in, results, self.edge.diverged, self.edge.failed)
         self._record(why, outcome, list(results))
         self.edge_round += 1
         if self.edge_round < self.role.edge_rounds:
-            self._start_edge()
+            self.start_edge()
         else:
-            self._report()
+            self.send_report()
 
     def _record(self, why: str, outcome: Outcome, answered: list[str]) -> None:
-        losses = list(self.losses.values())
-        mean = sum(losses) / len(losses) if losses else None
-        spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if mean is not None else None
-        now = self.loop.now()
-        metrics = dict(outcome.metrics)
-        excluded = outcome.excluded or None  # robust aggregation: who was left out, why
-        record = CellRecord(
+        """Record the closed edge round (journaled first)."""
+        record = edge_record(
+            self.edge,
+            outcome,
+            self.loop.now(),
+            self.limits.absent_ids,
             run=self.run,
             round=self.round,
             edge_round=self.edge_round,
             cell=self.cell,
             algorithm=self.algorithm,
-            planned=self.planned,
             answered=answered,
-            **absence(self.absent, self.absent_ids, self._not_participating),
-            rejected=self.rejected,
+            rejected=self.telemetry.rejected,
             closed_by=why,
-            bytes_in=self.bytes_in,
-            bytes_out=self.bytes_out,
-            loss_mean=mean,
-            loss_std=spread,
-            duration_s=round(time.perf_counter() - self._wall0, 6),
-            clock_s=round(now - self._t0, 6),
-            clock_end_s=round(now, 6),
-            deadline_s=self.device_deadline,
-            time=round(time.time(), 3),
-            metrics=metrics,
-            excluded=excluded,
-            diverged=self.diverged or None,
-            failed=dict(sorted(self.failed.items())[:MAX_LISTED_REJECTIONS]) or None,
-            failed_counts=count_reasons(self.failed) or None,
-        ).to_dict()
+            deadline_s=self.limits.device_deadline,
+        )
         if self.journal is not None:
             self.journal.closed(self.edge_round, record)
-        self._emit(record)
+        self.telemetry.emit(record)
 
-    def _emit(self, record: dict[str, Any]) -> None:
-        """Keep, log and publish an aggregation record; the rejections it lists are reset."""
-        if self.rejected_more:
-            record["rejected_more"] = self.rejected_more
-        self.rejected, self.rejected_more = [], 0
-        self.records.append(record)
-        self.log.write(record)
-        for observe in self.observers:
-            observe(record)
-        topic = topics.telemetry_cell(self.run, self.cell)  # QoS 1: a deployed cloud keeps every record
-        self.transport.publish(topic, seal_record(record, topic, self.trust.sign if self.trust else None), qos=1)
-
-    def _report(self) -> None:
+    def send_report(self) -> None:
+        """The cloud round is over: send its report (the role's, with the tally's figures), journaled first."""
         self._end_round()
         report = self.role.report()
-        report.meta["traffic"] = dict(self._round_bytes)
-        report.meta["devices"] = len(self._round_devices)
-        if diverged := len(self._round_diverged - self._round_devices):  # diverged in every edge round they had
-            report.meta["diverged"] = diverged
-        failed = {d: why for d, why in self._round_failed.items() if d not in self._round_devices}
-        if failed:  # failed in every edge round they had, per reason
-            report.meta["failed_devices"] = len(failed)
-            report.meta["failures"] = count_reasons(failed)
-        unmet = {d: why for d, why in self._round_unmet.items() if d not in self._round_devices}
-        if unmet:  # left out for the job's requirements: a job no device can serve fails with why
-            report.meta["unmet"] = count_reasons(unmet)
+        self.tally.annotate(report.meta)
         topic = topics.cell_report(self.run, self.cell)
-        self._sent_report = self.messenger.frame("cell_report", report, round=self.round, cell=self.cell, topic=topic)
+        self.sent_report = self.messenger.frame("cell_report", report, round=self.round, cell=self.cell, topic=topic)
         if self.journal is not None:
-            self.journal.report(self._sent_report)
-        self.transport.publish(topic, self._sent_report, qos=1)
+            self.journal.report(self.sent_report)
+        self.transport.publish(topic, self.sent_report, qos=1)
         self._state("idle")
