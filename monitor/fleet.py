@@ -118,11 +118,9 @@ def _node_of(topic: str) -> tuple[str, str, str | None]:
     if name == "cloud":
         return "cloud", "cloud", None
     if name.startswith("cell."):
-        cell = name[len("cell.") :]
-        return cell, "cell", cell
+        return name[len("cell.") :], "cell", name[len("cell.") :]
     device = name[len("device.") :] if name.startswith("device.") else name
-    cell = parts[-3] if len(parts) >= 4 and parts[-4] == "cell" else None
-    return device, "device", cell
+    return device, "device", parts[-3] if len(parts) >= 4 and parts[-4] == "cell" else None
 
 
 def render(fleet: Fleet, now: float | None = None) -> Any:

@@ -30,7 +30,8 @@ class _Tail:
     """New complete lines of a growing file (a half-written last line waits for its newline)."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.line, self.buffer, self.inode = path, 0, 1, b"", None
+        self.path, self.offset, self.line, self.buffer = path, 0, 1, b""
+        self.inode: int | None = None  # of the file being read (a new one: rotated or replaced)
         self.restarts = 0
 
     def read(self) -> tuple[list[str], int]:

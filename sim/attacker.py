@@ -87,8 +87,12 @@ class Attacker:
             ("cell_task", topics.cell_task(run, REPLAY_CELL)),
             ("device_task", topics.device_task(run, "c0", REPLAY_DEVICE)),
         ):
-            spy.sniffer.subscribe(topic, lambda t, b, k=key: spy._record(k, b))
+            spy.sniffer.subscribe(topic, spy._recorder(key))
         return spy
+
+    def _recorder(self, key: str) -> Callable[[str, bytes], None]:
+        """A handler that records what it sees under ``captured[key]``."""
+        return lambda _topic, data: self._record(key, data)
 
     def _record(self, key: str, data: bytes) -> None:
         packets = self.captured.setdefault(key, [])
@@ -118,7 +122,7 @@ class Attacker:
         self.client.close(flush_timeout=2)
         self.loop.stop()
 
-    def _fire(self, name: str, action: Callable[[], None]) -> None:
+    def _fire(self, name: str, action: Callable[[], object]) -> None:
         if name in self.wanted and name not in self.fired:
             action()
             self.fired.append(name)
@@ -279,11 +283,8 @@ class Attacker:
             self.fired.append(name)
 
 
-class _Unassembled:
-    """A stand-in for the transport's reassembler that hands every MQTT payload on as it is."""
-
-    reserved = 0
-    timeout = chunking.DEFAULT_TIMEOUT
+class _Unassembled(chunking.Reassembler):
+    """The transport's reassembler, made to hand every MQTT payload on as it is (nothing held, no limit)."""
 
     def feed(self, key: str, data: bytes) -> bytes:
         return data
@@ -291,5 +292,5 @@ class _Unassembled:
     def expire(self, now: float | None = None) -> int:
         return 0
 
-    def limit(self, *_: object, **__: object) -> None:
+    def limit(self, max_message: int | None = None, auth: chunking.ChunkAuth | None = None) -> None:
         pass

@@ -135,7 +135,7 @@ def _disk_cached(
                 and len(xtr) == len(ytr)
                 and len(xte) == len(yte)
             ):
-                return Dataset(*(_frozen(a) for a in arrays), shape, classes, name)
+                return Dataset(_frozen(xtr), _frozen(ytr), _frozen(xte), _frozen(yte), shape, classes, name)
         except (OSError, ValueError) as exc:
             log.warning("cached %s at %s is unreadable (%s); decoding again", name, entry, exc)
         shutil.rmtree(entry, ignore_errors=True)

@@ -18,6 +18,7 @@ The worker side is ``sim/device_worker.py``, the frames both sides exchange ``si
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import multiprocessing as mp
@@ -146,8 +147,7 @@ class _Remote:
             for k, _ in owed:
                 del self._pending[k]
         for _, (_, device, rnd, complete, _) in owed:
-            message = f"device {device} (round {rnd}): {why}"
-            complete(lambda m=message: _raise(WorkerError(m)))
+            complete(functools.partial(_raise, WorkerError(f"device {device} (round {rnd}): {why}")))
 
 
 def _raise(exc: Exception) -> NoReturn:

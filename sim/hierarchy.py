@@ -6,6 +6,7 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,9 @@ class DeviceData(Mapping[str, LocalData]):
                 raise KeyError(device)
             cell, j = self._where[device]
             return self.parts[cell][j]
-        at = self.topology.devices().position(device)
+        # devices() is a DeviceIds or MemberIds, both with position (protocols/config/topology.py annotates
+        # it as the Sequence[str] they are)
+        at = self.topology.devices().position(device)  # type: ignore[attr-defined]
         if at is None:
             raise KeyError(device)
         cell, j = divmod(at, self.topology.devices_per_cell)
@@ -110,14 +113,16 @@ def prepare(cfg: RunConfig) -> Prepared:
             f"but data.dataset {d.dataset!r} has only {ds.num_train} training samples"
             + (f" (data.max_train = {d.max_train})" if d.max_train else "")
         )
-    params = {
+    by_scheme: dict[str, dict[str, Any]] = {
         "iid": {},
         "dirichlet": {"alpha": d.alpha},
         "shards": {"shards_per_device": d.shards_per_device},
         "cell_shards": {"shards_per_device": d.shards_per_device},
         "hierarchical": {"alpha_cells": d.alpha_cells, "alpha_devices": d.alpha_devices},
-    }[d.partition]
+    }
+    params = by_scheme[d.partition]
     try:
+        parts: Sequence[Sequence[np.ndarray]]
         if topo.uniform():
             parts = partition_hierarchy(
                 ds.y_train, topo.cells, topo.devices_per_cell, d.partition, cfg.run.seed, **params

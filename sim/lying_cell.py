@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from protocols.privacy import shamir
 from protocols.privacy.secagg import RoundId, SecAggCell, SecAggSettings
+from protocols.privacy.secagg.cell import Phase
 from protocols.privacy.secagg.crypto import (
     KEY_BYTES,
     NONCE_BYTES,
@@ -153,7 +154,7 @@ class _Lying(SecAggCell):
         if self.liar.attack != "dropout":
             super().add_reveal(device, payload)
             return
-        self._expect("reveal", device)
+        self._expect(Phase.REVEAL, device)
         self.reveals[device] = payload  # whatever it holds: the cell asked for both secrets of the target
         x = {d: i + 1 for i, d in enumerate(self.roster)}
         b_shares, s_shares = [], []

@@ -127,7 +127,7 @@ class _Positions(Mapping[str, int]):
         return len(self.ids)
 
 
-def _per_device(name: str, value: Any, devices: tuple[str, ...]) -> np.ndarray:
+def _per_device(name: str, value: Any, devices: Sequence[str]) -> np.ndarray:
     """A scalar, a mapping device -> value, or a sequence aligned with ``devices`` -> float array."""
     if isinstance(value, Mapping):
         missing = [d for d in devices if d not in value]

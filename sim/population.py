@@ -106,8 +106,8 @@ class Population(Mapping[str, DeviceAgent]):
         out = {d: dict(t) for d, t in self._traffic.items()}
         for d, a in self._agents.items():
             _count(out, d, a)
-        ids = self.cfg.topology.devices()
-        return dict(sorted(out.items(), key=lambda item: ids.position(item[0]) or 0))
+        ids = self.cfg.topology.devices()  # DeviceIds or MemberIds: both have position (annotated Sequence[str])
+        return dict(sorted(out.items(), key=lambda item: ids.position(item[0]) or 0))  # type: ignore[attr-defined]
 
     def drop_idle(self) -> None:
         """Drop the agents with nothing in flight, unless their devices keep state or they were asked for.

@@ -28,7 +28,7 @@ def run_capturing(cfg: RunConfig) -> tuple[RunResult, dict[tuple[str, int, int],
     for agent in sim.agents.values():
         send = agent._send_result
 
-        def record(result: Payload, round: int, edge_round: int, agent=agent, send=send) -> None:  # type: ignore[no-untyped-def]
+        def record(result: Payload, round: int, edge_round: int, agent=agent, send=send) -> None:
             results[(agent.device, round, edge_round)] = result
             send(result, round, edge_round)
 
