@@ -199,7 +199,8 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
         session.close()
     if record is None:
         _fail(f"no job list from the cloud within {wait:g} s (is `fedtier cloud --serve` running?)", 1)
-    listed = record.get("jobs") if isinstance(record.get("jobs"), list) else []
+    jobs = record.get("jobs")
+    listed = jobs if isinstance(jobs, list) else []
     if as_json:
         click.echo(json.dumps(listed))
         return

@@ -204,8 +204,8 @@ def revoke(out: str | Path, node: str) -> Change:
     topo = fed.cfg.topology
     if node in topo.cell_ids():
         gone, cell = [node, *topo.device_ids(node)], node
-    elif topo.cell_of(node) is not None:
-        gone, cell = [node], topo.cell_of(node)
+    elif (home := topo.cell_of(node)) is not None:
+        gone, cell = [node], home
     else:
         raise MembershipError(f"{node!r} is not a cell or a device of federation {fed.name!r}")
     if len(topo.cell_ids()) == 1 and node == cell:

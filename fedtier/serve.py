@@ -34,10 +34,16 @@ def connect_forever(make: Callable[[], Any], stopping: threading.Event, what: st
     return None
 
 
-def on_signals(stop: Callable[[], None]) -> None:
-    """SIGTERM and SIGINT call ``stop`` (the service then leaves its loop and disconnects cleanly)."""
+def on_signals(*stops: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call each of ``stops`` in order (the service then leaves its loop and disconnects
+    cleanly)."""
+
+    def stop(*_: object) -> None:
+        for each in stops:
+            each()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop())
+        signal.signal(sig, stop)
 
 
 def operator_key(cfg: RunConfig) -> bytes | None:
@@ -66,11 +72,12 @@ def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
     from protocols.roster import Roster, sign_roster, verify_roster
     from protocols.wire.keys import load_keys
 
-    if trust is None:
+    keys = cfg.security.keys
+    if trust is None or keys is None:
         return None
     path = cfg.output_dir() / ROSTER_FILE
     found = []  # the one kept across restarts, and the one `fedtier provision` put in the bundle: the newer wins
-    for where in (path, Path(cfg.security.keys).with_name(ROSTER_FILE)):
+    for where in (path, Path(keys).with_name(ROSTER_FILE)):
         if where.exists():
             data = where.read_bytes()
             found.append((verify_roster(data, trust.verify, federation=cfg.run.name).version, data))  # RosterError
@@ -81,7 +88,7 @@ def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
         log.warning("no roster: security.max_device_weight is not set (fedtier provision sets it)")
         return None
     topo = cfg.topology
-    public = load_keys(cfg.security.keys).public
+    public = load_keys(keys).public
     roster = Roster.from_topology(cfg.run.name, {c: topo.devices(c) for c in topo.cell_ids()}, public, bound)
     data = sign_roster(roster, trust.sign)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +154,7 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         roster=roster,
         roster_path=cfg.output_dir() / ROSTER_FILE,
     )
-    on_signals(lambda: (stopping.set(), service.stop()))
+    on_signals(stopping.set, service.stop)
     log.info("cloud of federation %s serving jobs (queue %s)", fed, queue.path)
     service.serve()
 
@@ -191,7 +198,7 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
         )
 
     service = CellService(cfg, cell, loop, connect, build, trust)
-    on_signals(lambda: (stopping.set(), service.stop()))
+    on_signals(stopping.set, service.stop)
     service.serve()
     return service.served
 
@@ -234,6 +241,6 @@ def serve_agent(
         )
 
     service = AgentService(cfg, [device], loop, watch, build, trust)
-    on_signals(lambda: (stopping.set(), service.stop()))
+    on_signals(stopping.set, service.stop)
     service.serve()
     return service.served, service.tasks
