@@ -16,7 +16,12 @@ Sides: ``bare-cpu``/``bare-cuda`` (a plain sequential PyTorch loop, data on the 
 engine's own choice, logged). A CUDA side is skipped (and said so) where torch sees no GPU.
 Each workload's first ``--warmup`` rounds are not timed; rounds/s and device-steps/s count the timed
 rounds' own wall time (the sum of their durations); ``cpu s/rd`` is the main process's CPU time a
-timed round (the steadier figure on a busy machine; for a CUDA side, the host's share). Peak host memory
+timed round (the steadier figure on a busy machine; for a CUDA side, the host's share). ``kernel s/rd`` is
+the wall time a timed round spends inside the batched kernels (the cohort engine's ``CohortEngine.run``, the
+per-device engine's ``TorchTrainer.sgd``, the cloud's evaluation; each ends in a device-to-host transfer, so
+a GPU's queue is drained), ``host s/rd`` the rest of the round (decoding and framing messages, the roles'
+Python, the cells' and the cloud's result handling): what a GPU cannot speed up; ``host cpu`` the same split
+of the CPU time (``cpu s/rd`` less the kernels' CPU time: the steadier figure on a busy machine). Peak host memory
 is the child's max RSS, peak device memory ``torch.cuda.max_memory_allocated``. The targets are
 printed as ``RATIO`` lines of rounds/s (a ratio whose sides did not both run is left out).
 
@@ -33,6 +38,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +82,7 @@ WORKLOADS: dict[str, dict] = {
         "lr": 0.05,
         "eval_every": 1,
         "rounds": 2,
+        "samples": 60,  # the devices' partitions: --cells 2 runs the same shape with 200 devices
         "sides": ["device-cpu", "cohort-cpu", "cohort-cuda", "cohort-cuda-1000", "cohort-auto"],
     },
 }
@@ -104,7 +111,16 @@ RATIOS = [
 
 
 def samples_per_device(w: dict) -> int:
-    return 60000 // w["devices"]
+    return w.get("samples") or 60000 // w["devices"]
+
+
+def with_cells(w: dict, cells: int) -> dict:
+    """``w`` with ``cells`` cells of the same size (the large workload's shape, fewer devices: a quicker
+    profile); ``w`` itself for 0."""
+    if not cells:
+        return w
+    per_cell = w["devices"] // w["cells"]
+    return {**w, "cells": cells, "devices": cells * per_cell, "per_round": min(w["per_round"], cells * per_cell)}
 
 
 def steps_per_device(w: dict) -> int:
@@ -122,9 +138,9 @@ def uses_cuda(side: str) -> bool:
 
 
 # ------------------------------------------------------------------------------ the sides (in a child)
-def bare(w: dict, rounds: int, device: str, cpu: list[float]) -> list[float]:
+def bare(w: dict, rounds: int, device: str, mark: Callable[[], None]) -> list[float]:
     """A plain sequential PyTorch FedAvg loop with the data on ``device``; each round's wall time (and
-    the process's CPU time at each round's end appended to ``cpu``)."""
+    ``mark()`` called at each round's end)."""
     import numpy as np
     import torch
     import torch.nn as nn
@@ -178,13 +194,13 @@ def bare(w: dict, rounds: int, device: str, cpu: list[float]) -> list[float]:
                     p.copy_(g)
                 float((model(xt).argmax(1) == yt).float().mean())  # synchronises a GPU, as fedtier's does
         times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time())
+        mark()
     return times
 
 
-def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, cpu: list[float]) -> list[float]:
+def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, mark: Callable[[], None]) -> list[float]:
     """``fedtier sim`` (in memory, every message encoded) on ``device``; each round's wall time (and
-    the process's CPU time at each round's end appended to ``cpu``)."""
+    ``mark()`` called at each round's end)."""
     from protocols.config import parse_config
     from sim.launcher import run_simulation
 
@@ -204,7 +220,7 @@ def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, cp
             "topology": {"cells": w["cells"], "devices_per_cell": w["devices"] // w["cells"]},
             "algorithm": algorithm,
             "model": {"name": "mlp", "hidden": w["hidden"]},
-            "data": {"dataset": "mnist", "partition": "iid"},
+            "data": {"dataset": "mnist", "partition": "iid", "max_train": w["devices"] * samples_per_device(w)},
             "participation": participation,
             "runtime": {
                 "engine": engine,
@@ -214,11 +230,42 @@ def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, cp
             },
         }
     )
-    result = run_simulation(cfg, write_output=False, on_round=lambda _: cpu.append(time.process_time()))
+    result = run_simulation(cfg, write_output=False, on_round=lambda _: mark())
     return [r["duration_s"] for r in result.history]
 
 
-def child(side: str, workload: str, rounds: int) -> None:
+def time_kernels(kernel: list[float]) -> None:
+    """Add the wall and CPU time of every batched-kernel call (see the module) to ``kernel[0]`` and
+    ``kernel[1]`` (``kernel[2]``: inside one now)."""
+    import functools
+
+    from protocols.cohort_trainer import CohortEngine
+    from protocols.torch_trainer import TorchTrainer
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if kernel[2]:  # a kernel calling a timed kernel (the evaluation's sgd...): counted once
+                return fn(*args, **kwargs)
+            start, cpu = time.perf_counter(), time.process_time()
+            kernel[2] = 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                kernel[2] = 0
+                kernel[0] += time.perf_counter() - start
+                kernel[1] += time.process_time() - cpu
+
+        return wrapper
+
+    # the cohort engine's calls; the per-device engine's training and everyone's evaluation (the bare loop
+    # is not split: its kernel s/rd is 0)
+    CohortEngine.run = timed(CohortEngine.run)  # type: ignore[method-assign]
+    TorchTrainer.sgd = timed(TorchTrainer.sgd)  # type: ignore[method-assign]
+    TorchTrainer.evaluate = timed(TorchTrainer.evaluate)  # type: ignore[method-assign]
+
+
+def child(side: str, workload: str, rounds: int, cells: int = 0) -> None:
     import logging
 
     import torch
@@ -228,18 +275,27 @@ def child(side: str, workload: str, rounds: int) -> None:
     said.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     logging.getLogger("fedtier.device").addHandler(said)
     logging.getLogger("fedtier.device").setLevel(logging.INFO)
-    w = WORKLOADS[workload]
+    w = with_cells(WORKLOADS[workload], cells)
+    kernel = [0.0, 0.0, 0]  # the wall and CPU seconds in batched kernels so far
+    time_kernels(kernel)
     cpu = [time.process_time()]  # then at each round's end
+    kernels = [(0.0, 0.0)]  # then at each round's end
+
+    def mark() -> None:
+        cpu.append(time.process_time())
+        kernels.append((kernel[0], kernel[1]))
+
     if side.startswith("bare"):
-        times = bare(w, rounds, side.split("-")[1], cpu)
+        times = bare(w, rounds, side.split("-")[1], mark)
     elif side.startswith("device"):
-        times = fedtier(w, rounds, "device", side.split("-")[1], 64, cpu)
+        times = fedtier(w, rounds, "device", side.split("-")[1], 64, mark)
     else:
         parts = side.split("-")
-        times = fedtier(w, rounds, "cohort", parts[1], int(parts[2]) if len(parts) > 2 else 64, cpu)
+        times = fedtier(w, rounds, "cohort", parts[1], int(parts[2]) if len(parts) > 2 else 64, mark)
     out = {
         "times": times,
         "cpu": cpu,
+        "kernels": kernels,
         "peak_host_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else 0.0,
     }
@@ -247,9 +303,10 @@ def child(side: str, workload: str, rounds: int) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
-def run_side(side: str, workload: str, rounds: int, timeout: float) -> dict | str:
+def run_side(side: str, workload: str, rounds: int, timeout: float, cells: int = 0) -> dict | str:
     """The child's result, or why there is none."""
     cmd = [sys.executable, __file__, "--child", side, "--workload", workload, "--rounds", str(rounds)]
+    cmd += ["--cells", str(cells)] if cells else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
@@ -264,6 +321,52 @@ def run_side(side: str, workload: str, rounds: int, timeout: float) -> dict | st
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: bool) -> tuple[dict[str, dict], bool]:
+    """Run ``workload``'s ``sides`` ``args.repeat`` times, alternating (side A, side B, A, B...: a busy
+    machine's load falls on both alike), printing each run; the fastest run of each side, and whether one
+    failed."""
+    w = with_cells(WORKLOADS[workload], args.cells if workload == "large" else 0)
+    timed = args.rounds or w["rounds"]
+    steps = w["per_round"] * steps_per_device(w)
+    print(
+        f"\nworkload {workload}: {w['per_round']} devices x {steps_per_device(w)} steps a round in "
+        f"{w['cells']} cell(s), MLP 784-{'-'.join(map(str, w['hidden']))}-10; {args.warmup} warm-up + "
+        f"{timed} timed rounds"
+    )
+    print(
+        f"  {'side':18}{'s/round':>10}{'rounds/s':>10}{'steps/s':>11}{'cpu s/rd':>10}{'kernel s/rd':>12}"
+        f"{'host s/rd':>10}{'host cpu':>9}{'host MB':>9}{'dev MB':>9}"
+    )
+    runnable = [s for s in sides if cuda or not uses_cuda(s)]
+    for side in sides:
+        if side not in runnable:
+            print(f"  {side:18}skipped: no CUDA")
+    best: dict[str, dict] = {}
+    failed: set[str] = set()
+    for _ in range(args.repeat):
+        for side in [s for s in runnable if s not in failed]:
+            out = run_side(side, workload, args.warmup + timed, args.timeout, args.cells if workload == "large" else 0)
+            if isinstance(out, str):
+                print(f"  {side:18}{out}")
+                failed.add(side)
+                continue
+            loop = sum(out["times"][args.warmup :])
+            out["round_s"], out["rounds_per_s"] = loop / timed, timed / loop
+            out["round_cpu_s"] = (out["cpu"][-1] - out["cpu"][args.warmup]) / timed  # the main process's
+            (k0, c0), (k1, c1) = out["kernels"][args.warmup], out["kernels"][-1]
+            out["kernel_s"], out["host_s"] = (k1 - k0) / timed, out["round_s"] - (k1 - k0) / timed
+            out["host_cpu_s"] = out["round_cpu_s"] - (c1 - c0) / timed  # what a GPU cannot speed up
+            out["steps_per_s"] = steps * timed / loop
+            if side not in best or out["round_s"] < best[side]["round_s"]:
+                best[side] = out
+            print(
+                f"  {side:18}{out['round_s']:10.4f}{out['rounds_per_s']:10.2f}{out['steps_per_s']:11.0f}"
+                f"{out['round_cpu_s']:10.4f}{out['kernel_s']:12.4f}{out['host_s']:10.4f}{out['host_cpu_s']:9.4f}"
+                f"{out['peak_host_mb']:9.0f}{out['peak_device_mb']:9.0f}"
+            )
+    return best, bool(failed)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="standard,small,large", help="comma-separated: " + ", ".join(WORKLOADS))
@@ -272,12 +375,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (torch and CUDA warm-up)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each side (alternating); the fastest counts")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a side may run")
+    ap.add_argument("--cells", type=int, default=0, help="the large workload with this many cells of 100 devices")
     ap.add_argument("--json", default="", help="also write the results to this file")
     ap.add_argument("--child", choices=SIDES)
     ap.add_argument("--workload", choices=list(WORKLOADS))
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.workload, args.rounds)
+        child(args.child, args.workload, args.rounds, args.cells)
         return 0
     from benchmarks.calibration import calibration_line
 
@@ -298,41 +402,9 @@ def main() -> int:
     for workload in [x for x in args.workloads.split(",") if x]:
         if workload not in WORKLOADS:
             ap.error(f"unknown workload {workload!r}")
-        w = WORKLOADS[workload]
-        sides = [s for s in w["sides"] if not wanted or s in wanted]
-        timed = args.rounds or w["rounds"]
-        steps = w["per_round"] * steps_per_device(w)
-        print(
-            f"\nworkload {workload}: {w['per_round']} devices x {steps_per_device(w)} steps a round in "
-            f"{w['cells']} cell(s), MLP 784-{'-'.join(map(str, w['hidden']))}-10; {args.warmup} warm-up + "
-            f"{timed} timed rounds"
-        )
-        print(f"  {'side':18}{'s/round':>10}{'rounds/s':>10}{'steps/s':>11}{'cpu s/rd':>10}{'host MB':>9}{'dev MB':>9}")
-        report[workload] = {}
-        for side in sides:
-            if uses_cuda(side) and not cuda:
-                print(f"  {side:18}skipped: no CUDA")
-                continue
-            best: dict | None = None
-            for _ in range(args.repeat):
-                out = run_side(side, workload, args.warmup + timed, args.timeout)
-                if isinstance(out, str):
-                    print(f"  {side:18}{out}")
-                    failed = True
-                    break
-                loop = sum(out["times"][args.warmup :])
-                out["round_s"], out["rounds_per_s"] = loop / timed, timed / loop
-                out["round_cpu_s"] = (out["cpu"][-1] - out["cpu"][args.warmup]) / timed  # the main process's
-                out["steps_per_s"] = steps * timed / loop
-                if best is None or out["round_s"] < best["round_s"]:
-                    best = out
-            if best is None:
-                continue
-            report[workload][side] = best
-            print(
-                f"  {side:18}{best['round_s']:10.4f}{best['rounds_per_s']:10.2f}{best['steps_per_s']:11.0f}"
-                f"{best['round_cpu_s']:10.4f}{best['peak_host_mb']:9.0f}{best['peak_device_mb']:9.0f}"
-            )
+        sides = [s for s in WORKLOADS[workload]["sides"] if not wanted or s in wanted]
+        report[workload], bad = measure(workload, sides, args, cuda)
+        failed = failed or bad
     print()
     for workload, num, den in RATIOS:
         got = report.get(workload, {})
