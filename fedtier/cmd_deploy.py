@@ -6,9 +6,13 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from protocols.config import RunConfig
 from protocols.rejections import RejectKind
 
 from .cli import CONFIG, SET, VERBOSE, auth_options, main
@@ -22,20 +26,16 @@ from .console import (
     round_progress,
     setup_logging,
 )
-from .deploy_setup import broker_options, check_keys, fail_with, require_signed, spec_and_data
+from .deploy_setup import BROKER, INSECURE, Auth, broker_options, check_keys, fail_with, require_signed, spec_and_data
 from .metrics import linger, metrics_options, port_override, serve_metrics
 
-BROKER = click.option(
-    "--broker", "broker_url", metavar="mqtt://HOST:PORT", help="The broker (default: the config's [broker] url)."
-)
-
-
-INSECURE = click.option(
-    "--insecure",
-    is_flag=True,
-    help="Run without [security] keys: nothing signed, so anyone the broker lets publish can forge the "
-    "cloud's, a cell's or a device's messages (a test bed only).",
-)
+if TYPE_CHECKING:
+    from cloud.server import CloudServer
+    from edge_agent.broker import BrokerOptions
+    from edge_agent.datasources import DataSource
+    from protocols.algorithms.base import ModelSpec
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
 
 
 def watch_cloud(node):
@@ -132,7 +132,7 @@ def cloud(
         _run_cloud(cfg, broker_url, auth, test_data, resume, not no_progress, metrics_linger)
 
 
-def _serve_cloud(cfg, broker_url, auth, test_data: str | None) -> None:
+def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: str | None) -> None:
     """``fedtier cloud --serve``: one submitted job after another (``fedtier/serve.py``)."""
     from cloud.jobs import JobQueueError
     from protocols.config import ConfigError
@@ -148,7 +148,13 @@ def _serve_cloud(cfg, broker_url, auth, test_data: str | None) -> None:
 
 
 def _run_cloud(
-    cfg, broker_url, auth, test_data: str | None, resume: bool, progress: bool, metrics_linger: float
+    cfg: RunConfig,
+    broker_url: str | None,
+    auth: Auth,
+    test_data: str | None,
+    resume: bool,
+    progress: bool,
+    metrics_linger: float,
 ) -> None:
     """``fedtier cloud``: the one job of the config, to its end (or Ctrl-C); its result in the run folder."""
     from cloud.node import build_cloud
@@ -191,7 +197,7 @@ def _run_cloud(
         _finish_cloud(cfg, node, out, time.perf_counter() - t0)
 
 
-def _finish_cloud(cfg, node, out, wall_s: float) -> None:
+def _finish_cloud(cfg: RunConfig, node: CloudServer, out: Path, wall_s: float) -> None:
     """The finished job's final files and summary; exit :data:`JOB_FAILED` if it failed or cannot be saved."""
     from protocols.jsonl import StorageError
     from sim.launcher import RunResult, write_final
@@ -267,7 +273,9 @@ def cell(
         _run_cell(cfg, cell_id, broker_url, auth, resume, metrics_linger)
 
 
-def _connect_cell(cfg, cell_id: str, broker_url, auth):
+def _connect_cell(
+    cfg: RunConfig, cell_id: str, broker_url: str | None, auth: Auth
+) -> tuple[ModelSpec, BrokerOptions, Path, ThreadLoop, MqttTransport]:
     """The cell's model spec, broker options, run folder, loop and connected transport (exit 2 on a bad config,
     1 when the broker cannot be reached)."""
     from edge_agent.runner import offline_will
@@ -293,7 +301,9 @@ def _connect_cell(cfg, cell_id: str, broker_url, auth):
     return spec, opts, out, loop, transport
 
 
-def _run_cell(cfg, cell_id: str, broker_url, auth, resume: bool, metrics_linger: float) -> None:
+def _run_cell(
+    cfg: RunConfig, cell_id: str, broker_url: str | None, auth: Auth, resume: bool, metrics_linger: float
+) -> None:
     """``fedtier cell``: serve the cell's devices until the cloud's job is finished (or Ctrl-C); exit
     :data:`JOB_FAILED` if the cell failed."""
     from cell_server.node import build_cell
@@ -400,7 +410,9 @@ def agent(
         _run_agent(cfg, device, source, backend, broker_url, auth, metrics_linger)
 
 
-def _serve_agent(cfg, device: str, source, backend: str, broker_url, auth) -> None:
+def _serve_agent(
+    cfg: RunConfig, device: str, source: DataSource, backend: str, broker_url: str | None, auth: Auth
+) -> None:
     """``fedtier agent --serve``: train for one submitted job after another with ``source``'s data."""
     from edge_agent.runner import make_trainer
     from protocols.config import ConfigError
@@ -424,7 +436,15 @@ def _serve_agent(cfg, device: str, source, backend: str, broker_url, auth) -> No
     console.print(f"device {device}: served {len(served)} jobs ({', '.join(served)}), {tasks} tasks")
 
 
-def _run_agent(cfg, device: str, open_source, backend: str, broker_url, auth, metrics_linger: float) -> None:
+def _run_agent(
+    cfg: RunConfig,
+    device: str,
+    open_source: Callable[[], DataSource],
+    backend: str,
+    broker_url: str | None,
+    auth: Auth,
+    metrics_linger: float,
+) -> None:
     """``fedtier agent``: answer the config's job's tasks with the data of ``open_source()`` until the run is
     finished (or Ctrl-C)."""
     from edge_agent.node import cell_of

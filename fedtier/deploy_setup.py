@@ -1,15 +1,43 @@
-"""What every deployment command (``fedtier cloud|cell|agent``) does before it runs its node: refuse an
-unsigned deployment, check the keys file, read the broker options and the model's geometry; fail with an
-exit status."""
+"""What every deployment command (``fedtier cloud|cell|agent``) shares before it runs its node: the
+``--broker`` and ``--insecure`` flags; refuse an unsigned deployment, check the keys file, read the broker
+options and the model's geometry; fail with an exit status."""
 
 from __future__ import annotations
 
-from typing import NoReturn
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, overload
+
+import click
+
+from protocols.config import RunConfig
 
 from .console import console
 
+if TYPE_CHECKING:
+    from edge_agent.broker import BrokerOptions
+    from edge_agent.datasources import DataSource
+    from protocols.algorithms.base import ModelSpec
+    from protocols.trainer import LocalData
 
-def require_signed(cfg, insecure: bool) -> None:
+
+Auth = dict[str, Any]
+"""The broker credential flags (``auth_options``) as the commands get them."""
+
+BROKER = click.option(
+    "--broker", "broker_url", metavar="mqtt://HOST:PORT", help="The broker (default: the config's [broker] url)."
+)
+
+
+INSECURE = click.option(
+    "--insecure",
+    is_flag=True,
+    help="Run without [security] keys: nothing signed, so anyone the broker lets publish can forge the "
+    "cloud's, a cell's or a device's messages (a test bed only).",
+)
+
+
+def require_signed(cfg: RunConfig, insecure: bool) -> None:
     """Refuse (exit 2, saying why) to run an unsigned deployment node unless ``--insecure``; warn when it is."""
     if cfg.security.keys is not None:
         return
@@ -28,27 +56,33 @@ def require_signed(cfg, insecure: bool) -> None:
     logging.getLogger("fedtier").warning("--insecure: running unsigned; any broker client can forge messages")
 
 
-def check_keys(cfg, node: str) -> None:
+def check_keys(cfg: RunConfig, node: str) -> None:
     """With [security] keys: fail now (exit 2) if the file lacks what ``node`` needs."""
     from protocols.wire.keys import node_trust
 
     node_trust(cfg, node)
 
 
-def broker_options(cfg, broker_url, auth):
+def broker_options(cfg: RunConfig, broker_url: str | None, auth: Mapping[str, Any]) -> BrokerOptions:
     """The broker to connect to: the config's ``[broker]``, ``--broker`` and the credential flags over it."""
-    from edge_agent.runner import BrokerOptions
+    from edge_agent.broker import BrokerOptions
 
     return BrokerOptions.from_config(cfg, broker_url, **auth)
 
 
-def spec_and_data(cfg, source=None):
+@overload
+def spec_and_data(cfg: RunConfig, source: None = None) -> tuple[ModelSpec, None]: ...
+@overload
+def spec_and_data(cfg: RunConfig, source: str | Path | DataSource) -> tuple[ModelSpec, LocalData]: ...
+
+
+def spec_and_data(cfg: RunConfig, source: str | Path | DataSource | None = None) -> tuple[ModelSpec, LocalData | None]:
     """``(model spec, data of source or None)``: the model's geometry from the data source when it records
     it, else from the config's dataset name (known without loading the dataset)."""
     from sim.datasets import dataset_geometry
 
     shape, classes = dataset_geometry(cfg.data.dataset, **cfg.data.loader_params())
-    data = None
+    data: LocalData | None = None
     if source is not None:
         from edge_agent.runner import load_device_data
 
