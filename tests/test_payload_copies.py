@@ -19,6 +19,7 @@ from protocols.wire.payload import (
     DTYPES,
     Payload,
     _code,
+    all_finite,
     decode_payload,
     encode_payload,
     payload_parts,
@@ -123,3 +124,20 @@ def test_non_finite_values_anywhere_are_refused(dtype, bad) -> None:
         with pytest.raises(WireError, match="non-finite"):
             decode_payload(encode_payload(Payload({}, {"x": x})))
     assert decode_payload(encode_payload(Payload({}, {"x": np.linspace(-1, 1, 1000).astype(dtype)})))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_huge_finite_values_are_accepted_and_checks_are_exact(dtype) -> None:
+    """The finiteness check's fast path (a sum of squares) overflows on huge finite values: they are still
+    finite (the exact check decides), and a NaN or an infinity in a strided array is still found."""
+    huge = np.full((30, 40), np.finfo(dtype).max / 2, dtype)
+    huge[::2] *= -1
+    assert all_finite(huge)
+    assert decode_payload(encode_payload(Payload({}, {"x": huge}))).tensors["x"].tobytes() == huge.tobytes()
+    for bad in (np.nan, np.inf, -np.inf):
+        strided = np.ones((30, 40), dtype)[:, ::3]
+        strided[7, 2] = bad
+        assert not all_finite(strided)
+        x = huge.copy()
+        x[29, 39] = bad
+        assert not all_finite(x)
