@@ -427,7 +427,7 @@ def jobs_run(agents: int, cells: int, rounds: int, jobs: int, workers: int | Non
                     node = cloud.node
                     print(
                         f"  {name}: {job.state if job else 'unknown'}, cloud round "
-                        f"{node.round if node else None}, ready {node.cell_ready if node else None}, "
+                        f"{node.round if node else None}, ready {node.presence.ready if node else None}, "
                         f"results so far {results.qsize()}",
                         flush=True,
                     )

@@ -48,7 +48,7 @@ class AsyncCloudServer(CloudServer):
             self.messenger.reject(topic, exc.kind, str(exc), cell)
             return
         self.fb.offer(cell, h.round, msg.payload)
-        self._cell_devices[cell] = self._cell_devices.get(cell, 0) + self._count(cell, msg)
+        self.counts.devices[cell] = self.counts.devices.get(cell, 0) + self._count(cell, msg)
         if self.fb.buffer.full:
             out = self.fb.aggregate()
             self._notify = sorted(set(out.senders))

@@ -1,0 +1,81 @@
+"""The cloud's crash-consistent checkpoint: after each round it closes (and before round 0), atomically, the
+round, the session, the byte totals, the stalled-round count, the role's state and the round's record.
+A cloud killed at any point resumes from the last round it closed, in the same session, and re-sends the
+round the cells may already be working on; its ``metrics.jsonl`` is repaired to end with that round."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocols.checkpoint import load_payload, save_payload
+from protocols.jsonl import read_jsonl
+from protocols.wire.payload import Payload
+
+
+def repair_metrics(path: Path, next_round: int, record: dict[str, Any] | None) -> None:
+    """Make ``metrics.jsonl`` end with the checkpointed round: drop records of rounds a resumed cloud
+    runs again, and add the checkpoint's own record if the crash came before it was written."""
+    if not path.exists():
+        return
+    kept = [r for r in read_jsonl(path) if isinstance(r.get("round"), int) and r["round"] < next_round]
+    if record is not None and not any(r["round"] == record.get("round") for r in kept):
+        kept.append(record)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a checkpoint (at ``path``) holds: the last round closed (-1: none yet), the session, the byte
+    totals, the rounds stalled in a row, the role's state and the last round's record."""
+
+    path: Path
+    round: int
+    session: str | None
+    cumulative: dict[str, Any]
+    stalled: Any
+    role: Payload
+    record: dict[str, Any] | None
+
+
+class CloudCheckpoint:
+    """The checkpoint file at ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> Saved | None:
+        """The saved state, if the file exists."""
+        if not self.path.exists():
+            return None
+        state = load_payload(self.path)
+        m = state.meta
+        session = m["session"] if isinstance(m.get("session"), str) else None
+        role = Payload(m.get("role", {}), state.tensors)
+        return Saved(
+            self.path, int(m["round"]), session, m.get("cumulative", {}), m.get("stalled", 0), role, m.get("record")
+        )
+
+    def save(
+        self,
+        done: int,
+        session: str,
+        cumulative: dict[str, int],
+        stalled: int,
+        role: Payload,
+        record: dict[str, Any] | None,
+    ) -> None:
+        """Atomically save the state after round ``done`` (and its ``record``, unless before round 0)."""
+        meta = {
+            "round": done,
+            "session": session,
+            "cumulative": cumulative,
+            "role": role.meta,
+            **({"stalled": stalled} if stalled else {}),
+        }
+        save_payload(self.path, Payload({**meta, "record": record} if record else meta, role.tensors))

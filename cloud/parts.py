@@ -1,0 +1,111 @@
+"""The state parts of a cloud server, each a small record with one meaning: what the open round's record
+counts beyond the role's outcome (:class:`RoundCounts`, a fresh one per round), and what the cloud knows
+of its cells' presence (:class:`CellPresence`); and the checks a cell's report passes before the role
+sees it (:func:`report_refusal`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocols.bounds import weight_over
+from protocols.failures import merge_counts
+from protocols.records import TIERS
+from protocols.rejections import Rejected, RejectKind
+from protocols.wire.messenger import Incoming
+
+log = logging.getLogger("fedtier.cloud")
+
+
+def _positive_int(value: Any) -> int:
+    """``value`` if it is a positive int (not a bool), else 0: a cell's declared count, checked."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+@dataclass
+class RoundCounts:
+    """The open round's figures from its cells' reports (checked and bounded: a cell may lie in them)."""
+
+    t0: float = 0.0  # loop time the round's tasks left
+    wall0: float = 0.0  # perf_counter then
+    since: float = 0.0  # wall time then
+    expected: int = 0  # cells that may answer: a stall is fewer than this
+    bytes: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    devices: dict[str, int] = field(default_factory=dict)  # cell -> devices its report aggregated
+    diverged: dict[str, int] = field(default_factory=dict)  # cell -> devices that diverged in every edge round
+    failed: dict[str, int] = field(default_factory=dict)  # cell -> devices whose task failed in every one
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> devices whose task failed, over the cells
+    unmet: dict[str, int] = field(default_factory=dict)  # reason -> devices left out for the job's requirements
+    cells_failed: dict[str, str] = field(default_factory=dict)  # cell -> why it failed (fail_on_cell_failure off)
+
+    def count(self, cell: str, nbytes: int, meta: dict[str, Any]) -> int:
+        """Add a taken report's bytes (and the device traffic, diverged and failed devices it declares);
+        its device count."""
+        self.bytes["cell_to_cloud"] += nbytes
+        traffic = meta.get("traffic", {})
+        for tier in ("cell_to_device", "device_to_cell"):
+            value = traffic.get(tier, 0) if isinstance(traffic, dict) else 0
+            self.bytes[tier] += int(value) if isinstance(value, (int, float)) and value >= 0 else 0
+        if diverged := _positive_int(meta.get("diverged", 0)):
+            self.diverged[cell] = diverged
+        if failed := _positive_int(meta.get("failed_devices", 0)):
+            self.failed[cell] = failed
+        merge_counts(self.failures, meta.get("failures"))
+        merge_counts(self.unmet, meta.get("unmet"))
+        devices = meta.get("devices", 0)
+        return int(devices) if isinstance(devices, int) and devices >= 0 else 0
+
+
+class CellPresence:
+    """Each cell's status as its (verified) status records say: online, and ready (online with every device
+    online); when an online cell went offline."""
+
+    def __init__(self, cells: list[str]) -> None:
+        self.ready: dict[str, bool] = {c: False for c in cells}
+        self.online: dict[str, bool] = {c: False for c in cells}
+        self.offline_since: dict[str, float] = {}  # cell -> loop time it went offline (after being online)
+
+    def heard(self, cell: str, record: dict[str, Any], now: float) -> None:
+        """Take ``cell``'s status ``record`` (heard at loop time ``now``)."""
+        online = record["state"] == "online"
+        if self.online[cell] and not online:
+            self.offline_since[cell] = now
+        elif online:
+            self.offline_since.pop(cell, None)
+        self.online[cell] = online
+        self.ready[cell] = online and record.get("devices_online") == record.get("devices_total")
+
+    def offline_for(self, cell: str, now: float) -> float | None:
+        """Seconds an offline cell has been offline since it was last online (None: online, or never was)."""
+        gone = self.offline_since.get(cell)
+        return None if self.online[cell] or gone is None else now - gone
+
+
+def report_refusal(
+    cell: str, msg: Incoming, session: str | None, bounds: Mapping[str, float] | None
+) -> Rejected | None:
+    """Why a report on ``cell``'s topic is refused before the role sees it, or None: it must be for that
+    cell, with ``session`` (signed runs: the cloud's session) signed by that cell in it, and claim a weight
+    within the cell's bound in ``bounds``."""
+    h = msg.header
+    if h.cell != cell:
+        return Rejected(RejectKind.WRONG_SENDER, f"report for cell {h.cell!r} on the topic of cell {cell!r}")
+    if session is not None and (h.sender != cell or h.session != session):
+        if h.sender == cell:
+            return Rejected(RejectKind.SIGNATURE, f"report of session {h.session!r}, this cloud's is {session!r}")
+        return Rejected(RejectKind.WRONG_SENDER, f"report signed by {h.sender!r} on the topic of cell {cell!r}")
+    bound = bounds.get(cell) if bounds is not None else None
+    if bound is None:
+        return None
+    over = weight_over(msg.payload.meta.get("weight"), bound, f"the bound of cell {cell} ({bound:g} samples)")
+    return Rejected(RejectKind.BOUND, over) if over is not None else None
+
+
+def drop_non_finite(evaluation: dict[str, float]) -> str | None:
+    """Drop the non-finite numbers of an ``evaluation`` (in place); what was dropped (``name = value``), or
+    None if nothing was."""
+    bad = sorted(k for k, v in evaluation.items() if isinstance(v, float) and not math.isfinite(v))
+    return ", ".join(f"{k} = {evaluation.pop(k)}" for k in bad) or None
