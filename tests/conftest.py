@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,3 +72,24 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, period: float = 
             return False
         time.sleep(period)
     return True
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports that were free a moment ago, for a provisioning that gives
+    cells consecutive ports (``--cell-port``). Drawn below the kernel's ephemeral range (32768+), where the
+    suite's own client connections take their local ports, so another test's connection cannot land on it."""
+    for _ in range(200):
+        base = random.randrange(20000, 32768 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")

@@ -24,12 +24,12 @@ from fedtier.broker_files import password_line
 from fedtier.cli import main
 from fedtier.pki import CertificateAuthority, certificate, load_pki, new_key
 from protocols.procs import popen
-from protocols.transport.broker import find_mosquitto, free_port, wait_for_port
+from protocols.transport.broker import find_mosquitto, wait_for_port
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import load_keys
-from tests.conftest import small_config
+from tests.conftest import free_port_run, small_config
 
 WAIT = 10.0
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
@@ -65,7 +65,7 @@ def reachable_tmp() -> Iterator[Path]:
 def provision_cli(tmp: Path, name: str, *extra: str) -> dict[str, Any]:
     cfg_path = tmp / f"{name}.toml"
     cfg_path.write_text(small_config(tmp).to_toml())
-    port = free_port()
+    port = free_port_run(1)  # below the ephemeral range: no client connection of another test takes it
     res = CliRunner().invoke(
         main,
         [
@@ -354,7 +354,7 @@ def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
     whatever reaches the cloud broker, whichever ACL would hide it from the cloud."""
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")
-    cell_port = free_port()
+    cell_port = free_port_run(2)  # c0 and c1 listen on consecutive ports
     p = provision_cli(
         reachable_tmp, "cells", "--brokers", "per-cell", "--cell-host", "127.0.0.1", "--cell-port", str(cell_port)
     )
@@ -640,7 +640,7 @@ def test_provision_as_root_without_broker_user_or_mosquitto_user_warns_with_the_
 def test_a_moved_provisioning_folder_works_again_after_relocate(reachable_tmp: Path) -> None:
     """Mosquitto resolves relative config paths against its working directory, so the configs hold absolute
     ones: a moved folder's broker cannot start until ``fedtier provision relocate`` rewrites them."""
-    cell_port = free_port()
+    cell_port = free_port_run(2)
     p = provision_cli(
         reachable_tmp, "before-move", "--brokers", "per-cell", "--cell-host", "127.0.0.1", "--cell-port", str(cell_port)
     )
