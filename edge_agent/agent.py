@@ -108,16 +108,18 @@ class DeviceAgent:
         self.pending = 0  # tasks taken whose result has not left yet (training, or a modelled delay)
         self.bytes_in = 0
         self.bytes_out = 0
-        self.secagg: DeviceSecAgg | None = None
-        self._task_kinds: tuple[str, ...] = ("device_task",)
         self._status: dict[tuple[str, int], bytes] = {}  # (state, samples) -> encoded status record
-        if secagg is not None:
-            from protocols.privacy.secagg import KINDS
+        self.secagg, self._task_kinds = self._secure_aggregation(secagg)
 
-            from .secagg import DeviceSecAgg
+    def _secure_aggregation(self, settings: SecAggSettings | None) -> tuple[DeviceSecAgg | None, tuple[str, ...]]:
+        """Secure aggregation's device part (with ``settings``) and the kinds of message the task topic carries."""
+        if settings is None:
+            return None, ("device_task",)
+        from protocols.privacy.secagg import KINDS
 
-            self.secagg = DeviceSecAgg(self, secagg)
-            self._task_kinds += KINDS
+        from .secagg import DeviceSecAgg
+
+        return DeviceSecAgg(self, settings), ("device_task", *KINDS)
 
     def start(self) -> None:
         self.attach(self.transport)
