@@ -25,8 +25,11 @@ of the CPU time (``cpu s/rd`` less the kernels' CPU time: the steadier figure on
 is the child's max RSS, peak device memory ``torch.cuda.max_memory_allocated``. The targets are
 printed as ``RATIO`` lines of rounds/s (a ratio whose sides did not both run is left out).
 
+``--breakdown`` also prints, per run, the wall and CPU seconds a round of each part of ``TIMED`` (the host
+side's parts: where it goes). ``--cells N`` runs the large workload with N cells of its 100 devices.
+
 Usage: python benchmarks/gpu.py [--workloads standard,small,large] [--sides cohort-cuda,...]
-       [--rounds N] [--warmup N] [--repeat N] [--json FILE]
+       [--rounds N] [--warmup N] [--repeat N] [--cells N] [--breakdown] [--json FILE]
 """
 
 from __future__ import annotations
@@ -234,38 +237,73 @@ def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, ma
     return [r["duration_s"] for r in result.history]
 
 
-def time_kernels(kernel: list[float]) -> None:
-    """Add the wall and CPU time of every batched-kernel call (see the module) to ``kernel[0]`` and
-    ``kernel[1]`` (``kernel[2]``: inside one now)."""
+# what each figure times, inclusively: (module, qualified name) of the functions wrapped. "kernels": the batched
+# kernels (the cohort engine's calls; the per-device engine's training and everyone's evaluation; the bare loop
+# is not split: its kernel s/rd is 0). The rest (--breakdown) are host-side parts: frame and receive (every
+# message's encoding, decoding, checks), the device roles' copies (set/get parameters, the delta), the cells'
+# and cloud's aggregation, the engine's batch assembly (inside "kernels": stacking parameters, minibatch
+# indices, per-device results) and the cloud's evaluation (inside "kernels" too)
+TIMED: dict[str, list[tuple[str, str]]] = {
+    "kernels": [
+        ("protocols.cohort_trainer", "CohortEngine.run"),
+        ("protocols.torch_trainer", "TorchTrainer.sgd"),
+        ("protocols.torch_trainer", "TorchTrainer.evaluate"),
+    ],
+    "frame": [("protocols.wire.messenger", "Messenger.frame")],
+    "receive": [("protocols.wire.messenger", "Messenger.receive")],
+    "device copies": [
+        ("protocols.params", "sub"),
+        ("protocols.cohort_device", "CohortDeviceTrainer.set_params"),
+        ("protocols.cohort_device", "CohortDeviceTrainer.get_params"),
+        ("protocols.torch_trainer", "TorchTrainer.set_params"),
+        ("protocols.torch_trainer", "TorchTrainer.get_params"),
+    ],
+    "aggregate": [("protocols.algorithms.fedavg", "aggregate")],
+    "engine assembly": [
+        ("protocols.cohort_trainer", "CohortEngine._stack"),
+        ("protocols.cohort_trainer", "_minibatches"),
+        ("protocols.cohort_trainer", "_step_terms"),
+        ("protocols.cohort_trainer", "_answer_sgd"),
+    ],
+    "evaluate": [("protocols.torch_trainer", "TorchTrainer.evaluate")],
+}
+
+
+def time_parts(totals: dict[str, list[float]], names: list[str]) -> None:
+    """Wrap the functions of ``TIMED[name]`` for each of ``names``: each call's wall and CPU time is added
+    to ``totals[name]`` (a part's call inside another of the same part is counted once)."""
     import functools
+    import importlib
 
-    from protocols.cohort_trainer import CohortEngine
-    from protocols.torch_trainer import TorchTrainer
+    def timed(fn, name: str):
+        inside = [False]
 
-    def timed(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if kernel[2]:  # a kernel calling a timed kernel (the evaluation's sgd...): counted once
+            if inside[0]:
                 return fn(*args, **kwargs)
             start, cpu = time.perf_counter(), time.process_time()
-            kernel[2] = 1
+            inside[0] = True
             try:
                 return fn(*args, **kwargs)
             finally:
-                kernel[2] = 0
-                kernel[0] += time.perf_counter() - start
-                kernel[1] += time.process_time() - cpu
+                inside[0] = False
+                totals[name][0] += time.perf_counter() - start
+                totals[name][1] += time.process_time() - cpu
 
         return wrapper
 
-    # the cohort engine's calls; the per-device engine's training and everyone's evaluation (the bare loop
-    # is not split: its kernel s/rd is 0)
-    CohortEngine.run = timed(CohortEngine.run)  # type: ignore[method-assign]
-    TorchTrainer.sgd = timed(TorchTrainer.sgd)  # type: ignore[method-assign]
-    TorchTrainer.evaluate = timed(TorchTrainer.evaluate)  # type: ignore[method-assign]
+    for name in names:
+        totals[name] = [0.0, 0.0]
+        for module, qualname in TIMED[name]:
+            owner = importlib.import_module(module)
+            *path, attr = qualname.split(".")
+            for step in path:
+                owner = getattr(owner, step)
+            setattr(owner, attr, timed(getattr(owner, attr), name))
 
 
-def child(side: str, workload: str, rounds: int, cells: int = 0) -> None:
+def child(side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool = False) -> None:
     import logging
 
     import torch
@@ -276,14 +314,14 @@ def child(side: str, workload: str, rounds: int, cells: int = 0) -> None:
     logging.getLogger("fedtier.device").addHandler(said)
     logging.getLogger("fedtier.device").setLevel(logging.INFO)
     w = with_cells(WORKLOADS[workload], cells)
-    kernel = [0.0, 0.0, 0]  # the wall and CPU seconds in batched kernels so far
-    time_kernels(kernel)
+    totals: dict[str, list[float]] = {}  # part -> [wall s, CPU s] so far
+    time_parts(totals, list(TIMED) if breakdown else ["kernels"])
     cpu = [time.process_time()]  # then at each round's end
-    kernels = [(0.0, 0.0)]  # then at each round's end
+    marks = [{k: list(v) for k, v in totals.items()}]  # then at each round's end
 
     def mark() -> None:
         cpu.append(time.process_time())
-        kernels.append((kernel[0], kernel[1]))
+        marks.append({k: list(v) for k, v in totals.items()})
 
     if side.startswith("bare"):
         times = bare(w, rounds, side.split("-")[1], mark)
@@ -295,7 +333,7 @@ def child(side: str, workload: str, rounds: int, cells: int = 0) -> None:
     out = {
         "times": times,
         "cpu": cpu,
-        "kernels": kernels,
+        "parts": marks,
         "peak_host_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else 0.0,
     }
@@ -303,10 +341,12 @@ def child(side: str, workload: str, rounds: int, cells: int = 0) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
-def run_side(side: str, workload: str, rounds: int, timeout: float, cells: int = 0) -> dict | str:
+def run_side(
+    side: str, workload: str, rounds: int, timeout: float, cells: int = 0, breakdown: bool = False
+) -> dict | str:
     """The child's result, or why there is none."""
     cmd = [sys.executable, __file__, "--child", side, "--workload", workload, "--rounds", str(rounds)]
-    cmd += ["--cells", str(cells)] if cells else []
+    cmd += (["--cells", str(cells)] if cells else []) + (["--breakdown"] if breakdown else [])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
@@ -345,7 +385,8 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
     failed: set[str] = set()
     for _ in range(args.repeat):
         for side in [s for s in runnable if s not in failed]:
-            out = run_side(side, workload, args.warmup + timed, args.timeout, args.cells if workload == "large" else 0)
+            cells = args.cells if workload == "large" else 0
+            out = run_side(side, workload, args.warmup + timed, args.timeout, cells, args.breakdown)
             if isinstance(out, str):
                 print(f"  {side:18}{out}")
                 failed.add(side)
@@ -353,9 +394,11 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
             loop = sum(out["times"][args.warmup :])
             out["round_s"], out["rounds_per_s"] = loop / timed, timed / loop
             out["round_cpu_s"] = (out["cpu"][-1] - out["cpu"][args.warmup]) / timed  # the main process's
-            (k0, c0), (k1, c1) = out["kernels"][args.warmup], out["kernels"][-1]
-            out["kernel_s"], out["host_s"] = (k1 - k0) / timed, out["round_s"] - (k1 - k0) / timed
-            out["host_cpu_s"] = out["round_cpu_s"] - (c1 - c0) / timed  # what a GPU cannot speed up
+            first, last = out["parts"][args.warmup], out["parts"][-1]
+            out["part_s"] = {k: [(b - a) / timed for a, b in zip(first[k], last[k])] for k in last}  # [wall, CPU]
+            out["kernel_s"], kernel_cpu = out["part_s"]["kernels"]
+            out["host_s"] = out["round_s"] - out["kernel_s"]
+            out["host_cpu_s"] = out["round_cpu_s"] - kernel_cpu  # what a GPU cannot speed up
             out["steps_per_s"] = steps * timed / loop
             if side not in best or out["round_s"] < best[side]["round_s"]:
                 best[side] = out
@@ -364,6 +407,8 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
                 f"{out['round_cpu_s']:10.4f}{out['kernel_s']:12.4f}{out['host_s']:10.4f}{out['host_cpu_s']:9.4f}"
                 f"{out['peak_host_mb']:9.0f}{out['peak_device_mb']:9.0f}"
             )
+            if args.breakdown:
+                print("    " + "; ".join(f"{k} {w:.4f} s ({c:.4f} CPU)" for k, (w, c) in out["part_s"].items()))
     return best, bool(failed)
 
 
@@ -376,12 +421,15 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each side (alternating); the fastest counts")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a side may run")
     ap.add_argument("--cells", type=int, default=0, help="the large workload with this many cells of 100 devices")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="also time the host side's parts (frame, receive...) a round"
+    )
     ap.add_argument("--json", default="", help="also write the results to this file")
     ap.add_argument("--child", choices=SIDES)
     ap.add_argument("--workload", choices=list(WORKLOADS))
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.workload, args.rounds, args.cells)
+        child(args.child, args.workload, args.rounds, args.cells, args.breakdown)
         return 0
     from benchmarks.calibration import calibration_line
 
