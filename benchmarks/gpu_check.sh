@@ -53,9 +53,9 @@ timeout 75 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs \
   tests/test_cohort_device.py "tests/test_cohort.py::test_cohort_on_gpu" 2>&1 | tee -a "$OUT/tests.log" || status=1
 
 if [ "${QUICK:-0}" = 1 ]; then
-  large=(--rounds 1) standard=(--rounds 3) small=(--rounds 50)
+  large=(--rounds 1 --breakdown) standard=(--rounds 3 --breakdown) small=(--rounds 50)
 else
-  large=(--rounds 1) standard=(--rounds 10) small=(--rounds 200)
+  large=(--rounds 1 --breakdown) standard=(--rounds 10 --breakdown) small=(--rounds 200)
 fi
 bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py's other arguments
   echo "== gpu.py $1" | tee -a "$OUT/gpu.log"

@@ -54,6 +54,11 @@ class CohortDeviceTrainer(Trainer):
     def get_params(self) -> OrderedDict[str, np.ndarray]:
         return OrderedDict((k, v.copy()) for k, v in self.params.items())
 
+    def params_view(self) -> OrderedDict[str, np.ndarray]:
+        """Read-only views of the parameters (a device's trained parameters are its rows of its cohort's
+        result arrays): no copy of 800 KB a device for a delta read once."""
+        return OrderedDict((k, _read_only(v)) for k, v in self.params.items())
+
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:
         self.params = OrderedDict((k, np.array(v, dtype=np.float32)) for k, v in params.items())
 
@@ -96,3 +101,9 @@ class CohortDeviceTrainer(Trainer):
         params, stats = self.call(request)
         self.params = params
         return stats
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view

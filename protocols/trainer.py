@@ -115,6 +115,12 @@ class Trainer(ABC):
     def get_params(self) -> dict[str, np.ndarray]:
         """A copy of the current parameters."""
 
+    def params_view(self) -> Mapping[str, np.ndarray]:
+        """The current parameters to read at once (e.g. a delta computed from them), without a copy where
+        the backend holds them as arrays: read-only, valid until the next call that changes them. By
+        default a copy (:meth:`get_params`)."""
+        return self.get_params()
+
     @abstractmethod
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:
         """Load parameters (copied)."""

@@ -507,6 +507,38 @@ def test_a_bad_request_fails_only_its_device():
     assert all(np.array_equal(outcomes[0][0].tensors[k], outcomes[2][0].tensors[k]) for k in good)
 
 
+def test_params_view_reads_the_trained_parameters_without_a_copy():
+    """A cohort device's ``params_view`` (what FedAvg's delta reads) is its trained parameters themselves:
+    equal to ``get_params``, sharing their memory, and read-only (a role cannot change the cohort's arrays)."""
+    from edge_agent.cohort import run_cohort
+    from protocols.algorithms.base import ModelSpec
+    from protocols.models import build_model, init_params
+    from protocols.trainer import LocalData
+
+    spec = ModelSpec(name="mlp", input_shape=(6,), num_classes=3, hidden=(5,))
+    start = init_params(build_model("mlp", (6,), 3, hidden=(5,)), 0)
+    g = np.random.default_rng(0)
+    data = LocalData(g.normal(size=(20, 6)).astype(np.float32), g.integers(0, 3, 20))
+    seen = []
+
+    def train(trainer):
+        trainer.set_params(start)
+        trainer.sgd(data, steps=3, batch_size=8, lr=0.1, rng=np.random.default_rng(1))
+        view, copy = trainer.params_view(), trainer.get_params()
+        seen.append((view, copy, trainer.params))
+        return Payload({}, copy)
+
+    outcomes = run_cohort(CohortEngine(), spec, [train, train], ["a", "b"])
+    assert all(error is None for _, error in outcomes)
+    for view, copy, own in seen:
+        assert list(view) == list(copy) == list(start)
+        for k in start:
+            assert np.array_equal(view[k], copy[k]) and not np.array_equal(view[k], start[k])  # trained
+            assert np.shares_memory(view[k], own[k]) and not np.shares_memory(copy[k], own[k])
+            with pytest.raises(ValueError, match="read-only"):
+                view[k][...] = 0.0
+
+
 @pytest.mark.parametrize("name", ["fedavg", "hist"])
 def test_fedprox_proximal_term(make_config, name):
     device, cohort = _pair(

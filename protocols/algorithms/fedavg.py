@@ -212,7 +212,7 @@ class FedAvgDevice(DeviceRole):
             weight_decay=self.p.weight_decay,
             **options,
         )
-        delta = P.sub(trainer.get_params(), task.tensors)
+        delta = P.sub(trainer.params_view(), task.tensors)  # read once: no copy where the trainer can
         out = self.codec.encode(delta, uplink_seed(ctx))
         out.meta.update({"weight": len(data), "loss": stats.loss, "steps": stats.steps})
         return out
