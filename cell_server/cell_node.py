@@ -195,7 +195,10 @@ class CellNode:
         self.telemetry.close()
 
     def _announce(self) -> None:
+        """Publish this cell online (retained) with its devices online; a cell serving a job (its cloud
+        session pinned) names that session, so a cloud of another job does not count it ready."""
         status = topics.status(self.run, topics.cell_node(self.cell))
+        job = {"session": self.cloud.pinned} if self.cloud.pinned is not None else {}
         self.transport.publish(
             status,
             encode_status(
@@ -204,6 +207,7 @@ class CellNode:
                 trust=self.trust,
                 devices_online=self.online.count(),
                 devices_total=len(self.devices),
+                **job,
             ),
             retain=True,
         )
@@ -228,6 +232,9 @@ class CellNode:
         record = decode_status(data, topic, self.trust) if device is not None else None
         if device is None or record is None:
             return
+        job = self.cloud.pinned
+        if job is not None and record["state"] == "online" and record.get("session", job) != job:
+            return  # an agent serving another job (e.g. a killed run's retained status): not online for this one
         change = self.liveness.heard(device, record, self.loop.now())
         if change.changed:
             self._announce()

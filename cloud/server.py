@@ -219,6 +219,8 @@ class CloudServer:
         cell, record = node[len("cell.") :], decode_status(data, topic, self.trust)
         if cell not in self.presence.ready or record is None:
             return
+        if record["state"] == "online" and record.get("session", self.session) != self.session:
+            return  # serving another job (e.g. the retained status of a killed run's cell): not ready for this one
         self.presence.heard(cell, record, self.loop.now())
         self._maybe_begin()
 

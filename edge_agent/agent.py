@@ -147,6 +147,8 @@ class DeviceAgent:
                 extra["samples"] = samples
             if self.instance is not None:
                 extra["instance"] = self.instance
+            if self.cloud is not None and self.cloud.pinned is not None:
+                extra["session"] = self.cloud.pinned  # the job it serves: a cell of another job does not count it
             record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)
             self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
         self.transport.publish(status, record, qos=qos, retain=True)

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from cell_server.node import STATUS_WAIT, build_cell
 from cloud.node import build_cloud
-from protocols.status import encode_status
+from edge_agent.node import build_agent
+from protocols.session import CloudSession
+from protocols.status import decode_status, encode_status
+from protocols.trainer import LocalData
 from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
 from protocols.wire.envelope import decode_message
@@ -105,3 +110,81 @@ def test_the_cloud_plans_a_cell_offline_for_less_than_a_cell_deadline(tmp_path: 
     hub.loop.call_later(20.0, lambda: status("c0", "offline"))
     hub.loop.run(until=lambda: cloud.finished)
     assert tasks == [("c0", 0), ("c1", 0), ("c0", 1), ("c1", 1), ("c1", 2)]
+
+
+def test_the_cloud_waits_for_cells_serving_its_own_job(tmp_path: Path) -> None:
+    """`fedtier run --resume` after the launcher was killed (-9): its broker kept the killed job's cells
+    retained 'online, every device online'. The resumed job's cloud (another job, another session) must not
+    take those for its own cells, or it sends the round before the cells serve the job and the round is lost
+    to the deadline. It starts once the cells announce its session: a pinned cell names it in its status."""
+    cfg = small_config(tmp_path, runtime={"startup_wait": 30.0})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cells = hub.connect("cells")
+    sent: list[float] = []
+    for c in ("c0", "c1"):
+        cells.subscribe(topics.cell_task(run, c), lambda t, data: sent.append(hub.loop.now()))
+
+    def status(cell: str, session: str) -> None:
+        topic = topics.status(run, topics.cell_node(cell))
+        record = encode_status("online", topic=topic, devices_online=3, devices_total=3, session=session)
+        cells.publish(topic, record, retain=True)
+
+    status("c0", "job-killed.hash")
+    status("c1", "job-killed.hash")
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=30.0, session="job-new.hash")
+    cloud.start()
+    hub.loop.call_later(4.0, lambda: (status("c0", "job-new.hash"), status("c1", "job-new.hash")))
+    hub.loop.run(until=lambda: len(sent) == 2)
+    assert 4.0 <= min(sent) < 30.0  # not at once on the stale statuses, nor only at the startup wait
+
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm)
+    cell.cloud.pin("job-new.hash")  # as cell_server.service does for the job it serves
+    seen: list[bytes] = []
+    watcher = hub.connect("watcher")
+    watcher.subscribe(topics.status(run, topics.cell_node("c0")), lambda t, data: seen.append(data))
+    hub.loop.run(until=lambda: len(seen) == 1)  # the status the test published for c0 (retained)
+    cell.start()
+    hub.loop.run(until=lambda: len(seen) == 2)
+    assert (decode_status(seen[-1]) or {}).get("session") == "job-new.hash"
+
+
+def test_a_cell_serving_a_job_counts_only_devices_serving_it(tmp_path: Path) -> None:
+    """The device side of the same resume: the killed run's agents' statuses are still retained 'online'.
+    A cell serving the resumed job must not plan them on those (it would send a task before the agent is
+    back and subscribed, and wait a whole device deadline for it); it counts a device once its agent
+    announces the job's session (long-lived agents pin it, and name it in every status)."""
+    cfg = small_config(tmp_path, runtime={"heartbeat": 0.0, "heartbeat_timeout": 0.0})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    devices = hub.connect("devices")
+
+    def status(device: str, session: str) -> None:
+        topic = topics.device_status(run, "c0", device)
+        devices.publish(
+            topic, encode_status("online", topic=topic, cell="c0", samples=10, session=session), retain=True
+        )
+
+    for d in DEVICES:
+        status(d, "job-killed.hash")
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
+    cell.cloud.pin("job-new.hash")
+    cell.start()
+    status("c0-d1", "job-new.hash")
+    hub.loop.run(until=lambda: cell.online.count() > 0)
+    hub.loop.run(until=lambda: hub.loop.now() > 1.0)
+    assert [d for d in DEVICES if cell.online[d]] == ["c0-d1"]
+
+    agent = build_agent(  # a long-lived agent of the job: its status names the job's session
+        cfg,
+        "c0-d0",
+        hub.connect("agent.c0-d0"),
+        algorithm,
+        LocalData(np.zeros((1, 64), np.float32), np.zeros(1, np.int64)),
+        None,
+        cloud=CloudSession(pinned="job-new.hash"),
+        caps={},
+    )
+    agent.start()
+    hub.loop.run(until=lambda: cell.online["c0-d0"])
+    assert [d for d in DEVICES if cell.online[d]] == ["c0-d0", "c0-d1"]
