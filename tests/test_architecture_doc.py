@@ -23,6 +23,7 @@ DOC = ROOT / "docs" / "ARCHITECTURE.md"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 PRODUCT = tuple(PYPROJECT["tool"]["importlinter"]["root_packages"])
 MAX_LINES = 250  # a map, not an atlas
+TOOLS = ("ruff", "lint-imports", "mypy", "mkdocs", "pytest")  # what .ci/run runs, by first word
 
 PATH = re.compile(r"[\w.*-]+(/[\w.*-]+)*/?")
 TEST = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
@@ -176,3 +177,14 @@ def test_it_names_every_plugin_group_and_is_a_short_page_in_the_site_and_the_rea
     nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
     assert "ARCHITECTURE.md" in str(nav), "docs/ARCHITECTURE.md is in the site's nav"
     assert "](docs/ARCHITECTURE.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_ci_runs_every_tool_the_invariants_table_names() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    table = text.split("## Invariants")[1].split("\n## ")[0]
+    checkers = [c.split("|")[2] for c in table.splitlines() if c.startswith("| ") and c.count("|") >= 3]
+    tools = {s for cell in checkers for s in spans(cell) if s.split()[0] in TOOLS or s.startswith("scripts/")}
+    assert {"lint-imports", "mypy", "scripts/check_sizes.py"} <= tools, tools
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    for tool in sorted(tools):
+        assert tool in ci, f"docs/ARCHITECTURE.md says .ci/run runs {tool}; it does not"
