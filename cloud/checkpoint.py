@@ -29,6 +29,29 @@ def repair_metrics(path: Path, next_round: int, record: dict[str, Any] | None) -
     os.replace(tmp, path)
 
 
+def repair_cell_records(path: Path, next_round: int) -> None:
+    """Drop from a cells' ``aggregation.jsonl`` the records of rounds a resumed cloud runs again: the cells
+    that wrote them into the cloud's own folder (``fedtier run``: in the cloud's process) died with it and run
+    those rounds again from their start, so the interrupted attempt's records would be counted twice."""
+    if not path.exists():
+        return
+
+    def rerun(line: str) -> bool:
+        try:
+            rnd = json.loads(line).get("round")
+        except (ValueError, AttributeError):
+            return False  # kept as it is: the readers report it
+        return isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= next_round
+
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if not rerun(line)]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 @dataclass(frozen=True)
 class Saved:
     """What a checkpoint (at ``path``) holds: the last round closed (-1: none yet), the session, the byte

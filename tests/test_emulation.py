@@ -157,12 +157,21 @@ def test_helpers() -> None:
 
 
 def test_run_resumes_after_a_stop(sim_model: bytes, tmp_path: Path) -> None:
-    """A `fedtier run` stopped after round 0 and resumed ends with the uninterrupted run's model."""
+    """A `fedtier run` stopped after round 0 and resumed ends with the uninterrupted run's model. A cell record
+    of round 1 that the stopped run had written (a Ctrl-C mid-round) is gone: its cells ran round 1 again, and
+    `fedtier logs`/`report` would count the round's first edge round twice."""
     first = load_config(QUICKSTART, [f"run.output={json.dumps(str(tmp_path))}", "run.rounds=1"])
     Emulation(first).run()
+    cell_records = tmp_path / runfiles.AGGREGATION
+    interrupted = {**json.loads(cell_records.read_text().splitlines()[0]), "round": 1, "time": 1.0}
+    with cell_records.open("a") as f:
+        f.write(json.dumps(interrupted) + "\n")
     resumed = Emulation(quickstart(tmp_path), resume=True).run()
     assert [r["round"] for r in resumed.history] == [1]
     assert (tmp_path / runfiles.FINAL_MODEL).read_bytes() == sim_model
+    kept = [json.loads(line) for line in cell_records.read_text().splitlines()]
+    keys = [(r["round"], r["edge_round"], r["cell"]) for r in kept]
+    assert len(keys) == len(set(keys)) and interrupted["time"] not in [r["time"] for r in kept]
 
 
 def test_run_is_a_local_federation_plus_one_job(tmp_path: Path) -> None:
