@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocols import runfiles
 from protocols.checkpoint import load_payload, save_payload
 from protocols.jsonl import read_jsonl
 from protocols.wire.payload import Payload
@@ -50,6 +51,13 @@ def repair_cell_records(path: Path, next_round: int) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def repair_records(metrics: Path, saved: Saved) -> None:
+    """Before a cloud resumed from ``saved`` opens its records: ``metrics`` ends with the saved round, and the
+    ``aggregation.jsonl`` beside it holds no record of a round the cloud runs again."""
+    repair_metrics(metrics, saved.round + 1, saved.record)
+    repair_cell_records(metrics.with_name(runfiles.AGGREGATION), saved.round + 1)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protocols import runfiles
 from protocols.algorithms.base import CloudRole
 from protocols.algorithms.outcome import Outcome
 from protocols.answers import Answers
@@ -28,7 +27,7 @@ from protocols.wire.messenger import Incoming, Messenger
 from protocols.wire.payload import Payload
 
 from .cell_records import CellRecordCollector
-from .checkpoint import CloudCheckpoint, Saved, repair_cell_records, repair_metrics
+from .checkpoint import CloudCheckpoint, Saved, repair_records
 from .parts import CellPresence, RoundCounts, drop_non_finite, report_refusal
 from .telemetry import CloudTelemetry
 
@@ -97,8 +96,7 @@ class CloudServer:
         self.checkpoint = CloudCheckpoint(Path(checkpoint_path)) if checkpoint_path else None
         saved = self.checkpoint.load() if resume and self.checkpoint is not None else None
         if saved is not None and metrics_path is not None:  # before the records file opens
-            repair_metrics(Path(metrics_path), saved.round + 1, saved.record)
-            repair_cell_records(Path(metrics_path).with_name(runfiles.AGGREGATION), saved.round + 1)
+            repair_records(Path(metrics_path), saved)
         self.telemetry = CloudTelemetry(transport, run, trust, metrics_path, max_record_bytes)
         self.messenger = Messenger(
             transport, run, "cloud", trust=trust, max_payload=max_message_bytes, on_reject=self.telemetry.on_reject
