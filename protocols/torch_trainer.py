@@ -89,6 +89,7 @@ class TorchTrainer(Trainer):
         self._named = list(self.model.named_parameters())  # listed once: a tiny model pays per call
         self._params = [p for _, p in self._named]
         self._x_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._eval_cache: tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor] | None = None
         self._others: dict[Any, TorchTrainer] = {}
 
     @classmethod
@@ -128,15 +129,30 @@ class TorchTrainer(Trainer):
     @torch.no_grad()
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
         self.model.eval()
-        total_loss, correct = 0.0, 0
+        xs, ys = self._eval_tensors(x, y)
+        losses, hits = [], []
         for start in range(0, len(y), batch_size):
-            xt = as_tensor(x[start : start + batch_size], np.float32, self.device)
-            yt = as_tensor(y[start : start + batch_size], np.int64, self.device)
-            out = self.model(xt)
-            total_loss += float(F.cross_entropy(out, yt, reduction="sum"))
-            correct += int((out.argmax(1) == yt).sum())
+            out = self.model(xs[start : start + batch_size])
+            yt = ys[start : start + batch_size]
+            losses.append(F.cross_entropy(out, yt, reduction="sum"))
+            hits.append((out.argmax(1) == yt).sum())
+        # one transfer from the device; the chunks' sums added in order, in float64, as one by one
+        total_loss = sum(torch.stack(losses).tolist()) if losses else 0.0
+        correct = int(torch.stack(hits).sum()) if hits else 0
         n = max(1, len(y))
         return total_loss / n, correct / n
+
+    def _eval_tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` and ``y`` on the trainer's device; the last set evaluated stays there (the cloud evaluates
+        the same held-out set every round: on a GPU it is uploaded once, not every round). Keyed by the
+        arrays themselves (held, so their ids cannot be reused); on the CPU no copy is kept (a tensor of a
+        writable float32 array is a view of it)."""
+        cached = self._eval_cache
+        if cached is not None and cached[0] is x and cached[1] is y:
+            return cached[2], cached[3]
+        xt, yt = as_tensor(x, np.float32, self.device), as_tensor(y, np.int64, self.device)
+        self._eval_cache = (x, y, xt, yt)
+        return xt, yt
 
     def loss_and_grad(self, x: np.ndarray, y: np.ndarray) -> tuple[float, OrderedDict[str, np.ndarray]]:
         self.model.train()

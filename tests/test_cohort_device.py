@@ -216,3 +216,36 @@ def test_auto_puts_a_large_cohort_on_the_gpu(caplog) -> None:
     engine = CohortEngine("auto")
     engine.run(reqs)
     assert engine.device.type == "cuda" and "chose cuda" in caplog.text
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_evaluation_keeps_its_held_out_set_on_the_device_and_each_set_its_own_result(device: str) -> None:
+    """The cloud's evaluation (``TorchTrainer.evaluate``) keeps the last set it evaluated on the trainer's
+    device (uploaded once, not every round) and gives exactly the chunk-by-chunk result; a different set, even
+    one the same size, is evaluated afresh (the cache is keyed by the arrays, not their ids or sizes)."""
+    import torch.nn.functional as F
+
+    from protocols.torch_trainer import TorchTrainer
+
+    trainer = TorchTrainer.from_spec("mlp", (12,), 4, device, hidden=(8,))
+    g = np.random.default_rng(0)
+    sets = [(g.normal(size=(50, 12)).astype(np.float32), g.integers(0, 4, 50)) for _ in range(2)]
+
+    def by_chunks(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:  # the evaluation before the cache
+        total, correct = 0.0, 0
+        with torch.no_grad():
+            for start in range(0, len(y), 16):
+                xt = torch.from_numpy(x[start : start + 16]).to(trainer.device)
+                yt = torch.from_numpy(y[start : start + 16]).to(trainer.device)
+                out = trainer.model(xt)
+                total += float(F.cross_entropy(out, yt, reduction="sum"))
+                correct += int((out.argmax(1) == yt).sum())
+        return total / len(y), correct / len(y)
+
+    expected = [by_chunks(x, y) for x, y in sets]
+    assert expected[0] != expected[1]
+    for x, y in [*sets, *sets]:
+        assert trainer.evaluate(x, y, batch_size=16) == expected[[s[0] is x for s in sets].index(True)]
+        assert trainer._eval_cache is not None and trainer._eval_cache[2].device.type == trainer.device.type
+    held = trainer._eval_cache[2]
+    assert trainer.evaluate(*sets[1], batch_size=16) == expected[1] and trainer._eval_cache[2] is held  # kept
