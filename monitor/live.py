@@ -32,9 +32,8 @@ class LiveView:
         self.state.add_all(records, bad, received=time.time() if live else None)  # a folder: the records' time
         for node, s in statuses:
             self.state.add_status(node, s, time.time())
-        if isinstance(feed, TelemetryFeed):
-            for current in feed.poll_states():
-                self.state.add_state(current)
+        for current in feed.poll_states():  # a folder: the end summary.json says
+            self.state.add_state(current)
 
     def follow(
         self, feed: RunDirFollower | TelemetryFeed, once: bool, wait: float, refresh: float, exit_when_done: bool

@@ -6,6 +6,7 @@ Both are polled from the caller's thread: ``poll()`` returns what arrived since 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -103,6 +104,24 @@ class RunDirFollower:
     @property
     def restarts(self) -> int:
         return sum(t.restarts for t in self._tails)
+
+    def poll_states(self) -> list[dict]:
+        """The cloud's end as its retained state would say it (``protocols.state``), from ``summary.json``:
+        ``finished``, ``stopped`` or ``failed`` with the reason; none while the run goes on (no summary yet,
+        or an earlier attempt's, older than the records of a resumed run)."""
+        summary, metrics = self.run_dir / runfiles.SUMMARY, self.run_dir / runfiles.METRICS
+        try:
+            written = summary.stat().st_mtime
+            if metrics.exists() and metrics.stat().st_mtime > written:
+                return []
+            data = json.loads(summary.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return []
+        phase = data.get("status") if isinstance(data, dict) else None
+        if phase not in ("finished", "stopped", "failed"):
+            return []
+        reason = data.get(phase)
+        return [{"node": "cloud", "phase": phase, "since": written, **({"reason": reason} if reason else {})}]
 
 
 def check_topic(record: Record, topic: str, run: str) -> None:

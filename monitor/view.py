@@ -232,7 +232,9 @@ def cloud_line(state: MonitorState, now: float) -> Text:
     text.append(f"bytes {human_bytes(sum(c.cumulative_bytes.values()))}  ")
     text.append(f"last {_ago(now, state.cloud_seen)}")
     if state.finished:
-        text.append("  finished", style="bold green")
+        phase = str(state.states.get("cloud", {}).get("phase"))  # a failed job ended too: say how
+        styles = {"failed": "bold red", "stopped": "bold yellow"}
+        text.append(f"  {phase if phase in styles else 'finished'}", style=styles.get(phase, "bold green"))
     return text
 
 

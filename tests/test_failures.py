@@ -291,3 +291,6 @@ def test_fedtier_sim_exits_non_zero_when_the_job_fails(tmp_path: Path) -> None:
     assert "job failed: the global model diverged at round" in said
     summary = json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())
     assert summary["status"] == "failed" and summary["failed"].startswith("the global model diverged at round")
+    # `fedtier monitor` on the folder says the job ended, failed (not a run still going, whose cells fall silent)
+    shown = " ".join(CliRunner().invoke(main, ["monitor", str(tmp_path / "out"), "--once"]).output.split())
+    assert "now failed: the global model diverged at round" in shown and "finished" not in shown, shown
