@@ -6,7 +6,16 @@ import click
 
 from .cli import CONFIG, SET, VERBOSE, main
 from .cmd_keys import keys_option
-from .console import JOB_FAILED, console, exit_if_failed, load_or_exit, print_summary, round_progress, setup_logging
+from .console import (
+    JOB_FAILED,
+    console,
+    exit_if_failed,
+    interruptible,
+    load_or_exit,
+    print_summary,
+    round_progress,
+    setup_logging,
+)
 from .metrics import linger, metrics_options, port_override, serve_metrics
 
 
@@ -72,7 +81,8 @@ def run(
 ) -> None:
     """Emulate CONFIG on this machine over MQTT: the cloud and cells in this process, the device agents
     in worker processes, each device with its own broker connection. Same final model as `fedtier sim`
-    (with the cohort engine: within float tolerance)."""
+    (with the cohort engine: within float tolerance). Ctrl-C or SIGTERM stops it cleanly (exit 130); --resume
+    continues it from its last round."""
     from protocols.config import ConfigError
     from protocols.jsonl import StorageError
     from protocols.wire import chunking
@@ -83,7 +93,7 @@ def run(
     cfg = load_or_exit(config, overrides + engine_flag + port_override(metrics_port))
     exporter = serve_metrics(cfg)
     try:
-        with round_progress(cfg, not no_progress) as on_round:
+        with interruptible(), round_progress(cfg, not no_progress) as on_round:
             emulation = Emulation(
                 cfg,
                 broker_url=broker_url,

@@ -106,6 +106,29 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise click.exceptions.Exit(code)
 
 
+INTERRUPTED = 130
+"""Exit status of ``fedtier run`` stopped by Ctrl-C or SIGTERM (its checkpoint kept: ``--resume`` continues it)."""
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C and SIGTERM stop the block alike (its ``finally`` clauses stop the workers and brokers), then
+    the command says so and how to continue, and exits with :data:`INTERRUPTED`."""
+    import signal
+
+    def on_sigterm(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except KeyboardInterrupt:
+        console.print("[bold yellow]interrupted:[/] the same command with --resume continues from the last round")
+        raise SystemExit(INTERRUPTED) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 JOB_FAILED = 3
 """Exit status of a one-shot command (``fedtier run|sim|cloud``) whose job failed (1: an error before it ran,
 2: a bad config)."""

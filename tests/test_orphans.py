@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from fedtier.console import INTERRUPTED
 from protocols import procs
 from protocols.transport.broker import find_mosquitto
 from tests.conftest import small_config, wait_until
@@ -50,11 +52,9 @@ def alive(pid: int) -> bool:
     return st is not None and st[0] not in ("Z", "X")  # a zombie is dead, waiting to be reaped
 
 
-@linux_only
-def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
-    """``fedtier run`` with 2 agent workers (and its own Mosquitto where installed) is killed with
-    SIGKILL mid-run (once a cell has aggregated: the workers are past their start-up): within a few
-    seconds none of its descendants is alive."""
+def _start_run(tmp_path: Path) -> subprocess.Popen:
+    """``fedtier run`` with 2 agent workers (and its own Mosquitto where installed), once a cell has
+    aggregated (the workers are past their start-up)."""
     cfg = small_config(tmp_path, run={"rounds": 500}, runtime={"device_deadline": 60.0})
     config = tmp_path / "run.toml"
     config.write_text(cfg.to_toml())
@@ -63,21 +63,50 @@ def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
         stdout=open(tmp_path / "run.log", "wb"),
         stderr=-2,
     )
+
+    def started() -> bool:
+        kids = descendants(run.pid)
+        workers = [p for p, cmd in kids.items() if "multiprocessing" in cmd and "spawn_main" in cmd]
+        broker = [p for p, cmd in kids.items() if "mosquitto" in cmd] if find_mosquitto() else [0]
+        log = tmp_path / "run" / "aggregation.jsonl"  # a record: the agents are up and training
+        return len(workers) == 2 and bool(broker) and log.exists() and log.stat().st_size > 0
+
+    if not wait_until(started, 240):
+        run.kill()
+        run.wait()
+        raise AssertionError((tmp_path / "run.log").read_text()[-3000:])
+    return run
+
+
+@linux_only
+def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
+    """``fedtier run`` is killed with SIGKILL mid-run: within a few seconds none of its descendants is alive."""
+    run = _start_run(tmp_path)
     try:
-
-        def started() -> bool:
-            kids = descendants(run.pid)
-            workers = [p for p, cmd in kids.items() if "multiprocessing" in cmd and "spawn_main" in cmd]
-            broker = [p for p, cmd in kids.items() if "mosquitto" in cmd] if find_mosquitto() else [0]
-            log = tmp_path / "run" / "aggregation.jsonl"  # a record: the agents are up and training
-            return len(workers) == 2 and bool(broker) and log.exists() and log.stat().st_size > 0
-
-        assert wait_until(started, 240), (tmp_path / "run.log").read_text()[-3000:]
         kids = descendants(run.pid)
         run.send_signal(signal.SIGKILL)
         run.wait(10)
         left = lambda: {p: cmd for p, cmd in kids.items() if alive(p)}  # noqa: E731
         assert wait_until(lambda: not left(), 10), f"still running after their parent was killed: {left()}"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
+
+@linux_only
+def test_a_terminated_fedtier_run_stops_as_on_ctrl_c_and_says_how_to_resume(tmp_path: Path) -> None:
+    """SIGTERM (``kill``, ``timeout``) stops ``fedtier run`` as Ctrl-C does: its workers and broker are
+    stopped (not left to die with it), and it says it was interrupted and how to continue, exit 130 (it
+    died at once, 143, with the semaphores of its worker queue leaked)."""
+    run = _start_run(tmp_path)
+    try:
+        kids = descendants(run.pid)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(60) == INTERRUPTED
+        said = " ".join((tmp_path / "run.log").read_text().split())
+        assert "interrupted:" in said and "the same command with --resume continues" in said, said[-2000:]
+        assert "leaked" not in said and not {p for p in kids if alive(p)}
     finally:
         if run.poll() is None:
             run.kill()
