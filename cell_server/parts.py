@@ -107,6 +107,7 @@ class RoundTally:
     diverged: set[str] = field(default_factory=set)  # whose training diverged in some edge round
     failed: dict[str, str] = field(default_factory=dict)  # whose task failed in some edge round, why
     unmet: dict[str, str] = field(default_factory=dict)  # left out for the job's requirements, why
+    late: set[str] = field(default_factory=set)  # tasked, and silent past the device deadline of an edge round
 
     def add(
         self,
@@ -137,3 +138,5 @@ class RoundTally:
         unmet = {d: why for d, why in self.unmet.items() if d not in self.devices}
         if unmet:  # a job no device can serve fails with why
             meta["unmet"] = count_reasons(unmet)
+        if late := len(self.late - self.devices):  # a job whose devices never make the deadline fails with why
+            meta["late"] = late

@@ -443,6 +443,7 @@ class CellServer(CellNode):
         results = dict(sorted(self.answers.received.items()))
         for d in self.answers.pending:
             self.edge.absent[d] = "deadline"
+            self.tally.late.add(d)
         self.answers.close()
         if self.secagg is not None:  # masked results: unmask the sum first (it calls _aggregate)
             self.secagg.unmask(results, why)

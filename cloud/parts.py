@@ -39,6 +39,7 @@ class RoundCounts:
     failed: dict[str, int] = field(default_factory=dict)  # cell -> devices whose task failed in every one
     failures: dict[str, int] = field(default_factory=dict)  # reason -> devices whose task failed, over the cells
     unmet: dict[str, int] = field(default_factory=dict)  # reason -> devices left out for the job's requirements
+    late: int = 0  # devices tasked that answered no edge round in time, over the cells
     cells_failed: dict[str, str] = field(default_factory=dict)  # cell -> why it failed (fail_on_cell_failure off)
 
     def count(self, cell: str, nbytes: int, meta: dict[str, Any]) -> int:
@@ -55,6 +56,7 @@ class RoundCounts:
             self.failed[cell] = failed
         merge_counts(self.failures, meta.get("failures"))
         merge_counts(self.unmet, meta.get("unmet"))
+        self.late += _positive_int(meta.get("late", 0))
         devices = meta.get("devices", 0)
         return int(devices) if isinstance(devices, int) and devices >= 0 else 0
 

@@ -435,6 +435,7 @@ class CloudServer:
             self.counts.failures,
             sum(self.counts.diverged.values()),
             self.counts.unmet,
+            self.counts.late,
         )
         if why is not None:
             self._fail_request = self._fail_request or why

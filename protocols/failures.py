@@ -81,8 +81,9 @@ class StallWatch:
     """Counts the cloud rounds in a row that made no progress; past ``max_rounds`` of them the job fails.
 
     A round makes no progress when fewer than ``min_cells`` cells reported (no cell at all, by default), or
-    when devices answered and every one failed its task or diverged (nothing aggregated anywhere). A round
-    whose devices were merely absent is not a stall: participation may leave a round empty."""
+    when devices answered and every one failed its task or diverged, or every device tasked missed the device
+    deadline (nothing aggregated anywhere). A round whose devices were merely absent (not planned: offline,
+    not drawn) is not a stall: participation may leave a round empty."""
 
     max_rounds: int = 3
     min_cells: int = 1
@@ -98,10 +99,11 @@ class StallWatch:
         failed: Mapping[str, int],
         diverged: int,
         unmet: Mapping[str, int] | None = None,
+        late: int = 0,
     ) -> str | None:
         """Count round ``rnd`` (cells that reported, cells of the job, devices aggregated, failed devices per
-        reason, diverged devices, devices left out per unmet requirement); the reason the job fails, once it
-        stalled ``max_rounds`` rounds in a row."""
+        reason, diverged devices, devices left out per unmet requirement, devices tasked that never answered
+        in time); the reason the job fails, once it stalled ``max_rounds`` rounds in a row."""
         needed = min(self.min_cells, cells)
         why = None
         if reported < needed:
@@ -109,6 +111,8 @@ class StallWatch:
         elif aggregated == 0 and (failed or diverged):
             parts = [f"{n} failed: {r}" for r, n in failed.items()] + ([f"{diverged} diverged"] if diverged else [])
             why = "every device that answered failed or diverged (" + "; ".join(parts) + ")"
+        elif aggregated == 0 and late:  # e.g. a device deadline shorter than the devices' training
+            why = f"no device answered within the device deadline ({late} tasked, every one late)"
         elif aggregated == 0 and unmet:  # nobody could take part: the job asks what no device has
             why = "no device meets the job's requirements (" + "; ".join(f"{n}: {r}" for r, n in unmet.items()) + ")"
         if why is None:

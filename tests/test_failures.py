@@ -103,6 +103,22 @@ def test_agents_failing_every_task_fail_the_job_with_the_reasons_counted(tmp_pat
     assert summary["status"] == "failed" and summary["failed"] == result.failed
 
 
+def test_devices_that_never_make_the_deadline_fail_the_job(tmp_path: Path) -> None:
+    """Training takes 10 s on every device (the virtual clock: 10 steps at 1 step/s) and the device deadline
+    is 5 s: every edge round closes on its deadline with nothing to aggregate. After ``max_stalled_rounds``
+    such rounds the job fails and says why (it "finished" every round at the initial model's accuracy,
+    exit 0, as `fedtier run --set runtime.device_deadline=0.01` did); a round with one device in time goes on."""
+    cfg = small_config(tmp_path, run={"rounds": 6}, clock={"device_steps_per_s": 1.0})
+    result = SimHierarchy(cfg).run()
+    assert result.status == "failed" and [r["round"] for r in result.history] == [0, 1, 2]
+    assert result.failed == "no device answered within the device deadline (6 tasked, every one late) in rounds 0-2"
+    assert all(r["closed_by"] == "deadline" and not r["answered"] for r in result.cell_records)
+    one_in_time = small_config(tmp_path / "b", run={"rounds": 4}, clock={"device_steps_per_s": 1.0})
+    sim = SimHierarchy(one_in_time)
+    sim.agents["c0-d0"].compute_delay = lambda device, payload: 0.0  # this one trains in no time
+    assert sim.run().status == "finished"
+
+
 def test_a_job_with_some_failing_devices_goes_on(tmp_path: Path) -> None:
     cfg = small_config(tmp_path, run={"rounds": 4}, runtime={"max_stalled_rounds": 1})
     sim = SimHierarchy(cfg, write_output=False)
