@@ -85,6 +85,17 @@ class CellPresence:
         gone = self.offline_since.get(cell)
         return None if self.online[cell] or gone is None else now - gone
 
+    def plannable(self, cell: str, now: float, deadline: float, rnd: int) -> bool:
+        """Online, or offline for less than ``deadline``: a cell that just died is likely restarting, and its
+        persistent session keeps the task for it (a cell gone for good delays one round, to the deadline)."""
+        if self.online[cell]:
+            return True
+        away = self.offline_for(cell, now)
+        if away is None or away >= deadline:
+            return False
+        log.info("cloud: round %d plans %s, offline for %.1f s: its session keeps the task", rnd, cell, away)
+        return True
+
 
 def report_refusal(
     cell: str, msg: Incoming, session: str | None, bounds: Mapping[str, float] | None

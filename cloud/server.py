@@ -110,11 +110,11 @@ class CloudServer:
         self._fail_request: str | None = None  # a failure found while recording a round: fail after it
         self.stall = StallWatch(max_stalled_rounds, min_cells)
         self.failure_observers: list[Callable[[str], None]] = []  # get the reason the job failed
-        self.cumulative = {t: 0 for t in TIERS}
-        self.presence = CellPresence(self.cells)
+        self.cumulative, self.presence = {t: 0 for t in TIERS}, CellPresence(self.cells)
         self._timer: TimerHandle | None = None
         self._in_round, self.answers, self.counts = False, Answers("cell"), RoundCounts()
         self.planned: list[str] = []
+        self._awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
         self._early: dict[str, tuple[str, Any]] = {}  # cell -> its report of ``round``, come before the round
         self.resumed = saved is not None
         if saved is not None:
@@ -222,6 +222,10 @@ class CloudServer:
         if record["state"] == "online" and record.get("session", self.session) != self.session:
             return  # serving another job (e.g. the retained status of a killed run's cell): not ready for this one
         self.presence.heard(cell, record, self.loop.now())
+        if self._awaiting_cells and self._in_round and self.presence.online[cell]:
+            log.info("cloud: %s came online: round %d planned again", cell, self.round)
+            self.loop.cancel(self._timer)
+            self._begin_round()
         self._maybe_begin()
 
     def _maybe_begin(self) -> None:
@@ -244,24 +248,23 @@ class CloudServer:
             self._take_report(topic, msg)
         if not self._in_round or self.round != r:  # every cell had reported already
             return
-        if not self.planned:
+        # nobody planned: a round no cell may join closes at once; one whose cells are all away (a cloud
+        # up before its cells) waits up to the deadline for one to come online (_on_status plans it)
+        self._awaiting_cells = not self.planned and self.counts.expected > 0 and self.startup_wait > 0
+        if not self.planned and not self._awaiting_cells:
             self.loop.post(self._guard(lambda: self._close(r, "no cells"), "round close"))
         else:
+            why = "deadline" if self.planned else "no cells"
             self._timer = self.loop.call_later(
-                self.cell_deadline, self._guard(lambda: self._close(r, "deadline"), "round deadline")
+                self.cell_deadline, self._guard(lambda: self._close(r, why), "round deadline")
             )
 
     def _plannable(self, cell: str) -> bool:
-        """Online (or no startup wait), or offline for less than ``cell_deadline``: a cell that just died
-        is likely restarting, and its persistent session keeps the task for it (a cell gone for good
-        delays one round, to the deadline)."""
-        if self.presence.online[cell] or self.startup_wait <= 0:
+        """Online (or no startup wait), or offline for less than ``cell_deadline`` (see
+        :meth:`CellPresence.plannable`)."""
+        if self.startup_wait <= 0:
             return True
-        away = self.presence.offline_for(cell, self.loop.now())
-        if away is None or away >= self.cell_deadline:
-            return False
-        log.info("cloud: round %d plans %s, offline for %.1f s: its session keeps the task", self.round, cell, away)
-        return True
+        return self.presence.plannable(cell, self.loop.now(), self.cell_deadline, self.round)
 
     def _send_tasks(self, candidates: list[str]) -> None:
         """Start counting the next round record; plan the ``candidates`` that may take part; send their tasks."""

@@ -112,6 +112,38 @@ def test_the_cloud_plans_a_cell_offline_for_less_than_a_cell_deadline(tmp_path: 
     assert tasks == [("c0", 0), ("c1", 0), ("c0", 1), ("c1", 1), ("c1", 2)]
 
 
+def test_a_cloud_up_before_its_cells_waits_a_cell_deadline_for_them_not_milliseconds(tmp_path: Path) -> None:
+    """A deployed cloud started before its cells: after ``startup_wait`` (5 s) no cell is online. Round 0 used
+    to close at once with no cells, and the job failed after ``max_stalled_rounds`` empty rounds within
+    milliseconds. Now the round waits up to its cell deadline (30 s) for a cell to come online: c0 arrives at
+    12 s and gets round 0's task then, c1 at 14 s joins from round 1; no round closes empty, the job goes on."""
+    cfg = small_config(tmp_path, runtime={"cell_deadline": 30.0, "startup_wait": 5.0, "max_stalled_rounds": 2})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=cfg.runtime.startup_wait)
+    cells = hub.connect("cells")
+    tasks: list[tuple[str, int, float]] = []
+    for c in ("c0", "c1"):
+        cells.subscribe(
+            topics.cell_task(run, c),
+            lambda t, data, c=c: tasks.append((c, decode_message(data)[0].round, hub.loop.now())),
+        )
+
+    def status(cell: str) -> None:
+        topic = topics.status(run, topics.cell_node(cell))
+        cells.publish(topic, encode_status("online", topic=topic, devices_online=3, devices_total=3), retain=True)
+
+    cloud.start()
+    hub.loop.call_later(12.0, lambda: status("c0"))
+    hub.loop.call_later(14.0, lambda: status("c1"))
+    hub.loop.run(until=lambda: cloud.finished or len(tasks) >= 3)
+    assert not cloud.failed, cloud.failed
+    assert [(c, r) for c, r, _ in tasks[:3]] == [("c0", 0), ("c0", 1), ("c1", 1)]
+    assert tasks[0][2] == 12.0  # sent the moment c0 came online, inside round 0's deadline
+    first = cloud.history[0]  # c0 was planned (and, with no devices here, closed by the deadline)
+    assert (first["cells_planned"], first["clock_start_s"], first["closed_by"]) == (["c0"], 12.0, "deadline")
+
+
 def test_the_cloud_waits_for_cells_serving_its_own_job(tmp_path: Path) -> None:
     """`fedtier run --resume` after the launcher was killed (-9): its broker kept the killed job's cells
     retained 'online, every device online'. The resumed job's cloud (another job, another session) must not
