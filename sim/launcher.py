@@ -24,6 +24,7 @@ from protocols.bounds import CellBounds
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan
+from protocols.heap import keep_freed_memory
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
@@ -282,6 +283,7 @@ def run_simulation(
     """Run ``cfg`` in memory and return the result; writes the run files unless ``write_output`` is off.
     Simulated devices have this machine's capabilities: a job whose ``[requirements]`` they miss is refused."""
     check_requirements(cfg)
+    keep_freed_memory()  # every round frames a model-sized task per device: reuse the memory, not re-fault it
     return SimHierarchy(cfg, on_round=on_round, write_output=write_output, resume=resume).run()
 
 
