@@ -60,6 +60,22 @@ class JobError(ConfigError):
 
 
 # ------------------------------------------------------------------------------------------------ jobs
+def check_plugins(data: dict[str, Any], bundle: RunConfig, what: str) -> None:
+    """A job's ``run.plugins`` are modules every node imports while it reads the job: a node imports only those
+    its own bundle lists (``run.plugins`` in its config.toml), so whoever signs jobs cannot make it import
+    any other installed module. Checked before the job's config is parsed (parsing imports them)."""
+    run = data.get("run")
+    wanted = run.get("plugins", []) if isinstance(run, dict) else []
+    if not isinstance(wanted, list):
+        raise JobError(f"{what}: run.plugins must be a list of module names")
+    extra = [m for m in wanted if m not in bundle.run.plugins]
+    if extra:
+        raise JobError(
+            f"{what} imports run.plugins {extra} this node does not allow: list them in run.plugins of its "
+            f"config.toml (allowed now: {list(bundle.run.plugins) or 'none'})"
+        )
+
+
 def check_job_id(job: Any) -> str:
     """A job id goes into topics and folder names: 1-40 safe characters."""
     if not isinstance(job, str) or len(job) > MAX_JOB_ID:
@@ -137,6 +153,7 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
         )
     run.pop("output", None)
     run["name"] = federation.run.name
+    check_plugins(data, federation, "the job")
     data["topology"] = federation.topology.model_dump(mode="json")
     try:
         cfg = parse_config(data)
@@ -208,7 +225,11 @@ class CurrentJob:
         if config_hash(self.config) != self.digest:
             raise JobError(f"job {self.job}: the config does not match its hash")
         try:
-            cfg = parse_config(tomllib.loads(self.config))
+            data = tomllib.loads(self.config)
+            check_plugins(data, bundle, f"job {self.job}")
+            cfg = parse_config(data)
+        except JobError:
+            raise
         except (ConfigError, tomllib.TOMLDecodeError) as exc:
             raise JobError(f"job {self.job}: {exc}") from None
         if cfg.run.name != bundle.run.name:

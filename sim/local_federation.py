@@ -43,10 +43,11 @@ STOP_TIMEOUT = 30.0
 
 def federation_bundle(cfg: RunConfig) -> RunConfig:
     """The federation of ``cfg`` as its nodes' bundles hold it: its name, run folder, topology and the
-    node-local sections (broker, keys, monitoring); no training config (the job brings it)."""
+    node-local sections (broker, keys, monitoring) and the run's plugins (a node imports no other); no training
+    config (the job brings it)."""
     bundle = parse_config(
         {
-            "run": {"name": cfg.run.name, "output": str(cfg.output_dir())},
+            "run": {"name": cfg.run.name, "output": str(cfg.output_dir()), "plugins": list(cfg.run.plugins)},
             "topology": cfg.topology.model_dump(mode="json", exclude_none=True),
         }
     )

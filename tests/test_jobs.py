@@ -267,3 +267,34 @@ def test_init_from_is_refused_for_devices_that_keep_a_replica_of_the_initial_mod
     with pytest.raises(JobError, match="keep a model replica"):
         service._submit("c", {"config": '[algorithm]\nname = "decomfl"\n', "init_from": "a"})
     assert [j.job for j in queue.jobs.values()] == ["a", "b"]
+
+
+def test_a_job_imports_only_the_plugins_its_nodes_allow(tmp_path: Path) -> None:
+    """``run.plugins`` are modules a node imports while it reads the job: whoever signs jobs must not make a
+    node import any installed module. The cloud refuses such a job at submit, and a node refuses a published
+    one, before importing anything; a module the node's bundle lists is taken."""
+    import sys
+
+    job = JOB.replace("rounds = 2", 'rounds = 2\nplugins = ["this"]')  # the stdlib's Zen: prints on import
+    sys.modules.pop("this", None)
+    with pytest.raises(JobError, match=r"run.plugins \['this'\] this node does not allow"):
+        canonical_job(read_job_text(tmp_path, job), federation(tmp_path))
+    allowing = small_config(tmp_path, run={"name": "fed", "plugins": ["json"]})
+    with pytest.raises(JobError, match=r"allowed now: \['json'\]"):
+        canonical_job(read_job_text(tmp_path, job), allowing)
+    # a node handed such a job (a lying or compromised signer) refuses it the same way
+    cfg, _ = canonical_job(
+        read_job_text(tmp_path, JOB.replace("rounds = 2", 'rounds = 2\nplugins = ["json"]')), allowing
+    )
+    text = cfg.to_toml(exclude=("broker", "security", "monitoring")).replace('"json"', '"this"')
+    current = CurrentJob("a1", text, config_hash(text))
+    with pytest.raises(JobError, match=r"job a1 imports run.plugins \['this'\]"):
+        current.run_config(allowing)
+    assert "this" not in sys.modules
+    ok = cfg.to_toml(exclude=("broker", "security", "monitoring"))
+    assert CurrentJob("a1", ok, config_hash(ok)).run_config(allowing).run.plugins == ["json"]
+
+
+def read_job_text(tmp_path: Path, text: str) -> str:
+    (tmp_path / "job.toml").write_text(text)
+    return read_job_file(tmp_path / "job.toml").config

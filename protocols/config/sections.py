@@ -34,7 +34,8 @@ class RunSection(Section):
         description="modules every process of the run imports before it validates names (the CLI, simulation "
         "workers, agents): each registers the algorithms, models or datasets it adds; installed packages "
         "declaring fedtier.algorithms / fedtier.models / fedtier.datasets entry points load without this. "
-        "Every node must have them installed",
+        "Every node must have them installed; in a federation a node's own config.toml lists those its jobs may "
+        "name (a job naming another is refused)",
     )
 
     @model_validator(mode="after")
