@@ -110,7 +110,7 @@ class Emulation:
             raise ConfigError("--workers must be >= 1")
         if cfg.attack.kind != "none" and cfg.attack.fraction > 0:
             raise ConfigError("attack: Byzantine devices are a fedtier sim option (sim/attack.py), not fedtier run")
-        cfg = with_run_keys(cfg, cfg.output_dir())  # [security] keys naming a missing file: fresh ones
+        cfg = with_run_keys(cfg, cfg.output_dir(), resume)  # [security] keys naming a missing file: fresh ones
         self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
         n = len(cfg.topology.all_devices())
         self.workers = n if process_per_agent else workers or agent_workers(n)

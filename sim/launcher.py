@@ -153,7 +153,7 @@ class SimHierarchy:
             )
         self.t0 = time.perf_counter()
         if write_output:  # [security] keys naming a missing file: fresh keys in the run folder
-            cfg = with_run_keys(cfg, cfg.output_dir())
+            cfg = with_run_keys(cfg, cfg.output_dir(), resume)
         self.cfg = cfg
         loop = VirtualLoop()
         remote = start_workers(cfg, loop)  # runtime.sim_workers build their devices while we build ours

@@ -158,6 +158,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"plain": plain, "signed": signed, "keys": Path(signed.config.security.keys)}
 
 
+def test_a_resumed_run_keeps_the_keys_it_generated(tmp_path: Path) -> None:
+    """`--keys FILE` naming a missing file makes fresh keys in the run folder; `--resume` keeps them (it made
+    new ones, and the nodes' records the broker had retained of the interrupted run, signed with the old
+    keys, were each rejected as a bad signature, a warning per node, as if forged)."""
+    cfg = small_config(tmp_path, run={"rounds": 1}, security={"keys": str(tmp_path / "absent.toml")})
+    first = run_simulation(cfg)
+    generated = Path(first.config.security.keys)
+    before = generated.read_bytes()
+    longer = cfg.model_copy(update={"run": cfg.run.model_copy(update={"rounds": 2})})
+    resumed = SimHierarchy(longer, resume=True).run()
+    assert Path(resumed.config.security.keys) == generated and generated.read_bytes() == before
+    assert [r["round"] for r in resumed.history] == [1] and all(not r["rejected"] for r in resumed.cell_records)
+
+
 def test_signed_sim_is_bit_identical_to_unsigned(runs: dict) -> None:
     plain, signed = runs["plain"], runs["signed"]
     assert runs["keys"] == (signed.output_dir / "keys.toml").resolve() and runs["keys"].exists()

@@ -305,13 +305,17 @@ def load_public_keys(path: str | Path) -> PublicKeys:
     return PublicKeys(public)
 
 
-def with_run_keys(cfg: RunConfig, out: Path) -> RunConfig:
+def with_run_keys(cfg: RunConfig, out: Path, resume: bool = False) -> RunConfig:
     """``cfg`` with usable keys for a one-machine run (``fedtier sim`` / ``run``): when the configured
     keys file does not exist, fresh keys for the whole topology go to ``out/keys.toml`` and the returned
-    config points there (absolute path). Unchanged without ``[security] keys`` or when the file exists."""
+    config points there (absolute path); a ``resume`` keeps the ones it generated there before (its nodes'
+    identities do not change, and what the broker retained of them still verifies). Unchanged without
+    ``[security] keys`` or when the file exists."""
     path = cfg.security.keys
     if not path or Path(path).exists():
         return cfg
     target = (out / KEYS_FILE).resolve()
+    if resume and target.exists():
+        return cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(target)})})
     write_keys(target, generate_keys(cfg.topology), comment=f"generated for run {cfg.run.name!r}", overwrite=True)
     return cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(target)})})
