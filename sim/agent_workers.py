@@ -21,6 +21,7 @@ from edge_agent.runner import AgentProcess, BrokerOptions
 from edge_agent.service import AgentService
 from protocols import procs
 from protocols.config import RunConfig, parse_config
+from protocols.heap import keep_freed_memory
 from protocols.jobs import JobError
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -122,6 +123,7 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     procs.die_with_parent(job.get("parent"))  # a SIGKILLed launcher leaves no worker behind
     logging.basicConfig(level=job.get("log_level", logging.WARNING), format="%(processName)s %(message)s")
     raise_fd_limit()
+    keep_freed_memory()  # every device decodes a model-sized task and frames a result each round
     from edge_agent.runner import load_device_data
 
     data, shape, classes = {}, None, None
