@@ -5,7 +5,16 @@ from __future__ import annotations
 import click
 
 from . import __version__
-from .console import JOB_FAILED, console, exit_if_failed, load_or_exit, print_summary, round_progress, setup_logging
+from .console import (
+    JOB_FAILED,
+    console,
+    exit_if_failed,
+    load_or_exit,
+    print_summary,
+    round_progress,
+    run_folder_lock,
+    setup_logging,
+)
 
 CONFIG = click.argument("config", type=click.Path(exists=True, dir_okay=False))
 SET = click.option(
@@ -94,7 +103,7 @@ def sim(
     )
     cfg = load_or_exit(config, overrides + flags)
     try:
-        with round_progress(cfg, not no_progress) as on_round:
+        with run_folder_lock(cfg), round_progress(cfg, not no_progress) as on_round:
             result = run_simulation(cfg, on_round=on_round, resume=resume)
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}")

@@ -14,6 +14,7 @@ from .console import (
     load_or_exit,
     print_summary,
     round_progress,
+    run_folder_lock,
     setup_logging,
 )
 from .metrics import linger, metrics_options, port_override, serve_metrics
@@ -93,7 +94,7 @@ def run(
     cfg = load_or_exit(config, overrides + engine_flag + port_override(metrics_port))
     exporter = serve_metrics(cfg)
     try:
-        with interruptible(), round_progress(cfg, not no_progress) as on_round:
+        with interruptible(), run_folder_lock(cfg), round_progress(cfg, not no_progress) as on_round:
             emulation = Emulation(
                 cfg,
                 broker_url=broker_url,

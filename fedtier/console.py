@@ -129,6 +129,37 @@ def interruptible() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def run_folder_lock(cfg: RunConfig) -> Iterator[None]:
+    """Hold ``cfg``'s run folder for this command (``RUN_DIR/run.lock``, released when it ends, or dies): a
+    second ``fedtier run|sim`` into the same folder meanwhile would delete this one's files and interleave
+    its records with them, so it is refused with the holder's pid (exit 2)."""
+    import fcntl
+    import os
+
+    from protocols import runfiles
+
+    out = cfg.output_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / runfiles.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 16).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        console.print(
+            f"[bold red]error:[/] {out} is in use by another run (pid {holder}); wait for it, or give this one "
+            "another run.output"
+        )
+        sys.exit(2)
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    try:
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 JOB_FAILED = 3
 """Exit status of a one-shot command (``fedtier run|sim|cloud``) whose job failed (1: an error before it ran,
 2: a bad config)."""

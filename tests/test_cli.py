@@ -47,6 +47,29 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert res.exit_code == 2 and "topology" in res.output
 
 
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
+    """While a run writes its folder (here: this process holds it, as a `fedtier run` in another terminal
+    would), a second `fedtier sim|run` into it is refused, exit 2, naming the holder, and deletes nothing (it
+    deleted the first run's records and interleaved its own with the rest); once free, it runs."""
+    import os
+
+    from fedtier.console import run_folder_lock
+    from protocols.config import load_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    first = tmp_path / "out" / runfiles.METRICS
+    with run_folder_lock(load_config(cfg)):
+        first.write_text('{"round": 0}\n')
+        for command in ("sim", "run"):
+            res = CliRunner().invoke(main, [command, str(cfg), "--no-progress"])
+            said = " ".join(res.output.split())
+            assert res.exit_code == 2 and f"is in use by another run (pid {os.getpid()})" in said, res.output
+        assert first.read_text() == '{"round": 0}\n'
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--no-progress"])
+    assert res.exit_code == 0 and len(first.read_text().splitlines()) == 2, res.output
+
+
 def test_help_lists_commands():
     res = CliRunner().invoke(main, ["--help"])
     assert res.exit_code == 0 and "sim" in res.output
