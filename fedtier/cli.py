@@ -10,6 +10,7 @@ from .console import (
     console,
     exit_if_failed,
     load_or_exit,
+    note_fresh_resume,
     print_summary,
     round_progress,
     run_folder_lock,
@@ -102,6 +103,7 @@ def sim(
         (f"runtime.engine={engine}",) if engine is not None else ()
     )
     cfg = load_or_exit(config, overrides + flags)
+    note_fresh_resume(cfg, resume)
     try:
         with run_folder_lock(cfg), round_progress(cfg, not no_progress) as on_round:
             result = run_simulation(cfg, on_round=on_round, resume=resume)

@@ -160,6 +160,15 @@ def run_folder_lock(cfg: RunConfig) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def note_fresh_resume(cfg: RunConfig, resume: bool) -> None:
+    """Say so when ``--resume`` finds no checkpoint in the run folder (another run.output than the
+    interrupted run's, or it never started a round): the run starts from round 0."""
+    from protocols import runfiles
+
+    if resume and not (cfg.output_dir() / runfiles.CHECKPOINT).exists():
+        console.print(f"[yellow]note:[/] no checkpoint in {cfg.output_dir()}: --resume starts from round 0")
+
+
 JOB_FAILED = 3
 """Exit status of a one-shot command (``fedtier run|sim|cloud``) whose job failed (1: an error before it ran,
 2: a bad config)."""

@@ -37,6 +37,17 @@ def test_sim_runs_and_writes_outputs(tmp_path):
     assert summary["rounds"] == 3 and 0 < summary["accuracy"] <= 1
 
 
+def test_resume_without_a_checkpoint_says_it_starts_from_round_0(tmp_path):
+    """--resume into a folder without a checkpoint (a mistyped run.output) ran from round 0 silently."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--no-progress"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "no checkpoint in" in said and "--resume starts from round 0" in said
+    again = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--no-progress"])  # now there is one
+    assert again.exit_code == 0 and "no checkpoint" not in again.output
+
+
 def test_bad_config_exits_2_naming_the_key(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(CONFIG.format(out=tmp_path / "out"))
