@@ -3,6 +3,7 @@ published for it (``protocols.jobs``), on one connection per job, until SIGTERM.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -10,8 +11,10 @@ from collections.abc import Callable
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch
 from protocols.roster import Roster
+from protocols.status import between_jobs
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
 from protocols.wire.keys import Trust
 
 from .server import CellServer
@@ -67,9 +70,14 @@ class CellService:
             transport = self.connect()
             if transport is None:  # stopped while the broker was unreachable
                 break
+            status = topics.status(fed, topics.cell_node(self.cell))
+            self.loop.post(
+                functools.partial(between_jobs, transport, status, self.trust, idle=True)
+            )  # before the job's
             watch = JobWatch(transport, fed, self.trust)
             current = self._next_job(watch, done)
             if current is None:
+                between_jobs(transport, status, self.trust, idle=False)
                 transport.close()
                 break
             try:

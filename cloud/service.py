@@ -39,6 +39,7 @@ from protocols.jobs import (
 )
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
+from protocols.status import between_jobs
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -132,6 +133,7 @@ class CloudService:
                 self.transport = None  # the job's server closed it
             self._raise()
         if self.transport is not None:
+            between_jobs(self.transport, topics.status(self.fed, "cloud"), self.trust, idle=False)
             self.transport.close()
 
     def stop(self) -> None:
@@ -149,6 +151,7 @@ class CloudService:
             return None
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
         transport.subscribe(roster_topic(self.fed), self._on_roster)
+        self.loop.post(lambda: between_jobs(transport, topics.status(self.fed, "cloud"), self.trust, idle=True))
         self.loop.post(lambda: self._publish_roster(transport))
         self.loop.post(lambda: self._publish_list(transport))
         return transport

@@ -10,7 +10,7 @@ from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
 from protocols.failures import failed_payload, failed_reason
 from protocols.rejections import Rejected, RejectKind
-from protocols.status import encode_status
+from protocols.status import IDLE, encode_status
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
 from protocols.wire import topics
@@ -142,12 +142,12 @@ class DeviceAgent:
         key = (state, samples or 0)
         record = self._status.get(key)
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
-            extra: dict[str, Any] = {"caps": dict(self.caps)} if self.caps is not None and state == "online" else {}
+            extra: dict[str, Any] = {"caps": dict(self.caps)} if self.caps is not None and state != "offline" else {}
             if samples is not None:
                 extra["samples"] = samples
             if self.instance is not None:
                 extra["instance"] = self.instance
-            if self.cloud is not None and self.cloud.pinned is not None:
+            if self.cloud is not None and self.cloud.pinned is not None and state != IDLE:
                 extra["session"] = self.cloud.pinned  # the job it serves: a cell of another job does not count it
             record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)
             self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}

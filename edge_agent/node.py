@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import cache
 from typing import Any
 
 from protocols.algorithms.base import Algorithm
-from protocols.capabilities import probe
+from protocols.capabilities import machine_caps
 from protocols.config import RunConfig
 from protocols.session import CloudSession
 from protocols.trainer import LocalData, Trainer
@@ -26,12 +25,6 @@ def cell_of(cfg: RunConfig, device: str) -> str:
         f"device {device!r} is not in the topology (ids look like c0-d0 ... "
         f"c{cfg.topology.cells - 1}-d{cfg.topology.devices_per_cell - 1})"
     )
-
-
-@cache
-def machine_caps() -> dict[str, Any]:
-    """This machine's capabilities (probed once a process), announced by every agent it runs."""
-    return probe()
 
 
 def build_agent(

@@ -30,7 +30,7 @@ from protocols.execution import execution_plan
 from protocols.rejections import RejectKind
 from protocols.roster import roster_topic
 from protocols.session import CloudSession, decode_manifest
-from protocols.status import decode_status
+from protocols.status import IDLE, decode_status
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import TimerHandle
 from protocols.wire import topics
@@ -105,7 +105,7 @@ class AgentProcess:
         to start (:class:`~edge_agent.twin.TwinAgentError`) if another agent process is live under one of
         their ids (``edge_agent/twin.py``; deployed agents: one heartbeat and a second; ``None``: no check).
         ``session``: serving one job, only its cloud session counts (``protocols.jobs``). ``long_lived``:
-        at the job's end the devices stay connected, announced offline (``done`` is set), and :meth:`next_job`
+        at the job's end the devices stay connected, announced idle (``done`` is set), and :meth:`next_job`
         serves the next job on the same connections; ``on_job_record`` (set before :meth:`start`) gets the
         cloud's ``cloud/job`` records, on the first device's connection."""
         self.on_job_record: Callable[[str, bytes], None] | None = None
@@ -426,14 +426,14 @@ class AgentProcess:
             self.presence.polls[device] = self.loop.call_later(self.rejoin_poll, lambda: self._poll(device))
 
     def _job_done(self, device: str) -> None:
-        """Long-lived: the device's job is finished; it stays connected for the next one, announced offline
-        until it has that job's role (a cell of the next job plans it only then)."""
+        """Long-lived: the device's job is finished; it stays connected for the next one, announced idle
+        (no job: a cell plans it only once it is online in its own job) until it has that job's role."""
         with self.presence.lock:
             if device not in self.presence.live:
                 return
             self.presence.live.discard(device)
             if device in self.presence.present and self.agents[device].transport.connected:
-                self.agents[device].announce("offline")  # under the lock: no heartbeat can follow it
+                self.agents[device].announce(IDLE)  # under the lock: no heartbeat can follow it
             self.presence.present.discard(device)
             done = not self.presence.live
         self.loop.cancel(self.presence.polls.pop(device, None))
@@ -469,7 +469,7 @@ class AgentProcess:
                 self.links.on_loop(functools.partial(self._leave, device))
             for device, transport in list(self.transports.items()):  # long-lived: between jobs, still connected
                 if device not in self.presence.live and transport.connected:
-                    self.links.on_loop(transport.close)
+                    self.links.on_loop(self.agents[device].stop)  # idle: it says offline, then disconnects
         self.loop.stop()
         if self.executor is not None:
             self.executor.close()

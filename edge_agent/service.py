@@ -13,8 +13,10 @@ from typing import TypeVar
 
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch
+from protocols.status import between_jobs
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import topics
 from protocols.wire.keys import Trust
 
 from .runner import AgentProcess
@@ -73,8 +75,7 @@ class AgentService:
                     transport = self.watch()
                     if transport is None:  # stopped while the broker was unreachable
                         break
-                    current = self._next_job(JobWatch(transport, fed, self.trust), done)
-                    transport.close()
+                    current = self._first_job(transport, done)
                 else:
                     current = self._poll(lambda: records.pending(done))
                 if current is None:
@@ -123,3 +124,17 @@ class AgentService:
         """Wait for a job this device has yet to serve (``None``: stopped)."""
         self.loop.run(until=lambda: self.stopping.is_set() or watch.pending(done) is not None)
         return None if self.stopping.is_set() else watch.pending(done)
+
+    def _first_job(self, transport: Transport, done: set[str]) -> CurrentJob | None:
+        """On the watch connection (the first device's): say that device idle, wait for a job (``None``:
+        stopped, the device said offline), close."""
+        fed, device = self.bundle.run.name, self.devices[0]
+        cell = self.bundle.topology.cell_of(device)
+        status = topics.device_status(fed, cell, device) if cell is not None else None
+        if status is not None:
+            self.loop.post(lambda: between_jobs(transport, status, self.trust, idle=True, cell=cell))
+        current = self._next_job(JobWatch(transport, fed, self.trust), done)
+        if current is None and status is not None:
+            between_jobs(transport, status, self.trust, idle=False, cell=cell)
+        transport.close()
+        return current

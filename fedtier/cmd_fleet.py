@@ -47,8 +47,9 @@ def fleet(
     as_json: bool,
     **auth: str | None,
 ) -> None:
-    """List every node (cloud, cells, devices): online or not, when last heard, fedtier and wire versions,
-    capabilities (cores, memory, accelerator, backends), the cloud's current job. Exit 1 if no node answered."""
+    """List every node (cloud, cells, devices): online (serving a job, or idle between jobs) or not, when
+    last heard, fedtier and wire versions, capabilities (cores, memory, accelerator, backends), the cloud's
+    current job. Exit 1 if no node answered."""
     from monitor.fleet import Fleet, render
 
     target = live_target(config_path, broker, run_name, keys_file, auth)

@@ -207,6 +207,7 @@ def serve_agent(
     cfg: RunConfig, device: str, data: Any, opts: Any, make_trainer: Callable[[RunConfig, Any], Any], spec_of: Any
 ) -> tuple[list[str], int]:
     """Run one device's agent across jobs; returns the jobs it served and the tasks it answered."""
+    from edge_agent.broker import device_will
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess
     from edge_agent.service import AgentService
@@ -223,8 +224,8 @@ def serve_agent(
     stopping = threading.Event()
 
     def watch() -> Any:  # a clean session: what a persistent one queued for the last job is dropped
-        node = topics.device_node(device)
-        return connect_forever(lambda: opts.transport(node, fed, loop, persistent=False), stopping, node)
+        node, will = topics.device_node(device), device_will(fed, cell_of(cfg, device), device, cfg)
+        return connect_forever(lambda: opts.transport(node, fed, loop, persistent=False, will=will), stopping, node)
 
     def build(job_cfg: RunConfig, session: str) -> AgentProcess:
         spec, _ = spec_of(job_cfg, None)

@@ -1,7 +1,8 @@
 """The fleet view: every node of a federation from its retained, signed status records.
 
-Each node (the cloud, every cell, every device) keeps a retained status on the broker: online or
-offline, and for agents the capabilities they announced (``protocols.capabilities``). A reader that
+Each node (the cloud, every cell, every device) keeps a retained status on the broker: online (serving
+a job), idle (a long-lived node up between jobs) or offline, and the capabilities it announced
+(``protocols.capabilities``: agents always, the cloud and cells while idle). A reader that
 subscribes gets them all at once, then each heartbeat as it comes, so the view says which nodes are up,
 when each was last heard (while the view listens), what each runs and can do, and which job the cloud
 is running. With the federation's public keys a record counts only if the node its topic names signed
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from protocols.status import decode_status
+from protocols.status import IDLE, decode_status
 from protocols.wire import topics
 
 if TYPE_CHECKING:
@@ -43,6 +44,11 @@ class NodeView:
         caps = self.record.get("caps")
         return caps if isinstance(caps, dict) else {}
 
+    @property
+    def up(self) -> bool:
+        """Its process runs: online in a job, or idle between jobs."""
+        return self.state in ("online", IDLE)
+
     def as_dict(self, now: float) -> dict[str, Any]:
         """A row for ``--json``: the node, its state, when last heard (seconds ago), versions, capabilities."""
         caps = self.caps
@@ -51,6 +57,7 @@ class NodeView:
             "role": self.role,
             "cell": self.cell,
             "state": self.state,
+            "online": self.up,  # idle counts: the node is up, between jobs
             "heard_s_ago": round(now - self.last_heard, 3),
             "heartbeats_seen": self.updates - 1,
             "fedtier": caps.get("fedtier"),
@@ -130,9 +137,10 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
 
     now = fleet.clock() if now is None else now
     rows = fleet.rows()
-    online = sum(v.state == "online" for v in rows)
+    up, idle = sum(v.up for v in rows), sum(v.state == IDLE for v in rows)
     job = fleet.current_job()
-    title = f"fleet {escape(fleet.run)}: {online}/{len(rows)} nodes online" + (f", job {escape(job)}" if job else "")
+    title = f"fleet {escape(fleet.run)}: {up}/{len(rows)} nodes online" + (f" ({idle} idle)" if idle else "")
+    title += f", job {escape(job)}" if job else ""
     if fleet.refused:
         title += f", {fleet.refused} status records refused"
     table = Table(title=title, title_justify="left")
@@ -154,7 +162,7 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
                     v.node,
                     v.role,
                     v.cell or "",
-                    v.state,
+                    "online, idle" if v.state == IDLE else v.state,
                     heard,
                     caps.get("fedtier", ""),
                     caps.get("cores", ""),

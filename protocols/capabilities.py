@@ -17,6 +17,7 @@ import importlib.util
 import os
 import platform
 from collections.abc import Mapping
+from functools import cache
 from typing import Any
 
 WIRE_VERSION = 1
@@ -58,6 +59,12 @@ def probe(backends: tuple[str, ...] | None = None) -> dict[str, Any]:
     if gpu:
         caps["gpu"] = gpu
     return caps
+
+
+@cache
+def machine_caps() -> dict[str, Any]:
+    """This machine's capabilities (probed once a process), announced by every node it runs."""
+    return probe()
 
 
 def unmet(caps: Mapping[str, Any] | None, requirements: Any) -> str | None:

@@ -3,6 +3,11 @@
 On a run with signing keys, a record carries its node's signature (``protocols.wire.signed``) and a
 reader with ``trust`` drops, with a logged reason, any record that is not signed by the node its
 topic names.
+
+A long-lived node (``fedtier cloud|cell|agent --serve``) says :data:`IDLE` between jobs: its process is up
+(with its capabilities) but it serves no job, so the record names no job session. Everything that plans a
+job counts only ``online`` records of its own session, so an idle node is never planned: it is, for a job,
+as good as offline (the fleet view shows it up and idle). Its will still says ``offline`` if it dies.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ from .wire.ratelog import RateLimitedLog
 from .wire.signed import open_record, seal_record, signer_of
 
 if TYPE_CHECKING:
+    from .transport.base import Transport
     from .wire.keys import PublicKeys, Trust
 
 log = logging.getLogger("fedtier.status")
+IDLE = "idle"
+"""The state of a long-lived node between jobs: up, serving no job (never counted online by a job)."""
+STATES = ("online", "offline", IDLE)
 _rejections = RateLimitedLog(log)
 
 
 def encode_status(state: str, *, topic: str = "", trust: Trust | None = None, **extra: Any) -> bytes:
-    """A small JSON record: ``{"state": "online"|"offline", ...}``, signed for ``topic`` with ``trust``."""
+    """A small JSON record: ``{"state": "online"|"offline"|"idle", ...}``, signed for ``topic`` with ``trust``."""
     return seal_record({"state": state, **extra}, topic, trust.sign if trust is not None else None)
 
 
@@ -35,6 +44,21 @@ def decode_status(data: bytes, topic: str = "", trust: PublicKeys | None = None)
         if trust is not None:
             _rejections.warning("rejected a status record on %s: %s", topic, exc)
         return None
-    if record.get("state") not in ("online", "offline"):
+    if record.get("state") not in STATES:
         return None
     return record
+
+
+def idle_status(topic: str, trust: Trust | None, **extra: Any) -> bytes:
+    """A long-lived node's status between jobs: :data:`IDLE`, with this machine's capabilities (versions
+    included) and no job session."""
+    from .capabilities import machine_caps
+
+    return encode_status(IDLE, topic=topic, trust=trust, caps=dict(machine_caps()), **extra)
+
+
+def between_jobs(transport: Transport, topic: str, trust: Trust | None, *, idle: bool, **extra: Any) -> None:
+    """Publish (retained) a long-lived node's status between jobs: idle while it waits for one, offline as
+    it stops (a clean disconnect does not fire its will)."""
+    record = idle_status(topic, trust, **extra) if idle else encode_status("offline", topic=topic, trust=trust, **extra)
+    transport.publish(topic, record, retain=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge_agent.broker import device_will
 from edge_agent.runner import AgentProcess, BrokerOptions
 from edge_agent.service import AgentService
 from protocols import procs
@@ -175,9 +176,11 @@ def worker_service(
             long_lived=True,
         )
 
-    def watch() -> Any:  # a clean session of the first device, on its cell's broker
-        watch_opts = cell_brokers.get(bundle.topology.cell_of(first) or "", opts)
-        return watch_opts.transport(topics.device_node(first), fed, loop, persistent=False).connect()
+    def watch() -> Any:  # a clean session of the first device, on its cell's broker (its will: offline)
+        cell = bundle.topology.cell_of(first)
+        will = device_will(fed, cell, first, bundle) if cell is not None else None
+        watch_opts = cell_brokers.get(cell or "", opts)
+        return watch_opts.transport(topics.device_node(first), fed, loop, persistent=False, will=will).connect()
 
     def on_start(agents: AgentProcess) -> None:
         started.append(agents)

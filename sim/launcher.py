@@ -265,8 +265,7 @@ def check_requirements(cfg: RunConfig) -> None:
     """Refuse, with the reason, a job whose ``[requirements]`` this machine's simulated devices do not meet."""
     if cfg.requirements.nothing_required():
         return
-    from edge_agent.node import machine_caps
-    from protocols.capabilities import unmet
+    from protocols.capabilities import machine_caps, unmet
 
     reason = unmet(machine_caps(), cfg.requirements)
     if reason is not None:

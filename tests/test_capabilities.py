@@ -88,7 +88,7 @@ def test_a_job_no_device_can_serve_fails_with_that_reason(tmp_path):
     import sys
     from pathlib import Path
 
-    from edge_agent.node import machine_caps
+    from protocols.capabilities import machine_caps
 
     path = tmp_path / "caps.toml"
     path.write_text(CONFIG.format(out=tmp_path / "out") + "[requirements]\nmin_memory_mb = 1000000000\n")

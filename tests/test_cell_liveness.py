@@ -5,6 +5,7 @@ ago (it is likely restarting; its session keeps the task)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from cell_server.node import STATUS_WAIT, build_cell
 from cloud.node import build_cloud
 from edge_agent.node import build_agent
 from protocols.session import CloudSession
-from protocols.status import decode_status, encode_status
+from protocols.status import decode_status, encode_status, idle_status
 from protocols.trainer import LocalData
 from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
@@ -220,3 +221,43 @@ def test_a_cell_serving_a_job_counts_only_devices_serving_it(tmp_path: Path) -> 
     agent.start()
     hub.loop.run(until=lambda: cell.online["c0-d0"])
     assert [d for d in DEVICES if cell.online[d]] == ["c0-d0", "c0-d1"]
+
+
+def test_an_idle_node_is_never_planned_by_a_job(tmp_path: Path) -> None:
+    """Long-lived nodes say 'idle' between jobs (up, with their capabilities, no job session), retained. A
+    job's cloud must not count an idle cell ready (even one claiming every device online), nor a job's cell
+    an idle device online: each counts a node once it announces the job's own session."""
+    cfg = small_config(tmp_path, runtime={"startup_wait": 30.0, "heartbeat": 0.0, "heartbeat_timeout": 0.0})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    peers = hub.connect("peers")
+    sent: list[float] = []
+    for c in ("c0", "c1"):
+        peers.subscribe(topics.cell_task(run, c), lambda t, data: sent.append(hub.loop.now()))
+
+    def cell_status(cell: str, record: Callable[..., bytes]) -> None:
+        topic = topics.status(run, topics.cell_node(cell))
+        peers.publish(topic, record(topic, None, devices_online=3, devices_total=3), retain=True)
+
+    serving = lambda topic, trust, **kw: encode_status("online", topic=topic, session="job-new.hash", **kw)  # noqa: E731
+    for c in ("c0", "c1"):
+        cell_status(c, idle_status)
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=30.0, session="job-new.hash")
+    cloud.start()
+    hub.loop.call_later(4.0, lambda: (cell_status("c0", serving), cell_status("c1", serving)))
+    hub.loop.run(until=lambda: len(sent) == 2)
+    assert 4.0 <= min(sent) < 30.0  # not at once on the idle statuses, nor only at the startup wait
+
+    for d in DEVICES:
+        topic = topics.device_status(run, "c0", d)
+        peers.publish(topic, idle_status(topic, None, cell="c0", samples=10), retain=True)
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
+    cell.cloud.pin("job-new.hash")
+    cell.start()
+    start = hub.loop.now()
+    hub.loop.run(until=lambda: hub.loop.now() > start + 1.0)  # the retained idle statuses came at once
+    assert cell.online.count() == 0
+    topic = topics.device_status(run, "c0", "c0-d2")
+    peers.publish(topic, serving(topic, None, cell="c0", samples=10), retain=True)
+    hub.loop.run(until=lambda: cell.online.count() > 0)
+    assert [d for d in DEVICES if cell.online[d]] == ["c0-d2"]

@@ -88,10 +88,12 @@ def test_absent_agents_disconnect_and_rejoin_bit_identically(model: dict, tmp_pa
     )
     for device in cfg.topology.all_devices():
         takes_part = ["online" if device in takes.participants(r) else "offline" for r in range(cfg.run.rounds)]
-        assert collapse(seen[f"device.{device}"]) == collapse(["online", *takes_part, "offline"]), device
+        in_job = [s for s in seen[f"device.{device}"] if s != "idle"]  # idle: before the job, after it (long-lived)
+        assert collapse(in_job) == collapse(["online", *takes_part, "offline"]), device
         rejoins = sum(a == "offline" and b == "online" for a, b in zip(["online", *takes_part], takes_part))
         assert emulation.agent_stats[device]["connections"] >= 1 + rejoins  # each return is a new connection
     assert any(collapse(v).count("online") >= 2 for v in seen.values())  # someone left and came back
+    assert any("idle" in v for v in seen.values())  # the agents' long-lived service: idle outside the job
 
 
 def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:

@@ -119,6 +119,28 @@ def _jobs(cloud_out: Path) -> dict[str, str]:
         return {}
 
 
+def _fleet(bundle: Path) -> dict[str, dict]:
+    """``fedtier fleet --json`` from ``bundle`` (the monitor's: its keys check every status): node -> row."""
+    res = subprocess.run(
+        [FEDTIER, "fleet", "--config", "config.toml", "--json", "--wait", "1"],
+        cwd=bundle,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return {r["node"]: r for r in map(json.loads, res.stdout.splitlines())} if res.returncode == 0 else {}
+
+
+def _all_idle(bundle: Path, seen: list[dict]) -> bool:
+    """Every node of the federation up and idle (no job), with its fedtier version: what the fleet shows
+    between jobs (and before the first)."""
+    seen[:] = [_fleet(bundle)]
+    rows = seen[0]
+    return set(rows) == {"cloud", "c0", "c0-d0", "c0-d1"} and all(
+        r["state"] == "idle" and r["online"] and r["fedtier"] and r["session"] is None for r in rows.values()
+    )
+
+
 def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path) -> None:  # noqa: F811
     tmp = reachable_tmp / "fed"
     fed_cfg = small_config(tmp, run={"name": "fed"}, topology={"cells": 1, "devices_per_cell": 2})
@@ -160,6 +182,8 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             operator = nodes / "operator"
             res = _run(command(JOBS_WAIT), operator)  # the cloud is up
             assert res.returncode == 0, res.stdout
+            fleet: list[dict] = []  # before the first job, every node is up and idle (it was shown offline)
+            assert wait_until(lambda: _all_idle(nodes / "monitor", fleet), 30), fleet
             for name in ("A", "B"):
                 res = _run(command(SUBMIT, job=str(tmp / f"{name}.toml")), operator)
                 assert res.returncode == 0 and "queued" in res.stdout, res.stdout
@@ -189,6 +213,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             res = _run(command(SUBMIT, job=str(tmp / "C.toml")), operator)
             assert "queued" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("C") == "finished", 60), _jobs(cloud_out)
+            assert wait_until(lambda: _all_idle(nodes / "monitor", fleet), 30), fleet  # between jobs: idle again
             # job E (500 rounds): its cell is killed (SIGKILL) mid-job and restarted from its bundle: it
             # resumes its round and serves the rest of the job; then E is cancelled: it stops after its round
             (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 4", "rounds = 500"))

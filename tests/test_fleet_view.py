@@ -12,7 +12,7 @@ from rich.console import Console
 
 from monitor.fleet import Fleet, render
 from protocols.config import TopologySection, load_config
-from protocols.status import encode_status
+from protocols.status import encode_status, idle_status
 from protocols.transport.broker import EmbeddedBroker
 from protocols.wire import topics
 from protocols.wire.keys import PublicKeys, Trust, generate_keys
@@ -75,6 +75,28 @@ def test_the_fleet_takes_only_statuses_signed_by_the_node_their_topic_names():
     assert fleet.rows() == []
 
 
+def test_an_idle_node_is_online_with_its_versions_and_no_job():
+    """Between jobs a long-lived node says idle (signed, with its machine's capabilities): the fleet shows
+    it online and idle, with its versions, and no current job; an offline one stays offline."""
+    from protocols.capabilities import machine_caps
+
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=1))
+    fleet = Fleet("fed", PublicKeys(ring.public), clock=Clock())
+    for node, topic in (("cloud", topics.status("fed", "cloud")), ("c0", topics.status("fed", "cell.c0"))):
+        fleet.on_status(topic, idle_status(topic, Trust(node, ring.private[node], ring.public)))
+    dev = topics.device_status("fed", "c0", "c0-d0")
+    fleet.on_status(dev, encode_status("offline", topic=dev, trust=Trust("c0-d0", ring.private["c0-d0"], ring.public)))
+    rows = {r.node: r.as_dict(100.0) for r in fleet.rows()}
+    assert fleet.refused == 0 and fleet.current_job() is None
+    for node in ("cloud", "c0"):
+        assert rows[node]["state"] == "idle" and rows[node]["online"] and rows[node]["session"] is None
+        assert rows[node]["fedtier"] == machine_caps()["fedtier"] and rows[node]["wire"] == machine_caps()["wire"]
+    assert rows["c0-d0"]["state"] == "offline" and not rows["c0-d0"]["online"]
+    out = Console(width=200, record=True)
+    out.print(render(fleet))
+    assert "2/3 nodes online (2 idle)" in out.export_text()
+
+
 def test_what_nodes_send_is_escaped_before_it_is_rendered():
     fleet = Fleet("fed", None, clock=Clock())
     topic = topics.device_status("fed", "c0", "[red]x")
@@ -86,7 +108,7 @@ def test_what_nodes_send_is_escaped_before_it_is_rendered():
 
 
 def test_fleet_lists_every_node_of_a_live_run_with_its_capabilities(tmp_path):
-    from edge_agent.node import machine_caps
+    from protocols.capabilities import machine_caps
     from sim.emulation import Emulation
 
     config = tmp_path / "run.toml"
