@@ -432,7 +432,7 @@ class AgentProcess:
             if device not in self.presence.live:
                 return
             self.presence.live.discard(device)
-            if device in self.presence.present and self.agents[device].transport.connected:
+            if self.agents[device].transport.connected:  # also one back from sitting out a round: it is up
                 self.agents[device].announce(IDLE)  # under the lock: no heartbeat can follow it
             self.presence.present.discard(device)
             done = not self.presence.live

@@ -131,13 +131,15 @@ def _fleet(bundle: Path) -> dict[str, dict]:
     return {r["node"]: r for r in map(json.loads, res.stdout.splitlines())} if res.returncode == 0 else {}
 
 
-def _all_idle(bundle: Path, seen: list[dict]) -> bool:
-    """Every node of the federation up and idle (no job), with its fedtier version: what the fleet shows
-    between jobs (and before the first)."""
+def _every_node(bundle: Path, state: str, seen: list[dict]) -> bool:
+    """Every node of the federation in ``state`` in the fleet view: ``idle``: up (online) with its fedtier
+    version and no job session, as between jobs (and before the first); ``offline``: as after SIGTERM."""
     seen[:] = [_fleet(bundle)]
     rows = seen[0]
+    up = state == "idle"
     return set(rows) == {"cloud", "c0", "c0-d0", "c0-d1"} and all(
-        r["state"] == "idle" and r["online"] and r["fedtier"] and r["session"] is None for r in rows.values()
+        r["state"] == state and r["online"] == up and bool(r["fedtier"]) == up and (r["session"] is None or not up)
+        for r in rows.values()
     )
 
 
@@ -183,7 +185,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             res = _run(command(JOBS_WAIT), operator)  # the cloud is up
             assert res.returncode == 0, res.stdout
             fleet: list[dict] = []  # before the first job, every node is up and idle (it was shown offline)
-            assert wait_until(lambda: _all_idle(nodes / "monitor", fleet), 30), fleet
+            assert wait_until(lambda: _every_node(nodes / "monitor", "idle", fleet), 30), fleet
             for name in ("A", "B"):
                 res = _run(command(SUBMIT, job=str(tmp / f"{name}.toml")), operator)
                 assert res.returncode == 0 and "queued" in res.stdout, res.stdout
@@ -213,7 +215,9 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             res = _run(command(SUBMIT, job=str(tmp / "C.toml")), operator)
             assert "queued" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("C") == "finished", 60), _jobs(cloud_out)
-            assert wait_until(lambda: _all_idle(nodes / "monitor", fleet), 30), fleet  # between jobs: idle again
+            assert wait_until(lambda: _every_node(nodes / "monitor", "idle", fleet), 30), (
+                fleet
+            )  # between jobs: idle again
             # job E (500 rounds): its cell is killed (SIGKILL) mid-job and restarted from its bundle: it
             # resumes its round and serves the rest of the job; then E is cancelled: it stops after its round
             (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 4", "rounds = 500"))
@@ -247,6 +251,12 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             roster = verify_roster(data, PublicKeys(ring.public).verify, federation="fed")
             assert roster.members("c0") == ["c0-d0", "c0-d1"] and roster.device_key("c0-d1") == ring.public["c0-d1"]
             assert roster.cell_bound("c0") == 1000
+            # SIGTERM between jobs: each node says offline before it disconnects (idle nodes are not left idle)
+            for p in (*procs.values(), cloud):
+                p.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: _every_node(nodes / "monitor", "offline", fleet), 30), [
+                (n, r["state"], r["online"], r["fedtier"], r["session"]) for n, r in fleet[0].items()
+            ]
         finally:
             outputs = {}
             for p in (*procs.values(), cloud):
