@@ -202,16 +202,7 @@ def _finish_cloud(cfg: RunConfig, node: CloudServer, out: Path, wall_s: float) -
     from protocols.jsonl import StorageError
     from sim.launcher import RunResult, write_final
 
-    result = RunResult(
-        cfg,
-        node.role.global_params(),
-        node.history,
-        [],
-        out,
-        wall_s,
-        stopped=node.stopped,
-        failed=node.failed,
-    )
+    result = RunResult.of_cloud(cfg, node, out, wall_s)
     try:
         write_final(out, result)
     except StorageError as exc:  # a full disk: the job's files are incomplete, say so

@@ -127,19 +127,7 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
 
     def on_end(job: Any, job_cfg: RunConfig, node: Any, out: Path) -> None:
         wall = time.time() - (job.started or time.time())
-        write_final(
-            out,
-            RunResult(
-                job_cfg,
-                node.role.global_params(),
-                node.history,
-                [],
-                out,
-                wall,
-                stopped=node.stopped,
-                failed=node.failed,
-            ),
-        )
+        write_final(out, RunResult.of_cloud(job_cfg, node, out, wall))
 
     roster = federation_roster(cfg, trust)
     service = CloudService(

@@ -289,17 +289,14 @@ class Emulation:
         transports: list[Any] = [c.transport for c in cells] + [cloud.transport]  # MqttTransports, with counters
         agent_stats = self.agent_stats
         wire = wire_by_tier([t.stats.snapshot() for t in transports] + [s["wire"] for s in agent_stats.values()])
-        result = RunResult(
+        result = RunResult.of_cloud(
             self.cfg,
-            cloud.role.global_params(),
-            cloud.history,
-            [r for c in cells for r in c.records],
+            cloud,
             out,
             time.perf_counter() - t0,
+            [r for c in cells for r in c.records],
             {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")} for d, s in sorted(agent_stats.items())},
             wire,
-            stopped=cloud.stopped,
-            failed=cloud.failed,
         )
         write_final(out, result)
         return result

@@ -77,6 +77,31 @@ class RunResult:
                 return record["accuracy"]
         return None
 
+    @classmethod
+    def of_cloud(
+        cls,
+        cfg: RunConfig,
+        cloud: CloudServer,
+        output_dir: Path | None,
+        wall_s: float,
+        cell_records: list[dict[str, Any]] | None = None,
+        device_traffic: dict[str, dict[str, int]] | None = None,
+        wire_bytes: dict[str, int] | None = None,
+    ) -> RunResult:
+        """The result of the job ``cloud`` ran: its global model, round records and how it ended."""
+        return cls(
+            cfg,
+            cloud.role.global_params(),
+            cloud.history,
+            cell_records or [],
+            output_dir,
+            wall_s,
+            device_traffic or {},
+            wire_bytes or {},
+            stopped=cloud.stopped,
+            failed=cloud.failed,
+        )
+
     def summary(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else {}
         return {
@@ -241,16 +266,13 @@ class SimHierarchy:
         self.hub.loop.run(until=lambda: self.cloud.finished)
         if not self.cloud.finished:
             raise RuntimeError("the simulation stalled before the last round (no events left)")
-        result = RunResult(
+        result = RunResult.of_cloud(
             self.cfg,
-            self.cloud.role.global_params(),
-            self.cloud.history,
-            [r for c in self.cells.values() for r in c.records],
+            self.cloud,
             self.output_dir,
             time.perf_counter() - self.t0,
+            [r for c in self.cells.values() for r in c.records],
             self.agents.traffic(),
-            stopped=self.cloud.stopped,
-            failed=self.cloud.failed,
         )
         self.agents.stop()
         for cell in self.cells.values():
