@@ -84,22 +84,15 @@ class _Session:
 
     def request(self, record: dict[str, Any], job: str, wait: float) -> dict[str, Any] | None:
         """Publish a signed request about ``job`` and wait for the cloud's signed reply."""
-        from protocols.wire import topics
-        from protocols.wire.signed import seal_record
+        from protocols.jobs import open_job_record, post_request
 
-        topic = topics.job_reply(self.fed, job)
-        replies: list[dict[str, Any]] = []
-        self.transport.subscribe(topic, lambda t, d: replies.append({"_topic": t, "_data": d}))
-        self.transport.wait_subscribed(wait)
-        submit = topics.job_submit(self.fed)
-        self.transport.publish(submit, seal_record(record, submit, self.trust.sign if self.trust else None))
+        sign = self.trust.sign if self.trust else None
+        replies = post_request(self.transport, self.fed, record, job, sign, wait)
         self.loop.run(until=lambda: bool(replies), timeout=wait)
         if not replies:
             return None
-        from protocols.jobs import open_job_record
-
-        first = replies[0]
-        return open_job_record(first["_data"], first["_topic"], "cloud", self.trust.verify if self.trust else None)
+        topic, data = replies[0]
+        return open_job_record(data, topic, "cloud", self.trust.verify if self.trust else None)
 
     def close(self) -> None:
         self.transport.close()

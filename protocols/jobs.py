@@ -35,11 +35,12 @@ from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_
 from .roster import Roster, RosterError, roster_topic, verify_roster
 from .wire import topics
 from .wire.envelope import WireError
-from .wire.signed import open_record
+from .wire.signed import open_record, seal_record
 
 if TYPE_CHECKING:
     from .transport.base import Transport
-    from .wire.envelope import Verifier
+    from .transport.mqtt import MqttTransport
+    from .wire.envelope import Signer, Verifier
     from .wire.keys import Trust
 
 log = logging.getLogger("fedtier.jobs")
@@ -193,6 +194,21 @@ def open_job_record(data: bytes, topic: str, signer: str, verify: Verifier | Non
         return open_record(data, topic, signer, verify, max_bytes=MAX_JOB_RECORD_BYTES)
     except WireError as exc:
         raise JobError(f"job record on {topic}: {exc}") from None
+
+
+def post_request(
+    transport: MqttTransport, federation: str, record: dict[str, Any], job: str, sign: Signer | None, wait: float
+) -> list[tuple[str, bytes]]:
+    """The operator's side of a request about ``job`` (:func:`submit_record`, :func:`cancel_record`):
+    subscribe to the job's reply topic (waiting up to ``wait`` for the broker's acknowledgement), then
+    publish the request sealed with ``sign``. The cloud's replies arrive, as ``(topic, data)``, in the list
+    returned; open one with ``open_job_record(data, topic, "cloud", verify)``."""
+    replies: list[tuple[str, bytes]] = []
+    transport.subscribe(topics.job_reply(federation, job), lambda t, data: replies.append((t, data)))
+    transport.wait_subscribed(wait)
+    submit = topics.job_submit(federation)
+    transport.publish(submit, seal_record(record, submit, sign))
+    return replies
 
 
 def submit_record(request: JobRequest) -> dict[str, Any]:

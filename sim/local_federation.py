@@ -27,13 +27,12 @@ from cloud.service import CloudService, JobParts
 from edge_agent.runner import BrokerOptions, offline_will
 from protocols import runfiles
 from protocols.config import ConfigError, RunConfig, parse_config
-from protocols.jobs import NODE_LOCAL, JobRequest, open_job_record, submit_record
+from protocols.jobs import NODE_LOCAL, JobRequest, open_job_record, post_request, submit_record
 from protocols.session import new_session
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import node_trust
-from protocols.wire.signed import seal_record
 
 log = logging.getLogger("fedtier.run")
 
@@ -172,15 +171,10 @@ class LocalFederation:
                 raise TimeoutError(f"the cloud did not subscribe to its job topic within {timeout:.0f} s")
             time.sleep(0.02)
         run, job = self.cfg.run.name, f"run-{new_session()[:8]}"  # unique: a broker keeps old jobs' records
-        replies: list[dict[str, Any]] = []
         loop = ThreadLoop("operator").start()
         operator = self.cloud_opts.transport("operator", run, loop, persistent=False).connect()
         try:
-            reply = topics.job_reply(run, job)
-            operator.subscribe(reply, lambda topic, data: replies.append(open_job_record(data, topic, "cloud", None)))
-            operator.wait_subscribed()
-            topic = topics.job_submit(run)
-            operator.publish(topic, seal_record(submit_record(JobRequest(job, text)), topic, None))
+            replies = post_request(operator, run, submit_record(JobRequest(job, text)), job, None, timeout)
             while not replies:
                 self.check()
                 if time.monotonic() > deadline:
@@ -189,8 +183,9 @@ class LocalFederation:
         finally:
             operator.close()
             loop.stop()
-        if not replies[0].get("accepted"):
-            raise ConfigError(f"the cloud refused the job: {replies[0].get('reason')}")
+        reply = open_job_record(replies[0][1], replies[0][0], "cloud", None)
+        if not reply.get("accepted"):
+            raise ConfigError(f"the cloud refused the job: {reply.get('reason')}")
         return job
 
     def _cloud_subscribed(self) -> bool:
