@@ -110,14 +110,78 @@ def config(method: str, lr: float, seed: int, s: dict[str, Any]) -> dict[str, An
     }
 
 
+KERNEL = [0.0, 0.0]  # wall s, CPU s this process spent inside the forward passes (see RoundSplit)
+
+
+def _time_kernels() -> None:
+    """Count the time inside the forward passes in :data:`KERNEL` (once per process): the cohort engine's
+    batched forwards and the cloud's evaluation; on a GPU each is timed to its end (the queue drained)."""
+    import functools
+
+    import torch
+
+    import protocols.cohort_trainer as engine
+    import protocols.torch_trainer as device
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t, c = time.perf_counter(), time.process_time()
+            out = fn(*args, **kwargs)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            KERNEL[0] += time.perf_counter() - t
+            KERNEL[1] += time.process_time() - c
+            return out
+
+        return wrapper
+
+    if not hasattr(engine.batched_forward, "__wrapped__"):
+        engine.batched_forward = timed(engine.batched_forward)
+        device.TorchTrainer.evaluate = timed(device.TorchTrainer.evaluate)  # type: ignore[method-assign]
+
+
+class RoundSplit:
+    """Where a run's rounds go, in ms a round: wall, CPU, **kernel** (inside the forward passes, which a GPU
+    makes cheap) and **host** (the rest: histories, replay, probes, momentum steps, messages, records; what a GPU
+    cannot speed up). Timed from the end of the first round to the end of the last (setup excluded)."""
+
+    def __init__(self) -> None:
+        _time_kernels()
+        self.marks: list[tuple[float, float, float, float]] = []  # (wall, CPU, kernel wall, kernel CPU) a round end
+
+    def mark(self, _record: Any = None) -> None:
+        self.marks.append((time.perf_counter(), time.process_time(), KERNEL[0], KERNEL[1]))
+
+    def figures(self) -> dict[str, float]:
+        """``round_ms``, ``kernel_ms`` and ``host_ms`` a round (wall), and the same as CPU ms (``cpu_ms``, ...)."""
+        if len(self.marks) < 2:
+            return {}
+        (w0, c0, k0, kc0), (w1, c1, k1, kc1) = self.marks[0], self.marks[-1]
+        n = len(self.marks) - 1
+        ms = lambda v: round(1e3 * v / n, 2)  # noqa: E731
+        return {
+            "round_ms": ms(w1 - w0),
+            "cpu_ms": ms(c1 - c0),
+            "kernel_ms": ms(k1 - k0),
+            "host_ms": ms((w1 - w0) - (k1 - k0)),
+            "kernel_cpu_ms": ms(kc1 - kc0),
+            "host_cpu_ms": ms((c1 - c0) - (kc1 - kc0)),
+        }
+
+
 def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """One run: accuracy curve against mean bytes per device, and the bytes to each target."""
+    """One run: accuracy curve against mean bytes per device, the bytes to each target, and where a round's
+    time goes (:class:`RoundSplit`)."""
     from protocols.config import parse_config
     from sim.launcher import run_simulation
 
     t0, c0 = time.perf_counter(), time.process_time()
+    split = RoundSplit()
     try:
-        result = run_simulation(parse_config(config(method, lr, seed, settings)), write_output=False)
+        result = run_simulation(
+            parse_config(config(method, lr, seed, settings)), write_output=False, on_round=split.mark
+        )
     except ValueError as exc:  # ZO divergence raises on non-finite scalars: a failed grid point, not a crash
         return {
             "best": 0.0,
@@ -143,6 +207,7 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
         "s": time.perf_counter() - t0,
         "cpu": time.process_time() - c0,
         "bytes_total": curve[-1][2] if curve else 0.0,
+        **split.figures(),
     }
     for t in settings["targets"]:
         hit = next((b for _, a, b in curve if a >= t), math.inf)
@@ -241,6 +306,16 @@ def main() -> None:
                 print(f"  to {t:.0%}: {m} (tuned) / DeComFL (tuned): {ratio}")
     per_seed = {m: [round(r["best"], 4) for r in w.cell.runs] for m, w in winners.items()}
     print(f"best accuracy per seed at the winning lr: {per_seed}")
+    for m, row in cells.items():  # where a round goes, over this method's tuning runs (the journal's too)
+        timed = [r for c in row for r in c.runs if "round_ms" in r]
+        if timed:
+            keys = ("round_ms", "cpu_ms", "kernel_ms", "kernel_cpu_ms", "host_ms", "host_cpu_ms")
+            mean = {k: sum(r.get(k, math.nan) for r in timed) / len(timed) for k in keys}
+            print(
+                f"{m}: host ms a round {mean['host_ms']:.1f} / kernel ms a round {mean['kernel_ms']:.1f} (wall; "
+                f"CPU: host {mean['host_cpu_ms']:.1f} / kernel {mean['kernel_cpu_ms']:.1f}; a round "
+                f"{mean['round_ms']:.1f} wall, {mean['cpu_ms']:.1f} CPU; mean of {len(timed)} runs)"
+            )
 
 
 if __name__ == "__main__":
