@@ -61,7 +61,8 @@ def systemd_unit(cfg: RunConfig, node: str, fedtier_bin: str = FEDTIER_BIN) -> s
     """The systemd unit of a long-lived node (``None`` for the operator and the monitor: commands, not
     services). It runs ``fedtier cloud|cell|agent --serve`` from the bundle installed in
     ``INSTALL_DIR/{node}`` as the unprivileged ``SERVICE_USER``, writes only ``STATE_DIR/{node}``,
-    restarts on failure and stops with SIGTERM (the node leaves cleanly; a running job resumes)."""
+    restarts on failure and stops with SIGTERM (the node leaves cleanly; a running job resumes);
+    ``systemctl reload`` (SIGHUP) makes it take its renewed TLS certificate and key."""
     state = f"{STATE_DIR}/{node}"
     out = f'--set run.output="{state}"'
     if node == "cloud":
@@ -86,6 +87,7 @@ User={SERVICE_USER}
 Group={SERVICE_USER}
 WorkingDirectory={INSTALL_DIR}/{node}
 ExecStart={fedtier_bin} {command}
+ExecReload=/bin/kill -HUP $MAINPID
 Restart=on-failure
 RestartSec=5
 KillSignal=SIGTERM

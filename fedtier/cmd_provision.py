@@ -42,13 +42,14 @@ def provision() -> None:
     "that knows it: copy those keys.toml files to their nodes too).",
 )
 def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool) -> None:
-    """Re-issue certificates of the provisioning in OUT with new keys and revoke the old ones (the brokers
-    refuse them once restarted); Ed25519 identities and passwords stay. Copy each renewed bundle's
-    client.crt and client.key to its node, and restart the brokers."""
+    """Re-issue certificates of the provisioning in OUT with new keys and revoke the old ones; running brokers
+    of OUT are reloaded (SIGHUP) and refuse the old ones from then on. Ed25519 identities stay. Prints the
+    next steps: copy each renewed bundle's client.crt and client.key to its node, then `systemctl reload`
+    its unit (no restart)."""
     from protocols.config import ConfigError
 
+    from .renewal import next_steps, rotate_identity
     from .renewal import renew as write
-    from .renewal import rotate_identity
 
     if identity and not nodes:
         fail("--identity rotates the identities of the --node NODEs given (none given)", 2)
@@ -66,8 +67,12 @@ def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool
         f"renewed {len(done.certificates)} certificates in {out_dir} "
         f"({', '.join(p.parent.name + '/' + p.name for p in done.certificates[:6])}"
         f"{', ...' if len(done.certificates) > 6 else ''}); {len(done.revoked)} revoked in ca/ca.crl and "
-        "every broker folder: restart the brokers, copy the renewed client.crt/client.key to their nodes"
+        "every broker folder"
     )
+    for line in done.brokers:
+        console.print(line)
+    for step in next_steps(done.certificates, done.brokers):
+        console.print(f"next: {step}", soft_wrap=True)
 
 
 @provision.command("relocate")

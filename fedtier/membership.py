@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from protocols.roster import roster_topic
 from protocols.wire import topics
 from protocols.wire.keys import new_seed, public_of, write_keys
 
+from .broker_files import reload_brokers
 from .federation import (
     ROSTER_FILE,
     Federation,
@@ -76,21 +76,6 @@ def _rewrite_broker(fed: Federation, folder: Path, users: list[str], new_passwor
 
 def _users(folder: Path) -> list[str]:
     return [line.split(":", 1)[0] for line in (folder / "passwd").read_text().splitlines() if ":" in line]
-
-
-def reload_brokers(folders: list[Path]) -> list[str]:
-    """SIGHUP each running Mosquitto of ``folders`` (its ``data/mosquitto.pid``): it rereads its password, ACL
-    and CRL files. Returns what was done, one line a broker (a stopped broker takes them when it starts)."""
-    done = []
-    for folder in folders:
-        pid_file = folder / "data" / "mosquitto.pid"
-        try:
-            pid = int(pid_file.read_text().strip())
-            os.kill(pid, signal.SIGHUP)
-            done.append(f"reloaded the broker in {folder} (pid {pid})")
-        except (OSError, ValueError):
-            done.append(f"the broker in {folder} is not running: it takes the change when it starts")
-    return done
 
 
 # ------------------------------------------------------------------------------------------ changes

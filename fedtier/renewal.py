@@ -4,9 +4,11 @@ Provisioned certificates last ``VALID_DAYS``. :func:`renew` re-issues the client
 bundles (or of all, with the brokers' server and bridge certificates), each with a new key (the node's TLS key
 is rotated), from the deployment's CA (``OUT/ca``), with the same common name and host names. The replaced
 certificates are revoked: their serial numbers join the CA's revocation list (``OUT/ca/ca.crl``), copied into
-every broker folder, which a provisioned broker reads (``crlfile``) when it (re)starts, so a copy of an old
-key and certificate no longer logs in. Ed25519 identities and broker passwords are unchanged. Copy each renewed
-bundle's ``client.crt``/``client.key`` to its node and restart the brokers.
+every broker folder (``crlfile``). Running provisioned brokers are then reloaded (SIGHUP: Mosquitto rereads
+its revocation list and its server certificate and key), so a copy of an old key and certificate no longer
+logs in, while live connections stay. Ed25519 identities are unchanged. Each renewed bundle's
+``client.crt``/``client.key`` go to their node, which takes them on ``systemctl reload`` (SIGHUP,
+``protocols.transport.tls_reload``) without a restart.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from cryptography.x509.oid import NameOID
 
 from protocols.config import ConfigError
 
+from .broker_files import reload_brokers
 from .pki import VALID_DAYS, certificate, load_pki, new_key, pem_cert, pem_key, write_file
 
 CRL = "ca.crl"
@@ -27,10 +30,12 @@ CRL = "ca.crl"
 
 @dataclass(frozen=True)
 class Renewed:
-    """What :func:`renew` re-issued (``folder/stem.crt`` files) and the serial numbers it revoked."""
+    """What :func:`renew` re-issued (``folder/stem.crt`` files), the serial numbers it revoked, and what it did
+    to each broker (one line each: reloaded, or not running)."""
 
     certificates: list[Path]
     revoked: list[int]
+    brokers: list[str]
 
 
 def _hosts(cert: x509.Certificate) -> tuple[str, ...]:
@@ -76,7 +81,8 @@ def revoked_serials(out: Path) -> list[int]:
 
 def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None = None) -> Renewed:
     """Re-issue the certificates :func:`certificates` lists (a new key each, ``days`` of validity, default the
-    provisioning's), revoke the replaced ones and write the revocation list into ``OUT/ca`` and every broker."""
+    provisioning's), revoke the replaced ones, write the revocation list into ``OUT/ca`` and every broker and
+    reload the running brokers."""
 
     out = Path(out)
     if not (out / "ca" / "ca.key").exists():
@@ -103,7 +109,7 @@ def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None =
         owner = os.stat(broker / "mosquitto.conf")
         write_file(broker / CRL, crl)
         _keep_owner(broker / CRL, owner)
-    return Renewed(renewed, sorted(set(revoked)))
+    return Renewed(renewed, sorted(set(revoked)), reload_brokers(_brokers(out)))
 
 
 def rotate_identity(out: str | Path, node: str) -> list[Path]:
@@ -131,3 +137,33 @@ def rotate_identity(out: str | Path, node: str) -> list[Path]:
         _keep_owner(path, owner)
         written.append(path)
     return written
+
+
+def next_steps(renewed: list[Path], brokers: list[str]) -> list[str]:
+    """What the operator does after :func:`renew`, one step a line: each renewed node bundle's certificate and
+    key copied to its node and the node told to reload (its systemd unit, SIGHUP); a broker that was not
+    running here takes its files when it starts; a cell broker whose bridge certificate was renewed restarts
+    (its bridge connects with the certificate it read at start)."""
+    from .bundles import INSTALL_DIR, unit_name
+
+    steps = []
+    for crt in renewed:
+        folder, node = crt.parent, crt.parent.name
+        if crt.name == "client.crt" and folder.parent.name == "nodes":
+            unit = folder / unit_name(node)
+            how = (
+                f"systemctl reload {unit_name(node)} (SIGHUP: no restart)"
+                if unit.exists()
+                else f"restart its fedtier {node} command (a one-job node reads them when it starts)"
+            )
+            steps.append(
+                f"copy {crt} and {crt.with_suffix('.key')} to {INSTALL_DIR}/{node}/ on {node}'s host, then {how}"
+            )
+        elif crt.name == "bridge.crt":
+            steps.append(f"restart the broker of {folder} (its bridge to the cloud broker presents {crt})")
+    steps += [
+        f"{line.split(': ', 1)[0]}: start it with its renewed files, or copy them to where it runs and reload it"
+        for line in brokers
+        if "not running" in line
+    ]
+    return steps

@@ -36,7 +36,7 @@ def connect_forever(make: Callable[[], Any], stopping: threading.Event, what: st
 
 def on_signals(*stops: Callable[[], None]) -> None:
     """SIGTERM and SIGINT call each of ``stops`` in order (the service then leaves its loop and disconnects
-    cleanly)."""
+    cleanly); SIGHUP reloads the node's TLS material (:func:`reload_on_sighup`)."""
 
     def stop(*_: object) -> None:
         for each in stops:
@@ -44,6 +44,16 @@ def on_signals(*stops: Callable[[], None]) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+    reload_on_sighup()
+
+
+def reload_on_sighup() -> Any:
+    """SIGHUP (``systemctl reload``) makes this process's MQTT connections take their renewed TLS certificate
+    and key from their files (``protocols.transport.tls_reload``), on a thread of its own (the handler may
+    have interrupted one holding the logging lock). Returns the previous handler."""
+    from protocols.transport.tls_reload import reload_and_log
+
+    return signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=reload_and_log, name="tls-reload").start())
 
 
 def operator_key(cfg: RunConfig) -> bytes | None:

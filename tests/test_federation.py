@@ -241,6 +241,9 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             assert res.returncode == 0 and states == ["finished"] * 3 + ["cancelled"], states
             for name, p in procs.items():
                 assert p.poll() is None, f"{name} exited: {p.communicate()[0]}"  # nobody restarted between jobs
+            for p in (*procs.values(), cloud):  # `systemctl reload`: each takes its TLS files again, stays up
+                p.send_signal(signal.SIGHUP)
+            assert wait_until(lambda: _every_node(nodes / "monitor", "idle", fleet), 30), fleet
             # the cloud publishes the federation's roster, signed, retained: what provisioning knows
             with clients() as make:
                 inbox = Inbox()
@@ -270,6 +273,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
                     outputs[name] = p.communicate()[0]
     for name in procs:
         assert procs[name].returncode == 0, f"{name}: {outputs[name]}"  # SIGTERM: a clean stop
+        assert "TLS reload:" in outputs[name] and "now present client.crt" in outputs[name], outputs[name]
     assert "served 4 jobs (A, B, C, E)" in outputs["c0-d0"], outputs["c0-d0"]
     for name in ("A", "B", "C"):
         cfg, _ = canonical_job(read_job_file(tmp / f"{name}.toml").config, fed_cfg)

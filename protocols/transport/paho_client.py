@@ -10,6 +10,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
+from . import tls_reload
 from .base import Will
 
 
@@ -46,6 +47,7 @@ def new_client(
         c.username_pw_set(creds.username, creds.password)
     if creds.tls:
         c.tls_set(ca_certs=creds.ca_certs, certfile=creds.certfile, keyfile=creds.keyfile)
+        tls_reload.track(c, creds.certfile, creds.keyfile, creds.ca_certs)  # renewed files taken on SIGHUP
     if will is not None:
         if len(will.payload) > max_chunk:
             raise ValueError("the will payload must fit in one chunk")

@@ -1,0 +1,130 @@
+"""Certificate renewal on a running deployment, with the provisioned Mosquitto: ``fedtier provision renew``
+reloads the running broker (SIGHUP: it refuses the revoked certificate from then on, live connections stay)
+and prints the next steps; a node told to reload (SIGHUP) presents its renewed certificate at its next
+reconnect and keeps serving, one that kept the old certificate is refused; unusable files are not taken."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import shutil
+import signal
+import socket
+import ssl
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from cryptography import x509
+
+from fedtier.cli import main
+from fedtier.pki import load_pki, new_key, pem_cert, pem_key
+from fedtier.serve import reload_on_sighup
+from protocols.transport.tls_reload import check_material
+from tests.conftest import wait_until
+from tests.test_provision import WAIT, clients, mosquitto, needs_mosquitto, provision_cli, reachable_tmp  # noqa: F401
+
+
+def _server_serial(port: int) -> int:
+    """The serial number of the certificate the broker on ``port`` presents now."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as raw, ctx.wrap_socket(raw) as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+@needs_mosquitto
+def test_a_node_reloaded_on_sighup_keeps_serving_with_its_renewed_certificate(
+    reachable_tmp: Path,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    p = provision_cli(reachable_tmp, "reload", "--federation")
+    out, port = p["out"], p["port"]
+    # each node's installed bundle (its host's /etc/fedtier/NODE), and a copy of c0-d0's original files
+    installed = {n: reachable_tmp / "hosts" / n for n in ("c0-d0", "c0-d1")}
+    for node, folder in installed.items():
+        shutil.copytree(out / "nodes" / node, folder)
+    kept = reachable_tmp / "kept-c0-d0"
+    shutil.copytree(out / "nodes" / "c0-d0", kept)
+    conf = out / "broker" / "mosquitto.conf"
+    previous = reload_on_sighup()
+    try:
+        with clients() as make:
+            with mosquitto(conf, port):
+                a = make(installed["c0-d0"], port).connect(WAIT)
+                b = make(installed["c0-d1"], port).connect(WAIT)
+                served_before = _server_serial(port)
+                res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out)])
+                assert res.exit_code == 0, res.output
+                text = " ".join(res.output.split())
+                assert f"reloaded the broker in {out / 'broker'}" in text, text
+                for node in ("c0-d0", "c0-d1"):  # the exact next step, for every renewed node
+                    crt = out / "nodes" / node / "client.crt"
+                    assert (
+                        f"next: copy {crt} and {crt.with_suffix('.key')} to /etc/fedtier/{node}/ on {node}'s host, "
+                        f"then systemctl reload fedtier-{node}.service (SIGHUP: no restart)" in text
+                    ), text
+                # the broker reloaded: a new server certificate, the revoked client certificate refused at once;
+                # live connections stay
+                assert wait_until(lambda: _server_serial(port) != served_before, WAIT)
+                with pytest.raises(ConnectionError):
+                    make(kept, port).connect(WAIT)
+                assert a.connected and b.connected
+                # the operator copies c0-d0's renewed files to its host and reloads it; c0-d1 gets nothing
+                for name in ("client.crt", "client.key"):
+                    shutil.copy(out / "nodes" / "c0-d0" / name, installed["c0-d0"] / name)
+                with caplog.at_level(logging.WARNING, logger="protocols.transport.tls_reload"):
+                    os.kill(os.getpid(), signal.SIGHUP)
+                    renewed = str(installed["c0-d0"] / "client.crt")
+                    assert wait_until(lambda: f"now present {renewed}" in caplog.text, WAIT), caplog.text
+            # the broker restarts: every node reconnects; the reloaded one is let in, the other is refused
+            with mosquitto(conf, port):
+                assert wait_until(lambda: a.connected, 3 * WAIT), "the reloaded node did not reconnect"
+                assert not b.connected
+                with pytest.raises(ConnectionError):  # what c0-d1's reconnects present
+                    make(installed["c0-d1"], port).connect(WAIT)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_reload_refuses_an_expired_a_foreign_or_a_mismatched_certificate(tmp_path: Path) -> None:
+    """A node never swaps its working certificate for files it could not log in with: each is named."""
+    res = CliRunner().invoke(main, ["provision", str(_config(tmp_path)), "--out", str(tmp_path / "p")])
+    assert res.exit_code == 0, res.output
+    bundle = tmp_path / "p" / "nodes" / "c0-d0"
+    crt, key, ca = (str(bundle / f) for f in ("client.crt", "client.key", "ca.crt"))
+    serial, _ = check_material(crt, key, ca)
+    assert serial == x509.load_pem_x509_certificate(Path(crt).read_bytes()).serial_number
+    pki, now = load_pki(tmp_path / "p"), dt.datetime.now(dt.UTC)
+    own = new_key()
+    expired = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "c0-d0")]))
+        .issuer_name(pki.cert.subject)
+        .public_key(own.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(days=10))
+        .not_valid_after(now - dt.timedelta(days=1))
+        .sign(pki.key, pki.cert.signature_hash_algorithm)  # type: ignore[arg-type]
+    )
+    (tmp_path / "old.crt").write_bytes(pem_cert(expired))
+    (tmp_path / "old.key").write_bytes(pem_key(own))
+    with pytest.raises(ValueError, match="is not valid now"):
+        check_material(str(tmp_path / "old.crt"), str(tmp_path / "old.key"), ca)
+    other = CliRunner().invoke(main, ["provision", str(_config(tmp_path)), "--out", str(tmp_path / "q")])
+    assert other.exit_code == 0, other.output
+    with pytest.raises(ValueError, match="not signed by the CA"):
+        check_material(str(tmp_path / "q/nodes/c0-d0/client.crt"), str(tmp_path / "q/nodes/c0-d0/client.key"), ca)
+    with pytest.raises(ValueError, match="cannot load"):
+        check_material(crt, str(tmp_path / "old.key"), ca)
+
+
+def _config(tmp: Path) -> Path:
+    from tests.conftest import small_config
+
+    path = tmp / "cfg.toml"
+    path.write_text(small_config(tmp).to_toml())
+    return path
