@@ -1,15 +1,14 @@
 """The folder of a provisioned Mosquitto broker: its TLS listener, logins, ACL, persistence and bridge.
 
-:func:`write_broker` writes ``server.crt``/``.key``, ``ca.crt``, ``ca.crl``, ``passwd`` (PBKDF2-SHA512, as
-``mosquitto_passwd``), ``acl``, ``listener.conf`` (the listener's options alone) and ``mosquitto.conf``;
+:func:`write_broker` writes ``server.crt``/``.key``, ``ca.crt``, ``ca.crl``, ``acl``, ``listener.conf`` (the
+listener's options alone) and ``mosquitto.conf``; a login is a client certificate (no password file: see
+:func:`listener_options`);
 :func:`relocate` points them at a moved folder; :func:`reload_brokers` makes running brokers reread them
 (SIGHUP); :func:`broker_user_for_root` picks the user a broker started as root drops to.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import shutil
 import signal
@@ -30,13 +29,6 @@ MAX_QUEUED_BYTES = 512 * 1024 * 1024
 ``max_queued_messages``): a node that floods an offline peer's topics costs the broker this much, not gigabytes."""
 
 
-def password_line(user: str, password: str, salt: bytes | None = None) -> str:
-    """One ``password_file`` line in Mosquitto 2's format (``$7$``: PBKDF2-SHA512, 101 iterations)."""
-    salt = salt or os.urandom(12)
-    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, 101)
-    return f"{user}:$7$101${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
-
-
 def listener_options(max_packet_size: int) -> str:
     """The options that follow the ``listener`` line (paths relative to the broker folder's files:
     the caller substitutes absolute paths).
@@ -46,11 +38,16 @@ def listener_options(max_packet_size: int) -> str:
     client id from the user name (``use_username_as_clientid``), so a node's persistent session (client id
     ``fedtier-{run}-{node}`` on the wire) is keyed by the node's own identity at the broker: no other
     node's credentials can connect under it, kick it off or inherit or wipe its session. A certificate
-    listed in the CA's revocation list (``ca.crl``, ``renewal.renew``) is refused."""
+    listed in the CA's revocation list (``ca.crl``, ``renewal.renew``) is refused.
+
+    There are no broker passwords: under ``use_identity_as_username`` Mosquitto (2.0.11 checked) never checks
+    one (a wrong or missing password logs in all the same), so provisioning writes no password file and hands
+    out none; a login holds against anyone without a node's certificate key, and a node with valid
+    credentials logs in only as itself."""
     return (
         "cafile {dir}/ca.crt\ncertfile {dir}/server.crt\nkeyfile {dir}/server.key\ncrlfile {dir}/ca.crl\n"
         "require_certificate true\nuse_identity_as_username true\nuse_username_as_clientid true\n"
-        "password_file {dir}/passwd\nacl_file {dir}/acl\n"
+        "acl_file {dir}/acl\n"
         f"max_packet_size {max_packet_size}\n"
     )
 
@@ -63,24 +60,22 @@ def write_broker(
     port: int,
     max_packet: int,
     rules: dict[str, Grants],
-    passwords: dict[str, str],
     extra: str = "",
     broker_user: str | None = None,
     bind: str = "",
 ) -> None:
-    """One broker folder: server certificate, CA, password file, ACL, listener.conf, mosquitto.conf.
+    """One broker folder: server certificate, CA, revocation list, ACL, listener.conf, mosquitto.conf.
     With ``broker_user`` (as root), the broker's secrets are chowned to that user and the config says
     ``user NAME``: Mosquitto started as root drops to it and reads the bridge key after that."""
     pki.issue(folder, "server", host, hosts=tuple(dict.fromkeys((host, "127.0.0.1", "localhost"))))
     write_file(folder / "ca.crl", pki.crl([]))
-    write_file(folder / "passwd", "\n".join(password_line(u, passwords[u]) for u in rules) + "\n", secret=True)
     write_file(folder / "acl", acl_file(rules))
     options = listener_options(max_packet).replace("{dir}", str(folder.resolve()))
     write_file(folder / "listener.conf", options)
     data = folder / "data"  # mosquitto.db: sessions, queued and retained messages (model updates: private)
     data.mkdir(mode=0o700, exist_ok=True)
     write_file(
-        folder / "mosquitto.conf",  # secret: a bridge section holds the bridge's password
+        folder / "mosquitto.conf",  # secret: a bridge section names the bridge's key
         f"# {title} (fedtier provision)\n"
         + (f"user {broker_user}\n" if broker_user else "")
         + "per_listener_settings false\nallow_anonymous false\nset_tcp_nodelay true\n"
@@ -103,8 +98,8 @@ def write_broker(
 
 
 def reload_brokers(folders: list[Path]) -> list[str]:
-    """SIGHUP each running Mosquitto of ``folders`` (its ``data/mosquitto.pid``): it rereads its password, ACL
-    and CRL files and its server certificate and key (Mosquitto 2.0.11 checked: ``tests/test_tls_reload.py``).
+    """SIGHUP each running Mosquitto of ``folders`` (its ``data/mosquitto.pid``): it rereads its ACL and CRL
+    files and its server certificate and key (Mosquitto 2.0.11 checked: ``tests/test_tls_reload.py``).
     Returns what was done, one line a broker (a stopped broker takes them when it starts)."""
     done = []
     for folder in folders:
@@ -135,9 +130,9 @@ def relocate(out: str | Path) -> list[Path]:
     """Point the broker configs of a moved provisioning folder ``out`` at where their files are now.
 
     Mosquitto resolves a relative path in its config against its working directory, not the config's
-    folder, so provision writes absolute paths (``password_file /old/DIR/broker/passwd``); after the
+    folder, so provision writes absolute paths (``acl_file /old/DIR/broker/acl``); after the
     folder moved, this rewrites every broker folder's (``broker``, ``cells/*``) configs from the folder
-    they name (read off their ``password_file`` line) to the broker folder's current absolute path,
+    they name (read off their ``acl_file`` line) to the broker folder's current absolute path,
     owner and mode kept. Returns the broker folders rewritten (none if nothing moved)."""
     out = Path(out)
     folders = [d for d in (out / "broker", *sorted((out / "cells").glob("*"))) if (d / "mosquitto.conf").is_file()]
@@ -146,10 +141,10 @@ def relocate(out: str | Path) -> list[Path]:
     moved = []
     for folder in folders:
         conf = (folder / "mosquitto.conf").read_text()
-        named = [line.split(" ", 1)[1] for line in conf.splitlines() if line.startswith("password_file ")]
-        if len(named) != 1 or not named[0].endswith("/passwd"):
-            raise ConfigError(f"{folder / 'mosquitto.conf'} is not a fedtier broker config (one password_file line)")
-        old, new = named[0][: -len("/passwd")], str(folder.resolve())
+        named = [line.split(" ", 1)[1] for line in conf.splitlines() if line.startswith("acl_file ")]
+        if len(named) != 1 or not named[0].endswith("/acl"):
+            raise ConfigError(f"{folder / 'mosquitto.conf'} is not a fedtier broker config (one acl_file line)")
+        old, new = named[0][: -len("/acl")], str(folder.resolve())
         if old == new:
             continue
         for name in BROKER_CONFIGS:
@@ -166,8 +161,8 @@ MOSQUITTO_USER = "mosquitto"
 
 def broker_user_for_root(broker_user: str | None) -> tuple[str | None, str | None]:
     """The broker user to provision for, and a warning if any. Mosquitto started as root drops to its
-    service user (``mosquitto``, unless its config says ``user``) before it reads its password file,
-    ACL and keys: files written by root with mode 0600 are then unreadable. So as root without
+    service user (``mosquitto``, unless its config says ``user``) before it reads its ACL, revocation
+    list and keys: files written by root with mode 0600 are then unreadable. So as root without
     ``--broker-user``, default to the ``mosquitto`` user when it exists, else warn with the fix."""
     import pwd
 

@@ -126,7 +126,6 @@ def write_bundle(
     cfg: RunConfig,
     node: str,
     url: str,
-    password: str,
     max_device_weight: float | None,
     federation: bool,
     fedtier_bin: str,
@@ -148,8 +147,8 @@ def write_bundle(
             "broker": cfg.broker.model_copy(
                 update={
                     "url": url,
-                    "username": node,
-                    "password": password,
+                    "username": node,  # informative: the broker takes the user from the certificate
+                    "password": None,
                     "ca_certs": "ca.crt",
                     "certfile": "client.crt",
                     "keyfile": "client.key",
@@ -159,7 +158,7 @@ def write_bundle(
         }
     )
     text = federation_toml(node_cfg) if federation else node_cfg.to_toml()
-    write_file(d / "config.toml", text, secret=True)  # holds the broker password
+    write_file(d / "config.toml", text, secret=True)
     if federation:
         unit = systemd_unit(cfg, node, fedtier_bin)
         if unit is not None:

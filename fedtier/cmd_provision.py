@@ -184,7 +184,7 @@ def create(
     fedtier_bin: str,
 ) -> None:
     """Provision a deployment of CONFIG: a CA and per-node certificates, Ed25519 identities, a Mosquitto
-    config (TLS listener, password_file, ACL file) and a bundle per node in OUT/nodes/NODE.
+    config (TLS listener: client certificates are the logins; ACL file) and a bundle per node in OUT/nodes/NODE.
     `fedtier provision renew --out OUT [--node NODE]` re-issues certificates later (see its --help)."""
     from protocols.config import ConfigError
 

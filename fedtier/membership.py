@@ -7,8 +7,8 @@ the cloud's bundle). :func:`add_device`, :func:`add_cell` and :func:`revoke` cha
 - identities: a new Ed25519 key (``keys.toml``), a client certificate, a bundle (``OUT/nodes/{node}``);
   revoking drops the node's key from every peer's keys file and lists its certificate in the CA's
   revocation list (``ca.crl`` of every broker);
-- broker: the node's login (password file) and ACL entries added or removed, then the running Mosquitto
-  reloaded (SIGHUP to the pid in its ``mosquitto.pid``; Mosquitto rereads password, ACL and CRL files);
+- broker: the node's ACL entries added or removed (its login is its certificate), then the running Mosquitto
+  reloaded (SIGHUP to the pid in its ``mosquitto.pid``; Mosquitto rereads its ACL and CRL files);
 - roster: a new version, signed with the cloud's key (``protocols.roster``), written to ``OUT/roster.json``
   and the cloud's bundle, and published retained on the roster topic with the operator's login
   (:func:`publish_roster`): the running cloud takes it, so the next job plans the new membership, and
@@ -21,7 +21,6 @@ never come back under it.
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,29 +52,21 @@ def _broker_dirs(fed: Federation, cell: str | None) -> list[Path]:
     return [fed.out / "broker"]
 
 
-def _rewrite_broker(fed: Federation, folder: Path, users: list[str], new_passwords: dict[str, str]) -> None:
-    """``folder``'s password file keeps the lines of ``users`` (new ones hashed from ``new_passwords``), and
-    its ACL becomes theirs; a user not in ``users`` loses its login."""
+def _rewrite_broker(fed: Federation, folder: Path, users: list[str]) -> None:
+    """``folder``'s ACL becomes that of ``users``: a user not in it may use no topic there (and its certificate
+    is revoked by the caller)."""
     from .acl import acl_file, acl_rules, bridge_rules, bridge_user
-    from .broker_files import password_line
 
-    lines = {}
-    for line in (folder / "passwd").read_text().splitlines():
-        user = line.split(":", 1)[0]
-        if user in users:
-            lines[user] = line
-    for user, password in new_passwords.items():
-        lines[user] = password_line(user, password)
     rules = acl_rules(fed.cfg)
     for cell in fed.cfg.topology.cell_ids():
         rules[bridge_user(cell)] = bridge_rules(fed.name, cell)
     wanted = {u: rules[u] for u in users if u in rules}
-    _write(folder / "passwd", "\n".join(lines[u] for u in users if u in lines) + "\n", secret=True)
     _write(folder / "acl", acl_file(wanted))
 
 
 def _users(folder: Path) -> list[str]:
-    return [line.split(":", 1)[0] for line in (folder / "passwd").read_text().splitlines() if ":" in line]
+    """The users ``folder``'s broker knows: those its ACL names."""
+    return [line[len("user ") :] for line in (folder / "acl").read_text().splitlines() if line.startswith("user ")]
 
 
 # ------------------------------------------------------------------------------------------ changes
@@ -130,9 +121,8 @@ def _enroll(fed: Federation, node: str, cell: str, folders: list[Path], peers: l
     from .bundles import write_bundle
     from .pki import load_pki
 
-    password = secrets.token_urlsafe(18)
     for folder in folders:
-        _rewrite_broker(fed, folder, [*_users(folder), node], {node: password})
+        _rewrite_broker(fed, folder, [*_users(folder), node])
     p = fed.params
     bundle = write_bundle(
         fed.out,
@@ -141,7 +131,6 @@ def _enroll(fed: Federation, node: str, cell: str, folders: list[Path], peers: l
         fed.cfg,
         node,
         _url(fed, cell),
-        password,
         p.get("max_device_weight"),
         bool(p.get("federation")),
         p.get("fedtier_bin") or "fedtier",
@@ -215,7 +204,7 @@ def revoke(out: str | Path, node: str) -> Change:
         if (folder / "ca.crl").exists():
             _write(folder / "ca.crl", crl)
     for folder in folders:
-        _rewrite_broker(fed, folder, [u for u in _users(folder) if u not in gone], {})
+        _rewrite_broker(fed, folder, [u for u in _users(folder) if u not in gone])
     _save(fed)
     _refresh_keys(fed, ["cloud", "monitor", *([cell] if node != cell else [])])
     return Change(node, None, fed.roster.version, reload_brokers(sorted(set(all_brokers))))

@@ -5,18 +5,18 @@
     OUT/ca/ca.crt, ca.key            the CA (keep ca.key offline)
     OUT/keys.toml                    every node's Ed25519 identity (keep offline; `fedtier keys`)
     OUT/broker/                      mosquitto.conf (TLS listener), listener.conf (its options alone),
-                                     server.crt/.key, ca.crt, passwd (PBKDF2-SHA512, as mosquitto_passwd),
-                                     acl (per node: what it may read and write)
+                                     server.crt/.key, ca.crt, ca.crl, acl (per node: what it may read
+                                     and write); a login is a client certificate, there are no passwords
     OUT/cells/{cell}/                with per_cell: that cell's broker (the same files, plus bridge.crt/.key)
     OUT/nodes/{node}/                one bundle per node (cloud, each cell, each device, monitor):
-                                     config.toml (broker URL, credentials, TLS files, keys), keys.toml
+                                     config.toml (broker URL, user name, TLS files, keys), keys.toml
                                      (its private key, its peers' public keys; the monitor's: every
                                      node's public key), client.crt/.key, ca.crt
 
 With ``per_cell`` (the fleet-scale layout of ``protocols/transport/bridge.py``), ``OUT/cells/{cell}/``
-holds one more broker per cell (its own server certificate, password file and ACL for the cell server
-and its devices only, and a TLS bridge to the cloud broker with its own user, password and client
-certificate); the cloud broker in ``OUT/broker`` then knows only ``cloud``, ``monitor`` and the bridges,
+holds one more broker per cell (its own server certificate and ACL for the cell server and its devices
+only, and a TLS bridge to the cloud broker that logs in with its own client certificate, user
+``bridge.CELL``); the cloud broker in ``OUT/broker`` then knows only ``cloud``, ``monitor`` and the bridges,
 each allowed exactly its cell's bridged topics. Cell and device bundles point at their cell broker.
 
 The parts: ``pki.py`` (the CA and certificates), ``acl.py`` (who may use which topic), ``broker_files.py`` (a
@@ -25,7 +25,6 @@ broker's folder), ``bundles.py`` (a node's bundle and systemd unit); this module
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,7 +48,6 @@ class Provisioned:
     out: Path
     broker: Path
     bundles: dict[str, Path]
-    passwords: dict[str, str]
     cell_brokers: dict[str, Path] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     """What the operator should fix or know (e.g. root without a broker user)."""
@@ -114,18 +112,14 @@ def _new_identities(out: Path, cfg: RunConfig) -> KeyRing:
 
 @dataclass
 class _Brokers:
-    """The brokers of one provisioning being written: their logins (one password per user) and folders."""
+    """The brokers of one provisioning being written: their users' ACL rules and their folders."""
 
     cfg: RunConfig
     out: Path
     layout: BrokerLayout
     pki: CertificateAuthority
     rules: dict[str, Grants]
-    passwords: dict[str, str] = field(init=False)
     cell_folders: dict[str, Path] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.passwords = {user: secrets.token_urlsafe(18) for user in self.rules}
 
     def write(self, folder: Path, title: str, host: str, port: int, rules: dict[str, Grants], extra: str) -> None:
         """One broker folder (:func:`~fedtier.broker_files.write_broker`) for the users of ``rules``."""
@@ -138,7 +132,6 @@ class _Brokers:
             port,
             layout.max_packet,
             rules,
-            self.passwords,
             extra,
             layout.broker_user,
             layout.bind,
@@ -148,7 +141,6 @@ class _Brokers:
         """``cell``'s broker in ``OUT/cells/CELL``, bridged to the cloud broker at ``cloud_url``; its URL."""
         run = self.cfg.run.name
         bridge = bridge_user(cell)
-        self.passwords[bridge] = secrets.token_urlsafe(18)
         folder = self.cell_folders[cell] = self.out / "cells" / cell
         self.pki.issue(folder, "bridge", bridge)
         b = folder.resolve()
@@ -157,7 +149,6 @@ class _Brokers:
             cell,
             cloud_url,
             username=bridge,
-            password=self.passwords[bridge],
             cafile=f"{b}/ca.crt",
             certfile=f"{b}/bridge.crt",
             keyfile=f"{b}/bridge.key",
@@ -225,11 +216,10 @@ def provision(
     ring = _new_identities(out, cfg)
     brokers = _Brokers(cfg, out, layout, pki, acl_rules(cfg))
     urls = brokers.all(extra_broker_config)
-    pw = brokers.passwords
     bundles = {
-        node: write_bundle(out, pki, ring, cfg, node, urls[node], pw[node], max_device_weight, federation, fedtier_bin)
+        node: write_bundle(out, pki, ring, cfg, node, urls[node], max_device_weight, federation, fedtier_bin)
         for node in brokers.rules
     }
     extra = {"max_device_weight": max_device_weight, "federation": federation, "fedtier_bin": fedtier_bin}
     record_federation(out, cfg, ring, {**asdict(layout), **extra})
-    return Provisioned(out, out / "broker", bundles, pw, brokers.cell_folders, [warning] if warning else [])
+    return Provisioned(out, out / "broker", bundles, brokers.cell_folders, [warning] if warning else [])

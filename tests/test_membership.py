@@ -177,7 +177,7 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
     assert first[0]["answered"] == ["c0-d0", "c0-d1"]
     fed = load_federation(prov)
     assert fed.roster.version == 3 and "c0-d1" in fed.roster.revoked and fed.roster.members("c0") == ["c0-d0", "c0-d2"]
-    assert "c0-d1" not in (prov / "broker" / "passwd").read_text()
+    assert "user c0-d1\n" not in (prov / "broker" / "acl").read_text()
     assert "served 1 jobs (A)" in outputs["c0-d1"] or "served 1 job" in outputs["c0-d1"], outputs["c0-d1"]
 
 

@@ -1,10 +1,9 @@
 """``fedtier provision`` against real Mosquitto brokers started with the provisioned ``mosquitto.conf``
-files: TLS, password files and the per-node ACLs are enforced by the brokers, and with ``--brokers
+files: TLS client certificates (the only login) and the per-node ACLs are enforced by the brokers, and with ``--brokers
 per-cell`` each cell broker bridges exactly its cell's topics to the cloud broker."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import os
 import pwd
@@ -20,7 +19,6 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from fedtier.broker_files import password_line
 from fedtier.cli import main
 from fedtier.pki import CertificateAuthority, certificate, load_pki, new_key
 from protocols.procs import popen
@@ -33,14 +31,6 @@ from tests.conftest import free_port_run, small_config
 
 WAIT = 10.0
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
-
-
-def test_password_lines_match_mosquitto_passwd_format() -> None:
-    # the line mosquitto_passwd 2.0.11 writes for alice/secret with this salt
-    assert password_line("alice", "secret", base64.b64decode("sqzBqxC1jNIuFmH7")) == (
-        "alice:$7$101$sqzBqxC1jNIuFmH7$ybCLIMDqjN0Ftfpu3ZaKd59eTqga+5X6OhbGFGzvFA4VWTSxEm6a3ERz88M8qKBR4OU3Z"
-        "fsAcdlEzxl+3cekxA=="
-    )
 
 
 def broker_user() -> list[str]:
@@ -124,7 +114,6 @@ def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[
         d / "client.key",
         d / "config.toml",
         out / "ca" / "ca.key",
-        out / "broker" / "passwd",
         out / "broker" / "server.key",
     ):
         assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600, secret
@@ -191,7 +180,7 @@ def client_factory(loop: ThreadLoop, made: list[MqttTransport]) -> Any:
             "127.0.0.1",
             port,
             username=username or cfg["username"],
-            password=password or cfg["password"],
+            password=password or cfg.get("password"),
             ca_certs=str(bundle / "ca.crt"),
             certfile=str(bundle / "client.crt"),
             keyfile=str(bundle / "client.key"),
@@ -219,6 +208,29 @@ def clients() -> Iterator[Any]:
 def connect(provisioned: dict[str, Any], broker: subprocess.Popen) -> Iterator[Any]:
     with clients() as make:
         yield lambda node, password=None: make(provisioned["out"] / "nodes" / node, provisioned["port"], password)
+
+
+@needs_mosquitto
+def test_a_login_is_the_certificate_and_no_broker_password_is_written(
+    provisioned: dict[str, Any], broker, connect
+) -> None:
+    """Under ``use_identity_as_username`` Mosquitto checks no password, so provisioning writes and hands out
+    none: no password file, no ``password_file`` or ``remote_password`` line, no password in any bundle.
+    A node's certificate logs in with any password or none, always as the node its certificate names."""
+    out = provisioned["out"]
+    assert list(out.rglob("passwd")) == []
+    for conf in out.rglob("mosquitto.conf"):
+        assert "password" not in conf.read_text(), conf
+    for bundle in (out / "nodes").iterdir():
+        assert "password" not in tomllib.loads((bundle / "config.toml").read_text())["broker"], bundle
+    for password in ("wrong", None):
+        device = connect("c0-d0", password)
+        device.connect(WAIT)
+        inbox = Inbox()  # still c0-d0: its own task topic only
+        device.subscribe(topics.device_task("t", "c0", "c0-d0"), inbox)
+        assert device.wait_subscribed(WAIT)
+        connect("c0", None).connect(WAIT).publish(topics.device_task("t", "c0", "c0-d0"), b"task")
+        inbox.wait_for(topics.device_task("t", "c0", "c0-d0"))
 
 
 @needs_mosquitto
@@ -278,7 +290,7 @@ def test_no_node_can_take_the_clouds_session(
 
     nodes, port, run = provisioned["out"] / "nodes", provisioned["port"], "t"
     cloud_id = "fedtier-t-cloud"
-    password = tomllib.loads((nodes / "cloud" / "config.toml").read_text())["broker"]["password"]
+    password = "any password"  # the broker checks none (use_identity_as_username)
     report = topics.cell_report(run, "c0")
     with caplog.at_level(logging.INFO), clients() as make:
         inbox = Inbox()
@@ -365,8 +377,6 @@ def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
     (observer / "config.toml").write_text((p["out"] / "nodes" / "monitor" / "config.toml").read_text())
     with open(cloud_broker / "acl", "a") as f:
         f.write("\nuser observer\ntopic read fedtier/#\n")
-    with open(cloud_broker / "passwd", "a") as f:
-        f.write(password_line("observer", "watch") + "\n")
     with (
         mosquitto(cloud_broker / "mosquitto.conf", p["port"]),
         mosquitto(p["out"] / "cells" / "c0" / "mosquitto.conf", cell_port),
@@ -377,9 +387,9 @@ def per_cell(reachable_tmp: Path) -> Iterator[dict[str, Any]]:
 
 def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, Any]) -> None:
     out = per_cell["out"]
-    users = lambda f: sorted(line.split(":")[0] for line in f.read_text().splitlines() if line)  # noqa: E731
-    assert users(out / "broker" / "passwd") == ["bridge.c0", "bridge.c1", "cloud", "monitor", "observer", "operator"]
-    assert users(out / "cells" / "c0" / "passwd") == ["c0", "c0-d0", "c0-d1", "c0-d2"]
+    users = lambda f: sorted(u[5:] for u in f.read_text().splitlines() if u.startswith("user "))  # noqa: E731
+    assert users(out / "broker" / "acl") == ["bridge.c0", "bridge.c1", "cloud", "monitor", "observer", "operator"]
+    assert users(out / "cells" / "c0" / "acl") == ["c0", "c0-d0", "c0-d1", "c0-d2"]
     acl = (out / "broker" / "acl").read_text()
     assert acl.split("user bridge.c0\n")[1].split("\n\n")[0].splitlines() == [
         "topic read fedtier/t/cell/c0/down/task",
@@ -397,7 +407,7 @@ def test_per_cell_provisioning_splits_users_between_brokers(per_cell: dict[str, 
         cfg = tomllib.loads((out / "nodes" / node / "config.toml").read_text())
         assert cfg["broker"]["url"] == f"mqtts://127.0.0.1:{port}"
     for secret in (out / "cells" / "c0" / "mosquitto.conf", out / "cells" / "c0" / "bridge.key"):
-        assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600, secret  # the bridge's password and key
+        assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600, secret  # the bridge's key
 
 
 def test_cell_broker_bridges_only_the_cells_topics_to_the_cloud(per_cell: dict[str, Any]) -> None:
@@ -622,7 +632,7 @@ def test_provision_as_root_without_broker_user_gives_the_broker_files_to_mosquit
 ) -> None:
     output, broker, chowned = root_cli(tmp_path, monkeypatch, mosquitto_user=True)
     assert "user mosquitto\n" in (broker / "mosquitto.conf").read_text()
-    assert {"passwd:mosquitto", "server.key:mosquitto", "mosquitto.conf:mosquitto", "data:mosquitto"} <= set(chowned)
+    assert {"acl:mosquitto", "server.key:mosquitto", "mosquitto.conf:mosquitto", "data:mosquitto"} <= set(chowned)
     assert "without --broker-user" in " ".join(output.split()) and "'mosquitto'" in output
 
 
@@ -651,9 +661,7 @@ def test_a_moved_provisioning_folder_works_again_after_relocate(reachable_tmp: P
         pass  # it names files under the old folder: it exits
     res = CliRunner().invoke(main, ["provision", "relocate", "--out", str(moved)])
     assert res.exit_code == 0, res.output
-    assert (
-        "before-move" not in conf.read_text() and f"password_file {moved.resolve()}/broker/passwd" in conf.read_text()
-    )
+    assert "before-move" not in conf.read_text() and f"acl_file {moved.resolve()}/broker/acl" in conf.read_text()
     assert stat.S_IMODE(conf.stat().st_mode) == 0o600
     for cell in ("c0", "c1"):  # each cell broker's config and its bridge section too
         assert "before-move" not in (moved / "cells" / cell / "mosquitto.conf").read_text()
