@@ -12,7 +12,8 @@ Sources and scaling:
 - ``fmnist`` / ``fashion-mnist``: the idx files of the Debian package ``dataset-fashion-mnist`` in
   ``/usr/share/datasets/fashion-mnist/`` (``{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz``), scaled
   ``pixel / 255`` (range [0, 1]).
-- ``digits``: :func:`sklearn.datasets.load_digits` (bundled with scikit-learn), scaled ``/ 16``, with a
+- ``digits``: the data of :func:`sklearn.datasets.load_digits` (bundled with scikit-learn, read from its
+  ``digits.csv.gz`` without importing scikit-learn), scaled ``/ 16``, with a
   fixed stratified 80/20 split drawn from ``rng(0, "digits-split")``.
 - ``synthetic``: a seeded Gaussian mixture (parameters ``n``, ``dim``, ``classes``, ``seed``, ...).
 - ``npz:PATH``: a user's ``.npz`` file with ``x_train, y_train, x_test, y_test`` (features of any shape, integer
@@ -253,12 +254,27 @@ def _load_fmnist(root: str | None = None) -> Dataset:
 
 
 # ---------------------------------------------------------------------------------------------- digits
-def _load_digits(test_fraction: float = 0.2) -> Dataset:
-    from sklearn.datasets import load_digits  # bundled with scikit-learn, no download
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as ``load_digits`` returns them (``data`` float64, ``target``), read from
+    its ``digits.csv.gz`` as ``load_digits`` reads it, without importing scikit-learn (whose import pulls in
+    SciPy: ~1 s of CPU in every process that loads digits); ``load_digits`` where the file is not found."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
+    origin = spec.origin if spec is not None else None
+    path = Path(origin).parent / "datasets" / "data" / "digits.csv.gz" if origin else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits
 
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int64)
+        d = load_digits()
+        return d.data, d.target
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(int)
+
+
+def _load_digits(test_fraction: float = 0.2) -> Dataset:
+    data, target = _digits_arrays()  # bundled with scikit-learn, no download
+    x = (data / 16.0).astype(np.float32)
+    y = target.astype(np.int64)
     g = rng(0, "digits-split")  # fixed split, independent of the run seed
     test = []
     for c in range(10):

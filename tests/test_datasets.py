@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +98,24 @@ def test_digits_split_is_fixed_and_stratified():
     datasets.clear_cache()
     again = load_dataset("digits")
     assert again is not ds and np.array_equal(again.y_test, ds.y_test) and np.array_equal(again.x_train, ds.x_train)
+
+
+def test_digits_are_sklearns_read_without_importing_sklearn():
+    """The digits come from scikit-learn's bundled file, the arrays ``load_digits`` gives, in a process that
+    never imports scikit-learn (its import, SciPy with it, cost ~1 s in every ``fedtier`` process)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    data, target = datasets._digits_arrays()
+    d = load_digits()
+    assert data.dtype == d.data.dtype and np.array_equal(data, d.data)
+    assert target.dtype == d.target.dtype and np.array_equal(target, d.target)
+    code = "import sys; from sim.datasets import load_dataset; load_dataset('digits'); print('sklearn' in sys.modules)"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stdout + done.stderr
 
 
 def test_synthetic_seeded():
