@@ -9,17 +9,23 @@ The scheme (DeComFL and any other seeded-direction algorithm use exactly this):
   parameters **in model order** (the order of the parameter dict, i.e. torch ``named_parameters``)
   and draws, for each tensor of ``n`` values, ``standard_normal(n, dtype=float32)`` (``gaussian``) or
   ``2 * integers(0, 2, n, dtype=int8) - 1`` as float32 (``rademacher``), reshaped to the tensor.
-* A step update is ``x -= c * z`` per tensor in float32, with ``c = float32((lr / P) * g)``
-  (``lr / P * g`` computed in float64, then rounded once to float32). A zero ``g`` is skipped.
-  Local steps, catch-up replay and the cloud's model all call :func:`apply_step`, so the operation
-  order (rounds oldest first, k ascending, p ascending) and rounding are the same everywhere; the
-  elementwise float32 multiply and subtract are correctly rounded IEEE operations, so the result
-  does not depend on the machine.
+* A local step ``k`` moves along its **update direction** ``u = sum_p c_p z_p``: one float32 vector over the
+  parameters in model order, accumulated from zero with p ascending (``u += c_p * z_p``, each product rounded to
+  float32, then the sum; a zero ``c_p`` is skipped). Every party computes ``u`` with :func:`update` and applies
+  it whole, so replaying a round costs a few vector operations, not P of them: a process computes each round's
+  ``u`` once and shares it (the cloud's step, every device catching up; least recently used dropped first).
+* A plain step is ``x -= u`` with ``c_p = float32((lr / P) * g_p)`` (``lr / P * g_p`` computed in float64,
+  then rounded once to float32; :func:`apply_step`).
 * With **momentum** beta > 0 (torch's heavy ball, which the DeComFL repository runs: its SGD steps on the
-  ZO estimate), a step keeps a buffer ``b`` beside ``x``: ``b *= float32(beta)``, then for p = 0..P-1
-  ``b += float32(g[p] / P) * z_p``, then ``x -= float32(lr) * b`` (:func:`apply_momentum_step`). The
-  buffer is part of the global trajectory: a device reverts it with ``x`` after its local steps and
-  replays it with ``x`` when it catches up, so both stay bit-identical to the cloud's.
+  ZO estimate), a step keeps a buffer ``b`` beside ``x``: ``c_p = float32(g_p / P)``, then ``b *= float32(beta)``,
+  ``b += u``, ``x -= float32(lr) * b`` (:func:`apply_momentum_step`). The buffer is part of the global
+  trajectory: a device reverts it with ``x`` after its local steps and replays it with ``x`` when it catches
+  up, so both stay bit-identical to the cloud's.
+* Local steps, catch-up replay and the cloud's model all step through :func:`apply_step` /
+  :func:`apply_momentum_step` (rounds oldest first, k ascending), so the operation order and rounding are the
+  same everywhere; every operation is an elementwise, correctly rounded IEEE float32 multiply, add or
+  subtract (no fused multiply-add), so the result does not depend on the machine, nor on whether the
+  parameters are held as one vector (:func:`packed`, the fast path) or tensor by tensor.
 
 :func:`fingerprint` hashes a small direction: parties can compare it at start-up to catch a numpy
 whose generator stream differs.
@@ -31,7 +37,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -47,9 +53,52 @@ def round_seed(run_seed: int, round: int) -> int:
 
 
 CACHE_BYTES = 64 << 20  # directions kept for reuse within a process (bounds memory)
-_cache: OrderedDict[tuple, dict[str, np.ndarray]] = OrderedDict()
+UPDATE_CACHE_BYTES = 64 << 20  # update directions u kept for reuse (one a round-step: P times smaller)
+_cache: OrderedDict[tuple, tuple[np.ndarray, dict[str, np.ndarray]]] = OrderedDict()  # key -> (flat, views)
 _cached_bytes = 0
+_updates: OrderedDict[tuple, np.ndarray] = OrderedDict()
+_update_bytes = 0
 _lock = threading.Lock()  # agents may run as threads of one process (fedtier run)
+
+
+class Packed(dict):
+    """Parameters held as one float32 vector (:attr:`flat`, model order) and, by name, views of it: the steps
+    update the vector in a few operations instead of a few per tensor (the same bits either way)."""
+
+    flat: np.ndarray
+
+
+def packed(params: Mapping[str, np.ndarray]) -> Packed:
+    """A :class:`Packed` copy of ``params`` (float32, model order)."""
+    flat = np.concatenate([np.asarray(v, np.float32).ravel() for v in params.values()] or [np.zeros(0, np.float32)])
+    out = Packed(_views(flat, shapes_of(params)))
+    out.flat = flat
+    return out
+
+
+def _views(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    out, at = {}, 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape, dtype=np.int64))
+        out[name] = flat[at : at + n].reshape(shape)
+        at += n
+    return out
+
+
+def _key(shapes: Mapping[str, tuple[int, ...]]) -> tuple:
+    return tuple((n, tuple(s)) for n, s in shapes.items())
+
+
+def _remember(cache: OrderedDict, key: tuple, value: Any, size: int, budget: int, used: int) -> int:
+    """Put ``value`` (of ``size`` bytes) in ``cache`` unless there; drop the oldest beyond ``budget``; the bytes
+    used after (call with the lock held)."""
+    if key not in cache and size <= budget:
+        cache[key] = value
+        used += size
+    while used > budget and cache:
+        _, old = cache.popitem(last=False)
+        used -= (old[0] if isinstance(old, tuple) else old).nbytes
+    return used
 
 
 def direction(
@@ -60,41 +109,53 @@ def direction(
     Every device of a round (and its cell, and the cloud) needs the same directions: a process draws
     each once and hands out the same arrays while they fit in ``CACHE_BYTES`` (least recently used
     dropped first), so a cohort of simulated devices costs one draw, not one per device."""
+    return dict(_direction(round_seed, k, p, shapes, kind)[1])
+
+
+def direction_vector(
+    round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind = "gaussian"
+) -> np.ndarray:
+    """z(round_seed, k, p) as one read-only float32 vector (the tensors of ``shapes`` in order)."""
+    return _direction(round_seed, k, p, shapes, kind)[0]
+
+
+def _direction(
+    round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     global _cached_bytes
-    key = (int(round_seed), int(k), int(p), kind, tuple((n, tuple(s)) for n, s in shapes.items()))
+    key = (int(round_seed), int(k), int(p), kind, _key(shapes))
     with _lock:
         hit = _cache.get(key)
         if hit is not None:
             _cache.move_to_end(key)
-            return dict(hit)
-    out = _draw(int(round_seed), int(k), int(p), shapes, kind)
-    size = sum(v.nbytes for v in out.values())
-    if size <= CACHE_BYTES:
-        for v in out.values():
-            v.flags.writeable = False
-        with _lock:
-            if key not in _cache:
-                _cache[key] = out
-                _cached_bytes += size
-            while _cached_bytes > CACHE_BYTES:
-                _, old = _cache.popitem(last=False)
-                _cached_bytes -= sum(v.nbytes for v in old.values())
-    return dict(out)
+            return hit
+    flat = _draw_flat(int(round_seed), int(k), int(p), shapes, kind)
+    flat.flags.writeable = False
+    out = (flat, _views(flat, shapes))
+    with _lock:
+        _cached_bytes = _remember(_cache, key, out, flat.nbytes, CACHE_BYTES, _cached_bytes)
+    return out
+
+
+def _draw_flat(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> np.ndarray:
+    gen = rng(round_seed, k, p, "zo-direction")
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()]
+    out = np.empty(sum(sizes), np.float32)
+    at = 0
+    for n in sizes:  # one generator walks the tensors in order (a call per tensor: rademacher's draw is buffered)
+        if kind == "gaussian":
+            gen.standard_normal(n, dtype=np.float32, out=out[at : at + n])
+        elif kind == "rademacher":
+            out[at : at + n] = 2 * gen.integers(0, 2, n, dtype=np.int8) - 1
+        else:
+            raise ValueError(f"unknown direction kind {kind!r} (choose {', '.join(KINDS)})")
+        at += n
+    return out
 
 
 def _draw(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> dict[str, np.ndarray]:
-    gen = rng(round_seed, k, p, "zo-direction")
-    out: dict[str, np.ndarray] = {}
-    for name, shape in shapes.items():
-        n = int(np.prod(shape, dtype=np.int64))
-        if kind == "gaussian":
-            z = gen.standard_normal(n, dtype=np.float32)
-        elif kind == "rademacher":
-            z = (2 * gen.integers(0, 2, n, dtype=np.int8) - 1).astype(np.float32)
-        else:
-            raise ValueError(f"unknown direction kind {kind!r} (choose {', '.join(KINDS)})")
-        out[name] = z.reshape(shape)
-    return out
+    """A fresh (uncached) draw of z(round_seed, k, p) by name."""
+    return _views(_draw_flat(round_seed, k, p, shapes, kind), shapes)
 
 
 def shapes_of(params: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
@@ -112,19 +173,59 @@ def step_coefficient(lr: float, perturbations: int, g: float) -> np.float32:
     return np.float32(float(lr) / int(perturbations) * float(g))
 
 
+def update(
+    round_seed: int,
+    k: int,
+    c: np.ndarray,
+    shapes: Mapping[str, tuple[int, ...]],
+    kind: Kind = "gaussian",
+    share: bool = True,
+) -> np.ndarray:
+    """u = sum_p c[p] z(round_seed, k, p) as one read-only float32 vector (see the module docstring for the
+    order). ``share``: keep it for the process's other parties (a round's global step: the cloud and every
+    device replaying it); a device's own local step is not shared."""
+    global _update_bytes
+    c = np.asarray(c, np.float32)
+    key = (int(round_seed), int(k), c.tobytes(), kind, _key(shapes))
+    if share:
+        with _lock:
+            hit = _updates.get(key)
+            if hit is not None:
+                _updates.move_to_end(key)
+                return hit
+    u = np.zeros(sum(int(np.prod(s, dtype=np.int64)) for s in shapes.values()), np.float32)
+    for p in range(c.shape[0]):
+        if c[p] != 0:
+            u += c[p] * direction_vector(round_seed, k, p, shapes, kind)
+    u.flags.writeable = False
+    if share:
+        with _lock:
+            _update_bytes = _remember(_updates, key, u, u.nbytes, UPDATE_CACHE_BYTES, _update_bytes)
+    return u
+
+
+def _pairs(params: Mapping[str, np.ndarray], u: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(array, its part of ``u``): the whole vector for :class:`Packed` parameters, else tensor by tensor."""
+    if isinstance(params, Packed):
+        return [(params.flat, u)]
+    return list(zip(params.values(), _views(u, shapes_of(params)).values()))
+
+
 def apply_step(
-    params: MutableMapping[str, np.ndarray], round_seed: int, k: int, g: np.ndarray, lr: float, kind: Kind = "gaussian"
+    params: MutableMapping[str, np.ndarray],
+    round_seed: int,
+    k: int,
+    g: np.ndarray,
+    lr: float,
+    kind: Kind = "gaussian",
+    share: bool = True,
 ) -> None:
-    """In place: ``x -= (lr / P) * g[p] * z(round_seed, k, p)`` for p = 0..P-1 (``g`` holds P scalars)."""
+    """In place: ``x -= u`` with ``c_p = float32((lr / P) * g[p])`` (``g`` holds P scalars)."""
     g = np.asarray(g)
-    shapes = shapes_of(params)
-    for p in range(g.shape[0]):
-        c = step_coefficient(lr, g.shape[0], g[p])
-        if c == 0:
-            continue
-        z = direction(round_seed, k, p, shapes, kind)
-        for name, v in params.items():
-            v -= c * z[name]
+    c = np.array([step_coefficient(lr, g.shape[0], v) for v in g], np.float32)
+    u = update(round_seed, k, c, shapes_of(params), kind, share)
+    for v, part in _pairs(params, u):
+        v -= part
 
 
 def apply_momentum_step(
@@ -136,22 +237,21 @@ def apply_momentum_step(
     lr: float,
     momentum: float,
     kind: Kind = "gaussian",
+    share: bool = True,
 ) -> None:
-    """In place, heavy ball on the ZO estimate: ``b = beta * b + sum_p (g[p] / P) z_p; x -= lr * b``."""
+    """In place, heavy ball on the ZO estimate: ``b = beta * b + u`` (``c_p = float32(g[p] / P)``), ``x -= lr * b``."""
     g = np.asarray(g)
-    shapes = shapes_of(params)
+    c = np.array([np.float32(float(v) / g.shape[0]) for v in g], np.float32)
+    u = update(round_seed, k, c, shapes_of(params), kind, share)
     beta, rate = np.float32(momentum), np.float32(lr)
-    for v in buf.values():
-        v *= beta
-    for p in range(g.shape[0]):
-        c = np.float32(float(g[p]) / g.shape[0])
-        if c == 0:
-            continue
-        z = direction(round_seed, k, p, shapes, kind)
-        for name, v in buf.items():
-            v += c * z[name]
-    for name, v in params.items():
-        v -= rate * buf[name]
+    flat = isinstance(params, Packed) and isinstance(buf, Packed)
+    xs = [params.flat] if flat else list(params.values())  # type: ignore[attr-defined]
+    bs = [buf.flat] if flat else [buf[name] for name in params]  # type: ignore[attr-defined]
+    us = [u] if flat else list(_views(u, shapes_of(params)).values())
+    for x, b, part in zip(xs, bs, us):
+        b *= beta
+        b += part
+        x -= rate * b
 
 
 def apply_round(

@@ -554,3 +554,35 @@ def test_directions_are_drawn_once_per_process_and_stay_bounded(monkeypatch):
         Z.direction(78, 0, p, shapes)
     assert Z._cached_bytes <= Z.CACHE_BYTES and len(Z._cache) <= 2
     assert np.array_equal(Z.direction(78, 0, 0, shapes)["w"], Z._draw(78, 0, 0, shapes, "gaussian")["w"])
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_a_step_is_one_shared_update_vector_and_the_layout_does_not_change_a_bit(momentum):
+    """The scheme: u = sum_p c_p z_p in float32 (p ascending), computed once per process for a round's global
+    step; a step applied to packed parameters (one vector) equals the same step applied tensor by tensor."""
+    shapes = {"w": (3, 5), "b": (5,), "v": (2, 2, 2)}
+    seed, lr = Z.round_seed(4, 9), 0.05
+    g = np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)
+    c = np.array([np.float32(v / 4) for v in g[0]], np.float32)
+    c[1] = 0  # a zero coefficient is skipped
+    manual = np.zeros(28, np.float32)
+    for p in range(4):
+        if c[p]:
+            manual += c[p] * Z.direction_vector(seed, 0, p, shapes)
+    u = Z.update(seed, 0, c, shapes)
+    assert np.array_equal(u, manual) and Z.update(seed, 0, c, shapes) is u  # drawn and summed once, shared
+    own = Z.update(seed, 0, c, shapes, share=False)
+    assert own is not u and np.array_equal(own, u)
+    x0 = {k: np.random.default_rng(3).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    flat, plain = Z.packed(x0), P_copy(x0)
+    assert isinstance(flat, Z.Packed) and np.shares_memory(flat["b"], flat.flat)
+    zeros = {k: np.zeros_like(v) for k, v in x0.items()}
+    bufs = (Z.packed(zeros), P_copy(zeros)) if momentum else (None, None)
+    for model, buf in ((flat, bufs[0]), (plain, bufs[1])):
+        for r in range(3):
+            Z.apply_round(model, Z.round_seed(4, r), g, lr, buf=buf, momentum=momentum)
+    for k in shapes:
+        assert np.array_equal(flat[k], plain[k]), k
+        if momentum:
+            assert np.array_equal(bufs[0][k], bufs[1][k]), k
+    assert not all(np.array_equal(flat[k], x0[k]) for k in shapes)

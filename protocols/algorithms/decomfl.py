@@ -125,8 +125,8 @@ class DeComFLCloud(CloudRole):
     def __init__(self, params: DeComFLParams, seed: int, initial: Mapping[str, np.ndarray]) -> None:
         self.p, self.seed = params, seed
         self.K, self.P = params.local_steps, params.perturbations
-        self.model = P.copy(initial)
-        self.buf = P.zeros_like(self.model) if params.momentum else None  # heavy-ball buffer of x_r
+        self.model = Z.packed(initial)
+        self.buf = Z.packed(P.zeros_like(self.model)) if params.momentum else None  # heavy-ball buffer of x_r
         self.base = 0  # first round kept in the history
         self.seeds: list[int] = []  # round seeds of rounds base..
         self.g: list[np.ndarray] = []  # averaged K x P scalars of rounds base..
@@ -270,8 +270,8 @@ class DeComFLCloud(CloudRole):
         P.check_like(t, self.model, "checkpoint")
         if self.buf is not None:
             P.check_like(buf, self.model, "checkpoint momentum")
-            self.buf = P.copy(buf)
-        self.model = P.copy(t)
+            self.buf = Z.packed({k: buf[k] for k in self.model})
+        self.model = Z.packed({k: t[k] for k in self.model})  # model order: the directions' order
         self.base = int(state.meta["base"])
         self.seeds = [int(s) for s in seeds]
         self.g = [np.array(x, np.float32) for x in hist]
@@ -371,8 +371,8 @@ class DeComFLDevice(DeviceRole):
     def _init(self, trainer: Trainer) -> None:
         # a forward-only backend ships x_0 with its exported model; torch devices build it from the spec
         source = getattr(trainer, "initial_params", None)
-        self.model = P.copy(source() if callable(source) else self.initial())
-        self.buf = P.zeros_like(self.model) if self.p.momentum else None
+        self.model = Z.packed(source() if callable(source) else self.initial())
+        self.buf = Z.packed(P.zeros_like(self.model)) if self.p.momentum else None
 
     def catch_up(self, start: int, seeds: np.ndarray, hist: np.ndarray) -> None:
         """Replay rounds ``start .. start+h-1`` on the device model (skipping those already applied)."""
@@ -391,9 +391,8 @@ class DeComFLDevice(DeviceRole):
             return Payload({"resync": True})
         self.catch_up(start, seeds, hist)
         assert self.model is not None  # _init set it
-        buf = P.copy(self.buf) if self.buf is not None else None
-        g = self.local_update(P.copy(self.model), int(seeds[-1]), data, trainer, ctx, buf)
-        # revert by copy: x and the buffer stay x_r's exactly (the local steps ran on copies)
+        # x and the buffer stay x_r's exactly: the local steps run on copies (a revert by copy)
+        g = self.local_update(self.model, int(seeds[-1]), data, trainer, ctx, self.buf)
         if not np.isfinite(g).all():  # a "diverged" answer: the cell records it, never aggregates it
             k = int(np.argmin(np.isfinite(g).all(axis=1)))
             return diverged_result(f"non-finite ZO scalars at local step {k} (lr or mu too large?)")
@@ -401,20 +400,24 @@ class DeComFLDevice(DeviceRole):
 
     def local_update(
         self,
-        x: dict[str, np.ndarray],
+        x: Mapping[str, np.ndarray],
         round_seed: int,
         data: LocalData,
         trainer: Trainer,
         ctx: DeviceContext,
-        buf: dict[str, np.ndarray] | None = None,
+        buf: Mapping[str, np.ndarray] | None = None,
     ) -> np.ndarray:
-        """K ZO-SGD steps on ``x`` (and the momentum buffer ``buf``; both modified in place); returns the
-        K x P float32 scalars (at the first step whose scalars are not finite, with that step's row)."""
+        """K ZO-SGD steps from ``x`` (and the momentum buffer ``buf``), neither modified: the steps move copies,
+        made at the first step, and the last step is not taken (the device reverts to x_r: its model is never
+        used). Returns the K x P float32 scalars (at the first step whose scalars are not finite, with that
+        step's row)."""
         p, shapes = self.p, Z.shapes_of(x)
         g = np.zeros((self.K, self.P), np.float32)
         order = batches(
             len(data), p.batch_size, self.K, rng(ctx.seed, ctx.round, ctx.edge_round, ctx.cell, ctx.device, "batches")
         )
+        moved: Z.Packed | None = None  # the copies the steps move (x's and the buffer's)
+        moved_buf: Z.Packed | None = None
         for k, idx in enumerate(order):
             xb, yb = data.x[idx], data.y[idx]
             probes = [x] + [
@@ -425,11 +428,16 @@ class DeComFLDevice(DeviceRole):
                 g[k, j] = np.float32((f - f0) / p.mu)
             if not np.isfinite(g[k]).all():
                 return g  # the answer is "diverged" whatever the later steps give
+            if k == self.K - 1:
+                break
+            if moved is None:
+                moved, moved_buf = Z.packed(x), (Z.packed(buf) if buf is not None else None)
+                x = moved
             if p.momentum:
-                assert buf is not None, "momentum needs its buffer"
-                Z.apply_momentum_step(x, buf, round_seed, k, g[k], p.lr, p.momentum, p.direction)
+                assert moved_buf is not None, "momentum needs its buffer"
+                Z.apply_momentum_step(moved, moved_buf, round_seed, k, g[k], p.lr, p.momentum, p.direction, False)
             else:
-                Z.apply_step(x, round_seed, k, g[k], p.lr, p.direction)
+                Z.apply_step(moved, round_seed, k, g[k], p.lr, p.direction, share=False)
         return g
 
 
