@@ -7,6 +7,7 @@ previous file intact.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import zlib
@@ -47,8 +48,12 @@ def save_payload(path: str | Path, payload: Payload) -> None:
     os.replace(tmp, path)
 
 
-def load_payload(path: str | Path) -> Payload:
+def load_payload(path: str | Path, sha256: str | None = None) -> Payload:
+    """Read a file written by :func:`save_payload`; with ``sha256``, only if the file's digest is that one."""
     data = Path(path).read_bytes()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        got = hashlib.sha256(data).hexdigest()
+        raise ValueError(f"its sha256 is {got[:16]}..., not {sha256[:16]}... (not the file named by its digest)")
     if not data.startswith(MAGIC):
         raise ValueError(f"{path} is not a fedtier model/checkpoint file")
     return decode_payload(data[len(MAGIC) :])
@@ -59,9 +64,9 @@ def save_params(path: str | Path, params: Mapping[str, np.ndarray], **meta: Any)
     save_payload(path, Payload(dict(meta), dict(params)))
 
 
-def load_params(path: str | Path) -> dict[str, np.ndarray]:
-    """Read a model written by :func:`save_params`."""
-    return load_payload(path).tensors
+def load_params(path: str | Path, sha256: str | None = None) -> dict[str, np.ndarray]:
+    """Read a model written by :func:`save_params` (with ``sha256``: only a file of that digest)."""
+    return load_payload(path, sha256).tensors
 
 
 JOURNAL_MAGIC = b"FTJL1\n"

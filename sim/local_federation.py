@@ -12,6 +12,7 @@ their bundles (:func:`federation_bundle`) hold none. The job's folder is the run
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -54,10 +55,17 @@ def federation_bundle(cfg: RunConfig) -> RunConfig:
 
 
 def job_text(cfg: RunConfig) -> str:
-    """``cfg``'s training config as the operator submits it: no node-local sections, no ``run.init_model``
-    (a path: the launcher hands it to each node itself), and the DP noise seed that ``fedtier sim`` uses
+    """``cfg``'s training config as the operator submits it: no node-local sections, no ``run.init_model`` (a
+    path: the launcher hands it to each node itself) but its sha256 (``run.init_model_sha256``: in the job's
+    config hash, so every node refuses another file), and the DP noise seed that ``fedtier sim`` uses
     (``run.seed``) written out, since a job without one draws its noise from the OS."""
-    update: dict[str, Any] = {"run": cfg.run.model_copy(update={"init_model": None})}
+    digest = cfg.run.init_model_sha256
+    if cfg.run.init_model:
+        try:
+            digest = hashlib.sha256(Path(cfg.run.init_model).read_bytes()).hexdigest()
+        except OSError as exc:
+            raise ConfigError(f"run.init_model: cannot read {cfg.run.init_model}: {exc}") from None
+    update: dict[str, Any] = {"run": cfg.run.model_copy(update={"init_model": None, "init_model_sha256": digest})}
     if cfg.privacy.dp != "off" and cfg.privacy.noise_seed is None:
         update["privacy"] = cfg.privacy.model_copy(update={"noise_seed": cfg.run.seed})
     return cfg.model_copy(update=update).to_toml(exclude=NODE_LOCAL)

@@ -178,8 +178,18 @@ def test_run_is_a_local_federation_plus_one_job(tmp_path: Path) -> None:
     """`fedtier run` goes through the service code: its run folder holds the cloud's durable job queue, with
     the run's config as one finished job and its config hash; every agent worker served exactly that job's
     session, with the config of the cloud's job record (the workers' own bundle holds no training config:
-    its defaults would train another model, which no cell would accept), and the model is the sim's."""
-    sections = {"run": {"rounds": 2}, "algorithm": {"lr": 0.05}}
+    its defaults would train another model, which no cell would accept), and the model is the sim's. Both
+    start from a given model (``run.init_model``): the job carries its sha256, not its path."""
+    import hashlib
+
+    from protocols.checkpoint import save_params
+
+    plain = small_config(tmp_path)
+    start = tmp_path / "start.ftw"
+    save_params(
+        start, {k: v * 0.5 for k, v in plain.build_algorithm(plain.model_spec((64,), 10)).initial_params().items()}
+    )
+    sections = {"run": {"rounds": 2, "init_model": str(start)}, "algorithm": {"lr": 0.05}}
     sim = run_simulation(small_config(tmp_path / "sim", **sections))
     cfg = small_config(tmp_path / "emu", **sections)
     emulation = Emulation(cfg, workers=2)
@@ -190,6 +200,8 @@ def test_run_is_a_local_federation_plus_one_job(tmp_path: Path) -> None:
     [job] = JobQueue(result.output_dir / runfiles.JOBS).jobs.values()
     assert job.state == "finished" and job.digest == config_hash(job.config)
     assert parse_config(tomllib.loads(job.config)).train == cfg.train
+    run = tomllib.loads(job.config)["run"]
+    assert "init_model" not in run and run["init_model_sha256"] == hashlib.sha256(start.read_bytes()).hexdigest()
     assert emulation.served == [[job_session(job.job, job.digest)]] * 2
     bundle = federation_bundle(cfg)
     assert bundle.model != cfg.model and bundle.train != cfg.train  # what a local copy would have trained

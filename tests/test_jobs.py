@@ -190,6 +190,37 @@ def test_a_run_starts_from_a_given_model_of_the_same_shapes_only(tmp_path: Path)
         other.build_algorithm(spec)
 
 
+def test_fedtier_runs_job_binds_its_initial_model_and_a_node_refuses_another(tmp_path: Path) -> None:
+    """`fedtier run` hands each node the path of ``run.init_model`` but submits its sha256: the digest is in
+    the job's canonical text, so its config hash and session name the model; a node that builds the job
+    (the cloud, a cell, an agent: ``with_init_model`` then ``build_algorithm``) from another file, or from
+    none, refuses it, saying why."""
+    import hashlib
+
+    from protocols.checkpoint import save_params
+    from protocols.config import ConfigError
+    from sim.agent_workers import with_init_model
+    from sim.local_federation import job_text
+
+    cfg = small_config(tmp_path)
+    spec = cfg.model_spec((64,), 10)
+    seeded = cfg.build_algorithm(spec).initial_params()
+    save_params(tmp_path / "start.ftw", {k: v + 1.0 for k, v in seeded.items()})
+    save_params(tmp_path / "other.ftw", {k: v - 1.0 for k, v in seeded.items()})  # same shapes, another model
+    digest = hashlib.sha256((tmp_path / "start.ftw").read_bytes()).hexdigest()
+    run = lambda path: cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(path)})})  # noqa: E731
+    job_cfg, text = canonical_job(job_text(run(tmp_path / "start.ftw")), federation(tmp_path))
+    assert job_cfg.run.init_model is None and job_cfg.run.init_model_sha256 == digest
+    _, other_text = canonical_job(job_text(run(tmp_path / "other.ftw")), federation(tmp_path))
+    assert config_hash(text) != config_hash(other_text)  # another model: another job session
+    got = with_init_model(job_cfg, str(tmp_path / "start.ftw")).build_algorithm(spec).initial_params()
+    assert all((got[k] == seeded[k] + 1.0).all() for k in seeded)
+    with pytest.raises(ConfigError, match=r"other.ftw: its sha256 is .*, not " + digest[:16]):
+        with_init_model(job_cfg, str(tmp_path / "other.ftw")).build_algorithm(spec)
+    with pytest.raises(ConfigError, match="this node has no run.init_model"):
+        with_init_model(job_cfg, None).build_algorithm(spec)
+
+
 def test_a_job_the_cloud_cannot_build_fails_with_its_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
     """No crash (a restarted cloud would meet the same error again): the job ends ``failed`` with why."""
     from cloud.service import CloudService

@@ -140,8 +140,13 @@ class RunConfig(Section):
     def build_algorithm(self, spec: ModelSpec) -> Algorithm:
         """The algorithm stack of this run, ready to build its roles (``protocols.algorithms.compose``)."""
         wrappers: list[Wrapper] = []
+        digest = self.run.init_model_sha256
+        if digest is not None and not self.run.init_model:
+            raise ConfigError(
+                f"the run starts from the model with sha256 {digest[:16]}...: this node has no run.init_model"
+            )
         if self.run.init_model:
-            wrappers.append(functools.partial(_start_from, self.run.init_model))
+            wrappers.append(functools.partial(_start_from, self.run.init_model, digest))
         if self.privacy.dp != "off":
             wrappers.append(self._private)
         topo = self.topology
@@ -217,17 +222,20 @@ class RunConfig(Section):
 
 
 @functools.lru_cache(maxsize=64)
-def _initial_model(path: str, seeded: Callable[[], dict[str, np.ndarray]]) -> Callable[[], dict[str, np.ndarray]]:
-    """``initial_params`` returning the model in ``path`` (a copy each call), checked now against the
-    names, shapes and dtypes of the seeded initial model; :class:`ConfigError` says what differs."""
+def _initial_model(
+    path: str, digest: str | None, seeded: Callable[[], dict[str, np.ndarray]]
+) -> Callable[[], dict[str, np.ndarray]]:
+    """``initial_params`` returning the model in ``path`` (a copy each call), checked now against ``digest``
+    (its sha256, when given) and the names, shapes and dtypes of the seeded initial model; :class:`ConfigError`
+    says what differs."""
     import numpy as np
 
     from ..checkpoint import load_params
 
     try:
-        loaded = load_params(path)
+        loaded = load_params(path, digest)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"run.init_model: cannot read {path}: {exc}") from None
+        raise ConfigError(f"run.init_model: cannot use {path}: {exc}") from None
     expected = seeded()
     if set(loaded) != set(expected):
         raise ConfigError(
@@ -242,9 +250,10 @@ def _initial_model(path: str, seeded: Callable[[], dict[str, np.ndarray]]) -> Ca
     return lambda: {name: np.array(value, copy=True) for name, value in loaded.items()}
 
 
-def _start_from(path: str, algorithm: Algorithm) -> Algorithm:
-    """``algorithm`` starting from the model in ``path`` (``run.init_model``) instead of its seeded one."""
-    algorithm.initial_params = _initial_model(path, algorithm.initial_params)  # type: ignore[method-assign]  # the run's starting model
+def _start_from(path: str, digest: str | None, algorithm: Algorithm) -> Algorithm:
+    """``algorithm`` starting from the model in ``path`` (``run.init_model``, whose sha256 is ``digest`` when
+    given) instead of its seeded one."""
+    algorithm.initial_params = _initial_model(path, digest, algorithm.initial_params)  # type: ignore[method-assign]  # the run's starting model
     return algorithm
 
 

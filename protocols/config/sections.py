@@ -29,6 +29,13 @@ class RunSection(Section):
         description="a model file (a run's final_model.ftw) to start from instead of the seeded initial model; "
         "its parameters must match the model's names and shapes (a job says [job] init_from = JOB instead)",
     )
+    init_model_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the sha256 (hex) of the file run.init_model names: a node refuses to build the run from a "
+        "file with another digest, or without one. `fedtier run` puts it in the job it submits (so it is part "
+        "of the job's config hash) and hands each node the path",
+    )
     plugins: list[str] = Field(
         default_factory=list,
         description="modules every process of the run imports before it validates names (the CLI, simulation "
