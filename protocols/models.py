@@ -216,7 +216,14 @@ def get_params(model: nn.Module, named: NamedParams | None = None) -> OrderedDic
 
 
 def set_params(model: nn.Module, params: OrderedDict[str, np.ndarray], named: NamedParams | None = None) -> None:
-    """Copy ``params`` into the model in place."""
+    """Copy ``params`` into the model in place. Read-only arrays (e.g. the views of a received message) are
+    copied straight into a CPU parameter's memory or, for another device, through a copy: torch would warn
+    that it cannot protect a tensor made of them."""
     with torch.no_grad():
         for k, p in model.named_parameters() if named is None else named:
-            p.copy_(torch.from_numpy(np.ascontiguousarray(params[k])))
+            src = params[k]
+            if p.device.type == "cpu" and p.dtype == torch.float32:
+                np.copyto(p.detach().numpy(), src, casting="unsafe")  # torch's copy_ casts as this does
+            else:
+                src = np.ascontiguousarray(src)
+                p.copy_(torch.from_numpy(src if src.flags.writeable else src.copy()))

@@ -74,7 +74,7 @@ def transform_state(
         v = np.asarray(state[k], dtype=np.float32)
         if v.shape != tuple(p.shape):
             raise ValueError(f"grad_transform state {k} is {list(v.shape)}, the parameter {list(p.shape)}")
-        out.append(torch.from_numpy(np.ascontiguousarray(v)).to(device))
+        out.append(as_tensor(v, np.float32, device))
     return out
 
 

@@ -140,7 +140,8 @@ class Messenger:
         return len(data)
 
     def receive(self, topic: str, data: bytes, *, kinds: tuple[str, ...] | None = None) -> Incoming | None:
-        """Decode and validate; ``None`` (after logging) for a rejected message or a duplicate."""
+        """Decode and validate; ``None`` (after logging) for a rejected message or a duplicate. The payload's
+        tensors are read-only views of ``data`` where it is ``bytes`` (copy what you change)."""
         try:
             header, raw = decode_message(data, max_payload=self.max_payload)
             if header.run != self.run:
@@ -154,7 +155,7 @@ class Messenger:
             if not self.seen.first_time(f"{header.session}/{header.msg_id}"):
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
                 return None
-            payload = decode_payload(raw)
+            payload = decode_payload(raw, views=True)  # read-only arrays over the message: no copy
         except WireError as exc:
             self.reject(topic, exc.kind, str(exc), None)
             return None

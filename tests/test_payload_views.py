@@ -1,0 +1,93 @@
+"""Decoding without a copy (issue #33, the host side): a received message's tensors are read-only views of its
+bytes, equal to what the copying decoder returns, checked the same way, and never views of a buffer that could
+change (a ``bytearray``) or of a byte order that is not the host's."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from protocols.transport.memory import MemoryHub
+from protocols.wire.envelope import WireError, decode_message
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload, decode_payload, encode_payload
+
+
+def payload() -> Payload:
+    rng = np.random.default_rng(3)
+    return Payload(
+        {"weight": 60},
+        {
+            "w": rng.normal(size=(200, 784)).astype(np.float32),
+            "b": rng.normal(size=200).astype(np.float32),
+            "i": np.arange(7, dtype=np.int64),
+            "be": rng.normal(size=(3, 5)).astype(">f4"),  # sent little-endian: decoded as the host's floats
+        },
+    )
+
+
+def test_views_equal_the_copying_decoder_and_share_the_message_bytes() -> None:
+    data = encode_payload(payload())
+    copied, viewed = decode_payload(data), decode_payload(data, views=True)
+    assert list(viewed.tensors) == list(copied.tensors) and viewed.meta == copied.meta
+    for k, v in viewed.tensors.items():
+        assert v.dtype == copied.tensors[k].dtype and v.shape == copied.tensors[k].shape
+        assert v.tobytes() == copied.tensors[k].tobytes()
+        assert not v.flags.writeable  # a receiver cannot change a message
+        assert np.shares_memory(v, np.frombuffer(data, np.uint8))
+        with pytest.raises(ValueError, match="read-only"):
+            v[...] = 0
+    assert copied.tensors["w"].flags.writeable and not np.shares_memory(
+        copied.tensors["w"], np.frombuffer(data, np.uint8)
+    )
+
+
+def test_viewing_decoder_allocates_nothing_of_the_tensors_size() -> None:
+    data = encode_payload(Payload({}, {"x": np.ones(2 << 20, np.float32)}))  # 8 MiB
+    decode_payload(data, views=True)  # warm up
+    tracemalloc.start()
+    try:
+        back = decode_payload(data, views=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, peak
+    assert back.tensors["x"].sum() == 2 << 20
+
+
+def test_a_mutable_buffer_is_still_copied() -> None:
+    """A view of a bytearray could change after its values were checked: such data is decoded into copies."""
+    data = bytearray(encode_payload(payload()))
+    back = decode_payload(memoryview(data), views=True)
+    for v in back.tensors.values():
+        assert v.flags.writeable and not np.shares_memory(v, np.frombuffer(data, np.uint8))
+    before = back.tensors["w"].copy()
+    data[:] = bytes(len(data))
+    np.testing.assert_array_equal(back.tensors["w"], before)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_views_are_checked_like_copies(bad: float) -> None:
+    x = np.linspace(-1, 1, 5000, dtype=np.float32)
+    x[4321] = bad
+    with pytest.raises(WireError, match="non-finite"):
+        decode_payload(encode_payload(Payload({}, {"x": x})), views=True)
+    with pytest.raises(WireError, match="truncated"):
+        decode_payload(encode_payload(Payload({}, {"x": np.ones(9, np.float32)}))[:-1], views=True)
+
+
+def test_messenger_hands_roles_read_only_views_of_the_frame() -> None:
+    hub = MemoryHub()
+    sender, receiver = Messenger(hub.connect("a"), "run", "c0-d1"), Messenger(hub.connect("b"), "run", "c0")
+    sent = payload()
+    data = sender.frame("device_result", sent, round=1, cell="c0", topic="t")
+    msg = receiver.receive("t", data)
+    assert msg is not None and msg.nbytes == len(data)
+    header, raw = decode_message(data)
+    for k, v in msg.payload.tensors.items():
+        np.testing.assert_array_equal(v, sent.tensors[k])
+        assert not v.flags.writeable
+        assert v.dtype.isnative and np.shares_memory(v, np.frombuffer(data, np.uint8))
+    assert header.payload_len == len(raw)
