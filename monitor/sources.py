@@ -23,7 +23,7 @@ from protocols.wire.signed import open_record, signer_of
 
 MAX_TELEMETRY_BYTES = 8 << 20  # a record larger than this is refused unparsed (a cell's record names its devices)
 
-Status = tuple[str, str]  # (node, "online" | "offline")
+Status = tuple[str, str, float | None]  # (node, "online" | "idle" | "offline", the idle heartbeat it declares)
 Batch = tuple[list[Record], list[BadLine], list[Status]]
 
 
@@ -201,7 +201,8 @@ class TelemetryFeed:
         status = decode_status(data, topic, self.keys)
         if status is not None:
             with self._lock:
-                self._statuses.append((topic.rsplit("/", 1)[-1], status["state"]))
+                beat = status.get("heartbeat") if isinstance(status.get("heartbeat"), (int, float)) else None
+                self._statuses.append((topic.rsplit("/", 1)[-1], status["state"], beat))
 
     def poll(self) -> Batch:
         with self._lock:

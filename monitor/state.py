@@ -14,9 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protocols.records import BadLine, CellRecord, Record, RoundRecord
+from protocols.status import IDLE, idle_deadline
 
-STATES = ("silent", "offline", "drop", "waiting", "ok")
-"""A cell's state in the monitor, most serious first."""
+STATES = ("silent", "offline", "drop", "waiting", "idle", "ok")
+"""A cell's state in the monitor, most serious first (``idle``: a long-lived cell up between jobs)."""
 GROUP_ALERTS = 5  # more cells than this with the same alert: one line for all of them
 Alert = tuple[float, str, str]
 """One cell's alert: (sort key, the worst first; the cell; the line)."""
@@ -31,7 +32,9 @@ class CellView:
     cell: str
     last: CellRecord | None = None
     last_seen: float | None = None  # wall clock of the last record (or status)
-    online: bool | None = None
+    online: bool | None = None  # its status: online or idle (True), offline (False), none yet (None)
+    idle: bool = False  # its status says idle: up, serving no job
+    idle_until: float | None = None  # an idle status older than this (its heartbeat missed) counts as offline
     records: int = 0
     rejected_total: int = 0
     participation: deque[float] = field(default_factory=lambda: deque(maxlen=11))
@@ -94,11 +97,16 @@ class MonitorState:
             self.add(record, received)
         self.bad.extend(bad)
 
-    def add_status(self, node: str, state: str, received: float | None = None) -> None:
-        """A liveness status of ``node`` (``cell.<id>``; other nodes are ignored)."""
+    def add_status(self, node: str, state: str, received: float | None = None, heartbeat: float | None = None) -> None:
+        """A liveness status of ``node`` (``cell.<id>``; other nodes are ignored). An ``idle`` one that
+        declares its ``heartbeat`` period is deemed offline once :func:`~protocols.status.idle_deadline`
+        passes without another (the node died and its will was lost)."""
         if node.startswith("cell."):
             view = self._cell(node[len("cell.") :])
-            view.online = state == "online"
+            if view.idle and state == "online" and received is not None:
+                view.last_seen = received  # in a job again: its silence counts from now
+            view.online, view.idle = state in ("online", IDLE), state == IDLE
+            view.idle_until = idle_deadline(received, heartbeat) if view.idle else None
             if received is not None and view.last_seen is None:
                 view.last_seen = received
 
@@ -162,9 +170,15 @@ class MonitorState:
         """Seconds of silence before the cell is flagged: ``deadline``, else the one its records carry."""
         return self.deadline if self.deadline is not None else (view.last.deadline_s if view.last else None)
 
+    def offline(self, view: CellView, now: float) -> bool:
+        """The cell said offline, or its idle status missed its heartbeats (and the run is not over)."""
+        stale = view.idle and view.idle_until is not None and now > view.idle_until
+        return (view.online is False or stale) and not self.finished
+
     def silent(self, view: CellView, now: float) -> float | None:
-        """Seconds of silence when longer than the cell's deadline (and the run is not over)."""
-        if self.finished or view.last_seen is None:
+        """Seconds of silence when longer than the cell's deadline (and the run is not over; an idle cell
+        is not in a job: never silent)."""
+        if self.finished or view.last_seen is None or view.idle:
             return None
         deadline = self.deadline_of(view)
         quiet = now - view.last_seen
@@ -182,8 +196,10 @@ class MonitorState:
         """The cell's state, one of :data:`STATES`."""
         if self.silent(view, now) is not None:
             return "silent"
-        if view.online is False and not self.finished:
+        if self.offline(view, now):
             return "offline"
+        if view.idle:
+            return "idle"
         if self.dropped(view) is not None:
             return "drop"
         return "waiting" if view.last is None else "ok"
@@ -233,8 +249,9 @@ class MonitorState:
         if quiet is not None:
             deadline = self.deadline_of(view)
             found.append(("silent", (-quiet, cell, f"cell {cell} silent for {quiet:.0f} s (deadline {deadline:g} s)")))
-        if view.online is False and not self.finished:
-            found.append(("offline", (0.0, cell, f"cell {cell} is offline")))
+        if self.offline(view, now):
+            why = " (idle, its heartbeat missed)" if view.idle else ""
+            found.append(("offline", (0.0, cell, f"cell {cell} is offline{why}")))
         drop = self.dropped(view)
         if drop is not None:
             line = f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)"

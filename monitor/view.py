@@ -56,6 +56,7 @@ _STATE_STYLE = {
     "offline": ("offline", "red"),
     "drop": ("DROP", "bold yellow"),
     "waiting": ("waiting", "dim"),
+    "idle": ("idle", "cyan"),
     "ok": ("ok", "green"),
 }
 

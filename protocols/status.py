@@ -27,6 +27,8 @@ log = logging.getLogger("fedtier.status")
 IDLE = "idle"
 """The state of a long-lived node between jobs: up, serving no job (never counted online by a job)."""
 STATES = ("online", "offline", IDLE)
+IDLE_MISSED = 3
+"""Heartbeats an idle node may miss before readers deem it offline (its will lost, e.g. with the broker)."""
 _rejections = RateLimitedLog(log)
 
 
@@ -47,6 +49,14 @@ def decode_status(data: bytes, topic: str = "", trust: PublicKeys | None = None)
     if record.get("state") not in STATES:
         return None
     return record
+
+
+def idle_deadline(received: float | None, heartbeat: Any) -> float | None:
+    """When an idle record received at ``received`` goes stale: :data:`IDLE_MISSED` of its declared
+    ``heartbeat`` periods later (``None``: it declares none, an older node: never)."""
+    if received is None or not isinstance(heartbeat, (int, float)) or heartbeat <= 0:
+        return None
+    return received + IDLE_MISSED * float(heartbeat)
 
 
 def idle_status(topic: str, trust: Trust | None, **extra: Any) -> bytes:

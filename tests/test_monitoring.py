@@ -264,6 +264,27 @@ def test_monitor_alerts_silence_drop_lag_and_rejections():
     assert "c3" in render_text(state, now=104.0) and "cell c3 is offline" in state.alerts(104.0)
 
 
+def test_an_idle_cell_shows_idle_and_turns_offline_once_its_idle_heartbeat_is_missed():
+    """A long-lived cell between jobs says idle: up, in no job, so neither offline nor silent. One whose idle
+    record declares a heartbeat and then misses three of them (it died, its will lost) is offline."""
+    state = MonitorState()
+    state.add(_cell(0, "c0", 4, 100.0))  # a record of an earlier job (its deadline: 30 s)
+    state.add_status("cell.c0", "idle", received=101.0, heartbeat=10.0)
+    state.add_status("cell.c1", "idle", received=101.0)  # an older node: it declares no heartbeat
+    state.add_status("cell.c2", "offline", received=101.0)
+    states = lambda now: [state.state_of(state.cells[c], now) for c in ("c0", "c1", "c2")]  # noqa: E731
+    assert states(130.0) == ["idle", "idle", "offline"]
+    assert state.alerts(now=130.0) == ["cell c2 is offline"]  # c0: no silence alert past its deadline
+    text = render_text(state, now=130.0)
+    assert "idle" in text and "2 idle" in text, text
+    assert states(131.5) == ["offline", "idle", "offline"]  # three heartbeats missed
+    assert "cell c0 is offline (idle, its heartbeat missed)" in state.alerts(now=131.5)
+    state.add_status("cell.c0", "idle", received=131.6, heartbeat=10.0)  # a heartbeat after all
+    assert states(140.0)[0] == "idle"
+    state.add_status("cell.c0", "online", received=141.0)  # serving a job again
+    assert states(142.0)[0] == "ok"
+
+
 def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
     state = MonitorState()
     state.add(_cell(0, "c0", 4, 100.0))
@@ -336,7 +357,7 @@ def test_monitor_follows_a_live_fedtier_run_over_mqtt(tmp_path):
         while time.monotonic() < deadline:
             records, bad, statuses = feed.poll()
             state.add_all(records, bad, received=time.time())
-            for node, s in statuses:
+            for node, s, _ in statuses:
                 state.add_status(node, s)
             if state_count(state) >= expected:
                 break
