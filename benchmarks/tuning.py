@@ -226,12 +226,13 @@ def open_journal(args: argparse.Namespace, script: str, preset: str, params: dic
 def _init_worker() -> None:
     import signal
 
-    import torch
-
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's sweep handler: terminate() ends a worker
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # single-threaded torch without importing it here (~2 s of CPU per worker, for runs that may not use it):
+    # torch takes its thread count from these when it is first imported
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # already imported (not by a fresh spawned worker): set it directly
+        sys.modules["torch"].set_num_threads(1)
 
 
 def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float, float]:

@@ -123,6 +123,21 @@ def test_a_changed_setting_or_fresh_does_not_reuse_runs(tmp_path, monkeypatch):
     assert len(calls(tmp_path / "c3")) == 4 * 3 - 3 * 2
 
 
+def torch_threads_run(method: str, value: float, seed: int) -> dict:
+    """A run that trains with torch: its score is the number of threads torch uses in the worker."""
+    import torch
+
+    return {"score": float(torch.get_num_threads())}
+
+
+def test_runs_use_single_threaded_torch_whatever_the_environment(tmp_path, monkeypatch):
+    """The workers do not import torch up front (it costs ~2 s of CPU each), yet a run that imports it gets
+    one thread, even where the environment asks for more."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what the spawned worker inherits
+    cells = sweep(torch_threads_run, {"a": [0.1]}, [0], 1, progress=False)
+    assert cells["a"][0].runs[0]["score"] == 1.0
+
+
 def test_metrics_that_json_would_change_are_refused(tmp_path):
     j = Journal(tmp_path / "j.jsonl", {})
     with pytest.raises(TypeError, match="survive JSON"):
