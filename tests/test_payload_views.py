@@ -12,7 +12,7 @@ import pytest
 from protocols.transport.memory import MemoryHub
 from protocols.wire.envelope import WireError, decode_message
 from protocols.wire.messenger import Messenger
-from protocols.wire.payload import Payload, decode_payload, encode_payload
+from protocols.wire.payload import Payload, all_finite, decode_payload, encode_payload
 
 
 def payload() -> Payload:
@@ -91,3 +91,38 @@ def test_messenger_hands_roles_read_only_views_of_the_frame() -> None:
         assert not v.flags.writeable
         assert v.dtype.isnative and np.shares_memory(v, np.frombuffer(data, np.uint8))
     assert header.payload_len == len(raw)
+
+
+def test_checked_views_are_known_finite_and_nothing_else_is() -> None:
+    """A view the decoder checked is answered without another pass (the cell's role checks results again);
+    an unchecked view, a copy, or an array derived from a checked view is checked for real."""
+    from protocols.params import check_like
+    from protocols.rejections import Rejected
+    from protocols.wire import payload as wire_payload
+
+    x = np.linspace(-1, 1, 4000, dtype=np.float32)
+    good = decode_payload(encode_payload(Payload({}, {"x": x})), views=True).tensors["x"]
+    assert wire_payload._known_finite(good) and all_finite(good)
+    assert not wire_payload._known_finite(good[1:]) and all_finite(good[1:])
+    assert not wire_payload._known_finite(decode_payload(encode_payload(Payload({}, {"x": x}))).tensors["x"])
+    x[17] = np.nan
+    unchecked = decode_payload(encode_payload(Payload({}, {"x": x})), views=True, require_finite=False).tensors["x"]
+    assert not wire_payload._known_finite(unchecked) and not all_finite(unchecked)
+    with pytest.raises(Rejected, match="non-finite"):
+        check_like({"x": unchecked}, {"x": x})
+    check_like({"x": good}, {"x": x})
+
+
+def test_known_finite_entries_leave_with_their_arrays() -> None:
+    import gc
+
+    from protocols.wire import payload as wire_payload
+
+    data = encode_payload(Payload({}, {"a": np.ones(1024, np.float32), "b": np.zeros(600, np.float64)}))
+    tiny = encode_payload(Payload({}, {"c": np.ones(10, np.float32)}))  # checked again rather than remembered
+    before = len(wire_payload._FINITE)
+    kept = [decode_payload(data, views=True) for _ in range(200)] + [decode_payload(tiny, views=True)]
+    assert len(wire_payload._FINITE) == before + 400
+    del kept
+    gc.collect()
+    assert len(wire_payload._FINITE) == before

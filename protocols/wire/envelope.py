@@ -107,7 +107,7 @@ def _sha256(payload: bytes | memoryview | Buffers) -> bytes:
 def _nbytes(payload: bytes | memoryview | Buffers) -> int:
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return memoryview(payload).nbytes
-    return sum(memoryview(p).nbytes for p in cast(Buffers, payload))
+    return sum(len(p) if type(p) is bytes else memoryview(p).nbytes for p in cast(Buffers, payload))
 
 
 def signed_bytes(topic: str, header_wo_sig: bytes, payload: bytes | memoryview | Buffers) -> bytes:
@@ -133,7 +133,9 @@ def encode_message(header: Header, payload: bytes | Buffers, sign: Signer | None
     when ``sign`` is given. ``payload``: its bytes, or its buffers in order
     (:func:`~protocols.wire.payload.payload_parts`), joined here with the header: the message then
     costs one copy of the tensors' data."""
-    header = header.model_copy(update={"payload_len": _nbytes(payload), "sig": None})
+    size = _nbytes(payload)
+    if header.payload_len != size or header.sig is not None:  # (a header made for this payload is kept)
+        header = header.model_copy(update={"payload_len": size, "sig": None})
     if sign is not None:
         header = header.model_copy(update={"sig": encode_sig(sign(signed_bytes(topic, header.to_json(), payload)))})
     head = header.to_json()

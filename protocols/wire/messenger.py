@@ -26,7 +26,7 @@ from .envelope import (
     new_msg_id,
     verify_signature,
 )
-from .payload import Parts, Payload, decode_payload, payload_parts
+from .payload import Parts, Payload, decode_payload, parts_size, payload_parts
 from .ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class Messenger:
         self.session: str | None = None
         self.seen = SeenIds()
         self._log = RateLimitedLog(log)
-        self._encoded: dict[int, tuple[Payload, Parts]] = {}
+        self._encoded: dict[int, tuple[Payload, Parts, int]] = {}
         self._bound = max_payload
         self.attach(transport)
 
@@ -98,6 +98,7 @@ class Messenger:
         topic: str = "",
     ) -> bytes:
         """Encode a payload into a complete message for ``topic`` (not sent)."""
+        parts, size = self._payload_bytes(payload)
         header = Header(
             run=self.run,
             kind=kind,
@@ -106,22 +107,21 @@ class Messenger:
             cell=cell,
             sender=self.sender,
             msg_id=new_msg_id(),
-            payload_len=0,
+            payload_len=size,
             session=self.session if self.trust is not None else None,
         )
-        return encode_message(
-            header, self._payload_bytes(payload), self.trust.sign if self.trust is not None else None, topic
-        )
+        return encode_message(header, parts, self.trust.sign if self.trust is not None else None, topic)
 
-    def _payload_bytes(self, payload: Payload) -> Parts:
+    def _payload_bytes(self, payload: Payload) -> tuple[Parts, int]:
         # a role often sends one payload object to many receivers: encode it once. The parts are views
         # of the payload's arrays (a message is one copy of them); a role never changes a sent payload
         cached = self._encoded.get(id(payload))
         if cached is not None and cached[0] is payload:
-            return cached[1]
+            return cached[1], cached[2]
         parts = payload_parts(payload)
-        self._encoded = {id(payload): (payload, parts)}
-        return parts
+        size = parts_size(parts)
+        self._encoded = {id(payload): (payload, parts, size)}
+        return parts, size
 
     def send(
         self,
