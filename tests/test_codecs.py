@@ -187,3 +187,20 @@ def test_make_codec_from_fedavg_params() -> None:
     assert isinstance(make_codec(FedAvgParams(name="fedavg")), DenseCodec)
     with pytest.raises(ValueError):
         FedAvgParams(name="fedavg", uplink="zip")
+
+
+@pytest.mark.parametrize("codec", [c for c in CODECS if not c.seeded], ids=lambda c: f"{c.name}")
+def test_a_codec_declared_unseeded_encodes_the_same_under_any_seed(codec) -> None:
+    """A device derives no uplink seed for a codec with ``seeded = False`` (it gets 0): such a codec's encoding
+    must not depend on its seed (dense and top-k draw nothing)."""
+    x = delta()
+    assert (
+        encode_payload(codec.encode(x, 0))
+        == encode_payload(codec.encode(x, 7))
+        == encode_payload(codec.encode(x, 2**62))
+    )
+
+
+def test_dense_and_topk_are_declared_unseeded_and_the_stochastic_codecs_seeded() -> None:
+    assert [c.seeded for c in (DenseCodec(), TopKCodec(0.1))] == [False, False]
+    assert all(c.seeded for c in (SignSGDCodec(), QSGDCodec(1), FedMRNCodec(alpha=0.5)))

@@ -213,7 +213,7 @@ class FedAvgDevice(DeviceRole):
             **options,
         )
         delta = P.sub(trainer.params_view(), task.tensors)  # read once: no copy where the trainer can
-        out = self.codec.encode(delta, uplink_seed(ctx))
+        out = self.codec.encode(delta, uplink_seed(ctx) if self.codec.seeded else 0)
         out.meta.update({"weight": len(data), "loss": stats.loss, "steps": stats.steps})
         return out
 

@@ -5,7 +5,8 @@ Any algorithm whose device sends a model delta can offer them. To adopt the laye
 1. derive the algorithm's ``Params`` from :class:`UplinkParams` instead of ``TrainParams`` (adds
    ``uplink`` and the codec parameters to its ``[algorithm]`` section);
 2. ``codec = make_codec(params)`` in the device and cell roles;
-3. device: ``payload = codec.encode(delta, uplink_seed(ctx))`` then add its own metadata;
+3. device: ``payload = codec.encode(delta, uplink_seed(ctx))`` (a codec that draws nothing, ``seeded = False``,
+   gets 0) then add its own metadata;
    cell: ``codec.check(result, reference, what)`` in ``check`` and ``codec.decode(result, reference)``
    before averaging, where ``reference`` is the tensors the delta applies to (for HIST, the submodel).
 

@@ -128,6 +128,8 @@ class UplinkCodec(ABC):
     """
 
     name: ClassVar[str]
+    seeded: ClassVar[bool] = True
+    """Whether ``encode`` draws from its seed: a device derives one (~30 us) only for a codec that does."""
 
     @abstractmethod
     def encode(self, delta: Mapping[str, np.ndarray], seed: int) -> Payload:
@@ -164,6 +166,7 @@ class DenseCodec(UplinkCodec):
     """No compression: the float32 delta itself (the payload FedAvg always sent; no extra metadata)."""
 
     name = "dense"
+    seeded = False
 
     def encode(self, delta: Mapping[str, np.ndarray], seed: int) -> Payload:
         return Payload({}, OrderedDict(delta))

@@ -95,6 +95,7 @@ class TopKCodec(UplinkCodec):
     """The largest-magnitude ``fraction`` of each tensor, as (uint32 position, float32 value) pairs."""
 
     name = "topk"
+    seeded = False
 
     def __init__(self, fraction: float = 0.03) -> None:
         if not 0 < fraction <= 1:
