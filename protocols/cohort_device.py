@@ -19,7 +19,7 @@ from .trainer import GradTransform, LocalData, Trainer, TrainStats, batches
 class Request:
     """One device's call of a compute primitive, answered by :meth:`CohortEngine.run`."""
 
-    op: str  # sgd | loss | evaluate | loss_and_grad
+    op: str  # sgd | loss | probe | evaluate | loss_and_grad
     spec: ModelSpec
     params: Mapping[str, np.ndarray]
     x: np.ndarray
@@ -30,12 +30,15 @@ class Request:
     prox_mu: float = 0.0  # sgd: FedProx proximal coefficient
     momentum: float = 0.0  # sgd: heavy-ball beta
     grad_transform: GradTransform | None = None  # sgd: applied to each step's gradient
+    directions: Sequence[np.ndarray] = ()  # probe: the P direction vectors (shared by the cohort's devices)
+    mu: float = 0.0  # probe: the perturbation radius
     result: Any = None
 
     def key(self) -> tuple[str, ModelSpec, tuple[str, ...], Any]:
         """Requests with equal keys run as one array program (devices whose gradient transforms share their
-        function together)."""
-        return self.op, self.spec, tuple(self.params), self.grad_transform and self.grad_transform.fn
+        function together; probes along the same direction vectors together)."""
+        same = self.grad_transform.fn if self.grad_transform else tuple(id(z) for z in self.directions)
+        return self.op, self.spec, tuple(self.params), same
 
 
 class CohortDeviceTrainer(Trainer):
@@ -75,6 +78,17 @@ class CohortDeviceTrainer(Trainer):
             return []
         self.set_params(params[-1])
         return self.call([Request("loss", self.spec, p, x, y) for p in params])
+
+    def perturbed_losses(
+        self,
+        params: Mapping[str, np.ndarray],
+        directions: Sequence[np.ndarray],
+        mu: float,
+        x: np.ndarray,
+        y: np.ndarray,
+    ) -> list[float]:
+        """One request: the engine builds the P + 1 probes on its device (no copies here)."""
+        return self.call(Request("probe", self.spec, params, x, y, directions=tuple(directions), mu=float(mu)))
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
         return self.call(Request("evaluate", self.spec, self.params, x, y))

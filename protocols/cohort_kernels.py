@@ -5,6 +5,7 @@ leading axis ``D``; nothing here mixes two devices' numbers."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -104,6 +105,21 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
     if grouped:
         x = x.reshape(b, d, x.shape[1] // d, *x.shape[2:]).transpose(0, 1)
     return x
+
+
+def perturbed_stack(base: Mapping[str, torch.Tensor], z: torch.Tensor, mu: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Zeroth-order probes ``[D * (P + 1), *shape]`` per parameter: device ``i``'s ``x_i``, then ``x_i + mu_i z_p``
+    for p = 0..P-1 (a float32 multiply, then an add: the bits of ``protocols.directions.perturbed``). ``base``:
+    ``[D, *shape]`` per parameter (model order); ``z``: ``[P, n]``, the direction vectors; ``mu``: ``[D]``."""
+    out, at, p = {}, 0, z.shape[0]
+    for name, v in base.items():
+        d, shape = v.shape[0], v.shape[1:]
+        n = math.prod(shape)
+        zk = z[:, at : at + n].reshape(1, p, *shape)
+        at += n
+        x = v.unsqueeze(1)
+        out[name] = torch.cat([x, x + mu.view(d, 1, *[1] * len(shape)) * zk], 1).reshape(d * (p + 1), *shape)
+    return out
 
 
 def _grouped(x: torch.Tensor, b: int, d: int) -> torch.Tensor:

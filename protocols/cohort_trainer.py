@@ -1,7 +1,7 @@
 """The cohort trainer: the :class:`~protocols.trainer.Trainer` primitives of many devices at once.
 
 An algorithm's local update is written once, in its module, against the ``Trainer`` interface
-(``sgd``, ``loss``, ``losses``, ``evaluate``, ``loss_and_grad``, parameter access). The per-device
+(``sgd``, ``loss``, ``losses``, ``perturbed_losses``, ``evaluate``, ``loss_and_grad``, parameter access). The per-device
 backend (``torch_trainer.py``) runs those primitives for one device; :class:`CohortEngine` runs the
 same primitive for a cohort of devices as one array program: their parameters stacked along a
 leading device axis, the zoo's layers as batched kernels
@@ -37,6 +37,7 @@ from .cohort_kernels import (
     device_losses,
     mlp_chain,
     mlp_loss_and_grads,
+    perturbed_stack,
 )
 from .models import build_model
 from .torch_trainer import as_tensor, pick_device, say, transform_state
@@ -70,7 +71,8 @@ def _device_bytes(op: str, model: torch.nn.Module, r: Request) -> int:
         work = batch * feat * 4 * (steps + 8) + 16 * len(r.order) * batch  # gathered inputs, activations, indices
     else:
         state, work = 2, min(len(r.y), EVAL_CHUNK) * feat * 4 * 9
-    return 4 * params * (state + 1) + len(r.y) * (feat * 4 + 8) + work  # (+1: the host-side stack's upload)
+    models = len(r.directions) + 1 if op == "probe" else 1  # a probe request runs P + 1 models
+    return models * (4 * params * (state + 1) + work) + len(r.y) * (feat * 4 + 8)  # (+1: the stack's upload)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -238,6 +240,19 @@ class CohortEngine:
             losses = device_losses(batched_forward(model, params, x), y, m)
         for r, v in zip(reqs, losses.tolist()):
             r.result = float(v)
+
+    def _probe(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
+        """``f(x)`` and ``f(x + mu z_p)`` of every device (the directions are the group's: its key) as one forward
+        pass over the D x (P + 1) probes, built on the engine's device from one upload of the directions."""
+        base, (x, y, m), k = self._stack(reqs), self._padded(reqs), len(reqs[0].directions) + 1
+        n = sum(v[0].numel() for v in base.values())
+        z = as_tensor(np.stack(reqs[0].directions) if k > 1 else np.zeros((0, n)), np.float32, self.device)
+        mu = torch.tensor([r.mu for r in reqs], dtype=torch.float32, device=self.device)
+        with torch.no_grad():  # each device's batch for each of its probes
+            out = batched_forward(model, perturbed_stack(base, z, mu), x.repeat_interleave(k, 0))
+            losses = device_losses(out, y.repeat_interleave(k, 0), m.repeat_interleave(k, 0))
+        for r, row in zip(reqs, losses.view(len(reqs), k).tolist()):
+            r.result = row
 
     def _loss_and_grad(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
         params = {k: v.requires_grad_() for k, v in self._stack(reqs).items()}

@@ -71,12 +71,13 @@ class Packed(dict):
 def packed(params: Mapping[str, np.ndarray]) -> Packed:
     """A :class:`Packed` copy of ``params`` (float32, model order)."""
     flat = np.concatenate([np.asarray(v, np.float32).ravel() for v in params.values()] or [np.zeros(0, np.float32)])
-    out = Packed(_views(flat, shapes_of(params)))
+    out = Packed(views(flat, shapes_of(params)))
     out.flat = flat
     return out
 
 
-def _views(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+def views(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """The tensors of ``shapes`` (in order) as views of the vector ``flat``."""
     out, at = {}, 0
     for name, shape in shapes.items():
         n = int(np.prod(shape, dtype=np.int64))
@@ -131,7 +132,7 @@ def _direction(
             return hit
     flat = _draw_flat(int(round_seed), int(k), int(p), shapes, kind)
     flat.flags.writeable = False
-    out = (flat, _views(flat, shapes))
+    out = (flat, views(flat, shapes))
     with _lock:
         _cached_bytes = _remember(_cache, key, out, flat.nbytes, CACHE_BYTES, _cached_bytes)
     return out
@@ -155,7 +156,7 @@ def _draw_flat(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, 
 
 def _draw(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> dict[str, np.ndarray]:
     """A fresh (uncached) draw of z(round_seed, k, p) by name."""
-    return _views(_draw_flat(round_seed, k, p, shapes, kind), shapes)
+    return views(_draw_flat(round_seed, k, p, shapes, kind), shapes)
 
 
 def shapes_of(params: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
@@ -208,7 +209,7 @@ def _pairs(params: Mapping[str, np.ndarray], u: np.ndarray) -> list[tuple[np.nda
     """(array, its part of ``u``): the whole vector for :class:`Packed` parameters, else tensor by tensor."""
     if isinstance(params, Packed):
         return [(params.flat, u)]
-    return list(zip(params.values(), _views(u, shapes_of(params)).values()))
+    return list(zip(params.values(), views(u, shapes_of(params)).values()))
 
 
 def apply_step(
@@ -247,7 +248,7 @@ def apply_momentum_step(
     flat = isinstance(params, Packed) and isinstance(buf, Packed)
     xs = [params.flat] if flat else list(params.values())  # type: ignore[attr-defined]
     bs = [buf.flat] if flat else [buf[name] for name in params]  # type: ignore[attr-defined]
-    us = [u] if flat else list(_views(u, shapes_of(params)).values())
+    us = [u] if flat else list(views(u, shapes_of(params)).values())
     for x, b, part in zip(xs, bs, us):
         b *= beta
         b += part

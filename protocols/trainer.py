@@ -138,6 +138,24 @@ class Trainer(ABC):
             out.append(self.loss(x, y))
         return out
 
+    def perturbed_losses(
+        self,
+        params: Mapping[str, np.ndarray],
+        directions: Sequence[np.ndarray],
+        mu: float,
+        x: np.ndarray,
+        y: np.ndarray,
+    ) -> list[float]:
+        """``f(params)`` then ``f(params + mu * z)`` for each ``z`` of ``directions`` (float32 vectors over the
+        parameters in model order, :func:`protocols.directions.direction_vector`) on one batch: P + 1 losses.
+        Zeroth-order methods probe so; a cohort backend builds the probes on its device. By default the probes
+        are built here (``x + float32(mu) * z``, float32) and passed to :meth:`losses`; the parameters loaded
+        after the call are unspecified."""
+        from . import directions as Z
+
+        shapes = Z.shapes_of(params)
+        return self.losses([params] + [Z.perturbed(params, Z.views(z, shapes), mu) for z in directions], x, y)
+
     @abstractmethod
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
         """(mean loss, accuracy) on a data set, forward only."""

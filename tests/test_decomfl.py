@@ -586,3 +586,37 @@ def test_a_step_is_one_shared_update_vector_and_the_layout_does_not_change_a_bit
         if momentum:
             assert np.array_equal(bufs[0][k], bufs[1][k]), k
     assert not all(np.array_equal(flat[k], x0[k]) for k in shapes)
+
+
+def test_the_cohort_engine_builds_a_devices_probes_bit_for_bit_and_its_losses_match():
+    """The cohort engine builds the P + 1 probes of every device on its device (one upload of the directions):
+    the same bits as the numpy probes a device builds, and the same losses as the per-device trainer's."""
+    import torch
+
+    from protocols.cohort_device import Request
+    from protocols.cohort_kernels import perturbed_stack
+    from protocols.cohort_trainer import CohortEngine
+
+    spec = ModelSpec(name="cnn", input_shape=(1, 8, 8), num_classes=10, channels=(4, 8), fc=16)
+    x0s = [
+        init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()), s)
+        for s in (1, 2)
+    ]
+    mus = (1e-2, 3e-2)
+    shapes = Z.shapes_of(x0s[0])
+    zs = tuple(Z.direction_vector(Z.round_seed(0, 3), 0, p, shapes) for p in range(3))
+    base = {k: torch.from_numpy(np.stack([x[k] for x in x0s])) for k in shapes}
+    probes = perturbed_stack(base, torch.from_numpy(np.stack(zs)), torch.tensor(mus, dtype=torch.float32))
+    for i, (x0, mu) in enumerate(zip(x0s, mus)):
+        expected = [x0] + [Z.perturbed(x0, Z.views(z, shapes), mu) for z in zs]
+        for j, e in enumerate(expected):
+            assert all(np.array_equal(probes[k][i * 4 + j].numpy(), e[k]) for k in shapes), (i, j)
+    rng = np.random.default_rng(0)
+    batches = [(rng.random((16, 64), dtype=np.float32), rng.integers(0, 10, 16)) for _ in x0s]
+    reqs = [Request("probe", spec, x0, xb, yb, directions=zs, mu=mu) for x0, mu, (xb, yb) in zip(x0s, mus, batches)]
+    CohortEngine("cpu").run(reqs)
+    trainer = TorchTrainer.from_spec(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs())
+    for r in reqs:
+        device = trainer.perturbed_losses(r.params, zs, r.mu, r.x, r.y)
+        assert len(r.result) == 4 and np.ptp(device) > 1e-4  # the probes' losses differ: a mix-up would show
+        np.testing.assert_allclose(r.result, device, rtol=1e-6, atol=1e-6)

@@ -420,10 +420,8 @@ class DeComFLDevice(DeviceRole):
         moved_buf: Z.Packed | None = None
         for k, idx in enumerate(order):
             xb, yb = data.x[idx], data.y[idx]
-            probes = [x] + [
-                Z.perturbed(x, Z.direction(round_seed, k, j, shapes, p.direction), p.mu) for j in range(self.P)
-            ]
-            f0, *fs = trainer.losses(probes, xb, yb)  # f(x) and the P perturbed losses (one batch)
+            zs = [Z.direction_vector(round_seed, k, j, shapes, p.direction) for j in range(self.P)]
+            f0, *fs = trainer.perturbed_losses(x, zs, p.mu, xb, yb)  # f(x) and the P perturbed losses (one batch)
             for j, f in enumerate(fs):
                 g[k, j] = np.float32((f - f0) / p.mu)
             if not np.isfinite(g[k]).all():
