@@ -234,6 +234,9 @@ def main() -> None:
     )
     ap.add_argument("--methods", help="comma-separated subset of " + ", ".join(GRIDS["quick"]))
     ap.add_argument(
+        "--lrs", help="comma-separated learning rates: the grid of every method run (default: the preset's)"
+    )
+    ap.add_argument(
         "--rounds", type=int, help="DeComFL's rounds, the horizon (default: the preset's; the paper ran ~10,000)"
     )
     ap.add_argument(
@@ -260,6 +263,8 @@ def main() -> None:
         else [x for x in s["tune_seeds"] if x in seeds] or seeds[:1]
     )
     grids = {m: g for m, g in GRIDS[args.preset].items() if not args.methods or m in args.methods.split(",")}
+    if args.lrs:  # e.g. one run alone, timed (benchmarks/gpu_check.sh)
+        grids = {m: [float(v) for v in args.lrs.split(",")] for m in grids}
     print(
         f"DeComFL preset {args.preset}: " + cost_line(grids, tune_seeds, seeds, s["cpu_per_run"], args.jobs), flush=True
     )
