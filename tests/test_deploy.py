@@ -5,8 +5,10 @@ own OS process started from the command line, over one broker; one agent is forw
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from edge_agent.runner import save_device_data
@@ -160,7 +162,14 @@ def test_unsigned_deployment_commands_refuse_to_start_without_insecure(tmp_path:
         said = " ".join(refused.output.split())  # the console wraps lines
         assert refused.exit_code == 2, said
         assert "unsigned deployment refused" in said and "or --insecure to run unsigned" in said, said
-    allowed = CliRunner().invoke(main, ["cell", str(config), "--cell", "c0", *nowhere, "--insecure"])
-    assert allowed.exit_code == 1, allowed.output  # it went on, to the broker
+    # with --insecure the cell goes on, to the broker: here a listener that hangs up on it (exit 1 at once; an
+    # unreachable port is retried for the 10 s connect timeout)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        hang_up = threading.Thread(target=lambda: server.accept()[0].close(), daemon=True)
+        hang_up.start()
+        broker = ["--broker", f"mqtt://127.0.0.1:{server.getsockname()[1]}"]
+        allowed = CliRunner().invoke(main, ["cell", str(config), "--cell", "c0", *broker, "--insecure"])
+        hang_up.join(10)
+    assert allowed.exit_code == 1 and not hang_up.is_alive(), allowed.output  # it went on, to the broker
     said = " ".join(allowed.output.split())
     assert "unsigned deployment refused" not in said and "--insecure: running unsigned" in said, said
