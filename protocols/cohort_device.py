@@ -13,6 +13,7 @@ import numpy as np
 
 from .algorithms.base import ModelSpec
 from .trainer import GradTransform, LocalData, Trainer, TrainStats, batches
+from .wire.payload import immutable
 
 
 @dataclass
@@ -63,7 +64,12 @@ class CohortDeviceTrainer(Trainer):
         return OrderedDict((k, _read_only(v)) for k, v in self.params.items())
 
     def set_params(self, params: Mapping[str, np.ndarray]) -> None:
-        self.params = OrderedDict((k, np.array(v, dtype=np.float32)) for k, v in params.items())
+        """Load ``params``: copied, except float32 arrays that can never change (a received task's tensors, views
+        of its message): the cohort's engine copies them into its batch anyway, so a copy here was 800 KB a
+        device for nothing."""
+        self.params = OrderedDict(
+            (k, v if _frozen_float32(v) else np.array(v, dtype=np.float32)) for k, v in params.items()
+        )
 
     def for_model(self, spec: Any) -> CohortDeviceTrainer:
         if spec not in self._others:
@@ -115,6 +121,10 @@ class CohortDeviceTrainer(Trainer):
         params, stats = self.call(request)
         self.params = params
         return stats
+
+
+def _frozen_float32(a: Any) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == np.float32 and immutable(a)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

@@ -126,3 +126,34 @@ def test_known_finite_entries_leave_with_their_arrays() -> None:
     del kept
     gc.collect()
     assert len(wire_payload._FINITE) == before
+
+
+def test_immutable_is_true_only_for_views_of_bytes() -> None:
+    from protocols.wire.payload import immutable
+
+    data = encode_payload(Payload({}, {"w": np.ones((4, 5), np.float32)}))
+    view = decode_payload(data, views=True).tensors["w"]
+    assert immutable(view) and immutable(view.reshape(-1)) and immutable(view[1:, ::2])
+    assert not immutable(decode_payload(data).tensors["w"])  # a copy: writable
+    owned = np.ones(5, np.float32)
+    frozen = owned.view()
+    frozen.flags.writeable = False  # read-only, but its owner can still change it
+    assert not immutable(owned) and not immutable(frozen)
+    assert not immutable(decode_payload(bytearray(data), views=True).tensors["w"])
+
+
+def test_cohort_trainer_keeps_an_immutable_task_and_copies_anything_else() -> None:
+    """set_params is a snapshot: a received task's views cannot change, so they are kept as they are; a
+    writable array is copied (changing it afterwards does not reach the trainer)."""
+    from protocols.cohort_device import CohortDeviceTrainer
+
+    task = decode_payload(encode_payload(Payload({}, {"w": np.ones((4, 5), np.float32)})), views=True).tensors
+    trainer = CohortDeviceTrainer(None, lambda req: None)  # type: ignore[arg-type]  # no compute is asked
+    trainer.set_params(task)
+    assert trainer.params["w"] is task["w"]
+    mine = {"w": np.ones((4, 5), np.float32)}
+    trainer.set_params(mine)
+    mine["w"][0, 0] = 7.0
+    assert trainer.params["w"][0, 0] == 1.0 and trainer.get_params()["w"][0, 0] == 1.0
+    trainer.set_params({"w": np.ones((4, 5), np.float64)})  # converted to float32: a copy
+    assert trainer.params["w"].dtype == np.float32

@@ -161,6 +161,15 @@ def _read(fmt: struct.Struct, buf: memoryview, pos: int, end: int) -> tuple[tupl
     return fmt.unpack_from(buf, pos), after
 
 
+def immutable(arr: np.ndarray) -> bool:
+    """True when ``arr``'s values can never change: a read-only view (of views) of a ``bytes`` object, such as a
+    received message's tensor (:func:`decode_payload` with ``views``). A holder needs no copy of it as a snapshot."""
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, bytes) and not arr.flags.writeable
+
+
 def decode_payload(data: bytes | memoryview, *, require_finite: bool = True, views: bool = False) -> Payload:
     """Parse bytes produced by :func:`encode_payload`; raise :class:`WireError` on any defect.
 
