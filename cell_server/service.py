@@ -3,7 +3,6 @@ published for it (``protocols.jobs``), on one connection per job, until SIGTERM.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -11,7 +10,7 @@ from collections.abc import Callable
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch
 from protocols.roster import Roster
-from protocols.status import between_jobs
+from protocols.status import IdleBeat, between_jobs
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -71,11 +70,11 @@ class CellService:
             if transport is None:  # stopped while the broker was unreachable
                 break
             status = topics.status(fed, topics.cell_node(self.cell))
-            self.loop.post(
-                functools.partial(between_jobs, transport, status, self.trust, idle=True)
-            )  # before the job's
+            idle = IdleBeat(self.loop, transport, status, self.trust, self.bundle.monitoring.idle_heartbeat)
+            self.loop.post(idle.start)  # before the job's
             watch = JobWatch(transport, fed, self.trust)
             current = self._next_job(watch, done)
+            idle.stop()  # the loop is not running here: no beat follows
             if current is None:
                 between_jobs(transport, status, self.trust, idle=False)
                 transport.close()

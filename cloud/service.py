@@ -39,7 +39,7 @@ from protocols.jobs import (
 )
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
-from protocols.status import between_jobs
+from protocols.status import IdleBeat, between_jobs
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -75,6 +75,8 @@ class CloudService:
     connection. ``operator``: the operator's public key (``None``: unsigned
     federation, any submitter accepted; for tests and ``fedtier run`` only). ``job_folder(job)``: a job's run
     folder (default ``{output}/jobs/{job}``; ``fedtier run``: its own run folder)."""
+
+    _idle: IdleBeat | None = None  # the idle status's heartbeat, between jobs
 
     def __init__(
         self,
@@ -133,6 +135,7 @@ class CloudService:
                 self.transport = None  # the job's server closed it
             self._raise()
         if self.transport is not None:
+            self._idle_beat(None)
             between_jobs(self.transport, topics.status(self.fed, "cloud"), self.trust, idle=False)
             self.transport.close()
 
@@ -151,10 +154,20 @@ class CloudService:
             return None
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
         transport.subscribe(roster_topic(self.fed), self._on_roster)
-        self.loop.post(lambda: between_jobs(transport, topics.status(self.fed, "cloud"), self.trust, idle=True))
+        self._idle_beat(transport)
         self.loop.post(lambda: self._publish_roster(transport))
         self.loop.post(lambda: self._publish_list(transport))
         return transport
+
+    def _idle_beat(self, transport: Transport | None) -> None:
+        """Stop the idle status's heartbeat (the loop is not running: no beat follows), and with ``transport``
+        start another on it (``protocols.status.IdleBeat``)."""
+        if self._idle is not None:
+            self._idle.stop()
+        if transport is not None:
+            topic, period = topics.status(self.fed, "cloud"), self.bundle.monitoring.idle_heartbeat
+            self._idle = IdleBeat(self.loop, transport, topic, self.trust, period)
+            self.loop.post(self._idle.start)
 
     def _run(self, job: Job, transport: Transport) -> bool:
         """Run ``job`` on ``transport`` until it ends or the service stops; ``False`` if it failed before
@@ -167,6 +180,7 @@ class CloudService:
         except (ValueError, OSError) as exc:  # ConfigError, JobError: the job's, not the cloud's fault
             self._fail(job, str(exc))
             return False
+        self._idle_beat(None)  # the job's server announces it online
         job = self.queue.start(job.job) if not resumed else job
         log.info("job %s %s (hash %s)", job.job, "resumed" if resumed else "started", job.digest[:12])
 

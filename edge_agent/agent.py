@@ -108,7 +108,7 @@ class DeviceAgent:
         self.pending = 0  # tasks taken whose result has not left yet (training, or a modelled delay)
         self.bytes_in = 0
         self.bytes_out = 0
-        self._status: dict[tuple[str, int], bytes] = {}  # (state, samples) -> encoded status record
+        self._status: dict[tuple[str, int, float], bytes] = {}  # (state, samples, idle heartbeat) -> status record
         self.secagg, self._task_kinds = self._secure_aggregation(secagg)
 
     def _secure_aggregation(self, settings: SecAggSettings | None) -> tuple[DeviceSecAgg | None, tuple[str, ...]]:
@@ -132,14 +132,16 @@ class DeviceAgent:
         self.messenger.attach(transport)  # chunk signing and the message bound on the new connection too
         transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
 
-    def announce(self, state: str, qos: int = 1) -> None:
+    def announce(self, state: str, qos: int = 1, heartbeat: float = 0.0) -> None:
         """Publish this device's retained status record (``qos=0`` for a heartbeat: it repeats the record
-        the broker already retains, and the next one follows if it is lost; no acknowledgement to handle)."""
+        the broker already retains, and the next one follows if it is lost; no acknowledgement to handle).
+        An idle record declares the ``heartbeat`` period it is repeated at (0: none)."""
         status = topics.device_status(self.run, self.cell, self.device)
         samples = (
             len(self.data) if getattr(self.role, "reveals_data_size", True) else None
         )  # DP: the data's size stays here
-        key = (state, samples or 0)
+        beat = heartbeat if state == IDLE and heartbeat > 0 else 0.0
+        key = (state, samples or 0, beat)
         record = self._status.get(key)
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
             extra: dict[str, Any] = {"caps": dict(self.caps)} if self.caps is not None and state != "offline" else {}
@@ -147,6 +149,8 @@ class DeviceAgent:
                 extra["samples"] = samples
             if self.instance is not None:
                 extra["instance"] = self.instance
+            if beat:
+                extra["heartbeat"] = beat
             if self.cloud is not None and self.cloud.pinned is not None and state != IDLE:
                 extra["session"] = self.cloud.pinned  # the job it serves: a cell of another job does not count it
             record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)

@@ -338,11 +338,15 @@ class AgentProcess:
         return self.clock.seconds + (self.executor.seconds if self.executor is not None else 0.0)
 
     def _beat(self) -> None:
-        """On the I/O thread: re-announce every present device (training on the loop cannot delay it)."""
+        """On the I/O thread: re-announce every present device (training on the loop cannot delay it), and
+        each connected one between jobs as idle (long-lived: no job holds it)."""
         with self.presence.lock:
             for device in self.presence.present:
                 if self.transports[device].connected:
                     self.agents[device].announce("online", qos=0)
+            for device, transport in self.transports.items():
+                if self.job.long_lived and device not in self.presence.live and transport.connected:
+                    self.agents[device].announce(IDLE, qos=0, heartbeat=self.heartbeat)
         self._beat_timer = self.links.reactor.call_later(self.heartbeat, self._beat)
 
     # ------------------------------------------------------------------ cloud records (on the loop)
@@ -433,7 +437,7 @@ class AgentProcess:
                 return
             self.presence.live.discard(device)
             if self.agents[device].transport.connected:  # also one back from sitting out a round: it is up
-                self.agents[device].announce(IDLE)  # under the lock: no heartbeat can follow it
+                self.agents[device].announce(IDLE, heartbeat=self.heartbeat)  # under the lock: beats follow
             self.presence.present.discard(device)
             done = not self.presence.live
         self.loop.cancel(self.presence.polls.pop(device, None))

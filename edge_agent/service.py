@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch
-from protocols.status import between_jobs
+from protocols.status import IdleBeat, between_jobs
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -131,9 +131,13 @@ class AgentService:
         fed, device = self.bundle.run.name, self.devices[0]
         cell = self.bundle.topology.cell_of(device)
         status = topics.device_status(fed, cell, device) if cell is not None else None
-        if status is not None:
-            self.loop.post(lambda: between_jobs(transport, status, self.trust, idle=True, cell=cell))
+        period = self.bundle.monitoring.idle_heartbeat
+        idle = IdleBeat(self.loop, transport, status, self.trust, period, cell=cell) if status is not None else None
+        if idle is not None:
+            self.loop.post(idle.start)
         current = self._next_job(JobWatch(transport, fed, self.trust), done)
+        if idle is not None:
+            idle.stop()  # the loop is not running here: no beat follows
         if current is None and status is not None:
             between_jobs(transport, status, self.trust, idle=False, cell=cell)
         transport.close()

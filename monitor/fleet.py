@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from protocols.status import IDLE, decode_status
+from protocols.status import IDLE, decode_status, idle_deadline
 from protocols.wire import topics
 
 if TYPE_CHECKING:
@@ -49,6 +49,16 @@ class NodeView:
         """Its process runs: online in a job, or idle between jobs."""
         return self.state in ("online", IDLE)
 
+    def stale(self, now: float) -> bool:
+        """Idle, and the heartbeat its record declares missed ``IDLE_MISSED`` times: the node is gone (its will
+        lost), so it is shown offline."""
+        until = idle_deadline(self.last_heard, self.record.get("heartbeat")) if self.state == IDLE else None
+        return until is not None and now > until
+
+    def state_at(self, now: float) -> str:
+        """Its state as shown at ``now``: the record's, or ``offline`` once :meth:`stale`."""
+        return "offline" if self.stale(now) else self.state
+
     def as_dict(self, now: float) -> dict[str, Any]:
         """A row for ``--json``: the node, its state, when last heard (seconds ago), versions, capabilities."""
         caps = self.caps
@@ -56,8 +66,9 @@ class NodeView:
             "node": self.node,
             "role": self.role,
             "cell": self.cell,
-            "state": self.state,
-            "online": self.up,  # idle counts: the node is up, between jobs
+            "state": self.state_at(now),
+            "online": self.up and not self.stale(now),  # idle counts: the node is up, between jobs
+            "idle_heartbeat_missed": self.stale(now),
             "heard_s_ago": round(now - self.last_heard, 3),
             "heartbeats_seen": self.updates - 1,
             "fedtier": caps.get("fedtier"),
@@ -137,7 +148,8 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
 
     now = fleet.clock() if now is None else now
     rows = fleet.rows()
-    up, idle = sum(v.up for v in rows), sum(v.state == IDLE for v in rows)
+    up = sum(v.up and not v.stale(now) for v in rows)
+    idle = sum(v.state_at(now) == IDLE for v in rows)
     job = fleet.current_job()
     title = f"fleet {escape(fleet.run)}: {up}/{len(rows)} nodes online" + (f" ({idle} idle)" if idle else "")
     title += f", job {escape(job)}" if job else ""
@@ -162,7 +174,8 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
                     v.node,
                     v.role,
                     v.cell or "",
-                    "online, idle" if v.state == IDLE else v.state,
+                    {IDLE: "online, idle", "offline": "offline"}.get(v.state_at(now), v.state)
+                    + (" (idle heartbeat missed)" if v.stale(now) else ""),
                     heard,
                     caps.get("fedtier", ""),
                     caps.get("cores", ""),

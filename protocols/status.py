@@ -7,7 +7,10 @@ topic names.
 A long-lived node (``fedtier cloud|cell|agent --serve``) says :data:`IDLE` between jobs: its process is up
 (with its capabilities) but it serves no job, so the record names no job session. Everything that plans a
 job counts only ``online`` records of its own session, so an idle node is never planned: it is, for a job,
-as good as offline (the fleet view shows it up and idle). Its will still says ``offline`` if it dies.
+as good as offline (the fleet view shows it up and idle). Its will still says ``offline`` if it dies; and
+since a will can be lost (a broker restarted without its sessions), an idle node re-publishes its record
+every ``heartbeat`` seconds it declares in it (:class:`IdleBeat`): readers deem an idle record offline once
+:data:`IDLE_MISSED` periods pass without one (:func:`idle_deadline`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from .wire.ratelog import RateLimitedLog
 from .wire.signed import open_record, seal_record, signer_of
 
 if TYPE_CHECKING:
-    from .transport.base import Transport
+    from .transport.base import EventLoop, TimerHandle, Transport
     from .wire.keys import PublicKeys, Trust
 
 log = logging.getLogger("fedtier.status")
@@ -72,3 +75,31 @@ def between_jobs(transport: Transport, topic: str, trust: Trust | None, *, idle:
     it stops (a clean disconnect does not fire its will)."""
     record = idle_status(topic, trust, **extra) if idle else encode_status("offline", topic=topic, trust=trust, **extra)
     transport.publish(topic, record, retain=True)
+
+
+class IdleBeat:
+    """A long-lived node's idle status on ``topic`` (retained), published by :meth:`start` and again every
+    ``period`` seconds (declared in the record as ``heartbeat``; 0: once, declaring none) until :meth:`stop`.
+    Both run on ``loop``'s thread (or while it is not running), so no beat follows the stop."""
+
+    def __init__(
+        self, loop: EventLoop, transport: Transport, topic: str, trust: Trust | None, period: float, **extra: Any
+    ) -> None:
+        beat = {"heartbeat": period} if period > 0 else {}
+        self.loop, self.transport, self.topic, self.period = loop, transport, topic, period
+        self.record = idle_status(topic, trust, **beat, **extra)  # signed once: every beat repeats it
+        self._timer: TimerHandle | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        """Publish the record now, and schedule the next beat."""
+        if self._stopped:
+            return
+        self.transport.publish(self.topic, self.record, retain=True)
+        if self.period > 0:
+            self._timer = self.loop.call_later(self.period, self.start)
+
+    def stop(self) -> None:
+        """No more beats (the node serves a job, or says offline next)."""
+        self._stopped = True
+        self.loop.cancel(self._timer)

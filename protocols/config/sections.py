@@ -362,6 +362,13 @@ class MonitoringSection(Section):
         "port (fedtier cloud, cell, run, agent); none: no exporter; 0: a free port",
     )
     metrics_host: str = Field(default="127.0.0.1", description="address the /metrics server binds (0.0.0.0: all)")
+    idle_heartbeat: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="seconds between re-publications of a long-lived node's idle status (fedtier cloud|cell|agent "
+        "--serve, between jobs); fedtier monitor and fedtier fleet deem an idle node that missed three offline "
+        "(its will may be lost); 0: published once",
+    )
 
 
 class RequirementsSection(Section):

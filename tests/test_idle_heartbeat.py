@@ -1,0 +1,72 @@
+"""A long-lived node between jobs re-publishes its idle status every ``monitoring.idle_heartbeat`` seconds
+(declared in the record), so a reader tells a live idle node from one that died with its will lost (a
+broker restarted without its sessions): ``fedtier fleet`` and ``fedtier monitor`` show the dead one offline
+within three heartbeats. Real Mosquitto, a real :class:`~cell_server.service.CellService`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cell_server.service import CellService
+from monitor.fleet import Fleet
+from monitor.sources import TelemetryFeed
+from monitor.state import MonitorState
+from protocols.transport.broker import MosquittoBroker, find_mosquitto
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from sim.local_federation import federation_bundle
+from tests.conftest import small_config, wait_until
+
+PERIOD = 0.5
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_an_idle_cell_beats_and_one_that_dies_without_its_will_turns_offline(tmp_path: Path) -> None:
+    bundle = federation_bundle(small_config(tmp_path, monitoring={"idle_heartbeat": PERIOD}))
+    run = bundle.run.name
+    with MosquittoBroker() as broker:
+        loop, watching = ThreadLoop("cell-c0"), ThreadLoop("watch").start()
+        made: list[MqttTransport] = []
+
+        def connect() -> MqttTransport:  # no will: as if the broker had lost it
+            made.append(MqttTransport.from_url(broker.url, "cell-c0", loop))
+            return made[-1].connect()
+
+        service = CellService(bundle, "c0", loop, connect, lambda *_: None, None)
+        thread = threading.Thread(target=service.serve, name="cell-service", daemon=True)
+        watcher = MqttTransport.from_url(broker.url, "watcher", watching).connect()
+        fleet = Fleet(run).start(watcher)
+        feed = TelemetryFeed(watcher, run).start()
+        monitor = MonitorState()
+
+        def monitor_state() -> str:
+            _, _, statuses = feed.poll()
+            for node, state, heartbeat in statuses:
+                monitor.add_status(node, state, time.monotonic(), heartbeat)
+            view = monitor.cells.get("c0")
+            return monitor.state_of(view, time.monotonic()) if view is not None else "none"
+
+        try:
+            thread.start()
+            # idle, and again every heartbeat: shown online and idle, with the period it declared
+            assert wait_until(lambda: "c0" in fleet.nodes and fleet.nodes["c0"].updates >= 3, 10 * PERIOD)
+            row = fleet.nodes["c0"].as_dict(time.monotonic())
+            assert (row["state"], row["online"], fleet.nodes["c0"].record["heartbeat"]) == ("idle", True, PERIOD)
+            assert wait_until(lambda: monitor_state() == "idle", 10 * PERIOD)
+            made[0].crash()  # the process dies; no will says offline
+            died = time.monotonic()
+            gone = lambda: fleet.nodes["c0"].as_dict(time.monotonic())["state"] == "offline"  # noqa: E731
+            assert wait_until(gone, 10 * PERIOD)
+            assert time.monotonic() - died <= 3 * PERIOD + 1.0  # within three heartbeats (and a bit)
+            assert fleet.nodes["c0"].as_dict(time.monotonic())["idle_heartbeat_missed"]
+            assert wait_until(lambda: monitor_state() == "offline", 10 * PERIOD)
+            assert "cell c0 is offline (idle, its heartbeat missed)" in monitor.alerts(time.monotonic())
+        finally:
+            service.stop()
+            thread.join(10)
+            watcher.close()
+            watching.stop()
