@@ -98,7 +98,7 @@ class DeviceWorker:
         """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
         try:
             c, role, data = self._device(ctx)
-            result = role.train(decode_payload(task), data, self.trainer_for(c.device), c)
+            result = role.train(decode_payload(task, views=True), data, self.trainer_for(c.device), c)
             return encode_payload(result), ""
         except Exception as exc:  # a bad task must not kill the device (as in the main process)
             log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
@@ -115,7 +115,7 @@ class DeviceWorker:
                 continue
             try:
                 c, role, data = self._device(ctx)
-                jobs.append((i, c, role, data, decode_payload(task)))
+                jobs.append((i, c, role, data, decode_payload(task, views=True)))
             except Exception as exc:
                 log.exception("device %s: bad task", ctx.get("device"))
                 out[i] = (b"", str(exc))

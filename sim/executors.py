@@ -132,7 +132,7 @@ class _Remote:
             complete(lambda: done(None, error))
             return
         try:  # no finiteness check: the cell's own decoding judges the result, as in the main process
-            payload = decode_payload(result, require_finite=False)
+            payload = decode_payload(result, require_finite=False, views=True)
         except Exception as exc:
             err = str(exc)
             complete(lambda: done(None, f"bad result from the worker: {err}"))
