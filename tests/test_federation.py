@@ -119,10 +119,10 @@ def _jobs(cloud_out: Path) -> dict[str, str]:
         return {}
 
 
-def _fleet(bundle: Path) -> dict[str, dict]:
+def _fleet(bundle: Path, wait: float = 1.0) -> dict[str, dict]:
     """``fedtier fleet --json`` from ``bundle`` (the monitor's: its keys check every status): node -> row."""
     res = subprocess.run(
-        [FEDTIER, "fleet", "--config", "config.toml", "--json", "--wait", "1"],
+        [FEDTIER, "fleet", "--config", "config.toml", "--json", "--wait", str(wait)],
         cwd=bundle,
         capture_output=True,
         text=True,
@@ -218,6 +218,9 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             assert wait_until(lambda: _every_node(nodes / "monitor", "idle", fleet), 30), (
                 fleet
             )  # between jobs: idle again
+            # the agents' devices, connected between jobs, repeat their idle status every runtime.heartbeat (1 s)
+            rows = _fleet(nodes / "monitor", wait=2.5)
+            assert all(rows[d]["state"] == "idle" and rows[d]["heartbeats_seen"] >= 1 for d in ("c0-d0", "c0-d1")), rows
             # job E (500 rounds): its cell is killed (SIGKILL) mid-job and restarted from its bundle: it
             # resumes its round and serves the rest of the job; then E is cancelled: it stops after its round
             (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 4", "rounds = 500"))
