@@ -81,7 +81,7 @@ lr = 0.1
 name = "mlp"
 hidden = [16]
 """
-    + COMMON
+    + COMMON.replace("rounds = 4", "rounds = 20")  # the cloud is killed after its first round: 19 to go
 )
 JOB_B = (
     """
@@ -100,7 +100,7 @@ name = "logreg"
     + COMMON
 )
 
-JOB_C = JOB_A.replace('id = "A"', 'id = "C"\ninit_from = "A"').replace("rounds = 4", "rounds = 1")
+JOB_C = JOB_A.replace('id = "A"', 'id = "C"\ninit_from = "A"').replace("rounds = 20", "rounds = 1")
 
 
 def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
@@ -223,7 +223,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             assert all(rows[d]["state"] == "idle" and rows[d]["heartbeats_seen"] >= 1 for d in ("c0-d0", "c0-d1")), rows
             # job E (500 rounds): its cell is killed (SIGKILL) mid-job and restarted from its bundle: it
             # resumes its round and serves the rest of the job; then E is cancelled: it stops after its round
-            (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 4", "rounds = 500"))
+            (tmp / "E.toml").write_text(JOB_A.replace('id = "A"', 'id = "E"').replace("rounds = 20", "rounds = 500"))
             res = _run([FEDTIER, "submit", str(tmp / "E.toml"), "--config", "config.toml"], operator)
             metrics_e = cloud_out / "jobs" / "E" / runfiles.METRICS
             rounds_e = lambda: metrics_e.read_text().count("\n") if metrics_e.exists() else 0  # noqa: E731
