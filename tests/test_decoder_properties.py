@@ -601,3 +601,34 @@ def test_checkpoint_file_round_trip_and_corruption(tmp_path_factory, payload: Pa
         load_payload(path)
     except ValueError:  # WireError, or not a checkpoint file at all
         pass
+
+
+@FAST
+@given(st.data())
+def test_mutated_payload_viewed_is_the_copying_decoders_payload_or_its_wire_error(data: st.DataObject) -> None:
+    """The runtimes decode views of a message's bytes (at any alignment): the same values, the same
+    rejections, as the copying decoder, and every accepted view read-only and over the message itself."""
+    blob = data.draw(mutated(encode_payload(data.draw(payloads))))
+    try:
+        copied = decode_payload(blob)
+    except WireError as exc:
+        with pytest.raises(WireError) as viewed:
+            decode_payload(blob, views=True)
+        assert viewed.value.kind == exc.kind
+        return
+    out = decode_payload(blob, views=True)
+    assert same_payload(out, copied)
+    for v in out.tensors.values():
+        assert not v.flags.writeable and v.dtype.isnative
+        assert v.size == 0 or np.shares_memory(v, np.frombuffer(blob, np.uint8))
+    assert all(np.isfinite(v).all() for v in out.tensors.values() if v.dtype.kind == "f")
+
+
+@pytest.mark.parametrize("views", [False, True])
+@pytest.mark.parametrize("shape", [(0, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF,) * 7 + (0,)])
+def test_an_empty_tensor_with_overflowing_dimensions_is_a_wire_error(shape: tuple[int, ...], views: bool) -> None:
+    """No bytes, but dimensions whose product (the zero aside) overflows numpy's sizes: refused, not a ValueError."""
+    head = struct.pack("<I", 2) + b"{}" + struct.pack("<H", 1) + struct.pack("<H", 1) + b"w"
+    blob = head + struct.pack("<BB", 2, len(shape)) + struct.pack(f"<{len(shape)}I", *shape)
+    with pytest.raises(WireError, match="too large"):
+        decode_payload(blob, views=views)

@@ -145,6 +145,7 @@ def all_finite(arr: np.ndarray) -> bool:
 
 _U32, _U16, _BB = struct.Struct("<I"), struct.Struct("<H"), struct.Struct("<BB")
 _SHAPES = [struct.Struct(f"<{n}I") for n in range(MAX_NDIM + 1)]
+_MAX_INTP = int(np.iinfo(np.intp).max)  # the largest array numpy can describe, in bytes
 _REMEMBER_BYTES = 4096  # smaller tensors are checked again rather than remembered (a check costs ~1 us)
 
 
@@ -211,6 +212,8 @@ def decode_payload(data: bytes | memoryview, *, require_finite: bool = True, vie
         dtype = DTYPES[code]
         nbytes = math.prod(shape) * dtype.itemsize
         start, pos = pos, _need(pos, nbytes, end)
+        if nbytes == 0 and math.prod(d or 1 for d in shape) * dtype.itemsize > _MAX_INTP:  # numpy refuses it too
+            raise WireError(RejectKind.SHAPE, f"tensor {name!r}: shape {shape} is too large")
         arr: np.ndarray = np.ndarray(shape, dtype, buf, start)  # a view (read-only where buf is)
         viewed = share and dtype.isnative
         if not viewed:
