@@ -65,6 +65,11 @@ def job_text(cfg: RunConfig) -> str:
             digest = hashlib.sha256(Path(cfg.run.init_model).read_bytes()).hexdigest()
         except OSError as exc:
             raise ConfigError(f"run.init_model: cannot read {cfg.run.init_model}: {exc}") from None
+        stated = cfg.run.init_model_sha256
+        if stated is not None and digest != stated:  # the operator's check of the file: kept, never replaced
+            raise ConfigError(
+                f"run.init_model: cannot use {cfg.run.init_model}: its sha256 is {digest[:16]}..., not {stated[:16]}..."
+            )
     update: dict[str, Any] = {"run": cfg.run.model_copy(update={"init_model": None, "init_model_sha256": digest})}
     if cfg.privacy.dp != "off" and cfg.privacy.noise_seed is None:
         update["privacy"] = cfg.privacy.model_copy(update={"noise_seed": cfg.run.seed})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -219,6 +220,33 @@ def test_fedtier_runs_job_binds_its_initial_model_and_a_node_refuses_another(tmp
         with_init_model(job_cfg, str(tmp_path / "other.ftw")).build_algorithm(spec)
     with pytest.raises(ConfigError, match="this node has no run.init_model"):
         with_init_model(job_cfg, None).build_algorithm(spec)
+
+
+def test_fedtier_run_refuses_an_initial_model_of_another_digest_than_the_configs(tmp_path: Path) -> None:
+    """A config that names both ``run.init_model`` and its ``run.init_model_sha256`` (the operator's check of the
+    file): `fedtier run` submits the job only if the file has that digest, as `fedtier sim` builds it only then;
+    it never replaces the stated digest with the file's own."""
+    import hashlib
+
+    from protocols.checkpoint import save_params
+    from protocols.config import ConfigError
+    from sim.local_federation import job_text
+
+    cfg = small_config(tmp_path)
+    seeded = cfg.build_algorithm(cfg.model_spec((64,), 10)).initial_params()
+    save_params(tmp_path / "start.ftw", {k: v + 1.0 for k, v in seeded.items()})
+    save_params(tmp_path / "other.ftw", {k: v - 1.0 for k, v in seeded.items()})
+    digest = hashlib.sha256((tmp_path / "start.ftw").read_bytes()).hexdigest()
+
+    def run(path: Path) -> Any:
+        return cfg.model_copy(
+            update={"run": cfg.run.model_copy(update={"init_model": str(path), "init_model_sha256": digest})}
+        )
+
+    job_cfg, _ = canonical_job(job_text(run(tmp_path / "start.ftw")), federation(tmp_path))
+    assert job_cfg.run.init_model_sha256 == digest
+    with pytest.raises(ConfigError, match=r"other.ftw: its sha256 is .*, not " + digest[:16]):
+        job_text(run(tmp_path / "other.ftw"))
 
 
 def test_a_job_the_cloud_cannot_build_fails_with_its_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
