@@ -33,7 +33,9 @@ whose generator stream differs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping
@@ -61,18 +63,31 @@ _update_bytes = 0
 _lock = threading.Lock()  # agents may run as threads of one process (fedtier run)
 
 
+class Shapes(dict):
+    """Parameter shapes by name, in model order (:func:`shapes_of`), with what the caches key on computed once."""
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        return tuple((n, tuple(s)) for n, s in self.items())
+
+    @functools.cached_property
+    def size(self) -> int:
+        return sum(math.prod(s) for s in self.values())
+
+
 class Packed(dict):
     """Parameters held as one float32 vector (:attr:`flat`, model order) and, by name, views of it: the steps
     update the vector in a few operations instead of a few per tensor (the same bits either way)."""
 
     flat: np.ndarray
+    shapes: Shapes
 
 
 def packed(params: Mapping[str, np.ndarray]) -> Packed:
     """A :class:`Packed` copy of ``params`` (float32, model order)."""
     flat = np.concatenate([np.asarray(v, np.float32).ravel() for v in params.values()] or [np.zeros(0, np.float32)])
     out = Packed(views(flat, shapes_of(params)))
-    out.flat = flat
+    out.flat, out.shapes = flat, shapes_of(params)
     return out
 
 
@@ -80,14 +95,14 @@ def views(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, 
     """The tensors of ``shapes`` (in order) as views of the vector ``flat``."""
     out, at = {}, 0
     for name, shape in shapes.items():
-        n = int(np.prod(shape, dtype=np.int64))
+        n = math.prod(shape)
         out[name] = flat[at : at + n].reshape(shape)
         at += n
     return out
 
 
 def _key(shapes: Mapping[str, tuple[int, ...]]) -> tuple:
-    return tuple((n, tuple(s)) for n, s in shapes.items())
+    return shapes.key if isinstance(shapes, Shapes) else Shapes(shapes).key
 
 
 def _remember(cache: OrderedDict, key: tuple, value: Any, size: int, budget: int, used: int) -> int:
@@ -140,7 +155,7 @@ def _direction(
 
 def _draw_flat(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> np.ndarray:
     gen = rng(round_seed, k, p, "zo-direction")
-    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()]
+    sizes = [math.prod(shape) for shape in shapes.values()]
     out = np.empty(sum(sizes), np.float32)
     at = 0
     for n in sizes:  # one generator walks the tensors in order (a call per tensor: rademacher's draw is buffered)
@@ -159,8 +174,11 @@ def _draw(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]]
     return views(_draw_flat(round_seed, k, p, shapes, kind), shapes)
 
 
-def shapes_of(params: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in params.items()}
+def shapes_of(params: Mapping[str, np.ndarray]) -> Shapes:
+    """The shapes of ``params`` by name, in order (a :class:`Packed`'s are kept with it)."""
+    if isinstance(params, Packed):
+        return params.shapes
+    return Shapes((k, tuple(v.shape)) for k, v in params.items())
 
 
 def perturbed(params: Mapping[str, np.ndarray], z: Mapping[str, np.ndarray], mu: float) -> dict[str, np.ndarray]:
@@ -194,7 +212,7 @@ def update(
             if hit is not None:
                 _updates.move_to_end(key)
                 return hit
-    u = np.zeros(sum(int(np.prod(s, dtype=np.int64)) for s in shapes.values()), np.float32)
+    u = np.zeros(shapes.size if isinstance(shapes, Shapes) else Shapes(shapes).size, np.float32)
     for p in range(c.shape[0]):
         if c[p] != 0:
             u += c[p] * direction_vector(round_seed, k, p, shapes, kind)
@@ -222,8 +240,8 @@ def apply_step(
     share: bool = True,
 ) -> None:
     """In place: ``x -= u`` with ``c_p = float32((lr / P) * g[p])`` (``g`` holds P scalars)."""
-    g = np.asarray(g)
-    c = np.array([step_coefficient(lr, g.shape[0], v) for v in g], np.float32)
+    g = np.asarray(g, np.float64)
+    c = (float(lr) / g.shape[0] * g).astype(np.float32)  # step_coefficient of each g[p], vectorized: the same bits
     u = update(round_seed, k, c, shapes_of(params), kind, share)
     for v, part in _pairs(params, u):
         v -= part
@@ -241,8 +259,8 @@ def apply_momentum_step(
     share: bool = True,
 ) -> None:
     """In place, heavy ball on the ZO estimate: ``b = beta * b + u`` (``c_p = float32(g[p] / P)``), ``x -= lr * b``."""
-    g = np.asarray(g)
-    c = np.array([np.float32(float(v) / g.shape[0]) for v in g], np.float32)
+    g = np.asarray(g, np.float64)
+    c = (g / g.shape[0]).astype(np.float32)  # float32(g[p] / P), each g[p] exact in float64
     u = update(round_seed, k, c, shapes_of(params), kind, share)
     beta, rate = np.float32(momentum), np.float32(lr)
     flat = isinstance(params, Packed) and isinstance(buf, Packed)
