@@ -10,7 +10,7 @@ from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
 from protocols.failures import failed_payload, failed_reason
 from protocols.rejections import Rejected, RejectKind
-from protocols.status import IDLE, encode_status
+from protocols.status import IDLE, beat_stamp, encode_status
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
 from protocols.wire import topics
@@ -142,7 +142,7 @@ class DeviceAgent:
         )  # DP: the data's size stays here
         beat = heartbeat if state == IDLE and heartbeat > 0 else 0.0
         key = (state, samples or 0, beat)
-        record = self._status.get(key)
+        record = None if beat else self._status.get(key)  # an idle beat is stamped with its time: signed each
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
             extra: dict[str, Any] = {"caps": dict(self.caps)} if self.caps is not None and state != "offline" else {}
             if samples is not None:
@@ -150,11 +150,12 @@ class DeviceAgent:
             if self.instance is not None:
                 extra["instance"] = self.instance
             if beat:
-                extra["heartbeat"] = beat
+                extra.update(heartbeat=beat, **beat_stamp())
             if self.cloud is not None and self.cloud.pinned is not None and state != IDLE:
                 extra["session"] = self.cloud.pinned  # the job it serves: a cell of another job does not count it
             record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)
-            self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
+            if not beat:
+                self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
         self.transport.publish(status, record, qos=qos, retain=True)
 
     def stop(self) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from protocols.status import IDLE, decode_status, idle_deadline
+from protocols.status import IDLE, decode_status, idle_deadline, published_age
 from protocols.wire import topics
 
 if TYPE_CHECKING:
@@ -112,8 +112,9 @@ class Fleet:
             node, role, cell = _node_of(topic)
             now = self.clock()
             view = self.nodes.get(node)
-            if view is None:
-                self.nodes[node] = NodeView(node, role, cell, record["state"], record, now, now)
+            if view is None:  # (retained, as a rule: an idle one is aged from its published time)
+                heard = now - published_age(record) if record["state"] == IDLE else now
+                self.nodes[node] = NodeView(node, role, cell, record["state"], record, now, heard)
             else:
                 view.state, view.record, view.last_heard = record["state"], record, now
                 view.updates += 1

@@ -16,6 +16,8 @@ every ``heartbeat`` seconds it declares in it (:class:`IdleBeat`): readers deem 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from .wire.envelope import WireError
@@ -62,6 +64,22 @@ def idle_deadline(received: float | None, heartbeat: Any) -> float | None:
     return received + IDLE_MISSED * float(heartbeat)
 
 
+def beat_stamp() -> dict[str, float]:
+    """The ``published`` time (Unix seconds) a repeated idle record carries: a reader that gets it retained (a view
+    opened after the node's last beat, as ``fedtier fleet``) ages it from then, not from its arrival."""
+    return {"published": round(time.time(), 3)}
+
+
+def published_age(record: dict[str, Any]) -> float:
+    """Seconds since ``record`` says it was published (its ``published`` time; 0 without one, or one ahead of this
+    clock). Only a record first seen retained is aged so (clocks a few seconds apart do not matter beside three
+    heartbeats); one heard live counts from its arrival."""
+    at = record.get("published")
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+        return 0.0
+    return max(0.0, time.time() - float(at))
+
+
 def idle_status(topic: str, trust: Trust | None, **extra: Any) -> bytes:
     """A long-lived node's status between jobs: :data:`IDLE`, with this machine's capabilities (versions
     included) and no job session."""
@@ -87,14 +105,17 @@ class IdleBeat:
     ) -> None:
         beat = {"heartbeat": period} if period > 0 else {}
         self.loop, self.transport, self.topic, self.period = loop, transport, topic, period
-        self.record = idle_status(topic, trust, **beat, **extra)  # signed once: every beat repeats it
+        self.trust, self.extra = trust, {**beat, **extra}
+        self.record = idle_status(topic, trust, **self.extra)
         self._timer: TimerHandle | None = None
         self._stopped = False
 
     def start(self) -> None:
-        """Publish the record now, and schedule the next beat."""
+        """Publish the record now (each beat signed with its ``published`` time), and schedule the next beat."""
         if self._stopped:
             return
+        if self.period > 0:
+            self.record = idle_status(self.topic, self.trust, **self.extra, **beat_stamp())
         self.transport.publish(self.topic, self.record, retain=True)
         if self.period > 0:
             self._timer = self.loop.call_later(self.period, self.start)

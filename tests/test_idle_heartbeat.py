@@ -70,3 +70,45 @@ def test_an_idle_cell_beats_and_one_that_dies_without_its_will_turns_offline(tmp
             thread.join(10)
             watcher.close()
             watching.stop()
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_fleet_view_opened_after_an_idle_node_died_shows_it_offline(tmp_path: Path) -> None:
+    """`fedtier fleet` opens a fresh view each time and listens a few seconds: a dead idle node's retained record
+    arrives at once, as if just heard. The record says when it was published, so a fresh view shows the node
+    offline at once, and a live idle node's idle (its newest beat is recent)."""
+    bundle = federation_bundle(small_config(tmp_path, monitoring={"idle_heartbeat": PERIOD}))
+    run = bundle.run.name
+    with MosquittoBroker() as broker:
+        loop, watching = ThreadLoop("cell-c0"), ThreadLoop("watch").start()
+        made: list[MqttTransport] = []
+
+        def connect() -> MqttTransport:  # no will: as if the broker had lost it
+            made.append(MqttTransport.from_url(broker.url, "cell-c0", loop))
+            return made[-1].connect()
+
+        def fresh_view(name: str) -> Fleet:  # as one `fedtier fleet` run: its own connection and view
+            watchers.append(MqttTransport.from_url(broker.url, name, watching).connect())
+            view = Fleet(run).start(watchers[-1])
+            assert wait_until(lambda: "c0" in view.nodes, 10 * PERIOD)
+            return view
+
+        service = CellService(bundle, "c0", loop, connect, lambda *_: None, None)
+        thread = threading.Thread(target=service.serve, name="cell-service", daemon=True)
+        watchers: list[MqttTransport] = []
+        try:
+            thread.start()
+            early = fresh_view("early")
+            assert wait_until(lambda: early.nodes["c0"].updates >= 3, 10 * PERIOD)  # beating
+            assert fresh_view("alive").nodes["c0"].as_dict(time.monotonic())["state"] == "idle"
+            made[0].crash()  # the process dies; no will says offline
+            gone = lambda: early.nodes["c0"].as_dict(time.monotonic())["state"] == "offline"  # noqa: E731
+            assert wait_until(gone, 10 * PERIOD)  # three heartbeats missed
+            row = fresh_view("late").nodes["c0"].as_dict(time.monotonic())
+            assert (row["state"], row["online"], row["idle_heartbeat_missed"]) == ("offline", False, True)
+        finally:
+            service.stop()
+            thread.join(10)
+            for w in watchers:
+                w.close()
+            watching.stop()
