@@ -67,8 +67,7 @@ device_deadline = 30.0
 startup_wait = 30.0
 heartbeat = 1.0
 """
-JOB_A = (
-    """
+JOB_A = """
 [job]
 id = "A"
 [algorithm]
@@ -80,9 +79,7 @@ lr = 0.1
 [model]
 name = "mlp"
 hidden = [16]
-"""
-    + COMMON.replace("rounds = 4", "rounds = 20")  # the cloud is killed after its first round: 19 to go
-)
+""" + COMMON.replace("rounds = 4", "rounds = 20")  # the cloud is killed after its first round: 19 to go
 JOB_B = (
     """
 [job]
