@@ -146,7 +146,7 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
 
 def test_unsigned_deployment_commands_refuse_to_start_without_insecure(tmp_path: Path) -> None:
     """``fedtier cloud|cell|agent`` of a config without [security] keys exit 2 before connecting, saying why
-    and what to do; with ``--insecure`` a cell goes on (here: to the unreachable broker, exit 1), warned."""
+    and what to do; with ``--insecure`` a cell goes on (here: to a broker that hangs up, exit 1), warned."""
     from click.testing import CliRunner
 
     from fedtier.cli import main

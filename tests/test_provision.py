@@ -518,7 +518,7 @@ def test_the_monitor_bundle_watches_signed_telemetry_over_tls(
     monkeypatch.chdir(nodes / "monitor")
     fedtier = str(Path(sys.executable).parent / "fedtier")
     proc = popen(
-        [fedtier, "monitor", "--config", "config.toml", "--once", "--wait", "5", "--width", "220"],
+        [fedtier, "monitor", "--config", "config.toml", "--once", "--wait", "2", "--width", "220"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -527,7 +527,7 @@ def test_the_monitor_bundle_watches_signed_telemetry_over_tls(
             c0, c1 = make(nodes / "c0", port), make(nodes / "c1", port)
             c0.connect(WAIT), c1.connect(WAIT)
             deadline = time.monotonic() + 30
-            while proc.poll() is None and time.monotonic() < deadline:  # until the monitor has listened its 5 s
+            while proc.poll() is None and time.monotonic() < deadline:  # until the monitor has listened its 2 s
                 c0.publish(c0_topic, signed, qos=0)
                 c1.publish(c1_topic, unsigned, qos=0)
                 time.sleep(0.2)
