@@ -128,3 +128,72 @@ def _config(tmp: Path) -> Path:
     path = tmp / "cfg.toml"
     path.write_text(small_config(tmp).to_toml())
     return path
+
+
+def _presented_serial(context: ssl.SSLContext, broker: Path) -> int:
+    """The serial number of the client certificate ``context`` presents to a server that requires one (the
+    provisioned broker's certificate and CA, over a socket pair); ``ValueError`` if the handshake fails."""
+    import threading
+
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(broker / "server.crt", broker / "server.key")
+    server.verify_mode = ssl.CERT_REQUIRED
+    server.load_verify_locations(broker / "ca.crt")
+    a, b = socket.socketpair()
+    seen: list[bytes | None] = []
+
+    def serve() -> None:
+        try:
+            with server.wrap_socket(b, server_side=True) as tls:
+                seen.append(tls.getpeercert(binary_form=True))
+        except (ssl.SSLError, OSError):
+            seen.append(None)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with context.wrap_socket(a, server_hostname="broker") as tls:
+            tls.recv(1)  # the server's side of the handshake is over when it closes
+    except (ssl.SSLError, OSError):
+        pass
+    thread.join(WAIT)
+    if not seen or seen[0] is None:
+        raise ValueError("the handshake failed")
+    return x509.load_der_x509_certificate(seen[0]).serial_number
+
+
+def test_a_reload_takes_the_files_it_checked_even_if_they_change_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files may be replaced between the check and the load (the operator copies the next pair): the context
+    takes the pair it checked, never a certificate with another key (which leaves it no usable key at all)."""
+    from protocols.transport import tls_reload
+
+    res = CliRunner().invoke(main, ["provision", str(_config(tmp_path)), "--out", str(tmp_path / "p")])
+    assert res.exit_code == 0, res.output
+    out, installed = tmp_path / "p", tmp_path / "installed"
+    shutil.copytree(out / "nodes" / "c0-d0", installed)
+    crt, key, ca = (str(installed / f) for f in ("client.crt", "client.key", "ca.crt"))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.load_cert_chain(crt, key)
+    holder = type("Client", (), {"_ssl_context": context})()
+    tls_reload.track(holder, crt, key, ca)
+    first = _presented_serial(context, out / "broker")
+    res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--node", "c0-d0"])
+    assert res.exit_code == 0, res.output
+    for name in ("client.crt", "client.key"):
+        shutil.copy(out / "nodes" / "c0-d0" / name, installed / name)
+    renewed = x509.load_pem_x509_certificate((installed / "client.crt").read_bytes()).serial_number
+    checked = tls_reload.check_material
+
+    def check_then_replaced(certfile: str, keyfile: str, ca_certs: str | None) -> tuple[int, dt.datetime]:
+        found = checked(certfile, keyfile, ca_certs)
+        if found[0] == renewed:  # (other tests' clients may be tracked too)
+            shutil.copy(out / "nodes" / "c0-d1" / "client.key", key)  # another key lands right after the check
+        return found
+
+    monkeypatch.setattr(tls_reload, "check_material", check_then_replaced)
+    [outcome] = [r for r in tls_reload.reload_all() if r.certfile == crt]
+    assert outcome.error is None and outcome.serial == renewed != first
+    assert _presented_serial(context, out / "broker") == renewed

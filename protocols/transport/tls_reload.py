@@ -11,7 +11,9 @@ the new certificate. A connection opened later (the next job's) reads the files 
 from __future__ import annotations
 
 import logging
+import os
 import ssl
+import tempfile
 import threading
 import weakref
 from dataclasses import dataclass
@@ -77,14 +79,31 @@ def reload_all() -> list[Reloaded]:
     done = []
     for (certfile, keyfile, ca_certs), contexts in by_files.items():
         try:
-            serial, not_after = check_material(certfile, keyfile, ca_certs)
-            for context in contexts:
-                context.load_cert_chain(certfile, keyfile)
+            serial, not_after = _take(certfile, keyfile, ca_certs, contexts)
         except (ValueError, OSError, ssl.SSLError) as exc:
             done.append(Reloaded(certfile, len(contexts), error=str(exc)))
             continue
         done.append(Reloaded(certfile, len(contexts), serial, not_after))
     return done
+
+
+def _take(certfile: str, keyfile: str, ca_certs: str | None, contexts: list[ssl.SSLContext]) -> tuple[int, datetime]:
+    """Read the pair once, check that copy (:func:`check_material`) and load that copy into ``contexts``: files
+    replaced meanwhile (the operator copying the next pair) cannot give a context a certificate with another
+    key, which a failed load would leave it with, and no key (no handshake at all)."""
+    pem = Path(certfile).read_bytes(), Path(keyfile).read_bytes()
+    with tempfile.TemporaryDirectory(prefix="fedtier-tls-") as tmp:  # mode 0700, removed at once
+        crt, key = Path(tmp) / "client.crt", Path(tmp) / "client.key"
+        for path, data in ((crt, pem[0]), (key, pem[1])):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(data)
+        try:
+            found = check_material(str(crt), str(key), ca_certs)
+        except ValueError as exc:  # named by the node's files, not the copy's
+            raise ValueError(str(exc).replace(str(crt), certfile).replace(str(key), keyfile)) from None
+        for context in contexts:
+            context.load_cert_chain(crt, key)
+    return found
 
 
 def reload_and_log() -> list[Reloaded]:
