@@ -100,17 +100,35 @@ def write_broker(
 def reload_brokers(folders: list[Path]) -> list[str]:
     """SIGHUP each running Mosquitto of ``folders`` (its ``data/mosquitto.pid``): it rereads its ACL and CRL
     files and its server certificate and key (Mosquitto 2.0.11 checked: ``tests/test_tls_reload.py``).
-    Returns what was done, one line a broker (a stopped broker takes them when it starts)."""
+    Returns what was done, one line a broker (a stopped broker takes them when it starts). A pid file left by a
+    broker that did not stop cleanly may name another process now: only a Mosquitto is signalled."""
     done = []
     for folder in folders:
         pid_file = folder / "data" / "mosquitto.pid"
         try:
             pid = int(pid_file.read_text().strip())
+            if not _is_mosquitto(pid):
+                done.append(
+                    f"the broker in {folder} is not running (stale {pid_file}): it takes the change when it starts"
+                )
+                continue
             os.kill(pid, signal.SIGHUP)
             done.append(f"reloaded the broker in {folder} (pid {pid})")
         except (OSError, ValueError):
             done.append(f"the broker in {folder} is not running: it takes the change when it starts")
     return done
+
+
+def _is_mosquitto(pid: int) -> bool:
+    """Whether process ``pid`` runs Mosquitto (its command line, on Linux; where there is no ``/proc``, assumed)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    try:
+        argv0 = (proc / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0]
+    except OSError:  # no such process
+        return False
+    return Path(os.fsdecode(argv0)).name.startswith("mosquitto")
 
 
 def cell_ports(cells: list[str], first: int) -> dict[str, int]:

@@ -197,3 +197,21 @@ def test_a_reload_takes_the_files_it_checked_even_if_they_change_meanwhile(
     [outcome] = [r for r in tls_reload.reload_all() if r.certfile == crt]
     assert outcome.error is None and outcome.serial == renewed != first
     assert _presented_serial(context, out / "broker") == renewed
+
+
+def test_a_stale_broker_pid_file_signals_no_other_process(tmp_path: Path) -> None:
+    """A broker killed hard (or its host rebooted) leaves ``data/mosquitto.pid`` behind, and its pid may now be
+    another process's: renew, enrol and revoke reload only a Mosquitto (SIGHUP would end most processes)."""
+    from fedtier.broker_files import reload_brokers
+
+    folder = tmp_path / "broker"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "mosquitto.pid").write_text(f"{os.getpid()}\n")  # this test's pid: not a Mosquitto
+    got: list[int] = []
+    previous = signal.signal(signal.SIGHUP, lambda sig, _: got.append(sig))
+    try:
+        [line] = reload_brokers([folder])
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert not got, "SIGHUP sent to a process that is not the broker"
+    assert "is not running" in line and "stale" in line, line
