@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger("fedtier.heap")
 
@@ -54,3 +57,17 @@ def keep_freed_memory() -> bool:
     log.debug("malloc keeps freed memory: %s", ok)
     _done.append(ok)
     return ok
+
+
+@contextmanager
+def setup_frozen() -> Iterator[None]:
+    """While inside, the cyclic garbage collector leaves the objects alive on entry alone (``gc.freeze``): a
+    run's setup (modules, torch, the data set, the nodes: ~200,000 objects) is not scanned again by every full
+    collection, which came every ~2 rounds and took ~0.1 s at 500 simulated devices (~0.1 ms a device a round).
+    On exit they are collected as usual again (``gc.unfreeze``), so a process that runs many jobs leaks nothing.
+    Reference counting frees everything as before; only the cycle collector's scans change, never a result."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -22,7 +22,7 @@ from edge_agent.runner import AgentProcess, BrokerOptions
 from edge_agent.service import AgentService
 from protocols import procs
 from protocols.config import RunConfig, parse_config
-from protocols.heap import keep_freed_memory
+from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.jobs import JobError
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -135,7 +135,8 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     service = worker_service(job, data, (shape, classes), sessions, started)
     service.on_job_end = lambda _job: service.stop()  # one job: the launcher's (``build`` refuses others)
     try:
-        service.serve()
+        with setup_frozen():  # the devices' data and the imports are not scanned by every full collection
+            service.serve()
     finally:
         results.put({"agents": started[0].stats() if started else {}, "sessions": sessions})
 

@@ -16,7 +16,7 @@ from protocols import procs
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.config import parse_config
 from protocols.execution import execution_plan
-from protocols.heap import keep_freed_memory
+from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.trainer import LocalData
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
@@ -143,6 +143,12 @@ def process_main(tasks: Any, results: Any, config_text: str, devices: list[str])
     except BaseException:  # the main process shows it when a task needs this worker (it may fail the same way)
         results.send_bytes(frame({"fatal": traceback.format_exc()}))
         sys.exit(1)
+    with setup_frozen():  # this process lives for one run: its setup is not scanned by every full collection
+        _serve(worker, tasks, results)
+
+
+def _serve(worker: DeviceWorker, tasks: Any, results: Any) -> None:
+    """Answer tasks until told to stop (or the main process is gone)."""
     while True:
         try:
             header, body = unframe(tasks.recv_bytes())

@@ -24,7 +24,7 @@ from protocols.bounds import CellBounds
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan
-from protocols.heap import keep_freed_memory
+from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
@@ -305,7 +305,9 @@ def run_simulation(
     Simulated devices have this machine's capabilities: a job whose ``[requirements]`` they miss is refused."""
     check_requirements(cfg)
     keep_freed_memory()  # every round frames a model-sized task per device: reuse the memory, not re-fault it
-    return SimHierarchy(cfg, on_round=on_round, write_output=write_output, resume=resume).run()
+    hierarchy = SimHierarchy(cfg, on_round=on_round, write_output=write_output, resume=resume)
+    with setup_frozen():  # the garbage collector does not scan the setup again every few rounds
+        return hierarchy.run()
 
 
 def write_final(out: Path, result: RunResult) -> None:
