@@ -171,9 +171,10 @@ class MonitorState:
         return self.deadline if self.deadline is not None else (view.last.deadline_s if view.last else None)
 
     def offline(self, view: CellView, now: float) -> bool:
-        """The cell said offline, or its idle status missed its heartbeats (and the run is not over)."""
+        """The cell said offline (and the run is not over), or its idle status missed its heartbeats (whether a job
+        finished or not: a cell is idle between jobs)."""
         stale = view.idle and view.idle_until is not None and now > view.idle_until
-        return (view.online is False or stale) and not self.finished
+        return stale or (view.online is False and not self.finished)
 
     def silent(self, view: CellView, now: float) -> float | None:
         """Seconds of silence when longer than the cell's deadline (and the run is not over; an idle cell

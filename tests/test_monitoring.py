@@ -285,6 +285,22 @@ def test_an_idle_cell_shows_idle_and_turns_offline_once_its_idle_heartbeat_is_mi
     assert states(142.0)[0] == "ok"
 
 
+def test_an_idle_cell_that_misses_its_heartbeats_is_offline_after_a_finished_job_too():
+    """Cells are idle between jobs, that is after one finished (the cloud's retained state says so to any monitor
+    started later): an idle cell that dies with its will lost still turns offline; a finished job's cells are
+    not flagged for their silence."""
+    state = MonitorState()
+    state.add(_cell(0, "c0", 4, 100.0))
+    state.add_state({"node": "cloud", "phase": "finished", "since": 100.5, "waiting": []})  # the last job ended
+    assert state.finished
+    state.add_status("cell.c0", "idle", received=101.0, heartbeat=10.0)
+    state.add_status("cell.c1", "idle", received=101.0, heartbeat=10.0)
+    state.add_status("cell.c1", "idle", received=125.0, heartbeat=10.0)  # c1 beats on; c0 died
+    assert [state.state_of(state.cells[c], 130.0) for c in ("c0", "c1")] == ["idle", "idle"]
+    assert [state.state_of(state.cells[c], 131.5) for c in ("c0", "c1")] == ["offline", "idle"]
+    assert state.alerts(now=131.5) == ["cell c0 is offline (idle, its heartbeat missed)"]
+
+
 def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
     state = MonitorState()
     state.add(_cell(0, "c0", 4, 100.0))
