@@ -9,8 +9,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import os
 import struct
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
@@ -81,7 +81,7 @@ class Header(BaseModel):
 def new_msg_id() -> str:
     """A fresh message id: 64 random bits as 16 hex digits (fixed length, so byte counts do not
     depend on it)."""
-    return uuid.uuid4().hex[:16]
+    return os.urandom(8).hex()  # (uuid4 reads the same source, with 5x the Python around it)
 
 
 Signer = Callable[[bytes], bytes]
