@@ -12,10 +12,12 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
   paper, or by samples) and reports the sum, the total weight, the devices that answered and ``need``
   = the oldest round any device of its roster still needs (the cloud prunes its history to the
   minimum over cells).
-* **device** keeps its own model copy for the whole run. It replays the missed rounds (oldest first,
-  k then p ascending) to reach x_r, runs K local ZO steps with P forward-difference perturbations
-  each (one minibatch per step, ``g = (f(x + mu z) - f(x)) / mu``, update ``x -= (lr/P) sum_p g_p z_p``),
-  returns the K x P scalars (float32) and **reverts** to the snapshot x_r by copying (spec 1.3/5.2).
+* **device** keeps its own model copy for the whole run (one packed vector, ``directions.Packed``). It replays
+  the missed rounds (oldest first, k ascending; each step one shared update vector, ``directions.update``) to
+  reach x_r, runs K local ZO steps with P forward-difference perturbations each (one minibatch per step,
+  ``g = (f(x + mu z) - f(x)) / mu``, the P + 1 losses from ``Trainer.perturbed_losses``, update
+  ``x -= (lr/P) sum_p g_p z_p``), returns the K x P scalars (float32) and **reverts** to the snapshot x_r
+  (spec 1.3/5.2): the steps move copies of x_r, and the last step, whose model the revert discards, is not taken.
   With ``momentum`` beta > 0 (the paper's MNIST runs use 0.5 for every method; appendix A eqs. 8-9) the
   device and the cloud also keep the heavy-ball buffer of the global trajectory (torch's rule, as the
   paper's repository steps it; ``directions.apply_momentum_step``): local steps run on copies of both,
