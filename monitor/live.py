@@ -30,8 +30,8 @@ class LiveView:
             self.state = MonitorState(drop_ratio=self.drop_ratio, deadline=self.deadline)
         live = isinstance(feed, TelemetryFeed)
         self.state.add_all(records, bad, received=time.time() if live else None)  # a folder: the records' time
-        for node, s, heartbeat in statuses:
-            self.state.add_status(node, s, time.time(), heartbeat)
+        for node, s, heartbeat, age in statuses:  # (age: of a retained idle record, from its published time)
+            self.state.add_status(node, s, time.time() - age, heartbeat)
         for current in feed.poll_states():  # a folder: the end summary.json says
             self.state.add_state(current)
 

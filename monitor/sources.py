@@ -14,7 +14,7 @@ from pathlib import Path
 from protocols import runfiles
 from protocols.records import BadLine, CellRecord, Dedup, Record, RoundRecord, parse_lines, parse_record
 from protocols.state import decode_state
-from protocols.status import decode_status
+from protocols.status import IDLE, decode_status, published_age
 from protocols.transport.base import Transport
 from protocols.wire import topics
 from protocols.wire.envelope import WireError
@@ -23,7 +23,9 @@ from protocols.wire.signed import open_record, signer_of
 
 MAX_TELEMETRY_BYTES = 8 << 20  # a record larger than this is refused unparsed (a cell's record names its devices)
 
-Status = tuple[str, str, float | None]  # (node, "online" | "idle" | "offline", the idle heartbeat it declares)
+Status = tuple[str, str, float | None, float]
+"""(node, "online" | "idle" | "offline", the idle heartbeat it declares, its age: how long ago a node's first
+idle record, which comes retained, says it was published; else 0)."""
 Batch = tuple[list[Record], list[BadLine], list[Status]]
 
 
@@ -156,6 +158,7 @@ class TelemetryFeed:
         self._records: list[Record] = []
         self._bad: list[BadLine] = []
         self._statuses: list[Status] = []
+        self._heard: set[str] = set()  # nodes with a status already (a first one comes retained)
         self._states: list[dict] = []
         self.received = 0
 
@@ -202,7 +205,10 @@ class TelemetryFeed:
         if status is not None:
             with self._lock:
                 beat = status.get("heartbeat") if isinstance(status.get("heartbeat"), (int, float)) else None
-                self._statuses.append((topic.rsplit("/", 1)[-1], status["state"], beat))
+                node = topic.rsplit("/", 1)[-1]
+                age = published_age(status) if status["state"] == IDLE and node not in self._heard else 0.0
+                self._heard.add(node)
+                self._statuses.append((node, status["state"], beat, age))
 
     def poll(self) -> Batch:
         with self._lock:

@@ -10,11 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from cell_server.service import CellService
 from monitor.fleet import Fleet
+from monitor.live import LiveView
 from monitor.sources import TelemetryFeed
 from monitor.state import MonitorState
+from monitor.view import CellFilter
 from protocols.transport.broker import MosquittoBroker, find_mosquitto
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
@@ -45,8 +48,8 @@ def test_an_idle_cell_beats_and_one_that_dies_without_its_will_turns_offline(tmp
 
         def monitor_state() -> str:
             _, _, statuses = feed.poll()
-            for node, state, heartbeat in statuses:
-                monitor.add_status(node, state, time.monotonic(), heartbeat)
+            for node, state, heartbeat, age in statuses:
+                monitor.add_status(node, state, time.monotonic() - age, heartbeat)
             view = monitor.cells.get("c0")
             return monitor.state_of(view, time.monotonic()) if view is not None else "none"
 
@@ -76,7 +79,7 @@ def test_an_idle_cell_beats_and_one_that_dies_without_its_will_turns_offline(tmp
 def test_a_fleet_view_opened_after_an_idle_node_died_shows_it_offline(tmp_path: Path) -> None:
     """`fedtier fleet` opens a fresh view each time and listens a few seconds: a dead idle node's retained record
     arrives at once, as if just heard. The record says when it was published, so a fresh view shows the node
-    offline at once, and a live idle node's idle (its newest beat is recent)."""
+    offline at once, and a live idle node's idle (its newest beat is recent); so does `fedtier monitor --once`."""
     bundle = federation_bundle(small_config(tmp_path, monitoring={"idle_heartbeat": PERIOD}))
     run = bundle.run.name
     with MosquittoBroker() as broker:
@@ -106,6 +109,16 @@ def test_a_fleet_view_opened_after_an_idle_node_died_shows_it_offline(tmp_path: 
             assert wait_until(gone, 10 * PERIOD)  # three heartbeats missed
             row = fresh_view("late").nodes["c0"].as_dict(time.monotonic())
             assert (row["state"], row["online"], row["idle_heartbeat_missed"]) == ("offline", False, True)
+            # `fedtier monitor --once` started now: its first pull of the retained statuses says so too
+            watchers.append(MqttTransport.from_url(broker.url, "monitor", watching).connect())
+            feed, view = TelemetryFeed(watchers[-1], run).start(), LiveView(0.5, None, CellFilter(), Console())
+
+            def pulled() -> bool:  # the retained statuses in the monitor's state
+                view.pull(feed)
+                return "c0" in view.state.cells and view.state.cells["c0"].online is not None
+
+            assert wait_until(pulled, 10 * PERIOD)
+            assert view.state.state_of(view.state.cells["c0"], time.time()) == "offline"
         finally:
             service.stop()
             thread.join(10)

@@ -373,7 +373,7 @@ def test_monitor_follows_a_live_fedtier_run_over_mqtt(tmp_path):
         while time.monotonic() < deadline:
             records, bad, statuses = feed.poll()
             state.add_all(records, bad, received=time.time())
-            for node, s, _ in statuses:
+            for node, s, *_ in statuses:
                 state.add_status(node, s)
             if state_count(state) >= expected:
                 break
