@@ -157,14 +157,15 @@ class CohortEngine:
         r = reqs[0]
         batch = max((len(i) for i in r.order), default=0) if r.op == "sgd" else len(r.y)
         count = sum(int(np.prod(v.shape)) for v in r.params.values())
-        macs = len(reqs) * max(1, batch) * count
+        models = len(reqs) * (len(r.directions) + 1)  # a probe request runs P + 1 models
+        macs = models * max(1, batch) * count
         if macs >= AUTO_GPU_MIN_MACS:
             self.device = pick_device("auto")
             why = f">= {AUTO_GPU_MIN_MACS:.0f}: the GPU"
         else:
             why = f"< {AUTO_GPU_MIN_MACS:.0f}: the CPU's small kernels are faster than the GPU's launches"
         say(
-            f"cohort engine, runtime.device = auto: chose {self.device.type} ({len(reqs)} devices x batch {batch} x "
+            f"cohort engine, runtime.device = auto: chose {self.device.type} ({models} models x batch {batch} x "
             f"{count} parameters = {macs:.0f} multiply-adds a step {why})"
         )
         self._models.clear()

@@ -176,6 +176,20 @@ def test_auto_keeps_a_small_cohort_on_the_cpu(monkeypatch, caplog) -> None:
             np.testing.assert_array_equal(p[k], q[k])
 
 
+def test_auto_counts_each_probe_of_a_zeroth_order_request(monkeypatch, caplog) -> None:
+    """DeComFL's paper preset: 10 devices probing P + 1 = 11 models of 28,938 parameters on a batch of 32 is ~100M
+    multiply-adds a step: ``auto`` chooses the GPU (counting only the 10 requests, 9.3M, it chose the CPU)."""
+    caplog.set_level(logging.INFO, logger="fedtier.device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("protocols.cohort_trainer.pick_device", lambda device: torch.device("cpu"))  # no GPU here
+    spec = ModelSpec(name="cnn", input_shape=(1, 28, 28), num_classes=10, channels=(16, 32), fc=0)
+    params = init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()), 0)
+    z = tuple(np.zeros(28938, np.float32) for _ in range(10))
+    x, y = np.zeros((32, 1, 28, 28), np.float32), np.zeros(32, np.int64)
+    CohortEngine("auto")._choose([Request("probe", spec, params, x, y, directions=z, mu=1e-3) for _ in range(10)])
+    assert "110 models x batch 32 x 28938 parameters" in caplog.text and "the GPU" in caplog.text
+
+
 # ------------------------------------------------------------------------------ on a GPU only
 @cuda
 def test_per_device_engine_trains_on_cuda(make_config) -> None:
