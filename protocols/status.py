@@ -75,9 +75,13 @@ def published_age(record: dict[str, Any]) -> float:
     clock). Only a record first seen retained is aged so (clocks a few seconds apart do not matter beside three
     heartbeats); one heard live counts from its arrival."""
     at = record.get("published")
-    if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+    if isinstance(at, bool) or not isinstance(at, (int, float)):
         return 0.0
-    return max(0.0, time.time() - float(at))
+    try:
+        age = time.time() - float(at)  # (an int too large for a float: OverflowError)
+    except OverflowError:
+        return 0.0
+    return age if math.isfinite(age) and age > 0 else 0.0
 
 
 def idle_status(topic: str, trust: Trust | None, **extra: Any) -> bytes:

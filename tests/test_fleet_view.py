@@ -97,6 +97,27 @@ def test_an_idle_node_is_online_with_its_versions_and_no_job():
     assert "2/3 nodes online (2 idle)" in out.export_text()
 
 
+def test_an_idle_records_published_time_that_is_no_time_is_taken_as_now():
+    """A node (with valid keys) may put anything in its idle record's ``published`` time: an integer too large
+    for a float, a string, a time ahead of the reader's clock is read as "just now", never an exception in the
+    reader's handler; a past time ages the record (it was first received retained)."""
+    import time
+
+    from protocols.status import published_age
+
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=1))
+    trust = Trust("c0", ring.private["c0"], ring.public)
+    topic = topics.status("fed", "cell.c0")
+    for bad in (10**400, -(10**400), "soon", True, time.time() + 3600):
+        assert published_age({"published": bad}) == 0.0
+        fleet = Fleet("fed", PublicKeys(ring.public), clock=Clock())
+        fleet.on_status(topic, idle_status(topic, trust, heartbeat=10.0, published=bad))
+        assert fleet.refused == 0 and fleet.nodes["c0"].as_dict(100.0)["state"] == "idle"
+    fleet = Fleet("fed", PublicKeys(ring.public), clock=Clock())
+    fleet.on_status(topic, idle_status(topic, trust, heartbeat=10.0, published=time.time() - 31.0))
+    assert fleet.nodes["c0"].as_dict(100.0)["state"] == "offline"  # three 10 s heartbeats missed
+
+
 def test_what_nodes_send_is_escaped_before_it_is_rendered():
     fleet = Fleet("fed", None, clock=Clock())
     topic = topics.device_status("fed", "c0", "[red]x")
