@@ -59,9 +59,13 @@ def decode_status(data: bytes, topic: str = "", trust: PublicKeys | None = None)
 def idle_deadline(received: float | None, heartbeat: Any) -> float | None:
     """When an idle record received at ``received`` goes stale: :data:`IDLE_MISSED` of its declared
     ``heartbeat`` periods later (``None``: it declares none, an older node: never)."""
-    if received is None or not isinstance(heartbeat, (int, float)) or heartbeat <= 0:
+    if received is None or not isinstance(heartbeat, (int, float)):
         return None
-    return received + IDLE_MISSED * float(heartbeat)
+    try:
+        period = float(heartbeat)
+    except OverflowError:  # an int too large for a float (the node's word): no period
+        return None
+    return received + IDLE_MISSED * period if math.isfinite(period) and period > 0 else None
 
 
 def beat_stamp() -> dict[str, float]:

@@ -118,6 +118,23 @@ def test_an_idle_records_published_time_that_is_no_time_is_taken_as_now():
     assert fleet.nodes["c0"].as_dict(100.0)["state"] == "offline"  # three 10 s heartbeats missed
 
 
+def test_an_idle_heartbeat_that_is_no_period_never_breaks_the_views():
+    """An idle record's declared ``heartbeat`` is the node's word too: one too large for a float (or infinite)
+    means no deadline, never an exception in fedtier fleet's or fedtier monitor's handling."""
+    from monitor.state import MonitorState
+
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=1))
+    trust = Trust("c0", ring.private["c0"], ring.public)
+    topic = topics.status("fed", "cell.c0")
+    for bad in (10**400, float("inf")):
+        fleet = Fleet("fed", PublicKeys(ring.public), clock=Clock())
+        fleet.on_status(topic, idle_status(topic, trust, heartbeat=bad))
+        assert fleet.nodes["c0"].as_dict(1e9)["state"] == "idle"
+        state = MonitorState()
+        state.add_status("cell.c0", "idle", received=100.0, heartbeat=bad)
+        assert state.state_of(state.cells["c0"], 1e9) == "idle" and not state.alerts(now=1e9)
+
+
 def test_what_nodes_send_is_escaped_before_it_is_rendered():
     fleet = Fleet("fed", None, clock=Clock())
     topic = topics.device_status("fed", "c0", "[red]x")
