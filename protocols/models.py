@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import plugins
+from .rejections import Rejected, RejectKind
 
 
 class Reshape(nn.Module):
@@ -218,12 +219,29 @@ def get_params(model: nn.Module, named: NamedParams | None = None) -> OrderedDic
 def set_params(model: nn.Module, params: OrderedDict[str, np.ndarray], named: NamedParams | None = None) -> None:
     """Copy ``params`` into the model in place. Read-only arrays (e.g. the views of a received message) are
     copied straight into a CPU parameter's memory or, for another device, through a copy: torch would warn
-    that it cannot protect a tensor made of them."""
+    that it cannot protect a tensor made of them. Names and shapes must be the model's exactly (a
+    :class:`~protocols.rejections.Rejected` of kind shape otherwise, before anything is copied): a tensor
+    of another shape is never broadcast into a parameter."""
+    named = list(model.named_parameters()) if named is None else named
+    _check_shapes(params, named)
     with torch.no_grad():
-        for k, p in model.named_parameters() if named is None else named:
+        for k, p in named:
             src = params[k]
             if p.device.type == "cpu" and p.dtype == torch.float32:
                 np.copyto(p.detach().numpy(), src, casting="unsafe")  # torch's copy_ casts as this does
             else:
                 src = np.ascontiguousarray(src)
                 p.copy_(torch.from_numpy(src if src.flags.writeable else src.copy()))
+
+
+def _check_shapes(params: Mapping[str, np.ndarray], named: NamedParams) -> None:
+    if len(params) != len(named) or any(k not in params for k, _ in named):
+        names = [k for k, _ in named]
+        missing, extra = [k for k in names if k not in params], [k for k in params if k not in names]
+        raise Rejected(RejectKind.SHAPE, f"model has the wrong tensors (missing {missing[:3]}, unexpected {extra[:3]})")
+    for k, p in named:
+        if tuple(np.shape(params[k])) != tuple(p.shape):
+            raise Rejected(
+                RejectKind.SHAPE,
+                f"model: tensor {k!r} has shape {tuple(np.shape(params[k]))}, expected {tuple(p.shape)}",
+            )

@@ -46,3 +46,41 @@ def test_relu_max_pool_ties_and_other_pools():
     pool3 = nn.MaxPool2d(3, stride=1, padding=1)
     z = torch.randn(2, 3, 7, 7)
     assert torch.equal(relu_max_pool(z, pool3), pool3(torch.relu(z)))
+
+
+def test_a_task_tensor_of_another_shape_is_refused_not_broadcast_into_the_model():
+    """A lying cell's task whose tensor broadcasts into a parameter (shape (1,) or a row) fails the device's
+    task with a shape rejection, and leaves the device's model as it was."""
+    import numpy as np
+
+    from protocols.algorithms.base import DeviceContext
+    from protocols.rejections import Rejected, RejectKind
+    from protocols.torch_trainer import TorchTrainer
+    from protocols.trainer import LocalData
+    from protocols.wire.payload import Payload
+
+    trainer = TorchTrainer.from_spec("mlp", (1, 8, 8), 10, hidden=[4])
+    good = trainer.get_params()
+    name, weight = next(iter(good.items()))  # a 2-d weight: (4, 64)
+    for lie in (np.ones((1,), np.float32), np.ones((1, weight.shape[1]), np.float32)):
+        with pytest.raises(Rejected) as err:
+            trainer.set_params({**good, name: lie})
+        assert err.value.kind == RejectKind.SHAPE and str(lie.shape) in str(err.value)
+        assert all(np.array_equal(a, b) for a, b in zip(trainer.get_params().values(), good.values()))
+    with pytest.raises(Rejected, match="missing"):
+        trainer.set_params({k: v for k, v in good.items() if k != name})
+    # a FedAvg device given such a task: the role's training refuses it the same way
+    from protocols.algorithms.base import ModelSpec
+    from protocols.algorithms.fedavg import FedAvg
+    from protocols.config import parse_config
+
+    alg = FedAvg(
+        parse_config({"algorithm": {"name": "fedavg", "local_steps": 2}}).train,
+        ModelSpec(input_shape=(1, 8, 8), hidden=(4,)),
+        seed=0,
+    )
+    data = LocalData(np.zeros((8, 64), np.float32), np.zeros(8, np.int64))
+    with pytest.raises(Rejected):
+        alg.device("c0-d0").train(
+            Payload({}, {**good, name: np.ones((1,), np.float32)}), data, trainer, DeviceContext(0, 0, 0, "c0", "c0-d0")
+        )
