@@ -75,6 +75,20 @@ def _device_bytes(op: str, model: torch.nn.Module, r: Request) -> int:
     return models * (4 * params * (state + 1) + work) + len(r.y) * (feat * 4 + 8)  # (+1: the stack's upload)
 
 
+def auto_on_gpu(models: int, batch: int, count: int) -> tuple[bool, str]:
+    """``device = "auto"`` with a GPU: whether a cohort step of ``models`` models x ``batch`` samples x ``count``
+    parameters goes to the GPU (:data:`AUTO_GPU_MIN_MACS`), and why, in words. The one rule of the engine's
+    own choice and of ``fedtier sim``'s parent choosing for its workers (``sim.executors``)."""
+    macs = models * max(1, batch) * count
+    gpu = macs >= AUTO_GPU_MIN_MACS
+    why = (
+        f">= {AUTO_GPU_MIN_MACS:.0f}: the GPU"
+        if gpu
+        else f"< {AUTO_GPU_MIN_MACS:.0f}: the CPU's small kernels are faster than the GPU's launches"
+    )
+    return gpu, f"{models} models x batch {batch} x {count} parameters = {macs:.0f} multiply-adds a step {why}"
+
+
 # ------------------------------------------------------------------------------ the engine
 class CohortEngine:
     """Runs batches of :class:`Request` (one per device) as vectorized torch programs on one device."""
@@ -158,16 +172,10 @@ class CohortEngine:
         batch = max((len(i) for i in r.order), default=0) if r.op == "sgd" else len(r.y)
         count = sum(int(np.prod(v.shape)) for v in r.params.values())
         models = len(reqs) * (len(r.directions) + 1)  # a probe request runs P + 1 models
-        macs = models * max(1, batch) * count
-        if macs >= AUTO_GPU_MIN_MACS:
+        gpu, why = auto_on_gpu(models, batch, count)
+        if gpu:
             self.device = pick_device("auto")
-            why = f">= {AUTO_GPU_MIN_MACS:.0f}: the GPU"
-        else:
-            why = f"< {AUTO_GPU_MIN_MACS:.0f}: the CPU's small kernels are faster than the GPU's launches"
-        say(
-            f"cohort engine, runtime.device = auto: chose {self.device.type} ({models} models x batch {batch} x "
-            f"{count} parameters = {macs:.0f} multiply-adds a step {why})"
-        )
+        say(f"cohort engine, runtime.device = auto: chose {self.device.type} ({why})")
         self._models.clear()
         self._data.clear()
         self._data_bytes = 0

@@ -304,19 +304,60 @@ class RayExecutor(_Remote):
             self.ray.shutdown()
 
 
-def start_workers(cfg: RunConfig, loop: VirtualLoop) -> ProcessExecutor | RayExecutor | None:
+def _groups(cfg: RunConfig) -> list[list[str]]:
+    """Each worker's devices: a static round-robin share (a device stays in its worker)."""
+    devices = cfg.topology.all_devices()
+    n = min(cfg.runtime.sim_workers, len(devices))
+    return [devices[i::n] for i in range(n)]
+
+
+def worker_device(cfg: RunConfig, spec: ModelSpec | None = None) -> str | None:
+    """The torch device every worker trains on: ``runtime.device``, with ``auto`` decided once, here in the
+    main process (logged), so that all workers follow one choice: the CPU when torch sees no GPU; with a GPU,
+    the GPU for the per-device engine and, for the cohort engine, the engine's own rule
+    (``protocols.cohort_trainer.auto_on_gpu``) applied to a worker's largest cohort (its share of the devices,
+    at most ``cohort_size``, x ``batch_size`` x the model's parameters). ``None``: that rule needs ``spec``."""
+    device = cfg.runtime.device
+    if device != "auto" or cfg.runtime.sim_workers == 0:
+        return device
+    import torch
+
+    from protocols.cohort_trainer import auto_on_gpu
+    from protocols.torch_trainer import say
+
+    plan = execution_plan(cfg)
+    if not torch.cuda.is_available():
+        choice, why = "cpu", "torch sees no CUDA device"
+    elif not plan.cohort:
+        choice, why = "cuda", torch.cuda.get_device_name(0)
+    elif spec is None:
+        return None
+    else:
+        models = min(plan.cohort_size, max(len(g) for g in _groups(cfg)))
+        gpu, why = auto_on_gpu(models, cfg.train.batch_size, spec.num_params())
+        choice = "cuda" if gpu else "cpu"
+    say(f"runtime.device = auto: the {len(_groups(cfg))} sim workers train on {choice} ({why})")
+    return choice
+
+
+def start_workers(
+    cfg: RunConfig, loop: VirtualLoop, spec: ModelSpec | None = None
+) -> ProcessExecutor | RayExecutor | None:
     """The workers the run's execution plan asks for (``runtime.sim_workers``, ``runtime.sim_backend``),
-    started now (they build their devices meanwhile); ``None`` for 0 workers (devices train in this process:
-    :func:`make_executor`)."""
+    started now (they build their devices meanwhile) on :func:`worker_device`'s device (started with
+    ``spawn``: the main process may have touched CUDA); ``None`` for 0 workers (devices train in this
+    process: :func:`make_executor`). ``ValueError`` when ``auto`` needs ``spec`` to decide and has none."""
     plan = execution_plan(cfg)
     if plan.workers == 0:
         return None
-    devices = cfg.topology.all_devices()
-    n = min(plan.workers, len(devices))
-    groups = [devices[i::n] for i in range(n)]  # a static round-robin share: a device stays in its worker
+    device = worker_device(cfg, spec)
+    if device is None:
+        raise ValueError("runtime.device = auto with a GPU: the workers' device depends on the model spec")
+    if device != cfg.runtime.device:
+        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": device})})
     if plan.backend == "ray":
-        return RayExecutor(cfg.to_toml(), groups, loop, plan.ray_address)
-    return ProcessExecutor(cfg.to_toml(), groups, loop, batched=plan.cohort)
+        return RayExecutor(cfg.to_toml(), _groups(cfg), loop, plan.ray_address)
+    return ProcessExecutor(cfg.to_toml(), _groups(cfg), loop, batched=plan.cohort)
 
 
 def make_executor(

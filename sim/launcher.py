@@ -31,7 +31,7 @@ from protocols.wire.keys import with_run_keys
 from .attack import attacked, byzantine_devices
 from .clock import ClockModel, clock_modelled
 from .device_worker import set_torch_threads
-from .executors import make_executor, start_workers
+from .executors import make_executor, start_workers, worker_device
 from .hierarchy import (
     DeviceData,
     Prepared,
@@ -48,6 +48,9 @@ from .population import Population
 if TYPE_CHECKING:
     from cell_server.server import CellServer
     from cloud.server import CloudServer
+    from protocols.algorithms.base import ModelSpec
+
+    from .executors import ProcessExecutor, RayExecutor
 
 
 @dataclass
@@ -181,11 +184,14 @@ class SimHierarchy:
             cfg = with_run_keys(cfg, cfg.output_dir(), resume)
         self.cfg = cfg
         loop = VirtualLoop()
-        remote = start_workers(cfg, loop)  # runtime.sim_workers build their devices while we build ours
-        if remote is not None:
-            weakref.finalize(self, remote.close)  # stopped even if building fails below
+        # runtime.sim_workers build their devices while we build ours (unless auto, with a GPU and cohorts,
+        # needs the model spec to choose the workers' device)
+        early = worker_device(cfg) is not None
+        remote = self._start_workers(loop) if early else None
         self.prep = prep = prepared if prepared is not None else prepare(cfg)
         spec = prep.spec
+        if not early:
+            remote = self._start_workers(loop, spec)
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
         train = cfg.train
@@ -208,6 +214,13 @@ class SimHierarchy:
             cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer), self._configure
         )  # built as devices are needed
         self.executor = make_executor(execution_plan(cfg), self.agents.active(), spec, loop, trainer, remote)
+
+    def _start_workers(self, loop: VirtualLoop, spec: ModelSpec | None = None) -> ProcessExecutor | RayExecutor | None:
+        """:func:`start_workers`, stopped with this object even if building fails later."""
+        remote = start_workers(self.cfg, loop, spec)
+        if remote is not None:
+            weakref.finalize(self, remote.close)
+        return remote
 
     def _build_cloud(self, on_round: Callable[[dict[str, Any]], None] | None, resume: bool) -> CloudServer:
         """The cloud on the hub: it evaluates on the test split and bounds each cell's weight by its devices'."""
