@@ -15,8 +15,10 @@ import torch
 from hypothesis import settings as hypothesis_settings
 
 from protocols.config import RunConfig, parse_config
+from protocols.fast_exit import skip_exit_collection
 
 torch.set_num_threads(1)
+skip_exit_collection()  # the test process too holds a torch-sized heap: no final collections over it
 
 # Property tests draw the same examples on every run (CI must not depend on luck); set
 # HYPOTHESIS_PROFILE=explore to search with fresh random examples.
