@@ -13,10 +13,14 @@ thread on the host, no run files written):
 Sides: ``bare-cpu``/``bare-cuda`` (a plain sequential PyTorch loop, data on the device),
 ``device-cpu``/``device-cuda`` (the per-device engine), ``cohort-cpu``, ``cohort-cuda`` (cohort_size
 64), ``cohort-cuda-1000`` (cohort_size 1000), ``cohort-auto`` (``runtime.device = "auto"``: the
-engine's own choice, logged). A CUDA side is skipped (and said so) where torch sees no GPU.
+engine's own choice, logged), and ``cohort-cpu-w2``, ``cohort-cuda-w4``, ``cohort-cuda-w8`` (cohort_size 64 in
+``runtime.sim_workers`` = 2/4/8 worker processes: each trains its share of a round's devices as cohorts on its
+own engine, the devices' task decoding and result encoding with it; the cells and the cloud stay in the main
+process). A CUDA side is skipped (and said so) where torch sees no GPU.
 Each workload's first ``--warmup`` rounds are not timed; rounds/s and device-steps/s count the timed
 rounds' own wall time (the sum of their durations); ``cpu s/rd`` is the main process's CPU time a
-timed round (the steadier figure on a busy machine; for a CUDA side, the host's share). ``kernel s/rd`` is
+timed round (the steadier figure on a busy machine; for a CUDA side, the host's share), ``tree cpu`` that of the
+whole process tree (the main process and its sim workers: what the workers add). ``kernel s/rd`` is
 the wall time a timed round spends inside the batched kernels (the cohort engine's ``CohortEngine.run``, the
 per-device engine's ``TorchTrainer.sgd``, the cloud's evaluation; each ends in a device-to-host transfer, so
 a GPU's queue is drained), ``host s/rd`` the rest of the round (decoding and framing messages, the roles'
@@ -86,7 +90,16 @@ WORKLOADS: dict[str, dict] = {
         "eval_every": 1,
         "rounds": 2,
         "samples": 60,  # the devices' partitions: --cells 2 runs the same shape with 200 devices
-        "sides": ["device-cpu", "cohort-cpu", "cohort-cuda", "cohort-cuda-1000", "cohort-auto"],
+        "sides": [
+            "device-cpu",
+            "cohort-cpu",
+            "cohort-cpu-w2",
+            "cohort-cuda",
+            "cohort-cuda-1000",
+            "cohort-cuda-w4",
+            "cohort-cuda-w8",
+            "cohort-auto",
+        ],
     },
 }
 SIDES = [
@@ -98,6 +111,9 @@ SIDES = [
     "cohort-cuda",
     "cohort-cuda-1000",
     "cohort-auto",
+    "cohort-cpu-w2",
+    "cohort-cuda-w4",
+    "cohort-cuda-w8",
 ]
 # the targets (issue #33): (workload, numerator side, denominator side)
 RATIOS = [
@@ -105,6 +121,10 @@ RATIOS = [
     ("large", "cohort-cuda-1000", "device-cpu"),
     ("large", "cohort-cpu", "device-cpu"),
     ("large", "cohort-auto", "device-cpu"),
+    ("large", "cohort-cuda-w4", "device-cpu"),
+    ("large", "cohort-cuda-w8", "device-cpu"),
+    ("large", "cohort-cuda-w8", "cohort-cuda"),
+    ("large", "cohort-cpu-w2", "cohort-cpu"),
     ("standard", "cohort-cuda", "bare-cpu"),
     ("standard", "cohort-auto", "bare-cpu"),
     ("standard", "cohort-cpu", "device-cpu"),
@@ -138,6 +158,35 @@ def label(side: str) -> str:
 
 def uses_cuda(side: str) -> bool:
     return "cuda" in side
+
+
+def cohort_side(side: str) -> tuple[str, int, int]:
+    """A cohort side's torch device, cohort size and sim workers: ``cohort-cuda-1000`` is (cuda, 1000, 0),
+    ``cohort-cuda-w8`` (cuda, 64, 8)."""
+    _, device, *rest = side.split("-")
+    size, workers = 64, 0
+    for part in rest:
+        if part.startswith("w"):
+            workers = int(part[1:])
+        else:
+            size = int(part)
+    return device, size, workers
+
+
+def tree_cpu() -> float:
+    """CPU seconds of this process and its live multiprocessing children (the sim workers), from /proc
+    (Linux); this process's alone elsewhere."""
+    import multiprocessing
+
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for proc in multiprocessing.active_children():
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of stat)
+    return total
 
 
 # ------------------------------------------------------------------------------ the sides (in a child)
@@ -201,9 +250,11 @@ def bare(w: dict, rounds: int, device: str, mark: Callable[[], None]) -> list[fl
     return times
 
 
-def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, mark: Callable[[], None]) -> list[float]:
-    """``fedtier sim`` (in memory, every message encoded) on ``device``; each round's wall time (and
-    ``mark()`` called at each round's end)."""
+def fedtier(
+    w: dict, rounds: int, engine: str, device: str, cohort_size: int, mark: Callable[[], None], workers: int = 0
+) -> list[float]:
+    """``fedtier sim`` (in memory, every message encoded) on ``device``, with ``workers`` sim worker processes;
+    each round's wall time (and ``mark()`` called at each round's end)."""
     from protocols.config import parse_config
     from sim.launcher import run_simulation
 
@@ -229,6 +280,7 @@ def fedtier(w: dict, rounds: int, engine: str, device: str, cohort_size: int, ma
                 "engine": engine,
                 "device": device,
                 "cohort_size": cohort_size,
+                "sim_workers": workers,
                 "eval_every": w["eval_every"],
             },
         }
@@ -317,10 +369,12 @@ def child(side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool
     totals: dict[str, list[float]] = {}  # part -> [wall s, CPU s] so far
     time_parts(totals, list(TIMED) if breakdown else ["kernels"])
     cpu = [time.process_time()]  # then at each round's end
+    tree = [tree_cpu()]  # then at each round's end
     marks = [{k: list(v) for k, v in totals.items()}]  # then at each round's end
 
     def mark() -> None:
         cpu.append(time.process_time())
+        tree.append(tree_cpu())
         marks.append({k: list(v) for k, v in totals.items()})
 
     if side.startswith("bare"):
@@ -328,11 +382,12 @@ def child(side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool
     elif side.startswith("device"):
         times = fedtier(w, rounds, "device", side.split("-")[1], 64, mark)
     else:
-        parts = side.split("-")
-        times = fedtier(w, rounds, "cohort", parts[1], int(parts[2]) if len(parts) > 2 else 64, mark)
+        device, size, workers = cohort_side(side)
+        times = fedtier(w, rounds, "cohort", device, size, mark, workers)
     out = {
         "times": times,
         "cpu": cpu,
+        "tree_cpu": tree,
         "parts": marks,
         "peak_host_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else 0.0,
@@ -375,7 +430,7 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
     )
     print(
         f"  {'side':18}{'s/round':>10}{'rounds/s':>10}{'steps/s':>11}{'cpu s/rd':>10}{'kernel s/rd':>12}"
-        f"{'host s/rd':>10}{'host cpu':>9}{'host MB':>9}{'dev MB':>9}"
+        f"{'host s/rd':>10}{'host cpu':>9}{'tree cpu':>9}{'host MB':>9}{'dev MB':>9}"
     )
     runnable = [s for s in sides if cuda or not uses_cuda(s)]
     for side in sides:
@@ -394,6 +449,7 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
             loop = sum(out["times"][args.warmup :])
             out["round_s"], out["rounds_per_s"] = loop / timed, timed / loop
             out["round_cpu_s"] = (out["cpu"][-1] - out["cpu"][args.warmup]) / timed  # the main process's
+            out["round_tree_cpu_s"] = (out["tree_cpu"][-1] - out["tree_cpu"][args.warmup]) / timed  # with workers
             first, last = out["parts"][args.warmup], out["parts"][-1]
             out["part_s"] = {k: [(b - a) / timed for a, b in zip(first[k], last[k])] for k in last}  # [wall, CPU]
             out["kernel_s"], kernel_cpu = out["part_s"]["kernels"]
@@ -404,7 +460,7 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
                 best[side] = out
             print(
                 f"  {side:18}{out['round_s']:10.4f}{out['rounds_per_s']:10.2f}{out['steps_per_s']:11.0f}"
-                f"{out['round_cpu_s']:10.4f}{out['kernel_s']:12.4f}{out['host_s']:10.4f}{out['host_cpu_s']:9.4f}"
+                f"{out['round_cpu_s']:10.4f}{out['kernel_s']:12.4f}{out['host_s']:10.4f}{out['host_cpu_s']:9.4f}{out['round_tree_cpu_s']:9.3f}"
                 f"{out['peak_host_mb']:9.0f}{out['peak_device_mb']:9.0f}"
             )
             if args.breakdown:
