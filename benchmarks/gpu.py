@@ -294,7 +294,7 @@ def fedtier(
 # is not split: its kernel s/rd is 0). The rest (--breakdown) are host-side parts: frame and receive (every
 # message's encoding, decoding, checks), the device roles' copies (set/get parameters, the delta), the cells'
 # and cloud's aggregation, the engine's batch assembly (inside "kernels": stacking parameters, minibatch
-# indices, per-device results) and the cloud's evaluation (inside "kernels" too)
+# indices, per-device results), the cloud's evaluation (inside "kernels" too) and the sim workers' executor
 TIMED: dict[str, list[tuple[str, str]]] = {
     "kernels": [
         ("protocols.cohort_trainer", "CohortEngine.run"),
@@ -318,6 +318,13 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("protocols.cohort_trainer", "_answer_sgd"),
     ],
     "evaluate": [("protocols.torch_trainer", "TorchTrainer.evaluate")],
+    # sim workers (the -wN sides): the main process's side of handing tasks out and taking results in (the
+    # results are decoded in the pipes' reader threads: their CPU time is any thread's while they ran)
+    "executor": [
+        ("sim.executors", "_Remote.submit"),
+        ("sim.executors", "_Remote.flush"),
+        ("sim.executors", "_Remote._reply"),
+    ],
 }
 
 
