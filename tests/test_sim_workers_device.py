@@ -5,7 +5,10 @@ the main process and every worker follows it, and a run with workers is the run 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import multiprocessing.context
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,3 +85,36 @@ def test_cohort_workers_on_cuda_match_the_one_process_cuda_run(make_config):
     _equivalent(one, two, rounds=(0, 1))
     for k in one[0].params:
         np.testing.assert_allclose(two[0].params[k], one[0].params[k], rtol=1e-4, atol=1e-6)
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_the_gpu_benchmark_reads_its_worker_sides_and_counts_the_workers_cpu():
+    """benchmarks/gpu.py: ``cohort-cuda-w8`` is the cohort engine on cuda, cohort_size 64, in 8 sim workers;
+    its ``tree cpu`` adds a live worker's CPU time to the main process's."""
+    from benchmarks.gpu import cohort_side, tree_cpu
+
+    assert cohort_side("cohort-cuda-w8") == ("cuda", 64, 8)
+    assert cohort_side("cohort-cuda-1000") == ("cuda", 1000, 0)
+    assert cohort_side("cohort-cpu") == ("cpu", 64, 0)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_spin_then_wait, args=(0.4, ready), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30)
+        before_main, total = time.process_time(), tree_cpu()
+        assert total - before_main >= 0.3  # the worker's 0.4 s of CPU (and its start-up) are counted
+    finally:
+        proc.terminate()
+        proc.join(10)
+
+
+def _spin_then_wait(seconds: float, ready: Any) -> None:
+    _spin(seconds)
+    ready.set()
+    time.sleep(60)  # alive until terminated: tree_cpu counts live workers
