@@ -36,6 +36,21 @@ def set_torch_threads(n: int = 1) -> None:
     torch.set_num_threads(n)
 
 
+def share_gpu_memory(engine: Any, workers: int) -> None:
+    """A worker's cohort engine on a GPU that ``workers`` workers share plans its cohort parts within its share of
+    the GPU memory free now (``MEMORY_SHARE`` of it, over ``workers``), not within what it sees free at each call
+    (every worker would plan on the same free memory); a no-op on the CPU or for one worker."""
+    if workers < 2 or engine.device.type != "cuda":
+        return
+    import torch
+
+    from protocols.cohort_trainer import MEMORY_SHARE
+
+    free, _ = torch.cuda.mem_get_info(engine.device)
+    engine.memory_limit = int(MEMORY_SHARE * free / workers)
+    log.info("sim worker: cohort parts planned within %.0f MiB of GPU memory", engine.memory_limit / 2**20)
+
+
 class DeviceWorker:
     """The devices one worker trains, built from the run's config text; used in a process or as a Ray actor."""
 
@@ -67,6 +82,7 @@ class DeviceWorker:
             from edge_agent.cohort import CohortRunner
 
             self.runner = CohortRunner(spec, plan.cohort_size, plan.device, plan.worker_threads)
+            share_gpu_memory(self.runner.engine, plan.workers)
         self._local: dict[str, LocalData] = {}  # recently trained devices' samples (copied out once)
         self._local_bytes = 0
 

@@ -118,3 +118,23 @@ def _spin_then_wait(seconds: float, ready: Any) -> None:
     _spin(seconds)
     ready.set()
     time.sleep(60)  # alive until terminated: tree_cpu counts live workers
+
+
+def test_workers_sharing_a_gpu_plan_their_cohorts_within_a_share_of_its_memory(monkeypatch):
+    """Each of 4 workers on one GPU plans its cohort parts within a quarter of 80% of the memory free at its
+    start (each seeing all of it free would let them together plan 4x what fits); on the CPU or alone: no bound."""
+    from sim.device_worker import share_gpu_memory
+
+    class Engine:
+        memory_limit = None
+
+        def __init__(self, device: str) -> None:
+            self.device = torch.device(device)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (10 << 30, 80 << 30))
+    gpu, alone, cpu = Engine("cuda"), Engine("cuda"), Engine("cpu")
+    share_gpu_memory(gpu, 4)
+    share_gpu_memory(alone, 1)
+    share_gpu_memory(cpu, 4)
+    assert gpu.memory_limit == int(0.8 * (10 << 30) / 4)
+    assert alone.memory_limit is None and cpu.memory_limit is None
