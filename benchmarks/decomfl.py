@@ -173,7 +173,7 @@ class RoundSplit:
 def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
     """One run: accuracy curve against mean bytes per device, the bytes to each target, and where a round's
     time goes (:class:`RoundSplit`)."""
-    from protocols.config import parse_config
+    from protocols.config import ConfigError, parse_config
     from sim.launcher import run_simulation
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -182,6 +182,8 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
         result = run_simulation(
             parse_config(config(method, lr, seed, settings)), write_output=False, on_round=split.mark
         )
+    except ConfigError:  # a setting this machine cannot run (e.g. --device cuda without a GPU): the sweep fails
+        raise
     except ValueError as exc:  # ZO divergence raises on non-finite scalars: a failed grid point, not a crash
         return {
             "best": 0.0,
