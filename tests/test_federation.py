@@ -79,7 +79,7 @@ lr = 0.1
 [model]
 name = "mlp"
 hidden = [16]
-""" + COMMON.replace("rounds = 4", "rounds = 20")  # the cloud is killed after its first round: 19 to go
+""" + COMMON.replace("rounds = 4", "rounds = 20")  # the cell is stopped after its first round: 19 to go
 JOB_B = (
     """
 [job]
@@ -183,15 +183,23 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             assert res.returncode == 0, res.stdout
             fleet: list[dict] = []  # before the first job, every node is up and idle (it was shown offline)
             assert wait_until(lambda: _every_node(nodes / "monitor", "idle", fleet), 30), fleet
-            for name in ("A", "B"):
-                res = _run(command(SUBMIT, job=str(tmp / f"{name}.toml")), operator)
-                assert res.returncode == 0 and "queued" in res.stdout, res.stdout
-            # kill -9 the cloud with A running (a round done) and B queued; restart it from its bundle
+            # kill -9 the cloud with A running (a round done) and B queued; restart it from its bundle. The cell
+            # is stopped (SIGSTOP) once A has a round done, so A cannot end while B is submitted (the cloud
+            # waits a cell deadline, 55 s, for the stopped cell); it goes on (SIGCONT) before the cloud restarts
+            res = _run(command(SUBMIT, job=str(tmp / "A.toml")), operator)
+            assert res.returncode == 0 and "queued" in res.stdout, res.stdout
             metrics_a = cloud_out / "jobs" / "A" / runfiles.METRICS
             assert wait_until(lambda: metrics_a.exists() and metrics_a.read_text().count("\n") >= 1, 90)
-            cloud.send_signal(signal.SIGKILL)
-            cloud.communicate(timeout=10)
-            assert _jobs(cloud_out) == {"A": "running", "B": "queued"}
+            procs["cell"].send_signal(signal.SIGSTOP)
+            try:
+                assert _jobs(cloud_out) == {"A": "running"}
+                res = _run(command(SUBMIT, job=str(tmp / "B.toml")), operator)
+                assert res.returncode == 0 and "queued" in res.stdout, res.stdout
+                cloud.send_signal(signal.SIGKILL)
+                cloud.communicate(timeout=10)
+                assert _jobs(cloud_out) == {"A": "running", "B": "queued"}
+            finally:
+                procs["cell"].send_signal(signal.SIGCONT)
             cloud = _start(cloud_cmd, nodes / "cloud")
             # an identity that is not the operator's: same broker login, another signing key -> refused
             forged = tmp / "forged"
