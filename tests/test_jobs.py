@@ -189,6 +189,15 @@ def test_a_run_starts_from_a_given_model_of_the_same_shapes_only(tmp_path: Path)
     other = cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": str(tmp_path / "other.ftw")})})
     with pytest.raises(ConfigError, match=r"run.init_model: .* in .*other.ftw, the model's is"):
         other.build_algorithm(spec)
+    # a long-lived node builds a job's algorithm, serves it, drops it: nothing keeps it (nor its model) alive
+    import gc
+    import weakref
+
+    built = given.build_algorithm(spec)
+    gone = weakref.ref(built)
+    del built
+    gc.collect()
+    assert gone() is None, "a finished job's algorithm (and its initial model) is still held"
 
 
 def test_fedtier_runs_job_binds_its_initial_model_and_a_node_refuses_another(tmp_path: Path) -> None:

@@ -221,7 +221,6 @@ class RunConfig(Section):
         )
 
 
-@functools.lru_cache(maxsize=64)
 def _initial_model(
     path: str, digest: str | None, seeded: Callable[[], dict[str, np.ndarray]]
 ) -> Callable[[], dict[str, np.ndarray]]:
