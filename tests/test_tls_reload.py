@@ -116,8 +116,14 @@ def test_a_reload_refuses_an_expired_a_foreign_or_a_mismatched_certificate(tmp_p
         check_material(str(tmp_path / "old.crt"), str(tmp_path / "old.key"), ca)
     other = CliRunner().invoke(main, ["provision", str(_config(tmp_path)), "--out", str(tmp_path / "q")])
     assert other.exit_code == 0, other.output
-    with pytest.raises(ValueError, match="not signed by the CA"):
+    with pytest.raises(ValueError, match="not signed by a CA"):
         check_material(str(tmp_path / "q/nodes/c0-d0/client.crt"), str(tmp_path / "q/nodes/c0-d0/client.key"), ca)
+    # a CA file of two (a rotation: the other CA first): a certificate of either is taken, as TLS takes it
+    both = tmp_path / "both.crt"
+    both.write_bytes((tmp_path / "q/nodes/c0-d0/ca.crt").read_bytes() + Path(ca).read_bytes())
+    assert check_material(crt, key, str(both))[0] == serial
+    q_crt, q_key = str(tmp_path / "q/nodes/c0-d0/client.crt"), str(tmp_path / "q/nodes/c0-d0/client.key")
+    assert check_material(q_crt, q_key, str(both))[0] != serial
     with pytest.raises(ValueError, match="cannot load"):
         check_material(crt, str(tmp_path / "old.key"), ca)
 

@@ -49,7 +49,7 @@ class Reloaded:
 
 def check_material(certfile: str, keyfile: str, ca_certs: str | None) -> tuple[int, datetime]:
     """The serial number and end of validity of ``certfile`` if it is usable with ``keyfile``: its key, valid
-    now, signed by the first certificate of ``ca_certs`` (when given). Raises ``ValueError`` saying why not."""
+    now, signed by one of the certificates in ``ca_certs`` (when given). Raises ``ValueError`` saying why not."""
     from cryptography import x509
     from cryptography.exceptions import InvalidSignature
 
@@ -64,9 +64,18 @@ def check_material(certfile: str, keyfile: str, ca_certs: str | None) -> tuple[i
         raise ValueError(f"{certfile} is not valid now (valid {span})")
     if ca_certs:
         try:
-            cert.verify_directly_issued_by(x509.load_pem_x509_certificate(Path(ca_certs).read_bytes()))
-        except (OSError, ValueError, TypeError, InvalidSignature) as exc:
-            raise ValueError(f"{certfile} is not signed by the CA in {ca_certs} ({exc or 'bad signature'})") from None
+            cas = x509.load_pem_x509_certificates(Path(ca_certs).read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the CA certificates in {ca_certs}: {exc}") from None
+        why = "no CA certificate"
+        for ca in cas:  # a CA file may hold several (a CA rotation: the old and the new), as TLS reads it
+            try:
+                cert.verify_directly_issued_by(ca)
+                break
+            except (ValueError, TypeError, InvalidSignature) as exc:
+                why = str(exc) or "bad signature"
+        else:
+            raise ValueError(f"{certfile} is not signed by a CA in {ca_certs} ({why})")
     return cert.serial_number, cert.not_valid_after_utc
 
 
