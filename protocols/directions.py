@@ -15,7 +15,7 @@ The scheme (DeComFL and any other seeded-direction algorithm use exactly this):
   it whole, so replaying a round costs a few vector operations, not P of them: a process computes each round's
   ``u`` once and shares it (the cloud's step, every device catching up; least recently used dropped first).
 * A plain step is ``x -= u`` with ``c_p = float32((lr / P) * g_p)`` (``lr / P * g_p`` computed in float64,
-  then rounded once to float32; :func:`apply_step`).
+  then rounded once to float32; :func:`step_coefficients`, :func:`apply_step`).
 * With **momentum** beta > 0 (torch's heavy ball, which the DeComFL repository runs: its SGD steps on the
   ZO estimate), a step keeps a buffer ``b`` beside ``x``: ``c_p = float32(g_p / P)``, then ``b *= float32(beta)``,
   ``b += u``, ``x -= float32(lr) * b`` (:func:`apply_momentum_step`). The buffer is part of the global
@@ -187,9 +187,11 @@ def perturbed(params: Mapping[str, np.ndarray], z: Mapping[str, np.ndarray], mu:
     return {k: (v + m * z[k]).astype(np.float32, copy=False) for k, v in params.items()}
 
 
-def step_coefficient(lr: float, perturbations: int, g: float) -> np.float32:
-    """``float32((lr / P) * g)``: the one rounding every party applies."""
-    return np.float32(float(lr) / int(perturbations) * float(g))
+def step_coefficients(lr: float, g: np.ndarray) -> np.ndarray:
+    """``c_p = float32((lr / P) * g_p)`` for the P scalars ``g`` (``lr / P * g_p`` in float64, rounded once to
+    float32): the one rounding every party applies."""
+    g = np.asarray(g, np.float64)
+    return (float(lr) / g.shape[0] * g).astype(np.float32)
 
 
 def update(
@@ -240,9 +242,7 @@ def apply_step(
     share: bool = True,
 ) -> None:
     """In place: ``x -= u`` with ``c_p = float32((lr / P) * g[p])`` (``g`` holds P scalars)."""
-    g = np.asarray(g, np.float64)
-    c = (float(lr) / g.shape[0] * g).astype(np.float32)  # step_coefficient of each g[p], vectorized: the same bits
-    u = update(round_seed, k, c, shapes_of(params), kind, share)
+    u = update(round_seed, k, step_coefficients(lr, g), shapes_of(params), kind, share)
     for v, part in _pairs(params, u):
         v -= part
 

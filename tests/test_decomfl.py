@@ -586,12 +586,12 @@ def test_a_step_is_one_shared_update_vector_and_the_layout_does_not_change_a_bit
         if momentum:
             assert np.array_equal(bufs[0][k], bufs[1][k]), k
     assert not all(np.array_equal(flat[k], x0[k]) for k in shapes)
-    # a plain step: c_p = step_coefficient (lr / P * g_p in float64, rounded once), x -= u
+    # a plain step: c_p = lr / P * g_p in float64, rounded once to float32; x -= u
     g3, x = np.array([0.7, -1.3, 2.9], np.float32), Z.packed(x0)
     Z.apply_step(x, seed, 1, g3, 0.03)
     u3 = np.zeros(28, np.float32)
     for p in range(3):
-        u3 += Z.step_coefficient(0.03, 3, g3[p]) * Z.direction_vector(seed, 1, p, shapes)
+        u3 += np.float32(0.03 / 3 * float(g3[p])) * Z.direction_vector(seed, 1, p, shapes)
     assert np.array_equal(x.flat, Z.packed(x0).flat - u3)
 
 
