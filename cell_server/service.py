@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch
 from protocols.roster import Roster
-from protocols.status import IdleBeat, between_jobs
+from protocols.status import idle_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -70,13 +71,10 @@ class CellService:
             if transport is None:  # stopped while the broker was unreachable
                 break
             status = topics.status(fed, topics.cell_node(self.cell))
-            idle = IdleBeat(self.loop, transport, status, self.trust, self.bundle.monitoring.idle_heartbeat)
-            self.loop.post(idle.start)  # before the job's
             watch = JobWatch(transport, fed, self.trust)
-            current = self._next_job(watch, done)
-            idle.stop()  # the loop is not running here: no beat follows
+            period = self.bundle.monitoring.idle_heartbeat
+            current = idle_while(self.loop, transport, status, self.trust, period, partial(self._next_job, watch, done))
             if current is None:
-                between_jobs(transport, status, self.trust, idle=False)
                 transport.close()
                 break
             try:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch
-from protocols.status import IdleBeat, between_jobs
+from protocols.status import idle_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -131,14 +132,10 @@ class AgentService:
         fed, device = self.bundle.run.name, self.devices[0]
         cell = self.bundle.topology.cell_of(device)
         status = topics.device_status(fed, cell, device) if cell is not None else None
+        wait = partial(self._next_job, JobWatch(transport, fed, self.trust), done)
         period = self.bundle.monitoring.idle_heartbeat
-        idle = IdleBeat(self.loop, transport, status, self.trust, period, cell=cell) if status is not None else None
-        if idle is not None:
-            self.loop.post(idle.start)
-        current = self._next_job(JobWatch(transport, fed, self.trust), done)
-        if idle is not None:
-            idle.stop()  # the loop is not running here: no beat follows
-        if current is None and status is not None:
-            between_jobs(transport, status, self.trust, idle=False, cell=cell)
+        current = (
+            wait() if status is None else idle_while(self.loop, transport, status, self.trust, period, wait, cell=cell)
+        )
         transport.close()
         return current

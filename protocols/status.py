@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .wire.envelope import WireError
 from .wire.ratelog import RateLimitedLog
@@ -35,6 +36,7 @@ STATES = ("online", "offline", IDLE)
 IDLE_MISSED = 3
 """Heartbeats an idle node may miss before readers deem it offline (its will lost, e.g. with the broker)."""
 _rejections = RateLimitedLog(log)
+T = TypeVar("T")
 
 
 def encode_status(state: str, *, topic: str = "", trust: Trust | None = None, **extra: Any) -> bytes:
@@ -101,6 +103,27 @@ def between_jobs(transport: Transport, topic: str, trust: Trust | None, *, idle:
     it stops (a clean disconnect does not fire its will)."""
     record = idle_status(topic, trust, **extra) if idle else encode_status("offline", topic=topic, trust=trust, **extra)
     transport.publish(topic, record, retain=True)
+
+
+def idle_while(
+    loop: EventLoop,
+    transport: Transport,
+    topic: str,
+    trust: Trust | None,
+    period: float,
+    wait: Callable[[], T | None],
+    **extra: Any,
+) -> T | None:
+    """Say idle on ``topic`` (an :class:`IdleBeat` every ``period`` seconds) while ``wait()`` runs ``loop`` until
+    a job comes, and return what it returns; ``None`` (the node stops) is said offline before the caller
+    disconnects. ``wait`` returns with the loop not running, so no beat follows."""
+    idle = IdleBeat(loop, transport, topic, trust, period, **extra)
+    loop.post(idle.start)  # before the job's status
+    got = wait()
+    idle.stop()
+    if got is None:
+        between_jobs(transport, topic, trust, idle=False, **extra)
+    return got
 
 
 class IdleBeat:
