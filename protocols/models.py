@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import plugins
-from .rejections import Rejected, RejectKind
+from .params import check_names_and_shapes
 
 
 class Reshape(nn.Module):
@@ -223,7 +223,7 @@ def set_params(model: nn.Module, params: OrderedDict[str, np.ndarray], named: Na
     :class:`~protocols.rejections.Rejected` of kind shape otherwise, before anything is copied): a tensor
     of another shape is never broadcast into a parameter."""
     named = list(model.named_parameters()) if named is None else named
-    _check_shapes(params, named)
+    check_names_and_shapes(params, {k: tuple(p.shape) for k, p in named}, "model", ordered=False)
     with torch.no_grad():
         for k, p in named:
             src = params[k]
@@ -232,16 +232,3 @@ def set_params(model: nn.Module, params: OrderedDict[str, np.ndarray], named: Na
             else:
                 src = np.ascontiguousarray(src)
                 p.copy_(torch.from_numpy(src if src.flags.writeable else src.copy()))
-
-
-def _check_shapes(params: Mapping[str, np.ndarray], named: NamedParams) -> None:
-    if len(params) != len(named) or any(k not in params for k, _ in named):
-        names = [k for k, _ in named]
-        missing, extra = [k for k in names if k not in params], [k for k in params if k not in names]
-        raise Rejected(RejectKind.SHAPE, f"model has the wrong tensors (missing {missing[:3]}, unexpected {extra[:3]})")
-    for k, p in named:
-        if tuple(np.shape(params[k])) != tuple(p.shape):
-            raise Rejected(
-                RejectKind.SHAPE,
-                f"model: tensor {k!r} has shape {tuple(np.shape(params[k]))}, expected {tuple(p.shape)}",
-            )

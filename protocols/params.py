@@ -55,18 +55,34 @@ def weighted_mean(
     return OrderedDict((k, (v / total).astype(np.float32)) for k, v in acc.items()), total
 
 
-def check_like(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], what: str = "update") -> None:
-    """Raise :class:`Rejected` (a ValueError) unless ``params`` has exactly ``reference``'s names, shapes, float
-    dtype, and finite values."""
-    if list(params) != list(reference):
-        missing = [k for k in reference if k not in params]
-        extra = [k for k in params if k not in reference]
+def check_names_and_shapes(
+    params: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], what: str, *, ordered: bool
+) -> None:
+    """Raise :class:`Rejected` of kind shape unless ``params`` has exactly the names of ``shapes`` (in the same
+    order where ``ordered``, in any order otherwise) and each tensor the shape given for its name."""
+    same_names = (
+        list(params) == list(shapes) if ordered else len(params) == len(shapes) and all(k in params for k in shapes)
+    )
+    if not same_names:
+        missing = [k for k in shapes if k not in params]
+        extra = [k for k in params if k not in shapes]
         raise Rejected(
             RejectKind.SHAPE, f"{what} has the wrong tensors (missing {missing[:3]}, unexpected {extra[:3]})"
         )
+    for k, shape in shapes.items():
+        if tuple(np.shape(params[k])) != tuple(shape):
+            raise Rejected(
+                RejectKind.SHAPE,
+                f"{what}: tensor {k!r} has shape {tuple(np.shape(params[k]))}, expected {tuple(shape)}",
+            )
+
+
+def check_like(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], what: str = "update") -> None:
+    """Raise :class:`Rejected` (a ValueError) unless ``params`` has exactly ``reference``'s names (in order),
+    shapes, float dtype, and finite values. Names and shapes are checked for every tensor before any value is
+    read."""
+    check_names_and_shapes(params, {k: v.shape for k, v in reference.items()}, what, ordered=True)
     for k, v in params.items():
-        if v.shape != reference[k].shape:
-            raise Rejected(RejectKind.SHAPE, f"{what}: tensor {k!r} has shape {v.shape}, expected {reference[k].shape}")
         if v.dtype.kind != "f":
             raise Rejected(RejectKind.SHAPE, f"{what}: tensor {k!r} has dtype {v.dtype}, expected floats")
         if not all_finite(v):

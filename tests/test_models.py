@@ -84,3 +84,29 @@ def test_a_task_tensor_of_another_shape_is_refused_not_broadcast_into_the_model(
         alg.device("c0-d0").train(
             Payload({}, {**good, name: np.ones((1,), np.float32)}), data, trainer, DeviceContext(0, 0, 0, "c0", "c0-d0")
         )
+
+
+def test_set_params_takes_the_names_in_any_order_check_like_only_in_order():
+    """One name/shape check serves both: a model is set from its tensors in any order (by name), while an
+    update must list the reference's tensors in order; both refuse a missing or misshapen tensor."""
+    import numpy as np
+
+    from protocols.params import check_like
+    from protocols.rejections import Rejected, RejectKind
+
+    model = build_model("mlp", (1, 8, 8), 10, hidden=[4])
+    good = init_params(model, seed=1)
+    backwards = dict(reversed(list(good.items())))
+    set_params(model, init_params(model, seed=2))
+    set_params(model, backwards)
+    assert all(np.array_equal(p.detach().numpy(), good[k]) for k, p in model.named_parameters())
+    check_like(good, good)
+    with pytest.raises(Rejected, match="wrong tensors") as err:
+        check_like(backwards, good)
+    assert err.value.kind == RejectKind.SHAPE
+    first = next(iter(good))
+    for lie in ({k: v for k, v in good.items() if k != first}, {**good, first: np.ones((1,), np.float32)}):
+        for check in (lambda p: set_params(model, p), lambda p: check_like(p, good)):
+            with pytest.raises(Rejected) as err:
+                check(lie)
+            assert err.value.kind == RejectKind.SHAPE
