@@ -98,11 +98,15 @@ class CellPresence:
 
 
 def report_refusal(
-    cell: str, msg: Incoming, session: str | None, bounds: Mapping[str, float] | None
+    cell: str,
+    msg: Incoming,
+    session: str | None,
+    bounds: Mapping[str, float] | None,
+    weight_keys: tuple[str, ...] = ("weight",),
 ) -> Rejected | None:
     """Why a report on ``cell``'s topic is refused before the role sees it, or None: it must be for that
-    cell, with ``session`` (signed runs: the cloud's session) signed by that cell in it, and claim a weight
-    within the cell's bound in ``bounds``."""
+    cell, with ``session`` (signed runs: the cloud's session) signed by that cell in it, and claim in each of
+    ``weight_keys`` (the role's sample counts) a weight within the cell's bound in ``bounds``."""
     h = msg.header
     if h.cell != cell:
         return Rejected(RejectKind.WRONG_SENDER, f"report for cell {h.cell!r} on the topic of cell {cell!r}")
@@ -113,8 +117,11 @@ def report_refusal(
     bound = bounds.get(cell) if bounds is not None else None
     if bound is None:
         return None
-    over = weight_over(msg.payload.meta.get("weight"), bound, f"the bound of cell {cell} ({bound:g} samples)")
-    return Rejected(RejectKind.BOUND, over) if over is not None else None
+    for key in weight_keys:
+        over = weight_over(msg.payload.meta.get(key), bound, f"the bound of cell {cell} ({bound:g} samples)")
+        if over is not None:
+            return Rejected(RejectKind.BOUND, over if key == "weight" else f"{key}: {over}")
+    return None
 
 
 def drop_non_finite(evaluation: dict[str, float]) -> str | None:

@@ -136,6 +136,10 @@ class DeviceContext:
 class CloudRole(ABC):
     """Plans each cloud round and folds the cells' reports into the global state."""
 
+    weight_keys: tuple[str, ...] = ("weight",)
+    """The keys of a report's ``meta`` that are sample counts: the cloud's runtime refuses a report claiming more
+    than the cell's weight bound in any of them (``cloud.parts.report_refusal``), so no count is a lever."""
+
     @abstractmethod
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         """The task of each cell this round."""

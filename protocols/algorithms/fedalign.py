@@ -53,6 +53,7 @@ from .outcome import Outcome
 from .traits import Trait
 
 PHASES = ("solo", "priority", "free", "all")
+PRIO_KEYS = ("prio_weight", "prio_loss", "prio_accuracy")
 HELD = "held/"
 
 
@@ -140,6 +141,8 @@ def admits(value: float, F: float | None, eps: float | None) -> bool:
 class FedAlignCloud(CloudRole):
     """Sends ``w`` (and F in phase ``free``), forms F from the priority reports, averages over S."""
 
+    weight_keys = ("weight", "prio_weight")  # prio_weight weighs the cells' priority losses in F
+
     def __init__(self, params: FedAlignParams, initial: Mapping[str, np.ndarray]) -> None:
         self.p, self.schedule = params, Schedule(params)
         self.model = P.copy(initial)
@@ -167,8 +170,12 @@ class FedAlignCloud(CloudRole):
                 RejectKind.OUT_OF_ORDER,
                 f"report of cell {cell}: phase {report.meta.get('phase')!r}, expected {self.phase!r}",
             )
-        for key in ("prio_weight", "prio_loss", "prio_accuracy"):
-            _finite(report.meta, key, f"report of cell {cell}")
+        weight, _, accuracy = (_finite(report.meta, k, f"report of cell {cell}") for k in PRIO_KEYS)
+        if accuracy > weight:  # a sum of weight x accuracy, each accuracy in [0, 1]
+            raise Rejected(
+                RejectKind.INCONSISTENT,
+                f"report of cell {cell}: prio_accuracy {accuracy:g} above prio_weight {weight:g}",
+            )
         if report.meta.get("weight") == 0 and not report.tensors:
             return
         check_delta(report, self.model, f"report of cell {cell}")

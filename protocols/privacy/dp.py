@@ -167,6 +167,7 @@ class PrivateCloud(CloudRole):
 
     def __init__(self, inner: CloudRole, accountant: Accountant, budget: float | None) -> None:
         self.inner, self.accountant, self.budget = inner, accountant, budget
+        self.weight_keys = inner.weight_keys
 
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         return self.inner.plan(round, cells)

@@ -1,0 +1,153 @@
+"""Attacks by nodes that hold valid credentials (a device's key, a cell's key), in-process on the sim's
+transport (the same tier code and checks as a deployment; the broker's ACLs are tests/test_provision.py's).
+
+Each test sends the attack, asserts the refusal (its logged reason in the records) and that the model is
+the clean run's where nothing else changed."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocols.algorithms.base import Rejected
+from protocols.algorithms.fedalign import FedAlignCloud
+from protocols.config import parse_config
+from protocols.wire import topics
+from protocols.wire.envelope import decode_message
+from protocols.wire.payload import Payload
+from sim.launcher import SimHierarchy, run_simulation
+from tests.conftest import small_config
+
+
+def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def rejected(result, cell: str) -> list[dict]:
+    return [x for r in result.cell_records if r["cell"] == cell for x in r["rejected"]]
+
+
+# ------------------------------------------------------------------------------ a device's genuine results replayed
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A clean signed 2-round sim (keys generated into its folder) and the c0-d0 results it published, verbatim."""
+    tmp = tmp_path_factory.mktemp("replay")
+    cfg = small_config(tmp / "clean", run={"rounds": 2}, security={"keys": str(tmp / "absent.toml")})
+    sim = SimHierarchy(cfg)
+    captured = capture(sim)
+    result = sim.run()
+    return {"result": result, "captured": captured, "keys": result.config.security.keys, "tmp": tmp}
+
+
+def capture(sim: SimHierarchy) -> dict[tuple[int, int], bytes]:
+    """An eavesdropper's record of c0-d0's results in ``sim`` as they travel, verbatim, by (round, edge round)."""
+    captured: dict[tuple[int, int], bytes] = {}
+
+    def record(topic: str, data: bytes) -> None:
+        h, _ = decode_message(data)
+        captured.setdefault((h.round, h.edge_round), data)
+
+    sim.hub.connect("eavesdropper").subscribe(topics.device_result("t", "c0", "c0-d0"), record)
+    return captured
+
+
+def replaying(sim: SimHierarchy, packets: dict[tuple[int, int], bytes], *, from_: int = 1) -> list[tuple[int, int]]:
+    """As c0 sends c0-d0 each task (the ``from_``-th on), publish the c0-d0 result of 0.0 in ``packets`` on c0-d0's
+    result topic first (it reaches the cell before the device even has its task); returns when it fired."""
+    intruder = sim.hub.connect("intruder")
+    original, fired, sent = sim.cells["c0"].messenger.send, [], []
+
+    def send_then_replay(topic, kind, payload, **kw):
+        n = original(topic, kind, payload, **kw)
+        key = (kw["round"], kw.get("edge_round", 0))
+        if kind == "device_task" and topic.endswith("/c0-d0/task") and len(sent.append(key) or sent) > from_:
+            intruder.publish(topics.device_result("t", "c0", "c0-d0"), packets[(0, 0)])
+            fired.append(key)
+        return n
+
+    sim.cells["c0"].messenger.send = send_then_replay
+    return fired
+
+
+def test_a_devices_signed_result_replayed_into_a_later_round_is_not_taken(signed: dict, tmp_path: Path) -> None:
+    """Its round 0.0 result, verbatim, offered first in every later (round, edge round) of the same run: the
+    header binds the round and edge round (the cell takes answers for the open ones only), and its message id
+    is one the cell has seen. The model is the clean run's (taken first, it would replace the genuine answer)."""
+    cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(signed["keys"])})
+    sim = SimHierarchy(cfg)
+    fired = replaying(sim, capture(sim))
+    result = sim.run()
+    assert fired == [(0, 1), (1, 0), (1, 1)]
+    assert same(result.params, signed["result"].params)
+    assert all(sorted(r["answered"]) == sorted(r["planned"]) for r in result.cell_records)
+
+
+def test_a_devices_signed_result_replayed_into_another_job_is_refused(signed: dict, tmp_path: Path) -> None:
+    """Its genuine result of an earlier run (job) with the same keys and run name, offered first in every
+    (round, edge round) of a new one: the header binds the cloud session, a new one per run (a job's in a
+    federation); the copies after the first are dropped as a message already seen."""
+    cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(signed["keys"])})
+    sim = SimHierarchy(cfg)
+    fired = replaying(sim, signed["captured"], from_=0)
+    result = sim.run()
+    assert fired == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert same(result.params, signed["result"].params)
+    refusals = rejected(result, "c0")
+    assert len(refusals) == 1 and refusals[0]["device"] == "c0-d0", refusals  # its later copies: one message id
+    assert "result of session" in refusals[0]["reason"] and "the current one is" in refusals[0]["reason"]
+
+
+# ------------------------------------------------------------------------------ a cell's priority statistics (FedALIGN)
+def fedalign_config() -> dict:
+    return {
+        "run": {"name": "fa", "rounds": 3, "seed": 3},
+        "topology": {"cells": 2, "devices_per_cell": 3},
+        "algorithm": {
+            "name": "fedalign",
+            "priority": ["c0-d1", "c1-d0"],
+            "local_steps": 3,
+            "lr": 0.1,
+            "epsilon": 1.0,
+            "warmup_rounds": 1,
+        },
+        "model": {"name": "logreg"},
+        "data": {"dataset": "digits", "partition": "shards", "shards_per_device": 2, "max_train": 600},
+    }
+
+
+def test_a_cell_claiming_a_huge_priority_weight_cannot_set_fedaligns_priority_loss() -> None:
+    """FedALIGN's F (the priority loss that decides which free devices every cell admits) is the cells'
+    ``prio_loss`` sums over their ``prio_weight`` sums. A lying c1 claims 10^12 priority samples of loss 50:
+    before the bound F was 50 and no free device anywhere was admitted; now its reports are refused."""
+    cfg = parse_config(fedalign_config())
+    clean = run_simulation(cfg, write_output=False)
+    sim = SimHierarchy(cfg)
+    role = sim.cells["c1"].role
+    honest = role.report
+
+    def lying_report() -> Payload:
+        r = honest()
+        if not r.meta.get("prio_weight"):
+            return r
+        return Payload({**r.meta, "prio_weight": 1e12, "prio_loss": 50e12, "prio_accuracy": 0.0}, r.tensors)
+
+    role.report = lying_report
+    result = sim.run()
+    refused = [x for r in result.history for x in r["rejected"]]
+    assert refused and all(x["from"] == "c1" and "prio_weight: weight 1e+12 exceeds" in x["reason"] for x in refused)
+    clean_f, f = clean.history[2]["metrics"]["F"], result.history[2]["metrics"]["F"]
+    assert math.isfinite(f) and f < 2 * clean_f < 50  # c0's priority devices' loss, not the liar's
+
+
+def test_a_fedalign_report_with_more_priority_accuracy_than_weight_is_refused() -> None:
+    """Each priority device's accuracy is in [0, 1]: a cell's weighted sum cannot exceed its weight."""
+    cfg = parse_config(fedalign_config())
+    cloud = FedAlignCloud(cfg.train, {"w": np.zeros(3, np.float32)})  # type: ignore[arg-type]
+    cloud.plan(0, ["c0"])
+    meta = {"phase": "solo", "prio_weight": 10.0, "prio_loss": 20.0, "weight": 0}
+    cloud.check("c0", Payload({**meta, "prio_accuracy": 10.0}, {}))  # every priority sample right: taken
+    with pytest.raises(Rejected, match="prio_accuracy 11 above prio_weight 10"):
+        cloud.check("c0", Payload({**meta, "prio_accuracy": 11.0}, {}))
