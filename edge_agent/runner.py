@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 from protocols.algorithms.base import Algorithm
 from protocols.config import RunConfig
 from protocols.execution import execution_plan
-from protocols.rejections import RejectKind
 from protocols.roster import roster_topic
-from protocols.session import CloudSession, decode_manifest
-from protocols.status import IDLE, decode_status
+from protocols.session import CloudSession
+from protocols.status import IDLE
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import TimerHandle
 from protocols.wire import topics
@@ -39,6 +38,7 @@ from protocols.wire.messenger import Messenger
 from .agent import DeviceAgent
 from .backends import BACKENDS, make_trainer
 from .broker import BrokerOptions, client_id, device_will, offline_will
+from .cloud_records import CloudRecords
 from .connections import DeviceConnections, merge_wire
 from .datasources import load_device_data, save_device_data
 from .node import build_agent, cell_of
@@ -72,13 +72,10 @@ class AgentProcess:
     with ``timing``, every training is timed (``stats()[device]["compute"]``: ``[round, edge_round,
     start, end]`` on the system-wide monotonic clock, comparable across processes of one machine).
 
-    ``availability(round) -> devices that take part in that cloud round`` turns on churn: on the cloud's
-    round manifest, a device that does not take part says offline and disconnects (after the results
-    it owes: the manifest is handled after them), then reconnects every ``rejoin_poll`` seconds just
-    long enough to read the retained manifest, and stays, announced online, from the first round it
-    takes part in. A device's connections share its client id; its sessions are persistent, except
-    that its polls start clean (ending what the broker queued while it sat out); ``stats()`` counts
-    them (``connections``) and sums their wire counters. Cloud records (manifest, ``finished``) count
+    ``availability(round) -> devices that take part in that cloud round`` turns on churn: a device sits out
+    the rounds it does not take part in, disconnected, and polls back (:mod:`edge_agent.cloud_records`).
+    A device's connections share its client id; ``stats()`` counts them (``connections``) and sums their
+    wire counters. Cloud records (manifest, ``finished``) count
     only when they belong to the cloud's current session (``protocols.session``). ``cell_brokers``
     maps a cell to the broker of its devices (a broker per cell); other devices use ``broker``.
     """
@@ -114,8 +111,6 @@ class AgentProcess:
         self.run = cfg.run.name
         self.heartbeat = cfg.runtime.heartbeat if heartbeat is None else heartbeat
         self.on_task = on_task
-        self.availability = availability
-        self.rejoin_poll = cfg.runtime.rejoin_poll if rejoin_poll is None else rejoin_poll
         self.links = DeviceConnections(cfg, broker, cell_brokers)
         self.loop = self.links.loop  # the devices' handlers and training
         self.clock = TrainClock(timing)
@@ -123,6 +118,18 @@ class AgentProcess:
         self._beat_timer: TimerHandle | None = None
         self.agents: dict[str, DeviceAgent] = {}
         self.clouds: dict[str, CloudSession] = {}
+        self.records = CloudRecords(
+            self.clouds,
+            self.agents,
+            self.presence,
+            self.job,
+            self.links,
+            cfg.runtime.rejoin_poll if rejoin_poll is None else rejoin_poll,
+            leave=self._leave,
+            job_done=self._job_done,
+            connect=self._connect,
+        )
+        self.records.availability = availability
         self.twin_window = twin_window
         self.twins = TwinWatch(new_instance())  # this process's nonce, in every status record
         self._refused = False  # refused to start (a twin): already stopped, nothing announced
@@ -255,7 +262,7 @@ class AgentProcess:
         old = self.executor
         self.cfg, self.algorithm, self.trainer, self.job.session = cfg, algorithm, trainer, session
         self.links.cfg = cfg
-        self.availability = availability
+        self.records.availability = availability
         self.done.clear()
         offline: list[str] = []
 
@@ -287,7 +294,7 @@ class AgentProcess:
         for device in offline:
             self.links.on_loop(lambda d=device: self._connect(d, self.links.open(d), present=True))  # type: ignore[misc]
         for device in self.data:
-            self.links.on_loop(lambda d=device: self._update(d))  # type: ignore[misc]
+            self.links.on_loop(lambda d=device: self.records.update(d))  # type: ignore[misc]
 
     def _prepare(self, device: str, transport: Any) -> None:
         """On the loop: make ``transport`` the device's connection and register its subscriptions
@@ -300,9 +307,9 @@ class AgentProcess:
                 topics.device_status(run, agent.cell, device), lambda t, b: self._on_own_status(device, t, b)
             )
         control = Messenger(transport, run, device, trust=agent.trust)
-        transport.subscribe(topics.control(run), lambda t, b: self._on_control(device, control, t, b))
-        transport.subscribe(topics.status(run, "cloud"), lambda t, b: self._on_cloud_status(device, t, b))
-        transport.subscribe(topics.round_manifest(run), lambda t, b: self._on_manifest(device, t, b))
+        transport.subscribe(topics.control(run), lambda t, b: self.records.on_control(device, control, t, b))
+        transport.subscribe(topics.status(run, "cloud"), lambda t, b: self.records.on_cloud_status(device, t, b))
+        transport.subscribe(topics.round_manifest(run), lambda t, b: self.records.on_manifest(device, t, b))
         if self.on_job_record is not None and device == next(iter(self.data)):
             transport.subscribe(topics.current_job(run), self.on_job_record)
         if self.job.long_lived and agent.trust is not None and device == next(iter(self.data)):
@@ -348,86 +355,6 @@ class AgentProcess:
                 if self.job.long_lived and device not in self.presence.live and transport.connected:
                     self.agents[device].announce(IDLE, qos=0, heartbeat=self.heartbeat)
         self._beat_timer = self.links.reactor.call_later(self.heartbeat, self._beat)
-
-    # ------------------------------------------------------------------ cloud records (on the loop)
-    def _on_control(self, device: str, messenger: Messenger, topic: str, data: bytes) -> None:
-        if not data:
-            return  # a cleared retained record
-        msg = messenger.receive(topic, data, kinds=("control",))
-        if msg is not None and messenger.signed and msg.header.sender != "cloud":
-            messenger.reject(
-                topic, RejectKind.WRONG_SENDER, f"control record signed by {msg.header.sender!r}, not the cloud", None
-            )
-            return
-        if msg is not None and msg.payload.meta.get("event") == "finished":
-            self.clouds[device].on_finished(msg.payload.meta.get("session"))
-            self._update(device)
-
-    def _on_cloud_status(self, device: str, topic: str, data: bytes) -> None:
-        record = decode_status(data, topic, self.agents[device].trust) if data else None
-        if self.job.long_lived:
-            self.job.last_status[device] = record
-        self.clouds[device].on_status(record)
-        self._update(device)
-
-    def _on_manifest(self, device: str, topic: str, data: bytes) -> None:
-        record = decode_manifest(data, topic, self.agents[device].trust) if data else None
-        if record is not None:
-            if self.job.long_lived:
-                self.job.last_manifest[device] = record
-            self.clouds[device].on_manifest(record)
-            self.presence.fresh.add(device)
-            self._update(device)
-
-    def _update(self, device: str) -> None:
-        """Leave on the current session's ``finished``; with churn, go or stay for the current round."""
-        cloud = self.clouds[device]
-        if device not in self.presence.live:
-            return
-        if cloud.finished:
-            log.info("device %s: the run is finished", device)
-            if self.job.long_lived:
-                self._job_done(device)
-            else:
-                self._leave(device)
-            return
-        rnd = cloud.round
-        if self.availability is None or rnd is None:
-            return
-        takes_part = device in set(self.availability(rnd))
-        if device in self.presence.present:
-            if not takes_part:
-                log.info("device %s: not in round %d, leaving for now", device, rnd)
-                with self.presence.lock:
-                    self.presence.present.discard(device)
-                    self.agents[device].announce("offline")
-                self._disconnect(device)
-        elif device in self.presence.fresh:  # a poll that read the manifest
-            if takes_part:
-                log.info("device %s: back for round %d", device, rnd)
-                self.transports[device].persist()
-                with self.presence.lock:
-                    self.presence.present.add(device)
-                    self.agents[device].announce("online")
-            else:
-                self._disconnect(device)
-
-    def _disconnect(self, device: str) -> None:
-        """Close the connection cleanly (after its pending publishes) and poll again later."""
-        self.transports[device].close()
-        self.presence.polls[device] = self.loop.call_later(self.rejoin_poll, lambda: self._poll(device))
-
-    def _poll(self, device: str) -> None:
-        if device not in self.presence.live:
-            return
-        try:
-            # a clean session: it ends the one the device left, and what the broker queued for it
-            # while it sat out (records it reads retained anyway); persistent again once it stays
-            self._connect(device, self.links.open(device, persistent=False), present=False)
-        except (ConnectionError, RuntimeError) as exc:
-            log.warning("device %s: reconnect failed (%s); retrying", device, exc)
-            self.transports[device].close(flush_timeout=0)
-            self.presence.polls[device] = self.loop.call_later(self.rejoin_poll, lambda: self._poll(device))
 
     def _job_done(self, device: str) -> None:
         """Long-lived: the device's job is finished; it stays connected for the next one, announced idle

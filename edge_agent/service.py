@@ -95,7 +95,9 @@ class AgentService:
                     if self.on_start is not None:
                         self.on_start(agents)
                 else:  # the same connections, the next job's roles
-                    agents.next_job(fresh.cfg, fresh.algorithm, fresh.trainer, current.session, fresh.availability)
+                    agents.next_job(
+                        fresh.cfg, fresh.algorithm, fresh.trainer, current.session, fresh.records.availability
+                    )
                     if fresh.executor is not None:
                         fresh.executor.close()
                 moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
