@@ -116,6 +116,8 @@ class AgentProcess:
         self.clock = TrainClock(timing)
         self.presence = Presence()
         self._beat_timer: TimerHandle | None = None
+        self._beat_lock = threading.Lock()  # the beat timer and ``_stopped``: no beat is scheduled after stop
+        self._stopped = False
         self.agents: dict[str, DeviceAgent] = {}
         self.clouds: dict[str, CloudSession] = {}
         self.records = CloudRecords(
@@ -348,13 +350,17 @@ class AgentProcess:
         """On the I/O thread: re-announce every present device (training on the loop cannot delay it), and
         each connected one between jobs as idle (long-lived: no job holds it)."""
         with self.presence.lock:
+            if self._stopped:
+                return  # its timer fired as the process stopped
             for device in self.presence.present:
                 if self.transports[device].connected:
                     self.agents[device].announce("online", qos=0)
             for device, transport in self.transports.items():
                 if self.job.long_lived and device not in self.presence.live and transport.connected:
                     self.agents[device].announce(IDLE, qos=0, heartbeat=self.heartbeat)
-        self._beat_timer = self.links.reactor.call_later(self.heartbeat, self._beat)
+        with self._beat_lock:
+            if not self._stopped:  # a beat in flight at stop schedules none after it
+                self._beat_timer = self.links.reactor.call_later(self.heartbeat, self._beat)
 
     def _job_done(self, device: str) -> None:
         """Long-lived: the device's job is finished; it stays connected for the next one, announced idle
@@ -391,10 +397,13 @@ class AgentProcess:
         return self.done.wait(timeout)
 
     def stop(self) -> None:
-        """Leave: every device still connected says offline and disconnects."""
+        """Leave: every device still connected says offline and disconnects. Final: no heartbeat follows it (one
+        in flight finishes and schedules none)."""
         if self._refused:
             return
-        self.links.reactor.cancel(self._beat_timer)
+        with self._beat_lock:
+            self._stopped = True
+            self.links.reactor.cancel(self._beat_timer)
         if self.loop.running:
             for device in list(self.agents):
                 self.links.on_loop(functools.partial(self._leave, device))

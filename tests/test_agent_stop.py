@@ -1,0 +1,67 @@
+"""``AgentProcess.stop`` is final: a heartbeat in flight when it stops schedules no further beat, and a beat whose
+timer fired as it stopped announces nothing. Real Mosquitto; the beat is held mid-announce by the test, so the
+interleaving is forced, not hoped for."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer
+from protocols.transport.broker import MosquittoBroker, find_mosquitto
+from sim.hierarchy import prepare
+from tests.conftest import small_config
+
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+DEVICE = "c0-d0"
+
+
+def test_a_heartbeat_in_flight_at_stop_schedules_no_beat_after_it(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    prep = prepare(cfg)
+    with MosquittoBroker() as broker:
+        agents = AgentProcess(
+            cfg,
+            cfg.build_algorithm(prep.spec),
+            {DEVICE: prep.device_data[DEVICE]},
+            make_trainer("torch", prep.spec, cfg),
+            BrokerOptions(broker.url),
+            heartbeat=3600.0,  # no beat of its own: the test starts the one in flight
+        ).start()
+        agent, reactor = agents.agents[DEVICE], agents.links.reactor
+        in_beat, release, cancelled = threading.Event(), threading.Event(), threading.Event()
+        beats: list[str] = []  # what the heartbeat announced
+        scheduled_after_stop: list[Any] = []
+        announce, call_later, cancel = agent.announce, reactor.call_later, reactor.cancel
+
+        def held_announce(state: str, qos: int = 1, heartbeat: float = 0.0) -> None:
+            if qos == 0:  # a heartbeat: the first is held until the test lets it go
+                beats.append(state)
+                in_beat.set()
+                assert release.wait(10.0)
+            announce(state, qos, heartbeat)
+
+        def watched_call_later(delay: float, fn: Any) -> Any:
+            if cancelled.is_set() and fn == agents._beat:
+                scheduled_after_stop.append(fn)
+            return call_later(delay, fn)
+
+        def watched_cancel(handle: Any) -> None:
+            cancel(handle)
+            cancelled.set()  # stop has cancelled the beat timer it knows of
+
+        agent.announce, reactor.call_later, reactor.cancel = held_announce, watched_call_later, watched_cancel
+        reactor.run_soon(agents._beat)  # a beat, on the I/O thread as its timer runs it
+        assert in_beat.wait(10.0)
+        stopping = threading.Thread(target=agents.stop, name="stop")
+        stopping.start()
+        assert cancelled.wait(10.0)  # stop is under way, the beat still in flight
+        release.set()
+        stopping.join(20.0)
+        assert not stopping.is_alive()
+        assert beats == ["online"] and scheduled_after_stop == []
+        agents._beat()  # a beat whose timer fired just as stop cancelled it: it says nothing
+        assert beats == ["online"] and scheduled_after_stop == []
