@@ -15,7 +15,7 @@ from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
 from protocols.wire import topics
 from protocols.wire.envelope import Header
-from protocols.wire.messenger import Messenger
+from protocols.wire.messenger import Messenger, Received
 from protocols.wire.payload import Payload
 
 if TYPE_CHECKING:
@@ -35,10 +35,16 @@ device send its result without end)."""
 
 class Executor(Protocol):
     """Runs a device's training elsewhere: ``done(result, None)`` or ``done(None, error)`` later, on
-    the device's loop."""
+    the device's loop. ``wire``: the task's payload bytes as received, where known (an executor that sends
+    the task to another process sends them rather than encoding ``task`` again)."""
 
     def submit(
-        self, device: str, task: Payload, ctx: DeviceContext, done: Callable[[Payload | None, str | None], None]
+        self,
+        device: str,
+        task: Payload,
+        ctx: DeviceContext,
+        done: Callable[[Payload | None, str | None], None],
+        wire: Received | None = None,
     ) -> None: ...
 
 
@@ -201,13 +207,14 @@ class DeviceAgent:
         self.pending += 1
         ctx = DeviceContext(self.seed, h.round, h.edge_round, self.cell, self.device)
         if self.secagg is not None:  # keys first; training once the shares are out
-            self.secagg.begin(h, lambda: self._train(topic, h, msg.payload, ctx))
+            self.secagg.begin(h, lambda: self._train(topic, h, msg.payload, ctx, msg.received))
             return
-        self._train(topic, h, msg.payload, ctx)
+        self._train(topic, h, msg.payload, ctx, msg.received)
 
-    def _train(self, topic: str, h: Header, task: Payload, ctx: DeviceContext) -> None:
+    def _train(self, topic: str, h: Header, task: Payload, ctx: DeviceContext, wire: Received | None) -> None:
         if self.executor is not None:  # training elsewhere; the result comes back on this loop
-            self.executor.submit(self.device, task, ctx, lambda result, error: self._trained(topic, h, result, error))
+            done = lambda result, error: self._trained(topic, h, result, error)  # noqa: E731
+            self.executor.submit(self.device, task, ctx, done, wire)
             return
         self._trained(topic, h, *self.train_here(task, ctx))
 

@@ -37,6 +37,7 @@ from protocols.cohort_trainer import CohortEngine
 from protocols.config import ConfigError
 from protocols.execution import ExecutionPlan
 from protocols.trainer import Trainer
+from protocols.wire.messenger import Received
 from protocols.wire.payload import Payload
 
 from .agent import Trainee
@@ -222,7 +223,7 @@ class CohortExecutor:
         """Device -> the size of each cohort it trained in."""
         return self.runner.sizes
 
-    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
+    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done, wire: Received | None = None) -> None:
         self.queue.append((self.agents[device], task, ctx, self.loop.hold(), done))
 
     def flush(self) -> None:

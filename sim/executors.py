@@ -33,6 +33,7 @@ from protocols.config import ConfigError, RunConfig
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
 from protocols.trainer import Trainer
 from protocols.transport.memory import VirtualLoop
+from protocols.wire.messenger import Received
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
 from .device_worker import DeviceWorker, process_main
@@ -64,7 +65,7 @@ class InlineExecutor:
     def __init__(self, agents: Mapping[str, Trainee]) -> None:
         self.agents = agents
 
-    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
+    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done, wire: Received | None = None) -> None:
         done(*self.agents[device].train_here(task, ctx))
 
     def close(self) -> None:
@@ -79,7 +80,7 @@ class _Remote:
         """``batched`` (engine = cohort): tasks wait until the loop is idle, then go to each worker as one
         batch, which it trains as cohorts; otherwise each task goes at once."""
         self.loop, self.groups = loop, groups
-        self._batches: dict[int, list[tuple[int, dict[str, Any], bytes]]] | None = {} if batched else None
+        self._batches: dict[int, list[tuple[int, dict[str, Any], Received]]] | None = {} if batched else None
         self.largest_batch = 0  # most tasks a worker got at once (tests, progress)
         if batched:
             loop.on_idle = self.flush
@@ -89,7 +90,8 @@ class _Remote:
         self._pending: dict[int, tuple[int, str, str, Callable[[Callable[[], None]], None], Done]] = {}
         self._dead: dict[int, str] = {}  # worker -> why
 
-    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done) -> None:
+    def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done, wire: Received | None = None) -> None:
+        """Queue ``task`` for its device's worker: its bytes as they arrived (``wire``), else encoded now."""
         worker = self.owner[device]
         with self._lock:
             if worker in self._dead:
@@ -103,10 +105,11 @@ class _Remote:
             "cell": ctx.cell,
             "device": ctx.device,
         }
+        body = wire if wire is not None else Received(encode_payload(task), 0)
         if self._batches is not None:
-            self._batches.setdefault(worker, []).append((task_id, header, encode_payload(task)))
+            self._batches.setdefault(worker, []).append((task_id, header, body))
         else:
-            self._send(worker, task_id, header, encode_payload(task))
+            self._send(worker, task_id, header, body)
 
     def flush(self) -> None:
         """Send each worker its queued tasks as one batch (the loop is idle: the round's tasks are all in)."""
@@ -115,10 +118,10 @@ class _Remote:
             self.largest_batch = max(self.largest_batch, len(items))
             self._send_batch(worker, items)
 
-    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
+    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
         raise NotImplementedError
 
-    def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], bytes]]) -> None:
+    def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], Received]]) -> None:
         raise NotImplementedError(f"{type(self).__name__} trains per device")
 
     def _reply(self, task_id: int, result: bytes | memoryview, error: str) -> None:
@@ -190,10 +193,10 @@ class ProcessExecutor(_Remote):
             self.close()
             raise
 
-    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
-        self._outboxes[worker].put(frame({"id": task_id, "ctx": ctx}, task))
+    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
+        self._outboxes[worker].put(frame({"id": task_id, "ctx": ctx}, task.view()))
 
-    def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], bytes]]) -> None:
+    def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], Received]]) -> None:
         self._outboxes[worker].put(batch_frame(items))
 
     def _writer(self, worker: int, conn: Any, outbox: queue.Queue[bytes | None]) -> None:
@@ -278,8 +281,9 @@ class RayExecutor(_Remote):
             self.close()
             raise
 
-    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: bytes) -> None:
-        future = self.actors[worker].train.remote(ctx, task).future()
+    def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
+        data = task.message if task.start == 0 else bytes(task.view())
+        future = self.actors[worker].train.remote(ctx, data).future()
         future.add_done_callback(lambda f: self._settled(worker, task_id, f))
 
     def _settled(self, worker: int, task_id: int, future: Any) -> None:

@@ -9,11 +9,13 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+from protocols.wire.messenger import Received
 
-def frame(header: dict[str, Any], body: bytes = b"") -> bytes:
+
+def frame(header: dict[str, Any], body: bytes | memoryview = b"") -> bytes:
     """A JSON header (its length first, 4 bytes little-endian), then ``body`` as it is."""
     h = json.dumps(header, separators=(",", ":")).encode()
-    return struct.pack("<I", len(h)) + h + body
+    return b"".join((struct.pack("<I", len(h)), h, body))
 
 
 def unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
@@ -23,23 +25,20 @@ def unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
     return json.loads(bytes(view[4 : 4 + n])), view[4 + n :]
 
 
-def batch_frame(items: Sequence[tuple[int, dict[str, Any], bytes]]) -> bytes:
-    """One frame for a worker's batch of tasks. A task byte-identical to an earlier one of the batch (a cell
-    sends every device of an edge round the same model) is sent once: its item says ``"same": j``."""
+def batch_frame(items: Sequence[tuple[int, dict[str, Any], bytes | Received]]) -> bytes:
+    """One frame for a worker's batch of tasks (each its payload's bytes, or where they arrived). A task
+    byte-identical to an earlier one of the batch (a cell sends every device of an edge round the same model)
+    is sent once: its item says ``"same": j``."""
     head: list[dict[str, Any]] = []
-    bodies: list[bytes] = []
+    bodies: list[memoryview] = []
+    sent: list[tuple[int, Received]] = []  # (item, its bytes) of the items whose bytes travel
     for task_id, ctx, task in items:
-        same = next(
-            (
-                j
-                for j, (_, _, earlier) in enumerate(items[: len(head)])
-                if "n" in head[j] and len(earlier) == len(task) and earlier == task
-            ),
-            None,
-        )
+        task = task if isinstance(task, Received) else Received(task, 0)
+        same = next((j for j, earlier in sent if earlier.same(task)), None)
         if same is None:
-            head.append({"id": task_id, "ctx": ctx, "n": len(task)})
-            bodies.append(task)
+            sent.append((len(head), task))
+            head.append({"id": task_id, "ctx": ctx, "n": task.nbytes})
+            bodies.append(task.view())
         else:
             head.append({"id": task_id, "ctx": ctx, "same": same})
     return frame({"batch": head}, b"".join(bodies))

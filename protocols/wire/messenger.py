@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..rejections import RejectKind
 from ..transport.base import Transport
@@ -35,14 +35,35 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedtier.wire")
 
 
+class Received(NamedTuple):
+    """A payload's encoded bytes as they arrived: ``message[start:]``, in an immutable message (a process that
+    hands the payload on sends these bytes instead of encoding it again)."""
+
+    message: bytes
+    start: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.message) - self.start
+
+    def view(self) -> memoryview:
+        return memoryview(self.message)[self.start :]
+
+    def same(self, other: Received) -> bool:
+        """Whether both hold the same payload bytes (one ``memcmp``)."""
+        return self.nbytes == other.nbytes and self.message.startswith(other.view(), self.start)
+
+
 @dataclass(frozen=True)
 class Incoming:
-    """A decoded, validated message and its size on the wire."""
+    """A decoded, validated message and its size on the wire; ``received``: its payload's bytes, where the
+    message is ``bytes`` (immutable)."""
 
     topic: str
     header: Header
     payload: Payload
     nbytes: int
+    received: Received | None = None
 
 
 class Messenger:
@@ -159,7 +180,8 @@ class Messenger:
         except WireError as exc:
             self.reject(topic, exc.kind, str(exc), None)
             return None
-        return Incoming(topic, header, payload, len(data))
+        received = Received(data, len(data) - raw.nbytes) if type(data) is bytes else None  # raw: data's tail
+        return Incoming(topic, header, payload, len(data), received)
 
     def reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
         """Log a rejected message and tell the owner (who records it, with its kind, in its aggregation log)."""
