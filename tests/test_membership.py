@@ -252,3 +252,51 @@ def test_a_device_revoked_by_the_roster_mid_round_is_refused_counted_and_not_wai
     hub.loop.run(until=lambda: len(cell.records) == 2)
     refused = cell.records[1]["rejected"]
     assert [(r["device"], r["kind"]) for r in refused] == [("c0-d1", "unknown_sender")], refused
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_revoked_devices_live_connection_can_no_longer_read_or_write(reachable_tmp: Path) -> None:  # noqa: F811
+    """Revocation cuts a session that is already up: the broker keeps the TCP connection (its certificate was
+    checked at the handshake) but reloads its ACL without the device, so from then on it reads nothing (the
+    manifest every device reads, its own task) and what it publishes reaches nobody, while its cell's other
+    device goes on. Each check is ordered on the connections (a QoS 1 round trip), not timed."""
+    from fedtier.membership import revoke
+    from protocols.wire import topics
+    from tests.test_provision import WAIT, Inbox, clients, provision_cli
+
+    p = provision_cli(reachable_tmp, "live-revoke")
+    out, run = p["out"], "t"
+    manifest, own_task = topics.round_manifest(run), topics.device_task(run, "c0", "c0-d0")
+    with mosquitto(out / "broker" / "mosquitto.conf", p["port"]), clients() as make:
+        cloud, cell, revoked, peer = (make(out / "nodes" / n, p["port"]) for n in ("cloud", "c0", "c0-d0", "c0-d1"))
+        at_cell, at_revoked, at_peer = Inbox(), Inbox(), Inbox()
+        cell.subscribe(topics.device_results(run, "c0"), at_cell)
+        for topic in (manifest, own_task):
+            revoked.subscribe(topic, at_revoked)
+        peer.subscribe(manifest, at_peer)
+        for t in (cloud, cell, revoked, peer):
+            t.connect(WAIT)
+        assert cell.wait_subscribed(WAIT) and revoked.wait_subscribed(WAIT) and peer.wait_subscribed(WAIT)
+
+        def reaches_revoked(n: int) -> bool:
+            """The cloud publishes manifest ``n``: once the peer has it and a QoS 1 publish of the revoked device
+            came back acknowledged, whatever the broker routed to the revoked device has arrived."""
+            cloud.publish(manifest, b"m%d" % n)
+            at_peer.wait_for_item((manifest, b"m%d" % n))
+            revoked.publish(topics.device_status(run, "c0", "c0-d0"), b"ping")
+            assert revoked.flush(WAIT)
+            return (manifest, b"m%d" % n) in at_revoked.snapshot()
+
+        assert reaches_revoked(0)  # before: it reads the manifest
+        revoke(out, "c0-d0")  # ACL rewritten, CRL, the broker reloaded (SIGHUP: asynchronous)
+        n = iter(range(1, 10**6))
+        assert wait_until(lambda: not reaches_revoked(next(n)), WAIT), "the live session still reads after revocation"
+        assert revoked._client.is_connected()  # the connection itself stays
+        cell.publish(own_task, b"task after revocation")
+        revoked.publish(topics.device_result(run, "c0", "c0-d0"), b"result after revocation")
+        assert revoked.flush(WAIT)
+        peer.publish(topics.device_result(run, "c0", "c0-d1"), b"peer's result")  # routed after the revoked one's
+        at_cell.wait_for_item((topics.device_result(run, "c0", "c0-d1"), b"peer's result"))
+        assert not reaches_revoked(next(n))
+        assert (own_task, b"task after revocation") not in at_revoked.snapshot()
+        assert [p for _, p in at_cell.snapshot()] == [b"peer's result"]

@@ -163,6 +163,14 @@ class Inbox:
             assert self.cv.wait_for(lambda: any(t == topic for t, _ in self.items), WAIT), self.items
             return list(self.items)
 
+    def wait_for_item(self, item: tuple[str, bytes]) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: item in self.items, WAIT), self.items
+
+    def snapshot(self) -> list[tuple[str, bytes]]:
+        with self.cv:
+            return list(self.items)
+
 
 def client_factory(loop: ThreadLoop, made: list[MqttTransport]) -> Any:
     def make(
@@ -262,6 +270,67 @@ def test_broker_refuses_a_device_reading_another_devices_task(connect) -> None:
     cell.publish(topics.device_task(run, "c0", "c0-d0"), b"task of d0")
     got = inbox.wait_for(topics.device_task(run, "c0", "c0-d0"))
     assert got == [(topics.device_task(run, "c0", "c0-d0"), b"task of d0")]
+
+
+@needs_mosquitto
+def test_a_device_subscribing_to_every_topic_reads_only_its_own(connect) -> None:
+    """A device's valid login subscribing to ``#``: the broker delivers only what its ACL lets it read, not
+    another device's task or result, a cell's report or telemetry, or another device's status."""
+    run = "t"
+    cell, other, spy = connect("c0"), connect("c0-d1"), connect("c0-d0")
+    seen, inbox = Inbox(), Inbox()
+    cell.subscribe(topics.device_results(run, "c0"), seen)
+    cell.subscribe(topics.device_statuses(run, "c0"), seen)
+    spy.subscribe("#", inbox)
+    for t in (cell, other, spy):
+        t.connect(WAIT)
+    assert cell.wait_subscribed(WAIT) and spy.wait_subscribed(WAIT)
+    other.publish(topics.device_result(run, "c0", "c0-d1"), b"result of d1")
+    other.publish(topics.device_status(run, "c0", "c0-d1"), b"status of d1")
+    seen.wait_for(topics.device_status(run, "c0", "c0-d1"))  # the broker has routed both (one publisher: in order)
+    cell.publish(topics.device_task(run, "c0", "c0-d1"), b"task of d1")
+    cell.publish(topics.cell_report(run, "c0"), b"report of c0")
+    cell.publish(topics.telemetry_cell(run, "c0"), b"record of c0")
+    cell.publish(topics.device_task(run, "c0", "c0-d0"), b"task of d0")  # the spy's own: the last
+    got = inbox.wait_for(topics.device_task(run, "c0", "c0-d0"))
+    assert got == [(topics.device_task(run, "c0", "c0-d0"), b"task of d0")]
+
+
+@needs_mosquitto
+def test_a_device_cannot_leave_retained_records_on_topics_it_may_not_write(connect) -> None:
+    """Retained messages outlive their publisher: a device's valid login tries to leave them on the cloud's
+    manifest, control and roster topics, its cell's status, another device's status and under its own status
+    topic; a reader of all of those (the monitor) finds only the device's own status."""
+    run = "t"
+    device = connect("c0-d0").connect(WAIT)
+    planted = b"planted by c0-d0"
+    for topic in (
+        topics.round_manifest(run),
+        topics.control(run),
+        "fedtier/t/roster",
+        topics.status(run, topics.cell_node("c0")),
+        topics.device_status(run, "c0", "c0-d1"),
+        topics.device_status(run, "c0", "c0-d0") + "/more",
+    ):
+        device.publish(topic, planted, retain=True)
+    own = topics.device_status(run, "c0", "c0-d0")
+    device.publish(own, b"own status", retain=True)
+    assert device.flush(WAIT)
+    monitor, inbox = connect("monitor"), Inbox()
+    for pattern in (
+        topics.round_manifest(run),
+        topics.control(run),
+        "fedtier/t/roster",
+        topics.statuses(run),
+        topics.device_statuses(run),
+    ):
+        monitor.subscribe(pattern, inbox)
+    monitor.connect(WAIT)
+    assert monitor.wait_subscribed(WAIT)
+    device.publish(own, b"live status")  # after the retained ones were queued to the monitor
+    inbox.wait_for_item((own, b"live status"))
+    items = inbox.snapshot()
+    assert [p for _, p in items if p == planted] == [] and (own, b"own status") in items, items
 
 
 @needs_mosquitto
