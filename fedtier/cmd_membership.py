@@ -24,20 +24,27 @@ PUBLISH = click.option(
 
 
 def _done(change, out_dir: str, publish: bool, what: str) -> None:
-    from .membership import publish_roster
-
     for line in change.brokers:
         console.print(line)
     console.print(f"{what}; roster version {change.version} in {out_dir}/roster.json")
     if publish:
-        try:
-            console.print(publish_roster(out_dir))
-        except (ConnectionError, OSError) as exc:
-            fail(
-                f"could not publish the roster ({exc}); the cloud takes roster.json from its bundle at its next "
-                f"start, or run this again with the broker up",
-                1,
-            )
+        _publish(out_dir)
+    else:
+        console.print(f"not published: `fedtier provision publish --out {out_dir}` publishes it")
+
+
+def _publish(out_dir: str) -> None:
+    """Publish OUT's roster, or exit 1 saying how to do it later."""
+    from .membership import publish_roster
+
+    try:
+        console.print(publish_roster(out_dir))
+    except (ConnectionError, OSError, ValueError) as exc:  # ValueError: a ConfigError of the operator's bundle
+        fail(
+            f"could not publish the roster ({exc}); run `fedtier provision publish --out {out_dir}` with the "
+            f"broker up (the cloud also takes roster.json from its bundle at its next start)",
+            1,
+        )
 
 
 @provision.command("add-device")
@@ -92,3 +99,11 @@ def revoke(out_dir: str, node: str, publish: bool) -> None:
     except (MembershipError, ValueError) as exc:
         fail(str(exc), 2)
     _done(change, out_dir, publish, f"revoked {node}")
+
+
+@provision.command("publish")
+@OUT
+def publish(out_dir: str) -> None:
+    """Publish OUT's current roster (OUT/roster.json, signed) on the broker with the operator's bundle, so the
+    running cloud and cells take it: after a change made with --no-publish, or one whose publishing failed."""
+    _publish(out_dir)

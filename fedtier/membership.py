@@ -218,7 +218,7 @@ def publish_roster(out: str | Path, timeout: float = 15.0) -> str:
     from protocols.config import load_config
     from protocols.transport.threadloop import ThreadLoop
 
-    out = Path(out)
+    out = Path(out).resolve()  # absolute: it is read again from inside the bundle below
     fed = load_federation(out)
     bundle = out / "nodes" / "operator"
     cwd = os.getcwd()

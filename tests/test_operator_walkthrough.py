@@ -1,0 +1,63 @@
+"""What a new operator runs, as the deployment tutorial writes it (``docs/tutorials/deploy-fleet.md``): relative
+paths from the folder the fleet was provisioned in, a roster published after a change made without the
+broker, a node started with the wrong certificate, a device's own data file. Each command either works or
+fails at once with its reason and a non-zero exit, never with a traceback."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fedtier.cli import main
+from fedtier.provisioning import provision
+from protocols.transport.broker import find_mosquitto, free_port
+from tests.conftest import small_config
+from tests.test_provision import broker_user, mosquitto, reachable_tmp  # noqa: F401 (a fixture)
+
+
+def _provision(where: Path, port: int, name: str = "fed") -> Path:
+    user = broker_user()
+    cfg = small_config(where, run={"name": name}, topology={"cells": 1, "devices_per_cell": 2})
+    provision(
+        cfg,
+        where / name,
+        port=port,
+        bind="127.0.0.1",
+        broker_user=user[1] if user else None,
+        federation=True,
+        max_device_weight=1000,
+    )
+    return where / name
+
+
+def _cli(*args: str) -> tuple[int, str, BaseException | None]:
+    res = CliRunner().invoke(main, list(args))
+    unexpected = None if res.exception is None or isinstance(res.exception, SystemExit) else res.exception
+    return res.exit_code, " ".join(res.output.split()), unexpected  # as one line: the console wraps it
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_membership_changes_publish_with_the_tutorials_relative_out_and_later_on_demand(
+    reachable_tmp: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`fedtier provision revoke --out fed NODE` from the provisioning folder (as the tutorial runs it) publishes
+    the new roster; a change made while the broker is down fails to publish with exit 1 and says how to do it
+    later, and `fedtier provision publish --out fed` then does."""
+    port = free_port()
+    where = reachable_tmp / "walk-members"
+    where.mkdir()
+    _provision(where, port)
+    monkeypatch.chdir(where)
+    code, out, exc = _cli("provision", "add-device", "--out", "fed", "--cell", "c0", "--device", "c0-d2")
+    assert exc is None, f"a traceback instead of a reason: {exc!r}"
+    assert code == 1 and "could not publish the roster" in out and "fedtier provision publish --out fed" in out, out
+    with mosquitto(where / "fed" / "broker" / "mosquitto.conf", port):
+        code, out, exc = _cli("provision", "publish", "--out", "fed")
+        assert exc is None and code == 0 and "published roster version 2" in out, (exc, out)
+        code, out, exc = _cli("provision", "revoke", "--out", "fed", "c0-d1")
+        assert exc is None and code == 0 and "published roster version 3" in out, (exc, out)
+    assert os.getcwd() == str(where)  # publishing read the operator's bundle from inside it, and came back
