@@ -4,7 +4,8 @@ All algorithm logic lives in the cell role; this class decides *when* (a round c
 planned device answered, a quorum did, or the deadline passed) and records *what happened*. What any
 cell server is (presence, heartbeat, records, the cloud's session) is :class:`~cell_server.cell_node.CellNode`;
 this class adds the rounds, their state in parts (``cell_server.parts``: the open edge round, the cloud
-round's tally). Recovery and secure aggregation drive it through their declared ``Host`` interfaces.
+round's tally). Recovery, secure aggregation and the open edge round's liveness (``cell_server.edge_liveness``)
+drive it through their declared ``Host`` interfaces.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.payload import Payload
 
+from . import edge_liveness
 from .cell_node import CellNode, NodeOptions
 from .liveness import StatusChange
 from .parts import EdgeRound, RoundTally
@@ -122,7 +124,8 @@ class CellServer(CellNode):
             self._end_round()
             self._send_failure(self.round)
 
-    def _waiting_state(self) -> None:
+    def waiting_state(self) -> None:
+        """Publish the open edge round's state: waiting, for whom, since when."""
         self._state(
             "waiting",
             self.answers.pending,
@@ -149,24 +152,9 @@ class CellServer(CellNode):
             self.journal.close()
 
     def _device_status(self, device: str, change: StatusChange) -> None:
-        """A device's status: one back while its result is pending gets its task again; one gone leaves the
-        open edge round (after a grace); one the edge round waits for may let it plan."""
-        if change.changed:
-            if change.online and change.heard and self._pending(device) and device in self.edge.tasks:
-                # back (an agent restarted, or reconnected with a new session) while its result is
-                # pending: the task it was given may be lost with its old process
-                log.warning(
-                    "cell %s: %s is back while its result of %d.%d is pending: its task again",
-                    self.cell,
-                    device,
-                    self.round,
-                    self.edge_round,
-                )
-                self._send_task(device)
-            if change.online:
-                self.loop.cancel(self.liveness.leaving.pop(device, None))
-            else:
-                self._gone(device, self.timing.heartbeat_timeout + self.timing.heartbeat)  # a restart's time back
+        """A device's status: the open edge round's liveness (:mod:`cell_server.edge_liveness`); one the edge
+        round waits for may let it plan."""
+        edge_liveness.on_status(self, device, change)
         awaited = device in self._unknown or (change.online and device in self._waiting)
         self._unknown.discard(device)
         if change.online:
@@ -174,60 +162,11 @@ class CellServer(CellNode):
         if awaited and not self._waiting and not self._unknown:
             self._plan_edge(self.round, self.edge_round)
 
-    def _pending(self, device: str) -> bool:
-        """The open edge round waits for ``device``'s result (its liveness counts: not under secure
-        aggregation, whose dropout recovery decides)."""
-        return self.answers.is_open and device in self.answers.pending and self.secagg is None
-
     def _device_revoked(self, device: str) -> None:
-        self.loop.cancel(self.liveness.leaving.pop(device, None))
-        if self._pending(device):
-            self._leave(device, self.round, self.edge_round, "revoked")
+        edge_liveness.revoked(self, device)
 
     def _device_stale(self, device: str) -> None:
-        self._gone(device, 0.0)  # silent for heartbeat_timeout already: out of the round now
-
-    def _gone(self, device: str, grace: float) -> None:
-        """``device`` went offline (its will, a clean leave, or a stale heartbeat): if the open edge round waits
-        for its result, it leaves the round after ``grace`` seconds (heartbeat_timeout + one heartbeat after its
-        will; at once when its heartbeat went stale) unless it is back by then (an agent that restarts gets its
-        task again), and the round closes once every remaining planned device answered,
-        instead of waiting out ``device_deadline``. Liveness needs heartbeat_timeout > 0; not under secure
-        aggregation (its dropout recovery decides)."""
-        if self.timing.heartbeat_timeout <= 0 or not self._pending(device):
-            return
-        r, e = self.round, self.edge_round
-        self.loop.cancel(self.liveness.leaving.pop(device, None))
-        if grace <= 0:
-            self._leave(device, r, e)
-        else:
-            self.liveness.leaving[device] = self.loop.call_later(
-                grace, self._guard(lambda: self._leave(device, r, e), "liveness timer")
-            )
-
-    def _leave(self, device: str, rnd: int, edge_round: int, why: str = "offline") -> None:
-        """Take ``device`` (offline) out of edge round ``rnd.edge_round`` if it is still open and waits for it."""
-        self.liveness.leaving.pop(device, None)
-        if (
-            not self.in_round
-            or (rnd, edge_round) != (self.round, self.edge_round)
-            or not self.answers.is_open
-            or device not in self.answers.pending
-            or self.online[device]
-        ):
-            return
-        log.warning(
-            "cell %s: %s is %s: edge round %d.%d no longer waits for it", self.cell, device, why, rnd, edge_round
-        )
-        self.answers.pending.discard(device)
-        self.edge.absent[device] = why
-        closing = self._closing()
-        if closing is None:
-            self._waiting_state()
-        elif closing == "all answered" and not (self.answers.received or self.answers.settled):
-            self.close_edge(rnd, edge_round, "all offline")
-        else:
-            self.close_edge(rnd, edge_round, closing)
+        edge_liveness.gone(self, device, 0.0)  # silent for heartbeat_timeout already: out of the round now
 
     # ----------------------------------------------------------------- rounds
     def _on_cell_task(self, topic: str, data: bytes) -> None:
@@ -355,7 +294,7 @@ class CellServer(CellNode):
                 self.edge.absent[d] = "not selected"
         for d in self.edge.planned:
             if d not in taken and d not in settled:
-                self._send_task(d)
+                self.send_task(d)
         self.answers.open((self.round, self.edge_round), self.edge.planned)
         for d, result in taken.items():
             self.answers.received[d] = result
@@ -368,19 +307,20 @@ class CellServer(CellNode):
         self.edge.needed = math.ceil(self.limits.quorum * len(self.edge.planned))
         self.edge.since = time.time()
         if self.answers.pending:
-            self._waiting_state()
+            self.waiting_state()
         r, e = self.round, self.edge_round
         guard = self._guard
         if not self.edge.planned:
             self.loop.post(guard(lambda: self.close_edge(r, e, "no devices"), "edge round close"))
-        elif (taken or settled) and (why := self._closing()) is not None:
+        elif (taken or settled) and (why := self.closing()) is not None:
             self.loop.post(guard(lambda: self.close_edge(r, e, why), "edge round close"))
         else:
             self._timer = self.loop.call_later(
                 self.limits.device_deadline, guard(lambda: self.close_edge(r, e, "deadline"), "edge round deadline")
             )
 
-    def _send_task(self, device: str) -> None:
+    def send_task(self, device: str) -> None:
+        """Send ``device`` its task of the open edge round."""
         self.edge.bytes_out += self.messenger.send(
             topics.device_task(self.run, self.cell, device),
             "device_task",
@@ -424,13 +364,13 @@ class CellServer(CellNode):
         elif failed is not None:  # its task raised: recorded with the reason, never aggregated
             log.warning("cell %s: %s failed its task %d.%d: %s", self.cell, device, h.round, h.edge_round, failed)
         self.edge.take(device, msg.payload, msg.nbytes, diverged, failed)
-        why = self._closing()
+        why = self.closing()
         if why is not None:
             self.close_edge(self.round, self.edge_round, why)
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
-            self._waiting_state()
+            self.waiting_state()
 
-    def _closing(self) -> str | None:
+    def closing(self) -> str | None:
         """Why the open edge round closes now (every planned device answered, or a quorum did); None: it waits."""
         if not self.answers.pending:
             return "all answered"

@@ -1,0 +1,129 @@
+"""The open edge round and its devices' liveness: a device back while its result is pending gets its task
+again; one gone offline (its will, a clean leave, a stale heartbeat) or revoked leaves the round, after a grace
+for a restart, and the round closes once every remaining planned device answered, instead of waiting out
+``device_deadline``. Liveness needs ``heartbeat_timeout > 0``, and does not count under secure aggregation
+(its dropout recovery decides). The cell server drives it through :class:`Host`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from protocols.failures import guarded
+
+from .liveness import Liveness, StatusChange
+from .members import OnlineFlags
+from .parts import EdgeRound, PresenceTimes
+
+if TYPE_CHECKING:
+    from protocols.answers import Answers
+    from protocols.transport.base import EventLoop
+
+    from .secagg import CellSecAgg
+
+log = logging.getLogger("fedtier.cell")
+
+
+class Host(Protocol):
+    """What the edge round's liveness needs of its cell server (``cell_server.server.CellServer`` is one): where
+    its round is, its devices' liveness and the open round's answers, and the steps a leave or a return takes."""
+
+    cell: str
+    round: int
+    edge_round: int
+    in_round: bool
+    loop: EventLoop
+    liveness: Liveness
+    timing: PresenceTimes
+    answers: Answers
+    edge: EdgeRound
+    secagg: CellSecAgg | None
+
+    @property
+    def online(self) -> OnlineFlags: ...
+
+    def fail(self, reason: str) -> None: ...
+
+    def send_task(self, device: str) -> None: ...
+
+    def closing(self) -> str | None: ...
+
+    def waiting_state(self) -> None: ...
+
+    def close_edge(self, rnd: int, edge_round: int, why: str) -> None: ...
+
+
+def pending(cell: Host, device: str) -> bool:
+    """The open edge round waits for ``device``'s result (its liveness counts: not under secure aggregation,
+    whose dropout recovery decides)."""
+    return cell.answers.is_open and device in cell.answers.pending and cell.secagg is None
+
+
+def on_status(cell: Host, device: str, change: StatusChange) -> None:
+    """A device's status: one back while its result is pending gets its task again; one gone leaves the open
+    edge round (after a grace: a restart's time back)."""
+    if not change.changed:
+        return
+    if change.online and change.heard and pending(cell, device) and device in cell.edge.tasks:
+        # back (an agent restarted, or reconnected with a new session) while its result is
+        # pending: the task it was given may be lost with its old process
+        log.warning(
+            "cell %s: %s is back while its result of %d.%d is pending: its task again",
+            cell.cell,
+            device,
+            cell.round,
+            cell.edge_round,
+        )
+        cell.send_task(device)
+    if change.online:
+        cell.loop.cancel(cell.liveness.leaving.pop(device, None))
+    else:
+        gone(cell, device, cell.timing.heartbeat_timeout + cell.timing.heartbeat)
+
+
+def revoked(cell: Host, device: str) -> None:
+    """``device`` was revoked: out of the open edge round at once."""
+    cell.loop.cancel(cell.liveness.leaving.pop(device, None))
+    if pending(cell, device):
+        leave(cell, device, cell.round, cell.edge_round, "revoked")
+
+
+def gone(cell: Host, device: str, grace: float) -> None:
+    """``device`` went offline (its will, a clean leave, or a stale heartbeat): if the open edge round waits
+    for its result, it leaves the round after ``grace`` seconds (heartbeat_timeout + one heartbeat after its
+    will; at once when its heartbeat went stale) unless it is back by then (an agent that restarts gets its
+    task again)."""
+    if cell.timing.heartbeat_timeout <= 0 or not pending(cell, device):
+        return
+    r, e = cell.round, cell.edge_round
+    cell.loop.cancel(cell.liveness.leaving.pop(device, None))
+    if grace <= 0:
+        leave(cell, device, r, e)
+    else:
+        cell.liveness.leaving[device] = cell.loop.call_later(
+            grace, guarded(lambda: leave(cell, device, r, e), cell.fail, f"cell {cell.cell}: liveness timer")
+        )
+
+
+def leave(cell: Host, device: str, rnd: int, edge_round: int, why: str = "offline") -> None:
+    """Take ``device`` (offline) out of edge round ``rnd.edge_round`` if it is still open and waits for it."""
+    cell.liveness.leaving.pop(device, None)
+    if (
+        not cell.in_round
+        or (rnd, edge_round) != (cell.round, cell.edge_round)
+        or not cell.answers.is_open
+        or device not in cell.answers.pending
+        or cell.online[device]
+    ):
+        return
+    log.warning("cell %s: %s is %s: edge round %d.%d no longer waits for it", cell.cell, device, why, rnd, edge_round)
+    cell.answers.pending.discard(device)
+    cell.edge.absent[device] = why
+    closing = cell.closing()
+    if closing is None:
+        cell.waiting_state()
+    elif closing == "all answered" and not (cell.answers.received or cell.answers.settled):
+        cell.close_edge(rnd, edge_round, "all offline")
+    else:
+        cell.close_edge(rnd, edge_round, closing)
