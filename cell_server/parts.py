@@ -83,18 +83,29 @@ class EdgeRound:
             self.note_loss(device, result)
 
     def note_loss(self, device: str, result: Payload) -> None:
-        """Keep the training loss ``result`` reports, if it is a finite number."""
+        """Keep the training loss ``result`` reports, if it is a finite number (a device's word: an int beyond
+        the float range, e.g. ``10**400`` from JSON, is none)."""
         loss = result.meta.get("loss")
-        if isinstance(loss, (int, float)) and math.isfinite(loss):
-            self.losses[device] = float(loss)
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            try:
+                value = float(loss)
+            except OverflowError:
+                return
+            if math.isfinite(value):
+                self.losses[device] = value
 
     def loss_stats(self) -> tuple[float | None, float | None]:
-        """Mean and standard deviation of the reported losses (``None`` without any)."""
+        """Mean and standard deviation of the reported losses (``None`` without any, or where the losses, each a
+        device's word, are too far apart for a float: e.g. 1e308 beside 2.3)."""
         losses = list(self.losses.values())
         if not losses:
             return None, None
         mean = sum(losses) / len(losses)
-        return mean, (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5
+        try:
+            spread = (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5
+        except OverflowError:
+            spread = math.inf
+        return (mean if math.isfinite(mean) else None), (spread if math.isfinite(spread) else None)
 
 
 @dataclass

@@ -100,6 +100,49 @@ def test_a_devices_signed_result_replayed_into_another_job_is_refused(signed: di
     assert "result of session" in refusals[0]["reason"] and "the current one is" in refusals[0]["reason"]
 
 
+# ------------------------------------------------------------------------------ numbers at the edge of the float range
+def lying_device(sim: SimHierarchy, device: str, meta: dict) -> None:
+    """``device`` (its own key: a compromised device) sends its genuine results with ``meta`` over theirs."""
+    configure = sim.agents.configure
+
+    def compromised(agent) -> None:
+        configure(agent)
+        if agent.device == device:
+            genuine = agent.publish_result
+            agent.publish_result = lambda r, *a: genuine(Payload({**r.meta, **meta}, r.tensors), *a)
+
+    sim.agents.configure = compromised
+
+
+@pytest.mark.parametrize("loss", [1e308, -1e308, 10**400], ids=["1e308", "-1e308", "10^400"])
+def test_a_devices_loss_at_the_edge_of_the_float_range_fails_nothing(loss, signed: dict, tmp_path: Path) -> None:
+    """The training loss a result reports is the device's word, for the cell's record only. A float whose spread
+    from its neighbours' overflows (1e308 beside 2.3) or an int beyond the float range (valid JSON) raised in the
+    cell's result handler, which failed the job; now the record leaves out what no float can say."""
+    cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(signed["keys"])})
+    sim = SimHierarchy(cfg)
+    lying_device(sim, "c0-d0", {"loss": loss})
+    result = sim.run()
+    assert len(result.history) == 2 and same(result.params, signed["result"].params)
+    for record in (r for r in result.cell_records if r["cell"] == "c0"):
+        assert record["answered"] == ["c0-d0", "c0-d1", "c0-d2"]
+        assert all(v is None or math.isfinite(v) for v in (record["loss_mean"], record.get("loss_std"))), record
+
+
+def test_a_cells_upload_count_beyond_the_float_range_fails_nothing(signed: dict, tmp_path: Path) -> None:
+    """A report's ``upload_bytes`` (for the full-model-units metric) is the cell's word: 10^400 (valid JSON) raised
+    in the cloud's report handler, which failed the job; now a count beyond 2^53 counts nothing."""
+    cfg = small_config(tmp_path, run={"rounds": 2}, security={"keys": str(signed["keys"])})
+    sim = SimHierarchy(cfg)
+    role = sim.cells["c0"].role
+    honest = role.report
+    role.report = lambda: Payload({**(r := honest()).meta, "upload_bytes": 10**400}, r.tensors)
+    result = sim.run()
+    assert len(result.history) == 2 and same(result.params, signed["result"].params)
+    honest_units = signed["result"].history[-1]["metrics"]["upload_units_total"]
+    assert result.history[-1]["metrics"]["upload_units_total"] == honest_units  # c1's alone: the same per device
+
+
 # ------------------------------------------------------------------------------ a cell's priority statistics (FedALIGN)
 def fedalign_config() -> dict:
     return {

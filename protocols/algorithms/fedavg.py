@@ -68,13 +68,17 @@ def sent_bytes(result: Payload) -> int:
     return sum(int(t.nbytes) for t in result.tensors.values())
 
 
+MAX_COUNT = 2**53
+"""The largest count a report may declare: every integer up to it is exact as a float."""
+
+
 def upload_stats(reports: Mapping[str, Payload]) -> tuple[int, int]:
     """(tensor bytes uploaded by aggregated devices, distinct aggregated devices) summed over cell reports;
-    a report whose counts are not non-negative integers counts nothing."""
+    a report whose counts are not integers in [0, 2^53] (a cell's word: ``10**400`` is valid JSON) counts nothing."""
     sent = devices = 0
     for r in reports.values():
         b, d = r.meta.get("upload_bytes", 0), r.meta.get("upload_devices", 0)
-        if type(b) is int and type(d) is int and b >= 0 and d >= 0:
+        if type(b) is int and type(d) is int and 0 <= b <= MAX_COUNT and 0 <= d <= MAX_COUNT:
             sent, devices = sent + b, devices + d
     return sent, devices
 
