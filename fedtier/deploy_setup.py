@@ -64,10 +64,39 @@ def check_keys(cfg: RunConfig, node: str) -> None:
 
 
 def broker_options(cfg: RunConfig, broker_url: str | None, auth: Mapping[str, Any]) -> BrokerOptions:
-    """The broker to connect to: the config's ``[broker]``, ``--broker`` and the credential flags over it."""
+    """The broker to connect to: the config's ``[broker]``, ``--broker`` and the credential flags over it; its
+    client certificate checked first (:func:`check_certificate`)."""
     from edge_agent.broker import BrokerOptions
 
-    return BrokerOptions.from_config(cfg, broker_url, **auth)
+    opts = BrokerOptions.from_config(cfg, broker_url, **auth)
+    check_certificate(opts.certfile, opts.keyfile, opts.ca_certs, opts.username)
+    return opts
+
+
+def check_certificate(certfile: str | None, keyfile: str | None, ca_certs: str | None, username: str | None) -> None:
+    """Raise ``ConfigError`` saying why a client certificate cannot work: unreadable, not its key's, expired or
+    not yet valid, not signed by the CA file's CA (another provisioning's), or issued to another login than
+    ``username`` (a broker that takes the certificate's name as the login would log this node in as that
+    other node). A long-lived node would otherwise retry a broker that refuses it for ever."""
+    from protocols.config import ConfigError
+    from protocols.transport.tls_reload import check_material
+
+    if not certfile or not keyfile:
+        return
+    try:
+        check_material(certfile, keyfile, ca_certs)
+    except ValueError as exc:
+        raise ConfigError(f"broker client certificate: {exc}") from None
+    if username:
+        from cryptography import x509
+
+        cert = x509.load_pem_x509_certificate(Path(certfile).read_bytes())
+        names = [str(a.value) for a in cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)]
+        if names and username not in names:
+            raise ConfigError(
+                f"broker client certificate: {certfile} is issued to {names[0]!r}, but this node logs in as "
+                f"{username!r}: copy this node's own bundle (client.crt, client.key)"
+            )
 
 
 @overload

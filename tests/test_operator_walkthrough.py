@@ -61,3 +61,31 @@ def test_membership_changes_publish_with_the_tutorials_relative_out_and_later_on
         code, out, exc = _cli("provision", "revoke", "--out", "fed", "c0-d1")
         assert exc is None and code == 0 and "published roster version 3" in out, (exc, out)
     assert os.getcwd() == str(where)  # publishing read the operator's bundle from inside it, and came back
+
+
+def test_a_node_started_with_the_wrong_certificate_fails_at_once_saying_why(
+    reachable_tmp: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A certificate of another provisioning, another node's certificate, or a key that is not the
+    certificate's: the node exits 2 naming the file and the defect, before it tries the broker (a long-lived
+    node would retry a broker that refuses it for ever; another node's certificate would log it in as that
+    node)."""
+    where = reachable_tmp / "walk-certs"
+    where.mkdir()
+    fed, other = _provision(where, free_port()), _provision(where, free_port(), name="other")
+    monkeypatch.chdir(fed / "nodes" / "c0")
+    cases = {
+        "is not signed by a CA in ca.crt": (
+            str(other / "nodes" / "c0" / "client.crt"),
+            str(other / "nodes" / "c0" / "client.key"),
+        ),
+        "is issued to 'c0-d0', but this node logs in as 'c0'": ("../c0-d0/client.crt", "../c0-d0/client.key"),
+        "key values mismatch": ("client.crt", "../c0-d0/client.key"),
+    }
+    for why, (crt, key) in cases.items():  # the broker is not even up: the certificate is refused first
+        code, out, exc = _cli("cell", "config.toml", "--cell", "c0", "--certfile", crt, "--keyfile", key)
+        assert exc is None and code == 2 and "broker client certificate" in out and why in out, (exc, code, out)
+    monkeypatch.chdir(fed / "nodes" / "cloud")
+    code, out, exc = _cli("cloud", "config.toml", "--serve", "--ca-certs", str(other / "nodes" / "cloud" / "ca.crt"))
+    assert exc is None and code == 2 and "client.crt is not signed by a CA in" in out, (exc, code, out)
