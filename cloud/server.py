@@ -16,7 +16,7 @@ from protocols.answers import Answers
 from protocols.divergence import STALLED_ROUNDS
 from protocols.failures import StallWatch, failed_reason, guarded
 from protocols.jsonl import JsonlWriter
-from protocols.records import TIERS, RoundRecord
+from protocols.records import TIERS
 from protocols.rejections import Rejected
 from protocols.session import encode_manifest, new_session
 from protocols.state import MAX_WAITING, publish_state
@@ -28,7 +28,8 @@ from protocols.wire.payload import Payload
 
 from .cell_records import CellRecordCollector
 from .checkpoint import CloudCheckpoint, Saved, repair_records
-from .parts import CellPresence, RoundCounts, drop_non_finite, report_refusal
+from .parts import CellPresence, RoundCounts, report_refusal
+from .round_record import divergence, round_record, stall
 from .telemetry import CloudTelemetry
 
 if TYPE_CHECKING:
@@ -349,10 +350,10 @@ class CloudServer:
         evaluation: dict[str, float] = {}
         if self.evaluator is not None and ((self.round + 1) % self.eval_every == 0 or self.round + 1 == self.rounds):
             evaluation = self.evaluator(self.role.global_params())
-        diverged = self._diverged(evaluation)
-        self._stalled(reported)
-        failed = self._fail_request
-        record = self._round_record(why, reported, absent, outcome, evaluation, diverged=diverged, failed=failed)
+        diverged, failure = divergence(evaluation, self.round)
+        stalled = stall(self.stall, self.round, reported, self.counts)
+        failed = self._fail_request = self._fail_request or failure or stalled
+        record = round_record(self, why, reported, absent, outcome, evaluation, diverged=diverged, failed=failed)
         self.telemetry.log_round(record, self.rounds)
         self._state("idle")
         self.telemetry.emit(record)
@@ -366,83 +367,6 @@ class CloudServer:
             self.loop.post(self._guard(self._begin_round, "round start"))
         else:
             self._finish()
-
-    def _round_record(
-        self,
-        why: str,
-        reported: list[str],
-        absent: list[str],
-        outcome: Outcome,
-        evaluation: dict[str, float],
-        **verdicts: str | None,
-    ) -> dict[str, Any]:
-        """The round's record: what closed it, who answered, the counts, the evaluation, the role's outcome
-        (robust aggregation's exclusions, privacy spent) and the ``verdicts`` (``diverged``, ``failed``); the
-        rejections it lists are counted afresh from now on."""
-        epsilon = outcome.epsilon  # differential privacy: spent so far
-        rejected, rejected_more = self.telemetry.take_rejections()
-        c = self.counts
-        return RoundRecord(
-            run=self.run,
-            round=self.round,
-            rounds=self.rounds,
-            closed_by=why,
-            cells_planned=self.planned,
-            cells_reported=reported,
-            cells_absent=absent,
-            cells_failed=c.cells_failed or None,
-            devices=c.devices,
-            devices_diverged=c.diverged or None,
-            devices_failed=c.failed or None,
-            failures=c.failures or None,
-            rejected=rejected,
-            rejected_more=rejected_more,
-            bytes=dict(c.bytes),
-            cumulative_bytes=dict(self.cumulative),
-            clock_start_s=round(c.t0, 6),
-            clock_s=round(self.loop.now(), 6),
-            **evaluation,
-            excluded=outcome.excluded or None,  # robust aggregation: cells left out, why
-            epsilon=epsilon if epsilon is not None and np.isfinite(epsilon) else None,
-            epsilon_by_party=outcome.epsilon_by_party,  # ... against each party
-            epsilon_basis=outcome.epsilon_basis,  # ... and why
-            **verdicts,
-            metrics=dict(outcome.metrics),
-            duration_s=round(time.perf_counter() - c.wall0, 6),
-            time=round(time.time(), 3),
-        ).to_dict()
-
-    def _diverged(self, evaluation: dict[str, float]) -> str | None:
-        """Drop the non-finite numbers of the global model's ``evaluation`` (in place) and, if there were any,
-        ask the run to stop after this round: no later round can bring a diverged model back. Returns what
-        was dropped, for the record."""
-        why = drop_non_finite(evaluation)
-        if why is None:
-            return None
-        log.error(
-            "round %d: the global model diverged (%s): the job fails after this round (a learning rate too large?)",
-            self.round,
-            why,
-        )
-        self._fail_request = self._fail_request or f"the global model diverged at round {self.round} ({why})"
-        return why
-
-    def _stalled(self, reported: list[str]) -> None:
-        """Count a round without progress (no cell answered, or every device that answered failed or
-        diverged); after ``max_stalled_rounds`` of them in a row the job fails after this round."""
-        aggregated = sum(self.counts.devices.get(c, 0) for c in reported)
-        why = self.stall.observe(
-            self.round,
-            len(reported),
-            self.counts.expected,  # cell participation may leave a round to fewer cells, or none
-            aggregated,
-            self.counts.failures,
-            sum(self.counts.diverged.values()),
-            self.counts.unmet,
-            self.counts.late,
-        )
-        if why is not None:
-            self._fail_request = self._fail_request or why
 
     def _checkpoint(self, record: dict[str, Any] | None) -> None:
         """Save the state after round ``self.round`` (before round 0: -1) and its ``record`` (``cloud.checkpoint``),
