@@ -19,9 +19,10 @@ from protocols.execution import execution_plan
 from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.trainer import LocalData
-from protocols.wire.payload import Payload, decode_payload, encode_payload
+from protocols.wire.payload import Parts, Payload, decode_payload, payload_parts
 
 from .attack import attacked, byzantine_devices
+from .result_ring import RingWriter
 from .worker_frames import batch_items, frame, unframe
 
 log = logging.getLogger("fedtier.sim")
@@ -113,29 +114,34 @@ class DeviceWorker:
 
     def train(self, ctx: dict[str, Any], task: bytes | memoryview) -> tuple[bytes, str]:
         """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""
+        parts, error = self.train_parts(ctx, task)
+        return b"".join(parts), error  # type: ignore[arg-type]  # arrays are buffers
+
+    def train_parts(self, ctx: dict[str, Any], task: bytes | memoryview) -> tuple[Parts, str]:
+        """:meth:`train`'s result as its encoding's buffers (``payload_parts``), not joined."""
         try:
             c, role, data = self._device(ctx)
             result = role.train(decode_payload(task, views=True), data, self.trainer_for(c.device), c)
-            return encode_payload(result), ""
+            return payload_parts(result), ""
         except Exception as exc:  # a bad task must not kill the device (as in the main process)
             log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
-            return b"", str(exc)
+            return [], str(exc)
 
-    def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[bytes, str]]:
-        """:meth:`train` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
+    def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[Parts, str]]:
+        """:meth:`train_parts` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
         train as cohorts of at most ``cohort_size`` (``edge_agent.cohort.CohortRunner``), the others one by one."""
-        out: list[tuple[bytes, str]] = [(b"", "not run")] * len(items)
+        out: list[tuple[Parts, str]] = [([], "not run")] * len(items)
         jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []
         for i, (ctx, task) in enumerate(items):
             if self.runner is None or not self.trainer_for(str(ctx["device"])).trains_in_cohorts:
-                out[i] = self.train(ctx, task)
+                out[i] = self.train_parts(ctx, task)
                 continue
             try:
                 c, role, data = self._device(ctx)
                 jobs.append((i, c, role, data, decode_payload(task, views=True)))
             except Exception as exc:
                 log.exception("device %s: bad task", ctx.get("device"))
-                out[i] = (b"", str(exc))
+                out[i] = ([], str(exc))
         if self.runner is None:
             return out
         for chunk in self.runner.split(jobs, lambda job: job[1].device):
@@ -145,12 +151,15 @@ class DeviceWorker:
             ]
             outcomes = self.runner.train([job[1].device for job in chunk], run)
             for (i, *_), (result, error) in zip(chunk, outcomes):
-                out[i] = (encode_payload(result), "") if result is not None else (b"", error or "failed")
+                out[i] = (payload_parts(result), "") if result is not None else ([], error or "failed")
         return out
 
 
-def process_main(tasks: Any, results: Any, config_text: str, devices: list[str]) -> None:
-    """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone)."""
+def process_main(
+    tasks: Any, results: Any, config_text: str, devices: list[str], ring: tuple[str, int, Any] | None = None
+) -> None:
+    """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone).
+    ``ring``: its result ring's ``(name, size, semaphore)`` (``sim/result_ring.py``); none: results by pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
     procs.die_with_parent()  # even a SIGKILLed main process leaves no worker behind
     logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
@@ -161,11 +170,41 @@ def process_main(tasks: Any, results: Any, config_text: str, devices: list[str])
     except BaseException:  # the main process shows it when a task needs this worker (it may fail the same way)
         results.send_bytes(frame({"fatal": traceback.format_exc()}))
         sys.exit(1)
-    with setup_frozen():  # this process lives for one run: its setup is not scanned by every full collection
-        _serve(worker, tasks, results)
+    writer = _ring_writer(ring)
+    try:
+        with setup_frozen():  # this process lives for one run: its setup is not scanned by every full collection
+            _serve(worker, tasks, Answers(results, writer))
+    finally:
+        if writer is not None:
+            writer.close()
 
 
-def _serve(worker: DeviceWorker, tasks: Any, results: Any) -> None:
+def _ring_writer(ring: tuple[str, int, Any] | None) -> RingWriter | None:
+    """The worker's side of its result ring; ``None`` (results by pipe, logged) where it cannot be opened."""
+    if ring is None:
+        return None
+    try:
+        return RingWriter(*ring)
+    except (OSError, ValueError) as exc:
+        log.warning("sim worker: results through the pipe, the result ring cannot be opened: %s", exc)
+        return None
+
+
+class Answers:
+    """Sends a worker's results: each through its ring where it fits (its place through the pipe), else the pipe."""
+
+    def __init__(self, conn: Any, ring: RingWriter | None) -> None:
+        self.conn, self.ring = conn, ring
+
+    def send(self, task_id: Any, parts: Parts, error: str) -> None:
+        where = self.ring.put(parts) if self.ring is not None and parts else None
+        if where is not None:
+            self.conn.send_bytes(frame({"id": task_id, "error": error, "ring": list(where)}))
+        else:
+            self.conn.send_bytes(frame({"id": task_id, "error": error}, parts))
+
+
+def _serve(worker: DeviceWorker, tasks: Any, answers: Answers) -> None:
     """Answer tasks until told to stop (or the main process is gone)."""
     while True:
         try:
@@ -175,8 +214,8 @@ def _serve(worker: DeviceWorker, tasks: Any, results: Any) -> None:
         if header.get("stop"):
             return
         if "batch" in header:  # engine = cohort: a round's tasks for this worker, answered one by one
-            for item, (result, error) in zip(header["batch"], worker.train_many(batch_items(header, body))):
-                results.send_bytes(frame({"id": item["id"], "error": error}, result))
+            for item, (parts, error) in zip(header["batch"], worker.train_many(batch_items(header, body))):
+                answers.send(item["id"], parts, error)
             continue
-        result, error = worker.train(header["ctx"], body)
-        results.send_bytes(frame({"id": header["id"], "error": error}, result))
+        parts, error = worker.train_parts(header["ctx"], body)
+        answers.send(header["id"], parts, error)

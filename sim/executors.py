@@ -38,6 +38,7 @@ from protocols.wire.payload import Payload, decode_payload, encode_payload
 
 from .device_worker import DeviceWorker, process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
+from .result_ring import RingReader, ring_bytes
 from .worker_frames import batch_frame, frame, unframe
 
 if TYPE_CHECKING:
@@ -167,13 +168,17 @@ class ProcessExecutor(_Remote):
         self._outboxes: list[queue.Queue[bytes | None]] = []
         self._threads: list[threading.Thread] = []
         self._closing = False
+        self.rings: list[RingReader | None] = []  # each worker's results (sim/result_ring.py); None: its pipe
+        ring_size = ring_bytes(len(groups))
         try:
             for i, group in enumerate(groups):
                 task_r, task_w = ctx.Pipe(duplex=False)
                 result_r, result_w = ctx.Pipe(duplex=False)
+                ring = self._ring(ring_size, ctx)
+                self.rings.append(ring)
                 proc = ctx.Process(
                     target=process_main,
-                    args=(task_r, result_w, config_text, group),
+                    args=(task_r, result_w, config_text, group, ring and (ring.name, ring.size, ring.freed)),
                     name=f"fedtier-sim-worker-{i}",
                     daemon=True,
                 )
@@ -192,6 +197,17 @@ class ProcessExecutor(_Remote):
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _ring(size: int, ctx: Any) -> RingReader | None:
+        """A worker's result ring of ``size`` bytes; ``None`` (its results by pipe) for 0 or where it cannot be made."""
+        if size == 0:
+            return None
+        try:
+            return RingReader(size, ctx.Semaphore(0))
+        except OSError as exc:
+            log.warning("sim worker results through pipes: no shared memory for them (%s)", exc)
+            return None
 
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
         self._outboxes[worker].put(frame({"id": task_id, "ctx": ctx}, task.view()))
@@ -214,10 +230,18 @@ class ProcessExecutor(_Remote):
         fatal = ""
         try:
             while True:
-                header, body = unframe(conn.recv_bytes())
+                header, view = unframe(conn.recv_bytes())
+                body: bytes | memoryview = view
                 if "fatal" in header:
                     fatal = header["fatal"]
                     continue
+                if "ring" in header:  # the result's bytes are in the worker's ring: copy them out
+                    try:
+                        at, n = header["ring"]
+                        body = self._ring_of(worker).take(at, n)
+                    except (TypeError, ValueError) as exc:
+                        self._reply(header["id"], b"", f"bad result from the worker: {exc}")
+                        continue
                 self._reply(header["id"], body, header["error"])
         except (EOFError, OSError):
             pass
@@ -232,8 +256,15 @@ class ProcessExecutor(_Remote):
         log.error("%s%s", why, f":\n{fatal}" if fatal else "")
         self._died(worker, why + (f":\n{fatal.rstrip()}" if fatal else " (see its log above)"))
 
+    def _ring_of(self, worker: int) -> RingReader:
+        ring = self.rings[worker] if worker < len(self.rings) else None
+        if ring is None:
+            raise ValueError("a ring record from a worker without a ring")
+        return ring
+
     def close(self) -> None:
-        """Stop the workers (terminate those that do not exit within a few seconds); idempotent."""
+        """Stop the workers (terminate those that do not exit within a few seconds), unlink their rings;
+        idempotent."""
         self._closing = True
         if self._batches is not None and self.loop.on_idle == self.flush:
             self.loop.on_idle = None
@@ -251,6 +282,10 @@ class ProcessExecutor(_Remote):
                 proc.join()
         for thread in self._threads:
             thread.join(5.0)
+        for ring in self.rings:
+            if ring is not None:
+                ring.close()
+        self.rings = []  # (their semaphores are unlinked as they go)
 
 
 class RayExecutor(_Remote):

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from protocols.wire.messenger import Received
+from protocols.wire.payload import Parts
 
 
-def frame(header: dict[str, Any], body: bytes | memoryview = b"") -> bytes:
-    """A JSON header (its length first, 4 bytes little-endian), then ``body`` as it is."""
+def frame(header: dict[str, Any], body: bytes | memoryview | Parts = b"") -> bytes:
+    """A JSON header (its length first, 4 bytes little-endian), then ``body`` as it is (or its buffers joined)."""
     h = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join((struct.pack("<I", len(h)), h, body))
+    return b"".join((struct.pack("<I", len(h)), h, *(body if isinstance(body, list) else (body,))))
 
 
 def unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:

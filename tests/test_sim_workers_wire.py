@@ -1,15 +1,28 @@
 """The bytes between ``fedtier sim``'s main process and its cohort workers (``sim/executors.py``): a task goes to
-its worker as the bytes it arrived in, and the run stays the one without workers, bit for bit."""
+its worker as the bytes it arrived in, a result comes back through the worker's shared-memory ring
+(``sim/result_ring.py``), and the run stays the one without workers, bit for bit; no segment outlives the run,
+a worker's death or the main process's."""
 
 from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
 
 from protocols.wire.messenger import Received
-from protocols.wire.payload import Payload, encode_payload
+from protocols.wire.payload import Payload, encode_payload, payload_parts
+from sim import result_ring
+from sim.executors import WorkerError
 from sim.launcher import RunResult, SimHierarchy, run_simulation
+from sim.result_ring import RingReader, RingWriter
 from sim.worker_frames import batch_frame, batch_items, unframe
+from tests.conftest import wait_until
 
 WALL = ("time", "duration_s")
 
@@ -29,16 +42,100 @@ def _same(a: RunResult, b: RunResult) -> None:
     assert a.device_traffic == b.device_traffic
 
 
-def test_a_worker_gets_each_task_as_it_arrived_and_the_run_is_the_one_without_workers(make_config, monkeypatch):
+def _segment(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name.lstrip('/')}")
+
+
+def test_tasks_go_as_they_arrived_results_come_through_the_rings_and_the_run_is_the_one_without_workers(
+    make_config, monkeypatch
+):
     def refuse(payload: Payload) -> bytes:
         raise AssertionError("a received task was encoded again for its worker")
 
     inline = run_simulation(make_config(runtime={"engine": "cohort"}, **SECTIONS), write_output=False)
     monkeypatch.setattr("sim.executors.encode_payload", refuse)  # the main process's; the workers are spawned
+    taken: list[int] = []
+    take = RingReader.take
+    monkeypatch.setattr(RingReader, "take", lambda self, at, n: taken.append(n) or take(self, at, n))
     sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **SECTIONS), write_output=False)
+    names = [ring.name for ring in sim.executor.rings]
+    assert len(names) == 2 and all(_segment(name) for name in names)
     parallel = sim.run()
     _same(inline, parallel)
     assert sim.executor.largest_batch == 3  # 6 devices over 2 workers, a batch per edge round
+    assert len(taken) == 6 * 2 * 2  # every result of 6 devices, 2 rounds of 2 edge rounds, through a ring
+    assert not any(_segment(name) for name in names)  # unlinked when the run ended
+
+
+def test_a_worker_killed_mid_round_ends_the_run_and_leaves_no_segment(make_config):
+    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **SECTIONS), write_output=False)
+    names = [ring.name for ring in sim.executor.rings]
+    victim = "c1-d0"
+    proc = sim.executor.procs[sim.executor.owner[victim]]
+
+    def kill(rnd: int, edge: int) -> None:
+        if (rnd, edge) == (1, 0):
+            os.kill(proc.pid, signal.SIGKILL)
+            multiprocessing.connection.wait([proc.sentinel], 10)
+
+    sim.agents[victim].on_task = kill
+    with pytest.raises(WorkerError, match=r"\(round 1\.0\).*died with exit code -9"):
+        sim.run()
+    assert all(not p.is_alive() for p in sim.executor.procs)
+    assert not any(_segment(name) for name in names)
+
+
+def test_a_killed_main_process_leaves_no_segment():
+    code = (
+        "import threading, time\n"
+        "from sim.result_ring import RingReader\n"
+        "ring = RingReader(1 << 20, threading.Semaphore(0))\n"
+        "print(ring.name, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        name = proc.stdout.readline().strip()
+        assert name and _segment(name)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_until(lambda: not _segment(name), timeout=10)  # the resource tracker unlinks it
+
+
+def _parts(n: int, fill: int) -> list:
+    return payload_parts(Payload({"n": n}, {"w": np.full(n, fill, np.uint8)}))
+
+
+def test_a_ring_carries_records_in_order_wraps_and_bounds_what_it_takes(monkeypatch):
+    freed = threading.Semaphore(0)
+    reader = RingReader(1 << 20, freed)
+    writer = RingWriter(reader.name, reader.size, freed)
+    try:
+        sizes = [300_000, 500_000, 400_000, 200_000, 700_000, 1_000, 600_000]  # wraps several times
+        for i, n in enumerate(sizes):
+            at, length = writer.put(_parts(n, i))
+            assert bytes(reader.take(at, length)) == b"".join(_parts(n, i))  # type: ignore[arg-type]
+        assert writer.put(_parts(2 << 20, 0)) is None  # larger than the ring: the pipe's
+        monkeypatch.setattr(result_ring, "WAIT_S", 0.05)
+        assert writer.put(_parts(600_000, 1)) is not None
+        assert writer.put(_parts(600_000, 2)) is None  # no room given back in time: the pipe's
+        for at, n in [(-1, 10), (0, (1 << 20) + 1), ((1 << 20) - 5, 10), ("0", 10), (0, 1.5)]:
+            with pytest.raises(ValueError, match="not within"):
+                reader.take(at, n)
+        assert writer.put(_parts(600_000, 3)) is not None  # each refused record still gave its room back
+    finally:
+        writer.close()
+        reader.close()
+    assert not _segment(reader.name)
+
+
+def test_no_ring_where_shared_memory_is_short(tmp_path):
+    assert result_ring.ring_bytes(2) == result_ring.RING_BYTES  # this machine's /dev/shm has room
+    assert result_ring.ring_bytes(2, str(tmp_path / "missing")) == result_ring.RING_BYTES
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    assert result_ring.ring_bytes(free // result_ring.MIN_RING_BYTES) == 0  # too many workers for its room
 
 
 def test_a_batch_sends_the_same_payload_of_different_messages_once():
