@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -41,6 +41,8 @@ integer labels) and optionally ``input_shape`` and ``num_classes`` (default: the
 
 MODELS: dict[str, ModelFactory] = {}
 DATASETS: dict[str, DatasetLoader] = {}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
@@ -64,12 +66,7 @@ def register_model(name: str, factory: ModelFactory) -> ModelFactory:
     Registering the same factory twice is a no-op; another factory under a taken name is an error.
     """
     _check_name("model", name, BUILTIN_MODELS)
-    if not callable(factory):
-        raise PluginError(f"model {name!r}: the factory must be callable, got {type(factory).__name__}")
-    if MODELS.get(name, factory) is not factory:
-        raise PluginError(f"model {name!r} is already registered by {MODELS[name]!r}")
-    MODELS[name] = factory
-    return factory
+    return _register("model", "factory", name, factory, MODELS)
 
 
 def register_dataset(name: str, loader: DatasetLoader) -> DatasetLoader:
@@ -77,12 +74,18 @@ def register_dataset(name: str, loader: DatasetLoader) -> DatasetLoader:
     _check_name("dataset", name, BUILTIN_DATASETS)
     if name.startswith("npz"):
         raise PluginError(f"dataset name {name!r}: 'npz' names are reserved for npz:PATH")
-    if not callable(loader):
-        raise PluginError(f"dataset {name!r}: the loader must be callable, got {type(loader).__name__}")
-    if DATASETS.get(name, loader) is not loader:
-        raise PluginError(f"dataset {name!r} is already registered by {DATASETS[name]!r}")
-    DATASETS[name] = loader
-    return loader
+    return _register("dataset", "loader", name, loader, DATASETS)
+
+
+def _register(kind: str, role: str, name: str, fn: _F, registry: dict[str, _F]) -> _F:
+    """Put ``fn`` (a callable: the ``kind``'s ``role``) in ``registry`` under ``name`` (checked by the caller):
+    the same one again is a no-op, another under a taken name an error."""
+    if not callable(fn):
+        raise PluginError(f"{kind} {name!r}: the {role} must be callable, got {type(fn).__name__}")
+    if registry.get(name, fn) is not fn:
+        raise PluginError(f"{kind} {name!r} is already registered by {registry[name]!r}")
+    registry[name] = fn
+    return fn
 
 
 def model_names() -> tuple[str, ...]:

@@ -196,6 +196,23 @@ def test_bad_plugins_are_clear_errors(monkeypatch: pytest.MonkeyPatch, tmp_path:
         ModelSpec(name="notamodel").num_params()
 
 
+def test_a_model_or_dataset_registers_once_under_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both registries: the same callable again is a no-op, a non-callable or another callable under a taken
+    name is refused, naming the plugin."""
+    monkeypatch.setattr(plugins, "MODELS", {})
+    monkeypatch.setattr(plugins, "DATASETS", {})
+    for register, kind, role, fn in (
+        (plugins.register_model, "model", "factory", Wide),
+        (plugins.register_dataset, "dataset", "loader", np.load),
+    ):
+        assert register("mine", fn) is fn and register("mine", fn) is fn
+        with pytest.raises(plugins.PluginError, match=rf"{kind} 'mine' is already registered"):
+            register("mine", lambda *a, **k: None)
+        with pytest.raises(plugins.PluginError, match=rf"{kind} 'other': the {role} must be callable, got int"):
+            register("other", 3)  # type: ignore[arg-type]
+    assert plugins.MODELS == {"mine": Wide} and plugins.DATASETS == {"mine": np.load}
+
+
 def test_npz_dataset(tmp_path: Path) -> None:
     """``npz:PATH``: any feature shape, geometry from the file, labels checked; parses as a config value."""
     g = np.random.default_rng(0)
