@@ -35,16 +35,18 @@ def port_override(port: int | None) -> tuple[str, ...]:
     return () if port is None else (f"monitoring.metrics_port={port}",)
 
 
-def serve_metrics(cfg: Any, agents: Any = None) -> Any:
+def serve_metrics(cfg: Any, agents: Any = None, follow: bool = False) -> Any:
     """A :class:`monitor.exporter.MetricsExporter` serving ``/metrics`` when the config asks for it, else None
-    (``agents``: an ``edge_agent.runner.AgentProcess`` whose counters it serves too)."""
+    (``agents``: an ``edge_agent.runner.AgentProcess`` whose counters it serves too; ``follow``: one given
+    later, to ``exporter.agents.follow``, as a long-lived agent starts its process with its first job)."""
     if cfg.monitoring.metrics_port is None:
         return None
     from monitor.exporter import AgentCollector, MetricsExporter
 
     exporter = MetricsExporter(cfg.run.name)
-    if agents is not None:
-        exporter.registry.register(AgentCollector(cfg.run.name, agents))
+    if agents is not None or follow:
+        exporter.agents = AgentCollector(cfg.run.name, agents)
+        exporter.registry.register(exporter.agents)
     if cfg.broker.certfile and cfg.broker.username:  # a provisioned node: its certificate's days to expiry
         exporter.watch_certificate(cfg.broker.username, cfg.broker.certfile)
     try:

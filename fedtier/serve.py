@@ -15,6 +15,8 @@ from typing import Any
 
 from protocols.config import ConfigError, RunConfig
 
+from .metrics import linger, serve_metrics
+
 log = logging.getLogger("fedtier.serve")
 BACKOFF_MAX = 30.0
 QUEUE_FILE = "jobs.json"
@@ -130,10 +132,13 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
             lambda: opts.transport("cloud", fed, loop, will=offline_will(fed, "cloud", cfg)), stopping, "cloud"
         )
 
+    exporter = serve_metrics(cfg)  # one /metrics across jobs: each job's server is watched as it is built
+
     def parts(job_cfg: RunConfig) -> JobParts:
         spec, test = spec_of(job_cfg, test_data)
         evaluator = make_evaluator(spec, test.x, test.y, job_cfg.runtime.device) if test is not None else None
-        return JobParts(job_cfg.build_algorithm(spec), evaluator)
+        watch = exporter.watch_cloud if exporter is not None else None
+        return JobParts(job_cfg.build_algorithm(spec), evaluator, on_build=watch)
 
     def on_end(job: Any, job_cfg: RunConfig, node: Any, out: Path) -> None:
         wall = time.time() - (job.started or time.time())
@@ -154,7 +159,10 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
     )
     on_signals(stopping.set, service.stop)
     log.info("cloud of federation %s serving jobs (queue %s)", fed, queue.path)
-    service.serve()
+    try:
+        service.serve()
+    finally:
+        linger(exporter, 0)
 
 
 def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]) -> list[str]:
@@ -178,12 +186,14 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
             lambda: opts.transport(node_name, fed, loop, will=offline_will(fed, node_name, cfg)), stopping, node_name
         )
 
+    exporter = serve_metrics(cfg)
+
     def build(job_cfg: RunConfig, transport: Any) -> Any:
         spec, _ = spec_of(job_cfg, None)
         out = job_cfg.output_dir()
         out.mkdir(parents=True, exist_ok=True)
         journal = out / runfiles.CELL_JOURNAL.format(cell=cell)
-        return build_cell(
+        node = build_cell(
             job_cfg,
             cell,
             transport,
@@ -194,10 +204,16 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
             journal=True,
             resume=journal.exists() and job_cfg.secagg_settings() is None,
         )
+        if exporter is not None:
+            exporter.watch_cell(node)
+        return node
 
     service = CellService(cfg, cell, loop, connect, build, trust)
     on_signals(stopping.set, service.stop)
-    service.serve()
+    try:
+        service.serve()
+    finally:
+        linger(exporter, 0)
     return service.served
 
 
@@ -240,6 +256,12 @@ def serve_agent(
         )
 
     service = AgentService(cfg, [device], loop, watch, build, trust)
+    exporter = serve_metrics(cfg, None, follow=True)
+    if exporter is not None:  # its counters are the long-lived agent process's, from the first job on
+        service.on_start = exporter.agents.follow
     on_signals(stopping.set, service.stop)
-    service.serve()
+    try:
+        service.serve()
+    finally:
+        linger(exporter, 0)
     return service.served, service.tasks

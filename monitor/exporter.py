@@ -61,6 +61,8 @@ class MetricsExporter:
         self.cell_health = CellHealth(self.registry)
         self.cloud_rounds = CloudRounds(self.registry)
         self.cloud_cells = CloudCells(self.registry)
+        self.fleets: dict[str, DeviceFleetCollector] = {}  # per cell: the latest job's server (a long-lived cell)
+        self.agents: AgentCollector | None = None  # an agent process's counters (``fedtier.metrics``)
 
     # ------------------------------------------------------------------ feeding
     def observe(self, record: dict[str, Any] | CellRecord | RoundRecord) -> None:
@@ -97,7 +99,11 @@ class MetricsExporter:
         health.online.labels(self.run, server.cell).set_function(lambda: sum(server.online.values()))
         health.devices.labels(self.run, server.cell).set(len(server.devices))
         health.deadline.labels(self.run, server.cell).set(server.device_deadline)
-        self.registry.register(DeviceFleetCollector(self.run, server))
+        old = self.fleets.pop(server.cell, None)  # a long-lived cell's next job: its server replaces the last
+        if old is not None:
+            self.registry.unregister(old)
+        self.fleets[server.cell] = DeviceFleetCollector(self.run, server)
+        self.registry.register(self.fleets[server.cell])
 
     def job_failed(self, reason: str) -> None:
         """The cloud ended the job as failed with ``reason``."""
@@ -108,6 +114,7 @@ class MetricsExporter:
         """Observe a :class:`cloud.server.CloudServer`: its round records, its deadline, a failed job."""
         server.observers.append(self.observe)
         server.failure_observers.append(self.job_failed)
+        self.cloud_rounds.job_failed.clear()  # a long-lived cloud's next job has not failed (yet)
         self.cloud_cells.deadline.labels(self.run).set(server.cell_deadline)
         self.cloud_rounds.planned.labels(self.run).set(server.rounds)
         self.cloud_rounds.finished.labels(self.run).set(0)
@@ -214,13 +221,20 @@ class DeviceFleetCollector(Collector):
 
 
 class AgentCollector(Collector):
-    """The counters of one agent process (``edge_agent.runner.AgentProcess``), read on each scrape."""
+    """The counters of one agent process (``edge_agent.runner.AgentProcess``), read on each scrape; ``None``
+    until :meth:`follow` gives it one (a long-lived agent starts its process with its first job)."""
 
     def __init__(self, run: str, agents: Any) -> None:
         self.run, self.agents = run, agents
 
+    def follow(self, agents: Any) -> None:
+        """Read ``agents`` from now on."""
+        self.agents = agents
+
     def collect(self) -> Iterable[Any]:
         agents = self.agents
+        if agents is None:
+            return []
         devices = GaugeMetricFamily("fedtier_agent_devices", "Devices this agent process runs", labels=["run"])
         devices.add_metric([self.run], len(agents.agents))
         tasks = CounterMetricFamily("fedtier_agent_tasks", "Tasks the devices of this process answered", labels=["run"])

@@ -69,6 +69,21 @@ def _jobs(cloud_out: Path) -> dict[str, str]:
         return {}
 
 
+def _scrape(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as res:
+        return str(res.read().decode())
+
+
+def _value(text: str, series: str) -> float:
+    """The value of ``series`` (name and labels as exposed) in a scrape; NaN if absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return float("nan")
+
+
 def _login(bundle: Path) -> str:
     """Connect with ``bundle``'s credentials and certificate; "ok" or the broker's refusal."""
     code = (
@@ -116,15 +131,23 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
     save_device_data(nodes / "cloud" / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
     cloud_out, cell_out = nodes / "cloud" / "runs" / "fleet", nodes / "c0" / "runs" / "fleet"
 
-    def agent(device: str) -> subprocess.Popen:
-        cmd = [FEDTIER, "agent", "config.toml", "--serve", "--device", device, "--data", "data.npz"]
+    def agent(device: str, *extra: str) -> subprocess.Popen:
+        cmd = [FEDTIER, "agent", "config.toml", "--serve", "--device", device, "--data", "data.npz", *extra]
         return _start(cmd, nodes / device)
 
+    metrics = {node: free_port() for node in ("cloud", "cell", "c0-d0")}  # long-lived nodes serve /metrics too
     with mosquitto(done.broker / "mosquitto.conf", port):
         procs = {
-            "cloud": _start([FEDTIER, "cloud", "config.toml", "--serve", "--test-data", "test.npz"], nodes / "cloud"),
-            "cell": _start([FEDTIER, "cell", "config.toml", "--serve", "--cell", "c0"], nodes / "c0"),
-            "c0-d0": agent("c0-d0"),
+            "cloud": _start(
+                [FEDTIER, "cloud", "config.toml", "--serve", "--test-data", "test.npz", "--metrics-port"]
+                + [str(metrics["cloud"])],
+                nodes / "cloud",
+            ),
+            "cell": _start(
+                [FEDTIER, "cell", "config.toml", "--serve", "--cell", "c0", "--metrics-port", str(metrics["cell"])],
+                nodes / "c0",
+            ),
+            "c0-d0": agent("c0-d0", "--metrics-port", str(metrics["c0-d0"])),
             "c0-d1": agent("c0-d1"),
         }
         try:
@@ -136,6 +159,11 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             res = _run([FEDTIER, "submit", str(tmp / "A.toml"), "--config", "config.toml"], operator)
             assert res.returncode == 0 and "queued" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("A") == "finished", 240), _jobs(cloud_out)
+            scraped = {node: _scrape(p) for node, p in metrics.items()}
+            assert _value(scraped["cloud"], 'fedtier_cloud_rounds_total{closed_by="all_reported",run="fleet"}') == 2
+            assert _value(scraped["cloud"], 'fedtier_certificate_expiry_days{node="cloud",run="fleet"}') > 300
+            assert _value(scraped["cell"], 'fedtier_cell_devices_answered_total{cell="c0",run="fleet"}') == 4
+            assert _value(scraped["c0-d0"], 'fedtier_agent_tasks_total{run="fleet"}') == 2
 
             # enroll c0-d2 and revoke c0-d1 while everything runs (the broker reloaded, the roster published)
             res = _run([FEDTIER, "provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d2"])
@@ -157,6 +185,14 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             res = _run([FEDTIER, "submit", str(tmp / "B.toml"), "--config", "config.toml"], operator)
             assert res.returncode == 0 and "queued" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("B") == "finished", 240), _jobs(cloud_out)
+            cell_metrics = _scrape(metrics["cell"])  # job B's devices, each once: job A's server is gone
+            online = [
+                line.split("}")[0] for line in cell_metrics.splitlines() if line.startswith("fedtier_device_online")
+            ]
+            assert sorted(online) == [
+                f'fedtier_device_online{{cell="c0",device="{d}",run="fleet"' for d in ("c0-d0", "c0-d2")
+            ], online
+            assert _value(cell_metrics, 'fedtier_cell_devices_answered_total{cell="c0",run="fleet"}') == 8
         finally:
             outputs = {}
             for p in procs.values():

@@ -89,3 +89,38 @@ def test_a_node_started_with_the_wrong_certificate_fails_at_once_saying_why(
     monkeypatch.chdir(fed / "nodes" / "cloud")
     code, out, exc = _cli("cloud", "config.toml", "--serve", "--ca-certs", str(other / "nodes" / "cloud" / "ca.crt"))
     assert exc is None and code == 2 and "client.crt is not signed by a CA in" in out, (exc, code, out)
+
+
+def test_a_long_lived_nodes_metrics_follow_each_job_without_stale_series() -> None:
+    """One exporter across jobs (``--serve --metrics-port``): a cell's next job's server replaces the last one's
+    device series (no duplicates, no device of the last job only), a failed job's flag is cleared when the
+    next job starts, and an agent's counters appear once its process starts."""
+    from types import SimpleNamespace
+
+    from monitor.exporter import AgentCollector, MetricsExporter
+
+    def cell(devices: list[str]) -> SimpleNamespace:
+        online = dict.fromkeys(devices, True)
+        return SimpleNamespace(observers=[], cell="c0", online=online, devices=devices, device_deadline=5.0, caps={})
+
+    def cloud() -> SimpleNamespace:
+        return SimpleNamespace(observers=[], failure_observers=[], cell_deadline=10.0, rounds=2)
+
+    def samples(exporter: MetricsExporter, name: str) -> list[tuple[dict[str, str], float]]:
+        return [(s.labels, s.value) for f in exporter.registry.collect() for s in f.samples if s.name == name]
+
+    exporter = MetricsExporter("fed")
+    exporter.watch_cell(cell(["c0-d0", "c0-d1"]))
+    exporter.watch_cell(cell(["c0-d0", "c0-d2"]))  # the next job, after c0-d1 was revoked and c0-d2 enrolled
+    devices = sorted(labels["device"] for labels, _ in samples(exporter, "fedtier_device_online"))
+    assert devices == ["c0-d0", "c0-d2"]
+    exporter.watch_cloud(cloud())
+    exporter.job_failed("no cell answered in rounds 0-2")
+    assert [v for _, v in samples(exporter, "fedtier_cloud_job_failed")] == [1.0]
+    exporter.watch_cloud(cloud())  # the next job
+    assert [v for _, v in samples(exporter, "fedtier_cloud_job_failed")] == []
+    agents = AgentCollector("fed", None)  # a long-lived agent before its first job
+    exporter.registry.register(agents)
+    assert samples(exporter, "fedtier_agent_tasks_total") == []
+    agents.follow(SimpleNamespace(agents={"c0-d0": SimpleNamespace(tasks_done=3)}, train_seconds=1.5, connections={}))
+    assert [v for _, v in samples(exporter, "fedtier_agent_tasks_total")] == [3.0]
