@@ -7,16 +7,20 @@ simulated population of 10^6 devices then holds no string, list slot or dict ent
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Iterable, Iterator, MutableMapping, Sequence, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, MutableMapping, ValuesView
 from typing import overload
 
 import numpy as np
 
+from protocols.config.topology import PositionedIds
+
 __all__ = ["DeviceList", "OnlineFlags"]
 
 
-class DeviceList(Sequence[str]):
+class DeviceList(PositionedIds):
     """Device ids, sorted and unique, as one byte array (UTF-8 bytes sort as the strings do)."""
+
+    not_found = "is not a device of this cell"
 
     def __init__(self, devices: Iterable[str]) -> None:
         ids = list(devices)
@@ -59,15 +63,6 @@ class DeviceList(Sequence[str]):
         wanted = np.array(keys, dtype=np.bytes_)
         at = np.minimum(self._ids.searchsorted(wanted), len(self._ids) - 1)
         return sorted(k.decode() for k in wanted[self._ids[at] == wanted].tolist())
-
-    def __contains__(self, device: object) -> bool:
-        return self.position(device) is not None
-
-    def index(self, device: object, start: int = 0, stop: int | None = None) -> int:
-        at = self.position(device)
-        if at is None or at < start or (stop is not None and at >= stop):
-            raise ValueError(f"{device!r} is not a device of this cell")
-        return at
 
 
 class OnlineFlags(MutableMapping[str, bool]):

@@ -25,6 +25,23 @@ def test_device_list_is_the_sorted_list_and_finds_its_devices():
         DeviceList(["a", "b\0"])
 
 
+def test_both_compact_id_sequences_index_as_a_list_does():
+    """A cell's DeviceList and a topology's DeviceIds (one ``index`` on their ``position``): ``index`` with a
+    window answers as ``list.index`` does, and an id outside the window or the sequence is a ValueError."""
+    from protocols.config import DeviceIds
+
+    for seq, lacks in (
+        (DeviceList(["c0-d2", "c0-d0", "c0-d1"]), "is not a device of this cell"),
+        (DeviceIds(range(1), 3), "is not in the device ids"),
+    ):
+        plain = list(seq)
+        assert plain == ["c0-d0", "c0-d1", "c0-d2"] and "c0-d1" in seq and "c0-d3" not in seq
+        assert [seq.index(d) for d in plain] == [0, 1, 2] and seq.index("c0-d2", 1, 3) == plain.index("c0-d2", 1, 3)
+        for bad, window in (("c0-d3", ()), ("c0-d0", (1,)), ("c0-d2", (0, 2))):
+            with pytest.raises(ValueError, match=lacks):
+                seq.index(bad, *window)
+
+
 def test_online_flags_behave_as_the_dict_they_replace():
     ids = [f"c0-d{j}" for j in range(12)]
     online = OnlineFlags(DeviceList(ids), False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -91,7 +92,28 @@ class MemberIds(list[str]):
         return self._at.get(device) if isinstance(device, str) else None
 
 
-class DeviceIds(Sequence[str]):
+class PositionedIds(Sequence[str]):
+    """Distinct ids that a sequence finds without a scan (:meth:`position`); membership and :meth:`index` follow
+    from it."""
+
+    not_found = "is not in the device ids"
+    """What :meth:`index` says of an id it lacks."""
+
+    @abstractmethod
+    def position(self, device: object) -> int | None:
+        """Where ``device`` is in this sequence, or ``None``."""
+
+    def __contains__(self, device: object) -> bool:
+        return self.position(device) is not None
+
+    def index(self, device: object, start: int = 0, stop: int | None = None) -> int:
+        at = self.position(device)
+        if at is None or at < start or (stop is not None and at >= stop):
+            raise ValueError(f"{device!r} {self.not_found}")
+        return at
+
+
+class DeviceIds(PositionedIds):
     """Device ids ``c{i}-d{j}`` of consecutive cells, in topology order, made when read: a sequence of a
     million ids that costs no memory (``position`` is the inverse of indexing)."""
 
@@ -130,15 +152,6 @@ class DeviceIds(Sequence[str]):
         ):
             return None
         return (int(i) - self.cells.start) * self.per_cell + int(j)
-
-    def __contains__(self, device: object) -> bool:
-        return self.position(device) is not None
-
-    def index(self, device: object, start: int = 0, stop: int | None = None) -> int:
-        at = self.position(device)
-        if at is None or at < start or (stop is not None and at >= stop):
-            raise ValueError(f"{device!r} is not in the device ids")
-        return at
 
 
 def _index(text: str, n: int) -> bool:
