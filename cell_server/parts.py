@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocols.failures import count_reasons
+from protocols.numbers import finite_number
 from protocols.wire.payload import Payload
 
 
@@ -85,14 +86,9 @@ class EdgeRound:
     def note_loss(self, device: str, result: Payload) -> None:
         """Keep the training loss ``result`` reports, if it is a finite number (a device's word: an int beyond
         the float range, e.g. ``10**400`` from JSON, is none)."""
-        loss = result.meta.get("loss")
-        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            try:
-                value = float(loss)
-            except OverflowError:
-                return
-            if math.isfinite(value):
-                self.losses[device] = value
+        value = finite_number(result.meta.get("loss"))
+        if value is not None:
+            self.losses[device] = value
 
     def loss_stats(self) -> tuple[float | None, float | None]:
         """Mean and standard deviation of the reported losses (``None`` without any, or where the losses, each a

@@ -143,6 +143,38 @@ def test_a_cells_upload_count_beyond_the_float_range_fails_nothing(signed: dict,
     assert result.history[-1]["metrics"]["upload_units_total"] == honest_units  # c1's alone: the same per device
 
 
+def test_numbers_beyond_the_float_range_in_what_the_roles_check_are_refused_not_raised(tmp_path: Path) -> None:
+    """JSON bounds no integer: a FedALIGN device's ``probe_loss`` of 10^400 (``math.isfinite`` raised
+    OverflowError) failed the cell's job; now it is a logged rejection and every round runs."""
+    align = {"name": "fedalign", "priority": ["c0-d1", "c1-d0"], "epsilon": 1.0, "edge_rounds": 1}
+    sim = SimHierarchy(small_config(tmp_path, run={"rounds": 2}, algorithm=align))
+    lying_device(sim, "c0-d0", {"probe_loss": 10**400})
+    result = sim.run()
+    assert len(result.history) == 2
+    assert any("probe_loss must be a finite number" in x["reason"] for x in rejected(result, "c0"))
+
+
+def test_a_fedmrn_cells_entry_weights_beyond_int64_fail_nothing(tmp_path: Path) -> None:
+    """A FedMRN cell that forwards its devices' masks weighs them within its own mean (its own aggregate: its
+    word); an entry weight of 10^30 (beyond int64: numpy's ``isfinite`` raised TypeError) failed the cloud's job.
+    Equal weights, however large, are the same mean: the model is the clean run's (to float rounding)."""
+    cfg = small_config(tmp_path, run={"rounds": 2}, algorithm={"name": "fedmrn", "cell_uplink": "masks"})
+    clean = run_simulation(cfg, write_output=False)
+    sim = SimHierarchy(cfg)
+    role = sim.cells["c0"].role
+    honest = role.report
+
+    def lying_report() -> Payload:
+        r = honest()
+        entries = [[e, 10**30, seed] for e, _, seed in r.meta["entries"]]
+        return Payload({**r.meta, "entries": entries}, r.tensors)
+
+    role.report = lying_report
+    result = sim.run()
+    assert len(result.history) == 2 and not [x for r in result.history for x in r["rejected"]]
+    assert all(np.allclose(result.params[k], clean.params[k], rtol=1e-5, atol=1e-7) for k in clean.params)
+
+
 # ------------------------------------------------------------------------------ a cell's priority statistics (FedALIGN)
 def fedalign_config() -> dict:
     return {

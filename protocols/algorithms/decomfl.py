@@ -48,6 +48,7 @@ from pydantic import Field, model_validator
 from .. import directions as Z
 from .. import params as P
 from ..divergence import diverged_result
+from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
@@ -160,8 +161,8 @@ class DeComFLCloud(CloudRole):
         what = f"report of cell {cell}"
         meta = report.meta
         w = meta.get("weight")
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not np.isfinite(w) or w < 0:
-            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a non-negative number, got {w!r}")
+        if (number := finite_number(w)) is None or number < 0:
+            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a non-negative number, got {str(w)[:40]}")
         _int(meta, "need", what, 0, self.base + len(self.g))  # at most this round
         answered = meta.get("answered")
         if (
@@ -326,8 +327,8 @@ class DeComFLCell(CellRole):
                 raise Rejected(RejectKind.INCONSISTENT, f"{what}: a resync answer carries nothing else")
             return
         w = result.meta.get("weight")
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not np.isfinite(w) or w <= 0:
-            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {w!r}")
+        if (number := finite_number(w)) is None or number <= 0:
+            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {str(w)[:40]}")
         _shape_ok(result.tensors.get("g"), (self.K, self.P), "float32", f"{what} scalars")
 
     def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:

@@ -43,6 +43,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .. import params as P
+from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
@@ -119,9 +120,10 @@ class Schedule:
 
 def _finite(meta: Mapping[str, Any], key: str, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
     v = meta.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise Rejected(RejectKind.BOUND, f"{what}: {key} must be a finite number in [{lo}, {hi}], got {v!r}")
-    return float(v)
+    number = finite_number(v)
+    if number is None or not lo <= number <= hi:
+        raise Rejected(RejectKind.BOUND, f"{what}: {key} must be a finite number in [{lo}, {hi}], got {str(v)[:40]}")
+    return number
 
 
 def opts_in(criterion: str, value: float, F: float | None, eps: float | None) -> bool:
@@ -250,7 +252,7 @@ class FedAlignCell(FedAvgCell):
             )
         eps, F = m.get("epsilon"), m.get("F")
         for key, v in (("epsilon", eps), ("F", F)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            if v is not None and finite_number(v) is None:
                 raise Rejected(RejectKind.MALFORMED, f"cell task: {key} must be a finite number or null, got {v!r}")
         super().begin(round, task)
         self.task = {

@@ -18,7 +18,6 @@ aggregation left out count in neither the bytes nor the devices.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .. import params as P
+from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, num_steps
@@ -44,23 +44,11 @@ def check_delta(
 ) -> float:
     """Validate a delta (dense, or encoded with ``codec``) with a positive finite ``weight``; return the weight."""
     weight = payload.meta.get("weight")
-    # (bool is an int; an int too large for a float, e.g. 10**400 from JSON, is refused, not raised)
-    if (
-        not isinstance(weight, (int, float))
-        or isinstance(weight, bool)
-        or not math.isfinite(_as_float(weight))
-        or weight <= 0
-    ):
+    number = finite_number(weight)  # (an int too large for a float, e.g. 10**400 from JSON, is refused, not raised)
+    if number is None or number <= 0:
         raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {str(weight)[:40]}")
     (codec or DenseCodec()).check(payload, reference, what)
-    return float(weight)
-
-
-def _as_float(x: int | float) -> float:
-    try:
-        return float(x)
-    except OverflowError:
-        return math.inf
+    return number
 
 
 def sent_bytes(result: Payload) -> int:

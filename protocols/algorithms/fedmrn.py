@@ -29,6 +29,7 @@ import numpy as np
 from pydantic import Field
 
 from .. import params as P
+from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
 from ..seeding import derive_seed, rng
 from ..trainer import LocalData, Trainer, batches, num_steps
@@ -186,8 +187,8 @@ class FedMRNCloud(FedAvgCloud):
             return super().check(cell, report)
         what = f"report of cell {cell}"
         weight = report.meta.get("weight")
-        if not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight <= 0:
-            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {weight!r}")
+        if (number := finite_number(weight)) is None or number <= 0:
+            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {str(weight)[:40]}")
         entries = report.meta.get("entries")
         if not isinstance(entries, list) or not entries:
             raise Rejected(RejectKind.MALFORMED, f"{what}: entries must be a non-empty list")
@@ -204,9 +205,8 @@ class FedMRNCloud(FedAvgCloud):
                 and len(entry) == 3
                 and isinstance(entry[0], int)
                 and entry[0] >= 0
-                and isinstance(entry[1], (int, float))
-                and np.isfinite(entry[1])
-                and entry[1] > 0
+                and (weight := finite_number(entry[1])) is not None
+                and weight > 0
             ):
                 raise Rejected(RejectKind.MALFORMED, f"{what}: entry {i} must be [edge round, weight > 0, seed]")
             parse_seed(entry[2], f"{what}: entry {i}")

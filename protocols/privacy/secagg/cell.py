@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from ...numbers import finite_number
 from ...rejections import Rejected, RejectKind
 from ...wire.payload import Payload
 from .. import shamir
@@ -92,9 +93,10 @@ class SecAggCell:
             self.signatures[device] = fixed_bytes(payload, "g", SIG_BYTES, "keys")
         w = payload.meta.get("weight")
         bound = self.weight_bound(device)
-        if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0 or (bound is not None and w > bound):
-            raise Rejected(RejectKind.BOUND, f"secure aggregation: weight {w!r} refused (bound {bound})")
-        self.keys[device] = (c, s, float(w))
+        number = finite_number(w)
+        if number is None or number <= 0 or (bound is not None and number > bound):
+            raise Rejected(RejectKind.BOUND, f"secure aggregation: weight {str(w)[:40]} refused (bound {bound})")
+        self.keys[device] = (c, s, number)
 
     @property
     def keys_complete(self) -> bool:
@@ -165,9 +167,10 @@ class SecAggCell:
         if set(payload.tensors) != {"masked"} or arr is None or arr.dtype != np.uint32 or arr.shape != (size,):
             raise Rejected(RejectKind.SHAPE, "secure aggregation: the masked vector does not match its layout")
         w = payload.meta.get("weight")
-        if not isinstance(w, (int, float)) or not 0 < w <= self.keys[device][2]:
+        if (number := finite_number(w)) is None or not 0 < number <= self.keys[device][2]:
             raise Rejected(
-                RejectKind.BOUND, f"secure aggregation: weight {w!r} above the {self.keys[device][2]:g} advertised"
+                RejectKind.BOUND,
+                f"secure aggregation: weight {str(w)[:40]} above the {self.keys[device][2]:g} advertised",
             )
         for other in self.masked.values():
             if other.meta["layout"] != payload.meta["layout"]:

@@ -3,7 +3,6 @@ it catches its cell lying."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -12,6 +11,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ...numbers import finite_number
 from ...rejections import Rejected, RejectKind
 from ...wire.payload import Payload
 from .. import shamir
@@ -89,8 +89,8 @@ class SecAggDevice:
         total = roster.meta.get("total_weight")
         if self.device not in devices:
             raise Rejected(RejectKind.UNKNOWN_SENDER, "secure aggregation: this device is not in the roster")
-        if not isinstance(total, (int, float)) or not math.isfinite(total) or total < self.weight_bound:
-            raise Rejected(RejectKind.BOUND, f"secure aggregation: total weight {total!r} below this device's")
+        if (number := finite_number(total)) is None or number < self.weight_bound:
+            raise Rejected(RejectKind.BOUND, f"secure aggregation: total weight {str(total)[:40]} below this device's")
         graph = neighbour_graph(devices, self.settings, self.rid)
         near = graph[self.device]
         expected = {f"{p}/{j}" for j in near for p in ("c", "s")}
@@ -114,7 +114,7 @@ class SecAggDevice:
                         f"the keys the cell gave for neighbour {j} are not signed by {j} (substituted, or {j} is "
                         "not a member of this cell)"
                     )
-        self.roster, self.neighbours, self.total_weight = devices, near, float(total)
+        self.roster, self.neighbours, self.total_weight = devices, near, number
         t = self.settings.t(len(devices))
         points = [devices.index(j) + 1 for j in near]  # x of j's share: its position in U1, + 1
         b_shares = shamir.split(self._b, points, t) if near else []
