@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from protocols.numbers import finite_number
 from protocols.records import CellRecord, RoundRecord, parse_record
 
 from .record_metrics import CellHealth, CellOutcomes, CloudCells, CloudRounds, label_value
@@ -212,8 +213,9 @@ class DeviceFleetCollector(Collector):
             fields = (c.get("fedtier"), c.get("wire"), c.get("gpu") or c.get("accelerator"), c.get("backends"))
             info.add_metric([*key, *(label_value(v) for v in fields)], 1.0)
             for family, name in ((cores, "cores"), (memory, "memory_mb")):
-                if isinstance(c.get(name), int) and not isinstance(c.get(name), bool):
-                    family.add_metric(key, float(c[name]))
+                number = finite_number(c.get(name)) if isinstance(c.get(name), int) else None
+                if number is not None:  # (a device's word: 10**400 is none, and must not fail the scrape)
+                    family.add_metric(key, number)
         return [online, info, cores, memory]
 
     def describe(self) -> Iterable[Any]:

@@ -175,6 +175,36 @@ def test_a_fedmrn_cells_entry_weights_beyond_int64_fail_nothing(tmp_path: Path) 
     assert all(np.allclose(result.params[k], clean.params[k], rtol=1e-5, atol=1e-7) for k in clean.params)
 
 
+def test_a_devices_announced_cores_beyond_the_float_range_do_not_blind_its_cells_exporter(tmp_path: Path) -> None:
+    """A device's signed status announces its capabilities; 10^400 cores (valid JSON) made every scrape of its cell's
+    metrics port raise (the exporter's float of it), hiding the whole cell. Now that number is left out."""
+    from prometheus_client import generate_latest
+
+    from cell_server.node import build_cell
+    from monitor.exporter import MetricsExporter
+    from protocols.status import encode_status
+    from protocols.transport.memory import MemoryHub
+    from sim.hierarchy import prepare
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}, runtime={"heartbeat": 1.0})
+    hub = MemoryHub()
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), cfg.build_algorithm(prepare(cfg).spec), heartbeats=True)
+    exporter = MetricsExporter(cfg.run.name)
+    exporter.watch_cell(cell)
+    cell.start()
+    peer = hub.connect("peer")
+    for device, cores in (("c0-d0", 10**400), ("c0-d1", 4)):
+        topic = topics.device_status(cfg.run.name, "c0", device)
+        caps = {"wire": 1, "cores": cores, "memory_mb": 10**30 if cores != 4 else 2048}
+        peer.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10, caps=caps), retain=True)
+    hub.loop.run(until=lambda: {"c0-d0", "c0-d1"} <= set(cell.caps))
+    text = generate_latest(exporter.registry).decode()
+    assert 'fedtier_device_online{cell="c0",device="c0-d0",run="t"} 1.0' in text
+    assert 'fedtier_device_cores{cell="c0",device="c0-d1",run="t"} 4.0' in text
+    assert 'fedtier_device_cores{cell="c0",device="c0-d0"' not in text
+    assert 'fedtier_device_memory_mb{cell="c0",device="c0-d0",run="t"} 1e+30' in text
+
+
 # ------------------------------------------------------------------------------ a cell's priority statistics (FedALIGN)
 def fedalign_config() -> dict:
     return {
