@@ -405,13 +405,14 @@ def _serve_agent(
     cfg: RunConfig, device: str, source: DataSource, backend: str, broker_url: str | None, auth: Auth
 ) -> None:
     """``fedtier agent --serve``: train for one submitted job after another with ``source``'s data."""
+    from edge_agent.datasources import load_device_data
     from edge_agent.runner import make_trainer
     from protocols.config import ConfigError
 
     from .serve import serve_agent
 
     try:
-        _, data = spec_and_data(cfg, source)
+        data = load_device_data(source)[0]  # its format now; each job checks it against the job's model
         served, tasks = serve_agent(
             cfg,
             device,

@@ -117,6 +117,11 @@ def spec_and_data(cfg: RunConfig, source: str | Path | DataSource | None = None)
 
         data, own_shape, own_classes = load_device_data(source, input_shape=shape)
         shape, classes = own_shape or shape, own_classes or classes
+        if len(data.y) and int(data.y.max()) >= classes:  # the model's last layer has no output for it
+            from edge_agent.datasources import DataSourceError
+
+            where = getattr(source, "path", source)
+            raise DataSourceError(f"{where}: label {int(data.y.max())}, but the model has {classes} classes")
     return cfg.model_spec(shape, classes), data
 
 

@@ -124,3 +124,40 @@ def test_a_long_lived_nodes_metrics_follow_each_job_without_stale_series() -> No
     assert samples(exporter, "fedtier_agent_tasks_total") == []
     agents.follow(SimpleNamespace(agents={"c0-d0": SimpleNamespace(tasks_done=3)}, train_seconds=1.5, connections={}))
     assert [v for _, v in samples(exporter, "fedtier_agent_tasks_total")] == [3.0]
+
+
+def test_a_devices_own_data_file_is_checked_against_each_jobs_model_not_the_bundles(
+    reachable_tmp: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device's own ``.npz`` of ``x`` and ``y`` (no recorded geometry, as `fedtier agent --help` describes it):
+    a long-lived agent starts with it (the bundle has no model: a job brings one), a malformed file still fails
+    at once, and a job's model is refused for labels it has no output for (the task would raise every round)."""
+    import numpy as np
+
+    import fedtier.serve
+    from fedtier.deploy_setup import spec_and_data
+    from protocols.config import ConfigError
+
+    where = reachable_tmp / "walk-data"
+    where.mkdir()
+    bundle = _provision(where, free_port()) / "nodes" / "c0-d0"
+    rng = np.random.default_rng(0)
+    x, y = rng.random((40, 64), dtype=np.float32), rng.integers(0, 10, 40)
+    np.savez(bundle / "own.npz", x=x, y=y)  # digits-sized: 8x8 features, 10 classes
+    (bundle / "broken.npz").write_bytes(b"not a zip")
+    monkeypatch.chdir(bundle)
+    served: list[int] = []
+    monkeypatch.setattr(
+        fedtier.serve, "serve_agent", lambda cfg, device, data, *a: (served.append(len(data)), ([], 0))[1]
+    )
+    code, out, exc = _cli("agent", "config.toml", "--serve", "--device", "c0-d0", "--data", "own.npz")
+    assert exc is None and code == 0 and served == [40], (exc, code, out)
+    code, out, exc = _cli("agent", "config.toml", "--serve", "--device", "c0-d0", "--data", "broken.npz")
+    assert exc is None and code == 2 and "broken.npz: not a readable .npz" in out, (exc, code, out)
+
+    job = small_config(where)  # a digits job: 10 classes
+    assert spec_and_data(job, "own.npz")[0].num_classes == 10
+    np.savez(bundle / "labels.npz", x=x, y=np.where(y == 3, 37, y))
+    with pytest.raises(ConfigError, match="labels.npz: label 37, but the model has 10 classes"):
+        spec_and_data(job, "labels.npz")
