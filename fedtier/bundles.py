@@ -61,7 +61,8 @@ def systemd_unit(cfg: RunConfig, node: str, fedtier_bin: str = FEDTIER_BIN) -> s
     """The systemd unit of a long-lived node (``None`` for the operator and the monitor: commands, not
     services). It runs ``fedtier cloud|cell|agent --serve`` from the bundle installed in
     ``INSTALL_DIR/{node}`` as the unprivileged ``SERVICE_USER``, writes only ``STATE_DIR/{node}``,
-    restarts on failure and stops with SIGTERM (the node leaves cleanly; a running job resumes);
+    restarts on failure but not on exit status 2 (its config, certificate or data is wrong: a restart cannot
+    mend it, the journal says why), and stops with SIGTERM (the node leaves cleanly; a running job resumes);
     ``systemctl reload`` (SIGHUP) makes it take its renewed TLS certificate and key."""
     state = f"{STATE_DIR}/{node}"
     out = f'--set run.output="{state}"'
@@ -90,6 +91,7 @@ ExecStart={fedtier_bin} {command}
 ExecReload=/bin/kill -HUP $MAINPID
 Restart=on-failure
 RestartSec=5
+RestartPreventExitStatus=2
 KillSignal=SIGTERM
 TimeoutStopSec=30
 StateDirectory=fedtier/{node}

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from edge_agent.runner import save_device_data
+from fedtier.cli import main
 from fedtier.provisioning import provision
 from protocols import runfiles
 from protocols.jobs import canonical_job, read_job_file
@@ -310,6 +311,16 @@ def test_every_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> N
     for unit in units:
         text = unit.read_text()
         assert "Restart=on-failure" in text and "User=fedtier" in text and "NoNewPrivileges=yes" in text
+        assert "RestartPreventExitStatus=2\n" in text  # a wrong config, certificate or data: no restart loop
+        assert (
+            f"WorkingDirectory=/etc/fedtier/{unit.parent.name}\n" in text
+            and "ExecReload=/bin/kill -HUP $MAINPID" in text
+        )
+        argv = shlex.split(text.split("ExecStart=", 1)[1].splitlines()[0])
+        assert argv[0] == FEDTIER and argv[2:4] == ["config.toml", "--serve"], argv
+        command = main.commands[argv[1]]  # every flag the unit passes is one of that command's
+        flags = {opt for param in command.params for opt in param.opts}
+        assert {a for a in argv[2:] if a.startswith("--")} <= flags, argv
         res = subprocess.run(
             ["systemd-analyze", "verify", str(unit)],
             capture_output=True,
