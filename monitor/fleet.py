@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from protocols.numbers import finite_number
 from protocols.status import IDLE, decode_status, idle_deadline, published_age
 from protocols.wire import topics
 
@@ -167,7 +168,7 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
             detail = f"{v.record.get('devices_online')}/{v.record.get('devices_total')} devices online"
         elif v.role == "device" and "samples" in v.record:
             detail = f"{v.record['samples']} samples"
-        mem = caps.get("memory_mb")
+        mem = finite_number(caps.get("memory_mb")) if isinstance(caps.get("memory_mb"), int) else None  # its word
         table.add_row(
             *(
                 escape(str(x))
@@ -180,7 +181,7 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
                     heard,
                     caps.get("fedtier", ""),
                     caps.get("cores", ""),
-                    f"{mem / 1024:.1f} GiB" if isinstance(mem, int) else "",
+                    f"{mem / 1024:.1f} GiB" if mem is not None else "",
                     caps.get("gpu") or caps.get("accelerator", ""),
                     ",".join(map(str, caps.get("backends", []))) if isinstance(caps.get("backends"), list) else "",
                     detail,

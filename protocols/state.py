@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from .numbers import finite_number
 from .wire import topics
 from .wire.envelope import WireError
 from .wire.ratelog import RateLimitedLog
@@ -72,6 +73,22 @@ def decode_state(data: bytes, topic: str, keys: PublicKeys | None = None) -> dic
     if record.get("node") != node or record.get("phase") not in PHASES:
         _rejections.warning("rejected a state record on %s: not a state of %s", topic, node)
         return None
-    if not isinstance(record.get("since"), (int, float)) or not isinstance(record.get("waiting"), list):
+    if not _readable(record):
+        _rejections.warning("rejected a state record on %s: a field is not what readers take", topic)
         return None
     return record
+
+
+def _readable(record: dict[str, Any]) -> bool:
+    """Whether ``record``'s fields are what readers compute with (its node's word, signed or not: a time of 10**400
+    or a ``waiting`` of numbers would make the monitor's frame raise): ``since`` (and ``deadline_s``, ``started``)
+    finite numbers, ``waiting`` a list of names, ``waiting_count`` a count, ``round`` and ``edge_round`` integers."""
+    waiting, count = record.get("waiting"), record.get("waiting_count", 0)
+    if not isinstance(waiting, list) or not all(isinstance(name, str) for name in waiting):
+        return False
+    if finite_number(record.get("since")) is None:
+        return False
+    if any(record.get(k) is not None and finite_number(record[k]) is None for k in ("deadline_s", "started")):
+        return False
+    rounds = (record.get(k, 0) for k in ("round", "edge_round"))
+    return type(count) is int and count >= 0 and all(type(n) is int for n in rounds)

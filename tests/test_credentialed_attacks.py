@@ -205,6 +205,55 @@ def test_a_devices_announced_cores_beyond_the_float_range_do_not_blind_its_cells
     assert 'fedtier_device_memory_mb{cell="c0",device="c0-d0",run="t"} 1e+30' in text
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("since", 10**400), ("waiting_count", "x"), ("waiting", [1, None])],
+    ids=["since 10^400", "waiting_count x", "waiting numbers"],
+)
+def test_a_cells_signed_state_record_that_readers_cannot_compute_with_is_refused(field: str, value: object) -> None:
+    """A cell's current-state record (signed with its own key, on its own topic) is read by ``fedtier monitor``:
+    a ``since`` of 10^400, a ``waiting_count`` that is no number or a ``waiting`` of numbers made its frame raise
+    (the live view died). Now the record is refused where it is decoded, and the frame shows the rest."""
+    from monitor.state import MonitorState
+    from monitor.view import render_text
+    from protocols.state import decode_state
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+    from protocols.wire.signed import seal_record
+
+    ring = generate_keys(parse_config({"topology": {"cells": 1, "devices_per_cell": 1}}).topology)
+    topic = topics.state("t", "cell.c0")
+    good = {"node": "cell.c0", "phase": "waiting", "since": 100.0, "waiting": ["c0-d0"], "deadline_s": 5, "round": 1}
+    sign = Trust("c0", ring.private["c0"], ring.public).sign
+    keys = PublicKeys(ring.public)
+    assert decode_state(seal_record(good, topic, sign), topic, keys) == good
+    bad = seal_record({**good, field: value}, topic, sign)
+    assert decode_state(bad, topic, keys) is None
+    state = MonitorState()
+    state.add_state({**good, field: value})  # what the monitor did with it
+    with pytest.raises((OverflowError, ValueError, TypeError)):
+        render_text(state, now=200.0)
+
+
+def test_a_devices_announced_memory_beyond_the_float_range_does_not_break_the_fleet_view() -> None:
+    """``fedtier fleet`` shows each device's announced memory in GiB: 10^400 MB (in its own signed status) made the
+    table raise; now that cell of the table is left empty."""
+    from rich.console import Console
+
+    from monitor.fleet import Fleet, render
+    from protocols.status import encode_status
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+
+    ring = generate_keys(parse_config({"topology": {"cells": 1, "devices_per_cell": 2}}).topology)
+    fleet = Fleet("t", PublicKeys(ring.public))
+    for device, memory in (("c0-d0", 10**400), ("c0-d1", 2048)):
+        topic = topics.device_status("t", "c0", device)
+        trust = Trust(device, ring.private[device], ring.public)
+        fleet.on_status(topic, encode_status("online", topic=topic, trust=trust, caps={"memory_mb": memory}))
+    out = Console(width=200, record=True)
+    out.print(render(fleet))
+    assert fleet.refused == 0 and "2.0 GiB" in out.export_text()
+
+
 # ------------------------------------------------------------------------------ a cell's priority statistics (FedALIGN)
 def fedalign_config() -> dict:
     return {
