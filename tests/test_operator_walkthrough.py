@@ -161,3 +161,43 @@ def test_a_devices_own_data_file_is_checked_against_each_jobs_model_not_the_bund
     np.savez(bundle / "labels.npz", x=x, y=np.where(y == 3, 37, y))
     with pytest.raises(ConfigError, match="labels.npz: label 37, but the model has 10 classes"):
         spec_and_data(job, "labels.npz")
+
+
+def _doc_commands(text: str) -> list[str]:
+    """The ``fedtier COMMAND ...`` lines of a page's shell blocks and inline code (up to a shell separator)."""
+    import re
+
+    code, fence = [], None
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fence = None if fence is not None else line.strip().strip("`")
+        elif fence is None:
+            code += re.findall(r"`([^`]+)`", line)
+        elif fence in ("", "bash", "sh", "console", "text"):
+            code.append(line)
+    pattern = re.compile(r"(?<![-\w./])fedtier\s+([a-z][a-z-]*)(?=\s|$)([^#;|&)]*)")
+    return [f"{m.group(1)} {m.group(2).strip()}".strip() for line in code for m in pattern.finditer(line)]
+
+
+def test_every_fedtier_command_and_flag_the_docs_show_exists() -> None:
+    """Each `fedtier ...` command line in the README and the docs names a command (and sub-command) that exists,
+    and every flag it passes is one of that command's: an operator copying a line gets no 'No such command'."""
+    import click
+
+    root = Path(__file__).resolve().parents[1]
+    wrong = []
+    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        for line in _doc_commands(page.read_text()):
+            name, *rest = line.split()
+            command = main.commands.get(name)
+            if command is None:
+                wrong.append(f"{page.name}: fedtier {line}: no command {name!r}")
+                continue
+            if isinstance(command, click.Group):  # provision: a sub-command, else its default (create)
+                sub = rest[0] if rest and rest[0] in command.commands else "create"
+                command, rest = command.commands[sub], rest[1:] if rest and rest[0] == sub else rest
+            flags = {o for p in command.params for o in (*p.opts, *p.secondary_opts)} | {"--help", "-h"}
+            bad = [t for t in (t.split("=")[0].rstrip(".,:") for t in rest if t.startswith("-")) if t not in flags]
+            if bad:
+                wrong.append(f"{page.name}: fedtier {line}: {command.name} has no {', '.join(bad)}")
+    assert not wrong, "\n".join(wrong)
