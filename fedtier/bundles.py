@@ -57,6 +57,29 @@ def unit_name(node: str) -> str:
     return f"fedtier-{node}.service"
 
 
+# The unit's sandbox: a node reads its bundle, writes only its state directory, talks IP and nothing else.
+_SANDBOX = """UMask=0077
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=yes
+PrivateTmp=yes
+PrivateDevices=yes
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX
+RestrictNamespaces=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+CapabilityBoundingSet=
+SystemCallArchitectures=native
+"""
+
+
 def systemd_unit(cfg: RunConfig, node: str, fedtier_bin: str = FEDTIER_BIN) -> str | None:
     """The systemd unit of a long-lived node (``None`` for the operator and the monitor: commands, not
     services). It runs ``fedtier cloud|cell|agent --serve`` from the bundle installed in
@@ -96,26 +119,7 @@ KillSignal=SIGTERM
 TimeoutStopSec=30
 StateDirectory=fedtier/{node}
 StateDirectoryMode=0700
-UMask=0077
-NoNewPrivileges=yes
-ProtectSystem=strict
-ProtectHome=yes
-PrivateTmp=yes
-PrivateDevices=yes
-ProtectKernelTunables=yes
-ProtectKernelModules=yes
-ProtectKernelLogs=yes
-ProtectControlGroups=yes
-ProtectClock=yes
-ProtectHostname=yes
-RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX
-RestrictNamespaces=yes
-RestrictRealtime=yes
-RestrictSUIDSGID=yes
-LockPersonality=yes
-CapabilityBoundingSet=
-SystemCallArchitectures=native
-
+{_SANDBOX}
 [Install]
 WantedBy=multi-user.target
 """
