@@ -102,11 +102,12 @@ def report_refusal(
     msg: Incoming,
     session: str | None,
     bounds: Mapping[str, float] | None,
-    weight_keys: tuple[str, ...] = ("weight",),
+    weight_keys: Mapping[str, float] | None = None,
 ) -> Rejected | None:
     """Why a report on ``cell``'s topic is refused before the role sees it, or None: it must be for that
     cell, with ``session`` (signed runs: the cloud's session) signed by that cell in it, and claim in each of
-    ``weight_keys`` (the role's sample counts) a weight within the cell's bound in ``bounds``."""
+    ``weight_keys`` (the role's sample counts, default ``weight``) a weight within its multiple of the cell's
+    bound in ``bounds`` (``CloudRole.weight_keys``)."""
     h = msg.header
     if h.cell != cell:
         return Rejected(RejectKind.WRONG_SENDER, f"report for cell {h.cell!r} on the topic of cell {cell!r}")
@@ -117,8 +118,9 @@ def report_refusal(
     bound = bounds.get(cell) if bounds is not None else None
     if bound is None:
         return None
-    for key in weight_keys:
-        over = weight_over(msg.payload.meta.get(key), bound, f"the bound of cell {cell} ({bound:g} samples)")
+    for key, times in (weight_keys or {"weight": 1.0}).items():
+        limit = bound * times
+        over = weight_over(msg.payload.meta.get(key), limit, f"the bound of cell {cell} ({limit:g} samples)")
         if over is not None:
             return Rejected(RejectKind.BOUND, over if key == "weight" else f"{key}: {over}")
     return None

@@ -47,8 +47,8 @@ class CloudServer:
     or ``cell_deadline`` passed. Waits, before round 0, until every cell says all its devices are
     online, or ``startup_wait`` seconds passed (0: start at once).
 
-    ``cell_bounds``: the largest weight each cell's report may claim (the sum of its devices' bounds
-    times the results a report adds up, :func:`protocols.bounds.cell_weight_bound`); a report claiming
+    ``cell_bounds``: the largest weight each cell's report may claim (the sum of its devices' bounds,
+    :func:`protocols.bounds.cell_weight_bound`, times what ``CloudRole.weight_keys`` says); a report claiming
     more is refused. ``session``: the cloud session (a job's, ``protocols.jobs.job_session``; it wins over
     a checkpoint's); default a fresh one (or, resuming, the checkpoint's). ``max_stalled_rounds``,
     ``min_cells``: when the job fails for lack of progress
@@ -328,7 +328,7 @@ class CloudServer:
     def _bad_report(self, cell: str, msg: Incoming) -> Rejected | None:
         """Runtime checks before the role sees a report (:func:`cloud.parts.report_refusal`)."""
         session = self.session if self.trust is not None else None
-        return report_refusal(cell, msg, session, self.cell_bounds, self.role.weight_keys)
+        return report_refusal(cell, msg, session, self.cell_bounds, self.role.weight_keys())
 
     def _count(self, cell: str, msg: Incoming) -> int:
         """Add a taken report's figures to the round (:meth:`RoundCounts.count`); its device count."""

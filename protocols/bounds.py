@@ -3,8 +3,9 @@
 A result's or report's ``weight`` decides its share of the mean it joins. A node that lies about it, with
 valid credentials, takes the model over (one device claiming 1e12 samples, one cell claiming 1e15), so every
 tier bounds what it accepts by what the federation knows: a device by its provisioned bound (or its known
-sample count in ``fedtier sim|run``), a cell by the sum of its devices' bounds times the number of device
-results one report may add up (:func:`cell_weight_bound`).
+sample count in ``fedtier sim|run``), a cell by the sum of its devices' bounds (:func:`cell_weight_bound`), times
+the edge rounds only where its role says a report adds every edge round's answers (``CloudRole.weight_keys``): a
+FedAvg cell that claimed E times its devices' samples took E times its share of the mean.
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ def weight_over(weight: object, bound: float | None, what: str) -> str | None:
 def cell_weight_bound(train: TrainParams, device_bounds: Iterable[float]) -> float:
     """The largest weight an honest report of a cell whose devices have ``device_bounds`` can carry.
 
-    Rounds (``algorithm.mode = "sync"``): every device counts at most once per edge round, so ``E`` times
-    the sum of the bounds (FedAvg-like cells count a device once per cloud round; DeComFL adds every edge
-    round). FedBuff (``"async"``): a push adds ``async_push_every`` (M) cell updates of ``async_buffer`` (K)
-    results each, so ``K x M`` times the largest bound."""
+    Rounds (``algorithm.mode = "sync"``): a report counts each device at most once per cloud round, so the sum
+    of the bounds; a role whose report adds every edge round's answers (DeComFL) declares ``E`` times it in
+    ``CloudRole.weight_keys``. FedBuff (``"async"``): a push adds ``async_push_every`` (M) cell updates of
+    ``async_buffer`` (K) results each, so ``K x M`` times the largest bound."""
     bounds = list(device_bounds)
     if not bounds:
         return 0.0
     if isinstance(train, AsyncParams) and Trait.ASYNC in compose_traits((), train.layers()):
         return float(train.async_buffer * train.async_push_every * max(bounds))
-    return float(train.edge_rounds * sum(bounds))
+    return float(sum(bounds))
 
 
 class CellBounds(Mapping[str, float]):

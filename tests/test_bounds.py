@@ -86,10 +86,35 @@ def test_the_cloud_refuses_a_cell_claiming_1e15_samples(tmp_path: Path, caplog: 
     assert "rejected" not in attacked.history[1] or not attacked.history[1]["rejected"]  # logged once
 
 
+def test_a_cell_cannot_claim_its_devices_samples_once_per_edge_round(tmp_path: Path) -> None:
+    """A FedAvg report counts each device once per cloud round, whatever the edge rounds: c0 (its own key) claiming
+    E = 2 times its devices' samples took twice its share of the mean under a bound of E x the sum; the bound is now
+    the sum (x E only for a role that declares its reports add every edge round, DeComFL), and the lie is refused."""
+    cfg = small_config(tmp_path, run={"rounds": 2})
+    assert cfg.train.edge_rounds == 2
+    sim = SimHierarchy(cfg)
+    role = sim.cells["c0"].role
+    genuine = role.report
+    bound = sim.cloud.cell_bounds["c0"]
+
+    def doubled() -> Payload:
+        r = genuine()
+        assert r.meta["weight"] <= bound  # the honest claim is within the bound
+        return Payload({**r.meta, "weight": 2 * r.meta["weight"]}, r.tensors)
+
+    role.report = doubled
+    attacked = sim.run()
+    refused = [x for r in attacked.history for x in r["rejected"]]
+    assert len(refused) == 2 and all(
+        x["from"] == "c0" and "exceeds the bound of cell c0" in x["reason"] for x in refused
+    )
+    assert [r["cells_reported"] for r in attacked.history] == [["c1"], ["c1"]]  # c0's progress is out
+
+
 def test_a_provisioned_cell_refuses_a_device_claiming_1e12_samples(tmp_path: Path) -> None:
     """``fedtier provision`` writes the largest device of the partition as every bundle's bound; a cell built
     from its bundle alone (no sample counts, as a deployed ``fedtier cell``) refuses a larger claim, and the
-    cloud bounds each cell by its devices' bounds times the edge rounds."""
+    cloud bounds each cell by its devices' bounds."""
     cfg = small_config(tmp_path, run={"rounds": 2})
     (tmp_path / "run.toml").write_text(cfg.to_toml())
     res = CliRunner().invoke(main, ["provision", str(tmp_path / "run.toml"), "--out", str(tmp_path / "prov")])
@@ -130,7 +155,7 @@ def test_a_provisioned_cell_refuses_a_device_claiming_1e12_samples(tmp_path: Pat
 
 def test_a_cells_bound_is_what_its_devices_can_add_up() -> None:
     sync = parse_config({"algorithm": {"name": "fedavg", "edge_rounds": 3}}).train
-    assert cell_weight_bound(sync, [10, 20, 30]) == 180  # each device at most once per edge round
+    assert cell_weight_bound(sync, [10, 20, 30]) == 60  # each device at most once per cloud round
     fedbuff = parse_config(
         {"algorithm": {"name": "fedavg", "mode": "async", "async_buffer": 4, "async_push_every": 2}}
     ).train
@@ -142,7 +167,7 @@ def test_a_cells_bound_is_what_its_devices_can_add_up() -> None:
 
 def test_a_federation_cloud_bounds_each_cell_by_its_devices_in_the_signed_roster() -> None:
     """The long-lived cloud takes each cell's bound from the roster it signed: the sum of the bounds of the
-    devices the roster lists (per device), times the edge rounds."""
+    devices the roster lists (per device)."""
     from protocols.bounds import roster_cell_bounds
     from protocols.roster import Roster
     from protocols.wire.keys import generate_keys
@@ -155,5 +180,5 @@ def test_a_federation_cloud_bounds_each_cell_by_its_devices_in_the_signed_roster
     topo = cfg.topology
     roster = Roster.from_topology("fed", {c: topo.devices(c) for c in topo.cell_ids()}, ring.public, bounds)
     cells = roster_cell_bounds(roster, cfg.train)
-    assert dict(cells) == {"c0": 80.0, "c1": 20.0}
-    assert weight_over(81.0, cells["c0"], "b") is not None and weight_over(80.0, cells["c0"], "b") is None
+    assert dict(cells) == {"c0": 40.0, "c1": 10.0}
+    assert weight_over(41.0, cells["c0"], "b") is not None and weight_over(40.0, cells["c0"], "b") is None

@@ -136,9 +136,12 @@ class DeviceContext:
 class CloudRole(ABC):
     """Plans each cloud round and folds the cells' reports into the global state."""
 
-    weight_keys: tuple[str, ...] = ("weight",)
-    """The keys of a report's ``meta`` that are sample counts: the cloud's runtime refuses a report claiming more
-    than the cell's weight bound in any of them (``cloud.parts.report_refusal``), so no count is a lever."""
+    def weight_keys(self) -> dict[str, float]:
+        """The sample counts of a cell's report (keys of its ``meta``), each with how many times its cell's weight
+        bound (:func:`protocols.bounds.cell_weight_bound`) it may reach: 1 where a report counts each device once
+        per cloud round, ``E`` where it adds every edge round's. The cloud's runtime refuses a report beyond any
+        (``cloud.parts.report_refusal``), so no count is a lever."""
+        return {"weight": 1.0}
 
     @abstractmethod
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:

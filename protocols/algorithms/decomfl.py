@@ -125,6 +125,9 @@ def _stack(g: list[np.ndarray], K: int, Pn: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------------------------- cloud
 class DeComFLCloud(CloudRole):
+    def weight_keys(self) -> dict[str, float]:
+        return {"weight": float(self.p.edge_rounds)}  # a cell adds every edge round's answers
+
     def __init__(self, params: DeComFLParams, seed: int, initial: Mapping[str, np.ndarray]) -> None:
         self.p, self.seed = params, seed
         self.K, self.P = params.local_steps, params.perturbations

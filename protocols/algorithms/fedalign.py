@@ -143,7 +143,9 @@ def admits(value: float, F: float | None, eps: float | None) -> bool:
 class FedAlignCloud(CloudRole):
     """Sends ``w`` (and F in phase ``free``), forms F from the priority reports, averages over S."""
 
-    weight_keys = ("weight", "prio_weight")  # prio_weight weighs the cells' priority losses in F
+    def weight_keys(self) -> dict[str, float]:
+        # prio_weight weighs the cells' priority losses in F; it adds every edge round's priority devices
+        return {"weight": 1.0, "prio_weight": float(self.p.edge_rounds)}
 
     def __init__(self, params: FedAlignParams, initial: Mapping[str, np.ndarray]) -> None:
         self.p, self.schedule = params, Schedule(params)

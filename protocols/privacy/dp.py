@@ -167,13 +167,15 @@ class PrivateCloud(CloudRole):
 
     def __init__(self, inner: CloudRole, accountant: Accountant, budget: float | None) -> None:
         self.inner, self.accountant, self.budget = inner, accountant, budget
-        self.weight_keys = inner.weight_keys
 
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         return self.inner.plan(round, cells)
 
     def check(self, cell: str, report: Payload) -> None:
         self.inner.check(cell, report)
+
+    def weight_keys(self) -> dict[str, float]:
+        return self.inner.weight_keys()
 
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         parties = self.accountant.by_party(round + 1)
