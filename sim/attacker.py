@@ -38,6 +38,7 @@ class Attack:
 ATTACKS = [
     Attack("cross-run replay of a cell task", "replay window", "task of cloud session"),
     Attack("cross-run replay of a device task", "replay window", "task of cloud session"),
+    Attack("cross-run replay of a device's signed result", "replay window", "result of session"),
     Attack("forged finished", "signature", "cloud/control (signature): unsigned message"),
     Attack("forged cloud status with a fake session", "signature", "status/cloud: unsigned record"),
     Attack("forged round manifest", "signature", "rejected a round manifest"),
@@ -79,13 +80,14 @@ class Attacker:
     # ------------------------------------------------------------------------------ capture mode
     @classmethod
     def capture(cls, run: str, broker_url: str, ring: KeyRing) -> Attacker:
-        """An eavesdropper that records the first genuine cell task of ``c1`` and device task of
+        """An eavesdropper that records the first genuine cell task of ``c1`` and device task and result of
         ``c0-d2`` as they travelled (the MQTT payloads: one message, or its signed chunks) into
         ``captured``."""
         spy = cls(run, broker_url, ring, attacks=[])
         for key, topic in (
             ("cell_task", topics.cell_task(run, REPLAY_CELL)),
             ("device_task", topics.device_task(run, "c0", REPLAY_DEVICE)),
+            ("device_result", topics.device_result(run, "c0", REPLAY_DEVICE)),
         ):
             spy.sniffer.subscribe(topic, spy._recorder(key))
         return spy
@@ -182,6 +184,10 @@ class Attacker:
         self._fire(
             "cross-run replay of a device task",
             lambda: self._replay(topics.device_task(run, "c0", REPLAY_DEVICE), self.captured["device_task"]),
+        )
+        self._fire(
+            "cross-run replay of a device's signed result",
+            lambda: self._replay(topics.device_result(run, "c0", REPLAY_DEVICE), self.captured["device_result"]),
         )
         self._fire(
             "forged finished",

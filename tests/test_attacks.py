@@ -56,7 +56,7 @@ def test_every_attack_is_refused_logged_and_the_model_is_the_clean_runs(tmp_path
     with MosquittoBroker() as broker:
         # run A: clean, while an eavesdropper records genuine signed tasks (for the cross-run replays)
         clean, spy, clean_peak = run(cfg, broker, lambda url: Attacker.capture(cfg.run.name, url, ring))
-        assert set(spy.captured) == {"cell_task", "device_task"}
+        assert set(spy.captured) == {"cell_task", "device_task", "device_result"}
         # run B: same keys, same run name, under attack
         attacked_cfg = small_config(tmp_path / "b", run={"rounds": 2}, security={"keys": str(keys)})
         with caplog.at_level(logging.WARNING):
