@@ -15,6 +15,7 @@ from typing import Any
 from protocols import procs
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.config import parse_config
+from protocols.divergence import diverged_result, nonfinite
 from protocols.execution import execution_plan
 from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory, setup_frozen
@@ -122,7 +123,7 @@ class DeviceWorker:
         try:
             c, role, data = self._device(ctx)
             result = role.train(decode_payload(task, views=True), data, self.trainer_for(c.device), c)
-            return payload_parts(result), ""
+            return answer(result, c), ""
         except Exception as exc:  # a bad task must not kill the device (as in the main process)
             log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
             return [], str(exc)
@@ -151,8 +152,19 @@ class DeviceWorker:
             ]
             outcomes = self.runner.train([job[1].device for job in chunk], run)
             for (i, *_), (result, error) in zip(chunk, outcomes):
-                out[i] = (payload_parts(result), "") if result is not None else ([], error or "failed")
+                out[i] = (answer(result, c), "") if result is not None else ([], error or "failed")
         return out
+
+
+def answer(result: Payload, c: DeviceContext) -> Parts:
+    """A trained result's encoding as its device's agent sends it: one with a non-finite number as its diverged
+    result (``edge_agent.agent``'s rule, the same reason), so that every float of what a worker sends is checked
+    finite and the main process need not read it again for that."""
+    why = nonfinite(result)
+    if why is not None:
+        log.warning("device %s diverged in round %d.%d: %s", c.device, c.round, c.edge_round, why)
+        result = diverged_result(why)
+    return payload_parts(result)
 
 
 def process_main(
@@ -191,17 +203,19 @@ def _ring_writer(ring: tuple[str, int, Any] | None) -> RingWriter | None:
 
 
 class Answers:
-    """Sends a worker's results: each through its ring where it fits (its place through the pipe), else the pipe."""
+    """Sends a worker's results: each through its ring where it fits (its place through the pipe), else the pipe;
+    ``checked``: its floats are finite (:func:`answer`)."""
 
     def __init__(self, conn: Any, ring: RingWriter | None) -> None:
         self.conn, self.ring = conn, ring
 
     def send(self, task_id: Any, parts: Parts, error: str) -> None:
         where = self.ring.put(parts) if self.ring is not None and parts else None
+        header = {"id": task_id, "error": error, "checked": not error}
         if where is not None:
-            self.conn.send_bytes(frame({"id": task_id, "error": error, "ring": list(where)}))
+            self.conn.send_bytes(frame({**header, "ring": list(where)}))
         else:
-            self.conn.send_bytes(frame({"id": task_id, "error": error}, parts))
+            self.conn.send_bytes(frame(header, parts))
 
 
 def _serve(worker: DeviceWorker, tasks: Any, answers: Answers) -> None:

@@ -125,8 +125,9 @@ class _Remote:
     def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], Received]]) -> None:
         raise NotImplementedError(f"{type(self).__name__} trains per device")
 
-    def _reply(self, task_id: int, result: bytes | memoryview, error: str) -> None:
-        """A worker's answer (any thread): decode it here, deliver it on the loop."""
+    def _reply(self, task_id: int, result: bytes | memoryview, error: str, checked: bool = False) -> None:
+        """A worker's answer (any thread): decode it here, deliver it on the loop. ``checked``: the worker checked
+        its floats finite (``device_worker.answer``): its device's agent does not read them again."""
         with self._lock:
             owed = self._pending.pop(task_id, None)
         if owed is None:
@@ -135,8 +136,8 @@ class _Remote:
         if error:
             complete(lambda: done(None, error))
             return
-        try:  # no finiteness check: the cell's own decoding judges the result, as in the main process
-            payload = decode_payload(result, require_finite=False, views=True)
+        try:  # no finiteness check: the device's agent's (unless checked) and the cell's judge the result
+            payload = decode_payload(result, require_finite=False, views=True, checked=checked)
         except Exception as exc:
             err = str(exc)
             complete(lambda: done(None, f"bad result from the worker: {err}"))
@@ -242,7 +243,7 @@ class ProcessExecutor(_Remote):
                     except (TypeError, ValueError) as exc:
                         self._reply(header["id"], b"", f"bad result from the worker: {exc}")
                         continue
-                self._reply(header["id"], body, header["error"])
+                self._reply(header["id"], body, header["error"], header.get("checked") is True)
         except (EOFError, OSError):
             pass
         finally:

@@ -156,3 +156,27 @@ def test_received_payloads_compare_their_bytes_only(cut):
     a, b = Received(b"xx" + b"payload", 2), Received(b"y" + b"payload"[: 7 - cut] + b"?" * cut, 1)
     assert a.same(b) == (cut == 0) and b.same(a) == (cut == 0)
     assert not a.same(Received(b"xx" + b"payload!", 2))  # a longer one is not the same
+
+
+def test_diverged_devices_in_workers_are_recorded_as_without_workers(make_config):
+    """A worker sends a diverged device's result as its agent would (the same reason), having checked every
+    float of the others finite; the run is the one without workers, records of the divergence included."""
+    sections = {**SECTIONS, "run": {"rounds": 1}, "algorithm": {**SECTIONS["algorithm"], "lr": 1e30}}
+    inline = run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
+    parallel = run_simulation(
+        make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False
+    )
+    _same(inline, parallel)
+    diverged = [d for r in inline.cell_records for d in r.get("diverged", {})]
+    assert len(diverged) == 6 * 2  # every device in both edge rounds
+
+
+def test_a_result_checked_by_its_worker_is_not_read_again_for_finiteness():
+    from protocols.wire.payload import all_finite, decode_payload
+
+    data = encode_payload(Payload({}, {"w": np.full(2048, 0.5, np.float32)}))
+    poisoned = data.replace(np.float32(0.5).tobytes() * 2, np.float32(np.nan).tobytes() * 2, 1)  # a NaN it never reads
+    assert not all_finite(decode_payload(poisoned, require_finite=False, views=True).tensors["w"])
+    assert all_finite(decode_payload(poisoned, require_finite=False, views=True, checked=True).tensors["w"])
+    with pytest.raises(Exception, match="non-finite"):  # the network's bytes are always read
+        decode_payload(poisoned, views=True, checked=True)

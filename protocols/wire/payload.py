@@ -171,7 +171,9 @@ def immutable(arr: np.ndarray) -> bool:
     return isinstance(base, bytes) and not arr.flags.writeable
 
 
-def decode_payload(data: bytes | memoryview, *, require_finite: bool = True, views: bool = False) -> Payload:
+def decode_payload(
+    data: bytes | memoryview, *, require_finite: bool = True, views: bool = False, checked: bool = False
+) -> Payload:
     """Parse bytes produced by :func:`encode_payload`; raise :class:`WireError` on any defect.
 
     Each tensor is an array of its own (writable, native byte order): one copy of its bytes. With
@@ -180,7 +182,9 @@ def decode_payload(data: bytes | memoryview, *, require_finite: bool = True, vie
     checked as a copy's are, and cannot change after (a message's bytes never do). A receiver then keeps
     the message's bytes alive as long as it keeps the arrays, and must copy what it wants to change (the
     runtimes' :class:`~protocols.wire.messenger.Messenger` decodes so: a device's task is copied into its
-    trainer and a result read once, so the decoding's copy was one pass over each message for nothing)."""
+    trainer and a result read once, so the decoding's copy was one pass over each message for nothing).
+    ``checked`` (without ``require_finite``): the sender, a process of this run and not the network, checked every
+    float finite; such views are remembered as checked (:func:`all_finite` answers without reading them)."""
     buf = memoryview(data)
     end = buf.nbytes
     share = views and isinstance(buf.obj, bytes)  # not a bytearray or other buffer someone could change
@@ -224,6 +228,8 @@ def decode_payload(data: bytes | memoryview, *, require_finite: bool = True, vie
                 raise WireError(RejectKind.NON_FINITE, f"tensor {name!r} has non-finite values")
             if viewed and nbytes >= _REMEMBER_BYTES:  # a view of the message's bytes: checked once for good
                 _remember_finite(arr)
+        elif checked and viewed and nbytes >= _REMEMBER_BYTES and arr.dtype.kind == "f":
+            _remember_finite(arr)
         if name in tensors:
             raise WireError(RejectKind.MALFORMED, f"tensor {name!r} appears twice")
         tensors[name] = arr
