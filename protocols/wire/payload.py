@@ -171,6 +171,15 @@ def immutable(arr: np.ndarray) -> bool:
     return isinstance(base, bytes) and not arr.flags.writeable
 
 
+def _finite(arr: np.ndarray, name: str, read: bool, remember: bool) -> None:
+    """``decode_payload``'s finiteness of a float tensor: ``read`` it (:class:`WireError` if not finite), or take
+    it as checked by its sender; ``remember`` it as finite (a view of immutable bytes: checked once for good)."""
+    if read and not all_finite(arr):
+        raise WireError(RejectKind.NON_FINITE, f"tensor {name!r} has non-finite values")
+    if remember:
+        _remember_finite(arr)
+
+
 def decode_payload(
     data: bytes | memoryview, *, require_finite: bool = True, views: bool = False, checked: bool = False
 ) -> Payload:
@@ -223,13 +232,8 @@ def decode_payload(
         if not viewed:
             # the one copy of the tensor's bytes: out of the message, into an array of its own (writable, native)
             arr = arr.astype(dtype.newbyteorder("="), copy=True)
-        if require_finite and arr.dtype.kind == "f":
-            if not all_finite(arr):
-                raise WireError(RejectKind.NON_FINITE, f"tensor {name!r} has non-finite values")
-            if viewed and nbytes >= _REMEMBER_BYTES:  # a view of the message's bytes: checked once for good
-                _remember_finite(arr)
-        elif checked and viewed and nbytes >= _REMEMBER_BYTES and arr.dtype.kind == "f":
-            _remember_finite(arr)
+        if arr.dtype.kind == "f" and (require_finite or checked):
+            _finite(arr, name, require_finite, viewed and nbytes >= _REMEMBER_BYTES)
         if name in tensors:
             raise WireError(RejectKind.MALFORMED, f"tensor {name!r} appears twice")
         tensors[name] = arr
