@@ -305,3 +305,67 @@ def test_a_fedalign_report_with_more_priority_accuracy_than_weight_is_refused() 
     cloud.check("c0", Payload({**meta, "prio_accuracy": 10.0}, {}))  # every priority sample right: taken
     with pytest.raises(Rejected, match="prio_accuracy 11 above prio_weight 10"):
         cloud.check("c0", Payload({**meta, "prio_accuracy": 11.0}, {}))
+
+
+# ------------------------------------------------------------------------------ a device's masked input (SecAgg+)
+def secure_sum(shift: float) -> object:
+    """One SecAgg+ aggregation of 6 devices of weight 1 (updates ~ N(0, 0.1), clip bound 1) in which c0-d0 (its
+    own keys) adds ``shift`` to coordinate 0 of the sum through its masked vector, past its own clipping (a mask is
+    additive mod 2^32: the cell cannot tell). The outcome: the unmasked weighted sum, or the failure."""
+    from protocols.privacy.secagg import RoundId, SecAggCell, SecAggDevice, SecAggFailure, SecAggSettings
+    from protocols.privacy.secagg.encoding import scale_for
+    from protocols.wire.keys import Trust, new_seed, public_of
+    from protocols.wire.payload import decode_payload, encode_payload
+
+    def wire(p: Payload) -> Payload:
+        return decode_payload(encode_payload(p))
+
+    settings, rid = SecAggSettings(seed=3), RoundId("r", "c0", 0, 0)
+    names = [f"c0-d{i}" for i in range(6)]
+    seeds = {d: new_seed() for d in names}
+    public = {d: public_of(s) for d, s in seeds.items()}
+    devices = {d: SecAggDevice(settings, rid, d, 1.0, identity=Trust(d, seeds[d], public)) for d in names}
+    g = np.random.default_rng(0)
+    results = {d: Payload({"weight": 1.0}, {"w": g.normal(0, 0.1, 8).astype(np.float32)}) for d in names}
+    cell = SecAggCell(settings, rid, names)
+    for d, dev in devices.items():
+        cell.add_keys(d, wire(dev.advertise()))
+    for d, roster in cell.rosters().items():
+        cell.add_shares(d, wire(devices[d].share(wire(roster))))
+    for d, routed in cell.routes().items():
+        devices[d].receive(wire(routed))
+    for d in names:
+        masked = wire(devices[d].mask(results[d]))
+        if d == "c0-d0":
+            vec = masked.tensors["masked"].copy()
+            step = int(round(shift * scale_for(settings, cell.total_weight))) & 0xFFFFFFFF
+            vec[0] = np.uint32((int(vec[0]) + step) & 0xFFFFFFFF)
+            masked = Payload(masked.meta, {"masked": vec})
+        cell.add_masked(d, masked)
+    for d, req in cell.unmask_requests().items():
+        cell.add_consent(d, wire(devices[d].consent(wire(req))))
+    for d, views in cell.views().items():
+        cell.add_reveal(d, wire(devices[d].reveal(wire(views))))
+    try:
+        return cell.finish()
+    except SecAggFailure as exc:
+        return exc
+
+
+def test_a_devices_masked_input_moves_the_cells_mean_anywhere_in_the_clip_box_and_no_further() -> None:
+    """Under secure aggregation the cell sees only the sum (Z_2^32, scaled so the clip bound x the total weight just
+    fits): a device's masked input is not clipped by anyone but itself. c0-d0 (weight 1 of 6) moves coordinate 0 of
+    the sum by 4, four times one device's honest reach, and nothing refuses it: the limit the security page states.
+    What holds: the sum wraps within the box, so the cell's mean stays within the clip bound, whatever it sends."""
+    from protocols.privacy.secagg import SecAggFailure
+
+    honest = secure_sum(0.0)
+    within = secure_sum(4.0)
+    assert not isinstance(honest, SecAggFailure) and not isinstance(within, SecAggFailure)
+    moved = within.weighted_sum["w"][0] - honest.weighted_sum["w"][0]  # type: ignore[union-attr]
+    assert moved == pytest.approx(4.0, abs=1e-3)
+    for shift in (8.0, 1e6, -1e6):
+        out = secure_sum(shift)
+        assert not isinstance(out, SecAggFailure)
+        mean = out.weighted_sum["w"] / sum(out.weights.values())  # type: ignore[union-attr]
+        assert np.all(np.abs(mean) <= 1.0 + 1e-6), mean  # the clip bound (SecAggSettings.bound)
