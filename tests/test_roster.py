@@ -113,3 +113,22 @@ def test_size_is_checked_before_parsing(ring):
         verify_roster(
             sign_roster(_roster(ring), _trust(ring, "cloud").sign), _trust(ring, "cloud").verify, federation="other"
         )
+
+
+def test_a_node_holding_a_newer_roster_keeps_it_when_an_older_one_is_replayed_on_the_topic(ring):
+    """The roster topic is retained and the operator's login may write it: replaying the signed roster that still
+    lists a revoked device (a rollback) or one a cell signed changes nothing at a node that holds the newer one
+    (``protocols.jobs.JobWatch``, as cells use it): its roster and its callbacks stay."""
+    from protocols.jobs import JobWatch
+
+    sign = _trust(ring, "cloud").sign
+    v1 = _roster(ring)
+    v2 = v1.without("c0-d1")
+    watch = JobWatch(None, "fed1", _trust(ring, "c0"))
+    seen: list[int] = []
+    watch.on_roster = lambda r: seen.append(r.version)
+    topic = roster_topic("fed1")
+    watch._on_roster(topic, sign_roster(v2, sign))
+    watch._on_roster(topic, sign_roster(v1, sign))  # the rollback
+    watch._on_roster(topic, sign_roster(v1.without("c0-d2").without("c0-d0"), _trust(ring, "c0").sign))
+    assert seen == [v2.version] and watch.roster == v2 and not watch.roster.is_member("c0-d1")
