@@ -80,7 +80,7 @@ def broker_rows(cfg: Any, tmp: Path) -> list[tuple[str, str, bool, str]]:
                 "127.0.0.1",
                 port,
                 username=node,
-                password=b["password"],
+                password=b.get("password"),  # (none: the login is the certificate)
                 ca_certs=str(d / "ca.crt"),
                 certfile=str(d / "client.crt"),
                 keyfile=str(d / "client.key"),
@@ -139,7 +139,7 @@ def login_rows(cfg: Any, tmp: Path) -> list[tuple[str, str, bool, str]]:
     done = provision(cfg, tmp / "login", port=port)
     options = (done.broker / "listener.conf").read_text()
     cloud_id, report = f"fedtier-{run}-cloud", topics.cell_report(run, "c0")
-    password = tomllib.loads((done.bundles["cloud"] / "config.toml").read_text())["broker"]["password"]
+    password = tomllib.loads((done.bundles["cloud"] / "config.toml").read_text())["broker"].get("password")
     loop = ThreadLoop("login").start()
 
     def client(folder: Path, client_id: str, persistent: bool = False, user: str | None = None) -> MqttTransport:
@@ -150,7 +150,7 @@ def login_rows(cfg: Any, tmp: Path) -> list[tuple[str, str, bool, str]]:
             "127.0.0.1",
             port,
             username=user or b["username"],
-            password=password if user else b["password"],
+            password=password if user else b.get("password"),
             ca_certs=str(folder / "ca.crt"),
             certfile=str(folder / "client.crt"),
             keyfile=str(folder / "client.key"),
