@@ -369,3 +369,30 @@ def test_a_devices_masked_input_moves_the_cells_mean_anywhere_in_the_clip_box_an
         assert not isinstance(out, SecAggFailure)
         mean = out.weighted_sum["w"] / sum(out.weights.values())  # type: ignore[union-attr]
         assert np.all(np.abs(mean) <= 1.0 + 1e-6), mean  # the clip bound (SecAggSettings.bound)
+
+
+# ------------------------------------------------------------------------------ statuses for another node
+def test_a_status_signed_by_another_node_hides_no_node_and_shows_none_alive() -> None:
+    """A status record's signer is the node its topic names: c0-d0's own key signing ``offline`` on c0-d1's topic
+    (to hide it) and the cell's key signing ``online`` on c0-d2's (the cell may write its devices' status topics, to
+    clear a revoked one: to show a dead device alive) are refused by the cell's and the fleet view's checks."""
+    from monitor.fleet import Fleet
+    from protocols.status import decode_status, encode_status
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+
+    ring = generate_keys(parse_config({"topology": {"cells": 1, "devices_per_cell": 3}}).topology)
+    keys = PublicKeys(ring.public)
+
+    def signed_by(node: str, state: str, device: str) -> tuple[str, bytes]:
+        topic = topics.device_status("t", "c0", device)
+        return topic, encode_status(state, topic=topic, trust=Trust(node, ring.private[node], ring.public), cell="c0")
+
+    fleet = Fleet("t", keys)
+    genuine = [signed_by("c0-d1", "online", "c0-d1"), signed_by("c0-d2", "offline", "c0-d2")]
+    forged = [signed_by("c0-d0", "offline", "c0-d1"), signed_by("c0", "online", "c0-d2")]
+    for topic, data in genuine + forged:
+        fleet.on_status(topic, data)
+    for topic, data in forged:
+        assert decode_status(data, topic, keys) is None  # as the cell reads its devices' statuses
+    states = {v.node: v.state for v in fleet.rows()}
+    assert fleet.refused == 2 and states == {"c0-d1": "online", "c0-d2": "offline"}, states
