@@ -81,12 +81,10 @@ SystemCallArchitectures=native
 
 
 def systemd_unit(cfg: RunConfig, node: str, fedtier_bin: str = FEDTIER_BIN) -> str | None:
-    """The systemd unit of a long-lived node (``None`` for the operator and the monitor: commands, not
-    services). It runs ``fedtier cloud|cell|agent --serve`` from the bundle installed in
-    ``INSTALL_DIR/{node}`` as the unprivileged ``SERVICE_USER``, writes only ``STATE_DIR/{node}``,
-    restarts on failure but not on exit status 2 (its config, certificate or data is wrong: a restart cannot
-    mend it, the journal says why), and stops with SIGTERM (the node leaves cleanly; a running job resumes);
-    ``systemctl reload`` (SIGHUP) makes it take its renewed TLS certificate and key."""
+    """The systemd unit of a long-lived node (``None`` for the operator and the monitor: commands, not services):
+    ``fedtier cloud|cell|agent --serve`` from the bundle in ``INSTALL_DIR/{node}`` as ``SERVICE_USER``, writing
+    only ``STATE_DIR/{node}``; restarted on failure, not on exit 2 (a wrong config, certificate or data: no
+    restart mends it); SIGTERM stops it cleanly (a running job resumes), SIGHUP takes renewed TLS files."""
     state = f"{STATE_DIR}/{node}"
     out = f'--set run.output="{state}"'
     if node == "cloud":
