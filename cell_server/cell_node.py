@@ -198,7 +198,9 @@ class CellNode:
         """Publish this cell online (retained) with its devices online; a cell serving a job (its cloud
         session pinned) names that session, so a cloud of another job does not count it ready."""
         status = topics.status(self.run, topics.cell_node(self.cell))
-        job = {"session": self.cloud.pinned} if self.cloud.pinned is not None else {}
+        job: dict[str, Any] = {"session": self.cloud.pinned} if self.cloud.pinned is not None else {}
+        if unfit := len(self.liveness.unfit):  # offline for this job, said so: the cloud does not wait for them
+            job["devices_unfit"] = unfit
         self.transport.publish(
             status,
             encode_status(
@@ -235,6 +237,10 @@ class CellNode:
         job = self.cloud.pinned
         if job is not None and record["state"] == "online" and record.get("session", job) != job:
             return  # an agent serving another job (e.g. a killed run's retained status): not online for this one
+        unfit = record.get("unfit")
+        if job is not None and isinstance(unfit, dict) and unfit.get("session") == job:
+            if self.liveness.cannot_serve(device, str(unfit.get("reason"))[:300]):
+                self._announce()
         change = self.liveness.heard(device, record, self.loop.now())
         if change.changed:
             self._announce()

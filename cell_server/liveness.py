@@ -45,6 +45,7 @@ class Liveness:
         self.last_seen: dict[str, float] = {}  # device -> loop time of its last status record
         self.requirements = requirements
         self.unmet: dict[str, str] = {}  # device -> why it cannot serve this job (its announced capabilities)
+        self.unfit: dict[str, str] = {}  # device -> why it said it cannot serve this job (e.g. its data)
         self.caps: dict[str, dict[str, Any]] = {}  # device -> capabilities its latest signed status announced
         self.revoked: set[str] = set()  # devices taken out for good (revoke): their statuses are ignored
         self.leaving: dict[str, TimerHandle] = {}  # offline devices the open edge round waits for, a while
@@ -59,6 +60,8 @@ class Liveness:
     def heard(self, device: str, record: dict[str, Any], now: float) -> StatusChange:
         """Take ``device``'s (verified) status ``record``, heard at loop time ``now``."""
         online = record["state"] == "online"
+        if online:
+            self.unfit.pop(device, None)
         caps = record.get("caps")
         if online and isinstance(caps, dict):
             self.caps[device] = caps  # the fleet view on the metrics port (monitor.exporter)
@@ -88,11 +91,23 @@ class Liveness:
         """Why ``device`` cannot be planned now (revoked, offline, or short of the job's requirements), or None."""
         if device in self.revoked:
             return "revoked"
+        if device in self.unfit:
+            return f"cannot serve: {self.unfit[device]}"
         if not self.online[device]:
             return "offline"
         if device in self.unmet:
             return f"requirements: {self.unmet[device]}"
         return None
+
+    def cannot_serve(self, device: str, reason: str) -> bool:
+        """``device`` said (in its idle status) that it cannot serve this job, and why: it is absent with that
+        reason, and counted among the devices that cannot serve the job (a job none can serve fails with it).
+        True if the cell did not know it yet."""
+        new = device not in self.unfit
+        if self.unfit.get(device) != reason:
+            log.warning("cell %s: %s cannot serve this job: %s", self.cell, device, reason)
+        self.unfit[device] = reason
+        return new
 
     def stale(self, now: float, timeout: float) -> Iterator[str]:
         """Each online device whose last status is older than ``timeout`` seconds, deemed offline as it is

@@ -270,7 +270,7 @@ class CellServer(CellNode):
                 available.append(d)
             else:
                 self.edge.absent[d] = why
-                if d in self.liveness.unmet:  # the report says why no device could serve the job
+                if d in self.liveness.unmet or d in self.liveness.unfit:  # the report says why none could serve
                     self.tally.unmet[d] = why
         if self.journal is not None:
             self.journal.plan(self.edge_round, available, self.edge.absent, self.edge.not_participating)

@@ -63,7 +63,7 @@ class RoundCounts:
 
 class CellPresence:
     """Each cell's status as its (verified) status records say: online, and ready (online with every device
-    online); when an online cell went offline."""
+    online, or said it cannot serve the job); when an online cell went offline."""
 
     def __init__(self, cells: list[str]) -> None:
         self.ready: dict[str, bool] = {c: False for c in cells}
@@ -78,7 +78,12 @@ class CellPresence:
         elif online:
             self.offline_since.pop(cell, None)
         self.online[cell] = online
-        self.ready[cell] = online and record.get("devices_online") == record.get("devices_total")
+        unfit = record.get("devices_unfit", 0)  # they said they cannot serve this job: none to wait for
+        unfit = unfit if isinstance(unfit, int) and not isinstance(unfit, bool) and unfit > 0 else 0
+        counted = record.get("devices_online")
+        if isinstance(counted, int) and not isinstance(counted, bool) and unfit:
+            counted += unfit
+        self.ready[cell] = online and counted == record.get("devices_total")
 
     def offline_for(self, cell: str, now: float) -> float | None:
         """Seconds an offline cell has been offline since it was last online (None: online, or never was)."""

@@ -138,17 +138,22 @@ class DeviceAgent:
         self.messenger.attach(transport)  # chunk signing and the message bound on the new connection too
         transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
 
-    def announce(self, state: str, qos: int = 1, heartbeat: float = 0.0) -> None:
+    def announce(
+        self, state: str, qos: int = 1, heartbeat: float = 0.0, unfit: Mapping[str, str] | None = None
+    ) -> None:
         """Publish this device's retained status record (``qos=0`` for a heartbeat: it repeats the record
         the broker already retains, and the next one follows if it is lost; no acknowledgement to handle).
-        An idle record declares the ``heartbeat`` period it is repeated at (0: none)."""
+        An idle record declares the ``heartbeat`` period it is repeated at (0: none), and ``unfit``: the job
+        (``session``) this device cannot serve and why (``reason``), so that job's cell plans it absent with
+        the reason rather than offline."""
         status = topics.device_status(self.run, self.cell, self.device)
         samples = (
             len(self.data) if getattr(self.role, "reveals_data_size", True) else None
         )  # DP: the data's size stays here
         beat = heartbeat if state == IDLE and heartbeat > 0 else 0.0
         key = (state, samples or 0, beat)
-        record = None if beat else self._status.get(key)  # an idle beat is stamped with its time: signed each
+        unfit = unfit if state == IDLE else None
+        record = None if beat or unfit else self._status.get(key)  # an idle beat is stamped with its time: signed each
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
             extra: dict[str, Any] = {"caps": dict(self.caps)} if self.caps is not None and state != "offline" else {}
             if samples is not None:
@@ -157,10 +162,12 @@ class DeviceAgent:
                 extra["instance"] = self.instance
             if beat:
                 extra.update(heartbeat=beat, **beat_stamp())
+            if unfit:
+                extra["unfit"] = dict(unfit)
             if self.cloud is not None and self.cloud.pinned is not None and state != IDLE:
                 extra["session"] = self.cloud.pinned  # the job it serves: a cell of another job does not count it
             record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)
-            if not beat:
+            if not beat and not unfit:
                 self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
         self.transport.publish(status, record, qos=qos, retain=True)
 

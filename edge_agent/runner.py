@@ -137,6 +137,7 @@ class AgentProcess:
         self._refused = False  # refused to start (a twin): already stopped, nothing announced
         self.done = threading.Event()
         self.executor: CohortExecutor | None = self._cohorts()  # cohorts (runtime.engine = "cohort"), torch only
+        self.unfit: dict[str, str] | None = None  # long-lived: the job its devices cannot serve, and why
 
     @property
     def transports(self) -> dict[str, Any]:
@@ -265,6 +266,7 @@ class AgentProcess:
         self.cfg, self.algorithm, self.trainer, self.job.session = cfg, algorithm, trainer, session
         self.links.cfg = cfg
         self.records.availability = availability
+        self.unfit = None
         self.done.clear()
         offline: list[str] = []
 
@@ -357,10 +359,19 @@ class AgentProcess:
                     self.agents[device].announce("online", qos=0)
             for device, transport in self.transports.items():
                 if self.job.long_lived and device not in self.presence.live and transport.connected:
-                    self.agents[device].announce(IDLE, qos=0, heartbeat=self.heartbeat)
+                    self.agents[device].announce(IDLE, qos=0, heartbeat=self.heartbeat, unfit=self.unfit)
         with self._beat_lock:
             if not self._stopped:  # a beat in flight at stop schedules none after it
                 self._beat_timer = self.links.reactor.call_later(self.heartbeat, self._beat)
+
+    def cannot_serve(self, session: str, reason: str) -> None:
+        """Long-lived, between jobs: its devices cannot serve the job of ``session`` (e.g. their data does not fit
+        its model); their idle statuses say so from now on, so its cells plan them absent with ``reason``."""
+        self.unfit = {"session": session, "reason": reason}
+        with self.presence.lock:
+            for device, transport in self.transports.items():
+                if device not in self.presence.live and transport.connected:
+                    self.agents[device].announce(IDLE, heartbeat=self.heartbeat, unfit=self.unfit)
 
     def _job_done(self, device: str) -> None:
         """Long-lived: the device's job is finished; it stays connected for the next one, announced idle
@@ -370,7 +381,7 @@ class AgentProcess:
                 return
             self.presence.live.discard(device)
             if self.agents[device].transport.connected:  # also one back from sitting out a round: it is up
-                self.agents[device].announce(IDLE, heartbeat=self.heartbeat)  # under the lock: beats follow
+                self.agents[device].announce(IDLE, heartbeat=self.heartbeat, unfit=self.unfit)  # beats follow
             self.presence.present.discard(device)
             done = not self.presence.live
         self.loop.cancel(self.presence.polls.pop(device, None))

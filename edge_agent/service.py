@@ -23,6 +23,7 @@ from protocols.wire.keys import Trust
 from .runner import AgentProcess
 
 log = logging.getLogger("fedtier.agent.service")
+UNFIT_CHARS = 300  # the most of a reason a status record carries
 T = TypeVar("T")
 
 
@@ -52,6 +53,7 @@ class AgentService:
         self.served: list[str] = []
         self.tasks = 0
         self.agents: AgentProcess | None = None
+        self.unfit: dict[str, str] | None = None  # the latest job they could not serve, and why (idle statuses)
         self.on_job_end: Callable[[str], None] | None = None  # called after each job served (benchmarks)
         self.on_start: Callable[[AgentProcess], None] | None = None  # called once its agents started
 
@@ -86,7 +88,11 @@ class AgentService:
                 except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
                     log.error("devices %s cannot serve job %s: %s", ", ".join(self.devices[:3]), current.job, exc)
                     done.add(current.session)
+                    self.unfit = {"session": current.session, "reason": str(exc)[:UNFIT_CHARS]}
+                    if agents is not None:  # said in their idle statuses: the job's cells do not wait for them
+                        agents.cannot_serve(**self.unfit)
                     continue
+                self.unfit = None
                 log.info("%d devices serve job %s", len(self.devices), current.job)
                 if agents is None:
                     agents = self.agents = fresh
@@ -136,8 +142,11 @@ class AgentService:
         status = topics.device_status(fed, cell, device) if cell is not None else None
         wait = partial(self._next_job, JobWatch(transport, fed, self.trust), done)
         period = self.bundle.monitoring.idle_heartbeat
+        unfit = {"unfit": self.unfit} if self.unfit is not None else {}  # the job it could not serve, and why
         current = (
-            wait() if status is None else idle_while(self.loop, transport, status, self.trust, period, wait, cell=cell)
+            wait()
+            if status is None
+            else idle_while(self.loop, transport, status, self.trust, period, wait, cell=cell, **unfit)
         )
         transport.close()
         return current

@@ -60,6 +60,13 @@ class NodeView:
         """Its state as shown at ``now``: the record's, or ``offline`` once :meth:`stale`."""
         return "offline" if self.stale(now) else self.state
 
+    def unfit(self) -> dict[str, str] | None:
+        """The job an idle device said it cannot serve, and why (``{"job", "reason"}``), or None."""
+        unfit = self.record.get("unfit")
+        if self.state != IDLE or not isinstance(unfit, dict):
+            return None
+        return {"job": str(unfit.get("session", "")).split(".")[0], "reason": str(unfit.get("reason", ""))}
+
     def as_dict(self, now: float) -> dict[str, Any]:
         """A row for ``--json``: the node, its state, when last heard (seconds ago), versions, capabilities."""
         caps = self.caps
@@ -77,6 +84,7 @@ class NodeView:
             "capabilities": {k: v for k, v in caps.items() if k not in ("fedtier", "wire")},
             "samples": self.record.get("samples"),
             "session": self.record.get("session"),
+            "cannot_serve": self.unfit(),
             "devices_online": self.record.get("devices_online"),
             "devices_total": self.record.get("devices_total"),
         }
@@ -166,8 +174,10 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
         detail = ""
         if v.role == "cell" and "devices_total" in v.record:
             detail = f"{v.record.get('devices_online')}/{v.record.get('devices_total')} devices online"
-        elif v.role == "device" and "samples" in v.record:
-            detail = f"{v.record['samples']} samples"
+        elif v.role == "device":
+            unfit = v.unfit()
+            said = [f"{v.record['samples']} samples"] if "samples" in v.record else []
+            detail = "; ".join(said + ([f"cannot serve {unfit['job']}: {unfit['reason']}"] if unfit else []))
         mem = finite_number(caps.get("memory_mb")) if isinstance(caps.get("memory_mb"), int) else None  # its word
         table.add_row(
             *(

@@ -78,7 +78,8 @@ class CellOutcomes:
         self.answered = Counter("fedtier_cell_devices_answered", "Device results aggregated", CELL, registry=r)
         self.absent = Counter(
             "fedtier_cell_devices_absent",
-            "Devices absent from an aggregation, by reason (offline, not_participating, not_selected, deadline)",
+            "Devices absent from an aggregation, by reason (offline, not_participating, not_selected, deadline, "
+            "revoked, requirements, cannot serve)",
             [*CELL, "reason"],
             registry=r,
         )
@@ -111,7 +112,8 @@ class CellOutcomes:
         self.planned.labels(run, cell).inc(len(rec.planned))
         self.answered.labels(run, cell).inc(len(rec.answered))
         for why, count in rec.absent_by_reason().items():  # records of large cells count, not list
-            self.absent.labels(run, cell, label_value(why)).inc(count)
+            kind = why.split(":", 1)[0]  # "requirements: ...", "cannot serve: ...": the kind, a bounded label
+            self.absent.labels(run, cell, label_value(kind)).inc(count)
         for rejection in rec.rejected:
             self.rejected.labels(run, cell, rejection.kind.value).inc()
         if rec.diverged:

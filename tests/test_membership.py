@@ -49,7 +49,7 @@ partition = "iid"
 max_train = 300
 [runtime]
 device_deadline = 60.0
-startup_wait = 30.0
+startup_wait = 120.0
 heartbeat = 1.0
 """
 
@@ -181,6 +181,11 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             assert res.returncode == 0 and "published roster version 3" in res.stdout, res.stdout
             assert _login(nodes / "c0-d1").startswith("refused"), "a revoked device still logs in"
             assert _login(nodes / "c0-d2") == "ok"
+            # and c0-d3, whose own data (784 features, no recorded geometry) cannot serve a digits job: it says so
+            res = _run([FEDTIER, "provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d3"])
+            assert res.returncode == 0 and "published roster version 4" in res.stdout, res.stdout
+            np.savez(nodes / "c0-d3" / "data.npz", x=rng.random((30, 784), dtype=np.float32), y=np.arange(30) % 10)
+            procs["c0-d3"] = agent("c0-d3")
 
             res = _run([FEDTIER, "submit", str(tmp / "B.toml"), "--config", "config.toml"], operator)
             assert res.returncode == 0 and "queued" in res.stdout, res.stdout
@@ -190,8 +195,11 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
                 line.split("}")[0] for line in cell_metrics.splitlines() if line.startswith("fedtier_device_online")
             ]
             assert sorted(online) == [
-                f'fedtier_device_online{{cell="c0",device="{d}",run="fleet"' for d in ("c0-d0", "c0-d2")
+                f'fedtier_device_online{{cell="c0",device="{d}",run="fleet"' for d in ("c0-d0", "c0-d2", "c0-d3")
             ], online
+            assert _value(
+                cell_metrics, 'fedtier_cell_devices_absent_total{cell="c0",reason="cannot_serve",run="fleet"}'
+            )
             assert _value(cell_metrics, 'fedtier_cell_devices_answered_total{cell="c0",run="fleet"}') == 8
         finally:
             outputs = {}
@@ -208,11 +216,17 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
     summary = [(r["planned"], r["answered"], r["absent"], r["closed_by"]) for r in records]
     Path("/tmp/membership-outputs.json").write_text(json.dumps(outputs))
     assert records and all(r["answered"] == ["c0-d0", "c0-d2"] for r in records), summary
+    why = "cannot serve: data.npz: 784 features per sample, but the model takes 1x8x8 = 64"
+    assert all(r["absent"] == {"c0-d3": why} for r in records), summary
+    jobs = {j["job"]: j for j in json.loads((cloud_out / "jobs.json").read_text())["jobs"]}
+    first_round = json.loads((cloud_out / "jobs" / "B" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first_round["time"] - jobs["B"]["started"] < 60  # not its startup wait (120 s) for c0-d3
     assert all(r["closed_by"] == "all answered" and r["duration_s"] < 30 for r in records)  # no deadline waited
     first = [json.loads(line) for line in (cell_out / "jobs" / "A" / "aggregation.jsonl").read_text().splitlines()]
     assert first[0]["answered"] == ["c0-d0", "c0-d1"]
     fed = load_federation(prov)
-    assert fed.roster.version == 3 and "c0-d1" in fed.roster.revoked and fed.roster.members("c0") == ["c0-d0", "c0-d2"]
+    assert fed.roster.version == 4 and "c0-d1" in fed.roster.revoked
+    assert fed.roster.members("c0") == ["c0-d0", "c0-d2", "c0-d3"]
     assert "user c0-d1\n" not in (prov / "broker" / "acl").read_text()
     assert "served 1 jobs (A)" in outputs["c0-d1"] or "served 1 job" in outputs["c0-d1"], outputs["c0-d1"]
 

@@ -201,3 +201,71 @@ def test_every_fedtier_command_and_flag_the_docs_show_exists() -> None:
             if bad:
                 wrong.append(f"{page.name}: fedtier {line}: {command.name} has no {', '.join(bad)}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_device_that_cannot_serve_a_job_is_absent_with_its_reason_and_not_waited_for(tmp_path: Path) -> None:
+    """The cell's side, in memory with signed statuses: a device whose idle status says it cannot serve the
+    cell's job (its data does not fit the model) is absent with its words, not "offline"; the cell's own
+    status counts it, so the cloud deems the cell ready at once instead of waiting out its startup wait; the
+    fleet view shows the reason. What it said of another job changes nothing."""
+    from rich.console import Console
+
+    from cell_server.node import build_cell
+    from cloud.parts import CellPresence
+    from monitor.fleet import Fleet, render
+    from protocols.status import IDLE, decode_status, encode_status
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire import topics
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys, write_keys
+    from protocols.wire.messenger import Messenger
+    from sim.hierarchy import prepare
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 3}, algorithm={"edge_rounds": 1})
+    ring = generate_keys(cfg.topology)
+    write_keys(tmp_path / "keys.toml", ring)
+    cfg = cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
+    cell.cloud.pin("job.0")
+    peer = hub.connect("peer")
+    tasks: list[str] = []
+    cell_status: list[dict] = []
+    fleet = Fleet(run, PublicKeys(ring.public))
+    peer.subscribe(topics.device_statuses(run), fleet.on_status)
+    for d in ("c0-d0", "c0-d1", "c0-d2"):
+        peer.subscribe(topics.device_task(run, "c0", d), lambda t, data: tasks.append(t.split("/")[-2]))
+    status_topic = topics.status(run, "cell.c0")
+    peer.subscribe(status_topic, lambda t, data: cell_status.append(decode_status(data, t) or {}))
+    cell.start()
+
+    def trust(node: str) -> Trust:
+        return Trust(node, ring.private[node], ring.public)
+
+    def status(device: str, state: str, **extra: object) -> None:
+        topic = topics.device_status(run, "c0", device)
+        peer.publish(topic, encode_status(state, topic=topic, trust=trust(device), cell="c0", **extra), retain=True)
+
+    STEPS = 100_000  # bounded: the heartbeats never run out
+    why = "data.npz: 784 features per sample, but the model takes 1x8x8 = 64"
+    status("c0-d0", "online", session="job.0")
+    status("c0-d2", "online", session="job.0")
+    status("c0-d1", IDLE, unfit={"session": "job.9", "reason": "another job's"})  # not this job's: offline
+    hub.loop.run(until=lambda: bool(cell_status) and cell_status[-1].get("devices_online") == 2, max_steps=STEPS)
+    presence = CellPresence(["c0"])
+    presence.heard("c0", cell_status[-1], 0.0)
+    assert not presence.ready["c0"]  # one device offline: the cloud waits for it (up to its startup wait)
+    status("c0-d1", IDLE, unfit={"session": "job.0", "reason": why})
+    hub.loop.run(until=lambda: cell_status[-1].get("devices_unfit") == 1, max_steps=STEPS)
+    presence.heard("c0", cell_status[-1], 0.0)
+    assert presence.ready["c0"]  # nobody left to wait for
+    hub.loop.run(until=lambda: fleet.received >= 4, max_steps=STEPS)
+    out = Console(width=250, record=True)
+    out.print(render(fleet))
+    assert f"cannot serve job: {why}" in out.export_text()
+
+    cloud = Messenger(peer, run, "cloud", trust=trust("cloud"))
+    cloud.session = "job.0"
+    cloud.send(topics.cell_task(run, "c0"), "cell_task", algorithm.cloud().plan(0, ["c0"])["c0"], round=0, cell="c0")
+    hub.loop.run(until=lambda: len(tasks) == 2, max_steps=STEPS)
+    assert sorted(tasks) == ["c0-d0", "c0-d2"] and cell.edge.absent == {"c0-d1": f"cannot serve: {why}"}
