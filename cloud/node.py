@@ -94,4 +94,4 @@ def config_cell_bounds(cfg: RunConfig) -> Mapping[str, float] | None:
     if bound is None:
         return None
     topo = cfg.topology
-    return CellBounds(topo.cell_ids(), cfg.train, lambda cell: [bound] * len(topo.device_ids(cell)))
+    return CellBounds(topo.cell_ids(), cfg.train, lambda cell: [bound] * len(topo.device_ids(cell)), topo.cell_of)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.bounds import weight_over
+from protocols.algorithms.base import CloudRole
+from protocols.bounds import CellBounds, weight_over
 from protocols.failures import merge_counts
 from protocols.records import TIERS
 from protocols.rejections import Rejected, RejectKind
@@ -107,12 +108,13 @@ def report_refusal(
     msg: Incoming,
     session: str | None,
     bounds: Mapping[str, float] | None,
-    weight_keys: Mapping[str, float] | None = None,
+    role: CloudRole | None = None,
 ) -> Rejected | None:
     """Why a report on ``cell``'s topic is refused before the role sees it, or None: it must be for that
-    cell, with ``session`` (signed runs: the cloud's session) signed by that cell in it, and claim in each of
-    ``weight_keys`` (the role's sample counts, default ``weight``) a weight within its multiple of the cell's
-    bound in ``bounds`` (``CloudRole.weight_keys``)."""
+    cell, with ``session`` (signed runs: the cloud's session) signed by that cell in it, claim in each sample
+    count of ``role`` (``CloudRole.weight_keys``; default ``weight``) a weight within its multiple of the cell's
+    bound in ``bounds``, and name in its device lists (``CloudRole.member_keys``) only devices of that cell (where
+    ``bounds`` knows them)."""
     h = msg.header
     if h.cell != cell:
         return Rejected(RejectKind.WRONG_SENDER, f"report for cell {h.cell!r} on the topic of cell {cell!r}")
@@ -123,11 +125,27 @@ def report_refusal(
     bound = bounds.get(cell) if bounds is not None else None
     if bound is None:
         return None
-    for key, times in (weight_keys or {"weight": 1.0}).items():
+    for key, times in (role.weight_keys() if role is not None else {"weight": 1.0}).items():
         limit = bound * times
         over = weight_over(msg.payload.meta.get(key), limit, f"the bound of cell {cell} ({limit:g} samples)")
         if over is not None:
             return Rejected(RejectKind.BOUND, over if key == "weight" else f"{key}: {over}")
+    cell_of = bounds.cell_of if isinstance(bounds, CellBounds) else None
+    if cell_of is None or role is None:
+        return None
+    for key in role.member_keys():
+        stranger = _stranger(msg.payload.meta.get(key, []), cell, cell_of)
+        if stranger is not None:
+            return Rejected(RejectKind.WRONG_SENDER, f"{key} names {stranger[:40]!r}, not a device of cell {cell}")
+    return None
+
+
+def _stranger(listed: object, cell: str, cell_of: Callable[[str], str | None]) -> str | None:
+    """The first entry of a report's device list ``listed`` that is no device of ``cell`` (the role checks the
+    list's form)."""
+    for d in listed if isinstance(listed, list) else ():
+        if not isinstance(d, str) or cell_of(d) != cell:
+            return str(d)
     return None
 
 

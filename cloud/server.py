@@ -328,7 +328,7 @@ class CloudServer:
     def _bad_report(self, cell: str, msg: Incoming) -> Rejected | None:
         """Runtime checks before the role sees a report (:func:`cloud.parts.report_refusal`)."""
         session = self.session if self.trust is not None else None
-        return report_refusal(cell, msg, session, self.cell_bounds, self.role.weight_keys())
+        return report_refusal(cell, msg, session, self.cell_bounds, self.role)
 
     def _count(self, cell: str, msg: Incoming) -> int:
         """Add a taken report's figures to the round (:meth:`RoundCounts.count`); its device count."""

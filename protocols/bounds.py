@@ -50,14 +50,20 @@ def cell_weight_bound(train: TrainParams, device_bounds: Iterable[float]) -> flo
 
 class CellBounds(Mapping[str, float]):
     """``cell -> cell_weight_bound`` computed on first access (a cell of a million devices costs nothing
-    until its first report), from ``device_bounds(cell)``."""
+    until its first report), from ``device_bounds(cell)``; ``cell_of(device)`` (the topology's or the roster's)
+    says which cell a device belongs to, for reports that name their devices (``CloudRole.member_keys``)."""
 
     def __init__(
-        self, cells: Iterable[str], train: TrainParams, device_bounds: Callable[[str], Iterable[float]]
+        self,
+        cells: Iterable[str],
+        train: TrainParams,
+        device_bounds: Callable[[str], Iterable[float]],
+        cell_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self._cells, self._train, self._device_bounds = list(cells), train, device_bounds
         self._members = set(self._cells)
         self._known: dict[str, float] = {}
+        self.cell_of = cell_of
 
     def __getitem__(self, cell: str) -> float:
         if cell not in self._known:
@@ -75,4 +81,6 @@ class CellBounds(Mapping[str, float]):
 
 def roster_cell_bounds(roster: Roster, train: TrainParams) -> CellBounds:
     """Each cell's weight bound from a signed roster (``protocols.roster.Roster``): its devices' bounds there."""
-    return CellBounds(roster.cells, train, lambda cell: [entry.max_weight for entry in roster.cells[cell].values()])
+    return CellBounds(
+        roster.cells, train, lambda cell: [entry.max_weight for entry in roster.cells[cell].values()], roster.cell_of
+    )

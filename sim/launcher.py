@@ -150,7 +150,10 @@ def device_steps(cfg: RunConfig, prep: Any) -> Callable[[str], int]:
 def cell_bounds(cfg: RunConfig, device_data: DeviceData) -> CellBounds:
     """Each cell's weight bound at the cloud from its devices' sample counts (computed at its first report)."""
     return CellBounds(
-        cfg.topology.cell_ids(), cfg.train, lambda c: device_samples(device_data, cfg.topology.devices(c)).values()
+        cfg.topology.cell_ids(),
+        cfg.train,
+        lambda c: device_samples(device_data, cfg.topology.devices(c)).values(),
+        cfg.topology.cell_of,
     )
 
 

@@ -307,6 +307,33 @@ def test_a_fedalign_report_with_more_priority_accuracy_than_weight_is_refused() 
         cloud.check("c0", Payload({**meta, "prio_accuracy": 11.0}, {}))
 
 
+def test_a_decomfl_cell_cannot_count_devices_it_does_not_have(tmp_path: Path) -> None:
+    """DeComFL (uniform weighting, its default) weighs a cell by the devices it says answered. c0 (its own key)
+    listing 717 made-up ids beside its 3 devices claimed 720 (within its sample bound) against c1's 3, took
+    240 times its share of the scalars, and left 717 ghost entries in the cloud's synced table. A report's device
+    lists (CloudRole.member_keys) may now name only the cell's devices (the topology's, or the roster's)."""
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 2},
+        algorithm={"name": "decomfl", "local_steps": 1, "perturbations": 2, "lr": 0.02, "edge_rounds": 1},
+    )
+    sim = SimHierarchy(cfg)
+    role = sim.cells["c0"].role
+    honest = role.report
+
+    def ghosts() -> Payload:
+        r = honest()
+        answered = r.meta["answered"] + [f"ghost{i}" for i in range(717)]
+        return Payload({**r.meta, "answered": answered, "weight": len(answered)}, r.tensors)
+
+    role.report = ghosts
+    result = sim.run()
+    refused = [x for r in result.history for x in r["rejected"]]
+    assert len(refused) == 2 and all("answered names 'ghost0', not a device of cell c0" in x["reason"] for x in refused)
+    assert [r["metrics"]["devices"] for r in result.history] == [3, 3]  # c1's only
+    assert not any(d.startswith("ghost") for t in sim.cloud.role.synced.values() for d in t)
+
+
 # ------------------------------------------------------------------------------ a device's masked input (SecAgg+)
 def secure_sum(shift: float) -> object:
     """One SecAgg+ aggregation of 6 devices of weight 1 (updates ~ N(0, 0.1), clip bound 1) in which c0-d0 (its

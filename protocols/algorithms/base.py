@@ -143,6 +143,12 @@ class CloudRole(ABC):
         (``cloud.parts.report_refusal``), so no count is a lever."""
         return {"weight": 1.0}
 
+    def member_keys(self) -> tuple[str, ...]:
+        """The keys of a cell's report (its ``meta``) that list devices of that cell (DeComFL's ``answered``): the
+        cloud's runtime refuses a report naming any other (``cloud.parts.report_refusal``), so a cell cannot count
+        devices it does not have."""
+        return ()
+
     @abstractmethod
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         """The task of each cell this round."""

@@ -128,6 +128,9 @@ class DeComFLCloud(CloudRole):
     def weight_keys(self) -> dict[str, float]:
         return {"weight": float(self.p.edge_rounds)}  # a cell adds every edge round's answers
 
+    def member_keys(self) -> tuple[str, ...]:
+        return ("answered", "resync")  # (uniform weighting: the weight is the number answered)
+
     def __init__(self, params: DeComFLParams, seed: int, initial: Mapping[str, np.ndarray]) -> None:
         self.p, self.seed = params, seed
         self.K, self.P = params.local_steps, params.perturbations

@@ -177,6 +177,9 @@ class PrivateCloud(CloudRole):
     def weight_keys(self) -> dict[str, float]:
         return self.inner.weight_keys()
 
+    def member_keys(self) -> tuple[str, ...]:
+        return self.inner.member_keys()
+
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         parties = self.accountant.by_party(round + 1)
         return replace(
