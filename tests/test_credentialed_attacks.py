@@ -154,6 +154,21 @@ def test_numbers_beyond_the_float_range_in_what_the_roles_check_are_refused_not_
     assert any("probe_loss must be a finite number" in x["reason"] for x in rejected(result, "c0"))
 
 
+@pytest.mark.parametrize("count", [[], "3", None], ids=["a list", "a string", "null"])
+def test_a_fedalign_cells_free_device_counts_that_are_no_counts_fail_nothing(count: object, tmp_path: Path) -> None:
+    """A FedALIGN report's ``admitted`` and ``refused`` (free devices, summed into the round's metrics) are its cell's
+    word: a list or null raised in the cloud's aggregation (``int()`` of it), failing the job; now refused."""
+    align = {"name": "fedalign", "priority": ["c0-d1", "c1-d0"], "epsilon": 1.0, "edge_rounds": 1}
+    sim = SimHierarchy(small_config(tmp_path, run={"rounds": 2}, algorithm=align))
+    role = sim.cells["c0"].role
+    honest = role.report
+    role.report = lambda: Payload({**(r := honest()).meta, "admitted": count}, r.tensors)
+    result = sim.run()
+    assert len(result.history) == 2
+    refused = [x for r in result.history for x in r["rejected"]]
+    assert len(refused) == 2 and all("admitted must be a count" in x["reason"] for x in refused), refused
+
+
 def test_a_fedmrn_cells_entry_weights_beyond_int64_fail_nothing(tmp_path: Path) -> None:
     """A FedMRN cell that forwards its devices' masks weighs them within its own mean (its own aggregate: its
     word); an entry weight of 10^30 (beyond int64: numpy's ``isfinite`` raised TypeError) failed the cloud's job.

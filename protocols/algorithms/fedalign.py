@@ -49,7 +49,7 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
-from .fedavg import FedAvgCell, FedAvgDevice, check_delta
+from .fedavg import MAX_COUNT, FedAvgCell, FedAvgDevice, check_delta
 from .outcome import Outcome
 from .traits import Trait
 
@@ -180,6 +180,10 @@ class FedAlignCloud(CloudRole):
                 RejectKind.INCONSISTENT,
                 f"report of cell {cell}: prio_accuracy {accuracy:g} above prio_weight {weight:g}",
             )
+        for key in ("admitted", "refused"):  # counts of free devices, summed into the round's metrics
+            n = report.meta.get(key, 0)
+            if type(n) is not int or not 0 <= n <= MAX_COUNT:
+                raise Rejected(RejectKind.MALFORMED, f"report of cell {cell}: {key} must be a count, got {str(n)[:40]}")
         if report.meta.get("weight") == 0 and not report.tensors:
             return
         check_delta(report, self.model, f"report of cell {cell}")
