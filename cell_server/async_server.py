@@ -64,6 +64,7 @@ class AsyncCellServer(CellServer):
             )
             return
         self.round = msg.header.round
+        self.messenger.session = msg.header.session  # device tasks and pushes belong to it (signed runs check)
         if first:
             self.tally = RoundTally()
             if self.push_seconds > 0:

@@ -36,7 +36,7 @@ from protocols.wire.keys import (
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload, decode_payload
 from sim.emulation import Emulation
-from sim.launcher import SimHierarchy, run_simulation
+from sim.launcher import RunResult, SimHierarchy, run_simulation
 from tests.conftest import small_config
 
 
@@ -248,6 +248,21 @@ def test_forged_messages_are_rejected_and_do_not_change_the_aggregate(how: str, 
     c1 = [x for r in result.cell_records if r["cell"] == "c1" for x in r["rejected"]]
     assert len(c1) == 1 and ("unsigned" if key is None else "bad signature") in c1[0]["reason"], c1
     assert all(sorted(r["answered"]) == sorted(r["planned"]) for r in result.cell_records)
+
+
+@pytest.mark.timeout(60)  # before the fix: the cloud refused every push ("report of session None") without end
+def test_a_signed_async_run_is_bit_identical_to_unsigned(runs: dict, tmp_path: Path) -> None:
+    """Asynchronous cells stamp their device tasks and pushes with the cloud's session, as synchronous ones do,
+    so a signed asynchronous run finishes, nothing refused, with the model of the unsigned run."""
+
+    def async_run(folder: str, **security: str) -> RunResult:
+        algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1}
+        cfg = small_config(tmp_path / folder, run={"rounds": 3}, algorithm=algorithm, security=security)
+        return SimHierarchy(cfg).run()
+
+    plain, signed = async_run("plain"), async_run("signed", keys=str(runs["keys"]))
+    assert len(signed.history) == 3 and same(signed.params, plain.params)
+    assert all(not r["rejected"] for r in signed.history + signed.cell_records)
 
 
 def test_without_keys_the_same_forgery_poisons_the_aggregate(runs: dict, tmp_path: Path) -> None:
