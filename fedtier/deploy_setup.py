@@ -106,8 +106,13 @@ def spec_and_data(cfg: RunConfig, source: str | Path | DataSource) -> tuple[Mode
 
 
 def spec_and_data(cfg: RunConfig, source: str | Path | DataSource | None = None) -> tuple[ModelSpec, LocalData | None]:
-    """``(model spec, data of source or None)``: the model's geometry from the data source when it records
-    it, else from the config's dataset name (known without loading the dataset)."""
+    """``(model spec, data of source or None)``: the model's geometry from the config's dataset name (known
+    without loading the dataset), in the layout the data source records if it records one. Raises
+    ``DataSourceError`` (a ``ConfigError``) for data another model would need: other features per sample,
+    other classes, or a label the model has no output for (every node must build the job's one model)."""
+    import math
+
+    from edge_agent.datasources import DataSourceError
     from sim.datasets import dataset_geometry
 
     shape, classes = dataset_geometry(cfg.data.dataset, **cfg.data.loader_params())
@@ -116,11 +121,17 @@ def spec_and_data(cfg: RunConfig, source: str | Path | DataSource | None = None)
         from edge_agent.runner import load_device_data
 
         data, own_shape, own_classes = load_device_data(source, input_shape=shape)
-        shape, classes = own_shape or shape, own_classes or classes
+        where, wanted = getattr(source, "path", source), f"{cfg.data.dataset}: {'x'.join(map(str, shape))}"
+        if own_shape is not None and math.prod(own_shape) != math.prod(shape):
+            raise DataSourceError(
+                f"{where}: samples of {'x'.join(map(str, own_shape))}, but the job's model takes {wanted}"
+            )
+        if own_classes is not None and own_classes != classes:
+            raise DataSourceError(
+                f"{where}: {own_classes} classes, but the job's model ({cfg.data.dataset}) has {classes}"
+            )
+        shape = own_shape or shape
         if len(data.y) and int(data.y.max()) >= classes:  # the model's last layer has no output for it
-            from edge_agent.datasources import DataSourceError
-
-            where = getattr(source, "path", source)
             raise DataSourceError(f"{where}: label {int(data.y.max())}, but the model has {classes} classes")
     return cfg.model_spec(shape, classes), data
 

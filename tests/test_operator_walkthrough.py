@@ -161,6 +161,14 @@ def test_a_devices_own_data_file_is_checked_against_each_jobs_model_not_the_bund
     np.savez(bundle / "labels.npz", x=x, y=np.where(y == 3, 37, y))
     with pytest.raises(ConfigError, match="labels.npz: label 37, but the model has 10 classes"):
         spec_and_data(job, "labels.npz")
+    # data that records another geometry (`fedtier partition` of another data set) needs another model: every
+    # node must build the job's one (the cloud's model was refused by such a device every round instead)
+    np.savez(bundle / "mnist.npz", x=np.zeros((4, 784), np.float32), y=np.zeros(4, np.int64), input_shape=[1, 28, 28])
+    with pytest.raises(ConfigError, match="mnist.npz: samples of 1x28x28, but the job's model takes digits: 1x8x8"):
+        spec_and_data(job, "mnist.npz")
+    np.savez(bundle / "c20.npz", x=x, y=y, input_shape=[1, 8, 8], num_classes=20)
+    with pytest.raises(ConfigError, match=r"c20.npz: 20 classes, but the job's model \(digits\) has 10"):
+        spec_and_data(job, "c20.npz")
 
 
 def _doc_commands(text: str) -> list[str]:
