@@ -39,7 +39,7 @@ from protocols.wire.payload import Payload, decode_payload, encode_payload
 from .device_worker import DeviceWorker, process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
 from .result_ring import RingReader, ring_bytes
-from .worker_frames import batch_frame, frame, unframe
+from .worker_frames import Batch, frame, unframe
 
 if TYPE_CHECKING:
     from edge_agent.agent import Trainee
@@ -81,7 +81,7 @@ class _Remote:
         """``batched`` (engine = cohort): tasks wait until the loop is idle, then go to each worker as one
         batch, which it trains as cohorts; otherwise each task goes at once."""
         self.loop, self.groups = loop, groups
-        self._batches: dict[int, list[tuple[int, dict[str, Any], Received]]] | None = {} if batched else None
+        self._batches: dict[int, Batch] | None = {} if batched else None
         self.largest_batch = 0  # most tasks a worker got at once (tests, progress)
         if batched:
             loop.on_idle = self.flush
@@ -108,21 +108,24 @@ class _Remote:
         }
         body = wire if wire is not None else Received(encode_payload(task), 0)
         if self._batches is not None:
-            self._batches.setdefault(worker, []).append((task_id, header, body))
+            batch = self._batches.get(worker)
+            if batch is None:
+                batch = self._batches[worker] = Batch()
+            batch.add(task_id, header, body)
         else:
             self._send(worker, task_id, header, body)
 
     def flush(self) -> None:
         """Send each worker its queued tasks as one batch (the loop is idle: the round's tasks are all in)."""
         batches, self._batches = self._batches or {}, {}
-        for worker, items in batches.items():
-            self.largest_batch = max(self.largest_batch, len(items))
-            self._send_batch(worker, items)
+        for worker, batch in batches.items():
+            self.largest_batch = max(self.largest_batch, len(batch))
+            self._send_batch(worker, batch)
 
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
         raise NotImplementedError
 
-    def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], Received]]) -> None:
+    def _send_batch(self, worker: int, batch: Batch) -> None:
         raise NotImplementedError(f"{type(self).__name__} trains per device")
 
     def _reply(self, task_id: int, result: bytes | memoryview, error: str, checked: bool = False) -> None:
@@ -213,8 +216,8 @@ class ProcessExecutor(_Remote):
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
         self._outboxes[worker].put(frame({"id": task_id, "ctx": ctx}, task.view()))
 
-    def _send_batch(self, worker: int, items: list[tuple[int, dict[str, Any], Received]]) -> None:
-        self._outboxes[worker].put(batch_frame(items))
+    def _send_batch(self, worker: int, batch: Batch) -> None:
+        self._outboxes[worker].put(batch.frame())
 
     def _writer(self, worker: int, conn: Any, outbox: queue.Queue[bytes | None]) -> None:
         """Sends tasks in order without blocking the loop (a pipe holds only 64 KiB)."""

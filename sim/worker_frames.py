@@ -26,23 +26,42 @@ def unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
     return json.loads(bytes(view[4 : 4 + n])), view[4 + n :]
 
 
-def batch_frame(items: Sequence[tuple[int, dict[str, Any], bytes | Received]]) -> bytes:
-    """One frame for a worker's batch of tasks (each its payload's bytes, or where they arrived). A task
-    byte-identical to an earlier one of the batch (a cell sends every device of an edge round the same model)
-    is sent once: its item says ``"same": j``."""
-    head: list[dict[str, Any]] = []
-    bodies: list[memoryview] = []
-    sent: list[tuple[int, Received]] = []  # (item, its bytes) of the items whose bytes travel
-    for task_id, ctx, task in items:
+class Batch:
+    """A worker's batch of tasks as it is gathered: a task byte-identical to an earlier one of the batch (a cell
+    sends every device of an edge round the same model) is sent once, its item saying ``"same": j``. Each task is
+    compared as it is added, while its bytes are fresh in the cache from their decoding (at the batch's end it
+    read them from memory again: 65-90 us for 800 KB)."""
+
+    def __init__(self) -> None:
+        self.head: list[dict[str, Any]] = []
+        self.bodies: list[memoryview] = []
+        self.sent: list[tuple[int, Received]] = []  # (item, its bytes) of the items whose bytes travel
+
+    def __len__(self) -> int:
+        return len(self.head)
+
+    def add(self, task_id: int, ctx: dict[str, Any], task: bytes | Received) -> None:
+        """Add a task: its payload's bytes, or where they arrived."""
         task = task if isinstance(task, Received) else Received(task, 0)
-        same = next((j for j, earlier in sent if earlier.same(task)), None)
+        same = next((j for j, earlier in self.sent if earlier.same(task)), None)
         if same is None:
-            sent.append((len(head), task))
-            head.append({"id": task_id, "ctx": ctx, "n": task.nbytes})
-            bodies.append(task.view())
+            self.sent.append((len(self.head), task))
+            self.head.append({"id": task_id, "ctx": ctx, "n": task.nbytes})
+            self.bodies.append(task.view())
         else:
-            head.append({"id": task_id, "ctx": ctx, "same": same})
-    return frame({"batch": head}, b"".join(bodies))
+            self.head.append({"id": task_id, "ctx": ctx, "same": same})
+
+    def frame(self) -> bytes:
+        """The batch as one frame (:func:`batch_items` reads it)."""
+        return frame({"batch": self.head}, b"".join(self.bodies))
+
+
+def batch_frame(items: Sequence[tuple[int, dict[str, Any], bytes | Received]]) -> bytes:
+    """One frame for a worker's batch of tasks ``(id, ctx, bytes)`` (:class:`Batch`)."""
+    batch = Batch()
+    for item in items:
+        batch.add(*item)
+    return batch.frame()
 
 
 def batch_items(header: dict[str, Any], body: memoryview) -> list[tuple[dict[str, Any], memoryview]]:
