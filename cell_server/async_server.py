@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from protocols.algorithms.fedbuff import FedBuffCell
+from protocols.answers import sender_refusal
 from protocols.divergence import diverged_reason
 from protocols.failures import count_reasons, failed_reason
 from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
@@ -110,15 +111,8 @@ class AsyncCellServer(CellServer):
         if msg is None:
             return
         h, device = msg.header, topic.split("/")[-2]
-        if h.sender != device:
-            self.messenger.reject(
-                topic,
-                RejectKind.WRONG_SENDER,
-                f"sender {h.sender!r} published on the topic of device {device!r}",
-                device,
-            )
-            return
-        refused = self._bad_result(device, msg)  # session (signed runs), weight bound
+        # the device's own result (its session in signed runs, its weight bound)
+        refused = sender_refusal("device", device, h.sender) or self._bad_result(device, msg)
         if refused is not None:
             self.messenger.reject(topic, refused.kind, str(refused), device)
             return

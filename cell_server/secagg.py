@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from protocols.algorithms.base import CellRole
-from protocols.answers import Answers
+from protocols.answers import Answers, sender_refusal
 from protocols.privacy.secagg import Phase, RoundId, SecAggCell, SecAggFailure, SecAggSettings, unflatten
 from protocols.rejections import Rejected, RejectKind
 from protocols.wire import topics
@@ -186,13 +186,9 @@ class CellSecAgg:
     def on_message(self, topic: str, device: str, msg: Incoming) -> None:
         """A ``secagg_*`` message from ``device`` (its result topic)."""
         s, h = self.server, msg.header
-        if h.sender != device:
-            s.messenger.reject(
-                topic,
-                RejectKind.WRONG_SENDER,
-                f"sender {h.sender!r} published on the topic of device {device!r}",
-                device,
-            )
+        wrong = sender_refusal("device", device, h.sender)
+        if wrong is not None:
+            s.messenger.reject(topic, wrong.kind, str(wrong), device)
             return
         if self.state is None or (h.round, h.edge_round) != self.key:
             s.messenger.reject(

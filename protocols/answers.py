@@ -44,8 +44,9 @@ class Answers:
         Returns ``None`` when taken or when it is a repeat of a taken answer (counted once), else why it is
         refused (a :class:`Rejected`, not raised).
         """
-        if sender != who:
-            return Rejected(RejectKind.WRONG_SENDER, f"sender {sender!r} published on the topic of {self.kind} {who!r}")
+        wrong = sender_refusal(self.kind, who, sender)
+        if wrong is not None:
+            return wrong
         if key != self.key:
             now = ".".join(map(str, self.key)) if self.key else "between rounds"
             return Rejected(RejectKind.STALE, f"stale answer for round {'.'.join(map(str, key))} (now {now})")
@@ -64,3 +65,11 @@ class Answers:
         self.received[who] = payload
         self.pending.discard(who)
         return None
+
+
+def sender_refusal(kind: str, who: str, sender: str) -> Rejected | None:
+    """Why a message on the topic of ``who`` (a ``kind``: device, cell) that ``sender`` signed is refused: another
+    party published it; ``None`` when ``who`` sent it."""
+    if sender != who:
+        return Rejected(RejectKind.WRONG_SENDER, f"sender {sender!r} published on the topic of {kind} {who!r}")
+    return None

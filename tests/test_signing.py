@@ -36,7 +36,7 @@ from protocols.wire.keys import (
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload, decode_payload
 from sim.emulation import Emulation
-from sim.launcher import RunResult, SimHierarchy, run_simulation
+from sim.launcher import SimHierarchy, run_simulation
 from tests.conftest import small_config
 
 
@@ -250,19 +250,32 @@ def test_forged_messages_are_rejected_and_do_not_change_the_aggregate(how: str, 
     assert all(sorted(r["answered"]) == sorted(r["planned"]) for r in result.cell_records)
 
 
+def async_sim(folder: Path, **security: str) -> SimHierarchy:
+    """A 3-version asynchronous sim of the small config (``security``: its keys)."""
+    algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1}
+    return SimHierarchy(small_config(folder, run={"rounds": 3}, algorithm=algorithm, security=security))
+
+
 @pytest.mark.timeout(60)  # before the fix: the cloud refused every push ("report of session None") without end
 def test_a_signed_async_run_is_bit_identical_to_unsigned(runs: dict, tmp_path: Path) -> None:
     """Asynchronous cells stamp their device tasks and pushes with the cloud's session, as synchronous ones do,
     so a signed asynchronous run finishes, nothing refused, with the model of the unsigned run."""
-
-    def async_run(folder: str, **security: str) -> RunResult:
-        algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1}
-        cfg = small_config(tmp_path / folder, run={"rounds": 3}, algorithm=algorithm, security=security)
-        return SimHierarchy(cfg).run()
-
-    plain, signed = async_run("plain"), async_run("signed", keys=str(runs["keys"]))
+    plain, signed = async_sim(tmp_path / "plain").run(), async_sim(tmp_path / "signed", keys=str(runs["keys"])).run()
     assert len(signed.history) == 3 and same(signed.params, plain.params)
     assert all(not r["rejected"] for r in signed.history + signed.cell_records)
+
+
+def test_an_async_cell_refuses_a_result_another_device_signed(runs: dict, tmp_path: Path) -> None:
+    """An asynchronous cell checks the sender as a synchronous one does: a result on c0-d0's topic signed with
+    c0-d1's own key is refused, named so, and the model is the one of the same run without the intruder."""
+    clean = async_sim(tmp_path / "clean", keys=str(runs["keys"])).run()
+    sim = async_sim(tmp_path / "forged", keys=str(runs["keys"]))
+    forged = forge(sim, "c0-d1", signer(load_keys(runs["keys"]), "c0-d1", "c0-d1"))
+    result = sim.run()
+    c0 = [x for r in result.cell_records if r["cell"] == "c0" for x in r["rejected"]]
+    assert forged and c0 and all(x["device"] == "c0-d0" for x in c0), c0
+    assert all("published on the topic of device 'c0-d0'" in x["reason"] for x in c0), c0
+    assert same(result.params, clean.params)
 
 
 def test_without_keys_the_same_forgery_poisons_the_aggregate(runs: dict, tmp_path: Path) -> None:
