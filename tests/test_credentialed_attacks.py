@@ -269,6 +269,32 @@ def test_a_devices_announced_memory_beyond_the_float_range_does_not_break_the_fl
     assert fleet.refused == 0 and "2.0 GiB" in out.export_text()
 
 
+def test_metadata_nested_past_32_levels_is_refused_where_it_is_decoded() -> None:
+    """JSON nested to the parser's limit (~1000 levels, one ``loads`` of a 2 KB string) decodes, and leaves every
+    recursive walk or re-encoding of it in the receiver (its journal, its records) a few stack frames from raising:
+    whether it does depends on where the receiver stands. Metadata now nests at most 32 levels, checked without
+    recursion where it is decoded, before any consumer."""
+    import json
+    import struct
+
+    from protocols.wire.envelope import WireError
+    from protocols.wire.payload import MAX_META_DEPTH, decode_payload, encode_payload
+
+    def with_meta(text: str) -> bytes:
+        base = encode_payload(Payload({}, {"w": np.zeros(2, np.float32)}))
+        (n,) = struct.unpack_from("<I", base, 0)
+        return struct.pack("<I", len(text)) + text.encode() + bytes(base[4 + n :])
+
+    def nest(levels: int) -> str:  # the meta object itself is a level
+        return '{"weight": 1, "x": ' + "[" * (levels - 1) + "]" * (levels - 1) + "}"
+
+    ok = decode_payload(with_meta(nest(MAX_META_DEPTH)))
+    assert ok.meta["weight"] == 1 and json.dumps(ok.meta).count("[") == MAX_META_DEPTH - 1
+    for levels in (MAX_META_DEPTH + 1, 900):
+        with pytest.raises(WireError, match=f"nested deeper than {MAX_META_DEPTH} levels"):
+            decode_payload(with_meta(nest(levels)))
+
+
 # ------------------------------------------------------------------------------ a cell's priority statistics (FedALIGN)
 def fedalign_config() -> dict:
     return {
