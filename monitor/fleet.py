@@ -6,7 +6,9 @@ a job), idle (a long-lived node up between jobs) or offline, and the capabilitie
 subscribes gets them all at once, then each heartbeat as it comes, so the view says which nodes are up,
 when each was last heard (while the view listens), what each runs and can do, and which job the cloud
 is running. With the federation's public keys a record counts only if the node its topic names signed
-it; others are counted as refused, with the reason, and never shown as a node.
+it; others are counted as refused, with the reason, and never shown as a node. With them too, the view
+reads the federation's signed roster (published by the cloud): a member never heard from (enrolled, never
+started) is listed as never seen.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from protocols.wire.keys import PublicKeys
 
 ROLE_ORDER = {"cloud": 0, "cell": 1, "device": 2}
+UNSEEN = "never seen"  # a member of the roster without a status
 
 
 @dataclass
@@ -77,8 +80,8 @@ class NodeView:
             "state": self.state_at(now),
             "online": self.up and not self.stale(now),  # idle counts: the node is up, between jobs
             "idle_heartbeat_missed": self.stale(now),
-            "heard_s_ago": round(now - self.last_heard, 3),
-            "heartbeats_seen": self.updates - 1,
+            "heard_s_ago": round(now - self.last_heard, 3) if self.updates else None,  # None: never seen
+            "heartbeats_seen": max(0, self.updates - 1),
             "fedtier": caps.get("fedtier"),
             "wire": caps.get("wire"),
             "capabilities": {k: v for k, v in caps.items() if k not in ("fedtier", "wire")},
@@ -100,13 +103,35 @@ class Fleet:
     nodes: dict[str, NodeView] = field(default_factory=dict)
     refused: int = 0
     received: int = 0
+    members: dict[str, str | None] = field(default_factory=dict)  # node -> its cell, from the signed roster
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def start(self, transport: Transport) -> Fleet:
-        """Subscribe to every status topic of the run on ``transport`` (retained records arrive at once)."""
+        """Subscribe to every status topic of the run on ``transport`` (retained records arrive at once), and
+        with keys to the federation's signed roster."""
         transport.subscribe(topics.statuses(self.run), self.on_status)
         transport.subscribe(topics.device_statuses(self.run), self.on_status)
+        if self.keys is not None:
+            from protocols.roster import roster_topic
+
+            transport.subscribe(roster_topic(self.run), self.on_roster)
         return self
+
+    def on_roster(self, _topic: str, data: bytes) -> None:
+        """The cloud's signed roster: its cells and devices are the members the view lists, heard from or not."""
+        from protocols.roster import RosterError, verify_roster
+
+        if not data or self.keys is None:
+            return
+        try:
+            roster = verify_roster(data, self.keys.verify, federation=self.run)
+        except RosterError:
+            with self._lock:
+                self.refused += 1
+            return
+        with self._lock:
+            self.members = {"cloud": None} | {c: c for c in roster.cells}
+            self.members |= {d: c for c in roster.cells for d in roster.members(c)}
 
     def on_status(self, topic: str, data: bytes) -> None:
         with self._lock:
@@ -129,8 +154,18 @@ class Fleet:
                 view.updates += 1
 
     def rows(self) -> list[NodeView]:
+        """The nodes heard from, and the roster's members never heard from (:data:`UNSEEN`)."""
         with self._lock:
-            return sorted(self.nodes.values(), key=lambda v: (ROLE_ORDER.get(v.role, 3), v.cell or "", v.node))
+            now = self.clock()
+            unseen = [
+                NodeView(
+                    n, "cloud" if cell is None else "cell" if n == cell else "device", cell, UNSEEN, {}, now, now, 0
+                )
+                for n, cell in self.members.items()
+                if n not in self.nodes
+            ]
+            views = [*self.nodes.values(), *unseen]
+        return sorted(views, key=lambda v: (ROLE_ORDER.get(v.role, 3), v.cell or "", v.node))
 
     def current_job(self) -> str | None:
         """The cloud's current session (``{job}.{config hash}`` in a federation), from its status."""
@@ -170,7 +205,7 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
         table.add_column(col)
     for v in rows:
         caps = v.caps
-        heard = f"{now - v.last_heard:.1f}s ago" if v.updates > 1 else "retained"
+        heard = f"{now - v.last_heard:.1f}s ago" if v.updates > 1 else "retained" if v.updates else "never"
         detail = ""
         if v.role == "cell" and "devices_total" in v.record:
             detail = f"{v.record.get('devices_online')}/{v.record.get('devices_total')} devices online"

@@ -277,3 +277,38 @@ def test_a_device_that_cannot_serve_a_job_is_absent_with_its_reason_and_not_wait
     cloud.send(topics.cell_task(run, "c0"), "cell_task", algorithm.cloud().plan(0, ["c0"])["c0"], round=0, cell="c0")
     hub.loop.run(until=lambda: len(tasks) == 2, max_steps=STEPS)
     assert sorted(tasks) == ["c0-d0", "c0-d2"] and cell.edge.absent == {"c0-d1": f"cannot serve: {why}"}
+
+
+def test_the_fleet_lists_a_roster_member_never_heard_from() -> None:
+    """`fedtier fleet` with the federation's keys reads the cloud's signed roster: an enrolled device that never
+    started is listed as never seen (and counted against the nodes online), a roster not signed by the cloud is
+    refused, and a revoked device (gone from the roster, its status cleared) is not listed."""
+    from rich.console import Console
+
+    from monitor.fleet import Fleet, render
+    from protocols.config import TopologySection
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.status import encode_status
+    from protocols.wire import topics
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=3))
+    fleet = Fleet("fed", PublicKeys(ring.public))
+
+    def trust(node: str) -> Trust:
+        return Trust(node, ring.private[node], ring.public)
+
+    for node, topic in (("c0", topics.status("fed", "cell.c0")), ("c0-d0", topics.device_status("fed", "c0", "c0-d0"))):
+        fleet.on_status(topic, encode_status("online", topic=topic, trust=trust(node)))
+    roster = Roster.from_topology("fed", {"c0": ["c0-d0", "c0-d1", "c0-d2"]}, ring.public, 100.0)
+    fleet.on_roster(roster_topic("fed"), sign_roster(roster, trust("c0").sign))  # not the cloud's: refused
+    assert fleet.refused == 1 and len(fleet.rows()) == 2
+    fleet.on_roster(roster_topic("fed"), sign_roster(roster.without("c0-d2"), trust("cloud").sign))
+    rows = {r.node: r.as_dict(fleet.clock()) for r in fleet.rows()}
+    assert sorted(rows) == ["c0", "c0-d0", "c0-d1", "cloud"]
+    assert rows["c0-d1"]["state"] == "never seen" and not rows["c0-d1"]["online"] and rows["c0-d1"]["cell"] == "c0"
+    assert rows["cloud"]["state"] == "never seen" and rows["cloud"]["heard_s_ago"] is None
+    out = Console(width=200, record=True)
+    out.print(render(fleet))
+    text = out.export_text()
+    assert "2/4 nodes online" in text and "c0-d1" in text and "never seen" in text
