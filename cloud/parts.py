@@ -14,16 +14,12 @@ from typing import Any
 from protocols.algorithms.base import CloudRole
 from protocols.bounds import CellBounds, weight_over
 from protocols.failures import merge_counts
+from protocols.numbers import declared_count
 from protocols.records import TIERS
 from protocols.rejections import Rejected, RejectKind
 from protocols.wire.messenger import Incoming
 
 log = logging.getLogger("fedtier.cloud")
-
-
-def _positive_int(value: Any) -> int:
-    """``value`` if it is a positive int (not a bool), else 0: a cell's declared count, checked."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 @dataclass
@@ -49,17 +45,15 @@ class RoundCounts:
         self.bytes["cell_to_cloud"] += nbytes
         traffic = meta.get("traffic", {})
         for tier in ("cell_to_device", "device_to_cell"):
-            value = traffic.get(tier, 0) if isinstance(traffic, dict) else 0
-            self.bytes[tier] += int(value) if isinstance(value, (int, float)) and value >= 0 else 0
-        if diverged := _positive_int(meta.get("diverged", 0)):
+            self.bytes[tier] += declared_count(traffic.get(tier, 0) if isinstance(traffic, dict) else 0)
+        if diverged := declared_count(meta.get("diverged", 0)):
             self.diverged[cell] = diverged
-        if failed := _positive_int(meta.get("failed_devices", 0)):
+        if failed := declared_count(meta.get("failed_devices", 0)):
             self.failed[cell] = failed
         merge_counts(self.failures, meta.get("failures"))
         merge_counts(self.unmet, meta.get("unmet"))
-        self.late += _positive_int(meta.get("late", 0))
-        devices = meta.get("devices", 0)
-        return int(devices) if isinstance(devices, int) and devices >= 0 else 0
+        self.late += declared_count(meta.get("late", 0))
+        return declared_count(meta.get("devices", 0))
 
 
 class CellPresence:

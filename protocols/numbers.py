@@ -7,6 +7,15 @@ from __future__ import annotations
 
 import math
 
+MAX_COUNT = 2**40
+"""The largest count a peer may declare in one message (bytes, devices; ~10^12): the sums a node keeps of them over
+cells and rounds stay exact in a float and far inside an int64 (what a record may hold, ``protocols.records``)."""
+
+
+def declared_count(value: object) -> int:
+    """A count a peer declared: ``value`` if it is an int (not a bool) in [0, :data:`MAX_COUNT`], else 0."""
+    return value if type(value) is int and 0 <= value <= MAX_COUNT else 0
+
 
 def finite_number(value: object) -> float | None:
     """``value`` as a finite float; ``None`` if it is no number (a bool is none), beyond the float range,

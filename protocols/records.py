@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -37,6 +37,9 @@ TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
 
 
 _HEAD = ("schema", "event", "run", "round", "edge_round", "cell", "algorithm")
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+"""A count or round number a record holds: an int64, as any reader holds it (JSON bounds no integer: a peer's
+10**400 would make a reader's float of it raise)."""
 
 
 class _Record(BaseModel):
@@ -44,7 +47,7 @@ class _Record(BaseModel):
 
     schema_version: Literal[1] = Field(SCHEMA_VERSION, alias="schema", description="record schema version")
     run: str | None = Field(None, description="run name")
-    round: int = Field(ge=0, description="cloud round")
+    round: Count = Field(description="cloud round")
     time: float | None = Field(None, description="wall clock (Unix seconds) when the record was written")
     closed_by: str = Field(description="why the aggregation closed: all answered, quorum, deadline, ...")
     duration_s: float = Field(ge=0, description="wall seconds the aggregation took")
@@ -77,7 +80,7 @@ class CellRecord(_Record):
     """One aggregation of one cell (an edge round)."""
 
     event: Literal["aggregation"] = "aggregation"
-    edge_round: int = Field(ge=0)
+    edge_round: Count
     cell: str
     algorithm: str
     planned: list[str] = Field(default_factory=list, description="devices sent a task")
@@ -87,11 +90,11 @@ class CellRecord(_Record):
         description="device -> offline | not participating | not selected | deadline "
         "(reasons with more than runtime.absent_ids devices only counted)",
     )
-    absent_counts: dict[str, int] | None = Field(
+    absent_counts: dict[str, Count] | None = Field(
         None, description="reason -> absent devices, when `absent` leaves some out"
     )
     rejected: list[Rejection] = Field(default_factory=list, description="results refused, with reasons")
-    rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
+    rejected_more: Count | None = Field(None, description="refused beyond the MAX_LISTED_REJECTIONS listed")
     excluded: dict[str, str] | None = Field(
         None, description="answered devices the robust aggregator (algorithm.cell_aggregator) left out, with why"
     )
@@ -103,11 +106,11 @@ class CellRecord(_Record):
     failed: dict[str, str] | None = Field(
         None, description="devices whose task raised (answered with the reason, not aggregated): device -> reason"
     )
-    failed_counts: dict[str, int] | None = Field(
+    failed_counts: dict[str, Count] | None = Field(
         None, description="reason -> devices whose task failed with it (at most 8 reasons, the rest as other)"
     )
-    bytes_in: int = Field(0, ge=0, description="device -> cell payload bytes of this edge round")
-    bytes_out: int = Field(0, ge=0, description="cell -> device payload bytes of this edge round")
+    bytes_in: Count = Field(0, description="device -> cell payload bytes of this edge round")
+    bytes_out: Count = Field(0, description="cell -> device payload bytes of this edge round")
     loss_mean: float | None = Field(None, description="mean training loss the answering devices reported")
     loss_std: float | None = Field(None, description="its standard deviation over devices")
     clock_s: float = Field(0.0, ge=0, description="loop-clock seconds of the edge round (virtual in simulation)")
@@ -148,31 +151,31 @@ class RoundRecord(_Record):
     __pydantic_extra__: dict[str, float] = Field(init=False)  # other evaluation numbers
 
     event: Literal["round"] = "round"
-    rounds: int | None = Field(None, ge=1, description="cloud rounds the run is configured for")
+    rounds: Count | None = Field(None, ge=1, description="cloud rounds the run is configured for")
     cells_planned: list[str] = Field(default_factory=list)
     cells_reported: list[str] = Field(default_factory=list)
     cells_absent: list[str] = Field(default_factory=list)
-    devices: dict[str, int] = Field(default_factory=dict, description="cell -> devices that took part")
-    devices_diverged: dict[str, int] | None = Field(
+    devices: dict[str, Count] = Field(default_factory=dict, description="cell -> devices that took part")
+    devices_diverged: dict[str, Count] | None = Field(
         None, description="cell -> devices whose training diverged (answered, never aggregated)"
     )
     cells_failed: dict[str, str] | None = Field(
         None,
         description="cells that answered 'failed' (their handler raised), with why (runtime.fail_on_cell_failure off)",
     )
-    devices_failed: dict[str, int] | None = Field(
+    devices_failed: dict[str, Count] | None = Field(
         None, description="cell -> devices whose task failed in every edge round they had (answered, not aggregated)"
     )
-    failures: dict[str, int] | None = Field(
+    failures: dict[str, Count] | None = Field(
         None, description="reason -> devices whose task failed with it this round, over the cells (bounded)"
     )
     rejected: list[dict[str, str]] = Field(default_factory=list, description="cell reports refused: from, kind, reason")
-    rejected_more: int | None = Field(None, ge=0, description="refused beyond the MAX_LISTED_REJECTIONS listed")
+    rejected_more: Count | None = Field(None, description="refused beyond the MAX_LISTED_REJECTIONS listed")
     excluded: dict[str, str] | None = Field(
         None, description="reporting cells the robust aggregator (algorithm.cloud_aggregator) left out, with why"
     )
-    bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes of this round per tier")
-    cumulative_bytes: dict[str, int] = Field(default_factory=dict, description="payload bytes so far per tier")
+    bytes: dict[str, Count] = Field(default_factory=dict, description="payload bytes of this round per tier")
+    cumulative_bytes: dict[str, Count] = Field(default_factory=dict, description="payload bytes so far per tier")
     clock_start_s: float | None = Field(None, description="loop clock when the round began")
     clock_s: float = Field(0.0, description="loop clock when the round closed (virtual time in simulation)")
     epsilon: float | None = Field(

@@ -295,6 +295,41 @@ def test_metadata_nested_past_32_levels_is_refused_where_it_is_decoded() -> None
             decode_payload(with_meta(nest(levels)))
 
 
+def test_a_cells_declared_counts_beyond_int64_reach_no_record_and_no_view(tmp_path: Path) -> None:
+    """A report declares its devices' traffic and counts (the cell's word): 10^400 there went into the cloud's
+    round records as it was. A cell's own aggregation record (its telemetry, which the cloud keeps in its run folder)
+    with a round of 10^400 made ``fedtier monitor`` raise (a float of it). A declared count now counts up to 2^40
+    (else nothing), and a record holds int64 counts only: the cloud's records parse and show, the forged one is a
+    bad record."""
+    import json
+
+    from monitor.state import MonitorState
+    from monitor.view import render_text
+    from protocols.records import parse_record
+
+    sim = SimHierarchy(small_config(tmp_path, run={"rounds": 2}))
+    messenger = sim.cells["c0"].messenger
+    frame = messenger.frame  # the report as it leaves, the counts its cell declares included
+    huge = {"traffic": {"cell_to_device": 10**400, "device_to_cell": 10**400}, "devices": 10**400, "late": 10**400}
+
+    def lying_frame(kind, payload, **kw):
+        if kind == "cell_report":
+            payload = Payload({**payload.meta, **huge}, payload.tensors)
+        return frame(kind, payload, **kw)
+
+    messenger.frame = lying_frame
+    result = sim.run()
+    assert len(result.history) == 2
+    assert all(r["devices"]["c0"] == 0 and r["bytes"]["device_to_cell"] < 2**40 for r in result.history)
+    state = MonitorState()
+    for record in result.history:
+        state.add(parse_record(json.dumps(record)), 0.0)
+    render_text(state, now=1.0)
+    forged = {**result.cell_records[0], "round": 10**400}
+    with pytest.raises(ValueError, match="round"):
+        parse_record(json.dumps(forged))
+
+
 # ------------------------------------------------------------------------------ a cell's priority statistics (FedALIGN)
 def fedalign_config() -> dict:
     return {

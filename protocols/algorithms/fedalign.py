@@ -43,13 +43,13 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .. import params as P
-from ..numbers import finite_number
+from ..numbers import MAX_COUNT, finite_number
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
-from .fedavg import MAX_COUNT, FedAvgCell, FedAvgDevice, check_delta
+from .fedavg import FedAvgCell, FedAvgDevice, check_delta
 from .outcome import Outcome
 from .traits import Trait
 

@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .. import params as P
-from ..numbers import finite_number
+from ..numbers import MAX_COUNT, finite_number
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, num_steps
@@ -56,13 +56,9 @@ def sent_bytes(result: Payload) -> int:
     return sum(int(t.nbytes) for t in result.tensors.values())
 
 
-MAX_COUNT = 2**53
-"""The largest count a report may declare: every integer up to it is exact as a float."""
-
-
 def upload_stats(reports: Mapping[str, Payload]) -> tuple[int, int]:
     """(tensor bytes uploaded by aggregated devices, distinct aggregated devices) summed over cell reports;
-    a report whose counts are not integers in [0, 2^53] (a cell's word: ``10**400`` is valid JSON) counts nothing."""
+    a report whose counts are not integers in [0, MAX_COUNT] (a cell's word: 10**400 is valid JSON) counts nothing."""
     sent = devices = 0
     for r in reports.values():
         b, d = r.meta.get("upload_bytes", 0), r.meta.get("upload_devices", 0)
