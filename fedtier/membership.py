@@ -42,6 +42,7 @@ from .federation import (
     _write,
     load_federation,
 )
+from .renewal import revoke_serials
 
 
 # ------------------------------------------------------------------------------------------ brokers
@@ -172,8 +173,6 @@ def add_cell(out: str | Path, cell: str) -> Change:
 def revoke(out: str | Path, node: str) -> Change:
     """Revoke a device (or a cell with its devices): login and ACL removed, certificate revoked, key dropped
     from its peers' keys files, roster without it (and listing it as revoked)."""
-    from .pki import load_pki
-
     fed = load_federation(out)
     topo = fed.cfg.topology
     if node in topo.cell_ids():
@@ -193,16 +192,13 @@ def revoke(out: str | Path, node: str) -> Change:
             fed.revoked_serials.append(x509.load_pem_x509_certificate(crt.read_bytes()).serial_number)
         fed.ring.private.pop(n, None)
         fed.ring.public.pop(n, None)
-    crl = load_pki(fed.out).crl(fed.revoked_serials)
+    fed.revoked_serials = revoke_serials(fed.out, fed.revoked_serials)  # the one list renewals add to too
     folders = _broker_dirs(fed, cell) if node != cell else _broker_dirs(fed, None)
     all_brokers = (
         [fed.out / "broker", *sorted((fed.out / "cells").glob("*"))]
         if (fed.out / "cells").is_dir()
         else [fed.out / "broker"]
     )
-    for folder in all_brokers:
-        if (folder / "ca.crl").exists():
-            _write(folder / "ca.crl", crl)
     for folder in folders:
         _rewrite_broker(fed, folder, [u for u in _users(folder) if u not in gone])
     _save(fed)

@@ -14,6 +14,7 @@ logs in, while live connections stay. Ed25519 identities are unchanged. Each ren
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None =
     if not (out / "ca" / "ca.key").exists():
         raise ConfigError(f"{out} holds no provisioned CA (ca/ca.key): run fedtier provision first")
     pki = load_pki(out)
-    revoked = revoked_serials(out)
+    revoked: list[int] = []
     renewed: list[Path] = []
     for crt in certificates(out, nodes):
         old = x509.load_pem_x509_certificate(crt.read_bytes())
@@ -103,13 +104,22 @@ def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None =
             _keep_owner(f, owner)
         revoked.append(old.serial_number)
         renewed.append(crt)
-    crl = pki.crl(revoked)
+    revoked = revoke_serials(out, revoked)
+    return Renewed(renewed, revoked, reload_brokers(_brokers(out)))
+
+
+def revoke_serials(out: Path, serials: Iterable[int]) -> list[int]:
+    """Add ``serials`` to the deployment's one revocation list (``OUT/ca/ca.crl``, what it held kept) and copy
+    it into every broker folder (the caller reloads the brokers); returns every serial it now holds. Renewal
+    and membership (``fedtier provision revoke``) both revoke through it, so neither undoes the other's."""
+    revoked = sorted(set(revoked_serials(out)) | set(serials))
+    crl = load_pki(out).crl(revoked)
     write_file(out / "ca" / CRL, crl)
     for broker in _brokers(out):
         owner = os.stat(broker / "mosquitto.conf")
         write_file(broker / CRL, crl)
         _keep_owner(broker / CRL, owner)
-    return Renewed(renewed, sorted(set(revoked)), reload_brokers(_brokers(out)))
+    return revoked
 
 
 def rotate_identity(out: str | Path, node: str) -> list[Path]:

@@ -312,3 +312,32 @@ def test_the_fleet_lists_a_roster_member_never_heard_from() -> None:
     out.print(render(fleet))
     text = out.export_text()
     assert "2/4 nodes online" in text and "c0-d1" in text and "never seen" in text
+
+
+def test_a_renewal_after_a_revocation_keeps_the_revoked_certificate_revoked(tmp_path: Path) -> None:
+    """Revocation and renewal share one revocation list: a device revoked, then a certificate renewal, then
+    another revocation leave every one of those certificates in every broker's CRL (a renewal wrote the CRL
+    from its own list and un-revoked the revoked device; a revocation then un-revoked the renewed certificate)."""
+    from cryptography import x509
+
+    from fedtier.membership import add_device, revoke
+    from fedtier.renewal import renew
+
+    out = _provision(tmp_path, free_port())
+
+    def serial(node: str) -> int:
+        return x509.load_pem_x509_certificate((out / "nodes" / node / "client.crt").read_bytes()).serial_number
+
+    def crl() -> set[int]:
+        return {r.serial_number for r in x509.load_pem_x509_crl((out / "broker" / "ca.crl").read_bytes())}
+
+    gone, old = serial("c0-d1"), serial("c0-d0")
+    revoke(out, "c0-d1")
+    assert gone in crl()
+    renew(out, ["c0-d0"])
+    assert {gone, old} <= crl(), "the renewal un-revoked the revoked device"
+    add_device(out, "c0", "c0-d2")
+    third = serial("c0-d2")
+    revoke(out, "c0-d2")
+    assert {gone, old, third} <= crl(), "the revocation un-revoked the renewed certificate"
+    assert (out / "ca" / "ca.crl").read_bytes() == (out / "broker" / "ca.crl").read_bytes()
