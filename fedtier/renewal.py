@@ -73,11 +73,17 @@ def certificates(out: Path, nodes: list[str] | None) -> list[Path]:
 
 
 def revoked_serials(out: Path) -> list[int]:
-    """The serial numbers the deployment's revocation list holds (none before the first renewal)."""
-    path = out / "ca" / CRL
-    if not path.exists():
-        return []
-    return [r.serial_number for r in x509.load_pem_x509_crl(path.read_bytes())]
+    """The serial numbers the deployment's revocation list holds (none before the first renewal or revocation),
+    with those a federation's state lists (a revocation made before both shared ``OUT/ca/ca.crl``)."""
+    import json
+
+    from .federation import STATE_FILE
+
+    path, state = out / "ca" / CRL, out / STATE_FILE
+    found = [r.serial_number for r in x509.load_pem_x509_crl(path.read_bytes())] if path.exists() else []
+    if state.exists():
+        found += [int(s) for s in json.loads(state.read_text()).get("revoked_serials", [])]
+    return sorted(set(found))
 
 
 def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None = None) -> Renewed:

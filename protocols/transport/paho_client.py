@@ -76,5 +76,6 @@ def hung_up_before_connack(where: str, client_id: str, creds: Credentials) -> Co
     return ConnectionError(
         f"MQTT broker at {where} closed the connection of {client_id!r} ({how}) "
         "before accepting it: does its listener require TLS (ca_certs) or a client "
-        "certificate signed by the broker's CA (certfile, keyfile)? Or is it at its connection limit?"
+        "certificate signed by the broker's CA (certfile, keyfile)? Is this certificate revoked (its node revoked, "
+        "or replaced by a renewal: fedtier provision revoke|renew)? Or is it at its connection limit?"
     )
