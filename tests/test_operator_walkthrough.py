@@ -341,3 +341,6 @@ def test_a_renewal_after_a_revocation_keeps_the_revoked_certificate_revoked(tmp_
     revoke(out, "c0-d2")
     assert {gone, old, third} <= crl(), "the revocation un-revoked the renewed certificate"
     assert (out / "ca" / "ca.crl").read_bytes() == (out / "broker" / "ca.crl").read_bytes()
+    (out / "ca" / "ca.crl").unlink()  # as a revocation before the fix left it: only the federation's state knew
+    renew(out, ["c0-d0"])
+    assert {gone, old, third} <= crl(), "a renewal does not heal a list that lacked the earlier revocations"
