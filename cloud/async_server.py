@@ -26,10 +26,12 @@ class AsyncCloudServer(CloudServer):
         super().__init__(transport, role=fedbuff.inner, **kwargs)
         self.fb = fedbuff
         self._notify = list(self.cells)  # the cells the next model version goes to
+        self._sent: dict[str, int] = {}  # cell -> the newest version sent to it
 
     def _begin_round(self) -> None:
         """Send the current version to the cells that need it, and start counting the next record."""
         self._send_tasks(self._notify)
+        self._sent.update((cell, self.round) for cell in self.planned)
         self._in_round = True
 
     def _on_report(self, topic: str, data: bytes) -> None:
@@ -43,6 +45,8 @@ class AsyncCloudServer(CloudServer):
             refused = self._bad_report(cell, msg)  # its cell, and its session in signed runs
             if refused is not None:
                 raise refused
+            if h.round > self._sent.get(cell, -1):  # a fresher base than it had: a higher staleness weight
+                raise Rejected(RejectKind.STALE, f"push of {cell} from version {h.round}, which was never sent to it")
             self.fb.check(cell, h.round, msg.payload)
         except Rejected as exc:
             self.messenger.reject(topic, exc.kind, str(exc), cell)

@@ -410,6 +410,38 @@ def test_a_decomfl_cell_cannot_count_devices_it_does_not_have(tmp_path: Path) ->
     assert not any(d.startswith("ghost") for t in sim.cloud.role.synced.values() for d in t)
 
 
+def test_a_fedbuff_cell_cannot_claim_a_fresher_base_than_the_cloud_sent_it(tmp_path: Path) -> None:
+    """FedBuff weighs a push by its staleness (1/sqrt(1 + s) of the version it names as its base): c0 (its own key)
+    naming the cloud's current version while it still trained on an older one took the weight of a fresh push, up
+    to sqrt(1 + max_staleness) times its due. The cloud now refuses a base newer than the last version it sent that
+    cell; an honest run is refused nothing."""
+    algorithm = {
+        "name": "fedavg",
+        "mode": "async",
+        "async_buffer": 2,
+        "cell_aggregator": "mean",
+        "cloud_aggregator": "mean",
+        "edge_rounds": 1,
+    }
+    honest = SimHierarchy(small_config(tmp_path / "honest", run={"rounds": 8}, algorithm=algorithm)).run()
+    assert not [x for r in honest.history for x in r["rejected"]]
+    sim = SimHierarchy(small_config(tmp_path / "lie", run={"rounds": 8}, algorithm=algorithm))
+    messenger = sim.cells["c0"].messenger
+    frame, lies = messenger.frame, []
+
+    def fresher(kind, payload, **kw):
+        if kind == "cell_report" and kw["round"] < sim.cloud.round:
+            lies.append(kw["round"])
+            kw = {**kw, "round": sim.cloud.round}
+        return frame(kind, payload, **kw)
+
+    messenger.frame = fresher
+    result = sim.run()
+    refused = [x for r in result.history for x in r["rejected"]]
+    assert lies and len(result.history) == 8
+    assert refused and all(x["from"] == "c0" and "which was never sent to it" in x["reason"] for x in refused)
+
+
 # ------------------------------------------------------------------------------ a device's masked input (SecAgg+)
 def secure_sum(shift: float) -> object:
     """One SecAgg+ aggregation of 6 devices of weight 1 (updates ~ N(0, 0.1), clip bound 1) in which c0-d0 (its
