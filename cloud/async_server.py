@@ -29,7 +29,10 @@ class AsyncCloudServer(CloudServer):
         self._sent: dict[str, int] = {}  # cell -> the newest version sent to it
 
     def _begin_round(self) -> None:
-        """Send the current version to the cells that need it, and start counting the next record."""
+        """Send the current version to the cells that need it, and start counting the next record (once per
+        version: a push that came before the posted start ran has started it already, see ``_on_report``)."""
+        if self._in_round:
+            return
         self._send_tasks(self._notify)
         self._sent.update((cell, self.round) for cell in self.planned)
         self._in_round = True
@@ -51,6 +54,8 @@ class AsyncCloudServer(CloudServer):
         except Rejected as exc:
             self.messenger.reject(topic, exc.kind, str(exc), cell)
             return
+        if self.started and not self._in_round:
+            self._begin_round()  # the last version goes out (and its record's counts start) before this push counts
         self.fb.offer(cell, h.round, msg.payload)
         self.counts.devices[cell] = self.counts.devices.get(cell, 0) + self._count(cell, msg)
         if self.fb.buffer.full:

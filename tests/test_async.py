@@ -107,6 +107,21 @@ def test_async_is_deterministic_and_beats_sync_with_a_straggler():
     assert len(first.history) == 40 and all(r["closed_by"] == "buffer full" for r in first.history)
 
 
+def test_each_cloud_version_counts_its_own_push_and_reaches_the_cells_it_used(tmp_path):
+    """Two pushes that each fill the cloud's buffer before the first new version went out: each version's record
+    counts the bytes of its one push (the second record counted the first push's bytes again, and the next one
+    three times: a run's cumulative bytes came out ~2x the traffic), and each version goes to the cell whose push
+    made it (the later version went twice to one cell, which refused it as stale, 'already at', and the other
+    cell never heard of the version its push made)."""
+    cfg = small_config(tmp_path, run={"rounds": 8}, algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1})
+    result = run_simulation(cfg)
+    pushes = [r["bytes"]["cell_to_cloud"] for r in result.history]
+    assert all(len(r["cells_reported"]) == 1 for r in result.history)  # async_cloud_buffer = 1: one push each
+    assert max(pushes) - min(pushes) < 64, pushes  # a push is the cell's dense delta: the same size each time
+    refused = [x for r in result.cell_records for x in r["rejected"] if x["device"] == "cloud"]
+    assert not refused, refused
+
+
 def test_async_config_is_refused_where_it_does_not_apply(tmp_path):
     with pytest.raises(ConfigError, match="fedavg"):
         parse_config({"algorithm": {"name": "hist", "mode": "async"}})
