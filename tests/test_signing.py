@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from fedtier.cli import main
 from protocols import runfiles
+from protocols.checkpoint import load_params
 from protocols.config import ConfigError
 from protocols.transport.broker import EmbeddedBroker
 from protocols.transport.mqtt import MqttTransport
@@ -335,3 +336,39 @@ def test_signed_fedtier_run_is_bit_identical_to_sim(runs: dict, tmp_path: Path) 
     assert forged == ["c0-d0"]
     rejected = [x for r in result.cell_records for x in r["rejected"]]
     assert rejected == [{"device": "c0-d0", "kind": "signature", "reason": "bad signature: not signed by 'c0-d0'"}]
+
+
+@pytest.mark.timeout(90)  # before 6a60655: the cloud refused every push ("report of session None") without end
+def test_a_signed_async_fedtier_run_finishes_with_every_result_signed(runs: dict, tmp_path: Path) -> None:
+    """A signed asynchronous (FedBuff) ``fedtier run`` over MQTT: the async cells stamp their tasks and pushes
+    with the cloud's session, so the cloud takes every push and makes every version; a foreign client sees
+    each device result on the wire signed by its device; nothing is refused anywhere, and the final model (the
+    last version, which the run folder holds) learned."""
+    ring = load_keys(runs["keys"])
+    checker = Trust("cloud", ring.private["cloud"], ring.public)
+    algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1, "local_steps": 30}
+    cfg = small_config(tmp_path, run={"rounds": 4}, algorithm=algorithm, security={"keys": str(runs["keys"])})
+    verified: list[str] = []
+    with EmbeddedBroker() as broker:
+        loop = ThreadLoop("spy").start()
+        spy = MqttTransport.from_url(broker.url, "spy", loop)
+
+        def on_result(topic: str, data: bytes) -> None:
+            header, raw = decode_message(data)
+            verify_signature(header, raw, topic, checker.verify)  # raises (and the spy logs it) on a forgery
+            verified.append(header.sender)
+
+        spy.subscribe(topics.device_results(cfg.run.name, "+"), on_result)
+        spy.connect()
+        spy.wait_subscribed()
+        try:
+            result = Emulation(cfg, broker_url=broker.url, workers=1).run()
+        finally:
+            spy.close()
+            loop.stop()
+    assert [r["round"] for r in result.history] == [0, 1, 2, 3]
+    rejected = [x for r in result.history + result.cell_records for x in r["rejected"]]
+    assert not rejected, rejected
+    assert set(verified) == set(cfg.topology.all_devices())
+    assert same(load_params(result.output_dir / runfiles.FINAL_MODEL), result.params)
+    assert result.history[-1]["accuracy"] > 0.3  # 10 digit classes: chance is 0.1 (the sim's 4th version: 0.55)
