@@ -9,10 +9,10 @@ from protocols.fast_exit import skip_exit_collection
 from . import __version__
 from .console import (
     JOB_FAILED,
-    console,
     exit_if_failed,
     load_or_exit,
     note_fresh_resume,
+    print_error,
     print_summary,
     round_progress,
     run_folder_lock,
@@ -111,15 +111,13 @@ def sim(
         with run_folder_lock(cfg), round_progress(cfg, not no_progress) as on_round:
             result = run_simulation(cfg, on_round=on_round, resume=resume)
     except ConfigError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        print_error(exc)
         raise SystemExit(2) from exc
     except WorkerError as exc:
-        from rich.markup import escape
-
-        console.print(f"[bold red]error:[/] {escape(str(exc))}")  # a worker's traceback may hold [brackets]
+        print_error(exc)  # a worker's traceback may hold [brackets]
         raise SystemExit(1) from exc
     except StorageError as exc:  # a full disk while writing the final files
-        console.print(f"[bold red]job failed:[/] {exc}")
+        print_error(exc, "job failed")
         raise SystemExit(JOB_FAILED) from exc
     print_summary(result.summary(), result.output_dir)
     exit_if_failed(result)

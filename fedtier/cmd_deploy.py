@@ -22,6 +22,7 @@ from .console import (
     console,
     exit_if_failed,
     load_deployment_or_exit,
+    print_error,
     print_summary,
     round_progress,
     setup_logging,
@@ -206,7 +207,7 @@ def _finish_cloud(cfg: RunConfig, node: CloudServer, out: Path, wall_s: float) -
     try:
         write_final(out, result)
     except StorageError as exc:  # a full disk: the job's files are incomplete, say so
-        console.print(f"[bold red]job failed:[/] {exc}")
+        print_error(exc, "job failed")
         raise SystemExit(JOB_FAILED) from exc
     print_summary(result.summary(), out)
     exit_if_failed(result)

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import click
 
 from .cli import VERBOSE, main
-from .console import console, load_or_exit, setup_logging
+from .console import console, load_or_exit, print_error, setup_logging
 
 OPERATOR_CONFIG = click.option(
     "--config",
@@ -27,7 +27,7 @@ WAIT = click.option(
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}")
+    print_error(message)
     raise SystemExit(code)
 
 
@@ -72,7 +72,7 @@ class _Session:
             try:
                 record = open_job_record(data, t, signer, self.trust.verify if self.trust is not None else None)
             except JobError as exc:
-                console.print(f"[yellow]ignored:[/] {exc}")
+                print_error(exc, "ignored")
                 return
             if until is None or until(record):
                 got.append(record)

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from .cli import CONFIG, SET, main
-from .console import console, load_or_exit
+from .console import console, load_or_exit, print_error
 
 KEYS_HELP = (
     "Signing keys file (sets security.keys): every node signs what it sends and verifies its peers. "
@@ -76,7 +76,7 @@ def keys(
             comment = f"node {node!r} of run {cfg.run.name!r}: its private key and its peers' public keys"
         path = write_keys(out_path, chosen, comment=comment, overwrite=force)
     except ConfigError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        print_error(exc)
         raise SystemExit(2) from exc
     names = ", ".join(list(chosen.private)[:6]) + (", ..." if len(chosen.private) > 6 else "")
     console.print(

@@ -13,6 +13,7 @@ from .console import (
     interruptible,
     load_or_exit,
     note_fresh_resume,
+    print_error,
     print_summary,
     round_progress,
     run_folder_lock,
@@ -110,13 +111,13 @@ def run(
             )
             result = emulation.run()
     except ConfigError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        print_error(exc)
         raise SystemExit(2) from exc
     except (ConnectionError, RuntimeError, TimeoutError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        print_error(exc)
         raise SystemExit(1) from exc
     except StorageError as exc:  # a full disk while writing the final files
-        console.print(f"[bold red]job failed:[/] {exc}")
+        print_error(exc, "job failed")
         raise SystemExit(JOB_FAILED) from exc
     print_summary(result.summary(), result.output_dir)
     for name, counts in emulation.broker_bytes.items():

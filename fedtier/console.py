@@ -41,7 +41,7 @@ def load_or_exit(path: str, overrides: tuple[str, ...]) -> RunConfig:
     try:
         return load_config(path, overrides)
     except ConfigError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        print_error(exc)
         sys.exit(2)
 
 
@@ -101,8 +101,16 @@ def print_summary(summary: dict[str, Any], output_dir: Any) -> None:
     Console().print(table)
 
 
+def print_error(message: object, label: str = "error") -> None:
+    """``label: message`` in red, the message as plain text: errors name config sections and keys in brackets
+    (``[security] keys``), which rich would take as markup and drop."""
+    from rich.markup import escape
+
+    console.print(f"[bold red]{label}:[/] {escape(str(message))}")
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}")
+    print_error(message)
     raise click.exceptions.Exit(code)
 
 

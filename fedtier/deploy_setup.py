@@ -12,7 +12,7 @@ import click
 
 from protocols.config import RunConfig
 
-from .console import console
+from .console import print_error
 
 if TYPE_CHECKING:
     from edge_agent.broker import BrokerOptions
@@ -138,5 +138,5 @@ def spec_and_data(cfg: RunConfig, source: str | Path | DataSource | None = None)
 
 def fail_with(exc: Exception, code: int) -> NoReturn:
     """Print ``exc`` as the error and exit with ``code``."""
-    console.print(f"[bold red]error:[/] {exc}")
+    print_error(exc)
     raise SystemExit(code)

@@ -344,3 +344,22 @@ def test_a_renewal_after_a_revocation_keeps_the_revoked_certificate_revoked(tmp_
     (out / "ca" / "ca.crl").unlink()  # as a revocation before the fix left it: only the federation's state knew
     renew(out, ["c0-d0"])
     assert {gone, old, third} <= crl(), "a renewal does not heal a list that lacked the earlier revocations"
+
+
+def test_error_messages_keep_the_config_sections_they_name(
+    reachable_tmp: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error that names a config section in brackets prints it: the console took ``[broker]`` and
+    ``[security]`` for markup and dropped them ("a job may not set : each node's bundle does")."""
+    where = reachable_tmp / "walk-errors"
+    where.mkdir()
+    fed = _provision(where, free_port())
+    monkeypatch.chdir(fed / "nodes" / "operator")
+    Path("bk.toml").write_text('[job]\nid = "bk"\n[broker]\nurl = "mqtt://elsewhere:1883"\n')
+    code, out, _ = _cli("submit", "bk.toml", "--config", "config.toml")
+    assert code == 2 and "a job may not set [broker]: each node's bundle does" in out, out
+    monkeypatch.chdir(fed / "nodes" / "c0")
+    Path("unsigned.toml").write_text(Path("config.toml").read_text().replace('keys = "keys.toml"\n', ""))
+    code, out, _ = _cli("cell", "unsigned.toml", "--cell", "c0")
+    assert code == 2 and "the config has no [security] keys" in out, out
