@@ -297,6 +297,29 @@ def test_a_device_subscribing_to_every_topic_reads_only_its_own(connect) -> None
 
 
 @needs_mosquitto
+def test_a_cell_subscribing_to_every_topic_reads_nothing_of_another_cell(connect) -> None:
+    """A cell's valid login subscribing to ``#``: another cell's task, its devices' results and statuses and its
+    report never reach it (the cloud's broker carries every cell in a one-broker federation)."""
+    run = "t"
+    spy, other, device, cloud = connect("c0"), connect("c1"), connect("c1-d0"), connect("cloud")
+    inbox, seen = Inbox(), Inbox()
+    spy.subscribe("#", inbox)
+    cloud.subscribe(topics.cell_reports(run), seen)
+    for t in (spy, other, device, cloud):
+        t.connect(WAIT)
+    assert spy.wait_subscribed(WAIT) and cloud.wait_subscribed(WAIT)
+    device.publish(topics.device_result(run, "c1", "c1-d0"), b"result of c1-d0")
+    device.publish(topics.device_status(run, "c1", "c1-d0"), b"status of c1-d0")
+    assert device.flush(WAIT)
+    other.publish(topics.cell_report(run, "c1"), b"report of c1")
+    seen.wait_for(topics.cell_report(run, "c1"))
+    cloud.publish(topics.cell_task(run, "c1"), b"task of c1")
+    cloud.publish(topics.cell_task(run, "c0"), b"task of c0")  # the spy's own: the last
+    got = inbox.wait_for(topics.cell_task(run, "c0"))
+    assert got == [(topics.cell_task(run, "c0"), b"task of c0")], got
+
+
+@needs_mosquitto
 def test_a_device_cannot_leave_retained_records_on_topics_it_may_not_write(connect) -> None:
     """Retained messages outlive their publisher: a device's valid login tries to leave them on the cloud's
     manifest, control and roster topics, its cell's status, another device's status and under its own status
