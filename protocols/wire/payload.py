@@ -195,6 +195,24 @@ def _finite(arr: np.ndarray, name: str, read: bool, remember: bool) -> None:
         _remember_finite(arr)
 
 
+def _decode_meta(buf: memoryview, end: int) -> tuple[dict[str, Any], int]:
+    """A payload's metadata (a JSON object of at most :data:`MAX_META_BYTES`, nested at most
+    :data:`MAX_META_DEPTH` levels, finite numbers) and the position after it."""
+    (meta_len,), pos = _read(_U32, buf, 0, end)
+    if meta_len > MAX_META_BYTES:
+        raise WireError(RejectKind.OVERSIZED, f"metadata of {meta_len} bytes is too large")
+    pos = _need(pos, meta_len, end)
+    try:
+        meta = loads(bytes(buf[4:pos]), finite=True)
+    except ValueError as exc:
+        raise WireError(RejectKind.MALFORMED, f"bad metadata: {exc}") from None
+    if not isinstance(meta, dict):
+        raise WireError(RejectKind.MALFORMED, "metadata is not an object")
+    if _nested_deeper(meta, MAX_META_DEPTH):
+        raise WireError(RejectKind.MALFORMED, f"metadata nested deeper than {MAX_META_DEPTH} levels")
+    return meta, pos
+
+
 def decode_payload(
     data: bytes | memoryview, *, require_finite: bool = True, views: bool = False, checked: bool = False
 ) -> Payload:
@@ -212,18 +230,7 @@ def decode_payload(
     buf = memoryview(data)
     end = buf.nbytes
     share = views and isinstance(buf.obj, bytes)  # not a bytearray or other buffer someone could change
-    (meta_len,), pos = _read(_U32, buf, 0, end)
-    if meta_len > MAX_META_BYTES:
-        raise WireError(RejectKind.OVERSIZED, f"metadata of {meta_len} bytes is too large")
-    pos = _need(pos, meta_len, end)
-    try:
-        meta = loads(bytes(buf[4:pos]), finite=True)
-    except ValueError as exc:
-        raise WireError(RejectKind.MALFORMED, f"bad metadata: {exc}") from None
-    if not isinstance(meta, dict):
-        raise WireError(RejectKind.MALFORMED, "metadata is not an object")
-    if _nested_deeper(meta, MAX_META_DEPTH):
-        raise WireError(RejectKind.MALFORMED, f"metadata nested deeper than {MAX_META_DEPTH} levels")
+    meta, pos = _decode_meta(buf, end)
     (count,), pos = _read(_U16, buf, pos, end)
     tensors: dict[str, np.ndarray] = {}
     for _ in range(count):
