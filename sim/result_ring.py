@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -55,6 +56,22 @@ def _buf(shm: SharedMemory) -> memoryview:
     return buf
 
 
+def _map_in(shm: SharedMemory, reserve: bool = False) -> None:
+    """Map every page of ``shm`` into this process now (not one fault a page at its first copies); with
+    ``reserve``, first allocate its memory where it is a ``/dev/shm`` file: a full tmpfs is then an ``OSError``
+    here, not a SIGBUS at a later write."""
+    path = os.path.join("/dev/shm", shm.name.lstrip("/"))
+    if reserve and os.path.exists(path):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, shm.size)
+        finally:
+            os.close(fd)
+    pages = np.frombuffer(_buf(shm), np.uint8)[:: mmap.PAGESIZE]
+    int(pages.sum())  # one byte read a page (its values do not matter)
+    del pages
+
+
 class RingReader:
     """The main process's side of a worker's ring: creates it; :meth:`take` copies a record out and frees it."""
 
@@ -63,6 +80,11 @@ class RingReader:
         self.shm = SharedMemory(create=True, size=size)
         self.size, self.freed = size, freed
         self.name = self.shm.name
+        try:
+            _map_in(self.shm, reserve=True)
+        except BaseException:
+            self.close()
+            raise
 
     def take(self, at: Any, n: Any) -> bytes:
         """The ``n`` bytes written at ``at``, copied out (their room goes back to the worker); ``ValueError`` for
@@ -94,6 +116,7 @@ class RingWriter:
         if self.shm.size < size:
             raise ValueError(f"result ring {name} is {self.shm.size} bytes, not {size}")
         self.size, self.freed = size, freed
+        _map_in(self.shm)
         self.head = 0  # bytes written so far (padding included); the ring's offset is head % size
         self.tail = 0  # bytes freed so far
         self.records: collections.deque[int] = collections.deque()  # each record's end (a head), oldest first

@@ -180,3 +180,26 @@ def test_a_result_checked_by_its_worker_is_not_read_again_for_finiteness():
     assert all_finite(decode_payload(poisoned, require_finite=False, views=True, checked=True).tensors["w"])
     with pytest.raises(Exception, match="non-finite"):  # the network's bytes are always read
         decode_payload(poisoned, views=True, checked=True)
+
+
+def test_a_ring_without_room_in_shared_memory_is_refused_at_once_and_leaves_nothing(monkeypatch):
+    import errno
+
+    from sim.executors import ProcessExecutor
+
+    made: list[str] = []
+    create = result_ring.SharedMemory
+
+    def shm(*args, **kwargs):
+        made.append((segment := create(*args, **kwargs)).name)
+        return segment
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(result_ring, "SharedMemory", shm)
+    monkeypatch.setattr(result_ring.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space"):
+        RingReader(1 << 20, threading.Semaphore(0))
+    assert made and not _segment(made[0])  # unlinked, not left behind
+    assert ProcessExecutor._ring(1 << 20, multiprocessing.get_context("spawn")) is None  # results by pipe
