@@ -332,7 +332,7 @@ class DeviceAgent:
         topic = topics.device_result(self.run, self.cell, self.device)
         try:
             message = self.messenger.frame(
-                "device_result", result, round=round, edge_round=edge_round, cell=self.cell, topic=topic
+                "device_result", result, round=round, edge_round=edge_round, cell=self.cell, topic=topic, once=True
             )
         except (ValueError, TypeError) as exc:  # a result the wire cannot carry: logged, not sent
             log.error("device %s: result of round %d.%d not sent: %s", self.device, round, edge_round, exc)

@@ -117,9 +117,11 @@ class Messenger:
         edge_round: int = 0,
         cell: str | None = None,
         topic: str = "",
+        once: bool = False,
     ) -> bytes:
-        """Encode a payload into a complete message for ``topic`` (not sent)."""
-        parts, size = self._payload_bytes(payload)
+        """Encode a payload into a complete message for ``topic`` (not sent). ``once``: the payload is sent once
+        (a device's result): its encoding is not kept for a next message (nor its arrays alive with it)."""
+        parts, size = self._payload_bytes(payload, keep=not once)
         header = Header(
             run=self.run,
             kind=kind,
@@ -133,7 +135,7 @@ class Messenger:
         )
         return encode_message(header, parts, self.trust.sign if self.trust is not None else None, topic)
 
-    def _payload_bytes(self, payload: Payload) -> tuple[Parts, int]:
+    def _payload_bytes(self, payload: Payload, keep: bool = True) -> tuple[Parts, int]:
         # a role often sends one payload object to many receivers: encode it once. The parts are views
         # of the payload's arrays (a message is one copy of them); a role never changes a sent payload
         cached = self._encoded.get(id(payload))
@@ -141,7 +143,7 @@ class Messenger:
             return cached[1], cached[2]
         parts = payload_parts(payload)
         size = parts_size(parts)
-        self._encoded = {id(payload): (payload, parts, size)}
+        self._encoded = {id(payload): (payload, parts, size)} if keep else {}
         return parts, size
 
     def send(
