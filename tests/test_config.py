@@ -47,6 +47,40 @@ def test_bad_config_names_key(data, key):
     assert key in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "algorithm, needs",
+    [
+        ({"async_buffer": 3}, 'algorithm.async_buffer = 3 has no effect without mode = "async"'),
+        ({"amplify_eta": 3.0}, "algorithm.amplify_eta = 3.0 has no effect without amplify_period > 0"),
+        (
+            {"trim_beta": 0.3, "cell_aggregator": "median"},
+            'without cell_aggregator or cloud_aggregator = "trimmed_mean"',
+        ),
+        ({"multikrum_keep": 3, "cloud_aggregator": "krum"}, '= "multikrum"'),
+        (
+            {"topk_fraction": 0.1, "uplink": "qsgd"},
+            'algorithm.topk_fraction = 0.1 has no effect without uplink = "topk"',
+        ),
+        ({"signsgd_mode": "scaled"}, 'algorithm.signsgd_mode = "scaled" has no effect without uplink = "signsgd"'),
+        ({"server_momentum": 0.5, "server_optimizer": "fedadam"}, 'without server_optimizer = "fedavgm"'),
+        ({"server_beta2": 0.9, "server_optimizer": "fedadagrad"}, 'without server_optimizer = "fedadam" | "fedyogi"'),
+        ({"name": "hist", "max_staleness": 3}, 'algorithm.max_staleness = 3 has no effect without mode = "async"'),
+        ({"name": "fedalign", "priority_fraction": 0.5, "epsilon_later": 0.1}, "without epsilon_drop_round > 0"),
+    ],
+)
+def test_a_key_that_has_no_effect_with_the_others_is_refused(algorithm, needs):
+    """A key the chosen settings never read is refused, naming what it needs: a researcher who sets
+    ``async_buffer`` and forgets ``mode = "async"`` ran synchronous FedAvg, told nothing."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"algorithm": {"name": "fedavg", **algorithm}})
+    assert needs in str(err.value)
+    # with what it needs (or at its default, as a run folder's full config.toml writes it) it is taken
+    parse_config({"algorithm": {"name": "fedavg", "async_buffer": 5, "amplify_eta": 1.0, "trim_beta": 0.2}})
+    parse_config({"algorithm": {"name": "fedavg", "mode": "async", "async_buffer": 3, "max_staleness": 3}})
+    parse_config({"algorithm": {"name": "fedavg", "amplify_period": 2, "amplify_eta": 3.0, "amplify_start": 1}})
+    parse_config({"algorithm": {"name": "fedavg", "cloud_aggregator": "multikrum", "multikrum_keep": 1}})
+
+
 def test_more_devices_than_samples_is_a_clear_error(make_config):
     cfg = make_config(topology={"cells": 2, "devices_per_cell": 50}, data={"max_train": 60})
     with pytest.raises(ConfigError, match="topology.*100 devices.*60 training samples"):

@@ -115,6 +115,23 @@ class TrainParams(BaseModel):
         optimizer, asynchronous mode), innermost first; parameter mixins add theirs to ``super().layers()``."""
         return ()
 
+    def idle_keys(self) -> dict[str, str]:
+        """The keys that have no effect with the values of the others (``trim_beta`` without a trimmed mean), each
+        with the setting it needs; config validation refuses one set to other than its default
+        (``protocols.config.run.validate_algorithm``). Parameter mixins add theirs to ``super().idle_keys()``."""
+        return {}
+
+    def idle_settings(self) -> dict[str, tuple[Any, str]]:
+        """The :meth:`idle_keys` set to other than their default: key -> (its value, the setting it needs)."""
+        idle = self.idle_keys()
+        values = self.model_dump(include=set(idle))
+        fields = type(self).model_fields
+        return {
+            key: (values[key], needs)
+            for key, needs in idle.items()
+            if values[key] != fields[key].get_default(call_default_factory=True)
+        }
+
     @model_validator(mode="after")
     def _some_local_work(self) -> TrainParams:
         if self.local_steps == 0 and self.local_epochs == 0:

@@ -73,6 +73,12 @@ class FedAlignParams(TrainParams):
         default="loss", description="what a non-priority device matches against the priority devices' value"
     )
 
+    def idle_keys(self) -> dict[str, str]:
+        out = super().idle_keys()
+        if self.epsilon_drop_round == 0:
+            out["epsilon_later"] = "epsilon_drop_round > 0"
+        return out
+
     @model_validator(mode="after")
     def _fedalign_ok(self) -> FedAlignParams:
         if bool(self.priority) == (self.priority_fraction > 0):

@@ -68,6 +68,19 @@ class RobustParams(TrainParams):
             )
         return tuple(out)
 
+    def idle_keys(self) -> dict[str, str]:
+        out = super().idle_keys()
+        chosen = {self.cell_aggregator, self.cloud_aggregator}
+        uses = {
+            "trim_beta": ("trimmed_mean",),
+            "krum_byzantine": ("krum", "multikrum"),
+            "multikrum_keep": ("multikrum",),
+        }
+        for key, rules in uses.items():
+            if not chosen & set(rules):
+                out[key] = "cell_aggregator or cloud_aggregator = " + " | ".join(f'"{r}"' for r in rules)
+        return out
+
 
 def robust_params(params: TrainParams) -> RobustParams:
     """The robust aggregation settings of ``params`` (their defaults, the plain mean, for algorithms whose

@@ -88,6 +88,21 @@ class ServerParams(TrainParams):
             out.append(Layer("algorithm.amplify_eta", f"{self.amplify_eta:g}", why="amplifies the cloud's update"))
         return tuple(out)
 
+    def idle_keys(self) -> dict[str, str]:
+        out = super().idle_keys()
+        uses = {
+            "server_momentum": ("fedavgm",),
+            "server_beta1": ADAPTIVE,
+            "server_beta2": ("fedadam", "fedyogi"),
+            "server_tau": ADAPTIVE,
+        }
+        for key, optimizers in uses.items():
+            if self.server_optimizer not in optimizers:
+                out[key] = "server_optimizer = " + " | ".join(f'"{o}"' for o in optimizers)
+        if self.amplify_period == 0:
+            out.update(dict.fromkeys(("amplify_eta", "amplify_start"), "amplify_period > 0"))
+        return out
+
     @model_validator(mode="after")
     def _amplification_composes(self) -> ServerParams:
         if self.server_optimizer != "sgd" and self.amplify_period > 0 and self.amplify_eta != 1.0:

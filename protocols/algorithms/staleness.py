@@ -47,6 +47,13 @@ class AsyncParams(TrainParams):
         )
         return (*super().layers(), versions)
 
+    def idle_keys(self) -> dict[str, str]:
+        out = super().idle_keys()
+        if self.mode != "async":
+            keys = ("async_buffer", "async_push_every", "async_push_seconds", "async_cloud_buffer")
+            out.update(dict.fromkeys((*keys, "staleness_exponent", "max_staleness"), 'mode = "async"'))
+        return out
+
     staleness_exponent: float = Field(
         default=0.5,
         ge=0,

@@ -4,6 +4,7 @@ algorithm stack, deadlines, secure aggregation and DP settings); its TOML form a
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -290,4 +291,10 @@ def validate_algorithm(section: dict[str, Any]) -> TrainParams:
     refused = check_layers(params)
     if refused is not None:
         raise ConfigError(f"algorithm: {refused}")
+    idle = [
+        f"algorithm.{key} = {json.dumps(value)} has no effect without {needs}"
+        for key, (value, needs) in params.idle_settings().items()
+    ]
+    if idle:
+        raise ConfigError("; ".join(idle) + " (remove it, or set what it needs)")
     return params

@@ -61,6 +61,13 @@ class UplinkParams(TrainParams):
         )
         return (*super().layers(), codec)
 
+    def idle_keys(self) -> dict[str, str]:
+        out = super().idle_keys()
+        uses = {"signsgd_mode": "signsgd", "topk_fraction": "topk", "qsgd_levels": "qsgd", "mrn_noise": "fedmrn"}
+        uses |= {"mrn_alpha": "fedmrn", "mrn_signed": "fedmrn"}
+        out.update({key: f'uplink = "{codec}"' for key, codec in uses.items() if self.uplink != codec})
+        return out
+
 
 def make_codec(params: TrainParams) -> UplinkCodec:
     """The uplink codec ``params`` ask for (dense when the params have no ``uplink``)."""
