@@ -81,6 +81,25 @@ def test_a_key_that_has_no_effect_with_the_others_is_refused(algorithm, needs):
     parse_config({"algorithm": {"name": "fedavg", "cloud_aggregator": "multikrum", "multikrum_keep": 1}})
 
 
+@pytest.mark.parametrize(
+    "data, needs",
+    [
+        ({"alpha": 0.1}, "alpha = 0.1 has no effect with partition = 'iid': it applies to 'dirichlet'"),
+        ({"partition": "dirichlet", "shards_per_device": 3}, "it applies to 'shards' | 'cell_shards'"),
+        (
+            {"partition": "dirichlet", "alpha_cells": 0.1},
+            "alpha_cells = 0.1 has no effect with partition = 'dirichlet'",
+        ),
+    ],
+)
+def test_a_partition_key_another_partition_never_reads_is_refused(data, needs):
+    """``alpha = 0.1`` under the default iid partition split the data iid: the researcher thought it non-iid."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"data": data})
+    assert needs in str(err.value)
+    parse_config({"data": {"partition": "dirichlet", "alpha": 0.1, "shards_per_device": 2}})  # 2: the default
+
+
 def test_more_devices_than_samples_is_a_clear_error(make_config):
     cfg = make_config(topology={"cells": 2, "devices_per_cell": 50}, data={"max_train": 60})
     with pytest.raises(ConfigError, match="topology.*100 devices.*60 training samples"):

@@ -120,6 +120,25 @@ class DataSection(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _partition_keys_apply(self) -> DataSection:
+        uses = {
+            "alpha": ("dirichlet",),
+            "shards_per_device": ("shards", "cell_shards"),
+            "alpha_cells": ("hierarchical",),
+            "alpha_devices": ("hierarchical",),
+        }
+        fields = type(self).model_fields
+        for key, partitions in uses.items():
+            value = getattr(self, key)
+            if self.partition not in partitions and value != fields[key].default:
+                raise ValueError(
+                    f"{key} = {value} has no effect with partition = {self.partition!r}: it applies to "
+                    + " | ".join(repr(p) for p in partitions)
+                    + " (remove it, or set that partition)"
+                )
+        return self
+
     def loader_params(self) -> dict[str, int]:
         """Parameters of the dataset's loader that the config sets (``load_dataset(**...)``)."""
         return {k: v for k, v in (("n", self.n), ("n_test", self.n_test)) if v}
