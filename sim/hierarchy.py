@@ -17,7 +17,7 @@ from protocols.config import ConfigError, RunConfig, TopologySection
 from protocols.trainer import LocalData
 
 from .datasets import Dataset, load_dataset
-from .participation import ParticipationModel, make_participation
+from .participation import ParticipationModel, check_spec, make_participation
 from .partition import partition, partition_hierarchy
 
 
@@ -92,8 +92,18 @@ class SampleCounts(Mapping[str, int]):
         return len(self.devices)
 
 
+def check_participation(cfg: RunConfig) -> None:
+    """``ConfigError`` for a participation parameter its model never reads (``prob`` with ``always``): the model is
+    built where it is used, and ``always`` never, so :func:`prepare` and :func:`prepare_given` check it first."""
+    try:
+        check_spec(cfg.participation.spec())
+    except ValueError as exc:
+        raise ConfigError(f"participation: {exc}") from None
+
+
 def prepare(cfg: RunConfig) -> Prepared:
     """Load the dataset and partition it over the topology; raise ConfigError on impossible setups."""
+    check_participation(cfg)
     d = cfg.data
     try:
         ds = load_dataset(
@@ -153,6 +163,7 @@ def prepare_given(cfg: RunConfig, ds: Dataset, parts: Mapping[str, np.ndarray]) 
     """Like :func:`prepare`, for a caller's own data: ``ds`` and each device's sample indices into
     ``ds.x_train`` (every device of the topology, no other), instead of ``data.dataset`` and ``data.partition``
     (benchmarks with data the config cannot name, e.g. a paper's synthetic recipe)."""
+    check_participation(cfg)
     devices = list(cfg.topology.devices())
     if set(parts) != set(devices):
         missing, extra = sorted(set(devices) - set(parts)), sorted(set(parts) - set(devices))

@@ -426,14 +426,9 @@ _SPEC_KEYS = {
 }
 
 
-def make_participation(spec: Mapping[str, Any] | Any, devices: Sequence[str], seed: int) -> ParticipationModel:
-    """Build a model from ``{"model": name, **params}`` (a dict or a pydantic model; ``None`` = unset).
-
-    ``always``; ``uniform``: ``per_round``; ``bernoulli``: ``prob`` (scalar) or ``probs`` (dict/list);
-    ``cyclic``: ``groups``, ``per_round``, ``random_offset``, ``active``, ``period``, ``selection``;
-    ``permutation``: ``per_round``;
-    ``markov``: ``p_off`` (on->off), ``p_on`` (off->on), ``start_on``; ``trace``: ``path``, ``strict``.
-    """
+def check_spec(spec: Mapping[str, Any] | Any) -> tuple[str, dict[str, Any]]:
+    """The model name and parameters of ``spec`` (as :func:`make_participation` takes it); ``ValueError`` for an
+    unknown model or a parameter it never reads (``prob`` with ``always``)."""
     if hasattr(spec, "model_dump"):
         spec = spec.model_dump()
     if not isinstance(spec, Mapping):
@@ -450,6 +445,18 @@ def make_participation(spec: Mapping[str, Any] | Any, devices: Sequence[str], se
         raise ValueError(
             f"participation model {name!r} has no parameter(s) {extra}; allowed: {sorted(_SPEC_KEYS[name])}"
         )
+    return name, params
+
+
+def make_participation(spec: Mapping[str, Any] | Any, devices: Sequence[str], seed: int) -> ParticipationModel:
+    """Build a model from ``{"model": name, **params}`` (a dict or a pydantic model; ``None`` = unset).
+
+    ``always``; ``uniform``: ``per_round``; ``bernoulli``: ``prob`` (scalar) or ``probs`` (dict/list);
+    ``cyclic``: ``groups``, ``per_round``, ``random_offset``, ``active``, ``period``, ``selection``;
+    ``permutation``: ``per_round``;
+    ``markov``: ``p_off`` (on->off), ``p_on`` (off->on), ``start_on``; ``trace``: ``path``, ``strict``.
+    """
+    name, params = check_spec(spec)
 
     def need(key: str) -> Any:
         if key not in params:

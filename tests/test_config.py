@@ -100,6 +100,15 @@ def test_a_partition_key_another_partition_never_reads_is_refused(data, needs):
     parse_config({"data": {"partition": "dirichlet", "alpha": 0.1, "shards_per_device": 2}})  # 2: the default
 
 
+def test_a_participation_parameter_of_another_model_is_refused_also_with_always(make_config):
+    """``prob = 0.5`` with the default ``always`` ran every device every round, told nothing (the model that would
+    have refused it is never built for ``always``)."""
+    with pytest.raises(ConfigError, match=r"participation model 'always' has no parameter\(s\) \['prob'\]"):
+        prepare(make_config(participation={"prob": 0.5}))
+    with pytest.raises(ConfigError, match=r"'uniform' has no parameter\(s\) \['p_on'\]"):
+        prepare(make_config(participation={"model": "uniform", "per_round": 2, "p_on": 0.5}))
+
+
 def test_more_devices_than_samples_is_a_clear_error(make_config):
     cfg = make_config(topology={"cells": 2, "devices_per_cell": 50}, data={"max_train": 60})
     with pytest.raises(ConfigError, match="topology.*100 devices.*60 training samples"):
