@@ -43,6 +43,16 @@ def federation_bundle(cfg: RunConfig) -> RunConfig:
     return RunConfig(run=RunSection(name=cfg.run.name), topology=cfg.topology, monitoring=cfg.monitoring)
 
 
+def ignored_by_federation(cfg: RunConfig) -> list[str]:
+    """The settings of a provisioning config that no federation bundle keeps and no job inherits (each job
+    brings its own): its training sections and run keys set to other than their defaults. ``[data]`` is
+    kept out of it (`fedtier partition` and the devices' weight bound read it)."""
+    kept = ("topology", "broker", "security", "monitoring", "data")
+    set_ = cfg.model_dump(mode="json", exclude_defaults=True)
+    run = [f"run.{k}" for k in set_.get("run", {}) if k not in ("name", "output")]
+    return run + [f"[{s}]" for s in set_ if s not in (*kept, "run")]
+
+
 def federation_toml(cfg: RunConfig) -> str:
     """A long-lived node's ``config.toml``: only the sections of :func:`federation_bundle` (no defaults of
     training sections, so that nothing in the bundle looks like a job's setting)."""

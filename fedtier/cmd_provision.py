@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from .cli import CONFIG, SET, main
-from .console import console, fail, load_deployment_or_exit
+from .console import console, fail, load_deployment_or_exit, print_error
 
 
 class _ProvisionGroup(click.Group):
@@ -212,7 +212,7 @@ def create(
     except ConfigError as exc:
         fail(str(exc), 2)
     for warning in done.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        print_error(warning, "warning", "yellow")
     console.print(
         f"provisioned {'federation' if federation else 'run'} {cfg.run.name!r} in {done.out}: "
         f"broker config in {done.broker} "

@@ -101,12 +101,12 @@ def print_summary(summary: dict[str, Any], output_dir: Any) -> None:
     Console().print(table)
 
 
-def print_error(message: object, label: str = "error") -> None:
-    """``label: message`` in red, the message as plain text: errors name config sections and keys in brackets
-    (``[security] keys``), which rich would take as markup and drop."""
+def print_error(message: object, label: str = "error", style: str = "bold red") -> None:
+    """``label: message`` (``style``: red), the message as plain text: errors name config sections and keys in
+    brackets (``[security] keys``), which rich would take as markup and drop."""
     from rich.markup import escape
 
-    console.print(f"[bold red]{label}:[/] {escape(str(message))}")
+    console.print(f"[{style}]{label}:[/] {escape(str(message))}", highlight=False)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -36,7 +36,7 @@ from protocols.wire.keys import KeyRing, generate_keys, new_seed, public_of, wri
 
 from .acl import MONITOR, Grants, acl_rules, bridge_rules, bridge_user
 from .broker_files import broker_user_for_root, cell_ports, write_broker
-from .bundles import FEDTIER_BIN, write_bundle
+from .bundles import FEDTIER_BIN, ignored_by_federation, write_bundle
 from .federation import record_federation
 from .pki import CertificateAuthority, certificate, new_key, pem_cert, pem_key, write_file
 
@@ -205,6 +205,7 @@ def provision(
     systemd unit per node (:func:`~fedtier.bundles.systemd_unit`, ``fedtier_bin``: the installed ``fedtier``
     script). Every provisioning has the operator identity (``nodes/operator``: it alone may submit jobs) and
     the job topics in its ACL."""
+    ignored = ignored_by_federation(cfg) if federation else []  # (before the deployment's own settings)
     cfg, _ = deployment_config(cfg)
     out = Path(out)
     if (out / "keys.toml").exists() and not overwrite:
@@ -222,4 +223,10 @@ def provision(
     }
     extra = {"max_device_weight": max_device_weight, "federation": federation, "fedtier_bin": fedtier_bin}
     record_federation(out, cfg, ring, {**asdict(layout), **extra})
-    return Provisioned(out, out / "broker", bundles, brokers.cell_folders, [warning] if warning else [])
+    warnings = [warning] if warning else []
+    if ignored:
+        warnings.append(
+            f"{', '.join(ignored)}: no job takes these from the federation's config (each job sets its own, "
+            "e.g. its [runtime] deadlines and startup wait), so they apply to nothing here"
+        )
+    return Provisioned(out, out / "broker", bundles, brokers.cell_folders, warnings)

@@ -363,3 +363,20 @@ def test_error_messages_keep_the_config_sections_they_name(
     Path("unsigned.toml").write_text(Path("config.toml").read_text().replace('keys = "keys.toml"\n', ""))
     code, out, _ = _cli("cell", "unsigned.toml", "--cell", "c0")
     assert code == 2 and "the config has no [security] keys" in out, out
+
+
+def test_provisioning_a_federation_warns_of_settings_no_job_takes(tmp_path: Path) -> None:
+    """A federation's bundles keep no training or timing config and jobs inherit none: provisioning says so of
+    what the config sets (the tutorial's federation once set [runtime] deadlines that no job ever used)."""
+    from fedtier.bundles import ignored_by_federation
+    from protocols.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    assert ignored_by_federation(load_config(root / "examples" / "federation.toml")) == []
+    cfg = small_config(tmp_path, runtime={"startup_wait": 5.0})  # also rounds, [algorithm], [model] set
+    assert ignored_by_federation(cfg) == ["run.rounds", "[algorithm]", "[model]", "[runtime]"]
+    path = tmp_path / "fed.toml"
+    path.write_text(cfg.to_toml())
+    code, out, exc = _cli("provision", str(path), "--out", str(tmp_path / "p"), "--federation", *broker_user())
+    assert exc is None and code == 0, out
+    assert "warning: run.rounds, [algorithm], [model], [runtime]: no job takes these" in out, out
