@@ -23,11 +23,17 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    from rich.markup import escape
+
     from monitor.report import write_report
 
     target = Path(out) if out else (Path(run_dirs[0]) / "report.html" if len(run_dirs) == 1 else Path("report.html"))
+
+    def warn(line: str) -> None:  # also listed in the report
+        console.print(f"[yellow]warning:[/] invalid record skipped: {escape(line)}", highlight=False)
+
     try:
-        path, plots = write_report(list(run_dirs), target)
+        path, plots = write_report(list(run_dirs), target, on_bad=warn)
     except ValueError as exc:
         fail(str(exc), 1)
     console.print(

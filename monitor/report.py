@@ -221,11 +221,13 @@ def plot_bytes_per_tier(runs: list[RunData]) -> Plot:
 
 def participation_matrix(run: RunData) -> tuple[list[str], list[str], np.ndarray]:
     """(devices grouped by cell, the cell of each row, matrix[device, round]): each entry is the share
-    of its cell's edge rounds in that cloud round that the device answered (0: absent or not planned)."""
-    cell_of = {d: r.cell for r in run.cells for d in (*r.planned, *r.absent)}
+    of its cell's edge rounds in that cloud round that the device answered (0: absent or not planned). The rounds
+    are those of the cloud's records and of the cells' (a run stopped or in progress has aggregations of a round
+    the cloud has not closed)."""
+    cell_of = {d: r.cell for r in run.cells for d in (*r.planned, *r.absent, *r.answered)}
     devices = sorted(cell_of, key=lambda d: (cell_of[d], d))
     index = {d: i for i, d in enumerate(devices)}
-    n_rounds = max(r.round for r in run.rounds) + 1
+    n_rounds = max(r.round for r in (*run.rounds, *run.cells)) + 1
     answered = np.zeros((len(devices), n_rounds))
     edges: dict[tuple[str, int], set[int]] = {}
     for r in run.cells:
@@ -324,9 +326,16 @@ def _summary_rows(runs: list[RunData]) -> str:
     return "\n".join(rows)
 
 
-def write_report(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, list[Plot]]:
-    """Write ``out`` (HTML, plots embedded) and its PNGs in ``<out stem>_plots/``; return both."""
+def write_report(
+    run_dirs: list[str | Path], out: str | Path, on_bad: Callable[[str], None] | None = None
+) -> tuple[Path, list[Plot]]:
+    """Write ``out`` (HTML, plots embedded) and its PNGs in ``<out stem>_plots/``; return both. The invalid lines
+    of the records (a run killed mid-write ends in half a line) are skipped, listed in the page, and passed to
+    ``on_bad``."""
     runs = [load_run(p) for p in run_dirs]
+    for line in (b for run in runs for b in run.bad):
+        if on_bad is not None:
+            on_bad(str(line))
     unique_labels(runs)
     plots = make_plots(runs)
     out = Path(out)

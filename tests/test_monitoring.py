@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -185,6 +186,22 @@ def test_report_plots_the_runs_data(runs, tmp_path):
     res = CliRunner().invoke(main, ["report", str(dirs[0])])
     assert res.exit_code == 0, res.output
     assert (dirs[0] / "report.html").exists() and (dirs[0] / "report_plots" / "participation.png").exists()
+
+
+def test_report_of_a_run_killed_while_writing_its_last_round_record(runs, tmp_path):
+    """A run killed mid-write: metrics.jsonl ends in half a line, and the cells' records hold the aggregations of
+    the round the cloud never closed. The report is written (it raised IndexError in the participation plot),
+    the heatmap has that round's column from the cells' records, and the bad line is named on stderr."""
+    run_dir = tmp_path / "killed"
+    shutil.copytree(runs[1].output_dir, run_dir)
+    metrics = run_dir / runfiles.METRICS
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    res = CliRunner().invoke(main, ["report", str(run_dir)])
+    assert res.exit_code == 0, res.output
+    assert "metrics.jsonl:2" in "".join(res.output.split()) and (run_dir / "report.html").exists()
+    devices, _, matrix = participation_matrix(load_run(run_dir))
+    assert matrix.shape == (6, 3) and (matrix == 1).all()  # every device answered every edge round of the 3
 
 
 def test_participation_matrix_counts_edge_rounds(runs):
