@@ -10,9 +10,10 @@ import datetime as dt
 from typing import Any, NoReturn
 
 import click
+from rich.markup import escape
 
 from .cli import VERBOSE, main
-from .console import console, load_or_exit, print_error, setup_logging
+from .console import JOB_FAILED, console, load_or_exit, print_error, setup_logging
 
 OPERATOR_CONFIG = click.option(
     "--config",
@@ -131,17 +132,55 @@ def _connect(config: str) -> _Session:
     raise AssertionError
 
 
+ENDED = {"finished": 0, "failed": JOB_FAILED, "cancelled": 1}
+"""A job's end state and the exit status of ``fedtier submit --wait-end``."""
+
+
+def _wait_end(config: str, job: str, seconds: float) -> NoReturn:
+    """Follow the cloud's signed job list until ``job`` ended (or ``seconds`` passed); exit with its end."""
+    from protocols.wire import topics
+
+    def state(record: dict[str, Any]) -> str | None:
+        listed = record.get("jobs")
+        mine = [j for j in listed if isinstance(j, dict) and j.get("job") == job] if isinstance(listed, list) else []
+        return str(mine[0].get("state")) if mine else None
+
+    session = _connect(config)
+    try:
+        record = session.read(topics.job_list(session.fed), "cloud", seconds, until=lambda r: state(r) in ENDED)
+    finally:
+        session.close()
+    if record is None:
+        _fail(f"job {job} has not ended within {seconds:g} s (fedtier jobs shows where it is)", 1)
+    ended = next(j for j in record["jobs"] if isinstance(j, dict) and j.get("job") == job)
+    reason = f": {ended.get('reason')}" if ended.get("reason") else ""
+    if ended["state"] == "finished":
+        console.print(f"job {job}: finished{escape(reason)}", highlight=False)
+    else:
+        print_error(f"{ended['state']}{reason}", f"job {job}")
+    raise SystemExit(ENDED[ended["state"]])
+
+
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @OPERATOR_CONFIG
 @click.option("--id", "job_id", default=None, help="The job's id (default: [job] id, else the file's name).")
 @WAIT
+@click.option(
+    "--wait-end",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    metavar="SECONDS",
+    help="Once queued, wait up to SECONDS for the job to end; exit 0 finished, 3 failed, 1 cancelled or not "
+    "ended in time (for scripts that run job after job).",
+)
 @VERBOSE
-def submit(job_file: str, config: str, job_id: str | None, wait: float, verbose: int) -> None:
+def submit(job_file: str, config: str, job_id: str | None, wait: float, wait_end: float | None, verbose: int) -> None:
     """Submit JOB_FILE (a run config, plus an optional [job] section) to the federation's cloud queue.
 
     The job is validated here first (the same errors as fedtier sim), signed with the operator identity,
-    and accepted or refused by the cloud (exit 0 / 1, with its reason)."""
+    and accepted or refused by the cloud (exit 0 / 1, with its reason); with --wait-end, then followed to
+    its end."""
     from protocols.jobs import JobError, canonical_job, read_job_file, submit_record
 
     setup_logging(verbose)
@@ -152,6 +191,8 @@ def submit(job_file: str, config: str, job_id: str | None, wait: float, verbose:
     except JobError as exc:
         _fail(str(exc), 2)
     _answer(_connect(config), submit_record(request), request.job, wait)
+    if wait_end is not None:
+        _wait_end(config, request.job, wait_end)
 
 
 @main.command()
@@ -200,7 +241,6 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
     table = Table("job", "state", "submitted", "hash", "reason")
     for j in listed:
         when = dt.datetime.fromtimestamp(j.get("submitted") or 0, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(
-            str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], str(j.get("reason", ""))
-        )
+        cells = (str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], str(j.get("reason", "")))
+        table.add_row(*(escape(c) for c in cells))  # the cloud's words: a reason may name a [section]
     console.print(table)

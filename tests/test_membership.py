@@ -187,9 +187,16 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             np.savez(nodes / "c0-d3" / "data.npz", x=rng.random((30, 784), dtype=np.float32), y=np.arange(30) % 10)
             procs["c0-d3"] = agent("c0-d3")
 
-            res = _run([FEDTIER, "submit", str(tmp / "B.toml"), "--config", "config.toml"], operator)
-            assert res.returncode == 0 and "queued" in res.stdout, res.stdout
-            assert wait_until(lambda: _jobs(cloud_out).get("B") == "finished", 240), _jobs(cloud_out)
+            res = subprocess.run(  # --wait-end: followed to its end, the exit status says how it ended
+                [FEDTIER, "submit", str(tmp / "B.toml"), "--config", "config.toml", "--wait-end", "240"],
+                cwd=operator,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=300,
+            )
+            assert res.returncode == 0 and "job B: queued" in res.stdout and "job B: finished" in res.stdout, res.stdout
+            assert _jobs(cloud_out).get("B") == "finished"
             cell_metrics = _scrape(metrics["cell"])  # job B's devices, each once: job A's server is gone
             online = [
                 line.split("}")[0] for line in cell_metrics.splitlines() if line.startswith("fedtier_device_online")

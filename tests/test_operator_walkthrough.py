@@ -380,3 +380,34 @@ def test_provisioning_a_federation_warns_of_settings_no_job_takes(tmp_path: Path
     code, out, exc = _cli("provision", str(path), "--out", str(tmp_path / "p"), "--federation", *broker_user())
     assert exc is None and code == 0, out
     assert "warning: run.rounds, [algorithm], [model], [runtime]: no job takes these" in out, out
+
+
+def test_submit_wait_end_exits_with_how_the_job_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedtier submit --wait-end`: the job list the cloud signs, followed until the job ended: 0 finished,
+    3 failed (with the reason), 1 cancelled or not ended in time."""
+    import fedtier.cmd_jobs as cmd
+
+    lists = {
+        "finished": {"jobs": [{"job": "a", "state": "finished", "reason": ""}]},
+        "failed": {"jobs": [{"job": "b", "state": "queued"}, {"job": "a", "state": "failed", "reason": "[x] stalled"}]},
+        "cancelled": {"jobs": [{"job": "a", "state": "cancelled", "reason": "cancelled by the operator"}]},
+        "running": {"jobs": [{"job": "a", "state": "running", "reason": ""}]},
+    }
+
+    class Session:
+        fed = "fed"
+
+        def __init__(self, record: dict) -> None:
+            self.record = record
+
+        def read(self, topic: str, signer: str, wait: float, until=None) -> dict | None:
+            return self.record if until is None or until(self.record) else None
+
+        def close(self) -> None:
+            pass
+
+    for state, code in (("finished", 0), ("failed", 3), ("cancelled", 1), ("running", 1)):
+        monkeypatch.setattr(cmd, "_connect", lambda config, r=lists[state]: Session(r))
+        with pytest.raises(SystemExit) as ended:
+            cmd._wait_end("config.toml", "a", 5.0)
+        assert ended.value.code == code, state
