@@ -6,7 +6,9 @@ Both are polled from the caller's thread: ``poll()`` returns what arrived since 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -115,15 +117,36 @@ class RunDirFollower:
         try:
             written = summary.stat().st_mtime
             if metrics.exists() and metrics.stat().st_mtime > written:
-                return []
+                return self._abandoned()
             data = json.loads(summary.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return []
+            return self._abandoned()
         phase = data.get("status") if isinstance(data, dict) else None
         if phase not in ("finished", "stopped", "failed"):
             return []
         reason = data.get(phase)
         return [{"node": "cloud", "phase": phase, "since": written, **({"reason": reason} if reason else {})}]
+
+    def _abandoned(self) -> list[dict]:
+        """A ``stopped`` state when the ``fedtier sim|run`` that wrote the folder is gone without a summary of its
+        end (killed: ``kill -9``, out of memory, a lost machine): it held ``run.lock`` while it ran, and nobody
+        holds it now. None while it runs, or where no such command wrote (a deployed cloud holds no lock)."""
+        lock = self.run_dir / runfiles.LOCK
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            return []
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return []  # held: the run goes on
+        finally:
+            os.close(fd)  # releases it
+        written = [t.path.stat().st_mtime for t in self._tails if t.path.exists() and t.path.stat().st_size]
+        if not written:
+            return []  # nothing written yet: a run that is starting (it takes the lock first)
+        why = "the fedtier sim|run process ended before the run did (killed?); --resume continues it"
+        return [{"node": "cloud", "phase": "stopped", "since": max(written), "reason": why}]
 
 
 def check_topic(record: Record, topic: str, run: str) -> None:

@@ -341,6 +341,31 @@ def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
     assert "cell c0: 1 device(s) diverged in round 0.1: meta loss (inf) is not finite" in alerts
 
 
+@pytest.mark.timeout(30)  # before: --exit-when-done waited for the end of a killed run for ever
+def test_the_monitor_says_a_killed_run_stopped_and_exit_when_done_leaves(runs, tmp_path):
+    """A ``fedtier sim`` killed with ``kill -9`` leaves its records, no summary and its run.lock, which nobody
+    holds any more: the monitor says it stopped (before: its cells 'ok' until the 120 s device deadline passed,
+    then 'silent', and --exit-when-done never left). While a process holds the lock, the run goes on."""
+    import fcntl
+
+    run_dir = tmp_path / "killed"
+    shutil.copytree(runs[1].output_dir, run_dir)
+    (run_dir / runfiles.SUMMARY).unlink()
+    lock = run_dir / runfiles.LOCK
+    lock.write_text("12345")
+    with lock.open() as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        res = CliRunner().invoke(main, ["monitor", str(run_dir), "--once", "--width", "200"])
+        assert res.exit_code == 0 and "stopped" not in res.output, res.output
+    res = CliRunner().invoke(main, ["monitor", str(run_dir), "--once", "--width", "200"])
+    assert (
+        res.exit_code == 0
+        and "now stopped: the fedtier sim|run process ended before the run did (killed?)" in res.output
+    ), res.output
+    res = CliRunner().invoke(main, ["monitor", str(run_dir), "--exit-when-done", "--refresh", "0.05"])
+    assert res.exit_code == 0 and "stopped" in res.output
+
+
 def test_run_dir_follower_tails_complete_lines(tmp_path):
     rec = [_cell(r, "c0", 4, float(r)).to_json() for r in range(3)]
     agg = tmp_path / runfiles.AGGREGATION
