@@ -376,9 +376,14 @@ class CloudServer:
             self.checkpoint.save(done, self.session, self.cumulative, self.stall.stalled, self.role.state(), record)
 
     def request_stop(self, reason: str) -> None:
-        """End the run cleanly after the current round (e.g. from ``on_round``: a target accuracy reached);
-        ``reason`` becomes the run's ``stopped``."""
+        """End the run cleanly after the current round (e.g. from ``on_round``: a target accuracy reached), or
+        at once while it still waits for its cells to start; ``reason`` becomes the run's ``stopped``."""
         self._stop_request = reason
+        waiting = hasattr(self, "_started_wall") and not self.started  # start() ran, no round began yet
+        if waiting and not self.finished:  # (fedtier cancel in the startup wait: nothing to finish)
+            self.started = True  # no round begins
+            self._check_stop()
+            self.loop.post(self._finish)
 
     def _check_stop(self) -> str | None:
         """Whether the role forbids the next round (e.g. a privacy budget, protocols/privacy/dp.py) or a caller

@@ -411,3 +411,20 @@ def test_submit_wait_end_exits_with_how_the_job_ended(monkeypatch: pytest.Monkey
         with pytest.raises(SystemExit) as ended:
             cmd._wait_end("config.toml", "a", 5.0)
         assert ended.value.code == code, state
+
+
+def test_a_job_cancelled_in_its_startup_wait_ends_at_once(tmp_path: Path) -> None:
+    """`fedtier cancel` of a job whose cloud still waits for its cells (a member not started: up to its
+    startup wait) ends it at once, no round begun; it waited out the whole startup wait before."""
+    from cloud.node import build_cloud
+    from protocols.transport.memory import MemoryHub
+    from sim.hierarchy import prepare
+
+    cfg = small_config(tmp_path)
+    hub = MemoryHub()
+    node = build_cloud(cfg, hub.connect("cloud"), cfg.build_algorithm(prepare(cfg).spec), startup_wait=1000.0)
+    node.start()  # no cell ever comes online
+    node.request_stop("cancelled by the operator")
+    hub.loop.run(until=lambda: node.finished, max_steps=100_000)
+    assert node.finished and node.job_status == "stopped" and node.stopped == "cancelled by the operator"
+    assert hub.loop.now() < 1000.0 and node.history == []
