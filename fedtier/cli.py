@@ -10,6 +10,7 @@ from . import __version__
 from .console import (
     JOB_FAILED,
     exit_if_failed,
+    interruptible,
     load_or_exit,
     note_fresh_resume,
     print_error,
@@ -108,7 +109,7 @@ def sim(
     cfg = load_or_exit(config, overrides + flags)
     note_fresh_resume(cfg, resume)
     try:
-        with run_folder_lock(cfg), round_progress(cfg, not no_progress) as on_round:
+        with interruptible(), run_folder_lock(cfg), round_progress(cfg, not no_progress) as on_round:
             result = run_simulation(cfg, on_round=on_round, resume=resume)
     except ConfigError as exc:
         print_error(exc)

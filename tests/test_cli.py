@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
+import pytest
 from click.testing import CliRunner
 
 from fedtier.cli import main
 from protocols import runfiles
+from tests.conftest import wait_until
 
 CONFIG = """
 [run]
@@ -79,6 +84,29 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
         assert first.read_text() == '{"round": 0}\n'
     res = CliRunner().invoke(main, ["sim", str(cfg), "--no-progress"])
     assert res.exit_code == 0 and len(first.read_text().splitlines()) == 2, res.output
+
+
+@pytest.mark.timeout(120)
+def test_sim_stopped_by_sigterm_says_so_and_resumes(tmp_path):
+    """SIGTERM (or Ctrl-C) stops ``fedtier sim`` as it stops ``fedtier run``: exit 130 and how to continue, not
+    a kill by the signal (143) or click's bare 'Aborted!' (1); ``--resume`` then goes on from its checkpoint."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out").replace("rounds = 2", "rounds = 100000"))
+    metrics = tmp_path / "out" / runfiles.METRICS
+    cmd = [sys.executable, "-c", "from fedtier.cli import main; main()", "sim", str(cfg), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "interrupted:" in out and "--resume" in out and "Traceback" not in out, out
+    done = len(metrics.read_text().splitlines())
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--set", f"run.rounds={done + 1}", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["rounds"] == done + 1
 
 
 def test_help_lists_commands():
