@@ -16,6 +16,7 @@ from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.rejections import Rejected, RejectKind
 from protocols.transport.base import Transport
 
+from .revocation import refused_revoked
 from .server import CloudServer
 
 
@@ -37,7 +38,17 @@ class AsyncCloudServer(CloudServer):
         self._sent.update((cell, self.round) for cell in self.planned)
         self._in_round = True
 
+    def _leave_round(self, cells: list[str]) -> None:
+        """Revoked ``cells``: their pushes still buffered are dropped (never aggregated), no version goes to them."""
+        gone = set(cells)
+        self.fb.buffer.entries = [e for e in self.fb.buffer.entries if e.sender not in gone]
+        self._notify = [c for c in self._notify if c not in gone]
+        for cell in gone:
+            self.counts.devices.pop(cell, None)
+
     def _on_report(self, topic: str, data: bytes) -> None:
+        if refused_revoked(self.revoked, topic, self.messenger):
+            return
         msg = self.messenger.receive(topic, data, kinds=("cell_report",))
         if msg is None or self.finished:
             return

@@ -33,6 +33,7 @@ class Host(Protocol):
     planned: list[str]
     counts: RoundCounts
     cumulative: dict[str, int]
+    revoked: dict[str, str]
     loop: EventLoop
     telemetry: CloudTelemetry
 
@@ -61,6 +62,7 @@ def round_record(
         cells_reported=reported,
         cells_absent=absent,
         cells_failed=c.cells_failed or None,
+        cells_revoked=dict(cloud.revoked) or None,
         devices=c.devices,
         devices_diverged=c.diverged or None,
         devices_failed=c.failed or None,

@@ -29,6 +29,7 @@ from protocols.wire.payload import Payload
 from .cell_records import CellRecordCollector
 from .checkpoint import CloudCheckpoint, Saved, repair_records
 from .parts import CellPresence, RoundCounts, report_refusal
+from .revocation import leave_round, refused_revoked, too_few_cells
 from .round_record import divergence, round_record, stall
 from .telemetry import CloudTelemetry
 
@@ -58,8 +59,12 @@ class CloudServer:
     ``fail_on_cell_failure``: a cell's "failed" report (its handler raised) fails the job; off, the cell is
     left out of the round with its reason (``cells_failed``) and the stall rule decides. ``checkpoint_path``
     (``cloud.checkpoint``) with ``resume``: continue after the last round it closed (``devices_recreated``:
-    a launcher that rebuilt its devices, whose state the role forgets).
+    a launcher that rebuilt its devices, whose state the role forgets). :meth:`revoke`: cells the federation
+    revoked while the job runs.
     """
+
+    live = False  # started: a revocation acts on the rounds from then on
+    _awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
 
     def __init__(
         self,
@@ -115,8 +120,8 @@ class CloudServer:
         self._timer: TimerHandle | None = None
         self._in_round, self.answers, self.counts = False, Answers("cell"), RoundCounts()
         self.planned: list[str] = []
-        self._awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
         self._early: dict[str, tuple[str, Any]] = {}  # cell -> its report of ``round``, come before the round
+        self.revoked: dict[str, str] = {}  # cell -> why it is out of the job (the federation revoked it)
         self.resumed = saved is not None
         if saved is not None:
             self._resume(saved, session is None, devices_recreated)
@@ -172,11 +177,13 @@ class CloudServer:
         self.transport.publish(
             status, encode_status("online", topic=status, trust=self.trust, session=self.session, **extra), retain=True
         )
-        self._started_wall = time.time()
+        self._started_wall, self.live = time.time(), True
         self._state("starting", waiting=[c for c in self.cells if not self.presence.ready[c]])
         if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker
             self.transport.publish(topics.control(self.run), b"", retain=True)
             self._check_stop()
+        if self.revoked and not self._enough_cells(sorted(self.revoked)):  # revoked before the job started
+            return
         if self.round >= self.rounds or self.stopped:
             self.loop.post(self._finish)
             return
@@ -218,7 +225,7 @@ class CloudServer:
         if not node.startswith("cell."):
             return
         cell, record = node[len("cell.") :], decode_status(data, topic, self.trust)
-        if cell not in self.presence.ready or record is None:
+        if cell not in self.presence.ready or cell in self.revoked or record is None:
             return
         if record["state"] == "online" and record.get("session", self.session) != self.session:
             return  # serving another job (e.g. the retained status of a killed run's cell): not ready for this one
@@ -230,11 +237,12 @@ class CloudServer:
         self._maybe_begin()
 
     def _maybe_begin(self) -> None:
-        if not self.started and (self.startup_wait <= 0 or all(self.presence.ready.values())):
+        ready = all(r or c in self.revoked for c, r in self.presence.ready.items())
+        if not self.started and (self.startup_wait <= 0 or ready):
             self._begin_once()
 
     def _begin_once(self) -> None:
-        if not self.started:
+        if not self.started and not self.finished:
             self.started = True
             self._begin_round()
 
@@ -261,16 +269,18 @@ class CloudServer:
             )
 
     def _plannable(self, cell: str) -> bool:
-        """Online (or no startup wait), or offline for less than ``cell_deadline`` (see
+        """Not revoked, and online (or no startup wait), or offline for less than ``cell_deadline`` (see
         :meth:`CellPresence.plannable`)."""
+        if cell in self.revoked:
+            return False
         if self.startup_wait <= 0:
             return True
         return self.presence.plannable(cell, self.loop.now(), self.cell_deadline, self.round)
 
     def _send_tasks(self, candidates: list[str]) -> None:
         """Start counting the next round record; plan the ``candidates`` that may take part; send their tasks."""
-        allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
-        self.counts = RoundCounts(self.loop.now(), time.perf_counter(), expected=len(allowed & set(self.cells)))
+        allowed = self._allowed()
+        self.counts = RoundCounts(self.loop.now(), time.perf_counter(), expected=len(allowed))
         plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
         self.planned = sorted(plan)
         manifest = topics.round_manifest(self.run)
@@ -284,7 +294,14 @@ class CloudServer:
         self.counts.since = time.time()
         self._state("waiting", self.planned, since=self.counts.since, deadline_s=self.cell_deadline)
 
+    def _allowed(self) -> set[str]:
+        """The cells that may take part in this round: available (cell participation) and not revoked."""
+        allowed = set(self.availability(self.round)) if self.availability else set(self.cells)
+        return (allowed & set(self.cells)) - self.revoked.keys()
+
     def _on_report(self, topic: str, data: bytes) -> None:
+        if refused_revoked(self.revoked, topic, self.messenger):
+            return
         msg = self.messenger.receive(topic, data, kinds=("cell_report",))
         if msg is None:
             return
@@ -339,7 +356,8 @@ class CloudServer:
             return
         self._in_round = False
         self.loop.cancel(self._timer)
-        reports, absent = dict(sorted(self.answers.received.items())), sorted(self.answers.pending)
+        reports = dict(sorted(self.answers.received.items()))
+        absent = sorted(self.answers.pending | (set(self.planned) & self.revoked.keys()))  # revoked: planned, out
         self.answers.close()
         self._record_round(why, sorted(reports), absent, self.role.aggregate(self.round, reports))
 
@@ -367,6 +385,43 @@ class CloudServer:
             self.loop.post(self._guard(self._begin_round, "round start"))
         else:
             self._finish()
+
+    # ----------------------------------------------------------------- revocation
+    def revoke(self, cells: Iterable[str], why: str = "revoked") -> None:
+        """The federation revoked these cells (its signed roster; a node that is no cell of the job is ignored):
+        their keys are forgotten, so what they send is refused (``RejectKind.REVOKED``, listed in the next
+        record), they are never planned again, and the open round neither waits for them nor keeps a report
+        they sent before it closed: it closes as for a dead cell (at once if every other planned cell
+        answered). With fewer cells left than ``min_cells`` the job fails. Records list them (``cells_revoked``)."""
+        new = sorted(c for c in set(cells) if c in self.presence.ready and c not in self.revoked)
+        if not new:
+            return
+        if self.trust is not None:
+            self.trust.forget(new)
+        for cell in new:
+            self.revoked[cell] = why
+            self._early.pop(cell, None)
+        log.warning("cloud: %s %s: no longer planned, what they send is refused", ", ".join(new), why)
+        if self.live and not self.finished and self._enough_cells(new):
+            self._leave_round(new)
+            self._maybe_begin()  # a startup wait no longer waits for them
+
+    def _enough_cells(self, new: list[str]) -> bool:
+        """Whether the cells left once ``new`` are revoked can still meet ``min_cells``; else the job fails."""
+        why = too_few_cells(self.cells, self.revoked, self.stall.min_cells, new)
+        if why is not None:
+            self.fail(why)
+        return why is None
+
+    def _leave_round(self, cells: list[str]) -> None:
+        """The revoked ``cells`` leave the open round (``cloud.revocation.leave_round``), which closes if it waits
+        for nobody else."""
+        if not self._in_round:
+            return
+        leave_round(self.answers, self.counts, cells)
+        self.counts.expected = len(self._allowed())
+        if self.planned and not self.answers.pending:
+            self._close(self.round, "all reported" if self.answers.received or self.answers.settled else "revoked")
 
     def _checkpoint(self, record: dict[str, Any] | None) -> None:
         """Save the state after round ``self.round`` (before round 0: -1) and its ``record`` (``cloud.checkpoint``),

@@ -192,6 +192,7 @@ class CloudService:
             transport.publish(topic, self._seal(current.record(), topic), retain=True)
             self._publish_list(transport)
             node.start()
+            self._revoke_cells(node)  # the roster it holds (e.g. adopted while the job was queued, or resumed)
 
         self.loop.post(begin)
         self.loop.run(until=lambda: node.finished or self.stopping.is_set() or self.error is not None)
@@ -271,6 +272,8 @@ class CloudService:
             tmp.write_bytes(self._roster_bytes(roster))
             os.replace(tmp, self.roster_path)
         self.roster = roster
+        if self.node is not None:
+            self._revoke_cells(self.node)
         members = {c: roster.members(c) for c in roster.cells}
         topo = self.bundle.topology
         if members != {c: list(topo.device_ids(c)) for c in topo.cell_ids()}:  # changed since provisioning
@@ -278,6 +281,11 @@ class CloudService:
         log.info(
             "roster version %d: %d cells, %d devices", roster.version, len(members), sum(map(len, members.values()))
         )
+
+    def _revoke_cells(self, node: CloudServer) -> None:
+        """The running job's cells that the roster revoked leave it now (``CloudServer.revoke``)."""
+        if self.roster is not None:
+            node.revoke(self.roster.revoked, f"revoked (roster version {self.roster.version})")
 
     def _roster_bytes(self, roster: Roster) -> bytes:
         assert self.trust is not None

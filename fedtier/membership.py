@@ -11,8 +11,9 @@ the cloud's bundle). :func:`add_device`, :func:`add_cell` and :func:`revoke` cha
   reloaded (SIGHUP to the pid in its ``mosquitto.pid``; Mosquitto rereads its ACL and CRL files);
 - roster: a new version, signed with the cloud's key (``protocols.roster``), written to ``OUT/roster.json``
   and the cloud's bundle, and published retained on the roster topic with the operator's login
-  (:func:`publish_roster`): the running cloud takes it, so the next job plans the new membership, and
-  cells refuse a revoked device at once.
+  (:func:`publish_roster`): the running cloud takes it, so the next job plans the new membership and the
+  running job drops a revoked cell at once (``cloud.server.CloudServer.revoke``), and cells refuse a revoked
+  device at once.
 
 Ids are never reused: a revoked id stays revoked (the roster lists it), so an old key or certificate can
 never come back under it.

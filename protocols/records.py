@@ -163,6 +163,11 @@ class RoundRecord(_Record):
         None,
         description="cells that answered 'failed' (their handler raised), with why (runtime.fail_on_cell_failure off)",
     )
+    cells_revoked: dict[str, str] | None = Field(
+        None,
+        description="cells of the job the federation revoked so far (its signed roster), with when: never planned "
+        "again, what they send refused; one revoked in this round is in cells_absent, its report not aggregated",
+    )
     devices_failed: dict[str, Count] | None = Field(
         None, description="cell -> devices whose task failed in every edge round they had (answered, not aggregated)"
     )

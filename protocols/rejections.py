@@ -18,6 +18,8 @@ class RejectKind(StrEnum):
     """unsigned where a signature is required, a bad signature, or a signature of another session"""
     UNKNOWN_SENDER = "unknown_sender"
     """signed by (or claiming) a node this tier has no key or membership for"""
+    REVOKED = "revoked"
+    """signed by (or claiming) a node the federation revoked (the signed roster lists it): refused from then on"""
     WRONG_SENDER = "wrong_sender"
     """a known sender on a topic, cell or run that is not its own (or not the one it may use)"""
     REPLAY = "replay"

@@ -308,7 +308,7 @@ def test_a_device_revoked_by_the_roster_mid_round_is_refused_counted_and_not_wai
     answer("c0-d2", 1)
     hub.loop.run(until=lambda: len(cell.records) == 2)
     refused = cell.records[1]["rejected"]
-    assert [(r["device"], r["kind"]) for r in refused] == [("c0-d1", "unknown_sender")], refused
+    assert [(r["device"], r["kind"]) for r in refused] == [("c0-d1", "revoked")], refused
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")

@@ -229,6 +229,7 @@ class PublicKeys:
                 raise KeysError(f"the public key of {n!r} is not {KEY_BYTES} bytes")
         self._raw = {n: bytes(k) for n, k in public.items()}
         self._public: dict[str, Ed25519PublicKey] = {}  # parsed on first use (a device knows its whole cell)
+        self.revoked: set[str] = set()  # forgotten nodes: what they sign is refused as revoked
         self.verified = VERIFIED
 
     @property
@@ -250,19 +251,25 @@ class PublicKeys:
                 self._public.pop(node, None)
 
     def forget(self, nodes: Iterable[str]) -> None:
-        """Stop trusting these nodes (revoked): their signatures no longer verify."""
+        """Stop trusting these nodes (revoked): their signatures no longer verify (``RejectKind.REVOKED``)."""
         for node in nodes:
             self._raw.pop(node, None)
             self._public.pop(node, None)
+            self.revoked.add(node)
+
+    def require(self, node: str) -> None:
+        """Raise :class:`WireError` unless ``node``'s key is known (``REVOKED`` for a forgotten one)."""
+        if node not in self._raw:
+            if node in self.revoked:
+                raise WireError(RejectKind.REVOKED, f"signer {node!r} was revoked")
+            raise WireError(RejectKind.UNKNOWN_SENDER, f"unknown signer {node!r}")
 
     def verify(self, signer: str, data: bytes, sig: bytes) -> None:
         """Raise :class:`WireError` unless ``sig`` is ``signer``'s signature of ``data``."""
         key = self._public.get(signer)
         if key is None:
-            raw = self._raw.get(signer)
-            if raw is None:
-                raise WireError(RejectKind.UNKNOWN_SENDER, f"unknown signer {signer!r}")
-            key = self._public[signer] = Ed25519PublicKey.from_public_bytes(raw)
+            self.require(signer)
+            key = self._public[signer] = Ed25519PublicKey.from_public_bytes(self._raw[signer])
         try:
             self.verified.check(self._raw[signer], key, sig, data)
         except InvalidSignature:

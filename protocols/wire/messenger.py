@@ -172,8 +172,7 @@ class Messenger:
             if kinds is not None and header.kind not in kinds:
                 raise WireError(RejectKind.MALFORMED, f"unexpected message kind {header.kind!r} on {topic}")
             if self.trust is not None:
-                if not self.trust.knows(header.sender):
-                    raise WireError(RejectKind.UNKNOWN_SENDER, f"unknown sender {header.sender!r}")
+                self.trust.require(header.sender)  # unknown, or revoked
                 verify_signature(header, raw, topic, self.trust.verify)
             if not self.seen.first_time(f"{header.session}/{header.msg_id}"):
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)

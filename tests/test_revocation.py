@@ -1,0 +1,252 @@
+"""A cell revoked while a job runs: the cloud's side (the cell's side, a device revoked mid-round, is in
+``tests/test_membership.py``). In memory on a virtual clock, with signed messages: cells that answer their tasks
+with signed reports (a constant delta each, so the aggregate is known), and the cloud as a job's server or as the
+long-lived service that learns the roster on its topic. A revoked cell is not waited for (no deadline runs out),
+its report is not aggregated (taken before the revocation or sent after it, with its real key: refused as
+``revoked``), it is never planned again, also after the cloud restarts, and a job left without cells fails
+saying so."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cloud.node import build_cloud
+from protocols.transport.memory import MemoryHub
+from protocols.wire import topics
+from protocols.wire.envelope import decode_message
+from protocols.wire.keys import KeyRing, Trust, generate_keys, write_keys
+from protocols.wire.messenger import Messenger
+from protocols.wire.payload import Payload
+from tests.conftest import small_config
+
+CELLS = ["c0", "c1", "c2"]
+
+
+def _signed_config(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Any, KeyRing]:
+    """3 cells of 1 device, signed (a keys file), a cell deadline of 100 s (what a revoked cell must not cost)."""
+    runtime = {"cell_deadline": 100.0, "startup_wait": 0.0, **sections.pop("runtime", {})}
+    cfg = small_config(tmp_path, topology={"cells": 3, "devices_per_cell": 1}, runtime=runtime, **sections)
+    ring = generate_keys(cfg.topology)
+    write_keys(tmp_path / "keys.toml", ring)
+    security = cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})
+    return cfg.model_copy(update={"security": security}), ring
+
+
+def _delta(cell: str, rnd: int, like: dict[str, np.ndarray]) -> Payload:
+    """Cell ``cell``'s report of round ``rnd``: a constant delta of its own (so which cells count shows)."""
+    value = 0.01 * (1, 7, 2)[CELLS.index(cell)] * (rnd + 1)  # c1's moves the mean of the three
+    return Payload({"weight": 10.0, "loss": 0.0}, {k: np.full_like(v, value) for k, v in like.items()})
+
+
+class Cells:
+    """The job's cells on ``hub``: each answers its task at once with its signed report unless ``silent`` says
+    not; ``tasks`` lists (cell, round) of every task that came."""
+
+    def __init__(self, hub: MemoryHub, run: str, ring: KeyRing, like: dict[str, np.ndarray]) -> None:
+        self.peer, self.run, self.like = hub.connect("cells"), run, like
+        self.tasks: list[tuple[str, int]] = []
+        self.silent: Callable[[str, int], bool] = lambda cell, rnd: False
+        self.on_task: Callable[[str, int], None] = lambda cell, rnd: None
+        self.session: str | None = None
+        self.messengers = {c: Messenger(self.peer, run, c, trust=Trust(c, ring.private[c], ring.public)) for c in CELLS}
+        for cell in CELLS:
+            self.peer.subscribe(topics.cell_task(run, cell), partial(self._task, cell))
+
+    def _task(self, cell: str, topic: str, data: bytes) -> None:
+        header = decode_message(data)[0]
+        self.session = header.session
+        self.tasks.append((cell, header.round))
+        self.on_task(cell, header.round)
+        if not self.silent(cell, header.round):
+            self.report(cell, header.round)
+
+    def report(self, cell: str, rnd: int, on: str | None = None) -> None:
+        """Send ``cell``'s signed report of round ``rnd`` (on its own report topic, or on ``on``'s)."""
+        m = self.messengers[cell]
+        m.session = self.session
+        m.send(
+            topics.cell_report(self.run, on or cell),
+            "cell_report",
+            _delta(cell, rnd, self.like),
+            round=rnd,
+            cell=on or cell,
+        )
+
+
+def _reference(algorithm: Any, like: dict[str, np.ndarray], rounds: list[list[str]]) -> dict[str, np.ndarray]:
+    """The global model a cloud role gives when round ``r`` aggregates the reports of ``rounds[r]``."""
+    role = algorithm.cloud()
+    for rnd, cells in enumerate(rounds):
+        role.plan(rnd, list(cells))
+        role.aggregate(rnd, {c: _delta(c, rnd, like) for c in cells})
+    return dict(role.global_params())
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _rejected(record: dict[str, Any]) -> list[str]:
+    return [r["kind"] for r in record["rejected"]]
+
+
+def test_a_cell_revoked_mid_round_is_not_waited_for_and_what_it_sends_is_refused(tmp_path: Path) -> None:
+    """Round 1 waits for c1 (deadline 100 s) when the federation revokes it: the round closes at once with c0's
+    and c2's reports (the model is exactly their aggregate), c1 is never planned again, and its reports, signed
+    with its real key (on its topic, or on c0's), are refused as ``revoked`` and listed in the next record."""
+    cfg, ring = _signed_config(tmp_path)
+    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
+    like = dict(algorithm.cloud().global_params())
+    hub = MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
+    cells = Cells(hub, cfg.run.name, ring, like)
+    cells.silent = lambda cell, rnd: cell == "c1" and rnd == 1
+    cloud.start()
+    hub.loop.run(until=lambda: cloud.round == 1 and set(cloud.answers.received) == {"c0", "c2"})
+    assert cloud.answers.pending == {"c1"}
+    start = hub.loop.now()
+    cloud.revoke(["c1", "c1-d0"], "revoked (roster version 2)")  # the roster lists its devices too
+    assert len(cloud.history) == 2 and hub.loop.now() == start  # closed at once: no deadline waited
+    closed = cloud.history[1]
+    assert (closed["cells_reported"], closed["cells_absent"]) == (["c0", "c2"], ["c1"])
+    assert closed["cells_revoked"] == {"c1": "revoked (roster version 2)"} and closed["closed_by"] == "all reported"
+    cells.report("c1", 1)  # just after the revocation: refused
+    cells.report("c1", 2)
+    cells.report("c1", 2, on="c0")  # its key no longer verifies anywhere
+    hub.loop.run(until=lambda: cloud.finished)
+    assert not cloud.failed and [r for c, r in cells.tasks if c == "c1"] == [0, 1]  # never again
+    last = cloud.history[2]
+    assert last["cells_planned"] == ["c0", "c2"] and last["cells_revoked"] == {"c1": "revoked (roster version 2)"}
+    assert _rejected(last) == ["revoked"] * 3, last["rejected"]
+    expected = _reference(algorithm, like, [CELLS, ["c0", "c2"], ["c0", "c2"]])
+    assert _same(dict(cloud.role.global_params()), expected)
+    assert not _same(expected, _reference(algorithm, like, [CELLS, CELLS, ["c0", "c2"]]))  # c1 would show
+
+
+def test_a_report_taken_before_the_revocation_is_dropped_and_a_job_without_cells_fails(tmp_path: Path) -> None:
+    """c1 reported round 0 before it was revoked: its report is not aggregated (the round still waits for c2,
+    then aggregates c0 and c2). Revoking the last cells while round 1 is open fails the job with the reason, and
+    round 1 aggregates nothing (c0's report in hand is not a model update of a job that lost its cells)."""
+    cfg, ring = _signed_config(tmp_path)
+    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
+    like = dict(algorithm.cloud().global_params())
+    hub = MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
+    cells = Cells(hub, cfg.run.name, ring, like)
+    cells.silent = lambda cell, rnd: cell == "c2" or (cell == "c0" and rnd == 1)
+    cloud.start()
+    hub.loop.run(until=lambda: set(cloud.answers.received) == {"c0", "c1"})
+    cloud.revoke(["c1"])
+    assert cloud.round == 0 and cloud.answers.pending == {"c2"} and set(cloud.answers.received) == {"c0"}
+    cells.report("c2", 0)
+    hub.loop.run(until=lambda: cloud.round == 1 and ("c0", 1) in cells.tasks)
+    assert cloud.history[0]["cells_reported"] == ["c0", "c2"] and cloud.history[0]["cells_absent"] == ["c1"]
+    after_round_0 = _reference(algorithm, like, [["c0", "c2"]])
+    assert _same(dict(cloud.role.global_params()), after_round_0)
+    cells.report("c0", 1)
+    hub.loop.run(until=lambda: "c0" in cloud.answers.received)
+    cloud.revoke(["c0", "c2"])
+    assert cloud.finished and cloud.failed == "c0, c2 revoked by the federation: no cell of the job remains"
+    assert len(cloud.history) == 1 and _same(dict(cloud.role.global_params()), after_round_0)
+
+
+def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_and_keeps_it_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The long-lived cloud, a job of 4 rounds. In round 1, with c0 and c2 in, a roster revoking c1 signed by c0
+    (a forgery) changes nothing; the operator's, 5 s later, closes the round at once; the old roster replayed
+    after it changes nothing either. Stopped after round 2, the cloud restarts (a fresh broker: nothing retained)
+    with its kept roster and resumes the job, whose config still lists c1 (the roster came before this cloud had
+    the job): c1 is never planned again, its report is refused, and the model is the aggregate without it."""
+    from cloud.jobs import Job, JobQueue
+    from cloud.service import CloudService, JobParts
+    from protocols.jobs import OPERATOR, canonical_job, config_hash
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.wire.keys import node_trust
+    from sim.local_federation import job_text
+
+    cfg, ring = _signed_config(tmp_path, run={"name": "fed", "rounds": 4})
+    _, text = canonical_job(job_text(cfg), cfg)
+    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
+    like = dict(algorithm.cloud().global_params())
+    topo = cfg.topology
+    v1 = Roster.from_topology("fed", {c: topo.device_ids(c) for c in CELLS}, ring.public, 100.0)
+    v2 = v1.without("c1")
+    sign = {n: Trust(n, ring.private[n], ring.public).sign for n in ("cloud", "c0")}
+    queue = JobQueue(tmp_path / "jobs.json")
+    queue.submit(Job("j1", text, config_hash(text), OPERATOR))
+    kept = tmp_path / "roster.json"
+    ended: list[Any] = []
+
+    def service(hub: MemoryHub, roster: bytes, on_round: Callable[[dict[str, Any]], None]) -> CloudService:
+        return CloudService(
+            cfg,
+            hub.loop,  # type: ignore[arg-type]  (a virtual loop: the queue runner's own waits are never reached)
+            lambda: hub.connect("cloud"),
+            queue,
+            lambda job_cfg: JobParts(job_cfg.build_algorithm(job_cfg.model_spec((64,), 10))),
+            trust=node_trust(cfg, "cloud"),
+            operator=None,
+            on_end=lambda job, job_cfg, node, out: (ended.append(node), first.stop()),
+            on_round=on_round,
+            roster=roster,
+            roster_path=kept,
+        )
+
+    hub = MemoryHub()
+    operator = hub.connect("operator")
+    cells = Cells(hub, "fed", ring, like)
+    cells.silent = lambda cell, rnd: cell == "c1" and rnd == 1
+    revoked_at: list[float] = []
+
+    def publish(roster: Roster, by: str = "cloud") -> None:
+        operator.publish(roster_topic("fed"), sign_roster(roster, sign[by]), retain=True)
+
+    def real_roster() -> None:
+        revoked_at.append(hub.loop.now())
+        publish(v2)
+        cells.report("c1", 1)  # its report arrives just after the revocation
+        hub.loop.call_later(1.0, lambda: publish(v1))  # a replay of the old roster, which lists c1
+
+    def on_task(cell: str, rnd: int) -> None:
+        if (cell, rnd) == ("c2", 1):  # the last of c0 and c2 to be tasked: the round now waits for c1 alone
+            hub.loop.post(lambda: publish(v2.without("c2"), by="c0"))
+            hub.loop.call_later(5.0, real_roster)
+
+    cells.on_task = on_task
+    first = service(hub, sign_roster(v1, sign["cloud"]), lambda r: r["round"] == 2 and first.stop())
+    first.serve()
+    job_folder = cfg.output_dir() / "jobs" / "j1"
+    records = [json.loads(line) for line in (job_folder / "metrics.jsonl").read_text().splitlines()]
+    assert queue.get("j1").state == "running" and [r["round"] for r in records] == [0, 1, 2]
+    waited = records[1]["clock_s"] - records[1]["clock_start_s"]
+    assert records[1]["clock_s"] == round(revoked_at[0], 6) and 5.0 <= waited < 6.0  # the forgery did not close it
+    assert records[1]["cells_absent"] == ["c1"] and records[1]["cells_revoked"] == {"c1": "revoked (roster version 2)"}
+    assert records[2]["cells_planned"] == ["c0", "c2"] and _rejected(records[2]) == [
+        "revoked"
+    ]  # the replay changed nothing
+    assert first.roster == v2 and kept.read_bytes() == sign_roster(v2, sign["cloud"])
+
+    hub = MemoryHub()  # restarted: nothing retained on the broker, the roster comes from the kept file
+    cells = Cells(hub, "fed", ring, like)
+
+    def c1_tries_anyway(cell: str, rnd: int) -> None:
+        if cell == "c0":
+            cells.report("c1", rnd)
+
+    cells.on_task = c1_tries_anyway
+    first = service(hub, kept.read_bytes(), lambda r: None)
+    first.serve()
+    assert queue.get("j1").state == "finished", queue.get("j1").reason
+    records = [json.loads(line) for line in (job_folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2, 3] and records[3]["cells_planned"] == ["c0", "c2"]
+    assert records[3]["cells_revoked"] == {"c1": "revoked (roster version 2)"} and _rejected(records[3]) == ["revoked"]
+    assert "c1" not in [c for c, _ in cells.tasks]
+    expected = _reference(algorithm, like, [CELLS, ["c0", "c2"], ["c0", "c2"], ["c0", "c2"]])
+    assert _same(dict(ended[0].role.global_params()), expected)
