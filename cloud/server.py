@@ -123,6 +123,7 @@ class CloudServer:
         self._early: dict[str, tuple[str, Any]] = {}  # cell -> its report of ``round``, come before the round
         self.revoked: dict[str, str] = {}  # cell -> why it is out of the job (the federation revoked it)
         self.resumed = saved is not None
+        self.resumed_from: dict[str, Any] | None = None  # the checkpoint's round record (the last before a resume)
         if saved is not None:
             self._resume(saved, session is None, devices_recreated)
         self.cell_records = self._cell_records(cell_records_path, max_record_bytes)
@@ -135,6 +136,7 @@ class CloudServer:
         if devices_recreated:  # a launcher that rebuilt its devices (fedtier sim / run --resume)
             self.role.forget_devices()
         self.round = saved.round + 1
+        self.resumed_from = saved.record if isinstance(saved.record, dict) else None
         self.cumulative.update(saved.cumulative)
         if isinstance(saved.stalled, int) and 0 < saved.stalled < self.stall.max_rounds:
             self.stall.stalled, self.stall.first = saved.stalled, self.round - saved.stalled

@@ -67,6 +67,7 @@ class RunResult:
     wire_bytes: dict[str, int] = field(default_factory=dict)  # MQTT bytes per tier (fedtier run only)
     stopped: str | None = None  # why the cloud stopped before run.rounds (a privacy budget)
     failed: str | None = None  # why the job failed (a stall, a failed cell, a handler's exception)
+    earlier: dict[str, Any] | None = None  # a resumed run: the last round record before it (its checkpoint's)
 
     @property
     def status(self) -> str:
@@ -75,7 +76,7 @@ class RunResult:
 
     @property
     def final_accuracy(self) -> float | None:
-        for record in reversed(self.history):
+        for record in (*reversed(self.history), self.earlier or {}):
             if "accuracy" in record:
                 return record["accuracy"]
         return None
@@ -103,10 +104,11 @@ class RunResult:
             wire_bytes or {},
             stopped=cloud.stopped,
             failed=cloud.failed,
+            earlier=cloud.resumed_from,
         )
 
     def summary(self) -> dict[str, Any]:
-        last = self.history[-1] if self.history else {}
+        last = self.history[-1] if self.history else self.earlier or {}  # a resume of a finished run: its end
         return {
             "run": self.config.run.name,
             "status": self.status,

@@ -109,6 +109,21 @@ def test_sim_stopped_by_sigterm_says_so_and_resumes(tmp_path):
     assert json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["rounds"] == done + 1
 
 
+def test_resuming_a_finished_run_keeps_its_summary(tmp_path):
+    """``--resume`` of a run that had finished runs no round; its summary.json said rounds 0, accuracy None,
+    no bytes (the earlier attempt's figures lost). It now keeps the run's figures from the checkpoint."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    summary = tmp_path / "out" / runfiles.SUMMARY
+    assert CliRunner().invoke(main, ["sim", str(cfg), "--no-progress"]).exit_code == 0
+    before = json.loads(summary.read_text())
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    after = json.loads(summary.read_text())
+    keep = ("status", "rounds", "accuracy", "loss", "cumulative_bytes")
+    assert {k: after[k] for k in keep} == {k: before[k] for k in keep} and before["rounds"] == 2
+
+
 def test_help_lists_commands():
     res = CliRunner().invoke(main, ["--help"])
     assert res.exit_code == 0 and "sim" in res.output
