@@ -125,6 +125,7 @@ class RunResult:
             **({"epsilon": last["epsilon"]} if "epsilon" in last else {}),
             **{k: last[k] for k in ("epsilon_by_party", "epsilon_basis") if last.get(k) is not None},
             **({"stopped": self.stopped} if self.stopped else {}),
+            **({"resumed_after_round": self.earlier["round"]} if self.earlier and "round" in self.earlier else {}),
         }
 
 

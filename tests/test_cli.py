@@ -122,6 +122,7 @@ def test_resuming_a_finished_run_keeps_its_summary(tmp_path):
     after = json.loads(summary.read_text())
     keep = ("status", "rounds", "accuracy", "loss", "cumulative_bytes")
     assert {k: after[k] for k in keep} == {k: before[k] for k in keep} and before["rounds"] == 2
+    assert after["resumed_after_round"] == 1 and "resumed_after_round" not in before  # wall_s: this attempt's
 
 
 def test_help_lists_commands():
