@@ -250,3 +250,35 @@ def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_an
     assert "c1" not in [c for c, _ in cells.tasks]
     expected = _reference(algorithm, like, [CELLS, ["c0", "c2"], ["c0", "c2"], ["c0", "c2"]])
     assert _same(dict(ended[0].role.global_params()), expected)
+
+
+def test_async_a_revoked_cells_buffered_push_is_dropped_and_its_next_refused(tmp_path: Path) -> None:
+    """FedBuff over cells (a version every 3 pushes): c1's push waits in the buffer when c1 is revoked; it is
+    dropped, c1's next push is refused as ``revoked``, and the version is made of c0's and c2's pushes alone."""
+    from protocols.algorithms.fedbuff import FedBuffCloud
+
+    cfg, ring = _signed_config(
+        tmp_path, run={"rounds": 1}, algorithm={"mode": "async", "async_cloud_buffer": 3, "edge_rounds": 1}
+    )
+    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
+    like = dict(algorithm.cloud().global_params())
+    hub = MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
+    cells = Cells(hub, cfg.run.name, ring, like)
+    cells.silent = lambda cell, rnd: cell == "c2"
+    cloud.start()
+    hub.loop.run(until=lambda: len(cloud.fb.buffer.entries) == 2)  # type: ignore[attr-defined]
+    cloud.revoke(["c1"])
+    assert [e.sender for e in cloud.fb.buffer.entries] == ["c0"]  # type: ignore[attr-defined]
+    cells.report("c1", 0)
+    cells.report("c2", 0)
+    cells.report("c0", 0)
+    hub.loop.run(until=lambda: cloud.finished)
+    record = cloud.history[0]
+    assert record["cells_reported"] == ["c0", "c2"] and record["cells_revoked"] == {"c1": "revoked"}
+    assert _rejected(record) == ["revoked"]
+    reference = FedBuffCloud(cfg.train, algorithm.cloud())  # type: ignore[arg-type]
+    for cell in ("c0", "c2", "c0"):
+        reference.offer(cell, 0, _delta(cell, 0, like))
+    reference.aggregate()
+    assert _same(dict(cloud.role.global_params()), dict(reference.inner.global_params()))
