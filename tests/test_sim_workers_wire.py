@@ -52,23 +52,25 @@ def test_tasks_go_as_they_arrived_results_come_through_the_rings_and_the_run_is_
     def refuse(payload: Payload) -> bytes:
         raise AssertionError("a received task was encoded again for its worker")
 
-    inline = run_simulation(make_config(runtime={"engine": "cohort"}, **SECTIONS), write_output=False)
+    sections = {**SECTIONS, "run": {"rounds": 1}}
+    inline = run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
     monkeypatch.setattr("sim.executors.encode_payload", refuse)  # the main process's; the workers are spawned
     taken: list[int] = []
     take = RingReader.take
     monkeypatch.setattr(RingReader, "take", lambda self, at, n: taken.append(n) or take(self, at, n))
-    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **SECTIONS), write_output=False)
+    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False)
     names = [ring.name for ring in sim.executor.rings]
     assert len(names) == 2 and all(_segment(name) for name in names)
     parallel = sim.run()
     _same(inline, parallel)
     assert sim.executor.largest_batch == 3  # 6 devices over 2 workers, a batch per edge round
-    assert len(taken) == 6 * 2 * 2  # every result of 6 devices, 2 rounds of 2 edge rounds, through a ring
+    assert len(taken) == 6 * 2  # every result of 6 devices in 2 edge rounds, through a ring
     assert not any(_segment(name) for name in names)  # unlinked when the run ended
 
 
 def test_a_worker_killed_mid_round_ends_the_run_and_leaves_no_segment(make_config):
-    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **SECTIONS), write_output=False)
+    sections = {**SECTIONS, "algorithm": {**SECTIONS["algorithm"], "edge_rounds": 1}}
+    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False)
     names = [ring.name for ring in sim.executor.rings]
     victim = "c1-d0"
     proc = sim.executor.procs[sim.executor.owner[victim]]
@@ -161,14 +163,14 @@ def test_received_payloads_compare_their_bytes_only(cut):
 def test_diverged_devices_in_workers_are_recorded_as_without_workers(make_config):
     """A worker sends a diverged device's result as its agent would (the same reason), having checked every
     float of the others finite; the run is the one without workers, records of the divergence included."""
-    sections = {**SECTIONS, "run": {"rounds": 1}, "algorithm": {**SECTIONS["algorithm"], "lr": 1e30}}
+    sections = {**SECTIONS, "run": {"rounds": 1}, "algorithm": {**SECTIONS["algorithm"], "lr": 1e30, "edge_rounds": 1}}
     inline = run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
     parallel = run_simulation(
         make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False
     )
     _same(inline, parallel)
     diverged = [d for r in inline.cell_records for d in r.get("diverged", {})]
-    assert len(diverged) == 6 * 2  # every device in both edge rounds
+    assert len(diverged) == 6  # every device
 
 
 def test_a_result_checked_by_its_worker_is_not_read_again_for_finiteness():
