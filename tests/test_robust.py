@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from protocols import params as P
+from protocols.algorithms.base import ModelSpec
 from protocols.algorithms.fedavg import FedAvgCloud, FedAvgParams
 from protocols.algorithms.robust import aggregate
 from protocols.config import ConfigError, parse_config
@@ -123,6 +124,26 @@ def test_robust_aggregators_keep_accuracy_within_two_points(agg, kind, clean_acc
         assert all(agg in why for why in excluded.values())
         if agg != "krum":  # Krum keeps one device and lists the others; the coordinate-wise rules only the outliers
             assert set(excluded) == set(bad)
+
+
+def test_a_trimmed_mean_that_would_cut_nobody_is_refused(tmp_path):
+    """trim_beta x devices per cell < 1 trims nobody: the run was the plain mean under the name of a trimmed mean
+    (5 devices and the documented trim_beta of 0.1 to 0.19). Refused naming the least trim_beta that cuts one."""
+    from tests.conftest import small_config
+
+    with pytest.raises(ConfigError, match=r"trim_beta = 0.19 cuts floor\(0.19 x 5\) = 0 of the 5 devices.*>= 0.2"):
+        small_config(
+            tmp_path,
+            topology={"cells": 2, "devices_per_cell": 5},
+            algorithm={"cell_aggregator": "trimmed_mean", "trim_beta": 0.19},
+        ).build_algorithm(ModelSpec(input_shape=(64,)))
+    with pytest.raises(ConfigError, match="of the 2 cells at each end: cloud_aggregator"):
+        small_config(tmp_path, algorithm={"cloud_aggregator": "trimmed_mean", "trim_beta": 0.3}).build_algorithm(
+            ModelSpec(input_shape=(64,))
+        )
+    small_config(  # 0.2 x 5 = 1 cut at each end
+        tmp_path, topology={"devices_per_cell": 5}, algorithm={"cell_aggregator": "trimmed_mean", "trim_beta": 0.2}
+    ).build_algorithm(ModelSpec(input_shape=(64,)))
 
 
 def test_attack_is_a_sim_option_with_dense_uplinks_only():

@@ -121,6 +121,10 @@ class TrainParams(BaseModel):
         (``protocols.config.run.validate_algorithm``). Parameter mixins add theirs to ``super().idle_keys()``."""
         return {}
 
+    def check_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+        """Raise ``ValueError`` naming the key when these parameters cannot do what they say on the run's device ids
+        per cell (``compose`` asks; a trimmed mean that would cut nobody); mixins chain ``super()``."""
+
     def idle_settings(self) -> dict[str, tuple[Any, str]]:
         """The :meth:`idle_keys` set to other than their default: key -> (its value, the setting it needs)."""
         idle = self.idle_keys()

@@ -54,6 +54,7 @@ def compose(
     ``params`` configure are built by its roles), bound to the topology ``cells`` (``ValueError`` naming the
     key when the parameters do not fit it), then each of ``wrappers`` in order (``RunConfig.build_algorithm``
     passes the run's initial model and differential privacy)."""
+    params.check_topology(cells)
     algorithm = get_algorithm(params.name)(params, spec, seed, init_seed=init_seed)
     algorithm.bind_topology(cells)
     for wrap in wrappers:

@@ -68,6 +68,21 @@ class RobustParams(TrainParams):
             )
         return tuple(out)
 
+    def check_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+        super().check_topology(cells)
+        smallest = min((len(devices) for devices in cells.values()), default=0)
+        tiers = (
+            ("cell", self.cell_aggregator, smallest, "devices in the smallest cell"),
+            ("cloud", self.cloud_aggregator, len(cells), "cells"),
+        )
+        for key, rule, n, what in tiers:
+            if rule == "trimmed_mean" and math.floor(self.trim_beta * n) == 0:
+                raise ValueError(
+                    f"algorithm.trim_beta = {self.trim_beta:g} cuts floor({self.trim_beta:g} x {n}) = 0 of the {n} "
+                    f'{what} at each end: {key}_aggregator = "trimmed_mean" would be the plain mean; set trim_beta '
+                    f">= {1 / n:.3g} (or use median)"
+                )
+
     def idle_keys(self) -> dict[str, str]:
         out = super().idle_keys()
         chosen = {self.cell_aggregator, self.cloud_aggregator}
