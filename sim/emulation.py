@@ -53,6 +53,7 @@ from protocols.wire import chunking, topics
 from protocols.wire.keys import with_run_keys
 
 from .agent_workers import Faults, agent_workers, raise_fd_limit, with_init_model, worker_groups, worker_main
+from .clock import clock_modelled
 from .executors import set_torch_threads
 from .hierarchy import Prepared, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .launcher import RunResult, cell_bounds, device_samples, write_final
@@ -110,6 +111,8 @@ class Emulation:
             raise ConfigError("--workers must be >= 1")
         if cfg.attack.kind != "none" and cfg.attack.fraction > 0:
             raise ConfigError("attack: Byzantine devices are a fedtier sim option (sim/attack.py), not fedtier run")
+        if clock_modelled(cfg.clock):
+            log.warning("[clock] is fedtier sim's virtual clock: fedtier run runs in real time and ignores it")
         cfg = with_run_keys(cfg, cfg.output_dir(), resume)  # [security] keys naming a missing file: fresh ones
         self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
         n = len(cfg.topology.all_devices())
@@ -297,6 +300,7 @@ class Emulation:
             [r for c in cells for r in c.records],
             {d: {k: s[k] for k in ("bytes_in", "bytes_out", "tasks")} for d, s in sorted(agent_stats.items())},
             wire,
+            simulated_time=False,  # its loop clock is the machine's: no virtual time to report
         )
         write_final(out, result)
         return result

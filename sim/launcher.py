@@ -68,6 +68,7 @@ class RunResult:
     stopped: str | None = None  # why the cloud stopped before run.rounds (a privacy budget)
     failed: str | None = None  # why the job failed (a stall, a failed cell, a handler's exception)
     earlier: dict[str, Any] | None = None  # a resumed run: the last round record before it (its checkpoint's)
+    simulated_time: bool = True  # the loop clock was fedtier sim's (virtual with [clock]); fedtier run's is real
 
     @property
     def status(self) -> str:
@@ -91,6 +92,7 @@ class RunResult:
         cell_records: list[dict[str, Any]] | None = None,
         device_traffic: dict[str, dict[str, int]] | None = None,
         wire_bytes: dict[str, int] | None = None,
+        simulated_time: bool = True,
     ) -> RunResult:
         """The result of the job ``cloud`` ran: its global model, round records and how it ended."""
         return cls(
@@ -105,6 +107,7 @@ class RunResult:
             stopped=cloud.stopped,
             failed=cloud.failed,
             earlier=cloud.resumed_from,
+            simulated_time=simulated_time,
         )
 
     def summary(self) -> dict[str, Any]:
@@ -121,7 +124,11 @@ class RunResult:
             "wall_s": round(self.wall_s, 3),
             **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
             **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {}),
-            **({"virtual_time_s": last.get("clock_s")} if clock_modelled(self.config.clock) else {}),
+            **(
+                {"virtual_time_s": last.get("clock_s")}
+                if self.simulated_time and clock_modelled(self.config.clock)
+                else {}
+            ),
             **({"epsilon": last["epsilon"]} if "epsilon" in last else {}),
             **{k: last[k] for k in ("epsilon_by_party", "epsilon_basis") if last.get(k) is not None},
             **({"stopped": self.stopped} if self.stopped else {}),

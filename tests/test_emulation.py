@@ -217,3 +217,20 @@ def test_a_job_the_cloud_cannot_start_fails_the_run_with_its_reason(tmp_path: Pa
         Emulation(cfg, resume=True, workers=1).run()
     [job] = JobQueue(cfg.output_dir() / runfiles.JOBS).jobs.values()
     assert job.state == "failed" and "does not resume" in job.reason
+
+
+def test_run_says_it_ignores_the_virtual_clock_and_reports_no_virtual_time(tmp_path: Path, caplog) -> None:
+    """[clock] models time in fedtier sim only. fedtier run printed its loop clock, the machine's monotonic time
+    (hours since boot), as the summary's virtual_time_s; it now says it ignores [clock] and reports none."""
+    cfg = small_config(tmp_path, run={"rounds": 1}, algorithm={"edge_rounds": 1}, clock={"device_steps_per_s": 5.0})
+    with EmbeddedBroker() as broker, caplog.at_level("WARNING", logger="fedtier.run"):
+        result = Emulation(cfg, broker_url=broker.url, workers=1).run()
+    assert "[clock] is fedtier sim's virtual clock: fedtier run runs in real time" in caplog.text
+    summary = json.loads((result.output_dir / runfiles.SUMMARY).read_text())
+    assert summary["status"] == "finished" and "virtual_time_s" not in summary
+    assert (
+        run_simulation(small_config(tmp_path / "sim", **{"clock": {"device_steps_per_s": 5.0}})).summary()[
+            "virtual_time_s"
+        ]
+        > 0
+    )
