@@ -1,10 +1,10 @@
 """A cell revoked while a job runs: the cloud's side (the cell's side, a device revoked mid-round, is in
-``tests/test_membership.py``). In memory on a virtual clock, with signed messages: cells that answer their tasks
-with signed reports (a constant delta each, so the aggregate is known), and the cloud as a job's server or as the
-long-lived service that learns the roster on its topic. A revoked cell is not waited for (no deadline runs out),
-its report is not aggregated (taken before the revocation or sent after it, with its real key: refused as
-``revoked``), it is never planned again, also after the cloud restarts, and a job left without cells fails
-saying so."""
+``tests/test_membership.py``). In memory on a virtual clock, and once over Mosquitto, with signed messages: cells
+that answer their tasks with signed reports (a constant delta each, so the aggregate is known), and the cloud as a
+job's server or as the long-lived service that learns the roster on its topic. A revoked cell is not waited for
+(no deadline runs out), its report is not aggregated (taken before the revocation or sent after it, with its
+real key: refused as ``revoked``), it is never planned again, also after the cloud restarts, and a job left
+without cells fails saying so."""
 
 from __future__ import annotations
 
@@ -15,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from cloud.node import build_cloud
+from protocols.transport.base import Transport
+from protocols.transport.broker import find_mosquitto
 from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
 from protocols.wire.envelope import decode_message
 from protocols.wire.keys import KeyRing, Trust, generate_keys, write_keys
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
-from tests.conftest import small_config
+from tests.conftest import small_config, wait_until
 
 CELLS = ["c0", "c1", "c2"]
 
@@ -45,11 +48,11 @@ def _delta(cell: str, rnd: int, like: dict[str, np.ndarray]) -> Payload:
 
 
 class Cells:
-    """The job's cells on ``hub``: each answers its task at once with its signed report unless ``silent`` says
-    not; ``tasks`` lists (cell, round) of every task that came."""
+    """The job's cells on ``peer`` (a connection): each answers its task at once with its signed report unless
+    ``silent`` says not; ``tasks`` lists (cell, round) of every task that came."""
 
-    def __init__(self, hub: MemoryHub, run: str, ring: KeyRing, like: dict[str, np.ndarray]) -> None:
-        self.peer, self.run, self.like = hub.connect("cells"), run, like
+    def __init__(self, peer: Transport, run: str, ring: KeyRing, like: dict[str, np.ndarray]) -> None:
+        self.peer, self.run, self.like = peer, run, like
         self.tasks: list[tuple[str, int]] = []
         self.silent: Callable[[str, int], bool] = lambda cell, rnd: False
         self.on_task: Callable[[str, int], None] = lambda cell, rnd: None
@@ -105,7 +108,7 @@ def test_a_cell_revoked_mid_round_is_not_waited_for_and_what_it_sends_is_refused
     like = dict(algorithm.cloud().global_params())
     hub = MemoryHub()
     cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
-    cells = Cells(hub, cfg.run.name, ring, like)
+    cells = Cells(hub.connect("cells"), cfg.run.name, ring, like)
     cells.silent = lambda cell, rnd: cell == "c1" and rnd == 1
     cloud.start()
     hub.loop.run(until=lambda: cloud.round == 1 and set(cloud.answers.received) == {"c0", "c2"})
@@ -138,7 +141,7 @@ def test_a_report_taken_before_the_revocation_is_dropped_and_a_job_without_cells
     like = dict(algorithm.cloud().global_params())
     hub = MemoryHub()
     cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
-    cells = Cells(hub, cfg.run.name, ring, like)
+    cells = Cells(hub.connect("cells"), cfg.run.name, ring, like)
     cells.silent = lambda cell, rnd: cell == "c2" or (cell == "c0" and rnd == 1)
     cloud.start()
     hub.loop.run(until=lambda: set(cloud.answers.received) == {"c0", "c1"})
@@ -201,7 +204,7 @@ def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_an
 
     hub = MemoryHub()
     operator = hub.connect("operator")
-    cells = Cells(hub, "fed", ring, like)
+    cells = Cells(hub.connect("cells"), "fed", ring, like)
     cells.silent = lambda cell, rnd: cell == "c1" and rnd == 1
     revoked_at: list[float] = []
 
@@ -234,7 +237,7 @@ def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_an
     assert first.roster == v2 and kept.read_bytes() == sign_roster(v2, sign["cloud"])
 
     hub = MemoryHub()  # restarted: nothing retained on the broker, the roster comes from the kept file
-    cells = Cells(hub, "fed", ring, like)
+    cells = Cells(hub.connect("cells"), "fed", ring, like)
 
     def c1_tries_anyway(cell: str, rnd: int) -> None:
         if cell == "c0":
@@ -264,7 +267,7 @@ def test_async_a_revoked_cells_buffered_push_is_dropped_and_its_next_refused(tmp
     like = dict(algorithm.cloud().global_params())
     hub = MemoryHub()
     cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
-    cells = Cells(hub, cfg.run.name, ring, like)
+    cells = Cells(hub.connect("cells"), cfg.run.name, ring, like)
     cells.silent = lambda cell, rnd: cell == "c2"
     cloud.start()
     hub.loop.run(until=lambda: len(cloud.fb.buffer.entries) == 2)  # type: ignore[attr-defined]
@@ -282,3 +285,82 @@ def test_async_a_revoked_cells_buffered_push_is_dropped_and_its_next_refused(tmp
         reference.offer(cell, 0, _delta(cell, 0, like))
     reference.aggregate()
     assert _same(dict(cloud.role.global_params()), dict(reference.inner.global_params()))
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_over_mosquitto_the_serving_cloud_drops_a_cell_the_operator_revokes_mid_round(tmp_path: Path) -> None:
+    """The same over a real broker, in real time: the long-lived cloud serves a job on its own thread, the cells
+    answer on another connection. While round 1 waits for c1 alone (cell deadline 100 s) the operator publishes the
+    roster revoking c1, retained: the round closes at once with c0's and c2's reports, c1's reports that follow
+    are refused as ``revoked``, round 2 plans c0 and c2, and the model is the aggregate without c1."""
+    import threading
+
+    from cloud.jobs import Job, JobQueue
+    from cloud.service import CloudService, JobParts
+    from protocols.jobs import OPERATOR, canonical_job, config_hash
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.transport.broker import MosquittoBroker
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire.keys import node_trust
+    from sim.local_federation import job_text
+
+    cfg, ring = _signed_config(tmp_path, run={"name": "fed", "rounds": 3})
+    _, text = canonical_job(job_text(cfg), cfg)
+    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
+    like = dict(algorithm.cloud().global_params())
+    v1 = Roster.from_topology("fed", {c: cfg.topology.device_ids(c) for c in CELLS}, ring.public, 100.0)
+    sign = Trust("cloud", ring.private["cloud"], ring.public).sign
+    queue = JobQueue(tmp_path / "jobs.json")
+    queue.submit(Job("j1", text, config_hash(text), OPERATOR))
+    records: list[dict[str, Any]] = []
+    ended: list[Any] = []
+    with MosquittoBroker() as broker:
+        peers = ThreadLoop("cells").start()
+        cells = Cells(MqttTransport("cells", peers, port=broker.port).connect(), "fed", ring, like)
+        cells.silent = lambda cell, rnd: (cell, rnd) in (("c1", 1), ("c0", 2))
+        assert cells.peer.wait_subscribed(10.0)  # type: ignore[attr-defined]
+        loop = ThreadLoop("cloud")
+        service = CloudService(
+            cfg,
+            loop,
+            lambda: MqttTransport("fedtier-fed-cloud", loop, port=broker.port).connect(),
+            queue,
+            lambda job_cfg: JobParts(job_cfg.build_algorithm(job_cfg.model_spec((64,), 10))),
+            trust=node_trust(cfg, "cloud"),
+            operator=None,
+            on_end=lambda job, job_cfg, node, out: (ended.append(node), service.stop()),
+            on_round=records.append,
+            roster=sign_roster(v1, sign),
+        )
+        serving = threading.Thread(target=service.serve, daemon=True)
+        serving.start()
+        try:
+
+            def waits_for_c1_alone() -> bool:
+                node = service.node
+                return node is not None and node.round == 1 and node.answers.received.copy().keys() == {"c0", "c2"}
+
+            assert wait_until(waits_for_c1_alone, 30.0)
+            peers.post(
+                lambda: cells.peer.publish(roster_topic("fed"), sign_roster(v1.without("c1"), sign), retain=True)
+            )
+            assert wait_until(lambda: len(records) == 2, 30.0)  # at once: not after the 100 s deadline
+            assert records[1]["cells_absent"] == ["c1"] and records[1]["closed_by"] == "all reported"
+            assert records[1]["cells_revoked"] == {"c1": "revoked (roster version 2)"}
+            node = service.node
+            assert node is not None
+            peers.post(lambda: (cells.report("c1", 1), cells.report("c1", 2)))
+            assert wait_until(lambda: len(node.telemetry.rejected) == 2, 30.0)
+            peers.post(lambda: cells.report("c0", 2))
+            assert wait_until(lambda: bool(ended), 30.0)
+        finally:
+            service.stop()
+            serving.join(10.0)
+            cells.peer.close()
+            peers.stop()
+    assert not serving.is_alive() and queue.get("j1").state == "finished"
+    assert records[2]["cells_planned"] == ["c0", "c2"] and _rejected(records[2]) == ["revoked", "revoked"]
+    assert ("c1", 2) not in cells.tasks
+    expected = _reference(algorithm, like, [CELLS, ["c0", "c2"], ["c0", "c2"]])
+    assert _same(dict(ended[0].role.global_params()), expected)
