@@ -51,6 +51,7 @@ def test_bad_config_names_key(data, key):
     "algorithm, needs",
     [
         ({"async_buffer": 3}, 'algorithm.async_buffer = 3 has no effect without mode = "async"'),
+        ({"local_steps": 50, "local_epochs": 5}, "algorithm.local_epochs = 5.0 has no effect without local_steps = 0"),
         ({"amplify_eta": 3.0}, "algorithm.amplify_eta = 3.0 has no effect without amplify_period > 0"),
         (
             {"trim_beta": 0.3, "cell_aggregator": "median"},

@@ -119,7 +119,7 @@ class TrainParams(BaseModel):
         """The keys that have no effect with the values of the others (``trim_beta`` without a trimmed mean), each
         with the setting it needs; config validation refuses one set to other than its default
         (``protocols.config.run.validate_algorithm``). Parameter mixins add theirs to ``super().idle_keys()``."""
-        return {}
+        return {"local_epochs": "local_steps = 0 (local_steps counts the SGD steps)"} if self.local_steps else {}
 
     def check_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         """Raise ``ValueError`` naming the key when these parameters cannot do what they say on the run's device ids
