@@ -212,6 +212,8 @@ class CloudService:
             self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
             self.queue.end(job.job, state, reason or (node.stopped or ""))
             log.info("job %s %s", job.job, state)
+            # no job in progress: a node (re)started now waits for the next one, not the one just ended
+            transport.publish(topics.current_job(self.fed), b"", retain=True)
             self._publish_list(transport)
         node.stop()
         return True

@@ -22,9 +22,10 @@ from protocols.jobs import canonical_job, read_job_file
 from protocols.procs import popen
 from protocols.trainer import LocalData
 from protocols.transport.broker import find_mosquitto, free_port
+from protocols.wire import topics
 from sim.hierarchy import prepare
 from tests.conftest import small_config, wait_until
-from tests.test_provision import broker_user, mosquitto, reachable_tmp  # noqa: F401 (a fixture)
+from tests.test_provision import WAIT, Inbox, broker_user, clients, mosquitto, reachable_tmp  # noqa: F401
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
 
@@ -197,6 +198,15 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             )
             assert res.returncode == 0 and "job B: queued" in res.stdout and "job B: finished" in res.stdout, res.stdout
             assert _jobs(cloud_out).get("B") == "finished"
+            # no job in progress is left retained: a node (re)started now waits for the next job, not B
+            with clients() as make:
+                inbox, current, listed = Inbox(), topics.current_job("fleet"), topics.job_list("fleet")
+                watcher = make(nodes / "monitor", port)
+                watcher.subscribe(current, inbox)  # first: its retained record comes before the list's
+                watcher.subscribe(listed, inbox)
+                watcher.connect(WAIT)
+                inbox.wait_for(listed)
+                assert [t for t, data in inbox.snapshot() if t == current and data] == []
             cell_metrics = _scrape(metrics["cell"])  # job B's devices, each once: job A's server is gone
             online = [
                 line.split("}")[0] for line in cell_metrics.splitlines() if line.startswith("fedtier_device_online")
