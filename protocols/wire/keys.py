@@ -260,18 +260,24 @@ class PublicKeys:
     def require(self, node: str) -> None:
         """Raise :class:`WireError` unless ``node``'s key is known (``REVOKED`` for a forgotten one)."""
         if node not in self._raw:
-            if node in self.revoked:
-                raise WireError(RejectKind.REVOKED, f"signer {node!r} was revoked")
-            raise WireError(RejectKind.UNKNOWN_SENDER, f"unknown signer {node!r}")
+            raise self._refusal(node)
+
+    def _refusal(self, node: str) -> WireError:
+        if node in self.revoked:
+            return WireError(RejectKind.REVOKED, f"signer {node!r} was revoked")
+        return WireError(RejectKind.UNKNOWN_SENDER, f"unknown signer {node!r}")
 
     def verify(self, signer: str, data: bytes, sig: bytes) -> None:
-        """Raise :class:`WireError` unless ``sig`` is ``signer``'s signature of ``data``."""
+        """Raise :class:`WireError` unless ``sig`` is ``signer``'s signature of ``data``. Safe against a
+        :meth:`forget` on another thread (the network thread checks chunks): the key is read once."""
+        raw = self._raw.get(signer)
+        if raw is None:
+            raise self._refusal(signer)
         key = self._public.get(signer)
         if key is None:
-            self.require(signer)
-            key = self._public[signer] = Ed25519PublicKey.from_public_bytes(self._raw[signer])
+            key = self._public[signer] = Ed25519PublicKey.from_public_bytes(raw)
         try:
-            self.verified.check(self._raw[signer], key, sig, data)
+            self.verified.check(raw, key, sig, data)
         except InvalidSignature:
             raise WireError(RejectKind.SIGNATURE, f"bad signature: not signed by {signer!r}") from None
 
