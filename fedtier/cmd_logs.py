@@ -118,14 +118,17 @@ def _round_row(r: RoundRecord) -> list[Text]:
     """A cloud round record as a row of :data:`COLUMNS`."""
     up = r.bytes.get("cell_to_cloud", 0) + r.bytes.get("device_to_cell", 0)
     down = r.bytes.get("cloud_to_cell", 0) + r.bytes.get("cell_to_device", 0)
-    absent = ", ".join(r.cells_absent)
+    revoked = r.cells_revoked or {}
+    absent = ", ".join(c for c in r.cells_absent if c not in revoked)
     rejected = ", ".join(f"{x.get('from')}: {x.get('reason')}" for x in r.rejected)
+    gone = ", ".join(revoked)  # the federation revoked them: out of the job since
+    notes = (absent and f"absent {absent}", gone and f"revoked {gone}", rejected and f"rejected {rejected}")
     return _plain(
         "round",
         str(r.round),
         "cloud",
         f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
-        "; ".join(filter(None, (absent and f"absent {absent}", rejected and f"rejected {rejected}"))) or "-",
+        "; ".join(filter(None, notes)) or "-",
         f"{up:,}",
         f"{down:,}",
         _fmt(r.loss),

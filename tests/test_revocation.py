@@ -95,6 +95,14 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def _logs_row(record: dict[str, Any]) -> str:
+    """The record's row in ``fedtier logs``."""
+    from fedtier.cmd_logs import _round_row
+    from protocols.records import RoundRecord
+
+    return " | ".join(str(cell) for cell in _round_row(RoundRecord.model_validate(record)))
+
+
 def _rejected(record: dict[str, Any]) -> list[str]:
     return [r["kind"] for r in record["rejected"]]
 
@@ -119,6 +127,7 @@ def test_a_cell_revoked_mid_round_is_not_waited_for_and_what_it_sends_is_refused
     closed = cloud.history[1]
     assert (closed["cells_reported"], closed["cells_absent"]) == (["c0", "c2"], ["c1"])
     assert closed["cells_revoked"] == {"c1": "revoked (roster version 2)"} and closed["closed_by"] == "all reported"
+    assert "revoked c1" in _logs_row(closed) and "absent" not in _logs_row(closed)  # fedtier logs says why
     cells.report("c1", 1)  # just after the revocation: refused
     cells.report("c1", 2)
     cells.report("c1", 2, on="c0")  # its key no longer verifies anywhere
