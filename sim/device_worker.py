@@ -151,7 +151,7 @@ class DeviceWorker:
                 for _, c, role, data, task in chunk
             ]
             outcomes = self.runner.train([job[1].device for job in chunk], run)
-            for (i, *_), (result, error) in zip(chunk, outcomes):
+            for (i, c, *_), (result, error) in zip(chunk, outcomes):
                 out[i] = (answer(result, c), "") if result is not None else ([], error or "failed")
         return out
 

@@ -205,3 +205,21 @@ def test_a_ring_without_room_in_shared_memory_is_refused_at_once_and_leaves_noth
         RingReader(1 << 20, threading.Semaphore(0))
     assert made and not _segment(made[0])  # unlinked, not left behind
     assert ProcessExecutor._ring(1 << 20, multiprocessing.get_context("spawn")) is None  # results by pipe
+
+
+def test_a_worker_logs_each_diverged_device_of_a_cohort_by_its_own_name(make_config, caplog):
+    """Each result of a cohort is judged as its own device's: a diverged one is logged with its device and round
+    (it named the last device the batch decoded for every one of them)."""
+    from sim.device_worker import DeviceWorker
+
+    sections = {**SECTIONS, "topology": {"cells": 1, "devices_per_cell": 3}}
+    cfg = make_config(runtime={"engine": "cohort"}, **{**sections, "algorithm": {**SECTIONS["algorithm"], "lr": 1e30}})
+    devices = ["c0-d0", "c0-d1", "c0-d2"]
+    worker = DeviceWorker(cfg.to_toml(), devices)
+    task = encode_payload(Payload({}, worker.algorithm.initial_params()))
+    ctx = {"seed": 0, "round": 0, "edge_round": 0, "cell": "c0"}
+    with caplog.at_level("WARNING", logger="fedtier.sim"):
+        out = worker.train_many([({**ctx, "device": d}, task) for d in devices])
+    assert all(parts and not error for parts, error in out)
+    logged = sorted(r.getMessage().split()[1] for r in caplog.records if "diverged" in r.getMessage())
+    assert logged == devices
