@@ -63,7 +63,7 @@ class CloudServer:
     revoked while the job runs.
     """
 
-    live = False  # started: a revocation acts on the rounds from then on
+    live = False  # start() ran: a revocation acts on the rounds from then on, a stop request at once
     _awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
 
     def __init__(
@@ -436,8 +436,7 @@ class CloudServer:
         """End the run cleanly after the current round (e.g. from ``on_round``: a target accuracy reached), or
         at once while it still waits for its cells to start; ``reason`` becomes the run's ``stopped``."""
         self._stop_request = reason
-        waiting = hasattr(self, "_started_wall") and not self.started  # start() ran, no round began yet
-        if waiting and not self.finished:  # (fedtier cancel in the startup wait: nothing to finish)
+        if self.live and not self.started and not self.finished:  # in the startup wait (fedtier cancel): no round
             self.started = True  # no round begins
             self._check_stop()
             self.loop.post(self._finish)
