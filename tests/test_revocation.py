@@ -172,15 +172,17 @@ def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_an
     tmp_path: Path,
 ) -> None:
     """The long-lived cloud, a job of 4 rounds. In round 1, with c0 and c2 in, a roster revoking c1 signed by c0
-    (a forgery) changes nothing; the operator's, 5 s later, closes the round at once; the old roster replayed
-    after it changes nothing either. Stopped after round 2, the cloud restarts (a fresh broker: nothing retained)
-    with its kept roster and resumes the job, whose config still lists c1 (the roster came before this cloud had
-    the job): c1 is never planned again, its report is refused, and the model is the aggregate without it."""
+    (a forgery) changes nothing; the operator's, 5 s later, closes the round at once (c1's aggregation records
+    are no longer written to the job's cells.jsonl); the old roster replayed after it changes nothing either.
+    Stopped after round 2, the cloud restarts (a fresh broker: nothing retained) with its kept roster and resumes
+    the job, whose config still lists c1 (the roster came before this cloud had the job): c1 is never planned
+    again, its report is refused, and the model is the aggregate without it."""
     from cloud.jobs import Job, JobQueue
     from cloud.service import CloudService, JobParts
     from protocols.jobs import OPERATOR, canonical_job, config_hash
     from protocols.roster import Roster, roster_topic, sign_roster
     from protocols.wire.keys import node_trust
+    from protocols.wire.signed import seal_record
     from sim.local_federation import job_text
 
     cfg, ring = _signed_config(tmp_path, run={"name": "fed", "rounds": 4})
@@ -190,7 +192,7 @@ def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_an
     topo = cfg.topology
     v1 = Roster.from_topology("fed", {c: topo.device_ids(c) for c in CELLS}, ring.public, 100.0)
     v2 = v1.without("c1")
-    sign = {n: Trust(n, ring.private[n], ring.public).sign for n in ("cloud", "c0")}
+    sign = {n: Trust(n, ring.private[n], ring.public).sign for n in ("cloud", "c0", "c1")}
     queue = JobQueue(tmp_path / "jobs.json")
     queue.submit(Job("j1", text, config_hash(text), OPERATOR))
     kept = tmp_path / "roster.json"
@@ -220,10 +222,18 @@ def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_an
     def publish(roster: Roster, by: str = "cloud") -> None:
         operator.publish(roster_topic("fed"), sign_roster(roster, sign[by]), retain=True)
 
+    def record(cell: str) -> None:  # a cell's aggregation record, signed, for the cloud's cells.jsonl
+        topic = topics.telemetry_cell("fed", cell)
+        body = {"schema": 1, "event": "aggregation", "run": "fed", "round": 1, "edge_round": 0, "cell": cell}
+        body.update(algorithm="fedavg", closed_by="test", duration_s=0.1)
+        operator.publish(topic, seal_record(body, topic, sign[cell]))
+
     def real_roster() -> None:
         revoked_at.append(hub.loop.now())
         publish(v2)
         cells.report("c1", 1)  # its report arrives just after the revocation
+        record("c1")  # and its records are no longer the run's
+        record("c0")
         hub.loop.call_later(1.0, lambda: publish(v1))  # a replay of the old roster, which lists c1
 
     def on_task(cell: str, rnd: int) -> None:
@@ -244,6 +254,8 @@ def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_an
         "revoked"
     ]  # the replay changed nothing
     assert first.roster == v2 and kept.read_bytes() == sign_roster(v2, sign["cloud"])
+    kept_records = [json.loads(line) for line in (job_folder / "cells.jsonl").read_text().splitlines()]
+    assert [r["cell"] for r in kept_records] == ["c0"]
 
     hub = MemoryHub()  # restarted: nothing retained on the broker, the roster comes from the kept file
     cells = Cells(hub.connect("cells"), "fed", ring, like)
