@@ -30,6 +30,11 @@ def byzantine_devices(cfg: RunConfig) -> list[str]:
         raise ConfigError(f"attack: Byzantine devices corrupt the dense deltas devices send; {why}")
     topo = cfg.topology
     k = int(math.floor(a.fraction * topo.devices_per_cell + 1e-9))
+    if k == 0:
+        raise ConfigError(
+            f"attack.fraction = {a.fraction:g} of {topo.devices_per_cell} devices per cell rounds down to no "
+            f"attacker: set fraction >= {1 / topo.devices_per_cell:.3g} (or 0 for a run without attackers)"
+        )
     chosen: list[str] = []
     for cell in topo.cell_ids():
         devices = topo.device_ids(cell)

@@ -110,6 +110,39 @@ def test_a_participation_parameter_of_another_model_is_refused_also_with_always(
         prepare(make_config(participation={"model": "uniform", "per_round": 2, "p_on": 0.5}))
 
 
+@pytest.mark.parametrize(
+    "section, needs",
+    [
+        (
+            {"privacy": {"noise_multiplier": 2.0, "clip": 0.5}},
+            'noise_multiplier = 2.0 has no effect without dp = "local"',
+        ),
+        ({"privacy": {"epsilon_budget": 3.0}}, "epsilon_budget = 3.0 has no effect without dp"),
+        ({"privacy": {"secagg_threshold": 0.6}}, "secagg_threshold = 0.6 has no effect without secure_aggregation"),
+        (
+            {"privacy": {"dp": "cell", "noise_multiplier": 1.0, "dp_min_survivors": 3}},
+            'dp_min_survivors = 3 has no effect without dp = "cell" with secure_aggregation = true',
+        ),
+        ({"attack": {"fraction": 0.2}}, 'fraction and factor have no effect with kind = "none"'),
+    ],
+)
+def test_a_privacy_or_attack_key_that_has_no_effect_is_refused(section, needs):
+    """``noise_multiplier`` and ``clip`` without ``dp`` ran with no privacy at all, told nothing; an attack
+    ``fraction`` without its ``kind`` measured robustness against no attacker."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(section)
+    assert needs in str(err.value)
+
+
+def test_an_attack_fraction_that_rounds_down_to_no_attacker_is_refused(make_config):
+    from sim.attack import byzantine_devices
+
+    cfg = make_config(attack={"kind": "scale", "fraction": 0.3})  # 0.3 x 3 devices per cell: no attacker
+    with pytest.raises(ConfigError, match=r"attack.fraction = 0.3 of 3 devices per cell .* fraction >= 0.333"):
+        byzantine_devices(cfg)
+    assert len(byzantine_devices(make_config(attack={"kind": "scale", "fraction": 0.34}))) == 2  # one per cell
+
+
 def test_more_devices_than_samples_is_a_clear_error(make_config):
     cfg = make_config(topology={"cells": 2, "devices_per_cell": 50}, data={"max_train": 60})
     with pytest.raises(ConfigError, match="topology.*100 devices.*60 training samples"):

@@ -100,6 +100,22 @@ class PrivacySection(Section):
             raise ValueError(f'dp = "{self.dp}" needs exactly one of noise_multiplier or target_epsilon')
         return self
 
+    @model_validator(mode="after")
+    def _keys_apply(self) -> PrivacySection:
+        """A key the other settings make ineffective is refused: noise_multiplier without dp ran with no privacy."""
+        dp_keys = ("clip", "noise_multiplier", "target_epsilon", "delta", "epsilon_budget", "on_budget", "noise_seed")
+        idle = dict.fromkeys(dp_keys, 'dp = "local" or "cell"') if self.dp == "off" else {}
+        if not self.secure_aggregation:
+            keys = ("secagg_threshold", "secagg_neighbours", "secagg_bound", "secagg_deadline")
+            idle |= dict.fromkeys(keys, "secure_aggregation = true")
+        if self.dp != "cell" or not self.secure_aggregation:
+            idle["dp_min_survivors"] = 'dp = "cell" with secure_aggregation = true'
+        fields, values = type(self).model_fields, self.model_dump(include=set(idle))
+        wrong = [f"{k} = {values[k]!r} has no effect without {idle[k]}" for k in idle if values[k] != fields[k].default]
+        if wrong:
+            raise ValueError("; ".join(wrong) + " (remove it, or set what it needs)")
+        return self
+
 
 def calibrated_noise(
     target: float, rounds: int, mode: Literal["local", "cell"], q: float, edge_rounds: int, delta: float

@@ -341,6 +341,12 @@ class AttackSection(Section):
         default=10.0, gt=0, description="attackers send factor x (scale) or -factor x (sign_flip) their delta"
     )
 
+    @model_validator(mode="after")
+    def _keys_apply(self) -> AttackSection:
+        if self.kind == "none" and (self.fraction, self.factor) != (0.0, 10.0):
+            raise ValueError('fraction and factor have no effect with kind = "none": no device attacks')
+        return self
+
 
 class BrokerSection(Section):
     url: str | None = Field(default=None, description="mqtt://host:port; none: an embedded broker")
