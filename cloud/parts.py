@@ -73,8 +73,7 @@ class CellPresence:
         elif online:
             self.offline_since.pop(cell, None)
         self.online[cell] = online
-        unfit = record.get("devices_unfit", 0)  # they said they cannot serve this job: none to wait for
-        unfit = unfit if isinstance(unfit, int) and not isinstance(unfit, bool) and unfit > 0 else 0
+        unfit = declared_count(record.get("devices_unfit", 0))  # they said they cannot serve this job: none to wait for
         counted = record.get("devices_online")
         if isinstance(counted, int) and not isinstance(counted, bool) and unfit:
             counted += unfit
