@@ -65,6 +65,7 @@ class CloudServer:
 
     live = False  # start() ran: a revocation acts on the rounds from then on, a stop request at once
     _awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
+    resumed_from: dict[str, Any] | None = None  # a resumed cloud: its checkpoint's round record (the last before)
 
     def __init__(
         self,
@@ -123,7 +124,6 @@ class CloudServer:
         self._early: dict[str, tuple[str, Any]] = {}  # cell -> its report of ``round``, come before the round
         self.revoked: dict[str, str] = {}  # cell -> why it is out of the job (the federation revoked it)
         self.resumed = saved is not None
-        self.resumed_from: dict[str, Any] | None = None  # the checkpoint's round record (the last before a resume)
         if saved is not None:
             self._resume(saved, session is None, devices_recreated)
         self.cell_records = self._cell_records(cell_records_path, max_record_bytes)
