@@ -43,7 +43,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .. import params as P
-from ..numbers import MAX_COUNT, finite_number
+from ..numbers import finite_number, is_count
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
@@ -188,7 +188,7 @@ class FedAlignCloud(CloudRole):
             )
         for key in ("admitted", "refused"):  # counts of free devices, summed into the round's metrics
             n = report.meta.get(key, 0)
-            if type(n) is not int or not 0 <= n <= MAX_COUNT:
+            if not is_count(n):
                 raise Rejected(RejectKind.MALFORMED, f"report of cell {cell}: {key} must be a count, got {str(n)[:40]}")
         if report.meta.get("weight") == 0 and not report.tensors:
             return

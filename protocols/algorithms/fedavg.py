@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .. import params as P
-from ..numbers import MAX_COUNT, finite_number
+from ..numbers import finite_number, is_count
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, num_steps
@@ -62,7 +62,7 @@ def upload_stats(reports: Mapping[str, Payload]) -> tuple[int, int]:
     sent = devices = 0
     for r in reports.values():
         b, d = r.meta.get("upload_bytes", 0), r.meta.get("upload_devices", 0)
-        if type(b) is int and type(d) is int and 0 <= b <= MAX_COUNT and 0 <= d <= MAX_COUNT:
+        if is_count(b) and is_count(d):
             sent, devices = sent + b, devices + d
     return sent, devices
 
