@@ -49,6 +49,7 @@ def _operator(run: str) -> Grants:
         ("read", topics.job_list(run)),
         ("read", topics.current_job(run)),
         ("read", roster_topic(run)),
+        ("read", topics.status(run, "cloud")),  # fedtier jobs: is the list it reads the live cloud's?
     ]
 
 

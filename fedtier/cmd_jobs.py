@@ -83,6 +83,24 @@ class _Session:
         self.loop.run(until=lambda: bool(got), timeout=wait)
         return got[0] if got else None
 
+    def cloud_status(self) -> list[dict[str, Any]]:
+        """Collect the cloud's (verified) status records from now on (a provisioning before the operator could
+        read them gets none)."""
+        from protocols.status import decode_status
+        from protocols.wire import topics
+
+        got: list[dict[str, Any]] = []
+        topic = topics.status(self.fed, "cloud")
+        trust = self.trust
+
+        def on_status(t: str, data: bytes) -> None:
+            record = decode_status(data, t, trust) if data else None
+            if record is not None:
+                got.append(record)
+
+        self.transport.subscribe(topic, on_status)
+        return got
+
     def request(self, record: dict[str, Any], job: str, wait: float) -> dict[str, Any] | None:
         """Publish a signed request about ``job`` and wait for the cloud's signed reply."""
         from protocols.jobs import open_job_record, post_request
@@ -227,12 +245,15 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
 
     setup_logging(verbose)
     session = _connect(config)
+    cloud = session.cloud_status()
     try:
         record = session.read(topics.job_list(session.fed), "cloud", wait)
     finally:
         session.close()
     if record is None:
         _fail(f"no job list from the cloud within {wait:g} s (is `fedtier cloud --serve` running?)", 1)
+    if cloud and cloud[-1].get("state") == "offline":  # (its status comes before the list: subscribed first)
+        print_error("the cloud is offline: this is the list it left; nothing is running now", "warning", "yellow")
     jobs = record.get("jobs")
     listed = jobs if isinstance(jobs, list) else []
     if as_json:

@@ -428,3 +428,39 @@ def test_a_job_cancelled_in_its_startup_wait_ends_at_once(tmp_path: Path) -> Non
     hub.loop.run(until=lambda: node.finished, max_steps=100_000)
     assert node.finished and node.job_status == "stopped" and node.stopped == "cancelled by the operator"
     assert hub.loop.now() < 1000.0 and node.history == []
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_fedtier_jobs_says_when_the_list_is_an_offline_clouds(
+    reachable_tmp: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The job list is retained: with the cloud down, `fedtier jobs` printed its last list as if all were well
+    (a job 'running' that nothing runs). It now reads the cloud's signed status too and says it is offline."""
+    from protocols.jobs import seal_record
+    from protocols.status import encode_status
+    from protocols.wire import topics
+    from protocols.wire.keys import Trust, load_keys
+    from tests.test_provision import WAIT, clients
+
+    port = free_port()
+    where = reachable_tmp / "walk-jobs"
+    where.mkdir()
+    fed = _provision(where, port)
+    ring = load_keys(fed / "nodes" / "cloud" / "keys.toml")
+    trust = Trust("cloud", ring.private["cloud"], ring.public)
+    listing, status = topics.job_list("fed"), topics.status("fed", "cloud")
+    monkeypatch.chdir(fed / "nodes" / "operator")
+    with mosquitto(fed / "broker" / "mosquitto.conf", port), clients() as make:
+        cloud = make(fed / "nodes" / "cloud", port)
+        cloud.connect(WAIT)
+        jobs = {"jobs": [{"job": "a", "state": "running", "reason": "", "submitted": 1.0, "hash": "ab"}], "at": 1.0}
+        cloud.publish(listing, seal_record(jobs, listing, trust.sign), retain=True)
+        cloud.publish(status, encode_status("online", topic=status, trust=trust, session="a.x"), retain=True)
+        assert cloud.flush(WAIT)
+        code, out, exc = _cli("jobs", "--config", "config.toml", "--wait", "10")
+        assert exc is None and code == 0 and "running" in out and "offline" not in out, out
+        cloud.publish(status, encode_status("offline", topic=status, trust=trust), retain=True)
+        assert cloud.flush(WAIT)
+        code, out, exc = _cli("jobs", "--config", "config.toml", "--wait", "10")
+        assert exc is None and code == 0 and "warning: the cloud is offline: this is the list it left" in out, out
