@@ -326,9 +326,7 @@ def _run_cell(
     _serve(node, loop)
     linger(exporter, metrics_linger)
     if node.failure is not None:  # its handler raised: the job failed with it (the cloud says so too)
-        from rich.markup import escape
-
-        console.print(f"[bold red]cell {cell_id} failed:[/] {escape(node.failure)}")
+        print_error(node.failure, f"cell {cell_id} failed")
         raise SystemExit(JOB_FAILED)
 
 

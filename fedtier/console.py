@@ -155,10 +155,7 @@ def run_folder_lock(cfg: RunConfig) -> Iterator[None]:
     except BlockingIOError:
         holder = os.read(fd, 16).decode(errors="replace").strip() or "?"
         os.close(fd)
-        console.print(
-            f"[bold red]error:[/] {out} is in use by another run (pid {holder}); wait for it, or give this one "
-            "another run.output"
-        )
+        print_error(f"{out} is in use by another run (pid {holder}); wait for it, or give this one another run.output")
         sys.exit(2)
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
@@ -185,9 +182,7 @@ JOB_FAILED = 3
 def exit_if_failed(result: Any) -> None:
     """Exit with :data:`JOB_FAILED` and the reason when the job of ``result`` (a ``RunResult``) failed."""
     if getattr(result, "failed", None):
-        from rich.markup import escape
-
-        console.print(f"[bold red]job failed:[/] {escape(result.failed)}")
+        print_error(result.failed, "job failed")
         raise SystemExit(JOB_FAILED)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .console import console
+from .console import console, print_error
 
 
 def metrics_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,10 +52,7 @@ def serve_metrics(cfg: Any, agents: Any = None, follow: bool = False) -> Any:
     try:
         port = exporter.serve(cfg.monitoring.metrics_port, cfg.monitoring.metrics_host)
     except OSError as exc:
-        console.print(
-            f"[bold red]error:[/] cannot serve metrics on {cfg.monitoring.metrics_host}:"
-            f"{cfg.monitoring.metrics_port}: {exc}"
-        )
+        print_error(f"cannot serve metrics on {cfg.monitoring.metrics_host}:{cfg.monitoring.metrics_port}: {exc}")
         raise SystemExit(1) from exc
     console.print(f"metrics on http://{cfg.monitoring.metrics_host}:{port}/metrics")
     return exporter

@@ -86,6 +86,18 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
     assert res.exit_code == 0 and len(first.read_text().splitlines()) == 2, res.output
 
 
+def test_a_folder_in_use_is_named_as_it_is(tmp_path):
+    """The refusal names the folder in use as it is: rich took a ``[part]`` of its path for markup and dropped it."""
+    from fedtier.console import run_folder_lock
+    from protocols.config import load_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "runs[b]"))
+    with run_folder_lock(load_config(cfg)):
+        res = CliRunner().invoke(main, ["sim", str(cfg), "--no-progress"])
+    assert res.exit_code == 2 and "runs[b]isinuse" in "".join(res.output.split()), res.output  # (wrapped anywhere)
+
+
 @pytest.mark.timeout(120)
 def test_sim_stopped_by_sigterm_says_so_and_resumes(tmp_path):
     """SIGTERM (or Ctrl-C) stops ``fedtier sim`` as it stops ``fedtier run``: exit 130 and how to continue, not
