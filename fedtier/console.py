@@ -137,12 +137,32 @@ def interruptible() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+LOCK_WAIT_S = 0.5
+"""How long a run waits for its folder's lock before it is refused: ``fedtier monitor`` holds it shared for an
+instant (``monitor.sources``: whether the run that wrote the folder is gone), which must not refuse a run."""
+
+
+def _take_lock(fd: int) -> bool:
+    """Take ``fd``'s exclusive lock, waiting up to :data:`LOCK_WAIT_S` for a holder of a moment; False: held."""
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
 @contextmanager
 def run_folder_lock(cfg: RunConfig) -> Iterator[None]:
     """Hold ``cfg``'s run folder for this command (``RUN_DIR/run.lock``, released when it ends, or dies): a
     second ``fedtier run|sim`` into the same folder meanwhile would delete this one's files and interleave
     its records with them, so it is refused with the holder's pid (exit 2)."""
-    import fcntl
     import os
 
     from protocols import runfiles
@@ -150,9 +170,7 @@ def run_folder_lock(cfg: RunConfig) -> Iterator[None]:
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out / runfiles.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not _take_lock(fd):
         holder = os.read(fd, 16).decode(errors="replace").strip() or "?"
         os.close(fd)
         print_error(f"{out} is in use by another run (pid {holder}); wait for it, or give this one another run.output")

@@ -98,6 +98,33 @@ def test_a_folder_in_use_is_named_as_it_is(tmp_path):
     assert res.exit_code == 2 and "runs[b]isinuse" in "".join(res.output.split()), res.output  # (wrapped anywhere)
 
 
+def test_a_run_starting_while_the_monitor_checks_its_folder_is_not_refused(tmp_path, monkeypatch):
+    """`fedtier monitor` takes a run folder's lock shared for an instant (is the run that wrote it gone?): a run
+    starting in that instant waits for it rather than being refused as if another run held the folder."""
+    import fcntl
+    import os
+    import time
+
+    from fedtier.console import run_folder_lock
+    from protocols.config import load_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    probes = [os.open(tmp_path / "out" / runfiles.LOCK, os.O_RDONLY | os.O_CREAT)]
+    fcntl.flock(probes[0], fcntl.LOCK_SH | fcntl.LOCK_NB)  # as monitor.sources.RunDirFollower._abandoned does
+    sleep = time.sleep
+
+    def probe_ends(seconds: float) -> None:  # the monitor's probe ends while the run waits
+        while probes:
+            os.close(probes.pop())
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", probe_ends)
+    with run_folder_lock(load_config(cfg)):
+        assert (tmp_path / "out" / runfiles.LOCK).read_text() == str(os.getpid())
+
+
 @pytest.mark.timeout(120)
 def test_sim_stopped_by_sigterm_says_so_and_resumes(tmp_path):
     """SIGTERM (or Ctrl-C) stops ``fedtier sim`` as it stops ``fedtier run``: exit 130 and how to continue, not
