@@ -52,7 +52,12 @@ def test_membership_changes_publish_with_the_tutorials_relative_out_and_later_on
     where.mkdir()
     _provision(where, port)
     monkeypatch.chdir(where)
+    from protocols.transport.mqtt import MqttTransport
+
+    connect = MqttTransport.connect  # (it retries a refused connect 10 s: a broker may be starting)
+    monkeypatch.setattr(MqttTransport, "connect", lambda self, timeout=10.0: connect(self, min(timeout, 1.0)))
     code, out, exc = _cli("provision", "add-device", "--out", "fed", "--cell", "c0", "--device", "c0-d2")
+    monkeypatch.setattr(MqttTransport, "connect", connect)
     assert exc is None, f"a traceback instead of a reason: {exc!r}"
     assert code == 1 and "could not publish the roster" in out and "fedtier provision publish --out fed" in out, out
     with mosquitto(where / "fed" / "broker" / "mosquitto.conf", port):
