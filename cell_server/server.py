@@ -381,8 +381,8 @@ class CellServer(CellNode):
             return  # a timer of a round that already closed
         self.loop.cancel(self._timer)
         results = dict(sorted(self.answers.received.items()))
-        for d in self.answers.pending:
-            self.edge.absent[d] = "deadline"
+        for d in self.answers.pending:  # cut off by the quorum, or late for the deadline
+            self.edge.absent[d] = "quorum" if why == "quorum" else "deadline"
             self.tally.late.add(d)
         self.answers.close()
         if self.secagg is not None:  # masked results: unmask the sum first (it calls _aggregate)

@@ -79,7 +79,7 @@ class CellOutcomes:
         self.absent = Counter(
             "fedtier_cell_devices_absent",
             "Devices absent from an aggregation, by reason (offline, not_participating, not_selected, deadline, "
-            "revoked, requirements, cannot serve)",
+            "quorum, revoked, requirements, cannot serve)",
             [*CELL, "reason"],
             registry=r,
         )

@@ -33,6 +33,7 @@ MAX_LISTED_REJECTIONS = 100
 ``rejected_more`` counts the others."""
 
 TIERS = ("cloud_to_cell", "cell_to_cloud", "cell_to_device", "device_to_cell")
+TASKED = ("deadline", "quorum")  # absent reasons of devices that were planned (sent a task) and did not answer in time
 """The four links whose bytes every round record counts."""
 
 
@@ -87,8 +88,8 @@ class CellRecord(_Record):
     answered: list[str] = Field(default_factory=list, description="devices whose result was aggregated")
     absent: dict[str, str] = Field(
         default_factory=dict,
-        description="device -> offline | not participating | not selected | deadline "
-        "(reasons with more than runtime.absent_ids devices only counted)",
+        description="device -> offline | not participating | not selected | deadline | quorum (the edge round "
+        "closed at runtime.quorum before it answered) (reasons with more than runtime.absent_ids devices only counted)",
     )
     absent_counts: dict[str, Count] | None = Field(
         None, description="reason -> absent devices, when `absent` leaves some out"
@@ -126,7 +127,7 @@ class CellRecord(_Record):
     def cell_size(self) -> int:
         """Devices of the cell this record knows of (planned or absent, named or only counted)."""
         listed = set(self.absent.values())
-        unnamed = sum(n for why, n in (self.absent_counts or {}).items() if why not in listed and why != "deadline")
+        unnamed = sum(n for why, n in (self.absent_counts or {}).items() if why not in listed and why not in TASKED)
         return len(set(self.planned) | set(self.absent)) + unnamed  # a reason is named in full or only counted
 
     @property

@@ -7,6 +7,7 @@ The cloud, cell and device runtimes are the very ones deployments use; only the 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from protocols.algorithms.base import ModelSpec
 
     from .executors import ProcessExecutor, RayExecutor
+
+log = logging.getLogger("fedtier.sim")
 
 
 @dataclass
@@ -196,6 +199,13 @@ class SimHierarchy:
         if write_output:  # [security] keys naming a missing file: fresh keys in the run folder
             cfg = with_run_keys(cfg, cfg.output_dir(), resume)
         self.cfg = cfg
+        if cfg.runtime.quorum < 1 and not clock_modelled(cfg.clock):
+            log.warning(
+                "runtime.quorum = %g without a [clock]: the simulation has no device speeds, so every edge round's "
+                "quorum is met by the same devices (the first in the simulation's order) and the others never train "
+                "the model; model the devices' speeds with [clock] (device_steps_per_s, device_speed_spread)",
+                cfg.runtime.quorum,
+            )
         loop = VirtualLoop()
         # runtime.sim_workers build their devices while we build ours (unless auto, with a GPU and cohorts,
         # needs the model spec to choose the workers' device)

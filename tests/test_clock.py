@@ -67,3 +67,21 @@ def test_stragglers_miss_the_deadline(make_config):
         assert set(r["answered"]).isdisjoint(slow)
     again = SimHierarchy(cfg, write_output=False)
     assert again.clock.speed == speeds  # seeded: the same stragglers every time
+
+
+def test_devices_a_quorum_cut_off_are_absent_for_the_quorum_and_the_sim_warns_without_a_clock(make_config, caplog):
+    """An edge round closed at runtime.quorum named the devices it did not wait for absent for the 'deadline'
+    (the monitor and a reader took them for stragglers). Without a [clock] the simulation has no device speeds,
+    so the same devices are cut off every round and never train the model: it says so."""
+    cfg = make_config(run={"rounds": 1}, runtime={"quorum": 0.5, "device_deadline": 5.0})
+    with caplog.at_level("WARNING", logger="fedtier.sim"):
+        result = run_simulation(cfg, write_output=False)
+    assert "runtime.quorum = 0.5 without a [clock]" in caplog.text
+    for record in result.cell_records:  # 3 devices per cell, quorum 2
+        assert record["closed_by"] == "quorum" and len(record["answered"]) == 2
+        assert list(record["absent"].values()) == ["quorum"]
+    caplog.clear()
+    clocked = make_config(run={"rounds": 1}, runtime={"quorum": 0.5}, clock={"device_steps_per_s": 20.0})
+    with caplog.at_level("WARNING", logger="fedtier.sim"):
+        run_simulation(clocked, write_output=False)
+    assert "without a [clock]" not in caplog.text
