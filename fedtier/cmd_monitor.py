@@ -76,7 +76,7 @@ from fedtier.console import fail, live_connection, live_target, public_keys_or_e
     "--state",
     "states",
     multiple=True,
-    type=click.Choice(["silent", "offline", "drop", "waiting", "idle", "ok"]),
+    type=click.Choice(["silent", "offline", "drop", "revoked", "waiting", "idle", "ok"]),
     help="Only cells in this state (repeatable).",
 )
 def monitor(

@@ -3,7 +3,8 @@
 :class:`MonitorState` folds cell aggregation records and cloud round records (``protocols.records``),
 plus liveness statuses and the nodes' retained current states, into one :class:`CellView` per cell;
 :meth:`MonitorState.alerts` names the cells that fell silent for longer than their deadline, whose
-participation dropped, that had results rejected or devices whose training diverged. No I/O here;
+participation dropped, that had results rejected or devices whose training diverged, and those the federation
+revoked (the cloud's records name them: a revoked cell is shown revoked, never offline or silent). No I/O here;
 ``monitor/view.py`` draws it.
 """
 
@@ -16,12 +17,21 @@ from dataclasses import dataclass, field
 from protocols.records import BadLine, CellRecord, Record, RoundRecord
 from protocols.status import IDLE, idle_deadline
 
-STATES = ("silent", "offline", "drop", "waiting", "idle", "ok")
-"""A cell's state in the monitor, most serious first (``idle``: a long-lived cell up between jobs)."""
+STATES = ("silent", "offline", "drop", "revoked", "waiting", "idle", "ok")
+"""A cell's state in the monitor, most serious first (``idle``: a long-lived cell up between jobs; ``revoked``: the
+federation revoked it, out of the job for good)."""
 GROUP_ALERTS = 5  # more cells than this with the same alert: one line for all of them
 Alert = tuple[float, str, str]
 """One cell's alert: (sort key, the worst first; the cell; the line)."""
-CELL_ALERTS = ("silent", "offline", "with a participation drop", "with rejected results", "with diverged devices")
+CELL_ALERTS = (
+    "silent",
+    "offline",
+    "revoked",
+    "with revoked devices",
+    "with a participation drop",
+    "with rejected results",
+    "with diverged devices",
+)
 """The kinds of a cell's alerts, in the order they are listed."""
 
 
@@ -35,6 +45,8 @@ class CellView:
     online: bool | None = None  # its status: online or idle (True), offline (False), none yet (None)
     idle: bool = False  # its status says idle: up, serving no job
     idle_until: float | None = None  # an idle status older than this (its heartbeat missed) counts as offline
+    revoked: str | None = None  # why the federation revoked it (the cloud's round records: ``cells_revoked``)
+    devices_revoked: set[str] = field(default_factory=set)  # its devices its records say were absent as revoked
     records: int = 0
     rejected_total: int = 0
     participation: deque[float] = field(default_factory=lambda: deque(maxlen=11))
@@ -78,6 +90,7 @@ class MonitorState:
                 self._seen_round(record.round)
             view.records += 1
             view.rejected_total += len(record.rejected)
+            view.devices_revoked |= {d for d, why in record.absent.items() if why == "revoked"}
             if record.coverage is not None:
                 view.participation.append(record.coverage)
             view.last_seen = max(filter(None, (view.last_seen, seen)), default=None)
@@ -87,6 +100,8 @@ class MonitorState:
             self._seen_round(record.round)
         for cell in record.cells_planned:
             self._cell(cell)
+        for cell, why in (record.cells_revoked or {}).items():  # a revoked id stays revoked: any record says so
+            self._cell(cell).revoked = why
         if record.accuracy is not None:
             self.accuracy = sorted({**dict(self.accuracy), record.round: record.accuracy}.items())
         if record.rounds is not None and record.round + 1 >= record.rounds:
@@ -164,6 +179,8 @@ class MonitorState:
     def lag(self, view: CellView) -> int | None:
         """Cloud rounds the cell is behind the most advanced round."""
         cur = self.current_round
+        if view.revoked is not None:  # out of the job: not behind
+            return None
         return None if cur is None else cur - view.round if view.round is not None else cur + 1
 
     def deadline_of(self, view: CellView) -> float | None:
@@ -172,14 +189,16 @@ class MonitorState:
 
     def offline(self, view: CellView, now: float) -> bool:
         """The cell said offline (and the run is not over), or its idle status missed its heartbeats (whether a job
-        finished or not: a cell is idle between jobs)."""
+        finished or not: a cell is idle between jobs). A revoked cell is revoked, not offline."""
+        if view.revoked is not None:
+            return False
         stale = view.idle and view.idle_until is not None and now > view.idle_until
         return stale or (view.online is False and not self.finished)
 
     def silent(self, view: CellView, now: float) -> float | None:
         """Seconds of silence when longer than the cell's deadline (and the run is not over; an idle cell
         is not in a job: never silent)."""
-        if self.finished or view.last_seen is None or view.idle:
+        if self.finished or view.last_seen is None or view.idle or view.revoked is not None:
             return None
         deadline = self.deadline_of(view)
         quiet = now - view.last_seen
@@ -195,6 +214,8 @@ class MonitorState:
 
     def state_of(self, view: CellView, now: float) -> str:
         """The cell's state, one of :data:`STATES`."""
+        if view.revoked is not None:
+            return "revoked"
         if self.silent(view, now) is not None:
             return "silent"
         if self.offline(view, now):
@@ -220,8 +241,8 @@ class MonitorState:
                 alerts.sort()
                 names = ", ".join(cell for _, cell, _ in alerts[:GROUP_ALERTS])
                 out.append(f"{len(alerts)} cells {what}: {names}, ... (worst: {alerts[0][2]})")
-        if self.cloud is not None and self.cloud.cells_absent:
-            absent = self.cloud.cells_absent
+        absent = [c for c in self.cloud.cells_absent if self._cell(c).revoked is None] if self.cloud else []
+        if self.cloud is not None and absent:  # a revoked cell has its own alert: it is not missing, it is out
             names = ", ".join(absent[:GROUP_ALERTS]) + (
                 f", ... ({len(absent)} cells)" if len(absent) > GROUP_ALERTS else ""
             )
@@ -253,7 +274,14 @@ class MonitorState:
         if self.offline(view, now):
             why = " (idle, its heartbeat missed)" if view.idle else ""
             found.append(("offline", (0.0, cell, f"cell {cell} is offline{why}")))
-        drop = self.dropped(view)
+        if view.revoked is not None:
+            found.append(("revoked", (0.0, cell, f"cell {cell} {view.revoked} by the federation: out of the job")))
+        if view.devices_revoked:
+            names = ", ".join(sorted(view.devices_revoked)[:GROUP_ALERTS])
+            more = len(view.devices_revoked) - GROUP_ALERTS
+            line = f"cell {cell}: device(s) {names}{f' (+{more} more)' if more > 0 else ''} revoked by the federation"
+            found.append(("with revoked devices", (-len(view.devices_revoked), cell, line)))
+        drop = self.dropped(view) if view.revoked is None else None
         if drop is not None:
             line = f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)"
             found.append(("with a participation drop", (drop[0] / drop[1], cell, line)))

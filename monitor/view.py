@@ -55,6 +55,7 @@ _STATE_STYLE = {
     "silent": ("SILENT", "bold red"),
     "offline": ("offline", "red"),
     "drop": ("DROP", "bold yellow"),
+    "revoked": ("revoked", "magenta"),
     "waiting": ("waiting", "dim"),
     "idle": ("idle", "cyan"),
     "ok": ("ok", "green"),

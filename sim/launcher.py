@@ -72,6 +72,7 @@ class RunResult:
     failed: str | None = None  # why the job failed (a stall, a failed cell, a handler's exception)
     earlier: dict[str, Any] | None = None  # a resumed run: the last round record before it (its checkpoint's)
     simulated_time: bool = True  # the loop clock was fedtier sim's (virtual with [clock]); fedtier run's is real
+    cells_revoked: dict[str, str] = field(default_factory=dict)  # cells the federation revoked during the job, why
 
     @property
     def status(self) -> str:
@@ -111,6 +112,7 @@ class RunResult:
             failed=cloud.failed,
             earlier=cloud.resumed_from,
             simulated_time=simulated_time,
+            cells_revoked=dict(cloud.revoked),
         )
 
     def summary(self) -> dict[str, Any]:
@@ -135,6 +137,7 @@ class RunResult:
             **({"epsilon": last["epsilon"]} if "epsilon" in last else {}),
             **{k: last[k] for k in ("epsilon_by_party", "epsilon_basis") if last.get(k) is not None},
             **({"stopped": self.stopped} if self.stopped else {}),
+            **({"cells_revoked": self.cells_revoked} if self.cells_revoked else {}),
             **({"resumed_after_round": self.earlier["round"]} if self.earlier and "round" in self.earlier else {}),
         }
 

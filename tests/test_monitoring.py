@@ -318,6 +318,43 @@ def test_an_idle_cell_that_misses_its_heartbeats_is_offline_after_a_finished_job
     assert state.alerts(now=131.5) == ["cell c0 is offline (idle, its heartbeat missed)"]
 
 
+def test_a_revoked_cell_shows_revoked_never_silent_offline_or_absent_and_a_revoked_device_is_named():
+    """The cloud's round records name the cells the federation revoked (``cells_revoked``), a cell's records its
+    devices absent as ``revoked``: the monitor shows such a cell revoked (not silent past its deadline, not
+    offline by its last status, not behind, not in the round's missing cells) and names the revoked device."""
+    state = MonitorState()
+    for cell in ("c0", "c1", "c2"):
+        state.add(_cell(0, cell, 4, 100.0))
+    state.add_status("cell.c1", "offline", received=100.0)  # its will, or a stale retained status: either way
+    revoked_device = _cell(1, "c0", 3, 120.0).to_dict() | {"absent": {"c0-d3": "revoked"}}
+    state.add(CellRecord.model_validate(revoked_device))
+    state.add(_cell(1, "c2", 4, 120.0))
+    c1 = state.cells["c1"]
+    assert state.state_of(c1, 140.5) == "silent" and "cell c1 is offline" in state.alerts(140.5)  # before
+    state.add(
+        RoundRecord(
+            run="live",
+            round=1,
+            rounds=10,
+            closed_by="all reported",
+            cells_planned=["c0", "c1", "c2"],
+            cells_reported=["c0", "c2"],
+            cells_absent=["c1"],
+            cells_revoked={"c1": "revoked (roster version 3)"},
+            duration_s=1.0,
+        )
+    )
+    alerts = state.alerts(now=140.5)
+    assert [state.state_of(state.cells[c], 140.5) for c in ("c0", "c1", "c2")] == ["ok", "revoked", "ok"]
+    assert "cell c1 revoked (roster version 3) by the federation: out of the job" in alerts
+    assert "cell c0: device(s) c0-d3 revoked by the federation" in alerts
+    assert not any("c1 silent" in a or "c1 is offline" in a or "without c1" in a for a in alerts), alerts
+    assert state.lag(c1) is None
+    text = render_text(state, now=140.5)
+    assert "1 revoked" in text and "behind" not in text, text
+    assert render_text(state, now=140.5, flt=CellFilter(states=("revoked",))).count("c1") >= 1
+
+
 def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
     state = MonitorState()
     state.add(_cell(0, "c0", 4, 100.0))

@@ -26,6 +26,7 @@ from protocols.wire.envelope import decode_message
 from protocols.wire.keys import KeyRing, Trust, generate_keys, write_keys
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
+from sim.launcher import RunResult
 from tests.conftest import small_config, wait_until
 
 CELLS = ["c0", "c1", "c2"]
@@ -139,6 +140,8 @@ def test_a_cell_revoked_mid_round_is_not_waited_for_and_what_it_sends_is_refused
     expected = _reference(algorithm, like, [CELLS, ["c0", "c2"], ["c0", "c2"]])
     assert _same(dict(cloud.role.global_params()), expected)
     assert not _same(expected, _reference(algorithm, like, [CELLS, CELLS, ["c0", "c2"]]))  # c1 would show
+    summary = RunResult.of_cloud(cfg, cloud, None, 1.0).summary()  # summary.json's: the cells revoked, and why
+    assert summary["cells_revoked"] == {"c1": "revoked (roster version 2)"} and summary["status"] == "finished"
 
 
 def test_a_report_taken_before_the_revocation_is_dropped_and_a_job_without_cells_fails(tmp_path: Path) -> None:
@@ -166,6 +169,8 @@ def test_a_report_taken_before_the_revocation_is_dropped_and_a_job_without_cells
     cloud.revoke(["c0", "c2"])
     assert cloud.finished and cloud.failed == "c0, c2 revoked by the federation: no cell of the job remains"
     assert len(cloud.history) == 1 and _same(dict(cloud.role.global_params()), after_round_0)
+    summary = RunResult.of_cloud(cfg, cloud, None, 1.0).summary()  # all three, though no record lists c0 and c2
+    assert summary["status"] == "failed" and sorted(summary["cells_revoked"]) == CELLS
 
 
 def test_the_service_takes_a_newer_roster_mid_job_ignores_forged_and_old_ones_and_keeps_it_across_a_restart(
