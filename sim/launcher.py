@@ -142,6 +142,17 @@ class RunResult:
         }
 
 
+def warn_unclocked_quorum(cfg: RunConfig) -> None:
+    """Warn that ``runtime.quorum`` < 1 without a ``[clock]`` cuts the same devices off every edge round."""
+    if cfg.runtime.quorum < 1 and not clock_modelled(cfg.clock):
+        log.warning(
+            "runtime.quorum = %g without a [clock]: the simulation has no device speeds, so every edge round's "
+            "quorum is met by the same devices (the first in the simulation's order) and the others never train "
+            "the model; model the devices' speeds with [clock] (device_steps_per_s, device_speed_spread)",
+            cfg.runtime.quorum,
+        )
+
+
 def eval_threads(cfg: RunConfig) -> int:
     """Threads of the cloud's central evaluation: ``cohort_threads`` with the cohort engine, else 1."""
     return execution_plan(cfg).eval_threads
@@ -202,13 +213,7 @@ class SimHierarchy:
         if write_output:  # [security] keys naming a missing file: fresh keys in the run folder
             cfg = with_run_keys(cfg, cfg.output_dir(), resume)
         self.cfg = cfg
-        if cfg.runtime.quorum < 1 and not clock_modelled(cfg.clock):
-            log.warning(
-                "runtime.quorum = %g without a [clock]: the simulation has no device speeds, so every edge round's "
-                "quorum is met by the same devices (the first in the simulation's order) and the others never train "
-                "the model; model the devices' speeds with [clock] (device_steps_per_s, device_speed_spread)",
-                cfg.runtime.quorum,
-            )
+        warn_unclocked_quorum(cfg)
         loop = VirtualLoop()
         # runtime.sim_workers build their devices while we build ours (unless auto, with a GPU and cohorts,
         # needs the model spec to choose the workers' device)
