@@ -25,7 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -86,6 +86,22 @@ class ModelSpec(BaseModel):
         return sum((a + 1) * b for a, b in zip(widths, widths[1:]))
 
 
+_T = TypeVar("_T")
+
+
+def non_defaults(model: BaseModel, keys: Mapping[str, _T]) -> dict[str, tuple[Any, _T]]:
+    """The ``keys`` that ``model`` sets to other than their default: key -> (its value, what ``keys`` says of it).
+    The one rule of the config's keys that other settings make ineffective (:meth:`TrainParams.idle_keys`, and
+    the sections' own, ``protocols.config``): such a key set to other than its default is refused."""
+    values = model.model_dump(include=set(keys))
+    fields = type(model).model_fields
+    return {
+        key: (values[key], said)
+        for key, said in keys.items()
+        if values[key] != fields[key].get_default(call_default_factory=True)
+    }
+
+
 class TrainParams(BaseModel):
     """Parameters every algorithm shares. Algorithms subclass this with their own fields.
 
@@ -127,14 +143,7 @@ class TrainParams(BaseModel):
 
     def idle_settings(self) -> dict[str, tuple[Any, str]]:
         """The :meth:`idle_keys` set to other than their default: key -> (its value, the setting it needs)."""
-        idle = self.idle_keys()
-        values = self.model_dump(include=set(idle))
-        fields = type(self).model_fields
-        return {
-            key: (values[key], needs)
-            for key, needs in idle.items()
-            if values[key] != fields[key].get_default(call_default_factory=True)
-        }
+        return non_defaults(self, self.idle_keys())
 
     @model_validator(mode="after")
     def _some_local_work(self) -> TrainParams:

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from ..algorithms.base import non_defaults
 from .errors import ConfigError
 from .sections import Section
 
@@ -110,8 +111,9 @@ class PrivacySection(Section):
             idle |= dict.fromkeys(keys, "secure_aggregation = true")
         if self.dp != "cell" or not self.secure_aggregation:
             idle["dp_min_survivors"] = 'dp = "cell" with secure_aggregation = true'
-        fields, values = type(self).model_fields, self.model_dump(include=set(idle))
-        wrong = [f"{k} = {values[k]!r} has no effect without {idle[k]}" for k in idle if values[k] != fields[k].default]
+        wrong = [
+            f"{k} = {value!r} has no effect without {needs}" for k, (value, needs) in non_defaults(self, idle).items()
+        ]
         if wrong:
             raise ValueError("; ".join(wrong) + " (remove it, or set what it needs)")
         return self

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .. import plugins
-from ..algorithms.base import CHANNEL_WIDTHS
+from ..algorithms.base import CHANNEL_WIDTHS, non_defaults
 from ..capabilities import WIRE_VERSION
 from ..wire.topics import check_name
 
@@ -128,15 +128,13 @@ class DataSection(Section):
             "alpha_cells": ("hierarchical",),
             "alpha_devices": ("hierarchical",),
         }
-        fields = type(self).model_fields
-        for key, partitions in uses.items():
-            value = getattr(self, key)
-            if self.partition not in partitions and value != fields[key].default:
-                raise ValueError(
-                    f"{key} = {value} has no effect with partition = {self.partition!r}: it applies to "
-                    + " | ".join(repr(p) for p in partitions)
-                    + " (remove it, or set that partition)"
-                )
+        idle = {key: partitions for key, partitions in uses.items() if self.partition not in partitions}
+        for key, (value, partitions) in non_defaults(self, idle).items():
+            raise ValueError(
+                f"{key} = {value} has no effect with partition = {self.partition!r}: it applies to "
+                + " | ".join(repr(p) for p in partitions)
+                + " (remove it, or set that partition)"
+            )
         return self
 
     def loader_params(self) -> dict[str, int]:
@@ -343,7 +341,7 @@ class AttackSection(Section):
 
     @model_validator(mode="after")
     def _keys_apply(self) -> AttackSection:
-        if self.kind == "none" and (self.fraction, self.factor) != (0.0, 10.0):
+        if self.kind == "none" and non_defaults(self, dict.fromkeys(("fraction", "factor"))):
             raise ValueError('fraction and factor have no effect with kind = "none": no device attacks')
         return self
 
