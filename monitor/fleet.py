@@ -8,14 +8,17 @@ when each was last heard (while the view listens), what each runs and can do, an
 is running. With the federation's public keys a record counts only if the node its topic names signed
 it; others are counted as refused, with the reason, and never shown as a node. With them too, the view
 reads the federation's signed roster (published by the cloud): a member never heard from (enrolled, never
-started) is listed as never seen.
+started) is listed as never seen, and a node it lists as revoked is shown revoked (not the online or idle its
+retained status may still say: nothing clears a revoked cell's), its key forgotten, its records no longer counted
+as refused.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from protocols.numbers import finite_number
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 
 ROLE_ORDER = {"cloud": 0, "cell": 1, "device": 2}
 UNSEEN = "never seen"  # a member of the roster without a status
+REVOKED = "revoked"  # a node the signed roster revoked, whose status the broker still holds
 
 
 @dataclass
@@ -95,16 +99,24 @@ class NodeView:
 
 @dataclass
 class Fleet:
-    """Nodes by id, fed by :meth:`on_status` (any thread); ``refused`` counts records that failed checks."""
+    """Nodes by id, fed by :meth:`on_status` (any thread); :attr:`refused` counts records that failed checks."""
 
     run: str
     keys: PublicKeys | None = None
     clock: Any = time.monotonic
     nodes: dict[str, NodeView] = field(default_factory=dict)
-    refused: int = 0
     received: int = 0
     members: dict[str, str | None] = field(default_factory=dict)  # node -> its cell, from the signed roster
+    revoked: frozenset[str] = frozenset()  # the nodes the signed roster revoked
+    _refusals: Counter[str] = field(default_factory=Counter)  # topic's node (or "" for a roster) -> refused records
+    _unverified: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # refused node -> (role, cell)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def refused(self) -> int:
+        """Records refused (forged, unsigned, a roster not the cloud's), a revoked node's own excepted: it is shown
+        revoked."""
+        return sum(n for node, n in self._refusals.items() if node not in self.revoked)
 
     def start(self, transport: Transport) -> Fleet:
         """Subscribe to every status topic of the run on ``transport`` (retained records arrive at once), and
@@ -127,23 +139,27 @@ class Fleet:
             roster = verify_roster(data, self.keys.verify, federation=self.run)
         except RosterError:
             with self._lock:
-                self.refused += 1
+                self._refusals[""] += 1
             return
         with self._lock:
             self.members = {"cloud": None} | {c: c for c in roster.cells}
             self.members |= {d: c for c in roster.cells for d in roster.members(c)}
+            self.revoked = roster.revoked
+            self.keys.forget(roster.revoked)  # what a stale keys file still trusts: a revoked node signs nothing
 
     def on_status(self, topic: str, data: bytes) -> None:
         with self._lock:
             self.received += 1
+            node, role, cell = _node_of(topic)
             if not data:  # a cleared retained status: the node was removed (revoked)
-                self.nodes.pop(_node_of(topic)[0], None)
+                self.nodes.pop(node, None)
+                self._unverified.pop(node, None)
                 return
             record = decode_status(data, topic, self.keys)
             if record is None:
-                self.refused += 1
+                self._refusals[node] += 1
+                self._unverified[node] = (role, cell)
                 return
-            node, role, cell = _node_of(topic)
             now = self.clock()
             view = self.nodes.get(node)
             if view is None:  # (retained, as a rule: an idle one is aged from its published time)
@@ -154,9 +170,17 @@ class Fleet:
                 view.updates += 1
 
     def rows(self) -> list[NodeView]:
-        """The nodes heard from, and the roster's members never heard from (:data:`UNSEEN`)."""
+        """The nodes heard from, the roster's members never heard from (:data:`UNSEEN`), and its revoked nodes
+        whose status (signed by them, refused now or accepted before the roster came) the broker still holds
+        (:data:`REVOKED`)."""
         with self._lock:
             now = self.clock()
+            heard = [replace(v, state=REVOKED) if n in self.revoked else v for n, v in self.nodes.items()]
+            gone = [
+                NodeView(n, role, cell, REVOKED, {}, now, now)  # its retained status, refused
+                for n, (role, cell) in self._unverified.items()
+                if n in self.revoked and n not in self.nodes
+            ]
             unseen = [
                 NodeView(
                     n, "cloud" if cell is None else "cell" if n == cell else "device", cell, UNSEEN, {}, now, now, 0
@@ -164,7 +188,7 @@ class Fleet:
                 for n, cell in self.members.items()
                 if n not in self.nodes
             ]
-            views = [*self.nodes.values(), *unseen]
+            views = [*heard, *gone, *unseen]
         return sorted(views, key=lambda v: (ROLE_ORDER.get(v.role, 3), v.cell or "", v.node))
 
     def current_job(self) -> str | None:
@@ -198,6 +222,8 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
     job = fleet.current_job()
     title = f"fleet {escape(fleet.run)}: {up}/{len(rows)} nodes online" + (f" ({idle} idle)" if idle else "")
     title += f", job {escape(job)}" if job else ""
+    revoked = sum(v.state == REVOKED for v in rows)
+    title += f", {revoked} revoked" if revoked else ""
     if fleet.refused:
         title += f", {fleet.refused} status records refused"
     table = Table(title=title, title_justify="left")

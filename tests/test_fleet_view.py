@@ -75,6 +75,56 @@ def test_the_fleet_takes_only_statuses_signed_by_the_node_their_topic_names():
     assert fleet.rows() == []
 
 
+def test_a_node_the_signed_roster_revoked_is_shown_revoked_whatever_its_retained_status_says():
+    """Nothing clears a revoked cell's retained status (a revoked device's is cleared by its cell, but maybe not
+    yet): the fleet shows the nodes the cloud's signed roster revoked as revoked, not online or idle, forgets their
+    keys (a heartbeat they sign after is refused, not counted as a forgery), and a reader whose keys file already
+    dropped them shows their refused retained status as revoked too, once the roster says so."""
+    from protocols.roster import Roster, roster_topic, sign_roster
+
+    ring = generate_keys(TopologySection(cells=2, devices_per_cell=2))
+    members = {"c0": ["c0-d0", "c0-d1"], "c1": ["c1-d0", "c1-d1"]}
+    roster = Roster.from_topology("fed", members, ring.public, 100.0)
+    revoking = sign_roster(
+        roster.without("c1").without("c0-d1"), Trust("cloud", ring.private["cloud"], ring.public).sign
+    )
+
+    def statuses(fleet: Fleet) -> None:
+        for node in ("c0", "c1"):
+            topic = topics.status("fed", f"cell.{node}")
+            fleet.on_status(topic, idle_status(topic, Trust(node, ring.private[node], ring.public)))
+        for node, cell in (("c0-d0", "c0"), ("c0-d1", "c0"), ("c1-d0", "c1")):
+            topic = topics.device_status("fed", cell, node)
+            trust = Trust(node, ring.private[node], ring.public)
+            fleet.on_status(topic, encode_status("online", topic=topic, trust=trust))
+
+    fleet = Fleet("fed", PublicKeys(ring.public), clock=Clock())  # a keys file from before the revocations
+    statuses(fleet)
+    state = lambda: {r.node: r.as_dict(100.0)["state"] for r in fleet.rows()}  # noqa: E731
+    assert state()["c1"] == "idle" and state()["c0-d1"] == "online"  # before the roster: alive, as they say
+    fleet.on_roster(roster_topic("fed"), revoking)
+    alive, revoked = (
+        {"cloud": "never seen", "c0": "idle", "c0-d0": "online"},
+        dict.fromkeys(("c1", "c0-d1", "c1-d0"), "revoked"),
+    )
+    assert state() == alive | revoked  # c1-d1, never heard, revoked: not listed
+    assert not any(r.as_dict(100.0)["online"] for r in fleet.rows() if r.node in ("c1", "c0-d1", "c1-d0"))
+    statuses(fleet)  # their heartbeats, signed with their real keys: refused now, still revoked, not a forgery
+    assert fleet.refused == 0 and state()["c1"] == "revoked"
+    out = Console(width=200, record=True)
+    out.print(render(fleet))
+    assert "2/6 nodes online (1 idle), 3 revoked" in out.export_text(), out.export_text()
+
+    current = PublicKeys({n: k for n, k in ring.public.items() if n not in ("c1", "c1-d0", "c1-d1", "c0-d1")})
+    fleet = Fleet("fed", current, clock=Clock())  # the operator's refreshed keys file: theirs are gone
+    statuses(fleet)
+    assert fleet.refused == 3 and sorted(state()) == ["c0", "c0-d0"]  # unsigned by a known key: refused
+    fleet.on_roster(roster_topic("fed"), revoking)
+    assert fleet.refused == 0 and state() == alive | revoked
+    fleet.on_status(topics.device_status("fed", "c0", "c0-d1"), b"")  # its cell cleared it: no longer listed
+    assert "c0-d1" not in state()
+
+
 def test_an_idle_node_is_online_with_its_versions_and_no_job():
     """Between jobs a long-lived node says idle (signed, with its machine's capabilities): the fleet shows
     it online and idle, with its versions, and no current job; an offline one stays offline."""
