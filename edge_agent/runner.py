@@ -259,11 +259,15 @@ class AgentProcess:
         trainer: Trainer,
         session: str,
         availability: Callable[[int], Iterable[str]] | None = None,
+        data: dict[str, LocalData] | None = None,
     ) -> None:
         """Long-lived agents: serve the job of ``session`` with new roles on the same connections (a device
-        that sat out the last round connects again); ``done`` is cleared until it is finished."""
+        that sat out the last round connects again), on ``data`` if given (the same devices' data as this
+        job's model takes it); ``done`` is cleared until it is finished."""
         old = self.executor
         self.cfg, self.algorithm, self.trainer, self.job.session = cfg, algorithm, trainer, session
+        if data is not None:
+            self.data = {d: data[d] for d in self.data}
         self.links.cfg = cfg
         self.records.availability = availability
         self.unfit = None

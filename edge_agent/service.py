@@ -102,7 +102,12 @@ class AgentService:
                         self.on_start(agents)
                 else:  # the same connections, the next job's roles
                     agents.next_job(
-                        fresh.cfg, fresh.algorithm, fresh.trainer, current.session, fresh.records.availability
+                        fresh.cfg,
+                        fresh.algorithm,
+                        fresh.trainer,
+                        current.session,
+                        fresh.records.availability,
+                        data=fresh.data,  # as this job's model takes it
                     )
                     if fresh.executor is not None:
                         fresh.executor.close()

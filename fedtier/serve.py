@@ -242,11 +242,11 @@ def serve_agent(
         return connect_forever(lambda: opts.transport(node, fed, loop, persistent=False, will=will), stopping, node)
 
     def build(job_cfg: RunConfig, session: str) -> AgentProcess:
-        spec, _ = spec_of(job_cfg, None)
+        spec, job_data = spec_of(job_cfg, None)  # the data as this job's model takes it (images: its size)
         return AgentProcess(
             job_cfg,
             job_cfg.build_algorithm(spec),
-            {device: data},
+            {device: data if job_data is None else job_data},
             make_trainer(job_cfg, spec),
             opts,
             availability=device_availability(job_cfg),

@@ -469,3 +469,51 @@ def test_fedtier_jobs_says_when_the_list_is_an_offline_clouds(
         assert cloud.flush(WAIT)
         code, out, exc = _cli("jobs", "--config", "config.toml", "--wait", "10")
         assert exc is None and code == 0 and "warning: the cloud is offline: this is the list it left" in out, out
+
+
+def test_a_long_lived_agent_gives_each_job_its_data_as_that_jobs_model_takes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device's folder of 16x16 images serving a digits job (8x8): the job's agents train on the images
+    resized for the job's model, not on what the agent loaded at its start (no job yet: their own size), which
+    a model of another input size cannot take."""
+    import numpy as np
+
+    import edge_agent.service
+    import fedtier.serve
+    from edge_agent.broker import BrokerOptions
+    from edge_agent.datasources import load_device_data, write_source
+    from edge_agent.runner import make_trainer
+    from fedtier.deploy_setup import spec_and_data
+    from protocols.trainer import LocalData
+
+    rng = np.random.default_rng(0)
+    write_source(
+        tmp_path / "imgs", LocalData(rng.random((20, 256), np.float32), np.arange(20) % 10), (1, 16, 16), 10, "images"
+    )
+    source = str(tmp_path / "imgs")
+    at_start = load_device_data(source)[0]
+    assert at_start.x.shape[1] == 256
+    job = small_config(tmp_path)  # digits: 1x8x8
+    built: list = []
+
+    class Service:  # runs one job's build, as AgentService does when the job comes
+        def __init__(self, bundle, devices, loop, watch, build, trust) -> None:
+            self.build, self.served, self.tasks, self.on_start = build, [], 0, None
+
+        def stop(self) -> None: ...
+
+        def serve(self) -> None:
+            built.append(self.build(job, "job.0"))
+
+    monkeypatch.setattr(edge_agent.service, "AgentService", Service)
+    monkeypatch.setattr(fedtier.serve, "on_signals", lambda *stops: None)
+    fedtier.serve.serve_agent(
+        job,
+        "c0-d0",
+        at_start,
+        BrokerOptions("mqtt://127.0.0.1:1"),
+        lambda cfg, spec: make_trainer("torch", spec, cfg),
+        lambda cfg, _: spec_and_data(cfg, source),
+    )
+    assert built[0].data["c0-d0"].x.shape == (20, 64)
