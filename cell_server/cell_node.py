@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 from protocols.bounds import weight_over
-from protocols.failures import guarded
+from protocols.failures import MAX_REASON, guarded
 from protocols.rejections import Rejected, RejectKind
 from protocols.session import CloudSession, decode_manifest
 from protocols.state import publish_state
@@ -239,7 +239,7 @@ class CellNode:
             return  # an agent serving another job (e.g. a killed run's retained status): not online for this one
         unfit = record.get("unfit")
         if job is not None and isinstance(unfit, dict) and unfit.get("session") == job:
-            if self.liveness.cannot_serve(device, str(unfit.get("reason"))[:300]):
+            if self.liveness.cannot_serve(device, str(unfit.get("reason"))[:MAX_REASON]):
                 self._announce()
         change = self.liveness.heard(device, record, self.loop.now())
         if change.changed:

@@ -13,6 +13,7 @@ from functools import partial
 from typing import TypeVar
 
 from protocols.config import RunConfig
+from protocols.failures import MAX_REASON
 from protocols.jobs import CurrentJob, JobError, JobWatch
 from protocols.status import idle_while
 from protocols.transport.base import Transport
@@ -23,7 +24,6 @@ from protocols.wire.keys import Trust
 from .runner import AgentProcess
 
 log = logging.getLogger("fedtier.agent.service")
-UNFIT_CHARS = 300  # the most of a reason a status record carries
 T = TypeVar("T")
 
 
@@ -88,7 +88,7 @@ class AgentService:
                 except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
                     log.error("devices %s cannot serve job %s: %s", ", ".join(self.devices[:3]), current.job, exc)
                     done.add(current.session)
-                    self.unfit = {"session": current.session, "reason": str(exc)[:UNFIT_CHARS]}
+                    self.unfit = {"session": current.session, "reason": str(exc)[:MAX_REASON]}
                     if agents is not None:  # said in their idle statuses: the job's cells do not wait for them
                         agents.cannot_serve(**self.unfit)
                     continue
