@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,11 +256,43 @@ def make_evaluator(spec: ModelSpec, x: np.ndarray, y: np.ndarray, device: str = 
     return evaluate
 
 
+RESUME_FIXED = ("topology", "algorithm", "model", "data", "participation", "privacy", "attack", "clock")
+"""The config sections a resumed run must keep as its folder's config.toml recorded them (with ``run.seed``)."""
+
+
+def check_resumed_config(out: Path, cfg: RunConfig) -> None:
+    """``ConfigError`` naming each setting of :data:`RESUME_FIXED` (and ``run.seed``) that differs from what the
+    run folder's ``config.toml`` recorded, when there is a checkpoint to resume: the resumed rounds would run
+    another experiment than the earlier ones, and config.toml would then claim it for all of them. ``run.rounds``
+    and the runtime settings may change; a key only one side has (another fedtier version) is not compared."""
+    path = out / runfiles.CONFIG
+    if not (out / runfiles.CHECKPOINT).exists() or not path.exists():
+        return
+    try:
+        old = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
+    new = tomllib.loads(cfg.to_toml())
+    pairs = [("run.seed", old.get("run", {}), new.get("run", {}), "seed")]
+    for section in RESUME_FIXED:
+        a, b = old.get(section, {}), new.get(section, {})
+        pairs += [(f"{section}.{key}", a, b, key) for key in sorted(set(a) & set(b))]
+    changed = [f"{name} {a[key]!r} -> {b[key]!r}" for name, a, b, key in pairs if a.get(key) != b.get(key)]
+    if changed:
+        raise ConfigError(
+            f"--resume: the run in {out} was made with other settings ({'; '.join(changed)}): resuming would mix two "
+            "experiments in one run; resume with its settings (run.rounds and [runtime] may change), or start this "
+            "one in another run.output"
+        )
+
+
 def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
     """Create the output folder and write the config; without ``resume``, old run files are removed."""
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)
-    if not resume:
+    if resume:
+        check_resumed_config(out, cfg)
+    else:
         for name in (
             runfiles.METRICS,
             runfiles.AGGREGATION,

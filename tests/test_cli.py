@@ -164,6 +164,22 @@ def test_resuming_a_finished_run_keeps_its_summary(tmp_path):
     assert after["resumed_after_round"] == 1 and "resumed_after_round" not in before  # wall_s: this attempt's
 
 
+def test_resuming_with_other_settings_is_refused_naming_them(tmp_path):
+    """``--resume`` with another learning rate ran the rest of the run with it, told nothing, and rewrote
+    config.toml to claim it for every round; another model failed with a traceback. Both are refused (exit 2),
+    naming what differs; more rounds are taken."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    assert CliRunner().invoke(main, ["sim", str(cfg), "--no-progress"]).exit_code == 0
+    recorded = (tmp_path / "out" / runfiles.CONFIG).read_text()
+    for change, named in (("algorithm.lr=0.5", "algorithm.lr 0.05 -> 0.5"), ("model.hidden=[32]", "model.hidden")):
+        res = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--set", change, "--no-progress"])
+        assert res.exit_code == 2 and named in " ".join(res.output.split()), res.output
+        assert (tmp_path / "out" / runfiles.CONFIG).read_text() == recorded
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--set", "run.rounds=3", "--no-progress"])
+    assert res.exit_code == 0 and json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["rounds"] == 3
+
+
 def test_help_lists_commands():
     res = CliRunner().invoke(main, ["--help"])
     assert res.exit_code == 0 and "sim" in res.output

@@ -143,5 +143,5 @@ def test_fedadam_run_learns_and_resumes_bit_identically(tmp_path):
     resumed = run_simulation(parse_config(cfg), resume=True)  # m and v restored from the checkpoint
     assert all(full.params[k].tobytes() == resumed.params[k].tobytes() for k in full.params)
     cfg["algorithm"]["server_optimizer"] = "fedyogi"
-    with pytest.raises(ValueError, match="server optimizer"):
+    with pytest.raises(ValueError, match="server.optimizer"):
         run_simulation(parse_config(cfg), resume=True)
