@@ -108,6 +108,7 @@ class Fleet:
     received: int = 0
     members: dict[str, str | None] = field(default_factory=dict)  # node -> its cell, from the signed roster
     revoked: frozenset[str] = frozenset()  # the nodes the signed roster revoked
+    roster_version: int = 0  # of the newest roster taken: an older one (a replay) is refused
     _refusals: Counter[str] = field(default_factory=Counter)  # topic's node (or "" for a roster) -> refused records
     _unverified: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # refused node -> (role, cell)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -136,7 +137,7 @@ class Fleet:
         if not data or self.keys is None:
             return
         try:
-            roster = verify_roster(data, self.keys.verify, federation=self.run)
+            roster = verify_roster(data, self.keys.verify, federation=self.run, min_version=self.roster_version)
         except RosterError:
             with self._lock:
                 self._refusals[""] += 1
@@ -144,7 +145,7 @@ class Fleet:
         with self._lock:
             self.members = {"cloud": None} | {c: c for c in roster.cells}
             self.members |= {d: c for c in roster.cells for d in roster.members(c)}
-            self.revoked = roster.revoked
+            self.revoked, self.roster_version = roster.revoked, roster.version
             self.keys.forget(roster.revoked)  # what a stale keys file still trusts: a revoked node signs nothing
 
     def on_status(self, topic: str, data: bytes) -> None:

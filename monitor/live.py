@@ -34,6 +34,8 @@ class LiveView:
             self.state.add_status(node, s, time.time() - age, heartbeat)
         for current in feed.poll_states():  # a folder: the end summary.json says
             self.state.add_state(current)
+        if isinstance(feed, TelemetryFeed):  # a folder: the cloud's round records name the revoked cells
+            self.state.add_revoked(feed.poll_revoked())
 
     def follow(
         self, feed: RunDirFollower | TelemetryFeed, once: bool, wait: float, refresh: float, exit_when_done: bool

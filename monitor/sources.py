@@ -170,7 +170,9 @@ class TelemetryFeed:
 
     With ``keys`` (the public keys of a signed run) a record counts only if the node its topic names
     signed it for that topic: anything else (unsigned, forged, moved to another cell's topic) is a bad
-    record saying why, and such a status is dropped. Without, signatures are not checked. Records
+    record saying why, and such a status is dropped; with them too it reads the cloud's signed roster, whose revoked
+    nodes :meth:`poll_revoked` returns (a revoked cell's retained status may still say idle). Without, signatures
+    are not checked. Records
     larger than ``MAX_TELEMETRY_BYTES`` are refused unparsed. Handlers run on the transport's loop (a
     broker thread for MQTT) and only queue what they get.
     """
@@ -183,6 +185,8 @@ class TelemetryFeed:
         self._statuses: list[Status] = []
         self._heard: set[str] = set()  # nodes with a status already (a first one comes retained)
         self._states: list[dict] = []
+        self._revoked: dict[str, str] = {}  # node -> why, from the newest signed roster
+        self._roster_version = 0
         self.received = 0
 
     def start(self) -> TelemetryFeed:
@@ -190,7 +194,33 @@ class TelemetryFeed:
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
         self.transport.subscribe(topics.device_statuses(self.run), self._on_status)
         self.transport.subscribe(topics.states(self.run), self._on_state)  # retained: a stall shows at once
+        if self.keys is not None:
+            from protocols.roster import roster_topic
+
+            self.transport.subscribe(roster_topic(self.run), self._on_roster)
         return self
+
+    def _on_roster(self, topic: str, data: bytes) -> None:
+        """The cloud's signed roster (newer than the last taken): its revoked nodes; another is a bad record."""
+        from protocols.roster import RosterError, verify_roster
+
+        if not data or self.keys is None:
+            return
+        with self._lock:
+            try:
+                roster = verify_roster(data, self.keys.verify, federation=self.run, min_version=self._roster_version)
+            except RosterError as exc:
+                self._bad.append(BadLine(topic, 0, str(exc)))
+                return
+            self._roster_version = roster.version
+            self._revoked |= {
+                n: f"revoked (roster version {roster.version})" for n in roster.revoked - self._revoked.keys()
+            }
+
+    def poll_revoked(self) -> dict[str, str]:
+        """Every node the signed roster revoked so far, with why (``revoked (roster version N)``)."""
+        with self._lock:
+            return dict(self._revoked)
 
     def _on_state(self, topic: str, data: bytes) -> None:
         state = decode_state(data, topic, self.keys) if data else None

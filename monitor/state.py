@@ -75,6 +75,7 @@ class MonitorState:
     bad: list[BadLine] = field(default_factory=list)
     finished: bool = False
     states: dict[str, dict] = field(default_factory=dict)  # node -> its current state (protocols.state)
+    revoked: dict[str, str] = field(default_factory=dict)  # node -> why, from round records or the signed roster
     _max_round: int | None = None
 
     # ------------------------------------------------------------------ feeding
@@ -100,8 +101,7 @@ class MonitorState:
             self._seen_round(record.round)
         for cell in record.cells_planned:
             self._cell(cell)
-        for cell, why in (record.cells_revoked or {}).items():  # a revoked id stays revoked: any record says so
-            self._cell(cell).revoked = why
+        self.add_revoked(record.cells_revoked or {})
         if record.accuracy is not None:
             self.accuracy = sorted({**dict(self.accuracy), record.round: record.accuracy}.items())
         if record.rounds is not None and record.round + 1 >= record.rounds:
@@ -124,6 +124,15 @@ class MonitorState:
             view.idle_until = idle_deadline(received, heartbeat) if view.idle else None
             if received is not None and view.last_seen is None:
                 view.last_seen = received
+
+    def add_revoked(self, nodes: dict[str, str]) -> None:
+        """Nodes the federation revoked, with why (a cloud round record's ``cells_revoked``, the signed roster's
+        revoked ids): a cell among them is shown revoked, also one only heard of later. A revoked id stays
+        revoked (ids are never reused): the first reason given is kept."""
+        for node, why in nodes.items():
+            self.revoked.setdefault(node, why)
+            if node in self.cells:
+                self.cells[node].revoked = self.revoked[node]
 
     def add_state(self, state: dict) -> None:
         """A node's retained current state (``protocols.state``): the latest one counts."""
@@ -167,7 +176,7 @@ class MonitorState:
 
     def _cell(self, cell: str) -> CellView:
         if cell not in self.cells:
-            self.cells[cell] = CellView(cell)
+            self.cells[cell] = CellView(cell, revoked=self.revoked.get(cell))
         return self.cells[cell]
 
     # ------------------------------------------------------------------ derived

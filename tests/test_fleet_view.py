@@ -111,9 +111,11 @@ def test_a_node_the_signed_roster_revoked_is_shown_revoked_whatever_its_retained
     assert not any(r.as_dict(100.0)["online"] for r in fleet.rows() if r.node in ("c1", "c0-d1", "c1-d0"))
     statuses(fleet)  # their heartbeats, signed with their real keys: refused now, still revoked, not a forgery
     assert fleet.refused == 0 and state()["c1"] == "revoked"
+    fleet.on_roster(roster_topic("fed"), sign_roster(roster, Trust("cloud", ring.private["cloud"], ring.public).sign))
+    assert fleet.refused == 1 and state()["c1"] == "revoked"  # the older roster, replayed: refused
     out = Console(width=200, record=True)
     out.print(render(fleet))
-    assert "2/6 nodes online (1 idle), 3 revoked" in out.export_text(), out.export_text()
+    assert "2/6 nodes online (1 idle), 3 revoked, 1 status records refused" in out.export_text(), out.export_text()
 
     current = PublicKeys({n: k for n, k in ring.public.items() if n not in ("c1", "c1-d0", "c1-d1", "c0-d1")})
     fleet = Fleet("fed", current, clock=Clock())  # the operator's refreshed keys file: theirs are gone

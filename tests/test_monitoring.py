@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import re
 import shutil
@@ -353,6 +354,46 @@ def test_a_revoked_cell_shows_revoked_never_silent_offline_or_absent_and_a_revok
     text = render_text(state, now=140.5)
     assert "1 revoked" in text and "behind" not in text, text
     assert render_text(state, now=140.5, flt=CellFilter(states=("revoked",))).count("c1") >= 1
+
+
+def test_a_live_monitor_shows_a_cell_the_signed_roster_revoked_as_revoked_between_jobs():
+    """Between jobs no round record says a cell was revoked, and its retained idle status stays on the broker: a
+    monitor with the keys reads the cloud's signed roster and shows the cell revoked (whether its status or the
+    roster comes first); a roster not signed by the cloud is a bad record and revokes nothing."""
+    from rich.console import Console
+
+    from monitor.live import LiveView
+    from protocols.config import TopologySection
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.status import idle_status
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire import topics
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+
+    ring = generate_keys(TopologySection(cells=3, devices_per_cell=1))
+    trust = {n: Trust(n, ring.private[n], ring.public) for n in ("cloud", "c0", "c1", "c2")}
+    roster = Roster.from_topology("fed", {f"c{i}": [f"c{i}-d0"] for i in range(3)}, ring.public, 100.0)
+    hub = MemoryHub()
+    feed = TelemetryFeed(hub.connect("monitor"), "fed", PublicKeys(ring.public)).start()
+    node = hub.connect("nodes")
+    for cell in ("c0", "c1"):
+        topic = topics.status("fed", f"cell.{cell}")
+        node.publish(topic, idle_status(topic, trust[cell]), retain=True)
+    node.publish(roster_topic("fed"), sign_roster(roster.without("c0"), trust["c2"].sign), retain=True)  # forged
+    hub.loop.run()
+    view = LiveView(0.75, None, CellFilter(), Console(file=io.StringIO()))
+    view.pull(feed)
+    states = lambda: {c: view.state.state_of(v, time.time()) for c, v in view.state.cells.items()}  # noqa: E731
+    assert states() == {"c0": "idle", "c1": "idle"} and "roster refused" in view.state.bad[-1].error
+    node.publish(roster_topic("fed"), sign_roster(roster.without("c1").without("c2"), trust["cloud"].sign))
+    hub.loop.run()
+    view.pull(feed)
+    topic = topics.status("fed", "cell.c2")  # c2's status comes after the roster that revoked it
+    node.publish(topic, idle_status(topic, trust["c2"]), retain=True)
+    hub.loop.run()
+    view.pull(feed)
+    assert states() == {"c0": "idle", "c1": "revoked", "c2": "revoked"}
+    assert "cell c1 revoked (roster version 3) by the federation: out of the job" in view.state.alerts(time.time())
 
 
 def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
