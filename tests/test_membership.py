@@ -319,6 +319,12 @@ def test_a_device_revoked_by_the_roster_mid_round_is_refused_counted_and_not_wai
     hub.loop.run(until=lambda: len(cell.records) == 2)
     refused = cell.records[1]["rejected"]
     assert [(r["device"], r["kind"]) for r in refused] == [("c0-d1", "revoked")], refused
+    from monitor.state import MonitorState
+    from protocols.records import CellRecord
+
+    monitor = MonitorState()  # fedtier monitor, from these records: the revoked device named
+    monitor.add_all(CellRecord.model_validate(r) for r in cell.records)
+    assert "cell c0: device(s) c0-d1 revoked by the federation" in monitor.alerts(now=cell.records[-1]["time"])
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from cloud.node import build_cloud
+from monitor.state import MonitorState
+from protocols.records import RoundRecord
 from protocols.transport.base import Transport
 from protocols.transport.broker import find_mosquitto
 from protocols.transport.memory import MemoryHub
@@ -140,6 +142,11 @@ def test_a_cell_revoked_mid_round_is_not_waited_for_and_what_it_sends_is_refused
     expected = _reference(algorithm, like, [CELLS, ["c0", "c2"], ["c0", "c2"]])
     assert _same(dict(cloud.role.global_params()), expected)
     assert not _same(expected, _reference(algorithm, like, [CELLS, CELLS, ["c0", "c2"]]))  # c1 would show
+    monitor = MonitorState()  # fedtier monitor, from these records: c1 revoked, not a cell the round went without
+    monitor.add_all(RoundRecord.model_validate(r) for r in cloud.history)
+    alerts, now = monitor.alerts(now=cloud.history[-1]["time"]), cloud.history[-1]["time"]
+    assert monitor.state_of(monitor.cells["c1"], now) == "revoked" and not any("without" in a for a in alerts)
+    assert "cell c1 revoked (roster version 2) by the federation: out of the job" in alerts
     summary = RunResult.of_cloud(cfg, cloud, None, 1.0).summary()  # summary.json's: the cells revoked, and why
     assert summary["cells_revoked"] == {"c1": "revoked (roster version 2)"} and summary["status"] == "finished"
 
