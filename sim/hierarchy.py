@@ -14,7 +14,7 @@ import numpy as np
 from protocols import runfiles
 from protocols.algorithms.base import ModelSpec
 from protocols.checkpoint import private_file
-from protocols.config import ConfigError, RunConfig, TopologySection
+from protocols.config import ConfigError, RunConfig, TopologySection, parse_config
 from protocols.trainer import LocalData
 
 from .datasets import Dataset, load_dataset
@@ -260,11 +260,18 @@ RESUME_FIXED = ("topology", "algorithm", "model", "data", "participation", "priv
 """The config sections a resumed run must keep as its folder's config.toml recorded them (with ``run.seed``)."""
 
 
+def _fixed(cfg: RunConfig) -> dict[str, Any]:
+    """``run.seed`` and the :data:`RESUME_FIXED` sections of ``cfg``, every key (one left unset: ``None``)."""
+    data = cfg.model_dump(mode="json") | {"algorithm": cfg.train.model_dump(mode="json")}
+    return {"run": {"seed": cfg.run.seed}, **{section: data[section] for section in RESUME_FIXED}}
+
+
 def check_resumed_config(out: Path, cfg: RunConfig) -> None:
     """``ConfigError`` naming each setting of :data:`RESUME_FIXED` (and ``run.seed``) that differs from what the
     run folder's ``config.toml`` recorded, when there is a checkpoint to resume: the resumed rounds would run
     another experiment than the earlier ones, and config.toml would then claim it for all of them. ``run.rounds``
-    and the runtime settings may change; a key only one side has (another fedtier version) is not compared."""
+    and the runtime settings may change. The record is read as this version reads a config (a key it leaves out is
+    an unset setting); one it cannot read (another fedtier version's keys) is compared on the keys both name."""
     path = out / runfiles.CONFIG
     if not (out / runfiles.CHECKPOINT).exists() or not path.exists():
         return
@@ -272,11 +279,14 @@ def check_resumed_config(out: Path, cfg: RunConfig) -> None:
         old = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"--resume: cannot read {path}: {exc}") from None
-    new = tomllib.loads(cfg.to_toml())
-    pairs = [("run.seed", old.get("run", {}), new.get("run", {}), "seed")]
+    try:
+        before, after, read = _fixed(parse_config(old)), _fixed(cfg), True
+    except ConfigError:
+        before, after, read = old, tomllib.loads(cfg.to_toml()), False
+    pairs = [("run.seed", before.get("run", {}), after.get("run", {}), "seed")]
     for section in RESUME_FIXED:
-        a, b = old.get(section, {}), new.get(section, {})
-        pairs += [(f"{section}.{key}", a, b, key) for key in sorted(set(a) & set(b))]
+        a, b = before.get(section) or {}, after.get(section) or {}
+        pairs += [(f"{section}.{key}", a, b, key) for key in sorted(set(a) | set(b) if read else set(a) & set(b))]
     changed = [f"{name} {a[key]!r} -> {b[key]!r}" for name, a, b, key in pairs if a.get(key) != b.get(key)]
     if changed:
         raise ConfigError(

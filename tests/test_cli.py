@@ -180,6 +180,27 @@ def test_resuming_with_other_settings_is_refused_naming_them(tmp_path):
     assert res.exit_code == 0 and json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["rounds"] == 3
 
 
+def test_resuming_with_a_setting_config_toml_leaves_unset_is_refused(tmp_path):
+    """config.toml writes no key for a setting left unset (None): a resume that sets it, or unsets one the run set,
+    changes the run's settings all the same (here noise_multiplier 1.0 -> target_epsilon 3.0: another privacy
+    calibration), and is refused as any other change; the same settings resume."""
+    from protocols.config import ConfigError, load_config
+    from sim.hierarchy import check_resumed_config
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / runfiles.CHECKPOINT).write_bytes(b"")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=out))
+    dp = ('privacy.dp="local"', "privacy.clip=1.0")
+    made = load_config(cfg, (*dp, "privacy.noise_multiplier=1.0"))
+    (out / runfiles.CONFIG).write_text(made.to_toml())
+    check_resumed_config(out, made)
+    other = load_config(cfg, (*dp, "privacy.target_epsilon=3.0"))
+    with pytest.raises(ConfigError, match="privacy.noise_multiplier 1.0 -> None; privacy.target_epsilon None -> 3.0"):
+        check_resumed_config(out, other)
+
+
 def test_help_lists_commands():
     res = CliRunner().invoke(main, ["--help"])
     assert res.exit_code == 0 and "sim" in res.output
