@@ -244,7 +244,16 @@ class CloudCells:
             "fedtier_cloud_cells_reported", "Cells whose report the latest round aggregated", CLOUD, registry=r
         )
         self.absent = Counter(
-            "fedtier_cloud_cells_absent", "Planned cells that did not report in time", CLOUD, registry=r
+            "fedtier_cloud_cells_absent",
+            "Planned cells that did not report in time (a cell the federation revoked is not: it is revoked)",
+            CLOUD,
+            registry=r,
+        )
+        self.revoked = Gauge(
+            "fedtier_cloud_cells_revoked",
+            "Cells of the job the federation revoked so far (out of the job, never planned again)",
+            CLOUD,
+            registry=r,
         )
         self.rejected = Counter(
             "fedtier_cloud_reports_rejected",
@@ -280,7 +289,9 @@ class CloudCells:
         """Fold in one cloud round record."""
         self.planned.labels(run).set(len(rec.cells_planned))
         self.reported.labels(run).set(len(rec.cells_reported))
-        self.absent.labels(run).inc(len(rec.cells_absent))
+        revoked = rec.cells_revoked or {}
+        self.absent.labels(run).inc(sum(cell not in revoked for cell in rec.cells_absent))
+        self.revoked.labels(run).set(len(revoked))
         for rejection in rec.rejected:
             self.rejected.labels(run, kind_label(rejection.get("kind"))).inc()
         for tier, n in rec.bytes.items():

@@ -122,6 +122,34 @@ def test_rejections_are_counted_by_a_bounded_reason_and_bad_records_never_raise(
     assert sample(exporter, "fedtier_cell_devices_diverged_total", cell="c0") == 2
 
 
+def test_a_revoked_cell_is_counted_revoked_not_absent() -> None:
+    """A round that lost c1 to a revocation and went without c2 (its deadline): the 'cells missing from a round'
+    alert (fedtier_cloud_cells_absent_total) counts c2 only; fedtier_cloud_cells_revoked says c1 is out."""
+    exporter = MetricsExporter("r")
+    base = {"schema": 1, "event": "round", "run": "r", "rounds": 5, "closed_by": "deadline", "duration_s": 1.0}
+    exporter.observe({**base, "round": 0, "cells_planned": ["c0", "c1", "c2"], "cells_reported": ["c0", "c1", "c2"]})
+    assert sample(exporter, "fedtier_cloud_cells_absent_total") == 0
+    assert sample(exporter, "fedtier_cloud_cells_revoked") == 0
+    revoked = {"cells_revoked": {"c1": "revoked (roster version 2)"}}
+    exporter.observe(
+        {
+            **base,
+            "round": 1,
+            "cells_planned": ["c0", "c1", "c2"],
+            "cells_reported": ["c0"],
+            "cells_absent": ["c1", "c2"],
+        }
+        | revoked
+    )
+    assert sample(exporter, "fedtier_cloud_cells_absent_total") == 1
+    assert sample(exporter, "fedtier_cloud_cells_revoked") == 1
+    exporter.observe({**base, "round": 2, "cells_planned": ["c0", "c2"], "cells_reported": ["c0", "c2"]} | revoked)
+    assert (
+        sample(exporter, "fedtier_cloud_cells_absent_total") == 1
+        and sample(exporter, "fedtier_cloud_cells_revoked") == 1
+    )
+
+
 def test_a_lying_cells_free_text_becomes_a_short_plain_label() -> None:
     """A cell chooses its record's ``closed_by`` and its devices' absence reasons: whatever it writes, the label
     is at most 64 characters of letters, digits and ``._-+:,`` (the one sanitizer, also for device announcements)."""
