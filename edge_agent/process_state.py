@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.roster import Roster, RosterError, Verifier, verify_roster
+from protocols.roster import Roster, RosterError, Verifier, newer_roster
 from protocols.transport.base import TimerHandle
 
 log = logging.getLogger("fedtier.agent")
@@ -42,19 +42,17 @@ class JobView:
     last_manifest: dict[str, dict[str, Any]] = field(default_factory=dict)  # per device
 
     def newer_roster(self, data: bytes, verify: Verifier, federation: str) -> Roster | None:
-        """The roster in ``data`` if it verifies (with the cloud's key) and is newer than ``roster``, which it
-        becomes; ``None`` otherwise (a refused one logged, an older one silently)."""
+        """The roster in ``data`` if it is newer than ``roster`` (``protocols.roster.newer_roster``), which it
+        becomes; ``None`` otherwise (a refused one logged)."""
         if not data:
             return None
         try:
-            roster = verify_roster(
-                data, verify, federation=federation, min_version=self.roster.version + 1 if self.roster else 0
-            )
+            roster = newer_roster(data, verify, federation, self.roster.version if self.roster else None)
         except RosterError as exc:
-            if self.roster is None or "older" not in str(exc):
-                log.warning("ignored a roster: %s", exc)
+            log.warning("ignored a roster: %s", exc)
             return None
-        self.roster = roster
+        if roster is not None:
+            self.roster = roster
         return roster
 
 

@@ -108,7 +108,7 @@ class Fleet:
     received: int = 0
     members: dict[str, str | None] = field(default_factory=dict)  # node -> its cell, from the signed roster
     revoked: frozenset[str] = frozenset()  # the nodes the signed roster revoked
-    roster_version: int = 0  # of the newest roster taken: an older one (a replay) is refused
+    roster_version: int | None = None  # of the newest roster taken: an older one (a replay) is refused
     _refusals: Counter[str] = field(default_factory=Counter)  # topic's node (or "" for a roster) -> refused records
     _unverified: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # refused node -> (role, cell)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -132,15 +132,17 @@ class Fleet:
 
     def on_roster(self, _topic: str, data: bytes) -> None:
         """The cloud's signed roster: its cells and devices are the members the view lists, heard from or not."""
-        from protocols.roster import RosterError, verify_roster
+        from protocols.roster import RosterError, newer_roster
 
         if not data or self.keys is None:
             return
         try:
-            roster = verify_roster(data, self.keys.verify, federation=self.run, min_version=self.roster_version)
+            roster = newer_roster(data, self.keys.verify, self.run, self.roster_version)
         except RosterError:
             with self._lock:
                 self._refusals[""] += 1
+            return
+        if roster is None:  # the one held, delivered again
             return
         with self._lock:
             self.members = {"cloud": None} | {c: c for c in roster.cells}

@@ -186,7 +186,7 @@ class TelemetryFeed:
         self._heard: set[str] = set()  # nodes with a status already (a first one comes retained)
         self._states: list[dict] = []
         self._revoked: dict[str, str] = {}  # node -> why, from the newest signed roster
-        self._roster_version = 0
+        self._roster_version: int | None = None  # of the newest roster taken
         self.received = 0
 
     def start(self) -> TelemetryFeed:
@@ -202,15 +202,17 @@ class TelemetryFeed:
 
     def _on_roster(self, topic: str, data: bytes) -> None:
         """The cloud's signed roster (newer than the last taken): its revoked nodes; another is a bad record."""
-        from protocols.roster import RosterError, verify_roster
+        from protocols.roster import RosterError, newer_roster
 
         if not data or self.keys is None:
             return
         with self._lock:
             try:
-                roster = verify_roster(data, self.keys.verify, federation=self.run, min_version=self._roster_version)
+                roster = newer_roster(data, self.keys.verify, self.run, self._roster_version)
             except RosterError as exc:
                 self._bad.append(BadLine(topic, 0, str(exc)))
+                return
+            if roster is None:  # the one held, delivered again
                 return
             self._roster_version = roster.version
             self._revoked |= {

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .capabilities import WIRE_VERSION
 from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config
-from .roster import Roster, RosterError, roster_topic, verify_roster
+from .roster import Roster, RosterError, newer_roster, roster_topic
 from .wire import topics
 from .wire.envelope import WireError
 from .wire.signed import open_record, seal_record
@@ -306,15 +306,13 @@ class JobWatch:
         if not data or self.trust is None:  # an unsigned federation has no roster to check
             return
         try:
-            roster = verify_roster(
-                data,
-                self.trust.verify,
-                federation=self.federation,
-                min_version=self.roster.version + 1 if self.roster is not None else 0,
+            roster = newer_roster(
+                data, self.trust.verify, self.federation, self.roster.version if self.roster is not None else None
             )
         except RosterError as exc:
-            if self.roster is None or "older" not in str(exc):
-                log.warning("ignored a roster: %s", exc)
+            log.warning("ignored a roster: %s", exc)
+            return
+        if roster is None:
             return
         self.roster = roster
         if self.on_roster is not None:

@@ -304,3 +304,12 @@ def verify_roster(
     if roster.version < min_version:
         raise RosterError(f"roster version {roster.version} is older than the version {min_version} already held")
     return roster
+
+
+def newer_roster(data: bytes, verify: Verifier, federation: str, held: int | None) -> Roster | None:
+    """The roster in ``data`` if it verifies (:func:`verify_roster`, ``federation``'s) and is newer than the version
+    ``held`` (``None``: none yet); ``None`` for the held version again (a retained roster delivered anew). Raises
+    :class:`RosterError` for any other: unsigned, not the cloud's, another federation's, or older (a replay, which
+    may still list a revoked node). The one rule of every node and view that follows the signed roster."""
+    roster = verify_roster(data, verify, federation=federation, min_version=held or 0)
+    return None if roster.version == held else roster
