@@ -237,9 +237,6 @@ class PublicKeys:
         """Every node whose signatures this node can check (itself included)."""
         return list(self._raw)
 
-    def knows(self, node: str) -> bool:
-        return node in self._raw
-
     def learn(self, public: Mapping[str, bytes]) -> None:
         """Trust these nodes' keys too (members enrolled after this node's keys file was written: the
         cloud's signed roster names them)."""
