@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -256,6 +257,8 @@ def make_evaluator(spec: ModelSpec, x: np.ndarray, y: np.ndarray, device: str = 
     return evaluate
 
 
+log = logging.getLogger("fedtier.sim")
+
 RESUME_FIXED = ("topology", "algorithm", "model", "data", "participation", "privacy", "attack", "clock")
 """The config sections a resumed run must keep as its folder's config.toml recorded them (with ``run.seed``)."""
 
@@ -303,6 +306,8 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
     if resume:
         check_resumed_config(out, cfg)
     else:
+        if (out / runfiles.METRICS).exists() and (out / runfiles.METRICS).stat().st_size:
+            log.warning("%s held a run: its records, checkpoint and model are replaced (--resume continues it)", out)
         for name in (
             runfiles.METRICS,
             runfiles.AGGREGATION,

@@ -85,3 +85,13 @@ def test_devices_a_quorum_cut_off_are_absent_for_the_quorum_and_the_sim_warns_wi
     with caplog.at_level("WARNING", logger="fedtier.sim"):
         run_simulation(clocked, write_output=False)
     assert "without a [clock]" not in caplog.text
+
+
+def test_a_new_run_into_a_folder_that_held_one_says_it_replaces_it(make_config, caplog):
+    """Running again into the same run.output silently deleted the earlier run's records, checkpoint and model."""
+    cfg = make_config(run={"rounds": 1})
+    with caplog.at_level("WARNING", logger="fedtier.sim"):
+        run_simulation(cfg)
+        assert "held a run" not in caplog.text
+        run_simulation(cfg)
+    assert f"{cfg.output_dir()} held a run: its records, checkpoint and model are replaced" in caplog.text
