@@ -14,7 +14,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from protocols.records import BadLine, CellRecord, Record, RoundRecord
+from protocols.records import TASKED, BadLine, CellRecord, Record, Rejection, RoundRecord
+from protocols.rejections import RejectKind
 from protocols.status import IDLE, idle_deadline
 
 STATES = ("silent", "offline", "drop", "revoked", "waiting", "idle", "ok")
@@ -41,6 +42,7 @@ class CellView:
 
     cell: str
     last: CellRecord | None = None
+    cut_off: frozenset[str] = frozenset()  # devices the record before ``last`` closed without (deadline, quorum)
     last_seen: float | None = None  # wall clock of the last record (or status)
     online: bool | None = None  # its status: online or idle (True), offline (False), none yet (None)
     idle: bool = False  # its status says idle: up, serving no job
@@ -87,6 +89,8 @@ class MonitorState:
         if isinstance(record, CellRecord):
             view = self._cell(record.cell)
             if view.last is None or (record.round, record.edge_round) >= (view.last.round, view.last.edge_round):
+                if view.last is not None:
+                    view.cut_off = frozenset(d for d, why in view.last.absent.items() if why in TASKED)
                 view.last = record
                 self._seen_round(record.round)
             view.records += 1
@@ -295,15 +299,22 @@ class MonitorState:
             line = f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)"
             found.append(("with a participation drop", (drop[0] / drop[1], cell, line)))
         last = view.last
-        if last is not None and last.rejected:
-            reasons = "; ".join(sorted({r.reason for r in last.rejected}))[:120]
-            line = f"cell {cell} rejected {len(last.rejected)} result(s) in round {last.round}.{last.edge_round}: "
-            found.append(("with rejected results", (-len(last.rejected), cell, line + reasons)))
+        # a late answer of a device the edge round before closed without (deadline, quorum) is no alarm
+        rejected = [r for r in last.rejected if not late(r, view.cut_off)] if last is not None else []
+        if last is not None and rejected:
+            reasons = "; ".join(sorted({r.reason for r in rejected}))[:120]
+            line = f"cell {cell} rejected {len(rejected)} result(s) in round {last.round}.{last.edge_round}: "
+            found.append(("with rejected results", (-len(rejected), cell, line + reasons)))
         if last is not None and last.diverged:
             why = "; ".join(sorted(set(last.diverged.values())))[:120]
             line = f"cell {cell}: {len(last.diverged)} device(s) diverged in round {last.round}.{last.edge_round}: "
             found.append(("with diverged devices", (-len(last.diverged), cell, line + why)))
         return found
+
+
+def late(rejection: Rejection, cut_off: frozenset[str]) -> bool:
+    """Whether ``rejection`` is the late answer of a device its cell's previous edge round closed without."""
+    return rejection.kind == RejectKind.STALE and rejection.device in cut_off
 
 
 def waiting_text(s: dict) -> str:

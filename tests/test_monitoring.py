@@ -282,6 +282,25 @@ def test_monitor_alerts_silence_drop_lag_and_rejections():
     assert "c3" in render_text(state, now=104.0) and "cell c3 is offline" in state.alerts(104.0)
 
 
+def test_the_late_answer_of_a_device_an_edge_round_closed_without_raises_no_alert():
+    """A round closed at the quorum or the deadline refuses the late answers of the devices it did not wait for
+    (stale), in the next record: expected, and the monitor alerted on them every round ('rejected 2 result(s)'),
+    as for forged or broken results. A stale answer of a device that was not cut off, or another kind, alerts."""
+
+    def stale(device: str, kind: str = "stale") -> dict:
+        return {"device": device, "kind": kind, "reason": f"{kind} answer for round 0.0 (now 0.1)"}
+
+    state = MonitorState()
+    state.add(_cell(0, "c0", 2, 100.0))  # c0-d2 and c0-d3 cut off
+    second = _cell(0, "c0", 4, 101.0, edge=1).to_dict()
+    state.add(CellRecord.model_validate({**second, "rejected": [stale("c0-d2"), stale("c0-d3")]}))
+    assert not [a for a in state.alerts(now=101.5) if "rejected" in a]
+    state = MonitorState()
+    state.add(_cell(0, "c0", 2, 100.0))
+    state.add(CellRecord.model_validate({**second, "rejected": [stale("c0-d1"), stale("c0-d2", "signature")]}))
+    assert any("c0 rejected 2 result(s) in round 0.1" in a for a in state.alerts(now=101.5))
+
+
 def test_an_idle_cell_shows_idle_and_turns_offline_once_its_idle_heartbeat_is_missed():
     """A long-lived cell between jobs says idle: up, in no job, so neither offline nor silent. One whose idle
     record declares a heartbeat and then misses three of them (it died, its will lost) is offline."""
