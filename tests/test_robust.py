@@ -146,6 +146,16 @@ def test_a_trimmed_mean_that_would_cut_nobody_is_refused(tmp_path):
     ).build_algorithm(ModelSpec(input_shape=(64,)))
 
 
+def test_krum_over_too_few_inputs_is_refused(tmp_path):
+    """Krum needs n > 2f + 2 inputs: over the 2 cells of the small config (f = 0) the two scores tie and it kept
+    c0 every round, c1's devices never in the model."""
+    from tests.conftest import small_config
+
+    with pytest.raises(ConfigError, match=r'cloud_aggregator = "krum" needs more than 2f \+ 2 inputs.* the 2 cells'):
+        small_config(tmp_path, algorithm={"cloud_aggregator": "krum"}).build_algorithm(ModelSpec(input_shape=(64,)))
+    small_config(tmp_path, algorithm={"cell_aggregator": "krum"}).build_algorithm(ModelSpec(input_shape=(64,)))  # 3
+
+
 def test_attack_is_a_sim_option_with_dense_uplinks_only():
     cfg = parse_config(
         {**_cfg("mean", "scale"), "algorithm": {"name": "fedavg", "local_steps": 1, "uplink": "signsgd"}}

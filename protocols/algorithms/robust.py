@@ -76,6 +76,12 @@ class RobustParams(TrainParams):
             ("cloud", self.cloud_aggregator, len(cells), "cells"),
         )
         for key, rule, n, what in tiers:
+            f = math.floor(self.krum_byzantine * n)
+            if rule == "krum" and n <= 2 * f + 2:
+                raise ValueError(
+                    f'{key}_aggregator = "krum" needs more than 2f + 2 inputs (f = floor(krum_byzantine x n) = {f}); '
+                    f"the {n} {what} are not: its scores tie and it always keeps the first (use median, or more {what})"
+                )
             if rule == "trimmed_mean" and math.floor(self.trim_beta * n) == 0:
                 raise ValueError(
                     f"algorithm.trim_beta = {self.trim_beta:g} cuts floor({self.trim_beta:g} x {n}) = 0 of the {n} "
