@@ -302,6 +302,9 @@ class SimHierarchy:
             self.executor.close()
 
     def _run(self) -> RunResult:
+        clock = (self.cloud.resumed_from or {}).get("clock_s")
+        if isinstance(clock, (int, float)) and clock > 0:  # a resumed run: its virtual time goes on from there
+            self.hub.loop.start_at(float(clock))
         for cell in self.cells.values():
             cell.start()
         self.agents.start()

@@ -95,3 +95,17 @@ def test_a_new_run_into_a_folder_that_held_one_says_it_replaces_it(make_config, 
         assert "held a run" not in caplog.text
         run_simulation(cfg)
     assert f"{cfg.output_dir()} held a run: its records, checkpoint and model are replaced" in caplog.text
+
+
+def test_a_resumed_run_goes_on_from_its_virtual_time(make_config, tmp_path):
+    """The virtual clock restarted at 0 on --resume: the resumed rounds' records went back in time, the report's
+    time axis with them, and the summary's virtual_time_s counted the last attempt only (3.0 s for 6 rounds)."""
+    clock = {"device_steps_per_s": 10.0, "device_speed_spread": 0.5}
+    whole = run_simulation(make_config(run={"rounds": 4, "output": str(tmp_path / "whole")}, clock=clock)).history
+    run_simulation(make_config(run={"rounds": 2}, clock=clock))
+    resumed = run_simulation(make_config(run={"rounds": 4}, clock=clock), resume=True)
+    assert [r["round"] for r in resumed.history] == [2, 3]
+    times = [(r["clock_start_s"], r["clock_s"]) for r in resumed.history]  # records round to the microsecond
+    assert times == [pytest.approx((r["clock_start_s"], r["clock_s"]), abs=1e-5) for r in whole[2:]]
+    assert resumed.summary()["virtual_time_s"] == pytest.approx(whole[-1]["clock_s"], abs=1e-5)
+    assert times[0][0] >= whole[1]["clock_s"] > 0
