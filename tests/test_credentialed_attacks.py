@@ -383,6 +383,38 @@ def test_a_fedalign_report_with_more_priority_accuracy_than_weight_is_refused() 
         cloud.check("c0", Payload({**meta, "prio_accuracy": 11.0}, {}))
 
 
+@pytest.mark.parametrize(
+    "c0, c1",
+    [
+        ((0.0, 0.0), (1e-300, 1e10)),  # c0 has no priority device this round; c1's mean loss is beyond the floats
+        ((1.0, 1e308), (1.0, 1e308)),  # two cells' sums: each finite, their sum not
+    ],
+)
+def test_fedalign_priority_figures_whose_mean_overflows_fail_no_job(
+    c0: tuple[float, float], c1: tuple[float, float]
+) -> None:
+    """Each within every check (finite, within its bound, accuracy under weight), cells' priority figures can still
+    take F beyond the float range: F was inf, the cloud could not encode the next task (ValueError: the job failed)
+    and its round record held an inf. Such a round now has no F, as one without priority devices (no free device
+    is admitted), and the job goes on."""
+    from protocols.wire.payload import encode_payload
+
+    cloud = FedAlignCloud(parse_config(fedalign_config()).train, {"w": np.zeros(3, np.float32)})  # type: ignore[arg-type]
+    for rnd in range(3):  # solo, priority, free
+        cloud.plan(rnd, ["c0", "c1"])
+        meta = {"phase": cloud.phase, "prio_accuracy": 0.0, "weight": 0}
+        reports = {
+            cell: Payload({**meta, "prio_weight": weight, "prio_loss": loss}, {})
+            for cell, (weight, loss) in (("c0", c0), ("c1", c1))
+        }
+        for cell, report in reports.items():
+            cloud.check(cell, report)
+        metrics = cloud.aggregate(rnd, reports).metrics
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        encode_payload(cloud.plan(rnd + 1, ["c0", "c1"])["c0"])
+    assert cloud.F is None
+
+
 def test_a_decomfl_cell_cannot_count_devices_it_does_not_have(tmp_path: Path) -> None:
     """DeComFL (uniform weighting, its default) weighs a cell by the devices it says answered. c0 (its own key)
     listing 717 made-up ids beside its 3 devices claimed 720 (within its sample bound) against c1's 3, took

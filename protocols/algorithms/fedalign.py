@@ -35,6 +35,7 @@ answers with its probe values and no tensors, so its cell never waits for it unt
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -53,6 +54,7 @@ from .fedavg import FedAvgCell, FedAvgDevice, check_delta
 from .outcome import Outcome
 from .traits import Trait
 
+log = logging.getLogger("fedtier.cloud")
 PHASES = ("solo", "priority", "free", "all")
 PRIO_KEYS = ("prio_weight", "prio_loss", "prio_accuracy")
 HELD = "held/"
@@ -203,6 +205,9 @@ class FedAlignCloud(CloudRole):
             weight = sum(r.meta["prio_weight"] for r in reports.values())
             loss = sum(r.meta["prio_loss"] for r in reports.values()) / weight if weight else None
             acc = sum(r.meta["prio_accuracy"] for r in reports.values()) / weight if weight else None
+            if loss is not None and not math.isfinite(loss):  # cells' figures, each finite, whose mean is not
+                log.warning("round %d: the cells' priority loss is beyond the float range: none this round", round)
+                loss = None  # (the loss criterion: no F, as in a round without priority devices)
             self.F = loss if self.p.criterion == "loss" else acc
             metrics.update(priority_loss=loss, priority_accuracy=acc)
         else:
