@@ -415,6 +415,19 @@ def test_fedalign_priority_figures_whose_mean_overflows_fail_no_job(
     assert cloud.F is None
 
 
+def test_a_fedalign_priority_devices_loss_at_the_edge_of_the_float_range_fails_no_job() -> None:
+    """A priority device's probe loss is its word: 1e308 (finite, as checked) times its sample count overflowed its
+    cell's priority sum to inf, which no report can carry (the cell's handler raised ValueError, failing the job).
+    The cell's sums now stay floats, and the job runs every round."""
+    cfg = parse_config(fedalign_config())
+    sim = SimHierarchy(cfg, write_output=False)
+    lying_device(sim, "c0-d1", {"probe_loss": 1e308})
+    result = sim.run()
+    assert result.failed is None and len(result.history) == 3
+    numbers = [v for r in result.history for v in r["metrics"].values() if isinstance(v, float)]
+    assert numbers and all(math.isfinite(v) for v in numbers)
+
+
 def test_a_decomfl_cell_cannot_count_devices_it_does_not_have(tmp_path: Path) -> None:
     """DeComFL (uniform weighting, its default) weighs a cell by the devices it says answered. c0 (its own key)
     listing 717 made-up ids beside its 3 devices claimed 720 (within its sample bound) against c1's 3, took

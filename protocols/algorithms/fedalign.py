@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -329,7 +330,8 @@ class FedAlignCell(FedAvgCell):
                 included[d] = r
                 w = float(m["weight"])
                 self.prio["prio_weight"] += w
-                self.prio["prio_loss"] += w * m["probe_loss"]
+                # the loss is the device's word (finite, unbounded): its sum stays a float the report can carry
+                self.prio["prio_loss"] = min(self.prio["prio_loss"] + w * m["probe_loss"], sys.float_info.max)
                 self.prio["prio_accuracy"] += w * m["probe_accuracy"]
                 continue
             value = float(m["probe_loss"] if crit == "loss" else m["probe_accuracy"])
