@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
 
 from fedtier.cli import auth_options, main
-from fedtier.console import fail, live_connection, live_target, public_keys_or_exit
+from fedtier.console import JOB_FAILED, fail, live_connection, live_target, public_keys_or_exit
 
 
 @main.command()
@@ -56,7 +57,9 @@ from fedtier.console import fail, live_connection, live_target, public_keys_or_e
     show_default=True,
     help="Flag a cell whose participation falls below this fraction of its recent mean.",
 )
-@click.option("--exit-when-done", is_flag=True, help="Leave once the cloud's last round is in.")
+@click.option(
+    "--exit-when-done", is_flag=True, help="Leave once the cloud's last round is in (exit 3 when the run failed)."
+)
 @click.option("--width", type=int, default=None, help="Frame width for --once (default: the terminal's).")
 @click.option(
     "--top",
@@ -128,7 +131,7 @@ def monitor(
         if once and not Path(run_dir).is_dir():
             fail(f"{run_dir} is not a run folder", 2)
         watch.follow(RunDirFollower(run_dir), once, wait, refresh, exit_when_done)  # it may not exist yet
-        return
+        return exit_if_run_failed(watch, exit_when_done)
     if not target.run:
         fail("--broker needs --run NAME", 2)
     keys = public_keys_or_exit(target.keys_file)
@@ -136,3 +139,11 @@ def monitor(
         feed = TelemetryFeed(transport, target.run, keys).start()
         watch.state.run = target.run
         watch.follow(feed, once, wait, refresh, exit_when_done)
+    exit_if_run_failed(watch, exit_when_done)
+
+
+def exit_if_run_failed(watch: Any, exit_when_done: bool) -> None:
+    """With ``--exit-when-done``, a run that failed exits with :data:`JOB_FAILED`: a script waiting on the monitor
+    learns it (a finished or stopped run: 0)."""
+    if exit_when_done and watch.state.states.get("cloud", {}).get("phase") == "failed":
+        raise SystemExit(JOB_FAILED)

@@ -463,6 +463,19 @@ def test_the_monitor_says_a_killed_run_stopped_and_exit_when_done_leaves(runs, t
     assert res.exit_code == 0 and "stopped" in res.output
 
 
+@pytest.mark.timeout(30)
+def test_exit_when_done_exits_3_when_the_run_failed(runs, tmp_path):
+    """``fedtier monitor RUN --exit-when-done && next-step`` went on after a failed run: it left with 0."""
+    run_dir = tmp_path / "failed"
+    shutil.copytree(runs[1].output_dir, run_dir)
+    summary = run_dir / runfiles.SUMMARY
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "status": "failed", "failed": "diverged"}))
+    res = CliRunner().invoke(main, ["monitor", str(run_dir), "--exit-when-done", "--refresh", "0.05"])
+    assert res.exit_code == 3 and "failed: diverged" in res.output, res.output
+    res = CliRunner().invoke(main, ["monitor", str(runs[1].output_dir), "--exit-when-done", "--refresh", "0.05"])
+    assert res.exit_code == 0, res.output
+
+
 def test_run_dir_follower_tails_complete_lines(tmp_path):
     rec = [_cell(r, "c0", 4, float(r)).to_json() for r in range(3)]
     agg = tmp_path / runfiles.AGGREGATION
