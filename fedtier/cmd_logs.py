@@ -27,6 +27,8 @@ def parse_round_range(text: str) -> tuple[int | None, int | None]:
         high = (int(hi) if hi.strip() else None) if sep else low
     except ValueError:
         raise ValueError(f"--round {text!r}: expected A:B, A:, :B or A (cloud rounds, both ends included)") from None
+    if any(end is not None and end < 0 for end in (low, high)):  # "-1" matched nothing, said nothing
+        raise ValueError(f"--round {text!r}: rounds count from 0 (no negative rounds; A: for round A on)")
     if low is not None and high is not None and low > high:
         raise ValueError(f"--round {text!r}: {low} > {high}")
     return low, high

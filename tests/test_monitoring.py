@@ -113,7 +113,7 @@ def test_bad_lines_are_reported_not_fatal(tmp_path):
 def test_round_ranges():
     assert parse_round_range("1:3") == (1, 3) and parse_round_range("2:") == (2, None)
     assert parse_round_range(":1") == (None, 1) and parse_round_range("4") == (4, 4)
-    for bad in ("a:b", "3:1", "1:x"):
+    for bad in ("a:b", "3:1", "1:x", "-1", ":-2"):  # a negative round matched no record and said nothing
         with pytest.raises(ValueError):
             parse_round_range(bad)
 
