@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 
 from fedtier.cli import auth_options, main
-from fedtier.console import JOB_FAILED, fail, live_connection, live_target, public_keys_or_exit
+from fedtier.console import INTERRUPTED, JOB_FAILED, fail, live_connection, live_target, public_keys_or_exit
 
 
 @main.command()
@@ -143,7 +143,11 @@ def monitor(
 
 
 def exit_if_run_failed(watch: Any, exit_when_done: bool) -> None:
-    """With ``--exit-when-done``, a run that failed exits with :data:`JOB_FAILED`: a script waiting on the monitor
-    learns it (a finished or stopped run: 0)."""
-    if exit_when_done and watch.state.states.get("cloud", {}).get("phase") == "failed":
+    """With ``--exit-when-done``, a run that failed exits with :data:`JOB_FAILED`, one whose process ended before it
+    did (killed) with :data:`INTERRUPTED`, as that process would have: a script waiting on the monitor learns it (a
+    finished or stopped run: 0)."""
+    cloud = watch.state.states.get("cloud", {})
+    if exit_when_done and cloud.get("phase") == "failed":
         raise SystemExit(JOB_FAILED)
+    if exit_when_done and cloud.get("interrupted") is True:
+        raise SystemExit(INTERRUPTED)

@@ -128,9 +128,9 @@ class RunDirFollower:
         return [{"node": "cloud", "phase": phase, "since": written, **({"reason": reason} if reason else {})}]
 
     def _abandoned(self) -> list[dict]:
-        """A ``stopped`` state when the ``fedtier sim|run`` that wrote the folder is gone without a summary of its
-        end (killed: ``kill -9``, out of memory, a lost machine): it held ``run.lock`` while it ran, and nobody
-        holds it now. None while it runs, or where no such command wrote (a deployed cloud holds no lock)."""
+        """A ``stopped`` state, ``interrupted``, when the ``fedtier sim|run`` that wrote the folder is gone without a
+        summary of its end (killed: ``kill -9``, out of memory, a lost machine): it held ``run.lock`` while it ran,
+        and nobody holds it now. None while it runs, or where no such command wrote (a deployed cloud holds no lock)."""
         lock = self.run_dir / runfiles.LOCK
         try:
             fd = os.open(lock, os.O_RDONLY)
@@ -146,7 +146,7 @@ class RunDirFollower:
         if not written:
             return []  # nothing written yet: a run that is starting (it takes the lock first)
         why = "the fedtier sim|run process ended before the run did (killed?); --resume continues it"
-        return [{"node": "cloud", "phase": "stopped", "since": max(written), "reason": why}]
+        return [{"node": "cloud", "phase": "stopped", "since": max(written), "reason": why, "interrupted": True}]
 
 
 def check_topic(record: Record, topic: str, run: str) -> None:

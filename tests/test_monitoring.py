@@ -20,6 +20,7 @@ from conftest import small_config  # noqa: E402
 
 from fedtier.cli import main  # noqa: E402
 from fedtier.cmd_logs import filter_records, parse_round_range  # noqa: E402
+from fedtier.console import INTERRUPTED  # noqa: E402
 from monitor.report import load_run, participation_matrix, write_report  # noqa: E402
 from monitor.sources import RunDirFollower, TelemetryFeed  # noqa: E402
 from monitor.view import CellFilter, MonitorState, render_text  # noqa: E402
@@ -442,7 +443,8 @@ def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
 def test_the_monitor_says_a_killed_run_stopped_and_exit_when_done_leaves(runs, tmp_path):
     """A ``fedtier sim`` killed with ``kill -9`` leaves its records, no summary and its run.lock, which nobody
     holds any more: the monitor says it stopped (before: its cells 'ok' until the 120 s device deadline passed,
-    then 'silent', and --exit-when-done never left). While a process holds the lock, the run goes on."""
+    then 'silent', and --exit-when-done never left), and --exit-when-done leaves with the status of an interrupted
+    run (130: --resume continues it), not 0. While a process holds the lock, the run goes on."""
     import fcntl
 
     run_dir = tmp_path / "killed"
@@ -460,7 +462,7 @@ def test_the_monitor_says_a_killed_run_stopped_and_exit_when_done_leaves(runs, t
         and "now stopped: the fedtier sim|run process ended before the run did (killed?)" in res.output
     ), res.output
     res = CliRunner().invoke(main, ["monitor", str(run_dir), "--exit-when-done", "--refresh", "0.05"])
-    assert res.exit_code == 0 and "stopped" in res.output
+    assert res.exit_code == INTERRUPTED and "stopped" in res.output  # (0: 'monitor && next-step' went on)
 
 
 @pytest.mark.timeout(30)
