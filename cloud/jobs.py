@@ -41,11 +41,13 @@ class Job:
     started: float | None = None
     ended: float | None = None
     cancel_requested: bool = False
+    cells_absent_at_start: dict[str, str] = field(default_factory=dict)  # cells it began without, why
 
     def summary(self) -> dict[str, Any]:
         """What ``fedtier jobs`` lists (no config text)."""
         keys = ("job", "state", "reason", "submitter", "init_from", "submitted", "started", "ended")
-        return {k: getattr(self, k) for k in keys} | {"hash": self.digest}
+        absent = {"cells_absent_at_start": self.cells_absent_at_start} if self.cells_absent_at_start else {}
+        return {k: getattr(self, k) for k in keys} | {"hash": self.digest} | absent
 
 
 class JobQueue:
@@ -99,10 +101,12 @@ class JobQueue:
     def start(self, job: str) -> Job:
         return self._change(job, replace(self.jobs[job], state="running", started=time.time()))
 
-    def end(self, job: str, state: str, reason: str = "") -> Job:
+    def end(self, job: str, state: str, reason: str = "", absent: dict[str, str] | None = None) -> Job:
+        """``job`` ended ``state`` for ``reason``; ``absent``: the cells it began without, why."""
         if state not in ENDED:
             raise ValueError(f"a job ends {', '.join(ENDED)}, not {state!r}")
-        return self._change(job, replace(self.jobs[job], state=state, reason=reason, ended=time.time()))
+        ended = replace(self.jobs[job], state=state, reason=reason, ended=time.time())
+        return self._change(job, replace(ended, cells_absent_at_start=dict(absent or {})))
 
     def cancel(self, job: str) -> Job:
         """A queued job is cancelled at once; a running one after its current round (``cancel_requested``)."""

@@ -84,6 +84,15 @@ class CellPresence:
         gone = self.offline_since.get(cell)
         return None if self.online[cell] or gone is None else now - gone
 
+    def absence(self, cell: str, wait: float) -> str | None:
+        """Why ``cell`` takes no part in the job's start, the startup wait of ``wait`` seconds over: offline (never
+        online yet, or went offline); None when it is online."""
+        if self.online[cell]:
+            return None
+        if cell in self.offline_since:
+            return f"offline at start: went offline before the startup wait ({wait:g} s) ended"
+        return f"offline at start: not online within the startup wait ({wait:g} s)"
+
     def plannable(self, cell: str, now: float, deadline: float, rnd: int) -> bool:
         """Online, or offline for less than ``deadline``: a cell that just died is likely restarting, and its
         persistent session keeps the task for it (a cell gone for good delays one round, to the deadline)."""

@@ -66,6 +66,7 @@ class CloudServer:
     live = False  # start() ran: a revocation acts on the rounds from then on, a stop request at once
     _awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
     resumed_from: dict[str, Any] | None = None  # a resumed cloud: its checkpoint's round record (the last before)
+    cells_absent_at_start: dict[str, str] = {}  # cell -> why (replaced, never changed): _begin_once
 
     def __init__(
         self,
@@ -244,8 +245,12 @@ class CloudServer:
             self._begin_once()
 
     def _begin_once(self) -> None:
+        """Begin the first round; the cells that the startup wait ended without are the job's absent at start."""
         if not self.started and not self.finished:
             self.started = True
+            if self.startup_wait > 0:
+                absent = {c: self.presence.absence(c, self.startup_wait) for c in self.cells if c not in self.revoked}
+                self.cells_absent_at_start = {c: why for c, why in absent.items() if why is not None}
             self._begin_round()
 
     # ----------------------------------------------------------------- rounds

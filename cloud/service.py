@@ -210,7 +210,7 @@ class CloudService:
                 self.on_end(ended, cfg, node, out)
             spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
             self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
-            self.queue.end(job.job, state, reason or (node.stopped or ""))
+            self.queue.end(job.job, state, reason or (node.stopped or ""), node.cells_absent_at_start)
             log.info("job %s %s", job.job, state)
             # no job in progress: a node (re)started now waits for the next one, not the one just ended
             transport.publish(topics.current_job(self.fed), b"", retain=True)

@@ -262,6 +262,9 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
     table = Table("job", "state", "submitted", "hash", "reason")
     for j in listed:
         when = dt.datetime.fromtimestamp(j.get("submitted") or 0, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-        cells = (str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], str(j.get("reason", "")))
+        absent = j.get("cells_absent_at_start")
+        said = [f"{c}: {why}" for c, why in absent.items()] if isinstance(absent, dict) else []
+        reason = "; ".join(filter(None, [str(j.get("reason") or ""), *said]))
+        cells = (str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], reason)
         table.add_row(*(escape(c) for c in cells))  # the cloud's words: a reason may name a [section]
     console.print(table)

@@ -73,6 +73,7 @@ class RunResult:
     earlier: dict[str, Any] | None = None  # a resumed run: the last round record before it (its checkpoint's)
     simulated_time: bool = True  # the loop clock was fedtier sim's (virtual with [clock]); fedtier run's is real
     cells_revoked: dict[str, str] = field(default_factory=dict)  # cells the federation revoked during the job, why
+    cells_absent_at_start: dict[str, str] = field(default_factory=dict)  # cells the job began without, why
 
     @property
     def status(self) -> str:
@@ -113,7 +114,16 @@ class RunResult:
             earlier=cloud.resumed_from,
             simulated_time=simulated_time,
             cells_revoked=dict(cloud.revoked),
+            cells_absent_at_start=dict(cloud.cells_absent_at_start),
         )
+
+    def absent_at_start(self) -> dict[str, str]:
+        """Each cell the job began without, why, and the round it first reported in if it joined later."""
+        out = {}
+        for cell, why in self.cells_absent_at_start.items():
+            joined = next((r["round"] for r in self.history if cell in (r.get("cells_reported") or ())), None)
+            out[cell] = why if joined is None else f"{why}; took part from round {joined}"
+        return out
 
     def summary(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else self.earlier or {}  # a resume of a finished run: its end
@@ -138,6 +148,7 @@ class RunResult:
             **{k: last[k] for k in ("epsilon_by_party", "epsilon_basis") if last.get(k) is not None},
             **({"stopped": self.stopped} if self.stopped else {}),
             **({"cells_revoked": self.cells_revoked} if self.cells_revoked else {}),
+            **({"cells_absent_at_start": self.absent_at_start()} if self.cells_absent_at_start else {}),
             **({"resumed_after_round": self.earlier["round"]} if self.earlier and "round" in self.earlier else {}),
         }
 

@@ -517,3 +517,43 @@ def test_a_long_lived_agent_gives_each_job_its_data_as_that_jobs_model_takes_it(
         lambda cfg, _: spec_and_data(cfg, source),
     )
     assert built[0].data["c0-d0"].x.shape == (20, 64)
+
+
+def test_a_cell_down_at_submit_is_named_absent_at_start_in_the_summary_and_the_job_record(tmp_path: Path) -> None:
+    """c1 is down when the job starts: after the startup wait the job runs with c0 alone (honest), and its
+    summary.json and its record in the cloud's job list (`fedtier jobs`) name c1 as absent at start, with why;
+    c0, which was there, is not named. A cell that joined later is said to have taken part from its round."""
+    import json
+
+    from cloud.jobs import Job, JobQueue
+    from cloud.node import build_cloud
+    from protocols.jobs import OPERATOR
+    from protocols.status import encode_status
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire import topics
+    from sim.hierarchy import prepare
+    from sim.launcher import RunResult, write_final
+
+    cfg = small_config(tmp_path, runtime={"cell_deadline": 30.0, "startup_wait": 5.0})
+    hub, run = MemoryHub(), cfg.run.name
+    cloud = build_cloud(cfg, hub.connect("cloud"), cfg.build_algorithm(prepare(cfg).spec), startup_wait=5.0)
+    cells = hub.connect("cells")
+    topic = topics.status(run, topics.cell_node("c0"))
+    cells.publish(topic, encode_status("online", topic=topic, devices_online=3, devices_total=3), retain=True)
+    cloud.start()
+    hub.loop.run(until=lambda: cloud.finished)
+    assert [r["cells_planned"] for r in cloud.history] == [["c0"]] * 3  # it ran, with c0
+    why = "offline at start: not online within the startup wait (5 s)"
+    out = tmp_path / "job"
+    out.mkdir()
+    write_final(out, RunResult.of_cloud(cfg, cloud, out, 1.0))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cells_absent_at_start"] == {"c1": why}  # (no devices here: c0 never answered, it failed)
+    queue = JobQueue(tmp_path / "jobs.json")
+    queue.submit(Job("a", "x", "h", OPERATOR))
+    queue.start("a")
+    queue.end("a", "failed", str(cloud.failed), cloud.cells_absent_at_start)
+    assert JobQueue(tmp_path / "jobs.json").listing()[0]["cells_absent_at_start"] == {"c1": why}  # durable
+    history = [{"round": 0, "cells_reported": ["c0"]}, {"round": 1, "cells_reported": ["c0", "c1"]}]
+    late = RunResult(cfg, {}, history, cells_absent_at_start={"c1": why})
+    assert late.summary()["cells_absent_at_start"] == {"c1": f"{why}; took part from round 1"}
