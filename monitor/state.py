@@ -313,8 +313,9 @@ class MonitorState:
 
 
 def late(rejection: Rejection, cut_off: frozenset[str]) -> bool:
-    """Whether ``rejection`` is the late answer of a device its cell's previous edge round closed without."""
-    return rejection.kind == RejectKind.STALE and rejection.device in cut_off
+    """Whether ``rejection`` is the late answer of a device its cell's previous edge round closed without: its kind
+    says so, or (records written before that kind existed) a stale answer of a device cut off the round before."""
+    return rejection.kind == RejectKind.LATE or (rejection.kind == RejectKind.STALE and rejection.device in cut_off)
 
 
 def waiting_text(s: dict) -> str:

@@ -8,6 +8,11 @@ from collections.abc import Callable
 from .rejections import Rejected, RejectKind
 from .wire.payload import Payload
 
+CONTENT = frozenset(
+    {RejectKind.SHAPE, RejectKind.NON_FINITE, RejectKind.BOUND, RejectKind.MALFORMED, RejectKind.OVERSIZED}
+)
+"""Refusals of what an answer holds, whatever round it is for (the others may judge it against the current one)."""
+
 
 class Answers:
     """Answers of the parties planned for round ``key`` (e.g. ``(round, edge_round)``)."""
@@ -18,11 +23,17 @@ class Answers:
         self.pending: set[str] = set()
         self.received: dict[str, Payload] = {}
         self.settled: set[str] = set()
+        self.closed: tuple[int, ...] | None = None  # the round closed last, and whom it closed without
+        self.cut_off: set[str] = set()
 
     def open(self, key: tuple[int, ...], planned: list[str]) -> None:
         self.key, self.pending, self.received, self.settled = key, set(planned), {}, set()
 
     def close(self) -> None:
+        """Close the round; the parties still pending were cut off (deadline, quorum): their answers to it,
+        when they come, are refused as :attr:`RejectKind.LATE` (expected), not as stale."""
+        if self.key is not None:
+            self.closed, self.cut_off = self.key, set(self.pending)
         self.key = None
 
     @property
@@ -47,6 +58,8 @@ class Answers:
         wrong = sender_refusal(self.kind, who, sender)
         if wrong is not None:
             return wrong
+        if key != self.key and key == self.closed and who in self.cut_off:
+            return late_refusal(self.kind, who, key, payload, check, self.cut_off)
         if key != self.key:
             now = ".".join(map(str, self.key)) if self.key else "between rounds"
             return Rejected(RejectKind.STALE, f"stale answer for round {'.'.join(map(str, key))} (now {now})")
@@ -65,6 +78,28 @@ class Answers:
         self.received[who] = payload
         self.pending.discard(who)
         return None
+
+
+def late_refusal(
+    kind: str,
+    who: str,
+    key: tuple[int, ...],
+    payload: Payload | None,
+    check: Callable[[str, Payload], None],
+    cut_off: set[str],
+) -> Rejected:
+    """Why the first answer of ``who`` to round ``key``, closed without it, is refused: :attr:`RejectKind.LATE`
+    (honest, too slow), unless its content fails ``check`` (a broken or hostile answer alerts whenever it comes);
+    a second one is stale. ``check`` judges against the current round: only its refusals of the content count."""
+    cut_off.discard(who)
+    if payload is not None:
+        try:
+            check(who, payload)
+        except Rejected as exc:
+            if exc.kind in CONTENT:
+                return exc
+    at = ".".join(map(str, key))
+    return Rejected(RejectKind.LATE, f"late answer of {kind} {who} for round {at}, which closed without it")
 
 
 def sender_refusal(kind: str, who: str, sender: str) -> Rejected | None:

@@ -26,6 +26,9 @@ class RejectKind(StrEnum):
     """a second copy of something already received (sent twice, a second roster or request)"""
     STALE = "stale"
     """for an old round, an old model version, or a version from the future"""
+    LATE = "late"
+    """the first answer of a party to the round before, which closed without it (deadline, quorum): expected of
+    stragglers, so no alert; its content was still checked"""
     NOT_PLANNED = "not_planned"
     """from a device or cell this round did not plan"""
     OUT_OF_ORDER = "out_of_order"

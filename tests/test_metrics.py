@@ -362,3 +362,27 @@ def test_every_tier_over_mqtt_serves_its_metrics_over_http(tmp_path: Path) -> No
     assert 0 < got[("fedtier_agent_training_seconds_total", (("run", run),))] < 60
     assert got[("fedtier_agent_reconnects_total", (("run", run),))] == 0
     assert not any(name.endswith("_created") for name, _ in got)
+
+
+def test_the_late_answers_of_stragglers_count_as_late_not_as_the_rejections_that_alert(tmp_path: Path) -> None:
+    """Edge rounds closed at the quorum refuse the answers of the devices they did not wait for when these come:
+    they were counted 'stale', as a replayed or old-round message is, and FedtierResultsRejected fired every
+    round of a healthy run with stragglers. They are 'late' now, a reason the alert leaves out."""
+    cfg = small_config(tmp_path, run={"rounds": 2}, runtime={"quorum": 0.5, "device_deadline": 5.0})
+    sim = SimHierarchy(cfg)
+    exporter = MetricsExporter(cfg.run.name)
+    for cell in sim.cells.values():
+        exporter.watch_cell(cell)
+    result = sim.run()
+    records, _ = read_run(result.output_dir)
+    cut_off = [
+        (r.cell, d) for r in records if isinstance(r, CellRecord) for d, why in r.absent.items() if why == "quorum"
+    ]
+    refused = [(r.cell, x.kind.value) for r in records if isinstance(r, CellRecord) for x in r.rejected]
+    assert cut_off and refused and {kind for _, kind in refused} == {"late"}
+    for cell in ("c0", "c1"):
+        late = sum(1 for c, _ in refused if c == cell)
+        assert sample(exporter, "fedtier_cell_results_rejected_total", cell=cell, reason="late") == late
+        assert sample(exporter, "fedtier_cell_results_rejected_total", cell=cell, reason="stale") is None
+    rules = (Path(__file__).parents[1] / "deploy" / "prometheus" / "alerts.yml").read_text()
+    assert 'fedtier_cell_results_rejected_total{reason!="late"}' in rules

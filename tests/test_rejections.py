@@ -140,3 +140,26 @@ def test_the_runtimes_report_the_kind_of_what_they_refuse() -> None:
 def test_the_metrics_reference_names_every_kind() -> None:
     text = (ROOT / "docs" / "reference" / "metrics.md").read_text()
     assert [k.value for k in RejectKind if f"`{k.value}`" not in text] == []
+
+
+def test_a_late_answer_is_late_once_and_a_broken_one_is_refused_for_what_it_holds() -> None:
+    """A device the round closed without answers it later: 'late' (expected, no alert). A second copy is stale;
+    a late answer with non-finite values is refused as such (an alert), whenever it comes."""
+    answers = Answers("device")
+    answers.open((1, 0), ["c0-d0", "c0-d1", "c0-d2"])
+    result = Payload({"weight": 1.0}, {"w": np.zeros(2, np.float32)})
+    assert answers.offer("c0-d0", "c0-d0", (1, 0), result, lambda who, p: None) is None
+    answers.close()
+    answers.open((1, 1), ["c0-d0", "c0-d1", "c0-d2"])
+    nothing = answers.offer("c0-d0", "c0-d0", (1, 0), result, lambda who, p: None)  # answered in time, again
+    late = answers.offer("c0-d1", "c0-d1", (1, 0), result, lambda who, p: None)
+    again = answers.offer("c0-d1", "c0-d1", (1, 0), result, lambda who, p: None)
+    assert nothing is not None and nothing.kind is RejectKind.STALE
+    assert late is not None and late.kind is RejectKind.LATE and again is not None and again.kind is RejectKind.STALE
+
+    def nan(who: str, payload: Payload) -> None:
+        raise Rejected(RejectKind.NON_FINITE, "update: non-finite values")
+
+    broken = answers.offer("c0-d2", "c0-d2", (1, 0), result, nan)
+    assert broken is not None and broken.kind is RejectKind.NON_FINITE
+    assert answers.pending == {"c0-d0", "c0-d1", "c0-d2"}  # nothing late counts in the open round
