@@ -32,8 +32,11 @@ class LiveView:
         self.state.add_all(records, bad, received=time.time() if live else None)  # a folder: the records' time
         for node, s, heartbeat, age in statuses:  # (age: of a retained idle record, from its published time)
             self.state.add_status(node, s, time.time() - age, heartbeat)
-        for current in feed.poll_states():  # a folder: the end summary.json says
-            self.state.add_state(current)
+        current = feed.poll_states()  # a folder: the end summary.json says (or the run.lock nobody holds)
+        for each in current:
+            self.state.add_state(each)
+        if isinstance(feed, RunDirFollower) and not current:  # the folder's run goes on (again: --resume)
+            self.state.clear_end()
         if isinstance(feed, TelemetryFeed):  # a folder: the cloud's round records name the revoked cells
             self.state.add_revoked(feed.poll_revoked())
 

@@ -147,6 +147,14 @@ class MonitorState:
         if node == "cloud" and state.get("phase") in ("finished", "stopped", "failed"):
             self.finished = True
 
+    def clear_end(self) -> None:
+        """The run goes on: an end its folder said before (stopped, killed) no longer holds, e.g. once the run is
+        resumed. Still finished when its last round record says so."""
+        if self.states.get("cloud", {}).get("phase") in ("finished", "stopped", "failed"):
+            del self.states["cloud"]
+            c = self.cloud
+            self.finished = c is not None and c.rounds is not None and c.round + 1 >= c.rounds
+
     def started(self) -> float | None:
         """Wall clock of the run's start: the cloud's state says it, else its first round record implies it."""
         cloud = self.states.get("cloud", {}).get("started")

@@ -697,3 +697,35 @@ def test_monitor_keys_option_checks(tmp_path):
         main, ["monitor", "--broker", "mqtt://127.0.0.1:1", "--run", "r", "--keys", str(tmp_path / "k.toml"), "--once"]
     )
     assert out.exit_code == 2 and "not a readable TOML keys file" in " ".join(out.output.split())
+
+
+def test_a_monitor_left_open_on_a_killed_run_shows_it_running_again_once_it_is_resumed(runs, tmp_path):
+    """``fedtier monitor RUN`` open on a killed run said 'stopped' (right) and kept saying it after
+    ``fedtier sim --resume`` took the run.lock again and wrote new records: the end state was sticky."""
+    import fcntl
+
+    from rich.console import Console
+
+    from monitor.live import LiveView
+
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(runs[1].output_dir, run_dir)
+    (run_dir / runfiles.SUMMARY).unlink()
+    metrics = run_dir / runfiles.METRICS
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text(lines[0])  # killed after round 1 of 3
+    lock = run_dir / runfiles.LOCK
+    lock.write_text("12345")
+    view = LiveView(0.5, None, CellFilter(), Console(file=io.StringIO()))
+    feed = RunDirFollower(run_dir)
+    view.pull(feed)
+    assert view.state.finished and "stopped" in render_text(view.state, now=time.time())
+    with lock.open() as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the resumed run holds it, and writes round 2
+        with metrics.open("a") as fh:
+            fh.write(lines[1])
+        view.pull(feed)
+        text = render_text(view.state, now=time.time())
+        assert not view.state.finished and "stopped" not in text and "round 2/3" in text, text
+    view.pull(feed)  # killed again: stopped again
+    assert view.state.finished and "stopped" in render_text(view.state, now=time.time())
