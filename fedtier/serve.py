@@ -110,6 +110,16 @@ def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
     return data
 
 
+def write_job_final(job: Any, job_cfg: RunConfig, node: Any, out: Path) -> None:
+    """A federation job's final model and ``summary.json``, named by the job: its id and its config hash as the
+    cloud holds it (``fedtier jobs``), so two jobs of one federation (one ``run`` name) are told apart."""
+    from sim.launcher import RunResult, write_final
+
+    result = RunResult.of_cloud(job_cfg, node, out, time.time() - (job.started or time.time()))
+    result.job, result.config_hash = job.job, job.digest
+    write_final(out, result)
+
+
 def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Callable[..., Any]) -> None:
     """Run the federation's cloud: the job queue in ``{output}/jobs.json``, a run folder per job."""
     from cloud.jobs import JobQueue
@@ -118,7 +128,6 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
     from protocols.transport.threadloop import ThreadLoop
     from protocols.wire.keys import node_trust
     from sim.hierarchy import make_evaluator
-    from sim.launcher import RunResult, write_final
 
     fed = cfg.run.name
     trust = node_trust(cfg, "cloud")
@@ -140,10 +149,6 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         watch = exporter.watch_cloud if exporter is not None else None
         return JobParts(job_cfg.build_algorithm(spec), evaluator, on_build=watch)
 
-    def on_end(job: Any, job_cfg: RunConfig, node: Any, out: Path) -> None:
-        wall = time.time() - (job.started or time.time())
-        write_final(out, RunResult.of_cloud(job_cfg, node, out, wall))
-
     roster = federation_roster(cfg, trust)
     service = CloudService(
         cfg,
@@ -153,7 +158,7 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         parts,
         trust=trust,
         operator=operator,
-        on_end=on_end,
+        on_end=write_job_final,
         roster=roster,
         roster_path=cfg.output_dir() / ROSTER_FILE,
     )

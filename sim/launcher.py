@@ -74,6 +74,8 @@ class RunResult:
     simulated_time: bool = True  # the loop clock was fedtier sim's (virtual with [clock]); fedtier run's is real
     cells_revoked: dict[str, str] = field(default_factory=dict)  # cells the federation revoked during the job, why
     cells_absent_at_start: dict[str, str] = field(default_factory=dict)  # cells the job began without, why
+    job: str | None = None  # a federation's job (fedtier cloud --serve): its id, and its config hash as the cloud
+    config_hash: str | None = None  # holds it (``fedtier jobs``); a single run (sim, run, cloud) has neither
 
     @property
     def status(self) -> str:
@@ -129,6 +131,7 @@ class RunResult:
         last = self.history[-1] if self.history else self.earlier or {}  # a resume of a finished run: its end
         return {
             "run": self.config.run.name,
+            **({"job": self.job, "config_hash": self.config_hash} if self.job is not None else {}),
             "status": self.status,
             **({"failed": self.failed} if self.failed else {}),
             "algorithm": self.config.train.name,

@@ -284,6 +284,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
         assert procs[name].returncode == 0, f"{name}: {outputs[name]}"  # SIGTERM: a clean stop
         assert "TLS reload:" in outputs[name] and "now present client.crt" in outputs[name], outputs[name]
     assert "served 4 jobs (A, B, C, E)" in outputs["c0-d0"], outputs["c0-d0"]
+    jobs_json = {j["job"]: j for j in json.loads((cloud_out / "jobs.json").read_text())["jobs"]}
     for name in ("A", "B", "C"):
         cfg, _ = canonical_job(read_job_file(tmp / f"{name}.toml").config, fed_cfg)
         if name == "C":  # fedtier sim from the model job A ended with
@@ -294,6 +295,8 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
         )
         deployed = cloud_out / "jobs" / name / runfiles.FINAL_MODEL
         assert deployed.read_bytes() == (sim.output_dir / runfiles.FINAL_MODEL).read_bytes(), name
+        summary = json.loads((cloud_out / "jobs" / name / runfiles.SUMMARY).read_text())
+        assert (summary["job"], summary["config_hash"]) == (name, jobs_json[name]["digest"]), summary  # not the fed's
 
 
 def test_every_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:

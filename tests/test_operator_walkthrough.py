@@ -557,3 +557,35 @@ def test_a_cell_down_at_submit_is_named_absent_at_start_in_the_summary_and_the_j
     history = [{"round": 0, "cells_reported": ["c0"]}, {"round": 1, "cells_reported": ["c0", "c1"]}]
     late = RunResult(cfg, {}, history, cells_absent_at_start={"c1": why})
     assert late.summary()["cells_absent_at_start"] == {"c1": f"{why}; took part from round 1"}
+
+
+def test_a_fleet_jobs_summary_names_the_job_and_its_config_hash(tmp_path: Path) -> None:
+    """Two jobs of one federation: each summary.json names its job and the config hash the cloud holds for it
+    (`fedtier jobs`), beside the federation's run name (kept: the monitor and reports read it); a single run's
+    summary (fedtier sim) is as it was, with no job."""
+    import json
+
+    from cloud.jobs import Job
+    from cloud.node import build_cloud
+    from fedtier.serve import write_job_final
+    from protocols.jobs import OPERATOR, canonical_job, config_hash
+    from protocols.transport.memory import MemoryHub
+    from sim.hierarchy import prepare
+    from sim.launcher import RunResult
+
+    fed = small_config(tmp_path, run={"name": "fed"})
+    summaries = []
+    for name, rounds in (("a", 1), ("b", 2)):
+        cfg, text = canonical_job(f"[run]\nrounds = {rounds}\n", fed)
+        hub = MemoryHub()
+        cloud = build_cloud(cfg, hub.connect("cloud"), cfg.build_algorithm(prepare(cfg).spec))
+        cloud.start()
+        hub.loop.run(until=lambda c=cloud: c.finished)
+        out = tmp_path / "jobs" / name
+        out.mkdir(parents=True)
+        write_job_final(Job(name, text, config_hash(text), OPERATOR, started=1.0), cfg, cloud, out)
+        summaries.append(json.loads((out / "summary.json").read_text()))
+    a, b = summaries
+    assert (a["run"], b["run"]) == ("fed", "fed") and (a["job"], b["job"]) == ("a", "b")
+    assert a["config_hash"] == config_hash(canonical_job("[run]\nrounds = 1\n", fed)[1]) != b["config_hash"]
+    assert "job" not in RunResult(fed, {}, []).summary() and "config_hash" not in RunResult(fed, {}, []).summary()
