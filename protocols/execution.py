@@ -67,3 +67,35 @@ def execution_plan(cfg: RunConfig) -> ExecutionPlan:
         backend=rt.sim_backend,
         ray_address=rt.ray_address,
     )
+
+
+def idle_settings(cfg: RunConfig, command: Literal["sim", "run"]) -> list[str]:
+    """The ``[runtime]`` performance settings ``cfg`` sets (away from their defaults) that ``fedtier {command}``
+    does not use, each with why. They change speed, never results, so a run goes on with them (warned): the
+    cohort engine's knobs with ``engine = "device"``; ``fedtier sim``'s workers under ``fedtier run`` (whose
+    device agents run in their own worker processes, ``--workers``), or its worker backend without workers."""
+    rt = cfg.runtime
+    fields = type(rt).model_fields
+
+    def changed(*keys: str) -> list[str]:
+        return [k for k in keys if getattr(rt, k) != fields[k].default]
+
+    out = []
+    if rt.engine != "cohort":
+        out += [
+            f'runtime.{k} = {getattr(rt, k)!r} has no effect with engine = "device" (it sizes the cohort engine)'
+            for k in changed("cohort_size", "cohort_threads")
+        ]
+    if command == "run":
+        out += [
+            f"runtime.{k} = {getattr(rt, k)!r} has no effect under fedtier run (fedtier sim's device workers; "
+            "fedtier run's device agents run in their own worker processes: --workers)"
+            for k in changed("sim_workers", "sim_backend", "ray_address")
+        ]
+    elif rt.sim_workers == 0:
+        out += [
+            f"runtime.{k} = {getattr(rt, k)!r} has no effect without runtime.sim_workers (the devices train in "
+            "this process)"
+            for k in changed("sim_backend", "ray_address")
+        ]
+    return out

@@ -56,7 +56,7 @@ from .agent_workers import Faults, agent_workers, raise_fd_limit, with_init_mode
 from .clock import clock_modelled
 from .executors import set_torch_threads
 from .hierarchy import Prepared, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
-from .launcher import RunResult, cell_bounds, device_samples, write_final
+from .launcher import RunResult, cell_bounds, device_samples, warn_idle_settings, write_final
 from .local_federation import LocalFederation, federation_bundle, job_text
 from .onnx_devices import export_onnx, with_onnx_model
 
@@ -184,6 +184,7 @@ class Emulation:
         folder). Raises :class:`ConfigError` for a job the cloud refused or could not start."""
         t0 = time.perf_counter()
         set_torch_threads(1)
+        warn_idle_settings(self.cfg, "run")
         prep = prepare(self.cfg)
         out = self._prepare_folder(prep)
         self.cells, self.served, self.procs = {}, [], []

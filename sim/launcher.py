@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from protocols import runfiles
 from protocols.bounds import CellBounds
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
-from protocols.execution import execution_plan
+from protocols.execution import execution_plan, idle_settings
 from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
@@ -167,6 +167,13 @@ def warn_unclocked_quorum(cfg: RunConfig) -> None:
         )
 
 
+def warn_idle_settings(cfg: RunConfig, command: Literal["sim", "run"]) -> None:
+    """Warn of each ``[runtime]`` performance setting ``fedtier {command}`` does not use (it runs on: they
+    change speed, not results; :func:`protocols.execution.idle_settings`)."""
+    for line in idle_settings(cfg, command):
+        log.warning("%s", line)
+
+
 def eval_threads(cfg: RunConfig) -> int:
     """Threads of the cloud's central evaluation: ``cohort_threads`` with the cohort engine, else 1."""
     return execution_plan(cfg).eval_threads
@@ -228,6 +235,7 @@ class SimHierarchy:
             cfg = with_run_keys(cfg, cfg.output_dir(), resume)
         self.cfg = cfg
         warn_unclocked_quorum(cfg)
+        warn_idle_settings(cfg, "sim")
         loop = VirtualLoop()
         # runtime.sim_workers build their devices while we build ours (unless auto, with a GPU and cohorts,
         # needs the model spec to choose the workers' device)

@@ -217,3 +217,27 @@ def test_synthetic_dataset_is_sized_from_the_config():
     assert sum(len(prep.device_data[d]) for d in cfg.topology.all_devices()) == 12000
     with pytest.raises(ConfigError, match="data: .*synthetic dataset only"):
         parse_config({"data": {"dataset": "mnist", "n": 100}})
+
+
+def test_performance_settings_a_command_does_not_use_are_warned_of_not_refused(make_config, caplog) -> None:
+    """runtime.cohort_size with the per-device engine, runtime.sim_workers under fedtier run: accepted and
+    silently without effect (a researcher tuned them and measured nothing). They change speed, never results:
+    the run goes on, with a warning that names the setting and why."""
+    from protocols.execution import idle_settings
+    from sim.launcher import run_simulation
+
+    cfg = make_config(run={"rounds": 1}, runtime={"cohort_size": 8, "cohort_threads": 2})
+    with caplog.at_level("WARNING", logger="fedtier.sim"):
+        result = run_simulation(cfg, write_output=False)
+    assert len(result.history) == 1
+    assert 'runtime.cohort_size = 8 has no effect with engine = "device"' in caplog.text
+    assert 'runtime.cohort_threads = 2 has no effect with engine = "device"' in caplog.text
+    cohort = make_config(runtime={"engine": "cohort", "cohort_size": 8, "sim_workers": 2})
+    assert idle_settings(cohort, "sim") == []
+    run = idle_settings(cohort, "run")
+    assert len(run) == 1 and run[0].startswith("runtime.sim_workers = 2 has no effect under fedtier run")
+    backend = make_config(runtime={"sim_backend": "ray"})
+    assert idle_settings(backend, "sim") == [
+        "runtime.sim_backend = 'ray' has no effect without runtime.sim_workers (the devices train in this process)"
+    ]
+    assert idle_settings(make_config(), "run") == idle_settings(make_config(), "sim") == []
