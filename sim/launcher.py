@@ -127,6 +127,21 @@ class RunResult:
             out[cell] = why if joined is None else f"{why}; took part from round {joined}"
         return out
 
+    def unrecorded_device_bytes(self) -> dict[str, int]:
+        """Per device tier, the bytes ``device_traffic`` counts (what the devices sent and received, this command)
+        beyond the round records' ``cumulative_bytes`` of the same rounds (what the cloud's rounds took in):
+        results and tasks of an asynchronous run still in flight at its end, or taken by a cell after its last
+        push; answers the cells refused (late, stale). Tiers where both agree are left out (all, in a run
+        without such traffic)."""
+        if not self.device_traffic:
+            return {}
+        last = self.history[-1] if self.history else self.earlier or {}
+        before = (self.earlier or {}).get("cumulative_bytes", {})
+        recorded = {t: last.get("cumulative_bytes", {}).get(t, 0) - before.get(t, 0) for t in DEVICE_TIERS}
+        sent = {"device_to_cell": "bytes_out", "cell_to_device": "bytes_in"}  # as a device counts them
+        devices = {t: sum(d.get(sent[t], 0) for d in self.device_traffic.values()) for t in DEVICE_TIERS}
+        return {t: devices[t] - recorded[t] for t in DEVICE_TIERS if devices[t] != recorded[t]}
+
     def summary(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else self.earlier or {}  # a resume of a finished run: its end
         return {
@@ -141,6 +156,7 @@ class RunResult:
             "cumulative_bytes": last.get("cumulative_bytes", {}),
             "wall_s": round(self.wall_s, 3),
             **({"device_traffic": self.device_traffic} if self.device_traffic else {}),
+            **({"unrecorded_device_bytes": unrecorded} if (unrecorded := self.unrecorded_device_bytes()) else {}),
             **({"wire_bytes": self.wire_bytes} if self.wire_bytes else {}),
             **(
                 {"virtual_time_s": last.get("clock_s")}
@@ -154,6 +170,10 @@ class RunResult:
             **({"cells_absent_at_start": self.absent_at_start()} if self.cells_absent_at_start else {}),
             **({"resumed_after_round": self.earlier["round"]} if self.earlier and "round" in self.earlier else {}),
         }
+
+
+DEVICE_TIERS = ("device_to_cell", "cell_to_device")
+"""The tiers of a device's traffic (``RunResult.device_traffic``), as the round records name them."""
 
 
 def warn_unclocked_quorum(cfg: RunConfig) -> None:
