@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from protocols.numbers import finite_number
 from protocols.records import RoundRecord
 
 from .parts import RoundCounts, drop_non_finite
@@ -114,3 +115,11 @@ def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts)
         counts.unmet,
         counts.late,
     )
+
+
+def end_figures(history: list[dict[str, Any]]) -> dict[str, float]:
+    """The job's last figures for its retained end state (``protocols.state``): its latest accuracy and last loss,
+    where finite (a monitor started after the job ended has no round record: telemetry is not retained)."""
+    accuracy = next((r["accuracy"] for r in reversed(history) if "accuracy" in r), None)
+    figures = {"accuracy": finite_number(accuracy), "loss": finite_number(history[-1].get("loss") if history else None)}
+    return {k: v for k, v in figures.items() if v is not None}

@@ -30,7 +30,7 @@ from .cell_records import CellRecordCollector
 from .checkpoint import CloudCheckpoint, Saved, repair_records
 from .parts import CellPresence, RoundCounts, report_refusal
 from .revocation import leave_round, refused_revoked, too_few_cells
-from .round_record import divergence, round_record, stall
+from .round_record import divergence, end_figures, round_record, stall
 from .telemetry import CloudTelemetry
 
 if TYPE_CHECKING:
@@ -480,7 +480,7 @@ class CloudServer:
         extra = {"stopped": self.stopped} if self.stopped else {}
         if self.failed:
             extra["failed"] = self.failed
-        self._state(self.job_status, reason=self.failed or self.stopped)
+        self._state(self.job_status, reason=self.failed or self.stopped, **end_figures(self.history))
         self.messenger.send(
             topics.control(self.run),
             "control",

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.live import Live
 
 from .sources import RunDirFollower, TelemetryFeed, wait_quiet
-from .state import MonitorState
+from .state import MonitorState, job_entries
 from .view import CellFilter, render
 
 
@@ -39,6 +39,9 @@ class LiveView:
             self.state.clear_end()
         if isinstance(feed, TelemetryFeed):  # a folder: the cloud's round records name the revoked cells
             self.state.add_revoked(feed.poll_revoked())
+            jobs = feed.poll_jobs()  # a federation's: what ended before this monitor came (telemetry is not kept)
+            if jobs is not None:
+                self.state.jobs = job_entries(jobs)
 
     def follow(
         self, feed: RunDirFollower | TelemetryFeed, once: bool, wait: float, refresh: float, exit_when_done: bool

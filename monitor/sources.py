@@ -187,6 +187,7 @@ class TelemetryFeed:
         self._states: list[dict] = []
         self._revoked: dict[str, str] = {}  # node -> why, from the newest signed roster
         self._roster_version: int | None = None  # of the newest roster taken
+        self._jobs: list[dict] | None = None  # the cloud's newest (signed) job list not yet polled
         self.received = 0
 
     def start(self) -> TelemetryFeed:
@@ -194,6 +195,7 @@ class TelemetryFeed:
         self.transport.subscribe(topics.statuses(self.run), self._on_status)
         self.transport.subscribe(topics.device_statuses(self.run), self._on_status)
         self.transport.subscribe(topics.states(self.run), self._on_state)  # retained: a stall shows at once
+        self.transport.subscribe(topics.job_list(self.run), self._on_jobs)  # retained: a job ended before we came
         if self.keys is not None:
             from protocols.roster import roster_topic
 
@@ -218,6 +220,28 @@ class TelemetryFeed:
             self._revoked |= {
                 n: f"revoked (roster version {roster.version})" for n in roster.revoked - self._revoked.keys()
             }
+
+    def _on_jobs(self, topic: str, data: bytes) -> None:
+        """A federation's job list (``fedtier jobs``), signed by the cloud where ``keys`` are given; another is a bad
+        record. Its entries are the cloud's word: :func:`monitor.state.job_entries` takes only well-formed ones."""
+        from protocols.jobs import JobError, open_job_record
+
+        if not data:
+            return
+        with self._lock:
+            try:
+                record = open_job_record(data, topic, "cloud", self.keys.verify if self.keys else None)
+            except JobError as exc:
+                self._bad.append(BadLine(topic, 0, str(exc)))
+                return
+            jobs = record.get("jobs")
+            self._jobs = jobs if isinstance(jobs, list) else []
+
+    def poll_jobs(self) -> list[dict] | None:
+        """The cloud's job list if a new one came since the last call (a federation's; a single run has none)."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, None
+        return jobs
 
     def poll_revoked(self) -> dict[str, str]:
         """Every node the signed roster revoked so far, with why (``revoked (roster version N)``)."""

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from protocols.numbers import finite_number
 from protocols.records import TASKED, BadLine, CellRecord, Record, Rejection, RoundRecord
 from protocols.rejections import RejectKind
 from protocols.status import IDLE, idle_deadline
@@ -58,6 +59,20 @@ class CellView:
         return self.last.round if self.last else None
 
 
+def job_entries(listed: list) -> list[dict]:
+    """The well-formed entries of a cloud's job list (``fedtier jobs``): ``job`` and ``state`` strings, ``reason`` a
+    string, ``ended`` a finite time or none; others are left out (the list is the cloud's word, a frame must not
+    raise on it)."""
+    out = []
+    for j in listed:
+        if not isinstance(j, dict) or not isinstance(j.get("job"), str) or not isinstance(j.get("state"), str):
+            continue
+        ended = finite_number(j.get("ended"))
+        reason = j.get("reason") if isinstance(j.get("reason"), str) else ""
+        out.append({"job": j["job"], "state": j["state"], "reason": reason, "ended": ended})
+    return out
+
+
 @dataclass
 class MonitorState:
     """Everything the monitor knows about one run.
@@ -78,6 +93,7 @@ class MonitorState:
     finished: bool = False
     states: dict[str, dict] = field(default_factory=dict)  # node -> its current state (protocols.state)
     revoked: dict[str, str] = field(default_factory=dict)  # node -> why, from round records or the signed roster
+    jobs: list[dict] = field(default_factory=list)  # a federation's jobs, from the cloud's job list (job_entries)
     _max_round: int | None = None
 
     # ------------------------------------------------------------------ feeding

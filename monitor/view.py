@@ -221,7 +221,7 @@ def state_line(state: MonitorState, now: float) -> Text | None:
 def cloud_line(state: MonitorState, now: float) -> Text:
     c = state.cloud
     if c is None:
-        return Text("cloud: no round closed yet", style="dim")
+        return ended_line(state.states.get("cloud", {})) or Text("cloud: no round closed yet", style="dim")
     total = f"/{c.rounds}" if c.rounds else ""
     text = Text.assemble(("cloud ", "bold"), f"round {c.round + 1}{total} closed ({c.closed_by}), ")
     if state.accuracy:
@@ -240,6 +240,41 @@ def cloud_line(state: MonitorState, now: float) -> Text:
     return text
 
 
+ENDS = {"finished": "bold green", "stopped": "bold yellow", "failed": "bold red"}
+
+
+def ended_line(s: dict) -> Text | None:
+    """A job that ended before this monitor came (no round record: telemetry is not retained), as the cloud's
+    retained end state says it: how it ended, its rounds and last figures; None for a job that goes on."""
+    phase = s.get("phase")
+    if phase not in ENDS:
+        return None
+    total = f"/{s['rounds']}" if isinstance(s.get("rounds"), int) else ""
+    text = Text.assemble(("cloud ", "bold"), (f"{phase}", ENDS[phase]), f" after round {s.get('round')}{total}")
+    for key in ("accuracy", "loss"):
+        if s.get(key) is not None:
+            text.append(f", {key} {s[key]:.4f}", style="bold cyan" if key == "accuracy" else "")
+    text.append("  (ended before this monitor started: its rounds are in the cloud's run folder)", style="dim")
+    return text
+
+
+def jobs_line(state: MonitorState, now: float) -> Text | None:
+    """A federation's jobs, from the cloud's signed list: the running one, how many wait, the last that ended."""
+    if not state.jobs:
+        return None
+    running = [j["job"] for j in state.jobs if j["state"] == "running"]
+    queued = sum(j["state"] == "queued" for j in state.jobs)
+    ended = [j for j in state.jobs if j["state"] in ("finished", "failed", "cancelled") and j["ended"] is not None]
+    text = Text.assemble(("jobs ", "bold"), f"running {', '.join(running) or 'none'}, {queued} queued")
+    if ended:
+        last = max(ended, key=lambda j: j["ended"])
+        style = {"finished": "green", "failed": "bold red"}.get(last["state"], "yellow")
+        text.append("; last ended: ")
+        text.append(f"{last['job']} {last['state']}", style=style)
+        text.append((f": {last['reason']}" if last["reason"] else "") + f" {_ago(now, last['ended'])}")
+    return text
+
+
 def render(state: MonitorState, now: float | None = None, flt: CellFilter | None = None) -> Group:
     """The monitor frame: header, cloud line, cell summary, the rows ``flt`` selects, alerts."""
     now = _time.time() if now is None else now
@@ -248,10 +283,11 @@ def render(state: MonitorState, now: float | None = None, flt: CellFilter | None
         Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
     )
     title = f"fedtier monitor: {escape(state.run or '?')}  ({len(state.cells)} cells)"
-    current = state_line(state, now)
+    current, jobs = state_line(state, now), jobs_line(state, now)
     body = Group(
         cloud_line(state, now),
         *((current,) if current is not None else ()),
+        *((jobs,) if jobs is not None else ()),
         summary_line(state, now),
         cell_table(state, now, flt),
     )

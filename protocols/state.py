@@ -82,13 +82,15 @@ def decode_state(data: bytes, topic: str, keys: PublicKeys | None = None) -> dic
 def _readable(record: dict[str, Any]) -> bool:
     """Whether ``record``'s fields are what readers compute with (its node's word, signed or not: a time of 10**400
     or a ``waiting`` of numbers would make the monitor's frame raise): ``since`` (and ``deadline_s``, ``started``)
-    finite numbers, ``waiting`` a list of names, ``waiting_count`` a count, ``round`` and ``edge_round`` integers."""
+    finite numbers (and a job's end's ``accuracy``, ``loss``), ``waiting`` a list of names, ``waiting_count`` a
+    count, ``round`` and ``edge_round`` integers."""
     waiting, count = record.get("waiting"), record.get("waiting_count", 0)
     if not isinstance(waiting, list) or not all(isinstance(name, str) for name in waiting):
         return False
     if finite_number(record.get("since")) is None:
         return False
-    if any(record.get(k) is not None and finite_number(record[k]) is None for k in ("deadline_s", "started")):
+    numbers = ("deadline_s", "started", "accuracy", "loss")  # (the last two: a job's end, its last figures)
+    if any(record.get(k) is not None and finite_number(record[k]) is None for k in numbers):
         return False
     rounds = (record.get(k, 0) for k in ("round", "edge_round"))
     return type(count) is int and count >= 0 and all(type(n) is int for n in rounds)

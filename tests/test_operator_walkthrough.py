@@ -589,3 +589,80 @@ def test_a_fleet_jobs_summary_names_the_job_and_its_config_hash(tmp_path: Path) 
     assert (a["run"], b["run"]) == ("fed", "fed") and (a["job"], b["job"]) == ("a", "b")
     assert a["config_hash"] == config_hash(canonical_job("[run]\nrounds = 1\n", fed)[1]) != b["config_hash"]
     assert "job" not in RunResult(fed, {}, []).summary() and "config_hash" not in RunResult(fed, {}, []).summary()
+
+
+def test_a_monitor_opened_after_the_job_ended_shows_how_it_ended_and_the_fleets_jobs(tmp_path: Path) -> None:
+    """`fedtier monitor` started once a job has ended: no round record comes (telemetry is not retained), so it
+    used to show "no round closed yet". It now shows the job's end from the cloud's retained end state (how, after
+    which round, its last accuracy and loss) and, on a federation, the cloud's signed job list: the last job that
+    ended, the one running, how many queued. A job list not signed by the cloud is a bad record, not shown."""
+    from rich.console import Console
+
+    from cloud.jobs import Job, JobQueue
+    from cloud.service import CloudService
+    from monitor.live import LiveView
+    from monitor.sources import TelemetryFeed
+    from monitor.view import CellFilter, render_text
+    from protocols.jobs import OPERATOR
+    from protocols.transport.memory import MemoryHub
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+    from protocols.wire.keys import PublicKeys, Trust, new_seed, public_of
+    from protocols.wire.signed import seal_record
+    from sim.launcher import SimHierarchy
+
+    cfg = small_config(tmp_path, run={"rounds": 2})
+    sim = SimHierarchy(cfg, write_output=False)
+    result = sim.run()
+    assert result.status == "finished" and result.final_accuracy is not None
+    queue = JobQueue(tmp_path / "jobs.json")
+    for name in ("A", "B", "C"):
+        queue.submit(Job(name, "x", "h", OPERATOR))
+    queue.start("A")
+    queue.end("A", "finished")
+    queue.start("B")
+    service = CloudService(cfg, ThreadLoop("t"), lambda: None, queue, lambda c: None, trust=None, operator=None)
+    service._publish_list(sim.hub.connect("cloud-service"))  # as the federation's cloud does (retained)
+    view = LiveView(0.75, None, CellFilter(), Console(width=200))
+    view.state.run = cfg.run.name
+    feed = TelemetryFeed(sim.hub.connect("monitor"), cfg.run.name).start()  # after the job: nothing but retained
+    sim.hub.loop.run()
+    view.pull(feed)
+    frame = " ".join(render_text(view.state, width=200).split())
+    assert "no round closed yet" not in frame, frame
+    accuracy = f"accuracy {result.final_accuracy:.4f}"
+    assert f"cloud finished after round 2/2, {accuracy}, loss " in frame, frame
+    assert "jobs running B, 1 queued; last ended: A finished" in frame, frame
+    # signed: a job list a cell signed (valid credentials, its own key) is refused; the cloud's is shown
+    seeds = {n: new_seed() for n in ("cloud", "c0")}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    keys = PublicKeys(public)
+
+    hub, topic = MemoryHub(), topics.job_list("fed")
+    signed = TelemetryFeed(hub.connect("monitor"), "fed", keys).start()
+    lying = {"jobs": [{"job": "X", "state": "failed", "reason": "forged", "ended": 1.0}]}
+    hub.connect("cell.c0").publish(topic, seal_record(lying, topic, Trust("c0", seeds["c0"], public).sign))
+    hub.loop.run()
+    assert signed.poll_jobs() is None and "signed by" in str(signed.poll()[1][0])
+    hub.connect("cloud").publish(topic, seal_record(lying, topic, Trust("cloud", seeds["cloud"], public).sign))
+    hub.loop.run()
+    assert signed.poll_jobs() == lying["jobs"]
+
+
+def test_a_jobs_end_state_carries_only_finite_figures_and_a_monitor_refuses_others() -> None:
+    """The cloud's end state holds its last accuracy and loss where finite (an inf loss would make every monitor
+    refuse the whole record); a state whose figures are not finite numbers (a lying node's) is refused."""
+    from cloud.round_record import end_figures
+    from protocols.state import decode_state
+    from protocols.wire import topics
+    from protocols.wire.signed import seal_record
+
+    assert end_figures([{"round": 0, "accuracy": 0.5, "loss": 1.0}, {"round": 1, "loss": float("inf")}]) == {
+        "accuracy": 0.5
+    }
+    assert end_figures([]) == {}
+    topic = topics.state("fed", "cloud")
+    base = {"node": "cloud", "phase": "finished", "since": 1.0, "waiting": [], "round": 2}
+    assert decode_state(seal_record({**base, "accuracy": 0.5}, topic, None), topic) is not None
+    for bad in ("x", float("nan"), True):
+        assert decode_state(seal_record({**base, "accuracy": bad}, topic, None), topic) is None
