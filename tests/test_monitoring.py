@@ -729,3 +729,16 @@ def test_a_monitor_left_open_on_a_killed_run_shows_it_running_again_once_it_is_r
         assert not view.state.finished and "stopped" not in text and "round 2/3" in text, text
     view.pull(feed)  # killed again: stopped again
     assert view.state.finished and "stopped" in render_text(view.state, now=time.time())
+
+
+def test_a_rejection_of_kind_late_raises_no_monitor_alert_whatever_the_record_before():
+    """The cells name late answers 'late' now: the monitor needs no record before to know them (a monitor started
+    mid-run has none); a stale answer without that record still alerts."""
+    record = _cell(0, "c0", 4, 101.0, edge=1).to_dict()
+    late = {"device": "c0-d2", "kind": "late", "reason": "late answer of device c0-d2 for round 0.0"}
+    state = MonitorState()
+    state.add(CellRecord.model_validate({**record, "rejected": [late]}))
+    assert not [a for a in state.alerts(now=101.5) if "rejected" in a]
+    state = MonitorState()
+    state.add(CellRecord.model_validate({**record, "rejected": [{**late, "kind": "stale"}]}))
+    assert any("c0 rejected 1 result(s) in round 0.1" in a for a in state.alerts(now=101.5))
