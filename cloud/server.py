@@ -480,7 +480,9 @@ class CloudServer:
         extra = {"stopped": self.stopped} if self.stopped else {}
         if self.failed:
             extra["failed"] = self.failed
-        self._state(self.job_status, reason=self.failed or self.stopped, **end_figures(self.history))
+        figures = end_figures(self.history)  # a monitor opened after the end has no round record
+        accuracy, loss = figures.get("accuracy"), figures.get("loss")
+        self._state(self.job_status, reason=self.failed or self.stopped, accuracy=accuracy, loss=loss)
         self.messenger.send(
             topics.control(self.run),
             "control",
