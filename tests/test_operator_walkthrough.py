@@ -666,3 +666,30 @@ def test_a_jobs_end_state_carries_only_finite_figures_and_a_monitor_refuses_othe
     assert decode_state(seal_record({**base, "accuracy": 0.5}, topic, None), topic) is not None
     for bad in ("x", float("nan"), True):
         assert decode_state(seal_record({**base, "accuracy": bad}, topic, None), topic) is None
+
+
+def test_fedtier_jobs_names_the_cells_a_job_began_without(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedtier jobs` prints, with a job's reason, the cells it began without and why (the cloud's job record)."""
+    import fedtier.cmd_jobs as cmd
+
+    why = "offline at start: not online within the startup wait (5 s)"
+    listed = {"jobs": [{"job": "a", "state": "finished", "reason": "", "cells_absent_at_start": {"c1": why}}]}
+
+    class Session:
+        fed = "fed"
+
+        def cloud_status(self) -> list:
+            return []
+
+        def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
+            return listed
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cmd, "_connect", lambda config: Session())
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    monkeypatch.setenv("COLUMNS", "400")
+    code, out, exc = _cli("jobs", "--config", str(config))
+    assert exc is None and code == 0 and f"c1: {why}" in out, (exc, out)
