@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -15,6 +14,7 @@ from rich.text import Text
 from fedtier.cli import main
 from fedtier.console import console, fail
 from protocols.records import CellRecord, Record, RoundRecord, read_run
+from protocols.terminal import SafeConsole
 
 EVENTS = ("aggregation", "round")
 
@@ -183,8 +183,8 @@ def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: 
         for r in chosen:
             sys.stdout.write(r.to_json() + "\n")
         return
-    out = Console()
+    out = SafeConsole()
     if not out.is_terminal:
-        out = Console(width=200)  # piped: do not squeeze the table to 80 columns
+        out = SafeConsole(width=200)  # piped: do not squeeze the table to 80 columns
     out.print(records_table(chosen))
     console.print(f"{len(chosen)} of {len(records)} records", highlight=False)

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
 from fedtier.cli import auth_options, main
 from fedtier.console import INTERRUPTED, JOB_FAILED, fail, live_connection, live_target, public_keys_or_exit
+from protocols.terminal import SafeConsole
 
 
 @main.command()
@@ -126,7 +126,7 @@ def monitor(
             2,
         )
     flt = CellFilter(patterns=patterns, states=states, top=top, sort=sort)
-    watch = LiveView(drop_ratio, deadline, flt, Console(width=width) if width else Console())
+    watch = LiveView(drop_ratio, deadline, flt, SafeConsole(width=width) if width else SafeConsole())
     if run_dir is not None:
         if once and not Path(run_dir).is_dir():
             fail(f"{run_dir} is not a run folder", 2)

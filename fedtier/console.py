@@ -11,18 +11,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from protocols.config import ConfigError, RunConfig, load_config
+from protocols.terminal import SafeConsole
 
 if TYPE_CHECKING:
     from protocols.transport.mqtt import MqttTransport
     from protocols.wire.keys import PublicKeys
 
-console = Console(stderr=True)
+console = SafeConsole(stderr=True)
 
 
 def setup_logging(verbose: int) -> None:
@@ -98,7 +98,7 @@ def print_summary(summary: dict[str, Any], output_dir: Any) -> None:
         for tier, n in summary["wire_bytes"].items():
             table.add_row(f"wire {tier}", f"{n:,}")
     table.add_row("output", str(output_dir))
-    Console().print(table)
+    SafeConsole().print(table)
 
 
 def print_error(message: object, label: str = "error", style: str = "bold red") -> None:

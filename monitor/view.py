@@ -13,11 +13,13 @@ import time as _time
 from collections import Counter
 from dataclasses import dataclass
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from protocols.terminal import SafeConsole
 
 from .state import STATES, CellView, MonitorState, waiting_text
 
@@ -299,6 +301,6 @@ def render(state: MonitorState, now: float | None = None, flt: CellFilter | None
 
 def render_text(state: MonitorState, now: float | None = None, width: int = 140, flt: CellFilter | None = None) -> str:
     """The frame as plain text (for ``--once`` in scripts and for tests)."""
-    console = Console(width=width, file=io.StringIO(), color_system=None)
+    console = SafeConsole(width=width, file=io.StringIO(), color_system=None)
     console.print(render(state, now, flt))
     return console.file.getvalue()  # type: ignore[attr-defined]

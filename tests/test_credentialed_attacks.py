@@ -269,6 +269,56 @@ def test_a_devices_announced_memory_beyond_the_float_range_does_not_break_the_fl
     assert fleet.refused == 0 and "2.0 GiB" in out.export_text()
 
 
+TERMINAL_ATTACK = "\x1b]0;owned\x07\x1b[2J\x9b31m\u202eevil\x1b[0m"
+"""What a node with valid keys may write where an operator's terminal shows it: a title set, the screen cleared
+(ESC and the C1 CSI), a line reordered (RIGHT-TO-LEFT OVERRIDE)."""
+
+
+def test_terminal_control_sequences_in_a_nodes_text_never_reach_the_operators_terminal() -> None:
+    """A device's unfit reason and announced version (its signed idle status, shown by ``fedtier fleet``), a
+    reason logged by a node and a job's reason in the live monitor are the senders' word: rich passed ESC and C1
+    controls through as they are, so a device drove the terminal of whoever ran ``fedtier fleet``. Every console
+    of the CLI and the monitor shows them escaped (``\\x1b``)."""
+    import io
+    import logging
+
+    from fedtier import console as cli
+    from monitor.fleet import Fleet, render
+    from monitor.state import MonitorState
+    from monitor.view import render_text
+    from protocols.status import IDLE, idle_status
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+
+    log = logging.getLogger("fedtier.test")
+    ring = generate_keys(parse_config({"topology": {"cells": 1, "devices_per_cell": 1}}).topology)
+    fleet = Fleet("t", PublicKeys(ring.public))
+    topic = topics.device_status("t", "c0", "c0-d0")
+    trust = Trust("c0-d0", ring.private["c0-d0"], ring.public)
+    unfit = {"session": "job.0", "reason": TERMINAL_ATTACK}
+    fleet.on_status(topic, idle_status(topic, trust, unfit=unfit))
+    assert fleet.nodes["c0-d0"].state == IDLE and fleet.nodes["c0-d0"].unfit() is not None
+    shown = []
+    was = cli.console.file
+    try:
+        for say in (lambda: cli.console.print(render(fleet)), lambda: log.warning("c0-d0: %s", TERMINAL_ATTACK)):
+            cli.console.file = io.StringIO()
+            cli.setup_logging(1)
+            say()
+            shown.append(cli.console.file.getvalue())
+    finally:
+        cli.console.file = was
+        logging.getLogger().handlers.clear()
+    state = MonitorState()
+    state.jobs = [{"job": "job.0", "state": "failed", "reason": TERMINAL_ATTACK, "ended": 0.0}]
+    shown.append(render_text(state, now=0.0, width=400))
+    fleet_table, logged, monitor = shown
+    assert "\\x1b" in fleet_table  # the unfit reason, cut at the 80 columns of its table
+    assert (
+        "\\x1b]0;owned" in logged and "\\x1b]0;owned" in monitor and "\\u202e" in monitor
+    )  # (cut: widths are measured before)
+    assert not any(c in text for text in shown for c in "\x1b\x07\x9b\u202e")
+
+
 def test_metadata_nested_past_32_levels_is_refused_where_it_is_decoded() -> None:
     """JSON nested to the parser's limit (~1000 levels, one ``loads`` of a 2 KB string) decodes, and leaves every
     recursive walk or re-encoding of it in the receiver (its journal, its records) a few stack frames from raising:
