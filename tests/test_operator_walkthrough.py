@@ -264,6 +264,8 @@ def test_a_device_that_cannot_serve_a_job_is_absent_with_its_reason_and_not_wait
     status("c0-d0", "online", session="job.0")
     status("c0-d2", "online", session="job.0")
     status("c0-d1", IDLE, unfit={"session": "job.9", "reason": "another job's"})  # not this job's: offline
+    forged = topics.device_status(run, "c0", "c0-d2")  # c0-d0 (valid keys) says c0-d2 cannot serve: not c0-d2's
+    peer.publish(forged, encode_status(IDLE, topic=forged, trust=trust("c0-d0"), unfit={"session": "job.0"}))
     hub.loop.run(until=lambda: bool(cell_status) and cell_status[-1].get("devices_online") == 2, max_steps=STEPS)
     presence = CellPresence(["c0"])
     presence.heard("c0", cell_status[-1], 0.0)
