@@ -249,6 +249,25 @@ def test_a_cells_signed_state_record_that_readers_cannot_compute_with_is_refused
         render_text(state, now=200.0)
 
 
+def test_a_cell_cannot_give_the_monitor_a_jobs_end_state_the_cloud_did_not_sign() -> None:
+    """The cloud's retained end state (phase, round, accuracy, loss) is what ``fedtier monitor`` shows of a job that
+    ended before it started: a cell with valid keys that writes one (signed with its own key) on the cloud's state
+    topic, or on its own topic naming the cloud, is refused; the cloud's own is taken."""
+    from protocols.state import decode_state
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+    from protocols.wire.signed import seal_record
+
+    ring = generate_keys(parse_config({"topology": {"cells": 1, "devices_per_cell": 1}}).topology)
+    keys = PublicKeys(ring.public)
+    end = {"node": "cloud", "phase": "finished", "since": 1.0, "waiting": [], "round": 9, "accuracy": 0.99}
+    cloud_topic, own_topic = topics.state("t", "cloud"), topics.state("t", "cell.c0")
+    cell = Trust("c0", ring.private["c0"], ring.public).sign
+    assert decode_state(seal_record(end, cloud_topic, cell), cloud_topic, keys) is None
+    assert decode_state(seal_record(end, own_topic, cell), own_topic, keys) is None
+    cloud = Trust("cloud", ring.private["cloud"], ring.public).sign
+    assert decode_state(seal_record(end, cloud_topic, cloud), cloud_topic, keys) == end
+
+
 def test_a_devices_announced_memory_beyond_the_float_range_does_not_break_the_fleet_view() -> None:
     """``fedtier fleet`` shows each device's announced memory in GiB: 10^400 MB (in its own signed status) made the
     table raise; now that cell of the table is left empty."""

@@ -357,6 +357,32 @@ def test_a_device_cannot_leave_retained_records_on_topics_it_may_not_write(conne
 
 
 @needs_mosquitto
+def test_no_cell_or_device_can_leave_the_clouds_job_list_end_state_or_status(connect) -> None:
+    """What ``fedtier jobs`` and the live monitor read as the cloud's word (the retained job list, the job in
+    progress, the cloud's state with a job's end figures, its status) is the cloud's topics alone: a cell's and a
+    device's valid logins leave retained records on each; a reader of all of them (the monitor) finds none."""
+    run = "t"
+    forged = [topics.job_list(run), topics.current_job(run), topics.state(run, "cloud"), topics.status(run, "cloud")]
+    liars = [connect("c0").connect(WAIT), connect("c0-d0").connect(WAIT)]
+    for liar in liars:
+        for topic in forged:
+            liar.publish(topic, b"planted", retain=True)
+        assert liar.flush(WAIT)
+    own = topics.state(run, topics.cell_node("c0"))
+    liars[0].publish(own, b"own state", retain=True)
+    assert liars[0].flush(WAIT)
+    monitor, inbox = connect("monitor"), Inbox()
+    for pattern in (topics.job_list(run), topics.current_job(run), topics.states(run), topics.statuses(run)):
+        monitor.subscribe(pattern, inbox)
+    monitor.connect(WAIT)
+    assert monitor.wait_subscribed(WAIT)
+    liars[0].publish(own, b"live state")  # after the retained ones were queued to the monitor
+    inbox.wait_for_item((own, b"live state"))
+    items = inbox.snapshot()
+    assert [t for t, p in items if p == b"planted"] == [] and (own, b"own state") in items, items
+
+
+@needs_mosquitto
 def test_broker_refuses_a_certificate_of_another_ca(provisioned: dict[str, Any], broker, tmp_path: Path) -> None:
     """The login is the client certificate (its common name is the user): one that claims to be the cloud
     but comes from another CA is refused, whatever user name and password it sends."""
