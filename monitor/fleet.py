@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from protocols.failures import MAX_REASON
 from protocols.numbers import finite_number
 from protocols.status import IDLE, decode_status, idle_deadline, published_age
 from protocols.wire import topics
@@ -68,11 +69,13 @@ class NodeView:
         return "offline" if self.stale(now) else self.state
 
     def unfit(self) -> dict[str, str] | None:
-        """The job an idle device said it cannot serve, and why (``{"job", "reason"}``), or None."""
+        """The job an idle device said it cannot serve, and why (``{"job", "reason"}``, each its word cut at
+        ``MAX_REASON`` as its cell keeps it: a 64 KB reason was a table of thousands of lines), or None."""
         unfit = self.record.get("unfit")
         if self.state != IDLE or not isinstance(unfit, dict):
             return None
-        return {"job": str(unfit.get("session", "")).split(".")[0], "reason": str(unfit.get("reason", ""))}
+        job, reason = str(unfit.get("session", "")).split(".")[0], str(unfit.get("reason", ""))
+        return {"job": job[:MAX_REASON], "reason": reason[:MAX_REASON]}
 
     def as_dict(self, now: float) -> dict[str, Any]:
         """A row for ``--json``: the node, its state, when last heard (seconds ago), versions, capabilities."""

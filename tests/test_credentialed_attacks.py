@@ -249,6 +249,29 @@ def test_a_cells_signed_state_record_that_readers_cannot_compute_with_is_refused
         render_text(state, now=200.0)
 
 
+def test_a_devices_unfit_reason_of_any_length_is_shown_as_its_cell_keeps_it() -> None:
+    """A device's 'cannot serve' reason (and job) in its signed idle status may fill the 64 KB of a record:
+    ``fedtier fleet`` showed it all (thousands of table lines for one device, in --json too). It shows it cut at
+    ``MAX_REASON``, as the device's cell keeps it."""
+    from rich.console import Console
+
+    from monitor.fleet import Fleet, render
+    from protocols.failures import MAX_REASON
+    from protocols.status import idle_status
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+
+    ring = generate_keys(parse_config({"topology": {"cells": 1, "devices_per_cell": 1}}).topology)
+    fleet = Fleet("t", PublicKeys(ring.public))
+    topic = topics.device_status("t", "c0", "c0-d0")
+    trust = Trust("c0-d0", ring.private["c0-d0"], ring.public)
+    fleet.on_status(topic, idle_status(topic, trust, unfit={"session": "j" * 20_000, "reason": "x " * 20_000}))
+    shown = fleet.nodes["c0-d0"].as_dict(0.0)["cannot_serve"]
+    assert shown is not None and len(shown["job"]) == len(shown["reason"]) == MAX_REASON
+    out = Console(width=200, record=True)
+    out.print(render(fleet))
+    assert len(out.export_text().splitlines()) < 20
+
+
 def test_a_cell_cannot_give_the_monitor_a_jobs_end_state_the_cloud_did_not_sign() -> None:
     """The cloud's retained end state (phase, round, accuracy, loss) is what ``fedtier monitor`` shows of a job that
     ended before it started: a cell with valid keys that writes one (signed with its own key) on the cloud's state
