@@ -74,11 +74,12 @@ def idle_settings(cfg: RunConfig, command: Literal["sim", "run"]) -> list[str]:
     does not use, each with why. They change speed, never results, so a run goes on with them (warned): the
     cohort engine's knobs with ``engine = "device"``; ``fedtier sim``'s workers under ``fedtier run`` (whose
     device agents run in their own worker processes, ``--workers``), or its worker backend without workers."""
+    from .algorithms.base import non_defaults
+
     rt = cfg.runtime
-    fields = type(rt).model_fields
 
     def changed(*keys: str) -> list[str]:
-        return [k for k in keys if getattr(rt, k) != fields[k].default]
+        return list(non_defaults(rt, dict.fromkeys(keys)))
 
     out = []
     if rt.engine != "cohort":
