@@ -21,7 +21,15 @@ import numpy as np
 
 from protocols.algorithms.base import CellRole
 from protocols.answers import Answers, sender_refusal
-from protocols.privacy.secagg import Phase, RoundId, SecAggCell, SecAggFailure, SecAggSettings, unflatten
+from protocols.privacy.secagg import (
+    Phase,
+    RoundId,
+    SecAggCell,
+    SecAggFailure,
+    SecAggSettings,
+    masked_layout,
+    unflatten,
+)
 from protocols.rejections import Rejected, RejectKind
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
@@ -213,12 +221,14 @@ class CellSecAgg:
             self._advance()
 
     def check(self, device: str, result: Payload) -> None:
-        """A masked ``device_result``: it fits the protocol and (unmasked shapes) the cell role."""
+        """A masked ``device_result``: its vector fits its layout and (unmasked shapes) the cell role, judged
+        first, in any phase (a late answer is refused for what it holds); then it fits the protocol's phase."""
+        layout = masked_layout(result)
+        zeros = unflatten(np.zeros(sum(int(np.prod(s)) for _, s in layout)), layout)
+        self.server.role.check(device, Payload({"weight": result.meta.get("weight")}, zeros))
         if self.state is None:
             raise Rejected(RejectKind.OUT_OF_ORDER, "secure aggregation: no aggregation in progress")
-        layout = self.state.check_masked(device, result)
-        zeros = unflatten(np.zeros(sum(int(np.prod(s)) for _, s in layout)), layout)
-        self.server.role.check(device, Payload({"weight": result.meta["weight"]}, zeros))
+        self.state.check_masked(device, result)
 
     def unmask(self, results: Mapping[str, Payload], why: str) -> None:
         """The result phase closed with ``results`` (masked): ask the survivors for their shares."""

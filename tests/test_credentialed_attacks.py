@@ -272,6 +272,33 @@ def test_a_devices_unfit_reason_of_any_length_is_shown_as_its_cell_keeps_it() ->
     assert len(out.export_text().splitlines()) < 20
 
 
+def test_a_late_masked_result_that_cannot_be_summed_is_refused_for_what_it_holds() -> None:
+    """Under secure aggregation a device cut off from a round answers after it closed: its first answer is 'late'
+    (no alert) unless what it holds is broken. The cell's check asked for the masked phase and the device's shares
+    first, so a late masked vector that matches no layout, sent while the aggregation is past that phase or by a
+    device without shares in it, was 'late': the alert a broken result raises was lost. Its content is judged
+    first now."""
+    from protocols.answers import Answers
+    from protocols.rejections import RejectKind
+    from tests.test_secagg import Round
+
+    r = Round(4)
+    r.setup()
+    r.send_results(drop=("c0-d3",))  # c0-d3 is cut off: the result phase closes without it
+    r.cell.unmask_requests()
+    good = r.devices["c0-d3"].mask(r.results["c0-d3"])
+    short = Payload(dict(good.meta), {"masked": good.tensors["masked"][:-1]})
+    answers = Answers("device")
+    answers.open((1, 0), ["c0-d0", "c0-d3"])
+    answers.close()
+    answers.open((1, 1), ["c0-d0", "c0-d3"])
+    refused = answers.offer("c0-d3", "c0-d3", (1, 0), short, lambda d, p: r.cell.check_masked(d, p) and None)
+    assert refused is not None and refused.kind is RejectKind.SHAPE
+    with pytest.raises(Rejected) as stray:
+        r.cell.check_masked("c0-d9", short)  # a device never planned: its broken vector is still named broken
+    assert stray.value.kind is RejectKind.SHAPE
+
+
 def test_a_cell_cannot_give_the_monitor_a_jobs_end_state_the_cloud_did_not_sign() -> None:
     """The cloud's retained end state (phase, round, accuracy, loss) is what ``fedtier monitor`` shows of a job that
     ended before it started: a cell with valid keys that writes one (signed with its own key) on the cloud's state

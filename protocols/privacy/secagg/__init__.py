@@ -45,7 +45,7 @@ neighbour graph), :mod:`.crypto` (agreement, masks, commitments, signed bytes, i
 (quantisation, layouts, checked message fields), :mod:`.device` and :mod:`.cell` (the two roles).
 """
 
-from .cell import Phase, SecAggCell, SecAggFailure, Unmasked
+from .cell import Phase, SecAggCell, SecAggFailure, Unmasked, masked_layout
 from .crypto import Identity, RosterIdentity
 from .device import CellLied, SecAggDevice
 from .encoding import dequantize, flatten, quantize, unflatten
@@ -76,6 +76,7 @@ __all__ = [
     "Unmasked",
     "dequantize",
     "flatten",
+    "masked_layout",
     "neighbour_graph",
     "quantize",
     "refusal",

@@ -155,17 +155,14 @@ class SecAggCell:
         }
 
     def check_masked(self, device: str, payload: Payload) -> Layout:
-        """Refuse a masked result that cannot be summed; its layout otherwise."""
+        """Refuse a masked result that cannot be summed; its layout otherwise. What it holds is judged first, in
+        any phase: a late answer (``protocols.answers``) is refused for its content whenever it comes."""
+        layout = masked_layout(payload)
         self._expect(Phase.MASKED, device)
         if device not in self.sealed:
             raise Rejected(
                 RejectKind.NOT_PLANNED, "secure aggregation: a result from a device whose shares did not arrive"
             )
-        layout = layout_of(payload.meta.get("layout"))
-        arr = payload.tensors.get("masked")
-        size = sum(math.prod(s) for _, s in layout)
-        if set(payload.tensors) != {"masked"} or arr is None or arr.dtype != np.uint32 or arr.shape != (size,):
-            raise Rejected(RejectKind.SHAPE, "secure aggregation: the masked vector does not match its layout")
         w = payload.meta.get("weight")
         if (number := finite_number(w)) is None or not 0 < number <= self.keys[device][2]:
             raise Rejected(
@@ -315,3 +312,14 @@ class SecAggCell:
     def _fail(self, why: str) -> NoReturn:
         self.phase = Phase.FAILED
         raise SecAggFailure(why)
+
+
+def masked_layout(payload: Payload) -> Layout:
+    """The layout of a masked result whose vector matches it (what it holds alone, in any phase of any round);
+    :class:`Rejected` (malformed layout, shape) if it does not."""
+    layout = layout_of(payload.meta.get("layout"))
+    arr = payload.tensors.get("masked")
+    size = sum(math.prod(s) for _, s in layout)
+    if set(payload.tensors) != {"masked"} or arr is None or arr.dtype != np.uint32 or arr.shape != (size,):
+        raise Rejected(RejectKind.SHAPE, "secure aggregation: the masked vector does not match its layout")
+    return layout
