@@ -228,6 +228,7 @@ def monitor_rows() -> list[tuple[str, str, bool, str]]:
 
 def node_rows(cfg_path: str, rounds: int, tmp: Path) -> tuple[list[tuple[str, str, bool, bool]], float]:
     from protocols.config import load_config
+    from protocols.safe_text import log_to_stderr
     from protocols.transport.broker import MosquittoBroker
     from protocols.wire.keys import generate_keys, write_keys
     from sim.attacker import ATTACKS, Attacker
@@ -251,7 +252,7 @@ def node_rows(cfg_path: str, rounds: int, tmp: Path) -> tuple[list[tuple[str, st
         log_path = tmp / "attacked.log"
         try:
             with captured_stderr(log_path):
-                logging.basicConfig(level=logging.WARNING, force=True)
+                log_to_stderr(logging.WARNING)
                 t0 = time.perf_counter()
                 attacked = Emulation(cfg_for("attacked"), broker_url=broker.url).run()
                 wall = time.perf_counter() - t0
@@ -270,6 +271,7 @@ def lying_cell_rows(cfg_path: str, tmp: Path) -> list[tuple[str, str, bool, bool
     round, one edge round), then the same attacks against what the protocol guarded before (unsigned keys;
     the threshold of one third), in ``fedtier sim``, where they recover the target's update exactly."""
     from protocols.config import load_config
+    from protocols.safe_text import log_to_stderr
     from protocols.transport.broker import MosquittoBroker
     from sim.emulation import Emulation
     from sim.launcher import run_simulation
@@ -287,7 +289,7 @@ def lying_cell_rows(cfg_path: str, tmp: Path) -> list[tuple[str, str, bool, bool
         liar = LyingCell(attack, "c0-d1")
         log_path = tmp / f"lie-{attack}.log"
         with captured_stderr(log_path), liar.install(), MosquittoBroker() as broker:
-            logging.basicConfig(level=logging.WARNING, force=True)
+            log_to_stderr(logging.WARNING)
             Emulation(cfg, broker_url=broker.url).run()
         text = log_path.read_text(errors="replace")
         refused = liar.attempts > 0 and "cell c0 lied" in text and log in text

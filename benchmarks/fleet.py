@@ -279,6 +279,7 @@ def jobs_worker(job: dict[str, Any], results: Any) -> None:
     from edge_agent.runner import AgentProcess, BrokerOptions, load_device_data, make_trainer
     from edge_agent.service import AgentService
     from protocols import procs
+    from protocols.safe_text import log_to_stderr
     from protocols.transport.threadloop import ThreadLoop
     from protocols.wire import topics
     from sim.emulation import raise_fd_limit
@@ -286,7 +287,7 @@ def jobs_worker(job: dict[str, Any], results: Any) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     procs.die_with_parent(job["parent"])
-    logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
+    log_to_stderr(logging.WARNING, "%(processName)s %(message)s")
     raise_fd_limit()
     bundle = parse_config(job["bundle"])
     data, shape, classes = {}, None, None

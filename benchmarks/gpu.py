@@ -367,9 +367,11 @@ def child(side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool
 
     import torch
 
+    from protocols.safe_text import SafeFormatter
+
     torch.set_num_threads(1)
     said = logging.StreamHandler()  # the engines' device choices (auto), shown by the parent
-    said.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    said.setFormatter(SafeFormatter("%(name)s: %(message)s"))
     logging.getLogger("fedtier.device").addHandler(said)
     logging.getLogger("fedtier.device").setLevel(logging.INFO)
     w = with_cells(WORKLOADS[workload], cells)

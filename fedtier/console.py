@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from protocols.config import ConfigError, RunConfig, load_config
+from protocols.safe_text import SafeFormatter
 from protocols.terminal import SafeConsole
 
 if TYPE_CHECKING:
@@ -26,14 +27,11 @@ console = SafeConsole(stderr=True)
 
 
 def setup_logging(verbose: int) -> None:
+    """Log at WARNING (``-v``: INFO, ``-vv``: DEBUG) on the CLI's :class:`SafeConsole`, peer text escaped."""
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level,
-        format="%(message)s",
-        datefmt="[%X]",
-        handlers=[RichHandler(console=console, show_path=False)],
-        force=True,
-    )
+    handler = RichHandler(console=console, show_path=False)
+    handler.setFormatter(SafeFormatter("%(message)s", datefmt="[%X]"))  # a log file's rule, not only the console's
+    logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
 def load_or_exit(path: str, overrides: tuple[str, ...]) -> RunConfig:

@@ -1,23 +1,17 @@
 """Printing on an operator's terminal what other nodes wrote: their reasons, names and status fields are their
 word, and a terminal control sequence in one (``ESC ]0;...``, ``ESC [2J``, a C1 ``CSI``) would drive the
-operator's terminal. :class:`SafeConsole` shows such characters as escapes (``\\x1b``); every console of the CLI
-and the monitor is one."""
+operator's terminal. :class:`SafeConsole` shows such characters as escapes (``\\x1b``, by
+:func:`protocols.safe_text.printable`, the rule log lines follow too); every console of the CLI and the monitor
+is one."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from rich.console import Console, ConsoleOptions, RenderableType
 from rich.segment import Segment
 
-UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-"""C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides that reorder a line."""
-
-
-def printable(text: str) -> str:
-    """``text`` with each :data:`UNSAFE` character written as its escape (``\\x1b``, ``\\u202e``)."""
-    return UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
+from protocols.safe_text import UNSAFE, printable
 
 
 class SafeConsole(Console):

@@ -25,6 +25,7 @@ from protocols.config import RunConfig, parse_config
 from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.jobs import JobError
+from protocols.safe_text import log_to_stderr
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import node_trust
@@ -123,7 +124,7 @@ def worker_main(job: dict[str, Any], results: Any) -> None:
     then ``{"agents": stats per device, "sessions": the job sessions served}`` goes to ``results``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
     procs.die_with_parent(job.get("parent"))  # a SIGKILLed launcher leaves no worker behind
-    logging.basicConfig(level=job.get("log_level", logging.WARNING), format="%(processName)s %(message)s")
+    log_to_stderr(job.get("log_level", logging.WARNING), "%(processName)s %(message)s")
     raise_fd_limit()
     keep_freed_memory()  # every device decodes a model-sized task and frames a result each round
     skip_exit_collection()  # exits in ~0.15 s, not ~1 s: the launcher waits for it

@@ -19,6 +19,7 @@ from protocols.divergence import diverged_result, nonfinite
 from protocols.execution import execution_plan
 from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory, setup_frozen
+from protocols.safe_text import log_to_stderr
 from protocols.trainer import LocalData
 from protocols.wire.payload import Parts, Payload, decode_payload, payload_parts
 
@@ -174,7 +175,7 @@ def process_main(
     ``ring``: its result ring's ``(name, size, semaphore)`` (``sim/result_ring.py``); none: results by pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
     procs.die_with_parent()  # even a SIGKILLed main process leaves no worker behind
-    logging.basicConfig(level=logging.WARNING, format="%(processName)s %(message)s")
+    log_to_stderr(logging.WARNING, "%(processName)s %(message)s")
     keep_freed_memory()  # a batch of model-sized tasks and results every round
     skip_exit_collection()  # exits in ~0.15 s, not ~1 s
     try:

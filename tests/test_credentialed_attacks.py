@@ -695,3 +695,58 @@ def test_a_status_signed_by_another_node_hides_no_node_and_shows_none_alive() ->
         assert decode_status(data, topic, keys) is None  # as the cell reads its devices' statuses
     states = {v.node: v.state for v in fleet.rows()}
     assert fleet.refused == 2 and states == {"c0-d1": "online", "c0-d2": "offline"}, states
+
+
+def test_terminal_control_sequences_in_a_nodes_text_reach_no_log_line_raw(tmp_path: Path) -> None:
+    """A cell logs a device's 'cannot serve' reason, and an exception that quotes a peer's text, as they are: a
+    ``fedtier run|sim`` worker logged them to stderr (a terminal, or a log file read later with ``cat``) with the
+    device's ESC, C1 and bidi characters raw. Every handler fedtier sets up formats through ``SafeFormatter``:
+    the worker's (``log_to_stderr``, to a file here), the CLI's (its RichHandler), and no module of fedtier or its
+    benchmarks makes another (a new one would have to be made safe the same way)."""
+    import ast
+    import logging
+
+    from cell_server.liveness import Liveness
+    from fedtier import console as cli
+    from protocols.safe_text import SafeFormatter, log_to_stderr
+
+    root = logging.getLogger()
+    before = root.handlers[:], root.level
+    path = tmp_path / "worker.log"
+    try:
+        with open(path, "w") as stream, pytest.MonkeyPatch.context() as mp:
+            mp.setattr("sys.stderr", stream)
+            log_to_stderr(logging.WARNING, "%(processName)s %(message)s")
+            Liveness("c0", ["c0-d0"]).cannot_serve("c0-d0", TERMINAL_ATTACK)
+            try:
+                raise ValueError(f"bad shape from c0-d0: {TERMINAL_ATTACK}")
+            except ValueError:
+                logging.getLogger("cell_server").exception("c0-d0's result")
+        cli.setup_logging(0)
+        (rich_handler,) = root.handlers
+        assert isinstance(rich_handler.formatter, SafeFormatter)
+    finally:
+        root.handlers[:], _ = before
+        root.setLevel(before[1])
+    logged = path.read_text()
+    assert "cannot serve this job: \\x1b]0;owned\\x07\\x1b[2J\\x9b31m\\u202eevil" in logged
+    assert logged.count("\\x1b]0;owned") == 2  # the reason, and the message of the exception logged
+    assert not any(c in logged for c in "\x1b\x07\x9b\u202e")
+
+    repo = Path(__file__).resolve().parent.parent
+    makers = {"basicConfig", "StreamHandler", "FileHandler", "RichHandler", "dictConfig", "fileConfig", "Formatter"}
+    made = []
+    for package in ("fedtier", "protocols", "sim", "cloud", "cell_server", "edge_agent", "monitor", "benchmarks"):
+        for source in sorted((repo / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                    if name in makers:
+                        made.append(f"{source.relative_to(repo)}:{name}")
+    assert sorted(set(made)) == [
+        "benchmarks/gpu.py:StreamHandler",  # with a SafeFormatter
+        "fedtier/console.py:RichHandler",  # its formatter asserted above
+        "fedtier/console.py:basicConfig",  # with that handler only
+        "protocols/safe_text.py:StreamHandler",
+        "protocols/safe_text.py:basicConfig",
+    ]
