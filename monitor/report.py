@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -295,7 +296,13 @@ def plot_cell_durations(runs: list[RunData]) -> Plot:
 
 
 def make_plots(runs: list[RunData]) -> list[Plot]:
-    """Every plot of the report; the time plot only when some run's clock moved."""
+    """Every plot of the report; the time plot only when some run's clock moved. Labels and cell names are the
+    records' text, drawn as written: a ``$`` in one is no mathtext (``$\\bad$`` failed the report)."""
+    with rc_context({"text.parse_math": False}):
+        return _make_plots(runs)
+
+
+def _make_plots(runs: list[RunData]) -> list[Plot]:
     plots = [plot_vs_round(runs), plot_vs_bytes(runs)]
     if any(r.has_clock for r in runs):
         plots.append(plot_vs_time(runs))

@@ -750,3 +750,62 @@ def test_terminal_control_sequences_in_a_nodes_text_reach_no_log_line_raw(tmp_pa
         "protocols/safe_text.py:StreamHandler",
         "protocols/safe_text.py:basicConfig",
     ]
+
+
+def test_peer_text_in_a_runs_records_runs_no_script_in_the_report_and_drives_no_terminal_in_logs(
+    tmp_path: Path,
+) -> None:
+    """A run's records hold its cells' words: a cell's name, its algorithm (the report's label when the folder has
+    no config), a device's absence reason, and a line that is no record at all. ``fedtier report`` writes them
+    HTML-escaped (no ``<script>`` or event handler the operator's browser would run) and its plots still draw;
+    ``fedtier logs`` shows them with their control characters escaped."""
+    import json
+    from html.parser import HTMLParser
+
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+    from monitor.report import write_report
+    from protocols import runfiles
+
+    out = run_simulation(small_config(tmp_path, run={"rounds": 1})).output_dir
+    script = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+    lines = (out / runfiles.AGGREGATION).read_text().splitlines()
+    forged = []
+    for line in lines:
+        record = json.loads(line)
+        record.update(cell=f"c0{script}", algorithm=f"{script}$\\notacommand$")
+        record["absent"] = {"c0-d0": TERMINAL_ATTACK + script}
+        forged.append(json.dumps(record))
+    (out / runfiles.AGGREGATION).write_text("\n".join(forged) + "\n")
+    (out / runfiles.CONFIG).unlink()
+    with open(out / runfiles.METRICS, "a") as f:
+        f.write(f"{script}\n")
+
+    page = write_report([out], tmp_path / "report.html")[0].read_text()
+    tags: list[tuple[str, list[tuple[str, str | None]]]] = []
+    parser = HTMLParser()
+    parser.handle_starttag = lambda tag, attrs: tags.append((tag, attrs))  # type: ignore[method-assign]
+    parser.feed(page)
+    assert {tag for tag, _ in tags} == {
+        "html",
+        "head",
+        "meta",
+        "title",
+        "style",
+        "body",
+        "h1",
+        "h2",
+        "table",
+        "tr",
+        "th",
+        "td",
+        "img",
+        "pre",
+    }
+    assert not [a for _, attrs in tags for a, _ in attrs if a.startswith("on")]  # no event handler
+    assert all(dict(attrs)["src"].startswith("data:image/png;base64,") for tag, attrs in tags if tag == "img")
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page  # in the label and the invalid lines
+    res = CliRunner().invoke(main, ["logs", str(out), "--event", "aggregation"])
+    assert res.exit_code == 0, res.output
+    assert "\\x1b]0;owned" in res.output and not any(c in res.output for c in "\x1b\x07\x9b\u202e")
