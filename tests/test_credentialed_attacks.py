@@ -758,7 +758,7 @@ def test_peer_text_in_a_runs_records_runs_no_script_in_the_report_and_drives_no_
     """A run's records hold its cells' words: a cell's name, its algorithm (the report's label when the folder has
     no config), a device's absence reason, and a line that is no record at all. ``fedtier report`` writes them
     HTML-escaped (no ``<script>`` or event handler the operator's browser would run) and its plots still draw;
-    ``fedtier logs`` shows them with their control characters escaped."""
+    ``fedtier logs`` shows them with their control characters escaped, in its table and as JSON."""
     import json
     from html.parser import HTMLParser
 
@@ -809,3 +809,6 @@ def test_peer_text_in_a_runs_records_runs_no_script_in_the_report_and_drives_no_
     res = CliRunner().invoke(main, ["logs", str(out), "--event", "aggregation"])
     assert res.exit_code == 0, res.output
     assert "\\x1b]0;owned" in res.output and not any(c in res.output for c in "\x1b\x07\x9b\u202e")
+    res = CliRunner().invoke(main, ["logs", str(out), "--event", "aggregation", "--json"])  # as JSON escapes it
+    assert res.exit_code == 0 and "\\u001b]0;owned" in res.output
+    assert not any(c in res.output for c in "\x1b\x07\x9b\u202e")
