@@ -18,8 +18,23 @@ def printable(text: str) -> str:
     return UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
+CONTINUATION = "\n    | "
+"""What a line break inside a log message becomes: a peer's text cannot start a line that reads as a record."""
+
+
 class SafeFormatter(logging.Formatter):
-    """A logging formatter whose whole line (message, exception and stack text included) is :func:`printable`."""
+    """A logging formatter whose whole line (message, exception and stack text included) is :func:`printable`,
+    and whose message's own line breaks (a peer's reason may carry ``\\n`` and a forged record after it) go on
+    indented (:data:`CONTINUATION`): every line that starts at the margin is one this formatter began."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        message = record.message
+        if "\n" in message:  # a lone \r is :data:`UNSAFE`: written as its escape by format
+            record.message = message.replace("\n", CONTINUATION)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
 
     def format(self, record: logging.LogRecord) -> str:
         return printable(super().format(record))

@@ -752,6 +752,32 @@ def test_terminal_control_sequences_in_a_nodes_text_reach_no_log_line_raw(tmp_pa
     ]
 
 
+def test_a_peers_line_break_cannot_forge_a_log_record() -> None:
+    """A device's reason with a line break and a record-like line after it ('cannot serve: x\\nINFO c1: all
+    devices answered') was logged as two lines, the second one the device's. Every line a ``SafeFormatter`` writes
+    at the margin is one it began: the message's own breaks go on indented, an exception's traceback is as it was,
+    and a lone carriage return is written as its escape."""
+    import logging
+
+    from protocols.safe_text import CONTINUATION, SafeFormatter
+
+    formatter = SafeFormatter("%(levelname)s %(name)s: %(message)s")
+    forged = "x\nINFO cell_server: c0 all devices answered\rINFO cloud: fine"
+    record = logging.LogRecord("cell_server", logging.WARNING, __file__, 1, "c0-d0 cannot serve: %s", (forged,), None)
+    try:
+        raise ValueError("shape")
+    except ValueError:
+        import sys
+
+        record.exc_info = sys.exc_info()
+    lines = formatter.format(record).split("\n")
+    assert lines[0] == "WARNING cell_server: c0-d0 cannot serve: x"
+    assert lines[1] == CONTINUATION[1:] + "INFO cell_server: c0 all devices answered\\rINFO cloud: fine"
+    assert lines[2] == "Traceback (most recent call last):"  # the traceback's own lines stay as Python wrote them
+    assert [line for line in lines if line.startswith("INFO")] == []
+    assert record.getMessage().count("\n") == 1  # the record itself is left as it was, for other handlers
+
+
 def test_peer_text_in_a_runs_records_runs_no_script_in_the_report_and_drives_no_terminal_in_logs(
     tmp_path: Path,
 ) -> None:
