@@ -367,7 +367,7 @@ def test_terminal_control_sequences_in_a_nodes_text_never_reach_the_operators_te
     fleet.on_status(topic, idle_status(topic, trust, unfit=unfit))
     assert fleet.nodes["c0-d0"].state == IDLE and fleet.nodes["c0-d0"].unfit() is not None
     shown = []
-    was = cli.console.file
+    was = cli.console._file  # None: the console writes to whatever sys.stderr is when it prints (CliRunner's)
     try:
         for say in (lambda: cli.console.print(render(fleet)), lambda: log.warning("c0-d0: %s", TERMINAL_ATTACK)):
             cli.console.file = io.StringIO()
@@ -375,7 +375,7 @@ def test_terminal_control_sequences_in_a_nodes_text_never_reach_the_operators_te
             say()
             shown.append(cli.console.file.getvalue())
     finally:
-        cli.console.file = was
+        cli.console._file = was  # (not .file, which reads back the stderr of now: pinned, later tests print there)
         logging.getLogger().handlers.clear()
     state = MonitorState()
     state.jobs = [{"job": "job.0", "state": "failed", "reason": TERMINAL_ATTACK, "ended": 0.0}]
