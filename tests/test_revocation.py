@@ -85,6 +85,16 @@ class Cells:
         )
 
 
+def _memory_job(cfg: Any, ring: KeyRing) -> tuple[Any, dict[str, np.ndarray], MemoryHub, Any, Cells]:
+    """The job's cloud (session ``job.0``) and its scripted :class:`Cells` on one in-memory hub: the algorithm, its
+    global parameters (what a report is like), the hub, the cloud and the cells."""
+    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
+    like = dict(algorithm.cloud().global_params())
+    hub = MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
+    return algorithm, like, hub, cloud, Cells(hub.connect("cells"), cfg.run.name, ring, like)
+
+
 def _reference(algorithm: Any, like: dict[str, np.ndarray], rounds: list[list[str]]) -> dict[str, np.ndarray]:
     """The global model a cloud role gives when round ``r`` aggregates the reports of ``rounds[r]``."""
     role = algorithm.cloud()
@@ -115,11 +125,7 @@ def test_a_cell_revoked_mid_round_is_not_waited_for_and_what_it_sends_is_refused
     and c2's reports (the model is exactly their aggregate), c1 is never planned again, and its reports, signed
     with its real key (on its topic, or on c0's), are refused as ``revoked`` and listed in the next record."""
     cfg, ring = _signed_config(tmp_path)
-    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
-    like = dict(algorithm.cloud().global_params())
-    hub = MemoryHub()
-    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
-    cells = Cells(hub.connect("cells"), cfg.run.name, ring, like)
+    algorithm, like, hub, cloud, cells = _memory_job(cfg, ring)
     cells.silent = lambda cell, rnd: cell == "c1" and rnd == 1
     cloud.start()
     hub.loop.run(until=lambda: cloud.round == 1 and set(cloud.answers.received) == {"c0", "c2"})
@@ -156,11 +162,7 @@ def test_a_report_taken_before_the_revocation_is_dropped_and_a_job_without_cells
     then aggregates c0 and c2). Revoking the last cells while round 1 is open fails the job with the reason, and
     round 1 aggregates nothing (c0's report in hand is not a model update of a job that lost its cells)."""
     cfg, ring = _signed_config(tmp_path)
-    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
-    like = dict(algorithm.cloud().global_params())
-    hub = MemoryHub()
-    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
-    cells = Cells(hub.connect("cells"), cfg.run.name, ring, like)
+    algorithm, like, hub, cloud, cells = _memory_job(cfg, ring)
     cells.silent = lambda cell, rnd: cell == "c2" or (cell == "c0" and rnd == 1)
     cloud.start()
     hub.loop.run(until=lambda: set(cloud.answers.received) == {"c0", "c1"})
@@ -296,11 +298,7 @@ def test_async_a_revoked_cells_buffered_push_is_dropped_and_its_next_refused(tmp
     cfg, ring = _signed_config(
         tmp_path, run={"rounds": 1}, algorithm={"mode": "async", "async_cloud_buffer": 3, "edge_rounds": 1}
     )
-    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
-    like = dict(algorithm.cloud().global_params())
-    hub = MemoryHub()
-    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
-    cells = Cells(hub.connect("cells"), cfg.run.name, ring, like)
+    algorithm, like, hub, cloud, cells = _memory_job(cfg, ring)
     cells.silent = lambda cell, rnd: cell == "c2"
     cloud.start()
     hub.loop.run(until=lambda: len(cloud.fb.buffer.entries) == 2)  # type: ignore[attr-defined]
