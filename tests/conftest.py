@@ -95,3 +95,21 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
             for s in socks:
                 s.close()
     raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+def kill_worker_at_task(sim: Any, device: str, at: tuple[int, int] = (1, 0)) -> Any:
+    """SIGKILL the sim worker process that trains ``device`` when ``device``'s task of (round, edge round) ``at``
+    comes: dead before that task is even sent, waited for on its sentinel without reaping it (a second joiner
+    would race the executor's own join and leave it without the exit code). Returns the process."""
+    import multiprocessing.connection
+    import signal
+
+    proc = sim.executor.procs[sim.executor.owner[device]]
+
+    def kill(rnd: int, edge: int) -> None:
+        if (rnd, edge) == at:
+            os.kill(proc.pid, signal.SIGKILL)
+            multiprocessing.connection.wait([proc.sentinel], 10)
+
+    sim.agents[device].on_task = kill
+    return proc

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing.connection
-import os
-import signal
 from typing import Any
 
 import pytest
@@ -12,6 +9,7 @@ import pytest
 from protocols.transport.memory import VirtualLoop
 from sim.executors import ProcessExecutor, WorkerError
 from sim.launcher import RunResult, SimHierarchy, run_simulation
+from tests.conftest import kill_worker_at_task
 
 WALL = ("time", "duration_s")  # real-time fields of the records; everything else must match
 
@@ -97,16 +95,7 @@ def test_clock_stragglers_miss_the_same_deadlines(make_config):
 def test_a_worker_that_dies_ends_the_run_with_the_device_named(make_config):
     sim = SimHierarchy(make_config(runtime={"sim_workers": 2, "device_deadline": 5.0}), write_output=False)
     victim = "c1-d0"
-    proc = sim.executor.procs[sim.executor.owner[victim]]
-
-    def kill(rnd: int, edge: int) -> None:
-        if (rnd, edge) == (1, 0):
-            os.kill(proc.pid, signal.SIGKILL)
-            # dead before the task is even sent; wait on its sentinel without reaping it (a second
-            # joiner would race the executor's own join and leave it without the exit code)
-            multiprocessing.connection.wait([proc.sentinel], 10)
-
-    sim.agents[victim].on_task = kill
+    kill_worker_at_task(sim, victim)
     group = sim.executor.groups[sim.executor.owner[victim]]  # the error names the first task lost with it
     with pytest.raises(
         WorkerError,

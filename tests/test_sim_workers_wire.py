@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from sim.executors import WorkerError
 from sim.launcher import RunResult, SimHierarchy, run_simulation
 from sim.result_ring import RingReader, RingWriter
 from sim.worker_frames import batch_frame, batch_items, unframe
-from tests.conftest import wait_until
+from tests.conftest import kill_worker_at_task, wait_until
 
 WALL = ("time", "duration_s")
 
@@ -72,15 +71,7 @@ def test_a_worker_killed_mid_round_ends_the_run_and_leaves_no_segment(make_confi
     sections = {**SECTIONS, "algorithm": {**SECTIONS["algorithm"], "edge_rounds": 1}}
     sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False)
     names = [ring.name for ring in sim.executor.rings]
-    victim = "c1-d0"
-    proc = sim.executor.procs[sim.executor.owner[victim]]
-
-    def kill(rnd: int, edge: int) -> None:
-        if (rnd, edge) == (1, 0):
-            os.kill(proc.pid, signal.SIGKILL)
-            multiprocessing.connection.wait([proc.sentinel], 10)
-
-    sim.agents[victim].on_task = kill
+    kill_worker_at_task(sim, "c1-d0")
     with pytest.raises(WorkerError, match=r"\(round 1\.0\).*died with exit code -9"):
         sim.run()
     assert all(not p.is_alive() for p in sim.executor.procs)
