@@ -113,3 +113,20 @@ def kill_worker_at_task(sim: Any, device: str, at: tuple[int, int] = (1, 0)) -> 
 
     sim.agents[device].on_task = kill
     return proc
+
+
+def exported_cell(tmp_path: Path) -> tuple[RunConfig, Any, Any, Any, Any]:
+    """Cell c0 of 2 devices (heartbeat 1 s) started on an in-memory hub with a ``MetricsExporter`` watching it, and
+    a peer connection to publish its devices' statuses: ``(cfg, hub, cell, exporter, peer)``."""
+    from cell_server.node import build_cell
+    from monitor.exporter import MetricsExporter
+    from protocols.transport.memory import MemoryHub
+    from sim.hierarchy import prepare
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}, runtime={"heartbeat": 1.0})
+    hub = MemoryHub()
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), cfg.build_algorithm(prepare(cfg).spec), heartbeats=True)
+    exporter = MetricsExporter(cfg.run.name)
+    exporter.watch_cell(cell)
+    cell.start()
+    return cfg, hub, cell, exporter, hub.connect("peer")

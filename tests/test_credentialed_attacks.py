@@ -195,19 +195,10 @@ def test_a_devices_announced_cores_beyond_the_float_range_do_not_blind_its_cells
     metrics port raise (the exporter's float of it), hiding the whole cell. Now that number is left out."""
     from prometheus_client import generate_latest
 
-    from cell_server.node import build_cell
-    from monitor.exporter import MetricsExporter
     from protocols.status import encode_status
-    from protocols.transport.memory import MemoryHub
-    from sim.hierarchy import prepare
+    from tests.conftest import exported_cell
 
-    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}, runtime={"heartbeat": 1.0})
-    hub = MemoryHub()
-    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), cfg.build_algorithm(prepare(cfg).spec), heartbeats=True)
-    exporter = MetricsExporter(cfg.run.name)
-    exporter.watch_cell(cell)
-    cell.start()
-    peer = hub.connect("peer")
+    cfg, hub, cell, exporter, peer = exported_cell(tmp_path)
     for device, cores in (("c0-d0", 10**400), ("c0-d1", 4)):
         topic = topics.device_status(cfg.run.name, "c0", device)
         caps = {"wire": 1, "cores": cores, "memory_mb": 10**30 if cores != 4 else 2048}

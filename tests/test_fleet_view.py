@@ -235,19 +235,9 @@ def test_a_cells_metrics_port_shows_its_devices_as_the_fleet_view_does(tmp_path)
     capabilities its signed status announced (label text from devices made plain)."""
     from prometheus_client import generate_latest
 
-    from cell_server.node import build_cell
-    from monitor.exporter import MetricsExporter
-    from protocols.transport.memory import MemoryHub
-    from sim.hierarchy import prepare
-    from tests.conftest import small_config
+    from tests.conftest import exported_cell
 
-    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}, runtime={"heartbeat": 1.0})
-    hub = MemoryHub()
-    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), cfg.build_algorithm(prepare(cfg).spec), heartbeats=True)
-    exporter = MetricsExporter(cfg.run.name)
-    exporter.watch_cell(cell)
-    cell.start()
-    peer = hub.connect("peer")
+    cfg, hub, cell, exporter, peer = exported_cell(tmp_path)
     topic = topics.device_status(cfg.run.name, "c0", "c0-d0")
     caps = {
         "fedtier": "0.1.0",
