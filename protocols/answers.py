@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .rejections import Rejected, RejectKind
+from .rejections import OffPlan, Rejected, RejectKind
 from .wire.payload import Payload
 
 CONTENT = frozenset(
-    {RejectKind.SHAPE, RejectKind.NON_FINITE, RejectKind.BOUND, RejectKind.MALFORMED, RejectKind.OVERSIZED}
+    {
+        RejectKind.SHAPE,
+        RejectKind.NON_FINITE,
+        RejectKind.BOUND,
+        RejectKind.MALFORMED,
+        RejectKind.OVERSIZED,
+        RejectKind.INCONSISTENT,
+    }
 )
-"""Refusals of what an answer holds, whatever round it is for (the others may judge it against the current one)."""
+"""Refusals of what an answer holds, whatever round it is for (the others judge it against the current round, and
+so does an :class:`~protocols.rejections.OffPlan` refusal of one of these kinds)."""
 
 
 class Answers:
@@ -89,14 +97,15 @@ def late_refusal(
     cut_off: set[str],
 ) -> Rejected:
     """Why the first answer of ``who`` to round ``key``, closed without it, is refused: :attr:`RejectKind.LATE`
-    (honest, too slow), unless its content fails ``check`` (a broken or hostile answer alerts whenever it comes);
-    a second one is stale. ``check`` judges against the current round: only its refusals of the content count."""
+    (honest, too slow), unless its content fails ``check``: then the kind of that check (a broken, self-contradicting
+    or hostile answer alerts whenever it comes); a second one is stale. ``check`` judges against the current round:
+    only its refusals of the content count (:data:`CONTENT`, not :class:`~protocols.rejections.OffPlan`)."""
     cut_off.discard(who)
     if payload is not None:
         try:
             check(who, payload)
         except Rejected as exc:
-            if exc.kind in CONTENT:
+            if exc.kind in CONTENT and not isinstance(exc, OffPlan):
                 return exc
     at = ".".join(map(str, key))
     return Rejected(RejectKind.LATE, f"late answer of {kind} {who} for round {at}, which closed without it")

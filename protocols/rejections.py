@@ -28,7 +28,8 @@ class RejectKind(StrEnum):
     """for an old round, an old model version, or a version from the future"""
     LATE = "late"
     """the first answer of a party to the round before, which closed without it (deadline, quorum): expected of
-    stragglers, so no alert; its content was still checked"""
+    stragglers, so no alert; only a clean one: an answer whose content fails a check is filed under that check's
+    kind (``inconsistent``, ``non_finite``...), whenever it comes"""
     NOT_PLANNED = "not_planned"
     """from a device or cell this round did not plan"""
     OUT_OF_ORDER = "out_of_order"
@@ -69,6 +70,12 @@ class Refusal(ValueError):
 
 class Rejected(Refusal):
     """A message a role refuses (wrong shape, non-finite values, wrong round...). Logged, dropped."""
+
+
+class OffPlan(Rejected):
+    """A refusal of what does not fit the current round's plan (HIST's partition, the layout of the other masked
+    results), not of the message alone: a late answer (``protocols.answers``), judged against the round after its
+    own, is not refused for it."""
 
 
 def kind_of(exc: BaseException, default: RejectKind = RejectKind.INVALID) -> RejectKind:

@@ -46,10 +46,10 @@ def _names_a_kind(arg: ast.expr) -> bool:
     return isinstance(arg, ast.Name) and arg.id == "kind"
 
 
-@pytest.mark.parametrize("name", ["Rejected", "WireError"])
+@pytest.mark.parametrize("name", ["Rejected", "WireError", "OffPlan"])
 def test_every_refusal_names_its_kind(name: str) -> None:
     calls = _calls(name)
-    assert len(calls) >= (80 if name == "Rejected" else 25)
+    assert len(calls) >= {"Rejected": 80, "WireError": 25, "OffPlan": 2}[name]
     missing = [where for where, call in calls if not call.args or not _names_a_kind(call.args[0])]
     assert not missing, f"{name}(...) without a RejectKind first: {missing}"
 
@@ -163,3 +163,64 @@ def test_a_late_answer_is_late_once_and_a_broken_one_is_refused_for_what_it_hold
     broken = answers.offer("c0-d2", "c0-d2", (1, 0), result, nan)
     assert broken is not None and broken.kind is RejectKind.NON_FINITE
     assert answers.pending == {"c0-d0", "c0-d1", "c0-d2"}  # nothing late counts in the open round
+
+
+def test_a_late_answer_that_contradicts_itself_is_filed_inconsistent_and_alerts(tmp_path: Path) -> None:
+    """Two DeComFL devices of c0 answer every task after its edge round closed at the device deadline: c0-d2
+    honestly (``late``, no alert), c0-d1 with a resync answer that carries a weight too (it contradicts itself).
+    That one was filed ``late`` as well, out of sight of the alerts and the monitor; it is ``inconsistent`` now."""
+    from edge_agent.agent import DeviceAgent
+    from monitor.state import MonitorState
+    from protocols.records import read_run
+    from sim.launcher import SimHierarchy
+    from tests.conftest import small_config
+
+    algorithm = {"name": "decomfl", "local_steps": 1, "perturbations": 2, "lr": 0.02, "edge_rounds": 1}
+    cfg = small_config(tmp_path, run={"rounds": 2}, algorithm=algorithm, runtime={"device_deadline": 5.0})
+    sim = SimHierarchy(cfg)
+    configure = sim.agents.configure
+
+    def slow(agent: DeviceAgent) -> None:
+        configure(agent)
+        if agent.device in ("c0-d1", "c0-d2"):
+            genuine = agent.publish_result
+            lie = Payload({"resync": True, "weight": 1.0}) if agent.device == "c0-d1" else None
+            agent.publish_result = lambda r, *a: sim.hub.loop.call_later(10.0, lambda: genuine(lie or r, *a))
+
+    sim.agents.configure = slow
+    result = sim.run()
+    assert result.failed is None and len(result.history) == 2 and result.output_dir is not None
+    records = [r for r in read_run(result.output_dir)[0] if isinstance(r, CellRecord) and r.cell == "c0"]
+    assert all(r.absent == {"c0-d1": "deadline", "c0-d2": "deadline"} for r in records)
+    refused = sorted({(x.device, x.kind.value) for r in records for x in r.rejected})
+    assert refused == [("c0-d1", "inconsistent"), ("c0-d2", "late")]
+    monitor = MonitorState()
+    monitor.add_all(records)
+    alerts = monitor.alerts(now=float(records[-1].time or 0.0))
+    assert any(
+        a.startswith("cell c0 rejected 1 result(s)") and "a resync answer carries nothing else" in a for a in alerts
+    )
+    assert not any("late answer" in a for a in alerts)
+
+
+def test_a_late_hist_report_is_late_not_refused_for_the_next_rounds_partition() -> None:
+    """HIST's check that a report's index sets are this round's partition judges the round, not the report: an
+    honest report of the round before (closed without it) holds that round's partition, and is ``late``."""
+    from protocols.algorithms.base import ModelSpec
+    from protocols.algorithms.hist import Hist
+
+    spec = ModelSpec(name="mlp", input_shape=(64,), num_classes=10, hidden=(30,))  # 15 units a cell, each round
+    cloud = Hist(Hist.Params(name="hist", local_steps=1), spec, seed=7).cloud()
+    answers = Answers("cell")
+    tasks = cloud.plan(0, ["c0", "c1"])
+    answers.open((0,), ["c0", "c1"])
+    report = Payload({"weight": 10.0}, tasks["c1"].tensors)  # its submodel as its delta, with its index sets
+    assert answers.offer("c0", "c0", (0,), Payload({"weight": 10.0}, tasks["c0"].tensors), cloud.check) is None
+    answers.close()
+    cloud.plan(1, ["c0", "c1"])
+    answers.open((1,), ["c0", "c1"])
+    with pytest.raises(Rejected) as now:
+        cloud.check("c1", report)  # in round 1, the partition is another
+    assert now.value.kind is RejectKind.INCONSISTENT
+    late = answers.offer("c1", "c1", (0,), report, cloud.check)
+    assert late is not None and late.kind is RejectKind.LATE, late

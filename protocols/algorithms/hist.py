@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from .. import params as P
-from ..rejections import Rejected, RejectKind
+from ..rejections import OffPlan, Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
@@ -198,7 +198,7 @@ class HistCloud(ModelCloud):
         delta, idx = split_task(report)
         planned = self.parts[cell]
         if set(idx) != set(planned) or any(not np.array_equal(idx[k], planned[k]) for k in planned):
-            raise Rejected(
+            raise OffPlan(  # a late report holds its own round's partition
                 RejectKind.INCONSISTENT, f"report of cell {cell}: index sets differ from this round's partition"
             )
         check_delta(Payload(report.meta, delta), self.shapes[cell], f"report of cell {cell}")

@@ -13,7 +13,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from ...numbers import finite_number
-from ...rejections import Rejected, RejectKind
+from ...rejections import OffPlan, Rejected, RejectKind
 from ...wire.payload import Payload
 from .. import shamir
 from .crypto import KEY_BYTES, SEALED_BYTES, SIG_BYTES, commitment, pair_mask, pair_sign, public_bytes, self_mask
@@ -171,7 +171,7 @@ class SecAggCell:
             )
         for other in self.masked.values():
             if other.meta["layout"] != payload.meta["layout"]:
-                raise Rejected(RejectKind.INCONSISTENT, "secure aggregation: a layout unlike the other devices'")
+                raise OffPlan(RejectKind.INCONSISTENT, "secure aggregation: a layout unlike the other devices'")
         return layout
 
     def add_masked(self, device: str, payload: Payload) -> None:
