@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from protocols import runfiles
+from protocols.numbers import finite_number
 from protocols.records import BadLine, CellRecord, Dedup, Record, RoundRecord, parse_lines, parse_record
 from protocols.state import decode_state
 from protocols.status import IDLE, decode_status, published_age
@@ -283,7 +284,7 @@ class TelemetryFeed:
         status = decode_status(data, topic, self.keys)
         if status is not None:
             with self._lock:
-                beat = status.get("heartbeat") if isinstance(status.get("heartbeat"), (int, float)) else None
+                beat = finite_number(status.get("heartbeat"))
                 node = topic.rsplit("/", 1)[-1]
                 age = published_age(status) if status["state"] == IDLE and node not in self._heard else 0.0
                 self._heard.add(node)

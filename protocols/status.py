@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .numbers import finite_number
 from .wire.envelope import WireError
 from .wire.ratelog import RateLimitedLog
 from .wire.signed import open_record, seal_record, signer_of
@@ -61,13 +62,10 @@ def decode_status(data: bytes, topic: str = "", trust: PublicKeys | None = None)
 def idle_deadline(received: float | None, heartbeat: Any) -> float | None:
     """When an idle record received at ``received`` goes stale: :data:`IDLE_MISSED` of its declared
     ``heartbeat`` periods later (``None``: it declares none, an older node: never)."""
-    if received is None or not isinstance(heartbeat, (int, float)):
+    period = finite_number(heartbeat)  # the node's word: a bool, NaN or 10**400 is no period
+    if received is None or period is None or period <= 0:
         return None
-    try:
-        period = float(heartbeat)
-    except OverflowError:  # an int too large for a float (the node's word): no period
-        return None
-    return received + IDLE_MISSED * period if math.isfinite(period) and period > 0 else None
+    return received + IDLE_MISSED * period
 
 
 def beat_stamp() -> dict[str, float]:
@@ -80,13 +78,8 @@ def published_age(record: dict[str, Any]) -> float:
     """Seconds since ``record`` says it was published (its ``published`` time; 0 without one, or one ahead of this
     clock). Only a record first seen retained is aged so (clocks a few seconds apart do not matter beside three
     heartbeats); one heard live counts from its arrival."""
-    at = record.get("published")
-    if isinstance(at, bool) or not isinstance(at, (int, float)):
-        return 0.0
-    try:
-        age = time.time() - float(at)  # (an int too large for a float: OverflowError)
-    except OverflowError:
-        return 0.0
+    at = finite_number(record.get("published"))
+    age = time.time() - at if at is not None else 0.0
     return age if math.isfinite(age) and age > 0 else 0.0
 
 

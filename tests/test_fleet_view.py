@@ -170,6 +170,26 @@ def test_an_idle_records_published_time_that_is_no_time_is_taken_as_now():
     assert fleet.nodes["c0"].as_dict(100.0)["state"] == "offline"  # three 10 s heartbeats missed
 
 
+def test_an_idle_heartbeat_that_is_no_period_is_refused_as_one():
+    """An idle record's ``heartbeat`` is the node's word: ``true`` passed as a 1 s period (the node deemed offline
+    after 3 s of a healthy idle), NaN, infinity or 10**400 are no period either; the record is idle, never aged."""
+    import math
+
+    from protocols.status import idle_deadline
+
+    for bad in (True, math.nan, math.inf, 1e400, 10**400, -5.0, "10"):
+        assert idle_deadline(100.0, bad) is None, bad
+    assert idle_deadline(100.0, 10) == idle_deadline(100.0, 10.0) == 130.0
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=1))
+    trust = Trust("c0", ring.private["c0"], ring.public)
+    topic = topics.status("fed", "cell.c0")
+    for beat, state in ((True, "idle"), (10**400, "idle"), (1, "offline")):
+        clock = Clock()
+        fleet = Fleet("fed", PublicKeys(ring.public), clock=clock)
+        fleet.on_status(topic, idle_status(topic, trust, heartbeat=beat))
+        assert fleet.nodes["c0"].as_dict(clock.t + 5.0)["state"] == state, beat
+
+
 def test_an_idle_heartbeat_that_is_no_period_never_breaks_the_views():
     """An idle record's declared ``heartbeat`` is the node's word too: one too large for a float (or infinite)
     means no deadline, never an exception in fedtier fleet's or fedtier monitor's handling."""
