@@ -51,6 +51,7 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
+from .fedalign_priority import check_probe_lists, priority_figures, probe_lists
 from .fedavg import FedAvgCell, FedAvgDevice, check_delta
 from .outcome import Outcome
 from .traits import Trait
@@ -74,6 +75,12 @@ class FedAlignParams(TrainParams):
     warmup_rounds: int = Field(default=0, ge=0, description="first iterations with priority devices only")
     criterion: Literal["loss", "accuracy"] = Field(
         default="loss", description="what a non-priority device matches against the priority devices' value"
+    )
+    priority_statistic: Literal["mean", "median"] = Field(
+        default="mean",
+        description="how the cloud makes F of the priority devices' probes: the paper's weighted mean, or their "
+        "weighted median (cells then report each priority device's probe): F stays within the honest devices' range "
+        "while liars (lying priority devices, every priority device of a lying cell) hold under half the weight",
     )
 
     def idle_keys(self) -> dict[str, str]:
@@ -156,8 +163,14 @@ class FedAlignCloud(CloudRole):
         # prio_weight weighs the cells' priority losses in F; it adds every edge round's priority devices
         return {"weight": 1.0, "prio_weight": float(self.p.edge_rounds)}
 
-    def __init__(self, params: FedAlignParams, initial: Mapping[str, np.ndarray]) -> None:
+    def member_keys(self) -> tuple[str, ...]:
+        return ("prio_devices",)  # priority_statistic "median": the devices whose probes a cell reports
+
+    def __init__(
+        self, params: FedAlignParams, initial: Mapping[str, np.ndarray], priority: frozenset[str] | None = None
+    ) -> None:
         self.p, self.schedule = params, Schedule(params)
+        self.priority = priority  # the priority devices a cell's probe lists may name (None: not checked)
         self.model = P.copy(initial)
         self.F: float | None = None  # criterion value of the current model (phase free)
         self.held: dict[str, Payload] = {}  # phase-priority reports awaiting the free phase
@@ -189,6 +202,8 @@ class FedAlignCloud(CloudRole):
                 RejectKind.INCONSISTENT,
                 f"report of cell {cell}: prio_accuracy {accuracy:g} above prio_weight {weight:g}",
             )
+        if self.p.priority_statistic == "median":
+            check_probe_lists(report.meta, f"report of cell {cell}", self.priority)
         for key in ("admitted", "refused"):  # counts of free devices, summed into the round's metrics
             n = report.meta.get(key, 0)
             if not is_count(n):
@@ -203,14 +218,17 @@ class FedAlignCloud(CloudRole):
         eps = self.schedule.epsilon(it)
         metrics["epsilon"] = None if math.isinf(eps) else eps
         if phase != "free":  # priority devices took part: F of the broadcast model
-            weight = sum(r.meta["prio_weight"] for r in reports.values())
-            loss = sum(r.meta["prio_loss"] for r in reports.values()) / weight if weight else None
-            acc = sum(r.meta["prio_accuracy"] for r in reports.values()) / weight if weight else None
+            loss, acc, by_cell = priority_figures(self.p.priority_statistic, reports)
             if loss is not None and not math.isfinite(loss):  # cells' figures, each finite, whose mean is not
                 log.warning("round %d: the cells' priority loss is beyond the float range: none this round", round)
                 loss = None  # (the loss criterion: no F, as in a round without priority devices)
             self.F = loss if self.p.criterion == "loss" else acc
-            metrics.update(priority_loss=loss, priority_accuracy=acc)
+            metrics.update(
+                priority_loss=loss,
+                priority_accuracy=acc,
+                priority_statistic=self.p.priority_statistic,
+                priority_by_cell=by_cell,
+            )
         else:
             metrics["F"] = self.F
         if phase != "solo":
@@ -259,6 +277,7 @@ class FedAlignCell(FedAvgCell):
     def __init__(self, params: FedAlignParams, cell: str, priority: frozenset[str]) -> None:
         super().__init__(params, cell)
         self.priority = priority
+        self.statistic = params.priority_statistic
         self.task: dict[str, Any] = {}
         self.planned: dict[str, str] = {}
 
@@ -283,6 +302,7 @@ class FedAlignCell(FedAvgCell):
         self.planned = {}
         self.decisions: dict[str, dict[str, Any]] = {}
         self.prio = {"prio_weight": 0.0, "prio_loss": 0.0, "prio_accuracy": 0.0}
+        self.probes: dict[str, tuple[float, float, float]] = {}  # priority_statistic "median": each device's
 
     def plan(self, edge_round: int, available: Sequence[str]) -> dict[str, Payload]:
         phase, t = self.task["phase"], self.task
@@ -333,6 +353,7 @@ class FedAlignCell(FedAvgCell):
                 # the loss is the device's word (finite, unbounded): its sum stays a float the report can carry
                 self.prio["prio_loss"] = min(self.prio["prio_loss"] + w * m["probe_loss"], sys.float_info.max)
                 self.prio["prio_accuracy"] += w * m["probe_accuracy"]
+                self.probes[d] = (w, float(m["probe_loss"]), float(m["probe_accuracy"]))
                 continue
             value = float(m["probe_loss"] if crit == "loss" else m["probe_accuracy"])
             ok = bool(m["trained"]) and admits(value, F, eps)
@@ -368,6 +389,8 @@ class FedAlignCell(FedAvgCell):
         report.meta.update(
             phase=self.task["phase"], admitted=admitted, refused=len(self.decisions) - admitted, **self.prio
         )
+        if self.statistic == "median":
+            report.meta.update(probe_lists(self.probes))
         return report
 
 
@@ -437,7 +460,7 @@ class FedAlign(Algorithm):
         return self.priority
 
     def cloud(self) -> CloudRole:
-        return FedAlignCloud(self.params, self.initial_params())  # type: ignore[arg-type]
+        return FedAlignCloud(self.params, self.initial_params(), self._priority())  # type: ignore[arg-type]
 
     def cell(self, cell: str) -> CellRole:
         return FedAlignCell(self.params, cell, self._priority())  # type: ignore[arg-type]
