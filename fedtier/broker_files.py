@@ -140,6 +140,12 @@ def cell_ports(cells: list[str], first: int) -> dict[str, int]:
     return ports
 
 
+def broker_folders(out: Path) -> list[Path]:
+    """The broker folders of provisioning folder ``out``: ``broker`` (the cloud's, or the shared one) and each cell's
+    ``cells/<cell>`` (per-cell brokers), those that hold a ``mosquitto.conf``."""
+    return [d for d in (out / "broker", *sorted((out / "cells").glob("*"))) if (d / "mosquitto.conf").is_file()]
+
+
 BROKER_CONFIGS = ("mosquitto.conf", "listener.conf")
 """The files of a broker folder that name its files by absolute path (see :func:`relocate`)."""
 
@@ -153,7 +159,7 @@ def relocate(out: str | Path) -> list[Path]:
     they name (read off their ``acl_file`` line) to the broker folder's current absolute path,
     owner and mode kept. Returns the broker folders rewritten (none if nothing moved)."""
     out = Path(out)
-    folders = [d for d in (out / "broker", *sorted((out / "cells").glob("*"))) if (d / "mosquitto.conf").is_file()]
+    folders = broker_folders(out)
     if not folders:
         raise ConfigError(f"{out} holds no provisioned broker (no broker/mosquitto.conf)")
     moved = []

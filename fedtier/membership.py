@@ -33,7 +33,7 @@ from protocols.roster import roster_topic
 from protocols.wire import topics
 from protocols.wire.keys import new_seed, public_of, write_keys
 
-from .broker_files import reload_brokers
+from .broker_files import broker_folders, reload_brokers
 from .federation import (
     ROSTER_FILE,
     Federation,
@@ -195,16 +195,11 @@ def revoke(out: str | Path, node: str) -> Change:
         fed.ring.public.pop(n, None)
     fed.revoked_serials = revoke_serials(fed.out, fed.revoked_serials)  # the one list renewals add to too
     folders = _broker_dirs(fed, cell) if node != cell else _broker_dirs(fed, None)
-    all_brokers = (
-        [fed.out / "broker", *sorted((fed.out / "cells").glob("*"))]
-        if (fed.out / "cells").is_dir()
-        else [fed.out / "broker"]
-    )
     for folder in folders:
         _rewrite_broker(fed, folder, [u for u in _users(folder) if u not in gone])
     _save(fed)
     _refresh_keys(fed, ["cloud", "monitor", *([cell] if node != cell else [])])
-    return Change(node, None, fed.roster.version, reload_brokers(sorted(set(all_brokers))))
+    return Change(node, None, fed.roster.version, reload_brokers(broker_folders(fed.out)))
 
 
 # ------------------------------------------------------------------------------------------ publishing

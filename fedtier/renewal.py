@@ -23,7 +23,7 @@ from cryptography.x509.oid import NameOID
 
 from protocols.config import ConfigError
 
-from .broker_files import reload_brokers
+from .broker_files import broker_folders, reload_brokers
 from .pki import VALID_DAYS, certificate, load_pki, new_key, pem_cert, pem_key, write_file
 
 CRL = "ca.crl"
@@ -53,10 +53,6 @@ def _keep_owner(path: Path, stat: os.stat_result) -> None:
         os.chown(path, stat.st_uid, stat.st_gid)
 
 
-def _brokers(out: Path) -> list[Path]:
-    return [d for d in (out / "broker", *sorted((out / "cells").glob("*"))) if (d / "mosquitto.conf").exists()]
-
-
 def certificates(out: Path, nodes: list[str] | None) -> list[Path]:
     """The certificate files :func:`renew` replaces: the named nodes' ``client.crt``, or every bundle's and the
     brokers' ``server.crt`` and ``bridge.crt``."""
@@ -67,7 +63,7 @@ def certificates(out: Path, nodes: list[str] | None) -> list[Path]:
             raise ConfigError(f"no bundle with a certificate in {bundles} for: {', '.join(missing)}")
         return [bundles / n / "client.crt" for n in nodes]
     found = sorted(bundles.glob("*/client.crt"))
-    for broker in _brokers(out):
+    for broker in broker_folders(out):
         found += [broker / name for name in ("server.crt", "bridge.crt") if (broker / name).exists()]
     return found
 
@@ -111,7 +107,7 @@ def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None =
         revoked.append(old.serial_number)
         renewed.append(crt)
     revoked = revoke_serials(out, revoked)
-    return Renewed(renewed, revoked, reload_brokers(_brokers(out)))
+    return Renewed(renewed, revoked, reload_brokers(broker_folders(out)))
 
 
 def revoke_serials(out: Path, serials: Iterable[int]) -> list[int]:
@@ -121,7 +117,7 @@ def revoke_serials(out: Path, serials: Iterable[int]) -> list[int]:
     revoked = sorted(set(revoked_serials(out)) | set(serials))
     crl = load_pki(out).crl(revoked)
     write_file(out / "ca" / CRL, crl)
-    for broker in _brokers(out):
+    for broker in broker_folders(out):
         owner = os.stat(broker / "mosquitto.conf")
         write_file(broker / CRL, crl)
         _keep_owner(broker / CRL, owner)
