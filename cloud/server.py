@@ -66,7 +66,6 @@ class CloudServer:
     live = False  # start() ran: a revocation acts on the rounds from then on, a stop request at once
     _awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
     resumed_from: dict[str, Any] | None = None  # a resumed cloud: its checkpoint's round record (the last before)
-    cells_absent_at_start: dict[str, str] = {}  # cell -> why (replaced, never changed): _begin_once
 
     def __init__(
         self,
@@ -124,6 +123,7 @@ class CloudServer:
         self.planned: list[str] = []
         self._early: dict[str, tuple[str, Any]] = {}  # cell -> its report of ``round``, come before the round
         self.revoked: dict[str, str] = {}  # cell -> why it is out of the job (the federation revoked it)
+        self.cells_absent_at_start: dict[str, str] = {}  # cell -> why the startup wait ended without it
         self.resumed = saved is not None
         if saved is not None:
             self._resume(saved, session is None, devices_recreated)
