@@ -87,11 +87,9 @@ def _server_kind(cfg: RunConfig, algorithm: Algorithm, resume: bool) -> tuple[ty
     return AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, inner)}
 
 
-def config_cell_bounds(cfg: RunConfig) -> Mapping[str, float] | None:
+def config_cell_bounds(cfg: RunConfig) -> CellBounds:
     """Each cell's weight bound from ``security.max_device_weight`` (which ``fedtier provision`` writes into
-    every bundle), or ``None`` (no bound) when it is unset."""
-    bound = cfg.security.max_device_weight
-    if bound is None:
-        return None
-    topo = cfg.topology
-    return CellBounds(topo.cell_ids(), cfg.train, lambda cell: [bound] * len(topo.device_ids(cell)), topo.cell_of)
+    every bundle; unset: no weight bound), and the topology's devices of each cell (a report names no other)."""
+    bound, topo = cfg.security.max_device_weight, cfg.topology
+    per_cell = (lambda cell: [bound] * len(topo.device_ids(cell))) if bound is not None else None
+    return CellBounds(topo.cell_ids(), cfg.train, per_cell, topo.cell_of)

@@ -115,8 +115,8 @@ def report_refusal(
     """Why a report on ``cell``'s topic is refused before the role sees it, or None: it must be for that
     cell, with ``session`` (signed runs: the cloud's session) signed by that cell in it, claim in each sample
     count of ``role`` (``CloudRole.weight_keys``; default ``weight``) a weight within its multiple of the cell's
-    bound in ``bounds``, and name in its device lists (``CloudRole.member_keys``) only devices of that cell (where
-    ``bounds`` knows them)."""
+    bound in ``bounds`` (where it knows one), and name in its device lists (``CloudRole.member_keys``) only devices of
+    that cell (where ``bounds`` is a :class:`~protocols.bounds.CellBounds`, which knows them)."""
     h = msg.header
     if h.cell != cell:
         return Rejected(RejectKind.WRONG_SENDER, f"report for cell {h.cell!r} on the topic of cell {cell!r}")
@@ -124,14 +124,13 @@ def report_refusal(
         if h.sender == cell:
             return Rejected(RejectKind.SIGNATURE, f"report of session {h.session!r}, this cloud's is {session!r}")
         return Rejected(RejectKind.WRONG_SENDER, f"report signed by {h.sender!r} on the topic of cell {cell!r}")
-    bound = bounds.get(cell) if bounds is not None else None
-    if bound is None:
-        return None
-    for key, times in (role.weight_keys() if role is not None else {"weight": 1.0}).items():
-        limit = bound * times
-        over = weight_over(msg.payload.meta.get(key), limit, f"the bound of cell {cell} ({limit:g} samples)")
-        if over is not None:
-            return Rejected(RejectKind.BOUND, over if key == "weight" else f"{key}: {over}")
+    bound = bounds.get(cell) if bounds is not None else None  # None: no weight bound known (the lists still count)
+    if bound is not None:
+        for key, times in (role.weight_keys() if role is not None else {"weight": 1.0}).items():
+            limit = bound * times
+            over = weight_over(msg.payload.meta.get(key), limit, f"the bound of cell {cell} ({limit:g} samples)")
+            if over is not None:
+                return Rejected(RejectKind.BOUND, over if key == "weight" else f"{key}: {over}")
     cell_of = bounds.cell_of if isinstance(bounds, CellBounds) else None
     if cell_of is None or role is None:
         return None

@@ -51,23 +51,25 @@ def cell_weight_bound(train: TrainParams, device_bounds: Iterable[float]) -> flo
 class CellBounds(Mapping[str, float]):
     """``cell -> cell_weight_bound`` computed on first access (a cell of a million devices costs nothing
     until its first report), from ``device_bounds(cell)``; ``cell_of(device)`` (the topology's or the roster's)
-    says which cell a device belongs to, for reports that name their devices (``CloudRole.member_keys``)."""
+    says which cell a device belongs to, for reports that name their devices (``CloudRole.member_keys``).
+    ``device_bounds=None``: no weight bound is known (the mapping is empty), only who belongs where."""
 
     def __init__(
         self,
         cells: Iterable[str],
         train: TrainParams,
-        device_bounds: Callable[[str], Iterable[float]],
+        device_bounds: Callable[[str], Iterable[float]] | None,
         cell_of: Callable[[str], str | None] | None = None,
     ) -> None:
-        self._cells, self._train, self._device_bounds = list(cells), train, device_bounds
+        self._cells = list(cells) if device_bounds is not None else []
+        self._train, self._device_bounds = train, device_bounds
         self._members = set(self._cells)
         self._known: dict[str, float] = {}
         self.cell_of = cell_of
 
     def __getitem__(self, cell: str) -> float:
         if cell not in self._known:
-            if cell not in self._members:
+            if cell not in self._members or self._device_bounds is None:
                 raise KeyError(cell)
             self._known[cell] = cell_weight_bound(self._train, self._device_bounds(cell))
         return self._known[cell]

@@ -565,6 +565,36 @@ def test_a_decomfl_cell_cannot_count_devices_it_does_not_have(tmp_path: Path) ->
     assert not any(d.startswith("ghost") for t in sim.cloud.role.synced.values() for d in t)
 
 
+def test_a_decomfl_cell_naming_another_cells_device_is_refused_without_a_weight_bound(tmp_path: Path) -> None:
+    """The device-list check rode on the weight bounds: a deployed cloud with neither a roster nor
+    ``security.max_device_weight`` (``cloud.node.config_cell_bounds``: no bounds) took c0's report naming c1's device
+    c1-d0 beside its own, counting it twice. The lists are checked against the topology whatever the bounds."""
+    from cloud.node import config_cell_bounds
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 2},
+        algorithm={"name": "decomfl", "local_steps": 1, "perturbations": 2, "lr": 0.02, "edge_rounds": 1},
+    )
+    assert cfg.security.max_device_weight is None
+    sim = SimHierarchy(cfg)
+    sim.cloud.cell_bounds = config_cell_bounds(cfg)  # what build_cloud takes without a launcher's bounds
+    assert not sim.cloud.cell_bounds  # no weight bound known
+    role = sim.cells["c0"].role
+    honest = role.report
+
+    def foreign() -> Payload:
+        r = honest()
+        answered = [*r.meta["answered"], "c1-d0"]
+        return Payload({**r.meta, "answered": answered, "weight": len(answered)}, r.tensors)
+
+    role.report = foreign
+    result = sim.run()
+    refused = [x for r in result.history for x in r["rejected"]]
+    assert len(refused) == 2 and all("answered names 'c1-d0', not a device of cell c0" in x["reason"] for x in refused)
+    assert [r["metrics"]["devices"] for r in result.history] == [3, 3]  # c1's only
+
+
 def test_a_fedbuff_cell_cannot_claim_a_fresher_base_than_the_cloud_sent_it(tmp_path: Path) -> None:
     """FedBuff weighs a push by its staleness (1/sqrt(1 + s) of the version it names as its base): c0 (its own key)
     naming the cloud's current version while it still trained on an older one took the weight of a fresh push, up
