@@ -92,4 +92,5 @@ def config_cell_bounds(cfg: RunConfig) -> CellBounds:
     every bundle; unset: no weight bound), and the topology's devices of each cell (a report names no other)."""
     bound, topo = cfg.security.max_device_weight, cfg.topology
     per_cell = (lambda cell: [bound] * len(topo.device_ids(cell))) if bound is not None else None
-    return CellBounds(topo.cell_ids(), cfg.train, per_cell, topo.cell_of)
+    per_device = (lambda cell, device: bound if topo.cell_of(device) == cell else None) if bound is not None else None
+    return CellBounds(topo.cell_ids(), cfg.train, per_cell, topo.cell_of, per_device)

@@ -115,8 +115,9 @@ def report_refusal(
     """Why a report on ``cell``'s topic is refused before the role sees it, or None: it must be for that
     cell, with ``session`` (signed runs: the cloud's session) signed by that cell in it, claim in each sample
     count of ``role`` (``CloudRole.weight_keys``; default ``weight``) a weight within its multiple of the cell's
-    bound in ``bounds`` (where it knows one), and name in its device lists (``CloudRole.member_keys``) only devices of
-    that cell (where ``bounds`` is a :class:`~protocols.bounds.CellBounds`, which knows them)."""
+    bound in ``bounds`` (where it knows one), name in its device lists (``CloudRole.member_keys``) only devices of
+    that cell and give each listed device (``CloudRole.member_weight_keys``) at most its own bound (where ``bounds``
+    is a :class:`~protocols.bounds.CellBounds`, which knows them)."""
     h = msg.header
     if h.cell != cell:
         return Rejected(RejectKind.WRONG_SENDER, f"report for cell {h.cell!r} on the topic of cell {cell!r}")
@@ -131,13 +132,32 @@ def report_refusal(
             over = weight_over(msg.payload.meta.get(key), limit, f"the bound of cell {cell} ({limit:g} samples)")
             if over is not None:
                 return Rejected(RejectKind.BOUND, over if key == "weight" else f"{key}: {over}")
-    cell_of = bounds.cell_of if isinstance(bounds, CellBounds) else None
-    if cell_of is None or role is None:
+    if not isinstance(bounds, CellBounds) or bounds.cell_of is None or role is None:
         return None
     for key in role.member_keys():
-        stranger = _stranger(msg.payload.meta.get(key, []), cell, cell_of)
+        stranger = _stranger(msg.payload.meta.get(key, []), cell, bounds.cell_of)
         if stranger is not None:
             return Rejected(RejectKind.WRONG_SENDER, f"{key} names {stranger[:40]!r}, not a device of cell {cell}")
+    for weights_key, devices_key in role.member_weight_keys().items():
+        over = _member_over(msg.payload.meta, weights_key, devices_key, cell, bounds)
+        if over is not None:
+            return Rejected(RejectKind.BOUND, over)
+    return None
+
+
+def _member_over(
+    meta: Mapping[str, Any], weights_key: str, devices_key: str, cell: str, bounds: CellBounds
+) -> str | None:
+    """Why a report's per-device weights (``meta[weights_key]``, for the devices of ``meta[devices_key]``) are
+    refused: one above its device's bound (unknown bounds pass; the role checks the lists' form)."""
+    devices, weights = meta.get(devices_key), meta.get(weights_key)
+    if not isinstance(devices, list) or not isinstance(weights, list):
+        return None
+    for device, weight in zip(devices, weights):
+        bound = bounds.device_bound(cell, device) if isinstance(device, str) else None
+        over = weight_over(weight, bound, f"the bound of device {str(device)[:40]}")
+        if over is not None:
+            return f"{weights_key}: {over}"
     return None
 
 

@@ -51,8 +51,10 @@ def cell_weight_bound(train: TrainParams, device_bounds: Iterable[float]) -> flo
 class CellBounds(Mapping[str, float]):
     """``cell -> cell_weight_bound`` computed on first access (a cell of a million devices costs nothing
     until its first report), from ``device_bounds(cell)``; ``cell_of(device)`` (the topology's or the roster's)
-    says which cell a device belongs to, for reports that name their devices (``CloudRole.member_keys``).
-    ``device_bounds=None``: no weight bound is known (the mapping is empty), only who belongs where."""
+    says which cell a device belongs to, for reports that name their devices (``CloudRole.member_keys``), and
+    ``device_bound(cell, device)`` the most samples one of them may claim (``None``: not of that cell, or unknown),
+    for reports that give each a weight (``CloudRole.member_weight_keys``). ``device_bounds=None``: no weight bound
+    is known (the mapping is empty), only who belongs where."""
 
     def __init__(
         self,
@@ -60,12 +62,19 @@ class CellBounds(Mapping[str, float]):
         train: TrainParams,
         device_bounds: Callable[[str], Iterable[float]] | None,
         cell_of: Callable[[str], str | None] | None = None,
+        device_bound: Callable[[str, str], float | None] | None = None,
     ) -> None:
         self._cells = list(cells) if device_bounds is not None else []
         self._train, self._device_bounds = train, device_bounds
         self._members = set(self._cells)
         self._known: dict[str, float] = {}
         self.cell_of = cell_of
+        self._device_bound = device_bound
+
+    def device_bound(self, cell: str, device: str) -> float | None:
+        """The most samples ``device`` of ``cell`` may claim; ``None`` when unknown (not of that cell, or no
+        per-device bounds were given)."""
+        return None if self._device_bound is None else self._device_bound(cell, device)
 
     def __getitem__(self, cell: str) -> float:
         if cell not in self._known:
@@ -84,5 +93,9 @@ class CellBounds(Mapping[str, float]):
 def roster_cell_bounds(roster: Roster, train: TrainParams) -> CellBounds:
     """Each cell's weight bound from a signed roster (``protocols.roster.Roster``): its devices' bounds there."""
     return CellBounds(
-        roster.cells, train, lambda cell: [entry.max_weight for entry in roster.cells[cell].values()], roster.cell_of
+        roster.cells,
+        train,
+        lambda cell: [entry.max_weight for entry in roster.cells[cell].values()],
+        roster.cell_of,
+        roster.device_bound,
     )

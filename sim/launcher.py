@@ -222,6 +222,7 @@ def cell_bounds(cfg: RunConfig, device_data: DeviceData) -> CellBounds:
         cfg.train,
         lambda c: device_samples(device_data, cfg.topology.devices(c)).values(),
         cfg.topology.cell_of,
+        lambda c, d: device_samples(device_data, cfg.topology.devices(c)).get(d),
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from fedtier.cli import main
-from protocols.bounds import cell_weight_bound, weight_over
+from protocols.bounds import CellBounds, cell_weight_bound, weight_over
 from protocols.config import parse_config
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
@@ -163,6 +163,11 @@ def test_a_cells_bound_is_what_its_devices_can_add_up() -> None:
     assert weight_over(10**400, 5.0, "b") == "weight 100000000000... exceeds b"  # no OverflowError
     assert weight_over(float("nan"), 5.0, "b") == "weight nan exceeds b"
     assert weight_over(5, 5.0, "b") is None and weight_over(True, 0.5, "b") is None
+    from cloud.node import config_cell_bounds  # a deployed cloud: security.max_device_weight for every device
+
+    cells = config_cell_bounds(parse_config({"topology": {"cells": 2}, "security": {"max_device_weight": 7}}))
+    assert isinstance(cells, CellBounds) and cells.device_bound("c1", "c1-d0") == 7
+    assert cells.device_bound("c0", "c1-d0") is None
 
 
 def test_a_federation_cloud_bounds_each_cell_by_its_devices_in_the_signed_roster() -> None:
@@ -182,3 +187,5 @@ def test_a_federation_cloud_bounds_each_cell_by_its_devices_in_the_signed_roster
     cells = roster_cell_bounds(roster, cfg.train)
     assert dict(cells) == {"c0": 40.0, "c1": 10.0}
     assert weight_over(41.0, cells["c0"], "b") is not None and weight_over(40.0, cells["c0"], "b") is None
+    # each device's own bound, for reports that weigh the devices they list (CloudRole.member_weight_keys)
+    assert cells.device_bound("c0", "c0-d1") == 30.0 and cells.device_bound("c1", "c0-d1") is None

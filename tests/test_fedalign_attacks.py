@@ -232,3 +232,34 @@ def test_a_minority_liar_crossing_the_median_keeps_F_within_the_honest_range(
         if r["metrics"]["phase"] == "free":
             lo, hi = honest_range(result, r["round"] - 1, liar, criterion)
             assert lo <= r["metrics"]["F"] <= hi
+
+
+def test_a_cell_cannot_weigh_its_priority_device_with_its_other_devices_samples() -> None:
+    """The cloud bounds a cell's report by the sum of its devices' bounds, so its ``prio_weight`` could give its one
+    priority device the samples of all three (c2: 274 against the others' 187, a majority of the median) and own F.
+    Each listed device's weight is now bounded by that device's own (``CloudRole.member_weight_keys``): refused."""
+    sim = SimHierarchy(config("median"), write_output=False)
+    samples = {d: len(sim.prep.device_data.indices(d)) for d in ("c2-d0", "c2-d1", "c2-d2")}
+    role = sim.cells["c2"].role
+    honest_report = role.report
+
+    def lying_report() -> Payload:
+        r = honest_report()
+        if not r.meta["prio_devices"]:
+            return r
+        whole = float(sum(samples.values()))
+        lie = {"prio_weight": whole, "prio_loss": whole * HUGE, "prio_weights": [whole], "prio_losses": [HUGE]}
+        return Payload({**r.meta, **lie}, r.tensors)
+
+    role.report = lying_report
+    result = sim.run()
+    refused = [x for r in result.history for x in r["rejected"]]
+    assert refused and all(
+        x["from"] == "c2"
+        and f"prio_weights: weight {sum(samples.values())} exceeds the bound of device c2-d2" in x["reason"]
+        for x in refused
+    )
+    for r in result.history:
+        if r["metrics"]["phase"] == "free":
+            lo, hi = honest_range(result, r["round"] - 1, "c2", "loss")
+            assert lo <= r["metrics"]["F"] <= hi

@@ -179,6 +179,12 @@ class CloudRole(ABC):
         devices it does not have."""
         return ()
 
+    def member_weight_keys(self) -> dict[str, str]:
+        """``weights key -> devices key`` of a cell's report: lists that give each device it names (a
+        :meth:`member_keys` list) a sample count; the cloud's runtime refuses a report giving one more than that
+        device's bound (``cloud.parts.report_refusal``), so a cell cannot weigh one device with its others'."""
+        return {}
+
     @abstractmethod
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         """The task of each cell this round."""

@@ -166,6 +166,9 @@ class FedAlignCloud(CloudRole):
     def member_keys(self) -> tuple[str, ...]:
         return ("prio_devices",)  # priority_statistic "median": the devices whose probes a cell reports
 
+    def member_weight_keys(self) -> dict[str, str]:
+        return {"prio_weights": "prio_devices"}  # ... and each one's sample count
+
     def __init__(
         self, params: FedAlignParams, initial: Mapping[str, np.ndarray], priority: frozenset[str] | None = None
     ) -> None:

@@ -180,6 +180,9 @@ class PrivateCloud(CloudRole):
     def member_keys(self) -> tuple[str, ...]:
         return self.inner.member_keys()
 
+    def member_weight_keys(self) -> dict[str, str]:
+        return self.inner.member_weight_keys()
+
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         parties = self.accountant.by_party(round + 1)
         return replace(
