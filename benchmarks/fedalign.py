@@ -64,6 +64,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 SKEW = {"synth-low": (0.5, 0.2), "synth-medium": (1.5, 0.2), "synth-high": (5.0, 0.4)}  # skew, epsilon
 METHODS = {"priority-only": 0.0, "all": math.inf, "fedalign": None}  # None: the scenario's epsilon
+MEDIAN = "fedalign-median"  # --median: FedALIGN with algorithm.priority_statistic = "median"
 PLANTED = {"c0-d0": (0, 1), "c1-d0": (2, 3)}
 SHARD, FMNIST_TEST = 500, 2000
 
@@ -168,7 +169,7 @@ def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> di
     else:
         data, test, prio = shard_scenario(devices, seed, planted=scenario == "planted")
         eps_alg = 0.2
-    eps = eps_alg if METHODS[method] is None else METHODS[method]
+    eps = eps_alg if METHODS.get(method) is None else METHODS[method]
     warmup = max(1, round(0.1 * iterations))
     rounds = warmup + (iterations - warmup) * (2 if 0 < eps < math.inf else 1)
     order = list(data)
@@ -189,6 +190,7 @@ def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> di
                 "local_steps": 5,
                 "batch_size": 32,
                 "lr": lr,
+                **({"priority_statistic": "median"} if method == MEDIAN else {}),
             },
             "model": {"name": "logreg"},
             "runtime": {"engine": "cohort"},
@@ -212,6 +214,19 @@ def run(scenario: str, method: str, lr: float, seed: int, iterations: int) -> di
     }
 
 
+def median_line(mean: list, median: list) -> str:
+    """FedALIGN's median F against its mean F: paired per-seed differences of the final accuracy at each lr of the
+    grid, and how many runs ended bit for bit equal (the same accuracy curve)."""
+    parts, equal, total = [], 0, 0
+    for a, b in zip(mean, median):
+        d = np.array([rb["final"] - ra["final"] for ra, rb in zip(a.runs, b.runs)])
+        equal += sum(ra["acc"] == rb["acc"] for ra, rb in zip(a.runs, b.runs))
+        total += len(d)
+        adm = np.nanmean([r["admit"] for r in b.runs]) - np.nanmean([r["admit"] for r in a.runs])
+        parts.append(f"lr {a.value:g}: {d.mean():+.4f} [{d.min():+.4f},{d.max():+.4f}] admitted {adm:+.3f}")
+    return f"median - mean F: {'; '.join(parts)}; identical curves {equal}/{total} runs"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="quick")
@@ -220,6 +235,11 @@ def main() -> None:
     ap.add_argument("--iterations", type=int)
     ap.add_argument("--lrs", type=float, nargs="+")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
+    ap.add_argument(
+        "--median",
+        action="store_true",
+        help=f"also run {MEDIAN} (FedALIGN with priority_statistic = 'median') on the same grid and seeds",
+    )
     add_journal_args(ap)
     a = ap.parse_args()
     from benchmarks.calibration import calibration_line
@@ -235,7 +255,8 @@ def main() -> None:
         f"0..{p['seeds'] - 1}, lr grid {p['lrs']}, logistic regression, E = 5 steps of batch 32, cohort engine",
         flush=True,
     )
-    keys = {f"{sc}/{m}": p["lrs"] for sc in p["scenarios"] for m in METHODS}
+    methods = [*METHODS, *([MEDIAN] if a.median else [])]
+    keys = {f"{sc}/{m}": p["lrs"] for sc in p["scenarios"] for m in methods}
     journal = open_journal(a, __file__, a.preset, {"iterations": p["iterations"], "skew": SKEW, "methods": METHODS})
     cells = sweep(run_key, keys, list(range(p["seeds"])), a.jobs, journal=journal, iterations=p["iterations"])
     journal.close()
@@ -247,6 +268,12 @@ def main() -> None:
             print(f"  {scenario:<13}{method:<14}" + grid_line(row, "final", lambda v: f"{v:.3f}"), flush=True)
             w = pick({method: row}, "final", lower_is_better=False)[method]
             best[method] = (w.cell.value, w.cell.runs)
+        if a.median:
+            print(
+                f"  {scenario:<13}{MEDIAN:<14}"
+                + grid_line(cells[f"{scenario}/{MEDIAN}"], "final", lambda v: f"{v:.3f}")
+            )
+            print("  " + median_line(cells[f"{scenario}/fedalign"], cells[f"{scenario}/{MEDIAN}"]), flush=True)
         rows.append((scenario, best))
     print(
         "\npriority test accuracy, final = mean of the last 10 iterations, at each method's best lr "
