@@ -79,7 +79,7 @@ from protocols.terminal import SafeConsole
     "--state",
     "states",
     multiple=True,
-    type=click.Choice(["silent", "offline", "drop", "revoked", "waiting", "idle", "ok"]),
+    type=click.Choice(["silent", "offline", "drop", "revoked", "waiting", "idle", "ok", "ended"]),
     help="Only cells in this state (repeatable).",
 )
 def monitor(

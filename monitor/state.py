@@ -19,9 +19,10 @@ from protocols.records import TASKED, BadLine, CellRecord, Record, Rejection, Ro
 from protocols.rejections import RejectKind
 from protocols.status import IDLE, idle_deadline
 
-STATES = ("silent", "offline", "drop", "revoked", "waiting", "idle", "ok")
+STATES = ("silent", "offline", "drop", "revoked", "waiting", "idle", "ok", "ended")
 """A cell's state in the monitor, most serious first (``idle``: a long-lived cell up between jobs; ``revoked``: the
-federation revoked it, out of the job for good)."""
+federation revoked it, out of the job for good; ``ended``: the run ended and none of the cell's records came, e.g. a
+monitor opened after the job: telemetry is not retained)."""
 GROUP_ALERTS = 5  # more cells than this with the same alert: one line for all of them
 Alert = tuple[float, str, str]
 """One cell's alert: (sort key, the worst first; the cell; the line)."""
@@ -261,7 +262,9 @@ class MonitorState:
             return "idle"
         if self.dropped(view) is not None:
             return "drop"
-        return "waiting" if view.last is None else "ok"
+        if view.last is None:
+            return "ended" if self.finished else "waiting"
+        return "ok"
 
     def alerts(self, now: float) -> list[str]:
         """Human-readable alerts, most serious first; more than :data:`GROUP_ALERTS` cells with the same

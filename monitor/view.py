@@ -61,6 +61,7 @@ _STATE_STYLE = {
     "waiting": ("waiting", "dim"),
     "idle": ("idle", "cyan"),
     "ok": ("ok", "green"),
+    "ended": ("ended", "green"),
 }
 
 
@@ -145,9 +146,10 @@ def cell_table(state: MonitorState, now: float, flt: CellFilter | None = None) -
         view, rec, lag = row.view, row.view.last, row.lag
         status = Text(*_STATE_STYLE[row.state])
         if rec is None:
+            last = state.states.get(f"cell.{view.cell}", {}).get("round")  # its retained state's round, if any
             table.add_row(
                 Text(view.cell),
-                "-",
+                str(last) if isinstance(last, int) else "-",
                 "-",
                 "-",
                 "-",

@@ -6,6 +6,7 @@ fails at once with its reason and a non-zero exit, never with a traceback."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -649,6 +650,40 @@ def test_a_monitor_opened_after_the_job_ended_shows_how_it_ended_and_the_fleets_
     hub.connect("cloud").publish(topic, seal_record(lying, topic, Trust("cloud", seeds["cloud"], public).sign))
     hub.loop.run()
     assert signed.poll_jobs() == lying["jobs"]
+
+
+def test_a_monitor_on_a_finished_sims_output_shows_its_cells_ended_not_waiting(tmp_path: Path) -> None:
+    """A tiny ``fedtier sim`` run, then the monitor's model and view (what ``fedtier monitor --once`` renders): on the
+    run folder its cells are ``ok`` with their last records and the job finished; live after the job (its hub: only
+    retained states, no records) the cells said ``waiting``, as if the job went on, beside a cloud line saying it
+    finished. They are ``ended`` now, with the last round their retained states name."""
+    from rich.console import Console
+
+    from monitor.live import LiveView
+    from monitor.sources import RunDirFollower, TelemetryFeed
+    from monitor.view import CellFilter, render_text
+    from sim.launcher import SimHierarchy
+
+    cfg = small_config(tmp_path, run={"rounds": 2}, algorithm={"edge_rounds": 1, "local_steps": 2})
+    sim = SimHierarchy(cfg)
+    result = sim.run()
+    assert result.status == "finished" and result.output_dir is not None
+    folder = LiveView(0.75, None, CellFilter(), Console(width=200))
+    folder.pull(RunDirFollower(result.output_dir))
+    now = time.time()
+    assert {c: folder.state.state_of(v, now) for c, v in folder.state.cells.items()} == {"c0": "ok", "c1": "ok"}
+    frame = " ".join(render_text(folder.state, now, width=200).split())
+    assert "cloud round 2/2 closed" in frame and "finished" in frame and "cells 2: 2 ok" in frame, frame
+    live = LiveView(0.75, None, CellFilter(), Console(width=200))
+    live.state.run = cfg.run.name
+    feed = TelemetryFeed(sim.hub.connect("monitor"), cfg.run.name).start()  # after the job: nothing but retained
+    sim.hub.loop.run()
+    live.pull(feed)
+    assert {c: live.state.state_of(v, now) for c, v in live.state.cells.items()} == {"c0": "ended", "c1": "ended"}
+    frame = " ".join(render_text(live.state, now, width=200).split())
+    assert f"cloud finished after round 2/2, accuracy {result.final_accuracy:.4f}" in frame, frame
+    assert "cells 2: 2 ended" in frame and "waiting" not in frame, frame
+    assert "│ c0 │ 1 │" in frame and "│ c1 │ 1 │" in frame, frame  # the last round of each, from its state
 
 
 def test_a_jobs_end_state_carries_only_finite_figures_and_a_monitor_refuses_others() -> None:
