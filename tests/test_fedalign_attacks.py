@@ -11,6 +11,7 @@ c2-d2 (87), so any one of them, or any one cell's, is a minority."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,10 +51,11 @@ def config(statistic: str, criterion: str = "loss") -> Any:
     )
 
 
-def lying_cell(sim: SimHierarchy, cell: str, key: str, value: float) -> None:
-    """``cell`` (its own key) reports its priority devices' ``key`` (``loss`` or ``accuracy``) as ``value``, in
-    the sums the mean reads and in the lists the median reads, weights untouched."""
-    role = sim.cells[cell].role
+def lying_cell(sim: Any, cell: str, key: str, value: float) -> None:
+    """``cell`` of ``sim`` (a ``SimHierarchy``, or that cell's server itself), with its own key, reports its
+    priority devices' ``key`` (``loss`` or ``accuracy``) as ``value``, in the sums the mean reads and in the lists
+    the median reads, weights untouched."""
+    role = sim.cells[cell].role if isinstance(sim, SimHierarchy) else sim.role
     honest = role.report
 
     def lying_report() -> Payload:
@@ -263,3 +265,33 @@ def test_a_cell_cannot_weigh_its_priority_device_with_its_other_devices_samples(
         if r["metrics"]["phase"] == "free":
             lo, hi = honest_range(result, r["round"] - 1, "c2", "loss")
             assert lo <= r["metrics"]["F"] <= hi
+
+
+def test_over_mqtt_a_lying_cells_median_probes_change_nothing(tmp_path: Path) -> None:
+    """``fedtier run``'s hierarchy (a broker, the cloud and cell servers, device agents in worker processes): c2
+    (its own key) says its priority device's loss is 10^30 in the lists it reports. They travel the wire, pass the
+    cloud's checks, and the median F, the admissions and the model are the honest in-memory sim's, bit for bit."""
+    from protocols.transport.broker import EmbeddedBroker
+    from sim.emulation import Emulation
+
+    cfg = config("median")
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output": str(tmp_path / "emu")})})
+
+    class LyingC2(Emulation):
+        def _cell_builder(self, prep, out):  # type: ignore[no-untyped-def]
+            build = super()._cell_builder(prep, out)
+
+            def lying_build(job_cfg, cell, transport):  # type: ignore[no-untyped-def]
+                node = build(job_cfg, cell, transport)
+                if cell == "c2":
+                    lying_cell(node, "c2", "loss", HUGE)  # type: ignore[arg-type]
+                return node
+
+            return lying_build
+
+    with EmbeddedBroker() as broker:
+        emu = LyingC2(cfg, broker_url=broker.url).run()
+    clean = honest("median")
+    assert same(emu.params, clean.params) and admitted(emu) == admitted(clean)
+    assert [m["F"] for m in free_rounds(emu)] == [m["F"] for m in free_rounds(clean)]
+    assert emu.history[1]["metrics"]["priority_by_cell"]["c2"]["c2-d2"][1] == HUGE  # the lie arrived
