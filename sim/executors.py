@@ -239,7 +239,7 @@ class ProcessExecutor(_Remote):
                 if "fatal" in header:
                     fatal = header["fatal"]
                     continue
-                if "ring" in header:  # the result's bytes are in the worker's ring: copy them out
+                if "ring" in header:  # the result's bytes are in the worker's ring: lent until they are done with
                     try:
                         at, n = header["ring"]
                         body = self._ring_of(worker).take(at, n)
@@ -247,6 +247,7 @@ class ProcessExecutor(_Remote):
                         self._reply(header["id"], b"", f"bad result from the worker: {exc}")
                         continue
                 self._reply(header["id"], body, header["error"], header.get("checked") is True)
+                del body  # (not kept while the next result is awaited: a lent record is freed when done with)
         except (EOFError, OSError):
             pass
         finally:

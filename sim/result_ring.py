@@ -1,32 +1,45 @@
 """A ``fedtier sim`` worker's results to the main process through shared memory (``sim/executors.py``).
 
 A result is a model-sized encoded payload (800 KB for the large workload); through a pipe it cost the main
-process ~340 us of CPU (64 KiB reads, each copied again into a growing buffer), through shared memory one copy
-(~80 us). Each worker has a ring: one shared-memory segment the main process creates (and alone unlinks: at
-:meth:`RingReader.close`, after the run or a worker's death; multiprocessing's resource tracker unlinks it if
-the main process is killed). The worker writes a result's bytes at the ring's head and sends only where they
-are (``{"ring": [at, n]}``) through its pipe; the main process copies them out into a ``bytes`` of their own
-(decoded as read-only views of it, never pickled) and releases a semaphore: the worker's room back. Records are
-freed in the order written (one pipe, one reader), so a counting semaphore is the whole protocol.
+process ~340 us of CPU (64 KiB reads, each copied again into a growing buffer). Each worker has a ring: one
+shared-memory segment the main process creates (and alone unlinks: at :meth:`RingReader.close`, after the run or
+a worker's death; multiprocessing's resource tracker unlinks it if the main process is killed). The worker writes
+a result's bytes into its ring (one copy) and sends only where they are (``{"ring": [at, n]}``) through its pipe.
+
+The main process does not copy them out: it *lends* the record (:class:`~protocols.wire.payload.Lent`, read-only;
+the result is decoded as views of it, framed into its message straight from it) and frees it when the last view
+of it is gone (a ``weakref.finalize``): a record is never freed while anything can read it, so no view of freed
+memory exists to read another device's bytes. Results are delivered in submission order across workers, so
+records are freed out of the order written (one waits for a slower worker's result; a result the clock model
+delays is kept until its time): the worker places a record in any free gap of its ring (first fit from where it
+last wrote), and learns which records were freed from a list at the segment's start (each free published there,
+then the semaphore released; the worker reads no more entries than it has acquired releases).
 
 Bounded: a worker's ring is :data:`RING_BYTES` at most, less where ``/dev/shm`` has less room free (half of it
-over the workers; below :data:`MIN_RING_BYTES`, no ring). A result larger than the ring, or one that finds no
-room within :data:`WAIT_S` (the main process stopped reading), goes through the pipe as before; a record that
-does not lie within the ring is refused as the device's failure, not read.
+over the workers; below :data:`MIN_RING_BYTES`, no ring). The main process lends at most half of a ring at once;
+a record beyond that is copied out and freed at once (a slow worker or kept results can pin half a ring, never
+all of it, so a worker always finds room again as the reader takes its records). A result larger than the ring,
+or one that finds no room within :data:`WAIT_S` (the main process stopped reading; a ring fragmented by pinned
+records), goes through the pipe, and the next ones too until the ring has room at once; at most
+:data:`MAX_RECORDS` records live in a ring. A record that does not lie within the ring is refused as the device's
+failure, not read (its room is freed all the same).
 """
 
 from __future__ import annotations
 
-import collections
+import bisect
 import logging
 import mmap
 import os
+import threading
+import time
+import weakref
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import numpy as np
 
-from protocols.wire.payload import Parts, parts_size
+from protocols.wire.payload import Lent, Parts, parts_size
 
 log = logging.getLogger("fedtier.sim")
 
@@ -35,6 +48,9 @@ RING_BYTES = 64 << 20
 MIN_RING_BYTES = 1 << 20
 WAIT_S = 5.0
 """How long a worker waits for room in its ring before it sends a result through its pipe instead."""
+MAX_RECORDS = 1024
+"""Records alive in a ring at most (the freed list's slots)."""
+_CONTROL = 8 * (1 + MAX_RECORDS)  # the segment's start: frees published so far, then the freed records' numbers
 
 
 def ring_bytes(workers: int, shm_dir: str = "/dev/shm") -> int:
@@ -73,82 +89,164 @@ def _map_in(shm: SharedMemory, reserve: bool = False) -> None:
 
 
 class RingReader:
-    """The main process's side of a worker's ring: creates it; :meth:`take` copies a record out and frees it."""
+    """The main process's side of a worker's ring: creates it; :meth:`take` lends a record (or copies it out)."""
 
     def __init__(self, size: int, freed: Any) -> None:
-        """``freed``: a semaphore (value 0) shared with the worker, released once per record taken."""
-        self.shm = SharedMemory(create=True, size=size)
+        """``freed``: a semaphore (value 0) shared with the worker, released once per record freed."""
+        self.shm = SharedMemory(create=True, size=_CONTROL + size)
         self.size, self.freed = size, freed
         self.name = self.shm.name
+        self.taken = 0  # records taken so far: the next one is the writer's record number ``taken``
+        self.lent = 0  # bytes of the records lent and not yet freed
+        self._published = 0  # frees published to the writer
+        self._lock = threading.RLock()  # (a finalizer may run in any thread, within another free)
+        self._control: np.ndarray | None = None
+        self._records: memoryview | None = None
         try:
             _map_in(self.shm, reserve=True)
         except BaseException:
             self.close()
             raise
+        self._control = np.frombuffer(_buf(self.shm), np.int64, 1 + MAX_RECORDS)
+        self._records = _buf(self.shm)[_CONTROL : _CONTROL + size]
 
-    def take(self, at: Any, n: Any) -> bytes:
-        """The ``n`` bytes written at ``at``, copied out (their room goes back to the worker); ``ValueError`` for
-        a record outside the ring (its room is given back all the same: the worker waits for it)."""
-        try:
-            if not (type(at) is int and type(n) is int and 0 <= at and 0 <= n <= self.size - at):
-                raise ValueError(f"ring record [{at!r}, {n!r}] is not within the {self.size}-byte ring")
-            return bytes(_buf(self.shm)[at : at + n])
-        finally:
-            self.freed.release()
+    def take(self, at: Any, n: Any) -> memoryview | bytes:
+        """The ``n`` bytes written at ``at``: lent (a read-only view, freed once nothing made from it is left)
+        while at most half of the ring is lent, else copied out (freed at once); ``ValueError`` for a record
+        outside the ring (freed all the same: the worker waits for its room)."""
+        with self._lock:
+            number, self.taken = self.taken, self.taken + 1
+            records = self._records
+            inside = type(at) is int and type(n) is int and 0 <= at and 0 <= n <= self.size - at
+            lend = inside and records is not None and 2 * (self.lent + n) <= self.size
+            if lend:
+                self.lent += n
+        if not inside or records is None:
+            self._free(number, 0)
+            raise ValueError(f"ring record [{at!r}, {n!r}] is not within the {self.size}-byte ring")
+        if not lend:
+            try:
+                return bytes(records[at : at + n])
+            finally:
+                self._free(number, 0)
+        # the record's anchor: every array made from it keeps it (numpy's bases stop at the last array before
+        # a non-array, here the memoryview, which holds the segment mapped); freed when it goes
+        anchor = np.frombuffer(records[at : at + n], np.uint8)
+        anchor.flags.writeable = False
+        weakref.finalize(anchor, self._free, number, n).atexit = False
+        lent: Any = anchor.view(Lent)  # (numpy's stubs do not say that an array is a buffer)
+        return memoryview(lent)
+
+    def _free(self, number: int, lent: int) -> None:
+        """Record ``number`` is done with (``lent`` bytes of it were lent): tell the writer."""
+        with self._lock:
+            self.lent -= lent
+            control = self._control
+            if control is None:  # closed: its worker is gone
+                return
+            control[1 + self._published % MAX_RECORDS] = number
+            self._published += 1
+            control[0] = self._published
+        self.freed.release()
 
     def close(self) -> None:
-        """Unlink the segment (idempotent); its mapping goes when no copy is being taken from it."""
+        """Unlink the segment (idempotent); its mapping goes once no record is lent (else with the last array
+        made from one: a result kept past the run reads as it was)."""
+        with self._lock:
+            self._control = self._records = None
         try:
             self.shm.unlink()
         except FileNotFoundError:
             pass
         try:
             self.shm.close()
-        except BufferError:  # a reader still copying (it ended late): the mapping goes with the process
-            log.warning("result ring %s still in use at close", self.name)
+        except BufferError:  # a result still holds a lent record: the mapping goes with the last of them
+            log.info("result ring %s: a record is still lent at close, unmapped when released", self.name)
+            self.shm._mmap = None  # type: ignore[attr-defined]  # (else __del__ tries again) it closes itself
+            self.shm.close()  # its descriptor
 
 
 class RingWriter:
-    """A worker's side of its ring: :meth:`put` writes an encoded result at the head, waiting for room."""
+    """A worker's side of its ring: :meth:`put` writes an encoded result into a free gap, waiting for room."""
 
     def __init__(self, name: str, size: int, freed: Any) -> None:
         self.shm = SharedMemory(name=name)
-        if self.shm.size < size:
-            raise ValueError(f"result ring {name} is {self.shm.size} bytes, not {size}")
+        if self.shm.size < _CONTROL + size:
+            raise ValueError(f"result ring {name} is {self.shm.size} bytes, not {_CONTROL + size}")
         self.size, self.freed = size, freed
         _map_in(self.shm)
-        self.head = 0  # bytes written so far (padding included); the ring's offset is head % size
-        self.tail = 0  # bytes freed so far
-        self.records: collections.deque[int] = collections.deque()  # each record's end (a head), oldest first
+        self.control: np.ndarray | None = np.frombuffer(_buf(self.shm), np.int64, 1 + MAX_RECORDS)
+        self.records: np.ndarray | None = np.frombuffer(_buf(self.shm), np.uint8, size, _CONTROL)
+        self.head = 0  # where the last record ended: the next is placed from here (first fit, wrapping)
+        self.written = 0  # records written so far (the next one's number)
+        self.read = 0  # freed-list entries read so far
+        self.credits = 0  # semaphore releases acquired and not yet matched by an entry read
+        self.jammed = False  # the last wait for room timed out: the next results do not wait
+        self.starts: list[int] = []  # the live records' offsets, sorted
+        self.ends: list[int] = []  # their ends, in the same order
+        self.live: dict[int, int] = {}  # record number -> its offset
 
     def put(self, parts: Parts) -> tuple[int, int] | None:
         """Write ``parts`` (an encoded payload's buffers, :func:`~protocols.wire.payload.payload_parts`) as one
         record: ``(offset, length)``, or ``None`` when they do not fit in the ring, or no room was freed within
         :data:`WAIT_S` (send them through the pipe)."""
         n = parts_size(parts)
-        if n > self.size:
+        if not 0 < n <= self.size or self.records is None:
             return None
-        while True:
-            if not self.records:  # all taken: start at the ring's beginning
-                self.head = self.tail = 0
-            at = self.head % self.size
-            pad = self.size - at if at + n > self.size else 0  # a record never wraps: it starts again at 0
-            if self.head + pad + n - self.tail <= self.size:
-                break
-            if not self.freed.acquire(timeout=WAIT_S):  # the oldest record's room, once the main process took it
+        deadline = time.monotonic() + (0.0 if self.jammed else WAIT_S)
+        while (at := self._place(n)) is None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not self.freed.acquire(timeout=wait):
+                self.jammed = True
                 return None
-            self.tail = self.records.popleft()
-        at = (at + pad) % self.size
-        view = np.frombuffer(_buf(self.shm), np.uint8, n, at)
-        pos = 0
+            self.credits += 1
+        self.jammed = False
+        pos = at
         for part in parts:
             size = len(part) if isinstance(part, bytes) else part.nbytes
-            view[pos : pos + size] = np.frombuffer(part, np.uint8)
+            self.records[pos : pos + size] = np.frombuffer(part, np.uint8)
             pos += size
-        del view  # (no export of the segment outlives the call)
-        self.head += pad + n
-        self.records.append(self.head)
+        i = bisect.bisect_left(self.starts, at)
+        self.starts.insert(i, at)
+        self.ends.insert(i, at + n)
+        self.live[self.written] = at
+        self.written += 1
+        self.head = at + n
         return at, n
 
+    def _reclaim(self) -> None:
+        """Forget the records the main process freed (those its releases, acquired so far, vouch for)."""
+        while self.freed.acquire(False):
+            self.credits += 1
+        assert self.control is not None
+        count = min(int(self.control[0]) - self.read, self.credits)
+        for i in range(self.read, self.read + count):
+            at = self.live.pop(int(self.control[1 + i % MAX_RECORDS]), None)
+            if at is not None:  # (a refused record's number the writer never wrote is ignored)
+                j = bisect.bisect_left(self.starts, at)
+                del self.starts[j], self.ends[j]
+        self.read += count
+        self.credits -= count
+
+    def _place(self, n: int) -> int | None:
+        """Where ``n`` bytes fit now: from the head, else the first gap after it, else the first from the ring's
+        start; ``None`` when no gap is that large (or :data:`MAX_RECORDS` records are alive)."""
+        self._reclaim()
+        if len(self.live) >= MAX_RECORDS:
+            return None
+        if not self.live:
+            self.head = 0
+        if self.head + n <= self.size and self._free_at(self.head, n):
+            return self.head
+        gaps = zip([0, *self.ends], [*self.starts, self.size])
+        fits = [start for start, end in gaps if end - start >= n]
+        later = [start for start in fits if start >= self.head]
+        return (later or fits)[0] if fits else None
+
+    def _free_at(self, at: int, n: int) -> bool:
+        i = bisect.bisect_left(self.starts, at)
+        return (i == 0 or self.ends[i - 1] <= at) and (i == len(self.starts) or self.starts[i] >= at + n)
+
     def close(self) -> None:
+        self.control = self.records = None
         self.shm.close()

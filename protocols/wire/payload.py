@@ -177,6 +177,12 @@ def _read(fmt: struct.Struct, buf: memoryview, pos: int, end: int) -> tuple[tupl
     return fmt.unpack_from(buf, pos), after
 
 
+class Lent(np.ndarray):
+    """Read-only bytes (``uint8``) lent by their owner, which frees them only once no array made from them is left
+    (a sim worker's result in its ring, ``sim/result_ring.py``): while any lives they never change, as a ``bytes``
+    object's do not, so :func:`decode_payload` views them as it views a message's bytes."""
+
+
 def immutable(arr: np.ndarray) -> bool:
     """True when ``arr``'s values can never change: a read-only view (of views) of a ``bytes`` object, such as a
     received message's tensor (:func:`decode_payload` with ``views``). A holder needs no copy of it as a snapshot."""
@@ -220,8 +226,8 @@ def decode_payload(
 
     Each tensor is an array of its own (writable, native byte order): one copy of its bytes. With
     ``views``, a tensor is instead a read-only view of ``data`` where that costs nothing and is safe: ``data``
-    is (a view of) an immutable ``bytes`` object and the tensor's byte order is native; its values are
-    checked as a copy's are, and cannot change after (a message's bytes never do). A receiver then keeps
+    is (a view of) an immutable ``bytes`` object (or :class:`Lent` bytes) and the tensor's byte order is native;
+    its values are checked as a copy's are, and cannot change after (a message's bytes never do). A receiver then keeps
     the message's bytes alive as long as it keeps the arrays, and must copy what it wants to change (the
     runtimes' :class:`~protocols.wire.messenger.Messenger` decodes so: a device's task is copied into its
     trainer and a result read once, so the decoding's copy was one pass over each message for nothing).
@@ -229,7 +235,7 @@ def decode_payload(
     float finite; such views are remembered as checked (:func:`all_finite` answers without reading them)."""
     buf = memoryview(data)
     end = buf.nbytes
-    share = views and isinstance(buf.obj, bytes)  # not a bytearray or other buffer someone could change
+    share = views and isinstance(buf.obj, (bytes, Lent))  # not a bytearray or other buffer someone could change
     meta, pos = _decode_meta(buf, end)
     (count,), pos = _read(_U16, buf, pos, end)
     tensors: dict[str, np.ndarray] = {}
