@@ -79,6 +79,13 @@ class DeComFLParams(TrainParams):
         description="heavy-ball beta of the ZO-SGD steps; the "
         "buffer is replayed with the model (0: plain ZO-SGD, bit for bit)",
     )
+    scalar_clip: float = Field(
+        default=0.0,
+        ge=0,
+        description="bounds each device's scalars at its cell (|g| <= clip) and a cell's summed scalars at the cloud "
+        "(clip x its weight): a lying device or cell moves the mean scalars by its weight's share of 2 x clip at most "
+        "(0: no bound, the paper)",
+    )
 
     @model_validator(mode="after")
     def _supported(self) -> DeComFLParams:
@@ -197,7 +204,11 @@ class DeComFLCloud(CloudRole):
             return
         if not answered:
             raise Rejected(RejectKind.INCONSISTENT, f"{what}: positive weight but no device answered")
-        _shape_ok(report.tensors.get("g"), (self.K, self.P), "float64", f"{what} scalars")
+        g, clip = _shape_ok(report.tensors.get("g"), (self.K, self.P), "float64", f"{what} scalars"), self.p.scalar_clip
+        if clip and (top := float(np.abs(g).max())) > clip * number * (1 + 1e-9):
+            raise Rejected(
+                RejectKind.BOUND, f"{what}: a scalar of {top:g} above scalar_clip x weight ({clip * number:g})"
+            )
 
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         total, acc, devices = 0.0, np.zeros((self.K, self.P), np.float64), 0
@@ -343,7 +354,8 @@ class DeComFLCell(CellRole):
                 self.resync.append(d)
                 continue
             w = 1.0 if self.p.weighting == "uniform" else float(r.meta["weight"])
-            self.sum += w * r.tensors["g"].astype(np.float64)
+            g, clip = r.tensors["g"].astype(np.float64), self.p.scalar_clip
+            self.sum += w * (np.clip(g, -clip, clip) if clip else g)  # a device's scalars are its word
             self.weight += w
             self.answered.append(d)
         return Outcome({"answered": len(results)} if results else {})
