@@ -407,6 +407,14 @@ class AgentProcess:
         if done:
             self.done.set()
 
+    def discard(self) -> None:
+        """Close a process that was built but never started (a long-lived one took its job's parts with
+        :meth:`next_job`): its cohort executor, its reactor's wake-up sockets and selector, now rather than when
+        the garbage collector finds them."""
+        if self.executor is not None:
+            self.executor.close()
+        self.links.reactor.close()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every device saw ``finished`` (True) or ``timeout`` passed (False)."""
         return self.done.wait(timeout)

@@ -109,8 +109,7 @@ class AgentService:
                         fresh.records.availability,
                         data=fresh.data,  # as this job's model takes it
                     )
-                    if fresh.executor is not None:
-                        fresh.executor.close()
+                    fresh.discard()  # its parts serve on the same connections: its own sockets close now
                 moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
                 self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
                 if self.stopping.is_set():
