@@ -66,6 +66,7 @@ class CloudServer:
     live = False  # start() ran: a revocation acts on the rounds from then on, a stop request at once
     _awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
     resumed_from: dict[str, Any] | None = None  # a resumed cloud: its checkpoint's round record (the last before)
+    _stop_request: str | None = None  # request_stop's reason (an instance's own once set)
 
     def __init__(
         self,
@@ -112,7 +113,6 @@ class CloudServer:
         self.messenger.session = self.session  # ... and, signed, every message it sends
         self.round, self.started, self.finished = 0, False, False
         self.stopped: str | None = None  # why the run ended before ``rounds`` (the role's stop_reason)
-        self._stop_request: str | None = None  # request_stop's reason
         self.failed: str | None = None  # why the job failed (it ended early; one-shot commands exit non-zero)
         self._fail_request: str | None = None  # a failure found while recording a round: fail after it
         self.stall = StallWatch(max_stalled_rounds, min_cells)
