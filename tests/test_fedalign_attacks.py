@@ -295,3 +295,15 @@ def test_over_mqtt_a_lying_cells_median_probes_change_nothing(tmp_path: Path) ->
     assert same(emu.params, clean.params) and admitted(emu) == admitted(clean)
     assert [m["F"] for m in free_rounds(emu)] == [m["F"] for m in free_rounds(clean)]
     assert emu.history[1]["metrics"]["priority_by_cell"]["c2"]["c2-d2"][1] == HUGE  # the lie arrived
+
+
+def test_the_statistic_is_validated_and_fedalign_never_runs_under_secure_aggregation() -> None:
+    """Only ``mean`` or ``median``; and a FedALIGN cell must see each device's probe, so secure aggregation (where a
+    lying device could move its cell's mean anywhere in the clip box unseen) is refused for FedALIGN."""
+    from protocols.config import ConfigError
+
+    algorithm = {"name": "fedalign", "priority": ["c0-d0"], "edge_rounds": 1}
+    with pytest.raises(ConfigError, match="algorithm.priority_statistic: Input should be 'mean' or 'median'"):
+        parse_config({"algorithm": {**algorithm, "priority_statistic": "trimmed"}})
+    with pytest.raises(ConfigError, match="secure_aggregation: .* FedALIGN's cell admits each non-priority device"):
+        parse_config({"algorithm": algorithm, "privacy": {"secure_aggregation": True}})
