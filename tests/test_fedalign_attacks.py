@@ -122,6 +122,8 @@ def test_weighted_median_holds_within_the_honest_values_while_liars_weigh_under_
     assert weighted_median([(1.0, 1), (2.0, 5), (9.0, 1)]) == 2.0
     assert weighted_median([(1.0, 0.0)]) is None and weighted_median([]) is None
     assert weighted_median([(5.0, 1e308), (7.0, 1e308), (6.0, 1e308)]) == 6.0  # no weight sum overflows
+    # the limit: a liar holding half the weight (the paper's two equal priority devices: either one) still moves F
+    assert weighted_median([(1.0, 100), (HUGE, 100)]) == HUGE / 2 and weighted_median([(1.0, 100), (HUGE, 101)]) == HUGE
     g = np.random.default_rng(0)
     for _ in range(300):
         n = int(g.integers(1, 8))
