@@ -309,3 +309,17 @@ def test_the_statistic_is_validated_and_fedalign_never_runs_under_secure_aggrega
         parse_config({"algorithm": {**algorithm, "priority_statistic": "trimmed"}})
     with pytest.raises(ConfigError, match="secure_aggregation: .* FedALIGN's cell admits each non-priority device"):
         parse_config({"algorithm": algorithm, "privacy": {"secure_aggregation": True}})
+
+
+def test_a_plausible_lie_steers_the_mean_F_onto_the_devices_the_honest_F_refused() -> None:
+    """No absurd number needed: c2-d2 claiming a loss of 3.4 (1.5 times its honest one, a badly fitted device's)
+    pulls the mean F up by more than eps and lets in free devices the honest F refused; under the median the same
+    lie changes nothing."""
+    clean = honest("mean")
+    result = attacked("mean", "loss", "c2-d2", 3.4)
+    refused = {(r["round"], d) for r in clean.cell_records for d in r["metrics"].get("refused", ())}
+    let_in = set(admitted(result)) - set(admitted(clean))
+    assert let_in and let_in <= refused
+    assert all(a["F"] - b["F"] > 0.3 for a, b in zip(free_rounds(result), free_rounds(clean)))  # by more than eps
+    median = attacked("median", "loss", "c2-d2", 3.4)
+    assert same(median.params, honest("median").params) and admitted(median) == admitted(honest("median"))
