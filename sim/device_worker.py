@@ -10,7 +10,7 @@ import sys
 import tomllib
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocols import procs
 from protocols.algorithms.base import DeviceContext, DeviceRole
@@ -26,6 +26,9 @@ from protocols.wire.payload import Parts, Payload, decode_payload, payload_parts
 from .attack import attacked, byzantine_devices
 from .result_ring import RingWriter
 from .worker_frames import batch_items, frame, unframe
+
+if TYPE_CHECKING:
+    from .datasets import Dataset
 
 log = logging.getLogger("fedtier.sim")
 
@@ -57,7 +60,8 @@ def share_gpu_memory(engine: Any, workers: int) -> None:
 class DeviceWorker:
     """The devices one worker trains, built from the run's config text; used in a process or as a Ray actor."""
 
-    def __init__(self, config_text: str, devices: Sequence[str]) -> None:
+    def __init__(self, config_text: str, devices: Sequence[str], dataset: Dataset | None = None) -> None:
+        """``dataset``: the run's, as the main process loaded it (Ray ships it); none: loaded here."""
         from protocols.torch_trainer import TorchTrainer
 
         from .hierarchy import prepare
@@ -65,7 +69,7 @@ class DeviceWorker:
 
         set_torch_threads(1)
         cfg = parse_config(tomllib.loads(config_text))
-        prep = prepare(cfg)
+        prep = prepare(cfg, dataset)
         spec = prep.spec
         algorithm = cfg.build_algorithm(spec)
         torch_trainer = TorchTrainer.from_spec(

@@ -103,12 +103,11 @@ def check_participation(cfg: RunConfig) -> None:
         raise ConfigError(f"participation: {exc}") from None
 
 
-def prepare(cfg: RunConfig) -> Prepared:
-    """Load the dataset and partition it over the topology; raise ConfigError on impossible setups."""
-    check_participation(cfg)
+def run_dataset(cfg: RunConfig) -> Dataset:
+    """The run's dataset (``[data]``: its source, subsample and loader parameters); ConfigError when it cannot load."""
     d = cfg.data
     try:
-        ds = load_dataset(
+        return load_dataset(
             d.dataset,
             max_train=d.max_train or None,
             max_test=d.max_test or None,
@@ -117,6 +116,14 @@ def prepare(cfg: RunConfig) -> Prepared:
         )
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(f"data.dataset: {exc}") from None
+
+
+def prepare(cfg: RunConfig, dataset: Dataset | None = None) -> Prepared:
+    """Load the dataset (or take ``dataset``, :func:`run_dataset`'s as another process loaded it) and partition
+    it over the topology; raise ConfigError on impossible setups."""
+    check_participation(cfg)
+    d = cfg.data
+    ds = dataset if dataset is not None else run_dataset(cfg)
     topo = cfg.topology
     total = len(topo.devices())
     if total > ds.num_train:

@@ -277,7 +277,10 @@ class RuntimeSection(Section):
         description="fedtier sim workers: local processes, or Ray actors (pip install 'fedtier[ray]')",
     )
     ray_address: str | None = Field(
-        default=None, description="Ray cluster to join (e.g. ray://head:10001 or auto); none: a local Ray instance"
+        default=None,
+        description="sim_backend = ray: the cluster to join (HEAD:6379 from a node of it, ray://HEAD:10001 from "
+        "elsewhere, auto: the one ray start began here); none: RAY_ADDRESS, else a cluster ray start began on "
+        "this machine, else a new local Ray instance",
     )
     engine: Literal["device", "cohort"] = Field(
         default="device",
@@ -299,15 +302,6 @@ class RuntimeSection(Section):
         "(chunked sets are refused at their first chunk); none: 8 x the model's "
         "float32 size + 4 MiB",
     )
-
-    @model_validator(mode="after")
-    def _engine_ok(self) -> RuntimeSection:
-        if self.engine == "cohort" and self.sim_workers > 0 and self.sim_backend == "ray":
-            raise ValueError(
-                'engine = "cohort" with sim_workers runs its cohorts in worker processes; '
-                'set sim_backend = "processes" (Ray actors train per device)'
-            )
-        return self
 
 
 class ClockSection(Section):
