@@ -13,15 +13,14 @@ completes, and completions run in submission order, so the run is the sequential
 where it matters (answers reach a cell in the same order, at the same virtual times) and the final
 model is byte-identical whatever the number of workers. A worker that dies ends the run with an
 error naming the device and the worker's last words; workers are always shut down (:meth:`close`).
-The worker side is ``sim/device_worker.py``, the frames both sides exchange ``sim/worker_frames.py``; Ray's are
-``sim/ray_worker.py`` and ``sim/ray_cluster.py``.
+The worker side is ``sim/device_worker.py``, the frames both sides exchange ``sim/worker_frames.py``; Ray's
+actors are ``sim/ray_actors.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import json
 import logging
 import multiprocessing as mp
 import queue
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from protocols import procs
 from protocols.algorithms.base import DeviceContext, ModelSpec
-from protocols.config import ConfigError, RunConfig
+from protocols.config import RunConfig
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
 from protocols.trainer import Trainer
 from protocols.transport.memory import VirtualLoop
@@ -40,9 +39,6 @@ from protocols.wire.payload import Payload, decode_payload, encode_payload
 
 from .device_worker import process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
-from .hierarchy import run_dataset
-from .ray_cluster import connect, import_ray, plain
-from .ray_worker import RayWorker, geometry
 from .result_ring import RingReader, ring_bytes
 from .worker_frames import Batch, frame, unframe
 
@@ -51,8 +47,6 @@ if TYPE_CHECKING:
     from edge_agent.cohort import CohortExecutor
 
 log = logging.getLogger("fedtier.sim")
-
-ACTOR_START_S = 300.0  # a Ray actor must be running (placed, its devices built) within this
 
 Done = Callable[[Payload | None, str | None], None]
 
@@ -301,125 +295,26 @@ class ProcessExecutor(_Remote):
 
 
 class RayExecutor(_Remote):
-    """Ray actors, one CPU each, on ``cfg``'s cluster (``sim/ray_cluster.py``); ``batched``: engine = cohort.
-
-    The main process loads the dataset once and ships its training arrays through Ray's object store, so the
-    other nodes need fedtier, not the data; each actor rebuilds its share of the devices from the config text, as a
-    worker process does (``sim/ray_worker.py``). Tasks and results cross as bytes frames (``sim/worker_frames.py``),
-    with the cohort engine one batch per actor and edge round; results come back through Ray, never through a
-    shared-memory ring (an actor may be on another host). An actor that is not running within ``ACTOR_START_S``,
-    dies or cannot start ends the run naming it, its devices, its node and the reason; the cloud's checkpoint of the
-    last finished round stays for ``--resume``."""
+    """Ray actors (``sim/ray_actors.py``: where they run, what crosses, how they fail), on ``cfg``'s cluster;
+    ``batched``: engine = cohort, one batch per actor and edge round."""
 
     def __init__(self, cfg: RunConfig, groups: list[list[str]], loop: VirtualLoop, batched: bool = False) -> None:
-        ray = import_ray()
+        from .ray_actors import RayActors
+
         super().__init__(groups, loop, batched)
-        self.ray = ray
-        self.actors: list[Any] = []
-        self.placement: list[dict[str, Any] | None] = [None] * len(groups)  # each actor's node and pid, once running
-        self._timer: threading.Timer | None = None
-        self._owns = not ray.is_initialized()
-        if self._owns:
-            connect(ray, cfg.runtime.ray_address)
-        try:
-            cpus = ray.cluster_resources().get("CPU", 0)
-            if len(groups) > cpus:
-                raise ConfigError(f"runtime.sim_workers = {len(groups)} but the Ray cluster has {cpus:g} CPUs")
-            ds = run_dataset(cfg)  # (cached: the main process's own prepare takes it again)
-            x, y = ray.put(ds.x_train), ray.put(ds.y_train)
-            actor = ray.remote(num_cpus=1, num_gpus=_gpu_share(cfg, ray, len(groups)), max_restarts=0)(RayWorker)
-            text, shape = cfg.to_toml(), geometry(ds)
-            self.actors = [actor.remote(text, group, shape, x, y) for group in groups]
-            for i, a in enumerate(self.actors):
-                a.where.remote().future().add_done_callback(functools.partial(self._placed, i))
-            self._timer = threading.Timer(ACTOR_START_S, self._not_started)
-            self._timer.daemon = True
-            self._timer.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def _name(self, worker: int) -> str:
-        where = self.placement[worker]
-        on = f" on node {where['node']} ({str(where['node_id'])[:8]}, pid {where['pid']})" if where else ""
-        return f"Ray actor {worker} (devices {', '.join(self.groups[worker])}){on}"
-
-    def _placed(self, worker: int, future: Any) -> None:
-        try:
-            self.placement[worker] = json.loads(future.result())
-        except Exception:  # its first task says why
-            return
-        if all(self.placement):
-            nodes = sorted({f"{p['node']} ({str(p['node_id'])[:8]})" for p in self.placement if p})
-            log.info("sim: %d Ray actors running on %d node(s): %s", len(self.actors), len(nodes), ", ".join(nodes))
-
-    def _not_started(self) -> None:
-        """``ACTOR_START_S`` after the start: an actor still not running ends the run (the cluster has no room)."""
-        for worker, where in enumerate(self.placement):
-            if where is None:
-                self._died(
-                    worker,
-                    f"{self._name(worker)} is not running {ACTOR_START_S:g} s after it was asked for (it needs 1 CPU; "
-                    "`ray status` shows what the cluster has free)",
-                )
+        self.actors = RayActors(cfg, groups, self._reply, self._died)
 
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
-        future = self.actors[worker].train.remote(frame({"ctx": ctx}, task.view())).future()
-        future.add_done_callback(functools.partial(self._settled, worker, [task_id], False))
+        self.actors.send(worker, task_id, ctx, task)
 
     def _send_batch(self, worker: int, batch: Batch) -> None:
-        future = self.actors[worker].train_batch.remote(batch.frame()).future()
-        future.add_done_callback(functools.partial(self._settled, worker, [i["id"] for i in batch.head], True))
-
-    def _settled(self, worker: int, ids: list[int], batched: bool, future: Any) -> None:
-        """An actor's answer to the tasks ``ids`` (any thread): each result to its task, or the actor's end."""
-        try:
-            header, body = unframe(future.result())
-        except Exception as exc:  # the actor died (killed, its node lost...)
-            self._died(worker, f"{self._name(worker)} failed: {plain(exc)}")
-            return
-        if "fatal" in header:
-            self._died(worker, f"{self._name(worker)} could not start:\n{str(header['fatal']).rstrip()}")
-            return
-        results = header.get("results") if batched else [{**header, "n": len(body)}]
-        if not isinstance(results, list) or len(results) != len(ids):
-            self._died(worker, f"{self._name(worker)} answered {len(ids)} tasks with a malformed frame")
-            return
-        at = 0
-        for task_id, item in zip(ids, results):
-            n = item.get("n") if isinstance(item, dict) else None
-            if not isinstance(n, int) or not 0 <= n <= len(body) - at:
-                self._reply(task_id, b"", "bad result from the worker: a malformed result frame")
-                continue
-            self._reply(task_id, body[at : at + n], str(item.get("error", "")), item.get("checked") is True)
-            at += n
+        self.actors.send_batch(worker, batch)
 
     def close(self) -> None:
         """Kill the actors; shut Ray down if we started it (idempotent)."""
-        if self._timer is not None:
-            self._timer.cancel()
         if self._batches is not None and self.loop.on_idle == self.flush:
             self.loop.on_idle = None
-        for actor in self.actors:
-            try:
-                self.ray.kill(actor)
-            except Exception:  # already gone
-                pass
-        self.actors = []
-        if self._owns:
-            self._owns = False
-            self.ray.shutdown()
-
-
-def _gpu_share(cfg: RunConfig, ray: Any, actors: int) -> float:
-    """The GPU each Ray actor asks for: none on the CPU; on ``cuda``, the cluster's GPUs shared evenly (Ray shows an
-    actor only the GPU it was given); ConfigError for a cluster without one."""
-    if not cfg.runtime.device.startswith("cuda"):
-        return 0.0
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if gpus == 0:
-        raise ConfigError(f"runtime.device = {cfg.runtime.device!r} but the Ray cluster has no GPU")
-    return 1.0 / -(-actors // gpus)  # ceil(actors / gpus) actors on each GPU
+        self.actors.close()
 
 
 def _groups(cfg: RunConfig) -> list[list[str]]:

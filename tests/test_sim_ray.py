@@ -1,4 +1,4 @@
-"""``fedtier sim`` on Ray (``runtime.sim_backend = "ray"``: ``RayExecutor``, ``sim/ray_cluster.py``,
+"""``fedtier sim`` on Ray (``runtime.sim_backend = "ray"``: ``sim/ray_actors.py``, ``sim/ray_cluster.py``,
 ``sim/ray_worker.py``) as a researcher meets it: without Ray, with an address nothing answers at, on a local Ray (the
 cohort engine, an actor killed mid-round, ``--resume``), and on a two-node cluster begun with ``ray start`` whose nodes
 lack the data file. Ray is an optional extra, absent from CI: these tests skip without it (one local Ray for the
@@ -91,7 +91,7 @@ def test_an_actor_the_cluster_has_no_room_for_ends_the_run_instead_of_waiting_fo
 ):
     """A busy cluster (here another job holds one of the 2 CPUs) leaves an actor pending; Ray would wait for room
     forever, the run gives up after ``ACTOR_START_S`` naming the actor and what it needs."""
-    monkeypatch.setattr("sim.executors.ACTOR_START_S", 3.0)
+    monkeypatch.setattr("sim.ray_actors.ACTOR_START_S", 3.0)
 
     @local_ray.remote(num_cpus=1)
     class Other:
@@ -122,7 +122,7 @@ def test_a_killed_actor_ends_the_run_naming_it_and_resume_finishes_the_run(make_
 
     def kill(rnd: int, edge: int) -> None:
         if (rnd, edge) == (1, 0):
-            os.kill(executor.placement[worker]["pid"], signal.SIGKILL)
+            os.kill(executor.actors.placement[worker]["pid"], signal.SIGKILL)
 
     sim.agents["c1-d0"].on_task = kill
     died = (

@@ -1,0 +1,146 @@
+"""The Ray actors of ``fedtier sim``'s Ray workers (``RayExecutor`` in ``sim/executors.py``, which owns the tasks
+and their order): one CPU each, on the cluster ``sim/ray_cluster.py`` joins.
+
+The main process loads the dataset once and ships its training arrays through Ray's object store (numpy buffers),
+so the other nodes need fedtier, not the data; each actor rebuilds its share of the devices from the config text,
+as a worker process does (``sim/ray_worker.py``), partitioning with the run seed. Tasks and results cross as bytes
+frames (``sim/worker_frames.py``), with ``engine = "cohort"`` one batch per actor and edge round; results come
+back through Ray, never through a shared-memory ring (an actor may be on another host). An actor that is not running
+within ``ACTOR_START_S``, dies or cannot start ends the run naming it, its devices, its node and the reason; the
+cloud's checkpoint of the last finished round stays for ``--resume``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from protocols.config import ConfigError, RunConfig
+from protocols.wire.messenger import Received
+
+from .hierarchy import run_dataset
+from .ray_cluster import connect, import_ray, plain
+from .ray_worker import RayWorker, geometry
+from .worker_frames import Batch, frame, unframe
+
+log = logging.getLogger("fedtier.sim")
+
+ACTOR_START_S = 300.0  # an actor must be running (placed, its devices built) within this
+
+Reply = Callable[[int, "bytes | memoryview", str, bool], None]  # (task id, result, error, checked)
+Died = Callable[[int, str], None]  # (worker, why)
+
+
+class RayActors:
+    """One actor per group of devices; each answer goes to ``reply`` per task, each actor's end to ``died``."""
+
+    def __init__(self, cfg: RunConfig, groups: list[list[str]], reply: Reply, died: Died) -> None:
+        ray = import_ray()
+        self.ray, self.groups, self.reply, self.died = ray, groups, reply, died
+        self.actors: list[Any] = []
+        self.placement: list[dict[str, Any] | None] = [None] * len(groups)  # each actor's node and pid, once running
+        self._timer: threading.Timer | None = None
+        self._owns = not ray.is_initialized()
+        if self._owns:
+            connect(ray, cfg.runtime.ray_address)
+        try:
+            cpus = ray.cluster_resources().get("CPU", 0)
+            if len(groups) > cpus:
+                raise ConfigError(f"runtime.sim_workers = {len(groups)} but the Ray cluster has {cpus:g} CPUs")
+            ds = run_dataset(cfg)  # (cached: the main process's own prepare takes it again)
+            x, y = ray.put(ds.x_train), ray.put(ds.y_train)
+            actor = ray.remote(num_cpus=1, num_gpus=gpu_share(cfg, ray, len(groups)), max_restarts=0)(RayWorker)
+            text, shape = cfg.to_toml(), geometry(ds)
+            self.actors = [actor.remote(text, group, shape, x, y) for group in groups]
+            for i, a in enumerate(self.actors):
+                a.where.remote().future().add_done_callback(functools.partial(self._placed, i))
+            self._timer = threading.Timer(ACTOR_START_S, self._not_started)
+            self._timer.daemon = True
+            self._timer.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def name(self, worker: int) -> str:
+        """The actor, its devices and, once it runs, its node and pid (for error messages)."""
+        where = self.placement[worker]
+        on = f" on node {where['node']} ({str(where['node_id'])[:8]}, pid {where['pid']})" if where else ""
+        return f"Ray actor {worker} (devices {', '.join(self.groups[worker])}){on}"
+
+    def _placed(self, worker: int, future: Any) -> None:
+        try:
+            self.placement[worker] = json.loads(future.result())
+        except Exception:  # its first task says why
+            return
+        if all(self.placement):
+            nodes = sorted({f"{p['node']} ({str(p['node_id'])[:8]})" for p in self.placement if p})
+            log.info("sim: %d Ray actors running on %d node(s): %s", len(self.actors), len(nodes), ", ".join(nodes))
+
+    def _not_started(self) -> None:
+        """``ACTOR_START_S`` after the start: an actor still not running ends the run (the cluster has no room)."""
+        for worker, where in enumerate(self.placement):
+            if where is None:
+                self.died(
+                    worker,
+                    f"{self.name(worker)} is not running {ACTOR_START_S:g} s after it was asked for (it needs 1 CPU; "
+                    "`ray status` shows what the cluster has free)",
+                )
+
+    def send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
+        future = self.actors[worker].train.remote(frame({"ctx": ctx}, task.view())).future()
+        future.add_done_callback(functools.partial(self._settled, worker, [task_id], False))
+
+    def send_batch(self, worker: int, batch: Batch) -> None:
+        future = self.actors[worker].train_batch.remote(batch.frame()).future()
+        future.add_done_callback(functools.partial(self._settled, worker, [i["id"] for i in batch.head], True))
+
+    def _settled(self, worker: int, ids: list[int], batched: bool, future: Any) -> None:
+        """An actor's answer to the tasks ``ids`` (any thread): each result to its task, or the actor's end."""
+        try:
+            header, body = unframe(future.result())
+        except Exception as exc:  # the actor died (killed, its node lost...)
+            self.died(worker, f"{self.name(worker)} failed: {plain(exc)}")
+            return
+        if "fatal" in header:
+            self.died(worker, f"{self.name(worker)} could not start:\n{str(header['fatal']).rstrip()}")
+            return
+        results = header.get("results") if batched else [{**header, "n": len(body)}]
+        if not isinstance(results, list) or len(results) != len(ids):
+            self.died(worker, f"{self.name(worker)} answered {len(ids)} tasks with a malformed frame")
+            return
+        at = 0
+        for task_id, item in zip(ids, results):
+            n = item.get("n") if isinstance(item, dict) else None
+            if not isinstance(n, int) or not 0 <= n <= len(body) - at:
+                self.reply(task_id, b"", "bad result from the worker: a malformed result frame", False)
+                continue
+            self.reply(task_id, body[at : at + n], str(item.get("error", "")), item.get("checked") is True)
+            at += n
+
+    def close(self) -> None:
+        """Kill the actors; shut Ray down if we started it (idempotent)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        if self._owns:
+            self._owns = False
+            self.ray.shutdown()
+
+
+def gpu_share(cfg: RunConfig, ray: Any, actors: int) -> float:
+    """The GPU each actor asks for: none on the CPU; on ``cuda``, the cluster's GPUs shared evenly (Ray shows an
+    actor only the GPU it was given); ConfigError for a cluster without one."""
+    if not cfg.runtime.device.startswith("cuda"):
+        return 0.0
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus == 0:
+        raise ConfigError(f"runtime.device = {cfg.runtime.device!r} but the Ray cluster has no GPU")
+    return 1.0 / -(-actors // gpus)  # ceil(actors / gpus) actors on each GPU
