@@ -57,10 +57,13 @@ class Inbound:
         return self._reasm.reserved
 
     def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        if self._closed:  # closing: not acknowledged, so the broker hands it to this node's next session
+            return
         try:
             self._receive(msg)
         except Exception:  # an exception here would kill paho's network thread
             log.exception("%s: failed to handle an incoming message", self.client_id)
+        client.ack(msg.mid, msg.qos)  # taken (posted, held or refused): the broker may forget it
 
     def _receive(self, msg: mqtt.MQTTMessage) -> None:
         if self._closed:

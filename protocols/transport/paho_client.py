@@ -39,9 +39,14 @@ def new_client(
     max_inflight: int,
 ) -> mqtt.Client:
     """A paho client for ``client_id`` (``persistent``: ``clean_session=False``), logged in and with TLS as
-    ``creds`` say; its will must fit in one chunk of ``max_chunk`` bytes. The caller sets the callbacks."""
+    ``creds`` say; its will must fit in one chunk of ``max_chunk`` bytes. The caller sets the callbacks and
+    acknowledges each QoS-1 message it takes (``manual_ack``: one it drops while closing stays the session's)."""
     c = mqtt.Client(
-        CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not persistent, protocol=mqtt.MQTTv311
+        CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        clean_session=not persistent,
+        protocol=mqtt.MQTTv311,
+        manual_ack=True,
     )
     if creds.username is not None:
         c.username_pw_set(creds.username, creds.password)
