@@ -471,3 +471,26 @@ def test_a_message_that_arrives_while_a_persistent_client_closes_goes_to_its_nex
         assert inbox.wait_n(1) == [(f"{prefix}/submit", b"job B")]
         again.close()
         operator.close()
+
+
+@needs_mosquitto
+def test_a_closed_client_leaves_no_socket_for_the_garbage_collector(loop) -> None:
+    """A client driven by paho's own thread (no reactor: ``fedtier cloud|cell --serve``, which connect again for
+    every job, the operator's commands) left paho's wake-up socket pair open after ``close()`` until the garbage
+    collector found the client: 2 descriptors a connection in a long-lived process. ``close()`` closes them."""
+    import gc
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with MosquittoBroker() as b:
+        connect(b, "warm-up", loop).close()
+        gc.disable()
+        try:
+            before = open_files()
+            for i in range(3):
+                connect(b, f"job-{i}", loop, persistent=True).close()
+            after = open_files()
+        finally:
+            gc.enable()
+    assert after == before, (before, after)

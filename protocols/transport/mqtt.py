@@ -33,7 +33,7 @@ from ..wire import chunking
 from .base import EventLoop, Handler, TimerHandle, Transport, Will
 from .hold import Hold, HoldLimits
 from .inbound import Inbound
-from .paho_client import Credentials, hung_up_before_connack, new_client, nodelay
+from .paho_client import Credentials, hung_up_before_connack, new_client, nodelay, stop_thread
 from .reactor import Reactor
 from .subscriptions import broker_filters
 from .traffic import TransportStats, publish_packet_bytes
@@ -250,7 +250,7 @@ class MqttTransport(Inbound, Transport):
         self.loop.cancel(self._expiry)
         if self._reactor is None:
             self._client.disconnect()
-            self._client.loop_stop()
+            stop_thread(self._client)
             return
         if self._connected:  # the reactor writes DISCONNECT, then closes the socket
             self._client.disconnect()
@@ -277,7 +277,7 @@ class MqttTransport(Inbound, Transport):
                 sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]  # paho's SocketLike: a real socket here
             except OSError:
                 pass
-        self._client.loop_stop()
+        stop_thread(self._client)
 
     def _abort(self) -> None:
         self._closed = True
@@ -286,7 +286,7 @@ class MqttTransport(Inbound, Transport):
             return
         self._no_reconnect()
         self._client.disconnect()
-        self._client.loop_stop()
+        stop_thread(self._client)
 
     def _no_reconnect(self) -> None:
         # paho 2.2 only takes reconnect_on_failure in the constructor; without this, its network

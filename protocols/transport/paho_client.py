@@ -4,6 +4,7 @@ reconnect delays and the in-flight window set from the transport's options."""
 from __future__ import annotations
 
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,14 @@ def new_client(
     c.max_inflight_messages_set(max_inflight)
     c.max_queued_messages_set(0)  # unbounded: publish never fails while reconnecting
     return c
+
+
+def stop_thread(c: mqtt.Client) -> None:
+    """Stop ``c``'s network thread (``loop_start``) and close its wake-up socket pair, which paho 2.x leaves to
+    ``__del__``: to the garbage collector, since the client's callbacks and their transport make a cycle."""
+    c.loop_stop()
+    if threading.current_thread() is not c._thread:  # (from its own thread, loop_stop cannot wait: left as it is)
+        c._reset_sockets(sockpair_only=True)
 
 
 def nodelay(_client: mqtt.Client, _u: Any, sock: Any) -> None:
