@@ -520,6 +520,7 @@ def test_a_long_lived_agent_gives_each_job_its_data_as_that_jobs_model_takes_it(
         lambda cfg, _: spec_and_data(cfg, source),
     )
     assert built[0].data["c0-d0"].x.shape == (20, 64)
+    built[0].discard()  # built, never started: its reactor's sockets closed now
 
 
 def test_a_cell_down_at_submit_is_named_absent_at_start_in_the_summary_and_the_job_record(tmp_path: Path) -> None:
