@@ -216,6 +216,7 @@ def test_cloud_rejects_malformed_forwarded_reports() -> None:
     for meta, tensors in [
         ({**report.meta, "entries": bad_entries}, report.tensors),
         ({**report.meta, "entries": report.meta["entries"][:1]}, report.tensors),
+        ({**report.meta, "entries": [[1, *e[1:]] for e in report.meta["entries"]]}, report.tensors),  # E = 1
         (report.meta, {**report.tensors, "mask.0": report.tensors["mask.0"][:-1]}),
     ]:
         with pytest.raises(Rejected):

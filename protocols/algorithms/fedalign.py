@@ -29,6 +29,11 @@ cloud <-> cell exchange. Iterations that need no F take one cloud round: warm-up
 device, exactly FedAvg on all devices). So ``run.rounds`` counts cloud rounds; the iteration index and
 phase of each cloud round are a pure function of the parameters (:class:`Schedule`).
 
+Robust aggregation (``cell_aggregator`` / ``cloud_aggregator``, default the paper's mean): a cell combines its
+priority and admitted free devices' deltas, the cloud the held priority-phase reports and this phase's, each a
+delta of the same broadcast model ``w``. A priority device alone in its cell's phase is that cell's whole report:
+only the cloud's aggregator bounds it (``tests/test_robust_fedalign_fedmrn.py``).
+
 Wire: ``epsilon`` travels as ``null`` for infinity (JSON has no inf). A free device that declines
 answers with its probe values and no tensors, so its cell never waits for it until the deadline.
 """
@@ -50,10 +55,11 @@ from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole
 from .fedalign_priority import check_probe_lists, priority_figures, probe_lists
 from .fedavg import FedAvgCell, FedAvgDevice, check_delta
 from .outcome import Outcome
+from .robust import RobustParams, aggregate, robust_params
 from .traits import Trait
 
 log = logging.getLogger("fedtier.cloud")
@@ -62,8 +68,9 @@ PRIO_KEYS = ("prio_weight", "prio_loss", "prio_accuracy")
 HELD = "held/"
 
 
-class FedAlignParams(TrainParams):
-    """FedALIGN's keys of the ``[algorithm]`` section."""
+class FedAlignParams(RobustParams):
+    """FedALIGN's keys of the ``[algorithm]`` section, with the robust aggregators (``cell_aggregator`` over the
+    priority and admitted free devices' deltas, ``cloud_aggregator`` over the cells' reports of both phases)."""
 
     priority: list[str] = Field(default_factory=list, description="priority device ids (e.g. c0-d3)")
     priority_fraction: float = Field(
@@ -241,14 +248,18 @@ class FedAlignCloud(CloudRole):
         if phase == "priority":
             self.held = contributing
             return Outcome(metrics)
-        items = [(r.meta["weight"], r.tensors) for r in self.held.values()] if phase == "free" else []
-        items += [(r.meta["weight"], r.tensors) for r in contributing.values()]
+        # every report is a delta of the same broadcast model w: the held priority-phase ones first, each named
+        # "1:CELL" ("2:CELL" this phase's), so the mean sums them in the paper's order (held, then this phase's)
+        items = [(f"1:{c}", r.meta["weight"], r.tensors) for c, r in self.held.items()] if phase == "free" else []
+        items += [(f"2:{c}", r.meta["weight"], r.tensors) for c, r in contributing.items()]
         self.held = {}
-        if items:
-            mean, total = P.weighted_mean(items)
-            self.model = P.add(self.model, mean, self.p.server_lr)
-            metrics["weight"] = total
-        return Outcome(metrics)
+        if not items:
+            return Outcome(metrics)
+        agg = aggregate(robust_params(self.p).cloud_aggregator, items, self.p)
+        self.model = P.add(self.model, agg.delta, self.p.server_lr)
+        metrics["weight"] = agg.weight
+        said = {"1": " (priority phase)", "2": " (free phase)" if phase == "free" else ""}
+        return Outcome(metrics, excluded={k[2:] + said[k[0]]: why for k, why in agg.excluded.items()})
 
     def global_params(self) -> dict[str, np.ndarray]:
         return self.model
@@ -370,7 +381,7 @@ class FedAlignCell(FedAvgCell):
                 "gap": None if F is None else value - F,
             }
         self.decisions.update(admission)
-        super().aggregate(edge_round, included)
+        robust = super().aggregate(edge_round, included)
         metrics: dict[str, Any] = {
             "phase": t["phase"],
             "iteration": t["iteration"],
@@ -384,7 +395,7 @@ class FedAlignCell(FedAvgCell):
                 admitted=sorted(d for d, a in admission.items() if a["admitted"]),
                 refused=sorted(d for d, a in admission.items() if not a["admitted"]),
             )
-        return Outcome(metrics)
+        return Outcome(metrics, excluded=robust.excluded)
 
     def report(self) -> Payload:
         report = super().report()

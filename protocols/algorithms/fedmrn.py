@@ -12,10 +12,16 @@ Gradients come from ``Trainer.loss_and_grad`` at the substituted parameters, so 
 computes gradients works.
 
 Cell: rebuilds each device's ``n * m`` from its seed and mask and averages (weighted by samples) as
-hierarchical FedAvg does. Its report to the cloud is the cheaper, in exact encoded bytes, of the dense
-cell delta and the forwarded masks and seeds of every device result of the round (each with its
-edge round and weight, from which the cloud rebuilds the same edge-round averages); the choice and
-both sizes appear in the cell aggregation record's ``metrics``.
+hierarchical FedAvg does, or with ``cell_aggregator``. Its report to the cloud is the cheaper, in exact encoded
+bytes, of the dense cell delta and the forwarded masks and seeds of every kept device result of the round (each
+with its edge round and weight, from which the cloud rebuilds the same edge-round averages; only when the cell's
+aggregator is a weighted mean of the kept devices: mean, krum, multikrum); the choice and both sizes appear in
+the cell aggregation record's ``metrics``. The cloud combines the cells' (rebuilt) deltas with ``cloud_aggregator``.
+
+What a lying device can send: masked values ``n * m`` only (``|n| <= alpha`` for uniform and bernoulli noise;
+gauss noise is unbounded in principle, and the seed is the device's word), but float32 extras and a weight
+(bounded by ``security.max_device_weight``) of its choosing: under the mean one device's extras move the model
+anywhere (``tests/test_robust_fedalign_fedmrn.py``); a robust aggregator bounds them.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .. import params as P
 from ..numbers import finite_number
@@ -34,18 +40,22 @@ from ..rejections import Rejected, RejectKind
 from ..seeding import derive_seed, rng
 from ..trainer import LocalData, Trainer, batches, num_steps
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole
 from .codecs.base import expect_array, parse_seed, unpack_bits, wire_size
 from .codecs.mrn import FedMRNCodec, NoiseKind, masked_value, sample_mask
 from .fedavg import FedAvgCell, FedAvgCloud
 from .outcome import Outcome
+from .robust import RobustParams
 from .traits import Trait
 
 FORWARD_MASK = "mask."
+MEAN_OF_KEPT = ("mean", "krum", "multikrum")  # cell aggregators whose result the forwarded masks rebuild
 
 
-class FedMRNParams(TrainParams):
-    """FedMRN's ``[algorithm]`` keys (FedMRN-S: ``signed = true``)."""
+class FedMRNParams(RobustParams):
+    """FedMRN's ``[algorithm]`` keys (FedMRN-S: ``signed = true``), with the robust aggregators: a device's
+    masked tensors are bounded by construction (each value ``n * m``, ``|n| <= alpha`` for uniform and bernoulli
+    noise), its float32 extras (1-D tensors) are not, so ``cell_aggregator`` / ``cloud_aggregator`` bound them."""
 
     noise: NoiseKind = Field(default="uniform", description="distribution of the seeded noise the masks select from")
     alpha: float = Field(default=0.01, gt=0, description="noise scale: U[-a, a], N(0, a) or {-a, +a}")
@@ -54,8 +64,21 @@ class FedMRNParams(TrainParams):
     progressive: bool = Field(default=True, description="progressive masking tau/S (false: p = 1, ablation)")
     mask_vectors: bool = Field(default=False, description="mask 1-D tensors too (else float32)")
     cell_uplink: Literal["auto", "dense", "masks"] = Field(
-        default="auto", description="cell -> cloud: the cheaper (auto), the dense delta, or the forwarded masks"
+        default="auto",
+        description="cell -> cloud: the cheaper (auto), the dense delta, or the forwarded masks (only under "
+        "cell_aggregator mean, krum or multikrum; under another, auto is dense)",
     )
+
+    @model_validator(mode="after")
+    def _forwarding_fits(self) -> FedMRNParams:
+        if self.cell_uplink == "masks" and self.cell_aggregator not in MEAN_OF_KEPT:
+            raise ValueError(
+                'cell_uplink = "masks" forwards the kept devices\' masks, from which the cloud rebuilds their '
+                f'weighted mean: a cell_aggregator = "{self.cell_aggregator}" result is no such mean, so it '
+                f'cannot travel as masks (use cell_uplink = "dense" or "auto", or cell_aggregator = '
+                '"mean" | "krum" | "multikrum")'
+            )
+        return self
 
 
 @dataclass
@@ -129,6 +152,7 @@ class FedMRNCell(FedAvgCell):
         super().__init__(params, cell)
         self.codec: FedMRNCodec = codec
         self.mode = params.cell_uplink
+        self.forwards = params.cell_aggregator in MEAN_OF_KEPT  # else the dense delta is the only report
         self.entries: list[tuple[int, float, str, np.ndarray]] = []
         self._report: Payload | None = None
 
@@ -138,7 +162,7 @@ class FedMRNCell(FedAvgCell):
 
     def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
         out = super().aggregate(edge_round, results)
-        for _, r in sorted(results.items()):
+        for _, r in sorted((d, r) for d, r in results.items() if d not in out.excluded):  # the kept devices
             self.entries.append((edge_round, float(r.meta["weight"]), r.meta["seed"], r.tensors["mask"]))
         if edge_round == self.edge_rounds - 1:
             self._report, choice = self._choose()
@@ -150,6 +174,8 @@ class FedMRNCell(FedAvgCell):
         if not dense.tensors:
             return dense, {}
         dense.meta["uplink"] = "dense"
+        if not self.forwards:
+            return dense, {"cell_uplink": "dense", "cell_uplink_bytes": wire_size(dense)}
         forward = self._forward(dense)
         sizes = {"dense": wire_size(dense), "masks": wire_size(forward)}
         pick = self.mode if self.mode != "auto" else min(sizes, key=lambda m: (sizes[m], m != "masks"))
@@ -204,11 +230,14 @@ class FedMRNCloud(FedAvgCloud):
                 isinstance(entry, list)
                 and len(entry) == 3
                 and isinstance(entry[0], int)
-                and entry[0] >= 0
+                and 0 <= entry[0] < self.p.edge_rounds
                 and (weight := finite_number(entry[1])) is not None
                 and weight > 0
             ):
-                raise Rejected(RejectKind.MALFORMED, f"{what}: entry {i} must be [edge round, weight > 0, seed]")
+                raise Rejected(
+                    RejectKind.MALFORMED,
+                    f"{what}: entry {i} must be [edge round < {self.p.edge_rounds}, weight > 0, seed]",
+                )
             parse_seed(entry[2], f"{what}: entry {i}")
             unpack_bits(report.tensors[f"{FORWARD_MASK}{i}"], count, f"{what}: mask {i}")
         if any(a[0] > b[0] for a, b in zip(entries, entries[1:])):

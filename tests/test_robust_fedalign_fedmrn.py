@@ -1,0 +1,155 @@
+"""One lying device (its own key) under FedALIGN and FedMRN, with the plain mean and with a robust aggregator.
+
+A FedALIGN device's update is a dense delta: a liar scales its genuine delta by -10^6. A FedMRN device's masked
+tensors are ``n * m`` (``|n| <= alpha``) whatever it sends; its float32 extras (the biases) are its word: the liar
+sets every mask bit and scales its extras by -10^6. With the mean each wrecks the model (the tests show it); with
+``cell_aggregator`` (and, for FedALIGN's priority device alone in its cell's phase, ``cloud_aggregator``) the model
+learns as the honest run does, and the aggregation records name the liar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from protocols.config import ConfigError, parse_config
+from protocols.wire.payload import Payload
+from sim.launcher import RunResult, SimHierarchy
+
+SCALE = -1e6  # sign-flipped too: a positively scaled delta of a near-linear model keeps its argmax
+
+
+def config(algorithm: dict[str, Any], rounds: int) -> Any:
+    return parse_config(
+        {
+            "run": {"name": "byz", "seed": 2, "rounds": rounds},
+            "topology": {"cells": 2, "devices_per_cell": 5},
+            "algorithm": algorithm,
+            "model": {"name": "mlp", "hidden": [32]},
+            "data": {"dataset": "digits", "partition": "iid", "max_train": 1000},
+        }
+    )
+
+
+def fedalign(**robust: str) -> Any:
+    """Two priority devices (one per cell), every free device admitted (epsilon 10): 5 iterations of two phases."""
+    algo = {"name": "fedalign", "priority": ["c0-d0", "c1-d0"], "epsilon": 10.0, "local_steps": 20, "lr": 0.2}
+    return config({**algo, "batch_size": 16, **robust}, rounds=10)
+
+
+def fedmrn(**robust: str) -> Any:
+    algo = {"name": "fedmrn", "local_epochs": 2, "batch_size": 16, "lr": 0.1, "alpha": 0.2, "edge_rounds": 2}
+    return config({**algo, **robust}, rounds=10)
+
+
+def scaled_delta(r: Payload) -> Payload:
+    """FedALIGN: the genuine delta times -10^6 (a declined free device's empty answer as it is)."""
+    return Payload(r.meta, {k: (v * SCALE).astype(v.dtype) for k, v in r.tensors.items()})
+
+
+def all_masks_and_scaled_extras(r: Payload) -> Payload:
+    """FedMRN: every mask bit set (the most a mask can add: n everywhere) and the float32 extras times -10^6."""
+    tensors = {k: np.full_like(v, 0xFF) if k == "mask" else (v * SCALE).astype(v.dtype) for k, v in r.tensors.items()}
+    return Payload(r.meta, tensors)
+
+
+def run(cfg: Any, liar: str | None = None, tamper: Callable[[Payload], Payload] = scaled_delta) -> RunResult:
+    """``cfg``'s sim with ``liar`` (a device, with its own key) sending ``tamper`` of its genuine results."""
+    sim = SimHierarchy(cfg, write_output=False)
+    configure = sim.agents.configure
+
+    def compromised(agent: Any) -> None:
+        configure(agent)
+        if agent.device == liar:
+            genuine = agent.publish_result
+            agent.publish_result = lambda r, *a: genuine(tamper(r), *a)
+
+    sim.agents.configure = compromised
+    return sim.run()
+
+
+def named(result: RunResult, party: str) -> bool:
+    """Whether every cell aggregation record of ``party``'s cell in which it took part names it as left out."""
+    records = [r for r in result.cell_records if r["cell"] == party[:2] and party in r.get("answered", [party])]
+    return bool(records) and all(party in (r.get("excluded") or {}) for r in records)
+
+
+def loss(result: RunResult) -> float:
+    return float(result.history[-1]["loss"])
+
+
+HONEST: dict[str, RunResult] = {}
+
+
+def honest(name: str, cfg: Any) -> RunResult:
+    if name not in HONEST:
+        HONEST[name] = run(cfg)
+    return HONEST[name]
+
+
+def wrecked(result: RunResult, clean: RunResult) -> bool:
+    """The model diverged (the job failed saying so) or its loss is 10^5 times the honest run's."""
+    return "diverged" in (result.failed or "") or (result.failed is None and loss(result) > 1e5 * loss(clean))
+
+
+def holds(result: RunResult, clean: RunResult, points: float) -> None:
+    """``result`` learned as ``clean`` did: accuracy within ``points``, loss within 25 %."""
+    assert result.failed is None, result.failed
+    assert result.final_accuracy >= clean.final_accuracy - points, (result.final_accuracy, clean.final_accuracy)
+    assert loss(result) < 1.25 * loss(clean), (loss(result), loss(clean))
+
+
+def test_fedalign_a_free_devices_scaled_delta_wrecks_the_mean_and_the_cells_median_holds() -> None:
+    clean = honest("fedalign", fedalign())
+    assert clean.final_accuracy > 0.85
+    mean = run(fedalign(), "c0-d1")
+    assert wrecked(mean, clean), (mean.failed, loss(mean))
+    free = [r["metrics"]["admitted"] for r in mean.history if r["metrics"]["phase"] == "free"]
+    assert free[0] == 8 and not any(free[1:])  # and F of the wrecked model refuses every free device from then on
+    robust = run(fedalign(cell_aggregator="median"), "c0-d1")
+    holds(robust, clean, 0.03)
+    assert named(robust, "c0-d1")
+
+
+def test_fedalign_a_priority_device_alone_in_its_cells_phase_is_bounded_by_the_cloud() -> None:
+    """c0-d0 is the only priority device of c0: in the priority phase its cell's report is its delta, whatever the
+    cell's aggregator; the cloud's median over the held priority reports and the free phase's bounds it."""
+    clean = honest("fedalign", fedalign())
+    only_cell = run(fedalign(cell_aggregator="median"), "c0-d0")
+    assert wrecked(only_cell, clean), only_cell.failed
+    robust = run(fedalign(cell_aggregator="median", cloud_aggregator="median"), "c0-d0")
+    holds(robust, clean, 0.05)
+    free_rounds = [r for r in robust.history if r["metrics"]["phase"] == "free"]
+    assert free_rounds and all("c0 (priority phase)" in r["excluded"] for r in free_rounds)
+
+
+def test_fedmrn_a_devices_scaled_extras_wreck_the_mean_and_multikrum_holds() -> None:
+    clean = honest("fedmrn", fedmrn())
+    assert clean.final_accuracy > 0.8
+    mean = run(fedmrn(), "c0-d1", all_masks_and_scaled_extras)
+    assert wrecked(mean, clean) and mean.final_accuracy < 0.15, (mean.failed, mean.final_accuracy)
+    dense, masks = (
+        run(fedmrn(cell_aggregator="multikrum", cell_uplink=up), "c0-d1", all_masks_and_scaled_extras)
+        for up in ("dense", "masks")
+    )
+    holds(dense, clean, 0.03)
+    assert named(dense, "c0-d1") and named(masks, "c0-d1")
+    for k in dense.params:  # the cells forward only the kept devices' masks: the cloud rebuilds their mean
+        np.testing.assert_allclose(masks.params[k], dense.params[k], atol=1e-5)  # (float32 rounding of the sums)
+
+
+def test_fedmrn_median_cells_report_dense_and_refuse_forwarding_masks() -> None:
+    """A median is no weighted mean of some devices' masked noise: the cell reports it dense (auto), and
+    ``cell_uplink = "masks"`` with it is refused at configuration. It bounds the liar; FedMRN learns little under it
+    (the median of binary masked noise, 0 or n, is mostly 0): multikrum keeps FedMRN's own arithmetic."""
+    with pytest.raises(ConfigError, match='cell_aggregator = "median" result is no such mean'):
+        fedmrn(cell_aggregator="median", cell_uplink="masks")
+    result = run(fedmrn(cell_aggregator="median"), "c0-d1", all_masks_and_scaled_extras)
+    uplinks = [r["metrics"]["cell_uplink"] for r in result.cell_records if "cell_uplink" in r["metrics"]]
+    assert uplinks and set(uplinks) == {"dense"}
+    assert (
+        result.failed is None and named(result, "c0-d1") and loss(result) < 2.31
+    )  # below the initial model's (2.30 to 2.31)
