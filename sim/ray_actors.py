@@ -2,7 +2,8 @@
 and their order): one CPU each, on the cluster ``sim/ray_cluster.py`` joins.
 
 The main process loads the dataset once and ships its training arrays through Ray's object store (numpy buffers),
-so the other nodes need fedtier, not the data; each actor rebuilds its share of the devices from the config text,
+so the other nodes need fedtier (the same code, Python, numpy and torch: an actor checks), not the data; each
+actor rebuilds its share of the devices from the config text,
 as a worker process does (``sim/ray_worker.py``), partitioning with the run seed. Tasks and results cross as bytes
 frames (``sim/worker_frames.py``), with ``engine = "cohort"`` one batch per actor and edge round; results come
 back through Ray, never through a shared-memory ring (an actor may be on another host). An actor that is not running
@@ -23,7 +24,7 @@ from protocols.wire.messenger import Received
 
 from .hierarchy import run_dataset
 from .ray_cluster import connect, import_ray, plain
-from .ray_worker import RayWorker, geometry
+from .ray_worker import RayWorker, geometry, software
 from .worker_frames import Batch, frame, unframe
 
 log = logging.getLogger("fedtier.sim")
@@ -53,8 +54,8 @@ class RayActors:
             ds = run_dataset(cfg)  # (cached: the main process's own prepare takes it again)
             x, y = ray.put(ds.x_train), ray.put(ds.y_train)
             actor = ray.remote(num_cpus=1, num_gpus=gpu_share(cfg, ray, len(groups)), max_restarts=0)(RayWorker)
-            text, shape = cfg.to_toml(), geometry(ds)
-            self.actors = [actor.remote(text, group, shape, x, y) for group in groups]
+            text, shape, expected = cfg.to_toml(), geometry(ds), json.dumps(software())
+            self.actors = [actor.remote(text, group, shape, x, y, expected) for group in groups]
             for i, a in enumerate(self.actors):
                 a.where.remote().future().add_done_callback(functools.partial(self._placed, i))
             self._timer = threading.Timer(ACTOR_START_S, self._not_started)

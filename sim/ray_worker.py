@@ -1,6 +1,7 @@
-"""The Ray side of ``fedtier sim``'s workers (``sim/ray_executor.py``): an actor that trains its share of the devices
+"""The Ray side of ``fedtier sim``'s workers (``sim/ray_actors.py``): an actor that trains its share of the devices
 with a :class:`DeviceWorker` built from the run's config text and the dataset the main process shipped through
-Ray's object store (its arrays as numpy buffers), so a node needs fedtier installed, not the data.
+Ray's object store (its arrays as numpy buffers), so a node needs fedtier installed, not the data; the same fedtier
+code, Python, numpy and torch as the main process (:func:`software`), or it refuses to start.
 
 A task comes and its result goes as one bytes frame (``sim/worker_frames.py``): Ray pickles what crosses, so
 nothing but bytes and a few strings does. A worker that cannot start answers every task with its traceback
@@ -8,9 +9,14 @@ nothing but bytes and a few strings does. A worker that cannot start answers eve
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
 import json
 import os
+import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,12 +31,51 @@ def geometry(ds: Dataset) -> str:
     return json.dumps({"input_shape": list(ds.input_shape), "num_classes": ds.num_classes, "name": ds.name})
 
 
-class RayWorker:
-    """One Ray actor: the devices ``devices`` of the run ``config_text``, on the shipped training arrays."""
+CODE = ("protocols", "sim", "edge_agent")  # the packages a worker runs
 
-    def __init__(self, config_text: str, devices: list[str], shape: str, x_train: Any, y_train: Any) -> None:
+
+@functools.cache
+def software() -> dict[str, str]:
+    """What decides a worker's bytes besides the config: a digest of fedtier's code (the ``.py`` files of ``CODE``)
+    and the versions of Python, numpy and torch. A node's must be the main process's for the run to be the
+    one-process run, bit for bit."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in CODE:
+        root = Path(importlib.import_module(name).__file__ or "").parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root.parent).as_posix().encode() + b"\0" + path.read_bytes())
+    python = ".".join(map(str, sys.version_info[:3]))
+    return {
+        "fedtier code": digest.hexdigest()[:16],
+        "python": python,
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+    }
+
+
+def check_software(expected: str) -> None:
+    """RuntimeError naming what differs when this node's :func:`software` is not the main process's ``expected``."""
+    here, there = software(), json.loads(expected)
+    differ = [f"{k}: {there.get(k)} in the main process, {v} here" for k, v in here.items() if there.get(k) != v]
+    if differ:
+        raise RuntimeError(
+            f"this node's software differs from the main process's ({'; '.join(differ)}): install the same fedtier, "
+            "Python, numpy and torch on every node"
+        )
+
+
+class RayWorker:
+    """One Ray actor: the devices ``devices`` of the run ``config_text``, on the shipped training arrays; ``expected``:
+    the main process's :func:`software` (JSON)."""
+
+    def __init__(
+        self, config_text: str, devices: list[str], shape: str, x_train: Any, y_train: Any, expected: str
+    ) -> None:
         self.fatal = ""
         try:
+            check_software(expected)
             g = json.loads(shape)
             x, y = np.asarray(x_train), np.asarray(y_train)
             ds = Dataset(x, y, x[:0], y[:0], tuple(g["input_shape"]), int(g["num_classes"]), str(g["name"]))

@@ -108,6 +108,17 @@ def test_an_actor_the_cluster_has_no_room_for_ends_the_run_instead_of_waiting_fo
         local_ray.kill(other)
 
 
+def test_a_node_with_other_software_refuses_to_start_saying_what_differs(make_config, local_ray, monkeypatch):
+    """An actor checks its node's fedtier code, Python, numpy and torch against the main process's: another torch
+    (here the main process claims one) would break bit-identity silently, so the run stops naming it."""
+    from sim import ray_actors
+    from sim.ray_worker import software
+
+    monkeypatch.setattr(ray_actors, "software", lambda: {**software(), "torch": "0.0"})
+    with pytest.raises(WorkerError, match=r"(?s)Ray actor \d .* could not start:.*torch: 0\.0 in the main process, "):
+        run_simulation(on_ray(make_config), write_output=False)
+
+
 def test_cuda_on_a_cluster_without_a_gpu_is_refused_at_the_start(make_config, local_ray):
     with pytest.raises(ConfigError, match="runtime.device = 'cuda' but the Ray cluster has no GPU"):
         run_simulation(on_ray(make_config, runtime={"device": "cuda"}), write_output=False)
