@@ -116,6 +116,7 @@ def sim(
         raise SystemExit(2) from exc
     except WorkerError as exc:
         print_error(exc)  # a worker's traceback may hold [brackets]
+        print_error("the same command with --resume continues from the last finished round", "stopped", "bold yellow")
         raise SystemExit(1) from exc
     except StorageError as exc:  # a full disk while writing the final files
         print_error(exc, "job failed")

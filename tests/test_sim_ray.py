@@ -108,15 +108,22 @@ def test_an_actor_the_cluster_has_no_room_for_ends_the_run_instead_of_waiting_fo
         local_ray.kill(other)
 
 
-def test_a_node_with_other_software_refuses_to_start_saying_what_differs(make_config, local_ray, monkeypatch):
+def test_a_node_with_other_software_refuses_to_start_saying_what_differs(make_config, local_ray, monkeypatch, tmp_path):
     """An actor checks its node's fedtier code, Python, numpy and torch against the main process's: another torch
     (here the main process claims one) would break bit-identity silently, so the run stops naming it."""
+    from fedtier.cli import main
     from sim import ray_actors
     from sim.ray_worker import software
 
     monkeypatch.setattr(ray_actors, "software", lambda: {**software(), "torch": "0.0"})
     with pytest.raises(WorkerError, match=r"(?s)Ray actor \d .* could not start:.*torch: 0\.0 in the main process, "):
         run_simulation(on_ray(make_config), write_output=False)
+    path = tmp_path / "ray.toml"  # the command says it stopped (exit 1) and how to go on once the nodes agree
+    path.write_text(on_ray(make_config).to_toml())
+    res = CliRunner().invoke(main, ["sim", str(path), "--no-progress"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1 and "torch: 0.0 in the main process" in out, out
+    assert "stopped: the same command with --resume continues from the last finished round" in out
 
 
 def test_cuda_on_a_cluster_without_a_gpu_is_refused_at_the_start(make_config, local_ray):
