@@ -157,6 +157,27 @@ def test_wire_page_example_decodes_to_what_it_says() -> None:
     assert payload.meta == {"weight": 12, "loss": 0.5} and payload.tensors["b"].tolist() == [0.5, -1.0]
 
 
+def test_every_security_promise_names_whom_it_holds_against_and_a_test_that_attacks_it() -> None:
+    """Each row of the security page's table (but the one that promises nothing) points at tests, and each test it
+    names exists: a promise whose test is renamed or gone is caught here."""
+    text = (DOCS / "concepts" / "security.md").read_text()
+    table = text[text.index("| who |") : text.index("## Threat model")]
+    rows = [
+        re.split(r"\s*\|\s*", line.strip()[1:-1].strip()) for line in table.splitlines()[2:] if line.startswith("| ")
+    ]
+    assert len(rows) >= 6
+    for who, _can, holds, _how, attacked in rows:
+        if holds == "not covered":
+            continue
+        refs = re.findall(r"`(tests/[\w/]+\.py)?((?:::\w+)?)`", attacked)
+        assert refs and refs[0][0], f"row {who!r}: no test attacks it"
+        current = ""
+        for path, name in refs:
+            current = path or current
+            source = (ROOT / current).read_text()
+            assert not name or f"def {name[2:]}(" in source, f"row {who!r}: {current}{name} does not exist"
+
+
 def test_every_reference_marker_names_a_reference() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from protocols.algorithms.robust import aggregate
 from protocols.config import ConfigError, parse_config
 from protocols.wire.payload import Payload
 from sim.attack import byzantine_devices
-from sim.launcher import run_simulation
+from sim.launcher import SimHierarchy, run_simulation
 
 
 def _items(n: int = 7, outliers: tuple[int, ...] = (), seed: int = 0):
@@ -221,3 +223,47 @@ def test_majority_vote_signsgd_learns(make_config):
     )
     result = run_simulation(cfg, write_output=False)
     assert result.final_accuracy > 0.8
+
+
+def test_a_lying_cells_scaled_report_wrecks_the_clouds_mean_and_its_median_holds():
+    """A cell (its report made by its own role, before it signs) sends its genuine delta times -10^6 with its genuine
+    weight: its weight is within its bound, yet under the cloud's mean it moves the model anywhere; the cloud's median
+    over the four cells leaves it out (and says so) and the model learns as the honest run's."""
+
+    def cfg(agg: str) -> Any:
+        return parse_config(
+            {
+                **_cfg("mean"),
+                "run": {"name": "cell-liar", "seed": 1, "rounds": 6},
+                "topology": {"cells": 4, "devices_per_cell": 3},
+                "algorithm": {
+                    "name": "fedavg",
+                    "local_steps": 20,
+                    "batch_size": 16,
+                    "lr": 0.2,
+                    "cloud_aggregator": agg,
+                },
+                "attack": {},
+            }
+        )
+
+    def run(agg: str, liar: str | None) -> Any:
+        sim = SimHierarchy(cfg(agg), write_output=False)
+        if liar:
+            role = sim.cells[liar].role
+            honest = role.report
+
+            def lying_report() -> Payload:
+                r = honest()
+                return Payload(r.meta, {k: v * np.float32(-1e6) for k, v in r.tensors.items()})
+
+            role.report = lying_report
+        return sim.run()
+
+    clean = run("mean", None)
+    assert clean.failed is None and clean.final_accuracy > 0.85
+    mean = run("mean", "c1")
+    assert "diverged" in (mean.failed or "") or mean.final_accuracy < 0.3, (mean.failed, mean.final_accuracy)
+    median = run("median", "c1")
+    assert median.failed is None and median.final_accuracy >= clean.final_accuracy - 0.03
+    assert all(list(r["excluded"]) == ["c1"] for r in median.history), [r.get("excluded") for r in median.history]
