@@ -77,7 +77,8 @@ def main() -> None:
     "--workers",
     type=click.IntRange(min=0),
     default=None,
-    help="Train the devices in N worker processes (runtime.sim_workers; 0: in this process).",
+    help="Train the devices in N workers (runtime.sim_workers): processes, or Ray actors with runtime.sim_backend "
+    '= "ray"; 0: in this process.',
 )
 @click.option(
     "--engine",

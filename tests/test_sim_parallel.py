@@ -122,7 +122,9 @@ def test_a_worker_that_cannot_start_shows_its_error():
 
 def test_ray_actors_are_byte_identical(make_config):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING"
+    )  # not a cluster of this machine
     try:
         cfg = make_config(run={"rounds": 2})
         inline = run_simulation(cfg, write_output=False)
