@@ -4,12 +4,13 @@ each device's role for the whole run."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import sys
 import tomllib
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protocols import procs
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from .datasets import Dataset
 
 log = logging.getLogger("fedtier.sim")
+
+Emit = Callable[[int, Parts, str], None]
+"""A worker's answer to item ``i`` of a batch, as soon as it is known (:meth:`DeviceWorker.train_many`)."""
 
 LOCAL_DATA_BYTES = 512 << 20  # a worker keeps its recently trained devices' samples up to this size
 
@@ -133,21 +137,32 @@ class DeviceWorker:
             log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
             return [], str(exc)
 
-    def train_many(self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]]) -> list[tuple[Parts, str]]:
+    def train_many(
+        self, items: Sequence[tuple[dict[str, Any], bytes | memoryview]], emit: Emit | None = None
+    ) -> list[tuple[Parts, str]]:
         """:meth:`train_parts` for each item, in order; with ``engine = "cohort"`` the torch devices' tasks
-        train as cohorts of at most ``cohort_size`` (``edge_agent.cohort.CohortRunner``), the others one by one."""
+        train as cohorts of at most ``cohort_size`` (``edge_agent.cohort.CohortRunner``), the others one by one.
+        ``emit(i, parts, error)``: each item's result as soon as it is known (a cohort's once it is trained: the
+        main process takes the first cohorts' results in while the later ones train), not kept in the list."""
         out: list[tuple[Parts, str]] = [([], "not run")] * len(items)
+
+        def done(i: int, parts: Parts, error: str) -> None:
+            if emit is None:
+                out[i] = (parts, error)
+            else:
+                emit(i, parts, error)
+
         jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []
         for i, (ctx, task) in enumerate(items):
             if self.runner is None or not self.trainer_for(str(ctx["device"])).trains_in_cohorts:
-                out[i] = self.train_parts(ctx, task)
+                done(i, *self.train_parts(ctx, task))
                 continue
             try:
                 c, role, data = self._device(ctx)
                 jobs.append((i, c, role, data, decode_payload(task, views=True)))
             except Exception as exc:
                 log.exception("device %s: bad task", ctx.get("device"))
-                out[i] = ([], str(exc))
+                done(i, [], str(exc))
         if self.runner is None:
             return out
         for chunk in self.runner.split(jobs, lambda job: job[1].device):
@@ -157,7 +172,7 @@ class DeviceWorker:
             ]
             outcomes = self.runner.train([job[1].device for job in chunk], run)
             for (i, c, *_), (result, error) in zip(chunk, outcomes):
-                out[i] = (answer(result, c), "") if result is not None else ([], error or "failed")
+                done(i, *((answer(result, c), "") if result is not None else ([], error or "failed")))
         return out
 
 
@@ -223,6 +238,10 @@ class Answers:
             self.conn.send_bytes(frame(header, parts))
 
 
+def _send_item(answers: Answers, ids: list[Any], i: int, parts: Parts, error: str) -> None:
+    answers.send(ids[i], parts, error)
+
+
 def _serve(worker: DeviceWorker, tasks: Any, answers: Answers) -> None:
     """Answer tasks until told to stop (or the main process is gone)."""
     while True:
@@ -232,9 +251,9 @@ def _serve(worker: DeviceWorker, tasks: Any, answers: Answers) -> None:
             return
         if header.get("stop"):
             return
-        if "batch" in header:  # engine = cohort: a round's tasks for this worker, answered one by one
-            for item, (parts, error) in zip(header["batch"], worker.train_many(batch_items(header, body))):
-                answers.send(item["id"], parts, error)
+        if "batch" in header:  # engine = cohort: a round's tasks for this worker, each answered once trained
+            ids = [item["id"] for item in header["batch"]]
+            worker.train_many(batch_items(header, body), functools.partial(_send_item, answers, ids))
             continue
         parts, error = worker.train_parts(header["ctx"], body)
         answers.send(header["id"], parts, error)

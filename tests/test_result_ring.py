@@ -1,7 +1,8 @@
 """A sim worker's result ring lends its records to the main process (``sim/result_ring.py``): a result is decoded
 and framed straight from the ring, its record freed when nothing made from it is left, out of the order written;
 at most half a ring is lent (the rest is copied out), so a slow worker or kept results never stall a writer; a
-result kept past its free reads as it was, never as another device's bytes."""
+result kept past its free reads as it was, never as another device's bytes. A worker answers each cohort of its
+batch once it is trained."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from protocols.wire.payload import Lent, Payload, decode_payload, parts_size, payload_parts
+from protocols.wire.payload import Lent, Payload, decode_payload, encode_payload, parts_size, payload_parts
 from sim import result_ring
 from sim.launcher import run_simulation
 from sim.result_ring import RingReader, RingWriter
@@ -172,3 +173,29 @@ def test_a_run_with_small_rings_lends_and_copies_results_kept_by_the_clock_and_s
     )
     _same(inline, parallel)
     assert len(kinds) == 6 * 2 * 2 and {"lent", "copied"} <= set(kinds)  # 6 devices, 2 edge rounds, 2 rounds
+
+
+def test_a_worker_answers_each_cohort_once_it_is_trained_with_the_same_bytes(make_config):
+    """A worker's batch of 5 devices in cohorts of 2: the first cohort's results leave before the second cohort
+    trains (the main process takes them in meanwhile), each the bytes the whole batch's answers would be."""
+    from sim.device_worker import DeviceWorker
+
+    sections = {**SECTIONS, "topology": {"cells": 1, "devices_per_cell": 5}}
+    cfg = make_config(runtime={"engine": "cohort", "cohort_size": 2}, **sections)
+    devices = [f"c0-d{i}" for i in range(5)]
+    ctx = {"seed": 0, "round": 0, "edge_round": 0, "cell": "c0"}
+
+    def batch(worker: DeviceWorker) -> list:
+        task = encode_payload(Payload({}, worker.algorithm.initial_params()))
+        return [({**ctx, "device": d}, task) for d in devices]
+
+    whole = DeviceWorker(cfg.to_toml(), devices)
+    expected = [(b"".join(parts), error) for parts, error in whole.train_many(batch(whole))]
+    worker = DeviceWorker(cfg.to_toml(), devices)
+    emitted: list[tuple[int, int, bytes, str]] = []  # (item, cohorts trained by then, its bytes, error)
+    left = worker.train_many(
+        batch(worker), lambda i, parts, error: emitted.append((i, worker.runner.cohorts, b"".join(parts), error))
+    )
+    assert [(i, cohorts) for i, cohorts, *_ in emitted] == [(0, 1), (1, 1), (2, 2), (3, 2), (4, 3)]
+    assert [(data, error) for *_, data, error in emitted] == expected and all(error == "" for _, error in expected)
+    assert all(parts == [] for parts, _ in left)  # emitted, not kept
