@@ -2,9 +2,9 @@
 and their order): one CPU each, on the cluster ``sim/ray_cluster.py`` joins.
 
 The main process loads the dataset once and ships its training arrays through Ray's object store (numpy buffers),
-so the other nodes need fedtier (the same code, Python, numpy and torch: an actor checks), not the data; each
-actor rebuilds its share of the devices from the config text,
-as a worker process does (``sim/ray_worker.py``), partitioning with the run seed. Tasks and results cross as bytes
+and the file ``run.init_model`` names as its bytes, so the other nodes need fedtier (the same code, Python, numpy and
+torch: an actor checks), not the data; each actor rebuilds its share of the devices from the config text, as a
+worker process does (``sim/ray_worker.py``), partitioning with the run seed. Tasks and results cross as bytes
 frames (``sim/worker_frames.py``), with ``engine = "cohort"`` one batch per actor and edge round; results come
 back through Ray, never through a shared-memory ring (an actor may be on another host). An actor that is not running
 within ``ACTOR_START_S``, dies or cannot start ends the run naming it, its devices, its node and the reason; the
@@ -17,6 +17,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from protocols.config import ConfigError, RunConfig
@@ -55,7 +56,8 @@ class RayActors:
             x, y = ray.put(ds.x_train), ray.put(ds.y_train)
             actor = ray.remote(num_cpus=1, num_gpus=gpu_share(cfg, ray, len(groups)), max_restarts=0)(RayWorker)
             text, shape, expected = cfg.to_toml(), geometry(ds), json.dumps(software())
-            self.actors = [actor.remote(text, group, shape, x, y, expected) for group in groups]
+            init = ray.put(_read_init_model(cfg)) if cfg.run.init_model else None
+            self.actors = [actor.remote(text, group, shape, x, y, expected, init) for group in groups]
             for i, a in enumerate(self.actors):
                 a.where.remote().future().add_done_callback(functools.partial(self._placed, i))
             self._timer = threading.Timer(ACTOR_START_S, self._not_started)
@@ -134,6 +136,14 @@ class RayActors:
         if self._owns:
             self._owns = False
             self.ray.shutdown()
+
+
+def _read_init_model(cfg: RunConfig) -> bytes:
+    """The bytes of ``run.init_model`` (shipped: the nodes need not have the file); ConfigError when unreadable."""
+    try:
+        return Path(str(cfg.run.init_model)).expanduser().read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"run.init_model: cannot use {cfg.run.init_model}: {exc}") from None
 
 
 def gpu_share(cfg: RunConfig, ray: Any, actors: int) -> float:

@@ -9,13 +9,17 @@ nothing but bytes and a few strings does. A worker that cannot start answers eve
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
 import json
 import os
 import sys
+import tempfile
+import tomllib
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,20 +70,48 @@ def check_software(expected: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def with_init_model(config_text: str, data: bytes | None) -> Iterator[str]:
+    """``config_text`` with ``run.init_model`` naming a private copy of ``data`` on this node, for building the
+    algorithm (which reads the file at once; its ``init_model_sha256``, if set, still checks it); removed after."""
+    if data is None:
+        yield config_text
+        return
+    from protocols.config import parse_config
+
+    fd, path = tempfile.mkstemp(prefix="fedtier-init-", suffix=".ftw")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        cfg = parse_config(tomllib.loads(config_text))
+        yield cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": path})}).to_toml()
+    finally:
+        os.unlink(path)
+
+
 class RayWorker:
     """One Ray actor: the devices ``devices`` of the run ``config_text``, on the shipped training arrays; ``expected``:
     the main process's :func:`software` (JSON)."""
 
     def __init__(
-        self, config_text: str, devices: list[str], shape: str, x_train: Any, y_train: Any, expected: str
+        self,
+        config_text: str,
+        devices: list[str],
+        shape: str,
+        x_train: Any,
+        y_train: Any,
+        expected: str,
+        init_model: bytes | None = None,
     ) -> None:
+        """``init_model``: the bytes of the file ``run.init_model`` names on the main process's machine."""
         self.fatal = ""
         try:
             check_software(expected)
             g = json.loads(shape)
             x, y = np.asarray(x_train), np.asarray(y_train)
             ds = Dataset(x, y, x[:0], y[:0], tuple(g["input_shape"]), int(g["num_classes"]), str(g["name"]))
-            self.worker = DeviceWorker(config_text, devices, ds)
+            with with_init_model(config_text, init_model) as text:
+                self.worker = DeviceWorker(text, devices, ds)
         except BaseException:  # told with each answer (the main process names the actor and its devices)
             self.fatal = traceback.format_exc()
 

@@ -224,22 +224,24 @@ def two_nodes(tmp_path_factory):
         subprocess.run(["rm", "-rf", str(temp)], check=False)
 
 
-def test_a_two_node_cluster_trains_the_run_without_the_data_file_on_its_nodes(
+def test_a_two_node_cluster_trains_the_run_without_the_data_files_on_its_nodes(
     make_config, tmp_path, two_nodes, monkeypatch
 ):
     """Following the docs: `ray start --head` on one node, `ray start --address=HEAD:PORT` on another, then `fedtier sim
     CONFIG` with runtime.ray_address = HEAD:PORT on the head. The data set is a user's npz file named relative to the
-    driver's folder, which the nodes do not have: the main process ships its arrays. Each node gets one actor (one
+    driver's folder, which the nodes do not have, and so is the model the run starts from (run.init_model): the main
+    process ships the arrays and the file. Each node gets one actor (one
     CPU each), `-v` says where they run, and the final model is the one-process run's, byte for byte."""
     from sim.datasets import load_dataset
 
     address, env = two_nodes
     ds = load_dataset("digits")
     np.savez(tmp_path / "d.npz", x_train=ds.x_train, y_train=ds.y_train, x_test=ds.x_test, y_test=ds.y_test)
-    sections = dict(run={"rounds": 2, "output": "out"}, data={"dataset": "npz:d.npz"})
     monkeypatch.chdir(tmp_path)
-    inline = run_simulation(make_config(**{**sections, "run": {"rounds": 2, "output": "inline"}}))
-    (tmp_path / "ray.toml").write_text(on_ray(make_config, **sections).to_toml())
+    run_simulation(make_config(run={"rounds": 1, "output": "start"}))  # a model to start from, relative too
+    run, data = {"rounds": 2, "init_model": "start/final_model.ftw"}, {"dataset": "npz:d.npz"}
+    inline = run_simulation(make_config(run={**run, "output": "inline"}, data=data))
+    (tmp_path / "ray.toml").write_text(on_ray(make_config, run={**run, "output": "out"}, data=data).to_toml())
     cmd = [
         str(RAY_BIN.with_name("fedtier")),
         "sim",
