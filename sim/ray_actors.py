@@ -1,5 +1,6 @@
 """The Ray actors of ``fedtier sim``'s Ray workers (``RayExecutor`` in ``sim/executors.py``, which owns the tasks
-and their order): one CPU each, on the cluster ``sim/ray_cluster.py`` joins.
+and their order): one CPU each (the cohort engine: as many as its torch threads), on the cluster
+``sim/ray_cluster.py`` joins.
 
 The main process loads the dataset once and ships its training arrays through Ray's object store (numpy buffers),
 and the file ``run.init_model`` names as its bytes, so the other nodes need fedtier (the same code, Python, numpy and
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from protocols.config import ConfigError, RunConfig
+from protocols.execution import execution_plan
 from protocols.wire.messenger import Received
 
 from .hierarchy import run_dataset
@@ -45,16 +47,22 @@ class RayActors:
         self.actors: list[Any] = []
         self.placement: list[dict[str, Any] | None] = [None] * len(groups)  # each actor's node and pid, once running
         self._timer: threading.Timer | None = None
+        self.cpus = 1
         self._owns = not ray.is_initialized()
         if self._owns:
             connect(ray, cfg.runtime.ray_address)
         try:
+            self.cpus = execution_plan(cfg).worker_threads  # torch threads an actor computes with (cohorts), else 1
             cpus = ray.cluster_resources().get("CPU", 0)
-            if len(groups) > cpus:
-                raise ConfigError(f"runtime.sim_workers = {len(groups)} but the Ray cluster has {cpus:g} CPUs")
+            if len(groups) * self.cpus > cpus:
+                raise ConfigError(
+                    f"runtime.sim_workers = {len(groups)} Ray actors of {self.cpus} CPU(s) each but the Ray cluster "
+                    f"has {cpus:g} CPUs"
+                    + (" (runtime.cohort_threads is shared by the workers)" if self.cpus > 1 else "")
+                )
             ds = run_dataset(cfg)  # (cached: the main process's own prepare takes it again)
             x, y = ray.put(ds.x_train), ray.put(ds.y_train)
-            actor = ray.remote(num_cpus=1, num_gpus=gpu_share(cfg, ray, len(groups)), max_restarts=0)(RayWorker)
+            actor = ray.remote(num_cpus=self.cpus, num_gpus=gpu_share(cfg, ray, len(groups)), max_restarts=0)(RayWorker)
             text, shape, expected = cfg.to_toml(), geometry(ds), json.dumps(software())
             init = ray.put(_read_init_model(cfg)) if cfg.run.init_model else None
             self.actors = [actor.remote(text, group, shape, x, y, expected, init) for group in groups]
@@ -88,8 +96,8 @@ class RayActors:
             if where is None:
                 self.died(
                     worker,
-                    f"{self.name(worker)} is not running {ACTOR_START_S:g} s after it was asked for (it needs 1 CPU; "
-                    "`ray status` shows what the cluster has free)",
+                    f"{self.name(worker)} is not running {ACTOR_START_S:g} s after it was asked for (it needs "
+                    f"{self.cpus} CPU(s); `ray status` shows what the cluster has free)",
                 )
 
     def send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:

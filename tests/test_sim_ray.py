@@ -102,7 +102,9 @@ def test_an_actor_the_cluster_has_no_room_for_ends_the_run_instead_of_waiting_fo
     assert local_ray.get(other.ping.remote(), timeout=60) == 1  # it holds its CPU
     try:
         sim = SimHierarchy(on_ray(make_config), write_output=False)
-        with pytest.raises(WorkerError, match=r"Ray actor \d \(devices .*\) is not running 3 s after .*needs 1 CPU"):
+        with pytest.raises(
+            WorkerError, match=r"Ray actor \d \(devices .*\) is not running 3 s after .*needs 1 CPU\(s\)"
+        ):
             sim.run()
     finally:
         local_ray.kill(other)
@@ -129,6 +131,18 @@ def test_a_node_with_other_software_refuses_to_start_saying_what_differs(make_co
 def test_cuda_on_a_cluster_without_a_gpu_is_refused_at_the_start(make_config, local_ray):
     with pytest.raises(ConfigError, match="runtime.device = 'cuda' but the Ray cluster has no GPU"):
         run_simulation(on_ray(make_config, runtime={"device": "cuda"}), write_output=False)
+
+
+def test_a_cohort_actor_asks_for_a_cpu_per_torch_thread(make_config, local_ray):
+    """engine = cohort: an actor computes with cohort_threads / sim_workers torch threads, so it asks Ray for as many
+    CPUs (else Ray packs actors onto one node's cores, each running several threads); too many for the cluster is
+    refused at the start, with both numbers."""
+    cohort = {"engine": "cohort"}
+    with pytest.raises(ConfigError, match=r"2 Ray actors of 2 CPU\(s\) each but the Ray cluster has 2 CPUs"):
+        run_simulation(on_ray(make_config, runtime={**cohort, "cohort_threads": 4}), write_output=False)
+    sim = SimHierarchy(on_ray(make_config, runtime={**cohort, "cohort_threads": 2}), write_output=False)
+    assert sim.executor.actors.cpus == 1
+    sim.executor.close()
 
 
 def test_a_killed_actor_ends_the_run_naming_it_and_resume_finishes_the_run(make_config, local_ray):
