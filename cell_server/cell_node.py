@@ -208,7 +208,7 @@ class CellNode:
                 topic=status,
                 trust=self.trust,
                 devices_online=self.online.count(),
-                devices_total=len(self.devices),
+                devices_total=len(self.devices) - len(self.liveness.revoked),  # a revoked device is not waited for
                 **job,
             ),
             retain=True,

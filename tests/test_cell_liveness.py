@@ -261,3 +261,27 @@ def test_an_idle_node_is_never_planned_by_a_job(tmp_path: Path) -> None:
     peers.publish(topic, serving(topic, None, cell="c0", samples=10), retain=True)
     hub.loop.run(until=lambda: cell.online.count() > 0)
     assert [d for d in DEVICES if cell.online[d]] == ["c0-d2"]
+
+
+def test_a_job_does_not_wait_for_a_device_revoked_before_it_started(tmp_path: Path) -> None:
+    """Seen on a running federation: job-L2, queued before c1-d1 was revoked, waited its whole startup wait
+    for c1-d1 (its cell counted a revoked device among those to wait for: "1/2 devices online"). A revoked
+    device is not waited for: the cloud plans round 0 the moment the cell's other devices are online."""
+    cfg = small_config(
+        tmp_path,
+        topology={"cells": 1, "devices_per_cell": 3},
+        runtime={"startup_wait": 100.0, "heartbeat": 0.0, "heartbeat_timeout": 0.0},
+    )
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=cfg.runtime.startup_wait)
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
+    cell.revoke_members(["c0-d1"])  # the roster of the job's start no longer lists it
+    devices = hub.connect("devices")
+    for d in ("c0-d0", "c0-d2"):
+        topic = topics.device_status(run, "c0", d)
+        devices.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10), retain=True)
+    cell.start()
+    cloud.start()
+    hub.loop.run(until=lambda: cell.in_round or hub.loop.now() > 200.0)
+    assert cell.in_round and hub.loop.now() < 100.0, hub.loop.now()  # not the startup wait
