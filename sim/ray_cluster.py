@@ -74,9 +74,12 @@ def connect(ray: Any, configured: str | None) -> None:
     try:
         ray.init(address=configured or None, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     except Exception as exc:
+        if target is None:
+            raise ConfigError(f'runtime.sim_backend = "ray": cannot start a local Ray: {plain(exc)}') from None
         raise ConfigError(
-            f"{_source(configured)}: cannot join the Ray cluster at {target}: {plain(exc)} (a cluster with token "
-            "authentication needs its token here too: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+            f"{_source(configured)}: cannot join the Ray cluster at {target}: {plain(exc)} (if the cluster uses token "
+            "authentication, this machine needs its token: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or "
+            "~/.ray/auth_token)"
         ) from None
 
 
