@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fedtier.cli import main
-from fedtier.console import console, fail
+from fedtier.console import console, fail, refuse_federation_folder
 from protocols.records import CellRecord, Record, RoundRecord, read_run
 from protocols.terminal import SafeConsole
 
@@ -173,6 +173,7 @@ def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: 
         rounds = parse_round_range(round_range) if round_range else (None, None)
     except ValueError as exc:
         fail(str(exc), 2)
+    refuse_federation_folder(run_dir)
     records, bad = read_run(Path(run_dir))
     for line in bad:
         console.print(f"[yellow]warning:[/] invalid record {escape(str(line))}", highlight=False)

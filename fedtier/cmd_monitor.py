@@ -8,7 +8,15 @@ from typing import Any
 import click
 
 from fedtier.cli import auth_options, main
-from fedtier.console import INTERRUPTED, JOB_FAILED, fail, live_connection, live_target, public_keys_or_exit
+from fedtier.console import (
+    INTERRUPTED,
+    JOB_FAILED,
+    fail,
+    live_connection,
+    live_target,
+    public_keys_or_exit,
+    refuse_federation_folder,
+)
 from protocols.terminal import SafeConsole
 
 
@@ -128,6 +136,7 @@ def monitor(
     flt = CellFilter(patterns=patterns, states=states, top=top, sort=sort)
     watch = LiveView(drop_ratio, deadline, flt, SafeConsole(width=width) if width else SafeConsole())
     if run_dir is not None:
+        refuse_federation_folder(run_dir)
         if once and not Path(run_dir).is_dir():
             fail(f"{run_dir} is not a run folder", 2)
         watch.follow(RunDirFollower(run_dir), once, wait, refresh, exit_when_done)  # it may not exist yet

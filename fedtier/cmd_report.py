@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fedtier.cli import main
-from fedtier.console import console, fail
+from fedtier.console import console, fail, refuse_federation_folder
 
 
 @main.command()
@@ -20,6 +20,8 @@ from fedtier.console import console, fail
 def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     """Plot RUN_DIRS: accuracy and loss vs round, bytes and time; bytes per tier; participation;
     per-cell aggregation durations. Writes a self-contained HTML page and the PNGs next to it."""
+    for run_dir in run_dirs:
+        refuse_federation_folder(run_dir)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -116,6 +116,22 @@ INTERRUPTED = 130
 """Exit status of ``fedtier run`` stopped by Ctrl-C or SIGTERM (its checkpoint kept: ``--resume`` continues it)."""
 
 
+def refuse_federation_folder(run_dir: str) -> None:
+    """Exit 2 when ``run_dir`` is a federation node's output folder (e.g. the cloud's ``runs/fed``), not a run's:
+    the record commands read one job's run folder, which the message names."""
+    from pathlib import Path
+
+    from protocols.runfiles import JOB_FOLDERS, job_folders
+
+    if jobs := job_folders(Path(run_dir)):
+        shown = ", ".join(jobs[:5]) + (f" and {len(jobs) - 5} more" if len(jobs) > 5 else "")
+        fail(
+            f"{run_dir} is a federation's folder, not a run's: each job's records are in its run folder "
+            f"{Path(run_dir) / JOB_FOLDERS / 'JOB'} ({shown}); give one of those",
+            2,
+        )
+
+
 @contextmanager
 def interruptible() -> Iterator[None]:
     """Ctrl-C and SIGTERM stop the block alike (its ``finally`` clauses stop the workers and brokers), then

@@ -731,3 +731,23 @@ def test_fedtier_jobs_names_the_cells_a_job_began_without(tmp_path: Path, monkey
     monkeypatch.setenv("COLUMNS", "400")
     code, out, exc = _cli("jobs", "--config", str(config))
     assert exc is None and code == 0 and f"c1: {why}" in out, (exc, out)
+
+
+def test_the_record_commands_on_a_federations_folder_name_its_jobs_run_folders(tmp_path: Path) -> None:
+    """Walking the tutorial, an operator points ``fedtier monitor``, ``logs`` and ``report`` at the cloud's
+    ``runs/fed`` (the folder the tutorial names, holding jobs.json and jobs/{job}). The monitor showed an empty
+    run ("fed: ? (0 cells) cloud: no round closed yet", exit 0), logs said "has no records". Each now exits 2
+    naming the jobs' run folders; on a job's folder they work as before."""
+    from sim.launcher import SimHierarchy
+
+    fed = tmp_path / "runs" / "fed"
+    cfg = small_config(tmp_path, run={"rounds": 1, "output": str(fed / "jobs" / "job-a")}, algorithm={"local_steps": 1})
+    assert SimHierarchy(cfg).run().status == "finished"
+    (fed / "jobs.json").write_text('{"format": 1, "jobs": []}')
+    for cmd in (["monitor", str(fed), "--once"], ["logs", str(fed)], ["report", str(fed)]):
+        code, out, unexpected = _cli(*cmd)
+        assert unexpected is None and code == 2, (cmd, code, out)
+        assert "is a federation's folder, not a run's" in out, out
+        assert f"{fed / 'jobs' / 'JOB'}(job-a)" in "".join(out.split()), out  # (a long path wraps anywhere)
+    code, out, _ = _cli("logs", str(fed / "jobs" / "job-a"), "--event", "round")
+    assert code == 0 and "│ round │ 0 │ cloud │ 2/2 cells │" in out, out
