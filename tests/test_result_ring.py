@@ -112,6 +112,23 @@ def test_at_most_half_a_ring_is_lent_the_rest_is_copied_and_a_slow_consumer_neve
         held[0].tensors["w"][0] = 1  # a lent record cannot be written through
 
 
+def test_a_writer_that_waited_in_vain_does_not_wait_again_until_its_ring_has_room(ring, monkeypatch):
+    """No room within WAIT_S: that result and the next ones go by pipe at once (not WAIT_S each: a stalled main
+    process would cost a worker seconds a result); once a record is freed, results go through the ring again."""
+    reader, writer = ring
+    monkeypatch.setattr(result_ring, "WAIT_S", 0.3)
+    untaken = [writer.put(_parts(400_000, i)) for i in range(2)]  # 800 KB of the 1 MiB, not taken yet
+    start = time.monotonic()
+    assert writer.put(_parts(400_000, 2)) is None  # waited WAIT_S in vain
+    assert time.monotonic() - start >= 0.3
+    start = time.monotonic()
+    assert all(writer.put(_parts(400_000, i)) is None for i in range(3, 13))  # ten more, none waiting
+    assert time.monotonic() - start < 10 * 0.3 / 2  # (waiting, they would take 3 s)
+    assert writer.put(_parts(1_000, 13)) is not None  # one that fits goes through the ring at once
+    assert _result(reader, untaken[0]).meta["fill"] == 0  # taken and dropped: freed
+    assert writer.put(_parts(399_000, 14)) is not None  # room again (where #0 was): the ring's
+
+
 def test_a_slow_out_of_order_consumer_with_hostile_sizes_never_deadlocks_the_writer(ring):
     """A writer thread puts records of hostile sizes (empty to as large as the ring, and larger) while the consumer
     keeps up to 12 results and frees them in a shuffled order, also while no new result comes (results are
