@@ -19,9 +19,9 @@ Bounded: a worker's ring is :data:`RING_BYTES` at most, less where ``/dev/shm`` 
 over the workers; below :data:`MIN_RING_BYTES`, no ring). The main process lends at most half of a ring at once
 (:data:`LEND_SHARE`); a record beyond that is copied out and freed at once (a slow worker or kept results can pin
 half a ring, never all of it, so a worker always finds room again as the reader takes its records). A worker
-writes a round's results in a burst, faster than the main process frames them: the first half-ring of them is
-lent, the rest copied (64% lent at 200 devices over 2 workers, 800 KB each). A result larger than the ring,
-or one that finds no room within :data:`WAIT_S` (the main process stopped reading; a ring fragmented by pinned
+writes a cohort's results in a burst, faster than the main process frames them: the first half-ring of them is
+lent, the rest copied (84% lent at 200 devices over 2 workers, 800 KB each). A result larger than the ring, or
+one that finds no room within :data:`WAIT_S` (the main process stopped reading; a ring fragmented by pinned
 records), goes through the pipe, and the next ones too until the ring has room at once; at most
 :data:`MAX_RECORDS` records live in a ring. A record that does not lie within the ring is refused as the device's
 failure, not read (its room is freed all the same).
