@@ -494,3 +494,39 @@ def test_a_closed_client_leaves_no_socket_for_the_garbage_collector(loop) -> Non
         finally:
             gc.enable()
     assert after == before, (before, after)
+
+
+@needs_mosquitto
+def test_a_message_taken_but_not_yet_handled_when_a_persistent_client_closes_goes_to_its_next_session(
+    loop, prefix
+) -> None:
+    """Seen on a running federation: a ``fedtier submit`` reached the cloud as it closed one job's connection for
+    the next. paho took it and it was acknowledged, posted to the cloud's loop; by the time the loop ran it the
+    connection was closed, so its handler did not run: the job was never queued nor answered, and the broker had
+    forgotten it. A message is acknowledged once its handlers ran now; one its closed client dropped goes to the
+    next session."""
+    with MosquittoBroker() as b:
+        busy = ThreadLoop("busy").start()
+        try:
+            node = connect(b, "fedtier-t-cloud", busy, persistent=True)
+            node.subscribe(f"{prefix}/submit", lambda t, p: None)
+            assert node.wait_subscribed(WAIT)
+            release, blocked = threading.Event(), threading.Event()
+            busy.post(lambda: (blocked.set(), release.wait(WAIT)))  # the loop busy with the job's end
+            assert blocked.wait(WAIT)
+            operator = connect(b, "operator", loop)
+            operator.publish(f"{prefix}/submit", b"job B")
+            deadline = time.monotonic() + WAIT
+            while node.stats.messages_in == 0 and time.monotonic() < deadline:  # taken, posted, not handled
+                time.sleep(0.01)
+            assert node.stats.messages_in == 1
+            node.close()
+            release.set()
+        finally:
+            busy.stop()
+        inbox = Inbox(loop)
+        again = connect(b, "fedtier-t-cloud", loop, persistent=True)
+        again.subscribe(f"{prefix}/submit", inbox)
+        assert inbox.wait_n(1) == [(f"{prefix}/submit", b"job B")]
+        again.close()
+        operator.close()

@@ -1,7 +1,12 @@
 """The receiving side of :class:`~.mqtt.MqttTransport`: every PUBLISH packet counted, chunks reassembled
 (signed chunks checked, incomplete sets expired on the loop), each whole message posted to the loop for
 every handler subscribed to a matching pattern, or held for a handler not subscribed yet (a resumed
-session's backlog, ``protocols.transport.hold``). Runs on the network thread; handlers run on the loop."""
+session's backlog, ``protocols.transport.hold``). Runs on the network thread; handlers run on the loop.
+
+QoS-1 acknowledgements are by hand: a message is acknowledged once taken (held, refused, a chunk of a message not
+whole yet), and a persistent client's message posted to handlers only when the loop is about to run them: one
+that arrives or waits on the loop while the client closes is left to the broker, which hands it to the client's
+next session (a node that closes one connection and opens the next, as a long-lived cloud does per job)."""
 
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ class Inbound:
     _closed: bool
     _chunk_auth: chunking.ChunkAuth | None
     _expiry: TimerHandle | None
+    _client: mqtt.Client
+    _reactor: Any
+    _gen: int  # the connection's number: an acknowledgement belongs to the connection that received the message
 
     def configure_wire(self, *, auth: chunking.ChunkAuth | None = None, max_message_bytes: int | None = None) -> None:
         """Sign outgoing chunks and require signed incoming ones (``auth``); bound incoming messages."""
@@ -59,22 +67,43 @@ class Inbound:
     def _on_message(self, client: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
         if self._closed:  # closing: not acknowledged, so the broker hands it to this node's next session
             return
+        ack = self._acker(msg.mid, msg.qos) if self.persistent and msg.qos else None
         try:
-            self._receive(msg)
+            if self._receive(msg, ack):
+                return  # posted: acknowledged by the first handler the loop runs (_bind)
         except Exception:  # an exception here would kill paho's network thread
             log.exception("%s: failed to handle an incoming message", self.client_id)
-        client.ack(msg.mid, msg.qos)  # taken (posted, held or refused): the broker may forget it
+        client.ack(msg.mid, msg.qos)  # taken (held, refused, or posted by a clean client): the broker may forget it
 
-    def _receive(self, msg: mqtt.MQTTMessage) -> None:
+    def _acker(self, mid: int, qos: int) -> Callable[[], None]:
+        """Acknowledge ``mid`` once, on the connection that received it (after a reconnect the broker resends it)."""
+        with self._cv:
+            gen = self._gen
+        done = False
+
+        def ack() -> None:
+            nonlocal done
+            with self._cv:
+                if done or gen != self._gen:
+                    return
+                done = True
+            self._client.ack(mid, qos)
+            if self._reactor is not None:
+                self._reactor.wake(self._client)
+
+        return ack
+
+    def _receive(self, msg: mqtt.MQTTMessage, ack: Callable[[], None] | None = None) -> bool:
+        """Take ``msg``; True when it was posted to handlers and ``ack`` (not None) will acknowledge it."""
         if self._closed:
-            return
+            return False
         topic, data = msg.topic, msg.payload
         data = bytes(data) if isinstance(data, bytearray) else data  # paho hands bytes (typed: or bytearray)
         self.stats._count(topic, publish_packet_bytes(len(topic.encode()), len(data), msg.qos), len(data), out=False)
         with self._reasm_lock:
             whole = self._reasm.feed(topic, data)
         if whole is None:
-            return
+            return False
         with self.stats._lock:
             self.stats.messages_in += 1
         with self._cv:  # posted under the lock: a subscribe() handing out held messages cannot interleave
@@ -82,14 +111,21 @@ class Inbound:
             if not targets:
                 if self.persistent and not any(topic_matches(p, topic) for p in self._unsubscribed):
                     self._held.offer(topic, whole)
-                return
+                return False
             for pattern, handler in targets:
-                self.loop.post(self._bind(pattern, handler, topic, whole))
+                self.loop.post(self._bind(pattern, handler, topic, whole, ack))
+        return ack is not None
 
-    def _bind(self, pattern: str, handler: Handler, topic: str, payload: bytes) -> Callable[[], None]:
+    def _bind(
+        self, pattern: str, handler: Handler, topic: str, payload: bytes, ack: Callable[[], None] | None = None
+    ) -> Callable[[], None]:
         def deliver() -> None:
+            if self._closed:  # not acknowledged: the broker hands it to the next session
+                return
+            if ack is not None:
+                ack()  # taken: acknowledged before its handler runs, which may close this client
             entry = self._subs.get(pattern)
-            if not self._closed and entry is not None and handler in entry[1]:  # still subscribed
+            if entry is not None and handler in entry[1]:  # still subscribed
                 handler(topic, payload)
 
         return deliver
