@@ -130,6 +130,14 @@ def _answer(session: _Session, record: dict[str, Any], job: str, wait: float) ->
         _fail(f"the reply is not the cloud's: {exc}", 1)
     finally:
         session.close()
+    if reply is None and session.transport.reconnects:
+        _fail(
+            f"no answer from the cloud within {wait:g} s, and this command's connection to the broker was lost "
+            f"{session.transport.reconnects} time(s) meanwhile: the broker keeps one connection per identity, so "
+            "another fedtier command run from the operator bundle at the same time (submit --wait-end, jobs, cancel) "
+            f"takes it over and the answer can be lost. `fedtier jobs` says whether job {job} was queued",
+            1,
+        )
     if reply is None:
         _fail(f"no answer from the cloud within {wait:g} s (is `fedtier cloud --serve` running?)", 1)
     if not reply.get("accepted"):

@@ -751,3 +751,42 @@ def test_the_record_commands_on_a_federations_folder_name_its_jobs_run_folders(t
         assert f"{fed / 'jobs' / 'JOB'}(job-a)" in "".join(out.split()), out  # (a long path wraps anywhere)
     code, out, _ = _cli("logs", str(fed / "jobs" / "job-a"), "--event", "round")
     assert code == 0 and "│ round │ 0 │ cloud │ 2/2 cells │" in out, out
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_submit_whose_connection_another_operator_command_took_over_says_so(
+    reachable_tmp: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two operator commands at once (seen: `fedtier jobs` beside `submit --wait-end`, submits 0.7 s apart): the
+    broker keeps one connection per identity, so each takes the other's over. A submit whose answer was lost so
+    said 'is `fedtier cloud --serve` running?' of a running cloud; it now names the takeover and `fedtier jobs`."""
+    import threading
+
+    from protocols.jobs import seal_record
+    from protocols.wire import topics
+    from protocols.wire.keys import Trust, load_keys
+    from tests.test_provision import WAIT, clients
+
+    port = free_port()
+    where = reachable_tmp / "walk-takeover"
+    where.mkdir()
+    fed = _provision(where, port)
+    ring = load_keys(fed / "nodes" / "cloud" / "keys.toml")
+    listing = topics.job_list("fed")
+    (fed / "nodes" / "operator" / "job.toml").write_text('[job]\nid = "b"\n\n[run]\nrounds = 1\n')
+    monkeypatch.chdir(fed / "nodes" / "operator")
+    with mosquitto(fed / "broker" / "mosquitto.conf", port), clients() as make:
+        cloud = make(fed / "nodes" / "cloud", port)  # a cloud that lists its jobs and answers nothing
+        cloud.connect(WAIT)
+        cloud.publish(
+            listing,
+            seal_record({"jobs": [], "at": 1.0}, listing, Trust("cloud", ring.private["cloud"], ring.public).sign),
+            retain=True,
+        )
+        assert cloud.flush(WAIT)
+        other = make(fed / "nodes" / "operator", port)  # the other command, as the operator
+        threading.Timer(1.5, lambda: other.connect(WAIT)).start()
+        code, out, exc = _cli("submit", "job.toml", "--config", "config.toml", "--wait", "5")
+    assert exc is None and code == 1, out
+    assert "this command's connection to the broker was lost" in out and "`fedtier jobs` says whether job b" in out, out

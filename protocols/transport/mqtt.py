@@ -301,6 +301,13 @@ class MqttTransport(Inbound, Transport):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def reconnects(self) -> int:
+        """Connections made after the first: each follows a lost one (a network fault, or the broker replacing
+        this connection by another with the same client id)."""
+        with self._cv:
+            return max(0, self._gen - 1)
+
     def persist(self) -> None:
         """Keep the session from the next (re)connect on (a clean connection that became worth keeping)."""
         self.persistent = True
