@@ -33,7 +33,7 @@ from ..wire import chunking
 from .base import EventLoop, Handler, TimerHandle, Transport, Will
 from .hold import Hold, HoldLimits
 from .inbound import Inbound
-from .paho_client import Credentials, hung_up_before_connack, new_client, nodelay, stop_thread
+from .paho_client import Credentials, hung_up_before_connack, new_client, nodelay, say_reconnected, stop_thread
 from .reactor import Reactor
 from .subscriptions import broker_filters
 from .traffic import TransportStats, publish_packet_bytes
@@ -410,24 +410,8 @@ class MqttTransport(Inbound, Transport):
         lost = self.persistent and self._ever_connected and not getattr(flags, "session_present", False)
         if lost:  # the broker expired it (persistent_client_expiration) or lost its state: say so
             self.sessions_lost += 1
-            log.warning(
-                "%s: the broker %s:%s kept no session for this client (expired after its "
-                "persistent_client_expiration, or the broker lost its state): messages queued for it while it "
-                "was away are lost; resubscribing %d patterns and re-announcing",
-                self.client_id,
-                self.host,
-                self.port,
-                len(subs),
-            )
-        elif self._ever_connected:
-            log.info(
-                "%s: reconnected to %s:%s (%s session), resubscribing %d patterns",
-                self.client_id,
-                self.host,
-                self.port,
-                "resumed" if getattr(flags, "session_present", False) else "new",
-                len(subs),
-            )
+        if self._ever_connected:
+            say_reconnected(self.client_id, f"{self.host}:{self.port}", lost, flags, len(subs))
         self._ever_connected = True
         if subs:
             self._send_subscribe(subs, gen)

@@ -3,6 +3,7 @@ reconnect delays and the in-flight window set from the transport's options."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from . import tls_reload
 from .base import Will
+
+log = logging.getLogger("protocols.transport.mqtt")
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,20 @@ def hung_up_before_connack(where: str, client_id: str, creds: Credentials) -> Co
         "certificate signed by the broker's CA (certfile, keyfile)? Is this certificate revoked (its node revoked, "
         "or replaced by a renewal: fedtier provision revoke|renew)? Or is it at its connection limit?"
     )
+
+
+def say_reconnected(client_id: str, where: str, lost: bool, flags: Any, patterns: int) -> None:
+    """Log a reconnect of ``client_id`` to ``where``: a warning when the broker kept no session for a persistent
+    client (``lost``: what was queued for it is gone), else which session it found."""
+    if lost:
+        log.warning(
+            "%s: the broker %s kept no session for this client (expired after its persistent_client_expiration, "
+            "or the broker lost its state): messages queued for it while it was away are lost; resubscribing %d "
+            "patterns and re-announcing",
+            client_id,
+            where,
+            patterns,
+        )
+    else:
+        session = "resumed" if getattr(flags, "session_present", False) else "new"
+        log.info("%s: reconnected to %s (%s session), resubscribing %d patterns", client_id, where, session, patterns)
