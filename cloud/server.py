@@ -218,6 +218,9 @@ class CloudServer:
         if self.transport.connected:
             status = topics.status(self.run, "cloud")
             self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
+            if self.finished:  # the job is over: its session (the node's next connection) drops the job's topics
+                for pattern in topics.cloud_job_patterns(self.run):
+                    self.transport.unsubscribe(pattern)
             self.transport.close()
         self.telemetry.close()
         if self.cell_records is not None:

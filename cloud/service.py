@@ -154,6 +154,9 @@ class CloudService:
             return None
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
         transport.subscribe(roster_topic(self.fed), self._on_roster)
+        if (job := self.queue.next()) is None or job.state != "running":  # not resuming: a past job's stragglers
+            for pattern in topics.cloud_job_patterns(self.fed):  # (redelivered to this session) are not held
+                transport.unsubscribe(pattern)
         self._idle_beat(transport)
         self.loop.post(lambda: self._publish_roster(transport))
         self.loop.post(lambda: self._publish_list(transport))

@@ -7,6 +7,7 @@ import gc
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +86,73 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
             reactor.close()
     assert len(fds) == JOBS
     assert max(fds[1:]) - fds[1] < 3, fds  # after the first job (its connections made): flat, the spare's 3 a job
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_an_idle_cloud_after_a_job_is_not_handed_the_jobs_statuses(tmp_path: Path) -> None:
+    """Seen on a running federation: an idle `fedtier cloud --serve` warned every 30 s '1 held messages (first on
+    fedtier/fed/status/cell.c0) found no handler within 120 s: dropped'. Its persistent session kept the finished
+    job's subscriptions (reports, statuses, records), so its idle connection got every cell's heartbeat with no
+    handler. The cloud drops them from its session at the job's end: the idle connection holds nothing."""
+    from protocols.jobs import open_job_record
+    from protocols.status import encode_status
+    from protocols.wire import topics
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 1},
+        topology={"cells": 1, "devices_per_cell": 2},
+        algorithm={"edge_rounds": 1, "local_steps": 2},
+        runtime={"startup_wait": 30.0},
+    )
+    prep, out, run = prepare(cfg), cfg.output_dir(), cfg.run.name
+    out.mkdir(parents=True)
+    with MosquittoBroker() as broker:
+        opts, reactor = BrokerOptions(broker.url), Reactor("test-io").start()
+
+        def cell(job_cfg: RunConfig, c: str, transport: Transport) -> CellServer:
+            return build_cell(job_cfg, c, transport, job_cfg.build_algorithm(prep.spec), heartbeats=True)
+
+        fed = LocalFederation(
+            cfg, out, opts, {"c0": opts}, reactor, lambda job_cfg: JobParts(job_cfg.build_algorithm(prep.spec)), cell
+        )
+        fed.cloud.on_end = None
+        agents = {"bundle": federation_bundle(cfg).to_toml(), "broker": {"url": broker.url}}
+        data = {d: prep.device_data[d] for d in cfg.topology.devices()}
+        service = worker_service(agents, data, (prep.spec.input_shape, prep.spec.num_classes), [], [])
+        thread = threading.Thread(target=service.serve, name="agents", daemon=True)
+        op_loop = ThreadLoop("operator").start()
+        try:
+            fed.start()
+            thread.start()
+            job = fed.submit(job_text(cfg))
+            assert fed.wait(job, fed.check).state == "finished"
+            idle: Any = None
+
+            def reconnected() -> bool:  # the job's connection closed, the idle one open
+                nonlocal idle
+                idle = fed.cloud.transport
+                return idle is not None and not idle.closed and fed._cloud_subscribed()
+
+            assert wait_until(reconnected, 30.0)
+            operator = opts.transport("operator", run, op_loop, persistent=False).connect()
+
+            def resubmit() -> None:  # refused (a taken id): the cloud took what the operator sent before
+                again = post_request(operator, run, submit_record(JobRequest(job, job_text(cfg))), job, None, 5.0)
+                assert wait_until(lambda: bool(again), 10.0)
+                assert not open_job_record(again[0][1], again[0][0], "cloud", None)["accepted"]
+
+            resubmit()
+            taken = idle.stats.messages_in
+            topic = topics.status(run, "cell.c0")  # a cell's heartbeat, while the cloud is idle
+            operator.publish(topic, encode_status("online", topic=topic, devices_online=2, devices_total=2))
+            resubmit()
+            assert idle.held == (0, 0), idle.held  # nothing held (a past job's statuses redelivered: dropped)
+            assert idle.stats.messages_in == taken + 1  # the submit: the heartbeat no longer reaches it
+            operator.close()
+        finally:
+            service.stop()
+            thread.join(10)
+            fed.stop()
+            op_loop.stop()
+            reactor.close()

@@ -352,6 +352,7 @@ class MqttTransport(Inbound, Transport):
         with self._cv:
             self._subs.pop(pattern, None)
             self._unsubscribed.add(pattern)
+            self._held.take(pattern)  # held for a handler that will not come: dropped
         self._sync_broker_subs()
 
     def _wanted(self) -> dict[str, int]:

@@ -119,6 +119,12 @@ def telemetry_cell(run: str, cell: str) -> str:
     return f"{root(run)}/telemetry/cell/{cell}"
 
 
+def cloud_job_patterns(run: str) -> tuple[str, ...]:
+    """What a job's cloud server subscribes to (its cells' reports, the statuses, the cells' records): the cloud
+    drops them from its persistent session when the job ends, or its next connection gets them with no handler."""
+    return cell_reports(run), statuses(run), telemetry_cell(run, "+")
+
+
 def telemetry_cloud(run: str) -> str:
     """The cloud's round records (JSON, signed by the cloud in signed runs)."""
     return f"{root(run)}/telemetry/cloud"
