@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tuning import add_journal_args, cost_line, edge_note, grid_line, open_journal, tune  # noqa: E402
+from benchmarks.tuning import add_journal_args, check_device, cost_line, edge_note, grid_line, open_journal, tune  # noqa: E402
 
 # CPU-s of one 100-round paper run, per method: measured before the epoch fix (benchmarks/README.md, FedMRN, Cost),
 # times 1,420 / 987, the steps 10 full epochs take on the preset's partition over those the old count ran
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
     add_journal_args(ap)
     args = ap.parse_args()
+    check_device(ap, args.device)
     from benchmarks.calibration import calibration_line
 
     print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below

@@ -203,6 +203,19 @@ def settings_hash(params: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def check_device(ap: argparse.ArgumentParser, device: str | None) -> None:
+    """Refuse ``--device`` this machine cannot serve (``cuda`` without a GPU) before any run starts: one line
+    and exit 2, not a traceback from every worker of the sweep."""
+    if device:
+        from protocols.config import ConfigError
+        from protocols.torch_trainer import pick_device
+
+        try:
+            pick_device(device)
+        except ConfigError as exc:
+            ap.error(f"--device {device}: {exc}")
+
+
 def add_journal_args(ap: argparse.ArgumentParser) -> None:
     """``--journal PATH`` and ``--fresh`` for a benchmark script."""
     ap.add_argument(
