@@ -70,6 +70,9 @@ class CellService:
             transport = self.connect()
             if transport is None:  # stopped while the broker was unreachable
                 break
+            if done:  # after a job served to its end here, what its session still had for it is a straggler
+                for pattern in topics.cell_job_patterns(fed, self.cell):
+                    transport.unsubscribe(pattern)
             status = topics.status(fed, topics.cell_node(self.cell))
             watch = JobWatch(transport, fed, self.trust)
             period = self.bundle.monitoring.idle_heartbeat
@@ -93,9 +96,11 @@ class CellService:
             log.info("cell %s serves job %s", self.cell, current.job)
             self.loop.post(node.start)
             self._until_job_ends(watch, current)
-            if not self.stopping.is_set():
+            if not self.stopping.is_set():  # the job ended: this cell's session drops its topics (kept for a resume)
                 done.add(current.session)
                 self.served.append(current.job)
+                for pattern in topics.cell_job_patterns(fed, self.cell):
+                    transport.unsubscribe(pattern)
             self.node = None
             node.stop()
 

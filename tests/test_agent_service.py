@@ -89,7 +89,7 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
-def test_an_idle_cloud_after_a_job_is_not_handed_the_jobs_statuses(tmp_path: Path) -> None:
+def test_an_idle_cloud_and_cell_after_a_job_are_not_handed_the_jobs_statuses(tmp_path: Path) -> None:
     """Seen on a running federation: an idle `fedtier cloud --serve` warned every 30 s '1 held messages (first on
     fedtier/fed/status/cell.c0) found no handler within 120 s: dropped'. Its persistent session kept the finished
     job's subscriptions (reports, statuses, records), so its idle connection got every cell's heartbeat with no
@@ -117,6 +117,9 @@ def test_an_idle_cloud_after_a_job_is_not_handed_the_jobs_statuses(tmp_path: Pat
             cfg, out, opts, {"c0": opts}, reactor, lambda job_cfg: JobParts(job_cfg.build_algorithm(prep.spec)), cell
         )
         fed.cloud.on_end = None
+        cells: list[Any] = []  # the cell's connections, one a job and one between jobs
+        connect = fed.cells["c0"].connect
+        fed.cells["c0"].connect = lambda: cells.append(connect()) or cells[-1]
         agents = {"bundle": federation_bundle(cfg).to_toml(), "broker": {"url": broker.url}}
         data = {d: prep.device_data[d] for d in cfg.topology.devices()}
         service = worker_service(agents, data, (prep.spec.input_shape, prep.spec.num_classes), [], [])
@@ -149,6 +152,21 @@ def test_an_idle_cloud_after_a_job_is_not_handed_the_jobs_statuses(tmp_path: Pat
             resubmit()
             assert idle.held == (0, 0), idle.held  # nothing held (a past job's statuses redelivered: dropped)
             assert idle.stats.messages_in == taken + 1  # the submit: the heartbeat no longer reaches it
+
+            assert wait_until(lambda: len(cells) == 2 and not cells[1].closed, 10.0)  # the cell, idle: the same
+            control, device = topics.control(run), topics.device_status(run, "c0", "c0-d0")
+
+            def heard(topic: str) -> int:
+                return cells[1].stats.by_topic.get(topic, [0, 0])[1]
+
+            operator.publish(control, b"sync")
+            assert wait_until(lambda: heard(control) > 0, 10.0)
+            before, synced = heard(device), heard(control)
+            operator.publish(device, encode_status("online", topic=device, cell="c0", samples=10))
+            operator.publish(control, b"sync")
+            assert wait_until(lambda: heard(control) > synced, 10.0)  # what came before it came too
+            assert heard(device) == before, (before, heard(device))
+            assert cells[1].held == (0, 0), cells[1].held
             operator.close()
         finally:
             service.stop()

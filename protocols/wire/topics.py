@@ -119,6 +119,18 @@ def telemetry_cell(run: str, cell: str) -> str:
     return f"{root(run)}/telemetry/cell/{cell}"
 
 
+def cell_job_patterns(run: str, cell: str) -> tuple[str, ...]:
+    """What a job's cell server subscribes to (``cell_server.cell_node``): the cell drops them from its persistent
+    session when the job ends, or its next (idle) connection gets its devices' heartbeats with no handler."""
+    return (
+        cell_task(run, cell),
+        device_results(run, cell),
+        device_statuses(run, cell),
+        status(run, "cloud"),
+        round_manifest(run),
+    )
+
+
 def cloud_job_patterns(run: str) -> tuple[str, ...]:
     """What a job's cloud server subscribes to (its cells' reports, the statuses, the cells' records): the cloud
     drops them from its persistent session when the job ends, or its next connection gets them with no handler."""
