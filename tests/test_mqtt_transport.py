@@ -530,3 +530,38 @@ def test_a_message_taken_but_not_yet_handled_when_a_persistent_client_closes_goe
         assert inbox.wait_n(1) == [(f"{prefix}/submit", b"job B")]
         again.close()
         operator.close()
+
+
+@needs_mosquitto
+@pytest.mark.parametrize("persistent", [True, False])
+def test_more_refused_messages_than_the_brokers_window_do_not_stall_a_client(loop, prefix, persistent) -> None:
+    """QoS-1 messages are acknowledged by hand: one never acknowledged holds a place in the broker's in-flight
+    window for the client (64, ``max_inflight_messages``) and, 64 of them, the broker sends it nothing more. Refused
+    (too large; a garbled chunk), dropped (its handler raises) or not whole yet: 3 x 70 of them, then a good one,
+    which arrives."""
+    with MosquittoBroker() as b:
+        node = connect(b, f"node-{persistent}", loop, persistent=persistent)
+        node.configure_wire(max_message_bytes=2000)
+        inbox = Inbox(loop)
+
+        def handler(topic: str, payload: bytes) -> None:
+            if payload != b"good":
+                raise ValueError("refused by its handler")
+            inbox(topic, payload)
+
+        node.subscribe(f"{prefix}/in", handler)
+        assert node.wait_subscribed(WAIT)
+        sender = connect(b, "sender", loop)
+        raw = sender._client  # at the MQTT level: what a lying peer or a broken sender sends
+        first_chunk = chunking.split(os.urandom(3000), 1000)[0]  # too large (2000 B) at its first chunk
+        for i in range(70):  # (each kind more than the window; the handler's first: Mosquitto
+            # does not hold a persistent client's window strictly once it had acknowledgements)
+            raw.publish(f"{prefix}/in", b"bad %d" % i, qos=1)  # its handler raises
+        for _ in range(70):
+            raw.publish(f"{prefix}/in", os.urandom(2001), qos=1)  # one message over the bound
+            raw.publish(f"{prefix}/in", first_chunk[: chunking.HEADER_BYTES + 1], qos=1)  # a truncated chunk
+        sender.publish(f"{prefix}/in", b"good")
+        assert inbox.wait_n(1) == [(f"{prefix}/in", b"good")]
+        assert node.stats.messages_in >= 71
+        sender.close()
+        node.close()
