@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
+import paho.mqtt.client as mqtt
 import pytest
 
 from protocols.transport.base import Will
@@ -565,3 +566,27 @@ def test_more_refused_messages_than_the_brokers_window_do_not_stall_a_client(loo
         assert node.stats.messages_in >= 71
         sender.close()
         node.close()
+
+
+def test_a_message_a_persistent_client_drops_as_it_closes_is_not_acknowledged(loop) -> None:
+    """``close()`` may run on another thread while paho's hands the client a message: one ``_receive`` drops because
+    the client closed meanwhile was acknowledged all the same (lost to the session, as before manual ack)."""
+    node = MqttTransport("fedtier-t-cloud", loop, "127.0.0.1", 1, persistent=True)  # never connected
+    node.subscribe("t/submit", lambda t, p: None)
+    receive = node._receive
+
+    def closed_meanwhile(msg, ack=None):  # type: ignore[no-untyped-def]
+        node._closed = True  # close() on the loop's thread, between _on_message's check and this one
+        return receive(msg, ack)
+
+    node._receive = closed_meanwhile  # type: ignore[method-assign]
+    acks: list[int] = []
+
+    class Client:
+        def ack(self, mid: int, qos: int) -> None:
+            acks.append(mid)
+
+    msg = mqtt.MQTTMessage(7, b"t/submit")
+    msg.payload, msg.qos = b"job B", 1
+    node._on_message(Client(), None, msg)  # type: ignore[arg-type]
+    assert acks == []  # left to the broker: the node's next session gets it

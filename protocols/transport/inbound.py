@@ -73,6 +73,8 @@ class Inbound:
                 return  # posted: acknowledged by the first handler the loop runs (_bind)
         except Exception:  # an exception here would kill paho's network thread
             log.exception("%s: failed to handle an incoming message", self.client_id)
+        if self._closed and self.persistent:  # closed meanwhile (close() on another thread): dropped or held for
+            return  # nobody, so not acknowledged: the broker hands it to the next session
         client.ack(msg.mid, msg.qos)  # taken (held, refused, or posted by a clean client): the broker may forget it
 
     def _acker(self, mid: int, qos: int) -> Callable[[], None]:
