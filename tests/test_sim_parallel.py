@@ -118,20 +118,3 @@ def test_a_worker_that_cannot_start_shows_its_error():
             loop.run()  # (or the worker was already dead when the task came)
     finally:
         executor.close()
-
-
-def test_ray_actors_are_byte_identical(make_config):
-    ray = pytest.importorskip("ray")
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING"
-    )  # not a cluster of this machine
-    try:
-        cfg = make_config(run={"rounds": 2})
-        inline = run_simulation(cfg, write_output=False)
-        on_ray = run_simulation(
-            make_config(run={"rounds": 2}, runtime={"sim_workers": 2, "sim_backend": "ray", "device_deadline": 5.0}),
-            write_output=False,
-        )
-        _same(inline, on_ray)
-    finally:
-        ray.shutdown()

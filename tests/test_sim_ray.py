@@ -73,6 +73,12 @@ def test_an_address_nothing_answers_at_fails_in_seconds_naming_it(make_config, m
     assert time.monotonic() - t0 < 30
 
 
+def test_ray_actors_are_byte_identical(make_config, local_ray):
+    """Two Ray actors train the devices: the run is the one-process run, byte for byte, records included."""
+    inline = run_simulation(make_config(run={"rounds": 2}), write_output=False)
+    _same(inline, run_simulation(on_ray(make_config, run={"rounds": 2}), write_output=False))
+
+
 def test_cohort_engine_on_ray_is_the_inline_cohort_run(make_config, local_ray):
     """engine = cohort with Ray actors: each actor gets its share of an edge round as one batch (bytes frames) and
     trains it as cohorts; the run is the one-process cohort run, bit for bit, seeds and records included."""
