@@ -8,7 +8,6 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import time
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from protocols.algorithms.base import ModelSpec
 from protocols.torch_trainer import _told
 from sim import executors
 from sim.launcher import SimHierarchy
+from tests.spinner import spin_then_wait
 from tests.test_cohort import _equivalent, _run
 
 SECTIONS = dict(
@@ -87,12 +87,6 @@ def test_cohort_workers_on_cuda_match_the_one_process_cuda_run(make_config):
         np.testing.assert_allclose(two[0].params[k], one[0].params[k], rtol=1e-4, atol=1e-6)
 
 
-def _spin(seconds: float) -> None:
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        pass
-
-
 def test_the_gpu_benchmark_reads_its_worker_sides_and_counts_the_workers_cpu():
     """benchmarks/gpu.py: ``cohort-cuda-w8`` is the cohort engine on cuda, cohort_size 64, in 8 sim workers;
     its ``tree cpu`` adds a live worker's CPU time to the main process's."""
@@ -103,7 +97,7 @@ def test_the_gpu_benchmark_reads_its_worker_sides_and_counts_the_workers_cpu():
     assert cohort_side("cohort-cpu") == ("cpu", 64, 0)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=_spin_then_wait, args=(0.4, ready), daemon=True)
+    proc = ctx.Process(target=spin_then_wait, args=(0.4, ready), daemon=True)  # alive until terminated
     proc.start()
     try:
         assert ready.wait(30)
@@ -112,12 +106,6 @@ def test_the_gpu_benchmark_reads_its_worker_sides_and_counts_the_workers_cpu():
     finally:
         proc.terminate()
         proc.join(10)
-
-
-def _spin_then_wait(seconds: float, ready: Any) -> None:
-    _spin(seconds)
-    ready.set()
-    time.sleep(60)  # alive until terminated: tree_cpu counts live workers
 
 
 def test_workers_sharing_a_gpu_plan_their_cohorts_within_a_share_of_its_memory(monkeypatch):
