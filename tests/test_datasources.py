@@ -56,11 +56,20 @@ def _config(tmp_path: Path, dataset: str = "digits") -> Path:
     return path
 
 
+def _partition_command(config: Path, out: Path, kind: str) -> list[str]:
+    return [FEDTIER, "partition", str(config), "--out", str(out), "--format", kind]
+
+
 def _partition(config: Path, out: Path, kind: str) -> None:
-    proc = subprocess.run(
-        [FEDTIER, "partition", str(config), "--out", str(out), "--format", kind], capture_output=True, text=True
-    )
+    proc = subprocess.run(_partition_command(config, out, kind), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _start_partition(config: Path, out: Path, kind: str) -> subprocess.Popen[str]:
+    """``fedtier partition`` started (``_partition`` waits for it): several at once each take a core."""
+    return subprocess.Popen(
+        _partition_command(config, out, kind), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.mark.parametrize("kind", ["npz", "csv", "images"])
@@ -200,9 +209,11 @@ def test_agents_fed_csv_and_image_sources_train_as_the_simulation_does(tmp_path)
     if not FMNIST_DIR.exists():
         pytest.skip(f"Fashion-MNIST is not installed ({FMNIST_DIR}: Debian's dataset-fashion-mnist)")
     config = _config(tmp_path, "fmnist")
-    sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))
-    _partition(config, tmp_path / "csv", "csv")
-    _partition(config, tmp_path / "img", "images")
+    parts = [_start_partition(config, tmp_path / out, kind) for out, kind in (("csv", "csv"), ("img", "images"))]
+    sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))  # the partitions meanwhile
+    for proc in parts:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out + err
     with EmbeddedBroker() as broker:
         common = ["--broker", broker.url, "--insecure"]
         commands = {
