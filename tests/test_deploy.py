@@ -54,16 +54,26 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     config = tmp_path / "deploy.toml"
     config.write_text(CONFIG.format(out=tmp_path / "deployed"))
     cfg = load_config(config)
-    sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))
-
-    # what an operator ships to each device: its data file (and the ONNX model for the onnx device)
-    prep = prepare(cfg)
-    for device, data in prep.device_data.items():
-        save_device_data(tmp_path / f"{device}.npz", data, prep.spec)
-    save_device_data(tmp_path / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
-    subprocess.run(
-        [FEDTIER, "export", str(config), "--out", str(tmp_path / "model.onnx")], check=True, capture_output=True
+    # what an operator ships to each device: its data file (and the ONNX model for the onnx device); the export
+    # runs in its own process while this one runs the simulation (each on a core of its own)
+    export = subprocess.Popen(
+        [FEDTIER, "export", str(config), "--out", str(tmp_path / "model.onnx")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
+    try:
+        sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))
+        prep = prepare(cfg)
+        for device, data in prep.device_data.items():
+            save_device_data(tmp_path / f"{device}.npz", data, prep.spec)
+        save_device_data(tmp_path / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
+        exported = export.communicate(timeout=180)[0]
+    finally:
+        if export.poll() is None:
+            export.kill()
+            export.wait()
+    assert export.returncode == 0, exported
 
     with EmbeddedBroker() as broker:
         common = ["--broker", broker.url, "--insecure"]
@@ -134,13 +144,22 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     records, bad = read_run(cloud_dir)
     assert not bad and not (cloud_dir / runfiles.AGGREGATION).exists() and len(own) == 3
     assert [r for r in records if isinstance(r, CellRecord)] == own
-    logs = subprocess.run([FEDTIER, "logs", str(cloud_dir), "--json"], capture_output=True, text=True, check=True)
-    shown = [json.loads(line) for line in logs.stdout.splitlines()]
+    readers = {  # two independent readers of the finished run's folder, at once
+        "logs": [FEDTIER, "logs", str(cloud_dir), "--json"],
+        "monitor": [FEDTIER, "monitor", str(cloud_dir), "--once", "--width", "200"],
+    }
+    started = {
+        name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, cmd in readers.items()
+    }
+    read = {name: p.communicate(timeout=120) for name, p in started.items()}
+    for name, p in started.items():
+        assert p.returncode == 0, f"fedtier {name} exited with {p.returncode}: {read[name][1]}"
+    shown = [json.loads(line) for line in read["logs"][0].splitlines()]
     assert [r for r in shown if r["event"] == "aggregation"] == [r.to_dict() for r in own]
-    view = subprocess.run(
-        [FEDTIER, "monitor", str(cloud_dir), "--once", "--width", "200"], capture_output=True, text=True, check=True
-    )
-    assert "cells 1: 1 ok" in view.stdout and "finished" in view.stdout  # it was "seen never, rounds behind"
+    assert (
+        "cells 1: 1 ok" in read["monitor"][0] and "finished" in read["monitor"][0]
+    )  # it was "seen never, rounds behind"
     assert "cloud: round 2/3 closed (all reported): cells 1/1 answered" in outputs["cloud"]  # -v: a line a round
 
 
