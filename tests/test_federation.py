@@ -170,15 +170,16 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
     cloud_cmd = command(CLOUD)
     cloud_out = nodes / "cloud" / "runs" / "fed"
     with mosquitto(done.broker / "mosquitto.conf", port):
-        # before any cloud ever connected, a submission would reach nobody: refused at once, saying so
-        early = _run([*command(SUBMIT, job=str(tmp / "A.toml")), "--wait", "1"], nodes / "operator")
-        assert early.returncode == 1 and "no cloud has served" in early.stdout, early.stdout
-        procs = {
+        procs = {  # started first: they start up while the operator's early submission below is refused
             "cell": _start(command(CELL, cell="c0"), nodes / "c0"),
             **{d: _start(command(AGENT, device=d), nodes / d) for d in ("c0-d0", "c0-d1")},
         }
-        cloud = _start(cloud_cmd, nodes / "cloud")
+        cloud = None
         try:
+            # before any cloud ever connected, a submission would reach nobody: refused at once, saying so
+            early = _run([*command(SUBMIT, job=str(tmp / "A.toml")), "--wait", "1"], nodes / "operator")
+            assert early.returncode == 1 and "no cloud has served" in early.stdout, early.stdout
+            cloud = _start(cloud_cmd, nodes / "cloud")
             operator = nodes / "operator"
             res = _run(command(JOBS_WAIT), operator)  # the cloud is up
             assert res.returncode == 0, res.stdout
@@ -271,10 +272,11 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             ]
         finally:
             outputs = {}
-            for p in (*procs.values(), cloud):
+            running = {**procs, **({"cloud": cloud} if cloud else {})}
+            for p in running.values():
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
-            for name, p in {**procs, "cloud": cloud}.items():
+            for name, p in running.items():
                 try:
                     outputs[name] = p.communicate(timeout=20)[0]
                 except subprocess.TimeoutExpired:
