@@ -408,11 +408,11 @@ def test_cell_killed_mid_round_resumes_and_loses_no_device_result(tmp_path: Path
     it plans the next edge round, and the run goes on. No device result of the round is lost: every
     edge round has both devices, every round both cells, the model is the uninterrupted run's."""
     dep = Deployment(tmp_path, broker.url, edge_rounds=2, signed=signed)
-    expected = uninterrupted(dep)
     journal = Journal(dep.cell_dir("c0") / runfiles.CELL_JOURNAL.format(cell="c0"))
     with ExitStack() as stack:
         stack.callback(dep.close)
         dep.start("c0-d1")
+        expected = uninterrupted(dep)  # while c0-d1 starts up (a process of its own, on the other core)
         wait_for("agent c0-d1 online", lambda: dep.device_online("c0-d1"))
         dep.signal("c0-d1", signal.SIGSTOP)
         dep.start_all_but("c0-d1")
