@@ -85,24 +85,39 @@ def _value(text: str, series: str) -> float:
     return float("nan")
 
 
-def _login(bundle: Path) -> str:
-    """Connect with ``bundle``'s credentials and certificate; "ok" or the broker's refusal."""
-    code = (
-        "import os, sys\n"
-        "from protocols.config import load_config\n"
-        "from edge_agent.runner import BrokerOptions\n"
-        "from protocols.transport.threadloop import ThreadLoop\n"
-        "cfg = load_config('config.toml')\n"
-        "loop = ThreadLoop('probe').start()\n"
-        "try:\n"
-        "    t = BrokerOptions.from_config(cfg, None).transport('probe', cfg.run.name, loop, persistent=False)\n"
-        "    t.connect(); t.close(); print('ok')\n"
-        "except ConnectionError as e:\n"
-        "    print('refused:', e)\n"
-        "finally:\n"
-        "    loop.stop()\n"
-    )
-    return _run([sys.executable, "-c", code], cwd=bundle).stdout.strip().splitlines()[-1]
+LOGIN = (
+    "import os, sys\n"
+    "from protocols.config import load_config\n"
+    "from edge_agent.runner import BrokerOptions\n"
+    "from protocols.transport.threadloop import ThreadLoop\n"
+    "cfg = load_config('config.toml')\n"
+    "loop = ThreadLoop('probe').start()\n"
+    "try:\n"
+    "    t = BrokerOptions.from_config(cfg, None).transport('probe', cfg.run.name, loop, persistent=False)\n"
+    "    t.connect(); t.close(); print('ok')\n"
+    "except ConnectionError as e:\n"
+    "    print('refused:', e)\n"
+    "finally:\n"
+    "    loop.stop()\n"
+)
+
+
+def _logins(*bundles: Path) -> list[str]:
+    """Connect with each bundle's credentials and certificate, each in a process of its own, all at once (they
+    are independent); "ok" or the broker's refusal, for each."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOGIN], cwd=b, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for b in bundles
+    ]
+    try:
+        return [p.communicate(timeout=60)[0].strip().splitlines()[-1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
@@ -180,8 +195,9 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             procs["c0-d2"] = agent("c0-d2")
             res = _run([FEDTIER, "provision", "revoke", "--out", str(prov), "c0-d1"])
             assert res.returncode == 0 and "published roster version 3" in res.stdout, res.stdout
-            assert _login(nodes / "c0-d1").startswith("refused"), "a revoked device still logs in"
-            assert _login(nodes / "c0-d2") == "ok"
+            revoked, enrolled = _logins(nodes / "c0-d1", nodes / "c0-d2")
+            assert revoked.startswith("refused"), "a revoked device still logs in"
+            assert enrolled == "ok"
             # and c0-d3, whose own data (784 features, no recorded geometry) cannot serve a digits job: it says so
             res = _run([FEDTIER, "provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d3"])
             assert res.returncode == 0 and "published roster version 4" in res.stdout, res.stdout
