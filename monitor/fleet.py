@@ -8,9 +8,11 @@ when each was last heard (while the view listens), what each runs and can do, an
 is running. With the federation's public keys a record counts only if the node its topic names signed
 it; others are counted as refused, with the reason, and never shown as a node. With them too, the view
 reads the federation's signed roster (published by the cloud): a member never heard from (enrolled, never
-started) is listed as never seen, and a node it lists as revoked is shown revoked (not the online or idle its
-retained status may still say: nothing clears a revoked cell's), its key forgotten, its records no longer counted
-as refused.
+started) is listed as never seen, and every node it lists as revoked is shown revoked, whether the broker still
+holds its status or not (a revoked cell's is never cleared and says online or idle; a revoked device's is cleared by
+its cell): its key forgotten, its records no longer counted as refused, and it no longer counted among the nodes
+expected online. The roster names a revoked node by its id only: its role and cell are shown when the view
+learned them (from a status, or an earlier roster), else left blank.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
 ROLE_ORDER = {"cloud": 0, "cell": 1, "device": 2}
 UNSEEN = "never seen"  # a member of the roster without a status
-REVOKED = "revoked"  # a node the signed roster revoked, whose status the broker still holds
+REVOKED = "revoked"  # a node the signed roster revoked (its status retained or not)
 
 
 @dataclass
@@ -113,7 +115,8 @@ class Fleet:
     revoked: frozenset[str] = frozenset()  # the nodes the signed roster revoked
     roster_version: int | None = None  # of the newest roster taken: an older one (a replay) is refused
     _refusals: Counter[str] = field(default_factory=Counter)  # topic's node (or "" for a roster) -> refused records
-    _unverified: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # refused node -> (role, cell)
+    _unverified: set[str] = field(default_factory=set)  # the nodes whose held status was refused
+    _known: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # any node seen -> (role, cell)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -150,6 +153,7 @@ class Fleet:
         with self._lock:
             self.members = {"cloud": None} | {c: c for c in roster.cells}
             self.members |= {d: c for c in roster.cells for d in roster.members(c)}
+            self._known |= {n: (_role(n, c), c) for n, c in self.members.items()}
             self.revoked, self.roster_version = roster.revoked, roster.version
             self.keys.forget(roster.revoked)  # what a stale keys file still trusts: a revoked node signs nothing
 
@@ -157,14 +161,15 @@ class Fleet:
         with self._lock:
             self.received += 1
             node, role, cell = _node_of(topic)
+            self._known[node] = (role, cell)
             if not data:  # a cleared retained status: the node was removed (revoked)
                 self.nodes.pop(node, None)
-                self._unverified.pop(node, None)
+                self._unverified.discard(node)
                 return
             record = decode_status(data, topic, self.keys)
             if record is None:
                 self._refusals[node] += 1
-                self._unverified[node] = (role, cell)
+                self._unverified.add(node)
                 return
             now = self.clock()
             view = self.nodes.get(node)
@@ -176,21 +181,19 @@ class Fleet:
                 view.updates += 1
 
     def rows(self) -> list[NodeView]:
-        """The nodes heard from, the roster's members never heard from (:data:`UNSEEN`), and its revoked nodes
-        whose status (signed by them, refused now or accepted before the roster came) the broker still holds
-        (:data:`REVOKED`)."""
+        """The nodes heard from, the roster's members never heard from (:data:`UNSEEN`), and every node it revoked
+        (:data:`REVOKED`): with the status the broker still holds (signed by it, refused now or accepted before the
+        roster came), or none (cleared by its cell, or never published)."""
         with self._lock:
             now = self.clock()
             heard = [replace(v, state=REVOKED) if n in self.revoked else v for n, v in self.nodes.items()]
-            gone = [
-                NodeView(n, role, cell, REVOKED, {}, now, now)  # its retained status, refused
-                for n, (role, cell) in self._unverified.items()
-                if n in self.revoked and n not in self.nodes
+            gone = [  # heard "retained" if its status (refused) is held, else never
+                NodeView(n, *self._known.get(n, ("", None)), REVOKED, {}, now, now, int(n in self._unverified))
+                for n in sorted(self.revoked)
+                if n not in self.nodes
             ]
             unseen = [
-                NodeView(
-                    n, "cloud" if cell is None else "cell" if n == cell else "device", cell, UNSEEN, {}, now, now, 0
-                )
+                NodeView(n, _role(n, cell), cell, UNSEEN, {}, now, now, 0)
                 for n, cell in self.members.items()
                 if n not in self.nodes
             ]
@@ -202,6 +205,11 @@ class Fleet:
         cloud = self.nodes.get("cloud")
         session = cloud.record.get("session") if cloud is not None and cloud.state == "online" else None
         return session if isinstance(session, str) else None
+
+
+def _role(node: str, cell: str | None) -> str:
+    """The role of a roster member: the cloud (no cell), a cell (its own), or a device."""
+    return "cloud" if cell is None else "cell" if node == cell else "device"
 
 
 def _node_of(topic: str) -> tuple[str, str, str | None]:
@@ -225,8 +233,9 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
     rows = fleet.rows()
     up = sum(v.up and not v.stale(now) for v in rows)
     idle = sum(v.state_at(now) == IDLE for v in rows)
+    expected = sum(v.state != REVOKED for v in rows)  # a revoked node is not expected online
     job = fleet.current_job()
-    title = f"fleet {escape(fleet.run)}: {up}/{len(rows)} nodes online" + (f" ({idle} idle)" if idle else "")
+    title = f"fleet {escape(fleet.run)}: {up}/{expected} nodes online" + (f" ({idle} idle)" if idle else "")
     title += f", job {escape(job)}" if job else ""
     revoked = sum(v.state == REVOKED for v in rows)
     title += f", {revoked} revoked" if revoked else ""

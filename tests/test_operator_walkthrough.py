@@ -290,7 +290,8 @@ def test_a_device_that_cannot_serve_a_job_is_absent_with_its_reason_and_not_wait
 def test_the_fleet_lists_a_roster_member_never_heard_from() -> None:
     """`fedtier fleet` with the federation's keys reads the cloud's signed roster: an enrolled device that never
     started is listed as never seen (and counted against the nodes online), a roster not signed by the cloud is
-    refused, and a revoked device (gone from the roster, its status cleared) is not listed."""
+    refused, and a revoked device (gone from the roster, never heard from) is listed as revoked, not counted among
+    the nodes expected online."""
     from rich.console import Console
 
     from monitor.fleet import Fleet, render
@@ -313,13 +314,64 @@ def test_the_fleet_lists_a_roster_member_never_heard_from() -> None:
     assert fleet.refused == 1 and len(fleet.rows()) == 2
     fleet.on_roster(roster_topic("fed"), sign_roster(roster.without("c0-d2"), trust("cloud").sign))
     rows = {r.node: r.as_dict(fleet.clock()) for r in fleet.rows()}
-    assert sorted(rows) == ["c0", "c0-d0", "c0-d1", "cloud"]
+    assert sorted(rows) == ["c0", "c0-d0", "c0-d1", "c0-d2", "cloud"]
+    assert (
+        rows["c0-d2"]["state"] == "revoked" and not rows["c0-d2"]["online"] and rows["c0-d2"]["cell"] is None
+    )  # (the roster naming its cell was refused)
     assert rows["c0-d1"]["state"] == "never seen" and not rows["c0-d1"]["online"] and rows["c0-d1"]["cell"] == "c0"
     assert rows["cloud"]["state"] == "never seen" and rows["cloud"]["heard_s_ago"] is None
     out = Console(width=200, record=True)
     out.print(render(fleet))
     text = out.export_text()
-    assert "2/4 nodes online" in text and "c0-d1" in text and "never seen" in text
+    assert "2/4 nodes online, 1 revoked" in text and "c0-d1" in text and "never seen" in text, text
+
+
+def test_the_fleet_lists_a_device_revoked_after_its_cell_cleared_its_status_as_revoked() -> None:
+    """`fedtier provision revoke` then `fedtier fleet`: the cell clears the revoked device's retained status, so a view
+    opened after holds no status of it, only the signed roster naming it revoked; one open during the revocation
+    saw its status, then the clear. Both list it `revoked` (not gone, as if never enrolled), in the table and the
+    `--json` rows, and neither counts it among the nodes expected online."""
+    from rich.console import Console
+
+    from monitor.fleet import Fleet, render
+    from protocols.config import TopologySection
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.status import encode_status
+    from protocols.wire import topics
+    from protocols.wire.keys import PublicKeys, Trust, generate_keys
+
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=2))
+
+    def trust(node: str) -> Trust:
+        return Trust(node, ring.private[node], ring.public)
+
+    roster = Roster.from_topology("fed", {"c0": ["c0-d0", "c0-d1"]}, ring.public, 100.0)
+    revoked = sign_roster(roster.without("c0-d1"), trust("cloud").sign)
+    gone = topics.device_status("fed", "c0", "c0-d1")
+
+    def statuses(fleet: Fleet, devices: tuple[str, ...]) -> None:
+        where = {"cloud": topics.status("fed", "cloud"), "c0": topics.status("fed", "cell.c0")}
+        where |= {d: topics.device_status("fed", "c0", d) for d in devices}
+        for node, topic in where.items():
+            fleet.on_status(topic, encode_status("online", topic=topic, trust=trust(node)))
+
+    during = Fleet("fed", PublicKeys(ring.public))  # open during the revocation
+    statuses(during, ("c0-d0", "c0-d1"))
+    during.on_roster(roster_topic("fed"), sign_roster(roster, trust("cloud").sign))
+    during.on_roster(roster_topic("fed"), revoked)
+    during.on_status(gone, b"")  # its cell cleared it
+    after = Fleet("fed", PublicKeys(ring.public))  # opened after: the broker holds no status of c0-d1
+    statuses(after, ("c0-d0",))
+    after.on_roster(roster_topic("fed"), revoked)
+    for fleet, cell in ((during, "c0"), (after, None)):  # (after it, only the roster knows c0-d1: no role, no cell)
+        rows = {r.node: r.as_dict(fleet.clock()) for r in fleet.rows()}
+        assert sorted(rows) == ["c0", "c0-d0", "c0-d1", "cloud"], rows
+        assert rows["c0-d1"]["state"] == "revoked" and not rows["c0-d1"]["online"] and rows["c0-d1"]["cell"] == cell
+        assert rows["c0-d1"]["heard_s_ago"] is None and fleet.refused == 0
+        out = Console(width=200, record=True)
+        out.print(render(fleet))
+        text = out.export_text()
+        assert "fleet fed: 3/3 nodes online, 1 revoked" in text and "c0-d1" in text and "revoked" in text, text
 
 
 def test_a_renewal_after_a_revocation_keeps_the_revoked_certificate_revoked(tmp_path: Path) -> None:
