@@ -214,11 +214,12 @@ def state_line(state: MonitorState, now: float) -> Text | None:
         deadline = s.get("deadline_s")
         if isinstance(deadline, (int, float)) and now - s["since"] > deadline:
             text.append(f" (deadline {deadline:g} s passed)", style="bold red")
-    else:
-        text.append(f"{phase}" + (f": {s['reason']}" if s.get("reason") else "") + f" since {now - s['since']:.0f} s")
+    else:  # an end is a moment ("finished 91 s ago"), any other phase lasts ("idle for 3 s")
+        when = f"{now - s['since']:.0f} s ago" if phase in ENDS else f"for {now - s['since']:.0f} s"
+        text.append(f"{phase}" + (f": {s['reason']}" if s.get("reason") else "") + f" {when}")
     started = state.started()
     if started is not None:
-        text.append(f"  age {now - started:.0f} s")
+        text.append(f"  run started {now - started:.0f} s ago")
     return text
 
 

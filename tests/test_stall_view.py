@@ -51,7 +51,7 @@ def test_a_monitor_started_mid_stall_shows_it(tmp_path: Path) -> None:
     assert "deadline" in late.split("now ", 1)[1].splitlines()[0]
     assert "cell c0 edge round 0.0 open for 200 s, past its 50 s deadline, waiting for c0-d0, c0-d1, c0-d2" in late
     assert "cloud round 0 open for 200 s, past its 160 s deadline, waiting for c0, c1" in late
-    assert re.search(r"age 20[0-2] s", late)  # the run started just before t0
+    assert re.search(r"run started 20[0-2] s ago", late)  # the run started just before t0
 
 
 def test_fedtier_monitor_started_mid_stall_over_mqtt_flags_it(tmp_path: Path) -> None:
