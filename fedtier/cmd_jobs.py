@@ -267,6 +267,11 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
     if as_json:
         click.echo(json.dumps(listed))
         return
+    if not listed:  # an empty table reads as a broken command
+        console.print(
+            f"no jobs: the cloud lists none; submit one with `fedtier submit JOB.toml --config {escape(config)}`"
+        )
+        return
     table = Table("job", "state", "submitted", "hash", "reason")
     for j in listed:
         when = dt.datetime.fromtimestamp(j.get("submitted") or 0, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")

@@ -758,12 +758,9 @@ def test_a_jobs_end_state_carries_only_finite_figures_and_a_monitor_refuses_othe
         assert decode_state(seal_record({**base, "accuracy": bad}, topic, None), topic) is None
 
 
-def test_fedtier_jobs_names_the_cells_a_job_began_without(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`fedtier jobs` prints, with a job's reason, the cells it began without and why (the cloud's job record)."""
+def _jobs_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: dict) -> tuple[int, str, BaseException | None]:
+    """`fedtier jobs --config config.toml`, the cloud's (signed) job list read being ``listed``."""
     import fedtier.cmd_jobs as cmd
-
-    why = "offline at start: not online within the startup wait (5 s)"
-    listed = {"jobs": [{"job": "a", "state": "finished", "reason": "", "cells_absent_at_start": {"c1": why}}]}
 
     class Session:
         fed = "fed"
@@ -778,11 +775,28 @@ def test_fedtier_jobs_names_the_cells_a_job_began_without(tmp_path: Path, monkey
             pass
 
     monkeypatch.setattr(cmd, "_connect", lambda config: Session())
-    config = tmp_path / "config.toml"
-    config.write_text("")
+    monkeypatch.chdir(tmp_path)
+    Path("config.toml").write_text("")
     monkeypatch.setenv("COLUMNS", "400")
-    code, out, exc = _cli("jobs", "--config", str(config))
+    return _cli("jobs", "--config", "config.toml")
+
+
+def test_fedtier_jobs_names_the_cells_a_job_began_without(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedtier jobs` prints, with a job's reason, the cells it began without and why (the cloud's job record)."""
+    why = "offline at start: not online within the startup wait (5 s)"
+    listed = {"jobs": [{"job": "a", "state": "finished", "reason": "", "cells_absent_at_start": {"c1": why}}]}
+    code, out, exc = _jobs_cli(tmp_path, monkeypatch, listed)
     assert exc is None and code == 0 and f"c1: {why}" in out, (exc, out)
+
+
+def test_fedtier_jobs_on_an_empty_queue_says_there_are_none_and_how_to_submit_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A federation no job was submitted to: `fedtier jobs` printed an empty table (headers, no row), which reads as
+    a broken command; it says there are no jobs and the command that submits one, with the operator's config."""
+    code, out, exc = _jobs_cli(tmp_path, monkeypatch, {"jobs": []})
+    assert exc is None and code == 0, (exc, out)
+    assert out == "no jobs: the cloud lists none; submit one with `fedtier submit JOB.toml --config config.toml`", out
 
 
 def test_the_record_commands_on_a_federations_folder_name_its_jobs_run_folders(tmp_path: Path) -> None:
