@@ -259,7 +259,10 @@ def _topic_functions() -> list[tuple[str, Callable[..., str]]]:
     return [
         (name, fn)
         for name, fn in inspect.getmembers(topics, inspect.isfunction)
-        if fn.__module__ == topics.__name__ and not name.startswith("_") and name not in skip
+        if fn.__module__ == topics.__name__
+        and not name.startswith("_")
+        and name not in skip
+        and inspect.signature(fn).return_annotation in (str, "str")  # a topic, not a set of them (job patterns)
     ]
 
 

@@ -71,6 +71,8 @@ def scheme_topics() -> set[str]:
         params = list(inspect.signature(fn).parameters)
         if params and all(p in PLACEHOLDERS or p == "job" for p in params):
             value = fn(*(p.upper() for p in params))
+            if not isinstance(value, str):  # a set of the topics above (e.g. what a job subscribes to)
+                continue
             for p in params:
                 value = value.replace(p.upper(), PLACEHOLDERS.get(p, "{job}"))
             out.add(value)
