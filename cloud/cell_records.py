@@ -74,3 +74,15 @@ class CellRecordCollector:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def collector(
+    transport: Transport,
+    run: str,
+    cells: list[str],
+    path: str | Path | None,
+    keys: PublicKeys | None = None,
+    max_bytes: int | None = None,
+) -> CellRecordCollector | None:
+    """The collector of ``cells``' records into ``path``; ``None`` when the cloud keeps none (no ``path``)."""
+    return CellRecordCollector(transport, run, cells, path, keys, max_bytes) if path is not None else None

@@ -26,7 +26,7 @@ from protocols.wire import topics
 from protocols.wire.messenger import Incoming, Messenger
 from protocols.wire.payload import Payload
 
-from .cell_records import CellRecordCollector
+from .cell_records import collector
 from .checkpoint import CloudCheckpoint, Saved, repair_records
 from .parts import CellPresence, RoundCounts, report_refusal
 from .revocation import leave_round, refused_revoked, too_few_cells
@@ -127,7 +127,7 @@ class CloudServer:
         self.resumed = saved is not None
         if saved is not None:
             self._resume(saved, session is None, devices_recreated)
-        self.cell_records = self._cell_records(cell_records_path, max_record_bytes)
+        self.cell_records = collector(transport, run, self.cells, cell_records_path, trust, max_record_bytes)
 
     def _resume(self, saved: Saved, own_session: bool, devices_recreated: bool) -> None:
         """Continue after the checkpoint's round: the role's state, byte totals, stalled rounds and, unless the
@@ -144,12 +144,6 @@ class CloudServer:
         if own_session and saved.session is not None:
             self.session = self.messenger.session = saved.session
         log.info("resumed from %s at round %d (session %s)", saved.path, self.round, self.session)
-
-    def _cell_records(self, path: str | Path | None, max_record_bytes: int | None) -> CellRecordCollector | None:
-        """Where the cells' records go, when this cloud keeps them (``cell_records_path``)."""
-        if path is None:
-            return None
-        return CellRecordCollector(self.transport, self.run, self.cells, path, self.trust, max_record_bytes)
 
     # ----------------------------------------------------------------- views of the parts
     @property
