@@ -9,8 +9,9 @@ these inputs rebuilds the cell's state exactly: a restarted cell re-plans the ed
 (the same plan), keeps the results it had, re-sends the task to the devices still pending (a device
 that already answered answers again: the same result) and waits for them; a cell that had reported
 sends the same report message again at once (it is journaled before it is published) and whenever the
-cloud asks again. On disk: one round's inbound traffic at
-most (its task and its devices' results).
+cloud asks again; a cloud already in a later round takes that repeat as the cell's return and sends it that
+round's task again (the cell may have taken it, acknowledged, and died before journaling it). On disk: one
+round's inbound traffic at most (its task and its devices' results).
 """
 
 from __future__ import annotations

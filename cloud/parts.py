@@ -1,7 +1,7 @@
 """The state parts of a cloud server, each a small record with one meaning: what the open round's record
-counts beyond the role's outcome (:class:`RoundCounts`, a fresh one per round), and what the cloud knows
-of its cells' presence (:class:`CellPresence`); and the checks a cell's report passes before the role
-sees it (:func:`report_refusal`)."""
+counts beyond the role's outcome, and the tasks it sent (:class:`RoundCounts`, a fresh one per round), and
+what the cloud knows of its cells' presence (:class:`CellPresence`); and the checks a cell's report passes
+before the role sees it (:func:`report_refusal`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from protocols.failures import merge_counts
 from protocols.numbers import declared_count
 from protocols.records import TIERS
 from protocols.rejections import Rejected, RejectKind
+from protocols.wire.envelope import Header
 from protocols.wire.messenger import Incoming
+from protocols.wire.payload import Payload
 
 log = logging.getLogger("fedtier.cloud")
 
@@ -38,6 +40,23 @@ class RoundCounts:
     unmet: dict[str, int] = field(default_factory=dict)  # reason -> devices left out for the job's requirements
     late: int = 0  # devices tasked that answered no edge round in time, over the cells
     cells_failed: dict[str, str] = field(default_factory=dict)  # cell -> why it failed (fail_on_cell_failure off)
+    tasks: Mapping[str, Payload] = field(default_factory=dict)  # cell -> its task of the round (the role's plan)
+    resent: set[str] = field(default_factory=set)  # cells sent their task again (:meth:`lost_task`)
+
+    def lost_task(self, cell: str, repeated: Header, rnd: int, pending: set[str]) -> bool:
+        """Whether to send ``cell``, still awaited in round ``rnd``, its task again: it sent (signed by itself) its
+        report of an earlier round again (``repeated``), as a cell restarted from a journal that ends with its report
+        does (``cell_server.recovery``). It may have died after taking this round's task (acknowledged to the broker,
+        which will not hand it again) and before journaling it; if it has the task, the copy is answered as a repeat.
+        Once a round: a cell that repeats itself gets no more."""
+        h = repeated
+        if h.sender != cell or h.round >= rnd or cell not in pending or cell in self.resent or cell not in self.tasks:
+            return False
+        log.warning(
+            "cloud: %s came back after round %d (its report again): round %d's task sent again", cell, h.round, rnd
+        )
+        self.resent.add(cell)
+        return True
 
     def count(self, cell: str, nbytes: int, meta: dict[str, Any]) -> int:
         """Add a taken report's bytes (and the device traffic, diverged and failed devices it declares);

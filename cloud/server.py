@@ -285,18 +285,21 @@ class CloudServer:
         """Start counting the next round record; plan the ``candidates`` that may take part; send their tasks."""
         allowed = self._allowed()
         self.counts = RoundCounts(self.loop.now(), time.perf_counter(), expected=len(allowed))
-        plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
+        self.counts.tasks = plan = self.role.plan(self.round, [c for c in candidates if c in allowed])
         self.planned = sorted(plan)
         manifest = topics.round_manifest(self.run)
         self.transport.publish(
             manifest, encode_manifest(self.session, self.round, topic=manifest, trust=self.trust), retain=True
         )
         for cell in self.planned:
-            self.counts.bytes["cloud_to_cell"] += self.messenger.send(
-                topics.cell_task(self.run, cell), "cell_task", plan[cell], round=self.round, cell=cell
-            )
+            self._send_task(cell)
         self.counts.since = time.time()
         self._state("waiting", self.planned, since=self.counts.since, deadline_s=self.cell_deadline)
+
+    def _send_task(self, cell: str) -> None:
+        """Send ``cell`` its task of the open round (again to a cell that lost it: :meth:`RoundCounts.lost_task`)."""
+        topic, task = topics.cell_task(self.run, cell), self.counts.tasks[cell]
+        self.counts.bytes["cloud_to_cell"] += self.messenger.send(topic, "cell_task", task, round=self.round, cell=cell)
 
     def _allowed(self) -> set[str]:
         """The cells that may take part in this round: available (cell participation) and not revoked."""
@@ -306,8 +309,8 @@ class CloudServer:
     def _on_report(self, topic: str, data: bytes) -> None:
         if refused_revoked(self.revoked, topic, self.messenger):
             return
-        msg = self.messenger.receive(topic, data, kinds=("cell_report",))
-        if msg is None:
+        msg = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True)
+        if msg is None or (msg.repeat and not self._in_round):  # a repeat between rounds tells nothing
             return
         cell = topic.split("/")[-2]
         if not self._in_round and not self.finished and msg.header.round == self.round and cell in self.cells:
@@ -320,6 +323,10 @@ class CloudServer:
 
     def _take_report(self, topic: str, msg: Incoming) -> None:
         h, cell = msg.header, topic.split("/")[-2]
+        if msg.repeat:  # handled when it first came; an earlier round's again: the cell restarted, may lack its task
+            if self.counts.lost_task(cell, h, self.round, self.answers.pending):
+                self._send_task(cell)
+            return
         taken = len(self.answers.received)
         refused = self._bad_report(cell, msg)
         failure = failed_reason(msg.payload)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -228,6 +229,44 @@ def test_cell_killed_between_journaling_its_report_and_sending_it_sends_it_on_re
     crashed = sim.run()
     assert sim.cells["c0"] is not first
     assert [m["cells_reported"] for m in crashed.history] == [["c0", "c1"]] * 3
+    assert all(np.array_equal(straight.params[k], crashed.params[k]) for k in straight.params)
+
+
+def test_a_cell_killed_after_taking_the_next_task_before_journaling_it_is_sent_it_again(tmp_path: Path) -> None:
+    """In memory: c0 reported round 1, took round 2's task (acknowledged to the broker) and died before it
+    journaled it, so the task is lost with it. The resumed cell, whose journal ends with its report of round 1,
+    sends that report again; the cloud, in round 2 and waiting for c0, sends c0 round 2's task again at once:
+    round 2 has both cells, closes long before the cell deadline, and the model is the uninterrupted run's."""
+
+    def config(name: str):
+        return small_config(tmp_path / name, runtime={"device_deadline": 50.0})
+
+    straight = run_simulation(config("straight"))
+    sim = SimHierarchy(config("crashed"))
+
+    def restart() -> None:
+        sim.cells["c0"] = new = journaled_c0(sim, resume=True)
+        new.start()
+
+    first = sim.cells["c0"] = journaled_c0(sim, resume=False)
+    journal_task = first.journal.task
+
+    def task(rnd: int, *args: Any) -> None:
+        if rnd != 2:
+            return journal_task(rnd, *args)
+        first.transport.crash()  # dead before the fsync: nothing of round 2 is journaled, nothing more is sent
+        first.stop()
+        first.enter_round = first.start_edge = lambda *_: None  # type: ignore[method-assign]
+        sim.hub.loop.post(restart)
+
+    first.journal.task = task  # type: ignore[method-assign]
+    crashed = sim.run()
+    assert sim.cells["c0"] is not first
+    assert [m["cells_reported"] for m in crashed.history] == [["c0", "c1"]] * 3
+    round2 = crashed.history[2]
+    took = round2["clock_s"] - round2["clock_start_s"]
+    deadline = sim.cfg.cell_deadline()
+    assert round2["closed_by"] == "all reported" and took < deadline / 2, (took, deadline)
     assert all(np.array_equal(straight.params[k], crashed.params[k]) for k in straight.params)
 
 

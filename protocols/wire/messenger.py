@@ -64,6 +64,7 @@ class Incoming:
     payload: Payload
     nbytes: int
     received: Received | None = None
+    repeat: bool = False  # handled before (``Messenger.receive`` hands it again only when asked: ``repeats``)
 
 
 class Messenger:
@@ -162,9 +163,12 @@ class Messenger:
         self.transport.publish(topic, data, qos=1, retain=retain)
         return len(data)
 
-    def receive(self, topic: str, data: bytes, *, kinds: tuple[str, ...] | None = None) -> Incoming | None:
-        """Decode and validate; ``None`` (after logging) for a rejected message or a duplicate. The payload's
-        tensors are read-only views of ``data`` where it is ``bytes`` (copy what you change)."""
+    def receive(
+        self, topic: str, data: bytes, *, kinds: tuple[str, ...] | None = None, repeats: bool = False
+    ) -> Incoming | None:
+        """Decode and validate; ``None`` (after logging) for a rejected message or a duplicate (with ``repeats``:
+        the duplicate, valid, marked ``repeat``, for a caller that learns from a peer repeating itself). The
+        payload's tensors are read-only views of ``data`` where it is ``bytes`` (copy what you change)."""
         try:
             header, raw = decode_message(data, max_payload=self.max_payload)
             if header.run != self.run:
@@ -174,7 +178,8 @@ class Messenger:
             if self.trust is not None:
                 self.trust.require(header.sender)  # unknown, or revoked
                 verify_signature(header, raw, topic, self.trust.verify)
-            if not self.seen.first_time(f"{header.session}/{header.msg_id}"):
+            repeat = not self.seen.first_time(f"{header.session}/{header.msg_id}")
+            if repeat and not repeats:
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
                 return None
             payload = decode_payload(raw, views=True)  # read-only arrays over the message: no copy
@@ -182,7 +187,7 @@ class Messenger:
             self.reject(topic, exc.kind, str(exc), None)
             return None
         received = Received(data, len(data) - raw.nbytes) if type(data) is bytes else None  # raw: data's tail
-        return Incoming(topic, header, payload, len(data), received)
+        return Incoming(topic, header, payload, len(data), received, repeat)
 
     def reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
         """Log a rejected message and tell the owner (who records it, with its kind, in its aggregation log)."""
