@@ -6,6 +6,9 @@ from __future__ import annotations
 import gc
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +32,27 @@ from tests.conftest import small_config, wait_until
 JOBS = 5
 
 
-@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
-def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(tmp_path: Path) -> None:
-    """For each job the service builds a process of the job's parts; the long-lived one takes them (same
-    connections) and the spare, never started, kept its reactor's wake-up socket pair and selector open until the
-    garbage collector found it: 3 descriptors a job with the collector off (seen: 24, 27, 30, 33 after jobs 1-4).
-    It is closed at the job's start now, so the process's open descriptors stay flat (24, 24, 24, 24)."""
+@dataclass
+class Served:
+    """A local federation (cloud and cell in this process, not started) and a long-lived agent service for its
+    devices, on a real Mosquitto; :meth:`start` starts both."""
+
+    cfg: RunConfig
+    opts: BrokerOptions
+    fed: LocalFederation
+    service: Any
+    op_loop: ThreadLoop
+    reactor: Reactor
+    thread: threading.Thread
+
+    def start(self) -> None:
+        self.fed.start()
+        self.thread.start()
+
+
+@contextmanager
+def _served_federation(tmp_path: Path) -> Iterator[Served]:
+    """One cell of two devices serving every job (fedtier run's federation serves one); stopped on exit."""
     cfg = small_config(
         tmp_path,
         run={"rounds": 1},
@@ -44,7 +62,6 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
     )
     prep, out = prepare(cfg), cfg.output_dir()
     out.mkdir(parents=True)
-    fds: list[int] = []
     with MosquittoBroker() as broker:
         opts, reactor = BrokerOptions(broker.url), Reactor("test-io").start()
 
@@ -58,15 +75,36 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
         agents = {"bundle": federation_bundle(cfg).to_toml(), "broker": {"url": broker.url}}
         data = {d: prep.device_data[d] for d in cfg.topology.devices()}
         service = worker_service(agents, data, (prep.spec.input_shape, prep.spec.num_classes), [], [])
-        service.on_job_end = lambda _job: fds.append(len(os.listdir("/proc/self/fd")))
         thread = threading.Thread(target=service.serve, name="agents", daemon=True)
-        op_loop = ThreadLoop("operator").start()
+        served = Served(cfg, opts, fed, service, ThreadLoop("operator").start(), reactor, thread)
+        try:
+            yield served
+        finally:
+            service.stop()
+            if thread.ident is not None:  # started
+                thread.join(10)
+            fed.stop()
+            served.op_loop.stop()
+            reactor.close()
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(tmp_path: Path) -> None:
+    """For each job the service builds a process of the job's parts; the long-lived one takes them (same
+    connections) and the spare, never started, kept its reactor's wake-up socket pair and selector open until the
+    garbage collector found it: 3 descriptors a job with the collector off (seen: 24, 27, 30, 33 after jobs 1-4).
+    It is closed at the job's start now, so the process's open descriptors stay flat (24, 24, 24, 24)."""
+    fds: list[int] = []
+    with _served_federation(tmp_path) as served:
+        cfg, opts, fed = served.cfg, served.opts, served.fed
+        served.service.on_job_end = lambda _job: fds.append(len(os.listdir("/proc/self/fd")))
         gc.disable()  # what the collector would close is not closed
         try:
-            fed.start()
-            thread.start()
+            served.start()
             assert wait_until(lambda: fed.cloud.transport is not None and fed.cloud.transport.wait_subscribed(0.1))
-            operator = opts.transport("operator", cfg.run.name, op_loop, reactor=reactor, persistent=False).connect()
+            operator = opts.transport(
+                "operator", cfg.run.name, served.op_loop, reactor=served.reactor, persistent=False
+            ).connect()
             replies = []
             for j in range(JOBS):  # all queued at once, on one connection
                 text = job_text(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": j})}))
@@ -79,11 +117,6 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
             operator.close()
         finally:
             gc.enable()
-            service.stop()
-            thread.join(10)
-            fed.stop()
-            op_loop.stop()
-            reactor.close()
     assert len(fds) == JOBS
     assert max(fds[1:]) - fds[1] < 3, fds  # after the first job (its connections made): flat, the spare's 3 a job
 
@@ -98,79 +131,49 @@ def test_an_idle_cloud_and_cell_after_a_job_are_not_handed_the_jobs_statuses(tmp
     from protocols.status import encode_status
     from protocols.wire import topics
 
-    cfg = small_config(
-        tmp_path,
-        run={"rounds": 1},
-        topology={"cells": 1, "devices_per_cell": 2},
-        algorithm={"edge_rounds": 1, "local_steps": 2},
-        runtime={"startup_wait": 30.0},
-    )
-    prep, out, run = prepare(cfg), cfg.output_dir(), cfg.run.name
-    out.mkdir(parents=True)
-    with MosquittoBroker() as broker:
-        opts, reactor = BrokerOptions(broker.url), Reactor("test-io").start()
-
-        def cell(job_cfg: RunConfig, c: str, transport: Transport) -> CellServer:
-            return build_cell(job_cfg, c, transport, job_cfg.build_algorithm(prep.spec), heartbeats=True)
-
-        fed = LocalFederation(
-            cfg, out, opts, {"c0": opts}, reactor, lambda job_cfg: JobParts(job_cfg.build_algorithm(prep.spec)), cell
-        )
-        fed.cloud.on_end = None
+    with _served_federation(tmp_path) as served:
+        cfg, opts, fed, run = served.cfg, served.opts, served.fed, served.cfg.run.name
         cells: list[Any] = []  # the cell's connections, one a job and one between jobs
         connect = fed.cells["c0"].connect
         fed.cells["c0"].connect = lambda: cells.append(connect()) or cells[-1]
-        agents = {"bundle": federation_bundle(cfg).to_toml(), "broker": {"url": broker.url}}
-        data = {d: prep.device_data[d] for d in cfg.topology.devices()}
-        service = worker_service(agents, data, (prep.spec.input_shape, prep.spec.num_classes), [], [])
-        thread = threading.Thread(target=service.serve, name="agents", daemon=True)
-        op_loop = ThreadLoop("operator").start()
-        try:
-            fed.start()
-            thread.start()
-            job = fed.submit(job_text(cfg))
-            assert fed.wait(job, fed.check).state == "finished"
-            idle: Any = None
+        served.start()
+        job = fed.submit(job_text(cfg))
+        assert fed.wait(job, fed.check).state == "finished"
+        idle: Any = None
 
-            def reconnected() -> bool:  # the job's connection closed, the idle one open
-                nonlocal idle
-                idle = fed.cloud.transport
-                return idle is not None and not idle.closed and fed._cloud_subscribed()
+        def reconnected() -> bool:  # the job's connection closed, the idle one open
+            nonlocal idle
+            idle = fed.cloud.transport
+            return idle is not None and not idle.closed and fed._cloud_subscribed()
 
-            assert wait_until(reconnected, 30.0)
-            operator = opts.transport("operator", run, op_loop, persistent=False).connect()
+        assert wait_until(reconnected, 30.0)
+        operator = opts.transport("operator", run, served.op_loop, persistent=False).connect()
 
-            def resubmit() -> None:  # refused (a taken id): the cloud took what the operator sent before
-                again = post_request(operator, run, submit_record(JobRequest(job, job_text(cfg))), job, None, 5.0)
-                assert wait_until(lambda: bool(again), 10.0)
-                assert not open_job_record(again[0][1], again[0][0], "cloud", None)["accepted"]
+        def resubmit() -> None:  # refused (a taken id): the cloud took what the operator sent before
+            again = post_request(operator, run, submit_record(JobRequest(job, job_text(cfg))), job, None, 5.0)
+            assert wait_until(lambda: bool(again), 10.0)
+            assert not open_job_record(again[0][1], again[0][0], "cloud", None)["accepted"]
 
-            resubmit()
-            taken = idle.stats.messages_in
-            topic = topics.status(run, "cell.c0")  # a cell's heartbeat, while the cloud is idle
-            operator.publish(topic, encode_status("online", topic=topic, devices_online=2, devices_total=2))
-            resubmit()
-            assert idle.held == (0, 0), idle.held  # nothing held (a past job's statuses redelivered: dropped)
-            assert idle.stats.messages_in == taken + 1  # the submit: the heartbeat no longer reaches it
+        resubmit()
+        taken = idle.stats.messages_in
+        topic = topics.status(run, "cell.c0")  # a cell's heartbeat, while the cloud is idle
+        operator.publish(topic, encode_status("online", topic=topic, devices_online=2, devices_total=2))
+        resubmit()
+        assert idle.held == (0, 0), idle.held  # nothing held (a past job's statuses redelivered: dropped)
+        assert idle.stats.messages_in == taken + 1  # the submit: the heartbeat no longer reaches it
 
-            assert wait_until(lambda: len(cells) == 2 and not cells[1].closed, 10.0)  # the cell, idle: the same
-            control, device = topics.control(run), topics.device_status(run, "c0", "c0-d0")
+        assert wait_until(lambda: len(cells) == 2 and not cells[1].closed, 10.0)  # the cell, idle: the same
+        control, device = topics.control(run), topics.device_status(run, "c0", "c0-d0")
 
-            def heard(topic: str) -> int:
-                return cells[1].stats.by_topic.get(topic, [0, 0])[1]
+        def heard(topic: str) -> int:
+            return cells[1].stats.by_topic.get(topic, [0, 0])[1]
 
-            operator.publish(control, b"sync")
-            assert wait_until(lambda: heard(control) > 0, 10.0)
-            before, synced = heard(device), heard(control)
-            operator.publish(device, encode_status("online", topic=device, cell="c0", samples=10))
-            operator.publish(control, b"sync")
-            assert wait_until(lambda: heard(control) > synced, 10.0)  # what came before it came too
-            assert heard(device) == before, (before, heard(device))
-            assert cells[1].held == (0, 0), cells[1].held
-            operator.close()
-        finally:
-            service.stop()
-            thread.join(10)
-            fed.stop()
-            op_loop.stop()
-            reactor.close()
+        operator.publish(control, b"sync")
+        assert wait_until(lambda: heard(control) > 0, 10.0)
+        before, synced = heard(device), heard(control)
+        operator.publish(device, encode_status("online", topic=device, cell="c0", samples=10))
+        operator.publish(control, b"sync")
+        assert wait_until(lambda: heard(control) > synced, 10.0)  # what came before it came too
+        assert heard(device) == before, (before, heard(device))
+        assert cells[1].held == (0, 0), cells[1].held
+        operator.close()
