@@ -538,6 +538,19 @@ def test_a_fedalign_priority_devices_loss_at_the_edge_of_the_float_range_fails_n
     assert numbers and all(math.isfinite(v) for v in numbers)
 
 
+def _c0_also_names(sim: SimHierarchy, extra: list[str]) -> None:
+    """Cell c0 (its own key) reports its devices and ``extra`` as answered, its weight one a name."""
+    role = sim.cells["c0"].role
+    honest = role.report
+
+    def lying() -> Payload:
+        r = honest()
+        answered = [*r.meta["answered"], *extra]
+        return Payload({**r.meta, "answered": answered, "weight": len(answered)}, r.tensors)
+
+    role.report = lying
+
+
 def test_a_decomfl_cell_cannot_count_devices_it_does_not_have(tmp_path: Path) -> None:
     """DeComFL (uniform weighting, its default) weighs a cell by the devices it says answered. c0 (its own key)
     listing 717 made-up ids beside its 3 devices claimed 720 (within its sample bound) against c1's 3, took
@@ -549,15 +562,7 @@ def test_a_decomfl_cell_cannot_count_devices_it_does_not_have(tmp_path: Path) ->
         algorithm={"name": "decomfl", "local_steps": 1, "perturbations": 2, "lr": 0.02, "edge_rounds": 1},
     )
     sim = SimHierarchy(cfg)
-    role = sim.cells["c0"].role
-    honest = role.report
-
-    def ghosts() -> Payload:
-        r = honest()
-        answered = r.meta["answered"] + [f"ghost{i}" for i in range(717)]
-        return Payload({**r.meta, "answered": answered, "weight": len(answered)}, r.tensors)
-
-    role.report = ghosts
+    _c0_also_names(sim, [f"ghost{i}" for i in range(717)])
     result = sim.run()
     refused = [x for r in result.history for x in r["rejected"]]
     assert len(refused) == 2 and all("answered names 'ghost0', not a device of cell c0" in x["reason"] for x in refused)
@@ -580,15 +585,7 @@ def test_a_decomfl_cell_naming_another_cells_device_is_refused_without_a_weight_
     sim = SimHierarchy(cfg)
     sim.cloud.cell_bounds = config_cell_bounds(cfg)  # what build_cloud takes without a launcher's bounds
     assert not sim.cloud.cell_bounds  # no weight bound known
-    role = sim.cells["c0"].role
-    honest = role.report
-
-    def foreign() -> Payload:
-        r = honest()
-        answered = [*r.meta["answered"], "c1-d0"]
-        return Payload({**r.meta, "answered": answered, "weight": len(answered)}, r.tensors)
-
-    role.report = foreign
+    _c0_also_names(sim, ["c1-d0"])
     result = sim.run()
     refused = [x for r in result.history for x in r["rejected"]]
     assert len(refused) == 2 and all("answered names 'c1-d0', not a device of cell c0" in x["reason"] for x in refused)
