@@ -222,7 +222,11 @@ class CloudService:
         return True
 
     def _folder(self, job: str) -> Path:
-        return self.job_folder(job) if self.job_folder is not None else self.bundle.output_dir() / "jobs" / job
+        return (
+            self.job_folder(job)
+            if self.job_folder is not None
+            else self.bundle.output_dir() / runfiles.JOB_FOLDERS / job
+        )
 
     def _build(self, job: Job, current: CurrentJob, transport: Transport, resumed: bool) -> tuple[Any, Path, Any]:
         """The job's localized config, its run folder and its cloud server on ``transport``."""

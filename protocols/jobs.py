@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .capabilities import WIRE_VERSION
 from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config
 from .roster import Roster, RosterError, newer_roster, roster_topic
+from .runfiles import JOB_FOLDERS
 from .wire import topics
 from .wire.envelope import WireError
 from .wire.signed import open_record, seal_record
@@ -175,7 +176,7 @@ def check_wire(cfg: RunConfig) -> None:
 def localize(job_cfg: RunConfig, bundle: RunConfig, job: str) -> RunConfig:
     """The job's config as one node runs it: its bundle's broker, keys and monitoring, the job's own
     folder under the bundle's output folder (``{output}/jobs/{job}``), DP noise as deployments draw it."""
-    out = bundle.output_dir() / "jobs" / check_job_id(job)
+    out = bundle.output_dir() / JOB_FOLDERS / check_job_id(job)
     job_cfg, _ = deployment_config(job_cfg)  # DP noise from the OS unless the job sets an integer noise_seed
     return job_cfg.model_copy(
         update={
