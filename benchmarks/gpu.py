@@ -13,10 +13,11 @@ thread on the host, no run files written):
 Sides: ``bare-cpu``/``bare-cuda`` (a plain sequential PyTorch loop, data on the device),
 ``device-cpu``/``device-cuda`` (the per-device engine), ``cohort-cpu``, ``cohort-cuda`` (cohort_size
 64), ``cohort-cuda-1000`` (cohort_size 1000), ``cohort-auto`` (``runtime.device = "auto"``: the
-engine's own choice, logged), and ``cohort-cpu-w2``, ``cohort-cuda-w4``, ``cohort-cuda-w8`` (cohort_size 64 in
-``runtime.sim_workers`` = 2/4/8 worker processes: each trains its share of a round's devices as cohorts on its
-own engine, the devices' task decoding and result encoding with it; the cells and the cloud stay in the main
-process). A CUDA side is skipped (and said so) where torch sees no GPU.
+engine's own choice, logged), and ``cohort-cpu-w2``, ``cohort-cuda-w4``, ``cohort-cuda-w8``,
+``cohort-cuda-w12`` (cohort_size 64 in ``runtime.sim_workers`` = 2/4/8/12 worker
+processes: each trains its share of a round's devices as cohorts on its own engine, the devices' task
+decoding and result encoding with it; the cells and the cloud stay in the main process).
+A CUDA side is skipped (and said so) where torch sees no GPU.
 Each workload's first ``--warmup`` rounds are not timed; rounds/s and device-steps/s count the timed
 rounds' own wall time (the sum of their durations); ``cpu s/rd`` is the main process's CPU time a
 timed round (the steadier figure on a busy machine; for a CUDA side, the host's share), ``tree cpu`` that of the
@@ -98,6 +99,7 @@ WORKLOADS: dict[str, dict] = {
             "cohort-cuda-1000",
             "cohort-cuda-w4",
             "cohort-cuda-w8",
+            "cohort-cuda-w12",
             "cohort-auto",
         ],
     },
@@ -114,6 +116,7 @@ SIDES = [
     "cohort-cpu-w2",
     "cohort-cuda-w4",
     "cohort-cuda-w8",
+    "cohort-cuda-w12",
 ]
 # the targets (issue #33): (workload, numerator side, denominator side)
 RATIOS = [
@@ -123,6 +126,7 @@ RATIOS = [
     ("large", "cohort-auto", "device-cpu"),
     ("large", "cohort-cuda-w4", "device-cpu"),
     ("large", "cohort-cuda-w8", "device-cpu"),
+    ("large", "cohort-cuda-w12", "device-cpu"),
     ("large", "cohort-cuda-w8", "cohort-cuda"),
     ("large", "cohort-cpu-w2", "cohort-cpu"),
     ("standard", "cohort-cuda", "bare-cpu"),

@@ -65,11 +65,11 @@ bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py'
     "${@:5}" 2>&1 | tee -a "$OUT/gpu.log" || status=1
 }
 # large first: the headline target (cohort on CUDA vs the per-device engine on one CPU core), then the cohort
-# engine in 4 and 8 sim worker processes sharing the GPU (the devices' host side spread over cores; the main
+# engine in 4, 8 and 12 sim worker processes sharing the GPU (the devices' host side spread over cores; the main
 # process keeps the cells' and the cloud's: its "cpu s/rd" is the critical path); cohort_size 1000 is left
-# out (slower than 64 on an H200 before). Worst case of the whole script ~8.5 minutes (every timeout spent),
+# out (slower than 64 on an H200 before). Worst case of the whole script ~9 minutes (every timeout spent),
 # ~5 expected
-bench large device-cpu,cohort-cuda,cohort-cuda-w4,cohort-cuda-w8,cohort-auto 170 90 "${large[@]}"
+bench large device-cpu,cohort-cuda,cohort-cuda-w4,cohort-cuda-w8,cohort-cuda-w12,cohort-auto 195 90 "${large[@]}"
 bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 75 50 "${standard[@]}"
 bench small cohort-cpu,cohort-cuda,cohort-auto 60 35 "${small[@]}"
 # DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5): one run alone (lr 1e-3), then its
