@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.answers import sender_refusal
@@ -22,6 +26,7 @@ from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 
+from .async_recovery import AsyncJournal, Resumed
 from .parts import EdgeRound, RoundTally
 from .server import CellServer
 
@@ -29,10 +34,20 @@ log = logging.getLogger("fedtier.cell")
 
 
 class AsyncCellServer(CellServer):
-    """One cell's edge server in asynchronous mode (membership, liveness and records as :class:`CellServer`)."""
+    """One cell's edge server in asynchronous mode (membership, liveness and records as :class:`CellServer`).
+    ``journal_path``: where it keeps its cloud model and last push crash-consistently
+    (``cell_server.async_recovery``); with ``resume`` it continues from there."""
 
     def __init__(
-        self, transport: Transport, *, role: FedBuffCell, push_every: int = 1, push_seconds: float = 0.0, **kwargs: Any
+        self,
+        transport: Transport,
+        *,
+        role: FedBuffCell,
+        push_every: int = 1,
+        push_seconds: float = 0.0,
+        journal_path: str | Path | None = None,
+        resume: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(transport, role=role, **kwargs)  # type: ignore[arg-type]
         self.fb = role
@@ -40,7 +55,16 @@ class AsyncCellServer(CellServer):
         self.outstanding: dict[str, tuple[int, int]] = {}  # device -> (model version, task number) it works on
         self.task_no = {d: 0 for d in self.devices}
         self._push_timer: TimerHandle | None = None
+        self.push_journal = AsyncJournal(journal_path) if journal_path is not None else None
+        self._resumed = self.push_journal.load(resume) if self.push_journal is not None else None
         self._window()
+
+    def start(self) -> None:
+        """Start the node, then continue from the journal, if any (:meth:`_resume`)."""
+        super().start()
+        if self._resumed is not None:
+            self._resume(self._resumed)
+            self._resumed = None
 
     def _window(self) -> None:
         """Start counting what the next aggregation record reports."""
@@ -50,6 +74,23 @@ class AsyncCellServer(CellServer):
     def stop(self) -> None:
         self.loop.cancel(self._push_timer)
         super().stop()
+        if self.push_journal is not None:
+            self.push_journal.close()
+
+    def _resume(self, r: Resumed) -> None:
+        """Adopt the journaled cloud model, number the cell's versions past every one a device task carried,
+        send the last push again (a cloud that sent this cell a newer model since sends it again), and work."""
+        self.fb.adopt(r.global_version, r.model)
+        self.fb.version = r.version + 1
+        log.warning(
+            "cell %s: resumed at cloud model %d%s",
+            self.cell,
+            r.global_version,
+            ", sending its last push again" if r.push is not None else "",
+        )
+        self._adopted(r.global_version, r.session, r.model, first=True)
+        if r.push is not None:
+            self.transport.publish(topics.cell_report(self.run, self.cell), r.push, qos=1)
 
     # ----------------------------------------------------------------- cloud model
     def _on_cell_task(self, topic: str, data: bytes) -> None:
@@ -64,8 +105,14 @@ class AsyncCellServer(CellServer):
                 topic, kind_of(exc, RejectKind.SHAPE), f"cloud model refused: {exc}", msg.header.sender
             )
             return
-        self.round = msg.header.round
-        self.messenger.session = msg.header.session  # device tasks and pushes belong to it (signed runs check)
+        self._adopted(msg.header.round, msg.header.session, msg.payload.tensors, first)
+
+    def _adopted(self, version: int, session: str | None, model: Mapping[str, np.ndarray], first: bool) -> None:
+        """Cloud model ``version`` of ``session`` adopted: journal it; the first one sets the devices working."""
+        self.round = version
+        self.messenger.session = session  # device tasks and pushes belong to it (signed runs check)
+        if self.push_journal is not None:
+            self.push_journal.adopted(version, session, model, self.fb.version)
         if first:
             self.tally = RoundTally()
             if self.push_seconds > 0:
@@ -152,6 +199,8 @@ class AsyncCellServer(CellServer):
     # ----------------------------------------------------------------- aggregation and pushes
     def _flush(self) -> None:
         out = self.fb.aggregate()
+        if self.push_journal is not None:  # before a task carries the new version
+            self.push_journal.updated(self.fb.version)
         metrics, answered = dict(out.metrics), list(out.senders)
         self.tally.traffic["cell_to_device"] += self.edge.bytes_out
         self.tally.traffic["device_to_cell"] += self.edge.bytes_in
@@ -192,9 +241,11 @@ class AsyncCellServer(CellServer):
         report = self.fb.report()
         report.meta["traffic"] = dict(self.tally.traffic)
         self.tally = RoundTally()
-        self.messenger.send(
-            topics.cell_report(self.run, self.cell), "cell_report", report, round=self.fb.global_version, cell=self.cell
-        )
+        topic = topics.cell_report(self.run, self.cell)
+        message = self.messenger.frame("cell_report", report, round=self.fb.global_version, cell=self.cell, topic=topic)
+        if self.push_journal is not None:  # journaled before it leaves: a resumed cell sends it again
+            self.push_journal.pushed(message, self.fb.version)
+        self.transport.publish(topic, message, qos=1)
 
     def _on_push_timer(self) -> None:
         if self.fb.updates > 0:

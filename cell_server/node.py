@@ -48,7 +48,7 @@ def build_cell(
         raise ValueError(f"cell {cell!r} is not in the topology (cells: {', '.join(cfg.topology.cell_ids())})")
     trust = node_trust(cfg, cell)  # [security] keys: sign, and require the cloud's and the devices' signatures
     server, extra = _server_kind(cfg, cell, algorithm, resume)
-    if journal and output_dir is not None and server is CellServer and cfg.secagg_settings() is None:
+    if journal and output_dir is not None and cfg.secagg_settings() is None:
         extra["journal_path"] = output_dir / runfiles.CELL_JOURNAL.format(cell=cell)
     return server(
         transport,
@@ -84,19 +84,18 @@ def _server_kind(
     """The server class of ``algorithm`` and its role arguments: FedBuff (keep devices busy, push every M
     updates or T seconds) or rounds."""
     train = cfg.train
-    if Trait.ASYNC in algorithm.stack_traits():
-        assert isinstance(train, AsyncParams)  # the asynchronous layer is AsyncParams
-        if resume:
-            raise ConfigError('--resume: algorithm.mode = "async" cells do not resume yet; start them afresh')
-        role = FedBuffCell(train, cell)
-        return AsyncCellServer, {
-            "role": role,
-            "push_every": train.async_push_every,
-            "push_seconds": train.async_push_seconds,
-        }
     if resume and cfg.secagg_settings() is not None:
         raise ConfigError(
             "--resume: a cell under secure aggregation does not resume its round (the masks' "
             "key shares are not journaled); start it afresh"
         )
+    if Trait.ASYNC in algorithm.stack_traits():
+        assert isinstance(train, AsyncParams)  # the asynchronous layer is AsyncParams
+        role = FedBuffCell(train, cell)
+        return AsyncCellServer, {
+            "role": role,
+            "push_every": train.async_push_every,
+            "push_seconds": train.async_push_seconds,
+            "resume": resume,
+        }
     return CellServer, {"role": algorithm.cell(cell), "resume": resume}

@@ -5,7 +5,9 @@ Cells push their progress whenever they have some; every ``async_cloud_buffer`` 
 new model version (one round record each, evaluated every ``eval_every`` versions) and sends it to the
 cells whose pushes it used. A push names the cloud version it derives from (``round`` in its header):
 a future version, or one staler than ``max_staleness``, is rejected and logged. ``run.rounds`` counts
-cloud versions.
+cloud versions. A cell that sends a push of before the last version it was sent again, and has pushed nothing
+from that version, came back from a crash and may have lost it: it is sent the current version, once a version
+(``RoundCounts.lost_task``, as the cloud of rounds does; ``cell_server.async_recovery``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.rejections import Rejected, RejectKind
 from protocols.transport.base import Transport
+from protocols.wire.messenger import Incoming
 
 from .revocation import refused_revoked
 from .server import CloudServer
@@ -28,6 +31,7 @@ class AsyncCloudServer(CloudServer):
         self.fb = fedbuff
         self._notify = list(self.cells)  # the cells the next model version goes to
         self._sent: dict[str, int] = {}  # cell -> the newest version sent to it
+        self._pushed_from: dict[str, int] = {}  # cell -> the version its last push taken derives from
 
     def _begin_round(self) -> None:
         """Send the current version to the cells that need it, and start counting the next record (once per
@@ -49,10 +53,13 @@ class AsyncCloudServer(CloudServer):
     def _on_report(self, topic: str, data: bytes) -> None:
         if refused_revoked(self.revoked, topic, self.messenger):
             return
-        msg = self.messenger.receive(topic, data, kinds=("cell_report",))
+        msg = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True)
         if msg is None or self.finished:
             return
         h, cell = msg.header, topic.split("/")[-2]
+        if msg.repeat:
+            self._repeated(cell, msg)
+            return
         try:
             if cell not in self.cells or h.sender != cell:
                 raise Rejected(RejectKind.WRONG_SENDER, f"push of {h.sender!r} on the topic of cell {cell!r}")
@@ -68,9 +75,22 @@ class AsyncCloudServer(CloudServer):
         if self.started and not self._in_round:
             self._begin_round()  # the last version goes out (and its record's counts start) before this push counts
         self.fb.offer(cell, h.round, msg.payload)
+        self._pushed_from[cell] = h.round
         self.counts.devices[cell] = self.counts.devices.get(cell, 0) + self._count(cell, msg)
         if self.fb.buffer.full:
             out = self.fb.aggregate()
             self._notify = sorted(set(out.senders))
             self._in_round = False
             self._record_round("buffer full", self._notify, [], out)
+
+    def _repeated(self, cell: str, msg: Incoming) -> None:
+        """A push handled before, again: a cell back from a crash that may have lost the last version it was sent
+        (:meth:`RoundCounts.lost_task`) is sent the current one."""
+        sent = self._sent.get(cell)
+        if not self._in_round or sent is None or cell not in self.cells:
+            return
+        awaited = {cell} if self._pushed_from.get(cell, -1) < sent else set()  # nothing pushed from it yet
+        if self.counts.lost_task(cell, msg.header, sent, awaited):
+            self.counts.tasks = {**self.counts.tasks, **self.role.plan(self.round, [cell])}
+            self._send_task(cell)
+            self._sent[cell] = self.round

@@ -44,13 +44,14 @@ class RoundCounts:
     resent: set[str] = field(default_factory=set)  # cells sent their task again (:meth:`lost_task`)
 
     def lost_task(self, cell: str, repeated: Header, rnd: int, pending: set[str]) -> bool:
-        """Whether to send ``cell``, still awaited in round ``rnd``, its task again: it sent (signed by itself) its
-        report of an earlier round again (``repeated``), as a cell restarted from a journal that ends with its report
-        does (``cell_server.recovery``). It may have died after taking this round's task (acknowledged to the broker,
-        which will not hand it again) and before journaling it; if it has the task, the copy is answered as a repeat.
-        Once a round: a cell that repeats itself gets no more."""
+        """Whether to send ``cell``, still awaited (in ``pending``) since it was sent its task of round ``rnd``,
+        that task again: it sent (signed by itself) its report of an earlier round again (``repeated``), as a
+        cell restarted from a journal that ends with its report does (``cell_server.recovery``,
+        ``cell_server.async_recovery``: a round is a cloud model version there). It may have died after taking
+        the task (acknowledged to the broker, which will not hand it again) and before journaling it; if it has
+        the task, the copy is answered as a repeat. Once a round: a cell that repeats itself gets no more."""
         h = repeated
-        if h.sender != cell or h.round >= rnd or cell not in pending or cell in self.resent or cell not in self.tasks:
+        if h.sender != cell or h.round >= rnd or cell not in pending or cell in self.resent:
             return False
         log.warning(
             "cloud: %s came back after round %d (its report again): round %d's task sent again", cell, h.round, rnd

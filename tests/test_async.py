@@ -170,3 +170,63 @@ def test_the_summary_states_the_device_bytes_no_round_record_counts(tmp_path):
     # a resumed run: device_traffic counts this command, cumulative_bytes the whole run; the earlier rounds cancel out
     resumed = run_simulation(small_config(tmp_path / "sync", run={"rounds": 3}), resume=True).summary()
     assert "unrecorded_device_bytes" not in resumed and resumed["resumed_after_round"] == 1
+
+
+def test_an_async_cell_restarted_after_losing_a_cloud_version_is_sent_the_current_one(tmp_path):
+    """In memory, with the virtual clock: c0 dies on taking cloud version 4 (acknowledged to the broker: nothing of
+    it is journaled) and comes back 3 s later with --resume: it adopts its journaled cloud model (3) and sends
+    its last push again. That repeat tells the cloud, which sent c0 version 4 and has had nothing from it since,
+    that c0 may have lost it: it sends c0 the current version at once, so c0's pushes count again. Before,
+    an async cell could not resume, and one restarted afresh was never sent a model again (its devices also
+    refused its tasks, numbered from 0 again, as replays); without the cloud's resend, c0's pushes from version
+    3 were 7 versions old by then (max_staleness 4): refused for ever."""
+    from cell_server.node import build_cell
+    from sim.launcher import device_samples
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 12},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1, "max_staleness": 4},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+
+    def journaled_c0(resume: bool):
+        devices = sim.cfg.topology.device_ids("c0")
+        return build_cell(
+            sim.cfg,
+            "c0",
+            sim.hub.connect("cell.c0"),
+            sim.algorithm,
+            output_dir=sim.output_dir,
+            assume_online=True,
+            journal=True,
+            resume=resume,
+            samples=device_samples(sim.prep.device_data, devices),
+        )
+
+    first = sim.cells["c0"] = journaled_c0(resume=False)
+    take, back = first._on_cell_task, []
+
+    def restart() -> None:
+        back.append(sim.hub.loop.now())
+        sim.cells["c0"] = again = journaled_c0(resume=True)
+        again.start()
+
+    def on_cell_task(topic: str, data: bytes) -> None:
+        if first.fb.global_version < 3 or back:
+            return take(topic, data)
+        first.transport.crash()  # taken, and dead before anything of it was journaled
+        first.stop()
+        back.append(None)
+        sim.hub.loop.call_later(3.0, restart)
+
+    first._on_cell_task = on_cell_task  # type: ignore[method-assign]
+    result = sim.run()
+    assert back[0] is None and back[1] is not None, back
+    resumed = sim.cells["c0"]
+    assert resumed is not first and resumed.fb.global_version > 4  # it was sent a version after its restart
+    later = [h for h in result.history if h["clock_s"] > back[1]]
+    assert any("c0" in h["cells_reported"] for h in later), [(h["clock_s"], h["cells_reported"]) for h in later]
+    refused = [x for r in result.cell_records for x in r["rejected"] if x["device"] == "cloud"]
+    assert not refused, refused  # the cell never refused a model (a resend it had: 'already at')
