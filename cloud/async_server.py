@@ -19,6 +19,7 @@ from protocols.rejections import Rejected, RejectKind
 from protocols.transport.base import Transport
 from protocols.wire.messenger import Incoming
 
+from .parts import resend_on_repeat
 from .revocation import refused_revoked
 from .server import CloudServer
 
@@ -85,12 +86,12 @@ class AsyncCloudServer(CloudServer):
 
     def _repeated(self, cell: str, msg: Incoming) -> None:
         """A push handled before, again: a cell back from a crash that may have lost the last version it was sent
-        (:meth:`RoundCounts.lost_task`) is sent the current one."""
-        sent = self._sent.get(cell)
-        if not self._in_round or sent is None or cell not in self.cells:
-            return
+        is sent the current one (:func:`cloud.parts.resend_on_repeat`, as the cloud of rounds)."""
+        if self.started and not self._in_round:
+            self._begin_round()  # the last version goes out (and its record's counts start) first, as for a push
+        sent = self._sent.get(cell, -1)
         awaited = {cell} if self._pushed_from.get(cell, -1) < sent else set()  # nothing pushed from it yet
-        if self.counts.lost_task(cell, msg.header, sent, awaited):
+        if resend_on_repeat(self.counts, self.messenger, msg, sent, awaited):
             self.counts.tasks = {**self.counts.tasks, **self.role.plan(self.round, [cell])}
             self._send_task(cell)
             self._sent[cell] = self.round

@@ -18,7 +18,7 @@ from protocols.numbers import declared_count
 from protocols.records import TIERS
 from protocols.rejections import Rejected, RejectKind
 from protocols.wire.envelope import Header
-from protocols.wire.messenger import Incoming
+from protocols.wire.messenger import Incoming, Messenger
 from protocols.wire.payload import Payload
 
 log = logging.getLogger("fedtier.cloud")
@@ -41,7 +41,7 @@ class RoundCounts:
     late: int = 0  # devices tasked that answered no edge round in time, over the cells
     cells_failed: dict[str, str] = field(default_factory=dict)  # cell -> why it failed (fail_on_cell_failure off)
     tasks: Mapping[str, Payload] = field(default_factory=dict)  # cell -> its task of the round (the role's plan)
-    resent: set[str] = field(default_factory=set)  # cells sent their task again (:meth:`lost_task`)
+    repeated: set[str] = field(default_factory=set)  # cells that sent a report again (:meth:`lost_task`)
 
     def lost_task(self, cell: str, repeated: Header, rnd: int, pending: set[str]) -> bool:
         """Whether to send ``cell``, still awaited (in ``pending``) since it was sent its task of round ``rnd``,
@@ -49,14 +49,22 @@ class RoundCounts:
         cell restarted from a journal that ends with its report does (``cell_server.recovery``,
         ``cell_server.async_recovery``: a round is a cloud model version there). It may have died after taking
         the task (acknowledged to the broker, which will not hand it again) and before journaling it; if it has
-        the task, the copy is answered as a repeat. Once a round: a cell that repeats itself gets no more."""
+        the task, the copy is answered as a repeat. A cell's first repeat in a round is let be (a restart, a
+        redelivery: at most one task again); a later one is refused (:class:`Rejected`, ``REPLAY``): a cell
+        that repeats itself gets no more tasks and changes no aggregate, and its repeats are on the record."""
         h = repeated
-        if h.sender != cell or h.round >= rnd or cell not in pending or cell in self.resent:
+        if cell in self.repeated:
+            raise Rejected(
+                RejectKind.REPLAY,
+                f"report of round {h.round} from {cell} again, in round {rnd}: one repeat a round is let be",
+            )
+        self.repeated.add(cell)
+        if h.sender != cell or h.round >= rnd or cell not in pending:
+            log.info("cloud: report of round %d from %s again (a restart, a redelivery): dropped", h.round, cell)
             return False
         log.warning(
             "cloud: %s came back after round %d (its report again): round %d's task sent again", cell, h.round, rnd
         )
-        self.resent.add(cell)
         return True
 
     def count(self, cell: str, nbytes: int, meta: dict[str, Any]) -> int:
@@ -123,6 +131,17 @@ class CellPresence:
             return False
         log.info("cloud: round %d plans %s, offline for %.1f s: its session keeps the task", rnd, cell, away)
         return True
+
+
+def resend_on_repeat(counts: RoundCounts, messenger: Messenger, msg: Incoming, rnd: int, pending: set[str]) -> bool:
+    """``msg``, a report handled before, came again: whether to send its cell its task again
+    (:meth:`RoundCounts.lost_task`); a refused repeat is logged and recorded with its kind."""
+    cell = msg.topic.split("/")[-2]
+    try:
+        return counts.lost_task(cell, msg.header, rnd, pending)
+    except Rejected as exc:
+        messenger.reject(msg.topic, exc.kind, str(exc), cell)
+        return False
 
 
 def report_refusal(

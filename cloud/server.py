@@ -28,7 +28,7 @@ from protocols.wire.payload import Payload
 
 from .cell_records import collector
 from .checkpoint import CloudCheckpoint, Saved, repair_records
-from .parts import CellPresence, RoundCounts, report_refusal
+from .parts import CellPresence, RoundCounts, report_refusal, resend_on_repeat
 from .revocation import leave_round, refused_revoked, too_few_cells
 from .round_record import divergence, end_figures, round_record, stall
 from .telemetry import CloudTelemetry
@@ -310,9 +310,13 @@ class CloudServer:
         if refused_revoked(self.revoked, topic, self.messenger):
             return
         msg = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True)
-        if msg is None or (msg.repeat and not self._in_round):  # a repeat between rounds tells nothing
+        if msg is None:
             return
         cell = topic.split("/")[-2]
+        if msg.repeat:  # handled before: a restarted cell that may lack its task (or a repeat, refused)
+            if resend_on_repeat(self.counts, self.messenger, msg, self.round, self._awaited()):
+                self._send_task(cell)
+            return
         if not self._in_round and not self.finished and msg.header.round == self.round and cell in self.cells:
             # a resumed cloud: what cells reported while it was down (their sessions kept it) comes before
             # it re-opens the round; the same message again would be a duplicate, so it is kept (one per cell)
@@ -323,10 +327,6 @@ class CloudServer:
 
     def _take_report(self, topic: str, msg: Incoming) -> None:
         h, cell = msg.header, topic.split("/")[-2]
-        if msg.repeat:  # handled when it first came; an earlier round's again: the cell restarted, may lack its task
-            if self.counts.lost_task(cell, h, self.round, self.answers.pending):
-                self._send_task(cell)
-            return
         taken = len(self.answers.received)
         refused = self._bad_report(cell, msg)
         failure = failed_reason(msg.payload)
@@ -352,6 +352,10 @@ class CloudServer:
             self._close(self.round, "all reported")
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self._state("waiting", self.answers.pending, since=self.counts.since, deadline_s=self.cell_deadline)
+
+    def _awaited(self) -> set[str]:
+        """The cells the open round still waits for (none between rounds)."""
+        return self.answers.pending if self._in_round else set()
 
     def _bad_report(self, cell: str, msg: Incoming) -> Rejected | None:
         """Runtime checks before the role sees a report (:func:`cloud.parts.report_refusal`)."""

@@ -7,11 +7,15 @@ the clean run's where nothing else changed."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from cloud import async_server
+from cloud.parts import resend_on_repeat
 from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedalign import FedAlignCloud
 from protocols.config import parse_config
@@ -622,6 +626,114 @@ def test_a_fedbuff_cell_cannot_claim_a_fresher_base_than_the_cloud_sent_it(tmp_p
     refused = [x for r in result.history for x in r["rejected"]]
     assert lies and len(result.history) == 8
     assert refused and all(x["from"] == "c0" and "which was never sent to it" in x["reason"] for x in refused)
+
+
+# ------------------------------------------------------------------------------ a cell repeating its own reports
+def repeating_c0(sim: SimHierarchy) -> dict[str, Any]:
+    """c0, with its own key, repeats its genuine reports on purpose (an honest cell repeats its last one once,
+    restarted from its journal): whenever it gets the first task of a cloud round, every report it sent before,
+    newest first, three times over (it is still awaited), then c1's last report on c0's topic and its own last
+    on c1's (signed for another topic); after each report it sends, that report three times more. Returns what
+    it sent (``repeats``, ``forged``), the repeats the cloud got before the run ended, the tasks c0 got by round,
+    and every refusal the cloud logged."""
+    run, intruder = sim.cfg.run.name, sim.hub.connect("intruder")
+    seen: dict[str, list[bytes]] = {"c0": [], "c1": []}
+    out: dict[str, Any] = {"repeats": 0, "taken_repeats": 0, "forged": 0, "tasks": Counter(), "refused": []}
+    reject = sim.cloud.messenger.reject
+
+    def refused(topic, kind, reason, sender):
+        out["refused"].append((str(kind), sender, reason))
+        reject(topic, kind, reason, sender)
+
+    def publish(cell: str, data: bytes, times: int) -> None:
+        for _ in range(times):
+            intruder.publish(topics.cell_report(run, cell), data, qos=1)
+        out["repeats" if data in seen[cell] else "forged"] += times
+
+    def on_report(topic: str, data: bytes) -> None:
+        cell = topic.split("/")[-2]
+        if all(data not in sent for sent in seen.values()):  # a report as its cell sent it (not a copy)
+            seen[cell].append(data)
+            if cell == "c0":
+                publish("c0", data, 3)
+
+    def on_task(topic: str, data: bytes) -> None:
+        rnd = decode_message(data)[0].round
+        out["tasks"][rnd] += 1
+        if out["tasks"][rnd] > 1 or not seen["c0"]:
+            return
+        for old in [*reversed(seen["c0"])] * 3:  # reordered, older rounds, many times
+            publish("c0", old, 1)
+        if seen["c1"]:
+            publish("c0", seen["c1"][-1], 1)  # another cell's signature on c0's topic
+        publish("c1", seen["c0"][-1], 1)  # c0's own on c1's topic
+
+    receive = sim.cloud.messenger.receive
+
+    def received(*args, **kw):
+        msg = receive(*args, **kw)
+        out["taken_repeats"] += msg is not None and msg.repeat
+        return msg
+
+    sim.cloud.messenger.reject = refused  # type: ignore[method-assign]
+    sim.cloud.messenger.receive = received  # type: ignore[method-assign]
+    spy = sim.hub.connect("spy")
+    spy.subscribe(topics.cell_reports(run), on_report)
+    spy.subscribe(topics.cell_task(run, "c0"), on_task)
+    return out
+
+
+def test_a_cell_repeating_its_reports_on_purpose_gets_one_task_again_a_round_and_changes_no_model(
+    tmp_path: Path,
+) -> None:
+    """Signed, 4 rounds: c0 repeats its earlier reports (older rounds, reordered, three times each, before it
+    answers) and each report it sends (three times more), and sends reports signed for another topic. The
+    cloud sends c0 its task again once a round at most (its first repeat of an earlier round while awaited);
+    every later repeat is refused as ``replay`` and on the record, the reports signed for another topic as
+    ``signature``; the model is the honest run's, byte for byte."""
+    config = {"run": {"rounds": 4}, "security": {"keys": str(tmp_path / "keys.toml")}}
+    honest = run_simulation(small_config(tmp_path / "honest", **config))
+    sim = SimHierarchy(small_config(tmp_path / "repeats", **config))
+    attack = repeating_c0(sim)
+    result = sim.run()
+    assert same(result.params, honest.params)
+    assert [h["cells_reported"] for h in result.history] == [["c0", "c1"]] * 4
+    assert attack["tasks"] == {0: 1, 1: 2, 2: 2, 3: 2}, attack["tasks"]  # one resend a round, no more
+    replays = [x for x in attack["refused"] if x[0] == "replay"]
+    assert all(sender == "c0" for _, sender, _ in replays)
+    assert attack["taken_repeats"] >= attack["repeats"] - 3  # the last report's three came after the end
+    assert len(replays) == attack["taken_repeats"] - 4  # one repeat a round is let be (the resend, or dropped)
+    assert len([x for x in attack["refused"] if x[0] == "signature"]) == attack["forged"] > 0
+    recorded = [x for h in result.history for x in h["rejected"] if x["kind"] == "replay"]
+    assert recorded and all(x["from"] == "c0" for x in recorded)
+
+
+def test_an_async_cell_repeating_its_pushes_on_purpose_gets_one_version_again_a_version_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same attack on the asynchronous cloud (signed, 8 versions). A repeat of an older push while c0 has pushed
+    nothing from the last version it was sent is a restarted cell's sign: the cloud sends c0 the current version,
+    once a version (a fresher base, honestly weighed by its staleness; so not the honest run's model byte for byte),
+    and every further repeat is refused as ``replay``, on the record."""
+    algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1}
+    config = {"run": {"rounds": 8}, "algorithm": algorithm, "security": {"keys": str(tmp_path / "keys.toml")}}
+    sim = SimHierarchy(small_config(tmp_path / "repeats", **config))
+    attack, resends = repeating_c0(sim), Counter()
+
+    def counted(counts, messenger, msg, rnd, pending) -> bool:
+        again = resend_on_repeat(counts, messenger, msg, rnd, pending)
+        resends[sim.cloud.round] += again
+        return again
+
+    monkeypatch.setattr(async_server, "resend_on_repeat", counted)
+    result = sim.run()
+    assert len(result.history) == 8 and all(np.isfinite(v).all() for v in result.params.values())
+    assert sum(resends.values()) > 0 and max(resends.values()) == 1, resends  # once a version at most
+    replays = [x for x in attack["refused"] if x[0] == "replay"]
+    assert all(sender == "c0" for _, sender, _ in replays)
+    assert len(replays) >= attack["taken_repeats"] - (len(result.history) + 1) > 0  # one let be a version
+    recorded = [x for h in result.history for x in h["rejected"] if x["kind"] == "replay"]
+    assert recorded and all(x["from"] == "c0" for x in recorded)
 
 
 # ------------------------------------------------------------------------------ a device's masked input (SecAgg+)
