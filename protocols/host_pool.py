@@ -14,6 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 MAX_THREADS = 8  # more gain little: a pass is bound by memory bandwidth
 MIN_SLICE = 1 << 14  # elements: a smaller slice costs more in hand-off than its share of the pass saves
+# element-operations below which a pass stays in the calling thread: waking threads costs more than a few
+# milliseconds of work saves (the small and standard workloads' weighted means, 5-10 results of 50k-200k
+# values, ran slower in threads on a busy 2-core machine)
+MIN_WORK = 1 << 22
 
 _threads = max(1, min(MAX_THREADS, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
@@ -37,28 +41,29 @@ def set_threads(n: int) -> None:
             _pool = None
 
 
-def bounds(n: int) -> list[tuple[int, int]]:
-    """``[0, n)`` cut into at most :func:`threads` slices of at least :data:`MIN_SLICE` elements."""
-    parts = max(1, min(_threads, n // MIN_SLICE))
+def bounds(n: int, work: int = 0) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into at most :func:`threads` slices of at least :data:`MIN_SLICE` elements; one slice
+    when the pass's ``work`` (its element-operations, default ``n``) is under :data:`MIN_WORK`."""
+    parts = max(1, min(_threads, n // MIN_SLICE)) if max(work, n) >= MIN_WORK else 1
     cuts = [n * i // parts for i in range(parts + 1)]
     return list(zip(cuts, cuts[1:]))
 
 
-def run_sliced(n: int, work: Callable[[int, int], None]) -> None:
-    """Call ``work(lo, hi)`` on each slice of ``[0, n)`` (:func:`bounds`), side by side; returns when all
-    are done, raising the first slice's error if any failed."""
+def run_sliced(n: int, fn: Callable[[int, int], None], work: int = 0) -> None:
+    """Call ``fn(lo, hi)`` on each slice of ``[0, n)`` (:func:`bounds` of ``n`` and ``work``), side by side;
+    returns when all are done, raising the first slice's error if any failed."""
     global _pool
-    slices = bounds(n)
+    slices = bounds(n, work)
     if len(slices) == 1:
-        work(0, n)
+        fn(0, n)
         return
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(_threads - 1, thread_name_prefix="host-pass")
         pool = _pool
-    futures = [pool.submit(work, lo, hi) for lo, hi in slices[1:]]
+    futures = [pool.submit(fn, lo, hi) for lo, hi in slices[1:]]
     try:
-        work(*slices[0])
+        fn(*slices[0])
     finally:
         for f in futures:
             f.result()

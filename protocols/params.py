@@ -58,7 +58,8 @@ def _weighted_mean_of(terms: list[tuple[float, np.ndarray]], total: float) -> np
     """``sum(w * v) / total`` of one tensor's terms: float64 products summed in order, then float32."""
     shape = np.shape(terms[0][1])
     n = int(np.prod(shape))
-    if len(host_pool.bounds(n)) == 1 or any(np.shape(v) != shape for _, v in terms):
+    work = n * len(terms)
+    if len(host_pool.bounds(n, work)) == 1 or any(np.shape(v) != shape for _, v in terms):
         acc = terms[0][1].astype(np.float64) * terms[0][0]
         for w, v in terms[1:]:
             acc += v.astype(np.float64) * w
@@ -77,7 +78,7 @@ def _weighted_mean_of(terms: list[tuple[float, np.ndarray]], total: float) -> np
         np.divide(dst, total, out=dst)
         out[lo:hi] = dst
 
-    host_pool.run_sliced(n, part)
+    host_pool.run_sliced(n, part, work)
     return out.reshape(shape)
 
 

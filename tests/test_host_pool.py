@@ -32,8 +32,9 @@ def threads():
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3, 8])
-def test_a_weighted_mean_in_slices_is_bit_identical_to_one_threads(threads, n_threads):
+def test_a_weighted_mean_in_slices_is_bit_identical_to_one_threads(threads, n_threads, monkeypatch):
     threads(n_threads)
+    monkeypatch.setattr(host_pool, "MIN_WORK", 1)  # this small test's passes cut into slices too
     rng = np.random.default_rng(n_threads)
     shapes = {"w1": (784, 61), "b1": (61,), "w2": (3, 5, 4099), "one": ()}
     items = []
@@ -56,7 +57,8 @@ def test_a_weighted_mean_in_slices_is_bit_identical_to_one_threads(threads, n_th
     for k in want:
         assert got[k].dtype == np.float32 and got[k].shape == want[k].shape
         assert got[k].tobytes() == want[k].tobytes(), k
-    assert len(host_pool.bounds(784 * 61)) == min(n_threads, 784 * 61 // host_pool.MIN_SLICE)
+    sliced = host_pool.bounds(784 * 61, 784 * 61 * len(items))
+    assert len(sliced) == min(n_threads, 784 * 61 // host_pool.MIN_SLICE)
 
 
 def test_a_slice_that_fails_fails_the_whole_pass(threads):
@@ -69,8 +71,14 @@ def test_a_slice_that_fails_fails_the_whole_pass(threads):
             raise RuntimeError("slice failed")
 
     with pytest.raises(RuntimeError, match="slice failed"):
-        host_pool.run_sliced(4 * host_pool.MIN_SLICE, work)
-    assert sorted(seen) == host_pool.bounds(4 * host_pool.MIN_SLICE) and len(seen) == 4
+        host_pool.run_sliced(4 * host_pool.MIN_SLICE, work, host_pool.MIN_WORK)
+    assert sorted(seen) == host_pool.bounds(4 * host_pool.MIN_SLICE, host_pool.MIN_WORK) and len(seen) == 4
+
+
+def test_a_small_pass_stays_in_the_calling_thread(threads):
+    threads(8)
+    assert host_pool.bounds(1 << 20, host_pool.MIN_WORK - 1) == [(0, 1 << 20)]
+    assert len(host_pool.bounds(1 << 20, host_pool.MIN_WORK)) == 8
 
 
 def test_threads_must_be_at_least_one():
