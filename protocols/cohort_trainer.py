@@ -41,7 +41,7 @@ from .cohort_kernels import (
 )
 from .models import build_model
 from .torch_trainer import as_tensor, pick_device, say, transform_state
-from .trainer import GradTransform, TrainStats
+from .trainer import PROGRESS, GradTransform, TrainStats
 
 GATHER_BYTES = 64 << 20  # input samples gathered at once per cohort sgd call (bounds memory)
 EVAL_CHUNK = 2048  # samples per device per forward pass in evaluate
@@ -223,6 +223,7 @@ class CohortEngine:
             def work(devices: Sequence[Request], compute=compute, model=model, size=size) -> None:
                 for i in range(0, len(devices), size):  # parts that fit, one after another
                     compute(model, devices[i : i + size])
+                    PROGRESS.tick()
 
             parts = min(self.threads, len(group)) if self.device.type == "cpu" else 1
             if parts <= 1:
@@ -453,6 +454,7 @@ def _run_steps(
     shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor
     leaves, d, s0 = list(params.values()), mask_t.shape[0], span.start
     for s in span:
+        PROGRESS.tick()
         a = active[s]  # devices 0..a-1 have a step s
         full = a == d
         ps = params if full else {k: v[:a] for k, v in params.items()}

@@ -87,6 +87,25 @@ def num_steps(n: int, batch_size: int, steps: int = 0, epochs: float = 0) -> int
     raise ValueError("either local_steps or local_epochs must be positive")
 
 
+class Progress:
+    """The training steps this process has run: each SGD step of a device (:func:`batches`) and each part of a
+    cohort engine's compute call. A watcher that sees the count stand still while the process owes results knows
+    it is stuck, not slow (``fedtier sim``'s workers beat with it, ``sim/device_worker.py``). One add a step; an
+    add two threads race on may be lost, which only delays a beat."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def tick(self) -> None:
+        self.steps += 1
+
+
+PROGRESS = Progress()
+"""This process's :class:`Progress`."""
+
+
 def batches(n: int, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
     """``steps`` index batches: consecutive slices of fresh permutations, one per epoch.
 
@@ -98,6 +117,7 @@ def batches(n: int, batch_size: int, steps: int, rng: np.random.Generator) -> It
     while produced < steps:
         perm = rng.permutation(n)
         for start in range(0, n, batch_size):
+            PROGRESS.tick()
             yield perm[start : start + batch_size]
             produced += 1
             if produced == steps:

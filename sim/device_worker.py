@@ -8,6 +8,7 @@ import functools
 import logging
 import signal
 import sys
+import threading
 import tomllib
 import traceback
 from collections.abc import Callable, Sequence
@@ -21,12 +22,13 @@ from protocols.execution import execution_plan
 from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.safe_text import log_to_stderr
-from protocols.trainer import LocalData
+from protocols.trainer import PROGRESS, LocalData
 from protocols.wire.payload import Parts, Payload, decode_payload, payload_parts
 
 from .attack import attacked, byzantine_devices
 from .result_ring import RingWriter
 from .worker_frames import batch_items, frame, unframe
+from .worker_watch import check_period
 
 if TYPE_CHECKING:
     from .datasets import Dataset
@@ -87,6 +89,7 @@ class DeviceWorker:
         self.trainer_for = lambda d: onnx.get(d, torch_trainer)
         self.byzantine, self.attack = set(byzantine_devices(cfg)), cfg.attack  # [attack], as in the main process
         self.spec = spec
+        self.stall_s = cfg.runtime.worker_stall_s
         plan = execution_plan(cfg)
         self.runner = None  # the cohort engine: this worker's share of a round trains as cohorts
         if plan.cohort:
@@ -203,12 +206,30 @@ def process_main(
         results.send_bytes(frame({"fatal": traceback.format_exc()}))
         sys.exit(1)
     writer = _ring_writer(ring)
+    answers = Answers(results, writer)
+    answers.send_header({"ready": True})
+    stop = threading.Event()
+    threading.Thread(target=_beat, args=(answers, check_period(worker.stall_s), stop), daemon=True).start()
     try:
         with setup_frozen():  # this process lives for one run: its setup is not scanned by every full collection
-            _serve(worker, tasks, Answers(results, writer))
+            _serve(worker, tasks, answers)
     finally:
+        stop.set()
         if writer is not None:
             writer.close()
+
+
+def _beat(answers: Answers, period: float, stop: threading.Event) -> None:
+    """Every ``period``, a beat to the main process if this process's training moved meanwhile (a stuck training
+    sends none: the main process's ``sim/worker_watch.py`` then ends the run)."""
+    last = PROGRESS.steps
+    while not stop.wait(period):
+        if PROGRESS.steps != last:
+            last = PROGRESS.steps
+            try:
+                answers.send_header({"beat": True})
+            except OSError:  # the main process is gone
+                return
 
 
 def _ring_writer(ring: tuple[str, int, Any] | None) -> RingWriter | None:
@@ -228,14 +249,20 @@ class Answers:
 
     def __init__(self, conn: Any, ring: RingWriter | None) -> None:
         self.conn, self.ring = conn, ring
+        self._lock = threading.Lock()  # results and beats share the pipe
 
     def send(self, task_id: Any, parts: Parts, error: str) -> None:
         where = self.ring.put(parts) if self.ring is not None and parts else None
         header = {"id": task_id, "error": error, "checked": not error}
-        if where is not None:
-            self.conn.send_bytes(frame({**header, "ring": list(where)}))
-        else:
-            self.conn.send_bytes(frame(header, parts))
+        data = frame({**header, "ring": list(where)}) if where is not None else frame(header, parts)
+        with self._lock:
+            self.conn.send_bytes(data)
+
+    def send_header(self, header: dict[str, Any]) -> None:
+        """A frame of ``header`` alone (``ready``, ``beat``)."""
+        data = frame(header)
+        with self._lock:
+            self.conn.send_bytes(data)
 
 
 def _send_item(answers: Answers, ids: list[Any], i: int, parts: Parts, error: str) -> None:

@@ -12,7 +12,9 @@ Each submitted task is registered with :meth:`VirtualLoop.hold`: virtual time st
 completes, and completions run in submission order, so the run is the sequential one event for event
 where it matters (answers reach a cell in the same order, at the same virtual times) and the final
 model is byte-identical whatever the number of workers. A worker that dies ends the run with an
-error naming the device and the worker's last words; workers are always shut down (:meth:`close`).
+error naming the device and the worker's last words; one that hangs (owes results and sends nothing, not even a
+progress beat, for ``runtime.worker_stall_s``: ``sim/worker_watch.py``) is killed and ends the run the same way,
+naming it and its silence; workers are always shut down (:meth:`close`).
 The worker side is ``sim/device_worker.py``, the frames both sides exchange ``sim/worker_frames.py``; Ray's
 actors are ``sim/ray_actors.py``.
 """
@@ -41,6 +43,7 @@ from .device_worker import process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
 from .result_ring import RingReader, ring_bytes
 from .worker_frames import Batch, frame, unframe
+from .worker_watch import Watch
 
 if TYPE_CHECKING:
     from edge_agent.agent import Trainee
@@ -58,7 +61,7 @@ def worker_threads(cfg: RunConfig) -> int:
 
 
 class WorkerError(RuntimeError):
-    """A worker died or could not start; the run cannot go on."""
+    """A worker died, hung or could not start; the run cannot go on."""
 
 
 class InlineExecutor:
@@ -78,9 +81,12 @@ class InlineExecutor:
 class _Remote:
     """What the process and Ray executors share: device -> worker, outstanding tasks, completions."""
 
-    def __init__(self, groups: list[list[str]], loop: VirtualLoop, batched: bool = False) -> None:
+    def __init__(
+        self, groups: list[list[str]], loop: VirtualLoop, batched: bool = False, stall_s: float = 300.0
+    ) -> None:
         """``batched`` (engine = cohort): tasks wait until the loop is idle, then go to each worker as one
-        batch, which it trains as cohorts; otherwise each task goes at once."""
+        batch, which it trains as cohorts; otherwise each task goes at once. ``stall_s``: the longest silence of a
+        worker that owes results (``runtime.worker_stall_s``)."""
         self.loop, self.groups = loop, groups
         self._batches: dict[int, Batch] | None = {} if batched else None
         self.largest_batch = 0  # most tasks a worker got at once (tests, progress)
@@ -91,6 +97,7 @@ class _Remote:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[int, str, str, Callable[[Callable[[], None]], None], Done]] = {}
         self._dead: dict[int, str] = {}  # worker -> why
+        self.watch = Watch(len(groups), stall_s, self._stalled, self._poll)
 
     def submit(self, device: str, task: Payload, ctx: DeviceContext, done: Done, wire: Received | None = None) -> None:
         """Queue ``task`` for its device's worker: its bytes as they arrived (``wire``), else encoded now."""
@@ -114,6 +121,7 @@ class _Remote:
                 batch = self._batches[worker] = Batch()
             batch.add(task_id, header, body)
         else:
+            self.watch.sent(worker, 1)
             self._send(worker, task_id, header, body)
 
     def flush(self) -> None:
@@ -121,6 +129,7 @@ class _Remote:
         batches, self._batches = self._batches or {}, {}
         for worker, batch in batches.items():
             self.largest_batch = max(self.largest_batch, len(batch))
+            self.watch.sent(worker, len(batch))
             self._send_batch(worker, batch)
 
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
@@ -129,6 +138,17 @@ class _Remote:
     def _send_batch(self, worker: int, batch: Batch) -> None:
         raise NotImplementedError(f"{type(self).__name__} trains per device")
 
+    def describe(self, worker: int) -> str:
+        """The worker and its devices, for error messages."""
+        return f"sim worker {worker} (devices {', '.join(self.groups[worker])})"
+
+    def _poll(self, worker: int) -> None:
+        """Ask ``worker``, which owes results, for a progress beat (Ray actors; worker processes send theirs)."""
+
+    def _kill(self, worker: int) -> None:
+        """End a stalled worker (it may be stopped: nothing short of a kill ends it)."""
+        raise NotImplementedError
+
     def _reply(self, task_id: int, result: bytes | memoryview, error: str, checked: bool = False) -> None:
         """A worker's answer (any thread): decode it here, deliver it on the loop. ``checked``: the worker checked
         its floats finite (``device_worker.answer``): its device's agent does not read them again."""
@@ -136,6 +156,7 @@ class _Remote:
             owed = self._pending.pop(task_id, None)
         if owed is None:
             return  # its worker was declared dead meanwhile
+        self.watch.answered(owed[0])
         complete, done = owed[3], owed[4]
         if error:
             complete(lambda: done(None, error))
@@ -149,14 +170,29 @@ class _Remote:
         complete(lambda: done(payload, None))
 
     def _died(self, worker: int, why: str) -> None:
-        """Worker ``worker`` is gone: every task it owed ends the run, naming its device."""
+        """Worker ``worker`` is gone: every task it owed ends the run, naming its device (the first reason stays)."""
+        self.watch.give_up(worker)
         with self._lock:
-            self._dead[worker] = why
+            self._dead.setdefault(worker, why)
             owed = [(k, v) for k, v in self._pending.items() if v[0] == worker]
             for k, _ in owed:
                 del self._pending[k]
         for _, (_, device, rnd, complete, _) in owed:
             complete(functools.partial(_raise, WorkerError(f"device {device} (round {rnd}): {why}")))
+
+    def _stalled(self, worker: int, silent: float) -> None:
+        """``worker`` owes results and was silent for ``silent`` s (:class:`Watch`'s thread): kill it, end the run."""
+        with self._lock:
+            owed = [f"{device} ({rnd})" for w, device, rnd, *_ in self._pending.values() if w == worker]
+        why = (
+            f"{self.describe(worker)} sent nothing, no result and no progress beat, for {silent:.1f} s "
+            f"(runtime.worker_stall_s = {self.watch.stall_s:g}) while it owed {len(owed)} result(s): "
+            f"{', '.join(owed[:8])}{', ...' if len(owed) > 8 else ''}; it is stopped, deadlocked or stuck, and was "
+            "killed"
+        )
+        log.error("%s", why)
+        self._died(worker, why)
+        self._kill(worker)
 
 
 def _raise(exc: Exception) -> NoReturn:
@@ -166,8 +202,15 @@ def _raise(exc: Exception) -> NoReturn:
 class ProcessExecutor(_Remote):
     """Local worker processes (``spawn``: never fork a process that has threads), one pipe each way."""
 
-    def __init__(self, config_text: str, groups: list[list[str]], loop: VirtualLoop, batched: bool = False) -> None:
-        super().__init__(groups, loop, batched)
+    def __init__(
+        self,
+        config_text: str,
+        groups: list[list[str]],
+        loop: VirtualLoop,
+        batched: bool = False,
+        stall_s: float = 300.0,
+    ) -> None:
+        super().__init__(groups, loop, batched, stall_s)
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self._outboxes: list[queue.Queue[bytes | None]] = []
@@ -237,6 +280,12 @@ class ProcessExecutor(_Remote):
             while True:
                 header, view = unframe(conn.recv_bytes())
                 body: bytes | memoryview = view
+                if "beat" in header:
+                    self.watch.beat(worker)
+                    continue
+                if "ready" in header:
+                    self.watch.started(worker)
+                    continue
                 if "fatal" in header:
                     fatal = header["fatal"]
                     continue
@@ -253,7 +302,7 @@ class ProcessExecutor(_Remote):
             pass
         finally:
             conn.close()
-        if self._closing:
+        if self._closing or worker in self._dead:  # (a stalled worker, killed: its reason is told)
             return
         proc = self.procs[worker]
         proc.join(5.0)
@@ -261,6 +310,12 @@ class ProcessExecutor(_Remote):
         why = f"sim worker {worker} (devices {group}) died with exit code {proc.exitcode}"
         log.error("%s%s", why, f":\n{fatal}" if fatal else "")
         self._died(worker, why + (f":\n{fatal.rstrip()}" if fatal else " (see its log above)"))
+
+    def describe(self, worker: int) -> str:
+        return f"sim worker {worker} (pid {self.procs[worker].pid}; devices {', '.join(self.groups[worker])})"
+
+    def _kill(self, worker: int) -> None:
+        self.procs[worker].kill()
 
     def _ring_of(self, worker: int) -> RingReader:
         ring = self.rings[worker] if worker < len(self.rings) else None
@@ -272,6 +327,7 @@ class ProcessExecutor(_Remote):
         """Stop the workers (terminate those that do not exit within a few seconds), unlink their rings;
         idempotent."""
         self._closing = True
+        self.watch.close()
         if self._batches is not None and self.loop.on_idle == self.flush:
             self.loop.on_idle = None
         for outbox in self._outboxes:
@@ -301,8 +357,12 @@ class RayExecutor(_Remote):
     def __init__(self, cfg: RunConfig, groups: list[list[str]], loop: VirtualLoop, batched: bool = False) -> None:
         from .ray_actors import RayActors
 
-        super().__init__(groups, loop, batched)
-        self.actors = RayActors(cfg, groups, self._reply, self._died)
+        super().__init__(groups, loop, batched, cfg.runtime.worker_stall_s)
+        try:
+            self.actors = RayActors(cfg, groups, self._reply, self._died, self.watch)
+        except BaseException:
+            self.watch.close()
+            raise
 
     def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Received) -> None:
         self.actors.send(worker, task_id, ctx, task)
@@ -310,8 +370,18 @@ class RayExecutor(_Remote):
     def _send_batch(self, worker: int, batch: Batch) -> None:
         self.actors.send_batch(worker, batch)
 
+    def describe(self, worker: int) -> str:
+        return self.actors.name(worker)
+
+    def _poll(self, worker: int) -> None:
+        self.actors.poll(worker)
+
+    def _kill(self, worker: int) -> None:
+        self.actors.kill(worker)
+
     def close(self) -> None:
         """Kill the actors; shut Ray down if we started it (idempotent)."""
+        self.watch.close()
         if self._batches is not None and self.loop.on_idle == self.flush:
             self.loop.on_idle = None
         self.actors.close()
@@ -370,7 +440,7 @@ def start_workers(
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": device})})
     if plan.backend == "ray":
         return RayExecutor(cfg, _groups(cfg), loop, batched=plan.cohort)
-    return ProcessExecutor(cfg.to_toml(), _groups(cfg), loop, batched=plan.cohort)
+    return ProcessExecutor(cfg.to_toml(), _groups(cfg), loop, batched=plan.cohort, stall_s=cfg.runtime.worker_stall_s)
 
 
 def make_executor(

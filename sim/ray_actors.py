@@ -8,8 +8,11 @@ torch: an actor checks), not the data; each actor rebuilds its share of the devi
 worker process does (``sim/ray_worker.py``), partitioning with the run seed. Tasks and results cross as bytes
 frames (``sim/worker_frames.py``), with ``engine = "cohort"`` one batch per actor and edge round; results come
 back through Ray, never through a shared-memory ring (an actor may be on another host). An actor that is not running
-within ``ACTOR_START_S``, dies or cannot start ends the run naming it, its devices, its node and the reason; the
-cloud's checkpoint of the last finished round stays for ``--resume``."""
+within ``ACTOR_START_S``, dies or cannot start ends the run naming it, its devices, its node and the reason; so does
+one that hangs: the main process asks each actor that owes results for its training's progress (:meth:`RayActors.poll`,
+answered on a concurrency group of its own while a task runs) and one whose progress is not heard of for
+``runtime.worker_stall_s`` is killed (``sim/worker_watch.py``). The cloud's checkpoint of the last finished round stays
+for ``--resume``."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from .hierarchy import run_dataset
 from .ray_cluster import connect, import_ray, plain
 from .ray_worker import RayWorker, geometry, software
 from .worker_frames import Batch, frame, unframe
+from .worker_watch import Watch
 
 log = logging.getLogger("fedtier.sim")
 
@@ -41,10 +45,13 @@ Died = Callable[[int, str], None]  # (worker, why)
 class RayActors:
     """One actor per group of devices; each answer goes to ``reply`` per task, each actor's end to ``died``."""
 
-    def __init__(self, cfg: RunConfig, groups: list[list[str]], reply: Reply, died: Died) -> None:
+    def __init__(self, cfg: RunConfig, groups: list[list[str]], reply: Reply, died: Died, watch: Watch) -> None:
+        """``watch``: told when an actor runs and when its progress moves (:meth:`poll`)."""
         ray = import_ray()
-        self.ray, self.groups, self.reply, self.died = ray, groups, reply, died
+        self.ray, self.groups, self.reply, self.died, self.watch = ray, groups, reply, died, watch
         self.actors: list[Any] = []
+        self._progress: list[int | None] = [None] * len(groups)  # each actor's last progress count heard
+        self._polling = [False] * len(groups)  # a progress call in flight
         self.placement: list[dict[str, Any] | None] = [None] * len(groups)  # each actor's node and pid, once running
         self._timer: threading.Timer | None = None
         self.cpus = 1
@@ -62,7 +69,12 @@ class RayActors:
                 )
             ds = run_dataset(cfg)  # (cached: the main process's own prepare takes it again)
             x, y = ray.put(ds.x_train), ray.put(ds.y_train)
-            actor = ray.remote(num_cpus=self.cpus, num_gpus=gpu_share(cfg, ray, len(groups)), max_restarts=0)(RayWorker)
+            actor = ray.remote(
+                num_cpus=self.cpus,
+                num_gpus=gpu_share(cfg, ray, len(groups)),
+                max_restarts=0,
+                concurrency_groups={"progress": 1},  # progress calls run beside its tasks (one at a time)
+            )(RayWorker)
             text, shape, expected = cfg.to_toml(), geometry(ds), json.dumps(software())
             init = ray.put(_read_init_model(cfg)) if cfg.run.init_model else None
             self.actors = [actor.remote(text, group, shape, x, y, expected, init) for group in groups]
@@ -86,6 +98,7 @@ class RayActors:
             self.placement[worker] = json.loads(future.result())
         except Exception:  # its first task says why
             return
+        self.watch.started(worker)
         if all(self.placement):
             nodes = sorted({f"{p['node']} ({str(p['node_id'])[:8]})" for p in self.placement if p})
             log.info("sim: %d Ray actors running on %d node(s): %s", len(self.actors), len(nodes), ", ".join(nodes))
@@ -107,6 +120,32 @@ class RayActors:
     def send_batch(self, worker: int, batch: Batch) -> None:
         future = self.actors[worker].train_batch.remote(batch.frame()).future()
         future.add_done_callback(functools.partial(self._settled, worker, [i["id"] for i in batch.head], True))
+
+    def poll(self, worker: int) -> None:
+        """Ask the actor for its progress count (unless a call is in flight: a stopped actor never answers); the
+        watch hears of it when it moved."""
+        if self._polling[worker] or worker >= len(self.actors):
+            return
+        self._polling[worker] = True
+        call = self.actors[worker].progress.options(concurrency_group="progress").remote()
+        call.future().add_done_callback(functools.partial(self._progressed, worker))
+
+    def _progressed(self, worker: int, future: Any) -> None:
+        self._polling[worker] = False
+        try:
+            steps = int(future.result())
+        except Exception:  # the actor is gone: its task says so
+            return
+        if steps != self._progress[worker]:
+            self._progress[worker] = steps
+            self.watch.beat(worker)
+
+    def kill(self, worker: int) -> None:
+        """End a stalled actor (its tasks then fail; the run already stopped, naming why)."""
+        try:
+            self.ray.kill(self.actors[worker])
+        except Exception:  # already gone
+            pass
 
     def _settled(self, worker: int, ids: list[int], batched: bool, future: Any) -> None:
         """An actor's answer to the tasks ``ids`` (any thread): each result to its task, or the actor's end."""

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from protocols.trainer import PROGRESS
+
 from .datasets import Dataset
 from .device_worker import DeviceWorker
 from .worker_frames import batch_items, frame, unframe
@@ -121,6 +123,11 @@ class RayWorker:
 
         node_id = ray.get_runtime_context().get_node_id()
         return json.dumps({"node": ray.util.get_node_ip_address(), "node_id": node_id, "pid": os.getpid()})
+
+    def progress(self) -> int:
+        """This actor's training steps so far (``protocols.trainer.PROGRESS``): the main process polls it, on a
+        concurrency group of its own, while the actor owes results, to tell a slow actor from a hung one."""
+        return PROGRESS.steps
 
     def train(self, task: bytes) -> bytes:
         """A task frame (``{"ctx": ...}`` + its payload) -> its result frame (``{"error", "checked"}`` + payload)."""

@@ -24,6 +24,7 @@ from sim.executors import WorkerError
 from sim.launcher import SimHierarchy, run_simulation
 from tests.conftest import free_port_run
 from tests.test_sim_parallel import _same
+from tests.test_sim_stall import result_waits
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_BIN = Path(sys.executable).with_name("ray")
@@ -175,6 +176,49 @@ def test_a_killed_actor_ends_the_run_naming_it_and_resume_finishes_the_run(make_
     resumed = run_simulation(on_ray(make_config, **sections), resume=True)
     assert resumed.history[0]["round"] == 1  # round 0 was not trained again
     assert all(uninterrupted.params[k].tobytes() == resumed.params[k].tobytes() for k in uninterrupted.params)
+
+
+def test_a_stopped_actor_ends_the_run_within_the_bound_and_resume_finishes_the_run(make_config, local_ray):
+    """SIGSTOP an actor mid-run: its progress calls go unanswered too, so after ``worker_stall_s`` the run stops
+    naming it and its silence (a blocking wait would hang forever), and ``--resume`` ends with the unbroken model."""
+    sections = dict(run={"rounds": 3}, algorithm={"edge_rounds": 1})
+    uninterrupted = run_simulation(make_config(**sections), write_output=False)
+    sim = SimHierarchy(on_ray(make_config, **sections, runtime={"worker_stall_s": 3.0}))
+    executor = sim.executor
+    worker = executor.owner["c1-d0"]
+    stopped: list[float] = []
+
+    def stop(rnd: int, edge: int) -> None:
+        if (rnd, edge) == (1, 0) and not stopped:
+            os.kill(executor.actors.placement[worker]["pid"], signal.SIGSTOP)
+            stopped.append(time.monotonic())
+
+    sim.agents["c1-d0"].on_task = stop
+    with pytest.raises(
+        WorkerError,
+        match=rf"Ray actor {worker} \(devices .*c1-d0.*\) on node .* sent nothing, no result and no progress beat, "
+        r"for \d+\.\d s \(runtime\.worker_stall_s = 3\) while it owed \d result\(s\): .*c1-d0 \(1\.0\)",
+    ):
+        sim.run()
+    assert time.monotonic() - stopped[0] < 3.0 + 6.0
+    resumed = run_simulation(on_ray(make_config, **sections), resume=True)
+    assert all(uninterrupted.params[k].tobytes() == resumed.params[k].tobytes() for k in uninterrupted.params)
+
+
+def test_an_actor_slower_than_the_bound_that_trains_is_not_stopped(make_config, local_ray):
+    """A cohort batch answers only once it is all trained, here after several times ``worker_stall_s``: the actor's
+    progress, polled beside its task, keeps it from being taken as hung."""
+    bound = 1.0
+    cfg = make_config(
+        run={"rounds": 1},
+        topology={"cells": 1, "devices_per_cell": 2},
+        algorithm={"edge_rounds": 1, "local_steps": 15000},
+        runtime={"sim_workers": 1, "sim_backend": "ray", "engine": "cohort", "worker_stall_s": bound},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    waits = result_waits(sim.executor.watch)
+    assert [r["round"] for r in sim.run().history] == [0]
+    assert max(waits) > bound, waits  # it was silent of results longer than the bound, and it was not stopped
 
 
 def _ray_start(args: list[str], cwd: Path, env: dict[str, str]) -> int:

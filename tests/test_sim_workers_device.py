@@ -55,7 +55,7 @@ def test_auto_is_decided_once_in_the_main_process_and_the_workers_follow(make_co
     started: list[str] = []
 
     class Recorder:
-        def __init__(self, config_text: str, groups, loop, batched: bool = False) -> None:
+        def __init__(self, config_text: str, groups, loop, batched: bool = False, **kwargs: object) -> None:
             started.append(config_text)
 
     monkeypatch.setattr(executors, "ProcessExecutor", Recorder)

@@ -276,6 +276,14 @@ class RuntimeSection(Section):
         default="processes",
         description="fedtier sim workers: local processes, or Ray actors (pip install 'fedtier[ray]')",
     )
+    worker_stall_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="fedtier sim workers: a worker (process or Ray actor) that owes results and has sent nothing, "
+        "no result and no progress beat (one comes every few seconds while it trains), for this many seconds is "
+        "taken as hung (stopped, deadlocked, stuck in a kernel): the run stops naming it, and --resume continues. "
+        "A slow worker still beats; only one training step longer than this would be mistaken",
+    )
     ray_address: str | None = Field(
         default=None,
         description="sim_backend = ray: the cluster to join (HEAD:6379 from a node of it, auto: the one ray start "

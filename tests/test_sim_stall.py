@@ -1,0 +1,113 @@
+"""A ``fedtier sim`` worker that hangs (``sim/worker_watch.py``): a worker process stopped with SIGSTOP mid-run ends
+the run within ``runtime.worker_stall_s``, naming it, its silence and what it owed, and ``--resume`` finishes the run
+to the uninterrupted model; a worker slower than the bound but training (it beats) is left alone."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from typing import Any
+
+from click.testing import CliRunner
+
+from protocols import runfiles
+from protocols.checkpoint import load_params
+from sim import launcher
+from sim.launcher import SimHierarchy, run_simulation
+
+STALL_S = 3.0
+
+
+def test_a_stopped_worker_ends_the_run_naming_it_and_resume_finishes_it(make_config, tmp_path, monkeypatch):
+    """SIGSTOP the worker of c1-d0 when c1-d0's task of round 1 comes: the run stops within the bound (and a check
+    period) with exit 1, the stopped worker is killed, and ``fedtier sim --resume`` ends with the unbroken run's
+    model, byte for byte."""
+    from fedtier.cli import main
+
+    sections: dict[str, Any] = dict(run={"rounds": 3}, algorithm={"edge_rounds": 1})
+    uninterrupted = run_simulation(make_config(**sections), write_output=False)
+    cfg = make_config(**sections, runtime={"sim_workers": 2, "worker_stall_s": STALL_S, "device_deadline": 5.0})
+    path = tmp_path / "stall.toml"
+    path.write_text(cfg.to_toml())
+    stopped: dict[str, Any] = {}
+
+    class Stopping(SimHierarchy):
+        """The run, with c1-d0's worker stopped as its round-1 task comes (the moment is picked, the fault real)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            proc = self.executor.procs[self.executor.owner["c1-d0"]]
+
+            def stop(rnd: int, edge: int) -> None:
+                if (rnd, edge) == (1, 0) and not stopped:
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    stopped.update(proc=proc, at=time.monotonic())
+
+            self.agents["c1-d0"].on_task = stop
+
+    monkeypatch.setattr(launcher, "SimHierarchy", Stopping)
+    res = CliRunner().invoke(main, ["sim", str(path), "--no-progress"])
+    took = time.monotonic() - stopped["at"]
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1, out
+    proc = stopped["proc"]
+    found = re.search(
+        rf"sim worker \d \(pid {proc.pid}; devices [^)]*c1-d0[^)]*\) sent nothing, no result and no progress beat, "
+        rf"for (\d+\.\d) s \(runtime\.worker_stall_s = 3\) while it owed \d result\(s\): [^;]*c1-d0 \(1\.0\)[^;]*; "
+        r"it is stopped, deadlocked or stuck, and was killed",
+        out,
+    )
+    assert found, out
+    assert STALL_S <= float(found.group(1)) < STALL_S + 2.0
+    assert took < STALL_S + 6.0  # the bound, a check period, the shutdown: not the 10 s of a worker's polite stop
+    assert "the same command with --resume continues from the last finished round" in out
+    assert proc.exitcode == -signal.SIGKILL  # killed (a stopped process ignores anything less), reaped
+    monkeypatch.undo()
+
+    res = CliRunner().invoke(main, ["sim", str(path), "--no-progress", "--resume"])
+    assert res.exit_code == 0, res.output
+    final = load_params(cfg.output_dir() / runfiles.FINAL_MODEL)
+    assert final.keys() == uninterrupted.params.keys()
+    assert all(final[k].tobytes() == uninterrupted.params[k].tobytes() for k in final)
+
+
+def test_a_worker_slower_than_the_bound_that_trains_is_not_stopped(make_config):
+    """A cohort that trains for longer than ``worker_stall_s`` without a result (its worker owes it all along) still
+    beats with its steps, so the run finishes; the test checks that such a silence of results did happen."""
+    bound = 1.0
+    cfg = make_config(
+        run={"rounds": 1},
+        topology={"cells": 1, "devices_per_cell": 2},
+        algorithm={"edge_rounds": 1, "local_steps": 15000},
+        runtime={"sim_workers": 1, "engine": "cohort", "worker_stall_s": bound, "device_deadline": 1e4},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    waits = result_waits(sim.executor.watch)
+    result = sim.run()
+    assert [r["round"] for r in result.history] == [0]
+    assert max(waits) > bound, waits  # it was silent of results longer than the bound, and it was not stopped
+
+
+def result_waits(watch: Any) -> list[float]:
+    """The waits for results a worker was watched for (from the later of a task's sending, the worker's start and
+    its last answer, to its next answer), filled in as the run goes."""
+    waits: list[float] = []
+    since = [0.0]
+
+    def restart(call: Any) -> Any:
+        def wrapped(*args: Any) -> None:
+            since[0] = time.monotonic()
+            call(*args)
+
+        return wrapped
+
+    answered = restart(watch.answered)
+
+    def on_answered(worker: int) -> None:
+        waits.append(time.monotonic() - since[0])
+        answered(worker)
+
+    watch.sent, watch.started, watch.answered = restart(watch.sent), restart(watch.started), on_answered
+    return waits
