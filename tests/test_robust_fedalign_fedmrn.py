@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from protocols.algorithms.base import ModelSpec
 from protocols.config import ConfigError, parse_config
 from protocols.wire.payload import Payload
 from sim.launcher import RunResult, SimHierarchy
@@ -153,3 +154,76 @@ def test_fedmrn_median_cells_report_dense_and_refuse_forwarding_masks() -> None:
     assert (
         result.failed is None and named(result, "c0-d1") and loss(result) < 2.31
     )  # below the initial model's (2.30 to 2.31)
+
+
+def _fedalign_config(cells: int, per_cell: int, priority: list[str], **algorithm: Any) -> Any:
+    algo = {"name": "fedalign", "priority": priority, "epsilon": 0.5, "local_steps": 1, **algorithm}
+    return parse_config(
+        {
+            "run": {"name": "few", "rounds": 2},
+            "topology": {"cells": cells, "devices_per_cell": per_cell},
+            "algorithm": algo,
+            "model": {"name": "logreg"},
+            "data": {"dataset": "digits"},
+        }
+    )
+
+
+def test_fedalign_krum_or_trimmed_mean_that_a_phase_can_never_feed_enough_devices_is_refused() -> None:
+    """Every cell has 5 devices (the generic check passes: krum's 5 > 2f + 2 = 4, a trimmed mean of trim_beta
+    0.25 cuts 1 at each end, of the 4 free devices too), but FedALIGN's priority phase gives each cell's
+    aggregator its 1 priority device only: Krum's scores tie, the trimmed mean is that device, so a lying
+    priority device was the cell's report (documented, not refused). Refused now, naming the phase, the cell, n
+    and the parameter; so is the cloud's Krum over the 2 of 4 cells that have priority devices in the warm-up
+    (solo) phase. A topology whose phases feed enough builds."""
+    spec = ModelSpec(input_shape=(64,))
+    one_each = ["c0-d0", "c1-d0"]
+    with pytest.raises(
+        ConfigError,
+        match=r"cell_aggregator = \"krum\" in FedALIGN's priority phase needs more than "
+        r"2f \+ 2 inputs \(f = floor\(krum_byzantine x n\) = 0\); the 1 priority devices of cell c0",
+    ):
+        _fedalign_config(2, 5, one_each, cell_aggregator="krum").build_algorithm(spec)
+    with pytest.raises(
+        ConfigError,
+        match=r"trim_beta = 0.25 cuts floor\(0.25 x 1\) = 0 of the 1 priority devices of "
+        r"cell c0 at each end in FedALIGN's priority phase: cell_aggregator = \"trimmed_mean\"",
+    ):
+        _fedalign_config(2, 5, one_each, cell_aggregator="trimmed_mean", trim_beta=0.25).build_algorithm(spec)
+    with pytest.raises(ConfigError, match=r"cloud_aggregator = \"krum\" in FedALIGN's solo phase .* the 2 cell "):
+        _fedalign_config(4, 3, one_each, cloud_aggregator="krum", warmup_rounds=1).build_algorithm(spec)
+    _fedalign_config(4, 3, one_each, cloud_aggregator="krum").build_algorithm(spec)  # free phase: 2 + 4 reports
+    three_each = [f"c{c}-d{d}" for c in range(2) for d in range(3)]  # 3 priority and 3 free devices a cell
+    _fedalign_config(2, 6, three_each, cell_aggregator="krum").build_algorithm(spec)
+
+
+def test_fedalign_cell_round_with_fewer_devices_than_krum_needs_says_so_as_fedavg_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """c0's 3 priority devices satisfy Krum at configuration, but 2 answered this round: the cell aggregates them
+    as any algorithm's robust aggregation does (Krum's tied scores keep the first), logs why and says it in its
+    record's metrics (``too_few_inputs``), exactly as a FedAvg cell over the same 2 results."""
+    from protocols.algorithms.fedalign import FedAlignCell
+    from protocols.algorithms.fedavg import FedAvgCell
+
+    cfg = _fedalign_config(2, 6, [f"c{c}-d{d}" for c in range(2) for d in range(3)], cell_aggregator="krum")
+    model = {"w": np.zeros(4, np.float32)}
+    deltas = {"c0-d0": np.full(4, 1.0, np.float32), "c0-d1": np.full(4, 3.0, np.float32)}
+    results = {
+        d: Payload({"weight": 10, "probe_loss": 1.0, "probe_accuracy": 0.5, "trained": True}, {"w": v})
+        for d, v in deltas.items()
+    }
+    cell = FedAlignCell(cfg.train, "c0", frozenset(["c0-d0", "c0-d1", "c0-d2"]))
+    cell.begin(0, Payload({"phase": "priority", "iteration": 0, "criterion": "loss", "epsilon": 0.5}, model))
+    cell.plan(0, ["c0-d0", "c0-d1", "c0-d2", "c0-d3"])
+    with caplog.at_level("WARNING", logger="fedtier.aggregate"):
+        outcome = cell.aggregate(0, results)
+    fedavg = FedAvgCell(cfg.train, "c0")
+    fedavg.begin(0, Payload({}, model))
+    expected = fedavg.aggregate(0, {d: Payload({"weight": 10}, {"w": v}) for d, v in deltas.items()})
+    said = "needs more than 2f + 2 inputs (f = floor(krum_byzantine x n) = 0); the 2 inputs are not"
+    assert outcome.metrics["too_few_inputs"].startswith(said) and outcome.metrics["phase"] == "priority"
+    assert expected.metrics["too_few_inputs"] == outcome.metrics["too_few_inputs"]
+    assert outcome.excluded == expected.excluded == {"c0-d1": outcome.excluded["c0-d1"]}
+    assert cell.model["w"].tolist() == fedavg.model["w"].tolist() == [1.0] * 4  # Krum kept the first
+    assert any("krum over 2 inputs" in r.getMessage() for r in caplog.records)

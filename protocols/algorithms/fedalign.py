@@ -32,7 +32,8 @@ phase of each cloud round are a pure function of the parameters (:class:`Schedul
 Robust aggregation (``cell_aggregator`` / ``cloud_aggregator``, default the paper's mean): a cell combines its
 priority and admitted free devices' deltas, the cloud the held priority-phase reports and this phase's, each a
 delta of the same broadcast model ``w``. A priority device alone in its cell's phase is that cell's whole report:
-only the cloud's aggregator bounds it (``tests/test_robust_fedalign_fedmrn.py``).
+under a median only the cloud's aggregator bounds it (``tests/test_robust_fedalign_fedmrn.py``); a Krum or trimmed
+mean that a phase can never feed enough inputs is refused (``fedalign_inputs``).
 
 Wire: ``epsilon`` travels as ``null`` for infinity (JSON has no inf). A free device that declines
 answers with its probe values and no tensors, so its cell never waits for it until the deadline.
@@ -56,6 +57,7 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole
+from .fedalign_inputs import check_phase_inputs
 from .fedalign_priority import check_probe_lists, priority_figures, probe_lists
 from .fedavg import FedAvgCell, FedAvgDevice, check_delta
 from .outcome import Outcome
@@ -132,6 +134,11 @@ class Schedule:
         if math.isinf(eps):
             return ("all",)
         return ("priority", "free")
+
+    def reachable_phases(self) -> set[str]:
+        """Every phase some iteration has (the epsilon regimes: warm-up, before and after the drop)."""
+        last = max(self.p.warmup_rounds, self.p.epsilon_drop_round)
+        return {phase for it in range(last + 1) for phase in self.phases(it)}
 
     def at(self, round: int) -> tuple[int, str]:
         """(iteration, phase) of cloud round ``round``."""
@@ -257,7 +264,7 @@ class FedAlignCloud(CloudRole):
             return Outcome(metrics)
         agg = aggregate(robust_params(self.p).cloud_aggregator, items, self.p)
         self.model = P.add(self.model, agg.delta, self.p.server_lr)
-        metrics["weight"] = agg.weight
+        metrics.update(weight=agg.weight, **agg.notes())
         said = {"1": " (priority phase)", "2": " (free phase)" if phase == "free" else ""}
         return Outcome(metrics, excluded={k[2:] + said[k[0]]: why for k, why in agg.excluded.items()})
 
@@ -383,6 +390,7 @@ class FedAlignCell(FedAvgCell):
         self.decisions.update(admission)
         robust = super().aggregate(edge_round, included)
         metrics: dict[str, Any] = {
+            **robust.metrics,  # the robust aggregator's notes (too few inputs)
             "phase": t["phase"],
             "iteration": t["iteration"],
             "epsilon": eps,
@@ -462,6 +470,7 @@ class FedAlign(Algorithm):
             self.priority = frozenset(p.priority)
         else:
             self.priority = frozenset(draw_priority(devices, p.priority_fraction, self.seed))
+        check_phase_inputs(p, Schedule(p).reachable_phases(), cells, self.priority)
 
     def _priority(self) -> frozenset[str]:
         if not hasattr(self, "priority"):

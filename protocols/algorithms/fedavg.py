@@ -130,7 +130,7 @@ class FedAvgCloud(ModelCloud):
         comm = self.comm.update({c: reports[c] for c in agg.kept})  # the devices of the cells aggregated
         self.model, amplified = self.opt.step(round, self.model, agg.delta)
         metrics = {"cells": len(reports), "weight": agg.weight, **comm, **({"amplified": 1} if amplified else {})}
-        return Outcome(metrics, excluded=agg.excluded)
+        return Outcome({**metrics, **agg.notes()}, excluded=agg.excluded)
 
 
 class FedAvgCell(CellRole):
@@ -168,7 +168,7 @@ class FedAvgCell(CellRole):
             if d in kept:  # the report's weight: the samples the cell's progress represents
                 self.weights[d] = float(w)
                 self.upload_bytes += sent_bytes(results[d])
-        return Outcome(excluded=agg.excluded)
+        return Outcome(agg.notes(), excluded=agg.excluded)
 
     def upload_meta(self) -> dict[str, int]:
         """What the aggregated devices uploaded this cloud round (for the full-model-units metric)."""

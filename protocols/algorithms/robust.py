@@ -24,6 +24,7 @@ of the coordinates. Inputs are taken in sender-id order, so the result does not 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from .. import params as P
 from .base import TrainParams
 from .traits import Layer, Trait
 
+log = logging.getLogger("fedtier.aggregate")
 AggregatorName = Literal["mean", "median", "trimmed_mean", "krum", "multikrum", "majority"]
 
 
@@ -71,23 +73,8 @@ class RobustParams(TrainParams):
     def check_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         super().check_topology(cells)
         smallest = min((len(devices) for devices in cells.values()), default=0)
-        tiers = (
-            ("cell", self.cell_aggregator, smallest, "devices in the smallest cell"),
-            ("cloud", self.cloud_aggregator, len(cells), "cells"),
-        )
-        for key, rule, n, what in tiers:
-            f = math.floor(self.krum_byzantine * n)
-            if rule == "krum" and n <= 2 * f + 2:
-                raise ValueError(
-                    f'{key}_aggregator = "krum" needs more than 2f + 2 inputs (f = floor(krum_byzantine x n) = {f}); '
-                    f"the {n} {what} are not: its scores tie and it always keeps the first (use median, or more {what})"
-                )
-            if rule == "trimmed_mean" and math.floor(self.trim_beta * n) == 0:
-                raise ValueError(
-                    f"algorithm.trim_beta = {self.trim_beta:g} cuts floor({self.trim_beta:g} x {n}) = 0 of the {n} "
-                    f'{what} at each end: {key}_aggregator = "trimmed_mean" would be the plain mean; set trim_beta '
-                    f">= {1 / n:.3g} (or use median)"
-                )
+        check_tier("cell", self.cell_aggregator, smallest, "devices in the smallest cell", self)
+        check_tier("cloud", self.cloud_aggregator, len(cells), "cells", self)
 
     def idle_keys(self) -> dict[str, str]:
         out = super().idle_keys()
@@ -109,6 +96,38 @@ def robust_params(params: TrainParams) -> RobustParams:
     return params if isinstance(params, RobustParams) else RobustParams(name=params.name)
 
 
+def too_few(rule: str, n: int, params: TrainParams, what: str = "inputs") -> str | None:
+    """Why aggregator ``rule`` cannot do what it says over ``n`` inputs (``what`` names them), or ``None``: Krum
+    needs ``n > 2f + 2`` (else its scores tie and it keeps the first), a trimmed mean must cut one at each end
+    (else it is the plain mean). The rule of the configuration's check (:func:`check_tier`) and of a round that
+    got fewer inputs (:func:`aggregate` says so)."""
+    p = robust_params(params)
+    f = math.floor(p.krum_byzantine * n)
+    if rule == "krum" and n <= 2 * f + 2:
+        return (
+            f"needs more than 2f + 2 inputs (f = floor(krum_byzantine x n) = {f}); the {n} {what} are not: "
+            "its scores tie and it always keeps the first"
+        )
+    if rule == "trimmed_mean" and math.floor(p.trim_beta * n) == 0:
+        return f"trim_beta = {p.trim_beta:g} cuts floor({p.trim_beta:g} x {n}) = 0 of the {n} {what} at each end"
+    return None
+
+
+def check_tier(key: str, rule: str, n: int, what: str, params: TrainParams, where: str = "") -> None:
+    """Raise ``ValueError`` naming the tier (``key``: cell or cloud, ``where`` it aggregates), ``n`` and the
+    parameter when ``{key}_aggregator = rule`` can never do what it says over the ``n`` inputs that tier gets
+    (:func:`too_few`)."""
+    reason = too_few(rule, n, params, what)
+    if reason is None:
+        return
+    if rule == "krum":
+        raise ValueError(f'{key}_aggregator = "krum"{where} {reason} (use median, or more {what})')
+    raise ValueError(
+        f'algorithm.{reason}{where}: {key}_aggregator = "{rule}" would be the plain mean; set trim_beta '
+        f">= {1 / n:.3g} (or use median)"
+    )
+
+
 @dataclass
 class Aggregate:
     """The combined delta, the total weight of the inputs it represents, and who was left out, why."""
@@ -117,13 +136,29 @@ class Aggregate:
     weight: float
     excluded: dict[str, str] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)
+    too_few: str | None = None  # why the aggregator could not do what it says over these inputs (:func:`too_few`)
+
+    def notes(self) -> dict[str, str]:
+        """What a record says of this aggregation beyond who was left out: ``too_few_inputs``, when so."""
+        return {"too_few_inputs": self.too_few} if self.too_few is not None else {}
 
 
 def aggregate(
     kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarray]]], params: TrainParams
 ) -> Aggregate:
-    """Combine ``(sender, weight, delta)`` items (sorted by sender here) with aggregator ``kind``."""
-    items = sorted(items, key=lambda it: it[0])
+    """Combine ``(sender, weight, delta)`` items (sorted by sender here) with aggregator ``kind``. A round that got
+    fewer inputs than the rule needs (:func:`too_few`) is aggregated all the same (Krum keeps the first of its tied
+    scores, a trimmed mean that cuts nobody is the mean, one input is itself), logged, and said in
+    :attr:`Aggregate.too_few`, which the roles put in their records (:meth:`Aggregate.notes`)."""
+    out = _combine(kind, sorted(items, key=lambda it: it[0]), params)
+    out.too_few = too_few(kind, len(items), params)
+    if out.too_few is not None:
+        log.warning("%s over %d inputs %s", kind, len(items), out.too_few)
+    return out
+
+
+def _combine(kind: str, items: Sequence[tuple[str, float, Mapping[str, np.ndarray]]], params: TrainParams) -> Aggregate:
+    """:func:`aggregate`'s arithmetic over ``items`` sorted by sender."""
     if not items:
         raise ValueError("aggregate of nothing")
     ids = [i for i, _, _ in items]
