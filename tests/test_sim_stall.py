@@ -10,11 +10,13 @@ import signal
 import time
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from protocols import runfiles
 from protocols.checkpoint import load_params
 from sim import launcher
+from sim.executors import WorkerError
 from sim.launcher import SimHierarchy, run_simulation
 
 STALL_S = 3.0
@@ -71,6 +73,21 @@ def test_a_stopped_worker_ends_the_run_naming_it_and_resume_finishes_it(make_con
     final = load_params(cfg.output_dir() / runfiles.FINAL_MODEL)
     assert final.keys() == uninterrupted.params.keys()
     assert all(final[k].tobytes() == uninterrupted.params[k].tobytes() for k in final)
+
+
+def test_a_worker_whose_training_deadlocks_ends_the_run_though_its_process_lives(make_config):
+    """c1-d0's training deadlocks in its worker (``tests/plugin_deadlock.py``): the process is alive and not stopped,
+    but its training steps stand still, so it beats no more and the run stops within the bound, naming it."""
+    cfg = make_config(
+        run={"rounds": 2, "plugins": ["tests.plugin_deadlock"]},
+        algorithm={"name": "fedavg_deadlock", "edge_rounds": 1},
+        runtime={"sim_workers": 2, "worker_stall_s": 2.0, "device_deadline": 5.0},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    proc = sim.executor.procs[sim.executor.owner["c1-d0"]]
+    with pytest.raises(WorkerError, match=rf"\(pid {proc.pid}; devices [^)]*c1-d0[^)]*\) sent nothing.*c1-d0 \(1\.0\)"):
+        sim.run()
+    assert proc.exitcode == -signal.SIGKILL
 
 
 def test_a_worker_slower_than_the_bound_that_trains_is_not_stopped(make_config):
