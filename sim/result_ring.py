@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from protocols.trainer import PROGRESS
 from protocols.wire.payload import Lent, Parts, parts_size
 
 log = logging.getLogger("fedtier.sim")
@@ -200,10 +201,12 @@ class RingWriter:
         deadline = time.monotonic() + (0.0 if self.jammed else WAIT_S)
         while (at := self._place(n)) is None:
             wait = deadline - time.monotonic()
-            if wait <= 0 or not self.freed.acquire(timeout=wait):
+            if wait <= 0:
                 self.jammed = True
                 return None
-            self.credits += 1
+            PROGRESS.tick()  # waiting for the main process to free room is not a hang (sim/worker_watch.py)
+            if self.freed.acquire(timeout=min(wait, 0.25)):
+                self.credits += 1
         self.jammed = False
         pos = at
         for part in parts:
