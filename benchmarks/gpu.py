@@ -366,19 +366,14 @@ def time_parts(totals: dict[str, list[float]], names: list[str]) -> None:
             setattr(owner, attr, timed(getattr(owner, attr), name))
 
 
-def child(
-    side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool = False, host_threads: int = 0
-) -> None:
+def child(side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool = False) -> None:
     import logging
 
     import torch
 
-    from protocols import host_pool
     from protocols.safe_text import SafeFormatter
 
     torch.set_num_threads(1)
-    if host_threads:
-        host_pool.set_threads(host_threads)
     if (uses_cuda(side) or side.endswith("auto")) and torch.cuda.is_available():
         # the CUDA context and the BLAS handle before the first round, so that a side whose first CUDA work
         # comes late (auto keeping a small cohort on the CPU, the cloud evaluating every 100 rounds) does not
@@ -426,12 +421,10 @@ def run_side(
     timeout: float,
     cells: int = 0,
     breakdown: bool = False,
-    host_threads: int = 0,
 ) -> dict | str:
     """The child's result, or why there is none."""
     cmd = [sys.executable, __file__, "--child", side, "--workload", workload, "--rounds", str(rounds)]
     cmd += (["--cells", str(cells)] if cells else []) + (["--breakdown"] if breakdown else [])
-    cmd += ["--host-threads", str(host_threads)] if host_threads else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
@@ -471,7 +464,7 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
     for _ in range(args.repeat):
         for side in [s for s in runnable if s not in failed]:
             cells = args.cells if workload == "large" else 0
-            out = run_side(side, workload, args.warmup + timed, args.timeout, cells, args.breakdown, args.host_threads)
+            out = run_side(side, workload, args.warmup + timed, args.timeout, cells, args.breakdown)
             if isinstance(out, str):
                 print(f"  {side:18}{out}")
                 failed.add(side)
@@ -511,17 +504,11 @@ def main() -> int:
         "--breakdown", action="store_true", help="also time the host side's parts (frame, receive...) a round"
     )
     ap.add_argument("--json", default="", help="also write the results to this file")
-    ap.add_argument(
-        "--host-threads",
-        type=int,
-        default=0,
-        help="threads of the host's array passes (default: protocols.host_pool's)",
-    )
     ap.add_argument("--child", choices=SIDES)
     ap.add_argument("--workload", choices=list(WORKLOADS))
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.workload, args.rounds, args.cells, args.breakdown, args.host_threads)
+        child(args.child, args.workload, args.rounds, args.cells, args.breakdown)
         return 0
     from benchmarks.calibration import calibration_line
 

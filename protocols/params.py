@@ -7,7 +7,6 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from . import host_pool
 from .rejections import Rejected, RejectKind
 from .wire.payload import all_finite
 
@@ -39,47 +38,21 @@ def weighted_mean(
     """Weighted mean of several parameter dicts, accumulated in float64, returned as float32.
 
     Items are summed in the order given; callers pass them sorted by sender id so the result does
-    not depend on arrival order. A large tensor's sum is computed in slices side by side
-    (:mod:`protocols.host_pool`; each element summed in the same order: the same bits). Returns (mean,
-    total weight); raises on zero total weight.
+    not depend on arrival order. Returns (mean, total weight); raises on zero total weight.
     """
     items = list(items)
     total = float(sum(w for w, _ in items))
     if not items or total <= 0:
         raise ValueError("weighted mean of nothing (total weight is zero)")
-    terms: OrderedDict[str, list[tuple[float, np.ndarray]]] = OrderedDict()
+    acc: OrderedDict[str, np.ndarray] = OrderedDict()
     for w, p in items:
         for k, v in p.items():
-            terms.setdefault(k, []).append((w, v))
-    return OrderedDict((k, _weighted_mean_of(t, total)) for k, t in terms.items()), total
-
-
-def _weighted_mean_of(terms: list[tuple[float, np.ndarray]], total: float) -> np.ndarray:
-    """``sum(w * v) / total`` of one tensor's terms: float64 products summed in order, then float32."""
-    shape = np.shape(terms[0][1])
-    n = int(np.prod(shape))
-    work = n * len(terms)
-    if len(host_pool.bounds(n, work)) == 1 or any(np.shape(v) != shape for _, v in terms):
-        acc = terms[0][1].astype(np.float64) * terms[0][0]
-        for w, v in terms[1:]:
-            acc += v.astype(np.float64) * w
-        return (acc / total).astype(np.float32)
-    flat = [(np.float64(w), np.asarray(v).reshape(-1)) for w, v in terms]
-    acc, out = np.empty(n, np.float64), np.empty(n, np.float32)
-
-    def part(lo: int, hi: int) -> None:  # the same operations as above, on elements lo..hi
-        dst, tmp = acc[lo:hi], np.empty(hi - lo, np.float64)
-        np.copyto(dst, flat[0][1][lo:hi])  # exact: float32 -> float64
-        np.multiply(dst, flat[0][0], out=dst)
-        for w, v in flat[1:]:
-            np.copyto(tmp, v[lo:hi])
-            np.multiply(tmp, w, out=tmp)
-            np.add(dst, tmp, out=dst)
-        np.divide(dst, total, out=dst)
-        out[lo:hi] = dst
-
-    host_pool.run_sliced(n, part, work)
-    return out.reshape(shape)
+            term = v.astype(np.float64) * w
+            if k in acc:
+                acc[k] += term
+            else:
+                acc[k] = term
+    return OrderedDict((k, (v / total).astype(np.float32)) for k, v in acc.items()), total
 
 
 def check_names_and_shapes(
