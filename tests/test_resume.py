@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -400,9 +401,15 @@ def records(path: Path) -> list[dict]:
     return list(read_jsonl(path)) if path.exists() else []
 
 
+def new_broker() -> MosquittoBroker | EmbeddedBroker:
+    """A broker of its own for one deployment (deployments share node ids: their sessions and retained statuses
+    must not meet)."""
+    return MosquittoBroker() if find_mosquitto() else EmbeddedBroker()
+
+
 @pytest.fixture
 def broker():
-    with MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as b:
+    with new_broker() as b:
         yield b
 
 
@@ -411,43 +418,23 @@ def uninterrupted(dep: Deployment) -> bytes:
     return (sim.output_dir / runfiles.FINAL_MODEL).read_bytes()
 
 
-def test_cloud_killed_mid_round_resumes_to_the_uninterrupted_model(tmp_path: Path, broker) -> None:
-    """SIGKILL the cloud once every cell has aggregated round 1 (so they report into the void), then
-    ``fedtier cloud --resume``: it re-sends round 1 in the same session, the cells answer it again
-    with their report, and the run ends with the uninterrupted model; every round has every cell."""
-    dep = Deployment(tmp_path, broker.url)
-    expected = uninterrupted(dep)
-    cells = dep.cfg.topology.cell_ids()
-    with ExitStack() as stack:
-        stack.callback(dep.close)
-        dep.start_all_but()
-        wait_for(
-            "every cell's round-1 record",
-            lambda: all(any(r["round"] == 1 for r in records(dep.cell_dir(c) / runfiles.AGGREGATION)) for c in cells),
-        )
-        dep.kill("cloud")
-        done = [r["round"] for r in records(tmp_path / "cloud" / runfiles.METRICS)]
-        dep.start("cloud", "--resume")
-        dep.wait_all()
-    assert (tmp_path / "cloud" / runfiles.FINAL_MODEL).read_bytes() == expected
-    metrics = records(tmp_path / "cloud" / runfiles.METRICS)
-    assert [m["round"] for m in metrics] == [0, 1, 2], done  # each round once, the re-run one included
-    assert all(m["cells_reported"] == cells and m["closed_by"] == "all reported" for m in metrics), metrics
-    if 1 not in done:  # the usual case: the cloud died before it took round 1's reports
-        assert all("re-sending its report" in dep.log(c) for c in cells)
+@dataclass
+class Killed:
+    """A deployment run to its end through the kills of :func:`kill_cell_then_cloud`."""
+
+    dep: Deployment
+    expected: bytes  # the uninterrupted run's final model
+    done: list[int] | None  # the rounds in the cloud's metrics when it was killed (None: not killed)
 
 
-@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_cell_killed_mid_round_resumes_and_loses_no_device_result(tmp_path: Path, broker, signed: bool) -> None:
-    """Agent c0-d1 is paused (SIGSTOP) once online, so round 0's first edge round of cell c0 cannot
-    close; once c0 has journaled c0-d0's result, c0 is SIGKILLed, c0-d1 continues (its result goes to
-    a cell that is down: the broker queues it in c0's session) and ``fedtier cell --resume`` restarts c0:
-    it keeps c0-d0's result, gets c0-d1's from its session (held by the transport until c0 subscribes)
-    or, re-sending the task, from c0-d1 again (the same message), waits for its devices' statuses before
-    it plans the next edge round, and the run goes on. No device result of the round is lost: every
-    edge round has both devices, every round both cells, the model is the uninterrupted run's."""
-    dep = Deployment(tmp_path, broker.url, edge_rounds=2, signed=signed)
+def kill_cell_then_cloud(dep: Deployment, kill_cloud: bool) -> Killed:
+    """Agent c0-d1 is paused (SIGSTOP) once online, so round 0's first edge round of cell c0 cannot close; once
+    c0 has journaled c0-d0's result, c0 is SIGKILLed, c0-d1 continues and ``fedtier cell --resume`` restarts c0.
+    With ``kill_cloud``, the cloud is then SIGKILLed once every cell has aggregated round 1's last edge round (so
+    they report into the void), and restarted with ``fedtier cloud --resume``. The run goes on to its end."""
     journal = Journal(dep.cell_dir("c0") / runfiles.CELL_JOURNAL.format(cell="c0"))
+    cells, last_edge = dep.cfg.topology.cell_ids(), dep.cfg.train.edge_rounds - 1
+    done = None
     with ExitStack() as stack:
         stack.callback(dep.close)
         dep.start("c0-d1")
@@ -462,10 +449,67 @@ def test_cell_killed_mid_round_resumes_and_loses_no_device_result(tmp_path: Path
         dep.kill("c0")
         dep.signal("c0-d1", signal.SIGCONT)
         dep.start("c0", "--resume")
+        if kill_cloud:
+            wait_for(
+                "every cell's record of round 1's last edge round",
+                lambda: all(
+                    any(
+                        (r["round"], r["edge_round"]) == (1, last_edge)
+                        for r in records(dep.cell_dir(c) / runfiles.AGGREGATION)
+                    )
+                    for c in cells
+                ),
+            )
+            dep.kill("cloud")
+            done = [r["round"] for r in records(dep.tmp / "cloud" / runfiles.METRICS)]
+            dep.start("cloud", "--resume")
         dep.wait_all()
+    return Killed(dep, expected, done)
+
+
+@pytest.fixture(scope="module")
+def killed_twice(tmp_path_factory: pytest.TempPathFactory) -> Killed:
+    """The signed deployment (2 edge rounds a round) with its cell c0 killed in round 0 and its cloud in round 1:
+    each test below asserts what its kill must leave (one deployment instead of one for each kill)."""
+    with new_broker() as broker:
+        return kill_cell_then_cloud(Deployment(tmp_path_factory.mktemp("killed"), broker.url, edge_rounds=2), True)
+
+
+def test_cloud_killed_mid_round_resumes_to_the_uninterrupted_model(killed_twice: Killed) -> None:
+    """SIGKILL the cloud once every cell has aggregated round 1 (so they report into the void), then
+    ``fedtier cloud --resume``: it re-sends round 1 in the same session, the cells answer it again
+    with their report, and the run ends with the uninterrupted model; every round has every cell."""
+    dep, done = killed_twice.dep, killed_twice.done
+    cells = dep.cfg.topology.cell_ids()
+    assert done is not None
+    assert (dep.tmp / "cloud" / runfiles.FINAL_MODEL).read_bytes() == killed_twice.expected
+    metrics = records(dep.tmp / "cloud" / runfiles.METRICS)
+    assert [m["round"] for m in metrics] == [0, 1, 2], done  # each round once, the re-run one included
+    assert all(m["cells_reported"] == cells and m["closed_by"] == "all reported" for m in metrics), metrics
+    if 1 not in done:  # the usual case: the cloud died before it took round 1's reports
+        assert all("re-sending its report" in dep.log(c) for c in cells)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_cell_killed_mid_round_resumes_and_loses_no_device_result(
+    tmp_path: Path, broker, signed: bool, request: pytest.FixtureRequest
+) -> None:
+    """Agent c0-d1 is paused (SIGSTOP) once online, so round 0's first edge round of cell c0 cannot
+    close; once c0 has journaled c0-d0's result, c0 is SIGKILLed, c0-d1 continues (its result goes to
+    a cell that is down: the broker queues it in c0's session) and ``fedtier cell --resume`` restarts c0:
+    it keeps c0-d0's result, gets c0-d1's from its session (held by the transport until c0 subscribes)
+    or, re-sending the task, from c0-d1 again (the same message), waits for its devices' statuses before
+    it plans the next edge round, and the run goes on. No device result of the round is lost: every
+    edge round has both devices, every round both cells, the model is the uninterrupted run's. (Signed: the
+    deployment of ``killed_twice``, whose cloud is killed later too.)"""
+    if signed:
+        killed: Killed = request.getfixturevalue("killed_twice")
+    else:
+        killed = kill_cell_then_cloud(Deployment(tmp_path, broker.url, edge_rounds=2, signed=False), False)
+    dep = killed.dep
     assert "resumed round 0, edge round 0 with 1 of 2 results" in dep.log("c0")
-    assert (tmp_path / "cloud" / runfiles.FINAL_MODEL).read_bytes() == expected
-    metrics = records(tmp_path / "cloud" / runfiles.METRICS)
+    assert (dep.tmp / "cloud" / runfiles.FINAL_MODEL).read_bytes() == killed.expected
+    metrics = records(dep.tmp / "cloud" / runfiles.METRICS)
     assert [m["round"] for m in metrics] == [0, 1, 2]
     assert all(m["cells_reported"] == ["c0", "c1"] for m in metrics), metrics
     for cell in ("c0", "c1"):
