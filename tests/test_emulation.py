@@ -32,8 +32,14 @@ QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.t
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 
 
-def quickstart(out: Path):
-    return load_config(QUICKSTART, [f"run.output={json.dumps(str(out))}", "run.rounds=2"])
+# The quickstart's hierarchy, model and algorithm on 200 MNIST samples a device (its own: 6,000) and 10 SGD steps
+# an edge round (its own: 50): bit-identity and resuming do not need its full training, which took most of these
+# tests' time.
+SMALLER = ["data.max_train=2000", "data.max_test=500", "algorithm.local_steps=10"]
+
+
+def quickstart(out: Path, rounds: int = 2):
+    return load_config(QUICKSTART, [f"run.output={json.dumps(str(out))}", f"run.rounds={rounds}", *SMALLER])
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,7 @@ def test_run_is_bit_identical_to_sim(kind: str, sim_model: bytes, tmp_path: Path
     assert all(not r["absent"] and not r["rejected"] for r in result.cell_records)
     # devices loaded their partitions from their files, as deployed agents do
     data, shape, classes = load_device_data(out / "devices" / "c1-d4.npz")
-    assert shape == (1, 28, 28) and classes == 10 and len(data) == 6000
+    assert shape == (1, 28, 28) and classes == 10 and len(data) == 200
     summary = json.loads((out / runfiles.SUMMARY).read_text())
     wire, payload = summary["wire_bytes"], summary["cumulative_bytes"]
     for tier in ("cloud_to_cell", "cell_to_cloud", "cell_to_device"):
@@ -160,7 +166,7 @@ def test_run_resumes_after_a_stop(sim_model: bytes, tmp_path: Path) -> None:
     """A `fedtier run` stopped after round 0 and resumed ends with the uninterrupted run's model. A cell record
     of round 1 that the stopped run had written (a Ctrl-C mid-round) is gone: its cells ran round 1 again, and
     `fedtier logs`/`report` would count the round's first edge round twice."""
-    first = load_config(QUICKSTART, [f"run.output={json.dumps(str(tmp_path))}", "run.rounds=1"])
+    first = quickstart(tmp_path, rounds=1)
     Emulation(first).run()
     cell_records = tmp_path / runfiles.AGGREGATION
     interrupted = {**json.loads(cell_records.read_text().splitlines()[0]), "round": 1, "time": 1.0}
