@@ -106,14 +106,31 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def fedtier(site: Path | None, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*([str(site)] if site else []), str(ROOT)]))
-    return subprocess.run(
-        [sys.executable, "-c", "from fedtier.cli import main; main()", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    [done] = fedtier_side_by_side((site, args), timeout=timeout)
+    return done
+
+
+def fedtier_side_by_side(
+    *commands: tuple[Path | None, tuple[str, ...]], timeout: float = 240
+) -> list[subprocess.CompletedProcess[str]]:
+    """``fedtier ARGS`` with only ``site`` (and the repository) on its path, for each ``(site, args)``, all started
+    at once (independent runs: the second core takes its share); their results, in order."""
+    procs = []
+    for site, args in commands:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*([str(site)] if site else []), str(ROOT)]))
+        argv = [sys.executable, "-c", "from fedtier.cli import main; main()", *args]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def summary(out: Path) -> dict:
@@ -125,15 +142,20 @@ def test_installed_plugin_runs_in_sim_workers_and_run(plugin_site: Path, tmp_pat
     spawned workers (same model, byte for byte) and in ``fedtier run`` over MQTT (same model again)."""
     without = tmp_path / "c0.toml"
     without.write_text(CONFIG.format(out=tmp_path / "none"))
-    res = fedtier(None, "sim", str(without), "--no-progress")
+    runs = {"sim": ("sim",), "workers": ("sim", "--workers", "2"), "run": ("run",)}
+    for name in runs:
+        (tmp_path / f"{name}.toml").write_text(CONFIG.format(out=tmp_path / name))
+    res, *done = fedtier_side_by_side(
+        (None, ("sim", str(without), "--no-progress")),
+        *(
+            (plugin_site, (cmd, str(tmp_path / f"{name}.toml"), "--no-progress", *extra))
+            for name, (cmd, *extra) in runs.items()
+        ),
+    )
     assert res.returncode == 2 and "unknown model 'wide'" in res.stderr and "unknown dataset 'blobs'" in res.stderr
 
     models = []
-    for name, extra in (("sim", ()), ("workers", ("--workers", "2")), ("run", ())):
-        cfg = tmp_path / f"{name}.toml"
-        cfg.write_text(CONFIG.format(out=tmp_path / name))
-        cmd = "run" if name == "run" else "sim"
-        res = fedtier(plugin_site, cmd, str(cfg), "--no-progress", *extra)
+    for name, res in zip(runs, done, strict=True):
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
         s = summary(tmp_path / name)
         assert s["rounds"] == 2 and s["accuracy"] > 0.8, s  # three blobs: chance is 1/3
