@@ -8,7 +8,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -95,6 +95,20 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
             for s in socks:
                 s.close()
     raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+T = TypeVar("T")
+
+
+def while_workers_start(sim: Any, work: Callable[[], T]) -> T:
+    """``work()`` (the run without workers to compare with, say) while the worker processes of ``sim`` (a
+    ``SimHierarchy`` with ``runtime.sim_workers``: built, not yet run) start up: they were spawned when it was
+    built, and import torch and build their devices on the other core meanwhile. They are stopped if it fails."""
+    try:
+        return work()
+    except BaseException:
+        sim.executor.close()
+        raise
 
 
 def kill_worker_at_task(sim: Any, device: str, at: tuple[int, int] = (1, 0)) -> Any:

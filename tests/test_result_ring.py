@@ -16,8 +16,9 @@ import pytest
 
 from protocols.wire.payload import Lent, Payload, decode_payload, encode_payload, parts_size, payload_parts
 from sim import result_ring
-from sim.launcher import run_simulation
+from sim.launcher import SimHierarchy, run_simulation
 from sim.result_ring import RingReader, RingWriter
+from tests.conftest import while_workers_start
 from tests.test_clock import CLOCK
 from tests.test_sim_workers_wire import SECTIONS, _same, _segment
 
@@ -174,8 +175,11 @@ def test_a_run_with_small_rings_lends_and_copies_results_kept_by_the_clock_and_s
     delivered result is kept until its device's compute time has passed (virtual time moves once the round's
     results are in), so a ring's lent records are pinned while the worker writes the rest."""
     sections = {**SECTIONS, "model": {"name": "mlp", "hidden": [600]}, "clock": CLOCK}
-    inline = run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
     monkeypatch.setattr(result_ring, "RING_BYTES", RING)
+    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False)
+    inline = while_workers_start(
+        sim, lambda: run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
+    )
     kinds: list[str] = []
     take = RingReader.take
 
@@ -185,9 +189,7 @@ def test_a_run_with_small_rings_lends_and_copies_results_kept_by_the_clock_and_s
         return body
 
     monkeypatch.setattr(RingReader, "take", spy)
-    parallel = run_simulation(
-        make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False
-    )
+    parallel = sim.run()
     _same(inline, parallel)
     assert len(kinds) == 6 * 2 * 2 and {"lent", "copied"} <= set(kinds)  # 6 devices, 2 edge rounds, 2 rounds
 

@@ -9,7 +9,7 @@ import pytest
 from protocols.transport.memory import VirtualLoop
 from sim.executors import ProcessExecutor, WorkerError
 from sim.launcher import RunResult, SimHierarchy, run_simulation
-from tests.conftest import kill_worker_at_task
+from tests.conftest import kill_worker_at_task, while_workers_start
 
 WALL = ("time", "duration_s")  # real-time fields of the records; everything else must match
 
@@ -25,9 +25,11 @@ def _same(a: RunResult, b: RunResult) -> None:
 
 def _pair(make_config, **sections: dict[str, Any]) -> tuple[RunResult, RunResult]:
     runtime = sections.pop("runtime", {})
-    inline = run_simulation(make_config(runtime=runtime, **sections), write_output=False)
     sim = SimHierarchy(make_config(runtime={**runtime, "sim_workers": 2}, **sections), write_output=False)
     assert isinstance(sim.executor, ProcessExecutor) and len(sim.executor.procs) == 2
+    inline = while_workers_start(
+        sim, lambda: run_simulation(make_config(runtime=runtime, **sections), write_output=False)
+    )
     parallel = sim.run()
     assert all(not p.is_alive() for p in sim.executor.procs)  # shut down after the run
     return inline, parallel

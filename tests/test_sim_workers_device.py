@@ -17,6 +17,7 @@ from protocols.algorithms.base import ModelSpec
 from protocols.torch_trainer import _told
 from sim import executors
 from sim.launcher import SimHierarchy
+from tests.conftest import while_workers_start
 from tests.spinner import spin_then_wait
 from tests.test_cohort import _equivalent, _run
 
@@ -33,8 +34,10 @@ def test_workers_on_auto_without_a_gpu_train_on_the_cpu_and_match_the_run_withou
     caplog.set_level(logging.INFO, logger="fedtier.device")
     _told.clear()
     runtime = {"engine": "cohort", "cohort_size": 2, "device": "auto"}
-    alone = SimHierarchy(make_config(runtime=runtime, **SECTIONS), write_output=False).run()
     sim = SimHierarchy(make_config(runtime={**runtime, "sim_workers": 2}, **SECTIONS), write_output=False)
+    alone = while_workers_start(
+        sim, lambda: SimHierarchy(make_config(runtime=runtime, **SECTIONS), write_output=False).run()
+    )
     workers = sim.run()
     executor = sim.executor
     assert isinstance(executor, executors.ProcessExecutor) and executor.largest_batch == 3

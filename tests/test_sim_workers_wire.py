@@ -21,7 +21,7 @@ from sim.executors import WorkerError
 from sim.launcher import RunResult, SimHierarchy, run_simulation
 from sim.result_ring import RingReader, RingWriter
 from sim.worker_frames import batch_frame, batch_items, unframe
-from tests.conftest import kill_worker_at_task, wait_until
+from tests.conftest import kill_worker_at_task, wait_until, while_workers_start
 
 WALL = ("time", "duration_s")
 
@@ -52,14 +52,16 @@ def test_tasks_go_as_they_arrived_results_come_through_the_rings_and_the_run_is_
         raise AssertionError("a received task was encoded again for its worker")
 
     sections = {**SECTIONS, "run": {"rounds": 1}}
-    inline = run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
+    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False)
+    names = [ring.name for ring in sim.executor.rings]
+    assert len(names) == 2 and all(_segment(name) for name in names)
+    inline = while_workers_start(
+        sim, lambda: run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
+    )
     monkeypatch.setattr("sim.executors.encode_payload", refuse)  # the main process's; the workers are spawned
     taken: list[int] = []
     take = RingReader.take
     monkeypatch.setattr(RingReader, "take", lambda self, at, n: taken.append(n) or take(self, at, n))
-    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False)
-    names = [ring.name for ring in sim.executor.rings]
-    assert len(names) == 2 and all(_segment(name) for name in names)
     parallel = sim.run()
     _same(inline, parallel)
     assert sim.executor.largest_batch == 3  # 6 devices over 2 workers, a batch per edge round
@@ -155,10 +157,11 @@ def test_diverged_devices_in_workers_are_recorded_as_without_workers(make_config
     """A worker sends a diverged device's result as its agent would (the same reason), having checked every
     float of the others finite; the run is the one without workers, records of the divergence included."""
     sections = {**SECTIONS, "run": {"rounds": 1}, "algorithm": {**SECTIONS["algorithm"], "lr": 1e30, "edge_rounds": 1}}
-    inline = run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
-    parallel = run_simulation(
-        make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False
+    sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False)
+    inline = while_workers_start(
+        sim, lambda: run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
     )
+    parallel = sim.run()
     _same(inline, parallel)
     diverged = [d for r in inline.cell_records for d in r.get("diverged", {})]
     assert len(diverged) == 6  # every device
