@@ -51,15 +51,21 @@ class RoundCounts:
         the task (acknowledged to the broker, which will not hand it again) and before journaling it; if it has
         the task, the copy is answered as a repeat. A cell's first repeat in a round is let be (a restart, a
         redelivery: at most one task again); a later one is refused (:class:`Rejected`, ``REPLAY``): a cell
-        that repeats itself gets no more tasks and changes no aggregate, and its repeats are on the record."""
+        that repeats itself gets no more tasks and changes no aggregate, and its repeats are on the record. A
+        repeat that ``cell`` did not sign is refused (``WRONG_SENDER``) and is not ``cell``'s repeat: another
+        node's copies on its topic use up nothing of ``cell``'s."""
         h = repeated
+        if h.sender != cell:
+            raise Rejected(
+                RejectKind.WRONG_SENDER, f"report signed by {h.sender!r} on the topic of cell {cell!r}, again"
+            )
         if cell in self.repeated:
             raise Rejected(
                 RejectKind.REPLAY,
                 f"report of round {h.round} from {cell} again, in round {rnd}: one repeat a round is let be",
             )
         self.repeated.add(cell)
-        if h.sender != cell or h.round >= rnd or cell not in pending:
+        if h.round >= rnd or cell not in pending:
             log.info("cloud: report of round %d from %s again (a restart, a redelivery): dropped", h.round, cell)
             return False
         log.warning(

@@ -736,6 +736,43 @@ def test_an_async_cell_repeating_its_pushes_on_purpose_gets_one_version_again_a_
     assert recorded and all(x["from"] == "c0" for x in recorded)
 
 
+def test_another_cells_repeats_on_a_cells_topic_do_not_use_up_that_cells_one_resend_a_round(tmp_path: Path) -> None:
+    """Signed, 2 rounds: as c0 gets round 1's task, c1 (its own key, a lying cell) signs a report for c0's topic and
+    sends it twice, then c0 repeats its round-0 report, as a cell restarted from its journal does. c1's copies are
+    refused as ``wrong_sender``, its repeat included: it is not c0's one repeat of the round, so c0 is sent its task
+    again (before, c1's repeat counted as c0's and c0's own was refused as ``replay``: a cell that lost its task then
+    waited out its deadline)."""
+    config = {"run": {"rounds": 2}, "security": {"keys": str(tmp_path / "keys.toml")}}
+    sim = SimHierarchy(small_config(tmp_path / "run", **config))
+    run, intruder, spy = sim.cfg.run.name, sim.hub.connect("intruder"), sim.hub.connect("spy")
+    reports: list[bytes] = []
+    tasks: Counter[int] = Counter()
+    refused: list[tuple[str, str]] = []
+    reject = sim.cloud.messenger.reject
+
+    def refusing(topic, kind, reason, sender):
+        refused.append((str(kind), reason))
+        reject(topic, kind, reason, sender)
+
+    def on_task(topic: str, data: bytes) -> None:
+        rnd = decode_message(data)[0].round
+        tasks[rnd] += 1
+        if rnd == 1 and tasks[rnd] == 1:
+            forged = sim.cells["c1"].messenger.frame(
+                "cell_report", Payload({"weight": 1.0}), round=0, cell="c0", topic=topics.cell_report(run, "c0")
+            )
+            for data in (forged, forged, reports[0]):
+                intruder.publish(topics.cell_report(run, "c0"), data, qos=1)
+
+    sim.cloud.messenger.reject = refusing  # type: ignore[method-assign]
+    spy.subscribe(topics.cell_report(run, "c0"), lambda topic, data: reports.append(data))
+    spy.subscribe(topics.cell_task(run, "c0"), on_task)
+    result = sim.run()
+    assert [h["cells_reported"] for h in result.history] == [["c0", "c1"]] * 2
+    assert tasks == {0: 1, 1: 2}, (tasks, refused)  # c0's repeat got its task again
+    assert [kind for kind, _ in refused] == ["wrong_sender", "wrong_sender"], refused
+
+
 # ------------------------------------------------------------------------------ a device's masked input (SecAgg+)
 def secure_sum(shift: float) -> object:
     """One SecAgg+ aggregation of 6 devices of weight 1 (updates ~ N(0, 0.1), clip bound 1) in which c0-d0 (its
