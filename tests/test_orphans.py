@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,70 +54,78 @@ def alive(pid: int) -> bool:
     return st is not None and st[0] not in ("Z", "X")  # a zombie is dead, waiting to be reaped
 
 
-def _start_run(tmp_path: Path) -> subprocess.Popen:
-    """``fedtier run`` with 2 agent workers (and its own Mosquitto where installed), once a cell has
-    aggregated (the workers are past their start-up)."""
+def _launch(tmp_path: Path) -> subprocess.Popen:
+    """``fedtier run`` with 2 agent workers (and its own Mosquitto where installed), 500 rounds: it runs until
+    the test stops it."""
     cfg = small_config(tmp_path, run={"rounds": 500}, runtime={"device_deadline": 60.0})
     config = tmp_path / "run.toml"
     config.write_text(cfg.to_toml())
-    run = procs.popen(
+    return procs.popen(
         [FEDTIER, "run", str(config), "--no-progress", "--workers", "2"],
         stdout=open(tmp_path / "run.log", "wb"),
         stderr=-2,
     )
 
-    def started() -> bool:
-        kids = descendants(run.pid)
-        workers = [p for p, cmd in kids.items() if "multiprocessing" in cmd and "spawn_main" in cmd]
-        broker = [p for p, cmd in kids.items() if "mosquitto" in cmd] if find_mosquitto() else [0]
-        log = tmp_path / "run" / "aggregation.jsonl"  # a record: the agents are up and training
-        return len(workers) == 2 and bool(broker) and log.exists() and log.stat().st_size > 0
 
-    if not wait_until(started, 240):
-        run.kill()
-        run.wait()
-        raise AssertionError((tmp_path / "run.log").read_text()[-3000:])
-    return run
+def _started(run: subprocess.Popen, tmp_path: Path) -> bool:
+    """A cell of ``run`` has aggregated (its workers are past their start-up), its broker is up."""
+    kids = descendants(run.pid)
+    workers = [p for p, cmd in kids.items() if "multiprocessing" in cmd and "spawn_main" in cmd]
+    broker = [p for p, cmd in kids.items() if "mosquitto" in cmd] if find_mosquitto() else [0]
+    log = tmp_path / "run" / "aggregation.jsonl"  # a record: the agents are up and training
+    return len(workers) == 2 and bool(broker) and log.exists() and log.stat().st_size > 0
 
 
-@linux_only
-def test_sigkilled_fedtier_run_leaves_no_process_behind(tmp_path: Path) -> None:
-    """``fedtier run`` is killed with SIGKILL mid-run: within a few seconds none of its descendants is alive."""
-    run = _start_run(tmp_path)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """Two ``fedtier run``s started side by side (each test below stops one its own way), once both are up:
+    ``{"kill": (process, folder), "term": (process, folder)}``; what is left of them is killed at the end."""
+    started = {}
+    for name in ("kill", "term"):
+        folder = tmp_path_factory.mktemp(name)
+        started[name] = (_launch(folder), folder)
     try:
-        kids = descendants(run.pid)
-        run.send_signal(signal.SIGKILL)
-        run.wait(10)
-        left = lambda: {p: cmd for p, cmd in kids.items() if alive(p)}  # noqa: E731
-        assert wait_until(lambda: not left(), 10), f"still running after their parent was killed: {left()}"
+        for run, folder in started.values():
+            if not wait_until(functools.partial(_started, run, folder), 240):
+                raise AssertionError((folder / "run.log").read_text()[-3000:])
+        yield started
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+        for run, _ in started.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
 
 
 @linux_only
-def test_a_terminated_fedtier_run_stops_as_on_ctrl_c_and_says_how_to_resume(tmp_path: Path) -> None:
+def test_sigkilled_fedtier_run_leaves_no_process_behind(runs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    """``fedtier run`` is killed with SIGKILL mid-run: within a few seconds none of its descendants is alive."""
+    run, _ = runs["kill"]
+    kids = descendants(run.pid)
+    run.send_signal(signal.SIGKILL)
+    run.wait(10)
+    left = lambda: {p: cmd for p, cmd in kids.items() if alive(p)}  # noqa: E731
+    assert wait_until(lambda: not left(), 10), f"still running after their parent was killed: {left()}"
+
+
+@linux_only
+def test_a_terminated_fedtier_run_stops_as_on_ctrl_c_and_says_how_to_resume(
+    runs: dict[str, tuple[subprocess.Popen, Path]],
+) -> None:
     """SIGTERM (``kill``, ``timeout``) stops ``fedtier run`` as Ctrl-C does: its workers and broker are
     stopped (not left to die with it), and it says it was interrupted and how to continue, exit 130 (it
     died at once, 143, with the semaphores of its worker queue leaked)."""
-    run = _start_run(tmp_path)
-    try:
-        kids = descendants(run.pid)
-        run.send_signal(signal.SIGTERM)
-        assert run.wait(60) == INTERRUPTED
-        said = " ".join((tmp_path / "run.log").read_text().split())
-        assert "interrupted:" in said and "the same command with --resume continues" in said, said[-2000:]
-        assert "leaked" not in said
-        # its workers and broker were stopped before it exited; multiprocessing's resource tracker exits on its own
-        # once the run's end of its pipe closes (at the run's exit), a moment later
-        tracker = {p for p, cmd in kids.items() if "multiprocessing.resource_tracker" in cmd}
-        assert not {p: kids[p] for p in kids if p not in tracker and alive(p)}
-        assert wait_until(lambda: not {p for p in tracker if alive(p)}, 10)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+    run, tmp_path = runs["term"]
+    kids = descendants(run.pid)
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(60) == INTERRUPTED
+    said = " ".join((tmp_path / "run.log").read_text().split())
+    assert "interrupted:" in said and "the same command with --resume continues" in said, said[-2000:]
+    assert "leaked" not in said
+    # its workers and broker were stopped before it exited; multiprocessing's resource tracker exits on its own
+    # once the run's end of its pipe closes (at the run's exit), a moment later
+    tracker = {p for p, cmd in kids.items() if "multiprocessing.resource_tracker" in cmd}
+    assert not {p: kids[p] for p in kids if p not in tracker and alive(p)}
+    assert wait_until(lambda: not {p for p in tracker if alive(p)}, 10)
 
 
 @linux_only
