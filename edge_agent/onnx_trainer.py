@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from protocols.onnx_export import PARAMS_KEY, SPEC_KEY  # torch is imported only when exporting
-from protocols.trainer import Trainer
+from protocols.trainer import PROGRESS, Trainer
 from protocols.wire.payload import decode_payload
 
 
@@ -74,6 +74,7 @@ class OnnxTrainer(Trainer):
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 2048) -> tuple[float, float]:
         total, correct = 0.0, 0
         for start in range(0, len(y), batch_size):
+            PROGRESS.tick()  # (an evaluation batch is progress: sim/worker_watch.py)
             out = self.logits(x[start : start + batch_size])
             yb = np.asarray(y[start : start + batch_size])
             total += cross_entropy(out, yb, "sum")

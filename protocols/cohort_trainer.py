@@ -281,6 +281,7 @@ class CohortEngine:
         correct = torch.zeros(len(reqs), dtype=torch.int64, device=self.device)
         with torch.no_grad():
             for start in range(0, n, EVAL_CHUNK):
+                PROGRESS.tick()  # (an evaluation chunk is progress: sim/worker_watch.py)
                 xb, yb, mb = self._slices(data, start, min(n, start + EVAL_CHUNK))
                 out = batched_forward(model, params, xb)
                 ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), yb.reshape(-1), reduction="none").view_as(mb)

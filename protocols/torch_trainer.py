@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .config import ConfigError
 from .models import build_model, get_params, set_params
-from .trainer import GradTransform, LocalData, Trainer, TrainStats, batches
+from .trainer import PROGRESS, GradTransform, LocalData, Trainer, TrainStats, batches
 
 log = logging.getLogger("fedtier.device")
 _told: set[str] = set()  # the auto choices logged in this process (once each)
@@ -132,6 +132,7 @@ class TorchTrainer(Trainer):
         xs, ys = self._eval_tensors(x, y)
         losses, hits = [], []
         for start in range(0, len(y), batch_size):
+            PROGRESS.tick()  # an evaluation batch is progress: a long one is no hung worker (sim/worker_watch.py)
             out = self.model(xs[start : start + batch_size])
             yt = ys[start : start + batch_size]
             losses.append(F.cross_entropy(out, yt, reduction="sum"))

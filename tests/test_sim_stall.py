@@ -107,6 +107,24 @@ def test_a_worker_slower_than_the_bound_that_trains_is_not_stopped(make_config):
     assert max(waits) > bound, waits  # it was silent of results longer than the bound, and it was not stopped
 
 
+def test_a_worker_evaluating_longer_than_the_bound_is_not_stopped(make_config):
+    """A device that evaluates the received model for longer than ``worker_stall_s`` before it trains
+    (``tests/plugin_slow_eval.py``, as FedALIGN's devices evaluate ``F_k``) makes no training step meanwhile, but its
+    evaluation batches count as progress: its worker beats and the run finishes (before, it was killed as hung)."""
+    bound = 0.5
+    cfg = make_config(
+        run={"rounds": 1, "plugins": ["tests.plugin_slow_eval"]},
+        topology={"cells": 1, "devices_per_cell": 1},
+        algorithm={"name": "fedavg_slow_eval", "edge_rounds": 1, "local_steps": 2},
+        runtime={"sim_workers": 1, "worker_stall_s": bound, "device_deadline": 1e4},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    waits = result_waits(sim.executor.watch)
+    result = sim.run()
+    assert [r["round"] for r in result.history] == [0]
+    assert max(waits) > 3 * bound, waits  # silent of results for longer than the bound, and not stopped
+
+
 def result_waits(watch: Any) -> list[float]:
     """The waits for results a worker was watched for (from the later of a task's sending, the worker's start and
     its last answer, to its next answer), filled in as the run goes."""
