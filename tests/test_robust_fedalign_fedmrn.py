@@ -227,3 +227,21 @@ def test_fedalign_cell_round_with_fewer_devices_than_krum_needs_says_so_as_fedav
     assert outcome.excluded == expected.excluded == {"c0-d1": outcome.excluded["c0-d1"]}
     assert cell.model["w"].tolist() == fedavg.model["w"].tolist() == [1.0] * 4  # Krum kept the first
     assert any("krum over 2 inputs" in r.getMessage() for r in caplog.records)
+
+
+def test_hist_cloud_round_with_fewer_cells_than_krum_needs_says_so_as_fedavg_does(tmp_path) -> None:
+    """HIST's cloud aggregates the layers no cell partitions (the output bias) with ``cloud_aggregator``: 3 cells
+    satisfy Krum at configuration, 2 reported this round; the record's metrics say so (``too_few_inputs``), as
+    FedAvg's cloud's do (before, HIST's said nothing)."""
+    from sim.launcher import SimHierarchy
+    from tests.conftest import small_config
+
+    cfg = small_config(tmp_path, topology={"cells": 3}, algorithm={"name": "hist", "cloud_aggregator": "krum"})
+    role = SimHierarchy(cfg, write_output=False).cloud.role
+    tasks = role.plan(0, ["c0", "c1", "c2"])
+    reports = {c: Payload({"weight": 10}, dict(tasks[c].tensors)) for c in ("c0", "c1")}  # c2 did not report
+    for cell, report in reports.items():
+        role.check(cell, report)  # each a report the cloud takes
+    outcome = role.aggregate(0, reports)
+    said = "needs more than 2f + 2 inputs (f = floor(krum_byzantine x n) = 0); the 2 inputs are not"
+    assert outcome.metrics["too_few_inputs"].startswith(said), outcome.metrics

@@ -214,7 +214,7 @@ class HistCloud(ModelCloud):
         for cell, delta in deltas.items():
             scatter(full, delta, self.axes, self.parts[cell])
         shared = [k for k, ax in self.axes.items() if not any(ax)]
-        total, excluded = 0.0, {}
+        total, excluded, notes = 0.0, {}, {}
         if shared:
             agg = aggregate(
                 robust_params(self.p).cloud_aggregator,
@@ -222,13 +222,14 @@ class HistCloud(ModelCloud):
                 self.p,
             )
             full.update(agg.delta)
-            total, excluded = agg.weight, agg.excluded
+            total, excluded, notes = agg.weight, agg.excluded, agg.notes()
         self.model, amplified = self.opt.step(round, self.model, full)
         metrics = {
             "cells": len(reports),
             "weight": total or sum(r.meta["weight"] for r in reports.values()),
             **comm,
             **({"amplified": 1} if amplified else {}),
+            **notes,  # the robust aggregator's (too few inputs)
         }
         return Outcome(metrics, excluded=excluded)
 
