@@ -90,12 +90,13 @@ class AsyncJournal:
         self._rewrite(version)
 
     def _rewrite(self, version: int) -> None:
-        """The journal afresh: the cloud model, the cell's version, the last push (one push on disk at most)."""
+        """The journal afresh, in one atomic write: the cloud model, the cell's version, the last push (one push on
+        disk at most; a crash mid-way leaves the journal before it)."""
         assert self._head is not None, "a cell pushes only after it adopted a cloud model"
-        self.file.reset(self._head)
-        self.updated(version)
+        entries = [Payload({"k": "version", "version": version})]
         if self._push is not None:
-            self.file.append(Payload({"k": "push"}, {"message": np.frombuffer(self._push, np.uint8)}))
+            entries.append(Payload({"k": "push"}, {"message": np.frombuffer(self._push, np.uint8)}))
+        self.file.reset(self._head, *entries)
 
     def close(self) -> None:
         self.file.close()

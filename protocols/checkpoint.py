@@ -105,14 +105,15 @@ class Journal:
         self._end = pos
         return entries
 
-    def reset(self, first: Payload) -> None:
-        """Replace the journal with ``first`` as its only entry (atomic: temporary file, fsync, rename)."""
+    def reset(self, first: Payload, *more: Payload) -> None:
+        """Replace the journal with ``first`` (and ``more``) as its only entries (atomic: temporary file, fsync,
+        rename)."""
         self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         # owner only: it holds the devices' results of the round and the cell's noise seed
         with private_file(tmp) as fh:
-            fh.write(JOURNAL_MAGIC + _frame(first))
+            fh.write(JOURNAL_MAGIC + b"".join(_frame(entry) for entry in (first, *more)))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)

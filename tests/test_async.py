@@ -9,6 +9,7 @@ from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedavg import FedAvgParams
 from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.algorithms.staleness import StalenessBuffer
+from protocols.checkpoint import Journal
 from protocols.config import ConfigError, parse_config
 from protocols.transport.broker import EmbeddedBroker
 from protocols.wire.payload import Payload
@@ -230,3 +231,34 @@ def test_an_async_cell_restarted_after_losing_a_cloud_version_is_sent_the_curren
     assert any("c0" in h["cells_reported"] for h in later), [(h["clock_s"], h["cells_reported"]) for h in later]
     refused = [x for r in result.cell_records for x in r["rejected"] if x["device"] == "cloud"]
     assert not refused, refused  # the cell never refused a model (a resend it had: 'already at')
+
+
+def test_an_async_cells_journal_keeps_its_model_newest_version_and_last_push_in_one_write(tmp_path, monkeypatch):
+    """What a resumed async cell continues from: the cloud model it adopted last, the newest model version it used
+    and its last push, kept across a newer cloud model; each rewrite is one atomic file (a kill between a reset and
+    an append left a journal without the push, measured deployed: the resumed cell then sent nothing again)."""
+    from cell_server.async_recovery import AsyncJournal
+
+    path = tmp_path / "cell-c0.journal"
+    journal = AsyncJournal(path)
+    journal.adopted(2, "s", {"w": np.zeros(3, np.float32)}, version=4)
+    journal.updated(5)
+    journal.pushed(b"push-of-version-2", version=5)
+    journal.adopted(3, "s", {"w": np.ones(3, np.float32)}, version=6)
+    journal.close()
+    entries = [e.meta["k"] for e in Journal(path).read()]
+    assert entries == ["model", "version", "push"]  # one write: the model, the version, the push
+    resumed = AsyncJournal(path).load(resume=True)
+    assert resumed is not None and (resumed.global_version, resumed.session, resumed.version) == (3, "s", 6)
+    assert resumed.push == b"push-of-version-2" and resumed.model["w"].tolist() == [1.0] * 3
+    again = AsyncJournal(path)
+    again.load(resume=True)
+
+    def killed(self, entry):  # the process dies at its next append
+        raise OSError("killed")
+
+    monkeypatch.setattr(Journal, "append", killed)
+    again.adopted(4, "s", {"w": np.full(3, 2.0, np.float32)}, version=7)  # one write, no append
+    assert AsyncJournal(path).load(resume=True).push == b"push-of-version-2"
+    monkeypatch.undo()
+    assert AsyncJournal(path).load(resume=False) is None and not path.exists()  # afresh: the journal goes
