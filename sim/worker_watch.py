@@ -12,9 +12,12 @@ the machine suspended) does not count that time against the workers."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger("fedtier.sim")
 
 START_S = 300.0
 """A worker still building its devices (loading the data set) is given at least this long."""
@@ -44,6 +47,7 @@ class Watch:
         self.ready = [False] * workers
         self._given_up = [False] * workers  # stalled or dead: no longer watched
         self._stop = threading.Event()
+        self._failed: set[str] = set()  # the callbacks that raised (logged in full once)
         self._thread = threading.Thread(target=self._run, name="sim-worker-watch", daemon=True)
         self._thread.start()
 
@@ -91,7 +95,23 @@ class Watch:
                     self.heard = [max(h, now) for h in self.heard]
             last = now
             for worker, silent in self._check(now):
-                self._stalled(worker, silent)
+                self._call(self._stalled, worker, silent)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
+        """``fn(*args)``; if it raises, logged (its first failure with the traceback) and the watch goes on: a
+        failed poll must not end the watching of every worker."""
+        try:
+            fn(*args)
+        except Exception:
+            name = getattr(fn, "__name__", repr(fn))
+            log.log(
+                logging.DEBUG if name in self._failed else logging.ERROR,
+                "sim worker watch: %s%r failed",
+                name,
+                args,
+                exc_info=True,
+            )
+            self._failed.add(name)
 
     def _check(self, now: float) -> list[tuple[int, float]]:
         """The workers stalled at ``now`` and how long each was silent (given up from then on); polls the others
@@ -110,5 +130,5 @@ class Watch:
                     polls.append(w)
         if self._poll is not None:
             for w in polls:
-                self._poll(w)
+                self._call(self._poll, w)
         return stalled

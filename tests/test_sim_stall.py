@@ -18,6 +18,7 @@ from protocols.checkpoint import load_params
 from sim import launcher
 from sim.executors import WorkerError
 from sim.launcher import SimHierarchy, run_simulation
+from tests.conftest import wait_until
 
 STALL_S = 3.0
 
@@ -123,6 +124,29 @@ def test_a_worker_evaluating_longer_than_the_bound_is_not_stopped(make_config):
     result = sim.run()
     assert [r["round"] for r in result.history] == [0]
     assert max(waits) > 3 * bound, waits  # silent of results for longer than the bound, and not stopped
+
+
+def test_a_watch_whose_poll_fails_still_ends_a_stalled_worker() -> None:
+    """Asking a Ray actor for its progress can raise (its cluster unreachable): the watch logs it and goes on
+    watching, so a worker that then stays silent is still declared stalled (before, the watch thread died with the
+    first failed poll and a hung worker hung the run for good)."""
+    from sim.worker_watch import Watch
+
+    stalled: list[tuple[int, float]] = []
+    polls = [0]
+
+    def poll(worker: int) -> None:
+        polls[0] += 1
+        raise ConnectionError("the cluster is unreachable")
+
+    watch = Watch(1, 0.2, lambda worker, silent: stalled.append((worker, silent)), poll)
+    try:
+        watch.started(0)
+        watch.sent(0, 1)
+        assert wait_until(lambda: bool(stalled), timeout=5.0), polls
+        assert stalled[0][0] == 0 and stalled[0][1] > 0.2 and polls[0] >= 1
+    finally:
+        watch.close()
 
 
 def result_waits(watch: Any) -> list[float]:
