@@ -89,10 +89,10 @@ def num_steps(n: int, batch_size: int, steps: int = 0, epochs: float = 0) -> int
 
 class Progress:
     """The training steps this process has run: each SGD step of a device (:func:`batches`), each evaluation batch
-    (a device's forward-only evaluation, as FedALIGN's ``F_k``) and each part of a cohort engine's compute call. A
-    watcher that sees the count stand still while the process owes results knows
-    it is stuck, not slow (``fedtier sim``'s workers beat with it, ``sim/device_worker.py``). One add a step; an
-    add two threads race on may be lost, which only delays a beat."""
+    (a device's forward-only evaluation, as FedALIGN's ``F_k``), each part of a cohort engine's compute call and each
+    task of a sim worker's batch prepared. A watcher that sees the count stand still while the process owes results
+    knows it is stuck, not slow (``fedtier sim``'s workers beat with it, ``sim/device_worker.py``). One add a step;
+    an add two threads race on may be lost, which only delays a beat."""
 
     __slots__ = ("steps",)
 

@@ -157,6 +157,7 @@ class DeviceWorker:
 
         jobs: list[tuple[int, DeviceContext, DeviceRole, LocalData, Payload]] = []
         for i, (ctx, task) in enumerate(items):
+            PROGRESS.tick()  # preparing a large batch's devices (their roles, their data) is progress too
             if self.runner is None or not self.trainer_for(str(ctx["device"])).trains_in_cohorts:
                 done(i, *self.train_parts(ctx, task))
                 continue

@@ -126,6 +126,24 @@ def test_a_worker_evaluating_longer_than_the_bound_is_not_stopped(make_config):
     assert max(waits) > 3 * bound, waits  # silent of results for longer than the bound, and not stopped
 
 
+def test_a_worker_preparing_a_large_first_batch_longer_than_the_bound_is_not_stopped(make_config):
+    """A worker's first batch builds each of its devices' roles before any cohort trains; 40 devices whose roles take
+    0.05 s each to build (``tests/plugin_slow_devices.py``) keep it from training for 2 s, 4x the bound: each device
+    prepared counts as progress, so it beats and the run finishes (before, it was killed as hung)."""
+    bound = 0.5
+    cfg = make_config(
+        run={"rounds": 1, "plugins": ["tests.plugin_slow_devices"]},
+        topology={"cells": 1, "devices_per_cell": 40},
+        algorithm={"name": "fedavg_slow_devices", "edge_rounds": 1, "local_steps": 1},
+        runtime={"sim_workers": 1, "engine": "cohort", "worker_stall_s": bound, "device_deadline": 1e4},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    waits = result_waits(sim.executor.watch)
+    result = sim.run()
+    assert [r["round"] for r in result.history] == [0]
+    assert max(waits) > 3 * bound, waits  # silent of results for longer than the bound, and not stopped
+
+
 def test_a_watch_whose_poll_fails_still_ends_a_stalled_worker() -> None:
     """Asking a Ray actor for its progress can raise (its cluster unreachable): the watch logs it and goes on
     watching, so a worker that then stays silent is still declared stalled (before, the watch thread died with the
