@@ -82,6 +82,7 @@ class DeviceAgent:
         keep_answer: bool = False,
         caps: Mapping[str, Any] | None = None,
         instance: str | None = None,
+        versioned: bool = False,
     ) -> None:
         """``compute_delay(device, result)``: seconds of the loop's clock the training takes before
         the result leaves (a compute model for simulation, see ``sim/clock.py``). ``trust`` (the device's
@@ -96,11 +97,13 @@ class DeviceAgent:
         ``keep_answer`` costs one result per device: for agents on their own (MQTT), not for simulated
         populations. ``secagg``: take part in secure aggregation (``edge_agent/secagg.py``): results leave
         masked (and are never kept). ``instance``: the agent process's nonce, in every status record
-        (``edge_agent/twin.py``: a second process under this device id is refused)."""
+        (``edge_agent/twin.py``: a second process under this device id is refused). ``versioned``: a task's
+        round is its cell's model version (``algorithm.mode = "async"``), not a cloud round: the manifest's round
+        does not bound it (the session and the replay window still do)."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device
         self.compute_delay = compute_delay
         self.role, self.data, self.trainer, self.seed = role, data, trainer, seed
-        self.trust, self.cloud = trust, cloud
+        self.trust, self.cloud, self.versioned = trust, cloud, versioned
         self.messenger = Messenger(transport, run, device, trust=trust, max_payload=max_message_bytes)
         self._last: tuple[str | None, int, int] | None = None  # (session, round, edge round) of the last task
         self.keep_answer = keep_answer and secagg is None
@@ -242,10 +245,10 @@ class DeviceAgent:
                     f"task of cloud session {h.session!r}; the cloud's current session is "
                     f"{self.cloud.session!r} (replayed or forged)",
                 )
-            now = self.cloud.round
+            now = self.cloud.round if not self.versioned else None
             if now is not None and h.round > now:
                 return Rejected(RejectKind.STALE, f"task for round {h.round}, the cloud's manifest says round {now}")
-        now = self.cloud.round if self.cloud is not None else None
+        now = self.cloud.round if self.cloud is not None and not self.versioned else None
         if now is not None and h.round < now:
             return Rejected(RejectKind.STALE, f"stale task for round {h.round}, the cloud's manifest says round {now}")
         again = (h.round, h.edge_round) == (self._last or (None, -1, -1))[1:]

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from protocols.algorithms.base import Algorithm
+from protocols.algorithms.traits import Trait
 from protocols.capabilities import machine_caps
 from protocols.config import RunConfig
 from protocols.session import CloudSession
@@ -59,4 +60,5 @@ def build_agent(
         keep_answer=keep_answer,
         caps=machine_caps() if caps is None else caps,
         instance=instance,
+        versioned=Trait.ASYNC in algorithm.stack_traits(),  # tasks number the cell's model versions
     )

@@ -121,6 +121,25 @@ def test_replayed_and_stale_tasks_are_never_trained() -> None:
     assert agent.tasks_done == 4
 
 
+def test_an_async_task_is_numbered_by_its_cells_model_version_which_the_cloud_manifest_does_not_bound() -> None:
+    """``algorithm.mode = "async"``: a task's round is the cell's model version, which runs ahead of or behind the
+    cloud's version (the manifest's round) as the cells' pace differs. Deployed, agents refused such tasks as stale
+    ("stale task for round 2, the cloud's manifest says round 4"; signed: "task for round 1, ... says round 0"),
+    so a cell whose version fell behind, a restarted one at once, never got a result again. A versioned agent
+    takes them; the replay window still refuses an older task."""
+    cloud = CloudSession()
+    cloud.on_status({"state": "online", "session": "s1", "started": 1.0})
+    cloud.on_manifest({"session": "s1", "round": 4})
+    d = _Unsigned(cloud=cloud, versioned=True)
+    d.task(2, 0)  # behind the cloud's version
+    d.task(9, 1)  # ahead of it
+    d.task(3, 2)  # before the last task taken: a replay
+    assert d.role.trained == [(2, 0), (9, 1)] and len(d.rejected) == 1 and "(replayed)" in d.rejected[0]
+    rounds = _Unsigned(cloud=cloud)  # a round-based agent: the manifest bounds it
+    rounds.task(2, 0)
+    assert rounds.role.trained == [] and "stale task for round 2" in rounds.rejected[0]
+
+
 def test_a_restarted_cells_task_gets_the_kept_result_again_never_a_second_training() -> None:
     """Unsigned, ``keep_answer`` (MQTT agents): the task of the last (round, edge round) again, under a new
     message id (a restarted cell re-sends the tasks whose results it had not journaled), gets the kept
