@@ -158,6 +158,27 @@ def test_krum_over_too_few_inputs_is_refused(tmp_path):
     small_config(tmp_path, algorithm={"cell_aggregator": "krum"}).build_algorithm(ModelSpec(input_shape=(64,)))  # 3
 
 
+def test_multikrum_that_keeps_every_input_is_refused(tmp_path):
+    """Multi-Krum averages the ``multikrum_keep`` (0: n - f) best-scored inputs: over the 3 devices of the small
+    config's cells f = floor(0.2 x 3) = 0, so it keeps all 3, a liar included: the plain mean, as a trimmed mean
+    that cuts nobody is (refused so). Refused at configuration, and a round that gets so few inputs says so."""
+    from tests.conftest import small_config
+
+    items = _items(3, outliers=(1,))
+    kept_all = aggregate("multikrum", items, _params())
+    mean, _ = P.weighted_mean((w, d) for _, w, d in items)
+    assert kept_all.excluded == {} and all(kept_all.delta[k].tobytes() == mean[k].tobytes() for k in mean)
+    assert kept_all.too_few is not None and "keeps all 3 inputs" in kept_all.too_few
+    with pytest.raises(ConfigError, match=r'cell_aggregator = "multikrum" keeps all 3 devices in the smallest cell'):
+        small_config(tmp_path, algorithm={"cell_aggregator": "multikrum"}).build_algorithm(ModelSpec(input_shape=(64,)))
+    small_config(  # f = floor(0.2 x 5) = 1: it keeps 4 of 5
+        tmp_path, topology={"devices_per_cell": 5}, algorithm={"cell_aggregator": "multikrum"}
+    ).build_algorithm(ModelSpec(input_shape=(64,)))
+    small_config(tmp_path, algorithm={"cell_aggregator": "multikrum", "multikrum_keep": 2}).build_algorithm(
+        ModelSpec(input_shape=(64,))
+    )  # 2 of 3
+
+
 def test_attack_is_a_sim_option_with_dense_uplinks_only():
     cfg = parse_config(
         {**_cfg("mean", "scale"), "algorithm": {"name": "fedavg", "local_steps": 1, "uplink": "signsgd"}}

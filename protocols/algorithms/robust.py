@@ -99,8 +99,8 @@ def robust_params(params: TrainParams) -> RobustParams:
 def too_few(rule: str, n: int, params: TrainParams, what: str = "inputs") -> str | None:
     """Why aggregator ``rule`` cannot do what it says over ``n`` inputs (``what`` names them), or ``None``: Krum
     needs ``n > 2f + 2`` (else its scores tie and it keeps the first), a trimmed mean must cut one at each end
-    (else it is the plain mean). The rule of the configuration's check (:func:`check_tier`) and of a round that
-    got fewer inputs (:func:`aggregate` says so)."""
+    and Multi-Krum must leave one out (else either is the plain mean). The rule of the configuration's check
+    (:func:`check_tier`) and of a round that got fewer inputs (:func:`aggregate` says so)."""
     p = robust_params(params)
     f = math.floor(p.krum_byzantine * n)
     if rule == "krum" and n <= 2 * f + 2:
@@ -110,6 +110,11 @@ def too_few(rule: str, n: int, params: TrainParams, what: str = "inputs") -> str
         )
     if rule == "trimmed_mean" and math.floor(p.trim_beta * n) == 0:
         return f"trim_beta = {p.trim_beta:g} cuts floor({p.trim_beta:g} x {n}) = 0 of the {n} {what} at each end"
+    if rule == "multikrum" and (p.multikrum_keep or n - f) >= n:
+        keep = f"multikrum_keep = {p.multikrum_keep}" + (
+            f": n - f, f = floor(krum_byzantine x n) = {f}" if not p.multikrum_keep else ""
+        )
+        return f"keeps all {n} {what} ({keep}): it is their plain mean"
     return None
 
 
@@ -122,6 +127,10 @@ def check_tier(key: str, rule: str, n: int, what: str, params: TrainParams, wher
         return
     if rule == "krum":
         raise ValueError(f'{key}_aggregator = "krum"{where} {reason} (use median, or more {what})')
+    if rule == "multikrum":
+        raise ValueError(
+            f'{key}_aggregator = "multikrum"{where} {reason} (set multikrum_keep below {n}, or use median)'
+        )
     raise ValueError(
         f'algorithm.{reason}{where}: {key}_aggregator = "{rule}" would be the plain mean; set trim_beta '
         f">= {1 / n:.3g} (or use median)"
