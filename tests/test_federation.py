@@ -25,13 +25,14 @@ import pytest
 from edge_agent.runner import save_device_data
 from fedtier.cli import main
 from fedtier.provisioning import provision
+from monitor.fleet import Fleet
 from protocols import runfiles
 from protocols.jobs import canonical_job, read_job_file
 from protocols.procs import popen
 from protocols.roster import roster_topic, verify_roster
 from protocols.trainer import LocalData
 from protocols.transport.broker import find_mosquitto, free_port
-from protocols.wire.keys import KeyRing, PublicKeys, load_keys, new_seed, public_of, write_keys
+from protocols.wire.keys import KeyRing, PublicKeys, load_keys, load_public_keys, new_seed, public_of, write_keys
 from sim.hierarchy import prepare
 from sim.launcher import run_simulation
 from tests.conftest import small_config, wait_until
@@ -129,16 +130,31 @@ def _fleet(bundle: Path, wait: float = 1.0) -> dict[str, dict]:
     return {r["node"]: r for r in map(json.loads, res.stdout.splitlines())} if res.returncode == 0 else {}
 
 
-def _every_node(bundle: Path, state: str, seen: list[dict]) -> bool:
-    """Every node of the federation in ``state`` in the fleet view: ``idle``: up (online) with its fedtier
-    version and no job session, as between jobs (and before the first); ``offline``: as after SIGTERM."""
-    seen[:] = [_fleet(bundle)]
-    rows = seen[0]
+def _every_node(bundle: Path, port: int, state: str, seen: list[dict], timeout: float = 30.0) -> bool:
+    """Every node of the federation in ``state`` in the fleet view, within ``timeout``: ``idle``: up (online) with
+    its fedtier version and no job session, as between jobs (and before the first); ``offline``: as after SIGTERM.
+    The view is the one ``fedtier fleet --json`` builds from ``bundle`` (the monitor's: its keys check every
+    status), followed on one connection until it holds (a retained status comes at once) instead of a process
+    and a fixed listening time for each look (``_fleet``, the command itself, is run below too). The monitor's
+    identity is its client id at the broker: the connection is closed before the next one of the monitor's."""
+    cfg = tomllib.loads((bundle / "config.toml").read_text())
+    view = Fleet(cfg["run"]["name"], load_public_keys(bundle / cfg["security"]["keys"]))
     up = state == "idle"
-    return set(rows) == {"cloud", "c0", "c0-d0", "c0-d1"} and all(
-        r["state"] == state and r["online"] == up and bool(r["fedtier"]) == up and (r["session"] is None or not up)
-        for r in rows.values()
-    )
+
+    def holds() -> bool:
+        now = view.clock()
+        rows = {r.node: r.as_dict(now) for r in view.rows()}
+        seen[:] = [rows]
+        return set(rows) == {"cloud", "c0", "c0-d0", "c0-d1"} and all(
+            r["state"] == state and r["online"] == up and bool(r["fedtier"]) == up and (r["session"] is None or not up)
+            for r in rows.values()
+        )
+
+    with clients() as make:
+        transport = make(bundle, port, client_id="monitor")
+        view.start(transport)
+        transport.connect(WAIT)
+        return wait_until(holds, timeout)
 
 
 def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path) -> None:  # noqa: F811
@@ -174,7 +190,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             "cell": _start(command(CELL, cell="c0"), nodes / "c0"),
             **{d: _start(command(AGENT, device=d), nodes / d) for d in ("c0-d0", "c0-d1")},
         }
-        cloud = None
+        cloud, terminated = None, False
         try:
             # before any cloud ever connected, a submission would reach nobody: refused at once, saying so
             early = _run([*command(SUBMIT, job=str(tmp / "A.toml")), "--wait", "1"], nodes / "operator")
@@ -184,7 +200,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             res = _run(command(JOBS_WAIT), operator)  # the cloud is up
             assert res.returncode == 0, res.stdout
             fleet: list[dict] = []  # before the first job, every node is up and idle (it was shown offline)
-            assert wait_until(lambda: _every_node(nodes / "monitor", "idle", fleet), 30), fleet
+            assert _every_node(nodes / "monitor", port, "idle", fleet), fleet
             # kill -9 the cloud with A running (a round done) and B queued; restart it from its bundle. The cell
             # is stopped (SIGSTOP) once A has a round done, so A cannot end while B is submitted (the cloud
             # waits a cell deadline, 55 s, for the stopped cell); it goes on (SIGCONT) before the cloud restarts
@@ -222,9 +238,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             res = _run(command(SUBMIT, job=str(tmp / "C.toml")), operator)
             assert "queued" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("C") == "finished", 60), _jobs(cloud_out)
-            assert wait_until(lambda: _every_node(nodes / "monitor", "idle", fleet), 30), (
-                fleet
-            )  # between jobs: idle again
+            assert _every_node(nodes / "monitor", port, "idle", fleet), fleet  # between jobs: idle again
             # the agents' devices, connected between jobs, repeat their idle status every runtime.heartbeat (1 s)
             rows = _fleet(nodes / "monitor", wait=2.5)
             assert all(rows[d]["state"] == "idle" and rows[d]["heartbeats_seen"] >= 1 for d in ("c0-d0", "c0-d1")), rows
@@ -253,7 +267,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
                 assert p.poll() is None, f"{name} exited: {p.communicate()[0]}"  # nobody restarted between jobs
             for p in (*procs.values(), cloud):  # `systemctl reload`: each takes its TLS files again, stays up
                 p.send_signal(signal.SIGHUP)
-            assert wait_until(lambda: _every_node(nodes / "monitor", "idle", fleet), 30), fleet
+            assert _every_node(nodes / "monitor", port, "idle", fleet), fleet
             # the cloud publishes the federation's roster, signed, retained: what provisioning knows
             with clients() as make:
                 inbox = Inbox()
@@ -267,14 +281,15 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             # SIGTERM between jobs: each node says offline before it disconnects (idle nodes are not left idle)
             for p in (*procs.values(), cloud):
                 p.send_signal(signal.SIGTERM)
-            assert wait_until(lambda: _every_node(nodes / "monitor", "offline", fleet), 30), [
+            terminated = True  # once: a second SIGTERM while a node stops would kill it (no clean exit)
+            assert _every_node(nodes / "monitor", port, "offline", fleet), [
                 (n, r["state"], r["online"], r["fedtier"], r["session"]) for n, r in fleet[0].items()
             ]
         finally:
             outputs = {}
             running = {**procs, **({"cloud": cloud} if cloud else {})}
             for p in running.values():
-                if p.poll() is None:
+                if p.poll() is None and not terminated:
                     p.send_signal(signal.SIGTERM)
             for name, p in running.items():
                 try:
