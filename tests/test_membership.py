@@ -6,6 +6,7 @@ deadline. Below it, the cell's side: a device revoked mid-round is refused, coun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -85,39 +86,40 @@ def _value(text: str, series: str) -> float:
     return float("nan")
 
 
-LOGIN = (
-    "import os, sys\n"
-    "from protocols.config import load_config\n"
-    "from edge_agent.runner import BrokerOptions\n"
-    "from protocols.transport.threadloop import ThreadLoop\n"
-    "cfg = load_config('config.toml')\n"
-    "loop = ThreadLoop('probe').start()\n"
-    "try:\n"
-    "    t = BrokerOptions.from_config(cfg, None).transport('probe', cfg.run.name, loop, persistent=False)\n"
-    "    t.connect(); t.close(); print('ok')\n"
-    "except ConnectionError as e:\n"
-    "    print('refused:', e)\n"
-    "finally:\n"
-    "    loop.stop()\n"
-)
-
-
 def _logins(*bundles: Path) -> list[str]:
-    """Connect with each bundle's credentials and certificate, each in a process of its own, all at once (they
-    are independent); "ok" or the broker's refusal, for each."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", LOGIN], cwd=b, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for b in bundles
-    ]
-    try:
-        return [p.communicate(timeout=60)[0].strip().splitlines()[-1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    """Connect with each bundle's credentials and certificate as its agent does (its config, read from its
+    folder); "ok" or the broker's refusal, for each."""
+    from edge_agent.runner import BrokerOptions
+    from protocols.config import load_config
+    from protocols.transport.threadloop import ThreadLoop
+
+    said = []
+    for bundle in bundles:
+        with contextlib.chdir(bundle):
+            cfg = load_config("config.toml")
+            loop = ThreadLoop("probe").start()
+            try:
+                t = BrokerOptions.from_config(cfg, None).transport("probe", cfg.run.name, loop, persistent=False)
+                t.connect()
+                t.close()
+                said.append("ok")
+            except ConnectionError as e:
+                said.append(f"refused: {e}")
+            finally:
+                loop.stop()
+    return said
+
+
+def _operator(*args: str) -> subprocess.CompletedProcess:
+    """``fedtier ARGS`` run in this process (the operator's membership commands: no torch to import), its output
+    on one line (the console wraps it)."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    res = CliRunner().invoke(main, list(args))
+    unexpected = "" if res.exception is None or isinstance(res.exception, SystemExit) else repr(res.exception)
+    return subprocess.CompletedProcess(args, res.exit_code, " ".join(res.output.split()) + unexpected)
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
@@ -182,7 +184,7 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             assert _value(scraped["c0-d0"], 'fedtier_agent_tasks_total{run="fleet"}') == 2
 
             # enroll c0-d2 and revoke c0-d1 while everything runs (the broker reloaded, the roster published)
-            res = _run([FEDTIER, "provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d2"])
+            res = _operator("provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d2")
             assert res.returncode == 0 and "published roster version 2" in res.stdout, res.stdout
             assert "reloaded the broker" in res.stdout, res.stdout
             rng = np.random.default_rng(0)  # the new device's own data: some of the training set
@@ -193,13 +195,13 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
                 prep.spec,
             )
             procs["c0-d2"] = agent("c0-d2")
-            res = _run([FEDTIER, "provision", "revoke", "--out", str(prov), "c0-d1"])
+            res = _operator("provision", "revoke", "--out", str(prov), "c0-d1")
             assert res.returncode == 0 and "published roster version 3" in res.stdout, res.stdout
             revoked, enrolled = _logins(nodes / "c0-d1", nodes / "c0-d2")
             assert revoked.startswith("refused"), "a revoked device still logs in"
             assert enrolled == "ok"
             # and c0-d3, whose own data (784 features, no recorded geometry) cannot serve a digits job: it says so
-            res = _run([FEDTIER, "provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d3"])
+            res = _operator("provision", "add-device", "--out", str(prov), "--cell", "c0", "--device", "c0-d3")
             assert res.returncode == 0 and "published roster version 4" in res.stdout, res.stdout
             np.savez(nodes / "c0-d3" / "data.npz", x=rng.random((30, 784), dtype=np.float32), y=np.arange(30) % 10)
             procs["c0-d3"] = agent("c0-d3")
