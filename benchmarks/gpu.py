@@ -305,7 +305,7 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("protocols.torch_trainer", "TorchTrainer.sgd"),
         ("protocols.torch_trainer", "TorchTrainer.evaluate"),
     ],
-    "frame": [("protocols.wire.messenger", "Messenger.frame")],
+    "frame": [("protocols.wire.messenger", "Messenger.frame"), ("protocols.wire.messenger", "Messenger.frame_once")],
     "receive": [("protocols.wire.messenger", "Messenger.receive")],
     "device copies": [
         ("protocols.params", "sub"),

@@ -109,7 +109,9 @@ class DeviceAgent:
         self.keep_answer = keep_answer and secagg is None
         self.instance = instance
         self.caps = caps  # announced in the status (protocols.capabilities); cells plan by them
-        self._answer: tuple[tuple[str | None, int, int], str, bytes] | None = None  # (task, topic, result message)
+        self._answer: tuple[tuple[str | None, int, int], str, bytes | memoryview] | None = (
+            None  # (task, topic, result message)
+        )
         self._reanswers = 0  # times the kept answer was sent again
         self.on_task = on_task
         self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``, ``cohort.py``); None: here
@@ -334,8 +336,8 @@ class DeviceAgent:
         """Send a result to the cell (and keep its message, with ``keep_answer``)."""
         topic = topics.device_result(self.run, self.cell, self.device)
         try:
-            message = self.messenger.frame(
-                "device_result", result, round=round, edge_round=edge_round, cell=self.cell, topic=topic, once=True
+            message = self.messenger.frame_once(
+                "device_result", result, round=round, edge_round=edge_round, cell=self.cell, topic=topic
             )
         except (ValueError, TypeError) as exc:  # a result the wire cannot carry: logged, not sent
             log.error("device %s: result of round %d.%d not sent: %s", self.device, round, edge_round, exc)

@@ -23,6 +23,7 @@ from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.safe_text import log_to_stderr
 from protocols.trainer import PROGRESS, LocalData
+from protocols.wire.envelope import ENVELOPE_ROOM
 from protocols.wire.payload import Parts, Payload, decode_payload, payload_parts
 
 from .attack import attacked, byzantine_devices
@@ -253,9 +254,14 @@ class Answers:
         self._lock = threading.Lock()  # results and beats share the pipe
 
     def send(self, task_id: Any, parts: Parts, error: str) -> None:
-        where = self.ring.put(parts) if self.ring is not None and parts else None
+        """A result: in the ring with :data:`~protocols.wire.envelope.ENVELOPE_ROOM` before it (the main process
+        frames its message there, without copying it), else through the pipe."""
+        where = self.ring.put(parts, ENVELOPE_ROOM) if self.ring is not None and parts else None
         header = {"id": task_id, "error": error, "checked": not error}
-        data = frame({**header, "ring": list(where)}) if where is not None else frame(header, parts)
+        if where is not None:
+            data = frame({**header, "ring": list(where), "room": ENVELOPE_ROOM})
+        else:
+            data = frame(header, parts)
         with self._lock:
             self.conn.send_bytes(data)
 

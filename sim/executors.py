@@ -292,7 +292,7 @@ class ProcessExecutor(_Remote):
                 if "ring" in header:  # the result's bytes are in the worker's ring: lent until they are done with
                     try:
                         at, n = header["ring"]
-                        body = self._ring_of(worker).take(at, n)
+                        body = self._ring_of(worker).take(at, n, header.get("room", 0))
                     except (TypeError, ValueError) as exc:
                         self._reply(header["id"], b"", f"bad result from the worker: {exc}")
                         continue

@@ -7,20 +7,24 @@ a worker's death; multiprocessing's resource tracker unlinks it if the main proc
 a result's bytes into its ring (one copy) and sends only where they are (``{"ring": [at, n]}``) through its pipe.
 
 The main process does not copy them out: it *lends* the record (:class:`~protocols.wire.payload.Lent`, read-only;
-the result is decoded as views of it, framed into its message straight from it) and frees it when the last view
-of it is gone (a ``weakref.finalize``): a record is never freed while anything can read it, so no view of freed
-memory exists to read another device's bytes. Results are delivered in submission order across workers, so
-records are freed out of the order written (one waits for a slower worker's result; a result the clock model
-delays is kept until its time): the worker places a record in any free gap of its ring (first fit from where it
-last wrote), and learns which records were freed from a list at the segment's start (each free published there,
-then the semaphore released; the worker reads no more entries than it has acquired releases).
+the result is decoded as views of it) and frees it when the last view of it is gone (a ``weakref.finalize``): a
+record is never freed while anything can read it, so no view of freed memory exists to read another device's
+bytes. The worker leaves room before the result (:data:`~protocols.wire.envelope.ENVELOPE_ROOM`), where its
+device's agent writes its message's envelope (:class:`~protocols.wire.payload.Headroom`): the message is the
+record itself, not a copy of it, and keeps it lent until the cell is done with it. Results are delivered in
+submission order across workers, so records are freed out of the order written (one waits for a slower worker's
+result; a result the clock model delays is kept until its time): the worker places a record in any free gap of its
+ring (first fit from where it last wrote), and learns which records were freed from a list at the segment's start
+(each free published there, then the semaphore released; the worker reads no more entries than it has acquired
+releases).
 
 Bounded: a worker's ring is :data:`RING_BYTES` at most, less where ``/dev/shm`` has less room free (half of it
 over the workers; below :data:`MIN_RING_BYTES`, no ring). The main process lends at most half of a ring at once
 (:data:`LEND_SHARE`); a record beyond that is copied out and freed at once (a slow worker or kept results can pin
-half a ring, never all of it, so a worker always finds room again as the reader takes its records). A worker
-writes a cohort's results in a burst, faster than the main process frames them: the first half-ring of them is
-lent, the rest copied (84% lent at 200 devices over 2 workers, 800 KB each). A result larger than the ring, or
+half a ring, never all of it, so a worker always finds room again as the reader takes its records); a record
+copied out is copied after room of its own, its message framed there: a result costs one copy at most. A worker
+writes a cohort's results in a burst, faster than the main process frames them, and a cell keeps its results until
+its edge round closes: the first half-ring of them is lent, the rest copied. A result larger than the ring, or
 one that finds no room within :data:`WAIT_S` (the main process stopped reading; a ring fragmented by pinned
 records), goes through the pipe, and the next ones too until the ring has room at once; at most
 :data:`MAX_RECORDS` records live in a ring. A record that does not lie within the ring is refused as the device's
@@ -42,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from protocols.trainer import PROGRESS
-from protocols.wire.payload import Lent, Parts, parts_size
+from protocols.wire.payload import Headroom, Lent, Parts, parts_size
 
 log = logging.getLogger("fedtier.sim")
 
@@ -115,32 +119,45 @@ class RingReader:
         self._control = np.frombuffer(_buf(self.shm), np.int64, 1 + MAX_RECORDS)
         self._records = _buf(self.shm)[_CONTROL : _CONTROL + size]
 
-    def take(self, at: Any, n: Any) -> memoryview | bytes:
+    def take(self, at: Any, n: Any, room: Any = 0) -> memoryview | bytes:
         """The ``n`` bytes written at ``at``: lent (a read-only view, freed once nothing made from it is left)
         while at most half of the ring is lent, else copied out (freed at once); ``ValueError`` for a record
-        outside the ring (freed all the same: the worker waits for its room)."""
+        outside the ring (freed all the same: the worker waits for its room). ``room``: the bytes the worker left
+        free before them (the record starts there), lent with them as their :class:`Headroom` for their
+        message's envelope (a message framed there keeps the record lent); a record copied out is copied after
+        room of its own (a private buffer, read-only but for its room): its message is framed there too, so that
+        a result costs one copy at most."""
         with self._lock:
             number, self.taken = self.taken, self.taken + 1
             records = self._records
-            inside = type(at) is int and type(n) is int and 0 <= at and 0 <= n <= self.size - at
-            lend = inside and records is not None and self.lent + n <= LEND_SHARE * self.size
+            inside = (
+                type(at) is int
+                and type(n) is int
+                and type(room) is int
+                and 0 <= room <= at
+                and 0 <= n <= self.size - at
+            )
+            lend = inside and records is not None and self.lent + room + n <= LEND_SHARE * self.size
             if lend:
-                self.lent += n
+                self.lent += room + n
         if not inside or records is None:
             self._free(number, 0)
-            raise ValueError(f"ring record [{at!r}, {n!r}] is not within the {self.size}-byte ring")
+            raise ValueError(f"ring record [{at!r}, {n!r}] (room {room!r}) is not within the {self.size}-byte ring")
         if not lend:
             try:
-                return bytes(records[at : at + n])
+                if not room:
+                    return bytes(records[at : at + n])
+                copy = np.empty(room + n, np.uint8)  # a private copy, room first: framed in place all the same
+                copy[room:] = np.frombuffer(records[at : at + n], np.uint8)
             finally:
                 self._free(number, 0)
+            writable: Any = copy[:room]  # (numpy's stubs do not say that an array is a buffer)
+            return _lend(copy, room, memoryview(writable))
         # the record's anchor: every array made from it keeps it (numpy's bases stop at the last array before
         # a non-array, here the memoryview, which holds the segment mapped); freed when it goes
-        anchor = np.frombuffer(records[at : at + n], np.uint8)
-        anchor.flags.writeable = False
-        weakref.finalize(anchor, self._free, number, n).atexit = False
-        lent: Any = anchor.view(Lent)  # (numpy's stubs do not say that an array is a buffer)
-        return memoryview(lent)
+        anchor = np.frombuffer(records[at - room : at + n], np.uint8)
+        weakref.finalize(anchor, self._free, number, room + n).atexit = False
+        return _lend(anchor, room, records[at - room : at])
 
     def _free(self, number: int, lent: int) -> None:
         """Record ``number`` is done with (``lent`` bytes of it were lent): tell the writer."""
@@ -171,6 +188,16 @@ class RingReader:
             self.shm.close()  # its descriptor
 
 
+def _lend(record: np.ndarray, room: int, writable: memoryview) -> memoryview:
+    """``record``'s bytes after its first ``room``, lent: a read-only :class:`Lent` view, with the room as its
+    :class:`Headroom` (``writable``: a writable view of the room) where there is room."""
+    record.flags.writeable = False
+    lent: Any = record[room:].view(Lent)  # (numpy's stubs do not say that an array is a buffer)
+    if room:
+        lent.headroom = Headroom(record, writable)
+    return memoryview(lent)
+
+
 class RingWriter:
     """A worker's side of its ring: :meth:`put` writes an encoded result into a free gap, waiting for room."""
 
@@ -191,13 +218,15 @@ class RingWriter:
         self.ends: list[int] = []  # their ends, in the same order
         self.live: dict[int, int] = {}  # record number -> its offset
 
-    def put(self, parts: Parts) -> tuple[int, int] | None:
+    def put(self, parts: Parts, room: int = 0) -> tuple[int, int] | None:
         """Write ``parts`` (an encoded payload's buffers, :func:`~protocols.wire.payload.payload_parts`) as one
-        record: ``(offset, length)``, or ``None`` when they do not fit in the ring, or no room was freed within
-        :data:`WAIT_S` (send them through the pipe)."""
+        record, ``room`` bytes left free before them (for their message's envelope: the record starts there):
+        ``(offset, length)`` of the parts' bytes, or ``None`` when they do not fit in the ring, or no room was
+        freed within :data:`WAIT_S` (send them through the pipe)."""
         n = parts_size(parts)
-        if not 0 < n <= self.size or self.records is None:
+        if not 0 < n <= self.size - room or room < 0 or self.records is None:
             return None
+        nbytes, n = n, room + n  # the parts' bytes; the record's (its room, then the parts)
         deadline = time.monotonic() + (0.0 if self.jammed else WAIT_S)
         while (at := self._place(n)) is None:
             wait = deadline - time.monotonic()
@@ -208,7 +237,7 @@ class RingWriter:
             if self.freed.acquire(timeout=min(wait, 0.25)):
                 self.credits += 1
         self.jammed = False
-        pos = at
+        pos = at + room
         for part in parts:
             size = len(part) if isinstance(part, bytes) else part.nbytes
             self.records[pos : pos + size] = np.frombuffer(part, np.uint8)
@@ -219,7 +248,7 @@ class RingWriter:
         self.live[self.written] = at
         self.written += 1
         self.head = at + n
-        return at, n
+        return at + room, nbytes
 
     def _reclaim(self) -> None:
         """Forget the records the main process freed (those its releases, acquired so far, vouch for)."""

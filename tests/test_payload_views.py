@@ -161,7 +161,7 @@ def test_cohort_trainer_keeps_an_immutable_task_and_copies_anything_else() -> No
 
 
 def test_a_payload_framed_once_is_not_kept_alive_by_its_messenger() -> None:
-    """A device's result is framed once (``once``): its messenger keeps neither it nor views of its arrays for
+    """A device's result is framed once (``frame_once``): its messenger keeps neither it nor views of its arrays for
     a next message (1,000 devices kept their last results alive, 800 MB); a payload framed for many receivers
     is kept and encoded once."""
     import gc
@@ -172,7 +172,7 @@ def test_a_payload_framed_once_is_not_kept_alive_by_its_messenger() -> None:
     first = messenger.frame("device_result", kept, round=0)
     assert messenger.frame("device_result", kept, round=0)[-1000:] == first[-1000:]  # the same encoding again
     gone, alive = weakref.ref(sent), weakref.ref(kept)
-    messenger.frame("device_result", sent, round=0, once=True)
+    messenger.frame_once("device_result", sent, round=0)
     del sent, kept
     gc.collect()
     assert gone() is None and alive() is None  # the once-framed one went; it also replaced the kept one

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from protocols.wire.messenger import Received
+from protocols.wire.messenger import Messenger, Received
 from protocols.wire.payload import Payload, encode_payload, payload_parts
 from sim import result_ring
 from sim.executors import WorkerError
@@ -61,11 +61,17 @@ def test_tasks_go_as_they_arrived_results_come_through_the_rings_and_the_run_is_
     monkeypatch.setattr("sim.executors.encode_payload", refuse)  # the main process's; the workers are spawned
     taken: list[int] = []
     take = RingReader.take
-    monkeypatch.setattr(RingReader, "take", lambda self, at, n: taken.append(n) or take(self, at, n))
+    monkeypatch.setattr(RingReader, "take", lambda self, at, n, room=0: taken.append(n) or take(self, at, n, room))
+    in_place: list[bool] = []  # each result's message: its ring record (framed in place, protocols.wire.payload)
+    frame_once = Messenger.frame_once
+    monkeypatch.setattr(
+        Messenger, "frame_once", lambda *a, **k: in_place.append(isinstance(m := frame_once(*a, **k), memoryview)) or m
+    )
     parallel = sim.run()
     _same(inline, parallel)
     assert sim.executor.largest_batch == 3  # 6 devices over 2 workers, a batch per edge round
     assert len(taken) == 6 * 2  # every result of 6 devices in 2 edge rounds, through a ring
+    assert in_place == [True] * 6 * 2  # and framed there, not copied (the same bytes: the run is the same)
     assert not any(_segment(name) for name in names)  # unlinked when the run ended
 
 

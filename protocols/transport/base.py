@@ -69,8 +69,10 @@ class Transport(ABC):
     loop: EventLoop
 
     @abstractmethod
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
-        """Queue ``payload`` for everyone subscribed to ``topic``. Never blocks on the network."""
+    def publish(self, topic: str, payload: bytes | memoryview, *, qos: int = 1, retain: bool = False) -> None:
+        """Queue ``payload`` for everyone subscribed to ``topic``. Never blocks on the network. ``payload``: a
+        message's bytes, or a read-only view of lent bytes (a message framed in place,
+        ``protocols.wire.payload.Headroom``)."""
 
     @abstractmethod
     def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1) -> None:

@@ -17,7 +17,9 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import TypeGuard
 
+from ..wire.payload import Lent
 from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
 
 
@@ -263,9 +265,11 @@ class MemoryTransport(Transport):
         self.hub, self.client_id, self.loop, self._will = hub, client_id, hub.loop, will
         self._open = True
 
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+    def publish(self, topic: str, payload: bytes | memoryview, *, qos: int = 1, retain: bool = False) -> None:
+        """Route ``payload`` as it is where it cannot change (``bytes``, a message framed in lent bytes: the
+        handlers read it as they read bytes, ``Messenger.receive``), else a copy of it."""
         if self._open:
-            self.hub._route(topic, bytes(payload), retain)
+            self.hub._route(topic, payload if frozen(payload) else bytes(payload), retain)
 
     def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1) -> None:
         if self._open:
@@ -295,3 +299,9 @@ class MemoryTransport(Transport):
             self._detach()
             if self._will is not None:
                 self.hub._route(self._will.topic, self._will.payload, self._will.retain)
+
+
+def frozen(data: bytes | memoryview) -> TypeGuard[bytes]:
+    """Whether ``data`` can never change: ``bytes``, or a read-only view of :class:`~protocols.wire.payload.Lent`
+    bytes (a message framed in place), which its handlers read as ``bytes`` (it is passed on as one)."""
+    return type(data) is bytes or (isinstance(data, memoryview) and data.readonly and isinstance(data.obj, Lent))

@@ -314,7 +314,7 @@ class MqttTransport(Inbound, Transport):
         self._client._clean_session = False  # paho reads it for every CONNECT
 
     # -- Transport -------------------------------------------------------------------------
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+    def publish(self, topic: str, payload: bytes | memoryview, *, qos: int = 1, retain: bool = False) -> None:
         if self._closed:
             log.debug("%s: publish on %s after close dropped", self.client_id, topic)
             return

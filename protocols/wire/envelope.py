@@ -128,19 +128,38 @@ def decode_sig(text: str) -> bytes:
         raise WireError(RejectKind.SIGNATURE, "malformed signature") from None
 
 
-def encode_message(header: Header, payload: bytes | Buffers, sign: Signer | None = None, topic: str = "") -> bytes:
-    """Frame ``payload`` behind ``header`` (its ``payload_len`` is set here); signed for ``topic``
-    when ``sign`` is given. ``payload``: its bytes, or its buffers in order
-    (:func:`~protocols.wire.payload.payload_parts`), joined here with the header: the message then
-    costs one copy of the tensors' data."""
+def envelope_head(header: Header, payload: bytes | Buffers, sign: Signer | None = None, topic: str = "") -> bytes:
+    """A message's bytes before its payload: ``MAGIC | u32 header length | header JSON``, with ``header``'s
+    ``payload_len`` set here; signed for ``topic`` when ``sign`` is given (``payload`` as in :func:`encode_message`).
+    The one encoder of the envelope: :func:`encode_message` joins the payload behind it, a lent payload with room
+    before it takes it in place (:class:`~protocols.wire.payload.Headroom`)."""
     size = _nbytes(payload)
     if header.payload_len != size or header.sig is not None:  # (a header made for this payload is kept)
         header = header.model_copy(update={"payload_len": size, "sig": None})
     if sign is not None:
         header = header.model_copy(update={"sig": encode_sig(sign(signed_bytes(topic, header.to_json(), payload)))})
     head = header.to_json()
+    return b"".join((MAGIC, struct.pack("<I", len(head)), head))
+
+
+ENVELOPE_ROOM = 1024
+"""Bytes that fit any envelope of ASCII names (:func:`envelope_head`; ~840 at most, every field at its longest):
+the room a sim worker leaves before a result for its message (``sim/result_ring.py``)."""
+
+
+def join_message(head: bytes, payload: bytes | Buffers) -> bytes:
+    """``head`` (:func:`envelope_head`) and ``payload`` (its bytes or its buffers in order) as one message: one copy
+    of the payload's bytes."""
     body = (payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else tuple(payload)
-    return b"".join((MAGIC, struct.pack("<I", len(head)), head, *body))
+    return b"".join((head, *body))
+
+
+def encode_message(header: Header, payload: bytes | Buffers, sign: Signer | None = None, topic: str = "") -> bytes:
+    """Frame ``payload`` behind ``header`` (its ``payload_len`` is set here); signed for ``topic``
+    when ``sign`` is given. ``payload``: its bytes, or its buffers in order
+    (:func:`~protocols.wire.payload.payload_parts`), joined here with the header: the message then
+    costs one copy of the tensors' data."""
+    return join_message(envelope_head(header, payload, sign, topic), payload)
 
 
 def decode_message(data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Header, memoryview]:

@@ -23,6 +23,8 @@ from .envelope import (
     WireError,
     decode_message,
     encode_message,
+    envelope_head,
+    join_message,
     new_msg_id,
     verify_signature,
 )
@@ -118,12 +120,35 @@ class Messenger:
         edge_round: int = 0,
         cell: str | None = None,
         topic: str = "",
-        once: bool = False,
     ) -> bytes:
-        """Encode a payload into a complete message for ``topic`` (not sent). ``once``: the payload is sent once
-        (a device's result): its encoding is not kept for a next message (nor its arrays alive with it)."""
-        parts, size = self._payload_bytes(payload, keep=not once)
-        header = Header(
+        """Encode a payload into a complete message for ``topic`` (not sent)."""
+        parts, size = self._payload_bytes(payload)
+        header = self._header(kind, size, round, edge_round, cell)
+        return encode_message(header, parts, self.trust.sign if self.trust is not None else None, topic)
+
+    def frame_once(
+        self,
+        kind: MessageKind,
+        payload: Payload,
+        *,
+        round: int,
+        edge_round: int = 0,
+        cell: str | None = None,
+        topic: str = "",
+    ) -> bytes | memoryview:
+        """:meth:`frame` for a payload sent once (a device's result): its encoding is not kept for a next message
+        (nor its arrays alive with it). A payload decoded from lent bytes with room before them (a sim worker's
+        result: ``Payload.headroom``) is framed there, in place: the same bytes as :meth:`frame`'s, without a copy
+        of the payload (a read-only view of the lent record, which stays lent as long as the message is kept)."""
+        parts, size = self._payload_bytes(payload, keep=False)
+        header = self._header(kind, size, round, edge_round, cell)
+        head = envelope_head(header, parts, self.trust.sign if self.trust is not None else None, topic)
+        lent = payload.headroom.frame(head, parts) if payload.headroom is not None else None
+        return lent if lent is not None else join_message(head, parts)
+
+    def _header(self, kind: MessageKind, size: int, round: int, edge_round: int, cell: str | None) -> Header:
+        """A message's header from this node (a fresh message id; the session where messages are signed)."""
+        return Header(
             run=self.run,
             kind=kind,
             round=round,
@@ -134,7 +159,6 @@ class Messenger:
             payload_len=size,
             session=self.session if self.trust is not None else None,
         )
-        return encode_message(header, parts, self.trust.sign if self.trust is not None else None, topic)
 
     def _payload_bytes(self, payload: Payload, keep: bool = True) -> tuple[Parts, int]:
         # a role often sends one payload object to many receivers: encode it once. The parts are views

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +63,13 @@ def _nested_deeper(value: object, limit: int) -> bool:
 
 @dataclass
 class Payload:
-    """What a role sends: JSON-able metadata and named numpy arrays."""
+    """What a role sends: JSON-able metadata and named numpy arrays. ``headroom``: where the payload was decoded
+    from lent bytes with room before them (a sim worker's result, :class:`Headroom`), its message is framed there,
+    without a copy of its bytes (:meth:`~protocols.wire.messenger.Messenger.frame_once`)."""
 
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    headroom: Headroom | None = field(default=None, repr=False, compare=False)
 
 
 def _code(arr: np.ndarray) -> int:
@@ -180,7 +184,60 @@ def _read(fmt: struct.Struct, buf: memoryview, pos: int, end: int) -> tuple[tupl
 class Lent(np.ndarray):
     """Read-only bytes (``uint8``) lent by their owner, which frees them only once no array made from them is left
     (a sim worker's result in its ring, ``sim/result_ring.py``): while any lives they never change, as a ``bytes``
-    object's do not, so :func:`decode_payload` views them as it views a message's bytes."""
+    object's do not, so :func:`decode_payload` views them as it views a message's bytes. ``headroom``: the room
+    its owner left before them for a message's envelope (this very array's, not a view's of it)."""
+
+    headroom: Headroom | None = None
+
+
+class Headroom:
+    """Room before an encoded payload's lent bytes, for its message's envelope (a sim worker's result in its ring,
+    ``sim/result_ring.py``): :meth:`frame` writes the envelope there, right before the payload, so the message is
+    the lent record itself and the payload is not copied. The room is written once at most, before any message of
+    it exists, and nothing reads it before (the payload's views start after it): a message never changes while
+    anything can read it; it is a view of the record, which stays lent as long as it does."""
+
+    def __init__(self, record: np.ndarray, room: memoryview) -> None:
+        """``record``: the lent record, read-only ``uint8``: ``room.nbytes`` bytes of room, then the payload's
+        bytes; ``room``: a writable view of its first bytes (given up at the first :meth:`frame`)."""
+        self._record, self.size = record, room.nbytes
+        self._room: memoryview | None = room
+        self._lock = threading.Lock()
+
+    def frame(self, head: bytes, parts: Parts) -> memoryview | None:
+        """The message ``head`` (an envelope, ``envelope_head``) + the payload, framed in place (a read-only view of
+        the record): the bytes ``head`` and ``parts`` join to. ``None`` (frame it by copying) unless ``parts``
+        are exactly the lent payload's bytes (each array a view of them at its place, each other part equal to
+        them there: a payload changed since it was decoded is not) and ``head`` fits in the room; the room is
+        written at the first call only (the next ones are ``None``)."""
+        with self._lock:
+            room, self._room = self._room, None
+        if room is None or len(head) > self.size or not self._holds(parts):
+            return None
+        at = self.size - len(head)
+        room[at:] = head
+        room.release()
+        message: Any = self._record[at:].view(Lent)  # (numpy's stubs do not say that an array is a buffer)
+        return memoryview(message)
+
+    def _holds(self, parts: Parts) -> bool:
+        """Whether ``parts`` join to the lent payload's bytes without reading its arrays: each array part is the
+        payload's memory at its place (the same bytes by definition), each other part compares equal there."""
+        record: Any = self._record  # (numpy's stubs do not say that an array is a buffer)
+        payload = memoryview(record)[self.size :]
+        start = self._record.__array_interface__["data"][0] + self.size
+        pos, end = 0, payload.nbytes
+        for part in parts:
+            if isinstance(part, np.ndarray):
+                n = part.nbytes
+                same = part.flags.c_contiguous and (n == 0 or part.__array_interface__["data"][0] == start + pos)
+            else:
+                n = len(part)
+                same = payload[pos : pos + n] == part
+            pos += n
+            if not same or pos > end:
+                return False
+        return pos == end
 
 
 def immutable(arr: np.ndarray) -> bool:
@@ -232,10 +289,12 @@ def decode_payload(
     runtimes' :class:`~protocols.wire.messenger.Messenger` decodes so: a device's task is copied into its
     trainer and a result read once, so the decoding's copy was one pass over each message for nothing).
     ``checked`` (without ``require_finite``): the sender, a process of this run and not the network, checked every
-    float finite; such views are remembered as checked (:func:`all_finite` answers without reading them)."""
+    float finite; such views are remembered as checked (:func:`all_finite` answers without reading them). Views of
+    :class:`Lent` bytes with room before them keep it (``Payload.headroom``): a message of them is framed there."""
     buf = memoryview(data)
     end = buf.nbytes
     share = views and isinstance(buf.obj, (bytes, Lent))  # not a bytearray or other buffer someone could change
+    headroom = buf.obj.headroom if share and isinstance(buf.obj, Lent) else None
     meta, pos = _decode_meta(buf, end)
     (count,), pos = _read(_U16, buf, pos, end)
     tensors: dict[str, np.ndarray] = {}
@@ -269,4 +328,4 @@ def decode_payload(
         tensors[name] = arr
     if pos != end:
         raise WireError(RejectKind.MALFORMED, f"{end - pos} trailing bytes after the last tensor")
-    return Payload(meta, tensors)
+    return Payload(meta, tensors, headroom)
