@@ -71,19 +71,26 @@ def watch_cloud(node):
     return cloud
 
 
-def _serve(node, loop, cloud=None) -> None:
+def _serve(node, loop, cloud=None, ended_wait: float | None = None) -> str | None:
     """Run a server node's loop in this thread until the run is finished or Ctrl-C; then stop it.
-    A cell watches the cloud (``cloud``: a :func:`watch_cloud` of it, made here if not given)."""
+    A cell watches the cloud (``cloud``: a :func:`watch_cloud` of it, made here if not given). With
+    ``ended_wait``, a cell that ``ended_wait`` seconds after its start has seen no cloud online, the cloud
+    offline and a ``finished`` record (:attr:`CloudSession.ended`) leaves too: its job ended before it started
+    (no new run's cloud came); returns that ended session (else ``None``)."""
+    late: list[str] = []
     try:
         if not hasattr(node, "finished") and cloud is None:  # a cell: leaves when the run is finished
             cloud = watch_cloud(node)
         loop.post(node.start)
-        loop.run(until=lambda: (cloud is not None and cloud.finished) or getattr(node, "finished", False))
+        if cloud is not None and ended_wait is not None:
+            loop.call_later(ended_wait, lambda: late.append(cloud.ended) if cloud.ended else None)
+        loop.run(until=lambda: bool(late) or (cloud is not None and cloud.finished) or getattr(node, "finished", False))
     except KeyboardInterrupt:
         console.print("interrupted")
     finally:
         loop.stop()
         node.stop()
+    return late[0] if late else None
 
 
 @main.command()
@@ -323,8 +330,14 @@ def _run_cell(
     if exporter is not None:
         exporter.watch_cell(node)
     console.print(f"cell {cell_id} serving {len(node.devices)} devices on {opts.url} (Ctrl-C to stop)")
-    _serve(node, loop)
+    ended = _serve(node, loop, ended_wait=cfg.runtime.startup_wait)
     linger(exporter, metrics_linger)
+    if ended is not None:  # as a device never planned: the job ended without it, not an error of this cell
+        console.print(
+            f"cell {cell_id}: the job was over before this cell started (the cloud finished session {ended} and "
+            f"no cloud came online within runtime.startup_wait = {cfg.runtime.startup_wait:g} s); nothing to do"
+        )
+        return
     if node.failure is not None:  # its handler raised: the job failed with it (the cloud says so too)
         print_error(node.failure, f"cell {cell_id} failed")
         raise SystemExit(JOB_FAILED)

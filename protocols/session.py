@@ -69,6 +69,8 @@ class CloudSession:
         self.started: float | None = None  # the current session's start time (its status says)
         self.manifest: dict[str, Any] | None = None
         self.finished_sessions: set[str] = set()  # sessions whose ``finished`` was seen
+        self.last_finished: str | None = None  # the session of the latest ``finished`` seen
+        self.offline = False  # the cloud's latest status says offline
         if pinned is not None:
             self.pin(pinned)
 
@@ -82,6 +84,8 @@ class CloudSession:
         """A cloud status record (``protocols.status``); an ``offline`` one keeps the session. A record
         whose ``started`` time is older than the current session's (a replayed record of an earlier
         cloud) does not replace it."""
+        if record is not None and record.get("state") in ("online", "offline"):
+            self.offline = record["state"] == "offline"
         if record is None or record.get("state") != "online" or not _session_ok(record.get("session")):
             return
         if self.pinned is not None and record["session"] != self.pinned:
@@ -110,6 +114,15 @@ class CloudSession:
     def on_finished(self, session: Any) -> None:
         if _session_ok(session):
             self.finished_sessions.add(session)
+            self.last_finished = session
+
+    @property
+    def ended(self) -> str | None:
+        """The session of a ``finished`` record while no cloud has been seen online and the cloud's status says
+        offline: the job this node was started for ended before it started, or a new run's cloud has yet to
+        start (the cloud clears ``finished`` when it starts a run); ``None`` otherwise. A one-shot node waits a
+        while for a cloud before it believes the first (``fedtier.cmd_deploy``)."""
+        return self.last_finished if self.session is None and self.offline else None
 
     @property
     def round(self) -> int | None:

@@ -131,7 +131,9 @@ def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
         cell_t = opts.transport(topics.cell_node("c0"), run, cell_loop, will=offline_will(run, "cell.c0")).connect()
         cell = build_cell(cfg, "c0", cell_t, algorithm, heartbeats=True)
         cell_watch = watch_cloud(cell)
-        cell_thread = threading.Thread(target=_serve, args=(cell, cell_loop, cell_watch), daemon=True)
+        cell_thread = threading.Thread(  # it waits startup_wait for a new cloud, which comes
+            target=_serve, args=(cell, cell_loop, cell_watch, cfg.runtime.startup_wait), daemon=True
+        )
         cell_thread.start()
         agents = AgentProcess(
             cfg, algorithm, {device: prep.device_data[device]}, make_trainer("torch", prep.spec, cfg), opts
@@ -160,6 +162,67 @@ def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
     assert agents.clouds[device].session == cloud.session != "old"
 
 
+LATE_CELL = """
+[run]
+name = "late"
+rounds = 1
+output = "{out}"
+[topology]
+cells = 1
+devices_per_cell = 1
+[algorithm]
+name = "fedavg"
+[model]
+name = "mlp"
+hidden = [8]
+[data]
+dataset = "digits"
+[runtime]
+startup_wait = 0.5
+"""
+
+
+def test_a_cell_started_after_its_job_ended_leaves_saying_so(tmp_path: Path) -> None:
+    """``fedtier cell`` started after its run's cloud finished (its ``finished`` record retained, its status
+    offline, as the cloud leaves them): it waits ``runtime.startup_wait`` for a new run's cloud, then exits 0 (as a
+    device the job never planned), saying the job was over. Before, it never learned the cloud's session (no
+    cloud came online again), ignored ``finished`` and never exited."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    config = tmp_path / "late.toml"
+    config.write_text(LATE_CELL.format(out=tmp_path / "run"))
+    run = "late"
+    with EmbeddedBroker() as broker:
+        loop = ThreadLoop("ended-cloud").start()
+        ended = MqttTransport.from_url(broker.url, "cloud", loop).connect()
+        Messenger(ended, run, "cloud").send(
+            topics.control(run),
+            "control",
+            Payload({"event": "finished", "round": 1, "session": "ended-job"}),
+            round=1,
+            retain=True,
+        )
+        ended.publish(topics.status(run, "cloud"), encode_status("offline"), retain=True)
+        assert ended.flush(5.0)
+        ended.close()
+        loop.stop()
+        out: list = []
+        cell = threading.Thread(
+            target=lambda: out.append(
+                CliRunner().invoke(main, ["cell", str(config), "--cell", "c0", "--broker", broker.url, "--insecure"])
+            ),
+            daemon=True,
+        )
+        cell.start()
+        cell.join(30.0)
+        assert not cell.is_alive(), "the late cell did not exit"
+    said = " ".join(out[0].output.split())  # the console wraps lines
+    assert out[0].exit_code == 0, said
+    assert "the job was over before this cell started (the cloud finished session ended-job" in said, said
+
+
 def test_cloud_session_records() -> None:
     s = CloudSession()
     s.on_manifest(decode_manifest(encode_manifest("a", 3)))
@@ -170,7 +233,14 @@ def test_cloud_session_records() -> None:
     s.on_status({"state": "online", "session": "b"})  # a new cloud: the old records no longer count
     assert s.round is None and not s.finished
     s.on_status({"state": "offline"})
-    assert s.session == "b"
+    assert s.session == "b" and s.ended is None  # its cloud was seen online: only its own finished ends it
+    late = CloudSession()  # a node started after the job ended: the cloud offline, its finished retained
+    late.on_finished("a")
+    assert late.ended is None  # the cloud's status not heard yet
+    late.on_status({"state": "offline"})
+    assert late.ended == "a" and not late.finished
+    late.on_status({"state": "online", "session": "c"})  # a new run's cloud came
+    assert late.ended is None
     for bad in (b"", b"{}", b'{"session": "a", "round": -1}', b'{"session": "a", "round": true}', b"\xff"):
         assert decode_manifest(bad) is None
 

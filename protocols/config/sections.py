@@ -202,7 +202,13 @@ class RuntimeSection(Section):
         description="torch device: cpu, cuda (cuda:N), or auto (CUDA when present; the cohort engine keeps "
         "small workloads on the CPU and logs its choice); cuda without a CUDA device is an error at start",
     )
-    startup_wait: float = Field(default=60.0, ge=0, description="seconds to wait for all devices (MQTT)")
+    startup_wait: float = Field(
+        default=60.0,
+        ge=0,
+        description="seconds to wait for all devices (MQTT); a one-shot `fedtier cell` that finds its run "
+        "already finished (the cloud offline, its `finished` record retained) waits this long for a new run's "
+        "cloud, then leaves",
+    )
     heartbeat: float = Field(
         default=5.0,
         ge=0,
