@@ -202,6 +202,7 @@ class Headroom:
         bytes; ``room``: a writable view of its first bytes (given up at the first :meth:`frame`)."""
         self._record, self.size = record, room.nbytes
         self._room: memoryview | None = room
+        self._payload_at = record.ctypes.data + self.size  # where the payload's bytes start (its address)
         self._lock = threading.Lock()
 
     def frame(self, head: bytes, parts: Parts) -> memoryview | None:
@@ -225,12 +226,11 @@ class Headroom:
         payload's memory at its place (the same bytes by definition), each other part compares equal there."""
         record: Any = self._record  # (numpy's stubs do not say that an array is a buffer)
         payload = memoryview(record)[self.size :]
-        start = self._record.__array_interface__["data"][0] + self.size
-        pos, end = 0, payload.nbytes
+        start, pos, end = self._payload_at, 0, payload.nbytes
         for part in parts:
             if isinstance(part, np.ndarray):
                 n = part.nbytes
-                same = part.flags.c_contiguous and (n == 0 or part.__array_interface__["data"][0] == start + pos)
+                same = part.flags.c_contiguous and (n == 0 or part.ctypes.data == start + pos)
             else:
                 n = len(part)
                 same = payload[pos : pos + n] == part
