@@ -43,7 +43,7 @@ from .device_worker import process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
 from .result_ring import RingReader, ring_bytes
 from .worker_frames import Batch, frame, unframe
-from .worker_watch import Watch
+from .worker_watch import Watch, named_devices
 
 if TYPE_CHECKING:
     from edge_agent.agent import Trainee
@@ -140,7 +140,7 @@ class _Remote:
 
     def describe(self, worker: int) -> str:
         """The worker and its devices, for error messages."""
-        return f"sim worker {worker} (devices {', '.join(self.groups[worker])})"
+        return f"sim worker {worker} (devices {named_devices(self.groups[worker])})"
 
     def _poll(self, worker: int) -> None:
         """Ask ``worker``, which owes results, for a progress beat (Ray actors; worker processes send theirs)."""
@@ -306,13 +306,13 @@ class ProcessExecutor(_Remote):
             return
         proc = self.procs[worker]
         proc.join(5.0)
-        group = ", ".join(self.groups[worker])
+        group = named_devices(self.groups[worker])
         why = f"sim worker {worker} (devices {group}) died with exit code {proc.exitcode}"
         log.error("%s%s", why, f":\n{fatal}" if fatal else "")
         self._died(worker, why + (f":\n{fatal.rstrip()}" if fatal else " (see its log above)"))
 
     def describe(self, worker: int) -> str:
-        return f"sim worker {worker} (pid {self.procs[worker].pid}; devices {', '.join(self.groups[worker])})"
+        return f"sim worker {worker} (pid {self.procs[worker].pid}; devices {named_devices(self.groups[worker])})"
 
     def _kill(self, worker: int) -> None:
         self.procs[worker].kill()

@@ -32,7 +32,7 @@ from .hierarchy import run_dataset
 from .ray_cluster import connect, import_ray, plain
 from .ray_worker import RayWorker, geometry, software
 from .worker_frames import Batch, frame, unframe
-from .worker_watch import Watch
+from .worker_watch import Watch, named_devices
 
 log = logging.getLogger("fedtier.sim")
 
@@ -91,7 +91,7 @@ class RayActors:
         """The actor, its devices and, once it runs, its node and pid (for error messages)."""
         where = self.placement[worker]
         on = f" on node {where['node']} ({str(where['node_id'])[:8]}, pid {where['pid']})" if where else ""
-        return f"Ray actor {worker} (devices {', '.join(self.groups[worker])}){on}"
+        return f"Ray actor {worker} (devices {named_devices(self.groups[worker])}){on}"
 
     def _placed(self, worker: int, future: Any) -> None:
         try:

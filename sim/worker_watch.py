@@ -23,6 +23,17 @@ START_S = 300.0
 """A worker still building its devices (loading the data set) is given at least this long."""
 
 
+NAMED = 8
+"""Devices a worker's error message names (a worker of thousands is not a wall of ids)."""
+
+
+def named_devices(group: list[str]) -> str:
+    """A worker's devices for an error message: all of them, or the first :data:`NAMED` and how many in all."""
+    if len(group) <= NAMED:
+        return ", ".join(group)
+    return f"{', '.join(group[:NAMED])}, ... ({len(group)} devices)"
+
+
 def check_period(stall_s: float) -> float:
     """How often silences are checked, and workers beat: a quarter of the bound, within [0.05, 5] s."""
     return min(5.0, max(0.05, stall_s / 4))

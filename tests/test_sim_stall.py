@@ -167,6 +167,39 @@ def test_a_watch_whose_poll_fails_still_ends_a_stalled_worker() -> None:
         watch.close()
 
 
+def test_a_stalled_worker_of_many_devices_is_named_in_a_line_not_a_wall_of_ids() -> None:
+    """The main side of a worker of 40 devices that never answers (its executor's sending is a no-op: the worker
+    hangs): the run ends with the stall, naming the worker, 8 of its devices and how many it has, and 8 of the 40
+    tasks it owed (before, all 40 device ids, and a fleet-sized worker's thousands)."""
+    from protocols.algorithms.base import DeviceContext
+    from protocols.transport.memory import VirtualLoop
+    from protocols.wire.payload import Payload
+    from sim.executors import _Remote
+
+    class Hung(_Remote):
+        def _send(self, worker: int, task_id: int, ctx: dict[str, Any], task: Any) -> None:
+            pass  # sent: never answered
+
+        def _kill(self, worker: int) -> None:
+            pass
+
+    group = [f"c0-d{i}" for i in range(40)]
+    loop = VirtualLoop()
+    executor = Hung([group], loop, stall_s=0.2)
+    executor.watch.started(0)  # its devices built
+    try:
+        for device in group:
+            executor.submit(device, Payload({}, {}), DeviceContext(0, 0, 0, "c0", device), lambda *_: None)
+        with pytest.raises(WorkerError) as err:
+            while loop.step():
+                pass
+    finally:
+        executor.watch.close()
+    message = str(err.value)
+    assert "sim worker 0 (devices c0-d0, c0-d1, c0-d2, c0-d3, c0-d4, c0-d5, c0-d6, c0-d7, ... (40 devices))" in message
+    assert "while it owed 40 result(s)" in message and "c0-d39" not in message and len(message) < 600, message
+
+
 def result_waits(watch: Any) -> list[float]:
     """The waits for results a worker was watched for (from the later of a task's sending, the worker's start and
     its last answer, to its next answer), filled in as the run goes."""
