@@ -9,6 +9,7 @@ learns as the honest run does, and the aggregation records name the liar.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -195,6 +196,22 @@ def test_fedalign_krum_or_trimmed_mean_that_a_phase_can_never_feed_enough_device
     _fedalign_config(4, 3, one_each, cloud_aggregator="krum").build_algorithm(spec)  # free phase: 2 + 4 reports
     three_each = [f"c{c}-d{d}" for c in range(2) for d in range(3)]  # 3 priority and 3 free devices a cell
     _fedalign_config(2, 6, three_each, cell_aggregator="krum").build_algorithm(spec)
+
+
+def test_fedalign_cloud_aggregator_is_checked_over_the_reports_its_phases_give_it() -> None:
+    """At FedALIGN's defaults (epsilon 0.2, no warm-up) the cloud aggregates only in the free phase, over the held
+    priority-phase reports and the free phase's: up to 4 over 2 cells of 1 priority and 2 free devices. Krum
+    (4 > 2f + 2) and a trimmed mean of trim_beta 0.25 (1 cut at each end) work there: built (before, the generic
+    check counted the 2 cells and refused both). With every device in every round (epsilon inf: one report a cell)
+    the same topology is refused, naming that phase."""
+    spec = ModelSpec(input_shape=(64,))
+    one_each = ["c0-d0", "c1-d0"]
+    _fedalign_config(2, 3, one_each, cloud_aggregator="krum").build_algorithm(spec)
+    _fedalign_config(2, 3, one_each, cloud_aggregator="trimmed_mean", trim_beta=0.25).build_algorithm(spec)
+    with pytest.raises(ConfigError, match=r"cloud_aggregator = \"krum\" in FedALIGN's all phase .* the 2 cell "):
+        _fedalign_config(2, 3, one_each, cloud_aggregator="krum", epsilon=math.inf).build_algorithm(spec)
+    with pytest.raises(ConfigError, match=r"cell_aggregator = \"krum\" in FedALIGN's all phase .* the 2 devices of"):
+        _fedalign_config(2, 2, one_each, cell_aggregator="krum", epsilon=math.inf).build_algorithm(spec)
 
 
 def test_fedalign_cell_round_with_fewer_devices_than_krum_needs_says_so_as_fedavg_does(

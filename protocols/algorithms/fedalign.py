@@ -56,7 +56,7 @@ from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
 from .fedalign_inputs import check_phase_inputs
 from .fedalign_priority import check_probe_lists, priority_figures, probe_lists
 from .fedavg import FedAvgCell, FedAvgDevice, check_delta
@@ -91,6 +91,11 @@ class FedAlignParams(RobustParams):
         "weighted median (cells then report each priority device's probe): F stays within the honest devices' range "
         "while liars (lying priority devices, every priority device of a lying cell) hold under half the weight",
     )
+
+    def check_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
+        """The base checks only: the robust aggregators' inputs depend on the phases and the priority set, which
+        ``FedAlign.bind_topology`` checks (``fedalign_inputs``), not on the whole cells and all the cells."""
+        TrainParams.check_topology(self, cells)
 
     def idle_keys(self) -> dict[str, str]:
         out = super().idle_keys()
