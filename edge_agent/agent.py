@@ -109,9 +109,8 @@ class DeviceAgent:
         self.keep_answer = keep_answer and secagg is None
         self.instance = instance
         self.caps = caps  # announced in the status (protocols.capabilities); cells plan by them
-        self._answer: tuple[tuple[str | None, int, int], str, bytes | memoryview] | None = (
-            None  # (task, topic, result message)
-        )
+        # (task, topic, result message: bytes, or a view of a lent record where it was framed in place)
+        self._answer: tuple[tuple[str | None, int, int], str, bytes | memoryview] | None = None
         self._reanswers = 0  # times the kept answer was sent again
         self.on_task = on_task
         self.executor: Executor | None = None  # trains elsewhere (``sim/executors.py``, ``cohort.py``); None: here

@@ -143,7 +143,7 @@ def envelope_head(header: Header, payload: bytes | Buffers, sign: Signer | None 
 
 
 ENVELOPE_ROOM = 1024
-"""Bytes that fit any envelope of ASCII names (:func:`envelope_head`; ~840 at most, every field at its longest):
+"""Bytes that fit any envelope of ASCII names (:func:`envelope_head`; 823 at most, every field at its longest):
 the room a sim worker leaves before a result for its message (``sim/result_ring.py``)."""
 
 
