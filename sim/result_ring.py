@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from protocols.trainer import PROGRESS
+from protocols.wire.envelope import ENVELOPE_ROOM
 from protocols.wire.payload import Headroom, Lent, Parts, parts_size
 
 log = logging.getLogger("fedtier.sim")
@@ -100,10 +101,12 @@ def _map_in(shm: SharedMemory, reserve: bool = False) -> None:
 class RingReader:
     """The main process's side of a worker's ring: creates it; :meth:`take` lends a record (or copies it out)."""
 
-    def __init__(self, size: int, freed: Any) -> None:
-        """``freed``: a semaphore (value 0) shared with the worker, released once per record freed."""
+    def __init__(self, size: int, freed: Any, room: int = ENVELOPE_ROOM) -> None:
+        """``freed``: a semaphore (value 0) shared with the worker, released once per record freed; ``room``: the
+        room its worker leaves before a result (a record says 0 or this: a worker that said more could have the
+        main process write an envelope over the record before it)."""
         self.shm = SharedMemory(create=True, size=_CONTROL + size)
-        self.size, self.freed = size, freed
+        self.size, self.freed, self.room = size, freed, room
         self.name = self.shm.name
         self.taken = 0  # records taken so far: the next one is the writer's record number ``taken``
         self.lent = 0  # bytes of the records lent and not yet freed
@@ -133,8 +136,8 @@ class RingReader:
             inside = (
                 type(at) is int
                 and type(n) is int
-                and type(room) is int
-                and 0 <= room <= at
+                and room in (0, self.room)
+                and room <= at
                 and 0 <= n <= self.size - at
             )
             lend = inside and records is not None and self.lent + room + n <= LEND_SHARE * self.size

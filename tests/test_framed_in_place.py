@@ -152,6 +152,7 @@ def test_a_message_kept_past_the_rings_reuse_reads_as_it_was(ring):
 def test_a_header_larger_than_the_room_is_framed_by_copying_and_the_room_is_not_written(ring, monkeypatch, room, name):
     """Room for 16 bytes, or the usual room and names of 128 three-byte characters (a header of ~1.2 KB)."""
     reader, writer = ring
+    reader.room = room  # the room this ring's worker leaves
     result, at = _lent(reader, writer, _payload(5), room)
     before = bytes(reader.shm.buf[at - room : at])
     _fixed_ids(monkeypatch)
@@ -215,7 +216,8 @@ def test_the_room_fits_any_header_of_ascii_names():
 
 def test_a_record_whose_room_is_not_within_the_ring_is_refused_and_its_room_given_back(ring):
     reader, writer = ring
-    for room in (-1, "16", 1.5):
+    for room in (-1, "16", 1.5, 16, ENVELOPE_ROOM + 1):  # only 0 or the ring's own room (an envelope there could
+        # cover the record before it)
         where = writer.put(payload_parts(_payload(1)), 16)
         assert where is not None
         with pytest.raises(ValueError, match="not within"):
