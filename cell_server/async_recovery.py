@@ -46,10 +46,18 @@ class AsyncJournal:
         self.file = Journal(path)
         self._head: Payload | None = None  # the cloud model adopted last (the journal's first entry)
         self._push: bytes | None = None  # the last push: kept across a new cloud model (re-sent on resume)
+        self.used: int | None = None  # a fresh start: the newest model version the journal says a task carried
 
     def load(self, resume: bool) -> Resumed | None:
         """What to continue from (``resume``), else ``None`` and the journal is removed; an unreadable or
-        empty journal is logged and removed (the cell then starts afresh)."""
+        empty journal is logged and removed (the cell then starts afresh). A fresh start keeps the newest model
+        version the journal names (:attr:`used`): its cell numbers its versions past it (its devices refuse a
+        task numbered below one they had, as a replay)."""
+        if not resume:
+            try:
+                self.used = max((int(e.meta["version"]) for e in self.file.read() if "version" in e.meta), default=None)
+            except (OSError, ValueError, KeyError, TypeError):
+                self.used = None
         if resume:
             try:
                 entries = self.file.read()

@@ -105,7 +105,12 @@ class AsyncCellServer(CellServer):
                 topic, kind_of(exc, RejectKind.SHAPE), f"cloud model refused: {exc}", msg.header.sender
             )
             return
+        used = self.push_journal.used if self.push_journal is not None else None
+        if first and used is not None:  # started afresh over a journal: past every version a device task carried
+            self.fb.version = max(self.fb.version, used + 1)
         self._adopted(msg.header.round, msg.header.session, msg.payload.tensors, first)
+        if first:
+            self._announce()  # no longer asking for a model (the cloud sends one to a cell that asks again)
 
     def _adopted(self, version: int, session: str | None, model: Mapping[str, np.ndarray], first: bool) -> None:
         """Cloud model ``version`` of ``session`` adopted: journal it; the first one sets the devices working."""
@@ -119,6 +124,11 @@ class AsyncCellServer(CellServer):
                 self._push_timer = self.loop.call_later(self.push_seconds, self._on_push_timer)
             for device in self.devices:
                 self._dispatch(device)
+
+    def _status_extra(self) -> dict[str, Any]:
+        """A cell holding no cloud model says so: the cloud sends a cell that asks anew (restarted afresh, or
+        started after the job's first version went out) the current version (``cloud.async_server``)."""
+        return {} if self.fb.ready else {"needs_model": True}
 
     # ----------------------------------------------------------------- devices
     def _may_work(self, device: str) -> bool:

@@ -201,6 +201,7 @@ class CellNode:
         job: dict[str, Any] = {"session": self.cloud.pinned} if self.cloud.pinned is not None else {}
         if unfit := len(self.liveness.unfit):  # offline for this job, said so: the cloud does not wait for them
             job["devices_unfit"] = unfit
+        job.update(self._status_extra())
         self.transport.publish(
             status,
             encode_status(
@@ -340,6 +341,10 @@ class CellNode:
         return Rejected(RejectKind.BOUND, over) if over is not None else None
 
     # ----------------------------------------------------------------- what the rounds add
+    def _status_extra(self) -> dict[str, Any]:
+        """What a subclass adds to this cell's online status (declared state the cloud acts on)."""
+        return {}
+
     def _on_cell_task(self, topic: str, data: bytes) -> None:
         """A message on this cell's task topic."""
         raise NotImplementedError

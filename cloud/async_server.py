@@ -7,21 +7,31 @@ cells whose pushes it used. A push names the cloud version it derives from (``ro
 a future version, or one staler than ``max_staleness``, is rejected and logged. ``run.rounds`` counts
 cloud versions. A cell that sends a push of before the last version it was sent again, and has pushed nothing
 from that version, came back from a crash and may have lost it: it is sent the current version, once a version
-(``RoundCounts.lost_task``, as the cloud of rounds does; ``cell_server.async_recovery``).
+(``RoundCounts.lost_task``, as the cloud of rounds does; ``cell_server.async_recovery``). A cell whose status
+newly asks for a model (``needs_model``: one restarted afresh, or started after the first version went out, which
+it never got) is sent the current version too, under the same bound (``RoundCounts.first_resend``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.rejections import Rejected, RejectKind
+from protocols.status import decode_status
 from protocols.transport.base import Transport
 from protocols.wire.messenger import Incoming
 
 from .parts import resend_on_repeat
 from .revocation import refused_revoked
 from .server import CloudServer
+
+log = logging.getLogger("fedtier.cloud")
+
+ASK_WAIT = 1.0
+"""Seconds the cloud waits before it answers the ask for a model of a cell it never heard holding one: one just
+started may have the start's version in flight (it stops asking once it adopts it)."""
 
 
 class AsyncCloudServer(CloudServer):
@@ -33,6 +43,8 @@ class AsyncCloudServer(CloudServer):
         self._notify = list(self.cells)  # the cells the next model version goes to
         self._sent: dict[str, int] = {}  # cell -> the newest version sent to it
         self._pushed_from: dict[str, int] = {}  # cell -> the version its last push taken derives from
+        self._asking: set[str] = set()  # cells whose latest status asks for a model (``needs_model``)
+        self._holding: set[str] = set()  # cells heard holding a model since they last asked
 
     def _begin_round(self) -> None:
         """Send the current version to the cells that need it, and start counting the next record (once per
@@ -92,6 +104,48 @@ class AsyncCloudServer(CloudServer):
         sent = self._sent.get(cell, -1)
         awaited = {cell} if self._pushed_from.get(cell, -1) < sent else set()  # nothing pushed from it yet
         if resend_on_repeat(self.counts, self.messenger, msg, sent, awaited):
-            self.counts.tasks = {**self.counts.tasks, **self.role.plan(self.round, [cell])}
-            self._send_task(cell)
-            self._sent[cell] = self.round
+            self._resend(cell)
+
+    def _resend(self, cell: str) -> None:
+        """Send ``cell`` the current version (again)."""
+        self.counts.tasks = {**self.counts.tasks, **self.role.plan(self.round, [cell])}
+        self._send_task(cell)
+        self._sent[cell] = self.round
+
+    def _on_status(self, topic: str, data: bytes) -> None:
+        """As the cloud of rounds; and a cell whose status newly asks for a model is sent the current version, once
+        a version (a heartbeat repeating the ask is not a new one): at once from a cell heard holding one before (it
+        restarted afresh), else after :data:`ASK_WAIT` if it still asks (a cell that just started may have the
+        start's version in flight)."""
+        super()._on_status(topic, data)
+        node = topic.rsplit("/", 1)[-1]
+        cell = node[len("cell.") :] if node.startswith("cell.") else ""
+        record = decode_status(data, topic, self.trust) if cell in self.cells else None
+        if record is None or cell in self.revoked or record.get("session", self.session) != self.session:
+            return
+        if record.get("state") != "online":
+            self._asking.discard(cell)
+        elif record.get("needs_model") is not True:
+            self._asking.discard(cell)
+            self._holding.add(cell)
+        elif cell not in self._asking:
+            self._asking.add(cell)
+            if cell in self._holding:
+                self._holding.discard(cell)
+                self._send_asked(cell)
+            else:
+                self.loop.call_later(ASK_WAIT, self._guard(lambda: self._send_asked(cell), "model resend"))
+
+    def _send_asked(self, cell: str) -> None:
+        """``cell`` asks for a model: send it the current version (once a version: ``RoundCounts.first_resend``)."""
+        if cell not in self._asking or not self.started or self.finished or cell in self.revoked:
+            return  # it has one by now, or the start sends every cell the first
+        if not self._in_round:
+            self._begin_round()  # the last version goes out (and its record's counts start) first, as for a push
+            if cell in self.planned:
+                return  # it just went to this cell
+        if self.counts.first_resend(cell):
+            log.warning(
+                "cloud: %s asks for a model (restarted afresh or started late): version %d sent", cell, self.round
+            )
+            self._resend(cell)

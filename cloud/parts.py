@@ -43,6 +43,14 @@ class RoundCounts:
     tasks: Mapping[str, Payload] = field(default_factory=dict)  # cell -> its task of the round (the role's plan)
     repeated: set[str] = field(default_factory=set)  # cells that sent a report again (:meth:`lost_task`)
 
+    def first_resend(self, cell: str) -> bool:
+        """Whether ``cell`` may be sent its task of this round again: once a round (a repeated report, or an async
+        cell asking for the model it lost), never more (a cell that repeats itself gets no more tasks)."""
+        if cell in self.repeated:
+            return False
+        self.repeated.add(cell)
+        return True
+
     def lost_task(self, cell: str, repeated: Header, rnd: int, pending: set[str]) -> bool:
         """Whether to send ``cell``, still awaited (in ``pending``) since it was sent its task of round ``rnd``,
         that task again: it sent (signed by itself) its report of an earlier round again (``repeated``), as a
@@ -59,12 +67,11 @@ class RoundCounts:
             raise Rejected(
                 RejectKind.WRONG_SENDER, f"report signed by {h.sender!r} on the topic of cell {cell!r}, again"
             )
-        if cell in self.repeated:
+        if not self.first_resend(cell):
             raise Rejected(
                 RejectKind.REPLAY,
                 f"report of round {h.round} from {cell} again, in round {rnd}: one repeat a round is let be",
             )
-        self.repeated.add(cell)
         if h.round >= rnd or cell not in pending:
             log.info("cloud: report of round %d from %s again (a restart, a redelivery): dropped", h.round, cell)
             return False

@@ -233,6 +233,66 @@ def test_an_async_cell_restarted_after_losing_a_cloud_version_is_sent_the_curren
     assert not refused, refused  # the cell never refused a model (a resend it had: 'already at')
 
 
+def test_an_async_cell_restarted_afresh_asks_for_the_model_and_numbers_its_tasks_past_its_journal(tmp_path):
+    """In memory, virtual clock: c0 dies on taking cloud version 4 and comes back 3 s later WITHOUT --resume. Its
+    status asks for a model (needs_model): the cloud sends it the current version at once (once a version,
+    RoundCounts.first_resend), and it numbers its model versions past every one its journal says a task carried,
+    so its devices take its tasks. Before, the fresh cell was never sent a model (the async cloud sends a version
+    only to the cells whose pushes it used, and a fresh cell has no push to repeat) and its devices refused its
+    tasks, numbered from version 0 again, as replays: c0 absent from every later version."""
+    from cell_server.node import build_cell
+    from sim.launcher import device_samples
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 12},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1, "max_staleness": 4},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+
+    def journaled_c0():
+        devices = sim.cfg.topology.device_ids("c0")
+        return build_cell(
+            sim.cfg,
+            "c0",
+            sim.hub.connect("cell.c0"),
+            sim.algorithm,
+            output_dir=sim.output_dir,
+            assume_online=True,
+            journal=True,
+            samples=device_samples(sim.prep.device_data, devices),
+        )
+
+    first = sim.cells["c0"] = journaled_c0()
+    take, back = first._on_cell_task, []
+
+    def restart() -> None:
+        back.append(sim.hub.loop.now())
+        sim.cells["c0"] = again = journaled_c0()  # a fresh start: no --resume
+        again.start()
+
+    def on_cell_task(topic: str, data: bytes) -> None:
+        if first.fb.global_version < 3 or back:
+            return take(topic, data)
+        first.transport.crash()  # taken, and dead before anything of it was journaled
+        first.stop()
+        back.append(None)
+        sim.hub.loop.call_later(3.0, restart)
+
+    first._on_cell_task = on_cell_task  # type: ignore[method-assign]
+    result = sim.run()
+    assert back[0] is None and back[1] is not None, back
+    fresh = sim.cells["c0"]
+    assert fresh is not first and fresh.fb.global_version > 4  # it was sent a version after its restart
+    assert fresh.records, "its devices refused every task of the fresh cell"
+    assert min(r["edge_round"] for r in fresh.records) > first.fb.version  # numbered past the first's versions
+    later = [h for h in result.history if h["clock_s"] > back[1]]
+    assert any("c0" in h["cells_reported"] for h in later), [(h["clock_s"], h["cells_reported"]) for h in later]
+    refused = [x for r in result.cell_records for x in r["rejected"] if x["device"] == "cloud"]
+    assert not refused, refused  # the cell never refused a model
+
+
 def test_an_async_cells_journal_keeps_its_model_newest_version_and_last_push_in_one_write(tmp_path, monkeypatch):
     """What a resumed async cell continues from: the cloud model it adopted last, the newest model version it used
     and its last push, kept across a newer cloud model; each rewrite is one atomic file (a kill between a reset and

@@ -736,6 +736,36 @@ def test_an_async_cell_repeating_its_pushes_on_purpose_gets_one_version_again_a_
     assert recorded and all(x["from"] == "c0" for x in recorded)
 
 
+def test_an_async_cell_asking_for_the_model_again_and_again_gets_one_version_again_a_version_at_most(
+    tmp_path: Path,
+) -> None:
+    """Signed, 8 versions: every time c0 is sent a version, a liar with c0's key flips c0's status between holding a
+    model and asking for one (needs_model) three times. Each new ask of a cell heard holding a model is a restarted
+    cell's sign: the cloud sends c0 the current version, once a version (RoundCounts.first_resend, the bound of a
+    repeated push), never more."""
+    from protocols.status import encode_status
+
+    algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1}
+    config = {"run": {"rounds": 8}, "algorithm": algorithm, "security": {"keys": str(tmp_path / "keys.toml")}}
+    sim = SimHierarchy(small_config(tmp_path / "asks", **config))
+    run, tasks = sim.cfg.run.name, Counter()
+    status = topics.status(run, topics.cell_node("c0"))
+    liar = sim.hub.connect("liar")
+
+    def on_task(topic: str, data: bytes) -> None:
+        tasks[decode_message(data)[0].round] += 1
+        trust = sim.cells["c0"].trust
+        for _ in range(3):
+            for ask in (False, True):
+                extra = {"needs_model": True} if ask else {}
+                liar.publish(status, encode_status("online", topic=status, trust=trust, **extra), retain=True)
+
+    sim.hub.connect("spy").subscribe(topics.cell_task(run, "c0"), on_task)
+    result = sim.run()
+    assert len(result.history) == 8 and all(np.isfinite(v).all() for v in result.params.values())
+    assert max(tasks.values()) == 2, tasks  # its version, and one again at most
+
+
 def test_another_cells_repeats_on_a_cells_topic_do_not_use_up_that_cells_one_resend_a_round(tmp_path: Path) -> None:
     """Signed, 2 rounds: as c0 gets round 1's task, c1 (its own key, a lying cell) signs a report for c0's topic and
     sends it twice, then c0 repeats its round-0 report, as a cell restarted from its journal does. c1's copies are
