@@ -456,6 +456,14 @@ def _key(name: str) -> str:
     return str(key)
 
 
+def builtin_geometry(name: str, **params: Any) -> tuple[tuple[int, ...], int] | None:
+    """:func:`dataset_geometry` of a built-in dataset (nothing loaded); ``None`` for a user's dataset."""
+    try:
+        return dataset_geometry(name, **params) if _key(name) in _LOADERS else None
+    except (KeyError, ValueError):
+        return None
+
+
 def dataset_geometry(name: str, **params: Any) -> tuple[tuple[int, ...], int]:
     """``(input_shape, num_classes)`` of a dataset, without loading it (a device with its own data needs
     only the model's geometry, not the whole dataset)."""

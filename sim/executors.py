@@ -36,9 +36,11 @@ from protocols.config import RunConfig
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
 from protocols.trainer import Trainer
 from protocols.transport.memory import VirtualLoop
+from protocols.wire.envelope import ENVELOPE_ROOM
 from protocols.wire.messenger import Received
 from protocols.wire.payload import Payload, decode_payload, encode_payload
 
+from .datasets import builtin_geometry
 from .device_worker import process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
 from .result_ring import RingReader, ring_bytes
@@ -209,7 +211,9 @@ class ProcessExecutor(_Remote):
         loop: VirtualLoop,
         batched: bool = False,
         stall_s: float = 300.0,
+        result_bytes: int = 0,
     ) -> None:
+        """``result_bytes``: about one device's result (its ring holds a worker's results of an edge round)."""
         super().__init__(groups, loop, batched, stall_s)
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
@@ -217,7 +221,8 @@ class ProcessExecutor(_Remote):
         self._threads: list[threading.Thread] = []
         self._closing = False
         self.rings: list[RingReader | None] = []  # each worker's results (sim/result_ring.py); None: its pipe
-        ring_size = ring_bytes(len(groups))
+        most = max((len(g) for g in groups), default=0)
+        ring_size = ring_bytes(len(groups), results=most * (result_bytes + ENVELOPE_ROOM))
         try:
             for i, group in enumerate(groups):
                 task_r, task_w = ctx.Pipe(duplex=False)
@@ -440,7 +445,25 @@ def start_workers(
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": device})})
     if plan.backend == "ray":
         return RayExecutor(cfg, _groups(cfg), loop, batched=plan.cohort)
-    return ProcessExecutor(cfg.to_toml(), _groups(cfg), loop, batched=plan.cohort, stall_s=cfg.runtime.worker_stall_s)
+    return ProcessExecutor(
+        cfg.to_toml(),
+        _groups(cfg),
+        loop,
+        batched=plan.cohort,
+        stall_s=cfg.runtime.worker_stall_s,
+        result_bytes=_result_bytes(cfg, spec),
+    )
+
+
+def _result_bytes(cfg: RunConfig, spec: ModelSpec | None) -> int:
+    """About one device's result: a dense float32 delta of the run's model (``spec``, else the model of a
+    built-in dataset's geometry: workers start before the data is loaded); 0 when not known."""
+    if spec is None:
+        geometry = builtin_geometry(cfg.data.dataset, **cfg.data.loader_params())
+        if geometry is None:
+            return 0
+        spec = cfg.model_spec(*geometry)
+    return 4 * spec.num_params()
 
 
 def make_executor(

@@ -52,7 +52,9 @@ from protocols.wire.payload import Headroom, Lent, Parts, parts_size
 log = logging.getLogger("fedtier.sim")
 
 RING_BYTES = 64 << 20
-"""A worker's ring at most: ~80 results of the large workload's 800 KB in flight."""
+"""A worker's ring at least (where its shared memory has room): ~80 results of the large workload's 800 KB."""
+MAX_RING_BYTES = 1 << 30
+"""A worker's ring at most, whatever its results need (and at most 1/8 of the machine's memory over the workers)."""
 MIN_RING_BYTES = 1 << 20
 WAIT_S = 5.0
 """How long a worker waits for room in its ring before it sends a result through its pipe instead."""
@@ -63,15 +65,23 @@ MAX_RECORDS = 1024
 _CONTROL = 8 * (1 + MAX_RECORDS)  # the segment's start: frees published so far, then the freed records' numbers
 
 
-def ring_bytes(workers: int, shm_dir: str = "/dev/shm") -> int:
-    """Each of ``workers`` rings' size: :data:`RING_BYTES`, or half of ``shm_dir``'s free room over the workers
-    where that is less (a full tmpfs would kill a writer with SIGBUS); 0 (no rings) below :data:`MIN_RING_BYTES`."""
+def ring_bytes(workers: int, shm_dir: str = "/dev/shm", results: int = 0) -> int:
+    """Each of ``workers`` rings' size: room for ``results`` bytes (a worker's results of an edge round) lent
+    at once (twice that: :data:`LEND_SHARE`), between :data:`RING_BYTES` and :data:`MAX_RING_BYTES`, at most 1/8 of
+    the machine's memory over the workers, and at most half of ``shm_dir``'s free room over them (a full tmpfs
+    would kill a writer with SIGBUS); 0 (no rings) below :data:`MIN_RING_BYTES`."""
+    workers = max(workers, 1)
     try:
         st = os.statvfs(shm_dir)
         free = st.f_bavail * st.f_frsize
     except OSError:  # no /dev/shm (not Linux): POSIX shared memory without a tmpfs to fill
-        free = 2 * workers * RING_BYTES
-    size = min(RING_BYTES, free // (2 * max(workers, 1)))
+        free = 2 * workers * MAX_RING_BYTES
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        memory = 8 * workers * MAX_RING_BYTES
+    wanted = min(MAX_RING_BYTES, max(RING_BYTES, int(results / LEND_SHARE)))
+    size = min(wanted, memory // (8 * workers), free // (2 * workers))
     return size if size >= MIN_RING_BYTES else 0
 
 

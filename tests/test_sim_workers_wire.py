@@ -139,6 +139,19 @@ def test_no_ring_where_shared_memory_is_short(tmp_path):
     assert result_ring.ring_bytes(free // result_ring.MIN_RING_BYTES) == 0  # too many workers for its room
 
 
+def test_a_ring_holds_a_workers_results_of_an_edge_round_within_its_bounds():
+    """Twice a worker's results of an edge round (at most half a ring is lent), between RING_BYTES and
+    MAX_RING_BYTES; the large workload's 250 results of 800 KB a worker: ~380 MiB, so that none is copied out."""
+    ring = result_ring.ring_bytes
+    assert ring(4, results=0) == ring(4, results=result_ring.RING_BYTES // 4) == result_ring.RING_BYTES
+    big = 250 * (796_840 + 1024)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    st = os.statvfs("/dev/shm")
+    assert ring(4, results=big) == min(2 * big, memory // 32, st.f_bavail * st.f_frsize // 8)
+    assert ring(1, results=10 * result_ring.MAX_RING_BYTES) <= result_ring.MAX_RING_BYTES
+    assert ring(2, "/nonexistent-shm", results=big) == min(2 * big, memory // 16)  # no tmpfs: memory bounds it
+
+
 def test_a_batch_sends_the_same_payload_of_different_messages_once():
     model = encode_payload(Payload({"round": 1}, {"w": np.arange(300, dtype=np.float32)}))
     other = encode_payload(Payload({"round": 1}, {"w": np.arange(1, 301, dtype=np.float32)}))
