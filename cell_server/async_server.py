@@ -55,6 +55,7 @@ class AsyncCellServer(CellServer):
         self.outstanding: dict[str, tuple[int, int]] = {}  # device -> (model version, task number) it works on
         self.task_no = {d: 0 for d in self.devices}
         self._push_timer: TimerHandle | None = None
+        self._last_push: tuple[int, bytes] | None = None  # (cloud version it derives from, the message)
         self.push_journal = AsyncJournal(journal_path) if journal_path is not None else None
         self._resumed = self.push_journal.load(resume) if self.push_journal is not None else None
         self._window()
@@ -98,6 +99,9 @@ class AsyncCellServer(CellServer):
         if msg is None:
             return
         first = not self.fb.ready
+        if not first and msg.header.round == self.fb.global_version and msg.header.session == self.messenger.session:
+            self._held_again()
+            return
         try:
             self.fb.adopt(msg.header.round, msg.payload.tensors)
         except (Rejected, ValueError) as exc:
@@ -111,6 +115,14 @@ class AsyncCellServer(CellServer):
         self._adopted(msg.header.round, msg.header.session, msg.payload.tensors, first)
         if first:
             self._announce()  # no longer asking for a model (the cloud sends one to a cell that asks again)
+
+    def _held_again(self) -> None:
+        """The cloud sent the version this cell holds again: a resumed cloud, whose buffer may have lost this cell's
+        last push (taken by the broker, not yet journaled): that push goes again if it derives from this version (a
+        cloud that has it counts it once)."""
+        log.info("cell %s: cloud version %d again (a resumed cloud)", self.cell, self.fb.global_version)
+        if self._last_push is not None and self._last_push[0] == self.fb.global_version:
+            self.transport.publish(topics.cell_report(self.run, self.cell), self._last_push[1], qos=1)
 
     def _adopted(self, version: int, session: str | None, model: Mapping[str, np.ndarray], first: bool) -> None:
         """Cloud model ``version`` of ``session`` adopted: journal it; the first one sets the devices working."""
@@ -255,6 +267,7 @@ class AsyncCellServer(CellServer):
         message = self.messenger.frame("cell_report", report, round=self.fb.global_version, cell=self.cell, topic=topic)
         if self.push_journal is not None:  # journaled before it leaves: a resumed cell sends it again
             self.push_journal.pushed(message, self.fb.version)
+        self._last_push = (self.fb.global_version, message)
         self.transport.publish(topic, message, qos=1)
 
     def _on_push_timer(self) -> None:

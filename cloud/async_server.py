@@ -7,7 +7,11 @@ cells whose pushes it used. A push names the cloud version it derives from (``ro
 a future version, or one staler than ``max_staleness``, is rejected and logged. ``run.rounds`` counts
 cloud versions. A cell that sends a push of before the last version it was sent again, and has pushed nothing
 from that version, came back from a crash and may have lost it: it is sent the current version, once a version
-(``RoundCounts.lost_task``, as the cloud of rounds does; ``cell_server.async_recovery``). A cell whose status
+(``RoundCounts.lost_task``, as the cloud of rounds does; ``cell_server.async_recovery``). It checkpoints every
+version as the cloud of rounds checkpoints a round, and journals every push it takes, durably before it counts, until
+a version applies it (``cloud.async_journal``): ``--resume`` continues from the checkpoint's version with those
+pushes buffered again, sends every cell the current version, and a cell that holds it sends its last push again
+(one taken by the broker, not yet journaled, when the cloud stopped). A cell whose status
 newly asks for a model (``needs_model``: one restarted afresh, or started after the first version went out, which
 it never got) is sent the current version too, under the same bound (``RoundCounts.first_resend``).
 """
@@ -17,12 +21,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from protocols import runfiles
 from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.rejections import Rejected, RejectKind
 from protocols.status import decode_status
 from protocols.transport.base import Transport
 from protocols.wire.messenger import Incoming
 
+from .async_journal import PushJournal
 from .parts import resend_on_repeat
 from .revocation import refused_revoked
 from .server import CloudServer
@@ -38,10 +44,15 @@ class AsyncCloudServer(CloudServer):
     """The cloud in asynchronous mode; records, evaluation, checkpoints and start-up as :class:`CloudServer`."""
 
     def __init__(self, transport: Transport, *, fedbuff: FedBuffCloud, **kwargs: Any) -> None:
-        super().__init__(transport, role=fedbuff.inner, **kwargs)
+        super().__init__(transport, role=fedbuff.inner, **kwargs)  # resumed: the checkpoint's model and version
         self.fb = fedbuff
-        self._notify = list(self.cells)  # the cells the next model version goes to
+        self.fb.version = self.round
+        self._notify = list(self.cells)  # the cells the next model version goes to (all, at the start)
         self._sent: dict[str, int] = {}  # cell -> the newest version sent to it
+        path = self.checkpoint.path.with_name(runfiles.CLOUD_JOURNAL) if self.checkpoint is not None else None
+        self.journal = PushJournal(path, self.round if self.resumed else None) if path is not None else None
+        if self.resumed:  # the start sends every cell the current version: a push from it is not a fresher base
+            self._sent = dict.fromkeys(self.cells, self.round)
         self._pushed_from: dict[str, int] = {}  # cell -> the version its last push taken derives from
         self._asking: set[str] = set()  # cells whose latest status asks for a model (``needs_model``)
         self._holding: set[str] = set()  # cells heard holding a model since they last asked
@@ -54,6 +65,9 @@ class AsyncCloudServer(CloudServer):
         self._send_tasks(self._notify)
         self._sent.update((cell, self.round) for cell in self.planned)
         self._in_round = True
+        if self.journal is not None:  # resumed: the pushes buffered for this version when the cloud stopped
+            for topic, data in self.journal.replay():
+                self._on_report(topic, data)
 
     def _leave_round(self, cells: list[str]) -> None:
         """Revoked ``cells``: their pushes still buffered are dropped (never aggregated), no version goes to them."""
@@ -87,6 +101,8 @@ class AsyncCloudServer(CloudServer):
             return
         if self.started and not self._in_round:
             self._begin_round()  # the last version goes out (and its record's counts start) before this push counts
+        if self.journal is not None:
+            self.journal.taken(self.round, topic, data)  # durable before it counts
         self.fb.offer(cell, h.round, msg.payload)
         self._pushed_from[cell] = h.round
         self.counts.devices[cell] = self.counts.devices.get(cell, 0) + self._count(cell, msg)
@@ -94,7 +110,14 @@ class AsyncCloudServer(CloudServer):
             out = self.fb.aggregate()
             self._notify = sorted(set(out.senders))
             self._in_round = False
-            self._record_round("buffer full", self._notify, [], out)
+            self._record_round("buffer full", self._notify, [], out)  # checkpointed: the buffer is in the model
+            if self.journal is not None:
+                self.journal.applied(self.round)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.journal is not None:
+            self.journal.close()
 
     def _repeated(self, cell: str, msg: Incoming) -> None:
         """A push handled before, again: a cell back from a crash that may have lost the last version it was sent

@@ -13,7 +13,7 @@ from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.algorithms.staleness import AsyncParams
 from protocols.algorithms.traits import Trait
 from protocols.bounds import CellBounds
-from protocols.config import ConfigError, RunConfig
+from protocols.config import RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
 
@@ -44,7 +44,7 @@ def build_cloud(
     folder's ``cells.jsonl`` (a deployed cloud: its cells write on their own machines)."""
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
-    server, extra = _server_kind(cfg, algorithm, resume)
+    server, extra = _server_kind(cfg, algorithm)
     return server(
         transport,
         run=cfg.run.name,
@@ -73,15 +73,10 @@ def build_cloud(
     )
 
 
-def _server_kind(cfg: RunConfig, algorithm: Algorithm, resume: bool) -> tuple[type[CloudServer], dict[str, Any]]:
+def _server_kind(cfg: RunConfig, algorithm: Algorithm) -> tuple[type[CloudServer], dict[str, Any]]:
     """The server class of ``algorithm`` and its role argument: FedBuff over cells (asynchronous) or rounds."""
     if Trait.ASYNC not in algorithm.stack_traits():
         return CloudServer, {"role": algorithm.cloud()}
-    if resume:
-        raise ConfigError(
-            '--resume: algorithm.mode = "async" does not resume from a checkpoint yet '
-            "(buffered pushes and cell versions are not checkpointed); run again"
-        )
     inner = algorithm.cloud()
     assert isinstance(cfg.train, AsyncParams) and isinstance(inner, ModelCloud)  # FedAvg's (the VERSIONED one)
     return AsyncCloudServer, {"fedbuff": FedBuffCloud(cfg.train, inner)}

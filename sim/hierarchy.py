@@ -319,6 +319,7 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
             runfiles.METRICS,
             runfiles.AGGREGATION,
             runfiles.CHECKPOINT,
+            runfiles.CLOUD_JOURNAL,
             runfiles.FINAL_MODEL,
             runfiles.SUMMARY,
             runfiles.JOBS,  # fedtier run's job queue

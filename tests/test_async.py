@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+
 import numpy as np
 import pytest
 
+from protocols import runfiles
 from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedavg import FedAvgParams
 from protocols.algorithms.fedbuff import FedBuffCell
@@ -130,9 +134,10 @@ def test_async_config_is_refused_where_it_does_not_apply(tmp_path):
         parse_config({"algorithm": {"name": "fedavg", "mode": "async", "cell_aggregator": "median"}})
     cfg = _cfg("async", 2)
     cfg["run"]["output"] = str(tmp_path / "{name}")
-    run_simulation(parse_config(cfg))
-    with pytest.raises(ConfigError, match="resume"):
-        run_simulation(parse_config(cfg), resume=True)
+    rounds = len(run_simulation(parse_config(cfg)).history)
+    cfg["run"]["rounds"] = rounds + 2  # an async run resumes (it was refused): two more versions
+    resumed = run_simulation(parse_config(cfg), resume=True)
+    assert [h["round"] for h in resumed.history] == [rounds, rounds + 1]
 
 
 def test_async_over_mqtt_completes_with_a_killed_device(tmp_path):
@@ -291,6 +296,68 @@ def test_an_async_cell_restarted_afresh_asks_for_the_model_and_numbers_its_tasks
     assert any("c0" in h["cells_reported"] for h in later), [(h["clock_s"], h["cells_reported"]) for h in later]
     refused = [x for r in result.cell_records for x in r["rejected"] if x["device"] == "cloud"]
     assert not refused, refused  # the cell never refused a model
+
+
+def test_a_killed_async_cloud_resumes_its_version_with_the_pushes_it_had_buffered(tmp_path):
+    """In memory, virtual clock: the async cloud dies just after it journaled a push of version 3 (buffer 3: the
+    push waits in the buffer), and comes back 2 s later with --resume: it continues at version 3 with that push
+    buffered again (so version 3 applies it), keeps its session, and every version is recorded once. Before,
+    `fedtier cloud --resume` under algorithm.mode = "async" was refused."""
+
+    class Killed(Exception):
+        pass
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 6},
+        algorithm={"mode": "async", "async_buffer": 2, "async_cloud_buffer": 3, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    first, killed = sim.cloud, []
+    session = first.session
+    taken = first.journal.taken
+
+    def dies_after(version: int, topic: str, data: bytes) -> None:
+        taken(version, topic, data)
+        if version == 3 and not killed:  # journaled, not yet counted: the cloud dies
+            killed.append(topic.split("/")[-2])
+            first.transport.crash()
+            first.stop()
+            sim.hub.loop.call_later(2.0, restart)
+            raise Killed  # the process ends here (caught below: the in-memory loop goes on)
+
+    offered: list[tuple[int, str, float]] = []  # (version, cell, clock) of each push the resumed cloud buffers
+
+    def restart() -> None:
+        sim.cloud = again = sim._build_cloud(None, resume=True)
+        offer = again.fb.offer
+        again.fb.offer = lambda cell, base, report: (
+            offered.append((again.round, cell, sim.hub.loop.now())),
+            offer(cell, base, report),
+        )
+        killed.append(sim.hub.loop.now())
+        again.start()
+
+    first.journal.taken = dies_after  # type: ignore[method-assign]
+    on_report = first._on_report
+
+    def report(topic: str, data: bytes) -> None:
+        with contextlib.suppress(Killed):
+            on_report(topic, data)
+
+    first._on_report = report  # type: ignore[method-assign]
+    result = sim.run()
+    resumed = sim.cloud
+    assert killed and resumed is not first and resumed.resumed and resumed.session == session
+    # the journaled push, buffered again at the start, in version 3 (the copy its cell sends again on getting
+    # version 3 anew, which alone would cover a push the cloud had not journaled, arrives later: a repeat, dropped)
+    assert offered[0] == (3, killed[0], killed[1]), (offered, killed)
+    assert [h["round"] for h in result.history] == [3, 4, 5]  # the resumed cloud's records
+    lines = (sim.output_dir / runfiles.METRICS).read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2, 3, 4, 5]
+    refused = [x for r in result.cell_records for x in r["rejected"] if x["device"] == "cloud"]
+    assert not refused, refused  # no cell refused the resent version it held
 
 
 def test_an_async_cells_journal_keeps_its_model_newest_version_and_last_push_in_one_write(tmp_path, monkeypatch):

@@ -1,0 +1,71 @@
+"""The asynchronous cloud's pushes taken since its last model version: what ``fedtier cloud --resume`` buffers
+again under ``algorithm.mode = "async"`` (the model and version come from the checkpoint, ``cloud.checkpoint``).
+
+Every push the cloud takes is appended, fsynced, before it counts (the message as received: replayed through the
+same checks); when a version applies the buffer (after its checkpoint) the journal starts afresh at the next
+version. Each entry names the version it was taken in: a cloud stopped between a checkpoint and the fresh start of
+the journal finds the pushes of the version before, which the checkpoint's model holds already, and skips them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from protocols.checkpoint import Journal
+from protocols.wire.payload import Payload
+
+log = logging.getLogger("fedtier.cloud")
+
+
+class PushJournal:
+    """The journal at ``path``; ``resumed``: the version a resumed cloud continues (its pushes are replayed), else
+    ``None`` (a fresh start: the journal is emptied)."""
+
+    def __init__(self, path: Path, resumed: int | None) -> None:
+        self.file = Journal(path)
+        self._replay: list[tuple[str, bytes]] = []
+        self._replaying = False  # taking the journaled pushes again: they are in the journal already
+        if resumed is not None:
+            try:
+                entries = self.file.read()
+            except (OSError, ValueError) as exc:
+                log.warning(
+                    "cannot read %s (%s): the pushes buffered when the cloud stopped are not replayed", path, exc
+                )
+                entries = []
+            self._replay = [
+                (str(e.meta["topic"]), e.tensors["message"].tobytes())
+                for e in entries
+                if e.meta.get("version") == resumed and "message" in e.tensors
+            ]
+            log.info("cloud: %d pushes of version %d to buffer again", len(self._replay), resumed)
+        self.file.reset(Payload({"version": resumed}), *(self._entry(resumed, t, d) for t, d in self._replay))
+
+    @staticmethod
+    def _entry(version: int | None, topic: str, data: bytes) -> Payload:
+        return Payload({"version": version, "topic": topic}, {"message": np.frombuffer(data, np.uint8)})
+
+    def replay(self) -> Iterator[tuple[str, bytes]]:
+        """The pushes to take again (once: the first call after a resume)."""
+        pushes, self._replay = self._replay, []
+        self._replaying = True
+        try:
+            yield from pushes
+        finally:
+            self._replaying = False
+
+    def taken(self, version: int, topic: str, data: bytes) -> None:
+        """A push taken in ``version`` (before it counts); a replayed one is in the journal already."""
+        if not self._replaying:
+            self.file.append(self._entry(version, topic, data))
+
+    def applied(self, version: int) -> None:
+        """A model version applied the buffered pushes (checkpointed): the journal starts afresh at ``version``."""
+        self.file.reset(Payload({"version": version}))
+
+    def close(self) -> None:
+        self.file.close()
