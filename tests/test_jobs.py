@@ -318,6 +318,14 @@ def test_a_node_takes_only_the_job_the_cloud_signed_and_leaves_on_its_finished()
         )
         hub.loop.run()
         assert (real.session in watch.finished) == (sender == "cloud")
+    # a cell (`fedtier cell --serve`) started after the job ended, here before the cloud cleared its job record: its
+    # retained finished says so, and the cell stays idle for the next job
+    Messenger(hub.connect("m-end"), "fed", "cloud", trust=trust["cloud"]).send(
+        topics.control("fed"), "control", Payload({"event": "finished", "session": real.session}), round=0, retain=True
+    )
+    late = JobWatch(hub.connect("late-cell"), "fed", trust["c0"])
+    hub.loop.run()
+    assert late.current == real and late.pending(set()) is None
 
 
 def test_init_from_is_refused_for_devices_that_keep_a_replica_of_the_initial_model(tmp_path: Path) -> None:
