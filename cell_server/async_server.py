@@ -221,13 +221,14 @@ class AsyncCellServer(CellServer):
     # ----------------------------------------------------------------- aggregation and pushes
     def _flush(self) -> None:
         out = self.fb.aggregate()
-        if self.push_journal is not None:  # before a task carries the new version
+        pushing = self.fb.updates >= self.push_every
+        if self.push_journal is not None and not pushing:  # before a task carries the new version (a push journals it)
             self.push_journal.updated(self.fb.version)
         metrics, answered = dict(out.metrics), list(out.senders)
         self.tally.traffic["cell_to_device"] += self.edge.bytes_out
         self.tally.traffic["device_to_cell"] += self.edge.bytes_in
         self._record_async(metrics, answered)
-        if self.fb.updates >= self.push_every:
+        if pushing:
             self._push()
 
     def _record_async(self, metrics: dict[str, Any], answered: list[str]) -> None:

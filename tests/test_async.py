@@ -360,32 +360,110 @@ def test_a_killed_async_cloud_resumes_its_version_with_the_pushes_it_had_buffere
     assert not refused, refused  # no cell refused the resent version it held
 
 
-def test_an_async_cells_journal_keeps_its_model_newest_version_and_last_push_in_one_write(tmp_path, monkeypatch):
+def test_an_async_cells_journal_keeps_its_model_newest_version_and_last_push_and_a_push_leaves_the_model(tmp_path):
     """What a resumed async cell continues from: the cloud model it adopted last, the newest model version it used
-    and its last push, kept across a newer cloud model; each rewrite is one atomic file (a kill between a reset and
-    an append left a journal without the push, measured deployed: the resumed cell then sent nothing again)."""
+    and its last push, kept across a newer cloud model; a push rewrites the small journal only, never the model file
+    (it was a full model write and fsync a push)."""
     from cell_server.async_recovery import AsyncJournal
 
     path = tmp_path / "cell-c0.journal"
     journal = AsyncJournal(path)
     journal.adopted(2, "s", {"w": np.zeros(3, np.float32)}, version=4)
     journal.updated(5)
+    model_file = path.with_name(path.name + ".model")
+    written = model_file.stat().st_ino
     journal.pushed(b"push-of-version-2", version=5)
+    assert model_file.stat().st_ino == written  # the push did not write the model again
     journal.adopted(3, "s", {"w": np.ones(3, np.float32)}, version=6)
     journal.close()
-    entries = [e.meta["k"] for e in Journal(path).read()]
-    assert entries == ["model", "version", "push"]  # one write: the model, the version, the push
+    assert [e.meta["k"] for e in Journal(path).read()] == ["version", "push"]
     resumed = AsyncJournal(path).load(resume=True)
     assert resumed is not None and (resumed.global_version, resumed.session, resumed.version) == (3, "s", 6)
     assert resumed.push == b"push-of-version-2" and resumed.model["w"].tolist() == [1.0] * 3
-    again = AsyncJournal(path)
-    again.load(resume=True)
+    fresh = AsyncJournal(path)
+    assert fresh.load(resume=False) is None and fresh.used == 6  # afresh: both files go, the newest version stays
+    assert not path.exists() and not model_file.exists()
 
-    def killed(self, entry):  # the process dies at its next append
-        raise OSError("killed")
 
-    monkeypatch.setattr(Journal, "append", killed)
-    again.adopted(4, "s", {"w": np.full(3, 2.0, np.float32)}, version=7)  # one write, no append
-    assert AsyncJournal(path).load(resume=True).push == b"push-of-version-2"
-    monkeypatch.undo()
-    assert AsyncJournal(path).load(resume=False) is None and not path.exists()  # afresh: the journal goes
+_JOURNALED = [  # what an async cell journals: adoptions (cloud version), updates, pushes (after the update they carry)
+    ("adopted", 1, 0),
+    ("updated", None, 1),
+    ("pushed", b"p1", 2),
+    ("adopted", 2, 3),
+    ("updated", None, 4),
+    ("pushed", b"p2", 5),
+    ("adopted", 3, 6),
+    ("pushed", b"p3", 7),
+]
+
+
+def _journal_until_killed(path, kill_at: int, monkeypatch) -> list[tuple]:
+    """Journal :data:`_JOURNALED` at ``path``, killed (OSError) at the ``kill_at``-th write point: before a file is
+    written or appended to, before an fsync, before a rename; the state (cloud version, push, version) once each
+    operation returned, from before the first."""
+    import os
+
+    from cell_server.async_recovery import AsyncJournal
+    from protocols import checkpoint
+
+    calls = [0]
+
+    def killable(real):
+        def call(*args):
+            calls[0] += 1
+            if calls[0] == kill_at:
+                raise OSError("killed")
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(os, "fsync", killable(os.fsync))
+    monkeypatch.setattr(os, "replace", killable(os.replace))
+    monkeypatch.setattr(checkpoint, "private_file", killable(checkpoint.private_file))
+    monkeypatch.setattr(Journal, "append", killable(Journal.append))
+    journal, done, g, push = AsyncJournal(path), [(None, None, -1)], None, None
+    try:
+        for what, arg, version in _JOURNALED:
+            if what == "adopted":
+                journal.adopted(arg, f"s{arg}", {"w": np.full(3, float(arg), np.float32)}, version)
+                g = arg
+            elif what == "updated":
+                journal.updated(version)
+            else:
+                journal.pushed(arg, version)
+                push = arg
+            done.append((g, push, version))
+    except OSError:
+        pass
+    finally:
+        monkeypatch.undo()
+        journal.close()
+    return done
+
+
+def test_an_async_cell_killed_at_any_write_of_its_journal_resumes_from_a_consistent_one(tmp_path, monkeypatch):
+    """A kill at each write point of the journal (between two writes, a file written but not renamed, an append
+    not yet durable, the model file written but not the journal file): the resumed cell holds a cloud model it
+    adopted, with its session, the push it made last or the one it was writing, and a version past every one a
+    task could have carried, no newer than it reached."""
+    from cell_server.async_recovery import AsyncJournal
+
+    kill_at = 1
+    while len(done := _journal_until_killed(tmp_path / f"k{kill_at}" / "c.journal", kill_at, monkeypatch)) <= len(
+        _JOURNALED
+    ):
+        before = done[-1]  # the state committed; the operation in progress would make ``after``
+        what, arg, version = _JOURNALED[len(done) - 1]
+        after = (arg if what == "adopted" else before[0], arg if what == "pushed" else before[1], version)
+        resumed = AsyncJournal(tmp_path / f"k{kill_at}" / "c.journal").load(resume=True)
+        if before[0] is None:  # killed in the first adoption: nothing to resume, or that model
+            assert resumed is None or (resumed.global_version, resumed.push, resumed.version) == (1, None, 0), kill_at
+        else:
+            assert resumed is not None, kill_at
+            g = resumed.global_version
+            assert g in {before[0], after[0]} and resumed.session == f"s{g}", kill_at
+            assert resumed.model["w"].tolist() == [float(g)] * 3, kill_at
+            assert resumed.push in {before[1], after[1]}, kill_at
+            assert before[2] <= resumed.version <= after[2], kill_at
+        kill_at += 1
+    assert kill_at > 20  # every adoption's two writes (model file, then the journal file's first), append, push
