@@ -49,6 +49,9 @@ class CloudRecords:
         self.clouds, self.agents, self.presence, self.job, self.links = clouds, agents, presence, job, links
         self.rejoin_poll = rejoin_poll
         self.availability: Callable[[int], Iterable[str]] | None = None  # churn: who takes part in a round
+        self.ended_wait: float | None = None  # one-shot: how long a device that finds its job ended waits for a cloud
+        self.ended: dict[str, str] = {}  # device -> the ended session it left on (its job was over before it started)
+        self._ended_timers: set[str] = set()
         self._leave, self._job_done, self._connect = leave, job_done, connect
 
     def on_control(self, device: str, messenger: Messenger, topic: str, data: bytes) -> None:
@@ -92,6 +95,9 @@ class CloudRecords:
             else:
                 self._leave(device)
             return
+        if cloud.ended is not None and self.ended_wait is not None and device not in self._ended_timers:
+            self._ended_timers.add(device)  # as `fedtier cell`: a new run's cloud may be about to start
+            self.links.loop.call_later(self.ended_wait, lambda: self._job_over(device))
         rnd = cloud.round
         if self.availability is None or rnd is None:
             return
@@ -112,6 +118,14 @@ class CloudRecords:
                     self.agents[device].announce("online")
             else:
                 self._disconnect(device)
+
+    def _job_over(self, device: str) -> None:
+        """``ended_wait`` after ``device`` found its job ended (``CloudSession.ended``): still so, it leaves."""
+        ended = self.clouds[device].ended
+        if ended is not None and device in self.presence.live:
+            log.warning("device %s: the job was over before it started (cloud session %s finished)", device, ended)
+            self.ended[device] = ended
+            self._leave(device)
 
     def _disconnect(self, device: str) -> None:
         """Close the connection cleanly (after its pending publishes) and poll again later."""

@@ -132,6 +132,7 @@ class AgentProcess:
             connect=self._connect,
         )
         self.records.availability = availability
+        self.records.ended_wait = cfg.runtime.startup_wait  # a one-shot device started after its job ended leaves
         self.twin_window = twin_window
         self.twins = TwinWatch(new_instance())  # this process's nonce, in every status record
         self._refused = False  # refused to start (a twin): already stopped, nothing announced

@@ -15,6 +15,7 @@ from cloud.node import build_cloud
 from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, offline_will
 from fedtier.cmd_deploy import _serve, watch_cloud
 from protocols import runfiles
+from protocols.config import load_config
 from protocols.session import CloudSession, decode_manifest, encode_manifest
 from protocols.status import decode_status, encode_status
 from protocols.transport.broker import EmbeddedBroker
@@ -185,8 +186,9 @@ startup_wait = 0.5
 def test_a_cell_started_after_its_job_ended_leaves_saying_so(tmp_path: Path) -> None:
     """``fedtier cell`` started after its run's cloud finished (its ``finished`` record retained, its status
     offline, as the cloud leaves them): it waits ``runtime.startup_wait`` for a new run's cloud, then exits 0 (as a
-    device the job never planned), saying the job was over. Before, it never learned the cloud's session (no
-    cloud came online again), ignored ``finished`` and never exited."""
+    device the job never planned), saying the job was over; a device agent started late leaves the same way. Before,
+    it never learned the cloud's session (no cloud came online again), ignored ``finished`` and never exited.
+    """
     from click.testing import CliRunner
 
     from fedtier.cli import main
@@ -216,8 +218,22 @@ def test_a_cell_started_after_its_job_ended_leaves_saying_so(tmp_path: Path) -> 
             daemon=True,
         )
         cell.start()
+        cfg = load_config(config)  # a device agent started late leaves the same way
+        prep = prepare(cfg)
+        agents = AgentProcess(
+            cfg,
+            cfg.build_algorithm(prep.spec),
+            {"c0-d0": prep.device_data["c0-d0"]},
+            make_trainer("torch", prep.spec, cfg),
+            BrokerOptions(broker.url),
+        ).start()
+        try:
+            assert agents.wait(30.0), "the late device did not leave"
+        finally:
+            agents.stop()
         cell.join(30.0)
         assert not cell.is_alive(), "the late cell did not exit"
+    assert agents.records.ended == {"c0-d0": "ended-job"} and agents.stats()["c0-d0"]["tasks"] == 0
     said = " ".join(out[0].output.split())  # the console wraps lines
     assert out[0].exit_code == 0, said
     assert "the job was over before this cell started (the cloud finished session ended-job" in said, said

@@ -205,9 +205,9 @@ class RuntimeSection(Section):
     startup_wait: float = Field(
         default=60.0,
         ge=0,
-        description="seconds to wait for all devices (MQTT); a one-shot `fedtier cell` that finds its run "
-        "already finished (the cloud offline, its `finished` record retained) waits this long for a new run's "
-        "cloud, then leaves",
+        description="seconds to wait for all devices (MQTT); a one-shot `fedtier cell` or `fedtier agent` that "
+        "finds its run already finished (the cloud offline, its `finished` record retained) waits this long for a "
+        "new run's cloud, then leaves",
     )
     heartbeat: float = Field(
         default=5.0,
