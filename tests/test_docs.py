@@ -25,7 +25,10 @@ DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 TUTORIALS = sorted((DOCS / "tutorials").glob("*.md"))
 # what the tutorials' fedtier sim/run commands get appended in the test, so that each takes seconds
-SMALL = "--set run.rounds=2 --set algorithm.local_steps=5 --set data.max_train=2000 --set data.max_test=500"
+SMALL = (
+    "--set run.rounds=2 --set algorithm.edge_rounds=1 --set algorithm.local_steps=5 --set data.max_train=2000 "
+    "--set data.max_test=500"
+)
 
 
 @dataclass
