@@ -157,11 +157,11 @@ def test_fedmrn_median_cells_report_dense_and_refuse_forwarding_masks() -> None:
     )  # below the initial model's (2.30 to 2.31)
 
 
-def _fedalign_config(cells: int, per_cell: int, priority: list[str], **algorithm: Any) -> Any:
+def _fedalign_config(cells: int, per_cell: int, priority: list[str], rounds: int = 2, **algorithm: Any) -> Any:
     algo = {"name": "fedalign", "priority": priority, "epsilon": 0.5, "local_steps": 1, **algorithm}
     return parse_config(
         {
-            "run": {"name": "few", "rounds": 2},
+            "run": {"name": "few", "rounds": rounds},
             "topology": {"cells": cells, "devices_per_cell": per_cell},
             "algorithm": algo,
             "model": {"name": "logreg"},
@@ -196,6 +196,19 @@ def test_fedalign_krum_or_trimmed_mean_that_a_phase_can_never_feed_enough_device
     _fedalign_config(4, 3, one_each, cloud_aggregator="krum").build_algorithm(spec)  # free phase: 2 + 4 reports
     three_each = [f"c{c}-d{d}" for c in range(2) for d in range(3)]  # 3 priority and 3 free devices a cell
     _fedalign_config(2, 6, three_each, cell_aggregator="krum").build_algorithm(spec)
+
+
+def test_fedalign_checks_only_the_phases_its_run_reaches() -> None:
+    """Each cell's 5 priority devices feed Krum (5 > 2f + 2) in the warm-up (solo) and priority phases, its 1 free
+    device cannot in the free phase. Within a 5-iteration warm-up (rounds 0-4 solo, round 5 priority, round 6 free)
+    a run of 3 or 6 rounds never reaches the free phase: built (before, refused for a phase it never reached);
+    a run of 7 rounds reaches it: refused, naming it."""
+    spec = ModelSpec(input_shape=(64,))
+    five_each = [f"c{c}-d{d}" for c in range(2) for d in range(5)]
+    for rounds in (3, 6):
+        _fedalign_config(2, 6, five_each, rounds, cell_aggregator="krum", warmup_rounds=5).build_algorithm(spec)
+    with pytest.raises(ConfigError, match=r"cell_aggregator = \"krum\" in FedALIGN's free phase .* the 1 free devices"):
+        _fedalign_config(2, 6, five_each, 7, cell_aggregator="krum", warmup_rounds=5).build_algorithm(spec)
 
 
 def test_fedalign_cloud_aggregator_is_checked_over_the_reports_its_phases_give_it() -> None:

@@ -262,6 +262,9 @@ class Algorithm(ABC):
     """What the base algorithm's roles do (``protocols.algorithms.traits``), before any layer."""
     without: ClassVar[dict[Trait, str]] = {}
     """For traits it lacks: why, in words (shown when a layer or a feature needs one)."""
+    rounds: int | None = None
+    """The run's cloud rounds (``run.rounds``), set by ``compose`` before :meth:`bind_topology`; ``None`` (an
+    algorithm built by hand): any number (a check of what some round needs checks every round)."""
 
     @classmethod
     def traits_with(cls, params: TrainParams) -> frozenset[Trait]:

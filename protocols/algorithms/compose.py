@@ -48,14 +48,16 @@ def compose(
     seed: int,
     init_seed: int,
     cells: Mapping[str, Sequence[str]],
+    rounds: int | None = None,
     wrappers: Sequence[Wrapper] = (),
 ) -> Algorithm:
     """The algorithm stack of a run: the base algorithm ``params.name`` from the registry (the layers its
-    ``params`` configure are built by its roles), bound to the topology ``cells`` (``ValueError`` naming the
-    key when the parameters do not fit it), then each of ``wrappers`` in order (``RunConfig.build_algorithm``
-    passes the run's initial model and differential privacy)."""
+    ``params`` configure are built by its roles), bound to the topology ``cells`` and the run's ``rounds``
+    (``ValueError`` naming the key when the parameters do not fit them), then each of ``wrappers`` in order
+    (``RunConfig.build_algorithm`` passes the run's initial model and differential privacy)."""
     params.check_topology(cells)
     algorithm = get_algorithm(params.name)(params, spec, seed, init_seed=init_seed)
+    algorithm.rounds = rounds
     algorithm.bind_topology(cells)
     for wrap in wrappers:
         algorithm = wrap(algorithm)

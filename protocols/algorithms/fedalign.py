@@ -140,10 +140,12 @@ class Schedule:
             return ("all",)
         return ("priority", "free")
 
-    def reachable_phases(self) -> set[str]:
-        """Every phase some iteration has (the epsilon regimes: warm-up, before and after the drop)."""
+    def reachable_phases(self, rounds: int | None = None) -> set[str]:
+        """Every phase of the first ``rounds`` cloud rounds (``None``: of any round; the epsilon regimes are the
+        warm-up, before and after the drop: every iteration from the last of them on has its phases)."""
         last = max(self.p.warmup_rounds, self.p.epsilon_drop_round)
-        return {phase for it in range(last + 1) for phase in self.phases(it)}
+        schedule = [phase for it in range(last + 1) for phase in self.phases(it)]
+        return set(schedule if rounds is None else schedule[:rounds])
 
     def at(self, round: int) -> tuple[int, str]:
         """(iteration, phase) of cloud round ``round``."""
@@ -475,7 +477,7 @@ class FedAlign(Algorithm):
             self.priority = frozenset(p.priority)
         else:
             self.priority = frozenset(draw_priority(devices, p.priority_fraction, self.seed))
-        check_phase_inputs(p, Schedule(p).reachable_phases(), cells, self.priority)
+        check_phase_inputs(p, Schedule(p).reachable_phases(self.rounds), cells, self.priority)  # the run's rounds
 
     def _priority(self) -> frozenset[str]:
         if not hasattr(self, "priority"):

@@ -6,7 +6,8 @@ algorithm); the cloud combines, in ``solo``, the reports of the cells that have 
 those cells' held priority-phase reports with the free phase's. So ``cell_aggregator = "krum"`` over a topology
 that passes the generic check (every cell large enough) may still get one or two priority devices of a cell in
 every priority phase: its scores tie and it keeps the first, that device is the cell's whole report. The
-check refuses such a configuration (the rules are ``robust.too_few``'s), phase by phase, in place of the generic
+check refuses such a configuration (the rules are ``robust.too_few``'s), phase by phase over the phases the run's
+``run.rounds`` reach (a 3-round run inside a 5-iteration warm-up has its solo phase only), in place of the generic
 check over whole cells and all the cells (``FedAlignParams.check_topology``): at the defaults (no warm-up, a finite
 epsilon) the cloud aggregates only in the free phase, up to two reports a cell. A round that gets fewer inputs than
 it was configured for is aggregated as for any algorithm (``robust.aggregate`` says so in the record).

@@ -159,6 +159,7 @@ class RunConfig(Section):
                 seed=self.run.seed,
                 init_seed=init_seed,
                 cells={c: topo.devices(c) for c in topo.cell_ids()},
+                rounds=self.run.rounds,
                 wrappers=wrappers,
             )
         except ConfigError:
