@@ -158,6 +158,40 @@ def test_krum_over_too_few_inputs_is_refused(tmp_path):
     small_config(tmp_path, algorithm={"cell_aggregator": "krum"}).build_algorithm(ModelSpec(input_shape=(64,)))  # 3
 
 
+def test_krums_refusal_states_the_rule_that_fails_with_its_numbers(tmp_path):
+    """Krum over n <= 2f + 2 inputs is refused naming that rule with its numbers, and what then goes wrong in each
+    regime: with n <= f + 3 the two closest inputs tie (each score is one distance); above it, at krum_byzantine >=
+    1/3, no score need tie, the bound is what fails: 3 identical liars of 7 (f = 3, 7 <= 8) score 0 and a liar is
+    selected (before, both regimes said "its scores tie")."""
+    from protocols.algorithms.robust import too_few
+    from tests.conftest import small_config
+
+    tie = too_few("krum", 5, _params(krum_byzantine=0.4))  # f = 2: 5 <= 6, and 5 <= f + 3
+    assert tie is not None and tie.endswith(
+        "the 5 inputs are not: n = 5 <= 2f + 2 = 6, and n <= f + 3 = 5: each input's score is its distance to its "
+        "nearest other, so the two closest inputs tie and it always keeps the first"
+    ), tie
+    bound = too_few("krum", 7, _params(krum_byzantine=0.45))  # f = 3: 7 <= 8, but 7 > f + 3
+    assert (
+        bound is not None
+        and "tie" not in bound
+        and bound.endswith(
+            "the 7 inputs are not: n = 7 <= 2f + 2 = 8: its bound on how far f = 3 Byzantine inputs can pull "
+            "the input it selects holds only for n > 2f + 2 (Blanchard et al. 2017)"
+        )
+    ), bound
+    items = _items(7)
+    liar = {k: np.full_like(v, -50.0) for k, v in items[0][2].items()}
+    chosen = aggregate("krum", [*items[:4], *((f"x{i}", 10.0, liar) for i in range(3))], _params(krum_byzantine=0.45))
+    assert chosen.delta["a"].tolist() == liar["a"].tolist()  # the rule that failed, not a tie
+    with pytest.raises(ConfigError, match=r"the 3 cells are not: n = 3 <= 2f \+ 2 = 4, and n <= f \+ 3 = 4: "):
+        cfg = small_config(
+            tmp_path, topology={"cells": 3}, algorithm={"cloud_aggregator": "krum", "krum_byzantine": 0.4}
+        )
+        cfg.build_algorithm(ModelSpec(input_shape=(64,)))
+    assert too_few("krum", 1, _params()).endswith("n = 1 <= 2f + 2 = 2; its one input is its result")
+
+
 def test_multikrum_that_keeps_every_input_is_refused(tmp_path):
     """Multi-Krum averages the ``multikrum_keep`` (0: n - f) best-scored inputs: over the 3 devices of the small
     config's cells f = floor(0.2 x 3) = 0, so it keeps all 3, a liar included: the plain mean, as a trimmed mean

@@ -173,7 +173,7 @@ def _fedalign_config(cells: int, per_cell: int, priority: list[str], rounds: int
 def test_fedalign_krum_or_trimmed_mean_that_a_phase_can_never_feed_enough_devices_is_refused() -> None:
     """Every cell has 5 devices (the generic check passes: krum's 5 > 2f + 2 = 4, a trimmed mean of trim_beta
     0.25 cuts 1 at each end, of the 4 free devices too), but FedALIGN's priority phase gives each cell's
-    aggregator its 1 priority device only: Krum's scores tie, the trimmed mean is that device, so a lying
+    aggregator its 1 priority device only: Krum and the trimmed mean are that device, so a lying
     priority device was the cell's report (documented, not refused). Refused now, naming the phase, the cell, n
     and the parameter; so is the cloud's Krum over the 2 of 4 cells that have priority devices in the warm-up
     (solo) phase. A topology whose phases feed enough builds."""

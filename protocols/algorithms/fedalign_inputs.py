@@ -5,7 +5,8 @@ priority devices only, in the ``free`` phase its admitted free devices only (``a
 algorithm); the cloud combines, in ``solo``, the reports of the cells that have priority devices and, in ``free``,
 those cells' held priority-phase reports with the free phase's. So ``cell_aggregator = "krum"`` over a topology
 that passes the generic check (every cell large enough) may still get one or two priority devices of a cell in
-every priority phase: its scores tie and it keeps the first, that device is the cell's whole report. The
+every priority phase: it keeps the one, or the first of the two (their scores tie), and that device is the
+cell's whole report. The
 check refuses such a configuration (the rules are ``robust.too_few``'s), phase by phase over the phases the run's
 ``run.rounds`` reach (a 3-round run inside a 5-iteration warm-up has its solo phase only), in place of the generic
 check over whole cells and all the cells (``FedAlignParams.check_topology``): at the defaults (no warm-up, a finite

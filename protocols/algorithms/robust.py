@@ -98,7 +98,7 @@ def robust_params(params: TrainParams) -> RobustParams:
 
 def too_few(rule: str, n: int, params: TrainParams, what: str = "inputs") -> str | None:
     """Why aggregator ``rule`` cannot do what it says over ``n`` inputs (``what`` names them), or ``None``: Krum
-    needs ``n > 2f + 2`` (else its scores tie and it keeps the first), a trimmed mean must cut one at each end
+    needs ``n > 2f + 2`` (:func:`_krum_short` says what fails), a trimmed mean must cut one at each end
     and Multi-Krum must leave one out (else either is the plain mean). The rule of the configuration's check
     (:func:`check_tier`) and of a round that got fewer inputs (:func:`aggregate` says so)."""
     p = robust_params(params)
@@ -106,7 +106,7 @@ def too_few(rule: str, n: int, params: TrainParams, what: str = "inputs") -> str
     if rule == "krum" and n <= 2 * f + 2:
         return (
             f"needs more than 2f + 2 inputs (f = floor(krum_byzantine x n) = {f}); the {n} {what} are not: "
-            "its scores tie and it always keeps the first"
+            + _krum_short(n, f)
         )
     if rule == "trimmed_mean" and math.floor(p.trim_beta * n) == 0:
         return f"trim_beta = {p.trim_beta:g} cuts floor({p.trim_beta:g} x {n}) = 0 of the {n} {what} at each end"
@@ -116,6 +116,22 @@ def too_few(rule: str, n: int, params: TrainParams, what: str = "inputs") -> str
         )
         return f"keeps all {n} {what} ({keep}): it is their plain mean"
     return None
+
+
+def _krum_short(n: int, f: int) -> str:
+    """What fails when Krum gets ``n <= 2f + 2`` inputs: the rule with its numbers, and what Krum then does."""
+    rule = f"n = {n} <= 2f + 2 = {2 * f + 2}"
+    if n <= 1:
+        return f"{rule}; its one input is its result"
+    if n <= f + 3:  # each score sums the n - f - 2 (at least 1) nearest distances: one, shared by the closest pair
+        return (
+            f"{rule}, and n <= f + 3 = {f + 3}: each input's score is its distance to its nearest other, so the two "
+            "closest inputs tie and it always keeps the first"
+        )
+    return (
+        f"{rule}: its bound on how far f = {f} Byzantine inputs can pull the input it selects holds only for "
+        "n > 2f + 2 (Blanchard et al. 2017)"
+    )
 
 
 def check_tier(key: str, rule: str, n: int, what: str, params: TrainParams, where: str = "") -> None:
