@@ -58,9 +58,9 @@ def test_fedtier_monitor_started_mid_stall_over_mqtt_flags_it(tmp_path: Path) ->
     """Over a broker: the cloud and cell c0 run (in this process); c0's edge round hangs (its deadline timer is
     lost, as in the bug that hung an emulation). ``fedtier monitor --broker --once`` started afterwards shows
     whom c0 waits for and flags the edge round as past its deadline, from the retained states alone."""
-    import subprocess
-    import sys
+    from click.testing import CliRunner
 
+    from fedtier.cli import main
     from protocols.transport.broker import EmbeddedBroker
     from protocols.transport.mqtt import MqttTransport
     from protocols.transport.threadloop import ThreadLoop
@@ -90,19 +90,15 @@ def test_fedtier_monitor_started_mid_stall_over_mqtt_flags_it(tmp_path: Path) ->
             assert wait_until(lambda: bool(cell.planned) and cell._timer is not None, 30)
             _on_loop(loop, lambda: loop.cancel(cell._timer))  # the hang: nothing will close this edge round
             time.sleep(1.0)
-            shown = subprocess.run(
-                [str(Path(sys.executable).parent / "fedtier"), "monitor", "--broker", broker.url, "--run", "stall"]
-                + ["--once", "--wait", "3", "--width", "220"],
-                capture_output=True,
-                text=True,
-                timeout=60,
+            shown = CliRunner().invoke(  # the command in this process: no Python process to start
+                main, ["monitor", "--broker", broker.url, "--run", "stall", "--once", "--wait", "3", "--width", "220"]
             )
         finally:
             for node in (cell, cloud):
                 _on_loop(loop, node.stop)
             devices.close()
             loop.stop()
-    out = " ".join(shown.stdout.split())
-    assert shown.returncode == 0, shown.stderr
+    out = " ".join(shown.output.split())
+    assert shown.exit_code == 0, shown.output
     assert "round 0: waiting for c0 for" in out
     assert re.search(r"cell c0 edge round 0\.0 open for \d+ s, past its 0\.5 s deadline, waiting for c0-d0, c0-d1", out)
