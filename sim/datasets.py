@@ -438,9 +438,10 @@ def _cached_sub(name: str, params: tuple, max_train: int | None, max_test: int |
     return subsample(_cached(name, params), max_train, max_test, seed)
 
 
+_IMAGES_28 = ((1, 28, 28), 10)
 _GEOMETRY: dict[str, tuple[tuple[int, ...], int]] = {
-    "mnist": ((1, 28, 28), 10),
-    "fmnist": ((1, 28, 28), 10),
+    "mnist": _IMAGES_28,
+    "fmnist": _IMAGES_28,
     "digits": ((1, 8, 8), 10),
 }
 
@@ -458,10 +459,7 @@ def _key(name: str) -> str:
 
 def builtin_geometry(name: str, **params: Any) -> tuple[tuple[int, ...], int] | None:
     """:func:`dataset_geometry` of a built-in dataset (nothing loaded); ``None`` for a user's dataset."""
-    try:
-        return dataset_geometry(name, **params) if _key(name) in _LOADERS else None
-    except (KeyError, ValueError):
-        return None
+    return dataset_geometry(name, **params) if _key(name) in _LOADERS else None
 
 
 def dataset_geometry(name: str, **params: Any) -> tuple[tuple[int, ...], int]:
