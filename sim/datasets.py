@@ -439,11 +439,7 @@ def _cached_sub(name: str, params: tuple, max_train: int | None, max_test: int |
 
 
 _IMAGES_28 = ((1, 28, 28), 10)
-_GEOMETRY: dict[str, tuple[tuple[int, ...], int]] = {
-    "mnist": _IMAGES_28,
-    "fmnist": _IMAGES_28,
-    "digits": ((1, 8, 8), 10),
-}
+_GEOMETRY = {"mnist": _IMAGES_28, "fmnist": _IMAGES_28, "digits": ((1, 8, 8), 10)}
 
 
 def _key(name: str) -> str:
