@@ -98,6 +98,8 @@ class AsyncCloudServer(CloudServer):
             self.fb.check(cell, h.round, msg.payload)
         except Rejected as exc:
             self.messenger.reject(topic, exc.kind, str(exc), cell)
+            if exc.kind == RejectKind.STALE and h.sender == cell and h.round < self.fb.version:
+                self._too_stale(cell)
             return
         if self.started and not self._in_round:
             self._begin_round()  # the last version goes out (and its record's counts start) before this push counts
@@ -127,6 +129,18 @@ class AsyncCloudServer(CloudServer):
         sent = self._sent.get(cell, -1)
         awaited = {cell} if self._pushed_from.get(cell, -1) < sent else set()  # nothing pushed from it yet
         if resend_on_repeat(self.counts, self.messenger, msg, sent, awaited):
+            self._resend(cell)
+
+    def _too_stale(self, cell: str) -> None:
+        """``cell``'s push was refused as too stale: it works from a version it was sent long ago (it missed the later
+        ones, or restarted with an old one), and, its pushes never used, would never be sent another: it is sent the
+        current version unless it already was, once a version (``RoundCounts.first_resend``)."""
+        if not self.started or self.finished or cell in self.revoked:
+            return
+        if not self._in_round:
+            self._begin_round()  # the last version goes out (and its record's counts start) first, as for a push
+        if self._sent.get(cell, -1) < self.round and self.counts.first_resend(cell):
+            log.warning("cloud: %s pushes from a version too old: version %d sent", cell, self.round)
             self._resend(cell)
 
     def _resend(self, cell: str) -> None:

@@ -16,6 +16,7 @@ from protocols.algorithms.staleness import StalenessBuffer
 from protocols.checkpoint import Journal
 from protocols.config import ConfigError, parse_config
 from protocols.transport.broker import EmbeddedBroker
+from protocols.wire.envelope import decode_message
 from protocols.wire.payload import Payload
 from sim.emulation import Emulation, Faults
 from sim.launcher import SimHierarchy, run_simulation
@@ -296,6 +297,39 @@ def test_an_async_cell_restarted_afresh_asks_for_the_model_and_numbers_its_tasks
     assert any("c0" in h["cells_reported"] for h in later), [(h["clock_s"], h["cells_reported"]) for h in later]
     refused = [x for r in result.cell_records for x in r["rejected"] if x["device"] == "cloud"]
     assert not refused, refused  # the cell never refused a model
+
+
+def test_an_async_cell_whose_pushes_are_too_stale_is_sent_the_current_version(tmp_path):
+    """In memory: c0 misses cloud versions 2 to 7 (dropped on arrival: a lost connection, or a cell restarted
+    afresh that got an old version from its session's queue, as deployed), so it keeps pushing from version 1, which
+    grows too stale (max_staleness 2). A push refused as too stale gets its cell the current version (once a version):
+    c0 counts again. Before, the async cloud sent versions only to the cells whose pushes it used, and c0's pushes
+    were refused for ever: absent from every later version (found deployed, after a fresh restart of c0)."""
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 16},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1, "max_staleness": 2},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    c0 = sim.cells["c0"]
+    take, missed = c0._on_cell_task, []
+
+    def lossy(topic: str, data: bytes) -> None:
+        version = decode_message(data)[0].round
+        if 2 <= version <= 7:
+            missed.append(version)
+            return
+        take(topic, data)
+
+    c0._on_cell_task = lossy  # type: ignore[method-assign]
+    result = sim.run()
+    assert missed  # c0 did miss versions
+    refused = [x for h in result.history for x in h["rejected"] if x.get("from") == "c0" and x["kind"] == "stale"]
+    assert refused, "c0's pushes were never too stale: the test proves nothing"
+    assert c0.fb.global_version > 7 and any("c0" in h["cells_reported"] for h in result.history[-4:]), [
+        h["cells_reported"] for h in result.history
+    ]
 
 
 def test_a_killed_async_cloud_resumes_its_version_with_the_pushes_it_had_buffered(tmp_path):
