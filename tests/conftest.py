@@ -144,3 +144,24 @@ def exported_cell(tmp_path: Path) -> tuple[RunConfig, Any, Any, Any, Any]:
     exporter.watch_cell(cell)
     cell.start()
     return cfg, hub, cell, exporter, hub.connect("peer")
+
+
+@pytest.fixture
+def own_plugins():
+    """Plugins a test loads (``run.plugins``) leave the registries as they were, and their modules unimported
+    (a later test loading one registers it again): other tests see only the built-in algorithms."""
+    import sys
+
+    from protocols import plugins
+    from protocols.algorithms import ALGORITHMS
+
+    registries = (plugins.MODELS, plugins.DATASETS, ALGORITHMS)
+    saved = [dict(r) for r in registries]
+    modules = set(sys.modules)
+    yield
+    for registry, old in zip(registries, saved):
+        registry.clear()
+        registry.update(old)
+    for name in set(sys.modules) - modules:
+        if name.startswith("tests.plugin_"):
+            del sys.modules[name]

@@ -96,14 +96,15 @@ def test_a_dp_device_sends_no_size_and_the_virtual_clock_still_counts_its_steps(
     sim = SimHierarchy(small_config(tmp_path / "dp", privacy=dp, **common))
     sent: list[tuple[str, dict]] = []
     published: list[bytes] = []
-    for agent in sim.agents.values():  # every message a device sends is framed here
-        frame = agent.messenger.frame
+    for agent in sim.agents.values():  # every message a device sends is framed here (its result by frame_once)
+        for method in ("frame", "frame_once"):
+            frame = getattr(agent.messenger, method)
 
-        def spy(kind, payload, frame=frame, **kw):
-            sent.append((kind, dict(payload.meta)))
-            return frame(kind, payload, **kw)
+            def spy(kind, payload, frame=frame, **kw):
+                sent.append((kind, dict(payload.meta)))
+                return frame(kind, payload, **kw)
 
-        agent.messenger.frame = spy
+            setattr(agent.messenger, method, spy)
     result = sim.run()
     agent = sim.agents["c0-d0"]
     publish = agent.transport.publish

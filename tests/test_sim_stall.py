@@ -20,6 +20,8 @@ from sim.executors import WorkerError
 from sim.launcher import SimHierarchy, run_simulation
 from tests.conftest import wait_until
 
+pytestmark = pytest.mark.usefixtures("own_plugins")  # its plugin algorithms are not left registered
+
 STALL_S = 3.0
 
 
