@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import click
 
 from protocols.config import RunConfig
-from protocols.rejections import RejectKind
 
 from .cli import CONFIG, SET, VERBOSE, auth_options, main
 from .cmd_keys import keys_option
@@ -29,6 +28,7 @@ from .console import (
 )
 from .deploy_setup import BROKER, INSECURE, Auth, broker_options, check_keys, fail_with, require_signed, spec_and_data
 from .metrics import linger, metrics_options, port_override, serve_metrics
+from .node_loop import serve_node
 
 if TYPE_CHECKING:
     from cloud.server import CloudServer
@@ -37,60 +37,6 @@ if TYPE_CHECKING:
     from protocols.algorithms.base import ModelSpec
     from protocols.transport.mqtt import MqttTransport
     from protocols.transport.threadloop import ThreadLoop
-
-
-def watch_cloud(node):
-    """A :class:`CloudSession` fed by ``node``'s transport: the cloud's status and ``finished`` records
-    (a cell leaves on the ``finished`` of the cloud's current session only, never on a stale one)."""
-    from protocols.session import CloudSession
-    from protocols.status import decode_status
-    from protocols.wire import topics
-    from protocols.wire.messenger import Messenger
-
-    trust = getattr(node, "trust", None)
-    own = getattr(node, "cloud", None)  # a cell's own view, fed by its status handler: share it (a second
-    cloud = own if isinstance(own, CloudSession) else CloudSession()  # handler could miss the retained status)
-    control = Messenger(node.transport, node.run, "watcher", trust=trust)
-
-    def on_control(topic: str, data: bytes) -> None:
-        msg = control.receive(topic, data, kinds=("control",)) if data else None
-        if msg is not None and trust is not None and msg.header.sender != "cloud":
-            control.reject(
-                topic, RejectKind.WRONG_SENDER, f"control record signed by {msg.header.sender!r}, not the cloud", None
-            )
-            return
-        if msg is not None and msg.payload.meta.get("event") == "finished":
-            cloud.on_finished(msg.payload.meta.get("session"))
-
-    node.transport.subscribe(topics.control(node.run), on_control)
-    if cloud is not own:
-        node.transport.subscribe(
-            topics.status(node.run, "cloud"),
-            lambda t, data: cloud.on_status(decode_status(data, t, trust) if data else None),
-        )
-    return cloud
-
-
-def _serve(node, loop, cloud=None, ended_wait: float | None = None) -> str | None:
-    """Run a server node's loop in this thread until the run is finished or Ctrl-C; then stop it.
-    A cell watches the cloud (``cloud``: a :func:`watch_cloud` of it, made here if not given). With
-    ``ended_wait``, a cell that ``ended_wait`` seconds after its start has seen no cloud online, the cloud
-    offline and a ``finished`` record (:attr:`CloudSession.ended`) leaves too: its job ended before it started
-    (no new run's cloud came); returns that ended session (else ``None``)."""
-    late: list[str] = []
-    try:
-        if not hasattr(node, "finished") and cloud is None:  # a cell: leaves when the run is finished
-            cloud = watch_cloud(node)
-        loop.post(node.start)
-        if cloud is not None and ended_wait is not None:
-            loop.call_later(ended_wait, lambda: late.append(cloud.ended) if cloud.ended else None)
-        loop.run(until=lambda: bool(late) or (cloud is not None and cloud.finished) or getattr(node, "finished", False))
-    except KeyboardInterrupt:
-        console.print("interrupted")
-    finally:
-        loop.stop()
-        node.stop()
-    return late[0] if late else None
 
 
 @main.command()
@@ -199,7 +145,7 @@ def _run_cloud(
         exporter = serve_metrics(cfg)
         if exporter is not None:
             exporter.watch_cloud(node)
-        _serve(node, loop)
+        serve_node(node, loop)
     linger(exporter, metrics_linger)
     if node.finished:
         _finish_cloud(cfg, node, out, time.perf_counter() - t0)
@@ -330,7 +276,7 @@ def _run_cell(
     if exporter is not None:
         exporter.watch_cell(node)
     console.print(f"cell {cell_id} serving {len(node.devices)} devices on {opts.url} (Ctrl-C to stop)")
-    ended = _serve(node, loop, ended_wait=cfg.runtime.startup_wait)
+    ended = serve_node(node, loop, ended_wait=cfg.runtime.startup_wait)
     linger(exporter, metrics_linger)
     if ended is not None:  # as a device never planned: the job ended without it, not an error of this cell
         console.print(

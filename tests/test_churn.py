@@ -13,7 +13,7 @@ import pytest
 from cell_server.node import build_cell
 from cloud.node import build_cloud
 from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, offline_will
-from fedtier.cmd_deploy import _serve, watch_cloud
+from fedtier.node_loop import serve_node, watch_cloud
 from protocols import runfiles
 from protocols.config import load_config
 from protocols.session import CloudSession, decode_manifest, encode_manifest
@@ -133,7 +133,7 @@ def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
         cell = build_cell(cfg, "c0", cell_t, algorithm, heartbeats=True)
         cell_watch = watch_cloud(cell)
         cell_thread = threading.Thread(  # it waits startup_wait for a new cloud, which comes
-            target=_serve, args=(cell, cell_loop, cell_watch, cfg.runtime.startup_wait), daemon=True
+            target=serve_node, args=(cell, cell_loop, cell_watch, cfg.runtime.startup_wait), daemon=True
         )
         cell_thread.start()
         agents = AgentProcess(
