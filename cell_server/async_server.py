@@ -56,6 +56,7 @@ class AsyncCellServer(CellServer):
         self.task_no = {d: 0 for d in self.devices}
         self._push_timer: TimerHandle | None = None
         self._last_push: tuple[int, bytes] | None = None  # (cloud version it derives from, the message)
+        self.refused: str | None = None  # why it refused to work (a restart without its journal)
         self.push_journal = AsyncJournal(journal_path) if journal_path is not None else None
         self._resumed = self.push_journal.load(resume) if self.push_journal is not None else None
         self._window()
@@ -99,6 +100,8 @@ class AsyncCellServer(CellServer):
         if msg is None:
             return
         first = not self.fb.ready
+        if first and self._refuse_restart(msg.payload.meta.get("held") is True):
+            return
         if not first and msg.header.round == self.fb.global_version and msg.header.session == self.messenger.session:
             self._held_again()
             return
@@ -115,6 +118,20 @@ class AsyncCellServer(CellServer):
         self._adopted(msg.header.round, msg.header.session, msg.payload.tensors, first)
         if first:
             self._announce()  # no longer asking for a model (the cloud sends one to a cell that asks again)
+
+    def _refuse_restart(self, held: bool) -> bool:
+        """A journaling cell (``fedtier cell``) without a journal whose first cloud model the cloud marked ``held``
+        (it heard this cell hold one before: a restart): its devices had tasks of versions it cannot know, and
+        refuse its tasks numbered below them as replays. It takes no model and says so (:attr:`refused`)."""
+        if not held or self.push_journal is None or self.push_journal.used is not None:
+            return False
+        self.refused = (
+            f"cell {self.cell} held a model of this job before (the cloud says so) and started without its journal "
+            f"({self.push_journal.file.path}): its devices would refuse its tasks as replays; restart it with its "
+            "journal and --resume"
+        )
+        log.error("%s", self.refused)
+        return True
 
     def _held_again(self) -> None:
         """The cloud sent the version this cell holds again: a resumed cloud, whose buffer may have lost this cell's

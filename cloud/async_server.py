@@ -27,6 +27,7 @@ from protocols.rejections import Rejected, RejectKind
 from protocols.status import decode_status
 from protocols.transport.base import Transport
 from protocols.wire.messenger import Incoming
+from protocols.wire.payload import Payload
 
 from .async_journal import PushJournal
 from .parts import resend_on_repeat
@@ -56,6 +57,7 @@ class AsyncCloudServer(CloudServer):
         self._pushed_from: dict[str, int] = {}  # cell -> the version its last push taken derives from
         self._asking: set[str] = set()  # cells whose latest status asks for a model (``needs_model``)
         self._holding: set[str] = set()  # cells heard holding a model since they last asked
+        self._held: set[str] = set()  # cells ever heard holding a model of this job: their versions say so
 
     def _begin_round(self) -> None:
         """Send the current version to the cells that need it, and start counting the next record (once per
@@ -143,6 +145,15 @@ class AsyncCloudServer(CloudServer):
             log.warning("cloud: %s pushes from a version too old: version %d sent", cell, self.round)
             self._resend(cell)
 
+    def _send_task(self, cell: str) -> None:
+        """As the cloud of rounds; a version to a cell heard holding one before says so (``held`` in its meta): a
+        cell whose first model it is restarted, and must know from its journal the versions its devices had
+        (``cell_server.async_server``)."""
+        task = self.counts.tasks[cell]
+        if cell in self._held and task.meta.get("held") is not True:
+            self.counts.tasks = {**self.counts.tasks, cell: Payload({**task.meta, "held": True}, task.tensors)}
+        super()._send_task(cell)
+
     def _resend(self, cell: str) -> None:
         """Send ``cell`` the current version (again)."""
         self.counts.tasks = {**self.counts.tasks, **self.role.plan(self.round, [cell])}
@@ -165,6 +176,7 @@ class AsyncCloudServer(CloudServer):
         elif record.get("needs_model") is not True:
             self._asking.discard(cell)
             self._holding.add(cell)
+            self._held.add(cell)
         elif cell not in self._asking:
             self._asking.add(cell)
             if cell in self._holding:

@@ -250,7 +250,7 @@ def _run_cell(
     cfg: RunConfig, cell_id: str, broker_url: str | None, auth: Auth, resume: bool, metrics_linger: float
 ) -> None:
     """``fedtier cell``: serve the cell's devices until the cloud's job is finished (or Ctrl-C); exit
-    :data:`JOB_FAILED` if the cell failed."""
+    :data:`JOB_FAILED` if the cell failed, 1 if it refused to work (an async cell restarted without its journal)."""
     from cell_server.node import build_cell
     from protocols.config import ConfigError
     from sim.hierarchy import edge_availability
@@ -284,6 +284,9 @@ def _run_cell(
             f"no cloud came online within runtime.startup_wait = {cfg.runtime.startup_wait:g} s); nothing to do"
         )
         return
+    if (refused := getattr(node, "refused", None)) is not None:  # an async cell restarted without its journal
+        print_error(refused, f"cell {cell_id} refused to work")
+        raise SystemExit(1)
     if node.failure is not None:  # its handler raised: the job failed with it (the cloud says so too)
         print_error(node.failure, f"cell {cell_id} failed")
         raise SystemExit(JOB_FAILED)

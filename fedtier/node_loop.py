@@ -41,7 +41,8 @@ def watch_cloud(node):
 
 
 def serve_node(node, loop, cloud=None, ended_wait: float | None = None) -> str | None:
-    """Run a server node's loop in this thread until the run is finished or Ctrl-C; then stop it.
+    """Run a server node's loop in this thread until the run is finished, the node refused to work (an async cell
+    restarted without its journal) or Ctrl-C; then stop it.
     A cell watches the cloud (``cloud``: a :func:`watch_cloud` of it, made here if not given). With
     ``ended_wait``, a cell that ``ended_wait`` seconds after its start has seen no cloud online, the cloud
     offline and a ``finished`` record (:attr:`CloudSession.ended`) leaves too: its job ended before it started
@@ -53,10 +54,15 @@ def serve_node(node, loop, cloud=None, ended_wait: float | None = None) -> str |
         loop.post(node.start)
         if cloud is not None and ended_wait is not None:
             loop.call_later(ended_wait, lambda: late.append(cloud.ended) if cloud.ended else None)
-        loop.run(until=lambda: bool(late) or (cloud is not None and cloud.finished) or getattr(node, "finished", False))
+        loop.run(until=lambda: bool(late) or (cloud is not None and cloud.finished) or _ended(node))
     except KeyboardInterrupt:
         console.print("interrupted")
     finally:
         loop.stop()
         node.stop()
     return late[0] if late else None
+
+
+def _ended(node) -> bool:
+    """A cloud finished, or a cell that refused to work (``AsyncCellServer.refused``)."""
+    return getattr(node, "finished", False) or getattr(node, "refused", None) is not None

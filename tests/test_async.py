@@ -299,6 +299,57 @@ def test_an_async_cell_restarted_afresh_asks_for_the_model_and_numbers_its_tasks
     assert not refused, refused  # the cell never refused a model
 
 
+def test_an_async_cell_restarted_without_its_journal_refuses_to_work_saying_to_resume(tmp_path):
+    """In memory: c0 dies after cloud version 3 and comes back afresh with its journal deleted. It cannot number its
+    tasks past the versions its devices had (they would refuse them as replays, as deployed: 0 of 232 versions), so
+    when the cloud, which heard it hold a model before, sends it the current version marked ``restarted``, it takes
+    no model and says why and what to do (``fedtier cell`` exits 1 with it); the job goes on with c1."""
+    from cell_server.node import build_cell
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 10},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+
+    def journaled_c0():
+        return build_cell(
+            sim.cfg,
+            "c0",
+            sim.hub.connect("cell.c0"),
+            sim.algorithm,
+            output_dir=sim.output_dir,
+            assume_online=True,
+            journal=True,
+        )
+
+    first = sim.cells["c0"] = journaled_c0()
+    take = first._on_cell_task
+
+    def restart() -> None:
+        for path in sim.output_dir.glob("cell-c0.journal*"):
+            path.unlink()
+        sim.cells["c0"] = again = journaled_c0()
+        again.start()
+
+    def on_cell_task(topic: str, data: bytes) -> None:
+        if first.fb.global_version < 3:
+            return take(topic, data)
+        first.transport.crash()
+        first.stop()
+        first._on_cell_task = lambda topic, data: None  # type: ignore[method-assign]
+        sim.hub.loop.call_later(3.0, restart)
+
+    first._on_cell_task = on_cell_task  # type: ignore[method-assign]
+    result = sim.run()
+    fresh = sim.cells["c0"]
+    assert fresh is not first and fresh.refused is not None and "--resume" in fresh.refused, fresh.refused
+    assert not fresh.fb.ready and not fresh.records  # it took no model and tasked no device
+    assert len(result.history) == 10 and "c1" in result.history[-1]["cells_reported"]
+
+
 def test_an_async_cell_whose_pushes_are_too_stale_is_sent_the_current_version(tmp_path):
     """In memory: c0 misses cloud versions 2 to 7 (dropped on arrival: a lost connection, or a cell restarted
     afresh that got an old version from its session's queue, as deployed), so it keeps pushing from version 1, which
