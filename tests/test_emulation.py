@@ -214,15 +214,16 @@ def test_run_is_a_local_federation_plus_one_job(tmp_path: Path) -> None:
 
 
 def test_a_job_the_cloud_cannot_start_fails_the_run_with_its_reason(tmp_path: Path) -> None:
-    """`fedtier run --resume` of an asynchronous run (which does not resume): the cloud service fails the job
-    before it starts, with the reason, the run raises it (exit 2) and the queue keeps it as failed."""
-    cfg = small_config(tmp_path, algorithm={"mode": "async"})
+    """`fedtier run --resume` from a checkpoint that is no checkpoint (an empty file): the cloud service fails the
+    job before it starts, with the reason, the run raises it (exit 2) and the queue keeps it as failed. (The example
+    was an asynchronous run, refused --resume until the async cloud resumed.)"""
+    cfg = small_config(tmp_path)
     cfg.output_dir().mkdir(parents=True)
-    (cfg.output_dir() / runfiles.CHECKPOINT).write_bytes(b"")  # a checkpoint to resume from
-    with pytest.raises(ConfigError, match='"async" does not resume'):
+    (cfg.output_dir() / runfiles.CHECKPOINT).write_bytes(b"")  # a checkpoint to resume from, unreadable
+    with pytest.raises(ConfigError, match="is not a fedtier model/checkpoint file"):
         Emulation(cfg, resume=True, workers=1).run()
     [job] = JobQueue(cfg.output_dir() / runfiles.JOBS).jobs.values()
-    assert job.state == "failed" and "does not resume" in job.reason
+    assert job.state == "failed" and "is not a fedtier model/checkpoint file" in job.reason
 
 
 def test_run_says_it_ignores_the_virtual_clock_and_reports_no_virtual_time(tmp_path: Path, caplog) -> None:
