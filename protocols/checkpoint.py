@@ -32,8 +32,18 @@ def private_file(path: Path) -> Any:
     return os.fdopen(fd, "wb")
 
 
+def sync_folder(path: Path) -> None:
+    """Make the names in ``path``'s folder durable (fsync the folder): a rename, or a file created, survives a
+    power loss only then; the data's own fsync does not cover its name."""
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_payload(path: str | Path, payload: Payload) -> None:
-    """Write ``payload`` atomically (temporary file, fsync, rename), mode 600."""
+    """Write ``payload`` atomically (temporary file, fsync, rename, fsync of the folder), mode 600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -46,6 +56,7 @@ def save_payload(path: str | Path, payload: Payload) -> None:
         tmp.unlink(missing_ok=True)
         raise StorageError(exc.errno, f"cannot write {path}: {exc.strerror or exc} (the previous one is kept)") from exc
     os.replace(tmp, path)
+    sync_folder(path)
 
 
 def load_payload(path: str | Path, sha256: str | None = None) -> Payload:
@@ -106,8 +117,8 @@ class Journal:
         return entries
 
     def reset(self, first: Payload, *more: Payload) -> None:
-        """Replace the journal with ``first`` (and ``more``) as its only entries (atomic: temporary file, fsync,
-        rename)."""
+        """Replace the journal with ``first`` (and ``more``) as its only entries (atomic and durable: temporary
+        file, fsync, rename, fsync of the folder)."""
         self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
@@ -117,12 +128,16 @@ class Journal:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
+        sync_folder(self.path)
         self._end = None
 
     def append(self, entry: Payload) -> None:
         """Add ``entry`` durably (fsync) after the existing ones."""
         if self._fh is None:
+            created = not self.path.exists()
             self._fh = self.path.open("ab")
+            if created:  # its name made durable, as a reset's
+                sync_folder(self.path)
             if self._end is not None:  # a torn tail that read() skipped goes before anything is added
                 self._fh.truncate(self._end)
                 self._end = None

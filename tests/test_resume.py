@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from cell_server.node import build_cell
 from cloud.node import build_cloud
 from edge_agent.runner import save_device_data
 from protocols import runfiles
-from protocols.checkpoint import Journal
+from protocols.checkpoint import Journal, save_payload
 from protocols.config import load_config
 from protocols.jsonl import read_jsonl
 from protocols.status import decode_status
@@ -83,6 +84,38 @@ def test_journal_keeps_what_was_fsynced_and_cuts_a_torn_tail(tmp_path: Path) -> 
     assert [e.meta.get("n") for e in Journal(tmp_path / "j").read()] == [None, 1, 2]
     again.reset(Payload({"k": "task", "round": 2}))  # a new round: one entry, whatever was there
     assert [e.meta["round"] for e in Journal(tmp_path / "j").read()] == [2]
+
+
+def test_a_journal_or_checkpoint_rename_is_made_durable_by_an_fsync_of_its_folder(tmp_path: Path, monkeypatch) -> None:
+    """A rename survives a power loss only once its folder is fsynced: before, a machine that crashed after the
+    async cloud's checkpoint and journal reset could come back with the new journal (empty, next version) beside
+    the old checkpoint (or the reverse), losing or double-counting the pushes of a version."""
+    events: list[tuple[str, str]] = []
+    replace, fsync = os.replace, os.fsync
+
+    def recording_replace(src: Any, dst: Any) -> None:
+        replace(src, dst)
+        events.append(("replace", str(Path(dst).parent)))
+
+    def recording_fsync(fd: int) -> None:
+        fsync(fd)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            events.append(("fsync folder", os.readlink(f"/proc/self/fd/{fd}")))
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    folder = str(tmp_path / "d")
+    save_payload(tmp_path / "d" / "ckpt", Payload({"round": 1}))
+    assert events == [("replace", folder), ("fsync folder", folder)], events
+    events.clear()
+    journal = Journal(tmp_path / "d" / "j")
+    journal.append(Payload({"k": "push"}))  # a journal created by its first append
+    assert events == [("fsync folder", folder)], events
+    events.clear()
+    journal.append(Payload({"k": "push"}))  # its name durable already: the append's own fsync only
+    assert events == [], events
+    journal.reset(Payload({"version": 2}))
+    assert events == [("replace", folder), ("fsync folder", folder)], events
 
 
 def journaled_c0(sim: SimHierarchy, resume: bool):
