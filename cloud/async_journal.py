@@ -49,6 +49,11 @@ class PushJournal:
     def _entry(version: int | None, topic: str, data: bytes) -> Payload:
         return Payload({"version": version, "topic": topic}, {"message": np.frombuffer(data, np.uint8)})
 
+    @property
+    def pending(self) -> bool:
+        """Pushes to take again are left (:meth:`replay` not called yet)."""
+        return bool(self._replay)
+
     def replay(self) -> Iterator[tuple[str, bytes]]:
         """The pushes to take again (once: the first call after a resume)."""
         pushes, self._replay = self._replay, []

@@ -67,7 +67,12 @@ class AsyncCloudServer(CloudServer):
         self._send_tasks(self._notify)
         self._sent.update((cell, self.round) for cell in self.planned)
         self._in_round = True
-        if self.journal is not None:  # resumed: the pushes buffered for this version when the cloud stopped
+        self._replay()
+
+    def _replay(self) -> None:
+        """Resumed: the pushes journaled for this version when the cloud stopped are taken again, before any other
+        (at the start, or before a push its broker session held for it comes in first), as they came first."""
+        if self.journal is not None:
             for topic, data in self.journal.replay():
                 self._on_report(topic, data)
 
@@ -80,6 +85,8 @@ class AsyncCloudServer(CloudServer):
             self.counts.devices.pop(cell, None)
 
     def _on_report(self, topic: str, data: bytes) -> None:
+        if self.journal is not None and self.journal.pending:
+            self._replay()
         if refused_revoked(self.revoked, topic, self.messenger):
             return
         msg = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True)
@@ -103,8 +110,10 @@ class AsyncCloudServer(CloudServer):
             if exc.kind == RejectKind.STALE and h.sender == cell and h.round < self.fb.version:
                 self._too_stale(cell)
             return
-        if self.started and not self._in_round:
-            self._begin_round()  # the last version goes out (and its record's counts start) before this push counts
+        if (self.started or self.resumed) and not self._in_round:
+            # the last version goes out (and its record's counts start) before this push counts; a resumed cloud's
+            # cells work on: a push its broker session held for it, before its start, begins the version too
+            self._begin_round()
         if self.journal is not None:
             self.journal.taken(self.round, topic, data)  # durable before it counts
         self.fb.offer(cell, h.round, msg.payload)

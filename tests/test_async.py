@@ -16,6 +16,7 @@ from protocols.algorithms.staleness import StalenessBuffer
 from protocols.checkpoint import Journal
 from protocols.config import ConfigError, parse_config
 from protocols.transport.broker import EmbeddedBroker
+from protocols.wire import topics
 from protocols.wire.envelope import decode_message
 from protocols.wire.payload import Payload
 from sim.emulation import Emulation, Faults
@@ -443,6 +444,73 @@ def test_a_killed_async_cloud_resumes_its_version_with_the_pushes_it_had_buffere
     assert [json.loads(line)["round"] for line in lines] == [0, 1, 2, 3, 4, 5]
     refused = [x for r in result.cell_records for x in r["rejected"] if x["device"] == "cloud"]
     assert not refused, refused  # no cell refused the resent version it held
+
+
+def test_a_resumed_async_cloud_takes_its_journaled_pushes_before_those_its_broker_session_held(tmp_path):
+    """The cloud dies just after journaling a push of version 3 (buffer 2); the cells push on while it is down, and
+    its persistent broker session holds those pushes, handed to its report handler as it subscribes (before its
+    start). The journaled push goes first, into version 3, as in an uninterrupted run. Before, the held pushes came
+    first: they filled version 3 before the start, the journal was reset to version 4 without the journaled push,
+    which went into version 4 instead, journaled nowhere (a second crash lost it); and the versions made before the
+    start shared one count of devices (version 4's record counted version 3's as well)."""
+
+    class Killed(Exception):
+        pass
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 6},
+        algorithm={"mode": "async", "async_buffer": 2, "async_cloud_buffer": 2, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    first, killed, held = sim.cloud, [], []
+    taken = first.journal.taken
+
+    def dies_after(version: int, topic: str, data: bytes) -> None:
+        taken(version, topic, data)
+        if version == 3 and not killed:  # journaled, not yet counted: the cloud dies
+            killed.append(topic.split("/")[-2])
+            first.transport.crash()
+            first.stop()
+            sim.hub.loop.call_later(2.0, restart)
+            raise Killed
+
+    def broker_session(topic: str, data: bytes) -> None:  # what the cloud's persistent session queues while down
+        if killed and sim.cloud is first:
+            held.append((topic, bytes(data)))
+
+    sim.hub.connect("session-of-cloud").subscribe(topics.cell_reports(cfg.run.name), broker_session)
+    offered: list[tuple[int, str]] = []  # (version, cell) of each push the resumed cloud buffers
+
+    def restart() -> None:
+        sim.cloud = again = sim._build_cloud(None, resume=True)
+        offer, subscribe = again.fb.offer, again.transport.subscribe
+        again.fb.offer = lambda cell, base, report: (offered.append((again.round, cell)), offer(cell, base, report))
+
+        def subscribing(pattern: str, handler, **kw) -> None:  # the held messages go to the first handler
+            subscribe(pattern, handler, **kw)
+            if pattern == topics.cell_reports(cfg.run.name):
+                for topic, data in held:
+                    sim.hub.loop.post(lambda t=topic, d=data: handler(t, d))
+
+        again.transport.subscribe = subscribing
+        again.start()
+
+    first.journal.taken = dies_after  # type: ignore[method-assign]
+    on_report = first._on_report
+
+    def report(topic: str, data: bytes) -> None:
+        with contextlib.suppress(Killed):
+            on_report(topic, data)
+
+    first._on_report = report  # type: ignore[method-assign]
+    result = sim.run()
+    assert killed and len(held) >= 2, held  # enough held pushes to fill a version before the start
+    assert offered[0] == (3, killed[0]), offered  # the journaled push first, in version 3
+    assert [h["round"] for h in result.history] == [3, 4, 5]
+    # each version held before the start counts its own pushes' devices (not the versions' before it as well)
+    assert all(set(h["devices"]) == set(h["cells_reported"]) for h in result.history), result.history
 
 
 def test_an_async_cells_journal_keeps_its_model_newest_version_and_last_push_and_a_push_leaves_the_model(tmp_path):
