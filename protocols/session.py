@@ -83,11 +83,17 @@ class CloudSession:
     def on_status(self, record: dict[str, Any] | None) -> None:
         """A cloud status record (``protocols.status``); an ``offline`` one keeps the session. A record
         whose ``started`` time is older than the current session's (a replayed record of an earlier
-        cloud) does not replace it."""
+        cloud) does not replace it. A cloud online again (after an offline status) in a session whose ``finished``
+        was seen resumed that job for more rounds: the session is no longer finished."""
+        was_offline = self.offline
         if record is not None and record.get("state") in ("online", "offline"):
             self.offline = record["state"] == "offline"
         if record is None or record.get("state") != "online" or not _session_ok(record.get("session")):
             return
+        if was_offline and record["session"] in self.finished_sessions:  # back for a session that had finished:
+            self.finished_sessions.discard(record["session"])  # resumed (``--resume``, more rounds); it runs again
+            if self.last_finished == record["session"]:
+                self.last_finished = None
         if self.pinned is not None and record["session"] != self.pinned:
             return
         started = record.get("started")

@@ -261,6 +261,25 @@ def test_cloud_session_records() -> None:
         assert decode_manifest(bad) is None
 
 
+def test_a_node_that_finds_its_job_finished_works_when_its_cloud_resumes_the_job_for_more_rounds() -> None:
+    """A node started after its job's cloud finished (its finished retained, the cloud offline) whose cloud then
+    comes back in the same session (``fedtier cloud --resume`` with more rounds) works: before, the session counted
+    as finished the moment the cloud came online, and a one-shot cell or agent left at once, exit 0, its work undone."""
+    late = CloudSession()
+    late.on_finished("a")
+    late.on_status({"state": "offline"})
+    assert late.ended == "a"
+    late.on_status({"state": "online", "session": "a", "started": 2.0})  # the job resumed, its session kept
+    assert late.session == "a" and not late.finished and late.ended is None
+    late.on_finished("a")  # and when it finishes again, the node leaves
+    assert late.finished
+    seen = CloudSession()  # the cloud's finished while its status is still online (it stops next): it is finished
+    seen.on_status({"state": "online", "session": "a", "started": 1.0})
+    seen.on_finished("a")
+    seen.on_status({"state": "online", "session": "a", "started": 1.0})  # its retained status again
+    assert seen.finished
+
+
 def test_heartbeats_repeat_the_retained_status_at_qos_0(tmp_path: Path, monkeypatch) -> None:
     """A device announces itself online at QoS 1 (the record the broker retains and the cell acts on),
     then re-announces the same record every heartbeat at QoS 0 (still retained): a lost heartbeat is
