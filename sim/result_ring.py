@@ -160,15 +160,17 @@ class RingReader:
             try:
                 if not room:
                     return bytes(records[at : at + n])
-                copy = np.empty(room + n, np.uint8)  # a private copy, room first: framed in place all the same
-                copy[room:] = np.frombuffer(records[at : at + n], np.uint8)
+                private = np.empty(room + n, np.uint8)  # a private copy, room first: framed in place all the same
+                private[room:] = np.frombuffer(records[at : at + n], np.uint8)
             finally:
                 self._free(number, 0)
-            writable: Any = copy[:room]  # (numpy's stubs do not say that an array is a buffer)
-            return _lend(copy, room, memoryview(writable))
+            writable: Any = private  # (numpy's stubs do not say that an array is a buffer)
+            copy = np.frombuffer(memoryview(writable).toreadonly(), np.uint8)  # (read-only: as a lent record)
+            return _lend(copy, room, memoryview(writable)[:room])
         # the record's anchor: every array made from it keeps it (numpy's bases stop at the last array before
         # a non-array, here the memoryview, which holds the segment mapped); freed when it goes
-        anchor = np.frombuffer(records[at - room : at + n], np.uint8)
+        # (of a read-only view: numpy refuses to make anything made from it writable, as for a message's bytes)
+        anchor = np.frombuffer(records.toreadonly()[at - room : at + n], np.uint8)
         weakref.finalize(anchor, self._free, number, room + n).atexit = False
         return _lend(anchor, room, records[at - room : at])
 

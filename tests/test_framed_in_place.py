@@ -111,6 +111,24 @@ def test_a_result_framed_in_place_is_the_message_frame_would_copy_byte_for_byte(
     assert all(got.payload.tensors[k].tobytes() == np.asarray(v).tobytes() for k, v in _payload(3).tensors.items())
 
 
+def test_a_lent_result_and_its_message_framed_in_place_cannot_be_made_writable(ring, monkeypatch):
+    """A lent record's views are as immutable as a message's bytes: numpy refuses to make them writable (it let any
+    holder flip ``writeable`` back on, the ring's segment being writable in the main process, and so change a
+    result a cell still held, or write into the ring), also for a result copied out of a full ring."""
+    reader, writer = ring
+    for lend_share in (result_ring.LEND_SHARE, 0.0):  # lent, then copied out (nothing lent at once)
+        monkeypatch.setattr(result_ring, "LEND_SHARE", lend_share)
+        result, _ = _lent(reader, writer, _payload(7))
+        message = _frame_once(_messenger(), result)
+        assert _in_place(message)
+        w = result.tensors["w"]
+        for arr in (w, w[1:], w.view(np.uint8), np.frombuffer(message, np.uint8)):
+            with pytest.raises(ValueError):
+                arr.flags.writeable = True
+        assert w.tobytes() == np.full(50_000, 7, np.float32).tobytes()
+        del result, message, w, arr
+
+
 def test_a_message_kept_past_the_rings_reuse_reads_as_it_was(ring):
     """Results framed in place and kept (a cell holds them until its edge round closes) pin their records, and
     the decoded payload of one whose message is dropped still pins its record; around them the ring is written
