@@ -1,7 +1,9 @@
 """What a node is: its capabilities, announced in its signed status, and what a job may require of them.
 
 An agent probes its machine once at start (:func:`probe`): cores, memory, accelerator, the trainer
-backends it can run, the fedtier and wire-protocol versions. The record travels in the node's status
+backends it can run, the fedtier and wire-protocol versions. The probe imports torch (1-3 s), so a node
+runs it on a thread of its own (:func:`start_probe`) and says idle meanwhile, without capabilities;
+whatever plans by them waits for them (:func:`machine_caps`). The record travels in the node's status
 (signed like the rest of it), so the fleet view and the cells read it without asking the node. A job's
 ``[requirements]`` (:class:`protocols.config.RequirementsSection`) are checked against it by
 :func:`unmet`: a cell plans only the devices that meet them, and says why the others were left out.
