@@ -90,7 +90,7 @@ class AsyncCloudServer(CloudServer):
         if refused_revoked(self.revoked, topic, self.messenger):
             return
         msg = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True)
-        if msg is None or self.finished:
+        if msg is None or self.finished or self.round >= self.rounds:  # (resumed when done: its finish is posted)
             return
         h, cell = msg.header, topic.split("/")[-2]
         if msg.repeat:

@@ -243,7 +243,7 @@ class CloudServer:
 
     def _begin_once(self) -> None:
         """Begin the first round; the cells that the startup wait ended without are the job's absent at start."""
-        if not self.started and not self.finished:
+        if not self.started and not self.finished and self.round < self.rounds:  # (done: its finish is posted)
             self.started = True
             if self.startup_wait > 0:
                 absent = {c: self.presence.absence(c, self.startup_wait) for c in self.cells if c not in self.revoked}

@@ -513,6 +513,41 @@ def test_a_resumed_async_cloud_takes_its_journaled_pushes_before_those_its_broke
     assert all(set(h["devices"]) == set(h["cells_reported"]) for h in result.history), result.history
 
 
+def test_a_resumed_async_cloud_whose_job_is_done_makes_no_version_of_a_push_held_for_it(tmp_path):
+    """A finished async job's cloud started again with --resume (no more rounds) finishes: a push its broker session
+    held for it, handed over as it subscribes (before its posted finish), makes no version past run.rounds and
+    sends no cell a model."""
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 3},
+        algorithm={"mode": "async", "async_buffer": 2, "async_cloud_buffer": 1, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    pushes: list[tuple[str, bytes]] = []
+    sim.hub.connect("session-of-cloud").subscribe(
+        topics.cell_reports(cfg.run.name), lambda t, d: pushes.append((t, bytes(d)))
+    )
+    sim.run()
+    assert pushes
+    again = sim._build_cloud(None, resume=True)
+    assert again.round == 3
+    subscribe, sent = again.transport.subscribe, []
+
+    def subscribing(pattern: str, handler, **kw) -> None:  # the held push goes to the first handler
+        subscribe(pattern, handler, **kw)
+        if pattern == topics.cell_reports(cfg.run.name):
+            sim.hub.loop.post(lambda: handler(*pushes[-1]))
+
+    again.transport.subscribe = subscribing
+    again._send_task = sent.append  # type: ignore[method-assign]
+    again.start()
+    sim.hub.loop.run(until=lambda: again.finished, max_steps=10_000)
+    assert again.finished and again.round == 3 and not sent, (again.round, sent)
+    lines = (sim.output_dir / runfiles.METRICS).read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2]
+
+
 def test_an_async_cells_journal_keeps_its_model_newest_version_and_last_push_and_a_push_leaves_the_model(tmp_path):
     """What a resumed async cell continues from: the cloud model it adopted last, the newest model version it used
     and its last push, kept across a newer cloud model; a push rewrites the small journal only, never the model file
