@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from protocols.checkpoint import Journal, load_payload, save_payload
+from protocols.wire.envelope import WireError, decode_message
 from protocols.wire.payload import Payload
 
 log = logging.getLogger("fedtier.cell")
@@ -39,13 +40,15 @@ log = logging.getLogger("fedtier.cell")
 @dataclass
 class Resumed:
     """What an asynchronous cell's journal holds: the cloud model it adopted last (its version and session),
-    the newest model version the cell used, and its last push message (``None``: none since it started)."""
+    the newest model version the cell used, and its last push message (``None``: none since it started) and the
+    cloud version it derives from."""
 
     global_version: int
     session: str | None
     model: Mapping[str, np.ndarray]
     version: int
     push: bytes | None
+    push_base: int | None = None  # the cloud version the last push derives from (its header's round)
 
 
 class AsyncJournal:
@@ -85,7 +88,8 @@ class AsyncJournal:
                 version = max(version, int(entry.meta["version"]))
             elif entry.meta["k"] == "push":
                 push = entry.tensors["message"].tobytes()
-        return Resumed(int(head.meta["global"]), head.meta.get("session"), dict(head.tensors), version, push)
+        base = _base(push) if push is not None else None
+        return Resumed(int(head.meta["global"]), head.meta.get("session"), dict(head.tensors), version, push, base)
 
     def _newest(self) -> int | None:
         """The newest model version either file names (``None``: none, or unreadable)."""
@@ -126,6 +130,14 @@ class AsyncJournal:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _base(push: bytes) -> int | None:
+    """The cloud version ``push`` derives from (its header's round); ``None`` for bytes that are no message."""
+    try:
+        return decode_message(push)[0].round
+    except WireError:
+        return None
 
 
 def _version(version: int) -> Payload:

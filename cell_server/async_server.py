@@ -93,6 +93,8 @@ class AsyncCellServer(CellServer):
         self._adopted(r.global_version, r.session, r.model, first=True)
         if r.push is not None:
             self.transport.publish(topics.cell_report(self.run, self.cell), r.push, qos=1)
+            if r.push_base is not None:  # sent again if a resumed cloud sends this version again
+                self._last_push = (r.push_base, r.push)
 
     # ----------------------------------------------------------------- cloud model
     def _on_cell_task(self, topic: str, data: bytes) -> None:

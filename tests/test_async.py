@@ -18,6 +18,7 @@ from protocols.config import ConfigError, parse_config
 from protocols.transport.broker import EmbeddedBroker
 from protocols.wire import topics
 from protocols.wire.envelope import decode_message
+from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 from sim.emulation import Emulation, Faults
 from sim.launcher import SimHierarchy, run_simulation
@@ -546,6 +547,62 @@ def test_a_resumed_async_cloud_whose_job_is_done_makes_no_version_of_a_push_held
     assert again.finished and again.round == 3 and not sent, (again.round, sent)
     lines = (sim.output_dir / runfiles.METRICS).read_text().splitlines()
     assert [json.loads(line)["round"] for line in lines] == [0, 1, 2]
+
+
+def test_a_resumed_async_cell_sent_its_held_version_again_sends_its_journaled_push_again(tmp_path):
+    """c0 dies right after it journaled (and sent) a push from the cloud version it holds, and resumes from its
+    journal. A resumed cloud that then sends it that version again (a cloud task of the version it holds, in its
+    session: it may have lost the push, taken by the broker and not journaled) gets the push again, as from a cell
+    that never stopped. Before, a resumed cell knew no last push (only its start sent the journaled one) and sent
+    nothing."""
+    from cell_server.node import build_cell
+    from sim.launcher import device_samples
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 6},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+
+    def journaled_c0(resume: bool):
+        return build_cell(
+            sim.cfg,
+            "c0",
+            sim.hub.connect("cell.c0"),
+            sim.algorithm,
+            output_dir=sim.output_dir,
+            assume_online=True,
+            journal=True,
+            resume=resume,
+            samples=device_samples(sim.prep.device_data, sim.cfg.topology.device_ids("c0")),
+        )
+
+    first = sim.cells["c0"] = journaled_c0(resume=False)
+    pushed, journaled = first.push_journal.pushed, []
+
+    def dies_after(message: bytes, version: int) -> None:
+        pushed(message, version)
+        if first.fb.global_version >= 1 and not journaled:
+            journaled.append((first.fb.global_version, bytes(message)))
+            sim.hub.loop.post(lambda: (first.transport.crash(), first.stop()))
+
+    first.push_journal.pushed = dies_after  # type: ignore[method-assign]
+    sim.run()  # (the job goes on without c0)
+    assert journaled
+    again = journaled_c0(resume=True)
+    again.start()
+    assert again.fb.global_version == journaled[0][0]
+    sent: list[bytes] = []
+    again.transport.publish = lambda topic, data, **kw: sent.append(bytes(data))  # type: ignore[method-assign]
+    cloud, topic = (
+        Messenger(sim.hub.connect("cloud-again"), cfg.run.name, "cloud"),
+        topics.cell_task(cfg.run.name, "c0"),
+    )
+    task = Payload({}, {k: np.asarray(v) for k, v in again.fb.pushed.items()})
+    again._on_cell_task(topic, cloud.frame("cell_task", task, round=journaled[0][0], cell="c0", topic=topic))
+    assert sent == [journaled[0][1]]  # the version it holds, again (a resumed cloud's start): its push again
 
 
 def test_an_async_cells_journal_keeps_its_model_newest_version_and_last_push_and_a_push_leaves_the_model(tmp_path):
