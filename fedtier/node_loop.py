@@ -53,8 +53,21 @@ def serve_node(node, loop, cloud=None, ended_wait: float | None = None) -> str |
             cloud = watch_cloud(node)
         loop.post(node.start)
         if cloud is not None and ended_wait is not None:
-            loop.call_later(ended_wait, lambda: late.append(cloud.ended) if cloud.ended else None)
-        loop.run(until=lambda: bool(late) or (cloud is not None and cloud.finished) or _ended(node))
+            waited = loop.now() + ended_wait
+            # ended once the wait is over, whenever the records come (with no wait, before them: checked on each)
+            loop.call_later(ended_wait, lambda: None)
+
+            def over() -> bool:
+                if not late and cloud.ended and loop.now() >= waited:
+                    late.append(cloud.ended)
+                return bool(late)
+
+        else:
+
+            def over() -> bool:
+                return False
+
+        loop.run(until=lambda: over() or (cloud is not None and cloud.finished) or _ended(node))
     except KeyboardInterrupt:
         console.print("interrupted")
     finally:

@@ -179,22 +179,24 @@ hidden = [8]
 [data]
 dataset = "digits"
 [runtime]
-startup_wait = 0.5
+startup_wait = {wait}
 """
 
 
-def test_a_cell_started_after_its_job_ended_leaves_saying_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("wait", [0.5, 0.0])
+def test_a_cell_started_after_its_job_ended_leaves_saying_so(tmp_path: Path, wait: float) -> None:
     """``fedtier cell`` started after its run's cloud finished (its ``finished`` record retained, its status
     offline, as the cloud leaves them): it waits ``runtime.startup_wait`` for a new run's cloud, then exits 0 (as a
     device the job never planned), saying the job was over; a device agent started late leaves the same way. Before,
-    it never learned the cloud's session (no cloud came online again), ignored ``finished`` and never exited.
+    it never learned the cloud's session (no cloud came online again), ignored ``finished`` and never exited; and
+    with ``startup_wait = 0`` the cell looked once, at its start, before the retained records came, and never again.
     """
     from click.testing import CliRunner
 
     from fedtier.cli import main
 
     config = tmp_path / "late.toml"
-    config.write_text(LATE_CELL.format(out=tmp_path / "run"))
+    config.write_text(LATE_CELL.format(out=tmp_path / "run", wait=wait))
     run = "late"
     with EmbeddedBroker() as broker:
         loop = ThreadLoop("ended-cloud").start()
