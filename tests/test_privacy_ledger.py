@@ -4,6 +4,8 @@ refuses a job that would exceed it (``protocols/privacy/ledger.py``, ``cloud/ser
 from __future__ import annotations
 
 import math
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,19 @@ def test_the_federations_budget_refuses_a_job_that_would_exceed_it(tmp_path: Pat
     service._submit("j3", {"config": JOB.format(rounds=3)})
     restarted = CloudService(bundle, None, lambda: None, queue, None, trust=None, operator=None)  # type: ignore[arg-type]
     assert restarted.ledger.spent("c0-d0") == pytest.approx(2 * per_job)  # j1 and j3, from the file
+
+
+def test_a_reservation_is_made_durable_by_an_fsync_of_the_ledgers_folder(tmp_path: Path, monkeypatch) -> None:
+    """The ledger's rename is followed by an fsync of its folder: without it, a power loss could bring back the
+    ledger before a job's reservation, and the next job be admitted past the federation's budget."""
+    events: list[str] = []
+    replace, fsync = os.replace, os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        fsync(fd)
+        events.append("fsync folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+
+    monkeypatch.setattr(os, "replace", lambda src, dst: (replace(src, dst), events.append("replace")))
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    PrivacyLedger(tmp_path / "ledger.json").reserve("j1", ["c0-d0"], 1.0, 1e-5)
+    assert events == ["fsync file", "replace", "fsync folder"], events

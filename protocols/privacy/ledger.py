@@ -7,7 +7,8 @@ it ends: its last round's epsilon), its delta and the devices it may use. A devi
 the jobs that use it (basic composition: epsilons and deltas add, a valid bound whatever the mechanisms).
 With ``privacy.federation_epsilon_budget`` in the cloud's bundle, a job whose reservation would take any
 of its devices past the budget is refused at submission, with the device and the figures; so is a job
-without DP (it would spend an unbounded epsilon). Written atomically (temporary file, fsync, rename).
+without DP (it would spend an unbounded epsilon). Written atomically (temporary file, fsync, rename, fsync of
+the folder).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from ..checkpoint import sync_folder
 
 FORMAT = 1
 LEDGER_FILE = "privacy_ledger.json"
@@ -82,5 +85,6 @@ class PrivacyLedger:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path)
+            sync_folder(self.path)  # the rename durable: a reservation lost in a power loss would be overspent
         except OSError as exc:
             raise LedgerError(f"cannot write {self.path}: {exc}") from None
