@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from protocols.capabilities import start_probe
 from protocols.config import ConfigError, RunConfig
 
 from .metrics import linger, serve_metrics
@@ -123,7 +122,6 @@ def write_job_final(job: Any, job_cfg: RunConfig, node: Any, out: Path) -> None:
 
 def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Callable[..., Any]) -> None:
     """Run the federation's cloud: the job queue in ``{output}/jobs.json``, a run folder per job."""
-    start_probe()  # its torch import runs beside the connection: the node says idle without waiting
     from cloud.jobs import JobQueue
     from cloud.service import CloudService, JobParts
     from edge_agent.runner import offline_will
@@ -174,7 +172,6 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
 
 def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]) -> list[str]:
     """Run one cell of the federation across jobs; returns the jobs it served."""
-    start_probe()  # its torch import runs beside the connection: the node says idle without waiting
     from cell_server.node import build_cell
     from cell_server.service import CellService
     from edge_agent.runner import offline_will
@@ -229,7 +226,6 @@ def serve_agent(
     cfg: RunConfig, device: str, data: Any, opts: Any, make_trainer: Callable[[RunConfig, Any], Any], spec_of: Any
 ) -> tuple[list[str], int]:
     """Run one device's agent across jobs; returns the jobs it served and the tasks it answered."""
-    start_probe()  # its torch import runs beside the connection: the node says idle without waiting
     from edge_agent.broker import device_will
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess

@@ -5,8 +5,7 @@ reader with ``trust`` drops, with a logged reason, any record that is not signed
 topic names.
 
 A long-lived node (``fedtier cloud|cell|agent --serve``) says :data:`IDLE` between jobs: its process is up
-(with its capabilities, once probed: its first records may come without, see :class:`IdleBeat`) but it serves
-no job, so the record names no job session. Everything that plans a
+(with its capabilities) but it serves no job, so the record names no job session. Everything that plans a
 job counts only ``online`` records of its own session, so an idle node is never planned: it is, for a job,
 as good as offline (the fleet view shows it up and idle). Its will still says ``offline`` if it dies; and
 since a will can be lost (a broker restarted without its sessions), an idle node re-publishes its record
@@ -22,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .capabilities import known_caps, machine_caps, when_caps_known
 from .numbers import finite_number
 from .wire.envelope import WireError
 from .wire.ratelog import RateLimitedLog
@@ -85,14 +83,12 @@ def published_age(record: dict[str, Any]) -> float:
     return age if math.isfinite(age) and age > 0 else 0.0
 
 
-def idle_status(topic: str, trust: Trust | None, *, wait_caps: bool = True, **extra: Any) -> bytes:
+def idle_status(topic: str, trust: Trust | None, **extra: Any) -> bytes:
     """A long-lived node's status between jobs: :data:`IDLE`, with this machine's capabilities (versions
-    included) and no job session. ``wait_caps=False``: without capabilities while the machine's probe is still
-    running (no waiting for its torch import); no job plans by an idle record, so none is matched or refused
-    on them meanwhile."""
-    caps = machine_caps() if wait_caps else known_caps()
-    with_caps = {"caps": dict(caps)} if caps is not None else {}
-    return encode_status(IDLE, topic=topic, trust=trust, **with_caps, **extra)
+    included) and no job session."""
+    from .capabilities import machine_caps
+
+    return encode_status(IDLE, topic=topic, trust=trust, caps=dict(machine_caps()), **extra)
 
 
 def between_jobs(transport: Transport, topic: str, trust: Trust | None, *, idle: bool, **extra: Any) -> None:
@@ -126,11 +122,7 @@ def idle_while(
 class IdleBeat:
     """A long-lived node's idle status on ``topic`` (retained), published by :meth:`start` and again every
     ``period`` seconds (declared in the record as ``heartbeat``; 0: once, declaring none) until :meth:`stop`.
-    Both run on ``loop``'s thread (or while it is not running), so no beat follows the stop.
-
-    The node does not wait for its capabilities probe (``protocols.capabilities``, which imports torch) to
-    say it is up: a record published before the probe ends carries no ``caps``, and the record is published
-    again, with them, as soon as they are known."""
+    Both run on ``loop``'s thread (or while it is not running), so no beat follows the stop."""
 
     def __init__(
         self, loop: EventLoop, transport: Transport, topic: str, trust: Trust | None, period: float, **extra: Any
@@ -138,31 +130,19 @@ class IdleBeat:
         beat = {"heartbeat": period} if period > 0 else {}
         self.loop, self.transport, self.topic, self.period = loop, transport, topic, period
         self.trust, self.extra = trust, {**beat, **extra}
-        self.record = idle_status(topic, trust, wait_caps=False, **self.extra)
+        self.record = idle_status(topic, trust, **self.extra)
         self._timer: TimerHandle | None = None
         self._stopped = False
-        self._awaiting_caps = False
 
     def start(self) -> None:
         """Publish the record now (each beat signed with its ``published`` time), and schedule the next beat."""
         if self._stopped:
             return
-        without_caps = known_caps() is None
-        self._publish()
-        if without_caps and not self._awaiting_caps:  # said again with them once known, on the loop's thread
-            self._awaiting_caps = True
-            when_caps_known(lambda _caps: self.loop.post(self._caps_known))
+        if self.period > 0:
+            self.record = idle_status(self.topic, self.trust, **self.extra, **beat_stamp())
+        self.transport.publish(self.topic, self.record, retain=True)
         if self.period > 0:
             self._timer = self.loop.call_later(self.period, self.start)
-
-    def _publish(self) -> None:
-        stamp = beat_stamp() if self.period > 0 else {}
-        self.record = idle_status(self.topic, self.trust, wait_caps=False, **self.extra, **stamp)
-        self.transport.publish(self.topic, self.record, retain=True)
-
-    def _caps_known(self) -> None:
-        if not self._stopped:
-            self._publish()
 
     def stop(self) -> None:
         """No more beats (the node serves a job, or says offline next)."""

@@ -14,13 +14,11 @@ import pytest
 import torch
 from hypothesis import settings as hypothesis_settings
 
-from protocols.capabilities import machine_caps
 from protocols.config import RunConfig, parse_config
 from protocols.fast_exit import skip_exit_collection
 
 torch.set_num_threads(1)
 skip_exit_collection()  # the test process too holds a torch-sized heap: no final collections over it
-machine_caps()  # probed now (torch is imported): in-process nodes say idle with their capabilities at once
 
 # Property tests draw the same examples on every run (CI must not depend on luck); set
 # HYPOTHESIS_PROFILE=explore to search with fresh random examples.

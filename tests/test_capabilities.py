@@ -4,7 +4,6 @@ leave out the devices that miss them, with the reason; `fedtier sim` refuses a j
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -101,91 +100,3 @@ def test_a_job_no_device_can_serve_fails_with_that_reason(tmp_path):
     assert want in summary["failed"]  # the reason quotes what each agent announced in its signed status
     records = [json.loads(x) for x in (tmp_path / "out" / "aggregation.jsonl").read_text().splitlines()]
     assert all(r["planned"] == [] and set(r["absent"].values()) == {want} for r in records)
-
-
-IDLE_BEFORE_PROBE = r"""
-import importlib.abc, json, sys, threading
-
-release = threading.Event()
-
-
-class HoldTorch(importlib.abc.MetaPathFinder):
-    '''Holds the probe's lookup of torch until released: the probe is still running, whatever the machine.'''
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            release.wait(60)
-        return None
-
-
-sys.meta_path.insert(0, HoldTorch())
-from protocols.capabilities import machine_caps, probe
-from protocols.status import IdleBeat, decode_status
-from protocols.transport.threadloop import ThreadLoop
-
-TOPIC = "fedtier/f/status/cloud"
-said = []
-heard = threading.Condition()
-
-
-class Broker:
-    def publish(self, topic, data, retain=False):
-        with heard:
-            said.append({"record": decode_status(data, topic), "torch": "torch" in sys.modules, "retain": retain})
-            heard.notify_all()
-
-
-loop = ThreadLoop("idle").start()
-beat = IdleBeat(loop, Broker(), TOPIC, None, 0.0)
-loop.post(beat.start)
-with heard:
-    assert heard.wait_for(lambda: said, 30), "no idle status"
-release.set()
-with heard:
-    assert heard.wait_for(lambda: len(said) >= 2, 60), "the capabilities never followed"
-loop.stop()
-print(json.dumps({"said": said, "machine_caps": machine_caps(), "probe": probe()}))
-"""
-
-
-def test_a_node_says_idle_before_its_probe_imports_torch_then_announces_the_same_record():
-    """In a fresh process whose capabilities probe is held at its torch lookup, the idle status is published
-    at once, without ``caps`` and with torch not imported; once the probe ends it is published again, with
-    exactly the record ``probe()`` gives (same keys and values)."""
-    import os
-    import subprocess
-    import sys
-
-    root = str(Path(__file__).resolve().parents[1])  # this tree's packages first, as in the tests' process
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run(
-        [sys.executable, "-c", IDLE_BEFORE_PROBE], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.splitlines()[-1])
-    first, then = got["said"][0], got["said"][1]
-    assert first["record"]["state"] == "idle" and "caps" not in first["record"] and not first["torch"]
-    assert then["record"]["state"] == "idle" and then["torch"] and then["retain"]
-    assert then["record"]["caps"] == got["machine_caps"] == got["probe"]
-
-
-def test_an_idle_record_without_capabilities_is_neither_planned_nor_refused():
-    """A device's idle status (before its probe ended: no ``caps``) does not count for a job with requirements:
-    the cell does not mark it as failing them, and it stays offline for the job."""
-    from cell_server.liveness import Liveness
-    from cell_server.members import DeviceList
-
-    live = Liveness("c0", DeviceList(["c0-d0"]), requirements=RequirementsSection(accelerator="cuda"))
-    change = live.heard("c0-d0", {"state": "idle"}, now=0.0)
-    assert not change.online and live.unmet == {} and live.unavailable("c0-d0") == "offline"
-
-
-def test_sim_refuses_a_cuda_job_on_a_machine_without_cuda(tmp_path):
-    """The capabilities the probe finds (waited for) still refuse a job that needs CUDA where torch has none."""
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    cfg = load_config_text(tmp_path, '[requirements]\naccelerator = "cuda"\n')
-    with pytest.raises(ConfigError, match="accelerator 'none', the job needs 'cuda'"):
-        run_simulation(cfg)
