@@ -165,3 +165,22 @@ def own_plugins():
     for name in set(sys.modules) - modules:
         if name.startswith("tests.plugin_"):
             del sys.modules[name]
+
+
+RESULT_RING_BYTES = 1 << 20
+
+
+@pytest.fixture
+def ring():
+    """A sim worker's result ring of :data:`RESULT_RING_BYTES` (its reader, its writer), its segment gone after."""
+    import threading
+
+    from sim.result_ring import RingReader, RingWriter
+
+    freed = threading.Semaphore(0)
+    reader = RingReader(RESULT_RING_BYTES, freed)
+    writer = RingWriter(reader.name, reader.size, freed)
+    yield reader, writer
+    writer.close()
+    reader.close()
+    assert not os.path.exists(f"/dev/shm/{reader.name.lstrip('/')}")

@@ -6,8 +6,6 @@ never written over anything."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -21,21 +19,9 @@ from sim import result_ring
 from sim.launcher import SimHierarchy, run_simulation
 from sim.result_ring import RingReader, RingWriter
 from tests.conftest import while_workers_start
-from tests.test_sim_workers_wire import SECTIONS, _same, _segment
+from tests.test_sim_workers_wire import SECTIONS, _same
 
-RING = 1 << 20
 TOPIC = "fedtier/t/cell/c0/up/c0-d0/result"
-
-
-@pytest.fixture
-def ring():
-    freed = threading.Semaphore(0)
-    reader = RingReader(RING, freed)
-    writer = RingWriter(reader.name, reader.size, freed)
-    yield reader, writer
-    writer.close()
-    reader.close()
-    assert not _segment(reader.name)
 
 
 def _payload(fill: int, n: int = 50_000) -> Payload:

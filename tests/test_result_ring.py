@@ -18,11 +18,11 @@ from protocols.wire.payload import Lent, Payload, decode_payload, encode_payload
 from sim import result_ring
 from sim.launcher import SimHierarchy, run_simulation
 from sim.result_ring import RingReader, RingWriter
-from tests.conftest import while_workers_start
+from tests.conftest import RESULT_RING_BYTES, while_workers_start
 from tests.test_clock import CLOCK
 from tests.test_sim_workers_wire import SECTIONS, _same, _segment
 
-RING = 1 << 20
+RING = RESULT_RING_BYTES  # the ring fixture's (tests/conftest.py)
 
 
 def _parts(n: int, fill: int) -> list:
@@ -41,17 +41,6 @@ def _reads_as_written(k: int, result: Payload, sizes: list[int]) -> bool:
 def _in_ring(reader: RingReader, arr: np.ndarray) -> bool:
     start = np.frombuffer(reader.shm.buf, np.uint8).ctypes.data
     return start <= arr.ctypes.data < start + reader.shm.size
-
-
-@pytest.fixture
-def ring():
-    freed = threading.Semaphore(0)
-    reader = RingReader(RING, freed)
-    writer = RingWriter(reader.name, reader.size, freed)
-    yield reader, writer
-    writer.close()
-    reader.close()
-    assert not _segment(reader.name)
 
 
 def test_records_are_freed_out_of_order_and_a_kept_result_reads_as_it_was(ring):
