@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -181,45 +182,34 @@ def test_the_summary_states_the_device_bytes_no_round_record_counts(tmp_path):
     assert "unrecorded_device_bytes" not in resumed and resumed["resumed_after_round"] == 1
 
 
-def test_an_async_cell_restarted_after_losing_a_cloud_version_is_sent_the_current_one(tmp_path):
-    """In memory, with the virtual clock: c0 dies on taking cloud version 4 (acknowledged to the broker: nothing of
-    it is journaled) and comes back 3 s later with --resume: it adopts its journaled cloud model (3) and sends
-    its last push again. That repeat tells the cloud, which sent c0 version 4 and has had nothing from it since,
-    that c0 may have lost it: it sends c0 the current version at once, so c0's pushes count again. Before,
-    an async cell could not resume, and one restarted afresh was never sent a model again (its devices also
-    refused its tasks, numbered from 0 again, as replays); without the cloud's resend, c0's pushes from version
-    3 were 7 versions old by then (max_staleness 4): refused for ever."""
+def _journaled_c0(sim: SimHierarchy, *, resume: bool = False, samples: bool = True) -> Any:
+    """Cell c0 of ``sim`` as ``fedtier cell`` builds it on the sim's hub, with its journal (resumed from it with
+    ``resume``; its devices' sample counts as the sim gives them, unless not ``samples``)."""
     from cell_server.node import build_cell
     from sim.launcher import device_samples
 
-    cfg = small_config(
-        tmp_path,
-        run={"rounds": 12},
-        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1, "max_staleness": 4},
-        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    return build_cell(
+        sim.cfg,
+        "c0",
+        sim.hub.connect("cell.c0"),
+        sim.algorithm,
+        output_dir=sim.output_dir,
+        assume_online=True,
+        journal=True,
+        resume=resume,
+        samples=device_samples(sim.prep.device_data, sim.cfg.topology.device_ids("c0")) if samples else None,
     )
-    sim = SimHierarchy(cfg)
 
-    def journaled_c0(resume: bool):
-        devices = sim.cfg.topology.device_ids("c0")
-        return build_cell(
-            sim.cfg,
-            "c0",
-            sim.hub.connect("cell.c0"),
-            sim.algorithm,
-            output_dir=sim.output_dir,
-            assume_online=True,
-            journal=True,
-            resume=resume,
-            samples=device_samples(sim.prep.device_data, devices),
-        )
 
-    first = sim.cells["c0"] = journaled_c0(resume=False)
+def _c0_dies_at_version_3_and_restarts(sim: SimHierarchy, first: Any, *, resume: bool) -> list[float | None]:
+    """``first`` (c0) dies on taking cloud version 3 or later, before anything of it is journaled, and a new c0
+    (``_journaled_c0(sim, resume=resume)``) starts 3 s later. Returns the list that gets None at the death, then
+    the restart's virtual time."""
     take, back = first._on_cell_task, []
 
     def restart() -> None:
         back.append(sim.hub.loop.now())
-        sim.cells["c0"] = again = journaled_c0(resume=True)
+        sim.cells["c0"] = again = _journaled_c0(sim, resume=resume)
         again.start()
 
     def on_cell_task(topic: str, data: bytes) -> None:
@@ -230,7 +220,28 @@ def test_an_async_cell_restarted_after_losing_a_cloud_version_is_sent_the_curren
         back.append(None)
         sim.hub.loop.call_later(3.0, restart)
 
-    first._on_cell_task = on_cell_task  # type: ignore[method-assign]
+    first._on_cell_task = on_cell_task
+    return back
+
+
+def test_an_async_cell_restarted_after_losing_a_cloud_version_is_sent_the_current_one(tmp_path):
+    """In memory, with the virtual clock: c0 dies on taking cloud version 4 (acknowledged to the broker: nothing of
+    it is journaled) and comes back 3 s later with --resume: it adopts its journaled cloud model (3) and sends
+    its last push again. That repeat tells the cloud, which sent c0 version 4 and has had nothing from it since,
+    that c0 may have lost it: it sends c0 the current version at once, so c0's pushes count again. Before,
+    an async cell could not resume, and one restarted afresh was never sent a model again (its devices also
+    refused its tasks, numbered from 0 again, as replays); without the cloud's resend, c0's pushes from version
+    3 were 7 versions old by then (max_staleness 4): refused for ever."""
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 12},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1, "max_staleness": 4},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    first = sim.cells["c0"] = _journaled_c0(sim)
+    back = _c0_dies_at_version_3_and_restarts(sim, first, resume=True)
     result = sim.run()
     assert back[0] is None and back[1] is not None, back
     resumed = sim.cells["c0"]
@@ -248,8 +259,6 @@ def test_an_async_cell_restarted_afresh_asks_for_the_model_and_numbers_its_tasks
     so its devices take its tasks. Before, the fresh cell was never sent a model (the async cloud sends a version
     only to the cells whose pushes it used, and a fresh cell has no push to repeat) and its devices refused its
     tasks, numbered from version 0 again, as replays: c0 absent from every later version."""
-    from cell_server.node import build_cell
-    from sim.launcher import device_samples
 
     cfg = small_config(
         tmp_path,
@@ -258,37 +267,8 @@ def test_an_async_cell_restarted_afresh_asks_for_the_model_and_numbers_its_tasks
         clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
     )
     sim = SimHierarchy(cfg)
-
-    def journaled_c0():
-        devices = sim.cfg.topology.device_ids("c0")
-        return build_cell(
-            sim.cfg,
-            "c0",
-            sim.hub.connect("cell.c0"),
-            sim.algorithm,
-            output_dir=sim.output_dir,
-            assume_online=True,
-            journal=True,
-            samples=device_samples(sim.prep.device_data, devices),
-        )
-
-    first = sim.cells["c0"] = journaled_c0()
-    take, back = first._on_cell_task, []
-
-    def restart() -> None:
-        back.append(sim.hub.loop.now())
-        sim.cells["c0"] = again = journaled_c0()  # a fresh start: no --resume
-        again.start()
-
-    def on_cell_task(topic: str, data: bytes) -> None:
-        if first.fb.global_version < 3 or back:
-            return take(topic, data)
-        first.transport.crash()  # taken, and dead before anything of it was journaled
-        first.stop()
-        back.append(None)
-        sim.hub.loop.call_later(3.0, restart)
-
-    first._on_cell_task = on_cell_task  # type: ignore[method-assign]
+    first = sim.cells["c0"] = _journaled_c0(sim)
+    back = _c0_dies_at_version_3_and_restarts(sim, first, resume=False)  # a fresh start: no --resume
     result = sim.run()
     assert back[0] is None and back[1] is not None, back
     fresh = sim.cells["c0"]
@@ -306,7 +286,6 @@ def test_an_async_cell_restarted_without_its_journal_refuses_to_work_saying_to_r
     tasks past the versions its devices had (they would refuse them as replays, as deployed: 0 of 232 versions), so
     when the cloud, which heard it hold a model before, sends it the current version marked ``restarted``, it takes
     no model and says why and what to do (``fedtier cell`` exits 1 with it); the job goes on with c1."""
-    from cell_server.node import build_cell
 
     cfg = small_config(
         tmp_path,
@@ -317,15 +296,7 @@ def test_an_async_cell_restarted_without_its_journal_refuses_to_work_saying_to_r
     sim = SimHierarchy(cfg)
 
     def journaled_c0():
-        return build_cell(
-            sim.cfg,
-            "c0",
-            sim.hub.connect("cell.c0"),
-            sim.algorithm,
-            output_dir=sim.output_dir,
-            assume_online=True,
-            journal=True,
-        )
+        return _journaled_c0(sim, samples=False)
 
     first = sim.cells["c0"] = journaled_c0()
     take = first._on_cell_task
@@ -555,8 +526,6 @@ def test_a_resumed_async_cell_sent_its_held_version_again_sends_its_journaled_pu
     session: it may have lost the push, taken by the broker and not journaled) gets the push again, as from a cell
     that never stopped. Before, a resumed cell knew no last push (only its start sent the journaled one) and sent
     nothing."""
-    from cell_server.node import build_cell
-    from sim.launcher import device_samples
 
     cfg = small_config(
         tmp_path,
@@ -566,20 +535,7 @@ def test_a_resumed_async_cell_sent_its_held_version_again_sends_its_journaled_pu
     )
     sim = SimHierarchy(cfg)
 
-    def journaled_c0(resume: bool):
-        return build_cell(
-            sim.cfg,
-            "c0",
-            sim.hub.connect("cell.c0"),
-            sim.algorithm,
-            output_dir=sim.output_dir,
-            assume_online=True,
-            journal=True,
-            resume=resume,
-            samples=device_samples(sim.prep.device_data, sim.cfg.topology.device_ids("c0")),
-        )
-
-    first = sim.cells["c0"] = journaled_c0(resume=False)
+    first = sim.cells["c0"] = _journaled_c0(sim)
     pushed, journaled = first.push_journal.pushed, []
 
     def dies_after(message: bytes, version: int) -> None:
@@ -591,7 +547,7 @@ def test_a_resumed_async_cell_sent_its_held_version_again_sends_its_journaled_pu
     first.push_journal.pushed = dies_after  # type: ignore[method-assign]
     sim.run()  # (the job goes on without c0)
     assert journaled
-    again = journaled_c0(resume=True)
+    again = _journaled_c0(sim, resume=True)
     again.start()
     assert again.fb.global_version == journaled[0][0]
     sent: list[bytes] = []
