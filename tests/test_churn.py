@@ -97,6 +97,17 @@ def test_absent_agents_disconnect_and_rejoin_bit_identically(model: dict, tmp_pa
     assert any("idle" in v for v in seen.values())  # the agents' long-lived service: idle outside the job
 
 
+def _retain_finished(transport: MqttTransport, run: str, round: int, session: str) -> None:
+    """The ``finished`` record a cloud of ``session`` leaves retained when its job ends after ``round``."""
+    Messenger(transport, run, "cloud").send(
+        topics.control(run),
+        "control",
+        Payload({"event": "finished", "round": round, "session": session}),
+        round=round,
+        retain=True,
+    )
+
+
 def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
     """A cell and an agent start before the cloud while the broker still holds an earlier run's retained
     records (cloud offline, ``finished``, a manifest of round 5): they wait, work through the new run,
@@ -115,13 +126,7 @@ def test_stale_finished_does_not_stop_a_new_run(tmp_path: Path) -> None:
         opts = BrokerOptions(broker.url)
         old_loop = ThreadLoop("old").start()
         old = MqttTransport.from_url(broker.url, "old-cloud", old_loop).connect()
-        Messenger(old, run, "cloud").send(
-            topics.control(run),
-            "control",
-            Payload({"event": "finished", "round": 5, "session": "old"}),
-            round=5,
-            retain=True,
-        )
+        _retain_finished(old, run, 5, "old")
         old.publish(topics.round_manifest(run), encode_manifest("old", 5), retain=True)
         old.publish(topics.status(run, "cloud"), encode_status("offline"), retain=True)
         assert old.flush(5.0)
@@ -201,13 +206,7 @@ def test_a_cell_started_after_its_job_ended_leaves_saying_so(tmp_path: Path, wai
     with EmbeddedBroker() as broker:
         loop = ThreadLoop("ended-cloud").start()
         ended = MqttTransport.from_url(broker.url, "cloud", loop).connect()
-        Messenger(ended, run, "cloud").send(
-            topics.control(run),
-            "control",
-            Payload({"event": "finished", "round": 1, "session": "ended-job"}),
-            round=1,
-            retain=True,
-        )
+        _retain_finished(ended, run, 1, "ended-job")
         ended.publish(topics.status(run, "cloud"), encode_status("offline"), retain=True)
         assert ended.flush(5.0)
         ended.close()
