@@ -5,6 +5,11 @@ Every push the cloud takes is appended, fsynced, before it counts (the message a
 same checks); when a version applies the buffer (after its checkpoint) the journal starts afresh at the next
 version. Each entry names the version it was taken in: a cloud stopped between a checkpoint and the fresh start of
 the journal finds the pushes of the version before, which the checkpoint's model holds already, and skips them.
+
+It also keeps the cells heard holding a model of the job (an entry when one is first heard; every fresh start
+names them all): a resumed cloud still marks the version it sends such a cell ``held``, so one restarted without its
+journal refuses it, saying to resume (``cell_server.async_server``), rather than task its devices from version 0
+again, which they refuse as replays.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class PushJournal:
         self.file = Journal(path)
         self._replay: list[tuple[str, bytes]] = []
         self._replaying = False  # taking the journaled pushes again: they are in the journal already
+        self.holders: set[str] = set()  # cells heard holding a model of this job (kept across a resume)
         if resumed is not None:
             try:
                 entries = self.file.read()
@@ -42,8 +48,12 @@ class PushJournal:
                 for e in entries
                 if e.meta.get("version") == resumed and "message" in e.tensors
             ]
+            self.holders = {str(c) for e in entries for c in _held(e.meta.get("held"))}
             log.info("cloud: %d pushes of version %d to buffer again", len(self._replay), resumed)
-        self.file.reset(Payload({"version": resumed}), *(self._entry(resumed, t, d) for t, d in self._replay))
+        self.file.reset(self._head(resumed), *(self._entry(resumed, t, d) for t, d in self._replay))
+
+    def _head(self, version: int | None) -> Payload:
+        return Payload({"version": version, "held": sorted(self.holders)})
 
     @staticmethod
     def _entry(version: int | None, topic: str, data: bytes) -> Payload:
@@ -68,9 +78,20 @@ class PushJournal:
         if not self._replaying:
             self.file.append(self._entry(version, topic, data))
 
+    def holding(self, cell: str) -> None:
+        """``cell`` is heard holding a model of this job (durably, the first time)."""
+        if cell not in self.holders:
+            self.holders.add(cell)
+            self.file.append(Payload({"held": [cell]}))
+
     def applied(self, version: int) -> None:
         """A model version applied the buffered pushes (checkpointed): the journal starts afresh at ``version``."""
-        self.file.reset(Payload({"version": version}))
+        self.file.reset(self._head(version))
 
     def close(self) -> None:
         self.file.close()
+
+
+def _held(value: object) -> list[object]:
+    """The cells an entry names as holding a model (none for an entry of another kind, or of an older journal)."""
+    return value if isinstance(value, list) else []

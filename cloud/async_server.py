@@ -13,7 +13,9 @@ a version applies it (``cloud.async_journal``): ``--resume`` continues from the 
 pushes buffered again, sends every cell the current version, and a cell that holds it sends its last push again
 (one taken by the broker, not yet journaled, when the cloud stopped). A cell whose status
 newly asks for a model (``needs_model``: one restarted afresh, or started after the first version went out, which
-it never got) is sent the current version too, under the same bound (``RoundCounts.first_resend``).
+it never got) is sent the current version too, under the same bound (``RoundCounts.first_resend``). The cells heard
+holding a model are journaled too (``PushJournal.holders``): a version to one of them says ``held``, resumed or not,
+so a cell restarted without its journal refuses it, saying to resume, rather than stall.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class AsyncCloudServer(CloudServer):
         self._pushed_from: dict[str, int] = {}  # cell -> the version its last push taken derives from
         self._asking: set[str] = set()  # cells whose latest status asks for a model (``needs_model``)
         self._holding: set[str] = set()  # cells heard holding a model since they last asked
-        self._held: set[str] = set()  # cells ever heard holding a model of this job: their versions say so
+        # cells ever heard holding a model of this job (or pushing: they held one): their versions say so; journaled
+        self._held: set[str] = set(self.journal.holders) if self.journal is not None else set()
 
     def _begin_round(self) -> None:
         """Send the current version to the cells that need it, and start counting the next record (once per
@@ -117,6 +120,7 @@ class AsyncCloudServer(CloudServer):
         if self.journal is not None:
             self.journal.taken(self.round, topic, data)  # durable before it counts
         self.fb.offer(cell, h.round, msg.payload)
+        self._hold(cell)
         self._pushed_from[cell] = h.round
         self.counts.devices[cell] = self.counts.devices.get(cell, 0) + self._count(cell, msg)
         if self.fb.buffer.full:
@@ -185,7 +189,7 @@ class AsyncCloudServer(CloudServer):
         elif record.get("needs_model") is not True:
             self._asking.discard(cell)
             self._holding.add(cell)
-            self._held.add(cell)
+            self._hold(cell)
         elif cell not in self._asking:
             self._asking.add(cell)
             if cell in self._holding:
@@ -193,6 +197,12 @@ class AsyncCloudServer(CloudServer):
                 self._send_asked(cell)
             else:
                 self.loop.call_later(ASK_WAIT, self._guard(lambda: self._send_asked(cell), "model resend"))
+
+    def _hold(self, cell: str) -> None:
+        """``cell`` holds a model of this job (journaled: a resumed cloud still knows, see ``_send_task``)."""
+        self._held.add(cell)
+        if self.journal is not None:
+            self.journal.holding(cell)
 
     def _send_asked(self, cell: str) -> None:
         """``cell`` asks for a model: send it the current version (once a version: ``RoundCounts.first_resend``)."""

@@ -182,16 +182,18 @@ def test_the_summary_states_the_device_bytes_no_round_record_counts(tmp_path):
     assert "unrecorded_device_bytes" not in resumed and resumed["resumed_after_round"] == 1
 
 
-def _journaled_c0(sim: SimHierarchy, *, resume: bool = False, samples: bool = True) -> Any:
+def _journaled_c0(sim: SimHierarchy, *, resume: bool = False, samples: bool = True, will: bool = False) -> Any:
     """Cell c0 of ``sim`` as ``fedtier cell`` builds it on the sim's hub, with its journal (resumed from it with
-    ``resume``; its devices' sample counts as the sim gives them, unless not ``samples``)."""
+    ``resume``; its devices' sample counts as the sim gives them, unless not ``samples``; with ``will``, its last
+    will, as deployed: a crash leaves its retained status offline)."""
     from cell_server.node import build_cell
+    from edge_agent.broker import offline_will
     from sim.launcher import device_samples
 
     return build_cell(
         sim.cfg,
         "c0",
-        sim.hub.connect("cell.c0"),
+        sim.hub.connect("cell.c0", will=offline_will(sim.cfg.run.name, "cell.c0") if will else None),
         sim.algorithm,
         output_dir=sim.output_dir,
         assume_online=True,
@@ -668,3 +670,61 @@ def test_an_async_cell_killed_at_any_write_of_its_journal_resumes_from_a_consist
             assert before[2] <= resumed.version <= after[2], kill_at
         kill_at += 1
     assert kill_at > 20  # every adoption's two writes (model file, then the journal file's first), append, push
+
+
+def test_an_async_cell_restarted_without_its_journal_after_the_cloud_resumed_refuses_saying_to_resume(tmp_path):
+    """The async cloud dies (after journaling a push of version 3) and resumes 2 s later; c0 dies while it is down
+    and comes back just after, its journal deleted. The resumed cloud still knows c0 held a model (its journal keeps
+    who did), so the version it sends c0 says ``held`` and c0 refuses it saying to resume, as from a cloud that never
+    stopped. Before, the resumed cloud had forgotten, c0 took the version as a first model, tasked its devices from
+    version 0 again, they refused every task as a replay, and c0 stalled without a word."""
+
+    class Killed(Exception):
+        pass
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 8},
+        algorithm={"mode": "async", "async_buffer": 2, "async_cloud_buffer": 3, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    first_cell = sim.cells["c0"] = _journaled_c0(sim, samples=False, will=True)
+    cloud, killed = sim.cloud, []
+    taken = cloud.journal.taken
+
+    def restart_c0() -> None:
+        for path in sim.output_dir.glob("cell-c0.journal*"):
+            path.unlink()
+        sim.cells["c0"] = again = _journaled_c0(sim, samples=False, will=True)
+        again.start()
+
+    def restart_cloud() -> None:
+        sim.cloud = again = sim._build_cloud(None, resume=True)
+        again.start()
+        sim.hub.loop.call_later(0.5, restart_c0)
+
+    def dies_after(version: int, topic: str, data: bytes) -> None:
+        taken(version, topic, data)
+        if version == 3 and not killed:
+            killed.append(version)
+            cloud.transport.crash()
+            cloud.stop()
+            sim.hub.loop.call_later(1.0, lambda: (first_cell.transport.crash(), first_cell.stop()))
+            sim.hub.loop.call_later(2.0, restart_cloud)
+            raise Killed
+
+    cloud.journal.taken = dies_after  # type: ignore[method-assign]
+    on_report = cloud._on_report
+
+    def report(topic: str, data: bytes) -> None:
+        with contextlib.suppress(Killed):
+            on_report(topic, data)
+
+    cloud._on_report = report  # type: ignore[method-assign]
+    result = sim.run()
+    fresh = sim.cells["c0"]
+    assert killed and sim.cloud is not cloud and fresh is not first_cell
+    assert fresh.refused is not None and "--resume" in fresh.refused, (fresh.refused, fresh.fb.ready)
+    assert not fresh.fb.ready and not fresh.records  # it took no model and tasked no device
+    assert [h["round"] for h in result.history][-1] == 7 and "c1" in result.history[-1]["cells_reported"]
