@@ -20,11 +20,12 @@ import numpy as np
 from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.answers import sender_refusal
 from protocols.divergence import diverged_reason
-from protocols.failures import count_reasons, failed_reason
+from protocols.failures import count_reasons, failed_payload, failed_reason
 from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
 from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
+from protocols.wire.messenger import Incoming
 
 from .async_recovery import AsyncJournal, Resumed
 from .parts import EdgeRound, RoundTally
@@ -102,7 +103,7 @@ class AsyncCellServer(CellServer):
         if msg is None:
             return
         first = not self.fb.ready
-        if first and self._refuse_restart(msg.payload.meta.get("held") is True):
+        if first and self._refuse_restart(msg):
             return
         if not first and msg.header.round == self.fb.global_version and msg.header.session == self.messenger.session:
             self._held_again()
@@ -121,18 +122,30 @@ class AsyncCellServer(CellServer):
         if first:
             self._announce()  # no longer asking for a model (the cloud sends one to a cell that asks again)
 
-    def _refuse_restart(self, held: bool) -> bool:
+    def _refuse_restart(self, msg: Incoming) -> bool:
         """A journaling cell (``fedtier cell``) without a journal whose first cloud model the cloud marked ``held``
         (it heard this cell hold one before: a restart): its devices had tasks of versions it cannot know, and
-        refuse its tasks numbered below them as replays. It takes no model and says so (:attr:`refused`)."""
+        refuse its tasks numbered below them as replays. It takes no model and says so: :attr:`refused`, its status
+        (``refused``: ``fedtier fleet``), its state (failed, with the reason: the monitor) and a "failed" push, on
+        which the cloud leaves it out of the job (``cloud.async_server``; again for each version the cloud sends it:
+        a resumed cloud learns it too)."""
+        held = msg.payload.meta.get("held") is True
         if not held or self.push_journal is None or self.push_journal.used is not None:
             return False
-        self.refused = (
-            f"cell {self.cell} held a model of this job before (the cloud says so) and started without its journal "
-            f"({self.push_journal.file.path}): its devices would refuse its tasks as replays; restart it with its "
-            "journal and --resume"
+        if self.refused is None:
+            self.refused = (  # what to do first: a failed push's reason is cut at MAX_REASON
+                f"cell {self.cell} held a model of this job and restarted without its journal: restart it with its "
+                f"journal and --resume (its devices would refuse its tasks as replays; {self.push_journal.file.path})"
+            )
+            log.error("%s", self.refused)
+        self.messenger.session = msg.header.session  # the push belongs to the job's session (signed runs check)
+        self._announce()
+        self._state("failed", reason=self.refused)
+        topic = topics.cell_report(self.run, self.cell)
+        report = self.messenger.frame(
+            "cell_report", failed_payload(self.refused), round=msg.header.round, cell=self.cell, topic=topic
         )
-        log.error("%s", self.refused)
+        self.transport.publish(topic, report, qos=1)
         return True
 
     def _held_again(self) -> None:
@@ -158,7 +171,10 @@ class AsyncCellServer(CellServer):
 
     def _status_extra(self) -> dict[str, Any]:
         """A cell holding no cloud model says so: the cloud sends a cell that asks anew (restarted afresh, or
-        started after the job's first version went out) the current version (``cloud.async_server``)."""
+        started after the job's first version went out) the current version (``cloud.async_server``); one that
+        refused to work says why instead (it asks for nothing)."""
+        if self.refused is not None:
+            return {"refused": self.refused}
         return {} if self.fb.ready else {"needs_model": True}
 
     # ----------------------------------------------------------------- devices

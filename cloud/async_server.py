@@ -25,6 +25,7 @@ from typing import Any
 
 from protocols import runfiles
 from protocols.algorithms.fedbuff import FedBuffCloud
+from protocols.failures import failed_reason
 from protocols.rejections import Rejected, RejectKind
 from protocols.status import decode_status
 from protocols.transport.base import Transport
@@ -33,7 +34,7 @@ from protocols.wire.payload import Payload
 
 from .async_journal import PushJournal
 from .parts import resend_on_repeat
-from .revocation import refused_revoked
+from .revocation import refused_revoked, too_few_cells
 from .server import CloudServer
 
 log = logging.getLogger("fedtier.cloud")
@@ -57,6 +58,7 @@ class AsyncCloudServer(CloudServer):
         if self.resumed:  # the start sends every cell the current version: a push from it is not a fresher base
             self._sent = dict.fromkeys(self.cells, self.round)
         self._pushed_from: dict[str, int] = {}  # cell -> the version its last push taken derives from
+        self.refusing: dict[str, str] = {}  # cell -> why it refused to work in this job (no version goes to it)
         self._asking: set[str] = set()  # cells whose latest status asks for a model (``needs_model``)
         self._holding: set[str] = set()  # cells heard holding a model since they last asked
         # cells ever heard holding a model of this job (or pushing: they held one): their versions say so; journaled
@@ -96,6 +98,10 @@ class AsyncCloudServer(CloudServer):
         if msg is None or self.finished or self.round >= self.rounds:  # (resumed when done: its finish is posted)
             return
         h, cell = msg.header, topic.split("/")[-2]
+        failure = failed_reason(msg.payload)
+        if failure is not None:
+            self._refuses(topic, cell, msg, failure)
+            return
         if msg.repeat:
             self._repeated(cell, msg)
             return
@@ -130,6 +136,35 @@ class AsyncCloudServer(CloudServer):
             self._record_round("buffer full", self._notify, [], out)  # checkpointed: the buffer is in the model
             if self.journal is not None:
                 self.journal.applied(self.round)
+
+    def _refuses(self, topic: str, cell: str, msg: Incoming, why: str) -> None:
+        """``cell`` refuses to work in this job, saying ``why`` (its "failed" push: ``cell_server.async_server``): it
+        is left out of the job (no version goes to it; the record of the version open lists it in ``cells_failed``),
+        and with fewer cells left than ``runtime.min_cells`` the job fails, saying so."""
+        refused = (
+            Rejected(RejectKind.WRONG_SENDER, f"push of {msg.header.sender!r} on the topic of cell {cell!r}")
+            if cell not in self.cells or msg.header.sender != cell
+            else self._bad_report(cell, msg)
+        )
+        if refused is not None:
+            self.messenger.reject(topic, refused.kind, str(refused), cell)
+            return
+        if cell in self.refusing:
+            return
+        if (self.started or self.resumed) and not self._in_round:
+            self._begin_round()  # the version open records it
+        self.refusing[cell] = why
+        self.counts.cells_failed[cell] = why
+        self._notify = [c for c in self._notify if c != cell]
+        log.error("cloud: cell %s refuses to work (left out of the job: no version goes to it): %s", cell, why)
+        out = {**self.revoked, **self.refusing}
+        failure = too_few_cells(self.cells, out, self.stall.min_cells, [cell], f"refused to work ({why})")
+        if failure is not None:
+            self.fail(failure)
+
+    def _allowed(self) -> set[str]:
+        """As the cloud of rounds, less the cells that refused to work."""
+        return super()._allowed() - self.refusing.keys()
 
     def stop(self) -> None:
         super().stop()
@@ -168,7 +203,9 @@ class AsyncCloudServer(CloudServer):
         super()._send_task(cell)
 
     def _resend(self, cell: str) -> None:
-        """Send ``cell`` the current version (again)."""
+        """Send ``cell`` the current version (again), unless it refused to work."""
+        if cell in self.refusing:
+            return
         self.counts.tasks = {**self.counts.tasks, **self.role.plan(self.round, [cell])}
         self._send_task(cell)
         self._sent[cell] = self.round

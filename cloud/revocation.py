@@ -38,11 +38,14 @@ def leave_round(answers: Answers, counts: RoundCounts, cells: Iterable[str]) -> 
         counts.cells_failed.pop(cell, None)
 
 
-def too_few_cells(cells: list[str], revoked: Mapping[str, str], min_cells: int, new: list[str]) -> str | None:
-    """Why the job fails once ``new`` are revoked (``revoked`` holds them): fewer of its ``cells`` left than
-    ``min_cells`` (at most all of them) needs; ``None`` if enough are left."""
+def too_few_cells(
+    cells: list[str], revoked: Mapping[str, str], min_cells: int, new: list[str], why: str = "revoked by the federation"
+) -> str | None:
+    """Why the job fails once ``new`` are out of it (``revoked`` holds every cell out, them included; ``why``: how
+    they went): fewer of its ``cells`` left than ``min_cells`` (at most all of them) needs; ``None`` if enough are
+    left."""
     left, needed = len(cells) - len(revoked), min(min_cells, len(cells))
     if left >= needed:
         return None
     remain = "no cell of the job remains" if left == 0 else f"{left} cells remain, runtime.min_cells is {needed}"
-    return f"{', '.join(new)} revoked by the federation: {remain}"
+    return f"{', '.join(new)} {why}: {remain}"

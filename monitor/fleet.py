@@ -79,6 +79,12 @@ class NodeView:
         job, reason = str(unfit.get("session", "")).split(".")[0], str(unfit.get("reason", ""))
         return {"job": job[:MAX_REASON], "reason": reason[:MAX_REASON]}
 
+    def refused(self) -> str | None:
+        """Why a cell online in a job refuses to work in it (its status's ``refused``, cut at ``MAX_REASON``), or
+        None."""
+        why = self.record.get("refused")
+        return str(why)[:MAX_REASON] if self.state == "online" and why is not None else None
+
     def as_dict(self, now: float) -> dict[str, Any]:
         """A row for ``--json``: the node, its state, when last heard (seconds ago), versions, capabilities."""
         caps = self.caps
@@ -97,6 +103,7 @@ class NodeView:
             "samples": self.record.get("samples"),
             "session": self.record.get("session"),
             "cannot_serve": self.unfit(),
+            "refused": self.refused(),
             "devices_online": self.record.get("devices_online"),
             "devices_total": self.record.get("devices_total"),
         }
@@ -250,6 +257,7 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
         detail = ""
         if v.role == "cell" and "devices_total" in v.record:
             detail = f"{v.record.get('devices_online')}/{v.record.get('devices_total')} devices online"
+            detail += f"; refuses to work: {v.refused()}" if v.refused() else ""
         elif v.role == "device":
             unfit = v.unfit()
             said = [f"{v.record['samples']} samples"] if "samples" in v.record else []

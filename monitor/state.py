@@ -30,6 +30,7 @@ CELL_ALERTS = (
     "silent",
     "offline",
     "revoked",
+    "failed",
     "with revoked devices",
     "with a participation drop",
     "with rejected results",
@@ -50,6 +51,7 @@ class CellView:
     idle: bool = False  # its status says idle: up, serving no job
     idle_until: float | None = None  # an idle status older than this (its heartbeat missed) counts as offline
     revoked: str | None = None  # why the federation revoked it (the cloud's round records: ``cells_revoked``)
+    failed: str | None = None  # why it failed or refused to work (the cloud's round records: ``cells_failed``)
     devices_revoked: set[str] = field(default_factory=set)  # its devices its records say were absent as revoked
     records: int = 0
     rejected_total: int = 0
@@ -123,6 +125,9 @@ class MonitorState:
         for cell in record.cells_planned:
             self._cell(cell)
         self.add_revoked(record.cells_revoked or {})
+        for cell, why in (record.cells_failed or {}).items():  # it answers every later task so: the first reason kept
+            view = self._cell(cell)
+            view.failed = view.failed or why
         if record.accuracy is not None:
             self.accuracy = sorted({**dict(self.accuracy), record.round: record.accuracy}.items())
         if record.rounds is not None and record.round + 1 >= record.rounds:
@@ -316,6 +321,8 @@ class MonitorState:
             found.append(("offline", (0.0, cell, f"cell {cell} is offline{why}")))
         if view.revoked is not None:
             found.append(("revoked", (0.0, cell, f"cell {cell} {view.revoked} by the federation: out of the job")))
+        elif view.failed is not None:
+            found.append(("failed", (0.0, cell, f"cell {cell} failed, left out by the cloud: {view.failed}")))
         if view.devices_revoked:
             names = ", ".join(sorted(view.devices_revoked)[:GROUP_ALERTS])
             more = len(view.devices_revoked) - GROUP_ALERTS

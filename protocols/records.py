@@ -162,7 +162,8 @@ class RoundRecord(_Record):
     )
     cells_failed: dict[str, str] | None = Field(
         None,
-        description="cells that answered 'failed' (their handler raised), with why (runtime.fail_on_cell_failure off)",
+        description="cells that answered 'failed' (their handler raised: runtime.fail_on_cell_failure off), with why; "
+        "async: a cell that refused to work (restarted without its journal), left out of the job from then on",
     )
     cells_revoked: dict[str, str] | None = Field(
         None,

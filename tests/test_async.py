@@ -283,17 +283,15 @@ def test_an_async_cell_restarted_afresh_asks_for_the_model_and_numbers_its_tasks
     assert not refused, refused  # the cell never refused a model
 
 
-def test_an_async_cell_restarted_without_its_journal_refuses_to_work_saying_to_resume(tmp_path):
-    """In memory: c0 dies after cloud version 3 and comes back afresh with its journal deleted. It cannot number its
-    tasks past the versions its devices had (they would refuse them as replays, as deployed: 0 of 232 versions), so
-    when the cloud, which heard it hold a model before, sends it the current version marked ``restarted``, it takes
-    no model and says why and what to do (``fedtier cell`` exits 1 with it); the job goes on with c1."""
-
+def _c0_restarts_without_its_journal(tmp_path, rounds: int, cells: int = 2) -> tuple[SimHierarchy, Any, list]:
+    """In memory: c0 dies after cloud version 3 and comes back afresh 3 s later with its journal deleted; returns the
+    sim, the run's result and c0's statuses as published (topic, bytes)."""
     cfg = small_config(
         tmp_path,
-        run={"rounds": 10},
+        run={"rounds": rounds},
         algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
         clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+        topology={"cells": cells},
     )
     sim = SimHierarchy(cfg)
 
@@ -318,11 +316,53 @@ def test_an_async_cell_restarted_without_its_journal_refuses_to_work_saying_to_r
         sim.hub.loop.call_later(3.0, restart)
 
     first._on_cell_task = on_cell_task  # type: ignore[method-assign]
+    statuses: list[tuple[str, bytes]] = []
+    status = topics.status(cfg.run.name, "cell.c0")
+    sim.hub.connect("watch").subscribe(status, lambda topic, data: statuses.append((topic, bytes(data))))
     result = sim.run()
+    assert sim.cells["c0"] is not first
+    return sim, result, statuses
+
+
+def test_an_async_cell_restarted_without_its_journal_refuses_to_work_saying_to_resume(tmp_path):
+    """c0 dies after cloud version 3 and comes back afresh with its journal deleted. It cannot number its tasks past
+    the versions its devices had (they would refuse them as replays, as deployed: 0 of 232 versions), so when the
+    cloud, which heard it hold a model before, sends it the current version marked ``held``, it takes no model and
+    says why and what to do (``fedtier cell`` exits 1 with it): its status says so (``fedtier fleet``), and its
+    "failed" push has the cloud leave it out (listed in the record's ``cells_failed``: the monitor alerts); the job
+    goes on with c1. Before, a ``--serve`` cell that refused only logged it: its status still asked for a model."""
+    from monitor.fleet import Fleet, render
+    from monitor.state import MonitorState
+    from protocols.failures import MAX_REASON
+    from protocols.records import parse_record
+
+    sim, result, statuses = _c0_restarts_without_its_journal(tmp_path, 10)
     fresh = sim.cells["c0"]
-    assert fresh is not first and fresh.refused is not None and "--resume" in fresh.refused, fresh.refused
+    assert fresh.refused is not None and "--resume" in fresh.refused, fresh.refused
     assert not fresh.fb.ready and not fresh.records  # it took no model and tasked no device
-    assert len(result.history) == 10 and "c1" in result.history[-1]["cells_reported"]
+    assert len(result.history) == 10 and "c1" in result.history[-1]["cells_reported"] and not sim.cloud.failed
+    why = fresh.refused[:MAX_REASON]  # as a failed push carries it
+    failed = [h["cells_failed"] for h in result.history if h.get("cells_failed")]
+    assert failed == [{"c0": why}], failed  # once, in the version open when it refused
+    assert sim.cloud.refusing == {"c0": why} and "--resume" in why
+    fleet = Fleet(run=sim.cfg.run.name)
+    fleet.on_status(*[s for s in statuses if b"online" in s[1]][-1])  # its last while it ran
+    row = next(v for v in fleet.rows() if v.node == "c0")
+    assert row.as_dict(fleet.clock())["refused"] == why and "needs_model" not in row.record
+    assert "refuses to work" in str(render(fleet).columns[-1]._cells[0])
+    monitor = MonitorState()
+    monitor.add_all(parse_record(h) for h in result.history)
+    assert f"cell c0 failed, left out by the cloud: {why}" in monitor.alerts(0.0), monitor.alerts(0.0)
+
+
+def test_an_async_cell_that_refuses_to_work_fails_the_job_it_was_the_last_cell_of(tmp_path):
+    """As above with c0 the job's only cell: no cell is left to work, so the job fails at once saying why (c0's
+    reason), rather than wait for c0 for ever (before: no push ever came again, and the cloud waited)."""
+    sim, result, _ = _c0_restarts_without_its_journal(tmp_path, 10, cells=1)
+    assert sim.cells["c0"].refused is not None
+    assert sim.cloud.failed is not None and sim.cloud.failed.startswith("c0 refused to work"), sim.cloud.failed
+    assert "--resume" in sim.cloud.failed and "no cell of the job remains" in sim.cloud.failed
+    assert len(result.history) < 10
 
 
 def test_an_async_cell_whose_pushes_are_too_stale_is_sent_the_current_version(tmp_path):
