@@ -21,6 +21,7 @@ from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.answers import sender_refusal
 from protocols.divergence import diverged_reason
 from protocols.failures import count_reasons, failed_payload, failed_reason
+from protocols.params import sums_on
 from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
 from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.transport.base import TimerHandle, Transport
@@ -255,7 +256,8 @@ class AsyncCellServer(CellServer):
 
     # ----------------------------------------------------------------- aggregation and pushes
     def _flush(self) -> None:
-        out = self.fb.aggregate()
+        with sums_on(self.sums):
+            out = self.fb.aggregate()
         pushing = self.fb.updates >= self.push_every
         if self.push_journal is not None and not pushing:  # before a task carries the new version (a push journals it)
             self.push_journal.updated(self.fb.version)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 from protocols.bounds import weight_over
 from protocols.failures import MAX_REASON, guarded
+from protocols.params import Sums
 from protocols.rejections import Rejected, RejectKind
 from protocols.session import CloudSession, decode_manifest
 from protocols.state import publish_state
@@ -117,6 +118,9 @@ class CellNode:
         self._beat_timer: TimerHandle | None = None
         self._started = 0.0  # loop time of start()
         self.failure: str | None = None  # an exception in a handler of this cell (a bug): rounds answer it
+        # where the role's weighted sums run (protocols.params.sums_on); None: the host (fedtier sim may put them
+        # on its cohort engine's GPU: runtime.cell_sums)
+        self.sums: Sums | None = None
 
     # ----------------------------------------------------------------- views of the parts
     @property

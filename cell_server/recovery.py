@@ -29,6 +29,7 @@ from protocols.checkpoint import Journal
 from protocols.divergence import diverged_reason
 from protocols.failures import failed_reason
 from protocols.jsonl import read_jsonl
+from protocols.params import Sums, sums_on
 from protocols.wire import topics
 from protocols.wire.payload import Payload
 
@@ -56,6 +57,7 @@ class Host(Protocol):
     loop: EventLoop
     transport: Transport
     role: CellRole
+    sums: Sums | None
     messenger: Messenger
     telemetry: CellTelemetry
     edge: EdgeRound
@@ -212,7 +214,8 @@ def _replay_edge(cell: Host, j: _Journaled, e: int, logged: set[tuple[int, int]]
     failed = {d: why for d, r in answered.items() if (why := failed_reason(r)) is not None}
     taken = {d: r for d, r in answered.items() if d not in diverged and d not in failed}  # never aggregated
     if e in j.closed:
-        cell.role.aggregate(e, taken)
+        with sums_on(cell.sums):
+            cell.role.aggregate(e, taken)
         record = j.closed[e]
         cell.tally.add(int(record.get("bytes_out", 0)), int(record.get("bytes_in", 0)), taken, diverged, failed)
         if (cell.round, e) not in logged:  # the crash came between the journal and the aggregation log

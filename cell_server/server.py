@@ -22,6 +22,7 @@ from protocols.algorithms.outcome import Outcome
 from protocols.answers import Answers
 from protocols.divergence import diverged_reason
 from protocols.failures import failed_payload, failed_reason
+from protocols.params import sums_on
 from protocols.rejections import kind_of
 from protocols.state import MAX_WAITING
 from protocols.transport.base import TimerHandle, Transport
@@ -392,7 +393,8 @@ class CellServer(CellNode):
 
     def _aggregate(self, why: str, results: dict[str, Payload], extra: dict[str, Any] | None = None) -> None:
         """Fold the edge round's results into the cell role, record it, and go on to the next one."""
-        outcome = self.role.aggregate(self.edge_round, results).with_metrics(**(extra or {}))
+        with sums_on(self.sums):
+            outcome = self.role.aggregate(self.edge_round, results).with_metrics(**(extra or {}))
         self.tally.add(self.edge.bytes_out, self.edge.bytes_in, results, self.edge.diverged, self.edge.failed)
         self._record(why, outcome, list(results))
         self.edge_round += 1

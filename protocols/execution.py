@@ -93,6 +93,11 @@ def idle_settings(cfg: RunConfig, command: Literal["sim", "run"]) -> list[str]:
             "fedtier run's device agents run in their own worker processes: --workers)"
             for k in changed("sim_workers", "sim_backend", "ray_address")
         ]
+        out += [
+            f"runtime.{k} = {getattr(rt, k)!r} has no effect under fedtier run (its cells have no engine: they sum "
+            "on the host)"
+            for k in changed("cell_sums")
+        ]
     elif rt.sim_workers == 0:
         out += [
             f"runtime.{k} = {getattr(rt, k)!r} has no effect without runtime.sim_workers (the devices train in "

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Protocol
 
 import numpy as np
 
@@ -32,10 +35,59 @@ def add(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], scale: float =
     return OrderedDict((k, (a[k] + np.asarray(scale, dtype=np.float64) * b[k]).astype(a[k].dtype)) for k in a)
 
 
+Items = Sequence[tuple[float, Mapping[str, np.ndarray]]]
+"""``(weight, parameters)`` pairs, summed in the order given."""
+
+
+class Sums(Protocol):
+    """Where weighted sums run (:func:`sums_on`); the host (numpy) unless a runtime installs another place."""
+
+    def weighted_sum(self, items: Items) -> dict[str, np.ndarray] | None:
+        """:func:`host_weighted_sum`'s result, bit for bit, as float64 host arrays, computed here; ``None``: not
+        here (the host sums them)."""
+
+
+_SUMS: ContextVar[Sums | None] = ContextVar("fedtier_sums", default=None)
+
+
+@contextmanager
+def sums_on(where: Sums | None) -> Iterator[None]:
+    """Run the weighted sums of the enclosed code (:func:`weighted_sum`, :func:`weighted_mean`) on ``where``
+    (``None``: the host). A runtime sets it around a role's aggregation (``fedtier sim``'s cells: on the cohort
+    engine's device); roles stay unaware of it."""
+    token = _SUMS.set(where)
+    try:
+        yield
+    finally:
+        _SUMS.reset(token)
+
+
+def host_weighted_sum(items: Items) -> dict[str, np.ndarray]:
+    """Per tensor, ``sum(float64(p) * w)`` in the order given, in float64: each term converted, multiplied by
+    its weight, then added to the sum (no fused multiply-add); the definition every other place reproduces."""
+    acc: OrderedDict[str, np.ndarray] = OrderedDict()
+    for w, p in items:
+        for k, v in p.items():
+            term = np.asarray(v, dtype=np.float64) * w
+            if k in acc:
+                acc[k] += term
+            else:
+                acc[k] = term
+    return acc
+
+
+def weighted_sum(items: Items) -> dict[str, np.ndarray]:
+    """:func:`host_weighted_sum`, computed where :func:`sums_on` says (bit-identical everywhere)."""
+    where = _SUMS.get()
+    out = where.weighted_sum(items) if where is not None and items else None
+    return out if out is not None else host_weighted_sum(items)
+
+
 def weighted_mean(
     items: Iterable[tuple[float, Mapping[str, np.ndarray]]],
 ) -> tuple[dict[str, np.ndarray], float]:
-    """Weighted mean of several parameter dicts, accumulated in float64, returned as float32.
+    """Weighted mean of several parameter dicts, accumulated in float64 (:func:`weighted_sum`, where
+    :func:`sums_on` says), divided on the host and returned as float32.
 
     Items are summed in the order given; callers pass them sorted by sender id so the result does
     not depend on arrival order. Returns (mean, total weight); raises on zero total weight.
@@ -44,14 +96,7 @@ def weighted_mean(
     total = float(sum(w for w, _ in items))
     if not items or total <= 0:
         raise ValueError("weighted mean of nothing (total weight is zero)")
-    acc: OrderedDict[str, np.ndarray] = OrderedDict()
-    for w, p in items:
-        for k, v in p.items():
-            term = v.astype(np.float64) * w
-            if k in acc:
-                acc[k] += term
-            else:
-                acc[k] = term
+    acc = weighted_sum(items)
     return OrderedDict((k, (v / total).astype(np.float32)) for k, v in acc.items()), total
 
 

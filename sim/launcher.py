@@ -30,6 +30,7 @@ from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
+from .cell_sums import cell_sums
 from .clock import ClockModel, clock_modelled
 from .device_worker import set_torch_threads
 from .executors import make_executor, start_workers, worker_device
@@ -288,6 +289,9 @@ class SimHierarchy:
             cfg, hub, algorithm, prep.device_data, lambda d: onnx.get(d, trainer), self._configure
         )  # built as devices are needed
         self.executor = make_executor(execution_plan(cfg), self.agents.active(), spec, loop, trainer, remote)
+        self.sums = cell_sums(cfg, self.executor, trainer, spec)  # where the cells sum (runtime.cell_sums)
+        for cell in self.cells.values():
+            cell.sums = self.sums
 
     def _start_workers(self, loop: VirtualLoop, spec: ModelSpec | None = None) -> ProcessExecutor | RayExecutor | None:
         """:func:`start_workers`, stopped with this object even if building fails later."""

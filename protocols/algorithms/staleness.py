@@ -12,6 +12,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
+from .. import params as P
 from ..rejections import Rejected, RejectKind
 from .base import TrainParams
 from .outcome import Outcome
@@ -114,12 +115,7 @@ class StalenessBuffer:
         self.entries = []
         total = sum(e.weight for e in entries)
         stale = [version - e.base for e in entries]
-        acc: dict[str, np.ndarray] = {}
-        for e, s in zip(entries, stale):
-            scale = e.weight * staleness_weight(s, self.exponent)
-            for k, v in e.delta.items():
-                term = np.asarray(v, dtype=np.float64) * scale
-                acc[k] = acc[k] + term if k in acc else term
+        acc = P.weighted_sum([(e.weight * staleness_weight(s, self.exponent), e.delta) for e, s in zip(entries, stale)])
         step = {k: (v / total).astype(np.float32) for k, v in acc.items()}
         numbers = {"staleness_mean": float(np.mean(stale)), "staleness_max": int(max(stale))}
         return step, total, Outcome(numbers, senders=tuple(e.sender for e in entries))

@@ -1,0 +1,178 @@
+"""Cells' weighted sums on a torch device (``protocols/device_sums.py``, ``runtime.cell_sums``): the host's bits."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from protocols import device_sums
+from protocols import params as P
+from protocols.algorithms.robust import RobustParams, aggregate
+from protocols.algorithms.staleness import StalenessBuffer
+from protocols.device_sums import DeviceSums
+from protocols.wire.payload import Payload
+from sim.launcher import SimHierarchy
+
+CUDA = torch.cuda.is_available()
+
+
+def _items(n: int = 23, seed: int = 0) -> list[tuple[Any, dict[str, np.ndarray]]]:
+    """``n`` float32 results of three tensors (one a non-contiguous view, one with values near float32's
+    smallest and largest, signed zeros) with weights that are not powers of two (ints and fractions)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        big = rng.standard_normal((40, 9)).astype(np.float32)
+        wide = (rng.standard_normal(17) * 10.0 ** rng.integers(-40, 35, 17)).astype(np.float32)
+        wide[:2] = [-0.0, 0.0]
+        weight = int(rng.integers(1, 500)) if i % 3 == 0 else float(rng.integers(1, 500)) / 7.0
+        out.append((weight, OrderedDict(w=big, b=wide, t=big.T[::2])))
+    return out
+
+
+def _bits(a: dict[str, np.ndarray]) -> dict[str, bytes]:
+    return {k: np.ascontiguousarray(v).tobytes() for k, v in a.items()}
+
+
+def _same_sums(sums: DeviceSums, items: list) -> None:
+    want_sum, (want_mean, want_total) = P.host_weighted_sum(items), P.weighted_mean(items)
+    before = sums.sums
+    with P.sums_on(sums):
+        got_sum, (got_mean, got_total) = P.weighted_sum(items), P.weighted_mean(items)
+    assert sums.sums == before + 2  # both computed on the device, not left to the host
+    assert _bits(got_sum) == _bits(want_sum) and [v.dtype for v in got_sum.values()] == [np.float64] * 3
+    assert _bits(got_mean) == _bits(want_mean) and got_total == want_total
+
+
+@pytest.mark.parametrize("chunk", [device_sums.CHUNK_BYTES, 12 * 1000])  # one chunk; several (2 rows each)
+def test_the_sum_on_the_cpu_device_is_the_host_sum_bit_for_bit(chunk, monkeypatch):
+    monkeypatch.setattr(device_sums, "CHUNK_BYTES", chunk)
+    _same_sums(DeviceSums(lambda: torch.device("cpu"), on_cpu=True), _items())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_the_sum_on_cuda_is_the_host_sum_bit_for_bit(monkeypatch):
+    """The same IEEE operations on the GPU (no fused multiply-add, no reciprocal division): the host's bits, for
+    a cell's worth of model-sized results too."""
+    sums = DeviceSums(lambda: torch.device("cuda"))
+    _same_sums(sums, _items())
+    rng = np.random.default_rng(1)
+    large = [(float(i + 1) / 3.0, {"w": rng.standard_normal(200_000).astype(np.float32)}) for i in range(100)]
+    with P.sums_on(sums):
+        got = P.weighted_mean(large)[0]
+    assert _bits(got) == _bits(P.weighted_mean(large)[0])
+    monkeypatch.setattr(device_sums, "CHUNK_BYTES", 12 * 200_000 * 7)  # chunks of 7 rows
+    _same_sums(sums, _items(50, seed=2))
+
+
+def test_the_cpu_engine_leaves_sums_to_the_host_and_so_do_other_layouts():
+    """``auto`` with an engine on the CPU sums with numpy; results of another layout (a float64 tensor, a shape
+    that differs) are summed on the host too: the same result, nothing on the device."""
+    auto = DeviceSums(lambda: torch.device("cpu"))
+    items = _items(5)
+    with P.sums_on(auto):
+        assert _bits(P.weighted_mean(items)[0]) == _bits(P.weighted_mean(items)[0])
+    assert auto.sums == 0 and auto.told is not None and "host" in auto.told
+    forced = DeviceSums(lambda: torch.device("cpu"), on_cpu=True)
+    odd = [items[0], (2.5, {**items[1][1], "b": items[1][1]["b"].astype(np.float64)})]
+    short = [items[0], (2.5, {**items[1][1], "w": items[1][1]["w"][:-1]})]
+    with P.sums_on(forced):
+        assert _bits(P.weighted_sum(odd)) == _bits(P.host_weighted_sum(odd))
+        with pytest.raises(ValueError):  # as on the host: shapes that do not add up
+            P.weighted_sum(short)
+    assert forced.sums == 0
+
+
+@pytest.mark.parametrize("kind", ["mean", "median", "trimmed_mean", "krum", "multikrum", "majority"])
+def test_robust_aggregators_give_the_same_bits_with_sums_on_the_device(kind):
+    """Every cell aggregator over 7 results: the mean and Krum/Multi-Krum's kept mean on the device, the
+    coordinate-wise rules on the host; the same bits and the same exclusions either way."""
+    params = RobustParams(name="fedavg", trim_beta=0.2, krum_byzantine=0.15)
+    items = [(f"d{i}", w, p) for i, (w, p) in enumerate(_items(7, seed=3))]
+    sums = DeviceSums(lambda: torch.device("cpu"), on_cpu=True)
+    with P.sums_on(sums):
+        got = aggregate(kind, items, params)
+    want = aggregate(kind, items, params)
+    assert _bits(got.delta) == _bits(want.delta) and (got.weight, got.excluded) == (want.weight, want.excluded)
+    assert sums.sums == (1 if kind in ("mean", "krum", "multikrum") else 0)
+
+
+def test_an_async_cells_staleness_weighted_sum_on_the_device():
+    def flushed(where: DeviceSums | None) -> dict[str, np.ndarray]:
+        buffer = StalenessBuffer(4, 0.5, 10)
+        for i, (w, p) in enumerate(_items(4, seed=4)):
+            buffer.add(f"d{3 - i}", i % 3, w, p)
+        with P.sums_on(where):
+            return buffer.flush(5)[0]
+
+    sums = DeviceSums(lambda: torch.device("cpu"), on_cpu=True)
+    assert _bits(flushed(sums)) == _bits(flushed(None)) and sums.sums == 1
+
+
+RUNS = {
+    "fedavg": {},
+    "fedavg-async": {"mode": "async"},
+    "multikrum": {"cell_aggregator": "multikrum", "krum_byzantine": 0.0, "multikrum_keep": 2},
+    "hist": {"name": "hist"},
+    "fedmrn": {"name": "fedmrn", "edge_rounds": 1, "local_steps": 8},
+    "fedalign": {"name": "fedalign", "edge_rounds": 1, "priority": ["c0-d0", "c1-d1"], "warmup_rounds": 0},
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_sim_summing_on_the_engine_device_is_byte_identical(make_config, name):
+    """Each algorithm whose cells sum weighted results, with the cohort engine: the cells summing on its
+    (torch CPU) device give the run of the cells summing on the host, byte for byte."""
+
+    def run(cell_sums: str) -> tuple[Any, SimHierarchy]:
+        cfg = make_config(run={"rounds": 2}, algorithm=RUNS[name], runtime={"engine": "cohort", "cell_sums": cell_sums})
+        sim = SimHierarchy(cfg, write_output=False)
+        return sim.run(), sim
+
+    (device, on), (host, off) = run("engine"), run("host")
+    assert on.sums is not None and on.sums.sums > 0 and off.sums is None
+    assert list(device.params) == list(host.params)
+    assert all(device.params[k].tobytes() == host.params[k].tobytes() for k in host.params)
+    wall = ("time", "duration_s")
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in wall} for r in recs]  # noqa: E731
+    assert strip(device.history) == strip(host.history) and strip(device.cell_records) == strip(host.cell_records)
+
+
+def test_a_non_finite_result_is_refused_before_the_device_sum(make_config):
+    """A device sending NaN is rejected at its cell's check, as with host sums: the device sum never sees it,
+    the cell records the rejection and the model stays finite."""
+    cfg = make_config(
+        run={"rounds": 1}, algorithm={"edge_rounds": 1}, runtime={"engine": "cohort", "cell_sums": "engine"}
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    configure = sim.agents.configure
+
+    def poisoning(agent: Any) -> None:
+        configure(agent)
+        if agent.device == "c0-d1":  # past its own divergence check: a device that lies
+            send = agent._send_result
+
+            def send_nan(result: Payload, round: int, edge_round: int) -> None:
+                nan = {k: np.full_like(v, np.nan) for k, v in result.tensors.items()}
+                send(Payload(result.meta, nan), round, edge_round)
+
+            agent._send_result = send_nan
+
+    sim.agents.configure = poisoning
+    assert sim.sums is not None
+    real, seen = sim.sums.weighted_sum, []
+
+    def counted(items: Any) -> Any:
+        seen.append(len(items))
+        assert all(np.isfinite(v).all() for _, p in items for v in p.values())
+        return real(items)
+
+    sim.sums.weighted_sum = counted  # type: ignore[method-assign]
+    result = sim.run()
+    assert sorted(seen) == [2, 3] and all(np.isfinite(v).all() for v in result.params.values())
+    record = next(r for r in result.cell_records if r.get("cell") == "c0")
+    assert [(r["device"], r["kind"]) for r in record["rejected"]] == [("c0-d1", "non_finite")]
