@@ -6,13 +6,12 @@ round the cells may already be working on; its ``metrics.jsonl`` is repaired to 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from protocols import runfiles
-from protocols.checkpoint import load_payload, save_payload
+from protocols.checkpoint import load_payload, save_payload, write_durably
 from protocols.jsonl import read_jsonl
 from protocols.wire.payload import Payload
 
@@ -25,9 +24,7 @@ def repair_metrics(path: Path, next_round: int, record: dict[str, Any] | None) -
     kept = [r for r in read_jsonl(path) if isinstance(r.get("round"), int) and r["round"] < next_round]
     if record is not None and not any(r["round"] == record.get("round") for r in kept):
         kept.append(record)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_durably(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept).encode(), private=False)
 
 
 def repair_cell_records(path: Path, next_round: int) -> None:
@@ -48,9 +45,7 @@ def repair_cell_records(path: Path, next_round: int) -> None:
     kept = [line for line in lines if not rerun(line)]
     if len(kept) == len(lines):
         return
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_durably(path, "".join(kept).encode(), private=False)
 
 
 def repair_records(metrics: Path, saved: Saved) -> None:

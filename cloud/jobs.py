@@ -10,12 +10,12 @@ checkpoint), queued jobs follow in submission order. A queue that cannot be writ
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from protocols.checkpoint import write_durably
 from protocols.jobs import MAX_LISTED, STATES, JobError, check_job_id
 
 FORMAT = 1
@@ -135,19 +135,7 @@ class JobQueue:
 
     def _save(self) -> None:
         data = json.dumps({"format": FORMAT, "jobs": [asdict(j) for j in self.jobs.values()]}, indent=1)
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            dirfd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dirfd)
-            finally:
-                os.close(dirfd)
+            write_durably(self.path, data.encode())
         except OSError as exc:
             raise JobQueueError(f"cannot write the job queue {self.path}: {exc}") from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +25,7 @@ from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import Algorithm
 from protocols.algorithms.traits import Trait
 from protocols.bounds import roster_cell_bounds
-from protocols.checkpoint import private_file
+from protocols.checkpoint import private_file, write_durably
 from protocols.config import RunConfig, TopologySection
 from protocols.jobs import (
     OPERATOR,
@@ -277,9 +276,7 @@ class CloudService:
     def _adopt(self, roster: Roster, write: bool = True) -> None:
         """Take ``roster`` as the federation's membership: the next jobs are planned on its members."""
         if write and self.roster_path is not None:
-            tmp = self.roster_path.with_name(self.roster_path.name + ".tmp")
-            tmp.write_bytes(self._roster_bytes(roster))
-            os.replace(tmp, self.roster_path)
+            write_durably(self.roster_path, self._roster_bytes(roster), private=False)  # survives a power loss
         self.roster = roster
         if self.node is not None:
             self._revoke_cells(self.node)

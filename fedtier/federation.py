@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocols.checkpoint import write_durably
 from protocols.config import ConfigError, RunConfig, TopologySection, parse_config
 from protocols.roster import Roster, RosterError, sign_roster, verify_roster
 from protocols.wire.keys import KeyRing, PublicKeys, Trust, load_keys, write_keys
@@ -41,19 +42,18 @@ class Federation:
 
 # ------------------------------------------------------------------------------------------ records
 def _write(path: Path, data: bytes | str, secret: bool = False) -> None:
-    """Replace ``path`` atomically, keeping its owner (a broker that dropped to its user must still read it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    if secret:
-        os.chmod(tmp, 0o600)
-    if path.exists():
-        st = path.stat()
-        try:
-            os.chown(tmp, st.st_uid, st.st_gid)
-        except PermissionError:
-            pass  # not root: the file stays ours, as it was
-    os.replace(tmp, path)
+    """Replace ``path`` atomically and durably (``protocols.checkpoint.write_durably``; ``secret``: mode 600), keeping
+    its owner (a broker that dropped to its user must still read it)."""
+
+    def keep_owner(tmp: Path) -> None:
+        if path.exists():
+            st = path.stat()
+            try:
+                os.chown(tmp, st.st_uid, st.st_gid)
+            except PermissionError:
+                pass  # not root: the file stays ours, as it was
+
+    write_durably(path, data.encode() if isinstance(data, str) else data, private=secret, before_rename=keep_owner)
 
 
 def _sign(ring: KeyRing, roster: Roster) -> bytes:

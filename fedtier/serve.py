@@ -5,7 +5,6 @@ unreachable, and stop cleanly on SIGTERM or Ctrl-C (a running job resumes when t
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -81,6 +80,7 @@ def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
     `fedtier provision`, whichever is newer: membership changes raise its version); else version 1 from the
     cloud's keys file and ``security.max_device_weight`` when there is
     none yet. ``None`` in an unsigned federation or without a weight bound (logged)."""
+    from protocols.checkpoint import write_durably
     from protocols.roster import Roster, sign_roster, verify_roster
     from protocols.wire.keys import load_keys
 
@@ -103,10 +103,7 @@ def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
     public = load_keys(keys).public
     roster = Roster.from_topology(cfg.run.name, {c: topo.devices(c) for c in topo.cell_ids()}, public, bound)
     data = sign_roster(roster, trust.sign)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_durably(path, data, private=False)
     return data
 
 

@@ -11,7 +11,7 @@ import hashlib
 import os
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +42,38 @@ def sync_folder(path: Path) -> None:
         os.close(fd)
 
 
-def save_payload(path: str | Path, payload: Payload) -> None:
-    """Write ``payload`` atomically (temporary file, fsync, rename, fsync of the folder), mode 600."""
+def write_durably(
+    path: str | Path, data: bytes, *, private: bool = True, before_rename: Callable[[Path], None] | None = None
+) -> None:
+    """Replace ``path`` with ``data`` atomically and durably, the one way every state file is written (checkpoints,
+    journals, ledgers, job queues, rosters, keys): a temporary file beside it, written and fsynced, renamed over it,
+    then its folder fsynced (the rename survives a power loss only then). A crash leaves the old file or the new one,
+    whole. ``private``: owner only (mode 600), else as created under the umask. ``before_rename`` is called with the
+    temporary file (e.g. to give it the old file's owner). An ``OSError`` (a full disk) leaves the old file whole and
+    removes the temporary one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        with private_file(tmp) as fh:
-            fh.write(MAGIC + encode_payload(payload))
+        with private_file(tmp) if private else tmp.open("wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-    except OSError as exc:  # a full disk: the previous file stays whole, the partial one goes
+        if before_rename is not None:
+            before_rename(tmp)
+    except OSError:
         tmp.unlink(missing_ok=True)
-        raise StorageError(exc.errno, f"cannot write {path}: {exc.strerror or exc} (the previous one is kept)") from exc
+        raise
     os.replace(tmp, path)
     sync_folder(path)
+
+
+def save_payload(path: str | Path, payload: Payload) -> None:
+    """Write ``payload`` atomically and durably (:func:`write_durably`), mode 600."""
+    try:
+        write_durably(path, MAGIC + encode_payload(payload))
+    except OSError as exc:  # a full disk: the previous file stays whole, the partial one goes
+        raise StorageError(exc.errno, f"cannot write {path}: {exc.strerror or exc} (the previous one is kept)") from exc
 
 
 def load_payload(path: str | Path, sha256: str | None = None) -> Payload:
@@ -120,15 +137,8 @@ class Journal:
         """Replace the journal with ``first`` (and ``more``) as its only entries (atomic and durable: temporary
         file, fsync, rename, fsync of the folder)."""
         self.close()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         # owner only: it holds the devices' results of the round and the cell's noise seed
-        with private_file(tmp) as fh:
-            fh.write(JOURNAL_MAGIC + b"".join(_frame(entry) for entry in (first, *more)))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
-        sync_folder(self.path)
+        write_durably(self.path, JOURNAL_MAGIC + b"".join(_frame(entry) for entry in (first, *more)))
         self._end = None
 
     def append(self, entry: Payload) -> None:

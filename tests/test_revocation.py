@@ -395,3 +395,47 @@ def test_over_mosquitto_the_serving_cloud_drops_a_cell_the_operator_revokes_mid_
     assert ("c1", 2) not in cells.tasks
     expected = _reference(algorithm, like, [CELLS, ["c0", "c2"], ["c0", "c2"]])
     assert _same(dict(ended[0].role.global_params()), expected)
+
+
+def test_the_cloud_services_kept_roster_is_written_durably(tmp_path: Path, monkeypatch) -> None:
+    """The roster a cloud service adopts is kept across restarts (a revocation stays in force): its file is written,
+    fsynced, renamed and its folder fsynced (``protocols.checkpoint.write_durably``). Before, it was renamed with
+    neither fsync: a power loss could bring back the older roster, in which a revoked cell is a member again."""
+    import os
+    import stat
+
+    from cloud.jobs import JobQueue
+    from cloud.service import CloudService
+    from protocols.roster import Roster, verify_roster
+    from protocols.wire.keys import node_trust
+
+    cfg, ring = _signed_config(tmp_path, run={"name": "fed"})
+    kept = tmp_path / "kept" / "roster.json"
+    trust = node_trust(cfg, "cloud")
+    service = CloudService(
+        cfg, None, lambda: None, JobQueue(tmp_path / "jobs.json"), None, trust=trust, operator=None, roster_path=kept
+    )  # type: ignore[arg-type]
+    roster = Roster.from_topology("fed", {c: cfg.topology.device_ids(c) for c in CELLS}, ring.public, 100.0)
+    events: list[tuple[str, str]] = []
+    replace, fsync = os.replace, os.fsync
+
+    def recording_replace(src: Any, dst: Any) -> None:
+        replace(src, dst)
+        events.append(("replace", str(dst)))
+
+    def recording_fsync(fd: int) -> None:
+        fsync(fd)
+        events.append(
+            ("fsync folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file", os.readlink(f"/proc/self/fd/{fd}"))
+        )
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    service._adopt(roster.without("c1"))
+    monkeypatch.undo()
+    assert events == [
+        ("fsync file", str(kept) + ".tmp"),
+        ("replace", str(kept)),
+        ("fsync folder", str(kept.parent)),
+    ], events
+    assert "c1" not in verify_roster(kept.read_bytes(), trust.verify, federation="fed").cells

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import sync_folder
+from ..checkpoint import write_durably
 
 FORMAT = 1
 LEDGER_FILE = "privacy_ledger.json"
@@ -77,14 +76,8 @@ class PrivacyLedger:
         self._save()
 
     def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            with tmp.open("w", encoding="utf-8") as fh:
-                json.dump({"format": FORMAT, "jobs": self.jobs}, fh, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-            sync_folder(self.path)  # the rename durable: a reservation lost in a power loss would be overspent
+        data = json.dumps({"format": FORMAT, "jobs": self.jobs}, sort_keys=True).encode()
+        try:  # the rename durable: a reservation lost in a power loss would be overspent
+            write_durably(self.path, data, private=False)
         except OSError as exc:
             raise LedgerError(f"cannot write {self.path}: {exc}") from None
