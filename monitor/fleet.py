@@ -231,8 +231,25 @@ def _node_of(topic: str) -> tuple[str, str, str | None]:
     return device, "device", parts[-3] if len(parts) >= 4 and parts[-4] == "cell" else None
 
 
+def _caps_text(caps: dict[str, Any]) -> str:
+    """A node's announced capabilities in a few words: ``fedtier 0.1.0, 2 cores, 23.5 GiB, onnx,torch`` (its
+    accelerator when it has one); only what it announced, each field its own word (checked, not trusted)."""
+    mem = finite_number(caps.get("memory_mb")) if isinstance(caps.get("memory_mb"), int) else None  # its word
+    accel = caps.get("gpu") or caps.get("accelerator", "")
+    backends = caps.get("backends")
+    words = [
+        f"fedtier {caps['fedtier']}" if caps.get("fedtier") else "",
+        f"{caps['cores']} cores" if caps.get("cores", "") != "" else "",
+        f"{mem / 1024:.1f} GiB" if mem is not None else "",
+        str(accel) if accel and accel != "none" else "",
+        ",".join(map(str, backends)) if isinstance(backends, list) else "",
+    ]
+    return ", ".join(w for w in words if w)
+
+
 def render(fleet: Fleet, now: float | None = None) -> Any:
     """The fleet as a rich table (every field escaped: node ids and records come from the network)."""
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
 
@@ -248,11 +265,12 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
     title += f", {revoked} revoked" if revoked else ""
     if fleet.refused:
         title += f", {fleet.refused} status records refused"
-    table = Table(title=title, title_justify="left")
-    for col in ("node", "role", "cell", "state", "heard", "fedtier", "cores", "memory", "accel", "backends", "detail"):
-        table.add_column(col)
+    # at 80 columns (a pipe's width) the node, its role, cell, state and when it was heard stay whole: only the
+    # capabilities and the detail wrap onto more lines (no vertical rules, one space between columns)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("node", "role", "cell", "state", "heard", "capabilities", "detail"):
+        table.add_column(col, no_wrap=col not in ("capabilities", "detail"), overflow="fold")
     for v in rows:
-        caps = v.caps
         heard = f"{now - v.last_heard:.1f}s ago" if v.updates > 1 else "retained" if v.updates else "never"
         detail = ""
         if v.role == "cell" and "devices_total" in v.record:
@@ -262,24 +280,9 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
             unfit = v.unfit()
             said = [f"{v.record['samples']} samples"] if "samples" in v.record else []
             detail = "; ".join(said + ([f"cannot serve {unfit['job']}: {unfit['reason']}"] if unfit else []))
-        mem = finite_number(caps.get("memory_mb")) if isinstance(caps.get("memory_mb"), int) else None  # its word
+        state = {IDLE: "online, idle", "offline": "offline"}.get(v.state_at(now), v.state)
+        state += " (idle heartbeat missed)" if v.stale(now) else ""
         table.add_row(
-            *(
-                escape(str(x))
-                for x in (
-                    v.node,
-                    v.role,
-                    v.cell or "",
-                    {IDLE: "online, idle", "offline": "offline"}.get(v.state_at(now), v.state)
-                    + (" (idle heartbeat missed)" if v.stale(now) else ""),
-                    heard,
-                    caps.get("fedtier", ""),
-                    caps.get("cores", ""),
-                    f"{mem / 1024:.1f} GiB" if mem is not None else "",
-                    caps.get("gpu") or caps.get("accelerator", ""),
-                    ",".join(map(str, caps.get("backends", []))) if isinstance(caps.get("backends"), list) else "",
-                    detail,
-                )
-            )
+            *(escape(str(x)) for x in (v.node, v.role, v.cell or "", state, heard, _caps_text(v.caps), detail))
         )
     return table

@@ -282,3 +282,30 @@ def test_a_cells_metrics_port_shows_its_devices_as_the_fleet_view_does(tmp_path)
         'fedtier_device_info{accelerator="_b_x__b__",backends="onnx,torch",cell="c0",device="c0-d0",'
         'fedtier="0.1.0",run="t",wire="1"} 1.0'
     ]
+
+
+def test_the_fleet_table_at_80_columns_shows_every_node_and_state_whole():
+    """`fedtier fleet` piped, or in an 80-column terminal: 11 ruled columns cut every node id and state to
+    "c0-…", "onl…". The ids, roles, cells, states and last-heard times stay whole; the capabilities wrap."""
+    from protocols.capabilities import machine_caps
+
+    ring = generate_keys(TopologySection(cells=2, devices_per_cell=3))
+    fleet = Fleet("fed", PublicKeys(ring.public), clock=Clock())
+    for node in ring.private:
+        cell = node.split("-")[0]
+        topic = (
+            topics.status("fed", "cloud")
+            if node == "cloud"
+            else topics.status("fed", f"cell.{node}")
+            if "-" not in node
+            else topics.device_status("fed", cell, node)
+        )
+        fleet.on_status(topic, idle_status(topic, Trust(node, ring.private[node], ring.public)))
+    out = Console(width=80, record=True)
+    out.print(render(fleet))
+    text = out.export_text()
+    assert "…" not in text, text
+    lines = text.splitlines()
+    for node in ring.private:
+        assert any(line.split()[:1] == [node] and "online, idle" in line for line in lines), (node, text)
+    assert f"fedtier {machine_caps()['fedtier']}" in text and all(len(line) <= 80 for line in lines)
