@@ -47,7 +47,10 @@ def encode_status(state: str, *, topic: str = "", trust: Trust | None = None, **
 
 def decode_status(data: bytes, topic: str = "", trust: PublicKeys | None = None) -> dict[str, Any] | None:
     """Parse a status record; ``None`` if it is not one (it is then ignored) or, with ``trust``, if it
-    is not signed by the node of ``topic`` (logged)."""
+    is not signed by the node of ``topic`` (logged). An empty payload is a retained record cleared (a cell
+    clears its revoked device's): no record, and nothing to log."""
+    if not data:
+        return None
     try:
         record = open_record(data, topic, signer_of(topic), trust.verify if trust is not None else None)
     except WireError as exc:

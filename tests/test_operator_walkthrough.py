@@ -856,3 +856,32 @@ def test_a_submit_whose_connection_another_operator_command_took_over_says_so(
         code, out, exc = _cli("submit", "job.toml", "--config", "config.toml", "--wait", "5")
     assert exc is None and code == 1, out
     assert "this command's connection to the broker was lost" in out and "`fedtier jobs` says whether job b" in out, out
+
+
+def test_a_revoked_devices_status_cleared_by_its_cell_is_no_rejected_record(caplog: pytest.LogCaptureFixture) -> None:
+    """A cell clears its revoked device's retained status (an empty retained message): a live `fedtier monitor`
+    (keys given, as from the monitor bundle) logged "rejected a status record ...: not a JSON record" for it, a
+    false alarm in the operator's terminal at every revocation. Cleared is no record; a forged one still is."""
+    import logging
+
+    from monitor.sources import TelemetryFeed
+    from protocols.status import encode_status
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire import topics
+    from protocols.wire.keys import PublicKeys, Trust, new_seed, public_of
+
+    seeds = {n: new_seed() for n in ("cloud", "c0", "c0-d0")}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    hub = MemoryHub()
+    feed = TelemetryFeed(hub.connect("monitor"), "fed", PublicKeys(public)).start()
+    cell, topic = hub.connect("cell.c0"), topics.device_status("fed", "c0", "c0-d0")
+    with caplog.at_level(logging.WARNING, logger="fedtier.status"):
+        cell.publish(topic, b"", retain=True)  # the revoked device's status, cleared by its cell
+        hub.loop.run()
+        assert not [r for r in caplog.records if "rejected" in r.getMessage()], caplog.text
+        forged = encode_status("online", topic=topic, trust=Trust("c0", seeds["c0"], public))  # not c0-d0's key
+        cell.publish(topic, forged)
+        hub.loop.run()
+    assert "rejected a status record" in caplog.text  # a real bad record still says so
+    _, _, statuses = feed.poll()
+    assert statuses == []
