@@ -17,6 +17,10 @@ engine's own choice, logged), and ``cohort-cpu-w2``, ``cohort-cuda-w4``, ``cohor
 ``cohort-cuda-w12`` (cohort_size 64 in ``runtime.sim_workers`` = 2/4/8/12 worker
 processes: each trains its share of a round's devices as cohorts on its own engine, the devices' task
 decoding and result encoding with it; the cells and the cloud stay in the main process).
+Where the cells sum their devices' results (``runtime.cell_sums``): a cohort side leaves it to ``auto`` (on the
+engine's GPU for a CUDA side, on the host for a CPU side); ``-host`` sums on the host (``cohort-cuda-host``,
+``cohort-cuda-w4-host``: the A/B of the cells' sums on the GPU), ``-engine`` on the engine's device even on the
+CPU (``cohort-cpu-engine``: what torch on the CPU would cost).
 A CUDA side is skipped (and said so) where torch sees no GPU.
 Each workload's first ``--warmup`` rounds are not timed; rounds/s and device-steps/s count the timed
 rounds' own wall time (the sum of their durations); ``cpu s/rd`` is the main process's CPU time a
@@ -95,9 +99,12 @@ WORKLOADS: dict[str, dict] = {
             "device-cpu",
             "cohort-cpu",
             "cohort-cpu-w2",
+            "cohort-cpu-engine",
             "cohort-cuda",
+            "cohort-cuda-host",
             "cohort-cuda-1000",
             "cohort-cuda-w4",
+            "cohort-cuda-w4-host",
             "cohort-cuda-w8",
             "cohort-cuda-w12",
             "cohort-auto",
@@ -110,11 +117,14 @@ SIDES = [
     "device-cpu",
     "device-cuda",
     "cohort-cpu",
+    "cohort-cpu-engine",
     "cohort-cuda",
+    "cohort-cuda-host",
     "cohort-cuda-1000",
     "cohort-auto",
     "cohort-cpu-w2",
     "cohort-cuda-w4",
+    "cohort-cuda-w4-host",
     "cohort-cuda-w8",
     "cohort-cuda-w12",
 ]
@@ -129,6 +139,9 @@ RATIOS = [
     ("large", "cohort-cuda-w12", "device-cpu"),
     ("large", "cohort-cuda-w8", "cohort-cuda"),
     ("large", "cohort-cpu-w2", "cohort-cpu"),
+    ("large", "cohort-cuda", "cohort-cuda-host"),  # the cells' sums on the GPU vs on the host
+    ("large", "cohort-cuda-w4", "cohort-cuda-w4-host"),
+    ("large", "cohort-cpu-engine", "cohort-cpu"),  # ... and on torch's CPU device vs numpy
     ("standard", "cohort-cuda", "bare-cpu"),
     ("standard", "cohort-auto", "bare-cpu"),
     ("standard", "cohort-cpu", "device-cpu"),
@@ -164,17 +177,19 @@ def uses_cuda(side: str) -> bool:
     return "cuda" in side
 
 
-def cohort_side(side: str) -> tuple[str, int, int]:
-    """A cohort side's torch device, cohort size and sim workers: ``cohort-cuda-1000`` is (cuda, 1000, 0),
-    ``cohort-cuda-w8`` (cuda, 64, 8)."""
+def cohort_side(side: str) -> tuple[str, int, int, str]:
+    """A cohort side's torch device, cohort size, sim workers and ``runtime.cell_sums``: ``cohort-cuda-1000`` is
+    (cuda, 1000, 0, auto), ``cohort-cuda-w4-host`` (cuda, 64, 4, host)."""
     _, device, *rest = side.split("-")
-    size, workers = 64, 0
+    size, workers, sums = 64, 0, "auto"
     for part in rest:
-        if part.startswith("w"):
+        if part in ("host", "engine"):
+            sums = part
+        elif part.startswith("w"):
             workers = int(part[1:])
         else:
             size = int(part)
-    return device, size, workers
+    return device, size, workers, sums
 
 
 def tree_cpu() -> float:
@@ -255,10 +270,18 @@ def bare(w: dict, rounds: int, device: str, mark: Callable[[], None]) -> list[fl
 
 
 def fedtier(
-    w: dict, rounds: int, engine: str, device: str, cohort_size: int, mark: Callable[[], None], workers: int = 0
+    w: dict,
+    rounds: int,
+    engine: str,
+    device: str,
+    cohort_size: int,
+    mark: Callable[[], None],
+    workers: int = 0,
+    cell_sums: str = "auto",
 ) -> list[float]:
-    """``fedtier sim`` (in memory, every message encoded) on ``device``, with ``workers`` sim worker processes;
-    each round's wall time (and ``mark()`` called at each round's end)."""
+    """``fedtier sim`` (in memory, every message encoded) on ``device``, with ``workers`` sim worker processes and
+    the cells summing where ``cell_sums`` says; each round's wall time (and ``mark()`` called at each round's
+    end)."""
     from protocols.config import parse_config
     from sim.launcher import run_simulation
 
@@ -285,6 +308,7 @@ def fedtier(
                 "device": device,
                 "cohort_size": cohort_size,
                 "sim_workers": workers,
+                "cell_sums": cell_sums,
                 "eval_every": w["eval_every"],
             },
         }
@@ -400,8 +424,8 @@ def child(side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool
     elif side.startswith("device"):
         times = fedtier(w, rounds, "device", side.split("-")[1], 64, mark)
     else:
-        device, size, workers = cohort_side(side)
-        times = fedtier(w, rounds, "cohort", device, size, mark, workers)
+        device, size, workers, sums = cohort_side(side)
+        times = fedtier(w, rounds, "cohort", device, size, mark, workers, sums)
     out = {
         "times": times,
         "cpu": cpu,
@@ -431,7 +455,7 @@ def run_side(
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
     for line in proc.stderr.splitlines():
-        if "fedtier.device" in line or "chose" in line:  # the engine's device choice (auto)
+        if "fedtier.device" in line or "chose" in line:  # the engine's device choice (auto), where the cells sum
             print(f"    [{workload} {side}] {line.strip()}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -452,13 +476,13 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
         f"{timed} timed rounds"
     )
     print(
-        f"  {'side':18}{'s/round':>10}{'rounds/s':>10}{'steps/s':>11}{'cpu s/rd':>10}{'kernel s/rd':>12}"
+        f"  {'side':21}{'s/round':>10}{'rounds/s':>10}{'steps/s':>11}{'cpu s/rd':>10}{'kernel s/rd':>12}"
         f"{'host s/rd':>10}{'host cpu':>9}{'tree cpu':>9}{'host MB':>9}{'dev MB':>9}"
     )
     runnable = [s for s in sides if cuda or not uses_cuda(s)]
     for side in sides:
         if side not in runnable:
-            print(f"  {side:18}skipped: no CUDA")
+            print(f"  {side:21}skipped: no CUDA")
     best: dict[str, dict] = {}
     failed: set[str] = set()
     for _ in range(args.repeat):
@@ -466,7 +490,7 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
             cells = args.cells if workload == "large" else 0
             out = run_side(side, workload, args.warmup + timed, args.timeout, cells, args.breakdown)
             if isinstance(out, str):
-                print(f"  {side:18}{out}")
+                print(f"  {side:21}{out}")
                 failed.add(side)
                 continue
             loop = sum(out["times"][args.warmup :])
@@ -482,7 +506,7 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
             if side not in best or out["round_s"] < best[side]["round_s"]:
                 best[side] = out
             print(
-                f"  {side:18}{out['round_s']:10.4f}{out['rounds_per_s']:10.2f}{out['steps_per_s']:11.0f}"
+                f"  {side:21}{out['round_s']:10.4f}{out['rounds_per_s']:10.2f}{out['steps_per_s']:11.0f}"
                 f"{out['round_cpu_s']:10.4f}{out['kernel_s']:12.4f}{out['host_s']:10.4f}{out['host_cpu_s']:9.4f}{out['round_tree_cpu_s']:9.3f}"
                 f"{out['peak_host_mb']:9.0f}{out['peak_device_mb']:9.0f}"
             )

@@ -51,7 +51,7 @@ export FEDTIER_CACHE_DIR=/tmp/fedtier-cache
 status=0
 echo "== CUDA tests" | tee "$OUT/tests.log"
 timeout 90 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_cohort_device.py \
-  "tests/test_cohort.py::test_cohort_on_gpu" tests/test_sim_workers_device.py 2>&1 | tee -a "$OUT/tests.log" || status=1
+  "tests/test_cohort.py::test_cohort_on_gpu" tests/test_sim_workers_device.py tests/test_device_sums.py 2>&1 | tee -a "$OUT/tests.log" || status=1
 
 if [ "${QUICK:-0}" = 1 ]; then
   large=(--rounds 1 --breakdown) standard=(--rounds 3 --breakdown) small=(--rounds 50)
@@ -65,11 +65,13 @@ bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py'
     "${@:5}" 2>&1 | tee -a "$OUT/gpu.log" || status=1
 }
 # large first: the headline target (cohort on CUDA vs the per-device engine on one CPU core), then the cohort
-# engine in 4, 8 and 12 sim worker processes sharing the GPU (the devices' host side spread over cores; the main
-# process keeps the cells' and the cloud's: its "cpu s/rd" is the critical path); cohort_size 1000 is left
-# out (slower than 64 on an H200 before). Worst case of the whole script ~9 minutes (every timeout spent),
-# ~5 expected
-bench large device-cpu,cohort-cuda,cohort-cuda-w4,cohort-cuda-w8,cohort-cuda-w12,cohort-auto 195 90 "${large[@]}"
+# engine in 4 sim worker processes sharing the GPU (the devices' host side spread over cores; the main process
+# keeps the cells' and the cloud's: its "cpu s/rd" is the critical path). Each with the cells summing their
+# devices' results on the GPU (runtime.cell_sums = auto) and on the host (-host): the A/B of issue #33 item 3,
+# read in the breakdown's "aggregate" and the RATIO lines. cohort_size 1000 is left out (slower than 64 on an
+# H200 before), and 8 and 12 workers (slower than 4 on the H100, session 13). Worst case of the whole script
+# ~9 minutes (every timeout spent), ~5 expected
+bench large device-cpu,cohort-cuda,cohort-cuda-host,cohort-cuda-w4,cohort-cuda-w4-host,cohort-auto 195 90 "${large[@]}"
 bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 75 50 "${standard[@]}"
 bench small cohort-cpu,cohort-cuda,cohort-auto 60 35 "${small[@]}"
 # DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5): one run alone (lr 1e-3), then its

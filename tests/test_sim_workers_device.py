@@ -91,13 +91,17 @@ def test_cohort_workers_on_cuda_match_the_one_process_cuda_run(make_config):
 
 
 def test_the_gpu_benchmark_reads_its_worker_sides_and_counts_the_workers_cpu():
-    """benchmarks/gpu.py: ``cohort-cuda-w8`` is the cohort engine on cuda, cohort_size 64, in 8 sim workers;
-    its ``tree cpu`` adds a live worker's CPU time to the main process's."""
-    from benchmarks.gpu import cohort_side, tree_cpu
+    """benchmarks/gpu.py: ``cohort-cuda-w8`` is the cohort engine on cuda, cohort_size 64, in 8 sim workers, the
+    cells summing where ``auto`` says (``-host``: on the host); its ``tree cpu`` adds a live worker's CPU time to
+    the main process's."""
+    from benchmarks.gpu import SIDES, cohort_side, tree_cpu
 
-    assert cohort_side("cohort-cuda-w8") == ("cuda", 64, 8)
-    assert cohort_side("cohort-cuda-1000") == ("cuda", 1000, 0)
-    assert cohort_side("cohort-cpu") == ("cpu", 64, 0)
+    assert cohort_side("cohort-cuda-w8") == ("cuda", 64, 8, "auto")
+    assert cohort_side("cohort-cuda-1000") == ("cuda", 1000, 0, "auto")
+    assert cohort_side("cohort-cpu") == ("cpu", 64, 0, "auto")
+    assert cohort_side("cohort-cuda-w4-host") == ("cuda", 64, 4, "host")
+    assert cohort_side("cohort-cpu-engine") == ("cpu", 64, 0, "engine")
+    assert {"cohort-cuda-w4-host", "cohort-cuda-host", "cohort-cpu-engine"} <= set(SIDES)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
     proc = ctx.Process(target=spin_then_wait, args=(0.4, ready), daemon=True)  # alive until terminated
