@@ -11,7 +11,8 @@ from that version, came back from a crash and may have lost it: it is sent the c
 version as the cloud of rounds checkpoints a round, and journals every push it takes, durably before it counts, until
 a version applies it (``cloud.async_journal``): ``--resume`` continues from the checkpoint's version with those
 pushes buffered again, sends every cell the current version, and a cell that holds it sends its last push again
-(one taken by the broker, not yet journaled, when the cloud stopped). A cell whose status
+(one its broker session held for it, acknowledged as held, when the cloud stopped; a push being handled is
+acknowledged only once journaled, ``protocols.transport.inbound``: the broker hands it again). A cell whose status
 newly asks for a model (``needs_model``: one restarted afresh, or started after the first version went out, which
 it never got) is sent the current version too, under the same bound (``RoundCounts.first_resend``). The cells heard
 holding a model are journaled too (``PushJournal.holders``): a version to one of them says ``held``, resumed or not,

@@ -590,3 +590,50 @@ def test_a_message_a_persistent_client_drops_as_it_closes_is_not_acknowledged(lo
     msg.payload, msg.qos = b"job B", 1
     node._on_message(Client(), None, msg)  # type: ignore[arg-type]
     assert acks == []  # left to the broker: the node's next session gets it
+
+
+@needs_mosquitto
+def test_a_persistent_clients_message_is_acknowledged_only_once_its_handler_returned(loop, prefix) -> None:
+    """The async cloud journals a push (fsynced) in its handler before it counts. The message was acknowledged before
+    its handler ran: a cloud killed in the handler, before the journal had the push, lost it (the broker had forgotten
+    it; note13). Acknowledged once the handler returned now: killed in its handler (here: the connection dropped, no
+    DISCONNECT, the handler stops), the node's next session (``--resume``) gets the push again and journals it, once;
+    a push whose handler returned is not handed again."""
+    journal: list[bytes] = []
+
+    def dies_before_journaling(topic: str, payload: bytes) -> None:
+        node.publish(f"{prefix}/status", b"busy")  # the broker answers it after whatever this client sent before
+        assert node.flush(WAIT)
+        node.crash()  # killed here: nothing of the push journaled
+
+    with MosquittoBroker() as b:
+        node = connect(b, "fedtier-t-cloud", loop, persistent=True)
+        node.subscribe(f"{prefix}/up/c0/report", dies_before_journaling)
+        assert node.wait_subscribed(WAIT)
+        cell = connect(b, "cell", loop)
+        cell.publish(f"{prefix}/up/c0/report", b"push 1")
+        deadline = time.monotonic() + WAIT
+        while not node.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert node.closed
+        inbox = Inbox(loop)
+
+        def journals(topic: str, payload: bytes) -> None:
+            journal.append(payload)
+            inbox(topic, payload)
+
+        again = connect(b, "fedtier-t-cloud", loop, persistent=True)  # --resume: its next session
+        again.subscribe(f"{prefix}/up/c0/report", journals)
+        assert inbox.wait_n(1) == [(f"{prefix}/up/c0/report", b"push 1")]
+        cell.publish(f"{prefix}/up/c0/report", b"push 2")
+        assert inbox.wait_n(2)[1] == (f"{prefix}/up/c0/report", b"push 2")
+        again.close()
+        later = Inbox(loop)
+        third = connect(b, "fedtier-t-cloud", loop, persistent=True)  # both handled: neither comes again
+        third.subscribe(f"{prefix}/up/c0/report", later)
+        assert third.wait_subscribed(WAIT)
+        cell.publish(f"{prefix}/up/c0/report", b"push 3")
+        assert later.wait_n(1) == [(f"{prefix}/up/c0/report", b"push 3")]
+        assert journal == [b"push 1", b"push 2"]
+        third.close()
+        cell.close()

@@ -4,9 +4,13 @@ every handler subscribed to a matching pattern, or held for a handler not subscr
 session's backlog, ``protocols.transport.hold``). Runs on the network thread; handlers run on the loop.
 
 QoS-1 acknowledgements are by hand: a message is acknowledged once taken (held, refused, a chunk of a message not
-whole yet), and a persistent client's message posted to handlers only when the loop is about to run them: one
-that arrives or waits on the loop while the client closes is left to the broker, which hands it to the client's
-next session (a node that closes one connection and opens the next, as a long-lived cloud does per job)."""
+whole yet), and a persistent client's message posted to handlers only once its handler returned (or raised): what
+the handler made durable (the async cloud journals a push, fsynced, before it counts) is, and a node killed in the
+handler gets the message again in its next session. One that arrives or waits on the loop while the client closes
+is left to the broker, which hands it to the client's next session (a node that closes one connection and opens the
+next, as a long-lived cloud does per job); one whose handler closes the client is acknowledged before the
+DISCONNECT. Held messages are acknowledged as they are held (an unacknowledged one would keep its place in the
+broker's in-flight window for as long as no handler comes): a node killed before it subscribed loses them."""
 
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ class Inbound:
     _client: mqtt.Client
     _reactor: Any
     _gen: int  # the connection's number: an acknowledgement belongs to the connection that received the message
+    _taking: Callable[[], None] | None  # the acknowledgement of the message whose handler runs now
 
     def configure_wire(self, *, auth: chunking.ChunkAuth | None = None, max_message_bytes: int | None = None) -> None:
         """Sign outgoing chunks and require signed incoming ones (``auth``); bound incoming messages."""
@@ -86,7 +91,7 @@ class Inbound:
         def ack() -> None:
             nonlocal done
             with self._cv:
-                if done or gen != self._gen:
+                if done or gen != self._gen or self._closed:  # closed (or killed): the next session gets it
                     return
                 done = True
             self._client.ack(mid, qos)
@@ -124,11 +129,15 @@ class Inbound:
         def deliver() -> None:
             if self._closed:  # not acknowledged: the broker hands it to the next session
                 return
-            if ack is not None:
-                ack()  # taken: acknowledged before its handler runs, which may close this client
             entry = self._subs.get(pattern)
-            if entry is not None and handler in entry[1]:  # still subscribed
-                handler(topic, payload)
+            self._taking = ack  # a handler that closes this client: acknowledged before the DISCONNECT
+            try:
+                if entry is not None and handler in entry[1]:  # still subscribed
+                    handler(topic, payload)
+            finally:
+                self._taking = None
+                if ack is not None:
+                    ack()  # taken once its handler returned (or raised): a node killed in it gets it again
 
         return deliver
 

@@ -106,6 +106,7 @@ class MqttTransport(Inbound, Transport):
         self._unacked: set[int] = set()  # mids of QoS-1 publishes awaiting PUBACK
         self._acked_early: set[int] = set()  # PUBACKs that beat publish() to the bookkeeping
         self._held = Hold(client_id, hold)  # messages of a resumed session that came before their handler
+        self._taking: Callable[[], None] | None = None  # the acknowledgement of the message being handled
         self._unsubscribed: set[str] = set()  # patterns given up: late deliveries on them are not held
         self._reasm = chunking.Reassembler(
             timeout=chunk_timeout, max_bytes=max_reassembly_bytes, max_message=max_message_bytes
@@ -244,6 +245,8 @@ class MqttTransport(Inbound, Transport):
             return
         if self._connected:
             self.flush(flush_timeout)
+            if self._taking is not None:  # closed by the handler of a message (or while it runs): it was taken
+                self._taking()
         self._closed = True
         with self._cv:
             self._held.clear()
