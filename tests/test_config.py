@@ -241,3 +241,8 @@ def test_performance_settings_a_command_does_not_use_are_warned_of_not_refused(m
         "runtime.sim_backend = 'ray' has no effect without runtime.sim_workers (the devices train in this process)"
     ]
     assert idle_settings(make_config(), "run") == idle_settings(make_config(), "sim") == []
+    sums = make_config(runtime={"engine": "cohort", "cell_sums": "host"})  # fedtier run's cells have no engine
+    assert idle_settings(sums, "sim") == []
+    assert idle_settings(sums, "run") == [
+        "runtime.cell_sums = 'host' has no effect under fedtier run (its cells have no engine: they sum on the host)"
+    ]
