@@ -2,18 +2,18 @@
 sum their devices' results on the cohort engine's GPU (``runtime.cell_sums``), bit for bit the host's sum.
 
 Bit identity with :func:`protocols.params.host_weighted_sum` comes from doing the same IEEE float64 operations in
-the same order: each result's float32 tensors are uploaded once (from the payload's own memory, into a row of a
-staging buffer), converted to float64, multiplied by their weight (one kernel for a chunk of rows), then added to the
-sum one row after another in the items' order (one ``add`` each: never a fused multiply-add, never a reduction
-whose order the library chooses). The float64 sum comes back in one download; the division by the total weight and
-the float32 rounding stay on the host (CUDA divides by a host scalar as a multiplication by its reciprocal).
+the same order: each result's float32 tensors are copied once on the host (from the payload's views into a row of
+a page-locked buffer), a chunk of rows is uploaded in one copy, converted to float64 and multiplied by the rows'
+weights (one kernel), then the rows are added to the sum one after another in the items' order (one ``add`` each:
+never a fused multiply-add, never a reduction whose order the library chooses). The float64 sum comes back in one
+download; the division by the total weight and the float32 rounding stay on the host (CUDA divides by a host
+scalar as a multiplication by its reciprocal).
 Items of other layouts (tensor names, shapes, dtypes other than native float32) are left to the host.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
@@ -72,24 +72,33 @@ def _fits(params: Mapping[str, np.ndarray], layout: Layout) -> bool:
 
 
 def device_weighted_sum(items: Items, layout: Layout, device: torch.device) -> dict[str, np.ndarray]:
-    """:func:`protocols.params.host_weighted_sum` of ``items`` (each of ``layout``) computed on ``device``."""
+    """:func:`protocols.params.host_weighted_sum` of ``items`` (each of ``layout``) computed on ``device``.
+
+    A chunk of results is packed row by row into one host buffer (page-locked for a GPU: one copy of each
+    result's bytes on the host) and uploaded in one asynchronous copy; on the CPU the buffer is the rows."""
     width = sum(size for *_, size in layout)
     rows = max(1, min(len(items), CHUNK_BYTES // max(1, 12 * width)))
-    staging = torch.empty((rows, width), dtype=torch.float32, device=device)
+    on_gpu = device.type != "cpu"
+    packed = torch.empty((rows, width), dtype=torch.float32, pin_memory=on_gpu)
+    staging = torch.empty((rows, width), dtype=torch.float32, device=device) if on_gpu else packed
     acc: torch.Tensor | None = None
-    with warnings.catch_warnings():  # read-only payload views: only read (copied to the device)
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for start in range(0, len(items), rows):
-            chunk = items[start : start + rows]
-            for row, (_, params) in zip(staging, chunk):
-                _upload(row, params, layout)
-            weights = torch.tensor([float(w) for w, _ in chunk], dtype=torch.float64, device=device)
-            terms = staging[: len(chunk)].to(torch.float64).mul_(weights[:, None])
-            for term in terms:
-                if acc is None:
-                    acc = term.clone()
-                else:
-                    acc.add_(term)
+    for start in range(0, len(items), rows):
+        chunk = items[start : start + rows]
+        weights = torch.tensor([float(w) for w, _ in chunk], dtype=torch.float64).to(device)
+        if on_gpu and start:
+            torch.cuda.current_stream(device).synchronize()  # the last chunk's upload has read ``packed``
+        rows_np = packed.numpy()
+        for row, (_, params) in zip(rows_np, chunk):
+            _pack(row, params, layout)
+        batch = staging[: len(chunk)]
+        if on_gpu:
+            batch.copy_(packed[: len(chunk)], non_blocking=True)
+        terms = batch.to(torch.float64).mul_(weights[:, None])
+        for term in terms:
+            if acc is None:
+                acc = term.clone()
+            else:
+                acc.add_(term)
     assert acc is not None
     host = acc.cpu().numpy()
     out: OrderedDict[str, np.ndarray] = OrderedDict()
@@ -100,11 +109,9 @@ def device_weighted_sum(items: Items, layout: Layout, device: torch.device) -> d
     return out
 
 
-def _upload(row: torch.Tensor, params: Mapping[str, np.ndarray], layout: Layout) -> None:
-    """Copy ``params``' tensors (in ``layout``'s order) into ``row``: one host-to-device copy each."""
+def _pack(row: np.ndarray, params: Mapping[str, np.ndarray], layout: Layout) -> None:
+    """Copy ``params``' tensors (in ``layout``'s order) into ``row``, any strides."""
     offset = 0
-    for k, _, size in layout:
-        v = params[k]
-        src = torch.from_numpy(v if v.flags.c_contiguous else np.ascontiguousarray(v))
-        row[offset : offset + size].copy_(src.reshape(-1))
+    for k, shape, size in layout:
+        np.copyto(row[offset : offset + size].reshape(shape), params[k])
         offset += size
