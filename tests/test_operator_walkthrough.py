@@ -885,3 +885,48 @@ def test_a_revoked_devices_status_cleared_by_its_cell_is_no_rejected_record(capl
     assert "rejected a status record" in caplog.text  # a real bad record still says so
     _, _, statuses = feed.poll()
     assert statuses == []
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_running_node_whose_certificate_was_revoked_says_why_its_reconnects_fail(
+    reachable_tmp: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A device revoked while connected keeps its connection until the broker restarts; then every reconnect
+    presents the revoked certificate and the broker hangs up before its CONNACK. The node logged "lost
+    connection ... (Unspecified error); reconnecting" every 30 s for ever, with no word of why; it now says the
+    broker closed it before accepting it and names a revoked certificate among the causes."""
+    import contextlib
+    import logging
+
+    from edge_agent.broker import BrokerOptions
+    from protocols.config import load_config
+    from protocols.transport.reactor import Reactor
+    from protocols.transport.threadloop import ThreadLoop
+    from tests.conftest import wait_until
+
+    port, where = free_port(), reachable_tmp / "walk-revoked"
+    where.mkdir()
+    fed = _provision(where, port)
+    conf = fed / "broker" / "mosquitto.conf"
+    loop, reactor = ThreadLoop("device").start(), Reactor().start()
+    caplog.set_level(logging.WARNING, logger="protocols.transport.mqtt")
+    try:
+        with mosquitto(conf, port):
+            with contextlib.chdir(fed / "nodes" / "c0-d0"):
+                cfg = load_config("config.toml")
+                broker = BrokerOptions.from_config(cfg, None)
+                device = broker.transport("device.c0-d0", "fed", loop, reactor=reactor, reconnect_min_delay=0.1)
+                device.connect(5.0)
+            monkeypatch.chdir(where)
+            code, out, exc = _cli("provision", "revoke", "--out", "fed", "c0-d0")
+            assert exc is None and code == 0, (exc, out)
+        caplog.clear()
+        with mosquitto(conf, port):  # the broker back: the device's reconnect is refused
+            said = lambda: "closed the connection of" in caplog.text and "revoked" in caplog.text  # noqa: E731
+            assert wait_until(said, 10.0), caplog.text
+        device.close(0.1)
+    finally:
+        reactor.stop()
+        loop.stop()

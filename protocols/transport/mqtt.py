@@ -437,17 +437,22 @@ class MqttTransport(Inbound, Transport):
             self._connack.set()
             return
         with self._cv:
-            self._connected = False
+            was_connected, self._connected = self._connected, False
             self._suback_pending.clear()
             self._cv.notify_all()
         if self._closed:
             if self._reactor is not None:
                 self._reactor.discard(self._client)
             self._gone.set()
-        else:
+            return
+        if was_connected:
             log.warning("%s: lost connection to %s:%s (%s); reconnecting", self.client_id, self.host, self.port, reason)
-            if self._reactor is not None:
-                self._retry_later()
+        else:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why, not "Unspecified error"
+            log.warning(
+                "%s: %s; retrying", self.client_id, hung_up_before_connack(self._where, self.client_id, self._creds)
+            )
+        if self._reactor is not None:
+            self._retry_later()
 
     def _send_subscribe(self, subs: list[tuple[str, int]], gen: int) -> None:
         """Send a SUBSCRIBE; the caller has counted it in ``_sub_sending`` (so that
