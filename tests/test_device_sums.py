@@ -48,10 +48,17 @@ def _same_sums(sums: DeviceSums, items: list) -> None:
     assert _bits(got_mean) == _bits(want_mean) and got_total == want_total
 
 
-@pytest.mark.parametrize("chunk", [device_sums.CHUNK_BYTES, 12 * 1000])  # one chunk; several (2 rows each)
-def test_the_sum_on_the_cpu_device_is_the_host_sum_bit_for_bit(chunk, monkeypatch):
-    monkeypatch.setattr(device_sums, "CHUNK_BYTES", chunk)
-    _same_sums(DeviceSums(lambda: torch.device("cpu"), on_cpu=True), _items())
+def _rows_a_chunk(items: list, rows: int) -> int:
+    """``device_sums.CHUNK_BYTES`` that makes a chunk ``rows`` of ``items``' results."""
+    return 12 * sum(v.size for v in items[0][1].values()) * rows
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5])  # 0: one chunk of all 23; else chunks of this many results
+def test_the_sum_on_the_cpu_device_is_the_host_sum_bit_for_bit(rows, monkeypatch):
+    items = _items()
+    if rows:
+        monkeypatch.setattr(device_sums, "CHUNK_BYTES", _rows_a_chunk(items, rows))
+    _same_sums(DeviceSums(lambda: torch.device("cpu"), on_cpu=True), items)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -65,8 +72,9 @@ def test_the_sum_on_cuda_is_the_host_sum_bit_for_bit(monkeypatch):
     with P.sums_on(sums):
         got = P.weighted_mean(large)[0]
     assert _bits(got) == _bits(P.weighted_mean(large)[0])
-    monkeypatch.setattr(device_sums, "CHUNK_BYTES", 12 * 200_000 * 7)  # chunks of 7 rows
-    _same_sums(sums, _items(50, seed=2))
+    items = _items(50, seed=2)
+    monkeypatch.setattr(device_sums, "CHUNK_BYTES", _rows_a_chunk(items, 7))  # chunks of 7 results
+    _same_sums(sums, items)
 
 
 def test_the_cpu_engine_leaves_sums_to_the_host_and_so_do_other_layouts():
@@ -123,23 +131,38 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_a_sim_summing_on_the_engine_device_is_byte_identical(make_config, name):
-    """Each algorithm whose cells sum weighted results, with the cohort engine: the cells summing on its
-    (torch CPU) device give the run of the cells summing on the host, byte for byte."""
+def _same_run_on_and_off(make_config, algorithm: dict[str, Any], runtime: dict[str, Any], on: str) -> SimHierarchy:
+    """Run ``algorithm`` with the cells summing where ``cell_sums = on`` says, then on the host: the same run
+    byte for byte (final model, round and cell records); the first sim (it summed on its device)."""
 
     def run(cell_sums: str) -> tuple[Any, SimHierarchy]:
-        cfg = make_config(run={"rounds": 2}, algorithm=RUNS[name], runtime={"engine": "cohort", "cell_sums": cell_sums})
+        cfg = make_config(run={"rounds": 2}, algorithm=algorithm, runtime={**runtime, "cell_sums": cell_sums})
         sim = SimHierarchy(cfg, write_output=False)
         return sim.run(), sim
 
-    (device, on), (host, off) = run("engine"), run("host")
-    assert on.sums is not None and on.sums.sums > 0 and off.sums is None
+    (device, first), (host, second) = run(on), run("host")
+    assert first.sums is not None and first.sums.sums > 0 and second.sums is None
     assert list(device.params) == list(host.params)
     assert all(device.params[k].tobytes() == host.params[k].tobytes() for k in host.params)
     wall = ("time", "duration_s")
     strip = lambda recs: [{k: v for k, v in r.items() if k not in wall} for r in recs]  # noqa: E731
     assert strip(device.history) == strip(host.history) and strip(device.cell_records) == strip(host.cell_records)
+    return first
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_sim_summing_on_the_engine_device_is_byte_identical(make_config, name):
+    """Each algorithm whose cells sum weighted results, with the cohort engine: the cells summing on its
+    (torch CPU) device give the run of the cells summing on the host, byte for byte."""
+    _same_run_on_and_off(make_config, RUNS[name], {"engine": "cohort"}, "engine")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_sim_on_cuda_sums_on_the_gpu_byte_identical(make_config):
+    """The cohort engine on CUDA: ``auto`` sums on the GPU, the same run as the host's sums (sim workers take
+    the same path with their device: ``gpu.py``'s ``cohort-cuda-w4`` side logs where its cells sum)."""
+    sim = _same_run_on_and_off(make_config, RUNS["fedavg"], {"engine": "cohort", "device": "cuda"}, "auto")
+    assert sim.sums is not None and sim.sums.told is not None and "cuda" in sim.sums.told
 
 
 def test_a_non_finite_result_is_refused_before_the_device_sum(make_config):
