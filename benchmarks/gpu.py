@@ -321,8 +321,9 @@ def fedtier(
 # kernels (the cohort engine's calls; the per-device engine's training and everyone's evaluation; the bare loop
 # is not split: its kernel s/rd is 0). The rest (--breakdown) are host-side parts: frame and receive (every
 # message's encoding, decoding, checks), the device roles' copies (set/get parameters, the delta), the cells'
-# and cloud's aggregation, the engine's batch assembly (inside "kernels": stacking parameters, minibatch
-# indices, per-device results), the cloud's evaluation (inside "kernels" too) and the sim workers' executor
+# and cloud's aggregation (and inside it their float64 sums, where runtime.cell_sums puts them), the engine's
+# batch assembly (inside "kernels": stacking parameters, minibatch indices, per-device results), the cloud's
+# evaluation (inside "kernels" too) and the sim workers' executor
 TIMED: dict[str, list[tuple[str, str]]] = {
     "kernels": [
         ("protocols.cohort_trainer", "CohortEngine.run"),
@@ -339,6 +340,7 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("protocols.torch_trainer", "TorchTrainer.get_params"),
     ],
     "aggregate": [("protocols.algorithms.fedavg", "aggregate")],
+    "sums": [("protocols.params", "weighted_sum")],  # inside "aggregate": the float64 sums (host or device)
     "engine assembly": [
         ("protocols.cohort_trainer", "CohortEngine._stack"),
         ("protocols.cohort_trainer", "_minibatches"),
