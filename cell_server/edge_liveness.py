@@ -45,7 +45,7 @@ class Host(Protocol):
 
     def fail(self, reason: str) -> None: ...
 
-    def send_task(self, device: str) -> None: ...
+    def send_task(self, device: str, again: bool = False) -> None: ...
 
     def closing(self) -> str | None: ...
 
@@ -75,7 +75,7 @@ def on_status(cell: Host, device: str, change: StatusChange) -> None:
             cell.round,
             cell.edge_round,
         )
-        cell.send_task(device)
+        cell.send_task(device, again=True)  # counted apart: a reconnect is no part of the job's traffic
     if change.online:
         cell.loop.cancel(cell.liveness.leaving.pop(device, None))
     else:

@@ -320,9 +320,9 @@ class CellServer(CellNode):
                 self.limits.device_deadline, guard(lambda: self.close_edge(r, e, "deadline"), "edge round deadline")
             )
 
-    def send_task(self, device: str) -> None:
-        """Send ``device`` its task of the open edge round."""
-        self.edge.bytes_out += self.messenger.send(
+    def send_task(self, device: str, again: bool = False) -> None:
+        """Send ``device`` its task of the open edge round (``again``: a resend, its bytes counted apart)."""
+        nbytes = self.messenger.send(
             topics.device_task(self.run, self.cell, device),
             "device_task",
             self.edge.tasks[device],
@@ -330,6 +330,10 @@ class CellServer(CellNode):
             edge_round=self.edge_round,
             cell=self.cell,
         )
+        if again:
+            self.edge.bytes_resent += nbytes
+        else:
+            self.edge.bytes_out += nbytes
 
     def _on_result(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=self._result_kinds)

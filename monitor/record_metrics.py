@@ -137,6 +137,13 @@ class CellHealth:
             [*CELL, "tier"],
             registry=r,
         )
+        self.resent = Counter(
+            "fedtier_cell_bytes_resent",
+            "Payload bytes of tasks the cell sent its devices again (a device back while its result was pending, "
+            "e.g. a reconnect): retransmission overhead, not in fedtier_cell_bytes",
+            CELL,
+            registry=r,
+        )
         self.duration = Histogram(
             "fedtier_cell_aggregation_duration_seconds",
             "Wall seconds an edge round took, from the tasks to the aggregate",
@@ -176,6 +183,7 @@ class CellHealth:
         cell = rec.cell
         self.bytes.labels(run, cell, "device_to_cell").inc(rec.bytes_in)
         self.bytes.labels(run, cell, "cell_to_device").inc(rec.bytes_out)
+        self.resent.labels(run, cell).inc(rec.bytes_resent or 0)
         self.duration.labels(run, cell).observe(rec.duration_s)
         if rec.loss_mean is not None:
             self.loss.labels(run, cell).set(rec.loss_mean)

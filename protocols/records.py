@@ -111,7 +111,12 @@ class CellRecord(_Record):
         None, description="reason -> devices whose task failed with it (at most 8 reasons, the rest as other)"
     )
     bytes_in: Count = Field(0, description="device -> cell payload bytes of this edge round")
-    bytes_out: Count = Field(0, description="cell -> device payload bytes of this edge round")
+    bytes_out: Count = Field(0, description="cell -> device payload bytes of this edge round (each task's first send)")
+    bytes_resent: Count | None = Field(
+        None,
+        description="cell -> device payload bytes of tasks sent again in this edge round (a device back while its "
+        "result was pending, e.g. after a reconnect): retransmission overhead, not in bytes_out nor the cloud's bytes",
+    )
     loss_mean: float | None = Field(None, description="mean training loss the answering devices reported")
     loss_std: float | None = Field(None, description="its standard deviation over devices")
     clock_s: float = Field(0.0, ge=0, description="loop-clock seconds of the edge round (virtual in simulation)")

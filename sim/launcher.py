@@ -132,8 +132,9 @@ class RunResult:
         """Per device tier, the bytes ``device_traffic`` counts (what the devices sent and received, this command)
         beyond the round records' ``cumulative_bytes`` of the same rounds (what the cloud's rounds took in):
         results and tasks of an asynchronous run still in flight at its end, or taken by a cell after its last
-        push; answers the cells refused (late, stale). Tiers where both agree are left out (all, in a run
-        without such traffic)."""
+        push; answers the cells refused (late, stale); tasks a cell sent again (a device back while its result was
+        pending: the cells' records' ``bytes_resent``). Tiers where both agree are left out (all, in a run without
+        such traffic)."""
         if not self.device_traffic:
             return {}
         last = self.history[-1] if self.history else self.earlier or {}

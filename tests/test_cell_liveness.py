@@ -9,10 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from cell_server.node import STATUS_WAIT, build_cell
 from cloud.node import build_cloud
 from edge_agent.node import build_agent
+from monitor.record_metrics import CellHealth
+from protocols.records import CellRecord
 from protocols.session import CloudSession
 from protocols.status import decode_status, encode_status, idle_status
 from protocols.trainer import LocalData
@@ -285,3 +288,38 @@ def test_a_job_does_not_wait_for_a_device_revoked_before_it_started(tmp_path: Pa
     cloud.start()
     hub.loop.run(until=lambda: cell.in_round or hub.loop.now() > 200.0)
     assert cell.in_round and hub.loop.now() < 100.0, hub.loop.now()  # not the startup wait
+
+
+def test_a_task_sent_again_is_counted_apart_from_the_first_sends(tmp_path: Path) -> None:
+    """A task sent again (c0-d1 back while its result is pending: a restart, or a reconnect under load, as amqtt's
+    take-overs caused in CI) is retransmission: its bytes go to the record's ``bytes_resent``, and ``bytes_out`` (what
+    the cloud's cell_to_device counts) stays the first sends, the same in every run of the job. Before, the resend
+    was in ``bytes_out``: +9,817 cell_to_device bytes made an emulated run's byte counts differ from the sim's."""
+    c = Cell(tmp_path)
+    sent: list[tuple[str, int]] = []
+    send = c.cell.messenger.send
+
+    def counting(topic: str, *args, **kwargs) -> int:  # type: ignore[no-untyped-def]
+        nbytes = send(topic, *args, **kwargs)
+        sent.append((topic.split("/")[-2], nbytes))
+        return nbytes
+
+    c.cell.messenger.send = counting  # type: ignore[method-assign]
+    for d in DEVICES:
+        c.status(d, "online")
+    c.run_until(lambda: len(c.tasks) == 3)
+    c.status("c0-d1", "offline")
+    c.status("c0-d1", "online")
+    c.run_until(lambda: len(c.tasks) == 4)
+    c.run_until(lambda: bool(c.cell.records))  # no device answers: the edge round closes at its deadline
+    record = c.cell.records[0]
+    sent = sent[:4]  # (then the next edge round's tasks)
+    assert [d for d, _ in sent] == [*DEVICES, "c0-d1"] and sent[3][1] > 0
+    assert record["bytes_out"] == sum(n for _, n in sent[:3]), (record["bytes_out"], sent)
+    assert record["bytes_resent"] == sent[3][1]
+    registry = CollectorRegistry()  # the operator's view: its own counter (/metrics)
+    CellHealth(registry).observe("t", CellRecord.model_validate(record))
+    assert registry.get_sample_value("fedtier_cell_bytes_resent_total", {"run": "t", "cell": "c0"}) == sent[3][1]
+    assert registry.get_sample_value(
+        "fedtier_cell_bytes_total", {"run": "t", "cell": "c0", "tier": "cell_to_device"}
+    ) == sum(n for _, n in sent[:3])

@@ -226,7 +226,10 @@ def test_cloud_rejects_malformed_forwarded_reports() -> None:
 
 
 def test_fedtier_run_over_mqtt_is_bit_identical_to_sim(tmp_path) -> None:
-    """The emulated hierarchy (real broker, agent processes) gives the same model and the same bytes."""
+    """The emulated hierarchy (real broker, agent processes) gives the same model and the same bytes: every first send
+    of a task and every result taken. A task a cell sends again (a device that reconnected under load: amqtt's
+    take-overs, once in CI, +9,817 cell_to_device bytes) is retransmission, counted apart (``bytes_resent``), and
+    differs from run to run; it is not compared."""
     from protocols.transport.broker import EmbeddedBroker
     from sim.emulation import Emulation
 
@@ -241,6 +244,7 @@ def test_fedtier_run_over_mqtt_is_bit_identical_to_sim(tmp_path) -> None:
     assert all(np.array_equal(emu.params[k], sim.params[k]) for k in sim.params)
     assert emu.history[-1]["cumulative_bytes"] == sim.history[-1]["cumulative_bytes"]
     assert [r["bytes_in"] for r in emu.cell_records] == [r["bytes_in"] for r in sim.cell_records]
+    assert [r["bytes_out"] for r in emu.cell_records] == [r["bytes_out"] for r in sim.cell_records]
     assert [r["metrics"] for r in emu.cell_records] == [r["metrics"] for r in sim.cell_records]
 
 
