@@ -48,13 +48,21 @@ class DeviceSums:
         layout = _layout(items[0][1]) if here else None
         if layout is None or not all(_fits(p, layout) for _, p in items[1:]):
             return None
+        try:
+            out = device_weighted_sum(items, layout, device)
+        except torch.OutOfMemoryError:  # the engine holds the GPU's memory: the host gives the same bits
+            self._tell(
+                f"{self.what}: out of memory on {device} for {len(items)} results; summed on the host", warn=True
+            )
+            return None
         self.sums += 1
-        return device_weighted_sum(items, layout, device)
+        return out
 
-    def _tell(self, where: str) -> None:
+    def _tell(self, where: str, warn: bool = False) -> None:
+        """Log where the sums run when that changes (once a run, as a rule)."""
         if where != self.told:
             self.told = where
-            log.info("%s", where)
+            log.log(logging.WARNING if warn else logging.INFO, "%s", where)
 
 
 def _layout(params: Mapping[str, np.ndarray]) -> Layout | None:

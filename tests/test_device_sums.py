@@ -95,6 +95,20 @@ def test_the_cpu_engine_leaves_sums_to_the_host_and_so_do_other_layouts():
     assert forced.sums == 0
 
 
+def test_a_device_out_of_memory_sums_on_the_host(monkeypatch, caplog):
+    """No memory left on the device (the engine holds it): the sum is the host's, said once, never a crash."""
+
+    def full(*args: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(device_sums, "device_weighted_sum", full)
+    sums, items = DeviceSums(lambda: torch.device("cpu"), on_cpu=True), _items(5)
+    with caplog.at_level("WARNING", logger="fedtier.device"), P.sums_on(sums):
+        got = P.weighted_mean(items)[0]
+    assert _bits(got) == _bits(P.weighted_mean(items)[0]) and sums.sums == 0
+    assert "out of memory on cpu for 5 results; summed on the host" in caplog.text
+
+
 @pytest.mark.parametrize("kind", ["mean", "median", "trimmed_mean", "krum", "multikrum", "majority"])
 def test_robust_aggregators_give_the_same_bits_with_sums_on_the_device(kind):
     """Every cell aggregator over 7 results: the mean and Krum/Multi-Krum's kept mean on the device, the
