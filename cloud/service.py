@@ -11,6 +11,7 @@ ended, and starts the next. Killed while a job runs, the restarted service resum
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -69,8 +70,9 @@ class JobParts:
 
 class CloudService:
     """``connect()`` returns a connected transport on ``loop`` (the caller retries and backs off);
-    ``parts(cfg)`` builds a job's algorithm and evaluator; ``on_end(job, cfg, node, out)`` writes a
-    finished job's final model and summary; ``roster``: the signed roster it publishes (retained) on every
+    ``parts(cfg)`` builds a job's algorithm and evaluator; ``on_end(job, cfg, node, out)`` writes an
+    ended job's (finished, failed or cancelled) final model and summary (one that could not be built: its summary
+    alone, here); ``roster``: the signed roster it publishes (retained) on every
     connection. ``operator``: the operator's public key (``None``: unsigned
     federation, any submitter accepted; for tests and ``fedtier run`` only). ``job_folder(job)``: a job's run
     folder (default ``{output}/jobs/{job}``; ``fedtier run``: its own run folder)."""
@@ -208,7 +210,7 @@ class CloudService:
                 if node.failed  # a stall, a failed cell, a handler's exception, a full disk (protocols.failures)
                 else ("finished", "")
             )
-            if self.on_end is not None and state in ("finished", "failed"):
+            if self.on_end is not None:  # a cancelled job's too: its summary says it stopped, and why
                 self.on_end(ended, cfg, node, out)
             spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
             self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
@@ -268,6 +270,13 @@ class CloudService:
         """End ``job`` as failed before it started (nodes never saw it: nothing to tell them)."""
         log.error("job %s failed: %s", job.job, reason)
         self.queue.end(job.job, "failed", reason)
+        try:  # its run folder says so too (`fedtier monitor RUN_DIR`, a script reading summary.json)
+            out = self._folder(job.job)
+            out.mkdir(parents=True, exist_ok=True)
+            end = {"run": self.fed, "job": job.job, "config_hash": job.digest, "status": "failed", "failed": reason}
+            write_durably(out / runfiles.SUMMARY, (json.dumps(end, indent=2) + "\n").encode(), private=False)
+        except OSError as exc:
+            log.error("job %s: cannot write its summary: %s", job.job, exc)
         transport = self.transport
         if transport is not None:
             self.loop.post(lambda: self._publish_list(transport))

@@ -138,7 +138,7 @@ class LocalFederation:
         return CellService(bundle, cell, loop, connect, lambda cfg, t: build(cfg, cell, t), node_trust(self.cfg, cell))
 
     def _ended(self, job: Job, cfg: RunConfig, server: CloudServer, out: Path) -> None:
-        """The job ended (finished or failed): keep its server; the cloud serves no other."""
+        """The job ended (finished, failed or cancelled): keep its server; the cloud serves no other."""
         self.server = server
         self.cloud.stop()
 

@@ -374,3 +374,50 @@ def test_a_job_imports_only_the_plugins_its_nodes_allow(tmp_path: Path) -> None:
 def read_job_text(tmp_path: Path, text: str) -> str:
     (tmp_path / "job.toml").write_text(text)
     return read_job_file(tmp_path / "job.toml").config
+
+
+def test_a_job_that_ends_without_finishing_leaves_a_summary_saying_how_in_its_run_folder(tmp_path: Path) -> None:
+    """A job the cloud cannot build left its run folder with a config and no summary, a cancelled one with its
+    records and no summary: `fedtier monitor RUN_DIR --exit-when-done` (and any script reading summary.json)
+    waited for ever on a job long over. Each now writes its summary.json: failed with the reason, stopped with
+    "cancelled by the operator"; the monitor's run-folder source reads that end."""
+    from cloud.service import CloudService, JobParts
+    from fedtier.serve import write_job_final
+    from monitor.sources import RunDirFollower
+    from protocols.config import ConfigError
+    from protocols.transport.memory import MemoryHub
+    from protocols.transport.threadloop import ThreadLoop
+    from sim.hierarchy import prepare
+
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n[runtime]\nstartup_wait = 1000.0\n", fed)
+    queue = JobQueue(tmp_path / "jobs.json")
+    ended: list[str] = []
+
+    def parts(cfg):
+        if cfg.run.seed == 0 and not ended:
+            ended.append("built")
+            raise ConfigError("model.name: no such model here")
+        return JobParts(cfg.build_algorithm(prepare(cfg).spec), None)
+
+    loop = ThreadLoop("t")
+    folder = lambda job: tmp_path / "jobs" / job  # noqa: E731
+    service = CloudService(fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=folder)
+
+    def on_end(job: Job, cfg: Any, node: Any, out: Path) -> None:  # as `fedtier cloud --serve` does
+        ended.append(f"{job.job} {node.job_status}")
+        write_job_final(job, cfg, node, out)
+
+    service.on_end = on_end
+    for name in ("a", "b"):
+        queue.submit(Job(name, text, config_hash(text), OPERATOR))
+    assert service._run(queue.next(), transport=None) is False  # type: ignore[arg-type]
+    states = RunDirFollower(folder("a")).poll_states()
+    assert [(s["phase"], s["reason"]) for s in states] == [("failed", "model.name: no such model here")], states
+    job = queue.start("b")
+    queue.cancel("b")  # in its startup wait: no cell ever comes
+    hub = MemoryHub(loop=loop)  # type: ignore[arg-type]
+    assert service._run(queue.get("b") or job, transport=hub.connect("cloud")) is True
+    assert queue.get("b").state == "cancelled" and ended[-1] == "b stopped", ended
+    states = RunDirFollower(folder("b")).poll_states()
+    assert [(s["phase"], s["reason"]) for s in states] == [("stopped", "cancelled by the operator")], states
