@@ -20,6 +20,11 @@ claim any weight). Every aggregation says whom it left out and why: Krum/Multi-K
 not selected, with their score; median and trimmed mean name the inputs whose values fell outside the
 kept band (the ``b``-th to ``(n-1-b)``-th order statistics, ``b >= 1`` for the median) in more than half
 of the coordinates. Inputs are taken in sender-id order, so the result does not depend on arrival order.
+
+Where a runtime puts the sums elsewhere (``protocols.params.sums_on``: ``fedtier sim``'s cells on the cohort
+engine's GPU), the weighted means go there (``mean``, and Krum's and Multi-Krum's kept inputs), bit for bit; the
+coordinate-wise rules and Krum's distances stay numpy's (a GPU sort may order -0.0 and +0.0 otherwise, a GPU matrix
+product rounds otherwise, majority's mean is numpy's pairwise sum: not the same bits).
 """
 
 from __future__ import annotations
