@@ -16,7 +16,7 @@ from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.algorithms.staleness import StalenessBuffer
 from protocols.checkpoint import Journal
 from protocols.config import ConfigError, parse_config
-from protocols.transport.broker import EmbeddedBroker
+from protocols.transport.broker import EmbeddedBroker, find_mosquitto
 from protocols.wire import topics
 from protocols.wire.envelope import decode_message
 from protocols.wire.messenger import Messenger
@@ -768,3 +768,72 @@ def test_an_async_cell_restarted_without_its_journal_after_the_cloud_resumed_ref
     assert fresh.refused is not None and "--resume" in fresh.refused, (fresh.refused, fresh.fb.ready)
     assert not fresh.fb.ready and not fresh.records  # it took no model and tasked no device
     assert [h["round"] for h in result.history][-1] == 7 and "c1" in result.history[-1]["cells_reported"]
+
+
+@pytest.mark.skipif(not find_mosquitto(), reason="mosquitto not installed")
+def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resume_and_counts_once(tmp_path):
+    """Over a real broker: the async cloud (persistent session) is killed in its push handler before the push is
+    journaled; ``--resume`` (the same client id) gets that push again from the broker and version 0 counts it once,
+    with the other cell's. Before, the push was acknowledged before its handler ran: the broker forgot it, and
+    version 0 never had it (note13)."""
+    from cloud.node import build_cloud
+    from protocols.transport.broker import MosquittoBroker
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from tests.conftest import wait_until
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 1},
+        algorithm={"mode": "async", "async_buffer": 2, "async_cloud_buffer": 2, "edge_rounds": 1},
+    )
+    sim = SimHierarchy(cfg)  # in memory first: one real push of version 0 from each cell
+    pushes: dict[str, bytes] = {}
+    sim.hub.connect("tap").subscribe(
+        topics.cell_reports(cfg.run.name), lambda t, d: pushes.setdefault(t.split("/")[-2], bytes(d))
+    )
+    sim.run()
+    assert set(pushes) == {"c0", "c1"}
+    out, loop = tmp_path / "cloud", ThreadLoop("cloud").start()
+
+    def cloud(broker: MosquittoBroker, resume: bool) -> Any:
+        transport = MqttTransport.from_url(broker.url, "fedtier-async-cloud", loop, persistent=True).connect(10.0)
+        return build_cloud(cfg, transport, sim.algorithm, output_dir=out, resume=resume)
+
+    try:
+        with MosquittoBroker() as broker:
+            first = cloud(broker, resume=False)
+
+            class Killed(Exception):
+                pass
+
+            def dies_before_journaling(version: int, topic: str, data: bytes) -> None:
+                first.transport.publish(f"{cfg.run.name}/probe", b"alive")  # the broker answers it after all this
+                assert first.transport.flush(10.0)  # client sent before it (as a cloud that lived a little longer)
+                first.transport.crash()  # killed here: nothing of the push journaled
+                raise Killed  # the process ends here (caught below: the loop goes on)
+
+            def report(topic: str, data: bytes, on_report=first._on_report) -> None:
+                with contextlib.suppress(Killed):
+                    on_report(topic, data)
+
+            first.journal.taken = dies_before_journaling  # type: ignore[method-assign]
+            first._on_report = report  # type: ignore[method-assign]
+            loop.post(first.start)
+            assert wait_until(lambda: first.started)
+            cells = MqttTransport.from_url(broker.url, "cells", loop).connect(10.0)
+            cells.publish(topics.cell_report(cfg.run.name, "c0"), pushes["c0"])
+            assert wait_until(lambda: first.transport.closed), "the cloud never took the push"
+            first.stop()
+            again = cloud(broker, resume=True)  # its next session: the broker hands the push again
+            records: list[dict] = []
+            again.observers.append(records.append)
+            loop.post(again.start)
+            assert wait_until(lambda: bool(again.fb.buffer.entries)), "the push never came again"
+            cells.publish(topics.cell_report(cfg.run.name, "c1"), pushes["c1"])
+            assert wait_until(lambda: bool(records)), "version 0 was never made"
+            assert records[0]["round"] == 0 and records[0]["cells_reported"] == ["c0", "c1"], records[0]
+            cells.close()
+            again.stop()
+    finally:
+        loop.stop()
