@@ -24,14 +24,13 @@ from protocols.status import decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Incoming, Messenger
-from protocols.wire.payload import Payload
 
 from .cell_records import collector
 from .checkpoint import CloudCheckpoint, Saved, repair_records
 from .parts import CellPresence, RoundCounts, report_refusal, resend_on_repeat
 from .revocation import leave_round, refused_revoked, too_few_cells
 from .round_record import divergence, end_figures, round_record, stall
-from .telemetry import CloudTelemetry
+from .telemetry import CloudTelemetry, send_finished
 
 if TYPE_CHECKING:
     from protocols.wire.keys import Trust
@@ -491,10 +490,4 @@ class CloudServer:
         figures = end_figures(self.history)  # a monitor opened after the end has no round record
         accuracy, loss = figures.get("accuracy"), figures.get("loss")
         self._state(self.job_status, reason=self.failed or self.stopped, accuracy=accuracy, loss=loss)
-        self.messenger.send(
-            topics.control(self.run),
-            "control",
-            Payload({"event": "finished", "round": self.round, "session": self.session, **extra}),
-            round=self.round,
-            retain=True,
-        )
+        send_finished(self.messenger, self.run, self.round, self.session, **extra)

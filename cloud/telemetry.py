@@ -1,6 +1,7 @@
 """Where the cloud's round records go: kept (``history``), appended to ``metrics.jsonl``, handed to its
 observers (``monitor.exporter``) and published on the cloud's telemetry topic (signed in signed runs: a
-reader with the keys checks it); and the rejections the next record lists."""
+reader with the keys checks it); the rejections the next record lists; and the job's retained ``finished`` record
+(:func:`send_finished`)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,22 @@ from protocols.jsonl import JsonlWriter
 from protocols.records import MAX_LISTED_REJECTIONS
 from protocols.rejections import RejectKind
 from protocols.wire import topics
+from protocols.wire.payload import Payload
 from protocols.wire.signed import seal_record
 
 if TYPE_CHECKING:
     from protocols.transport.base import Transport
     from protocols.wire.keys import Trust
+    from protocols.wire.messenger import Messenger
 
 log = logging.getLogger("fedtier.cloud")
+
+
+def send_finished(messenger: Messenger, run: str, rnd: int, session: str, **extra: Any) -> None:
+    """Publish the job's retained ``finished`` control record: its round, session and ``extra`` (why it stopped or
+    failed); nodes that come late, and job watchers, read it."""
+    meta = {"event": "finished", "round": rnd, "session": session, **extra}
+    messenger.send(topics.control(run), "control", Payload(meta), round=rnd, retain=True)
 
 
 class CloudTelemetry:
