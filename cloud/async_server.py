@@ -194,21 +194,21 @@ class AsyncCloudServer(CloudServer):
             log.warning("cloud: %s pushes from a version too old: version %d sent", cell, self.round)
             self._resend(cell)
 
-    def _send_task(self, cell: str) -> None:
+    def _send_task(self, cell: str, again: bool = False) -> None:
         """As the cloud of rounds; a version to a cell heard holding one before says so (``held`` in its meta): a
         cell whose first model it is restarted, and must know from its journal the versions its devices had
         (``cell_server.async_server``)."""
         task = self.counts.tasks[cell]
         if cell in self._held and task.meta.get("held") is not True:
             self.counts.tasks = {**self.counts.tasks, cell: Payload({**task.meta, "held": True}, task.tensors)}
-        super()._send_task(cell)
+        super()._send_task(cell, again)
 
     def _resend(self, cell: str) -> None:
         """Send ``cell`` the current version (again), unless it refused to work."""
         if cell in self.refusing:
             return
         self.counts.tasks = {**self.counts.tasks, **self.role.plan(self.round, [cell])}
-        self._send_task(cell)
+        self._send_task(cell, again=self._sent.get(cell, -1) >= self.round)  # it was sent this version: a resend
         self._sent[cell] = self.round
 
     def _on_status(self, topic: str, data: bytes) -> None:

@@ -33,6 +33,7 @@ class RoundCounts:
     since: float = 0.0  # wall time then
     expected: int = 0  # cells that may answer: a stall is fewer than this
     bytes: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    resent: dict[str, int] = field(default_factory=dict)  # tier -> bytes of tasks sent again (not in ``bytes``)
     devices: dict[str, int] = field(default_factory=dict)  # cell -> devices its report aggregated
     diverged: dict[str, int] = field(default_factory=dict)  # cell -> devices that diverged in every edge round
     failed: dict[str, int] = field(default_factory=dict)  # cell -> devices whose task failed in every one

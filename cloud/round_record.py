@@ -71,6 +71,7 @@ def round_record(
         rejected=rejected,
         rejected_more=rejected_more,
         bytes=dict(c.bytes),
+        bytes_resent=dict(c.resent) or None,
         cumulative_bytes=dict(cloud.cumulative),
         clock_start_s=round(c.t0, 6),
         clock_s=round(cloud.loop.now(), 6),

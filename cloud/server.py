@@ -295,10 +295,13 @@ class CloudServer:
         self.counts.since = time.time()
         self._state("waiting", self.planned, since=self.counts.since, deadline_s=self.cell_deadline)
 
-    def _send_task(self, cell: str) -> None:
-        """Send ``cell`` its task of the open round (again to a cell that lost it: :meth:`RoundCounts.lost_task`)."""
+    def _send_task(self, cell: str, again: bool = False) -> None:
+        """Send ``cell`` its task of the open round (``again``: to a cell that lost it, :meth:`RoundCounts.lost_task`:
+        its bytes are counted apart, ``RoundCounts.resent``, as retransmission)."""
         topic, task = topics.cell_task(self.run, cell), self.counts.tasks[cell]
-        self.counts.bytes["cloud_to_cell"] += self.messenger.send(topic, "cell_task", task, round=self.round, cell=cell)
+        nbytes = self.messenger.send(topic, "cell_task", task, round=self.round, cell=cell)
+        tally = self.counts.resent if again else self.counts.bytes
+        tally["cloud_to_cell"] = tally.get("cloud_to_cell", 0) + nbytes
 
     def _allowed(self) -> set[str]:
         """The cells that may take part in this round: available (cell participation) and not revoked."""
@@ -314,7 +317,7 @@ class CloudServer:
         cell = topic.split("/")[-2]
         if msg.repeat:  # handled before: a restarted cell that may lack its task (or a repeat, refused)
             if resend_on_repeat(self.counts, self.messenger, msg, self.round, self._awaited()):
-                self._send_task(cell)
+                self._send_task(cell, again=True)
             return
         if not self._in_round and not self.finished and msg.header.round == self.round and cell in self.cells:
             # a resumed cloud: what cells reported while it was down (their sessions kept it) comes before

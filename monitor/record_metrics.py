@@ -276,6 +276,12 @@ class CloudCells:
             [*CLOUD, "tier"],
             registry=r,
         )
+        self.resent = Counter(
+            "fedtier_cloud_bytes_resent",
+            "Payload bytes of tasks the cloud sent again (a cell that lost its task): not in fedtier_cloud_bytes",
+            [*CLOUD, "tier"],
+            registry=r,
+        )
         self.duration = Histogram(
             "fedtier_cloud_round_duration_seconds",
             "Wall seconds a cloud round took",
@@ -305,5 +311,8 @@ class CloudCells:
         for tier, n in rec.bytes.items():
             if tier in TIERS:  # a label value from a fixed set, whatever a record holds
                 self.bytes.labels(run, tier).inc(n)
+        for tier, n in (rec.bytes_resent or {}).items():
+            if tier in TIERS:
+                self.resent.labels(run, tier).inc(n)
         self.duration.labels(run).observe(rec.duration_s)
         self.last.labels(run).set(rec.time if rec.time is not None else time.time())

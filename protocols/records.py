@@ -186,7 +186,14 @@ class RoundRecord(_Record):
     excluded: dict[str, str] | None = Field(
         None, description="reporting cells the robust aggregator (algorithm.cloud_aggregator) left out, with why"
     )
-    bytes: dict[str, Count] = Field(default_factory=dict, description="payload bytes of this round per tier")
+    bytes: dict[str, Count] = Field(
+        default_factory=dict, description="payload bytes of this round per tier (each task's first send)"
+    )
+    bytes_resent: dict[str, Count] | None = Field(
+        None,
+        description="payload bytes of tasks the cloud sent again this round (a cell that lost its task, or its "
+        "model version) per tier: retransmission overhead, not in bytes nor cumulative_bytes",
+    )
     cumulative_bytes: dict[str, Count] = Field(default_factory=dict, description="payload bytes so far per tier")
     clock_start_s: float | None = Field(None, description="loop clock when the round began")
     clock_s: float = Field(0.0, description="loop clock when the round closed (virtual time in simulation)")

@@ -688,9 +688,10 @@ def test_a_cell_repeating_its_reports_on_purpose_gets_one_task_again_a_round_and
 ) -> None:
     """Signed, 4 rounds: c0 repeats its earlier reports (older rounds, reordered, three times each, before it
     answers) and each report it sends (three times more), and sends reports signed for another topic. The
-    cloud sends c0 its task again once a round at most (its first repeat of an earlier round while awaited);
-    every later repeat is refused as ``replay`` and on the record, the reports signed for another topic as
-    ``signature``; the model is the honest run's, byte for byte."""
+    cloud sends c0 its task again once a round at most (its first repeat of an earlier round while awaited), its
+    bytes counted apart (``bytes_resent``: the round's ``bytes`` are the honest run's); every later repeat is
+    refused as ``replay`` and on the record, the reports signed for another topic as ``signature``; the model is
+    the honest run's, byte for byte."""
     config = {"run": {"rounds": 4}, "security": {"keys": str(tmp_path / "keys.toml")}}
     honest = run_simulation(small_config(tmp_path / "honest", **config))
     sim = SimHierarchy(small_config(tmp_path / "repeats", **config))
@@ -699,6 +700,10 @@ def test_a_cell_repeating_its_reports_on_purpose_gets_one_task_again_a_round_and
     assert same(result.params, honest.params)
     assert [h["cells_reported"] for h in result.history] == [["c0", "c1"]] * 4
     assert attack["tasks"] == {0: 1, 1: 2, 2: 2, 3: 2}, attack["tasks"]  # one resend a round, no more
+    # the first sends' bytes are the honest run's; each resend is counted apart, the size of c0's task
+    assert [h["bytes"] for h in result.history] == [h["bytes"] for h in honest.history]
+    resent = [(h.get("bytes_resent") or {}).get("cloud_to_cell", 0) for h in result.history]
+    assert resent == [0] + [h["bytes"]["cloud_to_cell"] // 2 for h in honest.history[1:]], resent
     replays = [x for x in attack["refused"] if x[0] == "replay"]
     assert all(sender == "c0" for _, sender, _ in replays)
     assert attack["taken_repeats"] >= attack["repeats"] - 3  # the last report's three came after the end
