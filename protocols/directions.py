@@ -27,6 +27,12 @@ The scheme (DeComFL and any other seeded-direction algorithm use exactly this):
   subtract (no fused multiply-add), so the result does not depend on the machine, nor on whether the
   parameters are held as one vector (:func:`packed`, the fast path) or tensor by tensor.
 
+* **Replay shared within a process**: every replica that applied the same rounds from the same x_0 holds the same
+  bits (the point of the scheme), so a process keeps the last states reached (:func:`replay`), keyed by a hash
+  chain over x_0, the settings and each round's seed and scalars (:func:`trajectory_key`, :func:`next_key`): a
+  device catching up copies the newest state of its chain some party of the process already computed and
+  replays only the rounds after it (bit for bit what replaying all of them gives).
+
 :func:`fingerprint` hashes a small direction: parties can compare it at start-up to catch a numpy
 whose generator stream differs.
 """
@@ -56,10 +62,13 @@ def round_seed(run_seed: int, round: int) -> int:
 
 CACHE_BYTES = 64 << 20  # directions kept for reuse within a process (bounds memory)
 UPDATE_CACHE_BYTES = 64 << 20  # update directions u kept for reuse (one a round-step: P times smaller)
+STATE_CACHE_BYTES = 16 << 20  # replayed states (x and its momentum buffer) kept for the process's other replicas
 _cache: OrderedDict[tuple, tuple[np.ndarray, dict[str, np.ndarray]]] = OrderedDict()  # key -> (flat, views)
 _cached_bytes = 0
 _updates: OrderedDict[tuple, np.ndarray] = OrderedDict()
 _update_bytes = 0
+_states: OrderedDict[bytes, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()  # chain key -> (x, buffer)
+_state_bytes = 0
 _lock = threading.Lock()  # agents may run as threads of one process (fedtier run)
 
 
@@ -105,7 +114,7 @@ def _key(shapes: Mapping[str, tuple[int, ...]]) -> tuple:
     return shapes.key if isinstance(shapes, Shapes) else Shapes(shapes).key
 
 
-def _remember(cache: OrderedDict, key: tuple, value: Any, size: int, budget: int, used: int) -> int:
+def _remember(cache: OrderedDict, key: Any, value: Any, size: int, budget: int, used: int) -> int:
     """Put ``value`` (of ``size`` bytes) in ``cache`` unless there; drop the oldest beyond ``budget``; the bytes
     used after (call with the lock held)."""
     if key not in cache and size <= budget:
@@ -113,7 +122,7 @@ def _remember(cache: OrderedDict, key: tuple, value: Any, size: int, budget: int
         used += size
     while used > budget and cache:
         _, old = cache.popitem(last=False)
-        used -= (old[0] if isinstance(old, tuple) else old).nbytes
+        used -= sum(a.nbytes for a in old if isinstance(a, np.ndarray)) if isinstance(old, tuple) else old.nbytes
     return used
 
 
@@ -290,6 +299,68 @@ def apply_round(
             apply_momentum_step(params, buf, round_seed, k, g[k], lr, momentum, kind)
         else:
             apply_step(params, round_seed, k, g[k], lr, kind)
+
+
+def trajectory_key(params: Packed, buf: Packed | None, lr: float, momentum: float, kind: Kind = "gaussian") -> bytes:
+    """The key of the state ``params`` (and momentum buffer ``buf``) for :func:`replay`: a hash of its bytes, its
+    shapes and the step's settings (what, with the rounds applied after it, determines every later state)."""
+    h = hashlib.blake2b(repr((float(lr), float(momentum), kind, params.shapes.key)).encode(), digest_size=16)
+    h.update(params.flat.data)
+    if buf is not None:
+        h.update(buf.flat.data)
+    return h.digest()
+
+
+def next_key(key: bytes, round_seed: int, g: np.ndarray) -> bytes:
+    """The key of the state that applying the round (``round_seed``, scalars ``g``) to the state ``key`` gives."""
+    data = key + int(round_seed).to_bytes(8, "little") + np.ascontiguousarray(g, "<f4").tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def replay(
+    params: Packed,
+    buf: Packed | None,
+    key: bytes,
+    seeds: np.ndarray,
+    hist: np.ndarray,
+    lr: float,
+    kind: Kind = "gaussian",
+    momentum: float = 0.0,
+) -> bytes:
+    """In place: the rounds (``seeds[i]``, ``hist[i]``) applied in order to the state ``key`` (:func:`apply_round`);
+    returns the key of the state reached. The newest state of the chain that this process reached before (any
+    replica of the same run) is copied instead of replayed, and the state reached is kept for the others
+    (``STATE_CACHE_BYTES``, least recently used dropped first): the same bits as replaying every round."""
+    global _state_bytes
+    keys, at = [], key
+    for s, g in zip(seeds, hist):
+        at = next_key(at, int(s), g)
+        keys.append(at)
+    start, hit = 0, None
+    with _lock:
+        for j in range(len(keys) - 1, -1, -1):
+            if (hit := _states.get(keys[j])) is not None:
+                _states.move_to_end(keys[j])
+                start = j + 1
+                break
+    if hit is not None:
+        np.copyto(params.flat, hit[0])
+        if buf is not None and hit[1] is not None:
+            np.copyto(buf.flat, hit[1])
+    for i in range(start, len(keys)):
+        apply_round(params, int(seeds[i]), hist[i], lr, kind, buf, momentum)
+    if start < len(keys):
+        state = (_frozen_copy(params.flat), _frozen_copy(buf.flat) if buf is not None else None)
+        size = sum(a.nbytes for a in state if a is not None)
+        with _lock:
+            _state_bytes = _remember(_states, keys[-1], state, size, STATE_CACHE_BYTES, _state_bytes)
+    return keys[-1] if keys else key
+
+
+def _frozen_copy(a: np.ndarray) -> np.ndarray:
+    out = a.copy()
+    out.flags.writeable = False
+    return out
 
 
 def fingerprint(kind: Kind = "gaussian") -> str:

@@ -627,3 +627,47 @@ def test_the_cohort_engine_builds_a_devices_probes_bit_for_bit_and_its_losses_ma
         device = trainer.perturbed_losses(r.params, zs, r.mu, r.x, r.y)
         assert len(r.result) == 4 and np.ptp(device) > 1e-4  # the probes' losses differ: a mix-up would show
         np.testing.assert_allclose(r.result, device, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_replicas_of_a_process_share_their_replays_bit_for_bit(monkeypatch, momentum):
+    """A device catching up copies the newest state of its chain that a replica of the process reached and
+    replays only the rounds after it: the same bits as replaying every round, while a replica whose history
+    differs (a cell that lies to one device) or that starts elsewhere never gets another's state."""
+    params = DeComFLParams(name="decomfl", local_steps=2, perturbations=3, lr=0.01, momentum=momentum)
+    x0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3) / 7, "b": np.ones(2, np.float32)}
+    seeds = np.array([Z.round_seed(5, r) for r in range(6)], np.uint64)
+    hist = np.random.default_rng(4).standard_normal((6, 2, 3)).astype(np.float32)
+    plain = Z.packed(x0)
+    plain_buf = Z.packed({k: np.zeros_like(v) for k, v in x0.items()}) if momentum else None
+    for r in range(6):
+        Z.apply_round(plain, int(seeds[r]), hist[r], params.lr, "gaussian", plain_buf, momentum)
+
+    applied = []
+    real = Z.apply_round
+    monkeypatch.setattr(Z, "apply_round", lambda *a, **k: (applied.append(a[1]), real(*a, **k))[1])
+    monkeypatch.setattr(Z, "_states", type(Z._states)())
+    monkeypatch.setattr(Z, "_state_bytes", 0)
+    a, b, liar = (DeComFLDevice(params, lambda: x0) for _ in range(3))
+    for dev in (a, b, liar):
+        dev._init(None)  # type: ignore[arg-type]  # x_0 from the spec (no exported model)
+    a.catch_up(0, seeds[:4], hist[:4])
+    assert len(applied) == 4
+    b.catch_up(0, seeds[:6], hist[:6])  # rounds 0-3 copied from a's state, 4-5 replayed
+    assert len(applied) == 6 and applied[-2:] == [int(seeds[4]), int(seeds[5])]
+    a.catch_up(4, seeds[4:6], hist[4:6])  # all copied
+    assert len(applied) == 6
+    for dev in (a, b):
+        assert np.array_equal(dev.model.flat, plain.flat) and dev.synced == 6  # type: ignore[union-attr]
+        if momentum:
+            assert np.array_equal(dev.buf.flat, plain_buf.flat)  # type: ignore[union-attr]
+    lie = hist.copy()
+    lie[2, 0, 0] += 1
+    liar.catch_up(0, seeds[:6], lie[:6])  # another chain from round 2: replayed, never copied
+    assert len(applied) == 6 + 6 and not np.array_equal(liar.model.flat, plain.flat)  # type: ignore[union-attr]
+    monkeypatch.setattr(Z, "STATE_CACHE_BYTES", 1)  # a state that does not fit is not kept
+    monkeypatch.setattr(Z, "_states", type(Z._states)())
+    c = DeComFLDevice(params, lambda: x0)
+    c._init(None)  # type: ignore[arg-type]
+    c.catch_up(0, seeds[:6], hist[:6])
+    assert not Z._states and np.array_equal(c.model.flat, plain.flat)  # type: ignore[union-attr]

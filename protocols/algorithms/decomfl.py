@@ -388,20 +388,27 @@ class DeComFLDevice(DeviceRole):
         self.model: dict[str, np.ndarray] | None = None
         self.buf: dict[str, np.ndarray] | None = None  # heavy-ball buffer of x_{synced} (momentum > 0)
         self.synced = 0
+        self.key: bytes | None = None  # x_{synced}'s key in the process's replay cache (directions.replay)
 
     def _init(self, trainer: Trainer) -> None:
         # a forward-only backend ships x_0 with its exported model; torch devices build it from the spec
         source = getattr(trainer, "initial_params", None)
         self.model = Z.packed(source() if callable(source) else self.initial())
         self.buf = Z.packed(P.zeros_like(self.model)) if self.p.momentum else None
+        self.key = Z.trajectory_key(self.model, self.buf, self.p.lr, self.p.momentum, self.p.direction)
 
     def catch_up(self, start: int, seeds: np.ndarray, hist: np.ndarray) -> None:
         """Replay rounds ``start .. start+h-1`` on the device model (skipping those already applied)."""
         assert self.model is not None
         if start > self.synced:
             raise ValueError(f"history starts at round {start}, but this device is synced to round {self.synced}")
-        for i in range(self.synced - start, len(hist)):
-            Z.apply_round(self.model, int(seeds[i]), hist[i], self.p.lr, self.p.direction, self.buf, self.p.momentum)
+        skip, p = self.synced - start, self.p
+        if self.key is not None and isinstance(self.model, Z.Packed):  # the replicas of a process share replays
+            buf = self.buf if isinstance(self.buf, Z.Packed) else None
+            self.key = Z.replay(self.model, buf, self.key, seeds[skip:], hist[skip:], p.lr, p.direction, p.momentum)
+        else:
+            for i in range(skip, len(hist)):
+                Z.apply_round(self.model, int(seeds[i]), hist[i], p.lr, p.direction, self.buf, p.momentum)
         self.synced = start + len(hist)
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
