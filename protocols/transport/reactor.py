@@ -136,7 +136,7 @@ class Reactor:
     @staticmethod
     def cancel(handle: TimerHandle | None) -> None:
         if handle is not None:
-            handle.cancelled = True
+            handle.cancel()
 
     def _signal(self) -> None:
         with self._lock:
