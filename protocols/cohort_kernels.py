@@ -117,8 +117,11 @@ def perturbed_stack(base: Mapping[str, torch.Tensor], z: torch.Tensor, mu: torch
         n = math.prod(shape)
         zk = z[:, at : at + n].reshape(1, p, *shape)
         at += n
-        x = v.unsqueeze(1)
-        out[name] = torch.cat([x, x + mu.view(d, 1, *[1] * len(shape)) * zk], 1).reshape(d * (p + 1), *shape)
+        probes = torch.empty(d, p + 1, *shape, dtype=v.dtype, device=v.device)  # written in place: no temporaries
+        probes[:, 0] = v
+        torch.mul(mu.view(d, 1, *[1] * len(shape)), zk, out=probes[:, 1:])
+        probes[:, 1:] += v.unsqueeze(1)  # (mu z) + x: the same float32 sum as x + (mu z)
+        out[name] = probes.reshape(d * (p + 1), *shape)
     return out
 
 
