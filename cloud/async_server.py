@@ -12,7 +12,8 @@ version as the cloud of rounds checkpoints a round, and journals every push it t
 a version applies it (``cloud.async_journal``): ``--resume`` continues from the checkpoint's version with those
 pushes buffered again, sends every cell the current version, and a cell that holds it sends its last push again
 (one its broker session held for it, acknowledged as held, when the cloud stopped; a push being handled is
-acknowledged only once journaled, ``protocols.transport.inbound``: the broker hands it again). A cell whose status
+acknowledged only once journaled, ``protocols.transport.inbound``: the broker hands it again, if it was one
+chunk; a chunked push killed in its handler is lost unless it was the cell's last). A cell whose status
 newly asks for a model (``needs_model``: one restarted afresh, or started after the first version went out, which
 it never got) is sent the current version too, under the same bound (``RoundCounts.first_resend``). The cells heard
 holding a model are journaled too (``PushJournal.holders``): a version to one of them says ``held``, resumed or not,

@@ -637,3 +637,50 @@ def test_a_persistent_clients_message_is_acknowledged_only_once_its_handler_retu
         assert journal == [b"push 1", b"push 2"]
         third.close()
         cell.close()
+
+
+def test_a_message_is_acknowledged_once_all_its_handlers_returned_and_not_when_one_is_interrupted() -> None:
+    """A persistent client's message is acknowledged once its handler returned (a node killed in it gets it again).
+    Two handlers: it was acknowledged when the first returned, so a node killed in the second lost it. A handler
+    interrupted (Ctrl-C in ``fedtier cloud``: ``KeyboardInterrupt`` raised in the async cloud's push handler before
+    it journaled) had it acknowledged all the same (``finally``), and the push was lost; it is left to the broker
+    now. A handler that raises an ``Exception`` (a poison message) has it acknowledged: it does not come for ever."""
+    loop = ThreadLoop("acks")
+    node = MqttTransport("fedtier-t-cloud", loop, "127.0.0.1", 1, persistent=True)  # never connected
+    acks: list[int] = []
+
+    class Client:
+        def ack(self, mid: int, qos: int) -> None:
+            acks.append(mid)
+
+    node._client = Client()  # type: ignore[assignment]
+    calls: list[str] = []
+    acked_before: list[int] = []  # acknowledgements made when the second handler ran
+    first_returns = calls.append
+
+    def second(topic: str, payload: bytes) -> None:
+        calls.append(topic)
+        if payload == b"interrupted":
+            raise KeyboardInterrupt
+        if payload == b"poison":
+            raise ValueError("refused by its handler")
+        acked_before.append(len(acks))
+
+    node.subscribe("t/#", lambda t, p: first_returns(t))
+    node.subscribe("t/push", second)
+
+    def receive(mid: int, payload: bytes) -> None:
+        msg = mqtt.MQTTMessage(mid, b"t/push")
+        msg.payload, msg.qos = payload, 1
+        node._on_message(Client(), None, msg)  # type: ignore[arg-type]  # posted to the loop, not acknowledged
+
+    receive(1, b"push")
+    assert loop.run(until=lambda: len(calls) == 2, timeout=WAIT)
+    assert acked_before == [0] and acks == [1]  # once both returned
+    receive(2, b"interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(until=lambda: len(calls) == 4, timeout=WAIT)
+    assert len(calls) == 4 and acks == [1]  # left to the broker: the next session gets it
+    receive(3, b"poison")
+    assert loop.run(until=lambda: len(calls) == 6, timeout=WAIT)
+    assert acks == [1, 3]

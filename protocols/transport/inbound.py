@@ -4,13 +4,17 @@ every handler subscribed to a matching pattern, or held for a handler not subscr
 session's backlog, ``protocols.transport.hold``). Runs on the network thread; handlers run on the loop.
 
 QoS-1 acknowledgements are by hand: a message is acknowledged once taken (held, refused, a chunk of a message not
-whole yet), and a persistent client's message posted to handlers only once its handler returned (or raised): what
-the handler made durable (the async cloud journals a push, fsynced, before it counts) is, and a node killed in the
-handler gets the message again in its next session. One that arrives or waits on the loop while the client closes
-is left to the broker, which hands it to the client's next session (a node that closes one connection and opens the
-next, as a long-lived cloud does per job); one whose handler closes the client is acknowledged before the
-DISCONNECT. Held messages are acknowledged as they are held (an unacknowledged one would keep its place in the
-broker's in-flight window for as long as no handler comes): a node killed before it subscribed loses them."""
+whole yet), and a persistent client's message posted to handlers only once each of its handlers returned (or raised
+an ``Exception``: a poison message is not handed again): what the handler made durable (the async cloud journals a
+push, fsynced, before it counts) is, and a node killed in the handler (or interrupted there: Ctrl-C) gets the message
+again in its next session. Only a message of one chunk: a chunked one's first chunks are acknowledged as they come
+(held unacknowledged, a large message would fill the broker's in-flight window, 64, and never come whole), so its
+next session gets only its last chunk, which expires; the message is lost as before. One that arrives or waits on
+the loop while the client closes is left to the broker, which hands it to the client's next session (a node that
+closes one connection and opens the next, as a long-lived cloud does per job); one whose handler closes the client
+is acknowledged before the DISCONNECT. Held messages are acknowledged as they are held (an unacknowledged one would
+keep its place in the broker's in-flight window for as long as no handler comes): a node killed before it subscribed
+loses them."""
 
 from __future__ import annotations
 
@@ -75,7 +79,7 @@ class Inbound:
         ack = self._acker(msg.mid, msg.qos) if self.persistent and msg.qos else None
         try:
             if self._receive(msg, ack):
-                return  # posted: acknowledged by the first handler the loop runs (_bind)
+                return  # posted: acknowledged once its handlers ran (_bind)
         except Exception:  # an exception here would kill paho's network thread
             log.exception("%s: failed to handle an incoming message", self.client_id)
         if self._closed and self.persistent:  # closed meanwhile (close() on another thread): dropped or held for
@@ -119,13 +123,24 @@ class Inbound:
                 if self.persistent and not any(topic_matches(p, topic) for p in self._unsubscribed):
                     self._held.offer(topic, whole)
                 return False
+            taken = _after_each(len(targets), ack) if ack is not None else None
             for pattern, handler in targets:
-                self.loop.post(self._bind(pattern, handler, topic, whole, ack))
+                self.loop.post(self._bind(pattern, handler, topic, whole, ack, taken))
         return ack is not None
 
     def _bind(
-        self, pattern: str, handler: Handler, topic: str, payload: bytes, ack: Callable[[], None] | None = None
+        self,
+        pattern: str,
+        handler: Handler,
+        topic: str,
+        payload: bytes,
+        ack: Callable[[], None] | None = None,
+        taken: Callable[[], None] | None = None,
     ) -> Callable[[], None]:
+        """The loop's call of ``handler``; ``taken`` (``ack`` once every handler of the message returned) after it
+        returned or raised an ``Exception`` (a poison message is not handed again), not after a ``BaseException``
+        (Ctrl-C, ``SystemExit`` in the handler: it did not finish, so the next session gets the message)."""
+
         def deliver() -> None:
             if self._closed:  # not acknowledged: the broker hands it to the next session
                 return
@@ -134,10 +149,15 @@ class Inbound:
             try:
                 if entry is not None and handler in entry[1]:  # still subscribed
                     handler(topic, payload)
+            except Exception:
+                if taken is not None:
+                    taken()  # raised: taken all the same (the loop logs it)
+                raise
+            else:
+                if taken is not None:
+                    taken()  # taken once its handlers returned: a node killed in one gets it again
             finally:
                 self._taking = None
-                if ack is not None:
-                    ack()  # taken once its handler returned (or raised): a node killed in it gets it again
 
         return deliver
 
@@ -155,3 +175,15 @@ class Inbound:
 
         self.loop.cancel(self._expiry)
         self._expiry = self.loop.call_later(period, tick)
+
+
+def _after_each(handlers: int, ack: Callable[[], None]) -> Callable[[], None]:
+    """``ack`` once it was called ``handlers`` times (each handler of a message, all on the loop's thread)."""
+    left = [handlers]
+
+    def one_done() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            ack()
+
+    return one_done
