@@ -57,6 +57,19 @@ class CellService:
         self.stopping = threading.Event()
         self.served: list[str] = []  # the jobs this process served, in order
         self.node: CellServer | None = None
+        self.cleared: set[str] = set()  # revoked ids whose retained status under this cell it cleared
+
+    def _take_roster(self, node: CellServer | None, transport: Transport, roster: Roster) -> None:
+        """A newer signed roster: the job's cell server (``node``, while it serves one) applies it; and the retained
+        status of each revoked node under this cell's topics is cleared, once a process: a device revoked between
+        jobs is in no job that would take it out, and its last idle status stayed on the broker for ever
+        ("revoked" in the fleet view beside a status every view refused: its key is gone). An id that was never
+        this cell's device clears nothing."""
+        if node is not None:
+            apply_roster(node, self.cell, roster)
+        for node_id in sorted(roster.revoked - self.cleared):
+            transport.publish(topics.device_status(self.bundle.run.name, self.cell, node_id), b"", retain=True)
+        self.cleared |= roster.revoked
 
     def stop(self) -> None:
         self.stopping.set()
@@ -75,6 +88,7 @@ class CellService:
                     transport.unsubscribe(pattern)
             status = topics.status(fed, topics.cell_node(self.cell))
             watch = JobWatch(transport, fed, self.trust)
+            watch.on_roster = partial(self._take_roster, None, transport)  # between jobs
             period = self.bundle.monitoring.idle_heartbeat
             current = idle_while(self.loop, transport, status, self.trust, period, partial(self._next_job, watch, done))
             if current is None:
@@ -89,7 +103,7 @@ class CellService:
                 transport.close()
                 continue
             node.cloud.pin(current.session)  # tasks of this job's session only, from the start
-            watch.on_roster = lambda roster, node=node: apply_roster(node, self.cell, roster)
+            watch.on_roster = partial(self._take_roster, node, transport)
             if watch.roster is not None:
                 apply_roster(node, self.cell, watch.roster)
             self.node = node

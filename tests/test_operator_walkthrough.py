@@ -958,3 +958,55 @@ def test_a_cancelled_timer_lets_go_of_what_it_would_have_called() -> None:
         assert gone() is None, type(loop).__name__
         assert handle.cancelled
     reactor.close()
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_device_revoked_between_jobs_leaves_no_status_on_the_broker(tmp_path: Path) -> None:
+    """Walk-through: c0-d2 revoked while the federation was idle kept its last idle status, retained, for ever
+    (its cell cleared the status only of a device revoked during a job it served), so every `fedtier fleet` and
+    monitor logged it refused ("unknown signer"). The idle cell now clears it when the signed roster revokes it."""
+    import threading
+
+    from cell_server.service import CellService
+    from protocols.config import TopologySection
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.status import idle_status
+    from protocols.transport.broker import MosquittoBroker
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+    from protocols.wire.keys import Trust, generate_keys
+    from sim.local_federation import federation_bundle
+    from tests.conftest import wait_until
+
+    bundle = federation_bundle(small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}))
+    run, ring = bundle.run.name, generate_keys(TopologySection(cells=1, devices_per_cell=2))
+    trust = {n: Trust(n, ring.private[n], ring.public) for n in ("cloud", "c0", "c0-d1")}
+    roster = Roster.from_topology(run, {"c0": ["c0-d0", "c0-d1"]}, ring.public, 100.0)
+    gone = topics.device_status(run, "c0", "c0-d1")
+    with MosquittoBroker() as broker:
+        loop, watching = ThreadLoop("cell-c0"), ThreadLoop("watch").start()
+        nodes = MqttTransport.from_url(broker.url, "nodes", watching).connect()
+        nodes.publish(gone, idle_status(gone, trust["c0-d1"]), retain=True, qos=1)  # its last, before it went
+        nodes.publish(roster_topic(run), sign_roster(roster.without("c0-d1"), trust["cloud"].sign), retain=True, qos=1)
+        nodes.flush(5.0)
+        seen: list[bytes] = []
+        nodes.subscribe(gone, lambda _t, data: seen.append(data))
+        assert wait_until(lambda: bool(seen), 5.0) and seen[0] != b"", seen  # retained: the broker holds it
+        service = CellService(
+            bundle,
+            "c0",
+            loop,
+            lambda: MqttTransport.from_url(broker.url, "c0", loop).connect(),
+            lambda *_: None,
+            trust["c0"],
+        )
+        thread = threading.Thread(target=service.serve, name="cell-service", daemon=True)
+        thread.start()
+        try:
+            assert wait_until(lambda: seen[-1:] == [b""], 10.0), seen  # cleared, with the cell idle
+        finally:
+            service.stop()
+            thread.join(10)
+            nodes.close()
+            watching.stop()
