@@ -61,6 +61,7 @@ class AsyncCloudServer(CloudServer):
             self._sent = dict.fromkeys(self.cells, self.round)
         self._pushed_from: dict[str, int] = {}  # cell -> the version its last push taken derives from
         self.refusing: dict[str, str] = {}  # cell -> why it refused to work in this job (no version goes to it)
+        self._readmitted: dict[str, int] = {}  # cell -> the version in which it last came back after refusing
         self._asking: set[str] = set()  # cells whose latest status asks for a model (``needs_model``)
         self._holding: set[str] = set()  # cells heard holding a model since they last asked
         # cells ever heard holding a model of this job (or pushing: they held one): their versions say so; journaled
@@ -141,8 +142,9 @@ class AsyncCloudServer(CloudServer):
 
     def _refuses(self, topic: str, cell: str, msg: Incoming, why: str) -> None:
         """``cell`` refuses to work in this job, saying ``why`` (its "failed" push: ``cell_server.async_server``): it
-        is left out of the job (no version goes to it; the record of the version open lists it in ``cells_failed``),
-        and with fewer cells left than ``runtime.min_cells`` the job fails, saying so."""
+        is left out of the job (no version goes to it; the record of the version open lists it in ``cells_failed``)
+        until its status says it no longer refuses (:meth:`_readmit`), and with fewer cells left than
+        ``runtime.min_cells`` the job fails, saying so."""
         refused = (
             Rejected(RejectKind.WRONG_SENDER, f"push of {msg.header.sender!r} on the topic of cell {cell!r}")
             if cell not in self.cells or msg.header.sender != cell
@@ -163,6 +165,21 @@ class AsyncCloudServer(CloudServer):
         failure = too_few_cells(self.cells, out, self.stall.min_cells, [cell], f"refused to work ({why})")
         if failure is not None:
             self.fail(failure)
+
+    def _readmit(self, cell: str, status: dict[str, Any]) -> bool:
+        """``cell`` refused to work; True if its ``status`` says it is back in the job: online and refusing no more
+        (a new start of it: restarted with its journal and ``--resume``, as its reason said), at most once a version
+        (a cell that refuses again, on the next version it is sent, is left out again: once a version too)."""
+        if (
+            status.get("state") != "online"
+            or status.get("refused") is not None
+            or self._readmitted.get(cell) == self.round
+        ):
+            return False
+        self._readmitted[cell] = self.round
+        del self.refusing[cell]
+        log.warning("cloud: cell %s no longer refuses to work (restarted): back in the job", cell)
+        return True
 
     def _allowed(self) -> set[str]:
         """As the cloud of rounds, less the cells that refused to work."""
@@ -222,6 +239,8 @@ class AsyncCloudServer(CloudServer):
         cell = node[len("cell.") :] if node.startswith("cell.") else ""
         record = decode_status(data, topic, self.trust) if cell in self.cells else None
         if record is None or cell in self.revoked or record.get("session", self.session) != self.session:
+            return
+        if cell in self.refusing and not self._readmit(cell, record):
             return
         if record.get("state") != "online":
             self._asking.discard(cell)

@@ -52,6 +52,8 @@ class CellView:
     idle_until: float | None = None  # an idle status older than this (its heartbeat missed) counts as offline
     revoked: str | None = None  # why the federation revoked it (the cloud's round records: ``cells_revoked``)
     failed: str | None = None  # why it failed or refused to work (the cloud's round records: ``cells_failed``)
+    failed_at: int = -1  # the newest cloud record listing it in ``cells_failed``
+    reported_at: int = -1  # the newest cloud record listing it in ``cells_reported`` (after failed_at: back in the job)
     devices_revoked: set[str] = field(default_factory=set)  # its devices its records say were absent as revoked
     records: int = 0
     rejected_total: int = 0
@@ -127,7 +129,10 @@ class MonitorState:
         self.add_revoked(record.cells_revoked or {})
         for cell, why in (record.cells_failed or {}).items():  # it answers every later task so: the first reason kept
             view = self._cell(cell)
-            view.failed = view.failed or why
+            view.failed, view.failed_at = view.failed or why, max(view.failed_at, record.round)
+        for cell in record.cells_reported:  # (an async cell that refused to work is back once restarted properly)
+            view = self._cell(cell)
+            view.reported_at = max(view.reported_at, record.round)
         if record.accuracy is not None:
             self.accuracy = sorted({**dict(self.accuracy), record.round: record.accuracy}.items())
         if record.rounds is not None and record.round + 1 >= record.rounds:
@@ -321,7 +326,7 @@ class MonitorState:
             found.append(("offline", (0.0, cell, f"cell {cell} is offline{why}")))
         if view.revoked is not None:
             found.append(("revoked", (0.0, cell, f"cell {cell} {view.revoked} by the federation: out of the job")))
-        elif view.failed is not None:
+        elif view.failed is not None and view.reported_at <= view.failed_at:
             found.append(("failed", (0.0, cell, f"cell {cell} failed, left out by the cloud: {view.failed}")))
         if view.devices_revoked:
             names = ", ".join(sorted(view.devices_revoked)[:GROUP_ALERTS])

@@ -168,7 +168,8 @@ class RoundRecord(_Record):
     cells_failed: dict[str, str] | None = Field(
         None,
         description="cells that answered 'failed' (their handler raised: runtime.fail_on_cell_failure off), with why; "
-        "async: a cell that refused to work (restarted without its journal), left out of the job from then on",
+        "async: a cell that refused to work (restarted without its journal), left out of the job until it is "
+        "restarted properly (its status refuses no more)",
     )
     cells_revoked: dict[str, str] | None = Field(
         None,

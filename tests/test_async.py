@@ -283,9 +283,12 @@ def test_an_async_cell_restarted_afresh_asks_for_the_model_and_numbers_its_tasks
     assert not refused, refused  # the cell never refused a model
 
 
-def _c0_restarts_without_its_journal(tmp_path, rounds: int, cells: int = 2) -> tuple[SimHierarchy, Any, list]:
+def _c0_restarts_without_its_journal(
+    tmp_path, rounds: int, cells: int = 2, then_resumes: bool = False
+) -> tuple[SimHierarchy, Any, list]:
     """In memory: c0 dies after cloud version 3 and comes back afresh 3 s later with its journal deleted; returns the
-    sim, the run's result and c0's statuses as published (topic, bytes)."""
+    sim, the run's result and c0's statuses as published (topic, bytes). With ``then_resumes``, its journal was only
+    put aside: once c0 refused, the operator stops it, puts the journal back and starts it with ``--resume``."""
     cfg = small_config(
         tmp_path,
         run={"rounds": rounds},
@@ -301,10 +304,28 @@ def _c0_restarts_without_its_journal(tmp_path, rounds: int, cells: int = 2) -> t
     first = sim.cells["c0"] = journaled_c0()
     take = first._on_cell_task
 
+    kept = tmp_path / "kept"
+    kept.mkdir()
+
     def restart() -> None:
         for path in sim.output_dir.glob("cell-c0.journal*"):
-            path.unlink()
+            path.rename(kept / path.name)
         sim.cells["c0"] = again = journaled_c0()
+        again.start()
+        if then_resumes:
+            sim.hub.loop.call_later(1.0, resume)
+
+    def resume() -> None:
+        refused = sim.cells["c0"]
+        if refused.refused is None:
+            if not sim.cloud.finished:
+                sim.hub.loop.call_later(1.0, resume)
+            return
+        refused.transport.close()
+        refused.stop()
+        for path in kept.iterdir():
+            path.rename(sim.output_dir / path.name)
+        sim.cells["c0"] = again = _journaled_c0(sim, samples=False, resume=True)
         again.start()
 
     def on_cell_task(topic: str, data: bytes) -> None:
@@ -353,6 +374,26 @@ def test_an_async_cell_restarted_without_its_journal_refuses_to_work_saying_to_r
     monitor = MonitorState()
     monitor.add_all(parse_record(h) for h in result.history)
     assert f"cell c0 failed, left out by the cloud: {why}" in monitor.alerts(0.0), monitor.alerts(0.0)
+
+
+def test_an_async_cell_that_refused_to_work_is_back_in_the_job_once_restarted_with_its_journal(tmp_path):
+    """c0 refuses to work (started without its journal) and its reason says to restart it with its journal and
+    --resume; the operator does: the cloud takes it back (it works again: its status holds a model, no refusal), sends
+    it the current version, and later versions count its pushes. Before, it stayed left out of the job for good (no
+    version went to it, as its reason said to do), while the pushes of its journaled model were still aggregated."""
+    from monitor.state import MonitorState
+    from protocols.records import parse_record
+
+    sim, result, _ = _c0_restarts_without_its_journal(tmp_path, 16, then_resumes=True)
+    back = sim.cells["c0"]
+    assert back.refused is None and back.fb.ready, back.refused
+    assert not sim.cloud.refusing and not sim.cloud.failed, (sim.cloud.refusing, sim.cloud.failed)
+    refused_at = next(h["round"] for h in result.history if h.get("cells_failed"))
+    later = [h["round"] for h in result.history if h["round"] > refused_at and "c0" in h["cells_reported"]]
+    assert later and back.fb.global_version > refused_at, (refused_at, later, back.fb.global_version)
+    monitor = MonitorState()
+    monitor.add_all(parse_record(h) for h in result.history)
+    assert not [a for a in monitor.alerts(0.0) if "left out by the cloud" in a], monitor.alerts(0.0)  # back in it
 
 
 def test_an_async_cell_that_refuses_to_work_fails_the_job_it_was_the_last_cell_of(tmp_path):
