@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import partial
 
 from protocols.config import RunConfig
-from protocols.jobs import CurrentJob, JobError, JobWatch
+from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
 from protocols.status import idle_while
 from protocols.transport.base import Transport
@@ -98,7 +98,7 @@ class CellService:
                 cfg = current.run_config(self.bundle, self.cell)
                 node = self.build(cfg, transport)
             except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
-                log.error("cell %s cannot serve job %s: %s", self.cell, current.job, exc)
+                say_cannot_serve(f"cell {self.cell}", current.job, exc)
                 done.add(current.session)
                 transport.close()
                 continue

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from protocols.config import RunConfig
 from protocols.failures import MAX_REASON
-from protocols.jobs import CurrentJob, JobError, JobWatch
+from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.status import idle_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
@@ -86,7 +86,7 @@ class AgentService:
                 try:
                     fresh = self.build(current.run_config(self.bundle, self.devices), current.session)
                 except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
-                    log.error("devices %s cannot serve job %s: %s", ", ".join(self.devices[:3]), current.job, exc)
+                    say_cannot_serve(f"devices {', '.join(self.devices[:3])}", current.job, exc)
                     done.add(current.session)
                     self.unfit = {"session": current.session, "reason": str(exc)[:MAX_REASON]}
                     if agents is not None:  # said in their idle statuses: the job's cells do not wait for them

@@ -61,6 +61,17 @@ class JobError(ConfigError):
     """A job that cannot be accepted, or a job record that is malformed; the text says why."""
 
 
+class NotAMember(JobError):
+    """A node that is not in a job's membership (the roster when the job was submitted): one enrolled since then
+    takes part from the next job, as it should (not a fault: :func:`say_cannot_serve` warns, not errs)."""
+
+
+def say_cannot_serve(who: str, job: str, exc: Exception) -> None:
+    """Log why ``who`` (a cell, or an agent's devices) cannot serve ``job``: an error, but a warning for a node
+    enrolled after the job was submitted (:class:`NotAMember`), which the tutorial says waits for the next job."""
+    (log.warning if isinstance(exc, NotAMember) else log.error)("%s cannot serve job %s: %s", who, job, exc)
+
+
 # ------------------------------------------------------------------------------------------------ jobs
 def check_plugins(data: dict[str, Any], bundle: RunConfig, what: str) -> None:
     """A job's ``run.plugins`` are modules every node imports while it reads the job: a node imports only those
@@ -254,7 +265,10 @@ class CurrentJob:
         topo = cfg.topology
         for n in [node] if isinstance(node, str) else (node or []):
             if n not in topo.cell_ids() and topo.cell_of(n) is None:
-                raise JobError(f"{n} is not a member of job {self.job} (the federation's roster when it was submitted)")
+                raise NotAMember(
+                    f"{n} is not a member of job {self.job} (the federation's roster when it was submitted): "
+                    "enrolled since, it takes part from the next job"
+                )
         check_wire(cfg)
         return localize(cfg, bundle, self.job)
 

@@ -421,3 +421,28 @@ def test_a_job_that_ends_without_finishing_leaves_a_summary_saying_how_in_its_ru
     assert queue.get("b").state == "cancelled" and ended[-1] == "b stopped", ended
     states = RunDirFollower(folder("b")).poll_states()
     assert [(s["phase"], s["reason"]) for s in states] == [("stopped", "cancelled by the operator")], states
+
+
+def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_not_errored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Walk-through: c1-d2 enrolled while job-long2 ran logged ERROR "cannot serve job job-long2: c1-d2 is not a
+    member", though the tutorial says an enrolled device takes part from the next job. It is a warning that says
+    so; a job a node really cannot serve (a config it refuses) is still an error."""
+    import logging
+
+    from protocols.jobs import say_cannot_serve
+
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n", fed)
+    current = CurrentJob("a1", text, config_hash(text))
+    with pytest.raises(JobError) as late:
+        current.run_config(fed, "c0-d9")  # enrolled since the job's roster
+    with pytest.raises(JobError) as bad:
+        CurrentJob("a1", text, "0" * 64).run_config(fed, "c0-d0")
+    with caplog.at_level(logging.INFO, logger="fedtier.jobs"):
+        say_cannot_serve("devices c0-d9", "a1", late.value)
+        say_cannot_serve("devices c0-d0", "a1", bad.value)
+    (enrolled, refused) = caplog.records
+    assert enrolled.levelno == logging.WARNING and "takes part from the next job" in enrolled.getMessage()
+    assert refused.levelno == logging.ERROR and "does not match its hash" in refused.getMessage()
