@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tomllib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +34,20 @@ class Prepared:
     spec: ModelSpec
 
 
+KEPT_DATA_BYTES = 256 << 20  # devices' copied samples kept for their agents' next builds (least recent dropped first)
+
+
 class DeviceData(Mapping[str, LocalData]):
-    """Each device's samples by id, copied out of the dataset when asked for: the partition stays a
-    set of index views, and only the devices that are built hold their data."""
+    """Each device's samples by id, copied out of the dataset when first asked for: the partition stays a
+    set of index views, and the copies are kept up to ``KEPT_DATA_BYTES`` (least recently asked for dropped
+    first), so an agent that a lazy population drops when idle and builds again at its next task gets the
+    same arrays back instead of a fresh copy every round (the cohort engine then finds them where it put them
+    last time, e.g. on a GPU). Nobody writes into a device's samples."""
 
     def __init__(self, ds: Dataset, topology: TopologySection, parts: Sequence[Sequence[np.ndarray]]) -> None:
         self.ds, self.topology, self.parts = ds, topology, parts
+        self._kept: OrderedDict[str, LocalData] = OrderedDict()
+        self._kept_bytes = 0
         self._where: dict[str, tuple[int, int]] | None = None
         if not topology.uniform():  # explicit members: a table (such topologies are small)
             self._where = {
@@ -61,8 +70,20 @@ class DeviceData(Mapping[str, LocalData]):
         return self.parts[cell][j]
 
     def __getitem__(self, device: str) -> LocalData:
+        kept = self._kept.get(device)
+        if kept is not None:
+            self._kept.move_to_end(device)
+            return kept
         idx = self.indices(device)
-        return LocalData(self.ds.x_train[idx], self.ds.y_train[idx])
+        data = LocalData(self.ds.x_train[idx], self.ds.y_train[idx])
+        size = data.x.nbytes + data.y.nbytes
+        if size <= KEPT_DATA_BYTES:
+            self._kept[device] = data
+            self._kept_bytes += size
+            while self._kept_bytes > KEPT_DATA_BYTES:
+                _, old = self._kept.popitem(last=False)
+                self._kept_bytes -= old.x.nbytes + old.y.nbytes
+        return data
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.topology.devices())

@@ -214,7 +214,7 @@ def device_steps(cfg: RunConfig, prep: Any) -> Callable[[str], int]:
     from protocols.trainer import num_steps
 
     t = cfg.train
-    return lambda d: num_steps(len(prep.device_data[d]), t.batch_size, t.local_steps, t.local_epochs)
+    return lambda d: num_steps(len(prep.device_data.indices(d)), t.batch_size, t.local_steps, t.local_epochs)
 
 
 def cell_bounds(cfg: RunConfig, device_data: DeviceData) -> CellBounds:

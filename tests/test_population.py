@@ -89,3 +89,27 @@ def test_large_populations_count_absent_devices_instead_of_listing_them(make_con
 
     out = CliRunner().invoke(main, ["logs", str(tmp_path / "counted")])
     assert out.exit_code == 0 and "not participating" in out.output
+
+
+def test_an_agent_built_again_gets_its_devices_samples_back_not_a_fresh_copy(make_config, tmp_path, monkeypatch):
+    """A dropped agent's next build finds its device's samples where they were (the same arrays: no copy a round,
+    and an engine that keeps data sets by array finds them); beyond the bound the oldest are copied again."""
+    import numpy as np
+
+    import sim.hierarchy as H
+
+    sim = SimHierarchy(partial(make_config, tmp_path, "kept"))
+    result = sim.run()
+    data = sim.prep.device_data
+    took_part = sorted({d for r in result.cell_records for d in r["planned"]})
+    assert len(took_part) > 3  # agents were dropped and built again for other devices
+    for d in took_part:  # each agent was built for its tasks and dropped when idle: its samples were kept
+        again, idx = data[d], data.indices(d)
+        assert data[d] is again and np.array_equal(again.x, data.ds.x_train[idx])
+    a, b = took_part[:2]
+    monkeypatch.setattr(H, "KEPT_DATA_BYTES", data[a].x.nbytes + data[a].y.nbytes)  # room for one device's
+    small = H.DeviceData(data.ds, data.topology, data.parts)
+    first = small[a]
+    assert small[a] is first
+    small[b]  # drops a's
+    assert small[a] is not first and np.array_equal(small[a].x, first.x)
