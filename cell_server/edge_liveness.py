@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedtier.cell")
 
+MAX_RESENDS = 3
+"""Times a device's task is sent again in one edge round, at most: each return (a status back online while its
+result is pending) costs the cell a whole task, so a device that lies, flipping its status, gets no more."""
+
 
 class Host(Protocol):
     """What the edge round's liveness needs of its cell server (``cell_server.server.CellServer`` is one): where
@@ -68,14 +72,26 @@ def on_status(cell: Host, device: str, change: StatusChange) -> None:
     if change.online and change.heard and pending(cell, device) and device in cell.edge.tasks:
         # back (an agent restarted, or reconnected with a new session) while its result is
         # pending: the task it was given may be lost with its old process
-        log.warning(
-            "cell %s: %s is back while its result of %d.%d is pending: its task again",
-            cell.cell,
-            device,
-            cell.round,
-            cell.edge_round,
-        )
-        cell.send_task(device, again=True)  # counted apart: a reconnect is no part of the job's traffic
+        again = cell.edge.resent[device] = cell.edge.resent.get(device, 0) + 1
+        if again <= MAX_RESENDS:
+            log.warning(
+                "cell %s: %s is back while its result of %d.%d is pending: its task again",
+                cell.cell,
+                device,
+                cell.round,
+                cell.edge_round,
+            )
+            cell.send_task(device, again=True)  # counted apart: a reconnect is no part of the job's traffic
+        elif again == MAX_RESENDS + 1:
+            log.warning(
+                "cell %s: %s is back again while its result of %d.%d is pending: its task was sent again %d times "
+                "in this edge round, no more",
+                cell.cell,
+                device,
+                cell.round,
+                cell.edge_round,
+                MAX_RESENDS,
+            )
     if change.online:
         cell.loop.cancel(cell.liveness.leaving.pop(device, None))
     else:

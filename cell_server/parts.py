@@ -60,6 +60,7 @@ class EdgeRound:
     bytes_in: int = 0
     bytes_out: int = 0  # the first send of each task (the same in every run of the job)
     bytes_resent: int = 0  # tasks sent again (a device back while its result was pending): apart, run-dependent
+    resent: dict[str, int] = field(default_factory=dict)  # device -> times its task was sent again (bounded)
     t0: float = 0.0  # loop time it started
     wall0: float = 0.0  # perf_counter when it started
     since: float = 0.0  # wall time its tasks left

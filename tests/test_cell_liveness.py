@@ -323,3 +323,23 @@ def test_a_task_sent_again_is_counted_apart_from_the_first_sends(tmp_path: Path)
     assert registry.get_sample_value(
         "fedtier_cell_bytes_total", {"run": "t", "cell": "c0", "tier": "cell_to_device"}
     ) == sum(n for _, n in sent[:3])
+
+
+def test_a_device_flipping_its_status_gets_its_task_again_a_bounded_number_of_times(tmp_path: Path) -> None:
+    """Each return of a device while its result is pending costs the cell its whole task again (a model): a device
+    with valid credentials that flips its status offline/online (a few hundred bytes each) had it sent again at each
+    flip, unbounded (20 flips: 20 tasks). At most ``MAX_RESENDS`` an edge round now; an honest return still gets it."""
+    from cell_server.edge_liveness import MAX_RESENDS
+
+    c = Cell(tmp_path)
+    for d in DEVICES:
+        c.status(d, "online")
+    c.run_until(lambda: len(c.tasks) == 3)
+    for _ in range(20):
+        c.status("c0-d1", "offline")
+        c.status("c0-d1", "online")
+    c.run_until(lambda: bool(c.cell.records))  # no device answers: the edge round closes at its deadline
+    record = c.cell.records[0]
+    first = c.tasks[0][1:]  # (round, edge round): then the next edge round's tasks
+    assert [t for t in c.tasks[3:] if t[1:] == first] == [("c0-d1", *first)] * MAX_RESENDS, c.tasks
+    assert record["bytes_resent"] == MAX_RESENDS * record["bytes_out"] // 3, record  # the 3 tasks are the same size
