@@ -372,3 +372,39 @@ def test_a_signed_async_fedtier_run_finishes_with_every_result_signed(runs: dict
     assert set(verified) == set(cfg.topology.all_devices())
     assert same(load_params(result.output_dir / runfiles.FINAL_MODEL), result.params)
     assert result.history[-1]["accuracy"] > 0.3  # 10 digit classes: chance is 0.1 (the sim's 4th version: 0.55)
+
+
+def test_a_keys_file_rewritten_stays_private_and_whole_when_the_disk_fills(tmp_path: Path, monkeypatch) -> None:
+    """Rotating a node's identity or rewriting a federation's keys (``overwrite``) truncated the keys file in place
+    and wrote it with no fsync: a full disk (or a crash) then left an empty file, every private key in it lost (a
+    federation's keys.toml holds the cloud's signing key), and a file made readable by others stayed so. Now the old
+    file stays whole until the new one is durable, and the new one is the owner's only."""
+    import errno
+
+    ring = generate_keys(small_config(tmp_path).topology)
+    path = write_keys(tmp_path / "keys" / "keys.toml", ring)
+    before = path.read_bytes()
+    fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, f) -> None:  # type: ignore[no-untyped-def]
+            self.f = f
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            return self
+
+        def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
+            self.f.close()
+
+        def write(self, data) -> int:  # type: ignore[no-untyped-def]
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: FullDisk(fdopen(fd, *a, **k)))
+    with pytest.raises(OSError):
+        write_keys(path, ring, comment="rotated", overwrite=True)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and load_keys(path).private == ring.private
+    assert [p.name for p in path.parent.iterdir()] == ["keys.toml"]  # no temporary file left
+    os.chmod(path, 0o644)  # e.g. copied with the wrong mode
+    write_keys(path, ring, comment="rotated", overwrite=True)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and load_keys(path).private == ring.private

@@ -123,16 +123,24 @@ def dump_keys(ring: KeyRing, comment: str = "") -> str:
 
 
 def write_keys(path: str | Path, ring: KeyRing, comment: str = "", overwrite: bool = False) -> Path:
-    """Write a keys file readable by its owner only; refuses to replace one unless ``overwrite``."""
+    """Write a keys file readable by its owner only (mode 600, also when it replaces one that was not), whole or
+    not at all and durably (``protocols.checkpoint.write_durably``: a crash or a full disk while a key is rotated
+    or a federation's keys are rewritten leaves the old file, never a truncated one); a file replaced keeps its
+    owner (a node's service user). Refuses to replace one unless ``overwrite``."""
+    from ..checkpoint import write_durably  # (protocols.checkpoint reads the wire format: imported when used)
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except FileExistsError:
-        raise KeysError(f"{path} exists (use --force to replace it)") from None
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(dump_keys(ring, comment))
+    if not overwrite and os.path.lexists(path):
+        raise KeysError(f"{path} exists (use --force to replace it)")
+
+    def keep_owner(tmp: Path) -> None:
+        try:
+            st = path.stat()
+            os.chown(tmp, st.st_uid, st.st_gid)
+        except (FileNotFoundError, PermissionError):
+            pass  # new, or not root: the file is ours
+
+    write_durably(path, dump_keys(ring, comment).encode(), before_rename=keep_owner)
     return path
 
 
