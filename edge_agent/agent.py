@@ -14,7 +14,7 @@ from protocols.status import IDLE, beat_stamp, encode_status
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
 from protocols.wire import topics
-from protocols.wire.envelope import Header
+from protocols.wire.envelope import Header, Segments
 from protocols.wire.messenger import Messenger, Received
 from protocols.wire.payload import Payload
 
@@ -140,7 +140,7 @@ class DeviceAgent:
         de-duplication of messages); does not announce."""
         self.transport = transport
         self.messenger.attach(transport)  # chunk signing and the message bound on the new connection too
-        transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task)
+        transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task, segments=True)
 
     def announce(
         self, state: str, qos: int = 1, heartbeat: float = 0.0, unfit: Mapping[str, str] | None = None
@@ -181,11 +181,11 @@ class DeviceAgent:
             self.announce("offline")
             self.transport.close()
 
-    def receive_task(self, topic: str, data: bytes) -> None:
+    def receive_task(self, topic: str, data: bytes | Segments) -> None:
         """Handle one message of this device's task topic (as its subscription does)."""
         self._on_task(topic, data)
 
-    def _on_task(self, topic: str, data: bytes) -> None:
+    def _on_task(self, topic: str, data: bytes | Segments) -> None:
         msg = self.messenger.receive(topic, data, kinds=self._task_kinds)
         if msg is None:
             return

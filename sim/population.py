@@ -27,6 +27,7 @@ from protocols.config import RunConfig
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
+from protocols.wire.envelope import Segments
 
 TRAFFIC = ("bytes_in", "bytes_out", "tasks")
 
@@ -57,7 +58,7 @@ class Population(Mapping[str, DeviceAgent]):
         self._started = False
         self._announced: set[str] = set()
         self._listener = hub.connect("population")
-        self._listener.subscribe(topics.device_task(self.run, "+", "+"), self._on_task)
+        self._listener.subscribe(topics.device_task(self.run, "+", "+"), self._on_task, segments=True)
         self._listener.subscribe(topics.round_manifest(self.run), lambda _t, _d: self.drop_idle())
 
     # ------------------------------------------------------------------ Mapping over the topology
@@ -141,7 +142,7 @@ class Population(Mapping[str, DeviceAgent]):
                 agent.attach(agent.transport)
         return agent
 
-    def _on_task(self, topic: str, data: bytes) -> None:
+    def _on_task(self, topic: str, data: bytes | Segments) -> None:
         """A task for a device: the first one builds its agent, which takes it at once."""
         parts = topic.split("/")
         device, cell = parts[-2], parts[-4]

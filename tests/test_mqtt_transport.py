@@ -220,6 +220,42 @@ def test_large_payload_chunked_and_delivered_once(clients, loop, prefix) -> None
     assert len(inbox.items) == 2
 
 
+def test_a_task_framed_as_segments_goes_out_chunked_as_its_joined_bytes(clients, loop, prefix, monkeypatch) -> None:
+    """A signed 1.2 MB task as segments (the in-memory transport's form) published on MQTT: joined once, chunked,
+    and delivered as exactly the bytes ``Messenger.frame`` makes; the device's messenger accepts its signature. A
+    messenger on MQTT frames its messages joined (MQTT does not take segments)."""
+    import numpy as np
+
+    from protocols.wire import messenger as messenger_module
+    from protocols.wire.keys import Trust, new_seed, public_of
+    from protocols.wire.messenger import Messenger
+    from protocols.wire.payload import Payload
+
+    seeds = {"c0": new_seed(), "c0-d0": new_seed()}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    pub, sub, inbox = clients(max_chunk=64 * 1024), clients(max_chunk=64 * 1024), Inbox(loop)
+    topic = f"{prefix}/cell/c0/down/c0-d0/task"
+    sub.subscribe(topic, inbox)
+    assert sub.wait_subscribed(WAIT) and not pub.takes_segments
+    cell = Messenger(pub, "t", "c0", trust=Trust("c0", seeds["c0"], public))
+    task = Payload({"from": 1}, {"w": np.linspace(-1, 1, 300_000, dtype=np.float32)})
+    ids = iter(["a" * 16, "a" * 16, "b" * 16])  # the same message framed both ways, then another
+    monkeypatch.setattr(messenger_module, "new_msg_id", lambda: next(ids))
+    seg = cell.frame_shared("device_task", task, round=1, cell="c0", topic=topic)
+    joined = cell.frame("device_task", task, round=1, cell="c0", topic=topic)
+    assert bytes(seg) == joined and len(joined) > 1_200_000
+    pub.publish(topic, seg)
+    sent = cell.send(topic, "device_task", task, round=2, cell="c0")
+    got = inbox.wait_n(2)
+    assert got[0] == (topic, joined) and len(got[1][1]) == sent
+    device = Messenger(sub, "t", "c0-d0", trust=Trust("c0-d0", seeds["c0-d0"], public))
+    for _, data in got:
+        msg = device.receive(topic, data)
+        assert msg is not None and msg.nbytes == len(data)
+        np.testing.assert_array_equal(msg.payload.tensors["w"], task.tensors["w"])
+    assert pub.flush(WAIT) and pub.stats.packets_out > 2 * 18  # each message in 64 KiB chunks
+
+
 def test_reassembly_memory_bound(clients, loop, prefix, caplog) -> None:
     pub = clients(max_chunk=4096)
     sub, inbox = clients(max_chunk=4096, max_reassembly_bytes=50_000), Inbox(loop)

@@ -10,7 +10,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..wire.envelope import Segments
 
 Handler = Callable[[str, bytes], None]
 """Called with (topic, payload) on the node's event loop."""
@@ -78,16 +81,23 @@ class Transport(ABC):
 
     client_id: str
     loop: EventLoop
+    takes_segments: bool = False
+    """Whether :meth:`publish` carries a message as :class:`~protocols.wire.envelope.Segments` to the handlers that
+    take them, unjoined (the in-memory transport); every transport accepts them (one that needs one buffer joins)."""
 
     @abstractmethod
-    def publish(self, topic: str, payload: bytes | memoryview, *, qos: int = 1, retain: bool = False) -> None:
+    def publish(
+        self, topic: str, payload: bytes | memoryview | Segments, *, qos: int = 1, retain: bool = False
+    ) -> None:
         """Queue ``payload`` for everyone subscribed to ``topic``. Never blocks on the network. ``payload``: a
-        message's bytes, or a read-only view of lent bytes (a message framed in place,
-        ``protocols.wire.payload.Headroom``)."""
+        message's bytes, a read-only view of lent bytes (a message framed in place,
+        ``protocols.wire.payload.Headroom``), or its segments (``protocols.wire.envelope.Segments``)."""
 
     @abstractmethod
-    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1) -> None:
-        """Deliver messages matching ``pattern`` to ``handler`` on this node's loop."""
+    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1, segments: bool = False) -> None:
+        """Deliver messages matching ``pattern`` to ``handler`` on this node's loop. ``segments``: the handler takes a
+        message as :class:`~protocols.wire.envelope.Segments` (it reads it with ``Messenger.receive``), which a
+        transport that carries them (``takes_segments``) then hands it unjoined; otherwise it always gets bytes."""
 
     @abstractmethod
     def unsubscribe(self, pattern: str) -> None:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeGuard
 
+from ..wire.envelope import Segments
 from ..wire.payload import Lent
 from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
 
@@ -129,10 +130,13 @@ class _Held:
 class _Sub:
     """One subscription; ``seq`` orders deliveries (subscription order, as one list would)."""
 
-    __slots__ = ("seq", "client_id", "pattern", "handler", "group")
+    __slots__ = ("seq", "client_id", "pattern", "handler", "group", "segments")
 
-    def __init__(self, seq: int, client_id: str, pattern: str, handler: Handler, group: dict[int, _Sub]) -> None:
+    def __init__(
+        self, seq: int, client_id: str, pattern: str, handler: Handler, group: dict[int, _Sub], segments: bool
+    ) -> None:
         self.seq, self.client_id, self.pattern, self.handler, self.group = seq, client_id, pattern, handler, group
+        self.segments = segments  # the handler takes a message as Segments (else it gets the joined bytes)
 
 
 def _literal_key(pattern: str) -> tuple[int, str] | None:
@@ -190,15 +194,23 @@ class MemoryHub:
                 found.sort(key=lambda s: s.seq)
         return found
 
-    def _route(self, topic: str, payload: bytes, retain: bool) -> None:
+    def _route(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
+        """Deliver ``payload`` to the subscriptions ``topic`` reaches; a message as :class:`Segments` to the handlers
+        that take them, else joined (once for all of them), as a retained message is."""
+        joined = payload if type(payload) is bytes else None
         if retain:
-            self._retain(topic, payload)
+            joined = joined or bytes(payload)
+            self._retain(topic, joined)
         delay = self.link_delay(topic, len(payload)) if self.link_delay is not None else 0.0
         for sub in self._matching(topic):
-            if delay > 0:
-                self.loop.call_later(delay, _bind(sub.handler, topic, payload, self, sub.client_id))
+            if sub.segments or type(payload) is not Segments:
+                data: bytes | Segments = payload
             else:
-                self.loop.post(_bind(sub.handler, topic, payload, self, sub.client_id))
+                data = joined = joined or bytes(payload)
+            if delay > 0:
+                self.loop.call_later(delay, _bind(sub.handler, topic, data, self, sub.client_id))
+            else:
+                self.loop.post(_bind(sub.handler, topic, data, self, sub.client_id))
 
     def _retain(self, topic: str, payload: bytes) -> None:
         parent = topic.rpartition("/")[0]
@@ -221,10 +233,10 @@ class MemoryHub:
             return list(self._retained_under.get(pattern[:-2], ()))
         return [t for t in self._retained if topic_matches(pattern, t)]
 
-    def _subscribe(self, client_id: str, pattern: str, handler: Handler) -> None:
+    def _subscribe(self, client_id: str, pattern: str, handler: Handler, segments: bool = False) -> None:
         key = _literal_key(pattern)
         group = self._exact.setdefault(pattern, {}) if key is None else self._wild.setdefault(key, {})
-        sub = _Sub(next(self._seq), client_id, pattern, handler, group)
+        sub = _Sub(next(self._seq), client_id, pattern, handler, group, segments)
         group[sub.seq] = sub
         self._by_client.setdefault(client_id, {})[sub.seq] = sub
         for topic in self._retained_for(pattern):
@@ -250,10 +262,12 @@ class MemoryHub:
         return client_id in self._clients
 
 
-def _bind(handler: Handler, topic: str, payload: bytes, hub: MemoryHub, client_id: str) -> Callable[[], None]:
+def _bind(
+    handler: Handler, topic: str, payload: bytes | Segments, hub: MemoryHub, client_id: str
+) -> Callable[[], None]:
     def deliver() -> None:
         if hub._is_connected(client_id):  # a client that left meanwhile gets nothing
-            handler(topic, payload)
+            handler(topic, payload)  # type: ignore[arg-type]  # Segments only to a handler subscribed for them
 
     return deliver
 
@@ -261,19 +275,27 @@ def _bind(handler: Handler, topic: str, payload: bytes, hub: MemoryHub, client_i
 class MemoryTransport(Transport):
     """One node's connection to a :class:`MemoryHub`."""
 
+    takes_segments = True
+
     def __init__(self, hub: MemoryHub, client_id: str, will: Will | None) -> None:
         self.hub, self.client_id, self.loop, self._will = hub, client_id, hub.loop, will
         self._open = True
 
-    def publish(self, topic: str, payload: bytes | memoryview, *, qos: int = 1, retain: bool = False) -> None:
+    def publish(
+        self, topic: str, payload: bytes | memoryview | Segments, *, qos: int = 1, retain: bool = False
+    ) -> None:
         """Route ``payload`` as it is where it cannot change (``bytes``, a message framed in lent bytes: the
-        handlers read it as they read bytes, ``Messenger.receive``), else a copy of it."""
+        handlers read it as they read bytes, ``Messenger.receive``; a message's :class:`Segments`: its envelope and
+        an immutable shared payload), else a copy of it."""
         if self._open:
-            self.hub._route(topic, payload if frozen(payload) else bytes(payload), retain)
+            if isinstance(payload, Segments):
+                self.hub._route(topic, payload, retain)
+            else:
+                self.hub._route(topic, payload if frozen(payload) else bytes(payload), retain)
 
-    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1) -> None:
+    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1, segments: bool = False) -> None:
         if self._open:
-            self.hub._subscribe(self.client_id, pattern, handler)
+            self.hub._subscribe(self.client_id, pattern, handler, segments)
 
     def unsubscribe(self, pattern: str) -> None:
         self.hub._unsubscribe(self.client_id, pattern)

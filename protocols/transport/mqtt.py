@@ -30,6 +30,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 
 from ..wire import chunking
+from ..wire.envelope import Segments
 from .base import EventLoop, Handler, TimerHandle, Transport, Will
 from .hold import Hold, HoldLimits
 from .inbound import Inbound
@@ -317,11 +318,13 @@ class MqttTransport(Inbound, Transport):
         self._client._clean_session = False  # paho reads it for every CONNECT
 
     # -- Transport -------------------------------------------------------------------------
-    def publish(self, topic: str, payload: bytes | memoryview, *, qos: int = 1, retain: bool = False) -> None:
+    def publish(
+        self, topic: str, payload: bytes | memoryview | Segments, *, qos: int = 1, retain: bool = False
+    ) -> None:
         if self._closed:
             log.debug("%s: publish on %s after close dropped", self.client_id, topic)
             return
-        payload = bytes(payload)
+        payload = bytes(payload)  # (paho takes one buffer: a message's segments joined here)
         parts = chunking.split(payload, self.max_chunk, topic=topic, auth=self._chunk_auth)
         if retain and len(parts) > 1:
             raise ValueError(f"retained message on {topic} is {len(payload)} bytes; it must fit in one chunk")
@@ -342,7 +345,7 @@ class MqttTransport(Inbound, Transport):
                     else:
                         self._unacked.add(info.mid)
 
-    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1) -> None:
+    def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1, segments: bool = False) -> None:
         with self._cv:
             old_qos, handlers = self._subs.get(pattern, (qos, []))
             self._subs[pattern] = (max(qos, old_qos), [*handlers, handler])

@@ -95,7 +95,63 @@ Buffers = Sequence[Any]
 """A payload as buffers in order (``bytes`` or byte arrays, e.g. :func:`~protocols.wire.payload.payload_parts`)."""
 
 
-def _sha256(payload: bytes | memoryview | Buffers) -> bytes:
+class SharedPayload:
+    """A payload's encoded bytes made once for every message that carries them (a cell's task to each device of an
+    edge round, ``Messenger.send``): ``data[start:]``, in immutable ``bytes`` (the first such message's, or the
+    payload's own), their sha256 computed at most once (for all the messages signed over them, and all the
+    signatures checked over them) and, once a receiver of this process checked their floats finite, not read for it
+    again (``finite``: set by ``Messenger.receive`` only)."""
+
+    __slots__ = ("data", "start", "_digest", "finite")
+
+    def __init__(self, data: bytes, start: int = 0, digest: bytes | None = None) -> None:
+        """``digest``: the sha256 of ``data[start:]`` where the framing that made ``data`` computed it already."""
+        if type(data) is not bytes:  # the one guarantee receivers rely on: nobody can change them
+            raise TypeError(f"a shared payload is immutable bytes, not {type(data).__name__}")
+        if not 0 <= start <= len(data):
+            raise ValueError(f"a shared payload starts within its {len(data)} bytes, not at {start}")
+        self.data, self.start = data, start
+        self._digest = digest
+        self.finite = False
+
+    def __len__(self) -> int:
+        return len(self.data) - self.start
+
+    def view(self) -> memoryview:
+        """The payload's bytes, read-only."""
+        return memoryview(self.data)[self.start :]
+
+    def digest(self) -> bytes:
+        """sha256 of the bytes (computed at the first call: the bytes never change)."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.view()).digest()
+        return self._digest
+
+
+class Segments:
+    """A message as its two segments: its own envelope ``head`` (:func:`envelope_head`) and a :class:`SharedPayload`
+    that other messages carry too. Its bytes are ``head + payload``, the message :func:`encode_message` makes, never
+    joined where the in-memory transport carries it (its receivers decode the segments: :func:`decode_message`); a
+    socket that needs one buffer joins them (``bytes(message)``)."""
+
+    __slots__ = ("head", "body")
+
+    def __init__(self, head: bytes, body: SharedPayload) -> None:
+        if type(head) is not bytes or type(body) is not SharedPayload:  # both immutable: receivers share them
+            raise TypeError("a message's segments are its envelope's bytes and a SharedPayload")
+        self.head, self.body = head, body
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.body)
+
+    def __bytes__(self) -> bytes:
+        return b"".join((self.head, self.body.view()))
+
+
+def payload_digest(payload: bytes | memoryview | Buffers | SharedPayload) -> bytes:
+    """The sha256 of a payload (its bytes, its buffers in order, or shared) that a signature covers."""
+    if isinstance(payload, SharedPayload):
+        return payload.digest()
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return hashlib.sha256(payload).digest()
     h = hashlib.sha256()
@@ -104,17 +160,21 @@ def _sha256(payload: bytes | memoryview | Buffers) -> bytes:
     return h.digest()
 
 
-def _nbytes(payload: bytes | memoryview | Buffers) -> int:
+def _nbytes(payload: bytes | memoryview | Buffers | SharedPayload) -> int:
+    if isinstance(payload, SharedPayload):
+        return len(payload)
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return memoryview(payload).nbytes
     return sum(len(p) if type(p) is bytes else memoryview(p).nbytes for p in cast(Buffers, payload))
 
 
-def signed_bytes(topic: str, header_wo_sig: bytes, payload: bytes | memoryview | Buffers) -> bytes:
+def signed_bytes(
+    topic: str, header_wo_sig: bytes, payload: bytes | memoryview | Buffers | SharedPayload, digest: bytes | None = None
+) -> bytes:
     """What a message signature covers: the topic it is published on, the header (run, session, kind,
     round, edge round, cell, sender, message id, payload length) and the payload's sha256 (``payload``
-    as bytes or as its buffers in order: the same digest)."""
-    return b"".join((SIGNED_DOMAIN, topic.encode(), b"\0", header_wo_sig, _sha256(payload)))
+    as bytes, as its buffers in order, or shared: the same digest; ``digest``: it, computed already)."""
+    return b"".join((SIGNED_DOMAIN, topic.encode(), b"\0", header_wo_sig, digest or payload_digest(payload)))
 
 
 def encode_sig(sig: bytes) -> str:
@@ -128,16 +188,25 @@ def decode_sig(text: str) -> bytes:
         raise WireError(RejectKind.SIGNATURE, "malformed signature") from None
 
 
-def envelope_head(header: Header, payload: bytes | Buffers, sign: Signer | None = None, topic: str = "") -> bytes:
+def envelope_head(
+    header: Header,
+    payload: bytes | Buffers | SharedPayload,
+    sign: Signer | None = None,
+    topic: str = "",
+    digest: bytes | None = None,
+) -> bytes:
     """A message's bytes before its payload: ``MAGIC | u32 header length | header JSON``, with ``header``'s
     ``payload_len`` set here; signed for ``topic`` when ``sign`` is given (``payload`` as in :func:`encode_message`).
     The one encoder of the envelope: :func:`encode_message` joins the payload behind it, a lent payload with room
-    before it takes it in place (:class:`~protocols.wire.payload.Headroom`)."""
+    before it takes it in place (:class:`~protocols.wire.payload.Headroom`). ``digest``: :func:`payload_digest` of
+    ``payload`` where the caller computed it already."""
     size = _nbytes(payload)
     if header.payload_len != size or header.sig is not None:  # (a header made for this payload is kept)
         header = header.model_copy(update={"payload_len": size, "sig": None})
     if sign is not None:
-        header = header.model_copy(update={"sig": encode_sig(sign(signed_bytes(topic, header.to_json(), payload)))})
+        header = header.model_copy(
+            update={"sig": encode_sig(sign(signed_bytes(topic, header.to_json(), payload, digest)))}
+        )
     head = header.to_json()
     return b"".join((MAGIC, struct.pack("<I", len(head)), head))
 
@@ -162,22 +231,14 @@ def encode_message(header: Header, payload: bytes | Buffers, sign: Signer | None
     return join_message(envelope_head(header, payload, sign, topic), payload)
 
 
-def decode_message(data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Header, memoryview]:
+def decode_message(data: bytes | Segments, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Header, memoryview]:
     """Parse and validate a framed message (not its signature); raise :class:`WireError` on anything
-    malformed or larger than ``max_payload``."""
-    if len(data) < len(MAGIC) + 4 or data[:4] != MAGIC:
-        raise WireError(RejectKind.MALFORMED, "not a fedtier message (bad magic)")
-    if len(data) > max_payload + 8 + MAX_HEADER_BYTES:
-        raise WireError(RejectKind.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_payload}")
-    (head_len,) = struct.unpack_from("<I", data, 4)
-    if head_len > MAX_HEADER_BYTES or 8 + head_len > len(data):
-        raise WireError(RejectKind.MALFORMED, f"bad header length {head_len}")
-    try:
-        raw = loads(bytes(data[8 : 8 + head_len]))
-        header = Header.model_validate(raw)
-    except (ValueError, ValidationError) as exc:
-        raise WireError(RejectKind.MALFORMED, f"invalid header: {_short(exc)}") from None
-    payload = memoryview(data)[8 + head_len :]
+    malformed or larger than ``max_payload``. A message as :class:`Segments` is read where its segments are (the
+    payload a read-only view of the shared bytes), as its joined bytes would be: its head is exactly the envelope."""
+    if isinstance(data, Segments):
+        header, payload = _decode_segments(data, max_payload)
+    else:
+        header, payload = _decode_joined(data, max_payload)
     if len(payload) != header.payload_len:
         raise WireError(RejectKind.MALFORMED, f"payload is {len(payload)} bytes, header says {header.payload_len}")
     if header.payload_len > max_payload:
@@ -187,7 +248,37 @@ def decode_message(data: bytes, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> tu
     return header, payload
 
 
-def verify_signature(header: Header, payload: bytes | memoryview, topic: str, verify: Verifier) -> None:
+def _decode_segments(data: Segments, max_payload: int) -> tuple[Header, memoryview]:
+    head = data.head
+    if len(head) < len(MAGIC) + 4 or head[:4] != MAGIC:
+        raise WireError(RejectKind.MALFORMED, "not a fedtier message (bad magic)")
+    if len(data) > max_payload + 8 + MAX_HEADER_BYTES:
+        raise WireError(RejectKind.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_payload}")
+    (head_len,) = struct.unpack_from("<I", head, 4)
+    if head_len > MAX_HEADER_BYTES or 8 + head_len != len(head):
+        raise WireError(RejectKind.MALFORMED, f"bad header length {head_len}")
+    return _header(head[8:]), data.body.view()
+
+
+def _decode_joined(data: bytes, max_payload: int) -> tuple[Header, memoryview]:
+    if len(data) < len(MAGIC) + 4 or data[:4] != MAGIC:
+        raise WireError(RejectKind.MALFORMED, "not a fedtier message (bad magic)")
+    if len(data) > max_payload + 8 + MAX_HEADER_BYTES:
+        raise WireError(RejectKind.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_payload}")
+    (head_len,) = struct.unpack_from("<I", data, 4)
+    if head_len > MAX_HEADER_BYTES or 8 + head_len > len(data):
+        raise WireError(RejectKind.MALFORMED, f"bad header length {head_len}")
+    return _header(bytes(data[8 : 8 + head_len])), memoryview(data)[8 + head_len :]
+
+
+def _header(raw: bytes) -> Header:
+    try:
+        return Header.model_validate(loads(raw))
+    except (ValueError, ValidationError) as exc:
+        raise WireError(RejectKind.MALFORMED, f"invalid header: {_short(exc)}") from None
+
+
+def verify_signature(header: Header, payload: bytes | memoryview | SharedPayload, topic: str, verify: Verifier) -> None:
     """Raise :class:`WireError` unless ``header`` carries its sender's valid signature over itself
     (without the signature), ``payload`` and ``topic``."""
     if header.sig is None:

@@ -20,12 +20,14 @@ from .envelope import (
     DEFAULT_MAX_PAYLOAD,
     Header,
     MessageKind,
+    Segments,
+    SharedPayload,
     WireError,
     decode_message,
-    encode_message,
     envelope_head,
     join_message,
     new_msg_id,
+    payload_digest,
     verify_signature,
 )
 from .payload import Parts, Payload, decode_payload, parts_size, payload_parts
@@ -52,7 +54,10 @@ class Received(NamedTuple):
         return memoryview(self.message)[self.start :]
 
     def same(self, other: Received) -> bool:
-        """Whether both hold the same payload bytes (one ``memcmp``)."""
+        """Whether both hold the same payload bytes (one ``memcmp``; none for the same bytes, e.g. a shared payload
+        two messages carry)."""
+        if self.message is other.message and self.start == other.start:
+            return True
         return self.nbytes == other.nbytes and self.message.startswith(other.view(), self.start)
 
 
@@ -97,6 +102,7 @@ class Messenger:
         self.seen = SeenIds()
         self._log = RateLimitedLog(log)
         self._encoded: dict[int, tuple[Payload, Parts, int]] = {}
+        self._shared: tuple[Parts, SharedPayload] | None = None  # the last payload's bytes, made for Segments
         self._bound = max_payload
         self.attach(transport)
 
@@ -121,10 +127,16 @@ class Messenger:
         cell: str | None = None,
         topic: str = "",
     ) -> bytes:
-        """Encode a payload into a complete message for ``topic`` (not sent)."""
+        """Encode a payload into a complete message for ``topic`` (not sent). Its payload's bytes in it are then
+        shared by the next messages of the same payload object that :meth:`send` frames as segments."""
         parts, size = self._payload_bytes(payload)
         header = self._header(kind, size, round, edge_round, cell)
-        return encode_message(header, parts, self.trust.sign if self.trust is not None else None, topic)
+        sign = self.trust.sign if self.trust is not None else None
+        digest = payload_digest(parts) if sign is not None else None  # (kept with the bytes: hashed once)
+        message = join_message(envelope_head(header, parts, sign, topic, digest), parts)
+        if self._encoded.get(id(payload), (None,))[0] is payload:
+            self._shared = (parts, SharedPayload(message, len(message) - size, digest))
+        return message
 
     def frame_once(
         self,
@@ -145,6 +157,35 @@ class Messenger:
         head = envelope_head(header, parts, self.trust.sign if self.trust is not None else None, topic)
         lent = payload.headroom.frame(head, parts) if payload.headroom is not None else None
         return lent if lent is not None else join_message(head, parts)
+
+    def frame_shared(
+        self,
+        kind: MessageKind,
+        payload: Payload,
+        *,
+        round: int,
+        edge_round: int = 0,
+        cell: str | None = None,
+        topic: str = "",
+    ) -> Segments:
+        """:meth:`frame` as :class:`~protocols.wire.envelope.Segments`: the message's own envelope and the payload's
+        bytes, made once for all the messages of the same payload object (a cell's task to each of its devices: the
+        bytes of the first message :meth:`frame` made of it) and shared by them, read-only, their sha256 computed
+        once for all the signatures over them. Joined, the same bytes as :meth:`frame`'s (for a transport that
+        carries segments: ``Transport.takes_segments``)."""
+        parts, size = self._payload_bytes(payload)
+        shared = self._shared[1] if self._shared is not None and self._shared[0] is parts else None
+        if shared is None:
+            shared = SharedPayload(b"".join(parts))  # type: ignore[arg-type]  # arrays are buffers
+            self._shared = (parts, shared)
+        header = self._header(kind, size, round, edge_round, cell)
+        head = envelope_head(header, shared, self.trust.sign if self.trust is not None else None, topic)
+        return Segments(head, shared)
+
+    def _framed_before(self, payload: Payload) -> bool:
+        """Whether ``payload``'s bytes are at hand from its last message (:meth:`frame`, :meth:`frame_shared`)."""
+        cached = self._encoded.get(id(payload))
+        return cached is not None and cached[0] is payload and self._shared is not None and self._shared[0] is cached[1]
 
     def _header(self, kind: MessageKind, size: int, round: int, edge_round: int, cell: str | None) -> Header:
         """A message's header from this node (a fresh message id; the session where messages are signed)."""
@@ -169,6 +210,7 @@ class Messenger:
         parts = payload_parts(payload)
         size = parts_size(parts)
         self._encoded = {id(payload): (payload, parts, size)} if keep else {}
+        self._shared = None
         return parts, size
 
     def send(
@@ -182,26 +224,27 @@ class Messenger:
         cell: str | None = None,
         retain: bool = False,
     ) -> int:
-        """Frame and publish; returns the bytes published."""
-        data = self.frame(kind, payload, round=round, edge_round=edge_round, cell=cell, topic=topic)
+        """Frame and publish; returns the bytes published. A payload sent again (a cell's task to each of its devices)
+        goes as :class:`~protocols.wire.envelope.Segments` where the transport carries them: its bytes are those of
+        its first message (:meth:`frame`), shared, not a copy in each message."""
+        segments = self.transport.takes_segments and self._framed_before(payload)
+        how = self.frame_shared if segments else self.frame
+        data = how(kind, payload, round=round, edge_round=edge_round, cell=cell, topic=topic)
         self.transport.publish(topic, data, qos=1, retain=retain)
         return len(data)
 
     def receive(
-        self, topic: str, data: bytes, *, kinds: tuple[str, ...] | None = None, repeats: bool = False
+        self, topic: str, data: bytes | Segments, *, kinds: tuple[str, ...] | None = None, repeats: bool = False
     ) -> Incoming | None:
         """Decode and validate; ``None`` (after logging) for a rejected message or a duplicate (with ``repeats``:
         the duplicate, valid, marked ``repeat``, for a caller that learns from a peer repeating itself). The
-        payload's tensors are read-only views of ``data`` where it is ``bytes`` (copy what you change)."""
+        payload's tensors are read-only views of ``data`` where it is ``bytes`` (copy what you change), or of its
+        shared payload where it is :class:`~protocols.wire.envelope.Segments` (the same views every receiver of it
+        reads: nobody can change them)."""
+        if isinstance(data, Segments):
+            return self._receive_segments(topic, data, kinds, repeats)
         try:
-            header, raw = decode_message(data, max_payload=self.max_payload)
-            if header.run != self.run:
-                raise WireError(RejectKind.WRONG_SENDER, f"message for run {header.run!r}, this is run {self.run!r}")
-            if kinds is not None and header.kind not in kinds:
-                raise WireError(RejectKind.MALFORMED, f"unexpected message kind {header.kind!r} on {topic}")
-            if self.trust is not None:
-                self.trust.require(header.sender)  # unknown, or revoked
-                verify_signature(header, raw, topic, self.trust.verify)
+            header, raw = self._accepted(topic, data, kinds)
             repeat = not self.seen.first_time(f"{header.session}/{header.msg_id}")
             if repeat and not repeats:
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
@@ -212,6 +255,41 @@ class Messenger:
             return None
         received = Received(data, len(data) - raw.nbytes) if type(data) is bytes else None  # raw: data's tail
         return Incoming(topic, header, payload, len(data), received, repeat)
+
+    def _receive_segments(
+        self, topic: str, data: Segments, kinds: tuple[str, ...] | None, repeats: bool
+    ) -> Incoming | None:
+        """:meth:`receive` of a message as segments: the same checks, the payload read where it is shared (its
+        digest computed once for every signature over it; its floats checked by its first receiver only: they
+        never change)."""
+        shared = data.body
+        try:
+            header, _ = self._accepted(topic, data, kinds)
+            repeat = not self.seen.first_time(f"{header.session}/{header.msg_id}")
+            if repeat and not repeats:
+                log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
+                return None
+            known = shared.finite
+            payload = decode_payload(shared.view(), require_finite=not known, views=True, checked=known)
+            shared.finite = True
+        except WireError as exc:
+            self.reject(topic, exc.kind, str(exc), None)
+            return None
+        return Incoming(topic, header, payload, len(data), Received(shared.data, shared.start), repeat)
+
+    def _accepted(self, topic: str, data: bytes | Segments, kinds: tuple[str, ...] | None) -> tuple[Header, memoryview]:
+        """``data``'s header and payload once the message is valid for this node: well formed, of this run, of
+        ``kinds``, signed by a known peer where messages are signed (:class:`WireError` otherwise)."""
+        header, raw = decode_message(data, max_payload=self.max_payload)
+        if header.run != self.run:
+            raise WireError(RejectKind.WRONG_SENDER, f"message for run {header.run!r}, this is run {self.run!r}")
+        if kinds is not None and header.kind not in kinds:
+            raise WireError(RejectKind.MALFORMED, f"unexpected message kind {header.kind!r} on {topic}")
+        if self.trust is not None:
+            self.trust.require(header.sender)  # unknown, or revoked
+            signed = data.body if isinstance(data, Segments) else raw  # (a shared payload's digest: computed once)
+            verify_signature(header, signed, topic, self.trust.verify)
+        return header, raw
 
     def reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
         """Log a rejected message and tell the owner (who records it, with its kind, in its aggregation log)."""

@@ -1,0 +1,227 @@
+"""A payload sent to many receivers (a cell's task to each device of an edge round) exists once: each message is its
+own envelope and the shared, immutable payload bytes (``protocols.wire.envelope.Segments``), which the in-memory
+transport carries unjoined and its receivers decode where they are. Joined, a message is ``Messenger.frame``'s bytes,
+signed or not; the payload's sha256 is computed once for all the signatures over it and its floats checked once; no
+receiver (a lying device among them) can change what the others read; a handler that did not ask for segments, a
+retained message and MQTT get the joined bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from protocols.algorithms.base import DeviceContext, DeviceRole
+from protocols.transport.memory import MemoryHub
+from protocols.wire import envelope
+from protocols.wire import messenger as messenger_module
+from protocols.wire import payload as payload_module
+from protocols.wire.envelope import Segments, SharedPayload, decode_message
+from protocols.wire.keys import Trust, new_seed, public_of
+from protocols.wire.messenger import Incoming, Messenger
+from protocols.wire.payload import Payload
+from sim.launcher import SimHierarchy, run_simulation
+from tests.conftest import small_config
+
+RUN, CELL = "t", "c0"
+DEVICES = ["c0-d0", "c0-d1", "c0-d2"]
+
+
+def _task(n: int = 20_000) -> Payload:
+    return Payload({"from": 3, "name": "é"}, {"w": np.linspace(-1, 1, n, dtype=np.float32), "b": np.ones(7)})
+
+
+def _topic(device: str) -> str:
+    return f"fedtier/{RUN}/cell/{CELL}/down/{device}/task"
+
+
+def _fixed_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = itertools.count()
+    monkeypatch.setattr(messenger_module, "new_msg_id", lambda: f"{next(ids):016x}")
+
+
+def _trusts() -> dict[str, Trust]:
+    seeds = {node: new_seed() for node in [CELL, *DEVICES]}
+    public = {node: public_of(seed) for node, seed in seeds.items()}
+    return {node: Trust(node, seed, public) for node, seed in seeds.items()}
+
+
+def _hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes fed to sha256 (anyone's: the signatures' own hashes of the small signed bytes too) from now on, a
+    call at a time."""
+    fed: list[int] = []
+    real = hashlib.sha256
+
+    class Counting:
+        def __init__(self, data: Any = b"") -> None:
+            self.h = real()
+            self.update(data)
+
+        def update(self, data: Any) -> None:
+            fed.append(memoryview(data).nbytes)
+            self.h.update(data)
+
+        def digest(self) -> bytes:
+            return self.h.digest()
+
+    monkeypatch.setattr(envelope.hashlib, "sha256", Counting)
+    return fed
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_task_framed_as_segments_joins_to_the_bytes_frame_makes_and_is_hashed_once(monkeypatch, signed):
+    """The first message of a task is framed joined; the next ones are their envelopes and its payload's bytes,
+    shared: joined, each is the message ``frame`` makes. Signed, the payload is hashed once for the three signatures,
+    and once more by the receiver of the joined message (the others check theirs over the same digest)."""
+    trusts = _trusts() if signed else {}
+    hub = MemoryHub()
+    cell = Messenger(hub.connect(CELL), RUN, CELL, trust=trusts.get(CELL))
+    cell.session = "s1" if signed else None
+    task = _task()
+    size = payload_module.payload_size(task)
+    fed = _hashed(monkeypatch)
+    _fixed_ids(monkeypatch)
+    first = cell.frame("device_task", task, round=2, edge_round=1, cell=CELL, topic=_topic(DEVICES[0]))
+    segs = [
+        cell.frame_shared("device_task", task, round=2, edge_round=1, cell=CELL, topic=_topic(d)) for d in DEVICES[1:]
+    ]
+    assert all(s.body.data is first and bytes(s.body.view()) == first[-size:] for s in segs)  # its payload's bytes
+    assert sum(fed) == (size if signed else 0)
+    _fixed_ids(monkeypatch)
+    joined = [cell.frame("device_task", task, round=2, edge_round=1, cell=CELL, topic=_topic(d)) for d in DEVICES]
+    assert [first, *(bytes(s) for s in segs)] == joined and [len(s) for s in segs] == [len(j) for j in joined[1:]]
+    fed.clear()
+    for device, message in zip(DEVICES, [first, *segs], strict=True):  # each device checks its own message
+        got = Messenger(hub.connect(device), RUN, device, trust=trusts.get(device)).receive(_topic(device), message)
+        assert got is not None and got.nbytes == len(message) and got.header == decode_message(bytes(message))[0]
+        np.testing.assert_array_equal(got.payload.tensors["w"], task.tensors["w"])
+    assert [n for n in fed if n >= size] == ([size] if signed else [])  # the joined message's receiver's only
+    if signed:  # a signature still binds its topic and its header: another device's message is refused
+        thief = Messenger(hub.connect("c0-d2"), RUN, "c0-d2", trust=trusts["c0-d2"])
+        assert thief.receive(_topic("c0-d2"), segs[0]) is None
+        forged = Segments(segs[0].head.replace(b'"n":2', b'"n":3'), segs[0].body)
+        victim = Messenger(hub.connect("c0-d1"), RUN, "c0-d1", trust=trusts["c0-d1"])
+        assert victim.receive(_topic("c0-d1"), forged) is None
+
+
+def _receivers(hub: MemoryHub) -> tuple[dict[str, list[Incoming]], list[bytes]]:
+    """Three devices' agents' messengers on their task topics (taking segments), and a plain handler (bytes)."""
+    got: dict[str, list[Incoming]] = {d: [] for d in DEVICES}
+    raw: list[bytes] = []
+    for d in DEVICES:
+        m = Messenger(hub.connect(d), RUN, d)
+        m.transport.subscribe(_topic(d), lambda t, data, m=m, d=d: got[d].append(m.receive(t, data)), segments=True)
+    hub.connect("spy").subscribe(_topic("+"), lambda t, data: raw.append(data))
+    return got, raw
+
+
+def test_receivers_of_a_shared_task_read_one_buffer_that_none_of_them_can_change(monkeypatch):
+    hub = MemoryHub()
+    got, raw = _receivers(hub)
+    cell = Messenger(hub.connect(CELL), RUN, CELL)
+    checks: list[int] = []
+    all_finite = payload_module.all_finite
+    monkeypatch.setattr(payload_module, "all_finite", lambda a: checks.append(a.size) or all_finite(a))
+    task = _task()
+    sent = [cell.send(_topic(d), "device_task", task, round=1, cell=CELL) for d in DEVICES]
+    hub.loop.run()
+    first, second = got["c0-d0"][0], got["c0-d1"][0]
+    shared = first.received.message  # the first message: the others' payload is its bytes
+    assert all(g[0].received.message is shared and g[0].received.start == first.received.start for g in got.values())
+    assert [g[0].nbytes for g in got.values()] == sent == [len(r) for r in raw]
+    assert all(type(r) is bytes and decode_message(r)[1] == first.received.view() for r in raw)  # joined for a spy
+    assert checks == [20_000, 7] * 2  # read by the joined message's receiver and the first of the shared bytes
+    w = first.payload.tensors["w"]
+    with pytest.raises(ValueError):
+        w[0] = 5.0
+    with pytest.raises(ValueError):
+        w.setflags(write=True)
+    with pytest.raises(ValueError):
+        np.frombuffer(shared, np.uint8)[0] = 1
+    with pytest.raises(TypeError):
+        memoryview(shared)[0] = 1  # type: ignore[index]
+    first.payload.tensors["w"] = np.zeros_like(w)  # its own decoding: the others' are not it
+    np.testing.assert_array_equal(second.payload.tensors["w"], task.tensors["w"])
+    with pytest.raises(TypeError):  # segments are immutable bytes, nothing writable lent in their place
+        Segments(bytearray(b"FTW1"), SharedPayload(b""))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        SharedPayload(bytearray(shared))  # type: ignore[arg-type]
+
+
+def test_a_shared_payload_that_is_not_finite_is_refused_by_every_receiver():
+    hub = MemoryHub()
+    got, _ = _receivers(hub)
+    cell = Messenger(hub.connect(CELL), RUN, CELL)
+    bad = _task()
+    bad.tensors["w"][5] = np.nan
+    for d in DEVICES:
+        cell.send(_topic(d), "device_task", bad, round=1, cell=CELL)
+    hub.loop.run()
+    assert all(g == [None] for g in got.values())  # each one refused it: none took it as checked
+
+
+class _Liar(DeviceRole):
+    """A device that tries to change the task it received in place (every way numpy and Python offer) before it
+    trains, then trains on its own copy: refused each time, it cannot change what the other devices train on."""
+
+    refused: list[str] = []
+
+    def __init__(self, inner: DeviceRole) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def train(self, task: Payload, data: Any, trainer: Any, ctx: DeviceContext) -> Payload:
+        own = {k: np.array(v) for k, v in task.tensors.items()}
+        for name, arr in task.tensors.items():
+            base = arr
+            while isinstance(base, np.ndarray) and base.base is not None:
+                base = base.base
+            for how, attempt in {
+                "assign": lambda arr=arr: arr.fill(1e6),
+                "setflags": lambda arr=arr: arr.setflags(write=True),
+                "frombuffer": lambda base=base: np.frombuffer(base, np.uint8).fill(0),
+                "memoryview": lambda base=base: memoryview(base).__setitem__(0, 0),
+            }.items():
+                try:
+                    attempt()
+                except (ValueError, TypeError):
+                    self.refused.append(f"{name}:{how}")
+        task.tensors.update({k: np.full_like(v, 1e6) for k, v in own.items()})  # its own decoding, not the others'
+        return self.inner.train(Payload(dict(task.meta), own), data, trainer, ctx)
+
+
+def test_a_lying_device_cannot_change_the_task_its_cells_other_devices_train_on(tmp_path, monkeypatch):
+    sections: dict[str, Any] = {"run": {"rounds": 1}, "algorithm": {"edge_rounds": 1}}
+    honest = run_simulation(small_config(tmp_path / "h", **sections), write_output=False)
+    sim = SimHierarchy(small_config(tmp_path / "l", **sections), write_output=False)
+    configure = sim.agents.configure
+    _Liar.refused = []
+
+    def lying(agent: Any) -> None:
+        configure(agent)
+        if agent.device == "c0-d0":
+            agent.role = _Liar(agent.role)
+
+    sim.agents.configure = lying
+    buffers: dict[str, set[int]] = {}  # cell -> the payload buffers its devices' tasks were read from
+    receive = Messenger.receive
+
+    def spy(self: Messenger, topic: str, data: Any, **kw: Any) -> Incoming | None:
+        got = receive(self, topic, data, **kw)
+        if got is not None and got.header.kind == "device_task" and got.received is not None:
+            buffers.setdefault(got.header.sender, set()).add(id(got.received.message))
+        return got
+
+    monkeypatch.setattr(Messenger, "receive", spy)
+    lied = sim.run()
+    assert sorted(buffers) == ["c0", "c1"] and all(len(b) == 1 for b in buffers.values())  # one buffer a cell round
+    tensors = 2 * 2  # the MLP's two layers, weights and biases
+    assert len(_Liar.refused) == 4 * tensors  # every attempt on every tensor
+    assert set(lied.params) == set(honest.params)
+    for k in honest.params:  # the other devices trained on the cell's model: the run is the honest one
+        np.testing.assert_array_equal(lied.params[k], honest.params[k])
