@@ -301,9 +301,14 @@ def apply_round(
             apply_step(params, round_seed, k, g[k], lr, kind)
 
 
-def trajectory_key(params: Packed, buf: Packed | None, lr: float, momentum: float, kind: Kind = "gaussian") -> bytes:
+def trajectory_key(
+    params: Packed, buf: Packed | None, lr: float, momentum: float, kind: Kind = "gaussian"
+) -> bytes | None:
     """The key of the state ``params`` (and momentum buffer ``buf``) for :func:`replay`: a hash of its bytes, its
-    shapes and the step's settings (what, with the rounds applied after it, determines every later state)."""
+    shapes and the step's settings (what, with the rounds applied after it, determines every later state); None
+    for a state larger than ``STATE_CACHE_BYTES`` (never kept: its replicas replay every round themselves)."""
+    if params.flat.nbytes + (buf.flat.nbytes if buf is not None else 0) > STATE_CACHE_BYTES:
+        return None
     h = hashlib.blake2b(repr((float(lr), float(momentum), kind, params.shapes.key)).encode(), digest_size=16)
     h.update(params.flat.data)
     if buf is not None:
@@ -349,9 +354,9 @@ def replay(
             np.copyto(buf.flat, hit[1])
     for i in range(start, len(keys)):
         apply_round(params, int(seeds[i]), hist[i], lr, kind, buf, momentum)
-    if start < len(keys):
+    size = params.flat.nbytes + (buf.flat.nbytes if buf is not None else 0)
+    if start < len(keys) and size <= STATE_CACHE_BYTES:  # (a state that cannot be kept is not copied)
         state = (_frozen_copy(params.flat), _frozen_copy(buf.flat) if buf is not None else None)
-        size = sum(a.nbytes for a in state if a is not None)
         with _lock:
             _state_bytes = _remember(_states, keys[-1], state, size, STATE_CACHE_BYTES, _state_bytes)
     return keys[-1] if keys else key
