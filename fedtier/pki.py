@@ -69,11 +69,25 @@ def certificate(
 
 
 def write_file(path: Path, data: bytes | str, secret: bool = False) -> None:
-    """Write ``path`` in place (its owner kept), mode 600 when ``secret`` (on creation), else 644."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
+    """Replace ``path`` whole and durably (``protocols.checkpoint.write_durably``: a crash or a full disk leaves the
+    old file, never a truncated one, and a revocation list written survives a power loss), keeping the owner and
+    mode of the file it replaces; a new one is mode 600 when ``secret``, else 644."""
+    from protocols.checkpoint import write_durably
+
+    def keep(tmp: Path) -> None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            if not secret:
+                os.chmod(tmp, 0o644)
+            return
+        os.chmod(tmp, st.st_mode & 0o7777)
+        try:
+            os.chown(tmp, st.st_uid, st.st_gid)
+        except PermissionError:
+            pass  # not root: the file is ours, as it was
+
+    write_durably(path, data.encode() if isinstance(data, str) else data, private=secret, before_rename=keep)
 
 
 def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:

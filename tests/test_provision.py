@@ -801,3 +801,43 @@ def test_a_device_added_to_a_per_cell_federation_points_at_its_own_cells_port(tm
     assert change.bundle is not None
     broker = tomllib.loads((change.bundle / "config.toml").read_text())["broker"]
     assert broker["url"] == "mqtts://127.0.0.1:9001"  # c1's broker, not c0's (9000)
+
+
+def test_a_revocation_list_rewritten_on_a_full_disk_keeps_what_it_revoked(tmp_path: Path, monkeypatch) -> None:
+    """The deployment's revocation list (``ca/ca.crl``) is where renewal and revocation read the serials already
+    revoked. It was rewritten in place with no fsync: a full disk (or a power loss) while a certificate was revoked
+    left it empty, and the next revocation, reading it, un-revoked every certificate revoked before. Now the old
+    file stays whole until the new one is durable; a replaced file keeps its mode (and owner)."""
+    import errno
+
+    from fedtier.pki import write_file
+
+    crl = tmp_path / "ca" / "ca.crl"
+    write_file(crl, b"serials 1 2 3")
+    os.chmod(crl, 0o640)
+    fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, f) -> None:  # type: ignore[no-untyped-def]
+            self.f = f
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            return self
+
+        def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
+            self.f.close()
+
+        def write(self, data) -> int:  # type: ignore[no-untyped-def]
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_open = Path.open
+    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: FullDisk(fdopen(fd, *a, **k)))
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: FullDisk(real_open(self, *a, **k)))
+    with pytest.raises(OSError):
+        write_file(crl, b"serials 1 2 3 4")
+    monkeypatch.undo()
+    assert crl.read_bytes() == b"serials 1 2 3" and [p.name for p in crl.parent.iterdir()] == ["ca.crl"]
+    write_file(crl, b"serials 1 2 3 4")
+    assert crl.read_bytes() == b"serials 1 2 3 4" and stat.S_IMODE(crl.stat().st_mode) == 0o640
+    write_file(tmp_path / "ca" / "ca.key", b"secret", secret=True)
+    assert stat.S_IMODE((tmp_path / "ca" / "ca.key").stat().st_mode) == 0o600
