@@ -49,8 +49,8 @@ def write_durably(
     journals, ledgers, job queues, rosters, keys): a temporary file beside it, written and fsynced, renamed over it,
     then its folder fsynced (the rename survives a power loss only then). A crash leaves the old file or the new one,
     whole. ``private``: owner only (mode 600), else as created under the umask. ``before_rename`` is called with the
-    temporary file (e.g. to give it the old file's owner). An ``OSError`` (a full disk) leaves the old file whole and
-    removes the temporary one."""
+    temporary file (e.g. to give it the old file's owner). A failure before the rename (a full disk, a rename refused,
+    Ctrl-C) leaves the old file whole and removes the temporary one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -61,10 +61,10 @@ def write_durably(
             os.fsync(fh.fileno())
         if before_rename is not None:
             before_rename(tmp)
-    except OSError:
+        os.replace(tmp, path)
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, path)
     sync_folder(path)
 
 
@@ -145,8 +145,12 @@ class Journal:
         """Add ``entry`` durably (fsync) after the existing ones."""
         if self._fh is None:
             created = not self.path.exists()
-            self._fh = self.path.open("ab")
-            if created:  # its name made durable, as a reset's
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # owner only, as a reset's
+            self._fh = os.fdopen(fd, "ab")
+            if created:  # a journal as a reset makes it: its header, then its name made durable
+                self._fh.write(JOURNAL_MAGIC)
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
                 sync_folder(self.path)
             if self._end is not None:  # a torn tail that read() skipped goes before anything is added
                 self._fh.truncate(self._end)

@@ -62,6 +62,25 @@ def test_checkpoints_journals_and_the_run_config_are_mode_600(tmp_path: Path, op
     assert mode(journal.path) == 0o600 and len(journal.read()) == 2
 
 
+def test_a_journal_created_by_its_first_append_is_private_and_readable_and_a_failed_write_leaves_no_temp_file(
+    tmp_path: Path, open_umask: None
+) -> None:
+    """A journal holds devices' results (and a cell's noise seed): one created by its first append (the async cloud's
+    after its file was lost) was made under the umask, world-readable here, while a reset's is the owner's only, and
+    without the journal's header: read (a resume) refused it as 'not a fedtier journal'. A write_durably whose rename
+    failed (or that Ctrl-C stopped) left its temporary file beside the target."""
+    from protocols.checkpoint import write_durably
+
+    journal = Journal(tmp_path / "cloud.journal")
+    journal.append(Payload({"k": "push"}, {}))
+    assert mode(journal.path) == 0o600 and len(journal.read()) == 1
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "x").write_text("a folder in the file's place: the rename fails")
+    with pytest.raises(OSError):
+        write_durably(tmp_path / "held", b"state")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cloud.journal", "held"]
+
+
 def test_fedtier_logs_shows_record_text_as_it_is_never_as_markup() -> None:
     """A record's text (a cloud of a federation writes its cells' records: text a cell chose) is rendered
     literally by `fedtier logs`; an unbalanced closing tag cannot break the table."""
