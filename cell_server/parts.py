@@ -117,6 +117,7 @@ class RoundTally:
     failed: dict[str, str] = field(default_factory=dict)  # whose task failed in some edge round, why
     unmet: dict[str, str] = field(default_factory=dict)  # left out for the job's requirements, why
     late: set[str] = field(default_factory=set)  # tasked, and silent past the device deadline of an edge round
+    offline: set[str] = field(default_factory=set)  # taking part, and offline when an edge round was planned
 
     def add(
         self,
@@ -149,3 +150,5 @@ class RoundTally:
             meta["unmet"] = count_reasons(unmet)
         if late := len(self.late - self.devices):  # a job whose devices never make the deadline fails with why
             meta["late"] = late
+        if offline := len(self.offline - self.devices):  # a job whose every device is down fails with why
+            meta["offline"] = offline

@@ -273,6 +273,8 @@ class CellServer(CellNode):
                 self.edge.absent[d] = why
                 if d in self.liveness.unmet or d in self.liveness.unfit:  # the report says why none could serve
                     self.tally.unmet[d] = why
+                elif why == "offline":
+                    self.tally.offline.add(d)
         if self.journal is not None:
             self.journal.plan(self.edge_round, available, self.edge.absent, self.edge.not_participating)
         self.open_edge(self.role.plan(self.edge_round, available), available)

@@ -115,6 +115,7 @@ def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts)
         sum(counts.diverged.values()),
         counts.unmet,
         counts.late,
+        counts.offline,
     )
 
 

@@ -82,8 +82,9 @@ class StallWatch:
 
     A round makes no progress when fewer than ``min_cells`` cells reported (no cell at all, by default), or
     when devices answered and every one failed its task or diverged, or every device tasked missed the device
-    deadline (nothing aggregated anywhere). A round whose devices were merely absent (not planned: offline,
-    not drawn) is not a stall: participation may leave a round empty."""
+    deadline, or every device that was to take part was offline (nothing aggregated anywhere). A round whose
+    devices were merely not drawn is not a stall: participation may leave a round empty. (An offline fleet
+    made every round at once with no device, and "finished" the job, exit 0, at the last model it trained.)"""
 
     max_rounds: int = 3
     min_cells: int = 1
@@ -100,10 +101,12 @@ class StallWatch:
         diverged: int,
         unmet: Mapping[str, int] | None = None,
         late: int = 0,
+        offline: int = 0,
     ) -> str | None:
         """Count round ``rnd`` (cells that reported, cells of the job, devices aggregated, failed devices per
         reason, diverged devices, devices left out per unmet requirement, devices tasked that never answered
-        in time); the reason the job fails, once it stalled ``max_rounds`` rounds in a row."""
+        in time, devices taking part that were offline); the reason the job fails, once it stalled ``max_rounds``
+        rounds in a row."""
         needed = min(self.min_cells, cells)
         why = None
         if reported < needed:
@@ -115,6 +118,8 @@ class StallWatch:
             why = f"no device answered within the device deadline ({late} tasked, every one late)"
         elif aggregated == 0 and unmet:  # nobody could take part: the job asks what no device has
             why = "no device meets the job's requirements (" + "; ".join(f"{n}: {r}" for r, n in unmet.items()) + ")"
+        elif aggregated == 0 and offline:  # every device that was to take part is down
+            why = f"no device online ({offline} taking part, every one offline)"
         if why is None:
             self.stalled = 0
             return None

@@ -57,6 +57,9 @@ def test_stall_watch_counts_rounds_without_progress() -> None:
     assert quorum.observe(7, 1, 3, 4, {}, 0) == "fewer than 2 cells answered in round 7"
     assert StallWatch(max_rounds=1, min_cells=5).observe(0, 2, 2, 1, {}, 0) is None  # at most every cell
     assert StallWatch(max_rounds=1).observe(0, 0, 0, 0, {}, 0) is None  # participation let no cell take part
+    assert StallWatch(max_rounds=1).observe(5, 2, 2, 0, {}, 0, offline=4) == (
+        "no device online (4 taking part, every one offline) in round 5"
+    )
 
 
 def test_reason_counts_stay_bounded_whatever_devices_claim() -> None:
@@ -117,6 +120,31 @@ def test_devices_that_never_make_the_deadline_fail_the_job(tmp_path: Path) -> No
     sim = SimHierarchy(one_in_time)
     sim.agents["c0-d0"].compute_delay = lambda device, payload: 0.0  # this one trains in no time
     assert sim.run().status == "finished"
+
+
+def test_a_job_whose_every_device_went_offline_fails_instead_of_finishing(tmp_path: Path) -> None:
+    """Walk-through: every agent of a running federation killed at round 30 of 400; each cell then closed its edge
+    rounds at once with no device ("offline"), the cloud closed its rounds with nothing aggregated, and the job
+    "finished" its 370 other rounds in 25 s, exit 0, at round 30's model. Rounds whose every device taking part
+    is offline are a stall now: after ``max_stalled_rounds`` the job fails saying so. One device online goes on."""
+    for online in ([], ["c1-d2"]):
+        cfg = small_config(tmp_path / str(len(online)), run={"rounds": 8})
+        cells: dict[str, Any] = {}
+
+        def down(record: dict[str, Any], cells: dict[str, Any] = cells, online: list[str] = online) -> None:
+            if record["round"] == 1:  # after round 1, every device but those ``online`` is down
+                for cell in cells.values():
+                    for d in list(cell.liveness.online):
+                        cell.liveness.online[d] = d in online
+
+        sim = SimHierarchy(cfg, write_output=False, on_round=down)
+        cells.update(sim.cells)
+        result = sim.run()
+        if online:
+            assert result.status == "finished" and len(result.history) == 8, result.failed
+            continue
+        assert result.status == "failed" and [r["round"] for r in result.history] == [0, 1, 2, 3, 4]
+        assert result.failed == "no device online (6 taking part, every one offline) in rounds 2-4", result.failed
 
 
 def test_a_job_with_some_failing_devices_goes_on(tmp_path: Path) -> None:

@@ -230,8 +230,8 @@ class RuntimeSection(Section):
         default=3,
         ge=1,
         description="the job fails after this many cloud rounds in a row without progress: no cell answered "
-        "(fewer than min_cells), every device that answered failed its task or diverged, or every device tasked "
-        "missed device_deadline",
+        "(fewer than min_cells), every device that answered failed its task or diverged, every device tasked "
+        "missed device_deadline, or every device taking part was offline",
     )
     min_cells: int = Field(
         default=1,
