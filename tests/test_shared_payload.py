@@ -227,3 +227,27 @@ def test_a_lying_device_cannot_change_the_task_its_cells_other_devices_train_on(
     assert set(lied.params) == set(honest.params)
     for k in honest.params:  # the other devices trained on the cell's model: the run is the honest one
         np.testing.assert_array_equal(lied.params[k], honest.params[k])
+
+
+def test_segments_that_do_not_make_a_message_are_refused_as_their_joined_bytes_would_be():
+    cell = Messenger(MemoryHub().connect(CELL), RUN, CELL)
+    task = _task(100)
+    cell.frame("device_task", task, round=1, cell=CELL, topic=_topic("c0-d0"))
+    good = cell.frame_shared("device_task", task, round=1, cell=CELL, topic=_topic("c0-d1"))
+    longer = SharedPayload(good.body.data + b"\0")  # one byte more than the header says
+    bad = {
+        "bad magic": Segments(b"FTW2" + good.head[4:], good.body),
+        "bad header length": Segments(good.head + b" ", good.body),
+        "payload length": Segments(good.head, SharedPayload(good.body.data, good.body.start + 1)),
+        "payload length ": Segments(good.head, longer),
+    }
+    for why, seg in bad.items():
+        with pytest.raises(envelope.WireError):
+            decode_message(seg)
+        with pytest.raises(envelope.WireError):
+            decode_message(bytes(seg))  # the same message joined: refused as well
+        assert Messenger(MemoryHub().connect("c0-d1"), RUN, "c0-d1").receive(_topic("c0-d1"), seg) is None, why
+    with pytest.raises(envelope.WireError, match="exceeds"):
+        decode_message(good, max_payload=100)
+    with pytest.raises(ValueError):
+        SharedPayload(b"abc", 4)
