@@ -29,6 +29,7 @@ from protocols.wire import topics
 from protocols.wire.messenger import Incoming
 
 from .async_recovery import AsyncJournal, Resumed
+from .edge_liveness import MAX_RESENDS
 from .parts import EdgeRound, RoundTally
 from .server import CellServer
 
@@ -56,6 +57,9 @@ class AsyncCellServer(CellServer):
         self.push_every, self.push_seconds = push_every, push_seconds
         self.outstanding: dict[str, tuple[int, int]] = {}  # device -> (model version, task number) it works on
         self.task_no = {d: 0 for d in self.devices}
+        self.lost: set[str] = set()  # devices whose last task went unanswered through a status flip
+        self.resends: dict[str, tuple[int, int]] = {}  # device -> (cell version, tasks sent it on returns in it)
+        self.held_back: set[str] = set()  # devices back once too often this version: their task comes with the next
         self._push_timer: TimerHandle | None = None
         self._last_push: tuple[int, bytes] | None = None  # (cloud version it derives from, the message)
         self.refused: str | None = None  # why it refused to work (a restart without its journal)
@@ -169,6 +173,8 @@ class AsyncCellServer(CellServer):
                 self._push_timer = self.loop.call_later(self.push_seconds, self._on_push_timer)
             for device in self.devices:
                 self._dispatch(device)
+        else:
+            self._rearm()
 
     def _status_extra(self) -> dict[str, Any]:
         """A cell holding no cloud model says so: the cloud sends a cell that asks anew (restarted afresh, or
@@ -185,13 +191,19 @@ class AsyncCellServer(CellServer):
         return self.availability is None or device in set(self.availability(max(self.round, 0), self.fb.version))
 
     def _dispatch(self, device: str) -> None:
+        """Send ``device`` a task of the current cell model if it may work; one replacing a task it lost (back
+        online without its result) is a resend: counted apart (``bytes_resent``) and bounded (:meth:`_may_resend`)."""
         if not self._may_work(device):
             return
+        again = device in self.lost
+        if again and not self._may_resend(device):
+            return
+        self.lost.discard(device)
         number = self.task_no[device]
         self.task_no[device] = number + 1
         self.outstanding[device] = (self.fb.version, number)
         self.dispatched.add(device)
-        self.edge.bytes_out += self.messenger.send(
+        nbytes = self.messenger.send(
             topics.device_task(self.run, self.cell, device),
             "device_task",
             self.fb.task(),
@@ -199,6 +211,38 @@ class AsyncCellServer(CellServer):
             edge_round=number,
             cell=self.cell,
         )
+        if again:
+            self.edge.bytes_resent += nbytes
+        else:
+            self.edge.bytes_out += nbytes
+
+    def _may_resend(self, device: str) -> bool:
+        """Whether ``device``, back online with its task lost, gets a new one now: at most ``MAX_RESENDS`` such
+        tasks per cell model version (each costs a whole model: a device flipping its status with valid credentials
+        gets no more); past that it is held back until the next version (:meth:`_rearm`), so an honest device
+        that restarted still gets work."""
+        version, sent = self.resends.get(device, (self.fb.version, 0))
+        sent = sent if version == self.fb.version else 0
+        if sent >= MAX_RESENDS:
+            if device not in self.held_back:
+                log.warning(
+                    "cell %s: %s is back again without its result: sent %d tasks on its returns at version %d, its "
+                    "next comes with the next version",
+                    self.cell,
+                    device,
+                    MAX_RESENDS,
+                    self.fb.version,
+                )
+                self.held_back.add(device)
+            return False
+        self.resends[device] = (self.fb.version, sent + 1)
+        return True
+
+    def _rearm(self) -> None:
+        """A new cell model version: the devices held back (:meth:`_may_resend`) get a task of it."""
+        held, self.held_back = sorted(self.held_back), set()
+        for device in held:
+            self._dispatch(device)
 
     def _on_status(self, topic: str, data: bytes) -> None:
         node = topic.rsplit("/", 1)[-1]
@@ -207,7 +251,8 @@ class AsyncCellServer(CellServer):
         super()._on_status(topic, data)
         if device is None or device not in self.online or self.online[device] == was_online:
             return
-        self.outstanding.pop(device, None)  # gone, or back (rejoined): its old task is lost either way
+        if self.outstanding.pop(device, None) is not None:  # gone, or back (rejoined): its task is lost either way
+            self.lost.add(device)
         if self.online[device]:
             self._dispatch(device)
 
@@ -267,6 +312,7 @@ class AsyncCellServer(CellServer):
         self._record_async(metrics, answered)
         if pushing:
             self._push()
+        self._rearm()
 
     def _record_async(self, metrics: dict[str, Any], answered: list[str]) -> None:
         losses = list(self.edge.losses.values())
@@ -284,6 +330,7 @@ class AsyncCellServer(CellServer):
             closed_by="buffer full",
             bytes_in=self.edge.bytes_in,
             bytes_out=self.edge.bytes_out,
+            bytes_resent=self.edge.bytes_resent or None,
             loss_mean=mean,
             duration_s=round(time.perf_counter() - self.edge.wall0, 6),
             clock_s=round(now - self.edge.t0, 6),

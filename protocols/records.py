@@ -115,7 +115,8 @@ class CellRecord(_Record):
     bytes_resent: Count | None = Field(
         None,
         description="cell -> device payload bytes of tasks sent again in this edge round (a device back while its "
-        "result was pending, e.g. after a reconnect): retransmission overhead, not in bytes_out nor the cloud's bytes",
+        "result was pending, e.g. after a reconnect; asynchronous: a task replacing one it lost): retransmission "
+        "overhead, not in bytes_out nor the cloud's bytes",
     )
     loss_mean: float | None = Field(None, description="mean training loss the answering devices reported")
     loss_std: float | None = Field(None, description="its standard deviation over devices")

@@ -878,3 +878,56 @@ def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resu
             again.stop()
     finally:
         loop.stop()
+
+
+def test_an_async_device_flipping_its_status_gets_a_bounded_number_of_tasks_per_version_and_still_works(tmp_path):
+    """In memory, virtual clock: a node with c0-d1's credentials flips its status offline/online 20 times at once.
+    Each return had the async cell send a fresh task (a whole model) at once: 20 tasks in one version, counted as the
+    job's traffic. Now a device back without its result gets at most ``MAX_RESENDS`` tasks per cell version, counted
+    in ``bytes_resent`` (not ``bytes_out``); past that it is held back until the next version, which it gets: the
+    honest agent goes on answering and the job finishes."""
+    from cell_server.edge_liveness import MAX_RESENDS
+    from protocols.status import encode_status
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 6},
+        topology={"cells": 1, "devices_per_cell": 3},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    run, liar = cfg.run.name, sim.hub.connect("liar")
+    tasks: list[tuple[float, int, int]] = []  # (time, cell version, task number) of each task c0-d1 was sent
+    sizes: list[int] = []
+    topic = topics.device_status(run, "c0", "c0-d1")
+
+    def flip() -> None:
+        for _ in range(20):
+            for state in ("offline", "online"):
+                liar.publish(topic, encode_status(state, topic=topic, cell="c0", samples=10), retain=True)
+
+    def on_task(_: str, data: bytes) -> None:
+        tasks.append((sim.hub.loop.now(), *_version_and_number(data)))
+        sizes.append(len(data))
+        if len(tasks) == 1:  # while c0-d1 trains its first task
+            sim.hub.loop.call_later(0.1, flip)
+
+    liar.subscribe(topics.device_task(run, "c0", "c0-d1"), on_task)
+    result = sim.run()
+    assert len(result.history) == 6 and not sim.cloud.failed
+    per_version: dict[int, int] = {}
+    for _, version, _ in tasks:
+        per_version[version] = per_version.get(version, 0) + 1
+    assert per_version[tasks[0][1]] == 1 + MAX_RESENDS, tasks  # its first task, then 3 on its returns (was 21)
+    records = sim.cells["c0"].records
+    resent = sum(r.get("bytes_resent") or 0 for r in records)
+    # the 3 tasks of its returns, then the one of the next version (it was held back): apart from bytes_out
+    assert resent == sum(sizes[1 : MAX_RESENDS + 2]), (resent, sizes, tasks)
+    later = [r for r in records if r["clock_end_s"] > tasks[0][0] + 0.1 and "c0-d1" in r["answered"]]
+    assert later, [(r["clock_end_s"], r["answered"]) for r in records]  # held back, then it worked again
+
+
+def _version_and_number(data: bytes) -> tuple[int, int]:
+    header, _ = decode_message(data)
+    return header.round, header.edge_round
