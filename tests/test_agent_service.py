@@ -141,10 +141,11 @@ def test_an_idle_cloud_and_cell_after_a_job_are_not_handed_the_jobs_statuses(tmp
         assert fed.wait(job, fed.check).state == "finished"
         idle: Any = None
 
-        def reconnected() -> bool:  # the job's connection closed, the idle one open
-            nonlocal idle
-            idle = fed.cloud.transport
-            return idle is not None and not idle.closed and fed._cloud_subscribed()
+        def reconnected() -> bool:  # the idle connection open: the one its idle heartbeat beats on (the service
+            nonlocal idle  # still holds the job's connection a moment after the queue says the job finished)
+            idle, beat = fed.cloud.transport, fed.cloud._idle
+            on_idle = beat is not None and beat.transport is idle and not beat._stopped
+            return idle is not None and not idle.closed and on_idle and fed._cloud_subscribed()
 
         assert wait_until(reconnected, 30.0)
         operator = opts.transport("operator", run, served.op_loop, persistent=False).connect()
