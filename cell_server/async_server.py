@@ -59,6 +59,7 @@ class AsyncCellServer(CellServer):
         self.task_no = {d: 0 for d in self.devices}
         self.lost: set[str] = set()  # devices whose last task went unanswered through a status flip
         self.resends: dict[str, tuple[int, int]] = {}  # device -> (cell version, tasks sent it on returns in it)
+        self._failure_sent = False  # its "failed" push went (a failed cell sends it once, then on each version)
         self.held_back: set[str] = set()  # devices back once too often this version: their task comes with the next
         self._push_timer: TimerHandle | None = None
         self._last_push: tuple[int, bytes] | None = None  # (cloud version it derives from, the message)
@@ -107,6 +108,10 @@ class AsyncCellServer(CellServer):
         msg = self._cloud_task(topic, data)
         if msg is None:
             return
+        if self.failure is not None:  # a failed cell does no work: it answers the version with its failure
+            self.messenger.session = msg.header.session
+            self._send_failure(msg.header.round)
+            return
         first = not self.fb.ready
         if first and self._refuse_restart(msg):
             return
@@ -148,7 +153,11 @@ class AsyncCellServer(CellServer):
         self._state("failed", reason=self.refused)
         topic = topics.cell_report(self.run, self.cell)
         report = self.messenger.frame(
-            "cell_report", failed_payload(self.refused), round=msg.header.round, cell=self.cell, topic=topic
+            "cell_report",
+            failed_payload(self.refused, refused=True),
+            round=msg.header.round,
+            cell=self.cell,
+            topic=topic,
         )
         self.transport.publish(topic, report, qos=1)
         return True
@@ -176,17 +185,32 @@ class AsyncCellServer(CellServer):
         else:
             self._rearm()
 
+    def _on_failure(self) -> None:
+        """A handler raised (a bug): the cell does no more work (no task, result or push) and answers with a
+        "failed" push, now if it holds a cloud model (once), else on the version that comes; the cloud fails the
+        job with it, or leaves the cell out (``runtime.fail_on_cell_failure``: ``cloud.async_server``)."""
+        self.loop.cancel(self._push_timer)
+        if self.fb.ready and not self._failure_sent:
+            self._failure_sent = True
+            self._send_failure(self.fb.global_version)
+
     def _status_extra(self) -> dict[str, Any]:
         """A cell holding no cloud model says so: the cloud sends a cell that asks anew (restarted afresh, or
         started after the job's first version went out) the current version (``cloud.async_server``); one that
-        refused to work says why instead (it asks for nothing)."""
-        if self.refused is not None:
-            return {"refused": self.refused}
+        refused to work, or failed, says why instead (it asks for nothing; the cloud takes it back once a restart
+        says so no more)."""
+        if self.refused is not None or self.failure is not None:
+            return {"refused": self.refused or self.failure}
         return {} if self.fb.ready else {"needs_model": True}
 
     # ----------------------------------------------------------------- devices
     def _may_work(self, device: str) -> bool:
-        if not self.fb.ready or not self.online.get(device, False) or device in self.outstanding:
+        if (
+            self.failure is not None
+            or not self.fb.ready
+            or not self.online.get(device, False)
+            or device in self.outstanding
+        ):
             return False
         return self.availability is None or device in set(self.availability(max(self.round, 0), self.fb.version))
 
@@ -258,7 +282,7 @@ class AsyncCellServer(CellServer):
 
     def _on_result(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("device_result",))
-        if msg is None:
+        if msg is None or self.failure is not None:  # a failed cell takes no more results
             return
         h, device = msg.header, topic.split("/")[-2]
         # the device's own result (its session in signed runs, its weight bound)
@@ -356,6 +380,8 @@ class AsyncCellServer(CellServer):
         self.transport.publish(topic, message, qos=1)
 
     def _on_push_timer(self) -> None:
+        if self.failure is not None:
+            return
         if self.fb.updates > 0:
             self._push()
         self._push_timer = self.loop.call_later(self.push_seconds, self._on_push_timer)

@@ -27,7 +27,7 @@ from typing import Any
 
 from protocols import runfiles
 from protocols.algorithms.fedbuff import FedBuffCloud
-from protocols.failures import failed_reason
+from protocols.failures import failed_reason, is_refusal
 from protocols.rejections import Rejected, RejectKind
 from protocols.status import decode_status
 from protocols.transport.base import Transport
@@ -141,8 +141,10 @@ class AsyncCloudServer(CloudServer):
                 self.journal.applied(self.round)
 
     def _refuses(self, topic: str, cell: str, msg: Incoming, why: str) -> None:
-        """``cell`` refuses to work in this job, saying ``why`` (its "failed" push: ``cell_server.async_server``): it
-        is left out of the job (no version goes to it; the record of the version open lists it in ``cells_failed``)
+        """``cell``'s "failed" push, saying ``why`` (``cell_server.async_server``): a handler of it raised (a bug), and
+        with ``runtime.fail_on_cell_failure`` the job fails with it, as the cloud of rounds does; else, or when the
+        cell refuses to work in this job (``protocols.failures.is_refusal``: restarted without its journal), it is
+        left out of the job (no version goes to it; the record of the version open lists it in ``cells_failed``)
         until its status says it no longer refuses (:meth:`_readmit`), and with fewer cells left than
         ``runtime.min_cells`` the job fails, saying so."""
         refused = (
@@ -153,6 +155,10 @@ class AsyncCloudServer(CloudServer):
         if refused is not None:
             self.messenger.reject(topic, refused.kind, str(refused), cell)
             return
+        refusal = is_refusal(msg.payload)
+        if not refusal and self.fail_on_cell_failure:  # the job cannot go on as planned
+            self.fail(f"cell {cell} failed at version {msg.header.round}: {why}")
+            return
         if cell in self.refusing:
             return
         if (self.started or self.resumed) and not self._in_round:
@@ -160,9 +166,12 @@ class AsyncCloudServer(CloudServer):
         self.refusing[cell] = why
         self.counts.cells_failed[cell] = why
         self._notify = [c for c in self._notify if c != cell]
-        log.error("cloud: cell %s refuses to work (left out of the job: no version goes to it): %s", cell, why)
+        what = "refuses to work" if refusal else "failed"
+        log.error("cloud: cell %s %s (left out of the job: no version goes to it): %s", cell, what, why)
         out = {**self.revoked, **self.refusing}
-        failure = too_few_cells(self.cells, out, self.stall.min_cells, [cell], f"refused to work ({why})")
+        failure = too_few_cells(
+            self.cells, out, self.stall.min_cells, [cell], f"{'refused to work' if refusal else 'failed'} ({why})"
+        )
         if failure is not None:
             self.fail(failure)
 

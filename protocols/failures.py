@@ -4,7 +4,9 @@
   tensors) instead of leaving its cell to wait out the deadline: the cell records it per reason, counts the
   device as answered and keeps it out of the aggregate (as a diverged device, ``protocols.divergence``).
 - A cell whose handler raised (a bug) answers its round with a "failed" report of the same shape: the cloud
-  fails the job with that reason.
+  fails the job with that reason (or leaves the cell out: ``runtime.fail_on_cell_failure``). An asynchronous
+  cell that refuses to work in a job (restarted without its journal) says so with a "failed" push marked
+  ``refused``: no bug, the cloud leaves it out.
 - :func:`guarded` wraps a tier's message handlers and timers: an exception is logged with its traceback
   and handed to the tier's ``fail``, never left to leave a round open forever.
 - :class:`StallWatch` is the cloud's rule for a job that cannot make progress (``runtime.max_stalled_rounds``).
@@ -22,14 +24,19 @@ from .wire.payload import Payload
 log = logging.getLogger("fedtier.failures")
 
 KEY = "failed"
+REFUSED = "refused"  # meta flag of a cell's "failed" answer that is a refusal to work, not a bug
 MAX_REASON = 200  # characters of a reason kept from another node
 MAX_REASONS = 8  # distinct reasons counted per record; the rest under OTHER
 OTHER = "other"
 
 
-def failed_payload(reason: str) -> Payload:
-    """The answer of a node that could not do its part (a device's task, a cell's round)."""
-    return Payload(meta={KEY: reason[:MAX_REASON] or "failed"})
+def failed_payload(reason: str, refused: bool = False) -> Payload:
+    """The answer of a node that could not do its part (a device's task, a cell's round); ``refused``: it will
+    not (an asynchronous cell restarted without its journal), which is no bug (:func:`is_refusal`)."""
+    meta: dict[str, object] = {KEY: reason[:MAX_REASON] or "failed"}
+    if refused:
+        meta[REFUSED] = True
+    return Payload(meta=meta)
 
 
 def failed_reason(payload: Payload) -> str | None:
@@ -38,6 +45,11 @@ def failed_reason(payload: Payload) -> str | None:
     if isinstance(reason, str) and not payload.tensors:
         return reason[:MAX_REASON] or "failed"
     return None
+
+
+def is_refusal(payload: Payload) -> bool:
+    """Whether a "failed" answer says its node refuses to work (``failed_payload(..., refused=True)``)."""
+    return payload.meta.get(REFUSED) is True
 
 
 def count_reasons(reasons: Mapping[str, str] | list[str], limit: int = MAX_REASONS) -> dict[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -931,3 +932,55 @@ def test_an_async_device_flipping_its_status_gets_a_bounded_number_of_tasks_per_
 def _version_and_number(data: bytes) -> tuple[int, int]:
     header, _ = decode_message(data)
     return header.round, header.edge_round
+
+
+def _c1_aggregation_raises(tmp_path, cells: int = 2, **runtime) -> tuple[SimHierarchy, Any]:
+    """An async sim (8 cloud versions) whose cell c1 (or c0, the only cell) raises KeyError on its second update."""
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 8},
+        topology={"cells": cells, "devices_per_cell": 3},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+        runtime=runtime,
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    cell = sim.cells["c1" if cells > 1 else "c0"]
+    flush = cell._flush
+
+    def broken() -> None:
+        if cell.fb.version >= 2:
+            raise KeyError("weight")
+        flush()
+
+    cell._flush = broken
+    return sim, sim.run()
+
+
+def test_an_async_cell_whose_handler_raises_fails_the_job(tmp_path):
+    """c1's aggregation raises (a bug): it sends a "failed" push with the reason, and the cloud fails the job with it
+    (``runtime.fail_on_cell_failure``, on by default), as the cloud of rounds does. Before, the async cell sent
+    nothing (its failure waited for a round it never enters) and the async cloud ignored the setting: the job
+    'finished' with c0 alone."""
+    sim, result = _c1_aggregation_raises(tmp_path)
+    c1 = sim.cells["c1"]
+    assert c1.failure is not None and "raised KeyError: 'weight'" in c1.failure
+    assert result.status == "failed" and len(result.history) < 8, (result.status, len(result.history))
+    assert re.fullmatch(r"cell c1 failed at version \d+: cell c1: .+ raised KeyError: 'weight'", result.failed)
+
+
+def test_an_async_cell_that_failed_is_left_out_when_the_job_must_not_depend_on_one_cell(tmp_path):
+    """runtime.fail_on_cell_failure = false: c1 fails (its aggregation raises), its "failed" push has the cloud leave
+    it out of the job with the reason (``cells_failed``, once; no version goes to it: its status says it failed) and
+    the job finishes with c0; with c0 the only cell, the job fails saying no cell remains (runtime.min_cells)."""
+    sim, result = _c1_aggregation_raises(tmp_path, fail_on_cell_failure=False)
+    c1 = sim.cells["c1"]
+    assert result.status == "finished" and len(result.history) == 8, result.failed
+    failed = [(h["round"], h["cells_failed"]) for h in result.history if h.get("cells_failed")]
+    assert len(failed) == 1 and failed[0][1] == {"c1": c1.failure[:200]}, failed
+    later = [h["cells_reported"] for h in result.history if h["round"] > failed[0][0]]
+    assert later and all(cells == ["c0"] for cells in later), later
+    assert c1.fb.global_version <= failed[0][0] and sim.cloud.refusing == {"c1": c1.failure[:200]}
+    sim, result = _c1_aggregation_raises(tmp_path / "one", cells=1, fail_on_cell_failure=False)
+    assert result.status == "failed" and result.failed.startswith("c0 failed (cell c0: "), result.failed
+    assert "no cell of the job remains" in result.failed

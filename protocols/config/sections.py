@@ -243,7 +243,8 @@ class RuntimeSection(Section):
         default=True,
         description="a cell whose handler raised (a bug) answers its rounds 'failed' and the cloud fails the job; "
         "false: the cloud leaves that cell out of the round (cells_failed in its record) and the stall rule "
-        "decides (a federation whose cells are not all trusted: a cell with valid credentials cannot end the job)",
+        "decides (a federation whose cells are not all trusted: a cell with valid credentials cannot end the job); "
+        "asynchronous: the failed cell pushes 'failed' once, and false leaves it out of the job (runtime.min_cells)",
     )
     rejoin_wait: float = Field(
         default=30.0,
