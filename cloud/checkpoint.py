@@ -8,12 +8,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocols import runfiles
 from protocols.checkpoint import load_payload, save_payload, write_durably
 from protocols.jsonl import read_jsonl
 from protocols.wire.payload import Payload
+
+if TYPE_CHECKING:
+    from protocols.algorithms.base import CloudRole
+    from protocols.failures import StallWatch
 
 
 def repair_metrics(path: Path, next_round: int, record: dict[str, Any] | None) -> None:
@@ -67,6 +71,21 @@ class Saved:
     stalled: Any
     role: Payload
     record: dict[str, Any] | None
+
+
+def restore(
+    saved: Saved, role: CloudRole, stall: StallWatch, cumulative: dict[str, int], devices_recreated: bool
+) -> int:
+    """Put back what a cloud resumed from ``saved`` continues with: the role's state (its devices' forgotten when a
+    launcher rebuilt them: ``devices_recreated``), the byte totals and the rounds stalled in a row. Returns the
+    round it continues at (the one after the saved round)."""
+    role.load_state(saved.role)
+    if devices_recreated:  # a launcher that rebuilt its devices (fedtier sim / run --resume)
+        role.forget_devices()
+    cumulative.update(saved.cumulative)
+    if isinstance(saved.stalled, int) and 0 < saved.stalled < stall.max_rounds:
+        stall.stalled, stall.first = saved.stalled, saved.round + 1 - saved.stalled
+    return saved.round + 1
 
 
 class CloudCheckpoint:

@@ -26,7 +26,7 @@ from protocols.wire import topics
 from protocols.wire.messenger import Incoming, Messenger
 
 from .cell_records import collector
-from .checkpoint import CloudCheckpoint, Saved, repair_records
+from .checkpoint import CloudCheckpoint, Saved, repair_records, restore
 from .parts import CellPresence, RoundCounts, report_refusal, resend_on_repeat
 from .revocation import leave_round, refused_revoked, too_few_cells
 from .round_record import divergence, end_figures, round_record, stall
@@ -129,17 +129,11 @@ class CloudServer:
         self.cell_records = collector(transport, run, self.cells, cell_records_path, trust, max_record_bytes)
 
     def _resume(self, saved: Saved, own_session: bool, devices_recreated: bool) -> None:
-        """Continue after the checkpoint's round: the role's state, byte totals, stalled rounds and, unless the
-        cloud was given its session (``own_session`` False), the checkpoint's session (cells take the re-sent
-        round in it; ``metrics.jsonl`` was repaired to end with that round before it opened)."""
-        self.role.load_state(saved.role)
-        if devices_recreated:  # a launcher that rebuilt its devices (fedtier sim / run --resume)
-            self.role.forget_devices()
-        self.round = saved.round + 1
+        """Continue after the checkpoint's round (``cloud.checkpoint.restore``) and, unless the cloud was given its
+        session (``own_session`` False), in the checkpoint's session (cells take the re-sent round in it;
+        ``metrics.jsonl`` was repaired to end with that round before it opened)."""
+        self.round = restore(saved, self.role, self.stall, self.cumulative, devices_recreated)
         self.resumed_from = saved.record if isinstance(saved.record, dict) else None
-        self.cumulative.update(saved.cumulative)
-        if isinstance(saved.stalled, int) and 0 < saved.stalled < self.stall.max_rounds:
-            self.stall.stalled, self.stall.first = saved.stalled, self.round - saved.stalled
         if own_session and saved.session is not None:
             self.session = self.messenger.session = saved.session
         log.info("resumed from %s at round %d (session %s)", saved.path, self.round, self.session)
