@@ -66,7 +66,10 @@ from protocols.terminal import SafeConsole
     help="Flag a cell whose participation falls below this fraction of its recent mean.",
 )
 @click.option(
-    "--exit-when-done", is_flag=True, help="Leave once the cloud's last round is in (exit 3 when the run failed)."
+    "--exit-when-done",
+    is_flag=True,
+    help="Leave once the cloud's last round is in (exit 3 when the run failed); on a federation, once no job is "
+    "running or queued.",
 )
 @click.option("--width", type=int, default=None, help="Frame width for --once (default: the terminal's).")
 @click.option(

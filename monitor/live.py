@@ -59,7 +59,7 @@ class LiveView:
                 while True:
                     self.pull(feed)
                     live.update(render(self.state, flt=self.flt), refresh=True)
-                    if exit_when_done and self.state.finished:
+                    if exit_when_done and self.state.done:
                         return
                     time.sleep(refresh)
         except KeyboardInterrupt:

@@ -166,13 +166,33 @@ class MonitorState:
                 self.cells[node].revoked = self.revoked[node]
 
     def add_state(self, state: dict) -> None:
-        """A node's retained current state (``protocols.state``): the latest one counts."""
+        """A node's retained current state (``protocols.state``): the latest one counts. A cloud started again after
+        its job ended (a federation's next job) begins a new job here: see :meth:`next_job`."""
         node = state["node"]
+        before = self.states.get(node, {})
         self.states[node] = state
         if node.startswith("cell."):
             self._cell(node[len("cell.") :])
         if node == "cloud" and state.get("phase") in ("finished", "stopped", "failed"):
             self.finished = True
+        elif node == "cloud" and self.finished and state.get("started") != before.get("started"):
+            self.next_job()
+
+    def next_job(self) -> None:
+        """Forget the ended job's rounds, keep what is known of the cells as nodes (up, idle, revoked). A monitor kept
+        open on a federation showed the next job "finished" (and never a silent cell), and took none of its records
+        until its rounds passed the ended job's last round number."""
+        self.finished, self.cloud, self.cloud_seen, self.accuracy, self._max_round = False, None, None, [], None
+        for name, view in self.cells.items():
+            self.cells[name] = CellView(
+                name, online=view.online, idle=view.idle, idle_until=view.idle_until, revoked=view.revoked
+            )
+
+    @property
+    def done(self) -> bool:
+        """The job is over and, on a federation, the cloud lists none running or queued (``--exit-when-done``: a
+        monitor started right after a submission follows that job, not the end of the one before)."""
+        return self.finished and not any(j["state"] in ("running", "queued") for j in self.jobs)
 
     def clear_end(self) -> None:
         """The run goes on: an end its folder said before (stopped, killed) no longer holds, e.g. once the run is

@@ -1010,3 +1010,40 @@ def test_a_device_revoked_between_jobs_leaves_no_status_on_the_broker(tmp_path: 
             thread.join(10)
             nodes.close()
             watching.stop()
+
+
+def test_a_monitor_kept_open_on_a_federation_follows_the_next_job() -> None:
+    """Walk-through: a `fedtier monitor` open across jobs said "finished" through the whole next job (the end state of
+    the one before), never flagged a silent cell again, and took none of the next job's records until its rounds
+    passed the ended job's last round number; with --exit-when-done, started right after a submission, it left at
+    once with the ended job's exit status. A cloud started again after the end begins a new job in the view; and
+    while the cloud lists a job running or queued the monitor is not done."""
+    from monitor.state import MonitorState
+    from protocols.records import CellRecord, RoundRecord
+
+    def cell(rnd: int, t: float) -> CellRecord:
+        return CellRecord(
+            run="fed", round=rnd, edge_round=0, cell="c0", algorithm="fedavg", planned=["c0-d0"], answered=["c0-d0"],
+            closed_by="all answered", duration_s=0.1, deadline_s=30.0, time=t,
+        )  # fmt: skip
+
+    def cloud(rnd: int, t: float) -> RoundRecord:
+        return RoundRecord(
+            run="fed", round=rnd, rounds=20, closed_by="all reported", cells_reported=["c0"], duration_s=0.1, time=t
+        )
+
+    state = MonitorState()
+    for rnd in range(20):  # job A
+        state.add(cell(rnd, 100.0 + rnd))
+        state.add(cloud(rnd, 100.0 + rnd))
+    state.add_state({"node": "cloud", "phase": "finished", "since": 120.0, "started": 99.0})
+    assert state.finished and state.done
+    state.jobs = [{"job": "A", "state": "finished", "reason": "", "ended": 120.0}, {"job": "B", "state": "queued"}]
+    assert not state.done  # submitted: --exit-when-done follows B
+    state.add_state({"node": "cloud", "phase": "starting", "since": 130.0, "started": 130.0})  # job B's cloud
+    assert not state.finished and state.cloud is None and state.cells["c0"].last is None
+    state.add(cell(0, 131.0))
+    state.add(cloud(0, 131.0))
+    assert state.cloud is not None and state.cloud.round == 0 and state.current_round == 0
+    assert state.cells["c0"].last is not None and state.cells["c0"].last.round == 0
+    assert state.silent(state.cells["c0"], 131.0 + 31.0) is not None  # silent past its deadline: flagged again
