@@ -134,9 +134,11 @@ class RoundTally:
         self.diverged |= set(diverged)
         self.failed.update(failed)
 
-    def annotate(self, meta: dict[str, Any]) -> None:
+    def annotate(self, meta: dict[str, Any], online: int = 0) -> None:
         """Add the round's figures to its report's ``meta``: traffic, devices aggregated, and per reason
-        those that diverged, failed or could not serve in every edge round they had."""
+        those that diverged, failed or could not serve in every edge round they had; where none was aggregated,
+        the cell's ``online`` devices (drawn or not: the fleet is alive, a round its draw left offline is no
+        stall)."""
         meta["traffic"] = dict(self.traffic)
         meta["devices"] = len(self.devices)
         if diverged := len(self.diverged - self.devices):
@@ -152,3 +154,5 @@ class RoundTally:
             meta["late"] = late
         if offline := len(self.offline - self.devices):  # a job whose every device is down fails with why
             meta["offline"] = offline
+        if online and not self.devices:
+            meta["online"] = online

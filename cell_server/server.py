@@ -434,7 +434,7 @@ class CellServer(CellNode):
         """The cloud round is over: send its report (the role's, with the tally's figures), journaled first."""
         self._end_round()
         report = self.role.report()
-        self.tally.annotate(report.meta)
+        self.tally.annotate(report.meta, self.liveness.online.count())
         topic = topics.cell_report(self.run, self.cell)
         self.sent_report = self.messenger.frame("cell_report", report, round=self.round, cell=self.cell, topic=topic)
         if self.journal is not None:

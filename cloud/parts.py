@@ -41,6 +41,7 @@ class RoundCounts:
     unmet: dict[str, int] = field(default_factory=dict)  # reason -> devices left out for the job's requirements
     late: int = 0  # devices tasked that answered no edge round in time, over the cells
     offline: int = 0  # devices taking part that were offline in every edge round, over the cells
+    online: int = 0  # devices online in cells that aggregated none, over the cells (the fleet is alive)
     cells_failed: dict[str, str] = field(default_factory=dict)  # cell -> why it failed (fail_on_cell_failure off)
     tasks: Mapping[str, Payload] = field(default_factory=dict)  # cell -> its task of the round (the role's plan)
     repeated: set[str] = field(default_factory=set)  # cells that sent a report again (:meth:`lost_task`)
@@ -97,6 +98,7 @@ class RoundCounts:
         merge_counts(self.unmet, meta.get("unmet"))
         self.late += declared_count(meta.get("late", 0))
         self.offline += declared_count(meta.get("offline", 0))
+        self.online += declared_count(meta.get("online", 0))
         return declared_count(meta.get("devices", 0))
 
 

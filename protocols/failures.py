@@ -94,9 +94,10 @@ class StallWatch:
 
     A round makes no progress when fewer than ``min_cells`` cells reported (no cell at all, by default), or
     when devices answered and every one failed its task or diverged, or every device tasked missed the device
-    deadline, or every device that was to take part was offline (nothing aggregated anywhere). A round whose
-    devices were merely not drawn is not a stall: participation may leave a round empty. (An offline fleet
-    made every round at once with no device, and "finished" the job, exit 0, at the last model it trained.)"""
+    deadline, or every device that was to take part was offline and no cell had a device online (nothing aggregated
+    anywhere). A round whose devices were merely not drawn, or drawn offline while others are online, is not a
+    stall: participation may leave a round empty. (An offline fleet made every round at once with no device, and
+    "finished" the job, exit 0, at the last model it trained.)"""
 
     max_rounds: int = 3
     min_cells: int = 1
@@ -117,8 +118,8 @@ class StallWatch:
     ) -> str | None:
         """Count round ``rnd`` (cells that reported, cells of the job, devices aggregated, failed devices per
         reason, diverged devices, devices left out per unmet requirement, devices tasked that never answered
-        in time, devices taking part that were offline); the reason the job fails, once it stalled ``max_rounds``
-        rounds in a row."""
+        in time, devices taking part that were offline where no cell had one online); the reason the job fails,
+        once it stalled ``max_rounds`` rounds in a row."""
         needed = min(self.min_cells, cells)
         why = None
         if reported < needed:

@@ -147,6 +147,30 @@ def test_a_job_whose_every_device_went_offline_fails_instead_of_finishing(tmp_pa
         assert result.failed == "no device online (6 taking part, every one offline) in rounds 2-4", result.failed
 
 
+def test_a_job_whose_drawn_devices_are_offline_while_others_are_online_goes_on(tmp_path: Path) -> None:
+    """Partial participation draws one device a round; the devices drawn in rounds 2-5 are offline, the others
+    online (a fleet where some phones are off). Those rounds aggregate nothing, but the fleet is alive: no stall
+    (the offline rule failed the job at round 4: 'no device online (1 taking part, every one offline)')."""
+    cfg = small_config(tmp_path, run={"rounds": 6}, participation={"model": "uniform", "per_round": 1})
+    from sim.hierarchy import participation
+
+    drawn = {d for r in range(2, 6) for d in participation(cfg).participants(r)}
+    assert len(drawn) < 6
+    cells: dict[str, Any] = {}
+
+    def down(record: dict[str, Any]) -> None:
+        if record["round"] == 1:
+            for cell in cells.values():
+                for d in list(cell.liveness.online):
+                    cell.liveness.online[d] = d not in drawn
+
+    sim = SimHierarchy(cfg, write_output=False, on_round=down)
+    cells.update(sim.cells)
+    result = sim.run()
+    assert result.status == "finished" and len(result.history) == 6, result.failed
+    assert all(sum(r["devices"].values()) == 0 for r in result.history[2:6])  # nothing aggregated, yet no stall
+
+
 def test_a_job_with_some_failing_devices_goes_on(tmp_path: Path) -> None:
     cfg = small_config(tmp_path, run={"rounds": 4}, runtime={"max_stalled_rounds": 1})
     sim = SimHierarchy(cfg, write_output=False)
