@@ -317,8 +317,10 @@ def trajectory_key(
 
 
 def next_key(key: bytes, round_seed: int, g: np.ndarray) -> bytes:
-    """The key of the state that applying the round (``round_seed``, scalars ``g``) to the state ``key`` gives."""
-    data = key + int(round_seed).to_bytes(8, "little") + np.ascontiguousarray(g, "<f4").tobytes()
+    """The key of the state that applying the round (``round_seed``, scalars ``g``: K x P, its shape hashed too, as
+    the same bytes in another shape are other steps and directions) to the state ``key`` gives."""
+    shape = b"".join(int(n).to_bytes(8, "little") for n in g.shape)
+    data = key + int(round_seed).to_bytes(8, "little") + shape + np.ascontiguousarray(g, "<f4").tobytes()
     return hashlib.blake2b(data, digest_size=16).digest()
 
 

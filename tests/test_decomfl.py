@@ -671,3 +671,25 @@ def test_replicas_of_a_process_share_their_replays_bit_for_bit(monkeypatch, mome
     c._init(None)  # type: ignore[arg-type]
     c.catch_up(0, seeds[:6], hist[:6])
     assert c.key is None and not Z._states and np.array_equal(c.model.flat, plain.flat)  # type: ignore[union-attr]
+
+
+def test_replicas_whose_rounds_have_other_shapes_never_share_a_replay(monkeypatch):
+    """Two replicas of a process from the same x_0 and settings but K x P of 2 x 3 and 3 x 2 (two jobs of one
+    long-lived agent): the same scalars' bytes are other rounds (other directions), so neither gets the other's
+    state; each ends where replaying its own rounds gives."""
+    monkeypatch.setattr(Z, "_states", type(Z._states)())
+    monkeypatch.setattr(Z, "_state_bytes", 0)
+    x0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3) / 7, "b": np.ones(2, np.float32)}
+    seeds = np.array([Z.round_seed(5, r) for r in range(3)], np.uint64)
+    flat = np.random.default_rng(4).standard_normal((2, 6)).astype(np.float32)
+    for k, p in ((2, 3), (3, 2)):
+        params = DeComFLParams(name="decomfl", local_steps=k, perturbations=p, lr=0.01, momentum=0.5)
+        hist = flat.reshape(2, k, p)
+        plain, plain_buf = Z.packed(x0), Z.packed({n: np.zeros_like(v) for n, v in x0.items()})
+        for r in range(2):
+            Z.apply_round(plain, int(seeds[r]), hist[r], params.lr, "gaussian", plain_buf, params.momentum)
+        dev = DeComFLDevice(params, lambda: x0)
+        dev._init(None)  # type: ignore[arg-type]
+        dev.catch_up(0, seeds, hist)
+        assert np.array_equal(dev.model.flat, plain.flat), (k, p)  # type: ignore[union-attr]
+        assert np.array_equal(dev.buf.flat, plain_buf.flat), (k, p)  # type: ignore[union-attr]
