@@ -66,6 +66,7 @@ class CloudServer:
     _awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
     resumed_from: dict[str, Any] | None = None  # a resumed cloud: its checkpoint's round record (the last before)
     _stop_request: str | None = None  # request_stop's reason (an instance's own once set)
+    _start_timer: TimerHandle | None = None  # the startup wait's end (cancelled once round 0 begins or the job ends)
 
     def __init__(
         self,
@@ -178,7 +179,7 @@ class CloudServer:
             self.loop.post(self._finish)
             return
         if self.startup_wait > 0:
-            self.loop.call_later(self.startup_wait, self._guard(self._begin_once, "round start"))
+            self._start_timer = self.loop.call_later(self.startup_wait, self._guard(self._begin_once, "round start"))
         self.loop.post(self._guard(self._maybe_begin, "round start"))
 
     def _state(self, phase: str, waiting: Iterable[str] = (), **extra: Any) -> None:
@@ -202,6 +203,7 @@ class CloudServer:
 
     def stop(self) -> None:
         self.loop.cancel(self._timer)
+        self.loop.cancel(self._start_timer)
         if self.transport.connected:
             status = topics.status(self.run, "cloud")
             self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
@@ -238,6 +240,7 @@ class CloudServer:
         """Begin the first round; the cells that the startup wait ended without are the job's absent at start."""
         if not self.started and not self.finished and self.round < self.rounds:  # (done: its finish is posted)
             self.started = True
+            self.loop.cancel(self._start_timer)  # (it holds this server: a --serve cloud's loop outlives the job)
             if self.startup_wait > 0:
                 absent = {c: self.presence.absence(c, self.startup_wait) for c in self.cells if c not in self.revoked}
                 self.cells_absent_at_start = {c: why for c, why in absent.items() if why is not None}
@@ -481,6 +484,7 @@ class CloudServer:
 
     def _finish(self) -> None:
         self.finished = True
+        self.loop.cancel(self._start_timer)
         extra = {"stopped": self.stopped} if self.stopped else {}
         if self.failed:
             extra["failed"] = self.failed

@@ -343,3 +343,33 @@ def test_a_device_flipping_its_status_gets_its_task_again_a_bounded_number_of_ti
     first = c.tasks[0][1:]  # (round, edge round): then the next edge round's tasks
     assert [t for t in c.tasks[3:] if t[1:] == first] == [("c0-d1", *first)] * MAX_RESENDS, c.tasks
     assert record["bytes_resent"] == MAX_RESENDS * record["bytes_out"] // 3, record  # the 3 tasks are the same size
+
+
+def test_an_ended_jobs_cloud_server_is_let_go_before_its_startup_wait_would_have_ended(tmp_path: Path) -> None:
+    """A long-lived ``--serve`` cloud runs jobs one after another on one loop. A job whose cells were all online at
+    once began without waiting out ``runtime.startup_wait`` (600 s), but the wait's timer stayed armed, holding the
+    job's server (its model, its records) until it fired, long after the job ended. Here the job ends (its one round
+    stalls: no cell answers) and its server is stopped: nothing holds it any more."""
+    import gc
+    import weakref
+
+    cfg = small_config(
+        tmp_path, runtime={"startup_wait": 600.0, "cell_deadline": 1.0, "max_stalled_rounds": 1}, run={"rounds": 5}
+    )
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cells = hub.connect("cells")
+    for c in ("c0", "c1"):
+        topic = topics.status(run, topics.cell_node(c))
+        cells.publish(topic, encode_status("online", topic=topic, devices_online=3, devices_total=3), retain=True)
+    job = [build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=cfg.runtime.startup_wait)]
+    job[0].start()
+    hub.loop.run(until=lambda: job[0].finished)
+    assert job[0].failed is not None and hub.loop.now() < 10.0, (job[0].failed, hub.loop.now())  # began at once
+    job[0].stop()  # as the service does once the job ended; its loop goes on (what stop posted runs, not the wait)
+    ran: list[float] = []
+    hub.loop.post(lambda: ran.append(hub.loop.now()))
+    hub.loop.run(until=lambda: bool(ran))
+    ended = weakref.ref(job.pop())
+    gc.collect()
+    assert ended() is None, [type(r).__name__ for r in gc.get_referrers(ended())]
