@@ -325,20 +325,25 @@ def next_key(key: bytes, round_seed: int, g: np.ndarray) -> bytes:
 
 
 def replay(
-    params: Packed,
-    buf: Packed | None,
-    key: bytes,
+    params: MutableMapping[str, np.ndarray],
+    buf: MutableMapping[str, np.ndarray] | None,
+    key: bytes | None,
     seeds: np.ndarray,
     hist: np.ndarray,
     lr: float,
     kind: Kind = "gaussian",
     momentum: float = 0.0,
-) -> bytes:
+) -> bytes | None:
     """In place: the rounds (``seeds[i]``, ``hist[i]``) applied in order to the state ``key`` (:func:`apply_round`);
     returns the key of the state reached. The newest state of the chain that this process reached before (any
     replica of the same run) is copied instead of replayed, and the state reached is kept for the others
-    (``STATE_CACHE_BYTES``, least recently used dropped first): the same bits as replaying every round."""
+    (``STATE_CACHE_BYTES``, least recently used dropped first): the same bits as replaying every round. Without a
+    key (:func:`trajectory_key` gave none) or :class:`Packed` parameters, every round is replayed; None returned."""
     global _state_bytes
+    if key is None or not isinstance(params, Packed) or not isinstance(buf, Packed | None):
+        for s, g in zip(seeds, hist):
+            apply_round(params, int(s), g, lr, kind, buf, momentum)
+        return None
     keys, at = [], key
     for s, g in zip(seeds, hist):
         at = next_key(at, int(s), g)

@@ -402,13 +402,8 @@ class DeComFLDevice(DeviceRole):
         assert self.model is not None
         if start > self.synced:
             raise ValueError(f"history starts at round {start}, but this device is synced to round {self.synced}")
-        skip, p = self.synced - start, self.p
-        if self.key is not None and isinstance(self.model, Z.Packed):  # the replicas of a process share replays
-            buf = self.buf if isinstance(self.buf, Z.Packed) else None
-            self.key = Z.replay(self.model, buf, self.key, seeds[skip:], hist[skip:], p.lr, p.direction, p.momentum)
-        else:
-            for i in range(skip, len(hist)):
-                Z.apply_round(self.model, int(seeds[i]), hist[i], p.lr, p.direction, self.buf, p.momentum)
+        skip, p = self.synced - start, self.p  # (the replicas of a process share their replays: directions.replay)
+        self.key = Z.replay(self.model, self.buf, self.key, seeds[skip:], hist[skip:], p.lr, p.direction, p.momentum)
         self.synced = start + len(hist)
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
