@@ -84,7 +84,8 @@ class DeviceWorker:
         )
         onnx = onnx_trainers(cfg, spec, algorithm) if set(devices) & set(cfg.runtime.onnx_devices) else {}
         self.mine = frozenset(devices)
-        self.data = prep.device_data  # index views: a device's samples are copied out when it trains
+        self.data = prep.device_data  # a device's samples, copied out of the data set when it first trains
+        self.data.keep_bytes = LOCAL_DATA_BYTES  # and kept for its next tasks: the worker's one bound
         self.algorithm = algorithm
         self.roles: dict[str, DeviceRole] = {}  # built on a device's first task, kept (roles may hold state)
         self.trainer_for = lambda d: onnx.get(d, torch_trainer)
@@ -98,8 +99,6 @@ class DeviceWorker:
 
             self.runner = CohortRunner(spec, plan.cohort_size, plan.device, plan.worker_threads)
             share_gpu_memory(self.runner.engine, plan.workers)
-        self._local: dict[str, LocalData] = {}  # recently trained devices' samples (copied out once)
-        self._local_bytes = 0
 
     def _device(self, ctx: dict[str, Any]) -> tuple[DeviceContext, DeviceRole, LocalData]:
         c = DeviceContext(
@@ -111,20 +110,7 @@ class DeviceWorker:
         if role is None:
             role = attacked(self.algorithm.device(c.device), c.device, self.byzantine, self.attack)
             self.roles[c.device] = role
-        return c, role, self._data(c.device)
-
-    def _data(self, device: str) -> LocalData:
-        """The device's samples, kept for its next tasks while the kept ones fit in ``LOCAL_DATA_BYTES``
-        (copying a large share out of the data set every round costs more than training it)."""
-        data = self._local.pop(device, None)
-        if data is None:
-            data = self.data[device]
-            self._local_bytes += data.x.nbytes + data.y.nbytes
-        self._local[device] = data  # most recently used last
-        while self._local_bytes > LOCAL_DATA_BYTES and len(self._local) > 1:
-            old = self._local.pop(next(iter(self._local)))
-            self._local_bytes -= old.x.nbytes + old.y.nbytes
-        return data
+        return c, role, self.data[c.device]
 
     def train(self, ctx: dict[str, Any], task: bytes | memoryview) -> tuple[bytes, str]:
         """``(encoded result, "")``, or ``(b"", error)`` when the role raised (the device rejects the task)."""

@@ -48,6 +48,7 @@ class DeviceData(Mapping[str, LocalData]):
         self.ds, self.topology, self.parts = ds, topology, parts
         self._kept: OrderedDict[str, LocalData] = OrderedDict()
         self._kept_bytes = 0
+        self.keep_bytes = KEPT_DATA_BYTES  # the bound of the kept copies (a sim worker sets its own)
         self._where: dict[str, tuple[int, int]] | None = None
         if not topology.uniform():  # explicit members: a table (such topologies are small)
             self._where = {
@@ -77,10 +78,10 @@ class DeviceData(Mapping[str, LocalData]):
         idx = self.indices(device)
         data = LocalData(self.ds.x_train[idx], self.ds.y_train[idx])
         size = data.x.nbytes + data.y.nbytes
-        if size <= KEPT_DATA_BYTES:
+        if size <= self.keep_bytes:
             self._kept[device] = data
             self._kept_bytes += size
-            while self._kept_bytes > KEPT_DATA_BYTES:
+            while self._kept_bytes > self.keep_bytes:
                 _, old = self._kept.popitem(last=False)
                 self._kept_bytes -= old.x.nbytes + old.y.nbytes
         return data

@@ -236,3 +236,36 @@ def test_a_worker_logs_each_diverged_device_of_a_cohort_by_its_own_name(make_con
     assert all(parts and not error for parts, error in out)
     logged = sorted(r.getMessage().split()[1] for r in caplog.records if "diverged" in r.getMessage())
     assert logged == devices
+
+
+def test_a_workers_kept_samples_stay_within_its_bound(make_config, monkeypatch):
+    """A worker keeps its devices' samples up to ``LOCAL_DATA_BYTES``, all told: its data set's own LRU of copies
+    (``DeviceData``, 99618e1) is that one bound, not a second one beside it. With room for 4 devices' samples (and
+    2 in the data set's), devices p, q, r, x trained, p, q, r again, then w: 5 devices' samples were held (x
+    dropped by the worker, still kept by the data set), over the bound."""
+    import gc
+
+    import sim.device_worker as W
+    import sim.hierarchy as H
+    from protocols.trainer import LocalData
+    from sim.device_worker import DeviceWorker
+
+    devices = [f"c0-d{i}" for i in range(5)]
+    cfg = make_config(**{**SECTIONS, "topology": {"cells": 1, "devices_per_cell": 5}})
+    probe = DeviceWorker(cfg.to_toml(), devices)
+    ds = probe.data.ds
+    row = ds.x_train[0].nbytes + ds.y_train[0].nbytes
+    unit = max(len(probe.data.indices(d)) for d in devices) * row
+    assert min(len(probe.data.indices(d)) for d in devices) * row * 5 > unit * 4  # any 4 fit, never 5
+    monkeypatch.setattr(W, "LOCAL_DATA_BYTES", 4 * unit)
+    monkeypatch.setattr(H, "KEPT_DATA_BYTES", 2 * unit)
+    worker = DeviceWorker(cfg.to_toml(), devices)
+    before = [o for o in gc.get_objects() if isinstance(o, LocalData)]  # (held: their ids are not reused)
+    ctx = {"seed": 0, "round": 0, "edge_round": 0, "cell": "c0"}
+    p, q, r, x, w = devices
+    for d in (p, q, r, x, p, q, r, w):
+        worker._device({**ctx, "device": d})
+    gc.collect()
+    held = [o for o in gc.get_objects() if isinstance(o, LocalData) and not any(o is b for b in before)]
+    assert sum(o.x.nbytes + o.y.nbytes for o in held) <= 4 * unit, len(held)
+    assert worker._device({**ctx, "device": r})[2] is worker._device({**ctx, "device": r})[2]  # kept: no copy
