@@ -244,6 +244,7 @@ class Emulation:
             shutil.rmtree(out / runfiles.BROKER, ignore_errors=True)
             (out / LEDGER_FILE).unlink(missing_ok=True)
         self.device_files = {d: out / "devices" / f"{d}.npz" for d in prep.device_data}
+        prep.device_data.keep_bytes = 0  # each device's samples written once here, trained by its agent: none kept
         for device, data in prep.device_data.items():
             save_device_data(self.device_files[device], data, prep.spec)
         if cfg.runtime.onnx_devices:

@@ -241,3 +241,23 @@ def test_run_says_it_ignores_the_virtual_clock_and_reports_no_virtual_time(tmp_p
         ]
         > 0
     )
+
+
+def test_the_emulation_keeps_no_copy_of_the_samples_it_wrote_for_the_agents(tmp_path: Path) -> None:
+    """The run writes each device's samples to its agent's file and trains none itself: it holds no copy of them
+    for the run (the data set's LRU of copies, 99618e1, kept up to 256 MiB of them in this process)."""
+    import gc
+
+    from protocols.trainer import LocalData
+    from sim.hierarchy import prepare
+
+    cfg = small_config(tmp_path)
+    prep = prepare(cfg)
+    before = [o for o in gc.get_objects() if isinstance(o, LocalData)]  # (held: their ids are not reused)
+    emulation = Emulation(cfg)
+    emulation._prepare_folder(prep)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, LocalData) and not any(o is b for b in before)]
+    assert all(
+        len(load_device_data(f)[0]) == len(prep.device_data.indices(d)) for d, f in emulation.device_files.items()
+    )
