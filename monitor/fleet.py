@@ -11,8 +11,9 @@ reads the federation's signed roster (published by the cloud): a member never he
 started) is listed as never seen, and every node it lists as revoked is shown revoked, whether the broker still
 holds its status or not (a revoked cell's is never cleared and says online or idle; a revoked device's is cleared by
 its cell): its key forgotten, its records no longer counted as refused, and it no longer counted among the nodes
-expected online. The roster names a revoked node by its id only: its role and cell are shown when the view
-learned them (from a status, or an earlier roster), else left blank.
+expected online. The roster records the cell each revoked node was in, so its role and cell are shown; a roster
+signed before it recorded them names a revoked node by its id only: then they are shown when the view learned them
+(from a status, or an earlier roster), else left blank.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class Fleet:
             self.members = {"cloud": None} | {c: c for c in roster.cells}
             self.members |= {d: c for c in roster.cells for d in roster.members(c)}
             self._known |= {n: (_role(n, c), c) for n, c in self.members.items()}
+            self._known |= {n: (_role(n, c), c) for n, c in roster.revoked_in.items()}
             self.revoked, self.roster_version = roster.revoked, roster.version
             self.keys.forget(roster.revoked)  # what a stale keys file still trusts: a revoked node signs nothing
 

@@ -4,7 +4,8 @@ One roster per federation, produced and signed by the cloud's Ed25519 identity (
 node already trusts), published retained on ``fedtier/{federation}/roster`` and handed to whoever asks.
 It is the one source for:
 
-- **membership**: the devices of each cell (cells may differ in size) and the nodes revoked;
+- **membership**: the devices of each cell (cells may differ in size) and the nodes revoked, each with the cell
+  it was in (``revoked_in``; absent from rosters signed before it was recorded);
 - **identity**: each device's and cell's public key, so a device can check a neighbour's signed key
   advertisement in secure aggregation without trusting its cell to relay keys honestly;
 - **bounds**: each device's weight bound (the most samples it may claim); a cell's bound at the cloud is
@@ -84,6 +85,9 @@ class Roster:
     """cell -> its Ed25519 public key."""
     revoked: frozenset[str] = frozenset()
     issued_at: float = 0.0
+    revoked_in: Mapping[str, str] = field(default_factory=dict)
+    """revoked id -> the cell it was in when revoked (a cell: itself), so a view can show its role and cell; a
+    roster signed before this was recorded has none (its revoked ids have no cell)."""
     _cell_of: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -108,9 +112,14 @@ class Roster:
         listed = set(cell_of) | set(cells)
         if listed & self.revoked:
             raise RosterError(f"revoked nodes still listed: {sorted(listed & self.revoked)}")
+        for node, cell in self.revoked_in.items():
+            if node not in self.revoked:
+                raise RosterError(f"a cell recorded for {node!r}, which is not revoked")
+            _check_node(cell)
         object.__setattr__(self, "cells", MappingProxyType(cells))
         object.__setattr__(self, "cell_keys", MappingProxyType(dict(self.cell_keys)))
         object.__setattr__(self, "revoked", frozenset(self.revoked))
+        object.__setattr__(self, "revoked_in", MappingProxyType(dict(self.revoked_in)))
         object.__setattr__(self, "_cell_of", MappingProxyType(cell_of))
 
     # ------------------------------------------------------------------ queries
@@ -120,6 +129,10 @@ class Roster:
 
     def cell_of(self, device: str) -> str | None:
         return self._cell_of.get(device)
+
+    def revoked_cell(self, node: str) -> str | None:
+        """The cell a revoked ``node`` was in (a revoked cell: itself); ``None`` if the roster does not record it."""
+        return self.revoked_in.get(node)
 
     def is_member(self, node: str) -> bool:
         """A listed, unrevoked cell or device."""
@@ -177,12 +190,14 @@ class Roster:
             gone = {node, *self.cells[node]}
             cells = {c: d for c, d in self.cells.items() if c != node}
             keys = {c: k for c, k in self.cell_keys.items() if c != node}
-            return self._next(cells=cells, cell_keys=keys, revoked=self.revoked | gone)
+            where = {**self.revoked_in, **dict.fromkeys(gone, node)}
+            return self._next(cells=cells, cell_keys=keys, revoked=self.revoked | gone, revoked_in=where)
         cell = self._cell_of.get(node)
         if cell is None:
             raise RosterError(f"{node!r} is not a member of the roster")
         devs = {d: e for d, e in self.cells[cell].items() if d != node}
-        return self._next(cells={**self.cells, cell: devs}, revoked=self.revoked | {node})
+        where = {**self.revoked_in, node: cell}
+        return self._next(cells={**self.cells, cell: devs}, revoked=self.revoked | {node}, revoked_in=where)
 
     @classmethod
     def from_topology(
@@ -211,7 +226,7 @@ class Roster:
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "format": FORMAT,
             "federation": self.federation,
             "version": self.version,
@@ -225,6 +240,9 @@ class Roster:
             },
             "revoked": sorted(self.revoked),
         }
+        if self.revoked_in:  # absent when empty: a roster with none signs the same bytes as before it was recorded
+            body["revoked_in"] = dict(sorted(self.revoked_in.items()))
+        return body
 
     @classmethod
     def from_dict(cls, data: Any) -> Roster:
@@ -240,6 +258,9 @@ class Roster:
             revoked = data.get("revoked", [])
             if not all(isinstance(r, str) for r in revoked):
                 raise RosterError("revoked ids must be strings")
+            revoked_in = data.get("revoked_in", {})  # absent in a roster signed before it was recorded
+            if not isinstance(revoked_in, dict) or not all(isinstance(c, str) for c in revoked_in.values()):
+                raise RosterError("revoked_in must map revoked ids to their cells")
             return cls(
                 str(data["federation"]),
                 data["version"],
@@ -247,6 +268,7 @@ class Roster:
                 keys,
                 revoked=frozenset(revoked),
                 issued_at=float(data.get("issued_at", 0.0)),
+                revoked_in=revoked_in,
             )
         except RosterError:
             raise

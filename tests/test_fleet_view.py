@@ -129,6 +129,41 @@ def test_a_node_the_signed_roster_revoked_is_shown_revoked_whatever_its_retained
     assert state() == alive | revoked
 
 
+def test_a_revoked_node_never_seen_by_this_view_is_shown_with_its_role_and_cell_from_the_signed_roster():
+    """The signed roster records the cell each revoked node was in: a view that never heard from it (started after
+    the revocation) shows its role and cell; a roster signed before that was recorded (no ``revoked_in``) still
+    verifies, and leaves them blank."""
+    from protocols.roster import Roster, _canonical, roster_topic, verify_roster
+
+    ring = generate_keys(TopologySection(cells=2, devices_per_cell=2))
+    cloud = Trust("cloud", ring.private["cloud"], ring.public)
+    members = {"c0": ["c0-d0", "c0-d1"], "c1": ["c1-d0", "c1-d1"]}
+    roster = Roster.from_topology("fed", members, ring.public, 100.0).without("c0-d1").without("c1")
+    body = roster.to_dict()
+    assert body["revoked_in"] == {"c0-d1": "c0", "c1": "c1", "c1-d0": "c1", "c1-d1": "c1"}
+    new = json.dumps({**body, "sig": cloud.sign(_canonical(body)).hex()}).encode()
+    assert verify_roster(new, cloud.verify).revoked_cell("c1-d0") == "c1"
+    fleet = Fleet("fed", PublicKeys(ring.public), clock=Clock())
+    fleet.on_roster(roster_topic("fed"), new)
+    shown = {r.node: (r.role, r.cell, r.state) for r in fleet.rows() if r.state == "revoked"}
+    assert shown == {
+        "c0-d1": ("device", "c0", "revoked"),
+        "c1": ("cell", "c1", "revoked"),
+        "c1-d0": ("device", "c1", "revoked"),
+        "c1-d1": ("device", "c1", "revoked"),
+    }
+    out = Console(width=200, record=True)
+    out.print(render(fleet))
+    assert any(line.split()[:4] == ["c1-d1", "device", "c1", "revoked"] for line in out.export_text().splitlines())
+
+    old = {k: v for k, v in body.items() if k != "revoked_in"}  # as signed before the cells were recorded
+    fleet = Fleet("fed", PublicKeys(ring.public), clock=Clock())
+    fleet.on_roster(roster_topic("fed"), json.dumps({**old, "sig": cloud.sign(_canonical(old)).hex()}).encode())
+    assert {r.node: (r.role, r.cell) for r in fleet.rows() if r.state == "revoked"} == dict.fromkeys(
+        ("c0-d1", "c1", "c1-d0", "c1-d1"), ("", None)
+    )
+
+
 def test_an_idle_node_is_online_with_its_versions_and_no_job():
     """Between jobs a long-lived node says idle (signed, with its machine's capabilities): the fleet shows
     it online and idle, with its versions, and no current job; an offline one stays offline."""
