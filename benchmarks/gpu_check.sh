@@ -54,9 +54,9 @@ timeout 90 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_coh
   "tests/test_cohort.py::test_cohort_on_gpu" tests/test_sim_workers_device.py tests/test_device_sums.py 2>&1 | tee -a "$OUT/tests.log" || status=1
 
 if [ "${QUICK:-0}" = 1 ]; then
-  large=(--rounds 1 --breakdown) standard=(--rounds 3 --breakdown) small=(--rounds 50)
+  large=(--rounds 1 --breakdown) standard=(--rounds 3 --breakdown) small=(--rounds 50 --repeat 2)
 else
-  large=(--rounds 1 --breakdown) standard=(--rounds 8 --breakdown) small=(--rounds 150)
+  large=(--rounds 1 --breakdown) standard=(--rounds 8 --breakdown) small=(--rounds 150 --repeat 2)
 fi
 [ -n "${CELLS:-}" ] && large+=(--cells "$CELLS")
 bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py's other arguments
@@ -73,6 +73,8 @@ bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py'
 # ~9 minutes (every timeout spent), ~5 expected
 bench large device-cpu,cohort-cuda,cohort-cuda-host,cohort-cuda-w4,cohort-cuda-w4-host,cohort-auto 195 90 "${large[@]}"
 bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 75 50 "${standard[@]}"
+# small: its two sides within a few percent of each other (auto may choose the CPU), so each runs twice,
+# alternated, the fastest counting (a machine whose speed swings mid-run moved one side 0.74x -> 0.94x before)
 bench small cohort-cpu,cohort-cuda,cohort-auto 60 35 "${small[@]}"
 # DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5): one run alone (lr 1e-3), then its
 # 4-value lr grid as 4 runs sharing the GPU (--jobs 4). Each run prints round_ms and its split, kernel_ms (the
