@@ -30,7 +30,7 @@ from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.failures import failed_reason, is_refusal
 from protocols.rejections import Rejected, RejectKind
 from protocols.status import decode_status
-from protocols.transport.base import Transport
+from protocols.transport.base import TimerHandle, Transport
 from protocols.wire.messenger import Incoming
 from protocols.wire.payload import Payload
 
@@ -64,6 +64,7 @@ class AsyncCloudServer(CloudServer):
         self._readmitted: dict[str, int] = {}  # cell -> the version in which it last came back after refusing
         self._asking: set[str] = set()  # cells whose latest status asks for a model (``needs_model``)
         self._holding: set[str] = set()  # cells heard holding a model since they last asked
+        self._ask_timers: dict[str, TimerHandle] = {}  # cell -> its ask's wait (cancelled at the job's end)
         # cells ever heard holding a model of this job (or pushing: they held one): their versions say so; journaled
         self._held: set[str] = set(self.journal.holders) if self.journal is not None else set()
 
@@ -196,8 +197,19 @@ class AsyncCloudServer(CloudServer):
 
     def stop(self) -> None:
         super().stop()
+        self._cancel_asks()
         if self.journal is not None:
             self.journal.close()
+
+    def _finish(self) -> None:
+        self._cancel_asks()
+        super()._finish()
+
+    def _cancel_asks(self) -> None:
+        """The asks' waits are cancelled: each holds this server, and a ``--serve`` cloud's loop outlives the job."""
+        for handle in self._ask_timers.values():
+            self.loop.cancel(handle)
+        self._ask_timers.clear()
 
     def _repeated(self, cell: str, msg: Incoming) -> None:
         """A push handled before, again: a cell back from a crash that may have lost the last version it was sent
@@ -263,7 +275,9 @@ class AsyncCloudServer(CloudServer):
                 self._holding.discard(cell)
                 self._send_asked(cell)
             else:
-                self.loop.call_later(ASK_WAIT, self._guard(lambda: self._send_asked(cell), "model resend"))
+                self.loop.cancel(self._ask_timers.get(cell))
+                asked = self._guard(lambda: self._send_asked(cell), "model resend")
+                self._ask_timers[cell] = self.loop.call_later(ASK_WAIT, asked)
 
     def _hold(self, cell: str) -> None:
         """``cell`` holds a model of this job (journaled: a resumed cloud still knows, see ``_send_task``)."""
@@ -273,6 +287,7 @@ class AsyncCloudServer(CloudServer):
 
     def _send_asked(self, cell: str) -> None:
         """``cell`` asks for a model: send it the current version (once a version: ``RoundCounts.first_resend``)."""
+        self.loop.cancel(self._ask_timers.pop(cell, None))  # its wait is over, or no longer needed
         if cell not in self._asking or not self.started or self.finished or cell in self.revoked:
             return  # it has one by now, or the start sends every cell the first
         if not self._in_round:

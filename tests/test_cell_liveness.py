@@ -373,3 +373,36 @@ def test_an_ended_jobs_cloud_server_is_let_go_before_its_startup_wait_would_have
     ended = weakref.ref(job.pop())
     gc.collect()
     assert ended() is None, [type(r).__name__ for r in gc.get_referrers(ended())]
+
+
+def test_an_ended_async_jobs_cloud_server_is_let_go_before_its_ask_wait_would_have_ended(tmp_path: Path) -> None:
+    """The async cloud answers a cell's new ask for a model (``needs_model``) after ``ASK_WAIT``; a job that ends
+    (here: failed) before that wait is over is let go at once by its ``--serve`` loop, not held by the wait's timer
+    until it fires."""
+    import gc
+    import weakref
+
+    cfg = small_config(
+        tmp_path, runtime={"startup_wait": 0.0}, algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1}
+    )
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cells = hub.connect("cells")
+    job = [build_cloud(cfg, hub.connect("cloud"), algorithm)]
+    assert type(job[0]).__name__ == "AsyncCloudServer"
+    job[0].start()
+    hub.loop.run(until=lambda: job[0].started)
+    topic = topics.status(run, topics.cell_node("c0"))
+    ask = encode_status("online", topic=topic, devices_total=3, needs_model=True, session=job[0].session)
+    cells.publish(topic, ask)
+    hub.loop.run(until=lambda: "c0" in job[0]._asking)  # the ask is taken: its wait is armed
+    start = hub.loop.now()
+    job[0].fail("ended for the test")  # the job ends before the wait is over (as a stalled or a cancelled one)
+    job[0].stop()
+    ran: list[float] = []
+    hub.loop.post(lambda: ran.append(hub.loop.now()))
+    hub.loop.run(until=lambda: bool(ran))
+    assert job[0].finished and ran[0] - start < 1.0
+    ended = weakref.ref(job.pop())
+    gc.collect()
+    assert ended() is None, [type(r).__name__ for r in gc.get_referrers(ended())]
