@@ -1,10 +1,11 @@
 """The cloud runtime of ``algorithm.mode = "async"`` (FedBuff over cells; the maths in
 ``protocols/algorithms/fedbuff.py``).
 
-Cells push their progress whenever they have some; every ``async_cloud_buffer`` pushes the cloud makes a
-new model version (one round record each, evaluated every ``eval_every`` versions) and sends it to the
-cells whose pushes it used. A push names the cloud version it derives from (``round`` in its header):
-a future version, or one staler than ``max_staleness``, is rejected and logged. ``run.rounds`` counts
+Cells push their progress whenever they have some; once ``async_cloud_buffer`` pushes are buffered the cloud makes a
+new model version (one round record each, evaluated every ``eval_every`` versions; ``pushes`` in its metrics: how
+many it took), taking every push already waiting too, up to a bound (``_version_due``: a cloud slower than its cells
+keeps up), and sends it to the cells whose pushes it used. A push names the cloud version it derives from (``round``
+in its header): a future version, or one staler than ``max_staleness``, is rejected and logged. ``run.rounds`` counts
 cloud versions. A cell that sends a push of before the last version it was sent again, and has pushed nothing
 from that version, came back from a crash and may have lost it: it is sent the current version, once a version
 (``RoundCounts.lost_task``, as the cloud of rounds does; ``cell_server.async_recovery``). It checkpoints every
@@ -46,6 +47,11 @@ ASK_WAIT = 1.0
 started may have the start's version in flight (it stops asking once it adopts it)."""
 
 
+TAKE_PER_CELL = 4
+"""A cloud version takes at most this many pushes per cell of the job (and at least ``async_cloud_buffer``): the
+pushes waiting when it is made, up to this bound."""
+
+
 class AsyncCloudServer(CloudServer):
     """The cloud in asynchronous mode; records, evaluation, checkpoints and start-up as :class:`CloudServer`."""
 
@@ -67,6 +73,9 @@ class AsyncCloudServer(CloudServer):
         self._ask_timers: dict[str, TimerHandle] = {}  # cell -> its ask's wait (cancelled at the job's end)
         # cells ever heard holding a model of this job (or pushing: they held one): their versions say so; journaled
         self._held: set[str] = set(self.journal.holders) if self.journal is not None else set()
+        self.take_max = max(fedbuff.p.async_cloud_buffer, TAKE_PER_CELL * len(self.cells))
+        """The most pushes one version takes (:meth:`_version_due`)."""
+        self._version_posted = False  # a version is posted behind the pushes waiting
 
     def _begin_round(self) -> None:
         """Send the current version to the cells that need it, and start counting the next record (once per
@@ -133,13 +142,36 @@ class AsyncCloudServer(CloudServer):
         self._hold(cell)
         self._pushed_from[cell] = h.round
         self.counts.devices[cell] = self.counts.devices.get(cell, 0) + self._count(cell, msg)
-        if self.fb.buffer.full:
-            out = self.fb.aggregate()
-            self._notify = sorted(set(out.senders))
-            self._in_round = False
-            self._record_round("buffer full", self._notify, [], out)  # checkpointed: the buffer is in the model
-            if self.journal is not None:
-                self.journal.applied(self.round)
+        self._version_due()
+
+    def _version_due(self) -> None:
+        """Make a version once the buffer holds ``async_cloud_buffer`` pushes, and then take every push already
+        waiting (handed to the loop while the cloud was busy, e.g. evaluating the last version) into it too: the
+        version is posted behind them. So a cloud slower than its cells' pushes absorbs them all, a version at a
+        time, rather than queueing them ever staler (FedBuff's server takes what is buffered; the staleness
+        weight of each push is its own). At most :attr:`take_max` pushes a version: one more makes it at once, so
+        a cell pushing fast cannot grow a version's work without bound."""
+        if len(self.fb.buffer.entries) >= self.take_max:
+            self._make_version()
+        elif self.fb.buffer.full and not self._version_posted:
+            self._version_posted = True
+            self.loop.post(self._guard(self._posted_version, "cloud version"))
+
+    def _posted_version(self) -> None:
+        self._version_posted = False
+        self._make_version()
+
+    def _make_version(self) -> None:
+        """A new cloud version from the pushes buffered (if still ``async_cloud_buffer`` or more: a revoked cell's
+        are dropped), recorded with how many it took (``pushes``), checkpointed, and sent to the cells it used."""
+        if not self.fb.buffer.full or self.finished or self.round >= self.rounds:
+            return
+        out = self.fb.aggregate()
+        self._notify = sorted(set(out.senders))
+        self._in_round = False
+        self._record_round("buffer full", self._notify, [], out)  # checkpointed: the buffer is in the model
+        if self.journal is not None:
+            self.journal.applied(self.round)
 
     def _refuses(self, topic: str, cell: str, msg: Incoming, why: str) -> None:
         """``cell``'s "failed" push, saying ``why`` (``cell_server.async_server``): a handler of it raised (a bug), and

@@ -609,9 +609,12 @@ def test_a_fedbuff_cell_cannot_claim_a_fresher_base_than_the_cloud_sent_it(tmp_p
         "cloud_aggregator": "mean",
         "edge_rounds": 1,
     }
-    honest = SimHierarchy(small_config(tmp_path / "honest", run={"rounds": 8}, algorithm=algorithm)).run()
+    # a latency: the cells' pushes come apart, so a version goes to one cell and the other's lie names a version
+    # never sent to it (pushes that come together make one version, sent to both: cloud.async_server)
+    clock = {"device_steps_per_s": 10.0, "latency_s": 0.01}
+    honest = SimHierarchy(small_config(tmp_path / "honest", run={"rounds": 8}, algorithm=algorithm, clock=clock)).run()
     assert not [x for r in honest.history for x in r["rejected"]]
-    sim = SimHierarchy(small_config(tmp_path / "lie", run={"rounds": 8}, algorithm=algorithm))
+    sim = SimHierarchy(small_config(tmp_path / "lie", run={"rounds": 8}, algorithm=algorithm, clock=clock))
     messenger = sim.cells["c0"].messenger
     frame, lies = messenger.frame, []
 

@@ -12,7 +12,8 @@ whose staleness exceeds ``max_staleness``, or that names a version the cell neve
 with a logged reason. Every ``async_push_every`` (M) cell updates, or ``async_push_seconds`` (T) when
 that comes first, the cell pushes its progress since its last push to the cloud, stamped with the
 cloud version it derives from. The cloud does the same over cells: every ``async_cloud_buffer`` pushes
-it forms the same staleness-weighted step (staleness in cloud versions) and hands it to the server
+(or more: the pushes waiting when it makes the version, ``cloud/async_server.py``) it forms the same
+staleness-weighted step (staleness in cloud versions) and hands it to the server
 optimizer (``server_optimizer``, amplification), making a new cloud version, which it sends back to
 the cells whose pushes it used. A cell that receives a new cloud model adopts it and re-applies the
 progress it made since its last push (that progress is not in the cloud model yet).
@@ -127,7 +128,8 @@ class FedBuffCloud:
 
     def aggregate(self) -> Outcome:
         """A new cloud version from the buffered pushes, through the server optimizer (``senders``: the cells)."""
+        pushes = len(self.buffer.entries)
         step, total, out = self.buffer.flush(self.version)
         self.inner.model, amplified = self.inner.opt.step(self.version, self.inner.model, step)
         self.version += 1
-        return out.with_metrics(weight=total, **({"amplified": 1} if amplified else {}))
+        return out.with_metrics(weight=total, pushes=pushes, **({"amplified": 1} if amplified else {}))
