@@ -54,6 +54,7 @@ class ByzantineDevice(DeviceRole):
 
     def __init__(self, inner: DeviceRole, attack: AttackSection) -> None:
         self.inner = inner
+        self.writes_task = inner.writes_task  # it writes into none of the task itself
         self.scale = attack.factor if attack.kind == "scale" else -attack.factor
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:

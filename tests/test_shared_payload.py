@@ -168,6 +168,7 @@ class _Liar(DeviceRole):
     trains, then trains on its own copy: refused each time, it cannot change what the other devices train on."""
 
     refused: list[str] = []
+    writes_task = False  # it says so (handed the shared views): they refuse it all the same
 
     def __init__(self, inner: DeviceRole) -> None:
         self.inner = inner
@@ -227,6 +228,25 @@ def test_a_lying_device_cannot_change_the_task_its_cells_other_devices_train_on(
     assert set(lied.params) == set(honest.params)
     for k in honest.params:  # the other devices trained on the cell's model: the run is the honest one
         np.testing.assert_array_equal(lied.params[k], honest.params[k])
+
+
+def test_a_plugin_writing_into_its_task_through_torch_cannot_change_what_its_cells_other_devices_read(tmp_path):
+    """``torch.from_numpy`` of a task's read-only view only warns, and an in-place op then writes into the bytes the
+    cell's devices share in sim. A plugin's device role (which declares no ``writes_task = False``) is handed a task
+    of its own: one that writes into it runs as one that copied first, byte for byte."""
+    runs = {}
+    for name in ("fedavg_writes_task", "fedavg_copies_task"):
+        cfg = small_config(
+            tmp_path / name,
+            run={"rounds": 2, "plugins": ["tests.plugin_writes_task"]},
+            algorithm={"name": name, "edge_rounds": 1},
+        )
+        runs[name] = run_simulation(cfg, write_output=False)
+    wrote, copied = runs["fedavg_writes_task"], runs["fedavg_copies_task"]
+    assert set(wrote.params) == set(copied.params) and wrote.history and copied.history
+    for k in copied.params:
+        np.testing.assert_array_equal(wrote.params[k], copied.params[k])
+    assert [r["loss"] for r in wrote.history] == [r["loss"] for r in copied.history]
 
 
 def test_segments_that_do_not_make_a_message_are_refused_as_their_joined_bytes_would_be():

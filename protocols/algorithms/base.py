@@ -247,10 +247,24 @@ class DeviceRole(ABC):
     sample count (status records, secure aggregation's weight bound); False under differential privacy."""
 
     reveals_data_size: ClassVar[bool] = True
+    writes_task: bool = True
+    """Whether :meth:`train` may write into its task's arrays. A task's tensors are read-only views of the message's
+    bytes, which the devices of a cell share in ``fedtier sim`` (one immutable payload, ``SharedPayload``): a role
+    that may write into them (``torch.from_numpy`` then an in-place op) is handed private writable copies
+    (:func:`task_for`); so is any role that does not declare otherwise, a plugin's by default. The built-in roles
+    declare ``False`` (they copy what they change) and read the shared bytes; a wrapper declares its inner role's."""
 
     @abstractmethod
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         """Run the task; return the result to send to the cell."""
+
+
+def task_for(role: DeviceRole, task: Payload) -> Payload:
+    """``task`` as ``role`` is handed it: itself to a role that never writes into it (``writes_task = False``), else
+    its tensors copied (writable, its own), so what it writes cannot change what another device of its cell reads."""
+    if not role.writes_task:
+        return task
+    return Payload(dict(task.meta), {k: np.array(v) for k, v in task.tensors.items()})
 
 
 class Algorithm(ABC):

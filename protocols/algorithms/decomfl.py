@@ -382,6 +382,8 @@ class DeComFLCell(CellRole):
 class DeComFLDevice(DeviceRole):
     """One device for the whole run: holds x_{synced} (and its momentum buffer) between rounds."""
 
+    writes_task = False  # it copies what it changes (its task is read-only, shared by its cell in sim)
+
     def __init__(self, params: DeComFLParams, initial: Callable[[], Mapping[str, np.ndarray]]) -> None:
         self.p, self.initial = params, initial
         self.K, self.P = params.local_steps, params.perturbations

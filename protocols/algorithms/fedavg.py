@@ -182,6 +182,8 @@ class FedAvgCell(CellRole):
 
 
 class FedAvgDevice(DeviceRole):
+    writes_task = False  # it copies what it changes (its task is read-only, shared by its cell in sim)
+
     def __init__(self, params: TrainParams) -> None:
         self.p = params
         self.codec = make_codec(params)

@@ -98,6 +98,8 @@ class MaskedUpdate:
 
 
 class FedMRNDevice(DeviceRole):
+    writes_task = False  # it copies what it changes (its task is read-only, shared by its cell in sim)
+
     def __init__(self, params: FedMRNParams, codec: FedMRNCodec) -> None:
         self.p, self.codec = params, codec
 

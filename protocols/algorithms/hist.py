@@ -251,6 +251,8 @@ class HistCell(FedAvgCell):
 class HistDevice(DeviceRole):
     """Trains the dense submodel it received on a trainer built for the submodel's widths."""
 
+    writes_task = False  # it copies what it changes (its task is read-only, shared by its cell in sim)
+
     def __init__(self, params: ServerParams, spec: ModelSpec) -> None:
         self.spec = spec
         self.widths, self.axes = unit_axes(spec)

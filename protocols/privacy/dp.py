@@ -107,6 +107,7 @@ class PrivateDevice(DeviceRole):
 
     def __init__(self, inner: DeviceRole, dp: DpSettings) -> None:
         self.inner, self.dp, self.noise_seed = inner, dp, dp.seed()
+        self.writes_task = inner.writes_task  # it writes into none of the task itself
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         out = self.inner.train(task, data, trainer, ctx)
