@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cloud import async_server
 from protocols import runfiles
 from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedavg import FedAvgParams
@@ -1041,10 +1042,11 @@ def test_an_async_cloud_slower_than_its_cells_pushes_takes_every_push_waiting_an
     assert slow.history[-1]["accuracy"] >= fast.history[-1]["accuracy"] - 0.03
 
 
-def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_waiting():
-    """A cloud far slower than its cells (3 s a version: some 12 pushes wait each time) takes at most 4 pushes per
-    cell of the job in one version (``TAKE_PER_CELL``): the rest go into the next, so however fast cells push, one
-    version's work is bounded."""
+def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_waiting(monkeypatch):
+    """A cloud far slower than its cells (3 s a version: some 12 pushes wait each time) takes at most
+    ``TAKE_PER_CELL`` pushes per cell of the job in one version (4 here): the rest go into the next, so however
+    fast cells push, one version's work is bounded."""
+    monkeypatch.setattr(async_server, "TAKE_PER_CELL", 4)
     cfg = parse_config(_cfg("async", 6, async_buffer=2, max_staleness=20))
     sim = SimHierarchy(cfg, write_output=False)
     _SlowCloud(sim.cloud, cost=3.0)
