@@ -1042,13 +1042,24 @@ def test_an_async_cloud_slower_than_its_cells_pushes_takes_every_push_waiting_an
     assert slow.history[-1]["accuracy"] >= fast.history[-1]["accuracy"] - 0.03
 
 
-def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_waiting(monkeypatch):
-    """A cloud far slower than its cells (3 s a version: some 12 pushes wait each time) takes at most
-    ``TAKE_PER_CELL`` pushes per cell of the job in one version (4 here): the rest go into the next, so however
-    fast cells push, one version's work is bounded."""
+def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_of_a_cell_flooding_it(monkeypatch):
+    """c0 (its own key) sends each push 13 times, as 13 messages, to a cloud busy 0.6 s a version: whatever waits,
+    a version takes at most ``TAKE_PER_CELL`` pushes per cell of the job (4 here: 8), and the rest go into the next,
+    so a cell pushing fast cannot grow one version's work without bound."""
     monkeypatch.setattr(async_server, "TAKE_PER_CELL", 4)
-    cfg = parse_config(_cfg("async", 6, async_buffer=2, max_staleness=20))
+    cfg = parse_config(_cfg("async", 8, async_buffer=2, max_staleness=20))
     sim = SimHierarchy(cfg, write_output=False)
-    _SlowCloud(sim.cloud, cost=3.0)
+    _SlowCloud(sim.cloud, cost=0.6)
+    c0 = sim.cells["c0"]
+    frame, flooded = c0.messenger.frame, []
+
+    def flood(kind: str, payload: Any, **kw: Any) -> bytes:
+        if kind == "cell_report":
+            for _ in range(12):
+                c0.transport.publish(kw["topic"], frame(kind, payload, **kw), qos=1)
+                flooded.append(kw["round"])
+        return frame(kind, payload, **kw)
+
+    c0.messenger.frame = flood  # type: ignore[method-assign]
     took = [h["metrics"]["pushes"] for h in sim.run().history]
-    assert sim.cloud.take_max == 8 and max(took) == 8, took
+    assert flooded and sim.cloud.take_max == 8 and max(took) == 8, took
