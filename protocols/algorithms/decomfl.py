@@ -34,8 +34,7 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
 
 Bytes: device uplink = one ``(K, P)`` float32 tensor and ``{"weight": n}``; downlink = ``{"from": t}``,
 ``h + 1`` uint64 seeds and an ``(h, K, P)`` float32 tensor (h = rounds missed). None depends on the
-model size. Needs only forward passes, so a device may run on onnxruntime (``edge_agent.onnx_trainer``).
-"""
+model size. Needs only forward passes, so a device may run on onnxruntime (``edge_agent.onnx_trainer``)."""
 
 from __future__ import annotations
 
