@@ -11,6 +11,7 @@ from functools import partial
 from protocols.config import RunConfig
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
+from protocols.runfiles import write_cell_job
 from protocols.status import idle_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
@@ -45,7 +46,12 @@ class CellService:
         connect: Callable[[], Transport | None],
         build: Callable[[RunConfig, Transport], CellServer],
         trust: Trust | None,
+        *,
+        marks_job_folder: bool = False,
     ) -> None:
+        """``marks_job_folder``: each job's folder is this cell's own (``fedtier cell --serve``: holds its records
+        only), and says so: the cell and job, and how the job ended for it (``runfiles.write_cell_job``, which
+        ``fedtier monitor`` on that folder reads); not where the cloud and the cells share one (``fedtier run``)."""
         self.bundle, self.cell, self.loop, self.connect, self.build, self.trust = (
             bundle,
             cell,
@@ -54,6 +60,7 @@ class CellService:
             build,
             trust,
         )
+        self.marks_job_folder = marks_job_folder
         self.stopping = threading.Event()
         self.served: list[str] = []  # the jobs this process served, in order
         self.node: CellServer | None = None
@@ -108,15 +115,25 @@ class CellService:
                 apply_roster(node, self.cell, watch.roster)
             self.node = node
             log.info("cell %s serves job %s", self.cell, current.job)
+            self._mark(cfg, current.job, "running")
             self.loop.post(node.start)
             self._until_job_ends(watch, current)
             if not self.stopping.is_set():  # the job ended: this cell's session drops its topics (kept for a resume)
+                self._mark(cfg, current.job, *_ended_how(watch, current))
                 done.add(current.session)
                 self.served.append(current.job)
                 for pattern in topics.cell_job_patterns(fed, self.cell):
                     transport.unsubscribe(pattern)
             self.node = None
             node.stop()
+
+    def _mark(self, cfg: RunConfig, job: str, phase: str, reason: str | None = None) -> None:
+        """The job's folder says it is this cell's, and the job's ``phase`` (see ``marks_job_folder``)."""
+        if self.marks_job_folder:
+            try:
+                write_cell_job(cfg.output_dir(), self.cell, job, phase, reason)
+            except OSError as exc:  # the folder's view only: the job goes on
+                log.warning("cell %s: cannot write its job record in %s: %s", self.cell, cfg.output_dir(), exc)
 
     def _next_job(self, watch: JobWatch, done: set[str]) -> CurrentJob | None:
         """Wait for a job this cell has yet to serve (``None``: stopped)."""
@@ -132,3 +149,16 @@ class CellService:
                 or (watch.current is not None and watch.current.session != current.session)
             )
         )
+
+
+def _ended_how(watch: JobWatch, current: CurrentJob) -> tuple[str, str | None]:
+    """How ``current`` ended for this cell: as the cloud's ``finished`` record says (``failed``, ``stopped`` with
+    why, or ``finished``), or ``stopped`` when the cloud moved on to another job before this cell heard its end."""
+    if current.session not in watch.finished:
+        moved = watch.current.job if watch.current is not None else "?"
+        return "stopped", f"the cloud moved on to job {moved} before this cell heard the end of this one"
+    outcome = watch.outcomes.get(current.session, {})
+    for phase in ("failed", "stopped"):
+        if phase in outcome:
+            return phase, outcome[phase]
+    return "finished", None

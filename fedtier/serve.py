@@ -210,7 +210,7 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
             exporter.watch_cell(node)
         return node
 
-    service = CellService(cfg, cell, loop, connect, build, trust)
+    service = CellService(cfg, cell, loop, connect, build, trust, marks_job_folder=True)
     on_signals(stopping.set, service.stop)
     try:
         service.serve()

@@ -37,6 +37,8 @@ class LiveView:
             self.state.add_state(each)
         if isinstance(feed, RunDirFollower) and not current:  # the folder's run goes on (again: --resume)
             self.state.clear_end()
+        if isinstance(feed, RunDirFollower):  # a cell's own job folder says so (it holds no cloud's records)
+            self.state.cell_folder = feed.cell_folder()
         if isinstance(feed, TelemetryFeed):  # a folder: the cloud's round records name the revoked cells
             self.state.add_revoked(feed.poll_revoked())
             jobs = feed.poll_jobs()  # a federation's: what ended before this monitor came (telemetry is not kept)

@@ -110,10 +110,18 @@ class RunDirFollower:
     def restarts(self) -> int:
         return sum(t.restarts for t in self._tails)
 
+    def cell_folder(self) -> list[dict]:
+        """The cells whose own job folder this is (``fedtier cell --serve``: their records only, no cloud's), each
+        with its job and how it ended for it (``runfiles.write_cell_job``); [] for any other folder."""
+        if (self.run_dir / runfiles.METRICS).exists() or (self.run_dir / runfiles.SUMMARY).exists():
+            return []  # the cloud's records are here too: a run folder
+        return runfiles.cell_jobs(self.run_dir)
+
     def poll_states(self) -> list[dict]:
         """The cloud's end as its retained state would say it (``protocols.state``), from ``summary.json``:
         ``finished``, ``stopped`` or ``failed`` with the reason; none while the run goes on (no summary yet,
-        or an earlier attempt's, older than the records of a resumed run)."""
+        or an earlier attempt's, older than the records of a resumed run). A cell's own job folder has no summary:
+        the job's end as the cloud told its cell (:meth:`cell_folder`)."""
         summary, metrics = self.run_dir / runfiles.SUMMARY, self.run_dir / runfiles.METRICS
         try:
             written = summary.stat().st_mtime
@@ -121,12 +129,23 @@ class RunDirFollower:
                 return self._abandoned()
             data = json.loads(summary.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return self._abandoned()
+            return self._cell_ended() or self._abandoned()
         phase = data.get("status") if isinstance(data, dict) else None
         if phase not in ("finished", "stopped", "failed"):
             return []
         reason = data.get(phase)
         return [{"node": "cloud", "phase": phase, "since": written, **({"reason": reason} if reason else {})}]
+
+    def _cell_ended(self) -> list[dict]:
+        """A cell's job folder whose job ended, as the cloud said to the cell (its ``finished`` record)."""
+        ended = [c for c in self.cell_folder() if c["phase"] != "running"]
+        if not ended:
+            return []
+        last = max(ended, key=lambda c: c["since"])
+        reason = last.get("reason")
+        return [
+            {"node": "cloud", "phase": last["phase"], "since": last["since"], **({"reason": reason} if reason else {})}
+        ]
 
     def _abandoned(self) -> list[dict]:
         """A ``stopped`` state, ``interrupted``, when the ``fedtier sim|run`` that wrote the folder is gone without a

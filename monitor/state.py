@@ -99,6 +99,7 @@ class MonitorState:
     states: dict[str, dict] = field(default_factory=dict)  # node -> its current state (protocols.state)
     revoked: dict[str, str] = field(default_factory=dict)  # node -> why, from round records or the signed roster
     jobs: list[dict] = field(default_factory=list)  # a federation's jobs, from the cloud's job list (job_entries)
+    cell_folder: list[dict] = field(default_factory=list)  # a cell's own job folder: its job records (runfiles)
     _max_round: int | None = None
 
     # ------------------------------------------------------------------ feeding

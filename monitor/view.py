@@ -225,6 +225,8 @@ def state_line(state: MonitorState, now: float) -> Text | None:
 
 def cloud_line(state: MonitorState, now: float) -> Text:
     c = state.cloud
+    if c is None and state.cell_folder:
+        return cell_folder_line(state.cell_folder)
     if c is None:
         return ended_line(state.states.get("cloud", {})) or Text("cloud: no round closed yet", style="dim")
     total = f"/{c.rounds}" if c.rounds else ""
@@ -246,6 +248,15 @@ def cloud_line(state: MonitorState, now: float) -> Text:
 
 
 ENDS = {"finished": "bold green", "stopped": "bold yellow", "failed": "bold red"}
+
+
+def cell_folder_line(cells: list[dict]) -> Text:
+    """A cell's own job folder (``fedtier cell --serve``): whose it is, and that it holds the cell's records only."""
+    names = ", ".join(str(c["cell"]) for c in cells)  # (a Text: no markup read in them)
+    jobs = ", ".join(sorted({str(c["job"]) for c in cells}))
+    text = Text.assemble((f"cell {names}", "bold"), f"'s job folder (job {jobs}): ")
+    text.append("its own aggregation records only; the job's rounds are in the cloud's job folder (or --broker)")
+    return text
 
 
 def ended_line(s: dict) -> Text | None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .capabilities import WIRE_VERSION
 from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config
+from .failures import MAX_REASON
 from .roster import Roster, RosterError, newer_roster, roster_topic
 from .runfiles import JOB_FOLDERS
 from .wire import topics
@@ -294,6 +295,7 @@ class JobWatch:
         self.federation, self.trust = federation, trust
         self.current: CurrentJob | None = None
         self.finished: set[str] = set()
+        self.outcomes: dict[str, dict[str, str]] = {}  # finished session -> why it failed or stopped (cut), if so
         self.roster: Roster | None = None  # the newest verified roster (cells refuse revoked devices by it)
         self.on_roster: Callable[[Roster], None] | None = None
         if transport is not None:
@@ -337,5 +339,9 @@ class JobWatch:
         msg = self._control.receive(topic, data, kinds=("control",)) if data else None
         if msg is None or (self.trust is not None and msg.header.sender != "cloud"):
             return
-        if msg.payload.meta.get("event") == "finished" and isinstance(msg.payload.meta.get("session"), str):
-            self.finished.add(msg.payload.meta["session"])
+        meta = msg.payload.meta
+        if meta.get("event") == "finished" and isinstance(meta.get("session"), str):
+            self.finished.add(meta["session"])
+            self.outcomes[meta["session"]] = {
+                k: str(meta[k])[:MAX_REASON] for k in ("failed", "stopped") if meta.get(k)
+            }

@@ -259,6 +259,10 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
     assert all(r["closed_by"] == "all answered" and r["duration_s"] < 30 for r in records)  # no deadline waited
     first = [json.loads(line) for line in (cell_out / "jobs" / "A" / "aggregation.jsonl").read_text().splitlines()]
     assert first[0]["answered"] == ["c0-d0", "c0-d1"]
+    for job in ("A", "B"):  # the monitor on the cell's own job folder: whose it is and that the job ended, not silent
+        res = _operator("monitor", str(cell_out / "jobs" / job), "--once", "--width", "200")
+        assert res.returncode == 0 and f"cell c0's job folder (job {job})" in res.stdout, res.stdout
+        assert "now finished" in res.stdout and "silent" not in res.stdout.lower(), res.stdout
     fed = load_federation(prov)
     assert fed.roster.version == 4 and "c0-d1" in fed.roster.revoked
     assert fed.roster.members("c0") == ["c0-d0", "c0-d2", "c0-d3"]

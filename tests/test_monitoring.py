@@ -478,6 +478,29 @@ def test_exit_when_done_exits_3_when_the_run_failed(runs, tmp_path):
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.timeout(30)
+def test_the_monitor_on_a_cells_own_job_folder_says_whose_it_is_and_how_the_job_ended(tmp_path):
+    """``fedtier monitor runs/fed/jobs/JOB`` on a cell's (``fedtier cell --serve``) job folder: the cell's own records
+    only, no cloud round record and no summary. It said "no round closed yet" and flagged the cell SILENT once its
+    records were old, for a job long finished; it now says it is cell c0's folder, and how the cloud said the job
+    ended (the cell's job record), and --exit-when-done leaves with that end's status."""
+    folder = tmp_path / "jobs" / "B"
+    folder.mkdir(parents=True)
+    (folder / runfiles.AGGREGATION).write_text("".join(_cell(r, "c0", 4, 100.0 + r).to_json() + "\n" for r in range(3)))
+    runfiles.write_cell_job(folder, "c0", "B", "running")
+    res = CliRunner().invoke(main, ["monitor", str(folder), "--once", "--width", "200"])
+    assert res.exit_code == 0 and "cell c0's job folder (job B)" in res.output, res.output
+    assert "no round closed yet" not in res.output
+    runfiles.write_cell_job(folder, "c0", "B", "failed", "diverged")
+    res = CliRunner().invoke(main, ["monitor", str(folder), "--once", "--width", "200"])
+    assert res.exit_code == 0 and "cell c0's job folder (job B)" in res.output and "failed: diverged" in res.output
+    assert "silent" not in res.output.lower(), res.output  # its records are old: the job ended, the cell is not silent
+    res = CliRunner().invoke(main, ["monitor", str(folder), "--exit-when-done", "--refresh", "0.05"])
+    assert res.exit_code == 3, res.output
+    (folder / runfiles.METRICS).write_text("")  # a folder the cloud writes to as well: a run folder, not a cell's
+    assert RunDirFollower(folder).cell_folder() == []
+
+
 def test_run_dir_follower_tails_complete_lines(tmp_path):
     rec = [_cell(r, "c0", 4, float(r)).to_json() for r in range(3)]
     agg = tmp_path / runfiles.AGGREGATION
