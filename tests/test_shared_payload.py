@@ -233,9 +233,10 @@ def test_a_lying_device_cannot_change_the_task_its_cells_other_devices_train_on(
 def test_a_plugin_writing_into_its_task_through_torch_cannot_change_what_its_cells_other_devices_read(tmp_path):
     """``torch.from_numpy`` of a task's read-only view only warns, and an in-place op then writes into the bytes the
     cell's devices share in sim. A plugin's device role (which declares no ``writes_task = False``) is handed a task
-    of its own: one that writes into it runs as one that copied first, byte for byte."""
+    of its own: one that writes into it runs as one that copied first, byte for byte; so does a plugin subclassing
+    FedAvg's device role (``writes_task = False``) with a ``train`` of its own that writes (it declares for itself)."""
     runs = {}
-    for name in ("fedavg_writes_task", "fedavg_copies_task"):
+    for name in ("fedavg_writes_task", "fedavg_subclass_writes_task", "fedavg_copies_task"):
         cfg = small_config(
             tmp_path / name,
             run={"rounds": 2, "plugins": ["tests.plugin_writes_task"]},
@@ -247,6 +248,9 @@ def test_a_plugin_writing_into_its_task_through_torch_cannot_change_what_its_cel
     for k in copied.params:
         np.testing.assert_array_equal(wrote.params[k], copied.params[k])
     assert [r["loss"] for r in wrote.history] == [r["loss"] for r in copied.history]
+    sub = runs["fedavg_subclass_writes_task"]
+    for k in copied.params:
+        np.testing.assert_array_equal(sub.params[k], copied.params[k])
 
 
 def test_segments_that_do_not_make_a_message_are_refused_as_their_joined_bytes_would_be():

@@ -36,8 +36,7 @@ under a median only the cloud's aggregator bounds it (``tests/test_robust_fedali
 mean that a phase can never feed enough inputs is refused (``fedalign_inputs``).
 
 Wire: ``epsilon`` travels as ``null`` for infinity (JSON has no inf). A free device that declines
-answers with its probe values and no tensors, so its cell never waits for it until the deadline.
-"""
+answers with its probe values and no tensors, so its cell never waits for it until the deadline."""
 
 from __future__ import annotations
 
@@ -425,6 +424,8 @@ class FedAlignCell(FedAvgCell):
 
 class FedAlignDevice(FedAvgDevice):
     """Probes the received model on the local data, then trains (a free device only if it opts in)."""
+
+    writes_task = False  # it copies what it changes, as FedAvg's device (its own train: declared again)
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
         role = task.meta.get("role")
