@@ -2,10 +2,11 @@
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from .checkpoint import write_durably
 
 CONFIG = "config.toml"  # the config the run used, overrides applied
 METRICS = "metrics.jsonl"  # one cloud round record per line
@@ -36,16 +37,15 @@ def job_folders(path: Path) -> list[str]:
 def write_cell_job(folder: Path, cell: str, job: str, phase: str, reason: str | None = None) -> None:
     """Say in ``folder`` (a ``fedtier cell --serve`` job folder, which holds the cell's own records only) which cell
     and job it is, and the job's ``phase`` for the cell: ``running``, or how the cloud said it ended (``finished``,
-    ``stopped``, ``failed``, with ``reason``). Replaced atomically: a reader sees the old record or the new one."""
+    ``stopped``, ``failed``, with ``reason``). Replaced atomically and durably (``checkpoint.write_durably``): a
+    reader, or a restart after a crash, sees the old record or the new one, whole; a failed write leaves no
+    temporary file."""
     if phase not in CELL_JOB_PHASES:
         raise ValueError(f"phase {phase!r} is not one of {CELL_JOB_PHASES}")
     doc: dict[str, Any] = {"cell": cell, "job": job, "phase": phase, "since": time.time()}
     if reason:
         doc["reason"] = reason
-    path = folder / CELL_JOB.format(cell=cell)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc), encoding="utf-8")
-    os.replace(tmp, path)
+    write_durably(folder / CELL_JOB.format(cell=cell), json.dumps(doc).encode(), private=False)
 
 
 def cell_jobs(folder: Path) -> list[dict[str, Any]]:

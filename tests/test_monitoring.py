@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import re
 import shutil
 import time
@@ -499,6 +500,23 @@ def test_the_monitor_on_a_cells_own_job_folder_says_whose_it_is_and_how_the_job_
     assert res.exit_code == 3, res.output
     (folder / runfiles.METRICS).write_text("")  # a folder the cloud writes to as well: a run folder, not a cell's
     assert RunDirFollower(folder).cell_folder() == []
+
+
+def test_a_cells_job_record_that_cannot_be_replaced_leaves_the_last_one_whole_and_no_temporary_file(
+    tmp_path, monkeypatch
+):
+    """The cell's job record is written as every state file (``write_durably``): a write that fails before its rename
+    (a full disk, a rename refused) leaves the last record whole for the monitor, and no ``.tmp`` beside it."""
+    runfiles.write_cell_job(tmp_path, "c0", "B", "running")
+
+    def refuse(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError):
+        runfiles.write_cell_job(tmp_path, "c0", "B", "finished")
+    assert [(j["cell"], j["phase"]) for j in runfiles.cell_jobs(tmp_path)] == [("c0", "running")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [runfiles.CELL_JOB.format(cell="c0")]
 
 
 def test_run_dir_follower_tails_complete_lines(tmp_path):
