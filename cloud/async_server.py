@@ -168,12 +168,20 @@ class AsyncCloudServer(CloudServer):
         are dropped), recorded with how many it took (``pushes``), checkpointed, and sent to the cells it used."""
         if not self.fb.buffer.full or self.finished or self.round >= self.rounds:
             return
-        out = self.fb.aggregate()
+        out = self.fb.aggregate(self._version_bound)
         self._notify = sorted(set(out.senders))
         self._in_round = False
         self._record_round("buffer full", self._notify, [], out)  # checkpointed: the buffer is in the model
         if self.journal is not None:
             self.journal.applied(self.round)
+
+    def _version_bound(self, cell: str) -> float | None:
+        """The most one version weighs ``cell``: what ``async_cloud_buffer`` of its pushes may claim (each at most its
+        bound, ``cloud.parts.report_refusal``), as when a version took that many; ``None`` with no bound known."""
+        bound = self.cell_bounds.get(cell) if self.cell_bounds is not None else None
+        if bound is None:
+            return None
+        return bound * self.role.weight_keys().get("weight", 1.0) * self.fb.p.async_cloud_buffer
 
     def _refuses(self, topic: str, cell: str, msg: Incoming, why: str) -> None:
         """``cell``'s "failed" push, saying ``why`` (``cell_server.async_server``): a handler of it raised (a bug), and

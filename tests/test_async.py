@@ -13,8 +13,8 @@ import pytest
 from cloud import async_server
 from protocols import runfiles
 from protocols.algorithms.base import Rejected
-from protocols.algorithms.fedavg import FedAvgParams
-from protocols.algorithms.fedbuff import FedBuffCell
+from protocols.algorithms.fedavg import FedAvgCloud, FedAvgParams
+from protocols.algorithms.fedbuff import FedBuffCell, FedBuffCloud
 from protocols.algorithms.staleness import StalenessBuffer
 from protocols.checkpoint import Journal
 from protocols.config import ConfigError, parse_config
@@ -1061,5 +1061,29 @@ def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_of_a_cell_
         return frame(kind, payload, **kw)
 
     c0.messenger.frame = flood  # type: ignore[method-assign]
-    took = [h["metrics"]["pushes"] for h in sim.run().history]
+    history = sim.run().history
+    took = [h["metrics"]["pushes"] for h in history]
     assert flooded and sim.cloud.take_max == 8 and max(took) == 8, took
+    # nor weigh c0 more in a version than its bound (its one push's, async_cloud_buffer 1): 13 copies summed, scaled
+    most = sum(sim.cloud._version_bound(c) or 0.0 for c in ("c0", "c1"))
+    assert most > 0 and max(h["metrics"]["weight"] for h in history) <= most * (1 + 1e-9), (most, history[0])
+
+
+def test_a_cells_pushes_taken_by_one_cloud_version_count_as_their_sum_not_their_mean():
+    """A cell pushes its progress since its last push: two pushes from one version are steps in sequence. Taken by one
+    cloud version (a cloud slower than its cells takes every push waiting) they move the model as one push of their
+    sum would (weighing their weights' sum), not by their mean, which dropped half of the cell's progress."""
+    cfg = parse_config(_cfg("async", 2, async_buffer=2))
+    rng = np.random.default_rng(0)
+    like = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+    d1, d2, e = ({k: rng.normal(size=v.shape).astype(np.float32) for k, v in like.items()} for _ in range(3))
+    split, whole = (FedBuffCloud(cfg.train, FedAvgCloud(cfg.train, like)) for _ in range(2))  # type: ignore[arg-type]
+    for cloud, pushes in (
+        (split, [("c0", 2.0, d1), ("c1", 4.0, e), ("c0", 3.0, d2)]),
+        (whole, [("c0", 5.0, {k: d1[k] + d2[k] for k in d1}), ("c1", 4.0, e)]),
+    ):
+        for cell, weight, delta in pushes:
+            cloud.offer(cell, 0, Payload({"weight": weight}, delta))
+        assert cloud.aggregate().metrics["pushes"] == len(pushes)
+    for k in like:
+        np.testing.assert_allclose(split.inner.model[k], whole.inner.model[k], rtol=0, atol=1e-6)

@@ -13,7 +13,8 @@ with a logged reason. Every ``async_push_every`` (M) cell updates, or ``async_pu
 that comes first, the cell pushes its progress since its last push to the cloud, stamped with the
 cloud version it derives from. The cloud does the same over cells: every ``async_cloud_buffer`` pushes
 (or more: the pushes waiting when it makes the version, ``cloud/async_server.py``) it forms the same
-staleness-weighted step (staleness in cloud versions) and hands it to the server
+staleness-weighted step (staleness in cloud versions; a cell's pushes from one version, steps in sequence, count
+as one push of their sum: :func:`progress_by_cell`) and hands it to the server
 optimizer (``server_optimizer``, amplification), making a new cloud version, which it sends back to
 the cells whose pushes it used. A cell that receives a new cloud model adopts it and re-applies the
 progress it made since its last push (that progress is not in the cloud model yet).
@@ -24,7 +25,8 @@ progress it made since its last push (that progress is not in the cloud model ye
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ from ..wire.payload import Payload
 from .codecs import make_codec
 from .fedavg import ModelCloud, check_delta
 from .outcome import Outcome
-from .staleness import AsyncParams, StalenessBuffer
+from .staleness import AsyncParams, Entry, StalenessBuffer
 
 
 class FedBuffCell:
@@ -126,10 +128,37 @@ class FedBuffCloud:
     def offer(self, cell: str, base: int, report: Payload) -> None:
         self.buffer.add(cell, base, report.meta["weight"], report.tensors)
 
-    def aggregate(self) -> Outcome:
-        """A new cloud version from the buffered pushes, through the server optimizer (``senders``: the cells)."""
+    def aggregate(self, bound: Callable[[str], float | None] | None = None) -> Outcome:
+        """A new cloud version from the buffered pushes, through the server optimizer (``senders``: the cells); a
+        cell's pushes from one version count as one (:func:`progress_by_cell`), weighing at most ``bound(cell)``."""
         pushes = len(self.buffer.entries)
+        self.buffer.entries = progress_by_cell(self.buffer.entries, bound)
         step, total, out = self.buffer.flush(self.version)
         self.inner.model, amplified = self.inner.opt.step(self.version, self.inner.model, step)
         self.version += 1
         return out.with_metrics(weight=total, pushes=pushes, **({"amplified": 1} if amplified else {}))
+
+
+def progress_by_cell(entries: list[Entry], bound: Callable[[str], float | None] | None = None) -> list[Entry]:
+    """The cloud's buffered pushes with each cell's pushes from one version as one: their sum, weighing their weights'
+    sum. A cell pushes its progress since its last push, so its pushes from one version are steps in sequence (the
+    second made on top of the first), not parallel estimates from that version to average: summed, a cell's progress
+    counts the same whether the cloud takes it in one push or in several (a cloud slower than its cells takes every
+    push waiting). ``bound(cell)``: the most one version weighs a cell (``None``: no bound known); a cell over it has
+    its weights scaled down to it, so pushing often (or flooding pushes, with its own key) does not weigh it more
+    than its bound in a version. A group of one push is kept as it was (bit for bit)."""
+    groups: dict[tuple[str, int], list[Entry]] = {}
+    for e in entries:  # in arrival order: a cell's pushes in the order it sent them
+        groups.setdefault((e.sender, e.base), []).append(e)
+    out = [
+        g[0] if len(g) == 1 else Entry(c, b, sum(e.weight for e in g), P.weighted_sum([(1.0, e.delta) for e in g]))
+        for (c, b), g in groups.items()
+    ]
+    totals: dict[str, float] = {}
+    for e in out:
+        totals[e.sender] = totals.get(e.sender, 0.0) + e.weight
+    for cell, total in totals.items():
+        most = bound(cell) if bound is not None else None
+        if most is not None and total > most:
+            out = [replace(e, weight=e.weight * most / total) if e.sender == cell else e for e in out]
+    return out
