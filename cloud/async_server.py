@@ -78,6 +78,7 @@ class AsyncCloudServer(CloudServer):
         self.take_max = max(fedbuff.p.async_cloud_buffer, TAKE_PER_CELL * len(self.cells))
         """The most pushes one version takes (:meth:`_version_due`)."""
         self._version_posted = False  # a version is posted behind the pushes waiting
+        self._stopped = False  # stopped (a ``--serve`` cloud's loop goes on): it makes no version
 
     def _begin_round(self) -> None:
         """Send the current version to the cells that need it, and start counting the next record (once per
@@ -166,7 +167,7 @@ class AsyncCloudServer(CloudServer):
     def _make_version(self) -> None:
         """A new cloud version from the pushes buffered (if still ``async_cloud_buffer`` or more: a revoked cell's
         are dropped), recorded with how many it took (``pushes``), checkpointed, and sent to the cells it used."""
-        if not self.fb.buffer.full or self.finished or self.round >= self.rounds:
+        if not self.fb.buffer.full or self.finished or self._stopped or self.round >= self.rounds:
             return
         out = self.fb.aggregate(self._version_bound)
         self._notify = sorted(set(out.senders))
@@ -239,6 +240,7 @@ class AsyncCloudServer(CloudServer):
 
     def stop(self) -> None:
         super().stop()
+        self._stopped = True  # a version posted (or a push handed to the loop) makes none: journaled, for --resume
         self._cancel_asks()
         if self.journal is not None:
             self.journal.close()

@@ -1069,6 +1069,46 @@ def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_of_a_cell_
     assert most > 0 and max(h["metrics"]["weight"] for h in history) <= most * (1 + 1e-9), (most, history[0])
 
 
+def test_an_async_cloud_stopped_with_a_version_posted_makes_no_version(tmp_path):
+    """The cloud posts a version behind the pushes waiting (b947770); stopped before it runs (the operator stops the
+    job; a ``--serve`` cloud's loop goes on), it makes none: it made one after its stop, checkpointing a version whose
+    round record its closed telemetry dropped. The pushes stay buffered (journaled, for ``--resume``)."""
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 8},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    cloud, loop, stopped, ran = sim.cloud, sim.hub.loop, [], []
+    version_due, posted_version = cloud._version_due, cloud._posted_version
+
+    def due() -> None:
+        version_due()
+        if cloud._version_posted and cloud.round == 2 and not stopped:
+            stopped.append(cloud.round)
+            cloud.stop()
+
+    def posted() -> None:
+        if stopped:
+            ran.append(cloud.round)
+        posted_version()
+
+    cloud._version_due, cloud._posted_version = due, posted  # type: ignore[method-assign]
+    for cell in sim.cells.values():
+        cell.start()
+    sim.agents.start()
+    loop.run()
+    cloud.start()
+    loop.run(until=lambda: bool(ran), max_steps=100_000)
+    sim.agents.stop()
+    assert stopped == ran == [2] and cloud.round == 2 and cloud.fb.buffer.entries, (stopped, ran, cloud.round)
+    assert [json.loads(line)["round"] for line in (sim.output_dir / runfiles.METRICS).read_text().splitlines()] == [
+        0,
+        1,
+    ]
+
+
 def test_a_cells_pushes_taken_by_one_cloud_version_count_as_their_sum_not_their_mean():
     """A cell pushes its progress since its last push: two pushes from one version are steps in sequence. Taken by one
     cloud version (a cloud slower than its cells takes every push waiting) they move the model as one push of their
