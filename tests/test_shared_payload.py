@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from protocols.algorithms.base import DeviceContext, DeviceRole
+from protocols.algorithms.base import DeviceContext, DeviceRole, task_for
+from protocols.algorithms.fedalign import FedAlignDevice
+from protocols.algorithms.fedavg import FedAvgDevice
 from protocols.transport.memory import MemoryHub
 from protocols.wire import envelope
 from protocols.wire import messenger as messenger_module
@@ -251,6 +253,35 @@ def test_a_plugin_writing_into_its_task_through_torch_cannot_change_what_its_cel
     sub = runs["fedavg_subclass_writes_task"]
     for k in copied.params:
         np.testing.assert_array_equal(sub.params[k], copied.params[k])
+
+
+def test_a_device_role_declares_writes_task_for_the_train_it_runs():
+    """``writes_task`` speaks of a ``train``: a subclass of a built-in role that runs a ``train`` of its own, or a
+    mixin's, is handed a copy unless it declares ``False`` again; one that runs its base's inherits its declaration."""
+
+    class Writes:
+        def train(self, task: Payload, data: Any, trainer: Any, ctx: Any) -> Payload:
+            return task
+
+    class Own(FedAvgDevice):
+        def train(self, task: Payload, data: Any, trainer: Any, ctx: Any) -> Payload:
+            return task
+
+    class Mixed(Writes, FedAvgDevice):
+        pass
+
+    class Declared(Own):
+        writes_task = False
+
+    class Keeps(FedAvgDevice):
+        pass
+
+    assert (Own.writes_task, Mixed.writes_task, Declared.writes_task, Keeps.writes_task) == (True, True, False, False)
+    assert (FedAlignDevice.writes_task, FedAvgDevice.writes_task) == (False, False)
+    task = Payload({}, {"w": np.frombuffer(np.ones(3, np.float32).tobytes(), np.float32)})  # read-only, as decoded
+    mine = task_for(Mixed.__new__(Mixed), task)
+    mine.tensors["w"] += 1  # its own copy, writable
+    assert task.tensors["w"].tolist() == [1.0, 1.0, 1.0] and task_for(Keeps.__new__(Keeps), task) is task
 
 
 def test_segments_that_do_not_make_a_message_are_refused_as_their_joined_bytes_would_be():

@@ -253,13 +253,16 @@ class DeviceRole(ABC):
     that may write into them (``torch.from_numpy`` then an in-place op) is handed private writable copies
     (:func:`task_for`); so is any role that does not declare otherwise, a plugin's by default. The built-in roles
     declare ``False`` (they copy what they change) and read the shared bytes; a wrapper declares its inner role's. A
-    subclass that defines its own :meth:`train` declares for itself: unless it says ``writes_task = False`` again, it
-    is True (a plugin subclassing a built-in role and writing into its task is safe by default)."""
+    subclass that runs another class's :meth:`train` than the one its inherited declaration was made for (its own, a
+    mixin's) declares for itself: unless it says ``writes_task = False`` again, it is True (a plugin subclassing a
+    built-in role and writing into its task is safe by default)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "train" in vars(cls) and "writes_task" not in vars(cls):
-            cls.writes_task = True  # its base's declaration was about its base's train, not this one
+        mro = cls.__mro__
+        owner = next(i for i, c in enumerate(mro) if "train" in vars(c))  # whose train it runs (a mixin's too)
+        if next(i for i, c in enumerate(mro) if "writes_task" in vars(c)) > owner:
+            cls.writes_task = True  # the declaration it inherits was about another class's train, not this one
 
     @abstractmethod
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
