@@ -316,8 +316,8 @@ def test_the_fleet_lists_a_roster_member_never_heard_from() -> None:
     rows = {r.node: r.as_dict(fleet.clock()) for r in fleet.rows()}
     assert sorted(rows) == ["c0", "c0-d0", "c0-d1", "c0-d2", "cloud"]
     assert (
-        rows["c0-d2"]["state"] == "revoked" and not rows["c0-d2"]["online"] and rows["c0-d2"]["cell"] is None
-    )  # (the roster naming its cell was refused)
+        rows["c0-d2"]["state"] == "revoked" and not rows["c0-d2"]["online"] and rows["c0-d2"]["cell"] == "c0"
+    )  # (the cloud's roster records the cell a revoked id was in: revoked_in)
     assert rows["c0-d1"]["state"] == "never seen" and not rows["c0-d1"]["online"] and rows["c0-d1"]["cell"] == "c0"
     assert rows["cloud"]["state"] == "never seen" and rows["cloud"]["heard_s_ago"] is None
     out = Console(width=200, record=True)
@@ -363,7 +363,7 @@ def test_the_fleet_lists_a_device_revoked_after_its_cell_cleared_its_status_as_r
     after = Fleet("fed", PublicKeys(ring.public))  # opened after: the broker holds no status of c0-d1
     statuses(after, ("c0-d0",))
     after.on_roster(roster_topic("fed"), revoked)
-    for fleet, cell in ((during, "c0"), (after, None)):  # (after it, only the roster knows c0-d1: no role, no cell)
+    for fleet, cell in ((during, "c0"), (after, "c0")):  # (after it, only the roster knows c0-d1: its revoked_in)
         rows = {r.node: r.as_dict(fleet.clock()) for r in fleet.rows()}
         assert sorted(rows) == ["c0", "c0-d0", "c0-d1", "cloud"], rows
         assert rows["c0-d1"]["state"] == "revoked" and not rows["c0-d1"]["online"] and rows["c0-d1"]["cell"] == cell

@@ -28,6 +28,8 @@ from protocols.wire.payload import Payload
 from sim.launcher import SimHierarchy, run_simulation
 from tests.conftest import small_config
 
+pytestmark = pytest.mark.usefixtures("own_plugins")  # its plugin algorithms are not left registered
+
 RUN, CELL = "t", "c0"
 DEVICES = ["c0-d0", "c0-d1", "c0-d2"]
 

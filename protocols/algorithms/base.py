@@ -271,8 +271,9 @@ class DeviceRole(ABC):
 
 def task_for(role: DeviceRole, task: Payload) -> Payload:
     """``task`` as ``role`` is handed it: itself to a role that never writes into it (``writes_task = False``), else
-    its tensors copied (writable, its own), so what it writes cannot change what another device of its cell reads."""
-    if not role.writes_task:
+    its tensors copied (writable, its own), so what it writes cannot change what another device of its cell reads. A
+    role that declares nothing (one not derived from :class:`DeviceRole`) is taken to write."""
+    if not getattr(role, "writes_task", True):
         return task
     return Payload(dict(task.meta), {k: np.array(v) for k, v in task.tensors.items()})
 
