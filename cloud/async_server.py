@@ -51,7 +51,9 @@ TAKE_PER_CELL = 32
 """A cloud version takes at most this many pushes per cell of the job (and at least ``async_cloud_buffer``): the
 pushes waiting when it is made, up to this bound. Generous: a bound that binds in an honest job makes versions at
 once, one after another, while more pushes wait (walk-through, 2 cells of 2 digits devices over Mosquitto: at 4 a
-cell staleness still climbed to max_staleness, 92 pushes refused; at 32 a version took at most 4)."""
+cell staleness still climbed to max_staleness, 92 pushes refused; at 32 a version took at most 4). It bounds a
+version's work, not its memory: a cell's pushes from one version are summed as they come (``FedBuffCloud.offer``),
+so the buffer holds a model per (cell, base version) whatever the push rate."""
 
 
 class AsyncCloudServer(CloudServer):
@@ -154,7 +156,7 @@ class AsyncCloudServer(CloudServer):
         time, rather than queueing them ever staler (FedBuff's server takes what is buffered; the staleness
         weight of each push is its own). At most :attr:`take_max` pushes a version: one more makes it at once, so
         a cell pushing fast cannot grow a version's work without bound."""
-        if len(self.fb.buffer.entries) >= self.take_max:
+        if self.fb.buffer.held >= self.take_max:
             self._make_version()
         elif self.fb.buffer.full and not self._version_posted:
             self._version_posted = True

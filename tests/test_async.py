@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from cloud import async_server
+from protocols import params as P
 from protocols import runfiles
 from protocols.algorithms.base import Rejected
 from protocols.algorithms.fedavg import FedAvgCloud, FedAvgParams
 from protocols.algorithms.fedbuff import FedBuffCell, FedBuffCloud
-from protocols.algorithms.staleness import StalenessBuffer
+from protocols.algorithms.staleness import Entry, StalenessBuffer
 from protocols.checkpoint import Journal
 from protocols.config import ConfigError, parse_config
 from protocols.transport.broker import EmbeddedBroker, find_mosquitto
@@ -1061,9 +1062,19 @@ def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_of_a_cell_
         return frame(kind, payload, **kw)
 
     c0.messenger.frame = flood  # type: ignore[method-assign]
+    fb, held = sim.cloud.fb, []
+    offer = fb.offer
+
+    def counted(*args: Any) -> None:
+        offer(*args)
+        held.append((len(fb.buffer.entries), fb.buffer.held))
+
+    fb.offer = counted  # type: ignore[method-assign]
     history = sim.run().history
     took = [h["metrics"]["pushes"] for h in history]
     assert flooded and sim.cloud.take_max == 8 and max(took) == 8, took
+    # its copies from one version are summed as they come: the buffer holds a model per (cell, version), not per push
+    assert max(n for n, _ in held) <= 2 * len(sim.cells) < max(p for _, p in held), held
     # nor weigh c0 more in a version than its bound (its one push's, async_cloud_buffer 1): 13 copies summed, scaled
     most = sum(sim.cloud._version_bound(c) or 0.0 for c in ("c0", "c1"))
     assert most > 0 and max(h["metrics"]["weight"] for h in history) <= most * (1 + 1e-9), (most, history[0])
@@ -1110,20 +1121,45 @@ def test_an_async_cloud_stopped_with_a_version_posted_makes_no_version(tmp_path)
 
 
 def test_a_cells_pushes_taken_by_one_cloud_version_count_as_their_sum_not_their_mean():
-    """A cell pushes its progress since its last push: two pushes from one version are steps in sequence. Taken by one
+    """A cell pushes its progress since its last push: pushes from one version are steps in sequence. Taken by one
     cloud version (a cloud slower than its cells takes every push waiting) they move the model as one push of their
-    sum would (weighing their weights' sum), not by their mean, which dropped half of the cell's progress."""
+    sum would (weighing their weights' sum), not by their mean, which dropped half of the cell's progress. The cloud
+    sums them as they come (bounded memory), bit for bit the version made of their sum taken at once in float64 in
+    arrival order (as e9c1551 summed them when the version was made)."""
     cfg = parse_config(_cfg("async", 2, async_buffer=2))
     rng = np.random.default_rng(0)
     like = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
-    d1, d2, e = ({k: rng.normal(size=v.shape).astype(np.float32) for k, v in like.items()} for _ in range(3))
-    split, whole = (FedBuffCloud(cfg.train, FedAvgCloud(cfg.train, like)) for _ in range(2))  # type: ignore[arg-type]
+    d1, d2, d3, e = ({k: rng.normal(size=v.shape).astype(np.float32) for k, v in like.items()} for _ in range(4))
+    split, whole, at_once = (FedBuffCloud(cfg.train, FedAvgCloud(cfg.train, like)) for _ in range(3))  # type: ignore[arg-type]
     for cloud, pushes in (
-        (split, [("c0", 2.0, d1), ("c1", 4.0, e), ("c0", 3.0, d2)]),
-        (whole, [("c0", 5.0, {k: d1[k] + d2[k] for k in d1}), ("c1", 4.0, e)]),
+        (split, [("c0", 2.0, d1), ("c1", 4.0, e), ("c0", 3.0, d2), ("c0", 1.5, d3)]),
+        (whole, [("c0", 6.5, {k: d1[k] + d2[k] + d3[k] for k in d1}), ("c1", 4.0, e)]),
     ):
         for cell, weight, delta in pushes:
             cloud.offer(cell, 0, Payload({"weight": weight}, delta))
         assert cloud.aggregate().metrics["pushes"] == len(pushes)
     for k in like:
         np.testing.assert_allclose(split.inner.model[k], whole.inner.model[k], rtol=0, atol=1e-6)
+    summed = P.weighted_sum([(1.0, d) for d in (d1, d2, d3)])
+    at_once.buffer.entries = [Entry("c0", 0, 2.0 + 3.0 + 1.5, summed, 3), Entry("c1", 0, 4.0, e)]
+    at_once.aggregate()
+    for k in like:
+        assert np.array_equal(split.inner.model[k], at_once.inner.model[k]), k
+
+
+def test_an_async_cloud_holds_one_summed_push_per_cell_and_version_whatever_the_push_rate():
+    """A cell flooding the cloud with pushes from one version (its own key) holds one model-sized entry in the
+    buffer, not one per push: the buffer's arrays stay bounded by the cells, and every push still counts (before:
+    41 entries held, each a decoded model: up to ``TAKE_PER_CELL`` x cells models)."""
+    cfg = parse_config(_cfg("async", 2, async_buffer=2, async_cloud_buffer=100))
+    like = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+    cloud = FedBuffCloud(cfg.train, FedAvgCloud(cfg.train, like))  # type: ignore[arg-type]
+    one = {k: np.ones_like(v) for k, v in like.items()}
+    for i in range(40):
+        cloud.offer("c0", 0, Payload({"weight": 1.0}, one))
+        if i == 20:
+            cloud.offer("c1", 0, Payload({"weight": 1.0}, one))
+        assert len(cloud.buffer.entries) <= 2 and sum(len(x.delta) for x in cloud.buffer.entries) <= 2 * len(like)
+    assert cloud.buffer.held == 41 and not cloud.buffer.full
+    assert [(x.sender, x.pushes, x.weight) for x in cloud.buffer.entries] == [("c0", 40, 40.0), ("c1", 1, 1.0)]
+    np.testing.assert_array_equal(cloud.buffer.entries[0].delta["w"], np.full((4, 3), 40.0))

@@ -14,7 +14,7 @@ that comes first, the cell pushes its progress since its last push to the cloud,
 cloud version it derives from. The cloud does the same over cells: every ``async_cloud_buffer`` pushes
 (or more: the pushes waiting when it makes the version, ``cloud/async_server.py``) it forms the same
 staleness-weighted step (staleness in cloud versions; a cell's pushes from one version, steps in sequence, count
-as one push of their sum: :func:`progress_by_cell`) and hands it to the server
+as one push of their sum, summed as they come: :func:`sum_of_steps`) and hands it to the server
 optimizer (``server_optimizer``, amplification), making a new cloud version, which it sends back to
 the cells whose pushes it used. A cell that receives a new cloud model adopts it and re-applies the
 progress it made since its last push (that progress is not in the cloud model yet).
@@ -126,37 +126,49 @@ class FedBuffCloud:
         return staleness
 
     def offer(self, cell: str, base: int, report: Payload) -> None:
-        self.buffer.add(cell, base, report.meta["weight"], report.tensors)
+        """Buffer ``cell``'s push from version ``base``, summed into the one it already has buffered from ``base`` if
+        any: a cell's pushes from one version count as one push of their sum (:func:`sum_of_steps`). So the buffer
+        holds one model-sized entry per (cell, base), whatever the push rate (a cell flooding pushes with its own key
+        included); each push is still journaled, and counted (``buffer.held``)."""
+        weight, entries = float(report.meta["weight"]), self.buffer.entries
+        for i, e in enumerate(entries):
+            if (e.sender, e.base) == (cell, base):
+                entries[i] = sum_of_steps(e, weight, report.tensors)
+                return
+        self.buffer.add(cell, base, weight, report.tensors)
 
     def aggregate(self, bound: Callable[[str], float | None] | None = None) -> Outcome:
         """A new cloud version from the buffered pushes, through the server optimizer (``senders``: the cells); a
-        cell's pushes from one version count as one (:func:`progress_by_cell`), weighing at most ``bound(cell)``."""
-        pushes = len(self.buffer.entries)
-        self.buffer.entries = progress_by_cell(self.buffer.entries, bound)
+        cell's pushes from one version count as one (:meth:`offer`), a cell weighing at most ``bound(cell)``
+        (:func:`bounded_by_cell`)."""
+        pushes = self.buffer.held
+        self.buffer.entries = bounded_by_cell(self.buffer.entries, bound)
         step, total, out = self.buffer.flush(self.version)
         self.inner.model, amplified = self.inner.opt.step(self.version, self.inner.model, step)
         self.version += 1
         return out.with_metrics(weight=total, pushes=pushes, **({"amplified": 1} if amplified else {}))
 
 
-def progress_by_cell(entries: list[Entry], bound: Callable[[str], float | None] | None = None) -> list[Entry]:
-    """The cloud's buffered pushes with each cell's pushes from one version as one: their sum, weighing their weights'
-    sum. A cell pushes its progress since its last push, so its pushes from one version are steps in sequence (the
-    second made on top of the first), not parallel estimates from that version to average: summed, a cell's progress
-    counts the same whether the cloud takes it in one push or in several (a cloud slower than its cells takes every
-    push waiting). ``bound(cell)``: the most one version weighs a cell (``None``: no bound known); a cell over it has
-    its weights scaled down to it, so pushing often (or flooding pushes, with its own key) does not weigh it more
-    than its bound in a version. A group of one push is kept as it was (bit for bit)."""
-    groups: dict[tuple[str, int], list[Entry]] = {}
-    for e in entries:  # in arrival order: a cell's pushes in the order it sent them
-        groups.setdefault((e.sender, e.base), []).append(e)
-    out = [
-        g[0] if len(g) == 1 else Entry(c, b, sum(e.weight for e in g), P.weighted_sum([(1.0, e.delta) for e in g]))
-        for (c, b), g in groups.items()
-    ]
+def sum_of_steps(held: Entry, weight: float, delta: Mapping[str, np.ndarray]) -> Entry:
+    """``held`` (a cell's buffered pushes from one version) and its next push from that version, as one entry: their
+    sum, weighing their weights' sum. A cell pushes its progress since its last push, so its pushes from one version
+    are steps in sequence (the second made on top of the first), not parallel estimates from that version to
+    average: summed, a cell's progress counts the same whether the cloud takes it in one push or in several (a cloud
+    slower than its cells takes every push waiting). Summed as they come, in float64 (:func:`params.weighted_sum`,
+    term by term in arrival order: bit for bit the sum of them all made at once); an entry of one push is kept as it
+    was (bit for bit)."""
+    total = P.weighted_sum([(1.0, held.delta), (1.0, delta)])
+    return Entry(held.sender, held.base, held.weight + weight, total, held.pushes + 1)
+
+
+def bounded_by_cell(entries: list[Entry], bound: Callable[[str], float | None] | None = None) -> list[Entry]:
+    """The cloud's buffered pushes with each cell's weighing at most ``bound(cell)`` (``None``: no bound known): a cell
+    over it has its weights scaled down to it, so pushing often (or flooding pushes, with its own key) does not weigh
+    it more than its bound in a version."""
     totals: dict[str, float] = {}
-    for e in out:
+    for e in entries:
         totals[e.sender] = totals.get(e.sender, 0.0) + e.weight
+    out = entries
     for cell, total in totals.items():
         most = bound(cell) if bound is not None else None
         if most is not None and total > most:

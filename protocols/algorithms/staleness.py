@@ -76,6 +76,8 @@ class Entry:
     base: int
     weight: float
     delta: Mapping[str, np.ndarray]
+    pushes: int = 1
+    """How many results it holds: a cloud sums a cell's pushes from one base into one (``fedbuff.FedBuffCloud``)."""
 
 
 class StalenessBuffer:
@@ -104,8 +106,13 @@ class StalenessBuffer:
         self.entries.append(Entry(sender, base, float(weight), delta))
 
     @property
+    def held(self) -> int:
+        """How many results the buffer holds (an entry may hold several, summed)."""
+        return sum(e.pushes for e in self.entries)
+
+    @property
     def full(self) -> bool:
-        return len(self.entries) >= self.size
+        return self.held >= self.size
 
     def flush(self, version: int) -> tuple[dict[str, np.ndarray], float, Outcome]:
         """(step, total sample weight, outcome: the senders and staleness numbers) over the buffered results;
