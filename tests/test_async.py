@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 from typing import Any
@@ -1163,3 +1164,65 @@ def test_an_async_cloud_holds_one_summed_push_per_cell_and_version_whatever_the_
     assert cloud.buffer.held == 41 and not cloud.buffer.full
     assert [(x.sender, x.pushes, x.weight) for x in cloud.buffer.entries] == [("c0", 40, 40.0), ("c1", 1, 1.0)]
     np.testing.assert_array_equal(cloud.buffer.entries[0].delta["w"], np.full((4, 3), 40.0))
+
+
+def test_a_resumed_async_cloud_replays_its_journal_into_the_same_summed_buffer_and_version(tmp_path):
+    """The async cloud dies just after summing a cell's second push from one version into its buffered entry
+    (c6edf0b: a cell's pushes from one base are summed as they are offered); resumed, it replays its push journal
+    through the same offer: the same entries (cells, bases, weights, push counts), their sums bit for bit, and the
+    version made of them bit-identical to the one the dead cloud would have made."""
+
+    class Killed(Exception):
+        pass
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 6},
+        algorithm={"mode": "async", "async_buffer": 2, "async_cloud_buffer": 4, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    first, dead, replayed = sim.cloud, [], []
+    offer = first.fb.offer
+
+    def dies_on_a_sum(cell: str, base: int, report: Payload) -> None:
+        offer(cell, base, report)  # journaled before: the process dies after its sum
+        if not dead and first.round >= 1 and any(e.pushes >= 2 for e in first.fb.buffer.entries):
+            dead.append(copy.deepcopy(first.fb))
+            first.transport.crash()
+            first.stop()
+            sim.hub.loop.call_later(2.0, restart)
+            raise Killed
+
+    def restart() -> None:
+        sim.cloud = again = sim._build_cloud(None, resume=True)
+        replay = again._replay
+
+        def replaying() -> None:
+            replay()
+            if not replayed and not again.journal.pending:
+                replayed.append(copy.deepcopy(again.fb))
+
+        again._replay = replaying  # type: ignore[method-assign]
+        again.start()
+
+    first.fb.offer = dies_on_a_sum  # type: ignore[method-assign]
+    on_report = first._on_report
+
+    def report(topic: str, data: bytes) -> None:
+        with contextlib.suppress(Killed):
+            on_report(topic, data)
+
+    first._on_report = report  # type: ignore[method-assign]
+    result = sim.run()
+    assert dead and replayed and [h["round"] for h in result.history][-1] == 5, (dead, result.history)
+    was, now = dead[0], replayed[0]
+    assert now.version == was.version and now.buffer.held == was.buffer.held
+    assert [(e.sender, e.base, e.weight, e.pushes) for e in now.buffer.entries] == [
+        (e.sender, e.base, e.weight, e.pushes) for e in was.buffer.entries
+    ]
+    for a, b in zip(now.buffer.entries, was.buffer.entries, strict=True):
+        assert all(np.array_equal(a.delta[k], b.delta[k]) for k in b.delta)
+    bound = sim.cloud._version_bound
+    assert now.aggregate(bound).metrics["pushes"] == was.aggregate(bound).metrics["pushes"]
+    assert all(np.array_equal(now.inner.model[k], was.inner.model[k]) for k in was.inner.model)
