@@ -102,7 +102,7 @@ class CellService:
                 transport.close()
                 break
             try:
-                cfg = current.run_config(self.bundle, self.cell)
+                cfg = current.run_config(self.bundle, self.cell, watch.roster)
                 node = self.build(cfg, transport)
             except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
                 say_cannot_serve(f"cell {self.cell}", current.job, exc)

@@ -15,6 +15,7 @@ from typing import TypeVar
 from protocols.config import RunConfig
 from protocols.failures import MAX_REASON
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
+from protocols.roster import Roster
 from protocols.status import idle_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
@@ -54,6 +55,7 @@ class AgentService:
         self.tasks = 0
         self.agents: AgentProcess | None = None
         self.unfit: dict[str, str] | None = None  # the latest job they could not serve, and why (idle statuses)
+        self.roster: Roster | None = None  # the newest signed roster known: tells one enrolled since from a wrong id
         self.on_job_end: Callable[[str], None] | None = None  # called after each job served (benchmarks)
         self.on_start: Callable[[AgentProcess], None] | None = None  # called once its agents started
 
@@ -81,10 +83,11 @@ class AgentService:
                     current = self._first_job(transport, done)
                 else:
                     current = self._poll(lambda: records.pending(done))
+                    self.roster = agents.job.roster or self.roster
                 if current is None:
                     break
                 try:
-                    fresh = self.build(current.run_config(self.bundle, self.devices), current.session)
+                    fresh = self.build(current.run_config(self.bundle, self.devices, self.roster), current.session)
                 except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
                     say_cannot_serve(f"devices {', '.join(self.devices[:3])}", current.job, exc)
                     done.add(current.session)
@@ -144,7 +147,8 @@ class AgentService:
         fed, device = self.bundle.run.name, self.devices[0]
         cell = self.bundle.topology.cell_of(device)
         status = topics.device_status(fed, cell, device) if cell is not None else None
-        wait = partial(self._next_job, JobWatch(transport, fed, self.trust), done)
+        watch = JobWatch(transport, fed, self.trust)
+        wait = partial(self._next_job, watch, done)
         period = self.bundle.monitoring.idle_heartbeat
         unfit = {"unfit": self.unfit} if self.unfit is not None else {}  # the job it could not serve, and why
         current = (
@@ -153,4 +157,5 @@ class AgentService:
             else idle_while(self.loop, transport, status, self.trust, period, wait, cell=cell, **unfit)
         )
         transport.close()
+        self.roster = watch.roster or self.roster
         return current

@@ -63,8 +63,32 @@ class JobError(ConfigError):
 
 
 class NotAMember(JobError):
-    """A node that is not in a job's membership (the roster when the job was submitted): one enrolled since then
-    takes part from the next job, as it should (not a fault: :func:`say_cannot_serve` warns, not errs)."""
+    """A node of the federation's current signed roster that is not in a job's membership (the roster when the job
+    was submitted): enrolled since then, it takes part from the next job, as it should (not a fault:
+    :func:`say_cannot_serve` warns, not errs). A node in neither is a plain :class:`JobError` (:func:`not_a_member`)."""
+
+
+def not_a_member(job: str, missing: Sequence[str], roster: Roster | None) -> JobError:
+    """Why ``missing`` (nodes absent from ``job``'s membership) cannot serve it: :class:`NotAMember` if every one is
+    in ``roster`` (the node's current signed roster: enrolled since the job was submitted), else an error naming
+    those that are not (a mistyped id, a node never enrolled or revoked; or no signed roster known to tell)."""
+    unknown = [n for n in missing if roster is None or not roster.is_member(n)]
+    if unknown:
+        known = "no signed roster known" if roster is None else f"nor of the federation's roster v{roster.version}"
+        return JobError(
+            f"{_ids(unknown)} is not a member of job {job} ({known}): "
+            "check the node id (a mistyped id, or a node never enrolled or revoked)"
+        )
+    return NotAMember(
+        f"{_ids(missing)} is not a member of job {job} (the federation's roster when it was submitted): "
+        "enrolled since, it takes part from the next job"
+    )
+
+
+def _ids(nodes: Sequence[str], most: int = 5) -> str:
+    """``nodes`` named, the first ``most`` of them (an agent may serve thousands)."""
+    more = f" and {len(nodes) - most} more" if len(nodes) > most else ""
+    return ", ".join(nodes[:most]) + more
 
 
 def say_cannot_serve(who: str, job: str, exc: Exception) -> None:
@@ -247,10 +271,14 @@ class CurrentJob:
     def record(self) -> dict[str, Any]:
         return {"job": self.job, "config": self.config, "hash": self.digest, "session": self.session}
 
-    def run_config(self, bundle: RunConfig, node: str | Sequence[str] | None = None) -> RunConfig:
+    def run_config(
+        self, bundle: RunConfig, node: str | Sequence[str] | None = None, roster: Roster | None = None
+    ) -> RunConfig:
         """The job's config for ``node`` of ``bundle`` (validated; the hash checked again). The job's
         membership is the cloud's (its roster when the job was submitted), not the bundle's: a node takes
-        part only if it is a member (a device enrolled later serves the next job; a revoked one none)."""
+        part only if it is a member (a device enrolled later serves the next job; a revoked one none).
+        ``roster``: the node's current signed roster, which tells one enrolled since from a wrong id
+        (:func:`not_a_member`)."""
         if config_hash(self.config) != self.digest:
             raise JobError(f"job {self.job}: the config does not match its hash")
         try:
@@ -264,12 +292,10 @@ class CurrentJob:
         if cfg.run.name != bundle.run.name:
             raise JobError(f"job {self.job} is not for federation {bundle.run.name!r}")
         topo = cfg.topology
-        for n in [node] if isinstance(node, str) else (node or []):
-            if n not in topo.cell_ids() and topo.cell_of(n) is None:
-                raise NotAMember(
-                    f"{n} is not a member of job {self.job} (the federation's roster when it was submitted): "
-                    "enrolled since, it takes part from the next job"
-                )
+        nodes = [node] if isinstance(node, str) else (node or [])
+        missing = [n for n in nodes if n not in topo.cell_ids() and topo.cell_of(n) is None]
+        if missing:
+            raise not_a_member(self.job, missing, roster)
         check_wire(cfg)
         return localize(cfg, bundle, self.job)
 
@@ -300,8 +326,9 @@ class JobWatch:
         self.on_roster: Callable[[Roster], None] | None = None
         if transport is not None:
             self._control = Messenger(transport, federation, "watcher", trust=trust)
-            transport.subscribe(topics.current_job(federation), self.on_job)
+            # the roster first: retained, it comes before the job, which a node checks its membership against by it
             transport.subscribe(roster_topic(federation), self._on_roster)
+            transport.subscribe(topics.current_job(federation), self.on_job)
             transport.subscribe(topics.control(federation), self._on_control)
 
     def pending(self, done: set[str]) -> CurrentJob | None:

@@ -428,21 +428,34 @@ def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_
 ) -> None:
     """Walk-through: c1-d2 enrolled while job-long2 ran logged ERROR "cannot serve job job-long2: c1-d2 is not a
     member", though the tutorial says an enrolled device takes part from the next job. It is a warning that says
-    so; a job a node really cannot serve (a config it refuses) is still an error."""
+    so, for a node in the current signed roster only: a mistyped id (or one never enrolled, or no roster known to
+    tell) is an error naming it, not "enrolled since" (478e043 said that of any id); a job a node really cannot
+    serve (a config it refuses) is still an error."""
     import logging
 
-    from protocols.jobs import say_cannot_serve
+    from protocols.jobs import NotAMember, say_cannot_serve
+    from protocols.roster import Roster
 
     fed = federation(tmp_path)
     _, text = canonical_job("[run]\nrounds = 2\n", fed)
     current = CurrentJob("a1", text, config_hash(text))
-    with pytest.raises(JobError) as late:
-        current.run_config(fed, "c0-d9")  # enrolled since the job's roster
+    cells = {c: list(fed.topology.device_ids(c)) for c in fed.topology.cell_ids()}
+    cells["c0"].append("c0-d9")  # enrolled since the job's roster
+    roster = Roster.from_topology("fed", cells, dict.fromkeys([*cells, *sum(cells.values(), [])], bytes(32)), 100.0)
+    with pytest.raises(NotAMember) as late:
+        current.run_config(fed, "c0-d9", roster)
+    for wrong, known in (("c0-dd9", roster), ("c0-d9", None)):  # a mistyped id; no roster known to tell
+        with pytest.raises(JobError, match="check the node id") as typo:
+            current.run_config(fed, ["c0-d0", wrong], known)
+        assert not isinstance(typo.value, NotAMember) and wrong in str(typo.value) and "c0-d0" not in str(typo.value)
+        assert "enrolled since" not in str(typo.value)
     with pytest.raises(JobError) as bad:
         CurrentJob("a1", text, "0" * 64).run_config(fed, "c0-d0")
     with caplog.at_level(logging.INFO, logger="fedtier.jobs"):
         say_cannot_serve("devices c0-d9", "a1", late.value)
+        say_cannot_serve("devices c0-dd9", "a1", typo.value)
         say_cannot_serve("devices c0-d0", "a1", bad.value)
-    (enrolled, refused) = caplog.records
+    (enrolled, mistyped, refused) = caplog.records
     assert enrolled.levelno == logging.WARNING and "takes part from the next job" in enrolled.getMessage()
+    assert mistyped.levelno == logging.ERROR and "c0-d9 is not a member" in mistyped.getMessage()
     assert refused.levelno == logging.ERROR and "does not match its hash" in refused.getMessage()
