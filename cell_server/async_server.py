@@ -69,7 +69,12 @@ class AsyncCellServer(CellServer):
         self._window()
 
     def start(self) -> None:
-        """Start the node, then continue from the journal, if any (:meth:`_resume`)."""
+        """Start the node, then continue from the journal, if any (:meth:`_resume`); its journaled cloud model is
+        taken before the start announces the cell, so its first status says what it holds (no ``needs_model``: a
+        cloud would send it the current version at once, as to a cell restarted afresh)."""
+        if self._resumed is not None:
+            self.fb.adopt(self._resumed.global_version, self._resumed.model)
+            self.fb.version = self._resumed.version + 1
         super().start()
         if self._resumed is not None:
             self._resume(self._resumed)
@@ -87,10 +92,9 @@ class AsyncCellServer(CellServer):
             self.push_journal.close()
 
     def _resume(self, r: Resumed) -> None:
-        """Adopt the journaled cloud model, number the cell's versions past every one a device task carried,
-        send the last push again (a cloud that sent this cell a newer model since sends it again), and work."""
-        self.fb.adopt(r.global_version, r.model)
-        self.fb.version = r.version + 1
+        """With the journaled cloud model adopted (:meth:`start`: the cell's versions numbered past every one a
+        device task carried), send the last push again (a cloud that sent this cell a newer model since sends it
+        again), and work."""
         log.warning(
             "cell %s: resumed at cloud model %d%s",
             self.cell,

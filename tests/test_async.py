@@ -1226,3 +1226,32 @@ def test_a_resumed_async_cloud_replays_its_journal_into_the_same_summed_buffer_a
     bound = sim.cloud._version_bound
     assert now.aggregate(bound).metrics["pushes"] == was.aggregate(bound).metrics["pushes"]
     assert all(np.array_equal(now.inner.model[k], was.inner.model[k]) for k in was.inner.model)
+
+
+def test_a_resumed_async_cells_first_status_says_it_holds_a_model(tmp_path):
+    """c0 dies on taking cloud version 3 and comes back 3 s later with --resume: its first status (the start's
+    announce) says what it holds, its journaled cloud model, not ``needs_model`` (before: it announced before it
+    loaded its journal, so its retained status asked for a model it held until its next heartbeat, and a cloud that
+    heard it hold one sent it the current version at once, as to a cell restarted afresh)."""
+    from protocols.status import decode_status
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 12},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1, "max_staleness": 4},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    first = sim.cells["c0"] = _journaled_c0(sim)
+    back = _c0_dies_at_version_3_and_restarts(sim, first, resume=True)
+    statuses: list[dict[str, Any]] = []
+
+    def heard(topic: str, data: bytes) -> None:
+        if len(back) == 2 and data:  # restarted: the resumed c0's statuses
+            statuses.append(decode_status(data, topic, None) or {})
+
+    sim.hub.connect("watcher").subscribe(topics.status(cfg.run.name, topics.cell_node("c0")), heard)
+    sim.run()
+    assert back[0] is None and back[1] is not None and statuses, (back, statuses)
+    assert statuses[0].get("state") == "online" and "needs_model" not in statuses[0], statuses[0]
+    assert sim.cells["c0"].fb.global_version > 3
