@@ -1255,3 +1255,44 @@ def test_a_resumed_async_cells_first_status_says_it_holds_a_model(tmp_path):
     assert back[0] is None and back[1] is not None and statuses, (back, statuses)
     assert statuses[0].get("state") == "online" and "needs_model" not in statuses[0], statuses[0]
     assert sim.cells["c0"].fb.global_version > 3
+
+
+def test_an_async_cells_bad_pushes_are_refused_before_they_reach_its_running_sum():
+    """c0 (its own key) sends with each push three bad copies from the same version: a non-finite tensor, a tensor of
+    the wrong shape, a version never sent to it. Each is refused (logged, in the version's record) before it is
+    offered: the cloud's running sum of c0's pushes from that version (c6edf0b) holds its good pushes only, bit for
+    bit their sum, and the job goes on (a bad push merged, then refused, would have corrupted the sum)."""
+    cfg = parse_config(_cfg("async", 6, async_buffer=2))
+    sim = SimHierarchy(cfg, write_output=False)
+    _SlowCloud(sim.cloud, cost=0.6)  # pushes wait: a version sums several of a cell
+    c0, fb = sim.cells["c0"], sim.cloud.fb
+    frame, publish = c0.messenger.frame, c0.transport.publish
+
+    def bad_copies(kind: str, payload: Any, **kw: Any) -> bytes:
+        if kind == "cell_report" and "weight" in payload.meta:
+            t = dict(payload.tensors)
+            name = next(iter(t))
+            nan = {**t, name: np.full_like(t[name], np.nan)}
+            shape = {**t, name: np.zeros((*t[name].shape, 2), np.float32)}
+            for tensors, base in ((nan, kw["round"]), (shape, kw["round"]), (t, kw["round"] + 50)):
+                publish(kw["topic"], frame(kind, Payload(payload.meta, tensors), **{**kw, "round": base}), qos=1)
+        return frame(kind, payload, **kw)
+
+    c0.messenger.frame = bad_copies  # type: ignore[method-assign]
+    offer, good = fb.offer, {}
+
+    def offered(cell: str, base: int, report: Payload) -> None:
+        assert all(np.isfinite(v).all() and v.shape == fb.inner.model[k].shape for k, v in report.tensors.items())
+        offer(cell, base, report)
+        entry = next(e for e in fb.buffer.entries if (e.sender, e.base) == (cell, base))
+        steps = good[cell, base] = [*good.get((cell, base), [])[: entry.pushes - 1], report.tensors]
+        assert entry.pushes == len(steps)
+        total = P.weighted_sum([(1.0, d) for d in steps])
+        assert all(np.array_equal(np.asarray(entry.delta[k], np.float64), total[k]) for k in total)
+
+    fb.offer = offered  # type: ignore[method-assign]
+    history = sim.run().history
+    kinds = [x["kind"] for h in history for x in h["rejected"] if "c0" in x["from"]]
+    assert {"non_finite", "shape", "stale"} <= set(kinds), kinds
+    assert len(history) == 6 and kinds.count("shape") >= 2, kinds  # refused push after push, the job went on
+    assert any(len(v) >= 2 for v in good.values()), {k: len(v) for k, v in good.items()}  # sums were made
