@@ -32,25 +32,33 @@ class PushJournal:
 
     def __init__(self, path: Path, resumed: int | None) -> None:
         self.file = Journal(path)
-        self._replay: list[tuple[str, bytes]] = []
+        self._version = resumed
+        self._until: int | None = None  # resumed: where the pushes to take again end in the file (none: None)
         self._replaying = False  # taking the journaled pushes again: they are in the journal already
         self.holders: set[str] = set()  # cells heard holding a model of this job (kept across a resume)
-        if resumed is not None:
-            try:
-                entries = self.file.read()
-            except (OSError, ValueError) as exc:
-                log.warning(
-                    "cannot read %s (%s): the pushes buffered when the cloud stopped are not replayed", path, exc
-                )
-                entries = []
-            self._replay = [
-                (str(e.meta["topic"]), e.tensors["message"].tobytes())
-                for e in entries
-                if e.meta.get("version") == resumed and "message" in e.tensors
-            ]
-            self.holders = {str(c) for e in entries for c in _held(e.meta.get("held"))}
-            log.info("cloud: %d pushes of version %d to buffer again", len(self._replay), resumed)
-        self.file.reset(self._head(resumed), *(self._entry(resumed, t, d) for t, d in self._replay))
+        if resumed is not None and self._scan(resumed):
+            return  # the file holds the pushes of this version: kept as it is, read again one at a time (replay)
+        self.file.reset(self._head(resumed))
+
+    def _scan(self, resumed: int) -> bool:
+        """Read the journal of a resumed cloud a push at a time (never all of them in memory: a version may hold
+        ``TAKE_PER_CELL`` x cells pushes): the cells it names as holders, and True if its pushes are of ``resumed``
+        (a journal holds one version's: else the cloud stopped before it started afresh, and they are skipped)."""
+        pushes = others = 0
+        try:
+            for e in self.file.scan():
+                self.holders.update(str(c) for c in _held(e.meta.get("held")))
+                if "message" in e.tensors:
+                    pushes, others = (pushes + 1, others) if e.meta.get("version") == resumed else (pushes, others + 1)
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "cannot read %s (%s): the pushes buffered when the cloud stopped are not replayed", self.file.path, exc
+            )
+            return False
+        log.info("cloud: %d pushes of version %d to buffer again", pushes if not others else 0, resumed)
+        if pushes and not others:
+            self._until = self.file.end
+        return self._until is not None
 
     def _head(self, version: int | None) -> Payload:
         return Payload({"version": version, "held": sorted(self.holders)})
@@ -62,14 +70,18 @@ class PushJournal:
     @property
     def pending(self) -> bool:
         """Pushes to take again are left (:meth:`replay` not called yet)."""
-        return bool(self._replay)
+        return self._until is not None
 
     def replay(self) -> Iterator[tuple[str, bytes]]:
-        """The pushes to take again (once: the first call after a resume)."""
-        pushes, self._replay = self._replay, []
+        """The pushes to take again (once: the first call after a resume), read from the file one at a time."""
+        until, self._until = self._until, None
+        if until is None:
+            return
         self._replaying = True
         try:
-            yield from pushes
+            for e in self.file.scan(until):
+                if "message" in e.tensors and e.meta.get("version") == self._version:
+                    yield str(e.meta["topic"]), e.tensors["message"].tobytes()
         finally:
             self._replaying = False
 

@@ -11,7 +11,7 @@ import hashlib
 import os
 import struct
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,24 +114,40 @@ class Journal:
 
     def read(self) -> list[Payload]:
         """The entries up to the first torn or corrupt one (the file is not changed)."""
+        return list(self.scan())
+
+    def scan(self, until: int | None = None) -> Iterator[Payload]:
+        """:meth:`read`'s entries one at a time, read from the file as they are asked for (a journal of large entries,
+        the async cloud's pushes, is never all in memory), up to offset ``until`` if given (:attr:`end`, as a whole
+        scan found it: entries appended since are not read). A whole scan records where its entries end
+        (:meth:`append` cuts a torn tail there)."""
         if not self.path.exists():
-            return []
-        data = self.path.read_bytes()
-        if not data.startswith(JOURNAL_MAGIC):
-            raise ValueError(f"{self.path} is not a fedtier journal")
-        entries, pos = [], len(JOURNAL_MAGIC)
-        while pos + _ENTRY.size <= len(data):
-            size, crc = _ENTRY.unpack_from(data, pos)
-            body = data[pos + _ENTRY.size : pos + _ENTRY.size + size]
-            if len(body) < size or zlib.crc32(body) != crc:
-                break
-            try:
-                entries.append(decode_payload(body))
-            except WireError:
-                break
-            pos += _ENTRY.size + size
-        self._end = pos
-        return entries
+            return
+        with self.path.open("rb") as fh:
+            if fh.read(len(JOURNAL_MAGIC)) != JOURNAL_MAGIC:
+                raise ValueError(f"{self.path} is not a fedtier journal")
+            pos, length = len(JOURNAL_MAGIC), os.fstat(fh.fileno()).st_size
+            whole, limit = until is None, length if until is None else min(until, length)
+            while pos < limit and pos + _ENTRY.size <= length:
+                if whole:
+                    self._end = pos
+                size, crc = _ENTRY.unpack(fh.read(_ENTRY.size))
+                body = fh.read(size) if pos + _ENTRY.size + size <= length else b""  # (a torn length: no allocation)
+                if len(body) < size or zlib.crc32(body) != crc:
+                    return
+                try:
+                    entry = decode_payload(body)
+                except WireError:
+                    return
+                pos += _ENTRY.size + size
+                yield entry
+            if whole:
+                self._end = pos
+
+    @property
+    def end(self) -> int | None:
+        """Where the entries of the last whole :meth:`scan` (or :meth:`read`) end; ``None`` after a reset or append."""
+        return self._end
 
     def reset(self, first: Payload, *more: Payload) -> None:
         """Replace the journal with ``first`` (and ``more``) as its only entries (atomic and durable: temporary
