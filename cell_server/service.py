@@ -3,6 +3,7 @@ published for it (``protocols.jobs``), on one connection per job, until SIGTERM.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -126,6 +127,8 @@ class CellService:
                     transport.unsubscribe(pattern)
             self.node = None
             node.stop()
+            del node, watch  # the job's server is garbage now, held in reference cycles: collected at once below,
+            gc.collect()  # not after ~10 more jobs (its arrays are native memory: few objects, rare collections)
 
     def _mark(self, cfg: RunConfig, job: str, phase: str, reason: str | None = None) -> None:
         """The job's folder says it is this cell's, and the job's ``phase`` (see ``marks_job_folder``)."""

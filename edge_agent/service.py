@@ -6,6 +6,7 @@ the work."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -113,6 +114,8 @@ class AgentService:
                         data=fresh.data,  # as this job's model takes it
                     )
                     fresh.discard()  # its parts serve on the same connections: its own sockets close now
+                del fresh  # the last job's parts (replaced) and this spare are garbage in reference cycles: freed now,
+                gc.collect()  # not after ~10 more jobs (their arrays are native memory: few objects, rare collections)
                 moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
                 self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
                 if self.stopping.is_set():
