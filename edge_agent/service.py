@@ -90,11 +90,8 @@ class AgentService:
                 try:
                     fresh = self.build(current.run_config(self.bundle, self.devices, self.roster), current.session)
                 except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
-                    say_cannot_serve(f"devices {', '.join(self.devices[:3])}", current.job, exc)
+                    self._cannot_serve(current, exc, agents)
                     done.add(current.session)
-                    self.unfit = {"session": current.session, "reason": str(exc)[:MAX_REASON]}
-                    if agents is not None:  # said in their idle statuses: the job's cells do not wait for them
-                        agents.cannot_serve(**self.unfit)
                     continue
                 self.unfit = None
                 log.info("%d devices serve job %s", len(self.devices), current.job)
@@ -129,6 +126,14 @@ class AgentService:
             self.agents = None
             if agents is not None:
                 agents.stop()
+
+    def _cannot_serve(self, current: CurrentJob, exc: Exception, agents: AgentProcess | None) -> None:
+        """Say why these devices cannot serve ``current``, and put it in their idle statuses
+        (``agents``, once they run), so the job's cells do not wait for them."""
+        say_cannot_serve(f"devices {', '.join(self.devices[:3])}", current.job, exc)
+        self.unfit = {"session": current.session, "reason": str(exc)[:MAX_REASON]}
+        if agents is not None:
+            agents.cannot_serve(**self.unfit)
 
     def _poll(self, ready: Callable[[], T | None]) -> T | None:
         """``ready()``'s first value that is not None, checked every 0.2 s (``None``: stopped)."""
