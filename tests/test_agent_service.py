@@ -4,7 +4,10 @@ a local federation (real Mosquitto; the cloud, the cell and the agents' service 
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -188,22 +191,14 @@ def _product_objects() -> Counter[str]:
     return Counter(name for name in names if name.startswith(("cloud.", "cell_server.", "edge_agent.", "protocols.")))
 
 
-@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
-def test_long_lived_services_free_each_past_jobs_objects_without_waiting_for_the_collector(tmp_path: Path) -> None:
-    """Long-lived cells and agents grew 0.15-0.25 MB of RSS a job (a walk-through; and `fedtier cell|agent
-    --serve` processes here, 1-round jobs). A job's server, algorithm and trainer are garbage in reference cycles
-    once the job ends (a cell) or the next one replaces them (an agent); their arrays are native memory, so the
-    few objects a job allocates seldom trigger a collection: malloc's live bytes grew ~0.12 MB (cell) and ~0.22
-    MB (agent) a job until a generation-1 collection every ~11 jobs freed them, and what a long job promotes to
-    the oldest generation waits for a full one. The services now collect at each job's end (cell) and start
-    (agent). With the collector's automatic runs off, from the 2nd to the 5th job no class of the product gains
-    an instance a job but the cloud's Job (its durable history); before, the cell's and the agents' past jobs'
-    objects stayed (JobWatch, CellServer, MqttTransport, RateLimitedLog ... 3 or more each)."""
+def _growth_over_jobs(tmp_path: Path) -> dict[str, int]:
+    """The product's objects gained from the 2nd to the 5th job of a served federation, the collector's automatic
+    runs off (only the services' own collections run)."""
     with _served_federation(tmp_path) as served:
         cfg, fed, service = served.cfg, served.fed, served.service
         served.start()
         counts: list[Counter[str]] = []
-        gc.disable()  # only the services' own collections run
+        gc.disable()
         try:
             for j in range(5):
                 text = job_text(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": j})}))
@@ -214,9 +209,32 @@ def test_long_lived_services_free_each_past_jobs_objects_without_waiting_for_the
         finally:
             gc.enable()
         fed.check()
-    grown = counts[-1] - counts[1]  # over 3 jobs; one more of a kind is what is in flight between jobs (the
-    # cell's idle connection, opened at a job's end, may be open yet or not). The cloud's Jobs are its durable
-    # history, by design (how many a count sees depends on the queue's reloads: 3 alone, 1 in a full suite run)
-    assert grown.pop("cloud.jobs.Job", 0) <= 3
+    return dict(counts[-1] - counts[1])
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_long_lived_services_free_each_past_jobs_objects_without_waiting_for_the_collector(tmp_path: Path) -> None:
+    """Long-lived cells and agents grew 0.15-0.25 MB of RSS a job (a walk-through; and `fedtier cell|agent
+    --serve` processes here, 1-round jobs). A job's server, algorithm and trainer are garbage in reference cycles
+    once the job ends (a cell) or the next one replaces them (an agent); their arrays are native memory, so the
+    few objects a job allocates seldom trigger a collection: malloc's live bytes grew ~0.12 MB (cell) and ~0.22
+    MB (agent) a job until a generation-1 collection every ~11 jobs freed them, and what a long job promotes to
+    the oldest generation waits for a full one. The services now collect at each job's end (cell) and start
+    (agent). With the collector's automatic runs off, from the 2nd to the 5th job no class of the product gains
+    an instance a job but the cloud's Job (its durable history); before, the cell's and the agents' past jobs'
+    objects stayed (JobWatch, CellServer, MqttTransport, RateLimitedLog ... 3 or more each). Counted in a process
+    of its own: in a suite, earlier tests' nodes still winding down allocate in between (a full run counted 7 more
+    Payloads and 5 Jobs over the 3 jobs)."""
+    code = (
+        "import json, pathlib; from tests.test_agent_service import _growth_over_jobs; "
+        f"print('GROWN', json.dumps(_growth_over_jobs(pathlib.Path({str(tmp_path)!r}))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=240
+    )
+    line = next((x for x in done.stdout.splitlines() if x.startswith("GROWN ")), None)
+    assert done.returncode == 0 and line is not None, done.stderr[-4000:]
+    grown = Counter(json.loads(line[len("GROWN ") :]))  # over 3 jobs; one more of a kind is what is in flight
+    assert grown.pop("cloud.jobs.Job", 0) <= 3  # between jobs; the cloud's Jobs are its durable history, by design
     kept = {kind: n for kind, n in grown.items() if n >= 3}
     assert not kept, f"held one a job or more: {kept}"
