@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import socket
@@ -184,3 +185,20 @@ def ring():
     writer.close()
     reader.close()
     assert not os.path.exists(f"/dev/shm/{reader.name.lstrip('/')}")
+
+
+class FullDisk:
+    """A file object whose every write fails as on a full disk (ENOSPC), closing the file it wraps: monkeypatch
+    ``os.fdopen`` (or ``Path.open``) to return one, to see what a durable write leaves when the disk fills."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def __enter__(self) -> FullDisk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def write(self, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")

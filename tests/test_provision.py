@@ -27,7 +27,7 @@ from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import load_keys
-from tests.conftest import free_port_run, small_config
+from tests.conftest import FullDisk, free_port_run, small_config
 
 WAIT = 10.0
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
@@ -808,27 +808,12 @@ def test_a_revocation_list_rewritten_on_a_full_disk_keeps_what_it_revoked(tmp_pa
     revoked. It was rewritten in place with no fsync: a full disk (or a power loss) while a certificate was revoked
     left it empty, and the next revocation, reading it, un-revoked every certificate revoked before. Now the old
     file stays whole until the new one is durable; a replaced file keeps its mode (and owner)."""
-    import errno
-
     from fedtier.pki import write_file
 
     crl = tmp_path / "ca" / "ca.crl"
     write_file(crl, b"serials 1 2 3")
     os.chmod(crl, 0o640)
     fdopen = os.fdopen
-
-    class FullDisk:
-        def __init__(self, f) -> None:  # type: ignore[no-untyped-def]
-            self.f = f
-
-        def __enter__(self):  # type: ignore[no-untyped-def]
-            return self
-
-        def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
-            self.f.close()
-
-        def write(self, data) -> int:  # type: ignore[no-untyped-def]
-            raise OSError(errno.ENOSPC, "No space left on device")
 
     real_open = Path.open
     monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: FullDisk(fdopen(fd, *a, **k)))

@@ -38,7 +38,7 @@ from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload, decode_payload
 from sim.emulation import Emulation
 from sim.launcher import SimHierarchy, run_simulation
-from tests.conftest import small_config
+from tests.conftest import FullDisk, small_config
 
 
 def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -379,25 +379,10 @@ def test_a_keys_file_rewritten_stays_private_and_whole_when_the_disk_fills(tmp_p
     and wrote it with no fsync: a full disk (or a crash) then left an empty file, every private key in it lost (a
     federation's keys.toml holds the cloud's signing key), and a file made readable by others stayed so. Now the old
     file stays whole until the new one is durable, and the new one is the owner's only."""
-    import errno
-
     ring = generate_keys(small_config(tmp_path).topology)
     path = write_keys(tmp_path / "keys" / "keys.toml", ring)
     before = path.read_bytes()
     fdopen = os.fdopen
-
-    class FullDisk:
-        def __init__(self, f) -> None:  # type: ignore[no-untyped-def]
-            self.f = f
-
-        def __enter__(self):  # type: ignore[no-untyped-def]
-            return self
-
-        def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
-            self.f.close()
-
-        def write(self, data) -> int:  # type: ignore[no-untyped-def]
-            raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: FullDisk(fdopen(fd, *a, **k)))
     with pytest.raises(OSError):
