@@ -4,7 +4,8 @@
 Cells push their progress whenever they have some; once ``async_cloud_buffer`` pushes are buffered the cloud makes a
 new model version (one round record each, evaluated every ``eval_every`` versions; ``pushes`` in its metrics: how
 many it took), taking every push already waiting too, up to a bound (``_version_due``: a cloud slower than its cells
-keeps up), and sends it to the cells whose pushes it used. A push names the cloud version it derives from (``round``
+keeps up; a cell's pushes past its share of a version wait for the next, so one flooding pushes passes over no other
+cell's), and sends it to the cells whose pushes it used. A push names the cloud version it derives from (``round``
 in its header): a future version, or one staler than ``max_staleness``, is rejected and logged. ``run.rounds`` counts
 cloud versions. A cell that sends a push of before the last version it was sent again, and has pushed nothing
 from that version, came back from a crash and may have lost it: it is sent the current version, once a version
@@ -48,12 +49,13 @@ started may have the start's version in flight (it stops asking once it adopts i
 
 
 TAKE_PER_CELL = 32
-"""A cloud version takes at most this many pushes per cell of the job (and at least ``async_cloud_buffer``): the
-pushes waiting when it is made, up to this bound. Generous: a bound that binds in an honest job makes versions at
-once, one after another, while more pushes wait (walk-through, 2 cells of 2 digits devices over Mosquitto: at 4 a
-cell staleness still climbed to max_staleness, 92 pushes refused; at 32 a version took at most 4). It bounds a
-version's work, not its memory: a cell's pushes from one version are summed as they come (``FedBuffCloud.offer``),
-so the buffer holds a model per (cell, base version) whatever the push rate."""
+"""A cloud version takes at most this many pushes of one cell (and at least ``async_cloud_buffer``): the pushes waiting
+when it is made, up to this bound a cell; a cell's push past it waits behind the version (``_over_share``), so a cell
+flooding pushes never passes over another cell's waiting push. Generous: a bound that binds in an honest job delays
+pushes while more wait (walk-through, 2 cells of 2 digits devices over Mosquitto: at 4 a cell staleness still
+climbed to max_staleness, 92 pushes refused; at 32 a version took at most 4). It bounds a version's work and its push
+journal, not its memory: a cell's pushes from one version are summed as they come (``FedBuffCloud.offer``), so the
+buffer holds a model per (cell, base version) whatever the push rate."""
 
 
 class AsyncCloudServer(CloudServer):
@@ -77,8 +79,8 @@ class AsyncCloudServer(CloudServer):
         self._ask_timers: dict[str, TimerHandle] = {}  # cell -> its ask's wait (cancelled at the job's end)
         # cells ever heard holding a model of this job (or pushing: they held one): their versions say so; journaled
         self._held: set[str] = set(self.journal.holders) if self.journal is not None else set()
-        self.take_max = max(fedbuff.p.async_cloud_buffer, TAKE_PER_CELL * len(self.cells))
-        """The most pushes one version takes (:meth:`_version_due`)."""
+        self.take_per_cell = max(fedbuff.p.async_cloud_buffer, TAKE_PER_CELL)
+        """The most pushes of one cell a version takes (:meth:`_over_share`)."""
         self._version_posted = False  # a version is posted behind the pushes waiting
         self._stopped = False  # stopped (a ``--serve`` cloud's loop goes on): it makes no version
 
@@ -111,6 +113,9 @@ class AsyncCloudServer(CloudServer):
         if self.journal is not None and self.journal.pending:
             self._replay()
         if refused_revoked(self.revoked, topic, self.messenger):
+            return
+        if self._over_share(topic.split("/")[-2]):
+            self.loop.post(self._guard(lambda: self._on_report(topic, data), "report handler"))
             return
         msg = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True)
         if msg is None or self.finished or self.round >= self.rounds:  # (resumed when done: its finish is posted)
@@ -149,16 +154,27 @@ class AsyncCloudServer(CloudServer):
         self.counts.devices[cell] = self.counts.devices.get(cell, 0) + self._count(cell, msg)
         self._version_due()
 
+    def _over_share(self, cell: str) -> bool:
+        """True if a push on ``cell``'s topic must wait behind the version posted: the buffer holds
+        :attr:`take_per_cell` pushes of ``cell`` already. It is handed to the loop again, behind the version, and taken
+        into the next one (before :meth:`Messenger.receive`: not a repeat then). So a cell flooding pushes takes at most
+        its share of a version, and another cell's push waiting when the version came due is taken by it, never passed
+        over (a version is only ever made behind the pushes waiting). Not with no version posted (none is coming: the
+        cloud stopped, or its rounds are done): taken then, as before. A push waiting so is acknowledged and not yet
+        journaled: lost if the cloud dies before it is taken (only a cell past its share, which no honest job
+        reaches)."""
+        if not self._version_posted:
+            return False
+        return sum(e.pushes for e in self.fb.buffer.entries if e.sender == cell) >= self.take_per_cell
+
     def _version_due(self) -> None:
-        """Make a version once the buffer holds ``async_cloud_buffer`` pushes, and then take every push already
-        waiting (handed to the loop while the cloud was busy, e.g. evaluating the last version) into it too: the
-        version is posted behind them. So a cloud slower than its cells' pushes absorbs them all, a version at a
-        time, rather than queueing them ever staler (FedBuff's server takes what is buffered; the staleness
-        weight of each push is its own). At most :attr:`take_max` pushes a version: one more makes it at once, so
-        a cell pushing fast cannot grow a version's work without bound."""
-        if self.fb.buffer.held >= self.take_max:
-            self._make_version()
-        elif self.fb.buffer.full and not self._version_posted:
+        """Once the buffer holds ``async_cloud_buffer`` pushes, post the version behind the pushes already waiting
+        (handed to the loop while the cloud was busy, e.g. evaluating the last version): it takes them all, up to
+        :attr:`take_per_cell` a cell (:meth:`_over_share`). So a cloud slower than its cells' pushes absorbs them all, a
+        version at a time, rather than queueing them ever staler (FedBuff's server takes what is buffered; the
+        staleness weight of each push is its own), and a cell pushing fast can neither grow a version's work without
+        bound nor make a version at once, ahead of another cell's waiting push."""
+        if self.fb.buffer.full and not self._version_posted:
             self._version_posted = True
             self.loop.post(self._guard(self._posted_version, "cloud version"))
 

@@ -1046,8 +1046,8 @@ def test_an_async_cloud_slower_than_its_cells_pushes_takes_every_push_waiting_an
 
 def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_of_a_cell_flooding_it(monkeypatch):
     """c0 (its own key) sends each push 13 times, as 13 messages, to a cloud busy 0.6 s a version: whatever waits,
-    a version takes at most ``TAKE_PER_CELL`` pushes per cell of the job (4 here: 8), and the rest go into the next,
-    so a cell pushing fast cannot grow one version's work without bound."""
+    a version takes at most ``TAKE_PER_CELL`` pushes of a cell (4 here), and the rest go into the next, so a cell
+    pushing fast cannot grow one version's work without bound."""
     monkeypatch.setattr(async_server, "TAKE_PER_CELL", 4)
     cfg = parse_config(_cfg("async", 8, async_buffer=2, max_staleness=20))
     sim = SimHierarchy(cfg, write_output=False)
@@ -1069,11 +1069,12 @@ def test_an_async_cloud_version_takes_at_most_its_bound_of_the_pushes_of_a_cell_
     def counted(*args: Any) -> None:
         offer(*args)
         held.append((len(fb.buffer.entries), fb.buffer.held))
+        of_c0.append(sum(e.pushes for e in fb.buffer.entries if e.sender == "c0"))
 
-    fb.offer = counted  # type: ignore[method-assign]
+    fb.offer, of_c0 = counted, []  # type: ignore[method-assign]
     history = sim.run().history
     took = [h["metrics"]["pushes"] for h in history]
-    assert flooded and sim.cloud.take_max == 8 and max(took) == 8, took
+    assert flooded and sim.cloud.take_per_cell == 4 and max(of_c0) == 4 and max(took) <= 8, (of_c0, took)
     # its copies from one version are summed as they come: the buffer holds a model per (cell, version), not per push
     assert max(n for n, _ in held) <= 2 * len(sim.cells) < max(p for _, p in held), held
     # nor weigh c0 more in a version than its bound (its one push's, async_cloud_buffer 1): 13 copies summed, scaled
@@ -1332,3 +1333,54 @@ def test_a_resumed_async_clouds_journal_replays_its_pushes_one_at_a_time(tmp_pat
     again.close()
     assert [t for t, _ in PushJournal(path, 3).replay()] == [*(t for t, _ in sent), "t/c0"]
     assert not PushJournal(path, 4).pending  # a later version: its pushes are in the checkpoint, skipped
+
+
+def test_a_cell_flooding_an_async_cloud_never_passes_over_an_honest_cells_waiting_push(monkeypatch):
+    """c0 (its own key) sends each push 13 times to a cloud busy 0.6 s a version, so whenever the cloud is free its
+    loop holds c0's copies ahead of c1's push. A version takes at most ``TAKE_PER_CELL`` pushes of a cell (4 here): c0's
+    next copies wait behind the version, and c1's push that waited when the version came due is taken by it, never
+    left for a later one (before: one version took 8 pushes at once, c0's alone, and c1's waiting push went into the
+    next: passed over in 9 of 10 versions)."""
+    monkeypatch.setattr(async_server, "TAKE_PER_CELL", 4)
+    cfg = parse_config(_cfg("async", 10, async_buffer=2, max_staleness=40))
+    sim = SimHierarchy(cfg, write_output=False)
+    slow, cloud = _SlowCloud(sim.cloud, cost=0.6), sim.cloud
+    c0 = sim.cells["c0"]
+    frame = c0.messenger.frame
+
+    def flood(kind: str, payload: Any, **kw: Any) -> bytes:
+        if kind == "cell_report":
+            for _ in range(12):
+                c0.transport.publish(kw["topic"], frame(kind, payload, **kw), qos=1)
+        return frame(kind, payload, **kw)
+
+    c0.messenger.frame = flood  # type: ignore[method-assign]
+    waiting: dict[bytes, tuple[int, bool]] = {}  # c1's push -> the version open when it was handed over, one due
+    passed_over, taken, per_version = [], [], []
+    hand_over, take = slow.hand_over, slow.take
+
+    def handed() -> None:
+        for topic, data in slow.waiting:
+            if topic.split("/")[-2] == "c1":
+                waiting.setdefault(data, (cloud.round, cloud._version_posted))  # the first time it waited
+        hand_over()
+
+    def took(topic: str, data: bytes) -> None:
+        take(topic, data)
+        if data in waiting:
+            version, due = waiting.pop(data)
+            taken.append(data)
+            if cloud.round > version + due:  # a version made since it waited, with it left out
+                passed_over.append((version, due, cloud.round))
+
+    slow.hand_over, slow.take = handed, took  # type: ignore[method-assign]
+    offer = cloud.fb.offer
+
+    def counted(cell: str, base: int, report: Payload) -> None:
+        offer(cell, base, report)
+        per_version.append((cloud.round, cell, sum(e.pushes for e in cloud.fb.buffer.entries if e.sender == cell)))
+
+    cloud.fb.offer = counted  # type: ignore[method-assign]
+    sim.run()
+    assert len(taken) >= 5 and not passed_over, (len(taken), passed_over)
+    assert max(n for _, cell, n in per_version if cell == "c0") == 4, per_version  # c0 took its share, no more
