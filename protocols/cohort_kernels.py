@@ -47,9 +47,16 @@ def fast_layers(model: torch.nn.Module) -> bool:
     return True
 
 
-def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def batched_forward(
+    model: torch.nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor, shared: int = 1
+) -> torch.Tensor:
     """The outputs ``[D, B, ...]`` of ``model`` under each device's parameters (``params[k]``: ``[D, *shape]``)
     on each device's inputs ``x`` ``[D, B, ...]``.
+
+    ``shared``: every ``shared`` consecutive models take the same inputs, ``x`` being ``[D / shared, B, ...]`` (a
+    device's zeroth-order probes: one copy of its batch, not P + 1): the outputs of ``x.repeat_interleave(shared,
+    0)``. A forward-only first convolution takes them as they are (one grouped convolution of D / shared groups,
+    each with its models' filters: the same bits, ``tests/test_cohort.py``); any other layer gets them repeated.
 
     The zoo's layers run as batched kernels (``baddbmm`` for linear layers, one grouped convolution for
     the devices' convolutions, one group norm with ``D x groups`` groups for their GroupNorms (cnn4),
@@ -59,8 +66,9 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
     from .models import Reshape, relu_max_pool
 
     if not fast_layers(model):
+        x = x.repeat_interleave(shared, 0) if shared > 1 else x
         return vmap(lambda p, xb: functional_call(model, p, (xb,)))(dict(params), x)
-    d, b = x.shape[0], x.shape[1]
+    d, b = x.shape[0] * shared, x.shape[1]
     # forward-only grouped convolutions run 1.3-2x faster on channels-last inputs, with the same bits
     # (benchmarks/README.md, DeComFL cost); with autograd or one device the default layout is as fast
     channels_last = d > 1 and not torch.is_grad_enabled()
@@ -68,6 +76,14 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
     children = list(model.named_children())
     for j, (name, m) in enumerate(children):
         before, after = children[j - 1][1] if j else None, children[j + 1][1] if j + 1 < len(children) else None
+        if shared > 1 and not (isinstance(m, Reshape) or (isinstance(m, torch.nn.Conv2d) and channels_last)):
+            x, shared = x.repeat_interleave(shared, 0), 1  # (x is [D / shared, B, ...] until its first layer)
+        if isinstance(m, torch.nn.Conv2d):
+            if not grouped:
+                x, grouped = _grouped(x, b, d // shared), True
+            w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
+            x, shared = _grouped_conv(x, m, w, bias, d // shared, channels_last), 1  # groups: the inputs'
+            continue
         if isinstance(m, torch.nn.Linear):
             if grouped:
                 x, grouped = x.reshape(b, d, -1).transpose(0, 1), False
@@ -77,10 +93,6 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
                 if bias is None
                 else torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))
             )
-        elif isinstance(m, torch.nn.Conv2d):
-            if not grouped:
-                x, grouped = _grouped(x, b, d), True
-            x = _grouped_conv(x, m, params[f"{name}.weight"], params.get(f"{name}.bias"), d, channels_last)
         elif isinstance(m, torch.nn.ReLU):
             if not isinstance(after, torch.nn.MaxPool2d):  # else it runs with the pool (relu_max_pool)
                 x = torch.relu(x)
@@ -101,7 +113,7 @@ def batched_forward(model: torch.nn.Module, params: Mapping[str, torch.Tensor], 
             grouped = False
         elif isinstance(m, Reshape):
             x = x.reshape(b, d, -1).transpose(0, 1) if grouped else x
-            x, grouped = x.reshape(d, b, *m.shape), False
+            x, grouped = x.reshape(d // shared, b, *m.shape), False
     if grouped:
         x = x.reshape(b, d, x.shape[1] // d, *x.shape[2:]).transpose(0, 1)
     return x
@@ -131,9 +143,10 @@ def _grouped(x: torch.Tensor, b: int, d: int) -> torch.Tensor:
 
 
 def _grouped_conv(
-    x: torch.Tensor, m: torch.nn.Conv2d, w: torch.Tensor, bias: torch.Tensor | None, d: int, channels_last: bool
+    x: torch.Tensor, m: torch.nn.Conv2d, w: torch.Tensor, bias: torch.Tensor | None, groups: int, channels_last: bool
 ) -> torch.Tensor:
-    """The ``d`` devices' convolutions (weights ``w`` ``[D, out, in, kh, kw]``) as one grouped convolution."""
+    """The D devices' convolutions (weights ``w`` ``[D, out, in, kh, kw]``) as one grouped convolution of ``groups``
+    groups: D, or D / n where each run of n devices takes the same inputs (``x`` ``[B, groups * in, H, W]``)."""
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     return F.conv2d(
@@ -143,7 +156,7 @@ def _grouped_conv(
         m.stride,
         m.padding,
         m.dilation,
-        groups=d,
+        groups=groups,
     )
 
 

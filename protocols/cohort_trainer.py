@@ -258,8 +258,8 @@ class CohortEngine:
         n = sum(v[0].numel() for v in base.values())
         z = as_tensor(np.stack(reqs[0].directions) if k > 1 else np.zeros((0, n)), np.float32, self.device)
         mu = torch.tensor([r.mu for r in reqs], dtype=torch.float32, device=self.device)
-        with torch.no_grad():  # each device's batch for each of its probes
-            out = batched_forward(model, perturbed_stack(base, z, mu), x.repeat_interleave(k, 0))
+        with torch.no_grad():  # each device's batch for each of its probes (one copy of it: shared by k models)
+            out = batched_forward(model, perturbed_stack(base, z, mu), x, shared=k)
             losses = device_losses(out, y.repeat_interleave(k, 0), m.repeat_interleave(k, 0))
         for r, row in zip(reqs, losses.view(len(reqs), k).tolist()):
             r.result = row

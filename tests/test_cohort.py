@@ -434,6 +434,32 @@ def test_batched_forward_matches_each_device(name, grad):
         assert torch.allclose(out[i], m(x[i]), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("name", ["cnn", "cnn4", "mlp", "other"])
+def test_probes_sharing_their_inputs_give_the_bits_of_repeated_inputs(name):
+    """A device's P + 1 probes take one copy of its batch (``shared``): the first convolution runs on it as one
+    grouped convolution of a group per device (each with its probes' filters), other first layers get it
+    repeated; either way bit for bit the outputs of the batch repeated for every probe, and the probes differ."""
+    from protocols.cohort_kernels import batched_forward
+    from protocols.models import build_model
+
+    torch.manual_seed(0)
+    if name == "other":  # the vmap fallback
+        model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    else:
+        side = 16 if name == "cnn4" else 8
+        model = build_model(name, (side, side), 3, hidden=(7,), channels=(2, 3, 4, 4) if side == 16 else (2, 3), fc=5)
+    devices, shared = 3, 4
+    params = {
+        k: v.detach().expand(devices * shared, *v.shape) + 0.01 * torch.randn(devices * shared, *v.shape)
+        for k, v in model.named_parameters()
+    }
+    x = torch.randn(devices, 5, 256 if name == "cnn4" else 64)
+    with torch.no_grad():
+        out = batched_forward(model, params, x, shared=shared)
+        assert torch.equal(out, batched_forward(model, params, x.repeat_interleave(shared, 0)))
+    assert out.shape[0] == devices * shared and not torch.equal(out[0], out[1])
+
+
 @pytest.mark.parametrize("name", ["mlp", "logreg", "cnn"])
 def test_written_out_mlp_gradient_matches_autograd(name):
     """The cohort's written-out gradient of mlp/logreg (uneven sample masks, a device with no samples)
