@@ -7,14 +7,14 @@ QoS-1 acknowledgements are by hand: a message is acknowledged once taken (held, 
 whole yet), and a persistent client's message posted to handlers only once each of its handlers returned (or raised
 an ``Exception``: a poison message is not handed again): what the handler made durable (the async cloud journals a
 push, fsynced, before it counts) is, and a node killed in the handler (or interrupted there: Ctrl-C) gets the message
-again in its next session. Only a message of one chunk: a chunked one's first chunks are acknowledged as they come
-(held unacknowledged, a large message would fill the broker's in-flight window, 64, and never come whole), so its
-next session gets only its last chunk, which expires; the message is lost as before. One that arrives or waits on
-the loop while the client closes is left to the broker, which hands it to the client's next session (a node that
-closes one connection and opens the next, as a long-lived cloud does per job); one whose handler closes the client
-is acknowledged before the DISCONNECT. Held messages are acknowledged as they are held (an unacknowledged one would
-keep its place in the broker's in-flight window for as long as no handler comes): a node killed before it subscribed
-loses them."""
+again in its next session. A chunked message too, its chunks all acknowledged together once its handlers returned,
+while the chunks so held stay within a budget of the broker's in-flight window (``protocols.transport.chunk_acks``);
+a larger one's chunks are acknowledged as they come, with a warning: a node killed in its handler loses it. One
+that arrives or waits on the loop while the client closes is left to the broker, which hands it to the client's
+next session (a node that closes one connection and opens the next, as a long-lived cloud does per job); one whose
+handler closes the client is acknowledged before the DISCONNECT. Held messages are acknowledged as they are held
+(an unacknowledged one would keep its place in the broker's in-flight window for as long as no handler comes): a
+node killed before it subscribed loses them."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import paho.mqtt.client as mqtt
 
 from ..wire import chunking
 from .base import EventLoop, Handler, TimerHandle, topic_matches
+from .chunk_acks import ChunkAcks
 from .hold import Hold
 from .traffic import TransportStats, publish_packet_bytes
 
@@ -47,6 +48,7 @@ class Inbound:
     _held: Hold
     _reasm: chunking.Reassembler
     _reasm_lock: threading.Lock
+    _chunk_acks: ChunkAcks  # a persistent client's chunk sets acknowledged whole
     _closed: bool
     _chunk_auth: chunking.ChunkAuth | None
     _expiry: TimerHandle | None
@@ -54,6 +56,13 @@ class Inbound:
     _reactor: Any
     _gen: int  # the connection's number: an acknowledgement belongs to the connection that received the message
     _taking: Callable[[], None] | None  # the acknowledgement of the message whose handler runs now
+
+    def _reassemble(self, timeout: float, max_bytes: int, max_message: int | None) -> None:
+        """Reassemble chunks with these bounds (``chunking.Reassembler``); a set dropped has its chunks acknowledged."""
+        self._reasm = chunking.Reassembler(timeout=timeout, max_bytes=max_bytes, max_message=max_message)
+        self._reasm_lock = threading.Lock()
+        self._chunk_acks = ChunkAcks(self.client_id)
+        self._reasm.on_drop = self._chunk_acks.dropped
 
     def configure_wire(self, *, auth: chunking.ChunkAuth | None = None, max_message_bytes: int | None = None) -> None:
         """Sign outgoing chunks and require signed incoming ones (``auth``); bound incoming messages."""
@@ -111,10 +120,17 @@ class Inbound:
         topic, data = msg.topic, msg.payload
         data = bytes(data) if isinstance(data, bytearray) else data  # paho hands bytes (typed: or bytearray)
         self.stats._count(topic, publish_packet_bytes(len(topic.encode()), len(data), msg.qos), len(data), out=False)
+        chunk = chunking.chunk_set(topic, data) if ack is not None else None  # a persistent client's chunk
         with self._reasm_lock:
             whole = self._reasm.feed(topic, data)
+            if chunk is not None and whole is None:  # held with its set (acknowledged once handled), or now
+                return self._reasm.holds(chunk.ident) and self._chunk_acks.take(chunk, ack)  # type: ignore[arg-type]
+            others = self._chunk_acks.whole(chunk.ident) if chunk is not None else None  # the set's other chunks
         if whole is None:
             return False
+        if others is not None:
+            assert ack is not None
+            ack = _both(ack, others)
         with self.stats._lock:
             self.stats.messages_in += 1
         with self._cv:  # posted under the lock: a subscribe() handing out held messages cannot interleave
@@ -122,6 +138,8 @@ class Inbound:
             if not targets:
                 if self.persistent and not any(topic_matches(p, topic) for p in self._unsubscribed):
                     self._held.offer(topic, whole)
+                if others is not None:
+                    others()  # held or dropped: taken (this chunk's acknowledgement follows)
                 return False
             taken = _after_each(len(targets), ack) if ack is not None else None
             for pattern, handler in targets:
@@ -175,6 +193,14 @@ class Inbound:
 
         self.loop.cancel(self._expiry)
         self._expiry = self.loop.call_later(period, tick)
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        then()
+
+    return both
 
 
 def _after_each(handlers: int, ack: Callable[[], None]) -> Callable[[], None]:

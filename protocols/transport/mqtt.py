@@ -109,10 +109,7 @@ class MqttTransport(Inbound, Transport):
         self._held = Hold(client_id, hold)  # messages of a resumed session that came before their handler
         self._taking: Callable[[], None] | None = None  # the acknowledgement of the message being handled
         self._unsubscribed: set[str] = set()  # patterns given up: late deliveries on them are not held
-        self._reasm = chunking.Reassembler(
-            timeout=chunk_timeout, max_bytes=max_reassembly_bytes, max_message=max_message_bytes
-        )
-        self._reasm_lock = threading.Lock()
+        self._reassemble(chunk_timeout, max_reassembly_bytes, max_message_bytes)
         self._connack = threading.Event()
         self._gone = threading.Event()  # the socket is closed after close()
         self._reactor, self._retry_refused = reactor, retry_refused

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .ratelog import RateLimitedLog
 
@@ -61,6 +61,28 @@ def content_id(data: bytes | memoryview) -> bytes:
 
 def is_chunk(data: bytes | memoryview) -> bool:
     return len(data) >= HEADER_BYTES and bytes(data[:4]) == MAGIC
+
+
+class ChunkSet(NamedTuple):
+    """Which set a chunk belongs to: ``ident`` (topic, sender, content id) as :class:`Reassembler` keys it, its
+    number of ``chunks`` and the whole message's ``total`` bytes (as the chunk's header claims them)."""
+
+    ident: tuple[str, str, bytes]
+    chunks: int
+    total: int
+
+
+def chunk_set(key: str, data: bytes | memoryview) -> ChunkSet | None:
+    """The set of the chunk ``data`` received on ``key``; None for a message that is not a chunk or whose
+    header does not parse (nothing checked: :meth:`Reassembler.feed` does)."""
+    if not is_chunk(data):
+        return None
+    _, cid, _, count, _, total, slen, _ = _HEAD.unpack_from(data)
+    try:
+        sender = bytes(data[HEADER_BYTES : HEADER_BYTES + slen]).decode()
+    except UnicodeDecodeError:
+        return None
+    return ChunkSet((key, sender, cid), count, total)
 
 
 def split(
@@ -146,6 +168,7 @@ class Reassembler:
         self.reserved = 0
         self._log = RateLimitedLog(log)
         self.dropped = 0  # sets dropped (timeout, eviction, bad hash, rejected) and chunks refused
+        self.on_drop: Callable[[tuple[str, str, bytes]], None] | None = None  # called with each set dropped
 
     def limit(self, max_message: int | None = None, auth: ChunkAuth | None = None) -> None:
         """Tighten the message bound and set the authenticator (a node's messenger calls this)."""
@@ -159,6 +182,10 @@ class Reassembler:
     def pending(self) -> int:
         """Number of incomplete sets."""
         return len(self._pending)
+
+    def holds(self, ident: tuple[str, str, bytes]) -> bool:
+        """The set ``ident`` (see :class:`ChunkSet`) is incomplete here."""
+        return ident in self._pending
 
     def feed(self, key: str, data: bytes) -> bytes | None:
         """The whole message once ``data`` completes one, else ``None`` (see the class doc)."""
@@ -261,6 +288,8 @@ class Reassembler:
         whole = b"".join(p.parts[i] for i in range(p.count))
         if content_id(whole) != ident[2]:
             self.dropped += 1
+            if self.on_drop is not None:
+                self.on_drop(ident)
             self._log.warning("dropping reassembled message on %s: sha256 does not match its content id", ident[0])
             return None
         self._recent[ident] = now
@@ -305,6 +334,8 @@ class Reassembler:
         p = self._pending.pop(ident)
         self._hold(p, -p.held)
         self.dropped += 1
+        if self.on_drop is not None:
+            self.on_drop(ident)
         self._log.warning("dropping chunked message %s from %r on %s: %s", ident[2].hex(), ident[1], ident[0], reason)
 
     def _reject(self, key: str, reason: str) -> None:

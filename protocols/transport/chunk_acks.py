@@ -1,0 +1,104 @@
+"""A persistent client's chunked messages acknowledged whole, within a budget of the broker's in-flight window.
+
+A QoS-1 message is acknowledged once its handlers returned, so a node killed in one gets it again in its next
+session (``protocols.transport.inbound``). A chunked message is many PUBLISH packets: acknowledged only once
+its handlers returned, its chunks keep places in the broker's in-flight window for the client (Mosquitto's
+``max_inflight_messages``: 20 by default, 64 where fedtier writes the config; the broker sends nothing more
+once it is full, and matches each PUBACK to its message by id, in any order). A set whose chunks all stayed
+unacknowledged must complete with the window's other places, so the chunks of incomplete sets held
+unacknowledged stay within :data:`MAX_UNACKED_CHUNKS`, well under any such window: a set is held whole when its
+chunk count fits in what is left of the budget at its first chunk, and all its chunks are acknowledged together
+once every handler of the message returned (or at once when the set is dropped: expired, evicted, a wrong hash,
+or the message held or refused whole). A whole message waiting for its handler leaves the budget: it needs no
+more of the window, and its unacknowledged chunks only make the broker wait for the loop, as one-chunk messages
+do. A set that does not fit is acknowledged chunk by chunk as it comes, as before, with a warning naming its
+size: a node killed in its handler loses that message (its next session gets only the chunks not yet
+acknowledged, which expire). Called with the transport's reassembly lock held (network thread; the loop for
+expiries)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+from ..wire.chunking import ChunkSet
+from ..wire.ratelog import RateLimitedLog
+
+log = logging.getLogger("protocols.transport.mqtt")
+
+MAX_UNACKED_CHUNKS = 16
+"""Chunks a persistent client holds unacknowledged at once (Mosquitto's default window is 20)."""
+
+Ack = Callable[[], None]
+
+
+class ChunkAcks:
+    """The acknowledgements of the chunk sets held whole (see the module doc)."""
+
+    def __init__(self, client_id: str, budget: int = MAX_UNACKED_CHUNKS) -> None:
+        self.client_id, self.budget = client_id, budget
+        self.held = 0  # chunks reserved by the sets held whole not whole yet
+        self._sets: dict[tuple[str, str, bytes], tuple[int, list[Ack]]] = {}  # ident -> (count, acks)
+        self._over: OrderedDict[tuple[str, str, bytes], None] = OrderedDict()  # sets acknowledged as they come
+        self._log = RateLimitedLog(log)
+
+    def take(self, chunk: ChunkSet, ack: Ack) -> bool:
+        """Hold ``ack`` (of a chunk of ``chunk``'s set, not whole yet) until the set is; False: acknowledge it now
+        (the set does not fit in the budget, or already holds two acknowledgements a chunk)."""
+        entry = self._sets.get(chunk.ident)
+        if entry is None:
+            if chunk.ident in self._over:
+                return False
+            if self.held + chunk.chunks > self.budget:
+                self._over_budget(chunk)
+                return False
+            self.held += chunk.chunks
+            entry = self._sets[chunk.ident] = (chunk.chunks, [])
+        count, acks = entry
+        if len(acks) >= 2 * count:  # duplicates (a resend after a reconnect: the older acknowledgements are void)
+            return False
+        acks.append(ack)
+        return True
+
+    def whole(self, ident: tuple[str, str, bytes]) -> Ack | None:
+        """The acknowledgement of the chunks held of the set ``ident``, now whole (None if none were held): to call
+        once its message is handled (or held, or refused). Its chunks leave the budget now: a whole message waiting
+        for its handler needs no more of the window (the broker waits for the loop, whatever comes next)."""
+        entry = self._sets.pop(ident, None)
+        if entry is None:
+            return None
+        count, acks = entry
+        self.held -= count
+        done = False
+
+        def ack_all() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                for ack in acks:
+                    ack()
+
+        return ack_all
+
+    def dropped(self, ident: tuple[str, str, bytes]) -> None:
+        """The set ``ident`` was dropped before it was whole: its chunks are acknowledged now (it is lost)."""
+        ack_all = self.whole(ident)
+        if ack_all is not None:
+            ack_all()
+
+    def _over_budget(self, chunk: ChunkSet) -> None:
+        self._over[chunk.ident] = None
+        while len(self._over) > 1024:
+            self._over.popitem(last=False)
+        self._log.warning(
+            "%s: a chunked message of %d bytes (%d chunks) on %s is acknowledged chunk by chunk: with %d chunks held "
+            "unacknowledged it would exceed the budget of %d (the broker's in-flight window), so a node killed in "
+            "its handler loses it",
+            self.client_id,
+            chunk.total,
+            chunk.chunks,
+            chunk.ident[0],
+            self.held,
+            self.budget,
+        )
