@@ -226,3 +226,41 @@ def test_per_sender_bound_before_authentication() -> None:
     fake_auth = type("Named", (), {"node": "x", "sign": lambda self, data: b"s" * 64})()
     other = os.urandom(5000)
     assert feed_all(r, "t", split(other, 1024, auth=fake_auth)) == [other]  # sender x is not held back
+
+
+def test_sets_of_a_byte_each_cannot_hold_more_memory_than_the_bounds_allow() -> None:
+    """A sender announcing sets it never completes, each of a one-byte chunk: its receiver keeps a record per set
+    (~670 bytes), so the bounds count what a set and a chunk cost, not their data alone. Before, 5,000 such sets
+    were held (5 KB of data counted, ~3.3 MB kept: 33 times the 100 KB a sender may hold)."""
+    import tracemalloc
+
+    r = Reassembler(max_message=50_000)
+    tracemalloc.start()
+    try:
+        for _ in range(5000):
+            r.feed("t", chunking._HEAD.pack(MAGIC, os.urandom(16), 0, 1000, 1, 1000, 0, 0) + b"x")
+        here = tracemalloc.Filter(True, chunking.__file__)  # what the reassembler keeps (not the logs pytest keeps)
+        kept = sum(t.size for t in tracemalloc.take_snapshot().filter_traces([here]).traces)
+    finally:
+        tracemalloc.stop()
+    assert r.cost <= r.max_per_sender == 100_000 and r.pending <= 100_000 // chunking.SET_COST
+    assert kept < 2 * r.max_per_sender, kept
+
+
+def test_a_credentialed_sender_cannot_evict_another_senders_set_while_it_holds_more() -> None:
+    """Signed chunks, each sender's own key: c0-d0 announces sets it never completes while c0-d1's result is in
+    progress. Room is made from the sender holding the most, so c0-d0 evicts its own sets, and c0-d1's result is
+    delivered (before: the oldest set went first, c0-d1's, and its result was lost)."""
+    from protocols.config import TopologySection
+    from protocols.wire.keys import generate_keys
+
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=2))
+    cell, liar, honest = (Trust(n, ring.private[n], ring.public) for n in ("c0", "c0-d0", "c0-d1"))
+    r = Reassembler(auth=cell, max_message=5000, max_bytes=12_000)
+    result = os.urandom(5000)
+    parts = split(result, 1024, topic="t", auth=honest)
+    assert feed_all(r, "t", parts[:-1]) == []
+    for _ in range(3):
+        feed_all(r, "t", split(os.urandom(5000), 1024, topic="t", auth=liar)[:-1])
+        assert r.cost <= r.max_bytes
+    assert r.dropped >= 1 and r.feed("t", parts[-1]) == result

@@ -10,8 +10,10 @@ Memory comes before trust: a receiver with a :class:`ChunkAuth` checks each chun
 the topic, the chunk header, the sender and the data) before it keeps a byte of it, so injected bogus
 chunks are dropped one by one and the genuine set still completes; a set announcing more than
 ``max_message`` bytes is refused at its first chunk; nothing is reserved ahead (a set holds only the
-chunks that arrived), per sender at most ``max_per_sender`` bytes, in all at most ``max_bytes``. An
-unchunked payload larger than ``max_message`` is refused by size before anything parses it.
+chunks that arrived, each counted with what keeping it costs: :data:`SET_COST`, :data:`CHUNK_COST`), per sender at
+most ``max_per_sender`` bytes, in all at most ``max_bytes``, room made (with ``auth``) by dropping the sets of the
+sender that holds the most (one sender cannot push another's sets out while it holds more). An unchunked payload
+larger than ``max_message`` is refused by size before anything parses it.
 Pure code: no sockets, no threads; time comes from a clock function.
 """
 
@@ -22,7 +24,7 @@ import logging
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -36,6 +38,12 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 DEFAULT_MAX_MESSAGE = 256 * 1024 * 1024
 CHUNK_DOMAIN = b"fedtier/chunk/1\0"
+SET_COST = 768
+"""Bytes an incomplete set costs its receiver beyond its chunks' data (its record, key and index entries: ~670 on
+CPython 3.11, measured): counted against the bounds, so a sender announcing many sets of a byte each cannot hold
+670 times the bytes the bounds allow."""
+CHUNK_COST = 128
+"""Bytes a chunk held costs beyond its data (its bytes object and index entry: ~115, measured), likewise."""
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +136,8 @@ class _Pending:
     size: int
     sender: str
     parts: dict[int, bytes] = field(default_factory=dict)
-    held: int = 0
+    held: int = 0  # bytes of data
+    cost: int = 0  # what holding them costs (data and bookkeeping): what the bounds count
     started: float = 0.0
     last: float = 0.0
 
@@ -140,10 +149,11 @@ class Reassembler:
     whole message when the last missing chunk arrives (after verifying its sha256), and ``None``
     otherwise. With ``auth``, every chunk must carry a valid signature of its sender for ``key``;
     a chunk that does not is dropped alone. Incomplete sets are dropped ``timeout`` seconds after
-    their last chunk; held bytes never exceed ``max_per_sender`` per sender nor ``max_bytes`` in
-    all (the oldest sets are evicted to make room; a message larger than ``max_message`` is refused
-    at once). A completed content id is remembered for ``timeout`` seconds, so its late duplicate
-    chunks are ignored instead of starting a new set. Not thread-safe: guard it with a lock.
+    their last chunk; what they hold (``cost``: their data, ``reserved``, and bookkeeping) never exceeds
+    ``max_per_sender`` per sender nor ``max_bytes`` in all (room is made by evicting sets,
+    :meth:`_make_room`; a message larger than ``max_message`` is refused at once). A completed content
+    id is remembered for ``timeout`` seconds, so its late duplicate chunks are ignored instead of
+    starting a new set. Not thread-safe: guard it with a lock.
     """
 
     def __init__(
@@ -163,9 +173,10 @@ class Reassembler:
         self.auth = auth
         self._pending: OrderedDict[tuple[str, str, bytes], _Pending] = OrderedDict()  # oldest activity first
         self._recent: OrderedDict[tuple[str, str, bytes], float] = OrderedDict()  # completed -> when
-        self._per_sender: dict[str, int] = {}
+        self._per_sender: dict[str, int] = {}  # sender -> the cost of its incomplete sets
         self._refused: OrderedDict[bytes, None] = OrderedDict()  # content ids refused by size: quiet after once
-        self.reserved = 0
+        self.reserved = 0  # bytes of data held by incomplete sets
+        self.cost = 0  # what the incomplete sets cost, bookkeeping included (the bounds count it)
         self._log = RateLimitedLog(log)
         self.dropped = 0  # sets dropped (timeout, eviction, bad hash, rejected) and chunks refused
         self.on_drop: Callable[[tuple[str, str, bytes]], None] | None = None  # called with each set dropped
@@ -227,6 +238,7 @@ class Reassembler:
             self._reject(key, f"chunk {index}/{count} has {len(body)} bytes, expected {want}")
             return None
         p = self._pending.get(ident)
+        cost = want + CHUNK_COST + (SET_COST if p is None else 0)
         if p is None:
             p = _Pending(total, count, size, sender, started=now)
             self._pending[ident] = p
@@ -237,12 +249,12 @@ class Reassembler:
         self._pending.move_to_end(ident)
         if index in p.parts:
             return None  # duplicate chunk
-        if self._per_sender.get(sender, 0) + want > self.max_per_sender:
+        if self._per_sender.get(sender, 0) + cost > self.max_per_sender:
             self._drop(ident, f"sender {sender!r} holds more than {self.max_per_sender} bytes of incomplete messages")
             return None
-        self._make_room(want, keep=ident)
+        self._make_room(cost, keep=ident)
         p.parts[index] = bytes(body)
-        self._hold(p, want)
+        self._hold(p, want, cost)
         if len(p.parts) < p.count:
             return None
         return self._assemble(ident, p, now)
@@ -284,7 +296,7 @@ class Reassembler:
     def _assemble(self, ident: tuple[str, str, bytes], p: _Pending, now: float) -> bytes | None:
         """The message of the complete set ``ident``, checked against its content id (``None`` if it differs)."""
         del self._pending[ident]
-        self._hold(p, -p.held)
+        self._hold(p, -p.held, -p.cost)
         whole = b"".join(p.parts[i] for i in range(p.count))
         if content_id(whole) != ident[2]:
             self.dropped += 1
@@ -297,10 +309,11 @@ class Reassembler:
             self._recent.popitem(last=False)
         return whole
 
-    def _hold(self, p: _Pending, n: int) -> None:
-        p.held += n
+    def _hold(self, p: _Pending, n: int, cost: int) -> None:
+        p.held, p.cost = p.held + n, p.cost + cost
         self.reserved += n
-        left = self._per_sender.get(p.sender, 0) + n
+        self.cost += cost
+        left = self._per_sender.get(p.sender, 0) + cost
         if left:
             self._per_sender[p.sender] = left
         else:
@@ -324,15 +337,37 @@ class Reassembler:
         return dropped
 
     def _make_room(self, n: int, keep: tuple[str, str, bytes]) -> None:
-        while self.reserved + n > self.max_bytes:
-            ident = next((i for i in self._pending if i != keep), None)
+        """Drop sets until ``n`` more fit within ``max_bytes`` (never ``keep``, the set taking them): with ``auth``, the
+        oldest of the sender holding the most (``keep``'s sender counting ``n``; at a tie, it), so a sender holding
+        more than another never pushes that one's sets out (a node with valid credentials announcing sets it never
+        completes evicts its own first, not an honest node's large result in progress); without, where a sender is
+        anyone's claim, the oldest set."""
+        while self.cost + n > self.max_bytes:
+            ident = self._victim(n, keep) if self.auth is not None else next(iter(self._others(keep)), None)
             if ident is None:
                 break
             self._drop(ident, f"evicted to stay within the reassembly bound of {self.max_bytes} bytes")
 
+    def _victim(self, n: int, keep: tuple[str, str, bytes]) -> tuple[str, str, bytes] | None:
+        """:meth:`_make_room`'s choice with ``auth`` (its senders are verified: as many as the nodes sending chunks)."""
+        newcomer = keep[1]
+
+        def holds(sender: str) -> tuple[int, bool]:
+            return self._per_sender.get(sender, 0) + (n if sender == newcomer else 0), sender == newcomer
+
+        for sender in sorted({*self._per_sender, newcomer}, key=holds, reverse=True):
+            ident = next((i for i in self._others(keep) if i[1] == sender), None)  # its oldest (activity order)
+            if ident is not None:
+                return ident
+        return None
+
+    def _others(self, keep: tuple[str, str, bytes]) -> Iterator[tuple[str, str, bytes]]:
+        """The incomplete sets but ``keep``, oldest activity first."""
+        return (i for i in self._pending if i != keep)
+
     def _drop(self, ident: tuple[str, str, bytes], reason: str) -> None:
         p = self._pending.pop(ident)
-        self._hold(p, -p.held)
+        self._hold(p, -p.held, -p.cost)
         self.dropped += 1
         if self.on_drop is not None:
             self.on_drop(ident)
