@@ -122,7 +122,8 @@ def batched_forward(
 def perturbed_stack(base: Mapping[str, torch.Tensor], z: torch.Tensor, mu: torch.Tensor) -> dict[str, torch.Tensor]:
     """Zeroth-order probes ``[D * (P + 1), *shape]`` per parameter: device ``i``'s ``x_i``, then ``x_i + mu_i z_p``
     for p = 0..P-1 (a float32 multiply, then an add: the bits of ``protocols.directions.perturbed``). ``base``:
-    ``[D, *shape]`` per parameter (model order); ``z``: ``[P, n]``, the direction vectors; ``mu``: ``[D]``."""
+    ``[D, *shape]`` per parameter (model order); ``z``: ``[P, n]``, the direction vectors; ``mu``: ``[D]``, or ``[1]``
+    for one mu for every device (then each ``mu z_p`` is computed once, not once a device: the same bits)."""
     out, at, p = {}, 0, z.shape[0]
     for name, v in base.items():
         d, shape = v.shape[0], v.shape[1:]
@@ -131,8 +132,12 @@ def perturbed_stack(base: Mapping[str, torch.Tensor], z: torch.Tensor, mu: torch
         at += n
         probes = torch.empty(d, p + 1, *shape, dtype=v.dtype, device=v.device)  # written in place: no temporaries
         probes[:, 0] = v
-        torch.mul(mu.view(d, 1, *[1] * len(shape)), zk, out=probes[:, 1:])
-        probes[:, 1:] += v.unsqueeze(1)  # (mu z) + x: the same float32 sum as x + (mu z)
+        m = mu.view(mu.shape[0], 1, *[1] * len(shape))
+        if mu.shape[0] == 1 and d > 1:
+            torch.add(m * zk, v.unsqueeze(1), out=probes[:, 1:])  # (mu z) + x: the same float32 sum as x + (mu z)
+        else:
+            torch.mul(m, zk, out=probes[:, 1:])
+            probes[:, 1:] += v.unsqueeze(1)
         out[name] = probes.reshape(d * (p + 1), *shape)
     return out
 

@@ -159,11 +159,8 @@ class CohortEngine:
         m = np.zeros((len(reqs), n), np.float32)
         for i, r in enumerate(reqs):
             x[i, : len(r.y)], y[i, : len(r.y)], m[i, : len(r.y)] = r.x, r.y, 1.0
-        return (
-            torch.from_numpy(x).to(self.device),
-            torch.from_numpy(y).to(self.device),
-            torch.from_numpy(m).to(self.device),
-        )
+        xt, yt, mt = (torch.from_numpy(a).to(self.device) for a in (x, y, m))
+        return xt, yt, mt
 
     def _choose(self, reqs: Sequence[Request]) -> None:
         """``auto``: the CPU or the GPU for this engine, from its first cohort's step (once, logged)."""
@@ -257,7 +254,8 @@ class CohortEngine:
         base, (x, y, m), k = self._stack(reqs), self._padded(reqs), len(reqs[0].directions) + 1
         n = sum(v[0].numel() for v in base.values())
         z = as_tensor(np.stack(reqs[0].directions) if k > 1 else np.zeros((0, n)), np.float32, self.device)
-        mu = torch.tensor([r.mu for r in reqs], dtype=torch.float32, device=self.device)
+        mus = [r.mu for r in reqs]  # one for all devices where they are equal (perturbed_stack multiplies once)
+        mu = torch.tensor(mus[:1] if len(set(mus)) == 1 else mus, dtype=torch.float32, device=self.device)
         with torch.no_grad():  # each device's batch for each of its probes (one copy of it: shared by k models)
             out = batched_forward(model, perturbed_stack(base, z, mu), x, shared=k)
             losses = device_losses(out, y.repeat_interleave(k, 0), m.repeat_interleave(k, 0))

@@ -614,10 +614,13 @@ def test_the_cohort_engine_builds_a_devices_probes_bit_for_bit_and_its_losses_ma
     zs = tuple(Z.direction_vector(Z.round_seed(0, 3), 0, p, shapes) for p in range(3))
     base = {k: torch.from_numpy(np.stack([x[k] for x in x0s])) for k in shapes}
     probes = perturbed_stack(base, torch.from_numpy(np.stack(zs)), torch.tensor(mus, dtype=torch.float32))
+    one = perturbed_stack(base, torch.from_numpy(np.stack(zs)), torch.tensor(mus[:1], dtype=torch.float32))
     for i, (x0, mu) in enumerate(zip(x0s, mus)):
         expected = [x0] + [Z.perturbed(x0, Z.views(z, shapes), mu) for z in zs]
         for j, e in enumerate(expected):
             assert all(np.array_equal(probes[k][i * 4 + j].numpy(), e[k]) for k in shapes), (i, j)
+        for j, e in enumerate([x0] + [Z.perturbed(x0, Z.views(z, shapes), mus[0]) for z in zs]):  # one mu for all
+            assert all(np.array_equal(one[k][i * 4 + j].numpy(), e[k]) for k in shapes), (i, j)
     rng = np.random.default_rng(0)
     batches = [(rng.random((16, 64), dtype=np.float32), rng.integers(0, 10, 16)) for _ in x0s]
     reqs = [Request("probe", spec, x0, xb, yb, directions=zs, mu=mu) for x0, mu, (xb, yb) in zip(x0s, mus, batches)]
