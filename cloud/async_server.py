@@ -82,6 +82,7 @@ class AsyncCloudServer(CloudServer):
         self.take_per_cell = max(fedbuff.p.async_cloud_buffer, TAKE_PER_CELL)
         """The most pushes of one cell a version takes (:meth:`_over_share`)."""
         self._version_posted = False  # a version is posted behind the pushes waiting
+        self._waiting: dict[str, int] = {}  # cell -> its pushes past its share, waiting behind the version posted
         self._stopped = False  # stopped (a ``--serve`` cloud's loop goes on): it makes no version
 
     def _begin_round(self) -> None:
@@ -115,7 +116,7 @@ class AsyncCloudServer(CloudServer):
         if refused_revoked(self.revoked, topic, self.messenger):
             return
         if self._over_share(topic.split("/")[-2]):
-            self.loop.post(self._guard(lambda: self._on_report(topic, data), "report handler"))
+            self._wait_behind(topic.split("/")[-2], topic, data)
             return
         msg = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True)
         if msg is None or self.finished or self.round >= self.rounds:  # (resumed when done: its finish is posted)
@@ -166,6 +167,26 @@ class AsyncCloudServer(CloudServer):
         if not self._version_posted:
             return False
         return sum(e.pushes for e in self.fb.buffer.entries if e.sender == cell) >= self.take_per_cell
+
+    def _wait_behind(self, cell: str, topic: str, data: bytes) -> None:
+        """Hand ``cell``'s push past its share to the loop again, behind the version posted; refused (logged, in the
+        version's record) when :attr:`take_per_cell` of its pushes wait so already: a push waiting is acknowledged,
+        so the broker's in-flight window no longer holds a flooding cell back, and its pushes would pile up in memory
+        a version after another (each model-sized). A push handed back and still past its share waits again."""
+        waiting = self._waiting.get(cell, 0)
+        if waiting >= self.take_per_cell:
+            why = (
+                f"push of {cell} past its share of version {self.round}, with {waiting} more waiting: pushing too fast"
+            )
+            self.messenger.reject(topic, RejectKind.BOUND, why, cell)
+            return
+        self._waiting[cell] = waiting + 1
+
+        def again() -> None:
+            self._waiting[cell] -= 1
+            self._on_report(topic, data)
+
+        self.loop.post(self._guard(again, "report handler"))
 
     def _version_due(self) -> None:
         """Once the buffer holds ``async_cloud_buffer`` pushes, post the version behind the pushes already waiting

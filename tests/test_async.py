@@ -1339,8 +1339,10 @@ def test_a_cell_flooding_an_async_cloud_never_passes_over_an_honest_cells_waitin
     """c0 (its own key) sends each push 13 times to a cloud busy 0.6 s a version, so whenever the cloud is free its
     loop holds c0's copies ahead of c1's push. A version takes at most ``TAKE_PER_CELL`` pushes of a cell (4 here): c0's
     next copies wait behind the version, and c1's push that waited when the version came due is taken by it, never
-    left for a later one (before: one version took 8 pushes at once, c0's alone, and c1's waiting push went into the
-    next: passed over in 9 of 10 versions)."""
+    left for a later one (before: a version was made at once of 8 pushes, c0's alone, and c1's waiting push went into
+    a later one: 4 of c1's pushes taken in 10 versions, each passed over by 3 to 5 versions). c0's pushes past its
+    share wait, at most 4 at a time (acknowledged, so the broker's window no longer holds c0 back: more would pile up
+    in memory), the rest refused."""
     monkeypatch.setattr(async_server, "TAKE_PER_CELL", 4)
     cfg = parse_config(_cfg("async", 10, async_buffer=2, max_staleness=40))
     sim = SimHierarchy(cfg, write_output=False)
@@ -1379,8 +1381,13 @@ def test_a_cell_flooding_an_async_cloud_never_passes_over_an_honest_cells_waitin
     def counted(cell: str, base: int, report: Payload) -> None:
         offer(cell, base, report)
         per_version.append((cloud.round, cell, sum(e.pushes for e in cloud.fb.buffer.entries if e.sender == cell)))
+        held.append(len(slow.waiting) + len(sim.hub.loop._ready))  # pushes (and other calls) waiting for the cloud
 
-    cloud.fb.offer = counted  # type: ignore[method-assign]
-    sim.run()
+    cloud.fb.offer, held = counted, []  # type: ignore[method-assign]
+    history = sim.run().history
     assert len(taken) >= 5 and not passed_over, (len(taken), passed_over)
     assert max(n for _, cell, n in per_version if cell == "c0") == 4, per_version  # c0 took its share, no more
+    # at most 4 (TAKE_PER_CELL) of c0's pushes wait behind a version, beside those just handed over (26 copies of 2
+    # pushes at most) and c1's; the rest are refused as past its share (before: they piled up, 124 waiting)
+    refused = [x for h in history for x in h["rejected"] if x["kind"] == "bound" and "past its share" in x["reason"]]
+    assert refused and max(held) <= 40, (len(refused), max(held))
