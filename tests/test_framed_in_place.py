@@ -97,6 +97,28 @@ def test_a_result_framed_in_place_is_the_message_frame_would_copy_byte_for_byte(
     assert all(got.payload.tensors[k].tobytes() == np.asarray(v).tobytes() for k, v in _payload(3).tensors.items())
 
 
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_cell_reads_a_result_framed_in_place_again_only_where_its_floats_were_not_checked(ring, checked):
+    """The message framed in place of a result decoded as checked (its worker checked every float finite) is
+    decoded by its cell without reading the floats again: a NaN the worker let through (here: a record written
+    without its check) goes unread, as its agent's own check let it. A result decoded unchecked and the same
+    message's bytes copied are read: the NaN is refused."""
+    reader, writer = ring
+    poisoned = Payload({"loss": 0.25}, {"w": np.full(50_000, np.nan, np.float32), "b": np.ones(3, np.float32)})
+    where = writer.put(payload_parts(poisoned), ENVELOPE_ROOM)
+    assert where is not None
+    result = decode_payload(reader.take(*where, ENVELOPE_ROOM), require_finite=False, views=True, checked=checked)
+    message = _frame_once(_messenger(), result)
+    assert _in_place(message)
+    cell = _messenger()
+    got = cell.receive(TOPIC, message)
+    assert (got is not None) == checked
+    if got is not None:
+        assert np.isnan(got.payload.tensors["w"]).all()  # its bytes, as they are (decoded, not read for the check)
+    assert cell.receive(TOPIC, bytes(message)) is None  # the same bytes copied: read, refused
+    del result, message, got
+
+
 def test_a_lent_result_and_its_message_framed_in_place_cannot_be_made_writable(ring, monkeypatch):
     """A lent record's views are as immutable as a message's bytes: numpy refuses to make them writable (it let any
     holder flip ``writeable`` back on, the ring's segment being writable in the main process, and so change a

@@ -30,7 +30,7 @@ from .envelope import (
     payload_digest,
     verify_signature,
 )
-from .payload import Parts, Payload, decode_payload, parts_size, payload_parts
+from .payload import Parts, Payload, checked_in_place, decode_payload, parts_size, payload_parts
 from .ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -249,7 +249,8 @@ class Messenger:
             if repeat and not repeats:
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
                 return None
-            payload = decode_payload(raw, views=True)  # read-only arrays over the message: no copy
+            known = checked_in_place(data)  # (a sim worker's result: its floats were checked as it was decoded)
+            payload = decode_payload(raw, require_finite=not known, views=True, checked=known)  # views: no copy
         except WireError as exc:
             self.reject(topic, exc.kind, str(exc), None)
             return None

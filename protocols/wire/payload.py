@@ -188,6 +188,10 @@ class Lent(np.ndarray):
     its owner left before them for a message's envelope (this very array's, not a view's of it)."""
 
     headroom: Headroom | None = None
+    checked: bool = False
+    """A message framed in place (:meth:`Headroom.frame`) whose payload is bytes decoded as checked finite (their
+    sender, a process of this run, checked every float, or the decoding read them): its receiver need not read them
+    again (:meth:`~protocols.wire.messenger.Messenger.receive`; they never change while the message exists)."""
 
 
 class Headroom:
@@ -204,6 +208,7 @@ class Headroom:
         self._room: memoryview | None = room
         self._payload_at = record.ctypes.data + self.size  # where the payload's bytes start (its address)
         self._lock = threading.Lock()
+        self.checked = False  # every float of the payload is known finite (decode_payload, checked or read)
 
     def frame(self, head: bytes, parts: Parts) -> memoryview | None:
         """The message ``head`` (an envelope, ``envelope_head``) + the payload, framed in place (a read-only view of
@@ -219,6 +224,7 @@ class Headroom:
         room[at:] = head
         room.release()
         message: Any = self._record[at:].view(Lent)  # (numpy's stubs do not say that an array is a buffer)
+        message.checked = self.checked  # (the payload is exactly the bytes decoded: _holds)
         return memoryview(message)
 
     def _holds(self, parts: Parts) -> bool:
@@ -238,6 +244,18 @@ class Headroom:
             if not same or pos > end:
                 return False
         return pos == end
+
+
+def checked_in_place(message: object) -> bool:
+    """Whether ``message`` is a whole message framed in place (:meth:`Headroom.frame`) of a payload whose floats are
+    known finite (:attr:`Lent.checked`): its receiver decodes its payload without reading them again."""
+    return (
+        isinstance(message, memoryview)
+        and isinstance(message.obj, Lent)
+        and message.obj.checked
+        and message.readonly
+        and message.nbytes == message.obj.nbytes
+    )
 
 
 def immutable(arr: np.ndarray) -> bool:
@@ -328,4 +346,6 @@ def decode_payload(
         tensors[name] = arr
     if pos != end:
         raise WireError(RejectKind.MALFORMED, f"{end - pos} trailing bytes after the last tensor")
+    if headroom is not None and (checked or require_finite):
+        headroom.checked = True  # its message, framed there, carries floats known finite (Lent.checked)
     return Payload(meta, tensors, headroom)
