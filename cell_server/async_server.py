@@ -61,6 +61,7 @@ class AsyncCellServer(CellServer):
         self.resends: dict[str, tuple[int, int]] = {}  # device -> (cell version, tasks sent it on returns in it)
         self._failure_sent = False  # its "failed" push went (a failed cell sends it once, then on each version)
         self.held_back: set[str] = set()  # devices back once too often this version: their task comes with the next
+        self._idle_timer: TimerHandle | None = None  # held-back devices get a task when it fires, if nothing else works
         self._push_timer: TimerHandle | None = None
         self._last_push: tuple[int, bytes] | None = None  # (cloud version it derives from, the message)
         self.refused: str | None = None  # why it refused to work (a restart without its journal)
@@ -87,6 +88,7 @@ class AsyncCellServer(CellServer):
 
     def stop(self) -> None:
         self.loop.cancel(self._push_timer)
+        self.loop.cancel(self._idle_timer)
         super().stop()
         if self.push_journal is not None:
             self.push_journal.close()
@@ -248,17 +250,21 @@ class AsyncCellServer(CellServer):
         """Whether ``device``, back online with its task lost, gets a new one now: at most ``MAX_RESENDS`` such
         tasks per cell model version (each costs a whole model: a device flipping its status with valid credentials
         gets no more); past that it is held back until the next version (:meth:`_rearm`), so an honest device
-        that restarted still gets work."""
+        that restarted still gets work, or, while the cell has no task outstanding at all (nothing would make that
+        version: every device held back, offline or unavailable), until ``device_deadline`` passed so
+        (:meth:`_on_idle`). So a lying device costs at most ``MAX_RESENDS`` + 1 tasks a cell version, and one more
+        each ``device_deadline`` its cell has nothing else outstanding; an honest cell whose devices all flap in one
+        version waits ``device_deadline``, then works on."""
         version, sent = self.resends.get(device, (self.fb.version, 0))
         sent = sent if version == self.fb.version else 0
         if sent >= MAX_RESENDS:
             if device not in self.held_back:
                 log.warning(
                     "cell %s: %s is back again without its result: sent %d tasks on its returns at version %d, its "
-                    "next comes with the next version",
+                    "next comes with the next version (or once the cell had no task outstanding for device_deadline)",
                     self.cell,
                     device,
-                    MAX_RESENDS,
+                    sent,
                     self.fb.version,
                 )
                 self.held_back.add(device)
@@ -272,6 +278,29 @@ class AsyncCellServer(CellServer):
         for device in held:
             self._dispatch(device)
 
+    def _watch_idle(self) -> None:
+        """With devices held back and no task outstanding, wait ``device_deadline`` (:meth:`_on_idle`)."""
+        if self.held_back and not self.outstanding and self._idle_timer is None and self.failure is None:
+            self._idle_timer = self.loop.call_later(self.limits.device_deadline, self._guard(self._on_idle, "idle"))
+
+    def _on_idle(self) -> None:
+        """``device_deadline`` after the cell was left with no task outstanding but devices held back: if it still
+        is, each of them may be sent one more task in this version (:meth:`_may_resend`), and is."""
+        self._idle_timer = None
+        if self.outstanding or not self.held_back or self.failure is not None:
+            return
+        log.warning(
+            "cell %s: no task outstanding for %.0f s, devices held back after their returns: a task each again (%s)",
+            self.cell,
+            self.limits.device_deadline,
+            ", ".join(sorted(self.held_back)),
+        )
+        for device in self.held_back:
+            version, sent = self.resends.get(device, (self.fb.version, 0))
+            if version == self.fb.version:
+                self.resends[device] = (version, min(sent, MAX_RESENDS - 1))
+        self._rearm()
+
     def _on_status(self, topic: str, data: bytes) -> None:
         node = topic.rsplit("/", 1)[-1]
         device = node[len("device.") :] if node.startswith("device.") else None
@@ -283,6 +312,7 @@ class AsyncCellServer(CellServer):
             self.lost.add(device)
         if self.online[device]:
             self._dispatch(device)
+        self._watch_idle()
 
     def _on_result(self, topic: str, data: bytes) -> None:
         msg = self.messenger.receive(topic, data, kinds=("device_result",))
@@ -326,6 +356,7 @@ class AsyncCellServer(CellServer):
             if self.fb.buffer.full:
                 self._flush()
         self._dispatch(device)
+        self._watch_idle()
 
     # ----------------------------------------------------------------- aggregation and pushes
     def _flush(self) -> None:

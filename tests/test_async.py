@@ -886,8 +886,8 @@ def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resu
 
 
 def test_an_async_device_flipping_its_status_gets_a_bounded_number_of_tasks_per_version_and_still_works(tmp_path):
-    """In memory, virtual clock: a node with c0-d1's credentials flips its status offline/online 20 times at once.
-    Each return had the async cell send a fresh task (a whole model) at once: 20 tasks in one version, counted as the
+    """In memory, virtual clock: a node with c0-d1's credentials flips its status offline/online 100 times at once.
+    Each return had the async cell send a fresh task (a whole model) at once: 100 tasks in one version, counted as the
     job's traffic. Now a device back without its result gets at most ``MAX_RESENDS`` tasks per cell version, counted
     in ``bytes_resent`` (not ``bytes_out``); past that it is held back until the next version, which it gets: the
     honest agent goes on answering and the job finishes."""
@@ -908,7 +908,7 @@ def test_an_async_device_flipping_its_status_gets_a_bounded_number_of_tasks_per_
     topic = topics.device_status(run, "c0", "c0-d1")
 
     def flip() -> None:
-        for _ in range(20):
+        for _ in range(100):
             for state in ("offline", "online"):
                 liar.publish(topic, encode_status(state, topic=topic, cell="c0", samples=10), retain=True)
 
@@ -924,13 +924,70 @@ def test_an_async_device_flipping_its_status_gets_a_bounded_number_of_tasks_per_
     per_version: dict[int, int] = {}
     for _, version, _ in tasks:
         per_version[version] = per_version.get(version, 0) + 1
-    assert per_version[tasks[0][1]] == 1 + MAX_RESENDS, tasks  # its first task, then 3 on its returns (was 21)
+    assert per_version[tasks[0][1]] == 1 + MAX_RESENDS, tasks  # its first task, then 3 on its returns (was 101)
     records = sim.cells["c0"].records
     resent = sum(r.get("bytes_resent") or 0 for r in records)
     # the 3 tasks of its returns, then the one of the next version (it was held back): apart from bytes_out
     assert resent == sum(sizes[1 : MAX_RESENDS + 2]), (resent, sizes, tasks)
     later = [r for r in records if r["clock_end_s"] > tasks[0][0] + 0.1 and "c0-d1" in r["answered"]]
     assert later, [(r["clock_end_s"], r["answered"]) for r in records]  # held back, then it worked again
+
+
+def test_an_async_cell_whose_devices_all_flap_in_one_version_works_on_and_a_liar_stays_bounded(tmp_path):
+    """In memory, virtual clock, one cell: every device flips offline/online 5 times at once while it trains its
+    first task, and c0-d1 (a node with its credentials) flips again on every task it gets, 100 flips at most. Each
+    device got ``MAX_RESENDS`` tasks on its returns, then was held back until the next version: with every device
+    held back no result came, so no version: the job stalled ("no events left"). Now a cell left with no task
+    outstanding sends its held-back devices one more task after ``device_deadline``: the job finishes, and the liar
+    costs at most ``MAX_RESENDS`` + 2 tasks a cell version (its first, its returns', the idle one), not 100."""
+    from cell_server.edge_liveness import MAX_RESENDS
+    from protocols.status import encode_status
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 6},
+        topology={"cells": 1, "devices_per_cell": 3},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    run, net, loop = cfg.run.name, sim.hub.connect("net"), sim.hub.loop
+    devices = ["c0-d0", "c0-d1", "c0-d2"]
+    tasks: dict[str, list[tuple[float, int]]] = {d: [] for d in devices}  # (time, cell version) of each task
+    flips = {"c0-d1": 0}
+
+    def flip(device: str, times: int) -> None:
+        topic = topics.device_status(run, "c0", device)
+        for _ in range(times):
+            for state in ("offline", "online"):
+                net.publish(topic, encode_status(state, topic=topic, cell="c0", samples=10), retain=True)
+
+    def flap() -> None:
+        for device in devices:
+            flip(device, 5)
+
+    def on_task(device: str, data: bytes) -> None:
+        tasks[device].append((loop.now(), _version_and_number(data)[0]))
+        if sum(map(len, tasks.values())) == len(devices):  # while each trains its first task
+            loop.call_later(0.1, flap)
+        elif device == "c0-d1" and flips["c0-d1"] < 100 and len(tasks[device]) > 1 + MAX_RESENDS:
+            flips["c0-d1"] += 1
+            loop.call_later(0.01, lambda: flip(device, 1))
+
+    for device in devices:
+        net.subscribe(topics.device_task(run, "c0", device), lambda _, data, d=device: on_task(d, data))
+    result = sim.run()
+    assert len(result.history) == 6 and not sim.cloud.failed  # was: stalled, no events left
+    flapped = tasks["c0-d0"][1][0]
+    for device in devices:  # its first task, then MAX_RESENDS on its returns; the next one device_deadline later
+        at_once = [t for t, _ in tasks[device] if t <= flapped]
+        assert len(at_once) == 1 + MAX_RESENDS, (device, tasks[device])
+        assert tasks[device][len(at_once)][0] >= flapped + cfg.runtime.device_deadline, (device, tasks[device])
+    per_version: dict[int, int] = {}
+    for _, version in tasks["c0-d1"]:
+        per_version[version] = per_version.get(version, 0) + 1
+    assert max(per_version.values()) <= MAX_RESENDS + 2, per_version
+    assert flips["c0-d1"] >= 6, flips  # it lied on every version it had a task of
 
 
 def _version_and_number(data: bytes) -> tuple[int, int]:

@@ -187,7 +187,12 @@ class ParticipationSection(Section):
 
 
 class RuntimeSection(Section):
-    device_deadline: float = Field(default=120.0, gt=0, description="seconds a cell waits for devices")
+    device_deadline: float = Field(
+        default=120.0,
+        gt=0,
+        description="seconds a cell waits for devices (async mode: how long a cell with no task outstanding waits "
+        "before it sends one more task to its devices held back after too many returns in one version)",
+    )
     cell_deadline: float | None = Field(default=None, gt=0, description="seconds the cloud waits for cells")
     quorum: float = Field(
         default=1.0,
