@@ -6,6 +6,8 @@ never written over anything."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -197,11 +199,22 @@ def test_a_header_larger_than_the_room_is_framed_by_copying_and_the_room_is_not_
 def test_a_changed_payload_or_a_second_framing_is_framed_by_copying(ring, monkeypatch):
     reader, writer = ring
     m = _messenger()
-    for change in ("meta", "tensor", "dropped", "added"):
+    for change in ("meta", "meta as other JSON", "tensor", "reshaped", "retyped", "renamed", "dropped", "added"):
         result = _lent(reader, writer, _payload(7))[0]
         changed = _payload(7)
         if change == "meta":
             result.meta["fill"] = changed.meta["fill"] = 8
+        elif change == "meta as other JSON":  # equal as a dict (7 == 7.0), not as bytes
+            result.meta["fill"] = changed.meta["fill"] = 7.0
+        elif change == "reshaped":  # the same array object, its shape set in place
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                result.tensors["w"].shape = changed.tensors["w"].shape = (2, 25_000)
+        elif change == "retyped":  # the same array object, its dtype set in place: other bytes on the wire
+            result.tensors["w"].dtype = changed.tensors["w"].dtype = np.dtype("<i4")
+        elif change == "renamed":
+            result.tensors = {("v" if k == "w" else k): v for k, v in result.tensors.items()}
+            changed.tensors = {("v" if k == "w" else k): v for k, v in changed.tensors.items()}
         elif change == "tensor":
             result.tensors["w"] = changed.tensors["w"] = np.full(50_000, 8, np.float32)  # same size, other memory
         elif change == "dropped":
@@ -220,6 +233,23 @@ def test_a_changed_payload_or_a_second_framing_is_framed_by_copying(ring, monkey
     size = parts_size(payload_parts(result))
     assert again[-size:] == copy[-size:] and len(again) == len(copy)  # the same payload, another message id
     assert bytes(first) == copy
+
+
+def test_a_result_unchanged_since_its_decoding_is_framed_without_encoding_its_payload_again(ring, monkeypatch):
+    """A result framed as it was decoded (its tensors the views decoded, its metadata the same JSON) is framed in
+    place from its lent bytes as they are: no payload parts built, nothing read; the message is frame()'s bytes."""
+    reader, writer = ring
+    result, _ = _lent(reader, writer, _payload(4))
+    _fixed_ids(monkeypatch)
+    expected = _frame(_messenger(), _payload(4))
+
+    def refuse(_payload: Payload) -> None:
+        raise AssertionError("the payload was encoded again")
+
+    monkeypatch.setattr(messenger_module, "payload_parts", refuse)
+    _fixed_ids(monkeypatch)
+    message = _frame_once(_messenger(), result)
+    assert _in_place(message) and bytes(message) == expected
 
 
 def test_the_room_fits_any_header_of_ascii_names():

@@ -152,10 +152,17 @@ class Messenger:
         (nor its arrays alive with it). A payload decoded from lent bytes with room before them (a sim worker's
         result: ``Payload.headroom``) is framed there, in place: the same bytes as :meth:`frame`'s, without a copy
         of the payload (a read-only view of the lent record, which stays lent as long as the message is kept)."""
-        parts, size = self._payload_bytes(payload, keep=False)
+        room = payload.headroom
+        whole = room.encodes(payload) if room is not None else None  # still the lent bytes: not encoded again
+        parts: Parts
+        if whole is not None:
+            parts, size = [whole], whole.nbytes
+            self._encoded, self._shared = {}, None  # (as _payload_bytes without keep)
+        else:
+            parts, size = self._payload_bytes(payload, keep=False)
         header = self._header(kind, size, round, edge_round, cell)
         head = envelope_head(header, parts, self.trust.sign if self.trust is not None else None, topic)
-        lent = payload.headroom.frame(head, parts) if payload.headroom is not None else None
+        lent = room.frame(head, parts) if room is not None else None
         return lent if lent is not None else join_message(head, parts)
 
     def frame_shared(

@@ -70,6 +70,12 @@ class Payload:
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     headroom: Headroom | None = field(default=None, repr=False, compare=False)
+    layout: Layout | None = field(default=None, repr=False, compare=False)
+    """With ``headroom``: the decoding's end of the metadata and its tensors as decoded (name, the read-only view,
+    its shape and dtype), which :meth:`Headroom.encodes` compares against (a payload changed since is encoded)."""
+
+
+Layout = tuple[int, tuple[tuple[str, np.ndarray, tuple[int, ...], np.dtype], ...]]
 
 
 def _code(arr: np.ndarray) -> int:
@@ -209,6 +215,24 @@ class Headroom:
         self._payload_at = record.ctypes.data + self.size  # where the payload's bytes start (its address)
         self._lock = threading.Lock()
         self.checked = False  # every float of the payload is known finite (decode_payload, checked or read)
+        self._whole: np.ndarray | None = None  # the payload's bytes as the part encodes() gave
+
+    def encodes(self, payload: Payload) -> np.ndarray | None:
+        """The lent payload's bytes (one part for :meth:`frame`) where ``payload``, decoded from them, still encodes to
+        them exactly: its tensors the views decoded, in order, with their names, shapes and dtypes, and its metadata
+        the same JSON; else ``None`` (encode it). Reads none of its arrays and builds none of its parts."""
+        layout = payload.layout
+        if layout is None or payload.headroom is not self or len(payload.tensors) != len(layout[1]):
+            return None
+        for (name, arr, shape, dtype), (k, v) in zip(layout[1], payload.tensors.items()):
+            if v is not arr or k != name or v.shape != shape or v.dtype != dtype:
+                return None
+        meta = json.dumps(payload.meta, separators=(",", ":"), allow_nan=False).encode()  # (payload_parts')
+        record: Any = self._record  # (numpy's stubs do not say that an array is a buffer)
+        if layout[0] != 4 + len(meta) or memoryview(record)[self.size + 4 : self.size + layout[0]] != meta:
+            return None
+        self._whole = self._record[self.size :]
+        return self._whole
 
     def frame(self, head: bytes, parts: Parts) -> memoryview | None:
         """The message ``head`` (an envelope, ``envelope_head``) + the payload, framed in place (a read-only view of
@@ -230,6 +254,8 @@ class Headroom:
     def _holds(self, parts: Parts) -> bool:
         """Whether ``parts`` join to the lent payload's bytes without reading its arrays: each array part is the
         payload's memory at its place (the same bytes by definition), each other part compares equal there."""
+        if len(parts) == 1 and parts[0] is self._whole:
+            return True  # encodes(): the payload's own bytes
         record: Any = self._record  # (numpy's stubs do not say that an array is a buffer)
         payload = memoryview(record)[self.size :]
         start, pos, end = self._payload_at, 0, payload.nbytes
@@ -314,6 +340,7 @@ def decode_payload(
     share = views and isinstance(buf.obj, (bytes, Lent))  # not a bytearray or other buffer someone could change
     headroom = buf.obj.headroom if share and isinstance(buf.obj, Lent) else None
     meta, pos = _decode_meta(buf, end)
+    meta_end, viewed_all = pos, True
     (count,), pos = _read(_U16, buf, pos, end)
     tensors: dict[str, np.ndarray] = {}
     for _ in range(count):
@@ -337,6 +364,7 @@ def decode_payload(
         arr: np.ndarray = np.ndarray(shape, dtype, buf, start)  # a view (read-only where buf is)
         viewed = share and dtype.isnative
         if not viewed:
+            viewed_all = False
             # the one copy of the tensor's bytes: out of the message, into an array of its own (writable, native)
             arr = arr.astype(dtype.newbyteorder("="), copy=True)
         if arr.dtype.kind == "f" and (require_finite or checked):
@@ -346,6 +374,9 @@ def decode_payload(
         tensors[name] = arr
     if pos != end:
         raise WireError(RejectKind.MALFORMED, f"{end - pos} trailing bytes after the last tensor")
-    if headroom is not None and (checked or require_finite):
+    if headroom is None:
+        return Payload(meta, tensors)
+    if checked or require_finite:
         headroom.checked = True  # its message, framed there, carries floats known finite (Lent.checked)
-    return Payload(meta, tensors, headroom)
+    layout = (meta_end, tuple((k, a, a.shape, a.dtype) for k, a in tensors.items())) if viewed_all else None
+    return Payload(meta, tensors, headroom, layout)
