@@ -208,10 +208,11 @@ class AsyncCloudServer(CloudServer):
         are dropped), recorded with how many it took (``pushes``), checkpointed, and sent to the cells it used."""
         if not self.fb.buffer.full or self.finished or self._stopped or self.round >= self.rounds:
             return
+        updates = [(e.sender, e.delta) for e in self.fb.buffer.entries]
         out = self.fb.aggregate(self._version_bound)
         self._notify = sorted(set(out.senders))
         self._in_round = False
-        self._record_round("buffer full", self._notify, [], out)  # checkpointed: the buffer is in the model
+        self._record_round("buffer full", self._notify, [], out, updates, "version")  # checkpointed: buffer in model
         if self.journal is not None:
             self.journal.applied(self.round)
 

@@ -5,7 +5,9 @@ stalled (each fails the job after the round). The cloud server drives it through
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -87,19 +89,55 @@ def round_record(
     ).to_dict()
 
 
-def divergence(evaluation: dict[str, float], rnd: int) -> tuple[str | None, str | None]:
+MAX_BLAMED = 3
+"""A diverged global model's failure names at most this many contributors of its aggregate, the largest updates."""
+
+Updates = Iterable[tuple[str, Mapping[str, np.ndarray]]]
+"""The updates a model aggregate took: ``(sender, its tensors)``, a sender possibly more than once."""
+
+
+def divergence(
+    evaluation: dict[str, float], rnd: int, updates: Updates = (), unit: str = "round"
+) -> tuple[str | None, str | None]:
     """Drop the non-finite numbers of the global model's ``evaluation`` (in place); if there were any, what was
-    dropped (for the record) and why the job fails after round ``rnd`` (no later round can bring a diverged
-    model back); ``(None, None)`` otherwise."""
+    dropped (for the record) and why the job fails after ``unit`` ``rnd`` (no later round can bring a diverged
+    model back): with the contributors of the aggregate that made it, the largest update norms first
+    (:func:`blame`), since a node sending huge (finite) values overflows the model as a learning rate too large
+    does; ``(None, None)`` otherwise."""
     why = drop_non_finite(evaluation)
     if why is None:
         return None, None
-    log.error(
-        "round %d: the global model diverged (%s): the job fails after this round (a learning rate too large?)",
-        rnd,
-        why,
+    failure = f"the global model diverged at {unit} {rnd} ({why}){blame(updates, unit)}"
+    log.error("%s: the job fails after this %s", failure, unit)
+    return why, failure
+
+
+def blame(updates: Updates, unit: str) -> str:
+    """What a diverged model's failure says of its aggregate's ``updates``: how many senders, the :data:`MAX_BLAMED`
+    largest update norms (:func:`update_norm`; one per sender, its largest), and what to do about it."""
+    norms: dict[str, float] = {}
+    for sender, tensors in updates:
+        norms[sender] = max(norms.get(sender, 0.0), update_norm(tensors))
+    largest = sorted(norms.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_BLAMED]
+    cells = f"{len(norms)} cell" + ("s" if len(norms) != 1 else "")
+    took = f"; largest update norms of its {cells}: " + ", ".join(f"{c} {n:.3g}" for c, n in largest) if norms else ""
+    robust = (
+        "robust aggregation leaves one out: algorithm.cloud_aggregator or cell_aggregator = median, trimmed_mean, krum"
+        if unit == "round"
+        else "robust aggregation needs mode = sync"
     )
-    return why, f"the global model diverged at round {rnd} ({why})"
+    return f"{took}: a node sending huge updates (revoke it; {robust}) or a learning rate too large?"
+
+
+def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm of an update's floating-point tensors, summed in float64 (values near the float32 maximum do
+    not overflow it); ``inf`` for one that is not finite."""
+    total = 0.0
+    for t in tensors.values():
+        if t.dtype.kind == "f":
+            flat = np.asarray(t, dtype=np.float64).ravel()
+            total += float(np.dot(flat, flat))
+    return math.sqrt(total) if math.isfinite(total) else math.inf
 
 
 def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts) -> str | None:

@@ -29,7 +29,7 @@ from .cell_records import collector
 from .checkpoint import CloudCheckpoint, Saved, repair_records, restore
 from .parts import CellPresence, RoundCounts, report_refusal, resend_on_repeat
 from .revocation import leave_round, refused_revoked, too_few_cells
-from .round_record import divergence, end_figures, round_record, stall
+from .round_record import Updates, divergence, end_figures, round_record, stall
 from .telemetry import CloudTelemetry, send_finished
 
 if TYPE_CHECKING:
@@ -373,16 +373,20 @@ class CloudServer:
         reports = dict(sorted(self.answers.received.items()))
         absent = sorted(self.answers.pending | (set(self.planned) & self.revoked.keys()))  # revoked: planned, out
         self.answers.close()
-        self._record_round(why, sorted(reports), absent, self.role.aggregate(self.round, reports))
+        outcome = self.role.aggregate(self.round, reports)
+        self._record_round(why, sorted(reports), absent, outcome, [(c, r.tensors) for c, r in reports.items()])
 
-    def _record_round(self, why: str, reported: list[str], absent: list[str], outcome: Outcome) -> None:
-        """Write, publish and checkpoint the record of the model update that just happened, then go on."""
+    def _record_round(
+        self, why: str, reported: list[str], absent: list[str], outcome: Outcome, updates: Updates, unit: str = "round"
+    ) -> None:
+        """Write, publish and checkpoint the record of the model update (``unit``) that just happened (from
+        ``updates``: named if it diverged), then go on."""
         for tier in TIERS:
             self.cumulative[tier] += self.counts.bytes[tier]
         evaluation: dict[str, float] = {}
         if self.evaluator is not None and ((self.round + 1) % self.eval_every == 0 or self.round + 1 == self.rounds):
             evaluation = self.evaluator(self.role.global_params())
-        diverged, failure = divergence(evaluation, self.round)
+        diverged, failure = divergence(evaluation, self.round, updates, unit)
         stalled = stall(self.stall, self.round, reported, self.counts)
         failed = self._fail_request = self._fail_request or failure or stalled
         record = round_record(self, why, reported, absent, outcome, evaluation, diverged=diverged, failed=failed)

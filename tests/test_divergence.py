@@ -4,6 +4,7 @@ or replayed task is never trained (issue #14)."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -191,6 +192,41 @@ def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_pat
     assert len(result.history) < 30 and result.status == "failed" and "global model diverged" in result.failed
     assert last["diverged"] and "loss" in last["diverged"] and "loss" not in last
     assert any("global model diverged" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_global_model_overflowed_by_a_lying_cell_fails_the_job_naming_that_cell(tmp_path: Path, mode: str) -> None:
+    """Cell c1 (a node with its credentials) reports an update of finite values near the float32 maximum: the global
+    model overflows and the job fails. It said only "the global model diverged ... (a learning rate too large?)";
+    now the failure names the cells of the aggregate that diverged, the largest update norms first (c1's), and
+    points at robust aggregation (rounds) and revocation, as well as at the learning rate."""
+    algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1} if mode == "async" else {"edge_rounds": 1}
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 4},
+        algorithm=algorithm,
+        runtime={"eval_every": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    cell = sim.cells["c1"]
+    role = cell.fb if mode == "async" else cell.role
+    honest = role.report
+
+    def lying() -> Payload:
+        out = honest()
+        return Payload(out.meta, {k: np.full_like(v, 3e38) for k, v in out.tensors.items()})
+
+    role.report = lying  # type: ignore[method-assign]
+    result = sim.run()
+    unit = "version" if mode == "async" else "round"
+    assert result.status == "failed" and result.failed.startswith(f"the global model diverged at {unit} "), (
+        result.failed
+    )
+    named = re.search(r"largest update norms of its \d+ cells?: (c\d) ([0-9.e+]+)", result.failed)
+    assert named is not None and named[1] == "c1" and float(named[2]) > 3e38, result.failed
+    assert ("robust aggregation leaves one out" if mode == "sync" else "revoke it") in result.failed, result.failed
+    assert result.history[-1]["diverged"], result.history[-1]
 
 
 @pytest.mark.parametrize(
