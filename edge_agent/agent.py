@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from protocols.algorithms.base import DeviceContext, DeviceRole, task_for
+from protocols.algorithms.base import DeviceContext, DeviceRole, train_role
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
 from protocols.failures import failed_payload, failed_reason
 from protocols.rejections import Rejected, RejectKind
@@ -301,7 +301,7 @@ class DeviceAgent:
     def train_here(self, task: Payload, ctx: DeviceContext) -> tuple[Payload | None, str | None]:
         """Run the role on this device's data: ``(result, None)``, or ``(None, error)``."""
         try:
-            return self.role.train(task_for(self.role, task), self.data, self.trainer, ctx), None
+            return train_role(self.role, task, self.data, self.trainer, ctx), None
         except Exception as exc:  # a bad task must not kill the device
             log.exception("device %s failed round %d.%d", self.device, ctx.round, ctx.edge_round)
             return None, f"{type(exc).__name__}: {exc}"

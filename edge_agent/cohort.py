@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import greenlet
 
-from protocols.algorithms.base import DeviceContext, ModelSpec, task_for
+from protocols.algorithms.base import DeviceContext, ModelSpec, train_role
 from protocols.cohort_device import CohortDeviceTrainer, Request
 from protocols.cohort_kernels import NotVectorizable
 from protocols.cohort_trainer import CohortEngine
@@ -249,7 +249,7 @@ class CohortExecutor:
 
     @staticmethod
     def _job(agent: Trainee, task: Payload, ctx: DeviceContext) -> Job:
-        return lambda trainer: agent.role.train(task_for(agent.role, task), agent.data, trainer, ctx)
+        return lambda trainer: train_role(agent.role, task, agent.data, trainer, ctx)
 
     def close(self) -> None:
         self.loop.on_idle = None

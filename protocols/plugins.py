@@ -52,7 +52,8 @@ class PluginError(ValueError):
     """A plugin that cannot be loaded or registered; the message names it."""
 
 
-def _check_name(kind: str, name: str, builtin: Iterable[str]) -> None:
+def check_plugin_name(kind: str, name: str, builtin: Iterable[str]) -> None:
+    """:class:`PluginError` unless ``name`` is a well-formed name for a ``kind`` that none of ``builtin`` has."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise PluginError(f"{kind} name {name!r}: 1-64 lowercase letters, digits, '_', '.' or '-'")
     if name in builtin:
@@ -65,13 +66,13 @@ def register_model(name: str, factory: ModelFactory) -> ModelFactory:
     Its parameter count (and so the default message bound) is taken from a built model, never guessed.
     Registering the same factory twice is a no-op; another factory under a taken name is an error.
     """
-    _check_name("model", name, BUILTIN_MODELS)
+    check_plugin_name("model", name, BUILTIN_MODELS)
     return _register("model", "factory", name, factory, MODELS)
 
 
 def register_dataset(name: str, loader: DatasetLoader) -> DatasetLoader:
     """Make ``data.dataset = name`` load ``loader(**params)`` (see :data:`DatasetLoader`)."""
-    _check_name("dataset", name, BUILTIN_DATASETS)
+    check_plugin_name("dataset", name, BUILTIN_DATASETS)
     if name.startswith("npz"):
         raise PluginError(f"dataset name {name!r}: 'npz' names are reserved for npz:PATH")
     return _register("dataset", "loader", name, loader, DATASETS)

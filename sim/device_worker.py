@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from protocols import procs
-from protocols.algorithms.base import DeviceContext, DeviceRole, task_for
+from protocols.algorithms.base import DeviceContext, DeviceRole, train_role
 from protocols.config import parse_config
 from protocols.divergence import diverged_result, nonfinite
 from protocols.execution import execution_plan
@@ -121,7 +121,7 @@ class DeviceWorker:
         """:meth:`train`'s result as its encoding's buffers (``payload_parts``), not joined."""
         try:
             c, role, data = self._device(ctx)
-            result = role.train(task_for(role, decode_payload(task, views=True)), data, self.trainer_for(c.device), c)
+            result = train_role(role, decode_payload(task, views=True), data, self.trainer_for(c.device), c)
             return answer(result, c), ""
         except Exception as exc:  # a bad task must not kill the device (as in the main process)
             log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
@@ -150,7 +150,7 @@ class DeviceWorker:
                 continue
             try:
                 c, role, data = self._device(ctx)
-                jobs.append((i, c, role, data, task_for(role, decode_payload(task, views=True))))
+                jobs.append((i, c, role, data, decode_payload(task, views=True)))
             except Exception as exc:
                 log.exception("device %s: bad task", ctx.get("device"))
                 done(i, [], str(exc))
@@ -158,7 +158,7 @@ class DeviceWorker:
             return out
         for chunk in self.runner.split(jobs, lambda job: job[1].device):
             run = [
-                lambda trainer, c=c, role=role, data=data, task=task: role.train(task, data, trainer, c)
+                lambda trainer, c=c, role=role, data=data, task=task: train_role(role, task, data, trainer, c)
                 for _, c, role, data, task in chunk
             ]
             outcomes = self.runner.train([job[1].device for job in chunk], run)

@@ -352,3 +352,72 @@ def test_entry_points_register_and_a_broken_one_is_named(monkeypatch: pytest.Mon
             registry.clear()
             registry.update(old)
         plugin_loading.load_entry_points.cache_clear()
+
+
+def test_register_refuses_what_would_fail_later_or_silently(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A built-in name (it would silently replace that algorithm in every run naming it), a class without a name,
+    something not an Algorithm, a name another class holds: each a PluginError naming it, and through a
+    ``run.plugins`` module a config error; the same class again (or imported anew) is taken."""
+    from protocols.algorithms import register
+
+    monkeypatch.setattr("protocols.algorithms.ALGORITHMS", dict(ALGORITHMS))  # undone after the test
+    from protocols import algorithms
+
+    with pytest.raises(plugins.PluginError, match="algorithm name 'fedavg' is built in"):
+        register(type("Shadow", (NormClip,), {"name": "fedavg"}))
+    assert algorithms.ALGORITHMS["fedavg"].__name__ == "FedAvg"
+    with pytest.raises(plugins.PluginError, match=r"register\(Nameless\): the class declares no name"):
+        register(type("Nameless", (NormClip,), {"name": None}))
+    with pytest.raises(plugins.PluginError, match="not an Algorithm subclass"):
+        register(NormClipDevice)  # type: ignore[arg-type]
+    mine = type("Mine", (NormClip,), {"name": "mine-clip", "__module__": "my_lab.clip"})
+    assert register(mine) is mine and register(mine) is mine
+    assert register(type("Mine", (NormClip,), {"name": "mine-clip", "__module__": "my_lab.clip"}))  # re-imported
+    with pytest.raises(plugins.PluginError, match="'mine-clip' is already registered by my_lab.clip.Mine"):
+        register(type("Other", (NormClip,), {"name": "mine-clip"}))
+
+    (tmp_path / "shadowing.py").write_text(
+        "from examples.normclip import NormClip\nfrom protocols.algorithms import register\n\n"
+        "register(type('Shadow', (NormClip,), {'name': 'fedavg'}))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="run.plugins: cannot import 'shadowing'.*'fedavg' is built in"):
+        small_config(tmp_path, run={"plugins": ["shadowing"]})
+    with pytest.raises(ConfigError, match="unknown algorithm 'nope'.*its module in run.plugins"):
+        small_config(tmp_path, algorithm={"name": "nope"})
+
+
+class DictDevice(NormClipDevice):
+    """A role with a mistake: it returns its result's parts, not a Payload."""
+
+    def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
+        out = super().train(task, data, trainer, ctx)
+        return {"weight": out.meta["weight"], "delta": out.tensors}  # type: ignore[return-value]
+
+
+class ReturnsDict(NormClip):
+    name = "returns-dict-test"
+
+    def device(self, device: str) -> DeviceRole:
+        return DictDevice(self.params)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("engine", ["device", "cohort"])
+def test_a_device_role_that_returns_no_payload_fails_its_tasks_saying_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine: str
+) -> None:
+    """Each device fails its task with the role's mistake as the reason and the job fails with it (the sim
+    crashed with an AttributeError from deep in the agent, and ``fedtier run``'s agents hung)."""
+    from sim.launcher import run_simulation
+
+    monkeypatch.setitem(ALGORITHMS, ReturnsDict.name, ReturnsDict)
+    cfg = small_config(
+        tmp_path,
+        algorithm={"name": ReturnsDict.name, "local_steps": 2, "edge_rounds": 1},
+        run={"rounds": 5},
+        runtime={"engine": engine, "max_stalled_rounds": 1},
+        data={"max_train": 120, "max_test": 30},
+    )
+    result = run_simulation(cfg)
+    assert result.status == "failed" and len(result.history) == 1
+    assert "DictDevice.train returned dict, not a Payload" in str(result.failed)  # (6 failed: ...)

@@ -278,6 +278,16 @@ def task_for(role: DeviceRole, task: Payload) -> Payload:
     return Payload(dict(task.meta), {k: np.array(v) for k, v in task.tensors.items()})
 
 
+def train_role(role: DeviceRole, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
+    """``role.train`` on ``task`` as the role is handed it (:func:`task_for`): its result, checked to be a
+    :class:`Payload` (``TypeError`` saying what the role returned instead: the device fails its task with that
+    reason, rather than the runtime failing later on a result it cannot read)."""
+    result = role.train(task_for(role, task), data, trainer, ctx)
+    if not isinstance(result, Payload):
+        raise TypeError(f"{type(role).__name__}.train returned {type(result).__name__}, not a Payload")
+    return result
+
+
 class Algorithm(ABC):
     """Bundles an algorithm's parameters and builds its roles for a run."""
 
