@@ -42,6 +42,21 @@ class Request:
         return self.op, self.spec, tuple(self.params), same
 
 
+def one_point(reqs: Sequence[Request]) -> bool:
+    """Whether the requests (two or more) probe at one point: the same parameters, bit for bit, and the same mu, so
+    the same P + 1 probes (DeComFL's replicas, all at x_r). A packed vector (``directions.Packed``) is compared
+    whole."""
+    first, flat = reqs[0], getattr(reqs[0].params, "flat", None)
+    if len(reqs) < 2 or any(r.mu != first.mu for r in reqs):
+        return False
+    if flat is not None and all(getattr(r.params, "shapes", None) == first.params.shapes for r in reqs):  # type: ignore[attr-defined]
+        return all(np.array_equal(r.params.flat, flat) for r in reqs[1:])  # type: ignore[attr-defined]
+    return all(
+        r.params.keys() == first.params.keys() and all(np.array_equal(r.params[k], v) for k, v in first.params.items())
+        for r in reqs[1:]
+    )
+
+
 class CohortDeviceTrainer(Trainer):
     """One device's view of the cohort: a ``Trainer`` whose compute primitives are batched.
 

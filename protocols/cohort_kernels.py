@@ -53,10 +53,9 @@ def batched_forward(
     """The outputs ``[D, B, ...]`` of ``model`` under each device's parameters (``params[k]``: ``[D, *shape]``)
     on each device's inputs ``x`` ``[D, B, ...]``.
 
-    ``shared``: every ``shared`` consecutive models take the same inputs, ``x`` being ``[D / shared, B, ...]`` (a
-    device's zeroth-order probes: one copy of its batch, not P + 1): the outputs of ``x.repeat_interleave(shared,
-    0)``. A forward-only first convolution takes them as they are (one grouped convolution of D / shared groups,
-    each with its models' filters: the same bits, ``tests/test_cohort.py``); any other layer gets them repeated.
+    ``shared``: each ``shared`` consecutive models take the same inputs, ``x`` being ``[D / shared, B, ...]`` (a
+    device's P + 1 zeroth-order probes: one copy of its batch): the outputs of ``x.repeat_interleave(shared, 0)``. A
+    forward-only first convolution takes them as they are (groups of D / shared: the same bits), others repeated.
 
     The zoo's layers run as batched kernels (``baddbmm`` for linear layers, one grouped convolution for
     the devices' convolutions, one group norm with ``D x groups`` groups for their GroupNorms (cnn4),
@@ -87,23 +86,14 @@ def batched_forward(
         if isinstance(m, torch.nn.Linear):
             if grouped:
                 x, grouped = x.reshape(b, d, -1).transpose(0, 1), False
-            w, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
-            x = (
-                torch.bmm(x, w.transpose(1, 2))
-                if bias is None
-                else torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))
-            )
+            x = _batched_linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
         elif isinstance(m, torch.nn.ReLU):
             if not isinstance(after, torch.nn.MaxPool2d):  # else it runs with the pool (relu_max_pool)
                 x = torch.relu(x)
         elif isinstance(m, torch.nn.MaxPool2d):
             if not grouped:
                 x, grouped = _grouped(x, b, d), True
-            x = (
-                relu_max_pool(x, m)
-                if isinstance(before, torch.nn.ReLU)
-                else F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
-            )
+            x = relu_max_pool(x, m) if isinstance(before, torch.nn.ReLU) else _max_pool(x, m)
         elif isinstance(m, torch.nn.GroupNorm):  # device i's channels are a block of D*C: its groups too
             if not grouped:
                 x, grouped = _grouped(x, b, d), True
@@ -140,6 +130,15 @@ def perturbed_stack(base: Mapping[str, torch.Tensor], z: torch.Tensor, mu: torch
             probes[:, 1:] += v.unsqueeze(1)
         out[name] = probes.reshape(d * (p + 1), *shape)
     return out
+
+
+def _batched_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[D, B, in]`` through each device's linear layer (weights ``w`` ``[D, out, in]``)."""
+    return torch.bmm(x, w.transpose(1, 2)) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))
+
+
+def _max_pool(x: torch.Tensor, m: torch.nn.MaxPool2d) -> torch.Tensor:
+    return F.max_pool2d(x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
 
 
 def _grouped(x: torch.Tensor, b: int, d: int) -> torch.Tensor:
@@ -258,3 +257,16 @@ def device_losses(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> tor
     """Each device's mean cross-entropy ``[D]`` over its real samples (``mask`` 1; 0 when there are none)."""
     ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view_as(mask)
     return (ce * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def probe_losses(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, one: bool) -> torch.Tensor:
+    """Each device's mean cross-entropy under each of its P + 1 probes, ``[D, P + 1]``, from the probes' outputs
+    ``out``: ``[D * (P + 1), n, classes]`` (device by device), or with ``one`` (devices at one point sharing their
+    probes) ``[P + 1, D * n, classes]``, each probe over every device's samples (labels ``y``, masks ``[D, n]``)."""
+    d, n = mask.shape
+    k = out.shape[0] // (1 if one else d)
+    if not one:
+        return device_losses(out, y.repeat_interleave(k, 0), mask.repeat_interleave(k, 0)).view(d, k)
+    labels = y.reshape(1, -1).expand(k, -1).reshape(-1)
+    ce = F.cross_entropy(out.reshape(-1, out.shape[-1]), labels, reduction="none").view(k, d, n)
+    return ((ce * mask).sum(2) / mask.sum(1).clamp(min=1.0)).T

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .algorithms.base import ModelSpec
-from .cohort_device import Request
+from .cohort_device import Request, one_point
 from .cohort_kernels import (
     batched_forward,
     check_vectorizable,
@@ -38,6 +38,7 @@ from .cohort_kernels import (
     mlp_chain,
     mlp_loss_and_grads,
     perturbed_stack,
+    probe_losses,
 )
 from .models import build_model
 from .torch_trainer import as_tensor, pick_device, say, transform_state
@@ -249,17 +250,18 @@ class CohortEngine:
             r.result = float(v)
 
     def _probe(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
-        """``f(x)`` and ``f(x + mu z_p)`` of every device (the directions are the group's: its key) as one forward
-        pass over the D x (P + 1) probes, built on the engine's device from one upload of the directions."""
-        base, (x, y, m), k = self._stack(reqs), self._padded(reqs), len(reqs[0].directions) + 1
+        """``f(x)`` and ``f(x + mu z_p)`` of every device (the directions are the group's: its key) in one forward pass
+        of the probes, built on the engine's device; devices at :func:`one_point` share theirs (over all samples)."""
+        one, (x, y, m), k = one_point(reqs), self._padded(reqs), len(reqs[0].directions) + 1
+        base = self._stack(reqs[:1] if one else reqs)
         n = sum(v[0].numel() for v in base.values())
         z = as_tensor(np.stack(reqs[0].directions) if k > 1 else np.zeros((0, n)), np.float32, self.device)
         mus = [r.mu for r in reqs]  # one for all devices where they are equal (perturbed_stack multiplies once)
         mu = torch.tensor(mus[:1] if len(set(mus)) == 1 else mus, dtype=torch.float32, device=self.device)
         with torch.no_grad():  # each device's batch for each of its probes (one copy of it: shared by k models)
-            out = batched_forward(model, perturbed_stack(base, z, mu), x, shared=k)
-            losses = device_losses(out, y.repeat_interleave(k, 0), m.repeat_interleave(k, 0))
-        for r, row in zip(reqs, losses.view(len(reqs), k).tolist()):
+            out = batched_forward(model, perturbed_stack(base, z, mu), x.flatten(0, 1)[None] if one else x, shared=k)
+            losses = probe_losses(out, y, m, one)
+        for r, row in zip(reqs, losses.tolist()):
             r.result = row
 
     def _loss_and_grad(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:

@@ -632,6 +632,38 @@ def test_the_cohort_engine_builds_a_devices_probes_bit_for_bit_and_its_losses_ma
         np.testing.assert_allclose(r.result, device, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["cnn", "mlp"])
+def test_devices_at_one_point_share_their_probes_with_the_same_bits(monkeypatch, name):
+    """Devices at one point (DeComFL's replicas at x_r: equal parameters and mu) share their P + 1 probes, each run
+    once over all their samples (uneven batches, padded): the losses of building every device's probes, bit for bit;
+    a device elsewhere, or with another mu, has its own."""
+    import protocols.cohort_device as CD
+    import protocols.cohort_trainer as CT
+    from protocols.cohort_device import Request
+    from protocols.cohort_trainer import CohortEngine
+
+    spec = ModelSpec(name=name, input_shape=(1, 8, 8), num_classes=10, channels=(4, 8), fc=16, hidden=(12,))
+    x0 = init_params(build_model(spec.name, spec.input_shape, spec.num_classes, **spec.build_kwargs()), 1)
+    zs = tuple(Z.direction_vector(Z.round_seed(0, 3), 0, p, Z.shapes_of(x0)) for p in range(3))
+    rng = np.random.default_rng(0)
+    batches = [(rng.random((n, 64), dtype=np.float32), rng.integers(0, 10, n)) for n in (16, 16, 9)]
+
+    def losses(params: list, mus: tuple, apart: bool = False) -> tuple[bool, list]:
+        """(whether at one point, the losses), ``apart``: built device by device even at one point."""
+        reqs = [Request("probe", spec, p, x, y, directions=zs, mu=mu) for p, mu, (x, y) in zip(params, mus, batches)]
+        monkeypatch.setattr(CT, "one_point", (lambda reqs: False) if apart else CD.one_point)
+        CohortEngine("cpu").run(reqs)
+        return CD.one_point(reqs), [r.result for r in reqs]
+
+    replicas = [Z.packed(x0) for _ in batches]  # three replicas, the same bits
+    one, together = losses(replicas, (1e-2,) * 3)
+    assert one and together == losses(replicas, (1e-2,) * 3, apart=True)[1] and np.ptp(together[0]) > 1e-4
+    moved = [replicas[0], replicas[1], Z.packed({k: v + 1e-3 for k, v in x0.items()})]
+    for params, mus in ((moved, (1e-2,) * 3), (replicas, (1e-2, 1e-2, 2e-2))):  # one elsewhere: each its own probes
+        one, each = losses(params, mus)
+        assert not one and each[:2] == together[:2] and each[2] != together[2]
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
 def test_replicas_of_a_process_share_their_replays_bit_for_bit(monkeypatch, momentum):
     """A device catching up copies the newest state of its chain that a replica of the process reached and
