@@ -403,11 +403,13 @@ def _run_agent(
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess, make_trainer
     from edge_agent.twin import twin_window
-    from protocols.config import ConfigError
+    from protocols.config import ConfigError, check_forward_only
     from sim.hierarchy import device_availability
 
     try:
         cell_of(cfg, device)
+        if backend == "onnx":
+            check_forward_only(cfg, "--backend onnx")
         spec, data = spec_and_data(cfg, open_source())
         opts = broker_options(cfg, broker_url, auth)
         check_keys(cfg, device)

@@ -103,3 +103,36 @@ def test_a_plugin_is_judged_by_the_traits_it_declares() -> None:
         assert check_layers(train) is None
     finally:
         del ALGORITHMS["test-summing"]
+
+
+def test_forward_only_devices_are_refused_under_an_algorithm_whose_devices_take_gradients(tmp_path: Path) -> None:
+    """``runtime.onnx_devices`` and ``fedtier agent --backend onnx`` ask the FORWARD_ONLY trait: under fedavg the
+    config (exit 2) and the agent refuse at the start, naming the algorithms that have it (the devices failed every
+    task, "OnnxTrainer cannot run SGD", and the run went on)."""
+    import subprocess
+    import sys
+
+    with pytest.raises(ConfigError, match=r"runtime.onnx_devices: forward-only .* \(decomfl\), not 'fedavg'"):
+        parse_config({"algorithm": {"name": "fedavg"}, "runtime": {"onnx_devices": ["c0-d0"]}})
+    parse_config({"algorithm": {"name": "decomfl"}, "runtime": {"onnx_devices": ["c0-d0"]}})
+    config = tmp_path / "c.toml"
+    config.write_text('[algorithm]\nname = "fedavg"\n')
+    for name in ("data.npz", "m.onnx"):
+        (tmp_path / name).write_bytes(b"")  # refused before either is read
+    fedtier = str(Path(sys.executable).parent / "fedtier")
+    done = subprocess.run(
+        [fedtier, "agent", str(config), "--device", "c0-d0", "--data", str(tmp_path / "data.npz")]
+        + [
+            "--broker",
+            "mqtt://127.0.0.1:1",
+            "--insecure",
+            "--backend",
+            "onnx",
+            "--onnx-model",
+            str(tmp_path / "m.onnx"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--backend onnx: forward-only" in done.stderr, done.stderr[-2000:]

@@ -11,7 +11,7 @@ validated config, with the checks across sections), :mod:`.toml_io` (overrides a
 """
 
 from .errors import ConfigError
-from .loading import load_config, parse_config
+from .loading import check_forward_only, load_config, parse_config
 from .run import RunConfig, deployment_config
 from .sections import AttackSection, ClockSection, RequirementsSection, RunSection
 from .toml_io import dump_toml
@@ -26,6 +26,7 @@ __all__ = [
     "RunConfig",
     "RunSection",
     "TopologySection",
+    "check_forward_only",
     "deployment_config",
     "dump_toml",
     "load_config",

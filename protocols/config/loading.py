@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .. import plugins
+from ..algorithms import ALGORITHMS
 from ..algorithms.compose import needs
 from ..algorithms.traits import Trait
 from ..plugin_loading import load_plugins
@@ -38,7 +39,21 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         if reason is not None:
             raise ConfigError(f"privacy.secure_aggregation: {reason}")
     check_privacy(cfg)
+    if cfg.runtime.onnx_devices:
+        check_forward_only(cfg, "runtime.onnx_devices")
     return cfg
+
+
+def check_forward_only(cfg: RunConfig, what: str) -> None:
+    """Refuse forward-only devices (onnxruntime: ``what`` asks for them) under an algorithm whose devices take
+    gradients: every task of theirs would fail (e.g. "OnnxTrainer cannot run SGD"), round after round."""
+    why = needs(cfg.train, Trait.FORWARD_ONLY)
+    if why is not None:
+        have = ", ".join(name for name, c in sorted(ALGORITHMS.items()) if Trait.FORWARD_ONLY in c.traits)
+        raise ConfigError(
+            f"{what}: forward-only (onnxruntime) devices need an algorithm whose devices only run forward passes "
+            f"({have or 'none'}), not {cfg.train.name!r}: {why}"
+        )
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
