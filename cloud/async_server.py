@@ -25,6 +25,7 @@ so a cell restarted without its journal refuses it, saying to resume, rather tha
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from protocols import runfiles
@@ -47,6 +48,13 @@ ASK_WAIT = 1.0
 """Seconds the cloud waits before it answers the ask for a model of a cell it never heard holding one: one just
 started may have the start's version in flight (it stops asking once it adopts it)."""
 
+
+UNACKED_WAITING = 4
+"""Pushes past their cell's share (:data:`TAKE_PER_CELL`) that wait behind a version unacknowledged at once, in all:
+the broker hands them to a resumed cloud if this one dies before it takes (journals) them. Each keeps a place of the
+broker's in-flight window for the cloud (Mosquitto's ``max_inflight_messages``: 20 by default, 64 where fedtier writes
+the config; ``protocols.transport.chunk_acks`` keeps 16 for chunks), until the version is made and it is taken: so
+few, that a cell flooding pushes cannot fill the window ahead of another cell's push; one more waits acknowledged."""
 
 TAKE_PER_CELL = 32
 """A cloud version takes at most this many pushes of one cell (and at least ``async_cloud_buffer``): the pushes waiting
@@ -83,6 +91,8 @@ class AsyncCloudServer(CloudServer):
         """The most pushes of one cell a version takes (:meth:`_over_share`)."""
         self._version_posted = False  # a version is posted behind the pushes waiting
         self._waiting: dict[str, int] = {}  # cell -> its pushes past its share, waiting behind the version posted
+        self._unacked = 0  # ... of them unacknowledged (at most UNACKED_WAITING)
+        self._handed_back: Callable[[], None] | None = None  # the acknowledgement of the waiting push handed back now
         self._stopped = False  # stopped (a ``--serve`` cloud's loop goes on): it makes no version
 
     def _begin_round(self) -> None:
@@ -161,18 +171,21 @@ class AsyncCloudServer(CloudServer):
         into the next one (before :meth:`Messenger.receive`: not a repeat then). So a cell flooding pushes takes at most
         its share of a version, and another cell's push waiting when the version came due is taken by it, never passed
         over (a version is only ever made behind the pushes waiting). Not with no version posted (none is coming: the
-        cloud stopped, or its rounds are done): taken then, as before. A push waiting so is acknowledged and not yet
-        journaled: lost if the cloud dies before it is taken (only a cell past its share, which no honest job
-        reaches)."""
+        cloud stopped, or its rounds are done): taken then, as before. A push waiting so is not journaled yet: the first
+        :data:`UNACKED_WAITING` wait unacknowledged (a resumed cloud gets them again), the others are lost if the cloud
+        dies before it takes them (only a cell past its share, which no honest job reaches)."""
         if not self._version_posted:
             return False
         return sum(e.pushes for e in self.fb.buffer.entries if e.sender == cell) >= self.take_per_cell
 
     def _wait_behind(self, cell: str, topic: str, data: bytes) -> None:
         """Hand ``cell``'s push past its share to the loop again, behind the version posted; refused (logged, in the
-        version's record) when :attr:`take_per_cell` of its pushes wait so already: a push waiting is acknowledged,
-        so the broker's in-flight window no longer holds a flooding cell back, and its pushes would pile up in memory
-        a version after another (each model-sized). A push handed back and still past its share waits again."""
+        version's record) when :attr:`take_per_cell` of its pushes wait so already: a push waiting acknowledged no
+        longer holds the broker's in-flight window, so a flooding cell's pushes would pile up in memory a version
+        after another (each model-sized). Up to :data:`UNACKED_WAITING` of them (in all) wait unacknowledged, the
+        broker handing them to a resumed cloud if this one dies first: acknowledged once taken (journaled), or
+        refused; past that they wait acknowledged (lost if the cloud dies first). A push handed back and still past
+        its share waits again (its acknowledgement kept)."""
         waiting = self._waiting.get(cell, 0)
         if waiting >= self.take_per_cell:
             why = (
@@ -181,10 +194,21 @@ class AsyncCloudServer(CloudServer):
             self.messenger.reject(topic, RejectKind.BOUND, why, cell)
             return
         self._waiting[cell] = waiting + 1
+        ack, self._handed_back = self._handed_back, None
+        if ack is None and self._unacked < UNACKED_WAITING:
+            ack = self.transport.keep_ack()
+            self._unacked += ack is not None
 
         def again() -> None:
             self._waiting[cell] -= 1
-            self._on_report(topic, data)
+            self._handed_back = ack
+            try:
+                self._on_report(topic, data)
+            finally:
+                left, self._handed_back = self._handed_back, None
+                if left is not None:  # taken (journaled), refused or dropped: acknowledged
+                    self._unacked -= 1
+                    left()
 
         self.loop.post(self._guard(again, "report handler"))
 

@@ -885,6 +885,66 @@ def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resu
         loop.stop()
 
 
+def test_a_push_waiting_past_its_cells_share_comes_again_to_a_resumed_async_cloud(tmp_path, monkeypatch):
+    """Over a real broker: c0's third push of version 0 comes while its first two (its share, ``TAKE_PER_CELL`` 1 and
+    ``async_cloud_buffer`` 2) made a version due: it waits behind the version, and the cloud dies before it takes it.
+    It was acknowledged as it was put back to wait, not journaled: the broker forgot it, and the resumed cloud never
+    had it. Now it waits unacknowledged (one of ``UNACKED_WAITING``): the resumed cloud, after version 0 of the two
+    journaled, gets it from the broker and takes it."""
+    from cloud.node import build_cloud
+    from protocols.transport.broker import MosquittoBroker
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from tests.conftest import wait_until
+
+    monkeypatch.setattr(async_server, "TAKE_PER_CELL", 1)
+    algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1}
+    sim_cfg = small_config(tmp_path / "sim", run={"rounds": 1}, algorithm={**algorithm, "async_cloud_buffer": 6})
+    sim = SimHierarchy(sim_cfg, write_output=False)  # in memory first: c0's real pushes of version 0
+    pushes: list[bytes] = []
+    tap = sim.hub.connect("tap")
+    tap.subscribe(topics.cell_report(sim_cfg.run.name, "c0"), lambda t, d: pushes.append(bytes(d)))
+    sim.run()
+    assert len(pushes) >= 3 and all(decode_message(p)[0].round == 0 for p in pushes[:3]), len(pushes)
+    cfg = small_config(tmp_path, run={"rounds": 2}, algorithm={**algorithm, "async_cloud_buffer": 2})
+    out, loop = tmp_path / "cloud", ThreadLoop("cloud").start()
+
+    def cloud(broker: MosquittoBroker, resume: bool) -> Any:
+        transport = MqttTransport.from_url(broker.url, "fedtier-async-cloud", loop, persistent=True).connect(10.0)
+        return build_cloud(cfg, transport, sim.algorithm, output_dir=out, resume=resume)
+
+    try:
+        with MosquittoBroker() as broker:
+            first = cloud(broker, resume=False)
+
+            def dies() -> None:  # the version due, c0's third push waiting behind it: the process ends here
+                first.transport.crash()
+                first._on_report = lambda topic, data: None  # type: ignore[method-assign]
+
+            first._make_version = dies  # type: ignore[method-assign]
+            loop.post(first.start)
+            assert wait_until(lambda: first.started)
+            ready = loop._ready  # the three pushes handed to the loop before it takes the first: a version due
+            loop.post(lambda: wait_until(lambda: len(ready) >= 3, timeout=10.0))
+            cells = MqttTransport.from_url(broker.url, "cells", loop).connect(10.0)
+            for push in pushes[:3]:
+                cells.publish(topics.cell_report(cfg.run.name, "c0"), push)
+            assert wait_until(lambda: first.transport.closed), "no version came due"
+            assert first._waiting == {"c0": 0} and first.fb.buffer.held == 2, (first._waiting, first.fb.buffer.held)
+            first.stop()
+            again = cloud(broker, resume=True)
+            records: list[dict] = []
+            again.observers.append(records.append)
+            loop.post(again.start)
+            assert wait_until(lambda: bool(records)), "version 0 was never made"
+            assert records[0]["metrics"]["pushes"] == 2, records[0]  # the two journaled
+            assert wait_until(lambda: again.fb.buffer.held == 1), "the waiting push never came again"
+            cells.close()
+            again.stop()
+    finally:
+        loop.stop()
+
+
 def test_an_async_device_flipping_its_status_gets_a_bounded_number_of_tasks_per_version_and_still_works(tmp_path):
     """In memory, virtual clock: a node with c0-d1's credentials flips its status offline/online 100 times at once.
     Each return had the async cell send a fresh task (a whole model) at once: 100 tasks in one version, counted as the

@@ -117,6 +117,13 @@ class Transport(ABC):
         re-established is not closed (what is published meanwhile is sent after the reconnect)."""
         return not self.connected
 
+    def keep_ack(self) -> Callable[[], None] | None:
+        """Called by a handler: the acknowledgement of the message it handles, which then no longer goes when the
+        handler returns; the caller calls it once the message is taken (a node killed before, or a client closed,
+        gets the message again in its next session: a call after that is void). ``None`` where nothing is
+        acknowledged by hand (in memory, a clean session, QoS 0, or outside a handler)."""
+        return None
+
     def configure_wire(self, *, auth: Any = None, max_message_bytes: int | None = None) -> None:  # noqa: B027 optional: only chunking transports use it
         """Chunk signing/verification (a ``protocols.wire.chunking.ChunkAuth``) and the bound on one
         incoming message, for transports that chunk (MQTT). The node's messenger calls this; a

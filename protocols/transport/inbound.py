@@ -56,6 +56,7 @@ class Inbound:
     _reactor: Any
     _gen: int  # the connection's number: an acknowledgement belongs to the connection that received the message
     _taking: Callable[[], None] | None  # the acknowledgement of the message whose handler runs now
+    _keep: Callable[[], None] | None  # ... its handler's share of it, unless the handler keeps it (keep_ack)
 
     def _reassemble(self, timeout: float, max_bytes: int, max_message: int | None) -> None:
         """Reassemble chunks with these bounds (``chunking.Reassembler``); a set dropped has its chunks acknowledged."""
@@ -164,20 +165,29 @@ class Inbound:
                 return
             entry = self._subs.get(pattern)
             self._taking = ack  # a handler that closes this client: acknowledged before the DISCONNECT
+            self._keep = taken
             try:
                 if entry is not None and handler in entry[1]:  # still subscribed
                     handler(topic, payload)
             except Exception:
-                if taken is not None:
-                    taken()  # raised: taken all the same (the loop logs it)
+                if self._keep is not None:
+                    self._keep()  # raised: taken all the same (the loop logs it)
                 raise
             else:
-                if taken is not None:
-                    taken()  # taken once its handlers returned: a node killed in one gets it again
+                if self._keep is not None:
+                    self._keep()  # taken once its handlers returned: a node killed in one gets it again
             finally:
-                self._taking = None
+                self._taking = self._keep = None
 
         return deliver
+
+    def keep_ack(self) -> Callable[[], None] | None:
+        """The handler running now keeps its message's acknowledgement (``Transport.keep_ack``): not sent when it
+        returns, nor before a DISCONNECT it makes (a message kept was not taken yet)."""
+        kept, self._keep = self._keep, None
+        if kept is not None:
+            self._taking = None
+        return kept
 
     def _schedule_expiry(self) -> None:
         period = max(0.5, self._reasm.timeout / 2)

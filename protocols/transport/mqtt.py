@@ -108,6 +108,7 @@ class MqttTransport(Inbound, Transport):
         self._acked_early: set[int] = set()  # PUBACKs that beat publish() to the bookkeeping
         self._held = Hold(client_id, hold)  # messages of a resumed session that came before their handler
         self._taking: Callable[[], None] | None = None  # the acknowledgement of the message being handled
+        self._keep: Callable[[], None] | None = None  # ... its handler's share of it (``keep_ack``)
         self._unsubscribed: set[str] = set()  # patterns given up: late deliveries on them are not held
         self._reassemble(chunk_timeout, max_reassembly_bytes, max_message_bytes)
         self._connack = threading.Event()
