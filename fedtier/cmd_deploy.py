@@ -121,13 +121,17 @@ def _run_cloud(
         spec, test = spec_and_data(cfg, test_data)
         opts = broker_options(cfg, broker_url, auth)
         check_keys(cfg, "cloud")
-        out = fresh_output(cfg, resume)
         loop = ThreadLoop("cloud")
         transport = opts.transport("cloud", cfg.run.name, loop, will=offline_will(cfg.run.name, "cloud", cfg)).connect()
     except ConfigError as exc:
         fail_with(exc, 2)
     except ConnectionError as exc:
         fail_with(exc, 1)
+    try:  # once the broker answered: a cloud that cannot start leaves the last run's files as they were
+        out = fresh_output(cfg, resume)
+    except ConfigError as exc:
+        transport.close()
+        fail_with(exc, 2)
     evaluator = make_evaluator(spec, test.x, test.y, cfg.runtime.device) if test is not None else None
     t0 = time.perf_counter()
     with round_progress(cfg, progress) as on_round:

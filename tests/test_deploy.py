@@ -192,3 +192,26 @@ def test_unsigned_deployment_commands_refuse_to_start_without_insecure(tmp_path:
     assert allowed.exit_code == 1 and not hang_up.is_alive(), allowed.output  # it went on, to the broker
     said = " ".join(allowed.output.split())
     assert "unsigned deployment refused" not in said and "--insecure: running unsigned" in said, said
+
+
+def test_a_cloud_that_cannot_reach_its_broker_leaves_the_last_runs_files(tmp_path: Path) -> None:
+    """``fedtier cloud`` replaces the run folder's records and model only once its broker answered: a wrong
+    broker address (exit 1) used to delete the last run's metrics, checkpoint, final model and summary first."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    config = tmp_path / "deploy.toml"
+    config.write_text(CONFIG.format(out=tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    kept = {name: f"{name} of the last run".encode() for name in ("metrics.jsonl", "final_model.ftw", "summary.json")}
+    for name, data in kept.items():
+        (tmp_path / "run" / name).write_bytes(data)
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a listener that hangs up: exit 1 at once
+        hang_up = threading.Thread(target=lambda: server.accept()[0].close(), daemon=True)
+        hang_up.start()
+        broker = ["--broker", f"mqtt://127.0.0.1:{server.getsockname()[1]}", "--insecure"]
+        done = CliRunner().invoke(main, ["cloud", str(config), *broker])
+        hang_up.join(10)
+    assert done.exit_code == 1 and "MQTT broker at" in done.output, done.output
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
