@@ -19,6 +19,7 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import Trust
 
+from .revoked_statuses import RevokedStatuses
 from .server import CellServer
 
 log = logging.getLogger("fedtier.cell.service")
@@ -65,19 +66,17 @@ class CellService:
         self.stopping = threading.Event()
         self.served: list[str] = []  # the jobs this process served, in order
         self.node: CellServer | None = None
-        self.cleared: set[str] = set()  # revoked ids whose retained status under this cell it cleared
+        self.revoked = RevokedStatuses(bundle.run.name, cell)  # revoked devices' statuses, kept clear
 
     def _take_roster(self, node: CellServer | None, transport: Transport, roster: Roster) -> None:
         """A newer signed roster: the job's cell server (``node``, while it serves one) applies it; and the retained
-        status of each revoked node under this cell's topics is cleared, once a process: a device revoked between
-        jobs is in no job that would take it out, and its last idle status stayed on the broker for ever
-        ("revoked" in the fleet view beside a status every view refused: its key is gone). An id that was never
-        this cell's device clears nothing."""
+        status of each revoked device under this cell's topics is cleared, and kept clear for as long as this process
+        runs (``RevokedStatuses``): a device revoked between jobs is in no job that would take it out, and its last
+        idle status stayed on the broker for ever ("revoked" in the fleet view beside a status every view refused:
+        its key is gone); one still connected to a broker without per-node ACLs may publish it again."""
         if node is not None:
             apply_roster(node, self.cell, roster)
-        for node_id in sorted(roster.revoked - self.cleared):
-            transport.publish(topics.device_status(self.bundle.run.name, self.cell, node_id), b"", retain=True)
-        self.cleared |= roster.revoked
+        self.revoked.take(roster, transport)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -91,6 +90,7 @@ class CellService:
             transport = self.connect()
             if transport is None:  # stopped while the broker was unreachable
                 break
+            self.revoked.watch(transport)
             if done:  # after a job served to its end here, what its session still had for it is a straggler
                 for pattern in topics.cell_job_patterns(fed, self.cell):
                     transport.unsubscribe(pattern)

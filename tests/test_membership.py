@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -395,3 +396,63 @@ def test_a_revoked_devices_live_connection_can_no_longer_read_or_write(reachable
         assert not reaches_revoked(next(n))
         assert (own_task, b"task after revocation") not in at_revoked.snapshot()
         assert [p for _, p in at_cell.snapshot()] == [b"peer's result"]
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_revoked_device_that_keeps_publishing_its_status_is_cleared_again_each_time_and_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device revoked while connected to a broker without per-node ACLs (here a plain Mosquitto; a provisioned one
+    refuses it: test above) re-published its status after its cell cleared it, and it stayed retained until the
+    broker restarted. The cell (idle, as `fedtier cell --serve` between jobs) now listens on each revoked device's
+    status topic and clears whatever comes there again, saying so once, not once per status."""
+    import threading
+
+    from cell_server.service import CellService
+    from protocols.config import TopologySection
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.status import idle_status
+    from protocols.transport.broker import MosquittoBroker
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire.keys import Trust, generate_keys
+    from sim.local_federation import federation_bundle
+
+    bundle = federation_bundle(small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}))
+    run, ring = bundle.run.name, generate_keys(TopologySection(cells=1, devices_per_cell=2))
+    trust = {n: Trust(n, ring.private[n], ring.public) for n in ("cloud", "c0", "c0-d1")}
+    roster = Roster.from_topology(run, {"c0": ["c0-d0", "c0-d1"]}, ring.public, 100.0).without("c0-d1")
+    gone = topics.device_status(run, "c0", "c0-d1")
+    with MosquittoBroker() as broker:
+        loop, watching = ThreadLoop("cell-c0"), ThreadLoop("watch").start()
+        revoked = MqttTransport.from_url(broker.url, "c0-d1", watching).connect()  # still connected, its real key
+        revoked.publish(roster_topic(run), sign_roster(roster, trust["cloud"].sign), retain=True, qos=1)
+        seen: list[bytes] = []
+        revoked.subscribe(gone, lambda _t, data: seen.append(bytes(data)))
+        assert revoked.wait_subscribed(5.0)
+        service = CellService(
+            bundle,
+            "c0",
+            loop,
+            lambda: MqttTransport.from_url(broker.url, "c0", loop).connect(),
+            lambda *_: None,
+            trust["c0"],
+        )
+        thread = threading.Thread(target=service.serve, name="cell-service", daemon=True)
+        with caplog.at_level(logging.WARNING, logger="fedtier.cell.service"):
+            thread.start()
+            try:
+                assert wait_until(lambda: service.revoked.devices == {"c0-d1"}, 10.0)
+                assert wait_until(lambda: seen == [b""], 10.0), seen  # cleared when the roster revoked it
+                for n in range(1, 4):  # it publishes its status again, 3 times: each is cleared at once
+                    status = idle_status(gone, trust["c0-d1"])
+                    revoked.publish(gone, status, retain=True, qos=1)
+                    assert wait_until(lambda: seen[2 * n - 1 :] == [status, b""], 10.0), seen  # noqa: B023
+                assert service.revoked.cleared_again == 3
+            finally:
+                service.stop()
+                thread.join(10)
+                revoked.close()
+                watching.stop()
+    said = [r.getMessage() for r in caplog.records if "still publishes its status" in r.getMessage()]
+    assert len(said) == 1 and "c0-d1" in said[0], said
