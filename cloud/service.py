@@ -11,6 +11,7 @@ ended, and starts the next. Killed while a job runs, the restarted service resum
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -134,6 +135,8 @@ class CloudService:
                 continue
             if self._run(job, self.transport):
                 self.transport = None  # the job's server closed it
+            gc.collect()  # the job's server is garbage now, in reference cycles: freed at once, not at the next
+            # full collection (what a job promoted to the oldest generation waits for one; cell_server.service)
             self._raise()
         if self.transport is not None:
             self._idle_beat(None)
