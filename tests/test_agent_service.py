@@ -193,18 +193,27 @@ def _product_objects() -> Counter[str]:
 
 def _growth_over_jobs(tmp_path: Path) -> dict[str, int]:
     """The product's objects gained from the 2nd to the 5th job of a served federation, the collector's automatic
-    runs off (only the services' own collections run)."""
+    runs off (only the services' own collections run). Each count waits for the cloud's and the cell's next
+    connection: a job's parts are garbage from its end until the service's collection, which runs before it
+    reconnects (counted in between, a cell's closed connection and what hangs off it looked held)."""
     with _served_federation(tmp_path) as served:
         cfg, fed, service = served.cfg, served.fed, served.service
+        cell_connections = Counter[str]()  # counted, not kept: a connection holds its handlers' objects
+        connect = fed.cells["c0"].connect
+        fed.cells["c0"].connect = lambda: cell_connections.update(["made"]) or connect()
         served.start()
         counts: list[Counter[str]] = []
         gc.disable()
         try:
             for j in range(5):
                 text = job_text(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": j})}))
+                assert wait_until(lambda: fed.cloud.transport is not None, 30.0)
+                job_connection = fed.cloud.transport
                 job = fed.submit(text)
                 assert fed.wait(job, fed.check).state == "finished"
                 assert wait_until(lambda: job in service.served and job in fed.cells["c0"].served, 30.0)  # noqa: B023
+                assert wait_until(lambda: fed.cloud.transport not in (None, job_connection), 30.0)  # noqa: B023
+                assert wait_until(lambda: cell_connections["made"] == j + 2, 30.0)  # noqa: B023
                 counts.append(_product_objects())
         finally:
             gc.enable()

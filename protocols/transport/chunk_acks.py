@@ -31,6 +31,7 @@ MAX_UNACKED_CHUNKS = 16
 """Chunks a persistent client holds unacknowledged at once (Mosquitto's default window is 20)."""
 
 Ack = Callable[[], None]
+_said = RateLimitedLog(log)  # one for the process: a transport's own would be one more object a connection
 
 
 class ChunkAcks:
@@ -41,7 +42,6 @@ class ChunkAcks:
         self.held = 0  # chunks reserved by the sets held whole not whole yet
         self._sets: dict[tuple[str, str, bytes], tuple[int, list[Ack]]] = {}  # ident -> (count, acks)
         self._over: OrderedDict[tuple[str, str, bytes], None] = OrderedDict()  # sets acknowledged as they come
-        self._log = RateLimitedLog(log)
 
     def take(self, chunk: ChunkSet, ack: Ack) -> bool:
         """Hold ``ack`` (of a chunk of ``chunk``'s set, not whole yet) until the set is; False: acknowledge it now
@@ -91,7 +91,7 @@ class ChunkAcks:
         self._over[chunk.ident] = None
         while len(self._over) > 1024:
             self._over.popitem(last=False)
-        self._log.warning(
+        _said.warning(
             "%s: a chunked message of %d bytes (%d chunks) on %s is acknowledged chunk by chunk: with %d chunks held "
             "unacknowledged it would exceed the budget of %d (the broker's in-flight window), so a node killed in "
             "its handler loses it",
