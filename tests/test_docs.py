@@ -298,6 +298,27 @@ def test_readme_is_a_landing_page_with_the_two_commands_and_working_links() -> N
         assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
 
 
+def test_every_run_folder_a_shell_block_reads_is_one_a_shell_block_makes() -> None:
+    """``fedtier report|logs|monitor runs/X`` in the docs' shell blocks read folders that some block's ``fedtier
+    sim|run`` writes (``--set run.output=runs/X``, else the example config's own ``run.output``): the monitor page
+    once compared ``runs/fedavg``, which no page makes."""
+    from protocols.config import load_config
+
+    shell = [b for page in [*PAGES, ROOT / "README.md"] for b in _shell_blocks(page)]
+    made, read = set(), set()
+    for line in (line for b in shell for line in b.text.splitlines()):
+        line = line.split("#")[0]
+        run = re.search(r"fedtier (?:sim|run) (examples/[\w-]+\.toml)", line)
+        out = re.search(r"run\.output=(runs/[\w.-]+)", line)
+        if out:
+            made.add(out.group(1))
+        elif run:
+            made.add(str(load_config(ROOT / run.group(1)).output_dir()))
+        if re.search(r"fedtier (?:report|logs|monitor) ", line):
+            read |= set(re.findall(r"(runs/[\w.-]+)", line))
+    assert read and read <= made, f"read but made by no block: {sorted(read - made)}"
+
+
 def test_first_run_tutorial_ends_with_the_same_model_over_mqtt_as_in_simulation() -> None:
     """The claim the tutorial's emulation block checks with cmp, kept in its text."""
     page = (DOCS / "tutorials" / "first-run.md").read_text(encoding="utf-8")
