@@ -182,3 +182,39 @@ def test_a_payload_framed_once_is_not_kept_alive_by_its_messenger() -> None:
     del kept
     gc.collect()
     assert alive() is not None  # kept for its next receiver
+
+
+def test_a_table_decoded_before_is_compared_not_parsed_and_any_other_bytes_are_parsed(monkeypatch) -> None:
+    """A payload whose tensor table has the descriptor bytes of one decoded before (a model's next task or result)
+    reuses its parse; a table of the same length with other names, shapes or dtypes, or a defect, is parsed as it
+    is: each decoding equals the copying decoder's, and a defect is refused as before."""
+    from protocols.wire import payload as wire_payload
+
+    first = payload()
+    decode_payload(encode_payload(first), views=True)  # parsed, kept
+    again = Payload({"weight": 61, "loss": 0.5}, {k: np.asarray(v) + 1 for k, v in first.tensors.items()})
+
+    def not_parsed(*_args: object) -> None:
+        raise AssertionError("parsed again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(wire_payload, "_parse_table", not_parsed)
+        got = decode_payload(encode_payload(again), views=True)
+    expected = decode_payload(encode_payload(again), views=False)
+    assert list(got.tensors) == list(expected.tensors) and got.meta == expected.meta
+    assert all(
+        got.tensors[k].tobytes() == v.tobytes() and got.tensors[k].shape == v.shape for k, v in expected.tensors.items()
+    )
+    # the same length after the metadata, other descriptors: parsed as they are
+    swapped = {"b": first.tensors["w"], "w": first.tensors["b"], "i": first.tensors["i"], "be": first.tensors["be"]}
+    reshaped = {**first.tensors, "w": np.asarray(first.tensors["w"]).reshape(784, 200)}
+    retyped = {**first.tensors, "i": np.arange(7, dtype=np.int64).view(np.float64)}
+    for tensors in (swapped, reshaped, retyped):
+        got = decode_payload(encode_payload(Payload({"weight": 60}, tensors)), views=True)
+        assert [(k, v.shape, v.dtype) for k, v in got.tensors.items()] == [
+            (k, np.shape(v), np.dtype(v.dtype).newbyteorder("=")) for k, v in tensors.items()
+        ]
+    data = bytearray(encode_payload(first))
+    data[data.index(b"\x01\x00w") + 3] = 99  # the first tensor's dtype code, in a table of a known length
+    with pytest.raises(WireError, match="unknown dtype code 99"):
+        decode_payload(bytes(data), views=True)

@@ -18,6 +18,7 @@ import math
 import struct
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,11 +340,59 @@ def decode_payload(
     end = buf.nbytes
     share = views and isinstance(buf.obj, (bytes, Lent))  # not a bytearray or other buffer someone could change
     headroom = buf.obj.headroom if share and isinstance(buf.obj, Lent) else None
-    meta, pos = _decode_meta(buf, end)
-    meta_end, viewed_all = pos, True
-    (count,), pos = _read(_U16, buf, pos, end)
+    meta, meta_end = _decode_meta(buf, end)
+    viewed_all = True
     tensors: dict[str, np.ndarray] = {}
+    for name, dtype, shape, at, nbytes in _known_table(buf, meta_end, end) or _parse_table(buf, meta_end, end):
+        arr: np.ndarray = np.ndarray(shape, dtype, buf, meta_end + at)  # a view (read-only where buf is)
+        viewed = share and dtype.isnative
+        if not viewed:
+            viewed_all = False
+            # the one copy of the tensor's bytes: out of the message, into an array of its own (writable, native)
+            arr = arr.astype(dtype.newbyteorder("="), copy=True)
+        if arr.dtype.kind == "f" and (require_finite or checked):
+            _finite(arr, name, require_finite, viewed and nbytes >= _REMEMBER_BYTES)
+        if name in tensors:
+            raise WireError(RejectKind.MALFORMED, f"tensor {name!r} appears twice")
+        tensors[name] = arr
+    if headroom is None:
+        return Payload(meta, tensors)
+    if checked or require_finite:
+        headroom.checked = True  # its message, framed there, carries floats known finite (Lent.checked)
+    layout = (meta_end, tuple((k, a, a.shape, a.dtype) for k, a in tensors.items())) if viewed_all else None
+    return Payload(meta, tensors, headroom, layout)
+
+
+Entry = tuple[str, np.dtype, tuple[int, ...], int, int]
+"""A tensor of a payload's table: its name, dtype, shape, where its data starts (after the metadata) and its bytes."""
+_TABLES: dict[int, tuple[tuple[tuple[int, bytes], ...], tuple[Entry, ...]]] = {}
+"""Tables parsed before, by the bytes after the metadata: each tensor's descriptor bytes where they were (the count
+with the first) and its entry. A table's parse depends on its descriptors alone, so the same descriptor bytes at
+the same places give the same entries (a model's every task and result: compared, not parsed again)."""
+_MAX_TABLES, _MAX_TABLE_TENSORS = 64, 64
+
+
+def _known_table(buf: memoryview, pos: int, end: int) -> tuple[Entry, ...] | None:
+    """The entries of the table at ``pos`` where a table parsed before has the same descriptors there; else None."""
+    known = _TABLES.get(end - pos)
+    if known is None:
+        return None
+    for at, descriptor in known[0]:
+        if buf[pos + at : pos + at + len(descriptor)] != descriptor:
+            return None
+    return known[1]
+
+
+def _parse_table(buf: memoryview, pos: int, end: int) -> Iterator[Entry]:
+    """The entries of the table at ``pos`` (after the metadata), each as it is parsed (:class:`WireError` at the
+    first defect: the decoding checks each tensor before the next is parsed); kept for :func:`_known_table` once
+    the table is read to its end, every length checked."""
+    first = pos
+    (count,), pos = _read(_U16, buf, pos, end)
+    descriptors: list[tuple[int, bytes]] = []
+    entries: list[Entry] = []
     for _ in range(count):
+        described = first if not descriptors else pos
         (name_len,), pos = _read(_U16, buf, pos, end)
         pos = _need(pos, name_len, end)
         try:
@@ -361,22 +410,12 @@ def decode_payload(
         start, pos = pos, _need(pos, nbytes, end)
         if nbytes == 0 and math.prod(d or 1 for d in shape) * dtype.itemsize > _MAX_INTP:  # numpy refuses it too
             raise WireError(RejectKind.SHAPE, f"tensor {name!r}: shape {shape} is too large")
-        arr: np.ndarray = np.ndarray(shape, dtype, buf, start)  # a view (read-only where buf is)
-        viewed = share and dtype.isnative
-        if not viewed:
-            viewed_all = False
-            # the one copy of the tensor's bytes: out of the message, into an array of its own (writable, native)
-            arr = arr.astype(dtype.newbyteorder("="), copy=True)
-        if arr.dtype.kind == "f" and (require_finite or checked):
-            _finite(arr, name, require_finite, viewed and nbytes >= _REMEMBER_BYTES)
-        if name in tensors:
-            raise WireError(RejectKind.MALFORMED, f"tensor {name!r} appears twice")
-        tensors[name] = arr
+        descriptors.append((described - first, bytes(buf[described:start])))
+        entries.append((name, dtype, shape, start - first, nbytes))
+        yield entries[-1]
     if pos != end:
         raise WireError(RejectKind.MALFORMED, f"{end - pos} trailing bytes after the last tensor")
-    if headroom is None:
-        return Payload(meta, tensors)
-    if checked or require_finite:
-        headroom.checked = True  # its message, framed there, carries floats known finite (Lent.checked)
-    layout = (meta_end, tuple((k, a, a.shape, a.dtype) for k, a in tensors.items())) if viewed_all else None
-    return Payload(meta, tensors, headroom, layout)
+    if 0 < count <= _MAX_TABLE_TENSORS and len({e[0] for e in entries}) == count:  # (a repeated name: refused)
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        _TABLES[end - first] = (tuple(descriptors), tuple(entries))
