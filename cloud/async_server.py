@@ -53,7 +53,7 @@ UNACKED_WAITING = 4
 """Pushes past their cell's share (:data:`TAKE_PER_CELL`) that wait behind a version unacknowledged at once, in all:
 the broker hands them to a resumed cloud if this one dies before it takes (journals) them. Each keeps a place of the
 broker's in-flight window for the cloud (Mosquitto's ``max_inflight_messages``: 20 by default, 64 where fedtier writes
-the config; ``protocols.transport.chunk_acks`` keeps 16 for chunks), until the version is made and it is taken: so
+the config; ``protocols.transport.chunk_acks`` keeps 12 for chunks), until the version is made and it is taken: so
 few, that a cell flooding pushes cannot fill the window ahead of another cell's push; one more waits acknowledged."""
 
 TAKE_PER_CELL = 32

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -57,6 +58,7 @@ class Inbound:
     _gen: int  # the connection's number: an acknowledgement belongs to the connection that received the message
     _taking: Callable[[], None] | None  # the acknowledgement of the message whose handler runs now
     _keep: Callable[[], None] | None  # ... its handler's share of it, unless the handler keeps it (keep_ack)
+    _keep_chunks = 0  # ... the chunks held unacknowledged with it
 
     def _reassemble(self, timeout: float, max_bytes: int, max_message: int | None) -> None:
         """Reassemble chunks with these bounds (``chunking.Reassembler``); a set dropped has its chunks acknowledged."""
@@ -126,9 +128,10 @@ class Inbound:
             whole = self._reasm.feed(topic, data)
             if chunk is not None and whole is None:  # held with its set (acknowledged once handled), or now
                 return self._reasm.holds(chunk.ident) and self._chunk_acks.take(chunk, ack)  # type: ignore[arg-type]
-            others = self._chunk_acks.whole(chunk.ident) if chunk is not None else None  # the set's other chunks
+            held = self._chunk_acks.whole(chunk.ident) if chunk is not None else None  # the set's other chunks
         if whole is None:
             return False
+        others, chunks = held if held is not None else (None, 0)
         if others is not None:
             assert ack is not None
             ack = _both(ack, others)
@@ -144,7 +147,7 @@ class Inbound:
                 return False
             taken = _after_each(len(targets), ack) if ack is not None else None
             for pattern, handler in targets:
-                self.loop.post(self._bind(pattern, handler, topic, whole, ack, taken))
+                self.loop.post(self._bind(pattern, handler, topic, whole, ack, taken, chunks))
         return ack is not None
 
     def _bind(
@@ -155,17 +158,19 @@ class Inbound:
         payload: bytes,
         ack: Callable[[], None] | None = None,
         taken: Callable[[], None] | None = None,
+        chunks: int = 0,
     ) -> Callable[[], None]:
         """The loop's call of ``handler``; ``taken`` (``ack`` once every handler of the message returned) after it
         returned or raised an ``Exception`` (a poison message is not handed again), not after a ``BaseException``
-        (Ctrl-C, ``SystemExit`` in the handler: it did not finish, so the next session gets the message)."""
+        (Ctrl-C, ``SystemExit`` in the handler: it did not finish, so the next session gets the message). ``chunks``:
+        those of a chunked message held unacknowledged with it (``chunk_acks``)."""
 
         def deliver() -> None:
             if self._closed:  # not acknowledged: the broker hands it to the next session
                 return
             entry = self._subs.get(pattern)
             self._taking = ack  # a handler that closes this client: acknowledged before the DISCONNECT
-            self._keep = taken
+            self._keep, self._keep_chunks = taken, chunks
             try:
                 if entry is not None and handler in entry[1]:  # still subscribed
                     handler(topic, payload)
@@ -184,10 +189,20 @@ class Inbound:
     def keep_ack(self) -> Callable[[], None] | None:
         """The handler running now keeps its message's acknowledgement (``Transport.keep_ack``): not sent when it
         returns, nor before a DISCONNECT it makes (a message kept was not taken yet)."""
-        kept, self._keep = self._keep, None
+        kept, chunks = self._keep, self._keep_chunks
+        if kept is not None and chunks:  # a chunked message: its chunks count in the budget again while kept
+            with self._reasm_lock:
+                if not self._chunk_acks.reserve(chunks):
+                    return None  # over the budget: acknowledged when the handler returns
+            kept = _both(kept, _once(partial(self._release_chunks, chunks)))
+        self._keep = None
         if kept is not None:
             self._taking = None
         return kept
+
+    def _release_chunks(self, chunks: int) -> None:
+        with self._reasm_lock:
+            self._chunk_acks.release(chunks)
 
     def _schedule_expiry(self) -> None:
         period = max(0.5, self._reasm.timeout / 2)
@@ -203,6 +218,18 @@ class Inbound:
 
         self.loop.cancel(self._expiry)
         self._expiry = self.loop.call_later(period, tick)
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    done = False
+
+    def once() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+
+    return once
 
 
 def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
