@@ -817,11 +817,13 @@ def test_an_async_cell_restarted_without_its_journal_after_the_cloud_resumed_ref
 
 
 @pytest.mark.skipif(not find_mosquitto(), reason="mosquitto not installed")
-def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resume_and_counts_once(tmp_path):
+@pytest.mark.parametrize("max_chunk", [256 * 1024, 1024], ids=["whole", "chunked"])
+def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resume_and_counts_once(tmp_path, max_chunk):
     """Over a real broker: the async cloud (persistent session) is killed in its push handler before the push is
     journaled; ``--resume`` (the same client id) gets that push again from the broker and version 0 counts it once,
     with the other cell's. Before, the push was acknowledged before its handler ran: the broker forgot it, and
-    version 0 never had it (note13)."""
+    version 0 never had it (note13). The same for a push of 11 chunks (9,911 bytes in chunks of 1,024): its first
+    chunks were acknowledged as they came, so the resumed cloud got only the last one again, which expired."""
     from cloud.node import build_cloud
     from protocols.transport.broker import MosquittoBroker
     from protocols.transport.mqtt import MqttTransport
@@ -867,9 +869,10 @@ def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resu
             first._on_report = report  # type: ignore[method-assign]
             loop.post(first.start)
             assert wait_until(lambda: first.started)
-            cells = MqttTransport.from_url(broker.url, "cells", loop).connect(10.0)
+            cells = MqttTransport.from_url(broker.url, "cells", loop, max_chunk=max_chunk).connect(10.0)
             cells.publish(topics.cell_report(cfg.run.name, "c0"), pushes["c0"])
             assert wait_until(lambda: first.transport.closed), "the cloud never took the push"
+            assert first.transport.stats.packets_in >= (11 if max_chunk == 1024 else 1)
             first.stop()
             again = cloud(broker, resume=True)  # its next session: the broker hands the push again
             records: list[dict] = []
