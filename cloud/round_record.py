@@ -140,9 +140,10 @@ def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
     return math.sqrt(total) if math.isfinite(total) else math.inf
 
 
-def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts) -> str | None:
+def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts, last: bool) -> str | None:
     """Count round ``rnd`` in ``watch`` (no cell answered, or every device that answered failed or diverged);
-    after ``max_stalled_rounds`` of them in a row, why the job fails after this round."""
+    after ``max_stalled_rounds`` of them in a row, or at the job's ``last`` round if no round made progress, why
+    the job fails after this round."""
     aggregated = sum(counts.devices.get(c, 0) for c in reported)
     return watch.observe(
         rnd,
@@ -154,6 +155,7 @@ def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts)
         counts.unmet,
         counts.late,
         counts.offline if not counts.online else 0,  # devices drawn offline while others are online: no stall
+        last=last,
     )
 
 

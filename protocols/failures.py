@@ -115,11 +115,13 @@ class StallWatch:
         unmet: Mapping[str, int] | None = None,
         late: int = 0,
         offline: int = 0,
+        last: bool = False,
     ) -> str | None:
         """Count round ``rnd`` (cells that reported, cells of the job, devices aggregated, failed devices per
         reason, diverged devices, devices left out per unmet requirement, devices tasked that never answered
         in time, devices taking part that were offline where no cell had one online); the reason the job fails,
-        once it stalled ``max_rounds`` rounds in a row."""
+        once it stalled ``max_rounds`` rounds in a row, or at its ``last`` round when none of its rounds made
+        progress (a job of fewer rounds than ``max_rounds`` whose devices all failed "finished", exit 0)."""
         needed = min(self.min_cells, cells)
         why = None
         if reported < needed:
@@ -139,6 +141,6 @@ class StallWatch:
         if self.stalled == 0:
             self.first = rnd
         self.stalled += 1
-        if self.stalled < self.max_rounds:
+        if self.stalled < self.max_rounds and not (last and self.first == 0):
             return None
         return f"{why} in rounds {self.first}-{rnd}" if self.first != rnd else f"{why} in round {rnd}"

@@ -273,8 +273,8 @@ def test_a_run_stalls_only_when_every_answering_device_diverged(tmp_path: Path) 
 
 
 def test_a_resumed_cloud_keeps_counting_stalled_rounds(tmp_path: Path) -> None:
-    """The stall count is in the cloud's checkpoint: a run stopped after 2 all-diverged rounds and resumed
-    stops after the third, as the uninterrupted run does."""
+    """The stall count is in the cloud's checkpoint: a run ended after 2 all-diverged rounds (failed: none of its
+    rounds made progress) and resumed for more rounds stops after the third, as the uninterrupted run does."""
     from protocols.divergence import STALLED_ROUNDS
 
     def run(rounds: int, resume: bool):
@@ -282,7 +282,8 @@ def test_a_resumed_cloud_keeps_counting_stalled_rounds(tmp_path: Path) -> None:
         return overflow_devices(SimHierarchy(cfg, resume=resume)).run()
 
     first = run(STALLED_ROUNDS - 1, resume=False)
-    assert len(first.history) == STALLED_ROUNDS - 1 and first.status == "finished"
+    assert len(first.history) == STALLED_ROUNDS - 1 and first.status == "failed"
+    assert str(first.failed).endswith(f"(6 diverged) in rounds 0-{STALLED_ROUNDS - 2}")
     resumed = run(20, resume=True)
     assert [r["round"] for r in resumed.history] == [STALLED_ROUNDS - 1]
     assert resumed.failed and f"(6 diverged) in rounds 0-{STALLED_ROUNDS - 1}" in resumed.failed

@@ -84,7 +84,30 @@ def test_guarded_logs_the_traceback_and_fails_with_the_reason(caplog: pytest.Log
     assert any(r.exc_info and "report handler raised" in r.getMessage() for r in caplog.records)
 
 
+def test_a_job_none_of_whose_rounds_made_progress_fails_at_its_end_however_few_its_rounds() -> None:
+    """The last round of a job whose every round stalled fails it, before ``max_rounds``; a job that made
+    progress once ends as before, its last rounds' stall under the count."""
+    watch = StallWatch(max_rounds=3)
+    assert watch.observe(0, 2, 2, 0, {"KeyError: 'lr'": 6}, 0) is None
+    assert watch.observe(1, 2, 2, 0, {"KeyError: 'lr'": 6}, 0, last=True) == (
+        "every device that answered failed or diverged (6 failed: KeyError: 'lr') in rounds 0-1"
+    )
+    progressed = StallWatch(max_rounds=3)
+    assert progressed.observe(0, 2, 2, 6, {}, 0) is None
+    assert progressed.observe(1, 2, 2, 0, {"KeyError: 'lr'": 6}, 0, last=True) is None
+
+
 # ------------------------------------------------------------------------------- in memory
+def test_a_short_job_whose_devices_all_fail_fails_rather_than_finishing(tmp_path: Path) -> None:
+    """A 2-round job (fewer rounds than max_stalled_rounds, 3) whose every device fails every task: it
+    "finished", exit 0, at its initial model (a researcher trying a broken plugin with --set run.rounds=2)."""
+    cfg = small_config(tmp_path, run={"rounds": 2}, algorithm={"edge_rounds": 1, "local_steps": 2})
+    result = mismatched_devices(SimHierarchy(cfg)).run()
+    assert result.status == "failed" and len(result.history) == 2
+    assert "every device that answered failed or diverged (6 failed: " in str(result.failed)
+    assert str(result.failed).endswith("in rounds 0-1")
+
+
 def test_agents_failing_every_task_fail_the_job_with_the_reasons_counted(tmp_path: Path) -> None:
     """Every device's task raises (data of another model's shape): each answers "failed" with the reason at
     once (cells close on "all answered", never on their deadline), records count the reasons, and after
