@@ -282,7 +282,7 @@ def main() -> None:
     print(
         f"{'scenario':<14}"
         + "".join(f"{m + ' (lr)':>26}" for m in METHODS)
-        + f"{'admitted':>10}{'Δ vs prio-only':>22}{'Δ vs all':>22}"
+        + f"{'admitted':>10}{'Δ vs prio-only':>25}{'Δ vs all':>25}"
     )
     for scenario, best in rows:
         line = f"{scenario:<14}"
@@ -291,11 +291,11 @@ def main() -> None:
             f = [r["final"] for r in runs]
             edge = "*" if lr in (min(p["lrs"]), max(p["lrs"])) else " "
             line += f"{f'{np.mean(f):.3f} ± {np.std(f):.3f} ({lr:g}{edge})':>26}"
-        line += f"{np.nanmean([r['admit'] for r in best['fedalign'][1]]):>10.2f}  "
+        line += f"{np.nanmean([r['admit'] for r in best['fedalign'][1]]):>10.2f}"
         mine = np.array([r["final"] for r in best["fedalign"][1]])
         for base in ("priority-only", "all"):
             d = mine - np.array([r["final"] for r in best[base][1]])
-            line += f"{f'{d.mean():+.3f} [{d.min():+.3f},{d.max():+.3f}]':>22}"
+            line += f"{f'{d.mean():+.3f} [{d.min():+.3f}, {d.max():+.3f}]':>25}"
         print(line)
     print(
         "(* = edge of the grid; admitted = admitted / probed free devices after warm-up; Δ = paired per-seed "
