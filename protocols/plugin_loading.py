@@ -29,6 +29,11 @@ def _load_entry(group: str, ep: Any) -> None:
     elif isinstance(obj, type):  # fedtier.algorithms: a class to register (a module registers its own)
         if not issubclass(obj, Algorithm):
             raise PluginError(f"{ep.value}: not an Algorithm subclass")
+        if getattr(obj, "name", None) != ep.name:  # algorithm.name = the entry point's name would be unknown
+            raise PluginError(
+                f"{ep.name} = {ep.value!r}: the class's name is {getattr(obj, 'name', None)!r}; an algorithm's entry "
+                "point is named as its algorithm.name"
+            )
         register(obj)
 
 

@@ -3,7 +3,8 @@
 A plugin is an installed package that declares entry points in one of three groups::
 
     [project.entry-points."fedtier.algorithms"]
-    scaffold = "my_plugin.scaffold:Scaffold"        # an Algorithm subclass (or a module that registers its own)
+    scaffold = "my_plugin.scaffold:Scaffold"        # an Algorithm subclass whose name is "scaffold" (or a module
+                                                    # that registers its own)
     [project.entry-points."fedtier.models"]
     resnet8 = "my_plugin.models:resnet8"            # factory(input_shape, num_classes) -> torch.nn.Module
     [project.entry-points."fedtier.datasets"]

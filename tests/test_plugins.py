@@ -331,7 +331,7 @@ def test_entry_points_register_and_a_broken_one_is_named(monkeypatch: pytest.Mon
     from protocols import plugin_loading
 
     eps = {
-        "fedtier.algorithms": [EntryPoint("clipx", "tests.test_plugins:Corrected", "fedtier.algorithms")],
+        "fedtier.algorithms": [EntryPoint("corrected-test", "tests.test_plugins:Corrected", "fedtier.algorithms")],
         "fedtier.models": [EntryPoint("widex", "tests.test_plugins:Wide", "fedtier.models")],
         "fedtier.datasets": [EntryPoint("blobsx", "numpy:load", "fedtier.datasets")],
     }
@@ -343,6 +343,12 @@ def test_entry_points_register_and_a_broken_one_is_named(monkeypatch: pytest.Mon
         # (the entry point imports tests.test_plugins anew: the same classes by name)
         assert plugins.MODELS["widex"].__qualname__ == "Wide" and plugins.DATASETS["blobsx"] is np.load
         assert ALGORITHMS["corrected-test"].__qualname__ == "Corrected"
+        # an algorithm's entry point is named as its algorithm (else algorithm.name = its name would be unknown)
+        eps["fedtier.algorithms"] = [EntryPoint("clipx", "tests.test_plugins:Corrected", "fedtier.algorithms")]
+        plugin_loading.load_entry_points.cache_clear()
+        with pytest.raises(plugins.PluginError, match="clipx = 'tests.test_plugins:Corrected': the class's name is"):
+            plugin_loading.load_entry_points()
+        eps["fedtier.algorithms"] = []
         eps["fedtier.models"] = [EntryPoint("gone", "no_such_module_xyz:f", "fedtier.models")]
         plugin_loading.load_entry_points.cache_clear()
         with pytest.raises(plugins.PluginError, match=r"plugin gone \(fedtier.models = 'no_such_module_xyz:f'\)"):
