@@ -100,6 +100,7 @@ def sim(
     """Simulate CONFIG in one process, without a broker (same tier code, in-memory transport)."""
     from protocols.config import ConfigError
     from protocols.jsonl import StorageError
+    from sim.cell_processes import CellProcessError
     from sim.executors import WorkerError
     from sim.launcher import run_simulation
 
@@ -118,6 +119,9 @@ def sim(
     except WorkerError as exc:
         print_error(exc)  # a worker's traceback may hold [brackets]
         print_error("the same command with --resume continues from the last finished round", "stopped", "bold yellow")
+        raise SystemExit(1) from exc
+    except CellProcessError as exc:  # runtime.cell_processes: one died
+        print_error(exc)
         raise SystemExit(1) from exc
     except StorageError as exc:  # a full disk while writing the final files
         print_error(exc, "job failed")

@@ -98,6 +98,10 @@ def idle_settings(cfg: RunConfig, command: Literal["sim", "run"]) -> list[str]:
             "on the host)"
             for k in changed("cell_sums")
         ]
+        out += [
+            f"runtime.{k} = {getattr(rt, k)!r} has no effect under fedtier run (its cells run in their own processes)"
+            for k in changed("cell_processes")
+        ]
     elif rt.sim_workers == 0:
         out += [
             f"runtime.{k} = {getattr(rt, k)!r} has no effect without runtime.sim_workers (the devices train in "

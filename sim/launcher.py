@@ -10,14 +10,13 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from cell_server.node import build_cell
 from cloud.node import build_cloud
 from edge_agent.agent import DeviceAgent
 from protocols import runfiles
@@ -30,6 +29,7 @@ from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
+from .cell_processes import CellProcesses, check_split
 from .cell_sums import cell_sums
 from .clock import ClockModel, clock_modelled
 from .device_worker import set_torch_threads
@@ -37,20 +37,18 @@ from .executors import make_executor, start_workers, worker_device
 from .hierarchy import (
     DeviceData,
     Prepared,
-    SampleCounts,
     cell_availability,
-    edge_availability,
     fresh_output,
     make_evaluator,
     prepare,
 )
 from .onnx_devices import onnx_trainers
 from .population import Population
+from .sim_cells import build_sim_cells, device_samples
 
 if TYPE_CHECKING:
-    from cell_server.server import CellServer
     from cloud.server import CloudServer
-    from protocols.algorithms.base import ModelSpec
+    from protocols.algorithms.base import Algorithm, ModelSpec
 
     from .executors import ProcessExecutor, RayExecutor
 
@@ -201,12 +199,6 @@ def eval_threads(cfg: RunConfig) -> int:
     return execution_plan(cfg).eval_threads
 
 
-def device_samples(device_data: DeviceData, devices: Sequence[str]) -> SampleCounts:
-    """Each device's sample count (``DeviceData.indices``, no copy, read when asked for): the largest
-    weight a cell accepts."""
-    return SampleCounts(device_data, devices)
-
-
 def device_steps(cfg: RunConfig, prep: Any) -> Callable[[str], int]:
     """``device -> local steps per edge round`` from the simulator's own bookkeeping (its sample count and
     the algorithm's ``local_steps`` / ``local_epochs``): the virtual clock's count for devices that report
@@ -225,6 +217,31 @@ def cell_bounds(cfg: RunConfig, device_data: DeviceData) -> CellBounds:
         lambda c: device_samples(device_data, cfg.topology.devices(c)).values(),
         cfg.topology.cell_of,
         lambda c, d: device_samples(device_data, cfg.topology.devices(c)).get(d),
+    )
+
+
+def build_sim_cloud(
+    cfg: RunConfig,
+    hub: MemoryHub,
+    algorithm: Algorithm,
+    prep: Prepared,
+    output_dir: Path | None,
+    on_round: Callable[[dict[str, Any]], None] | None,
+    resume: bool,
+) -> CloudServer:
+    """The cloud on ``hub``: it evaluates on the test split and bounds each cell's weight by its devices'."""
+    ds = prep.dataset
+    return build_cloud(
+        cfg,
+        hub.connect("cloud"),
+        algorithm,
+        evaluator=make_evaluator(prep.spec, ds.x_test, ds.y_test, cfg.runtime.device, eval_threads(cfg)),
+        output_dir=output_dir,
+        resume=resume,
+        on_round=on_round,
+        devices_recreated=True,
+        availability=cell_availability(cfg),
+        cell_bounds=cell_bounds(cfg, prep.device_data),
     )
 
 
@@ -279,8 +296,9 @@ class SimHierarchy:
             steps_of=device_steps(cfg, prep) if cfg.privacy.dp != "off" else None,  # DP devices report none
         )
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
+        self.split = self._start_split(resume, prepared is not None)  # runtime.cell_processes: the cells elsewhere
         self.cloud = self._build_cloud(on_round, resume)
-        self.cells = self._build_cells()
+        self.cells = {} if self.split else build_sim_cells(cfg, hub, algorithm, prep.device_data, self.output_dir)
         trainer = TorchTrainer.from_spec(
             spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
         )
@@ -301,40 +319,19 @@ class SimHierarchy:
             weakref.finalize(self, remote.close)
         return remote
 
-    def _build_cloud(self, on_round: Callable[[dict[str, Any]], None] | None, resume: bool) -> CloudServer:
-        """The cloud on the hub: it evaluates on the test split and bounds each cell's weight by its devices'."""
-        cfg, prep = self.cfg, self.prep
-        ds = prep.dataset
-        return build_cloud(
-            cfg,
-            self.hub.connect("cloud"),
-            self.algorithm,
-            evaluator=make_evaluator(prep.spec, ds.x_test, ds.y_test, cfg.runtime.device, eval_threads(cfg)),
-            output_dir=self.output_dir,
-            resume=resume,
-            on_round=on_round,
-            devices_recreated=True,
-            availability=cell_availability(cfg),
-            cell_bounds=cell_bounds(cfg, prep.device_data),
-        )
+    def _start_split(self, resume: bool, prepared: bool) -> CellProcesses | None:
+        """The cell processes of ``runtime.cell_processes`` (refused where unsupported), started now and stopped with
+        this object even if building fails later; ``None`` for 0 (every cell in this process)."""
+        check_split(self.cfg, self.algorithm, resume, prepared)
+        if not self.cfg.runtime.cell_processes:
+            return None
+        split = CellProcesses(self.cfg, self.hub, self.output_dir)
+        weakref.finalize(self, split.close)
+        return split
 
-    def _build_cells(self) -> dict[str, CellServer]:
-        """Every cell on the hub, its devices deemed online from the start, each bounded by its samples."""
-        cfg = self.cfg
-        availability = edge_availability(cfg)
-        return {
-            c: build_cell(
-                cfg,
-                c,
-                self.hub.connect(f"cell.{c}"),
-                self.algorithm,
-                availability=availability,
-                output_dir=self.output_dir,
-                assume_online=True,
-                samples=device_samples(self.prep.device_data, cfg.topology.devices(c)),
-            )
-            for c in cfg.topology.cell_ids()
-        }
+    def _build_cloud(self, on_round: Callable[[dict[str, Any]], None] | None, resume: bool) -> CloudServer:
+        """:func:`build_sim_cloud` on this hierarchy's hub (tests build a resumed cloud again)."""
+        return build_sim_cloud(self.cfg, self.hub, self.algorithm, self.prep, self.output_dir, on_round, resume)
 
     def _configure(self, agent: DeviceAgent) -> None:
         agent.executor = self.executor
@@ -348,6 +345,8 @@ class SimHierarchy:
             return self._run()
         finally:
             self.executor.close()
+            if self.split is not None:
+                self.split.close()
 
     def _run(self) -> RunResult:
         clock = (self.cloud.resumed_from or {}).get("clock_s")
@@ -356,18 +355,23 @@ class SimHierarchy:
         for cell in self.cells.values():
             cell.start()
         self.agents.start()
+        if self.split is not None:
+            self.split.start()
         self.hub.loop.run()  # deliver the birth records before the first round
         self.cloud.start()
-        self.hub.loop.run(until=lambda: self.cloud.finished)
+        if self.split is not None:
+            self.split.run(until=lambda: self.cloud.finished)
+        else:
+            self.hub.loop.run(until=lambda: self.cloud.finished)
         if not self.cloud.finished:
             raise RuntimeError("the simulation stalled before the last round (no events left)")
+        records, traffic = (
+            self.split.finish()
+            if self.split is not None
+            else ([r for c in self.cells.values() for r in c.records], self.agents.traffic())
+        )
         result = RunResult.of_cloud(
-            self.cfg,
-            self.cloud,
-            self.output_dir,
-            time.perf_counter() - self.t0,
-            [r for c in self.cells.values() for r in c.records],
-            self.agents.traffic(),
+            self.cfg, self.cloud, self.output_dir, time.perf_counter() - self.t0, records, traffic
         )
         self.agents.stop()
         for cell in self.cells.values():

@@ -285,6 +285,15 @@ class RuntimeSection(Section):
         "train the devices in parallel, each a fixed round-robin share; 0: in the main "
         "process. Same final model either way",
     )
+    cell_processes: int = Field(
+        default=0,
+        ge=0,
+        description="fedtier sim: processes that each run a fixed share of the cells with their devices (and their "
+        "training), the cloud staying in the main process; cloud-cell messages cross as their encoded bytes, and "
+        "virtual time moves only when every process has nothing left to do before it, so the model, records and "
+        "byte counts are those of one process. Synchronous algorithms without [clock], sim_workers, onnx_devices or "
+        "--resume; 0: one process",
+    )
     sim_backend: Literal["processes", "ray"] = Field(
         default="processes",
         description="fedtier sim workers: local processes, or Ray actors (pip install 'fedtier[ray]')",

@@ -107,6 +107,28 @@ class VirtualLoop(EventLoop):
             return True
         return False
 
+    def run_due(self, until: Callable[[], bool] | None = None) -> None:
+        """Run everything due at the current time (queued calls, outside work, timers due now) without moving the
+        clock, or until ``until()`` is true: one process of a simulation split across processes runs to the end
+        of the present before it trades messages with the others (``sim/cell_processes.py``)."""
+        while not (until and until()):
+            if not self._ready and not self._held:
+                next_at = self.next_timer()
+                if next_at is None or next_at > self._now:
+                    return
+            self.step()
+
+    def next_timer(self) -> float | None:
+        """When the next timer fires; ``None``: no timer is set."""
+        while self._timers and self._timers[0].cancelled:
+            heapq.heappop(self._timers)
+        return self._timers[0].when if self._timers else None
+
+    def advance(self, t: float) -> None:
+        """Move the clock to ``t`` (never back; no later than :meth:`next_timer`: the processes of a split
+        simulation move to the earliest timer of them all)."""
+        self._now = max(self._now, t)
+
     def run(self, until: Callable[[], bool] | None = None, max_steps: int | None = None) -> None:
         """Run until ``until()`` is true, nothing is left, or ``max_steps`` calls have run."""
         steps = 0
@@ -168,6 +190,9 @@ class MemoryHub:
         self._retained: dict[str, bytes] = {}
         self._retained_under: dict[str, dict[str, None]] = {}  # parent topic -> its retained topics, in order
         self._clients: dict[str, MemoryTransport] = {}
+        self.tap: Callable[[str, bytes | Segments, bool], None] | None = None
+        """Sees each message published here ``(topic, payload, retain)``, not those :meth:`inject` brings: a
+        simulation split across processes forwards what the others' nodes subscribe to (``sim/cell_processes.py``)."""
 
     def connect(self, client_id: str, will: Will | None = None) -> MemoryTransport:
         """Connect a client; an existing session with the same id is taken over (as MQTT does)."""
@@ -195,6 +220,12 @@ class MemoryHub:
         return found
 
     def _route(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
+        """A message published here: shown to the :attr:`tap`, then delivered (:meth:`inject`)."""
+        if self.tap is not None:
+            self.tap(topic, payload, retain)
+        self.inject(topic, payload, retain)
+
+    def inject(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
         """Deliver ``payload`` to the subscriptions ``topic`` reaches; a message as :class:`Segments` to the handlers
         that take them, else joined (once for all of them), as a retained message is."""
         joined = payload if type(payload) is bytes else None

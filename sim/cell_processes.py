@@ -1,0 +1,233 @@
+"""``runtime.cell_processes``: ``fedtier sim``'s cells, with their devices and their training, in processes of their
+own; the cloud stays in the main process. The main process's host work (framing, decoding, checking and summing
+every device's message) then spreads over as many cores.
+
+Each process has its own :class:`~protocols.transport.memory.VirtualLoop` and hub. A message published in one that
+a node of another subscribes to crosses as its encoded bytes (``sim/cell_share.py``'s frames; nothing is pickled):
+a cell's report, status, state and records go to the main process (everything outside ``.../cell/``, where a cell's
+and its devices' own topics stay); what the cloud publishes goes to the process of the cell a topic names, or to all
+(the round manifest, the cloud's status and control). The cells subscribe to nothing of each other's.
+
+Time is synchronised conservatively: the main process runs what is due at the present, sends each cell process
+what was published for it and the present, and each runs what is due then and answers; while messages still cross,
+this repeats at the same time. Only when a whole exchange carried none (no process has anything left before the
+next timer) does every clock move, to the earliest timer of all processes; the main process's timers due then fire
+first. Every node thus sees the messages and deadlines of the one-process run at the same virtual times: the cloud
+sorts what it aggregates by cell, and each cell's devices run in its own process in their usual order, so the model,
+the records and the byte counts are those of one process (``tests/test_cell_processes.py``). Timers of different
+processes due at the very same virtual time fire main process first, which the one-process run may order otherwise:
+hence no ``[clock]`` (link and compute delays) for now.
+
+A cell process that dies ends the run with :class:`CellProcessError`, naming it, its cells and its last words. The
+cells' aggregation log is written here, from the records they publish; their records and their devices' traffic
+come back when the run ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from protocols import procs, runfiles
+from protocols.algorithms.traits import Trait
+from protocols.config import ConfigError, RunConfig
+from protocols.jsonl import JsonlWriter
+from protocols.transport.memory import MemoryHub
+from protocols.wire import topics
+from protocols.wire.envelope import Segments
+from protocols.wire.signed import open_record
+
+if TYPE_CHECKING:
+    from protocols.algorithms.base import Algorithm
+
+from .cell_share import Message, cell_process_main, frame_messages, message_frame
+from .clock import clock_modelled
+from .worker_frames import frame, unframe
+
+log = logging.getLogger("fedtier.sim")
+
+
+class CellProcessError(RuntimeError):
+    """A cell process died or answered nonsense; the run cannot go on."""
+
+
+def split_refusals(cfg: RunConfig, algorithm: Algorithm, resume: bool = False, prepared: bool = False) -> list[str]:
+    """What ``runtime.cell_processes`` does not support (yet) in ``cfg`` run by ``algorithm``, each with why; empty:
+    it may run."""
+    rt, n = cfg.runtime, cfg.runtime.cell_processes
+    out = []
+    if n > len(cfg.topology.cell_ids()):
+        out.append(f"more processes than cells ({len(cfg.topology.cell_ids())})")
+    if Trait.ASYNC in algorithm.stack_traits():
+        out.append("an asynchronous algorithm (only synchronous rounds)")
+    if clock_modelled(cfg.clock):
+        out.append("a [clock] model (timers of different processes due at one virtual time)")
+    if rt.sim_workers:
+        out.append("runtime.sim_workers (each cell process trains its devices itself)")
+    if rt.onnx_devices:
+        out.append("runtime.onnx_devices")
+    if resume:
+        out.append("--resume")
+    if prepared:
+        out.append("data prepared outside the config (each process prepares it from the config)")
+    return out
+
+
+def check_split(cfg: RunConfig, algorithm: Algorithm, resume: bool = False, prepared: bool = False) -> None:
+    """Refuse (:class:`ConfigError`) a run ``runtime.cell_processes`` cannot do, naming what is not supported."""
+    refused = split_refusals(cfg, algorithm, resume, prepared) if cfg.runtime.cell_processes else []
+    if refused:
+        raise ConfigError(
+            f"runtime.cell_processes = {cfg.runtime.cell_processes} does not support: {'; '.join(refused)}"
+        )
+
+
+class CellProcesses:
+    """The main process's side: the cell processes, the messages between their hubs and this one, and time."""
+
+    def __init__(self, cfg: RunConfig, hub: MemoryHub, output_dir: Path | None) -> None:
+        self.topology = cfg.topology
+        cells = cfg.topology.cell_ids()
+        n = cfg.runtime.cell_processes
+        self.groups = [cells[i::n] for i in range(n)]
+        self.owner = {c: i for i, group in enumerate(self.groups) for c in group}
+        self.hub, self.loop = hub, hub.loop
+        self.local = topics.root(cfg.run.name) + "/cell/"
+        self.out: list[list[Message]] = [[] for _ in self.groups]
+        self.nexts: list[float | None] = [None] * n
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        # the cells' aggregation log, written here from the records they publish (the line order is the order the
+        # processes' answers came in, not the one process's; each line is the same)
+        self.log = JsonlWriter(output_dir / runfiles.AGGREGATION if output_dir else None, cfg.runtime.max_record_bytes)
+        hub.connect("cell-records").subscribe(topics.telemetry_cell(cfg.run.name, "+"), self._logged)
+        ctx = mp.get_context("spawn")
+        text = cfg.to_toml()
+        try:
+            for i, group in enumerate(self.groups):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=cell_process_main,
+                    args=(theirs, text, group),
+                    name=f"fedtier-cell-process-{i}",
+                    daemon=True,
+                )
+                procs.spawn(proc.start)
+                theirs.close()  # our copy of its end: EOF reaches us when it dies
+                self.procs.append(proc)
+                self.conns.append(mine)
+        except BaseException:
+            self.close()
+            raise
+        hub.tap = self._tap
+
+    def describe(self, i: int) -> str:
+        return f"cell process {i} (pid {self.procs[i].pid}; cells {', '.join(self.groups[i])})"
+
+    def _tap(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
+        """A message published in the main process: to the process of the cell its topic names, else to all."""
+        data = bytes(payload)
+        if topic.startswith(self.local):
+            owner = self.owner.get(topic[len(self.local) :].split("/", 1)[0])
+            if owner is not None:
+                self.out[owner].append((topic, data, retain))
+            return
+        for out in self.out:
+            out.append((topic, data, retain))
+
+    def _logged(self, topic: str, data: bytes) -> None:
+        """A record a cell published (its process's own hub checked it): into the aggregation log."""
+        self.log.write(open_record(data, topic, None, None))
+
+    def _receive(self, i: int) -> tuple[dict[str, Any], memoryview]:
+        try:
+            header, body = unframe(self.conns[i].recv_bytes())
+        except (EOFError, OSError):
+            proc = self.procs[i]
+            proc.join(5.0)
+            raise CellProcessError(f"{self.describe(i)} died with exit code {proc.exitcode}") from None
+        if "fatal" in header:
+            raise CellProcessError(f"{self.describe(i)} failed:\n{str(header['fatal']).rstrip()}")
+        return header, body
+
+    def _take(self, i: int) -> bool:
+        """Deliver here what process ``i`` answered; whether it sent any message."""
+        header, body = self._receive(i)
+        try:
+            msgs = frame_messages(header, body)
+            nxt = header.get("next")
+            self.nexts[i] = None if nxt is None else float(nxt)
+        except (TypeError, ValueError) as exc:
+            raise CellProcessError(f"{self.describe(i)} answered a bad frame: {exc}") from None
+        for topic, payload, retain in msgs:
+            self.hub.inject(topic, payload, retain)
+        return bool(msgs)
+
+    def start(self) -> None:
+        """Wait for every process's first answer (what its cells published as they started) and deliver it."""
+        for i in range(len(self.procs)):
+            self._take(i)
+        self.loop.run_due()
+
+    def exchange(self) -> bool:
+        """Send each process the present and its messages; deliver their answers; whether any message came back."""
+        at = self.loop.now()
+        for i, conn in enumerate(self.conns):
+            out, self.out[i] = self.out[i], []
+            try:
+                conn.send_bytes(message_frame({"at": at}, out))
+            except OSError:
+                self._receive(i)  # raises, naming how it died
+        return any([self._take(i) for i in range(len(self.procs))])
+
+    def run(self, until: Callable[[], bool]) -> None:
+        """Run the split simulation until ``until()`` or nothing is left anywhere (a stall: the caller tells)."""
+        while True:
+            self.loop.run_due(until)
+            if until():
+                return
+            if self.exchange():
+                continue
+            times = [t for t in (self.loop.next_timer(), *self.nexts) if t is not None]
+            if not times:
+                return
+            self.loop.advance(min(times))
+
+    def finish(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
+        """Stop the processes' cells and devices: the cells' records and the devices' traffic, in topology order
+        (as one process lists them)."""
+        for conn in self.conns:
+            conn.send_bytes(frame({"stop": True}))
+        records: dict[str, list[dict[str, Any]]] = {}
+        traffic: dict[str, dict[str, int]] = {}
+        for i in range(len(self.procs)):
+            header, _ = self._receive(i)
+            records.update(header.get("records", {}))
+            traffic.update(header.get("traffic", {}))
+        ids = self.topology.devices()
+        ordered = sorted(traffic.items(), key=lambda item: ids.position(item[0]) or 0)  # type: ignore[attr-defined]
+        return [r for c in self.topology.cell_ids() for r in records.get(c, [])], dict(ordered)
+
+    def close(self) -> None:
+        """End the processes (terminate those that do not exit within a few seconds); idempotent."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(frame({"stop": True}))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                log.warning("terminating %s", proc.name)
+                proc.terminate()
+                proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self.log.close()

@@ -1,0 +1,146 @@
+"""One cell process of ``fedtier sim`` (``runtime.cell_processes``): a fixed share of the cells with their devices
+(and their training, in this process) on a virtual loop of its own, trading the cloud's messages with the main
+process, which runs the cloud (``sim/cell_processes.py``, the protocol both sides follow).
+
+A frame from the main process is ``{"at": t, "msgs": [[topic, nbytes, retain], ...]}`` with the messages' encoded
+bytes one after the other (``sim/worker_frames.py``; nothing is pickled): the process moves its clock to ``t``,
+delivers them, runs everything due then and answers likewise with what its nodes published for the cloud and
+``"next"``, when its next timer fires. ``{"stop": true}`` ends it: its cells and devices stop and it answers its
+cells' records and its devices' traffic (JSON). The first answer, unasked, is what its cells published as they
+started. An exception answers ``{"fatal": traceback}`` and ends the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import tomllib
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from edge_agent.agent import DeviceAgent
+from protocols import procs
+from protocols.config import parse_config
+from protocols.execution import execution_plan
+from protocols.fast_exit import skip_exit_collection
+from protocols.heap import keep_freed_memory, setup_frozen
+from protocols.safe_text import log_to_stderr
+from protocols.transport.memory import MemoryHub, VirtualLoop
+from protocols.wire import topics
+from protocols.wire.envelope import Segments
+
+from .attack import attacked, byzantine_devices
+from .cell_sums import cell_sums
+from .device_worker import set_torch_threads
+from .executors import make_executor
+from .hierarchy import prepare
+from .population import Population
+from .sim_cells import build_sim_cells
+from .worker_frames import frame, unframe
+
+Message = tuple[str, bytes, bool]  # topic, encoded bytes, retain
+
+
+def message_frame(header: dict[str, Any], msgs: Sequence[Message]) -> bytes:
+    """``header`` with ``msgs`` (their topics, sizes and retain flags in it, their bytes as the body)."""
+    return frame({**header, "msgs": [[t, len(p), r] for t, p, r in msgs]}, [p for _, p, _ in msgs])
+
+
+def frame_messages(header: dict[str, Any], body: memoryview) -> list[Message]:
+    """The messages of a :func:`message_frame`; a malformed list raises ``ValueError``."""
+    out: list[Message] = []
+    at = 0
+    for topic, n, retain in header.get("msgs", ()):
+        if not (isinstance(topic, str) and isinstance(n, int) and 0 <= n <= len(body) - at):
+            raise ValueError(f"bad message entry {topic!r} ({n!r} bytes)")
+        out.append((topic, bytes(body[at : at + n]), bool(retain)))
+        at += n
+    return out
+
+
+class CellShare:
+    """The cells ``cells`` of the run of ``config_text``, their devices and their training, on a loop of their own."""
+
+    def __init__(self, config_text: str, cells: Sequence[str]) -> None:
+        from protocols.torch_trainer import TorchTrainer
+
+        set_torch_threads(1)
+        self.cfg = cfg = parse_config(tomllib.loads(config_text))
+        self.loop = loop = VirtualLoop()
+        self.hub = hub = MemoryHub(loop)
+        prep = prepare(cfg)
+        spec = prep.spec
+        algorithm = cfg.build_algorithm(spec)
+        self.cells = build_sim_cells(cfg, hub, algorithm, prep.device_data, None, cells)  # (the main process logs)
+        trainer = TorchTrainer.from_spec(
+            spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
+        )
+        self.byzantine = set(byzantine_devices(cfg))
+        self.agents = Population(cfg, hub, algorithm, prep.device_data, lambda _d: trainer, self._configure)
+        self.executor = make_executor(execution_plan(cfg), self.agents.active(), spec, loop, trainer, None)
+        sums = cell_sums(cfg, self.executor, trainer, spec)
+        for cell in self.cells.values():
+            cell.sums = sums
+        self.local = topics.root(cfg.run.name) + "/cell/"  # a cell's own and its devices' topics stay here
+        self.out: list[Message] = []
+        hub.tap = self._tap
+
+    def _configure(self, agent: DeviceAgent) -> None:
+        agent.executor = self.executor
+        agent.role = attacked(agent.role, agent.device, self.byzantine, self.cfg.attack)
+
+    def _tap(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
+        if not topic.startswith(self.local):
+            self.out.append((topic, bytes(payload), retain))
+
+    def answer(self, conn: Any) -> None:
+        """Run what is due now; send what was published for the cloud, and when this process's next timer fires."""
+        self.loop.run_due()
+        out, self.out = self.out, []
+        conn.send_bytes(message_frame({"next": self.loop.next_timer()}, out))
+
+    def serve(self, conn: Any) -> None:
+        """Start the cells and devices, then follow the main process's frames until it says stop."""
+        for cell in self.cells.values():
+            cell.start()
+        self.agents.start()
+        self.answer(conn)
+        while True:
+            header, body = unframe(conn.recv_bytes())
+            if header.get("stop"):
+                break
+            self.loop.advance(float(header["at"]))
+            for topic, payload, retain in frame_messages(header, body):
+                self.hub.inject(topic, payload, retain)
+            self.answer(conn)
+        records = {c: cell.records for c, cell in self.cells.items()}
+        traffic = self.agents.traffic()
+        self.agents.stop()
+        for cell in self.cells.values():
+            cell.stop()
+        self.executor.close()
+        conn.send_bytes(frame({"records": records, "traffic": traffic}))
+
+
+def cell_process_main(conn: Any, config_text: str, cells: list[str]) -> None:
+    """A cell process: build its share, then serve the main process until told to stop (or the main process is
+    gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
+    procs.die_with_parent()
+    log_to_stderr(logging.WARNING, "%(processName)s %(message)s")
+    keep_freed_memory()
+    skip_exit_collection()
+    try:
+        share = CellShare(config_text, cells)
+        with setup_frozen():
+            share.serve(conn)
+    except (EOFError, BrokenPipeError):
+        sys.exit(1)  # the main process is gone
+    except BaseException:
+        try:
+            conn.send_bytes(frame({"fatal": traceback.format_exc()}))
+        except OSError:
+            pass
+        sys.exit(1)

@@ -1,0 +1,99 @@
+"""``runtime.cell_processes`` (``sim/cell_processes.py``): the cells in processes of their own, the same run byte
+for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocols import runfiles
+from protocols.config import ConfigError
+from protocols.transport.memory import VirtualLoop
+from sim.cell_processes import CellProcessError
+from sim.launcher import RunResult, SimHierarchy, run_simulation
+
+WALL = ("time", "duration_s")  # real-time fields of the records; everything else must match
+
+
+def _log_lines(out: Path | None) -> list[str]:
+    """The aggregation log's records without their real-time fields, sorted (its line order is the processes')."""
+    assert out is not None
+    lines = (out / runfiles.AGGREGATION).read_text().splitlines()
+    return sorted(json.dumps({k: v for k, v in json.loads(x).items() if k not in WALL}, sort_keys=True) for x in lines)
+
+
+def _same(a: RunResult, b: RunResult) -> None:
+    assert a.params.keys() == b.params.keys()
+    assert all(a.params[k].tobytes() == b.params[k].tobytes() for k in a.params)
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in WALL} for r in recs]  # noqa: E731
+    assert strip(a.history) == strip(b.history)
+    assert strip(a.cell_records) == strip(b.cell_records)
+    assert a.device_traffic == b.device_traffic
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},
+        {
+            "algorithm": {"name": "hist", "edge_rounds": 2, "local_steps": 5, "batch_size": 16, "lr": 0.1},
+            "topology": {"cells": 3, "devices_per_cell": 2},
+        },
+    ],
+    ids=["fedavg", "hist"],
+)
+def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
+    make_config, tmp_path: Path, sections: dict[str, Any]
+):
+    one = run_simulation(make_config(**sections))
+    runtime = {**sections.get("runtime", {}), "cell_processes": 2}
+    split = run_simulation(make_config(**sections, runtime=runtime, run={"output": str(tmp_path / "split")}))
+    _same(one, split)
+    logged = [_log_lines(r.output_dir) for r in (one, split)]  # the main process writes the cells' log
+    assert logged[0] == logged[1] and len(logged[0]) == len(one.cell_records)
+    assert one.final_accuracy is not None and one.final_accuracy > 0.25  # it learns (10 classes)
+    assert {r["cell"] for r in split.cell_records} == set(split.config.topology.cell_ids())
+
+
+def test_unsupported_settings_are_refused_naming_them(make_config):
+    cfg = make_config(runtime={"cell_processes": 3, "sim_workers": 1}, clock={"device_steps_per_s": 10.0})
+    with pytest.raises(ConfigError) as err:
+        SimHierarchy(cfg, write_output=False)
+    message = str(err.value)
+    for what in ("more processes than cells (2)", "[clock]", "runtime.sim_workers"):
+        assert what in message
+    asynchronous = make_config(algorithm={"mode": "async", "async_buffer": 2}, runtime={"cell_processes": 2})
+    with pytest.raises(ConfigError, match="asynchronous"):
+        SimHierarchy(asynchronous, write_output=False)
+
+
+def test_a_killed_cell_process_ends_the_run_naming_it(make_config):
+    sim: SimHierarchy | None = None
+
+    def kill_after_first_round(record: dict[str, Any]) -> None:
+        if record["round"] == 0:
+            assert sim is not None and sim.split is not None
+            os.kill(sim.split.procs[1].pid, signal.SIGKILL)
+
+    sim = SimHierarchy(make_config(runtime={"cell_processes": 2}), on_round=kill_after_first_round, write_output=False)
+    with pytest.raises(CellProcessError, match=r"cell process 1 \(pid \d+; cells c1\) died with exit code -9"):
+        sim.run()
+    assert sim.cloud.round == 1  # it stopped at once
+    assert all(not p.is_alive() for p in sim.split.procs)
+
+
+def test_a_loop_runs_what_is_due_now_and_moves_only_when_told():
+    loop, seen = VirtualLoop(), []
+    loop.call_later(0.0, lambda: seen.append(("due", loop.now())))
+    loop.call_later(2.0, lambda: seen.append(("later", loop.now())))
+    loop.post(lambda: seen.append(("posted", loop.now())))
+    loop.run_due()
+    assert seen == [("posted", 0.0), ("due", 0.0)] and loop.next_timer() == 2.0  # the clock stayed
+    loop.advance(2.0)
+    loop.run_due()
+    assert seen[-1] == ("later", 2.0) and loop.next_timer() is None
