@@ -266,11 +266,13 @@ def ended_line(s: dict) -> Text | None:
     if phase not in ENDS:
         return None
     total = f"/{s['rounds']}" if isinstance(s.get("rounds"), int) else ""
-    text = Text.assemble(("cloud ", "bold"), (f"{phase}", ENDS[phase]), f" after round {s.get('round')}{total}")
+    when = f" after round {s['round']}{total}" if s.get("round") is not None else " before its first round closed"
+    text = Text.assemble(("cloud ", "bold"), (f"{phase}", ENDS[phase]), when)
     for key in ("accuracy", "loss"):
         if s.get(key) is not None:
             text.append(f", {key} {s[key]:.4f}", style="bold cyan" if key == "accuracy" else "")
-    text.append("  (ended before this monitor started: its rounds are in the cloud's run folder)", style="dim")
+    if not s.get("interrupted"):  # (a killed run's own folder: what it has is here)
+        text.append("  (ended before this monitor started: its rounds are in the cloud's run folder)", style="dim")
     return text
 
 

@@ -467,6 +467,22 @@ def test_the_monitor_says_a_killed_run_stopped_and_exit_when_done_leaves(runs, t
 
 
 @pytest.mark.timeout(30)
+def test_a_run_killed_before_its_first_round_closed_says_so(tmp_path):
+    """A ``fedtier sim`` killed in its first round leaves cell records and no round record: the monitor said "cloud
+    stopped after round None (ended before this monitor started: its rounds are in the cloud's run folder)", of the
+    very run folder it read."""
+    run_dir = tmp_path / "killed"
+    run_dir.mkdir()
+    (run_dir / runfiles.AGGREGATION).write_text("".join(_cell(0, c, 4, 100.0).to_json() + "\n" for c in ("c0", "c1")))
+    (run_dir / runfiles.LOCK).write_text("12345")  # held by no process
+    res = CliRunner().invoke(main, ["monitor", str(run_dir), "--once", "--width", "200"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "cloud stopped before its first round closed" in said, res.output
+    assert "round None" not in said and "its rounds are in the cloud's run folder" not in said
+    assert "now stopped: the fedtier sim|run process ended before the run did (killed?)" in said
+
+
+@pytest.mark.timeout(30)
 def test_exit_when_done_exits_3_when_the_run_failed(runs, tmp_path):
     """``fedtier monitor RUN --exit-when-done && next-step`` went on after a failed run: it left with 0."""
     run_dir = tmp_path / "failed"
