@@ -710,6 +710,7 @@ def test_a_chunked_message_whose_handler_was_killed_comes_whole_in_the_next_sess
             assert [p for _, p in inbox.wait_n(4)[1:]] == more
         assert again._chunk_acks.held == 0
         assert not [r for r in caplog.records if "chunk by chunk" in r.getMessage()]
+        assert wait_until(lambda: again._taking is None, WAIT)  # the last handler returned: its chunks acknowledged
         again.close()
         later = Inbox(loop)
         third = connect(b, "fedtier-t-cloud", loop, persistent=True)  # all handled: none comes again
