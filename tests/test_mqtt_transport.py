@@ -751,8 +751,8 @@ def test_a_chunked_message_whose_session_ends_before_its_last_chunk_comes_whole_
 @needs_mosquitto
 def test_a_chunked_message_over_the_unacknowledged_budget_still_arrives_whole(loop, prefix, caplog) -> None:
     """More chunks than the budget (12; the broker's window is 64 here): acknowledged as they come, as before, with
-    a warning naming its size (a node killed in its handler would lose it), once a topic (a device warned at every
-    task otherwise); it arrives whole, and so do the messages sent after it."""
+    a warning naming its size (a node killed in its handler would lose it), once a connection (a device warned at
+    every task otherwise, a cell at every device's result); it arrives whole, and so do the messages sent after it."""
     big = os.urandom(40 * 950)  # 40 chunks of 1000 bytes
     with MosquittoBroker() as b:
         inbox = Inbox(loop)
@@ -764,8 +764,10 @@ def test_a_chunked_message_over_the_unacknowledged_budget_still_arrives_whole(lo
             cell.publish(f"{prefix}/up/big", big)
             cell.publish(f"{prefix}/up/small", os.urandom(5000))
             cell.publish(f"{prefix}/up/big", big[::-1])
-            got = inbox.wait_n(3)
+            cell.publish(f"{prefix}/up/other", big)
+            got = inbox.wait_n(4)
         assert got[0] == (f"{prefix}/up/big", big) and len(got[1][1]) == 5000 and got[2][1] == big[::-1]
+        assert got[3] == (f"{prefix}/up/other", big)
         assert node._chunk_acks.held == 0
         said = [r.getMessage() for r in caplog.records if "chunk by chunk" in r.getMessage()]
         assert len(said) == 1 and f"of {len(big)} bytes (40 chunks)" in said[0], said

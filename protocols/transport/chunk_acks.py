@@ -12,7 +12,7 @@ once every handler of the message returned (or at once when the set is dropped: 
 or the message held or refused whole). A whole message waiting for its handler leaves the budget: it needs no
 more of the window, and its unacknowledged chunks only make the broker wait for the loop, as one-chunk messages
 do. A set that does not fit is acknowledged chunk by chunk as it comes, as before, with a warning naming its
-size (once a topic): a node killed in its handler loses that message (its next session gets only the chunks not yet
+size (once a connection): a node killed in its handler loses that message (its next session gets only the chunks not yet
 acknowledged, which expire). A handler that keeps a chunked message's acknowledgement past its return
 (``Transport.keep_ack``: the async cloud's push waiting for a version, ``cloud.async_server.UNACKED_WAITING`` of
 them, 4, one-chunk or not) puts its chunks in the budget again until it acknowledges them, or, over the budget,
@@ -46,7 +46,8 @@ class ChunkAcks:
         self.held = 0  # chunks reserved by the sets held whole not whole yet, and by kept acknowledgements
         self._sets: dict[tuple[str, str, bytes], tuple[int, list[Ack]]] = {}  # ident -> (count, acks)
         self._over: OrderedDict[tuple[str, str, bytes], None] = OrderedDict()  # sets acknowledged as they come
-        self._warned: set[str] = set()  # topics whose over-budget set was logged (once a topic: a device's every task)
+        self._warned = False  # an over-budget set was logged (once a connection: else a device's every task, a cell's
+        # every device's result)
 
     def take(self, chunk: ChunkSet, ack: Ack) -> bool:
         """Hold ``ack`` (of a chunk of ``chunk``'s set, not whole yet) until the set is; False: acknowledge it now
@@ -110,14 +111,13 @@ class ChunkAcks:
         self._over[chunk.ident] = None
         while len(self._over) > 1024:
             self._over.popitem(last=False)
-        topic = chunk.ident[0]
-        if topic in self._warned or len(self._warned) >= 256:
+        if self._warned:
             return
-        self._warned.add(topic)
+        self._warned = True
         _said.warning(
             "%s: a chunked message of %d bytes (%d chunks) on %s is acknowledged chunk by chunk: with %d chunks held "
             "unacknowledged it would exceed the budget of %d (the broker's in-flight window), so a node killed in "
-            "its handler loses it (said once a topic)",
+            "its handler loses it (said once a connection)",
             self.client_id,
             chunk.total,
             chunk.chunks,
