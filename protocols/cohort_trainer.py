@@ -38,6 +38,7 @@ from .cohort_kernels import (
     mlp_chain,
     mlp_loss_and_grads,
     perturbed_stack,
+    probe_inputs,
     probe_losses,
 )
 from .models import build_model
@@ -250,16 +251,15 @@ class CohortEngine:
             r.result = float(v)
 
     def _probe(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
-        """``f(x)`` and ``f(x + mu z_p)`` of every device (the directions are the group's: its key) in one forward pass
-        of the probes, built on the engine's device; devices at :func:`one_point` share theirs (over all samples)."""
+        """``f(x)``, ``f(x + mu z_p)`` of each device (the group's directions): probes built on the engine's device."""
         one, (x, y, m), k = one_point(reqs), self._padded(reqs), len(reqs[0].directions) + 1
         base = self._stack(reqs[:1] if one else reqs)
         n = sum(v[0].numel() for v in base.values())
         z = as_tensor(np.stack(reqs[0].directions) if k > 1 else np.zeros((0, n)), np.float32, self.device)
         mus = [r.mu for r in reqs]  # one for all devices where they are equal (perturbed_stack multiplies once)
         mu = torch.tensor(mus[:1] if len(set(mus)) == 1 else mus, dtype=torch.float32, device=self.device)
-        with torch.no_grad():  # each device's batch for each of its probes (one copy of it: shared by k models)
-            out = batched_forward(model, perturbed_stack(base, z, mu), x.flatten(0, 1)[None] if one else x, shared=k)
+        with torch.no_grad():  # the batches for the probes (probe_inputs)
+            out = batched_forward(model, perturbed_stack(base, z, mu), *probe_inputs(x, k, one))
             losses = probe_losses(out, y, m, one)
         for r, row in zip(reqs, losses.tolist()):
             r.result = row
