@@ -16,7 +16,10 @@ Sides: ``bare-cpu``/``bare-cuda`` (a plain sequential PyTorch loop, data on the 
 engine's own choice, logged), and ``cohort-cpu-w2``, ``cohort-cuda-w4``, ``cohort-cuda-w8``,
 ``cohort-cuda-w12`` (cohort_size 64 in ``runtime.sim_workers`` = 2/4/8/12 worker
 processes: each trains its share of a round's devices as cohorts on its own engine, the devices' task
-decoding and result encoding with it; the cells and the cloud stay in the main process).
+decoding and result encoding with it; the cells and the cloud stay in the main process), and ``cohort-cpu-c2``,
+``cohort-cpu-c4``, ``cohort-cuda-c4``, ``cohort-cuda-c10`` (``runtime.cell_processes`` = 2/4/10: the cells, with
+their devices, their training and all their messages' host work, in processes of their own; the cloud in the main
+process).
 Where the cells sum their devices' results (``runtime.cell_sums``): a cohort side leaves it to ``auto`` (on the
 engine's GPU for a CUDA side, on the host for a CPU side); ``-host`` sums on the host (``cohort-cuda-host``,
 ``cohort-cuda-w4-host``: the A/B of the cells' sums on the GPU), ``-engine`` on the engine's device even on the
@@ -108,6 +111,10 @@ WORKLOADS: dict[str, dict] = {
             "cohort-cuda-w8",
             "cohort-cuda-w12",
             "cohort-auto",
+            "cohort-cpu-c2",
+            "cohort-cpu-c4",
+            "cohort-cuda-c4",
+            "cohort-cuda-c10",
         ],
     },
 }
@@ -127,6 +134,10 @@ SIDES = [
     "cohort-cuda-w4-host",
     "cohort-cuda-w8",
     "cohort-cuda-w12",
+    "cohort-cpu-c2",
+    "cohort-cpu-c4",
+    "cohort-cuda-c4",
+    "cohort-cuda-c10",
 ]
 # the targets (issue #33): (workload, numerator side, denominator side)
 RATIOS = [
@@ -142,6 +153,11 @@ RATIOS = [
     ("large", "cohort-cuda", "cohort-cuda-host"),  # the cells' sums on the GPU vs on the host
     ("large", "cohort-cuda-w4", "cohort-cuda-w4-host"),
     ("large", "cohort-cpu-engine", "cohort-cpu"),  # ... and on torch's CPU device vs numpy
+    ("large", "cohort-cuda-c4", "device-cpu"),  # the cells in 4 and 10 processes of their own
+    ("large", "cohort-cuda-c10", "device-cpu"),
+    ("large", "cohort-cuda-c10", "cohort-cuda"),
+    ("large", "cohort-cuda-c4", "cohort-cuda-w4"),
+    ("large", "cohort-cpu-c2", "cohort-cpu"),
     ("standard", "cohort-cuda", "bare-cpu"),
     ("standard", "cohort-auto", "bare-cpu"),
     ("standard", "cohort-cpu", "device-cpu"),
@@ -177,14 +193,21 @@ def uses_cuda(side: str) -> bool:
     return "cuda" in side
 
 
+def cell_processes(side: str) -> int:
+    """A side's ``runtime.cell_processes`` (its ``-cN``): ``cohort-cuda-c4`` is 4, ``cohort-cuda`` 0."""
+    return next((int(p[1:]) for p in side.split("-")[2:] if p[:1] == "c" and p[1:].isdigit()), 0)
+
+
 def cohort_side(side: str) -> tuple[str, int, int, str]:
     """A cohort side's torch device, cohort size, sim workers and ``runtime.cell_sums``: ``cohort-cuda-1000`` is
-    (cuda, 1000, 0, auto), ``cohort-cuda-w4-host`` (cuda, 64, 4, host)."""
+    (cuda, 1000, 0, auto), ``cohort-cuda-w4-host`` (cuda, 64, 4, host); its cell processes: :func:`cell_processes`."""
     _, device, *rest = side.split("-")
     size, workers, sums = 64, 0, "auto"
     for part in rest:
         if part in ("host", "engine"):
             sums = part
+        elif part[:1] == "c" and part[1:].isdigit():
+            continue
         elif part.startswith("w"):
             workers = int(part[1:])
         else:
@@ -278,10 +301,11 @@ def fedtier(
     mark: Callable[[], None],
     workers: int = 0,
     cell_sums: str = "auto",
+    cells_in: int = 0,
 ) -> list[float]:
-    """``fedtier sim`` (in memory, every message encoded) on ``device``, with ``workers`` sim worker processes and
-    the cells summing where ``cell_sums`` says; each round's wall time (and ``mark()`` called at each round's
-    end)."""
+    """``fedtier sim`` (in memory, every message encoded) on ``device``, with ``workers`` sim worker processes,
+    the cells summing where ``cell_sums`` says and ``cells_in`` cell processes; each round's wall time (and
+    ``mark()`` called at each round's end)."""
     from protocols.config import parse_config
     from sim.launcher import run_simulation
 
@@ -309,6 +333,7 @@ def fedtier(
                 "cohort_size": cohort_size,
                 "sim_workers": workers,
                 "cell_sums": cell_sums,
+                "cell_processes": cells_in,
                 "eval_every": w["eval_every"],
             },
         }
@@ -427,7 +452,7 @@ def child(side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool
         times = fedtier(w, rounds, "device", side.split("-")[1], 64, mark)
     else:
         device, size, workers, sums = cohort_side(side)
-        times = fedtier(w, rounds, "cohort", device, size, mark, workers, sums)
+        times = fedtier(w, rounds, "cohort", device, size, mark, workers, sums, cell_processes(side))
     out = {
         "times": times,
         "cpu": cpu,
@@ -481,10 +506,11 @@ def measure(workload: str, sides: list[str], args: argparse.Namespace, cuda: boo
         f"  {'side':21}{'s/round':>10}{'rounds/s':>10}{'steps/s':>11}{'cpu s/rd':>10}{'kernel s/rd':>12}"
         f"{'host s/rd':>10}{'host cpu':>9}{'tree cpu':>9}{'host MB':>9}{'dev MB':>9}"
     )
-    runnable = [s for s in sides if cuda or not uses_cuda(s)]
+    runnable = [s for s in sides if (cuda or not uses_cuda(s)) and cell_processes(s) <= w["cells"]]
     for side in sides:
         if side not in runnable:
-            print(f"  {side:21}skipped: no CUDA")
+            why = "no CUDA" if cell_processes(side) <= w["cells"] else f"{w['cells']} cells, fewer than its processes"
+            print(f"  {side:21}skipped: {why}")
     best: dict[str, dict] = {}
     failed: set[str] = set()
     for _ in range(args.repeat):

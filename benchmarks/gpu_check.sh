@@ -69,9 +69,13 @@ bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py'
 # keeps the cells' and the cloud's: its "cpu s/rd" is the critical path). Each with the cells summing their
 # devices' results on the GPU (runtime.cell_sums = auto) and on the host (-host): the A/B of issue #33 item 3,
 # read in the breakdown's "aggregate" and the RATIO lines. cohort_size 1000 is left out (slower than 64 on an
-# H200 before), and 8 and 12 workers (slower than 4 on the H100, session 13). Worst case of the whole script
-# ~9 minutes (every timeout spent), ~5 expected
-bench large device-cpu,cohort-cuda,cohort-cuda-host,cohort-cuda-w4,cohort-cuda-w4-host,cohort-auto 195 90 "${large[@]}"
+# H200 before), and 8 and 12 workers (slower than 4 on the H100, session 13). Then the cells in 4 and 10
+# processes of their own (runtime.cell_processes: each with its devices, their training and all their messages'
+# host work; the main process runs only the cloud: its "cpu s/rd" against cohort-cuda's is the lever, RATIO
+# "cohort cuda c10 / per-device cpu" the target); they replace cohort-cuda-w4-host (the cells' sums A/B is
+# cohort-cuda against cohort-cuda-host). Worst case of the whole script ~10 minutes (every timeout spent), ~6 expected
+bench large device-cpu,cohort-cuda,cohort-cuda-host,cohort-cuda-w4,cohort-cuda-c4,cohort-cuda-c10,cohort-auto 250 90 \
+  "${large[@]}"
 bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 75 50 "${standard[@]}"
 # small: its two sides within a few percent of each other (auto may choose the CPU), so each runs twice,
 # alternated, the fastest counting (a machine whose speed swings mid-run moved one side 0.74x -> 0.94x before)

@@ -97,3 +97,11 @@ def test_a_loop_runs_what_is_due_now_and_moves_only_when_told():
     loop.advance(2.0)
     loop.run_due()
     assert seen[-1] == ("later", 2.0) and loop.next_timer() is None
+
+
+def test_the_gpu_benchmark_names_its_cell_process_sides():
+    from benchmarks.gpu import SIDES, cell_processes, cohort_side
+
+    assert {"cohort-cpu-c2", "cohort-cuda-c4", "cohort-cuda-c10"} <= set(SIDES)
+    assert cell_processes("cohort-cuda-c10") == 10 and cell_processes("cohort-cuda-w4") == 0
+    assert cohort_side("cohort-cuda-c4") == ("cuda", 64, 0, "auto")
