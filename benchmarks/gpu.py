@@ -343,12 +343,12 @@ def fedtier(
 
 
 # what each figure times, inclusively: (module, qualified name) of the functions wrapped. "kernels": the batched
-# kernels (the cohort engine's calls; the per-device engine's training and everyone's evaluation; the bare loop
-# is not split: its kernel s/rd is 0). The rest (--breakdown) are host-side parts: frame and receive (every
-# message's encoding, decoding, checks), the device roles' copies (set/get parameters, the delta), the cells'
-# and cloud's aggregation (and inside it their float64 sums, where runtime.cell_sums puts them), the engine's
-# batch assembly (inside "kernels": stacking parameters, minibatch indices, per-device results), the cloud's
-# evaluation (inside "kernels" too) and the sim workers' executor
+# kernels (the cohort engine's calls; the per-device engine's training and everyone's evaluation; the bare loop is not
+# split: its kernel s/rd is 0). The rest (--breakdown) are host-side parts: frame and receive (every message's
+# encoding, decoding, checks), the in-memory hub's routing (whom a message reaches), the device roles' copies (set/get
+# parameters, the delta), the cells' and cloud's aggregation (and inside it their float64 sums, where
+# runtime.cell_sums puts them), the engine's batch assembly (inside "kernels": stacking parameters, minibatch indices,
+# per-device results), the cloud's evaluation (inside "kernels" too) and the sim workers' executor
 TIMED: dict[str, list[tuple[str, str]]] = {
     "kernels": [
         ("protocols.cohort_trainer", "CohortEngine.run"),
@@ -356,6 +356,7 @@ TIMED: dict[str, list[tuple[str, str]]] = {
         ("protocols.torch_trainer", "TorchTrainer.evaluate"),
     ],
     "frame": [("protocols.wire.messenger", "Messenger.frame"), ("protocols.wire.messenger", "Messenger.frame_once")],
+    "route": [("protocols.transport.memory", "MemoryHub._route")],  # the in-memory hub's publish: whom it reaches
     "receive": [("protocols.wire.messenger", "Messenger.receive")],
     "device copies": [
         ("protocols.params", "sub"),

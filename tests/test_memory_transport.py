@@ -137,3 +137,25 @@ def test_indexed_routing_matches_a_linear_scan_in_order_and_content():
             hub.loop.run()
     hub.loop.run()
     assert len(expected) > 500 and got == expected
+
+
+def test_a_topics_subscriptions_are_looked_up_once_until_a_subscription_changes(monkeypatch):
+    """A run publishes on the same topics every round: the hub looks a topic's subscriptions up once, and again
+    after any subscribe or unsubscribe (the new subscriber gets the next message, the one gone does not)."""
+    hub = MemoryHub()
+    lookups: list[str] = []
+    match = hub._match
+    monkeypatch.setattr(hub, "_match", lambda topic: lookups.append(topic) or match(topic))
+    got: list[tuple[str, bytes]] = []
+    a, b = hub.connect("a"), hub.connect("b")
+    a.subscribe("r/+/result", lambda t, p: got.append(("a", p)))
+    for i in range(3):
+        b.publish("r/d1/result", b"%d" % i)
+    hub.loop.run()
+    assert lookups == ["r/d1/result"] and got == [("a", b"0"), ("a", b"1"), ("a", b"2")]
+    b.subscribe("r/d1/#", lambda t, p: got.append(("b", p)))
+    a.publish("r/d1/result", b"3")
+    a.unsubscribe("r/+/result")
+    a.publish("r/d1/result", b"4")
+    hub.loop.run()
+    assert lookups == ["r/d1/result"] * 3 and got[3:] == [("a", b"3"), ("b", b"3"), ("b", b"4")]

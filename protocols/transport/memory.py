@@ -170,6 +170,10 @@ def _literal_key(pattern: str) -> tuple[int, str] | None:
     return None
 
 
+MAX_ROUTES = 65_536
+"""Topics whose subscriptions a hub keeps looked up (all of them are forgotten at once past it)."""
+
+
 class MemoryHub:
     """The broker of the in-memory transport: routes, retains and fires last wills.
 
@@ -187,6 +191,7 @@ class MemoryHub:
         self._exact: dict[str, dict[int, _Sub]] = {}  # topic -> its subscriptions by seq
         self._wild: dict[tuple[int, str], dict[int, _Sub]] = {}  # literal prefix -> wildcard subscriptions
         self._by_client: dict[str, dict[int, _Sub]] = {}
+        self._routes: dict[str, list[_Sub]] = {}  # topic -> _matching's answer, until a subscription changes
         self._retained: dict[str, bytes] = {}
         self._retained_under: dict[str, dict[str, None]] = {}  # parent topic -> its retained topics, in order
         self._clients: dict[str, MemoryTransport] = {}
@@ -204,7 +209,16 @@ class MemoryHub:
         return transport
 
     def _matching(self, topic: str) -> list[_Sub]:
-        """The subscriptions ``topic`` reaches, in subscription order."""
+        """The subscriptions ``topic`` reaches, in subscription order (not to be changed: kept for the topic's next
+        message until any subscription changes; a run publishes on the same topics every round)."""
+        found = self._routes.get(topic)
+        if found is None:
+            if len(self._routes) >= MAX_ROUTES:
+                self._routes.clear()
+            found = self._routes[topic] = self._match(topic)
+        return found
+
+    def _match(self, topic: str) -> list[_Sub]:
         exact = self._exact.get(topic)
         found = list(exact.values()) if exact else []
         if self._wild:
@@ -265,6 +279,7 @@ class MemoryHub:
         return [t for t in self._retained if topic_matches(pattern, t)]
 
     def _subscribe(self, client_id: str, pattern: str, handler: Handler, segments: bool = False) -> None:
+        self._routes.clear()
         key = _literal_key(pattern)
         group = self._exact.setdefault(pattern, {}) if key is None else self._wild.setdefault(key, {})
         sub = _Sub(next(self._seq), client_id, pattern, handler, group, segments)
@@ -277,6 +292,7 @@ class MemoryHub:
         mine = self._by_client.get(client_id)
         if not mine:
             return
+        self._routes.clear()
         for seq, sub in list(mine.items()):
             if pattern is None or sub.pattern == pattern:
                 del mine[seq], sub.group[seq]
