@@ -141,6 +141,25 @@ def _time_kernels() -> None:
         device.TorchTrainer.evaluate = timed(device.TorchTrainer.evaluate)  # type: ignore[method-assign]
 
 
+def _fake_forwards() -> None:
+    """``--host-only``: the forward passes become a stand-in (seeded random outputs of their shape; the cloud's
+    evaluation a constant), so that a run is its host side alone, as README's "Time a round" A/Bs measure it: its
+    accuracies mean nothing, its messages and bytes are the run's. Before :func:`_time_kernels` wraps them."""
+    import torch
+
+    import protocols.cohort_trainer as engine
+    import protocols.torch_trainer as device
+
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(model: Any, params: Any, x: Any, shared: int = 1) -> Any:
+        first, last = next(iter(params.values())), next(reversed(params.values()))  # (the last: the output's bias)
+        return 0.01 * torch.randn(first.shape[0], x.shape[1], last.shape[-1], generator=gen)
+
+    engine.batched_forward = forward
+    device.TorchTrainer.evaluate = lambda self, x, y, batch_size=2048: (1.0, 0.1)  # type: ignore[method-assign]
+
+
 class RoundSplit:
     """Where a run's rounds go, in ms a round: wall, CPU, **kernel** (inside the forward passes, which a GPU
     makes cheap) and **host** (the rest: histories, replay, probes, momentum steps, messages, records; what a GPU
@@ -176,6 +195,8 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
     from protocols.config import ConfigError, parse_config
     from sim.launcher import run_simulation
 
+    if settings.get("host_only"):
+        _fake_forwards()
     t0, c0 = time.perf_counter(), time.process_time()
     split = RoundSplit()
     try:
@@ -247,6 +268,11 @@ def main() -> None:
         help="runtime.device (default cpu); with cuda, the --jobs runs share the one GPU",
     )
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each single-threaded)")
+    ap.add_argument(
+        "--host-only",
+        action="store_true",
+        help="forward passes faked by a cheap stand-in: time the host side alone (accuracies meaningless)",
+    )
     add_journal_args(ap)
     args = ap.parse_args()
     check_device(ap, args.device)
@@ -259,6 +285,8 @@ def main() -> None:
         s["zo_rounds"] = args.rounds
     if args.device:
         s["device"] = args.device
+    if args.host_only:  # (a setting: the journal keeps these runs apart from real ones)
+        s["host_only"] = True
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]
     tune_seeds = (
         [int(x) for x in args.tune_seeds.split(",")]
