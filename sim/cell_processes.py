@@ -18,7 +18,9 @@ the records and the byte counts are those of one process (``tests/test_cell_proc
 processes due at the very same virtual time fire main process first, which the one-process run may order otherwise:
 hence no ``[clock]`` (link and compute delays) for now.
 
-A cell process that dies ends the run with :class:`CellProcessError`, naming it, its cells and its last words. The
+A cell process that dies ends the run with :class:`CellProcessError`, naming it, its cells and its last words, and
+so does one that owes an answer and sends nothing, not even a progress beat, for ``runtime.worker_stall_s`` (it is
+killed). The
 cells' aggregation log is written here, from the records they publish; their records and their devices' traffic
 come back when the run ends.
 """
@@ -90,6 +92,7 @@ class CellProcesses:
 
     def __init__(self, cfg: RunConfig, hub: MemoryHub, output_dir: Path | None) -> None:
         self.topology = cfg.topology
+        self.stall_s = cfg.runtime.worker_stall_s  # (not while a process starts: it may load a large data set)
         cells = cfg.topology.cell_ids()
         n = cfg.runtime.cell_processes
         self.groups = [cells[i::n] for i in range(n)]
@@ -142,9 +145,21 @@ class CellProcesses:
         """A record a cell published (its process's own hub checked it): into the aggregation log."""
         self.log.write(open_record(data, topic, None, None))
 
-    def _receive(self, i: int) -> tuple[dict[str, Any], memoryview]:
+    def _receive(self, i: int, stall_s: float | None = None) -> tuple[dict[str, Any], memoryview]:
+        """Process ``i``'s next frame (beats skipped); a process that died, or (``stall_s``) sent nothing for that
+        long (it is killed), raises :class:`CellProcessError` naming it."""
+        conn = self.conns[i]
         try:
-            header, body = unframe(self.conns[i].recv_bytes())
+            while True:
+                if stall_s is not None and not conn.poll(stall_s):
+                    self.procs[i].kill()
+                    raise CellProcessError(
+                        f"{self.describe(i)} sent nothing, no answer and no progress beat, for {stall_s:g} s "
+                        "(runtime.worker_stall_s): it is stopped, deadlocked or stuck, and was killed"
+                    )
+                header, body = unframe(conn.recv_bytes())
+                if "beat" not in header:
+                    break
         except (EOFError, OSError):
             proc = self.procs[i]
             proc.join(5.0)
@@ -153,9 +168,9 @@ class CellProcesses:
             raise CellProcessError(f"{self.describe(i)} failed:\n{str(header['fatal']).rstrip()}")
         return header, body
 
-    def _take(self, i: int) -> bool:
+    def _take(self, i: int, stall_s: float | None = None) -> bool:
         """Deliver here what process ``i`` answered; whether it sent any message."""
-        header, body = self._receive(i)
+        header, body = self._receive(i, stall_s)
         try:
             msgs = frame_messages(header, body)
             nxt = header.get("next")
@@ -181,7 +196,7 @@ class CellProcesses:
                 conn.send_bytes(message_frame({"at": at}, out))
             except OSError:
                 self._receive(i)  # raises, naming how it died
-        return any([self._take(i) for i in range(len(self.procs))])
+        return any([self._take(i, self.stall_s) for i in range(len(self.procs))])
 
     def run(self, until: Callable[[], bool]) -> None:
         """Run the split simulation until ``until()`` or nothing is left anywhere (a stall: the caller tells)."""

@@ -5,9 +5,10 @@ process, which runs the cloud (``sim/cell_processes.py``, the protocol both side
 A frame from the main process is ``{"at": t, "msgs": [[topic, nbytes, retain], ...]}`` with the messages' encoded
 bytes one after the other (``sim/worker_frames.py``; nothing is pickled): the process moves its clock to ``t``,
 delivers them, runs everything due then and answers likewise with what its nodes published for the cloud and
-``"next"``, when its next timer fires. ``{"stop": true}`` ends it: its cells and devices stop and it answers its
-cells' records and its devices' traffic (JSON). The first answer, unasked, is what its cells published as they
-started. An exception answers ``{"fatal": traceback}`` and ends the process.
+``"next"``, when its next timer fires; while it trains, ``{"beat": true}`` every few seconds. ``{"stop": true}``
+ends it: its cells and devices stop and it answers its cells' records and its devices' traffic (JSON). The first
+answer, unasked, is what its cells published as they started. An exception answers ``{"fatal": traceback}`` and
+ends the process.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 import tomllib
 import traceback
 from collections.abc import Sequence
@@ -27,6 +29,7 @@ from protocols.execution import execution_plan
 from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.safe_text import log_to_stderr
+from protocols.trainer import PROGRESS
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire import topics
 from protocols.wire.envelope import Segments
@@ -39,6 +42,7 @@ from .hierarchy import prepare
 from .population import Population
 from .sim_cells import build_sim_cells
 from .worker_frames import frame, unframe
+from .worker_watch import check_period
 
 Message = tuple[str, bytes, bool]  # topic, encoded bytes, retain
 
@@ -85,6 +89,7 @@ class CellShare:
             cell.sums = sums
         self.local = topics.root(cfg.run.name) + "/cell/"  # a cell's own and its devices' topics stay here
         self.out: list[Message] = []
+        self.sending = threading.Lock()  # answers and beats share the pipe
         hub.tap = self._tap
 
     def _configure(self, agent: DeviceAgent) -> None:
@@ -99,10 +104,32 @@ class CellShare:
         """Run what is due now; send what was published for the cloud, and when this process's next timer fires."""
         self.loop.run_due()
         out, self.out = self.out, []
-        conn.send_bytes(message_frame({"next": self.loop.next_timer()}, out))
+        with self.sending:
+            conn.send_bytes(message_frame({"next": self.loop.next_timer()}, out))
+
+    def beat(self, conn: Any, stop: threading.Event) -> None:
+        """Every few seconds, a beat to the main process if training moved meanwhile (one stuck sends none: the
+        main process ends the run after ``runtime.worker_stall_s`` of silence while it waits for an answer)."""
+        last = PROGRESS.steps
+        while not stop.wait(check_period(self.cfg.runtime.worker_stall_s)):
+            if PROGRESS.steps != last:
+                last = PROGRESS.steps
+                try:
+                    with self.sending:
+                        conn.send_bytes(frame({"beat": True}))
+                except OSError:  # the main process is gone
+                    return
 
     def serve(self, conn: Any) -> None:
         """Start the cells and devices, then follow the main process's frames until it says stop."""
+        stop = threading.Event()
+        threading.Thread(target=self.beat, args=(conn, stop), daemon=True).start()
+        try:
+            self._serve(conn)
+        finally:
+            stop.set()
+
+    def _serve(self, conn: Any) -> None:
         for cell in self.cells.values():
             cell.start()
         self.agents.start()
@@ -121,7 +148,8 @@ class CellShare:
         for cell in self.cells.values():
             cell.stop()
         self.executor.close()
-        conn.send_bytes(frame({"records": records, "traffic": traffic}))
+        with self.sending:
+            conn.send_bytes(frame({"records": records, "traffic": traffic}))
 
 
 def cell_process_main(conn: Any, config_text: str, cells: list[str]) -> None:

@@ -72,16 +72,25 @@ def test_unsupported_settings_are_refused_naming_them(make_config):
         SimHierarchy(asynchronous, write_output=False)
 
 
-def test_a_killed_cell_process_ends_the_run_naming_it(make_config):
+@pytest.mark.parametrize(
+    "sig, why",
+    [
+        (signal.SIGKILL, r"died with exit code -9"),
+        (signal.SIGSTOP, r"sent nothing, no answer and no progress beat, for 3 s \(runtime.worker_stall_s\)"),
+    ],
+    ids=["killed", "stopped"],
+)
+def test_a_dead_or_hung_cell_process_ends_the_run_naming_it(make_config, sig: signal.Signals, why: str):
     sim: SimHierarchy | None = None
 
-    def kill_after_first_round(record: dict[str, Any]) -> None:
+    def after_first_round(record: dict[str, Any]) -> None:
         if record["round"] == 0:
             assert sim is not None and sim.split is not None
-            os.kill(sim.split.procs[1].pid, signal.SIGKILL)
+            os.kill(sim.split.procs[1].pid, sig)
 
-    sim = SimHierarchy(make_config(runtime={"cell_processes": 2}), on_round=kill_after_first_round, write_output=False)
-    with pytest.raises(CellProcessError, match=r"cell process 1 \(pid \d+; cells c1\) died with exit code -9"):
+    cfg = make_config(runtime={"cell_processes": 2, "worker_stall_s": 3.0})
+    sim = SimHierarchy(cfg, on_round=after_first_round, write_output=False)
+    with pytest.raises(CellProcessError, match=r"cell process 1 \(pid \d+; cells c1\) " + why):
         sim.run()
     assert sim.cloud.round == 1  # it stopped at once
     assert all(not p.is_alive() for p in sim.split.procs)

@@ -301,7 +301,8 @@ class RuntimeSection(Section):
     worker_stall_s: float = Field(
         default=300.0,
         gt=0,
-        description="fedtier sim workers: a worker (process or Ray actor) that owes results and has sent nothing, "
+        description="fedtier sim workers (and cell_processes): a worker (process or Ray actor) that owes results "
+        "and has sent nothing, "
         "no result and no progress beat (one comes every few seconds while it trains), for this many seconds is "
         "taken as hung (stopped, deadlocked, stuck in a kernel): the run stops naming it, and --resume continues. "
         "A slow worker still beats; only one training step longer than this would be mistaken",
