@@ -56,7 +56,7 @@ class CellProcessError(RuntimeError):
     """A cell process died or answered nonsense; the run cannot go on."""
 
 
-def split_refusals(cfg: RunConfig, algorithm: Algorithm, resume: bool = False, prepared: bool = False) -> list[str]:
+def split_refusals(cfg: RunConfig, algorithm: Algorithm, prepared: bool = False) -> list[str]:
     """What ``runtime.cell_processes`` does not support (yet) in ``cfg`` run by ``algorithm``, each with why; empty:
     it may run."""
     rt, n = cfg.runtime, cfg.runtime.cell_processes
@@ -71,16 +71,14 @@ def split_refusals(cfg: RunConfig, algorithm: Algorithm, resume: bool = False, p
         out.append("runtime.sim_workers (each cell process trains its devices itself)")
     if rt.onnx_devices:
         out.append("runtime.onnx_devices")
-    if resume:
-        out.append("--resume")
     if prepared:
         out.append("data prepared outside the config (each process prepares it from the config)")
     return out
 
 
-def check_split(cfg: RunConfig, algorithm: Algorithm, resume: bool = False, prepared: bool = False) -> None:
+def check_split(cfg: RunConfig, algorithm: Algorithm, prepared: bool = False) -> None:
     """Refuse (:class:`ConfigError`) a run ``runtime.cell_processes`` cannot do, naming what is not supported."""
-    refused = split_refusals(cfg, algorithm, resume, prepared) if cfg.runtime.cell_processes else []
+    refused = split_refusals(cfg, algorithm, prepared) if cfg.runtime.cell_processes else []
     if refused:
         raise ConfigError(
             f"runtime.cell_processes = {cfg.runtime.cell_processes} does not support: {'; '.join(refused)}"
@@ -90,7 +88,8 @@ def check_split(cfg: RunConfig, algorithm: Algorithm, resume: bool = False, prep
 class CellProcesses:
     """The main process's side: the cell processes, the messages between their hubs and this one, and time."""
 
-    def __init__(self, cfg: RunConfig, hub: MemoryHub, output_dir: Path | None) -> None:
+    def __init__(self, cfg: RunConfig, hub: MemoryHub, output_dir: Path | None, start_at: float = 0.0) -> None:
+        """``start_at``: the virtual time the cells start at (a resumed run's)."""
         self.topology = cfg.topology
         self.stall_s = cfg.runtime.worker_stall_s  # (not while a process starts: it may load a large data set)
         cells = cfg.topology.cell_ids()
@@ -114,7 +113,7 @@ class CellProcesses:
                 mine, theirs = ctx.Pipe()
                 proc = ctx.Process(
                     target=cell_process_main,
-                    args=(theirs, text, group),
+                    args=(theirs, text, group, start_at),
                     name=f"fedtier-cell-process-{i}",
                     daemon=True,
                 )

@@ -67,12 +67,14 @@ def frame_messages(header: dict[str, Any], body: memoryview) -> list[Message]:
 class CellShare:
     """The cells ``cells`` of the run of ``config_text``, their devices and their training, on a loop of their own."""
 
-    def __init__(self, config_text: str, cells: Sequence[str]) -> None:
+    def __init__(self, config_text: str, cells: Sequence[str], start_at: float = 0.0) -> None:
+        """``start_at``: the virtual time they start at (a resumed run's, as the main process's loop)."""
         from protocols.torch_trainer import TorchTrainer
 
         set_torch_threads(1)
         self.cfg = cfg = parse_config(tomllib.loads(config_text))
         self.loop = loop = VirtualLoop()
+        loop.start_at(start_at)
         self.hub = hub = MemoryHub(loop)
         prep = prepare(cfg)
         spec = prep.spec
@@ -152,7 +154,7 @@ class CellShare:
             conn.send_bytes(frame({"records": records, "traffic": traffic}))
 
 
-def cell_process_main(conn: Any, config_text: str, cells: list[str]) -> None:
+def cell_process_main(conn: Any, config_text: str, cells: list[str], start_at: float = 0.0) -> None:
     """A cell process: build its share, then serve the main process until told to stop (or the main process is
     gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
@@ -161,7 +163,7 @@ def cell_process_main(conn: Any, config_text: str, cells: list[str]) -> None:
     keep_freed_memory()
     skip_exit_collection()
     try:
-        share = CellShare(config_text, cells)
+        share = CellShare(config_text, cells, start_at)
         with setup_frozen():
             share.serve(conn)
     except (EOFError, BrokenPipeError):

@@ -296,8 +296,8 @@ class SimHierarchy:
             steps_of=device_steps(cfg, prep) if cfg.privacy.dp != "off" else None,  # DP devices report none
         )
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
-        self.split = self._start_split(resume, prepared is not None)  # runtime.cell_processes: the cells elsewhere
         self.cloud = self._build_cloud(on_round, resume)
+        self.split = self._start_split(prepared is not None)  # runtime.cell_processes: the cells elsewhere
         self.cells = {} if self.split else build_sim_cells(cfg, hub, algorithm, prep.device_data, self.output_dir)
         trainer = TorchTrainer.from_spec(
             spec.name, spec.input_shape, spec.num_classes, cfg.runtime.device, **spec.build_kwargs()
@@ -319,15 +319,21 @@ class SimHierarchy:
             weakref.finalize(self, remote.close)
         return remote
 
-    def _start_split(self, resume: bool, prepared: bool) -> CellProcesses | None:
-        """The cell processes of ``runtime.cell_processes`` (refused where unsupported), started now and stopped with
-        this object even if building fails later; ``None`` for 0 (every cell in this process)."""
-        check_split(self.cfg, self.algorithm, resume, prepared)
+    def _start_split(self, prepared: bool) -> CellProcesses | None:
+        """The cell processes of ``runtime.cell_processes`` (refused where unsupported), started now at the cloud's
+        virtual time and stopped with this object even if building fails later; ``None`` for 0 (every cell in this
+        process)."""
+        check_split(self.cfg, self.algorithm, prepared)
         if not self.cfg.runtime.cell_processes:
             return None
-        split = CellProcesses(self.cfg, self.hub, self.output_dir)
+        split = CellProcesses(self.cfg, self.hub, self.output_dir, self._resumed_clock())
         weakref.finalize(self, split.close)
         return split
+
+    def _resumed_clock(self) -> float:
+        """The virtual time a resumed run goes on from (its checkpoint's); 0 for a fresh one."""
+        clock = (self.cloud.resumed_from or {}).get("clock_s")
+        return float(clock) if isinstance(clock, (int, float)) and clock > 0 else 0.0
 
     def _build_cloud(self, on_round: Callable[[dict[str, Any]], None] | None, resume: bool) -> CloudServer:
         """:func:`build_sim_cloud` on this hierarchy's hub (tests build a resumed cloud again)."""
@@ -349,9 +355,8 @@ class SimHierarchy:
                 self.split.close()
 
     def _run(self) -> RunResult:
-        clock = (self.cloud.resumed_from or {}).get("clock_s")
-        if isinstance(clock, (int, float)) and clock > 0:  # a resumed run: its virtual time goes on from there
-            self.hub.loop.start_at(float(clock))
+        if clock := self._resumed_clock():  # a resumed run: its virtual time goes on from there
+            self.hub.loop.start_at(clock)
         for cell in self.cells.values():
             cell.start()
         self.agents.start()

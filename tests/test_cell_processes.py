@@ -60,6 +60,20 @@ def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     assert {r["cell"] for r in split.cell_records} == set(split.config.topology.cell_ids())
 
 
+def test_a_resumed_run_in_cell_processes_ends_as_the_uninterrupted_run(make_config, tmp_path: Path):
+    straight = run_simulation(make_config(run={"rounds": 4}), write_output=False)
+    part = {"output": str(tmp_path / "resumed")}
+    run_simulation(make_config(run={**part, "rounds": 2}))  # "crashes" after round 1 (one process)
+    resumed = run_simulation(
+        make_config(run={**part, "rounds": 4}, runtime={"cell_processes": 2}), resume=True
+    )  # goes on in cell processes
+    assert [r["round"] for r in resumed.history] == [2, 3]
+    assert all(straight.params[k].tobytes() == resumed.params[k].tobytes() for k in straight.params)
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in WALL} for r in recs]  # noqa: E731
+    assert strip(resumed.history) == strip(straight.history[2:])
+    assert strip(resumed.cell_records) == strip([r for r in straight.cell_records if r["round"] >= 2])
+
+
 def test_unsupported_settings_are_refused_naming_them(make_config):
     cfg = make_config(runtime={"cell_processes": 3, "sim_workers": 1}, clock={"device_steps_per_s": 10.0})
     with pytest.raises(ConfigError) as err:
