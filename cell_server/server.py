@@ -23,7 +23,7 @@ from protocols.answers import Answers
 from protocols.divergence import diverged_reason
 from protocols.failures import failed_payload, failed_reason
 from protocols.params import sums_on
-from protocols.rejections import kind_of
+from protocols.rejections import RejectKind, kind_of
 from protocols.state import MAX_WAITING
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -38,6 +38,7 @@ from .telemetry import edge_record
 
 if TYPE_CHECKING:
     from protocols.privacy.secagg import SecAggSettings
+    from protocols.wire.envelope import Header
 
     from .secagg import CellSecAgg
 
@@ -81,6 +82,7 @@ class CellServer(CellNode):
         self._wait_timer: TimerHandle | None = None
         self.edge_round, self.in_round = 0, False
         self.answers = Answers("device")
+        self._early: dict[str, tuple[tuple[int, int], str, bytes]] = {}  # results before their edge round opened
         self.edge, self.tally = EdgeRound(), RoundTally()  # the open edge round, the open cloud round
         self._timer: TimerHandle | None = None  # the open edge round's deadline
         self.secagg, self._result_kinds = self._secure_aggregation(secagg, secagg_deadline)
@@ -299,6 +301,8 @@ class CellServer(CellNode):
             if d not in taken and d not in settled:
                 self.send_task(d)
         self.answers.open((self.round, self.edge_round), self.edge.planned)
+        if self._early:
+            self.loop.post(self._guard(self._take_early, "early results"))
         for d, result in taken.items():
             self.answers.received[d] = result
             self.answers.pending.discard(d)
@@ -360,7 +364,8 @@ class CellServer(CellNode):
                 device, h.sender, (h.round, h.edge_round), None if settle else msg.payload, check
             )
         if refused is not None:
-            self.messenger.reject(topic, refused.kind, str(refused), device)
+            if refused.kind is not RejectKind.STALE or not self._keep_early(device, msg.header, topic, data):
+                self.messenger.reject(topic, refused.kind, str(refused), device)
             return
         if len(self.answers.received) + len(self.answers.settled) == taken:
             return  # a repeat of an answer already taken counts once
@@ -376,6 +381,29 @@ class CellServer(CellNode):
             self.close_edge(self.round, self.edge_round, why)
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self.waiting_state()
+
+    def _keep_early(self, device: str, h: Header, topic: str, data: bytes) -> bool:
+        """Keep a result of this cell's device for an edge round after the current one, to take when that round
+        opens (:meth:`_take_early`): a restarted cell between rounds whose devices kept the task of the cell
+        before it (their persistent sessions) and answered it. Refused, it was lost: the device answers the
+        task again only with the same message, which the transport then drops as a repeat, and the round
+        waited for its deadline without it. The latest per device; False for any other result."""
+        key = (h.round, h.edge_round)
+        if key <= (self.round, self.edge_round) or self.devices.position(device) is None:
+            return False
+        self.messenger.forget(h)  # read again when taken
+        self._early[device] = (key, topic, data)
+        log.info("cell %s: %s answered round %d.%d before it opened: kept until it does", self.cell, device, *key)
+        return True
+
+    def _take_early(self) -> None:
+        """Take the kept results of the edge round that just opened (those of a later one stay kept)."""
+        now, early, self._early = (self.round, self.edge_round), self._early, {}
+        for device, (key, topic, data) in sorted(early.items()):
+            if key == now and self.in_round:
+                self._on_result(topic, data)
+            elif key > now:
+                self._early[device] = (key, topic, data)
 
     def closing(self) -> str | None:
         """Why the open edge round closes now (every planned device answered, or a quorum did); None: it waits."""

@@ -304,6 +304,62 @@ def test_a_cell_killed_after_taking_the_next_task_before_journaling_it_is_sent_i
     assert all(np.array_equal(straight.params[k], crashed.params[k]) for k in straight.params)
 
 
+def test_a_restarted_cell_takes_the_results_its_devices_sent_before_it_reopened_the_round(tmp_path: Path) -> None:
+    """In memory: c0 sent round 1's first tasks and died before it journaled anything of round 1 (its journal ends
+    with its report of round 0), so the resumed cell is between rounds when its devices' results of round 1, queued
+    for it, arrive (as after a ``fedtier run`` stopped mid-round and resumed: its agents' persistent sessions hold
+    the dead cell's tasks). It keeps them and takes them once round 1 opens: that edge round closes with every
+    device and nothing rejected, and the model is the uninterrupted run's. (Refused as stale, they were lost: a
+    device answers the task sent again with the same message, dropped as a repeat, and the edge round waited for
+    its device deadline without them: another model.)"""
+
+    def config(name: str):
+        return small_config(tmp_path / name, runtime={"device_deadline": 50.0})
+
+    straight = run_simulation(config("straight"))
+    sim = SimHierarchy(config("crashed"))
+
+    def restart() -> None:
+        sim.cells["c0"] = new = journaled_c0(sim, resume=True)
+        new.start()
+
+    first = sim.cells["c0"] = journaled_c0(sim, resume=False)
+    journal_task, journal_plan, open_edge = first.journal.task, first.journal.plan, first.open_edge
+
+    def task(rnd: int, *args: Any) -> None:
+        if rnd != 1:  # round 1: the crash comes before its fsync
+            journal_task(rnd, *args)
+
+    def plan(*args: Any) -> None:
+        if first.round != 1:
+            journal_plan(*args)
+
+    def opened(*args: Any, **kwargs: Any) -> None:
+        open_edge(*args, **kwargs)  # the tasks are out
+        if first.round == 1:
+            first.transport.crash()
+            first.stop()
+            first.enter_round = first.start_edge = lambda *_: None  # type: ignore[method-assign]
+
+    queued: list[tuple[str, Any]] = []  # what the broker holds for c0's session while it is down
+
+    def tap(topic: str, payload: Any, retain: bool) -> None:
+        if first.transport.closed and topic.startswith("fedtier/t/cell/c0/up/") and len(queued) < 3:
+            queued.append((topic, payload))
+            if len(queued) == 3:  # every device answered the dead cell: it comes back, and gets them
+                sim.hub.loop.post(restart)
+                sim.hub.loop.post(lambda: [sim.hub.inject(t, p, False) for t, p in queued])
+
+    first.journal.task, first.journal.plan = task, plan  # type: ignore[method-assign]
+    first.open_edge = opened  # type: ignore[method-assign]
+    sim.hub.tap = tap
+    crashed = sim.run()
+    assert sim.cells["c0"] is not first
+    opened_early = [r for r in crashed.cell_records if (r["cell"], r["round"], r["edge_round"]) == ("c0", 1, 0)]
+    assert [(r["closed_by"], r["rejected"], len(r["answered"])) for r in opened_early] == [("all answered", [], 3)]
+    assert all(np.array_equal(straight.params[k], crashed.params[k]) for k in straight.params)
+
+
 def test_a_cell_follows_a_cloud_that_started_afresh_in_a_new_session(tmp_path: Path) -> None:
     """Signed, in memory: after a finished run the same cells (at round 1) serve a cloud started again
     without --resume (a new session, announced by its signed status): they take its round 0 instead of

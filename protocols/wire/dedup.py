@@ -20,3 +20,7 @@ class SeenIds:
         if len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
         return True
+
+    def forget(self, msg_id: str) -> None:
+        """Take ``msg_id`` as new when it comes again."""
+        self._ids.pop(msg_id, None)

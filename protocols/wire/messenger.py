@@ -299,6 +299,11 @@ class Messenger:
             verify_signature(header, signed, topic, self.trust.verify)
         return header, raw
 
+    def forget(self, header: Header) -> None:
+        """Take ``header``'s message as new when it comes again (:meth:`receive` drops a repeat): one refused for
+        its timing alone, which its sender sends again, the same bytes, once the time is right."""
+        self.seen.forget(f"{header.session}/{header.msg_id}")
+
     def reject(self, topic: str, kind: RejectKind, reason: str, sender: str | None) -> None:
         """Log a rejected message and tell the owner (who records it, with its kind, in its aggregation log)."""
         self._log.warning("%s rejected a message on %s (%s): %s", self.sender, topic, kind.value, reason)
