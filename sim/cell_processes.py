@@ -12,11 +12,16 @@ Time is synchronised conservatively: the main process runs what is due at the pr
 what was published for it and the present, and each runs what is due then and answers; while messages still cross,
 this repeats at the same time. Only when a whole exchange carried none (no process has anything left before the
 next timer) does every clock move, to the earliest timer of all processes; the main process's timers due then fire
-first. Every node thus sees the messages and deadlines of the one-process run at the same virtual times: the cloud
-sorts what it aggregates by cell, and each cell's devices run in its own process in their usual order, so the model,
-the records and the byte counts are those of one process (``tests/test_cell_processes.py``). Timers of different
-processes due at the very same virtual time fire main process first, which the one-process run may order otherwise:
-hence no ``[clock]`` (link and compute delays) for now.
+first. A message crossing at time ``t`` is delivered by the receiving hub, with ``[clock]``'s link delay for its
+topic and size (the same function of them in every process), at the time it would be in one process. Every node
+thus sees the messages and deadlines of the one-process run at the same virtual times: the cloud sorts what it
+aggregates by cell, and each cell's devices run in its own process in their usual order, so the model, the records
+and the byte counts are those of one process (``tests/test_cell_processes.py``). Timers of two cell
+processes due at one virtual time (two cells getting their tasks at once) change nothing: cells exchange nothing,
+and what they send the cloud arrives at the times one process would (reports arriving at once in the order of
+their processes: the cloud sorts what it aggregates). One case can differ: a
+timer of the cloud and one of a cell process due at the very same virtual time fire the cloud's first, where one
+process fires them in the order they were set; the run then logs a warning (once).
 
 A cell process that dies ends the run with :class:`CellProcessError`, naming it, its cells and its last words, and
 so does one that owes an answer and sends nothing, not even a progress beat, for ``runtime.worker_stall_s`` (it is
@@ -46,7 +51,6 @@ if TYPE_CHECKING:
     from protocols.algorithms.base import Algorithm
 
 from .cell_share import Message, cell_process_main, frame_messages, message_frame
-from .clock import clock_modelled
 from .worker_frames import frame, unframe
 
 log = logging.getLogger("fedtier.sim")
@@ -65,8 +69,6 @@ def split_refusals(cfg: RunConfig, algorithm: Algorithm, prepared: bool = False)
         out.append(f"more processes than cells ({len(cfg.topology.cell_ids())})")
     if Trait.ASYNC in algorithm.stack_traits():
         out.append("an asynchronous algorithm (only synchronous rounds)")
-    if clock_modelled(cfg.clock):
-        out.append("a [clock] model (timers of different processes due at one virtual time)")
     if rt.sim_workers:
         out.append("runtime.sim_workers (each cell process trains its devices itself)")
     if rt.onnx_devices:
@@ -100,6 +102,7 @@ class CellProcesses:
         self.local = topics.root(cfg.run.name) + "/cell/"
         self.out: list[list[Message]] = [[] for _ in self.groups]
         self.nexts: list[float | None] = [None] * n
+        self.tied = False  # timers of two processes were due at one virtual time (warned once)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         # the cells' aggregation log, written here from the records they publish (the line order is the order the
@@ -208,7 +211,16 @@ class CellProcesses:
             times = [t for t in (self.loop.next_timer(), *self.nexts) if t is not None]
             if not times:
                 return
-            self.loop.advance(min(times))
+            at = min(times)
+            if self.loop.next_timer() == at and at in self.nexts and not self.tied:
+                self.tied = True
+                log.warning(
+                    "cell processes: a timer of the cloud and one of a cell process are due at the same virtual time "
+                    "%g s: the cloud's fires first, where one process fires them in the order they were set, so this "
+                    "run may differ from a one-process run from there on (said once)",
+                    at,
+                )
+            self.loop.advance(at)
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
         """Stop the processes' cells and devices: the cells' records and the devices' traffic, in topology order

@@ -36,6 +36,7 @@ from protocols.wire.envelope import Segments
 
 from .attack import attacked, byzantine_devices
 from .cell_sums import cell_sums
+from .clock import sim_clock
 from .device_worker import set_torch_threads
 from .executors import make_executor
 from .hierarchy import prepare
@@ -75,8 +76,9 @@ class CellShare:
         self.cfg = cfg = parse_config(tomllib.loads(config_text))
         self.loop = loop = VirtualLoop()
         loop.start_at(start_at)
-        self.hub = hub = MemoryHub(loop)
         prep = prepare(cfg)
+        self.clock = clock = sim_clock(cfg, prep)
+        self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
         spec = prep.spec
         algorithm = cfg.build_algorithm(spec)
         self.cells = build_sim_cells(cfg, hub, algorithm, prep.device_data, None, cells)  # (the main process logs)
@@ -97,6 +99,8 @@ class CellShare:
     def _configure(self, agent: DeviceAgent) -> None:
         agent.executor = self.executor
         agent.role = attacked(agent.role, agent.device, self.byzantine, self.cfg.attack)
+        if self.clock.enabled:
+            agent.compute_delay = self.clock.compute_delay
 
     def _tap(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
         if not topic.startswith(self.local):

@@ -16,10 +16,11 @@ Deadlines run on the same clock, so a slow device misses them as it would in the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from protocols.config import ClockSection
+from protocols.config import ClockSection, RunConfig
 from protocols.seeding import rng
 from protocols.wire.payload import Payload
 from protocols.wire.topics import tier_of
@@ -77,3 +78,25 @@ class ClockModel:
         if not (isinstance(steps, (int, float)) and steps > 0):
             steps = self.steps_of(device) if self.steps_of is not None else self.default_steps
         return float(steps) / speed
+
+
+def device_steps(cfg: RunConfig, prep: Any) -> Callable[[str], int]:
+    """``device -> local steps per edge round`` from the simulator's own bookkeeping (its sample count and
+    the algorithm's ``local_steps`` / ``local_epochs``): the virtual clock's count for devices that report
+    none (DP devices keep their data's size to themselves)."""
+    from protocols.trainer import num_steps
+
+    t = cfg.train
+    return lambda d: num_steps(len(prep.device_data.indices(d)), t.batch_size, t.local_steps, t.local_epochs)
+
+
+def sim_clock(cfg: RunConfig, prep: Any) -> ClockModel:
+    """The clock model of run ``cfg`` whose data ``prep`` (:class:`sim.hierarchy.Prepared`) built: the same in
+    every process of a run (the main one, each cell process)."""
+    return ClockModel(
+        cfg.clock,
+        cfg.topology.all_devices() if clock_modelled(cfg.clock) else [],
+        cfg.run.seed,
+        cfg.train.local_steps,
+        steps_of=device_steps(cfg, prep) if cfg.privacy.dp != "off" else None,  # DP devices report none
+    )

@@ -31,7 +31,7 @@ from protocols.wire.keys import with_run_keys
 from .attack import attacked, byzantine_devices
 from .cell_processes import CellProcesses, check_split
 from .cell_sums import cell_sums
-from .clock import ClockModel, clock_modelled
+from .clock import clock_modelled, sim_clock
 from .device_worker import set_torch_threads
 from .executors import make_executor, start_workers, worker_device
 from .hierarchy import (
@@ -199,16 +199,6 @@ def eval_threads(cfg: RunConfig) -> int:
     return execution_plan(cfg).eval_threads
 
 
-def device_steps(cfg: RunConfig, prep: Any) -> Callable[[str], int]:
-    """``device -> local steps per edge round`` from the simulator's own bookkeeping (its sample count and
-    the algorithm's ``local_steps`` / ``local_epochs``): the virtual clock's count for devices that report
-    none (DP devices keep their data's size to themselves)."""
-    from protocols.trainer import num_steps
-
-    t = cfg.train
-    return lambda d: num_steps(len(prep.device_data.indices(d)), t.batch_size, t.local_steps, t.local_epochs)
-
-
 def cell_bounds(cfg: RunConfig, device_data: DeviceData) -> CellBounds:
     """Each cell's weight bound at the cloud from its devices' sample counts (computed at its first report)."""
     return CellBounds(
@@ -287,14 +277,7 @@ class SimHierarchy:
             remote = self._start_workers(loop, spec)
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
-        train = cfg.train
-        self.clock = clock = ClockModel(
-            cfg.clock,
-            cfg.topology.all_devices() if clock_modelled(cfg.clock) else [],
-            cfg.run.seed,
-            train.local_steps,
-            steps_of=device_steps(cfg, prep) if cfg.privacy.dp != "off" else None,  # DP devices report none
-        )
+        self.clock = clock = sim_clock(cfg, prep)
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
         self.cloud = self._build_cloud(on_round, resume)
         self.split = self._start_split(prepared is not None)  # runtime.cell_processes: the cells elsewhere

@@ -291,8 +291,8 @@ class RuntimeSection(Section):
         description="fedtier sim: processes that each run a fixed share of the cells with their devices (and their "
         "training), the cloud staying in the main process; cloud-cell messages cross as their encoded bytes, and "
         "virtual time moves only when every process has nothing left to do before it, so the model, records and "
-        "byte counts are those of one process. Synchronous algorithms without [clock], sim_workers or onnx_devices; "
-        "0: one process",
+        "byte counts are those of one process (a warning says when a cloud timer and a cell's fall at one virtual "
+        "time, where they may not be). Synchronous algorithms without sim_workers or onnx_devices; 0: one process",
     )
     sim_backend: Literal["processes", "ray"] = Field(
         default="processes",
