@@ -117,6 +117,7 @@ class RoundTally:
     failed: dict[str, str] = field(default_factory=dict)  # whose task failed in some edge round, why
     unmet: dict[str, str] = field(default_factory=dict)  # left out for the job's requirements, why
     late: set[str] = field(default_factory=set)  # tasked, and silent past the device deadline of an edge round
+    rejected: dict[str, str] = field(default_factory=dict)  # late whose answer was refused, why (its last refusal)
     offline: set[str] = field(default_factory=set)  # taking part, and offline when an edge round was planned
 
     def add(
@@ -150,8 +151,11 @@ class RoundTally:
         unmet = {d: why for d, why in self.unmet.items() if d not in self.devices}
         if unmet:  # a job no device can serve fails with why
             meta["unmet"] = count_reasons(unmet)
-        if late := len(self.late - self.devices):  # a job whose devices never make the deadline fails with why
-            meta["late"] = late
+        refused = {d: why for d, why in self.rejected.items() if d in self.late and d not in self.devices}
+        if refused:  # they answered, and every answer was refused: a job of such rounds fails saying why
+            meta["rejected"] = count_reasons(refused)
+        if late := len(self.late - self.devices - refused.keys()):  # a job whose devices never make the deadline
+            meta["late"] = late  # fails with why
         if offline := len(self.offline - self.devices):  # a job whose every device is down fails with why
             meta["offline"] = offline
         if online and not self.devices:

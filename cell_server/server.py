@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedtier.cell")
 
+TIMING = (RejectKind.STALE, RejectKind.LATE)
+"""Refusals of when an answer came, not of what it holds."""
+
 Availability = Callable[[int, int], Iterable[str]]
 """``(cloud round, edge round) -> devices that may take part`` (participation, in sim/emulation)."""
 
@@ -366,6 +369,9 @@ class CellServer(CellNode):
         if refused is not None:
             if refused.kind is not RejectKind.STALE or not self._keep_early(device, msg.header, topic, data):
                 self.messenger.reject(topic, refused.kind, str(refused), device)
+            if self.answers.is_open and device in self.answers.pending and refused.kind not in TIMING:
+                # (its reason without its id: counted with the others')
+                self.tally.rejected[device] = f"{refused.kind.value}: {str(refused).replace(device, 'DEVICE')}"
             return
         if len(self.answers.received) + len(self.answers.settled) == taken:
             return  # a repeat of an answer already taken counts once

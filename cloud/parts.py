@@ -40,6 +40,7 @@ class RoundCounts:
     failures: dict[str, int] = field(default_factory=dict)  # reason -> devices whose task failed, over the cells
     unmet: dict[str, int] = field(default_factory=dict)  # reason -> devices left out for the job's requirements
     late: int = 0  # devices tasked that answered no edge round in time, over the cells
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> devices late whose every answer was refused
     offline: int = 0  # devices taking part that were offline in every edge round, over the cells
     online: int = 0  # devices online in cells that aggregated none, over the cells (the fleet is alive)
     cells_failed: dict[str, str] = field(default_factory=dict)  # cell -> why it failed (fail_on_cell_failure off)
@@ -96,6 +97,7 @@ class RoundCounts:
             self.failed[cell] = failed
         merge_counts(self.failures, meta.get("failures"))
         merge_counts(self.unmet, meta.get("unmet"))
+        merge_counts(self.rejected, meta.get("rejected"))
         self.late += declared_count(meta.get("late", 0))
         self.offline += declared_count(meta.get("offline", 0))
         self.online += declared_count(meta.get("online", 0))

@@ -156,6 +156,7 @@ def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts,
         counts.late,
         counts.offline if not counts.online else 0,  # devices drawn offline while others are online: no stall
         last=last,
+        rejected=counts.rejected,
     )
 
 

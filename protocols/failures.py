@@ -116,10 +116,12 @@ class StallWatch:
         late: int = 0,
         offline: int = 0,
         last: bool = False,
+        rejected: Mapping[str, int] | None = None,
     ) -> str | None:
         """Count round ``rnd`` (cells that reported, cells of the job, devices aggregated, failed devices per
         reason, diverged devices, devices left out per unmet requirement, devices tasked that never answered
-        in time, devices taking part that were offline where no cell had one online); the reason the job fails,
+        in time, devices taking part that were offline where no cell had one online, devices tasked whose every
+        answer was refused, per reason); the reason the job fails,
         once it stalled ``max_rounds`` rounds in a row, or at its ``last`` round when none of its rounds made
         progress (a job of fewer rounds than ``max_rounds`` whose devices all failed "finished", exit 0)."""
         needed = min(self.min_cells, cells)
@@ -129,6 +131,9 @@ class StallWatch:
         elif aggregated == 0 and (failed or diverged):
             parts = [f"{n} failed: {r}" for r, n in failed.items()] + ([f"{diverged} diverged"] if diverged else [])
             why = "every device that answered failed or diverged (" + "; ".join(parts) + ")"
+        elif aggregated == 0 and rejected:  # e.g. a role's check that refuses what its devices send
+            parts = [f"{n} rejected: {r}" for r, n in rejected.items()] + ([f"{late} late"] if late else [])
+            why = "no device's answer was taken (" + "; ".join(parts) + ")"
         elif aggregated == 0 and late:  # e.g. a device deadline shorter than the devices' training
             why = f"no device answered within the device deadline ({late} tasked, every one late)"
         elif aggregated == 0 and unmet:  # nobody could take part: the job asks what no device has

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch.nn as nn
 
-from examples.normclip import NormClip, NormClipDevice
+from examples.normclip import NormClip, NormClipCell, NormClipDevice
 from protocols import params as P
 from protocols import plugins
-from protocols.algorithms import ALGORITHMS, DeviceContext, DeviceRole
+from protocols.algorithms import ALGORITHMS, CellRole, DeviceContext, DeviceRole
 from protocols.algorithms.base import ModelSpec
 from protocols.config import ConfigError
 from protocols.models import build_model
+from protocols.rejections import Rejected, RejectKind
 from protocols.seeding import rng
 from protocols.torch_trainer import TorchTrainer
 from protocols.trainer import LocalData, Trainer, correction
@@ -427,3 +428,41 @@ def test_a_device_role_that_returns_no_payload_fails_its_tasks_saying_so(
     result = run_simulation(cfg)
     assert result.status == "failed" and len(result.history) == 1
     assert "DictDevice.train returned dict, not a Payload" in str(result.failed)  # (6 failed: ...)
+
+
+class StrictCell(NormClipCell):
+    """A cell role with a mistake: its check reads a key its devices never send."""
+
+    def check(self, device: str, result: Payload) -> None:
+        if "samples" not in result.meta:
+            raise Rejected(RejectKind.MALFORMED, f"result of {device}: no 'samples'")
+
+
+class Strict(NormClip):
+    name = "strict-test"
+
+    def cell(self, cell: str) -> CellRole:
+        return StrictCell(self.params)  # type: ignore[arg-type]
+
+
+def test_a_cell_role_that_refuses_every_answer_fails_the_job_saying_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every answer refused by the role's check: the job fails naming the refusal (it said "no device answered
+    within the device deadline (6 tasked, every one late)": they answered, each edge round waited for its deadline
+    with their refused answers pending)."""
+    from sim.launcher import run_simulation
+
+    monkeypatch.setitem(ALGORITHMS, Strict.name, Strict)
+    cfg = small_config(
+        tmp_path,
+        algorithm={"name": Strict.name, "local_steps": 2, "edge_rounds": 1},
+        run={"rounds": 5},
+        runtime={"max_stalled_rounds": 2},
+        data={"max_train": 120, "max_test": 30},
+    )
+    result = run_simulation(cfg)
+    assert result.status == "failed" and len(result.history) == 2
+    assert result.failed == (
+        "no device's answer was taken (6 rejected: malformed: result of DEVICE: no 'samples') in rounds 0-1"
+    )

@@ -235,7 +235,8 @@ class RuntimeSection(Section):
         default=3,
         ge=1,
         description="the job fails after this many cloud rounds in a row without progress: no cell answered "
-        "(fewer than min_cells), every device that answered failed its task or diverged, every device tasked "
+        "(fewer than min_cells), every device that answered failed its task or diverged, every answer refused "
+        "(a role's check), every device tasked "
         "missed device_deadline, or every device taking part was offline and no device of the job online; a job "
         "none of whose rounds made progress fails at its end, however few its rounds",
     )
