@@ -218,3 +218,18 @@ def test_a_table_decoded_before_is_compared_not_parsed_and_any_other_bytes_are_p
     data[data.index(b"\x01\x00w") + 3] = 99  # the first tensor's dtype code, in a table of a known length
     with pytest.raises(WireError, match="unknown dtype code 99"):
         decode_payload(bytes(data), views=True)
+
+
+def test_the_tables_kept_are_bounded_whatever_a_peer_sends() -> None:
+    """Tables kept for the next decoding are bounded in number and size: a peer's payloads of ever new tables, or
+    of one table with huge names, keep at most 64 tables of at most 16 KiB of descriptors (each decoded right)."""
+    from protocols.wire import payload as wire_payload
+
+    for i in range(200):  # a new table each time: one more tensor's name
+        got = decode_payload(encode_payload(Payload({}, {f"t{i}": np.ones(i % 7 + 1, np.float32)})), views=True)
+        assert list(got.tensors) == [f"t{i}"] and got.tensors[f"t{i}"].shape == (i % 7 + 1,)
+        assert len(wire_payload._TABLES) <= 64
+    huge = Payload({}, {"x" * 60_000: np.ones(1, np.float32), "y" * 60_000: np.ones(2, np.float32)})
+    wire_payload._TABLES.clear()
+    assert list(decode_payload(encode_payload(huge), views=True).tensors) == list(huge.tensors)
+    assert not wire_payload._TABLES  # parsed, not kept

@@ -369,7 +369,8 @@ _TABLES: dict[int, tuple[tuple[tuple[int, bytes], ...], tuple[Entry, ...]]] = {}
 """Tables parsed before, by the bytes after the metadata: each tensor's descriptor bytes where they were (the count
 with the first) and its entry. A table's parse depends on its descriptors alone, so the same descriptor bytes at
 the same places give the same entries (a model's every task and result: compared, not parsed again)."""
-_MAX_TABLES, _MAX_TABLE_TENSORS = 64, 64
+_MAX_TABLES, _MAX_TABLE_TENSORS, _MAX_TABLE_BYTES = 64, 256, 16384  # kept: 1 MiB of descriptors at most
+# (the MLP's table: 6 tensors, ~110 bytes of descriptors)
 
 
 def _known_table(buf: memoryview, pos: int, end: int) -> tuple[Entry, ...] | None:
@@ -415,7 +416,8 @@ def _parse_table(buf: memoryview, pos: int, end: int) -> Iterator[Entry]:
         yield entries[-1]
     if pos != end:
         raise WireError(RejectKind.MALFORMED, f"{end - pos} trailing bytes after the last tensor")
-    if 0 < count <= _MAX_TABLE_TENSORS and len({e[0] for e in entries}) == count:  # (a repeated name: refused)
+    kept = 0 < count <= _MAX_TABLE_TENSORS and sum(len(d) for _, d in descriptors) <= _MAX_TABLE_BYTES
+    if kept and len({e[0] for e in entries}) == count:  # (a repeated name: refused)
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
         _TABLES[end - first] = (tuple(descriptors), tuple(entries))
