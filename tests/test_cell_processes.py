@@ -40,12 +40,10 @@ def _same(a: RunResult, b: RunResult) -> None:
     "sections",
     [
         {},
-        {
+        {  # hist; stragglers miss the cells' deadlines: virtual time moves, messages cross with their link delays
+            "run": {"rounds": 2},
             "algorithm": {"name": "hist", "edge_rounds": 2, "local_steps": 5, "batch_size": 16, "lr": 0.1},
             "topology": {"cells": 3, "devices_per_cell": 2},
-        },
-        {  # stragglers miss the cells' deadlines: virtual time moves, messages cross with their link delays
-            "run": {"rounds": 2},
             "clock": {
                 "device_steps_per_s": 10.0,
                 "device_speed_spread": 1.0,
@@ -54,10 +52,10 @@ def _same(a: RunResult, b: RunResult) -> None:
                 "backhaul_bytes_per_s": 1e6,
                 "latency_s": 0.01,
             },
-            "runtime": {"device_deadline": 1.5},
+            "runtime": {"device_deadline": 0.6},
         },
     ],
-    ids=["fedavg", "hist", "clock"],
+    ids=["fedavg", "hist-clock"],
 )
 def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     make_config, tmp_path: Path, sections: dict[str, Any]
@@ -69,10 +67,11 @@ def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     _same(one, split)
     logged = [_log_lines(r.output_dir) for r in (one, split)]  # the main process writes the cells' log
     assert logged[0] == logged[1] and len(logged[0]) == len(one.cell_records)
-    assert one.final_accuracy is not None and one.final_accuracy > 0.25  # it learns (10 classes)
     if "clock" in sections:  # some devices were late, and the cells moved on at their deadlines
         assert [d for r in one.cell_records for d, why in r["absent"].items() if why == "deadline"]
-        assert split.history[-1]["clock_s"] > 3.0
+        assert split.history[-1]["clock_s"] > 1.0
+    else:
+        assert one.final_accuracy is not None and one.final_accuracy > 0.5  # it learns
     assert {r["cell"] for r in split.cell_records} == set(split.config.topology.cell_ids())
 
 
