@@ -190,7 +190,8 @@ class _Remote:
             f"{self.describe(worker)} sent nothing, no result and no progress beat, for {silent:.1f} s "
             f"(runtime.worker_stall_s = {self.watch.stall_s:g}) while it owed {len(owed)} result(s): "
             f"{', '.join(owed[:8])}{', ...' if len(owed) > 8 else ''}; it is stopped, deadlocked or stuck, and was "
-            "killed"
+            "killed (a device role that trains in a loop of its own must tick protocols.trainer.PROGRESS each step; "
+            "a longer silence: raise runtime.worker_stall_s)"
         )
         log.error("%s", why)
         self._died(worker, why)

@@ -65,6 +65,7 @@ def test_a_stopped_worker_ends_the_run_naming_it_and_resume_finishes_it(make_con
         out,
     )
     assert found, out
+    assert "a device role that trains in a loop of its own must tick protocols.trainer.PROGRESS each step" in out
     assert STALL_S <= float(found.group(1)) < STALL_S + 2.0
     assert took < STALL_S + 6.0  # the bound, a check period, the shutdown: not the 10 s of a worker's polite stop
     assert "the same command with --resume continues from the last finished round" in out
