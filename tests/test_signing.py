@@ -393,3 +393,22 @@ def test_a_keys_file_rewritten_stays_private_and_whole_when_the_disk_fills(tmp_p
     os.chmod(path, 0o644)  # e.g. copied with the wrong mode
     write_keys(path, ring, comment="rotated", overwrite=True)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and load_keys(path).private == ring.private
+
+
+def test_a_run_that_generates_its_keys_says_where(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``fedtier sim|run --keys FILE`` where FILE does not exist generates the run's keys in its run folder: it says
+    so, with the path (``fedtier monitor --keys`` needs it; the operator looked for FILE), once, not on resume."""
+    from protocols.wire.keys import with_run_keys
+
+    cfg = small_config(tmp_path, security={"keys": str(tmp_path / "mine.toml")})
+    out = tmp_path / "run"
+    out.mkdir()
+    with caplog.at_level("WARNING", logger="fedtier.wire"):
+        keyed = with_run_keys(cfg, out)
+        with_run_keys(cfg, out, resume=True)
+    assert keyed.security.keys == str((out / "keys.toml").resolve()) and (out / "keys.toml").exists()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"security.keys: {tmp_path / 'mine.toml'} does not exist: this run's keys are generated in "
+        f"{(out / 'keys.toml').resolve()} (fedtier monitor --keys)"
+    ]

@@ -21,6 +21,7 @@ that says how to replace them.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import tomllib
@@ -46,6 +47,7 @@ FORMAT = "fedtier-ed25519/1"
 KEY_BYTES = 32
 SIG_BYTES = 64
 KEYS_FILE = "keys.toml"
+log = logging.getLogger("fedtier.wire")
 
 
 class KeysError(ConfigError):
@@ -336,4 +338,7 @@ def with_run_keys(cfg: RunConfig, out: Path, resume: bool = False) -> RunConfig:
     if resume and target.exists():
         return cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(target)})})
     write_keys(target, generate_keys(cfg.topology), comment=f"generated for run {cfg.run.name!r}", overwrite=True)
+    log.warning(
+        "security.keys: %s does not exist: this run's keys are generated in %s (fedtier monitor --keys)", path, target
+    )
     return cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(target)})})
