@@ -102,6 +102,7 @@ class CellProcesses:
         self.local = topics.root(cfg.run.name) + "/cell/"
         self.out: list[list[Message]] = [[] for _ in self.groups]
         self.nexts: list[float | None] = [None] * n
+        self.finished = False  # finish() stopped the processes (they exit by themselves)
         self.tied = False  # timers of two processes were due at one virtual time (warned once)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
@@ -225,6 +226,7 @@ class CellProcesses:
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
         """Stop the processes' cells and devices: the cells' records and the devices' traffic, in topology order
         (as one process lists them)."""
+        self.finished = True
         for conn in self.conns:
             conn.send_bytes(frame({"stop": True}))
         records: dict[str, list[dict[str, Any]]] = {}
@@ -238,16 +240,14 @@ class CellProcesses:
         return [r for c in self.topology.cell_ids() for r in records.get(c, [])], dict(ordered)
 
     def close(self) -> None:
-        """End the processes (terminate those that do not exit within a few seconds); idempotent."""
-        for conn in self.conns:
-            try:
-                conn.send_bytes(frame({"stop": True}))
-            except OSError:
-                pass
+        """End the processes: those :meth:`finish` stopped exit by themselves (each waited for a few seconds),
+        the others (a run that failed or was interrupted: nothing they hold is needed) are terminated at once;
+        idempotent."""
         for proc in self.procs:
-            proc.join(5.0)
+            proc.join(5.0 if self.finished else 0.0)
             if proc.is_alive():
-                log.warning("terminating %s", proc.name)
+                if self.finished:
+                    log.warning("terminating %s", proc.name)
                 proc.terminate()
                 proc.join(5.0)
             if proc.is_alive():
