@@ -632,3 +632,49 @@ def test_an_empty_tensor_with_overflowing_dimensions_is_a_wire_error(shape: tupl
     blob = head + struct.pack("<BB", 2, len(shape)) + struct.pack(f"<{len(shape)}I", *shape)
     with pytest.raises(WireError, match="too large"):
         decode_payload(blob, views=views)
+
+
+def test_a_header_is_decoded_as_its_utf8_json_validated_by_the_header_model() -> None:
+    """decode_message reads a header with pydantic's JSON parser (one pass): on 3,000 random edits of a real header
+    it accepts what json.loads and the Header model's validation accept, the same header, and refuses the rest as
+    an invalid header; a header in another encoding than UTF-8 (a BOM, UTF-16) is refused."""
+    import random
+
+    from pydantic import ValidationError
+
+    from protocols.wire.envelope import Header
+
+    def reference(raw: bytes) -> Header | None:
+        try:
+            return Header.model_validate(loads(raw))
+        except (ValueError, ValidationError):
+            return None
+
+    def decoded(raw: bytes, payload_len: int = 3) -> Header | None:
+        try:
+            return decode_message(MAGIC + struct.pack("<I", len(raw)) + raw + b"\0" * payload_len)[0]
+        except WireError as exc:
+            assert "invalid header" in str(exc) or "header says" in str(exc), exc
+            return None
+
+    base = b'{"r":"t","k":"device_result","n":3,"e":1,"c":"c0","s":"c0-d1","i":"9f2c51d07a3e4b18","l":3,"z":"s"}'
+    rnd = random.Random(5)
+    alphabet = b'{}[]":,0123456789.eE+-truefalsn\\ \x00\xff\xc3\xa9rksicelgzv'
+    accepted = 0
+    for _ in range(3000):
+        raw = bytearray(base)
+        for _ in range(rnd.randint(1, 3)):
+            at = rnd.randrange(len(raw))
+            if rnd.random() < 0.4:
+                del raw[at]
+            else:
+                raw.insert(at, rnd.choice(alphabet))
+        expected = reference(bytes(raw))
+        if expected is not None and expected.payload_len > 10**6:
+            continue  # (a length past the payload bound: refused for that)
+        got = decoded(bytes(raw), expected.payload_len if expected is not None else 3)
+        assert got == expected, bytes(raw)
+        accepted += got is not None
+    assert accepted > 100
+    for other in (b"\xef\xbb\xbf" + base, base.decode().encode("utf-16")):
+        assert decoded(other) is None
