@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from protocols.algorithms.base import CellRole
 from protocols.algorithms.outcome import Outcome
-from protocols.answers import Answers
+from protocols.answers import Answers, content_refusal
 from protocols.divergence import diverged_reason
 from protocols.failures import failed_payload, failed_reason
 from protocols.params import sums_on
-from protocols.rejections import RejectKind, kind_of
+from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.state import MAX_WAITING
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -38,7 +38,7 @@ from .telemetry import edge_record
 
 if TYPE_CHECKING:
     from protocols.privacy.secagg import SecAggSettings
-    from protocols.wire.envelope import Header
+    from protocols.wire.messenger import Incoming
 
     from .secagg import CellSecAgg
 
@@ -360,15 +360,17 @@ class CellServer(CellNode):
         diverged = diverged_reason(msg.payload)
         failed = failed_reason(msg.payload)
         refused = self._bad_result(device, msg)
+        settle = diverged is not None or failed is not None  # answered, with nothing to aggregate
         if refused is None:
             check = self.secagg.check if self.secagg is not None else self.role.check
-            settle = diverged is not None or failed is not None  # answered, with nothing to aggregate
             refused = self.answers.offer(
                 device, h.sender, (h.round, h.edge_round), None if settle else msg.payload, check
             )
         if refused is not None:
-            if refused.kind is not RejectKind.STALE or not self._keep_early(device, msg.header, topic, data):
-                self.messenger.reject(topic, refused.kind, str(refused), device)
+            early = refused.kind is RejectKind.STALE
+            if early and (refused := self._keep_early(device, msg, (topic, data), refused, settle)) is None:
+                return
+            self.messenger.reject(topic, refused.kind, str(refused), device)
             if self.answers.is_open and device in self.answers.pending and refused.kind not in TIMING:
                 # (its reason without its id: counted with the others')
                 self.tally.rejected[device] = f"{refused.kind.value}: {str(refused).replace(device, 'DEVICE')}"
@@ -388,19 +390,31 @@ class CellServer(CellNode):
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self.waiting_state()
 
-    def _keep_early(self, device: str, h: Header, topic: str, data: bytes) -> bool:
-        """Keep a result of this cell's device for an edge round after the current one, to take when that round
-        opens (:meth:`_take_early`): a restarted cell between rounds whose devices kept the task of the cell
-        before it (their persistent sessions) and answered it. Refused, it was lost: the device answers the
-        task again only with the same message, which the transport then drops as a repeat, and the round
-        waited for its deadline without it. The latest per device; False for any other result."""
+    def _keep_early(
+        self, device: str, msg: Incoming, message: tuple[str, bytes], stale: Rejected, settle: bool
+    ) -> Rejected | None:
+        """Keep a result of this cell's device for the next edge round or the first of the next round, to take
+        when that round opens (:meth:`_take_early`): a restarted cell between rounds whose devices kept the task
+        of the cell before it (their persistent sessions) and answered it. Refused, it was lost: the device
+        answers the task again only with the same message, which the transport then drops as a repeat, and the
+        round waited for its deadline without it. The latest per device, its content checked now once this cell
+        opened a round (model-sized: not held until its round for what would be refused then; a restarted cell
+        before its first round has no model to check against) and again when taken. ``None`` when kept, else
+        why it is refused: ``stale`` (another round, or not this cell's device), or what its content fails
+        (``settle``: a failed or diverged task's answer, nothing to check)."""
+        h = msg.header
         key = (h.round, h.edge_round)
-        if key <= (self.round, self.edge_round) or self.devices.position(device) is None:
-            return False
+        if key <= (self.round, self.edge_round) or h.round > self.round + 1 or self.devices.position(device) is None:
+            return stale
+        if self.answers.is_open or self.answers.closed is not None:  # else no round's model yet to check against
+            check = self.secagg.check if self.secagg is not None else self.role.check
+            refused = content_refusal(device, None if settle else msg.payload, check)
+            if refused is not None:
+                return refused
         self.messenger.forget(h)  # read again when taken
-        self._early[device] = (key, topic, data)
+        self._early[device] = (key, *message)
         log.info("cell %s: %s answered round %d.%d before it opened: kept until it does", self.cell, device, *key)
-        return True
+        return None
 
     def _take_early(self) -> None:
         """Take the kept results of the edge round that just opened (those of a later one stay kept)."""

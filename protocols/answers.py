@@ -101,14 +101,23 @@ def late_refusal(
     or hostile answer alerts whenever it comes); a second one is stale. ``check`` judges against the current round:
     only its refusals of the content count (:data:`CONTENT`, not :class:`~protocols.rejections.OffPlan`)."""
     cut_off.discard(who)
+    refused = content_refusal(who, payload, check)
+    if refused is not None:
+        return refused
+    at = ".".join(map(str, key))
+    return Rejected(RejectKind.LATE, f"late answer of {kind} {who} for round {at}, which closed without it")
+
+
+def content_refusal(who: str, payload: Payload | None, check: Callable[[str, Payload], None]) -> Rejected | None:
+    """Why ``check`` refuses what ``payload`` of ``who`` holds, whatever round it answers (:data:`CONTENT`, not an
+    :class:`~protocols.rejections.OffPlan` refusal: ``check`` judges against the current round); ``None`` if not."""
     if payload is not None:
         try:
             check(who, payload)
         except Rejected as exc:
             if exc.kind in CONTENT and not isinstance(exc, OffPlan):
                 return exc
-    at = ".".join(map(str, key))
-    return Rejected(RejectKind.LATE, f"late answer of {kind} {who} for round {at}, which closed without it")
+    return None
 
 
 def sender_refusal(kind: str, who: str, sender: str) -> Rejected | None:
