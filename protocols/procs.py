@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +97,31 @@ def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     if setpriv is not None:
         return spawn(lambda: subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", *cmd], **kwargs))
     return spawn(lambda: subprocess.Popen(list(cmd), preexec_fn=_child_setup, **kwargs))  # noqa: PLW1509
+
+
+class _Child(Protocol):
+    name: str
+
+    def join(self, timeout: float | None = None) -> None: ...
+    def is_alive(self) -> bool: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+def end(children: Sequence[_Child], grace: float = 5.0, what: str = "") -> None:
+    """End ``children`` (``multiprocessing`` processes): wait up to ``grace`` seconds for them to exit, terminate
+    (SIGTERM) those still alive, logging a warning naming each (``what``: how to call them; "" logs nothing: an
+    expected end), and kill any that are still alive 5 seconds later."""
+    deadline = time.monotonic() + grace
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+    for child in children:
+        if child.is_alive():
+            if what:
+                log.warning("terminating %s %s", what, child.name)
+            child.terminate()
+    for child in children:
+        child.join(5.0)
+        if child.is_alive():
+            child.kill()
+            child.join()

@@ -243,16 +243,7 @@ class CellProcesses:
         """End the processes: those :meth:`finish` stopped exit by themselves (each waited for a few seconds),
         the others (a run that failed or was interrupted: nothing they hold is needed) are terminated at once;
         idempotent."""
-        for proc in self.procs:
-            proc.join(5.0 if self.finished else 0.0)
-            if proc.is_alive():
-                if self.finished:
-                    log.warning("terminating %s", proc.name)
-                proc.terminate()
-                proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        procs.end(self.procs, grace=5.0 if self.finished else 0.0, what="cell process" if self.finished else "")
         for conn in self.conns:
             conn.close()
         self.conns = []

@@ -377,15 +377,7 @@ class Emulation:
         return stats
 
     def _terminate(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                log.warning("terminating agent worker %s", p.name)
-                p.terminate()
-        for p in self.procs:
-            p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        procs.end(self.procs, grace=0.0, what="agent worker")
 
 
 def _on_loop(loop: ThreadLoop, fn: Callable[[], None], timeout: float = 30.0) -> None:

@@ -338,16 +338,7 @@ class ProcessExecutor(_Remote):
             self.loop.on_idle = None
         for outbox in self._outboxes:
             outbox.put(None)
-        for proc in self.procs:
-            proc.join(5.0)
-        for proc in self.procs:
-            if proc.is_alive():
-                log.warning("terminating %s", proc.name)
-                proc.terminate()
-                proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        procs.end(self.procs, grace=5.0, what="sim worker")
         for thread in self._threads:
             thread.join(5.0)
         for ring in self.rings:
