@@ -1,0 +1,135 @@
+"""How :class:`~.mqtt.MqttTransport` connects: the first connect (a refused TCP connect retried until the
+connect timeout; a failed TLS handshake, a refused CONNACK or a broker that hangs up before its CONNACK fails it,
+the last retried with ``retry_refused``) and, with a reactor, every (re)connect attempt with jittered backoff."""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Self
+
+import paho.mqtt.client as mqtt
+
+from .paho_client import Credentials, hung_up_before_connack
+
+log = logging.getLogger("protocols.transport.mqtt")
+
+
+class Connecting:
+    """The connecting part of :class:`~.mqtt.MqttTransport`; a base of it, sharing its state (declared here, set
+    by its ``__init__``)."""
+
+    client_id: str
+    host: str
+    port: int
+    keepalive: int
+    _client: mqtt.Client
+    _reactor: Any
+    _creds: Credentials
+    _connack: threading.Event
+    _connack_reason: Any
+    _connect_error: ConnectionError | None
+    _closed: bool
+    _ever_connected: bool
+    _deadline: float  # of the first connect
+    _attempts: int  # failed (re)connect attempts in a row
+    _backoff: tuple[float, float]  # (min, max) reconnect delay
+    _rng: random.Random  # the reconnect jitter, from ``backoff_seed``
+
+    _abort: Callable[[], None]  # the transport's: close what a failed connect left
+    _schedule_expiry: Callable[[], None]  # Inbound's: expire incomplete chunk sets on the loop
+
+    def connect(self, timeout: float = 10.0) -> Self:
+        """Connect and block until the broker's CONNACK; retries a refused TCP connect until
+        ``timeout``. Raises ``ConnectionError`` naming ``host:port`` on failure, at once when the TLS
+        handshake fails or the broker closes the connection before its CONNACK (a TLS listener or a
+        refused client certificate: retrying cannot help; unless ``retry_refused``)."""
+        self.start_connect(timeout)
+        return self.finish_connect()
+
+    def start_connect(self, timeout: float = 10.0) -> None:
+        """Begin :meth:`connect`; :meth:`finish_connect` waits for the outcome. With a reactor this
+        returns at once, so one thread can have many connections under way."""
+        if self._ever_connected or self._closed or self._deadline:
+            raise RuntimeError(f"{self.client_id}: connect() may be called once per transport")
+        self._deadline = time.monotonic() + timeout
+        self._client.connect_timeout = max(0.5, min(timeout, 5.0))
+        if self._reactor is not None:
+            self._reactor.run_soon(self._attempt)
+            return
+        while True:
+            try:
+                self._client.connect(self.host, self.port, self.keepalive)
+                break
+            except ssl.SSLError as exc:  # e.g. the server's certificate is not signed by ca_certs
+                raise self._tls_error(exc) from exc
+            except OSError as exc:
+                if time.monotonic() + 0.2 > self._deadline:
+                    raise ConnectionError(f"cannot connect to MQTT broker at {self._where}: {exc}") from exc
+                time.sleep(0.2)
+        self._client.loop_start()
+
+    def finish_connect(self) -> Self:
+        """Wait for the CONNACK of :meth:`start_connect` (until its timeout); raise as :meth:`connect`."""
+        where = self._where
+        if not self._connack.wait(max(0.0, self._deadline - time.monotonic())):
+            self._abort()
+            raise ConnectionError(f"no CONNACK from MQTT broker at {where} within the connect timeout")
+        if self._connect_error is not None:
+            self._abort()
+            raise self._connect_error
+        reason = self._connack_reason
+        if reason is None:  # _on_disconnect: the broker hung up before its CONNACK
+            self._abort()
+            raise hung_up_before_connack(where, self.client_id, self._creds)
+        if reason is not None and reason.is_failure:
+            self._abort()
+            raise ConnectionError(f"MQTT broker at {where} refused {self.client_id!r}: {reason}")
+        self._schedule_expiry()
+        return self
+
+    @property
+    def _where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _tls_error(self, exc: BaseException) -> ConnectionError:
+        return ConnectionError(f"TLS handshake with MQTT broker at {self._where} failed: {exc}")
+
+    # -- reactor mode: (re)connects with jittered backoff, on the reactor thread --------------------
+    def _attempt(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._client.connect(self.host, self.port, self.keepalive)
+        except ssl.SSLError as exc:
+            if not self._ever_connected:
+                self._fail(self._tls_error(exc))
+            else:
+                log.warning("%s: %s; retrying", self.client_id, self._tls_error(exc))
+                self._retry_later()
+        except OSError as exc:
+            if not self._ever_connected and time.monotonic() + 0.2 > self._deadline:
+                self._fail(ConnectionError(f"cannot connect to MQTT broker at {self._where}: {exc}"))
+            else:
+                self._retry_later()
+
+    def _fail(self, error: ConnectionError) -> None:
+        self._connect_error = error
+        self._connack.set()
+
+    def next_backoff(self) -> float:
+        """Seconds before the next (re)connect attempt: doubling from the minimum delay (0.2 s before
+        the first CONNACK) up to the maximum, times a jitter in [0.5, 1.5) drawn from ``backoff_seed``,
+        so that agents refused together do not come back together."""
+        lo, hi = self._backoff
+        base = min(hi, (lo if self._ever_connected else 0.2) * 2 ** min(self._attempts, 16))
+        self._attempts += 1
+        return base * (0.5 + self._rng.random())
+
+    def _retry_later(self) -> None:
+        assert self._reactor is not None
+        self._reactor.call_later(self.next_backoff(), self._attempt)
