@@ -804,8 +804,8 @@ def test_the_chunks_held_of_a_set_that_never_completes_are_acknowledged_when_it_
 def test_a_kept_chunked_message_holds_its_chunks_in_the_budget_until_acknowledged() -> None:
     """A handler may keep its message's acknowledgement (the async cloud's push waiting for a version). A chunked
     message's is all its chunks: kept, they hold places in the broker's window for as long as the version takes,
-    so they count in the chunk budget again (12) until acknowledged; one that would pass it is not kept (acknowledged
-    when its handler returns), so sets not whole yet can always complete."""
+    so they count in the chunk budget again (12) until acknowledged, at most half of it (6); one that would pass that
+    is not kept (acknowledged when its handler returns), so sets not whole yet can always complete."""
     node = MqttTransport("fedtier-t-cloud", ThreadLoop("acks"), "127.0.0.1", 1, persistent=True)
     acks: list[int] = []
 
@@ -827,14 +827,14 @@ def test_a_kept_chunked_message_holds_its_chunks_in_the_budget_until_acknowledge
             sent.append(msg.mid)
         return sent
 
-    first = push(5 * 950)  # 5 chunks
+    first = push(3 * 950)  # 3 chunks
     assert node.loop.run(until=lambda: len(kept) == 1, timeout=WAIT)
-    assert kept[0] is not None and acks == [] and node._chunk_acks.held == 5  # kept: in the budget
-    second, third = push(6 * 950), push(6 * 950)  # each held whole as it came (5 + 6), both whole before handled
-    assert node._chunk_acks.held == 5
+    assert kept[0] is not None and acks == [] and node._chunk_acks.held == 3  # kept: in the budget
+    second, third = push(3 * 950), push(3 * 950)  # each held whole as it came (3 + 3), both whole before handled
+    assert node._chunk_acks.held == 3
     assert node.loop.run(until=lambda: len(kept) == 3, timeout=WAIT)
-    assert kept[1] is not None and node._chunk_acks.held == 11  # kept: 5 + 6
-    assert kept[2] is None and sorted(acks) == third  # 11 + 6 > 12: not kept, acknowledged when its handler returned
+    assert kept[1] is not None and node._chunk_acks.held == 6  # kept: 3 + 3
+    assert kept[2] is None and sorted(acks) == third  # 6 + 3 > 6 kept: not kept, acknowledged when its handler returned
     for ack in (kept[0], kept[1], kept[0]):  # (once each)
         ack()
     assert sorted(acks) == sorted(first + second + third) and node._chunk_acks.held == 0

@@ -17,7 +17,10 @@ acknowledged, which expire). A handler that keeps a chunked message's acknowledg
 (``Transport.keep_ack``: the async cloud's push waiting for a version, ``cloud.async_server.UNACKED_WAITING`` of
 them, 4, one-chunk or not) puts its chunks in the budget again until it acknowledges them, or, over the budget,
 does not keep it; so what is held unacknowledged for long stays within 12 + 4 places of Mosquitto's default
-window of 20, and a set can always complete. Called with the transport's reassembly lock held."""
+window of 20, and a set can always complete. Kept acknowledgements hold at most half the budget (6): those kept
+are the pushes of a cell past its share (pushing too fast), for as long as a version takes, so with all 12 a
+flooding cell made every other chunked message arriving meanwhile be acknowledged chunk by chunk (lost if the node
+died in its handler); half stays for the sets coming in. Called with the transport's reassembly lock held."""
 
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class ChunkAcks:
     def __init__(self, client_id: str, budget: int = MAX_UNACKED_CHUNKS) -> None:
         self.client_id, self.budget = client_id, budget
         self.held = 0  # chunks reserved by the sets held whole not whole yet, and by kept acknowledgements
+        self.kept = 0  # ... by kept acknowledgements (at most half the budget)
         self._sets: dict[tuple[str, str, bytes], tuple[int, list[Ack]]] = {}  # ident -> (count, acks)
         self._over: OrderedDict[tuple[str, str, bytes], None] = OrderedDict()  # sets acknowledged as they come
         self._warned = False  # an over-budget set was logged (once a connection: else a device's every task, a cell's
@@ -91,15 +95,18 @@ class ChunkAcks:
     def reserve(self, chunks: int) -> bool:
         """A handler keeps the acknowledgement of a whole message of ``chunks`` chunks past its return (``keep_ack``:
         the async cloud's push waiting for a version): they count in the budget again until :meth:`release`, as a set
-        not whole does (a message kept may wait for what other messages bring). False: over the budget, not kept."""
-        if self.held + chunks > self.budget:
+        not whole does (a message kept may wait for what other messages bring). False: over the budget, or over the
+        half of it kept acknowledgements may hold, not kept."""
+        if self.held + chunks > self.budget or self.kept + chunks > self.budget // 2:
             return False
         self.held += chunks
+        self.kept += chunks
         return True
 
     def release(self, chunks: int) -> None:
         """The kept acknowledgement of ``chunks`` chunks went (:meth:`reserve`)."""
         self.held -= chunks
+        self.kept -= chunks
 
     def dropped(self, ident: tuple[str, str, bytes]) -> None:
         """The set ``ident`` was dropped before it was whole: its chunks are acknowledged now (it is lost)."""

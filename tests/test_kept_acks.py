@@ -1,0 +1,60 @@
+"""Kept acknowledgements (``Transport.keep_ack``: the async cloud's pushes waiting past their cell's share) within
+the chunk budget: a cell flooding chunked pushes cannot take the whole budget, so another cell's chunked push
+arriving meanwhile is still held unacknowledged until it is handled (a cloud killed in its handler gets it again)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import paho.mqtt.client as mqtt
+
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.wire import chunking
+
+WAIT = 10.0
+
+
+def test_a_flooding_cells_kept_pushes_leave_room_for_another_cells_chunked_push() -> None:
+    """c0's pushes are kept (as waiting past its share): 6 chunks, then 6 more. Before, both were kept (12 of the
+    12 chunks), so c1's push of 5 chunks, arriving meanwhile, was acknowledged chunk by chunk as it came, before its
+    handler ran (lost if the cloud died in it). Kept acknowledgements hold at most half the budget: c0's second is
+    not kept (acknowledged when its handler returned), c1's push is held whole and acknowledged once handled, and
+    c0's first, kept, once the cloud calls it; nothing is left in the budget."""
+    loop = ThreadLoop("acks")
+    node = MqttTransport("fedtier-t-cloud", loop, "127.0.0.1", 1, persistent=True)
+    acks: list[int] = []
+
+    class Client:
+        def ack(self, mid: int, qos: int) -> None:
+            acks.append(mid)
+
+    node._client = Client()  # type: ignore[assignment]
+    kept: list[Callable[[], None] | None] = []
+    acked_in_handler: list[list[int]] = []
+    node.subscribe("t/c0/push", lambda t, p: kept.append(node.keep_ack()))
+    node.subscribe("t/c1/push", lambda t, p: acked_in_handler.append(list(acks)))
+    mids = iter(range(1, 100))
+
+    def push(topic: bytes, size: int) -> list[int]:
+        sent = []
+        for chunk in chunking.split(os.urandom(size), 1000):
+            msg = mqtt.MQTTMessage(next(mids), topic)
+            msg.payload, msg.qos = chunk, 1
+            node._on_message(Client(), None, msg)  # type: ignore[arg-type]
+            sent.append(msg.mid)
+        return sent
+
+    first = push(b"t/c0/push", 6 * 950)
+    assert loop.run(until=lambda: len(kept) == 1, timeout=WAIT)
+    second = push(b"t/c0/push", 6 * 950)
+    assert loop.run(until=lambda: len(kept) == 2, timeout=WAIT)
+    assert kept[0] is not None and kept[1] is None  # before: both kept, the budget full
+    assert sorted(acks) == second and node._chunk_acks.held == 6
+    honest = push(b"t/c1/push", 5 * 950)
+    assert loop.run(until=lambda: len(acked_in_handler) == 1, timeout=WAIT)
+    assert not set(honest) & set(acked_in_handler[0])  # held unacknowledged until handled
+    assert loop.run(until=lambda: set(honest) <= set(acks), timeout=WAIT)
+    kept[0]()
+    assert sorted(acks) == sorted(first + second + honest) and node._chunk_acks.held == 0
