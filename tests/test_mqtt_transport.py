@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -15,7 +16,9 @@ import pytest
 
 from protocols.transport.base import Will
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto, free_port, parse_broker_url
+from protocols.transport.connecting import failure_kind
 from protocols.transport.mqtt import MqttTransport
+from protocols.transport.reactor import Reactor
 from protocols.transport.subscriptions import pattern_covers
 from protocols.transport.threadloop import ThreadLoop
 from protocols.transport.traffic import publish_packet_bytes
@@ -312,6 +315,44 @@ def test_connect_failure_is_clear(loop) -> None:
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
         t.connect(timeout=0.5)
     assert time.monotonic() - t0 < 3
+
+
+def test_an_agents_refused_first_connects_say_once_that_they_retry_and_fail_with_why(loop, caplog) -> None:
+    """An agent's devices (one reactor, ``retry_refused``) given a wrong broker address: one line at the first
+    refusal for all of them (not one a retry), and each fails at its connect timeout saying the connection was
+    refused, not "no CONNACK" (what an agent said, after 30 s of silence)."""
+    port = free_port()
+    reactor = Reactor("io-refused")
+    reactor.start()
+    try:
+        devices = [
+            MqttTransport(f"d{i}", loop, "127.0.0.1", port, reactor=reactor, retry_refused=True, backoff_seed=i)
+            for i in range(3)
+        ]
+        with caplog.at_level(logging.INFO, logger="protocols.transport.mqtt"):
+            for t in devices:
+                t.start_connect(1.5)
+            for t in devices:
+                why = rf"MQTT broker at 127.0.0.1:{port} within the connect timeout \(1.5 s\): connection refused \("
+                with pytest.raises(ConnectionError, match=why):
+                    t.finish_connect()
+    finally:
+        reactor.close()
+    assert all(t._attempts >= 2 for t in devices)  # each retried
+    said = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(said) == 1 and f"broker at 127.0.0.1:{port} refused the connection (" in said[0], said
+    assert "retrying until" in said[0] and "the connect timeout, 1.5 s" in said[0]
+
+
+def test_a_first_connect_names_what_failed(loop) -> None:
+    """A broker that takes the TCP connection but never answers: "no CONNACK"; a failed TCP connect in words."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        with pytest.raises(ConnectionError, match=f"no CONNACK from MQTT broker at 127.0.0.1:{port} within"):
+            MqttTransport("s", loop, "127.0.0.1", port).connect(timeout=0.5)
+    assert failure_kind(socket.gaierror(socket.EAI_NONAME, "Name or service not known")) == "name not resolved"
+    assert failure_kind(ConnectionRefusedError(111, "Connection refused")) == "connection refused"
+    assert failure_kind(TimeoutError()) == "timed out"
 
 
 # -- reconnect -------------------------------------------------------------------------------

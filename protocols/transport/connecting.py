@@ -1,11 +1,15 @@
 """How :class:`~.mqtt.MqttTransport` connects: the first connect (a refused TCP connect retried until the
 connect timeout; a failed TLS handshake, a refused CONNACK or a broker that hangs up before its CONNACK fails it,
-the last retried with ``retry_refused``) and, with a reactor, every (re)connect attempt with jittered backoff."""
+the last retried with ``retry_refused``) and, with a reactor, every (re)connect attempt with jittered backoff.
+While it retries it says so once (one line per broker address and process: an agent's devices share it), and a
+connect that runs out of time fails with the reason it last saw (connection refused, name not resolved, closed
+before its CONNACK), or "no CONNACK" when the broker took the connection but never answered."""
 
 from __future__ import annotations
 
 import logging
 import random
+import socket
 import ssl
 import threading
 import time
@@ -17,6 +21,36 @@ import paho.mqtt.client as mqtt
 from .paho_client import Credentials, hung_up_before_connack
 
 log = logging.getLogger("protocols.transport.mqtt")
+_waiting: dict[str, float] = {}  # broker address -> until when a first connect here said it retries (monotonic)
+_waiting_lock = threading.Lock()
+
+
+def failure_kind(exc: OSError) -> str:
+    """What a failed TCP connect to a broker means, in words: ``connection refused``, ``name not resolved``,
+    ``timed out``, else ``unreachable``."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, socket.gaierror):
+        return "name not resolved"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return "unreachable"
+
+
+def say_retrying(client_id: str, where: str, why: str, deadline: float, timeout: float) -> None:
+    """Log that the first connect of ``client_id`` to ``where`` failed (``why``) and is retried until ``deadline``
+    (monotonic), unless a connect to the same broker in this process already said so for a deadline not yet past."""
+    now = time.monotonic()
+    with _waiting_lock:
+        if _waiting.get(where, 0.0) > now:
+            return
+        for stale in [w for w, until in _waiting.items() if until <= now]:
+            del _waiting[stale]
+        _waiting[where] = deadline
+    until = time.strftime("%H:%M:%S", time.gmtime(time.time() + deadline - now))
+    log.warning(
+        "%s: broker at %s %s; retrying until %s UTC (the connect timeout, %g s)", client_id, where, why, until, timeout
+    )
 
 
 class Connecting:
@@ -36,6 +70,8 @@ class Connecting:
     _closed: bool
     _ever_connected: bool
     _deadline: float  # of the first connect
+    _timeout = 0.0  # ... and its length
+    _last_failure: ConnectionError | None = None  # why its last attempt failed, raised when its time is up
     _attempts: int  # failed (re)connect attempts in a row
     _backoff: tuple[float, float]  # (min, max) reconnect delay
     _rng: random.Random  # the reconnect jitter, from ``backoff_seed``
@@ -56,7 +92,7 @@ class Connecting:
         returns at once, so one thread can have many connections under way."""
         if self._ever_connected or self._closed or self._deadline:
             raise RuntimeError(f"{self.client_id}: connect() may be called once per transport")
-        self._deadline = time.monotonic() + timeout
+        self._deadline, self._timeout = time.monotonic() + timeout, timeout
         self._client.connect_timeout = max(0.5, min(timeout, 5.0))
         if self._reactor is not None:
             self._reactor.run_soon(self._attempt)
@@ -68,8 +104,9 @@ class Connecting:
             except ssl.SSLError as exc:  # e.g. the server's certificate is not signed by ca_certs
                 raise self._tls_error(exc) from exc
             except OSError as exc:
+                self._refused(exc)
                 if time.monotonic() + 0.2 > self._deadline:
-                    raise ConnectionError(f"cannot connect to MQTT broker at {self._where}: {exc}") from exc
+                    raise self._gave_up() from exc
                 time.sleep(0.2)
         self._client.loop_start()
 
@@ -78,7 +115,7 @@ class Connecting:
         where = self._where
         if not self._connack.wait(max(0.0, self._deadline - time.monotonic())):
             self._abort()
-            raise ConnectionError(f"no CONNACK from MQTT broker at {where} within the connect timeout")
+            raise self._gave_up()
         if self._connect_error is not None:
             self._abort()
             raise self._connect_error
@@ -99,6 +136,30 @@ class Connecting:
     def _tls_error(self, exc: BaseException) -> ConnectionError:
         return ConnectionError(f"TLS handshake with MQTT broker at {self._where} failed: {exc}")
 
+    def _refused(self, exc: OSError) -> None:
+        """A first-connect attempt's TCP connect failed: keep why, say once that it is retried."""
+        kind = failure_kind(exc)
+        self._last_failure = ConnectionError(
+            f"cannot connect to MQTT broker at {self._where} within the connect timeout ({self._timeout:g} s): "
+            f"{kind} ({exc})"
+        )
+        why = "refused the connection" if kind == "connection refused" else f"cannot be reached: {kind}"
+        say_retrying(self.client_id, self._where, f"{why} ({exc})", self._deadline, self._timeout)
+
+    def _hung_up(self) -> None:
+        """A first-connect attempt was closed by the broker before its CONNACK (retried with ``retry_refused``)."""
+        self._last_failure = hung_up_before_connack(self._where, self.client_id, self._creds)
+        why = "closed the connection before its CONNACK (a TLS listener? a refused certificate? its connection limit?)"
+        say_retrying(self.client_id, self._where, why, self._deadline, self._timeout)
+
+    def _gave_up(self) -> ConnectionError:
+        """The error of a first connect whose time is up: the reason its last attempt failed, else no CONNACK."""
+        if self._last_failure is not None:
+            return self._last_failure
+        return ConnectionError(
+            f"no CONNACK from MQTT broker at {self._where} within the connect timeout ({self._timeout:g} s)"
+        )
+
     # -- reactor mode: (re)connects with jittered backoff, on the reactor thread --------------------
     def _attempt(self) -> None:
         if self._closed:
@@ -112,8 +173,12 @@ class Connecting:
                 log.warning("%s: %s; retrying", self.client_id, self._tls_error(exc))
                 self._retry_later()
         except OSError as exc:
-            if not self._ever_connected and time.monotonic() + 0.2 > self._deadline:
-                self._fail(ConnectionError(f"cannot connect to MQTT broker at {self._where}: {exc}"))
+            if self._ever_connected:
+                self._retry_later()
+                return
+            self._refused(exc)
+            if time.monotonic() + 0.2 > self._deadline:
+                self._fail(self._gave_up())
             else:
                 self._retry_later()
 

@@ -341,7 +341,7 @@ class MqttTransport(Connecting, Inbound, Transport):
                 and not self._closed
                 and time.monotonic() + 0.2 < self._deadline
             ):
-                log.info("%s: %s hung up before its CONNACK; retrying", self.client_id, self._where)
+                self._hung_up()
                 self._retry_later()
                 return
             self._connack.set()
