@@ -167,6 +167,8 @@ class CellProcesses:
             proc = self.procs[i]
             proc.join(5.0)
             raise CellProcessError(f"{self.describe(i)} died with exit code {proc.exitcode}") from None
+        except ValueError as exc:  # (a bug of ours: the processes are the run's own)
+            raise CellProcessError(f"{self.describe(i)} answered a bad frame: {exc}") from None
         if "fatal" in header:
             raise CellProcessError(f"{self.describe(i)} failed:\n{str(header['fatal']).rstrip()}")
         return header, body
@@ -232,9 +234,12 @@ class CellProcesses:
         records: dict[str, list[dict[str, Any]]] = {}
         traffic: dict[str, dict[str, int]] = {}
         for i in range(len(self.procs)):
-            header, _ = self._receive(i)
-            records.update(header.get("records", {}))
-            traffic.update(header.get("traffic", {}))
+            header, _ = self._receive(i, self.stall_s)  # (stopping trains nothing: it owes its answer at once)
+            try:
+                records.update(header.get("records", {}))
+                traffic.update(header.get("traffic", {}))
+            except (TypeError, ValueError) as exc:
+                raise CellProcessError(f"{self.describe(i)} answered a bad frame: {exc}") from None
         ids = self.topology.devices()
         ordered = sorted(traffic.items(), key=lambda item: ids.position(item[0]) or 0)  # type: ignore[attr-defined]
         return [r for c in self.topology.cell_ids() for r in records.get(c, [])], dict(ordered)

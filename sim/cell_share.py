@@ -54,7 +54,8 @@ def message_frame(header: dict[str, Any], msgs: Sequence[Message]) -> bytes:
 
 
 def frame_messages(header: dict[str, Any], body: memoryview) -> list[Message]:
-    """The messages of a :func:`message_frame`; a malformed list raises ``ValueError``."""
+    """The messages of a :func:`message_frame`; a malformed list, or a body longer or shorter than its messages,
+    raises ``ValueError``."""
     out: list[Message] = []
     at = 0
     for topic, n, retain in header.get("msgs", ()):
@@ -62,6 +63,8 @@ def frame_messages(header: dict[str, Any], body: memoryview) -> list[Message]:
             raise ValueError(f"bad message entry {topic!r} ({n!r} bytes)")
         out.append((topic, bytes(body[at : at + n]), bool(retain)))
         at += n
+    if at != len(body):
+        raise ValueError(f"{len(body) - at} bytes past its messages")
     return out
 
 

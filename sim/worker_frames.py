@@ -20,10 +20,14 @@ def frame(header: dict[str, Any], body: bytes | memoryview | Parts = b"") -> byt
 
 
 def unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
-    """The header and a view of the body of a :func:`frame`."""
-    (n,) = struct.unpack_from("<I", data)
+    """The header and a view of the body of a :func:`frame`; ``ValueError`` for what is not one."""
+    if len(data) < 4 or (n := struct.unpack_from("<I", data)[0]) > len(data) - 4:
+        raise ValueError(f"a frame of {len(data)} bytes, too short for its header")
     view = memoryview(data)
-    return json.loads(bytes(view[4 : 4 + n])), view[4 + n :]
+    header = json.loads(bytes(view[4 : 4 + n]))
+    if not isinstance(header, dict):
+        raise ValueError(f"a frame whose header is a {type(header).__name__}, not an object")
+    return header, view[4 + n :]
 
 
 class Batch:
