@@ -85,7 +85,7 @@ def idle_settings(cfg: RunConfig, command: Literal["sim", "run"]) -> list[str]:
     if rt.engine != "cohort":
         out += [
             f'runtime.{k} = {getattr(rt, k)!r} has no effect with engine = "device" (it sizes the cohort engine)'
-            for k in changed("cohort_size", "cohort_threads")
+            for k in changed("cohort_size", "cohort_threads", "cell_process_threads")
         ]
     if command == "run":
         out += [
@@ -100,12 +100,17 @@ def idle_settings(cfg: RunConfig, command: Literal["sim", "run"]) -> list[str]:
         ]
         out += [
             f"runtime.{k} = {getattr(rt, k)!r} has no effect under fedtier run (its cells run in their own processes)"
-            for k in changed("cell_processes")
+            for k in changed("cell_processes", "cell_process_threads")
         ]
     elif rt.sim_workers == 0:
         out += [
             f"runtime.{k} = {getattr(rt, k)!r} has no effect without runtime.sim_workers (the devices train in "
             "this process)"
             for k in changed("sim_backend", "ray_address")
+        ]
+    if command == "sim" and rt.engine == "cohort" and not rt.cell_processes:
+        out += [
+            f"runtime.{k} = {getattr(rt, k)!r} has no effect without runtime.cell_processes (it sizes their cohorts)"
+            for k in changed("cell_process_threads")
         ]
     return out

@@ -50,7 +50,7 @@ from protocols.wire.signed import open_record
 if TYPE_CHECKING:
     from protocols.algorithms.base import Algorithm
 
-from .cell_share import Message, cell_process_main, frame_messages, message_frame
+from .cell_share import Message, cell_process_main, frame_messages, message_frame, share_plan
 from .worker_frames import frame, unframe
 
 log = logging.getLogger("fedtier.sim")
@@ -87,6 +87,22 @@ def check_split(cfg: RunConfig, algorithm: Algorithm, prepared: bool = False) ->
         )
 
 
+def plan_line(cfg: RunConfig, groups: list[list[str]]) -> str:
+    """The run's split in words, logged once: the processes, their cells, each one's torch threads."""
+    rt, plan = cfg.runtime, share_plan(cfg)
+    if not plan.cohort:
+        threads = "one device at a time (engine = device), one torch thread each"
+    elif rt.cell_process_threads:
+        threads = f"{plan.threads} torch threads each for its cohorts (runtime.cell_process_threads)"
+    else:
+        threads = (
+            f"{plan.threads} torch threads each for its cohorts (runtime.cohort_threads = {rt.cohort_threads} "
+            f"shared; runtime.cell_process_threads sets it)"
+        )
+    cells = "; ".join(", ".join(g) for g in groups)
+    return f"cell processes: {len(groups)} (cells {cells}), {threads}; each loads the whole data set"
+
+
 class CellProcesses:
     """The main process's side: the cell processes, the messages between their hubs and this one, and time."""
 
@@ -97,6 +113,7 @@ class CellProcesses:
         cells = cfg.topology.cell_ids()
         n = cfg.runtime.cell_processes
         self.groups = [cells[i::n] for i in range(n)]
+        log.info("%s", plan_line(cfg, self.groups))
         self.owner = {c: i for i, group in enumerate(self.groups) for c in group}
         self.hub, self.loop = hub, hub.loop
         self.local = topics.root(cfg.run.name) + "/cell/"

@@ -13,6 +13,7 @@ ends the process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -24,8 +25,8 @@ from typing import Any
 
 from edge_agent.agent import DeviceAgent
 from protocols import procs
-from protocols.config import parse_config
-from protocols.execution import execution_plan
+from protocols.config import RunConfig, parse_config
+from protocols.execution import ExecutionPlan, execution_plan, shared_threads
 from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.safe_text import log_to_stderr
@@ -68,6 +69,14 @@ def frame_messages(header: dict[str, Any], body: memoryview) -> list[Message]:
     return out
 
 
+def share_plan(cfg: RunConfig) -> ExecutionPlan:
+    """How a cell process's devices train: the run's plan, its cohorts with the process's torch threads
+    (``runtime.cell_process_threads``, else its share of ``cohort_threads``, at least one)."""
+    rt = cfg.runtime
+    threads = rt.cell_process_threads or shared_threads(rt.cohort_threads, rt.cell_processes)
+    return dataclasses.replace(execution_plan(cfg), threads=threads)
+
+
 class CellShare:
     """The cells ``cells`` of the run of ``config_text``, their devices and their training, on a loop of their own."""
 
@@ -90,7 +99,7 @@ class CellShare:
         )
         self.byzantine = set(byzantine_devices(cfg))
         self.agents = Population(cfg, hub, algorithm, prep.device_data, lambda _d: trainer, self._configure)
-        self.executor = make_executor(execution_plan(cfg), self.agents.active(), spec, loop, trainer, None)
+        self.executor = make_executor(share_plan(cfg), self.agents.active(), spec, loop, trainer, None)
         sums = cell_sums(cfg, self.executor, trainer, spec)
         for cell in self.cells.values():
             cell.sums = sums

@@ -4,6 +4,7 @@ for byte."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -13,8 +14,10 @@ import pytest
 
 from protocols import runfiles
 from protocols.config import ConfigError
+from protocols.execution import execution_plan, idle_settings
 from protocols.transport.memory import VirtualLoop
-from sim.cell_processes import CellProcessError
+from sim.cell_processes import CellProcessError, plan_line
+from sim.cell_share import CellShare, share_plan
 from sim.launcher import RunResult, SimHierarchy, run_simulation
 
 WALL = ("time", "duration_s")  # real-time fields of the records; everything else must match
@@ -58,8 +61,9 @@ def _same(a: RunResult, b: RunResult) -> None:
     ids=["fedavg", "hist-clock"],
 )
 def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
-    make_config, tmp_path: Path, sections: dict[str, Any]
+    make_config, tmp_path: Path, sections: dict[str, Any], caplog: pytest.LogCaptureFixture
 ):
+    caplog.set_level(logging.INFO, logger="fedtier.sim")
     one = run_simulation(make_config(**sections))
     runtime = {**sections.get("runtime", {}), "cell_processes": 2}
     run = {**sections.get("run", {}), "output": str(tmp_path / "split")}
@@ -73,6 +77,33 @@ def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     else:
         assert one.final_accuracy is not None and one.final_accuracy > 0.5  # it learns
     assert {r["cell"] for r in split.cell_records} == set(split.config.topology.cell_ids())
+    assert sum(r.getMessage().startswith("cell processes: 2 (cells ") for r in caplog.records) == 1  # the plan, once
+
+
+def test_cell_processes_share_cohort_threads_unless_set_per_process(make_config):
+    """Each cell process's cohorts compute with its share of cohort_threads (5 over 2 processes: 2 each, not 5
+    each: 10 threads on 5 cores), at least one, unless runtime.cell_process_threads sets it; the plan says so."""
+    cohort = {"engine": "cohort", "cohort_threads": 5, "cell_processes": 2}
+    cfg = make_config(runtime=cohort)
+    share = CellShare(cfg.to_toml(), ["c0"])  # what a cell process builds
+    try:
+        assert share.executor.runner.engine.threads == 2
+    finally:
+        share.executor.close()
+    assert execution_plan(cfg).eval_threads == 5  # the cloud's evaluation, in the main process while they wait
+    assert share_plan(make_config(runtime={**cohort, "cohort_threads": 1})).threads == 1
+    own = make_config(runtime={**cohort, "cell_process_threads": 3})
+    assert share_plan(own).threads == 3
+    assert plan_line(cfg, [["c0"], ["c1"]]) == (
+        "cell processes: 2 (cells c0; c1), 2 torch threads each for its cohorts (runtime.cohort_threads = 5 shared; "
+        "runtime.cell_process_threads sets it); each loads the whole data set"
+    )
+    assert "3 torch threads each for its cohorts (runtime.cell_process_threads)" in plan_line(own, [["c0"], ["c1"]])
+    alone = make_config(runtime={"engine": "cohort", "cell_process_threads": 3})
+    assert any(
+        "cell_process_threads = 3 has no effect without runtime.cell_processes" in w
+        for w in idle_settings(alone, "sim")
+    )
 
 
 def test_a_resumed_run_in_cell_processes_ends_as_the_uninterrupted_run(make_config, tmp_path: Path):

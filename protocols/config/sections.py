@@ -293,7 +293,16 @@ class RuntimeSection(Section):
         "training), the cloud staying in the main process; cloud-cell messages cross as their encoded bytes, and "
         "virtual time moves only when every process has nothing left to do before it, so the model, records and "
         "byte counts are those of one process (a warning says when a cloud timer and a cell's fall at one virtual "
-        "time, where they may not be). Synchronous algorithms without sim_workers or onnx_devices; 0: one process",
+        "time, where they may not be). Each process loads the whole data set (as the main process does) and trains "
+        "its cohorts with its share of cohort_threads (cell_process_threads). Synchronous algorithms without "
+        "sim_workers or onnx_devices; 0: one process",
+    )
+    cell_process_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="engine = cohort with cell_processes: torch threads of each cell process's cohorts; none: its "
+        "share of cohort_threads (cohort_threads // cell_processes, at least 1; the cloud's evaluation in the main "
+        "process, which runs while they wait, takes all of cohort_threads). The run logs the plan",
     )
     sim_backend: Literal["processes", "ray"] = Field(
         default="processes",
