@@ -415,3 +415,29 @@ def test_built_site_renders_home_and_config_reference_in_chromium(tmp_path: Path
         assert int(found.group(2)) >= 1
         for text in expect:
             assert text in dom.stdout, f"{page}: {text!r} not rendered"
+
+
+def test_cell_processes_refusal_is_the_one_the_help_and_configure_page_quote(tmp_path: Path) -> None:
+    """`fedtier sim --help` and docs/how-to/configure.md say what runtime.cell_processes refuses, quoting the error
+    a user gets: the one `fedtier sim` prints (exit 2) for an asynchronous algorithm with sim workers."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+    from tests.conftest import small_config
+
+    cfg = small_config(
+        tmp_path,
+        algorithm={"mode": "async", "async_buffer": 2},
+        runtime={"cell_processes": 2, "sim_workers": 1},
+    )
+    (tmp_path / "run.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    refused = CliRunner().invoke(main, ["sim", str(tmp_path / "run.toml"), "--no-progress"])
+    assert refused.exit_code == 2, refused.output
+    error = " ".join(refused.output.split())  # (the console wraps it)
+    assert error.startswith("error: runtime.cell_processes = 2 does not support: an asynchronous algorithm")
+    page = (ROOT / "docs/how-to/configure.md").read_text(encoding="utf-8")
+    assert f"```text\n{error}\n```" in page
+    helped = " ".join(CliRunner().invoke(main, ["sim", "--help"]).output.split())
+    assert error.removeprefix("error: ") in helped.replace('"', "")
+    for refusal in ("an asynchronous algorithm", "runtime.sim_workers", "runtime.onnx_devices", "more processes"):
+        assert refusal in helped and refusal in page
