@@ -127,7 +127,8 @@ class CellService:
                     transport.unsubscribe(pattern)
             self.node = None
             node.stop()
-            del node, watch  # the job's server is garbage now, held in reference cycles: collected at once below,
+            del node, watch, transport  # the job's server and its closed connection (whose subscriptions hold the
+            # server's handlers) are garbage now, held in reference cycles: collected at once below,
             gc.collect()  # not after ~10 more jobs (its arrays are native memory: few objects, rare collections)
 
     def _mark(self, cfg: RunConfig, job: str, phase: str, reason: str | None = None) -> None:

@@ -171,6 +171,7 @@ class CloudService:
         start another on it (``protocols.status.IdleBeat``)."""
         if self._idle is not None:
             self._idle.stop()
+            self._idle = None  # it holds its connection: the job's (closed at its end), whose handlers hold its server
         if transport is not None:
             topic, period = topics.status(self.fed, "cloud"), self.bundle.monitoring.idle_heartbeat
             self._idle = IdleBeat(self.loop, transport, topic, self.trust, period)
