@@ -124,7 +124,10 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
         finally:
             gc.enable()
     assert len(fds) == JOBS
-    assert max(fds[1:]) - fds[1] < 3, fds  # after the first job (its connections made): flat, the spare's 3 a job
+    # After the first job (its connections made): flat, where the spare's leak was 3 a job (jobs 4-5 would be 6 or
+    # more above jobs 2-3). The lower of each pair: a job's end may find the previous job's 3 descriptors of the
+    # cloud and cell in this process not closed yet, once (seen 2 runs in 42: [25, 25, 28, 25, 26]).
+    assert min(fds[-2:]) - min(fds[1:3]) < 3, fds
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
