@@ -728,3 +728,43 @@ def test_replicas_whose_rounds_have_other_shapes_never_share_a_replay(monkeypatc
         dev.catch_up(0, seeds, hist)
         assert np.array_equal(dev.model.flat, plain.flat), (k, p)  # type: ignore[union-attr]
         assert np.array_equal(dev.buf.flat, plain_buf.flat), (k, p)  # type: ignore[union-attr]
+
+
+def _fresh_caches(monkeypatch):
+    """Empty the process's direction, update and replay caches (so the next run draws every direction)."""
+    from collections import OrderedDict
+
+    for name in ("_cache", "_updates", "_states"):
+        monkeypatch.setattr(Z, name, OrderedDict())
+    for name in ("_cached_bytes", "_update_bytes", "_state_bytes"):
+        monkeypatch.setattr(Z, name, 0)
+
+
+def test_directions_drawn_in_threads_are_the_same_bits_and_so_is_the_model(monkeypatch, make_config):
+    """runtime.direction_threads = 4: a step's P directions are drawn in pool threads, byte-identical to one
+    thread's draws, and a short DeComFL run ends on the same model bytes as with 1 thread."""
+    import threading
+
+    shapes = {"w": (30, 40), "b": (40,)}
+    drawers: set[str] = set()
+    draw = Z._draw_flat
+    monkeypatch.setattr(Z, "_draw_flat", lambda *a: (drawers.add(threading.current_thread().name), draw(*a))[1])
+    try:
+        _fresh_caches(monkeypatch)
+        Z.set_draw_threads(4)
+        many = Z.direction_vectors(91, 0, 6, shapes)
+        assert any(name.startswith("zo-draw") for name in drawers)  # drawn in the pool, not one by one
+        for p, z in enumerate(many):
+            assert z.tobytes() == Z._draw_flat(91, 0, p, shapes, "gaussian").tobytes()
+        finals = {}
+        for threads in (4, 1):
+            _fresh_caches(monkeypatch)
+            drawers.clear()
+            cfg = decomfl_config(make_config, [16], rounds=4, perturbations=5)
+            cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"direction_threads": threads})})
+            finals[threads] = run_simulation(cfg, write_output=False).params
+            assert any(n.startswith("zo-draw") for n in drawers) == (threads > 1)
+        assert finals[1].keys() == finals[4].keys()
+        assert all(finals[1][k].tobytes() == finals[4][k].tobytes() for k in finals[1])
+    finally:
+        Z.set_draw_threads(1)

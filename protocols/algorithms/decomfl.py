@@ -444,7 +444,7 @@ class DeComFLDevice(DeviceRole):
         moved_buf: Z.Packed | None = None
         for k, idx in enumerate(order):
             xb, yb = data.x[idx], data.y[idx]
-            zs = [Z.direction_vector(round_seed, k, j, shapes, p.direction) for j in range(self.P)]
+            zs = Z.direction_vectors(round_seed, k, self.P, shapes, p.direction)  # (runtime.direction_threads)
             f0, *fs = trainer.perturbed_losses(x, zs, p.mu, xb, yb)  # f(x) and the P perturbed losses (one batch)
             for j, f in enumerate(fs):
                 g[k, j] = np.float32((f - f0) / p.mu)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
+from .. import directions
 from ..algorithms import get_algorithm
 from ..algorithms.base import Algorithm, ModelSpec, TrainParams
 from ..algorithms.compose import Wrapper, check_layers, compose
@@ -151,6 +152,7 @@ class RunConfig(Section):
         if self.privacy.dp != "off":
             wrappers.append(self._private)
         topo = self.topology
+        directions.set_draw_threads(self.runtime.direction_threads)  # process-wide, as the draws' cache is
         init_seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
         try:
             return compose(

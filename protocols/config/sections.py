@@ -336,6 +336,13 @@ class RuntimeSection(Section):
         ge=1,
         description="engine = cohort: torch threads a cohort computes with (the machine's cores, for large cohorts)",
     )
+    direction_threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="seeded-direction algorithms (DeComFL): threads a process draws a step's P random directions "
+        "in (each direction its own generator: the same bits with any number; less wall time on free cores)",
+    )
     cell_sums: Literal["auto", "host", "engine"] = Field(
         default="auto",
         description="fedtier sim: where a cell sums its devices' results (its weighted mean, Multi-Krum's kept "
