@@ -106,7 +106,12 @@ def config(method: str, lr: float, seed: int, s: dict[str, Any]) -> dict[str, An
             "max_test": s["max_test"],
         },
         "participation": {"model": "uniform", "per_round": s["per_round"]},
-        "runtime": {"engine": "cohort", "eval_every": every, "device": s.get("device", "cpu")},
+        "runtime": {
+            "engine": "cohort",
+            "eval_every": every,
+            "device": s.get("device", "cpu"),
+            "direction_threads": s.get("direction_threads", 1),
+        },
     }
 
 
@@ -273,6 +278,12 @@ def main() -> None:
         action="store_true",
         help="forward passes faked by a cheap stand-in: time the host side alone (accuracies meaningless)",
     )
+    ap.add_argument(
+        "--direction-threads",
+        type=int,
+        default=1,
+        help="runtime.direction_threads: threads a run draws a step's P directions in (the same bits; default 1)",
+    )
     add_journal_args(ap)
     args = ap.parse_args()
     check_device(ap, args.device)
@@ -285,6 +296,8 @@ def main() -> None:
         s["zo_rounds"] = args.rounds
     if args.device:
         s["device"] = args.device
+    if args.direction_threads != 1:  # (a setting: the journal records it)
+        s["direction_threads"] = args.direction_threads
     if args.host_only:  # (a setting: the journal keeps these runs apart from real ones)
         s["host_only"] = True
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]
