@@ -182,16 +182,26 @@ def direction_vectors(
     round_seed: int, k: int, count: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind = "gaussian"
 ) -> list[np.ndarray]:
     """z(round_seed, k, p) for p = 0..count-1 (:func:`direction_vector` each); those not cached yet are drawn
-    in up to :func:`set_draw_threads` threads, bit-identical to drawing them one by one."""
+    in up to :func:`set_draw_threads` threads (this one and the pool's, a share each), bit-identical to drawing
+    them one by one."""
     global _pool
     if _draw_threads > 1 and count > 1:
+        key = _key(shapes)
         with _lock:
-            missing = [p for p in range(count) if (int(round_seed), int(k), p, kind, _key(shapes)) not in _cache]
+            missing = [p for p in range(count) if (int(round_seed), int(k), p, kind, key) not in _cache]
             if len(missing) > 1 and _pool is None:
-                _pool = ThreadPoolExecutor(_draw_threads, thread_name_prefix="zo-draw")
-            pool = _pool
-        if len(missing) > 1 and pool is not None:
-            list(pool.map(lambda p: _direction(round_seed, k, p, shapes, kind), missing))
+                _pool = ThreadPoolExecutor(_draw_threads - 1, thread_name_prefix="zo-draw")
+            pool, n = _pool, min(_draw_threads, len(missing))
+        if n > 1 and pool is not None:
+
+            def draw(ps: list[int]) -> None:
+                for p in ps:
+                    _direction(round_seed, k, p, shapes, kind)
+
+            shares = [pool.submit(draw, missing[i::n]) for i in range(1, n)]
+            draw(missing[0::n])
+            for share in shares:
+                share.result()
     return [direction_vector(round_seed, k, p, shapes, kind) for p in range(count)]
 
 
@@ -257,6 +267,8 @@ def update(
                 _updates.move_to_end(key)
                 return hit
     u = np.zeros(shapes.size if isinstance(shapes, Shapes) else Shapes(shapes).size, np.float32)
+    if _draw_threads > 1:  # the ones missing (e.g. at a cloud of its own) drawn side by side first
+        direction_vectors(round_seed, k, c.shape[0], shapes, kind)
     for p in range(c.shape[0]):
         if c[p] != 0:
             u += c[p] * direction_vector(round_seed, k, p, shapes, kind)

@@ -756,6 +756,14 @@ def test_directions_drawn_in_threads_are_the_same_bits_and_so_is_the_model(monke
         assert any(name.startswith("zo-draw") for name in drawers)  # drawn in the pool, not one by one
         for p, z in enumerate(many):
             assert z.tobytes() == Z._draw_flat(91, 0, p, shapes, "gaussian").tobytes()
+        c = np.array([0.5, 0.0, -1.25, 2.0, 0.125], np.float32)
+        _fresh_caches(monkeypatch)
+        drawers.clear()
+        u4 = Z.update(92, 1, c, shapes, share=False)  # (a cloud of its own: the update draws them)
+        assert any(name.startswith("zo-draw") for name in drawers)
+        _fresh_caches(monkeypatch)
+        Z.set_draw_threads(1)
+        assert Z.update(92, 1, c, shapes, share=False).tobytes() == u4.tobytes()
         finals = {}
         for threads in (4, 1):
             _fresh_caches(monkeypatch)
