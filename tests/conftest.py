@@ -67,6 +67,20 @@ def make_config(tmp_path: Path):
     return make
 
 
+WALL = ("time", "duration_s")  # real-time fields of the records; everything else must match between two runs
+
+
+def same_run(a: Any, b: Any) -> None:
+    """Assert two :class:`sim.launcher.RunResult` are the same run: the final model bit for bit, the round and cell
+    records but their real-time fields (:data:`WALL`), the devices' traffic."""
+    assert a.params.keys() == b.params.keys()
+    assert all(a.params[k].tobytes() == b.params[k].tobytes() for k in a.params)
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in WALL} for r in recs]  # noqa: E731
+    assert strip(a.history) == strip(b.history)
+    assert strip(a.cell_records) == strip(b.cell_records)
+    assert a.device_traffic == b.device_traffic
+
+
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0, period: float = 0.02) -> bool:
     """Poll ``cond`` until it holds (True) or ``timeout`` seconds passed (False)."""
     deadline = time.monotonic() + timeout

@@ -18,9 +18,8 @@ from protocols.execution import execution_plan, idle_settings
 from protocols.transport.memory import VirtualLoop
 from sim.cell_processes import CellProcessError, plan_line
 from sim.cell_share import CellShare, share_plan
-from sim.launcher import RunResult, SimHierarchy, run_simulation
-
-WALL = ("time", "duration_s")  # real-time fields of the records; everything else must match
+from sim.launcher import SimHierarchy, run_simulation
+from tests.conftest import WALL, same_run
 
 
 def _log_lines(out: Path | None) -> list[str]:
@@ -28,15 +27,6 @@ def _log_lines(out: Path | None) -> list[str]:
     assert out is not None
     lines = (out / runfiles.AGGREGATION).read_text().splitlines()
     return sorted(json.dumps({k: v for k, v in json.loads(x).items() if k not in WALL}, sort_keys=True) for x in lines)
-
-
-def _same(a: RunResult, b: RunResult) -> None:
-    assert a.params.keys() == b.params.keys()
-    assert all(a.params[k].tobytes() == b.params[k].tobytes() for k in a.params)
-    strip = lambda recs: [{k: v for k, v in r.items() if k not in WALL} for r in recs]  # noqa: E731
-    assert strip(a.history) == strip(b.history)
-    assert strip(a.cell_records) == strip(b.cell_records)
-    assert a.device_traffic == b.device_traffic
 
 
 @pytest.mark.parametrize(
@@ -68,7 +58,7 @@ def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     runtime = {**sections.get("runtime", {}), "cell_processes": 2}
     run = {**sections.get("run", {}), "output": str(tmp_path / "split")}
     split = run_simulation(make_config(**{**sections, "runtime": runtime, "run": run}))
-    _same(one, split)
+    same_run(one, split)
     logged = [_log_lines(r.output_dir) for r in (one, split)]  # the main process writes the cells' log
     assert logged[0] == logged[1] and len(logged[0]) == len(one.cell_records)
     if "clock" in sections:  # some devices were late, and the cells moved on at their deadlines

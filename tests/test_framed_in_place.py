@@ -20,8 +20,8 @@ from protocols.wire.payload import Lent, Payload, decode_payload, parts_size, pa
 from sim import result_ring
 from sim.launcher import SimHierarchy, run_simulation
 from sim.result_ring import RingReader, RingWriter
-from tests.conftest import while_workers_start
-from tests.test_sim_workers_wire import SECTIONS, _same
+from tests.conftest import same_run, while_workers_start
+from tests.test_sim_workers_wire import SECTIONS
 
 TOPIC = "fedtier/t/cell/c0/up/c0-d0/result"
 
@@ -309,7 +309,7 @@ def test_a_signed_run_frames_its_results_in_place_and_is_the_run_without_workers
 
     monkeypatch.setattr(Messenger, "frame_once", spy)
     parallel = sim.run()
-    _same(inline, parallel)
+    same_run(inline, parallel)
     assert framed == [True] * 6  # 6 devices, 1 edge round
     assert all(r["answered"] for r in parallel.cell_records)
 

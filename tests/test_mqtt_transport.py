@@ -842,45 +842,6 @@ def test_the_chunks_held_of_a_set_that_never_completes_are_acknowledged_when_it_
     assert sorted(acks) == [1, 2, 3] and node._chunk_acks.held == 0
 
 
-def test_a_kept_chunked_message_holds_its_chunks_in_the_budget_until_acknowledged() -> None:
-    """A handler may keep its message's acknowledgement (the async cloud's push waiting for a version). A chunked
-    message's is all its chunks: kept, they hold places in the broker's window for as long as the version takes,
-    so they count in the chunk budget again (12) until acknowledged, at most half of it (6); one that would pass that
-    is not kept (acknowledged when its handler returns), so sets not whole yet can always complete."""
-    node = MqttTransport("fedtier-t-cloud", ThreadLoop("acks"), "127.0.0.1", 1, persistent=True)
-    acks: list[int] = []
-
-    class Client:
-        def ack(self, mid: int, qos: int) -> None:
-            acks.append(mid)
-
-    node._client = Client()  # type: ignore[assignment]
-    kept: list[Callable[[], None] | None] = []
-    node.subscribe("t/push", lambda t, p: kept.append(node.keep_ack()))
-    mids = iter(range(1, 100))
-
-    def push(size: int) -> list[int]:
-        sent = []
-        for chunk in chunking.split(os.urandom(size), 1000):
-            msg = mqtt.MQTTMessage(next(mids), b"t/push")
-            msg.payload, msg.qos = chunk, 1
-            node._on_message(Client(), None, msg)  # type: ignore[arg-type]
-            sent.append(msg.mid)
-        return sent
-
-    first = push(3 * 950)  # 3 chunks
-    assert node.loop.run(until=lambda: len(kept) == 1, timeout=WAIT)
-    assert kept[0] is not None and acks == [] and node._chunk_acks.held == 3  # kept: in the budget
-    second, third = push(3 * 950), push(3 * 950)  # each held whole as it came (3 + 3), both whole before handled
-    assert node._chunk_acks.held == 3
-    assert node.loop.run(until=lambda: len(kept) == 3, timeout=WAIT)
-    assert kept[1] is not None and node._chunk_acks.held == 6  # kept: 3 + 3
-    assert kept[2] is None and sorted(acks) == third  # 6 + 3 > 6 kept: not kept, acknowledged when its handler returned
-    for ack in (kept[0], kept[1], kept[0]):  # (once each)
-        ack()
-    assert sorted(acks) == sorted(first + second + third) and node._chunk_acks.held == 0
-
-
 def test_a_message_is_acknowledged_once_all_its_handlers_returned_and_not_when_one_is_interrupted() -> None:
     """A persistent client's message is acknowledged once its handler returned (a node killed in it gets it again).
     Two handlers: it was acknowledged when the first returned, so a node killed in the second lost it. A handler

@@ -18,9 +18,9 @@ from protocols.wire.payload import Lent, Payload, decode_payload, encode_payload
 from sim import result_ring
 from sim.launcher import SimHierarchy, run_simulation
 from sim.result_ring import RingReader, RingWriter
-from tests.conftest import RESULT_RING_BYTES, while_workers_start
+from tests.conftest import RESULT_RING_BYTES, same_run, while_workers_start
 from tests.test_clock import CLOCK
-from tests.test_sim_workers_wire import SECTIONS, _same, _segment
+from tests.test_sim_workers_wire import SECTIONS, _segment
 
 RING = RESULT_RING_BYTES  # the ring fixture's (tests/conftest.py)
 
@@ -179,7 +179,7 @@ def test_a_run_with_small_rings_lends_and_copies_results_kept_by_the_clock_and_s
 
     monkeypatch.setattr(RingReader, "take", spy)
     parallel = sim.run()
-    _same(inline, parallel)
+    same_run(inline, parallel)
     assert len(kinds) == 6 * 2 * 2 and {"lent", "copied"} <= set(kinds)  # 6 devices, 2 edge rounds, 2 rounds
 
 

@@ -9,18 +9,7 @@ import pytest
 from protocols.transport.memory import VirtualLoop
 from sim.executors import ProcessExecutor, WorkerError
 from sim.launcher import RunResult, SimHierarchy, run_simulation
-from tests.conftest import kill_worker_at_task, while_workers_start
-
-WALL = ("time", "duration_s")  # real-time fields of the records; everything else must match
-
-
-def _same(a: RunResult, b: RunResult) -> None:
-    assert a.params.keys() == b.params.keys()
-    assert all(a.params[k].tobytes() == b.params[k].tobytes() for k in a.params)
-    strip = lambda recs: [{k: v for k, v in r.items() if k not in WALL} for r in recs]  # noqa: E731
-    assert strip(a.history) == strip(b.history)
-    assert strip(a.cell_records) == strip(b.cell_records)
-    assert a.device_traffic == b.device_traffic
+from tests.conftest import kill_worker_at_task, same_run, while_workers_start
 
 
 def _pair(make_config, **sections: dict[str, Any]) -> tuple[RunResult, RunResult]:
@@ -49,7 +38,7 @@ def test_loop_holds_virtual_time_for_outside_work():
 
 def test_fedavg_two_workers_is_byte_identical(make_config):
     inline, parallel = _pair(make_config)
-    _same(inline, parallel)
+    same_run(inline, parallel)
     assert inline.final_accuracy > 0.5
 
 
@@ -70,7 +59,7 @@ def test_decomfl_stateful_devices_with_partial_participation(make_config):
         participation={"model": "uniform", "per_round": 2},  # devices miss rounds, then replay the history
         runtime={"device_deadline": 5.0, "eval_every": 6},
     )
-    _same(inline, parallel)
+    same_run(inline, parallel)
     missed = [r for r in inline.cell_records if any(why == "not participating" for why in r["absent"].values())]
     assert missed
 
@@ -89,7 +78,7 @@ def test_clock_stragglers_miss_the_same_deadlines(make_config):
         },
         runtime={"device_deadline": 1.5},
     )
-    _same(inline, parallel)
+    same_run(inline, parallel)
     late = [d for r in inline.cell_records for d, why in r["absent"].items() if why == "deadline"]
     assert late and parallel.history[-1]["clock_s"] > 3.0
 

@@ -22,8 +22,7 @@ from click.testing import CliRunner
 from protocols.config import ConfigError
 from sim.executors import WorkerError
 from sim.launcher import SimHierarchy, run_simulation
-from tests.conftest import free_port_run
-from tests.test_sim_parallel import _same
+from tests.conftest import free_port_run, same_run
 from tests.test_sim_stall import result_waits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +76,7 @@ def test_an_address_nothing_answers_at_fails_in_seconds_naming_it(make_config, m
 def test_ray_actors_are_byte_identical(make_config, local_ray):
     """Two Ray actors train the devices: the run is the one-process run, byte for byte, records included."""
     inline = run_simulation(make_config(run={"rounds": 2}), write_output=False)
-    _same(inline, run_simulation(on_ray(make_config, run={"rounds": 2}), write_output=False))
+    same_run(inline, run_simulation(on_ray(make_config, run={"rounds": 2}), write_output=False))
 
 
 def test_cohort_engine_on_ray_is_the_inline_cohort_run(make_config, local_ray):
@@ -89,7 +88,7 @@ def test_cohort_engine_on_ray_is_the_inline_cohort_run(make_config, local_ray):
     inline = run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
     sim = SimHierarchy(on_ray(make_config, runtime={"engine": "cohort"}, **sections), write_output=False)
     assert isinstance(sim.executor, RayExecutor)
-    _same(inline, sim.run())
+    same_run(inline, sim.run())
     assert sim.executor.largest_batch == 3  # 6 devices over 2 actors, a batch per edge round
     assert not hasattr(sim.executor, "rings")  # results come back through Ray: an actor may be on another host
 

@@ -18,27 +18,16 @@ from protocols.wire.messenger import Messenger, Received
 from protocols.wire.payload import Payload, encode_payload, payload_parts
 from sim import result_ring
 from sim.executors import WorkerError
-from sim.launcher import RunResult, SimHierarchy, run_simulation
+from sim.launcher import SimHierarchy, run_simulation
 from sim.result_ring import RingReader, RingWriter
 from sim.worker_frames import batch_frame, batch_items, unframe
-from tests.conftest import kill_worker_at_task, wait_until, while_workers_start
-
-WALL = ("time", "duration_s")
+from tests.conftest import kill_worker_at_task, same_run, wait_until, while_workers_start
 
 SECTIONS = dict(
     run={"rounds": 2},
     topology={"cells": 2, "devices_per_cell": 3},
     algorithm={"local_steps": 0, "local_epochs": 1.0, "batch_size": 32, "edge_rounds": 2},
 )
-
-
-def _same(a: RunResult, b: RunResult) -> None:
-    assert a.params.keys() == b.params.keys()
-    assert all(a.params[k].tobytes() == b.params[k].tobytes() for k in a.params)
-    strip = lambda recs: [{k: v for k, v in r.items() if k not in WALL} for r in recs]  # noqa: E731
-    assert strip(a.history) == strip(b.history)
-    assert strip(a.cell_records) == strip(b.cell_records)
-    assert a.device_traffic == b.device_traffic
 
 
 def _segment(name: str) -> bool:
@@ -68,7 +57,7 @@ def test_tasks_go_as_they_arrived_results_come_through_the_rings_and_the_run_is_
         Messenger, "frame_once", lambda *a, **k: in_place.append(isinstance(m := frame_once(*a, **k), memoryview)) or m
     )
     parallel = sim.run()
-    _same(inline, parallel)
+    same_run(inline, parallel)
     assert sim.executor.largest_batch == 3  # 6 devices over 2 workers, a batch per edge round
     assert len(taken) == 6 * 2  # every result of 6 devices in 2 edge rounds, through a ring
     assert in_place == [True] * 6 * 2  # and framed there, not copied (the same bytes: the run is the same)
@@ -181,7 +170,7 @@ def test_diverged_devices_in_workers_are_recorded_as_without_workers(make_config
         sim, lambda: run_simulation(make_config(runtime={"engine": "cohort"}, **sections), write_output=False)
     )
     parallel = sim.run()
-    _same(inline, parallel)
+    same_run(inline, parallel)
     diverged = [d for r in inline.cell_records for d in r.get("diverged", {})]
     assert len(diverged) == 6  # every device
 
