@@ -56,6 +56,12 @@ broker's in-flight window for the cloud (Mosquitto's ``max_inflight_messages``: 
 the config; ``protocols.transport.chunk_acks`` keeps 12 for chunks), until the version is made and it is taken: so
 few, that a cell flooding pushes cannot fill the window ahead of another cell's push; one more waits acknowledged."""
 
+UNACKED_PER_CELL = 1
+"""The most of the :data:`UNACKED_WAITING` places one cell holds: a cell flooding pushes past its share (a node with its
+credentials) takes one, and leaves the others to the pushes of other cells waiting at the same time (it took them
+all, and another cell's waiting push was acknowledged at once: lost if the cloud died before it took it). It takes
+:data:`UNACKED_WAITING` cells flooding so to fill them."""
+
 TAKE_PER_CELL = 32
 """A cloud version takes at most this many pushes of one cell (and at least ``async_cloud_buffer``): the pushes waiting
 when it is made, up to this bound a cell; a cell's push past it waits behind the version (``_over_share``), so a cell
@@ -91,8 +97,8 @@ class AsyncCloudServer(CloudServer):
         """The most pushes of one cell a version takes (:meth:`_over_share`)."""
         self._version_posted = False  # a version is posted behind the pushes waiting
         self._waiting: dict[str, int] = {}  # cell -> its pushes past its share, waiting behind the version posted
-        self._unacked = 0  # ... of them unacknowledged (at most UNACKED_WAITING)
-        self._handed_back: Callable[[], None] | None = None  # the acknowledgement of the waiting push handed back now
+        self._unacked: dict[str, int] = {}  # cell -> ... of them unacknowledged (UNACKED_PER_CELL, UNACKED_WAITING)
+        self._handed_back: tuple[str, Callable[[], None]] | None = None  # (cell, ack) of the waiting push handed back
         self._stopped = False  # stopped (a ``--serve`` cloud's loop goes on): it makes no version
 
     def _begin_round(self) -> None:
@@ -182,10 +188,10 @@ class AsyncCloudServer(CloudServer):
         """Hand ``cell``'s push past its share to the loop again, behind the version posted; refused (logged, in the
         version's record) when :attr:`take_per_cell` of its pushes wait so already: a push waiting acknowledged no
         longer holds the broker's in-flight window, so a flooding cell's pushes would pile up in memory a version
-        after another (each model-sized). Up to :data:`UNACKED_WAITING` of them (in all) wait unacknowledged, the
-        broker handing them to a resumed cloud if this one dies first: acknowledged once taken (journaled), or
-        refused; past that they wait acknowledged (lost if the cloud dies first). A push handed back and still past
-        its share waits again (its acknowledgement kept)."""
+        after another (each model-sized). Up to :data:`UNACKED_WAITING` of them (in all, :data:`UNACKED_PER_CELL` a
+        cell) wait unacknowledged, the broker handing them to a resumed cloud if this one dies first: acknowledged
+        once taken (journaled), or refused; past that they wait acknowledged (lost if the cloud dies first). A push
+        handed back and still past its share waits again (its acknowledgement kept)."""
         waiting = self._waiting.get(cell, 0)
         if waiting >= self.take_per_cell:
             why = (
@@ -194,21 +200,24 @@ class AsyncCloudServer(CloudServer):
             self.messenger.reject(topic, RejectKind.BOUND, why, cell)
             return
         self._waiting[cell] = waiting + 1
-        ack, self._handed_back = self._handed_back, None
-        if ack is None and self._unacked < UNACKED_WAITING:
+        ack = None
+        if self._handed_back is not None and self._handed_back[0] == cell:  # this push's: handed back, it waits again
+            ack, self._handed_back = self._handed_back[1], None
+        unacked = self._unacked.get(cell, 0)
+        if ack is None and unacked < UNACKED_PER_CELL and sum(self._unacked.values()) < UNACKED_WAITING:
             ack = self.transport.keep_ack()
-            self._unacked += ack is not None
+            self._unacked[cell] = unacked + (ack is not None)
 
         def again() -> None:
             self._waiting[cell] -= 1
-            self._handed_back = ack
+            self._handed_back = (cell, ack) if ack is not None else None
             try:
                 self._on_report(topic, data)
             finally:
                 left, self._handed_back = self._handed_back, None
                 if left is not None:  # taken (journaled), refused or dropped: acknowledged
-                    self._unacked -= 1
-                    left()
+                    self._unacked[cell] -= 1
+                    left[1]()
 
         self.loop.post(self._guard(again, "report handler"))
 

@@ -888,64 +888,114 @@ def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resu
         loop.stop()
 
 
-def test_a_push_waiting_past_its_cells_share_comes_again_to_a_resumed_async_cloud(tmp_path, monkeypatch):
-    """Over a real broker: c0's third push of version 0 comes while its first two (its share, ``TAKE_PER_CELL`` 1 and
-    ``async_cloud_buffer`` 2) made a version due: it waits behind the version, and the cloud dies before it takes it.
-    It was acknowledged as it was put back to wait, not journaled: the broker forgot it, and the resumed cloud never
-    had it. Now it waits unacknowledged (one of ``UNACKED_WAITING``): the resumed cloud, after version 0 of the two
-    journaled, gets it from the broker and takes it."""
+_PUSHING = {"mode": "async", "async_buffer": 2, "edge_rounds": 1}
+"""An async run pushing fast: a push every 2 device results, one edge round a push."""
+
+
+def _pushes_of_version_0(tmp_path, cloud_buffer: int) -> dict[str, list[bytes]]:
+    """The real pushes of each cell of an in-memory run of one version, of ``cloud_buffer`` pushes (from version 0)."""
+    algorithm = {**_PUSHING, "async_cloud_buffer": cloud_buffer}
+    sim_cfg = small_config(tmp_path / "sim", run={"rounds": 1}, algorithm=algorithm)
+    sim = SimHierarchy(sim_cfg, write_output=False)
+    pushes: dict[str, list[bytes]] = {"c0": [], "c1": []}
+    tap = sim.hub.connect("tap")
+    for cell, got in pushes.items():
+        tap.subscribe(topics.cell_report(sim_cfg.run.name, cell), lambda t, d, got=got: got.append(bytes(d)))
+    sim.run()
+    return {cell: [p for p in got if decode_message(p)[0].round == 0] for cell, got in pushes.items()}
+
+
+def _cloud_killed_at_version_0(tmp_path, pushes: list[tuple[str, bytes]], share: int, check) -> None:
+    """Over a real broker, an async cloud (2 versions, ``async_cloud_buffer`` 2, ``share`` pushes a cell a version)
+    is sent ``pushes`` (cell, push): ``share`` of c0's and of c1's first, the others past it. All are handed to its
+    loop before it takes the first: the version they make due comes behind them, and the cloud dies making it.
+    ``check(again, records)`` on the cloud resumed in its place."""
     from cloud.node import build_cloud
     from protocols.transport.broker import MosquittoBroker
     from protocols.transport.mqtt import MqttTransport
     from protocols.transport.threadloop import ThreadLoop
     from tests.conftest import wait_until
 
-    monkeypatch.setattr(async_server, "TAKE_PER_CELL", 1)
-    algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1}
-    sim_cfg = small_config(tmp_path / "sim", run={"rounds": 1}, algorithm={**algorithm, "async_cloud_buffer": 6})
-    sim = SimHierarchy(sim_cfg, write_output=False)  # in memory first: c0's real pushes of version 0
-    pushes: list[bytes] = []
-    tap = sim.hub.connect("tap")
-    tap.subscribe(topics.cell_report(sim_cfg.run.name, "c0"), lambda t, d: pushes.append(bytes(d)))
-    sim.run()
-    assert len(pushes) >= 3 and all(decode_message(p)[0].round == 0 for p in pushes[:3]), len(pushes)
-    cfg = small_config(tmp_path, run={"rounds": 2}, algorithm={**algorithm, "async_cloud_buffer": 2})
+    cfg = small_config(tmp_path, run={"rounds": 2}, algorithm={**_PUSHING, "async_cloud_buffer": 2})
+    sim = SimHierarchy(cfg, write_output=False)  # (its roles only)
     out, loop = tmp_path / "cloud", ThreadLoop("cloud").start()
 
     def cloud(broker: MosquittoBroker, resume: bool) -> Any:
         transport = MqttTransport.from_url(broker.url, "fedtier-async-cloud", loop, persistent=True).connect(10.0)
-        return build_cloud(cfg, transport, sim.algorithm, output_dir=out, resume=resume)
+        built = build_cloud(cfg, transport, sim.algorithm, output_dir=out, resume=resume)
+        built.take_per_cell = share
+        return built
 
     try:
         with MosquittoBroker() as broker:
             first = cloud(broker, resume=False)
 
-            def dies() -> None:  # the version due, c0's third push waiting behind it: the process ends here
+            def dies() -> None:  # the version due, the pushes past their share waiting behind it: the process ends
                 first.transport.crash()
                 first._on_report = lambda topic, data: None  # type: ignore[method-assign]
 
             first._make_version = dies  # type: ignore[method-assign]
             loop.post(first.start)
             assert wait_until(lambda: first.started)
-            ready = loop._ready  # the three pushes handed to the loop before it takes the first: a version due
-            loop.post(lambda: wait_until(lambda: len(ready) >= 3, timeout=10.0))
+            ready = loop._ready  # every push handed to the loop before it takes the first: a version due behind them
+            loop.post(lambda: wait_until(lambda: len(ready) >= len(pushes), timeout=10.0))
             cells = MqttTransport.from_url(broker.url, "cells", loop).connect(10.0)
-            for push in pushes[:3]:
-                cells.publish(topics.cell_report(cfg.run.name, "c0"), push)
+            for cell, push in pushes:
+                cells.publish(topics.cell_report(cfg.run.name, cell), push)
             assert wait_until(lambda: first.transport.closed), "no version came due"
-            assert first._waiting == {"c0": 0} and first.fb.buffer.held == 2, (first._waiting, first.fb.buffer.held)
+            taken = first.fb.buffer.held
+            shares = sum(min(share, [c for c, _ in pushes].count(c)) for c in ("c0", "c1"))
+            assert taken == shares and not any(first._waiting.values()), (taken, first._waiting)
             first.stop()
             again = cloud(broker, resume=True)
             records: list[dict] = []
             again.observers.append(records.append)
             loop.post(again.start)
             assert wait_until(lambda: bool(records)), "version 0 was never made"
-            assert records[0]["metrics"]["pushes"] == 2, records[0]  # the two journaled
-            assert wait_until(lambda: again.fb.buffer.held == 1), "the waiting push never came again"
+            assert records[0]["metrics"]["pushes"] == taken, records[0]  # those journaled
+            check(again, records)
             cells.close()
             again.stop()
     finally:
         loop.stop()
+
+
+def test_a_push_waiting_past_its_cells_share_comes_again_to_a_resumed_async_cloud(tmp_path):
+    """Over a real broker: c0's third push of version 0 comes while its first two (its share, 2) made a version due:
+    it waits behind the version, and the cloud dies before it takes it. It was acknowledged as it was put back to
+    wait, not journaled: the broker forgot it, and the resumed cloud never had it. Now it waits unacknowledged (one
+    of ``UNACKED_WAITING``): the resumed cloud, after version 0 of the two journaled, gets it from the broker and
+    takes it."""
+    from tests.conftest import wait_until
+
+    c0 = _pushes_of_version_0(tmp_path, 6)["c0"]
+    assert len(c0) >= 3, len(c0)
+
+    def check(again: Any, records: list[dict]) -> None:
+        assert wait_until(lambda: again.fb.buffer.held == 1), "the waiting push never came again"
+
+    _cloud_killed_at_version_0(tmp_path, [("c0", p) for p in c0[:3]], 2, check)
+
+
+def test_a_flooding_cell_leaves_an_unacknowledged_place_for_another_cells_push_waiting_at_a_cloud_killed(tmp_path):
+    """Over a real broker, 4 pushes a cell a version (its share): c0's and c1's first 4 make version 0 due; c0 (a node
+    with its credentials) floods 4 more (one push, again) before it is made, then c1's fifth comes, all waiting behind
+    the version; the cloud dies making it. The ``UNACKED_WAITING`` (4) places for waiting pushes unacknowledged were
+    shared: c0's flood took them all, so c1's push waited acknowledged, and the broker never handed it to the resumed
+    cloud (lost). Now a cell holds at most ``UNACKED_PER_CELL`` of them: c1's push comes again to the resumed cloud,
+    which makes version 1 of it and c0's fifth."""
+    from tests.conftest import wait_until
+
+    pushes = _pushes_of_version_0(tmp_path, 12)
+    c0, c1 = pushes["c0"], pushes["c1"]
+    assert len(c0) >= 5 and len(c1) >= 5, (len(c0), len(c1))
+    sent = [*(("c0", p) for p in c0[:4]), *(("c1", p) for p in c1[:4]), *[("c0", c0[4])] * 4, ("c1", c1[4])]
+
+    def check(again: Any, records: list[dict]) -> None:
+        assert wait_until(lambda: len(records) == 2), "c1's waiting push never came again: no version 1"
+        assert records[1]["cells_reported"] == ["c0", "c1"], records[1]
+
+    _cloud_killed_at_version_0(tmp_path, sent, 4, check)
 
 
 def test_an_async_device_flipping_its_status_gets_a_bounded_number_of_tasks_per_version_and_still_works(tmp_path):
