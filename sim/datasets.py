@@ -39,6 +39,7 @@ import os
 import pickle
 import shutil
 import struct
+import zipfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +49,10 @@ from typing import Any
 import numpy as np
 
 from protocols import plugins
+from protocols.limits import memory_refusal
 from protocols.seeding import rng
+
+from .user_datasets import user_geometry
 
 __all__ = ["Dataset", "load_dataset", "dataset_geometry", "subsample", "DATASET_NAMES", "FMNIST_DIR", "mnist_path"]
 
@@ -311,6 +315,9 @@ def _load_synthetic(
     n_test = max(classes, n // 5) if n_test is None else int(n_test)
     if n_test < 0:
         raise ValueError(f"synthetic dataset: n_test must be >= 0, got {n_test}")
+    why = memory_refusal((n + n_test) * (4 * dim + 8), f"synthetic dataset: n = {n:,} and n_test = {n_test:,} samples")
+    if why is not None:  # refused before numpy asks for it
+        raise ValueError(why)
     means = rng(seed, "synthetic", "means").normal(0.0, separation, size=(classes, dim)).astype(np.float32)
 
     def draw(m: int, part: str) -> tuple[np.ndarray, np.ndarray]:
@@ -368,51 +375,32 @@ def subsample(ds: Dataset, max_train: int | None = None, max_test: int | None = 
 
 
 # ----------------------------------------------------------------------------------------------- users'
-MAX_USER_CLASSES = 100_000
-
-
 def _user_dataset(name: str, source: Any) -> Dataset:
-    """A :class:`Dataset` from a user's arrays (an ``.npz`` or a registered loader's result), checked: a clear
-    ``ValueError`` naming ``name`` for missing parts, mismatched lengths, non-integer or out-of-range labels."""
+    """A :class:`Dataset` from a user's arrays (an ``.npz`` or a registered loader's result), checked
+    (:func:`sim.user_datasets.user_geometry`): a clear ``ValueError`` naming ``name``."""
     get = source.__getitem__ if hasattr(source, "keys") else lambda k: getattr(source, k)
     try:
         xtr, ytr, xte, yte = (np.asarray(get(k)) for k in _PARTS)
     except (KeyError, AttributeError) as exc:
         raise ValueError(f"dataset {name}: needs {', '.join(_PARTS)}; missing {exc}") from None
-    for x, y, part in ((xtr, ytr, "train"), (xte, yte, "test")):
-        if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
-            raise ValueError(
-                f"dataset {name}: x_{part} must be [N, ...] and y_{part} [N] with N > 0, got {x.shape} and {y.shape}"
-            )
-        if not np.issubdtype(y.dtype, np.integer) or not np.issubdtype(x.dtype, np.number):
-            raise ValueError(f"dataset {name}: y_{part} must hold integers and x_{part} numbers")
-    if xtr.shape[1:] != xte.shape[1:]:
-        raise ValueError(f"dataset {name}: x_train rows are {xtr.shape[1:]}, x_test rows {xte.shape[1:]}")
-    shape = _optional(get, "input_shape", tuple(int(s) for s in xtr.shape[1:]))
-    shape = tuple(int(s) for s in np.atleast_1d(np.asarray(shape)))
-    if int(np.prod(shape)) != int(np.prod(xtr.shape[1:])):
-        raise ValueError(f"dataset {name}: input_shape {shape} does not hold rows of {xtr.shape[1:]}")
-    low, high = min(int(ytr.min()), int(yte.min())), max(int(ytr.max()), int(yte.max()))
-    classes = int(np.asarray(_optional(get, "num_classes", high + 1)))
-    if low < 0 or high >= classes or not 2 <= classes <= MAX_USER_CLASSES:
-        raise ValueError(f"dataset {name}: labels span {low}..{high}; they must lie in 0..num_classes-1 ({classes})")
+    shape, classes = user_geometry(name, xtr, ytr, xte, yte, lambda key: _optional(get, key))
     return _make(name, xtr, ytr, xte, yte, shape, classes)
 
 
-def _optional(get: Callable[[str], Any], key: str, default: Any) -> Any:
+def _optional(get: Callable[[str], Any], key: str) -> Any:
     try:
-        value = get(key)
+        return get(key)
     except (KeyError, AttributeError):
-        return default
-    return default if value is None else value
+        return None
 
 
 def _load_npz(path: str) -> Dataset:
     try:
         with np.load(Path(path).expanduser(), allow_pickle=False) as npz:
-            return _user_dataset(f"npz:{path}", {k: npz[k] for k in npz.files})
-    except (OSError, EOFError) as exc:  # missing, unreadable, not an .npz
+            arrays = {k: npz[k] for k in npz.files}
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:  # missing, truncated, object arrays (pickle)
         raise ValueError(f"dataset npz:{path}: cannot read it: {exc}") from None
+    return _user_dataset(f"npz:{path}", arrays)
 
 
 _LOADERS = {"mnist": _load_mnist, "fmnist": _load_fmnist, "digits": _load_digits, "synthetic": _load_synthetic}

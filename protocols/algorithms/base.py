@@ -25,7 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -38,6 +38,10 @@ from .outcome import Outcome
 from .traits import Layer, Trait, compose_traits, lacks
 
 CHANNEL_WIDTHS = {"cnn": 2, "cnn4": 4}  # conv models: how many widths model.channels lists
+
+
+OrInfinity = Annotated[float, Field(ge=0, allow_inf_nan=True)]
+"""A non-negative parameter for which infinity means "no bound" (TrainParams refuses infinity elsewhere)."""
 
 
 class ModelSpec(BaseModel):
@@ -106,10 +110,11 @@ class TrainParams(BaseModel):
     """Parameters every algorithm shares. Algorithms subclass this with their own fields.
 
     ``edge_rounds`` is E (edge rounds per cloud round); a device runs ``local_steps`` (H) SGD steps
-    per edge round, or ``local_epochs`` epochs when ``local_steps`` is 0.
+    per edge round, or ``local_epochs`` epochs when ``local_steps`` is 0. Infinite and NaN numbers are refused,
+    unless a field says what infinity means (``Field(allow_inf_nan=True)``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(description="the algorithm: fedavg, hist, fedalign, decomfl or fedmrn")
     edge_rounds: int = Field(default=1, ge=1, description="E: edge rounds a cell runs per cloud round")

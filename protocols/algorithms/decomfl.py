@@ -10,8 +10,7 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
 * **cell** gives each planned device exactly its part: the seeds and averaged scalars of rounds
   ``synced[d] .. r-1`` and ``s_r``. It sums the devices' K x P scalars with weights (uniform as in the
   paper, or by samples) and reports the sum, the total weight, the devices that answered and ``need``
-  = the oldest round any device of its roster still needs (the cloud prunes its history to the
-  minimum over cells).
+  = the oldest round any device of its roster still needs (the cloud prunes its history to the minimum over cells).
 * **device** keeps its own model copy for the whole run (one packed vector, ``directions.Packed``). It replays
   the missed rounds (oldest first, k ascending; each step one shared update vector, ``directions.update``) to
   reach x_r, runs K local ZO steps with P forward-difference perturbations each (one minibatch per step,
@@ -21,8 +20,7 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
   With ``momentum`` beta > 0 (the paper's MNIST runs use 0.5 for every method; appendix A eqs. 8-9) the
   device and the cloud also keep the heavy-ball buffer of the global trajectory (torch's rule, as the
   paper's repository steps it; ``directions.apply_momentum_step``): local steps run on copies of both,
-  both are reverted, and catch-up replays both, so a device that rejoins holds the cloud's x_r and
-  buffer bit for bit.
+  both are reverted, and catch-up replays both, so a device that rejoins holds the cloud's x_r and buffer bit for bit.
   The device remembers the round it is synced to, so a history that starts earlier (the cloud missed
   a report) is skipped where already applied; one that starts later cannot be replayed and fails,
   except for a device back at x_0 (its process restarted): it answers ``{"resync": true}``, its cell
@@ -92,6 +90,8 @@ class DeComFLParams(TrainParams):
             raise ValueError("decomfl runs one edge round per cloud round (edge_rounds = 1)")
         if self.weight_decay != 0 or self.server_lr != 1.0:
             raise ValueError("decomfl is plain ZO-SGD: weight_decay and server_lr are not supported")
+        if (scalars := self.local_steps * self.perturbations) > 10**7:  # 80 MB of float64 a report, kept by the cloud
+            raise ValueError(f"local_steps x perturbations = {scalars:,} scalars a round exceeds 10,000,000")
         return self
 
 

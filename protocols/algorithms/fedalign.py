@@ -55,7 +55,7 @@ from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, OrInfinity, TrainParams
 from .fedalign_inputs import check_phase_inputs
 from .fedalign_priority import check_probe_lists, priority_figures, probe_lists
 from .fedavg import FedAvgCell, FedAvgDevice, check_delta
@@ -77,8 +77,8 @@ class FedAlignParams(RobustParams):
     priority_fraction: float = Field(
         default=0.0, ge=0, le=1, description="or: this fraction of all devices, drawn with run.seed"
     )
-    epsilon: float = Field(default=0.2, ge=0, description="matching threshold; 0 = priority only, inf = all")
-    epsilon_later: float = Field(default=0.0, ge=0, description="threshold from epsilon_drop_round on")
+    epsilon: OrInfinity = Field(default=0.2, description="matching threshold; 0 = priority only, inf = all")
+    epsilon_later: OrInfinity = Field(default=0.0, description="threshold from epsilon_drop_round on (inf = all)")
     epsilon_drop_round: int = Field(default=0, ge=0, description="iteration of the drop (0 = no drop)")
     warmup_rounds: int = Field(default=0, ge=0, description="first iterations with priority devices only")
     criterion: Literal["loss", "accuracy"] = Field(

@@ -13,6 +13,7 @@ import numpy as np
 from pydantic import Field
 
 from .. import params as P
+from ..limits import MAX_SECONDS
 from ..rejections import Rejected, RejectKind
 from .base import TrainParams
 from .outcome import Outcome
@@ -30,6 +31,7 @@ class AsyncParams(TrainParams):
     async_push_seconds: float = Field(
         default=0.0,
         ge=0,
+        le=MAX_SECONDS,
         description="T: a cell with unpushed progress pushes "
         "at least this often (loop-clock seconds; 0: only every M updates)",
     )

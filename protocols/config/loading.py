@@ -13,6 +13,7 @@ from .. import plugins
 from ..algorithms import ALGORITHMS
 from ..algorithms.compose import needs
 from ..algorithms.traits import Trait
+from ..limits import MAX_SECONDS
 from ..plugin_loading import load_plugins
 from .errors import ConfigError, format_errors
 from .run import RunConfig
@@ -39,6 +40,11 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         if reason is not None:
             raise ConfigError(f"privacy.secure_aggregation: {reason}")
     check_privacy(cfg)
+    if cfg.runtime.cell_deadline is None and cfg.cell_deadline() > MAX_SECONDS:
+        raise ConfigError(
+            f"runtime.cell_deadline: unset, it is {cfg.cell_deadline():.4g} s (1.5 x algorithm.edge_rounds x "
+            f"runtime.device_deadline, and more), beyond {MAX_SECONDS:.0e} s; set it, or shorten those"
+        )
     if cfg.runtime.onnx_devices:
         check_forward_only(cfg, "runtime.onnx_devices")
     return cfg

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ..algorithms.base import non_defaults
+from ..limits import MAX_SECONDS
 from .errors import ConfigError
 from .sections import Section
 
@@ -44,6 +45,7 @@ class PrivacySection(Section):
     secagg_deadline: float | None = Field(
         default=None,
         gt=0,
+        le=MAX_SECONDS,
         description="seconds a cell waits in each extra "
         "phase (keys, shares, unmasking) before going on without the silent "
         "devices; none: runtime.device_deadline / 4 (the key and share phases "

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
-from .. import directions
+from .. import directions, plugins
 from ..algorithms import get_algorithm
 from ..algorithms.base import Algorithm, ModelSpec, TrainParams
 from ..algorithms.compose import Wrapper, check_layers, compose
+from ..limits import memory_refusal
 from .errors import ConfigError, format_errors
 from .privacy import PrivacySection, calibrated_noise
 from .sections import (
@@ -91,7 +92,7 @@ class RunConfig(Section):
                 f"model.name: cnn4 pools 4 times and needs images of at least 16x16; "
                 f"{self.data.dataset} has {'x'.join(map(str, input_shape))}"
             )
-        return ModelSpec(
+        spec = ModelSpec(
             name=m.name,
             input_shape=tuple(input_shape),
             num_classes=num_classes,
@@ -100,6 +101,12 @@ class RunConfig(Section):
             fc=m.fc,
             init_std=m.init_std,
         )
+        if m.name not in plugins.MODELS:  # the zoo's are counted without building them (a plugin's is built)
+            n = spec.num_params()
+            why = memory_refusal(2 * 4 * n, f"model: {m.name} has {n:,} parameters, which with their gradients")
+            if why is not None:
+                raise ConfigError(why + " (make model.hidden, model.channels or model.fc smaller)")
+        return spec
 
     def secagg_settings(self) -> Any:
         """The ``SecAggSettings`` of ``[privacy]`` when secure aggregation is on, else ``None``."""

@@ -3,27 +3,34 @@ its default and its bounds, checked by pydantic (unknown keys are errors)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .. import plugins
 from ..algorithms.base import CHANNEL_WIDTHS, non_defaults
 from ..capabilities import WIRE_VERSION
+from ..limits import MAX_PROCESSES, MAX_SECONDS, MAX_THREADS
 from ..wire.topics import check_name
+
+Width = Annotated[int, Field(ge=1)]
+"""A layer's width: at least one unit."""
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors."""
+    """A config section: unknown keys are errors, and so are infinite and NaN numbers (no key means anything by
+    them: a key's none or 0 says "no bound")."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RunSection(Section):
     name: str = Field(default="run", description="the run's name; also the MQTT topic root fedtier/{name}/...")
     seed: int = Field(default=0, ge=0, description="the run seed: every random draw (except secrets) derives from it")
     rounds: int = Field(default=10, ge=1, description="cloud rounds (async mode: cloud model versions)")
-    output: str = Field(default="runs/{name}", description="the run folder; {name} is replaced by run.name")
+    output: str = Field(
+        default="runs/{name}", min_length=1, description="the run folder; {name} is replaced by run.name"
+    )
     init_model: str | None = Field(
         default=None,
         description="a model file (a run's final_model.ftw) to start from instead of the seeded initial model; "
@@ -62,8 +69,8 @@ class ModelSection(Section):
         "4 x [conv3x3 -> GroupNorm -> ReLU -> pool] -> fc; images of at least 16x16); or a model a plugin "
         "registered (protocols.plugins.register_model)",
     )
-    hidden: tuple[int, ...] = Field(default=(200, 200), description="mlp: hidden layer widths")
-    channels: tuple[int, ...] = Field(default=(32, 64), description="cnn: 2 widths; cnn4: 4")
+    hidden: tuple[Width, ...] = Field(default=(200, 200), description="mlp: hidden layer widths")
+    channels: tuple[Width, ...] = Field(default=(32, 64), description="cnn: 2 widths; cnn4: 4")
     fc: int = Field(default=512, ge=0, description="cnn: hidden fully connected width (0: none)")
     init_std: float | None = Field(
         default=None,
@@ -190,10 +197,13 @@ class RuntimeSection(Section):
     device_deadline: float = Field(
         default=120.0,
         gt=0,
+        le=MAX_SECONDS,
         description="seconds a cell waits for devices (async mode: how long a cell with no task outstanding waits "
         "before it sends one more task to its devices held back after too many returns in one version)",
     )
-    cell_deadline: float | None = Field(default=None, gt=0, description="seconds the cloud waits for cells")
+    cell_deadline: float | None = Field(
+        default=None, gt=0, le=MAX_SECONDS, description="seconds the cloud waits for cells"
+    )
     quorum: float = Field(
         default=1.0,
         gt=0,
@@ -210,6 +220,7 @@ class RuntimeSection(Section):
     startup_wait: float = Field(
         default=60.0,
         ge=0,
+        le=MAX_SECONDS,
         description="seconds to wait for all devices (MQTT); a one-shot `fedtier cell` or `fedtier agent` that "
         "finds its run already finished (the cloud offline, its `finished` record retained) waits this long for a "
         "new run's cloud, then leaves",
@@ -217,11 +228,13 @@ class RuntimeSection(Section):
     heartbeat: float = Field(
         default=5.0,
         ge=0,
+        le=MAX_SECONDS,
         description="seconds between heartbeats of agents and cells (MQTT; 0: none, the broker's last will only)",
     )
     heartbeat_timeout: float = Field(
         default=30.0,
         ge=0,
+        le=MAX_SECONDS,
         description="a cell deems a device offline when its last heartbeat is older than this (MQTT; 0: never)",
     )
     max_record_bytes: int | None = Field(
@@ -256,12 +269,14 @@ class RuntimeSection(Section):
     rejoin_wait: float = Field(
         default=30.0,
         ge=0,
+        le=MAX_SECONDS,
         description="seconds a cell waits, before planning an edge "
         "round, for participating devices that are offline (rejoining; MQTT)",
     )
     rejoin_poll: float = Field(
         default=0.5,
         gt=0,
+        le=MAX_SECONDS,
         description="seconds between an absent agent's reconnections "
         "to read the round manifest (participation in fedtier run)",
     )
@@ -282,6 +297,7 @@ class RuntimeSection(Section):
     sim_workers: int = Field(
         default=0,
         ge=0,
+        le=MAX_PROCESSES,
         description="fedtier sim: worker processes (or Ray actors) that "
         "train the devices in parallel, each a fixed round-robin share; 0: in the main "
         "process. Same final model either way",
@@ -289,6 +305,7 @@ class RuntimeSection(Section):
     cell_processes: int = Field(
         default=0,
         ge=0,
+        le=MAX_PROCESSES,
         description="fedtier sim: processes that each run a fixed share of the cells with their devices (and their "
         "training), the cloud staying in the main process; cloud-cell messages cross as their encoded bytes, and "
         "virtual time moves only when every process has nothing left to do before it, so the model, records and "
@@ -300,6 +317,7 @@ class RuntimeSection(Section):
     cell_process_threads: int | None = Field(
         default=None,
         ge=1,
+        le=MAX_THREADS,
         description="engine = cohort with cell_processes: torch threads of each cell process's cohorts; none: its "
         "share of cohort_threads (cohort_threads // cell_processes, at least 1; the cloud's evaluation in the main "
         "process, which runs while they wait, takes all of cohort_threads). The run logs the plan",
@@ -311,6 +329,7 @@ class RuntimeSection(Section):
     worker_stall_s: float = Field(
         default=300.0,
         gt=0,
+        le=MAX_SECONDS,
         description="fedtier sim workers (and cell_processes): a worker (process or Ray actor) that owes results "
         "and has sent nothing, "
         "no result and no progress beat (one comes every few seconds while it trains), for this many seconds is "
@@ -334,6 +353,7 @@ class RuntimeSection(Section):
     cohort_threads: int = Field(
         default=1,
         ge=1,
+        le=MAX_THREADS,
         description="engine = cohort: torch threads a cohort computes with (the machine's cores, for large cohorts)",
     )
     direction_threads: int = Field(
@@ -438,6 +458,7 @@ class MonitoringSection(Section):
     idle_heartbeat: float = Field(
         default=30.0,
         ge=0.0,
+        le=MAX_SECONDS,
         description="seconds between re-publications of a long-lived node's idle status (fedtier cloud|cell|agent "
         "--serve, between jobs); fedtier monitor and fedtier fleet deem an idle node that missed three offline "
         "(its will may be lost); 0: published once",

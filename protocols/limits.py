@@ -1,0 +1,37 @@
+"""Upper bounds of config values that no sane run reaches, and the memory check that refuses a model or a data
+set before it is allocated.
+
+A mistyped or generated config must be refused at its start, naming the key, not crash later (``time.sleep`` and
+``threading`` waits overflow past about 9.2e9 seconds), start a million threads or processes, or ask numpy or
+torch for terabytes."""
+
+from __future__ import annotations
+
+import os
+
+MAX_SECONDS = 1e7
+"""The longest wait, deadline or period a config may set (about 116 days): far beyond any run's, far below what
+the platform's timers take (``threading.TIMEOUT_MAX``, about 9.2e9 seconds)."""
+
+MAX_THREADS = 1024
+"""The most threads a config may ask one process for (``runtime.cohort_threads``, ``cell_process_threads``)."""
+
+MAX_PROCESSES = 4096
+"""The most worker processes or Ray actors a config may ask for (``runtime.sim_workers``, ``cell_processes``)."""
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes, or ``None`` when the platform does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def memory_refusal(nbytes: float, what: str, memory: int | None = None) -> str | None:
+    """Why allocating ``nbytes`` is refused (the message starts with ``what``: the key and what it asks for) when
+    they exceed ``memory`` (default: this machine's physical memory); ``None`` when they fit or it is unknown."""
+    memory = machine_memory() if memory is None else memory
+    if memory is None or nbytes <= memory:
+        return None
+    return f"{what} needs {nbytes / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of memory"

@@ -1,0 +1,211 @@
+"""Hostile configuration, as a user who mistypes or a config generator gone wrong gives it: every numeric key
+of every section and algorithm swept with negative, NaN, infinite and absurd values, and the absurd values that
+would crash, hang or allocate later refused at the start with a message naming the key. Validation only (no run
+starts), except the CLI checks at the end, which stop before any data is loaded."""
+
+from __future__ import annotations
+
+import math
+import typing
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from pydantic import BaseModel
+
+from fedtier.cli import main
+from protocols.algorithms import ALGORITHMS
+from protocols.config import ConfigError, RunConfig, parse_config
+from protocols.limits import memory_refusal
+from sim.datasets import load_dataset
+
+BASE: dict[str, typing.Any] = {"topology": {"cells": 1, "devices_per_cell": 2}}
+INFINITE_MEANS_ALL = {("fedalign", "epsilon"), ("fedalign", "epsilon_later")}  # "inf = all devices"
+
+
+def _kind(annotation: object) -> type | None:
+    """``int`` or ``float`` for a numeric field (optional or not), else ``None``."""
+    types = {annotation, *typing.get_args(annotation)}
+    return int if int in types else float if float in types else None
+
+
+def _section_fields() -> list[tuple[str, str, type]]:
+    out = []
+    for section, field in RunConfig.model_fields.items():
+        model = field.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            out += [(section, k, t) for k, f in model.model_fields.items() if (t := _kind(f.annotation)) is not None]
+    return out
+
+
+def _algorithm_fields() -> list[tuple[str, str, type]]:
+    return [
+        (name, k, t)
+        for name, cls in sorted(ALGORITHMS.items())
+        for k, f in cls.Params.model_fields.items()
+        if (t := _kind(f.annotation)) is not None
+    ]
+
+
+def _names(refusal: str, section: str, key: str) -> bool:
+    """The refusal names ``section.key`` (a field's own check), or the section and the key (a section's check)."""
+    return f"{section}.{key}" in refusal or (f"{section}: " in refusal and key in refusal)
+
+
+def _outcome(data: dict[str, typing.Any]) -> str | None:
+    """``None`` when the config validates, else the refusal; anything but :class:`ConfigError` fails the test."""
+    try:
+        parse_config(data)  # validates [algorithm] too
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_every_numeric_section_key_refuses_negative_nan_and_infinite_values_naming_the_key():
+    fields = _section_fields()
+    assert len(fields) > 60  # the sweep reaches the sections (a refactor that hid them would pass vacuously)
+    for section, key, kind in fields:
+        for bad in (-1, math.nan, math.inf, -math.inf) if kind is float else (-1,):
+            refused = _outcome({**BASE, section: {**BASE.get(section, {}), key: bad}})
+            assert refused is not None and _names(refused, section, key), (section, key, bad, refused)
+
+
+def test_every_numeric_algorithm_key_refuses_negative_and_nan_and_infinity_unless_it_means_all():
+    fields = _algorithm_fields()
+    assert len(fields) > 40
+    for name, key, kind in fields:
+        bads = (-1, math.nan, math.inf) if kind is float else (-1,)
+        for bad in bads:
+            if bad == math.inf and (name, key) in INFINITE_MEANS_ALL:
+                continue
+            refused = _outcome({**BASE, "algorithm": {"name": name, key: bad}})
+            assert refused is not None and key in refused, (name, key, bad, refused)
+    assert _outcome({**BASE, "algorithm": {"name": "fedalign", "priority_fraction": 0.5, "epsilon": math.inf}}) is None
+
+
+ABSURD = [  # (section, key, value, what the refusal says besides the key)
+    ("runtime", "device_deadline", 1e12, "less than or equal to 10000000"),
+    ("runtime", "cell_deadline", 1e12, "less than or equal"),
+    ("runtime", "startup_wait", 1e12, "less than or equal"),
+    ("runtime", "heartbeat", 1e11, "less than or equal"),
+    ("runtime", "heartbeat_timeout", 1e11, "less than or equal"),
+    ("runtime", "rejoin_wait", 1e11, "less than or equal"),
+    ("runtime", "rejoin_poll", 1e11, "less than or equal"),
+    ("runtime", "worker_stall_s", 1e11, "less than or equal"),
+    ("runtime", "cohort_threads", 10**6, "less than or equal to 1024"),
+    ("runtime", "cell_process_threads", 10**6, "less than or equal to 1024"),
+    ("runtime", "direction_threads", 10**6, "less than or equal to 64"),
+    ("runtime", "sim_workers", 10**9, "less than or equal to 4096"),
+    ("runtime", "cell_processes", 10**9, "less than or equal to 4096"),
+    ("monitoring", "metrics_port", 70000, "less than or equal to 65535"),
+    ("monitoring", "idle_heartbeat", 1e12, "less than or equal"),
+    ("run", "output", "", "at least 1 character"),
+    ("model", "hidden", [0], "greater than or equal to 1"),
+    ("model", "hidden", [-5, 10], "greater than or equal to 1"),
+    ("participation", "probs", [math.nan, 0.5], "finite number"),
+    ("data", "partition", "stripes", "Input should be"),
+    ("runtime", "engine", "gpu", "Input should be"),
+]
+
+
+@pytest.mark.parametrize(("section", "key", "value", "says"), ABSURD, ids=[f"{s}.{k}={v!r}" for s, k, v, _ in ABSURD])
+def test_an_absurd_value_is_refused_at_the_start_naming_its_key(section, key, value, says):
+    refused = _outcome({**BASE, section: {**BASE.get(section, {}), key: value}})
+    assert refused is not None and _names(refused, section, key) and says in refused, refused
+
+
+def test_absurd_values_across_keys_are_refused_before_a_timer_or_an_array_is_made():
+    # the cloud's derived deadline: 1.5 x edge_rounds x device_deadline would overflow the platform's timers
+    derived = {**BASE, "algorithm": {"name": "fedavg", "edge_rounds": 10**6}, "runtime": {"device_deadline": 1e6}}
+    assert "runtime.cell_deadline: unset, it is 1.5e+12 s" in str(_outcome(derived))
+    explicit = {**derived, "runtime": {"device_deadline": 1e6, "cell_deadline": 1e6}}
+    assert _outcome(explicit) is None  # set, it is the operator's bound
+    # DeComFL: K x P scalars a round, kept by the cloud for every round (a MemoryError at its first deadline)
+    zo = _outcome({**BASE, "algorithm": {"name": "decomfl", "perturbations": 10**9}})
+    assert zo is not None and "local_steps x perturbations = 1,000,000,000 scalars" in zo
+
+
+def test_a_model_larger_than_memory_is_refused_before_torch_allocates_it():
+    cfg = parse_config({**BASE, "model": {"name": "mlp", "hidden": [10**9, 10**9]}})
+    with pytest.raises(ConfigError, match=r"model: mlp has 1,000,000,\d{3},\d{3},\d{3},\d{3} parameters.*GiB"):
+        cfg.model_spec((784,), 10)
+    cnn = parse_config({**BASE, "model": {"name": "cnn", "channels": [32, 64], "fc": 10**12}})
+    with pytest.raises(ConfigError, match="model: cnn has .* more than this machine's"):
+        cnn.model_spec((1, 28, 28), 10)
+    assert parse_config(BASE).model_spec((784,), 10).num_params() == 784 * 200 + 200 + 200 * 200 + 200 + 2010
+    assert memory_refusal(2**30, "x", memory=2**31) is None
+    assert memory_refusal(2**32, "data.n", memory=2**31) == (
+        "data.n needs 4.0 GiB, more than this machine's 2.0 GiB of memory"
+    )
+
+
+def test_a_synthetic_data_set_larger_than_memory_is_refused_before_numpy_allocates_it():
+    with pytest.raises(ValueError, match=r"synthetic dataset: n = 1,000,000,000,000 .* GiB"):
+        load_dataset("synthetic", n=10**12)
+
+
+def _npz(path, **parts):
+    x = np.random.default_rng(0).random((20, 4)).astype(np.float32)
+    y = np.arange(20) % 2
+    arrays = {"x_train": x, "y_train": y, "x_test": x, "y_test": y} | parts
+    np.savez(path, **arrays)
+    return path
+
+
+BAD_NPZ = [  # (what is wrong, the parts it replaces, what the refusal says)
+    ("object arrays (would unpickle)", {"x_train": np.array([None] * 20, dtype=object)}, "allow_pickle=False"),
+    ("NaN features", {"x_test": np.full((20, 4), np.nan, np.float32)}, "NaN or infinite"),
+    ("mismatched lengths", {"y_train": np.arange(5) % 2}, "x_train must be [N, ...] and y_train [N]"),
+    ("labels out of range", {"num_classes": np.array(2), "y_test": np.arange(20) % 9}, "labels span 0..8"),
+    ("a negative input_shape", {"input_shape": np.array([-2, -2])}, "input_shape (-2, -2) does not hold"),
+    ("a text num_classes", {"num_classes": np.array("ten")}, "must be integers"),
+]
+
+
+@pytest.mark.parametrize(("wrong", "parts", "says"), BAD_NPZ, ids=[w for w, _, _ in BAD_NPZ])
+def test_a_bad_npz_data_set_is_refused_naming_the_file(tmp_path, wrong, parts, says):
+    path = _npz(tmp_path / "d.npz", **parts)
+    with pytest.raises(ValueError, match=f"dataset npz:{path}") as refused:
+        load_dataset(f"npz:{path}")
+    assert says in str(refused.value)
+
+
+def test_a_truncated_empty_or_missing_npz_is_refused_as_unreadable(tmp_path):
+    good = _npz(tmp_path / "good.npz")
+    assert load_dataset(f"npz:{good}").num_train == 20
+    (tmp_path / "cut.npz").write_bytes(good.read_bytes()[:300])
+    (tmp_path / "empty.npz").write_bytes(b"")
+    (tmp_path / "dir.npz").mkdir()
+    for name in ("cut.npz", "empty.npz", "dir.npz", "missing.npz"):
+        with pytest.raises(ValueError, match=f"dataset npz:{tmp_path / name}: cannot read it"):
+            load_dataset(f"npz:{tmp_path / name}")
+
+
+CLI = """
+[run]
+name = "hostile"
+output = "{out}"
+[topology]
+cells = 1
+devices_per_cell = 2
+[data]
+dataset = "synthetic"
+n = 40
+"""
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("runtime.device_deadline=inf", "runtime.device_deadline"),
+        ("runtime.cohort_threads=1000000", "runtime.cohort_threads"),
+        ("data.n=1000000000000", "synthetic dataset: n = 1,000,000,000,000"),
+        ("model.hidden=[1000000000, 1000000000]", "model: mlp has"),
+    ],
+)
+def test_fedtier_sim_refuses_hostile_overrides_with_exit_2_and_no_traceback(tmp_path, override, says):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CLI.format(out=tmp_path / "out"))
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", override, "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert says in " ".join(res.output.split()) and "Traceback" not in res.output
