@@ -188,10 +188,10 @@ def _load_csv(src: DataSource, input_shape: tuple[int, ...] | None, max_samples:
                     raise DataSourceError(f"{path}: more than the bound of {max_samples} samples")
                 try:
                     label = float(row[li])
-                    if label != int(label):
+                    if label != int(label) or abs(label) >= 2**31:  # int(inf): OverflowError; 1e20: no int64
                         raise ValueError
                     labels.append(int(label))
-                except ValueError:
+                except (ValueError, OverflowError):
                     raise DataSourceError(f"{path}:{line}: label {row[li]!r} is not an integer class id") from None
                 try:
                     rows.append([float(v) for i, v in enumerate(row) if i != li])

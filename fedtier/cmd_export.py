@@ -24,4 +24,6 @@ def export(config: str, overrides: tuple[str, ...], out: str) -> None:
         path = export_onnx(spec, cfg.build_algorithm(spec).initial_params(), out)
     except (ConfigError, ValueError) as exc:
         fail(str(exc), 2)
+    except OSError as exc:  # --out in a missing or read-only folder
+        fail(f"--out: cannot write {out}: {exc.strerror or exc}", 2)
     console.print(f"wrote {path} ({spec.name}, {path.stat().st_size:,} bytes; start agents with --backend onnx)")

@@ -7,7 +7,7 @@ import time
 
 import click
 
-from fedtier.cli import auth_options, main
+from fedtier.cli import Finite, auth_options, main
 from fedtier.console import console, fail, live_connection, live_target, public_keys_or_exit
 
 
@@ -32,7 +32,7 @@ from fedtier.console import console, fail, live_connection, live_target, public_
 )
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0.1),
+    type=Finite(min=0.1),
     default=3.0,
     show_default=True,
     help="Seconds to listen: retained statuses come at once, heartbeats say who is alive now.",

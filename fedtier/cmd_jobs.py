@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import click
 from rich.markup import escape
 
-from .cli import VERBOSE, main
+from .cli import VERBOSE, Finite, main
 from .console import JOB_FAILED, console, load_or_exit, print_error, setup_logging
 
 OPERATOR_CONFIG = click.option(
@@ -23,7 +23,7 @@ OPERATOR_CONFIG = click.option(
     help="The operator bundle's config.toml (fedtier provision: nodes/operator/config.toml).",
 )
 WAIT = click.option(
-    "--wait", type=click.FloatRange(min=0.1), default=30.0, show_default=True, help="Seconds to wait for the cloud."
+    "--wait", type=Finite(min=0.1), default=30.0, show_default=True, help="Seconds to wait for the cloud."
 )
 
 
@@ -194,7 +194,7 @@ def _wait_end(config: str, job: str, seconds: float) -> NoReturn:
 @WAIT
 @click.option(
     "--wait-end",
-    type=click.FloatRange(min=0.1),
+    type=Finite(min=0.1),
     default=None,
     metavar="SECONDS",
     help="Once queued, wait up to SECONDS for the job to end; exit 0 finished, 3 failed, 1 cancelled or not "

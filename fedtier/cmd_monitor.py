@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from fedtier.cli import auth_options, main
+from fedtier.cli import SECONDS, Finite, auth_options, main
 from fedtier.console import (
     INTERRUPTED,
     JOB_FAILED,
@@ -46,21 +46,21 @@ from protocols.terminal import SafeConsole
 @click.option("--once", is_flag=True, help="Render one frame to stdout and exit (scripts, tests).")
 @click.option(
     "--wait",
-    type=float,
+    type=SECONDS,
     default=3.0,
     show_default=True,
     help="With --once --broker: listen this long at most (stops 1 s after telemetry went quiet).",
 )
-@click.option("--refresh", type=float, default=0.5, show_default=True, help="Seconds between frames.")
+@click.option("--refresh", type=Finite(min=0.05), default=0.5, show_default=True, help="Seconds between frames.")
 @click.option(
     "--deadline",
-    type=float,
+    type=Finite(min=0, min_open=True),
     help="Flag a cell silent after this many seconds (default: the device deadline its records carry).",
 )
 @click.option(
     "--drop",
     "drop_ratio",
-    type=float,
+    type=Finite(0, 1),
     default=0.75,
     show_default=True,
     help="Flag a cell whose participation falls below this fraction of its recent mean.",
@@ -71,7 +71,9 @@ from protocols.terminal import SafeConsole
     help="Leave once the cloud's last round is in (exit 3 when the run failed); on a federation, once no job is "
     "running or queued.",
 )
-@click.option("--width", type=int, default=None, help="Frame width for --once (default: the terminal's).")
+@click.option(
+    "--width", type=click.IntRange(1, 10_000), default=None, help="Frame width for --once (default: the terminal's)."
+)
 @click.option(
     "--top",
     type=click.IntRange(min=1),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .cli import CONFIG, SET, main
+from .cli import CONFIG, SET, Finite, main
 from .console import console, fail, load_deployment_or_exit, print_error
 
 
@@ -34,7 +34,7 @@ def provision() -> None:
     metavar="NODE",
     help="Renew this node's certificate only (repeatable); default: every bundle's, the brokers' and bridges'.",
 )
-@click.option("--days", type=click.IntRange(min=1), default=None, help="Validity (default: the provisioning's).")
+@click.option("--days", type=click.IntRange(1, 36_500), default=None, help="Validity (default: the provisioning's).")
 @click.option(
     "--identity",
     is_flag=True,
@@ -105,12 +105,12 @@ def relocate(out_dir: str) -> None:
     show_default=True,
     help="The broker's host name or IP (in its certificate and the nodes' broker URL).",
 )
-@click.option("--port", default=8883, show_default=True, type=int, help="The broker's TLS port.")
+@click.option("--port", default=8883, show_default=True, type=click.IntRange(1, 65535), help="The broker's TLS port.")
 @click.option(
     "--max-chunk",
     default=256 * 1024,
     show_default=True,
-    type=int,
+    type=click.IntRange(1024, 256 << 20),
     help="The nodes' MQTT chunk size (--max-chunk of fedtier run/agent): the broker refuses larger packets.",
 )
 @click.option(
@@ -131,7 +131,7 @@ def relocate(out_dir: str) -> None:
     "--cell-port",
     default=8883,
     show_default=True,
-    type=int,
+    type=click.IntRange(1, 65535),
     help="... and TLS port of the first cell's broker: each next cell's is one more (brokers on one host "
     "do not collide).",
 )
@@ -146,7 +146,7 @@ def relocate(out_dir: str) -> None:
 @click.option("--bind", default="", metavar="ADDRESS", help="The brokers' listen address (default: all interfaces).")
 @click.option(
     "--max-device-samples",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Finite(min=0, min_open=True, max=None),
     default=None,
     metavar="N",
     help="The most samples a device may claim (security.max_device_weight in every bundle: a cell refuses "

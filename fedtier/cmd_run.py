@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .cli import CONFIG, SET, VERBOSE, main
+from .cli import CONFIG, PROCESSES, SET, VERBOSE, main
 from .cmd_keys import keys_option
 from .console import (
     JOB_FAILED,
@@ -43,7 +43,7 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
 )
 @click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=PROCESSES,
     default=None,
     help="Agent worker processes; devices are dealt round-robin over them "
     "(default: one per 100 agents, at most one per core).",
@@ -58,7 +58,7 @@ from .metrics import linger, metrics_options, port_override, serve_metrics
 )
 @click.option(
     "--max-chunk",
-    type=click.IntRange(min=1024),
+    type=click.IntRange(1024, 256 << 20),
     default=None,
     metavar="BYTES",
     help="MQTT chunk size (default 256 KiB).",

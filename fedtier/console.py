@@ -182,8 +182,12 @@ def run_folder_lock(cfg: RunConfig) -> Iterator[None]:
     from protocols import runfiles
 
     out = cfg.output_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / runfiles.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / runfiles.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # not a folder, no room, no permission
+        print_error(f"run.output: cannot use {out} as the run folder: {exc.strerror or exc}")
+        sys.exit(2)
     if not _take_lock(fd):
         holder = os.read(fd, 16).decode(errors="replace").strip() or "?"
         os.close(fd)

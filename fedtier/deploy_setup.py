@@ -67,7 +67,14 @@ def broker_options(cfg: RunConfig, broker_url: str | None, auth: Mapping[str, An
     """The broker to connect to: the config's ``[broker]``, ``--broker`` and the credential flags over it; its
     client certificate checked first (:func:`check_certificate`)."""
     from edge_agent.broker import BrokerOptions
+    from protocols.config import ConfigError
+    from protocols.transport.broker import parse_broker_url
 
+    if broker_url is not None:
+        try:
+            parse_broker_url(broker_url)
+        except ValueError as exc:
+            raise ConfigError(f"--broker: {exc}") from None
     opts = BrokerOptions.from_config(cfg, broker_url, **auth)
     check_certificate(opts.certfile, opts.keyfile, opts.ca_certs, opts.username)
     return opts

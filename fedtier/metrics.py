@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from .cli import SECONDS
 from .console import console, print_error
 
 
@@ -14,7 +15,7 @@ def metrics_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Add ``--metrics-port`` and ``--metrics-linger`` (passed as ``metrics_port``, ``metrics_linger``)."""
     fn = click.option(
         "--metrics-linger",
-        type=click.FloatRange(min=0),
+        type=SECONDS,
         default=0.0,
         show_default=True,
         metavar="SECONDS",

@@ -20,6 +20,28 @@ MAX_PROCESSES = 4096
 """The most worker processes or Ray actors a config may ask for (``runtime.sim_workers``, ``cell_processes``)."""
 
 
+MAX_DEVICES = 10**8
+"""The most devices a topology may hold (``topology.cells`` x ``devices_per_cell``, or ``members``)."""
+
+MAX_KEYED_NODES = 10**6
+"""The most nodes ``fedtier keys`` and ``fedtier provision`` generate an identity for (a keys file of a million
+nodes is ~150 MB, and each takes ~50 us to make)."""
+
+
+PROCESSES_PER_CORE = 100
+"""The most local processes a run may start per core of its machine (``runtime.sim_workers``, ``cell_processes``):
+each loads the whole data set."""
+
+
+def processes_refusal(n: int, what: str) -> str | None:
+    """Why starting ``n`` local processes is refused (``what`` says for which key), or ``None`` within
+    :data:`PROCESSES_PER_CORE` per core of this machine."""
+    cores = os.cpu_count() or 1
+    if n <= PROCESSES_PER_CORE * cores:
+        return None
+    return f"{what}: {n} processes, more than {PROCESSES_PER_CORE} per core of this machine ({cores} cores)"
+
+
 def machine_memory() -> int | None:
     """This machine's physical memory in bytes, or ``None`` when the platform does not say."""
     try:

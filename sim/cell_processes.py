@@ -42,6 +42,7 @@ from protocols import procs, runfiles
 from protocols.algorithms.traits import Trait
 from protocols.config import ConfigError, RunConfig
 from protocols.jsonl import JsonlWriter
+from protocols.limits import processes_refusal
 from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
 from protocols.wire.envelope import Segments
@@ -65,8 +66,9 @@ def split_refusals(cfg: RunConfig, algorithm: Algorithm, prepared: bool = False)
     it may run."""
     rt, n = cfg.runtime, cfg.runtime.cell_processes
     out = []
-    if n > len(cfg.topology.cell_ids()):
-        out.append(f"more processes than cells ({len(cfg.topology.cell_ids())})")
+    if n > cfg.topology.cells:
+        out.append(f"more processes than cells ({cfg.topology.cells})")
+    out += filter(None, [processes_refusal(n, "this machine")])
     if Trait.ASYNC in algorithm.stack_traits():
         out.append("an asynchronous algorithm (only synchronous rounds)")
     if rt.sim_workers:

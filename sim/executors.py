@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from protocols import procs
 from protocols.algorithms.base import DeviceContext, ModelSpec
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
+from protocols.limits import processes_refusal
 from protocols.trainer import Trainer
 from protocols.transport.memory import VirtualLoop
 from protocols.wire.envelope import ENVELOPE_ROOM
@@ -437,6 +438,9 @@ def start_workers(
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": device})})
     if plan.backend == "ray":
         return RayExecutor(cfg, _groups(cfg), loop, batched=plan.cohort)
+    why = processes_refusal(min(plan.workers, len(cfg.topology.devices())), "runtime.sim_workers")
+    if why is not None:
+        raise ConfigError(why)
     return ProcessExecutor(
         cfg.to_toml(),
         _groups(cfg),

@@ -209,3 +209,83 @@ def test_fedtier_sim_refuses_hostile_overrides_with_exit_2_and_no_traceback(tmp_
     res = CliRunner().invoke(main, ["sim", str(cfg), "--set", override, "--no-progress"])
     assert res.exit_code == 2, res.output
     assert says in " ".join(res.output.split()) and "Traceback" not in res.output
+
+
+def test_a_topology_beyond_the_device_bound_is_refused_and_keys_are_counted_before_they_are_made():
+    refused = _outcome({"topology": {"cells": 10**6, "devices_per_cell": 10**6}})
+    assert (
+        refused is not None and "topology: " in refused and "1,000,000,000,000 devices; at most 100,000,000" in refused
+    )
+    from protocols.wire.keys import KeysError, generate_keys
+
+    big = parse_config({"topology": {"cells": 10**4, "devices_per_cell": 10**4}}).topology  # 10**8: valid
+    with pytest.raises(KeysError, match="100,010,001 nodes; keys are generated for at most 1,000,000"):
+        generate_keys(big)  # at once: not a key made, not an id listed
+
+
+@pytest.mark.parametrize("url", ["mqtt://h:70000", "mqtt://h:0", "http://h", "mqtt://", "mqtt://h/path"])
+def test_a_broker_url_is_checked_when_the_config_is(url):
+    refused = _outcome({**BASE, "broker": {"url": url}})
+    assert refused is not None and "broker.url" in refused and url in refused
+
+
+FLAGS = [  # a command's flags, each refused by click before the command does anything (exit 2)
+    ("monitor", ["{out}", "--refresh", "nan"], "--refresh"),
+    ("monitor", ["{out}", "--refresh", "-1"], "--refresh"),  # was time.sleep's ValueError traceback
+    ("monitor", ["{out}", "--refresh", "1e12"], "--refresh"),  # was an OverflowError traceback
+    ("monitor", ["{out}", "--once", "--drop", "-1"], "--drop"),
+    ("monitor", ["{out}", "--once", "--deadline", "inf"], "--deadline"),
+    ("monitor", ["{out}", "--once", "--width", "-5"], "--width"),  # was an empty frame, exit 0
+    ("jobs", ["--wait", "nan"], "--wait"),
+    ("provision", ["{cfg}", "--out", "{out}", "--port", "0"], "--port"),
+    ("provision", ["{cfg}", "--out", "{out}", "--max-chunk", "1"], "--max-chunk"),
+    ("provision", ["{cfg}", "--out", "{out}", "--max-device-samples", "nan"], "--max-device-samples"),
+    ("run", ["{cfg}", "--workers", "1000000"], "--workers"),
+    ("renew", ["{out}", "--days", "1000000000"], "--days"),
+]
+
+
+@pytest.mark.parametrize(("command", "args", "flag"), FLAGS, ids=[f"{c} {' '.join(a[-2:])}" for c, a, _ in FLAGS])
+def test_a_hostile_flag_is_refused_naming_it(tmp_path, command, args, flag):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CLI.format(out=tmp_path / "out"))
+    words = command.split() if command != "renew" else ["provision", "renew"]
+    res = CliRunner().invoke(main, [*words, *(a.format(cfg=cfg, out=tmp_path) for a in args)])
+    assert res.exit_code == 2 and f"Invalid value for '{flag}'" in res.output, res.output
+
+
+def test_a_run_folder_that_cannot_be_made_or_a_broker_flag_that_cannot_work_exits_2_saying_so(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CLI.format(out=tmp_path / "out"))
+    (tmp_path / "file").write_text("")
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", f'run.output="{tmp_path}/file/run"', "--no-progress"])
+    assert res.exit_code == 2 and "run.output: cannot use" in " ".join(res.output.split()), res.output
+    res = CliRunner().invoke(main, ["cell", str(cfg), "--cell", "c0", "--insecure", "--broker", "mqtt://h:99999"])
+    assert res.exit_code == 2 and "--broker: broker url 'mqtt://h:99999' has an invalid port" in res.output
+
+
+def test_more_local_processes_than_a_hundred_a_core_are_refused_before_one_starts(monkeypatch):
+    from sim.cell_processes import split_refusals
+    from sim.executors import start_workers
+
+    monkeypatch.setattr("protocols.limits.os.cpu_count", lambda: 1)
+    cfg = parse_config({"topology": {"cells": 150, "devices_per_cell": 1}, "runtime": {"cell_processes": 150}})
+    algorithm = cfg.build_algorithm(cfg.model_spec((4,), 2))
+    assert "this machine: 150 processes, more than 100 per core of this machine (1 cores)" in split_refusals(
+        cfg, algorithm
+    )
+    workers = parse_config({"topology": {"cells": 150, "devices_per_cell": 1}, "runtime": {"sim_workers": 101}})
+    with pytest.raises(ConfigError, match="runtime.sim_workers: 101 processes, more than 100 per core"):
+        start_workers(workers, loop=None, spec=workers.model_spec((4,), 2))  # type: ignore[arg-type]
+    fits = parse_config({"topology": {"cells": 150, "devices_per_cell": 1}, "runtime": {"cell_processes": 100}})
+    assert split_refusals(fits, fits.build_algorithm(fits.model_spec((4,), 2))) == []
+
+
+@pytest.mark.parametrize("label", ["1e400", "99999999999999999999", "nan", "2.5"])
+def test_a_csv_source_label_that_is_no_class_id_is_refused_naming_its_line(tmp_path, label):
+    from edge_agent.datasources import DataSourceError, load_source
+
+    path = tmp_path / "d.csv"
+    path.write_text(f"a,b,label\n1,2,1\n1,2,{label}\n")  # 1e400 and 1e20 were OverflowError tracebacks
+    with pytest.raises(DataSourceError, match=f"d.csv:3: label '{label}' is not an integer class id"):
+        load_source(path)

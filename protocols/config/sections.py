@@ -11,6 +11,7 @@ from .. import plugins
 from ..algorithms.base import CHANNEL_WIDTHS, non_defaults
 from ..capabilities import WIRE_VERSION
 from ..limits import MAX_PROCESSES, MAX_SECONDS, MAX_THREADS
+from ..transport.broker import parse_broker_url
 from ..wire.topics import check_name
 
 Width = Annotated[int, Field(ge=1)]
@@ -423,6 +424,13 @@ class BrokerSection(Section):
     ca_certs: str | None = Field(default=None, description="CA bundle that signed the broker's certificate (TLS)")
     certfile: str | None = Field(default=None, description="this node's client certificate (TLS)")
     keyfile: str | None = Field(default=None, description="this node's client private key (TLS)")
+
+    @field_validator("url")
+    @classmethod
+    def _url_ok(cls, url: str | None) -> str | None:
+        if url is not None:
+            parse_broker_url(url)  # a ValueError names what is wrong; pydantic adds the key
+        return url
 
 
 class SecuritySection(Section):

@@ -8,6 +8,7 @@ from typing import overload
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from ..limits import MAX_DEVICES
 from ..wire.topics import check_name
 from .sections import Section
 
@@ -23,6 +24,14 @@ class TopologySection(Section):
         "carries the same to the running nodes.",
     )
     _cell_index: dict[str, str] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> TopologySection:
+        if self.members is None and self.cells * self.devices_per_cell > MAX_DEVICES:
+            raise ValueError(
+                f"cells x devices_per_cell = {self.cells * self.devices_per_cell:,} devices; at most {MAX_DEVICES:,}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _explicit_members(self) -> TopologySection:

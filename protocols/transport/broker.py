@@ -39,6 +39,8 @@ def parse_broker_url(url: str) -> tuple[str, int]:
         port = parts.port
     except ValueError:
         raise ValueError(f"broker url {url!r} has an invalid port") from None
+    if port == 0:  # not "the default port": a client cannot connect to port 0
+        raise ValueError(f"broker url {url!r}: port 0 (leave the port out for the default)")
     if parts.path not in ("", "/") or parts.query:
         raise ValueError(f"broker url {url!r}: unexpected path or query")
     return parts.hostname, port or (8883 if parts.scheme in ("mqtts", "ssl") else 1883)

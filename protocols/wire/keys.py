@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from ..config import ConfigError
+from ..limits import MAX_KEYED_NODES
 from ..rejections import RejectKind
 from .envelope import WireError
 
@@ -76,7 +77,11 @@ def new_seed() -> bytes:
 
 
 def generate_keys(topology: TopologySection) -> KeyRing:
-    """A fresh Ed25519 key pair for every node."""
+    """A fresh Ed25519 key pair for every node; :class:`KeysError` for more than :data:`MAX_KEYED_NODES`
+    nodes, before any is made."""
+    nodes = 1 + topology.cells + len(topology.devices())  # counted, not listed: cells may be 10**8
+    if nodes > MAX_KEYED_NODES:
+        raise KeysError(f"topology: {nodes:,} nodes; keys are generated for at most {MAX_KEYED_NODES:,}")
     private = {node: new_seed() for node in node_ids(topology)}
     return KeyRing(private, {node: public_of(seed) for node, seed in private.items()})
 
