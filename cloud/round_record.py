@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from protocols.divergence import nonfinite
 from protocols.numbers import finite_number
 from protocols.records import RoundRecord
+from protocols.wire.payload import Payload
 
 from .parts import RoundCounts, drop_non_finite
 
@@ -97,14 +99,18 @@ Updates = Iterable[tuple[str, Mapping[str, np.ndarray]]]
 
 
 def divergence(
-    evaluation: dict[str, float], rnd: int, updates: Updates = (), unit: str = "round"
+    evaluation: dict[str, float],
+    params: Mapping[str, np.ndarray],
+    rnd: int,
+    updates: Updates = (),
+    unit: str = "round",
 ) -> tuple[str | None, str | None]:
-    """Drop the non-finite numbers of the global model's ``evaluation`` (in place); if there were any, what was
-    dropped (for the record) and why the job fails after ``unit`` ``rnd`` (no later round can bring a diverged
-    model back): with the contributors of the aggregate that made it, the largest update norms first
-    (:func:`blame`), since a node sending huge (finite) values overflows the model as a learning rate too large
-    does; ``(None, None)`` otherwise."""
-    why = drop_non_finite(evaluation)
+    """Drop the non-finite numbers of the global model's ``evaluation`` (in place); if there were any, or the model's
+    ``params`` hold one (checked every ``unit``, evaluated or not: one pass of the model), what was wrong (for the
+    record) and why the job fails after ``unit`` ``rnd`` (no later round can bring a diverged model back): with the
+    contributors of the aggregate that made it, the largest update norms first (:func:`blame`), since a node sending
+    huge (finite) values overflows the model as a learning rate too large does; ``(None, None)`` otherwise."""
+    why = drop_non_finite(evaluation) or nonfinite(Payload({}, dict(params)))
     if why is None:
         return None, None
     failure = f"the global model diverged at {unit} {rnd} ({why}){blame(updates, unit)}"

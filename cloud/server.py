@@ -380,13 +380,13 @@ class CloudServer:
         self, why: str, reported: list[str], absent: list[str], outcome: Outcome, updates: Updates, unit: str = "round"
     ) -> None:
         """Write, publish and checkpoint the record of the model update (``unit``) that just happened (from
-        ``updates``: named if it diverged), then go on."""
+        ``updates``: named if it diverged, evaluated or not), then go on."""
         for tier in TIERS:
             self.cumulative[tier] += self.counts.bytes[tier]
         evaluation: dict[str, float] = {}
         if self.evaluator is not None and ((self.round + 1) % self.eval_every == 0 or self.round + 1 == self.rounds):
             evaluation = self.evaluator(self.role.global_params())
-        diverged, failure = divergence(evaluation, self.round, updates, unit)
+        diverged, failure = divergence(evaluation, self.role.global_params(), self.round, updates, unit)
         stalled = stall(self.stall, self.round, reported, self.counts, last=self.round + 1 == self.rounds)
         failed = self._fail_request = self._fail_request or failure or stalled
         record = round_record(self, why, reported, absent, outcome, evaluation, diverged=diverged, failed=failed)

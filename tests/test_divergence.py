@@ -229,6 +229,37 @@ def test_a_global_model_overflowed_by_a_lying_cell_fails_the_job_naming_that_cel
     assert result.history[-1]["diverged"], result.history[-1]
 
 
+def test_an_async_model_overflowed_between_evaluations_fails_the_job_at_that_version(tmp_path: Path) -> None:
+    """Async, evaluated every 10 versions of 6 (the last only): cell c1 (a node with its credentials) pushes finite
+    values near the float32 maximum, and the model's parameters overflow to inf at version 4. Divergence was caught on
+    evaluated versions only: here at version 5, the last; in a job of 8 versions, never (the cells refused every later
+    version as non-finite, pushed from ever staler ones, were resent the current one and refused it again: still
+    running after 300 s). Now every version's parameters are checked (one pass of the model): the job fails at the
+    version that overflowed, naming c1, and its record says which tensor."""
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 6},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        runtime={"eval_every": 10},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    role = sim.cells["c1"].fb
+    honest = role.report
+
+    def lying() -> Payload:
+        out = honest()
+        return Payload(out.meta, {k: np.full_like(v, 3e38) for k, v in out.tensors.items()})
+
+    role.report = lying  # type: ignore[method-assign]
+    result = sim.run()
+    last = result.history[-1]
+    assert result.status == "failed" and len(result.history) < 6, (result.failed, len(result.history))
+    assert result.failed.startswith(f"the global model diverged at version {last['round']} "), result.failed
+    assert re.search(r"largest update norms of its \d+ cells?: c1 ", result.failed), result.failed
+    assert "non-finite values" in last["diverged"] and "loss" not in last, last
+
+
 @pytest.mark.parametrize(
     "algorithm",
     [
