@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,25 @@ class Credentials:
         return bool(self.ca_certs or self.certfile or self.keyfile)
 
 
+class _Client(mqtt.Client):
+    """paho's client, whose reconnect backoff notices a stop (``disconnect``, ``loop_stop``) within 50 ms: paho
+    sleeps it out in steps of up to 1 s, so closing a client its broker had just hung up on (a refused login, a
+    listener without MQTT) took a second, and every command that then failed exited a second late."""
+
+    def _reconnect_wait(self) -> None:
+        with self._reconnect_delay_mutex:  # paho's exponential backoff, as its own _reconnect_wait computes it
+            last = self._reconnect_delay
+            delay = self._reconnect_min_delay if last is None else min(last * 2, self._reconnect_max_delay)
+            self._reconnect_delay = delay
+        until = time.monotonic() + delay
+        while not self._stopping() and (left := until - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+
+    def _stopping(self) -> bool:
+        gone = (mqtt._ConnectionState.MQTT_CS_DISCONNECTING, mqtt._ConnectionState.MQTT_CS_DISCONNECTED)
+        return self._state in gone or self._thread_terminate
+
+
 def new_client(
     client_id: str,
     persistent: bool,
@@ -45,7 +65,7 @@ def new_client(
     """A paho client for ``client_id`` (``persistent``: ``clean_session=False``), logged in and with TLS as
     ``creds`` say; its will must fit in one chunk of ``max_chunk`` bytes. The caller sets the callbacks and
     acknowledges each QoS-1 message it takes (``manual_ack``: one it drops while closing stays the session's)."""
-    c = mqtt.Client(
+    c = _Client(
         CallbackAPIVersion.VERSION2,
         client_id=client_id,
         clean_session=not persistent,
