@@ -11,6 +11,8 @@ import typing
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from fedtier.cli import main
@@ -100,6 +102,8 @@ ABSURD = [  # (section, key, value, what the refusal says besides the key)
     ("monitoring", "metrics_port", 70000, "less than or equal to 65535"),
     ("monitoring", "idle_heartbeat", 1e12, "less than or equal"),
     ("run", "output", "", "at least 1 character"),
+    ("run", "plugins", 5, "a list of module names, not 5"),  # was a TypeError
+    ("run", "plugins", "abc", "a list of module names, not 'abc'"),  # imported a, b and c
     ("model", "hidden", [0], "greater than or equal to 1"),
     ("model", "hidden", [-5, 10], "greater than or equal to 1"),
     ("participation", "probs", [math.nan, 0.5], "finite number"),
@@ -120,6 +124,8 @@ def test_absurd_values_across_keys_are_refused_before_a_timer_or_an_array_is_mad
     assert "runtime.cell_deadline: unset, it is 1.5e+12 s" in str(_outcome(derived))
     explicit = {**derived, "runtime": {"device_deadline": 1e6, "cell_deadline": 1e6}}
     assert _outcome(explicit) is None  # set, it is the operator's bound
+    # more cells needed for progress than the topology has: was silently "every cell"
+    assert _outcome({**BASE, "runtime": {"min_cells": 5}}) == "runtime.min_cells: 5, but the topology has 1 cells"
     # DeComFL: K x P scalars a round, kept by the cloud for every round (a MemoryError at its first deadline)
     zo = _outcome({**BASE, "algorithm": {"name": "decomfl", "perturbations": 10**9}})
     assert zo is not None and "local_steps x perturbations = 1,000,000,000 scalars" in zo
@@ -289,3 +295,30 @@ def test_a_csv_source_label_that_is_no_class_id_is_refused_naming_its_line(tmp_p
     path.write_text(f"a,b,label\n1,2,1\n1,2,{label}\n")  # 1e400 and 1e20 were OverflowError tracebacks
     with pytest.raises(DataSourceError, match=f"d.csv:3: label '{label}' is not an integer class id"):
         load_source(path)
+
+
+_EDGE = st.sampled_from([0, 1, 2, -1, 2**31, 10**12, 2**63 - 1, 0.0, 0.5, 1.0, 1e-300, 1e300, math.nan, math.inf])
+_SCALAR = st.one_of(_EDGE, st.text(max_size=8), st.booleans(), st.sampled_from(["", "npz:", "/tmp", "c0-d0", "{x}"]))
+_VALUE = st.one_of(_SCALAR, st.lists(_SCALAR, max_size=3), st.dictionaries(st.text(max_size=3), _SCALAR, max_size=2))
+
+
+@settings(max_examples=150, deadline=None)  # ~1 s; HYPOTHESIS_PROFILE=explore for more (20,000 found no other)
+@given(st.data())
+def test_any_mix_of_hostile_values_is_a_config_error_or_a_config_that_builds(data):
+    sections = {s: list(m.annotation.model_fields) for s, m in RunConfig.model_fields.items() if s != "algorithm"}
+    cfg: dict[str, typing.Any] = {"topology": {"cells": 1, "devices_per_cell": 2}}
+    for _ in range(data.draw(st.integers(1, 5))):
+        section = data.draw(st.sampled_from(sorted(sections) + ["algorithm"]))
+        if section == "algorithm":
+            name = data.draw(st.sampled_from(sorted(ALGORITHMS)))
+            key = data.draw(st.sampled_from([k for k in ALGORITHMS[name].Params.model_fields if k != "name"]))
+            cfg.setdefault("algorithm", {"name": name})[key] = data.draw(_VALUE)
+        else:
+            cfg.setdefault(section, {})[data.draw(st.sampled_from(sections[section]))] = data.draw(_VALUE)
+    try:  # run.plugins = 5 was a TypeError; = "abc" imported a, b and c
+        built = parse_config(cfg)
+        spec = built.model_spec((4,), 2)
+        built.build_algorithm(spec)
+        built.to_toml()
+    except ConfigError:
+        pass

@@ -24,8 +24,11 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     """Validate a config dict; raise :class:`ConfigError` naming every bad key. Loads the installed plugins
     and ``run.plugins`` first, so the names they register validate."""
     run = data.get("run") if isinstance(data, dict) else None
+    modules = run.get("plugins", []) if isinstance(run, dict) else []
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"run.plugins: a list of module names, not {modules!r:.60}")  # "abc": 3 imports
     try:
-        load_plugins(run.get("plugins", []) if isinstance(run, dict) else [])
+        load_plugins(modules)
     except plugins.PluginError as exc:
         raise ConfigError(str(exc)) from None
     try:
@@ -40,6 +43,10 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         if reason is not None:
             raise ConfigError(f"privacy.secure_aggregation: {reason}")
     check_privacy(cfg)
+    if cfg.runtime.min_cells > cfg.topology.cells:  # was read as "every cell": say so instead
+        raise ConfigError(
+            f"runtime.min_cells: {cfg.runtime.min_cells}, but the topology has {cfg.topology.cells} cells"
+        )
     if cfg.runtime.cell_deadline is None and cfg.cell_deadline() > MAX_SECONDS:
         raise ConfigError(
             f"runtime.cell_deadline: unset, it is {cfg.cell_deadline():.4g} s (1.5 x algorithm.edge_rounds x "

@@ -257,8 +257,8 @@ class RuntimeSection(Section):
     min_cells: int = Field(
         default=1,
         ge=1,
-        description="a cloud round makes progress only when at least this many cells answered (at most every "
-        "cell of the job); see max_stalled_rounds",
+        description="a cloud round makes progress only when at least this many cells answered (at most the "
+        "topology's cells; a job that runs on fewer, or loses some, needs all of its own); see max_stalled_rounds",
     )
     fail_on_cell_failure: bool = Field(
         default=True,
