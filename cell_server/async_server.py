@@ -353,6 +353,7 @@ class AsyncCellServer(CellServer):
         else:
             self.fb.offer(device, h.round, msg.payload)
             self.edge.note_loss(device, msg.payload)
+            self.tally.weigh(device, msg.payload)
             if self.fb.buffer.full:
                 self._flush()
         self._dispatch(device)
@@ -406,6 +407,7 @@ class AsyncCellServer(CellServer):
     def _push(self) -> None:
         report = self.fb.report()
         report.meta["traffic"] = dict(self.tally.traffic)
+        self.tally.name_largest(report.meta)
         self.tally = RoundTally()
         topic = topics.cell_report(self.run, self.cell)
         message = self.messenger.frame("cell_report", report, round=self.fb.global_version, cell=self.cell, topic=topic)

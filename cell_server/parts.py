@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocols.divergence import largest, update_norm
 from protocols.failures import count_reasons
 from protocols.numbers import finite_number
 from protocols.wire.payload import Payload
@@ -119,6 +120,20 @@ class RoundTally:
     late: set[str] = field(default_factory=set)  # tasked, and silent past the device deadline of an edge round
     rejected: dict[str, str] = field(default_factory=dict)  # late whose answer was refused, why (its last refusal)
     offline: set[str] = field(default_factory=set)  # taking part, and offline when an edge round was planned
+    norms: dict[str, float] = field(default_factory=dict)  # device -> the largest norm of its results aggregated
+
+    def weigh(self, device: str, result: Payload) -> None:
+        """Keep the update norm of ``device``'s ``result`` taken for the aggregate (one BLAS pass of it): the report
+        names the devices of the largest (``largest_updates``), which a diverged global model's failure names."""
+        norm = update_norm(result.tensors)
+        if math.isfinite(norm):
+            self.norms[device] = max(self.norms.get(device, 0.0), norm)
+
+    def name_largest(self, meta: dict[str, Any]) -> None:
+        """Add the devices of the largest update norms to a report's ``meta`` (``largest_updates``: device -> the
+        decimal exponent of its norm; an order of magnitude, the same bytes whatever the BLAS kernel's rounding)."""
+        if named := {d: math.floor(math.log10(n)) for d, n in largest(self.norms) if n > 0}:
+            meta["largest_updates"] = named
 
     def add(
         self,
@@ -137,7 +152,8 @@ class RoundTally:
 
     def annotate(self, meta: dict[str, Any], online: int = 0) -> None:
         """Add the round's figures to its report's ``meta``: traffic, devices aggregated, and per reason
-        those that diverged, failed or could not serve in every edge round they had; where none was aggregated,
+        those that diverged, failed or could not serve in every edge round they had, the devices of the largest
+        update norms (:meth:`weigh`); where none was aggregated,
         the cell's ``online`` devices (drawn or not: the fleet is alive, a round its draw left offline is no
         stall)."""
         meta["traffic"] = dict(self.traffic)
@@ -158,5 +174,6 @@ class RoundTally:
             meta["late"] = late  # fails with why
         if offline := len(self.offline - self.devices):  # a job whose every device is down fails with why
             meta["offline"] = offline
+        self.name_largest(meta)
         if online and not self.devices:
             meta["online"] = online

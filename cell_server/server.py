@@ -449,6 +449,8 @@ class CellServer(CellNode):
         """Fold the edge round's results into the cell role, record it, and go on to the next one."""
         with sums_on(self.sums):
             outcome = self.role.aggregate(self.edge_round, results).with_metrics(**(extra or {}))
+        for device, result in results.items() if self.secagg is None else ():  # (masked: the cell sees no update)
+            self.tally.weigh(device, result)
         self.tally.add(self.edge.bytes_out, self.edge.bytes_in, results, self.edge.diverged, self.edge.failed)
         self._record(why, outcome, list(results))
         self.edge_round += 1

@@ -13,6 +13,7 @@ from typing import Any
 
 from protocols.algorithms.base import CloudRole
 from protocols.bounds import CellBounds, weight_over
+from protocols.divergence import declared_norms, largest
 from protocols.failures import merge_counts
 from protocols.numbers import declared_count
 from protocols.records import TIERS
@@ -46,6 +47,7 @@ class RoundCounts:
     cells_failed: dict[str, str] = field(default_factory=dict)  # cell -> why it failed (fail_on_cell_failure off)
     tasks: Mapping[str, Payload] = field(default_factory=dict)  # cell -> its task of the round (the role's plan)
     repeated: set[str] = field(default_factory=set)  # cells that sent a report again (:meth:`lost_task`)
+    largest: dict[str, dict[str, int]] = field(default_factory=dict)  # cell -> device -> its largest update's exponent
 
     def first_resend(self, cell: str) -> bool:
         """Whether ``cell`` may be sent its task of this round again: once a round (a repeated report, or an async
@@ -85,8 +87,8 @@ class RoundCounts:
         return True
 
     def count(self, cell: str, nbytes: int, meta: dict[str, Any]) -> int:
-        """Add a taken report's bytes (and the device traffic, diverged and failed devices it declares);
-        its device count."""
+        """Add a taken report's bytes (and the device traffic, diverged and failed devices it declares, and the devices
+        of its largest updates); its device count."""
         self.bytes["cell_to_cloud"] += nbytes
         traffic = meta.get("traffic", {})
         for tier in ("cell_to_device", "device_to_cell"):
@@ -99,6 +101,11 @@ class RoundCounts:
         merge_counts(self.unmet, meta.get("unmet"))
         merge_counts(self.rejected, meta.get("rejected"))
         self.late += declared_count(meta.get("late", 0))
+        if norms := declared_norms(meta.get("largest_updates")):  # its devices a diverged model's failure names
+            mine = self.largest.get(cell, {})
+            for device, exponent in norms.items():
+                mine[device] = max(mine.get(device, exponent), exponent)
+            self.largest[cell] = dict(largest(mine))
         self.offline += declared_count(meta.get("offline", 0))
         self.online += declared_count(meta.get("online", 0))
         return declared_count(meta.get("devices", 0))

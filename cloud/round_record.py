@@ -5,14 +5,13 @@ stalled (each fails the job after the round). The cloud server drives it through
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from protocols.divergence import nonfinite
+from protocols.divergence import largest, nonfinite, update_norm
 from protocols.numbers import finite_number
 from protocols.records import RoundRecord
 from protocols.wire.payload import Payload
@@ -20,6 +19,7 @@ from protocols.wire.payload import Payload
 from .parts import RoundCounts, drop_non_finite
 
 if TYPE_CHECKING:
+    from protocols.algorithms.base import CloudRole
     from protocols.algorithms.outcome import Outcome
     from protocols.failures import StallWatch
     from protocols.transport.base import EventLoop
@@ -41,6 +41,7 @@ class Host(Protocol):
     revoked: dict[str, str]
     loop: EventLoop
     telemetry: CloudTelemetry
+    role: CloudRole
 
 
 def round_record(
@@ -91,42 +92,39 @@ def round_record(
     ).to_dict()
 
 
-MAX_BLAMED = 3
-"""A diverged global model's failure names at most this many contributors of its aggregate, the largest updates."""
-
 Updates = Iterable[tuple[str, Mapping[str, np.ndarray]]]
 """The updates a model aggregate took: ``(sender, its tensors)``, a sender possibly more than once."""
 
 
 def divergence(
-    evaluation: dict[str, float],
-    params: Mapping[str, np.ndarray],
-    rnd: int,
-    updates: Updates = (),
-    unit: str = "round",
+    cloud: Host, evaluation: dict[str, float], updates: Updates = (), unit: str = "round"
 ) -> tuple[str | None, str | None]:
     """Drop the non-finite numbers of the global model's ``evaluation`` (in place); if there were any, or the model's
-    ``params`` hold one (checked every ``unit``, evaluated or not: one pass of the model), what was wrong (for the
-    record) and why the job fails after ``unit`` ``rnd`` (no later round can bring a diverged model back): with the
-    contributors of the aggregate that made it, the largest update norms first (:func:`blame`), since a node sending
-    huge (finite) values overflows the model as a learning rate too large does; ``(None, None)`` otherwise."""
-    why = drop_non_finite(evaluation) or nonfinite(Payload({}, dict(params)))
+    parameters hold one (checked every ``unit``, evaluated or not: one pass of the model), what was wrong (for the
+    record) and why the job fails after this ``unit`` (no later round can bring a diverged model back): with the
+    contributors of the aggregate that made it, the largest update norms first, and the devices their reports name so
+    (:func:`blame`), since a node sending huge (finite) values overflows the model as a learning rate too large does;
+    ``(None, None)`` otherwise."""
+    why = drop_non_finite(evaluation) or nonfinite(Payload({}, dict(cloud.role.global_params())))
     if why is None:
         return None, None
-    failure = f"the global model diverged at {unit} {rnd} ({why}){blame(updates, unit)}"
+    blamed = blame(updates, unit, cloud.counts.largest)
+    failure = f"the global model diverged at {unit} {cloud.round} ({why}){blamed}"
     log.error("%s: the job fails after this %s", failure, unit)
     return why, failure
 
 
-def blame(updates: Updates, unit: str) -> str:
-    """What a diverged model's failure says of its aggregate's ``updates``: how many senders, the :data:`MAX_BLAMED`
-    largest update norms (:func:`update_norm`; one per sender, its largest), and what to do about it."""
+def blame(updates: Updates, unit: str, devices: Mapping[str, Mapping[str, int]]) -> str:
+    """What a diverged model's failure says of its aggregate's ``updates``: how many senders, the
+    :data:`~protocols.divergence.MAX_BLAMED` largest update norms (:func:`~protocols.divergence.update_norm`; one per
+    sender, its largest), each with the devices of the largest update norms its reports named (``devices``: cell ->
+    device -> the norm's decimal exponent, ``largest_updates``: the cell's word), and what to do about it."""
     norms: dict[str, float] = {}
     for sender, tensors in updates:
         norms[sender] = max(norms.get(sender, 0.0), update_norm(tensors))
-    largest = sorted(norms.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_BLAMED]
     cells = f"{len(norms)} cell" + ("s" if len(norms) != 1 else "")
-    took = f"; largest update norms of its {cells}: " + ", ".join(f"{c} {n:.3g}" for c, n in largest) if norms else ""
+    named = ", ".join(f"{c} {n:.3g}{_its_devices(devices.get(c))}" for c, n in largest(norms))
+    took = f"; largest update norms of its {cells}: {named}" if norms else ""
     robust = (
         "robust aggregation leaves one out: algorithm.cloud_aggregator or cell_aggregator = median, trimmed_mean, krum"
         if unit == "round"
@@ -135,15 +133,8 @@ def blame(updates: Updates, unit: str) -> str:
     return f"{took}: a node sending huge updates (revoke it; {robust}) or a learning rate too large?"
 
 
-def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
-    """The L2 norm of an update's floating-point tensors, summed in float64 (values near the float32 maximum do
-    not overflow it); ``inf`` for one that is not finite."""
-    total = 0.0
-    for t in tensors.values():
-        if t.dtype.kind == "f":
-            flat = np.asarray(t, dtype=np.float64).ravel()
-            total += float(np.dot(flat, flat))
-    return math.sqrt(total) if math.isfinite(total) else math.inf
+def _its_devices(exponents: Mapping[str, int] | None) -> str:
+    return f" (its devices: {', '.join(f'{d} ~1e{e:+03d}' for d, e in largest(exponents))})" if exponents else ""
 
 
 def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts, last: bool) -> str | None:

@@ -11,11 +11,15 @@ the role produced, and a receiver tells it from a real result by that key alone.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .wire.payload import Payload, all_finite
+from .wire.topics import check_name
+
+_N = TypeVar("_N", int, float)
 
 KEY = "diverged"
 MAX_REASON = 200  # characters of a reason a cell keeps
@@ -23,6 +27,9 @@ MAX_REASON = 200  # characters of a reason a cell keeps
 # anywhere: the global model cannot move) after which the cloud fails the job
 # (the default of runtime.max_stalled_rounds, protocols.failures.StallWatch)
 STALLED_ROUNDS = 3
+MAX_BLAMED = 3
+"""A diverged global model's failure names at most this many contributors of its aggregate, the largest updates;
+a cell's report names at most this many of its devices so (``largest_updates``)."""
 
 
 def nonfinite(result: Payload) -> str | None:
@@ -63,3 +70,48 @@ def diverged_reason(result: Payload) -> str | None:
     if isinstance(reason, str) and not result.tensors:
         return reason[:MAX_REASON] or "diverged"
     return None
+
+
+def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm of an update's floating-point tensors: one BLAS pass a tensor (``np.vdot``, ~25 us a 800 KB
+    float32 tensor), summed in float64 again for a tensor whose float32 sum of squares overflowed (values near the
+    float32 maximum); ``inf`` for one that is not finite. A ranking of updates, not a figure to 7 digits."""
+    total = 0.0
+    for t in tensors.values():
+        if t.dtype.kind != "f":
+            continue
+        if t.dtype.char in "fd" and t.dtype.isnative and t.flags.c_contiguous:
+            squares = float(np.vdot(t, t))
+            if math.isfinite(squares) or t.dtype.char == "d":
+                total += squares
+                continue
+        flat = np.asarray(t, dtype=np.float64).ravel()
+        total += float(np.dot(flat, flat))
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def largest(norms: Mapping[str, _N]) -> list[tuple[str, _N]]:
+    """The :data:`MAX_BLAMED` largest of ``norms`` (name -> update norm, or its exponent), largest first (then by
+    name)."""
+    return sorted(norms.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_BLAMED]
+
+
+def declared_norms(value: object) -> dict[str, int]:
+    """The ``largest_updates`` a cell's report declares (device -> the decimal exponent of its update norm, its
+    word): at most :data:`MAX_BLAMED` entries whose device is a valid id and whose exponent an int of a float's
+    range; others are left out."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        d: e
+        for d, e in list(value.items())[:MAX_BLAMED]
+        if _is_id(d) and isinstance(e, int) and not isinstance(e, bool) and -400 < e < 400
+    }
+
+
+def _is_id(name: object) -> bool:
+    try:
+        check_name("device", name)  # type: ignore[arg-type]  # (it refuses a non-string)
+    except ValueError:
+        return False
+    return True

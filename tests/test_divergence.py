@@ -229,6 +229,32 @@ def test_a_global_model_overflowed_by_a_lying_cell_fails_the_job_naming_that_cel
     assert result.history[-1]["diverged"], result.history[-1]
 
 
+def test_a_global_model_overflowed_by_a_lying_device_fails_the_job_naming_that_device(tmp_path: Path) -> None:
+    """Device c1-d2 (a node with its key) sends results of finite values near the float32 maximum: the global model
+    overflows and the job fails. Its failure named the cells of the aggregate (c1, the largest), not the device: the
+    operator would revoke an honest cell. Now each cell's report names its devices of the largest update norms
+    (``largest_updates``, one BLAS pass a result), and the failure names c1-d2 beside c1. (Async, c1's own model
+    overflows first: the cloud refuses its pushes as non-finite, and the global model stays finite.)"""
+    cfg = small_config(tmp_path, run={"rounds": 4}, algorithm={"edge_rounds": 1}, runtime={"eval_every": 1})
+    sim = SimHierarchy(cfg, write_output=False)
+    configure = sim.agents.configure
+
+    def compromised(agent) -> None:
+        configure(agent)
+        if agent.device == "c1-d2":
+            genuine = agent.publish_result
+            huge = lambda r: Payload(r.meta, {k: np.full_like(v, 3e38) for k, v in r.tensors.items()})  # noqa: E731
+            agent.publish_result = lambda r, *a: genuine(huge(r), *a)
+
+    sim.agents.configure = compromised
+    result = sim.run()
+    assert result.status == "failed" and "the global model diverged" in result.failed, result.failed
+    named = re.search(
+        r"largest update norms of its \d+ cells?: c1 [0-9.e+]+ \(its devices: (c1-d\d) ~1e\+(\d+)", result.failed
+    )
+    assert named is not None and named[1] == "c1-d2" and int(named[2]) >= 38, result.failed
+
+
 def test_an_async_model_overflowed_between_evaluations_fails_the_job_at_that_version(tmp_path: Path) -> None:
     """Async, evaluated every 10 versions of 6 (the last only): cell c1 (a node with its credentials) pushes finite
     values near the float32 maximum, and the model's parameters overflow to inf at version 4. Divergence was caught on
