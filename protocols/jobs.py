@@ -155,13 +155,19 @@ def read_job_file(path: str | Path, job: str | None = None) -> JobRequest:
         raise JobError(f"job file {path} does not exist") from None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise JobError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:  # a folder, no permission
+        raise JobError(f"job file {path}: cannot read it: {exc.strerror or exc}") from None
     section = data.pop("job", {})
     if not isinstance(section, dict) or set(section) - {"id", "init_from"}:
         raise JobError(f"{path}: [job] may hold only id and init_from")
     init_from = section.get("init_from")
     if init_from is not None:
         check_job_id(init_from)
-    return JobRequest(check_job_id(job or section.get("id") or path.stem), dump_toml(data), init_from)
+    try:
+        text = dump_toml(data)
+    except ConfigError as exc:  # a top-level key, a date
+        raise JobError(f"{path}: {exc}") from None
+    return JobRequest(check_job_id(job or section.get("id") or path.stem), text, init_from)
 
 
 def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:

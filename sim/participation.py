@@ -362,30 +362,35 @@ class Trace(ParticipationModel):
         if not self.path.is_file():
             raise ValueError(f"path: trace file {str(self.path)!r} not found")
         self.intervals: dict[str, list[tuple[int, int]]] = {d: [] for d in self.devices}
-        with self.path.open(newline="") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            if header is None or [h.strip().lower() for h in header] != ["device", "start", "end"]:
-                raise ValueError(f"{self.path}: header must be 'device,start,end', got {header!r}")
-            for line_no, row in enumerate(reader, start=2):
-                if not row or all(not c.strip() for c in row):
-                    continue
-                if len(row) != 3:
-                    raise ValueError(f"{self.path}:{line_no}: expected 3 fields device,start,end, got {row!r}")
-                dev, s_txt, e_txt = (c.strip() for c in row)
-                if not dev:
-                    raise ValueError(f"{self.path}:{line_no}: empty device id")
-                try:
-                    start, end = int(s_txt), int(e_txt)
-                except ValueError:
-                    raise ValueError(f"{self.path}:{line_no}: start and end must be integers, got {row!r}") from None
-                if start < 0 or end <= start:
-                    raise ValueError(f"{self.path}:{line_no}: need 0 <= start < end, got start={start} end={end}")
-                if dev not in self.intervals:
-                    if strict:
-                        raise ValueError(f"{self.path}:{line_no}: unknown device {dev!r} (not in devices)")
-                    continue
-                self.intervals[dev].append((start, end))
+        try:
+            with self.path.open(newline="") as f:
+                reader = csv.reader(f)
+                header = next(reader, None)
+                if header is None or [h.strip().lower() for h in header] != ["device", "start", "end"]:
+                    raise ValueError(f"{self.path}: header must be 'device,start,end', got {header!r}")
+                for line_no, row in enumerate(reader, start=2):
+                    if not row or all(not c.strip() for c in row):
+                        continue
+                    if len(row) != 3:
+                        raise ValueError(f"{self.path}:{line_no}: expected 3 fields device,start,end, got {row!r}")
+                    dev, s_txt, e_txt = (c.strip() for c in row)
+                    if not dev:
+                        raise ValueError(f"{self.path}:{line_no}: empty device id")
+                    try:
+                        start, end = int(s_txt), int(e_txt)
+                    except ValueError:
+                        raise ValueError(
+                            f"{self.path}:{line_no}: start and end must be integers, got {row!r}"
+                        ) from None
+                    if start < 0 or end <= start:
+                        raise ValueError(f"{self.path}:{line_no}: need 0 <= start < end, got start={start} end={end}")
+                    if dev not in self.intervals:
+                        if strict:
+                            raise ValueError(f"{self.path}:{line_no}: unknown device {dev!r} (not in devices)")
+                        continue
+                    self.intervals[dev].append((start, end))
+        except (UnicodeDecodeError, csv.Error) as exc:  # not text, or a field past csv's limit
+            raise ValueError(f"{self.path}: not a readable CSV trace: {exc}") from None
         for d, iv in self.intervals.items():
             self.intervals[d] = self._merge(iv)
         ends = [e for iv in self.intervals.values() for _, e in iv]

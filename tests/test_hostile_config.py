@@ -322,3 +322,35 @@ def test_any_mix_of_hostile_values_is_a_config_error_or_a_config_that_builds(dat
         built.to_toml()
     except ConfigError:
         pass
+
+
+def test_a_participation_trace_that_is_no_text_or_has_a_giant_field_is_refused_naming_the_file(tmp_path):
+    from sim.participation import Trace
+
+    binary, giant = tmp_path / "binary.csv", tmp_path / "giant.csv"
+    binary.write_bytes(b"device,start,end\n\xff\xfe,1,2\n")
+    giant.write_text("device,start,end\nc0-d0,0," + "9" * 200_000 + "\n")  # was csv.Error, a traceback
+    for path, says in ((binary, "can't decode byte 0xff"), (giant, "field larger than field limit")):
+        with pytest.raises(ValueError, match=f"{path}: not a readable CSV trace: .*{says}"):
+            Trace(["c0-d0", "c0-d1"], path)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('x = 1\n[run]\nname = "a"\n', "x: a key outside the config's [sections]"),  # was an AttributeError
+        ("[run]\nname = 1979-05-27T07:32:00Z\n", "a config holds no datetime values"),  # was a TypeError
+        ("[job]\nid = 5\n", "job id 5 must be a string"),
+        ("[job]\npriority = 1\n", "[job] may hold only id and init_from"),
+    ],
+)
+def test_a_hostile_job_file_is_refused_naming_it(tmp_path, text, says):
+    from protocols.jobs import JobError, read_job_file
+
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(JobError) as refused:
+        read_job_file(path)
+    assert says in str(refused.value)
+    with pytest.raises(JobError, match=f"job file {tmp_path}: cannot read it"):
+        read_job_file(tmp_path)  # a folder: was an IsADirectoryError traceback

@@ -29,7 +29,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 def dump_toml(data: dict[str, Any]) -> str:
-    """A small TOML writer for config dicts (sections of scalars and lists)."""
+    """A small TOML writer for config dicts (sections of scalars and lists); :class:`ConfigError` for what a
+    config cannot hold (a key outside a section, a date)."""
 
     def value(v: Any) -> str:
         if isinstance(v, bool):
@@ -42,10 +43,12 @@ def dump_toml(data: dict[str, Any]) -> str:
             return "[" + ", ".join(value(x) for x in v) + "]"
         if isinstance(v, dict):  # an inline table (topology.members)
             return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
-        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+        raise ConfigError(f"a config holds no {type(v).__name__} values, got {v!r:.40}")
 
     out = []
     for section, body in data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{section}: a key outside the config's [sections]")
         out.append(f"[{section}]")
         for k, v in body.items():
             out.append(f"{k} = {value(v)}")
