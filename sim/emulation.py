@@ -43,6 +43,7 @@ from edge_agent.runner import BrokerOptions, save_device_data
 from protocols import procs, runfiles
 from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan
+from protocols.limits import processes_refusal
 from protocols.privacy.ledger import LEDGER_FILE
 from protocols.transport.base import Transport
 from protocols.transport.bridge import bridge_config
@@ -133,6 +134,10 @@ class Emulation:
         if brokers == "per-cell" and find_mosquitto() is None:
             raise ConfigError("--brokers per-cell needs Mosquitto (apt-get install mosquitto)")
         self.brokers = brokers
+        processes = min(self.workers, n) + len(self.isolate) + (cfg.topology.cells if brokers == "per-cell" else 0)
+        refused = processes_refusal(processes, "agent workers and per-cell brokers")
+        if refused is not None:  # before a broker or a worker starts (--process-per-agent: one per device)
+            raise ConfigError(refused)
         self.started_brokers: dict[str, Any] = {}
         self.broker_bytes: dict[str, dict[str, int]] = {}  # per-cell: $SYS byte counters at the end
         self.procs: list[Any] = []

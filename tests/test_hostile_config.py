@@ -354,3 +354,14 @@ def test_a_hostile_job_file_is_refused_naming_it(tmp_path, text, says):
     assert says in str(refused.value)
     with pytest.raises(JobError, match=f"job file {tmp_path}: cannot read it"):
         read_job_file(tmp_path)  # a folder: was an IsADirectoryError traceback
+
+
+def test_fedtier_run_refuses_more_agent_processes_than_a_hundred_a_core_before_one_starts(tmp_path, monkeypatch):
+    from sim.emulation import Emulation
+
+    monkeypatch.setattr("protocols.limits.os.cpu_count", lambda: 1)
+    out = str(tmp_path / "{name}")
+    cfg = parse_config({"run": {"output": out}, "topology": {"cells": 101, "devices_per_cell": 1}})
+    with pytest.raises(ConfigError, match="agent workers and per-cell brokers: 101 processes, more than 100 per core"):
+        Emulation(cfg, process_per_agent=True)  # one process per device
+    assert Emulation(cfg, workers=2).workers == 2
