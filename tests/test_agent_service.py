@@ -284,7 +284,8 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_at_the_jobs_end(tm
     jobs): a job's connection (closed at the job's end: the next job gets a new one) and what hangs off it are garbage
     in reference cycles that the process's few allocations seldom collect. The cloud service collects at each job's
     end now (7.0-7.6 kB a job). With the collector's automatic runs off, the cloud's closed connections of past jobs
-    are gone by the time it opens the next; before, one more stayed a job."""
+    are gone by the time it opens the next (the last one's may linger a moment: a loop callback queued
+    before it closed holds it); before, one more stayed a job."""
     from cloud.jobs import Job, JobQueue
     from protocols.jobs import OPERATOR, canonical_job, config_hash
     from protocols.transport.mqtt import MqttTransport
@@ -301,9 +302,10 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_at_the_jobs_end(tm
     with MosquittoBroker() as broker:
         loop, made = ThreadLoop("cloud"), Counter[str]()
 
-        def connect() -> MqttTransport:
+        def connect() -> MqttTransport:  # counted once it exists (counted before, a count could miss it)
+            transport = MqttTransport.from_url(broker.url, "cloud-svc", loop, persistent=True)
             made.update(["made"])
-            return MqttTransport.from_url(broker.url, "cloud-svc", loop, persistent=True).connect(10.0)
+            return transport.connect(10.0)
 
         service = CloudService(
             fed, loop, connect, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
@@ -326,4 +328,6 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_at_the_jobs_end(tm
             service.stop()
             thread.join(10)
     assert [queue.get(f"j{j}").state for j in range(3)] == ["cancelled"] * 3  # type: ignore[union-attr]
-    assert counts[-1] == counts[0], counts  # before: one more a job ([2, 3, 4])
+    # the new job's connection and at most the last job's (a loop callback queued before it closed may hold it a
+    # moment: 1 or 2); before, one more a job ([2, 3, 4])
+    assert max(counts) <= 2, counts
