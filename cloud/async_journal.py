@@ -9,7 +9,9 @@ the journal finds the pushes of the version before, which the checkpoint's model
 It also keeps the cells heard holding a model of the job (an entry when one is first heard; every fresh start
 names them all): a resumed cloud still marks the version it sends such a cell ``held``, so one restarted without its
 journal refuses it, saying to resume (``cell_server.async_server``), rather than task its devices from version 0
-again, which they refuse as replays.
+again, which they refuse as replays. And the newest version sent each cell (an entry before a version or a resend
+goes out; every fresh start names them all): a resumed cloud refuses a push from a version it never sent that cell
+(one cell participation left out of it), as the cloud that stopped did.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PushJournal:
         self._until: int | None = None  # resumed: where the pushes to take again end in the file (none: None)
         self._replaying = False  # taking the journaled pushes again: they are in the journal already
         self.holders: set[str] = set()  # cells heard holding a model of this job (kept across a resume)
+        self.sent: dict[str, int] | None = {}  # cell -> the newest version sent to it (None: not known, an old journal)
         if resumed is not None and self._scan(resumed):
             return  # the file holds the pushes of this version: kept as it is, read again one at a time (replay)
         self.file.reset(self._head(resumed))
@@ -45,23 +48,31 @@ class PushJournal:
         ``TAKE_PER_CELL`` x cells pushes): the cells it names as holders, and True if its pushes are of ``resumed``
         (a journal holds one version's: else the cloud stopped before it started afresh, and they are skipped)."""
         pushes = others = 0
+        self.sent = None  # known from the journal's head on
         try:
-            for e in self.file.scan():
+            for n, e in enumerate(self.file.scan()):
                 self.holders.update(str(c) for c in _held(e.meta.get("held")))
+                self._take_sent(e.meta.get("sent"), head=n == 0)
                 if "message" in e.tensors:
                     pushes, others = (pushes + 1, others) if e.meta.get("version") == resumed else (pushes, others + 1)
         except (OSError, ValueError) as exc:
             log.warning(
                 "cannot read %s (%s): the pushes buffered when the cloud stopped are not replayed", self.file.path, exc
             )
+            self.sent = None
             return False
         log.info("cloud: %d pushes of version %d to buffer again", pushes if not others else 0, resumed)
         if pushes and not others:
             self._until = self.file.end
         return self._until is not None
 
+    def _take_sent(self, value: object, head: bool) -> None:
+        """Take an entry's ``sent`` (cell -> version): the head's starts the map, a later one adds to it."""
+        if isinstance(value, dict) and (head or self.sent is not None):
+            self.sent = {**(self.sent or {}), **{str(c): v for c, v in value.items() if isinstance(v, int)}}
+
     def _head(self, version: int | None) -> Payload:
-        return Payload({"version": version, "held": sorted(self.holders)})
+        return Payload({"version": version, "held": sorted(self.holders), "sent": self.sent})
 
     @staticmethod
     def _entry(version: int | None, topic: str, data: bytes) -> Payload:
@@ -95,6 +106,13 @@ class PushJournal:
         if cell not in self.holders:
             self.holders.add(cell)
             self.file.append(Payload({"held": [cell]}))
+
+    def sending(self, cells: list[str], version: int) -> None:
+        """``version`` goes to ``cells`` now (durably, before it does)."""
+        if cells:
+            self.file.append(Payload({"sent": dict.fromkeys(cells, version)}))
+            if self.sent is not None:
+                self.sent.update(dict.fromkeys(cells, version))
 
     def applied(self, version: int) -> None:
         """A model version applied the buffered pushes (checkpointed): the journal starts afresh at ``version``."""

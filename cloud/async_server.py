@@ -19,7 +19,8 @@ chunk; a chunked push killed in its handler is lost unless it was the cell's las
 newly asks for a model (``needs_model``: one restarted afresh, or started after the first version went out, which
 it never got) is sent the current version too, under the same bound (``RoundCounts.first_resend``). The cells heard
 holding a model are journaled too (``PushJournal.holders``): a version to one of them says ``held``, resumed or not,
-so a cell restarted without its journal refuses it, saying to resume, rather than stall.
+so a cell restarted without its journal refuses it, saying to resume, rather than stall; and the newest version sent
+each cell, before it goes (``PushJournal.sent``): a push from a version never sent its cell is refused, resumed or not.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ class AsyncCloudServer(CloudServer):
         self._sent: dict[str, int] = {}  # cell -> the newest version sent to it
         path = self.checkpoint.path.with_name(runfiles.CLOUD_JOURNAL) if self.checkpoint is not None else None
         self.journal = PushJournal(path, self.round if self.resumed else None) if path is not None else None
-        if self.resumed:  # the start sends every cell the current version: a push from it is not a fresher base
-            self._sent = dict.fromkeys(self.cells, self.round)
+        if self.resumed:  # what the cloud that stopped sent (journaled); not known: the current version to every cell
+            known = self.journal.sent if self.journal is not None else None
+            self._sent = dict(known) if known is not None else dict.fromkeys(self.cells, self.round)
         self._pushed_from: dict[str, int] = {}  # cell -> the version its last push taken derives from
         self.refusing: dict[str, str] = {}  # cell -> why it refused to work in this job (no version goes to it)
         self._readmitted: dict[str, int] = {}  # cell -> the version in which it last came back after refusing
@@ -106,6 +108,8 @@ class AsyncCloudServer(CloudServer):
         version: a push that came before the posted start ran has started it already, see ``_on_report``)."""
         if self._in_round:
             return
+        if self.journal is not None:  # (the cells _send_tasks plans: a role plans a task for each)
+            self.journal.sending([c for c in self._notify if c in self._allowed()], self.round)
         self._send_tasks(self._notify)
         self._sent.update((cell, self.round) for cell in self.planned)
         self._in_round = True
@@ -364,6 +368,8 @@ class AsyncCloudServer(CloudServer):
         if cell in self.refusing:
             return
         self.counts.tasks = {**self.counts.tasks, **self.role.plan(self.round, [cell])}
+        if self.journal is not None:
+            self.journal.sending([cell], self.round)
         self._send_task(cell, again=self._sent.get(cell, -1) >= self.round)  # it was sent this version: a resend
         self._sent[cell] = self.round
 

@@ -816,6 +816,65 @@ def test_an_async_cell_restarted_without_its_journal_after_the_cloud_resumed_ref
     assert [h["round"] for h in result.history][-1] == 7 and "c1" in result.history[-1]["cells_reported"]
 
 
+def test_a_resumed_async_cloud_refuses_a_push_from_a_version_it_never_sent_that_cell(tmp_path):
+    """In memory, one cell of the two drawn a version (cell participation): the async cloud dies after taking a push of
+    version 2 and resumes 1 s later. The cell not drawn for version 2 was never sent it; a node with its credentials
+    pushes from version 2 (no staleness discount). The resumed cloud assumed every cell had been sent its version,
+    and took it; now it journals the versions it sends each cell (before sending), and refuses it as never sent."""
+
+    class Killed(Exception):
+        pass
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 4},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        participation={"model": "uniform", "level": "cell", "per_round": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg)
+    cloud, taken, claims = sim.cloud, sim.cloud.journal.taken, []
+
+    def claim() -> None:  # the cell not drawn for the resumed version pushes from it
+        again = sim.cloud
+        liar = next(c for c in again.cells if c not in again.availability(again.round))
+        zeros = {k: np.zeros_like(v) for k, v in again.role.global_params().items()}
+        topic = topics.cell_report(cfg.run.name, liar)
+        push = Payload({"weight": 1.0, "updates": 1, "devices": 1}, zeros)
+        claims.append((liar, again.round))
+        again._on_report(
+            topic, sim.cells[liar].messenger.frame("cell_report", push, round=again.round, cell=liar, topic=topic)
+        )
+
+    def restart_cloud() -> None:
+        sim.cloud = again = sim._build_cloud(None, resume=True)
+        again.start()
+        claim()
+
+    def dies_after(version: int, topic: str, data: bytes) -> None:
+        taken(version, topic, data)
+        if version == 2 and sim.cloud is cloud:
+            cloud.transport.crash()
+            cloud.stop()
+            sim.hub.loop.call_later(1.0, restart_cloud)
+            raise Killed
+
+    cloud.journal.taken = dies_after  # type: ignore[method-assign]
+    on_report = cloud._on_report
+
+    def report(topic: str, data: bytes) -> None:
+        with contextlib.suppress(Killed):
+            on_report(topic, data)
+
+    cloud._on_report = report  # type: ignore[method-assign]
+    result = sim.run()
+    ((liar, version),) = claims
+    assert [h["round"] for h in result.history] == [2, 3] and version == 2  # (the resumed cloud's records)
+    refused = [x for h in result.history for x in h.get("rejected") or [] if x["from"] == liar]
+    assert any(f"from version {version}, which was never sent to it" in x["reason"] for x in refused), refused
+    assert not any(e.sender == liar and e.base == version for e in sim.cloud.fb.buffer.entries)
+
+
 @pytest.mark.skipif(not find_mosquitto(), reason="mosquitto not installed")
 @pytest.mark.parametrize("max_chunk", [256 * 1024, 1024], ids=["whole", "chunked"])
 def test_a_push_the_async_cloud_died_on_before_journaling_comes_again_after_resume_and_counts_once(tmp_path, max_chunk):
