@@ -100,6 +100,8 @@ def load_source(
     kind = src.resolved_kind()
     if kind != "loader" and not Path(src.path).exists():
         raise DataSourceError(f"{src.path}: no such file or folder")
+    if kind in ("npz", "csv") and not Path(src.path).is_file():  # a link to /dev/zero would be read for ever
+        raise DataSourceError(f"{src.path}: not a regular file")
     try:
         loaded = _LOADERS[kind](src, input_shape, max_samples)
     except DataSourceError as exc:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .jsonl import StorageError
+from .limits import read_file
 from .wire.envelope import WireError
 from .wire.payload import Payload, decode_payload, encode_payload
 
@@ -78,7 +79,7 @@ def save_payload(path: str | Path, payload: Payload) -> None:
 
 def load_payload(path: str | Path, sha256: str | None = None) -> Payload:
     """Read a file written by :func:`save_payload`; with ``sha256``, only if the file's digest is that one."""
-    data = Path(path).read_bytes()
+    data = read_file(path)  # /dev/zero or a file larger than memory: ValueError, before reading
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         got = hashlib.sha256(data).hexdigest()
         raise ValueError(f"its sha256 is {got[:16]}..., not {sha256[:16]}... (not the file named by its digest)")

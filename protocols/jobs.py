@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .capabilities import WIRE_VERSION
 from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config
 from .failures import MAX_REASON
+from .limits import MAX_TEXT_BYTES, read_file
 from .roster import Roster, RosterError, newer_roster, roster_topic
 from .runfiles import JOB_FOLDERS
 from .wire import topics
@@ -149,14 +150,15 @@ def read_job_file(path: str | Path, job: str | None = None) -> JobRequest:
     (``id``, ``init_from``). ``job`` overrides ``[job] id``; without either the file's stem is the id."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-        data = tomllib.loads(text)
+        data = tomllib.loads(read_file(path, MAX_TEXT_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise JobError(f"job file {path} does not exist") from None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise JobError(f"{path}: not valid TOML: {exc}") from None
     except OSError as exc:  # a folder, no permission
         raise JobError(f"job file {path}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:  # /dev/zero, a FIFO, 1 GB
+        raise JobError(f"job file {path}: cannot read it: {exc}") from None
     section = data.pop("job", {})
     if not isinstance(section, dict) or set(section) - {"id", "init_from"}:
         raise JobError(f"{path}: [job] may hold only id and init_from")

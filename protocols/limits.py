@@ -8,6 +8,8 @@ torch for terabytes."""
 from __future__ import annotations
 
 import os
+import stat
+from pathlib import Path
 
 MAX_SECONDS = 1e7
 """The longest wait, deadline or period a config may set (about 116 days): far beyond any run's, far below what
@@ -19,6 +21,9 @@ MAX_THREADS = 1024
 MAX_PROCESSES = 4096
 """The most worker processes or Ray actors a config may ask for (``runtime.sim_workers``, ``cell_processes``)."""
 
+
+MAX_TEXT_BYTES = 64 << 20
+"""The largest config or job file read (a ``topology.members`` of a million devices is ~20 MB)."""
 
 MAX_DEVICES = 10**8
 """The most devices a topology may hold (``topology.cells`` x ``devices_per_cell``, or ``members``)."""
@@ -57,3 +62,19 @@ def memory_refusal(nbytes: float, what: str, memory: int | None = None) -> str |
     if memory is None or nbytes <= memory:
         return None
     return f"{what} needs {nbytes / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of memory"
+
+
+def read_file(path: str | Path, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path``; ``ValueError`` for anything else (a device such as /dev/zero, read
+    for ever into memory; a FIFO, which blocks; a folder) or a file over ``limit`` bytes (default: this machine's
+    memory), before a byte is read. ``OSError`` as ``open`` raises it (missing, no permission)."""
+    mode = os.stat(path).st_mode  # not open(): opening a FIFO blocks until a writer comes
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(21, "Is a directory", str(path))
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is not a regular file")
+    with open(path, "rb") as f:
+        size, cap = os.fstat(f.fileno()).st_size, machine_memory() if limit is None else limit
+        if cap is not None and size > cap:
+            raise ValueError(f"{path} is {size:,} bytes, more than the {cap:,} it may have")
+        return f.read()

@@ -365,3 +365,34 @@ def test_fedtier_run_refuses_more_agent_processes_than_a_hundred_a_core_before_o
     with pytest.raises(ConfigError, match="agent workers and per-cell brokers: 101 processes, more than 100 per core"):
         Emulation(cfg, process_per_agent=True)  # one process per device
     assert Emulation(cfg, workers=2).workers == 2
+
+
+def test_a_device_or_a_fifo_given_as_a_file_is_refused_before_a_byte_is_read(tmp_path):
+    """/dev/zero as the config was a MemoryError traceback after filling memory; a FIFO blocked for ever."""
+    import os
+
+    from edge_agent.datasources import DataSourceError, load_source
+    from protocols.config import load_config
+    from protocols.jobs import JobError, read_job_file
+    from protocols.limits import read_file
+    from protocols.wire.keys import KeysError, load_keys
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", fifo):
+        with pytest.raises(ConfigError, match=f"config file {path}: cannot read it: {path} is not a regular file"):
+            load_config(path)
+        with pytest.raises(JobError, match="is not a regular file"):
+            read_job_file(path)
+        with pytest.raises(KeysError, match="is not a regular file"):
+            load_keys(path)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * 2048)
+    with pytest.raises(ValueError, match="big.toml is 2,048 bytes, more than the 1,024 it may have"):
+        read_file(big, limit=1024)
+    for name in ("zero.csv", "zero.npz"):
+        (tmp_path / name).symlink_to("/dev/zero")
+        with pytest.raises(DataSourceError, match=f"{name}: not a regular file"):
+            load_source(tmp_path / name)
+    res = CliRunner().invoke(main, ["sim", "/dev/zero"])
+    assert res.exit_code == 2 and "/dev/zero is not a regular file" in " ".join(res.output.split())

@@ -13,7 +13,7 @@ from .. import plugins
 from ..algorithms import ALGORITHMS
 from ..algorithms.compose import needs
 from ..algorithms.traits import Trait
-from ..limits import MAX_SECONDS
+from ..limits import MAX_SECONDS, MAX_TEXT_BYTES, read_file
 from ..plugin_loading import load_plugins
 from .errors import ConfigError, format_errors
 from .run import RunConfig
@@ -73,13 +73,15 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Read a TOML config and apply ``key.path=value`` overrides (values parsed as TOML)."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(read_file(path, MAX_TEXT_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except (OSError, ValueError) as exc:  # a folder, /dev/zero, a FIFO, 1 GB, no permission
+        raise ConfigError(f"config file {path}: cannot read it: {exc}") from None
     for item in overrides:
         apply_override(data, item)
     return parse_config(data)

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from ..config import ConfigError
-from ..limits import MAX_KEYED_NODES
+from ..limits import MAX_KEYED_NODES, read_file
 from ..rejections import RejectKind
 from .envelope import WireError
 
@@ -48,6 +48,7 @@ FORMAT = "fedtier-ed25519/1"
 KEY_BYTES = 32
 SIG_BYTES = 64
 KEYS_FILE = "keys.toml"
+MAX_KEYS_BYTES = 1 << 30  # a file of MAX_KEYED_NODES nodes is ~150 MB
 log = logging.getLogger("fedtier.wire")
 
 
@@ -169,8 +170,8 @@ def load_keys(path: str | Path, need_private: bool = True) -> KeyRing:
 def _load_cached(path: str, _mtime: int, _size: int) -> tuple[tuple[tuple[str, bytes], ...], ...]:
     # every node of a sim reads the same file: parse it once (a changed file has a new mtime/size)
     try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        data = tomllib.loads(read_file(path, MAX_KEYS_BYTES).decode("utf-8"))
+    except (OSError, ValueError) as exc:  # unreadable, /dev/zero, not UTF-8, not TOML
         raise KeysError(f"security.keys: {path} is not a readable TOML keys file: {exc}") from None
     if "keys" in data and "format" not in data:
         raise KeysError(
