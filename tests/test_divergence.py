@@ -229,13 +229,23 @@ def test_a_global_model_overflowed_by_a_lying_cell_fails_the_job_naming_that_cel
     assert result.history[-1]["diverged"], result.history[-1]
 
 
-def test_a_global_model_overflowed_by_a_lying_device_fails_the_job_naming_that_device(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_global_model_overflowed_by_a_lying_device_fails_the_job_naming_that_device(
+    tmp_path: Path, mode: str
+) -> None:
     """Device c1-d2 (a node with its key) sends results of finite values near the float32 maximum: the global model
-    overflows and the job fails. Its failure named the cells of the aggregate (c1, the largest), not the device: the
-    operator would revoke an honest cell. Now each cell's report names its devices of the largest update norms
-    (``largest_updates``, one BLAS pass a result), and the failure names c1-d2 beside c1. (Async, c1's own model
-    overflows first: the cloud refuses its pushes as non-finite, and the global model stays finite.)"""
-    cfg = small_config(tmp_path, run={"rounds": 4}, algorithm={"edge_rounds": 1}, runtime={"eval_every": 1})
+    overflows and the job fails (async: c1's model first, then the cloud's with its push). Its failure named the cells
+    of the aggregate (c1, the largest), not the device: the operator would revoke an honest cell. Now each cell's
+    report names its devices of the largest update norms (``largest_updates``, one BLAS pass a result), and the
+    failure names c1-d2 beside c1."""
+    algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1} if mode == "async" else {"edge_rounds": 1}
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 10},
+        algorithm=algorithm,
+        runtime={"eval_every": 1},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
     sim = SimHierarchy(cfg, write_output=False)
     configure = sim.agents.configure
 
