@@ -43,6 +43,13 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         if reason is not None:
             raise ConfigError(f"privacy.secure_aggregation: {reason}")
     check_privacy(cfg)
+    p = cfg.participation
+    if (p.model == "bernoulli" and p.probs and not any(p.probs)) or (
+        p.model == "markov" and p.p_on == 0 and not p.start_on
+    ):
+        raise ConfigError(  # the run would "finish" having trained nothing, exit 0
+            f"participation: with model = {p.model!r} as set, no device (or cell) would ever take part"
+        )
     if cfg.runtime.min_cells > cfg.topology.cells:  # was read as "every cell": say so instead
         raise ConfigError(
             f"runtime.min_cells: {cfg.runtime.min_cells}, but the topology has {cfg.topology.cells} cells"

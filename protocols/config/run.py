@@ -87,10 +87,11 @@ class RunConfig(Section):
     def model_spec(self, input_shape: tuple[int, ...], num_classes: int) -> ModelSpec:
         """The zoo model of this run for data of ``input_shape`` and ``num_classes``."""
         m = self.model
-        if m.name == "cnn4" and min(input_shape[-2:]) < 16:
+        side = {"cnn": 4, "cnn4": 16}.get(m.name)  # pools 2 or 4 times
+        if side and (len(input_shape) not in (2, 3) or min(input_shape[-2:]) < side):
             raise ConfigError(
-                f"model.name: cnn4 pools 4 times and needs images of at least 16x16; "
-                f"{self.data.dataset} has {'x'.join(map(str, input_shape))}"
+                f"model.name: {m.name} pools {side.bit_length() - 1} times and needs images of at least "
+                f"{side}x{side}; {self.data.dataset} has {'x'.join(map(str, input_shape))}"
             )
         spec = ModelSpec(
             name=m.name,
