@@ -38,6 +38,8 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
         path, plots = write_report(list(run_dirs), target, on_bad=warn)
     except ValueError as exc:
         fail(str(exc), 1)
+    except OSError as exc:  # --out in a missing or read-only folder, a full disk
+        fail(f"cannot write the report {target}: {exc.strerror or exc}", 1)
     console.print(
         f"wrote [bold]{path}[/] ({len(plots)} plots, PNGs in {path.with_name(path.stem + '_plots')})", highlight=False
     )

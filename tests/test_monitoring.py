@@ -191,6 +191,12 @@ def test_report_plots_the_runs_data(runs, tmp_path):
     assert (dirs[0] / "report.html").exists() and (dirs[0] / "report_plots" / "participation.png").exists()
 
 
+def test_report_that_cannot_be_written_says_so_without_a_traceback(runs, tmp_path):
+    (tmp_path / "file").write_text("")  # --out under a file: was a FileNotFoundError/NotADirectoryError traceback
+    res = CliRunner().invoke(main, ["report", str(runs[0].output_dir), "--out", str(tmp_path / "file" / "r.html")])
+    assert res.exit_code == 1 and "cannot write the report" in res.output and res.exception.__class__ is SystemExit
+
+
 def test_report_of_a_run_killed_while_writing_its_last_round_record(runs, tmp_path):
     """A run killed mid-write: metrics.jsonl ends in half a line, and the cells' records hold the aggregations of
     the round the cloud never closed. The report is written (it raised IndexError in the participation plot),
