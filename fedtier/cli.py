@@ -129,9 +129,10 @@ def sim(
     Or spread it: --workers N trains the devices in N workers; --set runtime.cell_processes=N runs the cells, with
     their devices, in N processes (the cloud stays here; the same model; each process loads the whole data set and
     takes its share of runtime.cohort_threads). runtime.cell_processes refuses (exit 2, naming each) an asynchronous
-    algorithm, runtime.sim_workers, runtime.onnx_devices and more processes than cells: "runtime.cell_processes = 2
-    does not support: an asynchronous algorithm (only synchronous rounds); runtime.sim_workers (each cell process
-    trains its devices itself)"."""
+    algorithm whose devices train in no virtual time, runtime.sim_workers, runtime.onnx_devices and more processes
+    than cells: "runtime.cell_processes = 2 does not support: an asynchronous algorithm whose devices train in no
+    virtual time (set [clock] device_steps_per_s); runtime.sim_workers (each cell process trains its devices
+    itself)"."""
     from protocols.config import ConfigError
     from protocols.jsonl import StorageError
     from sim.cell_processes import CellProcessError

@@ -13,15 +13,16 @@ what was published for it and the present, and each runs what is due then and an
 this repeats at the same time. Only when a whole exchange carried none (no process has anything left before the
 next timer) does every clock move, to the earliest timer of all processes; the main process's timers due then fire
 first. A message crossing at time ``t`` is delivered by the receiving hub, with ``[clock]``'s link delay for its
-topic and size (the same function of them in every process), at the time it would be in one process. Every node
-thus sees the messages and deadlines of the one-process run at the same virtual times: the cloud sorts what it
-aggregates by cell, and each cell's devices run in its own process in their usual order, so the model, the records
-and the byte counts are those of one process (``tests/test_cell_processes.py``). Timers of two cell
-processes due at one virtual time (two cells getting their tasks at once) change nothing: cells exchange nothing,
-and what they send the cloud arrives at the times one process would (reports arriving at once in the order of
-their processes: the cloud sorts what it aggregates). One case can differ: a
-timer of the cloud and one of a cell process due at the very same virtual time fire the cloud's first, where one
-process fires them in the order they were set; the run then logs a warning (once).
+topic and size (the same function of them in every process), at the time it would be in one process; what crosses
+in one exchange is delivered sorted by sender (``cell_share.deliver``: stably, each sender's in the order it sent
+them), not in the order of the processes. A one-process run's loop takes the same turns (its cells and devices are
+its cells' side: ``protocols.transport.memory.VirtualLoop``, ``sim_cells.loop_sides``): the cloud's side runs what it
+has at the present, then the cells' side gets what crossed, sorted by sender, and runs what it has, and so on; at a
+new instant the cloud's timers fire first. Every node thus sees its messages and timers in the same order either
+way: pushes of several cells reaching an asynchronous cloud (FedBuff) at one instant, and a cloud timer due with a
+cell's, included; so the model, the records and the byte counts are those of one process
+(``tests/test_cell_processes.py``). Asynchronous cells whose devices train in no virtual time never run out of work
+at an instant, so they could never hand the turn over: refused (one process keeps its one-sided loop for them).
 
 A cell process that dies ends the run with :class:`CellProcessError`, naming it, its cells and its last words, and
 so does one that owes an answer and sends nothing, not even a progress beat, for ``runtime.worker_stall_s`` (it is
@@ -39,7 +40,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocols import procs, runfiles
-from protocols.algorithms.traits import Trait
 from protocols.config import ConfigError, RunConfig
 from protocols.jsonl import JsonlWriter
 from protocols.limits import processes_refusal
@@ -51,7 +51,8 @@ from protocols.wire.signed import open_record
 if TYPE_CHECKING:
     from protocols.algorithms.base import Algorithm
 
-from .cell_share import Message, cell_process_main, frame_messages, message_frame, share_plan
+from .cell_share import Message, cell_process_main, deliver, frame_messages, message_frame, share_plan
+from .sim_cells import untimed_async
 from .worker_frames import frame, unframe
 
 log = logging.getLogger("fedtier.sim")
@@ -69,8 +70,8 @@ def split_refusals(cfg: RunConfig, algorithm: Algorithm, prepared: bool = False)
     if n > cfg.topology.cells:
         out.append(f"more processes than cells ({cfg.topology.cells})")
     out += filter(None, [processes_refusal(n, "this machine")])
-    if Trait.ASYNC in algorithm.stack_traits():
-        out.append("an asynchronous algorithm (only synchronous rounds)")
+    if untimed_async(cfg, algorithm):
+        out.append("an asynchronous algorithm whose devices train in no virtual time (set [clock] device_steps_per_s)")
     if rt.sim_workers:
         out.append("runtime.sim_workers (each cell process trains its devices itself)")
     if rt.onnx_devices:
@@ -122,7 +123,6 @@ class CellProcesses:
         self.out: list[list[Message]] = [[] for _ in self.groups]
         self.nexts: list[float | None] = [None] * n
         self.finished = False  # finish() stopped the processes (they exit by themselves)
-        self.tied = False  # timers of two processes were due at one virtual time (warned once)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         # the cells' aggregation log, written here from the records they publish (the line order is the order the
@@ -152,16 +152,16 @@ class CellProcesses:
     def describe(self, i: int) -> str:
         return f"cell process {i} (pid {self.procs[i].pid}; cells {', '.join(self.groups[i])})"
 
-    def _tap(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
+    def _tap(self, topic: str, payload: bytes | Segments, retain: bool, sender: str) -> None:
         """A message published in the main process: to the process of the cell its topic names, else to all."""
-        data = bytes(payload)
+        message = (topic, bytes(payload), retain, sender)
         if topic.startswith(self.local):
             owner = self.owner.get(topic[len(self.local) :].split("/", 1)[0])
             if owner is not None:
-                self.out[owner].append((topic, data, retain))
+                self.out[owner].append(message)
             return
         for out in self.out:
-            out.append((topic, data, retain))
+            out.append(message)
 
     def _logged(self, topic: str, data: bytes) -> None:
         """A record a cell published (its process's own hub checked it): into the aggregation log."""
@@ -192,8 +192,8 @@ class CellProcesses:
             raise CellProcessError(f"{self.describe(i)} failed:\n{str(header['fatal']).rstrip()}")
         return header, body
 
-    def _take(self, i: int, stall_s: float | None = None) -> bool:
-        """Deliver here what process ``i`` answered; whether it sent any message."""
+    def _take(self, i: int, stall_s: float | None = None) -> list[Message]:
+        """The messages process ``i`` answered (and when its next timer fires)."""
         header, body = self._receive(i, stall_s)
         try:
             msgs = frame_messages(header, body)
@@ -201,14 +201,11 @@ class CellProcesses:
             self.nexts[i] = None if nxt is None else float(nxt)
         except (TypeError, ValueError) as exc:
             raise CellProcessError(f"{self.describe(i)} answered a bad frame: {exc}") from None
-        for topic, payload, retain in msgs:
-            self.hub.inject(topic, payload, retain)
-        return bool(msgs)
+        return msgs
 
     def start(self) -> None:
         """Wait for every process's first answer (what its cells published as they started) and deliver it."""
-        for i in range(len(self.procs)):
-            self._take(i)
+        deliver(self.hub, [m for i in range(len(self.procs)) for m in self._take(i)])
         self.loop.run_due()
 
     def exchange(self) -> bool:
@@ -220,7 +217,9 @@ class CellProcesses:
                 conn.send_bytes(message_frame({"at": at}, out))
             except OSError:
                 self._receive(i)  # raises, naming how it died
-        return any([self._take(i, self.stall_s) for i in range(len(self.procs))])
+        msgs = [m for i in range(len(self.procs)) for m in self._take(i, self.stall_s)]
+        deliver(self.hub, msgs)  # sorted by sender: the order one process gives them
+        return bool(msgs)
 
     def run(self, until: Callable[[], bool]) -> None:
         """Run the split simulation until ``until()`` or nothing is left anywhere (a stall: the caller tells)."""
@@ -233,16 +232,7 @@ class CellProcesses:
             times = [t for t in (self.loop.next_timer(), *self.nexts) if t is not None]
             if not times:
                 return
-            at = min(times)
-            if self.loop.next_timer() == at and at in self.nexts and not self.tied:
-                self.tied = True
-                log.warning(
-                    "cell processes: a timer of the cloud and one of a cell process are due at the same virtual time "
-                    "%g s: the cloud's fires first, where one process fires them in the order they were set, so this "
-                    "run may differ from a one-process run from there on (said once)",
-                    at,
-                )
-            self.loop.advance(at)
+            self.loop.advance(min(times))
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
         """Stop the processes' cells and devices: the cells' records and the devices' traffic, in topology order

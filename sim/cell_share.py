@@ -2,9 +2,10 @@
 (and their training, in this process) on a virtual loop of its own, trading the cloud's messages with the main
 process, which runs the cloud (``sim/cell_processes.py``, the protocol both sides follow).
 
-A frame from the main process is ``{"at": t, "msgs": [[topic, nbytes, retain], ...]}`` with the messages' encoded
-bytes one after the other (``sim/worker_frames.py``; nothing is pickled): the process moves its clock to ``t``,
-delivers them, runs everything due then and answers likewise with what its nodes published for the cloud and
+A frame from the main process is ``{"at": t, "msgs": [[topic, nbytes, retain, sender], ...]}`` with the messages'
+encoded bytes one after the other (``sim/worker_frames.py``; nothing is pickled): the process moves its clock to ``t``,
+delivers them (sorted by sender, as every side of a split run and a one-process run's loop orders what crosses to it:
+:func:`deliver`), runs everything due then and answers likewise with what its nodes published for the cloud and
 ``"next"``, when its next timer fires; while it trains, ``{"beat": true}`` every few seconds. ``{"stop": true}``
 ends it: its cells and devices stop and it answers its cells' records and its devices' traffic (JSON). The first
 answer, unasked, is what its cells published as they started. An exception answers ``{"fatal": traceback}`` and
@@ -46,12 +47,12 @@ from .sim_cells import build_sim_cells
 from .worker_frames import frame, unframe
 from .worker_watch import check_period
 
-Message = tuple[str, bytes, bool]  # topic, encoded bytes, retain
+Message = tuple[str, bytes, bool, str]  # topic, encoded bytes, retain, sender (its client id)
 
 
 def message_frame(header: dict[str, Any], msgs: Sequence[Message]) -> bytes:
-    """``header`` with ``msgs`` (their topics, sizes and retain flags in it, their bytes as the body)."""
-    return frame({**header, "msgs": [[t, len(p), r] for t, p, r in msgs]}, [p for _, p, _ in msgs])
+    """``header`` with ``msgs`` (their topics, sizes, retain flags and senders in it, their bytes as the body)."""
+    return frame({**header, "msgs": [[t, len(p), r, s] for t, p, r, s in msgs]}, [m[1] for m in msgs])
 
 
 def frame_messages(header: dict[str, Any], body: memoryview) -> list[Message]:
@@ -59,14 +60,23 @@ def frame_messages(header: dict[str, Any], body: memoryview) -> list[Message]:
     raises ``ValueError``."""
     out: list[Message] = []
     at = 0
-    for topic, n, retain in header.get("msgs", ()):
-        if not (isinstance(topic, str) and isinstance(n, int) and 0 <= n <= len(body) - at):
-            raise ValueError(f"bad message entry {topic!r} ({n!r} bytes)")
-        out.append((topic, bytes(body[at : at + n]), bool(retain)))
+    for entry in header.get("msgs", ()):
+        topic, n, retain, sender = entry if isinstance(entry, list) and len(entry) == 4 else (entry, None, None, None)
+        if not (isinstance(topic, str) and isinstance(sender, str) and isinstance(n, int) and 0 <= n <= len(body) - at):
+            raise ValueError(f"bad message entry {entry!r}")
+        out.append((topic, bytes(body[at : at + n]), bool(retain), sender))
         at += n
     if at != len(body):
         raise ValueError(f"{len(body) - at} bytes past its messages")
     return out
+
+
+def deliver(hub: MemoryHub, msgs: list[Message]) -> None:
+    """Deliver on ``hub`` the messages that crossed to it from the other processes, sorted by sender (stably: each
+    sender's in the order it sent them), the order a one-process run's loop gives what crosses between its sides
+    (``protocols.transport.memory.VirtualLoop.cross``): so the same as one process, whichever process sent what."""
+    for topic, payload, retain, _ in sorted(msgs, key=lambda m: m[3]):
+        hub.inject(topic, payload, retain)
 
 
 def share_plan(cfg: RunConfig) -> ExecutionPlan:
@@ -114,9 +124,9 @@ class CellShare:
         if self.clock.enabled:
             agent.compute_delay = self.clock.compute_delay
 
-    def _tap(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
+    def _tap(self, topic: str, payload: bytes | Segments, retain: bool, sender: str) -> None:
         if not topic.startswith(self.local):
-            self.out.append((topic, bytes(payload), retain))
+            self.out.append((topic, bytes(payload), retain, sender))
 
     def answer(self, conn: Any) -> None:
         """Run what is due now; send what was published for the cloud, and when this process's next timer fires."""
@@ -157,8 +167,7 @@ class CellShare:
             if header.get("stop"):
                 break
             self.loop.advance(float(header["at"]))
-            for topic, payload, retain in frame_messages(header, body):
-                self.hub.inject(topic, payload, retain)
+            deliver(self.hub, frame_messages(header, body))
             self.answer(conn)
         records = {c: cell.records for c, cell in self.cells.items()}
         traffic = self.agents.traffic()

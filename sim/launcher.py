@@ -25,7 +25,8 @@ from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan, idle_settings
 from protocols.heap import keep_freed_memory, setup_frozen
-from protocols.transport.memory import MemoryHub, VirtualLoop
+from protocols.transport.memory import MemoryHub
+from protocols.transport.virtual_loop import CELLS, MAIN, VirtualLoop
 from protocols.wire.keys import with_run_keys
 
 from .attack import attacked, byzantine_devices
@@ -44,7 +45,7 @@ from .hierarchy import (
 )
 from .onnx_devices import onnx_trainers
 from .population import Population
-from .sim_cells import build_sim_cells, device_samples
+from .sim_cells import CLOUD, build_sim_cells, device_samples, loop_sides
 
 if TYPE_CHECKING:
     from cloud.server import CloudServer
@@ -223,7 +224,7 @@ def build_sim_cloud(
     ds = prep.dataset
     return build_cloud(
         cfg,
-        hub.connect("cloud"),
+        hub.connect(CLOUD),
         algorithm,
         evaluator=make_evaluator(prep.spec, ds.x_test, ds.y_test, cfg.runtime.device, eval_threads(cfg)),
         output_dir=output_dir,
@@ -278,8 +279,11 @@ class SimHierarchy:
         self.output_dir = fresh_output(cfg, resume) if write_output else None
         self.algorithm = algorithm = cfg.build_algorithm(spec)
         self.clock = clock = sim_clock(cfg, prep)
-        self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
+        sides = None if cfg.runtime.cell_processes else loop_sides(cfg, algorithm)  # turns, as cell processes take
+        self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None, side_of=sides)
         self.cloud = self._build_cloud(on_round, resume)
+        if resumed_at := self._resumed_clock():  # a resumed run goes on from its virtual time: its cells start there
+            loop.start_at(resumed_at)
         self.split = self._start_split(prepared is not None)  # runtime.cell_processes: the cells elsewhere
         self.cells = {} if self.split else build_sim_cells(cfg, hub, algorithm, prep.device_data, self.output_dir)
         trainer = TorchTrainer.from_spec(
@@ -338,11 +342,11 @@ class SimHierarchy:
                 self.split.close()
 
     def _run(self) -> RunResult:
-        if clock := self._resumed_clock():  # a resumed run: its virtual time goes on from there
-            self.hub.loop.start_at(clock)
-        for cell in self.cells.values():
-            cell.start()
-        self.agents.start()
+        # what they start is on the cells' side of a loop that has one (as in a cell process)
+        with self.hub.loop.acting(CELLS if self.hub.side_of is not None else MAIN):
+            for cell in self.cells.values():
+                cell.start()
+            self.agents.start()
         if self.split is not None:
             self.split.start()
         self.hub.loop.run()  # deliver the birth records before the first round

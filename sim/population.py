@@ -31,6 +31,9 @@ from protocols.wire.envelope import Segments
 
 TRAFFIC = ("bytes_in", "bytes_out", "tasks")
 
+LISTENER = "population"
+"""The client id of a population's listener on the hub (its first tasks, the manifests)."""
+
 
 class Population(Mapping[str, DeviceAgent]):
     """Every device of the topology by id; an agent exists only while its device is needed.
@@ -57,7 +60,7 @@ class Population(Mapping[str, DeviceAgent]):
         self._traffic: dict[str, dict[str, int]] = {}  # of dropped agents
         self._started = False
         self._announced: set[str] = set()
-        self._listener = hub.connect("population")
+        self._listener = hub.connect(LISTENER)
         self._listener.subscribe(topics.device_task(self.run, "+", "+"), self._on_task, segments=True)
         self._listener.subscribe(topics.round_manifest(self.run), lambda _t, _d: self.drop_idle())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,22 @@ import pytest
 from protocols import runfiles
 from protocols.config import ConfigError
 from protocols.execution import execution_plan, idle_settings
-from protocols.transport.memory import VirtualLoop
+from protocols.transport.memory import MemoryHub
+from protocols.transport.virtual_loop import CELLS, MAIN, VirtualLoop
 from sim.cell_processes import CellProcessError, plan_line
-from sim.cell_share import CellShare, share_plan
+from sim.cell_share import CellShare, deliver, share_plan
 from sim.launcher import SimHierarchy, run_simulation
 from tests.conftest import WALL, same_run
+
+STRAGGLERS = {  # a virtual clock whose devices run at seeded speeds a factor e^N(0, 1) apart
+    "device_steps_per_s": 10.0,
+    "device_speed_spread": 1.0,
+    "downlink_bytes_per_s": 2e5,
+    "uplink_bytes_per_s": 5e4,
+    "backhaul_bytes_per_s": 1e6,
+    "latency_s": 0.01,
+}
+FEDBUFF = {"mode": "async", "async_buffer": 2, "async_cloud_buffer": 2, "edge_rounds": 1, "local_steps": 5}
 
 
 def _log_lines(out: Path | None) -> list[str]:
@@ -37,18 +49,18 @@ def _log_lines(out: Path | None) -> list[str]:
             "run": {"rounds": 2},
             "algorithm": {"name": "hist", "edge_rounds": 2, "local_steps": 5, "batch_size": 16, "lr": 0.1},
             "topology": {"cells": 3, "devices_per_cell": 2},
-            "clock": {
-                "device_steps_per_s": 10.0,
-                "device_speed_spread": 1.0,
-                "downlink_bytes_per_s": 2e5,
-                "uplink_bytes_per_s": 5e4,
-                "backhaul_bytes_per_s": 1e6,
-                "latency_s": 0.01,
-            },
+            "clock": STRAGGLERS,
             "runtime": {"device_deadline": 0.6},
         },
+        {  # FedBuff, every device as fast: the 3 cells push at the same instants (c0 and c2 from one process, c1
+            # from the other); a version takes two pushes, the third goes into the next (versions interleave)
+            "run": {"rounds": 4},
+            "algorithm": FEDBUFF,
+            "topology": {"cells": 3, "devices_per_cell": 2},
+            "clock": {**STRAGGLERS, "device_speed_spread": 0.0},
+        },
     ],
-    ids=["fedavg", "hist-clock"],
+    ids=["fedavg", "hist-clock", "fedbuff-ties"],
 )
 def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     make_config, tmp_path: Path, sections: dict[str, Any], caplog: pytest.LogCaptureFixture
@@ -61,7 +73,11 @@ def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     same_run(one, split)
     logged = [_log_lines(r.output_dir) for r in (one, split)]  # the main process writes the cells' log
     assert logged[0] == logged[1] and len(logged[0]) == len(one.cell_records)
-    if "clock" in sections:  # some devices were late, and the cells moved on at their deadlines
+    if sections.get("algorithm") is FEDBUFF:  # pushes of the three cells at one instant; some from older versions
+        pushed_at = [r["clock_end_s"] for r in one.cell_records if r["edge_round"] == 1]
+        assert len(pushed_at) == 3 and len(set(pushed_at)) == 1, pushed_at
+        assert max(r["metrics"]["staleness_max"] for r in one.history) >= 1
+    elif "clock" in sections:  # some devices were late, and the cells moved on at their deadlines
         assert [d for r in one.cell_records for d, why in r["absent"].items() if why == "deadline"]
         assert split.history[-1]["clock_s"] > 1.0
     else:
@@ -110,6 +126,21 @@ def test_a_resumed_run_in_cell_processes_ends_as_the_uninterrupted_run(make_conf
     assert strip(resumed.cell_records) == strip([r for r in straight.cell_records if r["round"] >= 2])
 
 
+def test_a_resumed_async_run_in_cell_processes_is_the_resumed_run_of_one_process(make_config, tmp_path: Path):
+    """FedBuff with stragglers stopped after 2 versions (its push journal holds what it took since), resumed to 4:
+    in cell processes as in one process (the cells start afresh either way, and are sent the current version)."""
+    sections = {"algorithm": FEDBUFF, "topology": {"cells": 3, "devices_per_cell": 2}, "clock": STRAGGLERS}
+    run_simulation(make_config(run={"rounds": 2, "output": str(tmp_path / "one")}, **sections))
+    shutil.copytree(tmp_path / "one", tmp_path / "split")
+    one = run_simulation(make_config(run={"rounds": 4, "output": str(tmp_path / "one")}, **sections), resume=True)
+    split = run_simulation(
+        make_config(run={"rounds": 4, "output": str(tmp_path / "split")}, runtime={"cell_processes": 2}, **sections),
+        resume=True,
+    )
+    assert [r["round"] for r in split.history] == [2, 3] and split.history[0]["clock_start_s"] > 0
+    same_run(one, split)
+
+
 def test_unsupported_settings_are_refused_naming_them(make_config):
     cfg = make_config(runtime={"cell_processes": 3, "sim_workers": 1})
     with pytest.raises(ConfigError) as err:
@@ -117,9 +148,11 @@ def test_unsupported_settings_are_refused_naming_them(make_config):
     message = str(err.value)
     for what in ("more processes than cells (2)", "runtime.sim_workers"):
         assert what in message
-    asynchronous = make_config(algorithm={"mode": "async", "async_buffer": 2}, runtime={"cell_processes": 2})
-    with pytest.raises(ConfigError, match="asynchronous"):
-        SimHierarchy(asynchronous, write_output=False)
+    untimed = make_config(algorithm={"mode": "async", "async_buffer": 2}, runtime={"cell_processes": 2})
+    with pytest.raises(
+        ConfigError, match=r"asynchronous algorithm whose devices train in no virtual time \(set \[clock"
+    ):
+        SimHierarchy(untimed, write_output=False)
 
 
 @pytest.mark.parametrize(
@@ -156,6 +189,32 @@ def test_a_loop_runs_what_is_due_now_and_moves_only_when_told():
     loop.advance(2.0)
     loop.run_due()
     assert seen[-1] == ("later", 2.0) and loop.next_timer() is None
+
+
+def test_messages_crossing_at_one_instant_arrive_by_sender_and_the_clouds_timers_fire_first():
+    """The order both a one-process run (the loop's sides) and cell processes (``deliver``) give what crosses between
+    the cloud's side and the cells' at one virtual instant: by sender, each sender's in the order it sent them;
+    at one instant the cloud's timers fire before the cells'. Set up against it: cell.b's timer set first, then the
+    cloud's, then cell.a's, all due at 1 s; their pushes arrive together at 1.5 s."""
+    loop, seen = VirtualLoop(), []
+    hub = MemoryHub(loop, link_delay=lambda _t, _n: 0.5, side_of=lambda client: CELLS if "cell." in client else MAIN)
+    hub.connect("cloud").subscribe("up/+", lambda _t, data: seen.append((loop.now(), bytes(data))))
+    b, a = hub.connect("cell.b"), hub.connect("cell.a")
+    with loop.acting(CELLS):
+        loop.call_later(1.0, lambda: [b.publish("up/b", x) for x in (b"b1", b"b2")])
+    loop.call_later(1.0, lambda: seen.append((loop.now(), b"cloud timer")))
+    with loop.acting(CELLS):
+        loop.call_later(1.0, lambda: a.publish("up/a", b"a1"))
+    loop.run()
+    assert seen == [(1.0, b"cloud timer"), (1.5, b"a1"), (1.5, b"b1"), (1.5, b"b2")]
+    # the main process delivers the processes' answers (c2's from process 0, then c1's) in the same order
+    main, got = MemoryHub(), []
+    main.connect("cloud").subscribe("up/+", lambda topic, _d: got.append(topic))
+    deliver(
+        main, [("up/c2", b"", False, "cell.c2"), ("up/c1", b"1", False, "cell.c1"), ("up/c1", b"2", False, "cell.c1")]
+    )
+    main.loop.run()
+    assert got == ["up/c1", "up/c1", "up/c2"]
 
 
 def test_the_gpu_benchmark_names_its_cell_process_sides():

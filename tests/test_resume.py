@@ -343,7 +343,7 @@ def test_a_restarted_cell_takes_the_results_its_devices_sent_before_it_reopened_
 
     queued: list[tuple[str, Any]] = []  # what the broker holds for c0's session while it is down
 
-    def tap(topic: str, payload: Any, retain: bool) -> None:
+    def tap(topic: str, payload: Any, retain: bool, _sender: str) -> None:
         if first.transport.closed and topic.startswith("fedtier/t/cell/c0/up/") and len(queued) < 3:
             queued.append((topic, payload))
             if len(queued) == 3:  # every device answered the dead cell: it comes back, and gets them

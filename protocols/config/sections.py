@@ -310,10 +310,10 @@ class RuntimeSection(Section):
         description="fedtier sim: processes that each run a fixed share of the cells with their devices (and their "
         "training), the cloud staying in the main process; cloud-cell messages cross as their encoded bytes, and "
         "virtual time moves only when every process has nothing left to do before it, so the model, records and "
-        "byte counts are those of one process (a warning says when a cloud timer and a cell's fall at one virtual "
-        "time, where they may not be). Each process loads the whole data set (as the main process does) and trains "
-        "its cohorts with its share of cohort_threads (cell_process_threads). Synchronous algorithms without "
-        "sim_workers or onnx_devices; 0: one process",
+        "byte counts are those of one process (what crosses at one virtual instant arrives in sender order either "
+        "way). Each process loads the whole data set (as the main process does) and trains its cohorts with its "
+        "share of cohort_threads (cell_process_threads). Not with sim_workers or onnx_devices, nor an asynchronous "
+        "algorithm without [clock] device_steps_per_s; 0: one process",
     )
     cell_process_threads: int | None = Field(
         default=None,

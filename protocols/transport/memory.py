@@ -1,164 +1,48 @@
-"""In-memory transport: a deterministic broker and a virtual clock in one thread.
+"""In-memory transport: a deterministic broker on a virtual clock in one thread (the loop:
+``protocols/transport/virtual_loop.py``).
 
 Every publish is delivered after the current handler returns, in publish order, to subscribers in
 subscription order; timers fire in (time, creation) order once nothing else is queued. The same
 seed therefore gives the same interleaving every time, and a simulated deadline costs no real time.
 
-Work done outside the loop (device training in worker processes, ``sim/executors.py``) is registered
-with :meth:`VirtualLoop.hold`: while any is unfinished the clock does not advance (timers due now
-still fire), and the loop blocks until the oldest one completes. Completions run in the order the
-work was registered, so the run does not depend on which worker finishes first.
+A simulation declares its nodes' sides (:attr:`MemoryHub.side_of`): the loop then runs the cloud's side and the
+cells' in turns at each virtual instant, and a message between them crosses at the turn, among the others in the
+order of their senders: the order a simulation split across processes follows (``sim/cell_processes.py``), so it
+is the same run either way.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import threading
-from collections import deque
 from collections.abc import Callable
 from typing import TypeGuard
 
 from ..wire.envelope import Segments
 from ..wire.payload import Lent
-from .base import EventLoop, Handler, TimerHandle, Transport, Will, topic_matches
+from .base import Handler, Transport, Will, topic_matches
+from .virtual_loop import CELLS, MAIN, VirtualLoop
 
-
-class VirtualLoop(EventLoop):
-    """A single-threaded loop whose clock jumps to the next timer when there is nothing to do."""
-
-    def __init__(self) -> None:
-        self._now = 0.0
-        self._ready: deque[Callable[[], None]] = deque()
-        self._timers: list[TimerHandle] = []
-        self._seq = itertools.count()
-        self._held: deque[_Held] = deque()  # outstanding outside work, oldest first
-        self._done = threading.Condition()
-        self.on_idle: Callable[[], None] | None = None
-        """Called when the loop would wait for outside work: nothing ready, no timer due now (the
-        cohort engine trains its queued devices then, ``edge_agent/cohort.py``)."""
-
-    def now(self) -> float:
-        return self._now
-
-    def start_at(self, t: float) -> None:
-        """Move the clock, before anything ran, to ``t`` (a resumed run goes on from its virtual time); the timers
-        already set move with it."""
-        shift = t - self._now
-        self._now = t
-        for handle in self._timers:
-            handle.when += shift
-
-    def post(self, fn: Callable[[], None]) -> None:
-        self._ready.append(fn)
-
-    def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
-        handle = TimerHandle(self._now + max(0.0, delay), next(self._seq), fn)
-        heapq.heappush(self._timers, handle)
-        return handle
-
-    def hold(self) -> Callable[[Callable[[], None]], None]:
-        """Register work done outside the loop; returns ``complete(fn)``, callable from any thread
-        once, which makes ``fn`` run on the loop (after earlier registered work completed)."""
-        held = _Held()
-        self._held.append(held)
-
-        def complete(fn: Callable[[], None]) -> None:
-            with self._done:
-                held.fn = fn
-                self._done.notify_all()
-
-        return complete
-
-    @property
-    def outstanding(self) -> int:
-        """Registered outside work not yet completed on the loop."""
-        return len(self._held)
-
-    def step(self) -> bool:
-        """Run one queued call or the next timer; False when nothing is left.
-
-        With outside work outstanding, only timers due now fire; otherwise the loop waits for the
-        oldest work and runs its completion."""
-        if self._ready:
-            self._ready.popleft()()
-            return True
-        if self._held:
-            while self._timers and self._timers[0].cancelled:
-                heapq.heappop(self._timers)
-            if self._timers and self._timers[0].when <= self._now:
-                heapq.heappop(self._timers).fn()
-                return True
-            held = self._held[0]
-            if held.fn is None and self.on_idle is not None:
-                self.on_idle()
-            with self._done:
-                while held.fn is None:
-                    self._done.wait(1.0)
-            self._held.popleft()
-            held.fn()
-            return True
-        while self._timers:
-            handle = heapq.heappop(self._timers)
-            if handle.cancelled:
-                continue
-            self._now = max(self._now, handle.when)
-            handle.fn()
-            return True
-        return False
-
-    def run_due(self, until: Callable[[], bool] | None = None) -> None:
-        """Run everything due at the current time (queued calls, outside work, timers due now) without moving the
-        clock, or until ``until()`` is true: one process of a simulation split across processes runs to the end
-        of the present before it trades messages with the others (``sim/cell_processes.py``)."""
-        while not (until and until()):
-            if not self._ready and not self._held:
-                next_at = self.next_timer()
-                if next_at is None or next_at > self._now:
-                    return
-            self.step()
-
-    def next_timer(self) -> float | None:
-        """When the next timer fires; ``None``: no timer is set."""
-        while self._timers and self._timers[0].cancelled:
-            heapq.heappop(self._timers)
-        return self._timers[0].when if self._timers else None
-
-    def advance(self, t: float) -> None:
-        """Move the clock to ``t`` (never back; no later than :meth:`next_timer`: the processes of a split
-        simulation move to the earliest timer of them all)."""
-        self._now = max(self._now, t)
-
-    def run(self, until: Callable[[], bool] | None = None, max_steps: int | None = None) -> None:
-        """Run until ``until()`` is true, nothing is left, or ``max_steps`` calls have run."""
-        steps = 0
-        while not (until and until()):
-            if max_steps is not None and steps >= max_steps:
-                return
-            if not self.step():
-                return
-            steps += 1
-
-
-class _Held:
-    """One piece of outside work: its completion, once known."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self) -> None:
-        self.fn: Callable[[], None] | None = None
+__all__ = ["CELLS", "MAIN", "MemoryHub", "MemoryTransport", "VirtualLoop", "frozen"]
 
 
 class _Sub:
     """One subscription; ``seq`` orders deliveries (subscription order, as one list would)."""
 
-    __slots__ = ("seq", "client_id", "pattern", "handler", "group", "segments")
+    __slots__ = ("seq", "client_id", "pattern", "handler", "group", "segments", "side")
 
     def __init__(
-        self, seq: int, client_id: str, pattern: str, handler: Handler, group: dict[int, _Sub], segments: bool
+        self,
+        seq: int,
+        client_id: str,
+        pattern: str,
+        handler: Handler,
+        group: dict[int, _Sub],
+        segments: bool,
+        side: int | None = MAIN,
     ) -> None:
         self.seq, self.client_id, self.pattern, self.handler, self.group = seq, client_id, pattern, handler, group
         self.segments = segments  # the handler takes a message as Segments (else it gets the joined bytes)
+        self.side = side  # its client's side of the loop (``None``: neither, it takes messages as they are sent)
 
 
 def _literal_key(pattern: str) -> tuple[int, str] | None:
@@ -182,11 +66,21 @@ class MemoryHub:
     and retained messages are indexed by parent topic (a ``prefix/+`` subscription reads only its
     own). Deliveries keep subscription order, and retained ones the order they were first retained."""
 
-    def __init__(self, loop: VirtualLoop | None = None, link_delay: Callable[[str, int], float] | None = None) -> None:
+    def __init__(
+        self,
+        loop: VirtualLoop | None = None,
+        link_delay: Callable[[str, int], float] | None = None,
+        side_of: Callable[[str], int | None] | None = None,
+    ) -> None:
         """``link_delay(topic, nbytes)``: virtual seconds a message takes to arrive (a network
-        model, see ``sim/clock.py``); without it every message arrives at once."""
+        model, see ``sim/clock.py``); without it every message arrives at once. ``side_of(client_id)``: the side of
+        the loop a client is on (:data:`MAIN`, :data:`CELLS`: ``sim.sim_cells.loop_sides``); a message from one side
+        to a client of the other crosses at its turn (:meth:`VirtualLoop.cross`). A client of neither (``None``: an
+        observer, a test's intruder) takes a message on the side it was sent from, at once, and what it sends is of
+        the side acting then. Without ``side_of``, one side."""
         self.loop = loop or VirtualLoop()
         self.link_delay = link_delay
+        self.side_of = side_of
         self._seq = itertools.count()
         self._exact: dict[str, dict[int, _Sub]] = {}  # topic -> its subscriptions by seq
         self._wild: dict[tuple[int, str], dict[int, _Sub]] = {}  # literal prefix -> wildcard subscriptions
@@ -195,8 +89,8 @@ class MemoryHub:
         self._retained: dict[str, bytes] = {}
         self._retained_under: dict[str, dict[str, None]] = {}  # parent topic -> its retained topics, in order
         self._clients: dict[str, MemoryTransport] = {}
-        self.tap: Callable[[str, bytes | Segments, bool], None] | None = None
-        """Sees each message published here ``(topic, payload, retain)``, not those :meth:`inject` brings: a
+        self.tap: Callable[[str, bytes | Segments, bool, str], None] | None = None
+        """Sees each message published here ``(topic, payload, retain, sender)``, not those :meth:`inject` brings: a
         simulation split across processes forwards what the others' nodes subscribe to (``sim/cell_processes.py``)."""
 
     def connect(self, client_id: str, will: Will | None = None) -> MemoryTransport:
@@ -233,29 +127,44 @@ class MemoryHub:
                 found.sort(key=lambda s: s.seq)
         return found
 
-    def _route(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
-        """A message published here: shown to the :attr:`tap`, then delivered (:meth:`inject`)."""
+    def _route(self, topic: str, payload: bytes | Segments, retain: bool, sender: str) -> None:
+        """A message ``sender`` published here: shown to the :attr:`tap`, then delivered (:meth:`inject`), to the
+        other side's clients when its turn comes."""
         if self.tap is not None:
-            self.tap(topic, payload, retain)
-        self.inject(topic, payload, retain)
+            self.tap(topic, payload, retain, sender)
+        if self.side_of is None:
+            self.inject(topic, payload, retain)
+            return
+        side = self.side_of(sender)
+        side = self.loop.acting_side if side is None else side
+        self.inject(topic, payload, retain, side)
+        other = MAIN if side == CELLS else CELLS
+        if any(sub.side == other for sub in self._matching(topic)):  # (retained once, here and now)
+            self.loop.cross(other, sender, lambda: self.inject(topic, payload, False, other, crossed=True))
 
-    def inject(self, topic: str, payload: bytes | Segments, retain: bool) -> None:
-        """Deliver ``payload`` to the subscriptions ``topic`` reaches; a message as :class:`Segments` to the handlers
-        that take them, else joined (once for all of them), as a retained message is."""
+    def inject(
+        self, topic: str, payload: bytes | Segments, retain: bool, side: int | None = None, crossed: bool = False
+    ) -> None:
+        """Deliver ``payload`` to the subscriptions ``topic`` reaches: with ``side``, only those of its clients and
+        of clients of neither side (not when it ``crossed`` to ``side``: they had it where it was sent), on ``side``;
+        a message as :class:`Segments` to the handlers that take them, else joined (once for all of them), as a
+        retained message is."""
         joined = payload if type(payload) is bytes else None
         if retain:
             joined = joined or bytes(payload)
             self._retain(topic, joined)
         delay = self.link_delay(topic, len(payload)) if self.link_delay is not None else 0.0
         for sub in self._matching(topic):
+            if side is not None and sub.side != side and (crossed or sub.side is not None):
+                continue
             if sub.segments or type(payload) is not Segments:
                 data: bytes | Segments = payload
             else:
                 data = joined = joined or bytes(payload)
             if delay > 0:
-                self.loop.call_later(delay, _bind(sub.handler, topic, data, self, sub.client_id))
+                self.loop.call_later(delay, _bind(sub.handler, topic, data, self, sub.client_id), side)
             else:
-                self.loop.post(_bind(sub.handler, topic, data, self, sub.client_id))
+                self.loop.post(_bind(sub.handler, topic, data, self, sub.client_id), side)
 
     def _retain(self, topic: str, payload: bytes) -> None:
         parent = topic.rpartition("/")[0]
@@ -282,11 +191,12 @@ class MemoryHub:
         self._routes.clear()
         key = _literal_key(pattern)
         group = self._exact.setdefault(pattern, {}) if key is None else self._wild.setdefault(key, {})
-        sub = _Sub(next(self._seq), client_id, pattern, handler, group, segments)
+        side = self.side_of(client_id) if self.side_of is not None else MAIN
+        sub = _Sub(next(self._seq), client_id, pattern, handler, group, segments, side)
         group[sub.seq] = sub
         self._by_client.setdefault(client_id, {})[sub.seq] = sub
         for topic in self._retained_for(pattern):
-            self.loop.post(_bind(handler, topic, self._retained[topic], self, client_id))
+            self.loop.post(_bind(handler, topic, self._retained[topic], self, client_id), side)
 
     def _unsubscribe(self, client_id: str, pattern: str | None = None) -> None:
         mine = self._by_client.get(client_id)
@@ -336,9 +246,9 @@ class MemoryTransport(Transport):
         an immutable shared payload), else a copy of it."""
         if self._open:
             if isinstance(payload, Segments):
-                self.hub._route(topic, payload, retain)
+                self.hub._route(topic, payload, retain, self.client_id)
             else:
-                self.hub._route(topic, payload if frozen(payload) else bytes(payload), retain)
+                self.hub._route(topic, payload if frozen(payload) else bytes(payload), retain, self.client_id)
 
     def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1, segments: bool = False) -> None:
         if self._open:
@@ -367,7 +277,7 @@ class MemoryTransport(Transport):
         if self._open:
             self._detach()
             if self._will is not None:
-                self.hub._route(self._will.topic, self._will.payload, self._will.retain)
+                self.hub._route(self._will.topic, self._will.payload, self._will.retain, self.client_id)
 
 
 def frozen(data: bytes | memoryview) -> TypeGuard[bytes]:
