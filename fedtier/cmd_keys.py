@@ -78,6 +78,9 @@ def keys(
     except ConfigError as exc:
         print_error(exc)
         raise SystemExit(2) from exc
+    except OSError as exc:  # --out under a file, read-only
+        print_error(f"--out {out_path}: cannot write it: {exc.strerror or exc}")
+        raise SystemExit(2) from exc
     names = ", ".join(list(chosen.private)[:6]) + (", ..." if len(chosen.private) > 6 else "")
     console.print(
         f"wrote {len(chosen.private)} private keys ({names}) and {len(chosen.public)} public keys to {path} (mode 600)"

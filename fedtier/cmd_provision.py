@@ -191,6 +191,8 @@ def create(
     from .provisioning import provision as write
 
     cfg = load_deployment_or_exit(config, overrides)
+    if brokers == "per-cell" and cell_port + cfg.topology.cells - 1 > 65535:
+        fail(f"--cell-port {cell_port}: the last of {cfg.topology.cells} cell brokers would listen past port 65535", 2)
     try:
         bound = max_device_samples or cfg.security.max_device_weight or partition_bound(cfg)
         done = write(
@@ -211,6 +213,8 @@ def create(
         )
     except ConfigError as exc:
         fail(str(exc), 2)
+    except OSError as exc:  # --out under a file, read-only, full
+        fail(f"--out {out_dir}: cannot write {exc.filename or 'it'}: {exc.strerror or exc}", 2)
     for warning in done.warnings:
         print_error(warning, "warning", "yellow")
     console.print(

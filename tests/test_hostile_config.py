@@ -247,7 +247,7 @@ FLAGS = [  # a command's flags, each refused by click before the command does an
     ("provision", ["{cfg}", "--out", "{out}", "--max-chunk", "1"], "--max-chunk"),
     ("provision", ["{cfg}", "--out", "{out}", "--max-device-samples", "nan"], "--max-device-samples"),
     ("run", ["{cfg}", "--workers", "1000000"], "--workers"),
-    ("renew", ["{out}", "--days", "1000000000"], "--days"),
+    ("renew", ["--out", "{out}", "--days", "1000000000"], "--days"),
 ]
 
 
@@ -268,6 +268,15 @@ def test_a_run_folder_that_cannot_be_made_or_a_broker_flag_that_cannot_work_exit
     assert res.exit_code == 2 and "run.output: cannot use" in " ".join(res.output.split()), res.output
     res = CliRunner().invoke(main, ["cell", str(cfg), "--cell", "c0", "--insecure", "--broker", "mqtt://h:99999"])
     assert res.exit_code == 2 and "--broker: broker url 'mqtt://h:99999' has an invalid port" in res.output
+    under_a_file = str(tmp_path / "file" / "x")  # each was a FileExistsError / NotADirectoryError traceback
+    for command in (["keys", str(cfg)], ["provision", str(cfg), "--max-device-samples", "10"]):
+        res = CliRunner().invoke(main, [*command, "--out", under_a_file])
+        assert res.exit_code == 2 and f"--out {under_a_file}: cannot write" in " ".join(res.output.split())
+    ports = ["--brokers", "per-cell", "--cell-port", "65535", "--max-device-samples", "10", "--set", "topology.cells=2"]
+    res = CliRunner().invoke(main, ["provision", str(cfg), "--out", str(tmp_path / "p"), *ports])
+    assert res.exit_code == 2 and "the last of 2 cell brokers would listen past port 65535" in " ".join(
+        res.output.split()
+    )
 
 
 def test_more_local_processes_than_a_hundred_a_core_are_refused_before_one_starts(monkeypatch):
