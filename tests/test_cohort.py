@@ -4,6 +4,7 @@ device, the per-device engine's results within float tolerance, with the same me
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from protocols.cohort_trainer import CohortEngine
 from protocols.config import ConfigError
 from protocols.wire.payload import Payload
 from sim.launcher import RunResult, SimHierarchy
+from tests.conftest import while_workers_start
 
 RTOL, ATOL = 1e-4, 1e-6
 
@@ -32,9 +34,16 @@ def datasets_has_mnist() -> bool:
 WALL = ("time", "duration_s")
 
 
-def _run(cfg) -> tuple[RunResult, dict[tuple[str, int, int], Payload], SimHierarchy]:
+Recorded = tuple[RunResult, dict[tuple[str, int, int], Payload], SimHierarchy]
+
+
+def _run(cfg) -> Recorded:
     """Run ``cfg``; also return every device's result payload by (device, round, edge round)."""
-    sim = SimHierarchy(cfg, write_output=False)
+    return _recording(SimHierarchy(cfg, write_output=False))()
+
+
+def _recording(sim: SimHierarchy) -> Callable[[], Recorded]:
+    """What runs ``sim`` (built, not yet run) as :func:`_run` does."""
     results: dict[tuple[str, int, int], Payload] = {}
     for agent in sim.agents.values():
         send = agent._send_result
@@ -44,7 +53,7 @@ def _run(cfg) -> tuple[RunResult, dict[tuple[str, int, int], Payload], SimHierar
             send(result, round, edge_round)
 
         agent._send_result = record
-    return sim.run(), results, sim
+    return lambda: (sim.run(), results, sim)
 
 
 def _pair(make_config, **sections: dict[str, Any]):
@@ -218,8 +227,11 @@ def test_cohorts_in_worker_processes(make_config):
         algorithm={"local_steps": 0, "local_epochs": 1.0, "batch_size": 32, "edge_rounds": 1},
         data={"partition": "dirichlet", "alpha": 0.3},
     )
-    device = _run(make_config(**sections))
-    cohort = _run(make_config(runtime={"engine": "cohort", "sim_workers": 2, "cohort_size": 2}, **sections))
+    workers = SimHierarchy(
+        make_config(runtime={"engine": "cohort", "sim_workers": 2, "cohort_size": 2}, **sections), write_output=False
+    )
+    device = while_workers_start(workers, lambda: _run(make_config(**sections)))
+    cohort = _recording(workers)()
     executor = cohort[2].executor
     assert isinstance(executor, ProcessExecutor) and executor.largest_batch == 3  # 5 devices over 2 workers
     assert all(not p.is_alive() for p in executor.procs)

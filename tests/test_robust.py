@@ -15,6 +15,7 @@ from protocols.config import ConfigError, parse_config
 from protocols.wire.payload import Payload
 from sim.attack import byzantine_devices
 from sim.launcher import SimHierarchy, run_simulation
+from tests.conftest import while_workers_start
 
 
 def _items(n: int = 7, outliers: tuple[int, ...] = (), seed: int = 0):
@@ -234,8 +235,9 @@ def test_byzantine_devices_are_the_same_in_sim_workers():
         "topology": {"cells": 1, "devices_per_cell": 5},
     }
     cfg["algorithm"] = {**cfg["algorithm"], "local_steps": 3}
-    inline = run_simulation(parse_config(cfg), write_output=False)
-    workers = run_simulation(parse_config({**cfg, "runtime": {"sim_workers": 1}}), write_output=False)
+    sim = SimHierarchy(parse_config({**cfg, "runtime": {"sim_workers": 1}}), write_output=False)
+    inline = while_workers_start(sim, lambda: run_simulation(parse_config(cfg), write_output=False))
+    workers = sim.run()
     assert all(inline.params[k].tobytes() == workers.params[k].tobytes() for k in inline.params)
     assert [r.get("excluded") for r in inline.cell_records] == [r.get("excluded") for r in workers.cell_records]
     assert all(r["rejected"] == [] for r in workers.cell_records)
