@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from protocols import runfiles
@@ -208,19 +209,27 @@ class TelemetryFeed:
         self._revoked: dict[str, str] = {}  # node -> why, from the newest signed roster
         self._roster_version: int | None = None  # of the newest roster taken
         self._jobs: list[dict] | None = None  # the cloud's newest (signed) job list not yet polled
-        self.received = 0
+        self.received = 0  # telemetry records
+        self.heard = 0  # messages of every kind (records, statuses, states, job lists, rosters): --once waits for quiet
 
     def start(self) -> TelemetryFeed:
-        self.transport.subscribe(topics.telemetry_all(self.run), self._on_record, qos=0)
-        self.transport.subscribe(topics.statuses(self.run), self._on_status)
-        self.transport.subscribe(topics.device_statuses(self.run), self._on_status)
-        self.transport.subscribe(topics.states(self.run), self._on_state)  # retained: a stall shows at once
-        self.transport.subscribe(topics.job_list(self.run), self._on_jobs)  # retained: a job ended before we came
+        self._subscribe(topics.telemetry_all(self.run), self._on_record, qos=0)
+        self._subscribe(topics.statuses(self.run), self._on_status)
+        self._subscribe(topics.device_statuses(self.run), self._on_status)
+        self._subscribe(topics.states(self.run), self._on_state)  # retained: a stall shows at once
+        self._subscribe(topics.job_list(self.run), self._on_jobs)  # retained: a job ended before we came
         if self.keys is not None:
             from protocols.roster import roster_topic
 
-            self.transport.subscribe(roster_topic(self.run), self._on_roster)
+            self._subscribe(roster_topic(self.run), self._on_roster)
         return self
+
+    def _subscribe(self, pattern: str, handler: Callable[[str, bytes], None], qos: int = 1) -> None:
+        def heard(topic: str, data: bytes) -> None:
+            self.heard += 1  # (one reader thread: the transport's)
+            handler(topic, data)
+
+        self.transport.subscribe(pattern, heard, qos=qos)
 
     def _on_roster(self, topic: str, data: bytes) -> None:
         """The cloud's signed roster (newer than the last taken): its revoked nodes; another is a bad record."""
@@ -320,12 +329,14 @@ class TelemetryFeed:
 
 
 def wait_quiet(feed: TelemetryFeed, quiet: float, timeout: float) -> None:
-    """Block until telemetry came and then none for ``quiet`` seconds, or ``timeout`` passed (``--once``)."""
+    """Block until telemetry came and then none for ``quiet`` seconds, or ``timeout`` passed (``--once``). Retained
+    statuses and states count: a monitor of a stalled or idle run (no records flowing) drew its frame only after
+    ``timeout`` (3 s by default), not once they had come."""
     end = time.monotonic() + timeout
-    last, seen = time.monotonic(), feed.received
+    last, seen = time.monotonic(), feed.heard
     while time.monotonic() < end:
         time.sleep(min(0.05, quiet))
-        if feed.received != seen:
-            last, seen = time.monotonic(), feed.received
+        if feed.heard != seen:
+            last, seen = time.monotonic(), feed.heard
         elif seen and time.monotonic() - last >= quiet:
             return

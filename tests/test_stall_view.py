@@ -89,7 +89,8 @@ def test_fedtier_monitor_started_mid_stall_over_mqtt_flags_it(tmp_path: Path) ->
             _on_loop(loop, cloud.start)
             assert wait_until(lambda: bool(cell.planned) and cell._timer is not None, 30)
             _on_loop(loop, lambda: loop.cancel(cell._timer))  # the hang: nothing will close this edge round
-            time.sleep(1.0)
+            # no sleep for the edge round to outlast its 0.5 s deadline: --once draws its frame only once the
+            # retained states went quiet for 1 s (min(1, --wait)), so the round is > 1 s old by then
             shown = CliRunner().invoke(  # the command in this process: no Python process to start
                 main, ["monitor", "--broker", broker.url, "--run", "stall", "--once", "--wait", "3", "--width", "220"]
             )
