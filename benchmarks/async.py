@@ -15,6 +15,10 @@ weight 1/sqrt(1+s). The headline is async's time to the target over the best syn
 untuned one's).
 
     .venv/bin/python benchmarks/async.py [--quick] [--rounds 15] [--spread 1.0] [--deadlines 6,3,2] [--quorums 1,0.75]
+
+``--cell-processes N`` instead times the async setting alone (``--versions``, default 40) in one process and with
+``runtime.cell_processes = N``, alternated ``--repeat`` times: the main process's CPU a cloud version (between the
+first version and the last: start-up apart), the wall time, and whether the two final models are the same bits.
 """
 
 from __future__ import annotations
@@ -109,6 +113,33 @@ def timed_run(
     }
 
 
+def split_cpu(a: argparse.Namespace) -> None:
+    """``--cell-processes``: the async setting in one process vs in ``a.cell_processes`` cell processes, alternated."""
+    import numpy as np
+
+    versions = a.versions or 40
+    finals: dict[int, list[bytes]] = {}
+    for _ in range(a.repeat):
+        for n in (0, a.cell_processes):
+            cfg = config("async", versions, a)
+            cfg["runtime"]["cell_processes"] = n
+            sim = SimHierarchy(parse_config(cfg), write_output=False)
+            cpu: list[float] = []
+            sim.cloud.on_round = lambda _rec, cpu=cpu: cpu.append(time.process_time())
+            t0 = time.perf_counter()
+            result = sim.run()
+            wall = time.perf_counter() - t0
+            per = (cpu[-1] - cpu[0]) / (len(cpu) - 1)
+            finals.setdefault(n, []).append(b"".join(np.ascontiguousarray(v).tobytes() for v in result.params.values()))
+            print(
+                f"cell_processes {n}: {len(cpu)} versions, main-process CPU {per * 1000:.1f} ms a version, "
+                f"{wall:.1f} s wall, final accuracy {result.final_accuracy:.4f}",
+                flush=True,
+            )
+    same = len({f for runs in finals.values() for f in runs}) == 1
+    print(f"final models the same bits in every run: {'yes' if same else 'NO'}")
+
+
 def _fmt(t: float | None) -> str:
     return f"{t:.1f}" if t is not None else "never"
 
@@ -139,10 +170,15 @@ def main() -> None:
     ap.add_argument("--dataset", default="mnist")
     ap.add_argument("--max-train", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cell-processes", type=int, default=0, help="time async alone: 1 process vs N cell processes")
+    ap.add_argument("--repeat", type=int, default=3, help="--cell-processes: alternations")
     a = ap.parse_args()
     from benchmarks.calibration import calibration_line
 
     print(calibration_line(), flush=True)  # how fast this machine is, beside the figures below
+    if a.cell_processes:
+        split_cpu(a)
+        return
     if a.quick:
         a.devices, a.cells, a.rounds, a.max_train = 40, 4, 5, 8000
     deadlines = [float(x) for x in a.deadlines.split(",")]
