@@ -59,7 +59,7 @@ from .executors import set_torch_threads
 from .hierarchy import Prepared, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .launcher import RunResult, cell_bounds, device_samples, warn_idle_settings, write_final
 from .local_federation import LocalFederation, federation_bundle, job_text
-from .onnx_devices import export_onnx, with_onnx_model
+from .onnx_devices import export_onnx, refuse_own_onnx_model, with_onnx_model
 
 __all__ = ["Emulation", "Faults", "agent_workers", "raise_fd_limit", "run_emulation", "worker_groups"]
 
@@ -106,6 +106,7 @@ class Emulation:
         resume: bool = False,
         metrics: Any = None,
     ) -> None:
+        refuse_own_onnx_model(cfg)
         if cfg.runtime.onnx_devices:  # forward-only agents load the run's x_0 from RUN_DIR/model.onnx
             cfg = with_onnx_model(cfg)
         if workers is not None and workers < 1:

@@ -43,7 +43,7 @@ from .hierarchy import (
     make_evaluator,
     prepare,
 )
-from .onnx_devices import onnx_trainers
+from .onnx_devices import onnx_trainers, refuse_own_onnx_model
 from .population import Population
 from .sim_cells import CLOUD, build_sim_cells, device_samples, loop_sides
 
@@ -395,6 +395,7 @@ def run_simulation(
     """Run ``cfg`` in memory and return the result; writes the run files unless ``write_output`` is off.
     Simulated devices have this machine's capabilities: a job whose ``[requirements]`` they miss is refused."""
     check_requirements(cfg)
+    refuse_own_onnx_model(cfg)
     keep_freed_memory()  # every round frames a model-sized task per device: reuse the memory, not re-fault it
     hierarchy = SimHierarchy(cfg, on_round=on_round, write_output=write_output, resume=resume)
     with setup_frozen():  # the garbage collector does not scan the setup again every few rounds

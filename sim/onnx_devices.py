@@ -42,6 +42,16 @@ def with_onnx_model(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"onnx_model": path})})
 
 
+def refuse_own_onnx_model(cfg: RunConfig) -> None:
+    """``fedtier sim`` and ``run`` export the run's model for their forward-only devices themselves: a
+    ``runtime.onnx_model`` of the config would be silently replaced (or unused), so it is refused."""
+    if cfg.runtime.onnx_model:
+        raise ConfigError(
+            f"runtime.onnx_model = {cfg.runtime.onnx_model!r}: fedtier sim and run export the run's own model "
+            f"(RUN_DIR/{ONNX_MODEL}) for runtime.onnx_devices; the key is for fedtier agent --backend onnx"
+        )
+
+
 def check_onnx_devices(cfg: RunConfig) -> None:
     unknown = sorted(d for d in set(cfg.runtime.onnx_devices) if cfg.topology.cell_of(d) is None)
     if unknown:

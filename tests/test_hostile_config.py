@@ -207,6 +207,7 @@ n = 40
         ("runtime.cohort_threads=1000000", "runtime.cohort_threads"),
         ("data.n=1000000000000", "synthetic dataset: n = 1,000,000,000,000"),
         ("model.hidden=[1000000000, 1000000000]", "model: mlp has"),
+        ('runtime.onnx_model="/x.onnx"', "runtime.onnx_model = '/x.onnx': fedtier sim and run export"),  # was ignored
     ],
 )
 def test_fedtier_sim_refuses_hostile_overrides_with_exit_2_and_no_traceback(tmp_path, override, says):
