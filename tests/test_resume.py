@@ -438,8 +438,9 @@ class Deployment:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
 
-    def device_online(self, device: str) -> bool:
-        """The device's retained status on the broker says online."""
+    def wait_online(self, device: str, timeout: float = 90.0) -> None:
+        """Wait until the device's retained status on the broker says online (one subscription, watched as the
+        records come: not a fresh connection a poll, each waiting 2 s for a record that is not there yet)."""
         cell = self.cfg.topology.cell_of(device)
         topic = topics.device_status(self.cfg.run.name, cell, device)
         seen: list[bytes] = []
@@ -448,13 +449,11 @@ class Deployment:
         try:
             watcher.subscribe(topic, lambda t, data: seen.append(data))
             watcher.connect().wait_subscribed()
-            deadline = time.monotonic() + 2.0
-            while not seen and time.monotonic() < deadline:
-                time.sleep(0.02)
+            online = lambda: any((decode_status(d, topic) or {}).get("state") == "online" for d in list(seen))  # noqa: E731
+            wait_for(f"agent {device} online", online, timeout)
         finally:
             watcher.close()
             loop.stop()
-        return any((decode_status(d, topic) or {}).get("state") == "online" for d in seen)
 
     def signal(self, name: str, sig: int) -> None:
         self.procs[name].send_signal(sig)
@@ -528,7 +527,7 @@ def kill_cell_then_cloud(dep: Deployment, kill_cloud: bool) -> Killed:
         stack.callback(dep.close)
         dep.start("c0-d1")
         expected = uninterrupted(dep)  # while c0-d1 starts up (a process of its own, on the other core)
-        wait_for("agent c0-d1 online", lambda: dep.device_online("c0-d1"))
+        dep.wait_online("c0-d1")
         dep.signal("c0-d1", signal.SIGSTOP)
         dep.start_all_but("c0-d1")
         wait_for(
