@@ -5,24 +5,26 @@ setting, not the untuned one. A tiny federation (8 devices, digits) runs the who
 from __future__ import annotations
 
 import re
-import subprocess
+import runpy
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_async_benchmark_tunes_sync_and_compares_with_the_best_setting() -> None:
+def test_async_benchmark_tunes_sync_and_compares_with_the_best_setting(monkeypatch, capsys) -> None:
+    """The script as its command line runs it (``__main__``), in this process: torch is imported already."""
     args = "--devices 8 --cells 2 --rounds 2 --deadlines 0,2 --quorums 1,0.5 --dataset digits --max-train 800"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "async.py"), *args.split(), "--max-rounds", "6"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    script = str(ROOT / "benchmarks" / "async.py")
+    monkeypatch.setattr(sys, "argv", [script, *args.split(), "--max-rounds", "6"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the script puts the repository first)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:  # (argparse's way out)
+        pytest.fail(f"benchmarks/async.py exited with {exc.code}: {capsys.readouterr().err[-3000:]}")
+    out = capsys.readouterr().out
     assert "calibration:" in out
     target = float(re.search(r"virtual s to ([0-9.]+) \|", out).group(1))
     rows = {}
