@@ -257,7 +257,8 @@ def test_a_lying_cell_over_mqtt_never_recovers_the_target_and_the_devices_log_wh
     from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
     from sim.emulation import Emulation
 
-    cfg = secure(tmp_path, runtime={"device_deadline": 8.0})
+    # the lie costs c0 one secagg phase deadline (the target's shares, the consensus): 1 s, not device_deadline / 4
+    cfg = secure(tmp_path, runtime={"device_deadline": 8.0}, privacy={"secagg_deadline": 1.0})
     liar = LyingCell(attack, TARGET)
     with liar.install(), MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as broker:
         emulation = Emulation(cfg, broker_url=broker.url)
