@@ -70,7 +70,9 @@ class ModelSection(Section):
         "4 x [conv3x3 -> GroupNorm -> ReLU -> pool] -> fc; images of at least 16x16); or a model a plugin "
         "registered (protocols.plugins.register_model)",
     )
-    hidden: tuple[Width, ...] = Field(default=(200, 200), description="mlp: hidden layer widths")
+    hidden: tuple[Width, ...] = Field(
+        default=(200, 200), max_length=100, description="mlp: hidden layer widths (at most 100 layers)"
+    )
     channels: tuple[Width, ...] = Field(default=(32, 64), description="cnn: 2 widths; cnn4: 4")
     fc: int = Field(default=512, ge=0, description="cnn: hidden fully connected width (0: none)")
     init_std: float | None = Field(
