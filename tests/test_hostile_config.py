@@ -128,6 +128,9 @@ def test_absurd_values_across_keys_are_refused_before_a_timer_or_an_array_is_mad
     # more cells needed for progress than the topology has: was silently "every cell"
     assert _outcome({**BASE, "runtime": {"min_cells": 5}}) == "runtime.min_cells: 5, but the topology has 1 cells"
     # DeComFL: K x P scalars a round, kept by the cloud for every round (a MemoryError at its first deadline)
+    wide = parse_config({**BASE, "algorithm": {"name": "decomfl", "perturbations": 10**6}})  # K x P fits: 1e6
+    with pytest.raises(ConfigError, match=r"algorithm.perturbations needs .* GiB.*a step's 1000000 directions"):
+        wide.build_algorithm(wide.model_spec((784,), 10))  # 10**6 x 199,210 float32: drawn at the first step
     zo = _outcome({**BASE, "algorithm": {"name": "decomfl", "perturbations": 10**9}})
     assert zo is not None and "local_steps x perturbations = 1,000,000,000 scalars" in zo
 

@@ -30,9 +30,9 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
   for a device that resyncs, and a resumed run whose devices were all recreated
   (``forget_devices``: ``fedtier sim/run --resume``) replays it from round 0.
 
-Bytes: device uplink = one ``(K, P)`` float32 tensor and ``{"weight": n}``; downlink = ``{"from": t}``,
-``h + 1`` uint64 seeds and an ``(h, K, P)`` float32 tensor (h = rounds missed). None depends on the
-model size. Needs only forward passes, so a device may run on onnxruntime (``edge_agent.onnx_trainer``)."""
+Bytes: device uplink = one ``(K, P)`` float32 tensor and ``{"weight": n}``; downlink = ``{"from": t}``, ``h + 1`` uint64
+seeds and an ``(h, K, P)`` float32 tensor (h = rounds missed). None depends on the model size. Needs only forward
+passes, so a device may run on onnxruntime (``edge_agent.onnx_trainer``)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from pydantic import Field, model_validator
 from .. import directions as Z
 from .. import params as P
 from ..divergence import diverged_result
+from ..limits import memory_refusal
 from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
@@ -62,9 +63,7 @@ class DeComFLParams(TrainParams):
     lr: float = Field(default=1e-3, gt=0, description="eta: the ZO-SGD learning rate (ZO rates are small)")
     perturbations: int = Field(default=5, ge=1, description="P: seeded random directions per step")
     mu: float = Field(default=1e-3, gt=0, description="smoothing radius of the finite differences")
-    direction: Literal["gaussian", "rademacher"] = Field(
-        default="gaussian", description="distribution of the directions"
-    )
+    direction: Literal["gaussian", "rademacher"] = Field(default="gaussian", description="the directions' distribution")
     weighting: Literal["uniform", "samples"] = Field(
         default="uniform", description="how a cell weights its devices' scalars: equally, or by sample count"
     )
@@ -162,11 +161,8 @@ class DeComFLCloud(CloudRole):
             start = max(self.need.get(c, 0), self.base)
             i = start - self.base
             hist = np.stack(self.g[i:]) if self.g[i:] else np.zeros((0, self.K, self.P), np.float32)
-            tasks[c] = history_payload(
-                {"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))},
-                [*self.seeds[i:], self.round_seed],
-                hist,
-            )
+            synced = {"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))}
+            tasks[c] = history_payload(synced, [*self.seeds[i:], self.round_seed], hist)
         return tasks
 
     def check(self, cell: str, report: Payload) -> None:
@@ -479,6 +475,9 @@ class DeComFL(Algorithm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        n = self.params.perturbations  # type: ignore[attr-defined]  # compose built DeComFLParams
+        if why := memory_refusal(4 * n * self.model.num_params(), "algorithm.perturbations"):
+            raise ValueError(f"{why} (a step's {n} directions, drawn at once, each the model's size)")
         self._x0: dict[str, np.ndarray] | None = None
         self.rosters: dict[str, list[str]] = {}
 
