@@ -4,9 +4,9 @@ Sections: ``[run]``, ``[topology]``, ``[algorithm]`` (``name`` plus that algorit
 ``[model]``, ``[data]``, ``[participation]``, ``[runtime]``, ``[broker]``, ``[security]``, ``[privacy]``. Unknown
 keys are errors.
 
-The modules: :mod:`.sections` (most sections), :mod:`.topology` and :mod:`.privacy` (those two sections),
-:mod:`.run` (:class:`RunConfig`: the whole config and what a run derives from it), :mod:`.loading` (file ->
-validated config, with the checks across sections), :mod:`.toml_io` (overrides and the TOML writer),
+The modules: :mod:`.sections` (most sections), :mod:`.topology`, :mod:`.runtime` and :mod:`.privacy` (those
+sections), :mod:`.run` (:class:`RunConfig`: the whole config and what a run derives from it), :mod:`.loading` (file
+-> validated config, with the checks across sections), :mod:`.toml_io` (overrides and the TOML writer),
 :mod:`.errors`. This package exports what the rest of the project uses.
 """
 

@@ -19,6 +19,7 @@ from ..algorithms.compose import Wrapper, check_layers, compose
 from ..limits import memory_refusal
 from .errors import ConfigError, format_errors
 from .privacy import PrivacySection, calibrated_noise
+from .runtime import RuntimeSection
 from .sections import (
     AttackSection,
     BrokerSection,
@@ -29,7 +30,6 @@ from .sections import (
     ParticipationSection,
     RequirementsSection,
     RunSection,
-    RuntimeSection,
     Section,
     SecuritySection,
 )
