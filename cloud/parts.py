@@ -86,9 +86,12 @@ class RoundCounts:
         )
         return True
 
-    def count(self, cell: str, nbytes: int, meta: dict[str, Any]) -> int:
+    def count(
+        self, cell: str, nbytes: int, meta: dict[str, Any], cell_of: Callable[[str], str | None] | None = None
+    ) -> int:
         """Add a taken report's bytes (and the device traffic, diverged and failed devices it declares, and the devices
-        of its largest updates); its device count."""
+        of its largest updates: only those ``cell_of`` (the topology's or the roster's) puts in ``cell``, none where
+        it is unknown, so a lying cell cannot have another cell's device blamed); its device count."""
         self.bytes["cell_to_cloud"] += nbytes
         traffic = meta.get("traffic", {})
         for tier in ("cell_to_device", "device_to_cell"):
@@ -101,11 +104,13 @@ class RoundCounts:
         merge_counts(self.unmet, meta.get("unmet"))
         merge_counts(self.rejected, meta.get("rejected"))
         self.late += declared_count(meta.get("late", 0))
-        if norms := declared_norms(meta.get("largest_updates")):  # its devices a diverged model's failure names
+        if cell_of is not None and (norms := declared_norms(meta.get("largest_updates"))):  # (a failure names them)
             mine = self.largest.get(cell, {})
             for device, exponent in norms.items():
-                mine[device] = max(mine.get(device, exponent), exponent)
-            self.largest[cell] = dict(largest(mine))
+                if cell_of(device) == cell:
+                    mine[device] = max(mine.get(device, exponent), exponent)
+            if mine:
+                self.largest[cell] = dict(largest(mine))
         self.offline += declared_count(meta.get("offline", 0))
         self.online += declared_count(meta.get("online", 0))
         return declared_count(meta.get("devices", 0))

@@ -123,7 +123,7 @@ def blame(updates: Updates, unit: str, devices: Mapping[str, Mapping[str, int]])
     for sender, tensors in updates:
         norms[sender] = max(norms.get(sender, 0.0), update_norm(tensors))
     cells = f"{len(norms)} cell" + ("s" if len(norms) != 1 else "")
-    named = ", ".join(f"{c} {n:.3g}{_its_devices(devices.get(c))}" for c, n in largest(norms))
+    named = ", ".join(f"{c} {n:.3g}{_its_devices(c, devices.get(c))}" for c, n in largest(norms))
     took = f"; largest update norms of its {cells}: {named}" if norms else ""
     robust = (
         "robust aggregation leaves one out: algorithm.cloud_aggregator or cell_aggregator = median, trimmed_mean, krum"
@@ -133,8 +133,12 @@ def blame(updates: Updates, unit: str, devices: Mapping[str, Mapping[str, int]])
     return f"{took}: a node sending huge updates (revoke it; {robust}) or a learning rate too large?"
 
 
-def _its_devices(exponents: Mapping[str, int] | None) -> str:
-    return f" (its devices: {', '.join(f'{d} ~1e{e:+03d}' for d, e in largest(exponents))})" if exponents else ""
+def _its_devices(cell: str, exponents: Mapping[str, int] | None) -> str:
+    """The devices ``cell``'s reports named of its largest updates, said to be its word (a lying cell can name any
+    of its own devices; :meth:`RoundCounts.count` took no other cell's)."""
+    if not exponents:
+        return ""
+    return f" (its devices: {', '.join(f'{d} ~1e{e:+03d}' for d, e in largest(exponents))}, as {cell} reports)"
 
 
 def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts, last: bool) -> str | None:

@@ -363,7 +363,7 @@ class CloudServer:
 
     def _count(self, cell: str, msg: Incoming) -> int:
         """Add a taken report's figures to the round (:meth:`RoundCounts.count`); its device count."""
-        return self.counts.count(cell, msg.nbytes, msg.payload.meta)
+        return self.counts.count(cell, msg.nbytes, msg.payload.meta, getattr(self.cell_bounds, "cell_of", None))
 
     def _close(self, rnd: int, why: str) -> None:
         if not self._in_round or rnd != self.round:

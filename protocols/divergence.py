@@ -10,6 +10,7 @@ the role produced, and a receiver tells it from a real result by that key alone.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -104,7 +105,7 @@ def declared_norms(value: object) -> dict[str, int]:
         return {}
     return {
         d: e
-        for d, e in list(value.items())[:MAX_BLAMED]
+        for d, e in itertools.islice(value.items(), MAX_BLAMED)
         if _is_id(d) and isinstance(e, int) and not isinstance(e, bool) and -400 < e < 400
     }
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cloud.parts import RoundCounts
+from cloud.round_record import blame
 from edge_agent.agent import DeviceAgent
 from protocols.algorithms.base import DeviceContext, DeviceRole
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
@@ -354,3 +356,22 @@ def test_a_resumed_cloud_keeps_counting_stalled_rounds(tmp_path: Path) -> None:
     resumed = run(20, resume=True)
     assert [r["round"] for r in resumed.history] == [STALLED_ROUNDS - 1]
     assert resumed.failed and f"(6 diverged) in rounds 0-{STALLED_ROUNDS - 1}" in resumed.failed
+
+
+def test_a_lying_cell_cannot_have_another_cells_device_blamed_and_its_word_is_said_to_be_its() -> None:
+    """Cell c0 (a node with its credentials) names devices of its largest updates (``largest_updates``): another
+    cell's honest device c1-d0, which the operator would revoke on the failure's word, an id of no cell, junk, and
+    one of its own. The cloud takes only c0's own device (the topology's ``cell_of``; none where no membership is
+    known), at most 3 a cell, and the failure says the names are c0's report. Before, c1-d0 was named beside c0."""
+    cell_of = {"c0-d0": "c0", "c0-d1": "c0", "c1-d0": "c1"}.get
+    counts = RoundCounts()
+    lying = {"c1-d0": 45, "c9-d9": 44, "c0-d1": 40, "x" * 10_000: 1, "c0-d0": True}
+    counts.count("c0", 10, {"largest_updates": lying}, cell_of)
+    counts.count("c0", 10, {"largest_updates": [1, 2, 3]}, cell_of)  # not a map: nothing, no crash
+    counts.count("c1", 10, {"largest_updates": {f"c1-d{i}": 3 for i in range(100_000)}}, cell_of)
+    assert counts.largest == {"c0": {"c0-d1": 40}, "c1": {"c1-d0": 3}}
+    unknown = RoundCounts()
+    unknown.count("c0", 10, {"largest_updates": {"c0-d1": 40}}, None)
+    assert unknown.largest == {}
+    said = blame([("c0", {"w": np.full(4, 1e38, np.float32)})], "round", counts.largest)
+    assert "c0 2e+38 (its devices: c0-d1 ~1e+40, as c0 reports)" in said and "c1-d0" not in said, said
