@@ -7,6 +7,7 @@ This module needs torch; forward-only (onnxruntime) devices never import it.
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 
 from . import plugins
 from .params import check_names_and_shapes
+
+_SEEDED = threading.Lock()  # torch's global RNG, seeded by init_params: one thread at a time
 
 
 class Reshape(nn.Module):
@@ -191,7 +194,7 @@ def init_params(model: nn.Module, seed: int, std: float | None = None) -> Ordere
     the global torch RNG is left as it was. ``std``: conv and linear weights drawn from N(0, std^2)
     instead, their biases zero (the FedMRN paper's N(0, 0.01)); norm layers keep scale 1, shift 0.
     """
-    with torch.random.fork_rng(devices=[]):
+    with _SEEDED, torch.random.fork_rng(devices=[]):  # (another thread's seeding would change this init)
         torch.manual_seed(seed)
         for module in model.modules():
             if hasattr(module, "reset_parameters") and module is not model:
