@@ -113,6 +113,7 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
 
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 def while_workers_start(sim: Any, work: Callable[[], T]) -> T:
@@ -124,6 +125,32 @@ def while_workers_start(sim: Any, work: Callable[[], T]) -> T:
     except BaseException:
         sim.executor.close()
         raise
+
+
+def beside(background: Callable[[], T], here: Callable[[], U]) -> tuple[T, U]:
+    """``(background(), here())``, ``background()`` on a thread of its own while ``here()`` runs: an emulation
+    (its agent processes import torch on the other core as it starts) beside the sim run to compare it with.
+    Either's error is raised once both are done (the first of them: the background's). Both run in this process:
+    not for what shares unguarded global state (torch's ONNX export: a run with ``onnx_devices`` exports)."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = background()
+        except BaseException as exc:  # raised below, in the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="beside", daemon=True)
+    thread.start()
+    try:
+        mine = here()
+    finally:
+        thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"], mine
 
 
 def kill_worker_at_task(sim: Any, device: str, at: tuple[int, int] = (1, 0)) -> Any:

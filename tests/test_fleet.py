@@ -23,7 +23,7 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from sim.emulation import Emulation, agent_workers
 from sim.launcher import run_simulation
-from tests.conftest import small_config
+from tests.conftest import beside, small_config
 
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 
@@ -208,7 +208,6 @@ def test_bridged_cell_brokers_are_bit_identical_to_sim(tmp_path: Path, watcher: 
     """``brokers="per-cell"``: two cell Mosquittos bridged to a cloud Mosquitto. The final model is the
     sim's byte for byte; the cloud broker sees the cells' tasks, reports and statuses but no device
     topic, and carries a fraction of the cell brokers' bytes."""
-    sim = run_simulation(small_config(tmp_path / "sim", run={"rounds": 2}))
     cfg = small_config(tmp_path / "run", run={"rounds": 2})
     at_cloud: list[str] = []
 
@@ -217,7 +216,7 @@ def test_bridged_cell_brokers_are_bit_identical_to_sim(tmp_path: Path, watcher: 
             watcher(em.started_brokers["cloud"].url, "fedtier/#", lambda t, _b: at_cloud.append(t)).wait_subscribed()
 
     em = Emulation(cfg, brokers="per-cell", on_round=watch)
-    result = em.run()
+    result, sim = beside(em.run, lambda: run_simulation(small_config(tmp_path / "sim", run={"rounds": 2})))
     assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == (
         sim.output_dir / runfiles.FINAL_MODEL
     ).read_bytes()

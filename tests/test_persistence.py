@@ -185,7 +185,6 @@ def test_broker_sigkill_mid_round_loses_no_result(tmp_path: Path) -> None:
     and only then does c0-d0 finish and publish: every edge round still closes with all devices and the
     final model equals the uninterrupted (simulated) run's, byte for byte."""
     cfg = small_config(tmp_path / "emu", run={"rounds": 2}, runtime={"device_deadline": 60.0})
-    reference = run_simulation(small_config(tmp_path / "sim", run={"rounds": 2}))
     go = tmp_path / "go"
     emu = Emulation(cfg, faults=Faults(hold={"c0-d0": (1, 0, str(go))}))
     outcome: dict[str, Any] = {}
@@ -199,6 +198,7 @@ def test_broker_sigkill_mid_round_loses_no_result(tmp_path: Path) -> None:
     thread = threading.Thread(target=run, name="emulation")
     thread.start()
     try:
+        reference = run_simulation(small_config(tmp_path / "sim", run={"rounds": 2}))  # while its agents start
         assert wait_until(lambda: Path(f"{go}.held").exists() or not thread.is_alive(), 120)
         assert wait_until(lambda: len(emu.cells["c0"].answers.received) == 2 or not thread.is_alive(), 30)
         broker = emu.started_brokers["shared"]

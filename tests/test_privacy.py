@@ -18,7 +18,7 @@ from protocols.privacy.dp import DpSettings, PrivateCell, clip, l2_norm
 from protocols.records import read_run
 from protocols.wire.payload import Payload
 from sim.launcher import run_simulation
-from tests.conftest import small_config
+from tests.conftest import beside, small_config
 
 
 # ------------------------------------------------------------------------------------------- accountant
@@ -209,10 +209,9 @@ def test_dp_run_over_mqtt_gives_the_sim_model(tmp_path: Path) -> None:
     from sim.emulation import Emulation
 
     cfg = small_config(tmp_path / "sim", run={"rounds": 2}, privacy={"dp": "cell", "noise_multiplier": 0.8})
-    sim = run_simulation(cfg)
     run_cfg = small_config(tmp_path / "run", run={"rounds": 2}, privacy={"dp": "cell", "noise_multiplier": 0.8})
     with EmbeddedBroker() as broker:
-        emulated = Emulation(run_cfg, broker_url=broker.url).run()
+        emulated, sim = beside(lambda: Emulation(run_cfg, broker_url=broker.url).run(), lambda: run_simulation(cfg))
     assert (emulated.output_dir / runfiles.FINAL_MODEL).read_bytes() == (
         sim.output_dir / runfiles.FINAL_MODEL
     ).read_bytes()

@@ -25,7 +25,7 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire.payload import Payload
 from sim.emulation import Emulation
 from sim.launcher import run_simulation
-from tests.conftest import small_config, wait_until
+from tests.conftest import beside, small_config, wait_until
 from tests.test_cohort import ATOL, RTOL, WALL, _approx
 
 
@@ -37,15 +37,13 @@ def test_emulated_cohorts_match_the_per_device_sim(tmp_path: Path) -> None:
         topology={"cells": 2, "devices_per_cell": 8},
         algorithm={"edge_rounds": 2, "local_steps": 3, "batch_size": 16},
     )
-    sim = run_simulation(
-        small_config(tmp_path / "sim", runtime={"device_deadline": 60.0}, **sections), write_output=False
-    )
+    sim_cfg = small_config(tmp_path / "sim", runtime={"device_deadline": 60.0}, **sections)
     cfg = small_config(
         tmp_path / "run", runtime={"engine": "cohort", "cohort_size": 4, "device_deadline": 60.0}, **sections
     )
     with MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as broker:
         em = Emulation(cfg, broker_url=broker.url, workers=1)
-        run = em.run()
+        run, sim = beside(em.run, lambda: run_simulation(sim_cfg, write_output=False))
     assert run.params.keys() == sim.params.keys()
     for k, v in sim.params.items():
         assert torch.allclose(torch.from_numpy(run.params[k]), torch.from_numpy(v), rtol=RTOL, atol=ATOL), k
