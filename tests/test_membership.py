@@ -61,10 +61,6 @@ def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
     return popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=90)
-
-
 def _jobs(cloud_out: Path) -> dict[str, str]:
     try:
         return {j["job"]: j["state"] for j in json.loads((cloud_out / "jobs.json").read_text())["jobs"]}
@@ -112,8 +108,8 @@ def _logins(*bundles: Path) -> list[str]:
 
 
 def _operator(*args: str) -> subprocess.CompletedProcess:
-    """``fedtier ARGS`` run in this process (the operator's membership commands: no torch to import), its output
-    on one line (the console wraps it)."""
+    """``fedtier ARGS`` run in this process (the operator's commands: no torch to import, no process to start), its
+    output on one line (the console wraps it)."""
     from click.testing import CliRunner
 
     from fedtier.cli import main
@@ -171,11 +167,12 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
         }
         try:
             operator = nodes / "operator"
-            res = _run([FEDTIER, "jobs", "--config", "config.toml", "--wait", "50"], operator)  # the cloud is up
-            assert res.returncode == 0, res.stdout + (
-                procs["cloud"].poll() is not None and procs["cloud"].communicate()[0] or ""
-            )
-            res = _run([FEDTIER, "submit", str(tmp / "A.toml"), "--config", "config.toml"], operator)
+            with contextlib.chdir(operator):  # the operator's commands, from its bundle, in this process
+                res = _operator("jobs", "--config", "config.toml", "--wait", "50")  # the cloud is up
+                assert res.returncode == 0, res.stdout + (
+                    procs["cloud"].poll() is not None and procs["cloud"].communicate()[0] or ""
+                )
+                res = _operator("submit", str(tmp / "A.toml"), "--config", "config.toml")
             assert res.returncode == 0 and "queued" in res.stdout, res.stdout
             assert wait_until(lambda: _jobs(cloud_out).get("A") == "finished", 240), _jobs(cloud_out)
             scraped = {node: _scrape(p) for node, p in metrics.items()}
@@ -207,14 +204,8 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
             np.savez(nodes / "c0-d3" / "data.npz", x=rng.random((30, 784), dtype=np.float32), y=np.arange(30) % 10)
             procs["c0-d3"] = agent("c0-d3")
 
-            res = subprocess.run(  # --wait-end: followed to its end, the exit status says how it ended
-                [FEDTIER, "submit", str(tmp / "B.toml"), "--config", "config.toml", "--wait-end", "240"],
-                cwd=operator,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                timeout=300,
-            )
+            with contextlib.chdir(operator):  # --wait-end: followed to its end, the exit status says how it ended
+                res = _operator("submit", str(tmp / "B.toml"), "--config", "config.toml", "--wait-end", "240")
             assert res.returncode == 0 and "job B: queued" in res.stdout and "job B: finished" in res.stdout, res.stdout
             assert _jobs(cloud_out).get("B") == "finished"
             # no job in progress is left retained: a node (re)started now waits for the next job, not B
