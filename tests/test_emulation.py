@@ -76,8 +76,8 @@ def test_killed_agent_and_foreign_garbage(tmp_path: Path) -> None:
     """c0-d1's worker is SIGKILLed on its task of round 1, edge round 0: the cell closes that edge round
     on its deadline with the survivor, the next one without the (now offline, by its will) device, and
     the run completes. Garbage published by a foreign client on a device topic is rejected and logged."""
-    cfg = small_config(
-        tmp_path, run={"rounds": 2}, topology={"cells": 2, "devices_per_cell": 2}, runtime={"device_deadline": 3.0}
+    cfg = small_config(  # a deadline waited once: 1.5 s, ~25 times a live device's edge round here under load
+        tmp_path, run={"rounds": 2}, topology={"cells": 2, "devices_per_cell": 2}, runtime={"device_deadline": 1.5}
     )
     with EmbeddedBroker() as broker:
 
