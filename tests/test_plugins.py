@@ -143,7 +143,7 @@ def test_installed_plugin_runs_in_sim_workers_and_run(plugin_site: Path, tmp_pat
     spawned workers (same model, byte for byte) and in ``fedtier run`` over MQTT (same model again)."""
     without = tmp_path / "c0.toml"
     without.write_text(CONFIG.format(out=tmp_path / "none"))
-    runs = {"sim": ("sim",), "workers": ("sim", "--workers", "2"), "run": ("run",)}
+    runs = {"sim": ("sim",), "workers": ("sim", "--workers", "1"), "run": ("run",)}  # one spawned worker finds it
     for name in runs:
         (tmp_path / f"{name}.toml").write_text(CONFIG.format(out=tmp_path / name))
     res, *done = fedtier_side_by_side(
@@ -179,7 +179,7 @@ def test_run_plugins_key_loads_a_module(tmp_path: Path) -> None:
     cfg.write_text(
         text.replace('"clipavg"', '"clip2"').replace('"wide"', '"mlp"\nhidden = [16]').replace('"blobs"', '"digits"')
     )
-    res = fedtier(tmp_path, "sim", str(cfg), "--no-progress", "--workers", "2")
+    res = fedtier(tmp_path, "sim", str(cfg), "--no-progress", "--workers", "1")  # a spawned worker: imports it too
     assert res.returncode == 0, res.stderr[-3000:]
     assert summary(tmp_path / "out")["accuracy"] > 0.25  # digits: chance is 0.1
 
