@@ -273,7 +273,7 @@ def test_a_cloud_whose_cells_never_come_fails_with_a_non_zero_exit(tmp_path: Pat
         f'[run]\nname = "lonely"\nrounds = 20\noutput = "{tmp_path / "out"}"\n'
         '[topology]\ncells = 2\ndevices_per_cell = 1\n[algorithm]\nname = "fedavg"\n'
         '[model]\nname = "mlp"\nhidden = [8]\n[data]\ndataset = "digits"\n'
-        "[runtime]\nstartup_wait = 0.5\ncell_deadline = 0.5\nmax_stalled_rounds = 2\n"
+        "[runtime]\nstartup_wait = 0.2\ncell_deadline = 0.2\nmax_stalled_rounds = 2\n"
     )
     from click.testing import CliRunner
 
