@@ -118,12 +118,15 @@ U = TypeVar("U")
 
 def while_workers_start(sim: Any, work: Callable[[], T]) -> T:
     """``work()`` (the run without workers to compare with, say) while the worker processes of ``sim`` (a
-    ``SimHierarchy`` with ``runtime.sim_workers``: built, not yet run) start up: they were spawned when it was
-    built, and import torch and build their devices on the other core meanwhile. They are stopped if it fails."""
+    ``SimHierarchy`` with ``runtime.sim_workers`` or ``runtime.cell_processes``: built, not yet run) start up: they
+    were spawned when it was built, and import torch and build their devices or cells on the other core meanwhile.
+    They are stopped if it fails."""
     try:
         return work()
     except BaseException:
         sim.executor.close()
+        if getattr(sim, "split", None) is not None:
+            sim.split.close()
         raise
 
 

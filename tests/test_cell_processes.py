@@ -21,7 +21,7 @@ from protocols.transport.virtual_loop import CELLS, MAIN, VirtualLoop
 from sim.cell_processes import CellProcessError, plan_line
 from sim.cell_share import CellShare, deliver, share_plan
 from sim.launcher import SimHierarchy, run_simulation
-from tests.conftest import WALL, same_run
+from tests.conftest import WALL, same_run, while_workers_start
 
 STRAGGLERS = {  # a virtual clock whose devices run at seeded speeds a factor e^N(0, 1) apart
     "device_steps_per_s": 10.0,
@@ -66,10 +66,11 @@ def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     make_config, tmp_path: Path, sections: dict[str, Any], caplog: pytest.LogCaptureFixture
 ):
     caplog.set_level(logging.INFO, logger="fedtier.sim")
-    one = run_simulation(make_config(**sections))
     runtime = {**sections.get("runtime", {}), "cell_processes": 2}
     run = {**sections.get("run", {}), "output": str(tmp_path / "split")}
-    split = run_simulation(make_config(**{**sections, "runtime": runtime, "run": run}))
+    sim = SimHierarchy(make_config(**{**sections, "runtime": runtime, "run": run}))  # its cell processes start...
+    one = while_workers_start(sim, lambda: run_simulation(make_config(**sections)))  # ...while this runs
+    split = sim.run()
     same_run(one, split)
     logged = [_log_lines(r.output_dir) for r in (one, split)]  # the main process writes the cells' log
     assert logged[0] == logged[1] and len(logged[0]) == len(one.cell_records)
@@ -113,12 +114,11 @@ def test_cell_processes_share_cohort_threads_unless_set_per_process(make_config)
 
 
 def test_a_resumed_run_in_cell_processes_ends_as_the_uninterrupted_run(make_config, tmp_path: Path):
-    straight = run_simulation(make_config(run={"rounds": 4}), write_output=False)
     part = {"output": str(tmp_path / "resumed")}
     run_simulation(make_config(run={**part, "rounds": 2}))  # "crashes" after round 1 (one process)
-    resumed = run_simulation(
-        make_config(run={**part, "rounds": 4}, runtime={"cell_processes": 2}), resume=True
-    )  # goes on in cell processes
+    sim = SimHierarchy(make_config(run={**part, "rounds": 4}, runtime={"cell_processes": 2}), resume=True)
+    straight = while_workers_start(sim, lambda: run_simulation(make_config(run={"rounds": 4}), write_output=False))
+    resumed = sim.run()  # goes on in cell processes
     assert [r["round"] for r in resumed.history] == [2, 3]
     assert all(straight.params[k].tobytes() == resumed.params[k].tobytes() for k in straight.params)
     strip = lambda recs: [{k: v for k, v in r.items() if k not in WALL} for r in recs]  # noqa: E731
@@ -132,11 +132,17 @@ def test_a_resumed_async_run_in_cell_processes_is_the_resumed_run_of_one_process
     sections = {"algorithm": FEDBUFF, "topology": {"cells": 3, "devices_per_cell": 2}, "clock": STRAGGLERS}
     run_simulation(make_config(run={"rounds": 2, "output": str(tmp_path / "one")}, **sections))
     shutil.copytree(tmp_path / "one", tmp_path / "split")
-    one = run_simulation(make_config(run={"rounds": 4, "output": str(tmp_path / "one")}, **sections), resume=True)
-    split = run_simulation(
+    sim = SimHierarchy(
         make_config(run={"rounds": 4, "output": str(tmp_path / "split")}, runtime={"cell_processes": 2}, **sections),
         resume=True,
+    )  # its cell processes start while the one-process run resumes
+    one = while_workers_start(
+        sim,
+        lambda: run_simulation(
+            make_config(run={"rounds": 4, "output": str(tmp_path / "one")}, **sections), resume=True
+        ),
     )
+    split = sim.run()
     assert [r["round"] for r in split.history] == [2, 3] and split.history[0]["clock_start_s"] > 0
     same_run(one, split)
 
@@ -159,7 +165,7 @@ def test_unsupported_settings_are_refused_naming_them(make_config):
     "sig, why",
     [
         (signal.SIGKILL, r"died with exit code -9"),
-        (signal.SIGSTOP, r"sent nothing, no answer and no progress beat, for 3 s \(runtime.worker_stall_s\)"),
+        (signal.SIGSTOP, r"sent nothing, no answer and no progress beat, for 2 s \(runtime.worker_stall_s\)"),
     ],
     ids=["killed", "stopped"],
 )
@@ -171,7 +177,7 @@ def test_a_dead_or_hung_cell_process_ends_the_run_naming_it(make_config, sig: si
             assert sim is not None and sim.split is not None
             os.kill(sim.split.procs[1].pid, sig)
 
-    cfg = make_config(runtime={"cell_processes": 2, "worker_stall_s": 3.0})
+    cfg = make_config(runtime={"cell_processes": 2, "worker_stall_s": 2.0})
     sim = SimHierarchy(cfg, on_round=after_first_round, write_output=False)
     with pytest.raises(CellProcessError, match=r"cell process 1 \(pid \d+; cells c1\) " + why):
         sim.run()
