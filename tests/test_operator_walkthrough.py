@@ -851,9 +851,13 @@ def test_a_submit_whose_connection_another_operator_command_took_over_says_so(
             retain=True,
         )
         assert cloud.flush(WAIT)
-        other = make(fed / "nodes" / "operator", port)  # the other command, as the operator
-        threading.Timer(1.5, lambda: other.connect(WAIT)).start()
-        code, out, exc = _cli("submit", "job.toml", "--config", "config.toml", "--wait", "5")
+        other = make(fed / "nodes" / "operator", port)  # the other command, as the operator: it connects once the
+        take_over = threading.Thread(target=lambda: other.connect(WAIT))  # submit's request is through, taking over
+        cloud.subscribe(topics.job_submit("fed"), lambda _t, _d: take_over.start())  # (one request: one start)
+        assert cloud.wait_subscribed(WAIT)
+        # --wait 3: the submit's connection comes back (and counts) within its reconnect delay, at most 1.5 s
+        code, out, exc = _cli("submit", "job.toml", "--config", "config.toml", "--wait", "3")
+        take_over.join(WAIT)
     assert exc is None and code == 1, out
     assert "this command's connection to the broker was lost" in out and "`fedtier jobs` says whether job b" in out, out
 
