@@ -61,8 +61,13 @@ def _partition_command(config: Path, out: Path, kind: str) -> list[str]:
 
 
 def _partition(config: Path, out: Path, kind: str) -> None:
-    proc = subprocess.run(_partition_command(config, out, kind), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    """``fedtier partition`` in this process (no Python process to start)."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    res = CliRunner().invoke(main, _partition_command(config, out, kind)[1:])
+    assert res.exit_code == 0 and res.exception is None, res.output
 
 
 def _start_partition(config: Path, out: Path, kind: str) -> subprocess.Popen[str]:
@@ -179,27 +184,16 @@ def test_a_users_loader_reads_another_format(tmp_path, monkeypatch):
 
 
 def test_an_agent_given_a_bad_csv_says_so_and_exits_2(tmp_path):
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
     config = _config(tmp_path)
     bad = _csv(tmp_path, "a,label\n1,dog\n")
-    proc = subprocess.run(
-        [
-            FEDTIER,
-            "agent",
-            str(config),
-            "--device",
-            "c0-d0",
-            "--data",
-            str(bad),
-            "--broker",
-            "mqtt://127.0.0.1:1",
-            "--insecure",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
+    agent = ["agent", str(config), "--device", "c0-d0", "--data", str(bad), "--broker", "mqtt://127.0.0.1:1"]
+    res = CliRunner().invoke(main, [*agent, "--insecure"])  # in this process: no Python process to start
+    out = res.output
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), out
     assert "d.csv:2: label 'dog' is not an integer class id" in out.replace("\n", "") and "pickle" not in out
 
 
