@@ -161,10 +161,20 @@ class MemoryHub:
                 data: bytes | Segments = payload
             else:
                 data = joined = joined or bytes(payload)
+            self._schedule(_bind(sub.handler, topic, data, self, sub.client_id), delay, side)
+
+    def _schedule(self, deliver: Callable[[], None], delay: float, side: int | None) -> None:
+        """``deliver`` on the loop after ``delay`` (at once: posted), on ``side`` of a loop with sides (a hub without
+        :attr:`side_of` may run on any :class:`EventLoop`: tests put one on a ``ThreadLoop``)."""
+        if self.side_of is None or side is None:
             if delay > 0:
-                self.loop.call_later(delay, _bind(sub.handler, topic, data, self, sub.client_id), side)
+                self.loop.call_later(delay, deliver)
             else:
-                self.loop.post(_bind(sub.handler, topic, data, self, sub.client_id), side)
+                self.loop.post(deliver)
+        elif delay > 0:
+            self.loop.call_later(delay, deliver, side)
+        else:
+            self.loop.post(deliver, side)
 
     def _retain(self, topic: str, payload: bytes) -> None:
         parent = topic.rpartition("/")[0]
@@ -196,7 +206,7 @@ class MemoryHub:
         group[sub.seq] = sub
         self._by_client.setdefault(client_id, {})[sub.seq] = sub
         for topic in self._retained_for(pattern):
-            self.loop.post(_bind(handler, topic, self._retained[topic], self, client_id), side)
+            self._schedule(_bind(handler, topic, self._retained[topic], self, client_id), 0.0, side)
 
     def _unsubscribe(self, client_id: str, pattern: str | None = None) -> None:
         mine = self._by_client.get(client_id)
