@@ -12,7 +12,7 @@ import pytest
 
 from monitor.report import write_report
 from sim.launcher import run_simulation
-from tests.conftest import small_config
+from tests.conftest import beside, small_config
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "report_screenshot.py"
 spec = importlib.util.spec_from_file_location("report_screenshot", SCRIPT)
@@ -24,15 +24,15 @@ pytestmark = pytest.mark.skipif(shot.find_chromium() is None, reason="chromium i
 def test_headless_chromium_renders_every_plot_of_the_report(tmp_path: Path) -> None:
     result = run_simulation(small_config(tmp_path, run={"rounds": 2}))
     html, plots = write_report([result.output_dir], tmp_path / "report.html")
-    check = shot.check_report(html, tmp_path / "shot.png")
-    assert check.total == len(plots) >= 5
-    assert check.loaded == check.total and check.failed == [] and not check.blank and check.ok
-    assert check.screenshot is not None and check.screenshot.stat().st_size > 10_000
-
-    # a plot whose PNG is corrupt is caught, by its name
+    # and a copy whose first plot's PNG is corrupt, checked beside it (each Chromium its own process and profile)
     page = html.read_text()
     broken = tmp_path / "broken.html"
     first = plots[0].name
     broken.write_text(re.sub(rf'(<img alt="{first}" src="data:image/png;base64,)[^"]+', r"\1AAAA", page, count=1))
-    bad = shot.check_report(broken, None)
+    check, bad = beside(lambda: shot.check_report(html, tmp_path / "shot.png"), lambda: shot.check_report(broken, None))
+    assert check.total == len(plots) >= 5
+    assert check.loaded == check.total and check.failed == [] and not check.blank and check.ok
+    assert check.screenshot is not None and check.screenshot.stat().st_size > 10_000
+
+    # the plot whose PNG is corrupt is caught, by its name
     assert bad.total == len(plots) and bad.loaded == len(plots) - 1 and bad.failed == [first] and not bad.ok
