@@ -27,7 +27,7 @@ from protocols.wire.payload import Payload
 from sim.emulation import Emulation
 from sim.hierarchy import participation, prepare
 from sim.launcher import run_simulation
-from tests.conftest import small_config
+from tests.conftest import beside, small_config
 
 CYCLIC = {"model": "cyclic", "groups": 2, "random_offset": False}
 MARKOV = {"model": "markov", "p_off": 0.5, "p_on": 0.5, "start_on": 0.5}
@@ -63,7 +63,6 @@ def test_absent_agents_disconnect_and_rejoin_bit_identically(model: dict, tmp_pa
     """Cyclic participation, 2 groups: every device sits out every other round; Markov on/off. Over
     MQTT, each absent device announces offline and disconnects, polls, and comes back online exactly
     for its rounds; the final model and every cell record's planned/answered/absent are the sim's."""
-    sim = run_simulation(churn_config(tmp_path, "sim", model))
     cfg = churn_config(tmp_path, "run", model)
     takes = participation(cfg)
     seen: dict[str, list[str]] = {}
@@ -76,7 +75,7 @@ def test_absent_agents_disconnect_and_rejoin_bit_identically(model: dict, tmp_pa
         )
         watcher.connect().wait_subscribed()
         emulation = Emulation(cfg, broker_url=broker.url)
-        result = emulation.run()
+        result, sim = beside(emulation.run, lambda: run_simulation(churn_config(tmp_path, "sim", model)))
         watcher.close()
         loop.stop()
     assert (result.output_dir / runfiles.FINAL_MODEL).read_bytes() == (
