@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import pickle
 from pathlib import Path
 
@@ -24,7 +25,14 @@ PRODUCT = ("protocols", "edge_agent", "cell_server", "cloud", "sim", "monitor", 
 
 
 def _calls(name: str) -> list[tuple[str, ast.Call]]:
-    found = []
+    """Every call of a function or method named ``name`` in the product packages, with where it is."""
+    return _all_calls().get(name, [])
+
+
+@functools.cache
+def _all_calls() -> dict[str, list[tuple[str, ast.Call]]]:
+    """The product packages' calls by the called name: parsed once for the tests below (each reads it only)."""
+    found: dict[str, list[tuple[str, ast.Call]]] = {}
     for pkg in PRODUCT:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             tree = ast.parse(path.read_text(), str(path))
@@ -32,8 +40,8 @@ def _calls(name: str) -> list[tuple[str, ast.Call]]:
                 if isinstance(node, ast.Call):
                     func = node.func
                     called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-                    if called == name:
-                        found.append((f"{path.relative_to(ROOT)}:{node.lineno}", node))
+                    if called is not None:
+                        found.setdefault(called, []).append((f"{path.relative_to(ROOT)}:{node.lineno}", node))
     return found
 
 
