@@ -19,7 +19,7 @@ import numpy as np
 
 from protocols.algorithms.fedbuff import FedBuffCell
 from protocols.answers import sender_refusal
-from protocols.divergence import diverged_reason
+from protocols.divergence import STALLED_ROUNDS, diverged_reason
 from protocols.failures import count_reasons, failed_payload, failed_reason
 from protocols.params import sums_on
 from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
@@ -60,6 +60,7 @@ class AsyncCellServer(CellServer):
         self.lost: set[str] = set()  # devices whose last task went unanswered through a status flip
         self.resends: dict[str, tuple[int, int]] = {}  # device -> (cell version, tasks sent it on returns in it)
         self._failure_sent = False  # its "failed" push went (a failed cell sends it once, then on each version)
+        self._unusable = 0  # device answers in a row that diverged or failed on this cloud version (none taken)
         self.held_back: set[str] = set()  # devices back once too often this version: their task comes with the next
         self._idle_timer: TimerHandle | None = None  # held-back devices get a task when it fires, if nothing else works
         self._push_timer: TimerHandle | None = None
@@ -168,6 +169,22 @@ class AsyncCellServer(CellServer):
         self.transport.publish(topic, report, qos=1)
         return True
 
+    def _unusable_answer(self, device: str, why: str) -> None:
+        """``device`` answered with no usable result; it goes on, unless :data:`STALLED_ROUNDS` answers of each device
+        in a row were so on this cloud version (a model that diverges every device, huge but finite: no version can
+        come of this cell, and its devices would train on for ever): the cell fails, saying why (a "failed" push:
+        the cloud fails the job, or leaves the cell out, ``runtime.fail_on_cell_failure``)."""
+        self._unusable += 1
+        if self._unusable < STALLED_ROUNDS * max(1, len(self.devices)) or self.failure is not None:
+            self._dispatch(device)
+            return
+        self.failure = (
+            f"every device diverged or failed on cloud version {self.fb.global_version}: {self._unusable} answers "
+            f"in a row, none usable (the last {device}'s, {why[:100]})"
+        )
+        log.error("cell %s: %s", self.cell, self.failure)
+        self._on_failure()
+
     def _held_again(self) -> None:
         """The cloud sent the version this cell holds again: a resumed cloud, whose buffer may have lost this cell's
         last push (taken by the broker, not yet journaled): that push goes again if it derives from this version (a
@@ -178,7 +195,7 @@ class AsyncCellServer(CellServer):
 
     def _adopted(self, version: int, session: str | None, model: Mapping[str, np.ndarray], first: bool) -> None:
         """Cloud model ``version`` of ``session`` adopted: journal it; the first one sets the devices working."""
-        self.round = version
+        self.round, self._unusable = version, 0
         self.messenger.session = session  # device tasks and pushes belong to it (signed runs check)
         if self.push_journal is not None:
             self.push_journal.adopted(version, session, model, self.fb.version)
@@ -338,13 +355,13 @@ class AsyncCellServer(CellServer):
         if diverged is not None:  # recorded in the next record, never aggregated; the device goes on
             log.warning("cell %s: %s diverged on task %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
             self.edge.diverged[device] = diverged
-            self._dispatch(device)
+            self._unusable_answer(device, f"diverged: {diverged}")
             return
         failed = failed_reason(msg.payload)
         if failed is not None:  # its task raised: recorded with the reason in the next record; the device goes on
             log.warning("cell %s: %s failed task %d.%d: %s", self.cell, device, h.round, h.edge_round, failed)
             self.edge.failed[device] = failed
-            self._dispatch(device)
+            self._unusable_answer(device, f"failed: {failed}")
             return
         try:
             self.fb.check(device, h.round, msg.payload)
@@ -352,6 +369,7 @@ class AsyncCellServer(CellServer):
             self.messenger.reject(topic, exc.kind, str(exc), device)
         else:
             self.fb.offer(device, h.round, msg.payload)
+            self._unusable = 0
             self.edge.note_loss(device, msg.payload)
             self.tally.weigh(device, msg.payload)
             if self.fb.buffer.full:

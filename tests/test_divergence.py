@@ -375,3 +375,36 @@ def test_a_lying_cell_cannot_have_another_cells_device_blamed_and_its_word_is_sa
     assert unknown.largest == {}
     said = blame([("c0", {"w": np.full(4, 1e38, np.float32)})], "round", counts.largest)
     assert "c0 2e+38 (its devices: c0-d1 ~1e+40, as c0 reports)" in said and "c1-d0" not in said, said
+
+
+def test_an_async_model_huge_but_finite_fails_the_job_rather_than_its_devices_diverging_for_ever(
+    tmp_path: Path,
+) -> None:
+    """Cell c1 (a node with its credentials) pushes once values of 1e30: finite (the cloud's check every version
+    passes) but every device trained from the model diverges (a NaN loss), and none is evaluated (eval_every 100). An
+    async cell sent each diverged device a task again at once: the job never ended (still running after 100 s, 43,000
+    divergences logged). Now a cell whose devices answer STALLED_ROUNDS times each in a row with nothing usable on a
+    cloud version fails, saying why, and the job fails with it (as the sync stall rule fails such a job)."""
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 12},
+        algorithm={"mode": "async", "async_buffer": 2, "edge_rounds": 1},
+        runtime={"eval_every": 100},
+        clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
+    )
+    sim = SimHierarchy(cfg, write_output=False)
+    role = sim.cells["c1"].fb
+    honest, pushes = role.report, []
+
+    def lying() -> Payload:
+        out = honest()
+        pushes.append(1)
+        return (
+            Payload(out.meta, {k: np.full_like(v, 1e30) for k, v in out.tensors.items()}) if len(pushes) == 2 else out
+        )
+
+    role.report = lying  # type: ignore[method-assign]
+    result = sim.run()
+    assert result.status == "failed" and "every device diverged or failed on cloud version" in result.failed, (
+        result.failed
+    )
