@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import errno
+import functools
 import os
 import random
 import socket
@@ -26,6 +28,21 @@ skip_exit_collection()  # the test process too holds a torch-sized heap: no fina
 hypothesis_settings.register_profile("ci", derandomize=True, database=None)
 hypothesis_settings.register_profile("explore", max_examples=1000)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("protocols", "edge_agent", "cell_server", "cloud", "sim", "monitor", "fedtier")  # the product packages
+
+
+@functools.cache
+def product_trees() -> tuple[tuple[str, ast.Module], ...]:
+    """Every module of the product packages, parsed once for all the tests that read the product's code (they only
+    read the trees): ``(its path from the repository root, its tree)``, in path order."""
+    return tuple(
+        (str(path.relative_to(ROOT)), ast.parse(path.read_text(), str(path)))
+        for pkg in PRODUCT
+        for path in sorted((ROOT / pkg).rglob("*.py"))
+    )
 
 
 def small_config(tmp_path: Path, **sections: dict[str, Any]) -> RunConfig:

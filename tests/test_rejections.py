@@ -19,9 +19,9 @@ from protocols.transport.memory import MemoryHub
 from protocols.wire.envelope import WireError
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
+from tests.conftest import product_trees
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("protocols", "edge_agent", "cell_server", "cloud", "sim", "monitor", "fedtier")
 
 
 def _calls(name: str) -> list[tuple[str, ast.Call]]:
@@ -33,15 +33,13 @@ def _calls(name: str) -> list[tuple[str, ast.Call]]:
 def _all_calls() -> dict[str, list[tuple[str, ast.Call]]]:
     """The product packages' calls by the called name: parsed once for the tests below (each reads it only)."""
     found: dict[str, list[tuple[str, ast.Call]]] = {}
-    for pkg in PRODUCT:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            tree = ast.parse(path.read_text(), str(path))
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Call):
-                    func = node.func
-                    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-                    if called is not None:
-                        found.setdefault(called, []).append((f"{path.relative_to(ROOT)}:{node.lineno}", node))
+    for where, tree in product_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                if called is not None:
+                    found.setdefault(called, []).append((f"{where}:{node.lineno}", node))
     return found
 
 

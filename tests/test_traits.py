@@ -15,15 +15,11 @@ from protocols.algorithms.traits import Trait
 from protocols.config import ConfigError, parse_config
 from protocols.privacy.secagg import refusal
 from sim.attack import byzantine_devices
-
-ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("protocols", "edge_agent", "cell_server", "cloud", "sim", "monitor", "fedtier")
+from tests.conftest import product_trees
 
 
 def _product_trees() -> Iterator[tuple[str, ast.AST]]:
-    for pkg in PRODUCT:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            yield str(path.relative_to(ROOT)), ast.parse(path.read_text(), str(path))
+    yield from product_trees()  # parsed once for the tests that read the product's code
 
 
 def _strings(node: ast.expr) -> list[str]:
