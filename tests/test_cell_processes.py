@@ -229,3 +229,29 @@ def test_the_gpu_benchmark_names_its_cell_process_sides():
     assert {"cohort-cpu-c2", "cohort-cuda-c4", "cohort-cuda-c10"} <= set(SIDES)
     assert cell_processes("cohort-cuda-c10") == 10 and cell_processes("cohort-cuda-w4") == 0
     assert cohort_side("cohort-cuda-c4") == ("cuda", 64, 0, "auto")
+
+
+def test_an_observer_of_neither_side_gets_each_message_once_whichever_side_sent_it():
+    """A client of neither side (a monitor's tap, an observer: ``side_of`` None) subscribed to both directions
+    gets every message exactly once, at the time it arrives where it was sent (a message crossing to the other side
+    is not delivered to it again there), and a retained one when it subscribes; the sides get theirs once each."""
+    loop, seen = VirtualLoop(), []
+    sides = {"cloud": MAIN, "cell.a": CELLS}
+    hub = MemoryHub(loop, link_delay=lambda _t, _n: 0.5, side_of=sides.get)
+    cloud, cell = hub.connect("cloud"), hub.connect("cell.a")
+    cloud.subscribe("up/+", lambda t, d: seen.append(("cloud", t, bytes(d), loop.now())))
+    cell.subscribe("down/+", lambda t, d: seen.append(("cell", t, bytes(d), loop.now())))
+    hub.connect("monitor").subscribe("#", lambda t, d: seen.append(("monitor", t, bytes(d), loop.now())))
+    cloud.publish("down/a", b"task", retain=True)
+    with loop.acting(CELLS):
+        loop.call_later(1.0, lambda: cell.publish("up/a", b"push"))
+    loop.run()
+    assert sorted(seen) == [
+        ("cell", "down/a", b"task", 0.5),
+        ("cloud", "up/a", b"push", 1.5),
+        ("monitor", "down/a", b"task", 0.5),
+        ("monitor", "up/a", b"push", 1.5),
+    ], seen
+    hub.connect("late").subscribe("down/+", lambda t, d: seen.append(("late", t, bytes(d), loop.now())))
+    loop.run()
+    assert seen[-1][:3] == ("late", "down/a", b"task"), seen
