@@ -9,6 +9,7 @@ import os
 import random
 import socket
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +32,9 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("protocols", "edge_agent", "cell_server", "cloud", "sim", "monitor", "fedtier")  # the product packages
+PRODUCT = tuple(  # the product packages: import-linter's root packages (a new one is scanned as it is added there)
+    tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]["root_packages"]
+)
 
 
 @functools.cache

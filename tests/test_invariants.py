@@ -5,13 +5,9 @@ draw comes from a seed, except the few that make a secret or a unique id."""
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = tuple(
-    tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]["root_packages"]
-)
+from tests.conftest import product_trees
 
 PICKLERS = {"pickle", "_pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
 MAY_UNPICKLE = {
@@ -47,10 +43,14 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
-def unseeded_draws(source: str) -> list[str]:
-    """The draws in ``source`` that no seed decides, each as the call that makes it."""
+def _tree(source: str | ast.AST) -> ast.AST:
+    return ast.parse(source) if isinstance(source, str) else source
+
+
+def unseeded_draws(source: str | ast.AST) -> list[str]:
+    """The draws in ``source`` (text, or its parsed tree) that no seed decides, each as the call that makes it."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(source)):
         if isinstance(node, ast.Call):
             name = _dotted(node.func)
             parts = name.split(".")
@@ -75,10 +75,10 @@ def unseeded_draws(source: str) -> list[str]:
     return found
 
 
-def imported_picklers(source: str) -> list[str]:
-    """The pickling modules ``source`` imports."""
+def imported_picklers(source: str | ast.AST) -> list[str]:
+    """The pickling modules ``source`` (text, or its parsed tree) imports."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(source)):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.split(".")[0] in PICKLERS]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PICKLERS:
@@ -86,14 +86,11 @@ def imported_picklers(source: str) -> list[str]:
     return found
 
 
-def product_modules() -> dict[str, str]:
-    """Every product module's dotted name -> its source."""
-    out = {}
-    for room in PRODUCT:
-        for path in sorted((ROOT / room).rglob("*.py")):
-            module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            out[module] = path.read_text(encoding="utf-8")
-    return out
+def product_modules() -> dict[str, ast.AST]:
+    """Every product module's dotted name -> its parsed source (conftest.product_trees: parsed once a session)."""
+    return {
+        ".".join(Path(where).with_suffix("").parts).removesuffix(".__init__"): tree for where, tree in product_trees()
+    }
 
 
 def _allowed(module: str, prefixes: dict[str, str]) -> bool:
