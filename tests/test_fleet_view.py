@@ -4,9 +4,6 @@ records refused and counted, never shown; what the network sends is escaped befo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from rich.console import Console
 
@@ -16,8 +13,6 @@ from protocols.status import encode_status, idle_status
 from protocols.transport.broker import EmbeddedBroker
 from protocols.wire import topics
 from protocols.wire.keys import PublicKeys, Trust, generate_keys
-
-FEDTIER = str(Path(sys.executable).parent / "fedtier")
 
 CONFIG = """
 [run]
@@ -267,14 +262,14 @@ def test_fleet_lists_every_node_of_a_live_run_with_its_capabilities(tmp_path):
         def during_round(_record: dict) -> None:
             if seen:
                 return
-            proc = subprocess.run(
-                [FEDTIER, "fleet", "--broker", broker.url, "--run", "fleetview", "--wait", "1.5", "--json"],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert proc.returncode == 0, proc.stdout + proc.stderr
-            seen.append([json.loads(line) for line in proc.stdout.splitlines()])
+            from click.testing import CliRunner
+
+            from fedtier.cli import main
+
+            fleet = ["fleet", "--broker", broker.url, "--run", "fleetview", "--wait", "1.5", "--json"]
+            res = CliRunner().invoke(main, fleet)  # in this process: no Python process to start
+            assert res.exit_code == 0 and res.exception is None, res.output
+            seen.append([json.loads(line) for line in res.stdout.splitlines()])
 
         Emulation(cfg, broker_url=broker.url, on_round=during_round).run()
     rows = {r["node"]: r for r in seen[0]}
