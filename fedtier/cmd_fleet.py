@@ -7,7 +7,8 @@ import time
 
 import click
 
-from fedtier.cli import Finite, auth_options, main
+from fedtier.cli import auth_options, main
+from fedtier.cli_types import Finite
 from fedtier.console import console, fail, live_connection, live_target, public_keys_or_exit
 
 

@@ -12,7 +12,8 @@ from typing import Any, NoReturn
 import click
 from rich.markup import escape
 
-from .cli import VERBOSE, Finite, main
+from .cli import VERBOSE, main
+from .cli_types import Finite
 from .console import JOB_FAILED, console, load_or_exit, print_error, setup_logging
 
 OPERATOR_CONFIG = click.option(

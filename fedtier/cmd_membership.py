@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .cli import Finite
+from .cli_types import Finite
 from .cmd_provision import provision
 from .console import console, fail
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from fedtier.cli import SECONDS, Finite, auth_options, main
+from fedtier.cli import auth_options, main
+from fedtier.cli_types import SECONDS, Finite
 from fedtier.console import (
     INTERRUPTED,
     JOB_FAILED,

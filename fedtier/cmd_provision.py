@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import click
 
-from .cli import CONFIG, SET, Finite, main
+from .cli import CONFIG, SET, main
+from .cli_types import Finite
 from .console import console, fail, load_deployment_or_exit, print_error
 
 

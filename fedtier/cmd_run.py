@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .cli import CONFIG, PROCESSES, SET, VERBOSE, main
+from .cli import CONFIG, SET, VERBOSE, main
+from .cli_types import PROCESSES
 from .cmd_keys import keys_option
 from .console import (
     JOB_FAILED,

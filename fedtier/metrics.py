@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .cli import SECONDS
+from .cli_types import SECONDS
 from .console import console, print_error
 
 
