@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -14,7 +13,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from fedtier.cli import main
 from monitor.exporter import MetricsExporter
 from protocols import runfiles
 from protocols.procs import popen
@@ -22,8 +23,6 @@ from protocols.records import CellRecord, RoundRecord, read_run
 from protocols.transport.broker import free_port
 from sim.launcher import SimHierarchy
 from tests.conftest import small_config
-
-FEDTIER = str(Path(sys.executable).parent / "fedtier")
 
 
 def sample(exporter: MetricsExporter, name: str, **labels: str) -> float | None:
@@ -251,26 +250,12 @@ def test_a_real_prometheus_scrapes_a_fedtier_run_and_its_counters_equal_the_reco
     metrics_port = free_port()
     prom = Prometheus(tmp_path, f"127.0.0.1:{metrics_port}")
     try:
-        # --metrics-linger: the run exits only once Prometheus stored the final values
-        proc = subprocess.run(
-            [
-                FEDTIER,
-                "run",
-                str(config),
-                "--no-progress",
-                "--workers",
-                "1",
-                "--metrics-port",
-                str(metrics_port),
-                "--metrics-linger",
-                "60",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out = proc.stdout + proc.stderr
+        # --metrics-linger: the run exits only once Prometheus stored the final values. In this process (its agents
+        # in their own): no Python process to start and torch to import for the command itself
+        run = ["run", str(config), "--no-progress", "--workers", "1", "--metrics-port", str(metrics_port)]
+        res = CliRunner().invoke(main, [*run, "--metrics-linger", "60"])
+        out = res.output
+        assert res.exit_code == 0 and res.exception is None, out
         assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in out
         assert "no scrape of the final values" not in out
         cells, cloud = expected_from(tmp_path / "run")
