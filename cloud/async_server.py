@@ -35,6 +35,7 @@ from protocols.failures import failed_reason, is_refusal
 from protocols.rejections import Rejected, RejectKind
 from protocols.status import decode_status
 from protocols.transport.base import TimerHandle, Transport
+from protocols.wire.envelope import WireError
 from protocols.wire.messenger import Incoming
 from protocols.wire.payload import Payload
 
@@ -195,7 +196,12 @@ class AsyncCloudServer(CloudServer):
         after another (each model-sized). Up to :data:`UNACKED_WAITING` of them (in all, :data:`UNACKED_PER_CELL` a
         cell) wait unacknowledged, the broker handing them to a resumed cloud if this one dies first: acknowledged
         once taken (journaled), or refused; past that they wait acknowledged (lost if the cloud dies first). A push
-        handed back and still past its share waits again (its acknowledgement kept)."""
+        handed back and still past its share waits again (its acknowledgement kept). In a signed run a push waits
+        only once signed by ``cell``: a node signing pushes on another cell's topic (a broker without the provisioned
+        ACL) filled that cell's waiting count and its unacknowledged place, and the cell's own next push was refused."""
+        if (forged := self._not_signed_by(cell, topic, data)) is not None:
+            self.messenger.reject(topic, forged.kind, str(forged), None)
+            return
         waiting = self._waiting.get(cell, 0)
         if waiting >= self.take_per_cell:
             why = (
@@ -224,6 +230,17 @@ class AsyncCloudServer(CloudServer):
                     left[1]()
 
         self.loop.post(self._guard(again, "report handler"))
+
+    def _not_signed_by(self, cell: str, topic: str, data: bytes) -> WireError | Rejected | None:
+        """Why a push on ``cell``'s topic is not ``cell``'s (signed runs: a bad signature, another sender), else
+        ``None`` (an unsigned run: no node's word is checked)."""
+        if self.trust is None:
+            return None
+        try:
+            sender = self.messenger.authentic(topic, data, ("cell_report",)).sender
+        except WireError as exc:
+            return exc
+        return None if sender == cell else Rejected(RejectKind.WRONG_SENDER, f"push of {sender!r} on {cell!r}'s topic")
 
     def _version_due(self) -> None:
         """Once the buffer holds ``async_cloud_buffer`` pushes, post the version behind the pushes already waiting

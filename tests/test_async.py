@@ -1620,3 +1620,36 @@ def test_a_cell_flooding_an_async_cloud_never_passes_over_an_honest_cells_waitin
     # pushes at most) and c1's; the rest are refused as past its share (before: they piled up, 124 waiting)
     refused = [x for h in history for x in h["rejected"] if x["kind"] == "bound" and "past its share" in x["reason"]]
     assert refused and max(held) <= 40, (len(refused), max(held))
+
+
+def test_pushes_on_a_cells_topic_signed_by_another_cell_take_none_of_its_waiting_places(tmp_path):
+    """Signed run; c1 is past its share of the version (its pushes wait behind it, as a cloud slower than its cells'
+    pushes has them). A node with c0's key, on a broker without the provisioned ACL, publishes its signed pushes on
+    c1's topic: the cloud counted them as c1's waiting pushes (and kept c1's unacknowledged place for them) before
+    it checked who signed them, so c1's own next push was refused as 'pushing too fast' (lost). Now a push waiting
+    past its cell's share must be signed by that cell first: the forged ones are refused at once, c1's waits."""
+    from cloud.node import build_cloud
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire.keys import Trust
+    from tests.test_revocation import _signed_config
+
+    cfg, ring = _signed_config(tmp_path, algorithm=_PUSHING)
+    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
+    hub = MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0")
+    cloud.take_per_cell = 2
+    cloud._over_share = lambda cell: cell == "c1"  # type: ignore[method-assign]  # (its share taken already)
+    refused: list[tuple[str, str | None]] = []
+    cloud.messenger.reject = lambda topic, kind, why, sender: refused.append((str(kind), why))  # type: ignore
+    topic = topics.cell_report(cfg.run.name, "c1")
+
+    def push(signer: str) -> bytes:
+        m = Messenger(hub.connect(signer), cfg.run.name, signer, trust=Trust(signer, ring.private[signer], ring.public))
+        m.session = "job.0"
+        return bytes(m.frame("cell_report", Payload({"weight": 1.0}), round=0, cell="c1", topic=topic))
+
+    for _ in range(2):
+        cloud._on_report(topic, push("c0"))
+    assert cloud._waiting.get("c1", 0) == 0 and len(refused) == 2, (cloud._waiting, refused)
+    cloud._on_report(topic, push("c1"))
+    assert cloud._waiting["c1"] == 1 and len(refused) == 2, (cloud._waiting, refused)

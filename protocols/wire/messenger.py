@@ -285,6 +285,12 @@ class Messenger:
             return None
         return Incoming(topic, header, payload, len(data), Received(shared.data, shared.start), repeat)
 
+    def authentic(self, topic: str, data: bytes | Segments, kinds: tuple[str, ...] | None = None) -> Header:
+        """``data``'s header once :meth:`receive` would accept it (well formed, of this run, of ``kinds``, signed by a
+        known peer where messages are signed), its payload not decoded and the message not taken as seen (a caller
+        deciding whose it is before it handles it later); :class:`WireError` otherwise."""
+        return self._accepted(topic, data, kinds)[0]
+
     def _accepted(self, topic: str, data: bytes | Segments, kinds: tuple[str, ...] | None) -> tuple[Header, memoryview]:
         """``data``'s header and payload once the message is valid for this node: well formed, of this run, of
         ``kinds``, signed by a known peer where messages are signed (:class:`WireError` otherwise)."""
