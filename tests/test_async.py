@@ -1653,3 +1653,28 @@ def test_pushes_on_a_cells_topic_signed_by_another_cell_take_none_of_its_waiting
     assert cloud._waiting.get("c1", 0) == 0 and len(refused) == 2, (cloud._waiting, refused)
     cloud._on_report(topic, push("c1"))
     assert cloud._waiting["c1"] == 1 and len(refused) == 2, (cloud._waiting, refused)
+
+
+def test_every_kept_acknowledgement_of_a_waiting_push_goes_at_a_refusal_and_at_the_jobs_end(tmp_path):
+    """c1's pushes past its share wait behind the version: the first keeps its acknowledgement (``UNACKED_PER_CELL``),
+    the next waits acknowledged, one past ``take_per_cell`` waiting is refused with none kept. The job then fails
+    (a ``--serve`` cloud's loop goes on): each waiting push comes back to a finished job and its kept acknowledgement
+    goes (else the broker holds it in the cloud's in-flight window for ever)."""
+    from cloud.node import build_cloud
+    from protocols.transport.memory import MemoryHub
+
+    cfg = small_config(tmp_path, algorithm=_PUSHING)
+    hub = MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), cfg.build_algorithm(cfg.model_spec((64,), 10)))
+    cloud.take_per_cell = 2
+    cloud._over_share = lambda cell: not cloud.finished  # type: ignore[method-assign]  # (its share taken)
+    kept, acked = [], []
+    cloud.transport.keep_ack = lambda: kept.append(1) or (lambda: acked.append(1))  # type: ignore[method-assign]
+    topic = topics.cell_report(cfg.run.name, "c1")
+    cloud.start()
+    for _ in range(3):
+        cloud._on_report(topic, b"push")
+    assert cloud._waiting == {"c1": 2} and len(kept) == 1 and cloud._unacked == {"c1": 1}, (cloud._waiting, kept)
+    cloud.fail("a test ends the job")
+    hub.loop.run()
+    assert acked == [1] and cloud._unacked == {"c1": 0} and cloud._waiting == {"c1": 0}, (acked, cloud._unacked)
