@@ -58,6 +58,8 @@ def small_config(tmp_path: Path, **sections: dict[str, Any]) -> RunConfig:
         "data": {"dataset": "digits", "partition": "iid"},
         "runtime": {"device_deadline": 5.0},
     }
+    if sections.get("model", {}).get("name", "mlp") != "mlp" and "hidden" not in sections["model"]:
+        del data["model"]["hidden"]  # the default's mlp width shapes no other model (refused if set)
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return parse_config(data)

@@ -101,6 +101,24 @@ def test_a_partition_key_another_partition_never_reads_is_refused(data, needs):
     parse_config({"data": {"partition": "dirichlet", "alpha": 0.1, "shards_per_device": 2}})  # 2: the default
 
 
+@pytest.mark.parametrize(
+    "model, needs",
+    [
+        ({"name": "cnn", "hidden": [64]}, "model.hidden = [64] has no effect with name = 'cnn': it shapes 'mlp'"),
+        ({"name": "logreg", "fc": 10}, "model.fc = 10 has no effect with name = 'logreg': it shapes 'cnn'"),
+        ({"channels": [8, 8]}, "model.channels = [8, 8] has no effect with name = 'mlp': it shapes 'cnn' | 'cnn4'"),
+    ],
+)
+def test_a_model_key_another_model_reads_is_refused(model, needs):
+    """``hidden = [64]`` with ``name = "cnn"`` trained the default CNN: the user thought its width was set."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"model": model})
+    assert needs in str(err.value)
+    # at their defaults (a run folder's full config.toml writes every key) they are taken
+    parse_config({"model": {"name": "cnn", "hidden": [200, 200], "channels": [8, 8], "fc": 0}})
+    parse_config({"model": {"name": "logreg", "channels": [32, 64], "fc": 512}})
+
+
 def test_a_participation_parameter_of_another_model_is_refused_also_with_always(make_config):
     """``prob = 0.5`` with the default ``always`` ran every device every round, told nothing (the model that would
     have refused it is never built for ``always``)."""

@@ -63,6 +63,15 @@ class RunSection(Section):
         return self
 
 
+SHAPE_KEYS = frozenset({"hidden", "channels", "fc"})
+MODEL_SHAPE_KEYS = {  # the shape keys each built-in model reads (a plugin's model may read any)
+    "mlp": frozenset({"hidden"}),
+    "cnn": frozenset({"channels", "fc"}),
+    "cnn4": frozenset({"channels"}),
+    "logreg": frozenset[str](),
+}
+
+
 class ModelSection(Section):
     name: str = Field(
         default="mlp",
@@ -86,6 +95,12 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _channels_fit(self) -> ModelSection:
+        other = SHAPE_KEYS - MODEL_SHAPE_KEYS.get(self.name, SHAPE_KEYS)
+        for key in sorted(k for k in other if getattr(self, k) != type(self).model_fields[k].default):
+            # set for another model: ignoring it silently trains a model the user did not describe
+            owners = " | ".join(repr(m) for m, keys in MODEL_SHAPE_KEYS.items() if key in keys)
+            value = list(v) if isinstance(v := getattr(self, key), tuple) else v
+            raise ValueError(f"model.{key} = {value} has no effect with name = {self.name!r}: it shapes {owners}")
         need = CHANNEL_WIDTHS.get(self.name)
         if need is not None and len(self.channels) != need:
             raise ValueError(f"model.channels: {self.name} needs {need} widths, got {list(self.channels)}")
