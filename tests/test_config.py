@@ -29,6 +29,7 @@ def test_examples_are_valid():
         ({"run": {"rounds": 0}}, "run.rounds"),
         ({"run": {"colour": "red"}}, "run.colour: unknown key"),
         ({"nonsense": {}}, "nonsense: unknown key"),
+        ({"job": {"id": "a"}}, "job: a [job] section makes this a job file, for a federation: `fedtier submit"),
         ({"topology": {"cells": 0}}, "topology.cells"),
         ({"algorithm": {"name": "fedavg", "lr": -0.1}}, "algorithm.lr"),
         ({"algorithm": {"name": "fedavg", "momentum_typo": 0.9}}, "algorithm.momentum_typo: unknown key"),

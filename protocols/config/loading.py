@@ -27,6 +27,12 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     modules = run.get("plugins", []) if isinstance(run, dict) else []
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
         raise ConfigError(f"run.plugins: a list of module names, not {modules!r:.60}")  # "abc": 3 imports
+    if isinstance(data, dict) and "job" in data:  # was "job: unknown key": say what the file is
+        raise ConfigError(
+            "job: a [job] section makes this a job file, for a federation: `fedtier submit FILE --config "
+            "config.toml` from the operator bundle queues it; fedtier sim, run and the nodes take a run config "
+            "(without [job])"
+        )
     try:
         load_plugins(modules)
     except plugins.PluginError as exc:
