@@ -68,6 +68,13 @@ def load_run(path: str | Path) -> RunData:
     rounds = sorted((r for r in records if isinstance(r, RoundRecord)), key=lambda r: r.round)
     cells = sorted((r for r in records if isinstance(r, CellRecord)), key=lambda r: (r.round, r.edge_round, r.cell))
     if not rounds:
+        jobs = runfiles.cell_jobs(path)
+        if jobs:  # fedtier cell --serve's job folder: was "no cloud round records in metrics.jsonl", for a job done
+            whose = ", ".join(sorted({j["cell"] for j in jobs}))
+            raise ValueError(
+                f"{path}: cell {whose}'s job folder (job {jobs[0]['job']}): its own aggregation records only; "
+                "the job's rounds, which a report plots, are in the cloud's job folder"
+            )
         raise ValueError(f"{path}: no cloud round records in {runfiles.METRICS}")
     name, algorithm = rounds[0].run or path.name, cells[0].algorithm if cells else "?"
     config = path / runfiles.CONFIG

@@ -520,6 +520,8 @@ def test_the_monitor_on_a_cells_own_job_folder_says_whose_it_is_and_how_the_job_
     assert "silent" not in res.output.lower(), res.output  # its records are old: the job ended, the cell is not silent
     res = CliRunner().invoke(main, ["monitor", str(folder), "--exit-when-done", "--refresh", "0.05"])
     assert res.exit_code == 3, res.output
+    res = CliRunner().invoke(main, ["report", str(folder)])  # it said "no cloud round records in metrics.jsonl"
+    assert res.exit_code == 1 and "cell c0's job folder (job B)" in res.output, res.output
     (folder / runfiles.METRICS).write_text("")  # a folder the cloud writes to as well: a run folder, not a cell's
     assert RunDirFollower(folder).cell_folder() == []
 
