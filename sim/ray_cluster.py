@@ -18,6 +18,9 @@ log = logging.getLogger("fedtier.sim")
 
 CONNECT_S = 10.0  # the cluster's address must accept a connection within this
 INSTALL = "pip install 'fedtier[ray]'"
+STALE = (  # ray start's record (/tmp/ray/ray_current_cluster) outlives a cluster that died without `ray stop`
+    '; if that cluster is gone, `ray stop` forgets it, or runtime.ray_address = "local" starts a local Ray'
+)
 
 
 def import_ray() -> Any:
@@ -61,9 +64,10 @@ def cluster_address(configured: str | None) -> str | None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()
     except (OSError, ValueError) as exc:
+        stale = "" if configured or os.environ.get("RAY_ADDRESS") else STALE
         raise ConfigError(
             f"{_source(configured)}: no Ray cluster answers at {target} within {CONNECT_S:g} s ({exc}); "
-            "start its head with `ray start --head` (or set runtime.ray_address to its address)"
+            f"start its head with `ray start --head` (or set runtime.ray_address to its address){stale}"
         ) from None
     return target
 

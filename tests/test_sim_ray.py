@@ -73,6 +73,24 @@ def test_an_address_nothing_answers_at_fails_in_seconds_naming_it(make_config, m
     assert time.monotonic() - t0 < 30
 
 
+def test_a_ray_start_record_that_outlived_its_cluster_says_how_to_run_on_a_local_ray(monkeypatch):
+    """No address set and no RAY_ADDRESS: Ray joins the cluster `ray start` recorded on this machine, a record that
+    outlives a cluster that died without `ray stop` (walked: /tmp/ray/ray_current_cluster named a long-gone head, and
+    fedtier sim said only to start one). The refusal says how to forget it, and "local" is a local Ray."""
+    services = pytest.importorskip("ray._private.services")
+    from sim.ray_cluster import cluster_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    dead = f"127.0.0.1:{free_port_run(1)}"  # nothing listens there
+    real = services.canonicalize_bootstrap_address
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda a, *_: dead if a is None else real(a))
+    with pytest.raises(ConfigError, match=rf"started on this machine \(ray start\): no Ray cluster answers at {dead}"):
+        cluster_address(None)
+    with pytest.raises(ConfigError, match='`ray stop` forgets it, or runtime.ray_address = "local" starts a local Ray'):
+        cluster_address(None)
+    assert cluster_address("local") is None  # a new local instance, whatever the record says
+
+
 def test_ray_actors_are_byte_identical(make_config, local_ray):
     """Two Ray actors train the devices: the run is the one-process run, byte for byte, records included."""
     inline = run_simulation(make_config(run={"rounds": 2}), write_output=False)

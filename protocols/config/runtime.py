@@ -157,8 +157,8 @@ class RuntimeSection(Section):
     ray_address: str | None = Field(
         default=None,
         description="sim_backend = ray: the cluster to join (HEAD:6379 from a node of it, auto: the one ray start "
-        "began here; ray://HEAD:10001, Ray Client, from elsewhere); none: RAY_ADDRESS, else a cluster ray start began "
-        "on this machine, else a new local Ray instance",
+        "began here; ray://HEAD:10001, Ray Client, from elsewhere; local: a new local Ray instance); none: "
+        "RAY_ADDRESS, else a cluster ray start began on this machine, else a new local Ray instance",
     )
     engine: Literal["device", "cohort"] = Field(
         default="device",
