@@ -384,6 +384,11 @@ def test_example_config_runs_and_export_cli(tmp_path):
     from edge_agent.onnx_trainer import build_onnx_trainer
 
     assert list(build_onnx_trainer(out).get_params()) == ["fc1.weight", "fc1.bias", "out.weight", "out.bias"]
+    # an algorithm whose devices take gradients: no agent could train the file (it was written, "start agents with
+    # --backend onnx", and each such agent then refused the job)
+    res = CliRunner().invoke(main, ["export", str(REPO / "examples" / "quickstart.toml"), "--out", str(out) + "2"])
+    assert res.exit_code == 2 and "fedtier export: forward-only (onnxruntime) devices need" in res.output, res.output
+    assert not Path(str(out) + "2").exists()
 
 
 def test_emulation_over_mqtt_with_an_onnx_device_is_bit_identical_to_sim(make_config, tmp_path):
