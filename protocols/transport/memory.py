@@ -86,6 +86,7 @@ class MemoryHub:
         self._wild: dict[tuple[int, str], dict[int, _Sub]] = {}  # literal prefix -> wildcard subscriptions
         self._by_client: dict[str, dict[int, _Sub]] = {}
         self._routes: dict[str, list[_Sub]] = {}  # topic -> _matching's answer, until a subscription changes
+        self._reached: dict[str, frozenset[int | None]] = {}  # topic -> the sides of its subscribers (likewise)
         self._retained: dict[str, bytes] = {}
         self._retained_under: dict[str, dict[str, None]] = {}  # parent topic -> its retained topics, in order
         self._clients: dict[str, MemoryTransport] = {}
@@ -108,9 +109,21 @@ class MemoryHub:
         found = self._routes.get(topic)
         if found is None:
             if len(self._routes) >= MAX_ROUTES:
-                self._routes.clear()
+                self._forget_routes()
             found = self._routes[topic] = self._match(topic)
         return found
+
+    def _sides_reached(self, topic: str) -> frozenset[int | None]:
+        """The sides of the clients subscribed to ``topic`` (kept as :meth:`_matching`'s answer is)."""
+        sides = self._reached.get(topic)
+        if sides is None:
+            sides = self._reached[topic] = frozenset(sub.side for sub in self._matching(topic))
+        return sides
+
+    def _forget_routes(self) -> None:
+        """Drop the routes kept (a subscription changed, or too many topics were kept)."""
+        self._routes.clear()
+        self._reached.clear()
 
     def _match(self, topic: str) -> list[_Sub]:
         exact = self._exact.get(topic)
@@ -127,19 +140,18 @@ class MemoryHub:
                 found.sort(key=lambda s: s.seq)
         return found
 
-    def _route(self, topic: str, payload: bytes | Segments, retain: bool, sender: str) -> None:
-        """A message ``sender`` published here: shown to the :attr:`tap`, then delivered (:meth:`inject`), to the
-        other side's clients when its turn comes."""
+    def _route(self, topic: str, payload: bytes | Segments, retain: bool, sender: str, side: int | None) -> None:
+        """A message ``sender`` (of ``side``: :attr:`side_of`'s, as its transport keeps it) published here: shown to
+        the :attr:`tap`, then delivered (:meth:`inject`), to the other side's clients when its turn comes."""
         if self.tap is not None:
             self.tap(topic, payload, retain, sender)
         if self.side_of is None:
             self.inject(topic, payload, retain)
             return
-        side = self.side_of(sender)
         side = self.loop.acting_side if side is None else side
         self.inject(topic, payload, retain, side)
         other = MAIN if side == CELLS else CELLS
-        if any(sub.side == other for sub in self._matching(topic)):  # (retained once, here and now)
+        if other in self._sides_reached(topic):  # (retained once, here and now)
             self.loop.cross(other, sender, lambda: self.inject(topic, payload, False, other, crossed=True))
 
     def inject(
@@ -197,11 +209,10 @@ class MemoryHub:
             return list(self._retained_under.get(pattern[:-2], ()))
         return [t for t in self._retained if topic_matches(pattern, t)]
 
-    def _subscribe(self, client_id: str, pattern: str, handler: Handler, segments: bool = False) -> None:
-        self._routes.clear()
+    def _subscribe(self, client_id: str, pattern: str, handler: Handler, segments: bool, side: int | None) -> None:
+        self._forget_routes()
         key = _literal_key(pattern)
         group = self._exact.setdefault(pattern, {}) if key is None else self._wild.setdefault(key, {})
-        side = self.side_of(client_id) if self.side_of is not None else MAIN
         sub = _Sub(next(self._seq), client_id, pattern, handler, group, segments, side)
         group[sub.seq] = sub
         self._by_client.setdefault(client_id, {})[sub.seq] = sub
@@ -212,7 +223,7 @@ class MemoryHub:
         mine = self._by_client.get(client_id)
         if not mine:
             return
-        self._routes.clear()
+        self._forget_routes()
         for seq, sub in list(mine.items()):
             if pattern is None or sub.pattern == pattern:
                 del mine[seq], sub.group[seq]
@@ -247,6 +258,8 @@ class MemoryTransport(Transport):
     def __init__(self, hub: MemoryHub, client_id: str, will: Will | None) -> None:
         self.hub, self.client_id, self.loop, self._will = hub, client_id, hub.loop, will
         self._open = True
+        self.side = hub.side_of(client_id) if hub.side_of is not None else MAIN
+        """Its side of the hub's loop (:attr:`MemoryHub.side_of`, asked once: a publish routes by it)."""
 
     def publish(
         self, topic: str, payload: bytes | memoryview | Segments, *, qos: int = 1, retain: bool = False
@@ -256,13 +269,15 @@ class MemoryTransport(Transport):
         an immutable shared payload), else a copy of it."""
         if self._open:
             if isinstance(payload, Segments):
-                self.hub._route(topic, payload, retain, self.client_id)
+                self.hub._route(topic, payload, retain, self.client_id, self.side)
             else:
-                self.hub._route(topic, payload if frozen(payload) else bytes(payload), retain, self.client_id)
+                self.hub._route(
+                    topic, payload if frozen(payload) else bytes(payload), retain, self.client_id, self.side
+                )
 
     def subscribe(self, pattern: str, handler: Handler, *, qos: int = 1, segments: bool = False) -> None:
         if self._open:
-            self.hub._subscribe(self.client_id, pattern, handler, segments)
+            self.hub._subscribe(self.client_id, pattern, handler, segments, self.side)
 
     def unsubscribe(self, pattern: str) -> None:
         self.hub._unsubscribe(self.client_id, pattern)
@@ -287,7 +302,7 @@ class MemoryTransport(Transport):
         if self._open:
             self._detach()
             if self._will is not None:
-                self.hub._route(self._will.topic, self._will.payload, self._will.retain, self.client_id)
+                self.hub._route(self._will.topic, self._will.payload, self._will.retain, self.client_id, self.side)
 
 
 def frozen(data: bytes | memoryview) -> TypeGuard[bytes]:
