@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .wire.payload import Payload, all_finite
+from .wire.payload import Payload, all_finite, known_squares
 from .wire.topics import check_name
 
 _N = TypeVar("_N", int, float)
@@ -75,14 +75,18 @@ def diverged_reason(result: Payload) -> str | None:
 
 def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
     """The L2 norm of an update's floating-point tensors: one BLAS pass a tensor (``np.vdot``, ~25 us a 800 KB
-    float32 tensor), summed in float64 again for a tensor whose float32 sum of squares overflowed (values near the
-    float32 maximum); ``inf`` for one that is not finite. A ranking of updates, not a figure to 7 digits."""
+    float32 tensor; none for a received result's tensor whose sum of squares the wire's finiteness check took,
+    :func:`~protocols.wire.payload.known_squares`), summed in float64 again for a tensor whose float32 sum of squares
+    overflowed (values near the float32 maximum); ``inf`` for one that is not finite. A ranking of updates, not a
+    figure to 7 digits."""
     total = 0.0
     for t in tensors.values():
         if t.dtype.kind != "f":
             continue
         if t.dtype.char in "fd" and t.dtype.isnative and t.flags.c_contiguous:
-            squares = float(np.vdot(t, t))
+            squares = known_squares(t)  # the wire's finiteness check of a received result took it
+            if squares is None:
+                squares = float(np.vdot(t, t))
             if math.isfinite(squares) or t.dtype.char == "d":
                 total += squares
                 continue

@@ -113,6 +113,23 @@ def test_checked_views_are_known_finite_and_nothing_else_is() -> None:
     check_like({"x": good}, {"x": x})
 
 
+def test_a_received_results_update_norm_takes_the_decoders_sum_of_squares_with_the_same_bits() -> None:
+    """The cell's update norm of each result it aggregates (``largest_updates``) reuses the sum of squares the
+    decoder's finiteness check took of a checked view, instead of reading the result again: the same bits as
+    summing it afresh; a copy, a slice or an unchecked view is summed for real."""
+    from protocols.divergence import update_norm
+    from protocols.wire.payload import known_squares
+
+    rng = np.random.default_rng(5)
+    sent = {"w": rng.normal(size=(200, 784)).astype(np.float32), "b": rng.normal(size=200).astype(np.float64)}
+    got = decode_payload(encode_payload(Payload({}, sent)), views=True).tensors
+    assert known_squares(got["w"]) == float(np.vdot(sent["w"], sent["w"]))
+    assert update_norm(got) == update_norm({k: v.copy() for k, v in got.items()})
+    assert known_squares(got["w"][1:]) is None and known_squares(got["w"].copy()) is None
+    unchecked = decode_payload(encode_payload(Payload({}, sent)), views=True, require_finite=False).tensors
+    assert known_squares(unchecked["w"]) is None and update_norm(unchecked) == update_norm(got)
+
+
 def test_known_finite_entries_leave_with_their_arrays() -> None:
     import gc
 

@@ -128,25 +128,35 @@ def payload_size(payload: Payload) -> int:
     return parts_size(payload_parts(payload))
 
 
-_FINITE: dict[int, weakref.ReferenceType[np.ndarray]] = {}
-"""id -> array, for the arrays :func:`decode_payload` checked finite that can never change (read-only views of
-a message's immutable bytes): :func:`all_finite` answers True for them without reading them again (a cell's
-role checks each result against its model, after the wire checked it). Entries leave with their arrays."""
+_FINITE: dict[int, tuple[weakref.ReferenceType[np.ndarray], float | None]] = {}
+"""id -> (array, its sum of squares or None), for the arrays :func:`decode_payload` checked finite that can never
+change (read-only views of a message's immutable bytes): :func:`all_finite` answers True for them without reading
+them again (a cell's role checks each result against its model, after the wire checked it), and
+:func:`known_squares` gives the sum of squares that check took (a cell's update norm of a result,
+``protocols.divergence.update_norm``). Entries leave with their arrays."""
 
 
-def _remember_finite(arr: np.ndarray) -> None:
+def _remember_finite(arr: np.ndarray, squares: float | None) -> None:
     key = id(arr)
 
     def forget(ref: weakref.ReferenceType[np.ndarray], key: int = key) -> None:
-        if _FINITE.get(key) is ref:  # (runs as the array dies, before its id can be reused)
+        entry = _FINITE.get(key)
+        if entry is not None and entry[0] is ref:  # (runs as the array dies, before its id can be reused)
             del _FINITE[key]
 
-    _FINITE[key] = weakref.ref(arr, forget)
+    _FINITE[key] = (weakref.ref(arr, forget), squares)
 
 
 def _known_finite(arr: np.ndarray) -> bool:
-    ref = _FINITE.get(id(arr))
-    return ref is not None and ref() is arr
+    entry = _FINITE.get(id(arr))
+    return entry is not None and entry[0]() is arr
+
+
+def known_squares(arr: np.ndarray) -> float | None:
+    """``float(np.vdot(arr, arr))`` as :func:`decode_payload` took it when it checked ``arr`` finite (a view it
+    remembers: the same bits as summing it again), else ``None``: a caller's pass of it saved."""
+    entry = _FINITE.get(id(arr))
+    return entry[1] if entry is not None and entry[0]() is arr else None
 
 
 def all_finite(arr: np.ndarray) -> bool:
@@ -160,13 +170,19 @@ def all_finite(arr: np.ndarray) -> bool:
     :func:`decode_payload` checked (immutable, see ``_FINITE``) is answered without reading it again."""
     if arr.size == 0 or (not arr.flags.writeable and _known_finite(arr)):
         return True
+    return _finite_squares(arr)[0]
+
+
+def _finite_squares(arr: np.ndarray) -> tuple[bool, float | None]:
+    """:func:`all_finite`'s check of a non-empty array, and the finite sum of squares it took (``None``: none)."""
     if arr.dtype.char in "fd" and arr.dtype.isnative and arr.flags.c_contiguous:  # float32/64 for BLAS
         try:
-            if math.isfinite(np.vdot(arr, arr)):  # (math's: numpy's costs 1.6 us on a scalar)
-                return True
+            squares = float(np.vdot(arr, arr))
+            if math.isfinite(squares):  # (math's: numpy's costs 1.6 us on a scalar)
+                return True, squares
         except FloatingPointError:  # only where a caller made numpy raise: the exact check decides
             pass
-    return bool(np.isfinite(arr.min()) and np.isfinite(arr.max()))
+    return bool(np.isfinite(arr.min()) and np.isfinite(arr.max())), None
 
 
 _U32, _U16, _BB = struct.Struct("<I"), struct.Struct("<H"), struct.Struct("<BB")
@@ -297,10 +313,11 @@ def immutable(arr: np.ndarray) -> bool:
 def _finite(arr: np.ndarray, name: str, read: bool, remember: bool) -> None:
     """``decode_payload``'s finiteness of a float tensor: ``read`` it (:class:`WireError` if not finite), or take
     it as checked by its sender; ``remember`` it as finite (a view of immutable bytes: checked once for good)."""
-    if read and not all_finite(arr):
+    finite, squares = _finite_squares(arr) if read and arr.size else (True, None)
+    if not finite:
         raise WireError(RejectKind.NON_FINITE, f"tensor {name!r} has non-finite values")
     if remember:
-        _remember_finite(arr)
+        _remember_finite(arr, squares)
 
 
 def _decode_meta(buf: memoryview, end: int) -> tuple[dict[str, Any], int]:
