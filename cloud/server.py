@@ -20,7 +20,7 @@ from protocols.records import TIERS
 from protocols.rejections import Rejected
 from protocols.session import encode_manifest, new_session
 from protocols.state import MAX_WAITING, publish_state
-from protocols.status import decode_status, encode_status
+from protocols.status import between_jobs_status, decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Incoming, Messenger
@@ -201,12 +201,13 @@ class CloudServer:
         """``fn`` as a handler or timer of this cloud: an exception in it (a bug) fails the job."""
         return guarded(fn, self.fail, f"cloud: {what}")
 
-    def stop(self) -> None:
+    def stop(self, idle: bool = False) -> None:
+        """Say offline (retained; ``idle``: a long-lived cloud's job ended, it waits for the next), disconnect."""
         self.loop.cancel(self._timer)
         self.loop.cancel(self._start_timer)
         if self.transport.connected:
             status = topics.status(self.run, "cloud")
-            self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
+            self.transport.publish(status, between_jobs_status(status, self.trust, idle=idle), retain=True)
             if self.finished:  # the job is over: its session (the node's next connection) drops the job's topics
                 for pattern in topics.cloud_job_patterns(self.run):
                     self.transport.unsubscribe(pattern)

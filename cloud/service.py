@@ -223,7 +223,7 @@ class CloudService:
             # no job in progress: a node (re)started now waits for the next one, not the one just ended
             transport.publish(topics.current_job(self.fed), b"", retain=True)
             self._publish_list(transport)
-        node.stop()
+        node.stop(idle=not self.stopping.is_set())
         return True
 
     def _folder(self, job: str) -> Path:

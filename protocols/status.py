@@ -94,11 +94,16 @@ def idle_status(topic: str, trust: Trust | None, **extra: Any) -> bytes:
     return encode_status(IDLE, topic=topic, trust=trust, caps=dict(machine_caps()), **extra)
 
 
+def between_jobs_status(topic: str, trust: Trust | None, *, idle: bool, **extra: Any) -> bytes:
+    """A node's status as a job's connection closes: idle when a long-lived node waits for the next job (said at
+    once: "offline" until its next connection said idle read as a stopped node), offline as it stops (a clean
+    disconnect does not fire its will)."""
+    return idle_status(topic, trust, **extra) if idle else encode_status("offline", topic=topic, trust=trust, **extra)
+
+
 def between_jobs(transport: Transport, topic: str, trust: Trust | None, *, idle: bool, **extra: Any) -> None:
-    """Publish (retained) a long-lived node's status between jobs: idle while it waits for one, offline as
-    it stops (a clean disconnect does not fire its will)."""
-    record = idle_status(topic, trust, **extra) if idle else encode_status("offline", topic=topic, trust=trust, **extra)
-    transport.publish(topic, record, retain=True)
+    """Publish (retained) a long-lived node's :func:`between_jobs_status`."""
+    transport.publish(topic, between_jobs_status(topic, trust, idle=idle, **extra), retain=True)
 
 
 def idle_while(

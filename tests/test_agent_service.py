@@ -279,16 +279,22 @@ def test_long_lived_services_free_each_past_jobs_objects_without_waiting_for_the
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
-def test_the_long_lived_cloud_frees_each_past_jobs_connection_at_the_jobs_end(tmp_path: Path) -> None:
+def test_the_long_lived_cloud_frees_each_past_jobs_connection_and_says_idle_not_offline_between_jobs(
+    tmp_path: Path,
+) -> None:
     """`fedtier cloud --serve` grew 18.5-20.3 kB of RSS a job (a provisioned fleet in processes of their own, 40
     jobs): a job's connection (closed at the job's end: the next job gets a new one) and what hangs off it are garbage
     in reference cycles that the process's few allocations seldom collect. The cloud service collects at each job's
     end now (7.0-7.6 kB a job). With the collector's automatic runs off, the cloud's closed connections of past jobs
     are gone by the time it opens the next (the last one's may linger a moment: a loop callback queued
-    before it closed holds it); before, one more stayed a job."""
+    before it closed holds it); before, one more stayed a job. A job's server said the cloud offline as it closed
+    its connection, until the next connection said idle: `fedtier jobs` then warned "the cloud is offline"; it says
+    idle at once, and offline only when the service stops."""
     from cloud.jobs import Job, JobQueue
     from protocols.jobs import OPERATOR, canonical_job, config_hash
+    from protocols.status import decode_status
     from protocols.transport.mqtt import MqttTransport
+    from protocols.wire import topics
 
     fed = small_config(tmp_path, run={"name": "fed"})
     queue = JobQueue(tmp_path / "jobs.json")
@@ -310,6 +316,13 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_at_the_jobs_end(tm
         service = CloudService(
             fed, loop, connect, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
         )
+        states: list[str] = []  # the cloud's status, as an operator's command reads it
+        watch_loop = ThreadLoop("watch")
+        watch_loop.start()
+        watch = MqttTransport.from_url(broker.url, "watch", watch_loop).connect(10.0)
+        watch.subscribe(
+            topics.status(fed.run.name, "cloud"), lambda t, d: d and states.append(decode_status(d, t)["state"])
+        )
         thread = threading.Thread(target=service.serve, name="cloud-service", daemon=True)
         thread.start()
         counts: list[int] = []
@@ -327,7 +340,11 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_at_the_jobs_end(tm
             gc.enable()
             service.stop()
             thread.join(10)
+        assert wait_until(lambda: states[-1:] == ["offline"], 10.0), states  # the service stopped
+        watch.close()
+        watch_loop.stop()
     assert [queue.get(f"j{j}").state for j in range(3)] == ["cancelled"] * 3  # type: ignore[union-attr]
+    assert states.count("online") == 3 and states.index("offline") == len(states) - 1, states  # before: at each end
     # the new job's connection and at most the last job's (a loop callback queued before it closed may hold it a
     # moment: 1 or 2); before, one more a job ([2, 3, 4])
     assert max(counts) <= 2, counts
