@@ -47,8 +47,8 @@ BAD = {
     "header past the end": struct.pack("<I", 99) + b"{}",
     "not json": struct.pack("<I", 3) + b"{x}",
     "a list header": frame({}).replace(b"{}", b"[]"),
-    "a message past the body": frame({"next": None, "msgs": [["fedtier/t/up", 10, False]]}, b"12345"),
-    "bytes past its messages": message_frame({"next": None}, [("fedtier/t/up", b"12345", False)]) + b"!",
+    "a message past the body": frame({"next": None, "msgs": [["fedtier/t/up", 10, False, "c0"]]}, b"12345"),
+    "bytes past its messages": message_frame({"next": None}, [("fedtier/t/up", b"12345", False, "c0")]) + b"!",
     "a bad next": message_frame({"next": "soon"}, []),
 }
 
