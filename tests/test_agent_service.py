@@ -126,8 +126,9 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
     assert len(fds) == JOBS
     # After the first job (its connections made): flat, where the spare's leak was 3 a job (jobs 4-5 would be 6 or
     # more above jobs 2-3). The lower of each pair: a job's end may find the previous job's 3 descriptors of the
-    # cloud and cell in this process not closed yet, once (seen 2 runs in 42: [25, 25, 28, 25, 26]).
-    assert min(fds[-2:]) - min(fds[1:3]) < 3, fds
+    # cloud and cell in this process not closed yet (seen 2 runs in 42: [25, 25, 28, 25, 26]), at both of jobs 4-5
+    # once (CI: [25, 28, 25, 28, 28]): so less than 6, what one such set can add and the leak cannot stay under
+    assert min(fds[-2:]) - min(fds[1:3]) < 6, fds
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
