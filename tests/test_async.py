@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -444,15 +445,46 @@ def test_an_async_cell_whose_pushes_are_too_stale_is_sent_the_current_version(tm
     ]
 
 
+class _Killed(Exception):
+    """The async cloud's process ends here (its report handler catches it: the in-memory loop goes on)."""
+
+
+def _dies_after_journaling(sim: SimHierarchy, version: int, restart: Callable[[], None], after: float) -> list[Any]:
+    """Make ``sim``'s async cloud die (crashed, stopped) just after it journals a push of ``version``, once, and call
+    ``restart`` ``after`` seconds later; returns the list the dying push's cell is appended to."""
+    cloud, killed = sim.cloud, []
+    taken = cloud.journal.taken
+
+    def dies_after(v: int, topic: str, data: bytes) -> None:
+        taken(v, topic, data)
+        if v == version and not killed:  # journaled, not yet counted: the cloud dies
+            killed.append(topic.split("/")[-2])
+            cloud.transport.crash()
+            cloud.stop()
+            sim.hub.loop.call_later(after, restart)
+            raise _Killed
+
+    cloud.journal.taken = dies_after  # type: ignore[method-assign]
+    _survives_its_death(cloud)
+    return killed
+
+
+def _survives_its_death(cloud: Any) -> None:
+    """``cloud``'s report handler catches the :class:`_Killed` its process ended with."""
+    on_report = cloud._on_report
+
+    def report(topic: str, data: bytes) -> None:
+        with contextlib.suppress(_Killed):
+            on_report(topic, data)
+
+    cloud._on_report = report  # type: ignore[method-assign]
+
+
 def test_a_killed_async_cloud_resumes_its_version_with_the_pushes_it_had_buffered(tmp_path):
     """In memory, virtual clock: the async cloud dies just after it journaled a push of version 3 (buffer 3: the
     push waits in the buffer), and comes back 2 s later with --resume: it continues at version 3 with that push
     buffered again (so version 3 applies it), keeps its session, and every version is recorded once. Before,
     `fedtier cloud --resume` under algorithm.mode = "async" was refused."""
-
-    class Killed(Exception):
-        pass
-
     cfg = small_config(
         tmp_path,
         run={"rounds": 6},
@@ -460,19 +492,8 @@ def test_a_killed_async_cloud_resumes_its_version_with_the_pushes_it_had_buffere
         clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
     )
     sim = SimHierarchy(cfg)
-    first, killed = sim.cloud, []
+    first = sim.cloud
     session = first.session
-    taken = first.journal.taken
-
-    def dies_after(version: int, topic: str, data: bytes) -> None:
-        taken(version, topic, data)
-        if version == 3 and not killed:  # journaled, not yet counted: the cloud dies
-            killed.append(topic.split("/")[-2])
-            first.transport.crash()
-            first.stop()
-            sim.hub.loop.call_later(2.0, restart)
-            raise Killed  # the process ends here (caught below: the in-memory loop goes on)
-
     offered: list[tuple[int, str, float]] = []  # (version, cell, clock) of each push the resumed cloud buffers
 
     def restart() -> None:
@@ -485,14 +506,7 @@ def test_a_killed_async_cloud_resumes_its_version_with_the_pushes_it_had_buffere
         killed.append(sim.hub.loop.now())
         again.start()
 
-    first.journal.taken = dies_after  # type: ignore[method-assign]
-    on_report = first._on_report
-
-    def report(topic: str, data: bytes) -> None:
-        with contextlib.suppress(Killed):
-            on_report(topic, data)
-
-    first._on_report = report  # type: ignore[method-assign]
+    killed = _dies_after_journaling(sim, 3, restart, 2.0)
     result = sim.run()
     resumed = sim.cloud
     assert killed and resumed is not first and resumed.resumed and resumed.session == session
@@ -514,9 +528,6 @@ def test_a_resumed_async_cloud_takes_its_journaled_pushes_before_those_its_broke
     which went into version 4 instead, journaled nowhere (a second crash lost it); and the versions made before the
     start shared one count of devices (version 4's record counted version 3's as well)."""
 
-    class Killed(Exception):
-        pass
-
     cfg = small_config(
         tmp_path,
         run={"rounds": 6},
@@ -524,17 +535,7 @@ def test_a_resumed_async_cloud_takes_its_journaled_pushes_before_those_its_broke
         clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
     )
     sim = SimHierarchy(cfg)
-    first, killed, held = sim.cloud, [], []
-    taken = first.journal.taken
-
-    def dies_after(version: int, topic: str, data: bytes) -> None:
-        taken(version, topic, data)
-        if version == 3 and not killed:  # journaled, not yet counted: the cloud dies
-            killed.append(topic.split("/")[-2])
-            first.transport.crash()
-            first.stop()
-            sim.hub.loop.call_later(2.0, restart)
-            raise Killed
+    first, held = sim.cloud, []
 
     def broker_session(topic: str, data: bytes) -> None:  # what the cloud's persistent session queues while down
         if killed and sim.cloud is first:
@@ -557,14 +558,7 @@ def test_a_resumed_async_cloud_takes_its_journaled_pushes_before_those_its_broke
         again.transport.subscribe = subscribing
         again.start()
 
-    first.journal.taken = dies_after  # type: ignore[method-assign]
-    on_report = first._on_report
-
-    def report(topic: str, data: bytes) -> None:
-        with contextlib.suppress(Killed):
-            on_report(topic, data)
-
-    first._on_report = report  # type: ignore[method-assign]
+    killed = _dies_after_journaling(sim, 3, restart, 2.0)
     result = sim.run()
     assert killed and len(held) >= 2, held  # enough held pushes to fill a version before the start
     assert offered[0] == (3, killed[0]), offered  # the journaled push first, in version 3
@@ -765,9 +759,6 @@ def test_an_async_cell_restarted_without_its_journal_after_the_cloud_resumed_ref
     stopped. Before, the resumed cloud had forgotten, c0 took the version as a first model, tasked its devices from
     version 0 again, they refused every task as a replay, and c0 stalled without a word."""
 
-    class Killed(Exception):
-        pass
-
     cfg = small_config(
         tmp_path,
         run={"rounds": 8},
@@ -776,8 +767,7 @@ def test_an_async_cell_restarted_without_its_journal_after_the_cloud_resumed_ref
     )
     sim = SimHierarchy(cfg)
     first_cell = sim.cells["c0"] = _journaled_c0(sim, samples=False, will=True)
-    cloud, killed = sim.cloud, []
-    taken = cloud.journal.taken
+    cloud = sim.cloud
 
     def restart_c0() -> None:
         for path in sim.output_dir.glob("cell-c0.journal*"):
@@ -790,24 +780,12 @@ def test_an_async_cell_restarted_without_its_journal_after_the_cloud_resumed_ref
         again.start()
         sim.hub.loop.call_later(0.5, restart_c0)
 
-    def dies_after(version: int, topic: str, data: bytes) -> None:
-        taken(version, topic, data)
-        if version == 3 and not killed:
-            killed.append(version)
-            cloud.transport.crash()
-            cloud.stop()
-            sim.hub.loop.call_later(1.0, lambda: (first_cell.transport.crash(), first_cell.stop()))
-            sim.hub.loop.call_later(2.0, restart_cloud)
-            raise Killed
+    def c0_dies_while_the_cloud_is_down() -> None:  # 1 s after the cloud, which restarts 1 s later
+        first_cell.transport.crash()
+        first_cell.stop()
+        sim.hub.loop.call_later(1.0, restart_cloud)
 
-    cloud.journal.taken = dies_after  # type: ignore[method-assign]
-    on_report = cloud._on_report
-
-    def report(topic: str, data: bytes) -> None:
-        with contextlib.suppress(Killed):
-            on_report(topic, data)
-
-    cloud._on_report = report  # type: ignore[method-assign]
+    killed = _dies_after_journaling(sim, 3, c0_dies_while_the_cloud_is_down, 1.0)
     result = sim.run()
     fresh = sim.cells["c0"]
     assert killed and sim.cloud is not cloud and fresh is not first_cell
@@ -822,9 +800,6 @@ def test_a_resumed_async_cloud_refuses_a_push_from_a_version_it_never_sent_that_
     pushes from version 2 (no staleness discount). The resumed cloud assumed every cell had been sent its version,
     and took it; now it journals the versions it sends each cell (before sending), and refuses it as never sent."""
 
-    class Killed(Exception):
-        pass
-
     cfg = small_config(
         tmp_path,
         run={"rounds": 4},
@@ -833,7 +808,7 @@ def test_a_resumed_async_cloud_refuses_a_push_from_a_version_it_never_sent_that_
         clock={"device_steps_per_s": 10.0, "latency_s": 0.01},
     )
     sim = SimHierarchy(cfg)
-    cloud, taken, claims = sim.cloud, sim.cloud.journal.taken, []
+    claims: list[tuple[str, int]] = []
 
     def claim() -> None:  # the cell not drawn for the resumed version pushes from it
         again = sim.cloud
@@ -851,22 +826,7 @@ def test_a_resumed_async_cloud_refuses_a_push_from_a_version_it_never_sent_that_
         again.start()
         claim()
 
-    def dies_after(version: int, topic: str, data: bytes) -> None:
-        taken(version, topic, data)
-        if version == 2 and sim.cloud is cloud:
-            cloud.transport.crash()
-            cloud.stop()
-            sim.hub.loop.call_later(1.0, restart_cloud)
-            raise Killed
-
-    cloud.journal.taken = dies_after  # type: ignore[method-assign]
-    on_report = cloud._on_report
-
-    def report(topic: str, data: bytes) -> None:
-        with contextlib.suppress(Killed):
-            on_report(topic, data)
-
-    cloud._on_report = report  # type: ignore[method-assign]
+    _dies_after_journaling(sim, 2, restart_cloud, 1.0)
     result = sim.run()
     ((liar, version),) = claims
     assert [h["round"] for h in result.history] == [2, 3] and version == 2  # (the resumed cloud's records)
@@ -1402,9 +1362,6 @@ def test_a_resumed_async_cloud_replays_its_journal_into_the_same_summed_buffer_a
     through the same offer: the same entries (cells, bases, weights, push counts), their sums bit for bit, and the
     version made of them bit-identical to the one the dead cloud would have made."""
 
-    class Killed(Exception):
-        pass
-
     cfg = small_config(
         tmp_path,
         run={"rounds": 6},
@@ -1422,7 +1379,7 @@ def test_a_resumed_async_cloud_replays_its_journal_into_the_same_summed_buffer_a
             first.transport.crash()
             first.stop()
             sim.hub.loop.call_later(2.0, restart)
-            raise Killed
+            raise _Killed
 
     def restart() -> None:
         sim.cloud = again = sim._build_cloud(None, resume=True)
@@ -1437,13 +1394,7 @@ def test_a_resumed_async_cloud_replays_its_journal_into_the_same_summed_buffer_a
         again.start()
 
     first.fb.offer = dies_on_a_sum  # type: ignore[method-assign]
-    on_report = first._on_report
-
-    def report(topic: str, data: bytes) -> None:
-        with contextlib.suppress(Killed):
-            on_report(topic, data)
-
-    first._on_report = report  # type: ignore[method-assign]
+    _survives_its_death(first)
     result = sim.run()
     assert dead and replayed and [h["round"] for h in result.history][-1] == 5, (dead, result.history)
     was, now = dead[0], replayed[0]
