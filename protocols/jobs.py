@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .capabilities import WIRE_VERSION
-from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config
+from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config, parse_toml
 from .failures import MAX_REASON
 from .limits import MAX_TEXT_BYTES, read_file
 from .roster import Roster, RosterError, newer_roster, roster_topic
@@ -150,7 +150,7 @@ def read_job_file(path: str | Path, job: str | None = None) -> JobRequest:
     (``id``, ``init_from``). ``job`` overrides ``[job] id``; without either the file's stem is the id."""
     path = Path(path)
     try:
-        data = tomllib.loads(read_file(path, MAX_TEXT_BYTES).decode("utf-8"))
+        data = parse_toml(read_file(path, MAX_TEXT_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise JobError(f"job file {path} does not exist") from None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
@@ -178,7 +178,7 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
     The job may not set the node-local sections (``broker``, ``security``, ``monitoring``) nor another
     topology; its run name is the federation's. Raises :class:`JobError` with today's config errors."""
     try:
-        data = tomllib.loads(config)
+        data = parse_toml(config)
     except tomllib.TOMLDecodeError as exc:
         raise JobError(f"job config is not valid TOML: {exc}") from None
     local = [s for s in NODE_LOCAL if s in data]
@@ -290,7 +290,7 @@ class CurrentJob:
         if config_hash(self.config) != self.digest:
             raise JobError(f"job {self.job}: the config does not match its hash")
         try:
-            data = tomllib.loads(self.config)
+            data = parse_toml(self.config)
             check_plugins(data, bundle, f"job {self.job}")
             cfg = parse_config(data)
         except JobError:

@@ -26,6 +26,19 @@ def loads(data: str | bytes, *, finite: bool = False) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
+def nested_deeper(value: object, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON or TOML) nests lists and objects deeper than ``limit`` (walked without
+    recursion: what a peer or a file nests is no bound on this process's stack)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        stack.extend((c, depth + 1) for c in items if isinstance(c, (dict, list)))
+    return False
+
+
 def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not allowed")
 

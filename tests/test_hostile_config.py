@@ -212,6 +212,7 @@ n = 40
         ("data.n=1000000000000", "synthetic dataset: n = 1,000,000,000,000"),
         ("model.hidden=[1000000000, 1000000000]", "model: mlp has"),
         ('runtime.onnx_model="/x.onnx"', "runtime.onnx_model = '/x.onnx': fedtier sim and run export"),  # was ignored
+        ("model.hidden=" + "[" * 2000 + "]" * 2000, "model.hidden"),  # was a RecursionError traceback
     ],
 )
 def test_fedtier_sim_refuses_hostile_overrides_with_exit_2_and_no_traceback(tmp_path, override, says):
@@ -356,6 +357,9 @@ def test_a_participation_trace_that_is_no_text_or_has_a_giant_field_is_refused_n
         ("[run]\nname = 1979-05-27T07:32:00Z\n", "a config holds no datetime values"),  # was a TypeError
         ("[job]\nid = 5\n", "job id 5 must be a string"),
         ("[job]\npriority = 1\n", "[job] may hold only id and init_from"),
+        ("[algorithm]\nx = " + "[" * 2000 + "]" * 2000, "nested deeper than 32 levels"),  # was a RecursionError
+        ("[algorithm]\nx = " + "{a = " * 2000 + "1" + "}" * 2000, "nested deeper than 32 levels"),  # (the parser's)
+        ("[" + ".".join(["a"] * 2000) + "]\nx = 1\n", "nested deeper than 32 levels"),  # (writing it back out)
     ],
 )
 def test_a_hostile_job_file_is_refused_naming_it(tmp_path, text, says):

@@ -459,3 +459,36 @@ def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_
     assert enrolled.levelno == logging.WARNING and "takes part from the next job" in enrolled.getMessage()
     assert mistyped.levelno == logging.ERROR and "c0-d9 is not a member" in mistyped.getMessage()
     assert refused.levelno == logging.ERROR and "does not match its hash" in refused.getMessage()
+
+
+def test_a_signed_job_nested_past_the_toml_parsers_limit_is_answered_refused_and_the_next_job_queued(
+    tmp_path: Path,
+) -> None:
+    """A job's config nested 2,000 arrays deep (well within the 256 KiB a job record may hold) raised RecursionError in
+    the cloud's parser: its request handler died (a traceback in its log), no reply came and `fedtier submit` waited
+    its 30 s for one; the same text in a job file or a config was a RecursionError traceback of `fedtier submit` or
+    `fedtier sim`. It is refused, answered with the reason, and the next job is queued."""
+    from cloud.service import CloudService
+    from protocols.transport.memory import MemoryHub
+
+    seeds = {n: new_seed() for n in ("cloud", OPERATOR)}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    hub, fed = MemoryHub(), federation(tmp_path)
+    queue = JobQueue(tmp_path / "jobs.json")
+    service = CloudService(
+        fed, None, lambda: None, queue, None, trust=Trust("cloud", seeds["cloud"], public), operator=public[OPERATOR]
+    )  # type: ignore[arg-type]
+    service.transport = hub.connect("cloud")
+    service.transport.subscribe(topics.job_submit("fed"), service._on_submit)
+    replies: list[dict[str, Any]] = []
+    watcher = hub.connect("operator-replies")
+    watcher.subscribe(topics.job_replies("fed"), lambda t, d: replies.append(open_job_record(d, t, "cloud", None)))
+    operator, topic = hub.connect("operator"), topics.job_submit("fed")
+    deep = "[algorithm]\nx = " + "[" * 2000 + "]" * 2000 + "\n"
+    for job, config in (("deep", deep), ("plain", "[run]\nrounds = 2\n")):
+        record = {"action": "submit", "job": job, "config": config}
+        operator.publish(topic, seal_record(record, topic, Trust(OPERATOR, seeds[OPERATOR], public).sign))
+        hub.loop.run()
+    assert [(r["job"], r["accepted"]) for r in replies] == [("deep", False), ("plain", True)], replies
+    assert "nested deeper than 32 levels" in replies[0]["reason"]
+    assert [j.job for j in queue.jobs.values()] == ["plain"]

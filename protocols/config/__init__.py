@@ -14,7 +14,7 @@ from .errors import ConfigError
 from .loading import check_forward_only, load_config, parse_config
 from .run import RunConfig, deployment_config
 from .sections import AttackSection, ClockSection, RequirementsSection, RunSection
-from .toml_io import dump_toml
+from .toml_io import dump_toml, parse_toml
 from .topology import DeviceIds, TopologySection
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "dump_toml",
     "load_config",
     "parse_config",
+    "parse_toml",
 ]

@@ -17,7 +17,7 @@ from ..limits import MAX_SECONDS, MAX_TEXT_BYTES, read_file
 from ..plugin_loading import load_plugins
 from .errors import ConfigError, format_errors
 from .run import RunConfig
-from .toml_io import apply_override
+from .toml_io import apply_override, parse_toml
 
 
 def parse_config(data: dict[str, Any]) -> RunConfig:
@@ -86,7 +86,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Read a TOML config and apply ``key.path=value`` overrides (values parsed as TOML)."""
     path = Path(path)
     try:
-        data = tomllib.loads(read_file(path, MAX_TEXT_BYTES).decode("utf-8"))
+        data = parse_toml(read_file(path, MAX_TEXT_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except UnicodeDecodeError as exc:

@@ -6,7 +6,25 @@ import json
 import tomllib
 from typing import Any
 
+from ..jsonl import nested_deeper
 from .errors import ConfigError
+
+MAX_TOML_DEPTH = 32
+"""Arrays and tables nest at most this deep in a config or a job (fedtier's own nest 3: a section, ``topology.members``,
+a device list)."""
+
+
+def parse_toml(text: str) -> dict[str, Any]:
+    """``tomllib.loads`` of a config or a job's text, which a file, the operator or the cloud gives: nesting deeper
+    than :data:`MAX_TOML_DEPTH` is a :class:`tomllib.TOMLDecodeError` saying so, not a ``RecursionError`` of the parser
+    (from ~1000 levels: a traceback, or a job request the cloud never answers) or of a later walk of the values."""
+    try:
+        data = tomllib.loads(text)
+    except RecursionError:
+        data = None
+    if data is None or nested_deeper(data, MAX_TOML_DEPTH):
+        raise tomllib.TOMLDecodeError(f"arrays or tables nested deeper than {MAX_TOML_DEPTH} levels")
+    return data
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -15,7 +33,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r}: expected key.path=value")
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        value = parse_toml(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
     node = data

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..jsonl import loads
+from ..jsonl import loads, nested_deeper
 from ..rejections import RejectKind
 from .envelope import WireError
 
@@ -48,18 +48,6 @@ MAX_META_BYTES = 1024 * 1024
 MAX_META_DEPTH = 32
 """Metadata nests at most this deep (fedtier's own nests 3 or 4): what a peer nests to the parser's limit (~1000)
 would leave a receiver's own recursive walks and re-encodings (journals, records) a few frames from raising."""
-
-
-def _nested_deeper(value: object, limit: int) -> bool:
-    """Whether ``value`` (parsed JSON) nests lists and objects deeper than ``limit`` (walked without recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
-            return True
-        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
-        stack.extend((c, depth + 1) for c in items if isinstance(c, (dict, list)))
-    return False
 
 
 @dataclass
@@ -333,7 +321,7 @@ def _decode_meta(buf: memoryview, end: int) -> tuple[dict[str, Any], int]:
         raise WireError(RejectKind.MALFORMED, f"bad metadata: {exc}") from None
     if not isinstance(meta, dict):
         raise WireError(RejectKind.MALFORMED, "metadata is not an object")
-    if _nested_deeper(meta, MAX_META_DEPTH):
+    if nested_deeper(meta, MAX_META_DEPTH):
         raise WireError(RejectKind.MALFORMED, f"metadata nested deeper than {MAX_META_DEPTH} levels")
     return meta, pos
 
