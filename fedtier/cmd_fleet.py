@@ -57,7 +57,7 @@ def fleet(
     if not target.broker or not target.run:
         fail("give --broker URL --run NAME, or --config with both in it", 2)
     view = Fleet(target.run, public_keys_or_exit(target.keys_file))
-    with live_connection(target, "fleet") as transport:
+    with live_connection(target, "fleet", wait) as transport:
         view.start(transport)
         time.sleep(wait)
     if not view.nodes:

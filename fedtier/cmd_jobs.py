@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from .cli import VERBOSE, main
 from .cli_types import Finite
-from .console import JOB_FAILED, console, load_or_exit, print_error, setup_logging
+from .console import JOB_FAILED, connect_within, console, load_or_exit, print_error, setup_logging
 
 OPERATOR_CONFIG = click.option(
     "--config",
@@ -51,7 +51,7 @@ def _operator(cfg: Any) -> Any:
 class _Session:
     """A short connection of the operator to the federation's broker."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, wait: float) -> None:
         from edge_agent.runner import BrokerOptions
         from protocols.jobs import OPERATOR
         from protocols.transport.threadloop import ThreadLoop
@@ -60,7 +60,8 @@ class _Session:
         self.trust = _operator(cfg)
         self.loop = ThreadLoop("operator")
         opts = BrokerOptions.from_config(cfg)
-        self.transport = opts.transport(OPERATOR, self.fed, self.loop, persistent=False).connect()
+        transport = opts.transport(OPERATOR, self.fed, self.loop, persistent=False)
+        self.transport = transport.connect(connect_within(wait))  # within the command's wait
 
     def read(self, topic: str, signer: str, wait: float, until: Any = None) -> dict[str, Any] | None:
         """Subscribe to ``topic`` and return the first record ``signer`` signed (``until(record)`` true), or None."""
@@ -146,12 +147,12 @@ def _answer(session: _Session, record: dict[str, Any], job: str, wait: float) ->
     console.print(f"job {job}: {reply.get('reason')}")
 
 
-def _connect(config: str) -> _Session:
+def _connect(config: str, wait: float) -> _Session:
     from protocols.config import ConfigError
 
     cfg = load_or_exit(config, ())
     try:
-        return _Session(cfg)
+        return _Session(cfg, wait)
     except ConfigError as exc:
         _fail(str(exc), 2)
     except ConnectionError as exc:
@@ -172,7 +173,7 @@ def _wait_end(config: str, job: str, seconds: float) -> NoReturn:
         mine = [j for j in listed if isinstance(j, dict) and j.get("job") == job] if isinstance(listed, list) else []
         return str(mine[0].get("state")) if mine else None
 
-    session = _connect(config)
+    session = _connect(config, seconds)
     try:
         record = session.read(topics.job_list(session.fed), "cloud", seconds, until=lambda r: state(r) in ENDED)
     finally:
@@ -217,7 +218,7 @@ def submit(job_file: str, config: str, job_id: str | None, wait: float, wait_end
         canonical_job(request.config, cfg)
     except JobError as exc:
         _fail(str(exc), 2)
-    _answer(_connect(config), submit_record(request), request.job, wait)
+    _answer(_connect(config, wait), submit_record(request), request.job, wait)
     if wait_end is not None:
         _wait_end(config, request.job, wait_end)
 
@@ -236,7 +237,7 @@ def cancel(job: str, config: str, wait: float, verbose: int) -> None:
         record = cancel_record(job)
     except JobError as exc:
         _fail(str(exc), 2)
-    _answer(_connect(config), record, job, wait)
+    _answer(_connect(config, wait), record, job, wait)
 
 
 @main.command()
@@ -253,7 +254,7 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
     from protocols.wire import topics
 
     setup_logging(verbose)
-    session = _connect(config)
+    session = _connect(config, wait)
     cloud = session.cloud_status()
     try:
         record = session.read(topics.job_list(session.fed), "cloud", wait)

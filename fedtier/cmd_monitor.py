@@ -150,7 +150,7 @@ def monitor(
     if not target.run:
         fail("--broker needs --run NAME", 2)
     keys = public_keys_or_exit(target.keys_file)
-    with live_connection(target, "monitor") as transport:
+    with live_connection(target, "monitor", wait if once else None) as transport:
         feed = TelemetryFeed(transport, target.run, keys).start()
         watch.state.run = target.run
         watch.follow(feed, once, wait, refresh, exit_when_done)

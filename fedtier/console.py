@@ -255,10 +255,19 @@ def public_keys_or_exit(keys_file: str | None) -> PublicKeys | None:
         fail(str(exc), 2)
 
 
+def connect_within(wait: float | None) -> float:
+    """The connect timeout of a command that waits ``wait`` seconds at most (``None``: no wait, a node's default): it
+    gives up connecting within its wait (``fedtier jobs --wait 5`` with no broker reachable waited 10 s)."""
+    from protocols.transport.connecting import CONNECT_TIMEOUT
+
+    return CONNECT_TIMEOUT if wait is None else min(wait, CONNECT_TIMEOUT)
+
+
 @contextmanager
-def live_connection(target: LiveTarget, name: str) -> Iterator[MqttTransport]:
+def live_connection(target: LiveTarget, name: str, wait: float | None = None) -> Iterator[MqttTransport]:
     """A connected MQTT transport to ``target.broker`` (client id ``{name}-`` and a random suffix: several
-    watchers at once), on its own loop; closed with its loop on leaving. No connection exits with status 1."""
+    watchers at once), on its own loop; closed with its loop on leaving. No connection within
+    :func:`connect_within` ``wait`` exits with status 1."""
     from protocols.transport.mqtt import MqttTransport
     from protocols.transport.threadloop import ThreadLoop
 
@@ -267,7 +276,7 @@ def live_connection(target: LiveTarget, name: str) -> Iterator[MqttTransport]:
     loop = ThreadLoop(f"fedtier-{name}").start()
     try:
         transport = MqttTransport.from_url(target.broker, f"{name}-{uuid.uuid4().hex[:8]}", loop, **target.auth)
-        transport.connect()
+        transport.connect(connect_within(wait))
     except (ConnectionError, ValueError) as exc:
         loop.stop()
         fail(str(exc), 1)

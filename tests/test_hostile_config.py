@@ -414,3 +414,33 @@ def test_a_device_or_a_fifo_given_as_a_file_is_refused_before_a_byte_is_read(tmp
             load_source(tmp_path / name)
     res = CliRunner().invoke(main, ["sim", "/dev/zero"])
     assert res.exit_code == 2 and "/dev/zero is not a regular file" in " ".join(res.output.split())
+
+
+WAITING = [  # an operator command with a wait flag, and that flag: it gives up connecting within it
+    (["jobs"], "--wait"),
+    (["cancel", "j1"], "--wait"),
+    (["submit", "{job}"], "--wait"),
+    (["fleet", "--broker", "{url}", "--run", "fed"], "--wait"),
+    (["monitor", "--broker", "{url}", "--run", "fed", "--once"], "--wait"),
+]
+
+
+@pytest.mark.parametrize(("words", "flag"), WAITING, ids=[w[0] for w, _ in WAITING])
+def test_an_operator_command_gives_up_connecting_within_its_wait(tmp_path, words, flag):
+    """No broker listening: each exits 1 naming the broker's address within its --wait 0.3 s (each waited paho's
+    connect timeout, 10 s, whatever its wait)."""
+    import time
+
+    from tests.conftest import free_port_run
+
+    port = free_port_run(1)  # nothing listens there
+    (tmp_path / "op.toml").write_text(f'[run]\nname = "fed"\n[broker]\nurl = "mqtt://127.0.0.1:{port}"\n')
+    (tmp_path / "job.toml").write_text('[algorithm]\nname = "fedavg"\n')  # a job as the federation is
+    args = [w.format(job=tmp_path / "job.toml", url=f"mqtt://127.0.0.1:{port}") for w in words]
+    config = ["--config", str(tmp_path / "op.toml")] if words[0] in ("jobs", "cancel", "submit") else []
+    start = time.monotonic()
+    res = CliRunner().invoke(main, [*args, *config, flag, "0.3"])
+    took = time.monotonic() - start
+    said = " ".join(res.output.split())
+    assert res.exit_code == 1 and f"cannot connect to MQTT broker at 127.0.0.1:{port}" in said, res.output
+    assert "(0.3 s)" in said and took < 3.0, (took, said)

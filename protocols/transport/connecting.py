@@ -37,6 +37,10 @@ def failure_kind(exc: OSError) -> str:
     return "unreachable"
 
 
+CONNECT_TIMEOUT = 10.0
+"""Seconds a first connect retries by default (a node's; an operator command with a wait gives up within it)."""
+
+
 def say_retrying(client_id: str, where: str, why: str, deadline: float, timeout: float) -> None:
     """Log that the first connect of ``client_id`` to ``where`` failed (``why``) and is retried until ``deadline``
     (monotonic), unless a connect to the same broker in this process already said so for a deadline not yet past."""
@@ -79,7 +83,7 @@ class Connecting:
     _abort: Callable[[], None]  # the transport's: close what a failed connect left
     _schedule_expiry: Callable[[], None]  # Inbound's: expire incomplete chunk sets on the loop
 
-    def connect(self, timeout: float = 10.0) -> Self:
+    def connect(self, timeout: float = CONNECT_TIMEOUT) -> Self:
         """Connect and block until the broker's CONNACK; retries a refused TCP connect until
         ``timeout``. Raises ``ConnectionError`` naming ``host:port`` on failure, at once when the TLS
         handshake fails or the broker closes the connection before its CONNACK (a TLS listener or a
@@ -87,7 +91,7 @@ class Connecting:
         self.start_connect(timeout)
         return self.finish_connect()
 
-    def start_connect(self, timeout: float = 10.0) -> None:
+    def start_connect(self, timeout: float = CONNECT_TIMEOUT) -> None:
         """Begin :meth:`connect`; :meth:`finish_connect` waits for the outcome. With a reactor this
         returns at once, so one thread can have many connections under way."""
         if self._ever_connected or self._closed or self._deadline:
