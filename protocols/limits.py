@@ -22,6 +22,12 @@ MAX_PROCESSES = 4096
 """The most worker processes or Ray actors a config may ask for (``runtime.sim_workers``, ``cell_processes``)."""
 
 
+MAX_MESSAGE_BYTES = 512 << 20
+"""The largest message a node may be told to accept (``runtime.max_message_bytes``): all a transport's incomplete
+chunked messages together hold at most this much (``protocols.wire.chunking.DEFAULT_MAX_BYTES``, which a larger
+bound was silently cut to), an unchunked one is an MQTT packet (at most 268,435,455 bytes), and the simulator's
+messages are the model's size, which the default bound already exceeds 8 times."""
+
 MAX_TEXT_BYTES = 64 << 20
 """The largest config or job file read (a ``topology.members`` of a million devices is ~20 MB)."""
 

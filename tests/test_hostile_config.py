@@ -99,6 +99,7 @@ ABSURD = [  # (section, key, value, what the refusal says besides the key)
     ("runtime", "direction_threads", 10**6, "less than or equal to 64"),
     ("runtime", "sim_workers", 10**9, "less than or equal to 4096"),
     ("runtime", "cell_processes", 10**9, "less than or equal to 4096"),
+    ("runtime", "max_message_bytes", 2**40, "less than or equal to 536870912"),  # was cut to it by reassembly
     ("monitoring", "metrics_port", 70000, "less than or equal to 65535"),
     ("monitoring", "idle_heartbeat", 1e12, "less than or equal"),
     ("run", "output", "", "at least 1 character"),

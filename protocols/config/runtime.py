@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..limits import MAX_PROCESSES, MAX_SECONDS, MAX_THREADS
+from ..limits import MAX_MESSAGE_BYTES, MAX_PROCESSES, MAX_SECONDS, MAX_THREADS
 from .sections import Section
 
 
@@ -192,6 +192,7 @@ class RuntimeSection(Section):
     max_message_bytes: int | None = Field(
         default=None,
         gt=1024,
+        le=MAX_MESSAGE_BYTES,
         description="largest message a node accepts "
         "(chunked sets are refused at their first chunk); none: 8 x the model's "
         "float32 size + 4 MiB",

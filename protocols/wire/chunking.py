@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from ..limits import MAX_MESSAGE_BYTES
 from .ratelog import RateLimitedLog
 
 MAGIC = b"FTC2"
@@ -35,7 +36,7 @@ _HEAD = struct.Struct("<4s16sIIIQBB")
 HEADER_BYTES = _HEAD.size  # 42, plus the sender id and the signature
 DEFAULT_MAX_CHUNK = 256 * 1024
 DEFAULT_TIMEOUT = 60.0
-DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_BYTES = MAX_MESSAGE_BYTES  # what all incomplete sets hold at most: a message bound above it is cut to it
 DEFAULT_MAX_MESSAGE = 256 * 1024 * 1024
 CHUNK_DOMAIN = b"fedtier/chunk/1\0"
 SET_COST = 768
