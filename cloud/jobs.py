@@ -9,6 +9,7 @@ checkpoint), queued jobs follow in submission order. A queue that cannot be writ
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -20,6 +21,10 @@ from protocols.jobs import MAX_LISTED, STATES, JobError, check_job_id
 
 FORMAT = 1
 ENDED = ("finished", "failed", "cancelled")
+MAX_LISTED_REASON = 1000
+"""Characters of a job's reason in the job list (a failure can name every cell it lost)."""
+MAX_LISTED_ABSENT = 10
+"""Cells absent at a job's start named in the job list (a federation of a thousand cells may begin without hundreds)."""
 
 
 class JobQueueError(RuntimeError):
@@ -44,10 +49,19 @@ class Job:
     cells_absent_at_start: dict[str, str] = field(default_factory=dict)  # cells it began without, why
 
     def summary(self) -> dict[str, Any]:
-        """What ``fedtier jobs`` lists (no config text)."""
-        keys = ("job", "state", "reason", "submitter", "init_from", "submitted", "started", "ended")
-        absent = {"cells_absent_at_start": self.cells_absent_at_start} if self.cells_absent_at_start else {}
-        return {k: getattr(self, k) for k in keys} | {"hash": self.digest} | absent
+        """What ``fedtier jobs`` lists (no config text): its reason's first ``MAX_LISTED_REASON`` characters and its
+        first ``MAX_LISTED_ABSENT`` cells absent at start (``cells_absent_at_start_more``: how many more); the queue
+        file and the job's ``summary.json`` keep them whole."""
+        keys = ("job", "state", "submitter", "init_from", "submitted", "started", "ended")
+        listed = dict(itertools.islice(self.cells_absent_at_start.items(), MAX_LISTED_ABSENT))
+        more = len(self.cells_absent_at_start) - len(listed)
+        absent = {"cells_absent_at_start": listed} if listed else {}
+        return (
+            {k: getattr(self, k) for k in keys}
+            | {"reason": self.reason[:MAX_LISTED_REASON], "hash": self.digest}
+            | absent
+            | ({"cells_absent_at_start_more": more} if more else {})
+        )
 
 
 class JobQueue:
@@ -80,9 +94,19 @@ class JobQueue:
             return running[0]
         return next((j for j in self.jobs.values() if j.state == "queued"), None)
 
-    def listing(self) -> list[dict[str, Any]]:
-        """The last ``MAX_LISTED`` jobs, oldest first."""
-        return [j.summary() for j in list(self.jobs.values())[-MAX_LISTED:]]
+    def listing(self, max_bytes: int | None = None) -> list[dict[str, Any]]:
+        """The last ``MAX_LISTED`` jobs, oldest first; with ``max_bytes``, the newest of them whose summaries, as
+        JSON, take at most that many bytes in all (what a reader takes whole: ``protocols.jobs.MAX_JOB_RECORD_BYTES``),
+        however long the jobs' reasons and however many cells they began without."""
+        out: list[dict[str, Any]] = []
+        used = 0
+        for job in reversed(list(self.jobs.values())[-MAX_LISTED:]):
+            summary = job.summary()
+            used += len(json.dumps(summary, separators=(",", ":"))) + 1
+            if max_bytes is not None and used > max_bytes:
+                break
+            out.append(summary)
+        return out[::-1]
 
     # ------------------------------------------------------------------ changes (each persisted)
     def submit(self, job: Job) -> None:

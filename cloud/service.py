@@ -30,6 +30,7 @@ from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file, write_durably
 from protocols.config import RunConfig, TopologySection
 from protocols.jobs import (
+    MAX_JOB_RECORD_BYTES,
     OPERATOR,
     CurrentJob,
     JobError,
@@ -52,6 +53,8 @@ from .node import build_cloud
 from .server import CellAvailability, CloudServer, Evaluator
 
 log = logging.getLogger("fedtier.cloud.service")
+LIST_ENVELOPE_BYTES = 1024
+"""What the job list's record adds to its jobs' summaries: its keys, its time and its signature (~150 bytes)."""
 
 
 @dataclass(frozen=True)
@@ -403,7 +406,8 @@ class CloudService:
 
     def _publish_list(self, transport: Transport) -> None:
         topic = topics.job_list(self.fed)
-        transport.publish(topic, self._seal({"jobs": self.queue.listing(), "at": time.time()}, topic), retain=True)
+        listing = self.queue.listing(MAX_JOB_RECORD_BYTES - LIST_ENVELOPE_BYTES)  # one its readers take whole
+        transport.publish(topic, self._seal({"jobs": listing, "at": time.time()}, topic), retain=True)
 
     def _seal(self, record: dict[str, Any], topic: str) -> bytes:
         return seal_record(record, topic, self.trust.sign if self.trust is not None else None)

@@ -279,6 +279,8 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
         when = dt.datetime.fromtimestamp(j.get("submitted") or 0, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
         absent = j.get("cells_absent_at_start")
         said = [f"{c}: {why}" for c, why in absent.items()] if isinstance(absent, dict) else []
+        if isinstance(more := j.get("cells_absent_at_start_more"), int) and more > 0:
+            said.append(f"and {more} more cells absent at start")
         reason = "; ".join(filter(None, [str(j.get("reason") or ""), *said]))
         cells = (str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], reason)
         table.add_row(*(escape(c) for c in cells))  # the cloud's words: a reason may name a [section]

@@ -492,3 +492,41 @@ def test_a_signed_job_nested_past_the_toml_parsers_limit_is_answered_refused_and
     assert [(r["job"], r["accepted"]) for r in replies] == [("deep", False), ("plain", True)], replies
     assert "nested deeper than 32 levels" in replies[0]["reason"]
     assert [j.job for j in queue.jobs.values()] == ["plain"]
+
+
+def test_the_job_list_stays_one_its_readers_take_however_many_cells_its_jobs_began_without(tmp_path: Path) -> None:
+    """200 failed jobs of a federation that began each without 20 of its cells made a job list of ~400 KB (1.1 MB here,
+    where each lost 300 cells): every reader ignores a job record past 256 KiB, so `fedtier jobs` said "no job list from
+    the cloud within 30 s (is `fedtier cloud --serve` running?)", the monitor counted a bad record, and `fedtier submit`
+    (which reads the list first) sent no job ("no cloud has served federation ... yet"). The list names each job's first
+    10 absent cells (and how many more), its reason's first 1,000 characters, and its newest jobs that fit: the running
+    one and those queued after it first."""
+    from cloud.service import CloudService
+    from protocols.jobs import MAX_JOB_RECORD_BYTES
+    from protocols.transport.memory import MemoryHub
+
+    seed = new_seed()
+    trust = Trust("cloud", seed, {"cloud": public_of(seed)})
+    queue = JobQueue(tmp_path / "jobs.json")
+    why = "offline at start: not online within the startup wait (120 s)"
+    absent = {f"cell-{c:03d}": why for c in range(20)}
+    lost = ", ".join(f"cell-{c:03d}" for c in range(300)) + " revoked by the federation: no cell of the job remains"
+    for i in range(200):
+        name = f"nightly-{i:03d}"
+        queue.jobs[name] = job(name, state="failed", reason=lost, cells_absent_at_start=absent)
+    queue.submit(job("running"))
+    queue.start("running")
+    queue.submit(job("queued"))
+    hub = MemoryHub()
+    service = CloudService(federation(tmp_path), None, lambda: None, queue, None, trust=trust, operator=None)  # type: ignore[arg-type]
+    got: list[bytes] = []
+    hub.connect("fedtier-jobs").subscribe(topics.job_list("fed"), lambda t, d: got.append(d))
+    service._publish_list(hub.connect("cloud"))
+    hub.loop.run()
+    assert len(got[0]) <= MAX_JOB_RECORD_BYTES
+    listed = open_job_record(got[0], topics.job_list("fed"), "cloud", trust.verify)["jobs"]
+    assert [j["job"] for j in listed[-3:]] == ["nightly-199", "running", "queued"] and 100 < len(listed) < 200
+    assert len(listed[-3]["cells_absent_at_start"]) == 10 and listed[-3]["cells_absent_at_start_more"] == 10
+    assert listed[-3]["reason"] == lost[:1000]
+    kept = queue.get("nightly-199")
+    assert kept is not None and len(kept.cells_absent_at_start) == 20 and kept.reason == lost  # the queue keeps all

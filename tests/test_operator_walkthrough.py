@@ -782,11 +782,13 @@ def _jobs_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: dict) -> 
 
 
 def test_fedtier_jobs_names_the_cells_a_job_began_without(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`fedtier jobs` prints, with a job's reason, the cells it began without and why (the cloud's job record)."""
+    """`fedtier jobs` prints, with a job's reason, the cells it began without and why (the cloud's job record), and how
+    many more than the list names (its first 10)."""
     why = "offline at start: not online within the startup wait (5 s)"
-    listed = {"jobs": [{"job": "a", "state": "finished", "reason": "", "cells_absent_at_start": {"c1": why}}]}
-    code, out, exc = _jobs_cli(tmp_path, monkeypatch, listed)
+    job = {"job": "a", "state": "finished", "reason": "", "cells_absent_at_start": {"c1": why}}
+    code, out, exc = _jobs_cli(tmp_path, monkeypatch, {"jobs": [job, {**job, "cells_absent_at_start_more": 32}]})
     assert exc is None and code == 0 and f"c1: {why}" in out, (exc, out)
+    assert out.count(f"c1: {why}") == 2 and out.count("and 32 more cells absent at start") == 1, out
 
 
 def test_fedtier_jobs_on_an_empty_queue_says_there_are_none_and_how_to_submit_one(
