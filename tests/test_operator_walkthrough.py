@@ -467,7 +467,7 @@ def test_submit_wait_end_exits_with_how_the_job_ended(monkeypatch: pytest.Monkey
             pass
 
     for state, code in (("finished", 0), ("failed", 3), ("cancelled", 1), ("running", 1)):
-        monkeypatch.setattr(cmd, "_connect", lambda config, r=lists[state]: Session(r))
+        monkeypatch.setattr(cmd, "_connect", lambda config, wait, r=lists[state]: Session(r))
         with pytest.raises(SystemExit) as ended:
             cmd._wait_end("config.toml", "a", 5.0)
         assert ended.value.code == code, state
@@ -774,7 +774,7 @@ def _jobs_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: dict) -> 
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(cmd, "_connect", lambda config: Session())
+    monkeypatch.setattr(cmd, "_connect", lambda config, wait: Session())
     monkeypatch.chdir(tmp_path)
     Path("config.toml").write_text("")
     monkeypatch.setenv("COLUMNS", "400")
