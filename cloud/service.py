@@ -209,25 +209,39 @@ class CloudService:
         self.loop.run(until=lambda: node.finished or self.stopping.is_set() or self.error is not None)
         self.node = None
         if node.finished:
-            ended = self.queue.get(job.job) or job
-            state, reason = (
-                ("cancelled", "cancelled by the operator")
-                if ended.cancel_requested
-                else ("failed", node.failed)
-                if node.failed  # a stall, a failed cell, a handler's exception, a full disk (protocols.failures)
-                else ("finished", "")
-            )
-            if self.on_end is not None:  # a cancelled job's too: its summary says it stopped, and why
-                self.on_end(ended, cfg, node, out)
-            spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
-            self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
-            self.queue.end(job.job, state, reason or (node.stopped or ""), node.cells_absent_at_start)
-            log.info("job %s %s", job.job, state)
-            # no job in progress: a node (re)started now waits for the next one, not the one just ended
-            transport.publish(topics.current_job(self.fed), b"", retain=True)
-            self._publish_list(transport)
+            self._end(job, cfg, node, out, transport)
         node.stop(idle=not self.stopping.is_set())
         return True
+
+    def _end(self, job: Job, cfg: RunConfig, node: CloudServer, out: Path, transport: Transport) -> None:
+        """Record how ``job`` ended: its final model and summary (``on_end``), its state in the queue, no job in
+        progress. Outputs that cannot be written (a full disk, a run folder made unwritable) fail the job with
+        that reason: it is no success without its model, and the queue goes on (a crash here left it running,
+        resumed and failed again at each restart)."""
+        ended = self.queue.get(job.job) or job
+        state, reason = (
+            ("cancelled", "cancelled by the operator")
+            if ended.cancel_requested
+            else ("failed", node.failed)
+            if node.failed  # a stall, a failed cell, a handler's exception, a full disk (protocols.failures)
+            else ("finished", "")
+        )
+        reason = reason or (node.stopped or "")
+        if self.on_end is not None:  # a cancelled job's too: its summary says it stopped, and why
+            try:
+                self.on_end(ended, cfg, node, out)
+            except OSError as exc:
+                unwritten = f"cannot write its final model or summary in {out}: {exc}"
+                log.error("job %s: %s", job.job, unwritten)
+                state = "failed" if state == "finished" else state
+                reason = f"{reason}; {unwritten}" if reason else unwritten
+        spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
+        self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
+        self.queue.end(job.job, state, reason, node.cells_absent_at_start)
+        log.info("job %s %s", job.job, state)
+        # no job in progress: a node (re)started now waits for the next one, not the one just ended
+        transport.publish(topics.current_job(self.fed), b"", retain=True)
+        self._publish_list(transport)
 
     def _folder(self, job: str) -> Path:
         return (

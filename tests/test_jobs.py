@@ -423,6 +423,39 @@ def test_a_job_that_ends_without_finishing_leaves_a_summary_saying_how_in_its_ru
     assert [(s["phase"], s["reason"]) for s in states] == [("stopped", "cancelled by the operator")], states
 
 
+def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
+    """Walk-through (a fleet's cloud whose job folder became unwritable mid-job): the job failed at its next
+    checkpoint, then writing its final model raised out of the service: a traceback, exit 1, the job left
+    ``running`` in the queue, resumed and failed again at each restart, the queued jobs behind it waiting. Now
+    the job ends with the reason (here a cancelled one: its state kept, the write's error added) and the service
+    goes on to the next job."""
+    from cloud.service import CloudService, JobParts
+    from fedtier.serve import write_job_final
+    from protocols.transport.memory import MemoryHub
+    from protocols.transport.threadloop import ThreadLoop
+    from sim.hierarchy import prepare
+
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n[runtime]\nstartup_wait = 1000.0\n", fed)
+    queue = JobQueue(tmp_path / "jobs.json")
+    parts = lambda cfg: JobParts(cfg.build_algorithm(prepare(cfg).spec), None)  # noqa: E731
+    loop = ThreadLoop("t")
+    folder = lambda job: tmp_path / "jobs" / job  # noqa: E731
+    service = CloudService(
+        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=folder, on_end=write_job_final
+    )
+    for name in ("a", "b"):
+        queue.submit(Job(name, text, config_hash(text), OPERATOR))
+    (folder("a") / "final_model.ftw").mkdir(parents=True)  # a folder where the final model goes: it cannot be written
+    queue.start("a")
+    queue.cancel("a")  # in its startup wait: it ends at once
+    assert service._run(queue.get("a"), transport=MemoryHub(loop=loop).connect("cloud")) is True  # type: ignore[arg-type]
+    ended = queue.get("a")
+    assert ended.state == "cancelled" and ended.reason.startswith("cancelled by the operator; cannot write"), ended
+    assert "final_model.ftw" in ended.reason
+    assert queue.next().job == "b"
+
+
 def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_not_errored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
