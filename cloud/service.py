@@ -333,18 +333,21 @@ class CloudService:
 
     def _on_roster(self, topic: str, data: bytes) -> None:
         """A roster on the broker: a newer one (the operator's, signed with this cloud's key by
-        `fedtier provision`) is adopted; an older one is replaced by this cloud's."""
-        if not data or self.trust is None:
+        `fedtier provision`) is adopted; whatever else is left there (an older roster, one not signed by this cloud,
+        junk, the record cleared) is replaced by this cloud's: the retained roster is how a node (re)started later
+        learns who was revoked."""
+        if self.trust is None:
             return
+        roster: Roster | None = None
         try:
-            roster = verify_roster(data, self.trust.verify, federation=self.fed)
+            roster = verify_roster(data, self.trust.verify, federation=self.fed) if data else None
         except RosterError as exc:
             log.warning("refused a roster: %s", exc)
+        if roster is not None and (self.roster is None or roster.version > self.roster.version):
+            self._adopt(roster)
             return
         transport = self.node.transport if self.node is not None else self.transport
-        if self.roster is None or roster.version > self.roster.version:
-            self._adopt(roster)
-        elif roster.version < self.roster.version and transport is not None:
+        if transport is not None and (roster is None or roster != self.roster):  # (this cloud's own comes back equal)
             self._publish_roster(transport)
 
     # ------------------------------------------------------------------ operator requests (loop thread)

@@ -439,3 +439,51 @@ def test_the_cloud_services_kept_roster_is_written_durably(tmp_path: Path, monke
         ("fsync folder", str(kept.parent)),
     ], events
     assert "c1" not in verify_roster(kept.read_bytes(), trust.verify, federation="fed").cells
+
+
+@pytest.mark.parametrize("planted", ["forged", "cleared", "junk", "older"], ids=["forged", "cleared", "junk", "older"])
+def test_whatever_is_left_on_the_roster_topic_the_serving_cloud_puts_the_current_roster_back(
+    tmp_path: Path, planted: str
+) -> None:
+    """The retained roster is how a node (re)started later learns who was revoked. A login that may write its topic (the
+    operator's; on a broker without per-node ACLs, any) left a roster signed by a cell, an empty record or junk there:
+    the serving cloud refused it and left it, so a cell restarted then held no roster and took the results of a device
+    revoked after the job was queued (its key still in the cell's keys file), and `fedtier fleet` showed it as a member.
+    Only an older roster was replaced. The cloud now puts its own back whatever else comes there."""
+    from cloud.jobs import JobQueue
+    from cloud.service import CloudService
+    from protocols.jobs import JobWatch
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.wire.keys import node_trust
+
+    cfg, ring = _signed_config(tmp_path, run={"name": "fed"})
+    topo = cfg.topology
+    v1 = Roster.from_topology("fed", {c: topo.device_ids(c) for c in CELLS}, ring.public, 100.0)
+    v2 = v1.without("c1-d0")
+    sign = {n: Trust(n, ring.private[n], ring.public).sign for n in ("cloud", "c0")}
+    service = CloudService(
+        cfg,
+        None,
+        lambda: None,
+        JobQueue(tmp_path / "jobs.json"),
+        None,
+        trust=node_trust(cfg, "cloud"),
+        operator=None,
+        roster=sign_roster(v2, sign["cloud"]),
+    )  # type: ignore[arg-type]
+    hub = MemoryHub()
+    service.transport = hub.connect("cloud")
+    service.transport.subscribe(roster_topic("fed"), service._on_roster)
+    service._publish_roster(service.transport)
+    hub.loop.run()
+    left = {
+        "forged": sign_roster(v2.without("c0-d0"), sign["c0"]),
+        "cleared": b"",
+        "junk": b"planted",
+        "older": sign_roster(v1, sign["cloud"]),
+    }[planted]
+    hub.connect("operator").publish(roster_topic("fed"), left, retain=True)
+    hub.loop.run()
+    restarted = JobWatch(hub.connect("cell.c1"), "fed", Trust("c1", ring.private["c1"], ring.public))
+    hub.loop.run()
+    assert restarted.roster == v2 and "c1-d0" in restarted.roster.revoked
