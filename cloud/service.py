@@ -43,6 +43,7 @@ from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
 from protocols.status import IdleBeat, between_jobs
 from protocols.transport.base import Transport
+from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import PublicKeys, Trust
@@ -82,6 +83,7 @@ class CloudService:
     folder (default ``{output}/jobs/{job}``; ``fedtier run``: its own run folder)."""
 
     _idle: IdleBeat | None = None  # the idle status's heartbeat, between jobs
+    _current: CurrentJob | None = None  # the job in progress, as its retained record says
 
     def __init__(
         self,
@@ -165,9 +167,21 @@ class CloudService:
             for pattern in topics.cloud_job_patterns(self.fed):  # (redelivered to this session) are not held
                 transport.unsubscribe(pattern)
         self._idle_beat(transport)
-        self.loop.post(lambda: self._publish_roster(transport))
-        self.loop.post(lambda: self._publish_list(transport))
+        self.loop.post(lambda: self._reannounce(transport))
+        if isinstance(transport, MqttTransport):  # a broker restarted without its state lost every retained record
+            transport.on_session_lost = lambda: self.loop.post(lambda: self._reannounce(transport))
         return transport
+
+    def _reannounce(self, transport: Transport) -> None:
+        """Publish (retained) what the broker must hold for others: the roster, the job list and the job in
+        progress. On connecting, and again on a reconnect that found no session at the broker (restarted without
+        persistence, or its state lost): before, `fedtier submit` then refused ("no cloud has served federation
+        ... yet"), `fedtier jobs` found no list and a node restarted mid-job no job, until the cloud restarted."""
+        self._publish_roster(transport)
+        self._publish_list(transport)
+        if self._current is not None:
+            topic = topics.current_job(self.fed)
+            transport.publish(topic, self._seal(self._current.record(), topic), retain=True)
 
     def _idle_beat(self, transport: Transport | None) -> None:
         """Stop the idle status's heartbeat (the loop is not running: no beat follows), and with ``transport``
@@ -199,6 +213,7 @@ class CloudService:
             self.node = node
             if job.cancel_requested:
                 node.request_stop("cancelled by the operator")
+            self._current = current
             topic = topics.current_job(self.fed)
             transport.publish(topic, self._seal(current.record(), topic), retain=True)
             self._publish_list(transport)
@@ -240,6 +255,7 @@ class CloudService:
         self.queue.end(job.job, state, reason, node.cells_absent_at_start)
         log.info("job %s %s", job.job, state)
         # no job in progress: a node (re)started now waits for the next one, not the one just ended
+        self._current = None
         transport.publish(topics.current_job(self.fed), b"", retain=True)
         self._publish_list(transport)
 

@@ -349,3 +349,57 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_and_says_idle_not_
     # the new job's connection and at most the last job's (a loop callback queued before it closed may hold it a
     # moment: 1 or 2); before, one more a job ([2, 3, 4])
     assert max(counts) <= 2, counts
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_cloud_whose_broker_lost_its_state_publishes_its_job_list_and_job_again(tmp_path: Path) -> None:
+    """Walk-through (a provisioned fleet whose broker restarted without its persistence file): the cloud reconnected,
+    found no session and resubscribed, but its retained records were gone and it did not publish them again:
+    `fedtier submit` refused every job ("no cloud has served federation 'fed' yet"), `fedtier jobs` found no list,
+    and a node started then found no job in progress, until the cloud itself was restarted. It publishes them again
+    when its reconnect finds no session: the job list, and the job in progress (here in its startup wait)."""
+    from cloud.jobs import Job, JobQueue
+    from protocols.jobs import OPERATOR, canonical_job, config_hash, open_job_record
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.wire import topics
+
+    fed = small_config(tmp_path, run={"name": "fed"})
+    queue = JobQueue(tmp_path / "jobs.json")
+    _, text = canonical_job("[run]\nrounds = 1\n[runtime]\nstartup_wait = 1000.0\n", fed)
+    queue.submit(Job("j0", text, config_hash(text), OPERATOR))
+    parts = lambda cfg: JobParts(cfg.build_algorithm(prepare(cfg).spec), None)  # noqa: E731
+    loop, reader_loop = ThreadLoop("cloud"), ThreadLoop("reader").start()
+    with MosquittoBroker() as broker:
+
+        def connect() -> MqttTransport:
+            return MqttTransport.from_url(broker.url, "cloud-svc", loop, persistent=True).connect(10.0)
+
+        service = CloudService(
+            fed, loop, connect, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
+        )
+        thread = threading.Thread(target=service.serve, name="cloud-service", daemon=True)
+        thread.start()
+
+        def retained() -> dict[str, dict]:
+            """What a node or an operator's command connecting now is handed: the job list, the job in progress."""
+            got: dict[str, dict] = {}
+            reader = MqttTransport.from_url(broker.url, "reader", reader_loop).connect(10.0)
+            for topic in (topics.job_list("fed"), topics.current_job("fed")):
+                reader.subscribe(topic, lambda t, d: d and got.update({t: open_job_record(d, t, "cloud", None)}))
+            wait_until(lambda: len(got) == 2, 3.0)
+            reader.close()
+            return got
+
+        try:
+            assert wait_until(lambda: service.node is not None, 30.0)  # j0 runs: it waits for its cells
+            assert [j["job"] for j in retained()[topics.job_list("fed")]["jobs"]] == ["j0"]
+            broker.stop()  # no persistence: sessions and retained records are gone
+            broker.start()
+            assert wait_until(lambda: service.node.transport.sessions_lost == 1, 10.0)  # reconnected, no session
+            got = retained()
+            assert got.get(topics.current_job("fed"), {}).get("job") == "j0", got
+            assert [j["state"] for j in got[topics.job_list("fed")]["jobs"]] == ["running"], got
+        finally:
+            service.stop()
+            thread.join(10)
+            reader_loop.stop()
