@@ -123,6 +123,7 @@ def _answer(session: _Session, record: dict[str, Any], job: str, wait: float) ->
     from protocols.jobs import JobError
     from protocols.wire import topics
 
+    cloud = session.cloud_status()  # (subscribed before the list: its retained status comes first)
     try:
         # a cloud that never connected has no session on the broker yet: a request now would reach nobody
         if session.read(topics.job_list(session.fed), "cloud", wait) is None:
@@ -138,6 +139,13 @@ def _answer(session: _Session, record: dict[str, Any], job: str, wait: float) ->
             f"{session.transport.reconnects} time(s) meanwhile: the broker keeps one connection per identity, so "
             "another fedtier command run from the operator bundle at the same time (submit --wait-end, jobs, cancel) "
             f"takes it over and the answer can be lost. `fedtier jobs` says whether job {job} was queued",
+            1,
+        )
+    if reply is None and cloud and cloud[-1].get("state") == "offline":  # its session at the broker holds the request
+        _fail(
+            f"the cloud is offline (no answer within {wait:g} s): the broker keeps this request for it, and it takes "
+            f"it when it starts again (a submission is then queued or refused, a cancel done); `fedtier jobs` then "
+            f"says what became of job {job}",
             1,
         )
     if reply is None:
@@ -263,7 +271,12 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
     if record is None:
         _fail(f"no job list from the cloud within {wait:g} s (is `fedtier cloud --serve` running?)", 1)
     if cloud and cloud[-1].get("state") == "offline":  # (its status comes before the list: subscribed first)
-        print_error("the cloud is offline: this is the list it left; nothing is running now", "warning", "yellow")
+        print_error(
+            "the cloud is offline: this is the list it left; nothing is running now (a job it lists running resumes "
+            "when the cloud starts again)",
+            "warning",
+            "yellow",
+        )
     jobs = record.get("jobs")
     listed = jobs if isinstance(jobs, list) else []
     if as_json:

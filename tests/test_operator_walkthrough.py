@@ -524,6 +524,13 @@ def test_fedtier_jobs_says_when_the_list_is_an_offline_clouds(
         assert cloud.flush(WAIT)
         code, out, exc = _cli("jobs", "--config", "config.toml", "--wait", "10")
         assert exc is None and code == 0 and "warning: the cloud is offline: this is the list it left" in out, out
+        assert "a job it lists running resumes when the cloud starts again" in out, out
+        # a submission meanwhile: the broker keeps it in the cloud's session and the cloud takes it when it starts
+        # again (walked: the job ran); it said 'is `fedtier cloud --serve` running?' as if nothing had been sent
+        (fed / "nodes" / "operator" / "job.toml").write_text('[job]\nid = "b"\n\n[run]\nrounds = 1\n')
+        code, out, exc = _cli("submit", "job.toml", "--config", "config.toml", "--wait", "1")
+        assert exc is None and code == 1, out
+        assert "the cloud is offline" in out and "the broker keeps this request for it" in out, out
 
 
 def test_a_long_lived_agent_gives_each_job_its_data_as_that_jobs_model_takes_it(
