@@ -40,7 +40,8 @@ def provision() -> None:
     "--identity",
     is_flag=True,
     help="Also give each --node a new Ed25519 identity (its keys.toml, and its public key in every bundle "
-    "that knows it: copy those keys.toml files to their nodes too).",
+    "that knows it: copy those keys.toml files to their nodes too), and the roster a new version with the new "
+    "keys (publish it: fedtier provision publish).",
 )
 def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool) -> None:
     """Re-issue certificates of the provisioning in OUT with new keys and revoke the old ones; running brokers
@@ -49,20 +50,26 @@ def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool
     its unit (no restart)."""
     from protocols.config import ConfigError
 
-    from .renewal import next_steps, rotate_identity
+    from .membership import rotate_identities
+    from .renewal import next_steps
     from .renewal import renew as write
 
     if identity and not nodes:
         fail("--identity rotates the identities of the --node NODEs given (none given)", 2)
     try:
         done = write(out_dir, list(nodes) or None, days=days)
-        rotated = sorted({p for node in (nodes if identity else ()) for p in rotate_identity(out_dir, node)})
+        rotated, version = rotate_identities(out_dir, list(nodes)) if identity else ([], None)
     except ConfigError as exc:
         fail(str(exc), 2)
     if rotated:
         console.print(
             f"new Ed25519 identity for {', '.join(nodes)}: copy these keys files to their nodes: "
             + ", ".join(str(p.relative_to(out_dir)) for p in rotated)
+        )
+    if version is not None:
+        console.print(
+            f"roster version {version} in {out_dir}/roster.json holds the new keys: `fedtier provision publish --out "
+            f"{out_dir}` publishes it (until then every cell takes the old keys back from the roster it holds)"
         )
     console.print(
         f"renewed {len(done.certificates)} certificates in {out_dir} "

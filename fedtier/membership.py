@@ -202,6 +202,30 @@ def revoke(out: str | Path, node: str) -> Change:
     return Change(node, None, fed.roster.version, reload_brokers(broker_folders(fed.out)))
 
 
+def rotate_identities(out: str | Path, nodes: list[str]) -> tuple[list[Path], int | None]:
+    """Give ``nodes`` new Ed25519 identities (``renewal.rotate_identity``: every keys file that knows them) and the
+    roster a new version with their new public keys, signed with the cloud's key (its new one where it is among
+    ``nodes``). The roster is where cells and agents learn their peers' keys, over their keys files: left with the old
+    keys, every cell took a rotated device's old key back from it at each job (its new signatures refused, the old key,
+    a leaked one say, still taken), and a rotated cloud key left ``OUT`` unreadable (its roster signed by the old).
+    Returns the keys files rewritten and the roster's new version (to publish: :func:`publish_roster`; ``None``: a
+    folder provisioned before rosters, which has none)."""
+    from protocols.wire.keys import load_keys
+
+    from .renewal import rotate_identity
+
+    try:
+        fed = load_federation(out)
+    except MembershipError:
+        return sorted({path for node in nodes for path in rotate_identity(out, node)}), None
+    written = sorted({path for node in nodes for path in rotate_identity(fed.out, node)})
+    fed.ring = load_keys(fed.out / "keys.toml")
+    for node in nodes:
+        fed.roster = fed.roster.with_key(node, fed.ring.public.get(node) if fed.roster.is_member(node) else None)
+    _save(fed, keys=False)
+    return written, fed.roster.version
+
+
 # ------------------------------------------------------------------------------------------ publishing
 def publish_roster(out: str | Path, timeout: float = 15.0) -> str:
     """Publish ``OUT/roster.json`` (retained) with the operator's bundle (``OUT/nodes/operator``): the running

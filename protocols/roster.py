@@ -184,6 +184,17 @@ class Roster:
         devs = {**self.cells[cell], device: DeviceEntry(key, float(max_weight))}
         return self._next(cells={**self.cells, cell: devs})
 
+    def with_key(self, node: str, key: bytes | None = None) -> Roster:
+        """The next version with ``node``'s rotated identity: its new public key ``key`` (a cell or a device), or, for a
+        node whose key the roster does not hold (the cloud, its signer), the same members (``key`` unused): a new
+        version is what every holder of the roster takes."""
+        if node in self.cells and key is not None:
+            return self._next(cell_keys={**self.cell_keys, node: key})
+        cell = self._cell_of.get(node)
+        if cell is not None and key is not None:
+            return self.with_device(cell, node, key, self.cells[cell][node].max_weight)
+        return self._next()
+
     def without(self, node: str) -> Roster:
         """Revoke ``node`` (a device, or a cell with all its devices): removed and listed as revoked."""
         if node in self.cells:

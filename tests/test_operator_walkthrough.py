@@ -406,6 +406,39 @@ def test_a_renewal_after_a_revocation_keeps_the_revoked_certificate_revoked(tmp_
     assert {gone, old, third} <= crl(), "a renewal does not heal a list that lacked the earlier revocations"
 
 
+def test_a_rotated_identity_reaches_the_roster_so_cells_take_the_new_key_not_the_old(tmp_path: Path) -> None:
+    """`fedtier provision renew --identity --node c0-d0` (a device's key leaked, say) rewrote the keys files but left
+    the federation's roster at version 1 with the old key: every cell learns its devices' keys from the roster it holds
+    (``cell_server.service.apply_roster``), so at each job it took the old key back, refused the device's new
+    signatures and still took the old key's. And a rotated cloud left the folder unreadable (its roster signed by the
+    old key: "not a provisioned federation"). The roster now gets a new version with the new keys, signed by the
+    cloud's current key; the command says to publish it."""
+    from types import SimpleNamespace
+
+    from cell_server.service import apply_roster
+    from fedtier.membership import load_federation
+    from protocols.wire.envelope import WireError
+    from protocols.wire.keys import Trust, load_keys
+
+    out = _provision(tmp_path, free_port())
+    old = load_keys(out / "nodes" / "c0-d0" / "keys.toml").private["c0-d0"]
+    code, said, exc = _cli("provision", "renew", "--out", str(out), "--node", "c0-d0", "--identity")
+    assert code == 0 and exc is None and "roster version 2" in said and "fedtier provision publish" in said, said
+    new = load_keys(out / "nodes" / "c0-d0" / "keys.toml").private["c0-d0"]
+    roster = load_federation(out).roster
+    cell = load_keys(out / "nodes" / "c0" / "keys.toml", need_private=False)  # the copied, rewritten keys file
+    trust = Trust("c0", load_keys(out / "nodes" / "c0" / "keys.toml").private["c0"], cell.public)
+    node = SimpleNamespace(devices=SimpleNamespace(position=lambda d: 0), trust=trust, max_weights={})
+    node.revoke_members = lambda revoked: None
+    apply_roster(node, "c0", roster)  # as a serving cell does at each job, and as each new roster comes
+    data = b"a result"
+    trust.verify("c0-d0", data, Trust("c0-d0", new, {}).sign(data))
+    with pytest.raises(WireError, match="bad signature"):
+        trust.verify("c0-d0", data, Trust("c0-d0", old, {}).sign(data))
+    code, said, exc = _cli("provision", "renew", "--out", str(out), "--node", "cloud", "--identity")
+    assert code == 0 and exc is None and load_federation(out).roster.version == 3, said
+
+
 def test_error_messages_keep_the_config_sections_they_name(
     reachable_tmp: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
