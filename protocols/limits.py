@@ -22,6 +22,18 @@ MAX_PROCESSES = 4096
 """The most worker processes or Ray actors a config may ask for (``runtime.sim_workers``, ``cell_processes``)."""
 
 
+MAX_ROUNDS = 10**9
+"""The most cloud rounds (``run.rounds``; async mode: model versions) and edge rounds a cloud round
+(``algorithm.edge_rounds``) a config may ask for: a round a millisecond for 11 days. Nothing is sized by them up
+front (the records, DeComFL's log and FedALIGN's schedule grow with the rounds run; the async buffers fill whatever
+they are); the bound keeps every round number far below 2**53, exact wherever it is read as a float64 (Prometheus's
+``fedtier_cloud_rounds_planned``, JSON readers)."""
+
+MAX_STEPS = 10**9
+"""The most local steps (``algorithm.local_steps``) or epochs (``local_epochs``) a device may be asked for in an
+edge round. The cohort engine draws a device's minibatches' indices at once, for every device of a cohort: that is
+checked against memory when the algorithm is built (``RunConfig.build_algorithm``)."""
+
 MAX_MESSAGE_BYTES = 512 << 20
 """The largest message a node may be told to accept (``runtime.max_message_bytes``): all a transport's incomplete
 chunked messages together hold at most this much (``protocols.wire.chunking.DEFAULT_MAX_BYTES``, which a larger

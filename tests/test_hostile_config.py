@@ -21,7 +21,7 @@ from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.limits import memory_refusal
 from sim.datasets import load_dataset
 
-BASE: dict[str, typing.Any] = {"topology": {"cells": 1, "devices_per_cell": 2}}
+BASE: dict[str, typing.Any] = {"topology": {"cells": 1, "devices_per_cell": 2}, "algorithm": {"name": "fedavg"}}
 INFINITE_MEANS_ALL = {("fedalign", "epsilon"), ("fedalign", "epsilon_later")}  # "inf = all devices"
 
 
@@ -100,6 +100,10 @@ ABSURD = [  # (section, key, value, what the refusal says besides the key)
     ("runtime", "sim_workers", 10**9, "less than or equal to 4096"),
     ("runtime", "cell_processes", 10**9, "less than or equal to 4096"),
     ("runtime", "max_message_bytes", 2**40, "less than or equal to 536870912"),  # was cut to it by reassembly
+    ("run", "rounds", 10**18, "less than or equal to 1000000000"),  # beyond 2**53: inexact as a float64
+    ("algorithm", "edge_rounds", 10**18, "less than or equal to 1000000000"),
+    ("algorithm", "local_steps", 10**18, "less than or equal to 1000000000"),
+    ("algorithm", "local_epochs", 1e18, "less than or equal to 1000000000"),
     ("monitoring", "metrics_port", 70000, "less than or equal to 65535"),
     ("monitoring", "idle_heartbeat", 1e12, "less than or equal"),
     ("run", "output", "", "at least 1 character"),
@@ -445,3 +449,70 @@ def test_an_operator_command_gives_up_connecting_within_its_wait(tmp_path, words
     said = " ".join(res.output.split())
     assert res.exit_code == 1 and f"cannot connect to MQTT broker at 127.0.0.1:{port}" in said, res.output
     assert "(0.3 s)" in said and took < 3.0, (took, said)
+
+
+def test_async_mode_with_devices_drawn_per_version_is_refused_as_a_run_that_would_hang():
+    """Async cells draw their devices per cloud version, and a version goes only to the cells that pushed: a cell with
+    none drawn never works again. 3 cells of 2, uniform per_round = 2, async: the sim stalled at version 5 of 12
+    (c1 never worked; bernoulli 0.3 over one cell stalled at once), a RuntimeError; fedtier run would hang."""
+    drawn = {"model": "uniform", "per_round": 2}
+    refused = _outcome({**BASE, "algorithm": {"name": "fedavg", "mode": "async"}, "participation": drawn})
+    assert refused is not None and "participation: model = 'uniform' at level = \"device\"" in refused, refused
+    assert 'algorithm.mode = "async"' in refused and "the run hangs" in refused
+    bernoulli = {"algorithm": {"name": "fedavg", "mode": "async"}, "participation": {"model": "bernoulli", "prob": 0.5}}
+    assert "participation: model = 'bernoulli'" in str(_outcome({**BASE, **bernoulli}))
+    cells = {"topology": {"cells": 3, "devices_per_cell": 2}, "participation": {**drawn, "level": "cell"}}
+    assert _outcome({**cells, "algorithm": {"name": "fedavg", "mode": "async"}}) is None  # cells drawn: sent versions
+    assert _outcome({**BASE, "participation": drawn}) is None  # rounds close by deadline: a draw of none passes
+
+
+def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_when_the_algorithm_is_built():
+    """What a key sizes that the run holds at once: a cell's async buffer (K decoded results), a cohort's minibatch
+    indices (cohort_size x local_steps x batch), DeComFL's cloud log (rounds x 4KP bytes, kept, checkpointed, sent).
+    Each was accepted and ran until a MemoryError (the async buffer at its K-th result)."""
+    from protocols.algorithms.decomfl import LOG_ROUND_BYTES
+    from protocols.algorithms.fedavg import FedAvgParams
+    from protocols.algorithms.staleness import buffers_refusal
+
+    def built(**sections: typing.Any) -> str | None:
+        cfg = parse_config({**BASE, **sections})
+        try:
+            cfg.build_algorithm(cfg.model_spec((784,), 10))  # 199,210 parameters: 797 KB of float32
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    buffer = built(algorithm={"name": "fedavg", "mode": "async", "async_buffer": 10**7})
+    assert buffer is not None and "algorithm.async_buffer: 10,000,000 results a cell holds decoded" in buffer
+    pushes = built(algorithm={"name": "fedavg", "mode": "async", "async_cloud_buffer": 10**7})
+    assert pushes is not None and "algorithm.async_cloud_buffer: 10,000,000 pushes" in pushes
+    assert built(algorithm={"name": "fedavg", "mode": "async", "async_buffer": 1000}) is None
+    params = FedAvgParams(name="fedavg", mode="async", async_buffer=1000)
+    assert buffers_refusal(params, 199_210, memory=2**30) is None  # 797 MB
+    assert "needs 1.5 GiB, more than this machine's 1.0 GiB" in str(buffers_refusal(params, 400_000, memory=2**30))
+    cohort = built(algorithm={"name": "fedavg", "local_steps": 10**8}, runtime={"engine": "cohort"})
+    assert cohort is not None and "algorithm.local_steps: 100,000,000 minibatches of 32 samples" in cohort
+    assert built(algorithm={"name": "fedavg", "local_steps": 10**8}) is None  # one device at a time: batches streamed
+    wide = {"name": "decomfl", "local_steps": 10**5, "perturbations": 100}  # K x P = 1e7, the most: 40 MB a round
+    log = built(run={"rounds": 10**6}, algorithm=wide)
+    assert (
+        log is not None and f"run.rounds: 1,000,000 rounds of the cloud's log ({LOG_ROUND_BYTES + 4 * 10**7:,}" in log
+    )
+    assert built(run={"rounds": 10**6}, algorithm={"name": "decomfl"}) is None  # K x P = 5: 228 MB for a million
+
+
+def test_decomfl_tasks_to_cells_that_need_the_whole_log_share_one_stack_of_it():
+    """After a resume that recreated the devices every cell needs the log from round 0: each cell's task stacked its
+    own copy (cells x the log); now one stack a window start, shared."""
+    from protocols.algorithms.decomfl import DeComFLCloud, DeComFLParams
+
+    params = DeComFLParams(name="decomfl", local_steps=2, perturbations=3)
+    cloud = DeComFLCloud(params, 0, {"w": np.zeros((4, 3), np.float32)})
+    cells = [f"c{i}" for i in range(20)]
+    for r in range(5):
+        cloud.plan(r, cells)
+        cloud.aggregate(r, {})
+    cloud.forget_devices()
+    tasks = cloud.plan(5, cells)
+    stacks = {id(t.tensors["g"]) for t in tasks.values()}
+    assert len(stacks) == 1 and tasks["c0"].tensors["g"].shape == (5, 2, 3), stacks

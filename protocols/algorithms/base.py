@@ -31,6 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import plugins
+from ..limits import MAX_ROUNDS, MAX_STEPS
 from ..rejections import Rejected as Rejected  # re-exported: roles import it with the other role types
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
@@ -117,12 +118,15 @@ class TrainParams(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(description="the algorithm: fedavg, hist, fedalign, decomfl or fedmrn")
-    edge_rounds: int = Field(default=1, ge=1, description="E: edge rounds a cell runs per cloud round")
+    edge_rounds: int = Field(default=1, ge=1, le=MAX_ROUNDS, description="E: edge rounds a cell runs per cloud round")
     local_steps: int = Field(
-        default=0, ge=0, description="H: local SGD steps a device runs per edge round (0: local_epochs)"
+        default=0, ge=0, le=MAX_STEPS, description="H: local SGD steps a device runs per edge round (0: local_epochs)"
     )
     local_epochs: float = Field(
-        default=1.0, ge=0, description="epochs over its data a device runs per edge round (when local_steps = 0)"
+        default=1.0,
+        ge=0,
+        le=MAX_STEPS,
+        description="epochs over its data a device runs per edge round (when local_steps = 0)",
     )
     batch_size: int = Field(default=32, ge=1, description="devices' minibatch size")
     lr: float = Field(default=0.05, gt=0, description="devices' learning rate")

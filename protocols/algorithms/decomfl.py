@@ -25,10 +25,10 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
   a report) is skipped where already applied; one that starts later cannot be replayed and fails,
   except for a device back at x_0 (its process restarted): it answers ``{"resync": true}``, its cell
   reports it (``resync``) and the cloud sends it the whole history the next round.
-* **the cloud's log**: the seeds and scalars of every round since round 0 (8 + 4KP bytes a round, in
-  the checkpoint). The history sent is the log from the oldest round a device needs, so it grows back
-  for a device that resyncs, and a resumed run whose devices were all recreated
-  (``forget_devices``: ``fedtier sim/run --resume``) replays it from round 0.
+* **the cloud's log**: the seeds and scalars of every round since round 0, in memory (4KP bytes a round and
+  :data:`LOG_ROUND_BYTES` more), stacked whole into each checkpoint. The history sent is the log from the
+  oldest round a device needs, so it grows back for a device that resyncs, and a resumed run whose devices
+  were all recreated (``forget_devices``: ``fedtier sim/run --resume``) replays it from round 0.
 
 Bytes: device uplink = one ``(K, P)`` float32 tensor and ``{"weight": n}``; downlink = ``{"from": t}``, ``h + 1`` uint64
 seeds and an ``(h, K, P)`` float32 tensor (h = rounds missed). None depends on the model size. Needs only forward
@@ -52,6 +52,7 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
+from .decomfl_wire import expect_shape, history_payload, meta_int, read_history, stack_rounds
 from .outcome import Outcome
 from .traits import Trait
 
@@ -94,38 +95,11 @@ class DeComFLParams(TrainParams):
         return self
 
 
-def _shape_ok(arr: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != np.dtype(dtype):
-        got = (getattr(arr, "shape", None), getattr(arr, "dtype", None))
-        raise Rejected(RejectKind.SHAPE, f"{what}: expected {dtype} {shape}, got {got}")
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise Rejected(RejectKind.NON_FINITE, f"{what}: non-finite values")
-    return arr
-
-
-def _int(meta: Mapping[str, Any], key: str, what: str, lo: int = 0, hi: int | None = None) -> int:
-    v = meta.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise Rejected(RejectKind.BOUND, f"{what}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
-
-
-def history_payload(meta: dict[str, Any], seeds: Sequence[int] | np.ndarray, g: np.ndarray) -> Payload:
-    """A downlink: ``seeds`` (history rounds then the current round) as uint64, history scalars float32."""
-    return Payload(meta, {"s": np.asarray(seeds, dtype=np.uint64), "g": np.asarray(g, dtype=np.float32)})
-
-
-def read_history(task: Payload, round: int, K: int, Pn: int, what: str) -> tuple[int, np.ndarray, np.ndarray]:
-    """(from, seeds [h+1], scalars [h, K, P]) of a downlink for ``round``; Rejected if inconsistent."""
-    start = _int(task.meta, "from", what, 0, round)
-    h = round - start
-    seeds = _shape_ok(task.tensors.get("s"), (h + 1,), "uint64", f"{what} seeds")
-    g = _shape_ok(task.tensors.get("g"), (h, K, Pn), "float32", f"{what} scalars")
-    return start, seeds, g
-
-
-def _stack(g: list[np.ndarray], K: int, Pn: int) -> np.ndarray:
-    return np.stack(g) if g else np.zeros((0, K, Pn), np.float32)
+LOG_ROUND_BYTES = 200
+"""What a round of the cloud's log holds besides its 4KP bytes of scalars (its seed, its array's header, the lists'
+entries: 213 bytes a round with K x P = 5, measured). The log stays in memory; a checkpoint stacks it whole, and so
+do the tasks of cells that need it all (a resume that recreated the devices): a run whose log would take more than
+a third of the machine's memory is refused (``DeComFL.bind_topology``)."""
 
 
 # --------------------------------------------------------------------------------------------- cloud
@@ -156,11 +130,12 @@ class DeComFLCloud(CloudRole):
             raise ValueError(f"round {round} planned, but the history ends at {self.base + len(self.g)}")
         self.cells |= set(cells)
         self.round_seed = Z.round_seed(self.seed, round)
-        tasks = {}
+        tasks: dict[str, Payload] = {}
+        stacks: dict[int, np.ndarray] = {}  # one a window start: the cells that all need the log (a resume) share it
         for c in cells:
             start = max(self.need.get(c, 0), self.base)
             i = start - self.base
-            hist = np.stack(self.g[i:]) if self.g[i:] else np.zeros((0, self.K, self.P), np.float32)
+            hist = stacks[i] if i in stacks else stacks.setdefault(i, stack_rounds(self.g[i:], self.K, self.P))
             synced = {"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))}
             tasks[c] = history_payload(synced, [*self.seeds[i:], self.round_seed], hist)
         return tasks
@@ -171,7 +146,7 @@ class DeComFLCloud(CloudRole):
         w = meta.get("weight")
         if (number := finite_number(w)) is None or number < 0:
             raise Rejected(RejectKind.BOUND, f"{what}: weight must be a non-negative number, got {str(w)[:40]}")
-        _int(meta, "need", what, 0, self.base + len(self.g))  # at most this round
+        meta_int(meta, "need", what, 0, self.base + len(self.g))  # at most this round
         answered = meta.get("answered")
         if (
             not isinstance(answered, list)
@@ -199,7 +174,10 @@ class DeComFLCloud(CloudRole):
             return
         if not answered:
             raise Rejected(RejectKind.INCONSISTENT, f"{what}: positive weight but no device answered")
-        g, clip = _shape_ok(report.tensors.get("g"), (self.K, self.P), "float64", f"{what} scalars"), self.p.scalar_clip
+        g, clip = (
+            expect_shape(report.tensors.get("g"), (self.K, self.P), "float64", f"{what} scalars"),
+            self.p.scalar_clip,
+        )
         if clip and (top := float(np.abs(g).max())) > clip * number * (1 + 1e-9):
             raise Rejected(
                 RejectKind.BOUND, f"{what}: a scalar of {top:g} above scalar_clip x weight ({clip * number:g})"
@@ -269,7 +247,7 @@ class DeComFLCloud(CloudRole):
         hist = np.stack(self.g) if self.g else np.zeros((0, self.K, self.P), np.float32)
         buf = {f"momentum:{k}": v for k, v in (self.buf or {}).items()}
         log = (
-            {"log:s": np.asarray(self.log_seeds, np.uint64), "log:g": _stack(self.log_g, self.K, self.P)}
+            {"log:s": np.asarray(self.log_seeds, np.uint64), "log:g": stack_rounds(self.log_g, self.K, self.P)}
             if self.log_g is not None
             else {}
         )
@@ -341,7 +319,7 @@ class DeComFLCell(CellRole):
         w = result.meta.get("weight")
         if (number := finite_number(w)) is None or number <= 0:
             raise Rejected(RejectKind.BOUND, f"{what}: weight must be a positive number, got {str(w)[:40]}")
-        _shape_ok(result.tensors.get("g"), (self.K, self.P), "float32", f"{what} scalars")
+        expect_shape(result.tensors.get("g"), (self.K, self.P), "float32", f"{what} scalars")
 
     def aggregate(self, edge_round: int, results: Mapping[str, Payload]) -> Outcome:
         for d, r in sorted(results.items()):
@@ -483,6 +461,13 @@ class DeComFL(Algorithm):
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         self.rosters = {c: list(devices) for c, devices in cells.items()}
+        p, rounds = self.params, self.rounds or 0
+        per_round = LOG_ROUND_BYTES + 4 * p.local_steps * p.perturbations  # type: ignore[attr-defined]
+        what = (
+            f"run.rounds: {rounds:,} rounds of the cloud's log ({per_round:,} bytes a round: kept, checkpointed, sent)"
+        )
+        if why := memory_refusal(3 * rounds * per_round, what):
+            raise ValueError(f"{why}; set fewer rounds, or fewer algorithm.local_steps x perturbations")
 
     def initial_params(self) -> dict[str, np.ndarray]:
         if self._x0 is None:

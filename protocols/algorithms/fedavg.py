@@ -35,7 +35,7 @@ from .codecs import DenseCodec, UplinkCodec, UplinkParams, make_codec, uplink_se
 from .outcome import Outcome
 from .robust import RobustParams, aggregate, robust_params
 from .server_opt import ServerOptimizer, ServerParams, split_state
-from .staleness import AsyncParams
+from .staleness import AsyncParams, buffers_refusal
 from .traits import Trait
 
 
@@ -243,6 +243,12 @@ class FedAvg(Algorithm):
     name = "fedavg"
     Params = FedAvgParams
     traits = frozenset({Trait.CELL_SUM, Trait.CLOUD_SUM, Trait.PLAIN_DELTA_UPLINK, Trait.VERSIONED})
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        why = buffers_refusal(self.params, self.model.num_params())  # type: ignore[arg-type]  # FedAvgParams
+        if why is not None:
+            raise ValueError(why)
 
     def cloud(self) -> CloudRole:
         return FedAvgCloud(self.params, self.initial_params())

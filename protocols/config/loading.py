@@ -49,13 +49,7 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
         if reason is not None:
             raise ConfigError(f"privacy.secure_aggregation: {reason}")
     check_privacy(cfg)
-    p = cfg.participation
-    if (p.model == "bernoulli" and p.probs and not any(p.probs)) or (
-        p.model == "markov" and p.p_on == 0 and not p.start_on
-    ):
-        raise ConfigError(  # the run would "finish" having trained nothing, exit 0
-            f"participation: with model = {p.model!r} as set, no device (or cell) would ever take part"
-        )
+    check_participation(cfg)
     if cfg.runtime.min_cells > cfg.topology.cells:  # was read as "every cell": say so instead
         raise ConfigError(
             f"runtime.min_cells: {cfg.runtime.min_cells}, but the topology has {cfg.topology.cells} cells"
@@ -68,6 +62,24 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     if cfg.runtime.onnx_devices:
         check_forward_only(cfg, "runtime.onnx_devices")
     return cfg
+
+
+def check_participation(cfg: RunConfig) -> None:
+    """Refuse a participation under which the run can never progress, naming its keys."""
+    p = cfg.participation
+    if (p.model == "bernoulli" and p.probs and not any(p.probs)) or (
+        p.model == "markov" and p.p_on == 0 and not p.start_on
+    ):
+        raise ConfigError(  # the run would "finish" having trained nothing, exit 0
+            f"participation: with model = {p.model!r} as set, no device (or cell) would ever take part"
+        )
+    if p.model != "always" and p.level == "device" and needs(cfg.train, Trait.ASYNC) is None:
+        raise ConfigError(  # (cell_server.async_server: availability(cloud version); cloud.async_server: _notify)
+            f'participation: model = {p.model!r} at level = "device" with algorithm.mode = "async": devices are '
+            "drawn per cloud version, and a cell none of whose devices is drawn pushes nothing, so it is sent no "
+            "newer version and its devices never work again; once every cell is so, no version comes and the run "
+            'hangs. Use level = "cell" (whole cells drawn per version), or model = "always"'
+        )
 
 
 def check_forward_only(cfg: RunConfig, what: str) -> None:

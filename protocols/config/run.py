@@ -15,7 +15,8 @@ from pydantic import Field, ValidationError
 from .. import directions, plugins
 from ..algorithms import get_algorithm
 from ..algorithms.base import Algorithm, ModelSpec, TrainParams
-from ..algorithms.compose import Wrapper, check_layers, compose
+from ..algorithms.compose import Wrapper, check_layers, compose, needs
+from ..algorithms.traits import Trait
 from ..limits import memory_refusal
 from .errors import ConfigError, format_errors
 from .privacy import PrivacySection, calibrated_noise
@@ -159,6 +160,8 @@ class RunConfig(Section):
             wrappers.append(functools.partial(_start_from, self.run.init_model, digest))
         if self.privacy.dp != "off":
             wrappers.append(self._private)
+        if (why := self.cohort_refusal()) is not None:
+            raise ConfigError(why)
         topo = self.topology
         directions.set_draw_threads(self.runtime.direction_threads)  # process-wide, as the draws' cache is
         init_seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
@@ -176,6 +179,22 @@ class RunConfig(Section):
             raise
         except ValueError as exc:  # the parameters do not fit the topology (the message names the key)
             raise ConfigError(str(exc)) from None
+
+    def cohort_refusal(self, memory: int | None = None) -> str | None:
+        """Why a cohort's minibatches would not fit ``memory`` (default: this machine's), else ``None``. The cohort
+        engine draws every step's minibatch of each device of a cohort at once (``cohort_device``: the index
+        batches; ``cohort_trainer._minibatches``: their indices and masks, ``[D, S, B]``): about
+        ``cohort_size x local_steps x (20 x batch_size + 128)`` bytes a call (measured: 384 bytes a step of 32 for
+        the index batches alone), for devices that train by SGD."""
+        t, rt = self.train, self.runtime
+        if rt.engine != "cohort" or not t.local_steps or needs(t, Trait.FORWARD_ONLY) is None:
+            return None
+        need = rt.cohort_size * t.local_steps * (20 * t.batch_size + 128)
+        what = (
+            f"algorithm.local_steps: {t.local_steps:,} minibatches of {t.batch_size} samples drawn at once for each "
+            f'of a cohort\'s {rt.cohort_size} devices (runtime.engine = "cohort", runtime.cohort_size)'
+        )
+        return memory_refusal(need, what, memory)
 
     def _private(self, algorithm: Algorithm) -> Algorithm:
         """``algorithm`` wrapped for this run's differential privacy."""

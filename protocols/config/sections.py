@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from .. import plugins
 from ..algorithms.base import CHANNEL_WIDTHS, non_defaults
 from ..capabilities import WIRE_VERSION
-from ..limits import MAX_SECONDS
+from ..limits import MAX_ROUNDS, MAX_SECONDS
 from ..transport.broker import parse_broker_url
 from ..wire.topics import check_name
 
@@ -28,7 +28,7 @@ class Section(BaseModel):
 class RunSection(Section):
     name: str = Field(default="run", description="the run's name; also the MQTT topic root fedtier/{name}/...")
     seed: int = Field(default=0, ge=0, description="the run seed: every random draw (except secrets) derives from it")
-    rounds: int = Field(default=10, ge=1, description="cloud rounds (async mode: cloud model versions)")
+    rounds: int = Field(default=10, ge=1, le=MAX_ROUNDS, description="cloud rounds (async mode: cloud model versions)")
     output: str = Field(
         default="runs/{name}", min_length=1, description="the run folder; {name} is replaced by run.name"
     )
