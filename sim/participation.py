@@ -4,7 +4,7 @@ Each model is built over a fixed ordered list of device ids and a seed; ``partic
 ``frozenset`` of ids that depends only on ``(seed, round)`` (and the construction parameters), never on the
 order or number of earlier calls: each round's draw comes from ``rng(seed, round, "participation", <model>)``.
 The Markov model's state at round ``r`` depends on earlier rounds, so its chain is computed forward from
-round 0 (each step keyed by its round) and cached. ``expected_rate(device)`` is the long-run fraction of
+round 0 (each step keyed by its round), its last states kept. ``expected_rate(device)`` is the long-run fraction of
 rounds in which the device participates (``None`` where not meaningful).
 """
 
@@ -311,6 +311,7 @@ class Markov(ParticipationModel):
     """
 
     name = "markov"
+    KEPT_ROUNDS = 8  # a consumer a few rounds behind another costs nothing; an older round is computed from round 0
 
     def __init__(
         self, devices: Sequence[str], p_on_to_off: Any, p_off_to_on: Any, start_on_prob: Any = None, seed: int = 0
@@ -326,19 +327,19 @@ class Markov(ParticipationModel):
             self.start = self.stationary.copy()
         else:
             self.start = _per_device("start_on", start_on_prob, self.devices)
-        self._chain: list[np.ndarray] = []
+        self._recent: dict[int, np.ndarray] = {}  # the chain's states of the last KEPT_ROUNDS rounds computed
 
     def mask(self, round: int) -> np.ndarray:
-        while len(self._chain) <= round:
-            r = len(self._chain)
-            u = self._rng(r).random(self.num_devices)
-            if r == 0:
-                state = u < self.start
-            else:
-                prev = self._chain[-1]
-                state = np.where(prev, u >= self.p_off, u < self.p_on)
-            self._chain.append(state)
-        return self._chain[round].copy()
+        if round not in self._recent:  # (every round's state was kept: 1e6 devices over 10,000 rounds took 10 GB)
+            r = max((k for k in self._recent if k < round), default=-1)
+            state, self._recent = self._recent.get(r), self._recent if r >= 0 else {}
+            for step in range(r + 1, round + 1):
+                u = self._rng(step).random(self.num_devices)
+                state = u < self.start if state is None else np.where(state, u >= self.p_off, u < self.p_on)
+                self._recent[step] = state
+                if len(self._recent) > self.KEPT_ROUNDS:
+                    del self._recent[min(self._recent)]
+        return self._recent[round].copy()
 
     def expected_rate(self, device: str) -> float:
         i = self._i(device)

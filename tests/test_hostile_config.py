@@ -501,6 +501,30 @@ def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_when_the_algori
     assert built(run={"rounds": 10**6}, algorithm={"name": "decomfl"}) is None  # K x P = 5: 228 MB for a million
 
 
+def test_a_markov_participation_keeps_a_few_states_not_one_per_round_and_draws_the_same_chain():
+    """Markov kept every round's state: devices x rounds bytes (5,000 devices over 1,000 rounds: 5 MB; 1e6 over
+    10,000: 10 GB). Now its last 8: the same masks, in any order of asking."""
+    import tracemalloc
+
+    from protocols.seeding import rng
+    from sim.participation import Markov
+
+    devices = [f"d{i}" for i in range(5_000)]
+    state, chain = None, []  # the chain as the model defines it, every state kept
+    for r in range(40):
+        u = rng(3, r, "participation", "markov").random(len(devices))
+        state = u < 0.4 if state is None else np.where(state, u >= 0.3, u < 0.2)
+        chain.append(state)
+    model = Markov(devices, 0.3, 0.2, start_on_prob=0.4, seed=3)
+    for r in (5, 3, 20, 19, 21, 0, 39, 12, 12, 38, 2):
+        assert np.array_equal(model.mask(r), chain[r]), r
+    tracemalloc.start()
+    model.mask(1_000)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert held < 1 << 19, held  # was 5 MB: 1,000 states of 5,000 devices
+
+
 def test_decomfl_tasks_to_cells_that_need_the_whole_log_share_one_stack_of_it():
     """After a resume that recreated the devices every cell needs the log from round 0: each cell's task stacked its
     own copy (cells x the log); now one stack a window start, shared."""
