@@ -87,10 +87,10 @@ class AsyncCellServer(CellServer):
         self.edge = EdgeRound(t0=self.loop.now(), wall0=time.perf_counter())
         self.dispatched: set[str] = set()
 
-    def stop(self) -> None:
+    def stop(self, idle_heartbeat: float | None = None) -> None:
         self.loop.cancel(self._push_timer)
         self.loop.cancel(self._idle_timer)
-        super().stop()
+        super().stop(idle_heartbeat)
         if self.push_journal is not None:
             self.push_journal.close()
 

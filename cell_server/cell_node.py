@@ -17,7 +17,7 @@ from protocols.params import Sums
 from protocols.rejections import Rejected, RejectKind
 from protocols.session import CloudSession, decode_manifest
 from protocols.state import publish_state
-from protocols.status import decode_status, encode_status
+from protocols.status import between_jobs_status, decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Incoming, Messenger
@@ -189,12 +189,13 @@ class CellNode:
             **extra,
         )
 
-    def stop(self) -> None:
-        """Say offline (retained), disconnect, close the log."""
+    def stop(self, idle_heartbeat: float | None = None) -> None:
+        """Say offline (retained), disconnect, close the log; with ``idle_heartbeat``, a long-lived cell whose job
+        ended says idle instead (``protocols.status.between_jobs_status``)."""
         self.loop.cancel(self._beat_timer)
         if self.transport.connected:
             status = topics.status(self.run, topics.cell_node(self.cell))
-            self.transport.publish(status, encode_status("offline", topic=status, trust=self.trust), retain=True)
+            self.transport.publish(status, between_jobs_status(status, self.trust, idle_heartbeat), retain=True)
             self.transport.close()
         self.telemetry.close()
 

@@ -149,11 +149,11 @@ class CellServer(CellNode):
         )
         self.transport.publish(topic, self.sent_report, qos=1)
 
-    def stop(self) -> None:
+    def stop(self, idle_heartbeat: float | None = None) -> None:
         """Cancel the round's timers, stop the node (:meth:`CellNode.stop`), close the journal."""
         self.loop.cancel(self._timer)
         self.loop.cancel(self._wait_timer)
-        super().stop()
+        super().stop(idle_heartbeat)
         if self.journal is not None:
             self.journal.close()
 

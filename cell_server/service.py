@@ -126,7 +126,7 @@ class CellService:
                 for pattern in topics.cell_job_patterns(fed, self.cell):
                     transport.unsubscribe(pattern)
             self.node = None
-            node.stop()
+            node.stop(None if self.stopping.is_set() else self.bundle.monitoring.idle_heartbeat)
             del node, watch, transport  # the job's server and its closed connection (whose subscriptions hold the
             # server's handlers) are garbage now, held in reference cycles: collected at once below,
             gc.collect()  # not after ~10 more jobs (its arrays are native memory: few objects, rare collections)

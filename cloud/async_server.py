@@ -332,8 +332,8 @@ class AsyncCloudServer(CloudServer):
         """As the cloud of rounds, less the cells that refused to work."""
         return super()._allowed() - self.refusing.keys()
 
-    def stop(self, idle: bool = False) -> None:
-        super().stop(idle)
+    def stop(self, idle_heartbeat: float | None = None) -> None:
+        super().stop(idle_heartbeat)
         self._stopped = True  # a version posted (or a push handed to the loop) makes none: journaled, for --resume
         self._cancel_asks()
         if self.journal is not None:

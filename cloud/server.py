@@ -201,13 +201,14 @@ class CloudServer:
         """``fn`` as a handler or timer of this cloud: an exception in it (a bug) fails the job."""
         return guarded(fn, self.fail, f"cloud: {what}")
 
-    def stop(self, idle: bool = False) -> None:
-        """Say offline (retained; ``idle``: a long-lived cloud's job ended, it waits for the next), disconnect."""
+    def stop(self, idle_heartbeat: float | None = None) -> None:
+        """Say offline (retained), disconnect; with ``idle_heartbeat``, a long-lived cloud whose job ended says idle
+        instead (``protocols.status.between_jobs_status``)."""
         self.loop.cancel(self._timer)
         self.loop.cancel(self._start_timer)
         if self.transport.connected:
             status = topics.status(self.run, "cloud")
-            self.transport.publish(status, between_jobs_status(status, self.trust, idle=idle), retain=True)
+            self.transport.publish(status, between_jobs_status(status, self.trust, idle_heartbeat), retain=True)
             if self.finished:  # the job is over: its session (the node's next connection) drops the job's topics
                 for pattern in topics.cloud_job_patterns(self.run):
                     self.transport.unsubscribe(pattern)

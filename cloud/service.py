@@ -145,7 +145,7 @@ class CloudService:
             self._raise()
         if self.transport is not None:
             self._idle_beat(None)
-            between_jobs(self.transport, topics.status(self.fed, "cloud"), self.trust, idle=False)
+            between_jobs(self.transport, topics.status(self.fed, "cloud"), self.trust, None)
             self.transport.close()
 
     def stop(self) -> None:
@@ -225,7 +225,7 @@ class CloudService:
         self.node = None
         if node.finished:
             self._end(job, cfg, node, out, transport)
-        node.stop(idle=not self.stopping.is_set())
+        node.stop(None if self.stopping.is_set() else self.bundle.monitoring.idle_heartbeat)
         return True
 
     def _end(self, job: Job, cfg: RunConfig, node: CloudServer, out: Path, transport: Transport) -> None:

@@ -94,16 +94,29 @@ def idle_status(topic: str, trust: Trust | None, **extra: Any) -> bytes:
     return encode_status(IDLE, topic=topic, trust=trust, caps=dict(machine_caps()), **extra)
 
 
-def between_jobs_status(topic: str, trust: Trust | None, *, idle: bool, **extra: Any) -> bytes:
-    """A node's status as a job's connection closes: idle when a long-lived node waits for the next job (said at
-    once: "offline" until its next connection said idle read as a stopped node), offline as it stops (a clean
-    disconnect does not fire its will)."""
-    return idle_status(topic, trust, **extra) if idle else encode_status("offline", topic=topic, trust=trust, **extra)
+def beating_idle_status(topic: str, trust: Trust | None, period: float, **extra: Any) -> bytes:
+    """A long-lived node's idle status declaring the ``period`` it re-publishes it at (``heartbeat``) and when it
+    was published (:func:`beat_stamp`); a ``period`` of 0 declares neither (published once)."""
+    beat = {"heartbeat": period, **beat_stamp()} if period > 0 else {}
+    return idle_status(topic, trust, **beat, **extra)
 
 
-def between_jobs(transport: Transport, topic: str, trust: Trust | None, *, idle: bool, **extra: Any) -> None:
+def between_jobs_status(topic: str, trust: Trust | None, idle_heartbeat: float | None, **extra: Any) -> bytes:
+    """A node's status as a job's connection closes. With ``idle_heartbeat``, a long-lived node that waits for the
+    next job: idle, said at once ("offline" until its next connection said idle read as a stopped node), declaring
+    the heartbeat its next connection beats at, so that readers deem it offline if no beat follows (it died, or was
+    stopped while the broker was unreachable, before that connection: the closed one's will never fires). ``None``:
+    offline, as it stops (a clean disconnect does not fire its will)."""
+    if idle_heartbeat is None:
+        return encode_status("offline", topic=topic, trust=trust, **extra)
+    return beating_idle_status(topic, trust, idle_heartbeat, **extra)
+
+
+def between_jobs(
+    transport: Transport, topic: str, trust: Trust | None, idle_heartbeat: float | None, **extra: Any
+) -> None:
     """Publish (retained) a long-lived node's :func:`between_jobs_status`."""
-    transport.publish(topic, between_jobs_status(topic, trust, idle=idle, **extra), retain=True)
+    transport.publish(topic, between_jobs_status(topic, trust, idle_heartbeat, **extra), retain=True)
 
 
 def idle_while(
@@ -123,7 +136,7 @@ def idle_while(
     got = wait()
     idle.stop()
     if got is None:
-        between_jobs(transport, topic, trust, idle=False, **extra)
+        between_jobs(transport, topic, trust, None, **extra)
     return got
 
 
@@ -135,10 +148,8 @@ class IdleBeat:
     def __init__(
         self, loop: EventLoop, transport: Transport, topic: str, trust: Trust | None, period: float, **extra: Any
     ) -> None:
-        beat = {"heartbeat": period} if period > 0 else {}
         self.loop, self.transport, self.topic, self.period = loop, transport, topic, period
-        self.trust, self.extra = trust, {**beat, **extra}
-        self.record = idle_status(topic, trust, **self.extra)
+        self.trust, self.extra = trust, extra
         self._timer: TimerHandle | None = None
         self._stopped = False
 
@@ -146,9 +157,8 @@ class IdleBeat:
         """Publish the record now (each beat signed with its ``published`` time), and schedule the next beat."""
         if self._stopped:
             return
-        if self.period > 0:
-            self.record = idle_status(self.topic, self.trust, **self.extra, **beat_stamp())
-        self.transport.publish(self.topic, self.record, retain=True)
+        record = beating_idle_status(self.topic, self.trust, self.period, **self.extra)
+        self.transport.publish(self.topic, record, retain=True)
         if self.period > 0:
             self._timer = self.loop.call_later(self.period, self.start)
 

@@ -95,12 +95,31 @@ def _served_federation(tmp_path: Path) -> Iterator[Served]:
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
-def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(tmp_path: Path) -> None:
+def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_flat_and_say_idle_between_jobs(
+    tmp_path: Path,
+) -> None:
     """For each job the service builds a process of the job's parts; the long-lived one takes them (same
     connections) and the spare, never started, kept its reactor's wake-up socket pair and selector open until the
     garbage collector found it: 3 descriptors a job with the collector off (seen: 24, 27, 30, 33 after jobs 1-4).
-    It is closed at the job's start now, so the process's open descriptors stay flat (24, 24, 24, 24)."""
+    It is closed at the job's start now, so the process's open descriptors stay flat (24, 24, 24, 24).
+    Between jobs every node says idle, never offline: the cell's job server said offline as it closed the job's
+    connection, until the cell's next connection said idle (cell c0: idle, online, offline, idle, online, ...), so
+    `fedtier fleet`, `fedtier monitor` showed a healthy cell offline after each job."""
+    from protocols.status import decode_status
+    from protocols.wire import topics
+
     fds: list[int] = []
+    states: dict[str, list[str]] = {}  # each node's statuses as heard, repeats collapsed
+    beats: dict[str, set[float | None]] = {}  # each node's declared idle heartbeats
+
+    def heard(topic: str, data: bytes) -> None:
+        node, record = topic.rsplit("/", 1)[-1], decode_status(data, topic)
+        said = states.setdefault(node, [])
+        if record is not None and said[-1:] != [record["state"]]:
+            said.append(record["state"])
+        if record is not None and record["state"] == "idle":
+            beats.setdefault(node, set()).add(record.get("heartbeat"))
+
     with _served_federation(tmp_path) as served:
         cfg, opts, fed = served.cfg, served.opts, served.fed
         served.service.on_job_end = lambda _job: fds.append(len(os.listdir("/proc/self/fd")))
@@ -111,6 +130,8 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
             operator = opts.transport(
                 "operator", cfg.run.name, served.op_loop, reactor=served.reactor, persistent=False
             ).connect()
+            for pattern in (topics.statuses(cfg.run.name), topics.device_statuses(cfg.run.name)):
+                operator.subscribe(pattern, heard)
             replies = []
             for j in range(JOBS):  # all queued at once, on one connection
                 text = job_text(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": j})}))
@@ -120,6 +141,17 @@ def test_a_long_lived_agent_serving_jobs_back_to_back_keeps_its_open_files_flat(
             assert wait_until(lambda: all(replies), 30.0)
             assert wait_until(lambda: len(fds) == JOBS or bool(fed.errors), 120.0), f"served {len(fds)} jobs"
             fed.check()
+            jobs = ["online", "idle"] * JOBS  # idle at once at each job's end; offline never (before: cell c0's
+            # online, offline, idle at each). Idle before the first job: the cloud, the cell and the service's first
+            # device (its watch connection); its second device has no connection before it serves a job
+            said = {"cloud": ["idle", *jobs], "cell.c0": ["idle", *jobs], "device.c0-d0": ["idle", *jobs]}
+            said["device.c0-d1"] = jobs
+            assert wait_until(lambda: states == said, 10.0), repr(states)
+            # each idle record of the cloud and the cell, the one at a job's end too, declares its heartbeat: one that
+            # dies before its next connection (whose beats would follow; the closed one's will never fires) is
+            # deemed offline three heartbeats later, not idle for ever
+            period = cfg.monitoring.idle_heartbeat
+            assert (beats["cloud"], beats["cell.c0"]) == ({period}, {period}), beats
             operator.close()
         finally:
             gc.enable()
