@@ -24,6 +24,7 @@ from .console import (
     print_error,
     print_summary,
     round_progress,
+    run_folder_lock,
     setup_logging,
 )
 from .deploy_setup import BROKER, INSECURE, Auth, broker_options, check_keys, fail_with, require_signed, spec_and_data
@@ -94,7 +95,8 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
     from .serve import serve_cloud
 
     try:
-        serve_cloud(cfg, broker_options(cfg, broker_url, auth), test_data, spec_and_data)
+        with run_folder_lock(cfg, "cloud"):
+            serve_cloud(cfg, broker_options(cfg, broker_url, auth), test_data, spec_and_data)
     except ConfigError as exc:
         fail_with(exc, 2)
     except JobQueueError as exc:
@@ -212,7 +214,8 @@ def cell(
         from .serve import serve_cell
 
         try:
-            served = serve_cell(cfg, cell_id, broker_options(cfg, broker_url, auth), spec_and_data)
+            with run_folder_lock(cfg, f"cell {cell_id}"):
+                served = serve_cell(cfg, cell_id, broker_options(cfg, broker_url, auth), spec_and_data)
         except ConfigError as exc:
             fail_with(exc, 2)
         except ConnectionError as exc:

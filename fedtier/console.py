@@ -173,10 +173,14 @@ def _take_lock(fd: int) -> bool:
 
 
 @contextmanager
-def run_folder_lock(cfg: RunConfig) -> Iterator[None]:
+def run_folder_lock(cfg: RunConfig, node: str | None = None) -> Iterator[None]:
     """Hold ``cfg``'s run folder for this command (``RUN_DIR/run.lock``, released when it ends, or dies): a
     second ``fedtier run|sim`` into the same folder meanwhile would delete this one's files and interleave
-    its records with them, so it is refused with the holder's pid (exit 2)."""
+    its records with them, so it is refused with the holder's pid (exit 2). ``node`` (``cloud``, ``cell c0``): a
+    long-lived node's lock instead (``fedtier cloud|cell --serve``: ``RUN_DIR/cloud.lock``, ``cell-c0.lock``): a
+    second process of that node on its folder would take the first's broker session from it, without end, and
+    write the same job queue or journals (walked: two clouds of one bundle flipped a finished job to failed); it
+    is refused, exit 2, which the node's systemd unit does not restart."""
     import os
 
     from protocols import runfiles
@@ -184,14 +188,20 @@ def run_folder_lock(cfg: RunConfig) -> Iterator[None]:
     out = cfg.output_dir()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / runfiles.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        lock = f"{node.replace(' ', '-')}.lock" if node else runfiles.LOCK
+        fd = os.open(out / lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:  # not a folder, no room, no permission
         print_error(f"run.output: cannot use {out} as the run folder: {exc.strerror or exc}")
         sys.exit(2)
     if not _take_lock(fd):
         holder = os.read(fd, 16).decode(errors="replace").strip() or "?"
         os.close(fd)
-        print_error(f"{out} is in use by another run (pid {holder}); wait for it, or give this one another run.output")
+        if node:
+            print_error(f"{out} is in use by another fedtier {node} (pid {holder}): one serves; stop that one first")
+        else:
+            print_error(
+                f"{out} is in use by another run (pid {holder}); wait for it, or give this one another run.output"
+            )
         sys.exit(2)
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())

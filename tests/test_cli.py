@@ -86,6 +86,37 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
     assert res.exit_code == 0 and len(first.read_text().splitlines()) == 2, res.output
 
 
+def test_a_second_long_lived_cloud_or_cell_on_a_nodes_folder_is_refused(tmp_path, monkeypatch):
+    """Walk-through (a provisioned fleet): a second `fedtier cloud --serve` started from the cloud's bundle while the
+    first ran took the first's broker session from it and back each second, without end, and both wrote the same
+    job queue and job folders: a job the second resumed and finished, the first failed later ('no cell answered'),
+    and its summary and state said failed. A second `fedtier cell --serve --cell c0` alike (the same journal). The
+    second is refused now, exit 2 (its systemd unit does not restart it), naming the first's pid; another cell on
+    the same folder is not."""
+    import os
+
+    import fedtier.serve
+    from fedtier.console import run_folder_lock
+    from protocols.config import load_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    served: list[str] = []
+    monkeypatch.setattr(fedtier.serve, "serve_cloud", lambda *a: served.append("cloud"))
+    monkeypatch.setattr(fedtier.serve, "serve_cell", lambda cfg, cell, *a: served.append(cell) or [])
+    for node, args in (("cloud", ["cloud"]), ("cell c0", ["cell", "--cell", "c0"])):
+        with run_folder_lock(load_config(cfg), node):  # the first, serving
+            res = CliRunner().invoke(main, [*args, str(cfg), "--serve", "--insecure", "--broker", "mqtt://127.0.0.1:1"])
+            said = " ".join(res.output.split())
+            assert res.exit_code == 2 and f"another fedtier {node} (pid {os.getpid()})" in said, res.output
+            assert served == []
+    with run_folder_lock(load_config(cfg), "cell c0"):
+        res = CliRunner().invoke(
+            main, ["cell", str(cfg), "--serve", "--insecure", "--broker", "mqtt://127.0.0.1:1", "--cell", "c1"]
+        )
+    assert res.exit_code == 0 and served == ["c1"], res.output
+
+
 def test_a_folder_in_use_is_named_as_it_is(tmp_path):
     """The refusal names the folder in use as it is: rich took a ``[part]`` of its path for markup and dropped it."""
     from fedtier.console import run_folder_lock
