@@ -104,6 +104,30 @@ def test_schedule_warmup_two_phase_matching_and_epsilon_drop():
     assert [s.epsilon(i) for i in range(6)] == [0.0, 0.0, 0.3, 0.3, 0.0, 0.0]
 
 
+def test_the_schedule_in_closed_form_is_the_round_by_round_one_and_sizes_nothing_by_its_iterations():
+    """Every regime mix (warm-up, drop, epsilon 0 / finite / infinite before and after) against the schedule built
+    round by round, as it was; and a warm-up of 1e12 iterations checked at once (1e7 took 6.7 s: a list of every
+    round's phase, up to the last regime, built to check the run's phases; 1e9 would have filled memory)."""
+    import itertools
+    import time
+    from types import SimpleNamespace
+
+    for warmup, drop, eps, later in itertools.product(range(4), range(5), (0.0, 0.3, math.inf), (0.0, 0.3, math.inf)):
+        p = SimpleNamespace(warmup_rounds=warmup, epsilon_drop_round=drop, epsilon=eps, epsilon_later=later)
+        s, rounds = Schedule(p), []  # type: ignore[arg-type]
+        for it in range(12):
+            rounds += [(it, ph) for ph in s.phases(it)]
+        assert [s.at(r) for r in range(len(rounds))] == rounds, (warmup, drop, eps, later)
+        for n in range(len(rounds) // 2):  # the last regime's phases all come within the first 12 iterations
+            assert s.reachable_phases(n) == {ph for _, ph in rounds[:n]}, (warmup, drop, eps, later, n)
+        assert s.reachable_phases() == {ph for _, ph in rounds}
+    start = time.monotonic()
+    cfg = parse_config(base_config(warmup_rounds=10**12, epsilon_drop_round=10**12 + 5))
+    cfg.build_algorithm(cfg.model_spec((64,), 10))
+    assert Schedule(cfg.train).at(10**12 + 7) == (10**12 + 3, "free")  # type: ignore[arg-type]
+    assert time.monotonic() - start < 1.0
+
+
 def test_admission_is_two_sided_and_aggregation_follows_the_paper():
     train = parse_config(base_config(epsilon=0.2)).train
     w = params(0)

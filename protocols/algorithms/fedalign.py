@@ -58,6 +58,7 @@ from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, OrInfinity, TrainParams
 from .fedalign_inputs import check_phase_inputs
 from .fedalign_priority import check_probe_lists, priority_figures, probe_lists
+from .fedalign_schedule import Schedule
 from .fedavg import FedAvgCell, FedAvgDevice, check_delta
 from .outcome import Outcome
 from .robust import RobustParams, aggregate, robust_params
@@ -114,44 +115,6 @@ class FedAlignParams(RobustParams):
                 "priority loss of the model being trained), use edge_rounds = 1"
             )
         return self
-
-
-class Schedule:
-    """Iteration, phase and epsilon of every cloud round (deterministic, so a resumed cloud agrees)."""
-
-    def __init__(self, p: FedAlignParams) -> None:
-        self.p = p
-        self._rounds: list[tuple[int, str]] = []
-
-    def epsilon(self, iteration: int) -> float:
-        p = self.p
-        if iteration < p.warmup_rounds:
-            return 0.0
-        if p.epsilon_drop_round and iteration >= p.epsilon_drop_round:
-            return p.epsilon_later
-        return p.epsilon
-
-    def phases(self, iteration: int) -> tuple[str, ...]:
-        eps = self.epsilon(iteration)
-        if eps == 0:
-            return ("solo",)
-        if math.isinf(eps):
-            return ("all",)
-        return ("priority", "free")
-
-    def reachable_phases(self, rounds: int | None = None) -> set[str]:
-        """Every phase of the first ``rounds`` cloud rounds (``None``: of any round; the epsilon regimes are the
-        warm-up, before and after the drop: every iteration from the last of them on has its phases)."""
-        last = max(self.p.warmup_rounds, self.p.epsilon_drop_round)
-        schedule = [phase for it in range(last + 1) for phase in self.phases(it)]
-        return set(schedule if rounds is None else schedule[:rounds])
-
-    def at(self, round: int) -> tuple[int, str]:
-        """(iteration, phase) of cloud round ``round``."""
-        while len(self._rounds) <= round:
-            it = self._rounds[-1][0] + 1 if self._rounds else 0
-            self._rounds.extend((it, ph) for ph in self.phases(it))
-        return self._rounds[round]
 
 
 def _finite(meta: Mapping[str, Any], key: str, what: str, lo: float = 0.0, hi: float = math.inf) -> float:
