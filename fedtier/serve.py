@@ -81,18 +81,23 @@ def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
     cloud's keys file and ``security.max_device_weight`` when there is
     none yet. ``None`` in an unsigned federation or without a weight bound (logged)."""
     from protocols.checkpoint import write_durably
-    from protocols.roster import Roster, sign_roster, verify_roster
+    from protocols.roster import Roster, RosterError, sign_roster, verify_roster
     from protocols.wire.keys import load_keys
 
     keys = cfg.security.keys
     if trust is None or keys is None:
         return None
-    path = cfg.output_dir() / ROSTER_FILE
+    path, bundled = cfg.output_dir() / ROSTER_FILE, Path(keys).with_name(ROSTER_FILE)
     found = []  # the one kept across restarts, and the one `fedtier provision` put in the bundle: the newer wins
-    for where in (path, Path(keys).with_name(ROSTER_FILE)):
+    for where in (path, bundled):
         if where.exists():
             data = where.read_bytes()
-            found.append((verify_roster(data, trust.verify, federation=cfg.run.name).version, data))  # RosterError
+            try:
+                found.append((verify_roster(data, trust.verify, federation=cfg.run.name).version, data))
+            except RosterError as exc:  # the kept one, signed before `renew --identity --node cloud`, beside the
+                if where != path or not bundled.exists():  # bundle's re-signed one: the bundle's is taken
+                    raise
+                log.warning("the kept roster %s is not taken (%s): the bundle's is", path, exc)
     if found:
         return max(found)[1]
     bound = cfg.security.max_device_weight

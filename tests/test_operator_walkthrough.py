@@ -411,14 +411,19 @@ def test_a_rotated_identity_reaches_the_roster_so_cells_take_the_new_key_not_the
     the federation's roster at version 1 with the old key: every cell learns its devices' keys from the roster it holds
     (``cell_server.service.apply_roster``), so at each job it took the old key back, refused the device's new
     signatures and still took the old key's. And a rotated cloud left the folder unreadable (its roster signed by the
-    old key: "not a provisioned federation"). The roster now gets a new version with the new keys, signed by the
-    cloud's current key; the command says to publish it."""
+    old key: "not a provisioned federation"), and the cloud, restarted with its new keys, refused the roster it kept.
+    The roster now gets a new version with the new keys, signed by the cloud's current key (the command says to
+    publish it), and a restarted cloud takes its bundle's when the one it kept no longer verifies."""
+    import contextlib
     from types import SimpleNamespace
 
     from cell_server.service import apply_roster
     from fedtier.membership import load_federation
+    from fedtier.serve import federation_roster
+    from protocols.config import load_config
+    from protocols.roster import verify_roster
     from protocols.wire.envelope import WireError
-    from protocols.wire.keys import Trust, load_keys
+    from protocols.wire.keys import Trust, load_keys, node_trust
 
     out = _provision(tmp_path, free_port())
     old = load_keys(out / "nodes" / "c0-d0" / "keys.toml").private["c0-d0"]
@@ -435,8 +440,15 @@ def test_a_rotated_identity_reaches_the_roster_so_cells_take_the_new_key_not_the
     trust.verify("c0-d0", data, Trust("c0-d0", new, {}).sign(data))
     with pytest.raises(WireError, match="bad signature"):
         trust.verify("c0-d0", data, Trust("c0-d0", old, {}).sign(data))
+    kept = (out / "nodes" / "cloud" / "roster.json").read_bytes()  # version 2, as the serving cloud keeps it
     code, said, exc = _cli("provision", "renew", "--out", str(out), "--node", "cloud", "--identity")
     assert code == 0 and exc is None and load_federation(out).roster.version == 3, said
+    with contextlib.chdir(out / "nodes" / "cloud"):  # the cloud restarted with its new keys: the re-signed roster
+        cfg = load_config("config.toml")
+        cfg.output_dir().mkdir(parents=True)
+        (cfg.output_dir() / "roster.json").write_bytes(kept)  # signed by its old key
+        trust = node_trust(cfg, "cloud")
+        assert verify_roster(federation_roster(cfg, trust) or b"", trust.verify).version == 3
 
 
 def test_error_messages_keep_the_config_sections_they_name(
