@@ -225,6 +225,13 @@ class CloudService:
         self.node = None
         if node.finished:
             self._end(job, cfg, node, out, transport)
+        elif self.stopping.is_set():  # SIGTERM (`systemctl stop`): the journal said nothing of the job left running
+            log.warning(
+                "stopped with job %s running (%d rounds done): it resumes from its checkpoint when the cloud starts "
+                "again",
+                job.job,
+                len(node.history),
+            )
         node.stop(None if self.stopping.is_set() else self.bundle.monitoring.idle_heartbeat)
         return True
 

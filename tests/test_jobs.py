@@ -456,6 +456,38 @@ def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the
     assert queue.next().job == "b"
 
 
+def test_a_cloud_stopped_with_a_job_running_says_the_job_resumes_at_its_next_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Walk-through: `systemctl stop` (SIGTERM) of a fleet's cloud with a job running exited 0 and logged nothing at
+    all (the journal's default level), the job left `running` in `fedtier jobs`. It was right to leave it so (the
+    restarted cloud resumed it from its checkpoint and finished it); the journal now says so."""
+    import logging
+
+    from cloud.service import CloudService, JobParts
+    from protocols.transport.memory import MemoryHub
+    from protocols.transport.threadloop import ThreadLoop
+    from sim.hierarchy import prepare
+
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n[runtime]\nstartup_wait = 1000.0\n", fed)
+    queue = JobQueue(tmp_path / "jobs.json")
+    parts = lambda cfg: JobParts(cfg.build_algorithm(prepare(cfg).spec), None)  # noqa: E731
+    loop = ThreadLoop("t")
+    service = CloudService(
+        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
+    )
+    queue.submit(Job("a", text, config_hash(text), OPERATOR))
+    loop.call_later(0.05, service.stop)  # SIGTERM while it waits for its cells
+    with caplog.at_level(logging.WARNING, logger="fedtier.cloud.service"):
+        assert service._run(queue.next(), transport=MemoryHub(loop=loop).connect("cloud")) is True  # type: ignore[arg-type]
+    assert queue.get("a").state == "running" and queue.next().job == "a"  # the next start resumes it
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "stopped with job a running (0 rounds done): it resumes from its checkpoint when the cloud starts again"
+    ], said
+
+
 def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_not_errored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
