@@ -218,7 +218,7 @@ class CloudService:
             transport.publish(topic, self._seal(current.record(), topic), retain=True)
             self._publish_list(transport)
             node.start()
-            self._revoke_cells(node)  # the roster it holds (e.g. adopted while the job was queued, or resumed)
+            self._apply_roster(node)  # the roster it holds (e.g. adopted while the job was queued, or resumed)
 
         self.loop.post(begin)
         self.loop.run(until=lambda: node.finished or self.stopping.is_set() or self.error is not None)
@@ -332,7 +332,7 @@ class CloudService:
             write_durably(self.roster_path, self._roster_bytes(roster), private=False)  # survives a power loss
         self.roster = roster
         if self.node is not None:
-            self._revoke_cells(self.node)
+            self._apply_roster(self.node)
         members = {c: roster.members(c) for c in roster.cells}
         topo = self.bundle.topology
         if members != {c: list(topo.device_ids(c)) for c in topo.cell_ids()}:  # changed since provisioning
@@ -341,10 +341,15 @@ class CloudService:
             "roster version %d: %d cells, %d devices", roster.version, len(members), sum(map(len, members.values()))
         )
 
-    def _revoke_cells(self, node: CloudServer) -> None:
-        """The running job's cells that the roster revoked leave it now (``CloudServer.revoke``)."""
-        if self.roster is not None:
-            node.revoke(self.roster.revoked, f"revoked (roster version {self.roster.version})")
+    def _apply_roster(self, node: CloudServer) -> None:
+        """What the roster says of the running job's cells: their keys (a cell's rotated identity, ``fedtier provision
+        renew --identity``, replaces the one the cloud's keys file held: its old key, a leaked one say, signs nothing
+        from then on), and those it revoked leave the job now (``CloudServer.revoke``)."""
+        if self.roster is None:
+            return
+        if node.trust is not None:
+            node.trust.learn({c: key for c, key in self.roster.cell_keys.items() if c in node.cells})
+        node.revoke(self.roster.revoked, f"revoked (roster version {self.roster.version})")
 
     def _roster_bytes(self, roster: Roster) -> bytes:
         assert self.trust is not None

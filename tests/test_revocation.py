@@ -487,3 +487,42 @@ def test_whatever_is_left_on_the_roster_topic_the_serving_cloud_puts_the_current
     restarted = JobWatch(hub.connect("cell.c1"), "fed", Trust("c1", ring.private["c1"], ring.public))
     hub.loop.run()
     assert restarted.roster == v2 and "c1-d0" in restarted.roster.revoked
+
+
+def test_a_cells_rotated_key_in_a_newer_roster_replaces_its_old_one_at_the_serving_cloud(tmp_path: Path) -> None:
+    """`fedtier provision renew --identity --node c0` (its key leaked, say) gives the roster c0's new key. The serving
+    cloud took the roster (a new version) but kept verifying c0 with the key of its keys file: c0's reports signed with
+    its new key were refused ("signature") and a round waited out its 100 s deadline without it, while the old key's
+    were taken, until the operator copied the cloud's keys file and a next job began. The cloud takes its cells' keys
+    from the roster it adopts, as cells take their devices'."""
+    from cloud.jobs import JobQueue
+    from cloud.service import CloudService
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.wire.envelope import WireError
+    from protocols.wire.keys import new_seed, node_trust, public_of
+
+    cfg, ring = _signed_config(tmp_path, run={"name": "fed"})
+    _, _, hub, cloud, cells = _memory_job(cfg, ring)
+    topo, sign = cfg.topology, Trust("cloud", ring.private["cloud"], ring.public).sign
+    v1 = Roster.from_topology("fed", {c: topo.device_ids(c) for c in CELLS}, ring.public, 100.0)
+    rotated = new_seed()
+    service = CloudService(
+        cfg,
+        None,
+        lambda: None,
+        JobQueue(tmp_path / "jobs.json"),
+        None,
+        trust=node_trust(cfg, "cloud"),
+        operator=None,
+        roster=sign_roster(v1, sign),
+    )  # type: ignore[arg-type]
+    service.node, service.transport = cloud, hub.connect("cloud-service")
+    service._on_roster(roster_topic("fed"), sign_roster(v1.with_key("c0", public_of(rotated)), sign))
+    cells.messengers["c0"] = Messenger(cells.peer, "fed", "c0", trust=Trust("c0", rotated, ring.public))
+    cloud.start()
+    hub.loop.run(until=lambda: cloud.finished)
+    assert not cloud.failed and [r["cells_reported"] for r in cloud.history] == [CELLS] * len(cloud.history)
+    assert [r["clock_s"] - r["clock_start_s"] for r in cloud.history] == [0.0] * len(cloud.history)  # none waited
+    assert all(_rejected(r) == [] for r in cloud.history)
+    with pytest.raises(WireError, match="bad signature"):  # the old key signs nothing from then on
+        cloud.trust.verify("c0", b"a report", Trust("c0", ring.private["c0"], {}).sign(b"a report"))
