@@ -203,7 +203,14 @@ class CellServer(CellNode):
             self.messenger.reject(topic, kind_of(exc), f"cell task refused: {exc}", msg.header.sender)
             return
         if self.journal is not None:
-            self.journal.task(msg.header.round, msg.header.session, msg.payload, getattr(self.role, "noise_seed", None))
+            try:  # a full disk, an unwritable folder: no round it could not resume; its failure answers this one
+                seed = getattr(self.role, "noise_seed", None)
+                self.journal.task(msg.header.round, msg.header.session, msg.payload, seed)
+            except OSError as exc:  # (before: only the next round's task, the cloud waiting a cell deadline)
+                self.fail(f"cell {self.cell}: cannot journal round {msg.header.round}'s task: {exc}")
+                self.round, self.messenger.session = msg.header.round, msg.header.session
+                self._send_failure(msg.header.round)
+                return
         self.enter_round(msg.header.round, msg.header.session)
         self.start_edge()
 

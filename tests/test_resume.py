@@ -652,3 +652,28 @@ def test_a_cell_resumed_from_a_journal_with_a_diverged_result_never_aggregates_i
     assert [(r["round"], r["edge_round"]) for r in c0] == [(r, e) for r in range(3) for e in range(2)]
     assert all(set(r["diverged"]) == {"c0-d1"} and "c0-d1" not in r["answered"] for r in c0), c0
     assert [m["devices_diverged"] for m in crashed.history] == [{"c0": 1}] * 3
+
+
+def test_a_cell_that_cannot_journal_a_task_fails_the_job_in_that_round_saying_why(tmp_path: Path) -> None:
+    """Walk-through (a fleet's cell whose job folder became unwritable mid-job): the cell's journal write of round 5's
+    task raised; the cell failed but answered only the next round's task with its failure, so the cloud waited a cell
+    deadline (40 s) for round 5 first, and a traceback filled the cell's log. In memory: the write of round 1's task
+    fails (no space left); the cell answers round 1 with its failure at once, the job fails in round 1 with why."""
+    import errno
+
+    from protocols.jsonl import StorageError
+
+    sim = SimHierarchy(small_config(tmp_path, runtime={"device_deadline": 50.0}))
+    cell = sim.cells["c0"] = journaled_c0(sim, resume=False)
+    journal_task = cell.journal.task
+
+    def task(rnd: int, *rest: Any) -> None:
+        if rnd == 1:
+            raise StorageError(errno.ENOSPC, "cannot write cell-c0.journal: No space left on device")
+        journal_task(rnd, *rest)
+
+    cell.journal.task = task
+    result = sim.run()
+    assert "cannot journal round 1's task: [Errno 28] cannot write cell-c0.journal: No space left" in result.failed
+    assert result.failed.startswith("cell c0 failed in round 1: ") and len(result.history) == 1, result.failed
+    assert sim.hub.loop.now() < 50.0  # (virtual seconds) no deadline waited out
