@@ -84,6 +84,8 @@ def _server_kind(
     """The server class of ``algorithm`` and its role arguments: FedBuff (keep devices busy, push every M
     updates or T seconds) or rounds."""
     train = cfg.train
+    if (why := algorithm.tier_refusal("cell")) is not None:  # what the cell holds (a device holds none of it)
+        raise ConfigError(why)
     if resume and cfg.secagg_settings() is not None:
         raise ConfigError(
             "--resume: a cell under secure aggregation does not resume its round (the masks' "

@@ -13,7 +13,7 @@ from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.algorithms.staleness import AsyncParams
 from protocols.algorithms.traits import Trait
 from protocols.bounds import CellBounds
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.transport.base import Transport
 from protocols.wire.keys import node_trust
 
@@ -75,6 +75,8 @@ def build_cloud(
 
 def _server_kind(cfg: RunConfig, algorithm: Algorithm) -> tuple[type[CloudServer], dict[str, Any]]:
     """The server class of ``algorithm`` and its role argument: FedBuff over cells (asynchronous) or rounds."""
+    if (why := algorithm.tier_refusal("cloud")) is not None:  # what the cloud holds (a device holds none of it)
+        raise ConfigError(why)
     if Trait.ASYNC not in algorithm.stack_traits():
         return CloudServer, {"role": algorithm.cloud()}
     inner = algorithm.cloud()

@@ -137,17 +137,21 @@ def _run_cloud(
     evaluator = make_evaluator(spec, test.x, test.y, cfg.runtime.device) if test is not None else None
     t0 = time.perf_counter()
     with round_progress(cfg, progress) as on_round:
-        node = build_cloud(
-            cfg,
-            transport,
-            cfg.build_algorithm(spec),
-            evaluator=evaluator,
-            output_dir=out,
-            resume=resume,
-            startup_wait=cfg.runtime.startup_wait,
-            on_round=on_round,
-            collect_cell_records=True,
-        )
+        try:  # what the cloud holds (e.g. DeComFL's log) is checked against this machine's memory
+            node = build_cloud(
+                cfg,
+                transport,
+                cfg.build_algorithm(spec),
+                evaluator=evaluator,
+                output_dir=out,
+                resume=resume,
+                startup_wait=cfg.runtime.startup_wait,
+                on_round=on_round,
+                collect_cell_records=True,
+            )
+        except ConfigError as exc:
+            transport.close()
+            fail_with(exc, 2)
         exporter = serve_metrics(cfg)
         if exporter is not None:
             exporter.watch_cloud(node)

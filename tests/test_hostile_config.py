@@ -22,6 +22,7 @@ from protocols.limits import memory_refusal
 from sim.datasets import load_dataset
 
 BASE: dict[str, typing.Any] = {"topology": {"cells": 1, "devices_per_cell": 2}, "algorithm": {"name": "fedavg"}}
+BASE_RUNTIME = RunConfig.model_fields["runtime"].default
 INFINITE_MEANS_ALL = {("fedalign", "epsilon"), ("fedalign", "epsilon_later")}  # "inf = all devices"
 
 
@@ -466,39 +467,60 @@ def test_async_mode_with_devices_drawn_per_version_is_refused_as_a_run_that_woul
     assert _outcome({**BASE, "participation": drawn}) is None  # rounds close by deadline: a draw of none passes
 
 
-def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_when_the_algorithm_is_built():
-    """What a key sizes that the run holds at once: a cell's async buffer (K decoded results), a cohort's minibatch
-    indices (cohort_size x local_steps x batch), DeComFL's cloud log (rounds x 4KP bytes, kept, checkpointed, sent).
-    Each was accepted and ran until a MemoryError (the async buffer at its K-th result)."""
+def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_by_the_node_that_would_hold_them(tmp_path):
+    """What a key sizes that a node holds at once: a cell's async buffer (K decoded results), the cloud's waiting
+    pushes, DeComFL's cloud log (rounds x 4KP bytes, kept, checkpointed, sent), a cohort's minibatch indices
+    (cohort_size x local_steps x batch). Each was accepted and ran until a MemoryError (the async buffer at its K-th
+    result). The cell's and the cloud's are checked by their node (a device builds the algorithm too, holding none)."""
     from protocols.algorithms.decomfl import LOG_ROUND_BYTES
     from protocols.algorithms.fedavg import FedAvgParams
     from protocols.algorithms.staleness import buffers_refusal
 
-    def built(**sections: typing.Any) -> str | None:
+    def tiers(**sections: typing.Any) -> tuple[str | None, str | None]:
         cfg = parse_config({**BASE, **sections})
-        try:
-            cfg.build_algorithm(cfg.model_spec((784,), 10))  # 199,210 parameters: 797 KB of float32
-        except ConfigError as exc:
-            return str(exc)
-        return None
+        algorithm = cfg.build_algorithm(cfg.model_spec((784,), 10))  # 199,210 parameters: 797 KB of float32
+        return algorithm.tier_refusal("cell"), algorithm.tier_refusal("cloud")
 
-    buffer = built(algorithm={"name": "fedavg", "mode": "async", "async_buffer": 10**7})
-    assert buffer is not None and "algorithm.async_buffer: 10,000,000 results a cell holds decoded" in buffer
-    pushes = built(algorithm={"name": "fedavg", "mode": "async", "async_cloud_buffer": 10**7})
-    assert pushes is not None and "algorithm.async_cloud_buffer: 10,000,000 pushes" in pushes
-    assert built(algorithm={"name": "fedavg", "mode": "async", "async_buffer": 1000}) is None
+    cell, cloud = tiers(algorithm={"name": "fedavg", "mode": "async", "async_buffer": 10**7})
+    assert cloud is None and "algorithm.async_buffer: 10,000,000 results a cell holds decoded" in str(cell)
+    cell, cloud = tiers(algorithm={"name": "fedavg", "mode": "async", "async_cloud_buffer": 10**7})
+    assert cell is None and "algorithm.async_cloud_buffer: 10,000,000 pushes" in str(cloud)
+    assert tiers(algorithm={"name": "fedavg", "mode": "async", "async_buffer": 1000}) == (None, None)
     params = FedAvgParams(name="fedavg", mode="async", async_buffer=1000)
-    assert buffers_refusal(params, 199_210, memory=2**30) is None  # 797 MB
-    assert "needs 1.5 GiB, more than this machine's 1.0 GiB" in str(buffers_refusal(params, 400_000, memory=2**30))
-    cohort = built(algorithm={"name": "fedavg", "local_steps": 10**8}, runtime={"engine": "cohort"})
-    assert cohort is not None and "algorithm.local_steps: 100,000,000 minibatches of 32 samples" in cohort
-    assert built(algorithm={"name": "fedavg", "local_steps": 10**8}) is None  # one device at a time: batches streamed
+    assert buffers_refusal(params, 199_210, "cell", memory=2**30) is None  # 797 MB
+    refused = buffers_refusal(params, 400_000, "cell", memory=2**30)
+    assert "needs 1.5 GiB, more than this machine's 1.0 GiB" in str(refused)
     wide = {"name": "decomfl", "local_steps": 10**5, "perturbations": 100}  # K x P = 1e7, the most: 40 MB a round
-    log = built(run={"rounds": 10**6}, algorithm=wide)
-    assert (
-        log is not None and f"run.rounds: 1,000,000 rounds of the cloud's log ({LOG_ROUND_BYTES + 4 * 10**7:,}" in log
+    cell, log = tiers(run={"rounds": 10**6}, algorithm=wide)
+    assert cell is None and f"run.rounds: 1,000,000 rounds of the cloud's log ({LOG_ROUND_BYTES + 4 * 10**7:,}" in str(
+        log
     )
-    assert built(run={"rounds": 10**6}, algorithm={"name": "decomfl"}) is None  # K x P = 5: 228 MB for a million
+    assert tiers(run={"rounds": 10**6}, algorithm={"name": "decomfl"}) == (None, None)  # K x P = 5: 213 MB
+    cohort = parse_config(
+        {**BASE, "algorithm": {"name": "fedavg", "local_steps": 10**8}, "runtime": {"engine": "cohort"}}
+    )
+    with pytest.raises(ConfigError, match="algorithm.local_steps: 100,000,000 minibatches of 32 samples"):
+        cohort.build_algorithm(cohort.model_spec((784,), 10))
+    assert cohort.model_copy(update={"runtime": BASE_RUNTIME}).cohort_refusal() is None  # device engine: streamed
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CLI.format(out=tmp_path / "out"))
+    for sets, says in (
+        (
+            ['algorithm.name="fedavg"', 'algorithm.mode="async"', "algorithm.async_buffer=10000000"],
+            "algorithm.async_buffer: 10,000,000",
+        ),
+        (
+            [
+                "run.rounds=1000000",
+                'algorithm.name="decomfl"',
+                "algorithm.local_steps=100000",
+                "algorithm.perturbations=100",
+            ],
+            "run.rounds: 1,000,000 rounds of the cloud's log",
+        ),
+    ):
+        res = CliRunner().invoke(main, ["sim", str(cfg), *(w for x in sets for w in ("--set", x)), "--no-progress"])
+        assert res.exit_code == 2 and says in " ".join(res.output.split()) and "Traceback" not in res.output, res.output
 
 
 def test_a_markov_participation_keeps_a_few_states_not_one_per_round_and_draws_the_same_chain():

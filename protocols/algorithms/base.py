@@ -347,6 +347,12 @@ class Algorithm(ABC):
         ``ValueError`` naming the config key when the parameters do not fit the topology.
         """
 
+    def tier_refusal(self, tier: str, memory: int | None = None) -> str | None:
+        """Why ``memory`` (default: this machine's) cannot hold what the ``tier``'s role ("cloud" or "cell") keeps
+        under these parameters, naming the key, or ``None``: the tier's node checks it before it starts (a device,
+        which builds the algorithm too, holds none of it)."""
+        return None
+
     @abstractmethod
     def cloud(self) -> CloudRole: ...
 

@@ -99,7 +99,7 @@ LOG_ROUND_BYTES = 200
 """What a round of the cloud's log holds besides its 4KP bytes of scalars (its seed, its array's header, the lists'
 entries: 213 bytes a round with K x P = 5, measured). The log stays in memory; a checkpoint stacks it whole, and so
 do the tasks of cells that need it all (a resume that recreated the devices): a run whose log would take more than
-a third of the machine's memory is refused (``DeComFL.bind_topology``)."""
+a third of the cloud's memory is refused (``DeComFL.tier_refusal``)."""
 
 
 # --------------------------------------------------------------------------------------------- cloud
@@ -461,13 +461,17 @@ class DeComFL(Algorithm):
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         self.rosters = {c: list(devices) for c, devices in cells.items()}
+
+    def tier_refusal(self, tier: str, memory: int | None = None) -> str | None:
+        """The cloud's log: :data:`LOG_ROUND_BYTES` and 4KP bytes a round of ``run.rounds``, kept, checkpointed and
+        sent (three times that)."""
         p, rounds = self.params, self.rounds or 0
         per_round = LOG_ROUND_BYTES + 4 * p.local_steps * p.perturbations  # type: ignore[attr-defined]
         what = (
             f"run.rounds: {rounds:,} rounds of the cloud's log ({per_round:,} bytes a round: kept, checkpointed, sent)"
         )
-        if why := memory_refusal(3 * rounds * per_round, what):
-            raise ValueError(f"{why}; set fewer rounds, or fewer algorithm.local_steps x perturbations")
+        why = memory_refusal(3 * rounds * per_round, what, memory) if tier == "cloud" else None
+        return f"{why}; set fewer rounds, or fewer algorithm.local_steps x perturbations" if why else None
 
     def initial_params(self) -> dict[str, np.ndarray]:
         if self._x0 is None:

@@ -244,11 +244,8 @@ class FedAvg(Algorithm):
     Params = FedAvgParams
     traits = frozenset({Trait.CELL_SUM, Trait.CLOUD_SUM, Trait.PLAIN_DELTA_UPLINK, Trait.VERSIONED})
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        why = buffers_refusal(self.params, self.model.num_params())  # type: ignore[arg-type]  # FedAvgParams
-        if why is not None:
-            raise ValueError(why)
+    def tier_refusal(self, tier: str, memory: int | None = None) -> str | None:
+        return buffers_refusal(self.params, self.model.num_params(), tier, memory)  # type: ignore[arg-type]
 
     def cloud(self) -> CloudRole:
         return FedAvgCloud(self.params, self.initial_params())

@@ -67,21 +67,20 @@ class AsyncParams(TrainParams):
     )
 
 
-def buffers_refusal(p: AsyncParams, num_params: int, memory: int | None = None) -> str | None:
-    """Why the async buffers of a model of ``num_params`` float32 parameters would not fit ``memory`` (default: this
-    machine's), naming the key; ``None`` in sync mode or when they fit. A cell holds each of its ``async_buffer``
-    results decoded until the buffer is full (:class:`StalenessBuffer`: one model each, whichever devices sent
-    them, a device sending again and again), and up to ``async_cloud_buffer`` pushes of one cell may wait in the
-    cloud behind a version (``cloud.async_server``: one model each). Any such buffer fills (a device, or a cell,
-    answers again at once), so only their memory bounds them."""
-    if p.mode != "async":
+def buffers_refusal(p: AsyncParams, num_params: int, tier: str, memory: int | None = None) -> str | None:
+    """Why ``tier``'s async buffer ("cell" or "cloud") of a model of ``num_params`` float32 parameters would not fit
+    ``memory`` (default: this machine's), naming the key; ``None`` in sync mode or when it fits. A cell holds each of
+    its ``async_buffer`` results decoded until the buffer is full (:class:`StalenessBuffer`: one model each,
+    whichever devices sent them, a device sending again and again); up to ``async_cloud_buffer`` pushes of one cell
+    may wait in the cloud behind a version (``cloud.async_server``: one model each). Any such buffer fills (a
+    device, or a cell, answers again at once), so only their memory bounds them."""
+    if p.mode != "async" or tier not in ("cell", "cloud"):
         return None
-    model = 4 * num_params
-    cell = f"algorithm.async_buffer: {p.async_buffer:,} results a cell holds decoded until its buffer is full"
-    cloud = f"algorithm.async_cloud_buffer: {p.async_cloud_buffer:,} pushes of a cell waiting in the cloud"
-    return memory_refusal(p.async_buffer * model, cell, memory) or memory_refusal(
-        p.async_cloud_buffer * model, cloud, memory
-    )
+    if tier == "cell":
+        what = f"algorithm.async_buffer: {p.async_buffer:,} results a cell holds decoded until its buffer is full"
+        return memory_refusal(p.async_buffer * 4 * num_params, what, memory)
+    what = f"algorithm.async_cloud_buffer: {p.async_cloud_buffer:,} pushes of a cell waiting in the cloud"
+    return memory_refusal(p.async_cloud_buffer * 4 * num_params, what, memory)
 
 
 def staleness_weight(staleness: int, exponent: float) -> float:

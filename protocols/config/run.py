@@ -189,10 +189,11 @@ class RunConfig(Section):
         t, rt = self.train, self.runtime
         if rt.engine != "cohort" or not t.local_steps or needs(t, Trait.FORWARD_ONLY) is None:
             return None
-        need = rt.cohort_size * t.local_steps * (20 * t.batch_size + 128)
+        cohort = min(rt.cohort_size, len(self.topology.devices()))
+        need = cohort * t.local_steps * (20 * t.batch_size + 128)
         what = (
             f"algorithm.local_steps: {t.local_steps:,} minibatches of {t.batch_size} samples drawn at once for each "
-            f'of a cohort\'s {rt.cohort_size} devices (runtime.engine = "cohort", runtime.cohort_size)'
+            f'of a cohort\'s {cohort} devices (runtime.engine = "cohort", runtime.cohort_size)'
         )
         return memory_refusal(need, what, memory)
 

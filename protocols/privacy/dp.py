@@ -233,6 +233,9 @@ class PrivateAlgorithm(Algorithm):
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         self.inner.bind_topology(cells)
 
+    def tier_refusal(self, tier: str, memory: int | None = None) -> str | None:
+        return self.inner.tier_refusal(tier, memory)
+
     def cloud(self) -> CloudRole:
         return PrivateCloud(self.inner.cloud(), self.accountant, self.budget)
 
