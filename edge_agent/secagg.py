@@ -53,11 +53,13 @@ class Host(Protocol):
 def learn_roster(agent: Host, roster: Roster) -> None:
     """What the cloud's signed roster tells a device of its cell: its members' identity keys (a device
     enrolled after this one's keys file was written; secure aggregation checks each neighbour's key
-    advertisement and view against them) and the revoked nodes, no longer trusted."""
+    advertisement and view against them), its cell's key (rotated by ``fedtier provision renew --identity``:
+    the old one signs it no task from then on) and the revoked nodes, no longer trusted."""
     trust = agent.trust
     if trust is None:
         return
-    trust.learn({d: key for d in roster.members(agent.cell) if (key := roster.device_key(d)) is not None})
+    nodes = [agent.cell, *roster.members(agent.cell)]
+    trust.learn({n: key for n in nodes if (key := roster.device_key(n)) is not None})
     trust.forget(n for n in roster.revoked if n != agent.device)
 
 

@@ -451,6 +451,31 @@ def test_a_rotated_identity_reaches_the_roster_so_cells_take_the_new_key_not_the
         assert verify_roster(federation_roster(cfg, trust) or b"", trust.verify).version == 3
 
 
+def test_a_cells_rotated_key_reaches_its_devices_through_the_roster(tmp_path: Path) -> None:
+    """A device verifies its cell's tasks with its keys file, and learnt only its neighbours' keys from the roster:
+    after `fedtier provision renew --identity --node c0` and the new roster's publish, the cell's tasks signed with its
+    new key were refused by every device whose keys file was not copied yet, and the old key (a leaked one, say) still
+    tasked them. A device takes its cell's key from the roster too (``edge_agent.secagg.learn_roster``)."""
+    from types import SimpleNamespace
+
+    from edge_agent.secagg import learn_roster
+    from fedtier.membership import load_federation, rotate_identities
+    from protocols.wire.envelope import WireError
+    from protocols.wire.keys import Trust, load_keys
+
+    out = _provision(tmp_path, free_port())
+    before = load_keys(out / "nodes" / "c0-d0" / "keys.toml")  # the device's keys file, not copied again
+    old = load_keys(out / "keys.toml").private["c0"]
+    rotate_identities(out, ["c0"])
+    new = load_keys(out / "keys.toml").private["c0"]
+    device = SimpleNamespace(trust=Trust("c0-d0", before.private["c0-d0"], before.public), cell="c0", device="c0-d0")
+    learn_roster(device, load_federation(out).roster)  # as each device does when the roster comes
+    task = b"a task"
+    device.trust.verify("c0", task, Trust("c0", new, {}).sign(task))
+    with pytest.raises(WireError, match="bad signature"):
+        device.trust.verify("c0", task, Trust("c0", old, {}).sign(task))
+
+
 def test_error_messages_keep_the_config_sections_they_name(
     reachable_tmp: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
