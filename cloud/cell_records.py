@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from protocols.jsonl import JsonlWriter
 from protocols.records import CellRecord, parse_record
@@ -33,6 +33,12 @@ _rejections = RateLimitedLog(log)
 MAX_RECORD_BYTES = 8 << 20  # as the monitor's bound: a cell's record names its devices
 
 
+class AtRound(Protocol):
+    """The job's cloud server, as the collector sees it."""
+
+    round: int
+
+
 class CellRecordCollector:
     """Appends the aggregation records of ``cells`` that arrive as telemetry to ``path``."""
 
@@ -44,8 +50,10 @@ class CellRecordCollector:
         path: str | Path,
         keys: PublicKeys | None = None,
         max_bytes: int | None = None,
+        job: AtRound | None = None,
     ) -> None:
         self.transport, self.run, self.cells, self.keys = transport, run, set(cells), keys
+        self.job = job  # the cloud's round: a cell's record is never of a later one
         self.writer = JsonlWriter(path, max_bytes)
         self.written = 0
         self.dropped = 0
@@ -65,6 +73,9 @@ class CellRecordCollector:
             record = parse_record(raw)
             if not isinstance(record, CellRecord) or record.cell != cell or record.run not in (None, self.run):
                 raise ValueError(f"not an aggregation record of cell {cell!r} of run {self.run!r}")
+            if self.job is not None and record.round > (now := self.job.round) + 1:
+                # a cell with its own key could write round 1e12: fedtier report sized its heatmap by it
+                raise ValueError(f"a record of round {record.round}, with the job at round {now}")
         except (WireError, ValueError) as exc:
             self.dropped += 1
             _rejections.warning("cloud: dropped a record on %s: %s", topic, exc)
@@ -83,6 +94,7 @@ def collector(
     path: str | Path | None,
     keys: PublicKeys | None = None,
     max_bytes: int | None = None,
+    job: AtRound | None = None,
 ) -> CellRecordCollector | None:
     """The collector of ``cells``' records into ``path``; ``None`` when the cloud keeps none (no ``path``)."""
-    return CellRecordCollector(transport, run, cells, path, keys, max_bytes) if path is not None else None
+    return CellRecordCollector(transport, run, cells, path, keys, max_bytes, job) if path is not None else None

@@ -127,7 +127,7 @@ class CloudServer:
         self.resumed = saved is not None
         if saved is not None:
             self._resume(saved, session is None, devices_recreated)
-        self.cell_records = collector(transport, run, self.cells, cell_records_path, trust, max_record_bytes)
+        self.cell_records = collector(transport, run, self.cells, cell_records_path, trust, max_record_bytes, self)
 
     def _resume(self, saved: Saved, own_session: bool, devices_recreated: bool) -> None:
         """Continue after the checkpoint's round (``cloud.checkpoint.restore``) and, unless the cloud was given its

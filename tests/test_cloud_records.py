@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from cloud.cell_records import CellRecordCollector
 from monitor.sources import RunDirFollower
@@ -82,3 +83,30 @@ def test_readers_merge_a_cells_file_with_the_clouds_copy(tmp_path: Path) -> None
         fh.write(json.dumps(record("c0", 0, 1)) + "\n" + json.dumps(record("c1", 0, 1)) + "\n")
     got, _, _ = follower.poll()
     assert [(r.cell, r.edge_round) for r in got] == [("c1", 1)]
+
+
+def test_the_cloud_drops_a_cell_record_of_a_round_the_job_has_not_reached(tmp_path: Path) -> None:
+    """A cell with its own key signs a record of round 1e12: it was kept, and `fedtier report` on the cloud's folder
+    sized its participation heatmap by it (devices x 1e12 float64: a MemoryError). A record of the round in progress,
+    or of the next (a record may overtake the cloud's closing of its round), is kept."""
+    cfg = small_config(tmp_path)
+    ring = generate_keys(cfg.topology)
+    hub = MemoryHub()
+    job = SimpleNamespace(round=3)
+    collector = CellRecordCollector(
+        hub.connect("cloud"),
+        "t",
+        ["c0"],
+        tmp_path / runfiles.CELL_RECORDS,
+        Trust("cloud", ring.private["cloud"], ring.public),
+        job=job,
+    )
+    collector.start()
+    peer, topic = hub.connect("cells"), topics.telemetry_cell("t", "c0")
+    sign = Trust("c0", ring.private["c0"], ring.public).sign
+    for rnd in (2, 3, 4, 10**12, 5):
+        peer.publish(topic, seal_record(record("c0", rnd, 0), topic, sign))
+    hub.loop.run()
+    collector.close()
+    written = [json.loads(line)["round"] for line in (tmp_path / runfiles.CELL_RECORDS).read_text().splitlines()]
+    assert written == [2, 3, 4] and collector.dropped == 2
