@@ -235,10 +235,12 @@ def participation_matrix(run: RunData) -> tuple[list[str], list[str], np.ndarray
     cell_of = {d: r.cell for r in run.cells for d in (*r.planned, *r.absent, *r.answered)}
     devices = sorted(cell_of, key=lambda d: (cell_of[d], d))
     index = {d: i for i, d in enumerate(devices)}
-    n_rounds = max(r.round for r in (*run.rounds, *run.cells)) + 1
+    n_rounds, seen = max(r.round for r in run.rounds) + 1, {r.round for r in run.cells}
+    while n_rounds in seen:  # the cells' rounds the cloud did not record, up to the first gap: a record of round 1e12
+        n_rounds += 1  # (a cell's, collected by an older cloud) sized the matrix: devices x 1e12, a MemoryError
     answered = np.zeros((len(devices), n_rounds))
     edges: dict[tuple[str, int], set[int]] = {}
-    for r in run.cells:
+    for r in (r for r in run.cells if r.round < n_rounds):
         edges.setdefault((r.cell, r.round), set()).add(r.edge_round)
         for d in r.answered:
             answered[index[d], r.round] += 1

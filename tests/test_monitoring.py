@@ -213,6 +213,21 @@ def test_report_of_a_run_killed_while_writing_its_last_round_record(runs, tmp_pa
     assert matrix.shape == (6, 3) and (matrix == 1).all()  # every device answered every edge round of the 3
 
 
+def test_a_cell_record_of_a_far_round_does_not_size_the_heatmap(runs, tmp_path):
+    """A record of round 1e12 in the cells' records (a cell's, collected before the cloud checked rounds): the
+    report's heatmap was devices x 1e12 (a MemoryError); it now stops at the cloud's rounds and the cells' rounds
+    right after them, so the run's own 3 rounds are plotted."""
+    run_dir = tmp_path / "far"
+    shutil.copytree(runs[1].output_dir, run_dir)
+    aggregation = run_dir / runfiles.AGGREGATION
+    far = {**json.loads(aggregation.read_text().splitlines()[0]), "round": 10**12}
+    with aggregation.open("a") as fh:
+        fh.write(json.dumps(far) + "\n")
+    devices, _, matrix = participation_matrix(load_run(run_dir))
+    assert matrix.shape == (6, 3) and (matrix == 1).all()
+    assert CliRunner().invoke(main, ["report", str(run_dir)]).exit_code == 0
+
+
 def test_participation_matrix_counts_edge_rounds(runs):
     run = load_run(runs[1].output_dir)
     first = run.cells[0]
