@@ -24,7 +24,7 @@ from typing import Any
 
 from protocols import runfiles
 from protocols.algorithms import get_algorithm
-from protocols.algorithms.base import Algorithm
+from protocols.algorithms.base import Algorithm, TrainParams
 from protocols.algorithms.traits import Trait
 from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file, write_durably
@@ -83,6 +83,8 @@ class CloudService:
     folder (default ``{output}/jobs/{job}``; ``fedtier run``: its own run folder)."""
 
     _idle: IdleBeat | None = None  # the idle status's heartbeat, between jobs
+    _bounded: tuple[TrainParams, Callable[[str], str | None]] | None = None
+    """The running job's training parameters and topology's ``cell_of``, when the roster bounds its cells' weights."""
     _current: CurrentJob | None = None  # the job in progress, as its retained record says
 
     def __init__(
@@ -118,11 +120,13 @@ class CloudService:
             self._adopt(verify_roster(roster, trust.verify, federation=self.fed), write=False)
 
     def _cell_bounds(self, cfg: RunConfig) -> Mapping[str, float] | None:
-        """Each cell's weight bound from the federation's signed roster (the sum of its devices' bounds), or
-        ``None`` (the job config's ``security.max_device_weight`` then, see ``cloud.node``)."""
+        """Each cell's weight bound from the federation's signed roster (the sum of its devices' bounds there, the
+        job's devices only), or ``None`` (the job config's ``security.max_device_weight`` then, see ``cloud.node``).
+        A newer roster adopted while the job runs bounds it from then on (:meth:`_apply_roster`)."""
         if self.roster is None or self.trust is None:
             return None
-        return roster_cell_bounds(self.roster, cfg.train)
+        self._bounded = (cfg.train, cfg.topology.cell_of)
+        return roster_cell_bounds(self.roster, cfg.train, cfg.topology.cell_of)
 
     # ------------------------------------------------------------------ the queue runner (caller's thread)
     def serve(self) -> None:
@@ -276,6 +280,7 @@ class CloudService:
     def _build(self, job: Job, current: CurrentJob, transport: Transport, resumed: bool) -> tuple[Any, Path, Any]:
         """The job's localized config, its run folder and its cloud server on ``transport``."""
         cfg = current.run_config(self.bundle)
+        self._bounded = None  # (set by _cell_bounds when the roster bounds this job's cells)
         out = self._folder(job.job)
         run = {"output": str(out)}
         if job.init_from is not None:
@@ -349,6 +354,8 @@ class CloudService:
             return
         if node.trust is not None:
             node.trust.learn({c: key for c, key in self.roster.cell_keys.items() if c in node.cells})
+        if self._bounded is not None:  # a device revoked while the job runs no longer counts in its cell's bound
+            node.cell_bounds = roster_cell_bounds(self.roster, *self._bounded)
         node.revoke(self.roster.revoked, f"revoked (roster version {self.roster.version})")
 
     def _roster_bytes(self, roster: Roster) -> bytes:

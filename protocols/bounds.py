@@ -90,12 +90,27 @@ class CellBounds(Mapping[str, float]):
         return len(self._cells)
 
 
-def roster_cell_bounds(roster: Roster, train: TrainParams) -> CellBounds:
-    """Each cell's weight bound from a signed roster (``protocols.roster.Roster``): its devices' bounds there."""
+def roster_cell_bounds(
+    roster: Roster, train: TrainParams, job_cell_of: Callable[[str], str | None] | None = None
+) -> CellBounds:
+    """Each cell's weight bound from a signed roster (``protocols.roster.Roster``): its devices' bounds there. With
+    ``job_cell_of`` (a job's topology's ``cell_of``), only the job's devices count: one enrolled since the job was
+    submitted takes no part in it, and one revoked since (the roster no longer lists it) is out."""
+
+    def in_job(cell: str, device: str) -> bool:
+        return job_cell_of is None or job_cell_of(device) == cell
+
+    def cell_of(device: str) -> str | None:
+        cell = roster.cell_of(device)
+        return cell if cell is not None and in_job(cell, device) else None
+
+    def device_bound(cell: str, device: str) -> float | None:
+        return roster.device_bound(cell, device) if in_job(cell, device) else None
+
     return CellBounds(
         roster.cells,
         train,
-        lambda cell: [entry.max_weight for entry in roster.cells[cell].values()],
-        roster.cell_of,
-        roster.device_bound,
+        lambda cell: [entry.max_weight for d, entry in roster.cells[cell].items() if in_job(cell, d)],
+        cell_of,
+        device_bound,
     )

@@ -526,3 +526,57 @@ def test_a_cells_rotated_key_in_a_newer_roster_replaces_its_old_one_at_the_servi
     assert all(_rejected(r) == [] for r in cloud.history)
     with pytest.raises(WireError, match="bad signature"):  # the old key signs nothing from then on
         cloud.trust.verify("c0", b"a report", Trust("c0", ring.private["c0"], {}).sign(b"a report"))
+
+
+def test_a_device_revoked_while_its_job_runs_no_longer_counts_in_its_cells_weight_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cell's weight bound at the cloud is the sum of its devices' bounds in the roster (100 each here). Revoking
+    c0-d1 while the job ran left c0's bound at 200 for the rest of the job: c0 could still report (and weigh) 150
+    samples with one device left. The roster adopted mid-job bounds the job from then on (100), and only the job's own
+    devices count in it (none enrolled since)."""
+    import sys
+
+    from cloud.jobs import JobQueue
+    from cloud.service import CloudService
+    from protocols.roster import Roster, roster_topic, sign_roster
+    from protocols.wire.keys import node_trust
+
+    cfg, ring = _signed_config(tmp_path, run={"name": "fed", "rounds": 2})
+    cfg = cfg.model_copy(update={"topology": cfg.topology.model_copy(update={"devices_per_cell": 2})})
+    ring = generate_keys(cfg.topology)
+    write_keys(tmp_path / "keys.toml", ring, overwrite=True)
+    topo, sign = cfg.topology, Trust("cloud", ring.private["cloud"], ring.public).sign
+    v1 = Roster.from_topology("fed", {c: topo.device_ids(c) for c in CELLS}, ring.public, 100.0)
+    enrolled = v1.with_device("c0", "c0-d9", ring.public["c0-d0"], 100.0)  # since the job was submitted: not in it
+    service = CloudService(
+        cfg,
+        None,
+        lambda: None,
+        JobQueue(tmp_path / "jobs.json"),
+        None,
+        trust=node_trust(cfg, "cloud"),
+        operator=None,
+        roster=sign_roster(enrolled, sign),
+    )  # type: ignore[arg-type]
+    algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
+    like = dict(algorithm.cloud().global_params())
+    hub = MemoryHub()
+    bounds = service._cell_bounds(cfg)
+    assert bounds is not None and bounds["c0"] == 200.0  # c0-d9 is not the job's
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, session="job.0", cell_bounds=bounds)
+    service.node, service.transport = cloud, hub.connect("cloud-service")
+    claimed = lambda cell, rnd, like: Payload(  # noqa: E731
+        {"weight": 150.0 if cell == "c0" else 10.0, "loss": 0.0}, {k: np.zeros_like(v) for k, v in like.items()}
+    )
+    monkeypatch.setattr(sys.modules[__name__], "_delta", claimed)
+    cells = Cells(hub.connect("cells"), "fed", ring, like)
+    cells.on_task = lambda cell, rnd: (
+        rnd == 1
+        and cell == "c0"
+        and service._on_roster(roster_topic("fed"), sign_roster(enrolled.without("c0-d1"), sign))
+    )  # c0-d1 revoked as round 1's tasks go out, before c0 reports
+    cloud.start()
+    hub.loop.run(until=lambda: cloud.finished)
+    assert [r["cells_reported"] for r in cloud.history] == [CELLS, ["c1", "c2"]]
+    assert _rejected(cloud.history[1]) == ["bound"] and "exceeds" in cloud.history[1]["rejected"][0]["reason"]
