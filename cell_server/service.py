@@ -83,10 +83,12 @@ class CellService:
         self.loop.post(lambda: None)
 
     def serve(self) -> None:
-        """Serve jobs until :meth:`stop`."""
+        """Serve jobs until :meth:`stop`. The cell's last status is offline: said by the job's server if it stops
+        mid-job, else on a connection of its own (after a job's end, said idle, the next one is opened even if
+        the service stopped meanwhile: ``connect`` tries once then), unless the broker is unreachable."""
         done: set[str] = set()
         fed = self.bundle.run.name
-        while not self.stopping.is_set():
+        while True:
             transport = self.connect()
             if transport is None:  # stopped while the broker was unreachable
                 break
@@ -99,7 +101,7 @@ class CellService:
             watch.on_roster = partial(self._take_roster, None, transport)  # between jobs
             period = self.bundle.monitoring.idle_heartbeat
             current = idle_while(self.loop, transport, status, self.trust, period, partial(self._next_job, watch, done))
-            if current is None:
+            if current is None:  # stopped (at once if it already was): said offline
                 transport.close()
                 break
             try:
@@ -119,17 +121,20 @@ class CellService:
             self._mark(cfg, current.job, "running")
             self.loop.post(node.start)
             self._until_job_ends(watch, current)
-            if not self.stopping.is_set():  # the job ended: this cell's session drops its topics (kept for a resume)
+            stopped = self.stopping.is_set()
+            if not stopped:  # the job ended: this cell's session drops its topics (kept for a resume)
                 self._mark(cfg, current.job, *_ended_how(watch, current))
                 done.add(current.session)
                 self.served.append(current.job)
                 for pattern in topics.cell_job_patterns(fed, self.cell):
                     transport.unsubscribe(pattern)
             self.node = None
-            node.stop(None if self.stopping.is_set() else self.bundle.monitoring.idle_heartbeat)
+            node.stop(None if stopped else self.bundle.monitoring.idle_heartbeat)
             del node, watch, transport  # the job's server and its closed connection (whose subscriptions hold the
             # server's handlers) are garbage now, held in reference cycles: collected at once below,
             gc.collect()  # not after ~10 more jobs (its arrays are native memory: few objects, rare collections)
+            if stopped:  # its server said offline
+                break
 
     def _mark(self, cfg: RunConfig, job: str, phase: str, reason: str | None = None) -> None:
         """The job's folder says it is this cell's, and the job's ``phase`` (see ``marks_job_folder``)."""

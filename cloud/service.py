@@ -85,6 +85,7 @@ class CloudService:
     _idle: IdleBeat | None = None  # the idle status's heartbeat, between jobs
     _bounded: tuple[TrainParams, Callable[[str], str | None]] | None = None
     """The running job's training parameters and topology's ``cell_of``, when the roster bounds its cells' weights."""
+    _said_idle = False  # the last job's server said idle as it closed its connection, and none was opened since
     _current: CurrentJob | None = None  # the job in progress, as its retained record says
 
     def __init__(
@@ -130,7 +131,9 @@ class CloudService:
 
     # ------------------------------------------------------------------ the queue runner (caller's thread)
     def serve(self) -> None:
-        """Run jobs until :meth:`stop` (SIGTERM) or a queue error (re-raised)."""
+        """Run jobs until :meth:`stop` (SIGTERM) or a queue error (re-raised). The cloud's last status is offline:
+        said by the job's server if it stops mid-job, else on a connection (a stop just after a job's end, said idle,
+        opens one: ``connect`` tries once then), unless the broker is unreachable."""
         while not self.stopping.is_set():
             if self.transport is None:
                 self.transport = self._connect()
@@ -147,6 +150,8 @@ class CloudService:
             gc.collect()  # the job's server is garbage now, in reference cycles: freed at once, not at the next
             # full collection (what a job promoted to the oldest generation waits for one; cell_server.service)
             self._raise()
+        if self.transport is None and self._said_idle:  # stopped as a job's server closed its connection, saying idle
+            self.transport = self.connect()
         if self.transport is not None:
             self._idle_beat(None)
             between_jobs(self.transport, topics.status(self.fed, "cloud"), self.trust, None)
@@ -162,6 +167,7 @@ class CloudService:
             raise self.error
 
     def _connect(self) -> Transport | None:
+        self._said_idle = False  # this connection says offline as the service stops
         transport = self.connect()
         if transport is None:  # stopped while the broker was unreachable
             return None
@@ -236,7 +242,9 @@ class CloudService:
                 job.job,
                 len(node.history),
             )
-        node.stop(None if self.stopping.is_set() else self.bundle.monitoring.idle_heartbeat)
+        idle = None if self.stopping.is_set() else self.bundle.monitoring.idle_heartbeat
+        node.stop(idle)
+        self._said_idle = idle is not None
         return True
 
     def _end(self, job: Job, cfg: RunConfig, node: CloudServer, out: Path, transport: Transport) -> None:

@@ -23,7 +23,14 @@ QUEUE_FILE = "jobs.json"
 
 def connect_forever(make: Callable[[], Any], stopping: threading.Event, what: str) -> Any:
     """``make().connect()``, retried with doubling delays (1 s to ``BACKOFF_MAX``) while it raises
-    ``ConnectionError``; ``None`` once ``stopping`` is set."""
+    ``ConnectionError``; ``None`` once ``stopping`` is set. Called with ``stopping`` set, it tries once: a service
+    stopped between a job's end (its server said idle) and its next connection connects to say offline."""
+    if stopping.is_set():
+        try:
+            return make().connect()
+        except ConnectionError as exc:
+            log.warning("%s: broker unreachable (%s) as it stops", what, exc)
+            return None
     delay = 1.0
     while not stopping.is_set():
         try:

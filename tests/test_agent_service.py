@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,49 @@ def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_f
     # cloud and cell in this process not closed yet (seen 2 runs in 42: [25, 25, 28, 25, 26]), at both of jobs 4-5
     # once (CI: [25, 28, 25, 28, 28]): so less than 6, what one such set can add and the leak cannot stay under
     assert min(fds[-2:]) - min(fds[1:3]) < 6, fds
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_cloud_and_cell_stopped_as_their_job_ends_are_left_offline_not_idle(tmp_path: Path) -> None:
+    """SIGTERM as a job ends: the job's cloud and cell servers close the job's connection saying idle (a long-lived
+    node waits for the next job), and the services stop before their next connection. They left that idle status
+    retained (the final fleet check of test_federation saw cloud and c0 idle after SIGTERM, devices offline); each
+    service opens one connection more to say offline, as `fedtier cloud|cell --serve` connect (connect_forever:
+    once more, when stopped)."""
+    from dataclasses import replace
+
+    from fedtier.serve import connect_forever
+    from protocols.status import decode_status
+    from protocols.wire import topics
+
+    def stopping_as_it_closes(node: Any, service: Any) -> Any:  # the service is stopped as the job's server stops
+        stop = node.stop
+        node.stop = lambda idle_heartbeat=None: (stop(idle_heartbeat), service.stop())
+        return node
+
+    with _served_federation(tmp_path) as served:
+        cfg, opts, fed, run = served.cfg, served.opts, served.fed, served.cfg.run.name
+        cell, parts = fed.cells["c0"], fed.cloud.parts
+        for service, node in ((cell, "cell.c0"), (fed.cloud, "cloud")):
+            make = partial(opts.transport, node, run, service.loop, reactor=served.reactor)
+            service.connect = partial(connect_forever, make, service.stopping, node)
+        build = cell.build
+        cell.build = lambda job_cfg, transport: stopping_as_it_closes(build(job_cfg, transport), cell)
+        fed.cloud.parts = lambda job_cfg: replace(
+            parts(job_cfg), on_build=lambda node: stopping_as_it_closes(node, fed.cloud)
+        )
+        served.start()
+        job = fed.submit(job_text(cfg))
+        assert fed.wait(job, fed.check).state == "finished"
+        assert wait_until(lambda: not any(t.is_alive() for t in fed.threads), 30.0)
+        states: dict[str, str] = {}
+        watch = opts.transport("watch", run, served.op_loop, persistent=False).connect()
+        watch.subscribe(
+            topics.statuses(run), lambda t, d: states.update({t.rsplit("/", 1)[-1]: decode_status(d, t)["state"]})
+        )
+        assert wait_until(lambda: len(states) == 2, 10.0), states
+        watch.close()
+    assert states == {"cloud": "offline", "cell.c0": "offline"}, states  # before: both idle
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
