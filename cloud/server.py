@@ -27,7 +27,7 @@ from protocols.wire.messenger import Incoming, Messenger
 
 from .cell_records import collector
 from .checkpoint import CloudCheckpoint, Saved, repair_records, restore
-from .parts import CellPresence, RoundCounts, report_refusal, resend_on_repeat
+from .parts import CellPresence, RoundCounts, report_refusal, resend_on_repeat, round_deadline
 from .revocation import leave_round, refused_revoked, too_few_cells
 from .round_record import Updates, divergence, end_figures, round_record, stall
 from .telemetry import CloudTelemetry, send_finished
@@ -265,10 +265,7 @@ class CloudServer:
         if not self.planned and not self._awaiting_cells:
             self.loop.post(self._guard(lambda: self._close(r, "no cells"), "round close"))
         else:
-            why = "deadline" if self.planned else "no cells"
-            self._timer = self.loop.call_later(
-                self.cell_deadline, self._guard(lambda: self._close(r, why), "round deadline")
-            )
+            round_deadline(self, r, "deadline" if self.planned else "no cells")
 
     def _plannable(self, cell: str) -> bool:
         """Not revoked, and online (or no startup wait), or offline for less than ``cell_deadline`` (see

@@ -384,3 +384,42 @@ def test_fedtier_sim_exits_non_zero_when_the_job_fails(tmp_path: Path) -> None:
     # `fedtier monitor` on the folder says the job ended, failed (not a run still going, whose cells fall silent)
     shown = " ".join(CliRunner().invoke(main, ["monitor", str(tmp_path / "out"), "--once"]).output.split())
     assert "now failed: the global model diverged at round" in shown and "finished" not in shown, shown
+
+
+def test_a_cloud_without_its_broker_connection_waits_it_out_and_the_job_goes_on(tmp_path: Path) -> None:
+    """Walk-through (a provisioned fleet): the broker killed mid-job for 150 s, longer than 3 cell deadlines: every
+    node reconnected when it came back, but the cloud had closed 3 rounds by their deadline meanwhile (no cell could
+    report) and failed the job, 'no cell answered in rounds 5-7', of cells that were fine. In memory: nothing gets
+    through for 5 cell deadlines from round 1's start, the cloud's connection down; the cloud closes no round while
+    it is down, and the job finishes."""
+    from protocols.transport.memory import MemoryTransport
+    from sim.launcher import SimHierarchy
+
+    sim = SimHierarchy(small_config(tmp_path, run={"rounds": 4}, topology={"cells": 1, "devices_per_cell": 2}))
+    loop, deadline = sim.hub.loop, sim.cloud.cell_deadline
+    outage: list[float] = []  # [start, end) in the hub's virtual seconds
+
+    def down() -> bool:
+        return bool(outage) and outage[0] <= loop.now() < outage[1]
+
+    class CloudConnection(MemoryTransport):
+        @property
+        def connected(self) -> bool:
+            return not down()
+
+    sim.cloud.transport.__class__ = CloudConnection
+    deliver = sim.hub._is_connected
+    sim.hub._is_connected = lambda client: not down() and deliver(client)  # type: ignore[method-assign]
+    begin = sim.cloud._begin_round
+
+    def begin_round() -> None:
+        if sim.cloud.round == 1 and not outage:
+            outage.extend((loop.now(), loop.now() + 5 * deadline))
+        begin()
+
+    sim.cloud._begin_round = begin_round  # type: ignore[method-assign]
+    result = sim.run()
+    assert result.failed is None, result.failed
+    closed = [(r["round"], r["closed_by"], r["clock_s"]) for r in result.history]  # (virtual seconds)
+    assert closed[0][:2] == (0, "all reported") and closed[1][:2] == (1, "deadline") and len(closed) == 4, closed
+    assert closed[1][2] == outage[1] and all(r[1] == "all reported" for r in closed[2:]), (closed, outage)
