@@ -116,6 +116,25 @@ def _logs_row(record: dict[str, Any]) -> str:
     return " | ".join(str(cell) for cell in _round_row(RoundRecord.model_validate(record)))
 
 
+def _service_without_jobs(cfg: Any, tmp_path: Path, **kw: Any) -> Any:
+    """The cloud's long-lived service for ``cfg``, with no loop, broker or job runner: for calling its roster handling
+    directly (``roster``, ``roster_path`` as :class:`cloud.service.CloudService` takes them)."""
+    from cloud.jobs import JobQueue
+    from cloud.service import CloudService
+    from protocols.wire.keys import node_trust
+
+    return CloudService(
+        cfg,
+        None,
+        lambda: None,
+        JobQueue(tmp_path / "jobs.json"),
+        None,
+        trust=node_trust(cfg, "cloud"),
+        operator=None,
+        **kw,
+    )  # type: ignore[arg-type]
+
+
 def _rejected(record: dict[str, Any]) -> list[str]:
     return [r["kind"] for r in record["rejected"]]
 
@@ -404,17 +423,13 @@ def test_the_cloud_services_kept_roster_is_written_durably(tmp_path: Path, monke
     import os
     import stat
 
-    from cloud.jobs import JobQueue
-    from cloud.service import CloudService
     from protocols.roster import Roster, verify_roster
     from protocols.wire.keys import node_trust
 
     cfg, ring = _signed_config(tmp_path, run={"name": "fed"})
     kept = tmp_path / "kept" / "roster.json"
     trust = node_trust(cfg, "cloud")
-    service = CloudService(
-        cfg, None, lambda: None, JobQueue(tmp_path / "jobs.json"), None, trust=trust, operator=None, roster_path=kept
-    )  # type: ignore[arg-type]
+    service = _service_without_jobs(cfg, tmp_path, roster_path=kept)
     roster = Roster.from_topology("fed", {c: cfg.topology.device_ids(c) for c in CELLS}, ring.public, 100.0)
     events: list[tuple[str, str]] = []
     replace, fsync = os.replace, os.fsync
@@ -450,27 +465,15 @@ def test_whatever_is_left_on_the_roster_topic_the_serving_cloud_puts_the_current
     the serving cloud refused it and left it, so a cell restarted then held no roster and took the results of a device
     revoked after the job was queued (its key still in the cell's keys file), and `fedtier fleet` showed it as a member.
     Only an older roster was replaced. The cloud now puts its own back whatever else comes there."""
-    from cloud.jobs import JobQueue
-    from cloud.service import CloudService
     from protocols.jobs import JobWatch
     from protocols.roster import Roster, roster_topic, sign_roster
-    from protocols.wire.keys import node_trust
 
     cfg, ring = _signed_config(tmp_path, run={"name": "fed"})
     topo = cfg.topology
     v1 = Roster.from_topology("fed", {c: topo.device_ids(c) for c in CELLS}, ring.public, 100.0)
     v2 = v1.without("c1-d0")
     sign = {n: Trust(n, ring.private[n], ring.public).sign for n in ("cloud", "c0")}
-    service = CloudService(
-        cfg,
-        None,
-        lambda: None,
-        JobQueue(tmp_path / "jobs.json"),
-        None,
-        trust=node_trust(cfg, "cloud"),
-        operator=None,
-        roster=sign_roster(v2, sign["cloud"]),
-    )  # type: ignore[arg-type]
+    service = _service_without_jobs(cfg, tmp_path, roster=sign_roster(v2, sign["cloud"]))
     hub = MemoryHub()
     service.transport = hub.connect("cloud")
     service.transport.subscribe(roster_topic("fed"), service._on_roster)
@@ -495,27 +498,16 @@ def test_a_cells_rotated_key_in_a_newer_roster_replaces_its_old_one_at_the_servi
     its new key were refused ("signature") and a round waited out its 100 s deadline without it, while the old key's
     were taken, until the operator copied the cloud's keys file and a next job began. The cloud takes its cells' keys
     from the roster it adopts, as cells take their devices'."""
-    from cloud.jobs import JobQueue
-    from cloud.service import CloudService
     from protocols.roster import Roster, roster_topic, sign_roster
     from protocols.wire.envelope import WireError
-    from protocols.wire.keys import new_seed, node_trust, public_of
+    from protocols.wire.keys import new_seed, public_of
 
     cfg, ring = _signed_config(tmp_path, run={"name": "fed"})
     _, _, hub, cloud, cells = _memory_job(cfg, ring)
     topo, sign = cfg.topology, Trust("cloud", ring.private["cloud"], ring.public).sign
     v1 = Roster.from_topology("fed", {c: topo.device_ids(c) for c in CELLS}, ring.public, 100.0)
     rotated = new_seed()
-    service = CloudService(
-        cfg,
-        None,
-        lambda: None,
-        JobQueue(tmp_path / "jobs.json"),
-        None,
-        trust=node_trust(cfg, "cloud"),
-        operator=None,
-        roster=sign_roster(v1, sign),
-    )  # type: ignore[arg-type]
+    service = _service_without_jobs(cfg, tmp_path, roster=sign_roster(v1, sign))
     service.node, service.transport = cloud, hub.connect("cloud-service")
     service._on_roster(roster_topic("fed"), sign_roster(v1.with_key("c0", public_of(rotated)), sign))
     cells.messengers["c0"] = Messenger(cells.peer, "fed", "c0", trust=Trust("c0", rotated, ring.public))
@@ -537,10 +529,7 @@ def test_a_device_revoked_while_its_job_runs_no_longer_counts_in_its_cells_weigh
     devices count in it (none enrolled since)."""
     import sys
 
-    from cloud.jobs import JobQueue
-    from cloud.service import CloudService
     from protocols.roster import Roster, roster_topic, sign_roster
-    from protocols.wire.keys import node_trust
 
     cfg, ring = _signed_config(tmp_path, run={"name": "fed", "rounds": 2})
     cfg = cfg.model_copy(update={"topology": cfg.topology.model_copy(update={"devices_per_cell": 2})})
@@ -549,16 +538,7 @@ def test_a_device_revoked_while_its_job_runs_no_longer_counts_in_its_cells_weigh
     topo, sign = cfg.topology, Trust("cloud", ring.private["cloud"], ring.public).sign
     v1 = Roster.from_topology("fed", {c: topo.device_ids(c) for c in CELLS}, ring.public, 100.0)
     enrolled = v1.with_device("c0", "c0-d9", ring.public["c0-d0"], 100.0)  # since the job was submitted: not in it
-    service = CloudService(
-        cfg,
-        None,
-        lambda: None,
-        JobQueue(tmp_path / "jobs.json"),
-        None,
-        trust=node_trust(cfg, "cloud"),
-        operator=None,
-        roster=sign_roster(enrolled, sign),
-    )  # type: ignore[arg-type]
+    service = _service_without_jobs(cfg, tmp_path, roster=sign_roster(enrolled, sign))
     algorithm = cfg.build_algorithm(cfg.model_spec((64,), 10))
     like = dict(algorithm.cloud().global_params())
     hub = MemoryHub()
