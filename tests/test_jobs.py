@@ -425,10 +425,10 @@ def test_a_job_that_ends_without_finishing_leaves_a_summary_saying_how_in_its_ru
 
 def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
     """Walk-through (a fleet's cloud whose job folder became unwritable mid-job): the job failed at its next
-    checkpoint, then writing its final model raised out of the service: a traceback, exit 1, the job left
-    ``running`` in the queue, resumed and failed again at each restart, the queued jobs behind it waiting. Now
-    the job ends with the reason (here a cancelled one: its state kept, the write's error added) and the service
-    goes on to the next job."""
+    checkpoint, then writing its final model raised out of the service: a traceback, exit 1, the job left ``running``
+    in the queue until a restart (systemd's, 5 s on) failed it as it resumed, with another reason (its records'
+    write), before the jobs queued behind it. Now the job ends with the reason (here a cancelled one: its state kept,
+    the write's error added) and the service goes on to the next job."""
     from cloud.service import CloudService, JobParts
     from fedtier.serve import write_job_final
     from protocols.transport.memory import MemoryHub
