@@ -172,8 +172,9 @@ def add_cell(out: str | Path, cell: str) -> Change:
 
 
 def revoke(out: str | Path, node: str) -> Change:
-    """Revoke a device (or a cell with its devices): login and ACL removed, certificate revoked, key dropped
-    from its peers' keys files, roster without it (and listing it as revoked)."""
+    """Revoke a device (or a cell with its devices): login and ACL removed, certificate revoked (a cell's
+    broker's bridge certificate too), key dropped from its peers' keys files, roster without it (and listing it
+    as revoked)."""
     fed = load_federation(out)
     topo = fed.cfg.topology
     if node in topo.cell_ids():
@@ -187,10 +188,11 @@ def revoke(out: str | Path, node: str) -> Change:
     members = {c: [d for d in devs if d not in gone] for c, devs in _members(topo).items() if c not in gone}
     fed.cfg = fed.cfg.model_copy(update={"topology": TopologySection(members=members)})
     fed.roster = fed.roster.without(node)
+    certs = [fed.out / "nodes" / n / "client.crt" for n in gone]
+    if node == cell:  # a per-cell broker's bridge logs in at the cloud broker with its own certificate
+        certs.append(fed.out / "cells" / cell / "bridge.crt")
+    fed.revoked_serials += [x509.load_pem_x509_certificate(c.read_bytes()).serial_number for c in certs if c.exists()]
     for n in gone:
-        crt = fed.out / "nodes" / n / "client.crt"
-        if crt.exists():
-            fed.revoked_serials.append(x509.load_pem_x509_certificate(crt.read_bytes()).serial_number)
         fed.ring.private.pop(n, None)
         fed.ring.public.pop(n, None)
     fed.revoked_serials = revoke_serials(fed.out, fed.revoked_serials)  # the one list renewals add to too

@@ -803,6 +803,34 @@ def test_a_device_added_to_a_per_cell_federation_points_at_its_own_cells_port(tm
     assert broker["url"] == "mqtts://127.0.0.1:9001"  # c1's broker, not c0's (9000)
 
 
+def test_a_cell_revoked_in_a_per_cell_federation_has_its_bridge_certificate_revoked(tmp_path: Path) -> None:
+    """A per-cell broker's bridge logs in at the cloud broker with its own certificate (``cells/CELL/bridge.crt``):
+    revoking the cell revoked its nodes' certificates but not that one, so the revoked cell's broker could still
+    connect to the cloud broker. Now every broker's revocation list holds it (the other cell's bridge untouched)
+    and the cloud broker's ACL no longer names the revoked bridge."""
+    from cryptography import x509
+
+    from fedtier.membership import revoke
+    from fedtier.provisioning import provision
+
+    cfg = small_config(tmp_path, topology={"cells": 2, "devices_per_cell": 1})
+    out = tmp_path / "fed"
+    provision(cfg, out, per_cell=True, cell_host="127.0.0.1", cell_port=9000, federation=True)
+
+    def serial(crt: Path) -> int:
+        return x509.load_pem_x509_certificate(crt.read_bytes()).serial_number
+
+    revoke(out, "c1")
+    for folder in (out / "broker", out / "cells" / "c0", out / "ca"):
+        crl = x509.load_pem_x509_crl((folder / "ca.crl").read_bytes())
+        revoked = {r.serial_number for r in crl}
+        assert serial(out / "cells" / "c1" / "bridge.crt") in revoked, folder
+        assert serial(out / "nodes" / "c1" / "client.crt") in revoked
+        assert serial(out / "cells" / "c0" / "bridge.crt") not in revoked
+    acl = (out / "broker" / "acl").read_text()
+    assert "user bridge.c0" in acl and "bridge.c1" not in acl
+
+
 def test_a_revocation_list_rewritten_on_a_full_disk_keeps_what_it_revoked(tmp_path: Path, monkeypatch) -> None:
     """The deployment's revocation list (``ca/ca.crl``) is where renewal and revocation read the serials already
     revoked. It was rewritten in place with no fsync: a full disk (or a power loss) while a certificate was revoked
