@@ -353,6 +353,7 @@ class Trace(ParticipationModel):
     Each row makes ``device`` available in rounds ``[start, end)`` (0-based, half-open, ``start < end``);
     a device may have several rows (overlaps are merged); devices without rows are never available. Rows
     naming a device not in ``devices`` raise ``ValueError`` unless ``strict=False`` (then they are ignored).
+    Errors name the file and line, never its content (a device publishes why it cannot serve a job).
     """
 
     name = "trace"
@@ -368,30 +369,29 @@ class Trace(ParticipationModel):
                 reader = csv.reader(f)
                 header = next(reader, None)
                 if header is None or [h.strip().lower() for h in header] != ["device", "start", "end"]:
-                    raise ValueError(f"{self.path}: header must be 'device,start,end', got {header!r}")
+                    raise ValueError(f"{self.path}:1: the first line must be the header 'device,start,end'")
                 for line_no, row in enumerate(reader, start=2):
                     if not row or all(not c.strip() for c in row):
                         continue
                     if len(row) != 3:
-                        raise ValueError(f"{self.path}:{line_no}: expected 3 fields device,start,end, got {row!r}")
+                        raise ValueError(f"{self.path}:{line_no}: expected 3 fields device,start,end, got {len(row)}")
                     dev, s_txt, e_txt = (c.strip() for c in row)
                     if not dev:
                         raise ValueError(f"{self.path}:{line_no}: empty device id")
                     try:
                         start, end = int(s_txt), int(e_txt)
                     except ValueError:
-                        raise ValueError(
-                            f"{self.path}:{line_no}: start and end must be integers, got {row!r}"
-                        ) from None
+                        raise ValueError(f"{self.path}:{line_no}: start and end must be integers") from None
                     if start < 0 or end <= start:
-                        raise ValueError(f"{self.path}:{line_no}: need 0 <= start < end, got start={start} end={end}")
+                        raise ValueError(f"{self.path}:{line_no}: need 0 <= start < end")
                     if dev not in self.intervals:
                         if strict:
-                            raise ValueError(f"{self.path}:{line_no}: unknown device {dev!r} (not in devices)")
+                            raise ValueError(f"{self.path}:{line_no}: a device not in the run's devices")
                         continue
                     self.intervals[dev].append((start, end))
-        except (UnicodeDecodeError, csv.Error) as exc:  # not text, or a field past csv's limit
-            raise ValueError(f"{self.path}: not a readable CSV trace: {exc}") from None
+        except (UnicodeDecodeError, csv.Error) as exc:  # (csv's messages quote none of the file)
+            why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"line {reader.line_num}: {exc}"
+            raise ValueError(f"{self.path}: not a readable CSV trace: {why}") from None
         for d, iv in self.intervals.items():
             self.intervals[d] = self._merge(iv)
         ends = [e for iv in self.intervals.values() for _, e in iv]

@@ -351,9 +351,34 @@ def test_a_participation_trace_that_is_no_text_or_has_a_giant_field_is_refused_n
     binary, giant = tmp_path / "binary.csv", tmp_path / "giant.csv"
     binary.write_bytes(b"device,start,end\n\xff\xfe,1,2\n")
     giant.write_text("device,start,end\nc0-d0,0," + "9" * 200_000 + "\n")  # was csv.Error, a traceback
-    for path, says in ((binary, "can't decode byte 0xff"), (giant, "field larger than field limit")):
+    for path, says in ((binary, "not UTF-8 text"), (giant, "field larger than field limit")):
         with pytest.raises(ValueError, match=f"{path}: not a readable CSV trace: .*{says}"):
             Trace(["c0-d0", "c0-d1"], path)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("SECRET-TOKEN=hunter2\n", ":1: the first line must be the header"),  # was: got ['SECRET-TOKEN=hunter2']
+        ("device,start,end\nSECRET-TOKEN,hunter2\n", ":2: expected 3 fields device,start,end, got 2"),
+        ("device,start,end\nc0-d0,SECRET-TOKEN,hunter2\n", ":2: start and end must be integers"),
+        ("device,start,end\nc0-d0,0,1\nSECRET-TOKEN-hunter2,0,1\n", ":3: a device not in the run's devices"),
+    ],
+)
+def test_a_participation_trace_error_names_the_file_and_line_never_what_it_holds(tmp_path, text, says):
+    """A job names the trace file each device reads (``participation.path``), and a device that cannot serve
+    the job says why on the broker (its idle status's ``unfit`` reason, ``edge_agent.service``): the reason
+    quoted the file's line, so a job could have a device publish the first line of any file it may read."""
+    from sim.hierarchy import device_availability
+    from tests.conftest import small_config
+
+    path = tmp_path / "private.csv"
+    path.write_text(text)
+    cfg = small_config(tmp_path, participation={"model": "trace", "path": str(path)})
+    with pytest.raises(ConfigError) as refused:
+        device_availability(cfg)
+    assert f"{path}{says}" in str(refused.value)
+    assert "SECRET" not in str(refused.value) and "hunter2" not in str(refused.value)
 
 
 @pytest.mark.parametrize(

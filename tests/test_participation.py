@@ -163,7 +163,7 @@ def test_trace_replay(tmp_path):
         ("device,start,end\nd00,0,1\nd00,a,2\n", ":3: start and end must be integers"),
         ("device,start,end\nd00,3,3\n", "start < end"),
         ("device,start,end\nd00,-1,3\n", "start < end"),
-        ("device,start,end\nzz,0,3\n", "unknown device 'zz'"),
+        ("device,start,end\nzz,0,3\n", ":2: a device not in the run's devices"),
         ("device,start,end\n,0,3\n", "empty device"),
         ("", "header"),
     ],
