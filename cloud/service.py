@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from protocols.jobs import (
     check_job_id,
     config_hash,
     open_job_record,
+    request_nonce,
 )
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
@@ -397,31 +399,33 @@ class CloudService:
     def _on_submit(self, topic: str, data: bytes) -> None:
         if not data:
             return
-        try:  # the job id first (to answer on its topic), then the operator's signature
-            job = check_job_id(open_job_record(data, topic, OPERATOR, None).get("job"))
+        try:  # the job id and nonce first (to answer on its topic, to its request), then the operator's signature
+            unverified = open_job_record(data, topic, OPERATOR, None)
+            job = check_job_id(unverified.get("job"))
         except JobError as exc:
             log.warning("refused a job request: %s", exc)  # no job id to answer on
             return
+        reply = partial(self._reply, job, nonce=request_nonce(unverified))
         try:
             record = open_job_record(data, topic, OPERATOR, self.operator.verify if self.operator else None)
         except JobError as exc:
             log.warning("refused job %s: %s", job, exc)
-            self._reply(job, False, str(exc))
+            reply(False, str(exc))
             return
         try:
             if record.get("action") == "cancel":
                 self._cancel(job)
-                self._reply(job, True, "cancelled" if self.queue.jobs[job].state == "cancelled" else "cancelling")
+                reply(True, "cancelled" if self.queue.jobs[job].state == "cancelled" else "cancelling")
             elif record.get("action") == "submit":
                 self._submit(job, record)
-                self._reply(job, True, "queued")
+                reply(True, "queued")
             else:
                 raise JobError(f"unknown action {record.get('action')!r}")
         except JobError as exc:
             log.warning("refused job %s: %s", job, exc)
-            self._reply(job, False, str(exc))
+            reply(False, str(exc))
         except JobQueueError as exc:
-            self._reply(job, False, str(exc))
+            reply(False, str(exc))
             self.error = exc  # the queue cannot be written: stop rather than lose a job
             return
         transport = self.node.transport if self.node is not None else self.transport
@@ -457,12 +461,14 @@ class CloudService:
         if self.node is not None and cancelled.state == "running":
             self.node.request_stop("cancelled by the operator")
 
-    def _reply(self, job: str, accepted: bool, reason: str) -> None:
+    def _reply(self, job: str, accepted: bool, reason: str, nonce: str | None) -> None:
+        """Answer a request about ``job``, echoing its ``nonce``: the operator takes no other answer as its own."""
         transport = self.node.transport if self.node is not None else self.transport
         if transport is None:
             return
         topic = topics.job_reply(self.fed, job)
-        transport.publish(topic, self._seal({"job": job, "accepted": accepted, "reason": reason}, topic))
+        record = {"job": job, "accepted": accepted, "reason": reason, **({"nonce": nonce} if nonce else {})}
+        transport.publish(topic, self._seal(record, topic))
 
     def _publish_list(self, transport: Transport) -> None:
         topic = topics.job_list(self.fed)

@@ -13,8 +13,9 @@ Records (plain JSON with an Ed25519 signature, :mod:`protocols.wire.signed`):
 ========================================  ================================  ==========  ========
 topic                                     what                              signed by   retained
 ========================================  ================================  ==========  ========
-``fedtier/{fed}/jobs/submit``             submit / cancel a job             operator    no
+``fedtier/{fed}/jobs/submit``             submit / cancel a job, a nonce    operator    no
 ``fedtier/{fed}/jobs/reply/{job}``        accepted or refused, with reason  cloud       no
+                                          and the request's nonce
 ``fedtier/{fed}/jobs/list``               every job and its state           cloud       yes
 ``fedtier/{fed}/cloud/job``               the job in progress (its config)  cloud       yes
 ========================================  ================================  ==========  ========
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -241,19 +243,63 @@ def open_job_record(data: bytes, topic: str, signer: str, verify: Verifier | Non
         raise JobError(f"job record on {topic}: {exc}") from None
 
 
+NONCE_HEX = 32
+"""Length of a request's nonce (hex of 16 random bytes from the OS), which the cloud's reply echoes."""
+
+
+def request_nonce(record: dict[str, Any]) -> str | None:
+    """The nonce of a request ``record`` (signed or not) to echo in its reply; None if absent or malformed."""
+    nonce = record.get("nonce")
+    ok = isinstance(nonce, str) and len(nonce) == NONCE_HEX and all(c in "0123456789abcdef" for c in nonce)
+    return nonce if ok else None
+
+
+class PendingRequest:
+    """An operator's request awaiting the cloud's answer. Its fresh ``nonce`` goes in the request, and only a
+    reply the cloud signed (when ``verify``) that echoes it is the answer: anyone else's request for the same
+    job id is answered too, on the same topic (the cloud answers a request it cannot verify, its signature
+    refused), and that answer is not this one's. The others are ``ignored``, with why."""
+
+    def __init__(self, verify: Verifier | None) -> None:
+        self.nonce = secrets.token_hex(NONCE_HEX // 2)
+        self.verify = verify
+        self.answer: dict[str, Any] | None = None
+        self.ignored: list[str] = []
+
+    def take(self, topic: str, data: bytes) -> None:
+        """A message on the job's reply topic (the transport's handler)."""
+        if self.answer is not None or not data:
+            return
+        try:
+            reply = open_job_record(data, topic, "cloud", self.verify)
+        except JobError as exc:
+            self.ignored.append(str(exc))
+            return
+        if reply.get("nonce") != self.nonce:
+            self.ignored.append(f"the cloud's answer to another request about job {reply.get('job')!r}")
+            return
+        self.answer = reply
+
+
 def post_request(
-    transport: MqttTransport, federation: str, record: dict[str, Any], job: str, sign: Signer | None, wait: float
-) -> list[tuple[str, bytes]]:
+    transport: MqttTransport,
+    federation: str,
+    record: dict[str, Any],
+    job: str,
+    sign: Signer | None,
+    wait: float,
+    verify: Verifier | None = None,
+) -> PendingRequest:
     """The operator's side of a request about ``job`` (:func:`submit_record`, :func:`cancel_record`):
     subscribe to the job's reply topic (waiting up to ``wait`` for the broker's acknowledgement), then
-    publish the request sealed with ``sign``. The cloud's replies arrive, as ``(topic, data)``, in the list
-    returned; open one with ``open_job_record(data, topic, "cloud", verify)``."""
-    replies: list[tuple[str, bytes]] = []
-    transport.subscribe(topics.job_reply(federation, job), lambda t, data: replies.append((t, data)))
+    publish the request, with a fresh nonce, sealed with ``sign``. Its ``answer`` is the cloud's reply to it
+    once it comes (the cloud's signature checked with ``verify``)."""
+    pending = PendingRequest(verify)
+    transport.subscribe(topics.job_reply(federation, job), pending.take)
     transport.wait_subscribed(wait)
     submit = topics.job_submit(federation)
-    transport.publish(submit, seal_record(record, submit, sign))
-    return replies
+    transport.publish(submit, seal_record({**record, "nonce": pending.nonce}, submit, sign))
+    return pending
 
 
 def submit_record(request: JobRequest) -> dict[str, Any]:

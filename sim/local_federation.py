@@ -28,7 +28,7 @@ from cloud.service import CloudService, JobParts
 from edge_agent.runner import BrokerOptions, offline_will
 from protocols import runfiles
 from protocols.config import ConfigError, RunConfig, parse_config
-from protocols.jobs import NODE_LOCAL, JobRequest, open_job_record, post_request, submit_record
+from protocols.jobs import NODE_LOCAL, JobRequest, post_request, submit_record
 from protocols.session import new_session
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
@@ -187,8 +187,8 @@ class LocalFederation:
         loop = ThreadLoop("operator").start()
         operator = self.cloud_opts.transport("operator", run, loop, persistent=False).connect()
         try:
-            replies = post_request(operator, run, submit_record(JobRequest(job, text)), job, None, timeout)
-            while not replies:
+            pending = post_request(operator, run, submit_record(JobRequest(job, text)), job, None, timeout)
+            while (reply := pending.answer) is None:
                 self.check()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the cloud did not answer job {job} within {timeout:.0f} s")
@@ -196,7 +196,6 @@ class LocalFederation:
         finally:
             operator.close()
             loop.stop()
-        reply = open_job_record(replies[0][1], replies[0][0], "cloud", None)
         if not reply.get("accepted"):
             raise ConfigError(f"the cloud refused the job: {reply.get('reason')}")
         return job

@@ -213,7 +213,6 @@ def test_an_idle_cloud_and_cell_after_a_job_are_not_handed_the_jobs_statuses(tmp
     fedtier/fed/status/cell.c0) found no handler within 120 s: dropped'. Its persistent session kept the finished
     job's subscriptions (reports, statuses, records), so its idle connection got every cell's heartbeat with no
     handler. The cloud drops them from its session at the job's end: the idle connection holds nothing."""
-    from protocols.jobs import open_job_record
     from protocols.status import encode_status
     from protocols.wire import topics
 
@@ -238,8 +237,8 @@ def test_an_idle_cloud_and_cell_after_a_job_are_not_handed_the_jobs_statuses(tmp
 
         def resubmit() -> None:  # refused (a taken id): the cloud took what the operator sent before
             again = post_request(operator, run, submit_record(JobRequest(job, job_text(cfg))), job, None, 5.0)
-            assert wait_until(lambda: bool(again), 10.0)
-            assert not open_job_record(again[0][1], again[0][0], "cloud", None)["accepted"]
+            assert wait_until(lambda: again.answer is not None, 10.0)
+            assert again.answer is not None and not again.answer["accepted"]
 
         resubmit()
         taken = idle.stats.messages_in

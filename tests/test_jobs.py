@@ -559,6 +559,51 @@ def test_a_signed_job_nested_past_the_toml_parsers_limit_is_answered_refused_and
     assert [j.job for j in queue.jobs.values()] == ["plain"]
 
 
+def test_submit_takes_the_clouds_answer_to_its_own_request_not_to_a_bogus_one_for_the_same_job(tmp_path: Path) -> None:
+    """The cloud answers every request on the job's reply topic, also one whose signature it refuses, and
+    `fedtier submit` took the first reply there as its answer: a broker user that sent a bogus request for the
+    same job id just before made a genuine submission look refused ("job j1 refused: ... signature"), though it
+    was queued. The request carries a fresh nonce that the cloud's signed reply echoes: another request's answer
+    and a reply not signed by the cloud are ignored, and a request of the operator's own that the cloud refuses
+    is still answered (its nonce echoed)."""
+    from cloud.service import CloudService
+    from protocols.jobs import PendingRequest, post_request
+    from protocols.transport.memory import MemoryHub
+
+    seeds = {n: new_seed() for n in ("cloud", OPERATOR, "intruder")}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    hub, fed, queue = MemoryHub(), federation(tmp_path), JobQueue(tmp_path / "jobs.json")
+    service = CloudService(
+        fed, None, lambda: None, queue, None, trust=Trust("cloud", seeds["cloud"], public), operator=public[OPERATOR]
+    )  # type: ignore[arg-type]
+    service.transport = hub.connect("cloud")
+    service.transport.subscribe(topics.job_submit("fed"), service._on_submit)
+    intruder, submit = hub.connect("intruder"), topics.job_submit("fed")
+    operator: Any = hub.connect("operator")
+    operator.wait_subscribed = lambda wait: True  # (the memory hub subscribes at once)
+    verify = Trust(OPERATOR, seeds[OPERATOR], public).verify
+
+    def request(job: str, seed: bytes) -> PendingRequest:
+        record = {"action": "submit", "job": job, "config": "[run]\nrounds = 2\n"}
+        return post_request(operator, "fed", record, job, Trust(OPERATOR, seed, public).sign, 5.0, verify)
+
+    bogus = {"action": "submit", "job": "j1", "config": "[run]\nrounds = 2\n", "nonce": "0" * 32}
+    intruder.publish(submit, seal_record(bogus, submit, Trust("intruder", seeds["intruder"], public).sign))
+    genuine = request("j1", seeds[OPERATOR])
+    reply = topics.job_reply("fed", "j1")
+    forged = {"job": "j1", "accepted": False, "reason": "forged", "nonce": genuine.nonce}
+    intruder.publish(reply, seal_record(forged, reply, Trust("cloud", seeds["intruder"], public).sign))
+    hub.loop.run()
+    assert genuine.answer is not None and (genuine.answer["accepted"], genuine.answer["reason"]) == (True, "queued")
+    forged_why, bogus_why = sorted(genuine.ignored)  # the forged reply; the cloud's refusal of the bogus request
+    assert "not signed by 'cloud'" in forged_why and "another request" in bogus_why, genuine.ignored
+    assert [j.job for j in queue.jobs.values()] == ["j1"]
+    wrong_key = request("j2", seeds["intruder"])  # the operator's own request, signed with a wrong key
+    hub.loop.run()
+    assert wrong_key.answer is not None and not wrong_key.answer["accepted"]
+    assert "signature" in wrong_key.answer["reason"], wrong_key.answer
+
+
 def test_the_job_list_stays_one_its_readers_take_however_many_cells_its_jobs_began_without(tmp_path: Path) -> None:
     """200 failed jobs of a federation that began each without 20 of its cells made a job list of ~400 KB (1.1 MB here,
     where each lost 300 cells): every reader ignores a job record past 256 KiB, so `fedtier jobs` said "no job list from

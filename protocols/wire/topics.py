@@ -153,12 +153,12 @@ def current_job(federation: str) -> str:
 
 
 def job_submit(federation: str) -> str:
-    """Where the operator publishes signed job submissions and cancellations."""
+    """Where the operator publishes signed job submissions and cancellations (each with a fresh nonce)."""
     return f"{root(federation)}/jobs/submit"
 
 
 def job_reply(federation: str, job: str) -> str:
-    """The cloud's signed answer to a request about ``job``."""
+    """The cloud's signed answer to a request about ``job``, echoing the request's nonce."""
     return f"{root(federation)}/jobs/reply/{job}"
 
 
