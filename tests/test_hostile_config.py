@@ -587,3 +587,41 @@ def test_decomfl_tasks_to_cells_that_need_the_whole_log_share_one_stack_of_it():
     tasks = cloud.plan(5, cells)
     stacks = {id(t.tensors["g"]) for t in tasks.values()}
     assert len(stacks) == 1 and tasks["c0"].tensors["g"].shape == (5, 2, 3), stacks
+
+
+def test_a_message_bound_smaller_than_the_model_is_refused_at_the_start_naming_both_figures(tmp_path):
+    """``runtime.max_message_bytes`` below one model message made every node refuse the tasks (its log: "payload of
+    180938 bytes exceeds the limit of 180900"), and the run ended "job failed: no cell answered in rounds 0-1". It is
+    refused when the algorithm is built (every node, and fedtier sim/run before they start), for each algorithm whose
+    tasks carry the model; DeComFL's carry seeds and scalars, whatever the model."""
+    n = 199_210  # the MLP of BASE on 784 inputs: 796,840 bytes of float32, ~797,864 with the envelope
+    need = 4 * n + 1024
+    needs = {"fedalign": {"priority_fraction": 0.5}}
+    for name in set(ALGORITHMS) - {"hist"}:
+        for bound, refused in ((need - 1, name != "decomfl"), (need, False)):
+            algorithm = {"name": name, **needs.get(name, {})}
+            cfg = parse_config({**BASE, "algorithm": algorithm, "runtime": {"max_message_bytes": bound}})
+            if not refused:
+                cfg.build_algorithm(cfg.model_spec((784,), 10))
+                continue
+            with pytest.raises(ConfigError) as why:
+                cfg.build_algorithm(cfg.model_spec((784,), 10))
+            assert (
+                f"runtime.max_message_bytes = {need - 1:,} is smaller than one model message (~{need:,} bytes for "
+                f"model mlp of {n:,} parameters, which {name}'s tasks carry)" in str(why.value)
+            ), why.value
+    # HIST sends each of 2 cells its submodel: 784-300-10 split into 150 units, with their 150 indices
+    hist = {"algorithm": {"name": "hist"}, "topology": {"cells": 2, "devices_per_cell": 1}, "model": {"hidden": [300]}}
+    sub = 784 * 150 + 150 + 150 * 10 + 10 + 150
+    for bound, refused in ((4 * sub + 1023, True), (4 * sub + 1024, False)):
+        cfg = parse_config({**BASE, **hist, "runtime": {"max_message_bytes": bound}})
+        if refused:
+            with pytest.raises(ConfigError, match=f"~{4 * sub + 1024:,} bytes for model mlp of 238,510 parameters, "):
+                cfg.build_algorithm(cfg.model_spec((784,), 10))
+        else:
+            cfg.build_algorithm(cfg.model_spec((784,), 10))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CLI.format(out=tmp_path / "out"))
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", "runtime.max_message_bytes=4096", "--no-progress"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "runtime.max_message_bytes = 4,096 is smaller than one model message" in said, said

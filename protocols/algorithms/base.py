@@ -311,6 +311,12 @@ class Algorithm(ABC):
     algorithm built by hand): any number (a check of what some round needs checks every round)."""
 
     @classmethod
+    def model_message_params(cls, spec: ModelSpec, cells: int) -> int:
+        """The float32 values of the largest model its tasks carry over ``cells`` cells (0: none carries one):
+        ``runtime.max_message_bytes`` must hold them (``RunConfig.message_refusal``). The whole model here."""
+        return spec.num_params()
+
+    @classmethod
     def traits_with(cls, params: TrainParams) -> frozenset[Trait]:
         """The traits of this algorithm under the layers ``params`` configure."""
         return compose_traits(cls.traits, params.layers())

@@ -51,7 +51,7 @@ from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload
-from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, TrainParams
+from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, TrainParams
 from .decomfl_wire import expect_shape, history_payload, meta_int, read_history, stack_rounds
 from .outcome import Outcome
 from .traits import Trait
@@ -458,6 +458,10 @@ class DeComFL(Algorithm):
             raise ValueError(f"{why} (a step's {n} directions, drawn at once, each the model's size)")
         self._x0: dict[str, np.ndarray] | None = None
         self.rosters: dict[str, list[str]] = {}
+
+    @classmethod
+    def model_message_params(cls, spec: ModelSpec, cells: int) -> int:
+        return 0  # seeds down, K x P scalars up: none depends on the model's size
 
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         self.rosters = {c: list(devices) for c, devices in cells.items()}

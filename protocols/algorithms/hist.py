@@ -276,6 +276,15 @@ class Hist(Algorithm):
     traits = frozenset({Trait.CELL_SUM, Trait.CLOUD_SUM, Trait.PLAIN_DELTA_UPLINK})
     without = {Trait.VERSIONED: "HIST redraws its partition every synchronous cloud round"}
 
+    @classmethod
+    def model_message_params(cls, spec: ModelSpec, cells: int) -> int:
+        """A cell's submodel at its widest (a layer's units split near-equally), with its unit indices."""
+        try:
+            widths = {layer: -(-w // max(cells, 1)) for layer, w in unit_axes(spec)[0].items()}
+        except ValueError:  # no partition: refused when the run is built
+            return spec.num_params()
+        return sub_spec(spec, widths).num_params() + sum(widths.values())
+
     def bind_topology(self, cells: Mapping[str, Sequence[str]]) -> None:
         check_fits(self.model, len(cells))
 

@@ -37,6 +37,10 @@ from .sections import (
 from .toml_io import dump_toml
 from .topology import TopologySection
 
+MODEL_ENVELOPE_BYTES = 1024
+"""What a model message holds besides its float32 parameters, at most for the zoo's models (its signed header and
+tensor table: 423 to 525 bytes measured), with room for a role's metadata."""
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -160,8 +164,9 @@ class RunConfig(Section):
             wrappers.append(functools.partial(_start_from, self.run.init_model, digest))
         if self.privacy.dp != "off":
             wrappers.append(self._private)
-        if (why := self.cohort_refusal()) is not None:
-            raise ConfigError(why)
+        for why in (self.cohort_refusal(), self.message_refusal(spec)):
+            if why is not None:
+                raise ConfigError(why)
         topo = self.topology
         directions.set_draw_threads(self.runtime.direction_threads)  # process-wide, as the draws' cache is
         init_seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
@@ -179,6 +184,22 @@ class RunConfig(Section):
             raise
         except ValueError as exc:  # the parameters do not fit the topology (the message names the key)
             raise ConfigError(str(exc)) from None
+
+    def message_refusal(self, spec: ModelSpec) -> str | None:
+        """Why ``runtime.max_message_bytes`` cannot hold one of the run's model messages, else ``None``. Tasks
+        carry the model, or HIST's a cell's submodel, as float32, 4 bytes a value, in an envelope of a few hundred
+        bytes (``Algorithm.model_message_params``; DeComFL's carry seeds and scalars); a node refused the larger
+        message, so each round failed and the job ended "no cell answered"."""
+        bound = self.runtime.max_message_bytes
+        values = get_algorithm(self.train.name).model_message_params(spec, len(self.topology.cell_ids()))
+        if bound is None or not values or bound >= 4 * values + MODEL_ENVELOPE_BYTES:
+            return None
+        n, name, need = spec.num_params(), self.train.name, 4 * values + MODEL_ENVELOPE_BYTES
+        what = f"model {spec.name} of {n:,} parameters" + (f", {values:,} in {name}'s task" if values != n else "")
+        return (
+            f"runtime.max_message_bytes = {bound:,} is smaller than one model message (~{need:,} bytes for {what}, "
+            f"which {name}'s tasks carry): raise it or leave it unset (8 x the model's size + 4 MiB)"
+        )
 
     def cohort_refusal(self, memory: int | None = None) -> str | None:
         """Why a cohort's minibatches would not fit ``memory`` (default: this machine's), else ``None``. The cohort
