@@ -34,8 +34,11 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     def warn(line: str) -> None:  # also listed in the report
         console.print(f"[yellow]warning:[/] invalid record skipped: {escape(line)}", highlight=False)
 
+    def unfinished(folder: str, ended: str) -> None:  # a failed job's plots look like any other's
+        console.print(f"[yellow]note:[/] {escape(folder)} did not finish: {escape(ended)}", highlight=False)
+
     try:
-        path, plots = write_report(list(run_dirs), target, on_bad=warn)
+        path, plots = write_report(list(run_dirs), target, on_bad=warn, on_unfinished=unfinished)
     except ValueError as exc:
         fail(str(exc), 1)
     except OSError as exc:  # --out in a missing or read-only folder, a full disk

@@ -22,6 +22,7 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from monitor.sources import RunDirFollower
 from protocols import runfiles
 from protocols.records import TIERS, BadLine, CellRecord, RoundRecord, read_run
 
@@ -39,6 +40,9 @@ class RunData:
     cells: list[CellRecord]
     bad: list[BadLine] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    ended: str = "running"
+    """How the run ended (``finished``, ``stopped: why``, ``failed: why``), as ``fedtier monitor`` says it; ``running``
+    where nothing says it ended."""
 
     @property
     def evaluated(self) -> list[RoundRecord]:
@@ -91,7 +95,9 @@ def load_run(path: str | Path) -> RunData:
             summary = json.loads((path / runfiles.SUMMARY).read_text(encoding="utf-8"))
         except ValueError:
             pass
-    return RunData(path, f"{name} ({algorithm})", algorithm, rounds, cells, bad, summary)
+    ends = RunDirFollower(path).poll_states()
+    ended = ": ".join(filter(None, (ends[-1]["phase"], ends[-1].get("reason")))) if ends else "running"
+    return RunData(path, f"{name} ({algorithm})", algorithm, rounds, cells, bad, summary, ended)
 
 
 def unique_labels(runs: list[RunData]) -> None:
@@ -337,18 +343,25 @@ def _summary_rows(runs: list[RunData]) -> str:
             f"{last.epsilon:.3g}" if last.epsilon is not None else "-",
             f"{run.summary['wall_s']:.1f}" if isinstance(run.summary.get("wall_s"), (int, float)) else "-",
             str(len(run.bad)),
+            run.ended,
         ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     return "\n".join(rows)
 
 
 def write_report(
-    run_dirs: list[str | Path], out: str | Path, on_bad: Callable[[str], None] | None = None
+    run_dirs: list[str | Path],
+    out: str | Path,
+    on_bad: Callable[[str], None] | None = None,
+    on_unfinished: Callable[[str, str], None] | None = None,
 ) -> tuple[Path, list[Plot]]:
     """Write ``out`` (HTML, plots embedded) and its PNGs in ``<out stem>_plots/``; return both. The invalid lines
     of the records (a run killed mid-write ends in half a line) are skipped, listed in the page, and passed to
-    ``on_bad``."""
+    ``on_bad``; each run that did not finish goes to ``on_unfinished`` (its folder, how it ended: also in the page)."""
     runs = [load_run(p) for p in run_dirs]
+    for run in runs:
+        if run.ended != "finished" and on_unfinished is not None:
+            on_unfinished(str(run.path), run.ended)
     for line in (b for run in runs for b in run.bad):
         if on_bad is not None:
             on_bad(str(line))
@@ -381,10 +394,11 @@ _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>{title}</title>
 <style>body{{font-family:sans-serif;max-width:1300px;margin:2em auto;padding:0 1em}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
-td:first-child,td:nth-child(2){{text-align:left}}img{{max-width:100%;border:1px solid #eee}}</style></head>
+td:first-child,td:nth-child(2),td:last-child{{text-align:left}}
+img{{max-width:100%;border:1px solid #eee}}</style></head>
 <body><h1>{title}</h1>
 <table><tr><th>run</th><th>folder</th><th>rounds</th><th>final accuracy</th><th>total payload MB</th>
-<th>mean participation</th><th>epsilon</th><th>wall s</th><th>invalid lines</th></tr>
+<th>mean participation</th><th>epsilon</th><th>wall s</th><th>invalid lines</th><th>ended</th></tr>
 {rows}
 </table>
 {sections}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from protocols import runfiles
+from protocols.limits import read_file
 from protocols.numbers import finite_number
 from protocols.records import BadLine, CellRecord, Dedup, Record, RoundRecord, parse_lines, parse_record
 from protocols.state import decode_state
@@ -25,6 +26,7 @@ from protocols.wire.envelope import WireError
 from protocols.wire.keys import PublicKeys
 from protocols.wire.signed import open_record, signer_of
 
+MAX_QUEUE_BYTES = 256 << 20  # a cloud's job queue (every job's config text) read for a job folder's end
 MAX_TELEMETRY_BYTES = 8 << 20  # a record larger than this is refused unparsed (a cell's record names its devices)
 
 Status = tuple[str, str, float | None, float]
@@ -130,7 +132,7 @@ class RunDirFollower:
                 return self._abandoned()
             data = json.loads(summary.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return self._cell_ended() or self._abandoned()
+            return self._cell_ended() or self._queue_ended() or self._abandoned()
         phase = data.get("status") if isinstance(data, dict) else None
         if phase not in ("finished", "stopped", "failed"):
             return []
@@ -147,6 +149,25 @@ class RunDirFollower:
         return [
             {"node": "cloud", "phase": last["phase"], "since": last["since"], **({"reason": reason} if reason else {})}
         ]
+
+    def _queue_ended(self) -> list[dict]:
+        """A federation job's folder (``{output}/jobs/{job}``) with no summary: the job's end as the cloud's queue
+        (``{output}/jobs.json``) says it. A cloud that could not write the job's folder (full or read-only: the job
+        failed for it) wrote no ``summary.json``, and the folder read as a job still running."""
+        if self.run_dir.parent.name != runfiles.JOB_FOLDERS:
+            return []
+        queue = self.run_dir.parent.parent / runfiles.JOBS
+        try:
+            jobs = json.loads(read_file(queue, MAX_QUEUE_BYTES)).get("jobs")
+            job = next(j for j in jobs if isinstance(j, dict) and j.get("job") == self.run_dir.name)
+        except (OSError, ValueError, AttributeError, TypeError, StopIteration):
+            return []
+        phase = {"finished": "finished", "failed": "failed", "cancelled": "stopped"}.get(str(job.get("state")))
+        since, reason = finite_number(job.get("ended")), job.get("reason")
+        if phase is None or since is None:
+            return []
+        said = {"reason": reason} if isinstance(reason, str) and reason else {}
+        return [{"node": "cloud", "phase": phase, "since": since, **said}]
 
     def _abandoned(self) -> list[dict]:
         """A ``stopped`` state, ``interrupted``, when the ``fedtier sim|run`` that wrote the folder is gone without a

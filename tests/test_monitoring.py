@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 import os
@@ -226,6 +227,32 @@ def test_a_cell_record_of_a_far_round_does_not_size_the_heatmap(runs, tmp_path):
     devices, _, matrix = participation_matrix(load_run(run_dir))
     assert matrix.shape == (6, 3) and (matrix == 1).all()
     assert CliRunner().invoke(main, ["report", str(run_dir)]).exit_code == 0
+
+
+def test_a_federation_jobs_folder_without_its_summary_ends_as_the_clouds_queue_says_in_report_and_monitor(
+    runs, tmp_path
+):
+    """Walk-through: a fleet's cloud whose job folder became unwritable failed the job (its reason in jobs.json) but
+    wrote no summary.json there: `fedtier report` of the folder plotted it like any finished job and `fedtier monitor
+    --once` said nothing ended. Both now read the job's end from the cloud's queue next to the job folders; a job
+    the queue does not list, or lists still running, reads as running, as before."""
+    run_dir = tmp_path / "fed" / runfiles.JOB_FOLDERS / "j1"
+    shutil.copytree(runs[1].output_dir, run_dir)
+    (run_dir / runfiles.SUMMARY).unlink()
+    why = "cannot write jobs/j1/summary.json: [Errno 30] Read-only file system"
+    ended = [
+        {"job": "j0", "state": "finished", "ended": 5.0},
+        {"job": "j1", "state": "failed", "reason": why, "ended": 6.0},
+    ]
+    (tmp_path / "fed" / runfiles.JOBS).write_text(json.dumps({"format": 1, "jobs": ended}))
+    res = CliRunner().invoke(main, ["report", str(run_dir)])
+    assert res.exit_code == 0 and f"did not finish: failed: {why}" in " ".join(res.output.split()), res.output
+    assert f"<td>failed: {html.escape(why)}</td>" in (run_dir / "report.html").read_text()
+    assert [(s["phase"], s["reason"]) for s in RunDirFollower(run_dir).poll_states()] == [("failed", why)]
+    (tmp_path / "fed" / runfiles.JOBS).write_text(
+        json.dumps({"format": 1, "jobs": [{"job": "j1", "state": "running"}]})
+    )
+    assert RunDirFollower(run_dir).poll_states() == [] and load_run(run_dir).ended == "running"
 
 
 def test_participation_matrix_counts_edge_rounds(runs):
