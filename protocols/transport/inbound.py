@@ -59,6 +59,7 @@ class Inbound:
     _taking: Callable[[], None] | None  # the acknowledgement of the message whose handler runs now
     _keep: Callable[[], None] | None  # ... its handler's share of it, unless the handler keeps it (keep_ack)
     _keep_chunks = 0  # ... the chunks held unacknowledged with it
+    _acked_since_publish = False  # a PUBACK written since the last QoS-1 publish (close() confirms it: _settle)
 
     def _reassemble(self, timeout: float, max_bytes: int, max_message: int | None) -> None:
         """Reassemble chunks with these bounds (``chunking.Reassembler``); a set dropped has its chunks acknowledged."""
@@ -97,6 +98,7 @@ class Inbound:
         if self._closed and self.persistent:  # closed meanwhile (close() on another thread): dropped or held for
             return  # nobody, so not acknowledged: the broker hands it to the next session
         client.ack(msg.mid, msg.qos)  # taken (held, refused, or posted by a clean client): the broker may forget it
+        self._acked_since_publish = True
 
     def _acker(self, mid: int, qos: int) -> Callable[[], None]:
         """Acknowledge ``mid`` once, on the connection that received it (after a reconnect the broker resends it)."""
@@ -111,6 +113,7 @@ class Inbound:
                     return
                 done = True
             self._client.ack(mid, qos)
+            self._acked_since_publish = True  # (set once queued: a publish queued before it does not confirm it)
             if self._reactor is not None:
                 self._reactor.wake(self._client)
 

@@ -34,7 +34,15 @@ from .base import EventLoop, Handler, TimerHandle, Transport, Will
 from .connecting import Connecting
 from .hold import Hold, HoldLimits
 from .inbound import Inbound
-from .paho_client import Credentials, hung_up_before_connack, new_client, nodelay, say_reconnected, stop_thread
+from .paho_client import (
+    Credentials,
+    hung_up_before_connack,
+    new_client,
+    nodelay,
+    round_trip,
+    say_reconnected,
+    stop_thread,
+)
 from .reactor import Reactor
 from .subscriptions import broker_filters
 from .traffic import TransportStats, publish_packet_bytes
@@ -152,9 +160,11 @@ class MqttTransport(Connecting, Inbound, Transport):
         if self._closed:
             return
         if self._connected:
-            self.flush(flush_timeout)
+            flushed = self.flush(flush_timeout)
             if self._taking is not None:  # closed by the handler of a message (or while it runs): it was taken
                 self._taking()
+            if self.persistent and (self._acked_since_publish or not flushed):
+                self._settle(flush_timeout)
         self._closed = True
         with self._cv:
             self._held.clear()
@@ -170,6 +180,23 @@ class MqttTransport(Connecting, Inbound, Transport):
             self._reactor.run_soon(self._drop_socket)
         if self._reactor.running and not self._reactor.in_thread():
             self._gone.wait(2.0)
+
+    def _settle(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) until the broker has read the acknowledgements this persistent client wrote, by a
+        PINGREQ's round trip: Mosquitto reads one packet a connection per turn of its loop, so a node that closed and
+        at once opened its next session (a cloud per job) could have its CONNECT read first, the old connection taken
+        over with its PUBACKs unread, and messages it had handled handed again to the next session (a chunked one's
+        set in part, which then held the unacknowledged-chunk budget until it expired)."""
+        network = (
+            self._reactor.in_thread()
+            if self._reactor is not None
+            else self._client._thread is threading.current_thread()
+        )
+        if network or timeout <= 0:  # the network thread cannot wait for its own read
+            return
+        wake = (lambda: self._reactor.wake(self._client)) if self._reactor is not None else (lambda: None)
+        if not round_trip(self._client, timeout, wake):
+            log.debug("%s: no PINGRESP within %.1f s before closing", self.client_id, timeout)
 
     def crash(self) -> None:
         """For tests: drop the TCP connection without DISCONNECT, so the broker fires the will."""
@@ -238,6 +265,8 @@ class MqttTransport(Connecting, Inbound, Transport):
         tlen = len(topic.encode())
         with self.stats._lock:
             self.stats.messages_out += 1
+        if qos:  # cleared before it is queued: its PUBACK confirms the acknowledgements written before it
+            self._acked_since_publish = False
         infos = []
         for part in parts:
             infos.append(self._client.publish(topic, part, qos=qos, retain=retain))

@@ -7,6 +7,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,8 @@ class Credentials:
 class _Client(mqtt.Client):
     """paho's client, whose reconnect backoff notices a stop (``disconnect``, ``loop_stop``) within 50 ms: paho
     sleeps it out in steps of up to 1 s, so closing a client its broker had just hung up on (a refused login, a
-    listener without MQTT) took a second, and every command that then failed exited a second late."""
+    listener without MQTT) took a second, and every command that then failed exited a second late. It counts its
+    PINGREQs and their PINGRESPs, for :meth:`round_trip`."""
 
     def _reconnect_wait(self) -> None:
         with self._reconnect_delay_mutex:  # paho's exponential backoff, as its own _reconnect_wait computes it
@@ -51,6 +53,46 @@ class _Client(mqtt.Client):
     def _stopping(self) -> bool:
         gone = (mqtt._ConnectionState.MQTT_CS_DISCONNECTING, mqtt._ConnectionState.MQTT_CS_DISCONNECTED)
         return self._state in gone or self._thread_terminate
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._pong_cv = threading.Condition()  # PINGREQs sent and PINGRESPs received on this connection:
+        self._pings = self._pongs = 0  # the broker answers them in order (round_trip)
+        super().__init__(*args, **kwargs)
+
+    def reconnect(self) -> mqtt.MQTTErrorCode:
+        with self._pong_cv:
+            self._pongs = self._pings  # a PINGREQ of the connection before gets no answer
+        return super().reconnect()
+
+    def _send_pingreq(self) -> mqtt.MQTTErrorCode:
+        with self._pong_cv:
+            rc = super()._send_pingreq()
+            self._pings += rc == mqtt.MQTT_ERR_SUCCESS
+        return rc
+
+    def _handle_pingresp(self) -> mqtt.MQTTErrorCode:
+        rc = super()._handle_pingresp()
+        with self._pong_cv:
+            self._pongs += 1
+            self._pong_cv.notify_all()
+        return rc
+
+    def round_trip(self, timeout: float, wake: Callable[[], None] = lambda: None) -> bool:
+        """Send a PINGREQ and wait up to ``timeout`` for its PINGRESP (``wake``: after queueing it, for a reactor):
+        the broker reads a connection's packets in order, so it has then handled every one this client wrote before
+        (its PUBACKs). False: no answer in time, or the connection was lost meanwhile."""
+        with self._pong_cv:
+            if self._send_pingreq() != mqtt.MQTT_ERR_SUCCESS:
+                return False
+            wanted = self._pings
+        wake()
+        with self._pong_cv:
+            return self._pong_cv.wait_for(lambda: self._pongs >= wanted, timeout) and self.is_connected()
+
+
+def round_trip(c: mqtt.Client, timeout: float, wake: Callable[[], None] = lambda: None) -> bool:
+    """:meth:`_Client.round_trip` (False for another client)."""
+    return isinstance(c, _Client) and c.round_trip(timeout, wake)
 
 
 def new_client(
