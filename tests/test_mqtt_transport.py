@@ -814,6 +814,28 @@ def test_a_persistent_client_that_closes_and_reconnects_at_once_is_not_handed_ag
 
 
 @needs_mosquitto
+def test_closing_a_persistent_client_whose_broker_dies_meanwhile_does_not_wait_for_an_answer(loop, prefix) -> None:
+    """``close()`` waits for a PINGREQ's answer (above); a broker killed while it waits never answers: the lost
+    connection ends the wait at once, not its timeout (nor paho's first reconnect, 30 s away here)."""
+    with MosquittoBroker() as b:
+        node = connect(b, "fedtier-t-cloud", loop, persistent=True, reconnect_min_delay=30.0)
+        inbox = Inbox(loop)
+        node.subscribe(f"{prefix}/up", inbox)
+        assert node.wait_subscribed(WAIT)
+        cell = connect(b, "cell", loop)
+        cell.publish(f"{prefix}/up", b"push")
+        inbox.wait_n(1)
+        assert wait_until(lambda: node._taking is None, WAIT)  # acknowledged: close() asks for a round trip
+        cell.close()
+        assert b.pid is not None
+        os.kill(b.pid, signal.SIGSTOP)  # no answer to the PINGREQ ...
+        threading.Timer(0.2, b.kill).start()  # ... and then no broker
+        started = time.monotonic()
+        node.close(flush_timeout=5.0)
+        assert time.monotonic() - started < 2.0
+
+
+@needs_mosquitto
 def test_a_chunked_message_whose_session_ends_before_its_last_chunk_comes_whole_to_the_next(loop, prefix) -> None:
     """A long-lived node closes its connection and opens the next (a serving cloud per job) while a chunked message is
     under way: its first chunks were acknowledged as they came, so the next session got only the rest, an incomplete

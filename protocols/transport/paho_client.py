@@ -59,10 +59,11 @@ class _Client(mqtt.Client):
         self._pings = self._pongs = 0  # the broker answers them in order (round_trip)
         super().__init__(*args, **kwargs)
 
-    def reconnect(self) -> mqtt.MQTTErrorCode:
+    def _sock_close(self) -> None:
+        super()._sock_close()
         with self._pong_cv:
-            self._pongs = self._pings  # a PINGREQ of the connection before gets no answer
-        return super().reconnect()
+            self._pongs = self._pings  # a PINGREQ of this connection gets no answer now: round_trip stops waiting
+            self._pong_cv.notify_all()
 
     def _send_pingreq(self) -> mqtt.MQTTErrorCode:
         with self._pong_cv:
@@ -80,7 +81,7 @@ class _Client(mqtt.Client):
     def round_trip(self, timeout: float, wake: Callable[[], None] = lambda: None) -> bool:
         """Send a PINGREQ and wait up to ``timeout`` for its PINGRESP (``wake``: after queueing it, for a reactor):
         the broker reads a connection's packets in order, so it has then handled every one this client wrote before
-        (its PUBACKs). False: no answer in time, or the connection was lost meanwhile."""
+        (its PUBACKs). False: no answer in time, or the connection was lost (then at once)."""
         with self._pong_cv:
             if self._send_pingreq() != mqtt.MQTT_ERR_SUCCESS:
                 return False
