@@ -78,6 +78,8 @@ class CellNode:
     ``max_record_bytes``); ``max_message_bytes``: the largest message accepted.
     """
 
+    status_extra: Mapping[str, Any] = {}  # what its status records add (a long-lived cell's instance, protocols.twin)
+
     def __init__(
         self,
         transport: Transport,
@@ -195,7 +197,8 @@ class CellNode:
         self.loop.cancel(self._beat_timer)
         if self.transport.connected:
             status = topics.status(self.run, topics.cell_node(self.cell))
-            self.transport.publish(status, between_jobs_status(status, self.trust, idle_heartbeat), retain=True)
+            record = between_jobs_status(status, self.trust, idle_heartbeat, **self.status_extra)
+            self.transport.publish(status, record, retain=True)
             self.transport.close()
         self.telemetry.close()
 
@@ -206,7 +209,7 @@ class CellNode:
         job: dict[str, Any] = {"session": self.cloud.pinned} if self.cloud.pinned is not None else {}
         if unfit := len(self.liveness.unfit):  # offline for this job, said so: the cloud does not wait for them
             job["devices_unfit"] = unfit
-        job.update(self._status_extra())
+        job.update(self._status_extra(), **self.status_extra)
         self.transport.publish(
             status,
             encode_status(

@@ -16,6 +16,7 @@ from protocols.runfiles import write_cell_job
 from protocols.status import idle_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
+from protocols.twin import NodeTwin
 from protocols.wire import topics
 from protocols.wire.keys import Trust
 
@@ -50,8 +51,11 @@ class CellService:
         trust: Trust | None,
         *,
         marks_job_folder: bool = False,
+        twin_window: float | None = None,
     ) -> None:
-        """``marks_job_folder``: each job's folder is this cell's own (``fedtier cell --serve``: holds its records
+        """``twin_window``: on its first connection, listen that long and refuse to start if another process of this
+        cell is live (``protocols.twin.NodeTwin``; ``fedtier cell --serve``: ``NODE_WINDOW``).
+        ``marks_job_folder``: each job's folder is this cell's own (``fedtier cell --serve``: holds its records
         only), and says so: the cell and job, and how the job ended for it (``runfiles.write_cell_job``, which
         ``fedtier monitor`` on that folder reads); not where the cloud and the cells share one (``fedtier run``)."""
         self.bundle, self.cell, self.loop, self.connect, self.build, self.trust = (
@@ -67,6 +71,7 @@ class CellService:
         self.served: list[str] = []  # the jobs this process served, in order
         self.node: CellServer | None = None
         self.revoked = RevokedStatuses(bundle.run.name, cell)  # revoked devices' statuses, kept clear
+        self.twin = NodeTwin(bundle.run.name, topics.cell_node(cell), "cell", twin_window, trust)  # its instance
 
     def _take_roster(self, node: CellServer | None, transport: Transport, roster: Roster) -> None:
         """A newer signed roster: the job's cell server (``node``, while it serves one) applies it; and the retained
@@ -92,6 +97,7 @@ class CellService:
             transport = self.connect()
             if transport is None:  # stopped while the broker was unreachable
                 break
+            self.twin.guard(transport, self.loop)  # TwinError: another process of this cell is live
             self.revoked.watch(transport)
             if done:  # after a job served to its end here, what its session still had for it is a straggler
                 for pattern in topics.cell_job_patterns(fed, self.cell):
@@ -100,7 +106,8 @@ class CellService:
             watch = JobWatch(transport, fed, self.trust)
             watch.on_roster = partial(self._take_roster, None, transport)  # between jobs
             period = self.bundle.monitoring.idle_heartbeat
-            current = idle_while(self.loop, transport, status, self.trust, period, partial(self._next_job, watch, done))
+            wait = partial(self._next_job, watch, done)
+            current = idle_while(self.loop, transport, status, self.trust, period, wait, **self.twin.extra)
             if current is None:  # stopped (at once if it already was): said offline
                 transport.close()
                 break
@@ -113,6 +120,7 @@ class CellService:
                 transport.close()
                 continue
             node.cloud.pin(current.session)  # tasks of this job's session only, from the start
+            node.status_extra = self.twin.extra
             watch.on_roster = partial(self._take_roster, node, transport)
             if watch.roster is not None:
                 apply_roster(node, self.cell, watch.roster)

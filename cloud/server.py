@@ -67,6 +67,7 @@ class CloudServer:
     resumed_from: dict[str, Any] | None = None  # a resumed cloud: its checkpoint's round record (the last before)
     _stop_request: str | None = None  # request_stop's reason (an instance's own once set)
     _start_timer: TimerHandle | None = None  # the startup wait's end (cancelled once round 0 begins or the job ends)
+    status_extra: Mapping[str, Any] = {}  # what its status records add (a service's instance)
 
     def __init__(
         self,
@@ -165,9 +166,10 @@ class CloudServer:
             self.cell_records.start(lambda h: self._guard(h, "cell record handler"))
         status = topics.status(self.run, "cloud")
         extra = {"started": round(time.time(), 6)} if self.trust is not None else {}
-        self.transport.publish(
-            status, encode_status("online", topic=status, trust=self.trust, session=self.session, **extra), retain=True
+        record = encode_status(
+            "online", topic=status, trust=self.trust, session=self.session, **extra, **self.status_extra
         )
+        self.transport.publish(status, record, retain=True)
         self._started_wall, self.live = time.time(), True
         self._state("starting", waiting=[c for c in self.cells if not self.presence.ready[c]])
         if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker
@@ -208,7 +210,8 @@ class CloudServer:
         self.loop.cancel(self._start_timer)
         if self.transport.connected:
             status = topics.status(self.run, "cloud")
-            self.transport.publish(status, between_jobs_status(status, self.trust, idle_heartbeat), retain=True)
+            record = between_jobs_status(status, self.trust, idle_heartbeat, **self.status_extra)
+            self.transport.publish(status, record, retain=True)
             if self.finished:  # the job is over: its session (the node's next connection) drops the job's topics
                 for pattern in topics.cloud_job_patterns(self.run):
                     self.transport.unsubscribe(pattern)

@@ -47,6 +47,7 @@ from protocols.status import IdleBeat, between_jobs
 from protocols.transport.base import Transport
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
+from protocols.twin import NodeTwin
 from protocols.wire import topics
 from protocols.wire.keys import PublicKeys, Trust
 from protocols.wire.signed import seal_record
@@ -105,7 +106,10 @@ class CloudService:
         roster: bytes | None = None,
         roster_path: Path | None = None,
         job_folder: Callable[[str], Path] | None = None,
+        twin_window: float | None = None,
     ) -> None:
+        """``twin_window``: on its first connection, listen that long and refuse to start if another cloud process
+        of the federation is live (``protocols.twin.NodeTwin``; ``fedtier cloud --serve``: ``NODE_WINDOW``)."""
         self.job_folder = job_folder
         self.bundle, self.loop, self.connect, self.queue, self.parts = bundle, loop, connect, queue, parts
         self.fed = bundle.run.name
@@ -119,6 +123,7 @@ class CloudService:
         self.ledger = PrivacyLedger(queue.path.parent / LEDGER_FILE)  # epsilon per device across jobs
         self.roster_path = roster_path  # where an adopted (newer) roster is kept across restarts
         self.roster: Roster | None = None  # the federation's membership; jobs are planned on it
+        self.twin = NodeTwin(self.fed, "cloud", "cloud", twin_window, trust)  # its instance: in its statuses, its will
         if roster is not None and trust is not None:
             self._adopt(verify_roster(roster, trust.verify, federation=self.fed), write=False)
 
@@ -156,7 +161,7 @@ class CloudService:
             self.transport = self.connect()
         if self.transport is not None:
             self._idle_beat(None)
-            between_jobs(self.transport, topics.status(self.fed, "cloud"), self.trust, None)
+            between_jobs(self.transport, topics.status(self.fed, "cloud"), self.trust, None, **self.twin.extra)
             self.transport.close()
 
     def stop(self) -> None:
@@ -173,6 +178,7 @@ class CloudService:
         transport = self.connect()
         if transport is None:  # stopped while the broker was unreachable
             return None
+        self.twin.guard(transport, self.loop)  # TwinError: another cloud process of the federation is live
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
         transport.subscribe(roster_topic(self.fed), self._on_roster)
         if (job := self.queue.next()) is None or job.state != "running":  # not resuming: a past job's stragglers
@@ -203,7 +209,7 @@ class CloudService:
             self._idle = None  # it holds its connection: the job's (closed at its end), whose handlers hold its server
         if transport is not None:
             topic, period = topics.status(self.fed, "cloud"), self.bundle.monitoring.idle_heartbeat
-            self._idle = IdleBeat(self.loop, transport, topic, self.trust, period)
+            self._idle = IdleBeat(self.loop, transport, topic, self.trust, period, **self.twin.extra)
             self.loop.post(self._idle.start)
 
     def _run(self, job: Job, transport: Transport) -> bool:
@@ -321,6 +327,7 @@ class CloudService:
             availability=parts.availability,
             devices_recreated=parts.devices_recreated,
         )
+        node.status_extra = self.twin.extra
         if parts.on_build is not None:
             parts.on_build(node)
         return cfg, out, node

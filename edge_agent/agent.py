@@ -97,7 +97,7 @@ class DeviceAgent:
         ``keep_answer`` costs one result per device: for agents on their own (MQTT), not for simulated
         populations. ``secagg``: take part in secure aggregation (``edge_agent/secagg.py``): results leave
         masked (and are never kept). ``instance``: the agent process's nonce, in every status record
-        (``edge_agent/twin.py``: a second process under this device id is refused). ``versioned``: a task's
+        (``protocols/twin.py``: a second process under this device id is refused). ``versioned``: a task's
         round is its cell's model version (``algorithm.mode = "async"``), not a cloud round: the manifest's round
         does not bound it (the session and the replay window still do)."""
         self.transport, self.run, self.cell, self.device = transport, run, cell, device

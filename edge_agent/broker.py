@@ -72,10 +72,11 @@ def client_id(run: str, node: str) -> str:
     return f"fedtier-{run}-{node}"
 
 
-def offline_will(run: str, node: str, cfg: RunConfig | None = None) -> Will:
+def offline_will(run: str, node: str, cfg: RunConfig | None = None, instance: str | None = None) -> Will:
     """The last will of a node: its retained status says offline (signed by the node when ``cfg`` has
-    ``[security] keys``)."""
-    return _will(topics.status(run, node), cfg)
+    ``[security] keys``), naming its process's ``instance`` if given (``protocols.twin``: the broker publishes
+    it at each takeover of its session, so a second process of the node sees who holds it)."""
+    return _will(topics.status(run, node), cfg, **({"instance": instance} if instance is not None else {}))
 
 
 def device_will(run: str, cell: str, device: str, cfg: RunConfig | None = None) -> Will:
@@ -83,7 +84,7 @@ def device_will(run: str, cell: str, device: str, cfg: RunConfig | None = None) 
     return _will(topics.device_status(run, cell, device), cfg)
 
 
-def _will(topic: str, cfg: RunConfig | None) -> Will:
+def _will(topic: str, cfg: RunConfig | None, **extra: str) -> Will:
     signer = signer_of(topic)
     trust = node_trust(cfg, signer) if cfg is not None and signer is not None else None
-    return Will(topic, encode_status("offline", topic=topic, trust=trust), retain=True)
+    return Will(topic, encode_status("offline", topic=topic, trust=trust, **extra), retain=True)

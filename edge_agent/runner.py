@@ -32,6 +32,7 @@ from protocols.session import CloudSession
 from protocols.status import IDLE
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import TimerHandle
+from protocols.twin import TwinError, TwinWatch, new_instance
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 
@@ -44,7 +45,6 @@ from .datasources import load_device_data, save_device_data
 from .node import build_agent, cell_of
 from .process_state import JobView, Presence, TrainClock
 from .secagg import cell_lies, learn_roster
-from .twin import TwinAgentError, TwinWatch, new_instance
 
 if TYPE_CHECKING:
     from .cohort import CohortExecutor
@@ -99,8 +99,8 @@ class AgentProcess:
         twin_window: float | None = None,
     ) -> None:
         """``twin_window``: before announcing, listen that long on the devices' own status topics and refuse
-        to start (:class:`~edge_agent.twin.TwinAgentError`) if another agent process is live under one of
-        their ids (``edge_agent/twin.py``; deployed agents: one heartbeat and a second; ``None``: no check).
+        to start (:class:`~protocols.twin.TwinError`) if another agent process is live under one of
+        their ids (``protocols/twin.py``; deployed agents: one heartbeat and a second; ``None``: no check).
         ``session``: serving one job, only its cloud session counts (``protocols.jobs``). ``long_lived``:
         at the job's end the devices stay connected, announced idle (``done`` is set), and :meth:`next_job`
         serves the next job on the same connections; ``on_job_record`` (set before :meth:`start`) gets the
@@ -196,7 +196,7 @@ class AgentProcess:
         if twin is None:
             return
         device, other = twin
-        refusal = TwinAgentError.of(device, other)
+        refusal = TwinError.of("device", device, "agent", other)
         log.error("%s", refusal)
         transport, agent = self.transports[device], self.agents[device]
         status = topics.device_status(self.run, agent.cell, device)
@@ -214,7 +214,7 @@ class AgentProcess:
         raise refusal
 
     def _on_own_status(self, device: str, topic: str, data: bytes) -> None:
-        """A record on the device's own status topic: another instance's means a second agent (see twin.py)."""
+        """A record on the device's own status topic: another instance's means a second agent (``protocols.twin``)."""
         trust = self.agents[device].trust
         self.twins.on_status(
             device, topic, data, trust.verify if trust is not None else None, lambda: self._session_lost(device)

@@ -77,7 +77,7 @@ def _cell(run: str, cell: str) -> Grants:
         ("read", topics.round_manifest(run)),
         ("readwrite", topics.device_statuses(run, cell)),  # write: clears a revoked device's status
         ("read", topics.status(run, "cloud")),
-        ("write", topics.status(run, topics.cell_node(cell))),
+        ("readwrite", topics.status(run, topics.cell_node(cell))),  # read: another process of it (protocols.twin)
         ("write", topics.telemetry_cell(run, cell)),
         ("write", topics.state(run, topics.cell_node(cell))),
         ("read", topics.current_job(run)),
@@ -92,7 +92,7 @@ def _device(run: str, cell: str, device: str) -> Grants:
         ("read", topics.control(run)),
         ("read", topics.round_manifest(run)),
         ("read", topics.status(run, "cloud")),
-        ("write", topics.device_status(run, cell, device)),
+        ("readwrite", topics.device_status(run, cell, device)),  # read: another agent under its id (protocols.twin)
         ("read", topics.current_job(run)),
         ("read", roster_topic(run)),
     ]

@@ -91,13 +91,17 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
     """``fedtier cloud --serve``: one submitted job after another (``fedtier/serve.py``)."""
     from cloud.jobs import JobQueueError
     from protocols.config import ConfigError
+    from protocols.twin import TwinError
 
     from .serve import serve_cloud
 
     try:
         with run_folder_lock(cfg, "cloud"):
             serve_cloud(cfg, broker_options(cfg, broker_url, auth), test_data, spec_and_data)
-    except ConfigError as exc:
+    except (
+        ConfigError,
+        TwinError,
+    ) as exc:  # TwinError: another cloud is live, elsewhere (as the lock's: not restarted)
         fail_with(exc, 2)
     except JobQueueError as exc:
         fail_with(exc, 1)
@@ -215,12 +219,14 @@ def cell(
     if cell_id not in cfg.topology.cell_ids():
         fail_with(ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})"), 2)
     if serve:
+        from protocols.twin import TwinError
+
         from .serve import serve_cell
 
         try:
             with run_folder_lock(cfg, f"cell {cell_id}"):
                 served = serve_cell(cfg, cell_id, broker_options(cfg, broker_url, auth), spec_and_data)
-        except ConfigError as exc:
+        except (ConfigError, TwinError) as exc:  # TwinError: another process of the cell is live (not restarted)
             fail_with(exc, 2)
         except ConnectionError as exc:
             fail_with(exc, 1)
@@ -395,7 +401,7 @@ def _serve_agent(
         )
     except (ConfigError, ValueError) as exc:
         fail_with(exc, 2)
-    except ConnectionError as exc:  # e.g. another agent is live under this device id (edge_agent/twin.py)
+    except ConnectionError as exc:  # e.g. another agent is live under this device id (protocols/twin.py)
         fail_with(exc, 1)
     console.print(f"device {device}: served {len(served)} jobs ({', '.join(served)}), {tasks} tasks")
 
@@ -413,8 +419,8 @@ def _run_agent(
     finished (or Ctrl-C)."""
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess, make_trainer
-    from edge_agent.twin import twin_window
     from protocols.config import ConfigError, check_forward_only
+    from protocols.twin import twin_window
     from sim.hierarchy import device_availability
 
     try:

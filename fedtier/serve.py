@@ -135,6 +135,7 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
     from cloud.service import CloudService, JobParts
     from edge_agent.runner import offline_will
     from protocols.transport.threadloop import ThreadLoop
+    from protocols.twin import NODE_WINDOW
     from protocols.wire.keys import node_trust
     from sim.hierarchy import make_evaluator
 
@@ -145,10 +146,9 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
     loop = ThreadLoop("cloud")
     stopping = threading.Event()
 
-    def connect() -> Any:
-        return connect_forever(
-            lambda: opts.transport("cloud", fed, loop, will=offline_will(fed, "cloud", cfg)), stopping, "cloud"
-        )
+    def connect() -> Any:  # its will names this process's instance (protocols.twin)
+        will = offline_will(fed, "cloud", cfg, service.twin.instance)
+        return connect_forever(lambda: opts.transport("cloud", fed, loop, will=will), stopping, "cloud")
 
     exporter = serve_metrics(cfg)  # one /metrics across jobs: each job's server is watched as it is built
 
@@ -170,6 +170,7 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         on_end=write_job_final,
         roster=roster,
         roster_path=cfg.output_dir() / ROSTER_FILE,
+        twin_window=NODE_WINDOW,  # a second cloud process of the federation is refused (protocols.twin)
     )
     on_signals(stopping.set, service.stop)
     log.info("cloud of federation %s serving jobs (queue %s)", fed, queue.path)
@@ -186,6 +187,7 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
     from edge_agent.runner import offline_will
     from protocols import runfiles
     from protocols.transport.threadloop import ThreadLoop
+    from protocols.twin import NODE_WINDOW
     from protocols.wire import topics
     from protocols.wire.keys import node_trust
     from sim.hierarchy import edge_availability
@@ -195,10 +197,9 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
     loop = ThreadLoop(f"cell-{cell}")
     stopping = threading.Event()
 
-    def connect() -> Any:
-        return connect_forever(
-            lambda: opts.transport(node_name, fed, loop, will=offline_will(fed, node_name, cfg)), stopping, node_name
-        )
+    def connect() -> Any:  # its will names this process's instance (protocols.twin)
+        will = offline_will(fed, node_name, cfg, service.twin.instance)
+        return connect_forever(lambda: opts.transport(node_name, fed, loop, will=will), stopping, node_name)
 
     exporter = serve_metrics(cfg)
 
@@ -222,7 +223,7 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
             exporter.watch_cell(node)
         return node
 
-    service = CellService(cfg, cell, loop, connect, build, trust, marks_job_folder=True)
+    service = CellService(cfg, cell, loop, connect, build, trust, marks_job_folder=True, twin_window=NODE_WINDOW)
     on_signals(stopping.set, service.stop)
     try:
         service.serve()
@@ -239,8 +240,8 @@ def serve_agent(
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess
     from edge_agent.service import AgentService
-    from edge_agent.twin import twin_window
     from protocols.transport.threadloop import ThreadLoop
+    from protocols.twin import twin_window
     from protocols.wire import topics
     from protocols.wire.keys import node_trust
     from sim.hierarchy import device_availability

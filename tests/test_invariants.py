@@ -22,7 +22,7 @@ MAY_DRAW_UNSEEDED = {
     "protocols.privacy.secagg": "secure aggregation keys and AES-GCM nonces: secrets",
     "protocols.privacy.shamir": "Shamir share polynomials: secrets",
     "protocols.privacy.dp": "DP noise seeded from the OS in deployments (noise_seed = 'system'): a secret",
-    "edge_agent.twin": "an agent instance id: unique per process",
+    "protocols.twin": "a node process's instance id: unique per process",
     "fedtier.pki": "CA and TLS keys: secrets",
     "fedtier.console": "the MQTT client id of a live watcher (monitor, fleet): unique",
     "sim.attacker": "garbage an attacker sends (tests and benchmarks): never trained on",

@@ -128,7 +128,7 @@ def test_provision_writes_bundles_with_only_what_a_node_needs(provisioned: dict[
         "topic read fedtier/t/cloud/control",
         "topic read fedtier/t/cloud/round",
         "topic read fedtier/t/status/cloud",
-        "topic write fedtier/t/cell/c0/status/device.c0-d1",
+        "topic readwrite fedtier/t/cell/c0/status/device.c0-d1",
         "topic read fedtier/t/cloud/job",
         "topic read fedtier/t/roster",
     ]

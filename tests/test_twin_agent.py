@@ -1,4 +1,4 @@
-"""A second agent process under a live device id is refused loudly (``edge_agent/twin.py``), over a real
+"""A second agent process under a live device id is refused loudly (``protocols/twin.py``), over a real
 Mosquitto (two connections with one client id take the session from each other); a stale retained
 "online" left by a crashed predecessor does not block a restart."""
 
@@ -14,12 +14,12 @@ import pytest
 from click.testing import CliRunner
 
 from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, save_device_data
-from edge_agent.twin import TwinAgentError, twin_window
 from fedtier.cli import main
 from protocols.status import decode_status, encode_status
 from protocols.transport.broker import MosquittoBroker, find_mosquitto
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
+from protocols.twin import TwinError, twin_window
 from protocols.wire import topics
 from sim.hierarchy import prepare
 from tests.conftest import small_config
@@ -70,7 +70,7 @@ def agents_of(tmp_path: Path, url: str, window: float) -> AgentProcess:
 def test_a_second_agent_under_a_live_device_id_is_refused_and_the_first_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="fedtier.agent.twin")
+    caplog.set_level(logging.ERROR, logger="fedtier.twin")
     with MosquittoBroker() as broker:
         first = agents_of(tmp_path, broker.url, 0.2).start()
         status = topics.device_status(first.run, "c0", DEVICE)
@@ -79,7 +79,7 @@ def test_a_second_agent_under_a_live_device_id_is_refused_and_the_first_says_so(
             assert until(lambda: any(r.get("instance") == first.twins.instance for r in spy.records))
             second = agents_of(tmp_path, broker.url, WINDOW)
             started = time.monotonic()
-            with pytest.raises(TwinAgentError, match=f"device {DEVICE}: another agent process .* is live"):
+            with pytest.raises(TwinError, match=f"device {DEVICE}: another agent process .* is live"):
                 second.start()
             assert time.monotonic() - started < WINDOW + 10
             assert second.twins.twin == (DEVICE, first.twins.instance)

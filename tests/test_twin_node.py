@@ -1,0 +1,163 @@
+"""A second long-lived cloud or cell process of one node, on another folder or machine, is refused loudly
+(``protocols.twin.NodeTwin``): over a real Mosquitto, where two connections with one client id take the session
+from each other. The first says its session was taken and announces itself again; a restart right after a kill -9
+(the predecessor's record and its will on the broker) is not refused."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cell_server.service import CellService
+from cloud.jobs import JobQueue
+from cloud.service import CloudService
+from edge_agent.broker import BrokerOptions, offline_will
+from protocols.config import RunConfig
+from protocols.status import IDLE, decode_status, encode_status
+from protocols.transport.broker import MosquittoBroker, find_mosquitto
+from protocols.transport.mqtt import MqttTransport
+from protocols.transport.threadloop import ThreadLoop
+from protocols.twin import NODE_WINDOW, SETTLE, TwinError
+from protocols.wire import topics
+from sim.local_federation import federation_bundle
+from tests.conftest import small_config, wait_until
+
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+NODES = {"cloud": "cloud", "cell": "cell.c0"}  # kind -> node id (client id, status topic)
+
+
+def service_of(kind: str, bundle: RunConfig, url: str, folder: Path, window: float) -> Any:
+    """An idle long-lived cloud or cell of ``bundle`` (its own run folder, ``fedtier cloud|cell --serve``'s will)."""
+    loop, node = ThreadLoop(kind), NODES[kind]
+    service: Any = None
+
+    def connect() -> MqttTransport:
+        will = offline_will(bundle.run.name, node, None, service.twin.instance)
+        return BrokerOptions(url).transport(node, bundle.run.name, loop, will=will).connect()  # the CLI's client id
+
+    if kind == "cloud":
+        queue = JobQueue(folder / "jobs.json")
+        service = CloudService(bundle, loop, connect, queue, None, trust=None, operator=None, twin_window=window)  # type: ignore[arg-type]
+    else:
+        service = CellService(bundle, "c0", loop, connect, lambda *_: None, None, twin_window=window)  # type: ignore[arg-type,return-value]
+    return service
+
+
+class Spy:
+    """The node's retained status records, as a reader (the fleet view, a cell) gets them."""
+
+    def __init__(self, url: str, topic: str) -> None:
+        self.loop = ThreadLoop("spy").start()
+        self.records: list[dict[str, Any]] = []
+        self.transport = MqttTransport.from_url(url, "spy", self.loop)
+        self.transport.subscribe(topic, lambda t, b: self.records.append(decode_status(b) or {"state": "other"}))
+        self.transport.connect()
+
+    def last_is(self, state: str, instance: str) -> bool:
+        return (
+            bool(self.records)
+            and self.records[-1].get("state") == state
+            and self.records[-1].get("instance") == instance
+        )
+
+    def close(self) -> None:
+        self.transport.close()
+        self.loop.stop()
+
+
+@contextmanager
+def serving(service: Any) -> Iterator[threading.Thread]:
+    thread = threading.Thread(target=service.serve, name="first", daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        service.stop()
+        thread.join(10)
+
+
+@pytest.fixture
+def broker() -> Iterator[MosquittoBroker]:
+    with MosquittoBroker() as running:
+        yield running
+
+
+@pytest.mark.parametrize("kind", ["cloud", "cell"])
+def test_a_second_process_of_a_live_cloud_or_cell_is_refused_naming_it_and_the_first_says_so(
+    kind: str, tmp_path: Path, broker: MosquittoBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="fedtier.twin")
+    bundle = federation_bundle(small_config(tmp_path, monitoring={"idle_heartbeat": 60.0}))  # no beat meanwhile
+    first = service_of(kind, bundle, broker.url, tmp_path / "a", 0.3)
+    spy = Spy(broker.url, topics.status(bundle.run.name, NODES[kind]))
+    try:
+        with serving(first):
+            assert wait_until(lambda: spy.last_is(IDLE, first.twin.instance))
+            second = service_of(kind, bundle, broker.url, tmp_path / "b", NODE_WINDOW)  # another folder or machine
+            started = time.monotonic()
+            with pytest.raises(TwinError) as refused:
+                second.serve()
+            said = f"node {NODES[kind]}: another {kind} process (instance {first.twin.instance}) is live"
+            assert said in str(refused.value)
+            assert time.monotonic() - started < NODE_WINDOW + 1  # it found the first within the window
+            # the first took its session back, read the refusal, said so loudly and announced itself again
+            assert wait_until(lambda: first.twin.watch.taken >= 1)
+            assert any(f"took this {kind}'s broker session" in r.getMessage() for r in caplog.records)
+            assert wait_until(lambda: spy.last_is(IDLE, first.twin.instance))
+    finally:
+        spy.close()
+
+
+@pytest.mark.parametrize("kind", ["cloud", "cell"])
+def test_a_restart_right_after_a_kill_9_is_not_refused(kind: str, tmp_path: Path, broker: MosquittoBroker) -> None:
+    """The killed process left its idle record, then its will (the broker drops its connection), which its persistent
+    session also queued for the node: the restarted one gets it twice on its first connection, as a queued message
+    and as the retained record, and counts it once (it counted both before, and was refused: walked with
+    tests/test_federation.py's kill -9 of the cloud)."""
+    bundle = federation_bundle(small_config(tmp_path))
+    node, fed = NODES[kind], bundle.run.name
+    topic = topics.status(fed, node)
+    loop = ThreadLoop("killed").start()
+    killed = BrokerOptions(broker.url).transport(node, fed, loop, will=offline_will(fed, node, None, "killed0"))
+    killed.subscribe(topic, lambda t, b: None)  # as a service does: its persistent session queues its will for it
+    killed.connect().publish(topic, encode_status(IDLE, topic=topic, instance="killed0"), retain=True)
+    assert killed.flush(10.0)
+    killed.crash()  # kill -9: no DISCONNECT, the broker publishes the will
+    loop.stop()
+    spy = Spy(broker.url, topic)
+    try:
+        assert wait_until(lambda: spy.last_is("offline", "killed0"))
+        restarted = service_of(kind, bundle, broker.url, tmp_path, NODE_WINDOW)
+        started = time.monotonic()
+        with serving(restarted):
+            assert wait_until(lambda: spy.last_is(IDLE, restarted.twin.instance))
+            assert time.monotonic() - started < SETTLE + 1  # never taken over: it did not wait the whole window
+            assert restarted.twin.watch.twin is None and restarted.twin.watch.seen == {node: ["killed0"]}
+    finally:
+        spy.close()
+
+
+def test_fedtier_cloud_serve_beside_a_live_cloud_exits_2_naming_it(tmp_path: Path, broker: MosquittoBroker) -> None:
+    """The command a deployment runs: refused as the folder lock refuses, exit 2 (``RestartPreventExitStatus``)."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    cfg = small_config(tmp_path / "a", monitoring={"idle_heartbeat": 60.0})
+    first = service_of("cloud", federation_bundle(cfg), broker.url, tmp_path / "a", 0.3)
+    other = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output": str(tmp_path / "b")})})
+    config = tmp_path / "cloud.toml"
+    config.write_text(other.to_toml())
+    with serving(first):
+        assert wait_until(lambda: first.twin.watch.own != {})
+        res = CliRunner().invoke(main, ["cloud", str(config), "--serve", "--broker", broker.url, "--insecure"])
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2, said + repr(res.exception)
+        assert f"node cloud: another cloud process (instance {first.twin.instance}) is live" in said
