@@ -144,20 +144,32 @@ def test_a_restart_right_after_a_kill_9_is_not_refused(kind: str, tmp_path: Path
         spy.close()
 
 
-def test_fedtier_cloud_serve_beside_a_live_cloud_exits_2_naming_it(tmp_path: Path, broker: MosquittoBroker) -> None:
+@pytest.mark.parametrize("kind", ["cloud", "cell"])
+def test_fedtier_serve_beside_a_live_cloud_or_cell_exits_2_naming_it(
+    kind: str, tmp_path: Path, broker: MosquittoBroker
+) -> None:
     """The command a deployment runs: refused as the folder lock refuses, exit 2 (``RestartPreventExitStatus``)."""
     from click.testing import CliRunner
 
     from fedtier.cli import main
 
     cfg = small_config(tmp_path / "a", monitoring={"idle_heartbeat": 60.0})
-    first = service_of("cloud", federation_bundle(cfg), broker.url, tmp_path / "a", 0.3)
+    first = service_of(kind, federation_bundle(cfg), broker.url, tmp_path / "a", 0.3)
     other = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output": str(tmp_path / "b")})})
-    config = tmp_path / "cloud.toml"
+    config = tmp_path / "node.toml"
     config.write_text(other.to_toml())
     with serving(first):
         assert wait_until(lambda: first.twin.watch.own != {})
-        res = CliRunner().invoke(main, ["cloud", str(config), "--serve", "--broker", broker.url, "--insecure"])
+        args = [
+            kind,
+            str(config),
+            "--serve",
+            "--broker",
+            broker.url,
+            "--insecure",
+            *(["--cell", "c0"] * (kind == "cell")),
+        ]
+        res = CliRunner().invoke(main, args)
         said = " ".join(res.output.split())
         assert res.exit_code == 2, said + repr(res.exception)
-        assert f"node cloud: another cloud process (instance {first.twin.instance}) is live" in said
+        assert f"node {NODES[kind]}: another {kind} process (instance {first.twin.instance}) is live" in said
