@@ -115,8 +115,8 @@ class AgentService:
                 gc.collect()  # not after ~10 more jobs (their arrays are native memory: few objects, rare collections)
                 moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
                 self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
-                if self.stopping.is_set():
-                    break
+                if self.stopping.is_set() and not (agents.done.is_set() or moved_on()):  # stopped mid-job (a job that
+                    break  # ended before the stop, seen or not by the poll's last look, was served: counted below)
                 done.add(current.session)
                 self.served.append(current.job)
                 self.tasks += sum(s["tasks"] for s in agents.stats().values())
