@@ -17,7 +17,7 @@ from protocols.params import Sums
 from protocols.rejections import Rejected, RejectKind
 from protocols.session import CloudSession, decode_manifest
 from protocols.state import publish_state
-from protocols.status import between_jobs_status, decode_status, encode_status
+from protocols.status import between_jobs, decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Incoming, Messenger
@@ -196,9 +196,13 @@ class CellNode:
         ended says idle instead (``protocols.status.between_jobs_status``)."""
         self.loop.cancel(self._beat_timer)
         if self.transport.connected:
-            status = topics.status(self.run, topics.cell_node(self.cell))
-            record = between_jobs_status(status, self.trust, idle_heartbeat, **self.status_extra)
-            self.transport.publish(status, record, retain=True)
+            between_jobs(
+                self.transport,
+                topics.status(self.run, topics.cell_node(self.cell)),
+                self.trust,
+                idle_heartbeat,
+                **self.status_extra,
+            )
             self.transport.close()
         self.telemetry.close()
 

@@ -20,7 +20,7 @@ from protocols.records import TIERS
 from protocols.rejections import Rejected
 from protocols.session import encode_manifest, new_session
 from protocols.state import MAX_WAITING, publish_state
-from protocols.status import between_jobs_status, decode_status, encode_status
+from protocols.status import between_jobs, decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
 from protocols.wire.messenger import Incoming, Messenger
@@ -209,9 +209,9 @@ class CloudServer:
         self.loop.cancel(self._timer)
         self.loop.cancel(self._start_timer)
         if self.transport.connected:
-            status = topics.status(self.run, "cloud")
-            record = between_jobs_status(status, self.trust, idle_heartbeat, **self.status_extra)
-            self.transport.publish(status, record, retain=True)
+            between_jobs(
+                self.transport, topics.status(self.run, "cloud"), self.trust, idle_heartbeat, **self.status_extra
+            )
             if self.finished:  # the job is over: its session (the node's next connection) drops the job's topics
                 for pattern in topics.cloud_job_patterns(self.run):
                     self.transport.unsubscribe(pattern)
