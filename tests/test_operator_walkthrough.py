@@ -854,7 +854,7 @@ def _jobs_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: dict) -> 
     monkeypatch.setattr(cmd, "_connect", lambda config, wait: Session())
     monkeypatch.chdir(tmp_path)
     Path("config.toml").write_text("")
-    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setattr(cmd.console, "_width", 400)  # the CLI's console was made (its width read) at import
     return _cli("jobs", "--config", "config.toml")
 
 
