@@ -386,6 +386,7 @@ def _serve_agent(
     from edge_agent.datasources import load_device_data
     from edge_agent.runner import make_trainer
     from protocols.config import ConfigError
+    from protocols.twin import TwinError
 
     from .serve import serve_agent
 
@@ -399,9 +400,9 @@ def _serve_agent(
             lambda job_cfg, spec: make_trainer(backend, spec, job_cfg),
             lambda job_cfg, _: spec_and_data(job_cfg, source),
         )
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, TwinError) as exc:  # TwinError: a live agent has this id (not restarted)
         fail_with(exc, 2)
-    except ConnectionError as exc:  # e.g. another agent is live under this device id (protocols/twin.py)
+    except ConnectionError as exc:
         fail_with(exc, 1)
     console.print(f"device {device}: served {len(served)} jobs ({', '.join(served)}), {tasks} tasks")
 
@@ -420,7 +421,7 @@ def _run_agent(
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess, make_trainer
     from protocols.config import ConfigError, check_forward_only
-    from protocols.twin import twin_window
+    from protocols.twin import TwinError, twin_window
     from sim.hierarchy import device_availability
 
     try:
@@ -440,7 +441,7 @@ def _run_agent(
             twin_window=twin_window(cfg.runtime.heartbeat),  # a second agent under this id is refused (twin.py)
         )  # partial participation: leaves when absent
         agents.start()
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, TwinError) as exc:  # TwinError: a live agent has this id (not restarted)
         fail_with(exc, 2)
     except ConnectionError as exc:
         fail_with(exc, 1)

@@ -120,8 +120,9 @@ def test_a_stale_retained_online_of_a_crashed_predecessor_does_not_block_a_resta
                 agents.stop()
 
 
-def test_fedtier_agent_under_a_live_device_id_exits_1_naming_it(tmp_path: Path) -> None:
-    """The command a deployment runs: ``fedtier agent`` (default heartbeat: a 6 s window) refused, exit 1."""
+def test_fedtier_agent_under_a_live_device_id_exits_2_naming_it(tmp_path: Path) -> None:
+    """The command a deployment runs: ``fedtier agent`` (default heartbeat: a 6 s window) refused, exit 2 (its
+    systemd unit's ``RestartPreventExitStatus``: not restarted every 5 s, as a refused cloud or cell)."""
     assert twin_window(5.0) == 6.0
     cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
     config, data = tmp_path / "run.toml", tmp_path / f"{DEVICE}.npz"
@@ -134,8 +135,43 @@ def test_fedtier_agent_under_a_live_device_id_exits_1_naming_it(tmp_path: Path) 
             command = ["agent", str(config), "--device", DEVICE, "--data", str(data), "--broker", broker.url]
             res = CliRunner().invoke(main, [*command, "--insecure"])  # in this process: no torch to import again
             said = " ".join(res.output.split())
-            assert res.exit_code == 1, said + repr(res.exception)
+            assert res.exit_code == 2, said + repr(res.exception)
             assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
             assert until(lambda: first.twins.taken >= 1)
         finally:
             first.stop()
+
+
+def test_fedtier_agent_serve_refused_as_a_twin_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fedtier agent --serve`` meets the check when its first job starts (``edge_agent.service``): the refusal
+    its service raises exits 2 with the same message as the one-shot agent's, not 1 (a ``ConnectionError``: the
+    broker unreachable, which its unit restarts)."""
+    from fedtier import serve
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    config, data = tmp_path / "run.toml", tmp_path / f"{DEVICE}.npz"
+    config.write_text(cfg.to_toml())
+    prep = prepare(cfg)
+    save_device_data(data, prep.device_data[DEVICE], prep.spec)
+
+    def refused(*_: Any) -> Any:
+        raise TwinError.of("device", DEVICE, "agent", "live0")
+
+    monkeypatch.setattr(serve, "serve_agent", refused)
+    command = [
+        "agent",
+        str(config),
+        "--serve",
+        "--device",
+        DEVICE,
+        "--data",
+        str(data),
+        "--broker",
+        "mqtt://127.0.0.1:1",
+    ]
+    res = CliRunner().invoke(main, [*command, "--insecure"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2, said + repr(res.exception)
+    assert f"device {DEVICE}: another agent process (instance live0) is live" in said
