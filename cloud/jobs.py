@@ -67,7 +67,8 @@ class Job:
 class JobQueue:
     """Jobs in submission order, persisted in ``path`` on every change."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, create: bool = True) -> None:
+        """``create``: write the file now if there is none (else: :meth:`create`, or the first change)."""
         self.path = Path(path)
         self.jobs: dict[str, Job] = {}
         if self.path.exists():
@@ -80,8 +81,14 @@ class JobQueue:
                     self.jobs[job.job] = job
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise JobQueueError(f"job queue {self.path} is unreadable: {exc}") from None
-        else:
-            self._save()  # fail now, not at the first submission, when the folder is not writable
+        elif create:
+            self.create()
+
+    def create(self) -> None:
+        """Write the queue file if there is none: fail now, not at the first submission, when the folder is not
+        writable."""
+        if not self.path.exists():
+            self._save()
 
     # ------------------------------------------------------------------ queries
     def get(self, job: str) -> Job | None:

@@ -107,10 +107,13 @@ class CloudService:
         roster_path: Path | None = None,
         job_folder: Callable[[str], Path] | None = None,
         twin_window: float | None = None,
+        claim: Callable[[], None] | None = None,
     ) -> None:
         """``twin_window``: on its first connection, listen that long and refuse to start if another cloud process
-        of the federation is live (``protocols.twin.NodeTwin``; ``fedtier cloud --serve``: ``NODE_WINDOW``)."""
-        self.job_folder = job_folder
+        of the federation is live (``protocols.twin.NodeTwin``; ``fedtier cloud --serve``: ``NODE_WINDOW``).
+        ``claim``: called once that check passed, to write what the cloud keeps in its folder (a refused process
+        leaves nothing there that a later start would take for its state)."""
+        self.job_folder, self.claim = job_folder, claim
         self.bundle, self.loop, self.connect, self.queue, self.parts = bundle, loop, connect, queue, parts
         self.fed = bundle.run.name
         self.trust, self.on_end, self.on_round = trust, on_end, on_round
@@ -179,6 +182,9 @@ class CloudService:
         if transport is None:  # stopped while the broker was unreachable
             return None
         self.twin.guard(transport, self.loop)  # TwinError: another cloud process of the federation is live
+        claim, self.claim = self.claim, None
+        if claim is not None:
+            claim()
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
         transport.subscribe(roster_topic(self.fed), self._on_roster)
         if (job := self.queue.next()) is None or job.state != "running":  # not resuming: a past job's stragglers

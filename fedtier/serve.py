@@ -82,18 +82,18 @@ def operator_key(cfg: RunConfig) -> bytes | None:
 ROSTER_FILE = "roster.json"
 
 
-def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
+def federation_roster(cfg: RunConfig, trust: Any) -> tuple[bytes | None, bool]:
     """The federation's signed roster (``{output}/roster.json``, kept across restarts, or the bundle's from
     `fedtier provision`, whichever is newer: membership changes raise its version); else version 1 from the
-    cloud's keys file and ``security.max_device_weight`` when there is
-    none yet. ``None`` in an unsigned federation or without a weight bound (logged)."""
-    from protocols.checkpoint import write_durably
+    cloud's keys file and ``security.max_device_weight`` when there is none yet, and whether it is that new one
+    (the caller keeps it in ``{output}/roster.json``). ``None`` in an unsigned federation or without a weight bound
+    (logged)."""
     from protocols.roster import Roster, RosterError, sign_roster, verify_roster
     from protocols.wire.keys import load_keys
 
     keys = cfg.security.keys
     if trust is None or keys is None:
-        return None
+        return None, False
     path, bundled = cfg.output_dir() / ROSTER_FILE, Path(keys).with_name(ROSTER_FILE)
     found = []  # the one kept across restarts, and the one `fedtier provision` put in the bundle: the newer wins
     for where in (path, bundled):
@@ -106,17 +106,15 @@ def federation_roster(cfg: RunConfig, trust: Any) -> bytes | None:
                     raise
                 log.warning("the kept roster %s is not taken (%s): the bundle's is", path, exc)
     if found:
-        return max(found)[1]
+        return max(found)[1], False
     bound = cfg.security.max_device_weight
     if bound is None:
         log.warning("no roster: security.max_device_weight is not set (fedtier provision sets it)")
-        return None
+        return None, False
     topo = cfg.topology
     public = load_keys(keys).public
     roster = Roster.from_topology(cfg.run.name, {c: topo.devices(c) for c in topo.cell_ids()}, public, bound)
-    data = sign_roster(roster, trust.sign)
-    write_durably(path, data, private=False)
-    return data
+    return sign_roster(roster, trust.sign), True
 
 
 def write_job_final(job: Any, job_cfg: RunConfig, node: Any, out: Path) -> None:
@@ -134,6 +132,7 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
     from cloud.jobs import JobQueue
     from cloud.service import CloudService, JobParts
     from edge_agent.runner import offline_will
+    from protocols.checkpoint import write_durably
     from protocols.transport.threadloop import ThreadLoop
     from protocols.twin import NODE_WINDOW
     from protocols.wire.keys import node_trust
@@ -142,7 +141,7 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
     fed = cfg.run.name
     trust = node_trust(cfg, "cloud")
     operator = operator_key(cfg)
-    queue = JobQueue(cfg.output_dir() / QUEUE_FILE)
+    queue = JobQueue(cfg.output_dir() / QUEUE_FILE, create=False)  # written once the twin check passed: claim()
     loop = ThreadLoop("cloud")
     stopping = threading.Event()
 
@@ -158,7 +157,13 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         watch = exporter.watch_cloud if exporter is not None else None
         return JobParts(job_cfg.build_algorithm(spec), evaluator, on_build=watch)
 
-    roster = federation_roster(cfg, trust)
+    roster, new_roster = federation_roster(cfg, trust)
+
+    def claim() -> None:  # once no other cloud is live: its files
+        queue.create()
+        if roster is not None and new_roster:
+            write_durably(cfg.output_dir() / ROSTER_FILE, roster, private=False)
+
     service = CloudService(
         cfg,
         loop,
@@ -171,6 +176,7 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         roster=roster,
         roster_path=cfg.output_dir() / ROSTER_FILE,
         twin_window=NODE_WINDOW,  # a second cloud process of the federation is refused (protocols.twin)
+        claim=claim,
     )
     on_signals(stopping.set, service.stop)
     log.info("cloud of federation %s serving jobs (queue %s)", fed, queue.path)

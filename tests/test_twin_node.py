@@ -148,7 +148,9 @@ def test_a_restart_right_after_a_kill_9_is_not_refused(kind: str, tmp_path: Path
 def test_fedtier_serve_beside_a_live_cloud_or_cell_exits_2_naming_it(
     kind: str, tmp_path: Path, broker: MosquittoBroker
 ) -> None:
-    """The command a deployment runs: refused as the folder lock refuses, exit 2 (``RestartPreventExitStatus``)."""
+    """The command a deployment runs: refused as the folder lock refuses, exit 2 (``RestartPreventExitStatus``),
+    leaving its folder as it was but for its lock: no job queue (a cloud wrote an empty ``jobs.json`` before its
+    check), nothing a later start there would take for its state."""
     from click.testing import CliRunner
 
     from fedtier.cli import main
@@ -173,3 +175,4 @@ def test_fedtier_serve_beside_a_live_cloud_or_cell_exits_2_naming_it(
         said = " ".join(res.output.split())
         assert res.exit_code == 2, said + repr(res.exception)
         assert f"node {NODES[kind]}: another {kind} process (instance {first.twin.instance}) is live" in said
+        assert sorted(p.name for p in other.output_dir().iterdir()) == [f"{kind}{'-c0' * (kind == 'cell')}.lock"]
