@@ -53,6 +53,7 @@ from protocols.wire.keys import PublicKeys, Trust
 from protocols.wire.signed import seal_record
 
 from .jobs import Job, JobQueue, JobQueueError
+from .kept_records import KeptRecords
 from .node import build_cloud
 from .server import CellAvailability, CloudServer, Evaluator
 
@@ -127,6 +128,7 @@ class CloudService:
         self.roster_path = roster_path  # where an adopted (newer) roster is kept across restarts
         self.roster: Roster | None = None  # the federation's membership; jobs are planned on it
         self.twin = NodeTwin(self.fed, "cloud", "cloud", twin_window, trust)  # its instance: in its statuses, its will
+        self.kept = KeptRecords()  # its roster, job list and job in progress, as it last published them
         if roster is not None and trust is not None:
             self._adopt(verify_roster(roster, trust.verify, federation=self.fed), write=False)
 
@@ -187,6 +189,8 @@ class CloudService:
             claim()
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
         transport.subscribe(roster_topic(self.fed), self._on_roster)
+        for topic in (topics.job_list(self.fed), topics.current_job(self.fed)):  # (a broker restored from an
+            transport.subscribe(topic, lambda t, d: self.kept.on_record(self._live(), t, d))  # older database)
         if (job := self.queue.next()) is None or job.state != "running":  # not resuming: a past job's stragglers
             for pattern in topics.cloud_job_patterns(self.fed):  # (redelivered to this session) are not held
                 transport.unsubscribe(pattern)
@@ -205,7 +209,7 @@ class CloudService:
         self._publish_list(transport)
         if self._current is not None:
             topic = topics.current_job(self.fed)
-            transport.publish(topic, self._seal(self._current.record(), topic), retain=True)
+            self.kept.publish(transport, topic, self._seal(self._current.record(), topic))
 
     def _idle_beat(self, transport: Transport | None) -> None:
         """Stop the idle status's heartbeat (the loop is not running: no beat follows), and with ``transport``
@@ -239,7 +243,7 @@ class CloudService:
                 node.request_stop("cancelled by the operator")
             self._current = current
             topic = topics.current_job(self.fed)
-            transport.publish(topic, self._seal(current.record(), topic), retain=True)
+            self.kept.publish(transport, topic, self._seal(current.record(), topic))
             self._publish_list(transport)
             node.start()
             self._apply_roster(node)  # the roster it holds (e.g. adopted while the job was queued, or resumed)
@@ -289,7 +293,7 @@ class CloudService:
         log.info("job %s %s", job.job, state)
         # no job in progress: a node (re)started now waits for the next one, not the one just ended
         self._current = None
-        transport.publish(topics.current_job(self.fed), b"", retain=True)
+        self.kept.publish(transport, topics.current_job(self.fed), b"")
         self._publish_list(transport)
 
     def _folder(self, job: str) -> Path:
@@ -387,7 +391,11 @@ class CloudService:
 
     def _publish_roster(self, transport: Transport) -> None:
         if self.roster is not None and self.trust is not None:
-            transport.publish(roster_topic(self.fed), self._roster_bytes(self.roster), retain=True)
+            self.kept.publish(transport, roster_topic(self.fed), self._roster_bytes(self.roster))
+
+    def _live(self) -> Transport | None:
+        """The connection this cloud publishes on now: the running job's server's, or its own between jobs."""
+        return self.node.transport if self.node is not None else self.transport
 
     def _on_roster(self, topic: str, data: bytes) -> None:
         """A roster on the broker: a newer one (the operator's, signed with this cloud's key by
@@ -403,10 +411,9 @@ class CloudService:
             log.warning("refused a roster: %s", exc)
         if roster is not None and (self.roster is None or roster.version > self.roster.version):
             self._adopt(roster)
+            self.kept.last[topic] = data  # what the broker holds now is this cloud's roster
             return
-        transport = self.node.transport if self.node is not None else self.transport
-        if transport is not None and (roster is None or roster != self.roster):  # (this cloud's own comes back equal)
-            self._publish_roster(transport)
+        self.kept.on_record(self._live(), topic, data)  # (its own comes back equal; published first as it connects)
 
     # ------------------------------------------------------------------ operator requests (loop thread)
     def _on_submit(self, topic: str, data: bytes) -> None:
@@ -486,7 +493,7 @@ class CloudService:
     def _publish_list(self, transport: Transport) -> None:
         topic = topics.job_list(self.fed)
         listing = self.queue.listing(MAX_JOB_RECORD_BYTES - LIST_ENVELOPE_BYTES)  # one its readers take whole
-        transport.publish(topic, self._seal({"jobs": listing, "at": time.time()}, topic), retain=True)
+        self.kept.publish(transport, topic, self._seal({"jobs": listing, "at": time.time()}, topic))
 
     def _seal(self, record: dict[str, Any], topic: str) -> bytes:
         return seal_record(record, topic, self.trust.sign if self.trust is not None else None)

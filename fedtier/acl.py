@@ -35,8 +35,8 @@ def _cloud(run: str) -> Grants:
         ("write", topics.state(run, "cloud")),
         ("read", topics.job_submit(run)),
         ("write", topics.job_replies(run)),
-        ("write", topics.job_list(run)),
-        ("write", topics.current_job(run)),
+        ("readwrite", topics.job_list(run)),  # read: what the broker holds there is its own (cloud.kept_records)
+        ("readwrite", topics.current_job(run)),
         ("readwrite", roster_topic(run)),
     ]
 

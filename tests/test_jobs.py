@@ -640,3 +640,44 @@ def test_the_job_list_stays_one_its_readers_take_however_many_cells_its_jobs_beg
     assert listed[-3]["reason"] == lost[:1000]
     kept = queue.get("nightly-199")
     assert kept is not None and len(kept.cells_absent_at_start) == 20 and kept.reason == lost  # the queue keeps all
+
+
+def test_a_stale_signed_job_list_on_the_broker_is_replaced_by_the_clouds_current_one(tmp_path: Path) -> None:
+    """A broker restored from an older database hands back a genuine job list, signed by the cloud, but old: the cloud
+    published its records again only when a reconnect found no session, so `fedtier jobs` and `fedtier submit` read the
+    stale list until the next job ended. The cloud reads its own retained topics (``cloud.kept_records``, the rule its
+    roster already followed): a record there that is not byte-equal to its last one is replaced by that one, once."""
+    from cloud.service import CloudService
+    from protocols.transport.memory import MemoryHub
+
+    seed = new_seed()
+    trust = Trust("cloud", seed, {"cloud": public_of(seed)})
+    queue = JobQueue(tmp_path / "jobs.json")
+    queue.submit(job("j0"))
+    hub, listed = MemoryHub(), topics.job_list("fed")
+    connect = lambda: hub.connect("cloud")  # noqa: E731
+    bundle = small_config(tmp_path, run={"name": "fed"}, monitoring={"idle_heartbeat": 0.0})  # its idle status: once
+    service = CloudService(bundle, hub.loop, connect, queue, None, trust=trust, operator=None)  # type: ignore[arg-type]
+    published: list[Any] = []  # the cloud's publications of its list, as the broker sees them
+
+    def tap(topic: str, data: Any, retain: bool, sender: str) -> None:
+        if topic == listed and sender == "cloud":
+            published.append(data)
+
+    hub.tap = tap
+    service.transport = service._connect()  # as `fedtier cloud --serve` connects: it publishes its list
+    hub.loop.run()
+    stale = published[0]  # signed, genuine: [j0]
+    queue.submit(job("j1"))
+    service._publish_list(service.transport)  # as on a submission
+    hub.loop.run()
+    assert len(published) == 2  # its own records, come back, are not published again
+
+    def names(data: bytes) -> list[str]:
+        return [j["job"] for j in open_job_record(data, listed, "cloud", trust.verify)["jobs"]]
+
+    # what the restored broker holds, handed to the cloud (here live; on a reconnect, as it subscribes again)
+    hub.inject(listed, stale, retain=True)
+    hub.loop.run()
+    assert [names(d) for d in published] == [["j0"], ["j0", "j1"], ["j0", "j1"]]  # restored once
+    assert published[2] == published[1] and hub._retained[listed] == published[1]  # the current list, byte for byte
