@@ -187,13 +187,14 @@ class CloudService:
         claim, self.claim = self.claim, None
         if claim is not None:
             claim()
+        if (job := self.queue.next()) is None or job.state != "running":  # not resuming: a past job's stragglers
+            for pattern in topics.cloud_job_patterns(self.fed):  # (redelivered to this session) are not held, and
+                transport.unsubscribe(pattern)  # a job record the broker holds (an ended job's) is cleared
+            self.kept.last.setdefault(topics.current_job(self.fed), b"")
         transport.subscribe(topics.job_submit(self.fed), self._on_submit)
         transport.subscribe(roster_topic(self.fed), self._on_roster)
         for topic in (topics.job_list(self.fed), topics.current_job(self.fed)):  # (a broker restored from an
             transport.subscribe(topic, lambda t, d: self.kept.on_record(self._live(), t, d))  # older database)
-        if (job := self.queue.next()) is None or job.state != "running":  # not resuming: a past job's stragglers
-            for pattern in topics.cloud_job_patterns(self.fed):  # (redelivered to this session) are not held
-                transport.unsubscribe(pattern)
         self._idle_beat(transport)
         self.loop.post(lambda: self._reannounce(transport))
         if isinstance(transport, MqttTransport):  # a broker restarted without its state lost every retained record

@@ -643,10 +643,11 @@ def test_the_job_list_stays_one_its_readers_take_however_many_cells_its_jobs_beg
 
 
 def test_a_stale_signed_job_list_on_the_broker_is_replaced_by_the_clouds_current_one(tmp_path: Path) -> None:
-    """A broker restored from an older database hands back a genuine job list, signed by the cloud, but old: the cloud
-    published its records again only when a reconnect found no session, so `fedtier jobs` and `fedtier submit` read the
-    stale list until the next job ended. The cloud reads its own retained topics (``cloud.kept_records``, the rule its
-    roster already followed): a record there that is not byte-equal to its last one is replaced by that one, once."""
+    """A broker restored from an older database hands back a genuine job list, signed by the cloud, but old (and the
+    record of a job in progress that has ended since): the cloud published its records again only when a reconnect
+    found no session, so `fedtier jobs` and `fedtier submit` read the stale list until the next job ended. The cloud
+    reads its own retained topics (``cloud.kept_records``, the rule its roster already followed): a record there that is
+    not byte-equal to its last one is replaced by that one, once; with no job in progress, a job record is cleared."""
     from cloud.service import CloudService
     from protocols.transport.memory import MemoryHub
 
@@ -665,8 +666,11 @@ def test_a_stale_signed_job_list_on_the_broker_is_replaced_by_the_clouds_current
             published.append(data)
 
     hub.tap = tap
+    ended, current = CurrentJob("old", "[run]\n", "0" * 64), topics.current_job("fed")
+    hub.inject(current, seal_record(ended.record(), current, trust.sign), retain=True)  # an ended job's record
     service.transport = service._connect()  # as `fedtier cloud --serve` connects: it publishes its list
     hub.loop.run()
+    assert current not in hub._retained  # no job in progress: its record is cleared
     stale = published[0]  # signed, genuine: [j0]
     queue.submit(job("j1"))
     service._publish_list(service.transport)  # as on a submission
