@@ -77,16 +77,24 @@ def provision_cli(tmp: Path, name: str, *extra: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def mosquitto(conf: Path, port: int) -> Iterator[subprocess.Popen]:
-    """``mosquitto -c conf`` exactly as provisioned, until it listens on 127.0.0.1:port."""
-    proc = popen([find_mosquitto(), "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    """``mosquitto -c conf`` exactly as provisioned, until it listens on 127.0.0.1:port. Its log goes to
+    ``mosquitto.log`` beside ``conf`` (a pipe nobody reads would stall the broker once full); a broker that died
+    during the test prints the log's end, which pytest shows with the failure."""
+    log_path = conf.parent / "mosquitto.log"
+    with open(log_path, "ab") as log_file:
+        proc = popen([find_mosquitto(), "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
+    tail = lambda: log_path.read_bytes()[-4000:].decode(errors="replace")  # noqa: E731
     try:
         try:
             wait_for_port("127.0.0.1", port, WAIT, alive=lambda: proc.poll() is None)
         except (RuntimeError, TimeoutError):
             proc.kill()
-            raise AssertionError(proc.communicate(timeout=WAIT)[0].decode(errors="replace")) from None
+            proc.wait(WAIT)
+            raise AssertionError(tail()) from None
         yield proc
     finally:
+        if proc.poll() is not None:
+            print(f"mosquitto ({conf}) exited with {proc.returncode} during the test; its log ends:\n{tail()}")
         proc.terminate()
         try:
             proc.wait(WAIT)
