@@ -289,7 +289,7 @@ def test_readme_is_a_landing_page_with_the_two_commands_and_working_links() -> N
     assert len(text.splitlines()) <= 150, "the README is a landing page: move details into docs/"
     for command in (
         "bash scripts/setup.sh && .venv/bin/fedtier run examples/quickstart.toml",
-        "bash scripts/setup.sh && .venv/bin/python -m pytest -q",
+        "bash scripts/setup.sh && .venv/bin/python -m pytest -q -n auto",
     ):
         assert f"```bash\n{command}\n```" in text
     links = re.findall(r"\]\(([^)#\s]+)", text)
