@@ -69,6 +69,7 @@ class CellService:
         self.marks_job_folder = marks_job_folder
         self.stopping = threading.Event()
         self.served: list[str] = []  # the jobs this process served, in order
+        self.stopped_during: str | None = None  # the job it was stopped during (SIGTERM mid-job), if it was
         self.node: CellServer | None = None
         self.revoked = RevokedStatuses(bundle.run.name, cell)  # revoked devices' statuses, kept clear
         self.twin = NodeTwin(bundle.run.name, topics.cell_node(cell), "cell", twin_window, trust)  # its instance
@@ -142,6 +143,7 @@ class CellService:
             # server's handlers) are garbage now, held in reference cycles: collected at once below,
             gc.collect()  # not after ~10 more jobs (its arrays are native memory: few objects, rare collections)
             if stopped:  # its server said offline
+                self.stopped_during = current.job
                 break
 
     def _mark(self, cfg: RunConfig, job: str, phase: str, reason: str | None = None) -> None:

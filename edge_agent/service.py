@@ -54,6 +54,7 @@ class AgentService:
         self.stopping = threading.Event()
         self.served: list[str] = []
         self.tasks = 0
+        self.stopped_during: str | None = None  # the job it was stopped during (SIGTERM mid-job), if it was
         self.agents: AgentProcess | None = None
         self.unfit: dict[str, str] | None = None  # the latest job they could not serve, and why (idle statuses)
         self.roster: Roster | None = None  # the newest signed roster known: tells one enrolled since from a wrong id
@@ -61,11 +62,10 @@ class AgentService:
         self.on_start: Callable[[AgentProcess], None] | None = None  # called once its agents started
 
     def stop(self) -> None:
+        """Stop serving (SIGTERM): the job's poll ends at once. Its agents' ``done`` says only that their job ended (it
+        was set here too, so a job stopped mid-way counted as served)."""
         self.stopping.set()
         self.loop.post(lambda: None)
-        agents = self.agents
-        if agents is not None:
-            agents.done.set()
 
     def serve(self) -> None:
         """Serve jobs until :meth:`stop`. The first job is learnt on a clean watch connection; then the
@@ -116,7 +116,8 @@ class AgentService:
                 moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
                 self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
                 if self.stopping.is_set() and not (agents.done.is_set() or moved_on()):  # stopped mid-job (a job that
-                    break  # ended before the stop, seen or not by the poll's last look, was served: counted below)
+                    self.stopped_during = current.job  # ended before the stop, seen or not by the poll's last look,
+                    break  # was served: counted below)
                 done.add(current.session)
                 self.served.append(current.job)
                 self.tasks += sum(s["tasks"] for s in agents.stats().values())

@@ -230,7 +230,7 @@ def cell(
             fail_with(exc, 2)
         except ConnectionError as exc:
             fail_with(exc, 1)
-        console.print(f"cell {cell_id}: served {len(served)} jobs ({', '.join(served)})")
+        console.print(served)
     else:
         _run_cell(cfg, cell_id, broker_url, auth, resume, metrics_linger)
 
@@ -392,7 +392,7 @@ def _serve_agent(
 
     try:
         data = load_device_data(source)[0]  # its format now; each job checks it against the job's model
-        served, tasks = serve_agent(
+        served = serve_agent(
             cfg,
             device,
             data,
@@ -404,7 +404,7 @@ def _serve_agent(
         fail_with(exc, 2)
     except ConnectionError as exc:
         fail_with(exc, 1)
-    console.print(f"device {device}: served {len(served)} jobs ({', '.join(served)}), {tasks} tasks")
+    console.print(served)
 
 
 def _run_agent(

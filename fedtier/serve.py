@@ -186,8 +186,21 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         linger(exporter, 0)
 
 
-def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]) -> list[str]:
-    """Run one cell of the federation across jobs; returns the jobs it served."""
+def served_summary(node: str, served: list[str], stopped_during: str | None, tasks: int | None = None) -> str:
+    """What a long-lived cell or agent (``node``: ``cell c0``, ``device c0-d0``) says as it stops: the jobs it served
+    (and ``tasks``), and the one it was stopped during, if it was (SIGTERM mid-job), and what becomes of that job."""
+    line = f"{node}: served {len(served)} jobs ({', '.join(served)})" + ("" if tasks is None else f", {tasks} tasks")
+    if stopped_during is None:
+        return line
+    kind = node.split()[0]
+    return (
+        f"{line}; stopped during job {stopped_during}, which goes on without this {kind} until it starts again and "
+        "serves the rest of it (if the job still runs then)"
+    )
+
+
+def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]) -> str:
+    """Run one cell of the federation across jobs; returns what it served (:func:`served_summary`)."""
     from cell_server.node import build_cell
     from cell_server.service import CellService
     from edge_agent.runner import offline_will
@@ -235,13 +248,13 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
         service.serve()
     finally:
         linger(exporter, 0)
-    return service.served
+    return served_summary(f"cell {cell}", service.served, service.stopped_during)
 
 
 def serve_agent(
     cfg: RunConfig, device: str, data: Any, opts: Any, make_trainer: Callable[[RunConfig, Any], Any], spec_of: Any
-) -> tuple[list[str], int]:
-    """Run one device's agent across jobs; returns the jobs it served and the tasks it answered."""
+) -> str:
+    """Run one device's agent across jobs; returns what it served and the tasks it answered (:func:`served_summary`)."""
     from edge_agent.broker import device_will
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess
@@ -285,4 +298,4 @@ def serve_agent(
         service.serve()
     finally:
         linger(exporter, 0)
-    return service.served, service.tasks
+    return served_summary(f"device {device}", service.served, service.stopped_during, service.tasks)

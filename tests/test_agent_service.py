@@ -153,6 +153,7 @@ def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_f
             # deemed offline three heartbeats later, not idle for ever
             period = cfg.monitoring.idle_heartbeat
             assert (beats["cloud"], beats["cell.c0"]) == ({period}, {period}), beats
+            _stop_mid_job(served, operator)
             operator.close()
         finally:
             gc.enable()
@@ -162,6 +163,35 @@ def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_f
     # cloud and cell in this process not closed yet (seen 2 runs in 42: [25, 25, 28, 25, 26]), at both of jobs 4-5
     # once (CI: [25, 28, 25, 28, 28]): so less than 6, what one such set can add and the leak cannot stay under
     assert min(fds[-2:]) - min(fds[1:3]) < 6, fds
+
+
+def _stop_mid_job(served: Served, operator: Transport) -> None:
+    """A long job's agents and cell server running, the agents' service and the cell are stopped (SIGTERM's handlers):
+    each names the job it was stopped during, beside the jobs it served (before: "served 5 jobs" alone)."""
+    from fedtier.serve import served_summary
+
+    cfg, cell, service = served.cfg, served.fed.cells["c0"], served.service
+    text = job_text(cfg.model_copy(update={"run": cfg.run.model_copy(update={"rounds": 10_000})}))
+    post_request(operator, cfg.run.name, submit_record(JobRequest("long", text)), "long", None, 5.0)
+
+    def in_the_long_job() -> bool:
+        agents = service.agents
+        running = agents is not None and (agents.job.session or "").startswith("long.") and not agents.done.is_set()
+        return running and cell.node is not None and len(cell.served) == JOBS
+
+    assert wait_until(in_the_long_job, 30.0)
+    service.stop()
+    cell.stop()
+    served.thread.join(10)
+    assert wait_until(lambda: cell.stopped_during is not None, 10.0)
+    jobs = ", ".join(f"j{j}" for j in range(JOBS))
+    rest = "which goes on without this {} until it starts again and serves the rest of it (if the job still runs then)"
+    said = served_summary("device c0-d0", service.served, service.stopped_during, service.tasks)
+    assert said == f"device c0-d0: served {JOBS} jobs ({jobs}), {service.tasks} tasks; stopped during job long, " + (
+        rest.format("device")
+    )
+    said = served_summary("cell c0", cell.served, cell.stopped_during)
+    assert said == f"cell c0: served {JOBS} jobs ({jobs}); stopped during job long, " + rest.format("cell")
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
