@@ -10,10 +10,8 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
-import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,82 +20,12 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from monitor.sources import RunDirFollower
-from protocols import runfiles
-from protocols.records import TIERS, BadLine, CellRecord, RoundRecord, read_run
+from monitor.run_data import RoundPoint, RunData, heatmap, load_run
+from protocols.records import TIERS
+
+__all__ = ["Plot", "RunData", "load_run", "make_plots", "participation_matrix", "write_report"]
 
 MB = 1e6
-
-
-@dataclass
-class RunData:
-    """One run folder, read and validated."""
-
-    path: Path
-    label: str
-    algorithm: str
-    rounds: list[RoundRecord]
-    cells: list[CellRecord]
-    bad: list[BadLine] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-    ended: str = "running"
-    """How the run ended (``finished``, ``stopped: why``, ``failed: why``), as ``fedtier monitor`` says it; ``running``
-    where nothing says it ended."""
-
-    @property
-    def evaluated(self) -> list[RoundRecord]:
-        return [r for r in self.rounds if r.accuracy is not None]
-
-    def elapsed(self, r: RoundRecord) -> float:
-        """Loop-clock seconds from the start of the first round to the end of ``r`` (virtual in sim)."""
-        first = self.rounds[0]
-        start = first.clock_start_s if first.clock_start_s is not None else 0.0
-        return r.clock_s - start
-
-    @property
-    def has_epsilon(self) -> bool:
-        """True when the run accounted differential privacy (its round records carry ``epsilon``)."""
-        return any(r.epsilon is not None for r in self.rounds)
-
-    @property
-    def has_clock(self) -> bool:
-        """True when the loop clock moved (a virtual clock, deadlines, or a real-time run)."""
-        return len(self.rounds) > 0 and any(self.elapsed(r) > 0 for r in self.rounds)
-
-
-def load_run(path: str | Path) -> RunData:
-    """Read a run folder; raise ``ValueError`` when it holds no cloud round record."""
-    path = Path(path)
-    records, bad = read_run(path)
-    rounds = sorted((r for r in records if isinstance(r, RoundRecord)), key=lambda r: r.round)
-    cells = sorted((r for r in records if isinstance(r, CellRecord)), key=lambda r: (r.round, r.edge_round, r.cell))
-    if not rounds:
-        jobs = runfiles.cell_jobs(path)
-        if jobs:  # fedtier cell --serve's job folder: was "no cloud round records in metrics.jsonl", for a job done
-            whose = ", ".join(sorted({j["cell"] for j in jobs}))
-            raise ValueError(
-                f"{path}: cell {whose}'s job folder (job {jobs[0]['job']}): its own aggregation records only; "
-                "the job's rounds, which a report plots, are in the cloud's job folder"
-            )
-        raise ValueError(f"{path}: no cloud round records in {runfiles.METRICS}")
-    name, algorithm = rounds[0].run or path.name, cells[0].algorithm if cells else "?"
-    config = path / runfiles.CONFIG
-    if config.exists():
-        try:
-            cfg = tomllib.loads(config.read_text(encoding="utf-8"))
-            name = cfg.get("run", {}).get("name", name)
-            algorithm = cfg.get("algorithm", {}).get("name", algorithm)
-        except tomllib.TOMLDecodeError:
-            pass
-    summary = {}
-    if (path / runfiles.SUMMARY).exists():
-        try:
-            summary = json.loads((path / runfiles.SUMMARY).read_text(encoding="utf-8"))
-        except ValueError:
-            pass
-    ends = RunDirFollower(path).poll_states()
-    ended = ": ".join(filter(None, (ends[-1]["phase"], ends[-1].get("reason")))) if ends else "running"
-    return RunData(path, f"{name} ({algorithm})", algorithm, rounds, cells, bad, summary, ended)
 
 
 def unique_labels(runs: list[RunData]) -> None:
@@ -136,7 +64,7 @@ def _metric_plot(
     name: str,
     title: str,
     xlabel: str,
-    x_of: Callable[[RunData, RoundRecord], float],
+    x_of: Callable[[RunData, RoundPoint], float],
     integer_x: bool = False,
 ) -> Plot:
     fig, (ax_acc, ax_loss) = _figure(2)
@@ -234,39 +162,26 @@ def plot_bytes_per_tier(runs: list[RunData]) -> Plot:
 
 
 def participation_matrix(run: RunData) -> tuple[list[str], list[str], np.ndarray]:
-    """(devices grouped by cell, the cell of each row, matrix[device, round]): each entry is the share
-    of its cell's edge rounds in that cloud round that the device answered (0: absent or not planned). The rounds
-    are those of the cloud's records and of the cells' (a run stopped or in progress has aggregations of a round
-    the cloud has not closed)."""
-    cell_of = {d: r.cell for r in run.cells for d in (*r.planned, *r.absent, *r.answered)}
-    devices = sorted(cell_of, key=lambda d: (cell_of[d], d))
-    index = {d: i for i, d in enumerate(devices)}
-    n_rounds, seen = max(r.round for r in run.rounds) + 1, {r.round for r in run.cells}
-    while n_rounds in seen:  # the cells' rounds the cloud did not record, up to the first gap: a record of round 1e12
-        n_rounds += 1  # (a cell's, collected by an older cloud) sized the matrix: devices x 1e12, a MemoryError
-    answered = np.zeros((len(devices), n_rounds))
-    edges: dict[tuple[str, int], set[int]] = {}
-    for r in (r for r in run.cells if r.round < n_rounds):
-        edges.setdefault((r.cell, r.round), set()).add(r.edge_round)
-        for d in r.answered:
-            answered[index[d], r.round] += 1
-    for d, i in index.items():
-        for rnd in range(n_rounds):
-            n = len(edges.get((cell_of[d], rnd), ()))
-            answered[i, rnd] = answered[i, rnd] / n if n else 0.0
-    return devices, [cell_of[d] for d in devices], answered
+    """(the rows: devices grouped by cell, or cells where there are more than ``monitor.heatmap.MAX_ROWS`` devices;
+    the cell of each row; matrix[row, column]): each entry is the share of its cell's edge rounds in that cloud round
+    that the device answered (0: absent or not planned), or the mean of those shares over a bucket of a larger run
+    (:mod:`monitor.heatmap`). The rounds are those of the cloud's records and of the cells' (a run stopped or in
+    progress has aggregations of a round the cloud has not closed)."""
+    heat = heatmap(run)
+    return heat.rows, heat.cells, heat.matrix
 
 
 def plot_participation(runs: list[RunData]) -> Plot:
-    """One heatmap per run: devices (grouped by cell) x cloud rounds."""
-    heights = [max(2.0, 0.18 * len({d for r in run.cells for d in (*r.planned, *r.absent)}) + 1.2) for run in runs]
+    """One heatmap per run: devices (grouped by cell) x cloud rounds; bucketed past MAX_ROWS x MAX_COLUMNS."""
+    heats = [heatmap(run) for run in runs]
+    heights = [max(2.0, 0.18 * len(h.rows) + 1.2) for h in heats]
     fig = Figure(figsize=(8, sum(heights)), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False, height_ratios=heights)[:, 0]
     series: dict[str, Any] = {}
     image = None
-    for ax, run in zip(axes, runs):
-        devices, cells, matrix = participation_matrix(run)
-        series[run.label] = {"devices": devices, "cells": cells, "matrix": matrix}
+    for ax, run, heat in zip(axes, runs, heats):
+        devices, cells, matrix = heat.rows, heat.cells, heat.matrix
+        series[run.label] = {"devices": devices, "cells": cells, "matrix": matrix, "width": heat.width}
         image = ax.imshow(
             matrix,
             aspect="auto",
@@ -274,14 +189,15 @@ def plot_participation(runs: list[RunData]) -> Plot:
             vmin=0,
             vmax=1,
             interpolation="nearest",
-            extent=(0.5, matrix.shape[1] + 0.5, len(devices) - 0.5, -0.5),
+            extent=(0.5, matrix.shape[1] * heat.width + 0.5, len(devices) - 0.5, -0.5),
         )
         ax.set_yticks(range(len(devices)), devices, fontsize="x-small" if len(devices) > 20 else "small")
         for i in range(1, len(cells)):
             if cells[i] != cells[i - 1]:
                 ax.axhline(i - 0.5, color="black", linewidth=1.2)
-        ax.set_xlabel("cloud round")
-        ax.set_title(run.label, fontsize="medium")
+        ax.set_xlabel(heat.x_label())
+        title = run.label if heat.per_row == "device" else f"{run.label}: a row per {heat.per_row}"
+        ax.set_title(title, fontsize="medium")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if image is not None:
         fig.colorbar(image, ax=list(axes), label="share of edge rounds answered", shrink=0.8)
@@ -290,24 +206,40 @@ def plot_participation(runs: list[RunData]) -> Plot:
 
 
 def plot_cell_durations(runs: list[RunData]) -> Plot:
-    """Wall seconds of each aggregation (edge round) per cell; runs in separate line styles."""
+    """Wall seconds of each aggregation (edge round) per cell; runs in separate line styles. A run whose records
+    were folded (:mod:`monitor.run_data`) has a point per heatmap column: its mean over the column's rounds."""
     fig, (ax,) = _figure(1, width=9)
     series: dict[str, Any] = {}
     styles = ["-", "--", ":", "-."]
+    widths = set()
     for i, run in enumerate(runs):
-        edges = max((r.edge_round for r in run.cells), default=0) + 1
-        for cell in sorted({r.cell for r in run.cells}):
-            recs = [r for r in run.cells if r.cell == cell]
-            x = [r.round + 1 + r.edge_round / edges for r in recs]
-            y = [r.duration_s for r in recs]
+        for cell, (x, y) in _durations(run).items():
             ax.plot(x, y, styles[i % len(styles)], marker=".", label=f"{run.label} {cell}")
             series[f"{run.label}/{cell}"] = (x, y)
-    ax.set_xlabel("cloud round (+ edge round / edge rounds)")
+        widths.add(run.folded.heatmap.width if run.folded is not None else 1)
+    bucketed = ", ".join(f"{w:,}" for w in sorted(widths - {1}))
+    ax.set_xlabel(
+        "cloud round (+ edge round / edge rounds)"
+        + (f"; folded runs: the mean of each {bucketed} rounds at their middle" if bucketed else "")
+    )
     ax.set_ylabel("aggregation wall seconds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="x-small", ncols=2)
     fig.suptitle("Per-cell aggregation duration")
     return Plot("cell_durations", "Per-cell aggregation duration", fig, series)
+
+
+def _durations(run: RunData) -> dict[str, tuple[list[float], list[float]]]:
+    """Per cell: (cloud round + edge round / edge rounds, wall seconds) of each aggregation, or the folded means."""
+    if run.folded is not None:
+        return run.folded.durations
+    edges = max((r.edge_round for r in run.cells), default=0) + 1
+    by_cell: dict[str, tuple[list[float], list[float]]] = {}
+    for r in run.cells:
+        x, y = by_cell.setdefault(r.cell, ([], []))
+        x.append(r.round + 1 + r.edge_round / edges)
+        y.append(r.duration_s)
+    return dict(sorted(by_cell.items()))
 
 
 def make_plots(runs: list[RunData]) -> list[Plot]:
@@ -332,14 +264,13 @@ def _summary_rows(runs: list[RunData]) -> str:
     for run in runs:
         last = run.rounds[-1]
         acc = run.evaluated[-1].accuracy if run.evaluated else None
-        part = [r.participation for r in run.cells if r.participation is not None]
         cells = [
             run.label,
             str(run.path),
             str(len(run.rounds)),
             "-" if acc is None else f"{acc:.4f}",
             f"{sum(last.cumulative_bytes.values()) / MB:,.2f}",
-            f"{np.mean(part):.0%}" if part else "-",
+            f"{run.mean_participation:.0%}" if run.mean_participation is not None else "-",
             f"{last.epsilon:.3g}" if last.epsilon is not None else "-",
             f"{run.summary['wall_s']:.1f}" if isinstance(run.summary.get("wall_s"), (int, float)) else "-",
             str(len(run.bad)),

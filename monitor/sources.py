@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from protocols import runfiles
 from protocols.limits import read_file
@@ -84,6 +85,24 @@ class _Tail:
         return lines, first
 
 
+NOT_JSON = object()
+"""What :func:`read_summary` gives as a ``summary.json`` that is no JSON (a run killed while writing it)."""
+
+
+def read_summary(run_dir: Path) -> tuple[float, Any] | None:
+    """(when it was written, its JSON or :data:`NOT_JSON`) of a run folder's ``summary.json``; None where it is
+    missing or unreadable."""
+    path = run_dir / runfiles.SUMMARY
+    try:
+        written, text = path.stat().st_mtime, path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None
+    try:
+        return written, json.loads(text)
+    except ValueError:
+        return written, NOT_JSON
+
+
 class RunDirFollower:
     """Tails ``aggregation.jsonl``, ``cells.jsonl`` (the cells' records a deployed cloud collected; a record in
     both files counts once) and ``metrics.jsonl`` of a run folder; ``restarts`` counts the times a file was
@@ -125,19 +144,31 @@ class RunDirFollower:
         ``finished``, ``stopped`` or ``failed`` with the reason; none while the run goes on (no summary yet,
         or an earlier attempt's, older than the records of a resumed run). A cell's own job folder has no summary:
         the job's end as the cloud told its cell (:meth:`cell_folder`)."""
-        summary, metrics = self.run_dir / runfiles.SUMMARY, self.run_dir / runfiles.METRICS
+        return self.states_of(read_summary(self.run_dir))
+
+    def states_of(self, summary: tuple[float, Any] | None) -> list[dict]:
+        """:meth:`poll_states` from ``summary.json`` as :func:`read_summary` read it (a caller that reads it for
+        itself reads it once)."""
+        metrics = self.run_dir / runfiles.METRICS
+        if summary is None:
+            return self._unsummarised()
+        written, data = summary
         try:
-            written = summary.stat().st_mtime
             if metrics.exists() and metrics.stat().st_mtime > written:
                 return self._abandoned()
-            data = json.loads(summary.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return self._cell_ended() or self._queue_ended() or self._abandoned()
+        except OSError:
+            return self._unsummarised()
+        if data is NOT_JSON:
+            return self._unsummarised()
         phase = data.get("status") if isinstance(data, dict) else None
         if phase not in ("finished", "stopped", "failed"):
             return []
         reason = data.get(phase)
         return [{"node": "cloud", "phase": phase, "since": written, **({"reason": reason} if reason else {})}]
+
+    def _unsummarised(self) -> list[dict]:
+        """The end of a folder without a readable ``summary.json``."""
+        return self._cell_ended() or self._queue_ended() or self._abandoned()
 
     def _cell_ended(self) -> list[dict]:
         """A cell's job folder whose job ended, as the cloud said to the cell (its ``finished`` record)."""

@@ -16,7 +16,7 @@ reported as a :class:`BadLine` and skipped, never fatal.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -277,17 +277,28 @@ def parse_lines(
     return records, bad
 
 
-def read_records(path: str | Path) -> tuple[list[Record], list[BadLine]]:
-    """Every valid record of a JSON-lines file and of its rotated predecessors (``path.1``...: a long-lived
-    node's bounded files, ``protocols.jsonl.JsonlWriter``), oldest first, and the lines that are not (a missing
-    file: none)."""
-    records: list[Record] = []
-    bad: list[BadLine] = []
+def iter_records(path: str | Path) -> Iterator[Record | BadLine]:
+    """Each line of a JSON-lines file and of its rotated predecessors (``path.1``...: a long-lived node's bounded
+    files, ``protocols.jsonl.JsonlWriter``), oldest first, as its record or a :class:`BadLine`, one at a time (a
+    reader that folds records in holds none of them); blank lines skipped, a missing file yields nothing."""
     for part in rotated(Path(path)):
         with part.open(encoding="utf-8", errors="replace") as fh:
-            r, b = parse_lines(fh, str(part))
-        records += r
-        bad += b
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield parse_record(line)
+                except ValueError as exc:
+                    yield BadLine(str(part), n, str(exc))
+
+
+def read_records(path: str | Path) -> tuple[list[Record], list[BadLine]]:
+    """Every valid record of a JSON-lines file and of its rotated predecessors (:func:`iter_records`), oldest
+    first, and the lines that are not (a missing file: none)."""
+    records: list[Record] = []
+    bad: list[BadLine] = []
+    for item in iter_records(path):
+        (bad if isinstance(item, BadLine) else records).append(item)  # type: ignore[arg-type]
     return records, bad
 
 

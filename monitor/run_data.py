@@ -1,0 +1,208 @@
+"""One run folder as ``fedtier report`` reads it: :func:`load_run`, in one pass and bounded memory.
+
+The cloud's round records (one per round) are all kept. The cells' aggregation records are kept while the run is
+small (:data:`KEEP_NAMES` device names, :data:`KEEP_RECORDS` records); past that they are folded into what the report
+draws as they are read (:class:`monitor.heatmap.Participation`: the heatmap and the per-cell durations, bucketed) and
+dropped: a run of 1,000 devices over 20,000 rounds held its whole log as records (GBs) before the report began.
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from monitor.heatmap import Heatmap, Participation
+from monitor.sources import RunDirFollower, read_summary
+from protocols import runfiles
+from protocols.records import BadLine, CellRecord, Dedup, RoundRecord, iter_records
+
+KEEP_NAMES = 50_000  # device names (planned, answered, absent) the kept cell records may hold
+KEEP_RECORDS = 1_000  # cell records kept (~4.5 KB each)
+
+
+@dataclass(slots=True)
+class RoundPoint:
+    """What the report draws of one cloud round record (the record itself held ~5 KB: 0.5 GB at 10^5 rounds)."""
+
+    run: str | None
+    round: int
+    accuracy: float | None
+    loss: float | None
+    epsilon: float | None
+    clock_s: float
+    clock_start_s: float | None
+    bytes: dict[str, int]
+    cumulative_bytes: dict[str, int]
+
+    @classmethod
+    def of(cls, r: RoundRecord) -> RoundPoint:
+        tiers = (r.bytes, r.cumulative_bytes)
+        b, cum = ({sys.intern(k): v for k, v in t.items()} for t in tiers)
+        return cls(r.run, r.round, r.accuracy, r.loss, r.epsilon, r.clock_s, r.clock_start_s, b, cum)
+
+
+@dataclass
+class RunData:
+    """One run folder, read and validated."""
+
+    path: Path
+    label: str
+    algorithm: str
+    rounds: list[RoundPoint]
+    cells: list[CellRecord]
+    """Every cell record of the run, or none where it had too many to keep (``folded`` then draws them)."""
+    bad: list[BadLine] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    ended: str = "running"
+    """How the run ended (``finished``, ``stopped: why``, ``failed: why``), as ``fedtier monitor`` says it; ``running``
+    where nothing says it ended."""
+    mean_participation: float | None = None
+    """The mean over the cell records of answered / planned (None: nobody planned)."""
+    folded: Folded | None = None
+
+    @property
+    def evaluated(self) -> list[RoundPoint]:
+        return [r for r in self.rounds if r.accuracy is not None]
+
+    def elapsed(self, r: RoundPoint) -> float:
+        """Loop-clock seconds from the start of the first round to the end of ``r`` (virtual in sim)."""
+        first = self.rounds[0]
+        start = first.clock_start_s if first.clock_start_s is not None else 0.0
+        return r.clock_s - start
+
+    @property
+    def has_epsilon(self) -> bool:
+        """True when the run accounted differential privacy (its round records carry ``epsilon``)."""
+        return any(r.epsilon is not None for r in self.rounds)
+
+    @property
+    def has_clock(self) -> bool:
+        """True when the loop clock moved (a virtual clock, deadlines, or a real-time run)."""
+        return len(self.rounds) > 0 and any(self.elapsed(r) > 0 for r in self.rounds)
+
+
+@dataclass
+class Folded:
+    """What the report draws of a run whose cell records were not kept: its heatmap and per-cell mean durations,
+    in the heatmap's columns."""
+
+    heatmap: Heatmap
+    durations: dict[str, tuple[list[float], list[float]]]
+
+
+def heatmap(run: RunData) -> Heatmap:
+    """The participation heatmap of ``run`` (:mod:`monitor.heatmap`)."""
+    if run.folded is not None:
+        return run.folded.heatmap
+    fold = Participation(max(r.round for r in run.rounds) + 1)
+    for r in run.cells:
+        fold.add(r)
+    return fold.finish()
+
+
+class _CellRecords:
+    """The cell records as they are read: kept while few, else folded; their mean participation."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.kept: list[CellRecord] | None = []
+        self.names = 0
+        self.fold: Participation | None = None
+        self.algorithm: str | None = None
+        self.part_sum, self.part_n = 0.0, 0
+
+    def add(self, r: CellRecord) -> None:
+        if self.algorithm is None:
+            self.algorithm = r.algorithm
+        if r.participation is not None:
+            self.part_sum, self.part_n = self.part_sum + r.participation, self.part_n + 1
+        if self.kept is None:
+            assert self.fold is not None
+            self.fold.add(r)
+            return
+        self.kept.append(r)
+        self.names += len(r.planned) + len(r.answered) + len(r.absent)
+        if self.names > KEEP_NAMES or len(self.kept) > KEEP_RECORDS:  # too many to keep: fold them from now on
+            self.fold = Participation(self.rounds)
+            for k in self.kept:
+                self.fold.add(k)
+            self.kept = None
+
+    def folded(self) -> Folded | None:
+        if self.fold is None:
+            return None
+        heat = self.fold.finish()
+        return Folded(heat, self.fold.durations(heat.matrix.shape[1]))
+
+
+def _stream(path: Path, bad: list[BadLine]) -> Iterator[CellRecord | RoundRecord]:
+    """The records of ``aggregation.jsonl`` then those of ``cells.jsonl`` (a deployed cloud's collection of the
+    cells' records) not in it, one at a time; the bad lines go to ``bad``."""
+    dedup = Dedup()
+    for name in (runfiles.AGGREGATION, runfiles.CELL_RECORDS):
+        for item in iter_records(path / name):
+            if isinstance(item, BadLine):
+                bad.append(item)
+            elif dedup([item]):
+                yield item
+
+
+def _read(path: Path) -> tuple[list[RoundPoint], _CellRecords, list[BadLine]]:
+    """The run's rounds, its cell records (kept or folded) and its bad lines (the cells' files' first)."""
+    rounds, in_metrics = [], []
+    for item in iter_records(path / runfiles.METRICS):
+        if isinstance(item, RoundRecord):
+            rounds.append(RoundPoint.of(item))
+        else:
+            in_metrics.append(item)
+    if not rounds:
+        jobs = runfiles.cell_jobs(path)
+        if jobs:  # fedtier cell --serve's job folder: was "no cloud round records in metrics.jsonl", for a job done
+            whose = ", ".join(sorted({j["cell"] for j in jobs}))
+            raise ValueError(
+                f"{path}: cell {whose}'s job folder (job {jobs[0]['job']}): its own aggregation records only; "
+                "the job's rounds, which a report plots, are in the cloud's job folder"
+            )
+        raise ValueError(f"{path}: no cloud round records in {runfiles.METRICS}")
+    cells, bad = _CellRecords(max(r.round for r in rounds) + 1), list[BadLine]()
+    for r in _stream(path, bad):
+        if isinstance(r, RoundRecord):
+            rounds.append(RoundPoint.of(r))
+        else:
+            cells.add(r)
+    for item in in_metrics:
+        if isinstance(item, CellRecord):
+            cells.add(item)
+    bad += [b for b in in_metrics if isinstance(b, BadLine)]
+    rounds.sort(key=lambda r: r.round)
+    return rounds, cells, bad
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read a run folder; raise ``ValueError`` when it holds no cloud round record."""
+    path = Path(path)
+    rounds, cells, bad = _read(path)
+    name, algorithm = rounds[0].run or path.name, cells.algorithm or "?"
+    config = path / runfiles.CONFIG
+    if config.exists():
+        try:
+            cfg = tomllib.loads(config.read_text(encoding="utf-8"))
+            name = cfg.get("run", {}).get("name", name)
+            algorithm = cfg.get("algorithm", {}).get("name", algorithm)
+        except tomllib.TOMLDecodeError:
+            pass
+    read = read_summary(path)
+    data = read[1] if read is not None else None
+    # every device's traffic: not drawn, and as large as the population
+    summary = {k: v for k, v in data.items() if k != "device_traffic"} if isinstance(data, dict) else {}
+    ends = RunDirFollower(path).states_of(read)
+    ended = ": ".join(filter(None, (ends[-1]["phase"], ends[-1].get("reason")))) if ends else "running"
+    kept = sorted(cells.kept or [], key=lambda r: (r.round, r.edge_round, r.cell))
+    run = RunData(path, f"{name} ({algorithm})", algorithm, rounds, kept, bad, summary, ended)
+    run.mean_participation = cells.part_sum / cells.part_n if cells.part_n else None
+    run.folded = cells.folded()
+    return run
