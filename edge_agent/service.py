@@ -17,7 +17,7 @@ from protocols.config import RunConfig
 from protocols.failures import MAX_REASON
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
-from protocols.status import idle_while
+from protocols.status import idle_each_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
@@ -42,7 +42,11 @@ class AgentService:
         watch: Callable[[], Transport | None],
         build: Callable[[RunConfig, str], AgentProcess],
         trust: Trust | None,
+        idle: dict[str, Trust | None] | None = None,
     ) -> None:
+        """``idle``: the devices whose idle status the watch connection says before their first job, each signed by
+        its own identity (default: the first device's, ``trust``; ``fedtier run``'s agents: every device on that
+        connection's broker)."""
         self.bundle, self.devices, self.loop, self.watch, self.build, self.trust = (
             bundle,
             devices,
@@ -51,6 +55,7 @@ class AgentService:
             build,
             trust,
         )
+        self.idle = idle if idle is not None else {devices[0]: trust}
         self.stopping = threading.Event()
         self.served: list[str] = []
         self.tasks = 0
@@ -151,20 +156,19 @@ class AgentService:
         return None if self.stopping.is_set() else watch.pending(done)
 
     def _first_job(self, transport: Transport, done: set[str]) -> CurrentJob | None:
-        """On the watch connection (the first device's): say that device idle, wait for a job (``None``:
-        stopped, the device said offline), close."""
-        fed, device = self.bundle.run.name, self.devices[0]
-        cell = self.bundle.topology.cell_of(device)
-        status = topics.device_status(fed, cell, device) if cell is not None else None
+        """On the watch connection (the first device's): say the devices idle (:attr:`idle`), wait for a job
+        (``None``: stopped, the devices said offline), close."""
+        fed, topo = self.bundle.run.name, self.bundle.topology
         watch = JobWatch(transport, fed, self.trust)
         wait = partial(self._next_job, watch, done)
         period = self.bundle.monitoring.idle_heartbeat
         unfit = {"unfit": self.unfit} if self.unfit is not None else {}  # the job it could not serve, and why
-        current = (
-            wait()
-            if status is None
-            else idle_while(self.loop, transport, status, self.trust, period, wait, cell=cell, **unfit)
-        )
+        statuses = [
+            (topics.device_status(fed, cell, device), trust, {"cell": cell, **unfit})
+            for device, trust in self.idle.items()
+            if (cell := topo.cell_of(device)) is not None
+        ]
+        current = idle_each_while(self.loop, transport, statuses, period, wait)
         transport.close()
         self.roster = watch.roster or self.roster
         return current

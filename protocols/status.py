@@ -131,12 +131,27 @@ def idle_while(
     """Say idle on ``topic`` (an :class:`IdleBeat` every ``period`` seconds) while ``wait()`` runs ``loop`` until
     a job comes, and return what it returns; ``None`` (the node stops) is said offline before the caller
     disconnects. ``wait`` returns with the loop not running, so no beat follows."""
-    idle = IdleBeat(loop, transport, topic, trust, period, **extra)
-    loop.post(idle.start)  # before the job's status
+    return idle_each_while(loop, transport, [(topic, trust, extra)], period, wait)
+
+
+def idle_each_while(
+    loop: EventLoop,
+    transport: Transport,
+    statuses: list[tuple[str, Trust | None, dict[str, Any]]],
+    period: float,
+    wait: Callable[[], T | None],
+) -> T | None:
+    """:func:`idle_while` for several nodes on one connection (one process's devices): each ``(topic, trust,
+    extra)`` of ``statuses`` said idle, each signed by its own ``trust``; all said offline if the process stops."""
+    beats = [IdleBeat(loop, transport, topic, trust, period, **extra) for topic, trust, extra in statuses]
+    for idle in beats:
+        loop.post(idle.start)  # before the job's status
     got = wait()
-    idle.stop()
+    for idle in beats:
+        idle.stop()
     if got is None:
-        between_jobs(transport, topic, trust, None, **extra)
+        for topic, trust, extra in statuses:
+            between_jobs(transport, topic, trust, None, **extra)
     return got
 
 

@@ -28,7 +28,7 @@ from protocols.jobs import JobError
 from protocols.safe_text import log_to_stderr
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
-from protocols.wire.keys import node_trust
+from protocols.wire.keys import Trust, load_keys, node_trust
 
 from .hierarchy import device_availability
 
@@ -180,11 +180,13 @@ def worker_service(
             long_lived=True,
         )
 
+    def watch_opts(device: str) -> BrokerOptions:  # the broker of the device's cell
+        return cell_brokers.get(bundle.topology.cell_of(device) or "", opts)
+
     def watch() -> Any:  # a clean session of the first device, on its cell's broker (its will: offline)
         cell = bundle.topology.cell_of(first)
         will = device_will(fed, cell, first, bundle) if cell is not None else None
-        watch_opts = cell_brokers.get(cell or "", opts)
-        return watch_opts.transport(topics.device_node(first), fed, loop, persistent=False, will=will).connect()
+        return watch_opts(first).transport(topics.device_node(first), fed, loop, persistent=False, will=will).connect()
 
     def on_start(agents: AgentProcess) -> None:
         started.append(agents)
@@ -192,9 +194,20 @@ def worker_service(
             for t in agents.transports.values():
                 t.publish = _twice(t.publish)
 
-    service = AgentService(bundle, list(data), loop, watch, build, node_trust(bundle, first))
+    watched = [d for d in data if watch_opts(d) == watch_opts(first)]  # said idle on the watch connection
+    service = AgentService(bundle, list(data), loop, watch, build, node_trust(bundle, first), signers(bundle, watched))
     service.on_start = on_start
     return service
+
+
+def signers(bundle: RunConfig, devices: list[str]) -> dict[str, Trust | None]:
+    """Each of ``devices``' identity for signing its own idle status before its first job (one read of the keys file;
+    ``None`` each in an unsigned run). A device whose private key the file lacks is left out (a status it did not sign
+    would be refused)."""
+    if not bundle.security.keys:
+        return dict.fromkeys(devices)
+    private = load_keys(bundle.security.keys).private
+    return {d: Trust(d, private[d], {}) for d in devices if d in private}
 
 
 def _twice(publish: Callable[..., None]) -> Callable[..., None]:

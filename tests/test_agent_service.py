@@ -143,10 +143,11 @@ def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_f
             assert wait_until(lambda: len(fds) == JOBS or bool(fed.errors), 120.0), f"served {len(fds)} jobs"
             fed.check()
             jobs = ["online", "idle"] * JOBS  # idle at once at each job's end; offline never (before: cell c0's
-            # online, offline, idle at each). Idle before the first job: the cloud, the cell and the service's first
-            # device (its watch connection); its second device has no connection before it serves a job
+            # online, offline, idle at each). Idle before the first job: the cloud, the cell and both of the service's
+            # devices, on its watch connection (the first device's), each signed by its own key (before: the second,
+            # without a connection before it serves a job, said nothing: ["online", "idle", ...])
             said = {"cloud": ["idle", *jobs], "cell.c0": ["idle", *jobs], "device.c0-d0": ["idle", *jobs]}
-            said["device.c0-d1"] = jobs
+            said["device.c0-d1"] = ["idle", *jobs]
             assert wait_until(lambda: states == said, 10.0), repr(states)
             # each idle record of the cloud and the cell, the one at a job's end too, declares its heartbeat: one that
             # dies before its next connection (whose beats would follow; the closed one's will never fires) is
@@ -510,3 +511,35 @@ def test_a_cloud_whose_broker_lost_its_state_publishes_its_job_list_and_job_agai
             service.stop()
             thread.join(10)
             reader_loop.stop()
+
+
+def test_every_device_of_a_multi_device_agent_process_says_idle_before_its_first_job_signed_by_its_own_key(
+    tmp_path: Path,
+) -> None:
+    """`fedtier run`'s agent workers serve several devices on one watch connection (the first device's) until their
+    first job: only that first device said idle, the others nothing (offline, or unknown, to the fleet view and their
+    cells). Each says idle, signed by its own key (a cell verifies a device's status with that device's key), and
+    offline if the process stops before a job, on one broker for devices of two cells."""
+    from edge_agent.service import AgentService
+    from protocols.status import decode_status
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire import topics
+    from protocols.wire.keys import load_public_keys, node_trust, with_run_keys
+    from protocols.wire.signed import open_record
+    from sim.agent_workers import signers
+
+    base = small_config(tmp_path, topology={"cells": 2, "devices_per_cell": 2}, security={"keys": "keys.toml"})
+    cfg, devices = with_run_keys(base, tmp_path), ["c0-d1", "c1-d0"]
+    hub, heard = MemoryHub(), {}
+    hub.connect("spy").subscribe(topics.device_statuses(cfg.run.name), lambda t, d: heard.setdefault(t, []).append(d))
+    trust = node_trust(cfg, devices[0])
+    service = AgentService(cfg, devices, hub.loop, lambda: None, None, trust, signers(cfg, devices))  # type: ignore[arg-type]
+    hub.loop.call_later(1.0, service.stop)  # no job comes: SIGTERM
+    assert service._first_job(hub.connect(topics.device_node(devices[0])), set()) is None
+    hub.loop.run()
+    verify = load_public_keys(cfg.security.keys or "").verify
+    for device in devices:
+        topic = topics.device_status(cfg.run.name, cfg.topology.cell_of(device) or "", device)
+        records = [open_record(data, topic, device, verify) for data in heard.get(topic, [])]  # signed by the device
+        assert [r["state"] for r in records] == ["idle", "offline"], (device, records)
+        assert decode_status(heard[topic][0], topic)["cell"] == cfg.topology.cell_of(device)
