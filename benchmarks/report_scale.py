@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def write_run(
 ) -> Path:
     """Write a synthetic finished run of ``devices`` in ``cells`` cells (``c{i}-d{j}``) over ``rounds`` cloud rounds
     to the folder ``out``; ``per_round`` devices sampled a round (all: None). Deterministic in ``seed``."""
-    rng = np.random.default_rng(seed)
+    rng, draw = np.random.default_rng(seed), random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     per_cell = devices // cells
     names = [[f"c{c}-d{j}" for j in range(per_cell)] for c in range(cells)]
@@ -100,7 +101,7 @@ def write_run(
     with (out / "aggregation.jsonl").open("w") as agg, (out / "metrics.jsonl").open("w") as met:
         for rnd in range(rounds):
             took_part: dict[str, int] = {}
-            chosen = None if per_round is None else np.sort(rng.choice(per_cell * cells, per_round, replace=False))
+            chosen = None if per_round is None else np.sort(draw.sample(range(per_cell * cells), per_round))
             for c, cell in enumerate(cell_names):
                 if chosen is None:
                     planned = names[c]

@@ -23,15 +23,19 @@ class LiveView:
         self.restarts = 0
 
     def pull(self, feed: RunDirFollower | TelemetryFeed) -> None:
-        """Everything new from ``feed`` into the state (a new run in a followed folder starts a fresh one)."""
-        records, bad, statuses = feed.poll()
-        if isinstance(feed, RunDirFollower) and feed.restarts != self.restarts:  # a new run in the folder
-            self.restarts = feed.restarts
-            self.state = MonitorState(drop_ratio=self.drop_ratio, deadline=self.deadline)
-        live = isinstance(feed, TelemetryFeed)
-        self.state.add_all(records, bad, received=time.time() if live else None)  # a folder: the records' time
-        for node, s, heartbeat, age in statuses:  # (age: of a retained idle record, from its published time)
-            self.state.add_status(node, s, time.time() - age, heartbeat)
+        """Everything new from ``feed`` into the state (a new run in a followed folder starts a fresh one; a folder's
+        backlog is folded in a bounded piece at a time)."""
+        while True:
+            records, bad, statuses = feed.poll()
+            if isinstance(feed, RunDirFollower) and feed.restarts != self.restarts:  # a new run in the folder
+                self.restarts = feed.restarts
+                self.state = MonitorState(drop_ratio=self.drop_ratio, deadline=self.deadline)
+            live = isinstance(feed, TelemetryFeed)
+            self.state.add_all(records, bad, received=time.time() if live else None)  # a folder: the records' time
+            for node, s, heartbeat, age in statuses:  # (age: of a retained idle record, from its published time)
+                self.state.add_status(node, s, time.time() - age, heartbeat)
+            if not (isinstance(feed, RunDirFollower) and feed.pending):
+                break
         current = feed.poll_states()  # a folder: the end summary.json says (or the run.lock nobody holds)
         for each in current:
             self.state.add_state(each)

@@ -27,6 +27,9 @@ from protocols.wire.envelope import WireError
 from protocols.wire.keys import PublicKeys
 from protocols.wire.signed import open_record, signer_of
 
+MAX_READ_BYTES = 4 << 20
+"""A run folder's file is read at most this much a poll: a monitor opened on a run of 10^5 rounds parsed its whole log
+into records at once (1.2 GB of RSS for a 109 MB log)."""
 MAX_QUEUE_BYTES = 256 << 20  # a cloud's job queue (every job's config text) read for a job folder's end
 MAX_TELEMETRY_BYTES = 8 << 20  # a record larger than this is refused unparsed (a cell's record names its devices)
 
@@ -43,9 +46,12 @@ class _Tail:
         self.path, self.offset, self.line, self.buffer = path, 0, 1, b""
         self.inode: int | None = None  # of the file being read (a new one: rotated or replaced)
         self.restarts = 0
+        self.more = False  # the last read left bytes unread (at most MAX_READ_BYTES a read)
 
     def read(self) -> tuple[list[str], int]:
-        """New lines and the number of the first one; a file that shrank is read again from the start."""
+        """New lines (of at most MAX_READ_BYTES: ``more`` says whether some are left) and the number of the first
+        one; a file that shrank is read again from the start."""
+        self.more = False
         try:
             stat = self.path.stat()
         except FileNotFoundError:
@@ -53,16 +59,19 @@ class _Tail:
         size = stat.st_size
         if stat.st_ino != self.inode and self._rotated():  # the writer rotated: finish the old file, then on
             first = self.line
-            early, _ = self._read_from(self.path.with_name(self.path.name + ".1"))
+            early, _ = self._read_from(self.path.with_name(self.path.name + ".1"), whole=True)
             self.offset, self.buffer, self.inode = 0, b"", stat.st_ino
             lines, _ = self._read_from(self.path)
+            self.more = size > self.offset
             return early + lines, first
         if size < self.offset or stat.st_ino != self.inode:  # truncated or replaced: a new run in the folder
             self.restarts += self.inode is not None
             self.offset, self.line, self.buffer, self.inode = 0, 1, b"", stat.st_ino
         if size == self.offset:
             return [], self.line
-        return self._read_from(self.path)
+        read = self._read_from(self.path)
+        self.more = size > self.offset
+        return read
 
     def _rotated(self) -> bool:
         """Whether the file this tail read (its inode) is now ``path.1``: rotated by the writer, not a new run."""
@@ -71,11 +80,12 @@ class _Tail:
         except FileNotFoundError:
             return False
 
-    def _read_from(self, path: Path) -> tuple[list[str], int]:
-        """The complete lines of ``path`` past ``offset`` (and their first number)."""
+    def _read_from(self, path: Path, whole: bool = False) -> tuple[list[str], int]:
+        """The complete lines of ``path`` past ``offset`` in its next MAX_READ_BYTES (``whole``: to its end), and
+        the number of the first."""
         with path.open("rb") as fh:
             fh.seek(self.offset)
-            data = fh.read()
+            data = fh.read(-1 if whole else MAX_READ_BYTES)
         self.offset += len(data)
         data = self.buffer + data
         head, sep, self.buffer = data.rpartition(b"\n")
@@ -131,6 +141,11 @@ class RunDirFollower:
     @property
     def restarts(self) -> int:
         return sum(t.restarts for t in self._tails)
+
+    @property
+    def pending(self) -> bool:
+        """The last :meth:`poll` left lines unread (a file's backlog is read MAX_READ_BYTES a poll)."""
+        return any(t.more for t in self._tails)
 
     def cell_folder(self) -> list[dict]:
         """The cells whose own job folder this is (``fedtier cell --serve``: their records only, no cloud's), each
