@@ -130,7 +130,6 @@ class TwinWatch:
         if record.get("state") not in TAKEOVER_STATES:  # another live process's own record, not a takeover's trace
             self._other_live(node, other)
             return
-        self.taken += 1
         log.error(  # once per takeover's record (its will, its refusal): a takeover is rare and must be seen
             "%s %s: another %s process (instance %s%s) connected under this %s id and took this %s's broker "
             "session: two %ss with one id take the session from each other; stop the other one (this one, "
@@ -145,6 +144,7 @@ class TwinWatch:
             self.kind,
             self.instance,
         )
+        self.taken += 1  # after the log line: a reader of the count finds the line written
         on_taken()
 
     def _other_live(self, node: str, other: str) -> None:
