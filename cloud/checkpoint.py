@@ -1,5 +1,7 @@
 """The cloud's crash-consistent checkpoint: after each round it closes (and before round 0), atomically, the
-round, the session, the byte totals, the stalled-round count, the role's state and the round's record.
+round, the session, the byte totals, the stalled-round count, the role's state and the round's record. The part
+of the role's state that only grows by rounds (``CloudRole.log_tail``) is appended to a file beside it instead
+(``cloud.round_log``): a checkpoint writes what its round added, not the whole log.
 A cloud killed at any point resumes from the last round it closed, in the same session, and re-sends the
 round the cells may already be working on; its ``metrics.jsonl`` is repaired to end with that round."""
 
@@ -12,8 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from protocols import runfiles
 from protocols.checkpoint import load_payload, save_payload, write_durably
+from protocols.config import ConfigError
 from protocols.jsonl import read_jsonl
 from protocols.wire.payload import Payload
+
+from .round_log import LogTail, RoundLog
 
 if TYPE_CHECKING:
     from protocols.algorithms.base import CloudRole
@@ -79,7 +84,10 @@ def restore(
     """Put back what a cloud resumed from ``saved`` continues with: the role's state (its devices' forgotten when a
     launcher rebuilt them: ``devices_recreated``), the byte totals and the rounds stalled in a row. Returns the
     round it continues at (the one after the saved round)."""
-    role.load_state(saved.role)
+    try:
+        role.load_state(saved.role)
+    except ValueError as exc:  # damaged, or of another run: the reason, not a traceback (fedtier sim: exit 2)
+        raise ConfigError(f"--resume: {saved.path}: {exc}") from None
     if devices_recreated:  # a launcher that rebuilt its devices (fedtier sim / run --resume)
         role.forget_devices()
     cumulative.update(saved.cumulative)
@@ -93,18 +101,34 @@ class CloudCheckpoint:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.log = RoundLog(path)
 
     def load(self) -> Saved | None:
-        """The saved state, if the file exists."""
+        """The saved state, if the file exists (the role's log, from the file beside it, among its tensors);
+        ConfigError naming what is wrong with a file that cannot be resumed from."""
         if not self.path.exists():
             return None
+        try:
+            return self._load()
+        except ConfigError:
+            raise
+        except ValueError as exc:  # damaged, or of another run: the reason, not a traceback (fedtier sim: exit 2)
+            raise ConfigError(f"--resume: {exc}") from None
+
+    def _load(self) -> Saved:
         state = load_payload(self.path)
         m = state.meta
         session = m["session"] if isinstance(m.get("session"), str) else None
-        role = Payload(m.get("role", {}), state.tensors)
-        return Saved(
-            self.path, int(m["round"]), session, m.get("cumulative", {}), m.get("stalled", 0), role, m.get("record")
-        )
+        done = int(m["round"])
+        log = self.log.load(m["log"], done) if "log" in m else {}  # (an older checkpoint: the log is inside)
+        role = Payload(m.get("role", {}), {**state.tensors, **log})
+        return Saved(self.path, done, session, m.get("cumulative", {}), m.get("stalled", 0), role, m.get("record"))
+
+    def save_role(
+        self, done: int, session: str, cumulative: dict[str, int], stalled: int, role: CloudRole, record: Any
+    ) -> None:
+        """:meth:`save` of ``role``'s state and log."""
+        self.save(done, session, cumulative, stalled, role.state(), record, role.log_tail)
 
     def save(
         self,
@@ -114,13 +138,18 @@ class CloudCheckpoint:
         stalled: int,
         role: Payload,
         record: dict[str, Any] | None,
+        log: LogTail | None = None,
     ) -> None:
-        """Atomically save the state after round ``done`` (and its ``record``, unless before round 0)."""
+        """Atomically save the state after round ``done`` (and its ``record``, unless before round 0); ``log``: the
+        role's ``log_tail``, whose rounds since the last save are appended to the log file first."""
+        logged = self.log.add(log) if log is not None else None
         meta = {
             "round": done,
             "session": session,
             "cumulative": cumulative,
             "role": role.meta,
             **({"stalled": stalled} if stalled else {}),
+            **({"log": logged} if logged is not None else {}),
         }
         save_payload(self.path, Payload({**meta, "record": record} if record else meta, role.tensors))
+        self.log.saved()

@@ -448,7 +448,7 @@ class CloudServer:
         before the next round's tasks leave."""
         if self.checkpoint is not None:
             done = self.round if record is not None else self.round - 1
-            self.checkpoint.save(done, self.session, self.cumulative, self.stall.stalled, self.role.state(), record)
+            self.checkpoint.save_role(done, self.session, self.cumulative, self.stall.stalled, self.role, record)
 
     def request_stop(self, reason: str) -> None:
         """End the run cleanly after the current round (e.g. from ``on_round``: a target accuracy reached), or

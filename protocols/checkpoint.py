@@ -158,8 +158,8 @@ class Journal:
         write_durably(self.path, JOURNAL_MAGIC + b"".join(_frame(entry) for entry in (first, *more)))
         self._end = None
 
-    def append(self, entry: Payload) -> None:
-        """Add ``entry`` durably (fsync) after the existing ones."""
+    def append(self, entry: Payload) -> bytes:
+        """Add ``entry`` durably (fsync) after the existing ones; returns the bytes added (its frame)."""
         if self._fh is None:
             created = not self.path.exists()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # owner only, as a reset's
@@ -172,9 +172,26 @@ class Journal:
             if self._end is not None:  # a torn tail that read() skipped goes before anything is added
                 self._fh.truncate(self._end)
                 self._end = None
-        self._fh.write(_frame(entry))
+        frame = _frame(entry)
+        self._fh.write(frame)
         self._fh.flush()
         os.fsync(self._fh.fileno())
+        return frame
+
+    def cut(self, end: int) -> None:
+        """Keep the file's first ``end`` bytes (entries after them, written by an attempt that a checkpoint did not
+        record, go), durably; the next :meth:`append` starts there."""
+        self.close()
+        with self.path.open("r+b") as fh:
+            fh.truncate(end)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._end = None
+
+    @staticmethod
+    def frame(entry: Payload) -> bytes:
+        """``entry`` as :meth:`append` writes it: its length, its crc32, its encoding."""
+        return _frame(entry)
 
     def clear(self) -> None:
         self.close()

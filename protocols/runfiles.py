@@ -14,6 +14,7 @@ AGGREGATION = "aggregation.jsonl"  # one cell aggregation record per line (all c
 CELL_RECORDS = "cells.jsonl"  # a deployed cloud: every cell's aggregation records, from their signed telemetry
 FINAL_MODEL = "final_model.ftw"  # the final global model (tensors/v1, see protocols.checkpoint)
 CHECKPOINT = "checkpoint.ftw"  # the cloud's state after its last round, for --resume
+CHECKPOINT_LOG = CHECKPOINT + ".rounds"  # its role's round log (DeComFL's), appended to: cloud.round_log
 CLOUD_JOURNAL = "cloud-pushes.journal"  # an async cloud's pushes taken since its last version, for --resume
 SUMMARY = "summary.json"  # final accuracy, bytes, wall time
 BROKER = "broker"  # fedtier run: the Mosquitto it started keeps mosquitto.db here

@@ -341,6 +341,7 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
             runfiles.METRICS,
             runfiles.AGGREGATION,
             runfiles.CHECKPOINT,
+            runfiles.CHECKPOINT_LOG,
             runfiles.CLOUD_JOURNAL,
             runfiles.FINAL_MODEL,
             runfiles.SUMMARY,

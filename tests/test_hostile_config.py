@@ -494,7 +494,7 @@ def test_async_mode_with_devices_drawn_per_version_is_refused_as_a_run_that_woul
 
 def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_by_the_node_that_would_hold_them(tmp_path):
     """What a key sizes that a node holds at once: a cell's async buffer (K decoded results), the cloud's waiting
-    pushes, DeComFL's cloud log (rounds x 4KP bytes, kept, checkpointed, sent), a cohort's minibatch indices
+    pushes, DeComFL's cloud log (rounds x 4KP bytes, kept, sent, read back), a cohort's minibatch indices
     (cohort_size x local_steps x batch). Each was accepted and ran until a MemoryError (the async buffer at its K-th
     result). The cell's and the cloud's are checked by their node (a device builds the algorithm too, holding none)."""
     from protocols.algorithms.decomfl import LOG_ROUND_BYTES

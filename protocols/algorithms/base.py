@@ -215,11 +215,20 @@ class CloudRole(ABC):
 
     @abstractmethod
     def state(self) -> Payload:
-        """Everything needed to resume after a restart, as a payload (checkpointed each round)."""
+        """Everything needed to resume after a restart, as a payload (checkpointed each round), but the log
+        :meth:`log_tail` gives."""
+
+    def log_tail(self, start: int) -> dict[str, np.ndarray] | None:
+        """State that grows by one item a round and never changes once written (DeComFL's round log), kept out of
+        :meth:`state` so that a checkpoint costs the same at every round: its items from ``start`` on, as arrays
+        whose first axis is the item (the checkpoint appends them to a file beside it, ``cloud.round_log``, and
+        gives :meth:`load_state` the whole log back among the state's tensors, each name's items joined). None:
+        the role keeps no such log (the default)."""
+        return None
 
     @abstractmethod
     def load_state(self, state: Payload) -> None:
-        """Restore what :meth:`state` returned."""
+        """Restore what :meth:`state` returned (and :meth:`log_tail` from round 0, among its tensors)."""
 
     def forget_devices(self) -> None:  # noqa: B027 an optional hook, empty by default
         """After :meth:`load_state`: the devices were recreated and lost any state they kept across rounds

@@ -26,7 +26,8 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
   except for a device back at x_0 (its process restarted): it answers ``{"resync": true}``, its cell
   reports it (``resync``) and the cloud sends it the whole history the next round.
 * **the cloud's log**: the seeds and scalars of every round since round 0, in memory (4KP bytes a round and
-  :data:`LOG_ROUND_BYTES` more), stacked whole into each checkpoint. The history sent is the log from the
+  :data:`LOG_ROUND_BYTES` more); each checkpoint appends its new rounds to a file beside it (``log_tail``,
+  ``cloud.round_log``), so a checkpoint's bytes do not grow with the round. The history sent is the log from the
   oldest round a device needs, so it grows back for a device that resyncs, and a resumed run whose devices
   were all recreated (``forget_devices``: ``fedtier sim/run --resume``) replays it from round 0.
 
@@ -52,7 +53,7 @@ from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, TrainParams
-from .decomfl_wire import expect_shape, history_payload, meta_int, read_history, stack_rounds
+from .decomfl_wire import expect_shape, history_payload, meta_int, read_checkpoint_log, read_history, stack_rounds
 from .outcome import Outcome
 from .traits import Trait
 
@@ -97,9 +98,10 @@ class DeComFLParams(TrainParams):
 
 LOG_ROUND_BYTES = 200
 """What a round of the cloud's log holds besides its 4KP bytes of scalars (its seed, its array's header, the lists'
-entries: 213 bytes a round with K x P = 5, measured). The log stays in memory; a checkpoint stacks it whole, and so
-do the tasks of cells that need it all (a resume that recreated the devices): a run whose log would take more than
-a third of the cloud's memory is refused (``DeComFL.tier_refusal``)."""
+entries: 213 bytes a round with K x P = 5, measured). The log stays in memory; a checkpoint appends its rounds to a
+file (8 + 4KP bytes a round and ~60 bytes an entry, once), and the tasks of cells that need it all (a resume that
+recreated the devices) stack it whole: a run whose log would take more than a third of the cloud's memory is refused
+(``DeComFL.tier_refusal``)."""
 
 
 # --------------------------------------------------------------------------------------------- cloud
@@ -243,37 +245,34 @@ class DeComFLCloud(CloudRole):
         self.synced, self.need = {}, {}
 
     def state(self) -> Payload:
+        """The model, the buffer, the tables; the window only without a log (else it is the log's tail)."""
         meta = {"base": self.base, "synced": self.synced, "need": self.need, "cells": sorted(self.cells)}
-        hist = np.stack(self.g) if self.g else np.zeros((0, self.K, self.P), np.float32)
         buf = {f"momentum:{k}": v for k, v in (self.buf or {}).items()}
-        log = (
-            {"log:s": np.asarray(self.log_seeds, np.uint64), "log:g": stack_rounds(self.log_g, self.K, self.P)}
-            if self.log_g is not None
-            else {}
-        )
-        return Payload(
-            meta, {**self.model, **buf, "history:s": np.asarray(self.seeds, np.uint64), "history:g": hist, **log}
-        )
+        if self.log_g is not None:
+            return Payload(meta, {**self.model, **buf})
+        hist = {"history:s": np.asarray(self.seeds, np.uint64), "history:g": stack_rounds(self.g, self.K, self.P)}
+        return Payload(meta, {**self.model, **buf, **hist})
+
+    def log_tail(self, start: int) -> dict[str, np.ndarray] | None:
+        """The cloud's log from round ``start`` (its seeds and scalars); None where it keeps none (resumed from an
+        older fedtier's checkpoint that held its window only)."""
+        if self.log_g is None:
+            return None
+        return {
+            "log:s": np.asarray(self.log_seeds[start:], np.uint64),
+            "log:g": stack_rounds(self.log_g[start:], self.K, self.P),
+        }
 
     def load_state(self, state: Payload) -> None:
         t = dict(state.tensors)
-        seeds, hist = t.pop("history:s"), t.pop("history:g")
-        log_s, log_g = t.pop("log:s", None), t.pop("log:g", None)
         buf = {k[len("momentum:") :]: t.pop(k) for k in list(t) if k.startswith("momentum:")}
+        self.base = int(state.meta["base"])
+        self.log_seeds, self.log_g, self.seeds, self.g = read_checkpoint_log(t, self.base, self.K, self.P)
         P.check_like(t, self.model, "checkpoint")
         if self.buf is not None:
             P.check_like(buf, self.model, "checkpoint momentum")
             self.buf = Z.packed({k: buf[k] for k in self.model})
         self.model = Z.packed({k: t[k] for k in self.model})  # model order: the directions' order
-        self.base = int(state.meta["base"])
-        self.seeds = [int(s) for s in seeds]
-        self.g = [np.array(x, np.float32) for x in hist]
-        if log_s is not None and log_g is not None and len(log_s) == len(log_g) == self.base + len(self.g):
-            self.log_seeds = [int(s) for s in log_s]
-            self.log_g = [np.array(x, np.float32) for x in log_g]
-            self.g = self.log_g[self.base :]  # the window shares the log's arrays
-        else:  # a checkpoint without (or with an inconsistent) log: no rebuilding replicas
-            self.log_seeds, self.log_g = (list(self.seeds), list(self.g)) if self.base == 0 else ([], None)
         self.synced = {c: {d: int(r) for d, r in v.items()} for c, v in state.meta["synced"].items()}
         self.need = {c: int(v) for c, v in state.meta["need"].items()}
         self.cells = set(state.meta["cells"])
@@ -467,13 +466,11 @@ class DeComFL(Algorithm):
         self.rosters = {c: list(devices) for c, devices in cells.items()}
 
     def tier_refusal(self, tier: str, memory: int | None = None) -> str | None:
-        """The cloud's log: :data:`LOG_ROUND_BYTES` and 4KP bytes a round of ``run.rounds``, kept, checkpointed and
-        sent (three times that)."""
+        """The cloud's log: :data:`LOG_ROUND_BYTES` and 4KP bytes a round of ``run.rounds``, kept, sent and read
+        back by a resume (three times that)."""
         p, rounds = self.params, self.rounds or 0
         per_round = LOG_ROUND_BYTES + 4 * p.local_steps * p.perturbations  # type: ignore[attr-defined]
-        what = (
-            f"run.rounds: {rounds:,} rounds of the cloud's log ({per_round:,} bytes a round: kept, checkpointed, sent)"
-        )
+        what = f"run.rounds: {rounds:,} rounds of the cloud's log ({per_round:,} bytes a round: kept, sent, read back)"
         why = memory_refusal(3 * rounds * per_round, what, memory) if tier == "cloud" else None
         return f"{why}; set fewer rounds, or fewer algorithm.local_steps x perturbations" if why else None
 

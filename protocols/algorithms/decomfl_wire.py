@@ -1,5 +1,5 @@
 """DeComFL's messages (``protocols.algorithms.decomfl``): the history a downlink carries, and the checks of what
-arrives."""
+arrives (and of the cloud's round log a checkpoint gives back)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,30 @@ def read_history(task: Payload, round: int, K: int, Pn: int, what: str) -> tuple
 def stack_rounds(g: list[np.ndarray], K: int, Pn: int) -> np.ndarray:
     """Rounds' ``(K, P)`` scalars as one ``(rounds, K, P)`` array (a copy)."""
     return np.stack(g) if g else np.zeros((0, K, Pn), np.float32)
+
+
+def read_checkpoint_log(
+    t: dict[str, np.ndarray], base: int, K: int, Pn: int
+) -> tuple[list[int], list[np.ndarray] | None, list[int], list[np.ndarray]]:
+    """(log seeds, log scalars, window seeds, window scalars) of a cloud checkpoint's tensors ``t`` (popped from it),
+    the window starting at round ``base``. This fedtier's: the log (``log:s``, ``log:g``; none: no round yet) and the
+    window its tail. An older one's: the window inside (``history:s``, ``history:g``), and the log if it has one
+    that fits (else None: no replica can be rebuilt, unless the window starts at round 0). ValueError: they do not
+    fit."""
+    seeds, hist = t.pop("history:s", None), t.pop("history:g", None)
+    log_s, log_g = t.pop("log:s", None), t.pop("log:g", None)
+    if seeds is None or hist is None:
+        log_s = np.zeros(0, np.uint64) if log_s is None else log_s
+        n = log_s.shape[0] if isinstance(log_s, np.ndarray) and log_s.ndim == 1 else 0
+        expect_shape(log_s, (n,), "uint64", "the checkpoint's round log seeds")
+        log_g = np.zeros((0, K, Pn), np.float32) if log_g is None else log_g
+        expect_shape(log_g, (n, K, Pn), "float32", "the checkpoint's round log scalars")
+        if not 0 <= base <= n:
+            raise ValueError(f"the checkpoint's window starts at round {base}, its round log holds {n} rounds")
+        log = [int(s) for s in log_s], list(log_g)  # (views of the one array the log was read into)
+        return *log, log[0][base:], log[1][base:]
+    window = [int(s) for s in seeds], [np.array(x, np.float32) for x in hist]
+    if log_s is not None and log_g is not None and len(log_s) == len(log_g) == base + len(window[1]):
+        log = [int(s) for s in log_s], [np.array(x, np.float32) for x in log_g]
+        return *log, window[0], log[1][base:]  # the window shares the log's arrays
+    return *((list(window[0]), list(window[1])) if base == 0 else ([], None)), *window

@@ -212,6 +212,9 @@ class PrivateCloud(CloudRole):
     def state(self) -> Payload:
         return self.inner.state()
 
+    def log_tail(self, start: int) -> dict[str, np.ndarray] | None:
+        return self.inner.log_tail(start)
+
     def load_state(self, state: Payload) -> None:
         self.inner.load_state(state)
 
