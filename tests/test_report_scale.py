@@ -163,3 +163,21 @@ def test_the_monitors_accuracy_series_stays_sorted_by_round_in_linear_time() -> 
     state.add_all(many)
     assert time.process_time() - start < 3.0
     assert state.accuracy == [(rnd, rnd / 10_000) for rnd in range(10_000)]
+
+
+def test_a_record_in_both_the_cells_file_and_the_clouds_collection_counts_once(tmp_path: Path) -> None:
+    """A deployed cloud's folder: the cells' records in aggregation.jsonl and again in cells.jsonl (with one of
+    its own): each counts once, as read_run counts them; a sim's folder (no cells.jsonl) is read without holding
+    a key per record."""
+    from protocols.records import read_run
+
+    run_dir = report_scale.write_run(tmp_path / "run", 8, 3, cells=2)
+    alone = load_run(run_dir)
+    assert len(alone.cells) == 6 and (heatmap(alone).matrix > 0).any()
+    lines = (run_dir / "aggregation.jsonl").read_text().splitlines()
+    extra = {**json.loads(lines[-1]), "round": 3}
+    (run_dir / "cells.jsonl").write_text("\n".join([*lines, json.dumps(extra)]) + "\n")
+    both = load_run(run_dir)
+    cells = [r for r in read_run(run_dir)[0] if r.__class__.__name__ == "CellRecord"]
+    assert len(both.cells) == len(cells) == 7 and both.cells[-1].round == 3
+    assert heatmap(both).matrix.shape == (8, 4)  # round 3: the cells' round after the cloud's last
