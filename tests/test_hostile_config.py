@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from fedtier.cli import main
 from protocols.algorithms import ALGORITHMS
+from protocols.algorithms.compose import compose
 from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.limits import memory_refusal
 from sim.datasets import load_dataset
@@ -503,7 +504,11 @@ def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_by_the_node_tha
 
     def tiers(**sections: typing.Any) -> tuple[str | None, str | None]:
         cfg = parse_config({**BASE, **sections})
-        algorithm = cfg.build_algorithm(cfg.model_spec((784,), 10))  # 199,210 parameters: 797 KB of float32
+        spec, topo = cfg.model_spec((784,), 10), cfg.topology  # 199,210 parameters: 797 KB of float32
+        # composed as build_algorithm does, without its check of the largest message (a DeComFL log this long would
+        # not fit one: tests/test_decomfl_messages.py)
+        cells = {c: topo.devices(c) for c in topo.cell_ids()}
+        algorithm = compose(cfg.train, spec, seed=0, init_seed=0, cells=cells, rounds=cfg.run.rounds)
         return algorithm.tier_refusal("cell"), algorithm.tier_refusal("cloud")
 
     cell, cloud = tiers(algorithm={"name": "fedavg", "mode": "async", "async_buffer": 10**7})
@@ -541,7 +546,8 @@ def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_by_the_node_tha
                 "algorithm.local_steps=100000",
                 "algorithm.perturbations=100",
             ],
-            "run.rounds: 1,000,000 rounds of the cloud's log",
+            "cannot hold decomfl's largest task: cell c0's in round 999,999, with the whole log (999,999 rounds x "
+            "40,000,008 bytes",  # (refused before the cloud's memory is: the log would not fit one message)
         ),
     ):
         res = CliRunner().invoke(main, ["sim", str(cfg), *(w for x in sets for w in ("--set", x)), "--no-progress"])

@@ -362,6 +362,13 @@ class Algorithm(ABC):
         ``ValueError`` naming the config key when the parameters do not fit the topology.
         """
 
+    def largest_message(self) -> tuple[int, int, str] | None:
+        """The largest payload its roles may send over :attr:`rounds` besides a model (:meth:`model_message_params`)
+        when it grows with the run: (bytes, bytes of its metadata, what it is in words); None: none does.
+        ``RunConfig.build_algorithm`` refuses a run whose ``runtime.max_message_bytes`` (or the codec's metadata
+        bound) it would exceed: the node it was sent to would refuse it, saying so in its own log only."""
+        return None
+
     def tier_refusal(self, tier: str, memory: int | None = None) -> str | None:
         """Why ``memory`` (default: this machine's) cannot hold what the ``tier``'s role ("cloud" or "cell") keeps
         under these parameters, naming the key, or ``None``: the tier's node checks it before it starts (a device,

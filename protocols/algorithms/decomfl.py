@@ -52,6 +52,7 @@ from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload
+from . import decomfl_wire
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, TrainParams
 from .decomfl_wire import expect_shape, history_payload, meta_int, read_checkpoint_log, read_history, stack_rounds
 from .outcome import Outcome
@@ -473,6 +474,13 @@ class DeComFL(Algorithm):
         what = f"run.rounds: {rounds:,} rounds of the cloud's log ({per_round:,} bytes a round: kept, sent, read back)"
         why = memory_refusal(3 * rounds * per_round, what, memory) if tier == "cloud" else None
         return f"{why}; set fewer rounds, or fewer algorithm.local_steps x perturbations" if why else None
+
+    def largest_message(self) -> tuple[int, int, str] | None:
+        """A cell's task in the last round with the whole log (``decomfl_wire.largest_task``); None: rounds unknown."""
+        p = self.params
+        if self.rounds is None:
+            return None
+        return decomfl_wire.largest_task(self.rounds, p.local_steps, p.perturbations, self.rosters)  # type: ignore[attr-defined]
 
     def initial_params(self) -> dict[str, np.ndarray]:
         if self._x0 is None:

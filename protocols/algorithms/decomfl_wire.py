@@ -3,13 +3,14 @@ arrives (and of the cloud's round log a checkpoint gives back)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..rejections import Rejected, RejectKind
-from ..wire.payload import Payload
+from ..wire.payload import Payload, payload_size
 
 
 def expect_shape(arr: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
@@ -74,3 +75,21 @@ def read_checkpoint_log(
         log = [int(s) for s in log_s], [np.array(x, np.float32) for x in log_g]
         return *log, window[0], log[1][base:]  # the window shares the log's arrays
     return *((list(window[0]), list(window[1])) if base == 0 else ([], None)), *window
+
+
+def largest_task(rounds: int, K: int, Pn: int, rosters: Mapping[str, Sequence[str]]) -> tuple[int, int, str]:
+    """(bytes, metadata bytes, what) of the largest message of a DeComFL run of ``rounds``: a cell's task in the last
+    round carrying the whole log (a device of it never seen, or recreated by a resume: h = rounds - 1 rounds of
+    8 + 4KP bytes, h + 1 seeds) and the synced round of each of its devices (the largest cell's). Every other message
+    is smaller: a device's task is such a history without the table, a report K x P scalars and the cell's ids."""
+    h, kp = max(rounds - 1, 0), K * Pn
+    cell, devices = max(rosters.items(), key=lambda item: len(item[1]), default=("", []))
+    empty = history_payload({"from": 0, "synced": {}}, [0], np.zeros((0, K, Pn), np.float32))  # (h = 0)
+    table = sum(len(d) + 4 + len(str(h)) for d in devices) - (1 if devices else 0)  # "id":h, (ids: topic-safe)
+    meta = len(json.dumps(empty.meta, separators=(",", ":"))) + table
+    what = (
+        f"decomfl's largest task: cell {cell}'s in round {h:,}, with the whole log ({h:,} rounds x {8 + 4 * kp:,} "
+        f"bytes, which a device never seen or recreated by a resume replays) and its {len(devices):,} devices' "
+        "synced rounds"
+    )
+    return payload_size(empty) + table + h * (8 + 4 * kp), meta, what

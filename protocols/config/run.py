@@ -17,7 +17,8 @@ from ..algorithms import get_algorithm
 from ..algorithms.base import Algorithm, ModelSpec, TrainParams
 from ..algorithms.compose import Wrapper, check_layers, compose, needs
 from ..algorithms.traits import Trait
-from ..limits import memory_refusal
+from ..limits import MAX_MESSAGE_BYTES, memory_refusal
+from ..wire.payload import MAX_META_BYTES
 from .errors import ConfigError, format_errors
 from .privacy import PrivacySection, calibrated_noise
 from .runtime import RuntimeSection
@@ -171,7 +172,7 @@ class RunConfig(Section):
         directions.set_draw_threads(self.runtime.direction_threads)  # process-wide, as the draws' cache is
         init_seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
         try:
-            return compose(
+            algorithm = compose(
                 self.train,
                 spec,
                 seed=self.run.seed,
@@ -184,6 +185,30 @@ class RunConfig(Section):
             raise
         except ValueError as exc:  # the parameters do not fit the topology (the message names the key)
             raise ConfigError(str(exc)) from None
+        if (why := self.growing_message_refusal(algorithm)) is not None:
+            raise ConfigError(why)
+        return algorithm
+
+    def growing_message_refusal(self, algorithm: Algorithm) -> str | None:
+        """Why the largest message that grows with the run (``Algorithm.largest_message``: DeComFL's task carrying
+        the whole log) would not fit ``runtime.max_message_bytes`` or the codec's metadata bound, naming both figures
+        and the fix; else ``None``. The node it was sent to refused it, said so in its own log, and the round went
+        on without it (a device never caught up; a cell never answered, and the job stalled)."""
+        largest = algorithm.largest_message()
+        if largest is None:
+            return None
+        size, meta, what = largest
+        if meta > MAX_META_BYTES:
+            return (
+                f"{what}: its metadata would be {meta:,} bytes, more than the {MAX_META_BYTES:,} a message may carry: "
+                "spread the devices over more cells (topology)"
+            )
+        bound, need = self.max_message_bytes(algorithm.model), size + MODEL_ENVELOPE_BYTES
+        if need <= bound:
+            return None
+        key = f"runtime.max_message_bytes = {bound:,}" + ("" if self.runtime.max_message_bytes else " (its default)")
+        fix = f"raise it to at least {need:,}, or" if need <= MAX_MESSAGE_BYTES else f"(at most {MAX_MESSAGE_BYTES:,})"
+        return f"{key} cannot hold {what} (~{need:,} bytes): {fix} set fewer run.rounds"
 
     def message_refusal(self, spec: ModelSpec) -> str | None:
         """Why ``runtime.max_message_bytes`` cannot hold one of the run's model messages, else ``None``. Tasks

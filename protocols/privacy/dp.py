@@ -239,6 +239,9 @@ class PrivateAlgorithm(Algorithm):
     def tier_refusal(self, tier: str, memory: int | None = None) -> str | None:
         return self.inner.tier_refusal(tier, memory)
 
+    def largest_message(self) -> tuple[int, int, str] | None:
+        return self.inner.largest_message()
+
     def cloud(self) -> CloudRole:
         return PrivateCloud(self.inner.cloud(), self.accountant, self.budget)
 
