@@ -32,7 +32,8 @@ they are); the bound keeps every round number far below 2**53, exact wherever it
 MAX_STEPS = 10**9
 """The most local steps (``algorithm.local_steps``) or epochs (``local_epochs``) a device may be asked for in an
 edge round. The cohort engine draws a device's minibatches' indices at once, for every device of a cohort: that is
-checked against memory when the algorithm is built (``RunConfig.build_algorithm``)."""
+checked against memory when the algorithm is built (``RunConfig.build_algorithm``), and for ``local_epochs`` once the
+data is partitioned (``sim.hierarchy.prepare``: the steps depend on a device's samples)."""
 
 MAX_MESSAGE_BYTES = 512 << 20
 """The largest message a node may be told to accept (``runtime.max_message_bytes``): all a transport's incomplete

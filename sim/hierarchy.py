@@ -172,7 +172,15 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None) -> Prepared:
             parts = _partition_members(ds.y_train, topo, d.partition, cfg.run.seed, params)
     except ValueError as exc:
         raise ConfigError(f"data.partition: {exc}") from None
-    return Prepared(cfg, ds, DeviceData(ds, topo, parts), cfg.model_spec(ds.input_shape, ds.num_classes))
+    return _prepared(cfg, ds, parts)
+
+
+def _prepared(cfg: RunConfig, ds: Dataset, parts: Sequence[Sequence[np.ndarray]]) -> Prepared:
+    """The run's data: each device's sample indices ``parts`` (by cell) into ``ds``; ConfigError when a cohort's
+    minibatches would not fit memory (``local_epochs``: the steps a device runs depend on its samples)."""
+    if (why := cfg.cohort_refusal(samples=max((len(p) for cell in parts for p in cell), default=0))) is not None:
+        raise ConfigError(why)
+    return Prepared(cfg, ds, DeviceData(ds, cfg.topology, parts), cfg.model_spec(ds.input_shape, ds.num_classes))
 
 
 def _partition_members(
@@ -209,7 +217,7 @@ def prepare_given(cfg: RunConfig, ds: Dataset, parts: Mapping[str, np.ndarray]) 
             )
     per = cfg.topology.devices_per_cell
     rows = [[np.asarray(parts[devices[c * per + j]]) for j in range(per)] for c in range(cfg.topology.cells)]
-    return Prepared(cfg, ds, DeviceData(ds, cfg.topology, rows), cfg.model_spec(ds.input_shape, ds.num_classes))
+    return _prepared(cfg, ds, rows)
 
 
 def participation(cfg: RunConfig) -> ParticipationModel:

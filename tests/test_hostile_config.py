@@ -21,6 +21,7 @@ from protocols.algorithms.compose import compose
 from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.limits import memory_refusal
 from sim.datasets import load_dataset
+from sim.launcher import run_simulation
 
 BASE: dict[str, typing.Any] = {"topology": {"cells": 1, "devices_per_cell": 2}, "algorithm": {"name": "fedavg"}}
 BASE_RUNTIME = RunConfig.model_fields["runtime"].default
@@ -552,6 +553,30 @@ def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_by_the_node_tha
     ):
         res = CliRunner().invoke(main, ["sim", str(cfg), *(w for x in sets for w in ("--set", x)), "--no-progress"])
         assert res.exit_code == 2 and says in " ".join(res.output.split()) and "Traceback" not in res.output, res.output
+
+
+def test_a_cohort_that_fits_by_local_steps_but_not_by_its_epochs_is_refused_with_the_sizes(make_config) -> None:
+    """The cohort engine's memory check counted ``local_steps`` only: with ``local_steps = 0`` and ``local_epochs``
+    it passed whatever the epochs, and each device of the cohort failed with a MemoryError drawing its minibatches
+    (1e6 epochs of 240 samples: 15,000,000 batches of 16 a device, 37.6 GiB for 6). It now counts the steps a device
+    runs, epochs x ceil(samples / batch_size) for the device with the most samples, once the data is partitioned."""
+    steps = make_config(algorithm={"local_steps": 15, "edge_rounds": 1}, runtime={"engine": "cohort"})
+    epochs = make_config(
+        algorithm={"local_steps": 0, "local_epochs": 1e6, "edge_rounds": 1}, runtime={"engine": "cohort"}
+    )
+    assert steps.cohort_refusal(memory=2**32) is None and epochs.cohort_refusal(memory=2**32) is None  # no data yet
+    assert epochs.cohort_refusal(memory=2**32, samples=16) is None  # 1e6 steps x 6 x 448 bytes: 2.5 GiB
+    refused = epochs.cohort_refusal(memory=2**32, samples=240)  # the 6 devices of digits' 1,437, iid
+    assert refused == (
+        "algorithm.local_epochs: 1,000,000 epochs of a device's 240 samples, that is: 15,000,000 minibatches of 16 "
+        'samples drawn at once for each of a cohort\'s 6 devices (runtime.engine = "cohort", runtime.cohort_size) '
+        "needs 37.6 GiB, more than this machine's 4.0 GiB of memory"
+    ), refused
+    huge = make_config(
+        algorithm={"local_steps": 0, "local_epochs": 1e9, "edge_rounds": 1}, runtime={"engine": "cohort"}
+    )
+    with pytest.raises(ConfigError, match=r"local_epochs: 1,000,000,000 epochs of a device's 240 samples, that is: "):
+        run_simulation(huge)  # refused before a round (it needs ~37,500 GiB)
 
 
 def test_a_markov_participation_keeps_a_few_states_not_one_per_round_and_draws_the_same_chain():

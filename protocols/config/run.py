@@ -18,6 +18,7 @@ from ..algorithms.base import Algorithm, ModelSpec, TrainParams
 from ..algorithms.compose import Wrapper, check_layers, compose, needs
 from ..algorithms.traits import Trait
 from ..limits import MAX_MESSAGE_BYTES, memory_refusal
+from ..trainer import num_steps
 from ..wire.payload import MAX_META_BYTES
 from .errors import ConfigError, format_errors
 from .privacy import PrivacySection, calibrated_noise
@@ -226,19 +227,28 @@ class RunConfig(Section):
             f"which {name}'s tasks carry): raise it or leave it unset (8 x the model's size + 4 MiB)"
         )
 
-    def cohort_refusal(self, memory: int | None = None) -> str | None:
+    def cohort_refusal(self, memory: int | None = None, samples: int | None = None) -> str | None:
         """Why a cohort's minibatches would not fit ``memory`` (default: this machine's), else ``None``. The cohort
         engine draws every step's minibatch of each device of a cohort at once (``cohort_device``: the index
         batches; ``cohort_trainer._minibatches``: their indices and masks, ``[D, S, B]``): about
-        ``cohort_size x local_steps x (20 x batch_size + 128)`` bytes a call (measured: 384 bytes a step of 32 for
-        the index batches alone), for devices that train by SGD."""
+        ``cohort_size x steps x (20 x batch_size + 128)`` bytes a call (measured: 384 bytes a step of 32 for
+        the index batches alone), for devices that train by SGD. The steps are ``local_steps``, or with
+        ``local_epochs`` those of the device with the most ``samples`` (``trainer.num_steps``: epochs x
+        ceil(samples / batch_size)), checked once the data is partitioned (``sim.hierarchy.prepare``; None: not
+        known yet, epochs unchecked)."""
         t, rt = self.train, self.runtime
-        if rt.engine != "cohort" or not t.local_steps or needs(t, Trait.FORWARD_ONLY) is None:
+        if rt.engine != "cohort" or needs(t, Trait.FORWARD_ONLY) is None or not (t.local_steps or samples):
             return None
         cohort = min(rt.cohort_size, len(self.topology.devices()))
-        need = cohort * t.local_steps * (20 * t.batch_size + 128)
+        steps = num_steps(samples or 0, t.batch_size, t.local_steps, t.local_epochs)
+        need = cohort * steps * (20 * t.batch_size + 128)
+        key = (
+            "algorithm.local_steps"
+            if t.local_steps
+            else f"algorithm.local_epochs: {t.local_epochs:,.10g} epochs of a device's {samples:,} samples, that is"
+        )
         what = (
-            f"algorithm.local_steps: {t.local_steps:,} minibatches of {t.batch_size} samples drawn at once for each "
+            f"{key}: {steps:,} minibatches of {t.batch_size} samples drawn at once for each "
             f'of a cohort\'s {cohort} devices (runtime.engine = "cohort", runtime.cohort_size)'
         )
         return memory_refusal(need, what, memory)
