@@ -4,8 +4,9 @@ Each entry of the full matrix (device, cloud round) is the share of its cell's e
 device answered (0: absent or not planned). A run of up to :data:`MAX_ROWS` devices and :data:`MAX_COLUMNS` rounds
 is drawn as that matrix, entry for entry. A larger one is drawn as a grid of at most ``MAX_ROWS x MAX_COLUMNS``
 buckets, each the mean of the full matrix's entries it covers: columns of ``width`` consecutive rounds, and rows
-that are its devices (up to ``MAX_ROWS``), else its cells, else groups of consecutive cells (in name order). What is
-held is the grid, per device (its cell: the row counts) and per cell, never devices x rounds: a run of 10^6
+that are its devices (up to ``MAX_ROWS``), else groups of consecutive devices of a cell (up to ``MAX_TRACKED``
+devices), else its cells, else groups of consecutive cells (in name order). What is held is the grid, per device
+(its cell; its columns while there are up to ``MAX_TRACKED``) and per cell, never devices x rounds: a run of 10^6
 devices over 10^5 rounds made the matrix alone 800 GB. The per-cell mean aggregation durations of the same columns
 come along (:meth:`Participation.durations`).
 
@@ -24,6 +25,7 @@ from protocols.records import CellRecord
 
 MAX_ROWS = 200
 MAX_COLUMNS = 500
+MAX_TRACKED = 1000  # devices whose columns are kept one by one (4 MB), to draw them or groups of them
 OPEN_ROUNDS = 2  # rounds of a cell held open (their edge rounds still coming) before the oldest is settled
 
 
@@ -55,6 +57,14 @@ class _Open:
     by_device: dict[str, int] | None = None
 
 
+def _row(sums: dict[str, np.ndarray], key: str) -> np.ndarray:
+    """``sums[key]``, a row of MAX_COLUMNS zeros the first time."""
+    row = sums.get(key)
+    if row is None:
+        row = sums[key] = np.zeros(MAX_COLUMNS)
+    return row
+
+
 class Participation:
     """Fold cell records (:meth:`add`) into the heatmap of a run whose cloud closed ``rounds`` rounds; the cells'
     rounds right after them count too (a run stopped mid-round), up to the grid's last column."""
@@ -65,7 +75,7 @@ class Participation:
         self.limit = MAX_COLUMNS * self.width  # rounds past this are never drawn (a record of round 1e12)
         self.cell_of: dict[str, str] = {}  # every device named, its cell
         self.cell_sums: dict[str, np.ndarray] = {}  # cell -> per column: the sum over (device, round) of the shares
-        self.device_sums: dict[str, np.ndarray] | None = {}  # the same per device, while there are <= MAX_ROWS
+        self.device_sums: dict[str, np.ndarray] | None = {}  # the same per device, while there are <= MAX_TRACKED
         self.duration: dict[str, np.ndarray] = {}  # cell -> per column: [seconds summed, aggregations]
         self.points: list[tuple[str, int, int, float]] | None = [] if self.width == 1 else None  # each aggregation's
         self.later: set[int] = set()  # the cells' rounds the cloud did not close
@@ -77,8 +87,8 @@ class Participation:
             self.cell_of[d] = r.cell
         if r.round >= self.limit:
             return
-        if self.device_sums is not None and len(self.cell_of) > MAX_ROWS:
-            self.device_sums = None  # too many devices to draw one a row: cells from now on
+        if self.device_sums is not None and len(self.cell_of) > MAX_TRACKED:
+            self.device_sums = None  # too many devices to keep each one's columns: cells from now on
         if r.round >= self.base:
             self.later.add(r.round)
         col = r.round // self.width
@@ -109,10 +119,10 @@ class Participation:
             self._after.append((cell, rnd, entry))  # held until we know whether its round is drawn
             return
         col, edges = rnd // self.width, len(entry.edges)
-        self.cell_sums.setdefault(cell, np.zeros(MAX_COLUMNS))[col] += entry.answers / edges
+        _row(self.cell_sums, cell)[col] += entry.answers / edges
         if self.device_sums is not None and entry.by_device is not None:
             for d, n in entry.by_device.items():
-                self.device_sums.setdefault(d, np.zeros(MAX_COLUMNS))[col] += n / edges
+                _row(self.device_sums, d)[col] += n / edges
 
     def rounds(self) -> int:
         """The rounds drawn: the cloud's, then the cells' right after them up to the first gap."""
@@ -134,18 +144,32 @@ class Participation:
                 self._settle(cell, rnd, entry)
         cols = math.ceil(n / self.width)
         spans = np.minimum(self.width, n - self.width * np.arange(cols)).astype(float)  # rounds in each column
-        if self.device_sums is not None:
-            return self._by_device(n, cols, spans)
+        if self.device_sums is not None and len(set(self.cell_of.values())) <= MAX_ROWS:
+            return self._by_devices(n, cols, spans)
         return self._by_cells(n, cols, spans)
 
-    def _by_device(self, n: int, cols: int, spans: np.ndarray) -> Heatmap:
-        devices = sorted(self.cell_of, key=lambda d: (self.cell_of[d], d))
-        sums = self.device_sums or {}
-        matrix = np.zeros((len(devices), cols))
-        for i, d in enumerate(devices):
-            if d in sums:
-                matrix[i] = sums[d][:cols] / spans
-        return Heatmap(devices, [self.cell_of[d] for d in devices], matrix, n, self.width)
+    def _device_groups(self) -> tuple[int, list[list[str]]]:
+        """The devices by (cell, name), in groups of ``g`` consecutive ones of a cell (a cell's last one smaller),
+        ``g`` the least that makes at most MAX_ROWS groups (1: a row per device)."""
+        by_cell: dict[str, list[str]] = {}
+        for d in sorted(self.cell_of, key=lambda d: (self.cell_of[d], d)):
+            by_cell.setdefault(self.cell_of[d], []).append(d)
+        g = max(1, math.ceil(len(self.cell_of) / MAX_ROWS))
+        while sum(math.ceil(len(ds) / g) for ds in by_cell.values()) > MAX_ROWS:
+            g += 1
+        return g, [ds[i : i + g] for ds in by_cell.values() for i in range(0, len(ds), g)]
+
+    def _by_devices(self, n: int, cols: int, spans: np.ndarray) -> Heatmap:
+        (g, groups), sums = self._device_groups(), self.device_sums or {}
+        matrix = np.zeros((len(groups), cols))
+        for i, group in enumerate(groups):
+            total = sum((sums[d][:cols] for d in group if d in sums), np.zeros(cols))
+            matrix[i] = total / (len(group) * spans)
+        firsts = [group[0] for group in groups]
+        if g == 1:
+            return Heatmap(firsts, [self.cell_of[d] for d in firsts], matrix, n, self.width)
+        labels = [f"{ds[0]}..{ds[-1]} ({len(ds)} devices)" if len(ds) > 1 else ds[0] for ds in groups]
+        return Heatmap(labels, [self.cell_of[d] for d in firsts], matrix, n, self.width, f"{g} devices of a cell")
 
     def _by_cells(self, n: int, cols: int, spans: np.ndarray) -> Heatmap:
         sizes: dict[str, int] = {}

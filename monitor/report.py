@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +175,7 @@ def participation_matrix(run: RunData) -> tuple[list[str], list[str], np.ndarray
 def plot_participation(runs: list[RunData]) -> Plot:
     """One heatmap per run: devices (grouped by cell) x cloud rounds; bucketed past MAX_ROWS x MAX_COLUMNS."""
     heats = [heatmap(run) for run in runs]
-    heights = [max(2.0, 0.18 * len(h.rows) + 1.2) for h in heats]
+    heights = [max(2.0, (0.18 if h.per_row == "device" else 0.06) * len(h.rows) + 1.2) for h in heats]
     fig = Figure(figsize=(8, sum(heights)), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False, height_ratios=heights)[:, 0]
     series: dict[str, Any] = {}
@@ -191,8 +192,11 @@ def plot_participation(runs: list[RunData]) -> Plot:
             interpolation="nearest",
             extent=(0.5, matrix.shape[1] * heat.width + 0.5, len(devices) - 0.5, -0.5),
         )
-        ax.set_yticks(range(len(devices)), devices, fontsize="x-small" if len(devices) > 20 else "small")
-        for i in range(1, len(cells)):
+        every = 1 if heat.per_row == "device" else max(1, math.ceil(len(devices) / 40))  # bucketed: 0.06 in a row
+        ticks = range(0, len(devices), every)
+        ax.set_yticks(ticks, [devices[i] for i in ticks], fontsize="x-small" if len(devices) > 20 else "small")
+        rows_are_devices = heat.per_row == "device" or heat.per_row.endswith("of a cell")
+        for i in range(1, len(cells) if rows_are_devices else 0):  # (a row per cell: no lines between them)
             if cells[i] != cells[i - 1]:
                 ax.axhline(i - 0.5, color="black", linewidth=1.2)
         ax.set_xlabel(heat.x_label())

@@ -87,17 +87,18 @@ def _record(cell: str, rnd: int, edge: int, planned: list[str], answered: list[s
     return dict(round=rnd, edge_round=edge, cell=cell, planned=planned, answered=answered, absent={}, duration_s=0.1)
 
 
-@pytest.mark.parametrize("shape", ["device rows", "cell groups"])
-def test_bucketed_rows_are_devices_up_to_max_rows_else_groups_of_cells(shape: str, monkeypatch) -> None:
-    """Columns of 3 rounds (1,200 rounds); rows: the 12 devices (<= MAX_ROWS), or, with MAX_ROWS at 4, the 6 cells
-    two by two. Edge rounds count as shares (2 edge rounds: answering one is 0.5), as in the unbucketed matrix."""
-    if shape == "cell groups":
-        monkeypatch.setattr(heat_module, "MAX_ROWS", 4)
+@pytest.mark.parametrize("shape", ["device rows", "device groups", "cell groups"])
+def test_bucketed_rows_are_devices_else_groups_of_a_cells_devices_else_groups_of_cells(shape: str, monkeypatch) -> None:
+    """Columns of 3 rounds (1,200 rounds) of 6 cells of 2 devices; rows: the 12 devices (<= MAX_ROWS); with MAX_ROWS
+    at 8 and 3 cells of 4 devices, pairs of a cell's devices; with MAX_ROWS at 4, the 6 cells two by two (more cells
+    than rows). Edge rounds count as shares (2 edge rounds: answering one is 0.5), as in the unbucketed matrix."""
+    cells, per_cell = (3, 4) if shape == "device groups" else (6, 2)
+    monkeypatch.setattr(heat_module, "MAX_ROWS", {"device rows": MAX_ROWS, "device groups": 8, "cell groups": 4}[shape])
     rng = np.random.default_rng(1)
     rounds, records = 1200, []
     for rnd in range(rounds):
-        for c in range(6):
-            devices = [f"c{c}-d{j}" for j in range(2)]
+        for c in range(cells):
+            devices = [f"c{c}-d{j}" for j in range(per_cell)]
             for edge in range(2):
                 records.append(_record(f"c{c}", rnd, edge, devices, [d for d in devices if rng.random() < 0.6]))
     fold = Participation(rounds)
@@ -108,6 +109,10 @@ def test_bucketed_rows_are_devices_up_to_max_rows_else_groups_of_cells(shape: st
     if shape == "device rows":
         assert heat.rows == names and heat.matrix.shape == (12, 400) <= (MAX_ROWS, MAX_COLUMNS)
         expected = bucket_means(full, [[i] for i in range(12)], 3)
+    elif shape == "device groups":
+        assert heat.rows[:2] == ["c0-d0..c0-d1 (2 devices)", "c0-d2..c0-d3 (2 devices)"] and len(heat.rows) == 6
+        assert heat.per_row == "2 devices of a cell" and heat.cells == ["c0", "c0", "c1", "c1", "c2", "c2"]
+        expected = bucket_means(full, [[i, i + 1] for i in range(0, 12, 2)], 3)
     else:
         assert heat.rows == ["c0..c1 (4 devices)", "c2..c3 (4 devices)", "c4..c5 (4 devices)"]
         expected = bucket_means(full, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], 3)
