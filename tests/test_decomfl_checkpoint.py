@@ -57,14 +57,17 @@ def test_a_checkpoint_writes_the_same_bytes_at_round_2000_as_at_round_1000(tmp_p
         for r in range(cloud.base + len(cloud.g), horizon):
             close_round(cloud, r)
         save(checkpoint, cloud, horizon - 1)  # one append of the rounds since the last save
-        close_round(cloud, horizon)
-        measured[horizon] = save(checkpoint, cloud, horizon)
+        each = []
+        for r in range(horizon, horizon + 3):  # (the least of 3: a write of another thread would only add)
+            close_round(cloud, r)
+            each.append(save(checkpoint, cloud, r))
+        measured[horizon] = min(each)
     assert measured[2000] == measured[1000] < 1000, measured  # the log alone: 8 + 4KP = 28 bytes a round
     saved = checkpoint.load()
     assert saved is not None
     again = DeComFLCloud(params, 0, {"w": np.zeros(100, np.float32)})
     again.load_state(saved.role)
-    assert again.log_seeds == cloud.log_seeds and len(again.log_g) == 2001 and again.base == cloud.base
+    assert again.log_seeds == cloud.log_seeds and len(again.log_g) == 2003 and again.base == cloud.base
     assert all(np.array_equal(a, b) for a, b in zip(again.log_g, cloud.log_g, strict=True))
 
 
