@@ -77,6 +77,11 @@ def renew(out_dir: str, nodes: tuple[str, ...], days: int | None, identity: bool
         f"{', ...' if len(done.certificates) > 6 else ''}); {len(done.revoked)} revoked in ca/ca.crl and "
         "every broker folder"
     )
+    if done.passed_over:
+        console.print(
+            f"passed over the revoked {', '.join(done.passed_over)}: a revoked node's certificate is never re-issued",
+            soft_wrap=True,
+        )
     for line in done.brokers:
         console.print(line)
     for step in next_steps(done.certificates, done.brokers):

@@ -8,14 +8,15 @@ every broker folder (``crlfile``). Running provisioned brokers are then reloaded
 its revocation list and its server certificate and key), so a copy of an old key and certificate no longer
 logs in, while live connections stay. Ed25519 identities are unchanged. Each renewed bundle's
 ``client.crt``/``client.key`` go to their node, which takes them on ``systemctl reload`` (SIGHUP,
-``protocols.transport.tls_reload``) without a restart.
+``protocols.transport.tls_reload``) without a restart. A revoked node's credentials are never re-issued
+(:func:`revoked_nodes`): renewing all passes them over, naming them; renewing one by name is refused.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
@@ -37,6 +38,8 @@ class Renewed:
     certificates: list[Path]
     revoked: list[int]
     brokers: list[str]
+    passed_over: list[str] = field(default_factory=list)
+    """The revoked nodes whose certificates were left as they are (renewing all)."""
 
 
 def _hosts(cert: x509.Certificate) -> tuple[str, ...]:
@@ -53,19 +56,46 @@ def _keep_owner(path: Path, stat: os.stat_result) -> None:
         os.chown(path, stat.st_uid, stat.st_gid)
 
 
-def certificates(out: Path, nodes: list[str] | None) -> list[Path]:
+def certificates(out: Path, nodes: list[str] | None, revoked: frozenset[str] | None = None) -> list[Path]:
     """The certificate files :func:`renew` replaces: the named nodes' ``client.crt``, or every bundle's and the
-    brokers' ``server.crt`` and ``bridge.crt``."""
+    brokers' ``server.crt`` and ``bridge.crt``, those of ``revoked`` nodes (default: :func:`revoked_nodes`) left
+    out. Naming a revoked node raises :class:`ConfigError`."""
     bundles = out / "nodes"
+    revoked = revoked_nodes(out) if revoked is None else revoked
     if nodes is not None:
         missing = [n for n in nodes if not (bundles / n / "client.crt").exists()]
         if missing:
             raise ConfigError(f"no bundle with a certificate in {bundles} for: {', '.join(missing)}")
+        if refused := [n for n in nodes if n in revoked]:
+            raise ConfigError(
+                f"{', '.join(refused)} {'was' if len(refused) == 1 else 'were'} revoked: a revoked node's "
+                "certificate is never re-issued (its id is never reused: enroll a new node with fedtier provision "
+                "add-device or add-cell)"
+            )
         return [bundles / n / "client.crt" for n in nodes]
-    found = sorted(bundles.glob("*/client.crt"))
+    found = [crt for crt in sorted(bundles.glob("*/client.crt")) if crt.parent.name not in revoked]
     for broker in broker_folders(out):
+        if broker.parent.name == "cells" and broker.name in revoked:
+            continue  # a revoked cell's broker: its bridge login and its server certificate both stay as they are
         found += [broker / name for name in ("server.crt", "bridge.crt") if (broker / name).exists()]
     return found
+
+
+def revoked_nodes(out: Path) -> frozenset[str]:
+    """The nodes of ``out`` that were revoked: those its federation's roster lists as revoked, and those whose
+    bundle's certificate is on the revocation list (:func:`revoked_serials`; renewal revokes only the certificates
+    it replaced, so a current one listed there was revoked with its node, whatever roster the folder has)."""
+    from .federation import MembershipError, load_federation
+
+    try:
+        named = set(load_federation(out).roster.revoked)
+    except MembershipError:  # a provisioning without a roster (or of an older fedtier): the revocation list says
+        named = set()
+    serials = set(revoked_serials(out))
+    for crt in (out / "nodes").glob("*/client.crt"):
+        if x509.load_pem_x509_certificate(crt.read_bytes()).serial_number in serials:
+            named.add(crt.parent.name)
+    return frozenset(named)
 
 
 def revoked_serials(out: Path) -> list[int]:
@@ -93,7 +123,9 @@ def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None =
     pki = load_pki(out)
     revoked: list[int] = []
     renewed: list[Path] = []
-    for crt in certificates(out, nodes):
+    gone = revoked_nodes(out)
+    passed_over = sorted(gone & {p.name for p in (out / "nodes").iterdir()}) if nodes is None else []
+    for crt in certificates(out, nodes, gone):
         old = x509.load_pem_x509_certificate(crt.read_bytes())
         cn = str(old.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value)
         key_path = crt.with_suffix(".key")
@@ -107,7 +139,7 @@ def renew(out: str | Path, nodes: list[str] | None = None, *, days: int | None =
         revoked.append(old.serial_number)
         renewed.append(crt)
     revoked = revoke_serials(out, revoked)
-    return Renewed(renewed, revoked, reload_brokers(broker_folders(out)))
+    return Renewed(renewed, revoked, reload_brokers(broker_folders(out)), passed_over)
 
 
 def revoke_serials(out: Path, serials: Iterable[int]) -> list[int]:

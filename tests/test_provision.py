@@ -839,6 +839,47 @@ def test_a_cell_revoked_in_a_per_cell_federation_has_its_bridge_certificate_revo
     assert "user bridge.c0" in acl and "bridge.c1" not in acl
 
 
+def test_renewal_never_reissues_a_revoked_nodes_certificate(tmp_path: Path) -> None:
+    """``fedtier provision renew`` (all) re-issued every bundle's certificate, revoked nodes' included, and a revoked
+    cell's bridge certificate: fresh credentials, off the revocation list, for nodes the operator had shut out. Now
+    renewing all passes them over (and the revoked cell's broker's), saying so in one line, and naming one is refused
+    (exit 2, the reason), also where the folder's roster is gone (its certificate is on the revocation list)."""
+    from cryptography import x509
+
+    from fedtier.federation import STATE_FILE
+    from fedtier.membership import revoke
+    from fedtier.provisioning import provision
+
+    cfg = small_config(tmp_path, topology={"cells": 2, "devices_per_cell": 1})
+    out = tmp_path / "fed"
+    provision(cfg, out, per_cell=True, cell_host="127.0.0.1", cell_port=9000, federation=True)
+    revoke(out, "c1")  # with its device c1-d0 and its broker's bridge login
+    revoke(out, "c0-d0")
+
+    def serials() -> dict[str, int]:
+        files = [*(out / "nodes").glob("*/client.crt"), *(out / "cells").glob("*/*.crt"), out / "broker" / "server.crt"]
+        return {
+            f"{f.parent.name}/{f.name}": x509.load_pem_x509_certificate(f.read_bytes()).serial_number
+            for f in files
+            if f.name != "ca.crt"
+        }
+
+    before = serials()
+    res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "passed over the revoked c0-d0, c1, c1-d0: a revoked node's certificate is never re-issued" in res.output
+    after = serials()
+    kept = {"c0-d0/client.crt", "c1/client.crt", "c1-d0/client.crt", "c1/bridge.crt", "c1/server.crt"}
+    assert {f for f in before if after[f] == before[f]} == kept
+    for node in ("c1-d0", "c1"):
+        res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--node", node, "--identity"])
+        assert res.exit_code == 2 and f"{node} was revoked" in res.output, res.output
+    (out / STATE_FILE).unlink()  # no federation state (and so no roster): the revocation list still says
+    res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--node", "c0-d0"])
+    assert res.exit_code == 2 and "c0-d0 was revoked" in res.output, res.output
+    assert serials() == after
+
+
 def test_a_revocation_list_rewritten_on_a_full_disk_keeps_what_it_revoked(tmp_path: Path, monkeypatch) -> None:
     """The deployment's revocation list (``ca/ca.crl``) is where renewal and revocation read the serials already
     revoked. It was rewritten in place with no fsync: a full disk (or a power loss) while a certificate was revoked
