@@ -88,8 +88,8 @@ class RunData:
 
 @dataclass
 class Folded:
-    """What the report draws of a run whose cell records were not kept: its heatmap and per-cell mean durations,
-    in the heatmap's columns."""
+    """What the report draws of a run whose cell records were not kept: its heatmap and per-cell durations
+    (:meth:`monitor.heatmap.Participation.durations`)."""
 
     heatmap: Heatmap
     durations: dict[str, tuple[list[float], list[float]]]
@@ -110,7 +110,7 @@ class _CellRecords:
 
     def __init__(self, rounds: int) -> None:
         self.rounds = rounds
-        self.kept: list[CellRecord] | None = []
+        self.kept: list[CellRecord] = []  # until they are folded
         self.names = 0
         self.fold: Participation | None = None
         self.algorithm: str | None = None
@@ -121,8 +121,7 @@ class _CellRecords:
             self.algorithm = r.algorithm
         if r.participation is not None:
             self.part_sum, self.part_n = self.part_sum + r.participation, self.part_n + 1
-        if self.kept is None:
-            assert self.fold is not None
+        if self.fold is not None:
             self.fold.add(r)
             return
         self.kept.append(r)
@@ -131,7 +130,7 @@ class _CellRecords:
             self.fold = Participation(self.rounds)
             for k in self.kept:
                 self.fold.add(k)
-            self.kept = None
+            self.kept = []
 
     def folded(self) -> Folded | None:
         if self.fold is None:
@@ -203,7 +202,7 @@ def load_run(path: str | Path) -> RunData:
     summary = {k: v for k, v in data.items() if k != "device_traffic"} if isinstance(data, dict) else {}
     ends = RunDirFollower(path).states_of(read)
     ended = ": ".join(filter(None, (ends[-1]["phase"], ends[-1].get("reason")))) if ends else "running"
-    kept = sorted(cells.kept or [], key=lambda r: (r.round, r.edge_round, r.cell))
+    kept = sorted(cells.kept, key=lambda r: (r.round, r.edge_round, r.cell))
     run = RunData(path, f"{name} ({algorithm})", algorithm, rounds, kept, bad, summary, ended)
     run.mean_participation = cells.part_sum / cells.part_n if cells.part_n else None
     run.folded = cells.folded()
