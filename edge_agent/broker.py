@@ -79,9 +79,10 @@ def offline_will(run: str, node: str, cfg: RunConfig | None = None, instance: st
     return _will(topics.status(run, node), cfg, **({"instance": instance} if instance is not None else {}))
 
 
-def device_will(run: str, cell: str, device: str, cfg: RunConfig | None = None) -> Will:
-    """The last will of a device: its retained status (under its cell) says offline (signed as above)."""
-    return _will(topics.device_status(run, cell, device), cfg)
+def device_will(run: str, cell: str, device: str, cfg: RunConfig | None = None, instance: str | None = None) -> Will:
+    """The last will of a device: its retained status (under its cell) says offline (signed as above), naming the
+    agent process's ``instance`` (``protocols.twin``: the broker publishes it at each takeover of its session)."""
+    return _will(topics.device_status(run, cell, device), cfg, **({"instance": instance} if instance else {}))
 
 
 def _will(topic: str, cfg: RunConfig | None, **extra: str) -> Will:

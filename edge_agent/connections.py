@@ -37,6 +37,7 @@ class DeviceConnections:
         self.past: dict[str, list[dict[str, Any]]] = {}  # wire counters of earlier connections
         self.connect_timeout = 30.0
         self.connect_window = 64  # CONNECTs under way at once (bounded rate)
+        self.instance: str | None = None  # the agent process's (protocols.twin), named in the devices' wills
 
     def open(self, device: str, persistent: bool = True) -> Any:
         """A new (not yet connected) connection of ``device``: its will, a backoff seeded per attempt."""
@@ -48,7 +49,7 @@ class DeviceConnections:
             node,
             self.run,
             self.loop,
-            will=device_will(self.run, cell, device, self.cfg),
+            will=device_will(self.run, cell, device, self.cfg, self.instance),
             reactor=self.reactor,
             retry_refused=True,
             persistent=persistent,

@@ -135,6 +135,7 @@ class AgentProcess:
         self.records.ended_wait = cfg.runtime.startup_wait  # a one-shot device started after its job ended leaves
         self.twin_window = twin_window
         self.twins = TwinWatch(new_instance())  # this process's nonce, in every status record
+        self.links.instance = self.twins.instance  # and in its devices' wills
         self._refused = False  # refused to start (a twin): already stopped, nothing announced
         self.done = threading.Event()
         self.executor: CohortExecutor | None = self._cohorts()  # cohorts (runtime.engine = "cohort"), torch only
@@ -215,10 +216,9 @@ class AgentProcess:
 
     def _on_own_status(self, device: str, topic: str, data: bytes) -> None:
         """A record on the device's own status topic: another instance's means a second agent (``protocols.twin``)."""
-        trust = self.agents[device].trust
-        self.twins.on_status(
-            device, topic, data, trust.verify if trust is not None else None, lambda: self._session_lost(device)
-        )
+        trust, epoch = self.agents[device].trust, getattr(self.transports.get(device), "reconnects", None)
+        verify = trust.verify if trust is not None else None
+        self.twins.on_status(device, topic, data, verify, lambda: self._session_lost(device), epoch)
 
     def _make_agent(self, device: str, transport: Any) -> DeviceAgent:
         """The device's agent for the current job (its cloud view pinned to the job's session)."""

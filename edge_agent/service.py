@@ -20,6 +20,7 @@ from protocols.roster import Roster
 from protocols.status import idle_each_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
+from protocols.twin import NodeTwin
 from protocols.wire import topics
 from protocols.wire.keys import Trust
 
@@ -43,10 +44,12 @@ class AgentService:
         build: Callable[[RunConfig, str], AgentProcess],
         trust: Trust | None,
         idle: dict[str, Trust | None] | None = None,
+        twin_window: float | None = None,
     ) -> None:
         """``idle``: the devices whose idle status the watch connection says before their first job, each signed by
         its own identity (default: the first device's, ``trust``; ``fedtier run``'s agents: every device on that
-        connection's broker)."""
+        connection's broker). ``twin_window``: the first watch connection refuses to start if another agent process
+        is live under the first device's id (``protocols.twin.NodeTwin``; ``fedtier agent --serve``)."""
         self.bundle, self.devices, self.loop, self.watch, self.build, self.trust = (
             bundle,
             devices,
@@ -56,6 +59,10 @@ class AgentService:
             trust,
         )
         self.idle = idle if idle is not None else {devices[0]: trust}
+        fed, cell = bundle.run.name, bundle.topology.cell_of(devices[0])
+        status = topics.device_status(fed, cell, devices[0]) if cell is not None else None
+        window = twin_window if status is not None else None
+        self.twin = NodeTwin(fed, devices[0], "agent", window, trust, topic=status, noun="device")  # its instance
         self.stopping = threading.Event()
         self.served: list[str] = []
         self.tasks = 0
@@ -77,8 +84,7 @@ class AgentService:
         devices stay connected (a long-lived :class:`AgentProcess`) and learn each next job from the cloud's
         job record on the first device's connection."""
         done: set[str] = set()
-        fed = self.bundle.run.name
-        records = JobWatch(None, fed, self.trust)  # fed by the agents' first connection
+        records = JobWatch(None, self.bundle.run.name, self.trust)  # fed by the agents' first connection
         agents: AgentProcess | None = None
         try:
             while not self.stopping.is_set():
@@ -101,6 +107,7 @@ class AgentService:
                 self.unfit = None
                 log.info("%d devices serve job %s", len(self.devices), current.job)
                 if agents is None:
+                    fresh.twins.instance = fresh.links.instance = self.twin.instance  # one instance, the process's
                     agents = self.agents = fresh
                     agents.on_job_record = records.on_job
                     agents.start()
@@ -159,12 +166,13 @@ class AgentService:
         """On the watch connection (the first device's): say the devices idle (:attr:`idle`), wait for a job
         (``None``: stopped, the devices said offline), close."""
         fed, topo = self.bundle.run.name, self.bundle.topology
+        self.twin.guard(transport, self.loop)  # TwinError: another agent process is live under the first device's id
         watch = JobWatch(transport, fed, self.trust)
         wait = partial(self._next_job, watch, done)
         period = self.bundle.monitoring.idle_heartbeat
         unfit = {"unfit": self.unfit} if self.unfit is not None else {}  # the job it could not serve, and why
         statuses = [
-            (topics.device_status(fed, cell, device), trust, {"cell": cell, **unfit})
+            (topics.device_status(fed, cell, device), trust, {"cell": cell, **unfit, **self.twin.extra})
             for device, trust in self.idle.items()
             if (cell := topo.cell_of(device)) is not None
         ]

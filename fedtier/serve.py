@@ -272,7 +272,8 @@ def serve_agent(
     stopping = threading.Event()
 
     def watch() -> Any:  # a clean session: what a persistent one queued for the last job is dropped
-        node, will = topics.device_node(device), device_will(fed, cell_of(cfg, device), device, cfg)
+        node = topics.device_node(device)  # its will names this process's instance (protocols.twin)
+        will = device_will(fed, cell_of(cfg, device), device, cfg, service.twin.instance)
         return connect_forever(lambda: opts.transport(node, fed, loop, persistent=False, will=will), stopping, node)
 
     def build(job_cfg: RunConfig, session: str) -> AgentProcess:
@@ -289,7 +290,7 @@ def serve_agent(
             twin_window=twin_window(job_cfg.runtime.heartbeat),  # a second agent under this id is refused (twin.py)
         )
 
-    service = AgentService(cfg, [device], loop, watch, build, trust)
+    service = AgentService(cfg, [device], loop, watch, build, trust, twin_window=twin_window(cfg.runtime.heartbeat))
     exporter = serve_metrics(cfg, None, follow=True)
     if exporter is not None:  # its counters are the long-lived agent process's, from the first job on
         service.on_start = exporter.agents.follow

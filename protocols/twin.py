@@ -198,10 +198,21 @@ class NodeTwin:
     watches for another taking its session, and re-announces the node's last status if one did. ``window``:
     :data:`NODE_WINDOW`, ``None``: no check (nodes of one process, tests)."""
 
-    def __init__(self, fed: str, node: str, kind: str, window: float | None, trust: Trust | None) -> None:
+    def __init__(
+        self,
+        fed: str,
+        node: str,
+        kind: str,
+        window: float | None,
+        trust: Trust | None,
+        topic: str | None = None,
+        noun: str = "node",
+    ) -> None:
+        """``topic``: the node's status topic, if not ``status/{node}`` (a device's, under its cell: a long-lived
+        agent's watch connection before its first job, ``noun`` ``device``)."""
         self.node, self.kind, self.window, self.trust = node, kind, window, trust
-        self.topic = topics.status(fed, node)
-        self.watch = TwinWatch(new_instance(), kind, "node")
+        self.topic = topic or topics.status(fed, node)
+        self.watch = TwinWatch(new_instance(), kind, noun)
         self._checked = False
 
     @property
@@ -239,7 +250,7 @@ class NodeTwin:
             twin = watch.check(self.window - settle, grace=0.0, wait=wait)
         if twin is None:
             return
-        refusal = TwinError.of("node", self.node, self.kind, twin[1])
+        refusal = TwinError.of(watch.noun, self.node, self.kind, twin[1])
         log.error("%s", refusal)
         transport.publish(self.topic, watch.refusal(self.topic, self.trust), qos=1, retain=True)
         if isinstance(transport, MqttTransport):

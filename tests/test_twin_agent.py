@@ -142,36 +142,33 @@ def test_fedtier_agent_under_a_live_device_id_exits_2_naming_it(tmp_path: Path) 
             first.stop()
 
 
-def test_fedtier_agent_serve_refused_as_a_twin_exits_2_naming_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``fedtier agent --serve`` meets the check when its first job starts (``edge_agent.service``): the refusal
-    its service raises exits 2 with the same message as the one-shot agent's, not 1 (a ``ConnectionError``: the
-    broker unreachable, which its unit restarts)."""
-    from fedtier import serve
-
+def test_fedtier_agent_serve_under_a_live_device_id_is_refused_before_its_first_job_exit_2(tmp_path: Path) -> None:
+    """``fedtier agent --serve`` met the check only when its first job started (its agents'): until then its watch
+    connection, under the device's client id, took the live agent's broker session from it again and again and said
+    the device idle over the live one's status. Its first watch connection is checked now (``protocols.twin.NodeTwin``
+    on the device's status topic; the agents' wills name their instance, as the cloud's and cells' do, so the live one
+    shows at each takeover): refused before it announces anything, exit 2, the same message."""
     cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
     config, data = tmp_path / "run.toml", tmp_path / f"{DEVICE}.npz"
     config.write_text(cfg.to_toml())
     prep = prepare(cfg)
     save_device_data(data, prep.device_data[DEVICE], prep.spec)
-
-    def refused(*_: Any) -> Any:
-        raise TwinError.of("device", DEVICE, "agent", "live0")
-
-    monkeypatch.setattr(serve, "serve_agent", refused)
-    command = [
-        "agent",
-        str(config),
-        "--serve",
-        "--device",
-        DEVICE,
-        "--data",
-        str(data),
-        "--broker",
-        "mqtt://127.0.0.1:1",
-    ]
-    res = CliRunner().invoke(main, [*command, "--insecure"])
-    said = " ".join(res.output.split())
-    assert res.exit_code == 2, said + repr(res.exception)
-    assert f"device {DEVICE}: another agent process (instance live0) is live" in said
+    with MosquittoBroker() as broker:
+        first = agents_of(tmp_path, broker.url, 0.2).start()
+        status = topics.device_status(first.run, "c0", DEVICE)
+        spy = Retained(broker.url, status)
+        try:
+            command = ["agent", str(config), "--serve", "--device", DEVICE, "--data", str(data), "--broker", broker.url]
+            started = time.monotonic()
+            res = CliRunner().invoke(main, [*command, "--insecure"])
+            said = " ".join(res.output.split())
+            assert res.exit_code == 2, said + repr(res.exception)
+            assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
+            assert time.monotonic() - started < twin_window(cfg.runtime.heartbeat) + 5
+            assert until(lambda: first.twins.taken >= 1)  # it saw the takeover and announced itself again
+            assert until(lambda: spy.records[-1].get("instance") == first.twins.instance)
+            assert spy.records[-1]["state"] == "online"
+            assert not any(r["state"] == "idle" for r in spy.records)  # the refused one never said the device idle
+        finally:
+            spy.close()
+            first.stop()
