@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from protocols.algorithms.base import ModelSpec
-from protocols.config import ConfigError, RunConfig
+from protocols.config import ConfigError, RunConfig, UnusableFile
 from protocols.trainer import Trainer
 
 TrainerFactory = Callable[[ModelSpec, RunConfig], Trainer]
@@ -29,7 +29,12 @@ def _onnx_trainer(spec: ModelSpec, cfg: RunConfig) -> Trainer:
 
     if not cfg.runtime.onnx_model:
         raise ConfigError("runtime.onnx_model: the onnx backend needs a model from `fedtier export` (--onnx-model)")
-    return build_onnx_trainer(cfg.runtime.onnx_model)
+    try:
+        return build_onnx_trainer(cfg.runtime.onnx_model)
+    except ImportError:
+        raise
+    except Exception as exc:  # onnxruntime's own errors (NoSuchFile, InvalidProtobuf, ...) are no ValueError
+        raise UnusableFile("runtime.onnx_model", f"{cfg.runtime.onnx_model}: cannot load it: {exc}") from None
 
 
 BACKENDS: dict[str, TrainerFactory] = {"torch": _torch_trainer, "onnx": _onnx_trainer}

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
-from protocols.config import RunConfig
+from protocols.config import RunConfig, public_reason
 from protocols.failures import MAX_REASON
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
@@ -141,10 +141,11 @@ class AgentService:
                 agents.stop()
 
     def _cannot_serve(self, current: CurrentJob, exc: Exception, agents: AgentProcess | None) -> None:
-        """Say why these devices cannot serve ``current``, and put it in their idle statuses
-        (``agents``, once they run), so the job's cells do not wait for them."""
+        """Say why these devices cannot serve ``current`` (in full in their log), and put it in their idle statuses
+        (``agents``, once they run), so the job's cells do not wait for them. What the statuses say of a file the
+        job names is only its setting (``public_reason``): the job's signer learns no more of this device's files."""
         say_cannot_serve(f"devices {', '.join(self.devices[:3])}", current.job, exc)
-        self.unfit = {"session": current.session, "reason": str(exc)[:MAX_REASON]}
+        self.unfit = {"session": current.session, "reason": public_reason(exc)[:MAX_REASON]}
         if agents is not None:
             agents.cannot_serve(**self.unfit)
 

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from protocols import plugins
+from protocols.config import UnusableFile
 from protocols.limits import memory_refusal
 from protocols.seeding import rng
 
@@ -395,12 +396,21 @@ def _optional(get: Callable[[str], Any], key: str) -> Any:
 
 
 def _load_npz(path: str) -> Dataset:
+    """The dataset of the ``.npz`` at ``path``; :class:`~protocols.config.UnusableFile` naming ``data.dataset`` if it
+    is missing, not a regular file (a FIFO would block the reader), unreadable or not a dataset's arrays (a job
+    names the file a device reads: what the device says beyond its own log names only the setting)."""
+    file = Path(path).expanduser()
     try:
-        with np.load(Path(path).expanduser(), allow_pickle=False) as npz:
+        if not file.is_file():
+            raise FileNotFoundError("not found, or not a regular file")
+        with np.load(file, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
     except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:  # missing, truncated, object arrays (pickle)
-        raise ValueError(f"dataset npz:{path}: cannot read it: {exc}") from None
-    return _user_dataset(f"npz:{path}", arrays)
+        raise UnusableFile("data.dataset", f"dataset npz:{path}: cannot read it: {exc}") from None
+    try:
+        return _user_dataset(f"npz:{path}", arrays)
+    except ValueError as exc:  # (names the dataset)
+        raise UnusableFile("data.dataset", str(exc)) from None
 
 
 _LOADERS = {"mnist": _load_mnist, "fmnist": _load_fmnist, "digits": _load_digits, "synthetic": _load_synthetic}

@@ -16,7 +16,7 @@ import numpy as np
 from protocols import runfiles
 from protocols.algorithms.base import ModelSpec
 from protocols.checkpoint import private_file
-from protocols.config import ConfigError, RunConfig, TopologySection, parse_config
+from protocols.config import ConfigError, RunConfig, TopologySection, UnusableFile, parse_config
 from protocols.trainer import LocalData
 
 from .datasets import Dataset, load_dataset
@@ -225,6 +225,8 @@ def participation(cfg: RunConfig) -> ParticipationModel:
     units = cfg.topology.cell_ids() if cfg.participation.level == "cell" else cfg.topology.devices()
     try:
         return make_participation(cfg.participation.spec(), units, cfg.run.seed)
+    except UnusableFile:  # (names its setting already; what it may say beyond this node is its own)
+        raise
     except ValueError as exc:
         raise ConfigError(f"participation: {exc}") from None
 

@@ -10,7 +10,6 @@ rounds in which the device participates (``None`` where not meaningful).
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,6 +19,8 @@ import numpy as np
 
 from protocols.config import DeviceIds
 from protocols.seeding import rng
+
+from .trace_file import read_trace
 
 __all__ = [
     "ParticipationModel",
@@ -352,8 +353,8 @@ class Trace(ParticipationModel):
 
     Each row makes ``device`` available in rounds ``[start, end)`` (0-based, half-open, ``start < end``);
     a device may have several rows (overlaps are merged); devices without rows are never available. Rows
-    naming a device not in ``devices`` raise ``ValueError`` unless ``strict=False`` (then they are ignored).
-    Errors name the file and line, never its content (a device publishes why it cannot serve a job).
+    naming a device not in ``devices`` are refused unless ``strict=False`` (then they are ignored). A file that
+    cannot be used raises :class:`~protocols.config.UnusableFile` (a ``ValueError``: :mod:`sim.trace_file`).
     """
 
     name = "trace"
@@ -361,37 +362,7 @@ class Trace(ParticipationModel):
     def __init__(self, devices: Sequence[str], path: str | Path, seed: int = 0, strict: bool = True) -> None:
         super().__init__(devices, seed)
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ValueError(f"path: trace file {str(self.path)!r} not found")
-        self.intervals: dict[str, list[tuple[int, int]]] = {d: [] for d in self.devices}
-        try:
-            with self.path.open(newline="") as f:
-                reader = csv.reader(f)
-                header = next(reader, None)
-                if header is None or [h.strip().lower() for h in header] != ["device", "start", "end"]:
-                    raise ValueError(f"{self.path}:1: the first line must be the header 'device,start,end'")
-                for line_no, row in enumerate(reader, start=2):
-                    if not row or all(not c.strip() for c in row):
-                        continue
-                    if len(row) != 3:
-                        raise ValueError(f"{self.path}:{line_no}: expected 3 fields device,start,end, got {len(row)}")
-                    dev, s_txt, e_txt = (c.strip() for c in row)
-                    if not dev:
-                        raise ValueError(f"{self.path}:{line_no}: empty device id")
-                    try:
-                        start, end = int(s_txt), int(e_txt)
-                    except ValueError:
-                        raise ValueError(f"{self.path}:{line_no}: start and end must be integers") from None
-                    if start < 0 or end <= start:
-                        raise ValueError(f"{self.path}:{line_no}: need 0 <= start < end")
-                    if dev not in self.intervals:
-                        if strict:
-                            raise ValueError(f"{self.path}:{line_no}: a device not in the run's devices")
-                        continue
-                    self.intervals[dev].append((start, end))
-        except (UnicodeDecodeError, csv.Error) as exc:  # (csv's messages quote none of the file)
-            why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"line {reader.line_num}: {exc}"
-            raise ValueError(f"{self.path}: not a readable CSV trace: {why}") from None
+        self.intervals = read_trace(self.path, self.devices, strict)
         for d, iv in self.intervals.items():
             self.intervals[d] = self._merge(iv)
         ends = [e for iv in self.intervals.values() for _, e in iv]

@@ -383,6 +383,96 @@ def test_a_participation_trace_error_names_the_file_and_line_never_what_it_holds
     assert "SECRET" not in str(refused.value) and "hunter2" not in str(refused.value)
 
 
+def _unfit_reason(tmp_path, job_section: str, caplog, dataset: str = "digits") -> str:
+    """The reason a long-lived agent (``edge_agent.service.AgentService``, in memory) publishes in its signed idle
+    status for a job, signed by the cloud, whose config holds ``job_section``; its own log is in ``caplog``."""
+    from edge_agent.service import AgentService
+    from fedtier.deploy_setup import spec_and_data
+    from protocols.jobs import CurrentJob, canonical_job, config_hash
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire import topics
+    from protocols.wire.keys import node_trust, with_run_keys
+    from protocols.wire.signed import open_record, seal_record
+    from sim.hierarchy import device_availability
+    from tests.conftest import small_config
+
+    base = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}, security={"keys": "keys.toml"})
+    bundle, device = with_run_keys(base, tmp_path), "c0-d0"
+    text = f'[run]\nrounds = 1\n[model]\nname = "mlp"\nhidden = [4]\n[data]\ndataset = "{dataset}"\n{job_section}'
+    canon = canonical_job(text, bundle)[1]
+    current = CurrentJob("probe", canon, config_hash(canon))
+    hub, statuses = MemoryHub(), []
+    status_topic = topics.device_status(bundle.run.name, "c0", device)
+    hub.connect("spy").subscribe(status_topic, lambda t, d: statuses.append(open_record(d, t, device, None)))
+    job_topic = topics.current_job(bundle.run.name)
+    cloud = node_trust(bundle, "cloud")
+    hub.connect("cloud").publish(job_topic, seal_record(current.record(), job_topic, cloud.sign), retain=True)
+
+    def build(job_cfg: RunConfig, session: str) -> typing.Any:  # the files a device's build reads (fedtier.serve)
+        spec_and_data(job_cfg, None)
+        device_availability(job_cfg)
+        raise AssertionError("the job's file was usable")
+
+    def watch() -> typing.Any:
+        return hub.connect(topics.device_node(device))
+
+    trust = node_trust(bundle, device)
+    service = AgentService(bundle, [device], hub.loop, watch, build, trust)
+    hub.loop.call_later(30.0, service.stop)  # (virtual time)
+    with caplog.at_level("ERROR", logger="fedtier.jobs"):
+        service.serve()
+    [reason] = {s["unfit"]["reason"] for s in statuses if "unfit" in s}
+    return reason
+
+
+def test_what_a_device_says_of_a_file_a_job_names_is_the_same_whether_it_exists_or_not(tmp_path, caplog):
+    """A job (signed by the operator, who is not the devices' owner) names files each device reads: a participation
+    trace, an npz dataset. A device that cannot serve the job publishes why in its idle status, and that reason said
+    'trace file ... not found' for a missing path but ':1: the first line must be the header' for any file that
+    exists (a directory: 'not found'), so a job could probe which paths exist on every device. Now the reason that
+    leaves the device names only the setting, the same for a missing path, a directory, a file that is no trace and
+    one this user may not read; the device's own log keeps why."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-TOKEN=hunter2\n")
+    forbidden = tmp_path / "forbidden.csv"
+    forbidden.write_text("SECRET,0,1\n")
+    forbidden.chmod(0)  # (root reads it all the same: then it is a file that is no trace)
+    paths = [tmp_path / "missing.csv", tmp_path, secret, forbidden]
+    said = {
+        _unfit_reason(tmp_path / f"trace{i}", f'[participation]\nmodel = "trace"\npath = "{path}"\n', caplog)
+        for i, path in enumerate(paths)
+    }
+    assert said == {"participation.path: the file it names is not usable on this device (its log says why)"}
+    logged = caplog.text
+    assert "trace file" in logged and "not found" in logged and f"{secret}:1: the first line must be" in logged
+    said = {_unfit_reason(tmp_path / f"npz{i}", "", caplog, f"npz:{path}") for i, path in enumerate(paths)}
+    assert said == {"data.dataset: the file it names is not usable on this device (its log says why)"}
+    assert "SECRET" not in "".join(said) and "hunter2" not in caplog.text
+
+
+def test_an_onnx_model_a_job_names_that_cannot_be_loaded_is_refused_naming_only_its_setting(tmp_path):
+    """A job's ``runtime.onnx_model`` is the file an onnx device loads: onnxruntime's errors (NoSuchFile,
+    InvalidProtobuf) are no ``ValueError``, so a long-lived agent did not take them for a job it cannot serve and
+    stopped with a traceback; and they told a missing path from an existing one. Now both are an ``UnusableFile``
+    whose public reason names only the setting."""
+    pytest.importorskip("onnxruntime")
+    from edge_agent.backends import make_trainer
+    from protocols.config import UnusableFile, public_reason
+    from tests.conftest import small_config
+
+    cfg = small_config(tmp_path)
+    spec = cfg.model_spec((64,), 10)
+    secret = tmp_path / "secret.onnx"
+    secret.write_text("SECRET-TOKEN=hunter2\n")
+    said = set()
+    for path in (tmp_path / "missing.onnx", secret):
+        job_cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"onnx_model": str(path)})})
+        with pytest.raises(UnusableFile, match=f"runtime.onnx_model: {path}: cannot load it") as refused:
+            make_trainer("onnx", spec, job_cfg)
+        said.add(public_reason(refused.value))
+    assert said == {"runtime.onnx_model: the file it names is not usable on this device (its log says why)"}
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [

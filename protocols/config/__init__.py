@@ -10,7 +10,7 @@ sections), :mod:`.run` (:class:`RunConfig`: the whole config and what a run deri
 :mod:`.errors`. This package exports what the rest of the project uses.
 """
 
-from .errors import ConfigError
+from .errors import ConfigError, UnusableFile, public_reason
 from .loading import check_forward_only, load_config, parse_config
 from .run import RunConfig, deployment_config
 from .sections import AttackSection, ClockSection, RequirementsSection, RunSection
@@ -26,10 +26,12 @@ __all__ = [
     "RunConfig",
     "RunSection",
     "TopologySection",
+    "UnusableFile",
     "check_forward_only",
     "deployment_config",
     "dump_toml",
     "load_config",
     "parse_config",
     "parse_toml",
+    "public_reason",
 ]
