@@ -49,12 +49,13 @@ from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.twin import NodeTwin
 from protocols.wire import topics
-from protocols.wire.keys import PublicKeys, Trust
+from protocols.wire.keys import Trust
 from protocols.wire.signed import seal_record
 
 from .jobs import Job, JobQueue, JobQueueError
 from .kept_records import KeptRecords
 from .node import build_cloud
+from .requests import REQUESTS_FILE, OperatorRequests
 from .server import CellAvailability, CloudServer, Evaluator
 
 log = logging.getLogger("fedtier.cloud.service")
@@ -118,7 +119,7 @@ class CloudService:
         self.bundle, self.loop, self.connect, self.queue, self.parts = bundle, loop, connect, queue, parts
         self.fed = bundle.run.name
         self.trust, self.on_end, self.on_round = trust, on_end, on_round
-        self.operator = PublicKeys({OPERATOR: operator}) if operator is not None else None
+        self.requests = OperatorRequests(queue.path.parent / REQUESTS_FILE, operator)  # signed, dated, taken once
         self.node: CloudServer | None = None
         self.transport: Transport | None = None
         self.stopping = threading.Event()
@@ -428,7 +429,7 @@ class CloudService:
             return
         reply = partial(self._reply, job, nonce=request_nonce(unverified))
         try:
-            record = open_job_record(data, topic, OPERATOR, self.operator.verify if self.operator else None)
+            record = self.requests.open(data, topic)  # the operator's signature, its time and nonce
         except JobError as exc:
             log.warning("refused job %s: %s", job, exc)
             reply(False, str(exc))
@@ -449,8 +450,7 @@ class CloudService:
             reply(False, str(exc))
             self.error = exc  # the queue cannot be written: stop rather than lose a job
             return
-        transport = self.node.transport if self.node is not None else self.transport
-        if transport is not None:
+        if (transport := self._live()) is not None:
             self._publish_list(transport)
         self.wake.set()
 
@@ -484,8 +484,7 @@ class CloudService:
 
     def _reply(self, job: str, accepted: bool, reason: str, nonce: str | None) -> None:
         """Answer a request about ``job``, echoing its ``nonce``: the operator takes no other answer as its own."""
-        transport = self.node.transport if self.node is not None else self.transport
-        if transport is None:
+        if (transport := self._live()) is None:
             return
         topic = topics.job_reply(self.fed, job)
         record = {"job": job, "accepted": accepted, "reason": reason, **({"nonce": nonce} if nonce else {})}

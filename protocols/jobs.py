@@ -13,7 +13,8 @@ Records (plain JSON with an Ed25519 signature, :mod:`protocols.wire.signed`):
 ========================================  ================================  ==========  ========
 topic                                     what                              signed by   retained
 ========================================  ================================  ==========  ========
-``fedtier/{fed}/jobs/submit``             submit / cancel a job, a nonce    operator    no
+``fedtier/{fed}/jobs/submit``             submit / cancel a job, a nonce,   operator    no
+                                          the time it was signed
 ``fedtier/{fed}/jobs/reply/{job}``        accepted or refused, with reason  cloud       no
                                           and the request's nonce
 ``fedtier/{fed}/jobs/list``               every job and its state           cloud       yes
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import time
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -292,13 +294,14 @@ def post_request(
 ) -> PendingRequest:
     """The operator's side of a request about ``job`` (:func:`submit_record`, :func:`cancel_record`):
     subscribe to the job's reply topic (waiting up to ``wait`` for the broker's acknowledgement), then
-    publish the request, with a fresh nonce, sealed with ``sign``. Its ``answer`` is the cloud's reply to it
+    publish the request, with a fresh nonce and the time (``at``: the serving cloud takes a request only while it is
+    fresh, and each nonce once, ``cloud.requests``), sealed with ``sign``. Its ``answer`` is the cloud's reply to it
     once it comes (the cloud's signature checked with ``verify``)."""
     pending = PendingRequest(verify)
     transport.subscribe(topics.job_reply(federation, job), pending.take)
     transport.wait_subscribed(wait)
     submit = topics.job_submit(federation)
-    transport.publish(submit, seal_record({**record, "nonce": pending.nonce}, submit, sign))
+    transport.publish(submit, seal_record({**record, "nonce": pending.nonce, "at": time.time()}, submit, sign))
     return pending
 
 

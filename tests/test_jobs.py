@@ -4,6 +4,7 @@ it, and the cloud's durable queue (``protocols/jobs.py``, ``cloud/jobs.py``)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -551,7 +552,13 @@ def test_a_signed_job_nested_past_the_toml_parsers_limit_is_answered_refused_and
     operator, topic = hub.connect("operator"), topics.job_submit("fed")
     deep = "[algorithm]\nx = " + "[" * 2000 + "]" * 2000 + "\n"
     for job, config in (("deep", deep), ("plain", "[run]\nrounds = 2\n")):
-        record = {"action": "submit", "job": job, "config": config}
+        record = {
+            "action": "submit",
+            "job": job,
+            "config": config,
+            "nonce": job.encode().hex().ljust(32, "0"),
+            "at": time.time(),
+        }
         operator.publish(topic, seal_record(record, topic, Trust(OPERATOR, seeds[OPERATOR], public).sign))
         hub.loop.run()
     assert [(r["job"], r["accepted"]) for r in replies] == [("deep", False), ("plain", True)], replies
@@ -685,3 +692,132 @@ def test_a_stale_signed_job_list_on_the_broker_is_replaced_by_the_clouds_current
     hub.loop.run()
     assert [names(d) for d in published] == [["j0"], ["j0", "j1"], ["j0", "j1"]]  # restored once
     assert published[2] == published[1] and hub._retained[listed] == published[1]  # the current list, byte for byte
+
+
+# ------------------------------------------------------------------ dated requests (cloud/requests.py)
+class _Federation:
+    """A signed federation's serving cloud in memory (its folder ``where``), its operator and what the cloud replied;
+    :meth:`restart` starts another cloud process on a folder, whose clock is ``time.time() + skew``."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        from protocols.transport.memory import MemoryHub
+
+        self.tmp_path, self.hub = tmp_path, MemoryHub()
+        self.seeds = {n: new_seed() for n in ("cloud", OPERATOR)}
+        self.public = {n: public_of(s) for n, s in self.seeds.items()}
+        self.replies: list[dict[str, Any]] = []
+        self.captured: list[bytes] = []
+        spy = self.hub.connect("spy")
+        spy.subscribe(topics.job_replies("fed"), lambda t, d: self.replies.append(open_job_record(d, t, "cloud", None)))
+        spy.subscribe(topics.job_submit("fed"), lambda t, d: self.captured.append(d))
+        self.operator: Any = self.hub.connect("operator")
+        self.operator.wait_subscribed = lambda wait: True  # (the memory hub subscribes at once)
+        self.cloud: Any = None
+
+    def restart(self, where: Path, skew: float = 0.0) -> Any:
+        from cloud.service import CloudService
+
+        if self.cloud is not None:
+            self.cloud.transport.close()
+        where.mkdir(exist_ok=True)
+        trust = Trust("cloud", self.seeds["cloud"], self.public)
+        queue = JobQueue(where / "jobs.json")
+        self.cloud = CloudService(
+            federation(self.tmp_path), None, lambda: None, queue, None, trust=trust, operator=self.public[OPERATOR]
+        )  # type: ignore[arg-type]
+        self.cloud.requests.clock = lambda: time.time() + skew
+        self.cloud.transport = self.hub.connect(f"cloud-{where.name}")
+        self.cloud.transport.subscribe(topics.job_submit("fed"), self.cloud._on_submit)
+        return self.cloud
+
+    def request(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The cloud's answer to the operator's request ``record`` (about ``record["job"]``)."""
+        from protocols.jobs import post_request
+
+        sign = Trust(OPERATOR, self.seeds[OPERATOR], self.public).sign
+        pending = post_request(self.operator, "fed", record, record["job"], sign, 5.0)
+        self.hub.loop.run()
+        assert pending.answer is not None
+        return pending.answer
+
+    def replay(self, data: bytes) -> dict[str, Any]:
+        self.replies.clear()
+        self.hub.connect("replayer").publish(topics.job_submit("fed"), data)
+        self.hub.loop.run()
+        [reply] = self.replies
+        return reply
+
+
+SUBMIT = {"action": "submit", "job": "j1", "config": "[run]\nrounds = 2\n"}
+
+
+def test_a_captured_submit_replayed_after_the_window_to_a_cloud_on_an_empty_folder_is_refused_as_stale(
+    tmp_path: Path,
+) -> None:
+    """Job requests carried no time: a submit captured on the broker and replayed to a cloud started on an empty output
+    folder (its queue lost) was queued again. A request now carries the time it was signed: 601 s later (the cloud's
+    clock, injected) it is refused, naming how old it is, and nothing is queued; a cancel likewise."""
+    fed = _Federation(tmp_path)
+    fed.restart(tmp_path / "first")
+    assert fed.request(SUBMIT)["accepted"]
+    assert fed.request({"action": "cancel", "job": "j1"})["accepted"]
+    submit, cancel = fed.captured
+    cloud = fed.restart(tmp_path / "empty", skew=601.0)
+    for data in (submit, cancel):
+        reply = fed.replay(data)
+        assert not reply["accepted"] and "s older than the cloud's clock allows (600 s)" in reply["reason"], reply
+    assert cloud.queue.jobs == {}
+
+
+def test_a_captured_request_replayed_within_the_window_after_the_cloud_lost_its_queue_is_refused_as_a_replay(
+    tmp_path: Path,
+) -> None:
+    """Within the window the time alone does not tell a replay: the cloud remembers each request's nonce beside its
+    queue (requests.json), so a restarted cloud whose jobs.json is gone refuses the captured submit as a replay; a
+    request of an older fedtier (no time) is refused saying to upgrade."""
+    fed = _Federation(tmp_path)
+    fed.restart(tmp_path / "cloud")
+    assert fed.request(SUBMIT)["accepted"]
+    [submit] = fed.captured
+    (tmp_path / "cloud" / "jobs.json").unlink()
+    cloud = fed.restart(tmp_path / "cloud")
+    reply = fed.replay(submit)
+    assert not reply["accepted"] and "a replay" in reply["reason"], reply
+    assert cloud.queue.jobs == {}
+    topic = topics.job_submit("fed")
+    old = seal_record({**SUBMIT, "job": "old"}, topic, Trust(OPERATOR, fed.seeds[OPERATOR], fed.public).sign)
+    reply = fed.replay(old)
+    assert not reply["accepted"] and "upgrade fedtier" in reply["reason"], reply
+    assert fed.request({**SUBMIT, "job": "j2"})["accepted"]  # a fresh request is taken
+
+
+@pytest.mark.parametrize(("skew", "says"), [(3605.0, "3,605 s older than"), (-3605.0, "dated 3,605 s ahead of")])
+def test_an_operator_whose_clock_is_an_hour_off_is_told_so(tmp_path: Path, skew: float, says: str) -> None:
+    fed = _Federation(tmp_path)
+    fed.restart(tmp_path / "cloud", skew=skew)
+    reply = fed.request(SUBMIT)
+    assert not reply["accepted"] and says in reply["reason"] and "check the operator's clock" in reply["reason"]
+
+
+def test_the_clouds_memory_of_requests_is_bounded_and_never_takes_a_forgotten_one(tmp_path: Path) -> None:
+    """At most ``most`` nonces are kept (in memory and in requests.json); a request no newer than a dropped one is
+    refused, so dropping never lets a replay through."""
+    from cloud.requests import OperatorRequests
+    from protocols.jobs import NONCE_HEX
+
+    seed = new_seed()
+    topic, now = topics.job_submit("fed"), 1_000_000.0
+    requests = OperatorRequests(tmp_path / "requests.json", public_of(seed), clock=lambda: now, most=2)
+    sent = [
+        seal_record(
+            {**SUBMIT, "nonce": f"{i:0{NONCE_HEX}x}", "at": now - 10 + i}, topic, Trust(OPERATOR, seed, {}).sign
+        )
+        for i in range(3)
+    ]
+    for data in sent:
+        requests.open(data, topic)
+    assert len(json.loads((tmp_path / "requests.json").read_text())["taken"]) == 2
+    again = OperatorRequests(tmp_path / "requests.json", public_of(seed), clock=lambda: now, most=2)
+    for data, says in ((sent[0], "older than those the cloud still remembers"), (sent[2], "a replay")):
+        with pytest.raises(JobError, match=says):
+            again.open(data, topic)
