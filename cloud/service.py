@@ -444,7 +444,7 @@ class CloudService:
             else:
                 raise JobError(f"unknown action {record.get('action')!r}")
         except JobError as exc:
-            log.warning("refused job %s: %s", job, exc)
+            log.warning("refused %s %s: %s", "to cancel job" if record.get("action") == "cancel" else "job", job, exc)
             reply(False, str(exc))
         except JobQueueError as exc:
             reply(False, str(exc))

@@ -147,8 +147,9 @@ def _answer(session: _Session, record: dict[str, Any], job: str, wait: float) ->
         )
     if reply is None:
         _fail(f"no answer from the cloud within {wait:g} s (is `fedtier cloud --serve` running?)", 1)
-    if not reply.get("accepted"):
-        _fail(f"job {job} refused: {reply.get('reason')}", 1)
+    if not reply.get("accepted"):  # a refused cancel leaves the job as it was: it is the request that was refused
+        what = f"cannot cancel job {job}" if record.get("action") == "cancel" else f"job {job} refused"
+        _fail(f"{what}: {reply.get('reason')}", 1)
     console.print(f"job {job}: {reply.get('reason')}")
 
 

@@ -543,6 +543,41 @@ def test_submit_wait_end_exits_with_how_the_job_ended(monkeypatch: pytest.Monkey
         assert ended.value.code == code, state
 
 
+def test_a_refused_cancel_says_the_cancel_was_refused_not_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedtier cancel` of a job that has ended is refused (exit 1): it said 'job a refused: ...', as if the
+    finished job had been refused; it now says the cancel could not be done. A refused submission keeps its line."""
+    import fedtier.cmd_jobs as cmd
+    from protocols.jobs import JobRequest, cancel_record, submit_record
+
+    class Session:
+        fed = "fed"
+
+        class transport:
+            reconnects = 0
+
+        def cloud_status(self) -> list:
+            return []
+
+        def read(self, topic: str, signer: str, wait: float) -> dict:
+            return {"jobs": []}
+
+        def request(self, record: dict, job: str, wait: float) -> dict:
+            return {"accepted": False, "reason": "job 'a' has ended (finished)"}
+
+        def close(self) -> None:
+            pass
+
+    said: list[str] = []
+    monkeypatch.setattr(cmd, "print_error", lambda message, *a, **k: said.append(str(message)))
+    for record, line in (
+        (cancel_record("a"), "cannot cancel job a: job 'a' has ended (finished)"),
+        (submit_record(JobRequest("a", "")), "job a refused: job 'a' has ended (finished)"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            cmd._answer(Session(), record, "a", 1.0)  # type: ignore[arg-type]
+        assert refused.value.code == 1 and said[-1] == line, said
+
+
 def test_a_job_cancelled_in_its_startup_wait_ends_at_once(tmp_path: Path) -> None:
     """`fedtier cancel` of a job whose cloud still waits for its cells (a member not started: up to its
     startup wait) ends it at once, no round begun; it waited out the whole startup wait before."""
