@@ -88,6 +88,8 @@ def restore(
         role.load_state(saved.role)
     except ValueError as exc:  # damaged, or of another run: the reason, not a traceback (fedtier sim: exit 2)
         raise ConfigError(f"--resume: {saved.path}: {exc}") from None
+    except (KeyError, TypeError) as exc:  # a state without a key its role needs, or one of another type
+        raise ConfigError(f"--resume: {saved.path}: damaged ({type(exc).__name__}: {exc})") from None
     if devices_recreated:  # a launcher that rebuilt its devices (fedtier sim / run --resume)
         role.forget_devices()
     cumulative.update(saved.cumulative)
@@ -114,12 +116,16 @@ class CloudCheckpoint:
             raise
         except ValueError as exc:  # damaged, or of another run: the reason, not a traceback (fedtier sim: exit 2)
             raise ConfigError(f"--resume: {exc}") from None
+        except OSError as exc:  # unreadable (a folder, no permission, an I/O error): the reason, not a traceback
+            raise ConfigError(f"--resume: cannot read {exc.filename or self.path}: {exc.strerror or exc}") from None
 
     def _load(self) -> Saved:
         state = load_payload(self.path)
         m = state.meta
         session = m["session"] if isinstance(m.get("session"), str) else None
-        done = int(m["round"])
+        done = m.get("round")
+        if not isinstance(done, int) or isinstance(done, bool) or done < -1:
+            raise ValueError(f"{self.path} is damaged: its round is {str(done)[:40]!r}")
         log = self.log.load(m["log"], done) if "log" in m else {}  # (an older checkpoint: the log is inside)
         role = Payload(m.get("role", {}), {**state.tensors, **log})
         return Saved(self.path, done, session, m.get("cumulative", {}), m.get("stalled", 0), role, m.get("record"))

@@ -148,8 +148,21 @@ def test_an_older_checkpoint_with_its_log_inside_resumes_and_then_writes_the_log
         (lambda log, meta: meta["log"].update(rounds=10**12, bytes=10**15), "at most 3 rounds"),
         (lambda log, meta: meta["log"].update(bytes=10**15), "holds .* bytes: lost or cut short"),
         (lambda log, meta: meta["log"].update(sha256="x"), "record of its round log is malformed"),
+        (lambda log, meta: (log.unlink(), log.mkdir()), "cannot read .*rounds: Is a directory"),
+        (lambda log, meta: meta.pop("round"), "is damaged: its round is 'None'"),
+        (lambda log, meta: meta["role"].pop("base"), r"damaged \(KeyError: 'base'\)"),
     ],
-    ids=["cut short", "lost", "changed", "hostile rounds", "hostile bytes", "malformed"],
+    ids=[
+        "cut short",
+        "lost",
+        "changed",
+        "hostile rounds",
+        "hostile bytes",
+        "malformed",
+        "unreadable",
+        "no round",
+        "no base",
+    ],
 )
 def test_a_log_that_is_not_the_checkpoints_is_refused_with_its_reason(make_config, tmp_path, damage, match) -> None:
     run_simulation(decomfl(make_config, tmp_path, 3, "run"))
