@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from protocols.algorithms.base import ModelSpec
 from protocols.onnx_export import PARAMS_KEY, SPEC_KEY  # torch is imported only when exporting
 from protocols.trainer import PROGRESS, Trainer
 from protocols.wire.payload import decode_payload
@@ -48,6 +49,25 @@ class OnnxTrainer(Trainer):
         if names[0] != "x" or names[1:] != list(self._x0):
             raise ValueError(f"{path}: graph inputs {names[:4]}... do not match its parameters")
         self.params: dict[str, np.ndarray] = {k: v.copy() for k, v in self._x0.items()}
+
+    def mismatch(self, spec: ModelSpec) -> str | None:
+        """How ``spec`` (a job's model, as it takes this device's data) differs from the exported model, in words;
+        None if it is the same model: the same spec (layers, widths, input shape, classes, init scale) and as many
+        parameters. A job whose model differs would feed this graph inputs of other shapes (or train other weights)."""
+        theirs, mine = spec.model_dump(mode="json"), dict(self.spec)
+        features = int(np.prod(spec.input_shape))
+        shape = mine.get("input_shape")
+        if spec.name == "mlp" and isinstance(shape, list) and int(np.prod(shape)) == features:
+            mine["input_shape"] = theirs["input_shape"]  # an mlp takes flat samples: (1, 8, 8) is (64,)
+        diffs = [
+            f"{key} {theirs[key]} (this device's model: {mine.get(key)})"
+            for key in theirs
+            if mine.get(key) != theirs[key]
+        ]
+        have = sum(v.size for v in self._x0.values())
+        if not diffs and have != spec.num_params():
+            diffs.append(f"{spec.num_params():,} parameters (this device's model: {have:,})")
+        return "; ".join(diffs) or None
 
     def initial_params(self) -> dict[str, np.ndarray]:
         """x_0 as exported: every party of the run starts from these values."""

@@ -382,22 +382,25 @@ def agent(
 def _serve_agent(
     cfg: RunConfig, device: str, source: DataSource, backend: str, broker_url: str | None, auth: Auth
 ) -> None:
-    """``fedtier agent --serve``: train for one submitted job after another with ``source``'s data."""
+    """``fedtier agent --serve``: train for one submitted job after another with ``source``'s data, on ``backend``
+    with the device's own onnx model (the bundle's ``runtime.onnx_model``, ``--onnx-model``), whatever a job says."""
+    from edge_agent.backends import DeviceBackend
     from edge_agent.datasources import load_device_data
-    from edge_agent.runner import make_trainer
     from protocols.config import ConfigError
     from protocols.twin import TwinError
 
     from .serve import serve_agent
 
+    own = DeviceBackend(backend, cfg.runtime.onnx_model)
     try:
+        own.check()  # a model it cannot load is refused now, not at each job
         data = load_device_data(source)[0]  # its format now; each job checks it against the job's model
         served = serve_agent(
             cfg,
             device,
             data,
             broker_options(cfg, broker_url, auth),
-            lambda job_cfg, spec: make_trainer(backend, spec, job_cfg),
+            own.trainer,  # a job it cannot serve (gradients, another model) is refused for that job
             lambda job_cfg, _: spec_and_data(job_cfg, source),
         )
     except (ConfigError, ValueError, TwinError) as exc:  # TwinError: a live agent has this id (not restarted)
@@ -418,8 +421,9 @@ def _run_agent(
 ) -> None:
     """``fedtier agent``: answer the config's job's tasks with the data of ``open_source()`` until the run is
     finished (or Ctrl-C)."""
+    from edge_agent.backends import DeviceBackend
     from edge_agent.node import cell_of
-    from edge_agent.runner import AgentProcess, make_trainer
+    from edge_agent.runner import AgentProcess
     from protocols.config import ConfigError, check_forward_only
     from protocols.twin import TwinError, twin_window
     from sim.hierarchy import device_availability
@@ -435,7 +439,7 @@ def _run_agent(
             cfg,
             cfg.build_algorithm(spec),
             {device: data},
-            make_trainer(backend, spec, cfg),
+            DeviceBackend(backend, cfg.runtime.onnx_model).trainer(cfg, spec),  # onnx: the config's model (checked)
             opts,
             availability=device_availability(cfg),
             twin_window=twin_window(cfg.runtime.heartbeat),  # a second agent under this id is refused (twin.py)
