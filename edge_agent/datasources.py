@@ -178,7 +178,7 @@ def _load_csv(src: DataSource, input_shape: tuple[int, ...] | None, max_samples:
             if src.label_column not in names:
                 raise DataSourceError(
                     f"{path}: no label column {src.label_column!r} in the header (columns: {', '.join(names[:8])}"
-                    f"{', ...' if len(names) > 8 else ''}); name it with the source's label column"
+                    f"{', ...' if len(names) > 8 else ''}); name the label's column with fedtier agent --label-column"
                 )
             li = names.index(src.label_column)
             for line, row in enumerate(reader, start=2):

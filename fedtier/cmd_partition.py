@@ -59,6 +59,6 @@ def partition(config: str, overrides: tuple[str, ...], out: str, kind: str, forc
         fail(str(exc), 2)
     (root / "sources.toml").write_text("\n".join(lines) + "\n")
     console.print(
-        f"wrote {len(prep.device_data)} {kind} sources ({total:,} samples) and test.npz to {root}; "
+        f"wrote {len(prep.device_data)} {kind.removesuffix('s')} sources ({total:,} samples) and test.npz to {root}; "
         f"start each agent with --data {root}/<device>{suffix}"
     )

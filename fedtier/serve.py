@@ -189,7 +189,8 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
 def served_summary(node: str, served: list[str], stopped_during: str | None, tasks: int | None = None) -> str:
     """What a long-lived cell or agent (``node``: ``cell c0``, ``device c0-d0``) says as it stops: the jobs it served
     (and ``tasks``), and the one it was stopped during, if it was (SIGTERM mid-job), and what becomes of that job."""
-    line = f"{node}: served {len(served)} jobs ({', '.join(served)})" + ("" if tasks is None else f", {tasks} tasks")
+    line = f"{node}: served {len(served)} jobs" + (f" ({', '.join(served)})" if served else "")
+    line += "" if tasks is None else f", {tasks} tasks"
     if stopped_during is None:
         return line
     kind = node.split()[0]

@@ -193,6 +193,7 @@ def _stop_mid_job(served: Served, operator: Transport) -> None:
     )
     said = served_summary("cell c0", cell.served, cell.stopped_during)
     assert said == f"cell c0: served {JOBS} jobs ({jobs}); stopped during job long, " + rest.format("cell")
+    assert served_summary("device c0-d1", [], None, 0) == "device c0-d1: served 0 jobs, 0 tasks"  # no '()'
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")

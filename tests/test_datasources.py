@@ -114,7 +114,10 @@ def _csv(tmp_path: Path, text: str) -> Path:
         ("a,b,label\n1,2,0\n3,4,cat\n", r"d.csv:3: label 'cat' is not an integer"),
         ("a,b,label\n1,2,0\n3,x,1\n", r"d.csv:3: a feature is not a number"),
         ("a,b,label\n1,2,0\n3,4\n", r"d.csv:3: 2 fields, the header has 3"),
-        ("a,b,target\n1,2,0\n", r"no label column 'label'"),
+        (
+            "a,b,target\n1,2,0\n",
+            r"no label column 'label' .*; name the label's column with fedtier agent --label-column",
+        ),
         ("", "empty file"),
         ("a,b,label\n", "no samples"),
         ("a,b,label\nnan,2,0\n", "NaN"),
@@ -205,9 +208,10 @@ def test_agents_fed_csv_and_image_sources_train_as_the_simulation_does(tmp_path)
     config = _config(tmp_path, "fmnist")
     parts = [_start_partition(config, tmp_path / out, kind) for out, kind in (("csv", "csv"), ("img", "images"))]
     sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))  # the partitions meanwhile
-    for proc in parts:
+    for proc, kind in zip(parts, ("csv", "image")):
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out + err
+        said = (out + err).replace("\n", " ")
+        assert proc.returncode == 0 and f"wrote 2 {kind} sources" in said, said
     with EmbeddedBroker() as broker:
         common = ["--broker", broker.url, "--insecure"]
         commands = {
