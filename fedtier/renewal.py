@@ -93,7 +93,14 @@ def revoked_nodes(out: Path) -> frozenset[str]:
         named = set()
     serials = set(revoked_serials(out))
     for crt in (out / "nodes").glob("*/client.crt"):
-        if x509.load_pem_x509_certificate(crt.read_bytes()).serial_number in serials:
+        try:
+            serial = x509.load_pem_x509_certificate(crt.read_bytes()).serial_number
+        except (OSError, ValueError) as exc:  # whether its node was revoked is unknown: renew nothing
+            raise ConfigError(
+                f"{crt} is not a readable certificate ({exc}): whether {crt.parent.name} was revoked is unknown, so "
+                "nothing is renewed; put its bundle's client.crt back"
+            ) from None
+        if serial in serials:
             named.add(crt.parent.name)
     return frozenset(named)
 

@@ -880,6 +880,25 @@ def test_renewal_never_reissues_a_revoked_nodes_certificate(tmp_path: Path) -> N
     assert serials() == after
 
 
+def test_renewal_with_a_damaged_bundle_certificate_exits_2_naming_it_and_renews_nothing(tmp_path: Path) -> None:
+    """Renewal reads every bundle's certificate to tell the revoked nodes (their serial on the revocation list): one
+    that is not a certificate (a bad copy) was a traceback, also for ``--node`` of another node. Now exit 2 naming
+    the file, nothing renewed (whether that node was revoked is unknown)."""
+    from fedtier.provisioning import provision
+
+    out = tmp_path / "fed"
+    provision(small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}), out)
+    (out / "nodes" / "c0-d0" / "client.crt").write_text("not a certificate")
+    before = (out / "nodes" / "c0-d1" / "client.crt").read_bytes()
+    for extra in ([], ["--node", "c0-d1"]):
+        res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), *extra])
+        said = "".join(res.output.split())  # (the console wraps long paths anywhere)
+        assert res.exit_code == 2 and "c0-d0/client.crtisnotareadablecertificate" in said, res.output
+        assert "whetherc0-d0wasrevokedisunknown,sonothingisrenewed" in said, res.output
+        assert res.exception is None or isinstance(res.exception, SystemExit)
+    assert (out / "nodes" / "c0-d1" / "client.crt").read_bytes() == before
+
+
 def test_a_revocation_list_rewritten_on_a_full_disk_keeps_what_it_revoked(tmp_path: Path, monkeypatch) -> None:
     """The deployment's revocation list (``ca/ca.crl``) is where renewal and revocation read the serials already
     revoked. It was rewritten in place with no fsync: a full disk (or a power loss) while a certificate was revoked
