@@ -90,7 +90,7 @@ class DeviceBackend:
                 f"gradients ({why})"
             )
         trainer = self._load()
-        if (mismatch := trainer.mismatch(spec)) is not None:
+        if (mismatch := trainer.mismatch(spec, job_cfg.x0_origin())) is not None:
             raise ConfigError(f"the job's model is not this device's onnx model: {mismatch}")
         return trainer
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from protocols.algorithms.base import ModelSpec
-from protocols.onnx_export import PARAMS_KEY, SPEC_KEY  # torch is imported only when exporting
+from protocols.onnx_export import INIT_KEY, PARAMS_KEY, SPEC_KEY  # torch is imported only when exporting
 from protocols.trainer import PROGRESS, Trainer
 from protocols.wire.payload import decode_payload
 
@@ -44,16 +44,19 @@ class OnnxTrainer(Trainer):
         if PARAMS_KEY not in meta:
             raise ValueError(f"{path} was not exported by fedtier (no {PARAMS_KEY} metadata)")
         self.spec: dict[str, Any] = json.loads(meta.get(SPEC_KEY, "{}"))
+        self.origin: dict[str, Any] | None = json.loads(meta[INIT_KEY]) if INIT_KEY in meta else None  # older: None
         self._x0 = decode_payload(base64.b64decode(meta[PARAMS_KEY])).tensors
         names = [i.name for i in self.session.get_inputs()]
         if names[0] != "x" or names[1:] != list(self._x0):
             raise ValueError(f"{path}: graph inputs {names[:4]}... do not match its parameters")
         self.params: dict[str, np.ndarray] = {k: v.copy() for k, v in self._x0.items()}
 
-    def mismatch(self, spec: ModelSpec) -> str | None:
-        """How ``spec`` (a job's model, as it takes this device's data) differs from the exported model, in words;
-        None if it is the same model: the same spec (layers, widths, input shape, classes, init scale) and as many
-        parameters. A job whose model differs would feed this graph inputs of other shapes (or train other weights)."""
+    def mismatch(self, spec: ModelSpec, origin: Mapping[str, Any] | None = None) -> str | None:
+        """How ``spec`` (a job's model, as it takes this device's data) and ``origin`` (what fixes its x_0,
+        ``RunConfig.x0_origin``) differ from the exported model, in words; None if it is the same model: the same spec
+        (layers, widths, input shape, classes, init scale), as many parameters and, when the file says, the same x_0.
+        A job whose model differs would feed this graph inputs of other shapes (or train other weights); one whose
+        x_0 differs would have this device move its own x_0 while its cloud moves another."""
         theirs, mine = spec.model_dump(mode="json"), dict(self.spec)
         features = int(np.prod(spec.input_shape))
         shape = mine.get("input_shape")
@@ -67,6 +70,12 @@ class OnnxTrainer(Trainer):
         have = sum(v.size for v in self._x0.values())
         if not diffs and have != spec.num_params():
             diffs.append(f"{spec.num_params():,} parameters (this device's model: {have:,})")
+        if not diffs and origin is not None and self.origin is not None:
+            diffs = [
+                f"{k} {v} (this device's model: {self.origin.get(k)})"
+                for k, v in origin.items()
+                if self.origin.get(k) != v
+            ]
         return "; ".join(diffs) or None
 
     def initial_params(self) -> dict[str, np.ndarray]:

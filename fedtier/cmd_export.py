@@ -22,7 +22,7 @@ def export(config: str, overrides: tuple[str, ...], out: str) -> None:
     try:
         check_forward_only(cfg, "fedtier export")  # was written, and refused later by every onnx agent
         spec = prepare(cfg).spec  # the data set fixes the input shape and the number of classes
-        path = export_onnx(spec, cfg.build_algorithm(spec).initial_params(), out)
+        path = export_onnx(spec, cfg.build_algorithm(spec).initial_params(), out, cfg.x0_origin())
     except (ConfigError, ValueError) as exc:
         fail(str(exc), 2)
     except OSError as exc:  # --out in a missing or read-only folder

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,11 +25,16 @@ from .wire.payload import Payload, encode_payload
 
 PARAMS_KEY = "fedtier.params"
 SPEC_KEY = "fedtier.spec"
+INIT_KEY = "fedtier.init"
+"""What fixed x_0 (``RunConfig.x0_origin``: its seed, the model it started from), when the exporter knew it."""
 OPSET = 17
 
 
-def export_onnx(spec: ModelSpec, params: Mapping[str, np.ndarray], path: str | Path) -> Path:
-    """Write ``spec``'s model with parameters as inputs to ``path``; ``params`` are stored as x_0."""
+def export_onnx(
+    spec: ModelSpec, params: Mapping[str, np.ndarray], path: str | Path, origin: Mapping[str, Any] | None = None
+) -> Path:
+    """Write ``spec``'s model with parameters as inputs to ``path``; ``params`` are stored as x_0, and ``origin``
+    (``RunConfig.x0_origin``), if given, as what fixed them: a long-lived device refuses a job that starts elsewhere."""
     import onnx
     import torch
     import torch.nn.functional as F
@@ -71,7 +78,8 @@ def export_onnx(spec: ModelSpec, params: Mapping[str, np.ndarray], path: str | P
     )
     proto = onnx.load_from_string(buf.getvalue())
     x0 = base64.b64encode(encode_payload(Payload({}, {k: np.asarray(params[k], np.float32) for k in names})))
-    for key, value in ((PARAMS_KEY, x0.decode()), (SPEC_KEY, spec.model_dump_json())):
+    meta = [(PARAMS_KEY, x0.decode()), (SPEC_KEY, spec.model_dump_json())]
+    for key, value in meta + ([(INIT_KEY, json.dumps(dict(origin)))] if origin is not None else []):
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value
     path = Path(path)

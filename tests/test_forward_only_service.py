@@ -31,13 +31,15 @@ def onnx_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     cfg = small_config(tmp, algorithm={"name": "decomfl", "edge_rounds": 1}, model={"name": "mlp", "hidden": [4]})
     spec = cfg.model_spec((64,), 10)
     x0 = cfg.build_algorithm(spec).initial_params()
-    return export_onnx(spec, x0, tmp / "m.onnx"), x0
+    return export_onnx(spec, x0, tmp / "m.onnx", cfg.x0_origin()), x0
 
 
-def _serve_one(tmp_path: Path, job_section: str, backend: Any, hidden: int = 4) -> tuple[Any, str | None]:
+def _serve_one(
+    tmp_path: Path, job_section: str, backend: Any, hidden: int = 4, seed: int = 0
+) -> tuple[Any, str | None]:
     """What a long-lived agent on ``backend`` (an ``edge_agent.backends.DeviceBackend``) does with one job whose
-    config holds ``job_section`` (and an mlp [``hidden``]): (the trainer it built for it, None) or (None, the reason
-    its signed idle status gives for not serving it)."""
+    config holds ``job_section`` (and an mlp [``hidden``], ``run.seed``): (the trainer it built for it, None) or
+    (None, the reason its signed idle status gives for not serving it)."""
     from edge_agent.service import AgentService
     from fedtier.deploy_setup import spec_and_data
     from protocols.jobs import CurrentJob, canonical_job, config_hash
@@ -48,7 +50,8 @@ def _serve_one(tmp_path: Path, job_section: str, backend: Any, hidden: int = 4) 
 
     base = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}, security={"keys": "keys.toml"})
     bundle, device = with_run_keys(base, tmp_path), "c0-d0"
-    text = f'[run]\nrounds = 1\n[model]\nname = "mlp"\nhidden = [{hidden}]\n[data]\ndataset = "digits"\n{job_section}'
+    model = f'[model]\nname = "mlp"\nhidden = [{hidden}]\n[data]\ndataset = "digits"\n'
+    text = f"[run]\nrounds = 1\nseed = {seed}\n{model}{job_section}"
     canon = canonical_job(text, bundle)[1]
     current = CurrentJob("j", canon, config_hash(canon))
     hub, statuses, built = MemoryHub(), [], []
@@ -95,7 +98,8 @@ def test_a_forward_only_device_serves_a_job_with_its_own_onnx_model(tmp_path, on
 def test_a_forward_only_device_refuses_for_that_job_one_that_needs_gradients_or_another_model(tmp_path, onnx_model):
     """A job the device cannot serve is refused for that job, the reason in its idle status (as a data mismatch is):
     one needing gradients (every task would have failed: 'OnnxTrainer cannot run SGD'), one whose model is not the
-    onnx file's (the graph's inputs would not take its parameters)."""
+    onnx file's (the graph's inputs would not take its parameters), one whose x_0 is not the file's (another seed:
+    the device would have moved the file's x_0 while its cloud moved another, a silently wrong model)."""
     from edge_agent.backends import DeviceBackend
     from protocols.config import ConfigError
 
@@ -104,6 +108,8 @@ def test_a_forward_only_device_refuses_for_that_job_one_that_needs_gradients_or_
     assert why is not None and why.startswith(REFUSED_GRADIENTS), why
     _, why = _serve_one(tmp_path / "wider", DECOMFL, own, hidden=8)
     assert why == "the job's model is not this device's onnx model: hidden [8] (this device's model: [4])", why
+    _, why = _serve_one(tmp_path / "seed", DECOMFL, own, seed=7)
+    assert why == "the job's model is not this device's onnx model: init_seed 7 (this device's model: 0)", why
     with pytest.raises(ConfigError, match="--backend onnx: the device's model from `fedtier export` is needed"):
         DeviceBackend("onnx", None).check()  # fedtier agent --serve exits 2 before its first job
     torch_device = DeviceBackend("torch")

@@ -154,6 +154,14 @@ class RunConfig(Section):
         """``runtime.max_message_bytes``, or its default from the model's size."""
         return self.runtime.max_message_bytes or 8 * 4 * spec.num_params() + 4 * 1024 * 1024
 
+    def x0_origin(self) -> dict[str, Any]:
+        """What fixes the run's initial parameters x_0 besides its model spec: the seed they are drawn with
+        (``model.init_seed``, else ``run.seed``) and the sha256 of the model the run starts from (``run.init_model``,
+        ``[job] init_from``; ``"unknown"`` for a file without its digest)."""
+        seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
+        start = self.run.init_model_sha256 or ("unknown" if self.run.init_model else None)
+        return {"init_seed": seed, "init_model_sha256": start}
+
     def build_algorithm(self, spec: ModelSpec) -> Algorithm:
         """The algorithm stack of this run, ready to build its roles (``protocols.algorithms.compose``)."""
         wrappers: list[Wrapper] = []
@@ -171,7 +179,7 @@ class RunConfig(Section):
                 raise ConfigError(why)
         topo = self.topology
         directions.set_draw_threads(self.runtime.direction_threads)  # process-wide, as the draws' cache is
-        init_seed = self.model.init_seed if self.model.init_seed is not None else self.run.seed
+        init_seed = self.x0_origin()["init_seed"]
         try:
             algorithm = compose(
                 self.train,
