@@ -508,6 +508,7 @@ def test_a_persistent_client_whose_session_is_gone_says_so_and_re_announces(loop
         assert node.sessions_lost == 1 and clean.sessions_lost == 0
         lost = [r.getMessage() for r in caplog.records if "kept no session" in r.getMessage()]
         assert len(lost) == 1 and lost[0].startswith("fedtier-t-c0-d0:") and "are lost" in lost[0], lost
+        assert "another process connected under this client id" in lost[0], lost  # a takeover says the same
         node.close()
         clean.close()
     finally:

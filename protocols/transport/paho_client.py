@@ -167,7 +167,8 @@ def say_reconnected(client_id: str, where: str, lost: bool, flags: Any, patterns
     if lost:
         log.warning(
             "%s: the broker %s kept no session for this client (expired after its persistent_client_expiration, "
-            "or the broker lost its state): messages queued for it while it was away are lost; resubscribing %d "
+            "the broker lost its state, or another process connected under this client id and took it over): "
+            "messages queued for it while it was away are lost; resubscribing %d "
             "patterns and re-announcing",
             client_id,
             where,
