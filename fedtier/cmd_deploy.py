@@ -334,7 +334,8 @@ def _run_cell(
 @click.option(
     "--onnx-model",
     type=click.Path(exists=True, dir_okay=False),
-    help="With --backend onnx: the model written by `fedtier export` (sets runtime.onnx_model).",
+    help="With --backend onnx: the device's model written by `fedtier export` (sets runtime.onnx_model); with "
+    "--serve, every job's (a job's runtime.onnx_model is not read; one it cannot serve is refused).",
 )
 @click.option(
     "--serve",

@@ -115,3 +115,34 @@ def test_a_forward_only_device_refuses_for_that_job_one_that_needs_gradients_or_
     torch_device = DeviceBackend("torch")
     trainer, refused = _serve_one(tmp_path / "torch", "", torch_device)  # a torch device serves fedavg as before
     assert refused is None and trainer is not None
+
+
+def test_fedtier_agent_serve_on_onnx_without_a_usable_model_exits_2_before_its_first_job(tmp_path):
+    """Before, ``--serve --backend onnx`` without ``--onnx-model`` (or with a file onnxruntime cannot load) started,
+    and refused every job. Now it exits 2 at once, naming the option (before it reads its data or connects)."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    config, data, bad = tmp_path / "c.toml", tmp_path / "data.npz", tmp_path / "m.onnx"
+    config.write_text('[algorithm]\nname = "decomfl"\nedge_rounds = 1\n')
+    data.write_bytes(b"")
+    bad.write_bytes(b"not onnx")
+    args = [
+        "agent",
+        str(config),
+        "--serve",
+        "--device",
+        "c0-d0",
+        "--data",
+        str(data),
+        "--insecure",
+        "--backend",
+        "onnx",
+    ]
+    for extra, says in (
+        ([], "--backend onnx: the device's model from `fedtier export` is needed (--onnx-model)"),
+        (["--onnx-model", str(bad)], f"--onnx-model: {bad}: cannot load it"),
+    ):
+        res = CliRunner().invoke(main, [*args, "--broker", "mqtt://127.0.0.1:1", *extra])
+        assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
