@@ -93,6 +93,7 @@ class TwinWatch:
         self._any = threading.Event()  # a record of another instance seen during the check
         self._live_others: set[str] = set()  # other instances whose own live records were seen (said once)
         self._counted_at: dict[tuple[str, int], float] = {}  # (node, connection) -> when a record last counted
+        self._late: dict[str, float] = {}  # a predecessor seen in the check -> when its first late record came
 
     def on_status(
         self, node: str, topic: str, data: bytes, verify: Any, on_taken: Callable[[], None], epoch: int | None = None
@@ -127,6 +128,8 @@ class TwinWatch:
                 self.twin = (node, other)
                 self._found.set()
             return
+        if self._predecessors_late_record(node, other):
+            return
         if record.get("state") not in TAKEOVER_STATES:  # another live process's own record, not a takeover's trace
             self._other_live(node, other)
             return
@@ -146,6 +149,19 @@ class TwinWatch:
         )
         self.taken += 1  # after the log line: a reader of the count finds the line written
         on_taken()
+
+    def _predecessors_late_record(self, node: str, other: str) -> bool:
+        """A record of the instance the check saw once (a crashed predecessor) coming after the check, in one burst:
+        what its persistent session queued for this one (its will, its last status), held until a job's handler of
+        that topic came (a resumed job's). Not a takeover: said at info; a later record of it is one."""
+        if other not in self.seen.get(node, ()):
+            return False
+        now = time.monotonic()
+        first = self._late.setdefault(other, now)
+        if now - first >= GRACE:
+            return False
+        log.info("%s %s: a record its predecessor (instance %s) left on the broker came late", self.noun, node, other)
+        return True
 
     def _other_live(self, node: str, other: str) -> None:
         """Another process's own online/idle record while this one runs (both started unchecked): said once per

@@ -144,6 +144,38 @@ def test_a_restart_right_after_a_kill_9_is_not_refused(kind: str, tmp_path: Path
         spy.close()
 
 
+def test_a_predecessors_will_held_until_a_resumed_job_takes_it_is_no_takeover(caplog) -> None:
+    """A cloud restarted after a kill -9 with a job running: its check sees the predecessor's retained will once and
+    starts; the copy its persistent session queued is held until the resumed job's handler of status/+ comes, and
+    reached the watch after the check: it logged ERROR 'another cloud process (instance ...) connected under this
+    node id and took this cloud's broker session; stop the other one' (walked: kill -9 of a serving cloud mid-job,
+    restarted at once). A record of that instance in that burst is now said at info; one later, or of an instance
+    the check never saw, is still a takeover."""
+    from protocols.twin import GRACE, TwinWatch
+
+    topic, taken = topics.status("fed", "cloud"), []
+    watch = TwinWatch("restarted", kind="cloud", noun="node")
+    will = offline_will("fed", "cloud", None, "killed0").payload
+    watch.checking = True
+    watch.on_status("cloud", topic, will, None, lambda: taken.append(1), epoch=0)
+    watch.checking = False  # the check is over: one record of killed0, no twin
+    assert watch.twin is None and watch.seen == {"cloud": ["killed0"]}
+    with caplog.at_level(logging.INFO, logger="fedtier.twin"):
+        watch.on_status("cloud", topic, will, None, lambda: taken.append(1))  # the held copy, late
+        watch.on_status(
+            "cloud", topic, encode_status(IDLE, topic=topic, instance="killed0"), None, lambda: taken.append(1)
+        )
+        assert taken == [] and not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        assert "a record its predecessor (instance killed0) left on the broker came late" in caplog.text
+        watch.on_status(
+            "cloud", topic, offline_will("fed", "cloud", None, "live1").payload, None, lambda: taken.append(1)
+        )
+        assert taken == [1]  # an instance the check never saw: a takeover
+        watch._late["killed0"] -= GRACE  # long after the burst
+        watch.on_status("cloud", topic, will, None, lambda: taken.append(1))
+        assert taken == [1, 1]
+
+
 @pytest.mark.parametrize("kind", ["cloud", "cell"])
 def test_fedtier_serve_beside_a_live_cloud_or_cell_exits_2_naming_it(
     kind: str, tmp_path: Path, broker: MosquittoBroker
