@@ -61,6 +61,7 @@ class MqttTransport(Connecting, Inbound, Transport):
     _deadline = 0.0  # of the first connect
     _connect_error: ConnectionError | None = None
     _attempts = 0  # failed (re)connect attempts in a row
+    _hung_ups = 0  # reconnects in a row hung up on before their CONNACK
     # ... its subscriptions ...
     _sub_sending = 0  # SUBSCRIBEs decided on but not yet registered as pending
     _gen = 0  # connection generation: SUBACK bookkeeping of an older connection is void
@@ -349,7 +350,7 @@ class MqttTransport(Connecting, Inbound, Transport):
             self._suback_pending.clear()
             self._suback_early.clear()
             self._cv.notify_all()
-        self._attempts = 0
+        self._attempts = self._hung_ups = 0
         lost = self.persistent and self._ever_connected and not getattr(flags, "session_present", False)
         if lost:  # the broker expired it (persistent_client_expiration) or lost its state: say so
             self.sessions_lost += 1
@@ -386,10 +387,15 @@ class MqttTransport(Connecting, Inbound, Transport):
             return
         if was_connected:
             log.warning("%s: lost connection to %s:%s (%s); reconnecting", self.client_id, self.host, self.port, reason)
-        else:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why, not "Unspecified error"
+        elif self._hung_ups == 0:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why
+            self._hung_ups = 1
             log.warning(
                 "%s: %s; retrying", self.client_id, hung_up_before_connack(self._where, self.client_id, self._creds)
             )
+        else:  # the same again at each retry (a revoked node's, every 30 s for ever): one line every 10th
+            self._hung_ups += 1
+            level = logging.WARNING if self._hung_ups % 10 == 0 else logging.DEBUG
+            log.log(level, "%s: closed again before accepting it (%d times); retrying", self.client_id, self._hung_ups)
         if self._reactor is not None:
             self._retry_later()
 
