@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, save_device_data
 from fedtier.cli import main
+from protocols.config import RunConfig
 from protocols.status import decode_status, encode_status
 from protocols.transport.broker import MosquittoBroker, find_mosquitto
 from protocols.transport.mqtt import MqttTransport
@@ -67,6 +68,23 @@ def agents_of(tmp_path: Path, url: str, window: float) -> AgentProcess:
     )
 
 
+def _announced(spy: Retained, first: AgentProcess) -> bool:
+    """The live agent's own ``online`` record is the status topic's last: its will (``offline``, its instance) comes
+    first at each takeover, then its announcement again."""
+    last = spy.records[-1] if spy.records else {}
+    return last.get("instance") == first.twins.instance and last.get("state") == "online"
+
+
+def _config_and_data(tmp_path: Path) -> tuple[RunConfig, Path, Path]:
+    """A one-device config file and that device's data file, as ``fedtier agent`` takes them."""
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    config, data = tmp_path / "run.toml", tmp_path / f"{DEVICE}.npz"
+    config.write_text(cfg.to_toml())
+    prep = prepare(cfg)
+    save_device_data(data, prep.device_data[DEVICE], prep.spec)
+    return cfg, config, data
+
+
 def test_a_second_agent_under_a_live_device_id_is_refused_and_the_first_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -86,8 +104,7 @@ def test_a_second_agent_under_a_live_device_id_is_refused_and_the_first_says_so(
             # the first took its session back, read the refusal, said so loudly and announced itself again
             assert until(lambda: first.twins.taken >= 1)
             assert any("took this agent's broker session" in r.getMessage() for r in caplog.records)
-            assert until(lambda: spy.records[-1].get("instance") == first.twins.instance)
-            assert spy.records[-1]["state"] == "online"
+            assert until(lambda: _announced(spy, first))
             assert all(r.get("instance") != second.twins.instance or r["state"] == "other" for r in spy.records)
         finally:
             spy.close()
@@ -124,11 +141,7 @@ def test_fedtier_agent_under_a_live_device_id_exits_2_naming_it(tmp_path: Path) 
     """The command a deployment runs: ``fedtier agent`` (default heartbeat: a 6 s window) refused, exit 2 (its
     systemd unit's ``RestartPreventExitStatus``: not restarted every 5 s, as a refused cloud or cell)."""
     assert twin_window(5.0) == 6.0
-    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
-    config, data = tmp_path / "run.toml", tmp_path / f"{DEVICE}.npz"
-    config.write_text(cfg.to_toml())
-    prep = prepare(cfg)
-    save_device_data(data, prep.device_data[DEVICE], prep.spec)
+    _, config, data = _config_and_data(tmp_path)
     with MosquittoBroker() as broker:
         first = agents_of(tmp_path, broker.url, 0.2).start()
         try:
@@ -148,11 +161,7 @@ def test_fedtier_agent_serve_under_a_live_device_id_is_refused_before_its_first_
     the device idle over the live one's status. Its first watch connection is checked now (``protocols.twin.NodeTwin``
     on the device's status topic; the agents' wills name their instance, as the cloud's and cells' do, so the live one
     shows at each takeover): refused before it announces anything, exit 2, the same message."""
-    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
-    config, data = tmp_path / "run.toml", tmp_path / f"{DEVICE}.npz"
-    config.write_text(cfg.to_toml())
-    prep = prepare(cfg)
-    save_device_data(data, prep.device_data[DEVICE], prep.spec)
+    cfg, config, data = _config_and_data(tmp_path)
     with MosquittoBroker() as broker:
         first = agents_of(tmp_path, broker.url, 0.2).start()
         status = topics.device_status(first.run, "c0", DEVICE)
@@ -166,8 +175,7 @@ def test_fedtier_agent_serve_under_a_live_device_id_is_refused_before_its_first_
             assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
             assert time.monotonic() - started < twin_window(cfg.runtime.heartbeat) + 5
             assert until(lambda: first.twins.taken >= 1)  # it saw the takeover and announced itself again
-            assert until(lambda: spy.records[-1].get("instance") == first.twins.instance)
-            assert spy.records[-1]["state"] == "online"
+            assert until(lambda: _announced(spy, first))
             assert not any(r["state"] == "idle" for r in spy.records)  # the refused one never said the device idle
         finally:
             spy.close()
