@@ -756,14 +756,22 @@ def test_a_chunked_message_whose_handler_was_killed_comes_whole_in_the_next_sess
         assert not [r for r in caplog.records if "chunk by chunk" in r.getMessage()]
         assert wait_until(lambda: again._taking is None, WAIT)  # the last handler returned: its chunks acknowledged
         again.close()
-        later = Inbox(loop)
         third = connect(b, "fedtier-t-cloud", loop, persistent=True)  # all handled: none comes again
-        third.subscribe(f"{prefix}/up/c0/report", later)
-        assert third.wait_subscribed(WAIT)
-        cell.publish(f"{prefix}/up/c0/report", b"push 5")
-        assert later.wait_n(1) == [(f"{prefix}/up/c0/report", b"push 5")]
-        third.close()
+        _gets_only_what_comes_now(third, f"{prefix}/up/c0/report", cell, b"push 5", loop)
         cell.close()
+
+
+def _gets_only_what_comes_now(
+    session: MqttTransport, topic: str, publisher: MqttTransport, payload: bytes, loop: ThreadLoop
+) -> None:
+    """A next session of a persistent client, subscribed to ``topic``, is handed ``payload`` published now and
+    nothing before it (no message its previous session handled comes again); then it closes."""
+    later = Inbox(loop)
+    session.subscribe(topic, later)
+    assert session.wait_subscribed(WAIT)
+    publisher.publish(topic, payload)
+    assert later.wait_n(1) == [(topic, payload)]
+    session.close()
 
 
 @needs_mosquitto
@@ -801,16 +809,11 @@ def test_a_persistent_client_that_closes_and_reconnects_at_once_is_not_handed_ag
             assert len(handled.wait_n(20)) == 20 and wait_until(lambda: node._taking is None, WAIT)
             resume.start()
             node.close()
-            later = Inbox(loop)
             again = connect(b, "fedtier-t-cloud", loop, persistent=True)
         finally:
             resume.cancel()
             os.kill(b.pid, signal.SIGCONT)
-        again.subscribe(f"{prefix}/up", later)
-        assert again.wait_subscribed(WAIT)
-        cell.publish(f"{prefix}/up", b"next")
-        assert later.wait_n(1) == [(f"{prefix}/up", b"next")]
-        again.close()
+        _gets_only_what_comes_now(again, f"{prefix}/up", cell, b"next", loop)
         cell.close()
 
 

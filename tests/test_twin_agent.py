@@ -4,11 +4,11 @@ Mosquitto (two connections with one client id take the session from each other);
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -16,42 +16,22 @@ from click.testing import CliRunner
 from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer, save_device_data
 from fedtier.cli import main
 from protocols.config import RunConfig
-from protocols.status import decode_status, encode_status
+from protocols.status import encode_status
 from protocols.transport.broker import MosquittoBroker, find_mosquitto
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.twin import TwinError, twin_window
 from protocols.wire import topics
 from sim.hierarchy import prepare
-from tests.conftest import small_config
+from tests.conftest import small_config, wait_until
+from tests.test_twin_node import Spy
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 DEVICE = "c0-d0"
 WINDOW = twin_window(0.3)  # the live agent's reconnect, then the refused one's
 
 
-def until(cond: Any, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-class Retained:
-    """The device's retained status record, as a cell would read it."""
-
-    def __init__(self, url: str, status: str) -> None:
-        self.loop = ThreadLoop("spy").start()
-        self.records: list[dict[str, Any]] = []
-        self.transport = MqttTransport.from_url(url, "spy", self.loop)
-        self.transport.subscribe(status, lambda t, b: self.records.append(decode_status(b) or {"state": "other"}))
-        self.transport.connect()
-
-    def close(self) -> None:
-        self.transport.close()
-        self.loop.stop()
+until = functools.partial(wait_until, timeout=20.0)
 
 
 def agents_of(tmp_path: Path, url: str, window: float) -> AgentProcess:
@@ -66,13 +46,6 @@ def agents_of(tmp_path: Path, url: str, window: float) -> AgentProcess:
         heartbeat=0.3,
         twin_window=window,
     )
-
-
-def _announced(spy: Retained, first: AgentProcess) -> bool:
-    """The live agent's own ``online`` record is the status topic's last: its will (``offline``, its instance) comes
-    first at each takeover, then its announcement again."""
-    last = spy.records[-1] if spy.records else {}
-    return last.get("instance") == first.twins.instance and last.get("state") == "online"
 
 
 def _config_and_data(tmp_path: Path) -> tuple[RunConfig, Path, Path]:
@@ -92,7 +65,7 @@ def test_a_second_agent_under_a_live_device_id_is_refused_and_the_first_says_so(
     with MosquittoBroker() as broker:
         first = agents_of(tmp_path, broker.url, 0.2).start()
         status = topics.device_status(first.run, "c0", DEVICE)
-        spy = Retained(broker.url, status)
+        spy = Spy(broker.url, status)
         try:
             assert until(lambda: any(r.get("instance") == first.twins.instance for r in spy.records))
             second = agents_of(tmp_path, broker.url, WINDOW)
@@ -104,7 +77,7 @@ def test_a_second_agent_under_a_live_device_id_is_refused_and_the_first_says_so(
             # the first took its session back, read the refusal, said so loudly and announced itself again
             assert until(lambda: first.twins.taken >= 1)
             assert any("took this agent's broker session" in r.getMessage() for r in caplog.records)
-            assert until(lambda: _announced(spy, first))
+            assert until(lambda: spy.last_is("online", first.twins.instance))
             assert all(r.get("instance") != second.twins.instance or r["state"] == "other" for r in spy.records)
         finally:
             spy.close()
@@ -121,7 +94,7 @@ def test_a_stale_retained_online_of_a_crashed_predecessor_does_not_block_a_resta
         assert stale.flush(10.0)
         stale.close()
         loop.stop()
-        spy = Retained(broker.url, status)
+        spy = Spy(broker.url, status)
         assert until(lambda: [r.get("instance") for r in spy.records] == ["crashed0"])
         agents = agents_of(tmp_path, broker.url, 1.5)
         done = threading.Event()
@@ -165,7 +138,7 @@ def test_fedtier_agent_serve_under_a_live_device_id_is_refused_before_its_first_
     with MosquittoBroker() as broker:
         first = agents_of(tmp_path, broker.url, 0.2).start()
         status = topics.device_status(first.run, "c0", DEVICE)
-        spy = Retained(broker.url, status)
+        spy = Spy(broker.url, status)
         try:
             command = ["agent", str(config), "--serve", "--device", DEVICE, "--data", str(data), "--broker", broker.url]
             started = time.monotonic()
@@ -175,7 +148,7 @@ def test_fedtier_agent_serve_under_a_live_device_id_is_refused_before_its_first_
             assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
             assert time.monotonic() - started < twin_window(cfg.runtime.heartbeat) + 5
             assert until(lambda: first.twins.taken >= 1)  # it saw the takeover and announced itself again
-            assert until(lambda: _announced(spy, first))
+            assert until(lambda: spy.last_is("online", first.twins.instance))
             assert not any(r["state"] == "idle" for r in spy.records)  # the refused one never said the device idle
         finally:
             spy.close()
