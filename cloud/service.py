@@ -3,10 +3,10 @@ them one after another, each as a :class:`CloudServer` with its own run folder a
 
 On the loop thread: submissions and cancellations (``protocols.jobs``) are verified against the operator's
 public key, validated against the federation, written to the queue (:mod:`cloud.jobs`) and answered with a
-signed reply. :meth:`CloudService.serve` (the caller's thread) runs the queue: it publishes the job in
-progress (retained, signed: cells and agents take its config from there), runs its rounds, records how it
-ended, and starts the next. Killed while a job runs, the restarted service resumes it from its checkpoint
-(same session, so cells and agents carry on) and then runs the queued ones.
+signed reply (:mod:`cloud.job_requests`). :meth:`CloudService.serve` (the caller's thread) runs the queue: it
+publishes the job in progress (retained, signed: cells and agents take its config from there), runs its rounds,
+records how it ended, and starts the next. Killed while a job runs, the restarted service resumes it from its
+checkpoint (same session, so cells and agents carry on) and then runs the queued ones.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,23 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from protocols import runfiles
-from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import Algorithm, TrainParams
-from protocols.algorithms.traits import Trait
 from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file, write_durably
 from protocols.config import RunConfig, TopologySection
-from protocols.jobs import (
-    MAX_JOB_RECORD_BYTES,
-    OPERATOR,
-    CurrentJob,
-    JobError,
-    canonical_job,
-    check_job_id,
-    config_hash,
-    open_job_record,
-    request_nonce,
-)
+from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
 from protocols.status import IdleBeat, between_jobs
@@ -52,7 +39,8 @@ from protocols.wire import topics
 from protocols.wire.keys import Trust
 from protocols.wire.signed import seal_record
 
-from .jobs import Job, JobQueue, JobQueueError
+from .job_requests import on_request
+from .jobs import Job, JobQueue
 from .kept_records import KeptRecords
 from .node import build_cloud
 from .requests import REQUESTS_FILE, OperatorRequests
@@ -192,7 +180,7 @@ class CloudService:
             for pattern in topics.cloud_job_patterns(self.fed):  # (redelivered to this session) are not held, and
                 transport.unsubscribe(pattern)  # a job record the broker holds (an ended job's) is cleared
             self.kept.last.setdefault(topics.current_job(self.fed), b"")
-        transport.subscribe(topics.job_submit(self.fed), self._on_submit)
+        transport.subscribe(topics.job_submit(self.fed), partial(on_request, self))
         transport.subscribe(roster_topic(self.fed), self._on_roster)
         for topic in (topics.job_list(self.fed), topics.current_job(self.fed)):  # (a broker restored from an
             transport.subscribe(topic, lambda t, d: self.kept.on_record(self._live(), t, d))  # older database)
@@ -416,79 +404,6 @@ class CloudService:
             self.kept.last[topic] = data  # what the broker holds now is this cloud's roster
             return
         self.kept.on_record(self._live(), topic, data)  # (its own comes back equal; published first as it connects)
-
-    # ------------------------------------------------------------------ operator requests (loop thread)
-    def _on_submit(self, topic: str, data: bytes) -> None:
-        if not data:
-            return
-        try:  # the job id and nonce first (to answer on its topic, to its request), then the operator's signature
-            unverified = open_job_record(data, topic, OPERATOR, None)
-            job = check_job_id(unverified.get("job"))
-        except JobError as exc:
-            log.warning("refused a job request: %s", exc)  # no job id to answer on
-            return
-        reply = partial(self._reply, job, nonce=request_nonce(unverified))
-        try:
-            record = self.requests.open(data, topic)  # the operator's signature, its time and nonce
-        except JobError as exc:
-            log.warning("refused job %s: %s", job, exc)
-            reply(False, str(exc))
-            return
-        try:
-            if record.get("action") == "cancel":
-                self._cancel(job)
-                reply(True, "cancelled" if self.queue.jobs[job].state == "cancelled" else "cancelling")
-            elif record.get("action") == "submit":
-                self._submit(job, record)
-                reply(True, "queued")
-            else:
-                raise JobError(f"unknown action {record.get('action')!r}")
-        except JobError as exc:
-            log.warning("refused %s %s: %s", "to cancel job" if record.get("action") == "cancel" else "job", job, exc)
-            reply(False, str(exc))
-        except JobQueueError as exc:
-            reply(False, str(exc))
-            self.error = exc  # the queue cannot be written: stop rather than lose a job
-            return
-        if (transport := self._live()) is not None:
-            self._publish_list(transport)
-        self.wake.set()
-
-    def _submit(self, job: str, record: dict[str, Any]) -> None:
-        config = record.get("config")
-        init_from = record.get("init_from")
-        if not isinstance(config, str):
-            raise JobError("the job has no config")
-        cfg, text = canonical_job(config, self.bundle)
-        if init_from is not None and Trait.DEVICE_STATE in get_algorithm(cfg.train.name).traits_with(cfg.train):
-            raise JobError(
-                f"init_from: {cfg.train.name}'s devices keep a model replica from the initial model, which only "
-                "the cloud would have"
-            )
-        epsilon = cfg.dp_accountant().epsilon(cfg.run.rounds) if cfg.privacy.dp != "off" else math.inf
-        devices = cfg.topology.all_devices()
-        reason = self.ledger.refusal(job, devices, epsilon, self.bundle.privacy.federation_epsilon_budget)
-        if reason is not None:
-            raise JobError(reason)
-        self.queue.submit(Job(job, text, config_hash(text), OPERATOR, init_from))
-        if math.isfinite(epsilon):
-            self.ledger.reserve(job, devices, epsilon, cfg.privacy.delta)
-        log.info("job %s queued (hash %s)", job, config_hash(text)[:12])
-
-    def _cancel(self, job: str) -> None:
-        cancelled = self.queue.cancel(job)
-        if cancelled.state == "cancelled":  # never ran: it spent nothing
-            self.ledger.settle(job, 0.0)
-        if self.node is not None and cancelled.state == "running":
-            self.node.request_stop("cancelled by the operator")
-
-    def _reply(self, job: str, accepted: bool, reason: str, nonce: str | None) -> None:
-        """Answer a request about ``job``, echoing its ``nonce``: the operator takes no other answer as its own."""
-        if (transport := self._live()) is None:
-            return
-        topic = topics.job_reply(self.fed, job)
-        record = {"job": job, "accepted": accepted, "reason": reason, **({"nonce": nonce} if nonce else {})}
-        transport.publish(topic, self._seal(record, topic))
 
     def _publish_list(self, transport: Transport) -> None:
         topic = topics.job_list(self.fed)

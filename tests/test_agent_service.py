@@ -400,6 +400,7 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_and_says_idle_not_
     before it closed holds it); before, one more stayed a job. A job's server said the cloud offline as it closed
     its connection, until the next connection said idle: `fedtier jobs` then warned "the cloud is offline"; it says
     idle at once, and offline only when the service stops."""
+    from cloud import job_requests
     from cloud.jobs import Job, JobQueue
     from protocols.jobs import OPERATOR, canonical_job, config_hash
     from protocols.status import decode_status
@@ -443,7 +444,7 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_and_says_idle_not_
                 queue.submit(Job(f"j{j}", text, config_hash(text), OPERATOR))
                 service.wake.set()
                 assert wait_until(lambda: service.node is not None, 30.0)
-                loop.post(lambda: service._cancel(f"j{j}"))  # noqa: B023
+                loop.post(lambda: job_requests.cancel(service, f"j{j}"))  # noqa: B023
                 assert wait_until(lambda: made["made"] == j + 2, 30.0)  # noqa: B023  # the job ended: the next connection
                 counts.append(connections())
         finally:

@@ -331,18 +331,19 @@ def test_a_node_takes_only_the_job_the_cloud_signed_and_leaves_on_its_finished()
 
 def test_init_from_is_refused_for_devices_that_keep_a_replica_of_the_initial_model(tmp_path: Path) -> None:
     """DeComFL's devices replay from x0: only the cloud would have the base job's model."""
+    from cloud import job_requests
     from cloud.service import CloudService
 
     fed = federation(tmp_path)
     queue = JobQueue(tmp_path / "jobs.json")
     service = CloudService(fed, None, lambda: None, queue, None, trust=None, operator=None)  # type: ignore[arg-type]
     fedavg = '[algorithm]\nname = "fedavg"\n'
-    service._submit("a", {"config": fedavg})
+    job_requests.submit(service, "a", {"config": fedavg})
     queue.start("a")
     queue.end("a", "finished")
-    service._submit("b", {"config": fedavg, "init_from": "a"})
+    job_requests.submit(service, "b", {"config": fedavg, "init_from": "a"})
     with pytest.raises(JobError, match="keep a model replica"):
-        service._submit("c", {"config": '[algorithm]\nname = "decomfl"\n', "init_from": "a"})
+        job_requests.submit(service, "c", {"config": '[algorithm]\nname = "decomfl"\n', "init_from": "a"})
     assert [j.job for j in queue.jobs.values()] == ["a", "b"]
 
 
@@ -534,6 +535,9 @@ def test_a_signed_job_nested_past_the_toml_parsers_limit_is_answered_refused_and
     the cloud's parser: its request handler died (a traceback in its log), no reply came and `fedtier submit` waited
     its 30 s for one; the same text in a job file or a config was a RecursionError traceback of `fedtier submit` or
     `fedtier sim`. It is refused, answered with the reason, and the next job is queued."""
+    from functools import partial
+
+    from cloud import job_requests
     from cloud.service import CloudService
     from protocols.transport.memory import MemoryHub
 
@@ -545,7 +549,7 @@ def test_a_signed_job_nested_past_the_toml_parsers_limit_is_answered_refused_and
         fed, None, lambda: None, queue, None, trust=Trust("cloud", seeds["cloud"], public), operator=public[OPERATOR]
     )  # type: ignore[arg-type]
     service.transport = hub.connect("cloud")
-    service.transport.subscribe(topics.job_submit("fed"), service._on_submit)
+    service.transport.subscribe(topics.job_submit("fed"), partial(job_requests.on_request, service))
     replies: list[dict[str, Any]] = []
     watcher = hub.connect("operator-replies")
     watcher.subscribe(topics.job_replies("fed"), lambda t, d: replies.append(open_job_record(d, t, "cloud", None)))
@@ -573,6 +577,9 @@ def test_submit_takes_the_clouds_answer_to_its_own_request_not_to_a_bogus_one_fo
     was queued. The request carries a fresh nonce that the cloud's signed reply echoes: another request's answer
     and a reply not signed by the cloud are ignored, and a request of the operator's own that the cloud refuses
     is still answered (its nonce echoed)."""
+    from functools import partial
+
+    from cloud import job_requests
     from cloud.service import CloudService
     from protocols.jobs import PendingRequest, post_request
     from protocols.transport.memory import MemoryHub
@@ -584,7 +591,7 @@ def test_submit_takes_the_clouds_answer_to_its_own_request_not_to_a_bogus_one_fo
         fed, None, lambda: None, queue, None, trust=Trust("cloud", seeds["cloud"], public), operator=public[OPERATOR]
     )  # type: ignore[arg-type]
     service.transport = hub.connect("cloud")
-    service.transport.subscribe(topics.job_submit("fed"), service._on_submit)
+    service.transport.subscribe(topics.job_submit("fed"), partial(job_requests.on_request, service))
     intruder, submit = hub.connect("intruder"), topics.job_submit("fed")
     operator: Any = hub.connect("operator")
     operator.wait_subscribed = lambda wait: True  # (the memory hub subscribes at once)
@@ -715,6 +722,9 @@ class _Federation:
         self.cloud: Any = None
 
     def restart(self, where: Path, skew: float = 0.0) -> Any:
+        from functools import partial
+
+        from cloud import job_requests
         from cloud.service import CloudService
 
         if self.cloud is not None:
@@ -727,7 +737,7 @@ class _Federation:
         )  # type: ignore[arg-type]
         self.cloud.requests.clock = lambda: time.time() + skew
         self.cloud.transport = self.hub.connect(f"cloud-{where.name}")
-        self.cloud.transport.subscribe(topics.job_submit("fed"), self.cloud._on_submit)
+        self.cloud.transport.subscribe(topics.job_submit("fed"), partial(job_requests.on_request, self.cloud))
         return self.cloud
 
     def request(self, record: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cloud import job_requests
 from cloud.jobs import JobQueue
 from cloud.service import CloudService
 from protocols.jobs import JobError
@@ -51,18 +52,18 @@ def test_the_federations_budget_refuses_a_job_that_would_exceed_it(tmp_path: Pat
     queue = JobQueue(tmp_path / "q" / "jobs.json")
     service = CloudService(bundle, None, lambda: None, queue, None, trust=None, operator=None)  # type: ignore[arg-type]
     for job in ("j1", "j2"):
-        service._submit(job, {"config": JOB.format(rounds=3)})
+        job_requests.submit(service, job, {"config": JOB.format(rounds=3)})
     per_job = service.ledger.jobs["j1"]["epsilon"]  # the job's accountant: 3 rounds at z = 4, E = 1
     assert 3.4 < per_job < 5  # two such jobs fit in 10, a third does not
     assert [j.job for j in queue.jobs.values()] == ["j1", "j2"]
     assert service.ledger.spent("c1-d2") == pytest.approx(2 * per_job)
     with pytest.raises(JobError, match=r"would spend epsilon .* > privacy.federation_epsilon_budget 10"):
-        service._submit("j3", {"config": JOB.format(rounds=3)})
+        job_requests.submit(service, "j3", {"config": JOB.format(rounds=3)})
     with pytest.raises(JobError, match="no differential privacy"):
-        service._submit("plain", {"config": '[algorithm]\nname = "fedavg"\n'})
+        job_requests.submit(service, "plain", {"config": '[algorithm]\nname = "fedavg"\n'})
     assert "j3" not in queue.jobs and "plain" not in queue.jobs  # refused jobs are not queued
-    service._cancel("j2")  # never ran: its reservation goes back
-    service._submit("j3", {"config": JOB.format(rounds=3)})
+    job_requests.cancel(service, "j2")  # never ran: its reservation goes back
+    job_requests.submit(service, "j3", {"config": JOB.format(rounds=3)})
     restarted = CloudService(bundle, None, lambda: None, queue, None, trust=None, operator=None)  # type: ignore[arg-type]
     assert restarted.ledger.spent("c0-d0") == pytest.approx(2 * per_job)  # j1 and j3, from the file
 
