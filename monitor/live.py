@@ -8,6 +8,7 @@ import time
 from rich.console import Console
 from rich.live import Live
 
+from .log_lines import LineLog
 from .sources import RunDirFollower, TelemetryFeed, wait_quiet
 from .state import MonitorState, job_entries
 from .view import CellFilter, render
@@ -53,7 +54,8 @@ class LiveView:
         self, feed: RunDirFollower | TelemetryFeed, once: bool, wait: float, refresh: float, exit_when_done: bool
     ) -> None:
         """One frame (``once``: after live telemetry went quiet, ``wait`` at most) or a live view redrawn every
-        ``refresh`` seconds; a telemetry feed is closed on leaving."""
+        ``refresh`` seconds, where the output is no terminal a :class:`~monitor.log_lines.LineLog` (and the last
+        frame on leaving); a telemetry feed is closed on leaving."""
         try:
             if once:
                 if isinstance(feed, TelemetryFeed):
@@ -61,6 +63,8 @@ class LiveView:
                 self.pull(feed)
                 self.out.print(render(self.state, flt=self.flt))
                 return
+            if not self.out.is_terminal or self.out.is_dumb_terminal:  # a live display writes nothing there
+                return self.log(feed, refresh, exit_when_done)
             with Live(render(self.state, flt=self.flt), console=self.out, auto_refresh=False, transient=False) as live:
                 while True:
                     self.pull(feed)
@@ -73,3 +77,16 @@ class LiveView:
         finally:
             if isinstance(feed, TelemetryFeed):
                 feed.close()
+
+    def log(self, feed: RunDirFollower | TelemetryFeed, refresh: float, exit_when_done: bool) -> None:
+        """A line each time something changed, checked every ``refresh`` seconds, and the last frame on leaving."""
+        lines = LineLog(self.out)
+        try:
+            while True:
+                self.pull(feed)
+                lines.update(self.state)
+                if exit_when_done and self.state.done:
+                    return
+                time.sleep(refresh)
+        finally:
+            self.out.print(render(self.state, flt=self.flt))

@@ -223,7 +223,9 @@ def state_line(state: MonitorState, now: float) -> Text | None:
     return text
 
 
-def cloud_line(state: MonitorState, now: float) -> Text:
+def cloud_line(state: MonitorState, now: float, log: bool = False) -> Text:
+    """The cloud's last closed round and its figures (``log``: as a line of a log, without the accuracy's sparkline
+    and the time since it came, which change while nothing happens)."""
     c = state.cloud
     if c is None and state.cell_folder:
         return cell_folder_line(state.cell_folder)
@@ -233,13 +235,14 @@ def cloud_line(state: MonitorState, now: float) -> Text:
     text = Text.assemble(("cloud ", "bold"), f"round {c.round + 1}{total} closed ({c.closed_by}), ")
     if state.accuracy:
         text.append(f"accuracy {state.accuracy[-1][1]:.4f} ", style="bold cyan")
-        text.append(sparkline([a for _, a in state.accuracy]) + " ")
+        text.append("" if log else sparkline([a for _, a in state.accuracy]) + " ")
     if c.loss is not None:
         text.append(f"loss {c.loss:.4f}  ")
     if c.epsilon is not None:
         text.append(f"ε {c.epsilon:.3g}  ", style="magenta")
     text.append(f"bytes {human_bytes(sum(c.cumulative_bytes.values()))}  ")
-    text.append(f"last {_ago(now, state.cloud_seen)}")
+    if not log:
+        text.append(f"last {_ago(now, state.cloud_seen)}")
     if state.finished:
         phase = str(state.states.get("cloud", {}).get("phase"))  # a failed job ended too: say how
         styles = {"failed": "bold red", "stopped": "bold yellow"}
@@ -276,8 +279,9 @@ def ended_line(s: dict) -> Text | None:
     return text
 
 
-def jobs_line(state: MonitorState, now: float) -> Text | None:
-    """A federation's jobs, from the cloud's signed list: the running one, how many wait, the last that ended."""
+def jobs_line(state: MonitorState, now: float, log: bool = False) -> Text | None:
+    """A federation's jobs, from the cloud's signed list: the running one, how many wait, the last that ended (when,
+    unless ``log``)."""
     if not state.jobs:
         return None
     running = [j["job"] for j in state.jobs if j["state"] == "running"]
@@ -289,7 +293,7 @@ def jobs_line(state: MonitorState, now: float) -> Text | None:
         style = {"finished": "green", "failed": "bold red"}.get(last["state"], "yellow")
         text.append("; last ended: ")
         text.append(f"{last['job']} {last['state']}", style=style)
-        text.append((f": {last['reason']}" if last["reason"] else "") + f" {_ago(now, last['ended'])}")
+        text.append((f": {last['reason']}" if last["reason"] else "") + ("" if log else f" {_ago(now, last['ended'])}"))
     return text
 
 

@@ -849,3 +849,42 @@ def test_a_rejection_of_kind_late_raises_no_monitor_alert_whatever_the_record_be
     state = MonitorState()
     state.add(CellRecord.model_validate({**record, "rejected": [{**late, "kind": "stale"}]}))
     assert any("c0 rejected 1 result(s) in round 0.1" in a for a in state.alerts(now=101.5))
+
+
+@pytest.mark.timeout(60)
+def test_a_monitor_whose_output_is_no_terminal_logs_each_round_as_it_comes_flushed(runs, tmp_path):
+    """``fedtier monitor RUN > log.txt`` (or ``| tee``, a systemd unit's journal, a CI job) wrote nothing until it
+    ended: rich's live display draws only on a terminal. There it logs a stamped line per change, flushed at once
+    (read back here from the file on disk while the monitor follows), and the last frame when it leaves."""
+    import threading
+
+    from conftest import wait_until
+
+    from monitor.live import LiveView
+    from protocols.terminal import SafeConsole
+
+    run_dir = tmp_path / "going"
+    shutil.copytree(runs[1].output_dir, run_dir)
+    for done in (runfiles.SUMMARY, runfiles.LOCK):
+        (run_dir / done).unlink(missing_ok=True)
+    metrics = run_dir / runfiles.METRICS
+    rounds = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text(rounds[0])
+    log = tmp_path / "log.txt"
+    with log.open("w", buffering=1 << 16) as out:
+        view = LiveView(0.75, None, CellFilter(), SafeConsole(file=out))
+        follow = threading.Thread(
+            target=view.follow, args=(RunDirFollower(run_dir), False, 1.0, 0.05, True), daemon=True
+        )
+        follow.start()
+        try:
+            assert wait_until(lambda: "cloud round 1/3 closed" in log.read_text(), 20), log.read_text()
+            with metrics.open("a") as fh:
+                fh.writelines(rounds[1:])  # the last round: --exit-when-done leaves
+        finally:
+            follow.join(20)
+    said = log.read_text()
+    assert not follow.is_alive() and "cloud round 3/3 closed" in said and "finished" in said, said
+    first = next(line for line in said.splitlines() if "cloud round 1/3" in line)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d cloud round 1/3 closed \(all reported\), accuracy", first), said
+    assert said.count("cloud round 1/3 closed") == 1 and "╭─ fedtier monitor: plain" in said  # once; the frame last
