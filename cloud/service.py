@@ -118,6 +118,8 @@ class CloudService:
         self.roster: Roster | None = None  # the federation's membership; jobs are planned on it
         self.twin = NodeTwin(self.fed, "cloud", "cloud", twin_window, trust)  # its instance: in its statuses, its will
         self.kept = KeptRecords()  # its roster, job list and job in progress, as it last published them
+        self.served: list[str] = []  # the jobs this process ran to their end (finished, failed, cancelled), in order
+        self.stopped_during: str | None = None  # the job it was stopped during (SIGTERM mid-job), if it was
         if roster is not None and trust is not None:
             self._adopt(verify_roster(roster, trust.verify, federation=self.fed), write=False)
 
@@ -244,6 +246,7 @@ class CloudService:
         if node.finished:
             self._end(job, cfg, node, out, transport)
         elif self.stopping.is_set():  # SIGTERM (`systemctl stop`): the journal said nothing of the job left running
+            self.stopped_during = job.job
             log.warning(
                 "stopped with job %s running (%d rounds done): it resumes from its checkpoint when the cloud starts "
                 "again",
@@ -280,6 +283,7 @@ class CloudService:
         spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
         self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
         self.queue.end(job.job, state, reason, node.cells_absent_at_start)
+        self.served.append(job.job)
         log.info("job %s %s", job.job, state)
         # no job in progress: a node (re)started now waits for the next one, not the one just ended
         self._current = None

@@ -97,7 +97,7 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
 
     try:
         with run_folder_lock(cfg, "cloud"):
-            serve_cloud(cfg, broker_options(cfg, broker_url, auth), test_data, spec_and_data)
+            served = serve_cloud(cfg, broker_options(cfg, broker_url, auth), test_data, spec_and_data)
     except (
         ConfigError,
         TwinError,
@@ -105,6 +105,7 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
         fail_with(exc, 2)
     except JobQueueError as exc:
         fail_with(exc, 1)
+    console.print(served)
 
 
 def _run_cloud(

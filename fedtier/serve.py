@@ -127,8 +127,9 @@ def write_job_final(job: Any, job_cfg: RunConfig, node: Any, out: Path) -> None:
     write_final(out, result)
 
 
-def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Callable[..., Any]) -> None:
-    """Run the federation's cloud: the job queue in ``{output}/jobs.json``, a run folder per job."""
+def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Callable[..., Any]) -> str:
+    """Run the federation's cloud: the job queue in ``{output}/jobs.json``, a run folder per job; returns what it
+    served (:func:`served_summary`)."""
     from cloud.jobs import JobQueue
     from cloud.service import CloudService, JobParts
     from edge_agent.runner import offline_will
@@ -184,16 +185,22 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         service.serve()
     finally:
         linger(exporter, 0)
+    return served_summary("cloud", service.served, service.stopped_during)
 
 
 def served_summary(node: str, served: list[str], stopped_during: str | None, tasks: int | None = None) -> str:
-    """What a long-lived cell or agent (``node``: ``cell c0``, ``device c0-d0``) says as it stops: the jobs it served
+    """What a long-lived node (``node``: ``cloud``, ``cell c0``, ``device c0-d0``) says as it stops: the jobs it served
     (and ``tasks``), and the one it was stopped during, if it was (SIGTERM mid-job), and what becomes of that job."""
     line = f"{node}: served {len(served)} jobs" + (f" ({', '.join(served)})" if served else "")
     line += "" if tasks is None else f", {tasks} tasks"
     if stopped_during is None:
         return line
     kind = node.split()[0]
+    if kind == "cloud":  # the job waits for it: no round closes without the cloud
+        return (
+            f"{line}; stopped during job {stopped_during}, which resumes from its checkpoint when the cloud starts "
+            "again"
+        )
     return (
         f"{line}; stopped during job {stopped_during}, which goes on without this {kind} until it starts again and "
         "serves the rest of it (if the job still runs then)"

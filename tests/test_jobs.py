@@ -490,6 +490,39 @@ def test_a_cloud_stopped_with_a_job_running_says_the_job_resumes_at_its_next_sta
     ], said
 
 
+def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_stopped_during(tmp_path: Path) -> None:
+    """Walk-through: `fedtier cloud --serve` stopped with SIGTERM printed nothing (between jobs) or a log line alone,
+    where a cell and an agent say "served N jobs (...)" and which job the stop interrupted. The cloud keeps the same
+    account: the jobs it ran to their end (a cancelled one too), the one it was stopped during, which resumes."""
+    from cloud.service import CloudService, JobParts
+    from fedtier.serve import served_summary
+    from protocols.transport.memory import MemoryHub
+    from protocols.transport.threadloop import ThreadLoop
+    from sim.hierarchy import prepare
+
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n[runtime]\nstartup_wait = 1000.0\n", fed)
+    queue = JobQueue(tmp_path / "jobs.json")
+    parts = lambda cfg: JobParts(cfg.build_algorithm(prepare(cfg).spec), None)  # noqa: E731
+    loop = ThreadLoop("t")
+    service = CloudService(
+        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
+    )
+    for name in ("a", "b"):
+        queue.submit(Job(name, text, config_hash(text), OPERATOR))
+    queue.start("a")
+    queue.cancel("a")  # in its startup wait: it ends at once
+    hub = MemoryHub(loop=loop)  # type: ignore[arg-type]
+    assert service._run(queue.next(), transport=hub.connect("cloud")) is True
+    loop.call_later(0.05, service.stop)  # SIGTERM while job b waits for its cells
+    assert service._run(queue.next(), transport=hub.connect("cloud")) is True
+    assert (service.served, service.stopped_during) == (["a"], "b")
+    assert served_summary("cloud", service.served, service.stopped_during) == (
+        "cloud: served 1 jobs (a); stopped during job b, which resumes from its checkpoint when the cloud starts again"
+    )
+    assert served_summary("cloud", [], None) == "cloud: served 0 jobs"
+
+
 def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_not_errored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
