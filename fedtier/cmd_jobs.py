@@ -221,9 +221,12 @@ def submit(job_file: str, config: str, job_id: str | None, wait: float, wait_end
     cfg = load_or_exit(config, ())
     try:
         request = read_job_file(job_file, job_id)
-        canonical_job(request.config, cfg)
     except JobError as exc:
         _fail(str(exc), 2)
+    try:
+        canonical_job(request.config, cfg)
+    except JobError as exc:  # which file the keys it names are in
+        _fail(f"{job_file}: {exc}", 2)
     _answer(_connect(config, wait), submit_record(request), request.job, wait)
     if wait_end is not None:
         _wait_end(config, request.job, wait_end)

@@ -35,7 +35,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .capabilities import WIRE_VERSION
-from .config import ConfigError, RunConfig, RunSection, deployment_config, dump_toml, parse_config, parse_toml
+from .config import (
+    ConfigError,
+    RunConfig,
+    RunSection,
+    TopologySection,
+    deployment_config,
+    dump_toml,
+    parse_config,
+    parse_toml,
+    shown,
+)
 from .failures import MAX_REASON
 from .limits import MAX_TEXT_BYTES, read_file
 from .roster import Roster, RosterError, newer_roster, roster_topic
@@ -188,11 +198,7 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
     local = [s for s in NODE_LOCAL if s in data]
     if local:
         raise JobError(f"a job may not set [{'], ['.join(local)}]: each node's bundle does")
-    topo = data.pop("topology", None)
-    if topo is not None and topo != federation.topology.model_dump(mode="json", exclude_defaults=True):
-        fed_topo = federation.topology.model_dump(mode="json")
-        if {**fed_topo, **topo} != fed_topo:
-            raise JobError(f"the job's [topology] {topo} is not the federation's {fed_topo}")
+    check_topology(data.pop("topology", None), federation.topology)
     run = data.setdefault("run", {})
     if not isinstance(run, dict):
         raise JobError("[run] must be a section")
@@ -212,6 +218,32 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
     check_wire(cfg)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output": RunSection().output})})
     return cfg, cfg.to_toml(exclude=NODE_LOCAL)
+
+
+def check_topology(topo: Any, federation: TopologySection) -> None:
+    """A job's ``[topology]`` (None: none) may only repeat the federation's keys: :class:`JobError` naming each key
+    it sets otherwise, its value and the federation's."""
+    if topo is None:
+        return
+    if not isinstance(topo, dict):
+        raise JobError(
+            f"topology = {shown(topo)}: [topology] is a section; a job runs on the federation's: leave it out"
+        )
+    fed = federation.model_dump(mode="json")
+    differ = [key for key, value in topo.items() if key not in fed or fed[key] != value]
+    if differ:
+        sizes = f"{federation.cells} cells of {federation.devices_per_cell} devices"
+        theirs = lambda key: "none (" + sizes + ")" if fed.get(key) is None else shown(fed[key])  # noqa: E731
+        said = "; ".join(
+            f"topology.{key} = {shown(topo[key])}, the federation's: {theirs(key)}"
+            if key in fed
+            else f"topology.{key}: unknown key"
+            for key in differ
+        )
+        raise JobError(
+            f"{said}. A job runs on the federation's topology (its roster once devices or cells were enrolled or "
+            "revoked: fedtier provision add-device|add-cell|revoke change it): leave [topology] out of the job"
+        )
 
 
 def check_wire(cfg: RunConfig) -> None:

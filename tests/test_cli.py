@@ -63,6 +63,45 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert res.exit_code == 2 and "topology" in res.output
 
 
+@pytest.mark.parametrize(
+    "section, says",
+    [
+        ("[topology]\ncells = 0", "topology.cells = 0: must be greater than or equal to 1"),
+        ("[topology]\ncels = 3", "topology.cels: unknown key (did you mean cells?)"),
+        ("[topology]\nzz = 3", "topology.zz: unknown key ([topology] takes cells, devices_per_cell, members)"),
+        ('[topology]\nmembers = {c0 = ["a", "a"]}', "topology.members: 'a' appears twice"),
+        ('[topology]\nmembers = ["a"]', 'topology.members = ["a"]: must be a valid dictionary'),
+        ('[run]\nname = "a/b"', "run.name = \"a/b\": run id 'a/b' must be 1-64 characters"),
+        ('[algorithm]\nname = "fedavg"\nlr = "x"', 'algorithm.lr = "x": must be a valid number'),
+    ],
+)
+def test_a_refused_config_names_its_file_key_value_and_what_is_allowed_never_a_repr(tmp_path, section, says):
+    """Refusals said pydantic's raw text ("topology: Value error, members: ...", "Input should be ...") and not
+    which file or value; now "FILE: invalid config: KEY = VALUE: must be ..." (exit 2, before any run)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[data]\ndataset = "digits"\n{section}\n')
+    res = CliRunner().invoke(main, ["sim", str(cfg)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{cfg}: invalid config: {says}" in said, said
+    assert not any(raw in said for raw in ("Value error", "Input should", "{'", "None")), said
+
+
+def test_a_refused_job_names_its_file(tmp_path):
+    """``fedtier submit``: the job file's refusals name it (the topology's said Python dicts and no file), checked
+    before any broker is reached."""
+    fed = tmp_path / "fed.toml"
+    fed.write_text('[run]\nname = "fed"\n[topology]\ncells = 2\ndevices_per_cell = 2\n')
+    job = tmp_path / "job.toml"
+    for body, says in [
+        ("[topology]\ncells = 3", f"{job}: topology.cells = 3, the federation's: 2. A job runs on the federation's"),
+        ("[run]\nrounds = 0", f"{job}: invalid config: run.rounds = 0: must be greater than or equal to 1"),
+    ]:
+        job.write_text(body + "\n")
+        res = CliRunner().invoke(main, ["submit", str(job), "--config", str(fed)])
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2 and says in said and "{'" not in said, said
+
+
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
     """While a run writes its folder (here: this process holds it, as a `fedtier run` in another terminal
     would), a second `fedtier sim|run` into it is refused, exit 2, naming the holder, and deletes nothing (it

@@ -305,7 +305,7 @@ def test_the_statistic_is_validated_and_fedalign_never_runs_under_secure_aggrega
     from protocols.config import ConfigError
 
     algorithm = {"name": "fedalign", "priority": ["c0-d0"], "edge_rounds": 1}
-    with pytest.raises(ConfigError, match="algorithm.priority_statistic: Input should be 'mean' or 'median'"):
+    with pytest.raises(ConfigError, match='algorithm.priority_statistic = "trimmed": must be .mean. or .median.'):
         parse_config({"algorithm": {**algorithm, "priority_statistic": "trimmed"}})
     with pytest.raises(ConfigError, match="secure_aggregation: .* FedALIGN's cell admits each non-priority device"):
         parse_config({"algorithm": algorithm, "privacy": {"secure_aggregation": True}})

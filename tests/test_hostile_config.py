@@ -116,8 +116,8 @@ ABSURD = [  # (section, key, value, what the refusal says besides the key)
     ("model", "hidden", [-5, 10], "greater than or equal to 1"),
     ("model", "hidden", [1] * 101, "at most 100 items"),  # 100,000 layers took 26 s to build, in every process
     ("participation", "probs", [math.nan, 0.5], "finite number"),
-    ("data", "partition", "stripes", "Input should be"),
-    ("runtime", "engine", "gpu", "Input should be"),
+    ("data", "partition", "stripes", 'data.partition = "stripes": must be'),
+    ("runtime", "engine", "gpu", 'runtime.engine = "gpu": must be'),
 ]
 
 

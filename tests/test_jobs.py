@@ -71,7 +71,15 @@ def test_a_job_is_validated_against_the_federation_and_hashed_canonically(tmp_pa
     "edit, reason",
     [
         ('[broker]\nurl = "mqtt://elsewhere:1883"\n', "may not set"),
-        ("[topology]\ncells = 5\n", "is not the federation's"),
+        (
+            "[topology]\ncells = 5\n",
+            r"^topology.cells = 5, the federation's: 2\. A job runs on the federation's topology",
+        ),
+        (
+            '[topology]\nmembers = {c0 = ["a"]}\n',
+            r'members = \{ "c0" = \["a"\] \}, the federation\'s: none \(2 cells of 3',
+        ),
+        ("topology = 3\n", r"^topology = 3: \[topology\] is a section"),  # was a TypeError of {**fed, **3}
         ('[algorithm]\nname = "fedavg"\nlr = -1\n', "lr"),
         ('[algorithm]\nname = "nonesuch"\n', "nonesuch"),
         ("[requirements]\nwire = 2\n", "needs wire protocol 2"),
@@ -79,8 +87,11 @@ def test_a_job_is_validated_against_the_federation_and_hashed_canonically(tmp_pa
     ],
 )
 def test_a_bad_job_is_refused_with_the_reason(tmp_path: Path, edit: str, reason: str) -> None:
+    """Each refusal a sentence naming the key, the job's value and the federation's (the topology's said Python
+    dicts: "the job's [topology] {'cells': 5} is not the federation's {'cells': 2, ..., 'members': None}")."""
     with pytest.raises(JobError, match=reason):
         canonical_job(edit, federation(tmp_path))
+    canonical_job('[run]\nname = "fed"\n[topology]\ncells = 2\n', federation(tmp_path))  # the federation's own: taken
 
 
 def test_a_node_refuses_a_job_record_whose_config_does_not_match_its_hash(tmp_path: Path) -> None:

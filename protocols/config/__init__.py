@@ -10,7 +10,7 @@ sections), :mod:`.run` (:class:`RunConfig`: the whole config and what a run deri
 :mod:`.errors`. This package exports what the rest of the project uses.
 """
 
-from .errors import ConfigError, UnusableFile, public_reason
+from .errors import ConfigError, UnusableFile, public_reason, shown
 from .loading import check_forward_only, load_config, parse_config
 from .run import RunConfig, deployment_config
 from .sections import AttackSection, ClockSection, RequirementsSection, RunSection
@@ -34,4 +34,5 @@ __all__ = [
     "parse_config",
     "parse_toml",
     "public_reason",
+    "shown",
 ]

@@ -40,7 +40,7 @@ def parse_config(data: dict[str, Any]) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc)) from None
+        raise ConfigError(format_errors(exc, model=RunConfig)) from None
     train = cfg.train  # validates the algorithm section
     if cfg.privacy.secure_aggregation:
         from ..privacy.secagg import refusal
@@ -109,7 +109,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"config file {path}: cannot read it: {exc}") from None
     for item in overrides:
         apply_override(data, item)
-    return parse_config(data)
+    try:
+        return parse_config(data)
+    except ConfigError as exc:  # which file (and flags) the keys it names are in
+        exc.args = (f"{path}{''.join(f' --set {o}' for o in overrides)}: {exc}",)
+        raise
 
 
 def check_privacy(cfg: RunConfig) -> None:

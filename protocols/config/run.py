@@ -382,7 +382,7 @@ def validate_algorithm(section: dict[str, Any]) -> TrainParams:
     try:
         params = cls.Params.model_validate(section)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc, "algorithm")) from None
+        raise ConfigError(format_errors(exc, "algorithm", cls.Params)) from None
     refused = check_layers(params)
     if refused is not None:
         raise ConfigError(f"algorithm: {refused}")

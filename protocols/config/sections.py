@@ -53,14 +53,20 @@ class RunSection(Section):
         "name (a job naming another is refused)",
     )
 
-    @model_validator(mode="after")
-    def _name_ok(self) -> RunSection:
-        check_name("run", self.name)
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, name: str) -> str:
+        check_name("run", name)
+        return name
+
+    @field_validator("output")
+    @classmethod
+    def _output_ok(cls, output: str) -> str:
         try:
-            self.output.format(name=self.name)
+            output.format(name="run")
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"output {self.output!r}: only {{name}} may be substituted ({exc!r})") from None
-        return self
+            raise ValueError(f"only {{name}} may be substituted ({exc!r})") from None
+        return output
 
 
 SHAPE_KEYS = frozenset({"hidden", "channels", "fc"})

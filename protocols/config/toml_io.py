@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import tomllib
 from typing import Any
 
 from ..jsonl import nested_deeper
-from .errors import ConfigError
+from .errors import ConfigError, toml_literal
 
 MAX_TOML_DEPTH = 32
 """Arrays and tables nest at most this deep in a config or a job (fedtier's own nest 3: a section, ``topology.members``,
@@ -51,17 +50,10 @@ def dump_toml(data: dict[str, Any]) -> str:
     config cannot hold (a key outside a section, a date)."""
 
     def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):  # an inline table (topology.members)
-            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
-        raise ConfigError(f"a config holds no {type(v).__name__} values, got {v!r:.40}")
+        try:
+            return toml_literal(v)
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from None
 
     out = []
     for section, body in data.items():

@@ -6,7 +6,7 @@ from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from ..limits import MAX_DEVICES
 from ..wire.topics import check_name
@@ -33,20 +33,27 @@ class TopologySection(Section):
             )
         return self
 
+    @field_validator("members")
+    @classmethod
+    def _possible_members(cls, members: dict[str, list[str]] | None) -> dict[str, list[str]] | None:
+        if members is None:
+            return None
+        if not members:
+            raise ValueError("at least one cell")
+        seen: set[str] = set()
+        for cell, devices in members.items():
+            check_name("cell", cell)
+            for d in devices:
+                check_name("device", d)
+                if d in seen or d in members:
+                    raise ValueError(f"{d!r} appears twice")
+                seen.add(d)
+        return members
+
     @model_validator(mode="after")
     def _explicit_members(self) -> TopologySection:
         if self.members is None:
             return self
-        if not self.members:
-            raise ValueError("members: at least one cell")
-        seen: set[str] = set()
-        for cell, devices in self.members.items():
-            check_name("cell", cell)
-            for d in devices:
-                check_name("device", d)
-                if d in seen or d in self.members:
-                    raise ValueError(f"members: {d!r} appears twice")
-                seen.add(d)
         # the counts follow the members (what code that sizes things by them sees)
         object.__setattr__(self, "cells", len(self.members))
         object.__setattr__(self, "devices_per_cell", max((len(d) for d in self.members.values()), default=0) or 1)
