@@ -190,7 +190,8 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
     """Validate a job's TOML text against the federation; return its config and its canonical text.
 
     The job may not set the node-local sections (``broker``, ``security``, ``monitoring``) nor another
-    topology; its run name is the federation's. Raises :class:`JobError` with today's config errors."""
+    topology nor another run name (the federation's names its topics). Raises :class:`JobError` with today's
+    config errors."""
     try:
         data = parse_toml(config)
     except tomllib.TOMLDecodeError as exc:
@@ -202,6 +203,12 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
     run = data.setdefault("run", {})
     if not isinstance(run, dict):
         raise JobError("[run] must be a section")
+    if run.get("name", federation.run.name) != federation.run.name:  # was replaced without a word
+        raise JobError(
+            f"run.name = {shown(run['name'])}: a job runs on the federation's topics, named {federation.run.name!r} "
+            "(its run.name), which a job cannot change; a job is named by its [job] id (or fedtier submit --id): "
+            "leave run.name out"
+        )
     if run.get("init_model") is not None:
         raise JobError(
             "a job may not set run.init_model (a path on the cloud): [job] init_from = JOB starts it "

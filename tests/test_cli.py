@@ -86,13 +86,15 @@ def test_a_refused_config_names_its_file_key_value_and_what_is_allowed_never_a_r
     assert not any(raw in said for raw in ("Value error", "Input should", "{'", "None")), said
 
 
-def test_a_refused_job_names_its_file(tmp_path):
-    """``fedtier submit``: the job file's refusals name it (the topology's said Python dicts and no file), checked
-    before any broker is reached."""
+def test_a_refused_job_names_its_file_and_a_job_cannot_rename_the_federations_run(tmp_path):
+    """``fedtier submit``: the job file's refusals name it (the topology's said Python dicts and no file), and a
+    job's ``[run] name`` that is not the federation's (its topics' name) is refused saying so: it was replaced
+    without a word. Checked before any broker is reached."""
     fed = tmp_path / "fed.toml"
     fed.write_text('[run]\nname = "fed"\n[topology]\ncells = 2\ndevices_per_cell = 2\n')
     job = tmp_path / "job.toml"
     for body, says in [
+        ('[run]\nname = "mine"', f"{job}: run.name = \"mine\": a job runs on the federation's topics, named 'fed'"),
         ("[topology]\ncells = 3", f"{job}: topology.cells = 3, the federation's: 2. A job runs on the federation's"),
         ("[run]\nrounds = 0", f"{job}: invalid config: run.rounds = 0: must be greater than or equal to 1"),
     ]:

@@ -79,7 +79,11 @@ def test_a_job_is_validated_against_the_federation_and_hashed_canonically(tmp_pa
             '[topology]\nmembers = {c0 = ["a"]}\n',
             r'members = \{ "c0" = \["a"\] \}, the federation\'s: none \(2 cells of 3',
         ),
-        ("topology = 3\n", r"^topology = 3: \[topology\] is a section"),  # was a TypeError of {**fed, **3}
+        ("topology = 3\n", r"^topology = 3: \[topology\] is a section"),
+        (
+            '[run]\nname = "mine"\n',
+            r"^run.name = \"mine\": a job runs on the federation's topics, named 'fed'",
+        ),  # was a TypeError of {**fed, **3}
         ('[algorithm]\nname = "fedavg"\nlr = -1\n', "lr"),
         ('[algorithm]\nname = "nonesuch"\n', "nonesuch"),
         ("[requirements]\nwire = 2\n", "needs wire protocol 2"),
@@ -88,7 +92,8 @@ def test_a_job_is_validated_against_the_federation_and_hashed_canonically(tmp_pa
 )
 def test_a_bad_job_is_refused_with_the_reason(tmp_path: Path, edit: str, reason: str) -> None:
     """Each refusal a sentence naming the key, the job's value and the federation's (the topology's said Python
-    dicts: "the job's [topology] {'cells': 5} is not the federation's {'cells': 2, ..., 'members': None}")."""
+    dicts: "the job's [topology] {'cells': 5} is not the federation's {'cells': 2, ..., 'members': None}"; a job's
+    other run.name was replaced without a word)."""
     with pytest.raises(JobError, match=reason):
         canonical_job(edit, federation(tmp_path))
     canonical_job('[run]\nname = "fed"\n[topology]\ncells = 2\n', federation(tmp_path))  # the federation's own: taken
@@ -224,7 +229,7 @@ def test_fedtier_runs_job_binds_its_initial_model_and_a_node_refuses_another(tmp
     from sim.agent_workers import with_init_model
     from sim.local_federation import job_text
 
-    cfg = small_config(tmp_path)
+    cfg = federation(tmp_path)  # `fedtier run`: the federation is its config's run
     spec = cfg.model_spec((64,), 10)
     seeded = cfg.build_algorithm(spec).initial_params()
     save_params(tmp_path / "start.ftw", {k: v + 1.0 for k, v in seeded.items()})
@@ -253,7 +258,7 @@ def test_fedtier_run_refuses_an_initial_model_of_another_digest_than_the_configs
     from protocols.config import ConfigError
     from sim.local_federation import job_text
 
-    cfg = small_config(tmp_path)
+    cfg = federation(tmp_path)  # `fedtier run`: the federation is its config's run
     seeded = cfg.build_algorithm(cfg.model_spec((64,), 10)).initial_params()
     save_params(tmp_path / "start.ftw", {k: v + 1.0 for k, v in seeded.items()})
     save_params(tmp_path / "other.ftw", {k: v - 1.0 for k, v in seeded.items()})
