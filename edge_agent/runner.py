@@ -197,8 +197,7 @@ class AgentProcess:
         if twin is None:
             return
         device, other = twin
-        refusal = TwinError.of("device", device, "agent", other)
-        log.error("%s", refusal)
+        refusal = TwinError.of("device", device, "agent", other)  # (said by whoever catches it: once)
         transport, agent = self.transports[device], self.agents[device]
         status = topics.device_status(self.run, agent.cell, device)
         self.links.on_loop(

@@ -266,8 +266,7 @@ class NodeTwin:
             twin = watch.check(self.window - settle, grace=0.0, wait=wait)
         if twin is None:
             return
-        refusal = TwinError.of(watch.noun, self.node, self.kind, twin[1])
-        log.error("%s", refusal)
+        refusal = TwinError.of(watch.noun, self.node, self.kind, twin[1])  # (said by whoever catches it: once)
         transport.publish(self.topic, watch.refusal(self.topic, self.trust), qos=1, retain=True)
         if isinstance(transport, MqttTransport):
             transport.flush(5.0)

@@ -123,6 +123,9 @@ def test_fedtier_agent_under_a_live_device_id_exits_2_naming_it(tmp_path: Path) 
             said = " ".join(res.output.split())
             assert res.exit_code == 2, said + repr(res.exception)
             assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
+            assert said.count("refusing to start a second one") == 1, (
+                said
+            )  # once: it was logged, then said as the error
             assert until(lambda: first.twins.taken >= 1)
         finally:
             first.stop()
@@ -146,6 +149,9 @@ def test_fedtier_agent_serve_under_a_live_device_id_is_refused_before_its_first_
             said = " ".join(res.output.split())
             assert res.exit_code == 2, said + repr(res.exception)
             assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
+            assert said.count("refusing to start a second one") == 1, (
+                said
+            )  # once: it was logged, then said as the error
             assert time.monotonic() - started < twin_window(cfg.runtime.heartbeat) + 5
             assert until(lambda: first.twins.taken >= 1)  # it saw the takeover and announced itself again
             assert until(lambda: spy.last_is("online", first.twins.instance))
