@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -15,7 +16,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from protocols.config import ConfigError, RunConfig, load_config
+from protocols.config import ConfigError, RunConfig, load_config, shown
 from protocols.safe_text import SafeFormatter
 from protocols.terminal import SafeConsole
 
@@ -37,10 +38,37 @@ def setup_logging(verbose: int) -> None:
 def load_or_exit(path: str, overrides: tuple[str, ...]) -> RunConfig:
     """Load a config; on a bad one print the error (naming the keys) and exit with status 2."""
     try:
-        return load_config(path, overrides)
+        cfg = load_config(path, overrides)
     except ConfigError as exc:
         print_error(exc)
         sys.exit(2)
+    refuse_files_left_beside(cfg, path)
+    return cfg
+
+
+FILE_KEYS = (("security", "keys"), ("broker", "ca_certs"), ("broker", "certfile"), ("broker", "keyfile"))
+"""The files a node's bundle ``config.toml`` names relative to its own folder (`fedtier provision`)."""
+
+
+def refuse_files_left_beside(cfg: RunConfig, path: str) -> None:
+    """A config read from another folder than its own whose relative file names are missing here but found beside
+    it (a node's bundle, ``fedtier submit JOB --config fed/nodes/operator/config.toml``): exit 2 saying where to run
+    the command (each file is opened from the current folder; it said "security.keys: cannot read keys.toml")."""
+    folder = Path(path).parent
+    beside = [
+        f"{section}.{key} = {shown(name)}"
+        for section, key in FILE_KEYS
+        if isinstance(name := getattr(getattr(cfg, section), key), str)
+        and not Path(name).is_absolute()
+        and not Path(name).exists()
+        and (folder / name).exists()
+    ]
+    if beside:
+        fail(
+            f"{path} names its files relative to its own folder ({', '.join(beside)}), and this command opens them "
+            f"from the current one: run it from {folder} (cd {folder}), naming the config {Path(path).name}",
+            2,
+        )
 
 
 def load_deployment_or_exit(path: str, overrides: tuple[str, ...]) -> RunConfig:

@@ -276,3 +276,28 @@ def test_resuming_with_a_setting_config_toml_leaves_unset_is_refused(tmp_path):
 def test_help_lists_commands():
     res = CliRunner().invoke(main, ["--help"])
     assert res.exit_code == 0 and "sim" in res.output
+
+
+def test_a_bundles_config_read_from_another_folder_says_where_to_run_the_command(tmp_path, monkeypatch):
+    """A node's bundle names its files relative to its folder; ``fedtier submit|jobs|cloud ... --config
+    fed/nodes/operator/config.toml`` run from elsewhere said "security.keys: cannot read keys.toml: No such file or
+    directory" (or the broker certificate's), which does not say the fix: run it from the bundle's folder."""
+    bundle = tmp_path / "fed" / "nodes" / "operator"
+    bundle.mkdir(parents=True)
+    (bundle / "config.toml").write_text('[run]\nname = "fed"\n[security]\nkeys = "keys.toml"\n')
+    (bundle / "keys.toml").write_text("")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["jobs", "--config", "fed/nodes/operator/config.toml", "--wait", "0.1"])
+    said = " ".join(res.output.split())
+    assert (
+        res.exit_code == 2
+        and (
+            'fed/nodes/operator/config.toml names its files relative to its own folder (security.keys = "keys.toml"), '
+            "and this command opens them from the current one: run it from fed/nodes/operator (cd fed/nodes/operator)"
+        )
+        in said
+    ), said
+    monkeypatch.chdir(bundle)  # from there it reads its keys (here: a file without any, refused as such)
+    res = CliRunner().invoke(main, ["jobs", "--config", "config.toml", "--wait", "0.1"])
+    said = " ".join(res.output.split())
+    assert res.exit_code != 0 and "relative to its own folder" not in said and "keys.toml" in said, said
