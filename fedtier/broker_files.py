@@ -19,11 +19,15 @@ from protocols.config import ConfigError
 from .acl import Grants, acl_file
 from .pki import CertificateAuthority, write_file
 
-PERSISTENCE = "persistence true\npersistence_location {data}/\nautosave_interval 1\npersistent_client_expiration 7d\n"
+PERSISTENCE = "persistence true\npersistence_location {data}/\nautosave_interval 1\n"
 """A provisioned broker keeps its sessions, subscriptions, queued and retained messages across a restart
 (``data/mosquitto.db``, saved every second and at a clean stop), as the broker of ``fedtier run`` does:
 with the nodes' persistent sessions a broker restart loses nothing but what it queued in its last
-second before a crash. A session unused for 7 days is dropped (a device gone for good)."""
+second before a crash. No ``persistent_client_expiration``: Mosquitto (2.0.11 checked, the code is the same
+up to 2.0.18) reloaded (SIGHUP: ``provision add-device|revoke|renew``, a log rotation) disconnects each
+session that is away once more and, with that option, lists it for expiry twice; when its node comes back
+the session is freed but stays listed, and the broker later expires a live client or crashes (SIGSEGV).
+A session of a device gone for good stays (its queue bounded by :data:`MAX_QUEUED_BYTES`)."""
 MAX_QUEUED_BYTES = 512 * 1024 * 1024
 """What a broker queues at most for one client that is away (``max_queued_bytes``, besides
 ``max_queued_messages``): a node that floods an offline peer's topics costs the broker this much, not gigabytes."""
@@ -105,6 +109,7 @@ def reload_brokers(folders: list[Path]) -> list[str]:
     done = []
     for folder in folders:
         pid_file = folder / "data" / "mosquitto.pid"
+        healed = _drop_session_expiry(folder / "mosquitto.conf")
         try:
             pid = int(pid_file.read_text().strip())
             if not _is_mosquitto(pid):
@@ -113,10 +118,25 @@ def reload_brokers(folders: list[Path]) -> list[str]:
                 )
                 continue
             os.kill(pid, signal.SIGHUP)
-            done.append(f"reloaded the broker in {folder} (pid {pid})")
+            done.append(f"reloaded the broker in {folder} (pid {pid}){healed}")
         except (OSError, ValueError):
             done.append(f"the broker in {folder} is not running: it takes the change when it starts")
     return done
+
+
+def _drop_session_expiry(conf: Path) -> str:
+    """Remove the ``persistent_client_expiration`` line that provisioning wrote before (a reload with it can crash
+    Mosquitto: :data:`PERSISTENCE`) from ``conf``, in place (its owner, the broker's user, and mode kept), before
+    the reload rereads it; what was done, to add to the reload's line ("" when nothing)."""
+    try:
+        lines = conf.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if not line.startswith("persistent_client_expiration")]
+        if len(kept) == len(lines):
+            return ""
+        conf.write_text("".join(kept))
+    except OSError as exc:
+        return f"; could not remove persistent_client_expiration from {conf} ({exc}): remove it by hand"
+    return f"; removed persistent_client_expiration from {conf} (a reload with it can crash Mosquitto)"
 
 
 def _is_mosquitto(pid: int) -> bool:

@@ -12,6 +12,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,18 @@ def _logins(*bundles: Path) -> list[str]:
             finally:
                 loop.stop()
     return said
+
+
+def _say_last_words(outputs: dict[str, str], *logs: Path) -> None:
+    """Print each node's output tail and each file's end (the broker's log, the cloud's queue): pytest shows what a
+    test printed when it fails, wherever it fails (a job that did not end, a record not as expected)."""
+    for name, out in outputs.items():
+        print(f"--- {name}'s output ends:\n{out[-3000:]}")
+    for path in logs:
+        try:
+            print(f"--- {path} ends:\n{path.read_bytes()[-4000:].decode(errors='replace')}")
+        except OSError as exc:
+            print(f"--- {path}: {exc}")
 
 
 def _operator(*args: str) -> subprocess.CompletedProcess:
@@ -239,10 +252,10 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
                 except subprocess.TimeoutExpired:
                     p.kill()
                     outputs[name] = p.communicate()[0]
+            _say_last_words(outputs, done.broker / "mosquitto.log", cloud_out / "jobs.json")
     records = [json.loads(line) for line in (cell_out / "jobs" / "B" / "aggregation.jsonl").read_text().splitlines()]
     summary = [(r["planned"], r["answered"], r["absent"], r["closed_by"]) for r in records]
-    tails = {name: out[-1500:] for name, out in outputs.items()}  # the nodes' last words, on a failure
-    assert records and all(r["answered"] == ["c0-d0", "c0-d2"] for r in records), (summary, tails)
+    assert records and all(r["answered"] == ["c0-d0", "c0-d2"] for r in records), summary
     why = "cannot serve: data.npz: 784 features per sample, but the model takes 1x8x8 = 64"
     assert all(r["absent"] == {"c0-d3": why} for r in records), summary
     jobs = {j["job"]: j for j in json.loads((cloud_out / "jobs.json").read_text())["jobs"]}
@@ -339,6 +352,50 @@ def test_a_device_revoked_by_the_roster_mid_round_is_refused_counted_and_not_wai
     monitor = MonitorState()  # fedtier monitor, from these records: the revoked device named
     monitor.add_all(CellRecord.model_validate(r) for r in cell.records)
     assert "cell c0: device(s) c0-d1 revoked by the federation" in monitor.alerts(now=cell.records[-1]["time"])
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_provisioned_broker_survives_a_reload_while_a_nodes_persistent_session_is_away(
+    reachable_tmp: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fedtier provision add-device|revoke|renew`` reload the running broker (SIGHUP). Mosquitto 2.0.11 then
+    disconnects once more every persistent session that is away (no TLS connection, so no identity); with
+    ``persistent_client_expiration`` set, that put the session in the broker's expiry list a second time, the
+    node's return freed the session with its first entry still listed, and the broker's expiry check (every
+    second) read freed memory: at some later moment it expired a live client or crashed (SIGSEGV), and the
+    fleet's next job never ended. Provisioning no longer sets the option, and a reload takes it out of a broker
+    provisioned before. Here the broker's freed memory is overwritten at once (glibc's MALLOC_PERTURB_, its
+    per-thread cache off), so such a read crashes it within the second."""
+    from fedtier.broker_files import reload_brokers
+    from tests.test_provision import clients, provision_cli
+
+    p = provision_cli(reachable_tmp, "reload")
+    out, port = p["out"], p["port"]
+    log, conf = out / "broker" / "mosquitto.log", out / "broker" / "mosquitto.conf"
+    assert "persistent_client_expiration" not in conf.read_text()
+    with conf.open("a") as f:  # as provisioned before: the reload below takes the line out
+        f.write("persistent_client_expiration 7d\n")
+    monkeypatch.setenv("MALLOC_PERTURB_", "170")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+    with mosquitto(conf, port) as broker, clients() as make:
+        away = make(out / "nodes" / "cloud", port, persistent=True)
+        away.connect(WAIT)
+        away.close()  # its session stays on the broker, away
+        [reloaded] = reload_brokers([out / "broker"])
+        assert reloaded.startswith("reloaded the broker") and "removed persistent_client_expiration" in reloaded
+        assert wait_until(lambda: "Reloading config." in log.read_text(errors="replace"), WAIT)
+        back = make(out / "nodes" / "cloud", port, persistent=True)
+        back.connect(WAIT)  # its old session is freed
+        # The broker checks its expiry list in the first turn of its loop in each new second (of time()): a
+        # publish it acknowledged in a later second than the takeover was read after such a check, and a second
+        # one after the crash that check would have caused.
+        later = int(time.time()) + 1
+        assert wait_until(lambda: time.time() >= later, WAIT)
+        for n in range(2):
+            back.publish(topics.device_status("t", "c0", "c0-d0"), b"%d" % n)  # refused by the ACL, acknowledged
+            assert wait_until(lambda: back.flush(0) or broker.poll() is not None, WAIT)
+        assert broker.poll() is None, log.read_bytes()[-3000:].decode(errors="replace")
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
