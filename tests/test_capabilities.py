@@ -45,6 +45,40 @@ def test_probe_reports_this_machine():
     assert "torch" in caps["backends"] and json.loads(json.dumps(caps)) == caps  # travels as JSON
 
 
+def test_a_node_probing_a_machine_without_a_gpu_driver_does_not_import_torch():
+    """A cell or cloud announces its capabilities at start: on a Linux with no GPU driver in /dev it says
+    accelerator none without importing torch (1.5-5 s and ~300 MB a process that never trains); where a driver
+    shows, torch still decides (test_probe_reports_this_machine)."""
+    import subprocess
+    import sys
+
+    from protocols import capabilities
+
+    probe_alone = (
+        "import sys; from protocols.capabilities import probe; print(probe()['accelerator'], 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe_alone], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    if capabilities._no_gpu_driver():
+        assert done.stdout.split() == ["none", "False"], done.stdout
+    else:
+        assert done.stdout.split()[1] == "True", done.stdout
+
+
+@pytest.mark.parametrize(
+    "dev, none",
+    [(["null", "shm"], True), (["null", "nvidiactl", "nvidia0"], False), (["kfd"], False), (["dxg"], False)],
+)
+def test_a_gpu_driver_file_in_dev_lets_torch_decide(monkeypatch, dev, none):
+    from protocols import capabilities
+
+    monkeypatch.setattr(capabilities.sys, "platform", "linux")
+    monkeypatch.setattr(capabilities.os, "listdir", lambda path: dev if path == "/dev" else [])
+    assert capabilities._no_gpu_driver() is none
+    monkeypatch.setattr(capabilities.sys, "platform", "darwin")  # elsewhere torch is asked
+    assert capabilities._no_gpu_driver() is False
+
+
 @pytest.mark.parametrize(
     "req, why",
     [
