@@ -147,15 +147,23 @@ INTERRUPTED = 130
 def refuse_federation_folder(run_dir: str) -> None:
     """Exit 2 when ``run_dir`` is a federation node's output folder (e.g. the cloud's ``runs/fed``), not a run's:
     the record commands read one job's run folder, which the message names."""
-    from pathlib import Path
-
     from protocols.runfiles import JOB_FOLDERS, job_folders
 
+    from .federation import STATE_FILE
+
     if jobs := job_folders(Path(run_dir)):
-        shown = ", ".join(jobs[:5]) + (f" and {len(jobs) - 5} more" if len(jobs) > 5 else "")
+        listed = ", ".join(jobs[:5]) + (f" and {len(jobs) - 5} more" if len(jobs) > 5 else "")
         fail(
             f"{run_dir} is a federation's folder, not a run's: each job's records are in its run folder "
-            f"{Path(run_dir) / JOB_FOLDERS / 'JOB'} ({shown}); give one of those",
+            f"{Path(run_dir) / JOB_FOLDERS / 'JOB'} ({listed}); give one of those",
+            2,
+        )
+    if (Path(run_dir) / STATE_FILE).is_file():  # it showed an empty frame ("0 cells"), or "has no records"
+        fail(
+            f"{run_dir} is a provisioning folder (fedtier provision wrote its {STATE_FILE}), not a run's: a job's "
+            f"records are in {JOB_FOLDERS}/JOB of the cloud's output folder (the [run] output of its config.toml, "
+            "from the folder the cloud runs in); to watch the federation live, run fedtier monitor --config "
+            f"config.toml in {Path(run_dir) / 'nodes' / 'monitor'}",
             2,
         )
 

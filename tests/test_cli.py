@@ -301,3 +301,17 @@ def test_a_bundles_config_read_from_another_folder_says_where_to_run_the_command
     res = CliRunner().invoke(main, ["jobs", "--config", "config.toml", "--wait", "0.1"])
     said = " ".join(res.output.split())
     assert res.exit_code != 0 and "relative to its own folder" not in said and "keys.toml" in said, said
+
+
+def test_the_record_commands_on_a_provisioning_folder_say_where_the_records_are(tmp_path):
+    """``fedtier monitor OUT`` on what ``fedtier provision --out OUT`` wrote drew an empty frame ("fedtier monitor:
+    ?  (0 cells)", and waited for ever without --once) and ``fedtier logs OUT`` said it "has no records": now the
+    three record commands say what the folder is and where a job's records and the live view are."""
+    out = tmp_path / "fed"
+    out.mkdir()
+    (out / "federation.json").write_text("{}")
+    for command in (["monitor", str(out), "--once"], ["logs", str(out)], ["report", str(out)]):
+        res = CliRunner().invoke(main, command)
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"{out} is a provisioning folder" in said, (command, said)
+        assert f"run fedtier monitor --config config.toml in {out / 'nodes' / 'monitor'}" in said, said
