@@ -18,6 +18,7 @@ from typing import Any
 
 from protocols.checkpoint import write_durably
 from protocols.jobs import MAX_LISTED, STATES, JobError, check_job_id
+from protocols.numbers import finite_number, is_count
 
 FORMAT = 1
 ENDED = ("finished", "failed", "cancelled")
@@ -25,6 +26,24 @@ MAX_LISTED_REASON = 1000
 """Characters of a job's reason in the job list (a failure can name every cell it lost)."""
 MAX_LISTED_ABSENT = 10
 """Cells absent at a job's start named in the job list (a federation of a thousand cells may begin without hundreds)."""
+
+FIGURES = ("rounds", "accuracy", "loss")
+"""What the job list says of how well an ended job did (:func:`final_figures`)."""
+
+
+def final_figures(history: list[dict[str, Any]], earlier: dict[str, Any] | None = None) -> dict[str, float]:
+    """An ended job's :data:`FIGURES` from its round records (``history``; ``earlier``: the last record before a
+    resume): the rounds it closed, and its last evaluation's accuracy and loss (the cloud's held-out set; absent
+    without one). Finite numbers only, whatever else the records hold: a few bytes in the job list at most."""
+    records = [*([earlier] if earlier else []), *history]
+    figures: dict[str, float] = {}
+    if records and is_count(done := records[-1].get("round")):
+        figures["rounds"] = done + 1  # a resumed job counts its earlier rounds
+    evaluated: dict[str, Any] = next((r for r in reversed(records) if "accuracy" in r or "loss" in r), {})
+    for key in ("accuracy", "loss"):
+        if (value := finite_number(evaluated.get(key))) is not None:
+            figures[key] = value
+    return figures
 
 
 class JobQueueError(RuntimeError):
@@ -47,11 +66,12 @@ class Job:
     ended: float | None = None
     cancel_requested: bool = False
     cells_absent_at_start: dict[str, str] = field(default_factory=dict)  # cells it began without, why
+    figures: dict[str, float] = field(default_factory=dict)  # how well it did, once ended (final_figures)
 
     def summary(self) -> dict[str, Any]:
         """What ``fedtier jobs`` lists (no config text): its reason's first ``MAX_LISTED_REASON`` characters and its
         first ``MAX_LISTED_ABSENT`` cells absent at start (``cells_absent_at_start_more``: how many more); the queue
-        file and the job's ``summary.json`` keep them whole."""
+        file and the job's ``summary.json`` keep them whole. An ended job's :data:`FIGURES`, where it has them."""
         keys = ("job", "state", "submitter", "init_from", "submitted", "started", "ended")
         listed = dict(itertools.islice(self.cells_absent_at_start.items(), MAX_LISTED_ABSENT))
         more = len(self.cells_absent_at_start) - len(listed)
@@ -61,6 +81,7 @@ class Job:
             | {"reason": self.reason[:MAX_LISTED_REASON], "hash": self.digest}
             | absent
             | ({"cells_absent_at_start_more": more} if more else {})
+            | {k: v for k in FIGURES if finite_number(v := self.figures.get(k)) is not None}
         )
 
 
@@ -132,11 +153,19 @@ class JobQueue:
     def start(self, job: str) -> Job:
         return self._change(job, replace(self.jobs[job], state="running", started=time.time()))
 
-    def end(self, job: str, state: str, reason: str = "", absent: dict[str, str] | None = None) -> Job:
-        """``job`` ended ``state`` for ``reason``; ``absent``: the cells it began without, why."""
+    def end(
+        self,
+        job: str,
+        state: str,
+        reason: str = "",
+        absent: dict[str, str] | None = None,
+        figures: dict[str, float] | None = None,
+    ) -> Job:
+        """``job`` ended ``state`` for ``reason``; ``absent``: the cells it began without, why; ``figures``: how well
+        it did (:func:`final_figures`)."""
         if state not in ENDED:
             raise ValueError(f"a job ends {', '.join(ENDED)}, not {state!r}")
-        ended = replace(self.jobs[job], state=state, reason=reason, ended=time.time())
+        ended = replace(self.jobs[job], state=state, reason=reason, ended=time.time(), figures=dict(figures or {}))
         return self._change(job, replace(ended, cells_absent_at_start=dict(absent or {})))
 
     def cancel(self, job: str) -> Job:

@@ -40,7 +40,7 @@ from protocols.wire.keys import Trust
 from protocols.wire.signed import seal_record
 
 from .job_requests import on_request
-from .jobs import Job, JobQueue
+from .jobs import Job, JobQueue, final_figures
 from .kept_records import KeptRecords
 from .node import build_cloud
 from .requests import REQUESTS_FILE, OperatorRequests
@@ -282,7 +282,9 @@ class CloudService:
                 reason = f"{reason}; {unwritten}" if reason else unwritten
         spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
         self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
-        self.queue.end(job.job, state, reason, node.cells_absent_at_start)
+        self.queue.end(
+            job.job, state, reason, node.cells_absent_at_start, final_figures(node.history, node.resumed_from)
+        )
         self.served.append(job.job)
         log.info("job %s %s", job.job, state)
         # no job in progress: a node (re)started now waits for the next one, not the one just ended

@@ -266,7 +266,8 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             # at once after the job's end, in this process: the cloud says idle as a job ends, never offline between
             # jobs, so no warning that it is offline (stderr, merged: the JSON would not parse) precedes the list
             res = _run(command(JOBS_LIST), operator)
-            states = [j["state"] for j in json.loads(res.stdout)]
+            listed = {j["job"]: j for j in json.loads(res.stdout)}
+            states = [j["state"] for j in listed.values()]
             assert res.returncode == 0 and states == ["finished"] * 3 + ["cancelled"], states
             for name, p in procs.items():
                 assert p.poll() is None, f"{name} exited: {p.communicate()[0]}"  # nobody restarted between jobs
@@ -306,6 +307,9 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
         assert procs[name].returncode == 0, f"{name}: {outputs[name]}"  # SIGTERM: a clean stop
         assert "TLS reload:" in outputs[name] and "now present client.crt" in outputs[name], outputs[name]
     assert "served 4 jobs (A, B, C, E)" in outputs["c0-d0"], outputs["c0-d0"]
+    assert cloud.returncode == 0 and "cloud: served 4 jobs (A, B, C, E)" in outputs["cloud"], outputs[
+        "cloud"
+    ]  # (A: resumed)
     jobs_json = {j["job"]: j for j in json.loads((cloud_out / "jobs.json").read_text())["jobs"]}
     for name in ("A", "B", "C"):
         cfg, _ = canonical_job(read_job_file(tmp / f"{name}.toml").config, fed_cfg)
@@ -319,6 +323,8 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
         assert deployed.read_bytes() == (sim.output_dir / runfiles.FINAL_MODEL).read_bytes(), name
         summary = json.loads((cloud_out / "jobs" / name / runfiles.SUMMARY).read_text())
         assert (summary["job"], summary["config_hash"]) == (name, jobs_json[name]["digest"]), summary  # not the fed's
+        figures = ("rounds", "accuracy", "loss")  # how well it did, as `fedtier jobs` lists it (A: with its resume)
+        assert [listed[name][k] for k in figures] == [summary[k] for k in figures], (listed[name], summary)
 
 
 def test_every_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:

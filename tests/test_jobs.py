@@ -705,6 +705,44 @@ def test_the_job_list_stays_one_its_readers_take_however_many_cells_its_jobs_beg
     assert kept is not None and len(kept.cells_absent_at_start) == 20 and kept.reason == lost  # the queue keeps all
 
 
+def test_an_ended_jobs_listed_figures_are_its_rounds_and_last_evaluation_in_a_few_bytes_whatever_its_records_hold(
+    tmp_path: Path,
+) -> None:
+    """Walk-through: `fedtier submit --wait-end` said "job job-b: finished" and `fedtier jobs` listed it finished, but
+    neither said how well (the accuracy was in the cloud's metrics.jsonl alone). The queue keeps an ended job's rounds
+    and its last evaluation's accuracy and loss, and the job list carries them: finite numbers only, so no value a
+    record holds (a huge string, a NaN, an infinity, another key) reaches the retained list; a restart keeps them."""
+    from cloud.jobs import final_figures
+
+    record = lambda rnd, **evaluation: {"round": rnd, "metrics": {"cells": 2}, **evaluation}  # noqa: E731
+    history = [record(18, accuracy=0.91, loss=0.4), record(19, accuracy=0.922, loss=0.367)]
+    assert final_figures(history) == {"rounds": 20, "accuracy": 0.922, "loss": 0.367}
+    # resumed after round 4 (its checkpoint's record), evaluated every 5th round, cancelled after round 7
+    assert final_figures([record(6), record(7)], record(4, accuracy=0.8, loss=0.5)) == {
+        "rounds": 8,
+        "accuracy": 0.8,
+        "loss": 0.5,
+    }
+    hostile = record(2, accuracy="9" * 1_000_000, loss=float("nan"), extra="x" * 1_000_000)
+    assert final_figures([hostile]) == {"rounds": 3}
+    assert final_figures([record(0, accuracy=float("inf"), loss=1e308)]) == {"rounds": 1, "loss": 1e308}
+    assert final_figures([]) == {} and final_figures([{"round": "19"}]) == {}
+    queue = JobQueue(tmp_path / "jobs.json")
+    for name in ("a", "b"):
+        queue.submit(job(name))
+        queue.start(name)
+    queue.end("a", "finished", figures=final_figures(history))
+    queue.end("b", "cancelled", "cancelled by the operator", figures={"rounds": 3, "accuracy": "9" * 1_000})
+    listed = {j["job"]: j for j in JobQueue(tmp_path / "jobs.json").listing()}  # (restarted)
+    assert {k: listed["a"][k] for k in ("rounds", "accuracy", "loss")} == {
+        "rounds": 20,
+        "accuracy": 0.922,
+        "loss": 0.367,
+    }
+    assert listed["b"]["rounds"] == 3 and "accuracy" not in listed["b"]
+    assert all(len(json.dumps(j)) < 400 for j in listed.values()), listed
+
+
 def test_a_stale_signed_job_list_on_the_broker_is_replaced_by_the_clouds_current_one(tmp_path: Path) -> None:
     """A broker restored from an older database hands back a genuine job list, signed by the cloud, but old (and the
     record of a job in progress that has ended since): the cloud published its records again only when a reconnect

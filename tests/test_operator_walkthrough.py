@@ -903,6 +903,41 @@ def test_fedtier_jobs_names_the_cells_a_job_began_without(tmp_path: Path, monkey
     assert out.count(f"c1: {why}") == 2 and out.count("and 32 more cells absent at start") == 1, out
 
 
+def test_submit_wait_end_and_fedtier_jobs_say_how_well_an_ended_job_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Walk-through: `fedtier submit --wait-end` said "job job-b: finished" and `fedtier jobs` listed it finished, not
+    how well. Both say the rounds and the cloud's last evaluation the job list carries (`cloud.jobs.final_figures`);
+    a value that is no finite number (a cloud of another version, a bad record) is left out, not printed."""
+    import fedtier.cmd_jobs as cmd
+
+    done = {"job": "a", "state": "finished", "reason": "", "rounds": 20, "accuracy": 0.9220056, "loss": 0.3674045}
+    odd = {"job": "b", "state": "failed", "reason": "stalled", "rounds": "20", "accuracy": "9" * 50, "loss": True}
+
+    class Session:
+        fed = "fed"
+
+        def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
+            return {"jobs": [done, odd]}
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cmd, "_connect", lambda config, wait: Session())
+    for job, code in (("a", 0), ("b", 3)):
+        with pytest.raises(SystemExit) as ended:
+            cmd._wait_end("config.toml", job, 5.0)
+        assert ended.value.code == code, job
+    said = "".join(capsys.readouterr())
+    assert "job a: finished (20 rounds, accuracy 0.9220, loss 0.3674)\n" in said, said
+    assert "job b: failed: stalled\n" in said, said  # nothing of its odd values
+    code, out, exc = _jobs_cli(tmp_path, monkeypatch, {"jobs": [done, odd]})
+    assert exc is None and code == 0, (exc, out)
+    assert "┃ job ┃ state ┃ submitted ┃ hash ┃ rounds ┃ accuracy ┃ reason ┃" in out, out
+    assert "│ a │ finished │ 1970-01-01 00:00:00 │ │ 20 │ 0.9220 │ │" in out, out
+    assert "│ b │ failed │ 1970-01-01 00:00:00 │ │ │ │ stalled │" in out, out
+
+
 def test_fedtier_jobs_on_an_empty_queue_says_there_are_none_and_how_to_submit_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
