@@ -103,7 +103,12 @@ def round_progress(cfg: RunConfig, enabled: bool = True) -> Iterator[Callable[[d
             status = f"acc {record['accuracy']:.4f}" if "accuracy" in record else ""
             progress.update(task, completed=record["round"] + 1, status=status)
 
-        yield on_round
+        try:
+            yield on_round
+        except BaseException:
+            if not progress.tasks[0].completed:  # refused before a round closed: the reason alone, not a bar at 0
+                progress.live.transient = True
+            raise
 
 
 def print_summary(summary: dict[str, Any], output_dir: Any) -> None:

@@ -315,3 +315,15 @@ def test_the_record_commands_on_a_provisioning_folder_say_where_the_records_are(
         said = " ".join(res.output.split())
         assert res.exit_code == 2 and f"{out} is a provisioning folder" in said, (command, said)
         assert f"run fedtier monitor --config config.toml in {out / 'nodes' / 'monitor'}" in said, said
+
+
+def test_a_run_refused_before_its_first_round_says_the_reason_alone_not_a_progress_bar_at_zero(tmp_path):
+    """A refusal only building the run finds (here FedALIGN's priority device not in the topology) came under a
+    progress bar drawn at 0 ("x (fedalign) ━━━━ 0/10 0:00:00 -:--:--", left on the screen, and in a log); the bar
+    goes now when no round closed, on a terminal erased."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\nname = "x"\n[algorithm]\nname = "fedalign"\npriority = ["zz"]\n[data]\ndataset = "digits"\n')
+    res = CliRunner().invoke(main, ["sim", str(cfg)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and said.startswith("error: algorithm.priority: 'zz' not in the topology"), said
+    assert "x (fedalign)" not in said and "0/10" not in said, said
