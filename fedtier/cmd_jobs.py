@@ -157,6 +157,12 @@ def _connect(config: str, wait: float) -> _Session:
     from protocols.config import ConfigError
 
     cfg = load_or_exit(config, ())
+    if not cfg.broker.url:  # it said "broker.url: required (mqtt://host:port), or pass --broker", an option it lacks
+        _fail(
+            f"{config} names no broker ([broker] url): --config takes the operator bundle's config.toml (fedtier "
+            "provision writes it in OUT/nodes/operator; run the command from there)",
+            2,
+        )
     try:
         return _Session(cfg, wait)
     except ConfigError as exc:

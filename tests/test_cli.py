@@ -327,3 +327,17 @@ def test_a_run_refused_before_its_first_round_says_the_reason_alone_not_a_progre
     said = " ".join(res.output.split())
     assert res.exit_code == 2 and said.startswith("error: algorithm.priority: 'zz' not in the topology"), said
     assert "x (fedalign)" not in said and "0/10" not in said, said
+
+
+def test_the_operators_commands_given_a_config_without_a_broker_name_the_bundle_they_take(tmp_path):
+    """``fedtier jobs|cancel|submit --config`` of a run config (no [broker] url) said "broker.url: required
+    (mqtt://host:port), or pass --broker", an option these commands do not have; now which config they take."""
+    cfg = tmp_path / "fed.toml"
+    cfg.write_text('[run]\nname = "fed"\n')
+    job = tmp_path / "job.toml"
+    job.write_text("[run]\nrounds = 2\n")
+    for command in (["jobs"], ["cancel", "j1"], ["submit", str(job)]):
+        res = CliRunner().invoke(main, [*command, "--config", str(cfg), "--wait", "0.1"])
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2 and "--broker" not in said, (command, said)
+        assert f"{cfg} names no broker ([broker] url): --config takes the operator bundle's config.toml" in said, said
