@@ -54,6 +54,8 @@ def fleet(
     from monitor.fleet import Fleet, render
 
     target = live_target(config_path, broker, run_name, keys_file, auth)
+    if config_path is not None and not target.broker:  # as fedtier monitor --config says it
+        fail(f"{config_path} names no broker ([broker] url): give --broker URL, or the monitor bundle's config", 2)
     if not target.broker or not target.run:
         fail("give --broker URL --run NAME, or --config with both in it", 2)
     view = Fleet(target.run, public_keys_or_exit(target.keys_file))

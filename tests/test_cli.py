@@ -331,7 +331,9 @@ def test_a_run_refused_before_its_first_round_says_the_reason_alone_not_a_progre
 
 def test_the_operators_commands_given_a_config_without_a_broker_name_the_bundle_they_take(tmp_path):
     """``fedtier jobs|cancel|submit --config`` of a run config (no [broker] url) said "broker.url: required
-    (mqtt://host:port), or pass --broker", an option these commands do not have; now which config they take."""
+    (mqtt://host:port), or pass --broker", an option these commands do not have; now which config they take. And
+    ``fedtier fleet --config`` said "give --broker URL --run NAME, or --config with both in it" of a config that
+    names the run: now what it lacks, as ``fedtier monitor --config`` says it."""
     cfg = tmp_path / "fed.toml"
     cfg.write_text('[run]\nname = "fed"\n')
     job = tmp_path / "job.toml"
@@ -341,3 +343,7 @@ def test_the_operators_commands_given_a_config_without_a_broker_name_the_bundle_
         said = " ".join(res.output.split())
         assert res.exit_code == 2 and "--broker" not in said, (command, said)
         assert f"{cfg} names no broker ([broker] url): --config takes the operator bundle's config.toml" in said, said
+    for command in (["fleet"], ["monitor", "--once"]):  # the watchers' --config: the monitor bundle's
+        res = CliRunner().invoke(main, [*command, "--config", str(cfg), "--wait", "0.1"])
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"{cfg} names no broker ([broker] url): give --broker URL" in said, said
