@@ -124,6 +124,7 @@ class LocalFederation:
         self.cells = {c: self._cell(bundle, c, cell_opts[c], reactor, build_cell) for c in cfg.topology.cell_ids()}
         self.server: CloudServer | None = None  # the job's cloud server, once the job ended
         self.errors: list[BaseException] = []
+        self.raised = False  # the first error was raised by check()
         self.threads: list[threading.Thread] = []
 
     def _cell(
@@ -146,20 +147,27 @@ class LocalFederation:
     def start(self) -> None:
         """Start the cloud and the cells, each serving on a thread of its own."""
         for name, service in (("cloud", self.cloud), *self.cells.items()):
-            thread = threading.Thread(target=self._serve, args=(service,), name=f"fedtier-{name}", daemon=True)
+            node = "cloud" if service is self.cloud else f"cell {name}"
+            thread = threading.Thread(target=self._serve, args=(node, service), name=f"fedtier-{name}", daemon=True)
             thread.start()
             self.threads.append(thread)
 
-    def _serve(self, service: CloudService | CellService) -> None:
+    def _serve(self, node: str, service: CloudService | CellService) -> None:
+        """Serve ``service`` (``node`` names it); what stops it is kept for :meth:`check`, which raises the first
+        (the command says it). Another node stopped by the same cause (every node's broker refused them) is not
+        said again, one stopped by another is (the cloud and 100 cells said one refused broker 101 times)."""
         try:
             service.serve()
-        except BaseException as exc:  # e.g. a broker that refused it: re-raised by check()
-            log.error("%s stopped: %s", type(service).__name__, exc)
+        except BaseException as exc:
+            said = any(str(other) == str(exc) for other in self.errors)
             self.errors.append(exc)
+            first = self.errors[0] is exc
+            log.log(logging.DEBUG if first or said else logging.ERROR, "%s stopped: %s", node, exc)
 
     def check(self) -> None:
         """Raise what stopped a service, if one stopped with an error."""
         if self.errors:
+            self.raised = True
             raise self.errors[0]
 
     def stop(self) -> None:
@@ -172,6 +180,8 @@ class LocalFederation:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 log.warning("%s did not stop within %.0f s", thread.name, STOP_TIMEOUT)
+        if self.errors and not self.raised:  # (what stopped a node after the job: never raised, so said here)
+            log.error("%s", self.errors[0])
 
     # ------------------------------------------------------------------ the operator
     def submit(self, text: str, timeout: float = SUBMIT_TIMEOUT) -> str:

@@ -261,3 +261,38 @@ def test_the_emulation_keeps_no_copy_of_the_samples_it_wrote_for_the_agents(tmp_
     assert all(
         len(load_device_data(f)[0]) == len(prep.device_data.indices(d)) for d, f in emulation.device_files.items()
     )
+
+
+def test_a_cause_that_stops_every_node_of_fedtier_run_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """``fedtier run --broker`` of a broker that refuses them: the cloud and each cell logged 'CloudService stopped:
+    ...', 'CellService stopped: ...' (one line per cell: 101 with 100 cells), and the command then said the same as
+    its error. The first is raised (the command says it), the same cause again is not said, another one is, naming
+    its node; one never raised (it stopped a node after the job) is said as the federation stops."""
+    import logging
+
+    from sim.local_federation import LocalFederation
+
+    class Refused:
+        def __init__(self, why: str) -> None:
+            self.why = why
+
+        def serve(self) -> None:
+            raise ConnectionError(self.why)
+
+        def stop(self) -> None:
+            pass
+
+    fed = LocalFederation.__new__(LocalFederation)  # its nodes' serving and stopping only: no broker, no job
+    fed.errors, fed.raised, fed.threads = [], False, []
+    fed.cloud, fed.cells = Refused(""), {}
+    with caplog.at_level(logging.DEBUG, logger="fedtier.run"):
+        for node, why in (("cloud", "broker refused"), ("cell c0", "broker refused"), ("cell c1", "disk full")):
+            fed._serve(node, Refused(why))
+        with pytest.raises(ConnectionError, match="broker refused"):
+            fed.check()
+        fed.stop()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == ["cell c1 stopped: disk full"]
+    fed.errors, fed.raised = [ConnectionError("after the job")], False
+    with caplog.at_level(logging.DEBUG, logger="fedtier.run"):
+        fed.stop()
+    assert caplog.records[-1].levelno == logging.ERROR and caplog.records[-1].getMessage() == "after the job"
