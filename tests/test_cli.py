@@ -284,7 +284,9 @@ def test_a_bundles_config_read_from_another_folder_says_where_to_run_the_command
     directory" (or the broker certificate's), which does not say the fix: run it from the bundle's folder."""
     bundle = tmp_path / "fed" / "nodes" / "operator"
     bundle.mkdir(parents=True)
-    (bundle / "config.toml").write_text('[run]\nname = "fed"\n[security]\nkeys = "keys.toml"\n')
+    (bundle / "config.toml").write_text(
+        '[run]\nname = "fed"\n[broker]\nurl = "mqtt://127.0.0.1:1"\n[security]\nkeys = "keys.toml"\n'
+    )
     (bundle / "keys.toml").write_text("")
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["jobs", "--config", "fed/nodes/operator/config.toml", "--wait", "0.1"])
