@@ -174,6 +174,7 @@ class CloudService:
         transport = self.connect()
         if transport is None:  # stopped while the broker was unreachable
             return None
+        self.kept.forget_coming()  # what the last connection published may never come back on this one
         self.twin.guard(transport, self.loop)  # TwinError: another cloud process of the federation is live
         claim, self.claim = self.claim, None
         if claim is not None:
@@ -197,6 +198,7 @@ class CloudService:
         progress. On connecting, and again on a reconnect that found no session at the broker (restarted without
         persistence, or its state lost): before, `fedtier submit` then refused ("no cloud has served federation
         ... yet"), `fedtier jobs` found no list and a node restarted mid-job no job, until the cloud restarted."""
+        self.kept.forget_coming()  # (a broker that lost its session: what was on its way is lost)
         self._publish_roster(transport)
         self._publish_list(transport)
         if self._current is not None:

@@ -788,6 +788,59 @@ def test_a_stale_signed_job_list_on_the_broker_is_replaced_by_the_clouds_current
     assert published[2] == published[1] and hub._retained[listed] == published[1]  # the current list, byte for byte
 
 
+def test_the_clouds_own_records_coming_back_late_are_not_published_again(tmp_path: Path, caplog) -> None:
+    """Walk-through (`fedtier cloud -v`, three 20-round jobs on the fleet tutorial's federation): the cloud logged "the
+    broker held another record than this cloud's last: published it again" 10 times, about 3 a job: its own job list
+    came back after it had published a newer one (a submission's list, then the job start's, in flight together; the
+    retained list handed back as it subscribed again after a job, before its newer one). Its own records coming back,
+    and what comes before one of its own still on its way, are not published again; a stale record handed back once
+    its own have come back still is, once (and the broker's copy of the roster or job record likewise)."""
+    import logging
+
+    from cloud.kept_records import MAX_COMING, KeptRecords
+    from cloud.service import CloudService
+    from protocols.transport.memory import MemoryHub
+
+    seed = new_seed()
+    trust = Trust("cloud", seed, {"cloud": public_of(seed)})
+    queue = JobQueue(tmp_path / "jobs.json")
+    hub, listed = MemoryHub(), topics.job_list("fed")
+    bundle = small_config(tmp_path, run={"name": "fed"}, monitoring={"idle_heartbeat": 0.0})
+    service = CloudService(bundle, hub.loop, lambda: hub.connect("cloud"), queue, None, trust=trust, operator=None)  # type: ignore[arg-type]
+    published: list[Any] = []
+    hub.tap = lambda topic, data, retain, sender: published.append(data) if topic == listed else None
+    service.transport = service._connect()
+    hub.loop.run()
+    for name in ("a", "b"):  # a submission's list, then another, before either comes back
+        queue.submit(job(name))
+        service._publish_list(service.transport)
+    with caplog.at_level(logging.INFO, logger="fedtier.cloud.service"):
+        hub.loop.run()
+    assert len(published) == 3 and "published it again" not in caplog.text, caplog.text
+
+    class Broker:  # what this cloud publishes
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def publish(self, topic: str, data: bytes, retain: bool = False) -> None:
+            self.sent.append(data)
+
+    kept, broker, topic = KeptRecords(), Broker(), "fedtier/fed/jobs/list"
+    kept.publish(broker, topic, b"x")  # (a job's end), come back before its connection closed
+    kept.on_record(broker, topic, b"x")
+    kept.forget_coming()  # the next connection: the retained x handed back after its newer y was published
+    kept.publish(broker, topic, b"y")
+    for data in (b"x", b"junk", b"y"):  # (junk of another publisher, before y at the broker: y replaces it)
+        kept.on_record(broker, topic, data)
+    assert broker.sent == [b"x", b"y"]
+    kept.on_record(broker, topic, b"x")  # y came back: a record handed back now is the broker's, stale
+    assert broker.sent == [b"x", b"y", b"y"]
+    kept.on_record(broker, topic, b"y")
+    for i in range(3 * MAX_COMING):  # never coming back: it awaits a bounded few
+        kept.publish(broker, topic, b"%d" % i)
+    assert len(kept.coming[topic]) == MAX_COMING
+
+
 # ------------------------------------------------------------------ dated requests (cloud/requests.py)
 class _Federation:
     """A signed federation's serving cloud in memory (its folder ``where``), its operator and what the cloud replied;
