@@ -58,6 +58,10 @@ def shown(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+TOML_TYPES = {"a valid dictionary": "a table", "a valid list": "an array", "a valid tuple": "an array"}
+"""pydantic's names of the types a config's values take, and a TOML file's."""
+
+
 def format_errors(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
     """``exc`` as one message, a sentence per bad key: its value and what it must be; for an unknown key, the
     keys ``model`` (the model validated) takes there (``prefix`` names the section it validated)."""
@@ -65,10 +69,14 @@ def format_errors(exc: ValidationError, prefix: str = "", model: type[BaseModel]
     for err in exc.errors():
         loc = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(err["loc"])) or "(config)"
         msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        for python, toml in TOML_TYPES.items():  # what the file calls them
+            msg = msg.replace(python, toml)
         if err["type"] == "extra_forbidden":
             lines.append(f"{loc}: unknown key{_known(model, err['loc'][:-1], str(err['loc'][-1]))}")
         elif err["type"] == "missing":
             lines.append(f"{loc}: required")
+        elif err["type"] == "model_type":  # "a valid dictionary or instance of RunSection": a class name
+            lines.append(f"{loc} = {shown(err.get('input'))}: must be a table ([{loc}] and its keys)")
         elif isinstance(err.get("input"), dict) and err["type"] == "value_error":  # a check across a section's keys
             lines.append(f"{loc}: {msg}")
         else:
