@@ -15,7 +15,7 @@ import click
 from protocols.config import RunConfig
 
 from .cli import CONFIG, SET, VERBOSE, auth_options, main
-from .cmd_keys import keys_option
+from .cmd_keys import node_keys_option
 from .console import (
     JOB_FAILED,
     console,
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 
 @main.command()
-@keys_option
+@node_keys_option
 @CONFIG
 @SET
 @BROKER
@@ -182,7 +182,7 @@ def _finish_cloud(cfg: RunConfig, node: CloudServer, out: Path, wall_s: float) -
 
 
 @main.command()
-@keys_option
+@node_keys_option
 @CONFIG
 @SET
 @click.option("--cell", "cell_id", required=True, help="This cell's id (c0, c1, ...).")
@@ -311,7 +311,7 @@ def _run_cell(
 
 
 @main.command()
-@keys_option
+@node_keys_option
 @CONFIG
 @SET
 @click.option("--device", required=True, help="This device's id (c0-d0, ...).")

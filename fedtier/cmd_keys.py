@@ -18,7 +18,19 @@ KEYS_HELP = (
 )
 
 
-def keys_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+NODE_KEYS_HELP = (
+    "Signing keys file (sets security.keys): this node's private key and its peers' public keys (its bundle's "
+    "keys.toml from fedtier provision, or its share of fedtier keys); it signs what it sends and verifies its peers."
+)
+"""``--keys`` of a deployed node (fedtier cloud|cell|agent), which reads the file and makes none."""
+
+
+def node_keys_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`keys_option` with :data:`NODE_KEYS_HELP`."""
+    return keys_option(fn, NODE_KEYS_HELP)
+
+
+def keys_option(fn: Callable[..., Any], help_text: str = KEYS_HELP) -> Callable[..., Any]:
     """``--keys PATH`` for a command with ``--set``: the same as ``--set security.keys=PATH``.
     Apply it directly below ``@main.command()``."""
 
@@ -29,7 +41,7 @@ def keys_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, **kwargs)
 
     return click.option(
-        "--keys", "keys_path", type=click.Path(dir_okay=False), default=None, metavar="PATH", help=KEYS_HELP
+        "--keys", "keys_path", type=click.Path(dir_okay=False), default=None, metavar="PATH", help=help_text
     )(wrapper)
 
 

@@ -353,3 +353,12 @@ def test_the_operators_commands_given_a_config_without_a_broker_name_the_bundle_
         res = CliRunner().invoke(main, [*command, "--config", str(cfg), "--wait", "0.1"])
         said = " ".join(res.output.split())
         assert res.exit_code == 2 and f"{cfg} names no broker ([broker] url): give --broker URL" in said, said
+
+
+def test_a_deployed_nodes_keys_option_says_what_the_file_holds_not_that_it_is_made():
+    """``fedtier cloud|cell|agent --help`` said of --keys "fedtier sim/run generate it in the run folder when the file
+    does not exist": a deployed node makes none (a missing file is refused), it reads its bundle's."""
+    for command in ("cloud", "cell", "agent"):
+        said = " ".join(CliRunner().invoke(main, [command, "--help"]).output.split())
+        assert "generate it" not in said and "this node's private key and its peers' public keys" in said, said
+    assert "generate it in the run folder" in " ".join(CliRunner().invoke(main, ["run", "--help"]).output.split())
