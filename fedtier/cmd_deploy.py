@@ -57,8 +57,9 @@ if TYPE_CHECKING:
 @click.option(
     "--serve",
     is_flag=True,
-    help="Long-lived node of a provisioned federation: serve one submitted job after another (each job's "
-    "config comes from the cloud, signed; the bundle's training sections are ignored) until SIGTERM.",
+    help="Long-lived cloud of a provisioned federation: queue the jobs the operator submits (fedtier submit, "
+    "signed) and run one after another until SIGTERM; each job's config is the job's own, the bundle's training "
+    "sections are ignored.",
 )
 @metrics_options
 @INSECURE

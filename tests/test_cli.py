@@ -357,8 +357,11 @@ def test_the_operators_commands_given_a_config_without_a_broker_name_the_bundle_
 
 def test_a_deployed_nodes_keys_option_says_what_the_file_holds_not_that_it_is_made():
     """``fedtier cloud|cell|agent --help`` said of --keys "fedtier sim/run generate it in the run folder when the file
-    does not exist": a deployed node makes none (a missing file is refused), it reads its bundle's."""
+    does not exist": a deployed node makes none (a missing file is refused), it reads its bundle's. And the cloud's
+    --serve said "each job's config comes from the cloud"."""
     for command in ("cloud", "cell", "agent"):
         said = " ".join(CliRunner().invoke(main, [command, "--help"]).output.split())
         assert "generate it" not in said and "this node's private key and its peers' public keys" in said, said
     assert "generate it in the run folder" in " ".join(CliRunner().invoke(main, ["run", "--help"]).output.split())
+    cloud = " ".join(CliRunner().invoke(main, ["cloud", "--help"]).output.split())  # its --serve: not "from the cloud"
+    assert "comes from the cloud" not in cloud and "queue the jobs the operator submits (fedtier submit" in cloud, cloud
