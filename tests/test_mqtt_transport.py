@@ -963,3 +963,25 @@ def test_a_message_is_acknowledged_once_all_its_handlers_returned_and_not_when_o
     receive(3, b"poison")
     assert loop.run(until=lambda: len(calls) == 6, timeout=WAIT)
     assert acks == [1, 3]
+
+
+@needs_mosquitto
+def test_a_connection_the_broker_closes_without_a_reason_says_what_closes_one_so(loop, caplog) -> None:
+    """Another client connecting under a client id (a second agent under a live device's id, as its twin check
+    connects) makes Mosquitto close the first's connection, which MQTT 3.1.1 gives no reason for: it logged "lost
+    connection to HOST:PORT (Unspecified error); reconnecting" (paho's name of no reason), which told the operator
+    nothing. It names what closes a connection so, a client under the same id among them."""
+    b = MosquittoBroker(free_port()).start()
+    try:
+        first = connect(b, "fedtier-t-twin", loop, reconnect_min_delay=5.0, reconnect_max_delay=5.0)
+        with caplog.at_level(logging.WARNING, logger="protocols.transport.mqtt"):
+            second = connect(b, "fedtier-t-twin", loop, reconnect_min_delay=5.0, reconnect_max_delay=5.0)
+            lost = lambda: [r.getMessage() for r in caplog.records if "lost connection" in r.getMessage()]  # noqa: E731
+            assert wait_until(lambda: lost(), WAIT), caplog.text
+        said = lost()[0]
+        assert said.startswith("fedtier-t-twin: lost connection to") and "Unspecified error" not in said, said
+        assert "another client that connected under this client id" in said, said
+        second.close()
+        first.close()
+    finally:
+        b.stop()

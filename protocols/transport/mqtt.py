@@ -48,6 +48,11 @@ from .subscriptions import broker_filters
 from .traffic import TransportStats, publish_packet_bytes
 
 log = logging.getLogger(__name__)
+TAKEN_OR_CUT = (
+    "the broker or the network closed it: a network fault, a broker that stopped, or another client that connected "
+    "under this client id"
+)
+"""Why a connection was lost, where the broker gave no reason (paho: "Unspecified error")."""
 
 
 class MqttTransport(Connecting, Inbound, Transport):
@@ -385,8 +390,9 @@ class MqttTransport(Connecting, Inbound, Transport):
                 self._reactor.discard(self._client)
             self._gone.set()
             return
-        if was_connected:
-            log.warning("%s: lost connection to %s:%s (%s); reconnecting", self.client_id, self.host, self.port, reason)
+        if was_connected:  # (paho names a hang-up of MQTT 3.1.1, which gives no reason, "Unspecified error")
+            why = TAKEN_OR_CUT if str(reason) == "Unspecified error" else reason
+            log.warning("%s: lost connection to %s:%s (%s); reconnecting", self.client_id, self.host, self.port, why)
         elif self._hung_ups == 0:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why
             self._hung_ups = 1
             log.warning(
