@@ -36,6 +36,7 @@ from fedtier.console import console, fail, live_connection, live_target, public_
     type=Finite(min=0.1),
     default=3.0,
     show_default=True,
+    metavar="SECONDS",
     help="Seconds to listen: retained statuses come at once, heartbeats say who is alive now.",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per node instead of the table.")

@@ -24,7 +24,12 @@ OPERATOR_CONFIG = click.option(
     help="The operator bundle's config.toml (fedtier provision: nodes/operator/config.toml).",
 )
 WAIT = click.option(
-    "--wait", type=Finite(min=0.1), default=30.0, show_default=True, help="Seconds to wait for the cloud."
+    "--wait",
+    type=Finite(min=0.1),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds to wait for the cloud.",
 )
 
 

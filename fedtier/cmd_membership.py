@@ -53,7 +53,10 @@ def _publish(out_dir: str) -> None:
 @click.option("--cell", required=True, help="The cell the device joins.")
 @click.option("--device", required=True, help="The new device's id (never one revoked before).")
 @click.option(
-    "--max-samples", type=Finite(min=0, min_open=True, max=None), help="Its weight bound (default: the federation's)."
+    "--max-samples",
+    type=Finite(min=0, min_open=True, max=None),
+    metavar="N",
+    help="Its weight bound, in samples (default: the federation's).",
 )
 @PUBLISH
 def add_device(out_dir: str, cell: str, device: str, max_samples: float | None, publish: bool) -> None:

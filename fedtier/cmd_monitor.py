@@ -50,12 +50,21 @@ from protocols.terminal import SafeConsole
     type=SECONDS,
     default=3.0,
     show_default=True,
+    metavar="SECONDS",
     help="With --once --broker: listen this long at most (stops 1 s after telemetry went quiet).",
 )
-@click.option("--refresh", type=Finite(min=0.05), default=0.5, show_default=True, help="Seconds between frames.")
+@click.option(
+    "--refresh",
+    type=Finite(min=0.05),
+    default=0.5,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds between frames.",
+)
 @click.option(
     "--deadline",
     type=Finite(min=0, min_open=True),
+    metavar="SECONDS",
     help="Flag a cell silent after this many seconds (default: the device deadline its records carry).",
 )
 @click.option(
@@ -64,6 +73,7 @@ from protocols.terminal import SafeConsole
     type=Finite(0, 1),
     default=0.75,
     show_default=True,
+    metavar="FRACTION",
     help="Flag a cell whose participation falls below this fraction of its recent mean.",
 )
 @click.option(

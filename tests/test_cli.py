@@ -365,3 +365,19 @@ def test_a_deployed_nodes_keys_option_says_what_the_file_holds_not_that_it_is_ma
     assert "generate it in the run folder" in " ".join(CliRunner().invoke(main, ["run", "--help"]).output.split())
     cloud = " ".join(CliRunner().invoke(main, ["cloud", "--help"]).output.split())  # its --serve: not "from the cloud"
     assert "comes from the cloud" not in cloud and "queue the jobs the operator submits (fedtier submit" in cloud, cloud
+
+
+def test_every_numeric_flag_names_its_unit_in_the_help():
+    """``--wait FINITE NUMBER`` (fedtier jobs|submit|cancel|fleet|monitor), ``--refresh``, ``--deadline``, ``--drop``
+    and ``--max-samples`` showed the type's name where the help names what the number is: SECONDS, FRACTION, N."""
+    import click
+
+    def commands(group: click.Group, prefix: list[str]):
+        for name, command in group.commands.items():
+            yield [*prefix, name]
+            if isinstance(command, click.Group):
+                yield from commands(command, [*prefix, name])
+
+    for path in commands(main, []):
+        said = CliRunner().invoke(main, [*path, "--help"]).output
+        assert "FINITE NUMBER" not in said, (path, said)
