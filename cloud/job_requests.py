@@ -63,7 +63,7 @@ def on_request(host: Host, topic: str, data: bytes) -> None:
         return
     reply = partial(_reply, host, job, nonce=request_nonce(unverified))
     try:
-        record = host.requests.open(data, topic)  # the operator's signature, its time and nonce
+        record = host.requests.open(data, topic)  # the operator's signature, its time, a nonce not taken before
     except JobError as exc:
         log.warning("refused job %s: %s", job, exc)
         reply(False, str(exc))
@@ -71,19 +71,21 @@ def on_request(host: Host, topic: str, data: bytes) -> None:
     try:
         if record.get("action") == "cancel":
             cancel(host, job)
-            reply(True, "cancelled" if host.queue.jobs[job].state == "cancelled" else "cancelling")
+            answer = (True, "cancelled" if host.queue.jobs[job].state == "cancelled" else "cancelling")
         elif record.get("action") == "submit":
             submit(host, job, record)
-            reply(True, "queued")
+            answer = (True, "queued")
         else:
             raise JobError(f"unknown action {record.get('action')!r}")
     except JobError as exc:
         log.warning("refused %s %s: %s", "to cancel job" if record.get("action") == "cancel" else "job", job, exc)
-        reply(False, str(exc))
-    except JobQueueError as exc:
+        answer = (False, str(exc))
+    except JobQueueError as exc:  # not done, so not taken
         reply(False, str(exc))
         host.error = exc  # the queue cannot be written: stop rather than lose a job
         return
+    host.requests.take(record)  # done or refused (its replay is refused as one, not judged again), and not before
+    reply(*answer)
     if (transport := host._live()) is not None:
         host._publish_list(transport)
     host.wake.set()

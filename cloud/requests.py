@@ -7,6 +7,13 @@ fresh request it verified (at most :data:`MAX_REMEMBERED`, the oldest dropped, t
 in ``requests.json`` beside its queue, so a captured request replayed within the window is refused as a replay, also
 after a restart, with its queue (``jobs.json``) or without it, and one replayed later as stale. Before, a request
 carried no time: a cloud whose queue was lost queued a replayed submit again.
+
+A cloud that finds no ``requests.json`` (its first start, or its folder lost) takes no request signed before it
+started: it cannot tell a replay of one taken before from a new one. It writes the file as it claims its folder
+(:meth:`OperatorRequests.create`), so a restart finds it and takes what the operator sent while it was down.
+A request's nonce is remembered once the cloud acted on it (queued, cancelled or refused it:
+:meth:`OperatorRequests.take`), not before: a cloud killed in between gets the request again from its session and acts
+on it then (before, its nonce was kept and the request refused as a replay, the job lost).
 """
 
 from __future__ import annotations
@@ -54,14 +61,39 @@ class OperatorRequests:
         self.floor = -float("inf")  # requests signed no later than this are refused: their nonces may be dropped
         self._load()
 
+    def create(self) -> None:
+        """Write ``requests.json`` if there is none (a signed federation's cloud, as it claims its folder)."""
+        if self.operator is not None and not self.path.exists():
+            try:
+                self._save()
+            except OSError as exc:
+                log.error("cannot write %s (%s): a restart will take no request sent before it", self.path, exc)
+
     def open(self, data: bytes, topic: str) -> dict[str, Any]:
-        """The request in ``data``, verified and taken (its nonce remembered); :class:`JobError` saying why not."""
+        """The request in ``data``, verified, fresh and not taken before; :class:`JobError` saying why not. Once the
+        cloud acted on it, :meth:`take` it."""
         record = open_job_record(data, topic, OPERATOR, self.operator.verify if self.operator else None)
         if self.operator is not None:
-            self._take(record)
+            self._check(record)
         return record
 
-    def _take(self, record: dict[str, Any]) -> None:
+    def take(self, record: dict[str, Any]) -> None:
+        """Remember the nonce of ``record`` (an :meth:`open` one the cloud acted on), here and in ``requests.json``;
+        one it cannot write there is remembered by this process alone (logged: its action is done)."""
+        at, nonce, now = finite_number(record.get("at")), request_nonce(record), self.clock()
+        if self.operator is None or at is None or nonce is None:
+            return
+        self.taken = {n: t for n, t in self.taken.items() if now - t <= self.window}  # the stale are refused anyway
+        self.taken[nonce] = at
+        while len(self.taken) > self.most:
+            oldest = min(self.taken, key=self.taken.__getitem__)
+            self.floor = max(self.floor, self.taken.pop(oldest))
+        try:
+            self._save()
+        except OSError as exc:
+            log.error("cannot record request %s in %s (%s): a restart would not know it", nonce, self.path, exc)
+
+    def _check(self, record: dict[str, Any]) -> None:
         at, nonce, now = finite_number(record.get("at")), request_nonce(record), self.clock()
         if at is None or nonce is None:
             raise JobError(
@@ -82,22 +114,14 @@ class OperatorRequests:
             raise JobError("the cloud took this request before (its nonce): a replay, refused")
         if at <= self.floor:
             raise JobError("the request is older than those the cloud still remembers: send it again")
-        self.taken = {n: t for n, t in self.taken.items() if now - t <= self.window}  # the stale are refused anyway
-        self.taken[nonce] = at
-        while len(self.taken) > self.most:
-            oldest = min(self.taken, key=self.taken.__getitem__)
-            self.floor = max(self.floor, self.taken.pop(oldest))
-        self._save()
 
     def _save(self) -> None:
         state = {"floor": self.floor if self.floor > -float("inf") else None, "taken": self.taken}
-        try:
-            write_durably(self.path, json.dumps(state).encode())
-        except OSError as exc:  # not taken: a restart would not know it
-            raise JobError(f"the cloud cannot record the request in {self.path}: {exc.strerror}") from None
+        write_durably(self.path, json.dumps(state).encode())
 
     def _load(self) -> None:
-        if not self.path.exists():
+        if not self.path.exists():  # a first start, or a folder lost: what it took before is unknown
+            self.floor = self.clock()
             return
         try:
             state = json.loads(self.path.read_bytes())

@@ -179,6 +179,7 @@ class CloudService:
         claim, self.claim = self.claim, None
         if claim is not None:
             claim()
+        self.requests.create()  # (once no other cloud is live, as claim: a restart takes what came meanwhile)
         if (job := self.queue.next()) is None or job.state != "running":  # not resuming: a past job's stragglers
             for pattern in topics.cloud_job_patterns(self.fed):  # (redelivered to this session) are not held, and
                 transport.unsubscribe(pattern)  # a job record the broker holds (an ended job's) is cleared

@@ -4,6 +4,7 @@ it, and the cloud's durable queue (``protocols/jobs.py``, ``cloud/jobs.py``)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -862,23 +863,32 @@ class _Federation:
         self.cloud: Any = None
 
     def restart(self, where: Path, skew: float = 0.0) -> Any:
-        from functools import partial
-
-        from cloud import job_requests
         from cloud.service import CloudService
 
-        if self.cloud is not None:
-            self.cloud.transport.close()
+        self.stop()
         where.mkdir(exist_ok=True)
         trust = Trust("cloud", self.seeds["cloud"], self.public)
         queue = JobQueue(where / "jobs.json")
+        bundle = small_config(self.tmp_path, run={"name": "fed"}, monitoring={"idle_heartbeat": 0.0})
+        connect = lambda: self.hub.connect(f"cloud-{where.name}")  # noqa: E731
         self.cloud = CloudService(
-            federation(self.tmp_path), None, lambda: None, queue, None, trust=trust, operator=self.public[OPERATOR]
+            bundle, self.hub.loop, connect, queue, None, trust=trust, operator=self.public[OPERATOR]
         )  # type: ignore[arg-type]
         self.cloud.requests.clock = lambda: time.time() + skew
-        self.cloud.transport = self.hub.connect(f"cloud-{where.name}")
-        self.cloud.transport.subscribe(topics.job_submit("fed"), partial(job_requests.on_request, self.cloud))
+        self.cloud.transport = self.cloud._connect()  # as `fedtier cloud --serve` connects
+        self.hub.loop.run()
         return self.cloud
+
+    def stop(self) -> None:
+        if self.cloud is not None:
+            self.cloud.transport.close()
+            self.cloud = None
+
+    def sign(self, record: dict[str, Any]) -> bytes:
+        """``record`` as `fedtier submit` sends it now, signed by the operator (captured, say)."""
+        request = {**record, "nonce": os.urandom(16).hex(), "at": time.time()}
+        topic = topics.job_submit("fed")
+        return seal_record(request, topic, Trust(OPERATOR, self.seeds[OPERATOR], self.public).sign)
 
     def request(self, record: dict[str, Any]) -> dict[str, Any]:
         """The cloud's answer to the operator's request ``record`` (about ``record["job"]``)."""
@@ -941,6 +951,43 @@ def test_a_captured_request_replayed_within_the_window_after_the_cloud_lost_its_
     assert fed.request({**SUBMIT, "job": "j2"})["accepted"]  # a fresh request is taken
 
 
+def test_a_request_is_taken_once_acted_on_and_a_cloud_that_lost_its_folder_takes_none_signed_before_it_started(
+    tmp_path: Path,
+) -> None:
+    """requests.json kept a request's nonce before the cloud acted on it: a cloud that could not queue the job (killed
+    in between; here, its queue unwritable) refused the request as a replay when its session handed it again. And a
+    cloud that lost its folder (jobs.json and requests.json) took a captured request replayed within its 10 minutes.
+    Now a nonce is kept once the request is done (or refused), and a cloud that finds no requests.json takes no request
+    signed before it started, while one restarted on its folder (requests.json written as it first connected, before
+    any request) takes what the operator sent while it was down."""
+    from cloud.jobs import JobQueueError
+
+    fed = _Federation(tmp_path)
+    folder = tmp_path / "cloud"
+    cloud = fed.restart(folder)
+    assert (folder / "requests.json").exists() and not cloud.requests.taken  # its first connection wrote it
+    fed.stop()
+    sent_while_down = fed.sign(SUBMIT)  # the broker keeps it in the cloud's session: handed over at its next start
+    cloud = fed.restart(folder)
+    save = cloud.queue._save
+    cloud.queue._save = lambda: (_ for _ in ()).throw(JobQueueError("cannot write the job queue: disk full"))
+    reply = fed.replay(sent_while_down)
+    assert not reply["accepted"] and "disk full" in reply["reason"] and cloud.error is not None, reply
+    cloud.queue._save = save
+    fed.restart(folder)  # (the service stopped on its queue's error; the request is the session's again)
+    assert fed.replay(sent_while_down) == {**reply, "accepted": True, "reason": "queued"}
+    assert fed.replay(sent_while_down)["reason"] == "the cloud took this request before (its nonce): a replay, refused"
+    captured = fed.sign({**SUBMIT, "job": "j2"})
+    assert fed.replay(captured)["accepted"]
+    fed.stop()
+    for lost in ("jobs.json", "requests.json"):
+        (folder / lost).unlink()
+    cloud = fed.restart(folder)
+    reply = fed.replay(captured)
+    assert not reply["accepted"] and "older than those the cloud still remembers" in reply["reason"], reply
+    assert cloud.queue.jobs == {} and fed.request({**SUBMIT, "job": "j3"})["accepted"]  # one signed now is taken
+
+
 @pytest.mark.parametrize(("skew", "says"), [(3605.0, "3,605 s older than"), (-3605.0, "dated 3,605 s ahead of")])
 def test_an_operator_whose_clock_is_an_hour_off_is_told_so(tmp_path: Path, skew: float, says: str) -> None:
     fed = _Federation(tmp_path)
@@ -959,13 +1006,11 @@ def test_the_clouds_memory_of_requests_is_bounded_and_never_takes_a_forgotten_on
     topic, now = topics.job_submit("fed"), 1_000_000.0
     requests = OperatorRequests(tmp_path / "requests.json", public_of(seed), clock=lambda: now, most=2)
     sent = [
-        seal_record(
-            {**SUBMIT, "nonce": f"{i:0{NONCE_HEX}x}", "at": now - 10 + i}, topic, Trust(OPERATOR, seed, {}).sign
-        )
-        for i in range(3)
+        seal_record({**SUBMIT, "nonce": f"{i:0{NONCE_HEX}x}", "at": now + 1 + i}, topic, Trust(OPERATOR, seed, {}).sign)
+        for i in range(3)  # (signed after the cloud started: one started on an empty folder takes none before)
     ]
     for data in sent:
-        requests.open(data, topic)
+        requests.take(requests.open(data, topic))
     assert len(json.loads((tmp_path / "requests.json").read_text())["taken"]) == 2
     again = OperatorRequests(tmp_path / "requests.json", public_of(seed), clock=lambda: now, most=2)
     for data, says in ((sent[0], "older than those the cloud still remembers"), (sent[2], "a replay")):
