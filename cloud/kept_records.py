@@ -42,14 +42,19 @@ class KeptRecords:
 
     def on_record(self, transport: Transport | None, topic: str, data: bytes) -> None:
         """What the broker handed on ``topic`` (the retained record as this cloud subscribes, or a live one): if it is
-        not byte-equal to this cloud's last there, nor one of its own coming back, and no publish of its own is on its
-        way there (which the broker delivers after it, and holds), publish its last one again."""
+        not byte-equal to this cloud's last there, and no publish of its own is on its way there after it (which the
+        broker delivers after it, and holds), publish its last one again. One of its own coming back is taken off what
+        is on its way (with any published before it): put back only if it is older than the last and none follows it
+        (the last set without a publish: a newer roster adopted, which this one overwrote at the broker)."""
         last, coming = self.last.get(topic), self.coming.get(topic)
         if coming and data in coming:  # its own, back: those published before it came back before it, or never will
             while coming.popleft() != data:
                 pass
+            if coming or data == last:
+                return  # (else the broker holds it, older than its last: a newer roster adopted as it came back)
+        elif last is None or data == last or coming:
             return
-        if last is None or data == last or coming or transport is None:
+        if transport is None or last is None:
             return
         log.info(
             "%s: the broker held another record than this cloud's last (%d bytes): published it again", topic, len(data)

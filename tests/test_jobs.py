@@ -837,6 +837,10 @@ def test_the_clouds_own_records_coming_back_late_are_not_published_again(tmp_pat
     kept.on_record(broker, topic, b"x")  # y came back: a record handed back now is the broker's, stale
     assert broker.sent == [b"x", b"y", b"y"]
     kept.on_record(broker, topic, b"y")
+    kept.publish(broker, topic, b"v1")  # (its roster) and, before it came back, the operator's newer one adopted
+    kept.last[topic] = b"v2"
+    kept.on_record(broker, topic, b"v1")  # which it overwrote at the broker: put back
+    assert broker.sent[-2:] == [b"v1", b"v2"]
     for i in range(3 * MAX_COMING):  # never coming back: it awaits a bounded few
         kept.publish(broker, topic, b"%d" % i)
     assert len(kept.coming[topic]) == MAX_COMING
