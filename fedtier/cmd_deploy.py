@@ -98,7 +98,9 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
 
     try:
         with run_folder_lock(cfg, "cloud"):
-            served = serve_cloud(cfg, broker_options(cfg, broker_url, auth), test_data, spec_and_data)
+            opts = broker_options(cfg, broker_url, auth)
+            say_serving("cloud", cfg, opts, f"its job queue and job folders in {cfg.output_dir().resolve()}")
+            served = serve_cloud(cfg, opts, test_data, spec_and_data)
     except (
         ConfigError,
         TwinError,
@@ -107,6 +109,15 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
     except JobQueueError as exc:
         fail_with(exc, 1)
     console.print(served)
+
+
+def say_serving(node: str, cfg: RunConfig, opts: BrokerOptions, what: str) -> None:
+    """The first line of a long-lived node (it said nothing until it stopped: was it up?)."""
+    console.print(
+        f"{node} of federation {cfg.run.name!r} ({what}): connecting to {opts.url}, then serving the federation's "
+        "jobs until SIGTERM or Ctrl-C (-v: a line per job)",
+        highlight=False,
+    )
 
 
 def _run_cloud(
@@ -227,7 +238,9 @@ def cell(
 
         try:
             with run_folder_lock(cfg, f"cell {cell_id}"):
-                served = serve_cell(cfg, cell_id, broker_options(cfg, broker_url, auth), spec_and_data)
+                opts = broker_options(cfg, broker_url, auth)
+                say_serving(f"cell {cell_id}", cfg, opts, f"its job folders in {cfg.output_dir().resolve()}")
+                served = serve_cell(cfg, cell_id, opts, spec_and_data)
         except (ConfigError, TwinError) as exc:  # TwinError: another process of the cell is live (not restarted)
             fail_with(exc, 2)
         except ConnectionError as exc:
@@ -398,11 +411,13 @@ def _serve_agent(
     try:
         own.check()  # a model it cannot load is refused now, not at each job
         data = load_device_data(source)[0]  # its format now; each job checks it against the job's model
+        opts = broker_options(cfg, broker_url, auth)
+        say_serving(f"device {device}", cfg, opts, f"{len(data)} samples")
         served = serve_agent(
             cfg,
             device,
             data,
-            broker_options(cfg, broker_url, auth),
+            opts,
             own.trainer,  # a job it cannot serve (gradients, another model) is refused for that job
             lambda job_cfg, _: spec_and_data(job_cfg, source),
         )

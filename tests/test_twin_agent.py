@@ -123,9 +123,7 @@ def test_fedtier_agent_under_a_live_device_id_exits_2_naming_it(tmp_path: Path) 
             said = " ".join(res.output.split())
             assert res.exit_code == 2, said + repr(res.exception)
             assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
-            assert said.count("refusing to start a second one") == 1, (
-                said
-            )  # once: it was logged, then said as the error
+            assert said.count("refusing to start a second one") == 1, said  # once: it was logged, then said
             assert until(lambda: first.twins.taken >= 1)
         finally:
             first.stop()
@@ -149,9 +147,8 @@ def test_fedtier_agent_serve_under_a_live_device_id_is_refused_before_its_first_
             said = " ".join(res.output.split())
             assert res.exit_code == 2, said + repr(res.exception)
             assert f"device {DEVICE}: another agent process (instance {first.twins.instance}) is live" in said
-            assert said.count("refusing to start a second one") == 1, (
-                said
-            )  # once: it was logged, then said as the error
+            assert said.count("refusing to start a second one") == 1, said  # once: it was logged, then said
+            assert f"device {DEVICE} of federation 't' (" in said and "then serving the federation's jobs" in said
             assert time.monotonic() - started < twin_window(cfg.runtime.heartbeat) + 5
             assert until(lambda: first.twins.taken >= 1)  # it saw the takeover and announced itself again
             assert until(lambda: spy.last_is("online", first.twins.instance))

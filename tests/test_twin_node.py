@@ -208,4 +208,8 @@ def test_fedtier_serve_beside_a_live_cloud_or_cell_exits_2_naming_it(
         assert res.exit_code == 2, said + repr(res.exception)
         assert f"node {NODES[kind]}: another {kind} process (instance {first.twin.instance}) is live" in said
         assert said.count("refusing to start a second one") == 1, said  # once: it was logged, then said as the error
+        node = (
+            "cloud" if kind == "cloud" else "cell c0"
+        )  # its first line (a long-lived node said nothing until it stopped)
+        assert f"{node} of federation 't' (its job" in said and f"connecting to {broker.url}, then" in said, said
         assert sorted(p.name for p in other.output_dir().iterdir()) == [f"{kind}{'-c0' * (kind == 'cell')}.lock"]
