@@ -381,3 +381,18 @@ def test_every_numeric_flag_names_its_unit_in_the_help():
     for path in commands(main, []):
         said = CliRunner().invoke(main, [*path, "--help"]).output
         assert "FINITE NUMBER" not in said, (path, said)
+
+
+def test_an_algorithm_key_set_on_a_config_without_algorithm_says_its_name_is_needed(tmp_path):
+    """``fedtier sim c.toml --set algorithm.lr=0.05`` on a config without [algorithm] (which runs fedavg) said
+    'algorithm.name: required (e.g. "fedavg")' of a name the operator never touched; ``name = 3`` said "required"."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[data]\ndataset = "digits"\n')
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", "algorithm.lr=0.05"])
+    said = " ".join(res.output.split())
+    assert (
+        res.exit_code == 2 and "algorithm.name: required once [algorithm] (or --set algorithm.KEY) sets a key" in said
+    )
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", "algorithm.name=3"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "algorithm.name = 3: must be an algorithm's name" in said, said

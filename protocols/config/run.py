@@ -20,7 +20,7 @@ from ..algorithms.traits import Trait
 from ..limits import MAX_MESSAGE_BYTES, memory_refusal
 from ..trainer import num_steps
 from ..wire.payload import MAX_META_BYTES
-from .errors import ConfigError, format_errors
+from .errors import ConfigError, format_errors, shown
 from .privacy import PrivacySection, calibrated_noise
 from .runtime import RuntimeSection
 from .sections import (
@@ -373,8 +373,13 @@ def deployment_config(cfg: RunConfig) -> tuple[RunConfig, str | None]:
 def validate_algorithm(section: dict[str, Any]) -> TrainParams:
     """The ``[algorithm]`` table validated against the named algorithm's ``Params`` and its layers."""
     name = section.get("name")
+    if name is None:  # (--set algorithm.lr=0.05 on a config without [algorithm] makes one of lr alone)
+        raise ConfigError(
+            'algorithm.name: required once [algorithm] (or --set algorithm.KEY) sets a key (e.g. name = "fedavg", '
+            "which a config without [algorithm] runs)"
+        )
     if not isinstance(name, str):
-        raise ConfigError('algorithm.name: required (e.g. "fedavg")')
+        raise ConfigError(f'algorithm.name = {shown(name)}: must be an algorithm\'s name (e.g. "fedavg")')
     try:
         cls = get_algorithm(name)
     except ValueError as exc:
