@@ -496,7 +496,7 @@ def test_a_cloud_whose_broker_lost_its_state_publishes_its_job_list_and_job_agai
             reader = MqttTransport.from_url(broker.url, "reader", reader_loop).connect(10.0)
             for topic in (topics.job_list("fed"), topics.current_job("fed")):
                 reader.subscribe(topic, lambda t, d: d and got.update({t: open_job_record(d, t, "cloud", None)}))
-            wait_until(lambda: len(got) == 2, 3.0)
+            assert wait_until(lambda: len(got) == 2, 10.0), got  # both retained records (free when met)
             reader.close()
             return got
 

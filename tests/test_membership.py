@@ -24,10 +24,10 @@ from fedtier.provisioning import provision
 from protocols.jobs import canonical_job, read_job_file
 from protocols.procs import popen
 from protocols.trainer import LocalData
-from protocols.transport.broker import find_mosquitto, free_port
+from protocols.transport.broker import find_mosquitto
 from protocols.wire import topics
 from sim.hierarchy import prepare
-from tests.conftest import small_config, wait_until
+from tests.conftest import free_port_run, small_config, wait_until
 from tests.test_provision import WAIT, Inbox, broker_user, clients, mosquitto, reachable_tmp  # noqa: F401
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
@@ -136,7 +136,9 @@ def _operator(*args: str) -> subprocess.CompletedProcess:
 def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: Path) -> None:  # noqa: F811
     tmp = reachable_tmp / "members"
     fed_cfg = small_config(tmp, run={"name": "fleet"}, topology={"cells": 1, "devices_per_cell": 2})
-    port = free_port()
+    # the broker's port and the long-lived nodes' /metrics ports, below the ephemeral range: a node binds its port
+    # seconds after this, and meanwhile no client connection of another test can take it as its local port
+    port = free_port_run(4)
     user = broker_user()
     prov = tmp / "prov"
     done = provision(
@@ -163,7 +165,7 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
         cmd = [FEDTIER, "agent", "config.toml", "--serve", "--device", device, "--data", "data.npz", *extra]
         return _start(cmd, nodes / device)
 
-    metrics = {node: free_port() for node in ("cloud", "cell", "c0-d0")}  # long-lived nodes serve /metrics too
+    metrics = {node: port + 1 + i for i, node in enumerate(("cloud", "cell", "c0-d0"))}  # long-lived nodes serve it
     with mosquitto(done.broker / "mosquitto.conf", port):
         procs = {
             "cloud": _start(

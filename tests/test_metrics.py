@@ -22,7 +22,7 @@ from protocols.procs import popen
 from protocols.records import CellRecord, RoundRecord, read_run
 from protocols.transport.broker import free_port
 from sim.launcher import SimHierarchy
-from tests.conftest import small_config
+from tests.conftest import free_port_run, small_config
 
 
 def sample(exporter: MetricsExporter, name: str, **labels: str) -> float | None:
@@ -247,7 +247,7 @@ def test_a_real_prometheus_scrapes_a_fedtier_run_and_its_counters_equal_the_reco
     cfg = small_config(tmp_path, run={"rounds": 2}, runtime={"device_deadline": 60.0})
     config = tmp_path / "run.toml"
     config.write_text(cfg.to_toml())
-    metrics_port = free_port()
+    metrics_port = free_port_run(1)  # bound by the run seconds from now: below the ephemeral range (conftest)
     prom = Prometheus(tmp_path, f"127.0.0.1:{metrics_port}")
     try:
         # --metrics-linger: the run exits only once Prometheus stored the final values. In this process (its agents
