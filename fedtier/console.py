@@ -134,10 +134,12 @@ def print_summary(summary: dict[str, Any], output_dir: Any) -> None:
 
 def print_error(message: object, label: str = "error", style: str = "bold red") -> None:
     """``label: message`` (``style``: red), the message as plain text: errors name config sections and keys in
-    brackets (``[security] keys``), which rich would take as markup and drop."""
+    brackets (``[security] keys``), which rich would take as markup and drop. Never hard-wrapped: a line break inside
+    a path or a key (``job.tom l``) would break it where the output is a file or a pipe (a journal, a CI log, a
+    copy-paste); the terminal wraps it."""
     from rich.markup import escape
 
-    console.print(f"[{style}]{label}:[/] {escape(str(message))}", highlight=False)
+    console.print(f"[{style}]{label}:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -96,7 +96,8 @@ def test_a_refused_job_names_its_file_and_a_job_cannot_rename_the_federations_ru
     without a word. Checked before any broker is reached."""
     fed = tmp_path / "fed.toml"
     fed.write_text('[run]\nname = "fed"\n[topology]\ncells = 2\ndevices_per_cell = 2\n')
-    job = tmp_path / "job.toml"
+    job = tmp_path / ("a-folder-name-longer-than-a-terminal-line-" * 2) / "job.toml"  # the error is > 80 columns
+    job.parent.mkdir()
     for body, says in [
         ('[run]\nname = "mine"', f"{job}: run.name = \"mine\": a job runs on the federation's topics, named 'fed'"),
         ("[topology]\ncells = 3", f"{job}: topology.cells = 3, the federation's: 2. A job runs on the federation's"),
@@ -104,8 +105,9 @@ def test_a_refused_job_names_its_file_and_a_job_cannot_rename_the_federations_ru
     ]:
         job.write_text(body + "\n")
         res = CliRunner().invoke(main, ["submit", str(job), "--config", str(fed)])
-        said = " ".join(res.output.split())
+        said = " ".join(res.output.split())  # a refusal of several keys lists them on lines of their own
         assert res.exit_code == 2 and says in said and "{'" not in said, said
+        assert f"error: {job}: " in res.output  # never a line break the console put inside the path ("job.tom l")
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
