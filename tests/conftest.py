@@ -103,8 +103,10 @@ def same_run(a: Any, b: Any) -> None:
     assert a.device_traffic == b.device_traffic
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0, period: float = 0.02) -> bool:
-    """Poll ``cond`` until it holds (True) or ``timeout`` seconds passed (False)."""
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0, period: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds passed (False). Every caller waits for something
+    that should happen (none for something that should not), so a generous default costs nothing when it holds: 30 s,
+    for CI's loaded machine (10 s failed one there, test_async's resumed cloud)."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
