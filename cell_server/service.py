@@ -10,7 +10,6 @@ from collections.abc import Callable
 from functools import partial
 
 from protocols.config import RunConfig
-from protocols.joblog import say_ended, say_taken
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
 from protocols.runfiles import write_cell_job
@@ -127,15 +126,13 @@ class CellService:
             if watch.roster is not None:
                 apply_roster(node, self.cell, watch.roster)
             self.node = node
-            say_taken(f"cell {self.cell}", current.job, cfg.run.rounds)
+            log.info("cell %s serves job %s", self.cell, current.job)
             self._mark(cfg, current.job, "running")
             self.loop.post(node.start)
             self._until_job_ends(watch, current)
             stopped = self.stopping.is_set()
             if not stopped:  # the job ended: this cell's session drops its topics (kept for a resume)
-                how = _ended_how(watch, current)
-                self._mark(cfg, current.job, *how)
-                say_ended(f"cell {self.cell}", current.job, *how)
+                self._mark(cfg, current.job, *_ended_how(watch, current))
                 done.add(current.session)
                 self.served.append(current.job)
                 for pattern in topics.cell_job_patterns(fed, self.cell):

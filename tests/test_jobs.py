@@ -442,10 +442,15 @@ def test_a_job_that_ends_without_finishing_leaves_a_summary_saying_how_in_its_ru
     assert [(s["phase"], s["reason"]) for s in states] == [("stopped", "cancelled by the operator")], states
 
 
-def _waiting_cloud(tmp_path: Path, **kwargs: Any) -> tuple[Any, JobQueue, Any, str]:
-    """A serving cloud (``kwargs``: more of its arguments), its queue and loop, and a job's text (2 rounds) whose
-    start waits 1000 s for its cells: a test ends it by cancelling it or stopping the cloud."""
+def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
+    """Walk-through (a fleet's cloud whose job folder became unwritable mid-job): the job failed at its next
+    checkpoint, then writing its final model raised out of the service: a traceback, exit 1, the job left ``running``
+    in the queue until a restart (systemd's, 5 s on) failed it as it resumed, with another reason (its records'
+    write), before the jobs queued behind it. Now the job ends with the reason (here a cancelled one: its state kept,
+    the write's error added) and the service goes on to the next job."""
     from cloud.service import CloudService, JobParts
+    from fedtier.serve import write_job_final
+    from protocols.transport.memory import MemoryHub
     from protocols.transport.threadloop import ThreadLoop
     from sim.hierarchy import prepare
 
@@ -456,22 +461,8 @@ def _waiting_cloud(tmp_path: Path, **kwargs: Any) -> tuple[Any, JobQueue, Any, s
     loop = ThreadLoop("t")
     folder = lambda job: tmp_path / "jobs" / job  # noqa: E731
     service = CloudService(
-        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=folder, **kwargs
+        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=folder, on_end=write_job_final
     )
-    return service, queue, loop, text
-
-
-def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
-    """Walk-through (a fleet's cloud whose job folder became unwritable mid-job): the job failed at its next
-    checkpoint, then writing its final model raised out of the service: a traceback, exit 1, the job left ``running``
-    in the queue until a restart (systemd's, 5 s on) failed it as it resumed, with another reason (its records'
-    write), before the jobs queued behind it. Now the job ends with the reason (here a cancelled one: its state kept,
-    the write's error added) and the service goes on to the next job."""
-    from fedtier.serve import write_job_final
-    from protocols.transport.memory import MemoryHub
-
-    service, queue, loop, text = _waiting_cloud(tmp_path, on_end=write_job_final)
-    folder = lambda job: tmp_path / "jobs" / job  # noqa: E731
     for name in ("a", "b"):
         queue.submit(Job(name, text, config_hash(text), OPERATOR))
     (folder("a") / "final_model.ftw").mkdir(parents=True)  # a folder where the final model goes: it cannot be written
@@ -492,9 +483,19 @@ def test_a_cloud_stopped_with_a_job_running_says_the_job_resumes_at_its_next_sta
     restarted cloud resumed it from its checkpoint and finished it); the journal now says so."""
     import logging
 
+    from cloud.service import CloudService, JobParts
     from protocols.transport.memory import MemoryHub
+    from protocols.transport.threadloop import ThreadLoop
+    from sim.hierarchy import prepare
 
-    service, queue, loop, text = _waiting_cloud(tmp_path)
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n[runtime]\nstartup_wait = 1000.0\n", fed)
+    queue = JobQueue(tmp_path / "jobs.json")
+    parts = lambda cfg: JobParts(cfg.build_algorithm(prepare(cfg).spec), None)  # noqa: E731
+    loop = ThreadLoop("t")
+    service = CloudService(
+        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
+    )
     queue.submit(Job("a", text, config_hash(text), OPERATOR))
     loop.call_later(0.05, service.stop)  # SIGTERM while it waits for its cells
     with caplog.at_level(logging.WARNING, logger="fedtier.cloud.service"):
@@ -506,17 +507,24 @@ def test_a_cloud_stopped_with_a_job_running_says_the_job_resumes_at_its_next_sta
     ], said
 
 
-def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_stopped_during(
-    tmp_path: Path, job_lines: list[str]
-) -> None:
+def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_stopped_during(tmp_path: Path) -> None:
     """Walk-through: `fedtier cloud --serve` stopped with SIGTERM printed nothing (between jobs) or a log line alone,
     where a cell and an agent say "served N jobs (...)" and which job the stop interrupted. The cloud keeps the same
-    account: the jobs it ran to their end (a cancelled one too), the one it was stopped during, which resumes.
-    Its journal also says, job by job, each job it took and how it ended (before: nothing at the default level)."""
+    account: the jobs it ran to their end (a cancelled one too), the one it was stopped during, which resumes."""
+    from cloud.service import CloudService, JobParts
     from fedtier.serve import served_summary
     from protocols.transport.memory import MemoryHub
+    from protocols.transport.threadloop import ThreadLoop
+    from sim.hierarchy import prepare
 
-    service, queue, loop, text = _waiting_cloud(tmp_path)
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n[runtime]\nstartup_wait = 1000.0\n", fed)
+    queue = JobQueue(tmp_path / "jobs.json")
+    parts = lambda cfg: JobParts(cfg.build_algorithm(prepare(cfg).spec), None)  # noqa: E731
+    loop = ThreadLoop("t")
+    service = CloudService(
+        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
+    )
     for name in ("a", "b"):
         queue.submit(Job(name, text, config_hash(text), OPERATOR))
     queue.start("a")
@@ -526,62 +534,10 @@ def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_
     loop.call_later(0.05, service.stop)  # SIGTERM while job b waits for its cells
     assert service._run(queue.next(), transport=hub.connect("cloud")) is True
     assert (service.served, service.stopped_during) == (["a"], "b")
-    assert job_lines == [
-        "cloud: job a taken (2 rounds, resumed from its checkpoint)",  # started before it was run: a restart's
-        "cloud: job a cancelled",  # no round closed: no figures
-        "cloud: job b taken (2 rounds)",  # stopped during it: the service's warning says so, and the summary
-    ], job_lines
     assert served_summary("cloud", service.served, service.stopped_during) == (
         "cloud: served 1 jobs (a); stopped during job b, which resumes from its checkpoint when the cloud starts again"
     )
     assert served_summary("cloud", [], None) == "cloud: served 0 jobs"
-
-
-def test_a_cancel_taken_as_the_cloud_starts_the_job_ends_it_in_its_startup_wait(tmp_path: Path) -> None:
-    """Walk-through (deploy-fleet.md, the cloud offline): `fedtier submit job-c` then `fedtier cancel job-c` waited in
-    the cloud's session; the restarted cloud took the submit, started job-c, then took the cancel before the job's
-    server was in place, and ran all 20 rounds before saying `cancelled`. The cancel marked the queue's job; the
-    server's start read the job as it was before. Now a cancel taken between the two stops the job at once."""
-    from cloud.job_requests import cancel
-    from protocols.transport.memory import MemoryHub
-
-    service, queue, loop, text = _waiting_cloud(tmp_path)
-    queue.submit(Job("a", text, config_hash(text), OPERATOR))
-    loop.post(lambda: cancel(service, "a"))  # on the loop before the job's server starts (held requests)
-    loop.call_later(10.0, service.stop)  # without the cancel, it waits 1000 s for its cells: a bound, not a wait
-    assert service._run(queue.next(), transport=MemoryHub(loop=loop).connect("cloud")) is True  # type: ignore[arg-type]
-    assert (queue.get("a").state, service.stopped_during) == ("cancelled", None), queue.get("a")
-
-
-def test_the_serving_nodes_job_lines_show_at_the_default_level_and_their_rounds_detail_does_not(
-    job_lines: list[str], caplog: pytest.LogCaptureFixture
-) -> None:
-    """`fedtier cloud|cell|agent --serve` log at WARNING unless -v: their journal said nothing of the jobs they took
-    and ended. Their job lines (``protocols.joblog``) are printed at that level, once each (not again as a log record
-    under -v), escaped; the rest of INFO (each round) still needs -v."""
-    import logging
-
-    from protocols.joblog import say_ended, say_taken
-
-    caplog.set_level(logging.WARNING)  # setup_logging(0): the CLI's default
-    say_taken("cell c0", "j1", 20)
-    say_ended("cloud", "j1", "failed", "cell c1 sent\x1b[2J [bold]junk[/bold]", {"rounds": 3, "accuracy": 0.91234})
-    assert job_lines == [
-        "cell c0: job j1 taken (20 rounds)",
-        "cloud: job j1 failed (3 rounds, accuracy 0.9123): cell c1 sent\\x1b[2J [bold]junk[/bold]",
-    ], job_lines
-    assert not logging.getLogger("fedtier.cloud.service").isEnabledFor(logging.INFO)  # a round's line
-    caplog.set_level(logging.INFO)  # -v: the CLI's handler is the root's
-    logged: list[str] = []
-    cli = logging.Handler()
-    cli.emit = lambda record: logged.append(record.name)  # type: ignore[method-assign]
-    logging.getLogger().addHandler(cli)
-    try:
-        say_taken("cloud", "j2", 1, resumed=True)
-    finally:
-        logging.getLogger().removeHandler(cli)
-    assert job_lines[-1] == "cloud: job j2 taken (1 round, resumed from its checkpoint)"
-    assert "fedtier.jobs" not in logged  # printed once, not logged again
 
 
 def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_not_errored(
