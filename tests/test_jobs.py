@@ -442,15 +442,10 @@ def test_a_job_that_ends_without_finishing_leaves_a_summary_saying_how_in_its_ru
     assert [(s["phase"], s["reason"]) for s in states] == [("stopped", "cancelled by the operator")], states
 
 
-def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
-    """Walk-through (a fleet's cloud whose job folder became unwritable mid-job): the job failed at its next
-    checkpoint, then writing its final model raised out of the service: a traceback, exit 1, the job left ``running``
-    in the queue until a restart (systemd's, 5 s on) failed it as it resumed, with another reason (its records'
-    write), before the jobs queued behind it. Now the job ends with the reason (here a cancelled one: its state kept,
-    the write's error added) and the service goes on to the next job."""
+def _waiting_cloud(tmp_path: Path, **kwargs: Any) -> tuple[Any, JobQueue, Any, str]:
+    """A serving cloud (``kwargs``: more of its arguments), its queue and loop, and a job's text (2 rounds) whose
+    start waits 1000 s for its cells: a test ends it by cancelling it or stopping the cloud."""
     from cloud.service import CloudService, JobParts
-    from fedtier.serve import write_job_final
-    from protocols.transport.memory import MemoryHub
     from protocols.transport.threadloop import ThreadLoop
     from sim.hierarchy import prepare
 
@@ -461,8 +456,22 @@ def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the
     loop = ThreadLoop("t")
     folder = lambda job: tmp_path / "jobs" / job  # noqa: E731
     service = CloudService(
-        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=folder, on_end=write_job_final
+        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=folder, **kwargs
     )
+    return service, queue, loop, text
+
+
+def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
+    """Walk-through (a fleet's cloud whose job folder became unwritable mid-job): the job failed at its next
+    checkpoint, then writing its final model raised out of the service: a traceback, exit 1, the job left ``running``
+    in the queue until a restart (systemd's, 5 s on) failed it as it resumed, with another reason (its records'
+    write), before the jobs queued behind it. Now the job ends with the reason (here a cancelled one: its state kept,
+    the write's error added) and the service goes on to the next job."""
+    from fedtier.serve import write_job_final
+    from protocols.transport.memory import MemoryHub
+
+    service, queue, loop, text = _waiting_cloud(tmp_path, on_end=write_job_final)
+    folder = lambda job: tmp_path / "jobs" / job  # noqa: E731
     for name in ("a", "b"):
         queue.submit(Job(name, text, config_hash(text), OPERATOR))
     (folder("a") / "final_model.ftw").mkdir(parents=True)  # a folder where the final model goes: it cannot be written
@@ -483,19 +492,9 @@ def test_a_cloud_stopped_with_a_job_running_says_the_job_resumes_at_its_next_sta
     restarted cloud resumed it from its checkpoint and finished it); the journal now says so."""
     import logging
 
-    from cloud.service import CloudService, JobParts
     from protocols.transport.memory import MemoryHub
-    from protocols.transport.threadloop import ThreadLoop
-    from sim.hierarchy import prepare
 
-    fed = federation(tmp_path)
-    _, text = canonical_job("[run]\nrounds = 2\n[runtime]\nstartup_wait = 1000.0\n", fed)
-    queue = JobQueue(tmp_path / "jobs.json")
-    parts = lambda cfg: JobParts(cfg.build_algorithm(prepare(cfg).spec), None)  # noqa: E731
-    loop = ThreadLoop("t")
-    service = CloudService(
-        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
-    )
+    service, queue, loop, text = _waiting_cloud(tmp_path)
     queue.submit(Job("a", text, config_hash(text), OPERATOR))
     loop.call_later(0.05, service.stop)  # SIGTERM while it waits for its cells
     with caplog.at_level(logging.WARNING, logger="fedtier.cloud.service"):
@@ -511,20 +510,10 @@ def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_
     """Walk-through: `fedtier cloud --serve` stopped with SIGTERM printed nothing (between jobs) or a log line alone,
     where a cell and an agent say "served N jobs (...)" and which job the stop interrupted. The cloud keeps the same
     account: the jobs it ran to their end (a cancelled one too), the one it was stopped during, which resumes."""
-    from cloud.service import CloudService, JobParts
     from fedtier.serve import served_summary
     from protocols.transport.memory import MemoryHub
-    from protocols.transport.threadloop import ThreadLoop
-    from sim.hierarchy import prepare
 
-    fed = federation(tmp_path)
-    _, text = canonical_job("[run]\nrounds = 2\n[runtime]\nstartup_wait = 1000.0\n", fed)
-    queue = JobQueue(tmp_path / "jobs.json")
-    parts = lambda cfg: JobParts(cfg.build_algorithm(prepare(cfg).spec), None)  # noqa: E731
-    loop = ThreadLoop("t")
-    service = CloudService(
-        fed, loop, lambda: None, queue, parts, trust=None, operator=None, job_folder=lambda j: tmp_path / "jobs" / j
-    )
+    service, queue, loop, text = _waiting_cloud(tmp_path)
     for name in ("a", "b"):
         queue.submit(Job(name, text, config_hash(text), OPERATOR))
     queue.start("a")
