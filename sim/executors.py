@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
+import multiprocessing as mp
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -45,7 +45,6 @@ from .datasets import builtin_geometry
 from .device_worker import process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
 from .result_ring import RingReader, ring_bytes
-from .worker_context import LauncherStreams, start_worker, worker_context
 from .worker_frames import Batch, frame, unframe
 from .worker_watch import Watch, named_devices
 
@@ -218,7 +217,7 @@ class ProcessExecutor(_Remote):
     ) -> None:
         """``result_bytes``: about one device's result (its ring holds a worker's results of an edge round)."""
         super().__init__(groups, loop, batched, stall_s)
-        ctx = worker_context()  # never fork: this process has threads (a fork server, or spawn)
+        ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self._outboxes: list[queue.Queue[bytes | None]] = []
         self._threads: list[threading.Thread] = []
@@ -232,22 +231,13 @@ class ProcessExecutor(_Remote):
                 result_r, result_w = ctx.Pipe(duplex=False)
                 ring = self._ring(ring_size, ctx)
                 self.rings.append(ring)
-                streams = LauncherStreams()
                 proc = ctx.Process(
                     target=process_main,
-                    args=(
-                        task_r,
-                        result_w,
-                        config_text,
-                        group,
-                        ring and (ring.name, ring.size, ring.freed),
-                        os.getpid(),
-                        streams,
-                    ),
+                    args=(task_r, result_w, config_text, group, ring and (ring.name, ring.size, ring.freed)),
                     name=f"fedtier-sim-worker-{i}",
                     daemon=True,
                 )
-                start_worker(proc, streams)
+                procs.spawn(proc.start)
                 task_r.close()  # our copies of the child's ends: EOF reaches us when it dies
                 result_w.close()
                 self.procs.append(proc)
