@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue #33 in one short run (~4-5 minutes): the CUDA tests, then benchmarks/gpu.py's
+# The GPU check of issue #33 in one short run (~5-6 minutes): the CUDA tests, then benchmarks/gpu.py's
 # CUDA sides with the CPU baselines the targets need, on the same machine. Logs and JSON go to $OUT.
 #
 # Two steps:
@@ -50,7 +50,7 @@ export FEDTIER_CACHE_DIR=/tmp/fedtier-cache
 
 status=0
 echo "== CUDA tests" | tee "$OUT/tests.log"
-timeout 90 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_cohort_device.py \
+timeout 80 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_cohort_device.py \
   "tests/test_cohort.py::test_cohort_on_gpu" tests/test_sim_workers_device.py tests/test_device_sums.py 2>&1 | tee -a "$OUT/tests.log" || status=1
 
 if [ "${QUICK:-0}" = 1 ]; then
@@ -64,31 +64,31 @@ bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py'
   timeout "$3" $PY benchmarks/gpu.py --workloads "$1" --sides "$2" --timeout "$4" --json "$OUT/gpu-$1.json" \
     "${@:5}" 2>&1 | tee -a "$OUT/gpu.log" || status=1
 }
-# large first: the headline target (cohort on CUDA vs the per-device engine on one CPU core), then the cohort
-# engine in 4 sim worker processes sharing the GPU (the devices' host side spread over cores; the main process
-# keeps the cells' and the cloud's: its "cpu s/rd" is the critical path). Each with the cells summing their
-# devices' results on the GPU (runtime.cell_sums = auto) and on the host (-host): the A/B of issue #33 item 3,
-# read in the breakdown's "aggregate" and the RATIO lines. cohort_size 1000 is left out (slower than 64 on an
-# H200 before), and 8 and 12 workers (slower than 4 on the H100, session 13). Then the cells in 4 and 10
-# processes of their own (runtime.cell_processes: each with its devices, their training and all their messages'
-# host work; the main process runs only the cloud: its "cpu s/rd" against cohort-cuda's is the lever, RATIO
-# "cohort cuda c10 / per-device cpu" the target); they replace cohort-cuda-w4-host (the cells' sums A/B is
-# cohort-cuda against cohort-cuda-host). Worst case of the whole script ~10 minutes (every timeout spent), ~6 expected
-bench large device-cpu,cohort-cuda,cohort-cuda-host,cohort-cuda-w4,cohort-cuda-c4,cohort-cuda-c10,cohort-auto 250 90 \
+# large first: the headline target (cohort on CUDA vs the per-device engine on one CPU core), then the cells in 4
+# and 10 processes of their own (runtime.cell_processes: each with its devices, their training and all their
+# messages' host work; the main process runs only the cloud: its "cpu s/rd" against cohort-cuda's is the lever,
+# RATIO "cohort cuda c10 / per-device cpu" the target), the cells summing their devices' results on the GPU
+# (runtime.cell_sums = auto) and on the host (cohort-cuda-host: issue #33 item 3's A/B, read in the breakdown's
+# "aggregate" and the RATIO lines). Left out for a 15-minute lease: cohort_size 1000 (slower than 64 on an H200),
+# the sim-worker sides (w4 1.50 s a round on the H100, session 13; the cell processes replace them).
+# nvidia-smi dmon samples the GPU's use every second meanwhile (dmon.txt): how busy 10 processes keep it.
+(nvidia-smi dmon -s u -d 1 > "$OUT/dmon.txt" 2>&1 &) ; sleep 0.1
+bench large device-cpu,cohort-cuda,cohort-cuda-host,cohort-cuda-c4,cohort-cuda-c10,cohort-auto 210 80 \
   "${large[@]}"
-bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 75 50 "${standard[@]}"
+pkill -f "nvidia-smi dmon" 2>/dev/null || true
+bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 65 40 "${standard[@]}"
 # small: its two sides within a few percent of each other (auto may choose the CPU), so each runs twice,
 # alternated, the fastest counting (a machine whose speed swings mid-run moved one side 0.74x -> 0.94x before)
-bench small cohort-cpu,cohort-cuda,cohort-auto 60 35 "${small[@]}"
-# DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5): one run alone (lr 1e-3), the same
-# run alone drawing its P directions in 8 threads (runtime.direction_threads = 8, the same bits: the A/B of the
-# draws' ~3 ms a round of host time), then its 4-value lr grid as 4 runs sharing the GPU (--jobs 4). Each run
-# prints round_ms and its split, kernel_ms (the forward passes, timed to their end) and host_ms (the rest);
-# round_ms x 10,000 is a run at the paper's horizon. (Timeouts 40 + 40 + 55 s, where 45 + 70 were: the script's
-# worst case stays ~10 minutes; 300 rounds alone ran at 20.4 ms a round and the four in 14 s wall, session 13.)
+bench small cohort-cpu,cohort-cuda,cohort-auto 60 25 "${small[@]}"
+# DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5): one run alone (lr 1e-3), then its
+# 4-value lr grid as 4 runs sharing the GPU (--jobs 4). Each run prints round_ms and its split, kernel_ms (the
+# forward passes, timed to their end) and host_ms (the rest); round_ms x 10,000 is a run at the paper's horizon.
+# (300 rounds alone ran at 20.4 ms a round and the four in 14 s wall, session 13.) The script's worst case, every
+# timeout spent, is ~8 minutes (80 + 210 + 65 + 60 + 40 + 55 s); ~5-6 expected, so a 15-minute lease can run it
+# once with room for a start and a shorter second run.
 dr=300
 [ "${QUICK:-0}" = 1 ] && dr=30
-echo "== DeComFL paper preset, $dr rounds: one run alone, one alone with 8 draw threads, then 4 runs on one GPU" \
+echo "== DeComFL paper preset, $dr rounds: one run alone, then 4 runs on one GPU" \
   | tee "$OUT/decomfl.log"
 decomfl() {  # seconds, then decomfl.py's other arguments
   timeout "$1" $PY benchmarks/decomfl.py --preset paper --rounds $dr --device cuda --methods DeComFL --seeds 0 \
@@ -96,7 +96,6 @@ decomfl() {  # seconds, then decomfl.py's other arguments
 }
 if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   decomfl 40 --lrs 1e-3 --jobs 1 --journal "$OUT/decomfl-alone.jsonl"
-  decomfl 40 --lrs 1e-3 --jobs 1 --direction-threads 8 --journal "$OUT/decomfl-alone-draws8.jsonl"
   decomfl 55 --jobs 4 --journal "$OUT/decomfl-jobs4.jsonl"
 else  # a CPU smoke run: the preset's CPU figures are in benchmarks/README.md
   echo "DeComFL on CUDA skipped: no CUDA" | tee -a "$OUT/decomfl.log"
