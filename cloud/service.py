@@ -234,7 +234,7 @@ class CloudService:
 
         def begin() -> None:
             self.node = node
-            if job.cancel_requested:
+            if self.queue.jobs[job.job].cancel_requested:  # the queue's: a cancel taken since it started
                 node.request_stop("cancelled by the operator")
             self._current = current
             topic = topics.current_job(self.fed)

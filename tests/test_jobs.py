@@ -529,6 +529,22 @@ def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_
     assert served_summary("cloud", [], None) == "cloud: served 0 jobs"
 
 
+def test_a_cancel_taken_as_the_cloud_starts_the_job_ends_it_in_its_startup_wait(tmp_path: Path) -> None:
+    """Walk-through (deploy-fleet.md, the cloud offline): `fedtier submit job-c` then `fedtier cancel job-c` waited in
+    the cloud's session; the restarted cloud took the submit, started job-c, then took the cancel before the job's
+    server was in place, and ran all 20 rounds before saying `cancelled`. The cancel marked the queue's job; the
+    server's start read the job as it was before. Now a cancel taken between the two stops the job at once."""
+    from cloud.job_requests import cancel
+    from protocols.transport.memory import MemoryHub
+
+    service, queue, loop, text = _waiting_cloud(tmp_path)
+    queue.submit(Job("a", text, config_hash(text), OPERATOR))
+    loop.post(lambda: cancel(service, "a"))  # on the loop before the job's server starts (held requests)
+    loop.call_later(10.0, service.stop)  # without the cancel, it waits 1000 s for its cells: a bound, not a wait
+    assert service._run(queue.next(), transport=MemoryHub(loop=loop).connect("cloud")) is True  # type: ignore[arg-type]
+    assert (queue.get("a").state, service.stopped_during) == ("cancelled", None), queue.get("a")
+
+
 def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_not_errored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
