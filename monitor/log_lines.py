@@ -10,7 +10,7 @@ import time
 from rich.console import Console
 from rich.text import Text
 
-from .state import MonitorState
+from .state import MonitorState, nth
 from .view import cloud_line, jobs_line, summary_line
 
 STAMP = "%Y-%m-%d %H:%M:%S"
@@ -25,7 +25,7 @@ def phase_text(state: MonitorState) -> str | None:
         return None
     text = f"now {s.get('phase')}"
     if s.get("phase") == "waiting":
-        text = f"now round {s.get('round')}: waiting"
+        text = f"now round {nth(s.get('round'))}: waiting"
     return text + (f": {s['reason']}" if s.get("reason") else "")
 
 

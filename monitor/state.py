@@ -222,9 +222,9 @@ class MonitorState:
             if age <= deadline:
                 continue
             what = (
-                f"round {s.get('round')}"
+                f"round {nth(s.get('round'))}"
                 if node == "cloud"
-                else f"{node.removeprefix('cell.')} edge round {s.get('round')}.{s.get('edge_round')}"
+                else f"{node.removeprefix('cell.')} edge round {nth(s.get('round'))}.{nth(s.get('edge_round'))}"
             )
             out.append(
                 f"{'cloud ' if node == 'cloud' else 'cell '}{what} open for {age:.0f} s, past its "
@@ -386,6 +386,12 @@ def late(rejection: Rejection, cut_off: frozenset[str]) -> bool:
     """Whether ``rejection`` is the late answer of a device its cell's previous edge round closed without: its kind
     says so, or (records written before that kind existed) a stale answer of a device cut off the round before."""
     return rejection.kind == RejectKind.LATE or (rejection.kind == RejectKind.STALE and rejection.device in cut_off)
+
+
+def nth(index: object) -> str:
+    """A round or edge round as the monitor shows it, counted from 1 (records and states count from 0): the cloud's
+    "round 20/20" and its cells' last record "20.1" are the same round; "?" for a value that is no count."""
+    return str(index + 1) if isinstance(index, int) and not isinstance(index, bool) else "?"
 
 
 def waiting_text(s: dict) -> str:

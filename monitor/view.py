@@ -21,7 +21,7 @@ from rich.text import Text
 
 from protocols.terminal import SafeConsole
 
-from .state import STATES, CellView, MonitorState, waiting_text
+from .state import STATES, CellView, MonitorState, nth, waiting_text
 
 SPARK = "▁▂▃▄▅▆▇█"
 SORTS = ("severity", "lag", "drop", "silent", "name")
@@ -149,7 +149,7 @@ def cell_table(state: MonitorState, now: float, flt: CellFilter | None = None) -
             last = state.states.get(f"cell.{view.cell}", {}).get("round")  # its retained state's round, if any
             table.add_row(
                 Text(view.cell),
-                str(last) if isinstance(last, int) else "-",
+                nth(last) if isinstance(last, int) else "-",
                 "-",
                 "-",
                 "-",
@@ -172,7 +172,7 @@ def cell_table(state: MonitorState, now: float, flt: CellFilter | None = None) -
         )
         table.add_row(
             Text(view.cell),  # Text: what came from the network is shown as it is, never read as markup
-            f"{rec.round}.{rec.edge_round}",
+            f"{nth(rec.round)}.{nth(rec.edge_round)}",  # from 1, as the cloud's "round 20/20"
             answered,
             f"{human_bytes(rec.bytes_in)} / {human_bytes(rec.bytes_out)}",
             loss,
@@ -210,7 +210,7 @@ def state_line(state: MonitorState, now: float) -> Text | None:
     text = Text.assemble(("now ", "bold"))
     phase = s.get("phase")
     if phase == "waiting":
-        text.append(f"round {s.get('round')}: {waiting_text(s)} for {now - s['since']:.0f} s")
+        text.append(f"round {nth(s.get('round'))}: {waiting_text(s)} for {now - s['since']:.0f} s")
         deadline = s.get("deadline_s")
         if isinstance(deadline, (int, float)) and now - s["since"] > deadline:
             text.append(f" (deadline {deadline:g} s passed)", style="bold red")

@@ -274,7 +274,8 @@ def test_monitor_view_of_a_recorded_run(runs):
     assert "fedtier monitor: silent" in text and "(2 cells)" in text
     rows = {m.group(1): line for line in text.splitlines() if (m := re.search(r"│ │ (c\d) ", line))}
     assert set(rows) >= {"c0", "c1"}
-    assert "2/3 (67%)" in rows["c0"] and "deadline" in rows["c0"] and "2.1" in rows["c0"]
+    # the cells' last records are round 2, edge round 1 counted from 0: shown from 1, as the cloud's "round 3/3"
+    assert "2/3 (67%)" in rows["c0"] and "deadline" in rows["c0"] and " 3.2 " in rows["c0"] and " 3.2 " in rows["c1"]
     assert "3/3 (100%)" in rows["c1"] and "all answered" in rows["c1"]
     assert "round 3/3" in text and "finished" in text and "no alerts" in text
     assert f"{runs[0].history[-1]['accuracy']:.4f}" in text
@@ -645,7 +646,7 @@ def test_monitor_follows_a_live_fedtier_run_over_mqtt(tmp_path):
     assert state.cloud is not None and state.cloud.to_dict() == result.history[-1]
     text = render_text(state)
     for cell in ("c0", "c1"):
-        assert re.search(rf"│ │ {cell} +│ +1\.1 │ 3/3 \(100%\)", text), text
+        assert re.search(rf"│ │ {cell} +│ +2\.2 │ 3/3 \(100%\)", text), text  # round 2 of 2, edge round 2 of 2
         assert state.cells[cell].last.to_dict() == [r for r in result.cell_records if r["cell"] == cell][-1]
     assert "round 2/2" in text and "finished" in text and "no alerts" in text
 

@@ -46,11 +46,13 @@ def test_a_monitor_started_mid_stall_shows_it(tmp_path: Path) -> None:
     for s in got:
         state.add_state(s)
     fresh = render_text(state, now=t0 + 1, width=200)
-    assert "round 0: waiting for c0, c1 for" in fresh and "no alerts" in fresh
+    assert (
+        "round 1: waiting for c0, c1 for" in fresh
+    )  # its first round, counted from 1 as closed ones are and "no alerts" in fresh
     late = render_text(state, now=t0 + 4 * DEADLINE, width=200)
     assert "deadline" in late.split("now ", 1)[1].splitlines()[0]
-    assert "cell c0 edge round 0.0 open for 200 s, past its 50 s deadline, waiting for c0-d0, c0-d1, c0-d2" in late
-    assert "cloud round 0 open for 200 s, past its 160 s deadline, waiting for c0, c1" in late
+    assert "cell c0 edge round 1.1 open for 200 s, past its 50 s deadline, waiting for c0-d0, c0-d1, c0-d2" in late
+    assert "cloud round 1 open for 200 s, past its 160 s deadline, waiting for c0, c1" in late
     assert re.search(r"run started 20[0-2] s ago", late)  # the run started just before t0
 
 
@@ -101,5 +103,5 @@ def test_fedtier_monitor_started_mid_stall_over_mqtt_flags_it(tmp_path: Path) ->
             loop.stop()
     out = " ".join(shown.output.split())
     assert shown.exit_code == 0, shown.output
-    assert "round 0: waiting for c0 for" in out
-    assert re.search(r"cell c0 edge round 0\.0 open for \d+ s, past its 0\.5 s deadline, waiting for c0-d0, c0-d1", out)
+    assert "round 1: waiting for c0 for" in out
+    assert re.search(r"cell c0 edge round 1\.1 open for \d+ s, past its 0\.5 s deadline, waiting for c0-d0, c0-d1", out)
