@@ -108,7 +108,7 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
         fail_with(exc, 2)
     except JobQueueError as exc:
         fail_with(exc, 1)
-    console.print(served)
+    say_served(served)
 
 
 def say_serving(node: str, cfg: RunConfig, opts: BrokerOptions, what: str) -> None:
@@ -117,7 +117,13 @@ def say_serving(node: str, cfg: RunConfig, opts: BrokerOptions, what: str) -> No
         f"{node} of federation {cfg.run.name!r} ({what}): connecting to {opts.url}, then serving the federation's "
         "jobs until SIGTERM or Ctrl-C (-v: a line per job)",
         highlight=False,
+        soft_wrap=True,  # one line, not broken at 80 columns: a journal's entry, a log file's line
     )
+
+
+def say_served(summary: str) -> None:
+    """The last line of a long-lived node: the jobs it served (``fedtier.serve.served_summary``), one line."""
+    console.print(summary, highlight=False, soft_wrap=True)
 
 
 def _run_cloud(
@@ -245,7 +251,7 @@ def cell(
             fail_with(exc, 2)
         except ConnectionError as exc:
             fail_with(exc, 1)
-        console.print(served)
+        say_served(served)
     else:
         _run_cell(cfg, cell_id, broker_url, auth, resume, metrics_linger)
 
@@ -425,7 +431,7 @@ def _serve_agent(
         fail_with(exc, 2)
     except ConnectionError as exc:
         fail_with(exc, 1)
-    console.print(served)
+    say_served(served)
 
 
 def _run_agent(

@@ -398,3 +398,21 @@ def test_an_algorithm_key_set_on_a_config_without_algorithm_says_its_name_is_nee
     res = CliRunner().invoke(main, ["sim", str(cfg), "--set", "algorithm.name=3"])
     said = " ".join(res.output.split())
     assert res.exit_code == 2 and "algorithm.name = 3: must be an algorithm's name" in said, said
+
+
+def test_a_serving_nodes_start_line_and_stop_summary_are_one_line_each_in_a_log(capsys: pytest.CaptureFixture) -> None:
+    """Walk-through (deploy-fleet.md step 3, `fedtier cloud --serve ... > cloud.log`, as a journal takes it): the
+    cloud's start line came out broken at 80 columns, three lines (three journal entries), as did a long stop
+    summary. Each is one line now, however long its folder or its list of jobs."""
+    from types import SimpleNamespace
+
+    from fedtier.cmd_deploy import say_served, say_serving
+    from fedtier.serve import served_summary
+
+    folder = "/srv/" + "/".join(["federation"] * 40) + "/runs/fed"  # past any terminal's width
+    cfg, opts = SimpleNamespace(run=SimpleNamespace(name="fed")), SimpleNamespace(url="mqtts://broker.example:8883")
+    say_serving("cloud", cfg, opts, f"its job queue and job folders in {folder}")  # type: ignore[arg-type]
+    say_served(served_summary("cloud", [f"job-{i}" for i in range(40)], "job-40"))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and folder in lines[0] and lines[0].endswith("(-v: a line per job)"), lines
+    assert lines[1].startswith("cloud: served 40 jobs (job-0, ") and lines[1].endswith("when the cloud starts again")
