@@ -51,7 +51,8 @@ from protocols.terminal import SafeConsole
     default=3.0,
     show_default=True,
     metavar="SECONDS",
-    help="With --once --broker: listen this long at most (stops 1 s after telemetry went quiet).",
+    help="With --broker: listen this long at most for the broker's records before the first frame (--once) or, "
+    "where the output is no terminal, the first lines (stops 1 s after telemetry went quiet).",
 )
 @click.option(
     "--refresh",

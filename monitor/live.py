@@ -64,7 +64,7 @@ class LiveView:
                 self.out.print(render(self.state, flt=self.flt))
                 return
             if not self.out.is_terminal or self.out.is_dumb_terminal:  # a live display writes nothing there
-                return self.log(feed, refresh, exit_when_done)
+                return self.log(feed, refresh, exit_when_done, wait)
             with Live(render(self.state, flt=self.flt), console=self.out, auto_refresh=False, transient=False) as live:
                 while True:
                     self.pull(feed)
@@ -78,9 +78,13 @@ class LiveView:
             if isinstance(feed, TelemetryFeed):
                 feed.close()
 
-    def log(self, feed: RunDirFollower | TelemetryFeed, refresh: float, exit_when_done: bool) -> None:
-        """A line each time something changed, checked every ``refresh`` seconds, and the last frame on leaving."""
+    def log(self, feed: RunDirFollower | TelemetryFeed, refresh: float, exit_when_done: bool, wait: float) -> None:
+        """A line each time something changed, checked every ``refresh`` seconds, and the last frame on leaving; on a
+        telemetry feed, after listening ``wait`` seconds at most for the broker's retained records (a log's first lines
+        said "0 cells", "no round closed yet" of a federation whose job had ended)."""
         lines = LineLog(self.out)
+        if isinstance(feed, TelemetryFeed):
+            wait_quiet(feed, quiet=min(1.0, wait), timeout=wait)
         try:
             while True:
                 self.pull(feed)

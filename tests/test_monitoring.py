@@ -889,3 +889,41 @@ def test_a_monitor_whose_output_is_no_terminal_logs_each_round_as_it_comes_flush
     first = next(line for line in said.splitlines() if "cloud round 1/3" in line)
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d cloud round 1/3 closed \(all reported\), accuracy", first), said
     assert said.count("cloud round 1/3 closed") == 1 and "╭─ fedtier monitor: plain" in said  # once; the frame last
+
+
+def test_a_monitor_logging_off_a_terminal_waits_for_the_brokers_retained_records_before_its_first_lines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Walk-through (deploy-fleet.md step 5, `fedtier monitor --config config.toml > log`, between jobs): its first
+    stamped lines said `fed (0 cells)`, `cloud: no round closed yet`, `cells 0: none`, a second before the retained
+    records came and it said the job had finished and both cells were idle. It now listens for them (`--wait`) first."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    import monitor.live
+    from monitor.live import LiveView
+    from protocols.status import idle_status
+    from protocols.transport.memory import MemoryHub
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+
+    loop = ThreadLoop("hub").start()
+    hub = MemoryHub(loop=loop)  # type: ignore[arg-type]
+    node = hub.connect("nodes")
+    for cell in ("c0", "c1"):  # retained, reaching the monitor a little after it subscribed (a broker's latency)
+        topic = topics.status("fed", f"cell.{cell}")
+        loop.call_later(0.2, lambda t=topic: node.publish(t, idle_status(t, None), retain=True))
+    feed = TelemetryFeed(hub.connect("monitor"), "fed").start()
+
+    def interrupt(_: float) -> None:  # Ctrl-C after the first lines
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(monitor.live, "time", SimpleNamespace(sleep=interrupt, time=time.time))  # its loop's sleep only
+    out = io.StringIO()
+    try:
+        LiveView(0.75, None, CellFilter(), Console(file=out, width=120)).follow(feed, False, 0.5, 0.05, False)
+    finally:
+        loop.stop()
+    first = out.getvalue().split("╭")[0]  # the lines logged, before the last frame
+    assert "(2 cells)" in first and "2 idle" in first and "0 cells" not in first, out.getvalue()
