@@ -32,6 +32,7 @@ from protocols.session import CloudSession
 from protocols.status import IDLE
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import TimerHandle
+from protocols.transport.mqtt import MqttTransport
 from protocols.twin import TwinError, TwinWatch, new_instance
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
@@ -178,9 +179,13 @@ class AgentProcess:
             fresh.append((device, transport))
         self.twins.checking = self.twin_window is not None  # no task is taken before the check is over
         self.links.each_on_loop(fresh, self._prepare)
+        _expect_drops(fresh, "checking that no other agent process is live under this id" * self.twins.checking)
         self.links.connect_all(fresh, connect_timeout)
         if self.twin_window is not None:
-            self._check_twins(self.twin_window)
+            try:
+                self._check_twins(self.twin_window)
+            finally:
+                _expect_drops(fresh, "")
             self.links.each_on_loop(fresh, lambda d, t: self.agents[d].attach(t))  # held tasks follow
         self.links.each_on_loop([(d,) for d, _ in fresh], self._announce)
         if self.heartbeat > 0:
@@ -454,3 +459,11 @@ class AgentProcess:
             }
             for d, a in self.agents.items()
         }
+
+
+def _expect_drops(links: list[tuple[str, Any]], why: str) -> None:
+    """Say a lost connection of these links at info, with ``why`` (a twin check: a live agent of the same devices
+    takes their sessions back), not as a warning; ``""``: warn again."""
+    for _, transport in links:
+        if isinstance(transport, MqttTransport):
+            transport.drop_expected = why or None

@@ -258,12 +258,7 @@ class NodeTwin:
         if self._checked:
             return
         self._checked = True
-        wait = lambda event, seconds: _drain(loop, event, seconds)  # noqa: E731
-        settle = min(self.window, SETTLE)
-        twin = watch.check(settle, wait=wait)
-        if twin is None and getattr(transport, "reconnects", 0) > 0:  # taken over meanwhile: someone holds the session
-            watch.checking = True
-            twin = watch.check(self.window - settle, grace=0.0, wait=wait)
+        twin = self._check(transport, loop)
         if twin is None:
             return
         refusal = TwinError.of(watch.noun, self.node, self.kind, twin[1])  # (said by whoever catches it: once)
@@ -272,6 +267,24 @@ class NodeTwin:
             transport.flush(5.0)
         transport.close()  # a clean DISCONNECT: no will, the live process's status stays
         raise refusal
+
+    def _check(self, transport: Transport, loop: ThreadLoop) -> tuple[str, str] | None:
+        """The first connection's check; a live process taking the session back meanwhile is expected (said at
+        info: the refusal that follows says why, not a "lost connection" warning before it)."""
+        watch, wait = self.watch, lambda event, seconds: _drain(loop, event, seconds)
+        mqtt = transport if isinstance(transport, MqttTransport) else None
+        if mqtt is not None:
+            mqtt.drop_expected = f"checking that no other {self.kind} process is live under this id"
+        try:
+            settle = min(self.window or 0.0, SETTLE)
+            twin = watch.check(settle, wait=wait)
+            if twin is None and getattr(transport, "reconnects", 0) > 0:  # taken over meanwhile: a session holder
+                watch.checking = True
+                twin = watch.check((self.window or 0.0) - settle, grace=0.0, wait=wait)
+            return twin
+        finally:
+            if mqtt is not None:
+                mqtt.drop_expected = None
 
     def _reannounce(self, transport: Transport) -> None:
         """The node's last online or idle record again (retained): the other process's will or refusal replaced it."""

@@ -31,6 +31,7 @@ from tests.conftest import small_config, wait_until
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 NODES = {"cloud": "cloud", "cell": "cell.c0"}  # kind -> node id (client id, status topic)
+MQTT_LOG = "protocols.transport.mqtt"  # its logger: a lost connection is said there
 
 
 def service_of(kind: str, bundle: RunConfig, url: str, folder: Path, window: float) -> Any:
@@ -94,6 +95,7 @@ def test_a_second_process_of_a_live_cloud_or_cell_is_refused_naming_it_and_the_f
     kind: str, tmp_path: Path, broker: MosquittoBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="fedtier.twin")
+    caplog.set_level(logging.INFO, logger=MQTT_LOG)
     bundle = federation_bundle(small_config(tmp_path, monitoring={"idle_heartbeat": 60.0}))  # no beat meanwhile
     first = service_of(kind, bundle, broker.url, tmp_path / "a", 0.3)
     spy = Spy(broker.url, topics.status(bundle.run.name, NODES[kind]))
@@ -107,6 +109,13 @@ def test_a_second_process_of_a_live_cloud_or_cell_is_refused_naming_it_and_the_f
             said = f"node {NODES[kind]}: another {kind} process (instance {first.twin.instance}) is live"
             assert said in str(refused.value)
             assert time.monotonic() - started < NODE_WINDOW + 1  # it found the first within the window
+            # the second lost its connection to the first taking the session back (how the first shows twice):
+            # expected during its check, so said at info with why, not warned of before its refusal
+            expected = [
+                r for r in caplog.records if "lost connection" in r.getMessage() and "while checking" in r.getMessage()
+            ]
+            assert expected and all(r.levelno == logging.INFO for r in expected), caplog.text
+            assert f"while checking that no other {kind} process is live under this id" in expected[0].getMessage()
             # the first took its session back, read the refusal, said so loudly and announced itself again
             assert wait_until(lambda: first.twin.watch.taken >= 1)
             assert any(f"took this {kind}'s broker session" in r.getMessage() for r in caplog.records)

@@ -113,6 +113,9 @@ class MqttTransport(Connecting, Inbound, Transport):
         self.client_id, self.loop, self.host, self.port = client_id, loop, host, port
         self.keepalive, self.max_chunk, self.will, self.persistent = keepalive, max_chunk, will, persistent
         self.stats = TransportStats()
+        self.drop_expected: str | None = None
+        """What this connection is doing while a lost connection is expected (``protocols.twin``'s check: a live
+        process of the node takes its session back): a drop then is said at info, with it, not warned of."""
         self._cv = threading.Condition()
         self._subs: dict[str, tuple[int, list[Handler]]] = {}  # pattern -> (qos, handlers)
         self._at_broker: dict[str, int] = {}  # pattern -> qos subscribed at the broker
@@ -392,7 +395,18 @@ class MqttTransport(Connecting, Inbound, Transport):
             return
         if was_connected:  # (paho names a hang-up of MQTT 3.1.1, which gives no reason, "Unspecified error")
             why = TAKEN_OR_CUT if str(reason) == "Unspecified error" else reason
-            log.warning("%s: lost connection to %s:%s (%s); reconnecting", self.client_id, self.host, self.port, why)
+            expected = self.drop_expected
+            level = logging.INFO if expected else logging.WARNING
+            during = f" while {expected}" if expected else ""
+            log.log(
+                level,
+                "%s: lost connection to %s:%s (%s)%s; reconnecting",
+                self.client_id,
+                self.host,
+                self.port,
+                why,
+                during,
+            )
         elif self._hung_ups == 0:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why
             self._hung_ups = 1
             log.warning(
