@@ -57,7 +57,7 @@ class RoundCounts:
         self.repeated.add(cell)
         return True
 
-    def lost_task(self, cell: str, repeated: Header, rnd: int, pending: set[str]) -> bool:
+    def lost_task(self, cell: str, repeated: Header, rnd: int, pending: set[str], resumed: bool = False) -> bool:
         """Whether to send ``cell``, still awaited (in ``pending``) since it was sent its task of round ``rnd``,
         that task again: it sent (signed by itself) its report of an earlier round again (``repeated``), as a
         cell restarted from a journal that ends with its report does (``cell_server.recovery``,
@@ -67,7 +67,9 @@ class RoundCounts:
         redelivery: at most one task again); a later one is refused (:class:`Rejected`, ``REPLAY``): a cell
         that repeats itself gets no more tasks and changes no aggregate, and its repeats are on the record. A
         repeat that ``cell`` did not sign is refused (``WRONG_SENDER``) and is not ``cell``'s repeat: another
-        node's copies on its topic use up nothing of ``cell``'s."""
+        node's copies on its topic use up nothing of ``cell``'s. ``resumed``: ``rnd`` is the first round of a cloud
+        resumed from its checkpoint, to which the broker hands again what the stopped cloud took but never
+        acknowledged (the cell did not come back: this cloud did; said at info)."""
         h = repeated
         if h.sender != cell:
             raise Rejected(
@@ -81,9 +83,19 @@ class RoundCounts:
         if h.round >= rnd or cell not in pending:
             log.info("cloud: report of round %d from %s again (a restart, a redelivery): dropped", h.round, cell)
             return False
-        log.warning(
-            "cloud: %s came back after round %d (its report again): round %d's task sent again", cell, h.round, rnd
-        )
+        if resumed:
+            log.info(
+                "cloud: %s's report of round %d came again (this cloud resumed at round %d: its broker session handed "
+                "it again, or the cell restarted too): round %d's task sent again",
+                cell,
+                h.round,
+                rnd,
+                rnd,
+            )
+        else:
+            log.warning(
+                "cloud: %s came back after round %d (its report again): round %d's task sent again", cell, h.round, rnd
+            )
         return True
 
     def count(
@@ -165,12 +177,14 @@ class CellPresence:
         return True
 
 
-def resend_on_repeat(counts: RoundCounts, messenger: Messenger, msg: Incoming, rnd: int, pending: set[str]) -> bool:
+def resend_on_repeat(
+    counts: RoundCounts, messenger: Messenger, msg: Incoming, rnd: int, pending: set[str], resumed: bool = False
+) -> bool:
     """``msg``, a report handled before, came again: whether to send its cell its task again
-    (:meth:`RoundCounts.lost_task`); a refused repeat is logged and recorded with its kind."""
+    (:meth:`RoundCounts.lost_task`, ``resumed`` as there); a refused repeat is logged and recorded with its kind."""
     cell = msg.topic.split("/")[-2]
     try:
-        return counts.lost_task(cell, msg.header, rnd, pending)
+        return counts.lost_task(cell, msg.header, rnd, pending, resumed)
     except Rejected as exc:
         messenger.reject(msg.topic, exc.kind, str(exc), cell)
         return False

@@ -58,9 +58,7 @@ class CloudServer:
     ``fail_on_cell_failure``: a cell's "failed" report (its handler raised) fails the job; off, the cell is
     left out of the round with its reason (``cells_failed``) and the stall rule decides. ``checkpoint_path``
     (``cloud.checkpoint``) with ``resume``: continue after the last round it closed (``devices_recreated``:
-    a launcher that rebuilt its devices, whose state the role forgets). :meth:`revoke`: cells the federation
-    revoked while the job runs.
-    """
+    a launcher that rebuilt its devices, whose state the role forgets). :meth:`revoke`: cells revoked mid-job."""
 
     live = False  # start() ran: a revocation acts on the rounds from then on, a stop request at once
     _awaiting_cells = False  # the open round planned nobody: its cells are away, it waits for one
@@ -134,7 +132,7 @@ class CloudServer:
         """Continue after the checkpoint's round (``cloud.checkpoint.restore``) and, unless the cloud was given its
         session (``own_session`` False), in the checkpoint's session (cells take the re-sent round in it;
         ``metrics.jsonl`` was repaired to end with that round before it opened)."""
-        self.round = restore(saved, self.role, self.stall, self.cumulative, devices_recreated)
+        self.round = self.resumed_at = restore(saved, self.role, self.stall, self.cumulative, devices_recreated)
         self.resumed_from = saved.record if isinstance(saved.record, dict) else None
         if own_session and saved.session is not None:
             self.session = self.messenger.session = saved.session
@@ -315,7 +313,8 @@ class CloudServer:
             return
         cell = topic.split("/")[-2]
         if msg.repeat:  # handled before: a restarted cell that may lack its task (or a repeat, refused)
-            if resend_on_repeat(self.counts, self.messenger, msg, self.round, self._awaited()):
+            resumed = self.resumed and self.round == self.resumed_at  # its first round since it resumed
+            if resend_on_repeat(self.counts, self.messenger, msg, self.round, self._awaited(), resumed):
                 self._send_task(cell, again=True)
             return
         if not self._in_round and not self.finished and msg.header.round == self.round and cell in self.cells:

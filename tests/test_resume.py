@@ -677,3 +677,27 @@ def test_a_cell_that_cannot_journal_a_task_fails_the_job_in_that_round_saying_wh
     assert "cannot journal round 1's task: [Errno 28] cannot write cell-c0.journal: No space left" in result.failed
     assert result.failed.startswith("cell c0 failed in round 1: ") and len(result.history) == 1, result.failed
     assert sim.hub.loop.now() < 50.0  # (virtual seconds) no deadline waited out
+
+
+def test_a_report_handed_again_to_a_resumed_cloud_is_said_as_that_not_as_its_cell_coming_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A cloud resumed at round 61 gets c1's report of round 60 again (the broker hands it what the killed cloud took
+    and never acknowledged): the cell did not come back, the cloud did; it says so at info and still sends the round's
+    task again (the cell may have restarted too). The same repeat in a later round is a cell that came back (warned)."""
+    import logging
+
+    from cloud.parts import RoundCounts
+    from protocols.wire.envelope import Header
+
+    report = Header(run="r", kind="cell_report", round=60, sender="c1", msg_id="m1", payload_len=0)
+    caplog.set_level(logging.INFO, logger="fedtier.cloud")
+    assert RoundCounts().lost_task("c1", report, 61, {"c1"}, resumed=True)
+    said = [r for r in caplog.records if "c1" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], caplog.text
+    assert "this cloud resumed at round 61" in said[0].getMessage() and "came back" not in said[0].getMessage()
+    caplog.clear()
+    assert RoundCounts().lost_task("c1", report, 62, {"c1"})
+    assert [(r.levelno, "c1 came back after round 60" in r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, True)
+    ]
