@@ -10,6 +10,7 @@ from collections.abc import Callable
 from functools import partial
 
 from protocols.config import RunConfig
+from protocols.joblog import say_ended, say_taken
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
 from protocols.runfiles import write_cell_job
@@ -126,13 +127,15 @@ class CellService:
             if watch.roster is not None:
                 apply_roster(node, self.cell, watch.roster)
             self.node = node
-            log.info("cell %s serves job %s", self.cell, current.job)
+            say_taken(f"cell {self.cell}", current.job, cfg.run.rounds)
             self._mark(cfg, current.job, "running")
             self.loop.post(node.start)
             self._until_job_ends(watch, current)
             stopped = self.stopping.is_set()
             if not stopped:  # the job ended: this cell's session drops its topics (kept for a resume)
-                self._mark(cfg, current.job, *_ended_how(watch, current))
+                how = _ended_how(watch, current)
+                self._mark(cfg, current.job, *how)
+                say_ended(f"cell {self.cell}", current.job, *how)
                 done.add(current.session)
                 self.served.append(current.job)
                 for pattern in topics.cell_job_patterns(fed, self.cell):

@@ -27,6 +27,7 @@ from protocols.algorithms.base import Algorithm, TrainParams
 from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file, write_durably
 from protocols.config import RunConfig, TopologySection
+from protocols.joblog import say_ended, say_taken
 from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
@@ -230,7 +231,7 @@ class CloudService:
             return False
         self._idle_beat(None)  # the job's server announces it online
         job = self.queue.start(job.job) if not resumed else job
-        log.info("job %s %s (hash %s)", job.job, "resumed" if resumed else "started", job.digest[:12])
+        say_taken("cloud", job.job, cfg.run.rounds, resumed)
 
         def begin() -> None:
             self.node = node
@@ -285,11 +286,10 @@ class CloudService:
                 reason = f"{reason}; {unwritten}" if reason else unwritten
         spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
         self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
-        self.queue.end(
-            job.job, state, reason, node.cells_absent_at_start, final_figures(node.history, node.resumed_from)
-        )
+        figures = final_figures(node.history, node.resumed_from)
+        self.queue.end(job.job, state, reason, node.cells_absent_at_start, figures)
         self.served.append(job.job)
-        log.info("job %s %s", job.job, state)
+        say_ended("cloud", job.job, state, reason if state != "cancelled" else None, figures)
         # no job in progress: a node (re)started now waits for the next one, not the one just ended
         self._current = None
         self.kept.publish(transport, topics.current_job(self.fed), b"")

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from protocols.config import RunConfig, public_reason
 from protocols.failures import MAX_REASON
+from protocols.joblog import say_ended, say_taken
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
 from protocols.status import idle_each_while
@@ -99,13 +100,13 @@ class AgentService:
                 if current is None:
                     break
                 try:
-                    fresh = self.build(current.run_config(self.bundle, self.devices, self.roster), current.session)
+                    job_cfg = current.run_config(self.bundle, self.devices, self.roster)
+                    fresh = self.build(job_cfg, current.session)
                 except (JobError, ValueError) as exc:  # cannot serve it: absent from this job, with the reason
                     self._cannot_serve(current, exc, agents)
                     done.add(current.session)
                     continue
-                self.unfit = None
-                log.info("%d devices serve job %s", len(self.devices), current.job)
+                self._taken(current.job, job_cfg)
                 if agents is None:
                     fresh.twins.instance = fresh.links.instance = self.twin.instance  # one instance, the process's
                     agents = self.agents = fresh
@@ -132,13 +133,31 @@ class AgentService:
                     break  # was served: counted below)
                 done.add(current.session)
                 self.served.append(current.job)
-                self.tasks += sum(s["tasks"] for s in agents.stats().values())
+                self._served(current.job, agents)
                 if self.on_job_end is not None:
                     self.on_job_end(current.job)
         finally:
             self.agents = None
             if agents is not None:
                 agents.stop()
+
+    @property
+    def who(self) -> str:
+        """How its lines name these devices: ``device c0-d0``, ``devices c0-d0, c0-d1, c0-d2, ...``."""
+        more = ", ..." if len(self.devices) > 3 else ""
+        return f"device{'s' if len(self.devices) > 1 else ''} {', '.join(self.devices[:3])}{more}"
+
+    def _taken(self, job: str, cfg: RunConfig) -> None:
+        """These devices serve ``job`` (of config ``cfg``): no more unfit for one (their idle statuses), and said."""
+        self.unfit = None
+        say_taken(self.who, job, cfg.run.rounds)
+
+    def _served(self, job: str, agents: AgentProcess) -> None:
+        """Count the tasks ``agents`` answered in ``job`` and say it ended for these devices (they know it ended,
+        seen by its end or the cloud's next job, not how: the cloud's line says)."""
+        answered = sum(s["tasks"] for s in agents.stats().values())
+        self.tasks += answered
+        say_ended(self.who, job, f"ended ({answered} tasks answered)")
 
     def _cannot_serve(self, current: CurrentJob, exc: Exception, agents: AgentProcess | None) -> None:
         """Say why these devices cannot serve ``current`` (in full in their log), and put it in their idle statuses

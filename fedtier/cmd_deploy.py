@@ -112,18 +112,23 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
 
 
 def say_serving(node: str, cfg: RunConfig, opts: BrokerOptions, what: str) -> None:
-    """The first line of a long-lived node (it said nothing until it stopped: was it up?)."""
+    """The first line of a long-lived node (it said nothing until it stopped: was it up?); from then on, its line as
+    each job is taken and ends (``protocols.joblog``), plain as this one."""
+    from protocols.joblog import show_job_lines
+
+    show_job_lines(say_served)
     console.print(
         f"{node} of federation {cfg.run.name!r} ({what}): connecting to {opts.url}, then serving the federation's "
-        "jobs until SIGTERM or Ctrl-C (-v: a line per job)",
+        "jobs until SIGTERM or Ctrl-C (a line as each job is taken and ends; -v: each round's)",
         highlight=False,
         soft_wrap=True,  # one line, not broken at 80 columns: a journal's entry, a log file's line
     )
 
 
-def say_served(summary: str) -> None:
-    """The last line of a long-lived node: the jobs it served (``fedtier.serve.served_summary``), one line."""
-    console.print(summary, highlight=False, soft_wrap=True)
+def say_served(line: str) -> None:
+    """A long-lived node's line, one line as it is (no markup: a job's reason may hold brackets): its job lines and
+    its last, the jobs it served (``fedtier.serve.served_summary``)."""
+    console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _run_cloud(

@@ -216,6 +216,23 @@ def exported_cell(tmp_path: Path) -> tuple[RunConfig, Any, Any, Any, Any]:
 
 
 @pytest.fixture
+def job_lines() -> Any:
+    """The lines a serving node prints per job (``protocols.joblog``, as ``fedtier ... --serve`` shows them), in a list;
+    undone after the test (they are log records again, for the tests after it in this process)."""
+    import logging
+
+    from protocols.joblog import job_log, show_job_lines
+
+    lines: list[str] = []
+    show_job_lines(lines.append)
+    yield lines
+    for handler in list(job_log.handlers):
+        job_log.removeHandler(handler)
+    job_log.propagate = True
+    job_log.setLevel(logging.NOTSET)
+
+
+@pytest.fixture
 def own_plugins():
     """Plugins a test loads (``run.plugins``) leave the registries as they were, and their modules unimported
     (a later test loading one registers it again): other tests see only the built-in algorithms."""

@@ -97,7 +97,7 @@ def _served_federation(tmp_path: Path) -> Iterator[Served]:
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_flat_and_say_idle_between_jobs(
-    tmp_path: Path,
+    tmp_path: Path, job_lines: list[str]
 ) -> None:
     """For each job the service builds a process of the job's parts; the long-lived one takes them (same
     connections) and the spare, never started, kept its reactor's wake-up socket pair and selector open until the
@@ -105,7 +105,9 @@ def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_f
     It is closed at the job's start now, so the process's open descriptors stay flat (24, 24, 24, 24).
     Between jobs every node says idle, never offline: the cell's job server said offline as it closed the job's
     connection, until the cell's next connection said idle (cell c0: idle, online, offline, idle, online, ...), so
-    `fedtier fleet`, `fedtier monitor` showed a healthy cell offline after each job."""
+    `fedtier fleet`, `fedtier monitor` showed a healthy cell offline after each job.
+    Each node's journal says, at the default level, each job it took and how it ended for it (before: nothing without
+    -v, which logs every round too): the cloud, the cell and the devices, a line each at each end, none per round."""
     from protocols.status import decode_status
     from protocols.wire import topics
 
@@ -142,6 +144,7 @@ def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_f
             assert wait_until(lambda: all(replies), 30.0)
             assert wait_until(lambda: len(fds) == JOBS or bool(fed.errors), 120.0), f"served {len(fds)} jobs"
             fed.check()
+            _each_job_taken_and_ended_once(job_lines, served.service.tasks)
             jobs = ["online", "idle"] * JOBS  # idle at once at each job's end; offline never (before: cell c0's
             # online, offline, idle at each). Idle before the first job: the cloud, the cell and both of the service's
             # devices, on its watch connection (the first device's), each signed by its own key (before: the second,
@@ -164,6 +167,29 @@ def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_f
     # cloud and cell in this process not closed yet (seen 2 runs in 42: [25, 25, 28, 25, 26]), at both of jobs 4-5
     # once (CI: [25, 28, 25, 28, 28]): so less than 6, what one such set can add and the leak cannot stay under
     assert min(fds[-2:]) - min(fds[1:3]) < 6, fds
+
+
+def _each_job_taken_and_ended_once(lines: list[str], tasks: int) -> None:
+    """The job lines (``protocols.joblog``) of the cloud, cell c0 and the service's two devices: each job taken, then
+    ended, in order, once each: the cloud's finished, with its rounds; the cell's finished, or stopped as it heard the
+    next job before this one's end; the devices' tasks add up to ``tasks``."""
+    wait_until(lambda: len(lines) >= 6 * JOBS, 10.0)  # the devices' end of the last job may come before the cloud's
+    said, devices = list(lines), "devices c0-d0, c0-d1"
+    for who in ("cloud", "cell c0", devices):
+        mine = [line for line in said if line.startswith(f"{who}: ")]
+        assert mine[::2] == [f"{who}: job j{j} taken (1 round)" for j in range(JOBS)], said
+        for j, line in enumerate(mine[1::2]):
+            end = {
+                "cloud": ["finished (1 round)"],
+                "cell c0": ["finished", f"stopped: the cloud moved on to job j{j + 1} before this cell heard"],
+                devices: ["ended ("],
+            }[who]
+            assert any(line.startswith(f"{who}: job j{j} {how}") for how in end), said
+        assert len(mine) == 2 * JOBS, said
+    answered = [
+        int(line.split("(")[1].split()[0]) for line in said if line.startswith(f"{devices}: ") and "ended" in line
+    ]
+    assert sum(answered) == tasks > 0, said
 
 
 def _stop_mid_job(served: Served, operator: Transport) -> None:

@@ -400,19 +400,31 @@ def test_an_algorithm_key_set_on_a_config_without_algorithm_says_its_name_is_nee
     assert res.exit_code == 2 and "algorithm.name = 3: must be an algorithm's name" in said, said
 
 
-def test_a_serving_nodes_start_line_and_stop_summary_are_one_line_each_in_a_log(capsys: pytest.CaptureFixture) -> None:
+def test_a_serving_nodes_start_line_and_stop_summary_are_one_line_each_in_a_log(
+    capsys: pytest.CaptureFixture, job_lines: list[str]
+) -> None:
     """Walk-through (deploy-fleet.md step 3, `fedtier cloud --serve ... > cloud.log`, as a journal takes it): the
     cloud's start line came out broken at 80 columns, three lines (three journal entries), as did a long stop
-    summary. Each is one line now, however long its folder or its list of jobs."""
+    summary. Each is one line now, however long its folder or its list of jobs; the job lines between them too
+    (``job_lines``: what say_serving sets up is undone after the test)."""
     from types import SimpleNamespace
 
     from fedtier.cmd_deploy import say_served, say_serving
     from fedtier.serve import served_summary
+    from protocols.joblog import say_ended, say_taken
 
     folder = "/srv/" + "/".join(["federation"] * 40) + "/runs/fed"  # past any terminal's width
     cfg, opts = SimpleNamespace(run=SimpleNamespace(name="fed")), SimpleNamespace(url="mqtts://broker.example:8883")
     say_serving("cloud", cfg, opts, f"its job queue and job folders in {folder}")  # type: ignore[arg-type]
+    say_taken("cloud", "job-40", 20)  # its job lines too (and the console's markup is not read in them)
+    say_ended("cloud", "job-39", "failed", f"[bold]{folder}[/bold] is full")
     say_served(served_summary("cloud", [f"job-{i}" for i in range(40)], "job-40"))
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2 and folder in lines[0] and lines[0].endswith("(-v: a line per job)"), lines
+    assert len(lines) == 4 and folder in lines[0], lines
+    assert lines[0].endswith("(a line as each job is taken and ends; -v: each round's)"), lines
+    assert lines[1:3] == [
+        "cloud: job job-40 taken (20 rounds)",
+        f"cloud: job job-39 failed: [bold]{folder}[/bold] is full",
+    ]
+    lines = [lines[0], lines[3]]
     assert lines[1].startswith("cloud: served 40 jobs (job-0, ") and lines[1].endswith("when the cloud starts again")

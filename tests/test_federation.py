@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -307,6 +308,17 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
         assert procs[name].returncode == 0, f"{name}: {outputs[name]}"  # SIGTERM: a clean stop
         assert "TLS reload:" in outputs[name] and "now present client.crt" in outputs[name], outputs[name]
     assert "served 4 jobs (A, B, C, E)" in outputs["c0-d0"], outputs["c0-d0"]
+    # each node's line as it takes a job and as the job ends for it, at the default level (the cell: restarted before E)
+    for job in ("A", "B", "C", "E"):
+        said = outputs["c0-d0"]
+        assert f"device c0-d0: job {job} taken (" in said and f"device c0-d0: job {job} ended (" in said, said
+    said = outputs["cell"]
+    assert "cell c0: job E taken (" in said and "cell c0: job E stopped: cancelled by the operator" in said, said
+    said = outputs["cloud"]
+    assert re.search("cloud: job A taken \\(\\d+ rounds, resumed from its checkpoint\\)", said), said
+    for job in ("B", "C"):
+        assert re.search(f"cloud: job {job} finished \\(\\d+ rounds?, accuracy 0\\.\\d+, loss", said), said
+    assert "cloud: job E cancelled" in said, said
     assert cloud.returncode == 0 and "cloud: served 4 jobs (A, B, C, E)" in outputs["cloud"], outputs[
         "cloud"
     ]  # (A: resumed)

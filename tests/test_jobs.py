@@ -506,10 +506,13 @@ def test_a_cloud_stopped_with_a_job_running_says_the_job_resumes_at_its_next_sta
     ], said
 
 
-def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_stopped_during(tmp_path: Path) -> None:
+def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_stopped_during(
+    tmp_path: Path, job_lines: list[str]
+) -> None:
     """Walk-through: `fedtier cloud --serve` stopped with SIGTERM printed nothing (between jobs) or a log line alone,
     where a cell and an agent say "served N jobs (...)" and which job the stop interrupted. The cloud keeps the same
-    account: the jobs it ran to their end (a cancelled one too), the one it was stopped during, which resumes."""
+    account: the jobs it ran to their end (a cancelled one too), the one it was stopped during, which resumes.
+    Its journal also says, job by job, each job it took and how it ended (before: nothing at the default level)."""
     from fedtier.serve import served_summary
     from protocols.transport.memory import MemoryHub
 
@@ -523,6 +526,11 @@ def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_
     loop.call_later(0.05, service.stop)  # SIGTERM while job b waits for its cells
     assert service._run(queue.next(), transport=hub.connect("cloud")) is True
     assert (service.served, service.stopped_during) == (["a"], "b")
+    assert job_lines == [
+        "cloud: job a taken (2 rounds, resumed from its checkpoint)",  # started before it was run: a restart's
+        "cloud: job a cancelled",  # no round closed: no figures
+        "cloud: job b taken (2 rounds)",  # stopped during it: the service's warning says so, and the summary
+    ], job_lines
     assert served_summary("cloud", service.served, service.stopped_during) == (
         "cloud: served 1 jobs (a); stopped during job b, which resumes from its checkpoint when the cloud starts again"
     )
@@ -543,6 +551,37 @@ def test_a_cancel_taken_as_the_cloud_starts_the_job_ends_it_in_its_startup_wait(
     loop.call_later(10.0, service.stop)  # without the cancel, it waits 1000 s for its cells: a bound, not a wait
     assert service._run(queue.next(), transport=MemoryHub(loop=loop).connect("cloud")) is True  # type: ignore[arg-type]
     assert (queue.get("a").state, service.stopped_during) == ("cancelled", None), queue.get("a")
+
+
+def test_the_serving_nodes_job_lines_show_at_the_default_level_and_their_rounds_detail_does_not(
+    job_lines: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`fedtier cloud|cell|agent --serve` log at WARNING unless -v: their journal said nothing of the jobs they took
+    and ended. Their job lines (``protocols.joblog``) are printed at that level, once each (not again as a log record
+    under -v), escaped; the rest of INFO (each round) still needs -v."""
+    import logging
+
+    from protocols.joblog import say_ended, say_taken
+
+    caplog.set_level(logging.WARNING)  # setup_logging(0): the CLI's default
+    say_taken("cell c0", "j1", 20)
+    say_ended("cloud", "j1", "failed", "cell c1 sent\x1b[2J [bold]junk[/bold]", {"rounds": 3.0, "accuracy": 0.91234})
+    assert job_lines == [
+        "cell c0: job j1 taken (20 rounds)",
+        "cloud: job j1 failed (3 rounds, accuracy 0.9123): cell c1 sent\\x1b[2J [bold]junk[/bold]",
+    ], job_lines
+    assert not logging.getLogger("fedtier.cloud.service").isEnabledFor(logging.INFO)  # a round's line
+    caplog.set_level(logging.INFO)  # -v: the CLI's handler is the root's
+    logged: list[str] = []
+    cli = logging.Handler()
+    cli.emit = lambda record: logged.append(record.name)  # type: ignore[method-assign]
+    logging.getLogger().addHandler(cli)
+    try:
+        say_taken("cloud", "j2", 1, resumed=True)
+    finally:
+        logging.getLogger().removeHandler(cli)
+    assert job_lines[-1] == "cloud: job j2 taken (1 round, resumed from its checkpoint)"
+    assert "fedtier.jobs" not in logged  # printed once, not logged again
 
 
 def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_not_errored(
