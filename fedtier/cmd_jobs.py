@@ -12,6 +12,8 @@ from typing import Any, NoReturn
 import click
 from rich.markup import escape
 
+from protocols.joblog import figures_text, job_figures
+
 from .cli import VERBOSE, main
 from .cli_types import Finite
 from .console import JOB_FAILED, connect_within, console, load_or_exit, print_error, setup_logging
@@ -181,20 +183,6 @@ ENDED = {"finished": 0, "failed": JOB_FAILED, "cancelled": 1}
 """A job's end state and the exit status of ``fedtier submit --wait-end``."""
 
 
-def _figures(listed: dict[str, Any]) -> dict[str, str]:
-    """How well an ended job did, as the cloud lists it (``cloud.jobs.final_figures``), what it has of its rounds,
-    accuracy and loss, written out (``{"rounds": "20", "accuracy": "0.9220", "loss": "0.3674"}``); other values are
-    left out."""
-    from protocols.numbers import finite_number, is_count
-
-    said = {"rounds": str(rounds)} if is_count(rounds := listed.get("rounds")) else {}
-    if (accuracy := finite_number(listed.get("accuracy"))) is not None:
-        said["accuracy"] = f"{accuracy:.4f}"
-    if (loss := finite_number(listed.get("loss"))) is not None:
-        said["loss"] = f"{loss:.4g}"
-    return said
-
-
 def _wait_end(config: str, job: str, seconds: float) -> NoReturn:
     """Follow the cloud's signed job list until ``job`` ended (or ``seconds`` passed); exit with its end."""
     from protocols.wire import topics
@@ -213,8 +201,7 @@ def _wait_end(config: str, job: str, seconds: float) -> NoReturn:
         _fail(f"job {job} has not ended within {seconds:g} s (fedtier jobs shows where it is)", 1)
     ended = next(j for j in record["jobs"] if isinstance(j, dict) and j.get("job") == job)
     reason = f": {ended.get('reason')}" if ended.get("reason") else ""
-    figures = [f"{v} rounds" if k == "rounds" else f"{k} {v}" for k, v in _figures(ended).items()]
-    reason += f" ({', '.join(figures)})" if figures else ""
+    reason += f" ({figures})" if (figures := figures_text(ended)) else ""
     if ended["state"] == "finished":
         console.print(f"job {job}: finished{escape(reason)}", highlight=False)
     else:
@@ -323,7 +310,7 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
         if isinstance(more := j.get("cells_absent_at_start_more"), int) and more > 0:
             said.append(f"and {more} more cells absent at start")
         reason = "; ".join(filter(None, [str(j.get("reason") or ""), *said]))
-        figures = _figures(j)
+        figures = job_figures(j)
         rounds, accuracy = figures.get("rounds", ""), figures.get("accuracy", "")
         cells = (str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], rounds, accuracy, reason)
         table.add_row(*(escape(c) for c in cells))  # the cloud's words: a reason may name a [section]

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import Any
 
+from .numbers import finite_number, is_count
 from .safe_text import SafeFormatter
 
 job_log = logging.getLogger("fedtier.jobs")
@@ -43,15 +45,30 @@ def say_taken(who: str, job: str, rounds: int, resumed: bool = False) -> None:
 
 
 def say_ended(
-    who: str, job: str, how: str, reason: str | None = None, figures: Mapping[str, float] | None = None
+    who: str, job: str, how: str, reason: str | None = None, figures: Mapping[str, Any] | None = None
 ) -> None:
     """``job`` ended for ``who``: ``how`` (finished, failed, cancelled, stopped), why if it was not finished, and
     the cloud's ``figures`` (:func:`cloud.jobs.final_figures`: rounds closed, last accuracy and loss)."""
-    figures = figures or {}
-    shown = [_rounds(int(figures["rounds"]))] if "rounds" in figures else []
-    shown += [f"{key} {figures[key]:.4g}" for key in ("accuracy", "loss") if key in figures]
-    said = f" ({', '.join(shown)})" if shown else ""
-    job_log.info("%s: job %s %s%s%s", who, job, how, said, f": {reason}" if reason else "")
+    said = figures_text(figures or {})
+    job_log.info("%s: job %s %s%s%s", who, job, how, f" ({said})" if said else "", f": {reason}" if reason else "")
+
+
+def job_figures(listed: Mapping[str, Any]) -> dict[str, str]:
+    """How well an ended job did, as the cloud lists it (``cloud.jobs.final_figures``), what it has of its rounds,
+    accuracy and loss, written out (``{"rounds": "20", "accuracy": "0.9220", "loss": "0.3674"}``); other values are
+    left out."""
+    said = {"rounds": str(rounds)} if is_count(rounds := listed.get("rounds")) else {}
+    if (accuracy := finite_number(listed.get("accuracy"))) is not None:
+        said["accuracy"] = f"{accuracy:.4f}"
+    if (loss := finite_number(listed.get("loss"))) is not None:
+        said["loss"] = f"{loss:.4g}"
+    return said
+
+
+def figures_text(listed: Mapping[str, Any]) -> str:
+    """:func:`job_figures` in words: ``20 rounds, accuracy 0.9220, loss 0.3674`` (``""``: none)."""
+    said = job_figures(listed)
+    return ", ".join(_rounds(int(v)) if k == "rounds" else f"{k} {v}" for k, v in said.items())
 
 
 def _rounds(n: int) -> str:

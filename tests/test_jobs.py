@@ -565,7 +565,7 @@ def test_the_serving_nodes_job_lines_show_at_the_default_level_and_their_rounds_
 
     caplog.set_level(logging.WARNING)  # setup_logging(0): the CLI's default
     say_taken("cell c0", "j1", 20)
-    say_ended("cloud", "j1", "failed", "cell c1 sent\x1b[2J [bold]junk[/bold]", {"rounds": 3.0, "accuracy": 0.91234})
+    say_ended("cloud", "j1", "failed", "cell c1 sent\x1b[2J [bold]junk[/bold]", {"rounds": 3, "accuracy": 0.91234})
     assert job_lines == [
         "cell c0: job j1 taken (20 rounds)",
         "cloud: job j1 failed (3 rounds, accuracy 0.9123): cell c1 sent\\x1b[2J [bold]junk[/bold]",
