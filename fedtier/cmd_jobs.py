@@ -13,6 +13,7 @@ import click
 from rich.markup import escape
 
 from protocols.joblog import figures_text, job_figures
+from protocols.terminal import SafeConsole
 
 from .cli import VERBOSE, main
 from .cli_types import Finite
@@ -314,4 +315,7 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
         rounds, accuracy = figures.get("rounds", ""), figures.get("accuracy", "")
         cells = (str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], rounds, accuracy, reason)
         table.add_row(*(escape(c) for c in cells))  # the cloud's words: a reason may name a [section]
-    console.print(table)
+    out = SafeConsole()  # the list is the command's output: stdout, as --json's
+    if not out.is_terminal:
+        out = SafeConsole(width=200)  # piped or in a file: not squeezed into 80 columns (rows broken mid-word)
+    out.print(table)

@@ -848,7 +848,7 @@ def test_a_monitor_on_a_finished_sims_output_shows_its_cells_ended_not_waiting(t
     frame = " ".join(render_text(live.state, now, width=200).split())
     assert f"cloud finished after round 2/2, accuracy {result.final_accuracy:.4f}" in frame, frame
     assert "cells 2: 2 ended" in frame and "waiting" not in frame, frame
-    assert "│ c0 │ 1 │" in frame and "│ c1 │ 1 │" in frame, frame  # the last round of each, from its state
+    assert "│ c0 │ 2 │" in frame and "│ c1 │ 2 │" in frame, frame  # the last round of each (from 1), from its state
 
 
 def test_a_jobs_end_state_carries_only_finite_figures_and_a_monitor_refuses_others() -> None:
@@ -901,6 +901,40 @@ def test_fedtier_jobs_names_the_cells_a_job_began_without(tmp_path: Path, monkey
     code, out, exc = _jobs_cli(tmp_path, monkeypatch, {"jobs": [job, {**job, "cells_absent_at_start_more": 32}]})
     assert exc is None and code == 0 and f"c1: {why}" in out, (exc, out)
     assert out.count(f"c1: {why}") == 2 and out.count("and 32 more cells absent at start") == 1, out
+
+
+def test_fedtier_jobs_piped_prints_each_job_on_one_line_on_stdout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Walk-through: `fedtier jobs` in a pipe or a file broke each row over several lines at 80 columns (a job's id,
+    state and reason in three pieces: unreadable to grep); off a terminal it prints the table 200 columns wide, on
+    stdout (the command's output, as --json's), so a job is one line."""
+    import fedtier.cmd_jobs as cmd
+
+    why = "stalled: no cell answered round 7 within its deadline (2 of 2 cells offline)"
+    listed = {
+        "jobs": [{"job": "job-with-a-long-name", "state": "failed", "reason": why, "submitted": 1.0, "hash": "ab"}]
+    }
+
+    class Session:
+        fed = "fed"
+
+        def cloud_status(self) -> list:
+            return []
+
+        def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
+            return listed
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cmd, "_connect", lambda config, wait: Session())
+    monkeypatch.chdir(tmp_path)
+    Path("config.toml").write_text("")
+    res = CliRunner().invoke(main, ["jobs", "--config", "config.toml"])
+    assert res.exit_code == 0, res.output
+    rows = [line for line in res.stdout.splitlines() if "job-with-a-long-name" in line]
+    assert len(rows) == 1 and "failed" in rows[0] and why in rows[0] and len(rows[0]) > 80, res.stdout
 
 
 def test_submit_wait_end_and_fedtier_jobs_say_how_well_an_ended_job_did(
