@@ -27,11 +27,22 @@ if TYPE_CHECKING:
 console = SafeConsole(stderr=True)
 
 
+PLAIN_LOG_FORMAT = "[%(asctime)s] %(levelname)-8s %(message)s"
+"""A log record where stderr is no terminal (a journal, a file, a pipe): the terminal's columns, on one line."""
+
+
 def setup_logging(verbose: int) -> None:
-    """Log at WARNING (``-v``: INFO, ``-vv``: DEBUG) on the CLI's :class:`SafeConsole`, peer text escaped."""
+    """Log at WARNING (``-v``: INFO, ``-vv``: DEBUG) on the CLI's :class:`SafeConsole`, peer text escaped. Where
+    stderr is no terminal, a record is one plain line: rich's handler wraps it at 80 columns there (a warning of a
+    serving node's journal was two or three entries, a path in it broken), or pads it to any wider width."""
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    handler = RichHandler(console=console, show_path=False)
-    handler.setFormatter(SafeFormatter("%(message)s", datefmt="[%X]"))  # a log file's rule, not only the console's
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False)
+        handler.setFormatter(SafeFormatter("%(message)s", datefmt="[%X]"))  # a log file's rule, not only the console's
+    else:
+        handler = logging.StreamHandler(console.file)
+        handler.setFormatter(SafeFormatter(PLAIN_LOG_FORMAT, datefmt="%X"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 

@@ -428,3 +428,25 @@ def test_a_serving_nodes_start_line_and_stop_summary_are_one_line_each_in_a_log(
     ]
     lines = [lines[0], lines[3]]
     assert lines[1].startswith("cloud: served 40 jobs (job-0, ") and lines[1].endswith("when the cloud starts again")
+
+
+def test_a_log_record_off_a_terminal_is_one_line_however_long(monkeypatch):
+    """A serving node's journal (stderr no terminal): rich's log handler wrapped a warning at 80 columns (two or three
+    journal entries, a path in it broken where a word ended); wider, it padded every line with spaces. Now a record
+    is one plain line, peer text still escaped."""
+    import io
+    import logging
+
+    from fedtier.console import setup_logging
+
+    path = "/var/lib/fedtier/" + "a-folder-name-longer-than-a-terminal-line/" * 2 + "data.npz"
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    try:
+        setup_logging(0)
+        logging.getLogger("fedtier.test").warning("cannot read %s: \x1b]0;forged", path)
+        logging.getLogger("fedtier.test").info("not at the default level")
+    finally:
+        logging.basicConfig(handlers=[logging.NullHandler()], force=True)
+    lines = stderr.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(f"WARNING  cannot read {path}: \\x1b]0;forged"), lines
