@@ -927,9 +927,12 @@ def test_terminal_control_sequences_in_a_nodes_text_reach_no_log_line_raw(tmp_pa
                 raise ValueError(f"bad shape from c0-d0: {TERMINAL_ATTACK}")
             except ValueError:
                 logging.getLogger("cell_server").exception("c0-d0's result")
-        cli.setup_logging(0)
-        (rich_handler,) = root.handlers
-        assert isinstance(rich_handler.formatter, SafeFormatter)
+        for terminal in (True, False):  # a terminal: rich's handler; a journal, a file, a pipe: a plain one
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(cli.console, "_force_terminal", terminal)
+                cli.setup_logging(0)
+            (handler,) = root.handlers
+            assert isinstance(handler.formatter, SafeFormatter), handler
     finally:
         root.handlers[:], _ = before
         root.setLevel(before[1])
@@ -951,7 +954,8 @@ def test_terminal_control_sequences_in_a_nodes_text_reach_no_log_line_raw(tmp_pa
     assert sorted(set(made)) == [
         "benchmarks/gpu.py:StreamHandler",  # with a SafeFormatter
         "fedtier/console.py:RichHandler",  # its formatter asserted above
-        "fedtier/console.py:basicConfig",  # with that handler only
+        "fedtier/console.py:StreamHandler",  # off a terminal: its formatter asserted above too
+        "fedtier/console.py:basicConfig",  # with one of those handlers only
         "protocols/safe_text.py:StreamHandler",
         "protocols/safe_text.py:basicConfig",
     ]
