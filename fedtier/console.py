@@ -31,6 +31,19 @@ PLAIN_LOG_FORMAT = "[%(asctime)s] %(levelname)-8s %(message)s"
 """A log record where stderr is no terminal (a journal, a file, a pipe): the terminal's columns, on one line."""
 
 
+class _ConsoleStreamHandler(logging.StreamHandler):
+    """A plain handler writing where the CLI's console writes now (its stderr of the moment, as rich's handler
+    does), not to the stream of when it was set up."""
+
+    @property
+    def stream(self) -> Any:
+        return console.file
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup_logging(verbose: int) -> None:
     """Log at WARNING (``-v``: INFO, ``-vv``: DEBUG) on the CLI's :class:`SafeConsole`, peer text escaped. Where
     stderr is no terminal, a record is one plain line: rich's handler wraps it at 80 columns there (a warning of a
@@ -41,7 +54,7 @@ def setup_logging(verbose: int) -> None:
         handler = RichHandler(console=console, show_path=False)
         handler.setFormatter(SafeFormatter("%(message)s", datefmt="[%X]"))  # a log file's rule, not only the console's
     else:
-        handler = logging.StreamHandler(console.file)
+        handler = _ConsoleStreamHandler()
         handler.setFormatter(SafeFormatter(PLAIN_LOG_FORMAT, datefmt="%X"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
 

@@ -22,7 +22,10 @@ class _Say(logging.Handler):
         self.setFormatter(SafeFormatter("%(message)s"))  # escaped as the CLI's other log lines are
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.say(self.format(record))
+        try:
+            self.say(self.format(record))
+        except Exception:  # as every logging handler: a line that cannot be said never stops the node saying it
+            self.handleError(record)
 
 
 def show_job_lines(say: Callable[[str], None]) -> None:

@@ -450,3 +450,24 @@ def test_a_log_record_off_a_terminal_is_one_line_however_long(monkeypatch):
         logging.basicConfig(handlers=[logging.NullHandler()], force=True)
     lines = stderr.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].endswith(f"WARNING  cannot read {path}: \\x1b]0;forged"), lines
+
+
+def test_the_plain_log_handler_writes_where_stderr_is_now_not_where_it_was_set_up(monkeypatch):
+    """The plain handler took the stderr of when logging was set up (a CliRunner's, closed by the next test of the
+    process: a record there raised 'I/O operation on closed file'); rich's handler follows the console's stderr of
+    the moment, and so does the plain one now."""
+    import io
+    import logging
+
+    from fedtier.console import setup_logging
+
+    then, now = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", then)
+    try:
+        setup_logging(0)
+        monkeypatch.setattr(sys, "stderr", now)
+        then.close()  # as a CliRunner's stream is once its command returned
+        logging.getLogger("fedtier.test").warning("said after stderr changed")
+    finally:
+        logging.basicConfig(handlers=[logging.NullHandler()], force=True)
+    assert now.getvalue().endswith("WARNING  said after stderr changed\n"), now.getvalue()

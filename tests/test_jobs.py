@@ -584,6 +584,28 @@ def test_the_serving_nodes_job_lines_show_at_the_default_level_and_their_rounds_
     assert "fedtier.jobs" not in logged  # printed once, not logged again
 
 
+def test_a_job_line_that_cannot_be_said_never_stops_the_node_saying_it(job_lines: list[str]) -> None:
+    """A job line is said by the service taking or ending the job (a cell's, an agent's): an exception of the console
+    it is printed on (a closed stream) escaped into that service; a line that cannot be said is a logging error now,
+    reported as any handler's, and the node goes on."""
+    import logging
+
+    from protocols.joblog import say_taken, show_job_lines
+
+    def closed(line: str) -> None:
+        raise ValueError("I/O operation on closed file")
+
+    show_job_lines(closed)
+    before, logging.raiseExceptions = logging.raiseExceptions, False  # handleError's traceback: not this test's point
+    try:
+        say_taken("cell c0", "j1", 20)  # does not raise
+    finally:
+        logging.raiseExceptions = before
+    show_job_lines(job_lines.append)
+    say_taken("cell c0", "j2", 20)
+    assert job_lines == ["cell c0: job j2 taken (20 rounds)"]
+
+
 def test_a_node_enrolled_after_a_job_was_submitted_is_warned_it_serves_the_next_not_errored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
