@@ -35,8 +35,8 @@ def show_job_lines(say: Callable[[str], None]) -> None:
         job_log.removeHandler(old)
     job_log.addHandler(_Say(say))
     job_log.propagate = False  # not again as a log record (the CLI's handler is the root's)
-    if job_log.getEffectiveLevel() > logging.INFO:
-        job_log.setLevel(logging.INFO)
+    # its own level, INFO or the root's DEBUG of now: left unset, it followed the root's level set later
+    job_log.setLevel(min(logging.INFO, job_log.getEffectiveLevel()))
 
 
 def say_taken(who: str, job: str, rounds: int, resumed: bool = False) -> None:

@@ -363,6 +363,7 @@ def test_terminal_control_sequences_in_a_nodes_text_never_reach_the_operators_te
     assert fleet.nodes["c0-d0"].state == IDLE and fleet.nodes["c0-d0"].unfit() is not None
     shown = []
     was = cli.console._file  # None: the console writes to whatever sys.stderr is when it prints (CliRunner's)
+    level = logging.getLogger().level
     try:
         for say in (lambda: cli.console.print(render(fleet)), lambda: log.warning("c0-d0: %s", TERMINAL_ATTACK)):
             cli.console.file = io.StringIO()
@@ -372,6 +373,7 @@ def test_terminal_control_sequences_in_a_nodes_text_never_reach_the_operators_te
     finally:
         cli.console._file = was  # (not .file, which reads back the stderr of now: pinned, later tests print there)
         logging.getLogger().handlers.clear()
+        logging.getLogger().setLevel(level)  # setup_logging(1) set INFO: not for the tests after it in this process
     state = MonitorState()
     state.jobs = [{"job": "job.0", "state": "failed", "reason": TERMINAL_ATTACK, "ended": 0.0}]
     shown.append(render_text(state, now=0.0, width=400))

@@ -584,6 +584,24 @@ def test_the_serving_nodes_job_lines_show_at_the_default_level_and_their_rounds_
     assert "fedtier.jobs" not in logged  # printed once, not logged again
 
 
+def test_the_job_lines_show_whatever_the_root_level_becomes_after_they_were_set_up(
+    job_lines: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The job lines' logger kept no level of its own where the root was at INFO as they were set up: a root set to
+    WARNING later hid them (test_jobs' job-lines test failed after a test of test_credentialed_attacks had left the
+    root at INFO in the same process)."""
+    import logging
+
+    from protocols.joblog import job_log, say_taken, show_job_lines
+
+    job_log.setLevel(logging.NOTSET)  # as before the CLI set it up (the fixture did, the root at WARNING)
+    caplog.set_level(logging.INFO)  # e.g. -v, or a test before this one that left the root at INFO
+    show_job_lines(job_lines.append)
+    caplog.set_level(logging.WARNING)
+    say_taken("cell c0", "j1", 20)
+    assert job_lines == ["cell c0: job j1 taken (20 rounds)"]
+
+
 def test_a_job_line_that_cannot_be_said_never_stops_the_node_saying_it(job_lines: list[str]) -> None:
     """A job line is said by the service taking or ending the job (a cell's, an agent's): an exception of the console
     it is printed on (a closed stream) escaped into that service; a line that cannot be said is a logging error now,
