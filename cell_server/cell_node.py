@@ -247,6 +247,9 @@ class CellNode:
         record = decode_status(data, topic, self.trust) if device is not None else None
         if device is None or record is None:
             return
+        if self.liveness.outdated(device, record):
+            log.debug("cell %s: %s's status %s is older than one taken: ignored", self.cell, device, record["state"])
+            return
         job = self.cloud.pinned
         if job is not None and record["state"] == "online" and record.get("session", job) != job:
             return  # an agent serving another job (e.g. a killed run's retained status): not online for this one

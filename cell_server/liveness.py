@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocols.capabilities import unmet
+from protocols.numbers import finite_number
+from protocols.status import outdated
 
 from .members import DeviceList, OnlineFlags
 
@@ -49,6 +51,7 @@ class Liveness:
         self.caps: dict[str, dict[str, Any]] = {}  # device -> capabilities its latest signed status announced
         self.revoked: set[str] = set()  # devices taken out for good (revoke): their statuses are ignored
         self.leaving: dict[str, TimerHandle] = {}  # offline devices the open edge round waits for, a while
+        self.newest: dict[str, tuple[str, float]] = {}  # device -> (instance, order) of its newest ordered record
 
     def device_of(self, node: str) -> str | None:
         """The device of a status topic's node (``device.<id>``) if it is one of this cell's, not revoked."""
@@ -57,8 +60,16 @@ class Liveness:
         device = node[len("device.") :]
         return None if device in self.revoked else device
 
+    def outdated(self, device: str, record: dict[str, Any]) -> bool:
+        """Whether ``record`` is older than a status of ``device``'s process taken already (``protocols.status.
+        order_stamp``: e.g. its agent's idle, said on its watch connection, delivered after its online): not taken."""
+        return outdated(record, self.newest.get(device))
+
     def heard(self, device: str, record: dict[str, Any], now: float) -> StatusChange:
-        """Take ``device``'s (verified) status ``record``, heard at loop time ``now``."""
+        """Take ``device``'s (verified, not :meth:`outdated`) status ``record``, heard at loop time ``now``."""
+        order, instance = finite_number(record.get("order")), record.get("instance")
+        if order is not None and isinstance(instance, str):
+            self.newest[device] = (instance, order)
         online = record["state"] == "online"
         if online:
             self.unfit.pop(device, None)

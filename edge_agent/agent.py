@@ -10,7 +10,7 @@ from protocols.algorithms.base import DeviceContext, DeviceRole, train_role
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
 from protocols.failures import failed_payload, failed_reason
 from protocols.rejections import Rejected, RejectKind
-from protocols.status import IDLE, beat_stamp, encode_status
+from protocols.status import IDLE, beat_stamp, encode_status, order_stamp
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
 from protocols.wire import topics
@@ -118,7 +118,7 @@ class DeviceAgent:
         self.pending = 0  # tasks taken whose result has not left yet (training, or a modelled delay)
         self.bytes_in = 0
         self.bytes_out = 0
-        self._status: dict[tuple[str, int, float], bytes] = {}  # (state, samples, idle heartbeat) -> status record
+        self._status: dict[tuple[str, int, float], bytes] = {}  # (state, samples, idle heartbeat) -> its last record
         self.secagg, self._task_kinds = self._secure_aggregation(secagg)
 
     def _secure_aggregation(self, settings: SecAggSettings | None) -> tuple[DeviceSecAgg | None, tuple[str, ...]]:
@@ -170,9 +170,10 @@ class DeviceAgent:
                 extra["unfit"] = dict(unfit)
             if self.cloud is not None and self.cloud.pinned is not None and state != IDLE:
                 extra["session"] = self.cloud.pinned  # the job it serves: a cell of another job does not count it
-            record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **extra)
-            if not beat and not unfit:
-                self._status = {**self._status, key: record} if len(self._status) < 4 else {key: record}
+            record = encode_status(state, topic=status, trust=self.trust, cell=self.cell, **order_stamp(), **extra)
+            self._status = (
+                {} if beat or unfit else {key: record}
+            )  # repeated as the last (a heartbeat): others are newer
         self.transport.publish(status, record, qos=qos, retain=True)
 
     def stop(self) -> None:

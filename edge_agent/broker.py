@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocols.config import ConfigError, RunConfig
-from protocols.status import encode_status
+from protocols.status import encode_status, order_stamp
 from protocols.transport.base import Will
 from protocols.wire import chunking, topics
 from protocols.wire.keys import node_trust
@@ -79,13 +79,19 @@ def offline_will(run: str, node: str, cfg: RunConfig | None = None, instance: st
     return _will(topics.status(run, node), cfg, **({"instance": instance} if instance is not None else {}))
 
 
-def device_will(run: str, cell: str, device: str, cfg: RunConfig | None = None, instance: str | None = None) -> Will:
+def device_will(
+    run: str, cell: str, device: str, cfg: RunConfig | None = None, instance: str | None = None, ordered: bool = False
+) -> Will:
     """The last will of a device: its retained status (under its cell) says offline (signed as above), naming the
-    agent process's ``instance`` (``protocols.twin``: the broker publishes it at each takeover of its session)."""
-    return _will(topics.device_status(run, cell, device), cfg, **({"instance": instance} if instance else {}))
+    agent process's ``instance`` (``protocols.twin``: the broker publishes it at each takeover of its session).
+    ``ordered``: the will of an agent's watch connection, which its devices' own connections take over as its job
+    starts (the broker may say it after their online): ordered as of now (``protocols.status.order_stamp``), so a
+    reader takes it only if that process said nothing newer."""
+    extra: dict[str, Any] = {"instance": instance} if instance else {}
+    return _will(topics.device_status(run, cell, device), cfg, **extra, **(order_stamp() if ordered else {}))
 
 
-def _will(topic: str, cfg: RunConfig | None, **extra: str) -> Will:
+def _will(topic: str, cfg: RunConfig | None, **extra: Any) -> Will:
     signer = signer_of(topic)
     trust = node_trust(cfg, signer) if cfg is not None and signer is not None else None
     return Will(topic, encode_status("offline", topic=topic, trust=trust, **extra), retain=True)

@@ -281,7 +281,7 @@ def serve_agent(
 
     def watch() -> Any:  # a clean session: what a persistent one queued for the last job is dropped
         node = topics.device_node(device)  # its will names this process's instance (protocols.twin)
-        will = device_will(fed, cell_of(cfg, device), device, cfg, service.twin.instance)
+        will = device_will(fed, cell_of(cfg, device), device, cfg, service.twin.instance, ordered=True)
         return connect_forever(lambda: opts.transport(node, fed, loop, persistent=False, will=will), stopping, node)
 
     def build(job_cfg: RunConfig, session: str) -> AgentProcess:

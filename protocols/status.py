@@ -77,6 +77,24 @@ def beat_stamp() -> dict[str, float]:
     return {"published": round(time.time(), 3)}
 
 
+def order_stamp() -> dict[str, float]:
+    """The ``order`` a status record of a process carries: that process's monotonic clock when it said it. A process
+    says one node's status over several connections (an agent's watch connection says its devices idle, then each
+    device's own connection says it online), and a broker need not deliver records of different connections in the
+    order they were published (amqtt does not: each connection's messages reach its broadcast queue from a task of
+    their own): a reader takes none older than the newest it took of the same process (``instance``). A will is
+    said by the broker, at a time no process chose: only one that a newer record of its process supersedes in any
+    case (an agent's watch connection's, a process that lives on in its devices' connections) carries one."""
+    return {"order": round(time.monotonic(), 6)}
+
+
+def outdated(record: dict[str, Any], newest: tuple[str, float] | None) -> bool:
+    """Whether ``record`` is older than ``newest``, the ``(instance, order)`` of the newest record taken of its node
+    (:func:`order_stamp`); a record of another process, or with no order, never is."""
+    order = finite_number(record.get("order"))
+    return newest is not None and order is not None and record.get("instance") == newest[0] and order < newest[1]
+
+
 def published_age(record: dict[str, Any]) -> float:
     """Seconds since ``record`` says it was published (its ``published`` time; 0 without one, or one ahead of this
     clock). Only a record first seen retained is aged so (clocks a few seconds apart do not matter beside three
@@ -98,7 +116,7 @@ def beating_idle_status(topic: str, trust: Trust | None, period: float, **extra:
     """A long-lived node's idle status declaring the ``period`` it re-publishes it at (``heartbeat``) and when it
     was published (:func:`beat_stamp`); a ``period`` of 0 declares neither (published once)."""
     beat = {"heartbeat": period, **beat_stamp()} if period > 0 else {}
-    return idle_status(topic, trust, **beat, **extra)
+    return idle_status(topic, trust, **beat, **order_stamp(), **extra)
 
 
 def between_jobs_status(topic: str, trust: Trust | None, idle_heartbeat: float | None, **extra: Any) -> bytes:
@@ -108,7 +126,7 @@ def between_jobs_status(topic: str, trust: Trust | None, idle_heartbeat: float |
     stopped while the broker was unreachable, before that connection: the closed one's will never fires). ``None``:
     offline, as it stops (a clean disconnect does not fire its will)."""
     if idle_heartbeat is None:
-        return encode_status("offline", topic=topic, trust=trust, **extra)
+        return encode_status("offline", topic=topic, trust=trust, **order_stamp(), **extra)
     return beating_idle_status(topic, trust, idle_heartbeat, **extra)
 
 

@@ -183,9 +183,9 @@ def worker_service(
     def watch_opts(device: str) -> BrokerOptions:  # the broker of the device's cell
         return cell_brokers.get(bundle.topology.cell_of(device) or "", opts)
 
-    def watch() -> Any:  # a clean session of the first device, on its cell's broker (its will: offline)
+    def watch() -> Any:  # a clean session of the first device, on its cell's broker (its will: offline, of now)
         cell = bundle.topology.cell_of(first)
-        will = device_will(fed, cell, first, bundle) if cell is not None else None
+        will = device_will(fed, cell, first, bundle, service.twin.instance, ordered=True) if cell is not None else None
         return watch_opts(first).transport(topics.device_node(first), fed, loop, persistent=False, will=will).connect()
 
     def on_start(agents: AgentProcess) -> None:

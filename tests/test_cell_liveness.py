@@ -13,11 +13,12 @@ from prometheus_client import CollectorRegistry
 
 from cell_server.node import STATUS_WAIT, build_cell
 from cloud.node import build_cloud
+from edge_agent.broker import device_will
 from edge_agent.node import build_agent
 from monitor.record_metrics import CellHealth
 from protocols.records import CellRecord
 from protocols.session import CloudSession
-from protocols.status import decode_status, encode_status, idle_status
+from protocols.status import beating_idle_status, decode_status, encode_status, idle_status
 from protocols.trainer import LocalData
 from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
@@ -224,6 +225,46 @@ def test_a_cell_serving_a_job_counts_only_devices_serving_it(tmp_path: Path) -> 
     agent.start()
     hub.loop.run(until=lambda: cell.online["c0-d0"])
     assert [d for d in DEVICES if cell.online[d]] == ["c0-d0", "c0-d1"]
+
+
+def test_a_devices_idle_and_will_of_its_watch_connection_delivered_after_its_online_are_not_taken(
+    tmp_path: Path,
+) -> None:
+    """An agent process says its devices idle on a watch connection (the first device's id, its will: offline),
+    learns the job there, closes it, and its devices' own connections say them online. A broker need not deliver
+    records of two connections in the order they were said: amqtt delivered the idle (or the watch's will, fired
+    by the takeover of its client id) after the online when the agents started as the cells took the job (fork
+    server workers start within 0.1 s: fedtier run's devices 'offline' every round of a short job, e.g.
+    test_async's killed device, test_privacy's DP run). The cell takes no record of a process older than one it
+    took (their ``order``); the process's newer word, and another process's, it still takes."""
+    cfg = small_config(tmp_path, runtime={"heartbeat": 0.0, "heartbeat_timeout": 0.0})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    topic, instance = topics.device_status(run, "c0", "c0-d0"), "a1b2c3d4e5f60718"
+    will = device_will(run, "c0", "c0-d0", cfg, instance, ordered=True)  # the watch connection's, as it connects
+    idle = beating_idle_status(topic, None, 30.0, cell="c0", instance=instance)  # said on it, before the job came
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
+    cell.cloud.pin("job.hash")
+    cell.start()
+    data = LocalData(np.zeros((1, 64), np.float32), np.zeros(1, np.int64))
+    pinned = CloudSession(pinned="job.hash")
+    agent = build_agent(
+        cfg, "c0-d0", hub.connect("agent.c0-d0"), algorithm, data, None, pinned, caps={}, instance=instance
+    )
+    agent.start()  # the device's own connection: online
+    hub.loop.run(until=lambda: cell.online["c0-d0"])
+    watch = hub.connect("watch.c0-d0")
+    watch.publish(topic, idle, retain=True)  # delivered only now, after the online
+    watch.publish(will.topic, will.payload, retain=True)
+    start = hub.loop.now()
+    hub.loop.run(until=lambda: hub.loop.now() > start + 1.0)
+    assert cell.online["c0-d0"]
+
+    agent.announce("offline")  # newer: taken
+    hub.loop.run(until=lambda: not cell.online["c0-d0"])
+    restarted = encode_status("online", topic=topic, cell="c0", session="job.hash", instance="another", order=0.0)
+    watch.publish(topic, restarted, retain=True)  # another process (a restarted agent): its own order
+    hub.loop.run(until=lambda: cell.online["c0-d0"])
 
 
 def test_an_idle_node_is_never_planned_by_a_job(tmp_path: Path) -> None:
