@@ -65,18 +65,37 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (the pid was reused)
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):  # no /proc (not Linux), or it ended meanwhile
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc/self")
+
+
 def die_with_parent(parent: int | None = None, period: float = WATCHDOG_PERIOD) -> None:
     """Call first in a child process: it is killed when ``parent`` (default: its parent now) dies —
-    by the parent-death signal, and by a daemon watchdog thread checking every ``period`` seconds."""
-    parent = os.getppid() if parent is None else parent
+    by the parent-death signal, and by a daemon watchdog thread checking every ``period`` seconds. A child forked
+    by a fork server (``multiprocessing``'s ``forkserver``, which lives as long as its children do) is given its
+    launcher's pid as ``parent``: the watchdog checks that process is alive."""
+    direct = os.getppid()
+    parent = direct if parent is None else parent
     set_parent_death_signal()
-    if os.getppid() != parent:  # the parent died before the signal was armed
+    if os.getppid() != direct or not _alive(parent):  # the parent died before the signal was armed
         os.kill(os.getpid(), signal.SIGKILL)
+    gone = (lambda: os.getppid() != parent) if parent == direct else (lambda: not _alive(parent))
 
     def watch() -> None:
         while True:
             time.sleep(period)
-            if os.getppid() != parent:
+            if gone():
                 log.warning("parent process %d is gone: exiting", parent)
                 os.kill(os.getpid(), signal.SIGKILL)
 

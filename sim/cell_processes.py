@@ -34,7 +34,7 @@ come back when the run ends.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 from .cell_share import Message, cell_process_main, deliver, frame_messages, message_frame, share_plan
 from .sim_cells import untimed_async
+from .worker_context import LauncherStreams, start_worker, worker_context
 from .worker_frames import frame, unframe
 
 log = logging.getLogger("fedtier.sim")
@@ -129,18 +130,19 @@ class CellProcesses:
         # processes' answers came in, not the one process's; each line is the same)
         self.log = JsonlWriter(output_dir / runfiles.AGGREGATION if output_dir else None, cfg.runtime.max_record_bytes)
         hub.connect("cell-records").subscribe(topics.telemetry_cell(cfg.run.name, "+"), self._logged)
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()  # never fork: this process has threads (a fork server, or spawn)
         text = cfg.to_toml()
         try:
             for i, group in enumerate(self.groups):
                 mine, theirs = ctx.Pipe()
+                streams = LauncherStreams()
                 proc = ctx.Process(
                     target=cell_process_main,
-                    args=(theirs, text, group, start_at),
+                    args=(theirs, text, group, start_at, os.getpid(), streams),
                     name=f"fedtier-cell-process-{i}",
                     daemon=True,
                 )
-                procs.spawn(proc.start)
+                start_worker(proc, streams)
                 theirs.close()  # our copy of its end: EOF reaches us when it dies
                 self.procs.append(proc)
                 self.conns.append(mine)

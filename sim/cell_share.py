@@ -179,11 +179,20 @@ class CellShare:
             conn.send_bytes(frame({"records": records, "traffic": traffic}))
 
 
-def cell_process_main(conn: Any, config_text: str, cells: list[str], start_at: float = 0.0) -> None:
-    """A cell process: build its share, then serve the main process until told to stop (or the main process is
-    gone)."""
+def cell_process_main(
+    conn: Any,
+    config_text: str,
+    cells: list[str],
+    start_at: float = 0.0,
+    parent: int | None = None,
+    streams: Any = None,
+) -> None:
+    """A cell process: build its share, then serve the main process (pid ``parent``, its output ``streams``) until
+    told to stop (or the main process is gone)."""
+    if streams is not None:
+        streams.adopt()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
-    procs.die_with_parent()
+    procs.die_with_parent(parent)
     log_to_stderr(logging.WARNING, "%(processName)s %(message)s")
     keep_freed_memory()
     skip_exit_collection()

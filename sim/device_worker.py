@@ -179,12 +179,21 @@ def answer(result: Payload, c: DeviceContext) -> Parts:
 
 
 def process_main(
-    tasks: Any, results: Any, config_text: str, devices: list[str], ring: tuple[str, int, Any] | None = None
+    tasks: Any,
+    results: Any,
+    config_text: str,
+    devices: list[str],
+    ring: tuple[str, int, Any] | None = None,
+    parent: int | None = None,
+    streams: Any = None,
 ) -> None:
     """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone).
-    ``ring``: its result ring's ``(name, size, semaphore)`` (``sim/result_ring.py``); none: results by pipe."""
+    ``ring``: its result ring's ``(name, size, semaphore)`` (``sim/result_ring.py``); none: results by pipe.
+    ``parent``, ``streams``: the main process's pid and output (``sim.worker_context``: a fork server between)."""
+    if streams is not None:
+        streams.adopt()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
-    procs.die_with_parent()  # even a SIGKILLed main process leaves no worker behind
+    procs.die_with_parent(parent)  # even a SIGKILLed main process leaves no worker behind
     log_to_stderr(logging.WARNING, "%(processName)s %(message)s")
     keep_freed_memory()  # a batch of model-sized tasks and results every round
     skip_exit_collection()  # exits in ~0.15 s, not ~1 s

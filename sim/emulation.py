@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -60,6 +59,7 @@ from .hierarchy import Prepared, cell_availability, edge_availability, fresh_out
 from .launcher import RunResult, cell_bounds, device_samples, warn_idle_settings, write_final
 from .local_federation import LocalFederation, federation_bundle, job_text
 from .onnx_devices import export_onnx, refuse_own_onnx_model, with_onnx_model
+from .worker_context import LauncherStreams, start_worker, worker_context
 
 __all__ = ["Emulation", "Faults", "agent_workers", "raise_fd_limit", "run_emulation", "worker_groups"]
 
@@ -326,7 +326,7 @@ class Emulation:
         self, job_id: str, out: Path, prep: Prepared, opts: BrokerOptions, cell_opts: dict[str, BrokerOptions]
     ) -> None:
         """Start the agent workers; each serves job ``job_id`` with the config its devices learn from the cloud."""
-        ctx = mp.get_context("spawn")  # never fork: this process has threads
+        ctx = worker_context()  # never fork: this process has threads (a fork server, or spawn)
         self._results = ctx.Queue()
         level = logging.getLogger().getEffectiveLevel()
         bundle = federation_bundle(self.cfg).to_toml()
@@ -350,8 +350,11 @@ class Emulation:
                 "timing": self.timing,
                 "parent": os.getpid(),
             }
-            proc = ctx.Process(target=worker_main, args=(job, self._results), name=f"fedtier-agents-{i}", daemon=True)
-            procs.spawn(proc.start)
+            streams = LauncherStreams()
+            proc = ctx.Process(
+                target=worker_main, args=(job, self._results, streams), name=f"fedtier-agents-{i}", daemon=True
+            )
+            start_worker(proc, streams)
             self.procs.append(proc)
 
     def _fail_fast(self) -> None:

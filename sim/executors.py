@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import multiprocessing as mp
+import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -45,6 +45,7 @@ from .datasets import builtin_geometry
 from .device_worker import process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
 from .result_ring import RingReader, ring_bytes
+from .worker_context import LauncherStreams, start_worker, worker_context
 from .worker_frames import Batch, frame, unframe
 from .worker_watch import Watch, named_devices
 
@@ -217,7 +218,7 @@ class ProcessExecutor(_Remote):
     ) -> None:
         """``result_bytes``: about one device's result (its ring holds a worker's results of an edge round)."""
         super().__init__(groups, loop, batched, stall_s)
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()  # never fork: this process has threads (a fork server, or spawn)
         self.procs: list[Any] = []
         self._outboxes: list[queue.Queue[bytes | None]] = []
         self._threads: list[threading.Thread] = []
@@ -231,13 +232,22 @@ class ProcessExecutor(_Remote):
                 result_r, result_w = ctx.Pipe(duplex=False)
                 ring = self._ring(ring_size, ctx)
                 self.rings.append(ring)
+                streams = LauncherStreams()
                 proc = ctx.Process(
                     target=process_main,
-                    args=(task_r, result_w, config_text, group, ring and (ring.name, ring.size, ring.freed)),
+                    args=(
+                        task_r,
+                        result_w,
+                        config_text,
+                        group,
+                        ring and (ring.name, ring.size, ring.freed),
+                        os.getpid(),
+                        streams,
+                    ),
                     name=f"fedtier-sim-worker-{i}",
                     daemon=True,
                 )
-                procs.spawn(proc.start)
+                start_worker(proc, streams)
                 task_r.close()  # our copies of the child's ends: EOF reaches us when it dies
                 result_w.close()
                 self.procs.append(proc)

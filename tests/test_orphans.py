@@ -67,10 +67,26 @@ def _launch(tmp_path: Path) -> subprocess.Popen:
     )
 
 
+def _server(cmd: str) -> bool:
+    """Whether ``cmd`` is the command line of a ``multiprocessing`` fork server (its forked workers share it)."""
+    return "multiprocessing.forkserver" in cmd
+
+
+def _workers(kids: dict[int, str]) -> list[int]:
+    """The worker processes among a run's descendants ``kids``: spawned, or forked by its fork server (whose
+    children they are)."""
+    return [
+        p
+        for p, cmd in kids.items()
+        if "multiprocessing" in cmd
+        and ("spawn_main" in cmd or (_server(cmd) and (st := _stat(p)) is not None and st[1] in kids))
+    ]
+
+
 def _started(run: subprocess.Popen, tmp_path: Path) -> bool:
     """A cell of ``run`` has aggregated (its workers are past their start-up), its broker is up."""
     kids = descendants(run.pid)
-    workers = [p for p, cmd in kids.items() if "multiprocessing" in cmd and "spawn_main" in cmd]
+    workers = _workers(kids)
     broker = [p for p, cmd in kids.items() if "mosquitto" in cmd] if find_mosquitto() else [0]
     log = tmp_path / "run" / "aggregation.jsonl"  # a record: the agents are up and training
     return len(workers) == 2 and bool(broker) and log.exists() and log.stat().st_size > 0
@@ -121,9 +137,12 @@ def test_a_terminated_fedtier_run_stops_as_on_ctrl_c_and_says_how_to_resume(
     said = " ".join((tmp_path / "run.log").read_text().split())
     assert "interrupted:" in said and "the same command with --resume continues" in said, said[-2000:]
     assert "leaked" not in said
-    # its workers and broker were stopped before it exited; multiprocessing's resource tracker exits on its own
-    # once the run's end of its pipe closes (at the run's exit), a moment later
-    tracker = {p for p, cmd in kids.items() if "multiprocessing.resource_tracker" in cmd}
+    # its workers and broker were stopped before it exited; multiprocessing's resource tracker and fork server exit
+    # on their own once the run's end of their pipe closes (at the run's exit), a moment later
+    workers = set(_workers(kids))
+    tracker = {
+        p for p, cmd in kids.items() if "multiprocessing.resource_tracker" in cmd or (_server(cmd) and p not in workers)
+    }
     assert not {p: kids[p] for p in kids if p not in tracker and alive(p)}
     assert wait_until(lambda: not {p for p in tracker if alive(p)}, 10)
 

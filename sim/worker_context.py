@@ -1,0 +1,59 @@
+"""The ``multiprocessing`` context the sim's worker processes start from: a fork server that imported torch and the
+workers' modules once, where the platform has one (Linux, macOS), else ``spawn``.
+
+Each worker used to be a fresh interpreter (``spawn``) importing torch and the sim again: about 2.2 s of CPU a
+worker, paid before it could take its first task. A fork server is a single-threaded process started once per
+parent, that preloads :data:`PRELOAD` and forks each worker from itself: a worker starts with those modules already
+imported. This process is never forked (it has threads); the workers are still children that die with it
+(``protocols.procs``: the server exits when this process does, and its workers then find their parent gone).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from multiprocessing.connection import Connection
+from typing import Any
+
+from protocols import procs
+
+PRELOAD = ("torch", "sim.device_worker", "sim.cell_share", "sim.agent_workers")
+"""What the fork server imports before forking: torch and the modules of the workers' entry points."""
+
+
+def worker_context() -> Any:
+    """The context to start sim, cell and agent worker processes from (see the module)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # (no effect once this process's server runs: the same list)
+    return ctx
+
+
+class LauncherStreams:
+    """This process's stdout and stderr as they are when a worker starts, handed to it in its arguments (sent as
+    file descriptors): a fork server's worker inherits the server's, those of when the first worker started (a
+    test's captured output, long gone), and a worker's log must go where its launcher's goes now."""
+
+    def __init__(self) -> None:
+        self._conns = [Connection(os.dup(fd), readable=False) for fd in (1, 2)]
+
+    def adopt(self) -> None:
+        """In the worker, first thing: write to the launcher's stdout and stderr."""
+        for fd, conn in zip((1, 2), self._conns):
+            os.dup2(conn.fileno(), fd)
+            conn.close()
+
+    def close(self) -> None:
+        """In the launcher, once the worker started (it holds its own copies)."""
+        for conn in self._conns:
+            conn.close()
+
+
+def start_worker(proc: Any, streams: LauncherStreams) -> None:
+    """Start ``proc`` (given ``streams`` in its arguments) on the spawner thread (``protocols.procs.spawn``: it dies
+    with this process), then close this process's copies of ``streams``."""
+    try:
+        procs.spawn(proc.start)
+    finally:
+        streams.close()
