@@ -119,12 +119,12 @@ def with_init_model(cfg: RunConfig, path: str | None) -> RunConfig:
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": path})})
 
 
-def worker_main(job: dict[str, Any], results: Any, streams: Any = None) -> None:
+def worker_main(job: dict[str, Any], results: Any, inherited: Any = None) -> None:
     """Entry point of a worker process: its devices serve the federation's job in progress until it ends;
-    then ``{"agents": stats per device, "sessions": the job sessions served}`` goes to ``results``. ``streams``:
-    the launcher's output (``sim.worker_context``)."""
-    if streams is not None:
-        streams.adopt()
+    then ``{"agents": stats per device, "sessions": the job sessions served}`` goes to ``results``. ``inherited``:
+    the launcher's output and environment (``sim.worker_context``)."""
+    if inherited is not None:
+        inherited.adopt()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
     procs.die_with_parent(job.get("parent"))  # a SIGKILLed launcher leaves no worker behind
     log_to_stderr(job.get("log_level", logging.WARNING), "%(processName)s %(message)s")

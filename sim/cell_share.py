@@ -185,12 +185,12 @@ def cell_process_main(
     cells: list[str],
     start_at: float = 0.0,
     parent: int | None = None,
-    streams: Any = None,
+    inherited: Any = None,
 ) -> None:
-    """A cell process: build its share, then serve the main process (pid ``parent``, its output ``streams``) until
-    told to stop (or the main process is gone)."""
-    if streams is not None:
-        streams.adopt()
+    """A cell process: build its share, then serve the main process (pid ``parent``; its output and environment:
+    ``inherited``) until told to stop (or the main process is gone)."""
+    if inherited is not None:
+        inherited.adopt()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
     procs.die_with_parent(parent)
     log_to_stderr(logging.WARNING, "%(processName)s %(message)s")

@@ -185,13 +185,14 @@ def process_main(
     devices: list[str],
     ring: tuple[str, int, Any] | None = None,
     parent: int | None = None,
-    streams: Any = None,
+    inherited: Any = None,
 ) -> None:
     """A worker process: build the devices, then answer tasks until told to stop (or the main process is gone).
     ``ring``: its result ring's ``(name, size, semaphore)`` (``sim/result_ring.py``); none: results by pipe.
-    ``parent``, ``streams``: the main process's pid and output (``sim.worker_context``: a fork server between)."""
-    if streams is not None:
-        streams.adopt()
+    ``parent``, ``inherited``: the main process's pid, its output and environment (``sim.worker_context``: a fork
+    server between)."""
+    if inherited is not None:
+        inherited.adopt()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
     procs.die_with_parent(parent)  # even a SIGKILLed main process leaves no worker behind
     log_to_stderr(logging.WARNING, "%(processName)s %(message)s")

@@ -59,7 +59,7 @@ from .hierarchy import Prepared, cell_availability, edge_availability, fresh_out
 from .launcher import RunResult, cell_bounds, device_samples, warn_idle_settings, write_final
 from .local_federation import LocalFederation, federation_bundle, job_text
 from .onnx_devices import export_onnx, refuse_own_onnx_model, with_onnx_model
-from .worker_context import LauncherStreams, start_worker, worker_context
+from .worker_context import Inherited, start_worker, worker_context
 
 __all__ = ["Emulation", "Faults", "agent_workers", "raise_fd_limit", "run_emulation", "worker_groups"]
 
@@ -350,11 +350,11 @@ class Emulation:
                 "timing": self.timing,
                 "parent": os.getpid(),
             }
-            streams = LauncherStreams()
+            inherited = Inherited()
             proc = ctx.Process(
-                target=worker_main, args=(job, self._results, streams), name=f"fedtier-agents-{i}", daemon=True
+                target=worker_main, args=(job, self._results, inherited), name=f"fedtier-agents-{i}", daemon=True
             )
-            start_worker(proc, streams)
+            start_worker(proc, inherited)
             self.procs.append(proc)
 
     def _fail_fast(self) -> None:

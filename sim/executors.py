@@ -45,7 +45,7 @@ from .datasets import builtin_geometry
 from .device_worker import process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
 from .result_ring import RingReader, ring_bytes
-from .worker_context import LauncherStreams, start_worker, worker_context
+from .worker_context import Inherited, start_worker, worker_context
 from .worker_frames import Batch, frame, unframe
 from .worker_watch import Watch, named_devices
 
@@ -232,7 +232,7 @@ class ProcessExecutor(_Remote):
                 result_r, result_w = ctx.Pipe(duplex=False)
                 ring = self._ring(ring_size, ctx)
                 self.rings.append(ring)
-                streams = LauncherStreams()
+                inherited = Inherited()
                 proc = ctx.Process(
                     target=process_main,
                     args=(
@@ -242,12 +242,12 @@ class ProcessExecutor(_Remote):
                         group,
                         ring and (ring.name, ring.size, ring.freed),
                         os.getpid(),
-                        streams,
+                        inherited,
                     ),
                     name=f"fedtier-sim-worker-{i}",
                     daemon=True,
                 )
-                start_worker(proc, streams)
+                start_worker(proc, inherited)
                 task_r.close()  # our copies of the child's ends: EOF reaches us when it dies
                 result_w.close()
                 self.procs.append(proc)

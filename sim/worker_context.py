@@ -30,19 +30,23 @@ def worker_context() -> Any:
     return ctx
 
 
-class LauncherStreams:
-    """This process's stdout and stderr as they are when a worker starts, handed to it in its arguments (sent as
-    file descriptors): a fork server's worker inherits the server's, those of when the first worker started (a
-    test's captured output, long gone), and a worker's log must go where its launcher's goes now."""
+class Inherited:
+    """What a worker inherits from its launcher as the launcher is when the worker starts: stdout and stderr (sent as
+    file descriptors) and the environment. A fork server's worker would otherwise have the server's, those of when
+    the first worker started (a test's captured output, long gone; ``CUDA_VISIBLE_DEVICES``, ``FEDTIER_CACHE_DIR``
+    set since by a program that runs several simulations), and a worker's log must go where its launcher's goes now."""
 
     def __init__(self) -> None:
         self._conns = [Connection(os.dup(fd), readable=False) for fd in (1, 2)]
+        self._environ = dict(os.environ)
 
     def adopt(self) -> None:
-        """In the worker, first thing: write to the launcher's stdout and stderr."""
+        """In the worker, first thing: write to the launcher's stdout and stderr, take its environment."""
         for fd, conn in zip((1, 2), self._conns):
             os.dup2(conn.fileno(), fd)
             conn.close()
+        os.environ.clear()
+        os.environ.update(self._environ)
 
     def close(self) -> None:
         """In the launcher, once the worker started (it holds its own copies)."""
@@ -50,10 +54,10 @@ class LauncherStreams:
             conn.close()
 
 
-def start_worker(proc: Any, streams: LauncherStreams) -> None:
-    """Start ``proc`` (given ``streams`` in its arguments) on the spawner thread (``protocols.procs.spawn``: it dies
-    with this process), then close this process's copies of ``streams``."""
+def start_worker(proc: Any, inherited: Inherited) -> None:
+    """Start ``proc`` (given ``inherited`` in its arguments) on the spawner thread (``protocols.procs.spawn``: it dies
+    with this process), then close this process's copies of ``inherited``."""
     try:
         procs.spawn(proc.start)
     finally:
-        streams.close()
+        inherited.close()

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from sim.worker_context import PRELOAD, LauncherStreams, start_worker, worker_context
+from sim.worker_context import PRELOAD, Inherited, start_worker, worker_context
 
 
 def _what_it_started_with(out: Any) -> None:
@@ -26,14 +26,15 @@ def test_a_worker_starts_with_torch_and_the_workers_modules_already_imported_and
     assert parent != os.getpid()  # forked by the server, never by this process (it has threads)
 
 
-def _say(streams: Any) -> None:
-    streams.adopt()
-    print("said by the worker", file=sys.stderr, flush=True)
+def _say(inherited: Any) -> None:
+    inherited.adopt()
+    print("said by the worker", os.environ.get("FEDTIER_TEST_SET_SINCE"), file=sys.stderr, flush=True)
 
 
-def test_a_worker_writes_where_its_launcher_writes_now_not_where_the_server_was_started(tmp_path):
-    """The fork server keeps the stderr it started with (here: before the redirect below, as a test's captured
-    output is): a worker given LauncherStreams logs to the launcher's stderr of the moment it starts."""
+def test_a_worker_writes_where_its_launcher_writes_now_with_its_environment_not_the_servers(tmp_path, monkeypatch):
+    """The fork server keeps the stderr and environment it started with (here: before the redirect and the variable
+    below, as a test's captured output is): a worker given Inherited logs to the launcher's stderr of the moment it
+    starts, with the launcher's environment of that moment."""
     ctx = worker_context()
     warm = ctx.Process(target=os.getpid)  # the server runs before the redirect
     warm.start()
@@ -42,11 +43,12 @@ def test_a_worker_writes_where_its_launcher_writes_now_not_where_the_server_was_
     try:
         with open(tmp_path / "stderr", "wb") as f:
             os.dup2(f.fileno(), 2)
-        streams = LauncherStreams()
-        proc = ctx.Process(target=_say, args=(streams,))
-        start_worker(proc, streams)
+        monkeypatch.setenv("FEDTIER_TEST_SET_SINCE", "and set since")
+        inherited = Inherited()
+        proc = ctx.Process(target=_say, args=(inherited,))
+        start_worker(proc, inherited)
         proc.join(120)
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-    assert proc.exitcode == 0 and (tmp_path / "stderr").read_text() == "said by the worker\n"
+    assert proc.exitcode == 0 and (tmp_path / "stderr").read_text() == "said by the worker and set since\n"
