@@ -7,6 +7,7 @@ waits for the cloud's signed answer."""
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import click
@@ -18,6 +19,12 @@ from protocols.terminal import SafeConsole
 from .cli import VERBOSE, main
 from .cli_types import Finite
 from .console import JOB_FAILED, connect_within, console, load_or_exit, print_error, setup_logging
+
+OFFLINE_GRACE = 1.5
+"""Seconds `fedtier jobs` waits for a newer status of a cloud whose status says offline: as a job ends its server's
+connection closes and the cloud's next one opens under the same client id; where the broker reads the new CONNECT
+first it takes the old connection over and says its will ("offline"), which the live cloud replaces with its idle
+status at once (a list read in that instant warned "the cloud is offline" of a running cloud)."""
 
 OPERATOR_CONFIG = click.option(
     "--config",
@@ -92,6 +99,10 @@ class _Session:
         self.transport.wait_subscribed(wait)
         self.loop.run(until=lambda: bool(got), timeout=wait)
         return got[0] if got else None
+
+    def settle(self, until: Callable[[], bool], seconds: float) -> None:
+        """Take what comes for up to ``seconds``, or until ``until()``."""
+        self.loop.run(until=until, timeout=seconds)
 
     def cloud_status(self) -> list[dict[str, Any]]:
         """Collect the cloud's (verified) status records from now on (a provisioning before the operator could
@@ -282,6 +293,8 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
     cloud = session.cloud_status()
     try:
         record = session.read(topics.job_list(session.fed), "cloud", wait)
+        if cloud and cloud[-1].get("state") == "offline":  # a live cloud says otherwise at once (OFFLINE_GRACE)
+            session.settle(lambda: cloud[-1].get("state") != "offline", min(wait, OFFLINE_GRACE))
     finally:
         session.close()
     if record is None:

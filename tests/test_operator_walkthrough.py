@@ -5,6 +5,7 @@ fails at once with its reason and a non-zero exit, never with a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -935,6 +936,48 @@ def test_fedtier_jobs_piped_prints_each_job_on_one_line_on_stdout(
     assert res.exit_code == 0, res.output
     rows = [line for line in res.stdout.splitlines() if "job-with-a-long-name" in line]
     assert len(rows) == 1 and "failed" in rows[0] and why in rows[0] and len(rows[0]) > 80, res.stdout
+
+
+@pytest.mark.parametrize("says_idle", [True, False])
+def test_fedtier_jobs_waits_a_moment_before_saying_the_cloud_is_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, says_idle: bool
+) -> None:
+    """CI: `fedtier jobs` right after a job ended warned "the cloud is offline" of a running cloud: its job's connection
+    had been taken over by its next one (same client id), whose will the broker said, the cloud's idle status following
+    at once. An offline status is now given a moment (OFFLINE_GRACE) to be replaced: a live cloud's idle replaces it
+    (no warning); a cloud that stays offline is still said to be."""
+    import fedtier.cmd_jobs as cmd
+
+    waited: list[float] = []
+
+    class Session:
+        fed = "fed"
+
+        def __init__(self) -> None:
+            self.cloud = [{"state": "offline"}]
+
+        def cloud_status(self) -> list:
+            return self.cloud
+
+        def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
+            return {"jobs": [{"job": "a", "state": "cancelled", "reason": "cancelled by the operator"}]}
+
+        def settle(self, until, seconds: float) -> None:
+            waited.append(seconds)
+            if says_idle:
+                self.cloud.append({"state": "idle"})
+            assert until() is says_idle
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cmd, "_connect", lambda config, wait: Session())
+    monkeypatch.chdir(tmp_path)
+    Path("config.toml").write_text("")
+    res = CliRunner().invoke(main, ["jobs", "--config", "config.toml", "--json"])
+    assert res.exit_code == 0 and waited == [cmd.OFFLINE_GRACE], (res.output, waited)
+    assert ("the cloud is offline" in res.output) is not says_idle, res.output
+    assert json.loads(res.stdout)[0]["state"] == "cancelled"
 
 
 def test_submit_wait_end_and_fedtier_jobs_say_how_well_an_ended_job_did(
