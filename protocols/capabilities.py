@@ -47,16 +47,47 @@ def _no_gpu_driver() -> bool:
         return False
 
 
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+"""The NVIDIA driver's folder of one ``information`` file a GPU (``Model: NVIDIA H200``)."""
+
+
 def _cuda() -> tuple[bool, str]:
     """``(available, name)``, without importing torch where torch is not installed or no GPU driver is: a cell or
-    cloud that never trains then starts without torch (about 1.5 s and 300 MB a process)."""
+    cloud that never trains then starts without torch (about 1.5 s and 300 MB a process). Never creates a CUDA
+    context (:func:`gpu_name`)."""
     if importlib.util.find_spec("torch") is None or _no_gpu_driver():
         return False, ""
     import torch
 
     if not torch.cuda.is_available():
         return False, ""
-    return True, torch.cuda.get_device_name(0)
+    return True, gpu_name()
+
+
+def gpu_name(folder: str | None = None) -> str:
+    """The first GPU's model name as the NVIDIA driver's files say it, else torch's where this process has already
+    set CUDA up, else ``""``. Asking torch otherwise (``torch.cuda.get_device_name``) sets CUDA up in the process: a
+    CUDA context on the GPU (hundreds of MB of its memory, ~1 s) in every agent, cell and sim worker of a GPU machine
+    that announced its capabilities, also for a job on the CPU (seen on an H200: a ``device = "cpu"`` run had
+    initialised CUDA)."""
+    folder = NVIDIA_GPUS if folder is None else folder
+    try:
+        folders = sorted(os.listdir(folder))
+    except OSError:
+        folders = []
+    for name in folders:
+        try:
+            with open(os.path.join(folder, name, "information"), encoding="utf-8", errors="replace") as f:
+                text = f.read(64 << 10)
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model" and value.strip():
+                return value.strip()[:128]
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_initialized() else ""
 
 
 def probe(backends: tuple[str, ...] | None = None) -> dict[str, Any]:

@@ -134,3 +134,32 @@ def test_a_job_no_device_can_serve_fails_with_that_reason(tmp_path):
     assert want in summary["failed"]  # the reason quotes what each agent announced in its signed status
     records = [json.loads(x) for x in (tmp_path / "out" / "aggregation.jsonl").read_text().splitlines()]
     assert all(r["planned"] == [] and set(r["absent"].values()) == {want} for r in records)
+
+
+def test_a_gpu_machines_probe_names_its_gpu_without_setting_cuda_up(monkeypatch, tmp_path):
+    """On an H200 a `device = "cpu"` run had set CUDA up (a CUDA context on the GPU in every process that announced its
+    capabilities): the probe named the GPU with torch.cuda.get_device_name, which initialises CUDA. It now reads the
+    NVIDIA driver's files (no context), asks torch only where this process set CUDA up already, else names none."""
+    import torch
+
+    from protocols import capabilities
+
+    gpus = tmp_path / "gpus"
+    (gpus / "0000:1b:00.0").mkdir(parents=True)
+    (gpus / "0000:1b:00.0" / "information").write_text("Model: \t\t NVIDIA H200\nIRQ:   \t\t 39\n")
+    (gpus / "0000:00:00.0").mkdir()  # a folder without the file: skipped
+
+    def no_init(*_: object) -> str:
+        raise AssertionError("torch.cuda.get_device_name sets CUDA up")
+
+    monkeypatch.setattr(capabilities, "_no_gpu_driver", lambda: False)
+    monkeypatch.setattr(capabilities, "NVIDIA_GPUS", str(gpus))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_init)
+    assert capabilities._cuda() == (True, "NVIDIA H200")
+    assert capabilities.probe()["gpu"] == "NVIDIA H200" and capabilities.probe()["accelerator"] == "cuda"
+    assert capabilities.gpu_name(str(tmp_path / "none")) == ""  # no driver files, CUDA not set up: no name
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # set up already (the engine's): torch says
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Pretend GPU")
+    assert capabilities.gpu_name(str(tmp_path / "none")) == "Pretend GPU"
