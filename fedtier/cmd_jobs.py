@@ -21,10 +21,9 @@ from .cli_types import Finite
 from .console import JOB_FAILED, connect_within, console, load_or_exit, print_error, setup_logging
 
 OFFLINE_GRACE = 1.5
-"""Seconds `fedtier jobs` waits for a newer status of a cloud whose status says offline: as a job ends its server's
-connection closes and the cloud's next one opens under the same client id; where the broker reads the new CONNECT
-first it takes the old connection over and says its will ("offline"), which the live cloud replaces with its idle
-status at once (a list read in that instant warned "the cloud is offline" of a running cloud)."""
+"""Seconds `fedtier jobs` waits for a newer status of a cloud whose status says offline: a live cloud's read offline
+for an instant as a job ended (seen once in a fresh-clone suite; a will of one of its connections, its job's closing
+as its next opens under the same client id, is the likely source), and its idle status replaces it at once."""
 
 OPERATOR_CONFIG = click.option(
     "--config",

@@ -871,26 +871,42 @@ def test_a_jobs_end_state_carries_only_finite_figures_and_a_monitor_refuses_othe
         assert decode_state(seal_record({**base, "accuracy": bad}, topic, None), topic) is None
 
 
-def _jobs_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: dict) -> tuple[int, str, BaseException | None]:
-    """`fedtier jobs --config config.toml`, the cloud's (signed) job list read being ``listed``."""
+class _JobsSession:
+    """What `fedtier jobs` reads: the cloud's (signed) job list ``listed`` and its status records ``cloud``;
+    ``settled``: what the cloud says while the command gives an offline status a moment (its ``settle`` waits)."""
+
+    fed = "fed"
+
+    def __init__(self, listed: dict, cloud: list | None = None, settled: list | None = None) -> None:
+        self.listed, self.cloud, self.settled, self.waited = listed, cloud or [], settled or [], []
+
+    def cloud_status(self) -> list:
+        return self.cloud
+
+    def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
+        return self.listed
+
+    def settle(self, until, seconds: float) -> None:
+        self.waited.append(seconds)
+        self.cloud.extend(self.settled)
+
+    def close(self) -> None:
+        pass
+
+
+def _fake_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, session: _JobsSession) -> None:
+    """`fedtier jobs --config config.toml` in ``tmp_path`` reads ``session``, not a broker."""
     import fedtier.cmd_jobs as cmd
 
-    class Session:
-        fed = "fed"
-
-        def cloud_status(self) -> list:
-            return []
-
-        def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
-            return listed
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(cmd, "_connect", lambda config, wait: Session())
+    monkeypatch.setattr(cmd, "_connect", lambda config, wait: session)
     monkeypatch.chdir(tmp_path)
     Path("config.toml").write_text("")
     monkeypatch.setattr(cmd.console, "_width", 400)  # the CLI's console was made (its width read) at import
+
+
+def _jobs_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: dict) -> tuple[int, str, BaseException | None]:
+    """`fedtier jobs --config config.toml`, the cloud's (signed) job list read being ``listed``."""
+    _fake_jobs(tmp_path, monkeypatch, _JobsSession(listed))
     return _cli("jobs", "--config", "config.toml")
 
 
@@ -910,28 +926,12 @@ def test_fedtier_jobs_piped_prints_each_job_on_one_line_on_stdout(
     """Walk-through: `fedtier jobs` in a pipe or a file broke each row over several lines at 80 columns (a job's id,
     state and reason in three pieces: unreadable to grep); off a terminal it prints the table 200 columns wide, on
     stdout (the command's output, as --json's), so a job is one line."""
-    import fedtier.cmd_jobs as cmd
-
     why = "stalled: no cell answered round 7 within its deadline (2 of 2 cells offline)"
     listed = {
         "jobs": [{"job": "job-with-a-long-name", "state": "failed", "reason": why, "submitted": 1.0, "hash": "ab"}]
     }
 
-    class Session:
-        fed = "fed"
-
-        def cloud_status(self) -> list:
-            return []
-
-        def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
-            return listed
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(cmd, "_connect", lambda config, wait: Session())
-    monkeypatch.chdir(tmp_path)
-    Path("config.toml").write_text("")
+    _fake_jobs(tmp_path, monkeypatch, _JobsSession(listed))
     res = CliRunner().invoke(main, ["jobs", "--config", "config.toml"])
     assert res.exit_code == 0, res.output
     rows = [line for line in res.stdout.splitlines() if "job-with-a-long-name" in line]
@@ -942,40 +942,17 @@ def test_fedtier_jobs_piped_prints_each_job_on_one_line_on_stdout(
 def test_fedtier_jobs_waits_a_moment_before_saying_the_cloud_is_offline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, says_idle: bool
 ) -> None:
-    """CI: `fedtier jobs` right after a job ended warned "the cloud is offline" of a running cloud: its job's connection
-    had been taken over by its next one (same client id), whose will the broker said, the cloud's idle status following
-    at once. An offline status is now given a moment (OFFLINE_GRACE) to be replaced: a live cloud's idle replaces it
-    (no warning); a cloud that stays offline is still said to be."""
+    """A fresh-clone suite: `fedtier jobs` right after a job ended warned "the cloud is offline" of a running cloud (a
+    will of one of its connections, most likely, which its idle status replaces at once). An offline status is now
+    given a moment (OFFLINE_GRACE) to be replaced: a live cloud's idle replaces it (no warning); a cloud that stays
+    offline is still said to be."""
     import fedtier.cmd_jobs as cmd
 
-    waited: list[float] = []
-
-    class Session:
-        fed = "fed"
-
-        def __init__(self) -> None:
-            self.cloud = [{"state": "offline"}]
-
-        def cloud_status(self) -> list:
-            return self.cloud
-
-        def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
-            return {"jobs": [{"job": "a", "state": "cancelled", "reason": "cancelled by the operator"}]}
-
-        def settle(self, until, seconds: float) -> None:
-            waited.append(seconds)
-            if says_idle:
-                self.cloud.append({"state": "idle"})
-            assert until() is says_idle
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(cmd, "_connect", lambda config, wait: Session())
-    monkeypatch.chdir(tmp_path)
-    Path("config.toml").write_text("")
+    listed = {"jobs": [{"job": "a", "state": "cancelled", "reason": "cancelled by the operator"}]}
+    session = _JobsSession(listed, [{"state": "offline"}], [{"state": "idle"}] if says_idle else [])
+    _fake_jobs(tmp_path, monkeypatch, session)
     res = CliRunner().invoke(main, ["jobs", "--config", "config.toml", "--json"])
-    assert res.exit_code == 0 and waited == [cmd.OFFLINE_GRACE], (res.output, waited)
+    assert res.exit_code == 0 and session.waited == [cmd.OFFLINE_GRACE], (res.output, session.waited)
     assert ("the cloud is offline" in res.output) is not says_idle, res.output
     assert json.loads(res.stdout)[0]["state"] == "cancelled"
 
