@@ -28,7 +28,7 @@ from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import private_file, write_durably
 from protocols.config import RunConfig, TopologySection
 from protocols.joblog import say_ended, say_taken
-from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError
+from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError, ended_outcome, job_session
 from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
 from protocols.status import IdleBeat, between_jobs
@@ -223,7 +223,7 @@ class CloudService:
         it started (the transport is still open): a job that cannot be built fails with the reason, and
         the queue goes on (a restarted cloud would meet the same error: no crash loop)."""
         resumed = job.state == "running"
-        current = CurrentJob(job.job, job.config, job.digest)
+        current = CurrentJob(job.job, job.config, job.digest, self._previous(job.job))
         try:
             cfg, out, node = self._build(job, current, transport, resumed)
         except (ValueError, OSError) as exc:  # ConfigError, JobError: the job's, not the cloud's fault
@@ -413,6 +413,14 @@ class CloudService:
             self.kept.last[topic] = data  # what the broker holds now is this cloud's roster
             return
         self.kept.on_record(self._live(), topic, data)  # (its own comes back equal; published first as it connects)
+
+    def _previous(self, job: str) -> dict[str, str] | None:
+        """How the job that ended last before ``job`` ended (said in ``job``'s record: a cell whose connection missed
+        that job's ``finished`` record, which the job's server sent on its own connection, said it "stopped: the
+        cloud moved on" of a job that finished)."""
+        ended = [j for j in self.queue.jobs.values() if j.ended is not None and j.job != job]
+        last = max(ended, key=lambda j: j.ended or 0.0, default=None)
+        return None if last is None else ended_outcome(job_session(last.job, last.digest), last.state, last.reason)
 
     def _publish_list(self, transport: Transport) -> None:
         topic = topics.job_list(self.fed)

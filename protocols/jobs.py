@@ -354,18 +354,21 @@ def cancel_record(job: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CurrentJob:
-    """The job the cloud published as in progress: id, canonical config text, hash and session."""
+    """The job the cloud published as in progress: id, canonical config text, hash and session; ``previous``: how the
+    job that ended before it ended (:func:`ended_outcome`), for a node that missed that job's ``finished`` record."""
 
     job: str
     config: str
     digest: str
+    previous: dict[str, str] | None = None
 
     @property
     def session(self) -> str:
         return job_session(self.job, self.digest)
 
     def record(self) -> dict[str, Any]:
-        return {"job": self.job, "config": self.config, "hash": self.digest, "session": self.session}
+        record = {"job": self.job, "config": self.config, "hash": self.digest, "session": self.session}
+        return {**record, "previous": self.previous} if self.previous else record
 
     def run_config(
         self, bundle: RunConfig, node: str | Sequence[str] | None = None, roster: Roster | None = None
@@ -396,12 +399,29 @@ class CurrentJob:
         return localize(cfg, bundle, self.job)
 
 
+def ended_outcome(session: str, state: str, reason: str) -> dict[str, str]:
+    """How a job ended, as the cloud's ``finished`` record says it (its session; ``failed`` or ``stopped`` with why,
+    neither when it finished): a queue ``state`` finished, failed or cancelled (said stopped)."""
+    why = (reason or state)[:MAX_REASON]
+    return {
+        "session": session,
+        **({"failed": why} if state == "failed" else {"stopped": why} if state == "cancelled" else {}),
+    }
+
+
+def _previous(value: Any) -> dict[str, str] | None:
+    """A record's ``previous`` (:func:`ended_outcome`), or ``None`` where it is absent or not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("session"), str) or len(value["session"]) > 200:
+        return None
+    return {k: str(value[k])[:MAX_REASON] for k in ("session", "failed", "stopped") if isinstance(value.get(k), str)}
+
+
 def parse_current(record: dict[str, Any]) -> CurrentJob:
     """The in-progress job of a (verified) ``cloud/job`` record; :class:`JobError` if malformed."""
     job, config, digest = record.get("job"), record.get("config"), record.get("hash")
     if not isinstance(config, str) or not isinstance(digest, str) or config_hash(config) != digest:
         raise JobError("job record: config missing or not matching its hash")
-    return CurrentJob(check_job_id(job), config, digest)
+    return CurrentJob(check_job_id(job), config, digest, _previous(record.get("previous")))
 
 
 class JobWatch:
@@ -441,6 +461,9 @@ class JobWatch:
             self.current = parse_current(record)
         except JobError as exc:
             log.warning("ignored a job record: %s", exc)
+            return
+        if (prev := self.current.previous) is not None and prev["session"] not in self.finished:
+            self._ended(prev["session"], prev)  # its finished record missed (or still on its way): as the cloud says
 
     def _on_roster(self, topic: str, data: bytes) -> None:
         if not data or self.trust is None:  # an unsigned federation has no roster to check
@@ -464,7 +487,9 @@ class JobWatch:
             return
         meta = msg.payload.meta
         if meta.get("event") == "finished" and isinstance(meta.get("session"), str):
-            self.finished.add(meta["session"])
-            self.outcomes[meta["session"]] = {
-                k: str(meta[k])[:MAX_REASON] for k in ("failed", "stopped") if meta.get(k)
-            }
+            self._ended(meta["session"], meta)
+
+    def _ended(self, session: str, said: dict[str, Any]) -> None:
+        """``session`` ended as ``said`` (a ``finished`` record's, or a job record's ``previous``)."""
+        self.finished.add(session)
+        self.outcomes[session] = {k: str(said[k])[:MAX_REASON] for k in ("failed", "stopped") if said.get(k)}

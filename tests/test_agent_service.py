@@ -171,8 +171,9 @@ def test_a_long_lived_agent_and_cell_serving_jobs_back_to_back_keep_open_files_f
 
 def _each_job_taken_and_ended_once(lines: list[str], tasks: int) -> None:
     """The job lines (``protocols.joblog``) of the cloud, cell c0 and the service's two devices: each job taken, then
-    ended, in order, once each: the cloud's finished, with its rounds; the cell's finished, or stopped as it heard the
-    next job before this one's end; the devices' tasks add up to ``tasks``."""
+    ended, in order, once each: the cloud's finished, with its rounds; the cell's finished (also where it heard the next
+    job before this one's finished record: the next job's record says how this one ended); the devices' tasks add up to
+    ``tasks``."""
     wait_until(lambda: len(lines) >= 6 * JOBS, 10.0)  # the devices' end of the last job may come before the cloud's
     said, devices = list(lines), "devices c0-d0, c0-d1"
     for who in ("cloud", "cell c0", devices):
@@ -181,7 +182,7 @@ def _each_job_taken_and_ended_once(lines: list[str], tasks: int) -> None:
         for j, line in enumerate(mine[1::2]):
             end = {
                 "cloud": ["finished (1 round)"],
-                "cell c0": ["finished", f"stopped: the cloud moved on to job j{j + 1} before this cell heard"],
+                "cell c0": ["finished"],  # (one that missed its finished record reads it in the next job's)
                 devices: ["ended ("],
             }[who]
             assert any(line.startswith(f"{who}: job j{j} {how}") for how in end), said

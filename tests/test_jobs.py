@@ -1104,3 +1104,26 @@ def test_the_clouds_memory_of_requests_is_bounded_and_never_takes_a_forgotten_on
     for data, says in ((sent[0], "older than those the cloud still remembers"), (sent[2], "a replay")):
         with pytest.raises(JobError, match=says):
             again.open(data, topic)
+
+
+def test_a_cell_that_missed_a_jobs_finished_record_reads_how_it_ended_in_the_next_jobs_record(tmp_path: Path) -> None:
+    """Session 19: a cell serving jobs back to back said job j "stopped: the cloud moved on to job j+1" although j had
+    finished (its connection missed j's finished record, sent on the job's own connection). The cloud's record of the
+    next job now says how the one before it ended (``previous``), and a cell's watch takes that as its end."""
+    from cell_server.service import _ended_how
+    from protocols.jobs import JobWatch, ended_outcome
+
+    _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
+    a, b, c = (CurrentJob(j, text, config_hash(text)) for j in ("a1", "b1", "c1"))
+    watch = JobWatch(None, "fed", None)
+    topic = topics.current_job("fed")
+    watch.on_job(topic, seal_record(a.record(), topic, None))
+    watch.on_job(topic, seal_record(b.record(), topic, None))
+    assert _ended_how(watch, a)[0] == "stopped" and "moved on to job b1" in (_ended_how(watch, a)[1] or "")  # as before
+    cancelled = ended_outcome(b.session, "cancelled", "cancelled by the operator")
+    watch.on_job(topic, seal_record(CurrentJob("c1", text, config_hash(text), cancelled).record(), topic, None))
+    assert _ended_how(watch, b) == ("stopped", "cancelled by the operator")
+    finished = ended_outcome(c.session, "finished", "")
+    watch.on_job(topic, seal_record(CurrentJob("d1", text, config_hash(text), finished).record(), topic, None))
+    assert _ended_how(watch, c) == ("finished", None)
+    assert parse_current({**c.record(), "previous": "x"}).previous is None  # not one: ignored, the job taken
