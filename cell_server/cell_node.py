@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedtier.cell")
 
+Availability = Callable[[int, int], Iterable[str]]
+"""``(cloud round, edge round) -> devices that may take part`` (participation, in sim/emulation)."""
+
 
 class NodeOptions(TypedDict, total=False):
     """The keyword arguments of :class:`CellNode` a subclass passes on (``tests/test_cell_parts.py`` keeps
@@ -213,6 +216,8 @@ class CellNode:
         job: dict[str, Any] = {"session": self.cloud.pinned} if self.cloud.pinned is not None else {}
         if unfit := len(self.liveness.unfit):  # offline for this job, said so: the cloud does not wait for them
             job["devices_unfit"] = unfit
+        if (part := self._taking_part()) is not None and (away := self.liveness.sitting_out(part)):
+            job["devices_away"] = away  # offline as they sit the round out (participation): not waited for either
         job.update(self._status_extra(), **self.status_extra)
         self.transport.publish(
             status,
@@ -356,6 +361,10 @@ class CellNode:
         return Rejected(RejectKind.BOUND, over) if over is not None else None
 
     # ----------------------------------------------------------------- what the rounds add
+    def _taking_part(self) -> Iterable[str] | None:
+        """The devices that take part in this cell's current round (participation); None: every device."""
+        return None
+
     def _status_extra(self) -> dict[str, Any]:
         """What a subclass adds to this cell's online status (declared state the cloud acts on)."""
         return {}

@@ -94,6 +94,12 @@ class Liveness:
         """Those of ``devices`` (of this cell) that are offline."""
         return {d for d in devices if d in self.online and not self.online[d]}
 
+    def sitting_out(self, taking_part: Iterable[str]) -> int:
+        """How many of this cell's devices are offline and take no part in the round (not in ``taking_part``:
+        participation), neither revoked nor unfit (counted apart): they left by design, nobody waits for them."""
+        part = set(taking_part)
+        return sum(1 for d in self.offline(self.online) if d not in part and d not in self.revoked | self.unfit.keys())
+
     def unheard(self, devices: Iterable[str]) -> set[str]:
         """Those of ``devices`` (of this cell) offline and never heard of (no status since the cell started)."""
         return {d for d in self.offline(devices) if d not in self.last_seen}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -30,7 +30,7 @@ from protocols.wire import topics
 from protocols.wire.payload import Payload
 
 from . import edge_liveness
-from .cell_node import CellNode, NodeOptions
+from .cell_node import Availability, CellNode, NodeOptions
 from .liveness import StatusChange
 from .parts import EdgeRound, RoundTally
 from .recovery import RoundJournal, recover
@@ -46,9 +46,6 @@ log = logging.getLogger("fedtier.cell")
 
 TIMING = (RejectKind.STALE, RejectKind.LATE)
 """Refusals of when an answer came, not of what it holds."""
-
-Availability = Callable[[int, int], Iterable[str]]
-"""``(cloud round, edge round) -> devices that may take part`` (participation, in sim/emulation)."""
 
 __all__ = ["Availability", "CellServer"]
 
@@ -123,6 +120,9 @@ class CellServer(CellNode):
         if self._recovered:
             recover(self, self._recovered)
             self._recovered = []
+
+    def _taking_part(self) -> Iterable[str] | None:
+        return self.availability(max(self.round, 0), self.edge_round) if self.availability else None
 
     def _on_failure(self) -> None:
         """A failed cell answers its current round with its failure (and every later task, as it comes)."""

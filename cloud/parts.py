@@ -145,7 +145,8 @@ class CellPresence:
         elif online:
             self.offline_since.pop(cell, None)
         self.online[cell] = online
-        unfit = declared_count(record.get("devices_unfit", 0))  # they said they cannot serve this job: none to wait for
+        # they said they cannot serve this job, or sit the round out (participation): none to wait for
+        unfit = declared_count(record.get("devices_unfit", 0)) + declared_count(record.get("devices_away", 0))
         counted = record.get("devices_online")
         if isinstance(counted, int) and not isinstance(counted, bool) and unfit:
             counted += unfit

@@ -44,8 +44,9 @@ CellAvailability = Callable[[int], Iterable[str]]
 
 class CloudServer:
     """Drives ``rounds`` cloud rounds over ``cells``; a round closes when every planned cell reported
-    or ``cell_deadline`` passed. Waits, before round 0, until every cell says all its devices are
-    online, or ``startup_wait`` seconds passed (0: start at once).
+    or ``cell_deadline`` passed. Waits, before its first round (round 0, or a resumed cloud's), until every cell says
+    all its devices are online but those sitting its round out (participation: ``devices_away``), or ``startup_wait``
+    seconds passed (0: start at once).
 
     ``cell_bounds``: the largest weight each cell's report may claim (the sum of its devices' bounds,
     :func:`protocols.bounds.cell_weight_bound`, times what ``CloudRole.weight_keys`` says); a report claiming

@@ -44,7 +44,7 @@ FEDTIER = str(Path(sys.executable).parent / "fedtier")
 CONFIG = """
 [run]
 name = "resume"
-rounds = 3
+rounds = {rounds}
 output = "{out}"
 [topology]
 cells = 2
@@ -63,7 +63,7 @@ dataset = "digits"
 [runtime]
 device_deadline = 60.0
 heartbeat = 1.0
-"""
+{runtime}"""
 SIGNED = """[security]
 keys = "{keys}"
 """
@@ -385,14 +385,26 @@ class Deployment:
     cells keep their own run folders (``cells/<cell>``), as on their own machines."""
 
     def __init__(
-        self, tmp: Path, broker_url: str, algorithm: str = "fedavg", edge_rounds: int = 1, signed: bool = True
+        self,
+        tmp: Path,
+        broker_url: str,
+        algorithm: str = "fedavg",
+        edge_rounds: int = 1,
+        signed: bool = True,
+        rounds: int = 3,
+        runtime: str = "",
+        tables: str = "",
     ) -> None:
+        """``runtime``: lines added to the config's ``[runtime]``; ``tables``: more of its tables."""
         self.tmp, self.url = tmp, broker_url
         keys = tmp / "keys.toml"
         self.config = tmp / "run.toml"
         self.config.write_text(
-            CONFIG.format(out=tmp / "cloud", algorithm=algorithm, edge_rounds=edge_rounds)
+            CONFIG.format(
+                out=tmp / "cloud", algorithm=algorithm, edge_rounds=edge_rounds, rounds=rounds, runtime=runtime
+            )
             + (SIGNED.format(keys=keys) if signed else "")
+            + tables
         )
         self.cfg = load_config(self.config)
         if signed:
@@ -513,6 +525,7 @@ class Killed:
     dep: Deployment
     expected: bytes  # the uninterrupted run's final model
     done: list[int] | None  # the rounds in the cloud's metrics when it was killed (None: not killed)
+    resumed_s: float | None = None  # seconds from the cloud's restart to the end of the run (None: not killed)
 
 
 def kill_cell_then_cloud(dep: Deployment, kill_cloud: bool) -> Killed:
@@ -522,7 +535,7 @@ def kill_cell_then_cloud(dep: Deployment, kill_cloud: bool) -> Killed:
     they report into the void), and restarted with ``fedtier cloud --resume``. The run goes on to its end."""
     journal = Journal(dep.cell_dir("c0") / runfiles.CELL_JOURNAL.format(cell="c0"))
     cells, last_edge = dep.cfg.topology.cell_ids(), dep.cfg.train.edge_rounds - 1
-    done = None
+    done = resumed_at = None
     with ExitStack() as stack:
         stack.callback(dep.close)
         dep.start("c0-d1")
@@ -551,8 +564,9 @@ def kill_cell_then_cloud(dep: Deployment, kill_cloud: bool) -> Killed:
             dep.kill("cloud")
             done = [r["round"] for r in records(dep.tmp / "cloud" / runfiles.METRICS)]
             dep.start("cloud", "--resume")
+            resumed_at = time.monotonic()
         dep.wait_all()
-    return Killed(dep, expected, done)
+    return Killed(dep, expected, done, None if resumed_at is None else time.monotonic() - resumed_at)
 
 
 @pytest.fixture(scope="module")
