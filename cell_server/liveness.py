@@ -96,9 +96,11 @@ class Liveness:
 
     def sitting_out(self, taking_part: Iterable[str]) -> int:
         """How many of this cell's devices are offline and take no part in the round (not in ``taking_part``:
-        participation), neither revoked nor unfit (counted apart): they left by design, nobody waits for them."""
-        part = set(taking_part)
-        return sum(1 for d in self.offline(self.online) if d not in part and d not in self.revoked | self.unfit.keys())
+        participation), neither revoked nor unfit (counted apart): they left by design, nobody waits for them.
+        Counted from the flags, with no pass over the devices (said at each status change; a simulated cell may
+        hold 10^6): the offline ones, less those that are this cell's among the others (one vectorised search)."""
+        kept = self.online.devices.among({*taking_part, *self.revoked, *self.unfit})
+        return len(self.online) - self.online.count() - sum(1 for d in kept if not self.online[d])
 
     def unheard(self, devices: Iterable[str]) -> set[str]:
         """Those of ``devices`` (of this cell) offline and never heard of (no status since the cell started)."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry
 
 from cell_server.node import STATUS_WAIT, build_cell
@@ -447,3 +448,23 @@ def test_an_ended_async_jobs_cloud_server_is_let_go_before_its_ask_wait_would_ha
     ended = weakref.ref(job.pop())
     gc.collect()
     assert ended() is None, [type(r).__name__ for r in gc.get_referrers(ended())]
+
+
+def test_a_cell_counts_the_devices_sitting_its_round_out_without_a_pass_over_its_devices(monkeypatch) -> None:
+    """``devices_away`` (offline, not taking part, neither revoked nor unfit) is said at every status change: a cell
+    of 10^5 devices counts it from its flags, never decoding each id (40 ms a count at 10^4 devices, 4 s of a
+    10^6-device sim's 100 cells at start, when it walked them)."""
+    from cell_server.liveness import Liveness
+    from cell_server.members import DeviceList
+
+    devices = DeviceList(f"c0-d{i}" for i in range(100_000))
+    live = Liveness("c0", devices)  # all offline
+    for d in ("c0-d1", "c0-d2", "c0-d3"):
+        live.online[d] = True
+    live.revoke("c0-d4")
+    live.cannot_serve("c0-d5", "no data")
+    monkeypatch.setattr(DeviceList, "__iter__", lambda self: pytest.fail("walked the cell's devices"))
+    # taking part: two online, one offline, one unfit, and another cell's device
+    part = frozenset({"c0-d1", "c0-d2", "c0-d6", "c0-d5", "c1-d0"})
+    assert live.sitting_out(part) == 100_000 - 3 - 1 - 1 - 1  # the online, revoked, unfit and c0-d6 are not away
+    assert live.sitting_out(frozenset()) == 100_000 - 3 - 1 - 1
