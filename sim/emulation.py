@@ -10,8 +10,8 @@ partition is written to ``RUN_DIR/devices/<device>.npz`` and a worker loads it f
 Start order: broker -> the cloud and cells connect -> the run's config is submitted as one job (queued in
 ``RUN_DIR/jobs.json``) -> the cloud publishes it as the job in progress -> the cells and the workers' agents
 take its config from that record, connect their devices, which announce themselves (retained status) -> the
-cloud waits until every cell reports all its devices online (``runtime.startup_wait``) -> rounds -> the cloud
-publishes the retained ``finished`` record -> agents leave, workers exit, the services stop (as on SIGTERM).
+cloud waits until every cell reports its devices online (those taking part; ``runtime.startup_wait``) -> rounds ->
+the cloud publishes the retained ``finished`` record -> agents leave, workers exit, the services stop (as on SIGTERM).
 With device-level partial participation, each round's absent devices really disconnect and rejoin when they
 take part again (the cloud's retained round manifest tells them the round; cells wait up to
 ``runtime.rejoin_wait`` for them), so the run stays bit-identical. Everything is torn down in ``finally``

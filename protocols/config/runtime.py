@@ -39,9 +39,10 @@ class RuntimeSection(Section):
         default=60.0,
         ge=0,
         le=MAX_SECONDS,
-        description="seconds to wait for all devices (MQTT); a one-shot `fedtier cell` or `fedtier agent` that "
-        "finds its run already finished (the cloud offline, its `finished` record retained) waits this long for a "
-        "new run's cloud, then leaves",
+        description="seconds the cloud waits, before its first round, for every cell's devices to be online (MQTT; "
+        "not those unfit for the job or sitting the round out under participation); a one-shot `fedtier cell` or "
+        "`fedtier agent` that finds its run already finished (the cloud offline, its `finished` record retained) "
+        "waits this long for a new run's cloud, then leaves",
     )
     heartbeat: float = Field(
         default=5.0,
