@@ -146,5 +146,6 @@ class Liveness:
             return False
         log.warning("cell %s: %s revoked", self.cell, device)
         self.revoked.add(device)
+        self.unfit.pop(device, None)  # counted as revoked only (out of the total), not also as unfit
         self.online[device] = False
         return True

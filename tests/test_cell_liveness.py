@@ -468,3 +468,36 @@ def test_a_cell_counts_the_devices_sitting_its_round_out_without_a_pass_over_its
     part = frozenset({"c0-d1", "c0-d2", "c0-d6", "c0-d5", "c1-d0"})
     assert live.sitting_out(part) == 100_000 - 3 - 1 - 1 - 1  # the online, revoked, unfit and c0-d6 are not away
     assert live.sitting_out(frozenset()) == 100_000 - 3 - 1 - 1
+
+
+def test_a_revoked_device_that_had_said_it_cannot_serve_the_job_is_counted_once(tmp_path: Path) -> None:
+    """c0-d1 said (its idle status's unfit) that it cannot serve the job, then was revoked: its cell counted it in
+    devices_unfit as well as leaving it out of devices_total, so the cloud, which wants online + unfit (+ away) to
+    equal the total, took the cell as ready with one of its two remaining devices online (and as not ready with
+    both). The cloud begins only once both are online, before its startup wait ends."""
+    cfg = small_config(
+        tmp_path,
+        topology={"cells": 1, "devices_per_cell": 3},
+        runtime={"startup_wait": 100.0, "heartbeat": 0.0, "heartbeat_timeout": 0.0},
+    )
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=cfg.runtime.startup_wait)
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
+    cell.liveness.cannot_serve("c0-d1", "no data for this job")  # as its idle status said
+    cell.revoke_members(["c0-d1"])
+    devices = hub.connect("devices")
+
+    def online(device: str) -> None:
+        topic = topics.device_status(run, "c0", device)
+        devices.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10), retain=True)
+
+    cell.start()
+    cloud.start()
+    online("c0-d0")
+    hub.loop.call_later(50.0, lambda: None)  # a moment well inside the startup wait to look at
+    hub.loop.run(until=lambda: cell.in_round or hub.loop.now() >= 50.0)
+    assert not cell.in_round, "the cloud began with c0-d2 offline"
+    online("c0-d2")
+    hub.loop.run(until=lambda: cell.in_round or hub.loop.now() > 200.0)
+    assert cell.in_round and hub.loop.now() < 100.0, hub.loop.now()  # not the startup wait
