@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -308,10 +309,9 @@ def test_an_idle_node_is_never_planned_by_a_job(tmp_path: Path) -> None:
     assert [d for d in DEVICES if cell.online[d]] == ["c0-d2"]
 
 
-def test_a_job_does_not_wait_for_a_device_revoked_before_it_started(tmp_path: Path) -> None:
-    """Seen on a running federation: job-L2, queued before c1-d1 was revoked, waited its whole startup wait
-    for c1-d1 (its cell counted a revoked device among those to wait for: "1/2 devices online"). A revoked
-    device is not waited for: the cloud plans round 0 the moment the cell's other devices are online."""
+def _revoked_in_startup_wait(tmp_path: Path, unfit: str | None = None) -> tuple[MemoryHub, Any, Any, Callable]:
+    """Cell c0 (3 devices, c0-d1 revoked as the job starts, having said it cannot serve the job for ``unfit``) and
+    the cloud (a 100 s startup wait) on a memory hub, not started; ``online(device)`` publishes its status."""
     cfg = small_config(
         tmp_path,
         topology={"cells": 1, "devices_per_cell": 3},
@@ -321,11 +321,25 @@ def test_a_job_does_not_wait_for_a_device_revoked_before_it_started(tmp_path: Pa
     run, hub = cfg.run.name, MemoryHub()
     cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=cfg.runtime.startup_wait)
     cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
+    if unfit is not None:
+        cell.liveness.cannot_serve("c0-d1", unfit)  # as its idle status said
     cell.revoke_members(["c0-d1"])  # the roster of the job's start no longer lists it
     devices = hub.connect("devices")
-    for d in ("c0-d0", "c0-d2"):
-        topic = topics.device_status(run, "c0", d)
+
+    def online(device: str) -> None:
+        topic = topics.device_status(run, "c0", device)
         devices.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10), retain=True)
+
+    return hub, cell, cloud, online
+
+
+def test_a_job_does_not_wait_for_a_device_revoked_before_it_started(tmp_path: Path) -> None:
+    """Seen on a running federation: job-L2, queued before c1-d1 was revoked, waited its whole startup wait
+    for c1-d1 (its cell counted a revoked device among those to wait for: "1/2 devices online"). A revoked
+    device is not waited for: the cloud plans round 0 the moment the cell's other devices are online."""
+    hub, cell, cloud, online = _revoked_in_startup_wait(tmp_path)
+    for d in ("c0-d0", "c0-d2"):
+        online(d)
     cell.start()
     cloud.start()
     hub.loop.run(until=lambda: cell.in_round or hub.loop.now() > 200.0)
@@ -475,23 +489,7 @@ def test_a_revoked_device_that_had_said_it_cannot_serve_the_job_is_counted_once(
     devices_unfit as well as leaving it out of devices_total, so the cloud, which wants online + unfit (+ away) to
     equal the total, took the cell as ready with one of its two remaining devices online (and as not ready with
     both). The cloud begins only once both are online, before its startup wait ends."""
-    cfg = small_config(
-        tmp_path,
-        topology={"cells": 1, "devices_per_cell": 3},
-        runtime={"startup_wait": 100.0, "heartbeat": 0.0, "heartbeat_timeout": 0.0},
-    )
-    algorithm = cfg.build_algorithm(prepare(cfg).spec)
-    run, hub = cfg.run.name, MemoryHub()
-    cloud = build_cloud(cfg, hub.connect("cloud"), algorithm, startup_wait=cfg.runtime.startup_wait)
-    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)
-    cell.liveness.cannot_serve("c0-d1", "no data for this job")  # as its idle status said
-    cell.revoke_members(["c0-d1"])
-    devices = hub.connect("devices")
-
-    def online(device: str) -> None:
-        topic = topics.device_status(run, "c0", device)
-        devices.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10), retain=True)
-
+    hub, cell, cloud, online = _revoked_in_startup_wait(tmp_path, unfit="no data for this job")
     cell.start()
     cloud.start()
     online("c0-d0")
