@@ -17,6 +17,9 @@ CHECKPOINT = "checkpoint.ftw"  # the cloud's state after its last round, for --r
 CHECKPOINT_LOG = CHECKPOINT + ".rounds"  # its role's round log (DeComFL's), appended to: cloud.round_log
 CLOUD_JOURNAL = "cloud-pushes.journal"  # an async cloud's pushes taken since its last version, for --resume
 SUMMARY = "summary.json"  # final accuracy, bytes, wall time
+DEVICE_TRAFFIC = (
+    "device_traffic.jsonl"  # a run of more devices than summary.json lists: each one's traffic, a line each
+)
 BROKER = "broker"  # fedtier run: the Mosquitto it started keeps mosquitto.db here
 LOCK = "run.lock"  # fedtier run|sim: held while a run writes the folder (the holder's pid)
 JOBS = "jobs.json"  # a federation's cloud (`fedtier cloud --serve`, `fedtier run`): its durable job queue

@@ -402,7 +402,25 @@ def run_simulation(
         return hierarchy.run()
 
 
+LISTED_DEVICES = 10_000
+"""Devices ``summary.json`` lists with their traffic; a run of more writes each one's to ``device_traffic.jsonl`` (a
+line a device) and ``summary.json`` their count and totals: 10^6 devices' entries were ~465 MB of indented JSON,
+built whole in memory."""
+
+
 def write_final(out: Path, result: RunResult) -> None:
-    """The final model and a summary, next to the logs."""
+    """The final model and a summary, next to the logs (the devices' traffic apart past :data:`LISTED_DEVICES`)."""
     save_params(out / runfiles.FINAL_MODEL, result.params)
-    (out / runfiles.SUMMARY).write_text(json.dumps(result.summary(), indent=2) + "\n", encoding="utf-8")
+    summary, apart = result.summary(), out / runfiles.DEVICE_TRAFFIC
+    traffic: dict[str, dict[str, int]] = summary.get("device_traffic") or {}
+    if len(traffic) > LISTED_DEVICES:
+        del summary["device_traffic"]
+        with apart.open("w", encoding="utf-8") as f:
+            for device, counts in traffic.items():
+                f.write(json.dumps({"device": device, **counts}, separators=(",", ":")) + "\n")
+        totals = {k: sum(t.get(k, 0) for t in traffic.values()) for k in ("bytes_in", "bytes_out", "tasks")}
+        summary["device_traffic_totals"] = {"devices": len(traffic), **totals}
+        summary["device_traffic_file"] = runfiles.DEVICE_TRAFFIC
+    else:
+        apart.unlink(missing_ok=True)  # an earlier run's in this folder: not this one's
+    (out / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

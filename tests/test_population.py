@@ -113,3 +113,29 @@ def test_an_agent_built_again_gets_its_devices_samples_back_not_a_fresh_copy(mak
     assert small[a] is first
     small[b]  # drops a's
     assert small[a] is not first and np.array_equal(small[a].x, first.x)
+
+
+def test_a_run_of_more_devices_than_the_summary_lists_writes_their_traffic_a_line_each(
+    make_config, tmp_path, monkeypatch
+):
+    """summary.json listed every device's traffic (at 10^6 devices ~465 MB of indented JSON, built whole in memory).
+    Past LISTED_DEVICES (here lowered to 2) it holds their count and totals, and device_traffic.jsonl each device's,
+    a line each; a later run of few devices in the folder leaves no stale file."""
+    from sim import launcher
+
+    monkeypatch.setattr(launcher, "LISTED_DEVICES", 2)
+    result = SimHierarchy(partial(make_config, tmp_path, "many")).run()
+    out = tmp_path / "many"
+    summary = json.loads((out / runfiles.SUMMARY).read_text())
+    lines = [json.loads(line) for line in (out / runfiles.DEVICE_TRAFFIC).read_text().splitlines()]
+    assert "device_traffic" not in summary and summary["device_traffic_file"] == runfiles.DEVICE_TRAFFIC
+    assert {d.pop("device"): d for d in lines} == result.device_traffic and len(lines) > 2
+    totals = summary["device_traffic_totals"]
+    assert totals["devices"] == len(lines) and totals["tasks"] == sum(
+        t["tasks"] for t in result.device_traffic.values()
+    )
+    assert totals["bytes_out"] == sum(t["bytes_out"] for t in result.device_traffic.values()) > 0
+    monkeypatch.setattr(launcher, "LISTED_DEVICES", 10_000)
+    launcher.write_final(out, result)
+    assert json.loads((out / runfiles.SUMMARY).read_text())["device_traffic"] == result.device_traffic
+    assert not (out / runfiles.DEVICE_TRAFFIC).exists()
