@@ -14,11 +14,10 @@ import click
 from rich.markup import escape
 
 from protocols.joblog import figures_text, job_figures
-from protocols.terminal import SafeConsole
 
 from .cli import VERBOSE, main
 from .cli_types import Finite
-from .console import JOB_FAILED, connect_within, console, load_or_exit, print_error, setup_logging
+from .console import JOB_FAILED, connect_within, console, load_or_exit, output_console, print_error, setup_logging
 
 OFFLINE_GRACE = 1.5
 """Seconds `fedtier jobs` waits for a newer status of a cloud whose status says offline: a live cloud's read offline
@@ -327,7 +326,4 @@ def jobs(config: str, wait: float, as_json: bool, verbose: int) -> None:
         rounds, accuracy = figures.get("rounds", ""), figures.get("accuracy", "")
         cells = (str(j.get("job")), str(j.get("state")), when, str(j.get("hash", ""))[:12], rounds, accuracy, reason)
         table.add_row(*(escape(c) for c in cells))  # the cloud's words: a reason may name a [section]
-    out = SafeConsole()  # the list is the command's output: stdout, as --json's
-    if not out.is_terminal:
-        out = SafeConsole(width=200)  # piped or in a file: not squeezed into 80 columns (rows broken mid-word)
-    out.print(table)
+    output_console().print(table)  # the list is the command's output: stdout, as --json's

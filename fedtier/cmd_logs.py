@@ -12,9 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from fedtier.cli import main
-from fedtier.console import console, fail, refuse_federation_folder
+from fedtier.console import console, fail, output_console, refuse_federation_folder
 from protocols.records import CellRecord, Record, RoundRecord, read_run
-from protocols.terminal import SafeConsole
 
 EVENTS = ("aggregation", "round")
 
@@ -184,8 +183,5 @@ def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: 
         for r in chosen:
             sys.stdout.write(r.to_json() + "\n")
         return
-    out = SafeConsole()
-    if not out.is_terminal:
-        out = SafeConsole(width=200)  # piped: do not squeeze the table to 80 columns
-    out.print(records_table(chosen))
+    output_console().print(records_table(chosen))
     console.print(f"{len(chosen)} of {len(records)} records", highlight=False)

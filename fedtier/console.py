@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 console = SafeConsole(stderr=True)
 
 
+def output_console() -> SafeConsole:
+    """Where a command writes its output (a table): stdout; off a terminal (a pipe, a file) 200 columns wide, so a
+    row is not squeezed into 80 columns and broken mid-word."""
+    out = SafeConsole()
+    return out if out.is_terminal else SafeConsole(width=200)
+
+
 PLAIN_LOG_FORMAT = "[%(asctime)s] %(levelname)-8s %(message)s"
 """A log record where stderr is no terminal (a journal, a file, a pipe): the terminal's columns, on one line."""
 
