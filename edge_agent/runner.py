@@ -179,7 +179,8 @@ class AgentProcess:
             fresh.append((device, transport))
         self.twins.checking = self.twin_window is not None  # no task is taken before the check is over
         self.links.each_on_loop(fresh, self._prepare)
-        _expect_drops(fresh, "checking that no other agent process is live under this id" * self.twins.checking)
+        if self.twins.checking:  # from the first connect: a live twin takes the sessions back as they open
+            _expect_drops(fresh, "checking that no other agent process is live under this id")
         self.links.connect_all(fresh, connect_timeout)
         if self.twin_window is not None:
             try:

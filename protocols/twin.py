@@ -258,7 +258,7 @@ class NodeTwin:
         if self._checked:
             return
         self._checked = True
-        twin = self._check(transport, loop)
+        twin = self._check(transport, loop, self.window)
         if twin is None:
             return
         refusal = TwinError.of(watch.noun, self.node, self.kind, twin[1])  # (said by whoever catches it: once)
@@ -268,7 +268,7 @@ class NodeTwin:
         transport.close()  # a clean DISCONNECT: no will, the live process's status stays
         raise refusal
 
-    def _check(self, transport: Transport, loop: ThreadLoop) -> tuple[str, str] | None:
+    def _check(self, transport: Transport, loop: ThreadLoop, window: float) -> tuple[str, str] | None:
         """The first connection's check; a live process taking the session back meanwhile is expected (said at
         info: the refusal that follows says why, not a "lost connection" warning before it)."""
         watch, wait = self.watch, lambda event, seconds: _drain(loop, event, seconds)
@@ -276,11 +276,11 @@ class NodeTwin:
         if mqtt is not None:
             mqtt.drop_expected = f"checking that no other {self.kind} process is live under this id"
         try:
-            settle = min(self.window or 0.0, SETTLE)
+            settle = min(window, SETTLE)
             twin = watch.check(settle, wait=wait)
             if twin is None and getattr(transport, "reconnects", 0) > 0:  # taken over meanwhile: a session holder
                 watch.checking = True
-                twin = watch.check((self.window or 0.0) - settle, grace=0.0, wait=wait)
+                twin = watch.check(window - settle, grace=0.0, wait=wait)
             return twin
         finally:
             if mqtt is not None:
