@@ -370,7 +370,7 @@ TIMED: dict[str, list[tuple[str, str]]] = {
     "engine assembly": [
         ("protocols.cohort_trainer", "CohortEngine._stack"),
         ("protocols.cohort_trainer", "_minibatches"),
-        ("protocols.cohort_trainer", "_step_terms"),
+        ("protocols.cohort_trainer", "step_terms"),
         ("protocols.cohort_trainer", "_answer_sgd"),
     ],
     "evaluate": [("protocols.torch_trainer", "TorchTrainer.evaluate")],

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,14 +35,14 @@ from .cohort_kernels import (
     check_vectorizable,
     device_losses,
     mlp_chain,
-    mlp_loss_and_grads,
     perturbed_stack,
     probe_inputs,
     probe_losses,
 )
+from .cohort_steps import run_steps, step_terms
 from .models import build_model
 from .torch_trainer import as_tensor, pick_device, say, transform_state
-from .trainer import PROGRESS, GradTransform, TrainStats
+from .trainer import PROGRESS, TrainStats
 
 GATHER_BYTES = 64 << 20  # input samples gathered at once per cohort sgd call (bounds memory)
 EVAL_CHUNK = 2048  # samples per device per forward pass in evaluate
@@ -326,7 +325,7 @@ class CohortEngine:
         b = idx.shape[2]
         mask_t, idx_t = torch.from_numpy(mask).to(dev), torch.from_numpy(idx).to(dev)
         counts = mask_t.sum(2)  # [D, S] samples per step
-        terms = _step_terms(reqs, params, counts, mask, active)
+        terms = step_terms(reqs, params, counts, mask, active)
         terms.state = self._transform_states(model, reqs) if terms.transform is not None else []
         # plain SGD (the usual case): the written-out gradient's chain, else None
         plain = not terms.decay and terms.start is None and terms.bufs is None and terms.transform is None
@@ -347,26 +346,8 @@ class CohortEngine:
                 xs = xs.reshape(a0, s1 - s0, b, *xs.shape[2:])
                 ys = torch.stack([yt.index_select(0, chunk[i]) for i, (_, yt) in enumerate(data[:a0])])
                 ys = ys.reshape(a0, s1 - s0, b)
-            _run_steps(model, chain, fused, params, (xs, ys, mask_t), range(s0, s1), active, terms, losses)
+            run_steps(model, chain, fused, params, (xs, ys, mask_t), range(s0, s1), active, terms, losses)
         _answer_sgd(reqs, params, losses, counts)
-
-
-@dataclass
-class _StepTerms:
-    """What each step of a cohort sgd call applies per device, built once per call (the step loop reads
-    them into locals): learning rates, weight decay, FedProx's pull to the start, momentum, a transform."""
-
-    rates: torch.Tensor  # [D, S]: a device with an empty batch stands still
-    same_lr: float  # the first device's rate ...
-    same_rate: list[bool]  # [S]: ... shared by every device active at step s (one fused update)
-    wd: torch.Tensor  # [D]
-    decay: bool
-    mu: torch.Tensor  # [D]
-    start: list[torch.Tensor] | None  # FedProx: w_0
-    beta: torch.Tensor  # [D]
-    bufs: list[torch.Tensor] | None  # heavy ball
-    transform: GradTransform | None  # one fn for the group (Request.key) ...
-    state: list[torch.Tensor] = field(default_factory=list)  # ... and the devices' states stacked
 
 
 def _minibatches(
@@ -396,96 +377,6 @@ def _minibatches(
                     idx[i, s, : len(batch)], mask[i, s, : len(batch)] = batch, 1.0
         idx[i] += offsets[i]  # (padding points at the device's first sample: masked out)
     return joined, x_all, y_all, idx, mask
-
-
-def _step_terms(
-    reqs: Sequence[Request],
-    params: Mapping[str, torch.Tensor],
-    counts: torch.Tensor,
-    mask: np.ndarray,
-    active: list[int],
-) -> _StepTerms:
-    """The :class:`_StepTerms` of ``reqs`` (sorted by step count), their stacked ``params``, the samples per step
-    ``counts`` ``[D, S]`` and masks ``[D, S, B]``, and the ``active`` devices of each step (the state of a
-    gradient transform is the caller's)."""
-    dev = counts.device
-    lr = torch.tensor([r.lr for r in reqs], dtype=torch.float32, device=dev)
-    same_lr = reqs[0].lr
-    uniform = all(r.lr == same_lr for r in reqs)
-    wd = torch.tensor([r.weight_decay for r in reqs], dtype=torch.float32, device=dev)
-    mu = torch.tensor([r.prox_mu for r in reqs], dtype=torch.float32, device=dev)
-    beta = torch.tensor([r.momentum for r in reqs], dtype=torch.float32, device=dev)
-    return _StepTerms(
-        rates=lr.unsqueeze(1) * (counts > 0),
-        same_lr=same_lr,
-        same_rate=[uniform and bool((mask[:a, s].sum(1) > 0).all()) for s, a in enumerate(active)],
-        wd=wd,
-        decay=bool((wd != 0).any()),
-        mu=mu,
-        start=[v.detach().clone() for v in params.values()] if bool((mu != 0).any()) else None,
-        beta=beta,
-        bufs=[torch.zeros_like(v) for v in params.values()] if bool((beta != 0).any()) else None,
-        transform=reqs[0].grad_transform,
-    )
-
-
-def _run_steps(
-    model: torch.nn.Module,
-    chain: Sequence[tuple[str, bool]] | None,
-    fused: Sequence[tuple[str, bool]] | None,
-    params: dict[str, torch.Tensor],
-    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    span: range,
-    active: list[int],
-    terms: _StepTerms,
-    losses: torch.Tensor,
-) -> None:
-    """Steps ``span`` of every device at once, in place on ``params`` (``[D, *shape]``), each step's losses into
-    ``losses`` ``[D, S]``. ``batch``: the inputs and labels gathered for ``span`` (``[a, len(span), B, ...]``)
-    and every step's sample masks ``[D, S, B]``; ``fused``: plain SGD's chain (the step in the backward pass)."""
-    xs, ys, mask_t = batch
-    rates, same_lr, same_rate, transform, state = (
-        terms.rates,
-        terms.same_lr,
-        terms.same_rate,
-        terms.transform,
-        terms.state,
-    )
-    wd, decay, mu, start, beta, bufs = terms.wd, terms.decay, terms.mu, terms.start, terms.beta, terms.bufs
-    shape = lambda p: (-1, *[1] * (p.dim() - 1))  # noqa: E731  a [D] vector against a [D, ...] tensor
-    leaves, d, s0 = list(params.values()), mask_t.shape[0], span.start
-    for s in span:
-        PROGRESS.tick()
-        a = active[s]  # devices 0..a-1 have a step s
-        full = a == d
-        ps = params if full else {k: v[:a] for k, v in params.items()}
-        vs = leaves if full else list(ps.values())
-        x, y, m = xs[:a, s - s0], ys[:a, s - s0], mask_t[:a, s]
-        if fused is not None and same_rate[s]:  # plain SGD at one rate: the step inside the backward pass
-            losses[:a, s] = mlp_loss_and_grads(fused, ps, x, y, m, lr=same_lr)[0]
-            continue
-        if chain:
-            loss, grads = mlp_loss_and_grads(chain, ps, x, y, m)
-        else:
-            loss = device_losses(batched_forward(model, ps, x), y, m)
-            grads = list(torch.autograd.grad(loss.sum(), vs))  # devices are independent: each its own
-        with torch.no_grad():
-            if not full:  # the leaves' prefixes, updated in place below
-                vs = [p[:a] for p in leaves]
-            if decay:
-                grads = [g + wd[:a].view(shape(p)) * p for p, g in zip(vs, grads)]
-            if start is not None:  # FedProx: + mu (w - w_0)
-                grads = [g + mu[:a].view(shape(p)) * (p - p0[:a]) for p, g, p0 in zip(vs, grads, start)]
-            if transform is not None:  # one call for the cohort's devices
-                grads = transform.fn(list(grads), list(vs), [c[:a] for c in state])
-            if bufs is not None:  # b = beta * b + g, per device; the step follows b
-                grads = [b[:a].mul_(beta[:a].view(shape(g))).add_(g) for b, g in zip(bufs, grads)]
-            if same_rate[s]:  # every device steps with the same lr (the usual case): one fused update
-                torch._foreach_add_(vs, grads, alpha=-same_lr)
-            else:
-                for p, g in zip(vs, grads):
-                    p.sub_(rates[:a, s].view(shape(p)) * g)
-            losses[:a, s] = loss
 
 
 def _answer_sgd(
