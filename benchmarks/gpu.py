@@ -12,9 +12,10 @@ thread on the host, no run files written):
 
 Sides: ``bare-cpu``/``bare-cuda`` (a plain sequential PyTorch loop, data on the device),
 ``device-cpu``/``device-cuda`` (the per-device engine), ``cohort-cpu``, ``cohort-cuda`` (cohort_size
-64), ``cohort-cuda-1000`` (cohort_size 1000), ``cohort-auto`` (``runtime.device = "auto"``: the
-engine's own choice, logged), and ``cohort-cpu-w2``, ``cohort-cuda-w4``, ``cohort-cuda-w8``,
-``cohort-cuda-w12`` (cohort_size 64 in ``runtime.sim_workers`` = 2/4/8/12 worker
+64; its plain-SGD calls replayed as CUDA graphs, ``protocols/cohort_graphs.py``), ``cohort-cuda-eager`` (the
+same with the graphs off: each kernel launched from Python), ``cohort-cuda-1000`` (cohort_size 1000), ``cohort-auto``
+(``runtime.device = "auto"``: the engine's own choice, logged), and ``cohort-cpu-w2``, ``cohort-cuda-w4``,
+``cohort-cuda-w8``, ``cohort-cuda-w12`` (cohort_size 64 in ``runtime.sim_workers`` = 2/4/8/12 worker
 processes: each trains its share of a round's devices as cohorts on its own engine, the devices' task
 decoding and result encoding with it; the cells and the cloud stay in the main process), and ``cohort-cpu-c2``,
 ``cohort-cpu-c4``, ``cohort-cuda-c4``, ``cohort-cuda-c10`` (``runtime.cell_processes`` = 2/4/10: the cells, with
@@ -71,7 +72,15 @@ WORKLOADS: dict[str, dict] = {
         "lr": 0.05,
         "eval_every": 1,
         "rounds": 10,
-        "sides": ["bare-cpu", "bare-cuda", "device-cpu", "cohort-cpu", "cohort-cuda", "cohort-auto"],
+        "sides": [
+            "bare-cpu",
+            "bare-cuda",
+            "device-cpu",
+            "cohort-cpu",
+            "cohort-cuda",
+            "cohort-cuda-eager",
+            "cohort-auto",
+        ],
     },
     "small": {
         "cells": 1,
@@ -126,6 +135,7 @@ SIDES = [
     "cohort-cpu",
     "cohort-cpu-engine",
     "cohort-cuda",
+    "cohort-cuda-eager",
     "cohort-cuda-host",
     "cohort-cuda-1000",
     "cohort-auto",
@@ -160,6 +170,7 @@ RATIOS = [
     ("large", "cohort-cpu-c2", "cohort-cpu"),
     ("standard", "cohort-cuda", "bare-cpu"),
     ("standard", "cohort-auto", "bare-cpu"),
+    ("standard", "cohort-cuda", "cohort-cuda-eager"),  # the plain-SGD calls as CUDA graphs vs launched one by one
     ("standard", "cohort-cpu", "device-cpu"),
     ("small", "cohort-auto", "cohort-cpu"),
     ("small", "cohort-cuda", "cohort-cpu"),
@@ -206,6 +217,8 @@ def cohort_side(side: str) -> tuple[str, int, int, str]:
     for part in rest:
         if part in ("host", "engine"):
             sums = part
+        elif part == "eager":  # (CUDA graphs off: child)
+            continue
         elif part[:1] == "c" and part[1:].isdigit():
             continue
         elif part.startswith("w"):
@@ -426,6 +439,10 @@ def child(side: str, workload: str, rounds: int, cells: int = 0, breakdown: bool
     from protocols.safe_text import SafeFormatter
 
     torch.set_num_threads(1)
+    if "eager" in side.split("-"):  # the A/B of the cohort engine's CUDA graphs (protocols/cohort_graphs.py)
+        import protocols.cohort_graphs
+
+        protocols.cohort_graphs.ENABLED = False
     if (uses_cuda(side) or side.endswith("auto")) and torch.cuda.is_available():
         # the CUDA context and the BLAS handle before the first round, so that a side whose first CUDA work
         # comes late (auto keeping a small cohort on the CPU, the cloud evaluating every 100 rounds) does not

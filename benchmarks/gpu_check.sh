@@ -9,7 +9,8 @@
 #   2. on the GPU machine (the device tool: carry [".whl"], timeout_s 540):  bash benchmarks/gpu_check.sh
 #      installs them into /tmp/site, runs the tests that need CUDA, then the benchmark.
 # `bash benchmarks/gpu_check.sh confirm` (same carry; ~3-4 minutes): the CUDA tests, then only the targets' sides
-# again over more rounds (large: per-device CPU vs the cells in 4 and 10 processes; small: auto vs the CPU cohort).
+# again over more rounds (large: per-device CPU vs the cells in 4 and 10 processes; small: auto vs the CPU cohort;
+# standard: the bare CPU loop vs the cohort on CUDA with and without its CUDA graphs).
 # QUICK=1 runs fewer rounds (a smoke run of ~2 minutes); CELLS=N runs the large workload with N cells of its 100
 # devices (a smoke run on a CPU-only machine: CELLS=1 QUICK=1 PYTHON=.venv/bin/python; the CUDA sides skip there).
 set -uo pipefail
@@ -52,7 +53,7 @@ export FEDTIER_CACHE_DIR=/tmp/fedtier-cache
 
 status=0
 echo "== CUDA tests" | tee "$OUT/tests.log"
-timeout 80 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_cohort_device.py \
+timeout 80 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_cohort_device.py tests/test_cohort_graphs.py \
   "tests/test_cohort.py::test_cohort_on_gpu" tests/test_sim_workers_device.py tests/test_device_sums.py 2>&1 | tee -a "$OUT/tests.log" || status=1
 
 bench() {  # workload, sides, seconds for the whole run, seconds a side, gpu.py's other arguments
@@ -66,6 +67,7 @@ if [ "${1:-}" = confirm ]; then
   # the CPU cohort, alternated twice (A, B, A, B), the fastest of each counting.
   bench large device-cpu,cohort-cuda-c4,cohort-cuda-c10 170 110 --rounds 2 --breakdown ${CELLS:+--cells "$CELLS"}
   bench small cohort-cpu,cohort-auto 60 25 --rounds 150 --repeat 2
+  bench standard bare-cpu,cohort-cuda,cohort-cuda-eager 50 25 --rounds 8 --breakdown  # CUDA graphs' A/B
   echo "== RATIO lines" | tee -a "$OUT/gpu.log"
   grep -h '^RATIO' "$OUT/gpu.log" | tee "$OUT/ratios.txt"
   exit $status
@@ -89,7 +91,7 @@ fi
 bench large device-cpu,cohort-cuda,cohort-cuda-host,cohort-cuda-c4,cohort-cuda-c10,cohort-auto 210 80 \
   "${large[@]}"
 pkill -f "nvidia-smi dmon" 2>/dev/null || true
-bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-auto 65 40 "${standard[@]}"
+bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-cuda-eager,cohort-auto 80 40 "${standard[@]}"
 # small: its two sides within a few percent of each other (auto may choose the CPU), so each runs twice,
 # alternated, the fastest counting (a machine whose speed swings mid-run moved one side 0.74x -> 0.94x before)
 bench small cohort-cpu,cohort-cuda,cohort-auto 60 25 "${small[@]}"
@@ -97,7 +99,7 @@ bench small cohort-cpu,cohort-cuda,cohort-auto 60 25 "${small[@]}"
 # 4-value lr grid as 4 runs sharing the GPU (--jobs 4). Each run prints round_ms and its split, kernel_ms (the
 # forward passes, timed to their end) and host_ms (the rest); round_ms x 10,000 is a run at the paper's horizon.
 # (300 rounds alone ran at 20.4 ms a round and the four in 14 s wall, session 13.) The script's worst case, every
-# timeout spent, is ~8 minutes (80 + 210 + 65 + 60 + 40 + 55 s); ~5-6 expected, so a 15-minute lease can run it
+# timeout spent, is ~8 minutes (80 + 210 + 80 + 60 + 40 + 55 s); ~5-6 expected, so a 15-minute lease can run it
 # once with room for a start and a shorter second run.
 dr=300
 [ "${QUICK:-0}" = 1 ] && dr=30

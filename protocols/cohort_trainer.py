@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .algorithms.base import ModelSpec
 from .cohort_device import Request, one_point
+from .cohort_graphs import GraphCache
 from .cohort_kernels import (
     batched_forward,
     check_vectorizable,
@@ -112,6 +113,8 @@ class CohortEngine:
         # keep devices' data sets across cohorts (on a GPU: an upload saved; on the CPU they share the arrays)
         self.keep_data = self.device.type != "cpu"
         self.part_devices = 0  # most devices computed at once (0: no bound but memory's)
+        # plain SGD calls replayed as CUDA graphs (protocols.cohort_graphs), on a GPU
+        self.graphs: GraphCache | None = GraphCache() if self.device.type == "cuda" else None
 
     def model(self, spec: ModelSpec) -> torch.nn.Module:
         """The zoo model of ``spec`` (its parameters are only a template: calls pass their own)."""
@@ -178,6 +181,7 @@ class CohortEngine:
         self._data.clear()
         self._data_bytes = 0
         self.keep_data = self.device.type != "cpu"
+        self.graphs = GraphCache() if self.device.type == "cuda" else None
 
     def part_size(self, op: str, model: torch.nn.Module, reqs: Sequence[Request]) -> int:
         """The most devices of ``reqs`` computed at once: :attr:`part_devices` (on a CPU by default those
@@ -333,6 +337,8 @@ class CohortEngine:
         feat = int(np.prod(reqs[0].x.shape[1:]))
         per_gather = max(1, GATHER_BYTES // max(1, d * b * feat * 4))  # steps of inputs gathered at once
         losses = torch.zeros(d, steps, device=dev)
+        names = list(params)
+        graphs = self.graphs if fused is not None and all(terms.same_rate) and steps <= per_gather else None
         for s0 in range(0, steps, per_gather):
             s1, a0 = min(steps, s0 + per_gather), active[s0]
             # index_select: a fraction of the cost of fancy indexing (x_all[chunk]) for small batches
@@ -346,7 +352,19 @@ class CohortEngine:
                 xs = xs.reshape(a0, s1 - s0, b, *xs.shape[2:])
                 ys = torch.stack([yt.index_select(0, chunk[i]) for i, (_, yt) in enumerate(data[:a0])])
                 ys = ys.reshape(a0, s1 - s0, b)
-            run_steps(model, chain, fused, params, (xs, ys, mask_t), range(s0, s1), active, terms, losses)
+            span = range(s0, s1)
+
+            def call(t: list[torch.Tensor], span: range = span) -> None:  # params..., xs, ys, masks, losses
+                run_steps(model, chain, fused, dict(zip(names, t)), (t[-4], t[-3], t[-2]), span, active, terms, t[-1])
+
+            tensors = [*params.values(), xs, ys, mask_t, losses]
+            key = (tuple(fused or ()), terms.same_lr, tuple(active), *((t.shape, t.dtype) for t in tensors))
+            out = graphs.run(key, tensors, call) if graphs is not None else None  # plain SGD: a CUDA graph
+            if out is None:
+                call(tensors)
+            else:  # the graph's own tensors hold the results until its next replay (copied off a GPU below)
+                out = out if dev.type == "cuda" else [t.clone() for t in out]
+                params, losses = dict(zip(names, out)), out[-1]
         _answer_sgd(reqs, params, losses, counts)
 
 
