@@ -12,8 +12,12 @@ from typing import Any
 import numpy as np
 
 from .algorithms.base import ModelSpec
-from .trainer import GradTransform, LocalData, Trainer, TrainStats, batches
+from .trainer import DatasetRows, GradTransform, LocalData, Trainer, TrainStats, batches
 from .wire.payload import immutable
+
+DATA_SET_BYTES = 4 << 30
+"""A data set larger than this is not gathered from whole (on a GPU it would be uploaded whole): its devices' samples
+are copied out of it, each device's on its own."""
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Request:
     grad_transform: GradTransform | None = None  # sgd: applied to each step's gradient
     directions: Sequence[np.ndarray] = ()  # probe: the P direction vectors (shared by the cohort's devices)
     mu: float = 0.0  # probe: the perturbation radius
+    rows: np.ndarray | None = None  # sgd: x, y are a shared data set and the device's samples these rows of it
     result: Any = None
 
     def key(self) -> tuple[str, ModelSpec, tuple[str, ...], Any]:
@@ -131,11 +136,29 @@ class CohortDeviceTrainer(Trainer):
         grad_transform: GradTransform | None = None,
     ) -> TrainStats:
         order = list(batches(len(data), batch_size, steps, rng))  # this device's seeded order
-        request = Request("sgd", self.spec, self.params, data.x, data.y, order, lr, weight_decay, prox_mu, momentum)
+        x, y, rows = _gathered_from(data)
+        request = Request("sgd", self.spec, self.params, x, y, order, lr, weight_decay, prox_mu, momentum)
+        request.rows = rows
         request.grad_transform = grad_transform
         params, stats = self.call(request)
         self.params = params
         return stats
+
+
+def _gathered_from(data: LocalData) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """What an sgd call gathers its minibatches from: the data set and the device's rows in it where ``data`` is rows
+    of a float32 data set with int64 labels (used as they are: no copy on the CPU, one upload kept on a GPU) of at most
+    :data:`DATA_SET_BYTES`; else the device's own samples (``rows`` ``None``)."""
+    if (
+        isinstance(data, DatasetRows)
+        and data.x_all.dtype == np.float32
+        and data.y_all.dtype == np.int64
+        and data.x_all.flags.c_contiguous
+        and data.y_all.flags.c_contiguous
+        and data.x_all.nbytes + data.y_all.nbytes <= DATA_SET_BYTES
+    ):
+        return data.x_all, data.y_all, data.rows
+    return data.x, data.y, None
 
 
 def _frozen_float32(a: Any) -> bool:

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .algorithms.base import ModelSpec
+from .cohort_batches import minibatches as _minibatches  # (the engine's batch assembly)
+from .cohort_batches import read_only_tensor
 from .cohort_device import Request, one_point
 from .cohort_graphs import GraphCache
 from .cohort_kernels import (
@@ -65,6 +67,7 @@ def _device_bytes(op: str, model: torch.nn.Module, r: Request) -> int:
     its parameters stacked, their gradients and optimizer state, its data set, and a step's inputs and
     activations (taken as 8 times the inputs' width)."""
     params = sum(int(np.prod(v.shape)) for v in r.params.values())
+    samples = len(r.y) if r.rows is None else len(r.rows)  # (a shared data set's upload: :meth:`CohortEngine.tensors`)
     feat = int(np.prod(r.x.shape[1:])) if r.x.ndim > 1 else 1
     if op == "sgd":
         state = 2 + (r.momentum != 0) + (r.prox_mu != 0)  # parameters, gradients, momentum, FedProx's w_0
@@ -72,9 +75,9 @@ def _device_bytes(op: str, model: torch.nn.Module, r: Request) -> int:
         steps = min(len(r.order), max(1, GATHER_BYTES // max(1, batch * feat * 4)))
         work = batch * feat * 4 * (steps + 8) + 16 * len(r.order) * batch  # gathered inputs, activations, indices
     else:
-        state, work = 2, min(len(r.y), EVAL_CHUNK) * feat * 4 * 9
+        state, work = 2, min(samples, EVAL_CHUNK) * feat * 4 * 9
     models = len(r.directions) + 1 if op == "probe" else 1  # a probe request runs P + 1 models
-    return models * (4 * params * (state + 1) + work) + len(r.y) * (feat * 4 + 8)  # (+1: the stack's upload)
+    return models * (4 * params * (state + 1) + work) + samples * (feat * 4 + 8)  # (+1: the stack's upload)
 
 
 def auto_on_gpu(models: int, batch: int, count: int) -> tuple[bool, str]:
@@ -133,7 +136,7 @@ class CohortEngine:
             if self.keep_data:  # most recently used last: the oldest go first
                 self._data[id(x)] = self._data.pop(id(x))
             return hit[1], hit[2]
-        xt, yt = as_tensor(x, np.float32, self.device), as_tensor(y, np.int64, self.device)
+        xt, yt = read_only_tensor(x, np.float32, self.device), read_only_tensor(y, np.int64, self.device)
         self._data[id(x)] = (x, xt, yt)  # keeps x alive: its id cannot be reused while cached
         self._data_bytes += xt.nbytes + yt.nbytes
         return xt, yt
@@ -366,35 +369,6 @@ class CohortEngine:
                 out = out if dev.type == "cuda" else [t.clone() for t in out]
                 params, losses = dict(zip(names, out)), out[-1]
         _answer_sgd(reqs, params, losses, counts)
-
-
-def _minibatches(
-    reqs: Sequence[Request], data: Sequence[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[bool, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
-    """Every minibatch of the call (each device's seeded order, drawn by its role before the call) as indices
-    ``[D, S, B]`` with sample masks, built once; where the cohort's data sets are not much larger than what the
-    call gathers, they are joined into one tensor (``joined``; the indices then point into it) and a chunk of
-    steps is one gather for the whole cohort (else one per device: joining a few large data sets would copy
-    them all to gather a few rows). Returns ``joined``, the inputs and labels gathered from, indices, masks."""
-    d, steps = len(reqs), len(reqs[0].order)
-    total = sum(len(t[1]) for t in data)
-    joined = d > 1 and total <= 2 * sum(len(i) for r in reqs for i in r.order)
-    x_all, y_all = (torch.cat([t[0] for t in data]), torch.cat([t[1] for t in data])) if joined else data[0]
-    offsets = np.cumsum([0] + [len(t[1]) for t in data[:-1]]) if joined else np.zeros(d, np.int64)
-    b = max(1, max((len(i) for r in reqs for i in r.order), default=1))
-    idx = np.zeros((d, steps, b), np.int64)
-    mask = np.zeros((d, steps, b), np.float32)
-    for i, r in enumerate(reqs):
-        if r.order:
-            sizes = [len(batch) for batch in r.order]
-            if min(sizes) == b:  # full batches (the usual case): one copy
-                idx[i, : len(r.order)] = np.stack(r.order)
-                mask[i, : len(r.order)] = 1.0
-            else:
-                for s, batch in enumerate(r.order):
-                    idx[i, s, : len(batch)], mask[i, s, : len(batch)] = batch, 1.0
-        idx[i] += offsets[i]  # (padding points at the device's first sample: masked out)
-    return joined, x_all, y_all, idx, mask
 
 
 def _answer_sgd(

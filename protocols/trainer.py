@@ -11,6 +11,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -32,6 +33,40 @@ class LocalData:
 
     def __len__(self) -> int:
         return len(self.y)
+
+
+class DatasetRows(LocalData):
+    """A device's samples as rows ``rows`` of a shared data set (``x_all``, ``y_all``: ``fedtier sim``'s
+    partitions): ``x`` and ``y`` are copied out of it when first read, and the cohort engine gathers its minibatches
+    from the data set itself (never needing the copy). Nobody writes into a data set."""
+
+    def __init__(self, x_all: np.ndarray, y_all: np.ndarray, rows: np.ndarray) -> None:  # (not the dataclass's)
+        if len(x_all) != len(y_all):
+            raise ValueError(f"{len(x_all)} samples but {len(y_all)} labels")
+        object.__setattr__(self, "x_all", x_all)  # (frozen, as LocalData)
+        object.__setattr__(self, "y_all", y_all)
+        object.__setattr__(self, "rows", rows)
+
+    x_all: np.ndarray
+    y_all: np.ndarray
+    rows: np.ndarray
+
+    @cached_property
+    def x(self) -> np.ndarray:
+        return self.x_all[self.rows]
+
+    @cached_property
+    def y(self) -> np.ndarray:
+        return self.y_all[self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of ``x`` and ``y`` once copied out (whether or not they are yet)."""
+        rows = max(1, len(self.x_all))
+        return len(self.rows) * (self.x_all.nbytes // rows + self.y_all.nbytes // rows)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from protocols import runfiles
 from protocols.algorithms.base import ModelSpec
 from protocols.checkpoint import private_file
 from protocols.config import ConfigError, RunConfig, TopologySection, UnusableFile, parse_config
-from protocols.trainer import LocalData
+from protocols.trainer import DatasetRows, LocalData
 
 from .datasets import Dataset, load_dataset
 from .participation import ParticipationModel, check_spec, make_participation
@@ -38,15 +38,16 @@ KEPT_DATA_BYTES = 256 << 20  # devices' copied samples kept for their agents' ne
 
 
 class DeviceData(Mapping[str, LocalData]):
-    """Each device's samples by id, copied out of the dataset when first asked for: the partition stays a
-    set of index views, and the copies are kept up to ``KEPT_DATA_BYTES`` (least recently asked for dropped
-    first), so an agent that a lazy population drops when idle and builds again at its next task gets the
-    same arrays back instead of a fresh copy every round (the cohort engine then finds them where it put them
-    last time, e.g. on a GPU). Nobody writes into a device's samples."""
+    """Each device's samples by id: rows of the data set (:class:`~protocols.trainer.DatasetRows`), copied out of
+    it when a role or the per-device trainer first reads them (the cohort engine gathers from the data set itself,
+    without a copy); the partition stays a set of index views. They are kept up to ``KEPT_DATA_BYTES`` (counted as
+    copied; least recently asked for dropped first), so an agent that a lazy population drops when idle and builds
+    again at its next task gets the same arrays back instead of a fresh copy every round. Nobody writes into a
+    device's samples."""
 
     def __init__(self, ds: Dataset, topology: TopologySection, parts: Sequence[Sequence[np.ndarray]]) -> None:
         self.ds, self.topology, self.parts = ds, topology, parts
-        self._kept: OrderedDict[str, LocalData] = OrderedDict()
+        self._kept: OrderedDict[str, DatasetRows] = OrderedDict()
         self._kept_bytes = 0
         self.keep_bytes = KEPT_DATA_BYTES  # the bound of the kept copies (a sim worker sets its own)
         self._where: dict[str, tuple[int, int]] | None = None
@@ -75,15 +76,14 @@ class DeviceData(Mapping[str, LocalData]):
         if kept is not None:
             self._kept.move_to_end(device)
             return kept
-        idx = self.indices(device)
-        data = LocalData(self.ds.x_train[idx], self.ds.y_train[idx])
-        size = data.x.nbytes + data.y.nbytes
+        data = DatasetRows(self.ds.x_train, self.ds.y_train, self.indices(device))
+        size = data.nbytes  # (counted as if copied: a role that reads them copies them)
         if size <= self.keep_bytes:
             self._kept[device] = data
             self._kept_bytes += size
             while self._kept_bytes > self.keep_bytes:
                 _, old = self._kept.popitem(last=False)
-                self._kept_bytes -= old.x.nbytes + old.y.nbytes
+                self._kept_bytes -= old.nbytes
         return data
 
     def __iter__(self) -> Iterator[str]:

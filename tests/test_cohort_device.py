@@ -110,6 +110,44 @@ def test_data_kept_across_cohorts_within_a_byte_budget(monkeypatch) -> None:
     assert not plain._data  # on the CPU nothing is kept by default
 
 
+def test_devices_that_are_rows_of_one_data_set_train_from_it_without_a_copy() -> None:
+    """``fedtier sim``'s devices are rows of the data set (``DatasetRows``): the engine gathers their minibatches
+    from the data set itself (read-only, used as it is), never copying a device's samples out, and each device's
+    result is bit for bit the one it gets from its own copy (uneven devices: short last batches, uneven steps)."""
+    from protocols.trainer import DatasetRows
+
+    g = np.random.default_rng(1)
+    x_all, y_all = g.normal(size=(90, 8)).astype(np.float32), g.integers(0, 3, 90)
+    x_all.flags.writeable = y_all.flags.writeable = False  # as a shared, cached data set
+    cut = np.split(g.permutation(90), [5, 17, 36, 60])
+    params = init_params(build_model("mlp", (8,), 3, hidden=(6,)), 0)
+
+    def train(data: list[LocalData]) -> tuple[list, CohortEngine]:
+        def job(i: int):
+            def run(trainer):
+                trainer.set_params(params)
+                steps = -(-len(data[i]) // 4)  # an epoch
+                stats = trainer.sgd(data[i], steps=steps, batch_size=4, lr=0.1, rng=np.random.default_rng(i))
+                return trainer.params, stats
+
+            return run
+
+        engine = CohortEngine()
+        return [out for out, _ in run_cohort(engine, SPEC, [job(i) for i in range(len(data))])], engine
+
+    rows = [DatasetRows(x_all, y_all, r) for r in cut]
+    gathered, engine = train(rows)
+    own, _ = train([LocalData(x_all[r], y_all[r]) for r in cut])
+    assert all("x" not in vars(d) and "y" not in vars(d) for d in rows)  # no device's samples copied out
+    assert [xt.data_ptr() for _, xt, _ in engine._data.values()] == [x_all.ctypes.data]  # nor the data set
+    for (p, s), (q, t) in zip(gathered, own):
+        assert (s.steps, s.samples, s.loss) == (t.steps, t.samples, t.loss)
+        for k in p:
+            np.testing.assert_array_equal(p[k], q[k])
+    assert [s.steps for _, s in gathered] == [2, 3, 5, 6, 8]  # uneven devices (epochs of 5 to 30 samples)
+    assert np.array_equal(rows[2].x, x_all[cut[2]]) and len(rows[2]) == len(cut[2])  # a role reading them copies
+
+
 def test_a_device_too_large_for_the_memory_is_refused_with_the_sizes() -> None:
     engine = CohortEngine()
     engine.memory_limit = 1000  # bytes: not one device fits

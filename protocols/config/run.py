@@ -238,7 +238,7 @@ class RunConfig(Section):
     def cohort_refusal(self, memory: int | None = None, samples: int | None = None) -> str | None:
         """Why a cohort's minibatches would not fit ``memory`` (default: this machine's), else ``None``. The cohort
         engine draws every step's minibatch of each device of a cohort at once (``cohort_device``: the index
-        batches; ``cohort_trainer._minibatches``: their indices and masks, ``[D, S, B]``): about
+        batches; ``cohort_batches.minibatches``: their indices and masks, ``[D, S, B]``): about
         ``cohort_size x steps x (20 x batch_size + 128)`` bytes a call (measured: 384 bytes a step of 32 for
         the index batches alone), for devices that train by SGD. The steps are ``local_steps``, or with
         ``local_epochs`` those of the device with the most ``samples`` (``trainer.num_steps``: epochs x
