@@ -28,24 +28,45 @@ CHUNK_BYTES = 256 << 20
 """Device memory a sum's rows take at once (float32 staging and float64 terms): results beyond it are summed in
 chunks, one after another, so memory stays bounded whatever the number of results."""
 
+AUTO_MIN_BYTES = 16 << 20
+"""``runtime.cell_sums = "auto"``: a sum of fewer bytes of results than this stays on the host, where it is faster.
+A GPU sum has a fixed cost, ~3-3.5 ms on an H200 (session 20: 10 results of 800 KB took 5 ms there, 100 took 22 ms;
+the page-locked buffer, the upload's and the download's synchronisations) that a few results do not earn back: the
+host sums ~0.2-0.4 ms a result of 800 KB (0.2 on the 2-core CI-like machine, ~0.4 on the GPU machine's busy cores),
+so the GPU pays from ~15-20 such results (the standard workload's 10 sum on the host, the large one's 100 on the
+GPU)."""
+
 Layout = list[tuple[str, tuple[int, ...], int]]
 
 
 class DeviceSums:
     """Weighted sums on the torch device ``device()`` (asked at each sum: ``auto`` engines choose theirs at their
-    first cohort). On the CPU only with ``on_cpu`` (tests; numpy is faster there): else the host sums. ``what``:
-    who sums here (for the one log line saying where the sums run)."""
+    first cohort). On the CPU only with ``on_cpu`` (tests; numpy is faster there): else the host sums. ``auto``: a
+    sum of fewer than :data:`AUTO_MIN_BYTES` of results stays on the host too. ``what``: who sums here (for the log
+    lines saying where the sums run, each once)."""
 
-    def __init__(self, device: Callable[[], torch.device], *, on_cpu: bool = False, what: str = "sums") -> None:
-        self.device, self.on_cpu, self.what = device, on_cpu, what
-        self.told: str | None = None
+    def __init__(
+        self, device: Callable[[], torch.device], *, on_cpu: bool = False, auto: bool = False, what: str = "sums"
+    ) -> None:
+        self.device, self.on_cpu, self.auto, self.what = device, on_cpu, auto, what
+        self.told: str | None = None  # the last place said
+        self._said: set[str] = set()
         self.sums = 0  # sums computed on the device (tests and benchmarks read it)
 
     def weighted_sum(self, items: Items) -> dict[str, np.ndarray] | None:
         device = self.device()
         here = device.type != "cpu" or self.on_cpu
-        self._tell(f"{self.what} on {device}" if here else f"{self.what} on the host (numpy: the engine is on the CPU)")
-        layout = _layout(items[0][1]) if here else None
+        if not here:
+            self._tell(f"{self.what} on the host (numpy: the engine is on the CPU)")
+            return None
+        if self.auto and _nbytes(items) < AUTO_MIN_BYTES:
+            self._tell(
+                f"{self.what} on the host for sums of fewer than {AUTO_MIN_BYTES >> 20} MiB of results (here "
+                f"{len(items)} results, {_nbytes(items) / 2**20:.1f} MiB): a sum on {device} costs a fixed ~3 ms more"
+            )
+            return None
+        self._tell(f"{self.what} on {device}")
+        layout = _layout(items[0][1])
         if layout is None or not all(_fits(p, layout) for _, p in items[1:]):
             return None
         try:
@@ -59,10 +80,17 @@ class DeviceSums:
         return out
 
     def _tell(self, where: str, warn: bool = False) -> None:
-        """Log where the sums run when that changes (once a run, as a rule)."""
-        if where != self.told:
-            self.told = where
+        """Log where the sums run, each place (each line, its figures aside) once a run."""
+        self.told = where
+        said = where.split(" (here ")[0]
+        if said not in self._said:
+            self._said.add(said)
             log.log(logging.WARNING if warn else logging.INFO, "%s", where)
+
+
+def _nbytes(items: Items) -> int:
+    """The bytes of the tensors of ``items``."""
+    return sum(getattr(v, "nbytes", 0) for _, p in items for v in p.values())
 
 
 def _layout(params: Mapping[str, np.ndarray]) -> Layout | None:

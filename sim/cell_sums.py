@@ -1,10 +1,11 @@
 """Where ``fedtier sim``'s cells sum their devices' results (``runtime.cell_sums``): on the host, or on the torch
 device the run's devices train on (:class:`protocols.device_sums.DeviceSums`), decided once here and logged.
 
-``auto`` puts the sums on that device only with the cohort engine on a GPU: the cells' process is the critical
-path there (issue #33), and numpy beats torch on the CPU (``benchmarks/README.md``). The sums are the same bits
-either way; only the robust aggregators' weighted means go with them (median, trimmed mean, Krum's distances and
-majority stay on the host).
+``auto`` puts the sums on that device only with the cohort engine on a GPU, and only sums of at least
+``protocols.device_sums.AUTO_MIN_BYTES`` of results (fewer are faster on the host, logged): the cells' process is
+the critical path there (issue #33), and numpy beats torch on the CPU (``benchmarks/README.md``). The sums are the
+same bits either way; only the robust aggregators' weighted means go with them (median, trimmed mean, Krum's
+distances and majority stay on the host).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def cell_sums(cfg: RunConfig, executor: Any, trainer: Any, spec: ModelSpec) -> D
     return DeviceSums(
         engine_device(cfg, executor, trainer, spec),
         on_cpu=mode == "engine",
+        auto=mode == "auto",
         what=f"cells sum (runtime.cell_sums = {mode})",
     )
 

@@ -186,9 +186,10 @@ class RuntimeSection(Section):
         default="auto",
         description="fedtier sim: where a cell sums its devices' results (its weighted mean, Multi-Krum's kept "
         "mean, an async cell's staleness-weighted sum; the other robust aggregators stay on the host): auto: on "
-        "the cohort engine's device when it is a GPU (engine = cohort; device = cuda, or auto choosing it), else "
-        "the host; host: numpy on the host; engine: on the devices' torch device even when it is the CPU (tests: "
-        "slower there). The same bits every way (float64, in sender order); fedtier run's cells sum on the host",
+        "the cohort engine's device when it is a GPU (engine = cohort; device = cuda, or auto choosing it) and a sum "
+        "has at least 16 MiB of results, else the host; host: numpy on the host; engine: on the devices' torch "
+        "device even when it is the CPU (tests: slower there). The same bits every way (float64, in sender "
+        "order); fedtier run's cells sum on the host",
     )
     max_message_bytes: int | None = Field(
         default=None,
