@@ -11,6 +11,7 @@ import numpy.typing as npt
 import torch
 
 from .cohort_device import Request
+from .torch_trainer import as_tensor
 
 
 def read_only_tensor(a: np.ndarray, dtype: npt.DTypeLike, device: torch.device) -> torch.Tensor:
@@ -22,6 +23,29 @@ def read_only_tensor(a: np.ndarray, dtype: npt.DTypeLike, device: torch.device) 
     with warnings.catch_warnings():  # torch warns that it cannot protect a read-only array: nothing writes here
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         return torch.from_numpy(a).to(device)
+
+
+def stacked(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
+    """The devices' arrays of one parameter stacked, ``[D, *shape]`` float32 on ``device``, a tensor of its own. Where
+    every device holds the very same memory (a cell's task to its devices: views of one shared message), it goes
+    to ``device`` once and is repeated there (on a GPU one upload of it, not one a device)."""
+    if len(arrays) > 1 and _one_memory(arrays):
+        one = read_only_tensor(arrays[0], np.float32, device)
+        return one.unsqueeze(0).expand(len(arrays), *one.shape).contiguous()
+    return as_tensor(np.stack(arrays), np.float32, device)
+
+
+def _one_memory(arrays: Sequence[np.ndarray]) -> bool:
+    """Whether ``arrays`` are all views of the same bytes with the same layout."""
+
+    def where(a: np.ndarray) -> tuple | None:
+        if not isinstance(a, np.ndarray):
+            return None
+        face = a.__array_interface__
+        return face["data"][0], face["shape"], face["strides"], face["typestr"]
+
+    first = where(arrays[0])
+    return first is not None and all(where(a) == first for a in arrays[1:])
 
 
 def minibatches(

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .algorithms.base import ModelSpec
 from .cohort_batches import minibatches as _minibatches  # (the engine's batch assembly)
-from .cohort_batches import read_only_tensor
+from .cohort_batches import read_only_tensor, stacked
 from .cohort_device import Request, one_point
 from .cohort_graphs import GraphCache
 from .cohort_kernels import (
@@ -154,8 +154,7 @@ class CohortEngine:
             self._data_bytes -= xt.nbytes + yt.nbytes
 
     def _stack(self, reqs: Sequence[Request]) -> dict[str, torch.Tensor]:
-        names = list(reqs[0].params)
-        return {k: as_tensor(np.stack([r.params[k] for r in reqs]), np.float32, self.device) for k in names}
+        return {k: stacked([r.params[k] for r in reqs], self.device) for k in reqs[0].params}
 
     def _padded(self, reqs: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs [D, n, ...], labels [D, n] and sample masks [D, n], padded to the largest request."""

@@ -148,6 +148,22 @@ def test_devices_that_are_rows_of_one_data_set_train_from_it_without_a_copy() ->
     assert np.array_equal(rows[2].x, x_all[cut[2]]) and len(rows[2]) == len(cut[2])  # a role reading them copies
 
 
+def test_devices_that_start_from_one_shared_task_get_it_stacked_into_memory_of_their_own() -> None:
+    """A cell's task reaches its devices as views of one shared message: the engine takes that memory once (on a GPU
+    one upload, not one a device) and repeats it into a stack of the call's own, the same values as a stack of
+    copies, never writing into the message (other views, other layouts: stacked as before)."""
+    from protocols.cohort_batches import stacked
+
+    message = np.arange(24, dtype=np.float32).tobytes()  # immutable bytes, as a received message's
+    views = [np.ndarray((2, 3), np.float32, message, 24) for _ in range(4)]  # each device's view of one tensor
+    out = stacked(views, torch.device("cpu"))
+    assert torch.equal(out, torch.from_numpy(np.stack(views))) and out.is_contiguous()
+    out += 1  # training writes into its stack, never into the message
+    assert np.frombuffer(message, np.float32).tolist() == list(range(24))
+    others = [views[0], np.ndarray((2, 3), np.float32, message, 0)]  # another part of the message: not one memory
+    assert torch.equal(stacked(others, torch.device("cpu")), torch.from_numpy(np.stack(others)))
+
+
 def test_a_device_too_large_for_the_memory_is_refused_with_the_sizes() -> None:
     engine = CohortEngine()
     engine.memory_limit = 1000  # bytes: not one device fits
