@@ -163,7 +163,9 @@ class CellNode:
         self.transport.subscribe(topics.device_results(self.run, self.cell), guard(self._on_result, "result handler"))
         self.transport.subscribe(topics.device_statuses(self.run, self.cell), guard(self._on_status, "status handler"))
         self.transport.subscribe(topics.status(self.run, "cloud"), guard(self._on_status, "status handler"))
-        if self.trust is not None:  # signed runs: the cloud's round, to refuse replays of older tasks
+        # the cloud's round: signed, to refuse replays of older tasks; with participation, the devices that sit it out
+        # (they leave on the manifest, maybe before this cell has the round's task) are away (_participants_moved)
+        if self.trust is not None or self._taking_part() is not None:
             self.transport.subscribe(topics.round_manifest(self.run), guard(self._on_manifest, "manifest handler"))
         self._announce()
         if self.timing.heartbeat > 0 or self.timing.heartbeat_timeout > 0:
@@ -246,7 +248,10 @@ class CellNode:
     def _on_status(self, topic: str, data: bytes) -> None:
         node = topic.rsplit("/", 1)[-1]
         if node == "cloud":
+            before = self.cloud.round
             self.cloud.on_status(decode_status(data, topic, self.trust) if data else None)
+            if self.cloud.round != before:  # (another session: its manifest's round, or none)
+                self._participants_moved()
             return
         device = self.liveness.device_of(node)
         record = decode_status(data, topic, self.trust) if device is not None else None
@@ -287,7 +292,32 @@ class CellNode:
             self.transport.publish(topics.device_status(self.run, self.cell, d), b"", retain=True)
 
     def _on_manifest(self, topic: str, data: bytes) -> None:
+        before = self.cloud.round
         self.cloud.on_manifest(decode_manifest(data, topic, self.trust) if data else None)
+        if self.cloud.round != before:
+            self._participants_moved()
+
+    def _participation_round(self) -> int:
+        """The cloud round whose participants take part now: the later of this cell's and the cloud's manifest's. The
+        devices go and come on the manifest, which may reach them before this cell has the round's task, or without
+        it: a cloud killed between its manifest and its tasks (its resumed self re-opens that round once every cell is
+        ready, which a cell counting the round before's participants never was: its whole startup wait, 60 s)."""
+        manifest = self.cloud.round
+        return max(self.round, 0 if manifest is None else manifest)
+
+    def _take_round(self, rnd: int) -> None:
+        """Be at cloud round ``rnd`` (a task's; a journal's, resumed): the devices away may move with it."""
+        before = self._participation_round()
+        self.round = rnd
+        if self._participation_round() != before:  # (a task before its manifest, or none)
+            self._participants_moved()
+
+    def _participants_moved(self) -> None:
+        """The round whose participants this cell's status counts (``devices_away``) moved: said again, where a device
+        is offline (with all online, none is away in any round). An offline device that takes part in one round and
+        sits out the next is away from then on, with no status of its own to say so."""
+        if self.online.count() < len(self.online) and self._taking_part() is not None:
+            self._announce()
 
     # ----------------------------------------------------------------- checks
     def _cloud_task(self, topic: str, data: bytes) -> Incoming | None:
@@ -331,8 +361,8 @@ class CellNode:
         return True
 
     def _stale_task(self, topic: str, msg: Incoming) -> bool:
-        """A cloud task for a round before this cell's, or before the cloud's manifest (replayed): rejected."""
-        h, manifest = msg.header, self.cloud.round
+        """A cloud task for a round before this cell's, or (signed) before the cloud's manifest (replayed): rejected."""
+        h, manifest = msg.header, self.cloud.round if self.trust is not None else None  # (unsigned: anyone's)
         if h.round < self.round:
             why = f"task for round {h.round}, already at {self.round}"
         elif manifest is not None and h.round < manifest:

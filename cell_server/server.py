@@ -122,7 +122,7 @@ class CellServer(CellNode):
             self._recovered = []
 
     def _taking_part(self) -> Iterable[str] | None:
-        return self.availability(max(self.round, 0), self.edge_round) if self.availability else None
+        return self.availability(self._participation_round(), self.edge_round) if self.availability else None
 
     def _on_failure(self) -> None:
         """A failed cell answers its current round with its failure (and every later task, as it comes)."""
@@ -216,8 +216,8 @@ class CellServer(CellNode):
 
     def enter_round(self, rnd: int, session: str | None) -> None:
         """Take up cloud round ``rnd`` of cloud session ``session`` (the role has begun it)."""
-        self.round, self.edge_round, self.in_round = rnd, 0, True
-        self.sent_report = None
+        self.edge_round, self.in_round, self.sent_report = 0, True, None
+        self._take_round(rnd)
         self.messenger.session = session  # device tasks and the report belong to it
         self.tally = RoundTally()
         self._gave_up = set()

@@ -15,11 +15,12 @@ from prometheus_client import CollectorRegistry
 
 from cell_server.node import STATUS_WAIT, build_cell
 from cloud.node import build_cloud
+from cloud.parts import CellPresence
 from edge_agent.broker import device_will
 from edge_agent.node import build_agent
 from monitor.record_metrics import CellHealth
 from protocols.records import CellRecord
-from protocols.session import CloudSession
+from protocols.session import CloudSession, encode_manifest
 from protocols.status import beating_idle_status, decode_status, encode_status, idle_status
 from protocols.trainer import LocalData
 from protocols.transport.memory import MemoryHub
@@ -499,3 +500,59 @@ def test_a_revoked_device_that_had_said_it_cannot_serve_the_job_is_counted_once(
     online("c0-d2")
     hub.loop.run(until=lambda: cell.in_round or hub.loop.now() > 200.0)
     assert cell.in_round and hub.loop.now() < 100.0, hub.loop.now()  # not the startup wait
+
+
+def test_a_cell_counts_away_the_devices_that_sit_out_the_round_the_cloud_announced(tmp_path: Path) -> None:
+    """The devices go and come on the cloud's round manifest; the cell's round follows the cloud's task. A cloud
+    SIGKILLed between round 2's manifest and its tasks (CI, tests/test_decomfl_resume.py) left cell c0 at round 1,
+    counting c0-d0 (gone: it sits round 2 out) as a device to wait for, so the resumed cloud, which re-opens its round
+    once every cell is ready, waited out its startup wait (62.9 s). The cell counts away the devices that sit out the
+    manifest's round, here with no task at all, and says so again when that round moves without a device status
+    (c0-d2, offline while it takes part in round 1, sits round 2 out)."""
+    cfg = small_config(
+        tmp_path, topology={"cells": 1, "devices_per_cell": 3}, runtime={"heartbeat": 0.0, "heartbeat_timeout": 0.0}
+    )
+    takes_part = [frozenset(DEVICES), frozenset({"c0-d1", "c0-d2"}), frozenset({"c0-d1"})]  # rounds 0, 1, 2
+    hub, run = MemoryHub(), cfg.run.name
+    cell = build_cell(
+        cfg,
+        "c0",
+        hub.connect("cell.c0"),
+        cfg.build_algorithm(prepare(cfg).spec),
+        availability=lambda rnd, edge_round: takes_part[rnd],
+        heartbeats=True,
+    )
+    nodes, said = hub.connect("nodes"), []
+    status = topics.status(run, topics.cell_node("c0"))
+    nodes.subscribe(status, lambda topic, data: said.append(decode_status(data, topic)))
+
+    def publish(topic: str, record: bytes) -> None:
+        nodes.publish(topic, record, retain=True)
+        hub.loop.run_due()
+
+    def device(d: str, state: str) -> None:
+        publish(topics.device_status(run, "c0", d), encode_status(state, topic=topics.device_status(run, "c0", d)))
+
+    def ready() -> bool:  # the cloud's reading of the cell's latest status
+        presence = CellPresence(["c0"])
+        presence.heard("c0", said[-1], 0.0)
+        return presence.ready["c0"]
+
+    def manifest(rnd: int) -> None:
+        topic = topics.round_manifest(run)
+        publish(topic, encode_manifest("s1", rnd, topic=topic))
+
+    cloud = topics.status(run, "cloud")
+    publish(cloud, encode_status("online", topic=cloud, session="s1"))
+    for d in DEVICES:
+        device(d, "online")
+    cell.start()
+    hub.loop.run_due()
+    assert ready()
+    manifest(1)  # round 1: c0-d0 sits it out and leaves; c0-d2 goes offline (it takes part: it is waited for)
+    device("c0-d0", "offline")
+    assert ready() and said[-1]["devices_away"] == 1, said[-1]
+    device("c0-d2", "offline")
+    assert not ready(), said[-1]
+    manifest(2)  # c0-d2 sits round 2 out: away, without a status of its own
+    assert ready() and said[-1]["devices_away"] == 2 and cell.round == -1, said[-1]
