@@ -911,9 +911,13 @@ def test_a_monitor_logging_off_a_terminal_waits_for_the_brokers_retained_records
     loop = ThreadLoop("hub").start()
     hub = MemoryHub(loop=loop)  # type: ignore[arg-type]
     node = hub.connect("nodes")
-    for cell in ("c0", "c1"):  # retained, reaching the monitor a little after it subscribed (a broker's latency)
-        topic = topics.status("fed", f"cell.{cell}")
-        loop.call_later(0.2, lambda t=topic: node.publish(t, idle_status(t, None), retain=True))
+
+    def retained() -> None:  # reaching the monitor a little after it subscribed (a broker's latency)
+        for cell in ("c0", "c1"):
+            topic = topics.status("fed", f"cell.{cell}")
+            node.publish(topic, idle_status(topic, None), retain=True)
+
+    loop.call_later(0.2, retained)
     feed = TelemetryFeed(hub.connect("monitor"), "fed").start()
 
     def interrupt(_: float) -> None:  # Ctrl-C after the first lines
@@ -922,7 +926,8 @@ def test_a_monitor_logging_off_a_terminal_waits_for_the_brokers_retained_records
     monkeypatch.setattr(monitor.live, "time", SimpleNamespace(sleep=interrupt, time=time.time))  # its loop's sleep only
     out = io.StringIO()
     try:
-        LiveView(0.75, None, CellFilter(), Console(file=out, width=120)).follow(feed, False, 0.5, 0.05, False)
+        # (--wait 2: the records came 0.2 s late, then 1 s of quiet; a 0.5 s wait was too short on a busy machine)
+        LiveView(0.75, None, CellFilter(), Console(file=out, width=120)).follow(feed, False, 2.0, 0.05, False)
     finally:
         loop.stop()
     first = out.getvalue().split("╭")[0]  # the lines logged, before the last frame
