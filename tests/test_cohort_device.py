@@ -156,12 +156,13 @@ def test_devices_that_start_from_one_shared_task_get_it_stacked_into_memory_of_t
 
     message = np.arange(24, dtype=np.float32).tobytes()  # immutable bytes, as a received message's
     views = [np.ndarray((2, 3), np.float32, message, 24) for _ in range(4)]  # each device's view of one tensor
-    out = stacked(views, torch.device("cpu"))
+    out = stacked(views, torch.device("cpu"), once=True)  # (what a GPU does; the CPU stacks with numpy)
     assert torch.equal(out, torch.from_numpy(np.stack(views))) and out.is_contiguous()
     out += 1  # training writes into its stack, never into the message
     assert np.frombuffer(message, np.float32).tolist() == list(range(24))
     others = [views[0], np.ndarray((2, 3), np.float32, message, 0)]  # another part of the message: not one memory
-    assert torch.equal(stacked(others, torch.device("cpu")), torch.from_numpy(np.stack(others)))
+    assert torch.equal(stacked(others, torch.device("cpu"), once=True), torch.from_numpy(np.stack(others)))
+    assert torch.equal(stacked(views, torch.device("cpu")), out - 1)
 
 
 def test_a_device_too_large_for_the_memory_is_refused_with_the_sizes() -> None:
