@@ -193,9 +193,10 @@ def test_a_sim_on_cuda_sums_on_the_gpu_byte_identical(make_config, monkeypatch):
     """The cohort engine on CUDA: ``auto`` sums a test model's few results on the host, and on the GPU without the
     floor (``AUTO_MIN_BYTES``), the same run as the host's sums (sim workers take the same path with their device:
     ``gpu.py``'s ``cohort-cuda-w4`` side logs where its cells sum)."""
-    runtime = {"engine": "cohort", "device": "cuda"}
-    small = _same_run_on_and_off(make_config, RUNS["fedavg"], runtime, "auto")  # a test model's few results
-    assert small.sums is not None and small.sums.told is not None and "on the host for sums of fewer" in small.sums.told
+    runtime = {"engine": "cohort", "device": "cuda", "cell_sums": "auto"}
+    small = SimHierarchy(make_config(run={"rounds": 1}, runtime=runtime), write_output=False)
+    small.run()  # a test model's few results: under the floor
+    assert small.sums is not None and small.sums.sums == 0 and "on the host for sums of fewer" in str(small.sums.told)
     monkeypatch.setattr(device_sums, "AUTO_MIN_BYTES", 0)
     sim = _same_run_on_and_off(make_config, RUNS["fedavg"], runtime, "auto")
     assert sim.sums is not None and sim.sums.told is not None and "cuda" in sim.sums.told
