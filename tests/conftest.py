@@ -70,12 +70,14 @@ def overflow_devices(sim: Any, which: Callable[[str], bool] = lambda device: Tru
     overflow float32 (their loss is inf/NaN: their training diverges); returns ``sim``."""
     import numpy as np
 
+    from protocols.trainer import LocalData
+
     configure = sim.agents.configure
 
     def overflowing(agent: Any) -> None:
         configure(agent)
         if which(agent.device):
-            agent.data = type(agent.data)(np.full_like(agent.data.x, 3e38), agent.data.y)
+            agent.data = LocalData(np.full_like(agent.data.x, 3e38), agent.data.y)
 
     sim.agents.configure = overflowing
     return sim

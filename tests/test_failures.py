@@ -22,6 +22,7 @@ from protocols import runfiles
 from protocols.config import load_config
 from protocols.failures import StallWatch, count_reasons, guarded, merge_counts
 from protocols.procs import popen
+from protocols.trainer import LocalData
 from protocols.transport.broker import EmbeddedBroker
 from sim.hierarchy import prepare
 from sim.launcher import SimHierarchy
@@ -38,7 +39,7 @@ def mismatched_devices(sim: Any) -> Any:
 
     def wrong(agent: Any) -> None:
         configure(agent)
-        agent.data = type(agent.data)(np.zeros((len(agent.data), 5), np.float32), agent.data.y)
+        agent.data = LocalData(np.zeros((len(agent.data), 5), np.float32), agent.data.y)
 
     sim.agents.configure = wrong
     return sim
@@ -202,7 +203,7 @@ def test_a_job_with_some_failing_devices_goes_on(tmp_path: Path) -> None:
     def one_wrong(agent: Any) -> None:
         configure(agent)
         if agent.device == "c0-d0":
-            agent.data = type(agent.data)(np.zeros((len(agent.data), 5), np.float32), agent.data.y)
+            agent.data = LocalData(np.zeros((len(agent.data), 5), np.float32), agent.data.y)
 
     sim.agents.configure = one_wrong
     result = sim.run()
