@@ -55,7 +55,8 @@ def one_point(reqs: Sequence[Request]) -> bool:
     if len(reqs) < 2 or any(r.mu != first.mu for r in reqs):
         return False
     if flat is not None and all(getattr(r.params, "shapes", None) == first.params.shapes for r in reqs):  # type: ignore[attr-defined]
-        return all(np.array_equal(r.params.flat, flat) for r in reqs[1:])  # type: ignore[attr-defined]
+        # (replicas holding the state a process shares, directions.replay: the same array, not compared)
+        return all(r.params.flat is flat or np.array_equal(r.params.flat, flat) for r in reqs[1:])  # type: ignore[attr-defined]
     return all(
         r.params.keys() == first.params.keys() and all(np.array_equal(r.params[k], v) for k, v in first.params.items())
         for r in reqs[1:]

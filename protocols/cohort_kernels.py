@@ -6,11 +6,15 @@ leading axis ``D``; nothing here mixes two devices' numbers."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
+
+from . import directions as Z
 
 
 class NotVectorizable(ValueError):
@@ -130,6 +134,24 @@ def perturbed_stack(base: Mapping[str, torch.Tensor], z: torch.Tensor, mu: torch
             probes[:, 1:] += v.unsqueeze(1)
         out[name] = probes.reshape(d * (p + 1), *shape)
     return out
+
+
+def probe_operands(
+    directions: Sequence[np.ndarray], mus: Sequence[float], n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`perturbed_stack`'s ``z`` and ``mu`` on ``device``: the P direction vectors (``n`` floats each) as one
+    ``[P, n]`` float32 tensor, the read-only block they were drawn in where they are its rows (``directions.stacked``:
+    not copied on the host, 4Pn bytes a round; only read) else a stack of them; the devices' mus, one where they are
+    all equal (each ``mu z_p`` is then computed once)."""
+    mu = torch.tensor(mus[:1] if len(set(mus)) == 1 else mus, dtype=torch.float32, device=device)
+    if not directions:
+        return torch.zeros((0, n), dtype=torch.float32, device=device), mu
+    z = Z.stacked(directions)
+    if z.flags.writeable:  # (a stack of them: its own copy)
+        return torch.from_numpy(z.astype(np.float32, copy=False)).to(device), mu
+    with warnings.catch_warnings():  # torch warns of an array it could write: nothing writes this one
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(z).to(device), mu
 
 
 def _batched_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

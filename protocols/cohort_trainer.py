@@ -41,10 +41,11 @@ from .cohort_kernels import (
     perturbed_stack,
     probe_inputs,
     probe_losses,
+    probe_operands,
 )
 from .cohort_steps import run_steps, step_terms
 from .models import build_model
-from .torch_trainer import as_tensor, pick_device, say, transform_state
+from .torch_trainer import pick_device, say, transform_state
 from .trainer import PROGRESS, TrainStats
 
 GATHER_BYTES = 64 << 20  # input samples gathered at once per cohort sgd call (bounds memory)
@@ -260,9 +261,7 @@ class CohortEngine:
         one, (x, y, m), k = one_point(reqs), self._padded(reqs), len(reqs[0].directions) + 1
         base = self._stack(reqs[:1] if one else reqs)
         n = sum(v[0].numel() for v in base.values())
-        z = as_tensor(np.stack(reqs[0].directions) if k > 1 else np.zeros((0, n)), np.float32, self.device)
-        mus = [r.mu for r in reqs]  # one for all devices where they are equal (perturbed_stack multiplies once)
-        mu = torch.tensor(mus[:1] if len(set(mus)) == 1 else mus, dtype=torch.float32, device=self.device)
+        z, mu = probe_operands(reqs[0].directions, [r.mu for r in reqs], n, self.device)
         with torch.no_grad():  # the batches for the probes (probe_inputs)
             out = batched_forward(model, perturbed_stack(base, z, mu), *probe_inputs(x, k, one))
             losses = probe_losses(out, y, m, one)

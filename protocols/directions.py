@@ -30,8 +30,9 @@ The scheme (DeComFL and any other seeded-direction algorithm use exactly this):
 * **Replay shared within a process**: every replica that applied the same rounds from the same x_0 holds the same
   bits (the point of the scheme), so a process keeps the last states reached (:func:`replay`), keyed by a hash
   chain over x_0, the settings and each round's seed and scalars (:func:`trajectory_key`, :func:`next_key`): a
-  device catching up copies the newest state of its chain some party of the process already computed and
-  replays only the rounds after it (bit for bit what replaying all of them gives).
+  device catching up takes the newest state of its chain some party of the process already computed (shared,
+  read-only, where it is the state it needs) and replays only the rounds after it, into its own copy (bit for bit
+  what replaying all of them gives).
 
 :func:`fingerprint` hashes a small direction: parties can compare it at start-up to catch a numpy
 whose generator stream differs.
@@ -44,15 +45,16 @@ import hashlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 
 from .seeding import derive_seed, rng
 
 Kind = Literal["gaussian", "rademacher"]
+Shaped = Mapping[str, tuple[int, ...]]  # parameter shapes by name, in model order
 KINDS: tuple[str, ...] = ("gaussian", "rademacher")
 
 
@@ -68,7 +70,7 @@ _cache: OrderedDict[tuple, tuple[np.ndarray, dict[str, np.ndarray]]] = OrderedDi
 _cached_bytes = 0
 _updates: OrderedDict[tuple, np.ndarray] = OrderedDict()
 _update_bytes = 0
-_states: OrderedDict[bytes, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()  # chain key -> (x, buffer)
+_states: OrderedDict[bytes, tuple[Packed, Packed | None]] = OrderedDict()  # chain key -> (x, buffer), read-only
 _state_bytes = 0
 _lock = threading.Lock()  # agents may run as threads of one process (fedtier run)
 _draw_threads = 1  # runtime.direction_threads: threads that draw a step's P directions (set_draw_threads)
@@ -98,12 +100,10 @@ class Packed(dict):
 def packed(params: Mapping[str, np.ndarray]) -> Packed:
     """A :class:`Packed` copy of ``params`` (float32, model order)."""
     flat = np.concatenate([np.asarray(v, np.float32).ravel() for v in params.values()] or [np.zeros(0, np.float32)])
-    out = Packed(views(flat, shapes_of(params)))
-    out.flat, out.shapes = flat, shapes_of(params)
-    return out
+    return _flat_packed(flat, shapes_of(params))
 
 
-def views(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+def views(flat: np.ndarray, shapes: Shaped) -> dict[str, np.ndarray]:
     """The tensors of ``shapes`` (in order) as views of the vector ``flat``."""
     out, at = {}, 0
     for name, shape in shapes.items():
@@ -113,7 +113,7 @@ def views(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, 
     return out
 
 
-def _key(shapes: Mapping[str, tuple[int, ...]]) -> tuple:
+def _key(shapes: Shaped) -> tuple:
     return shapes.key if isinstance(shapes, Shapes) else Shapes(shapes).key
 
 
@@ -125,13 +125,16 @@ def _remember(cache: OrderedDict, key: Any, value: Any, size: int, budget: int, 
         used += size
     while used > budget and cache:
         _, old = cache.popitem(last=False)
-        used -= sum(a.nbytes for a in old if isinstance(a, np.ndarray)) if isinstance(old, tuple) else old.nbytes
+        used -= sum(_nbytes(a) for a in old) if isinstance(old, tuple) else _nbytes(old)
     return used
 
 
-def direction(
-    round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind = "gaussian"
-) -> dict[str, np.ndarray]:
+def _nbytes(value: Any) -> int:
+    """The bytes of a cached vector or :class:`Packed` state (0 for what goes with them: views by name, no buffer)."""
+    return value.flat.nbytes if isinstance(value, Packed) else value.nbytes if isinstance(value, np.ndarray) else 0
+
+
+def direction(round_seed: int, k: int, p: int, shapes: Shaped, kind: Kind = "gaussian") -> dict[str, np.ndarray]:
     """z(round_seed, k, p): float32 arrays of ``shapes``, drawn in the order of ``shapes``; read-only.
 
     Every device of a round (and its cell, and the cloud) needs the same directions: a process draws
@@ -140,16 +143,20 @@ def direction(
     return dict(_direction(round_seed, k, p, shapes, kind)[1])
 
 
-def direction_vector(
-    round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind = "gaussian"
-) -> np.ndarray:
+def direction_vector(round_seed: int, k: int, p: int, shapes: Shaped, kind: Kind = "gaussian") -> np.ndarray:
     """z(round_seed, k, p) as one read-only float32 vector (the tensors of ``shapes`` in order)."""
     return _direction(round_seed, k, p, shapes, kind)[0]
 
 
 def _direction(
-    round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind
+    round_seed: int,
+    k: int,
+    p: int,
+    shapes: Shaped,
+    kind: Kind,
+    into: np.ndarray | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """z(round_seed, k, p) as kept (``_cache``), else drawn (into ``into``, a row of a step's block, if given), kept."""
     global _cached_bytes
     key = (int(round_seed), int(k), int(p), kind, _key(shapes))
     with _lock:
@@ -157,7 +164,7 @@ def _direction(
         if hit is not None:
             _cache.move_to_end(key)
             return hit
-    flat = _draw_flat(int(round_seed), int(k), int(p), shapes, kind)
+    flat = _draw_flat(int(round_seed), int(k), int(p), shapes, kind, into)
     flat.flags.writeable = False
     out = (flat, views(flat, shapes))
     with _lock:
@@ -178,37 +185,66 @@ def set_draw_threads(n: int) -> None:
         _draw_threads = n
 
 
-def direction_vectors(
-    round_seed: int, k: int, count: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind = "gaussian"
-) -> list[np.ndarray]:
+def direction_vectors(round_seed: int, k: int, count: int, shapes: Shaped, kind: Kind = "gaussian") -> list[np.ndarray]:
     """z(round_seed, k, p) for p = 0..count-1 (:func:`direction_vector` each); those not cached yet are drawn
     in up to :func:`set_draw_threads` threads (this one and the pool's, a share each), bit-identical to drawing
-    them one by one."""
+    them one by one. A step none of whose directions is kept yet is drawn as the rows of one read-only
+    ``(count, n)`` block, which :func:`stacked` hands out whole (its rows are kept, used and dropped together)."""
     global _pool
-    if _draw_threads > 1 and count > 1:
-        key = _key(shapes)
+    seed, k, key = int(round_seed), int(k), _key(shapes)
+    with _lock:  # every device of a round asks for the same ones: looked up at once, under one lock
+        hits = [_cache.get((seed, k, p, kind, key)) for p in range(count)]
+        for p, hit in enumerate(hits):
+            if hit is not None:
+                _cache.move_to_end((seed, k, p, kind, key))
+    out = [hit[0] if hit is not None else None for hit in hits]
+    missing = [p for p, z in enumerate(out) if z is None]
+    if not missing:
+        return out  # type: ignore[return-value]
+    size = shapes.size if isinstance(shapes, Shapes) else Shapes(shapes).size
+    block = np.empty((count, size), np.float32) if len(missing) == count > 1 else None
+
+    def draw(ps: list[int]) -> None:
+        for p in ps:
+            out[p] = _direction(seed, k, p, shapes, kind, block[p] if block is not None else None)[0]
+
+    n = 1
+    if _draw_threads > 1 and len(missing) > 1:
         with _lock:
-            missing = [p for p in range(count) if (int(round_seed), int(k), p, kind, key) not in _cache]
-            if len(missing) > 1 and _pool is None:
+            if _pool is None:
                 _pool = ThreadPoolExecutor(_draw_threads - 1, thread_name_prefix="zo-draw")
             pool, n = _pool, min(_draw_threads, len(missing))
-        if n > 1 and pool is not None:
+    if n > 1:
+        shares = [pool.submit(draw, missing[i::n]) for i in range(1, n)]
+        draw(missing[0::n])
+        for share in shares:
+            share.result()
+    else:
+        draw(missing)
+    if block is not None:
+        block.flags.writeable = False
+    return out  # type: ignore[return-value]
 
-            def draw(ps: list[int]) -> None:
-                for p in ps:
-                    _direction(round_seed, k, p, shapes, kind)
 
-            shares = [pool.submit(draw, missing[i::n]) for i in range(1, n)]
-            draw(missing[0::n])
-            for share in shares:
-                share.result()
-    return [direction_vector(round_seed, k, p, shapes, kind) for p in range(count)]
+def stacked(vectors: Sequence[np.ndarray]) -> np.ndarray:
+    """``vectors`` (float32, of one size) as one ``(len, n)`` array: the read-only block they were drawn as the rows
+    of, in order (:func:`direction_vectors`: no copy), else a stack of them (a copy)."""
+    block = vectors[0].base if vectors else None
+    if isinstance(block, np.ndarray) and block.ndim == 2 and block.dtype == np.float32 and not block.flags.writeable:
+        at, step = block.ctypes.data, block.strides[0]  # (rows of a block: views of it, one after another)
+        if len(vectors) == block.shape[0] and all(
+            z.base is block and z.ctypes.data == at + i * step for i, z in enumerate(vectors)
+        ):
+            return block
+    return np.stack(vectors)
 
 
-def _draw_flat(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> np.ndarray:
+def _draw_flat(
+    round_seed: int, k: int, p: int, shapes: Shaped, kind: Kind, out: np.ndarray | None = None
+) -> np.ndarray:
     gen = rng(round_seed, k, p, "zo-direction")
     sizes = [math.prod(shape) for shape in shapes.values()]
-    out = np.empty(sum(sizes), np.float32)
+    out = np.empty(sum(sizes), np.float32) if out is None else out
     at = 0
     for n in sizes:  # one generator walks the tensors in order (a call per tensor: rademacher's draw is buffered)
         if kind == "gaussian":
@@ -219,11 +255,6 @@ def _draw_flat(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, 
             raise ValueError(f"unknown direction kind {kind!r} (choose {', '.join(KINDS)})")
         at += n
     return out
-
-
-def _draw(round_seed: int, k: int, p: int, shapes: Mapping[str, tuple[int, ...]], kind: Kind) -> dict[str, np.ndarray]:
-    """A fresh (uncached) draw of z(round_seed, k, p) by name."""
-    return views(_draw_flat(round_seed, k, p, shapes, kind), shapes)
 
 
 def shapes_of(params: Mapping[str, np.ndarray]) -> Shapes:
@@ -250,7 +281,7 @@ def update(
     round_seed: int,
     k: int,
     c: np.ndarray,
-    shapes: Mapping[str, tuple[int, ...]],
+    shapes: Shaped,
     kind: Kind = "gaussian",
     share: bool = True,
 ) -> np.ndarray:
@@ -369,30 +400,47 @@ def next_key(key: bytes, round_seed: int, g: np.ndarray) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+State = TypeVar("State", bound=MutableMapping[str, np.ndarray])
+
+
+def _chain(key: bytes, seeds: np.ndarray, hist: np.ndarray) -> list[bytes]:
+    """:func:`next_key` applied round after round from ``key``: the key of the state after each round (the rounds'
+    shape, seeds and scalars turned into bytes once for them all, not once a round)."""
+    if len(hist) == 0:
+        return []
+    g = np.ascontiguousarray(hist, "<f4").reshape(len(hist), -1)
+    shape = b"".join(int(n).to_bytes(8, "little") for n in hist.shape[1:])
+    keys, at = [], key
+    for s, row in zip(np.asarray(seeds, "<u8").tolist(), g):
+        at = hashlib.blake2b(at + s.to_bytes(8, "little") + shape + row.tobytes(), digest_size=16).digest()
+        keys.append(at)
+    return keys
+
+
 def replay(
-    params: MutableMapping[str, np.ndarray],
-    buf: MutableMapping[str, np.ndarray] | None,
+    params: State,
+    buf: State | None,
     key: bytes | None,
     seeds: np.ndarray,
     hist: np.ndarray,
     lr: float,
     kind: Kind = "gaussian",
     momentum: float = 0.0,
-) -> bytes | None:
-    """In place: the rounds (``seeds[i]``, ``hist[i]``) applied in order to the state ``key`` (:func:`apply_round`);
-    returns the key of the state reached. The newest state of the chain that this process reached before (any
-    replica of the same run) is copied instead of replayed, and the state reached is kept for the others
-    (``STATE_CACHE_BYTES``, least recently used dropped first): the same bits as replaying every round. Without a
-    key (:func:`trajectory_key` gave none) or :class:`Packed` parameters, every round is replayed; None returned."""
+) -> tuple[State, State | None, bytes | None]:
+    """The rounds (``seeds[i]``, ``hist[i]``) applied in order to the state ``params``, ``buf`` of key ``key``
+    (:func:`apply_round`): the state reached (parameters, buffer) and its key, for the caller to hold from now on.
+    The newest state of the chain that this process reached before (any replica of the same run) is taken instead of
+    replayed, and the state reached is kept for the others (``STATE_CACHE_BYTES``, least recently used dropped
+    first): the same bits as replaying every round. A state reached before is handed out as it is kept, read-only
+    and shared by the replicas that reached it (no copy a replica a round); a replica that goes on from it replays
+    into its own copy. Without a key (:func:`trajectory_key` gave none) or :class:`Packed` parameters, every round
+    is replayed in place; None returned as the key."""
     global _state_bytes
     if key is None or not isinstance(params, Packed) or not isinstance(buf, Packed | None):
         for s, g in zip(seeds, hist):
             apply_round(params, int(s), g, lr, kind, buf, momentum)
-        return None
-    keys, at = [], key
-    for s, g in zip(seeds, hist):
-        at = next_key(at, int(s), g)
-        keys.append(at)
+        return params, buf, None
+    keys = _chain(key, seeds, hist)
     start, hit = 0, None
     with _lock:
         for j in range(len(keys) - 1, -1, -1):
@@ -400,24 +448,43 @@ def replay(
                 _states.move_to_end(keys[j])
                 start = j + 1
                 break
-    if hit is not None:
-        np.copyto(params.flat, hit[0])
-        if buf is not None and hit[1] is not None:
-            np.copyto(buf.flat, hit[1])
+    if not keys:
+        return params, buf, key
+    if hit is not None and start == len(keys) and (buf is None) == (hit[1] is None):  # reached before: shared
+        return cast(State, hit[0]), cast(State | None, hit[1]), keys[-1]
+    own = _own(params, hit[0].flat if hit is not None else None)
+    own_buf = _own(buf, hit[1].flat if hit is not None and hit[1] is not None else None) if buf is not None else None
     for i in range(start, len(keys)):
-        apply_round(params, int(seeds[i]), hist[i], lr, kind, buf, momentum)
-    size = params.flat.nbytes + (buf.flat.nbytes if buf is not None else 0)
-    if start < len(keys) and size <= STATE_CACHE_BYTES:  # (a state that cannot be kept is not copied)
-        state = (_frozen_copy(params.flat), _frozen_copy(buf.flat) if buf is not None else None)
+        apply_round(own, int(seeds[i]), hist[i], lr, kind, own_buf, momentum)
+    size = own.flat.nbytes + (own_buf.flat.nbytes if own_buf is not None else 0)
+    if size <= STATE_CACHE_BYTES:  # (a state that cannot be kept is not copied)
+        state = (_frozen_copy(own), _frozen_copy(own_buf) if own_buf is not None else None)
         with _lock:
             _state_bytes = _remember(_states, keys[-1], state, size, STATE_CACHE_BYTES, _state_bytes)
-    return keys[-1] if keys else key
+    return cast(State, own), cast(State | None, own_buf), keys[-1]
 
 
-def _frozen_copy(a: np.ndarray) -> np.ndarray:
-    out = a.copy()
-    out.flags.writeable = False
+def _flat_packed(flat: np.ndarray, shapes: Shapes) -> Packed:
+    """A :class:`Packed` over the vector ``flat`` itself (its views read-only where ``flat`` is)."""
+    out = Packed(views(flat, shapes))
+    out.flat, out.shapes = flat, shapes
     return out
+
+
+def _own(state: MutableMapping[str, np.ndarray], values: np.ndarray | None) -> Packed:
+    """``state`` as arrays a replica may write (its own, or a copy of a shared one), holding ``values`` if given."""
+    assert isinstance(state, Packed), "a replay that shares its states holds packed parameters"
+    if state.flat.flags.writeable:
+        if values is not None:
+            np.copyto(state.flat, values)
+        return state
+    return _flat_packed((values if values is not None else state.flat).copy(), state.shapes)
+
+
+def _frozen_copy(state: Packed) -> Packed:
+    flat = state.flat.copy()
+    flat.flags.writeable = False
+    return _flat_packed(flat, state.shapes)  # (its views read-only too)
 
 
 def fingerprint(kind: Kind = "gaussian") -> str:

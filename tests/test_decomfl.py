@@ -551,7 +551,7 @@ def test_directions_are_drawn_once_per_process_and_stay_bounded(monkeypatch):
     """A direction is drawn once and shared read-only (every device of a round needs the same ones);
     the shared copies equal a fresh draw, and the cache drops the oldest beyond its byte bound."""
     shapes = {"w": (3, 4), "b": (4,)}
-    fresh = Z._draw(77, 1, 2, shapes, "gaussian")
+    fresh = Z.views(Z._draw_flat(77, 1, 2, shapes, "gaussian"), shapes)
     first, again = Z.direction(77, 1, 2, shapes), Z.direction(77, 1, 2, shapes)
     for k in shapes:
         assert np.array_equal(first[k], fresh[k]) and again[k] is first[k]
@@ -562,7 +562,30 @@ def test_directions_are_drawn_once_per_process_and_stay_bounded(monkeypatch):
     for p in range(5):
         Z.direction(78, 0, p, shapes)
     assert Z._cached_bytes <= Z.CACHE_BYTES and len(Z._cache) <= 2
-    assert np.array_equal(Z.direction(78, 0, 0, shapes)["w"], Z._draw(78, 0, 0, shapes, "gaussian")["w"])
+    assert np.array_equal(
+        Z.direction(78, 0, 0, shapes)["w"], Z.views(Z._draw_flat(78, 0, 0, shapes, "gaussian"), shapes)["w"]
+    )
+
+
+def test_a_steps_directions_are_drawn_as_one_block_the_engine_reads_without_a_copy(monkeypatch):
+    """A step whose P directions are all new is drawn as the rows of one read-only block: ``stacked`` hands it out
+    whole and the cohort engine's probes read it in place (no 4Pn-byte stack a round), the same bits as the
+    directions drawn one by one; directions that were not drawn together are stacked (a copy), the same values."""
+    import torch
+
+    from protocols.cohort_kernels import probe_operands
+
+    _fresh_caches(monkeypatch)
+    shapes = {"w": (3, 4), "b": (4,)}
+    zs = Z.direction_vectors(93, 0, 5, shapes)
+    block = Z.stacked(zs)
+    assert block.shape == (5, 16) and not block.flags.writeable and all(z.base is block for z in zs)
+    for p, z in enumerate(zs):
+        assert z.tobytes() == Z._draw_flat(93, 0, p, shapes, "gaussian").tobytes()
+    z, mu = probe_operands(zs, [1e-3] * 3, 16, torch.device("cpu"))
+    assert np.shares_memory(z.numpy(), block) and np.array_equal(z.numpy(), np.stack(zs)) and mu.shape == (1,)
+    apart = [Z.direction_vector(94, 0, 0, shapes), *Z.direction_vectors(94, 0, 3, shapes)[1:]]
+    assert not np.shares_memory(Z.stacked(apart), apart[0]) and np.array_equal(Z.stacked(apart), np.stack(apart))
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
@@ -697,6 +720,11 @@ def test_replicas_of_a_process_share_their_replays_bit_for_bit(monkeypatch, mome
         dev._init(None)  # type: ignore[arg-type]  # x_0 from the spec (no exported model)
     a.catch_up(0, seeds[:4], hist[:4])
     assert len(applied) == 4
+    zeros = Z.packed({k: np.zeros_like(v) for k, v in x0.items()}) if momentum else None
+    chain = Z.trajectory_key(Z.packed(x0), zeros, params.lr, momentum)
+    for r in range(4):  # the keys of a replay are next_key's, round after round
+        chain = Z.next_key(chain, int(seeds[r]), hist[r])  # type: ignore[arg-type]
+    assert a.key == chain
     b.catch_up(0, seeds[:6], hist[:6])  # rounds 0-3 copied from a's state, 4-5 replayed
     assert len(applied) == 6 and applied[-2:] == [int(seeds[4]), int(seeds[5])]
     a.catch_up(4, seeds[4:6], hist[4:6])  # all copied
@@ -709,6 +737,16 @@ def test_replicas_of_a_process_share_their_replays_bit_for_bit(monkeypatch, mome
     lie[2, 0, 0] += 1
     liar.catch_up(0, seeds[:6], lie[:6])  # another chain from round 2: replayed, never copied
     assert len(applied) == 6 + 6 and not np.array_equal(liar.model.flat, plain.flat)  # type: ignore[union-attr]
+    d = DeComFLDevice(params, lambda: x0)  # a state reached before is shared (read-only), not copied
+    d._init(None)  # type: ignore[arg-type]
+    d.catch_up(0, seeds[:6], hist[:6])
+    assert np.shares_memory(d.model.flat, a.model.flat) and not d.model["w"].flags.writeable  # type: ignore[union-attr]
+    a.catch_up(6, np.array([Z.round_seed(5, 6)], np.uint64), hist[:1])  # goes on in a copy of its own
+    assert not np.shares_memory(d.model.flat, a.model.flat) and np.array_equal(d.model.flat, plain.flat)  # type: ignore[union-attr]
+    probe = type("Probe", (), {"perturbed_losses": lambda self, x, zs, mu, xb, yb: [0.0] + [0.5] * len(zs)})()
+    data = LocalData(np.zeros((4, 3), np.float32), np.zeros(4, np.int64))
+    g = d.local_update(d.model, 1, data, probe, DeviceContext(0, 5, 0, "c0", "c0-d0"), d.buf)  # type: ignore[arg-type]
+    assert g.shape == (2, 3) and np.array_equal(d.model.flat, plain.flat)  # (its K = 2 steps moved a copy)  # type: ignore[union-attr]
     monkeypatch.setattr(Z, "STATE_CACHE_BYTES", 1)  # a state that does not fit is neither hashed nor kept
     monkeypatch.setattr(Z, "_states", type(Z._states)())
     c = DeComFLDevice(params, lambda: x0)

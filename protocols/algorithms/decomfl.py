@@ -378,7 +378,9 @@ class DeComFLDevice(DeviceRole):
         if start > self.synced:
             raise ValueError(f"history starts at round {start}, but this device is synced to round {self.synced}")
         skip, p = self.synced - start, self.p  # (the replicas of a process share their replays: directions.replay)
-        self.key = Z.replay(self.model, self.buf, self.key, seeds[skip:], hist[skip:], p.lr, p.direction, p.momentum)
+        self.model, self.buf, self.key = Z.replay(  # (x and buf may be shared, read-only, with the other replicas)
+            self.model, self.buf, self.key, seeds[skip:], hist[skip:], p.lr, p.direction, p.momentum
+        )
         self.synced = start + len(hist)
 
     def train(self, task: Payload, data: LocalData, trainer: Trainer, ctx: DeviceContext) -> Payload:
