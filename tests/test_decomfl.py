@@ -755,6 +755,34 @@ def test_replicas_of_a_process_share_their_replays_bit_for_bit(monkeypatch, mome
     assert c.key is None and not Z._states and np.array_equal(c.model.flat, plain.flat)  # type: ignore[union-attr]
 
 
+def test_a_device_that_is_rows_of_the_data_set_probes_its_batches_without_copying_its_samples_out():
+    """A sim device's samples are rows of the data set (``DatasetRows``): DeComFL's steps gather each minibatch from
+    the data set (``LocalData.batch``), the same samples as from the device's own copy, which is never made (it was
+    kept from the device's first round: 1.9 MB of MNIST a device of the paper preset)."""
+    from protocols.trainer import DatasetRows
+
+    g = np.random.default_rng(3)
+    x_all, y_all = g.normal(size=(50, 3)).astype(np.float32), g.integers(0, 4, 50)
+    rows = g.permutation(50)[:20]
+    params = DeComFLParams(name="decomfl", local_steps=3, perturbations=2, lr=0.01, batch_size=4)
+    x0 = {"w": np.ones((2, 3), np.float32)}
+    seen: list[bytes] = []
+
+    def losses(self, x, zs, mu, xb, yb):  # the batch's bytes are what the probes saw
+        seen.append(xb.tobytes() + yb.tobytes())
+        return [float(xb.sum() + yb.sum())] + [float(xb.sum() + p) for p in range(len(zs))]
+
+    probe = type("Probe", (), {"perturbed_losses": losses})()
+    ctx = DeviceContext(0, 5, 0, "c0", "c0-d0")
+    data = DatasetRows(x_all, y_all, rows)
+    gathered = DeComFLDevice(params, lambda: x0).local_update(Z.packed(x0), 9, data, probe, ctx)  # type: ignore[arg-type]
+    own = DeComFLDevice(params, lambda: x0).local_update(
+        Z.packed(x0), 9, LocalData(x_all[rows], y_all[rows]), probe, ctx
+    )  # type: ignore[arg-type]
+    assert np.array_equal(gathered, own) and seen[:3] == seen[3:] and len(set(seen)) == 3
+    assert "x" not in vars(data) and "y" not in vars(data)  # its samples never copied out
+
+
 def test_replicas_whose_rounds_have_other_shapes_never_share_a_replay(monkeypatch):
     """Two replicas of a process from the same x_0 and settings but K x P of 2 x 3 and 3 x 2 (two jobs of one
     long-lived agent): the same scalars' bytes are other rounds (other directions), so neither gets the other's

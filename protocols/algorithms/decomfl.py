@@ -419,7 +419,7 @@ class DeComFLDevice(DeviceRole):
         moved: Z.Packed | None = None  # the copies the steps move (x's and the buffer's)
         moved_buf: Z.Packed | None = None
         for k, idx in enumerate(order):
-            xb, yb = data.x[idx], data.y[idx]
+            xb, yb = data.batch(idx)
             zs = Z.direction_vectors(round_seed, k, self.P, shapes, p.direction)  # (runtime.direction_threads)
             f0, *fs = trainer.perturbed_losses(x, zs, p.mu, xb, yb)  # f(x) and the P perturbed losses (one batch)
             for j, f in enumerate(fs):

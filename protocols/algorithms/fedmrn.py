@@ -128,7 +128,7 @@ class FedMRNDevice(DeviceRole):
                 else:
                     current[k] = extras[k]
             trainer.set_params(current)
-            loss, grads = trainer.loss_and_grad(data.x[idx], data.y[idx])
+            loss, grads = trainer.loss_and_grad(*data.batch(idx))
             for k, grad in grads.items():
                 if wd:
                     grad = grad + wd * current[k]
