@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -962,6 +963,9 @@ def _cloud_killed_at_version_0(tmp_path, pushes: list[tuple[str, bytes]], share:
             for cell, push in pushes:
                 cells.publish(topics.cell_report(cfg.run.name, cell), push)
             assert wait_until(lambda: first.transport.closed), "no version came due"
+            drained = threading.Event()  # the loop past what it had when the cloud died (a waiting push's hand-back)
+            loop.post(drained.set)
+            assert drained.wait(10.0), "the cloud's loop is stuck"
             taken = first.fb.buffer.held
             shares = sum(min(share, [c for c, _ in pushes].count(c)) for c in ("c0", "c1"))
             assert taken == shares and not any(first._waiting.values()), (taken, first._waiting)
