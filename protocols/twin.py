@@ -250,9 +250,19 @@ class NodeTwin:
         watch.checking = not self._checked
         verify = self.trust.verify if self.trust is not None else None
 
+        will = getattr(transport, "will", None)
+
         def on_status(topic: str, data: bytes) -> None:
             reannounce = lambda: self._reannounce(transport)  # noqa: E731
             watch.on_status(self.node, topic, data, verify, reannounce, getattr(transport, "reconnects", None))
+            if will is not None and data == will.payload and topic == will.topic:
+                # this process's own will, said by the broker while it lives (its connection was lost and is back: a
+                # network blip): it read offline until its next beat, a cloud serving a job until the job ended. Its
+                # own offline as it stops is another record (order-stamped), and a clean close says no will
+                log.info(
+                    "%s %s: the broker said its will (a lost connection): announcing itself again", self.kind, self.node
+                )
+                reannounce()
 
         transport.subscribe(self.topic, on_status)
         if self._checked:

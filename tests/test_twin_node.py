@@ -222,3 +222,34 @@ def test_fedtier_serve_beside_a_live_cloud_or_cell_exits_2_naming_it(
         )  # its first line (a long-lived node said nothing until it stopped)
         assert f"{node} of federation 't' (its job" in said and f"connecting to {broker.url}, then" in said, said
         assert sorted(p.name for p in other.output_dir().iterdir()) == [f"{kind}{'-c0' * (kind == 'cell')}.lock"]
+
+
+@pytest.mark.parametrize("kind", ["cloud", "cell"])
+def test_a_cloud_or_cell_whose_connection_drops_announces_itself_again_over_its_will(
+    kind: str, tmp_path: Path, broker: MosquittoBroker
+) -> None:
+    """A network blip: the broker loses the node's connection and says its will (offline, retained) while the process
+    lives and reconnects. Nothing said it live again until its next beat (a cloud serving a job: until the job
+    ended), so `fedtier jobs`, a monitor and the cells read a live cloud as offline. Its own will coming back on its
+    new connection now makes it announce itself again; its clean offline as it stops does not."""
+    import socket
+
+    bundle = federation_bundle(small_config(tmp_path, monitoring={"idle_heartbeat": 60.0}))  # no beat meanwhile
+    service = service_of(kind, bundle, broker.url, tmp_path / "a", 0.3)
+    made: list[MqttTransport] = []
+    name = "_connect" if kind == "cloud" else "connect"
+    connect = getattr(service, name)
+    setattr(service, name, lambda: made.append(connect()) or made[-1])
+    spy = Spy(broker.url, topics.status(bundle.run.name, NODES[kind]))
+    try:
+        with serving(service):
+            me = service.twin.instance
+            assert wait_until(lambda: spy.last_is(IDLE, me))
+            made[-1]._client.socket().shutdown(socket.SHUT_RDWR)  # the network drops it
+            assert wait_until(lambda: any(r.get("state") == "offline" for r in spy.records)), spy.records  # its will
+            assert wait_until(lambda: spy.last_is(IDLE, me), timeout=10.0), spy.records  # and back
+        assert wait_until(lambda: spy.last_is("offline", me)), spy.records  # stopped: offline, not announced again
+        time.sleep(0.3)  # (nothing may follow it: a re-announce would come within a few ms)
+        assert spy.last_is("offline", me), spy.records
+    finally:
+        spy.close()
