@@ -111,6 +111,7 @@ def config(method: str, lr: float, seed: int, s: dict[str, Any]) -> dict[str, An
             "eval_every": every,
             "device": s.get("device", "cpu"),
             "direction_threads": s.get("direction_threads", 1),
+            "cell_processes": s.get("cell_processes", 0),
         },
     }
 
@@ -284,6 +285,13 @@ def main() -> None:
         default=1,
         help="runtime.direction_threads: threads a run draws a step's P directions in (the same bits; default 1)",
     )
+    ap.add_argument(
+        "--cell-processes",
+        type=int,
+        default=0,
+        help="runtime.cell_processes: the preset's 2 cells, with their devices, in processes of their own (the same "
+        "bits; a run's host side spread over 3 processes; with --host-only the cells' forward passes stay real)",
+    )
     add_journal_args(ap)
     args = ap.parse_args()
     check_device(ap, args.device)
@@ -298,6 +306,8 @@ def main() -> None:
         s["device"] = args.device
     if args.direction_threads != 1:  # (a setting: the journal records it)
         s["direction_threads"] = args.direction_threads
+    if args.cell_processes:  # (a setting: the journal records it)
+        s["cell_processes"] = args.cell_processes
     if args.host_only:  # (a setting: the journal keeps these runs apart from real ones)
         s["host_only"] = True
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]

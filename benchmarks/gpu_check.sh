@@ -95,11 +95,12 @@ bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-cuda-eager,cohor
 # small: its two sides within a few percent of each other (auto may choose the CPU), so each runs twice,
 # alternated, the fastest counting (a machine whose speed swings mid-run moved one side 0.74x -> 0.94x before)
 bench small cohort-cpu,cohort-cuda,cohort-auto 60 25 "${small[@]}"
-# DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5): one run alone (lr 1e-3), then its
+# DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5): one run alone (lr 1e-3), the same with
+# its 2 cells in processes of their own (runtime.cell_processes = 2: the host side spread over 3 processes), then its
 # 4-value lr grid as 4 runs sharing the GPU (--jobs 4). Each run prints round_ms and its split, kernel_ms (the
 # forward passes, timed to their end) and host_ms (the rest); round_ms x 10,000 is a run at the paper's horizon.
 # (300 rounds alone ran at 20.4 ms a round and the four in 14 s wall, session 13.) The script's worst case, every
-# timeout spent, is ~8 minutes (80 + 210 + 80 + 60 + 40 + 55 s); ~5-6 expected, so a 15-minute lease can run it
+# timeout spent, is ~9.5 minutes (80 + 210 + 80 + 60 + 40 + 40 + 55 s); ~6-7 expected, so a 15-minute lease can run it
 # once with room for a start and a shorter second run.
 dr=300
 [ "${QUICK:-0}" = 1 ] && dr=30
@@ -111,6 +112,7 @@ decomfl() {  # seconds, then decomfl.py's other arguments
 }
 if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   decomfl 40 --lrs 1e-3 --jobs 1 --journal "$OUT/decomfl-alone.jsonl"
+  decomfl 40 --lrs 1e-3 --jobs 1 --cell-processes 2 --journal "$OUT/decomfl-c2.jsonl"  # its 2 cells in 2 processes
   decomfl 55 --jobs 4 --journal "$OUT/decomfl-jobs4.jsonl"
 else  # a CPU smoke run: the preset's CPU figures are in benchmarks/README.md
   echo "DeComFL on CUDA skipped: no CUDA" | tee -a "$OUT/decomfl.log"
