@@ -47,6 +47,8 @@ class Plot:
     title: str
     figure: Figure
     series: dict[str, Any]
+    note: str = ""
+    """A line under the plot: which runs' series were thinned, and to how many points."""
 
     def png(self) -> bytes:
         buf = io.BytesIO()
@@ -78,6 +80,7 @@ def _metric_plot(
         ax_loss.plot(x, loss, marker="o", markersize=3, label=run.label)
         series[f"{run.label}/accuracy"] = (x, acc)
         series[f"{run.label}/loss"] = (x, loss)
+    note = thinned_note(runs, evaluated=True)
     for ax, what in ((ax_acc, "test accuracy"), (ax_loss, "test loss")):
         ax.set_xlabel(xlabel)
         if integer_x:
@@ -86,7 +89,25 @@ def _metric_plot(
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title)
-    return Plot(name, title, fig, series)
+    return Plot(name, title, fig, series, note)
+
+
+def thinned_note(runs: list[RunData], evaluated: bool) -> str:
+    """What a plot says of the runs whose series it draws (``evaluated``: the rounds with an accuracy, else every
+    round) were thinned to a bounded number of points (:mod:`monitor.round_series`); empty where none was."""
+    said = []
+    for run in runs:
+        s = run.series
+        count, drawn, width = (
+            (s.evaluated_count, len(s.evaluated), s.evaluated_width) if evaluated else (s.count, len(s.points), s.width)
+        )
+        if drawn < count:
+            what = "evaluated rounds" if evaluated else "rounds"
+            said.append(
+                f"{run.label}: {count:,} {what} drawn as {drawn:,} points (the first of each {width:,} rounds, "
+                "with the last and the best-accuracy round)"
+            )
+    return "; ".join(said)
 
 
 def plot_vs_round(runs: list[RunData]) -> Plot:
@@ -138,7 +159,7 @@ def plot_bytes_per_tier(runs: list[RunData]) -> Plot:
     width = 0.8 / max(1, len(runs))
     pos = np.arange(len(TIERS))
     for i, run in enumerate(runs):
-        last = run.rounds[-1].cumulative_bytes
+        last = run.series.last.cumulative_bytes
         totals = [last.get(t, 0) / MB for t in TIERS]
         bars = ax_tot.bar(pos + (i - (len(runs) - 1) / 2) * width, totals, width, label=run.label)
         ax_tot.bar_label(bars, fmt="%.3g", fontsize="x-small", padding=1)
@@ -159,7 +180,7 @@ def plot_bytes_per_tier(runs: list[RunData]) -> Plot:
     ax_round.legend(fontsize="x-small")
     ax_round.grid(alpha=0.3)
     fig.suptitle("Bytes per tier")
-    return Plot("bytes_per_tier", "Bytes per tier", fig, series)
+    return Plot("bytes_per_tier", "Bytes per tier", fig, series, thinned_note(runs, evaluated=False))
 
 
 def participation_matrix(run: RunData) -> tuple[list[str], list[str], np.ndarray]:
@@ -266,12 +287,12 @@ def _make_plots(runs: list[RunData]) -> list[Plot]:
 def _summary_rows(runs: list[RunData]) -> str:
     rows = []
     for run in runs:
-        last = run.rounds[-1]
-        acc = run.evaluated[-1].accuracy if run.evaluated else None
+        last, final = run.series.last, run.series.last_evaluated
+        acc = final.accuracy if final is not None else None
         cells = [
             run.label,
             str(run.path),
-            str(len(run.rounds)),
+            str(run.series.count),
             "-" if acc is None else f"{acc:.4f}",
             f"{sum(last.cumulative_bytes.values()) / MB:,.2f}",
             f"{run.mean_participation:.0%}" if run.mean_participation is not None else "-",
@@ -313,6 +334,7 @@ def write_report(
         sections.append(
             f'<h2>{html.escape(plot.title)}</h2>\n<img alt="{plot.name}" '
             f'src="data:image/png;base64,{base64.b64encode(data).decode()}">'
+            + (f'\n<p class="note">Downsampled: {html.escape(plot.note)}.</p>' if plot.note else "")
         )
     bad = [str(b) for run in runs for b in run.bad]
     page = _PAGE.format(

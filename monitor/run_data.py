@@ -1,14 +1,14 @@
 """One run folder as ``fedtier report`` reads it: :func:`load_run`, in one pass and bounded memory.
 
-The cloud's round records (one per round) are all kept. The cells' aggregation records are kept while the run is
-small (:data:`KEEP_NAMES` device names, :data:`KEEP_RECORDS` records); past that they are folded into what the report
-draws as they are read (:class:`monitor.heatmap.Participation`: the heatmap and the per-cell durations, bucketed) and
+The cloud's round records (one per round) are read into exact figures and bounded series (:mod:`monitor.round_series`:
+at most a few thousand points a series, ~0.5 KB each). The cells' aggregation records are kept while the run is small
+(:data:`KEEP_NAMES` device names, :data:`KEEP_RECORDS` records); past that they are folded into what the report draws
+as they are read (:class:`monitor.heatmap.Participation`: the heatmap and the per-cell durations, bucketed) and
 dropped: a run of 1,000 devices over 20,000 rounds held its whole log as records (GBs) before the report began.
 """
 
 from __future__ import annotations
 
-import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from monitor.heatmap import Heatmap, Participation
+from monitor.round_series import RoundPoint, Rounds, RoundSeries
 from monitor.sources import RunDirFollower, read_summary
 from protocols import runfiles
 from protocols.jsonl import rotated
@@ -25,27 +26,6 @@ KEEP_NAMES = 50_000  # device names (planned, answered, absent) the kept cell re
 KEEP_RECORDS = 1_000  # cell records kept (~4.5 KB each)
 
 
-@dataclass(slots=True)
-class RoundPoint:
-    """What the report draws of one cloud round record (the record itself held ~5 KB: 0.5 GB at 10^5 rounds)."""
-
-    run: str | None
-    round: int
-    accuracy: float | None
-    loss: float | None
-    epsilon: float | None
-    clock_s: float
-    clock_start_s: float | None
-    bytes: dict[str, int]
-    cumulative_bytes: dict[str, int]
-
-    @classmethod
-    def of(cls, r: RoundRecord) -> RoundPoint:
-        tiers = (r.bytes, r.cumulative_bytes)
-        b, cum = ({sys.intern(k): v for k, v in t.items()} for t in tiers)
-        return cls(r.run, r.round, r.accuracy, r.loss, r.epsilon, r.clock_s, r.clock_start_s, b, cum)
-
-
 @dataclass
 class RunData:
     """One run folder, read and validated."""
@@ -53,7 +33,8 @@ class RunData:
     path: Path
     label: str
     algorithm: str
-    rounds: list[RoundPoint]
+    series: Rounds
+    """The cloud rounds: the exact figures and the bounded series the plots draw (:mod:`monitor.round_series`)."""
     cells: list[CellRecord]
     """Every cell record of the run, or none where it had too many to keep (``folded`` then draws them)."""
     bad: list[BadLine] = field(default_factory=list)
@@ -66,24 +47,33 @@ class RunData:
     folded: Folded | None = None
 
     @property
+    def rounds(self) -> list[RoundPoint]:
+        """Every round sorted, or a bounded stride over them with the first, last and best (``series.points``)."""
+        return self.series.points
+
+    @property
     def evaluated(self) -> list[RoundPoint]:
-        return [r for r in self.rounds if r.accuracy is not None]
+        """The rounds with an accuracy, likewise (``series.evaluated``: the last one is the run's last)."""
+        return self.series.evaluated
 
     def elapsed(self, r: RoundPoint) -> float:
         """Loop-clock seconds from the start of the first round to the end of ``r`` (virtual in sim)."""
-        first = self.rounds[0]
-        start = first.clock_start_s if first.clock_start_s is not None else 0.0
-        return r.clock_s - start
+        return r.clock_s - self._clock_start
+
+    @property
+    def _clock_start(self) -> float:
+        first = self.series.first
+        return first.clock_start_s if first.clock_start_s is not None else 0.0
 
     @property
     def has_epsilon(self) -> bool:
         """True when the run accounted differential privacy (its round records carry ``epsilon``)."""
-        return any(r.epsilon is not None for r in self.rounds)
+        return self.series.has_epsilon
 
     @property
     def has_clock(self) -> bool:
         """True when the loop clock moved (a virtual clock, deadlines, or a real-time run)."""
-        return len(self.rounds) > 0 and any(self.elapsed(r) > 0 for r in self.rounds)
+        return self.series.max_clock_s > self._clock_start  # as some round's elapsed() > 0
 
 
 @dataclass
@@ -99,7 +89,7 @@ def heatmap(run: RunData) -> Heatmap:
     """The participation heatmap of ``run`` (:mod:`monitor.heatmap`)."""
     if run.folded is not None:
         return run.folded.heatmap
-    fold = Participation(max(r.round for r in run.rounds) + 1)
+    fold = Participation(run.series.last.round + 1)
     for r in run.cells:
         fold.add(r)
     return fold.finish()
@@ -152,15 +142,15 @@ def _stream(path: Path, bad: list[BadLine]) -> Iterator[CellRecord | RoundRecord
                 yield item
 
 
-def _read(path: Path) -> tuple[list[RoundPoint], _CellRecords, list[BadLine]]:
+def _read(path: Path) -> tuple[Rounds, _CellRecords, list[BadLine]]:
     """The run's rounds, its cell records (kept or folded) and its bad lines (the cells' files' first)."""
-    rounds, in_metrics = [], []
+    rounds, in_metrics = RoundSeries(), []
     for item in iter_records(path / runfiles.METRICS):
         if isinstance(item, RoundRecord):
-            rounds.append(RoundPoint.of(item))
+            rounds.add(RoundPoint.of(item))
         else:
             in_metrics.append(item)
-    if not rounds:
+    if rounds.last is None:
         jobs = runfiles.cell_jobs(path)
         if jobs:  # fedtier cell --serve's job folder: was "no cloud round records in metrics.jsonl", for a job done
             whose = ", ".join(sorted({j["cell"] for j in jobs}))
@@ -169,25 +159,24 @@ def _read(path: Path) -> tuple[list[RoundPoint], _CellRecords, list[BadLine]]:
                 "the job's rounds, which a report plots, are in the cloud's job folder"
             )
         raise ValueError(f"{path}: no cloud round records in {runfiles.METRICS}")
-    cells, bad = _CellRecords(max(r.round for r in rounds) + 1), list[BadLine]()
+    cells, bad = _CellRecords(rounds.last.round + 1), list[BadLine]()
     for r in _stream(path, bad):
         if isinstance(r, RoundRecord):
-            rounds.append(RoundPoint.of(r))
+            rounds.add(RoundPoint.of(r))
         else:
             cells.add(r)
     for item in in_metrics:
         if isinstance(item, CellRecord):
             cells.add(item)
     bad += [b for b in in_metrics if isinstance(b, BadLine)]
-    rounds.sort(key=lambda r: r.round)
-    return rounds, cells, bad
+    return rounds.finish(), cells, bad
 
 
 def load_run(path: str | Path) -> RunData:
     """Read a run folder; raise ``ValueError`` when it holds no cloud round record."""
     path = Path(path)
     rounds, cells, bad = _read(path)
-    name, algorithm = rounds[0].run or path.name, cells.algorithm or "?"
+    name, algorithm = rounds.first.run or path.name, cells.algorithm or "?"
     config = path / runfiles.CONFIG
     if config.exists():
         try:

@@ -17,8 +17,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from monitor import heatmap as heat_module  # noqa: E402
+from monitor import round_series  # noqa: E402
 from monitor.heatmap import MAX_COLUMNS, MAX_ROWS, Participation  # noqa: E402
-from monitor.report import plot_participation  # noqa: E402
+from monitor.report import Plot, plot_participation, write_report  # noqa: E402
 from monitor.run_data import heatmap, load_run  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "report_scale.py"
@@ -186,3 +187,34 @@ def test_a_record_in_both_the_cells_file_and_the_clouds_collection_counts_once(t
     cells = [r for r in read_run(run_dir)[0] if r.__class__.__name__ == "CellRecord"]
     assert len(both.cells) == len(cells) == 7 and both.cells[-1].round == 3
     assert heatmap(both).matrix.shape == (8, 4)  # round 3: the cells' round after the cloud's last
+
+
+def test_a_long_runs_round_series_are_bounded_strides_keeping_the_first_last_and_best_rounds_and_exact_figures(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """1,000 cloud rounds evaluated every other round (odd rounds: a stride over even rounds would draw none), with
+    MAX_POINTS lowered to 100: every per-round series holds 50-100 points plus the first, the last and the
+    best-accuracy round (round 777, 0.99, on no stride), each point its record's figures; the table's rounds, final
+    accuracy and total bytes are exact, and the page says what was thinned (before: all 1,000 rounds held and drawn,
+    ~0.5 KB each: 500 MB at 10^6 rounds)."""
+    monkeypatch.setattr(round_series, "MAX_POINTS", 100)
+    monkeypatch.setattr(Plot, "png", lambda self: b"")  # the series and the page's text are checked: 2.6 s saved
+    run_dir = report_scale.write_run(tmp_path / "run", 10, 1000, cells=1, per_round=1)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        r["accuracy"] = (0.99 if r["round"] == 777 else r["accuracy"]) if r["round"] % 2 else None
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    by_round = {r["round"]: r for r in records}
+    out, plots = write_report([run_dir], tmp_path / "report.html")
+    by = {p.name: p for p in plots}
+    x, acc = by["metrics_vs_round"].series["scale (fedavg)/accuracy"]
+    assert 50 <= len(x) <= 102 and x[0] == 2 and x[-1] == 1000 and acc[x.index(778)] == 0.99, x
+    assert all(a == by_round[r - 1]["accuracy"] for r, a in zip(x, acc))
+    x, per_round = by["bytes_per_tier"].series["scale (fedavg)/device_to_cell"]
+    assert 50 <= len(x) <= 103 and {1, 778, 1000} <= set(x) and x == sorted(x), x
+    assert all(b == by_round[r - 1]["bytes"]["device_to_cell"] / 1e6 for r, b in zip(x, per_round))
+    page = out.read_text()
+    total = sum(records[-1]["cumulative_bytes"].values()) / 1e6
+    assert f"<td>1000</td><td>{records[-1]['accuracy']:.4f}</td><td>{total:,.2f}</td>" in page
+    assert "Downsampled: scale (fedavg): 500 evaluated rounds drawn as " in page
+    assert f"scale (fedavg): 1,000 rounds drawn as {len(x)} points (the first of each 16 rounds" in page
