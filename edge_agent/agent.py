@@ -284,7 +284,8 @@ class DeviceAgent:
             return
         self._reanswers += 1
         log.warning(
-            "device %s: task %d.%d again (a restarted cell): sending its result again",
+            "device %s: task %d.%d again (re-sent by its cell, restarted or seeing this device back): sending its "
+            "result again",
             self.device,
             h.round,
             h.edge_round,

@@ -331,7 +331,8 @@ class DeComFLCell(CellRole):
             self.sum += w * (np.clip(g, -clip, clip) if clip else g)  # a device's scalars are its word
             self.weight += w
             self.answered.append(d)
-        return Outcome({"answered": len(results)} if results else {})
+        resync = {"resync": len(self.resync)} if self.resync else {}  # (answered: the results, resyncs too)
+        return Outcome({"answered": len(results), **resync} if results else {})
 
     def _need(self) -> int:
         if self.roster is None:
@@ -388,7 +389,7 @@ class DeComFLDevice(DeviceRole):
             self._init(trainer)
         start, seeds, hist = read_history(task, ctx.round, self.K, self.P, "task")
         if start > self.synced == 0:  # a device that lost its replica (restarted): x_0 again, ask for it all
-            return Payload({"resync": True})
+            return decomfl_wire.resync_answer(ctx.device, ctx.round, start)
         self.catch_up(start, seeds, hist)
         assert self.model is not None  # _init set it
         # x and the buffer stay x_r's exactly: the local steps run on copies (a revert by copy)

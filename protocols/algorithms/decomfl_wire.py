@@ -4,6 +4,7 @@ arrives (and of the cloud's round log a checkpoint gives back)."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,6 +12,8 @@ import numpy as np
 
 from ..rejections import Rejected, RejectKind
 from ..wire.payload import Payload, payload_size
+
+log = logging.getLogger("fedtier.device")
 
 
 def expect_shape(arr: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
@@ -34,6 +37,19 @@ def meta_int(meta: Mapping[str, Any], key: str, what: str, lo: int = 0, hi: int 
 def history_payload(meta: dict[str, Any], seeds: Sequence[int] | np.ndarray, g: np.ndarray) -> Payload:
     """A downlink: ``seeds`` (history rounds then the current round) as uint64, history scalars float32."""
     return Payload(meta, {"s": np.asarray(seeds, dtype=np.uint64), "g": np.asarray(g, dtype=np.float32)})
+
+
+def resync_answer(device: str, round: int, start: int) -> Payload:
+    """A device's answer when it holds x_0 (its replica lost: its process restarted) and its task's history starts
+    later (``start``): it asks for the whole history and sits the round out; it says so in its log."""
+    log.warning(
+        "device %s: back at x_0 (its replica lost: a restarted process?) and round %d's history starts at round %d: "
+        "asks for the whole history (resync) and sits this round out",
+        device,
+        round,
+        start,
+    )
+    return Payload({"resync": True})
 
 
 def read_history(task: Payload, round: int, K: int, Pn: int, what: str) -> tuple[int, np.ndarray, np.ndarray]:
