@@ -255,10 +255,17 @@ class NodeTwin:
         def on_status(topic: str, data: bytes) -> None:
             reannounce = lambda: self._reannounce(transport)  # noqa: E731
             watch.on_status(self.node, topic, data, verify, reannounce, getattr(transport, "reconnects", None))
-            if will is not None and data == will.payload and topic == will.topic:
+            if (
+                will is not None
+                and data == will.payload
+                and topic == will.topic
+                and getattr(transport, "reconnects", 0)
+            ):
                 # this process's own will, said by the broker while it lives (its connection was lost and is back: a
                 # network blip): it read offline until its next beat, a cloud serving a job until the job ended. Its
-                # own offline as it stops is another record (order-stamped), and a clean close says no will
+                # own offline as it stops is another record (order-stamped). Only after this connection came back: an
+                # earlier connection's will (the same bytes) said as this one took its session over may come after
+                # this one's newer record, which a re-announce of the older would replace
                 log.info(
                     "%s %s: the broker said its will (a lost connection): announcing itself again", self.kind, self.node
                 )
