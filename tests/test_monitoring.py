@@ -931,4 +931,5 @@ def test_a_monitor_logging_off_a_terminal_waits_for_the_brokers_retained_records
     finally:
         loop.stop()
     first = out.getvalue().split("╭")[0]  # the lines logged, before the last frame
-    assert "(2 cells)" in first and "2 idle" in first and "0 cells" not in first, out.getvalue()
+    # "(0 cells)", not "0 cells": a line stamped at hh:mm:s0 reads "...:20 cells 2: 2 idle"
+    assert "(2 cells)" in first and "2 idle" in first and "(0 cells)" not in first, out.getvalue()
