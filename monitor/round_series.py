@@ -92,10 +92,6 @@ class Rounds:
     has_epsilon: bool
     max_clock_s: float
 
-    @property
-    def thinned(self) -> bool:
-        return len(self.points) < self.count or len(self.evaluated) < self.evaluated_count
-
 
 class RoundSeries:
     """The rounds, added one at a time (:meth:`add`), in bounded memory; :meth:`finish` gives the :class:`Rounds`."""

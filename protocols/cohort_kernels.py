@@ -6,7 +6,6 @@ leading axis ``D``; nothing here mixes two devices' numbers."""
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from . import directions as Z
+from .cohort_batches import read_only_tensor
 
 
 class NotVectorizable(ValueError):
@@ -146,12 +146,7 @@ def probe_operands(
     mu = torch.tensor(mus[:1] if len(set(mus)) == 1 else mus, dtype=torch.float32, device=device)
     if not directions:
         return torch.zeros((0, n), dtype=torch.float32, device=device), mu
-    z = Z.stacked(directions)
-    if z.flags.writeable:  # (a stack of them: its own copy)
-        return torch.from_numpy(z.astype(np.float32, copy=False)).to(device), mu
-    with warnings.catch_warnings():  # torch warns of an array it could write: nothing writes this one
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(z).to(device), mu
+    return read_only_tensor(Z.stacked(directions), np.float32, device), mu
 
 
 def _batched_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

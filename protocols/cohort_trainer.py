@@ -359,8 +359,10 @@ class CohortEngine:
                 run_steps(model, chain, fused, dict(zip(names, t)), (t[-4], t[-3], t[-2]), span, active, terms, t[-1])
 
             tensors = [*params.values(), xs, ys, mask_t, losses]
-            key = (tuple(fused or ()), terms.same_lr, tuple(active), *((t.shape, t.dtype) for t in tensors))
-            out = graphs.run(key, tensors, call) if graphs is not None else None  # plain SGD: a CUDA graph
+            out = None
+            if graphs is not None:  # plain SGD: a CUDA graph of the call, by its shape
+                key = (tuple(fused or ()), terms.same_lr, tuple(active), *((t.shape, t.dtype) for t in tensors))
+                out = graphs.run(key, tensors, call)
             if out is None:
                 call(tensors)
             else:  # the graph's own tensors hold the results until its next replay (copied off a GPU below)

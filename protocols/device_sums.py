@@ -59,10 +59,11 @@ class DeviceSums:
         if not here:
             self._tell(f"{self.what} on the host (numpy: the engine is on the CPU)")
             return None
-        if self.auto and _nbytes(items) < AUTO_MIN_BYTES:
+        if self.auto and (size := _nbytes(items)) < AUTO_MIN_BYTES:
             self._tell(
                 f"{self.what} on the host for sums of fewer than {AUTO_MIN_BYTES >> 20} MiB of results (here "
-                f"{len(items)} results, {_nbytes(items) / 2**20:.1f} MiB): a sum on {device} costs a fixed ~3 ms more"
+                f"{len(items)} results, {size / 2**20:.1f} MiB): a sum on {device} costs a fixed ~3 ms more",
+                once="small sums on the host",  # (said for the first such sum, not for each size)
             )
             return None
         self._tell(f"{self.what} on {device}")
@@ -79,10 +80,10 @@ class DeviceSums:
         self.sums += 1
         return out
 
-    def _tell(self, where: str, warn: bool = False) -> None:
-        """Log where the sums run, each place (each line, its figures aside) once a run."""
+    def _tell(self, where: str, warn: bool = False, once: str | None = None) -> None:
+        """Log where the sums run, each line once a run (``once``: what counts as the same line, else ``where``)."""
         self.told = where
-        said = where.split(" (here ")[0]
+        said = where if once is None else once
         if said not in self._said:
             self._said.add(said)
             log.log(logging.WARNING if warn else logging.INFO, "%s", where)

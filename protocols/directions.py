@@ -395,17 +395,15 @@ def trajectory_key(
 def next_key(key: bytes, round_seed: int, g: np.ndarray) -> bytes:
     """The key of the state that applying the round (``round_seed``, scalars ``g``: K x P, its shape hashed too, as
     the same bytes in another shape are other steps and directions) to the state ``key`` gives."""
-    shape = b"".join(int(n).to_bytes(8, "little") for n in g.shape)
-    data = key + int(round_seed).to_bytes(8, "little") + shape + np.ascontiguousarray(g, "<f4").tobytes()
-    return hashlib.blake2b(data, digest_size=16).digest()
+    return _chain(key, np.array([round_seed], np.uint64), np.asarray(g)[None])[0]
 
 
 State = TypeVar("State", bound=MutableMapping[str, np.ndarray])
 
 
 def _chain(key: bytes, seeds: np.ndarray, hist: np.ndarray) -> list[bytes]:
-    """:func:`next_key` applied round after round from ``key``: the key of the state after each round (the rounds'
-    shape, seeds and scalars turned into bytes once for them all, not once a round)."""
+    """The key of the state after each round (``seeds[i]``, ``hist[i]``) applied in turn from ``key`` (:func:`next_key`
+    is one round of it): the rounds' shape, seeds and scalars turned into bytes once for them all, not once a round."""
     if len(hist) == 0:
         return []
     g = np.ascontiguousarray(hist, "<f4").reshape(len(hist), -1)
