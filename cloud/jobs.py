@@ -86,7 +86,8 @@ class Job:
 
 
 class JobQueue:
-    """Jobs in submission order, persisted in ``path`` on every change."""
+    """Jobs in submission order, persisted in ``path`` on every change. One thread changes it: the cloud service's
+    (submissions and cancels over MQTT are taken on its loop), as two writers would race for the file's temporary."""
 
     def __init__(self, path: str | Path, create: bool = True) -> None:
         """``create``: write the file now if there is none (else: :meth:`create`, or the first change)."""

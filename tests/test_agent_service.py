@@ -468,8 +468,10 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_and_says_idle_not_
         try:
             for j in range(3):  # each ends at once: cancelled in its startup wait (no cell comes)
                 _, text = canonical_job(f"[run]\nrounds = 1\nseed = {j}\n[runtime]\nstartup_wait = 1000.0\n", fed)
-                queue.submit(Job(f"j{j}", text, config_hash(text), OPERATOR))
-                service.wake.set()
+                job = Job(f"j{j}", text, config_hash(text), OPERATOR)
+                # on the service's thread, as a submission over MQTT is taken (the queue is that thread's alone: one
+                # from here raced the service's own writes of the queue file, whose rename then found no temporary)
+                loop.post(lambda: (queue.submit(job), service.wake.set()))  # noqa: B023
                 assert wait_until(lambda: service.node is not None, 30.0)
                 loop.post(lambda: job_requests.cancel(service, f"j{j}"))  # noqa: B023
                 assert wait_until(lambda: made["made"] == j + 2, 30.0)  # noqa: B023  # the job ended: the next connection
