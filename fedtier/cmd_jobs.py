@@ -20,9 +20,13 @@ from .cli_types import Finite
 from .console import JOB_FAILED, connect_within, console, load_or_exit, output_console, print_error, setup_logging
 
 OFFLINE_GRACE = 1.5
-"""Seconds `fedtier jobs` waits for a newer status of a cloud whose status says offline: a live cloud's read offline
-for an instant as a job ended (seen once in a fresh-clone suite; a will of one of its connections, its job's closing
-as its next opens under the same client id, is the likely source), and its idle status replaces it at once."""
+"""Seconds `fedtier jobs` waits for a newer status of a cloud whose status says offline. A live cloud's read offline for
+an instant as a job ended (seen once in a fresh-clone suite): its job's connection closed its socket before the broker
+had read its DISCONNECT, the broker's answers to its last subscription changes failed to be written and it said the
+will (not a takeover by the cloud's next connection); a clean close now waits for the broker's end
+(``protocols.transport.paho_client.linger_close``). Kept for what remains: a broker slower than that wait
+(``LINGER_WAIT``, 2 s) to read the DISCONNECT, whose next connection then takes the old one over (the will again),
+and its idle status replaces it at once."""
 
 OPERATOR_CONFIG = click.option(
     "--config",

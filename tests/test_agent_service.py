@@ -429,6 +429,7 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_and_says_idle_not_
     idle at once, and offline only when the service stops."""
     from cloud import job_requests
     from cloud.jobs import Job, JobQueue
+    from edge_agent.broker import offline_will
     from protocols.jobs import OPERATOR, canonical_job, config_hash
     from protocols.status import decode_status
     from protocols.transport.mqtt import MqttTransport
@@ -447,7 +448,8 @@ def test_the_long_lived_cloud_frees_each_past_jobs_connection_and_says_idle_not_
         loop, made = ThreadLoop("cloud"), Counter[str]()
 
         def connect() -> MqttTransport:  # counted once it exists (counted before, a count could miss it)
-            transport = MqttTransport.from_url(broker.url, "cloud-svc", loop, persistent=True)
+            will = offline_will(fed.run.name, "cloud", None, service.twin.instance)  # as `fedtier cloud --serve`'s
+            transport = MqttTransport.from_url(broker.url, "cloud-svc", loop, persistent=True, will=will)
             made.update(["made"])
             return transport.connect(10.0)
 

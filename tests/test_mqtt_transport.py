@@ -205,6 +205,76 @@ def test_will_on_crash_not_on_close(clients, loop, prefix, broker) -> None:
     assert (f"{prefix}/status/polite", b"bye") in inbox.items
 
 
+def _said_after_close(broker, loop: ThreadLoop, node: MqttTransport, status: str, inbox: Inbox) -> list[bytes]:
+    """What ``status`` said up to the will of ``node``'s next connection (same client id, will), made once ``node``
+    closed, which says its record and dies: a will of the closed one comes before that record (said as the broker
+    dropped it, or as the next one took it over); the dead one's will comes (a killed node still reads offline)."""
+    nxt = connect(broker, node.client_id, loop, will=node.will, persistent=node.persistent)
+    nxt.publish(status, b"next", retain=True)
+    assert inbox.wait(lambda items: (status, b"next") in items), inbox.items
+    nxt.crash()
+    assert inbox.wait(lambda items: items[-1:] == [(status, b"offline")]), inbox.items
+    return [payload for _, payload in inbox.items]
+
+
+@needs_mosquitto
+def test_a_clean_close_says_no_will_however_late_the_broker_reads_its_disconnect(loop, prefix) -> None:
+    """A long-lived cloud's job server drops the job's subscriptions as it closes its connection (so its own status
+    topic gets a subscription of its own, whose retained record the broker sends with its SUBACK). Closed at once after
+    its DISCONNECT, the socket made the broker's answers fail to be written (Mosquitto reads one packet a connection per
+    turn: "Client ... disconnected: Broken pipe."), the broker dropped the connection as lost with the DISCONNECT
+    unread and said the will: the live cloud read offline between jobs (6 of 20 jobs in a row). The broker is paused
+    here while the client subscribes and closes, so that it reads all of it after the close, every time: no will now
+    (the socket waits for the broker's end); before, the will every time."""
+    with MosquittoBroker() as broker:
+        pub, watcher, inbox = connect(broker, "pub", loop), connect(broker, "watcher", loop), Inbox(loop)
+        status = f"{prefix}/status/node"
+        for i in range(3):  # each subscription below is answered by a SUBACK and this retained record
+            pub.publish(f"{prefix}/kept/{i}", b"kept", retain=True)
+        watcher.subscribe(status, inbox)
+        assert pub.flush(WAIT) and watcher.wait_subscribed(WAIT)
+        node = connect(broker, "node", loop, will=Will(status, b"offline", retain=True), persistent=True)
+        node.publish(status, b"idle", retain=True)
+        assert node.flush(WAIT)
+        assert broker.pid is not None
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            for i in range(3):
+                node.subscribe(f"{prefix}/kept/{i}", lambda t, d: None)
+            closing = threading.Thread(target=node.close, name="closing")
+            closing.start()
+            assert wait_until(lambda: node._client._sock is None, WAIT)  # DISCONNECT written, the socket let go
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        closing.join(WAIT)
+        assert _said_after_close(broker, loop, node, status, inbox) == [b"idle", b"next", b"offline"]
+        pub.close()
+        watcher.close()
+
+
+def test_no_will_from_a_close_right_after_subscriptions_change_on_amqtt(loop, prefix) -> None:
+    """The same on amqtt, which answers a SUBSCRIBE and an UNSUBSCRIBE from a task of its own (after a PINGREQ's
+    answer, say): the will came in 14 of 20 of a long-lived cloud's jobs; here, before, in about half of the tries."""
+    with EmbeddedBroker() as broker:
+        pub, watcher = connect(broker, "pub", loop), connect(broker, "watcher", loop)
+        for i in range(10):
+            pub.publish(f"{prefix}/kept/{i}", b"kept", retain=True)
+        assert pub.flush(WAIT)
+        for attempt in range(6):
+            status, inbox = f"{prefix}/status/node{attempt}", Inbox(loop)
+            watcher.subscribe(status, inbox)
+            assert watcher.wait_subscribed(WAIT)
+            node = connect(broker, f"node{attempt}", loop, will=Will(status, b"offline", retain=True), persistent=True)
+            node.publish(status, b"idle", retain=True)
+            for i in range(10):  # (QoS 0: amqtt waits 5 s for the closed client's PUBACK of a QoS-1 delivery)
+                node.subscribe(f"{prefix}/kept/{i}", lambda t, d: None, qos=0)
+            node.unsubscribe(f"{prefix}/kept/0")
+            node.close()
+            assert _said_after_close(broker, loop, node, status, inbox) == [b"idle", b"next", b"offline"], attempt
+        pub.close()
+        watcher.close()
+
+
 def test_large_payload_chunked_and_delivered_once(clients, loop, prefix) -> None:
     pub = clients(max_chunk=64 * 1024)
     sub, inbox = clients(max_chunk=64 * 1024), Inbox(loop)

@@ -37,11 +37,13 @@ from .inbound import Inbound
 from .paho_client import (
     Credentials,
     hung_up_before_connack,
+    linger_on_disconnect,
     new_client,
     nodelay,
     round_trip,
     say_reconnected,
     stop_thread,
+    wait_lingered,
 )
 from .reactor import Reactor
 from .subscriptions import broker_filters
@@ -165,7 +167,10 @@ class MqttTransport(Connecting, Inbound, Transport):
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Disconnect cleanly (the broker discards the will) after waiting up to ``flush_timeout``
-        for outstanding publishes to be acknowledged."""
+        for outstanding publishes to be acknowledged. The socket is closed once the broker closed its side
+        (``paho_client.linger_close``: closed before, the broker could drop the connection as lost and say the will);
+        off the network thread, this waits for that too (up to ``paho_client.LINGER_WAIT`` seconds), so a connection
+        opened next under the same client id does not take this one over (the broker would say the will then too)."""
         if self._closed:
             return
         if self._connected:
@@ -178,17 +183,22 @@ class MqttTransport(Connecting, Inbound, Transport):
         with self._cv:
             self._held.clear()
         self.loop.cancel(self._expiry)
+        lingers = self._connected and linger_on_disconnect(self._client)
         if self._reactor is None:
             self._client.disconnect()
             stop_thread(self._client)
+            if lingers and threading.current_thread() is not self._client._thread:
+                wait_lingered(self._client)
             return
-        if self._connected:  # the reactor writes DISCONNECT, then closes the socket
+        if self._connected:  # the reactor writes DISCONNECT, then closes the socket (lingering)
             self._client.disconnect()
             self._reactor.wake(self._client)
         else:
             self._reactor.run_soon(self._drop_socket)
         if self._reactor.running and not self._reactor.in_thread():
             self._gone.wait(2.0)
+            if lingers:
+                wait_lingered(self._client)
 
     def _settle(self, timeout: float) -> None:
         """Wait (up to ``timeout``) until the broker has read the acknowledgements this persistent client wrote, by a
