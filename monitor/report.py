@@ -318,9 +318,12 @@ def write_report(
     for run in runs:
         if run.ended != "finished" and on_unfinished is not None:
             on_unfinished(str(run.path), run.ended)
-    for line in (b for run in runs for b in run.bad):
-        if on_bad is not None:
-            on_bad(str(line))
+    for run in runs:  # the first ones of each run (protocols.records.KEPT_BAD_LINES), then how many more
+        for line in run.bad:
+            if on_bad is not None:
+                on_bad(str(line))
+        if on_bad is not None and len(run.bad) > len(run.bad.first):
+            on_bad(f"{run.path}: {len(run.bad) - len(run.bad.first):,} more not listed ({len(run.bad):,} in all)")
     unique_labels(runs)
     plots = make_plots(runs)
     out = Path(out)
@@ -336,12 +339,16 @@ def write_report(
             f'src="data:image/png;base64,{base64.b64encode(data).decode()}">'
             + (f'\n<p class="note">Downsampled: {html.escape(plot.note)}.</p>' if plot.note else "")
         )
-    bad = [str(b) for run in runs for b in run.bad]
+    bad = [str(b) for run in runs for b in run.bad] + [
+        f"{run.path}: {len(run.bad) - len(run.bad.first):,} more ({len(run.bad):,} in all)"
+        for run in runs
+        if len(run.bad) > len(run.bad.first)
+    ]
     page = _PAGE.format(
         title=html.escape("fedtier report: " + ", ".join(r.label for r in runs)),
         rows=_summary_rows(runs),
         sections="\n".join(sections),
-        bad=("<h2>Invalid records (skipped)</h2><pre>" + html.escape("\n".join(bad[:50])) + "</pre>") if bad else "",
+        bad=("<h2>Invalid records (skipped)</h2><pre>" + html.escape("\n".join(bad)) + "</pre>") if bad else "",
     )
     out.write_text(page, encoding="utf-8")
     return out, plots

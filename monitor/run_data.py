@@ -20,7 +20,7 @@ from monitor.round_series import RoundPoint, Rounds, RoundSeries
 from monitor.sources import RunDirFollower, read_summary
 from protocols import runfiles
 from protocols.jsonl import rotated
-from protocols.records import BadLine, CellRecord, Dedup, RoundRecord, iter_records
+from protocols.records import BadLine, BadLines, CellRecord, Dedup, RoundRecord, iter_records
 
 KEEP_NAMES = 50_000  # device names (planned, answered, absent) the kept cell records may hold
 KEEP_RECORDS = 1_000  # cell records kept (~4.5 KB each)
@@ -37,7 +37,7 @@ class RunData:
     """The cloud rounds: the exact figures and the bounded series the plots draw (:mod:`monitor.round_series`)."""
     cells: list[CellRecord]
     """Every cell record of the run, or none where it had too many to keep (``folded`` then draws them)."""
-    bad: list[BadLine] = field(default_factory=list)
+    bad: BadLines = field(default_factory=BadLines)
     summary: dict[str, Any] = field(default_factory=dict)
     ended: str = "running"
     """How the run ended (``finished``, ``stopped: why``, ``failed: why``), as ``fedtier monitor`` says it; ``running``
@@ -129,7 +129,7 @@ class _CellRecords:
         return Folded(heat, self.fold.durations(heat.matrix.shape[1]))
 
 
-def _stream(path: Path, bad: list[BadLine]) -> Iterator[CellRecord | RoundRecord]:
+def _stream(path: Path, bad: BadLines) -> Iterator[CellRecord | RoundRecord]:
     """The records of ``aggregation.jsonl`` then those of ``cells.jsonl`` (a deployed cloud's collection of the
     cells' records) not in it, one at a time; the bad lines go to ``bad``. Without a ``cells.jsonl`` (``fedtier
     sim``'s folders) nothing is held to tell copies apart: ~185 bytes a record, 1.9 GB for 100 cells x 10^5 rounds."""
@@ -137,19 +137,23 @@ def _stream(path: Path, bad: list[BadLine]) -> Iterator[CellRecord | RoundRecord
     for name in (runfiles.AGGREGATION, runfiles.CELL_RECORDS):
         for item in iter_records(path / name):
             if isinstance(item, BadLine):
-                bad.append(item)
+                bad.add(item)
             elif dedup is None or dedup([item]):
                 yield item
 
 
-def _read(path: Path) -> tuple[Rounds, _CellRecords, list[BadLine]]:
-    """The run's rounds, its cell records (kept or folded) and its bad lines (the cells' files' first)."""
-    rounds, in_metrics = RoundSeries(), []
+def _read(path: Path) -> tuple[Rounds, _CellRecords, BadLines]:
+    """The run's rounds, its cell records (kept or folded) and its bad lines (``metrics.jsonl``'s first). Nothing
+    of ``metrics.jsonl`` but its rounds is held: its cell records (none in what fedtier writes) are read again once the
+    rounds are known, and its bad lines are counted (the first kept), however many there are."""
+    rounds, bad, cells_in_metrics = RoundSeries(), BadLines(), False
     for item in iter_records(path / runfiles.METRICS):
         if isinstance(item, RoundRecord):
             rounds.add(RoundPoint.of(item))
+        elif isinstance(item, BadLine):
+            bad.add(item)
         else:
-            in_metrics.append(item)
+            cells_in_metrics = True
     if rounds.last is None:
         jobs = runfiles.cell_jobs(path)
         if jobs:  # fedtier cell --serve's job folder: was "no cloud round records in metrics.jsonl", for a job done
@@ -159,16 +163,16 @@ def _read(path: Path) -> tuple[Rounds, _CellRecords, list[BadLine]]:
                 "the job's rounds, which a report plots, are in the cloud's job folder"
             )
         raise ValueError(f"{path}: no cloud round records in {runfiles.METRICS}")
-    cells, bad = _CellRecords(rounds.last.round + 1), list[BadLine]()
+    cells = _CellRecords(rounds.last.round + 1)
     for r in _stream(path, bad):
         if isinstance(r, RoundRecord):
             rounds.add(RoundPoint.of(r))
         else:
             cells.add(r)
-    for item in in_metrics:
-        if isinstance(item, CellRecord):
-            cells.add(item)
-    bad += [b for b in in_metrics if isinstance(b, BadLine)]
+    if cells_in_metrics:
+        for item in iter_records(path / runfiles.METRICS):
+            if isinstance(item, CellRecord):
+                cells.add(item)
     return rounds.finish(), cells, bad
 
 

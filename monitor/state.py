@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protocols.numbers import finite_number
-from protocols.records import TASKED, BadLine, CellRecord, Record, Rejection, RoundRecord
+from protocols.records import TASKED, BadLine, BadLines, CellRecord, Record, Rejection, RoundRecord
 from protocols.rejections import RejectKind
 from protocols.status import IDLE, idle_deadline
 
@@ -95,7 +95,7 @@ class MonitorState:
     cloud: RoundRecord | None = None
     cloud_seen: float | None = None
     accuracy: list[tuple[int, float]] = field(default_factory=list)
-    bad: list[BadLine] = field(default_factory=list)
+    bad: BadLines = field(default_factory=BadLines)  # bounded: a publisher of garbage cannot grow it
     finished: bool = False
     states: dict[str, dict] = field(default_factory=dict)  # node -> its current state (protocols.state)
     revoked: dict[str, str] = field(default_factory=dict)  # node -> why, from round records or the signed roster
@@ -329,7 +329,7 @@ class MonitorState:
             )
             out.append(f"cloud round {self.cloud.round} closed by {self.cloud.closed_by} without {names}")
         if self.bad:
-            out.append(f"{len(self.bad)} invalid record(s), last: {self.bad[-1]}")
+            out.append(f"{len(self.bad)} invalid record(s), last: {self.bad.last}")
         return out
 
     def _job_alerts(self, now: float) -> list[str]:

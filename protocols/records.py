@@ -239,6 +239,38 @@ class BadLine:
         return f"{self.source}:{self.line}: {self.error}"
 
 
+KEPT_BAD_LINES = 50
+"""Invalid lines a reader keeps to show (the first ones); the rest are counted, the last one kept."""
+
+
+class BadLines:
+    """The invalid lines a reader met, in bounded memory: how many, the first :data:`KEPT_BAD_LINES` and the last. A
+    file of garbage, or a broker user publishing garbage to the records' topics for as long as `fedtier monitor`
+    runs, grew a list of every one of them (~200 bytes each, without bound)."""
+
+    def __init__(self, keep: int = KEPT_BAD_LINES) -> None:
+        self.keep, self.count = keep, 0
+        self.first: list[BadLine] = []
+        self.last: BadLine | None = None
+
+    def add(self, line: BadLine) -> None:
+        self.count += 1
+        self.last = line
+        if len(self.first) < self.keep:
+            self.first.append(line)
+
+    def extend(self, lines: Iterable[BadLine]) -> None:
+        for line in lines:
+            self.add(line)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[BadLine]:
+        """The kept ones, first to last (at most ``keep``)."""
+        return iter(self.first)
+
+
 def parse_record(obj: Any) -> Record:
     """Validate one record (a dict, JSON text or bytes); raise ``ValueError`` naming the problem."""
     if isinstance(obj, (bytes, bytearray, str)):

@@ -454,7 +454,11 @@ def test_a_live_monitor_shows_a_cell_the_signed_roster_revoked_as_revoked_betwee
     view = LiveView(0.75, None, CellFilter(), Console(file=io.StringIO()))
     view.pull(feed)
     states = lambda: {c: view.state.state_of(v, time.time()) for c, v in view.state.cells.items()}  # noqa: E731
-    assert states() == {"c0": "idle", "c1": "idle"} and "roster refused" in view.state.bad[-1].error
+    assert (
+        states() == {"c0": "idle", "c1": "idle"}
+        and view.state.bad.last is not None
+        and "roster refused" in view.state.bad.last.error
+    )
     node.publish(roster_topic("fed"), sign_roster(roster.without("c1").without("c2"), trust["cloud"].sign))
     hub.loop.run()
     view.pull(feed)
@@ -642,7 +646,7 @@ def test_monitor_follows_a_live_fedtier_run_over_mqtt(tmp_path):
             time.sleep(0.02)
         feed.close()
     loop.stop()
-    assert state_count(state) == expected and state.bad == []
+    assert state_count(state) == expected and len(state.bad) == 0
     assert state.cloud is not None and state.cloud.to_dict() == result.history[-1]
     text = render_text(state)
     for cell in ("c0", "c1"):

@@ -218,3 +218,36 @@ def test_a_long_runs_round_series_are_bounded_strides_keeping_the_first_last_and
     assert f"<td>1000</td><td>{records[-1]['accuracy']:.4f}</td><td>{total:,.2f}</td>" in page
     assert "Downsampled: scale (fedavg): 500 evaluated rounds drawn as " in page
     assert f"scale (fedavg): 1,000 rounds drawn as {len(x)} points (the first of each 16 rounds" in page
+
+
+def test_a_run_folder_or_a_topic_full_of_garbage_is_counted_with_its_first_lines_kept_not_held_whole(
+    tmp_path: Path,
+) -> None:
+    """A report of a folder whose files hold 5,000 invalid lines, and a monitor fed 5,000 invalid records (a broker
+    user with valid credentials publishing garbage to the records' topics, for as long as the monitor runs): both held
+    every one of them (~200 bytes each, without bound). They count them and keep the first 50 and the last; the page
+    and the warnings list those 50 and say how many more there were."""
+    from monitor.state import MonitorState
+    from protocols.records import KEPT_BAD_LINES, BadLine
+
+    run_dir = report_scale.write_run(tmp_path / "run", 8, 3, cells=2)
+    cell_record = json.loads((run_dir / "aggregation.jsonl").read_text().splitlines()[-1])
+    with open(run_dir / "metrics.jsonl", "a") as fh:  # a cell's record there too (read again once rounds are known)
+        fh.writelines(f'{{"event": "round", "junk": {i}}}\n' for i in range(2500))
+        fh.write(json.dumps({**cell_record, "round": 3}) + "\n")
+    with open(run_dir / "aggregation.jsonl", "a") as fh:
+        fh.writelines("not json\n" for _ in range(2500))
+    run = load_run(run_dir)
+    assert len(run.bad) == 5000 and len(run.bad.first) == KEPT_BAD_LINES and run.series.count == 3
+    assert len(run.cells) == 7 and run.cells[-1].round == 3
+    assert run.bad.last is not None and run.bad.last.error != run.bad.first[-1].error  # the last one, not the 50th
+    warned: list[str] = []
+    page, _ = write_report([run_dir], tmp_path / "r.html", on_bad=warned.append)
+    assert len(warned) == KEPT_BAD_LINES + 1 and "4,950 more not listed (5,000 in all)" in warned[-1]
+    assert "4,950 more (5,000 in all)" in page.read_text()
+
+    state = MonitorState()
+    for i in range(5000):
+        state.add_all([], [BadLine("fed/records/c0", i, "not json")])
+    assert len(state.bad) == 5000 and len(state.bad.first) == KEPT_BAD_LINES
+    assert any("5000 invalid record(s), last: fed/records/c0:4999: not json" in a for a in state.alerts(0.0))
