@@ -20,17 +20,15 @@ from typing import Any
 from edge_agent.broker import device_will
 from edge_agent.runner import AgentProcess, BrokerOptions
 from edge_agent.service import AgentService
-from protocols import procs
 from protocols.config import RunConfig, parse_config
-from protocols.fast_exit import skip_exit_collection
-from protocols.heap import keep_freed_memory, setup_frozen
+from protocols.heap import setup_frozen
 from protocols.jobs import JobError
-from protocols.safe_text import log_to_stderr
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from protocols.wire.keys import Trust, load_keys, node_trust
 
 from .hierarchy import device_availability
+from .worker_context import become_worker
 
 
 @dataclass
@@ -119,18 +117,12 @@ def with_init_model(cfg: RunConfig, path: str | None) -> RunConfig:
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"init_model": path})})
 
 
-def worker_main(job: dict[str, Any], results: Any, inherited: Any = None) -> None:
+def worker_main(job: dict[str, Any], results: Any, parent: int | None = None, inherited: Any = None) -> None:
     """Entry point of a worker process: its devices serve the federation's job in progress until it ends;
     then ``{"agents": stats per device, "sessions": the job sessions served}`` goes to ``results``. ``inherited``:
     the launcher's output and environment (``sim.worker_context``)."""
-    if inherited is not None:
-        inherited.adopt()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
-    procs.die_with_parent(job.get("parent"))  # a SIGKILLed launcher leaves no worker behind
-    log_to_stderr(job.get("log_level", logging.WARNING), "%(processName)s %(message)s")
+    become_worker(parent, inherited, job.get("log_level", logging.WARNING))
     raise_fd_limit()
-    keep_freed_memory()  # every device decodes a model-sized task and frames a result each round
-    skip_exit_collection()  # exits in ~0.15 s, not ~1 s: the launcher waits for it
     from edge_agent.runner import load_device_data
 
     data, shape, classes = {}, None, None

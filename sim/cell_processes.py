@@ -34,7 +34,6 @@ come back when the run ends.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,7 +52,7 @@ if TYPE_CHECKING:
 
 from .cell_share import Message, cell_process_main, deliver, frame_messages, message_frame, share_plan
 from .sim_cells import untimed_async
-from .worker_context import Inherited, start_worker, worker_context
+from .worker_context import launch, worker_context
 from .worker_frames import frame, unframe
 
 log = logging.getLogger("fedtier.sim")
@@ -135,14 +134,7 @@ class CellProcesses:
         try:
             for i, group in enumerate(self.groups):
                 mine, theirs = ctx.Pipe()
-                inherited = Inherited()
-                proc = ctx.Process(
-                    target=cell_process_main,
-                    args=(theirs, text, group, start_at, os.getpid(), inherited),
-                    name=f"fedtier-cell-process-{i}",
-                    daemon=True,
-                )
-                start_worker(proc, inherited)
+                proc = launch(ctx, cell_process_main, (theirs, text, group, start_at), f"fedtier-cell-process-{i}")
                 theirs.close()  # our copy of its end: EOF reaches us when it dies
                 self.procs.append(proc)
                 self.conns.append(mine)

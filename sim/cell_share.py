@@ -15,8 +15,6 @@ ends the process.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import signal
 import sys
 import threading
 import tomllib
@@ -25,12 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from edge_agent.agent import DeviceAgent
-from protocols import procs
 from protocols.config import RunConfig, parse_config
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
-from protocols.fast_exit import skip_exit_collection
-from protocols.heap import keep_freed_memory, setup_frozen
-from protocols.safe_text import log_to_stderr
+from protocols.heap import setup_frozen
 from protocols.trainer import PROGRESS
 from protocols.transport.memory import MemoryHub, VirtualLoop
 from protocols.wire import topics
@@ -44,6 +39,7 @@ from .executors import make_executor
 from .hierarchy import prepare
 from .population import Population
 from .sim_cells import build_sim_cells
+from .worker_context import become_worker
 from .worker_frames import frame, unframe
 from .worker_watch import check_period
 
@@ -189,13 +185,7 @@ def cell_process_main(
 ) -> None:
     """A cell process: build its share, then serve the main process (pid ``parent``; its output and environment:
     ``inherited``) until told to stop (or the main process is gone)."""
-    if inherited is not None:
-        inherited.adopt()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
-    procs.die_with_parent(parent)
-    log_to_stderr(logging.WARNING, "%(processName)s %(message)s")
-    keep_freed_memory()
-    skip_exit_collection()
+    become_worker(parent, inherited)
     try:
         share = CellShare(config_text, cells, start_at)
         with setup_frozen():

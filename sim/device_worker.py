@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import signal
 import sys
 import threading
 import tomllib
@@ -14,20 +13,18 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from protocols import procs
 from protocols.algorithms.base import DeviceContext, DeviceRole, train_role
 from protocols.config import parse_config
 from protocols.divergence import diverged_result, nonfinite
 from protocols.execution import execution_plan
-from protocols.fast_exit import skip_exit_collection
-from protocols.heap import keep_freed_memory, setup_frozen
-from protocols.safe_text import log_to_stderr
+from protocols.heap import setup_frozen
 from protocols.trainer import PROGRESS, LocalData
 from protocols.wire.envelope import ENVELOPE_ROOM
 from protocols.wire.payload import Parts, Payload, decode_payload, payload_parts
 
 from .attack import attacked, byzantine_devices
 from .result_ring import RingWriter
+from .worker_context import become_worker
 from .worker_frames import batch_items, frame, unframe
 from .worker_watch import check_period
 
@@ -191,13 +188,7 @@ def process_main(
     ``ring``: its result ring's ``(name, size, semaphore)`` (``sim/result_ring.py``); none: results by pipe.
     ``parent``, ``inherited``: the main process's pid, its output and environment (``sim.worker_context``: a fork
     server between)."""
-    if inherited is not None:
-        inherited.adopt()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the main process, which stops us
-    procs.die_with_parent(parent)  # even a SIGKILLed main process leaves no worker behind
-    log_to_stderr(logging.WARNING, "%(processName)s %(message)s")
-    keep_freed_memory()  # a batch of model-sized tasks and results every round
-    skip_exit_collection()  # exits in ~0.15 s, not ~1 s
+    become_worker(parent, inherited)
     try:
         worker = DeviceWorker(config_text, devices)
     except BaseException:  # the main process shows it when a task needs this worker (it may fail the same way)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import shutil
 import signal
@@ -59,7 +58,7 @@ from .hierarchy import Prepared, cell_availability, edge_availability, fresh_out
 from .launcher import RunResult, cell_bounds, device_samples, warn_idle_settings, write_final
 from .local_federation import LocalFederation, federation_bundle, job_text
 from .onnx_devices import export_onnx, refuse_own_onnx_model, with_onnx_model
-from .worker_context import Inherited, start_worker, worker_context
+from .worker_context import launch, worker_context
 
 __all__ = ["Emulation", "Faults", "agent_workers", "raise_fd_limit", "run_emulation", "worker_groups"]
 
@@ -348,13 +347,8 @@ class Emulation:
                     "duplicate": self.faults.duplicate,
                 },
                 "timing": self.timing,
-                "parent": os.getpid(),
             }
-            inherited = Inherited()
-            proc = ctx.Process(
-                target=worker_main, args=(job, self._results, inherited), name=f"fedtier-agents-{i}", daemon=True
-            )
-            start_worker(proc, inherited)
+            proc = launch(ctx, worker_main, (job, self._results), f"fedtier-agents-{i}")
             self.procs.append(proc)
 
     def _fail_fast(self) -> None:

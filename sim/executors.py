@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -45,7 +44,7 @@ from .datasets import builtin_geometry
 from .device_worker import process_main
 from .device_worker import set_torch_threads as set_torch_threads  # the launchers import it from here
 from .result_ring import RingReader, ring_bytes
-from .worker_context import Inherited, start_worker, worker_context
+from .worker_context import launch, worker_context
 from .worker_frames import Batch, frame, unframe
 from .worker_watch import Watch, named_devices
 
@@ -232,22 +231,9 @@ class ProcessExecutor(_Remote):
                 result_r, result_w = ctx.Pipe(duplex=False)
                 ring = self._ring(ring_size, ctx)
                 self.rings.append(ring)
-                inherited = Inherited()
-                proc = ctx.Process(
-                    target=process_main,
-                    args=(
-                        task_r,
-                        result_w,
-                        config_text,
-                        group,
-                        ring and (ring.name, ring.size, ring.freed),
-                        os.getpid(),
-                        inherited,
-                    ),
-                    name=f"fedtier-sim-worker-{i}",
-                    daemon=True,
-                )
-                start_worker(proc, inherited)
+                ring_args = ring and (ring.name, ring.size, ring.freed)
+                worker_args = (task_r, result_w, config_text, group, ring_args)
+                proc = launch(ctx, process_main, worker_args, f"fedtier-sim-worker-{i}")
                 task_r.close()  # our copies of the child's ends: EOF reaches us when it dies
                 result_w.close()
                 self.procs.append(proc)

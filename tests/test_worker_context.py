@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from sim.worker_context import PRELOAD, Inherited, start_worker, worker_context
+from sim.worker_context import PRELOAD, become_worker, launch, worker_context
 
 
 def _what_it_started_with(out: Any) -> None:
@@ -26,15 +26,16 @@ def test_a_worker_starts_with_torch_and_the_workers_modules_already_imported_and
     assert parent != os.getpid()  # forked by the server, never by this process (it has threads)
 
 
-def _say(inherited: Any) -> None:
-    inherited.adopt()
+def _say(parent: int, inherited: Any) -> None:
+    become_worker(parent, inherited)
     print("said by the worker", os.environ.get("FEDTIER_TEST_SET_SINCE"), file=sys.stderr, flush=True)
 
 
 def test_a_worker_writes_where_its_launcher_writes_now_with_its_environment_not_the_servers(tmp_path, monkeypatch):
     """The fork server keeps the stderr and environment it started with (here: before the redirect and the variable
     below, as a test's captured output is): a worker given Inherited logs to the launcher's stderr of the moment it
-    starts, with the launcher's environment of that moment."""
+    starts, with the launcher's environment of that moment (``launch``, ``become_worker``: every sim, cell and agent
+    worker's start)."""
     ctx = worker_context()
     warm = ctx.Process(target=os.getpid)  # the server runs before the redirect
     warm.start()
@@ -44,9 +45,7 @@ def test_a_worker_writes_where_its_launcher_writes_now_with_its_environment_not_
         with open(tmp_path / "stderr", "wb") as f:
             os.dup2(f.fileno(), 2)
         monkeypatch.setenv("FEDTIER_TEST_SET_SINCE", "and set since")
-        inherited = Inherited()
-        proc = ctx.Process(target=_say, args=(inherited,))
-        start_worker(proc, inherited)
+        proc = launch(ctx, _say, (), "fedtier-test-worker")
         proc.join(120)
     finally:
         os.dup2(saved, 2)
