@@ -65,6 +65,7 @@ class EdgeRound:
     t0: float = 0.0  # loop time it started
     wall0: float = 0.0  # perf_counter when it started
     since: float = 0.0  # wall time its tasks left
+    waiting_posted: bool = False  # its waiting record is posted to the loop (edge_liveness.waiting_soon)
 
     def sit_out(self, devices: Sequence[str], taking_part: Sequence[str], absent_ids: int) -> None:
         """Note the ``devices`` not ``taking_part``: named as "not participating" up to ``absent_ids`` of them,

@@ -395,7 +395,7 @@ class CellServer(CellNode):
         if why is not None:
             self.close_edge(self.round, self.edge_round, why)
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
-            self.waiting_state()
+            edge_liveness.waiting_soon(self)  # (once for results that come together)
 
     def _keep_early(
         self, device: str, msg: Incoming, message: tuple[str, bytes], stale: Rejected, settle: bool

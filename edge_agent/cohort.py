@@ -174,6 +174,37 @@ def _answer(engine: CohortEngine, reqs: list[Request]) -> None:
             r.result = exc
 
 
+def _complete_together(queue: Sequence[Any], chunk: Sequence[Any], outcomes: Sequence[Outcome]) -> None:
+    """Complete a trained cohort's tasks: each run of them that were queued one after the other (all of them,
+    unless a device's second task waits for the next cohort) completes in one turn of the loop, in order, in the
+    first one's hold (the others' complete with nothing). Their results then leave together and reach their cell
+    one after the other before anything else runs, as one batch (its waiting record: once for them all,
+    ``CellServer._on_result``), rather than each after the cell took the one before."""
+    trained = {id(item): (item[4], result, error) for item, (result, error) in zip(chunk, outcomes)}
+    run: list[tuple[Done, Payload | None, str | None]] = []
+    first: Callable[[Callable[[], None]], None] | None = None
+    for item in [*queue, None]:
+        got = trained.get(id(item)) if item is not None else None
+        if got is not None:
+            if first is None:
+                first = item[3]
+            else:
+                item[3](_nothing)
+            run.append(got)
+        elif first is not None:
+            first(functools.partial(_each, run))
+            run, first = [], None
+
+
+def _each(dones: list[tuple[Done, Payload | None, str | None]]) -> None:
+    for done, result, error in dones:
+        done(result, error)
+
+
+def _nothing() -> None:
+    pass
+
+
 class Loop(Protocol):
     """What the executor needs of an event loop (``VirtualLoop`` and ``ThreadLoop`` both have it)."""
 
@@ -244,8 +275,7 @@ class CohortExecutor:
         self.queue = [item for later in rest for item in later]
         jobs = [self._job(agent, task, ctx) for agent, task, ctx, _, _ in chunk]
         outcomes = self.runner.train([agent.device for agent, *_ in chunk], jobs)
-        for (_, _, _, complete, done), (result, error) in zip(chunk, outcomes):
-            complete(lambda done=done, result=result, error=error: done(result, error))
+        _complete_together(queue, chunk, outcomes)
 
     @staticmethod
     def _job(agent: Trainee, task: Payload, ctx: DeviceContext) -> Job:

@@ -15,6 +15,8 @@ from edge_agent.cohort import CohortExecutor
 from protocols.cohort_kernels import NotVectorizable, check_vectorizable, fast_layers
 from protocols.cohort_trainer import CohortEngine
 from protocols.config import ConfigError
+from protocols.state import decode_state
+from protocols.wire import topics
 from protocols.wire.payload import Payload
 from sim.launcher import RunResult, SimHierarchy
 from tests.conftest import while_workers_start
@@ -585,3 +587,33 @@ def test_fedprox_proximal_term(make_config, name):
         model={"name": "mlp", "hidden": [24]},
     )
     _equivalent(device, cohort)
+
+
+def test_a_cohorts_results_reach_their_cell_together_and_it_says_once_whom_it_still_waits_for(make_config):
+    """A cohort's results complete in one turn of the loop, so its cell takes them one after the other and posts its
+    waiting record once for them all (none here: they close the edge round; before, one a result but the last), not
+    once a result; results that come apart (devices of different speeds on the virtual clock) still each leave a record
+    naming whom the edge round still waits for."""
+
+    def cell_states(**sections: dict[str, Any]) -> list[tuple[str, list[str]]]:
+        cfg = make_config(
+            topology={"cells": 1, "devices_per_cell": 3},
+            run={"rounds": 1},
+            algorithm={"edge_rounds": 1},
+            runtime={"engine": "cohort"},
+            **sections,
+        )
+        sim, state = SimHierarchy(cfg, write_output=False), topics.state(cfg.run.name, topics.cell_node("c0"))
+        seen: list[dict[str, Any] | None] = []
+        sim.hub.tap = lambda topic, data, retain, sender: (
+            seen.append(decode_state(data, topic)) if topic == state else 0
+        )
+        sim.run()
+        return [(s["phase"], s["waiting"]) for s in seen if s is not None]
+
+    devices = ["c0-d0", "c0-d1", "c0-d2"]
+    assert cell_states() == [("waiting", devices), ("idle", [])]
+    apart = cell_states(clock={"device_steps_per_s": 50.0, "device_speed_spread": 1.0})
+    waiting = [names for phase, names in apart if phase == "waiting"]
+    assert apart[-1] == ("idle", []) and waiting[0] == devices and [len(w) for w in waiting] == [3, 2, 1]
+    assert all(set(later) < set(earlier) for earlier, later in zip(waiting, waiting[1:]))
