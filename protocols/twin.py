@@ -94,6 +94,7 @@ class TwinWatch:
         self._live_others: set[str] = set()  # other instances whose own live records were seen (said once)
         self._counted_at: dict[tuple[str, int], float] = {}  # (node, connection) -> when a record last counted
         self._late: dict[str, float] = {}  # a predecessor seen in the check -> when its first late record came
+        self._said_taken: set[tuple[str, bool]] = set()  # (other instance, its refusal?) takeovers said
 
     def on_status(
         self, node: str, topic: str, data: bytes, verify: Any, on_taken: Callable[[], None], epoch: int | None = None
@@ -133,22 +134,37 @@ class TwinWatch:
         if record.get("state") not in TAKEOVER_STATES:  # another live process's own record, not a takeover's trace
             self._other_live(node, other)
             return
-        log.error(  # once per takeover's record (its will, its refusal): a takeover is rare and must be seen
-            "%s %s: another %s process (instance %s%s) connected under this %s id and took this %s's broker "
-            "session: two %ss with one id take the session from each other; stop the other one (this one, "
-            "instance %s, re-announces itself)",
-            self.noun,
-            node,
-            self.kind,
-            other,
-            f", {record.get('reason')}" if record.get("state") == DUPLICATE else "",
-            self.noun,
-            self.kind,
+        self._say_taken(node, other, refused=record.get("state") == DUPLICATE)
+        self.taken += 1  # after the log line: a reader of the count finds the line written
+        on_taken()
+
+    def _say_taken(self, node: str, other: str, refused: bool) -> None:
+        """Say a takeover once per other instance and kind of record: its will (a live process: stop one) at error,
+        its refusal (it exited: nothing to stop) at warning. The broker hands a refusal twice as this process takes
+        its session back (queued in the session, then retained), which said it twice, each time 'stop the other one'
+        of a process that had exited."""
+        if (other, refused) in self._said_taken:
+            return
+        self._said_taken.add((other, refused))
+        took = (
+            f"{self.noun} {node}: another {self.kind} process (instance {other}) connected under this {self.noun} id "
+            f"and took this {self.kind}'s broker session"
+        )
+        if refused:
+            log.warning(
+                "%s for a moment; it was refused and exited, nothing to stop (this one, instance %s, re-announces "
+                "itself)",
+                took,
+                self.instance,
+            )
+            return
+        log.error(  # a takeover is rare and must be seen
+            "%s: two %ss with one id take the session from each other; stop the other one (this one, instance %s, "
+            "re-announces itself)",
+            took,
             self.kind,
             self.instance,
         )
-        self.taken += 1  # after the log line: a reader of the count finds the line written
-        on_taken()
 
     def _predecessors_late_record(self, node: str, other: str) -> bool:
         """A record of the instance the check saw once (a crashed predecessor) coming after the check, in one burst:

@@ -94,7 +94,7 @@ def broker() -> Iterator[MosquittoBroker]:
 def test_a_second_process_of_a_live_cloud_or_cell_is_refused_naming_it_and_the_first_says_so(
     kind: str, tmp_path: Path, broker: MosquittoBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="fedtier.twin")
+    caplog.set_level(logging.WARNING, logger="fedtier.twin")
     caplog.set_level(logging.INFO, logger=MQTT_LOG)
     bundle = federation_bundle(small_config(tmp_path, monitoring={"idle_heartbeat": 60.0}))  # no beat meanwhile
     first = service_of(kind, bundle, broker.url, tmp_path / "a", 0.3)
@@ -183,6 +183,32 @@ def test_a_predecessors_will_held_until_a_resumed_job_takes_it_is_no_takeover(ca
         watch._late["killed0"] -= GRACE  # long after the burst
         watch.on_status("cloud", topic, will, None, lambda: taken.append(1))
         assert taken == [1, 1]
+
+
+def test_a_refused_second_process_is_said_once_with_nothing_to_stop(caplog: pytest.LogCaptureFixture) -> None:
+    """Walked: a second `fedtier cloud --serve` started by mistake beside a serving one, refused, exit 2. The serving
+    cloud took its session back and got the refusal twice (queued in its session, then retained): it logged two
+    identical ERRORs, each 'stop the other one' of a process that had exited. A refusal is said once, at warning,
+    saying there is nothing to stop; a live process's will (a real takeover) is still an error, once per instance;
+    every such record still re-announces this one."""
+    from protocols.twin import TwinWatch
+
+    topic, taken = topics.status("fed", "cloud"), []
+    watch, refused = TwinWatch("serving", kind="cloud", noun="node"), TwinWatch("second", kind="cloud", noun="node")
+    refusal = refused.refusal(topic, None)
+    with caplog.at_level(logging.INFO, logger="fedtier.twin"):
+        for _ in range(2):
+            watch.on_status("cloud", topic, refusal, None, lambda: taken.append(1))
+        said = [(r.levelno, r.getMessage()) for r in caplog.records]
+        assert len(said) == 1 and said[0][0] == logging.WARNING, said
+        assert "instance second) connected under this node id and took this cloud's broker session" in said[0][1]
+        assert "it was refused and exited, nothing to stop" in said[0][1] and "stop the other" not in said[0][1]
+        will = offline_will("fed", "cloud", None, "live1").payload
+        for _ in range(2):
+            watch.on_status("cloud", topic, will, None, lambda: taken.append(1))
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "instance live1" in errors[0] and "stop the other one" in errors[0], errors
+    assert taken == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("kind", ["cloud", "cell"])
