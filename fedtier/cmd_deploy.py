@@ -20,14 +20,22 @@ from .console import (
     JOB_FAILED,
     console,
     exit_if_failed,
-    load_deployment_or_exit,
     print_error,
     print_summary,
     round_progress,
     run_folder_lock,
     setup_logging,
 )
-from .deploy_setup import BROKER, INSECURE, Auth, broker_options, check_keys, fail_with, require_signed, spec_and_data
+from .deploy_setup import (
+    BROKER,
+    INSECURE,
+    Auth,
+    broker_options,
+    check_keys,
+    fail_with,
+    node_config,
+    spec_and_data,
+)
 from .metrics import linger, metrics_options, port_override, serve_metrics
 from .node_loop import serve_node
 
@@ -80,8 +88,7 @@ def cloud(
 ) -> None:
     """Run the cloud aggregator of CONFIG; outputs go to the config's run folder."""
     setup_logging(verbose)
-    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
-    require_signed(cfg, insecure)
+    cfg = node_config(config, overrides + port_override(metrics_port), insecure, serve, "cloud")
     if serve:
         _serve_cloud(cfg, broker_url, auth, test_data)
     else:
@@ -238,8 +245,7 @@ def cell(
     from protocols.config import ConfigError
 
     setup_logging(verbose)
-    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
-    require_signed(cfg, insecure)
+    cfg = node_config(config, overrides + port_override(metrics_port), insecure, serve, "cell")
     if cell_id not in cfg.topology.cell_ids():
         fail_with(ConfigError(f"--cell {cell_id!r} is not in the topology ({', '.join(cfg.topology.cell_ids())})"), 2)
     if serve:
@@ -397,8 +403,7 @@ def agent(
     setup_logging(verbose)
     if onnx_model:
         overrides = (*overrides, f"runtime.onnx_model={json.dumps(onnx_model)}")
-    cfg = load_deployment_or_exit(config, overrides + port_override(metrics_port))
-    require_signed(cfg, insecure)
+    cfg = node_config(config, overrides + port_override(metrics_port), insecure, serve, "agent")
     source = functools.partial(DataSource, data_path, label_column=label_column, loader=loader)
     if serve:
         _serve_agent(cfg, device, source(), backend, broker_url, auth)

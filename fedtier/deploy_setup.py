@@ -12,7 +12,7 @@ import click
 
 from protocols.config import RunConfig
 
-from .console import print_error
+from .console import load_deployment_or_exit, print_error
 
 if TYPE_CHECKING:
     from edge_agent.broker import BrokerOptions
@@ -54,6 +54,31 @@ def require_signed(cfg: RunConfig, insecure: bool) -> None:
     import logging
 
     logging.getLogger("fedtier").warning("--insecure: running unsigned; any broker client can forge messages")
+
+
+def require_serve(cfg: RunConfig, serve: bool, command: str) -> None:
+    """Refuse (exit 2) to run one job's node from a federation's bundle (``security.membership = "roster"``, which
+    ``fedtier provision --federation`` writes into every bundle) without ``--serve``: the bundle holds no training
+    config, so the node would run the defaults' job (the mnist model) and take the serving node's broker session."""
+    if serve or cfg.security.membership != "roster":
+        return
+    fail_with(
+        ValueError(
+            f"this config is a federation's bundle (security.membership = 'roster'): its {command} serves the jobs "
+            f"the operator submits, each with its own config; start it with --serve (`fedtier {command} config.toml "
+            "--serve ...`)"
+        ),
+        2,
+    )
+
+
+def node_config(path: str, overrides: tuple[str, ...], insecure: bool, serve: bool, command: str) -> RunConfig:
+    """``fedtier cloud|cell|agent``'s config (``command``: which), refused unless signed (:func:`require_signed`)
+    and, from a federation's bundle, unless ``--serve`` (:func:`require_serve`)."""
+    cfg = load_deployment_or_exit(path, overrides)
+    require_serve(cfg, serve, command)
+    require_signed(cfg, insecure)
+    return cfg
 
 
 def check_keys(cfg: RunConfig, node: str) -> None:

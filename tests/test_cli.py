@@ -311,6 +311,23 @@ def test_a_bundles_config_read_from_another_folder_says_where_to_run_the_command
     assert res.exit_code != 0 and "relative to its own folder" not in said and "keys.toml" in said, said
 
 
+def test_a_node_started_from_a_federations_bundle_without_serve_is_told_to_serve(tmp_path):
+    """Walked: `fedtier agent config.toml --device c0-d0 --data data.npz` in a device's federation bundle, --serve
+    forgotten, said "error: data.npz: samples of 1x8x8, but the job's model takes mnist: 1x28x28" (exit 2): the bundle
+    holds no training config, so the one-job agent took the defaults' (and a cloud or cell so started would run that
+    job, taking the serving node's broker session). A federation's bundle (security.membership = 'roster') now
+    starts its cloud, cells and agents only with --serve, exit 2 saying so before anything connects."""
+    config = tmp_path / "config.toml"
+    config.write_text('[run]\nname = "fed"\n[broker]\nurl = "mqtt://127.0.0.1:1"\n[security]\nmembership = "roster"\n')
+    data = tmp_path / "data.npz"
+    data.write_bytes(b"")
+    for command in (["cloud"], ["cell", "--cell", "c0"], ["agent", "--device", "c0-d0", "--data", str(data)]):
+        res = CliRunner().invoke(main, [command[0], str(config), *command[1:], "--insecure"])
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2 and "this config is a federation's bundle (security.membership = 'roster')" in said
+        assert f"start it with --serve (`fedtier {command[0]} config.toml --serve ...`)" in said, said
+
+
 def test_the_record_commands_on_a_provisioning_folder_say_where_the_records_are(tmp_path):
     """``fedtier monitor OUT`` on what ``fedtier provision --out OUT`` wrote drew an empty frame ("fedtier monitor:
     ?  (0 cells)", and waited for ever without --once) and ``fedtier logs OUT`` said it "has no records": now the
