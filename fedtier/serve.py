@@ -29,14 +29,14 @@ def connect_forever(make: Callable[[], Any], stopping: threading.Event, what: st
         try:
             return make().connect()
         except ConnectionError as exc:
-            log.warning("%s: broker unreachable (%s) as it stops", what, exc)
+            log.warning("%s: cannot connect to the broker (%s) as it stops", what, exc)
             return None
     delay = 1.0
     while not stopping.is_set():
         try:
             return make().connect()
         except ConnectionError as exc:
-            log.warning("%s: broker unreachable (%s); retrying in %.0f s", what, exc, delay)
+            log.warning("%s: cannot connect to the broker (%s); retrying in %.0f s", what, exc, delay)
             stopping.wait(delay)
             delay = min(2 * delay, BACKOFF_MAX)
     return None

@@ -427,6 +427,27 @@ def test_a_first_connect_names_what_failed(loop) -> None:
     assert failure_kind(TimeoutError()) == "timed out"
 
 
+def test_a_connection_its_broker_refused_is_not_also_said_hung_up_on_before_accepting_it(loop, caplog) -> None:
+    """Walked: `fedtier agent --serve` with a wrong --password retried every few seconds, and every other attempt
+    said, after 'refused the connection: Not authorized', 'MQTT broker ... closed the connection ... (without TLS)
+    before accepting it: does its listener require TLS ...? Is this certificate revoked ...?': the broker's hang-up
+    after its refusing CONNACK, when it came before the failed connect closed the transport. A hang-up with no
+    CONNACK before it is still said so."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    t = MqttTransport("dev", loop, "127.0.0.1", free_port())
+    hang_up = ReasonCode(PacketTypes.DISCONNECT, "Unspecified error")
+    with caplog.at_level(logging.WARNING, logger="protocols.transport.mqtt"):
+        t._on_connect(t._client, None, None, ReasonCode(PacketTypes.CONNACK, "Not authorized"), None)
+        t._on_disconnect(t._client, None, None, hang_up, None)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "refused the connection: Not authorized" in said[0], said
+        t._on_disconnect(t._client, None, None, hang_up, None)  # the next attempt's, hung up before its CONNACK
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and "before accepting it" in said[1], said
+
+
 # -- reconnect -------------------------------------------------------------------------------
 
 

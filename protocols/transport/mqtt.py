@@ -69,6 +69,7 @@ class MqttTransport(Connecting, Inbound, Transport):
     _connect_error: ConnectionError | None = None
     _attempts = 0  # failed (re)connect attempts in a row
     _hung_ups = 0  # reconnects in a row hung up on before their CONNACK
+    _connack_refused = False  # the last CONNACK refused the connection (said): its hang-up that follows is no news
     # ... its subscriptions ...
     _sub_sending = 0  # SUBSCRIBEs decided on but not yet registered as pending
     _gen = 0  # connection generation: SUBACK bookkeeping of an older connection is void
@@ -354,6 +355,7 @@ class MqttTransport(Connecting, Inbound, Transport):
     # -- paho callbacks (network thread) ---------------------------------------------------
     def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, reason: Any, _props: Any) -> None:
         self._connack_reason = reason
+        self._connack_refused = reason.is_failure
         if reason.is_failure:
             log.warning("%s: broker %s:%s refused the connection: %s", self.client_id, self.host, self.port, reason)
             self._connack.set()
@@ -417,6 +419,8 @@ class MqttTransport(Connecting, Inbound, Transport):
                 why,
                 during,
             )
+        elif self._connack_refused:  # the broker's hang-up after its CONNACK refused the connection, said then
+            self._connack_refused = False
         elif self._hung_ups == 0:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why
             self._hung_ups = 1
             log.warning(
