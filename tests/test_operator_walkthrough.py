@@ -91,7 +91,7 @@ def test_a_node_started_with_the_wrong_certificate_fails_at_once_saying_why(
         "key values mismatch": ("client.crt", "../c0-d0/client.key"),
     }
     for why, (crt, key) in cases.items():  # the broker is not even up: the certificate is refused first
-        code, out, exc = _cli("cell", "config.toml", "--cell", "c0", "--certfile", crt, "--keyfile", key)
+        code, out, exc = _cli("cell", "config.toml", "--serve", "--cell", "c0", "--certfile", crt, "--keyfile", key)
         assert exc is None and code == 2 and "broker client certificate" in out and why in out, (exc, code, out)
     monkeypatch.chdir(fed / "nodes" / "cloud")
     code, out, exc = _cli("cloud", "config.toml", "--serve", "--ca-certs", str(other / "nodes" / "cloud" / "ca.crt"))
@@ -492,7 +492,7 @@ def test_error_messages_keep_the_config_sections_they_name(
     assert code == 2 and "a job may not set [broker]: each node's bundle does" in out, out
     monkeypatch.chdir(fed / "nodes" / "c0")
     Path("unsigned.toml").write_text(Path("config.toml").read_text().replace('keys = "keys.toml"\n', ""))
-    code, out, _ = _cli("cell", "unsigned.toml", "--cell", "c0")
+    code, out, _ = _cli("cell", "unsigned.toml", "--serve", "--cell", "c0")
     assert code == 2 and "the config has no [security] keys" in out, out
 
 
