@@ -38,7 +38,12 @@ def test_examples_are_valid():
         ({"data": {"dataset": "cifar10"}}, "data.dataset"),
         ({"runtime": {"quorum": 1.5}}, "runtime.quorum"),
         ({"run": {"name": "a/b"}}, "run"),
-        ({"model": {"name": "cnn4", "channels": [8, 16]}}, "model.channels: cnn4 needs 4 widths"),
+        ({"model": {"name": "cnn4", "channels": [8, 16]}}, "model.channels: cnn4 needs 4 widths, got [8, 16]"),
+        (  # walked: name = "cnn4" alone said 'got [32, 64]', widths the user never wrote
+            {"model": {"name": "cnn4"}},
+            "model.channels: cnn4 needs 4 widths, and the default, [32, 64], is cnn's: set them, e.g. channels = "
+            "[32, 64, 128, 256]",
+        ),
         ({"algorithm": {"name": "decomfl", "momentum": 1.0}}, "algorithm.momentum"),
     ],
 )

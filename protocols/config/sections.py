@@ -109,6 +109,12 @@ class ModelSection(Section):
             raise ValueError(f"model.{key} = {value} has no effect with name = {self.name!r}: it shapes {owners}")
         need = CHANNEL_WIDTHS.get(self.name)
         if need is not None and len(self.channels) != need:
+            if "channels" not in self.model_fields_set:  # cnn's default: the user set none, so say the fix
+                example = [32 * 2**i for i in range(need)]
+                raise ValueError(
+                    f"model.channels: {self.name} needs {need} widths, and the default, {list(self.channels)}, is "
+                    f"cnn's: set them, e.g. channels = {example}"
+                )
             raise ValueError(f"model.channels: {self.name} needs {need} widths, got {list(self.channels)}")
         return self
 
