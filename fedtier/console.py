@@ -24,7 +24,23 @@ if TYPE_CHECKING:
     from protocols.transport.mqtt import MqttTransport
     from protocols.wire.keys import PublicKeys
 
-console = SafeConsole(stderr=True)
+
+class CliConsole(SafeConsole):
+    """The CLI's stderr. Off a terminal (a journal, a log file, a pipe, a CI log) a printed line is never broken at
+    80 columns: `fedtier provision` said 'broker config in fed/broker (mosquitto -c' and 'fed/broker/mosquitto.conf)'
+    on two lines, `fedtier partition` and `fedtier report` broke their paths so, as a serving node's start line was.
+    A terminal wraps as before; a call may still say ``soft_wrap=``."""
+
+    @property
+    def soft_wrap(self) -> bool:
+        return not self.is_terminal
+
+    @soft_wrap.setter
+    def soft_wrap(self, value: bool) -> None:  # rich's constructor sets it: this console decides by its output
+        pass
+
+
+console = CliConsole(stderr=True)
 
 
 def output_console() -> SafeConsole:

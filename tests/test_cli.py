@@ -447,6 +447,19 @@ def test_a_serving_nodes_start_line_and_stop_summary_are_one_line_each_in_a_log(
     assert lines[1].startswith("cloud: served 40 jobs (job-0, ") and lines[1].endswith("when the cloud starts again")
 
 
+def test_a_commands_line_off_a_terminal_is_one_line_its_paths_whole(tmp_path):
+    """Walked: `fedtier provision` said 'broker config in fed/broker (mosquitto -c' and 'fed/broker/mosquitto.conf)' on
+    two lines in a log (rich's hard wrap at 80 columns off a terminal), `fedtier partition` 'start each agent' and
+    'with --data fed-data/<device>.npz'. The CLI's console never breaks a line off a terminal."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    out = tmp_path / ("a-folder-whose-name-is-long-enough-to-pass-80-columns" * 2)
+    res = CliRunner().invoke(main, ["partition", str(cfg), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    line = f"wrote 4 npz sources (1,438 samples) and test.npz to {out}; start each agent with --data {out}/<device>.npz"
+    assert line in res.output.splitlines(), res.output
+
+
 def test_a_log_record_off_a_terminal_is_one_line_however_long(monkeypatch):
     """A serving node's journal (stderr no terminal): rich's log handler wrapped a warning at 80 columns (two or three
     journal entries, a path in it broken where a word ended); wider, it padded every line with spaces. Now a record
