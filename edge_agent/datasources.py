@@ -286,6 +286,13 @@ def resolve_loader(spec: str) -> Callable[[str], Any]:
         raise DataSourceError(f"a loader is named module:function, not {spec!r}")
     try:
         fn = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module.partition(".")[0]:  # a module the loader imports: its own error says which
+            raise DataSourceError(f"cannot load the data loader {spec!r}: {exc}") from None
+        raise DataSourceError(  # (walked: myloader.py beside the bundle's config.toml, 'No module named ...')
+            f"cannot load the data loader {spec!r}: no module {module!r} on this Python's path (a loader's module is "
+            "imported, not looked for in the current folder: install it, or set PYTHONPATH to its folder)"
+        ) from None
     except (ImportError, AttributeError) as exc:
         raise DataSourceError(f"cannot load the data loader {spec!r}: {exc}") from None
     if not callable(fn):

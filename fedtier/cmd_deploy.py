@@ -355,7 +355,7 @@ def _run_cell(
     "images in one sub-folder per integer label (see `fedtier partition`).",
 )
 @click.option("--label-column", default="label", show_default=True, help="The label column of a CSV source.")
-@click.option("--loader", default=None, metavar="MODULE:FUNCTION", help="Read --data with your own (x, y) loader.")
+@click.option("--loader", metavar="MODULE:FUNCTION", help="Read --data: FUNCTION(path) -> (x, y); MODULE on PYTHONPATH")
 @click.option(
     "--backend",
     type=click.Choice(["torch", "onnx"]),

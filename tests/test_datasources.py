@@ -182,8 +182,13 @@ def test_a_users_loader_reads_another_format(tmp_path, monkeypatch):
     np.testing.assert_array_equal(got.data.y, [1, 0])
     with pytest.raises(DataSourceError, match="disk on fire"):
         load_source(DataSource(str(tmp_path / "d.txt"), loader="myreader:broken"))
-    with pytest.raises(DataSourceError, match="cannot load the data loader"):
+    with pytest.raises(DataSourceError, match="cannot load the data loader") as missing:
         load_source(DataSource(str(tmp_path / "d.txt"), loader="nomodule:read"))
+    assert "no module 'nomodule' on this Python's path" in str(missing.value)  # walked: beside a bundle's config
+    assert "set PYTHONPATH to its folder" in str(missing.value)
+    (tmp_path / "needsdep.py").write_text("import nomodule_dep\ndef read(path):\n    pass\n")
+    with pytest.raises(DataSourceError, match="No module named 'nomodule_dep'"):  # the loader's own import: as is
+        load_source(DataSource(str(tmp_path / "d.txt"), loader="needsdep:read"))
 
 
 def test_an_agent_given_a_bad_csv_says_so_and_exits_2(tmp_path):
