@@ -163,7 +163,7 @@ class AgentService:
         """Say why these devices cannot serve ``current`` (in full in their log), and put it in their idle statuses
         (``agents``, once they run), so the job's cells do not wait for them. What the statuses say of a file the
         job names is only its setting (``public_reason``): the job's signer learns no more of this device's files."""
-        say_cannot_serve(f"devices {', '.join(self.devices[:3])}", current.job, exc)
+        say_cannot_serve(self.who, current.job, exc)  # walked: 'devices c0-d2 cannot serve' of one device
         self.unfit = {"session": current.session, "reason": public_reason(exc)[:MAX_REASON]}
         if agents is not None:
             agents.cannot_serve(**self.unfit)

@@ -5,6 +5,7 @@ record, virtual time); its build is ``fedtier.serve``'s, up to the trainer."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import types
 from pathlib import Path
@@ -95,7 +96,9 @@ def test_a_forward_only_device_serves_a_job_with_its_own_onnx_model(tmp_path, on
         assert list(x0) == list(onnx_model[1]) and all(np.array_equal(x0[k], v) for k, v in onnx_model[1].items())
 
 
-def test_a_forward_only_device_refuses_for_that_job_one_that_needs_gradients_or_another_model(tmp_path, onnx_model):
+def test_a_forward_only_device_refuses_for_that_job_one_that_needs_gradients_or_another_model(
+    tmp_path, onnx_model, caplog
+):
     """A job the device cannot serve is refused for that job, the reason in its idle status (as a data mismatch is):
     one needing gradients (every task would have failed: 'OnnxTrainer cannot run SGD'), one whose model is not the
     onnx file's (the graph's inputs would not take its parameters), one whose x_0 is not the file's (another seed:
@@ -104,8 +107,10 @@ def test_a_forward_only_device_refuses_for_that_job_one_that_needs_gradients_or_
     from protocols.config import ConfigError
 
     own = DeviceBackend("onnx", str(onnx_model[0]))
-    _, why = _serve_one(tmp_path / "fedavg", "", own)
+    with caplog.at_level(logging.ERROR, logger="fedtier.jobs"):
+        _, why = _serve_one(tmp_path / "fedavg", "", own)
     assert why is not None and why.startswith(REFUSED_GRADIENTS), why
+    assert f"device c0-d0 cannot serve job j: {REFUSED_GRADIENTS}" in caplog.text  # one device: not 'devices c0-d0'
     _, why = _serve_one(tmp_path / "wider", DECOMFL, own, hidden=8)
     assert why == "the job's model is not this device's onnx model: hidden [8] (this device's model: [4])", why
     _, why = _serve_one(tmp_path / "seed", DECOMFL, own, seed=7)
