@@ -148,6 +148,10 @@ def _answer(session: _Session, record: dict[str, Any], job: str, wait: float) ->
         # a cloud that never connected has no session on the broker yet: a request now would reach nobody
         if session.read(topics.job_list(session.fed), "cloud", wait) is None:
             _fail(f"no cloud has served federation {session.fed!r} yet (no job list within {wait:g} s)", 1)
+        if cloud and cloud[-1].get("state") == "offline":  # said now: the wait for an answer is long and silent
+            print_error(
+                f"the cloud is offline (its last status): waiting up to {wait:g} s for it to answer", "note", "yellow"
+            )
         reply = session.request(record, job, wait)
     finally:
         session.close()

@@ -637,6 +637,8 @@ def test_fedtier_jobs_says_when_the_list_is_an_offline_clouds(
         code, out, exc = _cli("submit", "job.toml", "--config", "config.toml", "--wait", "1")
         assert exc is None and code == 1, out
         assert "the cloud is offline" in out and "the broker keeps this request for it" in out, out
+        # said before the wait too (walked: 30 s of silence, then the error)
+        assert out.startswith("note: the cloud is offline (its last status): waiting up to 1 s for it to answer"), out
 
 
 def test_a_long_lived_agent_gives_each_job_its_data_as_that_jobs_model_takes_it(
