@@ -373,6 +373,7 @@ TIMED: dict[str, list[tuple[str, str]]] = {
     "receive": [("protocols.wire.messenger", "Messenger.receive")],
     "device copies": [
         ("protocols.params", "sub"),
+        ("protocols.params", "sub_for_wire"),  # (a device's delta, made where its message will be)
         ("protocols.cohort_device", "CohortDeviceTrainer.set_params"),
         ("protocols.cohort_device", "CohortDeviceTrainer.get_params"),
         ("protocols.torch_trainer", "TorchTrainer.set_params"),

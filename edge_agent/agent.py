@@ -312,6 +312,8 @@ class DeviceAgent:
         if result is None:  # the cell hears why at once (recorded per reason), rather than at its deadline
             log.warning("device %s: task %d.%d failed: %s", self.device, h.round, h.edge_round, error)
             result = failed_payload(f"{error}")
+        if result.headroom is not None:  # its tensors made where its message will be: sealed and checked once
+            result.headroom.seal(result)
         why = nonfinite(result)
         if why is not None:  # the cell records it and leaves it out of the aggregate
             log.warning("device %s diverged in round %d.%d: %s", self.device, h.round, h.edge_round, why)

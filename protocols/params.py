@@ -12,6 +12,7 @@ import numpy as np
 
 from .rejections import Rejected, RejectKind
 from .wire.payload import all_finite
+from .wire.wire_record import WireRecord, wire_record
 
 Params = "OrderedDict[str, np.ndarray]"
 
@@ -26,6 +27,27 @@ def copy(params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def sub(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return OrderedDict((k, a[k] - b[k]) for k in a)
+
+
+def sub_for_wire(
+    a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], WireRecord | None]:
+    """:func:`sub`, each difference written where its message will be (a :class:`WireRecord`'s arrays, the same
+    values: a result framed once is then framed without copying them, ``Messenger.frame_once``), and the record (set
+    it as the payload's ``headroom``); the plain :func:`sub` and ``None`` where a difference is not an array of the
+    wire's dtypes as they are."""
+    specs = []
+    for k in a:
+        x, y = a[k], b[k]
+        if type(k) is not str or not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray) or x.shape != y.shape:
+            return sub(a, b), None
+        specs.append((k, x.shape, np.result_type(x, y)))
+    record = wire_record(specs)
+    if record is None:
+        return sub(a, b), None
+    for k, out in record.arrays.items():
+        np.subtract(a[k], b[k], out=out)
+    return OrderedDict(record.arrays), record
 
 
 def add(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], scale: float = 1.0) -> dict[str, np.ndarray]:

@@ -202,9 +202,12 @@ class FedAvgDevice(DeviceRole):
             weight_decay=self.p.weight_decay,
             **options,
         )
-        delta = P.sub(trainer.params_view(), task.tensors)  # read once: no copy where the trainer can
+        # read once (no copy where the trainer can), written where its message will be (framed without a copy)
+        delta, record = P.sub_for_wire(trainer.params_view(), task.tensors)
         out = self.codec.encode(delta, uplink_seed(ctx) if self.codec.seeded else 0)
         out.meta.update({"weight": len(data), "loss": stats.loss, "steps": stats.steps})
+        if record is not None and record.holds(out.tensors):  # the delta as it is (dense): framed where it is
+            out.headroom = record
         return out
 
 

@@ -150,13 +150,14 @@ class Messenger:
     ) -> bytes | memoryview:
         """:meth:`frame` for a payload sent once (a device's result): its encoding is not kept for a next message
         (nor its arrays alive with it). A payload decoded from lent bytes with room before them (a sim worker's
-        result: ``Payload.headroom``) is framed there, in place: the same bytes as :meth:`frame`'s, without a copy
-        of the payload (a read-only view of the lent record, which stays lent as long as the message is kept)."""
+        result: ``Payload.headroom``), or whose tensors were made where its message will be (a device's delta,
+        :class:`~protocols.wire.wire_record.WireRecord`), is framed there, in place: the same bytes as :meth:`frame`'s,
+        without a copy of the payload (a read-only view of the record, kept as long as the message is)."""
         room = payload.headroom
-        whole = room.encodes(payload) if room is not None else None  # still the lent bytes: not encoded again
+        in_place = room.parts_of(payload) if room is not None else None  # its bytes where they are: no copy
         parts: Parts
-        if whole is not None:
-            parts, size = [whole], whole.nbytes
+        if in_place is not None:
+            parts, size = in_place, parts_size(in_place)
             self._encoded, self._shared = {}, None  # (as _payload_bytes without keep)
         else:
             parts, size = self._payload_bytes(payload, keep=False)

@@ -94,10 +94,15 @@ def payload_parts(payload: Payload) -> Parts:
         else:
             code = code or _code(arr)
             le = arr.astype(DTYPES[code], order="C", copy=False)  # (ascontiguousarray would make 0-d arrays 1-d)
-        name_b = name.encode()
-        parts.append(struct.pack(f"<H{len(name_b)}sBB{le.ndim}I", len(name_b), name_b, code, le.ndim, *le.shape))
+        parts.append(tensor_descriptor(name, code, le.shape))
         parts.append(le.reshape(-1).view(np.uint8))  # a view: its bytes are the array's (C order, little-endian)
     return parts
+
+
+def tensor_descriptor(name: str, code: int, shape: tuple[int, ...]) -> bytes:
+    """A tensor's descriptor in a payload's table: name length, name, dtype code, ndim, shape (its values follow)."""
+    name_b = name.encode()
+    return struct.pack(f"<H{len(name_b)}sBB{len(shape)}I", len(name_b), name_b, code, len(shape), *shape)
 
 
 def parts_size(parts: Parts) -> int:
@@ -203,6 +208,10 @@ class Lent(np.ndarray):
     """A message framed in place (:meth:`Headroom.frame`) whose payload is bytes decoded as checked finite (their
     sender, a process of this run, checked every float, or the decoding read them): its receiver need not read them
     again (:meth:`~protocols.wire.messenger.Messenger.receive`; they never change while the message exists)."""
+    squares: dict[int, float] | None = None
+    """With ``checked``: the sum of squares the sender's check took of each float tensor, by where its values start
+    in the payload (:class:`~protocols.wire.wire_record.WireRecord`: the same memory the receiver views), which the
+    decoding remembers as :func:`known_squares` (a cell's update norm of the result needs no pass of it either)."""
 
 
 class Headroom:
@@ -238,6 +247,15 @@ class Headroom:
             return None
         self._whole = self._record[self.size :]
         return self._whole
+
+    def seal(self, payload: Payload) -> None:
+        """Nothing to do: a lent payload's floats were checked where it was decoded (a record made for a message,
+        ``protocols.wire.wire_record.WireRecord``, checks its own here)."""
+
+    def parts_of(self, payload: Payload) -> Parts | None:
+        """``payload``'s encoding for :meth:`frame` where it is still the lent bytes (:meth:`encodes`); else None."""
+        whole = self.encodes(payload)
+        return None if whole is None else [whole]
 
     def frame(self, head: bytes, parts: Parts) -> memoryview | None:
         """The message ``head`` (an envelope, ``envelope_head``) + the payload, framed in place (a read-only view of
@@ -298,10 +316,11 @@ def immutable(arr: np.ndarray) -> bool:
     return isinstance(base, bytes) and not arr.flags.writeable
 
 
-def _finite(arr: np.ndarray, name: str, read: bool, remember: bool) -> None:
+def _finite(arr: np.ndarray, name: str, read: bool, remember: bool, known: float | None = None) -> None:
     """``decode_payload``'s finiteness of a float tensor: ``read`` it (:class:`WireError` if not finite), or take
-    it as checked by its sender; ``remember`` it as finite (a view of immutable bytes: checked once for good)."""
-    finite, squares = _finite_squares(arr) if read and arr.size else (True, None)
+    it as checked by its sender (with the sum of squares it took, where ``known``); ``remember`` it as finite (a view
+    of immutable bytes: checked once for good)."""
+    finite, squares = _finite_squares(arr) if read and arr.size else (True, known)
     if not finite:
         raise WireError(RejectKind.NON_FINITE, f"tensor {name!r} has non-finite values")
     if remember:
@@ -345,6 +364,7 @@ def decode_payload(
     end = buf.nbytes
     share = views and isinstance(buf.obj, (bytes, Lent))  # not a bytearray or other buffer someone could change
     headroom = buf.obj.headroom if share and isinstance(buf.obj, Lent) else None
+    squares = buf.obj.squares if checked and share and isinstance(buf.obj, Lent) else None  # (the sender's)
     meta, meta_end = _decode_meta(buf, end)
     viewed_all = True
     tensors: dict[str, np.ndarray] = {}
@@ -356,7 +376,8 @@ def decode_payload(
             # the one copy of the tensor's bytes: out of the message, into an array of its own (writable, native)
             arr = arr.astype(dtype.newbyteorder("="), copy=True)
         if arr.dtype.kind == "f" and (require_finite or checked):
-            _finite(arr, name, require_finite, viewed and nbytes >= _REMEMBER_BYTES)
+            known = squares.get(meta_end + at) if squares is not None and viewed else None
+            _finite(arr, name, require_finite, viewed and nbytes >= _REMEMBER_BYTES, known)
         if name in tensors:
             raise WireError(RejectKind.MALFORMED, f"tensor {name!r} appears twice")
         tensors[name] = arr
