@@ -162,6 +162,9 @@ def _read(path: Path) -> tuple[Rounds, _CellRecords, BadLines]:
                 f"{path}: cell {whose}'s job folder (job {jobs[0]['job']}): its own aggregation records only; "
                 "the job's rounds, which a report plots, are in the cloud's job folder"
             )
+        if ends := RunDirFollower(path).states_of(read_summary(path)):  # walked: a job failed at once said only this
+            how = ": ".join(filter(None, (ends[-1]["phase"], ends[-1].get("reason"))))
+            raise ValueError(f"{path}: no round to plot: the run ended before its first round closed ({how})")
         raise ValueError(f"{path}: no cloud round records in {runfiles.METRICS}")
     cells = _CellRecords(rounds.last.round + 1)
     for r in _stream(path, bad):

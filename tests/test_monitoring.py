@@ -573,6 +573,24 @@ def test_the_monitor_on_a_cells_own_job_folder_says_whose_it_is_and_how_the_job_
     assert RunDirFollower(folder).cell_folder() == []
 
 
+def test_a_report_of_a_job_that_failed_before_its_first_round_says_how_it_ended(tmp_path):
+    """Walked: `fedtier report runs/fed/jobs/job-n` of a job the cloud failed at once (its model not its held-out
+    set's) said "no cloud round records in metrics.jsonl", a file the folder does not even have; its summary.json
+    says why the job failed. The report says it now (exit 1 still: nothing to plot)."""
+    folder = tmp_path / "job-n"
+    folder.mkdir()
+    why = "test.npz: samples of 1x8x8, but the job's model takes mnist: 1x28x28"
+    (folder / runfiles.SUMMARY).write_text(
+        json.dumps({"run": "fed", "job": "job-n", "status": "failed", "failed": why})
+    )
+    res = CliRunner().invoke(main, ["report", str(folder)])
+    said = " ".join(res.output.split())
+    assert (
+        res.exit_code == 1 and f"no round to plot: the run ended before its first round closed (failed: {why})" in said
+    )
+    assert "no cloud round records" not in said, said
+
+
 def test_a_cells_job_record_that_cannot_be_replaced_leaves_the_last_one_whole_and_no_temporary_file(
     tmp_path, monkeypatch
 ):
