@@ -8,8 +8,10 @@ import time
 from rich.console import Console
 from rich.live import Live
 
+from protocols.records import Record
+
 from .log_lines import LineLog
-from .sources import RunDirFollower, TelemetryFeed, wait_quiet
+from .sources import RunDirFollower, Status, TelemetryFeed, wait_quiet
 from .state import MonitorState, job_entries
 from .view import CellFilter, render
 
@@ -25,30 +27,45 @@ class LiveView:
 
     def pull(self, feed: RunDirFollower | TelemetryFeed) -> None:
         """Everything new from ``feed`` into the state (a new run in a followed folder starts a fresh one; a folder's
-        backlog is folded in a bounded piece at a time)."""
+        backlog is folded in a bounded piece at a time; live telemetry in the order it came)."""
+        if isinstance(feed, TelemetryFeed):
+            self._pull_live(feed)
+            return
         while True:
             records, bad, statuses = feed.poll()
-            if isinstance(feed, RunDirFollower) and feed.restarts != self.restarts:  # a new run in the folder
+            if feed.restarts != self.restarts:  # a new run in the folder
                 self.restarts = feed.restarts
                 self.state = MonitorState(drop_ratio=self.drop_ratio, deadline=self.deadline)
-            live = isinstance(feed, TelemetryFeed)
-            self.state.add_all(records, bad, received=time.time() if live else None)  # a folder: the records' time
-            for node, s, heartbeat, age in statuses:  # (age: of a retained idle record, from its published time)
-                self.state.add_status(node, s, time.time() - age, heartbeat)
-            if not (isinstance(feed, RunDirFollower) and feed.pending):
+            self._add(records, statuses, None)  # a folder: the records' time
+            self.state.bad.extend(bad)
+            if not feed.pending:
                 break
-        current = feed.poll_states()  # a folder: the end summary.json says (or the run.lock nobody holds)
+        current = feed.poll_states()  # the end summary.json says (or the run.lock nobody holds)
         for each in current:
             self.state.add_state(each)
-        if isinstance(feed, RunDirFollower) and not current:  # the folder's run goes on (again: --resume)
+        if not current:  # the folder's run goes on (again: --resume)
             self.state.clear_end()
-        if isinstance(feed, RunDirFollower):  # a cell's own job folder says so (it holds no cloud's records)
-            self.state.cell_folder = feed.cell_folder()
-        if isinstance(feed, TelemetryFeed):  # a folder: the cloud's round records name the revoked cells
-            self.state.add_revoked(feed.poll_revoked())
-            jobs = feed.poll_jobs()  # a federation's: what ended before this monitor came (telemetry is not kept)
-            if jobs is not None:
-                self.state.jobs = job_entries(jobs)
+        self.state.cell_folder = feed.cell_folder()  # a cell's own job folder says so (it holds no cloud's records)
+
+    def _pull_live(self, feed: TelemetryFeed) -> None:
+        """Live telemetry, records and statuses taken up to each state that came after them, then that state."""
+        (records, bad, statuses), states = feed.poll_in_order()
+        now, taken, heard = time.time(), 0, 0
+        for at, said, state in states:
+            self._add(records[taken:at], statuses[heard:said], now)
+            taken, heard = at, said
+            self.state.add_state(state)
+        self._add(records[taken:], statuses[heard:], now)
+        self.state.bad.extend(bad)
+        self.state.add_revoked(feed.poll_revoked())  # the cloud's round records name the revoked cells
+        jobs = feed.poll_jobs()  # a federation's: what ended before this monitor came (telemetry is not kept)
+        if jobs is not None:
+            self.state.jobs = job_entries(jobs)
+
+    def _add(self, records: list[Record], statuses: list[Status], received: float | None) -> None:
+        self.state.add_all(records, received=received)
+        for node, s, heartbeat, age in statuses:  # (age: of a retained idle record, from its published time)
+            self.state.add_status(node, s, time.time() - age, heartbeat)
 
     def follow(
         self, feed: RunDirFollower | TelemetryFeed, once: bool, wait: float, refresh: float, exit_when_done: bool

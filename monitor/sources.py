@@ -272,7 +272,7 @@ class TelemetryFeed:
         self._bad: list[BadLine] = []
         self._statuses: list[Status] = []
         self._heard: set[str] = set()  # nodes with a status already (a first one comes retained)
-        self._states: list[dict] = []
+        self._states: list[tuple[int, int, dict]] = []  # each with how many records and statuses came before it
         self._revoked: dict[str, str] = {}  # node -> why, from the newest signed roster
         self._roster_version: int | None = None  # of the newest roster taken
         self._jobs: list[dict] | None = None  # the cloud's newest (signed) job list not yet polled
@@ -348,13 +348,22 @@ class TelemetryFeed:
         state = decode_state(data, topic, self.keys) if data else None
         if state is not None:
             with self._lock:
-                self._states.append(state)
+                self._states.append((len(self._records), len(self._statuses), state))
 
     def poll_states(self) -> list[dict]:
         """The current-state records (``protocols.state``) that arrived since the last call."""
         with self._lock:
             states, self._states = self._states, []
-        return states
+        return [state for _, _, state in states]
+
+    def poll_in_order(self) -> tuple[Batch, list[tuple[int, int, dict]]]:
+        """:meth:`poll` and :meth:`poll_states` at once, each state with how many of the batch's records and statuses
+        came before it: a federation's next job begins between them (the cloud's state says it), and a view that took
+        every record first and the states after forgot the new job's first rounds with the ended one's."""
+        with self._lock:
+            batch, states = (self._records, self._bad, self._statuses), self._states
+            self._records, self._bad, self._statuses, self._states = [], [], [], []
+        return batch, states
 
     def _on_record(self, topic: str, data: bytes) -> None:
         with self._lock:

@@ -470,6 +470,45 @@ def test_a_live_monitor_shows_a_cell_the_signed_roster_revoked_as_revoked_betwee
     assert "cell c1 revoked (roster version 3) by the federation: out of the job" in view.state.alerts(time.time())
 
 
+def test_a_live_monitor_takes_a_new_jobs_records_that_came_with_its_start_in_one_pull():
+    """Walked: `fedtier monitor --config config.toml --exit-when-done` started right after `fedtier submit` of a short
+    job drew 'cloud finished after round 30/30 (ended before this monitor started ...)' and its cells 'last seen:
+    never': during its first listen the broker handed the ended job's retained end state, then the new job's start,
+    rounds, statuses and end, and the view took every record first and the states after, so the new job's start
+    forgot the new job's own rounds and cells' sightings. They are taken in the order they came now."""
+    from rich.console import Console
+
+    from monitor.live import LiveView
+    from protocols.state import publish_state
+    from protocols.status import idle_status
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire import topics
+    from protocols.wire.signed import seal_record
+
+    hub = MemoryHub()
+    node = hub.connect("nodes")
+    publish_state(node, "fed", "cloud", "finished", since=100.0, started=90.0, round=29, rounds=30)  # job A's, retained
+    hub.loop.run()
+    feed = TelemetryFeed(hub.connect("monitor"), "fed").start()
+    publish_state(node, "fed", "cloud", "starting", since=130.0, started=130.0)  # job B
+    status = topics.status("fed", "cell.c0")
+    node.publish(status, idle_status(status, None), retain=True)
+    for rnd in range(3):
+        cloud, cell = topics.telemetry_cloud("fed"), topics.telemetry_cell("fed", "c0")
+        node.publish(cell, seal_record(_cell(rnd, "c0", 4, 131.0 + rnd).to_dict() | {"run": "fed"}, cell, None))
+        record = RoundRecord(
+            run="fed", round=rnd, rounds=3, closed_by="all reported", cells_reported=["c0"], duration_s=0.1, time=131.0
+        )
+        node.publish(cloud, seal_record(record.to_dict(), cloud, None))
+    publish_state(node, "fed", "cloud", "finished", since=134.0, started=130.0, round=2, rounds=3)
+    hub.loop.run()
+    view = LiveView(0.75, None, CellFilter(), Console(file=io.StringIO()))
+    view.pull(feed)  # all of it at once, as after the first listen
+    assert view.state.finished and view.state.cloud is not None and view.state.cloud.round == 2, view.state.cloud
+    assert view.state.cells["c0"].last is not None and view.state.cells["c0"].last_seen is not None
+    assert "ended before this monitor started" not in render_text(view.state, now=135.0)
+
+
 def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
     state = MonitorState()
     state.add(_cell(0, "c0", 4, 100.0))
