@@ -43,6 +43,7 @@ class ClockModel:
         steps_of: Callable[[str], int] | None = None,
     ) -> None:
         self.c = clock
+        self._enabled = clock_modelled(clock)  # (asked by every agent a simulation builds)
         self.default_steps = max(1, default_steps)
         self.steps_of = steps_of
         self.rates = {
@@ -61,7 +62,7 @@ class ClockModel:
 
     @property
     def enabled(self) -> bool:
-        return clock_modelled(self.c)
+        return self._enabled
 
     def link_delay(self, topic: str, nbytes: int) -> float:
         tier = tier_of(topic)

@@ -159,3 +159,45 @@ def test_a_topics_subscriptions_are_looked_up_once_until_a_subscription_changes(
     a.publish("r/d1/result", b"4")
     hub.loop.run()
     assert lookups == ["r/d1/result"] * 3 and got[3:] == [("a", b"3"), ("b", b"3"), ("b", b"4")]
+
+
+def test_a_subscription_that_comes_or_goes_looks_up_again_only_the_topics_it_matches(monkeypatch):
+    """A sim's device agent subscribes its own task topic as it is built and unsubscribes as it is dropped: only the
+    topics its pattern matches are looked up again, not every topic the run publishes on (each was, every round);
+    what each subscriber gets is as before."""
+    hub = MemoryHub()
+    lookups: list[str] = []
+    match = hub._match
+    monkeypatch.setattr(hub, "_match", lambda topic: lookups.append(topic) or match(topic))
+    got: list[tuple[str, str]] = []
+    cell, pop, d1 = hub.connect("cell"), hub.connect("population"), hub.connect("d1")
+    cell.subscribe("r/+/result", lambda t, p: got.append(("cell", t)))
+    pop.subscribe("t/+/task", lambda t, p: got.append(("pop", t)))
+    topics = ["r/d1/result", "r/d2/result", "t/d1/task", "t/d2/task"]
+
+    def publish_all() -> None:
+        for topic in topics:
+            cell.publish(topic, b"x")
+        hub.loop.run()
+
+    publish_all()
+    d1.subscribe("t/d1/task", lambda t, p: got.append(("d1", t)))  # exact: that topic alone
+    publish_all()
+    d1.subscribe("t/+/#", lambda t, p: got.append(("d1#", t)))  # a wildcard: the topics it matches
+    publish_all()
+    d1.close()  # both gone: the topics they matched
+    publish_all()
+    assert lookups == [*topics, "t/d1/task", "t/d1/task", "t/d2/task", "t/d1/task", "t/d2/task"]
+    each = [("cell", "r/d1/result"), ("cell", "r/d2/result"), ("pop", "t/d1/task"), ("pop", "t/d2/task")]
+    assert got == [
+        *each,
+        *each[:3],
+        ("d1", "t/d1/task"),
+        each[3],
+        *each[:3],
+        ("d1", "t/d1/task"),
+        ("d1#", "t/d1/task"),
+        each[3],
+        ("d1#", "t/d2/task"),
+        *each,
+    ]

@@ -22,6 +22,7 @@ A round, as the runtimes drive it::
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ class ModelSpec(BaseModel):
         zoo's; a registered model (``protocols.plugins.register_model``) is built once and counted."""
         if self.name in plugins.MODELS:
             return plugins.registered_num_params(self.name, self.input_shape, self.num_classes)
+        return _zoo_num_params(self)
+
+    def _zoo_count(self) -> int:
         n_in, k = int(np.prod(self.input_shape)), self.num_classes
         if self.name == "cnn4":
             c, h, w = self.input_shape if len(self.input_shape) == 3 else (1, *self.input_shape[-2:])
@@ -89,6 +93,12 @@ class ModelSpec(BaseModel):
             return (c * 25 + 1) * c1 + (c1 * 25 + 1) * c2 + head
         widths = [n_in, *(self.hidden if self.name == "mlp" else ()), k]
         return sum((a + 1) * b for a, b in zip(widths, widths[1:]))
+
+
+@functools.lru_cache(maxsize=256)
+def _zoo_num_params(spec: ModelSpec) -> int:
+    """A zoo model's parameter count, counted once a spec (a frozen model: every agent a simulation builds asks)."""
+    return spec._zoo_count()
 
 
 _T = TypeVar("_T")

@@ -120,10 +120,20 @@ class MemoryHub:
             sides = self._reached[topic] = frozenset(sub.side for sub in self._matching(topic))
         return sides
 
-    def _forget_routes(self) -> None:
-        """Drop the routes kept (a subscription changed, or too many topics were kept)."""
-        self._routes.clear()
-        self._reached.clear()
+    def _forget_routes(self, pattern: str | None = None) -> None:
+        """Drop the routes kept of the topics ``pattern`` matches (a subscription to it came or went: only their
+        subscribers changed), or all of them (too many topics were kept). A sim's device agent subscribes its own
+        task topic as it is built and leaves when idle: every topic was matched again every round."""
+        if pattern is None:
+            self._routes.clear()
+            self._reached.clear()
+        elif _literal_key(pattern) is None:  # one topic
+            self._routes.pop(pattern, None)
+            self._reached.pop(pattern, None)
+        else:
+            for topic in [t for t in self._routes.keys() | self._reached.keys() if topic_matches(pattern, t)]:
+                self._routes.pop(topic, None)
+                self._reached.pop(topic, None)
 
     def _match(self, topic: str) -> list[_Sub]:
         exact = self._exact.get(topic)
@@ -210,7 +220,7 @@ class MemoryHub:
         return [t for t in self._retained if topic_matches(pattern, t)]
 
     def _subscribe(self, client_id: str, pattern: str, handler: Handler, segments: bool, side: int | None) -> None:
-        self._forget_routes()
+        self._forget_routes(pattern)
         key = _literal_key(pattern)
         group = self._exact.setdefault(pattern, {}) if key is None else self._wild.setdefault(key, {})
         sub = _Sub(next(self._seq), client_id, pattern, handler, group, segments, side)
@@ -223,9 +233,9 @@ class MemoryHub:
         mine = self._by_client.get(client_id)
         if not mine:
             return
-        self._forget_routes()
         for seq, sub in list(mine.items()):
             if pattern is None or sub.pattern == pattern:
+                self._forget_routes(sub.pattern)
                 del mine[seq], sub.group[seq]
                 if not sub.group:
                     key = _literal_key(sub.pattern)
