@@ -181,6 +181,8 @@ def revoke(out: str | Path, node: str) -> Change:
         gone, cell = [node, *topo.device_ids(node)], node
     elif (home := topo.cell_of(node)) is not None:
         gone, cell = [node], home
+    elif node in fed.roster.revoked:  # walked: it said "not a cell or a device" of a node revoked before
+        raise MembershipError(f"{node!r} is revoked already (roster version {fed.roster.version}): nothing to do")
     else:
         raise MembershipError(f"{node!r} is not a cell or a device of federation {fed.name!r}")
     if len(topo.cell_ids()) == 1 and node == cell:

@@ -477,6 +477,17 @@ def test_a_cells_rotated_key_reaches_its_devices_through_the_roster(tmp_path: Pa
         device.trust.verify("c0", task, Trust("c0", old, {}).sign(task))
 
 
+def test_revoking_a_node_revoked_before_says_so(tmp_path: Path) -> None:
+    """Walked: `fedtier provision revoke --out fed c1-d1` a second time said "'c1-d1' is not a cell or a device of
+    federation 'fed'", as of a mistyped id. Exit 2 still (nothing changed), saying it is revoked already."""
+    fed = _provision(tmp_path, free_port())
+    assert _cli("provision", "revoke", "--out", str(fed), "c0-d1", "--no-publish")[0] == 0
+    code, out, exc = _cli("provision", "revoke", "--out", str(fed), "c0-d1", "--no-publish")
+    assert exc is None and code == 2 and "'c0-d1' is revoked already (roster version 2): nothing to do" in out, out
+    code, out, _ = _cli("provision", "revoke", "--out", str(fed), "c0-d9", "--no-publish")
+    assert code == 2 and "'c0-d9' is not a cell or a device of federation 'fed'" in out, out
+
+
 def test_error_messages_keep_the_config_sections_they_name(
     reachable_tmp: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
