@@ -9,7 +9,7 @@ import click
 
 from fedtier.cli import auth_options, main
 from fedtier.cli_types import Finite
-from fedtier.console import console, fail, live_connection, live_target, public_keys_or_exit
+from fedtier.console import fail, live_connection, live_target, output_console, public_keys_or_exit
 
 
 @main.command()
@@ -71,4 +71,4 @@ def fleet(
         for row in view.rows():
             click.echo(json.dumps(row.as_dict(now), sort_keys=True))
         return
-    console.print(render(view))
+    output_console().print(render(view))  # stdout, as `fedtier jobs`' table: `fedtier fleet > file` wrote nothing

@@ -267,7 +267,7 @@ def render(fleet: Fleet, now: float | None = None) -> Any:
     title += f", {revoked} revoked" if revoked else ""
     if fleet.refused:
         title += f", {fleet.refused} status records refused"
-    # at 80 columns (a pipe's width) the node, its role, cell, state and when it was heard stay whole: only the
+    # at 80 columns (a narrow terminal) the node, its role, cell, state and when it was heard stay whole: only the
     # capabilities and the detail wrap onto more lines (no vertical rules, one space between columns)
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("node", "role", "cell", "state", "heard", "capabilities", "detail"):

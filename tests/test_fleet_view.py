@@ -257,6 +257,7 @@ def test_fleet_lists_every_node_of_a_live_run_with_its_capabilities(tmp_path):
     config.write_text(CONFIG.format(out=tmp_path / "out"))
     cfg = load_config(config)
     seen: list[list[dict]] = []
+    tables: list = []  # click.testing.Result
     with EmbeddedBroker() as broker:
 
         def during_round(_record: dict) -> None:
@@ -270,10 +271,14 @@ def test_fleet_lists_every_node_of_a_live_run_with_its_capabilities(tmp_path):
             res = CliRunner().invoke(main, fleet)  # in this process: no Python process to start
             assert res.exit_code == 0 and res.exception is None, res.output
             seen.append([json.loads(line) for line in res.stdout.splitlines()])
+            tables.append(CliRunner().invoke(main, fleet[:-2] + ["0.5"]))  # the table (on stderr, it was)
 
         Emulation(cfg, broker_url=broker.url, on_round=during_round).run()
     rows = {r["node"]: r for r in seen[0]}
     assert set(rows) == {"cloud", "c0", "c0-d0", "c0-d1"} and all(r["state"] == "online" for r in rows.values())
+    table = tables[0]  # on stdout, as `fedtier jobs`' (`fedtier fleet > file` wrote nothing there)
+    assert table.exit_code == 0 and table.stdout.startswith("fleet fleetview: "), table.output
+    assert "c0-d1" in table.stdout and not table.stderr, table.output
     assert rows["c0"]["devices_total"] == 2 and rows["cloud"]["session"]
     caps = machine_caps()
     for device in ("c0-d0", "c0-d1"):
