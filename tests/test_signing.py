@@ -67,6 +67,12 @@ def test_keys_file_roundtrip_subsets_and_errors(tmp_path: Path) -> None:
         node_subset(KeyRing({"c0-d1": ring.private["c0-d1"]}, {}), topo, "c0-d1")
     with pytest.raises(KeysError, match="not in the topology"):
         node_subset(ring, topo, "c9-d0")
+    with pytest.raises(KeysError) as other:  # c1's bundle, run as c0: which node the file is for
+        node_subset(c, topo, "c0")
+    assert str(other.value) == (
+        "the private key of 'c0' is missing from the keys file (it holds the private key of 'c1': another node's "
+        "file (its bundle)?)"
+    )
     old = tmp_path / "old.toml"  # the HMAC keys file of an older fedtier
     old.write_text('[keys]\n"cloud" = "' + "ab" * 32 + '"\n')
     with pytest.raises(ConfigError, match="older fedtier.*fedtier keys CONFIG --out"):

@@ -107,8 +107,10 @@ def node_subset(ring: KeyRing, topology: TopologySection, node: str, strict: boo
     (a federation whose membership changed since the file was written): peers without a key are left out,
     and their messages refused until the cloud's signed roster brings their keys."""
     wanted = [node, *peers_of(topology, node)]
-    if node not in ring.private:
-        raise KeysError(f"the private key of {node!r} is missing")
+    if node not in ring.private:  # walked: `fedtier cell --serve --cell c1` run in c0's bundle said only this
+        held = ", ".join(repr(n) for n in ring.private)
+        why = f"it holds the private key of {held}: another node's file (its bundle)?" if held else "it holds none"
+        raise KeysError(f"the private key of {node!r} is missing from the keys file ({why})")
     public = dict(ring.public)
     public.setdefault(node, public_of(ring.private[node]))
     missing = [n for n in wanted if n not in public]
