@@ -129,6 +129,9 @@ def test_receivers_of_a_shared_task_read_one_buffer_that_none_of_them_can_change
     checks: list[int] = []
     finite_squares = payload_module._finite_squares  # every read of an array for finiteness (decoding's too)
     monkeypatch.setattr(payload_module, "_finite_squares", lambda a: checks.append(a.size) or finite_squares(a))
+    decodes: list[int] = []  # the shared payloads decoded (by their bytes' length)
+    decode = messenger_module.decode_payload
+    monkeypatch.setattr(messenger_module, "decode_payload", lambda d, **k: decodes.append(len(d)) or decode(d, **k))
     task = _task()
     sent = [cell.send(_topic(d), "device_task", task, round=1, cell=CELL) for d in DEVICES]
     hub.loop.run()
@@ -147,8 +150,14 @@ def test_receivers_of_a_shared_task_read_one_buffer_that_none_of_them_can_change
         np.frombuffer(shared, np.uint8)[0] = 1
     with pytest.raises(TypeError):
         memoryview(shared)[0] = 1  # type: ignore[index]
+    # the shared bytes' next receivers take their first receiver's decoding (the same read-only views, not parsed
+    # again) with a metadata and a table of their own: what one changes there, the others do not see
+    third = got["c0-d2"][0]
+    assert third.payload.tensors["w"] is second.payload.tensors["w"] and len(decodes) == 2  # the joined, the shared
     first.payload.tensors["w"] = np.zeros_like(w)  # its own decoding: the others' are not it
-    np.testing.assert_array_equal(second.payload.tensors["w"], task.tensors["w"])
+    second.payload.tensors["w"], second.payload.meta["from"] = np.zeros_like(w), 9
+    np.testing.assert_array_equal(third.payload.tensors["w"], task.tensors["w"])
+    assert third.payload.meta == task.meta
     with pytest.raises(TypeError):  # segments are immutable bytes, nothing writable lent in their place
         Segments(bytearray(b"FTW1"), SharedPayload(b""))  # type: ignore[arg-type]
     with pytest.raises(TypeError):

@@ -101,7 +101,7 @@ class SharedPayload:
     signatures checked over them) and, once a receiver of this process checked their floats finite, not read for it
     again (``finite``: set by ``Messenger.receive`` only)."""
 
-    __slots__ = ("data", "start", "_digest", "finite")
+    __slots__ = ("data", "start", "_digest", "finite", "decoded")
 
     def __init__(self, data: bytes, start: int = 0, digest: bytes | None = None) -> None:
         """``digest``: the sha256 of ``data[start:]`` where the framing that made ``data`` computed it already."""
@@ -112,6 +112,7 @@ class SharedPayload:
         self.data, self.start = data, start
         self._digest = digest
         self.finite = False
+        self.decoded: Any = None  # its first receiver's decoding (a Payload), as decoded: Messenger.receive's
 
     def __len__(self) -> int:
         return len(self.data) - self.start

@@ -8,6 +8,7 @@ it never reaches a role.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -278,9 +279,7 @@ class Messenger:
             if repeat and not repeats:
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
                 return None
-            known = shared.finite
-            payload = decode_payload(shared.view(), require_finite=not known, views=True, checked=known)
-            shared.finite = True
+            payload = _decoded(shared)
         except WireError as exc:
             self.reject(topic, exc.kind, str(exc), None)
             return None
@@ -316,3 +315,16 @@ class Messenger:
         self._log.warning("%s rejected a message on %s (%s): %s", self.sender, topic, kind.value, reason)
         if self.on_reject is not None:
             self.on_reject(topic, kind, reason, sender)
+
+
+def _decoded(shared: SharedPayload) -> Payload:
+    """A receiver's payload of ``shared``: decoded (its floats checked) by its first receiver in this process; for the
+    next ones (a cell's task to each of its devices) the same read-only views of the shared bytes and a copy of the
+    metadata as decoded, without parsing and checking the same bytes again (:class:`WireError` as the first got)."""
+    first = shared.decoded
+    if first is None:
+        payload = decode_payload(shared.view(), require_finite=not shared.finite, views=True, checked=shared.finite)
+        shared.finite = True
+        shared.decoded = first = Payload(copy.deepcopy(payload.meta), dict(payload.tensors))
+        return payload
+    return Payload(copy.deepcopy(first.meta), dict(first.tensors))
