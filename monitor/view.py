@@ -230,7 +230,13 @@ def cloud_line(state: MonitorState, now: float, log: bool = False) -> Text:
     if c is None and state.cell_folder:
         return cell_folder_line(state.cell_folder)
     if c is None:
-        return ended_line(state.states.get("cloud", {})) or Text("cloud: no round closed yet", style="dim")
+        s = state.states.get("cloud", {})
+        if (ended := ended_line(s)) is not None:
+            return ended
+        if isinstance(closed := s.get("round"), int) and closed > 0:  # walked: "no round closed yet" at round 32
+            before = f"{closed} round{'s' if closed > 1 else ''} closed before this monitor started"
+            return Text(f"cloud: {before} (their records are in the cloud's run folder)", style="dim")
+        return Text("cloud: no round closed yet", style="dim")
     total = f"/{c.rounds}" if c.rounds else ""
     text = Text.assemble(("cloud ", "bold"), f"round {c.round + 1}{total} closed ({c.closed_by}), ")
     if state.accuracy:

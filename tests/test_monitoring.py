@@ -509,6 +509,17 @@ def test_a_live_monitor_takes_a_new_jobs_records_that_came_with_its_start_in_one
     assert "ended before this monitor started" not in render_text(view.state, now=135.0)
 
 
+def test_a_monitor_started_mid_job_says_the_rounds_it_did_not_see_closed():
+    """Walked: `fedtier monitor --config config.toml --once` 20 s into a job said 'cloud: no round closed yet' above
+    'now round 32: waiting for c1' (telemetry is not retained: it had seen no round record)."""
+    state = MonitorState()
+    state.add_state({"node": "cloud", "phase": "waiting", "since": 100.0, "round": 31, "waiting": ["c1"]})
+    text = render_text(state, now=101.0)
+    assert "cloud: 31 rounds closed before this monitor started" in text and "no round closed yet" not in text, text
+    state.add_state({"node": "cloud", "phase": "waiting", "since": 100.0, "round": 0, "waiting": ["c1"]})
+    assert "cloud: no round closed yet" in render_text(state, now=101.0)
+
+
 def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
     state = MonitorState()
     state.add(_cell(0, "c0", 4, 100.0))
