@@ -119,10 +119,11 @@ def _serve_cloud(cfg: RunConfig, broker_url: str | None, auth: Auth, test_data: 
 
 
 def say_serving(node: str, cfg: RunConfig, opts: BrokerOptions, what: str) -> None:
-    """The first line of a long-lived node (it said nothing until it stopped: was it up?); from then on, its line as
-    each job is taken and ends (``protocols.joblog``), plain as this one."""
+    """A long-lived node's first line (its keys checked before: an id its bundle does not hold is refused first); from
+    then on, its line as each job is taken and ends (``protocols.joblog``), plain as this one."""
     from protocols.joblog import show_job_lines
 
+    check_keys(cfg, node.split()[-1])  # ("cloud", "cell c0", "device c0-d0")
     show_job_lines(say_served)
     console.print(
         f"{node} of federation {cfg.run.name!r} ({what}): connecting to {opts.url}, then serving the federation's "

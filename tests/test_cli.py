@@ -328,6 +328,31 @@ def test_a_node_started_from_a_federations_bundle_without_serve_is_told_to_serve
         assert f"start it with --serve (`fedtier {command[0]} config.toml --serve ...`)" in said, said
 
 
+def test_a_serving_node_under_an_id_its_bundle_does_not_hold_is_refused_before_it_says_it_connects(tmp_path):
+    """Walked: `fedtier agent config.toml --serve --device c1-d9 ...` (a mistyped id) and `fedtier cell --serve --cell
+    c1` in c0's bundle said 'device c1-d9 of federation 'fed' (...): connecting to mqtts://..., then serving the
+    federation's jobs ...' and then the error (exit 2): it never connected. The keys are checked before that line."""
+    import numpy as np
+
+    from protocols.config import TopologySection
+    from protocols.wire.keys import generate_keys, node_subset, write_keys
+
+    topo = TopologySection(cells=1, devices_per_cell=2)
+    write_keys(tmp_path / "keys.toml", node_subset(generate_keys(topo), topo, "c0-d0"))
+    config = tmp_path / "config.toml"
+    config.write_text(
+        '[run]\nname = "fed"\n[topology]\ncells = 1\ndevices_per_cell = 2\n[broker]\nurl = "mqtt://127.0.0.1:1"\n'
+        f'[security]\nkeys = "{tmp_path / "keys.toml"}"\nmembership = "roster"\n'
+    )
+    data = tmp_path / "data.npz"
+    np.savez(data, x=np.zeros((4, 64), np.float32), y=np.arange(4) % 2)
+    for node in (["agent", "--device", "c0-d1", "--data", str(data)], ["cell", "--cell", "c0"]):
+        res = CliRunner().invoke(main, [node[0], str(config), "--serve", *node[1:]])
+        said = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"the private key of '{node[2]}' is missing from the keys file" in said, said
+        assert "connecting to" not in said, said
+
+
 def test_the_record_commands_on_a_provisioning_folder_say_where_the_records_are(tmp_path):
     """``fedtier monitor OUT`` on what ``fedtier provision --out OUT`` wrote drew an empty frame ("fedtier monitor:
     ?  (0 cells)", and waited for ever without --once) and ``fedtier logs OUT`` said it "has no records": now the
@@ -431,7 +456,8 @@ def test_a_serving_nodes_start_line_and_stop_summary_are_one_line_each_in_a_log(
     from protocols.joblog import say_ended, say_taken
 
     folder = "/srv/" + "/".join(["federation"] * 40) + "/runs/fed"  # past any terminal's width
-    cfg, opts = SimpleNamespace(run=SimpleNamespace(name="fed")), SimpleNamespace(url="mqtts://broker.example:8883")
+    cfg = SimpleNamespace(run=SimpleNamespace(name="fed"), security=SimpleNamespace(keys=None))  # unsigned: no check
+    opts = SimpleNamespace(url="mqtts://broker.example:8883")
     say_serving("cloud", cfg, opts, f"its job queue and job folders in {folder}")  # type: ignore[arg-type]
     say_taken("cloud", "job-40", 20)  # its job lines too (and the console's markup is not read in them)
     say_ended("cloud", "job-39", "failed", f"[bold]{folder}[/bold] is full")
