@@ -423,8 +423,7 @@ class DeComFLDevice(DeviceRole):
             xb, yb = data.batch(idx)
             zs = Z.direction_vectors(round_seed, k, self.P, shapes, p.direction)  # (runtime.direction_threads)
             f0, *fs = trainer.perturbed_losses(x, zs, p.mu, xb, yb)  # f(x) and the P perturbed losses (one batch)
-            for j, f in enumerate(fs):
-                g[k, j] = np.float32((f - f0) / p.mu)
+            g[k] = [(f - f0) / p.mu for f in fs]  # (each rounded once to float32, as np.float32 rounds it)
             if not np.isfinite(g[k]).all():
                 return g  # the answer is "diverged" whatever the later steps give
             if k == self.K - 1:
