@@ -305,11 +305,10 @@ def update(
                 _updates.move_to_end(key)
                 return hit
     u = np.zeros(shapes.size if isinstance(shapes, Shapes) else Shapes(shapes).size, np.float32)
-    if _draw_threads > 1:  # the ones missing (e.g. at a cloud of its own) drawn side by side first
-        direction_vectors(round_seed, k, c.shape[0], shapes, kind)
-    for p in range(c.shape[0]):
+    product = np.empty_like(u)  # each c_p z_p written here, then added: the same float32 product and sum
+    for p, z in enumerate(direction_vectors(round_seed, k, c.shape[0], shapes, kind)):  # (looked up at once)
         if c[p] != 0:
-            u += c[p] * direction_vector(round_seed, k, p, shapes, kind)
+            u += np.multiply(z, c[p], out=product)
     u.flags.writeable = False
     if share:
         with _lock:
@@ -438,8 +437,10 @@ def replay(
     replayed, and the state reached is kept for the others (``STATE_CACHE_BYTES``, least recently used dropped
     first): the same bits as replaying every round. A state reached before is handed out as it is kept, read-only
     and shared by the replicas that reached it (no copy a replica a round); a replica that goes on from it replays
-    into its own copy. Without a key (:func:`trajectory_key` gave none) or :class:`Packed` parameters, every round
-    is replayed in place; None returned as the key."""
+    into its own copy, which is kept as it is and which it then holds read-only too (the replicas at x_r all hold one
+    array: the cohort engine's one-point probes see the same array, not equal ones to compare). ``params`` and ``buf``
+    are given up (their caller holds what is returned instead). Without a key (:func:`trajectory_key` gave none) or
+    :class:`Packed` parameters, every round is replayed in place; None returned as the key."""
     global _state_bytes
     if key is None or not isinstance(params, Packed) or not isinstance(buf, Packed | None):
         for s, g in zip(seeds, hist):
@@ -462,10 +463,11 @@ def replay(
     for i in range(start, len(keys)):
         apply_round(own, int(seeds[i]), hist[i], lr, kind, own_buf, momentum)
     size = own.flat.nbytes + (own_buf.flat.nbytes if own_buf is not None else 0)
-    if size <= STATE_CACHE_BYTES:  # (a state that cannot be kept is not copied)
-        state = (_frozen_copy(own), _frozen_copy(own_buf) if own_buf is not None else None)
+    if size <= STATE_CACHE_BYTES:  # kept as it is, read-only from now on: the replica holds the kept state too
+        state = (_frozen(own), _frozen(own_buf) if own_buf is not None else None)
         with _lock:
             _state_bytes = _remember(_states, keys[-1], state, size, STATE_CACHE_BYTES, _state_bytes)
+        own, own_buf = state
     return cast(State, own), cast(State | None, own_buf), keys[-1]
 
 
@@ -486,10 +488,10 @@ def _own(state: MutableMapping[str, np.ndarray], values: np.ndarray | None) -> P
     return _flat_packed((values if values is not None else state.flat).copy(), state.shapes)
 
 
-def _frozen_copy(state: Packed) -> Packed:
-    flat = state.flat.copy()
-    flat.flags.writeable = False
-    return _flat_packed(flat, state.shapes)  # (its views read-only too)
+def _frozen(state: Packed) -> Packed:
+    """``state``'s vector (a replica's own), read-only from now on, with views made after (read-only too)."""
+    state.flat.flags.writeable = False
+    return _flat_packed(state.flat, state.shapes)
 
 
 def fingerprint(kind: Kind = "gaussian") -> str:
