@@ -19,6 +19,7 @@ from .envelope import Signer, Verifier, WireError, decode_sig, encode_sig
 
 RECORD_DOMAIN = b"fedtier/record/1\0"
 MAX_RECORD_BYTES = 64 * 1024
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps(record, separators=...)'s, made once (not a call)
 
 
 def _canonical(record: dict[str, Any]) -> bytes:
@@ -33,7 +34,7 @@ def seal_record(record: dict[str, Any], topic: str, sign: Signer | None) -> byte
     """Serialize ``record`` for ``topic``; signed when ``sign`` is given."""
     if sign is not None:
         record = {**record, "sig": encode_sig(sign(_signed(topic, record)))}
-    return json.dumps(record, separators=(",", ":")).encode()
+    return _COMPACT.encode(record).encode()
 
 
 def open_record(
