@@ -51,7 +51,7 @@ from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
-from ..wire.payload import Payload
+from ..wire.payload import Payload, all_finite
 from . import decomfl_wire
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, TrainParams
 from .decomfl_wire import expect_shape, history_payload, meta_int, read_checkpoint_log, read_history, stack_rounds
@@ -394,7 +394,7 @@ class DeComFLDevice(DeviceRole):
         assert self.model is not None  # _init set it
         # x and the buffer stay x_r's exactly: the local steps run on copies (a revert by copy)
         g = self.local_update(self.model, int(seeds[-1]), data, trainer, ctx, self.buf)
-        if not np.isfinite(g).all():  # a "diverged" answer: the cell records it, never aggregates it
+        if not all_finite(g):  # a "diverged" answer: the cell records it, never aggregates it
             k = int(np.argmin(np.isfinite(g).all(axis=1)))
             return diverged_result(f"non-finite ZO scalars at local step {k} (lr or mu too large?)")
         return Payload({"weight": len(data)}, {"g": g})

@@ -3,6 +3,7 @@ arrives (and of the cloud's round log a checkpoint gives back)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -11,19 +12,24 @@ from typing import Any
 import numpy as np
 
 from ..rejections import Rejected, RejectKind
-from ..wire.payload import Payload, payload_size
+from ..wire.payload import Payload, all_finite, payload_size
 
 log = logging.getLogger("fedtier.device")
 
 
 def expect_shape(arr: Any, shape: tuple[int, ...], dtype: str, what: str) -> np.ndarray:
     """``arr``, if it is a ``dtype`` array of ``shape`` (finite, if floating); else :class:`Rejected`."""
-    if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != np.dtype(dtype):
+    if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != _dtype(dtype):
         got = (getattr(arr, "shape", None), getattr(arr, "dtype", None))
         raise Rejected(RejectKind.SHAPE, f"{what}: expected {dtype} {shape}, got {got}")
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+    if arr.dtype.kind == "f" and not all_finite(arr):  # (exact; a view the wire checked is not read again)
         raise Rejected(RejectKind.NON_FINITE, f"{what}: non-finite values")
     return arr
+
+
+@functools.cache
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(name)  # (a dtype from its name once, not at every message)
 
 
 def meta_int(meta: Mapping[str, Any], key: str, what: str, lo: int = 0, hi: int | None = None) -> int:
