@@ -136,6 +136,26 @@ def perturbed_stack(base: Mapping[str, torch.Tensor], z: torch.Tensor, mu: torch
     return out
 
 
+def one_point_probes(
+    x: torch.Tensor, z: torch.Tensor, mu: torch.Tensor, shapes: Mapping[str, Sequence[int]]
+) -> dict[str, torch.Tensor]:
+    """:func:`perturbed_stack`'s probes of one device (``[P + 1, *shape]`` per parameter, each its own contiguous
+    tensor) from its parameters as one vector ``x`` ``[n]`` (model order, the tensors of ``shapes``): ``x`` and
+    ``x + mu z_p`` written over the whole vector in three operations (the same float32 multiply, then add), then each
+    parameter's block copied out: not four operations a parameter (~0.2 ms a round of the paper preset's CNN)."""
+    p = z.shape[0]
+    flat = torch.empty(p + 1, x.shape[0], dtype=x.dtype, device=x.device)
+    flat[0] = x
+    torch.mul(z, mu, out=flat[1:])
+    flat[1:] += x
+    out, at = {}, 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        out[name] = flat[:, at : at + n].reshape(p + 1, *shape).contiguous()
+        at += n
+    return out
+
+
 def probe_operands(
     directions: Sequence[np.ndarray], mus: Sequence[float], n: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ from .cohort_kernels import (
     check_vectorizable,
     device_losses,
     mlp_chain,
+    one_point_probes,
     perturbed_stack,
     probe_inputs,
     probe_losses,
@@ -160,6 +161,10 @@ class CohortEngine:
     def _padded(self, reqs: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs [D, n, ...], labels [D, n] and sample masks [D, n], padded to the largest request."""
         n = max(1, max(len(r.y) for r in reqs))
+        if all(len(r.y) == n for r in reqs):  # none to pad (DeComFL's probes: a batch each): stacked, no zeros first
+            x = np.stack([r.x for r in reqs]).astype(np.float32, copy=False)
+            y = np.stack([r.y for r in reqs]).astype(np.int64, copy=False)
+            return tuple(torch.from_numpy(a).to(self.device) for a in (x, y, np.ones(y.shape, np.float32)))  # type: ignore[return-value]
         feat = reqs[0].x.shape[1:]
         x = np.zeros((len(reqs), n, *feat), np.float32)
         y = np.zeros((len(reqs), n), np.int64)
@@ -259,11 +264,18 @@ class CohortEngine:
     def _probe(self, model: torch.nn.Module, reqs: Sequence[Request]) -> None:
         """``f(x)``, ``f(x + mu z_p)`` of each device (the group's directions): probes built on the engine's device."""
         one, (x, y, m), k = one_point(reqs), self._padded(reqs), len(reqs[0].directions) + 1
-        base = self._stack(reqs[:1] if one else reqs)
-        n = sum(v[0].numel() for v in base.values())
-        z, mu = probe_operands(reqs[0].directions, [r.mu for r in reqs], n, self.device)
+        flat = getattr(reqs[0].params, "flat", None) if one else None  # (directions.Packed: its one vector)
+        if flat is not None:  # at one point: the probes of one device, built over its vector
+            z, mu = probe_operands(reqs[0].directions, [reqs[0].mu], flat.size, self.device)
+            shapes = {name: v.shape for name, v in reqs[0].params.items()}
+            probes = one_point_probes(read_only_tensor(flat, np.float32, self.device), z, mu, shapes)
+        else:
+            base = self._stack(reqs[:1] if one else reqs)
+            n = sum(v[0].numel() for v in base.values())
+            z, mu = probe_operands(reqs[0].directions, [r.mu for r in reqs], n, self.device)
+            probes = perturbed_stack(base, z, mu)
         with torch.no_grad():  # the batches for the probes (probe_inputs)
-            out = batched_forward(model, perturbed_stack(base, z, mu), *probe_inputs(x, k, one))
+            out = batched_forward(model, probes, *probe_inputs(x, k, one))
             losses = probe_losses(out, y, m, one)
         for r, row in zip(reqs, losses.tolist()):
             r.result = row
