@@ -119,8 +119,7 @@ def _key(shapes: Shaped) -> tuple:
 
 
 def _remember(cache: OrderedDict, key: Any, value: Any, size: int, budget: int, used: int) -> int:
-    """Put ``value`` (of ``size`` bytes) in ``cache`` unless there; drop the oldest beyond ``budget``; the bytes
-    used after (call with the lock held)."""
+    """Put ``value`` (``size`` bytes) in ``cache`` unless there, drop the oldest past ``budget``: bytes used."""
     if key not in cache and size <= budget:
         cache[key] = value
         used += size
@@ -138,10 +137,12 @@ def _nbytes(value: Any) -> int:
 def direction(round_seed: int, k: int, p: int, shapes: Shaped, kind: Kind = "gaussian") -> dict[str, np.ndarray]:
     """z(round_seed, k, p): float32 arrays of ``shapes``, drawn in the order of ``shapes``; read-only.
 
-    Every device of a round (and its cell, and the cloud) needs the same directions: a process draws
-    each once and hands out the same arrays while they fit in ``CACHE_BYTES`` (least recently used
-    dropped first), so a cohort of simulated devices costs one draw, not one per device."""
-    return dict(_direction(round_seed, k, p, shapes, kind)[1])
+    Every device of a round (and its cell, and the cloud) needs the same directions: a process draws each once and
+    hands out the same arrays while they fit in ``CACHE_BYTES`` (least recently used dropped first)."""
+    flat, named = _direction(round_seed, k, p, shapes, kind)
+    if len(named) < len(shapes):  # its views made at the first call only (the steps read the vector)
+        named.update(views(flat, shapes))
+    return dict(named)
 
 
 def direction_vector(round_seed: int, k: int, p: int, shapes: Shaped, kind: Kind = "gaussian") -> np.ndarray:
@@ -167,7 +168,7 @@ def _direction(
             return hit
     flat = _draw_flat(int(round_seed), int(k), int(p), shapes, kind, into)
     flat.flags.writeable = False
-    out = (flat, views(flat, shapes))
+    out: tuple[np.ndarray, dict[str, np.ndarray]] = (flat, {})  # (views by name: direction() makes them once)
     with _lock:
         _cached_bytes = _remember(_cache, key, out, flat.nbytes, CACHE_BYTES, _cached_bytes)
     return out
@@ -252,14 +253,13 @@ def _draw_flat(
     gen = rng(round_seed, k, p, "zo-direction")
     sizes = [math.prod(shape) for shape in shapes.values()]
     out = np.empty(sum(sizes), np.float32) if out is None else out
+    if kind == "gaussian":  # one call: a float32 normal draw goes on where the last one ended (as a call per tensor)
+        return gen.standard_normal(len(out), dtype=np.float32, out=out)
+    if kind != "rademacher":
+        raise ValueError(f"unknown direction kind {kind!r} (choose {', '.join(KINDS)})")
     at = 0
     for n in sizes:  # one generator walks the tensors in order (a call per tensor: rademacher's draw is buffered)
-        if kind == "gaussian":
-            gen.standard_normal(n, dtype=np.float32, out=out[at : at + n])
-        elif kind == "rademacher":
-            out[at : at + n] = 2 * gen.integers(0, 2, n, dtype=np.int8) - 1
-        else:
-            raise ValueError(f"unknown direction kind {kind!r} (choose {', '.join(KINDS)})")
+        out[at : at + n] = 2 * gen.integers(0, 2, n, dtype=np.int8) - 1
         at += n
     return out
 
