@@ -197,8 +197,16 @@ def _complete_together(queue: Sequence[Any], chunk: Sequence[Any], outcomes: Seq
 
 
 def _each(dones: list[tuple[Done, Payload | None, str | None]]) -> None:
+    """Hand each device its outcome, in order; one whose handling raises keeps none after it from theirs (as each one's
+    own turn did not), and its error, the first, is the loop's once all were handed (logged or fatal, as it says)."""
+    failed: Exception | None = None
     for done, result, error in dones:
-        done(result, error)
+        try:
+            done(result, error)
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
 
 
 def _nothing() -> None:

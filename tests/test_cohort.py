@@ -617,3 +617,30 @@ def test_a_cohorts_results_reach_their_cell_together_and_it_says_once_whom_it_st
     waiting = [names for phase, names in apart if phase == "waiting"]
     assert apart[-1] == ("idle", []) and waiting[0] == devices and [len(w) for w in waiting] == [3, 2, 1]
     assert all(set(later) < set(earlier) for earlier, later in zip(waiting, waiting[1:]))
+
+
+def test_a_cohort_result_whose_handling_raises_keeps_none_of_the_others_from_their_cell(caplog):
+    """A cohort's results complete in one turn of the loop, one after the other (``_complete_together``): one whose
+    handling raised (a serving agent's loop logs it and goes on) must not keep the results after it from being sent,
+    as each one's own turn did not; the error is still the loop's to handle (logged here, a simulation's failure)."""
+    import logging
+
+    from edge_agent.cohort import _complete_together
+    from protocols.transport.threadloop import ThreadLoop
+
+    loop, handled = ThreadLoop(), []
+
+    def done(device: str) -> Callable[[Payload | None, str | None], None]:
+        def handle(result: Payload | None, error: str | None) -> None:
+            handled.append(device)
+            if device == "c0-d0":
+                raise RuntimeError("c0-d0's result cannot be sent")
+
+        return handle
+
+    queue = [(None, None, None, loop.hold(), done(d)) for d in ("c0-d0", "c0-d1", "c0-d2")]
+    with caplog.at_level(logging.ERROR, logger="protocols.transport.threadloop"):
+        _complete_together(queue, queue, [(None, None)] * 3)
+        loop.run(until=lambda: len(handled) == 3, timeout=5.0)
+    assert handled == ["c0-d0", "c0-d1", "c0-d2"]
+    assert any("c0-d0's result cannot be sent" in r.getMessage() + str(r.exc_info) for r in caplog.records)
