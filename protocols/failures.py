@@ -88,6 +88,34 @@ def guarded(fn: Callable[..., None], fail: Callable[[str], None], what: str) -> 
     return call
 
 
+class CallerHook:
+    """A caller's callback run inside a node's handler (``on_round`` of ``sim.launcher.SimHierarchy`` and
+    ``sim.emulation.Emulation``): what it raises fails the job there (:func:`guarded`) and is kept, so that the
+    caller's ``run()`` raises it again (:meth:`reraise`). Before, a test's assertion in its callback only failed the
+    job, which a test that read nothing of the result never saw."""
+
+    def __init__(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        self.fn = fn
+        self.raised: BaseException | None = None
+
+    @classmethod
+    def of(cls, fn: Callable[[dict[str, Any]], None] | None) -> CallerHook | None:
+        return None if fn is None else cls(fn)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        try:
+            self.fn(record)
+        except BaseException as exc:
+            if self.raised is None:
+                self.raised = exc
+            raise
+
+    def reraise(self) -> None:
+        """Raise what the callback raised first, if it raised."""
+        if self.raised is not None:
+            raise self.raised
+
+
 @dataclass
 class StallWatch:
     """Counts the cloud rounds in a row that made no progress; past ``max_rounds`` of them the job fails.

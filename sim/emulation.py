@@ -41,6 +41,7 @@ from edge_agent.runner import BrokerOptions, save_device_data
 from protocols import procs, runfiles
 from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan
+from protocols.failures import CallerHook
 from protocols.limits import processes_refusal
 from protocols.privacy.ledger import LEDGER_FILE
 from protocols.transport.base import Transport
@@ -115,7 +116,7 @@ class Emulation:
         if clock_modelled(cfg.clock):
             log.warning("[clock] is fedtier sim's virtual clock: fedtier run runs in real time and ignores it")
         cfg = with_run_keys(cfg, cfg.output_dir(), resume)  # [security] keys naming a missing file: fresh ones
-        self.cfg, self.on_round, self.faults = cfg, on_round, faults or Faults()
+        self.cfg, self.on_round, self.faults = cfg, CallerHook.of(on_round), faults or Faults()  # (run() raises it)
         n = len(cfg.topology.all_devices())
         self.workers = n if process_per_agent else workers or agent_workers(n)
         self.isolate = (
@@ -194,7 +195,8 @@ class Emulation:
 
     def run(self) -> RunResult:
         """Run the config as one job on a local federation; its result (the job's outputs are in the run
-        folder). Raises :class:`ConfigError` for a job the cloud refused or could not start."""
+        folder). Raises :class:`ConfigError` for a job the cloud refused or could not start, and what ``on_round``
+        raised (failing the job)."""
         t0 = time.perf_counter()
         set_torch_threads(1)
         warn_idle_settings(self.cfg, "run")
@@ -226,6 +228,8 @@ class Emulation:
                 raise ConfigError(f"job {job} failed: {ended.reason}")
             self.agent_stats = self._collect()
             fed.stop()
+            if self.on_round is not None:  # the job failed on it: the caller's error, not only the job's
+                self.on_round.reraise()
             return self._result(fed.server, out, t0)
         finally:
             self._terminate()

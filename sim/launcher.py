@@ -24,6 +24,7 @@ from protocols.bounds import CellBounds
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan, idle_settings
+from protocols.failures import CallerHook
 from protocols.heap import keep_freed_memory, setup_frozen
 from protocols.transport.memory import MemoryHub
 from protocols.transport.virtual_loop import CELLS, MAIN, VirtualLoop
@@ -333,13 +334,18 @@ class SimHierarchy:
             agent.compute_delay = self.clock.compute_delay
 
     def run(self) -> RunResult:
-        """Run every round; write the final model and summary; return the result. Workers stop either way."""
+        """Run every round; write the final model and summary; return the result. Workers stop either way. What
+        ``on_round`` raised (failing the job) is raised again here."""
+        hook = self.cloud.on_round = CallerHook.of(self.cloud.on_round)  # (also one a test set on the cloud)
         try:
-            return self._run()
+            result = self._run()
         finally:
             self.executor.close()
             if self.split is not None:
                 self.split.close()
+        if hook is not None:  # the job failed on it: the caller's error, not only the job's
+            hook.reraise()
+        return result
 
     def _run(self) -> RunResult:
         # what they start is on the cells' side of a loop that has one (as in a cell process)

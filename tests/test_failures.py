@@ -424,3 +424,31 @@ def test_a_cloud_without_its_broker_connection_waits_it_out_and_the_job_goes_on(
     closed = [(r["round"], r["closed_by"], r["clock_s"]) for r in result.history]  # (virtual seconds)
     assert closed[0][:2] == (0, "all reported") and closed[1][:2] == (1, "deadline") and len(closed) == 4, closed
     assert closed[1][2] == outage[1] and all(r[1] == "all reported" for r in closed[2:]), (closed, outage)
+
+
+@pytest.mark.parametrize("runner", ["sim", "emulation"])
+def test_what_a_callers_on_round_raises_is_raised_by_run_not_only_logged_as_the_jobs_failure(
+    tmp_path: Path, runner: str
+) -> None:
+    """A caller's ``on_round`` that raises (a test's assertion) failed the job (the cloud's handler is guarded) and
+    ``run()`` returned that failed result: a test that read nothing of it passed, its assertion lost (walking
+    test_fleet_view). ``run()`` raises it now, after the job stopped at that round; a hook set on the sim's cloud
+    directly counts too."""
+    from sim.emulation import Emulation
+
+    cfg = small_config(tmp_path, run={"rounds": 3}, topology={"cells": 1, "devices_per_cell": 2})
+    seen: list[int] = []
+
+    def check(record: dict[str, Any]) -> None:
+        seen.append(record["round"])
+        assert record["round"] < 1, "the caller's own assertion"
+
+    with pytest.raises(AssertionError, match="the caller's own assertion"):
+        if runner == "sim":
+            sim = SimHierarchy(cfg, write_output=False)
+            sim.cloud.on_round = check
+            sim.run()
+        else:
+            with EmbeddedBroker() as broker:
+                Emulation(cfg, broker_url=broker.url, on_round=check).run()
+    assert seen == [0, 1]  # the job stopped there (failed), not run to its end
