@@ -142,6 +142,11 @@ def _stream(path: Path, bad: BadLines) -> Iterator[CellRecord | RoundRecord]:
                 yield item
 
 
+def _ended(ends: list[dict]) -> str:
+    """How a run ended, from its end states (``RunDirFollower.states_of``): ``finished``, ``failed: why``, ..."""
+    return ": ".join(filter(None, (ends[-1]["phase"], ends[-1].get("reason"))))
+
+
 def _read(path: Path) -> tuple[Rounds, _CellRecords, BadLines]:
     """The run's rounds, its cell records (kept or folded) and its bad lines (``metrics.jsonl``'s first). Nothing
     of ``metrics.jsonl`` but its rounds is held: its cell records (none in what fedtier writes) are read again once the
@@ -163,8 +168,7 @@ def _read(path: Path) -> tuple[Rounds, _CellRecords, BadLines]:
                 "the job's rounds, which a report plots, are in the cloud's job folder"
             )
         if ends := RunDirFollower(path).states_of(read_summary(path)):  # walked: a job failed at once said only this
-            how = ": ".join(filter(None, (ends[-1]["phase"], ends[-1].get("reason"))))
-            raise ValueError(f"{path}: no round to plot: the run ended before its first round closed ({how})")
+            raise ValueError(f"{path}: no round to plot: the run ended before its first round closed ({_ended(ends)})")
         raise ValueError(f"{path}: no cloud round records in {runfiles.METRICS}")
     cells = _CellRecords(rounds.last.round + 1)
     for r in _stream(path, bad):
@@ -197,7 +201,7 @@ def load_run(path: str | Path) -> RunData:
     # every device's traffic: not drawn, and as large as the population
     summary = {k: v for k, v in data.items() if k != "device_traffic"} if isinstance(data, dict) else {}
     ends = RunDirFollower(path).states_of(read)
-    ended = ": ".join(filter(None, (ends[-1]["phase"], ends[-1].get("reason")))) if ends else "running"
+    ended = _ended(ends) if ends else "running"
     kept = sorted(cells.kept, key=lambda r: (r.round, r.edge_round, r.cell))
     run = RunData(path, f"{name} ({algorithm})", algorithm, rounds, kept, bad, summary, ended)
     run.mean_participation = cells.part_sum / cells.part_n if cells.part_n else None

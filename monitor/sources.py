@@ -178,8 +178,9 @@ class RunDirFollower:
         phase = data.get("status") if isinstance(data, dict) else None
         if phase not in ("finished", "stopped", "failed"):
             return []
-        reason = data.get(phase)
-        return [{"node": "cloud", "phase": phase, "since": written, **({"reason": reason} if reason else {})}]
+        reason = data.get(phase)  # (text, as the cloud writes it: anything else is not said)
+        said = {"reason": reason} if isinstance(reason, str) and reason else {}
+        return [{"node": "cloud", "phase": phase, "since": written, **said}]
 
     def _unsummarised(self) -> list[dict]:
         """The end of a folder without a readable ``summary.json``."""

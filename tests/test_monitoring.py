@@ -639,6 +639,12 @@ def test_a_report_of_a_job_that_failed_before_its_first_round_says_how_it_ended(
         res.exit_code == 1 and f"no round to plot: the run ended before its first round closed (failed: {why})" in said
     )
     assert "no cloud round records" not in said, said
+    # a summary.json whose reason is not text (hand-edited, another tool's) says how it ended, not a TypeError
+    (folder / runfiles.SUMMARY).write_text(json.dumps({"status": "failed", "failed": {"why": 1}}))
+    res = CliRunner().invoke(main, ["report", str(folder)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 1 and res.exc_info[0] is SystemExit, res.exc_info
+    assert "no round to plot: the run ended before its first round closed (failed)" in said, said
 
 
 def test_a_cells_job_record_that_cannot_be_replaced_leaves_the_last_one_whole_and_no_temporary_file(
