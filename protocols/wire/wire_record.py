@@ -15,7 +15,6 @@ framed by copying, and tells its receiver that its floats were checked, with the
 from __future__ import annotations
 
 import functools
-import json
 import math
 import struct
 import threading
@@ -26,7 +25,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .envelope import ENVELOPE_ROOM
-from .payload import _WIRE_CODES, Headroom, Lent, Parts, Payload, _finite_squares, _remember_finite, tensor_descriptor
+from .payload import (
+    _WIRE_CODES,
+    META_JSON,
+    Headroom,
+    Lent,
+    Parts,
+    Payload,
+    _finite_squares,
+    _remember_finite,
+    tensor_descriptor,
+)
 
 META_ROOM = 4096
 """Bytes of metadata a record leaves room for (a result's: ~60); a payload with more is framed by copying."""
@@ -102,7 +111,7 @@ class WireRecord(Headroom):
         the record was not framed yet; else ``None`` (encode it by copying)."""
         if self._framed or payload.headroom is not self or not self.holds(payload.tensors):
             return None
-        meta = json.dumps(payload.meta, separators=(",", ":"), allow_nan=False).encode()  # (payload_parts')
+        meta = META_JSON.encode(payload.meta).encode()  # (payload_parts')
         table = self._record[self._table : self._end]
         self._framing = (struct.pack("<I", len(meta)) + meta, table)
         return list(self._framing)
