@@ -188,7 +188,7 @@ class AgentProcess:
             finally:
                 _expect_drops(fresh, "")
             self.links.each_on_loop(fresh, lambda d, t: self.agents[d].attach(t))  # held tasks follow
-        self.links.each_on_loop([(d,) for d, _ in fresh], self._announce)
+        self.links.each_on_loop(fresh, self._announce_connected)
         if self.heartbeat > 0:
             self._beat_timer = self.links.reactor.call_later(self.heartbeat, self._beat)
         if not self.agents:
@@ -338,6 +338,12 @@ class AgentProcess:
         with self.presence.lock:
             if device in self.presence.present and self.transports.get(device) is not None:
                 self.agents[device].announce("online")
+
+    def _announce_connected(self, device: str, transport: Any) -> None:
+        """On the loop, as :meth:`start` ends: announce ``device`` online unless its connection ``transport`` was
+        closed meanwhile (a round manifest it sits out came first: it left, and its poll brings it back)."""
+        if not transport.closed:
+            self._announce(device)
 
     def _announce(self, device: str) -> None:
         with self.presence.lock:

@@ -328,3 +328,73 @@ def test_heartbeats_repeat_the_retained_status_at_qos_0(tmp_path: Path, monkeypa
     online = [s for s in sent if decode_status(s[0])["state"] == "online"]
     assert online[0][1:] == (1, True) and len(online) >= 4
     assert all(s[1:] == (0, True) and s[0] == online[0][0] for s in online[1:4])
+
+
+class _NoSubackYet:
+    """An MQTT listener that accepts one client (CONNACK), answers its pings and records its publishes, and has not
+    acknowledged its SUBSCRIBE yet: as amqtt, which sends a new connection the retained records matching any client's
+    filters (a round manifest among them) before its SUBACK."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"mqtt://127.0.0.1:{self.server.getsockname()[1]}"
+        self.subscribed = threading.Event()  # its SUBSCRIBE came (and stays unanswered)
+        self.published: list[str] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        with conn, self.server:
+            while head := conn.recv(1):
+                size, shift = 0, 0
+                while (byte := conn.recv(1)[0]) & 0x80:
+                    size, shift = size | (byte & 0x7F) << shift, shift + 7
+                size |= byte << shift
+                body = b""
+                while len(body) < size:
+                    body += conn.recv(size - len(body))
+                kind = head[0] >> 4
+                if kind == 1:  # CONNECT: accepted
+                    conn.sendall(b"\x20\x02\x00\x00")
+                elif kind == 3:  # PUBLISH: its topic
+                    self.published.append(body[2 : 2 + int.from_bytes(body[:2], "big")].decode())
+                elif kind == 8:  # SUBSCRIBE: no SUBACK yet
+                    self.subscribed.set()
+                elif kind == 12:  # PINGREQ
+                    conn.sendall(b"\xd0\x00")
+                elif kind == 14:  # DISCONNECT: the client lingers until we close
+                    return
+
+
+def test_a_device_that_sits_the_round_out_before_its_suback_does_not_fail_its_agents_start(tmp_path: Path) -> None:
+    """A device whose loop reads a round manifest it sits out before the broker's SUBACK closes its connection (to
+    rejoin later): its agent process starts all the same, at once, and does not announce it online. Before, ``start``
+    waited the whole connect timeout for a SUBACK that a closed connection never gets, then raised, and the agent
+    worker died with all its devices (tests/test_decomfl.py's onnx emulation under load: its late worker's c0-d1,
+    not in round 0, 'did not acknowledge its subscriptions within 30 s')."""
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    prep = prepare(cfg)
+    device, broker = "c0-d0", _NoSubackYet()
+    agents = AgentProcess(
+        cfg,
+        cfg.build_algorithm(prep.spec),
+        {device: prep.device_data[device]},
+        make_trainer("torch", prep.spec, cfg),
+        BrokerOptions(broker.url),
+    )
+
+    def sits_the_round_out() -> None:  # what the manifest's handler does (CloudRecords._disconnect), on the loop
+        if broker.subscribed.wait(10.0):
+            agents.loop.post(agents.transports[device].close)
+
+    threading.Thread(target=sits_the_round_out, daemon=True).start()
+    started = time.monotonic()
+    try:
+        agents.start(connect_timeout=10.0)
+        assert time.monotonic() - started < 5.0 and agents.transports[device].closed
+        assert device not in agents.presence.present  # not announced online (its heartbeat would say so)
+    finally:
+        agents.stop()
+    assert topics.device_status(cfg.run.name, "c0", device) not in broker.published

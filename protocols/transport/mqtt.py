@@ -183,6 +183,7 @@ class MqttTransport(Connecting, Inbound, Transport):
         self._closed = True
         with self._cv:
             self._held.clear()
+            self._cv.notify_all()  # wait_subscribed returns
         self.loop.cancel(self._expiry)
         lingers = self._connected and linger_on_disconnect(self._client)
         if self._reactor is None:
@@ -341,11 +342,12 @@ class MqttTransport(Connecting, Inbound, Transport):
 
     # -- waiting helpers -------------------------------------------------------------------
     def wait_subscribed(self, timeout: float = 10.0) -> bool:
-        """Block until connected and every subscription so far is acknowledged by the broker."""
+        """Block until connected and every subscription so far is acknowledged by the broker (True), or ``timeout``
+        passed or the transport was closed (False: a closed connection is acknowledged nothing more, so a waiter
+        whose node closed it meanwhile, e.g. a device that sits the round out, returns at once)."""
         with self._cv:
-            return self._cv.wait_for(
-                lambda: self._connected and not self._suback_pending and not self._sub_sending, timeout
-            )
+            subscribed = lambda: self._connected and not self._suback_pending and not self._sub_sending  # noqa: E731
+            return self._cv.wait_for(lambda: self._closed or subscribed(), timeout) and not self._closed
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until every QoS-1 publish so far is acknowledged by the broker (or ``timeout``)."""
