@@ -61,7 +61,15 @@ from .local_federation import LocalFederation, federation_bundle, job_text
 from .onnx_devices import export_onnx, refuse_own_onnx_model, with_onnx_model
 from .worker_context import launch, worker_context
 
-__all__ = ["Emulation", "Faults", "agent_workers", "raise_fd_limit", "run_emulation", "worker_groups"]
+__all__ = [
+    "Emulation",
+    "Faults",
+    "agent_workers",
+    "raise_fd_limit",
+    "run_emulation",
+    "say_failed_workers",
+    "worker_groups",
+]
 
 log = logging.getLogger("fedtier.run")
 
@@ -381,10 +389,26 @@ class Emulation:
             got += 1
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        say_failed_workers(self.procs, self.groups)
         return stats
 
     def _terminate(self) -> None:
         procs.end(self.procs, grace=0.0, what="agent worker")
+
+
+def say_failed_workers(procs: list[Any], groups: list[list[str]]) -> list[str]:
+    """Log each agent worker that exited with an error (a SIGKILL is a fault a test injected), naming its devices
+    (``groups``, as ``procs``): what they did is missing from the run's result. Returns those workers' names."""
+    failed = [(p, group) for p, group in zip(procs, groups) if p.exitcode not in (None, 0, -signal.SIGKILL)]
+    for p, group in failed:
+        log.error(
+            "agent worker %s (devices %s) exited with code %s during the job (its log is above): what its devices "
+            "did is missing from the result",
+            p.name,
+            ", ".join(group),
+            p.exitcode,
+        )
+    return [p.name for p, _ in failed]
 
 
 def _on_loop(loop: ThreadLoop, fn: Callable[[], None], timeout: float = 30.0) -> None:

@@ -23,7 +23,7 @@ from protocols.transport.memory import MemoryHub
 from protocols.transport.mqtt import MqttTransport
 from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
-from sim.emulation import Emulation, Faults, worker_groups
+from sim.emulation import Emulation, Faults, say_failed_workers, worker_groups
 from sim.launcher import run_simulation
 from sim.local_federation import federation_bundle
 from tests.conftest import small_config
@@ -296,3 +296,28 @@ def test_a_cause_that_stops_every_node_of_fedtier_run_is_said_once(caplog: pytes
     with caplog.at_level(logging.DEBUG, logger="fedtier.run"):
         fed.stop()
     assert caplog.records[-1].levelno == logging.ERROR and caplog.records[-1].getMessage() == "after the job"
+
+
+def test_a_worker_that_exited_with_an_error_is_said_with_its_devices(caplog) -> None:
+    """An agent worker that exited with an error during the job is logged as an error naming its devices (their work
+    is missing from the result); one that ended well, or was SIGKILLed (a fault a test injected), is not. Before, the
+    run said nothing and a test read KeyError 'c0-d1' (the onnx emulation's worker dead at its start)."""
+    import multiprocessing
+    import os
+    import signal
+    import sys
+
+    ctx = multiprocessing.get_context("fork")
+    failed = ctx.Process(target=sys.exit, args=(1,), name="fedtier-agents-0")
+    ended = ctx.Process(target=sys.exit, args=(0,), name="fedtier-agents-1")
+    killed = ctx.Process(target=lambda: os.kill(os.getpid(), signal.SIGKILL), name="fedtier-agents-2")
+    for p in (failed, ended, killed):
+        p.start()
+        p.join(10.0)
+    with caplog.at_level("ERROR", logger="fedtier.run"):
+        names = say_failed_workers([failed, ended, killed], [["c0-d1"], ["c0-d0", "c1-d0"], ["c1-d1"]])
+    assert names == ["fedtier-agents-0"]
+    assert caplog.messages == [
+        "agent worker fedtier-agents-0 (devices c0-d1) exited with code 1 during the job (its log is above): what its "
+        "devices did is missing from the result"
+    ]
