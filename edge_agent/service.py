@@ -71,6 +71,7 @@ class AgentService:
         self.agents: AgentProcess | None = None
         self.unfit: dict[str, str] | None = None  # the latest job they could not serve, and why (idle statuses)
         self.roster: Roster | None = None  # the newest signed roster known: tells one enrolled since from a wrong id
+        self.revoked: str | None = None  # why it stopped: a roster revoked its devices (the node exits 2: no restart)
         self.on_job_end: Callable[[str], None] | None = None  # called after each job served (benchmarks)
         self.on_start: Callable[[AgentProcess], None] | None = None  # called once its agents started
 
@@ -88,7 +89,7 @@ class AgentService:
         records = JobWatch(None, self.bundle.run.name, self.trust)  # fed by the agents' first connection
         agents: AgentProcess | None = None
         try:
-            while not self.stopping.is_set():
+            while not self.stopping.is_set() and self.revoked is None:
                 if agents is None:
                     transport = self.watch()
                     if transport is None:  # stopped while the broker was unreachable
@@ -128,14 +129,13 @@ class AgentService:
                 gc.collect()  # not after ~10 more jobs (their arrays are native memory: few objects, rare collections)
                 moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
                 self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
+                if self.revoked is not None:  # revoked mid-job: it takes no more part in it
+                    break
                 if self.stopping.is_set() and not (agents.done.is_set() or moved_on()):  # stopped mid-job (a job that
                     self.stopped_during = current.job  # ended before the stop, seen or not by the poll's last look,
                     break  # was served: counted below)
                 done.add(current.session)
-                self.served.append(current.job)
                 self._served(current.job, agents)
-                if self.on_job_end is not None:
-                    self.on_job_end(current.job)
         finally:
             self.agents = None
             if agents is not None:
@@ -155,9 +155,12 @@ class AgentService:
     def _served(self, job: str, agents: AgentProcess) -> None:
         """Count the tasks ``agents`` answered in ``job`` and say it ended for these devices (they know it ended,
         seen by its end or the cloud's next job, not how: the cloud's line says)."""
+        self.served.append(job)
         answered = sum(s["tasks"] for s in agents.stats().values())
         self.tasks += answered
         say_ended(self.who, job, f"ended ({answered} tasks answered)")
+        if self.on_job_end is not None:
+            self.on_job_end(job)
 
     def _cannot_serve(self, current: CurrentJob, exc: Exception, agents: AgentProcess | None) -> None:
         """Say why these devices cannot serve ``current`` (in full in their log), and put it in their idle statuses
@@ -168,9 +171,27 @@ class AgentService:
         if agents is not None:
             agents.cannot_serve(**self.unfit)
 
+    def revoked_by(self, roster: Roster | None) -> bool:
+        """Whether ``roster`` (the newest these devices' connections verified) revoked every one of them; then
+        :attr:`revoked` says so: the broker dropped their logins and the cells refuse their messages, so the service
+        stops rather than serve, or wait for, jobs it can no longer take part in (and ``fedtier agent --serve``
+        exits 2 saying why: ``protocols.roster.NodeRevoked``)."""
+        if self.revoked is None and roster is not None and all(d in roster.revoked for d in self.devices):
+            self.revoked = (
+                f"{self.who} revoked from federation {self.bundle.run.name!r} (signed roster version "
+                f"{roster.version}): it takes part in no job from now on; stopping (a revoked id is never reused: "
+                "enroll the device again under a new id, `fedtier provision add-device`)"
+            )
+        return self.revoked is not None
+
+    def _newest_roster(self) -> Roster | None:
+        """The newest roster its running devices' connections verified (their job's view of it)."""
+        agents = self.agents
+        return agents.job.roster if agents is not None else None
+
     def _poll(self, ready: Callable[[], T | None]) -> T | None:
-        """``ready()``'s first value that is not None, checked every 0.2 s (``None``: stopped)."""
-        while not self.stopping.is_set():
+        """``ready()``'s first value that is not None, checked every 0.2 s (``None``: stopped, or revoked)."""
+        while not self.stopping.is_set() and not self.revoked_by(self._newest_roster()):
             value = ready()
             if value is not None:
                 return value
@@ -179,8 +200,9 @@ class AgentService:
 
     def _next_job(self, watch: JobWatch, done: set[str]) -> CurrentJob | None:
         """Wait for a job this device has yet to serve (``None``: stopped)."""
-        self.loop.run(until=lambda: self.stopping.is_set() or watch.pending(done) is not None)
-        return None if self.stopping.is_set() else watch.pending(done)
+        stop = lambda: self.stopping.is_set() or self.revoked_by(watch.roster)  # noqa: E731
+        self.loop.run(until=lambda: stop() or watch.pending(done) is not None)
+        return None if stop() else watch.pending(done)
 
     def _first_job(self, transport: Transport, done: set[str]) -> CurrentJob | None:
         """On the watch connection (the first device's): say the devices idle (:attr:`idle`), wait for a job

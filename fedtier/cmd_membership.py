@@ -24,11 +24,14 @@ PUBLISH = click.option(
 )
 
 
-def _done(change, out_dir: str, publish: bool, what: str) -> None:
+def _done(change, out_dir: str, publish: bool, what: str, published: str | None = None) -> None:
+    """Say ``change`` and publish its roster (``published``: how publishing it already went)."""
     for line in change.brokers:
         console.print(line)
     console.print(f"{what}; roster version {change.version} in {out_dir}/roster.json")
-    if publish:
+    if published is not None and not published.startswith("could not"):
+        console.print(published)
+    elif publish:
         _publish(out_dir)
     else:
         console.print(f"not published: `fedtier provision publish --out {out_dir}` publishes it")
@@ -95,14 +98,22 @@ def add_cell(out_dir: str, cell: str, publish: bool) -> None:
 def revoke(out_dir: str, node: str, publish: bool) -> None:
     """Revoke NODE (a device, or a cell with its devices): its login and ACL removed, its certificate in the
     revocation list, its key dropped, a roster without it; cells refuse its messages."""
-    from .membership import MembershipError
+    from .membership import MembershipError, publish_roster
     from .membership import revoke as rv
 
+    said: list[str] = []  # published before the brokers reload: the revoked node's connection still reads it then
+
+    def publish_first() -> None:
+        try:
+            said.append(publish_roster(out_dir))
+        except (ConnectionError, OSError, ValueError) as exc:
+            said.append(f"could not publish the roster ({exc})")
+
     try:
-        change = rv(out_dir, node)
+        change = rv(out_dir, node, publish_first if publish else None)
     except (MembershipError, ValueError) as exc:
         fail(str(exc), 2)
-    _done(change, out_dir, publish, f"revoked {node}")
+    _done(change, out_dir, publish, f"revoked {node}", said[0] if said else None)
 
 
 @provision.command("publish")

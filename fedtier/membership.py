@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,10 +172,12 @@ def add_cell(out: str | Path, cell: str) -> Change:
     return _enroll(fed, cell, cell, _broker_dirs(fed, None), ["cloud", "monitor"])
 
 
-def revoke(out: str | Path, node: str) -> Change:
+def revoke(out: str | Path, node: str, before_reload: Callable[[], None] | None = None) -> Change:
     """Revoke a device (or a cell with its devices): login and ACL removed, certificate revoked (a cell's
     broker's bridge certificate too), key dropped from its peers' keys files, roster without it (and listing it
-    as revoked)."""
+    as revoked). ``before_reload``: called once the roster is written, before the brokers reload their logins and
+    ACLs (publishing it there: the revoked node's live connection still reads it then, and its agent stops; after
+    the reload its ACL lets nothing reach it)."""
     fed = load_federation(out)
     topo = fed.cfg.topology
     if node in topo.cell_ids():
@@ -203,7 +206,12 @@ def revoke(out: str | Path, node: str) -> Change:
         _rewrite_broker(fed, folder, [u for u in _users(folder) if u not in gone])
     _save(fed)
     _refresh_keys(fed, ["cloud", "monitor", *([cell] if node != cell else [])])
-    return Change(node, None, fed.roster.version, reload_brokers(broker_folders(fed.out)))
+    try:
+        if before_reload is not None:
+            before_reload()
+    finally:  # (the reload, whatever the publishing did)
+        reloaded = reload_brokers(broker_folders(fed.out))
+    return Change(node, None, fed.roster.version, reloaded)
 
 
 def rotate_identities(out: str | Path, nodes: list[str]) -> tuple[list[Path], int | None]:

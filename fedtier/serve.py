@@ -262,11 +262,13 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
 def serve_agent(
     cfg: RunConfig, device: str, data: Any, opts: Any, make_trainer: Callable[[RunConfig, Any], Any], spec_of: Any
 ) -> str:
-    """Run one device's agent across jobs; returns what it served and the tasks it answered (:func:`served_summary`)."""
+    """Run one device's agent across jobs; returns what it served and the tasks it answered (:func:`served_summary`).
+    Raises :class:`protocols.roster.NodeRevoked` once the federation revoked the device."""
     from edge_agent.broker import device_will
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess
     from edge_agent.service import AgentService
+    from protocols.roster import NodeRevoked
     from protocols.transport.threadloop import ThreadLoop
     from protocols.twin import twin_window
     from protocols.wire import topics
@@ -307,4 +309,7 @@ def serve_agent(
         service.serve()
     finally:
         linger(exporter, 0)
-    return served_summary(f"device {device}", service.served, service.stopped_during, service.tasks)
+    summary = served_summary(f"device {device}", service.served, service.stopped_during, service.tasks)
+    if service.revoked is not None:  # exit 2 (not restarted), saying why and what it served
+        raise NodeRevoked(f"{service.revoked}; {summary}")
+    return summary

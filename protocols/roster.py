@@ -48,6 +48,11 @@ class RosterError(ConfigError):
     """A roster that is malformed, unsigned, signed by the wrong key, too large or older than the one held."""
 
 
+class NodeRevoked(ConfigError):
+    """A long-lived node's own federation revoked it (a signed roster says so): its bundle is no longer valid, and it
+    exits as for a wrong config (2: a service unit does not restart it)."""
+
+
 def roster_topic(federation: str) -> str:
     """The retained topic the cloud publishes the roster on."""
     return f"fedtier/{federation}/roster"

@@ -406,7 +406,8 @@ def test_a_revoked_devices_live_connection_can_no_longer_read_or_write(reachable
     checked at the handshake) but reloads its ACL without the device, so from then on it reads nothing (the
     manifest every device reads, its own task) and what it publishes reaches nobody, while its cell's other
     device goes on. Each check is ordered on the connections (a QoS 1 round trip), not timed."""
-    from fedtier.membership import revoke
+    from fedtier.membership import publish_roster, revoke
+    from protocols.roster import roster_topic
     from protocols.wire import topics
     from tests.test_provision import WAIT, Inbox, clients, provision_cli
 
@@ -433,8 +434,16 @@ def test_a_revoked_devices_live_connection_can_no_longer_read_or_write(reachable
             assert revoked.flush(WAIT)
             return (manifest, b"m%d" % n) in at_revoked.snapshot()
 
+        rosters = Inbox()  # the roster that revokes it, published before the reload: its agent learns it (and stops)
+        revoked.subscribe(roster_topic(run), rosters)
+        assert revoked.wait_subscribed(WAIT)
         assert reaches_revoked(0)  # before: it reads the manifest
-        revoke(out, "c0-d0")  # ACL rewritten, CRL, the broker reloaded (SIGHUP: asynchronous)
+        before = len(rosters.snapshot())
+        # ACL rewritten, CRL, the roster published, then the broker reloaded (SIGHUP: asynchronous)
+        change = revoke(out, "c0-d0", lambda: publish_roster(out))
+        assert wait_until(lambda: len(rosters.snapshot()) > before, WAIT), "the revoked device never read its roster"
+        newest = json.loads(rosters.snapshot()[-1][1])
+        assert newest["version"] == change.version and "c0-d0" in newest["revoked"], newest
         n = iter(range(1, 10**6))
         assert wait_until(lambda: not reaches_revoked(next(n)), WAIT), "the live session still reads after revocation"
         assert revoked._client.is_connected()  # the connection itself stays
@@ -506,3 +515,59 @@ def test_a_revoked_device_that_keeps_publishing_its_status_is_cleared_again_each
                 watching.stop()
     said = [r.getMessage() for r in caplog.records if "still publishes its status" in r.getMessage()]
     assert len(said) == 1 and "c0-d1" in said[0], said
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_serving_agent_whose_device_the_roster_revokes_stops_and_says_why(tmp_path: Path) -> None:
+    """Walking deploy-fleet.md: a device revoked while its `fedtier agent --serve` ran was never told; its process
+    waited for jobs it could no longer take part in, for ever (its broker login gone, the cells refusing it), and
+    restarted, it retried the broker for ever. The agent service reads the signed roster it already follows: once it
+    revokes the device, serving ends with the reason (`fedtier agent --serve` exits 2 with it: NodeRevoked, a
+    ConfigError, so a service unit does not restart it). A roster that revokes another device changes nothing."""
+    import threading
+
+    from edge_agent.service import AgentService
+    from protocols.config import ConfigError, TopologySection
+    from protocols.roster import NodeRevoked, Roster, roster_topic, sign_roster
+    from protocols.transport.broker import MosquittoBroker
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire.keys import Trust, generate_keys
+    from sim.local_federation import federation_bundle
+
+    bundle = federation_bundle(small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 3}))
+    run, ring = bundle.run.name, generate_keys(TopologySection(cells=1, devices_per_cell=3))
+    trust = {n: Trust(n, ring.private[n], ring.public) for n in ("cloud", "c0-d1")}
+    roster = Roster.from_topology(run, {"c0": ["c0-d0", "c0-d1", "c0-d2"]}, ring.public, 100.0)
+    with MosquittoBroker() as broker:
+        loop, op_loop = ThreadLoop("agent-c0-d1"), ThreadLoop("operator").start()
+        operator = MqttTransport.from_url(broker.url, "operator", op_loop).connect()
+        operator.publish(roster_topic(run), sign_roster(roster.without("c0-d2"), trust["cloud"].sign), retain=True)
+        service = AgentService(
+            bundle,
+            ["c0-d1"],
+            loop,
+            lambda: MqttTransport.from_url(broker.url, "c0-d1", loop).connect(),
+            lambda *_: pytest.fail("no job was submitted"),
+            trust["c0-d1"],
+        )
+        idle: list[bytes] = []  # its idle status: said once it follows the roster (subscribed first, retained)
+        operator.subscribe(topics.device_status(run, "c0", "c0-d1"), lambda _t, data: idle.append(data))
+        thread = threading.Thread(target=service.serve, name="agent-service", daemon=True)
+        thread.start()
+        try:
+            assert wait_until(lambda: any(idle), 10.0)
+            thread.join(1.0)
+            assert thread.is_alive() and service.revoked is None  # another device's revocation: it serves on
+            newer = roster.without("c0-d2").without("c0-d1")
+            operator.publish(roster_topic(run), sign_roster(newer, trust["cloud"].sign), retain=True)
+            thread.join(10.0)
+            assert not thread.is_alive(), "the revoked device's agent still serves"
+        finally:
+            service.stop()
+            thread.join(10)
+            operator.close()
+            op_loop.stop()
+    assert service.revoked is not None and "device c0-d1 revoked from federation" in service.revoked
+    assert f"roster version {newer.version}" in service.revoked and service.served == []
+    assert issubclass(NodeRevoked, ConfigError)  # fedtier agent --serve: exit 2, as a wrong config

@@ -443,6 +443,7 @@ def test_a_connection_its_broker_refused_is_not_also_said_hung_up_on_before_acce
         t._on_disconnect(t._client, None, None, hang_up, None)
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 1 and "refused the connection: Not authorized" in said[0], said
+        assert "or this node was revoked: `fedtier provision revoke` drops its login" in said[0]  # what it may mean
         t._on_disconnect(t._client, None, None, hang_up, None)  # the next attempt's, hung up before its CONNACK
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 2 and "before accepting it" in said[1], said

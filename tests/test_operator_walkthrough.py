@@ -681,6 +681,7 @@ def test_a_long_lived_agent_gives_each_job_its_data_as_that_jobs_model_takes_it(
     class Service:  # runs one job's build, as AgentService does when the job comes
         def __init__(self, bundle, devices, loop, watch, build, trust, **_) -> None:
             self.build, self.served, self.tasks, self.on_start, self.stopped_during = build, [], 0, None, None
+            self.revoked = None
 
         def stop(self) -> None: ...
 

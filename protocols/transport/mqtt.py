@@ -57,6 +57,17 @@ TAKEN_OR_CUT = (
 """Why a connection was lost, where the broker gave no reason (paho: "Unspecified error")."""
 
 
+REFUSED_LOGIN = ("Not authorized", "Bad user name or password")
+"""The CONNACK reasons of a login the broker refused (MQTT 3.1.1 and 5)."""
+
+
+def _hint(reason: Any) -> str:
+    """What a refused login may mean in a provisioned federation: a revoked node's login is dropped from the broker."""
+    if str(reason) in REFUSED_LOGIN:
+        return " (a wrong username or password, or this node was revoked: `fedtier provision revoke` drops its login)"
+    return ""
+
+
 class MqttTransport(Connecting, Inbound, Transport):
     """One node's MQTT connection. Call :meth:`connect` before use, :meth:`close` at the end."""
 
@@ -359,7 +370,14 @@ class MqttTransport(Connecting, Inbound, Transport):
         self._connack_reason = reason
         self._connack_refused = reason.is_failure
         if reason.is_failure:
-            log.warning("%s: broker %s:%s refused the connection: %s", self.client_id, self.host, self.port, reason)
+            log.warning(
+                "%s: broker %s:%s refused the connection: %s%s",
+                self.client_id,
+                self.host,
+                self.port,
+                reason,
+                _hint(reason),
+            )
             self._connack.set()
             return
         with self._cv:
