@@ -33,7 +33,8 @@ log = logging.getLogger("fedtier.cloud.service")
 class Host(Protocol):
     """What the request handlers need of the serving cloud: the federation (its bundle, as its roster made it), the
     queue, the privacy ledger, the request guard, the running job's server, and where a queue that cannot be written
-    stops it (``error``, ``wake``); its live connection, its job list, its signature."""
+    stops it (``error``, ``wake``), the jobs cancelled while queued (``cancelled_queued``); its live connection,
+    its job list, its signature."""
 
     fed: str
     bundle: RunConfig
@@ -41,6 +42,7 @@ class Host(Protocol):
     ledger: PrivacyLedger
     requests: OperatorRequests
     node: CloudServer | None
+    cancelled_queued: list[str]
     error: BaseException | None
     wake: threading.Event
 
@@ -119,6 +121,7 @@ def cancel(host: Host, job: str) -> None:
     cancelled = host.queue.cancel(job)
     if cancelled.state == "cancelled":  # never ran: it spent nothing
         host.ledger.settle(job, 0.0)
+        host.cancelled_queued.append(job)  # said as the cloud stops, beside the jobs it served
     if host.node is not None and cancelled.state == "running":
         host.node.request_stop("cancelled by the operator")
 

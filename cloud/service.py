@@ -121,6 +121,8 @@ class CloudService:
         self.kept = KeptRecords()  # its roster, job list and job in progress, as it last published them
         self.served: list[str] = []  # the jobs this process ran to their end (finished, failed, cancelled), in order
         self.stopped_during: str | None = None  # the job it was stopped during (SIGTERM mid-job), if it was
+        self.failed_at_start: list[str] = []  # the jobs that failed before they started (e.g. a model it cannot build)
+        self.cancelled_queued: list[str] = []  # the jobs cancelled while queued (cloud.job_requests.cancel)
         if roster is not None and trust is not None:
             self._adopt(verify_roster(roster, trust.verify, federation=self.fed), write=False)
 
@@ -345,6 +347,7 @@ class CloudService:
         """End ``job`` as failed before it started (nodes never saw it: nothing to tell them)."""
         log.error("job %s failed: %s", job.job, reason)
         self.queue.end(job.job, "failed", reason)
+        self.failed_at_start.append(job.job)
         try:  # its run folder says so too (`fedtier monitor RUN_DIR`, a script reading summary.json)
             out = self._folder(job.job)
             out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -185,14 +185,31 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
         service.serve()
     finally:
         linger(exporter, 0)
-    return served_summary("cloud", service.served, service.stopped_during)
+    return cloud_served(service)
 
 
-def served_summary(node: str, served: list[str], stopped_during: str | None, tasks: int | None = None) -> str:
+def cloud_served(service: Any) -> str:
+    """What the serving cloud (a :class:`cloud.service.CloudService`) says as it stops: every job it ended, the ones
+    it never started too, and the one it was stopped during (:func:`served_summary`)."""
+    unstarted = {"failed at start": service.failed_at_start, "cancelled while queued": service.cancelled_queued}
+    return served_summary("cloud", service.served, service.stopped_during, unstarted=unstarted)
+
+
+def served_summary(
+    node: str,
+    served: list[str],
+    stopped_during: str | None,
+    tasks: int | None = None,
+    unstarted: Mapping[str, list[str]] | None = None,
+) -> str:
     """What a long-lived node (``node``: ``cloud``, ``cell c0``, ``device c0-d0``) says as it stops: the jobs it served
-    (and ``tasks``), and the one it was stopped during, if it was (SIGTERM mid-job), and what becomes of that job."""
+    (and ``tasks``), the jobs it ended without starting them (``unstarted``: how, e.g. ``failed at start``, and
+    which), and the one it was stopped during, if it was (SIGTERM mid-job), and what becomes of that job."""
     line = f"{node}: served {len(served)} jobs" + (f" ({', '.join(served)})" if served else "")
     line += "" if tasks is None else f", {tasks} tasks"
+    for how, jobs in (unstarted or {}).items():
+        if jobs:  # the cloud's: "served 3 jobs" alone left an operator who submitted 5 guessing
+            line += f"; {len(jobs)} {how} ({', '.join(jobs)})"
     if stopped_during is None:
         return line
     kind = node.split()[0]

@@ -512,20 +512,30 @@ def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_
     """Walk-through: `fedtier cloud --serve` stopped with SIGTERM printed nothing (between jobs) or a log line alone,
     where a cell and an agent say "served N jobs (...)" and which job the stop interrupted. The cloud keeps the same
     account: the jobs it ran to their end (a cancelled one too), the one it was stopped during, which resumes.
-    Its journal also says, job by job, each job it took and how it ended (before: nothing at the default level)."""
-    from fedtier.serve import served_summary
+    Its journal also says, job by job, each job it took and how it ended (before: nothing at the default level).
+    Walk-through: "served 3 jobs" after 5 submitted left out a job that failed before it started and one cancelled
+    while queued; the summary now names them too."""
+    from cloud.job_requests import cancel
+    from fedtier.serve import cloud_served, served_summary
     from protocols.transport.memory import MemoryHub
 
     service, queue, loop, text = _waiting_cloud(tmp_path)
-    for name in ("a", "b"):
-        queue.submit(Job(name, text, config_hash(text), OPERATOR))
+    for name, base in (("a", None), ("c", "a"), ("b", None), ("d", None)):
+        queue.submit(Job(name, text, config_hash(text), OPERATOR, init_from=base))
     queue.start("a")
     queue.cancel("a")  # in its startup wait: it ends at once
     hub = MemoryHub(loop=loop)  # type: ignore[arg-type]
     assert service._run(queue.next(), transport=hub.connect("cloud")) is True
+    cancel(service, "d")  # the operator's, while d is queued
+    assert service._run(queue.next(), transport=None) is False  # c: from a's final model, which a never made
     loop.call_later(0.05, service.stop)  # SIGTERM while job b waits for its cells
     assert service._run(queue.next(), transport=hub.connect("cloud")) is True
     assert (service.served, service.stopped_during) == (["a"], "b")
+    assert [queue.get(j).state for j in "abcd"] == ["cancelled", "running", "failed", "cancelled"]
+    assert cloud_served(service) == (
+        "cloud: served 1 jobs (a); 1 failed at start (c); 1 cancelled while queued (d); stopped during job b, which "
+        "resumes from its checkpoint when the cloud starts again"
+    )
     assert job_lines == [
         "cloud: job a taken (2 rounds, resumed from its checkpoint)",  # started before it was run: a restart's
         "cloud: job a cancelled",  # no round closed: no figures
