@@ -31,14 +31,15 @@ from protocols.failures import failed_reason
 from protocols.jsonl import read_jsonl
 from protocols.params import Sums, sums_on
 from protocols.wire import topics
-from protocols.wire.payload import Payload
+from protocols.wire.envelope import payload_digest
+from protocols.wire.payload import Payload, encode_payload
 
 from .parts import EdgeRound, RoundTally
 
 if TYPE_CHECKING:
     from protocols.algorithms.base import CellRole
     from protocols.transport.base import EventLoop, Transport
-    from protocols.wire.messenger import Messenger
+    from protocols.wire.messenger import Incoming, Messenger
 
     from .telemetry import CellTelemetry
 
@@ -84,17 +85,29 @@ class RoundJournal:
 
     def __init__(self, path: str | Path) -> None:
         self.file = Journal(path)
+        self.held: dict[tuple[int, int, str], str] = {}  # (round, edge round, device) -> digest of a result taken
 
     def load(self, resume: bool) -> list[Payload]:
         """The entries to continue from (``resume``), else none and the journal is removed; an unreadable
         journal is logged and removed (the cell then starts afresh)."""
         if resume:
             try:
-                return self.file.read()
+                entries = self.file.read()
             except (OSError, ValueError) as exc:
                 log.warning("cannot resume from %s (%s): starting afresh", self.file.path, exc)
+            else:
+                rnd = int(entries[0].meta.get("round", -1)) if entries else -1
+                for m in (e.meta for e in entries if e.meta.get("k") == "result" and "digest" in e.meta):
+                    self.held[(rnd, int(m["edge"]), str(m["device"]))] = str(m["digest"])
+                return entries
         self.file.clear()
         return []
+
+    def holds(self, device: str, msg: Incoming) -> bool:
+        """Whether ``msg`` is a result of ``device`` this journal took already, the same bytes: one the broker
+        delivers again to a cell restarted after it took it (its session's messages not yet acknowledged)."""
+        held = self.held.get((msg.header.round, msg.header.edge_round, device))
+        return held is not None and held == result_digest(msg)  # (hashed only then)
 
     def task(self, rnd: int, session: str | None, task: Payload, noise_seed: int | None = None) -> None:
         """A cloud task starts the round's journal; ``noise_seed``: the seed of the noise the cell role adds
@@ -103,6 +116,7 @@ class RoundJournal:
         if noise_seed is not None:
             meta["noise_seed"] = noise_seed
         self.file.reset(Payload(meta, task.tensors))
+        self.held = {}
 
     def plan(self, edge_round: int, available: list[str], absent: Mapping[str, str], not_participating: int) -> None:
         self.file.append(
@@ -117,13 +131,12 @@ class RoundJournal:
             )
         )
 
-    def result(self, edge_round: int, device: str, result: Payload, nbytes: int) -> None:
-        self.file.append(
-            Payload(
-                {"k": "result", "edge": edge_round, "device": device, "nbytes": nbytes, "meta": result.meta},
-                result.tensors,
-            )
-        )
+    def result(self, edge_round: int, device: str, msg: Incoming) -> None:
+        """A result taken: its payload, its size on the wire and its digest (:meth:`holds`)."""
+        digest = result_digest(msg)
+        meta = {"k": "result", "edge": edge_round, "device": device, "nbytes": msg.nbytes, "meta": msg.payload.meta}
+        self.file.append(Payload({**meta, "digest": digest}, msg.payload.tensors))
+        self.held[(msg.header.round, edge_round, device)] = digest
 
     def closed(self, edge_round: int, record: dict[str, Any]) -> None:
         self.file.append(Payload({"k": "closed", "edge": edge_round, "record": record}))
@@ -133,6 +146,25 @@ class RoundJournal:
 
     def close(self) -> None:
         self.file.close()
+
+
+def result_digest(msg: Incoming) -> str:
+    """The sha256 of a device result's payload as it arrived (as encoded, where its bytes were not kept)."""
+    raw = msg.received.view() if msg.received is not None else encode_payload(msg.payload)
+    return payload_digest(raw).hex()
+
+
+def already_taken(journal: RoundJournal | None, cell: str, device: str, msg: Incoming) -> bool:
+    """Whether ``msg``, refused as stale, is a result of ``device`` the cell's journal holds already (the same
+    bytes): delivered again after a restart, it is said at info level, not as a rejection. Another result of that
+    device for that round (other bytes), or one for a round the journal does not hold, stays a rejection."""
+    if journal is None or not journal.holds(device, msg):
+        return False
+    h = msg.header
+    log.info(
+        "cell %s: result of %s for round %d.%d delivered again, already taken", cell, device, h.round, h.edge_round
+    )
+    return True
 
 
 @dataclass

@@ -33,7 +33,7 @@ from . import edge_liveness
 from .cell_node import Availability, CellNode, NodeOptions
 from .liveness import StatusChange
 from .parts import EdgeRound, RoundTally
-from .recovery import RoundJournal, recover
+from .recovery import RoundJournal, already_taken, recover
 from .telemetry import edge_record
 
 if TYPE_CHECKING:
@@ -80,8 +80,7 @@ class CellServer(CellNode):
         self._unknown: set[str] = set()  # ... and those whose first status it waits for
         self._gave_up: set[str] = set()  # ... and those it waited for in vain this cloud round
         self._wait_timer: TimerHandle | None = None
-        self.edge_round, self.in_round = 0, False
-        self.answers = Answers("device")
+        self.edge_round, self.in_round, self.answers = 0, False, Answers("device")
         self._early: dict[str, tuple[tuple[int, int], str, bytes]] = {}  # results before their edge round opened
         self.edge, self.tally = EdgeRound(), RoundTally()  # the open edge round, the open cloud round
         self._timer: TimerHandle | None = None  # the open edge round's deadline
@@ -385,7 +384,7 @@ class CellServer(CellNode):
         if len(self.answers.received) + len(self.answers.settled) == taken:
             return  # a repeat of an answer already taken counts once
         if self.journal is not None:
-            self.journal.result(self.edge_round, device, msg.payload, msg.nbytes)
+            self.journal.result(self.edge_round, device, msg)
         if diverged is not None:  # recorded, never aggregated
             log.warning("cell %s: %s diverged in round %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
         elif failed is not None:  # its task raised: recorded with the reason, never aggregated
@@ -403,12 +402,13 @@ class CellServer(CellNode):
         """Keep a result of this cell's device for the next edge round or the first of the next round, to take
         when that round opens (:meth:`_take_early`): a restarted cell between rounds whose devices kept the task
         of the cell before it (their persistent sessions) and answered it. Refused, it was lost: the device
-        answers the task again only with the same message, which the transport then drops as a repeat, and the
-        round waited for its deadline without it. The latest per device, its content checked now once this cell
-        opened a round (model-sized: not held until its round for what would be refused then; a restarted cell
-        before its first round has no model to check against) and again when taken. ``None`` when kept, else
-        why it is refused: ``stale`` (another round, or not this cell's device), or what its content fails
-        (``settle``: a failed or diverged task's answer, nothing to check)."""
+        answers the task again only with the same message, which the transport drops as a repeat, and the round
+        waited for its deadline without it. The latest per device, its content checked now once this cell opened
+        a round (model-sized: not held until its round for what would be refused then) and again when taken.
+        ``None`` when kept, or taken before a restart (``recovery.already_taken``), else why it is refused:
+        ``stale`` (another round, or not this cell's device), or what its content fails (``settle``)."""
+        if already_taken(self.journal, self.cell, device, msg):  # delivered again: said, not refused
+            return None
         h = msg.header
         key = (h.round, h.edge_round)
         if key <= (self.round, self.edge_round) or h.round > self.round + 1 or self.devices.position(device) is None:

@@ -167,8 +167,8 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     first = sim.cells["c0"] = cell(resume=False)
     journal_result = first.journal.result
 
-    def result(edge_round, device, payload, nbytes):
-        journal_result(edge_round, device, payload, nbytes)
+    def result(edge_round, device, msg):
+        journal_result(edge_round, device, msg)
         if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
             crash_and_restart(first)
 
@@ -180,6 +180,77 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     assert [(r["round"], r["edge_round"]) for r in c0] == [(r, e) for r in range(3) for e in range(2)]
     assert all(r["answered"] == cfg.topology.device_ids("c0") for r in c0), c0
     assert [m["cells_reported"] for m in crashed.history] == [["c0", "c1"]] * 3
+
+
+def test_a_result_a_resumed_cell_took_before_it_died_delivered_again_is_said_taken_not_rejected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Walk-through (a cell killed -9 mid-job and restarted): the broker delivered again the results the dead cell
+    had taken and journaled (its session's, unacknowledged), and the resumed cell logged each as "rejected ...
+    stale answer for round N", which reads as an attack. Now the same bytes of a result its journal holds (c0-d0's
+    of round 1.0) are said at info level, taken already; a result of round 0 (no longer held) and another result
+    of c0-d0 for round 1.0 (other bytes, signed with its key) are still rejected as stale."""
+    import logging
+
+    from protocols.wire.envelope import decode_message
+    from protocols.wire.keys import node_trust
+    from protocols.wire.messenger import Messenger
+
+    cfg = small_config(
+        tmp_path,
+        run={"rounds": 2},
+        algorithm={"edge_rounds": 2},
+        runtime={"device_deadline": 50.0},
+        security={"keys": "keys.toml"},
+    )
+    sim = SimHierarchy(cfg)
+    run, results = sim.cfg.run.name, {}  # (round, edge round) -> c0-d0's result as delivered
+    watch = sim.hub.connect("watch")
+
+    def seen(topic: str, data: Any) -> None:
+        h, _ = decode_message(data)
+        if h.sender == "c0-d0":
+            results[(h.round, h.edge_round)] = (topic, data)
+
+    watch.subscribe(topics.device_result(run, "c0", "c0-d0"), seen)
+
+    def deliver_again(cell) -> None:
+        forger = Messenger(sim.hub.connect("forger"), run, "c0-d0", trust=node_trust(sim.cfg, "c0-d0"))
+        forger.session = cell.messenger.session
+        topic, _ = results[(1, 0)]
+        other = Payload(
+            {"weight": 1.0, "loss": 0.0}, {k: np.zeros_like(v) for k, v in sim.cloud.role.global_params().items()}
+        )
+        forged = forger.frame("device_result", other, round=1, edge_round=0, cell="c0", topic=topic)
+        for t, data in (results[(1, 0)], results[(0, 1)], (topic, forged)):
+            cell._on_result(t, data)
+
+    def restart() -> None:
+        sim.cells["c0"] = new = journaled_c0(sim, resume=True)
+        new.start()
+        deliver_again(new)
+
+    first = sim.cells["c0"] = journaled_c0(sim, resume=False)
+    journal_result = first.journal.result
+
+    def result(edge_round, device, msg):
+        journal_result(edge_round, device, msg)
+        if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
+            first.transport.crash()
+            first.stop()
+            sim.hub.loop.post(restart)
+
+    first.journal.result = result
+    with caplog.at_level(logging.INFO, logger="fedtier"):
+        sim.run()
+    assert sim.cells["c0"] is not first
+    said = [r.getMessage() for r in caplog.records if "c0-d0" in r.getMessage() or "stale" in r.getMessage()]
+    assert "cell c0: result of c0-d0 for round 1.0 delivered again, already taken" in said, said
+    stale = [m for m in said if "rejected" in m]
+    assert [m.split(": ", 2)[-1] for m in stale] == [
+        "stale answer for round 0.1 (now 1.1)",
+        "stale answer for round 1.0 (now 1.1)",
+    ], said
 
 
 def test_a_cell_resumed_under_cell_dp_with_secret_noise_re_sends_what_it_released(tmp_path: Path) -> None:
@@ -216,8 +287,8 @@ def test_a_cell_resumed_under_cell_dp_with_secret_noise_re_sends_what_it_release
     first = sim.cells["c0"] = watched(journaled_c0(sim, resume=False))
     journal_result = first.journal.result
 
-    def result(edge_round, device, payload, nbytes):
-        journal_result(edge_round, device, payload, nbytes)
+    def result(edge_round, device, msg):
+        journal_result(edge_round, device, msg)
         if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
             first.transport.crash()
             first.stop()
@@ -651,8 +722,8 @@ def test_a_cell_resumed_from_a_journal_with_a_diverged_result_never_aggregates_i
     first = sim.cells["c0"] = journaled_c0(sim, resume=False)
     journal_result = first.journal.result
 
-    def result(edge_round, device, payload, nbytes):
-        journal_result(edge_round, device, payload, nbytes)
+    def result(edge_round, device, msg):
+        journal_result(edge_round, device, msg)
         if (first.round, edge_round, device) == (1, 1, "c0-d1") and not resumed:
             first.transport.crash()
             first.stop()
