@@ -68,6 +68,7 @@ class AsyncCellServer(CellServer):
         self.refused: str | None = None  # why it refused to work (a restart without its journal)
         self.push_journal = AsyncJournal(journal_path) if journal_path is not None else None
         self._resumed = self.push_journal.load(resume) if self.push_journal is not None else None
+        self.resumes = self._resumed is not None
         self._window()
 
     def start(self) -> None:

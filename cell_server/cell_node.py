@@ -82,6 +82,7 @@ class CellNode:
     """
 
     status_extra: Mapping[str, Any] = {}  # what its status records add (a long-lived cell's instance, protocols.twin)
+    resumes = False  # it continues, as it starts, what its journal holds (``--resume``, a journal found)
 
     def __init__(
         self,

@@ -88,6 +88,7 @@ class CellServer(CellNode):
         self.sent_report: bytes | None = None  # the report of ``round``, once sent (re-sent on request)
         self.journal = RoundJournal(journal_path) if journal_path is not None else None
         self._recovered = self.journal.load(resume) if self.journal is not None else []
+        self.resumes = bool(self._recovered)
 
     def _secure_aggregation(
         self, settings: SecAggSettings | None, deadline: float
@@ -157,8 +158,7 @@ class CellServer(CellNode):
             self.journal.close()
 
     def _device_status(self, device: str, change: StatusChange) -> None:
-        """A device's status: the open edge round's liveness (:mod:`cell_server.edge_liveness`); one the edge
-        round waits for may let it plan."""
+        """A device's status: the edge round's liveness (:mod:`cell_server.edge_liveness`), which may let it plan."""
         edge_liveness.on_status(self, device, change)
         awaited = device in self._unknown or (change.online and device in self._waiting)
         self._unknown.discard(device)

@@ -127,7 +127,7 @@ class CellService:
             if watch.roster is not None:
                 apply_roster(node, self.cell, watch.roster)
             self.node = node
-            say_taken(f"cell {self.cell}", current.job, cfg.run.rounds)
+            say_taken(f"cell {self.cell}", current.job, cfg.run.rounds, "its journal" if node.resumes else None)
             self._mark(cfg, current.job, "running")
             self.loop.post(node.start)
             self._until_job_ends(watch, current)

@@ -233,7 +233,7 @@ class CloudService:
             return False
         self._idle_beat(None)  # the job's server announces it online
         job = self.queue.start(job.job) if not resumed else job
-        say_taken("cloud", job.job, cfg.run.rounds, resumed)
+        say_taken("cloud", job.job, cfg.run.rounds, "its checkpoint" if resumed else None)
 
         def begin() -> None:
             self.node = node

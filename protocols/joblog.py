@@ -39,12 +39,10 @@ def show_job_lines(say: Callable[[str], None]) -> None:
     job_log.setLevel(min(logging.INFO, job_log.getEffectiveLevel()))
 
 
-def say_taken(who: str, job: str, rounds: int, resumed: bool = False) -> None:
-    """``who`` (``cloud``, ``cell c0``, ``device c0-d0``) takes ``job`` of ``rounds`` rounds (the cloud: ``resumed``
-    from its checkpoint)."""
-    job_log.info(
-        "%s: job %s taken (%s%s)", who, job, _rounds(rounds), ", resumed from its checkpoint" if resumed else ""
-    )
+def say_taken(who: str, job: str, rounds: int, resumed: str | None = None) -> None:
+    """``who`` (``cloud``, ``cell c0``, ``device c0-d0``) takes ``job`` of ``rounds`` rounds, ``resumed`` from what it
+    names if it resumes the job (the cloud: ``its checkpoint``; a cell restarted mid-job: ``its journal``)."""
+    job_log.info("%s: job %s taken (%s%s)", who, job, _rounds(rounds), f", resumed from {resumed}" if resumed else "")
 
 
 def say_ended(

@@ -587,7 +587,7 @@ def test_the_serving_nodes_job_lines_show_at_the_default_level_and_their_rounds_
     cli.emit = lambda record: logged.append(record.name)  # type: ignore[method-assign]
     logging.getLogger().addHandler(cli)
     try:
-        say_taken("cloud", "j2", 1, resumed=True)
+        say_taken("cloud", "j2", 1, resumed="its checkpoint")
     finally:
         logging.getLogger().removeHandler(cli)
     assert job_lines[-1] == "cloud: job j2 taken (1 round, resumed from its checkpoint)"

@@ -175,6 +175,7 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     first.journal.result = result
     crashed = sim.run()
     assert sim.cells["c0"] is not first
+    assert sim.cells["c0"].resumes and not first.resumes  # what its job line says (cell_server.service)
     assert all(np.array_equal(straight.params[k], crashed.params[k]) for k in straight.params)
     c0 = [r for r in read_jsonl(out / runfiles.AGGREGATION) if r["cell"] == "c0"]
     assert [(r["round"], r["edge_round"]) for r in c0] == [(r, e) for r in range(3) for e in range(2)]
