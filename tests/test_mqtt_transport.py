@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import paho.mqtt.client as mqtt
 import pytest
 
+from protocols.transport import paho_client
 from protocols.transport.base import Will
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto, free_port, parse_broker_url
 from protocols.transport.connecting import failure_kind
@@ -249,6 +250,44 @@ def test_a_clean_close_says_no_will_however_late_the_broker_reads_its_disconnect
         closing.join(WAIT)
         assert _said_after_close(broker, loop, node, status, inbox) == [b"idle", b"next", b"offline"]
         pub.close()
+        watcher.close()
+
+
+@needs_mosquitto
+def test_closing_many_connections_to_a_broker_that_stopped_answering_costs_one_wait_not_one_each(
+    loop, prefix, monkeypatch
+) -> None:
+    """An agent worker stopping its devices (each says offline at QoS 1, then closes) against a broker that stopped
+    answering (SIGSTOPped here): each close waited for its PUBACK (the flush) and for the broker's end of the socket
+    (``LINGER_WAIT``), 2 s each bare and 7 after a publish (20 devices: 40 s, 140 s; 500: minutes). Once one such
+    wait timed out the others do not wait for that broker: 20 closes take about one wait. What they did not wait for
+    still happens: resumed, the broker reads each DISCONNECT and says no will."""
+    monkeypatch.setattr(paho_client, "LINGER_WAIT", 1.0)  # (the same for any value: 2 s in production)
+    reactor = Reactor().start()
+    with MosquittoBroker() as b, contextlib.ExitStack() as stack:
+        stack.callback(reactor.close)
+        watcher, inbox = connect(b, "watcher", loop), Inbox(loop)
+        watcher.subscribe(f"{prefix}/status/#", inbox)
+        assert watcher.wait_subscribed(WAIT)
+        wills = {i: Will(f"{prefix}/status/d{i}", b"will", retain=True) for i in range(20)}
+        devices = [connect(b, f"d{i}", loop, will=wills[i], reactor=reactor) for i in range(20)]
+        assert b.pid is not None
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for i, device in enumerate(devices):
+                if i % 2 == 0:  # (half of them with a publish the broker does not acknowledge)
+                    device.publish(wills[i].topic, b"offline", retain=True)
+                device.close(flush_timeout=paho_client.LINGER_WAIT)
+            took = time.monotonic() - started
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        assert took < 3 * paho_client.LINGER_WAIT, f"20 closes took {took:.1f} s"
+        assert all(d._client.lingered.wait(WAIT) for d in devices), b.log_text()  # the broker closed each socket
+        watcher.publish(f"{prefix}/status/end", b"end")  # after any will the broker said
+        assert inbox.wait(lambda items: (f"{prefix}/status/end", b"end") in items), inbox.items
+        offline = [(wills[i].topic, b"offline") for i in range(0, 20, 2)]
+        assert sorted(inbox.items) == sorted([*offline, (f"{prefix}/status/end", b"end")]), b.log_text()
         watcher.close()
 
 

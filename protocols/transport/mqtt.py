@@ -43,6 +43,7 @@ from .paho_client import (
     round_trip,
     say_reconnected,
     stop_thread,
+    wait_answer,
     wait_lingered,
 )
 from .reactor import Reactor
@@ -182,11 +183,13 @@ class MqttTransport(Connecting, Inbound, Transport):
         for outstanding publishes to be acknowledged. The socket is closed once the broker closed its side
         (``paho_client.linger_close``: closed before, the broker could drop the connection as lost and say the will);
         off the network thread, this waits for that too (up to ``paho_client.LINGER_WAIT`` seconds), so a connection
-        opened next under the same client id does not take this one over (the broker would say the will then too)."""
+        opened next under the same client id does not take this one over (the broker would say the will then too).
+        A broker that let such a wait time out is not waited for until it answers again (``paho_client.wait_answer``:
+        closing many connections to a hung broker costs one wait, not one each)."""
         if self._closed:
             return
         if self._connected:
-            flushed = self.flush(flush_timeout)
+            flushed = wait_answer(self._client, self.flush, flush_timeout)  # (not waited for a silent broker)
             if self._taking is not None:  # closed by the handler of a message (or while it runs): it was taken
                 self._taking()
             if self.persistent and (self._acked_since_publish or not flushed):
@@ -227,7 +230,7 @@ class MqttTransport(Connecting, Inbound, Transport):
         if network or timeout <= 0:  # the network thread cannot wait for its own read
             return
         wake = (lambda: self._reactor.wake(self._client)) if self._reactor is not None else (lambda: None)
-        if not round_trip(self._client, timeout, wake):
+        if not wait_answer(self._client, lambda t: round_trip(self._client, t, wake), timeout):
             log.debug("%s: no PINGRESP within %.1f s before closing", self.client_id, timeout)
 
     def crash(self) -> None:

@@ -75,7 +75,7 @@ class _Client(mqtt.Client):
                 self._call_socket_unregister_write(sock)
                 self._call_socket_close(sock)
             finally:
-                linger_close(sock, self.lingered)
+                linger_close(sock, self.lingered, lambda: _answered(self))
         with self._pong_cv:
             self._pongs = self._pings  # a PINGREQ of this connection gets no answer now: round_trip stops waiting
             self._pong_cv.notify_all()
@@ -88,10 +88,15 @@ class _Client(mqtt.Client):
 
     def _handle_pingresp(self) -> mqtt.MQTTErrorCode:
         rc = super()._handle_pingresp()
+        _answered(self)
         with self._pong_cv:
             self._pongs += 1
             self._pong_cv.notify_all()
         return rc
+
+    def _handle_connack(self) -> mqtt.MQTTErrorCode:
+        _answered(self)
+        return super()._handle_connack()
 
     def round_trip(self, timeout: float, wake: Callable[[], None] = lambda: None) -> bool:
         """Send a PINGREQ and wait up to ``timeout`` for its PINGRESP (``wake``: after queueing it, for a reactor):
@@ -110,13 +115,13 @@ LINGER = 5.0
 """Seconds a cleanly disconnected socket waits for the broker to close its side before it is closed anyway."""
 
 
-def linger_close(sock: Any, done: threading.Event) -> None:
+def linger_close(sock: Any, done: threading.Event, answered: Callable[[], None] = lambda: None) -> None:
     """Close ``sock``, on which a DISCONNECT was just written, as TCP's graceful close: no more writes (FIN), and
-    what the broker still sends is read and dropped until it closes its side (it read the DISCONNECT) or
-    :data:`LINGER` seconds pass; then ``done`` is set. Closed at once, with the broker's answers to packets written
-    before the DISCONNECT on their way (Mosquitto reads one packet a connection per turn of its loop; amqtt answers a
-    SUBSCRIBE or an UNSUBSCRIBE from a task of its own), the socket made the broker's next write fail (broken pipe,
-    the client's reset): the broker dropped the connection as lost, its DISCONNECT still unread, and said its will.
+    what the broker still sends is read and dropped until it closes its side (it read the DISCONNECT: ``answered`` is
+    called) or :data:`LINGER` seconds pass; then ``done`` is set. Closed at once, with the broker's answers to packets
+    written before the DISCONNECT on their way (Mosquitto reads one packet a connection per turn of its loop; amqtt
+    answers a SUBSCRIBE or an UNSUBSCRIBE from a task of its own), the socket made the broker's next write fail (broken
+    pipe, the client's reset): the broker dropped the connection as lost, its DISCONNECT still unread, said its will.
     A long-lived cloud's job server, which drops the job's subscriptions as it closes, so read offline between jobs
     (6 of 20 jobs in a row on Mosquitto, 14 of 20 on amqtt: Mosquitto's log "Client ... disconnected: Broken pipe."
     and the will, before the cloud's next connection), until its next connection said idle."""
@@ -133,6 +138,7 @@ def linger_close(sock: Any, done: threading.Event) -> None:
             while (left := deadline - time.monotonic()) > 0:
                 sock.settimeout(left)
                 if not sock.recv(65536):
+                    answered()
                     break
         except OSError:  # (a timeout, a reset)
             pass
@@ -146,6 +152,33 @@ def linger_close(sock: Any, done: threading.Event) -> None:
 LINGER_WAIT = 2.0
 """Seconds :meth:`MqttTransport.close` waits for the broker to close its side of a cleanly disconnected socket."""
 
+_silent: set[tuple[str, int]] = set()  # brokers (host, port) that let a close's wait for an answer time out
+_silent_lock = threading.Lock()
+
+
+def _answered(c: mqtt.Client) -> None:
+    """``c``'s broker answered (a CONNACK, a PINGRESP, the close of its side of a lingering socket): not silent."""
+    with _silent_lock:
+        _silent.discard((c._host, c._port))
+
+
+def wait_answer(c: mqtt.Client, wait: Callable[[float], bool], timeout: float) -> bool:
+    """``wait(timeout)`` for an answer of ``c``'s broker as ``c`` closes (its PUBACKs, a PINGRESP, the close of its
+    side of the socket); once such a wait timed out, ``wait(0)`` for every close to that broker until it answers again
+    (:func:`_answered`). So a process closing many connections to a broker that stopped answering (SIGSTOPped, or
+    a network that drops its packets), one after another, pays one timeout, not one each: an agent worker's hundreds
+    of devices took minutes to stop (2 s each, 7 after a QoS-1 publish). What is not waited for still happens:
+    the packets were written, and a lingering socket still drains in the background (:func:`linger_close`)."""
+    key = (c._host, c._port)
+    with _silent_lock:
+        silent = key in _silent
+    if wait(0.0 if silent else timeout):
+        return True
+    if timeout > 0:
+        with _silent_lock:
+            _silent.add(key)
+    return False
+
 
 def linger_on_disconnect(c: mqtt.Client) -> bool:
     """Make ``c``'s next DISCONNECT close its socket as :func:`linger_close` does; False for another client."""
@@ -155,9 +188,12 @@ def linger_on_disconnect(c: mqtt.Client) -> bool:
     return True
 
 
-def wait_lingered(c: mqtt.Client, timeout: float = LINGER_WAIT) -> bool:
-    """Wait up to ``timeout`` for ``c``'s lingering socket to be closed (:func:`linger_close`)."""
-    return not isinstance(c, _Client) or c.lingered.wait(timeout)
+def wait_lingered(c: mqtt.Client, timeout: float | None = None) -> bool:
+    """Wait up to ``timeout`` (:data:`LINGER_WAIT`) for ``c``'s lingering socket to be closed (:func:`linger_close`),
+    as :func:`wait_answer` does."""
+    if not isinstance(c, _Client):
+        return True
+    return wait_answer(c, c.lingered.wait, LINGER_WAIT if timeout is None else timeout)
 
 
 def round_trip(c: mqtt.Client, timeout: float, wake: Callable[[], None] = lambda: None) -> bool:
