@@ -28,6 +28,7 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     from rich.markup import escape
 
     from monitor.report import write_report
+    from monitor.run_data import NotARunFolder
 
     target = Path(out) if out else (Path(run_dirs[0]) / "report.html" if len(run_dirs) == 1 else Path("report.html"))
 
@@ -39,7 +40,9 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
 
     try:
         path, plots = write_report(list(run_dirs), target, on_bad=warn, on_unfinished=unfinished)
-    except ValueError as exc:
+    except NotARunFolder as exc:  # a cell's job folder: the wrong folder given, as a federation's is (exit 2)
+        fail(str(exc), 2)
+    except ValueError as exc:  # a run folder with nothing to plot (no round closed): 1
         fail(str(exc), 1)
     except OSError as exc:  # --out in a missing or read-only folder, a full disk
         fail(f"cannot write the report {target}: {exc.strerror or exc}", 1)

@@ -26,6 +26,11 @@ KEEP_NAMES = 50_000  # device names (planned, answered, absent) the kept cell re
 KEEP_RECORDS = 1_000  # cell records kept (~4.5 KB each)
 
 
+class NotARunFolder(ValueError):
+    """A folder given as a run's that is not one (a cell's own job folder): the input is wrong (``fedtier report``
+    exits 2, as for a federation's folder)."""
+
+
 @dataclass
 class RunData:
     """One run folder, read and validated."""
@@ -163,7 +168,7 @@ def _read(path: Path) -> tuple[Rounds, _CellRecords, BadLines]:
         jobs = runfiles.cell_jobs(path)
         if jobs:  # fedtier cell --serve's job folder: was "no cloud round records in metrics.jsonl", for a job done
             whose = ", ".join(sorted({j["cell"] for j in jobs}))
-            raise ValueError(
+            raise NotARunFolder(
                 f"{path}: cell {whose}'s job folder (job {jobs[0]['job']}): its own aggregation records only; "
                 "the job's rounds, which a report plots, are in the cloud's job folder"
             )

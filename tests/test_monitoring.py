@@ -618,7 +618,10 @@ def test_the_monitor_on_a_cells_own_job_folder_says_whose_it_is_and_how_the_job_
     res = CliRunner().invoke(main, ["monitor", str(folder), "--exit-when-done", "--refresh", "0.05"])
     assert res.exit_code == 3, res.output
     res = CliRunner().invoke(main, ["report", str(folder)])  # it said "no cloud round records in metrics.jsonl"
-    assert res.exit_code == 1 and "cell c0's job folder (job B)" in res.output, res.output
+    # the wrong folder given, exit 2 as for the federation's folder (it was 1: walking the fleet, the two differed)
+    assert res.exit_code == 2 and "cell c0's job folder (job B)" in res.output, res.output
+    federation = CliRunner().invoke(main, ["report", str(tmp_path)])  # the cell's output folder: its jobs/ in it
+    assert federation.exit_code == 2 and "is a federation's folder, not a run's" in federation.output, federation.output
     (folder / runfiles.METRICS).write_text("")  # a folder the cloud writes to as well: a run folder, not a cell's
     assert RunDirFollower(folder).cell_folder() == []
 
