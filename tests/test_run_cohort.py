@@ -44,11 +44,14 @@ def test_emulated_cohorts_match_the_per_device_sim(tmp_path: Path) -> None:
     with MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as broker:
         em = Emulation(cfg, broker_url=broker.url, workers=1)
         run, sim = beside(em.run, lambda: run_simulation(sim_cfg, write_output=False))
+    # who answered first: a model that differs says little without it (one failure on a loaded CI-like machine)
+    assert all(r["closed_by"] == "all reported" for r in run.history), [r["closed_by"] for r in run.history]
+    assert all(len(r["answered"]) == 8 and not r["absent"] and not r["rejected"] for r in run.cell_records), [
+        (r["cell"], r["round"], r["edge_round"], r["answered"], r["absent"], r["rejected"]) for r in run.cell_records
+    ]
     assert run.params.keys() == sim.params.keys()
     for k, v in sim.params.items():
         assert torch.allclose(torch.from_numpy(run.params[k]), torch.from_numpy(v), rtol=RTOL, atol=ATOL), k
-    assert all(r["closed_by"] == "all reported" for r in run.history)
-    assert all(len(r["answered"]) == 8 and not r["absent"] and not r["rejected"] for r in run.cell_records)
     for d, t in sim.device_traffic.items():  # the same messages (float metadata: a few digits apart)
         u = run.device_traffic[d]
         assert t["tasks"] == u["tasks"] and abs(t["bytes_out"] - u["bytes_out"]) <= 8 * t["tasks"], d
