@@ -205,7 +205,9 @@ def served_summary(
     """What a long-lived node (``node``: ``cloud``, ``cell c0``, ``device c0-d0``) says as it stops: the jobs it served
     (and ``tasks``), the jobs it ended without starting them (``unstarted``: how, e.g. ``failed at start``, and
     which), and the one it was stopped during, if it was (SIGTERM mid-job), and what becomes of that job."""
-    line = f"{node}: served {len(served)} jobs" + (f" ({', '.join(served)})" if served else "")
+    line = f"{node}: served {len(served)} job{'' if len(served) == 1 else 's'}" + (
+        f" ({', '.join(served)})" if served else ""
+    )
     line += "" if tasks is None else f", {tasks} tasks"
     for how, jobs in (unstarted or {}).items():
         if jobs:  # the cloud's: "served 3 jobs" alone left an operator who submitted 5 guessing

@@ -533,7 +533,7 @@ def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_
     assert (service.served, service.stopped_during) == (["a"], "b")
     assert [queue.get(j).state for j in "abcd"] == ["cancelled", "running", "failed", "cancelled"]
     assert cloud_served(service) == (
-        "cloud: served 1 jobs (a); 1 failed at start (c); 1 cancelled while queued (d); stopped during job b, which "
+        "cloud: served 1 job (a); 1 failed at start (c); 1 cancelled while queued (d); stopped during job b, which "
         "resumes from its checkpoint when the cloud starts again"
     )
     assert job_lines == [
@@ -542,7 +542,7 @@ def test_a_serving_cloud_says_as_it_stops_the_jobs_it_served_and_the_one_it_was_
         "cloud: job b taken (2 rounds)",  # stopped during it: the service's warning says so, and the summary
     ], job_lines
     assert served_summary("cloud", service.served, service.stopped_during) == (
-        "cloud: served 1 jobs (a); stopped during job b, which resumes from its checkpoint when the cloud starts again"
+        "cloud: served 1 job (a); stopped during job b, which resumes from its checkpoint when the cloud starts again"
     )
     assert served_summary("cloud", [], None) == "cloud: served 0 jobs"
 
