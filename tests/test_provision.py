@@ -86,7 +86,7 @@ def mosquitto(conf: Path, port: int) -> Iterator[subprocess.Popen]:
     tail = lambda: log_path.read_bytes()[-4000:].decode(errors="replace")  # noqa: E731
     try:
         try:
-            wait_for_port("127.0.0.1", port, WAIT, alive=lambda: proc.poll() is None)
+            wait_for_port("127.0.0.1", port, WAIT, alive=lambda: proc.poll() is None, pid=proc.pid)
         except (RuntimeError, TimeoutError):
             proc.kill()
             proc.wait(WAIT)

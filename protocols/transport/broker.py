@@ -53,13 +53,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(host: str, port: int, timeout: float, alive: Callable[[], bool] | None = None) -> None:
-    """Block until ``host:port`` accepts a TCP connection; raise ``TimeoutError`` otherwise."""
+def listens(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the socket listening on TCP ``port`` (``None``: this system cannot tell, no
+    ``/proc``). A port :func:`free_port` found free may be taken by another process before the broker binds it (another
+    test's broker, picked the same free port a moment apart): the broker then exits, and whoever listens there
+    answers in its place (a test's clients then talk to another test's broker)."""
+    try:
+        with open("/proc/net/tcp", encoding="ascii") as fh:
+            inodes = {
+                f[9]
+                for f in (line.split() for line in fh.readlines()[1:])
+                if f[3] == "0A" and int(f[1][-4:], 16) == port
+            }
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] in inodes for fd in os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def wait_for_port(
+    host: str, port: int, timeout: float, alive: Callable[[], bool] | None = None, pid: int | None = None
+) -> None:
+    """Block until ``host:port`` accepts a TCP connection (with ``pid``: on a socket of that process, where the system
+    says, :func:`listens`); raise ``TimeoutError`` otherwise, ``RuntimeError`` once ``alive()`` is false."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             with socket.create_connection((host, port), timeout=0.5):
+                pass
+            if pid is None or listens(pid, port) is not False:
                 return
+            raise ConnectionRefusedError(f"another process listens on {host}:{port}")
         except OSError:
             if alive is not None and not alive():
                 raise RuntimeError(f"broker process exited before listening on {host}:{port}") from None
@@ -255,10 +278,23 @@ class MosquittoBroker(_Broker):
         self._dir: tempfile.TemporaryDirectory | None = None
 
     def start(self, timeout: float = 10.0) -> MosquittoBroker:
+        """Start it (on a free port unless given one: a port taken before it bound it, by another process, is
+        given up for another, up to 3 times)."""
+        if self._proc is not None or self.port is not None:
+            return self._start(timeout)
+        for attempt in range(3):
+            self.port = free_port(self.host)
+            try:
+                return self._start(timeout)
+            except RuntimeError:  # it exited (the port taken meanwhile), or another process answers there
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> MosquittoBroker:
         if self._proc is not None:
             return self
-        if self.port is None:
-            self.port = free_port(self.host)
+        assert self.port is not None
         self._dir = self._dir or tempfile.TemporaryDirectory(prefix="fedtier-mosquitto-")
         conf = os.path.join(self._dir.name, "mosquitto.conf")
         with open(conf, "w") as f:
@@ -277,7 +313,7 @@ class MosquittoBroker(_Broker):
         self._log = open(os.path.join(self._dir.name, "mosquitto.log"), "wb")
         self._proc = proc = procs.popen([self.binary, "-c", conf], stdout=self._log, stderr=subprocess.STDOUT)
         try:
-            wait_for_port(self.host, self.port, timeout, alive=lambda: proc.poll() is None)
+            wait_for_port(self.host, self.port, timeout, alive=lambda: proc.poll() is None, pid=proc.pid)
         except (RuntimeError, TimeoutError) as exc:
             out = self.log_text()
             self.stop()
