@@ -571,3 +571,36 @@ def test_a_serving_agent_whose_device_the_roster_revokes_stops_and_says_why(tmp_
     assert service.revoked is not None and "device c0-d1 revoked from federation" in service.revoked
     assert f"roster version {newer.version}" in service.revoked and service.served == []
     assert issubclass(NodeRevoked, ConfigError)  # fedtier agent --serve: exit 2, as a wrong config
+
+
+def test_a_serving_agents_poll_mid_job_ends_once_its_running_devices_verified_a_roster_that_revokes_them(
+    tmp_path: Path,
+) -> None:
+    """Mid-job, the agent service polls its running devices (their connections verify each roster: runner's
+    _on_roster); a roster that revokes them ends the poll at once with the reason, whatever the job does, so serve()
+    stops without counting the job served. One that revokes another device does not."""
+    from types import SimpleNamespace
+
+    from edge_agent.service import AgentService
+    from protocols.config import TopologySection
+    from protocols.roster import Roster
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire.keys import generate_keys
+    from sim.local_federation import federation_bundle
+
+    bundle = federation_bundle(small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}))
+    ring = generate_keys(TopologySection(cells=1, devices_per_cell=2))
+    roster = Roster.from_topology(bundle.run.name, {"c0": ["c0-d0", "c0-d1"]}, ring.public, 100.0)
+    service = AgentService(bundle, ["c0-d1"], ThreadLoop("agent"), lambda: None, lambda *_: None, None)
+    job = SimpleNamespace(roster=roster.without("c0-d0"))
+    service.agents = SimpleNamespace(job=job)  # type: ignore[assignment]  # its running devices' view of the roster
+    polls: list[int] = []
+
+    def job_runs() -> bool | None:  # the job never ends by itself here
+        polls.append(1)
+        if len(polls) == 2:
+            job.roster = job.roster.without("c0-d1")  # verified by the device's connection meanwhile
+        return None if len(polls) < 50 else True
+
+    assert service._poll(job_runs) is None and len(polls) == 2  # noqa: SLF001
+    assert service.revoked is not None and "device c0-d1 revoked from federation" in service.revoked
