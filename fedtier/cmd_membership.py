@@ -3,6 +3,8 @@ runs (``fedtier/membership.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import click
 
 from .cli_types import Finite
@@ -29,7 +31,7 @@ def _done(change, out_dir: str, publish: bool, what: str, published: str | None 
     for line in change.brokers:
         console.print(line)
     console.print(f"{what}; roster version {change.version} in {out_dir}/roster.json")
-    if published is not None and not published.startswith("could not"):
+    if published is not None:
         console.print(published)
     elif publish:
         _publish(out_dir)
@@ -104,10 +106,8 @@ def revoke(out_dir: str, node: str, publish: bool) -> None:
     said: list[str] = []  # published before the brokers reload: the revoked node's connection still reads it then
 
     def publish_first() -> None:
-        try:
+        with contextlib.suppress(ConnectionError, OSError, ValueError):  # (tried again after the reload: _done)
             said.append(publish_roster(out_dir))
-        except (ConnectionError, OSError, ValueError) as exc:
-            said.append(f"could not publish the roster ({exc})")
 
     try:
         change = rv(out_dir, node, publish_first if publish else None)

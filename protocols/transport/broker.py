@@ -7,6 +7,7 @@ accepts connections, can be stopped and started again on the same port, and are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -282,14 +283,12 @@ class MosquittoBroker(_Broker):
         given up for another, up to 3 times)."""
         if self._proc is not None or self.port is not None:
             return self._start(timeout)
-        for attempt in range(3):
+        for _ in range(2):
             self.port = free_port(self.host)
-            try:
+            with contextlib.suppress(RuntimeError):  # it exited (the port taken meanwhile), or another process answers
                 return self._start(timeout)
-            except RuntimeError:  # it exited (the port taken meanwhile), or another process answers there
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        self.port = free_port(self.host)
+        return self._start(timeout)
 
     def _start(self, timeout: float) -> MosquittoBroker:
         if self._proc is not None:
