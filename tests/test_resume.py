@@ -134,6 +134,21 @@ def journaled_c0(sim: SimHierarchy, resume: bool):
     )
 
 
+def crash_after_its_first_result_of_round_1_1(sim: SimHierarchy, first: Any, restart: Callable[[], None]) -> None:
+    """Make ``first`` (a journaled c0) crash once it has journaled its first result of round 1's second edge round
+    (no clean-up: results already on their way reach nobody), then ``restart`` (posted to the loop)."""
+    journal_result = first.journal.result
+
+    def result(edge_round, device, msg):
+        journal_result(edge_round, device, msg)
+        if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
+            first.transport.crash()
+            first.stop()
+            sim.hub.loop.post(restart)
+
+    first.journal.result = result
+
+
 def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_model(tmp_path: Path) -> None:
     """In memory: cell c0 crashes (no clean-up, nothing delivered to it until it is back) once it has
     closed round 1's first edge round and taken one result of its second; a new cell server resumes
@@ -155,24 +170,12 @@ def test_cell_restarted_from_its_journal_mid_edge_round_gives_the_uninterrupted_
     def cell(resume: bool):
         return journaled_c0(sim, resume)
 
-    def crash_and_restart(old) -> None:
-        old.transport.crash()
-        old.stop()
-        sim.hub.loop.post(lambda: restart())  # results already on their way reach nobody
-
     def restart() -> None:
         sim.cells["c0"] = new = cell(resume=True)
         new.start()
 
     first = sim.cells["c0"] = cell(resume=False)
-    journal_result = first.journal.result
-
-    def result(edge_round, device, msg):
-        journal_result(edge_round, device, msg)
-        if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
-            crash_and_restart(first)
-
-    first.journal.result = result
+    crash_after_its_first_result_of_round_1_1(sim, first, restart)
     crashed = sim.run()
     assert sim.cells["c0"] is not first
     assert sim.cells["c0"].resumes and not first.resumes  # what its job line says (cell_server.service)
@@ -232,16 +235,7 @@ def test_a_result_a_resumed_cell_took_before_it_died_delivered_again_is_said_tak
         deliver_again(new)
 
     first = sim.cells["c0"] = journaled_c0(sim, resume=False)
-    journal_result = first.journal.result
-
-    def result(edge_round, device, msg):
-        journal_result(edge_round, device, msg)
-        if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
-            first.transport.crash()
-            first.stop()
-            sim.hub.loop.post(restart)
-
-    first.journal.result = result
+    crash_after_its_first_result_of_round_1_1(sim, first, restart)
     with caplog.at_level(logging.INFO, logger="fedtier"):
         sim.run()
     assert sim.cells["c0"] is not first
@@ -286,16 +280,7 @@ def test_a_cell_resumed_under_cell_dp_with_secret_noise_re_sends_what_it_release
         new.start()
 
     first = sim.cells["c0"] = watched(journaled_c0(sim, resume=False))
-    journal_result = first.journal.result
-
-    def result(edge_round, device, msg):
-        journal_result(edge_round, device, msg)
-        if (first.round, edge_round) == (1, 1) and len(first.answers.received) == 1:
-            first.transport.crash()
-            first.stop()
-            sim.hub.loop.post(restart)
-
-    first.journal.result = result
+    crash_after_its_first_result_of_round_1_1(sim, first, restart)
     sim.run()
     assert sim.cells["c0"] is not first
     again = {d: tasks for d, tasks in sent.items() if len(tasks) > 1}
