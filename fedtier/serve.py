@@ -22,8 +22,9 @@ QUEUE_FILE = "jobs.json"
 
 
 def connect_forever(make: Callable[[], Any], stopping: threading.Event, what: str) -> Any:
-    """``make().connect()``, retried with doubling delays (1 s to ``BACKOFF_MAX``) while it raises
-    ``ConnectionError``; ``None`` once ``stopping`` is set. Called with ``stopping`` set, it tries once: a service
+    """``make().connect()``, retried while it raises ``ConnectionError`` (:class:`Retrying`: doubling delays from 1 s
+    to ``BACKOFF_MAX``, to ``REFUSED_BACKOFF`` times it while the broker refuses the node, e.g. a revoked one that was
+    never told); ``None`` once ``stopping`` is set. Called with ``stopping`` set, it tries once: a service
     stopped between a job's end (its server said idle) and its next connection connects to say offline."""
     if stopping.is_set():
         try:
@@ -31,15 +32,52 @@ def connect_forever(make: Callable[[], Any], stopping: threading.Event, what: st
         except ConnectionError as exc:
             log.warning("%s: cannot connect to the broker (%s) as it stops", what, exc)
             return None
-    delay = 1.0
+    retrying = Retrying(what)
     while not stopping.is_set():
         try:
-            return make().connect()
+            transport = make().connect()
         except ConnectionError as exc:
-            log.warning("%s: cannot connect to the broker (%s); retrying in %.0f s", what, exc, delay)
-            stopping.wait(delay)
-            delay = min(2 * delay, BACKOFF_MAX)
+            stopping.wait(retrying.failed(exc))
+        else:
+            retrying.connected()
+            return transport
     return None
+
+
+class Retrying:
+    """The delays and lines of a node's connect retried for as long as it takes: each failure's delay doubles from
+    1 s up to ``BACKOFF_MAX`` (an unreachable broker), or up to ``REFUSED_BACKOFF`` times that while the broker
+    refuses the node (:class:`~protocols.transport.paho_client.Refused`: a revoked node's for ever, so the broker is
+    asked every 5 min, not every 30 s). A failure is said in full when it first comes, then only at the 10th, 100th,
+    ... same in a row (``said_rarely``: a node refused for weeks writes a few lines, not one a minute), and a connect
+    after failures says so."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.delay, self.failures, self.same, self.last, self.since = what, 1.0, 0, 0, "", ""
+
+    def failed(self, exc: ConnectionError) -> float:
+        """Count ``exc``, say it if due; the seconds to wait before the next attempt."""
+        from protocols.transport.connecting import REFUSED_BACKOFF, said_rarely
+        from protocols.transport.paho_client import Refused
+
+        delay, cap = self.delay, BACKOFF_MAX * (REFUSED_BACKOFF if isinstance(exc, Refused) else 1.0)
+        self.delay = min(2 * delay, cap)
+        self.failures += 1
+        self.since = self.since or time.strftime("%H:%M:%S UTC", time.gmtime())
+        self.same, self.last = (self.same + 1 if str(exc) == self.last else 1), str(exc)
+        if self.same == 1:
+            log.warning("%s: cannot connect to the broker (%s); retrying in %.0f s", self.what, exc, delay)
+        else:
+            level = logging.WARNING if said_rarely(self.same) else logging.DEBUG
+            said = f"still cannot connect to the broker, {self.failures} attempts since {self.since} ({exc})"
+            log.log(level, "%s: %s; retrying in %.0f s (at most every %.0f s)", self.what, said, delay, cap)
+        return delay
+
+    def connected(self) -> None:
+        """The connect succeeded: said if it had failed."""
+        if self.failures:
+            said = f"connected to the broker after {self.failures} failed attempts since {self.since}"
+            log.warning("%s: %s", self.what, said)
 
 
 def on_signals(*stops: Callable[[], None]) -> None:

@@ -12,6 +12,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from protocols.transport.broker import find_mosquitto
 from protocols.wire import topics
 from sim.hierarchy import prepare
 from tests.conftest import free_port_run, small_config, wait_until
-from tests.test_provision import WAIT, Inbox, broker_user, clients, mosquitto, reachable_tmp  # noqa: F401
+from tests.test_provision import WAIT, Inbox, broker_user, clients, mosquitto, provision_cli, reachable_tmp  # noqa: F401
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
 
@@ -604,3 +605,88 @@ def test_a_serving_agents_poll_mid_job_ends_once_its_running_devices_verified_a_
 
     assert service._poll(job_runs) is None and len(polls) == 2  # noqa: SLF001
     assert service.revoked is not None and "device c0-d1 revoked from federation" in service.revoked
+
+
+class Attempts(threading.Event):
+    """A stop event whose waits return at once, recorded; set after ``n`` of them (a node's retries, not slept)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.waits = n, list[float]()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(float(timeout or 0.0))
+        if len(self.waits) >= self.n:
+            self.set()
+        return self.is_set()
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_revoked_node_never_told_retries_its_refusing_broker_rarely_and_says_so_once_then_rarely(
+    reachable_tmp: Path,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A device revoked while its agent was down (or `provision revoke --no-publish`) is never told: it cannot read the
+    roster that revokes it. Restarted, its `fedtier agent --serve` (connect_forever) retried the broker that refuses
+    its certificate every 30 s for ever, each attempt a ~500-character warning (2,880 a day, and three lines in the
+    broker's log each). It still retries (a refusal cannot be told from a broker's mended revocation list or password
+    file), but backs off to 5 min while refused, says the refusal once with how to check whether it was revoked, then
+    at the 10th, 100th, ... attempt only. 12 attempts here (the waits recorded, not slept)."""
+    from fedtier.membership import revoke
+    from fedtier.serve import BACKOFF_MAX, connect_forever
+    from protocols.transport.connecting import REFUSED_BACKOFF
+
+    p = provision_cli(reachable_tmp, "unaware")
+    out, port = p["out"], p["port"]
+    bundle = out / "nodes" / "c0-d1"
+
+    def refused() -> bool:
+        """Whether a new connection with the device's certificate (under its agent's client id) is refused."""
+        try:
+            make(bundle, port, client_id=node).connect(WAIT).close()
+        except ConnectionError:
+            return True
+        return False
+
+    node = "fedtier-t-device.c0-d1"
+    with mosquitto(out / "broker" / "mosquitto.conf", port), clients() as make:
+        assert not refused()
+        revoke(out, "c0-d1")  # the roster not published: its agent, down, is not told
+        assert wait_until(refused, WAIT), "the broker still takes the revoked certificate"  # (its reload: SIGHUP)
+        stopping = Attempts(12)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            assert connect_forever(lambda: make(bundle, port, client_id=node), stopping, "device.c0-d1") is None
+    assert stopping.waits[:4] == [1.0, 2.0, 4.0, 8.0] and stopping.waits[-1] == BACKOFF_MAX * REFUSED_BACKOFF == 300
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 2, said  # the first refusal and the 10th attempt: not one line each
+    assert "device.c0-d1: cannot connect to the broker" in said[0] and "Is this certificate revoked" in said[0]
+    assert "roster.json then lists it as revoked" in said[0]  # how an operator checks
+    assert "still cannot connect to the broker, 10 attempts since" in said[1], said
+    assert sum("still cannot connect" in r.getMessage() for r in caplog.records) == 11  # the others: debug
+
+
+def test_a_node_that_cannot_reach_its_broker_retries_every_30_s_at_most_and_says_when_it_connects(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An unreachable broker (down, restarting) is not a refusal: the node backs off to BACKOFF_MAX only (it comes back
+    soon after the broker does), says it once, and says when it connected."""
+    from fedtier.serve import BACKOFF_MAX, connect_forever
+
+    class Broker:
+        def __init__(self, down_for: int) -> None:
+            self.down_for = down_for
+
+        def connect(self) -> Broker:
+            self.down_for -= 1
+            if self.down_for >= 0:
+                raise ConnectionError("cannot connect to MQTT broker at h:1: connection refused")
+            return self
+
+    broker, stopping = Broker(12), Attempts(100)
+    with caplog.at_level(logging.WARNING, logger="fedtier.serve"):
+        assert connect_forever(lambda: broker, stopping, "cell c0") is broker
+    assert stopping.waits == [1.0, 2.0, 4.0, 8.0, 16.0] + [BACKOFF_MAX] * 7
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3 and "retrying in 1 s" in said[0] and "10 attempts since" in said[1], said
+    assert said[2].startswith("cell c0: connected to the broker after 12 failed attempts since"), said

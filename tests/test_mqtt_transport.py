@@ -471,11 +471,12 @@ def test_a_connection_its_broker_refused_is_not_also_said_hung_up_on_before_acce
     said, after 'refused the connection: Not authorized', 'MQTT broker ... closed the connection ... (without TLS)
     before accepting it: does its listener require TLS ...? Is this certificate revoked ...?': the broker's hang-up
     after its refusing CONNACK, when it came before the failed connect closed the transport. A hang-up with no
-    CONNACK before it is still said so."""
+    CONNACK before it is still said so. A first connect's refusal is not logged: it is raised, with what it may mean."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.reasoncodes import ReasonCode
 
     t = MqttTransport("dev", loop, "127.0.0.1", free_port())
+    t._ever_connected = True  # a reconnect: nobody raises its refusal
     hang_up = ReasonCode(PacketTypes.DISCONNECT, "Unspecified error")
     with caplog.at_level(logging.WARNING, logger="protocols.transport.mqtt"):
         t._on_connect(t._client, None, None, ReasonCode(PacketTypes.CONNACK, "Not authorized"), None)
@@ -483,9 +484,52 @@ def test_a_connection_its_broker_refused_is_not_also_said_hung_up_on_before_acce
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 1 and "refused the connection: Not authorized" in said[0], said
         assert "or this node was revoked: `fedtier provision revoke` drops its login" in said[0]  # what it may mean
-        t._on_disconnect(t._client, None, None, hang_up, None)  # the next attempt's, hung up before its CONNACK
+        assert "roster.json then lists it as revoked" in said[0]  # how to check
+        t2 = MqttTransport("dev2", loop, "127.0.0.1", free_port())
+        t2._ever_connected = True
+        t2._connack.set()  # (its first connect's)
+        t2._on_disconnect(t2._client, None, None, hang_up, None)  # a reconnect hung up on before its CONNACK
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 2 and "before accepting it" in said[1], said
+        first = MqttTransport("dev3", loop, "127.0.0.1", free_port())
+        first._on_connect(first._client, None, None, ReasonCode(PacketTypes.CONNACK, "Not authorized"), None)
+        assert len(caplog.records) == 2  # a first connect's: raised by finish_connect
+        with pytest.raises(ConnectionError, match="refused 'dev3': Not authorized .*this node was revoked"):
+            first.finish_connect()
+
+
+def test_a_broker_that_refuses_a_reconnect_for_ever_is_said_so_rarely_and_asked_rarely(loop, caplog) -> None:
+    """A node whose connection dropped and whose every reconnect the broker refuses (revoked while it was away, its
+    roster never read) said so at every attempt, every 30 s for ever (refused logins), or every 10th (hang-ups): a
+    log that grows without bound. Now the 1st, 10th, 100th, ... of a run, whichever way it is refused, and its retry
+    delay grows to REFUSED_BACKOFF times the longest (a node's: 5 min), not the usual 30 s; a connect resets both."""
+    from types import SimpleNamespace
+
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    from protocols.transport.connecting import REFUSED_BACKOFF, said_rarely
+
+    assert [n for n in range(1, 1001) if said_rarely(n)] == [1, 10, 100, 1000]
+    t = MqttTransport("dev", loop, "127.0.0.1", free_port(), reconnect_max_delay=30.0, backoff_seed=0)
+    t._ever_connected = True
+    t._connack.set()  # (its first connect's)
+    refused = ReasonCode(PacketTypes.CONNACK, "Not authorized")
+    hang_up = ReasonCode(PacketTypes.DISCONNECT, "Unspecified error")
+    with caplog.at_level(logging.WARNING, logger="protocols.transport.mqtt"):
+        for n in range(100):
+            if n % 2:
+                t._on_connect(t._client, None, None, refused, None)
+            t._on_disconnect(t._client, None, None, hang_up, None)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3 and "before accepting it" in said[0], said  # the 1st, 10th, 100th
+    assert "refused again (10 times in a row: Not authorized)" in said[1] and "(100 times in a row" in said[2]
+    delays = [t.next_backoff(refused=True) for _ in range(20)]
+    assert 30.0 * REFUSED_BACKOFF * 0.5 <= delays[-1] < 30.0 * REFUSED_BACKOFF * 1.5 and max(delays) > 45.0
+    t._on_connect(
+        t._client, None, SimpleNamespace(session_present=False), ReasonCode(PacketTypes.CONNACK, "Success"), None
+    )
+    assert t._refusals == 0 and t._attempts == 0
 
 
 # -- reconnect -------------------------------------------------------------------------------

@@ -1147,7 +1147,7 @@ def test_a_running_node_whose_certificate_was_revoked_says_why_its_reconnects_fa
         with mosquitto(conf, port):  # the broker back: the device's reconnect is refused
             said = lambda: "closed the connection of" in caplog.text and "revoked" in caplog.text  # noqa: E731
             assert wait_until(said, 10.0), caplog.text
-            assert wait_until(lambda: device._hung_ups >= 4, 10.0)  # retried (0.1 s, doubling): said once, not 4 times
+            assert wait_until(lambda: device._refusals >= 4, 10.0)  # retried (0.1 s, doubling): said once, not 4 times
             assert caplog.text.count("closed the connection of") == 1, caplog.text
         device.close(0.1)
     finally:

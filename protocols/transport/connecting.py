@@ -18,7 +18,7 @@ from typing import Any, Self
 
 import paho.mqtt.client as mqtt
 
-from .paho_client import Credentials, hung_up_before_connack
+from .paho_client import REVOKED_CHECK, Credentials, Refused, hung_up_before_connack
 
 log = logging.getLogger("protocols.transport.mqtt")
 _waiting: dict[str, float] = {}  # broker address -> until when a first connect here said it retries (monotonic)
@@ -39,6 +39,30 @@ def failure_kind(exc: OSError) -> str:
 
 CONNECT_TIMEOUT = 10.0
 """Seconds a first connect retries by default (a node's; an operator command with a wait gives up within it)."""
+REFUSED_BACKOFF = 10.0
+"""A refused (re)connect backs off up to this many times its usual longest delay (a node's: 30 s -> 5 min): a broker
+that refuses a node (a revoked one's login, for ever) is asked rarely, and says so rarely in its own log too."""
+REFUSED_LOGIN = ("Not authorized", "Bad user name or password")
+"""The CONNACK reasons of a login the broker refused (MQTT 3.1.1 and 5)."""
+
+
+def refused_hint(reason: Any) -> str:
+    """What a refused login may mean in a provisioned federation: a revoked node's login is dropped from the broker."""
+    if str(reason) in REFUSED_LOGIN:
+        return (
+            " (a wrong username or password, or this node was revoked: `fedtier provision revoke` drops its login; "
+            f"{REVOKED_CHECK})"
+        )
+    return ""
+
+
+def said_rarely(n: int) -> bool:
+    """Whether the ``n``-th same failure in a row (from 1) is said: the 1st, then the 10th, 100th, 1000th ...: a node
+    that retries a broker that refuses it for ever (a revoked node's) says so a few times, not at every attempt (a
+    log that grows without bound)."""
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
 
 
 def say_retrying(client_id: str, where: str, why: str, deadline: float, timeout: float) -> None:
@@ -77,6 +101,7 @@ class Connecting:
     _timeout = 0.0  # ... and its length
     _last_failure: ConnectionError | None = None  # why its last attempt failed, raised when its time is up
     _attempts: int  # failed (re)connect attempts in a row
+    _refusals: int  # reconnects in a row refused or hung up on before their CONNACK
     _backoff: tuple[float, float]  # (min, max) reconnect delay
     _rng: random.Random  # the reconnect jitter, from ``backoff_seed``
 
@@ -127,9 +152,9 @@ class Connecting:
         if reason is None:  # _on_disconnect: the broker hung up before its CONNACK
             self._abort()
             raise hung_up_before_connack(where, self.client_id, self._creds)
-        if reason is not None and reason.is_failure:
+        if reason is not None and reason.is_failure:  # (said by whoever catches it: not logged as it came)
             self._abort()
-            raise ConnectionError(f"MQTT broker at {where} refused {self.client_id!r}: {reason}")
+            raise Refused(f"MQTT broker at {where} refused {self.client_id!r}: {reason}{refused_hint(reason)}")
         self._schedule_expiry()
         return self
 
@@ -137,8 +162,8 @@ class Connecting:
     def _where(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _tls_error(self, exc: BaseException) -> ConnectionError:
-        return ConnectionError(f"TLS handshake with MQTT broker at {self._where} failed: {exc}")
+    def _tls_error(self, exc: BaseException) -> Refused:
+        return Refused(f"TLS handshake with MQTT broker at {self._where} failed: {exc}")
 
     def _refused(self, exc: OSError) -> None:
         """A first-connect attempt's TCP connect failed: keep why, say once that it is retried."""
@@ -155,6 +180,20 @@ class Connecting:
         self._last_failure = hung_up_before_connack(self._where, self.client_id, self._creds)
         why = "closed the connection before its CONNACK (a TLS listener? a refused certificate? its connection limit?)"
         say_retrying(self.client_id, self._where, why, self._deadline, self._timeout)
+
+    def _say_refused_again(self, reason: Any, error: Refused | None = None) -> None:
+        """A reconnect was refused (its CONNACK's ``reason``; else ``error``, a failed TLS handshake; else hung up on
+        before its CONNACK, e.g. a revoked certificate): said the first time with what it may mean, then
+        :func:`said_rarely`. A first connect's refusal is raised by :meth:`finish_connect` instead."""
+        self._refusals += 1
+        n = self._refusals
+        if n == 1 and reason is None:
+            why: object = error or hung_up_before_connack(self._where, self.client_id, self._creds)
+        elif n == 1:
+            why = f"broker {self._where} refused the connection: {reason}{refused_hint(reason)}"
+        else:
+            why = f"refused again ({n} times in a row{f': {reason}' if reason is not None else ''})"
+        log.log(logging.WARNING if said_rarely(n) else logging.DEBUG, "%s: %s; retrying", self.client_id, why)
 
     def _gave_up(self) -> ConnectionError:
         """The error of a first connect whose time is up: the reason its last attempt failed, else no CONNACK."""
@@ -174,8 +213,8 @@ class Connecting:
             if not self._ever_connected:
                 self._fail(self._tls_error(exc))
             else:
-                log.warning("%s: %s; retrying", self.client_id, self._tls_error(exc))
-                self._retry_later()
+                self._say_refused_again(None, self._tls_error(exc))
+                self._retry_later(refused=True)
         except OSError as exc:
             if self._ever_connected:
                 self._retry_later()
@@ -190,15 +229,16 @@ class Connecting:
         self._connect_error = error
         self._connack.set()
 
-    def next_backoff(self) -> float:
+    def next_backoff(self, refused: bool = False) -> float:
         """Seconds before the next (re)connect attempt: doubling from the minimum delay (0.2 s before
-        the first CONNACK) up to the maximum, times a jitter in [0.5, 1.5) drawn from ``backoff_seed``,
-        so that agents refused together do not come back together."""
+        the first CONNACK) up to the maximum (:data:`REFUSED_BACKOFF` times it after a ``refused`` reconnect), times a
+        jitter in [0.5, 1.5) drawn from ``backoff_seed``, so that agents refused together do not come back together."""
         lo, hi = self._backoff
+        hi *= REFUSED_BACKOFF if refused else 1.0
         base = min(hi, (lo if self._ever_connected else 0.2) * 2 ** min(self._attempts, 16))
         self._attempts += 1
         return base * (0.5 + self._rng.random())
 
-    def _retry_later(self) -> None:
+    def _retry_later(self, refused: bool = False) -> None:
         assert self._reactor is not None
-        self._reactor.call_later(self.next_backoff(), self._attempt)
+        self._reactor.call_later(self.next_backoff(refused), self._attempt)

@@ -36,7 +36,6 @@ from .hold import Hold, HoldLimits
 from .inbound import Inbound
 from .paho_client import (
     Credentials,
-    hung_up_before_connack,
     linger_on_disconnect,
     new_client,
     nodelay,
@@ -58,17 +57,6 @@ TAKEN_OR_CUT = (
 """Why a connection was lost, where the broker gave no reason (paho: "Unspecified error")."""
 
 
-REFUSED_LOGIN = ("Not authorized", "Bad user name or password")
-"""The CONNACK reasons of a login the broker refused (MQTT 3.1.1 and 5)."""
-
-
-def _hint(reason: Any) -> str:
-    """What a refused login may mean in a provisioned federation: a revoked node's login is dropped from the broker."""
-    if str(reason) in REFUSED_LOGIN:
-        return " (a wrong username or password, or this node was revoked: `fedtier provision revoke` drops its login)"
-    return ""
-
-
 class MqttTransport(Connecting, Inbound, Transport):
     """One node's MQTT connection. Call :meth:`connect` before use, :meth:`close` at the end."""
 
@@ -80,7 +68,7 @@ class MqttTransport(Connecting, Inbound, Transport):
     _deadline = 0.0  # of the first connect
     _connect_error: ConnectionError | None = None
     _attempts = 0  # failed (re)connect attempts in a row
-    _hung_ups = 0  # reconnects in a row hung up on before their CONNACK
+    _refusals = 0  # reconnects in a row refused or hung up on before their CONNACK
     _connack_refused = False  # the last CONNACK refused the connection (said): its hang-up that follows is no news
     # ... its subscriptions ...
     _sub_sending = 0  # SUBSCRIBEs decided on but not yet registered as pending
@@ -372,15 +360,9 @@ class MqttTransport(Connecting, Inbound, Transport):
     def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, reason: Any, _props: Any) -> None:
         self._connack_reason = reason
         self._connack_refused = reason.is_failure
-        if reason.is_failure:
-            log.warning(
-                "%s: broker %s:%s refused the connection: %s%s",
-                self.client_id,
-                self.host,
-                self.port,
-                reason,
-                _hint(reason),
-            )
+        if reason.is_failure:  # a first connect's refusal is raised by finish_connect; a reconnect's said here
+            if self._ever_connected:
+                self._say_refused_again(reason)
             self._connack.set()
             return
         with self._cv:
@@ -393,7 +375,7 @@ class MqttTransport(Connecting, Inbound, Transport):
             self._suback_pending.clear()
             self._suback_early.clear()
             self._cv.notify_all()
-        self._attempts = self._hung_ups = 0
+        self._attempts = self._refusals = 0
         lost = self.persistent and self._ever_connected and not getattr(flags, "session_present", False)
         if lost:  # the broker expired it (persistent_client_expiration) or lost its state: say so
             self.sessions_lost += 1
@@ -444,17 +426,10 @@ class MqttTransport(Connecting, Inbound, Transport):
             )
         elif self._connack_refused:  # the broker's hang-up after its CONNACK refused the connection, said then
             self._connack_refused = False
-        elif self._hung_ups == 0:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why
-            self._hung_ups = 1
-            log.warning(
-                "%s: %s; retrying", self.client_id, hung_up_before_connack(self._where, self.client_id, self._creds)
-            )
-        else:  # the same again at each retry (a revoked node's, every 30 s for ever): one line every 10th
-            self._hung_ups += 1
-            level = logging.WARNING if self._hung_ups % 10 == 0 else logging.DEBUG
-            log.log(level, "%s: closed again before accepting it (%d times); retrying", self.client_id, self._hung_ups)
+        else:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why, then rarely
+            self._say_refused_again(None)
         if self._reactor is not None:
-            self._retry_later()
+            self._retry_later(refused=not was_connected)  # refused: backs off further
 
     def _send_subscribe(self, subs: list[tuple[str, int]], gen: int) -> None:
         """Send a SUBSCRIBE; the caller has counted it in ``_sub_sending`` (so that

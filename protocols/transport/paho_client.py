@@ -251,18 +251,29 @@ def nodelay(_client: mqtt.Client, _u: Any, sock: Any) -> None:
         pass
 
 
-def hung_up_before_connack(where: str, client_id: str, creds: Credentials) -> ConnectionError:
+class Refused(ConnectionError):
+    """The broker refused this client: its login (a refusing CONNACK), its TLS handshake, or a hang-up before accepting
+    it. Unlike an unreachable broker, retrying helps only once the broker's side (its logins, CA, revocation list) or
+    this node's credentials change, e.g. never for a revoked node: a long-lived node still retries (a broker's
+    password file or revocation list can be mended), backing off further and saying so rarely."""
+
+
+REVOKED_CHECK = "the provisioning folder's roster.json then lists it as revoked"
+"""How an operator tells a revoked node from a misconfigured one (the node itself cannot read its roster any more)."""
+
+
+def hung_up_before_connack(where: str, client_id: str, creds: Credentials) -> Refused:
     """The error of a broker at ``where`` that closed the connection before its CONNACK, with the likely causes."""
     how = (
         "with TLS" + (", client certificate" if creds.certfile else ", no client certificate")
         if creds.tls
         else "without TLS"
     )
-    return ConnectionError(
+    return Refused(
         f"MQTT broker at {where} closed the connection of {client_id!r} ({how}) "
         "before accepting it: does its listener require TLS (ca_certs) or a client "
-        "certificate signed by the broker's CA (certfile, keyfile)? Is this certificate revoked (its node revoked, "
-        "or replaced by a renewal: fedtier provision revoke|renew)? Or is it at its connection limit?"
+        "certificate signed by the broker's CA (certfile, keyfile)? Is this certificate revoked (its node revoked: "
+        f"{REVOKED_CHECK}; or replaced by a renewal: fedtier provision revoke|renew)? Or is it at its connection limit?"
     )
 
 
