@@ -95,13 +95,20 @@ def add_cell(out_dir: str, cell: str, publish: bool) -> None:
 
 @provision.command("revoke")
 @OUT
-@click.argument("node")
+@click.option("--node", "named", metavar="NODE", help="The device, or the cell with its devices, to revoke.")
+@click.argument("node", required=False, metavar="[NODE]")
 @PUBLISH
-def revoke(out_dir: str, node: str, publish: bool) -> None:
-    """Revoke NODE (a device, or a cell with its devices): its login and ACL removed, its certificate in the
-    revocation list, its key dropped, a roster without it; cells refuse its messages."""
+def revoke(out_dir: str, named: str | None, node: str | None, publish: bool) -> None:
+    """Revoke --node NODE (a device, or a cell with its devices; `revoke NODE` too): its login and ACL removed, its
+    certificate in the revocation list, its key dropped, a roster without it; cells refuse its messages."""
     from .membership import MembershipError, publish_roster
     from .membership import revoke as rv
+
+    if named is not None and node is not None and named != node:
+        fail(f"two nodes to revoke: --node {named} and {node} (one at a time)", 2)
+    node = named or node
+    if node is None:
+        fail("which node? `fedtier provision revoke --out DIR --node NODE` (a device, or a cell with its devices)", 2)
 
     said: list[str] = []  # published before the brokers reload: the revoked node's connection still reads it then
 

@@ -209,7 +209,7 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
                 prep.spec,
             )
             procs["c0-d2"] = agent("c0-d2")
-            res = _operator("provision", "revoke", "--out", str(prov), "c0-d1")
+            res = _operator("provision", "revoke", "--out", str(prov), "--node", "c0-d1")
             assert res.returncode == 0 and "published roster version 3" in res.stdout, res.stdout
             revoked, enrolled = _logins(nodes / "c0-d1", nodes / "c0-d2")
             assert revoked.startswith("refused"), "a revoked device still logs in"

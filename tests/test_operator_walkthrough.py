@@ -46,7 +46,7 @@ def test_membership_changes_publish_with_the_tutorials_relative_out_and_later_on
     reachable_tmp: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`fedtier provision revoke --out fed NODE` from the provisioning folder (as the tutorial runs it) publishes
+    """`fedtier provision revoke --out fed --node NODE` from the provisioning folder (as the tutorial runs it) publishes
     the new roster; a change made while the broker is down fails to publish with exit 1 and says how to do it
     later, and `fedtier provision publish --out fed` then does."""
     port = free_port()
@@ -65,7 +65,7 @@ def test_membership_changes_publish_with_the_tutorials_relative_out_and_later_on
     with mosquitto(where / "fed" / "broker" / "mosquitto.conf", port):
         code, out, exc = _cli("provision", "publish", "--out", "fed")
         assert exc is None and code == 0 and "published roster version 2" in out, (exc, out)
-        code, out, exc = _cli("provision", "revoke", "--out", "fed", "c0-d1")
+        code, out, exc = _cli("provision", "revoke", "--out", "fed", "--node", "c0-d1")
         assert exc is None and code == 0 and "published roster version 3" in out, (exc, out)
     assert os.getcwd() == str(where)  # publishing read the operator's bundle from inside it, and came back
 
@@ -479,12 +479,20 @@ def test_a_cells_rotated_key_reaches_its_devices_through_the_roster(tmp_path: Pa
 
 def test_revoking_a_node_revoked_before_says_so(tmp_path: Path) -> None:
     """Walked: `fedtier provision revoke --out fed c1-d1` a second time said "'c1-d1' is not a cell or a device of
-    federation 'fed'", as of a mistyped id. Exit 2 still (nothing changed), saying it is revoked already."""
+    federation 'fed'", as of a mistyped id. Exit 2 still (nothing changed), saying it is revoked already.
+    The node is named as by every other provision command, `--node NODE` (renew's; add-device's `--device`), the
+    positional `revoke NODE` of earlier docs still taken; two different ones, or none, are refused before anything
+    changes."""
     fed = _provision(tmp_path, free_port())
-    assert _cli("provision", "revoke", "--out", str(fed), "c0-d1", "--no-publish")[0] == 0
-    code, out, exc = _cli("provision", "revoke", "--out", str(fed), "c0-d1", "--no-publish")
+    revoke = ("provision", "revoke", "--out", str(fed), "--no-publish")
+    for wrong, said in (((), "which node?"), (("--node", "c0-d0", "c0-d1"), "two nodes to revoke")):
+        code, out, exc = _cli(*revoke, *wrong)
+        assert exc is None and code == 2 and said in out, out
+    assert json.loads((fed / "roster.json").read_text())["version"] == 1  # nothing changed
+    assert _cli(*revoke, "--node", "c0-d1")[0] == 0
+    code, out, exc = _cli(*revoke, "c0-d1")
     assert exc is None and code == 2 and "'c0-d1' is revoked already (roster version 2): nothing to do" in out, out
-    code, out, _ = _cli("provision", "revoke", "--out", str(fed), "c0-d9", "--no-publish")
+    code, out, _ = _cli(*revoke, "--node", "c0-d9", "c0-d9")  # (the same twice: one)
     assert code == 2 and "'c0-d9' is not a cell or a device of federation 'fed'" in out, out
 
 
