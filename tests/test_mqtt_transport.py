@@ -291,6 +291,34 @@ def test_closing_many_connections_to_a_broker_that_stopped_answering_costs_one_w
         watcher.close()
 
 
+def test_a_broker_marked_silent_is_waited_for_again_once_any_of_its_packets_comes(
+    broker, loop, prefix, monkeypatch
+) -> None:
+    """A close-time wait that timed out marks its broker silent: the process's next closes to it do not wait (the test
+    above). The mark went only at a CONNACK, a PINGRESP or a lingering socket's close, not at the PUBACKs and messages
+    that a live connection reads all the time, so a broker that was only slow stayed unwaited for until a keepalive or
+    a new connection: closes meanwhile returned before the broker read their DISCONNECT (a same-id connection opened
+    next could take the old one over, and the broker say its will). Any packet the broker sends now clears it."""
+    monkeypatch.setattr(paho_client, "_silent", set())  # this test's marks only
+    pub, sub, inbox = connect(broker, "pub", loop), connect(broker, "sub", loop), Inbox(loop)
+    sub.subscribe(f"{prefix}/x", inbox)
+    assert sub.wait_subscribed(WAIT)
+    key = (pub._client._host, pub._client._port)
+    paho_client._silent.add(key)  # as a close's timed-out wait does
+    pub.publish(f"{prefix}/x", b"1")
+    assert pub.flush(WAIT)  # its PUBACK
+    assert key not in paho_client._silent
+    paho_client._silent.add(key)
+    other = connect(broker, "other", loop)  # (its CONNACK: an answer too)
+    assert key not in paho_client._silent
+    paho_client._silent.add(key)
+    other.publish(f"{prefix}/x", b"2", qos=0)  # nothing comes back to it: only sub reads the broker's PUBLISH
+    inbox.wait_n(2)
+    assert key not in paho_client._silent
+    for t in (pub, sub, other):
+        t.close()
+
+
 def test_no_will_from_a_close_right_after_subscriptions_change_on_amqtt(loop, prefix) -> None:
     """The same on amqtt, which answers a SUBSCRIBE and an UNSUBSCRIBE from a task of its own (after a PINGREQ's
     answer, say): the will came in 14 of 20 of a long-lived cloud's jobs; here, before, in about half of the tries."""

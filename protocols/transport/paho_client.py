@@ -88,15 +88,15 @@ class _Client(mqtt.Client):
 
     def _handle_pingresp(self) -> mqtt.MQTTErrorCode:
         rc = super()._handle_pingresp()
-        _answered(self)
         with self._pong_cv:
             self._pongs += 1
             self._pong_cv.notify_all()
         return rc
 
-    def _handle_connack(self) -> mqtt.MQTTErrorCode:
-        _answered(self)
-        return super()._handle_connack()
+    def _packet_handle(self) -> mqtt.MQTTErrorCode:
+        if _silent:  # any packet from the broker (a CONNACK, PINGRESP, PUBACK, PUBLISH, SUBACK ...) is an answer
+            _answered(self)
+        return super()._packet_handle()
 
     def round_trip(self, timeout: float, wake: Callable[[], None] = lambda: None) -> bool:
         """Send a PINGREQ and wait up to ``timeout`` for its PINGRESP (``wake``: after queueing it, for a reactor):
@@ -157,7 +157,7 @@ _silent_lock = threading.Lock()
 
 
 def _answered(c: mqtt.Client) -> None:
-    """``c``'s broker answered (a CONNACK, a PINGRESP, the close of its side of a lingering socket): not silent."""
+    """``c``'s broker answered (any packet it sent, or the close of its side of a lingering socket): not silent."""
     with _silent_lock:
         _silent.discard((c._host, c._port))
 
