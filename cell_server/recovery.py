@@ -149,7 +149,10 @@ class RoundJournal:
 
 
 def result_digest(msg: Incoming) -> str:
-    """The sha256 of a device result's payload as it arrived (as encoded, where its bytes were not kept)."""
+    """The sha256 of a device result's payload as it arrived (its signature check's, where it computed it over those
+    bytes: hashed once; as encoded, where its bytes were not kept)."""
+    if msg.digest is not None:
+        return msg.digest.hex()
     raw = msg.received.view() if msg.received is not None else encode_payload(msg.payload)
     return payload_digest(raw).hex()
 

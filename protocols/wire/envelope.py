@@ -282,13 +282,19 @@ def _header(raw: bytes) -> Header:
         raise WireError(RejectKind.MALFORMED, f"invalid header: {_short(exc)}") from None
 
 
-def verify_signature(header: Header, payload: bytes | memoryview | SharedPayload, topic: str, verify: Verifier) -> None:
+def verify_signature(
+    header: Header,
+    payload: bytes | memoryview | SharedPayload,
+    topic: str,
+    verify: Verifier,
+    digest: bytes | None = None,
+) -> None:
     """Raise :class:`WireError` unless ``header`` carries its sender's valid signature over itself
-    (without the signature), ``payload`` and ``topic``."""
+    (without the signature), ``payload`` and ``topic`` (``digest``: ``payload``'s, computed already)."""
     if header.sig is None:
         raise WireError(RejectKind.SIGNATURE, "unsigned message where a signature is required")
     unsigned = header.model_copy(update={"sig": None}).to_json()
-    verify(header.sender, signed_bytes(topic, unsigned, payload), decode_sig(header.sig))
+    verify(header.sender, signed_bytes(topic, unsigned, payload, digest), decode_sig(header.sig))
 
 
 def _short(exc: Exception) -> str:

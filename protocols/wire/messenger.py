@@ -73,6 +73,7 @@ class Incoming:
     nbytes: int
     received: Received | None = None
     repeat: bool = False  # handled before (``Messenger.receive`` hands it again only when asked: ``repeats``)
+    digest: bytes | None = None  # its payload's sha256, where its signature check computed it (hashed once)
 
 
 class Messenger:
@@ -253,7 +254,7 @@ class Messenger:
         if isinstance(data, Segments):
             return self._receive_segments(topic, data, kinds, repeats)
         try:
-            header, raw = self._accepted(topic, data, kinds)
+            header, raw, digest = self._accepted(topic, data, kinds)
             repeat = not self.seen.first_time(f"{header.session}/{header.msg_id}")
             if repeat and not repeats:
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
@@ -264,7 +265,7 @@ class Messenger:
             self.reject(topic, exc.kind, str(exc), None)
             return None
         received = Received(data, len(data) - raw.nbytes) if type(data) is bytes else None  # raw: data's tail
-        return Incoming(topic, header, payload, len(data), received, repeat)
+        return Incoming(topic, header, payload, len(data), received, repeat, digest)
 
     def _receive_segments(
         self, topic: str, data: Segments, kinds: tuple[str, ...] | None, repeats: bool
@@ -274,7 +275,7 @@ class Messenger:
         never change)."""
         shared = data.body
         try:
-            header, _ = self._accepted(topic, data, kinds)
+            header, _, digest = self._accepted(topic, data, kinds)
             repeat = not self.seen.first_time(f"{header.session}/{header.msg_id}")
             if repeat and not repeats:
                 log.debug("duplicate %s from %s dropped", header.msg_id, header.sender)
@@ -283,7 +284,7 @@ class Messenger:
         except WireError as exc:
             self.reject(topic, exc.kind, str(exc), None)
             return None
-        return Incoming(topic, header, payload, len(data), Received(shared.data, shared.start), repeat)
+        return Incoming(topic, header, payload, len(data), Received(shared.data, shared.start), repeat, digest)
 
     def authentic(self, topic: str, data: bytes | Segments, kinds: tuple[str, ...] | None = None) -> Header:
         """``data``'s header once :meth:`receive` would accept it (well formed, of this run, of ``kinds``, signed by a
@@ -291,19 +292,24 @@ class Messenger:
         deciding whose it is before it handles it later); :class:`WireError` otherwise."""
         return self._accepted(topic, data, kinds)[0]
 
-    def _accepted(self, topic: str, data: bytes | Segments, kinds: tuple[str, ...] | None) -> tuple[Header, memoryview]:
+    def _accepted(
+        self, topic: str, data: bytes | Segments, kinds: tuple[str, ...] | None
+    ) -> tuple[Header, memoryview, bytes | None]:
         """``data``'s header and payload once the message is valid for this node: well formed, of this run, of
-        ``kinds``, signed by a known peer where messages are signed (:class:`WireError` otherwise)."""
+        ``kinds``, signed by a known peer where messages are signed (:class:`WireError` otherwise); and the payload's
+        sha256 where its signature was checked (``None`` unsigned)."""
         header, raw = decode_message(data, max_payload=self.max_payload)
         if header.run != self.run:
             raise WireError(RejectKind.WRONG_SENDER, f"message for run {header.run!r}, this is run {self.run!r}")
         if kinds is not None and header.kind not in kinds:
             raise WireError(RejectKind.MALFORMED, f"unexpected message kind {header.kind!r} on {topic}")
-        if self.trust is not None:
-            self.trust.require(header.sender)  # unknown, or revoked
-            signed = data.body if isinstance(data, Segments) else raw  # (a shared payload's digest: computed once)
-            verify_signature(header, signed, topic, self.trust.verify)
-        return header, raw
+        if self.trust is None:
+            return header, raw, None
+        self.trust.require(header.sender)  # unknown, or revoked
+        signed = data.body if isinstance(data, Segments) else raw
+        digest = payload_digest(signed)  # (a shared payload's: computed once)
+        verify_signature(header, signed, topic, self.trust.verify, digest)
+        return header, raw, digest
 
     def forget(self, header: Header) -> None:
         """Take ``header``'s message as new when it comes again (:meth:`receive` drops a repeat): one refused for
