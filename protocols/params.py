@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -84,10 +85,25 @@ def sums_on(where: Sums | None) -> Iterator[None]:
         _SUMS.reset(token)
 
 
+SUM_BLOCK = 32768
+"""Elements of a tensor that :func:`host_weighted_sum` sums at a time, every term of them before the next block: the
+sum's block and the term being added (256 KiB each in float64) stay in a core's cache, where summing whole tensors
+wrote a new model-sized term twice a result (converted, then weighted) and read the sum from memory again."""
+
+
+class HostSum(OrderedDict[str, np.ndarray]):
+    """A sum :func:`host_weighted_sum` made: its arrays are new, held by nothing else."""
+
+
 def host_weighted_sum(items: Items) -> dict[str, np.ndarray]:
     """Per tensor, ``sum(float64(p) * w)`` in the order given, in float64: each term converted, multiplied by
-    its weight, then added to the sum (no fused multiply-add); the definition every other place reproduces."""
-    acc: OrderedDict[str, np.ndarray] = OrderedDict()
+    its weight, then added to the sum (no fused multiply-add); the definition every other place reproduces.
+    Items of the same tensors (names, order, shapes: a cell's results) are summed by blocks of :data:`SUM_BLOCK`
+    elements: each element sees the same operations in the same order, so the same bits."""
+    blocked = _blocked_sum(items)
+    if blocked is not None:
+        return blocked
+    acc = HostSum()
     for w, p in items:
         for k, v in p.items():
             term = np.asarray(v, dtype=np.float64) * w
@@ -95,6 +111,42 @@ def host_weighted_sum(items: Items) -> dict[str, np.ndarray]:
                 acc[k] += term
             else:
                 acc[k] = term
+    return acc
+
+
+def _blocked_sum(items: Items) -> HostSum | None:
+    """:func:`host_weighted_sum` block by block (:data:`SUM_BLOCK`), or ``None`` unless every item has the first
+    one's tensors (names in order, shapes), all real numbers as numpy arrays."""
+    if not items:
+        return None
+    first = items[0][1]
+    shapes = [(k, v.shape) for k, v in first.items() if isinstance(v, np.ndarray) and v.dtype.kind in "fiub"]
+    if len(shapes) != len(first):
+        return None
+    for _, p in items[1:]:
+        if len(p) != len(shapes):
+            return None
+        for (k, shape), (name, v) in zip(shapes, p.items()):
+            if name != k or not isinstance(v, np.ndarray) or v.shape != shape or v.dtype.kind not in "fiub":
+                return None
+    largest = max((math.prod(shape) for _, shape in shapes), default=0)
+    term = np.empty(min(SUM_BLOCK, largest), np.float64)
+    acc = HostSum()
+    for k, shape in shapes:
+        flat = [(w, p[k].reshape(-1)) for w, p in items]
+        acc[k] = out = np.empty(shape, np.float64)
+        whole = out.reshape(-1)
+        for at in range(0, whole.size, SUM_BLOCK):
+            block = whole[at : at + SUM_BLOCK]
+            np.copyto(block, flat[0][1][at : at + SUM_BLOCK])  # the first term: converted, then weighted
+            np.multiply(block, flat[0][0], out=block)
+            t = term[: block.size]
+            for w, v in flat[1:]:  # each next one: converted, weighted, then added
+                np.copyto(t, v[at : at + SUM_BLOCK])
+                np.multiply(t, w, out=t)
+                np.add(block, t, out=block)
+        if not shape:  # a 0-d tensor's sum is a numpy scalar, as the definition's
+            acc[k] = out[()]
     return acc
 
 
@@ -119,7 +171,12 @@ def weighted_mean(
     if not items or total <= 0:
         raise ValueError("weighted mean of nothing (total weight is zero)")
     acc = weighted_sum(items)
-    return OrderedDict((k, (v / total).astype(np.float32)) for k, v in acc.items()), total
+    mine = isinstance(acc, HostSum)  # new arrays nothing else holds: divided in place (no second float64 array)
+    return OrderedDict((k, _divided(v, total, mine).astype(np.float32)) for k, v in acc.items()), total
+
+
+def _divided(v: np.ndarray, total: float, in_place: bool) -> np.ndarray:
+    return np.divide(v, total, out=v) if in_place and isinstance(v, np.ndarray) and v.ndim else v / total
 
 
 def check_names_and_shapes(

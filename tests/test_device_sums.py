@@ -53,6 +53,33 @@ def _rows_a_chunk(items: list, rows: int) -> int:
     return 12 * sum(v.size for v in items[0][1].values()) * rows
 
 
+def _definition(items: list) -> OrderedDict[str, Any]:
+    """The weighted sum as written in ``host_weighted_sum``'s docstring: whole tensors, term by term."""
+    acc: OrderedDict[str, Any] = OrderedDict()
+    for w, p in items:
+        for k, v in p.items():
+            term = np.asarray(v, dtype=np.float64) * w
+            acc[k] = acc[k] + term if k in acc else term
+    return acc
+
+
+@pytest.mark.parametrize("block", [7, 64, P.SUM_BLOCK])
+def test_the_host_sum_by_blocks_is_the_definitions_bits(block, monkeypatch):
+    """Summed a block of elements at a time (a cell's results), each element sees the definition's operations in its
+    order: the same bits, dtypes and types (a 0-d tensor's sum a numpy scalar), and the mean divided in place is
+    the definition's mean; items of other tensors are summed whole, as before."""
+    monkeypatch.setattr(P, "SUM_BLOCK", block)
+    items = [(w, OrderedDict(**p, s=np.array(i - 2.5, np.float32))) for i, (w, p) in enumerate(_items())]
+    items[3][1]["b"] = items[3][1]["b"].astype(np.float64)  # a float64 tensor among float32 ones
+    got, want = P.host_weighted_sum(items), _definition(items)
+    assert list(got) == list(want) and [type(v) for v in got.values()] == [type(v) for v in want.values()]
+    assert _bits(got) == _bits(want)
+    total = float(sum(w for w, _ in items))
+    assert _bits(P.weighted_mean(items)[0]) == _bits({k: (v / total).astype(np.float32) for k, v in want.items()})
+    other = [*items[:4], (2.5, OrderedDict(w=items[0][1]["w"], x=items[0][1]["b"]))]  # another tensor's name
+    assert _bits(P.host_weighted_sum(other)) == _bits(_definition(other))
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 5])  # 0: one chunk of all 23; else chunks of this many results
 def test_the_sum_on_the_cpu_device_is_the_host_sum_bit_for_bit(rows, monkeypatch):
     items = _items()
