@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -147,42 +148,67 @@ def _time_kernels() -> None:
         device.TorchTrainer.evaluate = timed(device.TorchTrainer.evaluate)  # type: ignore[method-assign]
 
 
-def _fake_forwards() -> None:
-    """``--host-only``: the forward passes become a stand-in (seeded random outputs of their shape; the cloud's
-    evaluation a constant), so that a run is its host side alone, as README's "Time a round" A/Bs measure it: its
-    accuracies mean nothing, its messages and bytes are the run's. Before :func:`_time_kernels` wraps them."""
-    import torch
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (``runtime.cell_processes``: its fork server and the cell processes forked from
+    it), from /proc (none where it cannot tell)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [
+                int(k) for t in os.listdir(f"/proc/{p}/task") for k in _read(f"/proc/{p}/task/{t}/children").split()
+            ]
+        except (OSError, ValueError):
+            continue
+        out += kids
+        todo += kids
+    return out
 
-    import protocols.cohort_trainer as engine
-    import protocols.torch_trainer as device
 
-    gen = torch.Generator().manual_seed(0)
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
-    def forward(model: Any, params: Any, x: Any, shared: int = 1) -> Any:
-        first, last = next(iter(params.values())), next(reversed(params.values()))  # (the last: the output's bias)
-        return 0.01 * torch.randn(first.shape[0], x.shape[1], last.shape[-1], generator=gen)
 
-    engine.batched_forward = forward
-    device.TorchTrainer.evaluate = lambda self, x, y, batch_size=2048: (1.0, 0.1)  # type: ignore[method-assign]
+def _cpu(pid: int, tid: int | None = None) -> float:
+    """CPU seconds of process ``pid`` (or of its thread ``tid``) from /proc; 0 once it is gone."""
+    try:
+        stat = _read(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat")
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class RoundSplit:
     """Where a run's rounds go, in ms a round: wall, CPU, **kernel** (inside the forward passes, which a GPU
     makes cheap) and **host** (the rest: histories, replay, probes, momentum steps, messages, records; what a GPU
-    cannot speed up). Timed from the end of the first round to the end of the last (setup excluded)."""
+    cannot speed up), this process's; its main thread's CPU (``main_cpu_ms``: without the threads that draw
+    directions ahead). With cell processes, their CPU (``cells_cpu_ms``, their forwards not timed apart) and the
+    busiest one's main thread's (``cell_main_cpu_ms``): on free cores a round takes about ``main_cpu_ms`` +
+    ``cell_main_cpu_ms`` (the cloud, then the cells, in turn). Timed from the end of the first round to the end of
+    the last (setup excluded)."""
 
     def __init__(self) -> None:
         _time_kernels()
-        self.marks: list[tuple[float, float, float, float]] = []  # (wall, CPU, kernel wall, kernel CPU) a round end
+        self.marks: list[tuple[float, ...]] = []  # (wall, CPU, kernel wall, kernel CPU, main thread CPU) a round end
+        self.pids: list[int] = []  # the processes under this one (looked for again now and then: cheap reads)
+        self.cells: list[dict[int, tuple[float, float]]] = []  # a round end: pid -> (its CPU, its main thread's)
 
     def mark(self, _record: Any = None) -> None:
-        self.marks.append((time.perf_counter(), time.process_time(), KERNEL[0], KERNEL[1]))
+        self.marks.append((time.perf_counter(), time.process_time(), KERNEL[0], KERNEL[1], time.thread_time()))
+        if len(self.marks) % 100 in (1, 2):
+            self.pids = descendants(os.getpid())
+        self.cells.append({p: (_cpu(p), _cpu(p, p)) for p in self.pids})
 
     def figures(self) -> dict[str, float]:
-        """``round_ms``, ``kernel_ms`` and ``host_ms`` a round (wall), and the same as CPU ms (``cpu_ms``, ...)."""
+        """``round_ms``, ``kernel_ms`` and ``host_ms`` a round (wall), and the same as CPU ms (``cpu_ms``, ...),
+        ``main_cpu_ms``, ``cells_cpu_ms`` and ``cell_main_cpu_ms`` (see the class)."""
         if len(self.marks) < 2:
             return {}
-        (w0, c0, k0, kc0), (w1, c1, k1, kc1) = self.marks[0], self.marks[-1]
+        (w0, c0, k0, kc0, t0), (w1, c1, k1, kc1, t1) = self.marks[0], self.marks[-1]
+        first, last = self.cells[0], self.cells[-1]
+        both = [p for p in last if p in first]
         n = len(self.marks) - 1
         ms = lambda v: round(1e3 * v / n, 2)  # noqa: E731
         return {
@@ -192,6 +218,9 @@ class RoundSplit:
             "host_ms": ms((w1 - w0) - (k1 - k0)),
             "kernel_cpu_ms": ms(kc1 - kc0),
             "host_cpu_ms": ms((c1 - c0) - (kc1 - kc0)),
+            "main_cpu_ms": ms(t1 - t0),
+            "cells_cpu_ms": ms(sum(last[p][0] - first[p][0] for p in both)),
+            "cell_main_cpu_ms": ms(max((last[p][1] - first[p][1] for p in both), default=0.0)),
         }
 
 
@@ -201,8 +230,10 @@ def run(method: str, lr: float, seed: int, settings: dict[str, Any]) -> dict[str
     from protocols.config import ConfigError, parse_config
     from sim.launcher import run_simulation
 
-    if settings.get("host_only"):
-        _fake_forwards()
+    if settings.get("host_only"):  # (before RoundSplit wraps the forwards in its timers)
+        import benchmarks.host_only as stand_in
+
+        stand_in.reach_cell_processes()
     t0, c0 = time.perf_counter(), time.process_time()
     split = RoundSplit()
     try:
@@ -290,7 +321,7 @@ def main() -> None:
         type=int,
         default=0,
         help="runtime.cell_processes: the preset's 2 cells, with their devices, in processes of their own (the same "
-        "bits; a run's host side spread over 3 processes; with --host-only the cells' forward passes stay real)",
+        "bits; a run's host side spread over 3 processes)",
     )
     add_journal_args(ap)
     args = ap.parse_args()
@@ -368,12 +399,21 @@ def main() -> None:
     for m, row in cells.items():  # where a round goes, over this method's tuning runs (the journal's too)
         timed = [r for c in row for r in c.runs if "round_ms" in r]
         if timed:
-            keys = ("round_ms", "cpu_ms", "kernel_ms", "kernel_cpu_ms", "host_ms", "host_cpu_ms")
-            mean = {k: sum(r.get(k, math.nan) for r in timed) / len(timed) for k in keys}
+            keys = ("round_ms", "cpu_ms", "kernel_ms", "kernel_cpu_ms", "host_ms", "host_cpu_ms", "main_cpu_ms")
+            keys += ("cells_cpu_ms", "cell_main_cpu_ms")
+            mean = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in keys}
+            tree, path = mean["cpu_ms"] + mean["cells_cpu_ms"], mean["main_cpu_ms"] + mean["cell_main_cpu_ms"]
+            split = (
+                f"; cell processes' CPU {mean['cells_cpu_ms']:.1f}, the tree's {tree:.1f}; the main threads in turn "
+                f"{path:.1f} (this one {mean['main_cpu_ms']:.1f} + the busiest cell process's "
+                f"{mean['cell_main_cpu_ms']:.1f})"
+                if mean["cells_cpu_ms"]
+                else f"; its main thread {mean['main_cpu_ms']:.1f}"
+            )
             print(
                 f"{m}: host ms a round {mean['host_ms']:.1f} / kernel ms a round {mean['kernel_ms']:.1f} (wall; "
                 f"CPU: host {mean['host_cpu_ms']:.1f} / kernel {mean['kernel_cpu_ms']:.1f}; a round "
-                f"{mean['round_ms']:.1f} wall, {mean['cpu_ms']:.1f} CPU; mean of {len(timed)} runs)"
+                f"{mean['round_ms']:.1f} wall, {mean['cpu_ms']:.1f} CPU{split}; mean of {len(timed)} runs)"
             )
 
 
