@@ -40,21 +40,25 @@ whose generator stream differs.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 
+from .packed import Packed as Packed
+from .packed import Shaped as Shaped
+from .packed import Shapes as Shapes
+from .packed import flat_packed, shapes_key, views
+from .packed import packed as packed
+from .packed import shapes_of as shapes_of
 from .seeding import derive_seed, rng
 
 Kind = Literal["gaussian", "rademacher"]
-Shaped = Mapping[str, tuple[int, ...]]  # parameter shapes by name, in model order
 KINDS: tuple[str, ...] = ("gaussian", "rademacher")
 
 
@@ -76,46 +80,8 @@ _lock = threading.Lock()  # agents may run as threads of one process (fedtier ru
 _draw_threads = 1  # runtime.direction_threads: threads that draw a step's P directions (set_draw_threads)
 _pool: ThreadPoolExecutor | None = None
 _step: tuple[OrderedDict, tuple, tuple[np.ndarray, ...]] | None = None  # the last step's directions (its cache, key)
-
-
-class Shapes(dict):
-    """Parameter shapes by name, in model order (:func:`shapes_of`), with what the caches key on computed once."""
-
-    @functools.cached_property
-    def key(self) -> tuple:
-        return tuple((n, tuple(s)) for n, s in self.items())
-
-    @functools.cached_property
-    def size(self) -> int:
-        return sum(math.prod(s) for s in self.values())
-
-
-class Packed(dict):
-    """Parameters held as one float32 vector (:attr:`flat`, model order) and, by name, views of it: the steps
-    update the vector in a few operations instead of a few per tensor (the same bits either way)."""
-
-    flat: np.ndarray
-    shapes: Shapes
-
-
-def packed(params: Mapping[str, np.ndarray]) -> Packed:
-    """A :class:`Packed` copy of ``params`` (float32, model order)."""
-    flat = np.concatenate([np.asarray(v, np.float32).ravel() for v in params.values()] or [np.zeros(0, np.float32)])
-    return _flat_packed(flat, shapes_of(params))
-
-
-def views(flat: np.ndarray, shapes: Shaped) -> dict[str, np.ndarray]:
-    """The tensors of ``shapes`` (in order) as views of the vector ``flat``."""
-    out, at = {}, 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        out[name] = flat[at : at + n].reshape(shape)
-        at += n
-    return out
-
-
-def _key(shapes: Shaped) -> tuple:
-    return shapes.key if isinstance(shapes, Shapes) else Shapes(shapes).key
+_ahead: ThreadPoolExecutor | None = None  # the thread that draws ahead (set_prefetch), None: off
+_pending: dict[tuple, Future] = {}  # a step -> its draw ahead, while it runs
 
 
 def _remember(cache: OrderedDict, key: Any, value: Any, size: int, budget: int, used: int) -> int:
@@ -160,7 +126,7 @@ def _direction(
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """z(round_seed, k, p) as kept (``_cache``), else drawn (into ``into``, a row of a step's block, if given), kept."""
     global _cached_bytes
-    key = (int(round_seed), int(k), int(p), kind, _key(shapes))
+    key = (int(round_seed), int(k), int(p), kind, shapes_key(shapes))
     with _lock:
         hit = _cache.get(key)
         if hit is not None:
@@ -187,17 +153,65 @@ def set_draw_threads(n: int) -> None:
         _draw_threads = n
 
 
+def set_prefetch(on: bool) -> None:
+    """Whether :func:`prefetch` draws ahead in this process (``fedtier sim``'s processes, whose roles and devices draw
+    the same directions later: a cloud at the round's end, the devices of a cell in the same process)."""
+    global _ahead
+    with _lock:
+        if not on and _ahead is not None:
+            _ahead.shutdown(wait=False)
+        _ahead = (_ahead or ThreadPoolExecutor(1, thread_name_prefix="zo-ahead")) if on else None
+
+
+def prefetching() -> bool:
+    """Whether :func:`prefetch` draws ahead in this process (:func:`set_prefetch`)."""
+    return _ahead is not None
+
+
+def prefetch(round_seed: int, steps: int, count: int, shapes: Shaped, kind: Kind = "gaussian") -> None:
+    """Start drawing the ``count`` directions of each of a round's ``steps`` steps in a thread of their own, where
+    :func:`set_prefetch` allows (else nothing): who asks for one meanwhile (:func:`direction_vectors`) waits for its
+    step's draw, which keeps them as drawing them then would (the same bits, the same block)."""
+    if _ahead is None:
+        return
+    shapes = shapes if isinstance(shapes, Shapes) else Shapes(shapes)
+    for k in range(steps):
+        step = (int(round_seed), k, int(count), kind, shapes.key)
+        with _lock:
+            if _ahead is None or step in _pending or (int(round_seed), k, 0, kind, shapes.key) in _cache:
+                continue
+            _pending[step] = ahead = Future[tuple]()
+            _ahead.submit(_draw_ahead, step, shapes, ahead)
+
+
+def _draw_ahead(step: tuple, shapes: Shapes, ahead: Future) -> None:
+    try:
+        ahead.set_result(tuple(_draw_step(step, shapes)))
+    except BaseException as exc:  # (the one who asks for it raises it)
+        ahead.set_exception(exc)
+    finally:
+        with _lock:
+            _pending.pop(step, None)
+
+
 def direction_vectors(round_seed: int, k: int, count: int, shapes: Shaped, kind: Kind = "gaussian") -> list[np.ndarray]:
     """z(round_seed, k, p) for p = 0..count-1 (:func:`direction_vector` each); those not cached yet are drawn
     in up to :func:`set_draw_threads` threads (this one and the pool's, a share each), bit-identical to drawing
     them one by one. A step none of whose directions is kept yet is drawn as the rows of one read-only
     ``(count, n)`` block, which :func:`stacked` hands out whole (its rows are kept, used and dropped together). The
-    last step asked for is handed out again without a look-up (every device of a round asks for it in turn)."""
-    global _pool, _step
-    seed, k, key = int(round_seed), int(k), _key(shapes)
-    step, last = (seed, k, count, kind, key), _step
+    last step asked for is handed out again without a look-up (every device of a round asks for it in turn); a step
+    being drawn ahead (:func:`prefetch`) is waited for."""
+    step, last = (int(round_seed), int(k), count, kind, shapes_key(shapes)), _step
     if last is not None and last[0] is _cache and last[1] == step:  # every device of a round asks for the same ones
         return list(last[2])
+    ahead = _pending.get(step)
+    return list(ahead.result()) if ahead is not None else _draw_step(step, shapes)
+
+
+def _draw_step(step: tuple, shapes: Shaped) -> list[np.ndarray]:
+    """:func:`direction_vectors` of ``step`` = (seed, k, count, kind, the shapes' key), looked up or drawn."""
+    global _pool, _step
+    seed, k, count, kind, key = step
     with _lock:  # looked up at once, under one lock
         hits = [_cache.get((seed, k, p, kind, key)) for p in range(count)]
         for p, hit in enumerate(hits):
@@ -264,13 +278,6 @@ def _draw_flat(
     return out
 
 
-def shapes_of(params: Mapping[str, np.ndarray]) -> Shapes:
-    """The shapes of ``params`` by name, in order (a :class:`Packed`'s are kept with it)."""
-    if isinstance(params, Packed):
-        return params.shapes
-    return Shapes((k, tuple(v.shape)) for k, v in params.items())
-
-
 def perturbed(params: Mapping[str, np.ndarray], z: Mapping[str, np.ndarray], mu: float) -> dict[str, np.ndarray]:
     """``x + mu * z`` as new float32 arrays (``params`` is not touched)."""
     m = np.float32(mu)
@@ -297,7 +304,7 @@ def update(
     device replaying it); a device's own local step is not shared."""
     global _update_bytes
     c = np.asarray(c, np.float32)
-    key = (int(round_seed), int(k), c.tobytes(), kind, _key(shapes))
+    key = (int(round_seed), int(k), c.tobytes(), kind, shapes_key(shapes))
     if share:
         with _lock:
             hit = _updates.get(key)
@@ -471,13 +478,6 @@ def replay(
     return cast(State, own), cast(State | None, own_buf), keys[-1]
 
 
-def _flat_packed(flat: np.ndarray, shapes: Shapes) -> Packed:
-    """A :class:`Packed` over the vector ``flat`` itself (its views read-only where ``flat`` is)."""
-    out = Packed(views(flat, shapes))
-    out.flat, out.shapes = flat, shapes
-    return out
-
-
 def _own(state: MutableMapping[str, np.ndarray], values: np.ndarray | None) -> Packed:
     """``state`` as arrays a replica may write (its own, or a copy of a shared one), holding ``values`` if given."""
     assert isinstance(state, Packed), "a replay that shares its states holds packed parameters"
@@ -485,13 +485,13 @@ def _own(state: MutableMapping[str, np.ndarray], values: np.ndarray | None) -> P
         if values is not None:
             np.copyto(state.flat, values)
         return state
-    return _flat_packed((values if values is not None else state.flat).copy(), state.shapes)
+    return flat_packed((values if values is not None else state.flat).copy(), state.shapes)
 
 
 def _frozen(state: Packed) -> Packed:
     """``state``'s vector (a replica's own), read-only from now on, with views made after (read-only too)."""
     state.flat.flags.writeable = False
-    return _flat_packed(state.flat, state.shapes)
+    return flat_packed(state.flat, state.shapes)
 
 
 def fingerprint(kind: Kind = "gaussian") -> str:

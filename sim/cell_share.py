@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from edge_agent.agent import DeviceAgent
+from protocols import directions
 from protocols.config import RunConfig, parse_config
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
 from protocols.heap import setup_frozen
@@ -98,6 +99,7 @@ class CellShare:
         self.clock = clock = sim_clock(cfg, prep)
         self.hub = hub = MemoryHub(loop, link_delay=clock.link_delay if clock.enabled else None)
         spec = prep.spec
+        directions.set_prefetch(cfg.runtime.direction_threads > 1)  # (free cores: its cells draw ahead)
         algorithm = cfg.build_algorithm(spec)
         self.cells = build_sim_cells(cfg, hub, algorithm, prep.device_data, None, cells)  # (the main process logs)
         trainer = TorchTrainer.from_spec(

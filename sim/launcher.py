@@ -19,7 +19,7 @@ import numpy as np
 
 from cloud.node import build_cloud
 from edge_agent.agent import DeviceAgent
-from protocols import runfiles
+from protocols import directions, runfiles
 from protocols.bounds import CellBounds
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
@@ -278,6 +278,7 @@ class SimHierarchy:
         if not early:
             remote = self._start_workers(loop, spec)
         self.output_dir = fresh_output(cfg, resume) if write_output else None
+        directions.set_prefetch(cfg.runtime.direction_threads > 1)  # (free cores: the cloud and cells draw ahead)
         self.algorithm = algorithm = cfg.build_algorithm(spec)
         self.clock = clock = sim_clock(cfg, prep)
         sides = None if cfg.runtime.cell_processes else loop_sides(cfg, algorithm)  # turns, as cell processes take

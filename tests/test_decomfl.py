@@ -817,9 +817,51 @@ def _fresh_caches(monkeypatch):
         monkeypatch.setattr(Z, name, 0)
 
 
+def test_a_step_drawn_ahead_is_drawn_once_and_its_askers_wait_for_it(monkeypatch):
+    """directions.prefetch: a round's steps drawn ahead in a thread of their own; one who asks for a step meanwhile
+    waits for that draw (each direction drawn once, in the thread ahead) and gets the bits and the block that
+    drawing it then would give."""
+    import threading
+
+    shapes = {"w": (30, 40), "b": (40,)}
+    draw, go = Z._draw_flat, threading.Event()
+    drawn: list[tuple[str, int, int]] = []
+
+    def counted(seed, k, p, *rest):
+        if threading.current_thread() is threading.main_thread():
+            go.set()  # (only where the asker draws the step itself: no one waits for the thread ahead)
+        go.wait(30)  # the thread ahead draws once someone asked for the step
+        drawn.append((threading.current_thread().name, k, p))
+        return draw(seed, k, p, *rest)
+
+    class Asked(dict):
+        def get(self, *a):
+            go.set()
+            return super().get(*a)
+
+    _fresh_caches(monkeypatch)
+    monkeypatch.setattr(Z, "_draw_flat", counted)
+    monkeypatch.setattr(Z, "_pending", Asked())
+    Z.set_prefetch(True)
+    try:
+        Z.prefetch(95, 2, 3, shapes)  # K = 2 steps of P = 3, both drawn ahead
+        first = Z.direction_vectors(95, 0, 3, shapes)  # asked while step 0 is being drawn: waits for it
+        second = Z.direction_vectors(95, 1, 3, shapes)
+    finally:
+        Z.set_prefetch(False)
+    assert sorted(drawn) == [("zo-ahead_0", k, p) for k in range(2) for p in range(3)], drawn  # once each, ahead
+    for k, zs in enumerate((first, second)):
+        assert [z.tobytes() for z in zs] == [draw(95, k, p, shapes, "gaussian").tobytes() for p in range(3)]
+        assert Z.stacked(zs).base is None and not Z.stacked(zs).flags.writeable  # the step's one block, shared
+        assert all(z is Z.direction_vector(95, k, p, shapes) for p, z in enumerate(zs))  # kept: the same arrays
+    Z.prefetch(95, 2, 3, shapes)  # off: nothing drawn
+    assert len(drawn) == 6
+
+
 def test_directions_drawn_in_threads_are_the_same_bits_and_so_is_the_model(monkeypatch, make_config):
     """runtime.direction_threads = 4: a step's P directions are drawn in pool threads, byte-identical to one
-    thread's draws, and a short DeComFL run ends on the same model bytes as with 1 thread."""
+    thread's draws, and a short DeComFL run, whose cloud and cells then draw a round's directions ahead
+    (``directions.prefetch``), ends on the same model bytes as with 1 thread (nothing drawn ahead)."""
     import threading
 
     shapes = {"w": (30, 40), "b": (40,)}
@@ -849,6 +891,7 @@ def test_directions_drawn_in_threads_are_the_same_bits_and_so_is_the_model(monke
             cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"direction_threads": threads})})
             finals[threads] = run_simulation(cfg, write_output=False).params
             assert any(n.startswith("zo-draw") for n in drawers) == (threads > 1)
+            assert any(n.startswith("zo-ahead") for n in drawers) == (threads > 1)  # the cloud and cells draw ahead
         assert finals[1].keys() == finals[4].keys()
         assert all(finals[1][k].tobytes() == finals[4][k].tobytes() for k in finals[1])
     finally:

@@ -54,7 +54,7 @@ from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload, all_finite
 from . import decomfl_wire
 from .base import Algorithm, CellRole, CloudRole, DeviceContext, DeviceRole, ModelSpec, TrainParams
-from .decomfl_wire import expect_shape, history_payload, meta_int, read_checkpoint_log, read_history, stack_rounds
+from .decomfl_wire import check_report, expect_shape, history_payload, read_checkpoint_log, read_history, stack_rounds
 from .outcome import Outcome
 from .traits import Trait
 
@@ -133,6 +133,8 @@ class DeComFLCloud(CloudRole):
             raise ValueError(f"round {round} planned, but the history ends at {self.base + len(self.g)}")
         self.cells |= set(cells)
         self.round_seed = Z.round_seed(self.seed, round)
+        if self.p.server_model:  # drawn ahead (where the process does: sim) while the round runs, for its end
+            Z.prefetch(self.round_seed, self.K, self.P, self.model.shapes, self.p.direction)
         tasks: dict[str, Payload] = {}
         stacks: dict[int, np.ndarray] = {}  # one a window start: the cells that all need the log (a resume) share it
         for c in cells:
@@ -144,47 +146,10 @@ class DeComFLCloud(CloudRole):
         return tasks
 
     def check(self, cell: str, report: Payload) -> None:
-        what = f"report of cell {cell}"
-        meta = report.meta
-        w = meta.get("weight")
-        if (number := finite_number(w)) is None or number < 0:
-            raise Rejected(RejectKind.BOUND, f"{what}: weight must be a non-negative number, got {str(w)[:40]}")
-        meta_int(meta, "need", what, 0, self.base + len(self.g))  # at most this round
-        answered = meta.get("answered")
-        if (
-            not isinstance(answered, list)
-            or not all(isinstance(d, str) for d in answered)
-            or len(set(answered)) != len(answered)
-        ):
-            raise Rejected(RejectKind.MALFORMED, f"{what}: answered must be a list of distinct device ids")
-        resync = meta.get("resync", [])
-        if (
-            not isinstance(resync, list)
-            or not all(isinstance(d, str) for d in resync)
-            or len(set(resync)) != len(resync)
-            or set(resync) & set(answered)
-        ):
-            raise Rejected(
-                RejectKind.MALFORMED, f"{what}: resync must be a list of distinct device ids that did not answer"
-            )
-        if self.p.weighting == "uniform" and w != len(answered):
-            raise Rejected(
-                RejectKind.INCONSISTENT, f"{what}: weight {w} but {len(answered)} devices answered (uniform weighting)"
-            )
-        if w == 0:
-            if report.tensors or answered:
-                raise Rejected(RejectKind.INCONSISTENT, f"{what}: weight 0 with results")
-            return
-        if not answered:
-            raise Rejected(RejectKind.INCONSISTENT, f"{what}: positive weight but no device answered")
-        g, clip = (
-            expect_shape(report.tensors.get("g"), (self.K, self.P), "float64", f"{what} scalars"),
-            self.p.scalar_clip,
+        p = self.p
+        check_report(
+            report, f"report of cell {cell}", (self.K, self.P), self.base + len(self.g), p.weighting, p.scalar_clip
         )
-        if clip and (top := float(np.abs(g).max())) > clip * number * (1 + 1e-9):
-            raise Rejected(
-                RejectKind.BOUND, f"{what}: a scalar of {top:g} above scalar_clip x weight ({clip * number:g})"
-            )
 
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         total, acc, devices = 0.0, np.zeros((self.K, self.P), np.float64), 0
@@ -281,9 +246,13 @@ class DeComFLCloud(CloudRole):
 
 # --------------------------------------------------------------------------------------------- cell
 class DeComFLCell(CellRole):
-    def __init__(self, params: DeComFLParams, cell: str, roster: Sequence[str] | None = None) -> None:
-        """``roster``: every device of the cell (so ``need`` covers those never seen); None: unknown."""
-        self.p, self.cell = params, cell
+    def __init__(
+        self, params: DeComFLParams, cell: str, roster: Sequence[str] | None = None, shapes: Z.Shapes | None = None
+    ) -> None:
+        """``roster``: every device of the cell (so ``need`` covers those never seen); None: unknown. ``shapes``:
+        the model's, where the cell's devices draw in its process (``fedtier sim``): it starts drawing a round's
+        directions for them as its task comes (``directions.prefetch``)."""
+        self.p, self.cell, self.shapes = params, cell, shapes
         self.K, self.P = params.local_steps, params.perturbations
         self.roster = sorted(roster) if roster is not None else None
         self.round = -1
@@ -291,6 +260,8 @@ class DeComFLCell(CellRole):
     def begin(self, round: int, task: Payload) -> None:
         self.round = round
         self.start, self.seeds, self.hist = read_history(task, round, self.K, self.P, f"task of cell {self.cell}")
+        if self.shapes is not None:
+            Z.prefetch(int(self.seeds[-1]), self.K, self.P, self.shapes, self.p.direction)
         synced = task.meta.get("synced", {})
         if not isinstance(synced, dict) or not all(isinstance(v, int) and 0 <= v < round for v in synced.values()):
             raise Rejected(RejectKind.MALFORMED, f"task of cell {self.cell}: bad synced table")
@@ -493,7 +464,8 @@ class DeComFL(Algorithm):
         return DeComFLCloud(self.params, self.seed, self.initial_params())  # type: ignore[arg-type]
 
     def cell(self, cell: str) -> CellRole:
-        return DeComFLCell(self.params, cell, self.rosters.get(cell))  # type: ignore[arg-type]
+        shapes = Z.shapes_of(self.initial_params()) if Z.prefetching() else None  # (its devices draw here: sim)
+        return DeComFLCell(self.params, cell, self.rosters.get(cell), shapes)  # type: ignore[arg-type]
 
     def device(self, device: str) -> DeviceRole:
         return DeComFLDevice(self.params, self.initial_params)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
 from ..wire.payload import Payload, all_finite, payload_size
 
@@ -38,6 +39,47 @@ def meta_int(meta: Mapping[str, Any], key: str, what: str, lo: int = 0, hi: int 
     if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
         raise Rejected(RejectKind.BOUND, f"{what}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
+
+
+def check_report(report: Payload, what: str, shape: tuple[int, int], newest: int, weighting: str, clip: float) -> None:
+    """The cloud's check of a cell's report (:class:`Rejected` naming what is wrong): its weight, ``need`` (a round
+    up to ``newest``), the devices that answered and resynced, and its summed K x P scalars (``shape``), each at most
+    ``clip`` x its weight where ``clip`` bounds them."""
+    meta = report.meta
+    w = meta.get("weight")
+    if (number := finite_number(w)) is None or number < 0:
+        raise Rejected(RejectKind.BOUND, f"{what}: weight must be a non-negative number, got {str(w)[:40]}")
+    meta_int(meta, "need", what, 0, newest)  # at most this round
+    answered = meta.get("answered")
+    if (
+        not isinstance(answered, list)
+        or not all(isinstance(d, str) for d in answered)
+        or len(set(answered)) != len(answered)
+    ):
+        raise Rejected(RejectKind.MALFORMED, f"{what}: answered must be a list of distinct device ids")
+    resync = meta.get("resync", [])
+    if (
+        not isinstance(resync, list)
+        or not all(isinstance(d, str) for d in resync)
+        or len(set(resync)) != len(resync)
+        or set(resync) & set(answered)
+    ):
+        raise Rejected(
+            RejectKind.MALFORMED, f"{what}: resync must be a list of distinct device ids that did not answer"
+        )
+    if weighting == "uniform" and w != len(answered):
+        raise Rejected(
+            RejectKind.INCONSISTENT, f"{what}: weight {w} but {len(answered)} devices answered (uniform weighting)"
+        )
+    if w == 0:
+        if report.tensors or answered:
+            raise Rejected(RejectKind.INCONSISTENT, f"{what}: weight 0 with results")
+        return
+    if not answered:
+        raise Rejected(RejectKind.INCONSISTENT, f"{what}: positive weight but no device answered")
+    g = expect_shape(report.tensors.get("g"), shape, "float64", f"{what} scalars")
+    if clip and (top := float(np.abs(g).max())) > clip * number * (1 + 1e-9):
+        raise Rejected(RejectKind.BOUND, f"{what}: a scalar of {top:g} above scalar_clip x weight ({clip * number:g})")
 
 
 def history_payload(meta: dict[str, Any], seeds: Sequence[int] | np.ndarray, g: np.ndarray) -> Payload:

@@ -180,7 +180,9 @@ class RuntimeSection(Section):
         ge=1,
         le=64,
         description="seeded-direction algorithms (DeComFL): threads a process draws a step's P random directions "
-        "in (each direction its own generator: the same bits with any number; less wall time on free cores)",
+        "in (each direction its own generator: the same bits with any number; less wall time on free cores); above "
+        "1, fedtier sim's cloud and cells also start drawing a round's directions as the round begins, beside their "
+        "other work",
     )
     cell_sums: Literal["auto", "host", "engine"] = Field(
         default="auto",
