@@ -284,6 +284,34 @@ def kb(v: float) -> str:
     return "not reached" if not math.isfinite(v) or v >= 1e17 else f"{v / 1e3:,.1f} KB"
 
 
+def spread_defaults(
+    device: str | None, jobs: int, cell_processes: int | None, threads: int | None, cores: int | None = None
+) -> tuple[int, int, str]:
+    """``--cell-processes`` and ``--direction-threads`` where not given, and why in a line ("" where nothing is
+    chosen): with ``--device cuda|auto`` a round is its host side (benchmarks/README.md, DeComFL, "Time a round"),
+    which a run spreads over the cores its share of the machine has (``cores`` / ``jobs``): the 2 cells in
+    processes of their own from 8 cores (3 processes, each drawing a round's directions ahead), and up to 4 draw
+    threads a process (runtime.direction_threads: with 2 or more, drawn ahead of their use). On a CPU (the forward
+    passes are the round) one process, one draw thread, as before."""
+    if device not in ("cuda", "auto") or (cell_processes is not None and threads is not None):
+        return cell_processes or 0, threads or 1, ""
+    cores = cores or os.cpu_count() or 1
+    share = max(1, cores // max(1, jobs))
+    chosen = []
+    if cell_processes is None:
+        cell_processes = 2 if share >= 8 else 0
+        chosen.append(f"{cell_processes} cell processes" if cell_processes else "one process")
+    if threads is None:
+        threads = min(4, share // (3 if cell_processes else 1))
+        threads = threads if threads >= 2 and share >= 4 else 1  # (2 shared cores: drawing ahead costs wall time)
+        chosen.append(f"direction_threads {threads}")
+    why = (
+        f"on {device}: {' and '.join(chosen)} by default ({share} cores a run: {cores} for {jobs} job(s) at once; "
+        "--cell-processes 0 --direction-threads 1 runs as before)"
+    )
+    return cell_processes, threads, why
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="quick")
@@ -313,15 +341,14 @@ def main() -> None:
     ap.add_argument(
         "--direction-threads",
         type=int,
-        default=1,
-        help="runtime.direction_threads: threads a run draws a step's P directions in (the same bits; default 1)",
+        help="runtime.direction_threads: threads a run draws a step's P directions in, and above 1 ahead of their "
+        "use (the same bits; default 1, with --device cuda|auto up to 4 where the cores allow: spread_defaults)",
     )
     ap.add_argument(
         "--cell-processes",
         type=int,
-        default=0,
         help="runtime.cell_processes: the preset's 2 cells, with their devices, in processes of their own (the same "
-        "bits; a run's host side spread over 3 processes)",
+        "bits; a run's host side spread over 3 processes; default 0, with --device cuda|auto 2 where the cores allow)",
     )
     add_journal_args(ap)
     args = ap.parse_args()
@@ -335,10 +362,13 @@ def main() -> None:
         s["zo_rounds"] = args.rounds
     if args.device:
         s["device"] = args.device
-    if args.direction_threads != 1:  # (a setting: the journal records it)
-        s["direction_threads"] = args.direction_threads
-    if args.cell_processes:  # (a setting: the journal records it)
-        s["cell_processes"] = args.cell_processes
+    cell_processes, threads, why = spread_defaults(args.device, args.jobs, args.cell_processes, args.direction_threads)
+    if why:
+        print(why, flush=True)
+    if threads != 1:  # (a setting: the journal records it)
+        s["direction_threads"] = threads
+    if cell_processes:  # (a setting: the journal records it)
+        s["cell_processes"] = cell_processes
     if args.host_only:  # (a setting: the journal keeps these runs apart from real ones)
         s["host_only"] = True
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else s["seeds"]

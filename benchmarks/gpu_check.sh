@@ -95,24 +95,27 @@ bench standard bare-cpu,bare-cuda,device-cpu,cohort-cuda,cohort-cuda-eager,cohor
 # small: its two sides within a few percent of each other (auto may choose the CPU), so each runs twice,
 # alternated, the fastest counting (a machine whose speed swings mid-run moved one side 0.74x -> 0.94x before)
 bench small cohort-cpu,cohort-cuda,cohort-auto 60 25 "${small[@]}"
-# DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5): one run alone (lr 1e-3), the same with
-# its 2 cells in processes of their own (runtime.cell_processes = 2: the host side spread over 3 processes), then its
-# 4-value lr grid as 4 runs sharing the GPU (--jobs 4). Each run prints round_ms and its split, kernel_ms (the
-# forward passes, timed to their end) and host_ms (the rest); round_ms x 10,000 is a run at the paper's horizon.
-# (300 rounds alone ran at 20.4 ms a round and the four in 14 s wall, session 13.) The script's worst case, every
-# timeout spent, is ~9.5 minutes (80 + 210 + 80 + 60 + 40 + 40 + 55 s); ~6-7 expected, so a 15-minute lease can run it
-# once with room for a start and a shorter second run.
+# DeComFL's paper preset (MNIST, 100 devices, CNN, K=1 P=10, momentum 0.5), lr 1e-3 alone three ways: as before
+# (one process, directions drawn when asked: session 20's 25.5 ms a round on an H200), one process drawing a round's
+# directions ahead in 4 threads (runtime.direction_threads = 4), and the preset's default on cuda with the cores
+# (its 2 cells in processes of their own, each drawing ahead: the host side over 3 processes; the run says what it
+# chose); then its 4-value lr grid as 4 runs sharing the GPU (--jobs 4, the default for 4 cores a run). Each run
+# prints round_ms and its split, kernel_ms (the forward passes, timed to their end) and host_ms (the rest), and the
+# main threads' CPU in turn (the round's path on free cores); round_ms x 10,000 is a run at the paper's horizon.
+# The script's worst case, every timeout spent, is ~9.8 minutes (80 + 210 + 80 + 60 + 30 + 30 + 40 + 55 s); ~6-7
+# expected, so a 15-minute lease can run it once with room for a start and a shorter second run.
 dr=300
 [ "${QUICK:-0}" = 1 ] && dr=30
-echo "== DeComFL paper preset, $dr rounds: one run alone, then 4 runs on one GPU" \
+echo "== DeComFL paper preset, $dr rounds: one run alone three ways, then 4 runs on one GPU" \
   | tee "$OUT/decomfl.log"
 decomfl() {  # seconds, then decomfl.py's other arguments
   timeout "$1" $PY benchmarks/decomfl.py --preset paper --rounds $dr --device cuda --methods DeComFL --seeds 0 \
     --tune-seeds 0 "${@:2}" 2>&1 | tee -a "$OUT/decomfl.log" || status=1
 }
 if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  decomfl 40 --lrs 1e-3 --jobs 1 --journal "$OUT/decomfl-alone.jsonl"
-  decomfl 40 --lrs 1e-3 --jobs 1 --cell-processes 2 --journal "$OUT/decomfl-c2.jsonl"  # its 2 cells in 2 processes
+  decomfl 30 --lrs 1e-3 --jobs 1 --cell-processes 0 --direction-threads 1 --journal "$OUT/decomfl-alone.jsonl"
+  decomfl 30 --lrs 1e-3 --jobs 1 --cell-processes 0 --direction-threads 4 --journal "$OUT/decomfl-ahead.jsonl"
+  decomfl 40 --lrs 1e-3 --jobs 1 --journal "$OUT/decomfl-default.jsonl"  # 2 cell processes, 4 threads (16 cores)
   decomfl 55 --jobs 4 --journal "$OUT/decomfl-jobs4.jsonl"
 else  # a CPU smoke run: the preset's CPU figures are in benchmarks/README.md
   echo "DeComFL on CUDA skipped: no CUDA" | tee -a "$OUT/decomfl.log"
