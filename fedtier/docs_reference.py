@@ -216,10 +216,11 @@ def cli_reference() -> str:
 
 
 def _declared_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
-    """``(name, type, help, labels)`` of every metric the exporters declare."""
+    """``(name, type, help, labels)`` of every metric the exporters declare (the record families, an agent's, a
+    cell's fleet, a certificate's)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from monitor.exporter import AgentCollector, MetricsExporter
+    from monitor.exporter import AgentCollector, DeviceFleetCollector, MetricsExporter
 
     found: list[tuple[str, str, str, tuple[str, ...]]] = []
     exporter = MetricsExporter("run")
@@ -234,7 +235,17 @@ def _declared_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
         connections: dict[str, int] = {}
         train_seconds = 0.0
 
-    for family in AgentCollector("run", _Agents()).collect():
+    class _Cell:  # the attributes DeviceFleetCollector reads: one device that announced everything
+        devices, online = ["d"], {"d": True}
+        caps = {
+            "d": {"fedtier": "0", "wire": 1, "accelerator": "none", "backends": "torch", "cores": 1, "memory_mb": 1}
+        }
+
+    fleet = DeviceFleetCollector("run")
+    fleet.servers["cell"] = _Cell()
+    exporter.watch_certificate("node", "")  # unreadable: NaN, but its labels are there
+    certificate = [f for f in exporter.registry.collect() if f.name.startswith("fedtier_certificate")]
+    for family in [*AgentCollector("run", _Agents()).collect(), *fleet.collect(), *certificate]:
         name = family.name + ("_total" if family.type == "counter" else "")
         labels = tuple(family.samples[0].labels) if family.samples else ()
         found.append((str(name), str(family.type), str(family.documentation), labels))

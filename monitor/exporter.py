@@ -9,12 +9,12 @@ each scrape. :meth:`MetricsExporter.serve` serves ``/metrics``.
 Names follow Prometheus conventions: ``fedtier_<tier>_<what>_<unit>``, counters end in ``_total``,
 times in seconds, sizes in bytes. Labels are bounded: ``run``, ``cell``, ``tier`` (the four links),
 ``reason`` (a rejection's kind, ``protocols.rejections.RejectKind``: a small fixed vocabulary that rewording a
-message never changes), ``closed_by``. No device ids.
+message never changes), ``closed_by``. No device ids, except the fleet families ``fedtier_device_*`` of a cell
+(:class:`DeviceFleetCollector`, at most :data:`FLEET_DEVICES` devices a cell).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import math
 import threading
@@ -35,15 +35,19 @@ from .record_metrics import CellHealth, CellOutcomes, CloudCells, CloudRounds, l
 log = logging.getLogger("fedtier.metrics")
 
 
-def certificate_days_left(certfile: str | Path, now: dt.datetime | None = None) -> float:
-    """Days until the PEM certificate in ``certfile`` expires (negative once it has; NaN when unreadable)."""
+FLEET_DEVICES = 10_000
+"""Devices of a cell its exporter lists in the fleet families at most (a simulated population is not a fleet)."""
+
+
+def certificate_expiry(certfile: str | Path) -> float:
+    """Unix time the PEM certificate in ``certfile`` expires (NaN when unreadable)."""
     from cryptography import x509
 
     try:
         cert = x509.load_pem_x509_certificate(Path(certfile).read_bytes())
     except (OSError, ValueError):
         return math.nan
-    return (cert.not_valid_after_utc - (now or dt.datetime.now(dt.UTC))).total_seconds() / 86400
+    return cert.not_valid_after_utc.timestamp()
 
 
 class MetricsExporter:
@@ -62,7 +66,7 @@ class MetricsExporter:
         self.cell_health = CellHealth(self.registry)
         self.cloud_rounds = CloudRounds(self.registry)
         self.cloud_cells = CloudCells(self.registry)
-        self.fleets: dict[str, DeviceFleetCollector] = {}  # per cell: the latest job's server (a long-lived cell)
+        self.fleet: DeviceFleetCollector | None = None  # the devices of this process's cells (from the first cell)
         self.agents: AgentCollector | None = None  # an agent process's counters (``fedtier.metrics``)
 
     # ------------------------------------------------------------------ feeding
@@ -100,11 +104,10 @@ class MetricsExporter:
         health.online.labels(self.run, server.cell).set_function(lambda: sum(server.online.values()))
         health.devices.labels(self.run, server.cell).set(len(server.devices))
         health.deadline.labels(self.run, server.cell).set(server.device_deadline)
-        old = self.fleets.pop(server.cell, None)  # a long-lived cell's next job: its server replaces the last
-        if old is not None:
-            self.registry.unregister(old)
-        self.fleets[server.cell] = DeviceFleetCollector(self.run, server)
-        self.registry.register(self.fleets[server.cell])
+        if self.fleet is None:  # one collector for all the cells of the process: each family once in a scrape
+            self.fleet = DeviceFleetCollector(self.run)
+            self.registry.register(self.fleet)
+        self.fleet.servers[server.cell] = server  # a long-lived cell's next job: its server replaces the last
 
     def job_failed(self, reason: str) -> None:
         """The cloud ended the job as failed with ``reason``."""
@@ -123,15 +126,15 @@ class MetricsExporter:
 
     # ------------------------------------------------------------------ serving
     def watch_certificate(self, node: str, certfile: str | Path) -> None:
-        """``fedtier_certificate_expiry_days{run,node}``: days until the node's broker certificate expires, read
+        """``fedtier_certificate_expiry_timestamp_seconds{run,node}``: when the node's broker certificate expires, read
         at each scrape (so a renewed file shows at once; ``fedtier provision renew``)."""
         gauge = Gauge(
-            "fedtier_certificate_expiry_days",
-            "Days until this node's client certificate expires (negative: expired)",
+            "fedtier_certificate_expiry_timestamp_seconds",
+            "Unix time this node's client certificate expires (days left: (this - time()) / 86400)",
             ["run", "node"],
             registry=self.registry,
         )
-        gauge.labels(self.run, node).set_function(lambda: certificate_days_left(certfile))
+        gauge.labels(self.run, node).set_function(lambda: certificate_expiry(certfile))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread (port 0: a free one); the bound port. The server is
@@ -199,14 +202,17 @@ class _ScrapeCounter(Collector):
 
 
 class DeviceFleetCollector(Collector):
-    """A cell's devices as the fleet view shows them (``fedtier fleet``), read on each scrape: online or not,
-    and what each announced in its signed status (versions, accelerator, backends, cores, memory)."""
+    """The devices of a process's cells as the fleet view shows them (``fedtier fleet``), read on each scrape:
+    online or not, and what each announced in its signed status (versions, accelerator, backends, cores, memory).
+    One per exporter (:attr:`servers`: each cell's latest server), so that a process of several cells
+    (``fedtier run``) serves each family once: a family repeated is a scrape ``promtool check metrics`` refuses."""
 
-    def __init__(self, run: str, server: Any) -> None:
-        self.run, self.server = run, server
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.servers: dict[str, Any] = {}
 
     def collect(self) -> Iterable[Any]:
-        s, labels = self.server, ["run", "cell", "device"]
+        labels = ["run", "cell", "device"]
         online = GaugeMetricFamily("fedtier_device_online", "1 if the cell deems the device online", labels=labels)
         info = GaugeMetricFamily(
             "fedtier_device_info",
@@ -214,20 +220,22 @@ class DeviceFleetCollector(Collector):
             labels=[*labels, "fedtier", "wire", "accelerator", "backends"],
         )
         cores = GaugeMetricFamily("fedtier_device_cores", "CPU cores a device announced", labels=labels)
-        memory = GaugeMetricFamily("fedtier_device_memory_mb", "Memory (MB) a device announced", labels=labels)
-        caps = dict(s.caps)
-        for device in list(s.devices)[:10_000]:  # a simulated population is not a fleet: bounded
-            key = [self.run, s.cell, device]
-            online.add_metric(key, 1.0 if s.online[device] else 0.0)
-            c = caps.get(device)
-            if c is None:
-                continue
-            fields = (c.get("fedtier"), c.get("wire"), c.get("gpu") or c.get("accelerator"), c.get("backends"))
-            info.add_metric([*key, *(label_value(v) for v in fields)], 1.0)
-            for family, name in ((cores, "cores"), (memory, "memory_mb")):
-                number = finite_number(c.get(name)) if isinstance(c.get(name), int) else None
-                if number is not None:  # (a device's word: 10**400 is none, and must not fail the scrape)
-                    family.add_metric(key, number)
+        memory = GaugeMetricFamily("fedtier_device_memory_bytes", "Memory a device announced", labels=labels)
+        for cell, s in sorted(self.servers.items()):
+            caps = dict(s.caps)
+            for device in list(s.devices)[:FLEET_DEVICES]:
+                key = [self.run, cell, device]
+                online.add_metric(key, 1.0 if s.online[device] else 0.0)
+                c = caps.get(device)
+                if c is None:
+                    continue
+                fields = (c.get("fedtier"), c.get("wire"), c.get("gpu") or c.get("accelerator"), c.get("backends"))
+                info.add_metric([*key, *(label_value(v) for v in fields)], 1.0)
+                for family, name, unit in ((cores, "cores", 1), (memory, "memory_mb", 2**20)):  # MiB announced
+                    said = c.get(name)
+                    number = finite_number(said * unit) if isinstance(said, int) else None
+                    if number is not None:  # (a device's word: 10**400 is none, and must not fail the scrape)
+                        family.add_metric(key, number)
         return [online, info, cores, memory]
 
     def describe(self) -> Iterable[Any]:

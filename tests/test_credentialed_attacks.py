@@ -212,7 +212,7 @@ def test_a_devices_announced_cores_beyond_the_float_range_do_not_blind_its_cells
     assert 'fedtier_device_online{cell="c0",device="c0-d0",run="t"} 1.0' in text
     assert 'fedtier_device_cores{cell="c0",device="c0-d1",run="t"} 4.0' in text
     assert 'fedtier_device_cores{cell="c0",device="c0-d0"' not in text
-    assert 'fedtier_device_memory_mb{cell="c0",device="c0-d0",run="t"} 1e+30' in text
+    assert 'fedtier_device_memory_bytes{cell="c0",device="c0-d0",run="t"} 1.048576e+36' in text  # 10**30 MiB
 
 
 @pytest.mark.parametrize(

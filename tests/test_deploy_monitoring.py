@@ -12,7 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
+from fedtier.docs_reference import metrics_reference
 from monitor.exporter import AgentCollector, MetricsExporter
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -45,8 +47,9 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
 
 
-def served_names() -> set[str]:
-    """Every sample name the exporter and an agent process serve, each metric given a value."""
+def served_exporter() -> MetricsExporter:
+    """An exporter serving every metric of every tier, each given a value: a cloud and two cells in one process
+    (as ``fedtier run``), their devices having announced their capabilities, a certificate, an agent process."""
     exporter = MetricsExporter("r")
     exporter.observe(
         {
@@ -93,11 +96,18 @@ def served_names() -> set[str]:
             "time": 1.0,
         }
     )
-    exporter.watch_cell(
-        SimpleNamespace(
-            observers=[], cell="c0", online={"c0-d0": True}, devices=["c0-d0"], device_deadline=5.0, caps={}
+    for cell in ("c0", "c1"):
+        device, caps = f"{cell}-d0", {"fedtier": "0.1", "wire": 1, "backends": "torch", "cores": 2, "memory_mb": 512}
+        exporter.watch_cell(
+            SimpleNamespace(
+                observers=[],
+                cell=cell,
+                online={device: True},
+                devices=[device],
+                device_deadline=5.0,
+                caps={device: caps},
+            )
         )
-    )
     exporter.watch_cloud(SimpleNamespace(observers=[], failure_observers=[], cell_deadline=10.0, rounds=2))
     exporter.job_failed("no cell answered in rounds 0-2")
     exporter.watch_certificate("c0-d0", "client.crt")  # unreadable here: NaN, but served
@@ -105,7 +115,31 @@ def served_names() -> set[str]:
         agents={"c0-d0": SimpleNamespace(tasks_done=3)}, train_seconds=1.5, connections={"c0-d0": 2}
     )
     exporter.registry.register(AgentCollector("r", agent))
-    return {s.name for family in exporter.registry.collect() for s in family.samples}
+    return exporter
+
+
+def served_names() -> set[str]:
+    """Every sample name the exporter and an agent process serve."""
+    return {s.name for family in served_exporter().registry.collect() for s in family.samples}
+
+
+@needs_promtool
+def test_what_the_tiers_serve_passes_promtool_check_metrics(tmp_path: Path) -> None:
+    """Prometheus's own linter on a scrape of every family: each family once (a process of two cells served the
+    fleet's four families twice, a text promtool refused: "second HELP line"), units in base units (bytes, not
+    ``_mb``; a certificate's expiry in seconds, not ``_days``), counters in ``_total``."""
+    text = generate_latest(served_exporter().registry).decode()
+    assert text.count("# HELP fedtier_device_online ") == 1
+    assert 'fedtier_device_memory_bytes{cell="c1",device="c1-d0",run="r"} 5.36870912e+08' in text  # 512 MiB
+    checked = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and not checked.stdout + checked.stderr, checked.stdout + checked.stderr
+
+
+def test_the_metrics_reference_lists_every_family_a_tier_serves() -> None:
+    """docs/reference/metrics.md (generated) names every family: the fleet's and the certificate's were missing."""
+    listed = set(re.findall(r"^\| `(fedtier_\w+)`", metrics_reference(), re.M))
+    served = {f.name + ("_total" if f.type == "counter" else "") for f in served_exporter().registry.collect()}
+    assert served and served <= listed, f"not in the reference: {sorted(served - listed)}"
 
 
 def test_the_dashboard_and_the_alerts_name_only_metrics_the_exporter_serves() -> None:

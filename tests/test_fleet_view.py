@@ -311,7 +311,7 @@ def test_a_cells_metrics_port_shows_its_devices_as_the_fleet_view_does(tmp_path)
     assert 'fedtier_device_online{cell="c0",device="c0-d0",run="t"} 1.0' in text
     assert 'fedtier_device_online{cell="c0",device="c0-d1",run="t"} 0.0' in text
     assert 'fedtier_device_cores{cell="c0",device="c0-d0",run="t"} 4.0' in text
-    assert 'fedtier_device_memory_mb{cell="c0",device="c0-d0",run="t"} 2048.0' in text
+    assert 'fedtier_device_memory_bytes{cell="c0",device="c0-d0",run="t"} 2.147483648e+09' in text  # 2048 MiB
     info = [line for line in text.splitlines() if line.startswith("fedtier_device_info{")]
     assert info == [
         'fedtier_device_info{accelerator="_b_x__b__",backends="onnx,torch",cell="c0",device="c0-d0",'

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -696,8 +697,10 @@ def test_a_renewed_certificate_logs_in_and_the_old_one_is_refused(reachable_tmp:
             make(old, port).connect(WAIT)
     exporter = MetricsExporter("t")
     exporter.watch_certificate("c0-d0", bundle / "client.crt")
-    days = exporter.registry.get_sample_value("fedtier_certificate_expiry_days", {"run": "t", "node": "c0-d0"})
-    assert days is not None and 29.9 < days <= 30.01, days
+    expiry = exporter.registry.get_sample_value(
+        "fedtier_certificate_expiry_timestamp_seconds", {"run": "t", "node": "c0-d0"}
+    )
+    assert expiry is not None and 29.9 < (expiry - time.time()) / 86400 <= 30.01, expiry
     res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out), "--node", "nobody"])
     assert res.exit_code == 2 and "nobody" in res.output
     res = CliRunner().invoke(main, ["provision", "renew", "--out", str(out)])  # everything: bundles, the broker
