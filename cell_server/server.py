@@ -1,11 +1,10 @@
 """The cell runtime: membership and liveness, edge rounds with deadlines, the aggregation log.
 
-All algorithm logic lives in the cell role; this class decides *when* (a round closes when every
-planned device answered, a quorum did, or the deadline passed) and records *what happened*. What any
-cell server is (presence, heartbeat, records, the cloud's session) is :class:`~cell_server.cell_node.CellNode`;
-this class adds the rounds, their state in parts (``cell_server.parts``: the open edge round, the cloud
-round's tally). Recovery, secure aggregation and the open edge round's liveness (``cell_server.edge_liveness``)
-drive it through their declared ``Host`` interfaces.
+All algorithm logic lives in the cell role; this class decides *when* (a round closes when every planned device
+answered, a quorum did, or the deadline passed) and records *what happened*. What any cell server is (presence,
+heartbeat, records, the cloud's session) is :class:`~cell_server.cell_node.CellNode`; this class adds the rounds, their
+state in parts (``cell_server.parts``: the open edge round, the cloud round's tally). Recovery, secure aggregation and
+the open edge round's liveness (``cell_server.edge_liveness``) drive it through their declared ``Host`` interfaces.
 """
 
 from __future__ import annotations
@@ -344,6 +343,7 @@ class CellServer(CellNode):
             round=self.round,
             edge_round=self.edge_round,
             cell=self.cell,
+            shared=True,  # (one payload for its devices)
         )
         if again:
             self.edge.bytes_resent += nbytes

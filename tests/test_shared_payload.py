@@ -150,10 +150,13 @@ def test_receivers_of_a_shared_task_read_one_buffer_that_none_of_them_can_change
         np.frombuffer(shared, np.uint8)[0] = 1
     with pytest.raises(TypeError):
         memoryview(shared)[0] = 1  # type: ignore[index]
-    # the shared bytes' next receivers take their first receiver's decoding (the same read-only views, not parsed
-    # again) with a metadata and a table of their own: what one changes there, the others do not see
+    # the shared bytes' next receivers take their first receiver's decoding (views of the same bytes, not parsed
+    # again), each with views, a metadata and a table of its own: what one changes there, the others do not see
     third = got["c0-d2"][0]
-    assert third.payload.tensors["w"] is second.payload.tensors["w"] and len(decodes) == 2  # the joined, the shared
+    assert third.payload.tensors["w"] is not second.payload.tensors["w"] and len(decodes) == 2  # the joined, the shared
+    assert np.shares_memory(third.payload.tensors["w"], second.payload.tensors["w"])
+    second.payload.tensors["w"].shape = (-1, 2)  # its own array object, reshaped in place
+    assert third.payload.tensors["w"].shape == (20_000,)
     first.payload.tensors["w"] = np.zeros_like(w)  # its own decoding: the others' are not it
     second.payload.tensors["w"], second.payload.meta["from"] = np.zeros_like(w), 9
     np.testing.assert_array_equal(third.payload.tensors["w"], task.tensors["w"])
@@ -162,6 +165,32 @@ def test_receivers_of_a_shared_task_read_one_buffer_that_none_of_them_can_change
         Segments(bytearray(b"FTW1"), SharedPayload(b""))  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         SharedPayload(bytearray(shared))  # type: ignore[arg-type]
+
+
+def test_a_task_sent_as_shared_reaches_every_device_as_segments_its_largest_tensor_aligned(monkeypatch):
+    """``send(shared=True)`` (a cell's task to its devices): the first message too is its envelope and the shared
+    bytes, decoded once for all its receivers; the bytes start where the largest tensor's values are 16-byte aligned
+    (numpy reads unaligned float32 through a buffer), the same message bytes as ``frame``'s."""
+    hub = MemoryHub()
+    got, raw = _receivers(hub)
+    cell = Messenger(hub.connect(CELL), RUN, CELL)
+    decodes: list[int] = []
+    decode = messenger_module.decode_payload
+    monkeypatch.setattr(messenger_module, "decode_payload", lambda d, **k: decodes.append(len(d)) or decode(d, **k))
+    task = Payload(
+        {"from": 3, "name": "abc"}, {"b": np.ones(7, np.float32), "w": np.linspace(-1, 1, 20_001, dtype=np.float32)}
+    )
+    _fixed_ids(monkeypatch)
+    sent = [cell.send(_topic(d), "device_task", task, round=1, cell=CELL, shared=True) for d in DEVICES]
+    hub.loop.run()
+    _fixed_ids(monkeypatch)
+    framed = [cell.frame("device_task", task, round=1, cell=CELL, topic=_topic(d)) for d in DEVICES]
+    assert raw == framed and sent == [len(f) for f in framed]  # the bytes, joined for a plain handler
+    assert len(decodes) == 1  # the first receiver's decoding, for all three
+    for device in DEVICES:
+        w = got[device][0].payload.tensors["w"]
+        assert w.flags.aligned and w.__array_interface__["data"][0] % 16 == 0
+        np.testing.assert_array_equal(w, task.tensors["w"])
 
 
 def test_a_shared_payload_that_is_not_finite_is_refused_by_every_receiver():

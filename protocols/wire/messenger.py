@@ -31,7 +31,16 @@ from .envelope import (
     payload_digest,
     verify_signature,
 )
-from .payload import Parts, Payload, checked_in_place, decode_payload, parts_size, payload_parts
+from .payload import (
+    Parts,
+    Payload,
+    aligned_start,
+    checked_in_place,
+    decode_payload,
+    own_views,
+    parts_size,
+    payload_parts,
+)
 from .ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -186,7 +195,8 @@ class Messenger:
         parts, size = self._payload_bytes(payload)
         shared = self._shared[1] if self._shared is not None and self._shared[0] is parts else None
         if shared is None:
-            shared = SharedPayload(b"".join(parts))  # type: ignore[arg-type]  # arrays are buffers
+            pad = aligned_start(parts)  # (its largest tensor's values aligned where its receivers view them)
+            shared = SharedPayload(b"".join([bytes(pad), *parts]), pad)  # type: ignore[list-item]  # arrays: buffers
             self._shared = (parts, shared)
         header = self._header(kind, size, round, edge_round, cell)
         head = envelope_head(header, shared, self.trust.sign if self.trust is not None else None, topic)
@@ -233,11 +243,14 @@ class Messenger:
         edge_round: int = 0,
         cell: str | None = None,
         retain: bool = False,
+        shared: bool = False,
     ) -> int:
         """Frame and publish; returns the bytes published. A payload sent again (a cell's task to each of its devices)
         goes as :class:`~protocols.wire.envelope.Segments` where the transport carries them: its bytes are those of
-        its first message (:meth:`frame`), shared, not a copy in each message."""
-        segments = self.transport.takes_segments and self._framed_before(payload)
+        its first message (:meth:`frame`), shared, not a copy in each message. ``shared`` (a payload for many
+        receivers): its first message too (:meth:`frame_shared`), so that all its receivers read one decoding of
+        it, of bytes that align its largest tensor's values for their reads."""
+        segments = self.transport.takes_segments and (shared or self._framed_before(payload))
         how = self.frame_shared if segments else self.frame
         data = how(kind, payload, round=round, edge_round=edge_round, cell=cell, topic=topic)
         self.transport.publish(topic, data, qos=1, retain=retain)
@@ -324,13 +337,14 @@ class Messenger:
 
 
 def _decoded(shared: SharedPayload) -> Payload:
-    """A receiver's payload of ``shared``: decoded (its floats checked) by its first receiver in this process; for the
-    next ones (a cell's task to each of its devices) the same read-only views of the shared bytes and a copy of the
-    metadata as decoded, without parsing and checking the same bytes again (:class:`WireError` as the first got)."""
+    """A receiver's payload of ``shared``: decoded (its floats checked) by its first receiver in this process, kept,
+    and for each receiver (a cell's task to each of its devices) read-only views of the shared bytes of its own (the
+    decoding's, :func:`~protocols.wire.payload.own_views`: a receiver that reshapes its arrays in place changes no
+    other's) and a copy of the metadata as decoded, the same bytes not parsed and checked again (:class:`WireError`
+    as the first got)."""
     first = shared.decoded
     if first is None:
-        payload = decode_payload(shared.view(), require_finite=not shared.finite, views=True, checked=shared.finite)
+        first = decode_payload(shared.view(), require_finite=not shared.finite, views=True, checked=shared.finite)
         shared.finite = True
-        shared.decoded = first = Payload(copy.deepcopy(payload.meta), dict(payload.tensors))
-        return payload
-    return Payload(copy.deepcopy(first.meta), dict(first.tensors))
+        shared.decoded = first
+    return Payload(copy.deepcopy(first.meta), own_views(first.tensors))

@@ -18,7 +18,7 @@ import math
 import struct
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +114,32 @@ def parts_size(parts: Parts) -> int:
     return sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
 
 
+BYTES_ALIGN = 16
+"""The alignment of a large ``bytes`` object's first byte in CPython (its header is 32 bytes long, and malloc's
+blocks are 16-byte aligned)."""
+
+
+def aligned_start(parts: Parts) -> int:
+    """The bytes (fewer than :data:`BYTES_ALIGN`) to put before ``parts`` in a ``bytes`` object so that the most of
+    their tensors' values start on a multiple of 4 bytes (float32's size) and, among those, the largest on a multiple
+    of :data:`BYTES_ALIGN`: numpy reads an unaligned float32 array through a buffer (a model-sized delta against a
+    received task took 1.6x the time of aligned)."""
+    at, tensors = 0, []
+    for part in parts:
+        size = part.nbytes if isinstance(part, np.ndarray) else len(part)
+        if isinstance(part, np.ndarray) and size:
+            tensors.append((size, at))
+        at += size
+    if not tensors:
+        return 0
+    largest = max(tensors)[1]
+
+    def score(pad: int) -> tuple[int, bool]:
+        return sum(size for size, at in tensors if (at + pad) % 4 == 0), (largest + pad) % BYTES_ALIGN == 0
+
+    return max(range(BYTES_ALIGN), key=score)
+
+
 def encode_payload(payload: Payload) -> bytes:
     """Serialise a :class:`Payload` (metadata must be JSON-serialisable, floats finite): one copy of
     each tensor's data (:func:`payload_parts` joined)."""
@@ -154,6 +180,19 @@ def known_squares(arr: np.ndarray) -> float | None:
     remembers: the same bits as summing it again), else ``None``: a caller's pass of it saved."""
     entry = _FINITE.get(id(arr))
     return entry[1] if entry is not None and entry[0]() is arr else None
+
+
+def own_views(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """New view objects of read-only decoded ``tensors`` (a shared payload's decoding, for one of its receivers): one
+    that reshapes or retypes its own in place (``arr.shape = ...`` changes the array object, not its bytes) changes
+    nobody else's; each known finite, with its sum of squares, where its original is (nothing read again)."""
+    out: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        out[name] = view = arr.view()
+        entry = _FINITE.get(id(arr))
+        if entry is not None and entry[0]() is arr:
+            _remember_finite(view, entry[1])
+    return out
 
 
 def all_finite(arr: np.ndarray) -> bool:
