@@ -180,6 +180,10 @@ def _cpu(pid: int, tid: int | None = None) -> float:
         return 0.0
 
 
+SAMPLE_EVERY = 20
+"""RoundSplit reads the cell processes' CPU at every 20th round's end."""
+
+
 class RoundSplit:
     """Where a run's rounds go, in ms a round: wall, CPU, **kernel** (inside the forward passes, which a GPU
     makes cheap) and **host** (the rest: histories, replay, probes, momentum steps, messages, records; what a GPU
@@ -193,13 +197,16 @@ class RoundSplit:
         _time_kernels()
         self.marks: list[tuple[float, ...]] = []  # (wall, CPU, kernel wall, kernel CPU, main thread CPU) a round end
         self.pids: list[int] = []  # the processes under this one (looked for again now and then: cheap reads)
-        self.cells: list[dict[int, tuple[float, float]]] = []  # a round end: pid -> (its CPU, its main thread's)
+        self.cells: list[tuple[int, dict[int, tuple[float, float]]]] = []  # (a mark, pid -> its CPU, its main
+        # thread's), every SAMPLE_EVERY marks
 
     def mark(self, _record: Any = None) -> None:
         self.marks.append((time.perf_counter(), time.process_time(), KERNEL[0], KERNEL[1], time.thread_time()))
-        if len(self.marks) % 100 in (1, 2):
-            self.pids = descendants(os.getpid())
-        self.cells.append({p: (_cpu(p), _cpu(p, p)) for p in self.pids})
+        at = len(self.marks) - 1
+        if at % SAMPLE_EVERY == 0:  # (every round, the reads would cost the main process ~0.4 ms a round)
+            if at % (5 * SAMPLE_EVERY) == 0:
+                self.pids = descendants(os.getpid())
+            self.cells.append((at, {p: (_cpu(p), _cpu(p, p)) for p in self.pids}))
 
     def figures(self) -> dict[str, float]:
         """``round_ms``, ``kernel_ms`` and ``host_ms`` a round (wall), and the same as CPU ms (``cpu_ms``, ...),
@@ -207,10 +214,10 @@ class RoundSplit:
         if len(self.marks) < 2:
             return {}
         (w0, c0, k0, kc0, t0), (w1, c1, k1, kc1, t1) = self.marks[0], self.marks[-1]
-        first, last = self.cells[0], self.cells[-1]
+        (a, first), (b, last) = self.cells[0], self.cells[-1]  # (the cell processes: between samples)
         both = [p for p in last if p in first]
         n = len(self.marks) - 1
-        ms = lambda v: round(1e3 * v / n, 2)  # noqa: E731
+        ms = lambda v, rounds=n: round(1e3 * v / max(1, rounds), 2)  # noqa: E731
         return {
             "round_ms": ms(w1 - w0),
             "cpu_ms": ms(c1 - c0),
@@ -219,8 +226,8 @@ class RoundSplit:
             "kernel_cpu_ms": ms(kc1 - kc0),
             "host_cpu_ms": ms((c1 - c0) - (kc1 - kc0)),
             "main_cpu_ms": ms(t1 - t0),
-            "cells_cpu_ms": ms(sum(last[p][0] - first[p][0] for p in both)),
-            "cell_main_cpu_ms": ms(max((last[p][1] - first[p][1] for p in both), default=0.0)),
+            "cells_cpu_ms": ms(sum(last[p][0] - first[p][0] for p in both), b - a),
+            "cell_main_cpu_ms": ms(max((last[p][1] - first[p][1] for p in both), default=0.0), b - a),
         }
 
 
