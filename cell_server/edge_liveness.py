@@ -1,8 +1,10 @@
 """The open edge round and its devices' liveness: a device back while its result is pending gets its task
-again; one gone offline (its will, a clean leave, a stale heartbeat) or revoked leaves the round, after a grace
-for a restart, and the round closes once every remaining planned device answered, instead of waiting out
-``device_deadline``. Liveness needs ``heartbeat_timeout > 0``, and does not count under secure aggregation
-(its dropout recovery decides). The cell server drives it through :class:`Host`.
+again (back: online after offline, or online announced anew, its offline lost on the way: amqtt 0.12.1 drops what
+a client sent just before its DISCONNECT when that client's session is busy); one gone offline (its will, a clean
+leave, a stale heartbeat) or revoked leaves the round, after a grace for a restart, and the round closes once every
+remaining planned device answered, instead of waiting out ``device_deadline``. Liveness needs
+``heartbeat_timeout > 0``, and does not count under secure aggregation (its dropout recovery decides). The cell
+server drives it through :class:`Host`.
 """
 
 from __future__ import annotations
@@ -67,11 +69,11 @@ def pending(cell: Host, device: str) -> bool:
 def on_status(cell: Host, device: str, change: StatusChange) -> None:
     """A device's status: one back while its result is pending gets its task again; one gone leaves the open
     edge round (after a grace: a restart's time back)."""
-    if not change.changed:
-        return
-    if change.online and change.heard and pending(cell, device) and device in cell.edge.tasks:
-        # back (an agent restarted, or reconnected with a new session) while its result is
-        # pending: the task it was given may be lost with its old process
+    back = change.online and change.heard and (change.changed or change.renewed)
+    if back and pending(cell, device) and device in cell.edge.tasks:
+        # back (an agent restarted, or reconnected with a new session, or a device that sat rounds out rejoined
+        # and announced itself online anew while the cell, its offline lost, thought it online and sent the task
+        # to no connection) while its result is pending: the task it was given may be lost
         again = cell.edge.resent[device] = cell.edge.resent.get(device, 0) + 1
         if again <= MAX_RESENDS:
             log.warning(
@@ -92,6 +94,8 @@ def on_status(cell: Host, device: str, change: StatusChange) -> None:
                 cell.edge_round,
                 MAX_RESENDS,
             )
+    if not change.changed:
+        return
     if change.online:
         cell.loop.cancel(cell.liveness.leaving.pop(device, None))
     else:

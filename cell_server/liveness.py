@@ -25,11 +25,14 @@ log = logging.getLogger("fedtier.cell")
 @dataclass(frozen=True)
 class StatusChange:
     """What a device's status record told: whether it is ``online``, whether the cell had ``heard`` of it
-    before (a first status of a started cell is no return), and whether its flag ``changed``."""
+    before (a first status of a started cell is no return), whether its flag ``changed``, and whether it is
+    ``renewed``: a record its process said anew (``protocols.status.order_stamp``: another instance, or a newer
+    order), not its last one repeated (a heartbeat, a retained copy delivered again)."""
 
     online: bool
     heard: bool
     changed: bool
+    renewed: bool = False
 
 
 class Liveness:
@@ -68,7 +71,9 @@ class Liveness:
     def heard(self, device: str, record: dict[str, Any], now: float) -> StatusChange:
         """Take ``device``'s (verified, not :meth:`outdated`) status ``record``, heard at loop time ``now``."""
         order, instance = finite_number(record.get("order")), record.get("instance")
+        renewed = False
         if order is not None and isinstance(instance, str):
+            renewed = self.newest.get(device) != (instance, order)
             self.newest[device] = (instance, order)
         online = record["state"] == "online"
         if online:
@@ -88,7 +93,7 @@ class Liveness:
         changed = self.online[device] != online
         if changed:
             self.online[device] = online
-        return StatusChange(online, heard, changed)
+        return StatusChange(online, heard, changed, renewed)
 
     def offline(self, devices: Iterable[str]) -> set[str]:
         """Those of ``devices`` (of this cell) that are offline."""
