@@ -170,9 +170,32 @@ def weighted_mean(
     total = float(sum(w for w, _ in items))
     if not items or total <= 0:
         raise ValueError("weighted mean of nothing (total weight is zero)")
+    if len(items) == 1 and _alone_exact(*items[0]):  # its own values: the definition's bits, without its passes
+        return OrderedDict((k, _float32_copy(v)) for k, v in items[0][1].items()), total
     acc = weighted_sum(items)
     mine = isinstance(acc, HostSum)  # new arrays nothing else holds: divided in place (no second float64 array)
     return OrderedDict((k, _divided(v, total, mine).astype(np.float32)) for k, v in acc.items()), total
+
+
+ALONE_WEIGHT = 2**29
+"""Integer weights below this times a float32 value are exact in float64 (24 + 29 bits < 53)."""
+
+
+def _alone_exact(weight: float, params: Mapping[str, np.ndarray]) -> bool:
+    """Whether the mean of ``params`` alone is ``params`` itself, bit for bit: an integer weight below
+    :data:`ALONE_WEIGHT` and finite float32 tensors make ``float64(v) * w`` exact, so ``/ w`` gives ``v`` back exactly
+    (-0.0 too) and so does its conversion to float32."""
+    if not isinstance(weight, (int, float, np.integer, np.floating)) or not 1 <= weight < ALONE_WEIGHT:
+        return False
+    if not float(weight).is_integer():
+        return False
+    return all(isinstance(v, np.ndarray) and v.dtype == np.float32 and all_finite(v) for v in params.values())
+
+
+def _float32_copy(v: np.ndarray) -> np.ndarray:
+    """A float32 copy of ``v`` as the definition's mean gives it (a numpy scalar for a 0-d tensor)."""
+    out = np.array(v, dtype=np.float32)
+    return out if out.ndim else out[()]
 
 
 def _divided(v: np.ndarray, total: float, in_place: bool) -> np.ndarray:

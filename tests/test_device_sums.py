@@ -80,6 +80,24 @@ def test_the_host_sum_by_blocks_is_the_definitions_bits(block, monkeypatch):
     assert _bits(P.host_weighted_sum(other)) == _bits(_definition(other))
 
 
+def test_the_mean_of_one_item_is_the_definitions_bits_its_own_values_where_that_is_exact():
+    """A mean of one item (a cloud of one cell, a cell of one answer) with an integer weight below 2**29 and finite
+    float32 tensors is its own values (float64(v) * w is exact, so / w gives v back): the definition's bits, types and
+    dtypes (a 0-d tensor's a numpy scalar); other weights and tensors take the definition's passes."""
+    rng = np.random.default_rng(5)
+    edges = np.array([1e-45, -1e-45, 1.2e-38, -0.0, 0.0, 3.4e38, -3.4e38, 1e-40], np.float32)
+    values = OrderedDict(
+        w=(rng.standard_normal((40, 9)) * 1e30).astype(np.float32), e=edges, s=np.array(-0.0, np.float32)
+    )
+    for weight in (1, 600, 600.0, np.int64(7), 2**29 - 1, 2**29, 1 / 3, 1.1, 123.456, 1e12):
+        got, total = P.weighted_mean([(weight, values)])
+        want = _definition([(weight, values)])
+        want = {k: (v / float(weight)).astype(np.float32) for k, v in want.items()}
+        assert total == float(weight) and [type(v) for v in got.values()] == [type(v) for v in want.values()]
+        assert _bits(got) == _bits(want), weight
+    assert not P._alone_exact(600, {"x": np.array([np.inf], np.float32)})  # not finite: the definition's passes
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 5])  # 0: one chunk of all 23; else chunks of this many results
 def test_the_sum_on_the_cpu_device_is_the_host_sum_bit_for_bit(rows, monkeypatch):
     items = _items()
