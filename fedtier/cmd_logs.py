@@ -153,7 +153,13 @@ def records_table(records: list[Record]) -> Table:
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--cell", "cells", multiple=True, metavar="CELL", help="Only this cell (repeatable).")
-@click.option("--round", "round_range", metavar="A:B", help="Cloud rounds A to B, both included (A:, :B, A).")
+@click.option(
+    "--round",
+    "round_range",
+    metavar="A:B",
+    help="Cloud rounds A to B, both included (A:, :B, A), as the records number them: from 0 (the monitor and the "
+    "report count from 1).",
+)
 @click.option(
     "--event",
     "events",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,21 @@ from fedtier.console import (
     refuse_federation_folder,
 )
 from protocols.terminal import SafeConsole
+
+
+@contextmanager
+def sigterm_leaves_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (``kill``, ``systemctl stop``, a CI job's timeout) leaves the view as Ctrl-C does: where the output is
+    no terminal, its last frame is written (it died with nothing more said)."""
+
+    def leave(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @main.command()
@@ -131,7 +149,7 @@ def monitor(
     Follow a run folder (RUN_DIR, tailing its JSON-lines logs) or a live run's telemetry topics
     (--broker mqtt://host:port --run NAME, or --config with the broker and the run in it). A summary
     line counts the cells per state; with many cells the table shows the --top that matter most
-    (--sort, --cell, --state narrow it). Ctrl-C leaves.
+    (--sort, --cell, --state narrow it). Ctrl-C or SIGTERM leaves.
     """
     from monitor.live import LiveView
     from monitor.sources import RunDirFollower, TelemetryFeed
@@ -156,12 +174,13 @@ def monitor(
         refuse_federation_folder(run_dir)
         if once and not Path(run_dir).is_dir():
             fail(f"{run_dir} is not a run folder", 2)
-        watch.follow(RunDirFollower(run_dir), once, wait, refresh, exit_when_done)  # it may not exist yet
+        with sigterm_leaves_as_ctrl_c():
+            watch.follow(RunDirFollower(run_dir), once, wait, refresh, exit_when_done)  # it may not exist yet
         return exit_if_run_failed(watch, exit_when_done)
     if not target.run:
         fail("--broker needs --run NAME", 2)
     keys = public_keys_or_exit(target.keys_file)
-    with live_connection(target, "monitor", wait if once else None) as transport:
+    with sigterm_leaves_as_ctrl_c(), live_connection(target, "monitor", wait if once else None) as transport:
         feed = TelemetryFeed(transport, target.run, keys).start()
         watch.state.run = target.run
         watch.follow(feed, once, wait, refresh, exit_when_done)

@@ -51,6 +51,7 @@ class LiveView:
         """Live telemetry, records and statuses taken up to each state that came after them, then that state."""
         (records, bad, statuses), states = feed.poll_in_order()
         now, taken, heard = time.time(), 0, 0
+        self.state.link(feed.transport.connected, now)  # the monitor's own broker connection
         for at, said, state in states:
             self._add(records[taken:at], statuses[heard:said], now)
             taken, heard = at, said

@@ -10,8 +10,8 @@ import time
 from rich.console import Console
 from rich.text import Text
 
-from .state import MonitorState, nth
-from .view import cloud_line, jobs_line, summary_line
+from .state import MonitorState, nth, phase_name
+from .view import cloud_line, jobs_line, link_line, summary_line
 
 STAMP = "%Y-%m-%d %H:%M:%S"
 _GAPS = re.compile(r" {3,}")  # where a part of a frame's line is left out
@@ -23,7 +23,7 @@ def phase_text(state: MonitorState) -> str | None:
     s = state.states.get("cloud")
     if s is None:
         return None
-    text = f"now {s.get('phase')}"
+    text = f"now {phase_name(s.get('phase'))}"
     if s.get("phase") == "waiting":
         text = f"now round {nth(s.get('round'))}: waiting"
     return text + (f": {s['reason']}" if s.get("reason") else "")
@@ -32,6 +32,9 @@ def phase_text(state: MonitorState) -> str | None:
 def log_lines(state: MonitorState, now: float) -> dict[str, str]:
     """The lines of the state, each under its topic: one is logged again when its text changed."""
     lines = {"run": f"fedtier monitor: {state.run or '?'} ({len(state.cells)} cells)"}
+    link = link_line(state, now, log=True)
+    if link is not None:
+        lines["link"] = link.plain
     lines["cloud"] = cloud_line(state, now, log=True).plain
     phase = phase_text(state)
     jobs = jobs_line(state, now, log=True)

@@ -70,9 +70,11 @@ class CellOutcomes:
         self.aggregations = Counter(
             "fedtier_cell_aggregations", "Edge-round aggregations a cell closed", [*CELL, "closed_by"], registry=r
         )
-        self.round = Gauge("fedtier_cell_round", "Cloud round of the cell's latest aggregation", CELL, registry=r)
+        self.round = Gauge(
+            "fedtier_cell_round", "Cloud round of the cell's latest aggregation (0-based)", CELL, registry=r
+        )
         self.edge_round = Gauge(
-            "fedtier_cell_edge_round", "Edge round of the cell's latest aggregation", CELL, registry=r
+            "fedtier_cell_edge_round", "Edge round of the cell's latest aggregation (0-based)", CELL, registry=r
         )
         self.planned = Counter("fedtier_cell_devices_planned", "Devices sent a task", CELL, registry=r)
         self.answered = Counter("fedtier_cell_devices_answered", "Device results aggregated", CELL, registry=r)

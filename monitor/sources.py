@@ -234,7 +234,7 @@ class RunDirFollower:
         written = [t.path.stat().st_mtime for t in self._tails if t.path.exists() and t.path.stat().st_size]
         if not written:
             return []  # nothing written yet: a run that is starting (it takes the lock first)
-        why = "the fedtier sim|run process ended before the run did (killed?); --resume continues it"
+        why = "the fedtier sim|run process ended before the run did (interrupted or killed); --resume continues it"
         return [{"node": "cloud", "phase": "stopped", "since": max(written), "reason": why, "interrupted": True}]
 
 

@@ -101,6 +101,8 @@ class MonitorState:
     revoked: dict[str, str] = field(default_factory=dict)  # node -> why, from round records or the signed roster
     jobs: list[dict] = field(default_factory=list)  # a federation's jobs, from the cloud's job list (job_entries)
     cell_folder: list[dict] = field(default_factory=list)  # a cell's own job folder: its job records (runfiles)
+    link_lost: float | None = None  # live: since when the monitor's own broker connection is down (None: up)
+    link_losses: int = 0  # live: how many times it went down
     _max_round: int | None = None
 
     # ------------------------------------------------------------------ feeding
@@ -195,6 +197,14 @@ class MonitorState:
         """The job is over and, on a federation, the cloud lists none running or queued (``--exit-when-done``: a
         monitor started right after a submission follows that job, not the end of the one before)."""
         return self.finished and not any(j["state"] in ("running", "queued") for j in self.jobs)
+
+    def link(self, connected: bool, now: float) -> None:
+        """Whether the monitor's own broker connection is up (live telemetry): while it is down, what the view shows is
+        as last heard (a cell's will may even have said offline as the broker went away)."""
+        if connected:
+            self.link_lost = None
+        elif self.link_lost is None:
+            self.link_lost, self.link_losses = now, self.link_losses + 1
 
     def clear_end(self) -> None:
         """The run goes on: an end its folder said before (stopped, killed) no longer holds, e.g. once the run is
@@ -327,7 +337,7 @@ class MonitorState:
             names = ", ".join(absent[:GROUP_ALERTS]) + (
                 f", ... ({len(absent)} cells)" if len(absent) > GROUP_ALERTS else ""
             )
-            out.append(f"cloud round {self.cloud.round} closed by {self.cloud.closed_by} without {names}")
+            out.append(f"cloud round {nth(self.cloud.round)} closed by {self.cloud.closed_by} without {names}")
         if self.bad:
             out.append(f"{len(self.bad)} invalid record(s), last: {self.bad.last}")
         return out
@@ -342,7 +352,7 @@ class MonitorState:
             out.append(f"the job failed: {self.cloud.failed}")
         out += self.overdue(now)
         if self.cloud is not None and self.cloud.diverged:
-            out.append(f"the global model diverged in round {self.cloud.round} ({self.cloud.diverged})")
+            out.append(f"the global model diverged in round {nth(self.cloud.round)} ({self.cloud.diverged})")
         return out
 
     def _cell_alerts(self, cell: str, view: CellView, now: float) -> list[tuple[str, Alert]]:
@@ -369,15 +379,16 @@ class MonitorState:
             line = f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)"
             found.append(("with a participation drop", (drop[0] / drop[1], cell, line)))
         last = view.last
+        where = f"round {nth(last.round)}.{nth(last.edge_round)}" if last is not None else ""  # from 1, as the table
         # a late answer of a device the edge round before closed without (deadline, quorum) is no alarm
         rejected = [r for r in last.rejected if not late(r, view.cut_off)] if last is not None else []
         if last is not None and rejected:
             reasons = "; ".join(sorted({r.reason for r in rejected}))[:120]
-            line = f"cell {cell} rejected {len(rejected)} result(s) in round {last.round}.{last.edge_round}: "
+            line = f"cell {cell} rejected {len(rejected)} result(s) in {where}: "
             found.append(("with rejected results", (-len(rejected), cell, line + reasons)))
         if last is not None and last.diverged:
             why = "; ".join(sorted(set(last.diverged.values())))[:120]
-            line = f"cell {cell}: {len(last.diverged)} device(s) diverged in round {last.round}.{last.edge_round}: "
+            line = f"cell {cell}: {len(last.diverged)} device(s) diverged in {where}: "
             found.append(("with diverged devices", (-len(last.diverged), cell, line + why)))
         return found
 
@@ -386,6 +397,16 @@ def late(rejection: Rejection, cut_off: frozenset[str]) -> bool:
     """Whether ``rejection`` is the late answer of a device its cell's previous edge round closed without: its kind
     says so, or (records written before that kind existed) a stale answer of a device cut off the round before."""
     return rejection.kind == RejectKind.LATE or (rejection.kind == RejectKind.STALE and rejection.device in cut_off)
+
+
+PHASE_WORDS = {"idle": "between rounds"}
+"""The monitor's words for a cloud state's phase whose name misleads: the cloud is ``idle`` from a round's close (its
+record out, its checkpoint being written) to the next round's start, not out of the job."""
+
+
+def phase_name(phase: object) -> str:
+    """A cloud state's phase as the monitor says it (:data:`PHASE_WORDS`)."""
+    return PHASE_WORDS.get(phase, phase) if isinstance(phase, str) else str(phase)
 
 
 def nth(index: object) -> str:

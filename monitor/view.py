@@ -21,7 +21,7 @@ from rich.text import Text
 
 from protocols.terminal import SafeConsole
 
-from .state import STATES, CellView, MonitorState, nth, waiting_text
+from .state import STATES, CellView, MonitorState, nth, phase_name, waiting_text
 
 SPARK = "▁▂▃▄▅▆▇█"
 SORTS = ("severity", "lag", "drop", "silent", "name")
@@ -202,6 +202,18 @@ def summary_line(state: MonitorState, now: float) -> Text:
     return text
 
 
+def link_line(state: MonitorState, now: float, log: bool = False) -> Text | None:
+    """The monitor's own broker connection, once it was ever lost: down since when (the rest is as last heard), or
+    (``log``: a line when it comes back) back."""
+    if state.link_lost is not None:
+        since = "" if log else f" {now - state.link_lost:.0f} s ago"
+        lost = f"connection lost{since}, reconnecting: the cells and rounds below are as last heard"
+        return Text.assemble(("broker ", "bold"), (lost, "bold red"))
+    if log and state.link_losses:
+        return Text.assemble(("broker ", "bold"), ("connection back", "green"))
+    return None
+
+
 def state_line(state: MonitorState, now: float) -> Text | None:
     """What the cloud is doing now (its retained state): the open round, since when, whom it waits for."""
     s = state.states.get("cloud")
@@ -216,7 +228,7 @@ def state_line(state: MonitorState, now: float) -> Text | None:
             text.append(f" (deadline {deadline:g} s passed)", style="bold red")
     else:  # an end is a moment ("finished 91 s ago"), any other phase lasts ("idle for 3 s")
         when = f"{now - s['since']:.0f} s ago" if phase in ENDS else f"for {now - s['since']:.0f} s"
-        text.append(f"{phase}" + (f": {s['reason']}" if s.get("reason") else "") + f" {when}")
+        text.append(phase_name(phase) + (f": {s['reason']}" if s.get("reason") else "") + f" {when}")
     started = state.started()
     if started is not None:
         text.append(f"  run started {now - started:.0f} s ago")
@@ -311,8 +323,9 @@ def render(state: MonitorState, now: float | None = None, flt: CellFilter | None
         Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
     )
     title = f"fedtier monitor: {escape(state.run or '?')}  ({len(state.cells)} cells)"
-    current, jobs = state_line(state, now), jobs_line(state, now)
+    current, jobs, link = state_line(state, now), jobs_line(state, now), link_line(state, now)
     body = Group(
+        *((link,) if link is not None else ()),
         cloud_line(state, now),
         *((current,) if current is not None else ()),
         *((jobs,) if jobs is not None else ()),

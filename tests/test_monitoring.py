@@ -323,8 +323,8 @@ def test_monitor_alerts_silence_drop_lag_and_rejections():
     alerts = state.alerts(now=104.0)
     assert "cell c2 silent for 44 s (deadline 30 s)" in alerts
     assert "cell c1 participation dropped to 25% (was 100% on average)" in alerts
-    assert any("c0 rejected 1 result(s) in round 3.1: NaN in w" in a for a in alerts)
-    assert any("cloud round 2 closed by deadline without c2" in a for a in alerts)
+    assert any("c0 rejected 1 result(s) in round 4.2: NaN in w" in a for a in alerts)  # (records: 3.1, from 0)
+    assert any("cloud round 3 closed by deadline without c2" in a for a in alerts)  # (record: round 2)
     assert not any("c0 silent" in a or "c0 participation" in a for a in alerts)
     assert state.lag(state.cells["c2"]) == 2 and state.lag(state.cells["c0"]) == 0
     text = render_text(state, now=104.0)
@@ -349,7 +349,7 @@ def test_the_late_answer_of_a_device_an_edge_round_closed_without_raises_no_aler
     state = MonitorState()
     state.add(_cell(0, "c0", 2, 100.0))
     state.add(CellRecord.model_validate({**second, "rejected": [stale("c0-d1"), stale("c0-d2", "signature")]}))
-    assert any("c0 rejected 2 result(s) in round 0.1" in a for a in state.alerts(now=101.5))
+    assert any("c0 rejected 2 result(s) in round 1.2" in a for a in state.alerts(now=101.5))
 
 
 def test_an_idle_cell_shows_idle_and_turns_offline_once_its_idle_heartbeat_is_missed():
@@ -539,8 +539,8 @@ def test_monitor_alerts_on_diverged_devices_and_a_diverged_global_model():
         )
     )
     alerts = state.alerts(now=101.5)
-    assert alerts[0] == "the global model diverged in round 0 (loss = nan)"
-    assert "cell c0: 1 device(s) diverged in round 0.1: meta loss (inf) is not finite" in alerts
+    assert alerts[0] == "the global model diverged in round 1 (loss = nan)"
+    assert "cell c0: 1 device(s) diverged in round 1.2: meta loss (inf) is not finite" in alerts
 
 
 @pytest.mark.timeout(30)  # before: --exit-when-done waited for the end of a killed run for ever
@@ -563,7 +563,7 @@ def test_the_monitor_says_a_killed_run_stopped_and_exit_when_done_leaves(runs, t
     res = CliRunner().invoke(main, ["monitor", str(run_dir), "--once", "--width", "200"])
     assert (
         res.exit_code == 0
-        and "now stopped: the fedtier sim|run process ended before the run did (killed?)" in res.output
+        and "now stopped: the fedtier sim|run process ended before the run did (interrupted or killed)" in res.output
     ), res.output
     res = CliRunner().invoke(main, ["monitor", str(run_dir), "--exit-when-done", "--refresh", "0.05"])
     assert res.exit_code == INTERRUPTED and "stopped" in res.output  # (0: 'monitor && next-step' went on)
@@ -582,7 +582,7 @@ def test_a_run_killed_before_its_first_round_closed_says_so(tmp_path):
     said = " ".join(res.output.split())
     assert res.exit_code == 0 and "cloud stopped before its first round closed" in said, res.output
     assert "round None" not in said and "its rounds are in the cloud's run folder" not in said
-    assert "now stopped: the fedtier sim|run process ended before the run did (killed?)" in said
+    assert "now stopped: the fedtier sim|run process ended before the run did (interrupted or killed)" in said
 
 
 @pytest.mark.timeout(30)
@@ -782,7 +782,7 @@ def test_monitor_stays_readable_at_a_thousand_cells():
     assert len(alerts) == 3  # one line per kind, not one per cell
     assert alerts[0].startswith("10 cells silent: c0000, c0001, c0002, c0003, c0004, ... (worst: cell c0000 silent")
     assert alerts[1].startswith("10 cells with a participation drop: c0010")
-    assert alerts[2] == ("cloud round 3 closed by deadline without c0000, c0001, c0002, c0003, c0004, ... (25 cells)")
+    assert alerts[2] == ("cloud round 4 closed by deadline without c0000, c0001, c0002, c0003, c0004, ... (25 cells)")
     # top-N by lag, filters by state and by name
     by_lag = render_text(state, now=now, width=160, flt=CellFilter(top=5, sort="lag"))
     assert _rows(by_lag) == ["c0000", "c0001", "c0002", "c0003", "c0004"] and "... 995 more" in by_lag
@@ -930,7 +930,7 @@ def test_a_rejection_of_kind_late_raises_no_monitor_alert_whatever_the_record_be
     assert not [a for a in state.alerts(now=101.5) if "rejected" in a]
     state = MonitorState()
     state.add(CellRecord.model_validate({**record, "rejected": [{**late, "kind": "stale"}]}))
-    assert any("c0 rejected 1 result(s) in round 0.1" in a for a in state.alerts(now=101.5))
+    assert any("c0 rejected 1 result(s) in round 1.2" in a for a in state.alerts(now=101.5))
 
 
 @pytest.mark.timeout(60)
@@ -1014,3 +1014,74 @@ def test_a_monitor_logging_off_a_terminal_waits_for_the_brokers_retained_records
     first = out.getvalue().split("╭")[0]  # the lines logged, before the last frame
     # "(0 cells)", not "0 cells": a line stamped at hh:mm:s0 reads "...:20 cells 2: 2 idle"
     assert "(2 cells)" in first and "2 idle" in first and "(0 cells)" not in first, out.getvalue()
+
+
+def test_a_live_monitor_says_when_its_own_broker_connection_is_lost_and_when_it_is_back():
+    """Walked: the broker of a `fedtier run` stopped for 15 s under `fedtier monitor --broker URL > log`: the log said
+    "cells 2: 2 offline" and "! cell c0 is offline" (the cells' wills, sent as the broker went away), nothing about the
+    monitor's own connection but a transport warning on stderr, and the frame showed the cells as if heard live. Now
+    the frame and the log say the connection is lost, the view as last heard, and the log says when it is back."""
+    from rich.console import Console
+
+    from monitor.live import LiveView
+    from monitor.log_lines import LineLog
+
+    class Link:  # the transport's side the feed uses: subscriptions, and whether it is connected
+        connected = True
+
+        def subscribe(self, *_: object, **__: object) -> None:
+            pass
+
+    link, out = Link(), io.StringIO()
+    feed = TelemetryFeed(link, "live").start()  # type: ignore[arg-type]
+    view, lines = LiveView(0.75, None, CellFilter(), Console(file=io.StringIO())), LineLog(Console(file=out, width=200))
+    said = []
+    for connected in (True, False, False, True):
+        link.connected = connected
+        view.pull(feed)
+        lines.update(view.state, now=100.0)
+        said.append(" ".join(render_text(view.state, now=view.state.link_lost or 0.0).split()))
+    log = out.getvalue()
+    assert "broker" not in said[0] and "broker" not in log.split("\n")[0], said[0]
+    lost = "broker connection lost 0 s ago, reconnecting: the cells and rounds below are as last heard"
+    assert lost in said[1] and lost in said[2], said[1]
+    assert "broker" not in said[3], said[3]  # back: the frame is as it was
+    assert log.count("broker connection lost, reconnecting") == 1 and log.count("broker connection back") == 1, log
+    assert view.state.link_losses == 1
+
+
+def test_the_cloud_between_two_rounds_is_shown_between_rounds_not_idle():
+    """Walked: `fedtier monitor --broker URL > log` of a `fedtier run` logged "now idle" in the middle of the job
+    (the cloud's state from a round's close to the next round's start), which reads as a cloud out of the job."""
+    from monitor.log_lines import log_lines
+
+    state = MonitorState()
+    state.add_state({"node": "cloud", "phase": "idle", "since": 100.0, "round": 6})
+    text = " ".join(render_text(state, now=102.0).split())
+    assert "now between rounds for 2 s" in text and "idle" not in text, text
+    assert log_lines(state, 102.0)["now"] == "now between rounds"
+
+
+def test_a_monitor_logging_off_a_terminal_writes_its_last_frame_when_terminated(runs, tmp_path):
+    """Walked: `fedtier monitor RUN > log` stopped by SIGTERM (`kill`, `systemctl stop`, a CI job's timeout) died with
+    nothing more said; only Ctrl-C wrote the last frame the docs promise "when it leaves"."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import wait_until
+
+    from protocols.procs import popen
+
+    log = tmp_path / "log.txt"
+    cmd = [str(Path(sys.executable).parent / "fedtier"), "monitor", str(runs[1].output_dir), "--refresh", "0.05"]
+    with log.open("w") as out:
+        proc = popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert wait_until(lambda: "cloud round 3/3 closed" in log.read_text(), 60), log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        proc.kill()
+    said = log.read_text()
+    assert said.rstrip().endswith("╰───────────╯") and "╭─ fedtier monitor: plain" in said, said
