@@ -1,10 +1,10 @@
 """The open edge round and its devices' liveness: a device back while its result is pending gets its task
 again (back: online after offline, or online announced anew, its offline lost on the way: amqtt 0.12.1 drops what
-a client sent just before its DISCONNECT when that client's session is busy); one gone offline (its will, a clean
-leave, a stale heartbeat) or revoked leaves the round, after a grace for a restart, and the round closes once every
-remaining planned device answered, instead of waiting out ``device_deadline``. Liveness needs
-``heartbeat_timeout > 0``, and does not count under secure aggregation (its dropout recovery decides). The cell
-server drives it through :class:`Host`.
+a client sent just before its DISCONNECT when that client's session is busy, ``EmbeddedBroker`` works around it); one
+gone offline (its will, a clean leave, a stale heartbeat) or revoked leaves the round, after a grace for a restart,
+and the round closes once every remaining planned device answered, instead of waiting out ``device_deadline``.
+Liveness needs ``heartbeat_timeout > 0``, and does not count under secure aggregation (its dropout recovery decides).
+The cell server drives it through :class:`Host`.
 """
 
 from __future__ import annotations

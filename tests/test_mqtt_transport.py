@@ -253,6 +253,53 @@ def test_a_clean_close_says_no_will_however_late_the_broker_reads_its_disconnect
         watcher.close()
 
 
+def test_the_embedded_broker_delivers_what_a_client_sent_just_before_its_disconnect(loop, prefix) -> None:
+    """amqtt 0.12.1's session loop broadcasts one message a turn and stopped at a DISCONNECT: what the client sent just
+    before it was dropped, though acknowledged, whenever that loop was busy (e.g. awaiting the PUBACKs of the retained
+    records it sends after a SUBACK). A device leaving its round said online, offline, then disconnected: its cell got
+    online only and the broker kept online (tests/test_decomfl.py's onnx emulation under load: the cell sent that
+    device its next task at once, to no connection). Forced here: the session loop is held 0.3 s on the device's
+    SUBSCRIBE while its online, offline and DISCONNECT arrive in one write; both are delivered, offline is retained."""
+    with EmbeddedBroker() as broker:
+        status, inbox = f"{prefix}/status/device", Inbox(loop)
+        watcher = connect(broker, "watcher", loop)
+        watcher.subscribe(status, inbox)
+        assert watcher.wait_subscribed(WAIT)
+        amqtt, handle = broker._broker, broker._broker._handle_subscription
+
+        async def busy(*args: object) -> None:  # the loop awaits something (a PUBACK, say) before its next turn
+            await asyncio.sleep(0.3)
+            await handle(*args)
+
+        amqtt._handle_subscription = busy
+        with socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT) as device:
+            device.sendall(_packet(0x10, _text("MQTT") + bytes([4, 2, 0, 60]) + _text("device")))  # CONNECT (clean)
+            assert device.recv(4)[:1] == b"\x20"  # CONNACK
+            said = [_packet(0x33, _text(status) + bytes([0, i + 2]) + s) for i, s in enumerate((b"online", b"offline"))]
+            subscribe = _packet(0x82, b"\0\1" + _text(f"{prefix}/task") + b"\1")
+            device.sendall(subscribe + b"".join(said) + b"\xe0\0")  # then PUBLISH (QoS 1, retained) x2, DISCONNECT
+            assert inbox.wait(lambda items: len(items) >= 2), inbox.items
+        assert [p for _, p in inbox.items] == [b"online", b"offline"]
+        amqtt._handle_subscription = handle
+        later = connect(broker, "later", loop)
+        kept = Inbox(loop)
+        later.subscribe(status, kept)
+        assert [p for _, p in kept.wait_n(1)] == [b"offline"]
+        later.close()
+        watcher.close()
+
+
+def _text(s: str) -> bytes:
+    """An MQTT string: its length (2 bytes) and its UTF-8 bytes."""
+    return len(s.encode()).to_bytes(2, "big") + s.encode()
+
+
+def _packet(kind: int, body: bytes) -> bytes:
+    """An MQTT packet of fewer than 128 bytes after its fixed header: first byte ``kind``, then its length."""
+    assert len(body) < 128
+    return bytes([kind, len(body)]) + body
+
+
 @needs_mosquitto
 def test_closing_many_connections_to_a_broker_that_stopped_answering_costs_one_wait_not_one_each(
     loop, prefix, monkeypatch

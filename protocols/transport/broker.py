@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 100000
 """Messages Mosquitto queues per session (in flight or waiting for a disconnected client)."""
 
+CLOSING_DRAIN_S = 10.0
+"""Seconds the embedded broker gives a closing client's session to broadcast what the client sent before it closed
+(:func:`_deliver_before_disconnect`), at most."""
+
 
 def parse_broker_url(url: str) -> tuple[str, int]:
     """``mqtt://host:port`` (or ``tcp://``, default port 1883) -> ``(host, port)``."""
@@ -128,6 +132,33 @@ class _Snapshots(dict):
         return list(super().items())
 
 
+def _deliver_before_disconnect(broker: Any) -> None:
+    """Make amqtt's ``broker`` broadcast what a client sent before it disconnected (or its connection dropped) before it
+    takes the disconnect: each session's loop broadcasts one message a turn, and amqtt 0.12.1 ended it at the
+    disconnect, dropping the messages still queued (acknowledged already) whenever the loop had been busy."""
+    message_loop = broker._client_message_loop
+
+    async def client_message_loop(session: Any, handler: Any) -> None:
+        handler.wait_disconnect = _after_queued(handler.wait_disconnect, session.delivered_message_queue)
+        await message_loop(session, handler)
+
+    broker._client_message_loop = client_message_loop
+
+
+def _after_queued(wait: Callable[[], Any], queue: asyncio.Queue[Any]) -> Callable[[], Any]:
+    """``wait`` (a session's wait for its disconnect), returning once ``queue`` (what its client sent, not yet taken by
+    the session's loop) is also empty, or ``CLOSING_DRAIN_S`` later."""
+
+    async def wait_disconnect() -> Any:
+        result = await wait()
+        deadline = time.monotonic() + CLOSING_DRAIN_S
+        while not queue.empty() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        return result
+
+    return wait_disconnect
+
+
 class EmbeddedBroker(_Broker):
     """amqtt's broker on its own asyncio loop in a background thread (listening once ``start()``
     returns: amqtt's ``Broker.start`` awaits ``asyncio.start_server``).
@@ -151,6 +182,11 @@ class EmbeddedBroker(_Broker):
     client's filter (``Broker._handle_client_session``'s "retained messages to a pre-existing session's
     subscriptions"): a node must not count on its SUBACK coming before the retained records it subscribes to (an
     agent's device that read a round manifest it sits out closed its connection while its start waited for that SUBACK).
+
+    Also (0.12.1): a session's loop broadcasts one message a turn and ended at the client's DISCONNECT, dropping what
+    the client sent just before it (acknowledged already) whenever the loop was busy, e.g. awaiting the PUBACKs of the
+    retained records it sends after a SUBACK: a device that said online, then offline, then disconnected stayed online
+    for its cell and in the retained record. Worked around here (:func:`_deliver_before_disconnect`).
 
     The dictionary error is worked around here (:class:`_Snapshots`): amqtt iterates its table of
     subscriptions with awaits in the loop (a resumed session's retained messages, each broadcast), so a
@@ -185,6 +221,7 @@ class EmbeddedBroker(_Broker):
         async def boot() -> None:
             broker = Broker(self._config(), loop=aloop)
             broker._subscriptions = _Snapshots()  # (empty until a client subscribes)
+            _deliver_before_disconnect(broker)
             await broker.start()
             self._broker = broker
             booted.append(broker)
