@@ -228,6 +228,9 @@ class MonitorState:
             deadline = s.get("deadline_s")
             if s.get("phase") != "waiting" or not isinstance(deadline, (int, float)):
                 continue
+            cell = self.cells.get(node.removeprefix("cell.")) if node.startswith("cell.") else None
+            if cell is not None and self.offline(cell, now):  # a dead cell's last word: its offline alert says it
+                continue
             age = now - s["since"]
             if age <= deadline:
                 continue
@@ -286,8 +289,12 @@ class MonitorState:
 
     def silent(self, view: CellView, now: float) -> float | None:
         """Seconds of silence when longer than the cell's deadline (and the run is not over; an idle cell
-        is not in a job: never silent)."""
+        is not in a job: never silent). A cell whose state says it sent its report (``idle``: it owes nothing until
+        the cloud's next round, which may wait for another cell) is not silent, nor one known offline (its will:
+        that is its alert)."""
         if self.finished or view.last_seen is None or view.idle or view.revoked is not None:
+            return None
+        if self.states.get(f"cell.{view.cell}", {}).get("phase") == "idle" or self.offline(view, now):
             return None
         deadline = self.deadline_of(view)
         quiet = now - view.last_seen

@@ -401,7 +401,7 @@ def test_a_revoked_cell_shows_revoked_never_silent_offline_or_absent_and_a_revok
     state.add(CellRecord.model_validate(revoked_device))
     state.add(_cell(1, "c2", 4, 120.0))
     c1 = state.cells["c1"]
-    assert state.state_of(c1, 140.5) == "silent" and "cell c1 is offline" in state.alerts(140.5)  # before
+    assert state.state_of(c1, 140.5) == "offline" and "cell c1 is offline" in state.alerts(140.5)  # before
     state.add(
         RoundRecord(
             run="live",
@@ -1085,3 +1085,25 @@ def test_a_monitor_logging_off_a_terminal_writes_its_last_frame_when_terminated(
         proc.kill()
     said = log.read_text()
     assert said.rstrip().endswith("╰───────────╯") and "╭─ fedtier monitor: plain" in said, said
+
+
+def test_a_dead_cell_is_offline_and_the_live_cell_waiting_on_the_cloud_is_not_silent():
+    """Walked: `fedtier cloud`, two `fedtier cell`s and their agents over one broker, `fedtier monitor --broker` beside
+    them, cell c1 killed (-9): 20 s later the log said "cells 2: 2 silent", "! cell c0 silent for 20 s" (c0 had sent
+    its report and waited for the cloud's next round, which waited for c1), "! cell c1 silent" beside "! cell c1 is
+    offline", and "! cell c1 edge round 31.1 open for 20 s, past its 20 s deadline, waiting for c1-d0" (the dead
+    cell's last retained state blamed its device). Every round the cloud waited for c1, c0 was flagged again."""
+    state = MonitorState()
+    for cell in ("c0", "c1"):
+        state.add(_cell(30, cell, 2, 100.0))  # (deadline_s 30)
+        state.add_state({"node": f"cell.{cell}", "phase": "idle", "since": 100.0, "round": 30})
+    state.add_state(
+        {"node": "cell.c1", "phase": "waiting", "since": 101.0, "round": 31, "edge_round": 0, "deadline_s": 20.0}
+        | {"waiting": ["c1-d0"]}
+    )
+    state.add_status("cell.c1", "offline", received=101.5)  # its will
+    now = 140.0
+    assert [state.state_of(state.cells[c], now) for c in ("c0", "c1")] == ["ok", "offline"]
+    assert state.alerts(now) == ["cell c1 is offline"], state.alerts(now)
+    state.add_state({"node": "cell.c0", "phase": "waiting", "since": 101.0, "round": 31, "edge_round": 0})
+    assert state.state_of(state.cells["c0"], now) == "silent"  # in an edge round and quiet: silent, as before
