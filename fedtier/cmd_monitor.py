@@ -102,7 +102,10 @@ def sigterm_leaves_as_ctrl_c() -> Iterator[None]:
     "running or queued.",
 )
 @click.option(
-    "--width", type=click.IntRange(1, 10_000), default=None, help="Frame width for --once (default: the terminal's)."
+    "--width",
+    type=click.IntRange(1, 10_000),
+    default=None,
+    help="Frame width (default: the terminal's; 80 where the output is none, e.g. the last frame in a log).",
 )
 @click.option(
     "--top",
