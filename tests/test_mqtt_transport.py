@@ -289,6 +289,40 @@ def test_the_embedded_broker_delivers_what_a_client_sent_just_before_its_disconn
         watcher.close()
 
 
+def test_the_embedded_broker_keeps_a_subscription_for_the_current_connection_of_a_client_id(loop, prefix) -> None:
+    """amqtt 0.12.1 left a connection that a clean CONNECT of its client id replaced running, and held one subscription
+    per client id: the replaced connection's late SUBSCRIBE (its session loop behind, as under load) held the filter in
+    its successor's place, and once it was disconnected what was published there went to no one (a device's first
+    connection, closed before its SUBACK to sit a round out, against its rejoin's: its tasks lost). Forced here: the
+    old connection subscribes after the new one connected, then the new one; a task published after the old one left
+    reaches the new one."""
+    with EmbeddedBroker() as broker:
+        task, cloud = f"{prefix}/task", connect(broker, "cloud", loop)
+
+        def client() -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT)
+            sock.sendall(_packet(0x10, _text("MQTT") + bytes([4, 2, 0, 60]) + _text("device")))  # CONNECT (clean)
+            assert sock.recv(4)[:1] == b"\x20"  # CONNACK
+            return sock
+
+        subscribe = _packet(0x82, b"\0\1" + _text(task) + b"\1")
+        with client() as old, client() as new:
+            old.sendall(subscribe)
+            assert old.recv(5)[:1] == b"\x90"  # its SUBACK (refused now: 0x80)
+            new.sendall(subscribe)
+            assert new.recv(5) == b"\x90\x03\0\1\1"  # its SUBACK: QoS 1
+            old.sendall(b"\xe0\0")  # DISCONNECT
+            assert old.recv(16) == b""  # the broker closed it
+            cloud.publish(task, b"the task", qos=1)
+            new.settimeout(2.0)
+            try:
+                got = new.recv(64)
+            except TimeoutError:
+                got = b""
+        cloud.close()
+        assert b"the task" in got, "the task reached no one"
+
+
 def _text(s: str) -> bytes:
     """An MQTT string: its length (2 bytes) and its UTF-8 bytes."""
     return len(s.encode()).to_bytes(2, "big") + s.encode()

@@ -145,6 +145,27 @@ def _deliver_before_disconnect(broker: Any) -> None:
     broker._client_message_loop = client_message_loop
 
 
+def _subscriptions_of_current_sessions(broker: Any) -> None:
+    """Make amqtt's ``broker`` keep a subscription for the current session of its client id only. amqtt 0.12.1 keeps a
+    connection that a clean CONNECT of its client id replaced running, and holds a subscription per client id: the
+    replaced connection's late SUBSCRIBE (its session loop behind) held the filter in its successor's place, whose own
+    SUBSCRIBE was then "already subscribed", and once the replaced session was disconnected what was published there
+    went to no one. A replaced session's SUBSCRIBE is now refused (0x80), and another session's entry under the same
+    client id gives way to the current one's."""
+    add = broker.add_subscription
+
+    async def add_subscription(subscription: tuple[str, int], session: Any) -> int:
+        current = broker._sessions.get(session.client_id, (None, None))[0]
+        if current is not None and current is not session:
+            return 0x80
+        held = broker._subscriptions.get(subscription[0], [])
+        held[:] = [(s, qos) for s, qos in held if s is session or s.client_id != session.client_id]
+        result: int = await add(subscription, session)
+        return result
+
+    broker.add_subscription = add_subscription
+
+
 def _after_queued(wait: Callable[[], Any], queue: asyncio.Queue[Any]) -> Callable[[], Any]:
     """``wait`` (a session's wait for its disconnect), returning once ``queue`` (what its client sent, not yet taken by
     the session's loop) is also empty, or ``CLOSING_DRAIN_S`` later."""
@@ -186,7 +207,9 @@ class EmbeddedBroker(_Broker):
     Also (0.12.1): a session's loop broadcasts one message a turn and ended at the client's DISCONNECT, dropping what
     the client sent just before it (acknowledged already) whenever the loop was busy, e.g. awaiting the PUBACKs of the
     retained records it sends after a SUBACK: a device that said online, then offline, then disconnected stayed online
-    for its cell and in the retained record. Worked around here (:func:`_deliver_before_disconnect`).
+    for its cell and in the retained record. Worked around here (:func:`_deliver_before_disconnect`). And a clean
+    CONNECT under a live client id left the older connection running, whose late SUBSCRIBE then held the subscription
+    in the new one's place (:func:`_subscriptions_of_current_sessions`).
 
     The dictionary error is worked around here (:class:`_Snapshots`): amqtt iterates its table of
     subscriptions with awaits in the loop (a resumed session's retained messages, each broadcast), so a
@@ -222,6 +245,7 @@ class EmbeddedBroker(_Broker):
             broker = Broker(self._config(), loop=aloop)
             broker._subscriptions = _Snapshots()  # (empty until a client subscribes)
             _deliver_before_disconnect(broker)
+            _subscriptions_of_current_sessions(broker)
             await broker.start()
             self._broker = broker
             booted.append(broker)
