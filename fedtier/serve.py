@@ -46,21 +46,26 @@ def connect_forever(make: Callable[[], Any], stopping: threading.Event, what: st
 
 class Retrying:
     """The delays and lines of a node's connect retried for as long as it takes: each failure's delay doubles from
-    1 s up to ``BACKOFF_MAX`` (an unreachable broker), or up to ``REFUSED_BACKOFF`` times that while the broker
-    refuses the node (:class:`~protocols.transport.paho_client.Refused`: a revoked node's for ever, so the broker is
-    asked every 5 min, not every 30 s). A failure is said in full when it first comes, then only at the 10th, 100th,
+    1 s up to ``BACKOFF_MAX`` (an unreachable broker), or up to ``REFUSED_BACKOFF`` times that once the broker has
+    refused the node (:class:`~protocols.transport.paho_client.Refused`) for ``REFUSED_PATIENCE`` (a revoked node's
+    for ever, so the broker is asked every 5 min, not every 30 s; a broker full after its restart for a while, so the
+    node comes back within 30 s of it). A failure is said in full when it first comes, then only at the 10th, 100th,
     ... same in a row (``said_rarely``: a node refused for weeks writes a few lines, not one a minute), and a connect
     after failures says so."""
 
     def __init__(self, what: str) -> None:
         self.what, self.delay, self.failures, self.same, self.last, self.since = what, 1.0, 0, 0, "", ""
+        self.refused_for = 0.0  # the waits after refusals (Refused), summed
 
     def failed(self, exc: ConnectionError) -> float:
         """Count ``exc``, say it if due; the seconds to wait before the next attempt."""
-        from protocols.transport.connecting import REFUSED_BACKOFF, said_rarely
+        from protocols.transport.connecting import REFUSED_BACKOFF, REFUSED_PATIENCE, said_rarely
         from protocols.transport.paho_client import Refused
 
-        delay, cap = self.delay, BACKOFF_MAX * (REFUSED_BACKOFF if isinstance(exc, Refused) else 1.0)
+        refused = isinstance(exc, Refused)
+        long = refused and self.refused_for >= REFUSED_PATIENCE
+        delay, cap = self.delay, BACKOFF_MAX * (REFUSED_BACKOFF if long else 1.0)
+        self.refused_for += delay if refused else 0.0
         self.delay = min(2 * delay, cap)
         self.failures += 1
         self.since = self.since or time.strftime("%H:%M:%S UTC", time.gmtime())

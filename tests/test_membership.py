@@ -626,16 +626,21 @@ class Attempts(threading.Event):
 def test_a_revoked_node_never_told_retries_its_refusing_broker_rarely_and_says_so_once_then_rarely(
     reachable_tmp: Path,  # noqa: F811
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A device revoked while its agent was down (or `provision revoke --no-publish`) is never told: it cannot read the
     roster that revokes it. Restarted, its `fedtier agent --serve` (connect_forever) retried the broker that refuses
     its certificate every 30 s for ever, each attempt a ~500-character warning (2,880 a day, and three lines in the
     broker's log each). It still retries (a refusal cannot be told from a broker's mended revocation list or password
     file), but backs off to 5 min while refused, says the refusal once with how to check whether it was revoked, then
-    at the 10th, 100th, ... attempt only. 12 attempts here (the waits recorded, not slept)."""
+    at the 10th, 100th, ... attempt only. 12 attempts here (the waits recorded, not slept; REFUSED_PATIENCE, 10 min
+    of refusals before backing off beyond 30 s, shortened to 30 s)."""
     from fedtier.membership import revoke
     from fedtier.serve import BACKOFF_MAX, connect_forever
+    from protocols.transport import connecting
     from protocols.transport.connecting import REFUSED_BACKOFF
+
+    monkeypatch.setattr(connecting, "REFUSED_PATIENCE", 30.0)
 
     p = provision_cli(reachable_tmp, "unaware")
     out, port = p["out"], p["port"]
@@ -691,3 +696,38 @@ def test_a_node_that_cannot_reach_its_broker_retries_every_30_s_at_most_and_says
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 3 and "retrying in 1 s" in said[0] and "10 attempts since" in said[1], said
     assert said[2].startswith("cell c0: connected to the broker after 12 failed attempts since"), said
+
+
+def test_a_node_its_broker_refuses_for_a_few_minutes_still_retries_every_30_s_at_most() -> None:
+    """A refusal is not always for ever: a broker full after its restart (its max_connections), a proxy in front of
+    one restarting, a renewed certificate its node has not reloaded yet all hang up before the CONNACK for a few
+    minutes, as a revoked node's broker does for good. Backing off to 5 min at once (ca8392c: 1, 2, 4 ... 256, 300 s)
+    left such a node down up to 5 min after its broker took it again; it backs off beyond BACKOFF_MAX only once its
+    refusals lasted REFUSED_PATIENCE (the waits between them), and comes back within 30 s of a 4-minute refusal."""
+    from fedtier.serve import BACKOFF_MAX, connect_forever
+    from protocols.transport.connecting import REFUSED_PATIENCE
+    from protocols.transport.paho_client import Credentials, hung_up_before_connack
+
+    class Full:
+        """A broker that hangs up on the node's connects (Refused) for ``seconds`` of its waits, then takes it."""
+
+        def __init__(self, seconds: float) -> None:
+            self.seconds, self.stopping = seconds, Attempts(1000)
+
+        def connect(self) -> Full:
+            if sum(self.stopping.waits) < self.seconds:
+                raise hung_up_before_connack("h:1", "device.c0-d1", Credentials(ca_certs="ca", certfile="c"))
+            return self
+
+    assert REFUSED_PATIENCE >= 600  # (a revoked node is still asked every 5 min after 10 min of refusals)
+    brief = Full(240.0)
+    assert connect_forever(lambda: brief, brief.stopping, "device.c0-d1") is brief
+    waits = brief.stopping.waits
+    assert max(waits) == BACKOFF_MAX and sum(waits) < 240.0 + BACKOFF_MAX, waits
+    long = Full(3600.0)
+    assert connect_forever(lambda: long, long.stopping, "device.c0-d1") is long
+    assert max(long.stopping.waits) == 300.0  # refused for an hour: asked every 5 min, once refused for 10
+    refused_for = 0.0
+    for w in long.stopping.waits:
+        assert w <= BACKOFF_MAX or refused_for >= REFUSED_PATIENCE, long.stopping.waits
+        refused_for += w

@@ -611,13 +611,15 @@ def test_a_broker_that_refuses_a_reconnect_for_ever_is_said_so_rarely_and_asked_
     """A node whose connection dropped and whose every reconnect the broker refuses (revoked while it was away, its
     roster never read) said so at every attempt, every 30 s for ever (refused logins), or every 10th (hang-ups): a
     log that grows without bound. Now the 1st, 10th, 100th, ... of a run, whichever way it is refused, and its retry
-    delay grows to REFUSED_BACKOFF times the longest (a node's: 5 min), not the usual 30 s; a connect resets both."""
+    delay grows to REFUSED_BACKOFF times the longest (a node's: 5 min), not the usual 30 s, once refused for
+    REFUSED_PATIENCE (a broker full after its restart refuses for a while: the node comes back soon after it); a
+    connect resets them."""
     from types import SimpleNamespace
 
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.reasoncodes import ReasonCode
 
-    from protocols.transport.connecting import REFUSED_BACKOFF, said_rarely
+    from protocols.transport.connecting import REFUSED_BACKOFF, REFUSED_PATIENCE, said_rarely
 
     assert [n for n in range(1, 1001) if said_rarely(n)] == [1, 10, 100, 1000]
     t = MqttTransport("dev", loop, "127.0.0.1", free_port(), reconnect_max_delay=30.0, backoff_seed=0)
@@ -633,12 +635,14 @@ def test_a_broker_that_refuses_a_reconnect_for_ever_is_said_so_rarely_and_asked_
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 3 and "before accepting it" in said[0], said  # the 1st, 10th, 100th
     assert "refused again (10 times in a row: Not authorized)" in said[1] and "(100 times in a row" in said[2]
-    delays = [t.next_backoff(refused=True) for _ in range(20)]
+    delays = [t.next_backoff(refused=True) for _ in range(40)]
+    brief = [d for i, d in enumerate(delays) if sum(delays[:i]) < REFUSED_PATIENCE]  # refused for less than it
+    assert len(brief) > 12 and max(brief) < 30.0 * 1.5, brief  # the usual delays, jittered
     assert 30.0 * REFUSED_BACKOFF * 0.5 <= delays[-1] < 30.0 * REFUSED_BACKOFF * 1.5 and max(delays) > 45.0
     t._on_connect(
         t._client, None, SimpleNamespace(session_present=False), ReasonCode(PacketTypes.CONNACK, "Success"), None
     )
-    assert t._refusals == 0 and t._attempts == 0
+    assert t._refusals == 0 and t._attempts == 0 and t._refused_for == 0
 
 
 # -- reconnect -------------------------------------------------------------------------------

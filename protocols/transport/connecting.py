@@ -42,6 +42,11 @@ CONNECT_TIMEOUT = 10.0
 REFUSED_BACKOFF = 10.0
 """A refused (re)connect backs off up to this many times its usual longest delay (a node's: 30 s -> 5 min): a broker
 that refuses a node (a revoked one's login, for ever) is asked rarely, and says so rarely in its own log too."""
+REFUSED_PATIENCE = 600.0
+"""Seconds a node is refused in a row (the waits between its attempts) before it backs off beyond its usual longest
+delay: a broker full after a restart (its max_connections), a proxy in front of one restarting, a renewed certificate
+not reloaded yet or a handshake cut by the network refuse a node for minutes, and it must come back soon after; a
+revoked node is refused for ever."""
 REFUSED_LOGIN = ("Not authorized", "Bad user name or password")
 """The CONNACK reasons of a login the broker refused (MQTT 3.1.1 and 5)."""
 
@@ -102,6 +107,7 @@ class Connecting:
     _last_failure: ConnectionError | None = None  # why its last attempt failed, raised when its time is up
     _attempts: int  # failed (re)connect attempts in a row
     _refusals: int  # reconnects in a row refused or hung up on before their CONNACK
+    _refused_for: float  # ... the delays after them, summed
     _backoff: tuple[float, float]  # (min, max) reconnect delay
     _rng: random.Random  # the reconnect jitter, from ``backoff_seed``
 
@@ -231,13 +237,16 @@ class Connecting:
 
     def next_backoff(self, refused: bool = False) -> float:
         """Seconds before the next (re)connect attempt: doubling from the minimum delay (0.2 s before
-        the first CONNACK) up to the maximum (:data:`REFUSED_BACKOFF` times it after a ``refused`` reconnect), times a
-        jitter in [0.5, 1.5) drawn from ``backoff_seed``, so that agents refused together do not come back together."""
+        the first CONNACK) up to the maximum (:data:`REFUSED_BACKOFF` times it after a ``refused`` reconnect once the
+        refusals in a row lasted :data:`REFUSED_PATIENCE`), times a jitter in [0.5, 1.5) drawn from ``backoff_seed``,
+        so that agents refused together do not come back together."""
         lo, hi = self._backoff
-        hi *= REFUSED_BACKOFF if refused else 1.0
+        hi *= REFUSED_BACKOFF if refused and self._refused_for >= REFUSED_PATIENCE else 1.0
         base = min(hi, (lo if self._ever_connected else 0.2) * 2 ** min(self._attempts, 16))
         self._attempts += 1
-        return base * (0.5 + self._rng.random())
+        delay = base * (0.5 + self._rng.random())
+        self._refused_for += delay if refused else 0.0
+        return delay
 
     def _retry_later(self, refused: bool = False) -> None:
         assert self._reactor is not None

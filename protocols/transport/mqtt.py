@@ -69,6 +69,7 @@ class MqttTransport(Connecting, Inbound, Transport):
     _connect_error: ConnectionError | None = None
     _attempts = 0  # failed (re)connect attempts in a row
     _refusals = 0  # reconnects in a row refused or hung up on before their CONNACK
+    _refused_for = 0.0  # ... the delays after them, summed (REFUSED_PATIENCE)
     _connack_refused = False  # the last CONNACK refused the connection (said): its hang-up that follows is no news
     # ... its subscriptions ...
     _sub_sending = 0  # SUBSCRIBEs decided on but not yet registered as pending
@@ -376,6 +377,7 @@ class MqttTransport(Connecting, Inbound, Transport):
             self._suback_early.clear()
             self._cv.notify_all()
         self._attempts = self._refusals = 0
+        self._refused_for = 0.0
         lost = self.persistent and self._ever_connected and not getattr(flags, "session_present", False)
         if lost:  # the broker expired it (persistent_client_expiration) or lost its state: say so
             self.sessions_lost += 1
