@@ -94,7 +94,7 @@ class MonitorState:
     cells: dict[str, CellView] = field(default_factory=dict)
     cloud: RoundRecord | None = None
     cloud_seen: float | None = None
-    accuracy: list[tuple[int, float]] = field(default_factory=list)
+    accuracy: list[tuple[int, float]] = field(default_factory=list)  # the latest ACCURACY_KEPT rounds, by round
     bad: BadLines = field(default_factory=BadLines)  # bounded: a publisher of garbage cannot grow it
     finished: bool = False
     states: dict[str, dict] = field(default_factory=dict)  # node -> its current state (protocols.state)
@@ -253,6 +253,7 @@ class MonitorState:
             self.accuracy[at] = (rnd, accuracy)
         else:
             self.accuracy.insert(at, (rnd, accuracy))
+            del self.accuracy[:-ACCURACY_KEPT]  # bounded: a monitor following a run of 10^6 rounds held each one
 
     def _seen_round(self, rnd: int) -> None:
         self._max_round = rnd if self._max_round is None else max(self._max_round, rnd)
@@ -414,6 +415,10 @@ record out, its checkpoint being written) to the next round's start, not out of 
 def phase_name(phase: object) -> str:
     """A cloud state's phase as the monitor says it (:data:`PHASE_WORDS`)."""
     return PHASE_WORDS.get(phase, phase) if isinstance(phase, str) else str(phase)
+
+
+ACCURACY_KEPT = 64
+"""Evaluated rounds whose accuracy the monitor keeps, the latest (its sparkline draws the last 30)."""
 
 
 def nth(index: object) -> str:
