@@ -157,8 +157,8 @@ class MonitorState:
                 view.last_seen = received  # in a job again: its silence counts from now
             view.online, view.idle = state in ("online", IDLE), state == IDLE
             view.idle_until = idle_deadline(received, heartbeat) if view.idle else None
-            if received is not None and view.last_seen is None:
-                view.last_seen = received
+            if received is not None and view.last_seen is None and state != "offline":  # (its will, maybe retained
+                view.last_seen = received  # long ago: a monitor started after a run said its cells were "seen 0 s ago")
 
     def add_revoked(self, nodes: dict[str, str]) -> None:
         """Nodes the federation revoked, with why (a cloud round record's ``cells_revoked``, the signed roster's

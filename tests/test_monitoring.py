@@ -1107,3 +1107,17 @@ def test_a_dead_cell_is_offline_and_the_live_cell_waiting_on_the_cloud_is_not_si
     assert state.alerts(now) == ["cell c1 is offline"], state.alerts(now)
     state.add_state({"node": "cell.c0", "phase": "waiting", "since": 101.0, "round": 31, "edge_round": 0})
     assert state.state_of(state.cells["c0"], now) == "silent"  # in an edge round and quiet: silent, as before
+
+
+def test_a_cells_offline_status_is_no_sighting():
+    """Walked: `fedtier monitor --broker URL --run quickstart --once` 33 s after a `fedtier run` ended showed its cells
+    `ended`, "last seen 0.0 s ago": the cells' retained offline statuses counted as seeing them at the monitor's start.
+    """
+    state = MonitorState()
+    state.add_state({"node": "cloud", "phase": "finished", "since": 100.0, "started": 90.0, "round": 1, "rounds": 2})
+    state.add_status("cell.c0", "offline", received=133.0)
+    assert state.cells["c0"].last_seen is None
+    row = next(line for line in render_text(state, now=133.0).splitlines() if "c0" in line)
+    assert "never" in row and "ended" in row and "s ago" not in row, row
+    state.add_status("cell.c1", "online", received=133.0)  # a node that says it is up was seen
+    assert state.cells["c1"].last_seen == 133.0
