@@ -169,19 +169,19 @@ def prefetching() -> bool:
 
 
 def prefetch(round_seed: int, steps: int, count: int, shapes: Shaped, kind: Kind = "gaussian") -> None:
-    """Start drawing the ``count`` directions of each of a round's ``steps`` steps in a thread of their own, where
-    :func:`set_prefetch` allows (else nothing): who asks for one meanwhile (:func:`direction_vectors`) waits for its
-    step's draw, which keeps them as drawing them then would (the same bits, the same block)."""
-    if _ahead is None:
-        return
+    """Start drawing the ``count`` directions of each of a round's ``steps`` steps in a thread of their own where
+    :func:`set_prefetch` allows: who asks for one meanwhile (:func:`direction_vectors`) waits for its step's draw."""
     shapes = shapes if isinstance(shapes, Shapes) else Shapes(shapes)
     for k in range(steps):
         step = (int(round_seed), k, int(count), kind, shapes.key)
         with _lock:
             if _ahead is None or step in _pending or (int(round_seed), k, 0, kind, shapes.key) in _cache:
                 continue
-            _pending[step] = ahead = Future[tuple]()
-            _ahead.submit(_draw_ahead, step, shapes, ahead)
+            try:  # (registered once taken: its draw's end pops it under this lock)
+                _ahead.submit(_draw_ahead, step, shapes, ahead := Future[tuple]())
+            except RuntimeError:  # its executor shut down (the interpreter exiting): drawn when asked
+                return
+            _pending[step] = ahead
 
 
 def _draw_ahead(step: tuple, shapes: Shapes, ahead: Future) -> None:

@@ -858,6 +858,28 @@ def test_a_step_drawn_ahead_is_drawn_once_and_its_askers_wait_for_it(monkeypatch
     assert len(drawn) == 6
 
 
+def test_a_draw_ahead_that_cannot_start_fails_no_one_and_leaves_no_one_waiting(monkeypatch):
+    """A draw ahead whose thread cannot take it (its executor shut down, as once the interpreter exits: submit raises)
+    raised into the cloud's plan or the cell's task, and left its step pending for ever: whoever asked for that step
+    then waited on a draw that never ran. It is drawn when asked instead, the same bits."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    shapes = {"w": (3, 4)}
+    _fresh_caches(monkeypatch)
+    stopped = ThreadPoolExecutor(1)
+    stopped.shutdown()
+    monkeypatch.setattr(Z, "_ahead", stopped)
+    monkeypatch.setattr(Z, "_pending", {})
+    Z.prefetch(97, 1, 2, shapes)
+    got: list[list[np.ndarray]] = []
+    asker = threading.Thread(target=lambda: got.append(Z.direction_vectors(97, 0, 2, shapes)), daemon=True)
+    asker.start()
+    asker.join(30)
+    assert got, "the asker waits for a draw that never runs"
+    assert [z.tobytes() for z in got[0]] == [Z._draw_flat(97, 0, p, shapes, "gaussian").tobytes() for p in range(2)]
+
+
 def test_directions_drawn_in_threads_are_the_same_bits_and_so_is_the_model(monkeypatch, make_config):
     """runtime.direction_threads = 4: a step's P directions are drawn in pool threads, byte-identical to one
     thread's draws, and a short DeComFL run, whose cloud and cells then draw a round's directions ahead
