@@ -233,7 +233,8 @@ class DeviceFleetCollector(Collector):
                 info.add_metric([*key, *(label_value(v) for v in fields)], 1.0)
                 for family, name, unit in ((cores, "cores", 1), (memory, "memory_mb", 2**20)):  # MiB announced
                     said = c.get(name)
-                    number = finite_number(said * unit) if isinstance(said, int) else None
+                    whole = isinstance(said, int) and not isinstance(said, bool)  # (a whole number: true is none)
+                    number = finite_number(said * unit) if whole else None
                     if number is not None:  # (a device's word: 10**400 is none, and must not fail the scrape)
                         family.add_metric(key, number)
         return [online, info, cores, memory]

@@ -196,7 +196,8 @@ def test_a_fedmrn_cells_entry_weights_beyond_int64_fail_nothing(tmp_path: Path) 
 
 def test_a_devices_announced_cores_beyond_the_float_range_do_not_blind_its_cells_exporter(tmp_path: Path) -> None:
     """A device's signed status announces its capabilities; 10^400 cores (valid JSON) made every scrape of its cell's
-    metrics port raise (the exporter's float of it), hiding the whole cell. Now that number is left out."""
+    metrics port raise (the exporter's float of it), hiding the whole cell. Now that number is left out, as is a
+    boolean (``true`` is no memory size: e98171c's MiB-to-bytes product made it 1 MiB)."""
     from prometheus_client import generate_latest
 
     from protocols.status import encode_status
@@ -205,7 +206,7 @@ def test_a_devices_announced_cores_beyond_the_float_range_do_not_blind_its_cells
     cfg, hub, cell, exporter, peer = exported_cell(tmp_path)
     for device, cores in (("c0-d0", 10**400), ("c0-d1", 4)):
         topic = topics.device_status(cfg.run.name, "c0", device)
-        caps = {"wire": 1, "cores": cores, "memory_mb": 10**30 if cores != 4 else 2048}
+        caps = {"wire": 1, "cores": cores, "memory_mb": 10**30 if cores != 4 else True}
         peer.publish(topic, encode_status("online", topic=topic, cell="c0", samples=10, caps=caps), retain=True)
     hub.loop.run(until=lambda: {"c0-d0", "c0-d1"} <= set(cell.caps))
     text = generate_latest(exporter.registry).decode()
@@ -213,6 +214,7 @@ def test_a_devices_announced_cores_beyond_the_float_range_do_not_blind_its_cells
     assert 'fedtier_device_cores{cell="c0",device="c0-d1",run="t"} 4.0' in text
     assert 'fedtier_device_cores{cell="c0",device="c0-d0"' not in text
     assert 'fedtier_device_memory_bytes{cell="c0",device="c0-d0",run="t"} 1.048576e+36' in text  # 10**30 MiB
+    assert 'fedtier_device_memory_bytes{cell="c0",device="c0-d1"' not in text  # true
 
 
 @pytest.mark.parametrize(
