@@ -4,7 +4,9 @@ with the same messages and records."""
 
 from __future__ import annotations
 
+import re
 import threading
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,17 +43,20 @@ def test_emulated_cohorts_match_the_per_device_sim(tmp_path: Path) -> None:
     cfg = small_config(
         tmp_path / "run", runtime={"engine": "cohort", "cohort_size": 4, "device_deadline": 60.0}, **sections
     )
-    with MosquittoBroker() if find_mosquitto() else EmbeddedBroker() as broker:
+    watched = "log_type notice\nconnection_messages true"  # who connected: said when the model differs
+    with MosquittoBroker(extra_config=watched) if find_mosquitto() else EmbeddedBroker() as broker:
         em = Emulation(cfg, broker_url=broker.url, workers=1)
         run, sim = beside(em.run, lambda: run_simulation(sim_cfg, write_output=False))
+        who = _who_connected(broker)
     # who answered first: a model that differs says little without it (one failure on a loaded CI-like machine)
-    assert all(r["closed_by"] == "all reported" for r in run.history), [r["closed_by"] for r in run.history]
-    assert all(len(r["answered"]) == 8 and not r["absent"] and not r["rejected"] for r in run.cell_records), [
-        (r["cell"], r["round"], r["edge_round"], r["answered"], r["absent"], r["rejected"]) for r in run.cell_records
-    ]
+    assert all(r["closed_by"] == "all reported" for r in run.history), ([r["closed_by"] for r in run.history], who)
+    assert all(len(r["answered"]) == 8 and not r["absent"] and not r["rejected"] for r in run.cell_records), (
+        [(r["cell"], r["round"], r["edge_round"], r["answered"], r["absent"], r["rejected"]) for r in run.cell_records],
+        who,
+    )
     assert run.params.keys() == sim.params.keys()
     for k, v in sim.params.items():
-        assert torch.allclose(torch.from_numpy(run.params[k]), torch.from_numpy(v), rtol=RTOL, atol=ATOL), k
+        assert torch.allclose(torch.from_numpy(run.params[k]), torch.from_numpy(v), rtol=RTOL, atol=ATOL), (k, who)
     for d, t in sim.device_traffic.items():  # the same messages (float metadata: a few digits apart)
         u = run.device_traffic[d]
         assert t["tasks"] == u["tasks"] and abs(t["bytes_out"] - u["bytes_out"]) <= 8 * t["tasks"], d
@@ -63,6 +68,18 @@ def test_emulated_cohorts_match_the_per_device_sim(tmp_path: Path) -> None:
     assert len(sizes) == tasks and max(sizes) <= 4
     cohorts = round(sum(1 / s for s in sizes))
     assert cohorts < tasks, f"{cohorts} cohorts for {tasks} tasks: nothing was batched"
+
+
+def _who_connected(broker: EmbeddedBroker | MosquittoBroker) -> str:
+    """What the test's Mosquitto logged of its clients (``connection_messages``): the connections per client id and
+    the sessions taken over (a second connection under a live id): whether a process the test did not start (another
+    test's, still reconnecting to a port this broker now has) took part in its devices' names."""
+    if not isinstance(broker, MosquittoBroker):
+        return "(amqtt: no connection log)"
+    text = broker.log_text(tail=1 << 20)
+    ids = Counter(re.findall(r"New client connected from \S+ as (\S+) ", text))
+    taken = [line for line in text.splitlines() if "already connected" in line]
+    return f"connections per client id: {dict(sorted(ids.items()))}; sessions taken over: {taken}"
 
 
 def test_a_model_the_cohort_engine_cannot_vectorize_is_refused_at_start(tmp_path: Path, monkeypatch) -> None:

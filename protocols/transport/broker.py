@@ -405,12 +405,13 @@ class MosquittoBroker(_Broker):
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def log_text(self) -> str:
+    def log_text(self, tail: int = 2000) -> str:
+        """The last ``tail`` characters of what Mosquitto logged."""
         if self._dir is None:
             return ""
         try:
             with open(os.path.join(self._dir.name, "mosquitto.log"), errors="replace") as f:
-                return f.read()[-2000:]
+                return f.read()[-tail:]
         except OSError:
             return ""
 
