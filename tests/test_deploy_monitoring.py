@@ -43,6 +43,22 @@ def alert_exprs() -> list[str]:
     return [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
 
 
+def docs_exprs() -> list[str]:
+    """The queries docs/how-to/monitor.md gives (its text block after "A few queries"): one a line, a line that
+    starts with blanks continuing the one before, a ``#`` comment after each."""
+    page = (DEPLOY.parent / "docs" / "how-to" / "monitor.md").read_text()
+    block = page.split("A few queries", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    out: list[str] = []
+    for line in block.splitlines():
+        expr = line.split("  #", 1)[0].strip()
+        if line.startswith(" ") and out:
+            out[-1] += " " + expr
+        elif expr:
+            out.append(expr)
+    assert len(out) >= 5, block
+    return out
+
+
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
 
@@ -144,7 +160,8 @@ def test_the_metrics_reference_lists_every_family_a_tier_serves() -> None:
 
 def test_the_dashboard_and_the_alerts_name_only_metrics_the_exporter_serves() -> None:
     served = served_names()
-    used = {name for expr in dashboard_exprs() + alert_exprs() for name in re.findall(r"\bfedtier_[a-z_]+", expr)}
+    exprs = dashboard_exprs() + alert_exprs() + docs_exprs()
+    used = {name for expr in exprs for name in re.findall(r"\bfedtier_[a-z_]+", expr)}
     assert len(used) >= 20
     assert used <= served, f"not served: {sorted(used - served)}"
     assert {"fedtier_agent_tasks_total", "fedtier_agent_reconnects_total"} <= served
@@ -161,7 +178,10 @@ def test_every_expression_of_the_dashboard_and_the_alert_rules_parses(tmp_path: 
         "groups": [
             {
                 "name": "dashboard",
-                "rules": [{"record": f"dashboard:query_{i}", "expr": expr} for i, expr in enumerate(dashboard_exprs())],
+                "rules": [
+                    {"record": f"dashboard:query_{i}", "expr": expr}
+                    for i, expr in enumerate(dashboard_exprs() + docs_exprs())  # and the queries of the docs
+                ],
             }
         ]
     }
