@@ -323,7 +323,7 @@ class MonitorState:
             return "drop"
         if view.last is None:
             return "ended" if self.finished else "waiting"
-        return "ok"
+        return "ended" if self.finished and view.online is False else "ok"  # the job over, the cell gone: ended
 
     def alerts(self, now: float) -> list[str]:
         """Human-readable alerts, most serious first; more than :data:`GROUP_ALERTS` cells with the same

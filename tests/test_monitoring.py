@@ -1121,3 +1121,18 @@ def test_a_cells_offline_status_is_no_sighting():
     assert "never" in row and "ended" in row and "s ago" not in row, row
     state.add_status("cell.c1", "online", received=133.0)  # a node that says it is up was seen
     assert state.cells["c1"].last_seen == 133.0
+
+
+def test_a_cell_gone_after_its_job_ended_is_ended_not_ok():
+    """Walked: `fedtier monitor --broker URL > log` of a `fedtier run` logged at its end "cells 2: 2 idle", then
+    "cells 2: 2 ok" (the cells' offline statuses as the run's process closed them) and stayed so: a monitor started
+    a moment later showed the same cells `ended`."""
+    state = MonitorState()
+    for cell in ("c0", "c1"):
+        state.add(_cell(1, cell, 4, 100.0))
+        state.add_status(f"cell.{cell}", "idle", received=101.0, heartbeat=10.0)
+    state.add_state({"node": "cloud", "phase": "finished", "since": 101.0, "started": 90.0, "round": 1, "rounds": 2})
+    assert [state.state_of(state.cells[c], 102.0) for c in ("c0", "c1")] == ["idle", "idle"]
+    state.add_status("cell.c0", "offline", received=102.0)
+    assert [state.state_of(state.cells[c], 102.5) for c in ("c0", "c1")] == ["ended", "idle"]
+    assert "cells 2: 1 idle, 1 ended" in render_text(state, now=102.5)
