@@ -54,12 +54,17 @@ class LineLog:
         self.out = out
         self.said: dict[str, str] = {}
         self.alerts: set[str] = set()
+        self.round: int | None = None  # the cloud's round of the last cloud line logged
 
     def update(self, state: MonitorState, now: float | None = None) -> None:
         """Log what changed in ``state`` since the last update."""
         now = time.time() if now is None else now
         lines = {key: _GAPS.sub("  ", line.strip()) for key, line in log_lines(state, now).items()}
-        new = [line for key, line in lines.items() if self.said.get(key) != line]
+        new = [
+            self._skipped(state, line) if key == "cloud" else line
+            for key, line in lines.items()
+            if self.said.get(key) != line
+        ]
         self.said = lines
         alerts = {_SECONDS.sub("N s", a): a for a in state.alerts(now)}
         new += [f"! {alerts[key]}" for key in alerts if key not in self.alerts]
@@ -69,3 +74,13 @@ class LineLog:
         stamp = time.strftime(STAMP, time.localtime(now))
         for line in new:
             self.out.print(Text(f"{stamp} {line}"), soft_wrap=True, highlight=False)
+
+    def _skipped(self, state: MonitorState, line: str) -> str:
+        """A new cloud line, saying which rounds closed since the one before it (it looks every ``--refresh``: a
+        deployment closing two rounds a second had one in three left out, silently)."""
+        rnd = state.cloud.round if state.cloud is not None else None
+        before, self.round = self.round, rnd
+        if rnd is None or before is None or rnd - before < 2:
+            return line
+        gap = f"round {nth(before + 1)}" if rnd - before == 2 else f"rounds {nth(before + 1)}-{nth(rnd - 1)}"
+        return f"{line}  ({gap} closed since the line before: every round is in the run folder)"

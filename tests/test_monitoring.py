@@ -1136,3 +1136,24 @@ def test_a_cell_gone_after_its_job_ended_is_ended_not_ok():
     state.add_status("cell.c0", "offline", received=102.0)
     assert [state.state_of(state.cells[c], 102.5) for c in ("c0", "c1")] == ["ended", "idle"]
     assert "cells 2: 1 idle, 1 ended" in render_text(state, now=102.5)
+
+
+def test_a_logging_monitor_says_which_rounds_closed_between_two_of_its_lines():
+    """Walked: a logging monitor beside a deployment closing two rounds a second logged 28 of its 40 rounds
+    (3, 4, 6, 8, 9, ...: it looks every --refresh), and nothing said rounds were left out."""
+    from rich.console import Console
+
+    from monitor.log_lines import LineLog
+
+    out = io.StringIO()
+    lines, state = LineLog(Console(file=out, width=300)), MonitorState()
+    first = RoundRecord(run="r", round=0, rounds=10, closed_by="all reported", duration_s=0.1, accuracy=0.5)
+    for batch in ((0,), (1, 2, 3), (4,), (6,)):
+        for rnd in batch:
+            state.add(first.model_copy(update={"round": rnd}))
+        lines.update(state, now=100.0)
+    said = [line for line in out.getvalue().splitlines() if "cloud round" in line]
+    assert len(said) == 4 and all("closed since" not in line for line in said[::2]), said
+    assert said[1].endswith("(rounds 2-3 closed since the line before: every round is in the run folder)"), said
+    assert "cloud round 4/10" in said[1] and "cloud round 7/10" in said[3], said
+    assert said[3].endswith("(round 6 closed since the line before: every round is in the run folder)"), said
