@@ -146,7 +146,7 @@ def test_broker_sigkill_and_restart_loses_nothing(io: str, loop, tmp_path) -> No
         big = os.urandom(20_000)
         pub.publish("k/before", big)
         assert pub.flush(WAIT) and inbox_live.wait_n(1)
-        assert b.save()  # the broker's periodic save (autosave_interval) happened after that
+        assert b.save()  # the broker's periodic save (every AUTOSAVE_INTERVAL s) happened after that
         b.kill()
         assert wait_until(lambda: not pub.connected and not live.connected)
         for i in range(5):  # published while the broker is down: queued by the client
@@ -176,6 +176,9 @@ def test_mosquitto_config_persistence(tmp_path) -> None:
     assert "persistence true" in conf and f"persistence_location {tmp_path / 'db'}/" in conf
     assert "autosave_interval 7" in conf
     assert MosquittoBroker()._persistence_config() == "persistence false\n"
+    # by default a save a minute, on time (not on changes: a full rewrite per queued or acknowledged message)
+    default = MosquittoBroker(persistence=tmp_path / "db")._persistence_config().splitlines()
+    assert "autosave_interval 60" in default and not any("autosave_on_changes" in line for line in default)
 
 
 @needs_mosquitto
@@ -202,7 +205,7 @@ def test_broker_sigkill_mid_round_loses_no_result(tmp_path: Path) -> None:
         assert wait_until(lambda: Path(f"{go}.held").exists() or not thread.is_alive(), 120)
         assert wait_until(lambda: len(emu.cells["c0"].answers.received) == 2 or not thread.is_alive(), 30)
         broker = emu.started_brokers["shared"]
-        assert broker.save()  # its periodic save (autosave_interval 1 s) has happened
+        assert broker.save()  # its periodic save (every AUTOSAVE_INTERVAL s) has happened
         broker.kill()
         broker.start()
     finally:

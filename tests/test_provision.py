@@ -461,6 +461,7 @@ def test_provisioned_broker_keeps_queued_messages_across_a_restart(reachable_tmp
         f"crlfile {(p['out'] / 'broker').resolve()}/ca.crl",
         f"max_queued_bytes {512 * 1024 * 1024}",
         "max_queued_messages 100000",
+        "autosave_interval 60",  # not every second: a full rewrite of the database each time (flash wear)
     ):
         assert line in text.splitlines(), line
     topic = topics.device_result(run, "c0", "c0-d0")
