@@ -349,7 +349,6 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
             log.warning("%s held a run: its records, checkpoint and model are replaced (--resume continues it)", out)
         for name in (
             runfiles.METRICS,
-            runfiles.AGGREGATION,
             runfiles.CHECKPOINT,
             runfiles.CHECKPOINT_LOG,
             runfiles.CLOUD_JOURNAL,
@@ -358,7 +357,19 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
             runfiles.JOBS,  # fedtier run's job queue
         ):
             (out / name).unlink(missing_ok=True)
+        _empty_in_place(out / runfiles.AGGREGATION)
         shutil.rmtree(out / "devices", ignore_errors=True)
     with private_file(out / runfiles.CONFIG) as f:  # a deployment's config holds its broker password
         f.write(cfg.to_toml().encode())
     return out
+
+
+def _empty_in_place(path: Path) -> None:
+    """Empty the cells' log of an earlier run, keeping the file: a deployed cell sharing the folder (``fedtier cell``,
+    started before its cloud) has it open already and appends to it; unlinked, its records went to a deleted file
+    (walked: the cell's log vanished under it)."""
+    try:
+        with path.open("r+b") as f:
+            f.truncate(0)
+    except FileNotFoundError:
+        pass

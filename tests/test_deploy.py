@@ -215,3 +215,27 @@ def test_a_cloud_that_cannot_reach_its_broker_leaves_the_last_runs_files(tmp_pat
         hang_up.join(10)
     assert done.exit_code == 1 and "MQTT broker at" in done.output, done.output
     assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
+
+
+def test_a_clouds_fresh_start_keeps_the_log_a_cell_sharing_its_folder_has_open(tmp_path: Path) -> None:
+    """Cloud and cell started in one folder on one machine: the cloud's fresh start unlinked ``aggregation.jsonl``,
+    which a cell started first had open, so the cell's records went to a deleted file (walked, session 23). It
+    empties the earlier run's records in place now: the cell's log in the folder holds what the cell writes."""
+    from protocols.jsonl import JsonlWriter, read_jsonl
+    from sim.hierarchy import fresh_output
+
+    config = tmp_path / "deploy.toml"
+    config.write_text(CONFIG.format(out=tmp_path / "run"))
+    cfg = load_config(config)
+    folder = cfg.output_dir()
+    folder.mkdir()
+    (folder / runfiles.AGGREGATION).write_text('{"round": 7, "cell": "c0", "of": "the last run"}\n')
+    (folder / runfiles.METRICS).write_text('{"round": 7}\n')
+    cell_log = JsonlWriter(folder / runfiles.AGGREGATION)  # `fedtier cell`, started before its cloud
+    try:
+        fresh_output(cfg)  # `fedtier cloud`'s fresh start
+        cell_log.write({"round": 0, "cell": "c0"})
+    finally:
+        cell_log.close()
+    assert list(read_jsonl(folder / runfiles.AGGREGATION)) == [{"round": 0, "cell": "c0"}]
+    assert not (folder / runfiles.METRICS).exists()  # the cloud's own records of the last run: replaced
