@@ -110,7 +110,7 @@ def run(
                 max_chunk=max_chunk or chunking.DEFAULT_MAX_CHUNK,
                 metrics=exporter,
             )
-            result = emulation.run()
+            result = emulation.run(check_live=True)  # on an external broker: a live run of this name refuses it
     except ConfigError as exc:
         print_error(exc)
         raise SystemExit(2) from exc

@@ -57,7 +57,7 @@ from .clock import clock_modelled
 from .executors import set_torch_threads
 from .hierarchy import Prepared, cell_availability, edge_availability, fresh_output, make_evaluator, prepare
 from .launcher import RunResult, cell_bounds, device_samples, warn_idle_settings, write_final
-from .local_federation import LocalFederation, federation_bundle, job_text
+from .local_federation import LocalFederation, federation_bundle, job_text, refuse_live_run
 from .onnx_devices import export_onnx, refuse_own_onnx_model, with_onnx_model
 from .worker_context import launch, worker_context
 
@@ -201,10 +201,12 @@ class Emulation:
             reads = {name: pool.submit(sys_bytes, url) for name, url in urls.items()}
             return {name: read.result() for name, read in reads.items()}
 
-    def run(self) -> RunResult:
+    def run(self, check_live: bool = False) -> RunResult:
         """Run the config as one job on a local federation; its result (the job's outputs are in the run
         folder). Raises :class:`ConfigError` for a job the cloud refused or could not start, and what ``on_round``
-        raised (failing the job)."""
+        raised (failing the job). ``check_live`` (``fedtier run``): on an external broker, first refuse to start
+        (``protocols.twin.TwinError``) while a cloud or cell of another run of this name is live on it
+        (``local_federation.refuse_live_run``)."""
         t0 = time.perf_counter()
         set_torch_threads(1)
         warn_idle_settings(self.cfg, "run")
@@ -217,6 +219,8 @@ class Emulation:
             url, cell_urls = self._start_brokers()
             opts = BrokerOptions.from_config(self.cfg, url, **self.broker_options, max_chunk=self.max_chunk)
             cell_opts = {c: dataclasses.replace(opts, url=u) for c, u in cell_urls.items()}
+            if check_live and self.broker_url is not None:  # before this run's nodes take the live one's ids
+                refuse_live_run(opts, self.cfg)
             fed = LocalFederation(
                 self.cfg,
                 out,

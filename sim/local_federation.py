@@ -30,8 +30,10 @@ from protocols import runfiles
 from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.jobs import NODE_LOCAL, JobRequest, post_request, submit_record
 from protocols.session import new_session
+from protocols.status import IDLE, decode_status
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
+from protocols.twin import TwinError, new_instance
 from protocols.wire import topics
 from protocols.wire.keys import node_trust
 
@@ -74,6 +76,48 @@ def job_text(cfg: RunConfig) -> str:
     if cfg.privacy.dp != "off" and cfg.privacy.noise_seed is None:
         update["privacy"] = cfg.privacy.model_copy(update={"noise_seed": cfg.run.seed})
     return cfg.model_copy(update=update).to_toml(exclude=NODE_LOCAL)
+
+
+LIVE_CHECK_WAIT = 0.5
+"""Seconds :func:`refuse_live_run` waits after its subscriptions are acknowledged for the retained records (the
+broker sends them right after its SUBACK)."""
+
+
+def refuse_live_run(opts: BrokerOptions, cfg: RunConfig) -> None:
+    """Raise :class:`TwinError` if the retained status of a cloud or cell of ``cfg``'s run name on ``opts``' broker
+    says a process of it is up (online, idle: a node that stopped or died leaves offline, its will): another
+    ``fedtier run`` of this name, or a federation serving it. Its nodes hold the same client ids and topics:
+    this run's would take their broker sessions every second, and neither run would get a round done (walked,
+    session 23: both ran on for 10 minutes at round 0). Read by a client of its own, which takes nothing from
+    the live run (``NodeTwin``'s check takes the node's session, which lost a running job's messages)."""
+    run, found = cfg.run.name, threading.Event()
+    nodes = ["cloud", *(topics.cell_node(c) for c in cfg.topology.cell_ids())]
+    live: dict[str, str] = {}
+
+    def on_status(node: str, topic: str, data: bytes) -> None:
+        record = decode_status(data, topic)
+        if record is not None and record.get("state") in ("online", IDLE):
+            live.setdefault(node, str(record.get("instance", "?")))
+            found.set()
+
+    loop = ThreadLoop("run-check").start()
+    probe = opts.transport(f"run-check-{new_instance()[:8]}", run, loop, persistent=False)
+    try:
+        for node in nodes:
+            probe.subscribe(topics.status(run, node), lambda t, b, node=node: on_status(node, t, b))
+        probe.connect()
+        if probe.wait_subscribed(10.0):
+            found.wait(LIVE_CHECK_WAIT)
+    finally:
+        probe.close()
+        loop.stop()
+    if live:
+        node, instance = next(iter(live.items()))
+        raise TwinError(
+            f"run {run!r}: another run of this name is live on the broker at {opts.url} (its {node}, instance "
+            f"{instance}, says it is up): two runs of one name take each other's broker sessions; give this run "
+            "another name (--set run.name=...), or stop the other run first"
+        )
 
 
 class LocalFederation:

@@ -19,6 +19,7 @@ from cell_server.service import CellService
 from cloud.jobs import JobQueue
 from cloud.service import CloudService
 from edge_agent.broker import BrokerOptions, offline_will
+from protocols import runfiles
 from protocols.config import RunConfig
 from protocols.status import IDLE, decode_status, encode_status
 from protocols.transport.broker import MosquittoBroker, find_mosquitto
@@ -279,3 +280,44 @@ def test_a_cloud_or_cell_whose_connection_drops_announces_itself_again_over_its_
         assert spy.last_is("offline", me), spy.records
     finally:
         spy.close()
+
+
+def test_fedtier_run_beside_a_live_run_of_its_name_exits_1_and_one_killed_does_not_block_it(
+    tmp_path: Path, broker: MosquittoBroker
+) -> None:
+    """Two ``fedtier run``s of one name on one external broker both started: their clouds and cells took each
+    other's sessions every second and neither closed round 0 in 10 minutes (walked, session 23). The second is
+    refused now, naming the live one and what to do, by a client of its own (the live run loses nothing); a run of
+    the name killed -9 (the broker said its will: offline) does not block it."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+    from sim.local_federation import refuse_live_run
+
+    cfg = small_config(tmp_path, run={"rounds": 1})
+    config = tmp_path / "run.toml"
+    config.write_text(cfg.to_toml())
+    topic = topics.status(cfg.run.name, topics.cell_node("c1"))
+    loop = ThreadLoop("live").start()
+    live = BrokerOptions(broker.url).transport(
+        "cell.c1", cfg.run.name, loop, will=offline_will(cfg.run.name, "cell.c1")
+    )
+    try:
+        live.connect().publish(topic, encode_status("online", topic=topic, instance="live0"), retain=True)
+        assert live.flush(10.0)
+        res = CliRunner().invoke(main, ["run", str(config), "--broker", broker.url, "--no-progress"])
+        said = " ".join(res.output.split())
+        assert res.exit_code == 1, said + repr(res.exception)
+        assert f"run 't': another run of this name is live on the broker at {broker.url} (its cell.c1" in said
+        assert "give this run another name (--set run.name=...), or stop the other run first" in said
+        assert not (cfg.output_dir() / runfiles.METRICS).exists()  # refused before its cloud started
+        live.crash()  # kill -9: the broker says its will
+        spy = Spy(broker.url, topic)
+        try:
+            assert wait_until(lambda: bool(spy.records) and spy.records[-1].get("state") == "offline")
+        finally:
+            spy.close()
+        refuse_live_run(BrokerOptions(broker.url), cfg)  # no live node of the run: nothing raised
+    finally:
+        live.close()
+        loop.stop()
