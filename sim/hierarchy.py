@@ -17,6 +17,7 @@ from protocols import runfiles
 from protocols.algorithms.base import ModelSpec
 from protocols.checkpoint import private_file
 from protocols.config import ConfigError, RunConfig, TopologySection, UnusableFile, parse_config
+from protocols.jsonl import rotated
 from protocols.trainer import DatasetRows, LocalData
 
 from .datasets import Dataset, load_dataset
@@ -357,6 +358,10 @@ def fresh_output(cfg: RunConfig, resume: bool = False) -> Path:
             runfiles.JOBS,  # fedtier run's job queue
         ):
             (out / name).unlink(missing_ok=True)
+        for log_file in (runfiles.CELL_RECORDS, runfiles.AGGREGATION):  # and the older files each rotated to
+            for path in rotated(out / log_file):
+                if path.name != runfiles.AGGREGATION:
+                    path.unlink(missing_ok=True)
         _empty_in_place(out / runfiles.AGGREGATION)
         shutil.rmtree(out / "devices", ignore_errors=True)
     with private_file(out / runfiles.CONFIG) as f:  # a deployment's config holds its broker password

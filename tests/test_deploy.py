@@ -220,7 +220,9 @@ def test_a_cloud_that_cannot_reach_its_broker_leaves_the_last_runs_files(tmp_pat
 def test_a_clouds_fresh_start_keeps_the_log_a_cell_sharing_its_folder_has_open(tmp_path: Path) -> None:
     """Cloud and cell started in one folder on one machine: the cloud's fresh start unlinked ``aggregation.jsonl``,
     which a cell started first had open, so the cell's records went to a deleted file (walked, session 23). It
-    empties the earlier run's records in place now: the cell's log in the folder holds what the cell writes."""
+    empties the earlier run's records in place now: the cell's log in the folder holds what the cell writes. The
+    cloud's own copy of its cells' records (``cells.jsonl``) was never removed: a new run's were appended to the
+    last run's."""
     from protocols.jsonl import JsonlWriter, read_jsonl
     from sim.hierarchy import fresh_output
 
@@ -231,6 +233,9 @@ def test_a_clouds_fresh_start_keeps_the_log_a_cell_sharing_its_folder_has_open(t
     folder.mkdir()
     (folder / runfiles.AGGREGATION).write_text('{"round": 7, "cell": "c0", "of": "the last run"}\n')
     (folder / runfiles.METRICS).write_text('{"round": 7}\n')
+    stale = [runfiles.CELL_RECORDS, f"{runfiles.CELL_RECORDS}.1", f"{runfiles.AGGREGATION}.1"]
+    for name in stale:  # the last run's cell records a deployed cloud kept, and the logs' rotated files
+        (folder / name).write_text('{"round": 7, "cell": "c0"}\n')
     cell_log = JsonlWriter(folder / runfiles.AGGREGATION)  # `fedtier cell`, started before its cloud
     try:
         fresh_output(cfg)  # `fedtier cloud`'s fresh start
@@ -239,3 +244,4 @@ def test_a_clouds_fresh_start_keeps_the_log_a_cell_sharing_its_folder_has_open(t
         cell_log.close()
     assert list(read_jsonl(folder / runfiles.AGGREGATION)) == [{"round": 0, "cell": "c0"}]
     assert not (folder / runfiles.METRICS).exists()  # the cloud's own records of the last run: replaced
+    assert not any((folder / name).exists() for name in stale)  # cells.jsonl was kept, and appended to
