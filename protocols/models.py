@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from . import plugins
 from .params import check_names_and_shapes
 
-_SEEDED = threading.Lock()  # torch's global RNG, seeded by init_params: one thread at a time
+# torch's global RNG, seeded by init_params and drawn by build_model: one thread at a time (reentrant: a plugin's
+# model factory may build a zoo model)
+_SEEDED = threading.RLock()
 
 
 class Reshape(nn.Module):
@@ -106,7 +108,19 @@ def build_model(
       evaluation (batch norm's statistics would need their own handling). Groups: ``gcd(8, width)``.
     - ``logreg``: a single linear layer.
     - a name registered with ``protocols.plugins.register_model``: its factory's model (the size keywords unused).
+
+    The layers' default initialisers draw from torch's global RNG: built under :func:`init_params`'s lock with
+    that RNG forked, so a model built in one thread never takes draws from another thread's seeded init (an
+    emulation beside a sim in one process once started from another initial model than the sim's).
     """
+    with _SEEDED, torch.random.fork_rng(devices=[]):
+        return _build(name, input_shape, num_classes, hidden, channels, fc)
+
+
+def _build(
+    name: str, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], channels: Sequence[int], fc: int
+) -> nn.Module:
+    """:func:`build_model`'s body (its caller holds the RNG's lock)."""
     if name in plugins.MODELS:
         return plugins.build_registered(name, tuple(input_shape), num_classes)
     in_features = int(np.prod(input_shape))

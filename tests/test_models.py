@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -110,3 +111,27 @@ def test_set_params_takes_the_names_in_any_order_check_like_only_in_order():
             with pytest.raises(Rejected) as err:
                 check(lie)
             assert err.value.kind == RejectKind.SHAPE
+
+
+def test_an_init_is_the_same_while_another_thread_builds_models() -> None:
+    """A model's seeded init draws from torch's global RNG: a model built meanwhile in another thread (its layers'
+    default init draws from that RNG too) must not take draws from the seeded stream. It did: an emulation beside
+    a sim in one process (tests/test_run_cohort.py) once started from another initial model than the sim's."""
+    import threading
+
+    want = init_params(build_model("mlp", (1, 8, 8), 10, hidden=[64]), seed=5)
+    stop = threading.Event()
+
+    def build_meanwhile() -> None:
+        while not stop.is_set():
+            build_model("mlp", (1, 8, 8), 10, hidden=[64])
+
+    builder = threading.Thread(target=build_meanwhile, daemon=True)
+    builder.start()
+    try:
+        for _ in range(300):
+            got = init_params(build_model("mlp", (1, 8, 8), 10, hidden=[64]), seed=5)
+            assert all(np.array_equal(got[k], want[k]) for k in want)
+    finally:
+        stop.set()
+        builder.join()
