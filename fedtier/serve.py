@@ -59,12 +59,11 @@ class Retrying:
 
     def failed(self, exc: ConnectionError) -> float:
         """Count ``exc``, say it if due; the seconds to wait before the next attempt."""
-        from protocols.transport.connecting import REFUSED_BACKOFF, REFUSED_PATIENCE, said_rarely
+        from protocols.transport.connecting import longest_delay, said_rarely
         from protocols.transport.paho_client import Refused
 
         refused = isinstance(exc, Refused)
-        long = refused and self.refused_for >= REFUSED_PATIENCE
-        delay, cap = self.delay, BACKOFF_MAX * (REFUSED_BACKOFF if long else 1.0)
+        delay, cap = self.delay, longest_delay(BACKOFF_MAX, refused, self.refused_for)
         self.refused_for += delay if refused else 0.0
         self.delay = min(2 * delay, cap)
         self.failures += 1

@@ -30,10 +30,10 @@ from protocols import runfiles
 from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.jobs import NODE_LOCAL, JobRequest, post_request, submit_record
 from protocols.session import new_session
-from protocols.status import IDLE, decode_status
+from protocols.status import decode_status
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
-from protocols.twin import TwinError, new_instance
+from protocols.twin import LIVE_STATES, TwinError, new_instance
 from protocols.wire import topics
 from protocols.wire.keys import node_trust
 
@@ -96,7 +96,7 @@ def refuse_live_run(opts: BrokerOptions, cfg: RunConfig) -> None:
 
     def on_status(node: str, topic: str, data: bytes) -> None:
         record = decode_status(data, topic)
-        if record is not None and record.get("state") in ("online", IDLE):
+        if record is not None and record.get("state") in LIVE_STATES:
             live.setdefault(node, str(record.get("instance", "?")))
             found.set()
 

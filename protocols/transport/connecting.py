@@ -47,6 +47,14 @@ REFUSED_PATIENCE = 600.0
 delay: a broker full after a restart (its max_connections), a proxy in front of one restarting, a renewed certificate
 not reloaded yet or a handshake cut by the network refuse a node for minutes, and it must come back soon after; a
 revoked node is refused for ever."""
+
+
+def longest_delay(longest: float, refused: bool, refused_for: float) -> float:
+    """A node's longest delay between (re)connect attempts: ``longest``, or :data:`REFUSED_BACKOFF` times it after a
+    ``refused`` attempt once the waits after refusals in a row (``refused_for``) reached :data:`REFUSED_PATIENCE`."""
+    return longest * (REFUSED_BACKOFF if refused and refused_for >= REFUSED_PATIENCE else 1.0)
+
+
 REFUSED_LOGIN = ("Not authorized", "Bad user name or password")
 """The CONNACK reasons of a login the broker refused (MQTT 3.1.1 and 5)."""
 
@@ -241,7 +249,7 @@ class Connecting:
         refusals in a row lasted :data:`REFUSED_PATIENCE`), times a jitter in [0.5, 1.5) drawn from ``backoff_seed``,
         so that agents refused together do not come back together."""
         lo, hi = self._backoff
-        hi *= REFUSED_BACKOFF if refused and self._refused_for >= REFUSED_PATIENCE else 1.0
+        hi = longest_delay(hi, refused, self._refused_for)
         base = min(hi, (lo if self._ever_connected else 0.2) * 2 ** min(self._attempts, 16))
         self._attempts += 1
         delay = base * (0.5 + self._rng.random())
