@@ -103,7 +103,10 @@ def test_a_device_that_announces_itself_online_anew_while_its_result_is_pending_
     sent just before its DISCONNECT while that client's session is busy), so when c0-d1 takes part again the cell
     still thinks it online and sends its task at once, to no connection (tests/test_decomfl.py's onnx emulation under
     load: c0-d1 'back for round 3', its task lost, the round closed by its deadline). Its rejoin says online anew (a
-    newer order of its process): it gets its task again. Its heartbeat (the same record again) gets none."""
+    newer order of its process): it gets its task again. Its heartbeat (the same record again) gets none; a device
+    saying online anew again and again gets it at most ``MAX_RESENDS`` times an edge round, as a status flipper."""
+    from cell_server.edge_liveness import MAX_RESENDS
+
     c = Cell(tmp_path)
 
     def online(device: str, order: float) -> None:
@@ -120,6 +123,12 @@ def test_a_device_that_announces_itself_online_anew_while_its_result_is_pending_
     online("c0-d1", 2.0)  # back (its offline, order 1.5, lost): online anew
     c.hub.loop.run_due()
     assert c.tasks[3:] == [("c0-d1", *c.tasks[0][1:])] and c.cell.answers.pending == set(DEVICES)
+
+    for n in range(20):  # a device that says online anew again and again (a newer order each time): bounded too
+        online("c0-d1", 3.0 + n)
+    c.run_until(lambda: bool(c.cell.records))  # no device answers: the edge round closes at its deadline
+    first = c.tasks[0][1:]
+    assert [t for t in c.tasks[3:] if t[1:] == first] == [("c0-d1", *first)] * MAX_RESENDS, c.tasks
 
 
 def test_the_cloud_plans_a_cell_offline_for_less_than_a_cell_deadline(tmp_path: Path) -> None:
