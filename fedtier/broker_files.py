@@ -18,6 +18,7 @@ from protocols.config import ConfigError
 from protocols.transport.broker import AUTOSAVE_INTERVAL
 
 from .acl import Grants, acl_file
+from .file_reads import watch_reads
 from .pki import CertificateAuthority, write_file
 
 PERSISTENCE = f"persistence true\npersistence_location {{data}}/\nautosave_interval {AUTOSAVE_INTERVAL}\n"
@@ -122,11 +123,28 @@ def reload_brokers(folders: list[Path]) -> list[str]:
                     f"the broker in {folder} is not running (stale {pid_file}): it takes the change when it starts"
                 )
                 continue
-            os.kill(pid, signal.SIGHUP)
-            done.append(f"reloaded the broker in {folder} (pid {pid}){healed}")
+            done.append(_reload(folder, pid) + healed)
         except (OSError, ValueError):
             done.append(f"the broker in {folder} is not running: it takes the change when it starts")
     return done
+
+
+RELOAD_WAIT = 10.0
+"""How long :func:`reload_brokers` waits for a broker it signalled to reread its revocation list and ACL."""
+
+
+def _reload(folder: Path, pid: int) -> str:
+    """SIGHUP broker ``pid`` and wait until it has reread ``folder``'s revocation list and ACL (it does so in its own
+    loop, moments later: a revoked certificate logged in right after the signal); what happened, in a line."""
+    with watch_reads([f for f in (folder / "ca.crl", folder / "acl") if f.exists()]) as reread:
+        os.kill(pid, signal.SIGHUP)
+        took = reread(RELOAD_WAIT)
+    if took is False:
+        return (
+            f"signalled the broker in {folder} to reload (pid {pid}, SIGHUP) but it did not reread its files within "
+            f"{RELOAD_WAIT:.0f} s: see its log"
+        )
+    return f"reloaded the broker in {folder} (pid {pid})" + ("" if took else ", SIGHUP: its rereading not watched")
 
 
 def _drop_session_expiry(conf: Path) -> str:

@@ -1,0 +1,71 @@
+"""Knowing when another process has read a file: Linux's inotify (a read-only open, then its close).
+
+A broker told to reload (SIGHUP) rereads its revocation list and ACL some moments later, in its own loop:
+``fedtier provision revoke`` returned before that, and a revoked certificate logged in right after it
+(measured: 4 of 15 logins tried at once, Mosquitto 2.0.11 on 2 loaded cores). :func:`watch_reads` lets the
+caller wait until the files were read again. Elsewhere than Linux it cannot tell (its wait says ``None``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import select
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+_IN_CLOSE_NOWRITE = 0x10
+_IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name: none for a watched file)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.inotify_init1  # noqa: B018 (absent outside Linux)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+@contextlib.contextmanager
+def watch_reads(paths: list[Path]) -> Iterator[Callable[[float], bool | None]]:
+    """Watch ``paths`` from now on; yields ``wait(timeout)``: ``True`` once each was opened read-only and closed
+    again (by any process), ``False`` if not within ``timeout`` seconds, ``None`` where this cannot be watched
+    (no inotify, a path that does not exist)."""
+    libc = _libc()
+    fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC) if libc is not None else -1
+    if fd < 0:
+        yield lambda timeout: None
+        return
+    try:
+        pending: dict[int, Path] = {}
+        for path in paths:
+            wd = libc.inotify_add_watch(fd, os.fsencode(path), _IN_CLOSE_NOWRITE)  # type: ignore[union-attr]
+            if wd < 0:
+                yield lambda timeout: None
+                return
+            pending[wd] = path
+
+        def wait(timeout: float) -> bool:
+            end = time.monotonic() + timeout
+            while pending:
+                left = end - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    return False
+                data = os.read(fd, 4096)
+                at = 0
+                while at + _EVENT.size <= len(data):
+                    wd, mask, _, size = _EVENT.unpack_from(data, at)
+                    at += _EVENT.size + size
+                    if mask & _IN_CLOSE_NOWRITE:
+                        pending.pop(wd, None)
+            return True
+
+        yield wait
+    finally:
+        os.close(fd)
