@@ -15,6 +15,7 @@ from protocols.bounds import weight_over
 from protocols.failures import MAX_REASON, guarded
 from protocols.params import Sums
 from protocols.rejections import Rejected, RejectKind
+from protocols.round_text import nth
 from protocols.session import CloudSession, decode_manifest
 from protocols.state import publish_state
 from protocols.status import between_jobs, decode_status, encode_status
@@ -353,10 +354,10 @@ class CellNode:
         if self.trust is None or self.round < 0 or msg.header.session == self.messenger.session:
             return False
         log.warning(
-            "cell %s: cloud session %s started, round %d of session %s left",
+            "cell %s: cloud session %s started, round %s of session %s left",
             self.cell,
             msg.header.session,
-            self.round,
+            nth(self.round),
             self.messenger.session,
         )
         return True
@@ -365,9 +366,9 @@ class CellNode:
         """A cloud task for a round before this cell's, or (signed) before the cloud's manifest (replayed): rejected."""
         h, manifest = msg.header, self.cloud.round if self.trust is not None else None  # (unsigned: anyone's)
         if h.round < self.round:
-            why = f"task for round {h.round}, already at {self.round}"
+            why = f"task for round {nth(h.round)}, already at {nth(self.round)}"
         elif manifest is not None and h.round < manifest:
-            why = f"task for round {h.round}, the cloud's manifest says round {manifest} (replayed)"
+            why = f"task for round {nth(h.round)}, the cloud's manifest says round {nth(manifest)} (replayed)"
         else:
             return False
         self.messenger.reject(topic, RejectKind.STALE, why, h.sender)

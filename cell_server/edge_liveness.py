@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from protocols.failures import guarded
+from protocols.round_text import nth_edge
 
 from .liveness import Liveness, StatusChange
 from .members import OnlineFlags
@@ -77,21 +78,19 @@ def on_status(cell: Host, device: str, change: StatusChange) -> None:
         again = cell.edge.resent[device] = cell.edge.resent.get(device, 0) + 1
         if again <= MAX_RESENDS:
             log.warning(
-                "cell %s: %s is back while its result of %d.%d is pending: its task again",
+                "cell %s: %s is back while its result of %s is pending: its task again",
                 cell.cell,
                 device,
-                cell.round,
-                cell.edge_round,
+                nth_edge(cell.round, cell.edge_round),
             )
             cell.send_task(device, again=True)  # counted apart: a reconnect is no part of the job's traffic
         elif again == MAX_RESENDS + 1:
             log.warning(
-                "cell %s: %s is back again while its result of %d.%d is pending: its task was sent again %d times "
+                "cell %s: %s is back again while its result of %s is pending: its task was sent again %d times "
                 "in this edge round, no more",
                 cell.cell,
                 device,
-                cell.round,
-                cell.edge_round,
+                nth_edge(cell.round, cell.edge_round),
                 MAX_RESENDS,
             )
     if not change.changed:
@@ -155,7 +154,9 @@ def leave(cell: Host, device: str, rnd: int, edge_round: int, why: str = "offlin
         or cell.online[device]
     ):
         return
-    log.warning("cell %s: %s is %s: edge round %d.%d no longer waits for it", cell.cell, device, why, rnd, edge_round)
+    log.warning(
+        "cell %s: %s is %s: edge round %s no longer waits for it", cell.cell, device, why, nth_edge(rnd, edge_round)
+    )
     cell.answers.pending.discard(device)
     cell.edge.absent[device] = why
     closing = cell.closing()

@@ -30,6 +30,7 @@ from protocols.divergence import diverged_reason
 from protocols.failures import failed_reason
 from protocols.jsonl import read_jsonl
 from protocols.params import Sums, sums_on
+from protocols.round_text import nth, nth_edge
 from protocols.wire import topics
 from protocols.wire.envelope import payload_digest
 from protocols.wire.payload import Payload, encode_payload
@@ -165,7 +166,10 @@ def already_taken(journal: RoundJournal | None, cell: str, device: str, msg: Inc
         return False
     h = msg.header
     log.info(
-        "cell %s: result of %s for round %d.%d delivered again, already taken", cell, device, h.round, h.edge_round
+        "cell %s: result of %s for round %s delivered again, already taken",
+        cell,
+        device,
+        nth_edge(h.round, h.edge_round),
     )
     return True
 
@@ -215,13 +219,13 @@ def recover(cell: Host, entries: list[Payload]) -> None:
         cell.round, cell.messenger.session, cell.sent_report = rnd, session, j.report
         # journaled before it was published: it may have died in the process (the same message again:
         # a cloud that had it counts it once)
-        log.warning("cell %s: resumed after round %d, sending its report again", cell.cell, rnd)
+        log.warning("cell %s: resumed after round %s, sending its report again", cell.cell, nth(rnd))
         cell.transport.publish(topics.cell_report(cell.run, cell.cell), j.report, qos=1)
         return
     try:
         cell.role.begin(rnd, Payload(first["task"], entries[0].tensors))
     except Exception as exc:  # the same task was accepted before the crash; never expected
-        log.warning("cell %s: cannot resume round %d (%s): starting afresh", cell.cell, rnd, exc)
+        log.warning("cell %s: cannot resume round %s (%s): starting afresh", cell.cell, nth(rnd), exc)
         return
     cell.enter_round(rnd, session)
     logged = _logged(cell, rnd)
@@ -229,7 +233,7 @@ def recover(cell: Host, entries: list[Payload]) -> None:
         cell.edge_round = e
         cell.edge = EdgeRound()
         if e not in j.plans:  # crashed before planning it: plan it now
-            log.warning("cell %s: resumed round %d at edge round %d", cell.cell, rnd, e)
+            log.warning("cell %s: resumed round %s at edge round %s", cell.cell, nth(rnd), nth_edge(rnd, e))
             cell.start_edge()
             return
         if not _replay_edge(cell, j, e, logged):
@@ -257,10 +261,9 @@ def _replay_edge(cell: Host, j: _Journaled, e: int, logged: set[tuple[int, int]]
             cell.telemetry.emit(record)
         return True
     log.warning(
-        "cell %s: resumed round %d, edge round %d with %d of %d results",
+        "cell %s: resumed edge round %s with %d of %d results",
         cell.cell,
-        cell.round,
-        e,
+        nth_edge(cell.round, e),
         len(taken),
         len(plan),
     )

@@ -31,6 +31,7 @@ from protocols.privacy.secagg import (
     unflatten,
 )
 from protocols.rejections import Rejected, RejectKind
+from protocols.round_text import nth_edge
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
@@ -161,7 +162,7 @@ class CellSecAgg:
     def _fail(self, why: str) -> None:
         """Give the edge round up: logged, recorded, nothing aggregated; the next one starts as usual."""
         assert self.key is not None  # set when the aggregation began
-        log.warning("cell %s: secure aggregation of round %d.%d failed: %s", self.server.cell, *self.key, why)
+        log.warning("cell %s: secure aggregation of round %s failed: %s", self.server.cell, nth_edge(*self.key), why)
         self.failed = why
         if self.state is not None and self.state.phase != Phase.FAILED:
             self.state.phase = Phase.FAILED
@@ -202,7 +203,8 @@ class CellSecAgg:
             s.messenger.reject(
                 topic,
                 RejectKind.STALE,
-                f"{h.kind} for round {h.round}.{h.edge_round}, not the current aggregation (stale or replayed)",
+                f"{h.kind} for round {nth_edge(h.round, h.edge_round)}, not the current aggregation "
+                "(stale or replayed)",
                 device,
             )
             return

@@ -23,6 +23,7 @@ from protocols.divergence import diverged_reason
 from protocols.failures import failed_payload, failed_reason
 from protocols.params import sums_on
 from protocols.rejections import Rejected, RejectKind, kind_of
+from protocols.round_text import nth, nth_edge
 from protocols.state import MAX_WAITING
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -187,9 +188,8 @@ class CellServer(CellNode):
         if self._stale_task(topic, msg):
             return
         if self.in_round:
-            log.warning(
-                "cell %s: round %d abandoned, the cloud moved on to %d", self.cell, self.round, msg.header.round
-            )
+            moved = f"round {nth(self.round)} abandoned, the cloud moved on to {nth(msg.header.round)}"
+            log.warning("cell %s: %s", self.cell, moved)
             self._end_round()
         if self.failure is not None:  # a failed cell does no work: it answers the round with its failure
             self.round, self.messenger.session = msg.header.round, msg.header.session
@@ -205,7 +205,7 @@ class CellServer(CellNode):
                 seed = getattr(self.role, "noise_seed", None)
                 self.journal.task(msg.header.round, msg.header.session, msg.payload, seed)
             except OSError as exc:  # (before: only the next round's task, the cloud waiting a cell deadline)
-                self.fail(f"cell {self.cell}: cannot journal round {msg.header.round}'s task: {exc}")
+                self.fail(f"cell {self.cell}: cannot journal round {nth(msg.header.round)}'s task: {exc}")
                 self.round, self.messenger.session = msg.header.round, msg.header.session
                 self._send_failure(msg.header.round)
                 return
@@ -224,9 +224,9 @@ class CellServer(CellNode):
         """The task of the round this cell has or is working on: re-send the report if it was sent (the
         same message: the cloud counts it once), else carry on (the report leaves when the round closes)."""
         if self.in_round:
-            log.info("cell %s: task for round %d again, still working on it", self.cell, rnd)
+            log.info("cell %s: task for round %s again, still working on it", self.cell, nth(rnd))
         elif self.sent_report is not None:
-            log.warning("cell %s: task for round %d again (a resumed cloud), re-sending its report", self.cell, rnd)
+            log.warning("cell %s: round %s's task again (a resumed cloud): re-sending its report", self.cell, nth(rnd))
             self.transport.publish(topics.cell_report(self.run, self.cell), self.sent_report, qos=1)
 
     def _end_round(self) -> None:
@@ -251,10 +251,9 @@ class CellServer(CellNode):
         if wait > 0:
             if self._unknown:
                 log.info(
-                    "cell %s: edge round %d.%d waits up to %.1f s for the first status of %d devices",
+                    "cell %s: edge round %s waits up to %.1f s for the first status of %d devices",
                     self.cell,
-                    self.round,
-                    self.edge_round,
+                    nth_edge(self.round, self.edge_round),
                     wait,
                     len(self._unknown),
                 )
@@ -385,10 +384,11 @@ class CellServer(CellNode):
             return  # a repeat of an answer already taken counts once
         if self.journal is not None:
             self.journal.result(self.edge_round, device, msg)
+        at = nth_edge(h.round, h.edge_round)
         if diverged is not None:  # recorded, never aggregated
-            log.warning("cell %s: %s diverged in round %d.%d: %s", self.cell, device, h.round, h.edge_round, diverged)
+            log.warning("cell %s: %s diverged in round %s: %s", self.cell, device, at, diverged)
         elif failed is not None:  # its task raised: recorded with the reason, never aggregated
-            log.warning("cell %s: %s failed its task %d.%d: %s", self.cell, device, h.round, h.edge_round, failed)
+            log.warning("cell %s: %s failed its task %s: %s", self.cell, device, at, failed)
         self.edge.take(device, msg.payload, msg.nbytes, diverged, failed)
         why = self.closing()
         if why is not None:
@@ -420,7 +420,7 @@ class CellServer(CellNode):
                 return refused
         self.messenger.forget(h)  # read again when taken
         self._early[device] = (key, *message)
-        log.info("cell %s: %s answered round %d.%d before it opened: kept until it does", self.cell, device, *key)
+        log.info("cell %s: %s answered round %s before it opened: kept for it", self.cell, device, nth_edge(*key))
         return None
 
     def _take_early(self) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from protocols.jsonl import JsonlWriter
 from protocols.records import CellRecord, parse_record
+from protocols.round_text import nth
 from protocols.transport.base import Handler, Transport
 from protocols.wire import topics
 from protocols.wire.envelope import WireError
@@ -75,7 +76,7 @@ class CellRecordCollector:
                 raise ValueError(f"not an aggregation record of cell {cell!r} of run {self.run!r}")
             if self.job is not None and record.round > (now := self.job.round) + 1:
                 # a cell with its own key could write round 1e12: fedtier report sized its heatmap by it
-                raise ValueError(f"a record of round {record.round}, with the job at round {now}")
+                raise ValueError(f"a record of round {nth(record.round)}, with the job at round {nth(now)}")
         except (WireError, ValueError) as exc:
             self.dropped += 1
             _rejections.warning("cloud: dropped a record on %s: %s", topic, exc)

@@ -18,6 +18,7 @@ from protocols.failures import merge_counts
 from protocols.numbers import declared_count
 from protocols.records import TIERS
 from protocols.rejections import Rejected, RejectKind
+from protocols.round_text import nth
 from protocols.wire.envelope import Header
 from protocols.wire.messenger import Incoming, Messenger
 from protocols.wire.payload import Payload
@@ -78,23 +79,26 @@ class RoundCounts:
         if not self.first_resend(cell):
             raise Rejected(
                 RejectKind.REPLAY,
-                f"report of round {h.round} from {cell} again, in round {rnd}: one repeat a round is let be",
+                f"report of round {nth(h.round)} from {cell} again, in round {nth(rnd)}: one repeat a round is let be",
             )
         if h.round >= rnd or cell not in pending:
-            log.info("cloud: report of round %d from %s again (a restart, a redelivery): dropped", h.round, cell)
+            log.info("cloud: report of round %s from %s again (a restart, a redelivery): dropped", nth(h.round), cell)
             return False
         if resumed:
             log.info(
-                "cloud: %s's report of round %d came again (this cloud resumed at round %d: its broker session handed "
-                "it again, or the cell restarted too): round %d's task sent again",
+                "cloud: %s's report of round %s came again (this cloud resumed at round %s: its broker session handed "
+                "it again, or the cell restarted too): round %s's task sent again",
                 cell,
-                h.round,
-                rnd,
-                rnd,
+                nth(h.round),
+                nth(rnd),
+                nth(rnd),
             )
         else:
             log.warning(
-                "cloud: %s came back after round %d (its report again): round %d's task sent again", cell, h.round, rnd
+                "cloud: %s came back after round %s (its report again): round %s's task sent again",
+                cell,
+                nth(h.round),
+                nth(rnd),
             )
         return True
 
@@ -174,7 +178,7 @@ class CellPresence:
         away = self.offline_for(cell, now)
         if away is None or away >= deadline:
             return False
-        log.info("cloud: round %d plans %s, offline for %.1f s: its session keeps the task", rnd, cell, away)
+        log.info("cloud: round %s plans %s, offline for %.1f s: its session keeps the task", nth(rnd), cell, away)
         return True
 
 

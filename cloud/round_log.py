@@ -23,6 +23,7 @@ import numpy as np
 from protocols.checkpoint import JOURNAL_MAGIC, Journal, write_durably
 from protocols.jsonl import StorageError
 from protocols.limits import memory_refusal
+from protocols.round_text import nth
 from protocols.wire.payload import Payload
 
 LogTail = Callable[[int], "Mapping[str, np.ndarray] | None"]
@@ -149,7 +150,7 @@ class RoundLog:
         rounds, size = record["rounds"], record["bytes"]
         if not 0 <= rounds <= last_round + 1 or size < len(JOURNAL_MAGIC):
             raise ValueError(
-                f"the checkpoint's round log: {rounds:,} rounds and {size:,} bytes after round {last_round} (at most "
-                f"{last_round + 1:,} rounds, at least {len(JOURNAL_MAGIC)} bytes)"
+                f"the checkpoint's round log: {rounds:,} rounds and {size:,} bytes after round {nth(last_round)} "
+                f"(at most {last_round + 1:,} rounds, at least {len(JOURNAL_MAGIC)} bytes)"
             )
         return rounds, size, record["sha256"]

@@ -14,6 +14,7 @@ import numpy as np
 from protocols.divergence import largest, nonfinite, update_norm
 from protocols.numbers import finite_number
 from protocols.records import RoundRecord
+from protocols.round_text import nth
 from protocols.wire.payload import Payload
 
 from .parts import RoundCounts, drop_non_finite
@@ -109,7 +110,8 @@ def divergence(
     if why is None:
         return None, None
     blamed = blame(updates, unit, cloud.counts.largest)
-    failure = f"the global model diverged at {unit} {cloud.round} ({why}){blamed}"
+    at = nth(cloud.round) if unit == "round" else cloud.round  # (an asynchronous model version: its number)
+    failure = f"the global model diverged at {unit} {at} ({why}){blamed}"
     log.error("%s: the job fails after this %s", failure, unit)
     return why, failure
 

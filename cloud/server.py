@@ -18,6 +18,7 @@ from protocols.failures import StallWatch, failed_reason, guarded
 from protocols.jsonl import JsonlWriter
 from protocols.records import TIERS
 from protocols.rejections import Rejected
+from protocols.round_text import nth
 from protocols.session import encode_manifest, new_session
 from protocols.state import MAX_WAITING, publish_state
 from protocols.status import between_jobs, decode_status, encode_status
@@ -137,7 +138,7 @@ class CloudServer:
         self.resumed_from = saved.record if isinstance(saved.record, dict) else None
         if own_session and saved.session is not None:
             self.session = self.messenger.session = saved.session
-        log.info("resumed from %s at round %d (session %s)", saved.path, self.round, self.session)
+        log.info("resumed from %s at round %s (session %s)", saved.path, nth(self.round), self.session)
 
     # ----------------------------------------------------------------- views of the parts
     @property
@@ -230,7 +231,7 @@ class CloudServer:
             return  # serving another job (e.g. the retained status of a killed run's cell): not ready for this one
         self.presence.heard(cell, record, self.loop.now())
         if self._awaiting_cells and self._in_round and self.presence.online[cell]:
-            log.info("cloud: %s came online: round %d planned again", cell, self.round)
+            log.info("cloud: %s came online: round %s planned again", cell, nth(self.round))
             self.loop.cancel(self._timer)
             self._begin_round()
         self._maybe_begin()
@@ -321,7 +322,7 @@ class CloudServer:
         if not self._in_round and not self.finished and msg.header.round == self.round and cell in self.cells:
             # a resumed cloud: what cells reported while it was down (their sessions kept it) comes before
             # it re-opens the round; the same message again would be a duplicate, so it is kept (one per cell)
-            log.info("cloud: report of %s for round %d before the round opened: kept for it", cell, self.round)
+            log.info("cloud: report of %s for round %s before the round opened: kept for it", cell, nth(self.round))
             self._early[cell] = (topic, msg)
             return
         self._take_report(topic, msg)
@@ -339,9 +340,9 @@ class CloudServer:
             return
         if failure is not None:  # the cell's own handler raised (a bug)
             if self.fail_on_cell_failure:  # the job cannot go on as planned
-                self.fail(f"cell {cell} failed in round {h.round}: {failure}")
+                self.fail(f"cell {cell} failed in round {nth(h.round)}: {failure}")
                 return
-            log.error("cloud: cell %s failed in round %d: %s (left out of the round)", cell, h.round, failure)
+            log.error("cloud: cell %s failed in round %s: %s (left out of the round)", cell, nth(h.round), failure)
             self.counts.cells_failed[cell] = failure  # settled: answered, nothing to aggregate
             if not self.answers.pending:
                 self._close(self.round, "all reported")
@@ -464,9 +465,8 @@ class CloudServer:
         asked to stop (:meth:`request_stop`); logged."""
         self.stopped = self._stop_request or self.role.stop_reason(self.round)
         if self.stopped:
-            (log.info if self._stop_request else log.warning)(
-                "stopping before round %d of %d: %s", self.round, self.rounds, self.stopped
-            )
+            say = log.info if self._stop_request else log.warning
+            say("stopping before round %s of %d: %s", nth(self.round), self.rounds, self.stopped)
         return self.stopped
 
     def fail(self, reason: str) -> None:
@@ -474,7 +474,7 @@ class CloudServer:
         and the metrics): a stalled job, a cell that failed, an exception in one of this cloud's handlers."""
         if self.finished:
             return
-        log.error("cloud: the job fails at round %d: %s", self.round, reason)
+        log.error("cloud: the job fails in round %s: %s", nth(self.round), reason)
         self.failed = reason
         self._in_round = False
         self.loop.cancel(self._timer)

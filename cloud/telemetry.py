@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from protocols.jsonl import JsonlWriter
 from protocols.records import MAX_LISTED_REJECTIONS
 from protocols.rejections import RejectKind
+from protocols.round_text import nth
 from protocols.wire import topics
 from protocols.wire.payload import Payload
 from protocols.wire.signed import seal_record
@@ -77,8 +78,8 @@ class CloudTelemetry:
         """One info line per round (of ``rounds``): what an operator watching the cloud's log needs."""
         accuracy = record.get("accuracy")
         log.info(
-            "cloud: round %d/%d closed (%s): cells %d/%d answered, devices %d%s, accuracy %s, %s bytes, %.2f s",
-            record["round"],
+            "cloud: round %s/%d closed (%s): cells %d/%d answered, devices %d%s, accuracy %s, %s bytes, %.2f s",
+            nth(record["round"]),
             rounds,
             record["closed_by"],
             len(record["cells_reported"]),

@@ -10,6 +10,7 @@ from protocols.algorithms.base import DeviceContext, DeviceRole, train_role
 from protocols.divergence import diverged_reason, diverged_result, nonfinite
 from protocols.failures import failed_payload, failed_reason
 from protocols.rejections import Rejected, RejectKind
+from protocols.round_text import nth, nth_edge
 from protocols.status import IDLE, beat_stamp, encode_status, order_stamp
 from protocols.trainer import LocalData, Trainer
 from protocols.transport.base import Transport
@@ -205,7 +206,7 @@ class DeviceAgent:
             return
         if self._last == (self._session_of(h), h.round, h.edge_round):  # the last task again: a restarted cell
             if self.pending:
-                log.info("device %s: task %d.%d again while training it", self.device, h.round, h.edge_round)
+                log.info("device %s: task %s again while training it", self.device, nth_edge(h.round, h.edge_round))
                 return
             if self._answer is not None and self._answer[0] == self._last:
                 self._answer_again(topic, h)
@@ -249,10 +250,14 @@ class DeviceAgent:
                 )
             now = self.cloud.round if not self.versioned else None
             if now is not None and h.round > now:
-                return Rejected(RejectKind.STALE, f"task for round {h.round}, the cloud's manifest says round {now}")
+                return Rejected(
+                    RejectKind.STALE, f"task for round {nth(h.round)}, the cloud's manifest says round {nth(now)}"
+                )
         now = self.cloud.round if self.cloud is not None and not self.versioned else None
         if now is not None and h.round < now:
-            return Rejected(RejectKind.STALE, f"stale task for round {h.round}, the cloud's manifest says round {now}")
+            return Rejected(
+                RejectKind.STALE, f"stale task for round {nth(h.round)}, the cloud's manifest says round {nth(now)}"
+            )
         again = (h.round, h.edge_round) == (self._last or (None, -1, -1))[1:]
         if (
             self._last is not None
@@ -267,7 +272,8 @@ class DeviceAgent:
         ):
             return Rejected(
                 RejectKind.REPLAY,
-                f"task for round {h.round}.{h.edge_round}, already past {self._last[1]}.{self._last[2]} (replayed)",
+                f"task for round {nth_edge(h.round, h.edge_round)}, already past {nth_edge(*self._last[1:])} "
+                "(replayed)",
             )
         return None
 
@@ -278,17 +284,17 @@ class DeviceAgent:
             self.messenger.reject(
                 topic,
                 RejectKind.REPLAY,
-                f"task for round {h.round}.{h.edge_round} again, answered {1 + REANSWERS} times already (replayed)",
+                f"task for round {nth_edge(h.round, h.edge_round)} again, answered {1 + REANSWERS} times already "
+                "(replayed)",
                 h.sender,
             )
             return
         self._reanswers += 1
         log.warning(
-            "device %s: task %d.%d again (re-sent by its cell, restarted or seeing this device back): sending its "
+            "device %s: task %s again (re-sent by its cell, restarted or seeing this device back): sending its "
             "result again",
             self.device,
-            h.round,
-            h.edge_round,
+            nth_edge(h.round, h.edge_round),
         )
         _, result_topic, message = self._answer
         self.transport.publish(result_topic, message, qos=1)
@@ -305,18 +311,18 @@ class DeviceAgent:
         try:
             return train_role(self.role, task, self.data, self.trainer, ctx), None
         except Exception as exc:  # a bad task must not kill the device
-            log.exception("device %s failed round %d.%d", self.device, ctx.round, ctx.edge_round)
+            log.exception("device %s failed round %s", self.device, nth_edge(ctx.round, ctx.edge_round))
             return None, f"{type(exc).__name__}: {exc}"
 
     def _trained(self, topic: str, h: Header, result: Payload | None, error: str | None) -> None:
         if result is None:  # the cell hears why at once (recorded per reason), rather than at its deadline
-            log.warning("device %s: task %d.%d failed: %s", self.device, h.round, h.edge_round, error)
+            log.warning("device %s: task %s failed: %s", self.device, nth_edge(h.round, h.edge_round), error)
             result = failed_payload(f"{error}")
         if result.headroom is not None:  # its tensors made where its message will be: sealed and checked once
             result.headroom.seal(result)
         why = nonfinite(result)
         if why is not None:  # the cell records it and leaves it out of the aggregate
-            log.warning("device %s diverged in round %d.%d: %s", self.device, h.round, h.edge_round, why)
+            log.warning("device %s diverged in round %s: %s", self.device, nth_edge(h.round, h.edge_round), why)
             result = diverged_result(why)
         delay = self.compute_delay(self.device, result) if self.compute_delay is not None else 0.0
         if delay > 0:
@@ -343,7 +349,7 @@ class DeviceAgent:
                 "device_result", result, round=round, edge_round=edge_round, cell=self.cell, topic=topic
             )
         except (ValueError, TypeError) as exc:  # a result the wire cannot carry: logged, not sent
-            log.error("device %s: result of round %d.%d not sent: %s", self.device, round, edge_round, exc)
+            log.error("device %s: result of round %s not sent: %s", self.device, nth_edge(round, edge_round), exc)
             return
         self.transport.publish(topic, message, qos=1)
         self.bytes_out += len(message)

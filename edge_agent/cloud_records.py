@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from protocols.rejections import RejectKind
+from protocols.round_text import nth
 from protocols.session import CloudSession, decode_manifest
 from protocols.status import decode_status
 from protocols.wire.messenger import Messenger
@@ -104,14 +105,14 @@ class CloudRecords:
         takes_part = device in set(self.availability(rnd))
         if device in self.presence.present:
             if not takes_part:
-                log.info("device %s: not in round %d, leaving for now", device, rnd)
+                log.info("device %s: not in round %s, leaving for now", device, nth(rnd))
                 with self.presence.lock:
                     self.presence.present.discard(device)
                     self.agents[device].announce("offline")
                 self._disconnect(device)
         elif device in self.presence.fresh:  # a poll that read the manifest
             if takes_part:
-                log.info("device %s: back for round %d", device, rnd)
+                log.info("device %s: back for round %s", device, nth(rnd))
                 self.links.transports[device].persist()
                 with self.presence.lock:
                     self.presence.present.add(device)

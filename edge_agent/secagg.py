@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from protocols.algorithms.base import DeviceRole
 from protocols.privacy.secagg import CellLied, RoundId, SecAggDevice, SecAggSettings
 from protocols.rejections import Rejected, RejectKind
+from protocols.round_text import nth_edge
 from protocols.trainer import LocalData
 from protocols.wire import topics
 from protocols.wire.messenger import Messenger
@@ -125,7 +126,8 @@ class DeviceSecAgg:
             a.messenger.reject(
                 topic,
                 RejectKind.STALE,
-                f"{h.kind} for round {h.round}.{h.edge_round}, not the aggregation in progress (stale or replayed)",
+                f"{h.kind} for round {nth_edge(h.round, h.edge_round)}, not the aggregation in progress "
+                "(stale or replayed)",
                 h.sender,
             )
             return
@@ -157,9 +159,8 @@ class DeviceSecAgg:
     def result_ready(self, result: Payload, round: int, edge_round: int) -> None:
         """The training's result: it leaves masked once the shares are routed."""
         if self.state is None or self.key is None or (round, edge_round) != self.key[1:]:
-            log.warning(
-                "device %s: result of %d.%d dropped, its aggregation is over", self.agent.device, round, edge_round
-            )
+            who, key = self.agent.device, nth_edge(round, edge_round)
+            log.warning("device %s: result of %s dropped, its aggregation is over", who, key)
             return
         self._result = result
         if self.state.shared:

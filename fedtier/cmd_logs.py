@@ -14,23 +14,28 @@ from rich.text import Text
 from fedtier.cli import main
 from fedtier.console import console, fail, output_console, refuse_federation_folder
 from protocols.records import CellRecord, Record, RoundRecord, read_run
+from protocols.round_text import nth, nth_edge
 
 EVENTS = ("aggregation", "round")
 
 
 def parse_round_range(text: str) -> tuple[int | None, int | None]:
-    """``"A:B"`` (both ends included), ``"A:"``, ``":B"`` or ``"A"`` -> (low, high); ValueError if bad."""
+    """``"A:B"`` (both ends included), ``"A:"``, ``":B"`` or ``"A"``, rounds counted from 1 as the table shows them,
+    -> (low, high) as the records count them (from 0); ValueError if bad."""
     lo, sep, hi = text.partition(":")
     try:
         low = int(lo) if lo.strip() else None
         high = (int(hi) if hi.strip() else None) if sep else low
     except ValueError:
         raise ValueError(f"--round {text!r}: expected A:B, A:, :B or A (cloud rounds, both ends included)") from None
-    if any(end is not None and end < 0 for end in (low, high)):  # "-1" matched nothing, said nothing
-        raise ValueError(f"--round {text!r}: rounds count from 0 (no negative rounds; A: for round A on)")
+    if any(end is not None and end < 1 for end in (low, high)):  # "-1" matched nothing, said nothing
+        raise ValueError(
+            f"--round {text!r}: rounds count from 1, as the table, the monitor and the report show them (the records' "
+            "round field counts from 0); A: for round A on"
+        )
     if low is not None and high is not None and low > high:
         raise ValueError(f"--round {text!r}: {low} > {high}")
-    return low, high
+    return (None if low is None else low - 1), (None if high is None else high - 1)
 
 
 def filter_records(
@@ -102,7 +107,7 @@ def _cell_row(r: CellRecord) -> list[Text]:
     rejected = ", ".join(f"{x.device}: {x.reason}" for x in r.rejected)
     return _plain(
         "aggregation",
-        f"{r.round}.{r.edge_round}",
+        nth_edge(r.round, r.edge_round),
         r.cell,
         f"{len(r.answered)}/{len(r.planned)}",
         "; ".join(filter(None, (absent, rejected and f"rejected {rejected}"))) or "-",
@@ -126,7 +131,7 @@ def _round_row(r: RoundRecord) -> list[Text]:
     notes = (absent and f"absent {absent}", gone and f"revoked {gone}", rejected and f"rejected {rejected}")
     return _plain(
         "round",
-        str(r.round),
+        nth(r.round),
         "cloud",
         f"{len(r.cells_reported)}/{len(r.cells_planned)} cells",
         "; ".join(filter(None, notes)) or "-",
@@ -157,8 +162,8 @@ def records_table(records: list[Record]) -> Table:
     "--round",
     "round_range",
     metavar="A:B",
-    help="Cloud rounds A to B, both included (A:, :B, A), as the records number them: from 0 (the monitor and the "
-    "report count from 1).",
+    help="Cloud rounds A to B, both included (A:, :B, A), counted from 1 as the table, the monitor and the report "
+    "show them (--json prints the records as they are: their round field counts from 0).",
 )
 @click.option(
     "--event",

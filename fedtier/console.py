@@ -303,11 +303,11 @@ def run_folder_lock(cfg: RunConfig, node: str | None = None) -> Iterator[None]:
 
 def note_fresh_resume(cfg: RunConfig, resume: bool) -> None:
     """Say so when ``--resume`` finds no checkpoint in the run folder (another run.output than the
-    interrupted run's, or it never started a round): the run starts from round 0."""
+    interrupted run's, or it never started a round): the run starts from its first round."""
     from protocols import runfiles
 
     if resume and not (cfg.output_dir() / runfiles.CHECKPOINT).exists():
-        console.print(f"[yellow]note:[/] no checkpoint in {cfg.output_dir()}: --resume starts from round 0")
+        console.print(f"[yellow]note:[/] no checkpoint in {cfg.output_dir()}: --resume starts from round 1")
 
 
 JOB_FAILED = 3

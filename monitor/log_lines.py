@@ -10,7 +10,9 @@ import time
 from rich.console import Console
 from rich.text import Text
 
-from .state import MonitorState, nth, phase_name
+from protocols.round_text import nth, rounds_span
+
+from .state import MonitorState, phase_name
 from .view import cloud_line, jobs_line, link_line, summary_line
 
 STAMP = "%Y-%m-%d %H:%M:%S"
@@ -82,5 +84,5 @@ class LineLog:
         before, self.round = self.round, rnd
         if rnd is None or before is None or rnd - before < 2:
             return line
-        gap = f"round {nth(before + 1)}" if rnd - before == 2 else f"rounds {nth(before + 1)}-{nth(rnd - 1)}"
+        gap = rounds_span(before + 1, rnd - 1)
         return f"{line}  ({gap} closed since the line before: every round is in the run folder)"

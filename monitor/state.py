@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from protocols.numbers import finite_number
 from protocols.records import TASKED, BadLine, BadLines, CellRecord, Record, Rejection, RoundRecord
 from protocols.rejections import RejectKind
+from protocols.round_text import nth, nth_edge
 from protocols.status import IDLE, idle_deadline
 
 STATES = ("silent", "offline", "drop", "revoked", "waiting", "idle", "ok", "ended")
@@ -237,7 +238,7 @@ class MonitorState:
             what = (
                 f"round {nth(s.get('round'))}"
                 if node == "cloud"
-                else f"{node.removeprefix('cell.')} edge round {nth(s.get('round'))}.{nth(s.get('edge_round'))}"
+                else f"{node.removeprefix('cell.')} edge round {nth_edge(s.get('round'), s.get('edge_round'))}"
             )
             out.append(
                 f"{'cloud ' if node == 'cloud' else 'cell '}{what} open for {age:.0f} s, past its "
@@ -387,7 +388,7 @@ class MonitorState:
             line = f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)"
             found.append(("with a participation drop", (drop[0] / drop[1], cell, line)))
         last = view.last
-        where = f"round {nth(last.round)}.{nth(last.edge_round)}" if last is not None else ""  # from 1, as the table
+        where = f"round {nth_edge(last.round, last.edge_round)}" if last is not None else ""  # from 1, as the table
         # a late answer of a device the edge round before closed without (deadline, quorum) is no alarm
         rejected = [r for r in last.rejected if not late(r, view.cut_off)] if last is not None else []
         if last is not None and rejected:
@@ -419,12 +420,6 @@ def phase_name(phase: object) -> str:
 
 ACCURACY_KEPT = 64
 """Evaluated rounds whose accuracy the monitor keeps, the latest (its sparkline draws the last 30)."""
-
-
-def nth(index: object) -> str:
-    """A round or edge round as the monitor shows it, counted from 1 (records and states count from 0): the cloud's
-    "round 20/20" and its cells' last record "20.1" are the same round; "?" for a value that is no count."""
-    return str(index + 1) if isinstance(index, int) and not isinstance(index, bool) else "?"
 
 
 def waiting_text(s: dict) -> str:

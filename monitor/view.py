@@ -19,9 +19,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from protocols.round_text import nth, nth_edge
 from protocols.terminal import SafeConsole
 
-from .state import STATES, CellView, MonitorState, nth, phase_name, waiting_text
+from .state import STATES, CellView, MonitorState, phase_name, waiting_text
 
 SPARK = "▁▂▃▄▅▆▇█"
 SORTS = ("severity", "lag", "drop", "silent", "name")
@@ -172,7 +173,7 @@ def cell_table(state: MonitorState, now: float, flt: CellFilter | None = None) -
         )
         table.add_row(
             Text(view.cell),  # Text: what came from the network is shown as it is, never read as markup
-            f"{nth(rec.round)}.{nth(rec.edge_round)}",  # from 1, as the cloud's "round 20/20"
+            nth_edge(rec.round, rec.edge_round),  # from 1, as the cloud's "round 20/20"
             answered,
             f"{human_bytes(rec.bytes_in)} / {human_bytes(rec.bytes_out)}",
             loss,
@@ -250,7 +251,7 @@ def cloud_line(state: MonitorState, now: float, log: bool = False) -> Text:
             return Text(f"cloud: {before} (their records are in the cloud's run folder)", style="dim")
         return Text("cloud: no round closed yet", style="dim")
     total = f"/{c.rounds}" if c.rounds else ""
-    text = Text.assemble(("cloud ", "bold"), f"round {c.round + 1}{total} closed ({c.closed_by}), ")
+    text = Text.assemble(("cloud ", "bold"), f"round {nth(c.round)}{total} closed ({c.closed_by}), ")
     if state.accuracy:
         text.append(f"accuracy {state.accuracy[-1][1]:.4f} ", style="bold cyan")
         text.append("" if log else sparkline([a for _, a in state.accuracy]) + " ")

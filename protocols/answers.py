@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .rejections import OffPlan, Rejected, RejectKind
+from .round_text import round_key_text
 from .wire.payload import Payload
 
 CONTENT = frozenset(
@@ -69,8 +70,8 @@ class Answers:
         if key != self.key and key == self.closed and who in self.cut_off:
             return late_refusal(self.kind, who, key, payload, check, self.cut_off)
         if key != self.key:
-            now = ".".join(map(str, self.key)) if self.key else "between rounds"
-            return Rejected(RejectKind.STALE, f"stale answer for round {'.'.join(map(str, key))} (now {now})")
+            now = round_key_text(self.key) if self.key else "between rounds"
+            return Rejected(RejectKind.STALE, f"stale answer for round {round_key_text(key)} (now {now})")
         if who in self.received or who in self.settled:
             return None
         if who not in self.pending:
@@ -104,8 +105,9 @@ def late_refusal(
     refused = content_refusal(who, payload, check)
     if refused is not None:
         return refused
-    at = ".".join(map(str, key))
-    return Rejected(RejectKind.LATE, f"late answer of {kind} {who} for round {at}, which closed without it")
+    return Rejected(
+        RejectKind.LATE, f"late answer of {kind} {who} for round {round_key_text(key)}, which closed without it"
+    )
 
 
 def content_refusal(who: str, payload: Payload | None, check: Callable[[str, Payload], None]) -> Rejected | None:

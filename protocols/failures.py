@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .round_text import rounds_span
 from .wire.payload import Payload
 
 log = logging.getLogger("fedtier.failures")
@@ -176,4 +177,4 @@ class StallWatch:
         self.stalled += 1
         if self.stalled < self.max_rounds and not (last and self.first == 0):
             return None
-        return f"{why} in rounds {self.first}-{rnd}" if self.first != rnd else f"{why} in round {rnd}"
+        return f"{why} in {rounds_span(self.first, rnd)}"

@@ -18,6 +18,7 @@ from protocols.config import parse_config
 from protocols.divergence import diverged_result, nonfinite
 from protocols.execution import execution_plan
 from protocols.heap import setup_frozen
+from protocols.round_text import nth_edge
 from protocols.trainer import PROGRESS, LocalData
 from protocols.wire.envelope import ENVELOPE_ROOM
 from protocols.wire.payload import Parts, Payload, decode_payload, payload_parts
@@ -121,7 +122,9 @@ class DeviceWorker:
             result = train_role(role, decode_payload(task, views=True), data, self.trainer_for(c.device), c)
             return answer(result, c), ""
         except Exception as exc:  # a bad task must not kill the device (as in the main process)
-            log.exception("device %s failed round %s.%s", ctx.get("device"), ctx.get("round"), ctx.get("edge_round"))
+            log.exception(
+                "device %s failed round %s", ctx.get("device"), nth_edge(ctx.get("round"), ctx.get("edge_round"))
+            )
             return [], str(exc)
 
     def train_many(
@@ -170,7 +173,7 @@ def answer(result: Payload, c: DeviceContext) -> Parts:
     finite and the main process need not read it again for that."""
     why = nonfinite(result)
     if why is not None:
-        log.warning("device %s diverged in round %d.%d: %s", c.device, c.round, c.edge_round, why)
+        log.warning("device %s diverged in round %s: %s", c.device, nth_edge(c.round, c.edge_round), why)
         result = diverged_result(why)
     return payload_parts(result)
 

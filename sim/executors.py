@@ -34,6 +34,7 @@ from protocols.algorithms.base import DeviceContext, ModelSpec
 from protocols.config import ConfigError, RunConfig
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
 from protocols.limits import processes_refusal
+from protocols.round_text import nth_edge
 from protocols.trainer import Trainer
 from protocols.transport.memory import VirtualLoop
 from protocols.wire.envelope import ENVELOPE_ROOM
@@ -107,9 +108,11 @@ class _Remote:
         worker = self.owner[device]
         with self._lock:
             if worker in self._dead:
-                raise WorkerError(f"device {device} (round {ctx.round}.{ctx.edge_round}): {self._dead[worker]}")
+                raise WorkerError(
+                    f"device {device} (round {nth_edge(ctx.round, ctx.edge_round)}): {self._dead[worker]}"
+                )
             task_id = next(self._ids)
-            self._pending[task_id] = (worker, device, f"{ctx.round}.{ctx.edge_round}", self.loop.hold(), done)
+            self._pending[task_id] = (worker, device, nth_edge(ctx.round, ctx.edge_round), self.loop.hold(), done)
         header = {
             "seed": ctx.seed,
             "round": ctx.round,

@@ -26,6 +26,7 @@ from protocols.config import ConfigError, RunConfig
 from protocols.execution import execution_plan, idle_settings
 from protocols.failures import CallerHook
 from protocols.heap import keep_freed_memory, setup_frozen
+from protocols.round_text import nth
 from protocols.transport.memory import MemoryHub
 from protocols.transport.virtual_loop import CELLS, MAIN, VirtualLoop
 from protocols.wire.keys import with_run_keys
@@ -125,7 +126,7 @@ class RunResult:
         out = {}
         for cell, why in self.cells_absent_at_start.items():
             joined = next((r["round"] for r in self.history if cell in (r.get("cells_reported") or ())), None)
-            out[cell] = why if joined is None else f"{why}; took part from round {joined}"
+            out[cell] = why if joined is None else f"{why}; took part from round {nth(joined)}"
         return out
 
     def unrecorded_device_bytes(self) -> dict[str, int]:

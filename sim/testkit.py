@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocols.config import RunConfig
+from protocols.round_text import nth_edge
 from protocols.wire.payload import Payload
 
 from .launcher import RunResult, SimHierarchy
@@ -49,7 +50,7 @@ def assert_engines_agree(cfg: RunConfig, rtol: float = 1e-4, atol: float = 1e-6,
     assert pa.keys() == pb.keys(), f"devices reported differently: {sorted(set(pa) ^ set(pb))[:5]}"
     assert pa, "no device reported a result"
     for key in sorted(pa):
-        _close(pa[key].tensors, pb[key].tensors, f"device {key[0]} round {key[1]}.{key[2]}", rtol, atol)
+        _close(pa[key].tensors, pb[key].tensors, f"device {key[0]} round {nth_edge(key[1], key[2])}", rtol, atol)
         for k, v in pa[key].meta.items():
             w = pb[key].meta.get(k)
             if isinstance(v, float):

@@ -48,7 +48,7 @@ def test_resume_without_a_checkpoint_says_it_starts_from_round_0(tmp_path):
     cfg.write_text(CONFIG.format(out=tmp_path / "out"))
     res = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--no-progress"])
     said = " ".join(res.output.split())
-    assert res.exit_code == 0 and "no checkpoint in" in said and "--resume starts from round 0" in said
+    assert res.exit_code == 0 and "no checkpoint in" in said and "--resume starts from round 1" in said
     again = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--no-progress"])  # now there is one
     assert again.exit_code == 0 and "no checkpoint" not in again.output
 

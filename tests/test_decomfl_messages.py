@@ -56,7 +56,7 @@ def test_the_largest_task_is_counted_to_the_byte(make_config, tmp_path) -> None:
     task = tasks["c0"]
     assert task.meta["from"] == 0 and task.tensors["g"].shape == (39, K, P) and len(task.meta["synced"]) == 3
     assert size - payload_size(task) == 1 and meta > 0, (size, payload_size(task))
-    assert "cell c0's in round 39, with the whole log (39 rounds x 16 bytes" in what
+    assert "cell c0's in round 40 (the last), with the whole log (39 rounds x 16 bytes" in what
 
 
 def test_a_bound_that_cannot_hold_the_whole_log_is_refused_and_one_that_can_runs_a_resume_that_sends_it(
@@ -70,8 +70,8 @@ def test_a_bound_that_cannot_hold_the_whole_log_is_refused_and_one_that_can_runs
     with pytest.raises(ConfigError) as refused:
         run_simulation(decomfl(make_config, tmp_path, 8, bound=need - 1))
     assert (
-        f"runtime.max_message_bytes = {need - 1:,} cannot hold decomfl's largest task: cell c0's in round 7, with the "
-        f"whole log (7 rounds x 16 bytes"
+        f"runtime.max_message_bytes = {need - 1:,} cannot hold decomfl's largest task: cell c0's in round 8 "
+        f"(the last), with the whole log (7 rounds x 16 bytes"
         in str(refused.value)
         and f"(~{need:,} bytes): raise it to at least {need:,}, or set fewer run.rounds" in str(refused.value)
     ), refused.value

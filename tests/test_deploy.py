@@ -160,7 +160,7 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     assert (
         "cells 1: 1 ok" in read["monitor"][0] and "finished" in read["monitor"][0]
     )  # it was "seen never, rounds behind"
-    assert "cloud: round 2/3 closed (all reported): cells 1/1 answered" in outputs["cloud"]  # -v: a line a round
+    assert "cloud: round 3/3 closed (all reported): cells 1/1 answered" in outputs["cloud"]  # -v: a line a round
 
 
 def test_unsigned_deployment_commands_refuse_to_start_without_insecure(tmp_path: Path) -> None:

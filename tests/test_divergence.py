@@ -53,7 +53,7 @@ def test_a_device_whose_loss_overflows_sends_diverged_and_the_cell_records_it(tm
         assert not record["absent"] and not record["rejected"]
     assert all("diverged" not in r for r in result.cell_records if r["cell"] == "c1")
     assert all(np.isfinite(v).all() for v in result.params.values())
-    assert "device c0-d1 diverged in round 0.0" in caplog.text
+    assert "device c0-d1 diverged in round 1.1" in caplog.text
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
@@ -115,7 +115,7 @@ def test_replayed_and_stale_tasks_are_never_trained() -> None:
     assert sum("(replayed)" in r for r in rejected) == 2
     cloud.on_manifest({"session": "s1", "round": 3})
     task(2, 0)  # the cloud is at round 3 already
-    assert role.trained == [(1, 0), (1, 1)] and "stale task for round 2" in rejected[-1]
+    assert role.trained == [(1, 0), (1, 1)] and "stale task for round 3" in rejected[-1]
     task(3, 0)
     cloud.on_status({"state": "online", "session": "s2", "started": 2.0})  # a restarted cloud
     cloud.on_manifest({"session": "s2", "round": 0})
@@ -140,7 +140,7 @@ def test_an_async_task_is_numbered_by_its_cells_model_version_which_the_cloud_ma
     assert d.role.trained == [(2, 0), (9, 1)] and len(d.rejected) == 1 and "(replayed)" in d.rejected[0]
     rounds = _Unsigned(cloud=cloud)  # a round-based agent: the manifest bounds it
     rounds.task(2, 0)
-    assert rounds.role.trained == [] and "stale task for round 2" in rounds.rejected[0]
+    assert rounds.role.trained == [] and "stale task for round 3" in rounds.rejected[0]
 
 
 def test_a_restarted_cells_task_gets_the_kept_result_again_never_a_second_training() -> None:
@@ -221,9 +221,11 @@ def test_a_global_model_overflowed_by_a_lying_cell_fails_the_job_naming_that_cel
 
     role.report = lying  # type: ignore[method-assign]
     result = sim.run()
-    unit = "version" if mode == "async" else "round"
-    assert result.status == "failed" and result.failed.startswith(f"the global model diverged at {unit} "), (
-        result.failed
+    unit, at = (
+        ("version", result.history[-1]["round"]) if mode == "async" else ("round", result.history[-1]["round"] + 1)
+    )
+    assert result.status == "failed" and result.failed.startswith(f"the global model diverged at {unit} {at} "), (
+        result.failed  # (a round counted from 1 as people read it, a version by its number)
     )
     named = re.search(r"largest update norms of its \d+ cells?: (c\d) ([0-9.e+]+)", result.failed)
     assert named is not None and named[1] == "c1" and float(named[2]) > 3e38, result.failed
@@ -318,9 +320,7 @@ def test_a_run_in_which_every_device_diverges_fails_after_stalled_rounds(tmp_pat
     with caplog.at_level(logging.WARNING):
         result = h.run()
     assert len(result.history) == STALLED_ROUNDS and result.status == "failed"
-    assert (
-        result.failed == f"every device that answered failed or diverged (6 diverged) in rounds 0-{STALLED_ROUNDS - 1}"
-    )
+    assert result.failed == f"every device that answered failed or diverged (6 diverged) in rounds 1-{STALLED_ROUNDS}"
     for record in result.history:
         assert record["devices_diverged"] == {"c0": 3, "c1": 3} and not any(record["devices"].values())
     for record in result.cell_records:
@@ -352,10 +352,10 @@ def test_a_resumed_cloud_keeps_counting_stalled_rounds(tmp_path: Path) -> None:
 
     first = run(STALLED_ROUNDS - 1, resume=False)
     assert len(first.history) == STALLED_ROUNDS - 1 and first.status == "failed"
-    assert str(first.failed).endswith(f"(6 diverged) in rounds 0-{STALLED_ROUNDS - 2}")
+    assert str(first.failed).endswith(f"(6 diverged) in rounds 1-{STALLED_ROUNDS - 1}")
     resumed = run(20, resume=True)
     assert [r["round"] for r in resumed.history] == [STALLED_ROUNDS - 1]
-    assert resumed.failed and f"(6 diverged) in rounds 0-{STALLED_ROUNDS - 1}" in resumed.failed
+    assert resumed.failed and f"(6 diverged) in rounds 1-{STALLED_ROUNDS}" in resumed.failed
 
 
 def test_a_lying_cell_cannot_have_another_cells_device_blamed_and_its_word_is_said_to_be_its() -> None:

@@ -53,13 +53,13 @@ def test_stall_watch_counts_rounds_without_progress() -> None:
     assert watch.observe(2, 2, 2, 0, {}, 0) is None  # cells answered, devices merely absent: not a stall
     assert watch.observe(3, 2, 2, 0, {"ValueError: x": 3}, 1) is None
     why = watch.observe(4, 0, 2, 0, {}, 0)
-    assert why == "no cell answered in rounds 3-4"
+    assert why == "no cell answered in rounds 4-5"  # (rounds 3 and 4 as records count them)
     quorum = StallWatch(max_rounds=1, min_cells=2)
-    assert quorum.observe(7, 1, 3, 4, {}, 0) == "fewer than 2 cells answered in round 7"
+    assert quorum.observe(7, 1, 3, 4, {}, 0) == "fewer than 2 cells answered in round 8"
     assert StallWatch(max_rounds=1, min_cells=5).observe(0, 2, 2, 1, {}, 0) is None  # at most every cell
     assert StallWatch(max_rounds=1).observe(0, 0, 0, 0, {}, 0) is None  # participation let no cell take part
     assert StallWatch(max_rounds=1).observe(5, 2, 2, 0, {}, 0, offline=4) == (
-        "no device online (4 taking part, every one offline) in round 5"
+        "no device online (4 taking part, every one offline) in round 6"
     )
 
 
@@ -91,7 +91,7 @@ def test_a_job_none_of_whose_rounds_made_progress_fails_at_its_end_however_few_i
     watch = StallWatch(max_rounds=3)
     assert watch.observe(0, 2, 2, 0, {"KeyError: 'lr'": 6}, 0) is None
     assert watch.observe(1, 2, 2, 0, {"KeyError: 'lr'": 6}, 0, last=True) == (
-        "every device that answered failed or diverged (6 failed: KeyError: 'lr') in rounds 0-1"
+        "every device that answered failed or diverged (6 failed: KeyError: 'lr') in rounds 1-2"
     )
     progressed = StallWatch(max_rounds=3)
     assert progressed.observe(0, 2, 2, 6, {}, 0) is None
@@ -106,7 +106,7 @@ def test_a_short_job_whose_devices_all_fail_fails_rather_than_finishing(tmp_path
     result = mismatched_devices(SimHierarchy(cfg)).run()
     assert result.status == "failed" and len(result.history) == 2
     assert "every device that answered failed or diverged (6 failed: " in str(result.failed)
-    assert str(result.failed).endswith("in rounds 0-1")
+    assert str(result.failed).endswith("in rounds 1-2")
 
 
 def test_agents_failing_every_task_fail_the_job_with_the_reasons_counted(tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_agents_failing_every_task_fail_the_job_with_the_reasons_counted(tmp_pat
     result = mismatched_devices(SimHierarchy(cfg)).run()
     assert len(result.history) == 2 and result.status == "failed"
     assert "every device that answered failed or diverged (6 failed: " in result.failed
-    assert result.failed.endswith("in rounds 0-1")
+    assert result.failed.endswith("in rounds 1-2")
     last = result.history[-1]
     assert last["devices_failed"] == {"c0": 3, "c1": 3} and sum(last["failures"].values()) == 6
     assert last["failed"] == result.failed
@@ -138,7 +138,7 @@ def test_devices_that_never_make_the_deadline_fail_the_job(tmp_path: Path) -> No
     cfg = small_config(tmp_path, run={"rounds": 6}, clock={"device_steps_per_s": 1.0})
     result = SimHierarchy(cfg).run()
     assert result.status == "failed" and [r["round"] for r in result.history] == [0, 1, 2]
-    assert result.failed == "no device answered within the device deadline (6 tasked, every one late) in rounds 0-2"
+    assert result.failed == "no device answered within the device deadline (6 tasked, every one late) in rounds 1-3"
     assert all(r["closed_by"] == "deadline" and not r["answered"] for r in result.cell_records)
     one_in_time = small_config(tmp_path / "b", run={"rounds": 4}, clock={"device_steps_per_s": 1.0})
     sim = SimHierarchy(one_in_time)
@@ -168,7 +168,7 @@ def test_a_job_whose_every_device_went_offline_fails_instead_of_finishing(tmp_pa
             assert result.status == "finished" and len(result.history) == 8, result.failed
             continue
         assert result.status == "failed" and [r["round"] for r in result.history] == [0, 1, 2, 3, 4]
-        assert result.failed == "no device online (6 taking part, every one offline) in rounds 2-4", result.failed
+        assert result.failed == "no device online (6 taking part, every one offline) in rounds 3-5", result.failed
 
 
 def test_a_job_whose_drawn_devices_are_offline_while_others_are_online_goes_on(tmp_path: Path) -> None:
@@ -262,7 +262,7 @@ def test_an_exception_in_a_cells_handler_fails_the_job(tmp_path: Path, monkeypat
     result, took = emulate(mqtt_config(tmp_path), monkeypatch, CellServer, "_aggregate", broken)
     assert result.status == "failed" and not result.history
     # raised where c1 aggregates: on the last result, or on a close it posted (both are c1's handlers)
-    assert re.fullmatch(r"cell c1 failed in round 0: cell c1: .+ raised KeyError: 'weight'", result.failed)
+    assert re.fullmatch(r"cell c1 failed in round 1: cell c1: .+ raised KeyError: 'weight'", result.failed)
     assert took < 120
 
 
@@ -283,9 +283,9 @@ def test_a_cloud_whose_cells_never_come_fails_with_a_non_zero_exit(tmp_path: Pat
     with EmbeddedBroker() as broker:  # the command in this process: no Python process to start and torch to import
         res = CliRunner().invoke(main, ["cloud", str(config), "--broker", broker.url, "--no-progress", "--insecure"])
     assert res.exit_code == JOB_FAILED, res.output
-    assert "job failed: no cell answered in rounds 0-1" in " ".join(res.output.split())
+    assert "job failed: no cell answered in rounds 1-2" in " ".join(res.output.split())
     summary = json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())
-    assert summary["status"] == "failed" and summary["failed"] == "no cell answered in rounds 0-1"
+    assert summary["status"] == "failed" and summary["failed"] == "no cell answered in rounds 1-2"
     metrics = [json.loads(line) for line in (tmp_path / "out" / runfiles.METRICS).read_text().splitlines()]
     assert [m["round"] for m in metrics] == [0, 1] and metrics[-1]["failed"] == summary["failed"]
 

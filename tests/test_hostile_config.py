@@ -637,7 +637,8 @@ def test_buffers_cohorts_and_logs_larger_than_memory_are_refused_by_the_node_tha
                 "algorithm.local_steps=100000",
                 "algorithm.perturbations=100",
             ],
-            "cannot hold decomfl's largest task: cell c0's in round 999,999, with the whole log (999,999 rounds x "
+            "cannot hold decomfl's largest task: cell c0's in round 1,000,000 (the last), with the whole log (999,999 "
+            "rounds x "
             "40,000,008 bytes",  # (refused before the cloud's memory is: the log would not fit one message)
         ),
     ):

@@ -114,9 +114,11 @@ def test_bad_lines_are_reported_not_fatal(tmp_path):
 
 # ---------------------------------------------------------------------- logs
 def test_round_ranges():
-    assert parse_round_range("1:3") == (1, 3) and parse_round_range("2:") == (2, None)
-    assert parse_round_range(":1") == (None, 1) and parse_round_range("4") == (4, 4)
-    for bad in ("a:b", "3:1", "1:x", "-1", ":-2"):  # a negative round matched no record and said nothing
+    """``--round`` counts from 1, as the table, the monitor and the report show rounds; it selects the records'
+    0-based rounds."""
+    assert parse_round_range("1:3") == (0, 2) and parse_round_range("2:") == (1, None)
+    assert parse_round_range(":1") == (None, 0) and parse_round_range("4") == (3, 3)
+    for bad in ("a:b", "3:1", "1:x", "-1", ":-2", "0", "0:2"):  # a negative round matched no record and said nothing
         with pytest.raises(ValueError):
             parse_round_range(bad)
 
@@ -126,7 +128,7 @@ def test_logs_filters(runs):
     records, _ = read_run(out)
     chosen = filter_records(records, cells=["c1"], rounds=(1, 2), events=["aggregation"])
     assert [(r.round, r.edge_round, r.cell) for r in chosen] == [(1, 0, "c1"), (1, 1, "c1"), (2, 0, "c1"), (2, 1, "c1")]
-    res = CliRunner().invoke(main, ["logs", str(out), "--round", "1:", "--cell", "c0", "--json"])
+    res = CliRunner().invoke(main, ["logs", str(out), "--round", "2:", "--cell", "c0", "--json"])
     assert res.exit_code == 0, res.output
     got = [json.loads(line) for line in res.stdout.splitlines()]
     raw = [
@@ -139,8 +141,12 @@ def test_logs_filters(runs):
     assert got == sorted(expected, key=key) and len(got) == 6
     res = CliRunner().invoke(main, ["logs", str(out), "--event", "round"])
     assert res.exit_code == 0 and "3 of 15 records" in res.output and "c0-d1: deadline" not in res.stdout
-    res = CliRunner().invoke(main, ["logs", str(out), "--event", "aggregation", "--cell", "c0", "--round", "0"])
+    rows = [line.split("│")[1:3] for line in res.stdout.splitlines() if line.startswith("│")]
+    assert [[x.strip() for x in row] for row in rows] == [["round", str(n)] for n in (1, 2, 3)], res.stdout
+    res = CliRunner().invoke(main, ["logs", str(out), "--event", "aggregation", "--cell", "c0", "--round", "1"])
     assert "c0-d1: deadline" in res.stdout and "2 of 15 records" in res.output
+    rows = [line.split("│")[2].strip() for line in res.stdout.splitlines() if line.startswith("│")]
+    assert rows == ["1.1", "1.2"], res.stdout  # round 1's edge rounds, as the monitor numbers them
     assert CliRunner().invoke(main, ["logs", str(out), "--round", "3:1"]).exit_code == 2
 
 

@@ -747,7 +747,7 @@ def test_a_cell_down_at_submit_is_named_absent_at_start_in_the_summary_and_the_j
     assert JobQueue(tmp_path / "jobs.json").listing()[0]["cells_absent_at_start"] == {"c1": why}  # durable
     history = [{"round": 0, "cells_reported": ["c0"]}, {"round": 1, "cells_reported": ["c0", "c1"]}]
     late = RunResult(cfg, {}, history, cells_absent_at_start={"c1": why})
-    assert late.summary()["cells_absent_at_start"] == {"c1": f"{why}; took part from round 1"}
+    assert late.summary()["cells_absent_at_start"] == {"c1": f"{why}; took part from round 2"}
 
 
 def test_a_fleet_jobs_summary_names_the_job_and_its_config_hash(tmp_path: Path) -> None:
@@ -1041,7 +1041,7 @@ def test_the_record_commands_on_a_federations_folder_name_its_jobs_run_folders(t
         assert "is a federation's folder, not a run's" in out, out
         assert f"{fed / 'jobs' / 'JOB'}(job-a)" in "".join(out.split()), out  # (a long path wraps anywhere)
     code, out, _ = _cli("logs", str(fed / "jobs" / "job-a"), "--event", "round")
-    assert code == 0 and "│ round │ 0 │ cloud │ 2/2 cells │" in out, out
+    assert code == 0 and "│ round │ 1 │ cloud │ 2/2 cells │" in out, out
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")

@@ -464,5 +464,5 @@ def test_a_cell_role_that_refuses_every_answer_fails_the_job_saying_so(
     result = run_simulation(cfg)
     assert result.status == "failed" and len(result.history) == 2
     assert result.failed == (
-        "no device's answer was taken (6 rejected: malformed: result of DEVICE: no 'samples') in rounds 0-1"
+        "no device's answer was taken (6 rejected: malformed: result of DEVICE: no 'samples') in rounds 1-2"
     )

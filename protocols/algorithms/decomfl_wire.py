@@ -13,6 +13,7 @@ import numpy as np
 
 from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
+from ..round_text import nth
 from ..wire.payload import Payload, all_finite, payload_size
 
 log = logging.getLogger("fedtier.device")
@@ -91,11 +92,11 @@ def resync_answer(device: str, round: int, start: int) -> Payload:
     """A device's answer when it holds x_0 (its replica lost: its process restarted) and its task's history starts
     later (``start``): it asks for the whole history and sits the round out; it says so in its log."""
     log.warning(
-        "device %s: back at x_0 (its replica lost: a restarted process?) and round %d's history starts at round %d: "
+        "device %s: back at x_0 (its replica lost: a restarted process?) and round %s's history starts at round %s: "
         "asks for the whole history (resync) and sits this round out",
         device,
-        round,
-        start,
+        nth(round),
+        nth(start),
     )
     return Payload({"resync": True})
 
@@ -152,8 +153,8 @@ def largest_task(rounds: int, K: int, Pn: int, rosters: Mapping[str, Sequence[st
     table = sum(len(d) + 4 + len(str(h)) for d in devices) - (1 if devices else 0)  # "id":h, (ids: topic-safe)
     meta = len(json.dumps(empty.meta, separators=(",", ":"))) + table
     what = (
-        f"decomfl's largest task: cell {cell}'s in round {h:,}, with the whole log ({h:,} rounds x {8 + 4 * kp:,} "
-        f"bytes, which a device never seen or recreated by a resume replays) and its {len(devices):,} devices' "
-        "synced rounds"
+        f"decomfl's largest task: cell {cell}'s in round {h + 1:,} (the last), with the whole log ({h:,} rounds x "
+        f"{8 + 4 * kp:,} bytes, which a device never seen or recreated by a resume replays) and its {len(devices):,} "
+        "devices' synced rounds"
     )
     return payload_size(empty) + table + h * (8 + 4 * kp), meta, what

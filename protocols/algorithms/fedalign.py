@@ -52,6 +52,7 @@ from pydantic import Field, model_validator
 from .. import params as P
 from ..numbers import finite_number, is_count
 from ..rejections import Rejected, RejectKind
+from ..round_text import nth
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
@@ -206,7 +207,7 @@ class FedAlignCloud(CloudRole):
         if phase != "free":  # priority devices took part: F of the broadcast model
             loss, acc, by_cell = priority_figures(self.p.priority_statistic, reports)
             if loss is not None and not math.isfinite(loss):  # cells' figures, each finite, whose mean is not
-                log.warning("round %d: the cells' priority loss is beyond the float range: none this round", round)
+                log.warning("round %s: the cells' priority loss is beyond the float range: none this round", nth(round))
                 loss = None  # (the loss criterion: no F, as in a round without priority devices)
             self.F = loss if self.p.criterion == "loss" else acc
             metrics.update(

@@ -36,6 +36,7 @@ from ..algorithms.base import Algorithm, CellRole, CloudRole, DeviceContext, Dev
 from ..algorithms.outcome import Outcome
 from ..algorithms.traits import Trait
 from ..divergence import nonfinite
+from ..round_text import nth
 from ..seeding import rng
 from ..trainer import LocalData, Trainer
 from ..wire.payload import Payload
@@ -202,7 +203,7 @@ class PrivateCloud(CloudRole):
         if spent <= self.budget:
             return None
         return (
-            f"privacy budget: round {round} would spend epsilon {spent:.4g} > privacy.epsilon_budget "
+            f"privacy budget: round {nth(round)} would spend epsilon {spent:.4g} > privacy.epsilon_budget "
             f"{self.budget:g} (delta {self.accountant.delta:g})"
         )
 
