@@ -46,6 +46,7 @@ class LiveView:
         if not current:  # the folder's run goes on (again: --resume)
             self.state.clear_end()
         self.state.cell_folder = feed.cell_folder()  # a cell's own job folder says so (it holds no cloud's records)
+        self.state.folder, self.state.folder_missing = str(feed.run_dir), not feed.run_dir.is_dir()
 
     def _pull_live(self, feed: TelemetryFeed) -> None:
         """Live telemetry, records and statuses taken up to each state that came after them, then that state."""

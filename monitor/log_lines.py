@@ -33,7 +33,7 @@ def phase_text(state: MonitorState) -> str | None:
 
 def log_lines(state: MonitorState, now: float) -> dict[str, str]:
     """The lines of the state, each under its topic: one is logged again when its text changed."""
-    lines = {"run": f"fedtier monitor: {state.run or '?'} ({len(state.cells)} cells)"}
+    lines = {"run": f"fedtier monitor: {state.title} ({len(state.cells)} cells)"}
     link = link_line(state, now, log=True)
     if link is not None:
         lines["link"] = link.plain

@@ -59,7 +59,7 @@ class CellView:
     devices_revoked: set[str] = field(default_factory=set)  # its devices its records say were absent as revoked
     records: int = 0
     rejected_total: int = 0
-    participation: deque[float] = field(default_factory=lambda: deque(maxlen=11))
+    participation: deque[tuple[float, float | None]] = field(default_factory=lambda: deque(maxlen=11))  # (, when)
 
     @property
     def round(self) -> int | None:
@@ -104,6 +104,8 @@ class MonitorState:
     cell_folder: list[dict] = field(default_factory=list)  # a cell's own job folder: its job records (runfiles)
     link_lost: float | None = None  # live: since when the monitor's own broker connection is down (None: up)
     link_losses: int = 0  # live: how many times it went down
+    folder: str | None = None  # the run folder it follows (None: live telemetry)
+    folder_missing: bool = False  # that folder does not exist (yet)
     _max_round: int | None = None
 
     # ------------------------------------------------------------------ feeding
@@ -123,7 +125,7 @@ class MonitorState:
             view.rejected_total += len(record.rejected)
             view.devices_revoked |= {d for d, why in record.absent.items() if why == "revoked"}
             if record.coverage is not None:
-                view.participation.append(record.coverage)
+                view.participation.append((record.coverage, seen))
             view.last_seen = max(filter(None, (view.last_seen, seen)), default=None)
             return
         if self.cloud is None or record.round >= self.cloud.round:
@@ -266,6 +268,12 @@ class MonitorState:
 
     # ------------------------------------------------------------------ derived
     @property
+    def title(self) -> str:
+        """What the monitor follows: the run its records name, else the folder it reads (a monitor started before its
+        run: its title said "?"), else "?"."""
+        return self.run or self.folder or "?"
+
+    @property
     def current_round(self) -> int | None:
         """The most advanced cloud round any record mentions."""
         return self._max_round
@@ -287,7 +295,20 @@ class MonitorState:
         if view.revoked is not None:
             return False
         stale = view.idle and view.idle_until is not None and now > view.idle_until
-        return stale or (view.online is False and not self.finished)
+        return stale or (view.online is False and (not self.finished or self.left_out(view)))
+
+    def left_out(self, view: CellView) -> bool:
+        """The job is over and its last round closed without the cell, which it planned: the cell dropped out before
+        the end (died, cut off), not with the job (it showed ``ok``, or ``ended`` once its will said offline)."""
+        c = self.cloud
+        return self.finished and c is not None and view.cell in c.cells_absent and view.revoked is None
+
+    def end_time(self) -> float | None:
+        """When the job ended (the cloud's end state, else its last round record); None while it goes on."""
+        since = self.states.get("cloud", {}).get("since") if self.finished else None
+        if isinstance(since, (int, float)) and not isinstance(since, bool):
+            return float(since)
+        return self.cloud.time if self.finished and self.cloud is not None else None
 
     def silent(self, view: CellView, now: float) -> float | None:
         """Seconds of silence when longer than the cell's deadline (and the run is not over; an idle cell
@@ -304,9 +325,11 @@ class MonitorState:
 
     def dropped(self, view: CellView) -> tuple[float, float] | None:
         """(latest, previous mean) participation when the latest fell below ``drop_ratio`` x the mean."""
-        if len(view.participation) < 2:
+        end = self.end_time()  # a record after it (a cell resumed once its job was over) took no part in the job
+        kept = [p for p, when in view.participation if end is None or when is None or when <= end]
+        if len(kept) < 2:
             return None
-        *before, latest = view.participation
+        *before, latest = kept
         mean = sum(before) / len(before)
         return (latest, mean) if latest < self.drop_ratio * mean else None
 
@@ -320,6 +343,8 @@ class MonitorState:
             return "offline"
         if view.idle:
             return "idle"
+        if self.left_out(view):  # (its will said offline: offline above)
+            return "silent"
         if self.dropped(view) is not None:
             return "drop"
         if view.last is None:
@@ -371,9 +396,15 @@ class MonitorState:
         if quiet is not None:
             deadline = self.deadline_of(view)
             found.append(("silent", (-quiet, cell, f"cell {cell} silent for {quiet:.0f} s (deadline {deadline:g} s)")))
+        last = view.last
+        where = f"round {nth_edge(last.round, last.edge_round)}" if last is not None else ""  # from 1, as the table
         if self.offline(view, now):
             why = " (idle, its heartbeat missed)" if view.idle else ""
+            why += f": the job ended without it, its last record {where or 'none'}" if self.left_out(view) else ""
             found.append(("offline", (0.0, cell, f"cell {cell} is offline{why}")))
+        elif quiet is None and not view.idle and self.left_out(view):
+            line = f"cell {cell} silent since {where or 'the start'}: the job ended without it"
+            found.append(("silent", (0.0, cell, line)))
         if view.revoked is not None:
             found.append(("revoked", (0.0, cell, f"cell {cell} {view.revoked} by the federation: out of the job")))
         elif view.failed is not None and view.reported_at <= view.failed_at:
@@ -387,8 +418,6 @@ class MonitorState:
         if drop is not None:
             line = f"cell {cell} participation dropped to {drop[0]:.0%} (was {drop[1]:.0%} on average)"
             found.append(("with a participation drop", (drop[0] / drop[1], cell, line)))
-        last = view.last
-        where = f"round {nth_edge(last.round, last.edge_round)}" if last is not None else ""  # from 1, as the table
         # a late answer of a device the edge round before closed without (deadline, quorum) is no alarm
         rejected = [r for r in last.rejected if not late(r, view.cut_off)] if last is not None else []
         if last is not None and rejected:

@@ -242,6 +242,8 @@ def cloud_line(state: MonitorState, now: float, log: bool = False) -> Text:
     c = state.cloud
     if c is None and state.cell_folder:
         return cell_folder_line(state.cell_folder)
+    if c is None and state.folder_missing:  # (a monitor started before its run)
+        return Text(f"cloud: {state.folder} does not exist yet: waiting for the run to start", style="dim")
     if c is None:
         s = state.states.get("cloud", {})
         if (ended := ended_line(s)) is not None:
@@ -323,7 +325,7 @@ def render(state: MonitorState, now: float | None = None, flt: CellFilter | None
     alert_text = (
         Text("\n".join(f"! {a}" for a in alerts), style="bold red") if alerts else Text("no alerts", style="green")
     )
-    title = f"fedtier monitor: {escape(state.run or '?')}  ({len(state.cells)} cells)"
+    title = f"fedtier monitor: {escape(state.title)}  ({len(state.cells)} cells)"
     current, jobs, link = state_line(state, now), jobs_line(state, now), link_line(state, now)
     body = Group(
         *((link,) if link is not None else ()),

@@ -1163,3 +1163,87 @@ def test_a_logging_monitor_says_which_rounds_closed_between_two_of_its_lines():
     assert said[1].endswith("(rounds 2-3 closed since the line before: every round is in the run folder)"), said
     assert "cloud round 4/10" in said[1] and "cloud round 7/10" in said[3], said
     assert said[3].endswith("(round 6 closed since the line before: every round is in the run folder)"), said
+
+
+def _dead_mid_run(status: bool) -> MonitorState:
+    """c0 and c1 in a 4-round job; c1's records stop after round 1 (died), the cloud closes rounds 2-3 without it."""
+    state = MonitorState()
+    for rnd in range(4):
+        state.add(_cell(rnd, "c0", 4, 100.0 + rnd))
+        if rnd < 2:
+            state.add(_cell(rnd, "c1", 4, 100.0 + rnd))
+        elif rnd == 2 and status:
+            state.add_status("cell.c1", "offline", received=102.0)  # its will
+        state.add(
+            RoundRecord(
+                run="live",
+                round=rnd,
+                rounds=4,
+                closed_by="deadline" if rnd >= 2 else "all reported",
+                cells_planned=["c0", "c1"],
+                cells_reported=["c0"] if rnd >= 2 else ["c0", "c1"],
+                cells_absent=["c1"] if rnd >= 2 else [],
+                duration_s=1.0,
+                time=100.5 + rnd,
+            )
+        )
+    return state
+
+
+def test_a_cell_dead_mid_run_is_silent_or_offline_once_the_run_finished_not_ok():
+    """A cell that died in round 3 of 4 showed `ok` once the run finished (a run folder: no statuses), or `ended` (its
+    will said offline), as if it had stopped with the job; only the cloud's 'closed without c1' told otherwise."""
+    folder = _dead_mid_run(status=False)
+    assert folder.finished and folder.state_of(folder.cells["c1"], 200.0) == "silent"
+    assert "cell c1 silent since round 2.1: the job ended without it" in folder.alerts(200.0)
+    assert folder.state_of(folder.cells["c0"], 200.0) == "ok"  # it took part to the end
+    live = _dead_mid_run(status=True)
+    assert live.state_of(live.cells["c1"], 200.0) == "offline"
+    assert "cell c1 is offline: the job ended without it, its last record round 2.1" in live.alerts(200.0)
+    assert "cells 2: 1 offline, 1 ok" in render_text(live, now=200.0)
+
+
+def test_a_record_of_a_cell_resumed_after_its_job_ended_raises_no_participation_drop():
+    """A cell resumed once its job was over replays its open edge round alone (its devices gone with the job): its
+    record, 0 of 4 answered, raised 'participation dropped to 0%' on a job that had ended. A drop within the job still
+    alerts."""
+    state = MonitorState()
+    for rnd in range(3):
+        for cell in ("c0", "c1"):
+            state.add(_cell(rnd, cell, 4 if rnd < 2 or cell == "c1" else 1, 100.0 + rnd))
+        state.add(
+            RoundRecord(
+                run="live",
+                round=rnd,
+                rounds=3,
+                closed_by="all reported",
+                cells_planned=["c0", "c1"],
+                cells_reported=["c0", "c1"],
+                duration_s=1.0,
+                time=100.5 + rnd,
+            )
+        )
+    state.add(_cell(2, "c1", 0, 400.0, edge=1))  # resumed 5 min after the end
+    alerts = state.alerts(401.0)
+    assert "cell c0 participation dropped to 25% (was 100% on average)" in alerts, alerts  # in the job: alerts
+    assert not any("c1 participation" in a for a in alerts), alerts
+    assert state.state_of(state.cells["c1"], 401.0) == "ok"
+
+
+def test_a_monitor_started_before_its_run_folder_names_it_and_waits(runs, tmp_path):
+    """`fedtier monitor RUN_DIR` started before the run titled itself 'fedtier monitor: ?' and said 'no round closed
+    yet'; it names the folder and says it does not exist yet, then the run's name once its records come."""
+    from rich.console import Console
+
+    from monitor.live import LiveView
+
+    run_dir = tmp_path / "later"
+    view = LiveView(0.75, None, CellFilter(), Console(file=io.StringIO()))
+    feed = RunDirFollower(run_dir)
+    view.pull(feed)
+    text = " ".join(render_text(view.state, now=time.time(), width=200).split())
+    assert f"fedtier monitor: {run_dir}" in text and f"cloud: {run_dir} does not exist yet" in text, text
+    shutil.copytree(runs[0].output_dir, run_dir)
+    view.pull(feed)
+    text = " ".join(render_text(view.state, now=time.time(), width=200).split())
+    assert f"fedtier monitor: {view.state.run} " in text and "does not exist" not in text and "round 3/3" in text, text
