@@ -44,7 +44,7 @@ def serve_metrics(cfg: Any, agents: Any = None, follow: bool = False) -> Any:
         return None
     from monitor.exporter import AgentCollector, MetricsExporter
 
-    exporter = MetricsExporter(cfg.run.name)
+    exporter = MetricsExporter(cfg.run.name, devices=cfg.monitoring.device_metrics)
     if agents is not None or follow:
         exporter.agents = AgentCollector(cfg.run.name, agents)
         exporter.registry.register(exporter.agents)

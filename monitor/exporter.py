@@ -10,7 +10,8 @@ Names follow Prometheus conventions: ``fedtier_<tier>_<what>_<unit>``, counters 
 times in seconds, sizes in bytes. Labels are bounded: ``run``, ``cell``, ``tier`` (the four links),
 ``reason`` (a rejection's kind, ``protocols.rejections.RejectKind``: a small fixed vocabulary that rewording a
 message never changes), ``closed_by``. No device ids, except the fleet families ``fedtier_device_*`` of a cell
-(:class:`DeviceFleetCollector`, at most :data:`FLEET_DEVICES` devices a cell).
+(:class:`DeviceFleetCollector`, at most :data:`FLEET_DEVICES` devices a cell), served only when asked for
+(``devices``: ``[monitoring] device_metrics``): a series per device is millions of series on a large fleet.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class MetricsExporter:
     Thread-safe: records may come from the runtimes' loop thread while the server thread scrapes.
     """
 
-    def __init__(self, run: str, registry: CollectorRegistry | None = None) -> None:
-        self.run = run
+    def __init__(self, run: str, registry: CollectorRegistry | None = None, devices: bool = False) -> None:
+        self.run, self.devices = run, devices  # devices: serve the per-device fleet families (DeviceFleetCollector)
         self.registry = registry or CollectorRegistry()
         self._lock = threading.Condition()
         self._scrapes_after = 0  # scrapes that began after the latest record
@@ -104,6 +105,8 @@ class MetricsExporter:
         health.online.labels(self.run, server.cell).set_function(lambda: sum(server.online.values()))
         health.devices.labels(self.run, server.cell).set(len(server.devices))
         health.deadline.labels(self.run, server.cell).set(server.device_deadline)
+        if not self.devices:  # the per-cell aggregates above only
+            return
         if self.fleet is None:  # one collector for all the cells of the process: each family once in a scrape
             self.fleet = DeviceFleetCollector(self.run)
             self.registry.register(self.fleet)

@@ -211,7 +211,7 @@ def exported_cell(tmp_path: Path) -> tuple[RunConfig, Any, Any, Any, Any]:
     cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 2}, runtime={"heartbeat": 1.0})
     hub = MemoryHub()
     cell = build_cell(cfg, "c0", hub.connect("cell.c0"), cfg.build_algorithm(prepare(cfg).spec), heartbeats=True)
-    exporter = MetricsExporter(cfg.run.name)
+    exporter = MetricsExporter(cfg.run.name, devices=True)  # ([monitoring] device_metrics)
     exporter.watch_cell(cell)
     cell.start()
     return cfg, hub, cell, exporter, hub.connect("peer")

@@ -66,7 +66,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def served_exporter() -> MetricsExporter:
     """An exporter serving every metric of every tier, each given a value: a cloud and two cells in one process
     (as ``fedtier run``), their devices having announced their capabilities, a certificate, an agent process."""
-    exporter = MetricsExporter("r")
+    exporter = MetricsExporter("r", devices=True)  # ([monitoring] device_metrics: on)
     exporter.observe(
         {
             "schema": 1,

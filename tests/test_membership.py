@@ -175,7 +175,8 @@ def test_enroll_and_revoke_between_jobs_on_a_running_federation(reachable_tmp: P
                 nodes / "cloud",
             ),
             "cell": _start(
-                [FEDTIER, "cell", "config.toml", "--serve", "--cell", "c0", "--metrics-port", str(metrics["cell"])],
+                [FEDTIER, "cell", "config.toml", "--serve", "--cell", "c0", "--metrics-port", str(metrics["cell"])]
+                + ["--set", "monitoring.device_metrics=true"],
                 nodes / "c0",
             ),
             "c0-d0": agent("c0-d0", "--metrics-port", str(metrics["c0-d0"])),

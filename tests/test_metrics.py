@@ -371,3 +371,29 @@ def test_the_late_answers_of_stragglers_count_as_late_not_as_the_rejections_that
         assert sample(exporter, "fedtier_cell_results_rejected_total", cell=cell, reason="stale") is None
     rules = (Path(__file__).parents[1] / "deploy" / "prometheus" / "alerts.yml").read_text()
     assert 'fedtier_cell_results_rejected_total{reason!="late"}' in rules
+
+
+def test_per_device_series_are_served_only_when_the_config_asks(tmp_path: Path) -> None:
+    """``fedtier_device_*`` carry a device id: a series per device and family (up to 10,000 a cell), millions on a
+    fleet of 10^6 devices, and every cell served them. They are opt-in now (``[monitoring] device_metrics``, or
+    ``--set monitoring.device_metrics=true``); the per-cell aggregates are served either way."""
+    from types import SimpleNamespace
+
+    from fedtier.metrics import serve_metrics
+
+    cell = SimpleNamespace(
+        observers=[], cell="c0", online={"c0-d0": True, "c0-d1": False}, devices=["c0-d0", "c0-d1"],
+        device_deadline=5.0, caps={},
+    )  # fmt: skip
+    for on in (False, True):
+        exporter = serve_metrics(small_config(tmp_path, monitoring={"metrics_port": 0, "device_metrics": on}))
+        try:
+            exporter.watch_cell(cell)
+            port = exporter._server.server_address[1]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as scrape:
+                text = scrape.read().decode()
+        finally:
+            exporter.close()
+        assert 'fedtier_cell_devices_online{cell="c0",run="t"} 1.0' in text, text
+        assert ('fedtier_device_online{cell="c0",device="c0-d1",run="t"} 0.0' in text) is on, text
+        assert ("fedtier_device_" in text) is on, text

@@ -116,7 +116,7 @@ def test_a_long_lived_nodes_metrics_follow_each_job_without_stale_series() -> No
     def samples(exporter: MetricsExporter, name: str) -> list[tuple[dict[str, str], float]]:
         return [(s.labels, s.value) for f in exporter.registry.collect() for s in f.samples if s.name == name]
 
-    exporter = MetricsExporter("fed")
+    exporter = MetricsExporter("fed", devices=True)
     exporter.watch_cell(cell(["c0-d0", "c0-d1"]))
     exporter.watch_cell(cell(["c0-d0", "c0-d2"]))  # the next job, after c0-d1 was revoked and c0-d2 enrolled
     devices = sorted(labels["device"] for labels, _ in samples(exporter, "fedtier_device_online"))

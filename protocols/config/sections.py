@@ -305,6 +305,12 @@ class MonitoringSection(Section):
         "port (fedtier cloud, cell, run, agent); none: no exporter; 0: a free port",
     )
     metrics_host: str = Field(default="127.0.0.1", description="address the /metrics server binds (0.0.0.0: all)")
+    device_metrics: bool = Field(
+        default=False,
+        description="a cell's /metrics also serves the per-device families fedtier_device_* (online, versions, "
+        "cores, memory): a series per device and family, up to 10,000 devices a cell (a fleet of 10^6 devices: "
+        "millions of series); off: the per-cell aggregates only (fedtier_cell_devices_online...)",
+    )
     idle_heartbeat: float = Field(
         default=30.0,
         ge=0.0,
