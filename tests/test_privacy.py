@@ -182,7 +182,7 @@ def test_budget_stops_the_run_at_it(tmp_path: Path) -> None:
     assert [r["round"] for r in result.history] == [0, 1]
     assert result.history[-1]["epsilon"] <= budget
     summary = json.loads((result.output_dir / runfiles.SUMMARY).read_text())
-    assert summary["rounds"] == 2 and "privacy budget: round 2" in summary["stopped"]
+    assert summary["rounds"] == 2 and "privacy budget: round 3" in summary["stopped"]  # (its third)
     with pytest.raises(ConfigError, match=r"privacy.epsilon_budget: 4 rounds would spend .* 2 rounds fit"):
         _dp_config(tmp_path / "r", epsilon_budget=budget)
 

@@ -90,7 +90,7 @@ def test_a_worker_that_dies_ends_the_run_with_the_device_named(make_config):
     group = sim.executor.groups[sim.executor.owner[victim]]  # the error names the first task lost with it
     with pytest.raises(
         WorkerError,
-        match=rf"device ({'|'.join(group)}) \(round 1\.[01]\).*"
+        match=rf"device ({'|'.join(group)}) \(round 2\.[12]\).*"
         rf"\(devices {', '.join(group)}\) died with exit code -9",
     ):
         sim.run()
@@ -104,7 +104,7 @@ def test_a_worker_that_cannot_start_shows_its_error():
     loop = VirtualLoop()
     executor = ProcessExecutor("run = [not toml", [["c0-d0"]], loop)
     try:
-        with pytest.raises(WorkerError, match=r"(?s)device c0-d0 \(round 0\.0\).*exit code 1.*TOMLDecodeError"):
+        with pytest.raises(WorkerError, match=r"(?s)device c0-d0 \(round 1\.1\).*exit code 1.*TOMLDecodeError"):
             executor.submit("c0-d0", Payload(), DeviceContext(0, 0, 0, "c0", "c0-d0"), lambda r, e: None)
             loop.run()  # (or the worker was already dead when the task came)
     finally:

@@ -149,7 +149,7 @@ def test_a_node_with_other_software_refuses_to_start_saying_what_differs(make_co
     out = " ".join(res.output.split())
     assert res.exit_code == 1, out
     assert re.search(
-        r"error: device c\d-d\d \(round 0\.0\): Ray actor \d \(devices .*\) could not start: .*"
+        r"error: device c\d-d\d \(round 1\.1\): Ray actor \d \(devices .*\) could not start: .*"
         r"torch: 0\.0 in the main process, \S+ here",
         out,
     ), out
@@ -186,7 +186,7 @@ def test_a_killed_actor_ends_the_run_naming_it_and_resume_finishes_the_run(make_
 
     sim.agents["c1-d0"].on_task = kill
     died = (
-        rf"device c\d-d\d \(round 1\.0\): Ray actor {worker} \(devices .*c1-d0.*\) on node .* \(\w+, pid \d+\) failed: "
+        rf"device c\d-d\d \(round 2\.1\): Ray actor {worker} \(devices .*c1-d0.*\) on node .* \(\w+, pid \d+\) failed: "
     )
     with pytest.raises(WorkerError, match=died + r"ActorDiedError: The actor died unexpectedly"):
         sim.run()
@@ -214,7 +214,7 @@ def test_a_stopped_actor_ends_the_run_within_the_bound_and_resume_finishes_the_r
     with pytest.raises(
         WorkerError,
         match=rf"Ray actor {worker} \(devices .*c1-d0.*\) on node .* sent nothing, no result and no progress beat, "
-        r"for \d+\.\d s \(runtime\.worker_stall_s = 3\) while it owed \d result\(s\): .*c1-d0 \(1\.0\)",
+        r"for \d+\.\d s \(runtime\.worker_stall_s = 3\) while it owed \d result\(s\): .*c1-d0 \(2\.1\)",
     ):
         sim.run()
     assert time.monotonic() - stopped[0] < 3.0 + 6.0

@@ -60,7 +60,7 @@ def test_a_stopped_worker_ends_the_run_naming_it_and_resume_finishes_it(make_con
     proc = stopped["proc"]
     found = re.search(
         rf"sim worker \d \(pid {proc.pid}; devices [^)]*c1-d0[^)]*\) sent nothing, no result and no progress beat, "
-        rf"for (\d+\.\d) s \(runtime\.worker_stall_s = 2\) while it owed \d result\(s\): [^;]*c1-d0 \(1\.0\)[^;]*; "
+        rf"for (\d+\.\d) s \(runtime\.worker_stall_s = 2\) while it owed \d result\(s\): [^;]*c1-d0 \(2\.1\)[^;]*; "
         r"it is stopped, deadlocked or stuck, and was killed",
         out,
     )
@@ -89,7 +89,7 @@ def test_a_worker_whose_training_deadlocks_ends_the_run_though_its_process_lives
     )
     sim = SimHierarchy(cfg, write_output=False)
     proc = sim.executor.procs[sim.executor.owner["c1-d0"]]
-    with pytest.raises(WorkerError, match=rf"\(pid {proc.pid}; devices [^)]*c1-d0[^)]*\) sent nothing.*c1-d0 \(1\.0\)"):
+    with pytest.raises(WorkerError, match=rf"\(pid {proc.pid}; devices [^)]*c1-d0[^)]*\) sent nothing.*c1-d0 \(2\.1\)"):
         sim.run()
     assert proc.exitcode == -signal.SIGKILL
 

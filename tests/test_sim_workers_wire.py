@@ -69,7 +69,7 @@ def test_a_worker_killed_mid_round_ends_the_run_and_leaves_no_segment(make_confi
     sim = SimHierarchy(make_config(runtime={"engine": "cohort", "sim_workers": 2}, **sections), write_output=False)
     names = [ring.name for ring in sim.executor.rings]
     kill_worker_at_task(sim, "c1-d0")
-    with pytest.raises(WorkerError, match=r"\(round 1\.0\).*died with exit code -9"):
+    with pytest.raises(WorkerError, match=r"\(round 2\.1\).*died with exit code -9"):
         sim.run()
     assert all(not p.is_alive() for p in sim.executor.procs)
     assert not any(_segment(name) for name in names)
