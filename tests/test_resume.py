@@ -267,11 +267,11 @@ def test_a_result_a_resumed_cell_took_before_it_died_delivered_again_is_said_tak
         sim.run()
     assert sim.cells["c0"] is not first
     said = [r.getMessage() for r in caplog.records if "c0-d0" in r.getMessage() or "stale" in r.getMessage()]
-    assert "cell c0: result of c0-d0 for round 1.0 delivered again, already taken" in said, said
+    assert "cell c0: result of c0-d0 for round 2.1 delivered again, already taken" in said, said
     stale = [m for m in said if "rejected" in m]
     assert [m.split(": ", 2)[-1] for m in stale] == [
-        "stale answer for round 0.1 (now 1.1)",
-        "stale answer for round 1.0 (now 1.1)",
+        "stale answer for round 1.2 (now 2.2)",
+        "stale answer for round 2.1 (now 2.2)",
     ], said
 
 
@@ -693,7 +693,7 @@ def test_cell_killed_mid_round_resumes_and_loses_no_device_result(
     else:
         killed = kill_cell_then_cloud(Deployment(tmp_path, broker.url, edge_rounds=2, signed=False), False)
     dep = killed.dep
-    assert "resumed round 0, edge round 0 with 1 of 2 results" in dep.log("c0")
+    assert "resumed edge round 1.1 with 1 of 2 results" in dep.log("c0")
     assert (dep.tmp / "cloud" / runfiles.FINAL_MODEL).read_bytes() == killed.expected
     metrics = records(dep.tmp / "cloud" / runfiles.METRICS)
     assert [m["round"] for m in metrics] == [0, 1, 2]
@@ -772,8 +772,8 @@ def test_a_cell_that_cannot_journal_a_task_fails_the_job_in_that_round_saying_wh
 
     cell.journal.task = task
     result = sim.run()
-    assert "cannot journal round 1's task: [Errno 28] cannot write cell-c0.journal: No space left" in result.failed
-    assert result.failed.startswith("cell c0 failed in round 1: ") and len(result.history) == 1, result.failed
+    assert "cannot journal round 2's task: [Errno 28] cannot write cell-c0.journal: No space left" in result.failed
+    assert result.failed.startswith("cell c0 failed in round 2: ") and len(result.history) == 1, result.failed
     assert sim.hub.loop.now() < 50.0  # (virtual seconds) no deadline waited out
 
 
@@ -793,9 +793,9 @@ def test_a_report_handed_again_to_a_resumed_cloud_is_said_as_that_not_as_its_cel
     assert RoundCounts().lost_task("c1", report, 61, {"c1"}, resumed=True)
     said = [r for r in caplog.records if "c1" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO], caplog.text
-    assert "this cloud resumed at round 61" in said[0].getMessage() and "came back" not in said[0].getMessage()
+    assert "this cloud resumed at round 62" in said[0].getMessage() and "came back" not in said[0].getMessage()
     caplog.clear()
     assert RoundCounts().lost_task("c1", report, 62, {"c1"})
-    assert [(r.levelno, "c1 came back after round 60" in r.getMessage()) for r in caplog.records] == [
+    assert [(r.levelno, "c1 came back after round 61" in r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, True)
     ]
