@@ -215,7 +215,7 @@ class ParticipationSection(Section):
         default=None, ge=0, le=1, description="markov: probability an unavailable one becomes available next round"
     )
     start_on: float | None = Field(
-        default=None, ge=0, le=1, description="markov: probability of being available in round 0"
+        default=None, ge=0, le=1, description="markov: probability of being available in the first round"
     )
     path: str | None = Field(default=None, description="trace: a CSV file of device,start,end availability windows")
 
