@@ -25,6 +25,7 @@ STATES = ("silent", "offline", "drop", "revoked", "waiting", "idle", "ok", "ende
 """A cell's state in the monitor, most serious first (``idle``: a long-lived cell up between jobs; ``revoked``: the
 federation revoked it, out of the job for good; ``ended``: the run ended and none of the cell's records came, e.g. a
 monitor opened after the job: telemetry is not retained)."""
+ASYNC_CLOSE = "buffer full"  # what closes an asynchronous job's version record (``cloud.async_server``)
 GROUP_ALERTS = 5  # more cells than this with the same alert: one line for all of them
 Alert = tuple[float, str, str]
 """One cell's alert: (sort key, the worst first; the cell; the line)."""
@@ -298,10 +299,15 @@ class MonitorState:
         return stale or (view.online is False and (not self.finished or self.left_out(view)))
 
     def left_out(self, view: CellView) -> bool:
-        """The job is over and its last round closed without the cell, which it planned: the cell dropped out before
-        the end (died, cut off), not with the job (it showed ``ok``, or ``ended`` once its will said offline)."""
+        """The job is over and its last round closed without the cell: planned and absent, or no longer planned (the
+        cloud stops planning a cell offline for a cell deadline) with its last record of an earlier round. It dropped
+        out before the end (died, cut off), not with the job (it showed ``ok``, or ``ended`` once its will said
+        offline). Not in an asynchronous job, whose cells' records count their own model versions."""
         c = self.cloud
-        return self.finished and c is not None and view.cell in c.cells_absent and view.revoked is None
+        if not self.finished or c is None or view.revoked is not None or c.closed_by == ASYNC_CLOSE:
+            return False
+        behind = view.last is not None and view.last.round < c.round and view.cell not in c.cells_reported
+        return view.cell in c.cells_absent or behind
 
     def end_time(self) -> float | None:
         """When the job ended (the cloud's end state, else its last round record); None while it goes on."""
@@ -400,10 +406,10 @@ class MonitorState:
         where = f"round {nth_edge(last.round, last.edge_round)}" if last is not None else ""  # from 1, as the table
         if self.offline(view, now):
             why = " (idle, its heartbeat missed)" if view.idle else ""
-            why += f": the job ended without it, its last record {where or 'none'}" if self.left_out(view) else ""
+            why += f": {dropped_out(where)}" if self.left_out(view) else ""
             found.append(("offline", (0.0, cell, f"cell {cell} is offline{why}")))
         elif quiet is None and not view.idle and self.left_out(view):
-            line = f"cell {cell} silent since {where or 'the start'}: the job ended without it"
+            line = f"cell {cell} silent: {dropped_out(where)}"
             found.append(("silent", (0.0, cell, line)))
         if view.revoked is not None:
             found.append(("revoked", (0.0, cell, f"cell {cell} {view.revoked} by the federation: out of the job")))
@@ -429,6 +435,11 @@ class MonitorState:
             line = f"cell {cell}: {len(last.diverged)} device(s) diverged in {where}: "
             found.append(("with diverged devices", (-len(last.diverged), cell, line + why)))
         return found
+
+
+def dropped_out(where: str) -> str:
+    """Why a cell the job ended without is flagged (:meth:`MonitorState.left_out`), its last record ``where``."""
+    return f"it dropped out before the job's end (its last record: {where or 'none'})"
 
 
 def late(rejection: Rejection, cut_off: frozenset[str]) -> bool:
