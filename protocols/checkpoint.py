@@ -7,6 +7,7 @@ previous file intact.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .jsonl import StorageError
+from .jsonl import StorageError, write_all
 from .limits import read_file
 from .wire.envelope import WireError
 from .wire.payload import Payload, decode_payload, encode_payload
@@ -110,7 +111,7 @@ class Journal:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._fh: Any = None
+        self._fd: int | None = None
         self._end: int | None = None  # where the entries :meth:`read` found end
 
     def read(self) -> list[Payload]:
@@ -159,24 +160,48 @@ class Journal:
         self._end = None
 
     def append(self, entry: Payload) -> bytes:
-        """Add ``entry`` durably (fsync) after the existing ones; returns the bytes added (its frame)."""
-        if self._fh is None:
-            created = not self.path.exists()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # owner only, as a reset's
-            self._fh = os.fdopen(fd, "ab")
+        """Add ``entry`` durably (fsync) after the existing ones; returns the bytes added (its frame). An entry that
+        cannot be written (a full disk) is cut off the file again and raises :class:`StorageError` naming the file:
+        the journal holds the entries before it, whole, and takes the next one once there is space."""
+        frame = _frame(entry)
+        try:
+            fd = self._open()
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                write_all(fd, frame)
+                os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):  # no torn entry for the next one to follow
+                    os.ftruncate(fd, start)
+                raise
+        except OSError as exc:
+            raise StorageError(
+                exc.errno, f"cannot write {self.path}: {exc.strerror or exc} (the entry is not written)"
+            ) from exc
+        return frame
+
+    def _open(self) -> int:
+        """The journal's file, open to append: created with its header (durably) if there is none, a torn tail
+        that :meth:`read` skipped cut off. A header that does not fit leaves no file (else no read could open it)."""
+        if self._fd is not None:
+            return self._fd
+        created = not self.path.exists()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # owner only, as a reset's
+        try:
             if created:  # a journal as a reset makes it: its header, then its name made durable
-                self._fh.write(JOURNAL_MAGIC)
-                self._fh.flush()
-                os.fsync(self._fh.fileno())
+                write_all(fd, JOURNAL_MAGIC)
+                os.fsync(fd)
                 sync_folder(self.path)
             if self._end is not None:  # a torn tail that read() skipped goes before anything is added
-                self._fh.truncate(self._end)
+                os.ftruncate(fd, self._end)
                 self._end = None
-        frame = _frame(entry)
-        self._fh.write(frame)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        return frame
+        except OSError:
+            os.close(fd)
+            if created:
+                self.path.unlink(missing_ok=True)
+            raise
+        self._fd = fd
+        return fd
 
     def cut(self, end: int) -> None:
         """Keep the file's first ``end`` bytes (entries after them, written by an attempt that a checkpoint did not
@@ -198,9 +223,11 @@ class Journal:
         self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        """Close the file (every entry was fsynced as it was added: nothing is left to write, nothing raises)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _frame(entry: Payload) -> bytes:

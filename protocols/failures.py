@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .jsonl import StorageError
 from .round_text import rounds_span
 from .wire.payload import Payload
 
@@ -77,11 +78,16 @@ def merge_counts(into: dict[str, int], more: Any, limit: int = MAX_REASONS) -> N
 
 def guarded(fn: Callable[..., None], fail: Callable[[str], None], what: str) -> Callable[..., None]:
     """``fn`` as a handler or timer callback whose exception (a bug) is logged with its traceback and
-    passed to ``fail`` as a reason, instead of vanishing into the event loop's log."""
+    passed to ``fail`` as a reason, instead of vanishing into the event loop's log. A run file that could not be
+    written (:class:`~protocols.jsonl.StorageError`: a full disk) is no bug: its one line names the file, no
+    traceback."""
 
     def call(*args: Any) -> None:
         try:
             fn(*args)
+        except StorageError as exc:
+            log.error("%s: %s", what, exc.strerror)
+            fail(f"{what}: {exc.strerror}"[: MAX_REASON * 2])
         except Exception as exc:
             log.exception("%s raised", what)
             fail(f"{what} raised {type(exc).__name__}: {exc}"[: MAX_REASON * 2])

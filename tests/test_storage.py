@@ -85,6 +85,41 @@ def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one(tmp_path: Path, m
     assert load_params(path)["w"].tolist() == [1, 1, 1, 1] and not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_journal_entry_that_does_not_fit_is_cut_off_and_closing_raises_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A cell's round journal on a full disk (measured on a 2 MB tmpfs: the entry's buffered write failed, the job
+    failed naming no file, then closing the journal flushed the buffer again and `fedtier cell --serve` died with a
+    traceback): the entry is cut off again, the error names the file, closing raises nothing, and once there is
+    space the journal takes the next entry after the earlier ones, whole; a header that does not fit leaves no file
+    (else no read could open it)."""
+    import numpy as np
+
+    from protocols.checkpoint import Journal
+    from protocols.wire.payload import Payload
+
+    def entry(i: int) -> Payload:
+        return Payload({"i": i}, {"w": np.full(64, i, np.float32)})
+
+    journal = Journal(tmp_path / "cell-c0.journal")
+    journal.append(entry(0))
+    before = journal.path.read_bytes()
+    with monkeypatch.context() as m:
+        full_disk(m, after=100)
+        with pytest.raises(StorageError, match=r"cannot write .*cell-c0.journal: No space left on device"):
+            journal.append(entry(1))
+        journal.close()
+    assert journal.path.read_bytes() == before
+    journal.append(entry(2))
+    assert [e.meta["i"] for e in journal.read()] == [0, 2]
+    fresh = Journal(tmp_path / "new.journal")
+    with monkeypatch.context() as m:
+        full_disk(m, after=2)
+        with pytest.raises(StorageError):
+            fresh.append(entry(0))
+    assert not fresh.path.exists()
+    fresh.append(entry(3))
+    assert [e.meta["i"] for e in fresh.read()] == [3]
+
+
 def test_a_full_disk_fails_the_job_with_a_clear_reason(tmp_path: Path, monkeypatch) -> None:
     """The cloud's records file hits a full disk in round 1: the job fails with that reason (no traceback
     lost in a loop's log, no half-written record), and the checkpoint of round 0 is whole."""
