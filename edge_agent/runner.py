@@ -181,12 +181,16 @@ class AgentProcess:
         self.links.each_on_loop(fresh, self._prepare)
         if self.twins.checking:  # from the first connect: a live twin takes the sessions back as they open
             _expect_drops(fresh, "checking that no other agent process is live under this id")
+            for transport in _mqtt(fresh):  # what a live twin's sessions held is left to it (twin.borrow)
+                transport.defer_acks()
         self.links.connect_all(fresh, connect_timeout)
         if self.twin_window is not None:
             try:
                 self._check_twins(self.twin_window)
             finally:
                 _expect_drops(fresh, "")
+            for transport in _mqtt(fresh):  # the sessions are this process's: what it received is taken
+                transport.release_acks()
             self.links.each_on_loop(fresh, lambda d, t: self.agents[d].attach(t))  # held tasks follow
         self.links.each_on_loop(fresh, self._announce_connected)
         if self.heartbeat > 0:
@@ -206,6 +210,8 @@ class AgentProcess:
         refusal = TwinError.of("device", device, "agent", other)  # (said by whoever catches it: once)
         transport, agent = self.transports[device], self.agents[device]
         status = topics.device_status(self.run, agent.cell, device)
+        for t in _mqtt(self.transports.items()):
+            t.stay_down()  # taken back by the live agent meanwhile: not taken over once more
         self.links.on_loop(
             lambda: transport.publish(status, self.twins.refusal(status, agent.trust), qos=1, retain=True)
         )
@@ -466,6 +472,11 @@ class AgentProcess:
             }
             for d, a in self.agents.items()
         }
+
+
+def _mqtt(links: Iterable[tuple[str, Any]]) -> list[MqttTransport]:
+    """The MQTT connections of these links."""
+    return [t for _, t in links if isinstance(t, MqttTransport)]
 
 
 def _expect_drops(links: list[tuple[str, Any]], why: str) -> None:

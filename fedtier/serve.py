@@ -190,7 +190,8 @@ def serve_cloud(cfg: RunConfig, opts: Any, test_data: str | None, spec_of: Calla
 
     def connect() -> Any:  # its will names this process's instance (protocols.twin)
         will = offline_will(fed, "cloud", cfg, service.twin.instance)
-        return connect_forever(lambda: opts.transport("cloud", fed, loop, will=will), stopping, "cloud")
+        make = lambda: service.twin.borrow(opts.transport("cloud", fed, loop, will=will))  # noqa: E731
+        return connect_forever(make, stopping, "cloud")
 
     exporter = serve_metrics(cfg)  # one /metrics across jobs: each job's server is watched as it is built
 
@@ -287,7 +288,8 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
 
     def connect() -> Any:  # its will names this process's instance (protocols.twin)
         will = offline_will(fed, node_name, cfg, service.twin.instance)
-        return connect_forever(lambda: opts.transport(node_name, fed, loop, will=will), stopping, node_name)
+        make = lambda: service.twin.borrow(opts.transport(node_name, fed, loop, will=will))  # noqa: E731
+        return connect_forever(make, stopping, node_name)
 
     exporter = serve_metrics(cfg)
 
@@ -345,7 +347,8 @@ def serve_agent(
     def watch() -> Any:  # a clean session: what a persistent one queued for the last job is dropped
         node = topics.device_node(device)  # its will names this process's instance (protocols.twin)
         will = device_will(fed, cell_of(cfg, device), device, cfg, service.twin.instance, ordered=True)
-        return connect_forever(lambda: opts.transport(node, fed, loop, persistent=False, will=will), stopping, node)
+        make = lambda: service.twin.borrow(opts.transport(node, fed, loop, persistent=False, will=will))  # noqa: E731
+        return connect_forever(make, stopping, node)
 
     def build(job_cfg: RunConfig, session: str) -> AgentProcess:
         spec, job_data = spec_of(job_cfg, None)  # the data as this job's model takes it (images: its size)

@@ -14,6 +14,9 @@ the broker retains no status record for the ids at all (no process announced und
 after a second. The refused process leaves a retained ``duplicate`` status record naming itself (readers
 ignore that state), so the running process, which gets its own status topic's retained record again when it
 reconnects after the takeover, says loudly that another process took its session, and re-announces itself.
+What the broker hands a checking process from the session it took over (meant for the live process) is not
+acknowledged until the check passed (:meth:`NodeTwin.borrow`): a refused one leaves it to the live process, which the
+broker hands it to again as it takes its session back (after ``paho_client.TAKEN_BACK_DELAY``, not the reconnect delay).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from protocols.status import encode_status
 from protocols.transport.mqtt import MqttTransport
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from protocols.wire.keys import Trust
 
 log = logging.getLogger("fedtier.twin")
+T = TypeVar("T")
 
 GRACE = 1.0
 """Seconds a check waits for the retained record of its nodes' status topics (sent right after the
@@ -246,10 +250,27 @@ class NodeTwin:
         self.topic = topic or topics.status(fed, node)
         self.watch = TwinWatch(new_instance(), kind, noun)
         self._checked = False
+        self._clean: MqttTransport | None = None  # a clean connection borrowed as persistent for the check
 
     @property
     def instance(self) -> str:
         return self.watch.instance
+
+    def borrow(self, transport: T) -> T:
+        """``transport``, not yet connected, of the node's session: if its connection is the one to check, it holds
+        back its acknowledgements until the check passed (``MqttTransport.defer_acks``). The check takes the session
+        over from a live process of the node for a moment: what the broker had in flight to that process, or sent
+        meanwhile, comes to this one first, and acknowledged here it was lost to the live process (its round waited
+        out its deadline for results the check took: 20 s measured, a cell's device deadline); held back, the broker
+        hands it to the live process again as it takes its session back. A clean connection (a long-lived agent's
+        watch) keeps the session for the check (connecting clean would end the live process's session, and what it
+        queued), and is clean again once it passed."""
+        if self.window is not None and not self._checked and isinstance(transport, MqttTransport):
+            transport.defer_acks()
+            if not transport.persistent:
+                transport.persist()
+                self._clean = transport
+        return transport
 
     @property
     def extra(self) -> dict[str, str]:
@@ -287,18 +308,25 @@ class NodeTwin:
                 )
                 reannounce()
 
-        transport.subscribe(self.topic, on_status)
+        transport.subscribe(self.topic, on_status, qos=0)  # (QoS 0: not queued behind the held-back acknowledgements)
         if self._checked:
             return
         self._checked = True
+        mqtt = transport if isinstance(transport, MqttTransport) else None
         twin = self._check(transport, loop, self.window)
         if twin is None:
+            if mqtt is not None:
+                mqtt.release_acks()  # the session is this process's: what it received is taken
+                if mqtt is self._clean:
+                    mqtt.persist(keep=False)  # (what the session held for an earlier connection: dropped, as before)
             return
         refusal = TwinError.of(watch.noun, self.node, self.kind, twin[1])  # (said by whoever catches it: once)
+        if mqtt is not None:
+            mqtt.stay_down()  # taken back by the live process meanwhile: not taken over once more
         transport.publish(self.topic, watch.refusal(self.topic, self.trust), qos=1, retain=True)
-        if isinstance(transport, MqttTransport):
-            transport.flush(5.0)
-        transport.close()  # a clean DISCONNECT: no will, the live process's status stays
+        if mqtt is not None:
+            mqtt.flush(5.0)
+        transport.close()  # a clean DISCONNECT: no will, the live process's status stays; nothing acknowledged
         raise refusal
 
     def _check(self, transport: Transport, loop: ThreadLoop, window: float) -> tuple[str, str] | None:

@@ -1300,3 +1300,19 @@ def test_a_broker_whose_free_port_another_process_took_first_starts_on_another_n
         with MosquittoBroker() as broker:
             assert broker.port != taken
             assert listens(broker._proc.pid, broker.port) in (True, None)  # type: ignore[union-attr]
+
+
+def test_a_connection_of_long_standing_lost_is_tried_again_at_once_then_backs_off() -> None:
+    """A live cell whose session a second process of it took over for a moment (``protocols.twin``'s check) waited the
+    1 s reconnect delay each time, and its job with it. A connection that lasted ``LONG_LIVED`` is tried again after
+    ``TAKEN_BACK_DELAY``; a try that fails then waits the usual delays, and so does a connection that did not last (the
+    one that came back at once, taken over in turn: two processes that keep taking one session still back off)."""
+    from protocols.transport.paho_client import LONG_LIVED, TAKEN_BACK_DELAY, Credentials, _Client, new_client
+
+    c = new_client("node", True, Credentials(), None, 1 << 16, (1.0, 30.0), 64)
+    assert isinstance(c, _Client)
+    c.connected_at = time.monotonic() - LONG_LIVED  # accepted that long ago, lost now
+    assert [c.next_wait() for _ in range(4)] == [TAKEN_BACK_DELAY, 1.0, 2.0, 4.0]
+    c._reconnect_delay = None  # accepted again (paho resets it on a CONNACK) ...
+    c.connected_at = time.monotonic()  # ... and lost at once
+    assert c.next_wait() == 1.0

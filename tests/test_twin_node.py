@@ -42,7 +42,8 @@ def service_of(kind: str, bundle: RunConfig, url: str, folder: Path, window: flo
 
     def connect() -> MqttTransport:
         will = offline_will(bundle.run.name, node, None, service.twin.instance)
-        return BrokerOptions(url).transport(node, bundle.run.name, loop, will=will).connect()  # the CLI's client id
+        made = BrokerOptions(url).transport(node, bundle.run.name, loop, will=will)  # the CLI's client id
+        return service.twin.borrow(made).connect()  # as fedtier/serve.py's
 
     if kind == "cloud":
         queue = JobQueue(folder / "jobs.json")
@@ -320,4 +321,50 @@ def test_fedtier_run_beside_a_live_run_of_its_name_exits_1_and_one_killed_does_n
         refuse_live_run(BrokerOptions(broker.url), cfg)  # no live node of the run: nothing raised
     finally:
         live.close()
+        loop.stop()
+
+
+def test_a_refused_second_cell_leaves_what_the_live_cells_session_received_to_it(
+    tmp_path: Path, broker: MosquittoBroker
+) -> None:
+    """Walked: a second `fedtier cell --serve` started by mistake beside a provisioned fleet's live cell mid-job; its
+    check took the live cell's session over twice (as it must: two connections under one client id), and the device
+    results the broker handed it meanwhile it acknowledged, so they were lost to the live cell: its round waited out
+    its device deadline (20 s). The check holds every acknowledgement back now: a message sent to the cell while the
+    second one held its session reaches the live cell when it takes the session back. Here the live cell is a
+    connection of its client id with its will, subscribed to a stream of numbered messages sent every 20 ms for as
+    long as the second process checks (without the fix 44-48 of ~60 were lost)."""
+    bundle = federation_bundle(small_config(tmp_path))
+    fed, node = bundle.run.name, NODES["cell"]
+    stream, got = f"{fed}/test/stream", []
+    loop = ThreadLoop("live").start()
+    live = BrokerOptions(broker.url).transport(node, fed, loop, will=offline_will(fed, node, None, "live0"))
+    live.subscribe(stream, lambda t, b: got.append(int(b)))
+    status = topics.status(fed, node)
+    live.connect().publish(status, encode_status(IDLE, topic=status, instance="live0"), retain=True)  # as it serves
+    sender_loop = ThreadLoop("sender").start()
+    sender = MqttTransport.from_url(broker.url, "sender", sender_loop).connect()
+    sent, stop = [], threading.Event()
+
+    def send() -> None:
+        while not stop.wait(0.02):
+            sent.append(len(sent))
+            sender.publish(stream, str(sent[-1]).encode())
+
+    thread = threading.Thread(target=send, name="sender", daemon=True)
+    try:
+        thread.start()
+        assert wait_until(lambda: len(got) >= 5)  # (and the live connection is older than paho_client.LONG_LIVED)
+        second = service_of("cell", bundle, broker.url, tmp_path / "b", NODE_WINDOW)
+        with pytest.raises(TwinError, match="instance live0"):
+            second.serve()
+        stop.set()
+        thread.join(5)
+        assert sender.flush(10.0) and wait_until(lambda: live.reconnects >= 2)  # the check took it over twice
+        assert wait_until(lambda: set(got) >= set(sent), 10.0), sorted(set(sent) - set(got))
+    finally:
+        stop.set()
+        sender.close()
+        live.close()
+        sender_loop.stop()
         loop.stop()

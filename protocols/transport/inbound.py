@@ -14,7 +14,9 @@ that arrives or waits on the loop while the client closes is left to the broker,
 next session (a node that closes one connection and opens the next, as a long-lived cloud does per job); one whose
 handler closes the client is acknowledged before the DISCONNECT. Held messages are acknowledged as they are held
 (an unacknowledged one would keep its place in the broker's in-flight window for as long as no handler comes): a
-node killed before it subscribed loses them."""
+node killed before it subscribed loses them. A client that only borrows a node's session (``protocols.twin``'s check,
+which may find the node's live process holding it) holds every acknowledgement back until it knows it keeps the
+session (:meth:`Inbound.defer_acks`): refused, it leaves all it received to the live process."""
 
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class Inbound:
     _keep: Callable[[], None] | None  # ... its handler's share of it, unless the handler keeps it (keep_ack)
     _keep_chunks = 0  # ... the chunks held unacknowledged with it
     _acked_since_publish = False  # a PUBACK written since the last QoS-1 publish (close() confirms it: _settle)
+    _deferred: list[tuple[int, int, int]] | None = None  # (connection, mid, qos): acknowledgements held back
 
     def _reassemble(self, timeout: float, max_bytes: int, max_message: int | None) -> None:
         """Reassemble chunks with these bounds (``chunking.Reassembler``); a set dropped has its chunks acknowledged."""
@@ -97,8 +100,9 @@ class Inbound:
             log.exception("%s: failed to handle an incoming message", self.client_id)
         if self._closed and self.persistent:  # closed meanwhile (close() on another thread): dropped or held for
             return  # nobody, so not acknowledged: the broker hands it to the next session
-        client.ack(msg.mid, msg.qos)  # taken (held, refused, or posted by a clean client): the broker may forget it
-        self._acked_since_publish = True
+        with self._cv:
+            gen = self._gen
+        self._send_ack(gen, msg.mid, msg.qos)  # taken (held, refused, or posted by a clean client): may be forgotten
 
     def _acker(self, mid: int, qos: int) -> Callable[[], None]:
         """Acknowledge ``mid`` once, on the connection that received it (after a reconnect the broker resends it)."""
@@ -112,12 +116,42 @@ class Inbound:
                 if done or gen != self._gen or self._closed:  # closed (or killed): the next session gets it
                     return
                 done = True
-            self._client.ack(mid, qos)
-            self._acked_since_publish = True  # (set once queued: a publish queued before it does not confirm it)
-            if self._reactor is not None:
-                self._reactor.wake(self._client)
+            self._send_ack(gen, mid, qos)
 
         return ack
+
+    def _send_ack(self, gen: int, mid: int, qos: int) -> None:
+        """Acknowledge ``mid`` (received on connection ``gen``), or keep it for :meth:`release_acks`."""
+        if not qos:
+            return
+        with self._cv:
+            if self._deferred is not None:
+                self._deferred.append((gen, mid, qos))
+                return
+        self._client.ack(mid, qos)
+        self._acked_since_publish = True  # (set once queued: a publish queued before it does not confirm it)
+        if self._reactor is not None:
+            self._reactor.wake(self._client)
+
+    def defer_acks(self) -> None:
+        """Hold back every acknowledgement from now on (call it before connecting) until :meth:`release_acks`. A
+        process that takes a node's persistent session over to check whether the node's live process holds it
+        (``protocols.twin``) receives what the broker meant for the live one (what was in flight to it, what came
+        meanwhile); acknowledged, it was gone for the live process (a round waited out its deadline for results
+        taken by the check), unacknowledged, the broker hands it to the live process again as it takes its session
+        back (MQTT 3.1.1: a resumed session's unacknowledged QoS-1 messages are sent again). Never released (a
+        refused process closes with them held back), they stay the session's."""
+        with self._cv:
+            self._deferred = []
+
+    def release_acks(self) -> None:
+        """Send the acknowledgements :meth:`defer_acks` held back, of this connection's messages (the broker sends
+        an earlier connection's again), and acknowledge as usual from now on."""
+        with self._cv:
+            deferred, self._deferred, gen = self._deferred or [], None, self._gen
+        for at, mid, qos in deferred:
+            if at == gen and not self._closed:
+                self._send_ack(gen, mid, qos)
 
     def _receive(self, msg: mqtt.MQTTMessage, ack: Callable[[], None] | None = None) -> bool:
         """Take ``msg``; True when it was posted to handlers and ``ack`` (not None) will acknowledge it."""

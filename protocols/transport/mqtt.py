@@ -37,6 +37,7 @@ from .inbound import Inbound
 from .paho_client import (
     Credentials,
     linger_on_disconnect,
+    mark_connected,
     new_client,
     nodelay,
     round_trip,
@@ -71,6 +72,7 @@ class MqttTransport(Connecting, Inbound, Transport):
     _refusals = 0  # reconnects in a row refused or hung up on before their CONNACK
     _refused_for = 0.0  # ... the delays after them, summed (REFUSED_PATIENCE)
     _connack_refused = False  # the last CONNACK refused the connection (said): its hang-up that follows is no news
+    _final = False  # a lost connection is not re-established (stay_down)
     # ... its subscriptions ...
     _sub_sending = 0  # SUBSCRIBEs decided on but not yet registered as pending
     _gen = 0  # connection generation: SUBACK bookkeeping of an older connection is void
@@ -250,6 +252,14 @@ class MqttTransport(Connecting, Inbound, Transport):
         self._client.disconnect()
         stop_thread(self._client)
 
+    def stay_down(self) -> None:
+        """Do not re-establish this connection once lost (a refused second process of a node leaving: its session's
+        live process takes the session back meanwhile, and a reconnect would take it over once more); :meth:`flush`
+        then returns at once."""
+        self._final = True
+        if self._reactor is None:
+            self._no_reconnect()
+
     def _no_reconnect(self) -> None:
         # paho 2.2 only takes reconnect_on_failure in the constructor; without this, its network
         # thread would sit in the reconnect backoff (or even reconnect) before loop_stop() returns.
@@ -270,10 +280,15 @@ class MqttTransport(Connecting, Inbound, Transport):
         with self._cv:
             return max(0, self._gen - 1)
 
-    def persist(self) -> None:
-        """Keep the session from the next (re)connect on (a clean connection that became worth keeping)."""
-        self.persistent = True
-        self._client._clean_session = False  # paho reads it for every CONNECT
+    def persist(self, keep: bool = True) -> None:
+        """Keep the session from the next (re)connect on (a clean connection that became worth keeping); ``keep``
+        False: a clean session from the next reconnect on, and what this one delivered before its handler came is
+        dropped (a connection that resumed a session only not to end it: ``protocols.twin.NodeTwin.borrow``)."""
+        self.persistent = keep
+        self._client._clean_session = not keep  # paho reads it for every CONNECT
+        if not keep:
+            with self._cv:
+                self._held.clear()
 
     # -- Transport -------------------------------------------------------------------------
     def publish(
@@ -353,9 +368,11 @@ class MqttTransport(Connecting, Inbound, Transport):
             return self._cv.wait_for(lambda: self._closed or subscribed(), timeout) and not self._closed
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Block until every QoS-1 publish so far is acknowledged by the broker (or ``timeout``)."""
+        """Block until every QoS-1 publish so far is acknowledged by the broker (True), or ``timeout`` passed or the
+        connection was lost for good (:meth:`stay_down`)."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._unacked, timeout)
+            gone = lambda: self._final and not self._connected  # noqa: E731
+            return self._cv.wait_for(lambda: not self._unacked or gone(), timeout) and not self._unacked
 
     # -- paho callbacks (network thread) ---------------------------------------------------
     def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, reason: Any, _props: Any) -> None:
@@ -378,6 +395,7 @@ class MqttTransport(Connecting, Inbound, Transport):
             self._cv.notify_all()
         self._attempts = self._refusals = 0
         self._refused_for = 0.0
+        mark_connected(client)  # (its reconnect delay: paho_client.LONG_LIVED)
         lost = self.persistent and self._ever_connected and not getattr(flags, "session_present", False)
         if lost:  # the broker expired it (persistent_client_expiration) or lost its state: say so
             self.sessions_lost += 1
@@ -430,7 +448,7 @@ class MqttTransport(Connecting, Inbound, Transport):
             self._connack_refused = False
         else:  # a reconnect hung up on before its CONNACK (e.g. a revoked certificate): why, then rarely
             self._say_refused_again(None)
-        if self._reactor is not None:
+        if self._reactor is not None and not self._final:
             self._retry_later(refused=not was_connected)  # refused: backs off further
 
     def _send_subscribe(self, subs: list[tuple[str, int]], gen: int) -> None:

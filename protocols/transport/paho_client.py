@@ -4,6 +4,7 @@ reconnect delays and the in-flight window set from the transport's options."""
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -35,18 +36,42 @@ class Credentials:
         return bool(self.ca_certs or self.certfile or self.keyfile)
 
 
+LONG_LIVED = 0.8
+"""Seconds a connection lasted after which, lost, it is tried again after :data:`TAKEN_BACK_DELAY` rather than the
+reconnect delay (1 s): a node whose session another client took over for a moment (a second process of the node, as
+it checks whether the node is live: ``protocols.twin``), or whose network blipped, is back at once, and its job with
+it; a broker that is down refuses that try, and the usual backoff follows. The other side of a takeover is back after
+the reconnect delay, so two processes that keep taking one session from each other still back off: the one that came
+back at once holds the session for less than this, and waits the delay next time."""
+TAKEN_BACK_DELAY = 0.2
+"""Seconds before the first try after a connection of :data:`LONG_LIVED` was lost."""
+
+
 class _Client(mqtt.Client):
     """paho's client, whose reconnect backoff notices a stop (``disconnect``, ``loop_stop``) within 50 ms: paho
     sleeps it out in steps of up to 1 s, so closing a client its broker had just hung up on (a refused login, a
     listener without MQTT) took a second, and every command that then failed exited a second late. It counts its
     PINGREQs and their PINGRESPs, for :meth:`round_trip`."""
 
-    def _reconnect_wait(self) -> None:
-        with self._reconnect_delay_mutex:  # paho's exponential backoff, as its own _reconnect_wait computes it
+    connected_at = math.inf  # when its connection was last accepted (monotonic; set by the transport on CONNACK)
+
+    def next_wait(self) -> float:
+        """Seconds before the next reconnect attempt: paho's exponential backoff, as its own ``_reconnect_wait``
+        computes it (from the minimum delay, reset by each accepted connection), but :data:`TAKEN_BACK_DELAY` first
+        after a connection of :data:`LONG_LIVED`."""
+        with self._reconnect_delay_mutex:
             last = self._reconnect_delay
             delay = self._reconnect_min_delay if last is None else min(last * 2, self._reconnect_max_delay)
             self._reconnect_delay = delay
-        until = time.monotonic() + delay
+            wait: float = delay
+            if last is None and time.monotonic() - self.connected_at >= LONG_LIVED:
+                wait = min(delay, TAKEN_BACK_DELAY)  # a connection of long standing lost: its first try at once
+                self._reconnect_delay = None  # (a failed try after it waits the reconnect delay)
+            self.connected_at = math.inf
+            return wait
+
+    def _reconnect_wait(self) -> None:
+        until = time.monotonic() + self.next_wait()
         while not self._stopping() and (left := until - time.monotonic()) > 0:
             time.sleep(min(left, 0.05))
 
@@ -194,6 +219,12 @@ def wait_lingered(c: mqtt.Client, timeout: float | None = None) -> bool:
     if not isinstance(c, _Client):
         return True
     return wait_answer(c, c.lingered.wait, LINGER_WAIT if timeout is None else timeout)
+
+
+def mark_connected(c: mqtt.Client) -> None:
+    """``c``'s connection was accepted now (:data:`LONG_LIVED`)."""
+    if isinstance(c, _Client):
+        c.connected_at = time.monotonic()
 
 
 def round_trip(c: mqtt.Client, timeout: float, wake: Callable[[], None] = lambda: None) -> bool:
