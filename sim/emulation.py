@@ -205,7 +205,7 @@ class Emulation:
         """Run the config as one job on a local federation; its result (the job's outputs are in the run
         folder). Raises :class:`ConfigError` for a job the cloud refused or could not start, and what ``on_round``
         raised (failing the job). ``check_live`` (``fedtier run``): on an external broker, first refuse to start
-        (``protocols.twin.TwinError``) while a cloud or cell of another run of this name is live on it
+        (``protocols.twin.TwinError``) while a cloud, cell or agent of another run of this name is live on it
         (``local_federation.refuse_live_run``)."""
         t0 = time.perf_counter()
         set_torch_threads(1)

@@ -84,27 +84,27 @@ broker sends them right after its SUBACK)."""
 
 
 def refuse_live_run(opts: BrokerOptions, cfg: RunConfig) -> None:
-    """Raise :class:`TwinError` if the retained status of a cloud or cell of ``cfg``'s run name on ``opts``' broker
-    says a process of it is up (online, idle: a node that stopped or died leaves offline, its will): another
-    ``fedtier run`` of this name, or a federation serving it. Its nodes hold the same client ids and topics:
-    this run's would take their broker sessions every second, and neither run would get a round done (walked,
-    session 23: both ran on for 10 minutes at round 0). Read by a client of its own, which takes nothing from
-    the live run (``NodeTwin``'s check takes the node's session, which lost a running job's messages)."""
+    """Raise :class:`TwinError` if the retained status of a cloud, cell or device of ``cfg``'s run name on ``opts``'
+    broker says a process of it is up (online, idle: a node that stopped or died leaves offline, its will): another
+    ``fedtier run`` of this name, or a federation serving it, even one whose cloud is down (its long-lived agents
+    alone). Its nodes hold the same client ids and topics: this run's would take their broker sessions every second,
+    and neither run would get a round done (walked, session 23: both ran on for 10 minutes at round 0); idle agents
+    would take this run's job for their federation's. Read by a client of its own, which takes nothing from the live
+    nodes (``NodeTwin``'s check must take the node's session)."""
     run, found = cfg.run.name, threading.Event()
-    nodes = ["cloud", *(topics.cell_node(c) for c in cfg.topology.cell_ids())]
     live: dict[str, str] = {}
 
-    def on_status(node: str, topic: str, data: bytes) -> None:
+    def on_status(topic: str, data: bytes) -> None:
         record = decode_status(data, topic)
         if record is not None and record.get("state") in LIVE_STATES:
-            live.setdefault(node, str(record.get("instance", "?")))
+            live.setdefault(topic.rsplit("/", 1)[-1], str(record.get("instance", "?")))
             found.set()
 
     loop = ThreadLoop("run-check").start()
     probe = opts.transport(f"run-check-{new_instance()[:8]}", run, loop, persistent=False)
     try:
-        for node in nodes:
-            probe.subscribe(topics.status(run, node), lambda t, b, node=node: on_status(node, t, b))
+        probe.subscribe(topics.statuses(run), on_status)  # the cloud's and the cells'
+        probe.subscribe(topics.device_statuses(run), on_status)  # every cell's devices'
         probe.connect()
         if probe.wait_subscribed(10.0):
             found.wait(LIVE_CHECK_WAIT)
@@ -114,8 +114,8 @@ def refuse_live_run(opts: BrokerOptions, cfg: RunConfig) -> None:
     if live:
         node, instance = next(iter(live.items()))
         raise TwinError(
-            f"run {run!r}: another run of this name is live on the broker at {opts.url} (its {node}, instance "
-            f"{instance}, says it is up): two runs of one name take each other's broker sessions; give this run "
+            f"run {run!r}: another run or federation of this name is live on the broker at {opts.url} (its {node}, "
+            f"instance {instance}, says it is up): nodes of one name take each other's broker sessions; give this run "
             "another name (--set run.name=...), or stop the other run first"
         )
 

@@ -309,7 +309,10 @@ def test_fedtier_run_beside_a_live_run_of_its_name_exits_1_and_one_killed_does_n
         res = CliRunner().invoke(main, ["run", str(config), "--broker", broker.url, "--no-progress"])
         said = " ".join(res.output.split())
         assert res.exit_code == 1, said + repr(res.exception)
-        assert f"run 't': another run of this name is live on the broker at {broker.url} (its cell.c1" in said
+        assert (
+            f"run 't': another run or federation of this name is live on the broker at {broker.url} (its cell.c1"
+            in said
+        )
         assert "give this run another name (--set run.name=...), or stop the other run first" in said
         assert not (cfg.output_dir() / runfiles.METRICS).exists()  # refused before its cloud started
         live.crash()  # kill -9: the broker says its will
@@ -367,4 +370,41 @@ def test_a_refused_second_cell_leaves_what_the_live_cells_session_received_to_it
         sender.close()
         live.close()
         sender_loop.stop()
+        loop.stop()
+
+
+def test_a_runs_long_lived_agents_alone_block_a_fedtier_run_of_its_name(
+    tmp_path: Path, broker: MosquittoBroker
+) -> None:
+    """A federation whose cloud and cells are down, its long-lived agents idle: a `fedtier run` of its name on its
+    broker was not refused (only a live cloud or cell blocked it); walked with two `fedtier agent --serve`: both
+    took the run's job as their federation's ("job run-... taken"), and they and the run's devices, under one client
+    id each, took each other's broker sessions ("another agent process ... took this agent's broker session"). An
+    agent's idle record (what `fedtier agent --serve` says between jobs) blocks it now, naming the device; its will
+    (the agent stopped or died) does not."""
+    from edge_agent.broker import device_will
+    from sim.local_federation import refuse_live_run
+
+    cfg = small_config(tmp_path)
+    run, topic = cfg.run.name, topics.device_status(cfg.run.name, "c0", "c0-d0")
+    loop = ThreadLoop("agent").start()
+    agent = BrokerOptions(broker.url).transport(
+        "device.c0-d0", run, loop, persistent=False, will=device_will(run, "c0", "c0-d0", None, "agent0")
+    )
+    try:
+        agent.connect().publish(topic, encode_status(IDLE, topic=topic, instance="agent0"), retain=True)
+        assert agent.flush(10.0)
+        with pytest.raises(
+            TwinError, match=r"another run or federation of this name is live .* \(its device\.c0-d0, instance agent0"
+        ):
+            refuse_live_run(BrokerOptions(broker.url), cfg)
+        agent.crash()  # the broker says its will
+        spy = Spy(broker.url, topic)
+        try:
+            assert wait_until(lambda: bool(spy.records) and spy.records[-1].get("state") == "offline")
+        finally:
+            spy.close()
+        refuse_live_run(BrokerOptions(broker.url), cfg)  # nothing raised
+    finally:
+        agent.close()
         loop.stop()
