@@ -75,7 +75,7 @@ def client_id(run: str, node: str) -> str:
 def offline_will(run: str, node: str, cfg: RunConfig | None = None, instance: str | None = None) -> Will:
     """The last will of a node: its retained status says offline (signed by the node when ``cfg`` has
     ``[security] keys``), naming its process's ``instance`` if given (``protocols.twin``: the broker publishes
-    it at each takeover of its session, so a second process of the node sees who holds it)."""
+    it at a takeover of its session by a clean connection, so a second process of the node sees who holds it)."""
     return _will(topics.status(run, node), cfg, **({"instance": instance} if instance is not None else {}))
 
 
@@ -83,7 +83,7 @@ def device_will(
     run: str, cell: str, device: str, cfg: RunConfig | None = None, instance: str | None = None, ordered: bool = False
 ) -> Will:
     """The last will of a device: its retained status (under its cell) says offline (signed as above), naming the
-    agent process's ``instance`` (``protocols.twin``: the broker publishes it at each takeover of its session).
+    agent process's ``instance`` (``protocols.twin``: the broker publishes it at a takeover by a clean connection).
     ``ordered``: the will of an agent's watch connection, which its devices' own connections take over as its job
     starts (the broker may say it after their online): ordered as of now (``protocols.status.order_stamp``), so a
     reader takes it only if that process said nothing newer."""

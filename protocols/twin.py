@@ -8,7 +8,8 @@ cell in its will too. Before it announces anything, a starting process listens o
 for ``window`` seconds (:func:`twin_window`): a record of another instance seen *twice* is live (the broker
 hands the retained copy once per subscription; a second copy is a heartbeat, a re-announce, the retained copy
 again after the live process took the session back and this one reconnected, or the live one's will, which
-the broker publishes at each takeover), and the process refuses to start (:class:`TwinError`). A single copy is
+Mosquitto publishes at a takeover only where one of the two connections is clean: 2.0.11 checked, none between two
+persistent ones), and the process refuses to start (:class:`TwinError`). A single copy is
 what a crashed predecessor left retained (its last record, or its will): it does not block a restart. Where
 the broker retains no status record for the ids at all (no process announced under them yet), the check ends
 after a second. The refused process leaves a retained ``duplicate`` status record naming itself (readers
@@ -107,7 +108,8 @@ class TwinWatch:
         connection it came on (a transport's reconnect count): another instance's records on one connection within
         :data:`GRACE` of each other count once (what the node's persistent session held for it, e.g. a crashed
         predecessor's last record still in flight and its will, then the retained record: one burst as it
-        connects); a live process shows again on the next connection (the takeover's will), or by a later beat."""
+        connects); a live process shows again on the next connection (its retained record handed again), or by a later
+        beat."""
         if not data:
             return
         if self.instance.encode() in data:  # this process's own records (its heartbeats come back)
@@ -360,9 +362,9 @@ predecessor's, retained or held in its session) ends if its connection was never
 have taken the session back within 1.5 s (its reconnect delay) and shown again."""
 NODE_WINDOW = twin_window(0.0)
 """How long a long-lived cloud or cell listens as it starts, at most (4 s; :data:`SETTLE` when its session was not
-taken over, 1 s when the broker holds no record of the node): its will names its instance and the broker publishes
-it at each takeover, so a live one shows twice within two reconnects (this one's, then the live one's), whatever its
-heartbeat."""
+taken over, 1 s when the broker holds no record of the node): the live one's retained record (its instance) is
+handed to each of this one's connections, so a live one shows twice within two reconnects (the live one's, then
+this one's), whatever its heartbeat."""
 
 
 def _drain(loop: ThreadLoop, event: threading.Event, seconds: float) -> bool:
