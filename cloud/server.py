@@ -68,6 +68,7 @@ class CloudServer:
     _stop_request: str | None = None  # request_stop's reason (an instance's own once set)
     _start_timer: TimerHandle | None = None  # the startup wait's end (cancelled once round 0 begins or the job ends)
     status_extra: Mapping[str, Any] = {}  # what its status records add (a service's instance)
+    announce_end_later = False  # a federation's cloud: the end is said once its queue holds it (announce_end)
 
     def __init__(
         self,
@@ -142,18 +143,15 @@ class CloudServer:
 
     # ----------------------------------------------------------------- views of the parts
     @property
-    def history(self) -> list[dict[str, Any]]:
-        """The round records so far (``telemetry``)."""
+    def history(self) -> list[dict[str, Any]]:  # the round records so far (telemetry)
         return self.telemetry.history
 
     @property
-    def observers(self) -> list[Callable[[dict[str, Any]], None]]:
-        """Called with each round record (``monitor.exporter``; ``telemetry``)."""
+    def observers(self) -> list[Callable[[dict[str, Any]], None]]:  # called with each record (monitor.exporter)
         return self.telemetry.observers
 
     @property
-    def metrics(self) -> JsonlWriter:
-        """The round records' file (``telemetry``)."""
+    def metrics(self) -> JsonlWriter:  # the round records' file (telemetry)
         return self.telemetry.metrics
 
     # ----------------------------------------------------------------- lifecycle
@@ -491,10 +489,12 @@ class CloudServer:
     def _finish(self) -> None:
         self.finished = True
         self.loop.cancel(self._start_timer)
-        extra = {"stopped": self.stopped} if self.stopped else {}
-        if self.failed:
-            extra["failed"] = self.failed
         figures = end_figures(self.history)  # a monitor opened after the end has no round record
         accuracy, loss = figures.get("accuracy"), figures.get("loss")
         self._state(self.job_status, reason=self.failed or self.stopped, accuracy=accuracy, loss=loss)
-        send_finished(self.messenger, self.run, self.round, self.session, **extra)
+        if not self.announce_end_later:
+            self.announce_end()
+
+    def announce_end(self, failed: str | None = None) -> None:
+        """The job's retained ``finished`` record: its cells and devices leave it (``failed``: why, after all)."""
+        send_finished(self.messenger, self.run, self.round, self.session, self.stopped, self.failed or failed)

@@ -29,7 +29,7 @@ from protocols.checkpoint import private_file, write_durably
 from protocols.config import RunConfig, TopologySection
 from protocols.joblog import say_ended, say_taken
 from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError, ended_outcome, job_session
-from protocols.privacy.ledger import LEDGER_FILE, PrivacyLedger
+from protocols.privacy.ledger import LEDGER_FILE, LedgerError, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
 from protocols.status import IdleBeat, between_jobs
 from protocols.transport.base import Transport
@@ -41,7 +41,7 @@ from protocols.wire.keys import Trust
 from protocols.wire.signed import seal_record
 
 from .job_requests import on_request
-from .jobs import Job, JobQueue, final_figures
+from .jobs import Job, JobQueue, JobQueueError, final_figures
 from .kept_records import KeptRecords
 from .node import build_cloud
 from .requests import REQUESTS_FILE, OperatorRequests
@@ -268,7 +268,9 @@ class CloudService:
         """Record how ``job`` ended: its final model and summary (``on_end``), its state in the queue, no job in
         progress. Outputs that cannot be written (a full disk, a run folder made unwritable) fail the job with
         that reason: it is no success without its model, and the queue goes on (a crash here left it running,
-        resumed and failed again at each restart)."""
+        resumed and failed again at each restart). Its nodes hear it ended once the queue holds that: a queue that
+        cannot be written (a full disk) stops the cloud with the job still running for them, resumed at its next start
+        (before, they had left it: the resumed job waited for them without end)."""
         ended = self.queue.get(job.job) or job
         state, reason = (
             ("cancelled", "cancelled by the operator")
@@ -287,9 +289,17 @@ class CloudService:
                 state = "failed" if state == "finished" else state
                 reason = f"{reason}; {unwritten}" if reason else unwritten
         spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
-        self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
+        try:
+            self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
+        except LedgerError as exc:  # (a full disk) it keeps counting the whole reservation as spent: no overspending
+            log.error("job %s: %s; the ledger keeps its whole reservation", job.job, exc)
         figures = final_figures(node.history, node.resumed_from)
-        self.queue.end(job.job, state, reason, node.cells_absent_at_start, figures)
+        try:
+            self.queue.end(job.job, state, reason, node.cells_absent_at_start, figures)
+        except JobQueueError as exc:  # its nodes were not told: started again, the cloud resumes the job with them
+            log.error("job %s %s, which the job queue cannot record: the cloud stops (%s)", job.job, state, exc)
+            raise
+        node.announce_end(reason if state == "failed" else None)  # its cells and devices leave the job now
         self.served.append(job.job)
         say_ended("cloud", job.job, state, reason if state != "cancelled" else None, figures)
         # no job in progress: a node (re)started now waits for the next one, not the one just ended
@@ -339,6 +349,7 @@ class CloudService:
             devices_recreated=parts.devices_recreated,
         )
         node.status_extra = self.twin.extra
+        node.announce_end_later = True  # (once the queue holds it: _end)
         if parts.on_build is not None:
             parts.on_build(node)
         return cfg, out, node

@@ -26,10 +26,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedtier.cloud")
 
 
-def send_finished(messenger: Messenger, run: str, rnd: int, session: str, **extra: Any) -> None:
-    """Publish the job's retained ``finished`` control record: its round, session and ``extra`` (why it stopped or
-    failed); nodes that come late, and job watchers, read it."""
-    meta = {"event": "finished", "round": rnd, "session": session, **extra}
+def send_finished(
+    messenger: Messenger, run: str, rnd: int, session: str, stopped: str | None = None, failed: str | None = None
+) -> None:
+    """Publish the job's retained ``finished`` control record: its round, session, and why it stopped or failed if
+    it did; nodes that come late, and job watchers, read it."""
+    why = {k: v for k, v in (("stopped", stopped), ("failed", failed)) if v}
+    meta = {"event": "finished", "round": rnd, "session": session, **why}
     messenger.send(topics.control(run), "control", Payload(meta), round=rnd, retain=True)
 
 

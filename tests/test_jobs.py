@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -482,6 +483,38 @@ def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the
     assert ended.state == "cancelled" and ended.reason.startswith("cancelled by the operator; cannot write"), ended
     assert "final_model.ftw" in ended.reason
     assert queue.next().job == "b"
+
+
+def test_a_jobs_end_is_said_to_its_nodes_once_the_queue_holds_it_and_not_if_it_cannot(tmp_path: Path) -> None:
+    """Walk-through (a fleet's cloud whose run folder, a 2 MB tmpfs, filled mid-job): the job failed on its checkpoint,
+    the cloud told its cells the job had ended, then could not write that in its queue and stopped (exit 1). Started
+    again once there was space, it resumed the job from its checkpoint, which its cells had left: it waited for them
+    without end (no round in 2 min). Now the nodes are told once the queue holds the end: a queue that cannot be
+    written stops the cloud with nothing said (its nodes go on with the job it resumes), and one that can is written
+    before the ``finished`` record leaves."""
+    from protocols.transport.memory import MemoryHub
+
+    service, queue, loop, text = _waiting_cloud(tmp_path)
+    hub, said = MemoryHub(loop=loop), []  # the queue file's state of the job as each "finished" record leaves
+    control = topics.control(service.fed)
+    hub.tap = lambda topic, data, *_: said.append(_states(queue.path)) if topic == control and data else None
+    for name in ("a", "b"):
+        queue.submit(Job(name, text, config_hash(text), OPERATOR))
+    save = queue._save
+    queue._save = lambda: (_ for _ in ()).throw(JobQueueError("cannot write the job queue: No space left on device"))
+    queue.jobs["a"] = replace(queue.jobs["a"], state="running", cancel_requested=True)  # ends in its startup wait
+    with pytest.raises(JobQueueError, match="No space left"):
+        service._run(queue.get("a"), transport=hub.connect("cloud"))  # type: ignore[arg-type]
+    assert said == [] and JobQueue(queue.path).next().job == "a"  # nothing said; started again, it resumes a
+    queue._save = save
+    queue.jobs["a"] = replace(queue.jobs["a"], state="queued")
+    queue.start("a")
+    assert service._run(queue.get("a"), transport=hub.connect("cloud")) is True  # type: ignore[arg-type]
+    assert said == [{"a": "cancelled", "b": "queued"}], said
+
+
+def _states(path: Path) -> dict[str, str]:
+    return {j["job"]: j["state"] for j in json.loads(path.read_text())["jobs"]}
 
 
 def test_a_cloud_stopped_with_a_job_running_says_the_job_resumes_at_its_next_start(
