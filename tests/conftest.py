@@ -6,8 +6,6 @@ import ast
 import errno
 import functools
 import os
-import random
-import socket
 import time
 import tomllib
 from collections.abc import Callable
@@ -118,24 +116,12 @@ def wait_until(cond: Callable[[], bool], timeout: float = 30.0, period: float = 
 
 
 def free_port_run(count: int, host: str = "127.0.0.1") -> int:
-    """The first of ``count`` consecutive TCP ports that were free a moment ago, for a provisioning that gives
-    cells consecutive ports (``--cell-port``). Drawn below the kernel's ephemeral range (32768+), where the
-    suite's own client connections take their local ports, so another test's connection cannot land on it."""
-    for _ in range(200):
-        base = random.randrange(20000, 32768 - count)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+    """The first of ``count`` consecutive TCP ports that were free a moment ago, for a provisioning that gives cells
+    consecutive ports (``--cell-port``): :func:`protocols.transport.broker.free_port`, below the kernel's ephemeral
+    range, where no outgoing connection of another test takes its local port."""
+    from protocols.transport.broker import free_port
+
+    return free_port(host, count)
 
 
 T = TypeVar("T")

@@ -1316,3 +1316,31 @@ def test_a_connection_of_long_standing_lost_is_tried_again_at_once_then_backs_of
     c._reconnect_delay = None  # accepted again (paho resets it on a CONNACK) ...
     c.connected_at = time.monotonic()  # ... and lost at once
     assert c.next_wait() == 1.0
+
+
+def test_a_free_port_is_drawn_below_the_ephemeral_range_where_no_outgoing_connection_holds_it() -> None:
+    """A port of the system's ephemeral range (what binding port 0 gives) may be any outgoing connection's next local
+    port, held by it and then 60 s in TIME_WAIT, and a listener cannot bind it meanwhile, SO_REUSEADDR or not (shown
+    with this test's own connection, closed first): a test's broker started on a port found free seconds before (a
+    provisioning first), or restarted on its port, could fail to start under xdist (~200 such ports held at any moment
+    in a loaded suite). :func:`free_port` draws below that range, one port or consecutive ones."""
+    from protocols.transport.broker import _ephemeral_low
+
+    low = _ephemeral_low()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        held = client.getsockname()[1]
+        client.close()  # first: its port waits in TIME_WAIT
+        accepted.close()
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                listener.bind(("127.0.0.1", held))
+    assert held >= low
+    for count in (1, 4):
+        bases = [free_port(count=count) for _ in range(20)]
+        assert all(base + count <= low for base in bases), (bases, low)
+        assert len(set(bases)) > 1  # drawn, not one port for every caller

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -61,11 +62,38 @@ def parse_broker_url(url: str) -> tuple[str, int]:
     return parts.hostname, port or (8883 if parts.scheme in ("mqtts", "ssl") else 1883)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports that were free a moment ago, below the system's ephemeral range: a
+    port in it (port 0's) may be any outgoing connection's next, held by it, then 60 s in TIME_WAIT, which a listener
+    cannot bind even with SO_REUSEADDR (a broker started on it seconds later, or restarted, failed). Where the range
+    leaves too little room below it, a port the system gives."""
+    low = _ephemeral_low()
+    for _ in range(200 if low - count > _LOWEST + 1000 else 0):
+        base = _draw.randrange(max(_LOWEST, low - 12768), low - count + 1)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+            return base
+    if count > 1:
+        raise RuntimeError(f"no {count} consecutive free ports on {host}")
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+_LOWEST, _draw = 10000, random.SystemRandom()  # not the global generator: two test processes seeded alike draw alike
+
+
+def _ephemeral_low() -> int:
+    """Where the ports the system hands outgoing connections begin (Linux: ``ip_local_port_range``; IANA's 49152)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def listens(pid: int, port: int) -> bool | None:
