@@ -336,23 +336,28 @@ def test_a_refused_second_cell_leaves_what_the_live_cells_session_received_to_it
     its device deadline (20 s). The check holds every acknowledgement back now: a message sent to the cell while the
     second one held its session reaches the live cell when it takes the session back. Here the live cell is a
     connection of its client id with its will, subscribed to a stream of numbered messages sent every 20 ms for as
-    long as the second process checks (without the fix 44-48 of ~60 were lost)."""
+    long as the second process checks (without the fix 44-48 of ~60 were lost); and what the live cell publishes
+    meanwhile (a stream of its own, as its tasks and reports) is not lost either: queued while its session is taken,
+    sent as it is back."""
     bundle = federation_bundle(small_config(tmp_path))
     fed, node = bundle.run.name, NODES["cell"]
-    stream, got = f"{fed}/test/stream", []
+    stream, back, got, echoed = f"{fed}/test/stream", f"{fed}/test/back", [], []
     loop = ThreadLoop("live").start()
     live = BrokerOptions(broker.url).transport(node, fed, loop, will=offline_will(fed, node, None, "live0"))
     live.subscribe(stream, lambda t, b: got.append(int(b)))
     status = topics.status(fed, node)
     live.connect().publish(status, encode_status(IDLE, topic=status, instance="live0"), retain=True)  # as it serves
     sender_loop = ThreadLoop("sender").start()
-    sender = MqttTransport.from_url(broker.url, "sender", sender_loop).connect()
+    sender = MqttTransport.from_url(broker.url, "sender", sender_loop)
+    sender.subscribe(back, lambda t, b: echoed.append(int(b)))
+    sender.connect()
     sent, stop = [], threading.Event()
 
     def send() -> None:
         while not stop.wait(0.02):
             sent.append(len(sent))
             sender.publish(stream, str(sent[-1]).encode())
+            live.publish(back, str(sent[-1]).encode())
 
     thread = threading.Thread(target=send, name="sender", daemon=True)
     try:
@@ -365,6 +370,7 @@ def test_a_refused_second_cell_leaves_what_the_live_cells_session_received_to_it
         thread.join(5)
         assert sender.flush(10.0) and wait_until(lambda: live.reconnects >= 2)  # the check took it over twice
         assert wait_until(lambda: set(got) >= set(sent), 10.0), sorted(set(sent) - set(got))
+        assert wait_until(lambda: set(echoed) >= set(sent), 10.0), sorted(set(sent) - set(echoed))
     finally:
         stop.set()
         sender.close()
