@@ -144,13 +144,19 @@ class DeviceAgent:
         transport.subscribe(topics.device_task(self.run, self.cell, self.device), self._on_task, segments=True)
 
     def announce(
-        self, state: str, qos: int = 1, heartbeat: float = 0.0, unfit: Mapping[str, str] | None = None
+        self,
+        state: str,
+        qos: int = 1,
+        heartbeat: float = 0.0,
+        unfit: Mapping[str, str] | None = None,
+        anew: bool = False,
     ) -> None:
         """Publish this device's retained status record (``qos=0`` for a heartbeat: it repeats the record
         the broker already retains, and the next one follows if it is lost; no acknowledgement to handle).
         An idle record declares the ``heartbeat`` period it is repeated at (0: none), and ``unfit``: the job
         (``session``) this device cannot serve and why (``reason``), so that job's cell plans it absent with
-        the reason rather than offline."""
+        the reason rather than offline. ``anew``: a record of a newer order, never the last one repeated, which its
+        cell takes for a return (its task again, if it waits for this device's result)."""
         status = topics.device_status(self.run, self.cell, self.device)
         samples = (
             len(self.data) if getattr(self.role, "reveals_data_size", True) else None
@@ -158,7 +164,9 @@ class DeviceAgent:
         beat = heartbeat if state == IDLE and heartbeat > 0 else 0.0
         key = (state, samples or 0, beat)
         unfit = unfit if state == IDLE else None
-        record = None if beat or unfit else self._status.get(key)  # an idle beat is stamped with its time: signed each
+        record = (
+            None if beat or unfit or anew else self._status.get(key)
+        )  # an idle beat is stamped with its time: signed each
         if record is None:  # a heartbeat repeats the same record: encoded (and signed) once
             extra: dict[str, Any] = {"caps": dict(self.caps)} if self.caps is not None and state != "offline" else {}
             if samples is not None:

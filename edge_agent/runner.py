@@ -339,11 +339,13 @@ class AgentProcess:
         transport.on_session_lost = lambda: self._session_lost(device)
 
     def _session_lost(self, device: str) -> None:
-        """On the I/O thread: the broker had no session for a present device (expired while it was away):
-        announce it online again at once (QoS 1), so its cell re-sends a task whose copy the session lost."""
+        """On the I/O thread: the broker had no session for a present device (expired while it was away, or lost with
+        a broker restarted before its autosave): announce it online anew at once (QoS 1, after its subscriptions), so
+        its cell re-sends a task whose copy the session lost, or whose result went with it. Its last record repeated
+        was a heartbeat to the cell, no return: the edge round waited out its device deadline."""
         with self.presence.lock:
             if device in self.presence.present and self.transports.get(device) is not None:
-                self.agents[device].announce("online")
+                self.agents[device].announce("online", anew=True)
 
     def _announce_connected(self, device: str, transport: Any) -> None:
         """On the loop, as :meth:`start` ends: announce ``device`` online unless its connection ``transport`` was

@@ -65,3 +65,49 @@ def test_a_heartbeat_in_flight_at_stop_schedules_no_beat_after_it(tmp_path: Path
         assert beats == ["online"] and scheduled_after_stop == []
         agents._beat()  # a beat whose timer fired just as stop cancelled it: it says nothing
         assert beats == ["online"] and scheduled_after_stop == []
+
+
+def test_a_device_whose_broker_lost_its_session_says_online_anew_so_its_cell_sends_its_task_again(
+    tmp_path: Path,
+) -> None:
+    """Walk-through (a provisioned fleet's Mosquitto killed -9 mid-job and started again before its autosave): the task
+    the broker held for a device went with it; the device reconnected, found no session and re-announced itself online
+    with its last record repeated (the same order), which its cell took for a heartbeat, not a return: the edge round
+    waited out its device deadline (60 s). It now says it anew (a newer order: ``StatusChange.renewed``, the task
+    again, ``cell_server.edge_liveness.on_status``)."""
+    from protocols.status import decode_status
+    from protocols.transport.mqtt import MqttTransport
+    from protocols.transport.threadloop import ThreadLoop
+    from protocols.wire import topics
+    from tests.conftest import wait_until
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    prep = prepare(cfg)
+    orders: list[float] = []  # the order of each online record of the device, as its cell reads them
+    loop = ThreadLoop("cell").start()
+    with MosquittoBroker() as broker:
+        agents = AgentProcess(
+            cfg,
+            cfg.build_algorithm(prep.spec),
+            {DEVICE: prep.device_data[DEVICE]},
+            make_trainer("torch", prep.spec, cfg),
+            BrokerOptions(broker.url),
+            heartbeat=3600.0,
+        ).start()
+        cell = MqttTransport.from_url(broker.url, "cell", loop, persistent=True).connect(10.0)
+        try:
+
+            def heard(topic: str, data: bytes) -> None:
+                record = decode_status(data, topic, None) if data else None
+                if record is not None and record["state"] == "online":
+                    orders.append(record["order"])
+
+            cell.subscribe(topics.device_status(cfg.run.name, "c0", DEVICE), heard)
+            assert wait_until(lambda: len(orders) == 1, 10.0), orders
+            broker.stop()  # no persistence: every session, and what it held, is gone
+            broker.start()
+            assert wait_until(lambda: len(orders) >= 2 and orders[-1] > orders[0], 15.0), orders
+        finally:
+            cell.close()
+            agents.stop()
+            loop.stop()
