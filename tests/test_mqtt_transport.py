@@ -1344,3 +1344,27 @@ def test_a_free_port_is_drawn_below_the_ephemeral_range_where_no_outgoing_connec
         bases = [free_port(count=count) for _ in range(20)]
         assert all(base + count <= low for base in bases), (bases, low)
         assert len(set(bases)) > 1  # drawn, not one port for every caller
+
+
+@needs_mosquitto
+def test_a_connection_told_to_stay_down_is_not_made_again_once_taken_over(loop) -> None:
+    """A second process of a node, refused by its twin check, leaves with ``stay_down``: the live process taking its
+    session back meanwhile must not be taken over once more by its reconnect (paho's thread, or a reactor's: both
+    reconnect within 1.6 s without it)."""
+    reactor = Reactor().start()
+    with MosquittoBroker() as b:
+        try:
+            leaving = {
+                io: connect(b, f"node-{io}", loop, persistent=True, reactor=r)
+                for io, r in (("thread", None), ("reactor", reactor))
+            }
+            for t in leaving.values():
+                t.stay_down()
+            live = {io: connect(b, f"node-{io}", loop, persistent=True) for io in leaving}  # taken back
+            assert all(wait_until(lambda t=t: not t.connected, WAIT) for t in leaving.values())
+            time.sleep(1.6)  # longer than either's first reconnect delay (1 s; a reactor's 0.5 to 1.5 s)
+            assert [t.reconnects for t in live.values()] == [0, 0] and all(t.connected for t in live.values())
+            for t in (*leaving.values(), *live.values()):
+                t.close()
+        finally:
+            reactor.close()

@@ -109,6 +109,7 @@ class Connecting:
     _connack_reason: Any
     _connect_error: ConnectionError | None
     _closed: bool
+    _final: bool  # a lost connection is not re-established (MqttTransport.stay_down)
     _ever_connected: bool
     _deadline: float  # of the first connect
     _timeout = 0.0  # ... and its length
@@ -219,7 +220,7 @@ class Connecting:
 
     # -- reactor mode: (re)connects with jittered backoff, on the reactor thread --------------------
     def _attempt(self) -> None:
-        if self._closed:
+        if self._closed or (self._final and self._ever_connected):  # (a retry due before stay_down: not made)
             return
         try:
             self._client.connect(self.host, self.port, self.keepalive)
