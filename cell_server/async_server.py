@@ -22,7 +22,7 @@ from protocols.answers import sender_refusal
 from protocols.divergence import STALLED_ROUNDS, diverged_reason
 from protocols.failures import count_reasons, failed_payload, failed_reason
 from protocols.params import sums_on
-from protocols.records import MAX_LISTED_REJECTIONS, CellRecord
+from protocols.records import BUFFER_FULL, MAX_LISTED_REJECTIONS, CellRecord
 from protocols.rejections import Rejected, RejectKind, kind_of
 from protocols.transport.base import TimerHandle, Transport
 from protocols.wire import topics
@@ -406,7 +406,7 @@ class AsyncCellServer(CellServer):
             planned=sorted(self.dispatched),
             answered=sorted(set(answered)),
             rejected=self.telemetry.rejected,
-            closed_by="buffer full",
+            closed_by=BUFFER_FULL,
             bytes_in=self.edge.bytes_in,
             bytes_out=self.edge.bytes_out,
             bytes_resent=self.edge.bytes_resent or None,

@@ -32,6 +32,7 @@ from typing import Any
 from protocols import runfiles
 from protocols.algorithms.fedbuff import FedBuffCloud
 from protocols.failures import failed_reason, is_refusal
+from protocols.records import BUFFER_FULL
 from protocols.rejections import Rejected, RejectKind
 from protocols.status import decode_status
 from protocols.transport.base import TimerHandle, Transport
@@ -266,7 +267,7 @@ class AsyncCloudServer(CloudServer):
         out = self.fb.aggregate(self._version_bound)
         self._notify = sorted(set(out.senders))
         self._in_round = False
-        self._record_round("buffer full", self._notify, [], out, updates, "version")  # checkpointed: buffer in model
+        self._record_round(BUFFER_FULL, self._notify, [], out, updates, "version")  # checkpointed: buffer in model
         if self.journal is not None:
             self.journal.applied(self.round)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protocols.numbers import finite_number
-from protocols.records import TASKED, BadLine, BadLines, CellRecord, Record, Rejection, RoundRecord
+from protocols.records import BUFFER_FULL, TASKED, BadLine, BadLines, CellRecord, Record, Rejection, RoundRecord
 from protocols.rejections import RejectKind
 from protocols.round_text import nth, nth_edge
 from protocols.status import IDLE, idle_deadline
@@ -25,7 +25,6 @@ STATES = ("silent", "offline", "drop", "revoked", "waiting", "idle", "ok", "ende
 """A cell's state in the monitor, most serious first (``idle``: a long-lived cell up between jobs; ``revoked``: the
 federation revoked it, out of the job for good; ``ended``: the run ended and none of the cell's records came, e.g. a
 monitor opened after the job: telemetry is not retained)."""
-ASYNC_CLOSE = "buffer full"  # what closes an asynchronous job's version record (``cloud.async_server``)
 GROUP_ALERTS = 5  # more cells than this with the same alert: one line for all of them
 Alert = tuple[float, str, str]
 """One cell's alert: (sort key, the worst first; the cell; the line)."""
@@ -304,7 +303,7 @@ class MonitorState:
         out before the end (died, cut off), not with the job (it showed ``ok``, or ``ended`` once its will said
         offline). Not in an asynchronous job, whose cells' records count their own model versions."""
         c = self.cloud
-        if not self.finished or c is None or view.revoked is not None or c.closed_by == ASYNC_CLOSE:
+        if not self.finished or c is None or view.revoked is not None or c.closed_by == BUFFER_FULL:
             return False
         behind = view.last is not None and view.last.round < c.round and view.cell not in c.cells_reported
         return view.cell in c.cells_absent or behind

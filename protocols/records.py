@@ -37,6 +37,8 @@ TASKED = ("deadline", "quorum")  # absent reasons of devices that were planned (
 """The four links whose bytes every round record counts."""
 
 
+BUFFER_FULL = "buffer full"
+"""``closed_by`` of an asynchronous job's records: a version closed by its full buffer (its cells' and its cloud's)."""
 _HEAD = ("schema", "event", "run", "round", "edge_round", "cell", "algorithm")
 Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
 """A count or round number a record holds: an int64, as any reader holds it (JSON bounds no integer: a peer's
