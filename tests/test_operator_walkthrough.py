@@ -622,6 +622,7 @@ def test_fedtier_jobs_says_when_the_list_is_an_offline_clouds(
 ) -> None:
     """The job list is retained: with the cloud down, `fedtier jobs` printed its last list as if all were well
     (a job 'running' that nothing runs). It now reads the cloud's signed status too and says it is offline."""
+    from fedtier import cmd_jobs
     from protocols.jobs import seal_record
     from protocols.status import encode_status
     from protocols.wire import topics
@@ -636,6 +637,7 @@ def test_fedtier_jobs_says_when_the_list_is_an_offline_clouds(
     trust = Trust("cloud", ring.private["cloud"], ring.public)
     listing, status = topics.job_list("fed"), topics.status("fed", "cloud")
     monkeypatch.chdir(fed / "nodes" / "operator")
+    monkeypatch.setattr(cmd_jobs, "OFFLINE_GRACE", 0.2)  # this cloud stays offline: its 1.5 s would be waited out
     with mosquitto(fed / "broker" / "mosquitto.conf", port), clients() as make:
         cloud = make(fed / "nodes" / "cloud", port)
         cloud.connect(WAIT)
