@@ -211,10 +211,18 @@ def _wait_end(config: str, job: str, seconds: float) -> NoReturn:
         return str(mine[0].get("state")) if mine else None
 
     session = _connect(config, seconds)
+    cloud = session.cloud_status()  # (subscribed before the list: its retained status comes first)
     try:
         record = session.read(topics.job_list(session.fed), "cloud", seconds, until=lambda r: state(r) in ENDED)
     finally:
         session.close()
+    if record is None and cloud and cloud[-1].get("state") == "offline":  # e.g. it stopped on a full disk
+        _fail(
+            f"job {job} has not ended within {seconds:g} s, and the cloud is offline (its last status: it stopped or "
+            "died, its log says why): a job it lists running resumes when it starts again (fedtier jobs shows where "
+            "it is)",
+            1,
+        )
     if record is None:
         _fail(f"job {job} has not ended within {seconds:g} s (fedtier jobs shows where it is)", 1)
     ended = next(j for j in record["jobs"] if isinstance(j, dict) and j.get("job") == job)

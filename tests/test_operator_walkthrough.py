@@ -556,11 +556,19 @@ def test_submit_wait_end_exits_with_how_the_job_ended(monkeypatch: pytest.Monkey
         def close(self) -> None:
             pass
 
+        def cloud_status(self) -> list:
+            return [{"state": "offline"}] if self.record is lists["running"] else [{"state": "online"}]
+
+    said: list[str] = []
+    monkeypatch.setattr(cmd, "print_error", lambda message, *a, **k: said.append(str(message)))
     for state, code in (("finished", 0), ("failed", 3), ("cancelled", 1), ("running", 1)):
         monkeypatch.setattr(cmd, "_connect", lambda config, wait, r=lists[state]: Session(r))
         with pytest.raises(SystemExit) as ended:
             cmd._wait_end("config.toml", "a", 5.0)
         assert ended.value.code == code, state
+    # walked: a cloud that stopped on a full disk mid-job left `submit --wait-end 200` saying only that the job had not
+    # ended; it says the cloud is offline, and that the job resumes when the cloud starts again
+    assert said[-1].startswith("job a has not ended within 5 s, and the cloud is offline"), said
 
 
 def test_a_refused_cancel_says_the_cancel_was_refused_not_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -997,6 +1005,9 @@ def test_submit_wait_end_and_fedtier_jobs_say_how_well_an_ended_job_did(
 
         def read(self, topic: str, signer: str, wait: float, until=None) -> dict:
             return {"jobs": [done, odd]}
+
+        def cloud_status(self) -> list:
+            return []
 
         def close(self) -> None:
             pass
