@@ -268,9 +268,11 @@ class CloudService:
         """Record how ``job`` ended: its final model and summary (``on_end``), its state in the queue, no job in
         progress. Outputs that cannot be written (a full disk, a run folder made unwritable) fail the job with
         that reason: it is no success without its model, and the queue goes on (a crash here left it running,
-        resumed and failed again at each restart). Its nodes hear it ended once the queue holds that: a queue that
-        cannot be written (a full disk) stops the cloud with the job still running for them, resumed at its next start
-        (before, they had left it: the resumed job waited for them without end)."""
+        resumed and failed again at each restart). Its nodes hear it ended, and the privacy ledger releases what it
+        reserved beyond its spending, once the queue holds that: a queue that cannot be written (a full disk) stops the
+        cloud with the job still running for them and its reservation whole, resumed at its next start (before, they
+        had left it: the resumed job waited for them without end; and its ledger entry, settled at the epsilon of the
+        round it stopped in, stayed so: the resumed job's further rounds were never counted)."""
         ended = self.queue.get(job.job) or job
         state, reason = (
             ("cancelled", "cancelled by the operator")
@@ -288,17 +290,17 @@ class CloudService:
                 log.error("job %s: %s", job.job, unwritten)
                 state = "failed" if state == "finished" else state
                 reason = f"{reason}; {unwritten}" if reason else unwritten
-        spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
-        try:
-            self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
-        except LedgerError as exc:  # (a full disk) it keeps counting the whole reservation as spent: no overspending
-            log.error("job %s: %s; the ledger keeps its whole reservation", job.job, exc)
         figures = final_figures(node.history, node.resumed_from)
         try:
             self.queue.end(job.job, state, reason, node.cells_absent_at_start, figures)
         except JobQueueError as exc:  # its nodes were not told: started again, the cloud resumes the job with them
             log.error("job %s %s, which the job queue cannot record: the cloud stops (%s)", job.job, state, exc)
-            raise
+            raise  # (its reservation kept whole: the resumed job spends on)
+        spent = [r["epsilon"] for r in node.history if r.get("epsilon") is not None]
+        try:
+            self.ledger.settle(job.job, spent[-1] if spent else 0.0)  # what it reserved beyond is released
+        except LedgerError as exc:  # (a full disk) it keeps counting the whole reservation as spent: no overspending
+            log.error("job %s: %s; the ledger keeps its whole reservation", job.job, exc)
         node.announce_end(reason if state == "failed" else None)  # its cells and devices leave the job now
         self.served.append(job.job)
         say_ended("cloud", job.job, state, reason if state != "cancelled" else None, figures)

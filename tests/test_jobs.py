@@ -24,6 +24,7 @@ from protocols.jobs import (
     parse_current,
     read_job_file,
 )
+from protocols.privacy.ledger import PrivacyLedger
 from protocols.session import CloudSession
 from protocols.wire import topics
 from protocols.wire.keys import PublicKeys, Trust, new_seed, public_of
@@ -500,17 +501,26 @@ def test_a_jobs_end_is_said_to_its_nodes_once_the_queue_holds_it_and_not_if_it_c
     hub.tap = lambda topic, data, *_: said.append(_states(queue.path)) if topic == control and data else None
     for name in ("a", "b"):
         queue.submit(Job(name, text, config_hash(text), OPERATOR))
+    service.ledger.reserve("a", ["c0-d0"], 8.0, 1e-5)  # (as a DP job's submission does)
     save = queue._save
     queue._save = lambda: (_ for _ in ()).throw(JobQueueError("cannot write the job queue: No space left on device"))
     queue.jobs["a"] = replace(queue.jobs["a"], state="running", cancel_requested=True)  # ends in its startup wait
     with pytest.raises(JobQueueError, match="No space left"):
         service._run(queue.get("a"), transport=hub.connect("cloud"))  # type: ignore[arg-type]
     assert said == [] and JobQueue(queue.path).next().job == "a"  # nothing said; started again, it resumes a
+    # ... and spends on: its reservation stays whole (settled at what it had spent, its later rounds went uncounted)
+    assert PrivacyLedger(service.ledger.path).jobs["a"] == {
+        "epsilon": 8.0,
+        "delta": 1e-5,
+        "devices": ["c0-d0"],
+        "ended": False,
+    }
     queue._save = save
     queue.jobs["a"] = replace(queue.jobs["a"], state="queued")
     queue.start("a")
     assert service._run(queue.get("a"), transport=hub.connect("cloud")) is True  # type: ignore[arg-type]
     assert said == [{"a": "cancelled", "b": "queued"}], said
+    assert PrivacyLedger(service.ledger.path).jobs["a"]["ended"]  # settled once the queue holds its end
 
 
 def _states(path: Path) -> dict[str, str]:
