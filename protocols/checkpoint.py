@@ -153,10 +153,17 @@ class Journal:
 
     def reset(self, first: Payload, *more: Payload) -> None:
         """Replace the journal with ``first`` (and ``more``) as its only entries (atomic and durable: temporary
-        file, fsync, rename, fsync of the folder)."""
+        file, fsync, rename, fsync of the folder). One that cannot be written (a full disk) raises
+        :class:`StorageError` naming the file, the old journal kept whole."""
         self.close()
-        # owner only: it holds the devices' results of the round and the cell's noise seed
-        write_durably(self.path, JOURNAL_MAGIC + b"".join(_frame(entry) for entry in (first, *more)))
+        try:  # owner only: it holds the devices' results of the round and the cell's noise seed
+            write_durably(self.path, JOURNAL_MAGIC + b"".join(_frame(entry) for entry in (first, *more)))
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise StorageError(
+                exc.errno, f"cannot write {self.path}: {exc.strerror or exc} (the old one is kept)"
+            ) from exc
         self._end = None
 
     def append(self, entry: Payload) -> bytes:

@@ -93,6 +93,7 @@ def test_a_journal_entry_that_does_not_fit_is_cut_off_and_closing_raises_nothing
     (else no read could open it)."""
     import numpy as np
 
+    from protocols import checkpoint
     from protocols.checkpoint import Journal
     from protocols.wire.payload import Payload
 
@@ -118,6 +119,16 @@ def test_a_journal_entry_that_does_not_fit_is_cut_off_and_closing_raises_nothing
     assert not fresh.path.exists()
     fresh.append(entry(3))
     assert [e.meta["i"] for e in fresh.read()] == [3]
+    # a new round's journal that does not fit (walked: "cannot journal round 1's task: [Errno 28] No space left on
+    # device", naming no file) names it, the old one whole
+    from tests.conftest import FullDisk
+
+    real = checkpoint.private_file
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "private_file", lambda p: FullDisk(real(p)))
+        with pytest.raises(StorageError, match=r"cannot write .*new.journal: No space left on device"):
+            fresh.reset(entry(4))
+    assert [e.meta["i"] for e in fresh.read()] == [3] and not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_full_disk_fails_the_job_with_a_clear_reason(tmp_path: Path, monkeypatch) -> None:
