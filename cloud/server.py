@@ -399,7 +399,7 @@ class CloudServer:
             self.on_round(record)
         self.round += 1
         if failed is not None:
-            self.fail(failed)
+            self.fail(failed, self.round - 1)
         elif self.round < self.rounds and not self._check_stop():
             self.loop.post(self._guard(self._begin_round, "round start"))
         else:
@@ -467,12 +467,12 @@ class CloudServer:
             say("stopping before round %s of %d: %s", nth(self.round), self.rounds, self.stopped)
         return self.stopped
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, rnd: int | None = None) -> None:
         """End the job now as failed with ``reason`` (logged; ``failed`` in the ``finished`` record, the summary
-        and the metrics): a stalled job, a cell that failed, an exception in one of this cloud's handlers."""
+        and the metrics): a stalled job, a failed cell, a handler's error; ``rnd``: its round, found as it closed."""
         if self.finished:
             return
-        log.error("cloud: the job fails in round %s: %s", nth(self.round), reason)
+        log.error("cloud: the job fails in round %s: %s", nth(self.round if rnd is None else rnd), reason)
         self.failed = reason
         self._in_round = False
         self.loop.cancel(self._timer)

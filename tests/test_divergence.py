@@ -197,11 +197,15 @@ def test_a_diverged_global_model_stops_the_run_with_a_record_not_a_crash(tmp_pat
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_global_model_overflowed_by_a_lying_cell_fails_the_job_naming_that_cell(tmp_path: Path, mode: str) -> None:
+def test_a_global_model_overflowed_by_a_lying_cell_fails_the_job_naming_that_cell(
+    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Cell c1 (a node with its credentials) reports an update of finite values near the float32 maximum: the global
     model overflows and the job fails. It said only "the global model diverged ... (a learning rate too large?)";
     now the failure names the cells of the aggregate that diverged, the largest update norms first (c1's), and
-    points at robust aggregation (rounds) and revocation, as well as at the learning rate."""
+    points at robust aggregation (rounds) and revocation, as well as at the learning rate. The cloud's log says the
+    job failed in the round whose close found it ("round 1/4 closed", then "fails in round 2": the count had moved
+    on)."""
     algorithm = {"mode": "async", "async_buffer": 2, "edge_rounds": 1} if mode == "async" else {"edge_rounds": 1}
     cfg = small_config(
         tmp_path,
@@ -231,6 +235,8 @@ def test_a_global_model_overflowed_by_a_lying_cell_fails_the_job_naming_that_cel
     assert named is not None and named[1] == "c1" and float(named[2]) > 3e38, result.failed
     assert ("robust aggregation leaves one out" if mode == "sync" else "revoke it") in result.failed, result.failed
     assert result.history[-1]["diverged"], result.history[-1]
+    said = [r.getMessage() for r in caplog.records if "the job fails in round" in r.getMessage()]
+    assert said and said[0].startswith(f"cloud: the job fails in round {result.history[-1]['round'] + 1}: "), said
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
