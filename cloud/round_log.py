@@ -75,6 +75,8 @@ class RoundLog:
                 added = self.journal.append(Payload({"from": start}, dict(tail)))
                 self.digest.update(added)
                 self.size += len(added)
+        except StorageError:  # (an append's names the file already)
+            raise
         except OSError as exc:  # a full disk: the checkpoint on disk still names the bytes it had
             raise StorageError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") from exc
         self.rounds = start + n

@@ -119,6 +119,18 @@ def test_a_journal_entry_that_does_not_fit_is_cut_off_and_closing_raises_nothing
     assert not fresh.path.exists()
     fresh.append(entry(3))
     assert [e.meta["i"] for e in fresh.read()] == [3]
+    # the cloud's round log (the same Journal, beside its checkpoint) names its file once: it said "cannot write
+    # P: cannot write P: No space left on device (the entry is not written)"
+    from cloud.round_log import RoundLog
+
+    rounds = RoundLog(tmp_path / "model.ftw")
+    rounds.add(lambda start: {"x": np.zeros((2, 3), np.float32)})
+    rounds.saved()
+    with monkeypatch.context() as m:
+        full_disk(m, after=0)
+        with pytest.raises(StorageError) as raised:
+            rounds.add(lambda start: {"x": np.zeros((1, 3), np.float32)})
+    assert str(raised.value.strerror).count("cannot write") == 1, raised.value
     # a new round's journal that does not fit (walked: "cannot journal round 1's task: [Errno 28] No space left on
     # device", naming no file) names it, the old one whole
     from tests.conftest import FullDisk
