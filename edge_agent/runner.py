@@ -229,7 +229,7 @@ class AgentProcess:
         """A record on the device's own status topic: another instance's means a second agent (``protocols.twin``)."""
         trust, epoch = self.agents[device].trust, getattr(self.transports.get(device), "reconnects", None)
         verify = trust.verify if trust is not None else None
-        self.twins.on_status(device, topic, data, verify, lambda: self._session_lost(device), epoch)
+        self.twins.on_status(device, topic, data, verify, lambda: self._reconnected(device), epoch)
 
     def _make_agent(self, device: str, transport: Any) -> DeviceAgent:
         """The device's agent for the current job (its cloud view pinned to the job's session)."""
@@ -336,13 +336,15 @@ class AgentProcess:
             transport.subscribe(roster_topic(run), lambda t, b: self._on_roster(agent.trust, b))
         self.links.adopt(device, transport)
         self.presence.fresh.discard(device)
-        transport.on_session_lost = lambda: self._session_lost(device)
+        transport.on_reconnected = lambda: self._reconnected(device)
 
-    def _session_lost(self, device: str) -> None:
-        """On the I/O thread: the broker had no session for a present device (expired while it was away, or lost with
-        a broker restarted before its autosave): announce it online anew at once (QoS 1, after its subscriptions), so
-        its cell re-sends a task whose copy the session lost, or whose result went with it. Its last record repeated
-        was a heartbeat to the cell, no return: the edge round waited out its device deadline."""
+    def _reconnected(self, device: str) -> None:
+        """On the I/O thread: a present device's connection came back. The broker may have lost what it held for it or
+        took from it (no session: expired while it was away, or a broker restarted before its autosave; or a session
+        restored from a broker's last autosave, without what came since): announce it online anew at once (QoS 1,
+        after its subscriptions), so its cell, if it waits for its result, re-sends its task (at most 3 times an edge
+        round), which the device trains or answers again. Its last record repeated was a heartbeat to the cell, no
+        return: the edge round waited out its device deadline."""
         with self.presence.lock:
             if device in self.presence.present and self.transports.get(device) is not None:
                 self.agents[device].announce("online", anew=True)

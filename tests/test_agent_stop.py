@@ -74,7 +74,9 @@ def test_a_device_whose_broker_lost_its_session_says_online_anew_so_its_cell_sen
     the broker held for a device went with it; the device reconnected, found no session and re-announced itself online
     with its last record repeated (the same order), which its cell took for a heartbeat, not a return: the edge round
     waited out its device deadline (60 s). It now says it anew (a newer order: ``StatusChange.renewed``, the task
-    again, ``cell_server.edge_liveness.on_status``)."""
+    again, ``cell_server.edge_liveness.on_status``). And a broker restored from its last autosave resumes the device's
+    session without what it took since (walked: a task lost so, an edge round waited out its 60 s deadline for both
+    devices): a reconnect that resumes its session says it online anew too (here a clean stop: the state is saved)."""
     from protocols.status import decode_status
     from protocols.transport.mqtt import MqttTransport
     from protocols.transport.threadloop import ThreadLoop
@@ -83,9 +85,17 @@ def test_a_device_whose_broker_lost_its_session_says_online_anew_so_its_cell_sen
 
     cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
     prep = prepare(cfg)
-    orders: list[float] = []  # the order of each online record of the device, as its cell reads them
     loop = ThreadLoop("cell").start()
-    with MosquittoBroker() as broker:
+
+    def reconnected(broker: MosquittoBroker) -> tuple[list[float], Any]:
+        """The order of each online record of the device its cell reads, across a restart of ``broker``; its link."""
+        orders: list[float] = []
+
+        def heard(topic: str, data: bytes) -> None:
+            record = decode_status(data, topic, None) if data else None
+            if record is not None and record["state"] == "online":
+                orders.append(record["order"])
+
         agents = AgentProcess(
             cfg,
             cfg.build_algorithm(prep.spec),
@@ -96,18 +106,23 @@ def test_a_device_whose_broker_lost_its_session_says_online_anew_so_its_cell_sen
         ).start()
         cell = MqttTransport.from_url(broker.url, "cell", loop, persistent=True).connect(10.0)
         try:
-
-            def heard(topic: str, data: bytes) -> None:
-                record = decode_status(data, topic, None) if data else None
-                if record is not None and record["state"] == "online":
-                    orders.append(record["order"])
-
             cell.subscribe(topics.device_status(cfg.run.name, "c0", DEVICE), heard)
             assert wait_until(lambda: len(orders) == 1, 10.0), orders
-            broker.stop()  # no persistence: every session, and what it held, is gone
+            broker.stop()
             broker.start()
-            assert wait_until(lambda: len(orders) >= 2 and orders[-1] > orders[0], 15.0), orders
+            link = agents.transports[DEVICE]
+            assert wait_until(lambda: link.reconnects >= 1 and len(orders) >= 2 and orders[-1] > orders[0], 15.0), (
+                orders
+            )
+            return orders, link
         finally:
             cell.close()
             agents.stop()
-            loop.stop()
+
+    try:
+        with MosquittoBroker() as broker:  # no persistence: every session, and what it held, is gone
+            assert reconnected(broker)[1].sessions_lost == 1
+        with MosquittoBroker(persistence=tmp_path / "db") as broker:  # a clean stop saves the sessions
+            assert reconnected(broker)[1].sessions_lost == 0
+    finally:
+        loop.stop()

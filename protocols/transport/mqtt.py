@@ -81,6 +81,8 @@ class MqttTransport(Connecting, Inbound, Transport):
     _expiry: TimerHandle | None = None
     sessions_lost = 0  # reconnects of a persistent client that found no session at the broker
     on_session_lost: Callable[[], None] | None = None  # then called (network thread): re-announce
+    on_reconnected: Callable[[], None] | None = None  # called (network thread) at each reconnect, the session lost
+    # or not: a broker restored from its last autosave resumes sessions without what it took since
 
     def __init__(
         self,
@@ -399,7 +401,7 @@ class MqttTransport(Connecting, Inbound, Transport):
         lost = self.persistent and self._ever_connected and not getattr(flags, "session_present", False)
         if lost:  # the broker expired it (persistent_client_expiration) or lost its state: say so
             self.sessions_lost += 1
-        if self._ever_connected:
+        if reconnect := self._ever_connected:
             say_reconnected(self.client_id, f"{self.host}:{self.port}", lost, flags, len(subs))
         self._ever_connected = True
         if subs:
@@ -407,6 +409,8 @@ class MqttTransport(Connecting, Inbound, Transport):
         self._connack.set()
         if lost and self.on_session_lost is not None:
             self.on_session_lost()
+        if reconnect and self.on_reconnected is not None:
+            self.on_reconnected()
 
     def _on_disconnect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _props: Any) -> None:
         if not self._connack.is_set():  # hung up before the first CONNACK: connect() fails at once
