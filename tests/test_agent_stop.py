@@ -10,27 +10,17 @@ from typing import Any
 
 import pytest
 
-from edge_agent.runner import AgentProcess, BrokerOptions, make_trainer
 from protocols.transport.broker import MosquittoBroker, find_mosquitto
-from sim.hierarchy import prepare
-from tests.conftest import small_config
+from tests.test_twin_agent import agents_of
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 DEVICE = "c0-d0"
 
 
 def test_a_heartbeat_in_flight_at_stop_schedules_no_beat_after_it(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
-    prep = prepare(cfg)
     with MosquittoBroker() as broker:
-        agents = AgentProcess(
-            cfg,
-            cfg.build_algorithm(prep.spec),
-            {DEVICE: prep.device_data[DEVICE]},
-            make_trainer("torch", prep.spec, cfg),
-            BrokerOptions(broker.url),
-            heartbeat=3600.0,  # no beat of its own: the test starts the one in flight
-        ).start()
+        # no beat of its own: the test starts the one in flight
+        agents = agents_of(tmp_path, broker.url, None, heartbeat=3600.0).start()
         agent, reactor = agents.agents[DEVICE], agents.links.reactor
         in_beat, release, cancelled = threading.Event(), threading.Event(), threading.Event()
         beats: list[str] = []  # what the heartbeat announced
@@ -83,8 +73,6 @@ def test_a_device_whose_broker_lost_its_session_says_online_anew_so_its_cell_sen
     from protocols.wire import topics
     from tests.conftest import wait_until
 
-    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
-    prep = prepare(cfg)
     loop = ThreadLoop("cell").start()
 
     def reconnected(broker: MosquittoBroker) -> tuple[list[float], Any]:
@@ -96,17 +84,10 @@ def test_a_device_whose_broker_lost_its_session_says_online_anew_so_its_cell_sen
             if record is not None and record["state"] == "online":
                 orders.append(record["order"])
 
-        agents = AgentProcess(
-            cfg,
-            cfg.build_algorithm(prep.spec),
-            {DEVICE: prep.device_data[DEVICE]},
-            make_trainer("torch", prep.spec, cfg),
-            BrokerOptions(broker.url),
-            heartbeat=3600.0,
-        ).start()
+        agents = agents_of(tmp_path, broker.url, None, heartbeat=3600.0).start()
         cell = MqttTransport.from_url(broker.url, "cell", loop, persistent=True).connect(10.0)
         try:
-            cell.subscribe(topics.device_status(cfg.run.name, "c0", DEVICE), heard)
+            cell.subscribe(topics.device_status(agents.cfg.run.name, "c0", DEVICE), heard)
             assert wait_until(lambda: len(orders) == 1, 10.0), orders
             broker.stop()
             broker.start()

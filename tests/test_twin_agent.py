@@ -34,7 +34,9 @@ WINDOW = twin_window(0.3)  # the live agent's reconnect, then the refused one's
 until = functools.partial(wait_until, timeout=20.0)
 
 
-def agents_of(tmp_path: Path, url: str, window: float) -> AgentProcess:
+def agents_of(tmp_path: Path, url: str, window: float | None, heartbeat: float = 0.3) -> AgentProcess:
+    """The (unstarted) agent process of a 1-cell, 1-device config on the broker at ``url``; ``window``: its twin
+    check's (None: none)."""
     cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
     prep = prepare(cfg)
     return AgentProcess(
@@ -43,7 +45,7 @@ def agents_of(tmp_path: Path, url: str, window: float) -> AgentProcess:
         {DEVICE: prep.device_data[DEVICE]},
         make_trainer("torch", prep.spec, cfg),
         BrokerOptions(url),
-        heartbeat=0.3,
+        heartbeat=heartbeat,
         twin_window=window,
     )
 
