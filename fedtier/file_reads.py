@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-_IN_CLOSE_NOWRITE = 0x10
+_IN_CLOSE_NOWRITE, _IN_ONLYDIR = 0x10, 0x01000000
 _IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
-_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name: none for a watched file)
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of the file's name, NUL-padded)
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -36,20 +36,22 @@ def _libc() -> ctypes.CDLL | None:
 def watch_reads(paths: list[Path]) -> Iterator[Callable[[float], bool | None]]:
     """Watch ``paths`` from now on; yields ``wait(timeout)``: ``True`` once each was opened read-only and closed
     again (by any process), ``False`` if not within ``timeout`` seconds, ``None`` where this cannot be watched
-    (no inotify, a path that does not exist)."""
+    (no inotify, a path that does not exist). Their folders are watched, by file name: a file replaced meanwhile (a
+    rename over it) is the one read, not the one it replaced (a watch of that inode waited out ``timeout``)."""
     libc = _libc()
     fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC) if libc is not None else -1
     if fd < 0:
         yield lambda timeout: None
         return
     try:
-        pending: dict[int, Path] = {}
+        pending: dict[tuple[int, bytes], Path] = {}  # (the folder's watch, the file's name) -> the file
         for path in paths:
-            wd = libc.inotify_add_watch(fd, os.fsencode(path), _IN_CLOSE_NOWRITE)  # type: ignore[union-attr]
-            if wd < 0:
+            folder = os.fsencode(path.parent)
+            wd = libc.inotify_add_watch(fd, folder, _IN_CLOSE_NOWRITE | _IN_ONLYDIR)  # type: ignore[union-attr]
+            if wd < 0 or not path.is_file():
                 yield lambda timeout: None
                 return
-            pending[wd] = path
+            pending[(wd, os.fsencode(path.name))] = path  # (one folder twice: the same watch)
 
         def wait(timeout: float) -> bool:
             end = time.monotonic() + timeout
@@ -61,9 +63,10 @@ def watch_reads(paths: list[Path]) -> Iterator[Callable[[float], bool | None]]:
                 at = 0
                 while at + _EVENT.size <= len(data):
                     wd, mask, _, size = _EVENT.unpack_from(data, at)
+                    name = data[at + _EVENT.size : at + _EVENT.size + size].rstrip(b"\0")
                     at += _EVENT.size + size
                     if mask & _IN_CLOSE_NOWRITE:
-                        pending.pop(wd, None)
+                        pending.pop((wd, name), None)
             return True
 
         yield wait

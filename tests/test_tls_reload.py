@@ -285,3 +285,24 @@ def test_a_reload_returns_once_the_broker_has_reread_its_revocation_list_and_acl
     assert line == f"reloaded the broker in {folder} (pid {proc.pid})", line
     reread = float((folder / "reread").read_text())
     assert started + delay <= reread <= returned, "returned before the broker had reread its files"
+
+
+def test_a_reload_watch_sees_its_files_read_even_when_replaced_after_it_began(tmp_path: Path) -> None:
+    """The reload's watch (``fedtier.file_reads``) watched each file's inode: an ``acl`` or ``ca.crl`` replaced
+    after it began (``pki.write_file`` renames a new file over it: another provisioning command at the same moment)
+    was read by the broker as the new file, and the reload waited out its 10 s and said the broker 'did not reread
+    its files'. It watches their folder now, by name; what else the broker reads there does not count."""
+    from fedtier.file_reads import watch_reads
+
+    if sys.platform != "linux":
+        pytest.skip("inotify: Linux")
+    crl, acl, other = tmp_path / "ca.crl", tmp_path / "acl", tmp_path / "server.crt"
+    for f in (crl, acl, other):
+        f.write_text(f.name)
+    with watch_reads([crl, acl]) as reread:
+        (tmp_path / "acl.tmp").write_text("acl, rewritten")
+        os.replace(tmp_path / "acl.tmp", acl)
+        crl.read_text(), other.read_text()
+        assert reread(0.05) is False  # the acl not read yet
+        assert acl.read_text() == "acl, rewritten"
+        assert reread(5.0) is True
