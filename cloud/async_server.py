@@ -372,6 +372,9 @@ class AsyncCloudServer(CloudServer):
             log.warning("cloud: %s pushes from a version too old: version %d sent", cell, self.round)
             self._resend(cell)
 
+    def tasks_again(self) -> None:
+        """Nothing here: a cell of an asynchronous job that lacks the current version asks for it."""
+
     def _send_task(self, cell: str, again: bool = False) -> None:
         """As the cloud of rounds; a version to a cell heard holding one before says so (``held`` in its meta): a
         cell whose first model it is restarted, and must know from its journal the versions its devices had

@@ -202,8 +202,7 @@ class CloudServer:
         return guarded(fn, self.fail, f"cloud: {what}")
 
     def stop(self, idle_heartbeat: float | None = None) -> None:
-        """Say offline (retained), disconnect; with ``idle_heartbeat``, a long-lived cloud whose job ended says idle
-        instead (``protocols.status.between_jobs_status``)."""
+        """Say offline (retained), disconnect; with ``idle_heartbeat`` (a long-lived cloud's job ended) idle instead."""
         self.loop.cancel(self._timer)
         self.loop.cancel(self._start_timer)
         if self.transport.connected:
@@ -269,8 +268,7 @@ class CloudServer:
             round_deadline(self, r, "deadline" if self.planned else "no cells")
 
     def _plannable(self, cell: str) -> bool:
-        """Not revoked, and online (or no startup wait), or offline for less than ``cell_deadline`` (see
-        :meth:`CellPresence.plannable`)."""
+        """Not revoked, and online (or no startup wait), or offline less than ``cell_deadline`` (CellPresence)."""
         if cell in self.revoked:
             return False
         if self.startup_wait <= 0:
@@ -353,9 +351,14 @@ class CloudServer:
         elif len(self.answers.pending) <= MAX_WAITING:  # the tail of a round: name whom it still waits for
             self._state("waiting", self.answers.pending, since=self.counts.since, deadline_s=self.cell_deadline)
 
-    def _awaited(self) -> set[str]:
-        """The cells the open round still waits for (none between rounds)."""
+    def _awaited(self) -> set[str]:  # the cells the open round still waits for (none between rounds)
         return self.answers.pending if self._in_round else set()
+
+    def tasks_again(self) -> None:
+        """Each cell the open round waits for gets its task again (the cloud's connection came back: the broker may have
+        lost a task or a report; a cell that reported sends its report again, one at work carries on)."""
+        for cell in sorted(self._awaited()):
+            self._send_task(cell, again=True)
 
     def _bad_report(self, cell: str, msg: Incoming) -> Rejected | None:
         """Runtime checks before the role sees a report (:func:`cloud.parts.report_refusal`)."""
@@ -433,8 +436,7 @@ class CloudServer:
         return why is None
 
     def _leave_round(self, cells: list[str]) -> None:
-        """The revoked ``cells`` leave the open round (``cloud.revocation.leave_round``), which closes if it waits
-        for nobody else."""
+        """The revoked ``cells`` leave the open round (``revocation.leave_round``): closed if it waits for none."""
         if not self._in_round:
             return
         leave_round(self.answers, self.counts, cells)
@@ -443,8 +445,7 @@ class CloudServer:
             self._close(self.round, "all reported" if self.answers.received or self.answers.settled else "revoked")
 
     def _checkpoint(self, record: dict[str, Any] | None) -> None:
-        """Save the state after round ``self.round`` (before round 0: -1) and its ``record`` (``cloud.checkpoint``),
-        before the next round's tasks leave."""
+        """Save the state after round ``self.round`` (before round 0: -1) and its ``record``, before the next tasks."""
         if self.checkpoint is not None:
             done = self.round if record is not None else self.round - 1
             self.checkpoint.save_role(done, self.session, self.cumulative, self.stall.stalled, self.role, record)
@@ -459,8 +460,7 @@ class CloudServer:
             self.loop.post(self._finish)
 
     def _check_stop(self) -> str | None:
-        """Whether the role forbids the next round (e.g. a privacy budget, protocols/privacy/dp.py) or a caller
-        asked to stop (:meth:`request_stop`); logged."""
+        """Whether the role forbids the next round (e.g. a privacy budget) or a caller asked to (logged)."""
         self.stopped = self._stop_request or self.role.stop_reason(self.round)
         if self.stopped:
             say = log.info if self._stop_request else log.warning

@@ -195,7 +195,16 @@ class CloudService:
         self.loop.post(lambda: self._reannounce(transport))
         if isinstance(transport, MqttTransport):  # a broker restarted without its state lost every retained record
             transport.on_session_lost = lambda: self.loop.post(lambda: self._reannounce(transport))
+            transport.on_reconnected = lambda: self.loop.post(self._tasks_again)
         return transport
+
+    def _tasks_again(self) -> None:
+        """The cloud's connection came back: the broker may have lost what it held (restarted from its last autosave,
+        or without its state), a cell's task or its report among it. The open round's cells that have not reported
+        get their task again (a cell that reported sends its report again): before, the round waited up to its
+        ``runtime.cell_deadline`` for them."""
+        if self.node is not None and not self.node.finished:
+            self.node.tasks_again()
 
     def _reannounce(self, transport: Transport) -> None:
         """Publish (retained) what the broker must hold for others: the roster, the job list and the job in

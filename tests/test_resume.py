@@ -799,3 +799,28 @@ def test_a_report_handed_again_to_a_resumed_cloud_is_said_as_that_not_as_its_cel
     assert [(r.levelno, "c1 came back after round 61" in r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, True)
     ]
+
+
+def test_a_cloud_whose_connection_came_back_sends_the_open_rounds_task_again_to_the_cells_it_waits_for(
+    tmp_path: Path,
+) -> None:
+    """A broker killed -9 and started again from its last autosave resumes every session without what it acknowledged
+    since: a cell's task or its report in flight then is lost, and the round waited up to its cell deadline. The
+    cloud's service calls ``tasks_again`` as its connection comes back (``MqttTransport.on_reconnected``): each cell the
+    open round still waits for gets its task again, counted apart as retransmission; a cell that reported does not."""
+    from protocols.transport.memory import MemoryHub
+
+    cfg = small_config(tmp_path, topology={"cells": 2, "devices_per_cell": 1}, runtime={"cell_deadline": 1000.0})
+    hub = MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), cfg.build_algorithm(prepare(cfg).spec))
+    tasks: dict[str, int] = {}
+    peer = hub.connect("cells")
+    for cell in ("c0", "c1"):
+        peer.subscribe(topics.cell_task(cfg.run.name, cell), lambda t, d: tasks.update({t: tasks.get(t, 0) + 1}))
+    cloud.start()
+    hub.loop.run(until=lambda: len(tasks) == 2)
+    cloud.answers.pending.discard("c1")  # as if c1 had reported: the round waits for c0 alone
+    cloud.tasks_again()
+    hub.loop.run(until=lambda: sum(tasks.values()) > 2)
+    assert tasks == {topics.cell_task(cfg.run.name, "c0"): 2, topics.cell_task(cfg.run.name, "c1"): 1}, tasks
+    assert cloud.counts.resent.get("cloud_to_cell", 0) > 0
