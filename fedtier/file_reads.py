@@ -36,22 +36,24 @@ def _libc() -> ctypes.CDLL | None:
 def watch_reads(paths: list[Path]) -> Iterator[Callable[[float], bool | None]]:
     """Watch ``paths`` from now on; yields ``wait(timeout)``: ``True`` once each was opened read-only and closed
     again (by any process), ``False`` if not within ``timeout`` seconds, ``None`` where this cannot be watched
-    (no inotify, a path that does not exist). Their folders are watched, by file name: a file replaced meanwhile (a
-    rename over it) is the one read, not the one it replaced (a watch of that inode waited out ``timeout``)."""
+    (no inotify, a path that does not exist). Each file and its folder (by the file's name) are watched: a file
+    replaced meanwhile (a rename over it) is the one read, not the one it replaced (a watch of that inode alone waited
+    out ``timeout``), and a file bind-mounted alone into a broker's container is read under no folder of ours."""
     libc = _libc()
     fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC) if libc is not None else -1
     if fd < 0:
         yield lambda timeout: None
         return
     try:
-        pending: dict[tuple[int, bytes], Path] = {}  # (the folder's watch, the file's name) -> the file
+        watched: dict[tuple[int, bytes], Path] = {}  # (a watch, the name its event gives) -> the file
         for path in paths:
-            folder = os.fsencode(path.parent)
-            wd = libc.inotify_add_watch(fd, folder, _IN_CLOSE_NOWRITE | _IN_ONLYDIR)  # type: ignore[union-attr]
-            if wd < 0 or not path.is_file():
-                yield lambda timeout: None
-                return
-            pending[(wd, os.fsencode(path.name))] = path  # (one folder twice: the same watch)
+            for target, name, only in ((path, b"", 0), (path.parent, os.fsencode(path.name), _IN_ONLYDIR)):
+                wd = libc.inotify_add_watch(fd, os.fsencode(target), _IN_CLOSE_NOWRITE | only)  # type: ignore[union-attr]
+                if wd < 0:
+                    yield lambda timeout: None
+                    return
+                watched[(wd, name)] = path  # (one folder twice: the same watch)
+        pending = set(paths)
 
         def wait(timeout: float) -> bool:
             end = time.monotonic() + timeout
@@ -65,8 +67,8 @@ def watch_reads(paths: list[Path]) -> Iterator[Callable[[float], bool | None]]:
                     wd, mask, _, size = _EVENT.unpack_from(data, at)
                     name = data[at + _EVENT.size : at + _EVENT.size + size].rstrip(b"\0")
                     at += _EVENT.size + size
-                    if mask & _IN_CLOSE_NOWRITE:
-                        pending.pop((wd, name), None)
+                    if mask & _IN_CLOSE_NOWRITE and (path := watched.get((wd, name))) is not None:
+                        pending.discard(path)
             return True
 
         yield wait

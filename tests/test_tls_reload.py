@@ -291,7 +291,8 @@ def test_a_reload_watch_sees_its_files_read_even_when_replaced_after_it_began(tm
     """The reload's watch (``fedtier.file_reads``) watched each file's inode: an ``acl`` or ``ca.crl`` replaced
     after it began (``pki.write_file`` renames a new file over it: another provisioning command at the same moment)
     was read by the broker as the new file, and the reload waited out its 10 s and said the broker 'did not reread
-    its files'. It watches their folder now, by name; what else the broker reads there does not count."""
+    its files'. It watches their folder too, by name; what else the broker reads there does not count, and a file
+    read by its inode under another folder (bind-mounted alone into a broker's container; here a hard link) counts."""
     from fedtier.file_reads import watch_reads
 
     if sys.platform != "linux":
@@ -305,4 +306,11 @@ def test_a_reload_watch_sees_its_files_read_even_when_replaced_after_it_began(tm
         crl.read_text(), other.read_text()
         assert reread(0.05) is False  # the acl not read yet
         assert acl.read_text() == "acl, rewritten"
+        assert reread(5.0) is True
+    (tmp_path / "mounted").mkdir()
+    for f in (crl, acl):
+        os.link(f, tmp_path / "mounted" / f.name)
+    with watch_reads([crl, acl]) as reread:
+        for f in (crl, acl):
+            (tmp_path / "mounted" / f.name).read_text()
         assert reread(5.0) is True
