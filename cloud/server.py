@@ -68,7 +68,7 @@ class CloudServer:
     _stop_request: str | None = None  # request_stop's reason (an instance's own once set)
     _start_timer: TimerHandle | None = None  # the startup wait's end (cancelled once round 0 begins or the job ends)
     status_extra: Mapping[str, Any] = {}  # what its status records add (a service's instance)
-    announce_end_later = False  # a federation's cloud: the end is said once its queue holds it (announce_end)
+    announce_end_later = False  # a federation's cloud: its end (state, record) said once its queue holds it
 
     def __init__(
         self,
@@ -489,12 +489,12 @@ class CloudServer:
     def _finish(self) -> None:
         self.finished = True
         self.loop.cancel(self._start_timer)
-        figures = end_figures(self.history)  # a monitor opened after the end has no round record
-        accuracy, loss = figures.get("accuracy"), figures.get("loss")
-        self._state(self.job_status, reason=self.failed or self.stopped, accuracy=accuracy, loss=loss)
         if not self.announce_end_later:
             self.announce_end()
 
     def announce_end(self, failed: str | None = None) -> None:
-        """The job's retained ``finished`` record: its cells and devices leave it (``failed``: why, after all)."""
-        send_finished(self.messenger, self.run, self.round, self.session, self.stopped, self.failed or failed)
+        """The job's end, retained: its state and ``finished`` record (its nodes leave it); ``failed``: why."""
+        failed, figures = self.failed or failed, end_figures(self.history)  # (a monitor opened after the end)
+        phase, accuracy, loss = "failed" if failed else self.job_status, figures.get("accuracy"), figures.get("loss")
+        self._state(phase, reason=failed or self.stopped, accuracy=accuracy, loss=loss)
+        send_finished(self.messenger, self.run, self.round, self.session, self.stopped, failed)

@@ -492,13 +492,21 @@ def test_a_jobs_end_is_said_to_its_nodes_once_the_queue_holds_it_and_not_if_it_c
     again once there was space, it resumed the job from its checkpoint, which its cells had left: it waited for them
     without end (no round in 2 min). Now the nodes are told once the queue holds the end: a queue that cannot be
     written stops the cloud with nothing said (its nodes go on with the job it resumes), and one that can is written
-    before the ``finished`` record leaves."""
+    before the ``finished`` record leaves. So is the cloud's retained end state (a monitor's): it said the job failed
+    while the stopped cloud's queue said it running, resumed and finished."""
+    from protocols.state import decode_state
     from protocols.transport.memory import MemoryHub
 
     service, queue, loop, text = _waiting_cloud(tmp_path)
     hub, said = MemoryHub(loop=loop), []  # the queue file's state of the job as each "finished" record leaves
-    control = topics.control(service.fed)
-    hub.tap = lambda topic, data, *_: said.append(_states(queue.path)) if topic == control and data else None
+    control, state = topics.control(service.fed), topics.state(service.fed, "cloud")
+
+    def tap(topic: str, data: Any, *_: Any) -> None:
+        phase = (decode_state(data, topic) or {}).get("phase") if topic == state else None
+        if (topic == control and data) or phase in ("finished", "stopped", "failed"):
+            said.append((phase or "finished record", _states(queue.path)))
+
+    hub.tap = tap
     for name in ("a", "b"):
         queue.submit(Job(name, text, config_hash(text), OPERATOR))
     service.ledger.reserve("a", ["c0-d0"], 8.0, 1e-5)  # (as a DP job's submission does)
@@ -519,7 +527,8 @@ def test_a_jobs_end_is_said_to_its_nodes_once_the_queue_holds_it_and_not_if_it_c
     queue.jobs["a"] = replace(queue.jobs["a"], state="queued")
     queue.start("a")
     assert service._run(queue.get("a"), transport=hub.connect("cloud")) is True  # type: ignore[arg-type]
-    assert said == [{"a": "cancelled", "b": "queued"}], said
+    ended = {"a": "cancelled", "b": "queued"}
+    assert said == [("stopped", ended), ("finished record", ended)], said
     assert PrivacyLedger(service.ledger.path).jobs["a"]["ended"]  # settled once the queue holds its end
 
 
