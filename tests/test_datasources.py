@@ -60,21 +60,15 @@ def _partition_command(config: Path, out: Path, kind: str) -> list[str]:
     return [FEDTIER, "partition", str(config), "--out", str(out), "--format", kind]
 
 
-def _partition(config: Path, out: Path, kind: str) -> None:
-    """``fedtier partition`` in this process (no Python process to start)."""
+def _partition(config: Path, out: Path, kind: str) -> str:
+    """``fedtier partition`` in this process (no Python process to start); what it said, on one line."""
     from click.testing import CliRunner
 
     from fedtier.cli import main
 
     res = CliRunner().invoke(main, _partition_command(config, out, kind)[1:])
     assert res.exit_code == 0 and res.exception is None, res.output
-
-
-def _start_partition(config: Path, out: Path, kind: str) -> subprocess.Popen[str]:
-    """``fedtier partition`` started (``_partition`` waits for it): several at once each take a core."""
-    return subprocess.Popen(
-        _partition_command(config, out, kind), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return " ".join(res.output.split())
 
 
 @pytest.mark.parametrize("kind", ["npz", "csv", "images"])
@@ -211,12 +205,9 @@ def test_agents_fed_csv_and_image_sources_train_as_the_simulation_does(tmp_path)
     if not FMNIST_DIR.exists():
         pytest.skip(f"Fashion-MNIST is not installed ({FMNIST_DIR}: Debian's dataset-fashion-mnist)")
     config = _config(tmp_path, "fmnist")
-    parts = [_start_partition(config, tmp_path / out, kind) for out, kind in (("csv", "csv"), ("img", "images"))]
-    sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))  # the partitions meanwhile
-    for proc, kind in zip(parts, ("csv", "image")):
-        out, err = proc.communicate(timeout=120)
-        said = (out + err).replace("\n", " ")
-        assert proc.returncode == 0 and f"wrote 2 {kind} sources" in said, said
+    for out, kind, said in (("csv", "csv", "csv"), ("img", "images", "image")):
+        assert f"wrote 2 {said} sources" in (wrote := _partition(config, tmp_path / out, kind)), wrote
+    sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))
     with EmbeddedBroker() as broker:
         common = ["--broker", broker.url, "--insecure"]
         commands = {

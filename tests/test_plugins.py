@@ -140,20 +140,26 @@ def summary(out: Path) -> dict:
 
 def test_installed_plugin_runs_in_sim_workers_and_run(plugin_site: Path, tmp_path: Path) -> None:
     """The package's algorithm, model and dataset, found by entry points alone, learn in ``fedtier sim``, in its
-    spawned workers (same model, byte for byte) and in ``fedtier run`` over MQTT (same model again)."""
+    spawned workers (same model, byte for byte) and in ``fedtier run`` over MQTT (same model again). Without the
+    package on the path (this process's: no Python to start for a refusal) its names are unknown."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
     without = tmp_path / "c0.toml"
     without.write_text(CONFIG.format(out=tmp_path / "none"))
     runs = {"sim": ("sim",), "workers": ("sim", "--workers", "1"), "run": ("run",)}  # one spawned worker finds it
     for name in runs:
         (tmp_path / f"{name}.toml").write_text(CONFIG.format(out=tmp_path / name))
-    res, *done = fedtier_side_by_side(
-        (None, ("sim", str(without), "--no-progress")),
+    res = CliRunner().invoke(main, ["sim", str(without), "--no-progress"])
+    said = " ".join(res.output.split())  # (the console wraps it)
+    assert res.exit_code == 2 and "unknown model 'wide'" in said and "unknown dataset 'blobs'" in said, res.output
+    done = fedtier_side_by_side(
         *(
             (plugin_site, (cmd, str(tmp_path / f"{name}.toml"), "--no-progress", *extra))
             for name, (cmd, *extra) in runs.items()
         ),
     )
-    assert res.returncode == 2 and "unknown model 'wide'" in res.stderr and "unknown dataset 'blobs'" in res.stderr
 
     models = []
     for name, res in zip(runs, done, strict=True):
