@@ -50,6 +50,11 @@ class JobQueueError(RuntimeError):
     """The queue file cannot be read or written (the cloud must stop: it could lose a job)."""
 
 
+class JobFolderFull(JobQueueError):
+    """A job's folder has no room for what it writes as it starts (a full disk): the cloud stops, the job left as the
+    queue says, to resume (or start) once the cloud can write there, rather than fail for the disk."""
+
+
 @dataclass(frozen=True)
 class Job:
     """One job: its id, canonical config text and hash, who submitted it, what it starts from, its state."""

@@ -11,6 +11,7 @@ checkpoint (same session, so cells and agents carry on) and then runs the queued
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import logging
@@ -25,10 +26,11 @@ from typing import Any
 from protocols import runfiles
 from protocols.algorithms.base import Algorithm, TrainParams
 from protocols.bounds import roster_cell_bounds
-from protocols.checkpoint import private_file, write_durably
+from protocols.checkpoint import write_durably
 from protocols.config import RunConfig, TopologySection
 from protocols.joblog import say_ended, say_taken
 from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError, ended_outcome, job_session
+from protocols.jsonl import StorageError
 from protocols.privacy.ledger import LEDGER_FILE, LedgerError, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
 from protocols.status import IdleBeat, between_jobs
@@ -41,7 +43,7 @@ from protocols.wire.keys import Trust
 from protocols.wire.signed import seal_record
 
 from .job_requests import on_request
-from .jobs import Job, JobQueue, JobQueueError, final_figures
+from .jobs import Job, JobFolderFull, JobQueue, JobQueueError, final_figures
 from .kept_records import KeptRecords
 from .node import build_cloud
 from .requests import REQUESTS_FILE, OperatorRequests
@@ -232,12 +234,21 @@ class CloudService:
     def _run(self, job: Job, transport: Transport) -> bool:
         """Run ``job`` on ``transport`` until it ends or the service stops; ``False`` if it failed before
         it started (the transport is still open): a job that cannot be built fails with the reason, and
-        the queue goes on (a restarted cloud would meet the same error: no crash loop)."""
+        the queue goes on (a restarted cloud would meet the same error: no crash loop). A full disk is the cloud's
+        fault, not the job's: :class:`JobFolderFull` stops the cloud, the job left as the queue says (before, each
+        restart said "job J failed: [Errno 28] No space left on device" of a job the queue could not fail either)."""
         resumed = job.state == "running"
         current = CurrentJob(job.job, job.config, job.digest, self._previous(job.job))
         try:
             cfg, out, node = self._build(job, current, transport, resumed)
         except (ValueError, OSError) as exc:  # ConfigError, JobError: the job's, not the cloud's fault
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk: the cloud's
+                verb, then = ("resume", "resumes from its checkpoint") if resumed else ("start", "starts")
+                unwritten = (
+                    exc.strerror if isinstance(exc, StorageError) else f"cannot write {exc.filename}: {exc.strerror}"
+                )
+                why = f"{unwritten}; it {then} once the cloud can write there (the cloud stops)"
+                raise JobFolderFull(f"job {job.job} cannot {verb}: {why}") from None
             self._fail(job, str(exc))
             return False
         self._idle_beat(None)  # the job's server announces it online
@@ -341,8 +352,10 @@ class CloudService:
             run["init_model"] = str(model)
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update=run)})
         out.mkdir(parents=True, exist_ok=True)
-        with private_file(out / runfiles.CONFIG) as f:  # mode 600: it may hold the broker password
-            f.write(cfg.to_toml().encode())
+        try:  # mode 600: it may hold the broker password (a full disk keeps a resumed job's copy whole)
+            write_durably(out / runfiles.CONFIG, cfg.to_toml().encode())
+        except OSError as exc:
+            raise StorageError(exc.errno, f"cannot write {out / runfiles.CONFIG}: {exc.strerror or exc}") from exc
         parts = self.parts(cfg)  # ConfigError: e.g. init_from a model of another architecture
         node = build_cloud(
             cfg,

@@ -532,6 +532,42 @@ def test_a_jobs_end_is_said_to_its_nodes_once_the_queue_holds_it_and_not_if_it_c
     assert PrivacyLedger(service.ledger.path).jobs["a"]["ended"]  # settled once the queue holds its end
 
 
+def test_a_cloud_whose_disk_is_full_as_a_job_resumes_stops_and_leaves_the_job_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Walk-through (a fleet's cloud stopped by a full disk mid-job, restarted by systemd while still full): each
+    restart logged "job J failed: [Errno 28] No space left on device" (no file named) of a job the queue could not fail
+    either, and resumed once there was room; where the queue could be written (a config copy that did not fit beside
+    it), the job failed for the disk, its progress lost. Its config copy was left empty. Now the cloud stops saying
+    which file and that the job resumes, the queue and the copy as they were."""
+    import logging
+
+    from cloud.jobs import JobFolderFull
+    from protocols.transport.memory import MemoryHub
+    from tests.conftest import FullDisk
+
+    service, queue, loop, text = _waiting_cloud(tmp_path)
+    queue.submit(Job("a", text, config_hash(text), OPERATOR))
+    queue.start("a")  # (running as the cloud stopped)
+    kept = tmp_path / "jobs" / "a" / "config.toml"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("# its copy\n")
+    fdopen = os.fdopen  # the queue's file fits, the job's config copy does not
+
+    def opened(fd: int, *args: Any) -> Any:
+        return (FullDisk if kept.name in os.readlink(f"/proc/self/fd/{fd}") else lambda f: f)(fdopen(fd, *args))
+
+    monkeypatch.setattr(os, "fdopen", opened)
+    with caplog.at_level(logging.ERROR), pytest.raises(JobFolderFull) as stopped:
+        service._run(queue.next(), transport=MemoryHub(loop=loop).connect("cloud"))  # type: ignore[arg-type]
+    assert str(stopped.value) == (
+        f"job a cannot resume: cannot write {kept}: No space left on device; it resumes from its checkpoint once the "
+        "cloud can write there (the cloud stops)"
+    )
+    assert JobQueue(queue.path).get("a").state == "running" and kept.read_text() == "# its copy\n"
+    assert [r.getMessage() for r in caplog.records] == []
+
+
 def _states(path: Path) -> dict[str, str]:
     return {j["job"]: j["state"] for j in json.loads(path.read_text())["jobs"]}
 
