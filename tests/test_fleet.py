@@ -23,7 +23,7 @@ from protocols.transport.threadloop import ThreadLoop
 from protocols.wire import topics
 from sim.emulation import Emulation, agent_workers
 from sim.launcher import run_simulation
-from tests.conftest import beside, small_config
+from tests.conftest import beside, small_config, wait_until
 
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 
@@ -112,7 +112,8 @@ def test_agents_retry_a_broker_that_refuses_them(tmp_path: Path) -> None:
         ]
         for t in rest:
             t.start_connect(30.0)
-        time.sleep(1.0)
+        refused = lambda: all(t._attempts >= 1 for t in rest)  # noqa: E731  (each hung up on, backing off)
+        assert wait_until(refused, 30), [t._attempts for t in rest]
         assert not any(t.connected for t in rest), "the broker is full"
         for t in first:
             t.close()
