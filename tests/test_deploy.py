@@ -54,26 +54,19 @@ def test_each_tier_in_its_own_process_with_a_forward_only_agent(tmp_path: Path) 
     config = tmp_path / "deploy.toml"
     config.write_text(CONFIG.format(out=tmp_path / "deployed"))
     cfg = load_config(config)
-    # what an operator ships to each device: its data file (and the ONNX model for the onnx device); the export
-    # runs in its own process while this one runs the simulation (each on a core of its own)
-    export = subprocess.Popen(
-        [FEDTIER, "export", str(config), "--out", str(tmp_path / "model.onnx")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))
-        prep = prepare(cfg)
-        for device, data in prep.device_data.items():
-            save_device_data(tmp_path / f"{device}.npz", data, prep.spec)
-        save_device_data(tmp_path / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
-        exported = export.communicate(timeout=180)[0]
-    finally:
-        if export.poll() is None:
-            export.kill()
-            export.wait()
-    assert export.returncode == 0, exported
+    # what an operator ships to each device: its data file (and the ONNX model for the onnx device); the export runs
+    # in this process (a process of its own would import torch again, ~2 s of CPU, for nothing it proves)
+    from click.testing import CliRunner
+
+    from fedtier.cli import main
+
+    exported = CliRunner().invoke(main, ["export", str(config), "--out", str(tmp_path / "model.onnx")])
+    assert exported.exit_code == 0 and exported.exception is None, exported.output
+    sim = run_simulation(load_config(config, [f'run.output="{tmp_path / "sim"}"']))
+    prep = prepare(cfg)
+    for device, data in prep.device_data.items():
+        save_device_data(tmp_path / f"{device}.npz", data, prep.spec)
+    save_device_data(tmp_path / "test.npz", LocalData(prep.dataset.x_test, prep.dataset.y_test), prep.spec)
 
     with EmbeddedBroker() as broker:
         common = ["--broker", broker.url, "--insecure"]
