@@ -12,7 +12,9 @@ Mosquitto publishes at a takeover only where one of the two connections is clean
 persistent ones), and the process refuses to start (:class:`TwinError`). A single copy is
 what a crashed predecessor left retained (its last record, or its will): it does not block a restart. Where
 the broker retains no status record for the ids at all (no process announced under them yet), the check ends
-after a second. The refused process leaves a retained ``duplicate`` status record naming itself (readers
+after a second. Once it runs, a record of an instance started before this one (its nonce says when) is its
+predecessor's, handed again by a broker restored from an older save: it announces itself again, no twin. The
+refused process leaves a retained ``duplicate`` status record naming itself (readers
 ignore that state), so the running process, which gets its own status topic's retained record again when it
 reconnects after the takeover, says loudly that another process took its session, and re-announces itself.
 What the broker hands a checking process from the session it took over (meant for the live process) is not
@@ -77,9 +79,17 @@ def twin_window(heartbeat: float) -> float:
 
 
 def new_instance() -> str:
-    """A per-process nonce. Deliberately not drawn from the run seed: two processes of one config must
-    differ, which is the whole point."""
-    return secrets.token_hex(8)
+    """A per-process nonce, then when the process started (Unix seconds, hex: :func:`started_of`). Deliberately not
+    drawn from the run seed: two processes of one config must differ, which is the whole point."""
+    return f"{secrets.token_hex(8)}-{int(time.time()):x}"
+
+
+def started_of(instance: str) -> int | None:
+    """When the process of ``instance`` started (:func:`new_instance`), or ``None`` (a nonce of an older version)."""
+    nonce, _, started = instance.rpartition("-")
+    if not nonce or not 0 < len(started) <= 12 or started.strip("0123456789abcdef"):
+        return None
+    return int(started, 16)
 
 
 class TwinWatch:
@@ -100,6 +110,7 @@ class TwinWatch:
         self._counted_at: dict[tuple[str, int], float] = {}  # (node, connection) -> when a record last counted
         self._late: dict[str, float] = {}  # a predecessor seen in the check -> when its first late record came
         self._said_taken: set[tuple[str, bool]] = set()  # (other instance, its refusal?) takeovers said
+        self._said_old: set[str] = set()  # predecessors whose records a broker handed again, said
 
     def on_status(
         self, node: str, topic: str, data: bytes, verify: Any, on_taken: Callable[[], None], epoch: int | None = None
@@ -136,6 +147,10 @@ class TwinWatch:
                 self._found.set()
             return
         if self._predecessors_late_record(node, other):
+            return
+        if self._predecessor(other):  # its record again: a broker restored from a save taken before this one started
+            self._said_predecessor(node, other)
+            on_taken()  # (this one's own replaces it)
             return
         if record.get("state") not in TAKEOVER_STATES:  # another live process's own record, not a takeover's trace
             self._other_live(node, other)
@@ -184,6 +199,25 @@ class TwinWatch:
             return False
         log.info("%s %s: a record its predecessor (instance %s) left on the broker came late", self.noun, node, other)
         return True
+
+    def _predecessor(self, other: str) -> bool:
+        """Whether ``other`` is an instance started before this one (its nonce says when: :func:`started_of`). A live
+        one would have refused this one's start (its check); its record after the check is its last one, handed again
+        by a broker restored from an older save (an autosave taken before this process started), not a twin's."""
+        mine, theirs = started_of(self.instance), started_of(other)
+        return mine is not None and theirs is not None and theirs < mine
+
+    def _said_predecessor(self, node: str, other: str) -> None:
+        if other not in self._said_old:
+            self._said_old.add(other)
+            log.info(
+                "%s %s: the broker handed again a record of its predecessor (instance %s, started before this %s): "
+                "announcing itself again",
+                self.noun,
+                node,
+                other,
+                self.kind,
+            )
 
     def _other_live(self, node: str, other: str) -> None:
         """Another process's own online/idle record while this one runs (both started unchecked): said once per

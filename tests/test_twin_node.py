@@ -187,6 +187,32 @@ def test_a_predecessors_will_held_until_a_resumed_job_takes_it_is_no_takeover(ca
         assert taken == [1, 1]
 
 
+def test_a_predecessors_record_a_restored_broker_hands_again_is_no_twin(caplog: pytest.LogCaptureFixture) -> None:
+    """Walked: a broker restored from an autosave taken before a node restarted still held the old process's retained
+    status record, handed to the live node as it reconnected: the agent and the cloud logged ERROR 'another ...
+    process (instance ...) announces itself under this ... id', and the old record stayed the node's. An instance
+    started before this one (its nonce says when) is its predecessor: said once at info, and the node announces
+    itself again at each of its records; one started after it is still another live process, said at error."""
+    from protocols.twin import TwinWatch, new_instance, started_of
+
+    assert abs((started_of(new_instance()) or 0) - time.time()) < 5 and started_of("killed0") is None
+    topic, taken, now = topics.status("fed", "cloud"), [], int(time.time())
+    old, later = f"{'0' * 16}-{now - 60:x}", f"{'1' * 16}-{now + 60:x}"
+    watch = TwinWatch(f"{'2' * 16}-{now:x}", kind="cloud", noun="node")
+    with caplog.at_level(logging.INFO, logger="fedtier.twin"):
+        for record in (
+            encode_status("online", topic=topic, instance=old),
+            offline_will("fed", "cloud", None, old).payload,
+        ):
+            watch.on_status("cloud", topic, record, None, lambda: taken.append(1))
+        said = [(r.levelno, r.getMessage()) for r in caplog.records]
+        assert taken == [1, 1] and watch.taken == 0 and len(said) == 1 and said[0][0] == logging.INFO, said
+        assert f"a record of its predecessor (instance {old}, started before this cloud)" in said[0][1]
+        watch.on_status("cloud", topic, encode_status("online", topic=topic, instance=later), None, lambda: None)
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and f"(instance {later}) announces itself" in errors[0], errors
+
+
 def test_a_refused_second_process_is_said_once_with_nothing_to_stop(caplog: pytest.LogCaptureFixture) -> None:
     """Walked: a second `fedtier cloud --serve` started by mistake beside a serving one, refused, exit 2. The serving
     cloud took its session back and got the refusal twice (queued in its session, then retained): it logged two
