@@ -23,6 +23,7 @@ MAY_DRAW_UNSEEDED = {
     "protocols.privacy.shamir": "Shamir share polynomials: secrets",
     "protocols.privacy.dp": "DP noise seeded from the OS in deployments (noise_seed = 'system'): a secret",
     "protocols.twin": "a node process's instance id: unique per process",
+    "protocols.transport.broker": "a free port for a broker to listen on: never an input to a computation",
     "protocols.jobs": "an operator request's nonce, which the cloud's signed reply echoes: unique per request",
     "fedtier.pki": "CA and TLS keys: secrets",
     "fedtier.console": "the MQTT client id of a live watcher (monitor, fleet): unique",
