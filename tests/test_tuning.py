@@ -91,16 +91,17 @@ def test_a_truncated_last_line_is_dropped_with_a_warning_and_that_run_redone(tmp
 
 
 def test_a_changed_setting_or_fresh_does_not_reuse_runs(tmp_path, monkeypatch):
+    """Which journal a sweep reuses (one worker each: what runs is the journal's choice, not the pool's)."""
     monkeypatch.setattr("benchmarks.tuning.RESULTS", tmp_path / "results")
     args = argparse.Namespace(journal=None, fresh=False)
     paper = {"rounds": 100, "dataset": "fmnist"}
     j = open_journal(args, "benchmarks/x.py", "paper", paper)
-    sweep(fake_run, GRIDS, SEEDS, 2, journal=j, calls=str(tmp_path / "c0"))
+    sweep(fake_run, GRIDS, SEEDS, 1, journal=j, calls=str(tmp_path / "c0"))
     j.close()
     assert j.path.name.startswith("x-paper-") and j.path.parent.name == "results"
     args = argparse.Namespace(journal=str(tmp_path / "j.jsonl"), fresh=False)
     j = open_journal(args, "benchmarks/x.py", "paper", paper)
-    sweep(fake_run, GRIDS, SEEDS, 2, journal=j, calls=str(tmp_path / "c1"))
+    sweep(fake_run, GRIDS, SEEDS, 1, journal=j, calls=str(tmp_path / "c1"))
     j.close()
     other = open_journal(
         argparse.Namespace(journal=None, fresh=False), "benchmarks/x.py", "paper", {**paper, "rounds": 50}
@@ -113,12 +114,12 @@ def test_a_changed_setting_or_fresh_does_not_reuse_runs(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="other settings"):  # an explicit path written for other settings
         open_journal(args, "benchmarks/x.py", "paper", {**paper, "rounds": 50})
     j = open_journal(argparse.Namespace(journal=args.journal, fresh=True), "benchmarks/x.py", "paper", paper)
-    sweep(fake_run, GRIDS, SEEDS, 2, journal=j, calls=str(tmp_path / "c2"))
+    sweep(fake_run, GRIDS, SEEDS, 1, journal=j, calls=str(tmp_path / "c2"))
     j.close()
     assert len(calls(tmp_path / "c2")) == RUNS and j.reused == 0
     assert len(list(tmp_path.glob("j.stale-*.jsonl"))) == 1  # the old journal kept aside, not deleted
     more = Journal(args.journal, {"rounds": 100, "dataset": "fmnist"}, label={"script": "x", "preset": "paper"})
-    sweep(fake_run, {"a": [0.1, 0.3, 1.0, 3.0]}, [0, 1, 2], 2, journal=more, calls=str(tmp_path / "c3"))
+    sweep(fake_run, {"a": [0.1, 0.3, 1.0, 3.0]}, [0, 1, 2], 1, journal=more, calls=str(tmp_path / "c3"))
     more.close()  # a wider grid and a third seed: only the new runs run
     assert len(calls(tmp_path / "c3")) == 4 * 3 - 3 * 2
 
