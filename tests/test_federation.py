@@ -38,6 +38,7 @@ from protocols.wire.keys import KeyRing, PublicKeys, load_keys, load_public_keys
 from sim.hierarchy import prepare
 from sim.launcher import run_simulation
 from tests.conftest import small_config, wait_until
+from tests.test_membership import _say_last_words
 from tests.test_provision import WAIT, Inbox, broker_user, clients, mosquitto, reachable_tmp  # noqa: F401
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
@@ -304,6 +305,7 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
                 except subprocess.TimeoutExpired:
                     p.kill()
                     outputs[name] = p.communicate()[0]
+            _say_last_words(outputs, done.broker / "mosquitto.log", cloud_out / "jobs.json")  # shown if it failed
     for name in procs:
         assert procs[name].returncode == 0, f"{name}: {outputs[name]}"  # SIGTERM: a clean stop
         assert "TLS reload:" in outputs[name] and "now present client.crt" in outputs[name], outputs[name]
