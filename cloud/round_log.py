@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from protocols.checkpoint import JOURNAL_MAGIC, Journal, write_durably
-from protocols.jsonl import StorageError
+from protocols.jsonl import writing
 from protocols.limits import memory_refusal
 from protocols.round_text import nth
 from protocols.wire.payload import Payload
@@ -66,7 +66,7 @@ class RoundLog:
         if tail is None:
             return None
         n = rounds_in(tail, "the role's log")
-        try:
+        with writing(self.path):  # a full disk: the checkpoint on disk still names the bytes it had
             if self.rounds is None:
                 self._first(tail, n)
             elif n:
@@ -75,10 +75,6 @@ class RoundLog:
                 added = self.journal.append(Payload({"from": start}, dict(tail)))
                 self.digest.update(added)
                 self.size += len(added)
-        except StorageError:  # (an append's names the file already)
-            raise
-        except OSError as exc:  # a full disk: the checkpoint on disk still names the bytes it had
-            raise StorageError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") from exc
         self.rounds = start + n
         return {"rounds": self.rounds, "bytes": self.size, "sha256": self.digest.hexdigest()}
 

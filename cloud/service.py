@@ -30,7 +30,7 @@ from protocols.checkpoint import write_durably
 from protocols.config import RunConfig, TopologySection
 from protocols.joblog import say_ended, say_taken
 from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError, ended_outcome, job_session
-from protocols.jsonl import StorageError
+from protocols.jsonl import StorageError, writing
 from protocols.privacy.ledger import LEDGER_FILE, LedgerError, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
 from protocols.status import IdleBeat, between_jobs
@@ -352,10 +352,8 @@ class CloudService:
             run["init_model"] = str(model)
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update=run)})
         out.mkdir(parents=True, exist_ok=True)
-        try:  # mode 600: it may hold the broker password (a full disk keeps a resumed job's copy whole)
+        with writing(out / runfiles.CONFIG):  # mode 600: it may hold the broker password (a full disk: kept whole)
             write_durably(out / runfiles.CONFIG, cfg.to_toml().encode())
-        except OSError as exc:
-            raise StorageError(exc.errno, f"cannot write {out / runfiles.CONFIG}: {exc.strerror or exc}") from exc
         parts = self.parts(cfg)  # ConfigError: e.g. init_from a model of another architecture
         node = build_cloud(
             cfg,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .jsonl import StorageError, write_all
+from .jsonl import write_all, writing
 from .limits import read_file
 from .wire.envelope import WireError
 from .wire.payload import Payload, decode_payload, encode_payload
@@ -72,10 +72,8 @@ def write_durably(
 
 def save_payload(path: str | Path, payload: Payload) -> None:
     """Write ``payload`` atomically and durably (:func:`write_durably`), mode 600."""
-    try:
+    with writing(path, " (the previous one is kept)"):  # a full disk: the previous file stays whole
         write_durably(path, MAGIC + encode_payload(payload))
-    except OSError as exc:  # a full disk: the previous file stays whole, the partial one goes
-        raise StorageError(exc.errno, f"cannot write {path}: {exc.strerror or exc} (the previous one is kept)") from exc
 
 
 def load_payload(path: str | Path, sha256: str | None = None) -> Payload:
@@ -154,24 +152,18 @@ class Journal:
     def reset(self, first: Payload, *more: Payload) -> None:
         """Replace the journal with ``first`` (and ``more``) as its only entries (atomic and durable: temporary
         file, fsync, rename, fsync of the folder). One that cannot be written (a full disk) raises
-        :class:`StorageError` naming the file, the old journal kept whole."""
+        :class:`~protocols.jsonl.StorageError` naming the file, the old journal kept whole."""
         self.close()
-        try:  # owner only: it holds the devices' results of the round and the cell's noise seed
+        with writing(self.path, " (the old one is kept)"):  # owner only: the devices' results, the cell's noise seed
             write_durably(self.path, JOURNAL_MAGIC + b"".join(_frame(entry) for entry in (first, *more)))
-        except StorageError:
-            raise
-        except OSError as exc:
-            raise StorageError(
-                exc.errno, f"cannot write {self.path}: {exc.strerror or exc} (the old one is kept)"
-            ) from exc
         self._end = None
 
     def append(self, entry: Payload) -> bytes:
         """Add ``entry`` durably (fsync) after the existing ones; returns the bytes added (its frame). An entry that
-        cannot be written (a full disk) is cut off the file again and raises :class:`StorageError` naming the file:
-        the journal holds the entries before it, whole, and takes the next one once there is space."""
+        cannot be written (a full disk) is cut off the file again and raises :class:`~protocols.jsonl.StorageError`
+        naming the file: the journal holds the entries before it, whole, and takes the next one once there is space."""
         frame = _frame(entry)
-        try:
+        with writing(self.path, " (the entry is not written)"):
             fd = self._open()
             start = os.lseek(fd, 0, os.SEEK_END)
             try:
@@ -181,10 +173,6 @@ class Journal:
                 with contextlib.suppress(OSError):  # no torn entry for the next one to follow
                     os.ftruncate(fd, start)
                 raise
-        except OSError as exc:
-            raise StorageError(
-                exc.errno, f"cannot write {self.path}: {exc.strerror or exc} (the entry is not written)"
-            ) from exc
         return frame
 
     def _open(self) -> int:

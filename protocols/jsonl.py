@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -58,6 +59,18 @@ message's metadata; the module's own decoder is shared by every thread the same 
 class StorageError(OSError):
     """A run file could not be written (a full disk, a read-only folder): the tier's guard fails the job with
     this message; nothing half-written is left behind."""
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, kept: str = "") -> Iterator[None]:
+    """Raise an ``OSError`` of the block (a full disk) as the :class:`StorageError` "cannot write PATH: why" (then
+    ``kept``: what is left as it was); a :class:`StorageError` raised inside, which names its file already, as is."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError(exc.errno, f"cannot write {path}: {exc.strerror or exc}{kept}") from exc
 
 
 def write_all(fd: int, data: bytes) -> None:
