@@ -36,11 +36,11 @@ def _libc() -> ctypes.CDLL | None:
 def watch_reads(paths: list[Path]) -> Iterator[Callable[[float], bool | None]]:
     """Watch ``paths`` from now on; yields ``wait(timeout)``: ``True`` once each was opened read-only and closed
     again (by any process), ``False`` if not within ``timeout`` seconds, ``None`` where this cannot be watched
-    (no inotify, a path that does not exist). Each file and its folder (by the file's name) are watched: a file
-    replaced meanwhile (a rename over it) is the one read, not the one it replaced (a watch of that inode alone waited
-    out ``timeout``), and a file bind-mounted alone into a broker's container is read under no folder of ours."""
+    (no inotify, no paths, a path that does not exist). Each file and its folder (by the file's name) are watched: a
+    file replaced meanwhile (a rename over it) is the one read, not the one it replaced (a watch of that inode alone
+    waited out ``timeout``), and a file bind-mounted alone into a broker's container is read under no folder of ours."""
     libc = _libc()
-    fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC) if libc is not None else -1
+    fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC) if libc is not None and paths else -1
     if fd < 0:
         yield lambda timeout: None
         return
