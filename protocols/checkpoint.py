@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .jsonl import write_all, writing
+from .jsonl import append_whole, write_all, writing
 from .limits import read_file
 from .wire.envelope import WireError
 from .wire.payload import Payload, decode_payload, encode_payload
@@ -164,15 +164,7 @@ class Journal:
         naming the file: the journal holds the entries before it, whole, and takes the next one once there is space."""
         frame = _frame(entry)
         with writing(self.path, " (the entry is not written)"):
-            fd = self._open()
-            start = os.lseek(fd, 0, os.SEEK_END)
-            try:
-                write_all(fd, frame)
-                os.fsync(fd)
-            except OSError:
-                with contextlib.suppress(OSError):  # no torn entry for the next one to follow
-                    os.ftruncate(fd, start)
-                raise
+            append_whole(self._open(), frame, sync=True)
         return frame
 
     def _open(self) -> int:

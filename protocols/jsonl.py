@@ -62,7 +62,7 @@ class StorageError(OSError):
 
 
 @contextlib.contextmanager
-def writing(path: str | Path, kept: str = "") -> Iterator[None]:
+def writing(path: str | Path | None, kept: str = "") -> Iterator[None]:
     """Raise an ``OSError`` of the block (a full disk) as the :class:`StorageError` "cannot write PATH: why" (then
     ``kept``: what is left as it was); a :class:`StorageError` raised inside, which names its file already, as is."""
     try:
@@ -71,6 +71,22 @@ def writing(path: str | Path, kept: str = "") -> Iterator[None]:
         raise
     except OSError as exc:
         raise StorageError(exc.errno, f"cannot write {path}: {exc.strerror or exc}{kept}") from exc
+
+
+def append_whole(fd: int, data: bytes, sync: bool = False) -> int:
+    """Append ``data`` to the file ``fd`` (fsynced with ``sync``), whole or not at all: a write that fails (a full
+    disk) is cut off again before its ``OSError`` goes on (no torn tail for the next append to follow). Returns
+    where it began."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        write_all(fd, data)
+        if sync:
+            os.fsync(fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
+    return start
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -111,17 +127,8 @@ class JsonlWriter:
         if self._fd is None:
             return
         data = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
-        start = os.lseek(self._fd, 0, os.SEEK_END)
-        try:
-            write_all(self._fd, data)
-        except OSError as exc:
-            try:  # no torn line: readers would skip it, the next record would be glued to it
-                os.ftruncate(self._fd, start)
-            except OSError:
-                pass
-            raise StorageError(
-                exc.errno, f"cannot write {self.path}: {exc.strerror or exc} (the record is not written)"
-            ) from exc
+        with writing(self.path, " (the record is not written)"):  # no torn line for the next to be glued to
+            start = append_whole(self._fd, data)
         if self.max_bytes is not None and start + len(data) >= self.max_bytes:
             self._rotate()
 
