@@ -377,9 +377,20 @@ class CloudService:
         return cfg, out, node
 
     def _fail(self, job: Job, reason: str) -> None:
-        """End ``job`` as failed before it started (nodes never saw it: nothing to tell them)."""
+        """End ``job`` as failed before it started (nodes never saw it: nothing to tell them). Said once the queue
+        holds it: a queue that cannot be written stops the cloud, the job left as the queue holds it (before, the log
+        said "job J failed" of a job the queue never recorded, started again at the next start)."""
+        try:
+            self.queue.end(job.job, "failed", reason)
+        except JobQueueError as exc:
+            log.error(
+                "job %s cannot start (%s), which the job queue cannot record: the cloud stops (%s)",
+                job.job,
+                reason,
+                exc,
+            )
+            raise
         log.error("job %s failed: %s", job.job, reason)
-        self.queue.end(job.job, "failed", reason)
         self.failed_at_start.append(job.job)
         try:  # its run folder says so too (`fedtier monitor RUN_DIR`, a script reading summary.json)
             out = self._folder(job.job)

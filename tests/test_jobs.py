@@ -4,6 +4,7 @@ it, and the cloud's durable queue (``protocols/jobs.py``, ``cloud/jobs.py``)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import replace
@@ -486,6 +487,31 @@ def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the
     assert queue.next().job == "b"
 
 
+def test_a_job_that_cannot_be_built_is_said_failed_only_once_the_queue_holds_it(tmp_path: Path, caplog) -> None:
+    """A build error and a queue that cannot be written both: the cloud stops saying so, not "job a failed" of a job
+    its queue still holds queued (started again, it meets the error again and fails it then)."""
+    from cloud.service import CloudService
+    from protocols.config import ConfigError
+    from protocols.transport.threadloop import ThreadLoop
+
+    fed = federation(tmp_path)
+    _, text = canonical_job("[run]\nrounds = 2\n", fed)
+    queue = JobQueue(tmp_path / "jobs.json")
+
+    def parts(cfg):
+        raise ConfigError("model.name: no such model here")
+
+    service = CloudService(fed, ThreadLoop("t"), lambda: None, queue, parts, trust=None, operator=None)
+    queue.submit(Job("a", text, config_hash(text), OPERATOR))
+    queue._save = lambda: (_ for _ in ()).throw(JobQueueError("cannot write the job queue: No space left on device"))
+    with caplog.at_level(logging.ERROR), pytest.raises(JobQueueError, match="No space left"):
+        service._run(queue.get("a"), transport=None)  # type: ignore[arg-type]
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("job a failed" in line for line in said), said
+    assert any("which the job queue cannot record: the cloud stops" in line for line in said), said
+    assert JobQueue(queue.path).next().job == "a" and service.failed_at_start == []
+
+
 def test_a_jobs_end_is_said_to_its_nodes_once_the_queue_holds_it_and_not_if_it_cannot(tmp_path: Path) -> None:
     """Walk-through (a fleet's cloud whose run folder, a 2 MB tmpfs, filled mid-job): the job failed on its checkpoint,
     the cloud told its cells the job had ended, then could not write that in its queue and stopped (exit 1). Started
@@ -540,7 +566,6 @@ def test_a_cloud_whose_disk_is_full_as_a_job_resumes_stops_and_leaves_the_job_to
     either, and resumed once there was room; where the queue could be written (a config copy that did not fit beside
     it), the job failed for the disk, its progress lost. Its config copy was left empty. Now the cloud stops saying
     which file and that the job resumes, the queue and the copy as they were."""
-    import logging
 
     from cloud.jobs import JobFolderFull
     from protocols.transport.memory import MemoryHub
