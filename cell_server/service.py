@@ -105,7 +105,7 @@ class CellService:
                 for pattern in topics.cell_job_patterns(fed, self.cell):
                     transport.unsubscribe(pattern)
             status = topics.status(fed, topics.cell_node(self.cell))
-            watch = JobWatch(transport, fed, self.trust)
+            watch = JobWatch(transport, fed, self.trust, *done)
             watch.on_roster = partial(self._take_roster, None, transport)  # between jobs
             period = self.bundle.monitoring.idle_heartbeat
             wait = partial(self._next_job, watch, done)

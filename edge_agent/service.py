@@ -209,7 +209,7 @@ class AgentService:
         (``None``: stopped, the devices said offline), close."""
         fed, topo = self.bundle.run.name, self.bundle.topology
         self.twin.guard(transport, self.loop)  # TwinError: another agent process is live under the first device's id
-        watch = JobWatch(transport, fed, self.trust)
+        watch = JobWatch(transport, fed, self.trust, *done)
         wait = partial(self._next_job, watch, done)
         period = self.bundle.monitoring.idle_heartbeat
         unfit = {"unfit": self.unfit} if self.unfit is not None else {}  # the job it could not serve, and why

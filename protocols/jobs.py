@@ -425,18 +425,18 @@ def parse_current(record: dict[str, Any]) -> CurrentJob:
 
 
 class JobWatch:
-    """What a cell or an agent knows of the federation's jobs, from ``transport``: the job in progress
-    (the cloud's retained, signed ``cloud/job`` record) and the sessions the cloud declared finished
-    (its ``finished`` control record). With ``trust`` (the node's own identity: its transport's chunk
-    signing is configured from it) only the cloud's signatures count. Without ``transport`` it subscribes
-    nothing: the owner feeds :meth:`on_job` (long-lived agents, on a connection they already hold)."""
+    """What a cell or an agent knows of the federation's jobs, from ``transport``: the job in progress (the cloud's
+    retained, signed ``cloud/job`` record) and the sessions the cloud declared finished (its ``finished`` control
+    record). With ``trust`` (the node's own identity: its transport's chunk signing is configured from it) only the
+    cloud's signatures count. Without ``transport`` it subscribes nothing: the owner feeds :meth:`on_job` (long-lived
+    agents, on a connection they already hold). ``ended``: sessions the node knows ended (it served them)."""
 
-    def __init__(self, transport: Transport | None, federation: str, trust: Trust | None) -> None:
+    def __init__(self, transport: Transport | None, federation: str, trust: Trust | None, *ended: str) -> None:
         from .wire.messenger import Messenger
 
         self.federation, self.trust = federation, trust
         self.current: CurrentJob | None = None
-        self.finished: set[str] = set()
+        self.finished: set[str] = set(ended)
         self.outcomes: dict[str, dict[str, str]] = {}  # finished session -> why it failed or stopped (cut), if so
         self.roster: Roster | None = None  # the newest verified roster (cells refuse revoked devices by it)
         self.on_roster: Callable[[Roster], None] | None = None
@@ -458,10 +458,14 @@ class JobWatch:
             return
         try:
             record = open_job_record(data, topic, "cloud", self.trust.verify if self.trust is not None else None)
-            self.current = parse_current(record)
+            current = parse_current(record)
         except JobError as exc:
             log.warning("ignored a job record: %s", exc)
             return
+        if current.session in self.finished:  # an ended job's (a broker restored from an older save): no moving on
+            log.info("ignored the record of job %s, which has ended (a stale record)", current.job)
+            return
+        self.current = current
         if (prev := self.current.previous) is not None and prev["session"] not in self.finished:
             self._ended(prev["session"], prev)  # its finished record missed (or still on its way): as the cloud says
 

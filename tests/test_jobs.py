@@ -1250,3 +1250,25 @@ def test_a_cell_that_missed_a_jobs_finished_record_reads_how_it_ended_in_the_nex
     watch.on_job(topic, seal_record(CurrentJob("d1", text, config_hash(text), finished).record(), topic, None))
     assert _ended_how(watch, c) == ("finished", None)
     assert parse_current({**c.record(), "previous": "x"}).previous is None  # not one: ignored, the job taken
+
+
+def test_an_ended_jobs_record_a_restored_broker_hands_back_moves_no_node_off_the_running_job(tmp_path: Path) -> None:
+    """Walk (session 25): a broker killed -9 mid-job g and restarted from its last save (made during job f) handed every
+    node f's record again: cell c0 said "job g stopped: the cloud moved on to job f" and left g for good (the round
+    waited out the 55 s cell deadline, its other 505 rounds ran without c0), devices said g ended. A record of a job
+    the node knows ended (g's record says f ended; a cell's watch is also told the jobs it served) is ignored."""
+    from cell_server.service import _ended_how
+    from protocols.jobs import JobWatch, ended_outcome
+
+    _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
+    e, f = (CurrentJob(j, text, config_hash(text)) for j in ("e1", "f1"))
+    g = CurrentJob("g1", text, config_hash(text), ended_outcome(f.session, "finished", ""))
+    topic = topics.current_job("fed")
+    watch = JobWatch(None, "fed", None, e.session)  # a cell that served e, on its connection for g
+    watch.on_job(topic, seal_record(g.record(), topic, None))
+    for stale in (f, e):
+        watch.on_job(topic, seal_record(stale.record(), topic, None))
+        assert watch.current == g and watch.pending(set()) == g  # still g: the cell serves on, the devices too
+    assert _ended_how(watch, f) == ("finished", None)
+    watch.on_job(topic, seal_record(CurrentJob("h1", text, config_hash(text)).record(), topic, None))
+    assert watch.current is not None and watch.current.job == "h1"  # a job not known ended is taken, as before
