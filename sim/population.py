@@ -16,6 +16,7 @@ device that is made to crash is seen offline, as under MQTT.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 
 from edge_agent.agent import DeviceAgent
@@ -130,11 +131,11 @@ class Population(Mapping[str, DeviceAgent]):
     def _need(self, device: str) -> DeviceAgent:
         agent = self._agents.get(device)
         if agent is None:
-            will = device_will(self.run, self.cfg.topology.cell_of(device) or "", device, self.cfg)
+            will = functools.partial(device_will, self.run, self.cfg.topology.cell_of(device) or "", device, self.cfg)
             agent = build_agent(
                 self.cfg,
                 device,
-                self.hub.connect(topics.device_node(device), will=will),
+                self.hub.connect(topics.device_node(device), will=will),  # (made if it crashes)
                 self.algorithm,
                 self.data[device],
                 self.trainer_for(device),

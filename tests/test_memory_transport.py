@@ -163,8 +163,8 @@ def test_a_topics_subscriptions_are_looked_up_once_until_a_subscription_changes(
 
 def test_a_subscription_that_comes_or_goes_looks_up_again_only_the_topics_it_matches(monkeypatch):
     """A sim's device agent subscribes its own task topic as it is built and unsubscribes as it is dropped: only the
-    topics its pattern matches are looked up again, not every topic the run publishes on (each was, every round);
-    what each subscriber gets is as before."""
+    topics a wildcard pattern matches are looked up again, not every topic the run publishes on (each was, every round),
+    and an exact one's topic not at all; what each subscriber gets is as before."""
     hub = MemoryHub()
     lookups: list[str] = []
     match = hub._match
@@ -187,7 +187,8 @@ def test_a_subscription_that_comes_or_goes_looks_up_again_only_the_topics_it_mat
     publish_all()
     d1.close()  # both gone: the topics they matched
     publish_all()
-    assert lookups == [*topics, "t/d1/task", "t/d1/task", "t/d2/task", "t/d1/task", "t/d2/task"]
+    # (an exact subscription's topic is not looked up again: its route is kept with the subscription merged in or out)
+    assert lookups == [*topics, "t/d1/task", "t/d2/task", "t/d1/task", "t/d2/task"]
     each = [("cell", "r/d1/result"), ("cell", "r/d2/result"), ("pop", "t/d1/task"), ("pop", "t/d2/task")]
     assert got == [
         *each,
@@ -201,3 +202,49 @@ def test_a_subscription_that_comes_or_goes_looks_up_again_only_the_topics_it_mat
         ("d1#", "t/d2/task"),
         *each,
     ]
+
+
+def test_kept_routes_are_what_matching_again_finds_as_subscriptions_come_and_go():
+    """Routes kept across subscriptions that come and go (exact ones merged in and out in place, wildcard ones
+    forgetting what they match) are, at every step, what matching every subscription again finds, in order."""
+    import random
+
+    rnd = random.Random(7)
+    hub = MemoryHub()
+    topics = [f"t/{c}/{d}/task" for c in ("c0", "c1") for d in ("d0", "d1", "d2")]
+    patterns = [*topics, "t/+/+/task", "t/c0/#", "t/c1/+/task", "#"]
+    clients = [hub.connect(f"n{i}") for i in range(4)]
+    for _ in range(300):
+        client = rnd.choice(clients)
+        if rnd.random() < 0.6:
+            client.subscribe(rnd.choice(patterns), lambda t, p: None)
+        elif rnd.random() < 0.8:
+            client.unsubscribe(rnd.choice(patterns))
+        else:
+            client.close()
+            clients[clients.index(client)] = hub.connect(client.client_id)
+        for topic in rnd.sample(topics, 3):  # some routes kept, some not
+            hub._matching(topic)
+        for topic, route in hub._routes.items():
+            fresh = hub._match(topic)
+            assert [s.seq for s in route] == [s.seq for s in fresh], topic
+            assert hub._reached.get(topic, frozenset(s.side for s in fresh)) == frozenset(s.side for s in fresh)
+
+
+def test_a_will_made_when_due_is_published_on_a_crash_only():
+    """A sim's device agent connects with what makes its will (a signed status record), called only if it crashes."""
+    hub = MemoryHub()
+    made: list[str] = []
+
+    def will(name: str) -> Will:
+        made.append(name)
+        return Will(f"status/{name}", b"offline")
+
+    got: list[tuple[str, bytes]] = []
+    watcher = hub.connect("watcher")
+    watcher.subscribe("status/+", lambda t, p: got.append((t, p)))
+    quiet, lost = hub.connect("quiet", will=lambda: will("quiet")), hub.connect("lost", will=lambda: will("lost"))
+    quiet.close()
+    lost.crash()
+    hub.loop.run()
+    assert made == ["lost"] and got == [("status/lost", b"offline")]

@@ -94,8 +94,10 @@ class MemoryHub:
         """Sees each message published here ``(topic, payload, retain, sender)``, not those :meth:`inject` brings: a
         simulation split across processes forwards what the others' nodes subscribe to (``sim/cell_processes.py``)."""
 
-    def connect(self, client_id: str, will: Will | None = None) -> MemoryTransport:
-        """Connect a client; an existing session with the same id is taken over (as MQTT does)."""
+    def connect(self, client_id: str, will: Will | Callable[[], Will] | None = None) -> MemoryTransport:
+        """Connect a client; an existing session with the same id is taken over (as MQTT does). ``will``: its last
+        will, or what makes it when it is due (a sim's device agent: most never crash, and its signed status record
+        cost ~25 us an agent built)."""
         old = self._clients.get(client_id)
         if old is not None:
             old._detach()
@@ -134,6 +136,21 @@ class MemoryHub:
             for topic in [t for t in self._routes.keys() | self._reached.keys() if topic_matches(pattern, t)]:
                 self._routes.pop(topic, None)
                 self._reached.pop(topic, None)
+
+    def _reroute(self, topic: str) -> None:
+        """Keep the route of ``topic`` (if kept) right after a subscription to exactly it came or went: its exact
+        subscriptions now, merged by ``seq`` with the wildcard ones it had (what :meth:`_match` would find again,
+        without matching every wildcard group: a sim's device agent subscribes its task topic as it is built and leaves
+        when idle, and each of a round's task topics was matched again)."""
+        route = self._routes.get(topic)
+        if route is None:
+            self._reached.pop(topic, None)
+            return
+        exact = self._exact.get(topic)
+        found = [s for s in route if s.pattern != topic] + (list(exact.values()) if exact else [])
+        found.sort(key=lambda s: s.seq)
+        self._routes[topic] = found
+        self._reached[topic] = frozenset(sub.side for sub in found)
 
     def _match(self, topic: str) -> list[_Sub]:
         exact = self._exact.get(topic)
@@ -220,11 +237,14 @@ class MemoryHub:
         return [t for t in self._retained if topic_matches(pattern, t)]
 
     def _subscribe(self, client_id: str, pattern: str, handler: Handler, segments: bool, side: int | None) -> None:
-        self._forget_routes(pattern)
         key = _literal_key(pattern)
+        if key is not None:
+            self._forget_routes(pattern)
         group = self._exact.setdefault(pattern, {}) if key is None else self._wild.setdefault(key, {})
         sub = _Sub(next(self._seq), client_id, pattern, handler, group, segments, side)
         group[sub.seq] = sub
+        if key is None:
+            self._reroute(pattern)
         self._by_client.setdefault(client_id, {})[sub.seq] = sub
         for topic in self._retained_for(pattern):
             self._schedule(_bind(handler, topic, self._retained[topic], self, client_id), 0.0, side)
@@ -235,8 +255,12 @@ class MemoryHub:
             return
         for seq, sub in list(mine.items()):
             if pattern is None or sub.pattern == pattern:
-                self._forget_routes(sub.pattern)
+                exact = _literal_key(sub.pattern) is None
+                if not exact:
+                    self._forget_routes(sub.pattern)
                 del mine[seq], sub.group[seq]
+                if exact:
+                    self._reroute(sub.pattern)
                 if not sub.group:
                     key = _literal_key(sub.pattern)
                     if key is None:
@@ -265,7 +289,7 @@ class MemoryTransport(Transport):
 
     takes_segments = True
 
-    def __init__(self, hub: MemoryHub, client_id: str, will: Will | None) -> None:
+    def __init__(self, hub: MemoryHub, client_id: str, will: Will | Callable[[], Will] | None) -> None:
         self.hub, self.client_id, self.loop, self._will = hub, client_id, hub.loop, will
         self._open = True
         self.side = hub.side_of(client_id) if hub.side_of is not None else MAIN
@@ -311,8 +335,9 @@ class MemoryTransport(Transport):
         """Vanish without a clean disconnect: the hub publishes the will, as a broker would."""
         if self._open:
             self._detach()
-            if self._will is not None:
-                self.hub._route(self._will.topic, self._will.payload, self._will.retain, self.client_id, self.side)
+            will = self._will() if callable(self._will) else self._will
+            if will is not None:
+                self.hub._route(will.topic, will.payload, will.retain, self.client_id, self.side)
 
 
 def frozen(data: bytes | memoryview) -> TypeGuard[bytes]:
