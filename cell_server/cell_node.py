@@ -18,8 +18,10 @@ from protocols.rejections import Rejected, RejectKind
 from protocols.round_text import nth
 from protocols.session import CloudSession, decode_manifest
 from protocols.state import publish_state
-from protocols.status import between_jobs, decode_status, encode_status
+from protocols.status import between_jobs, decode_status, encode_status, order_stamp
 from protocols.transport.base import TimerHandle, Transport
+from protocols.transport.mqtt import MqttTransport
+from protocols.twin import new_instance
 from protocols.wire import topics
 from protocols.wire.messenger import Incoming, Messenger
 
@@ -124,6 +126,10 @@ class CellNode:
         self.round = -1  # the cloud round (or, async, the cloud model version) this cell is at
         self._beat_timer: TimerHandle | None = None
         self._started = 0.0  # loop time of start()
+        self._instance = new_instance()  # its process's in its statuses, unless ``status_extra`` names one
+        self._order: dict[
+            str, float
+        ] = {}  # its status's order (protocols.status.order_stamp): said anew at (re)connect
         self.failure: str | None = None  # an exception in a handler of this cell (a bug): rounds answer it
         # where the role's weighted sums run (protocols.params.sums_on); None: the host (fedtier sim may put them
         # on its cohort engine's GPU: runtime.cell_sums)
@@ -169,7 +175,9 @@ class CellNode:
         # (they leave on the manifest, maybe before this cell has the round's task) are away (_participants_moved)
         if self.trust is not None or self._taking_part() is not None:
             self.transport.subscribe(topics.round_manifest(self.run), guard(self._on_manifest, "manifest handler"))
-        self._announce()
+        if isinstance(self.transport, MqttTransport):  # (network thread; after its subscriptions are sent again)
+            self.transport.on_reconnected = lambda: self.loop.post(guard(self._announce_anew, "reconnect"))
+        self._announce_anew()
         if self.timing.heartbeat > 0 or self.timing.heartbeat_timeout > 0:
             self._beat_timer = self.loop.call_later(self.timing.beat_period, guard(self._beat, "heartbeat"))
 
@@ -208,21 +216,37 @@ class CellNode:
                 topics.status(self.run, topics.cell_node(self.cell)),
                 self.trust,
                 idle_heartbeat,
-                **self.status_extra,
+                **self._identity,
             )
             self.transport.close()
         self.telemetry.close()
 
+    @property
+    def _identity(self) -> dict[str, Any]:
+        """What its status records say of its process: its instance (``status_extra``'s, a long-lived cell's)."""
+        return {"instance": self._instance, **self.status_extra}
+
+    def _announce_anew(self) -> None:
+        """Announce this cell online anew: as it starts, and at each reconnect (the broker may have lost what it held
+        for it or took from it: a task, a report; every session, with a broker restarted without its state). Its
+        status then carries a newer order (``protocols.status.order_stamp``), which its heartbeats and other
+        announcements repeat: the cloud, if its open round waits for this cell, sends it the round's task again
+        (``cloud.parts.CellPresence.heard``), which the cell answers as the same task (at work on it: carries on;
+        reported: its report again)."""
+        self._order = order_stamp()
+        self._announce()
+
     def _announce(self) -> None:
         """Publish this cell online (retained) with its devices online; a cell serving a job (its cloud
-        session pinned) names that session, so a cloud of another job does not count it ready."""
+        session pinned) names that session, so a cloud of another job does not count it ready. Its instance and
+        order (:meth:`_announce_anew`) say which process said it, and when it (re)connected."""
         status = topics.status(self.run, topics.cell_node(self.cell))
         job: dict[str, Any] = {"session": self.cloud.pinned} if self.cloud.pinned is not None else {}
         if unfit := len(self.liveness.unfit):  # offline for this job, said so: the cloud does not wait for them
             job["devices_unfit"] = unfit
         if (part := self._taking_part()) is not None and (away := self.liveness.sitting_out(part)):
             job["devices_away"] = away  # offline as they sit the round out (participation): not waited for either
-        job.update(self._status_extra(), **self.status_extra)
+        job.update(self._status_extra(), **self._identity, **self._order)
         self.transport.publish(
             status,
             encode_status(

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from protocols.capabilities import unmet
-from protocols.numbers import finite_number
-from protocols.status import outdated
+from protocols.status import order_of, outdated
 
 from .members import DeviceList, OnlineFlags
 
@@ -70,11 +69,10 @@ class Liveness:
 
     def heard(self, device: str, record: dict[str, Any], now: float) -> StatusChange:
         """Take ``device``'s (verified, not :meth:`outdated`) status ``record``, heard at loop time ``now``."""
-        order, instance = finite_number(record.get("order")), record.get("instance")
         renewed = False
-        if order is not None and isinstance(instance, str):
-            renewed = self.newest.get(device) != (instance, order)
-            self.newest[device] = (instance, order)
+        if (stamp := order_of(record)) is not None:
+            renewed = self.newest.get(device) != stamp
+            self.newest[device] = stamp
         online = record["state"] == "online"
         if online:
             self.unfit.pop(device, None)

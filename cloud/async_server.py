@@ -26,7 +26,7 @@ each cell, before it goes (``PushJournal.sent``): a push from a version never se
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from protocols import runfiles
@@ -372,7 +372,7 @@ class AsyncCloudServer(CloudServer):
             log.warning("cloud: %s pushes from a version too old: version %d sent", cell, self.round)
             self._resend(cell)
 
-    def tasks_again(self) -> None:
+    def tasks_again(self, cells: Iterable[str] | None = None) -> None:
         """Nothing here: a cell of an asynchronous job that lacks the current version asks for it."""
 
     def _send_task(self, cell: str, again: bool = False) -> None:

@@ -19,11 +19,18 @@ from protocols.numbers import declared_count
 from protocols.records import TIERS
 from protocols.rejections import Rejected, RejectKind
 from protocols.round_text import nth
+from protocols.status import order_of
 from protocols.wire.envelope import Header
 from protocols.wire.messenger import Incoming, Messenger
 from protocols.wire.payload import Payload
 
 log = logging.getLogger("fedtier.cloud")
+
+MAX_RENEWALS = 3
+"""Times a cell's task is sent again in one round as it says itself online anew, at most (each costs a task: a cell
+that lies, minting orders or processes, gets no more), as a cell sends a device's (``cell_server.edge_liveness``)."""
+KNOWN_INSTANCES = 4
+"""Processes of one cell whose newest order the cloud remembers: a replay of an older record of one is no return."""
 
 
 @dataclass
@@ -48,7 +55,28 @@ class RoundCounts:
     cells_failed: dict[str, str] = field(default_factory=dict)  # cell -> why it failed (fail_on_cell_failure off)
     tasks: Mapping[str, Payload] = field(default_factory=dict)  # cell -> its task of the round (the role's plan)
     repeated: set[str] = field(default_factory=set)  # cells that sent a report again (:meth:`lost_task`)
+    renewals: dict[str, int] = field(default_factory=dict)  # cell -> times it said itself online anew (:meth:`renewal`)
     largest: dict[str, dict[str, int]] = field(default_factory=dict)  # cell -> device -> its largest update's exponent
+
+    def renewal(self, cell: str, rnd: int, awaited: set[str]) -> bool:
+        """Whether ``cell``, which said itself online anew (``CellPresence.heard``: its process (re)connected, and the
+        broker may have lost its task or report, or every session), is sent its task of round ``rnd`` again: if round
+        ``rnd`` waits for it (in ``awaited``), at most :data:`MAX_RENEWALS` times a round (a cell flapping its link,
+        or one lying, gets no more); logged."""
+        if cell not in awaited:
+            return False
+        again = self.renewals[cell] = self.renewals.get(cell, 0) + 1
+        if again <= MAX_RENEWALS:
+            log.warning("cloud: %s is online anew while round %s waits for it: its task again", cell, nth(rnd))
+        elif again == MAX_RENEWALS + 1:
+            log.warning(
+                "cloud: %s is online anew again while round %s waits for it: its task was sent again %d times in this "
+                "round, no more",
+                cell,
+                nth(rnd),
+                MAX_RENEWALS,
+            )
+        return again <= MAX_RENEWALS
 
     def first_resend(self, cell: str) -> bool:
         """Whether ``cell`` may be sent its task of this round again: once a round (a repeated report, or an async
@@ -134,15 +162,18 @@ class RoundCounts:
 
 class CellPresence:
     """Each cell's status as its (verified) status records say: online, and ready (online with every device
-    online, or said it cannot serve the job); when an online cell went offline."""
+    online, or said it cannot serve the job); when an online cell went offline; the newest order heard of each of
+    its processes (``protocols.status.order_stamp``: a cell says itself online anew at each (re)connect)."""
 
     def __init__(self, cells: list[str]) -> None:
         self.ready: dict[str, bool] = {c: False for c in cells}
         self.online: dict[str, bool] = {c: False for c in cells}
         self.offline_since: dict[str, float] = {}  # cell -> loop time it went offline (after being online)
+        self.orders: dict[str, dict[str, float]] = {}  # cell -> instance -> the newest order heard of that process
 
-    def heard(self, cell: str, record: dict[str, Any], now: float) -> None:
-        """Take ``cell``'s status ``record`` (heard at loop time ``now``)."""
+    def heard(self, cell: str, record: dict[str, Any], now: float) -> bool:
+        """Take ``cell``'s status ``record`` (heard at loop time ``now``); whether it says the cell online anew."""
+        renewed = self._renewed(cell, record)
         online = record["state"] == "online"
         if self.online[cell] and not online:
             self.offline_since[cell] = now
@@ -155,6 +186,24 @@ class CellPresence:
         if isinstance(counted, int) and not isinstance(counted, bool) and unfit:
             counted += unfit
         self.ready[cell] = online and counted == record.get("devices_total")
+        return renewed and online
+
+    def _renewed(self, cell: str, record: dict[str, Any]) -> bool:
+        """Whether ``record`` is newer than every record heard of its process (a new process: any order), after a
+        record of the cell with an order (the first heard is no return): its (re)connect, not a heartbeat (the same
+        order), nor a replay of a record heard before (an order not newer), nor a will (none). A few processes of
+        each cell are remembered (:data:`KNOWN_INSTANCES`: a cell minting new ones gets a task a round for each at
+        most, ``RoundCounts.renewal``)."""
+        stamp = order_of(record)
+        if stamp is None:
+            return False
+        known = self.orders.setdefault(cell, {})
+        instance, order = stamp
+        renewed = bool(known) and (instance not in known or order > known[instance])
+        if instance not in known and len(known) >= KNOWN_INSTANCES:
+            del known[next(iter(known))]  # the longest known
+        known[instance] = max(order, known.get(instance, order))
+        return renewed
 
     def offline_for(self, cell: str, now: float) -> float | None:
         """Seconds an offline cell has been offline since it was last online (None: online, or never was)."""

@@ -226,7 +226,9 @@ class CloudServer:
             return
         if record["state"] == "online" and record.get("session", self.session) != self.session:
             return  # serving another job (e.g. the retained status of a killed run's cell): not ready for this one
-        self.presence.heard(cell, record, self.loop.now())
+        renewed = self.presence.heard(cell, record, self.loop.now())  # online anew: its task or report may be lost
+        if renewed and self.counts.renewal(cell, self.round, self._awaited()):
+            self.tasks_again([cell])
         if self._awaiting_cells and self._in_round and self.presence.online[cell]:
             log.info("cloud: %s came online: round %s planned again", cell, nth(self.round))
             self.loop.cancel(self._timer)
@@ -291,8 +293,7 @@ class CloudServer:
         self._state("waiting", self.planned, since=self.counts.since, deadline_s=self.cell_deadline)
 
     def _send_task(self, cell: str, again: bool = False) -> None:
-        """Send ``cell`` its task of the open round (``again``: to a cell that lost it, :meth:`RoundCounts.lost_task`:
-        its bytes are counted apart, ``RoundCounts.resent``, as retransmission)."""
+        """Send ``cell`` its task of the open round (``again``: one it lost, counted apart: retransmission)."""
         topic, task = topics.cell_task(self.run, cell), self.counts.tasks[cell]
         nbytes = self.messenger.send(topic, "cell_task", task, round=self.round, cell=cell)
         tally = self.counts.resent if again else self.counts.bytes
@@ -354,16 +355,15 @@ class CloudServer:
     def _awaited(self) -> set[str]:  # the cells the open round still waits for (none between rounds)
         return self.answers.pending if self._in_round else set()
 
-    def tasks_again(self) -> None:
-        """Each cell the open round waits for gets its task again (the cloud's connection came back: the broker may have
-        lost a task or a report; a cell that reported sends its report again, one at work carries on)."""
-        for cell in sorted(self._awaited()):
+    def tasks_again(self, cells: Iterable[str] | None = None) -> None:
+        """Each cell the open round waits for (of ``cells``) gets its task again: the cloud's connection came back, or
+        the cell's (said online anew), and the broker may have lost a task or a report (a reported cell re-sends it)."""
+        for cell in sorted(self._awaited() & set(self._awaited() if cells is None else cells)):
             self._send_task(cell, again=True)
 
     def _bad_report(self, cell: str, msg: Incoming) -> Rejected | None:
         """Runtime checks before the role sees a report (:func:`cloud.parts.report_refusal`)."""
-        session = self.session if self.trust is not None else None
-        return report_refusal(cell, msg, session, self.cell_bounds, self.role)
+        return report_refusal(cell, msg, self.session if self.trust is not None else None, self.cell_bounds, self.role)
 
     def _count(self, cell: str, msg: Incoming) -> int:
         """Add a taken report's figures to the round (:meth:`RoundCounts.count`); its device count."""

@@ -88,6 +88,13 @@ def order_stamp() -> dict[str, float]:
     return {"order": round(time.monotonic(), 6)}
 
 
+def order_of(record: dict[str, Any]) -> tuple[str, float] | None:
+    """The ``(instance, order)`` of a record said by a process (:func:`order_stamp`), or ``None``: a record with no
+    order (a will, said by the broker; an older node's) or of no instance, which no other record can be ordered with."""
+    order, instance = finite_number(record.get("order")), record.get("instance")
+    return (instance, order) if order is not None and isinstance(instance, str) else None
+
+
 def outdated(record: dict[str, Any], newest: tuple[str, float] | None) -> bool:
     """Whether ``record`` is older than ``newest``, the ``(instance, order)`` of the newest record taken of its node
     (:func:`order_stamp`); a record of another process, or with no order, never is."""
