@@ -43,12 +43,16 @@ def federation_bundle(cfg: RunConfig) -> RunConfig:
     return RunConfig(run=RunSection(name=cfg.run.name), topology=cfg.topology, monitoring=cfg.monitoring)
 
 
-def ignored_by_federation(cfg: RunConfig) -> list[str]:
+def ignored_by_federation(cfg: RunConfig, own: tuple[str, ...] = ()) -> list[str]:
     """The settings of a provisioning config that no federation bundle keeps and no job inherits (each job
     brings its own): its training sections and run keys set to other than their defaults. ``[data]`` is
-    kept out of it (`fedtier partition` and the devices' weight bound read it)."""
+    kept out of it (`fedtier partition` and the devices' weight bound read it), and the ``own`` keys
+    (``section.key``: a node's own, e.g. a forward-only device's ``runtime.onnx_model``)."""
     kept = ("topology", "broker", "security", "monitoring", "data")
     set_ = cfg.model_dump(mode="json", exclude_defaults=True)
+    for section, _, key in (k.partition(".") for k in own):
+        if not {**set_.get(section, {})}.keys() - {key}:
+            set_.pop(section, None)
     run = [f"run.{k}" for k in set_.get("run", {}) if k not in ("name", "output")]
     return run + [f"[{s}]" for s in set_ if s not in (*kept, "run")]
 

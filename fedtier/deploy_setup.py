@@ -78,6 +78,16 @@ def node_config(path: str, overrides: tuple[str, ...], insecure: bool, serve: bo
     cfg = load_deployment_or_exit(path, overrides)
     require_serve(cfg, serve, command)
     require_signed(cfg, insecure)
+    if serve:  # a job's settings given to a long-lived node (`--set algorithm.lr=...`) were ignored without a word
+        from .bundles import ignored_by_federation
+
+        if ignored := ignored_by_federation(cfg, own=("runtime.onnx_model",)):
+            print_error(
+                f"{', '.join(ignored)} (its config or --set): ignored, a node started with --serve runs each job with "
+                "the job's own settings (set them in the job file that `fedtier submit` sends)",
+                "warning",
+                "bold yellow",
+            )
     return cfg
 
 

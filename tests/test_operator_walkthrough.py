@@ -532,6 +532,25 @@ def test_provisioning_a_federation_warns_of_settings_no_job_takes(tmp_path: Path
     assert "warning: run.rounds, [algorithm], [model], [runtime]: no job takes these" in out, out
 
 
+def test_a_jobs_setting_given_to_a_serving_node_is_said_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Walk (session 25): `fedtier cell config.toml --serve --cell c1 --set algorithm.lr=5.0` started without a word,
+    and no job ever ran at that rate (each job brings its own settings). It now warns, naming them; a bundle as
+    provisioned, and a forward-only device's own model (`--onnx-model`), say nothing."""
+    from fedtier.deploy_setup import node_config
+
+    monkeypatch.chdir(_provision(tmp_path, free_port()) / "nodes" / "c0")  # (as a node runs, in its bundle)
+    config = "config.toml"
+    lr = ("algorithm.name=fedavg", "algorithm.lr=5.0", "run.rounds=3", 'run.output="/var/lib/fedtier/c0"')
+    said = lambda: " ".join(capsys.readouterr().err.split())  # noqa: E731
+    node_config(config, lr, False, True, "cell")
+    assert "warning: run.rounds, [algorithm] (its config or --set): ignored, a node started with --serve" in said()
+    for overrides in ((), ('runtime.onnx_model="model.onnx"',)):
+        node_config(config, overrides, False, True, "agent")
+        assert "warning" not in said()
+
+
 def test_submit_wait_end_exits_with_how_the_job_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """`fedtier submit --wait-end`: the job list the cloud signs, followed until the job ended: 0 finished,
     3 failed (with the reason), 1 cancelled or not ended in time."""
