@@ -213,6 +213,18 @@ def _nothing() -> None:
     pass
 
 
+def _train_sealed(agent: Trainee, task: Payload, ctx: DeviceContext, trainer: CohortDeviceTrainer) -> Payload:
+    """A device's ``train`` in its cohort, its result sealed as soon as its role returned it
+    (``WireRecord.seal``: read-only, each float checked finite once, its sums of squares kept), while the delta it just
+    wrote is still in the core's cache: sealed where its agent takes it (``DeviceAgent._trained``, which seals what is
+    not sealed yet), the next devices' deltas had pushed it out and the check read 800 KB from memory. No role code
+    runs between the two: the same bytes, the same check."""
+    result = train_role(agent.role, task, agent.data, trainer, ctx)
+    if result.headroom is not None:
+        result.headroom.seal(result)
+    return result
+
+
 class Loop(Protocol):
     """What the executor needs of an event loop (``VirtualLoop`` and ``ThreadLoop`` both have it)."""
 
@@ -287,7 +299,7 @@ class CohortExecutor:
 
     @staticmethod
     def _job(agent: Trainee, task: Payload, ctx: DeviceContext) -> Job:
-        return lambda trainer: train_role(agent.role, task, agent.data, trainer, ctx)
+        return functools.partial(_train_sealed, agent, task, ctx)
 
     def close(self) -> None:
         self.loop.on_idle = None

@@ -119,3 +119,24 @@ def test_a_cohort_runs_results_are_framed_in_place_and_the_run_is_the_run_with_c
     monkeypatch.setattr(P, "sub_for_wire", lambda a, b: (P.sub(a, b), None))
     copied = SimHierarchy(cfg, write_output=False).run()
     same_run(in_place, copied)
+
+
+def test_a_cohort_devices_result_is_sealed_as_its_role_returns_it(make_config, monkeypatch):
+    """In a cohort each device's result is sealed (read-only, its floats checked, their sums kept) as soon as its role
+    returned it, while the delta it just wrote is in cache, not when its agent takes it after the cohort's other devices
+    wrote theirs (the agent's own seal then has nothing left to do)."""
+    from edge_agent.agent import DeviceAgent
+
+    sealed: list[bool] = []
+    trained = DeviceAgent._trained
+
+    def taken(self, topic, h, result, error):  # what the agent gets, before its own seal
+        record = result.headroom if result is not None else None
+        sealed.append(
+            record is not None and record.checked and not any(a.flags.writeable for a in record.arrays.values())
+        )
+        return trained(self, topic, h, result, error)
+
+    monkeypatch.setattr(DeviceAgent, "_trained", taken)
+    SimHierarchy(make_config(run={"rounds": 1}, runtime={"engine": "cohort"}), write_output=False).run()
+    assert len(sealed) == 2 * 2 * 3 and all(sealed)  # edge rounds x cells x devices
