@@ -564,6 +564,30 @@ def test_an_agents_refused_first_connects_say_once_that_they_retry_and_fail_with
     assert "retrying until" in said[0] and "the connect timeout, 1.5 s" in said[0]
 
 
+def test_a_node_retrying_a_broker_that_is_down_says_the_transports_retry_once_until_it_connects(loop, caplog) -> None:
+    """Walk (session 25): `fedtier agent --serve` given a wrong --broker port said "broker at ... refused the
+    connection; retrying until ..." at each of its attempts (every 40 s at most, for ever), beside its own "cannot
+    connect to the broker ... retrying in 1 s" said once, then at the 10th, 100th... (``fedtier.serve.Retrying``). The
+    transport's line is said once per broker address until a connect there succeeds, then again at a new failure."""
+    port = free_port()
+    node = lambda: MqttTransport("d0", loop, "127.0.0.1", port)  # noqa: E731
+    said = lambda: [r.getMessage() for r in caplog.records if "retrying until" in r.getMessage()]  # noqa: E731
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # a node's attempts (fedtier.serve.connect_forever), refused
+            with pytest.raises(ConnectionError, match="connection refused"):
+                node().connect(timeout=0.1)
+            time.sleep(0.15)  # its backoff (1 s, then longer): past the attempt's connect timeout
+        assert len(said()) == 1, said()
+        with socket.create_server(("127.0.0.1", port)) as server:  # a broker there now: it accepts, CONNACK
+            threading.Thread(
+                target=lambda: (c := server.accept()[0]).recv(64) and c.sendall(b"\x20\x02\x00\x00")
+            ).start()
+            node().connect(timeout=5.0).close()
+        with pytest.raises(ConnectionError, match="connection refused"):
+            node().connect(timeout=0.1)
+    assert len(said()) == 2, said()  # down again after a connect: said again
+
+
 def test_a_first_connect_names_what_failed(loop) -> None:
     """A broker that takes the TCP connection but never answers: "no CONNACK"; a failed TCP connect in words."""
     with socket.create_server(("127.0.0.1", 0)) as silent:

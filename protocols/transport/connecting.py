@@ -21,8 +21,8 @@ import paho.mqtt.client as mqtt
 from .paho_client import REVOKED_CHECK, Credentials, Refused, hung_up_before_connack
 
 log = logging.getLogger("protocols.transport.mqtt")
-_waiting: dict[str, float] = {}  # broker address -> until when a first connect here said it retries (monotonic)
-_waiting_lock = threading.Lock()
+_failing: set[str] = set()  # broker addresses a first connect said it retries, until one connects there
+_failing_lock = threading.Lock()
 
 
 def failure_kind(exc: OSError) -> str:
@@ -80,15 +80,14 @@ def said_rarely(n: int) -> bool:
 
 def say_retrying(client_id: str, where: str, why: str, deadline: float, timeout: float) -> None:
     """Log that the first connect of ``client_id`` to ``where`` failed (``why``) and is retried until ``deadline``
-    (monotonic), unless a connect to the same broker in this process already said so for a deadline not yet past."""
-    now = time.monotonic()
-    with _waiting_lock:
-        if _waiting.get(where, 0.0) > now:
+    (monotonic), unless a connect to the same broker in this process said so since one last connected there (an
+    agent's devices, and a long-lived node's attempts, whose retries ``fedtier.serve.Retrying`` says: before, each
+    attempt of a node whose broker was down said it again, every 40 s at most)."""
+    with _failing_lock:
+        if where in _failing:
             return
-        for stale in [w for w, until in _waiting.items() if until <= now]:
-            del _waiting[stale]
-        _waiting[where] = deadline
-    until = time.strftime("%H:%M:%S", time.gmtime(time.time() + deadline - now))
+        _failing.add(where)
+    until = time.strftime("%H:%M:%S", time.gmtime(time.time() + deadline - time.monotonic()))
     log.warning(
         "%s: broker at %s %s; retrying until %s UTC (the connect timeout, %g s)", client_id, where, why, until, timeout
     )
@@ -171,6 +170,8 @@ class Connecting:
             self._abort()
             raise Refused(f"MQTT broker at {where} refused {self.client_id!r}: {reason}{refused_hint(reason)}")
         self._schedule_expiry()
+        with _failing_lock:
+            _failing.discard(where)  # a first connect failing here again says so again
         return self
 
     @property
