@@ -226,7 +226,7 @@ class CellServer(CellNode):
         if self.in_round:
             log.info("cell %s: task for round %s again, still working on it", self.cell, nth(rnd))
         elif self.sent_report is not None:
-            log.warning("cell %s: round %s's task again (a resumed cloud): re-sending its report", self.cell, nth(rnd))
+            log.warning("cell %s: round %s's task again (its report lost?): re-sending its report", self.cell, nth(rnd))
             self.transport.publish(topics.cell_report(self.run, self.cell), self.sent_report, qos=1)
 
     def _end_round(self) -> None:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from cell_server.node import build_cell
@@ -174,3 +175,60 @@ def test_a_cells_heartbeats_repeat_the_order_it_said_itself_online_at(tmp_path: 
     online = [(r["state"], r.get("instance"), r.get("order")) for r in said[:-1]]
     assert len(online) >= 4 and len(set(online)) == 1 and isinstance(online[0][1], str), said
     assert said[-1]["state"] == "offline" and said[-1]["order"] > online[0][2], said
+
+
+def test_a_cell_sent_its_task_again_as_it_says_itself_anew_trains_it_once_and_sends_a_lost_report_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In memory, signed: journaled c0 says itself online anew (as at a reconnect) while at work on round 1's task,
+    and again once its report of round 2 was lost on the way: the cloud sends it the task each time. At work, it
+    carries on (its devices get no task twice, its journal takes nothing more); reported, it sends the same report
+    again, which the cloud takes. Model, cell records (but their virtual clock: c0's devices' results take a virtual
+    second to arrive, so that it is at work a while) and device traffic are the undisturbed run's."""
+    from sim.launcher import SimHierarchy, run_simulation
+    from tests.conftest import WALL
+    from tests.test_resume import journaled_c0
+
+    def config(name: str) -> Any:
+        return small_config(
+            tmp_path / name,
+            algorithm={"edge_rounds": 2},
+            runtime={"device_deadline": 50.0},
+            security={"keys": "k.toml"},
+        )
+
+    straight = run_simulation(config("straight"))
+    sim = SimHierarchy(config("renewed"))
+    c0 = sim.cells["c0"] = journaled_c0(sim, resume=False)
+    journal_result, publish, lost = c0.journal.result, c0.transport.publish, []
+
+    def result(edge_round: int, device: str, msg: Any) -> None:  # its first result of round 1: at work on it
+        journal_result(edge_round, device, msg)
+        if (c0.round, edge_round, len(c0.answers.received)) == (1, 0, 1):
+            c0._announce_anew()
+
+    def report(topic: str, data: Any, **kw: Any) -> None:  # its first report of round 2 lost on the way
+        if topic == topics.cell_report(sim.cfg.run.name, "c0") and c0.round == 2 and not lost:
+            lost.append(topic)
+            sim.hub.loop.post(c0._announce_anew)
+            return
+        publish(topic, data, **kw)
+
+    c0.journal.result, c0.transport.publish = result, report  # type: ignore[method-assign]
+    results = {topics.device_result(sim.cfg.run.name, "c0", d) for d in sim.cfg.topology.device_ids("c0")}
+    sim.hub.link_delay = lambda topic, nbytes: 1.0 if topic in results else 0.0  # c0 at work for a while
+    with caplog.at_level(logging.INFO, logger="fedtier"):
+        renewed = sim.run()
+    said = [r.getMessage() for r in caplog.records]
+    assert "cell c0: task for round 2 again, still working on it" in said, said
+    assert "cell c0: round 3's task again (its report lost?): re-sending its report" in said, said
+    assert [m for m in said if "online anew" in m] == [
+        "cloud: c0 is online anew while round 2 waits for it: its task again",
+        "cloud: c0 is online anew while round 3 waits for it: its task again",
+    ], said
+    assert lost and [bool(r.get("bytes_resent")) for r in renewed.history] == [False, True, True], renewed.history
+    assert all(np.array_equal(straight.params[k], renewed.params[k]) for k in straight.params)
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in WALL and "clock" not in k} for r in recs]  # noqa: E731
+    assert strip(renewed.cell_records) == strip(straight.cell_records)
+    assert renewed.device_traffic == straight.device_traffic  # no task sent to a device twice
+    assert [m["cells_reported"] for m in renewed.history] == [["c0", "c1"]] * 3
