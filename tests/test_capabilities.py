@@ -45,24 +45,43 @@ def test_probe_reports_this_machine():
     assert "torch" in caps["backends"] and json.loads(json.dumps(caps)) == caps  # travels as JSON
 
 
+NO_TORCH_AT_IMPORT = (
+    "fedtier.cli",  # every command (each registers itself on import): `fedtier jobs`, `submit`, `logs`, `--help`...
+    "fedtier.serve",
+    "cell_server.node",
+    "edge_agent.node",
+    "cloud.node",
+    "monitor.live",
+    "monitor.report",
+)
+"""What a ``fedtier`` process imports before it knows its command: the command line with every command, the
+long-lived nodes' service and each tier's node. None may import torch at import (1.3-1.7 s of CPU and ~200 MB a
+process): the operator's commands and a cell never need it, an agent and the cloud only once a job comes."""
+
+
 def test_a_node_probing_a_machine_without_a_gpu_driver_does_not_import_torch():
     """A cell or cloud announces its capabilities at start: on a Linux with no GPU driver in /dev it says
     accelerator none without importing torch (1.5-5 s and ~300 MB a process that never trains); where a driver
-    shows, torch still decides (test_probe_reports_this_machine)."""
+    shows, torch still decides (test_probe_reports_this_machine). Nor do the command line's and the nodes'
+    modules import it (:data:`NO_TORCH_AT_IMPORT`, in the same fresh interpreter, imported first)."""
     import subprocess
     import sys
 
     from protocols import capabilities
 
-    probe_alone = (
-        "import sys; from protocols.capabilities import probe; print(probe()['accelerator'], 'torch' in sys.modules)"
+    code = (
+        f"import sys\nfirst = '-'\nfor m in {NO_TORCH_AT_IMPORT!r}:\n    __import__(m)\n"
+        "    first = m if first == '-' and 'torch' in sys.modules else first\n"
+        "from protocols.capabilities import probe\nprint(first, probe()['accelerator'], 'torch' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", probe_alone], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    first, accelerator, torch_imported = done.stdout.split()
+    assert first == "-", f"importing {first} imported torch"
     if capabilities._no_gpu_driver():
-        assert done.stdout.split() == ["none", "False"], done.stdout
+        assert (accelerator, torch_imported) == ("none", "False"), done.stdout
     else:
-        assert done.stdout.split()[1] == "True", done.stdout
+        assert torch_imported == "True", done.stdout
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,14 @@ def _run(cmd: list[str], cwd: Path, stderr: bool = True) -> subprocess.Completed
     return subprocess.CompletedProcess(cmd, res.exit_code, (res.output if stderr else res.stdout) + unexpected)
 
 
+def _torch_loaded(pid: int) -> bool | None:
+    """Whether process ``pid`` has torch's library mapped (it imported torch); None where /proc cannot tell."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return None
+
+
 def _jobs(cloud_out: Path) -> dict[str, str]:
     path = cloud_out / "jobs.json"
     try:
@@ -254,6 +262,8 @@ def test_two_jobs_on_long_lived_nodes_survive_a_killed_cloud(reachable_tmp: Path
             metrics_e = cloud_out / "jobs" / "E" / runfiles.METRICS
             rounds_e = lambda: metrics_e.read_text().count("\n") if metrics_e.exists() else 0  # noqa: E731
             assert wait_until(lambda: rounds_e() >= 1, 60)
+            # a cell aggregates without torch (jobs A, B and C served, E begun), an agent trains with it
+            assert _torch_loaded(procs["cell"].pid) is not True and _torch_loaded(procs["c0-d0"].pid) is not False
             procs["cell"].send_signal(signal.SIGKILL)
             procs["cell"].communicate(timeout=10)
             killed_at = rounds_e()
