@@ -192,8 +192,8 @@ class CellPresence:
         """Whether ``record`` is newer than every record heard of its process (a new process: any order), after a
         record of the cell with an order (the first heard is no return): its (re)connect, not a heartbeat (the same
         order), nor a replay of a record heard before (an order not newer), nor a will (none). A few processes of
-        each cell are remembered (:data:`KNOWN_INSTANCES`: a cell minting new ones gets a task a round for each at
-        most, ``RoundCounts.renewal``)."""
+        each cell are remembered (:data:`KNOWN_INSTANCES`; a cell minting new ones still gets its task again at most
+        :data:`MAX_RENEWALS` times a round: ``RoundCounts.renewal``)."""
         stamp = order_of(record)
         if stamp is None:
             return False
