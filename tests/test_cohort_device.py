@@ -318,3 +318,28 @@ def test_evaluation_keeps_its_held_out_set_on_the_device_and_each_set_its_own_re
         assert trainer._eval_cache is not None and trainer._eval_cache[2].device.type == trainer.device.type
     held = trainer._eval_cache[2]
     assert trainer.evaluate(*sets[1], batch_size=16) == expected[1] and trainer._eval_cache[2] is held  # kept
+
+
+def test_a_calls_minibatch_indices_and_masks_are_each_batch_where_its_step_is() -> None:
+    """The engine's batch assembly writes each device's full batches in one copy and the short ones (an epoch's last,
+    wherever it falls: several epochs, fewer steps than others) one by one: the indices and masks a step-by-step
+    construction gives, mapped to the device's rows of the data set."""
+    from protocols.cohort_batches import minibatches
+
+    g = np.random.default_rng(3)
+    data = (torch.zeros(100, 8), torch.zeros(100, dtype=torch.long))
+    reqs = []
+    for i, (n, epochs, steps) in enumerate([(10, 1, 0), (12, 1, 0), (10, 3, 7), (9, 2, 0), (4, 1, 0)]):
+        order = [p[s : s + 4] for p in (g.permutation(n) for _ in range(epochs)) for s in range(0, n, 4)]
+        r = Request("sgd", SPEC, {}, np.zeros((n, 8), np.float32), np.zeros(n, np.int64), order[: steps or None])
+        r.rows = g.permutation(100)[:n] if i % 2 == 0 else None
+        reqs.append(r)
+    reqs.sort(key=lambda r: -len(r.order))  # (as the engine orders them: most steps first)
+    _, _, _, idx, mask = minibatches(reqs, [data] * len(reqs))
+    want_idx, want_mask = np.zeros_like(idx), np.zeros_like(mask)
+    for i, r in enumerate(reqs):
+        for s, batch in enumerate(r.order):
+            want_idx[i, s, : len(batch)], want_mask[i, s, : len(batch)] = batch, 1.0
+        if r.rows is not None:
+            want_idx[i] = r.rows[want_idx[i]]
+    assert idx.shape == (5, 7, 4) and np.array_equal(idx, want_idx) and np.array_equal(mask, want_mask)
