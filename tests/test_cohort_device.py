@@ -343,3 +343,22 @@ def test_a_calls_minibatch_indices_and_masks_are_each_batch_where_its_step_is() 
         if r.rows is not None:
             want_idx[i] = r.rows[want_idx[i]]
     assert idx.shape == (5, 7, 4) and np.array_equal(idx, want_idx) and np.array_equal(mask, want_mask)
+
+
+def test_a_step_shares_one_rate_where_every_device_active_then_has_samples_in_it() -> None:
+    """``StepTerms.same_rate`` (one fused update a step, CUDA graphs) holds at step ``s`` exactly where each of the
+    devices still active then has a sample in its batch, under one learning rate: random masks and step counts."""
+    from protocols.cohort_steps import step_terms
+
+    g = np.random.default_rng(5)
+    for _ in range(60):
+        d, steps, b = (int(v) for v in g.integers(1, 7, 3))
+        mask = (g.random((d, steps, b)) < 0.4).astype(np.float32)
+        active = sorted((int(a) for a in g.integers(1, d + 1, steps)), reverse=True)
+        rates = [0.1] * d if g.random() < 0.8 else [0.1] * (d - 1) + [0.2]
+        reqs = [Request("sgd", SPEC, {}, np.zeros((1, 8), np.float32), np.zeros(1, np.int64), lr=lr) for lr in rates]
+        counts = torch.from_numpy(mask.sum(2))
+        terms = step_terms(reqs, {"w": torch.zeros(d, 2)}, counts, mask, active)
+        uniform = len(set(rates)) == 1
+        want = [uniform and all(mask[i, s].sum() > 0 for i in range(a)) for s, a in enumerate(active)]
+        assert terms.same_rate == want
