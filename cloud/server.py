@@ -164,10 +164,10 @@ class CloudServer:
             self.cell_records.start(lambda h: self._guard(h, "cell record handler"))
         status = topics.status(self.run, "cloud")
         extra = {"started": round(time.time(), 6)} if self.trust is not None else {}
-        record = encode_status(
+        self.online = encode_status(  # (said again as the service's connection comes back)
             "online", topic=status, trust=self.trust, session=self.session, **extra, **self.status_extra
         )
-        self.transport.publish(status, record, retain=True)
+        self.transport.publish(status, self.online, retain=True)
         self._started_wall, self.live = time.time(), True
         self._state("starting", waiting=[c for c in self.cells if not self.presence.ready[c]])
         if self.round < self.rounds:  # clear a "finished" record a previous run left on the broker

@@ -204,8 +204,10 @@ class CloudService:
         """The cloud's connection came back: the broker may have lost what it held (restarted from its last autosave,
         or without its state), a cell's task or its report among it. The open round's cells that have not reported
         get their task again (a cell that reported sends its report again): before, the round waited up to its
-        ``runtime.cell_deadline`` for them."""
+        ``runtime.cell_deadline`` for them. The job's online status is said again: a broker restored from an older
+        save held another job's (`fedtier fleet` named that job) until this one ended."""
         if self.node is not None and not self.node.finished:
+            self.node.transport.publish(topics.status(self.fed, "cloud"), self.node.online, retain=True)
             self.node.tasks_again()
 
     def _reannounce(self, transport: Transport) -> None:

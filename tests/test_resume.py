@@ -824,3 +824,25 @@ def test_a_cloud_whose_connection_came_back_sends_the_open_rounds_task_again_to_
     hub.loop.run(until=lambda: sum(tasks.values()) > 2)
     assert tasks == {topics.cell_task(cfg.run.name, "c0"): 2, topics.cell_task(cfg.run.name, "c1"): 1}, tasks
     assert cloud.counts.resent.get("cloud_to_cell", 0) > 0
+
+
+def test_a_cloud_whose_connection_came_back_says_its_jobs_online_status_again(tmp_path: Path) -> None:
+    """Walk (session 25): a broker killed -9 in job i and restarted from its last save, made in job h, held the cloud's
+    retained status of h: `fedtier fleet` said 'job job-h...' (the cloud online, without its capabilities) until i
+    ended, the cloud saying its status only as a job starts. Its service says the job's status again as its connection
+    comes back (``CloudService._tasks_again``, on ``MqttTransport.on_reconnected``), the same bytes."""
+    from types import SimpleNamespace
+
+    from cloud.service import CloudService
+    from protocols.transport.memory import MemoryHub
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1}, runtime={"cell_deadline": 1000.0})
+    hub, topic = MemoryHub(), topics.status(cfg.run.name, "cloud")
+    cloud = build_cloud(cfg, hub.connect("cloud"), cfg.build_algorithm(prepare(cfg).spec))
+    cloud.start()  # (the loop not run: in its startup wait, virtual time)
+    said = hub._retained[topic]
+    hub.inject(topic, b"another job's status, restored", retain=True)
+    CloudService._tasks_again(SimpleNamespace(node=cloud, fed=cfg.run.name))  # type: ignore[arg-type]
+    assert (
+        not cloud.finished and hub._retained[topic] == said and decode_status(said, topic)["session"] == cloud.session
+    )
