@@ -72,6 +72,7 @@ class AgentService:
         self.unfit: dict[str, str] | None = None  # the latest job they could not serve, and why (idle statuses)
         self.roster: Roster | None = None  # the newest signed roster known: tells one enrolled since from a wrong id
         self.revoked: str | None = None  # why it stopped: a roster revoked its devices (the node exits 2: no restart)
+        self.revoked_during: str | None = None  # the job it was serving then, if it was
         self.on_job_end: Callable[[str], None] | None = None  # called after each job served (benchmarks)
         self.on_start: Callable[[AgentProcess], None] | None = None  # called once its agents started
 
@@ -130,6 +131,7 @@ class AgentService:
                 moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
                 self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
                 if self.revoked is not None:  # revoked mid-job: it takes no more part in it
+                    self._revoked_during(current.job, agents)
                     break
                 if self.stopping.is_set() and not (agents.done.is_set() or moved_on()):  # stopped mid-job (a job that
                     self.stopped_during = current.job  # ended before the stop, seen or not by the poll's last look,
@@ -161,6 +163,12 @@ class AgentService:
         say_ended(self.who, job, f"ended ({answered} tasks answered)")
         if self.on_job_end is not None:
             self.on_job_end(job)
+
+    def _revoked_during(self, job: str, agents: AgentProcess) -> None:
+        """Revoked while serving ``job``: the tasks answered in it count (it said "served 0 jobs, 0 tasks" of a device
+        that had answered 50 of that job's), and the job is named as it stops."""
+        self.tasks += sum(s["tasks"] for s in agents.stats().values())
+        self.revoked_during = job
 
     def _cannot_serve(self, current: CurrentJob, exc: Exception, agents: AgentProcess | None) -> None:
         """Say why these devices cannot serve ``current`` (in full in their log), and put it in their idle statuses

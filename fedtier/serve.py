@@ -375,5 +375,6 @@ def serve_agent(
         linger(exporter, 0)
     summary = served_summary(f"device {device}", service.served, service.stopped_during, service.tasks)
     if service.revoked is not None:  # exit 2 (not restarted), saying why and what it served
-        raise NodeRevoked(f"{service.revoked}; {summary}")
+        during = service.revoked_during
+        raise NodeRevoked(f"{service.revoked}; {summary}" + (f"; revoked during job {during}" if during else ""))
     return summary
