@@ -463,7 +463,7 @@ class JobWatch:
             log.warning("ignored a job record: %s", exc)
             return
         if current.session in self.finished:  # an ended job's (a broker restored from an older save): no moving on
-            log.info("ignored the record of job %s, which has ended (a stale record)", current.job)
+            log.debug("ignored the record of job %s, which has ended (a stale record)", current.job)  # (-vv)
             return
         self.current = current
         if (prev := self.current.previous) is not None and prev["session"] not in self.finished:
