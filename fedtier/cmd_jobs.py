@@ -57,10 +57,16 @@ def _operator(cfg: Any) -> Any:
 
     if not cfg.security.keys:
         return None
-    ring = load_keys(cfg.security.keys)
-    if OPERATOR not in ring.private or "cloud" not in ring.public:
+    try:
+        ring = load_keys(cfg.security.keys)
+    except KeysError as exc:  # (the monitor bundle's, public keys only, said "keys.toml has no [private] key")
+        ring, why = None, f": {exc}"
+    else:
+        why = ""
+    if ring is None or OPERATOR not in ring.private or "cloud" not in ring.public:
         raise KeysError(
-            f"{cfg.security.keys}: not an operator's keys (the operator's private key, the cloud's public key)"
+            f"{cfg.security.keys}: not an operator's keys (the operator's private key, the cloud's public key){why}; "
+            "give --config the operator bundle's config.toml (fedtier provision's nodes/operator)"
         )
     return Trust(OPERATOR, ring.private[OPERATOR], ring.public)
 

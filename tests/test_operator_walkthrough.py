@@ -513,6 +513,9 @@ def test_error_messages_keep_the_config_sections_they_name(
     Path("unsigned.toml").write_text(Path("config.toml").read_text().replace('keys = "keys.toml"\n', ""))
     code, out, _ = _cli("cell", "unsigned.toml", "--serve", "--cell", "c0")
     assert code == 2 and "the config has no [security] keys" in out, out
+    monkeypatch.chdir(fed / "nodes" / "monitor")  # walked: "security.keys: keys.toml has no [private] key", alone
+    code, out, _ = _cli("jobs", "--config", "config.toml")
+    assert code == 2 and "not an operator's keys" in out and "the operator bundle's config.toml" in out, out
 
 
 def test_provisioning_a_federation_warns_of_settings_no_job_takes(tmp_path: Path) -> None:
