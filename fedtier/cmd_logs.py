@@ -31,7 +31,7 @@ def parse_round_range(text: str) -> tuple[int | None, int | None]:
     if any(end is not None and end < 1 for end in (low, high)):  # "-1" matched nothing, said nothing
         raise ValueError(
             f"--round {text!r}: rounds count from 1, as the table, the monitor and the report show them (the records' "
-            "round field counts from 0); A: for round A on"
+            "round field counts from 0): the first round is 1 (A: from round A on)"
         )
     if low is not None and high is not None and low > high:
         raise ValueError(f"--round {text!r}: {low} > {high}")
@@ -195,4 +195,7 @@ def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: 
             sys.stdout.write(r.to_json() + "\n")
         return
     output_console().print(records_table(chosen))
-    console.print(f"{len(chosen)} of {len(records)} records", highlight=False)
+    said = f"{len(chosen)} of {len(records)} records"
+    if records and not chosen and round_range:  # (`--round 9` of a 5-round job: an empty table, and no word why)
+        said += f" (the records' rounds: {nth(min(r.round for r in records))}-{nth(max(r.round for r in records))})"
+    console.print(said, highlight=False)

@@ -148,6 +148,8 @@ def test_logs_filters(runs):
     rows = [line.split("│")[2].strip() for line in res.stdout.splitlines() if line.startswith("│")]
     assert rows == ["1.1", "1.2"], res.stdout  # round 1's edge rounds, as the monitor numbers them
     assert CliRunner().invoke(main, ["logs", str(out), "--round", "3:1"]).exit_code == 2
+    res = CliRunner().invoke(main, ["logs", str(out), "--round", "9"])  # walked: an empty table, and nothing of why
+    assert res.exit_code == 0 and "0 of 15 records (the records' rounds: 1-3)" in res.output, res.output
 
 
 # ---------------------------------------------------------------------- report
