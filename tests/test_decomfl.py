@@ -858,6 +858,54 @@ def test_a_step_drawn_ahead_is_drawn_once_and_its_askers_wait_for_it(monkeypatch
     assert len(drawn) == 6
 
 
+def test_a_cell_that_reports_starts_drawing_the_next_rounds_directions(monkeypatch):
+    """A cell whose devices draw in its process (``fedtier sim``, drawing ahead) starts drawing the next round's
+    directions as it reports, from the seed the cloud will pick: they are drawn while the cloud closes the round,
+    not once the next task came (in a cell process they waited on the round's path, ~1-14 ms a round). Its last
+    round's report draws nothing; the next task finds them drawn, the bits drawing them then gives."""
+    import threading
+
+    x0 = {"w": np.zeros((30, 40), np.float32), "b": np.zeros(40, np.float32)}
+    shapes = Z.shapes_of(x0)
+    drawn: list[tuple[str, int]] = []
+    draw = Z._draw_flat
+
+    def counted(seed, *rest):
+        drawn.append((threading.current_thread().name, seed))
+        return draw(seed, *rest)
+
+    def settled() -> set[int]:  # the seeds drawn since the last call, once every draw ahead is done
+        for step in list(Z._pending.values()):
+            step.result(30)
+        seeds = {s for _, s in drawn}
+        assert all(name.startswith("zo-ahead") for name, _ in drawn), drawn  # not by whoever asked
+        drawn.clear()
+        return seeds
+
+    _fresh_caches(monkeypatch)
+    monkeypatch.setattr(Z, "_draw_flat", counted)
+    monkeypatch.setattr(Z, "_pending", {})
+    cloud = DeComFLCloud(_params(), 7, x0)
+    cell = DeComFLCell(_params(), "c0", ["d1"], shapes, ahead=(7, 3))
+    Z.set_prefetch(True)
+    try:
+        for r in range(3):
+            task = cloud.plan(r, ["c0"])["c0"]
+            assert int(task.tensors["s"][-1]) == Z.round_seed(7, r)
+            cell.begin(r, task)
+            assert settled() == ({Z.round_seed(7, 0)} if r == 0 else set())  # later: drawn as the cell reported
+            cell.aggregate(0, {"d1": Payload({"weight": 4}, {"g": np.ones((K, P), np.float32)})})
+            cloud.aggregate(r, {"c0": cell.report()})  # (the cloud steps along the round's directions: drawn)
+            assert settled() == ({Z.round_seed(7, r + 1)} if r < 2 else set()), r  # the last round: nothing
+            if r == 1:
+                zs = Z.direction_vectors(Z.round_seed(7, 2), 1, P, shapes)  # a device's step of round 2
+                assert not drawn
+                bits = [draw(Z.round_seed(7, 2), 1, p, shapes, "gaussian").tobytes() for p in range(P)]
+                assert [z.tobytes() for z in zs] == bits
+    finally:
+        Z.set_prefetch(False)
+
+
 def test_a_draw_ahead_that_cannot_start_fails_no_one_and_leaves_no_one_waiting(monkeypatch):
     """A draw ahead whose thread cannot take it (its executor shut down, as once the interpreter exits: submit raises)
     raised into the cloud's plan or the cell's task, and left its step pending for ever: whoever asked for that step

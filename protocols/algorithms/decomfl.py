@@ -247,12 +247,20 @@ class DeComFLCloud(CloudRole):
 # --------------------------------------------------------------------------------------------- cell
 class DeComFLCell(CellRole):
     def __init__(
-        self, params: DeComFLParams, cell: str, roster: Sequence[str] | None = None, shapes: Z.Shapes | None = None
+        self,
+        params: DeComFLParams,
+        cell: str,
+        roster: Sequence[str] | None = None,
+        shapes: Z.Shapes | None = None,
+        ahead: tuple[int, int | None] | None = None,
     ) -> None:
         """``roster``: every device of the cell (so ``need`` covers those never seen); None: unknown. ``shapes``:
         the model's, where the cell's devices draw in its process (``fedtier sim``): it starts drawing a round's
-        directions for them as its task comes (``directions.prefetch``)."""
-        self.p, self.cell, self.shapes = params, cell, shapes
+        directions for them as its task comes (``directions.prefetch``). ``ahead``: the run's seed and rounds
+        (``None``: unknown), with which it starts drawing the next round's as it reports (the seed the cloud will
+        pick, :func:`directions.round_seed`: the draws run while the cloud closes the round, not once the task
+        came; a task of another seed is drawn when it comes, as without)."""
+        self.p, self.cell, self.shapes, self.ahead = params, cell, shapes, ahead
         self.K, self.P = params.local_steps, params.perturbations
         self.roster = sorted(roster) if roster is not None else None
         self.round = -1
@@ -312,6 +320,10 @@ class DeComFLCell(CellRole):
         return min((after.get(d, 0) for d in self.roster), default=self.round)
 
     def report(self) -> Payload:
+        if self.shapes is not None and self.ahead is not None:
+            seed, rounds = self.ahead
+            if rounds is None or self.round + 1 < rounds:
+                Z.prefetch(Z.round_seed(seed, self.round + 1), self.K, self.P, self.shapes, self.p.direction)
         meta = {
             "weight": self.weight,
             "answered": sorted(self.answered),
@@ -465,7 +477,8 @@ class DeComFL(Algorithm):
 
     def cell(self, cell: str) -> CellRole:
         shapes = Z.shapes_of(self.initial_params()) if Z.prefetching() else None  # (its devices draw here: sim)
-        return DeComFLCell(self.params, cell, self.rosters.get(cell), shapes)  # type: ignore[arg-type]
+        ahead = (self.seed, self.rounds)  # (the next round's seed: drawn ahead where the process draws ahead)
+        return DeComFLCell(self.params, cell, self.rosters.get(cell), shapes, ahead)  # type: ignore[arg-type]
 
     def device(self, device: str) -> DeviceRole:
         return DeComFLDevice(self.params, self.initial_params)  # type: ignore[arg-type]
