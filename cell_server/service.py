@@ -71,8 +71,10 @@ class CellService:
         self.stopping = threading.Event()
         self.served: list[str] = []  # the jobs this process served, in order
         self.stopped_during: str | None = None  # the job it was stopped during (SIGTERM mid-job), if it was
+        self.revoked: str | None = None  # why it stopped: a roster revoked this cell (the node exits 2: no restart)
+        self.revoked_during: str | None = None  # the job it was serving then, if it was
         self.node: CellServer | None = None
-        self.revoked = RevokedStatuses(bundle.run.name, cell)  # revoked devices' statuses, kept clear
+        self.revoked_devices = RevokedStatuses(bundle.run.name, cell)  # revoked devices' statuses, kept clear
         self.twin = NodeTwin(bundle.run.name, topics.cell_node(cell), "cell", twin_window, trust)  # its instance
 
     def _take_roster(self, node: CellServer | None, transport: Transport, roster: Roster) -> None:
@@ -83,7 +85,14 @@ class CellService:
         its key is gone); one still connected to a broker without per-node ACLs may publish it again."""
         if node is not None:
             apply_roster(node, self.cell, roster)
-        self.revoked.take(roster, transport)
+        self.revoked_devices.take(roster, transport)
+        if self.cell in roster.revoked and self.revoked is None:  # this cell: it stops, as a revoked device does
+            self.revoked = (
+                f"cell {self.cell} revoked from federation {roster.federation!r} (signed roster version "
+                f"{roster.version}): it takes part in no job from now on; stopping (a revoked id is never reused: "
+                "enroll the cell again under a new id, `fedtier provision add-cell`)"
+            )
+            self.stop()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -100,7 +109,7 @@ class CellService:
             if transport is None:  # stopped while the broker was unreachable
                 break
             self.twin.guard(transport, self.loop)  # TwinError: another process of this cell is live
-            self.revoked.watch(transport)
+            self.revoked_devices.watch(transport)
             if done:  # after a job served to its end here, what its session still had for it is a straggler
                 for pattern in topics.cell_job_patterns(fed, self.cell):
                     transport.unsubscribe(pattern)
@@ -146,7 +155,7 @@ class CellService:
             # server's handlers) are garbage now, held in reference cycles: collected at once below,
             gc.collect()  # not after ~10 more jobs (its arrays are native memory: few objects, rare collections)
             if stopped:  # its server said offline
-                self.stopped_during = current.job
+                self.revoked_during, self.stopped_during = (current.job, None) if self.revoked else (None, current.job)
                 break
 
     def _mark(self, cfg: RunConfig, job: str, phase: str, reason: str | None = None) -> None:

@@ -319,7 +319,18 @@ def serve_cell(cfg: RunConfig, cell: str, opts: Any, spec_of: Callable[..., Any]
         service.serve()
     finally:
         linger(exporter, 0)
-    return served_summary(f"cell {cell}", service.served, service.stopped_during)
+    return revoked_or(service, served_summary(f"cell {cell}", service.served, service.stopped_during))
+
+
+def revoked_or(service: Any, summary: str) -> str:
+    """``summary``, or :class:`protocols.roster.NodeRevoked` (exit 2: its unit does not restart it) saying why and what
+    it served, and the job it was serving, if the federation revoked the node (``service.revoked``)."""
+    from protocols.roster import NodeRevoked
+
+    if service.revoked is None:
+        return summary
+    during = service.revoked_during
+    raise NodeRevoked(f"{service.revoked}; {summary}" + (f"; revoked during job {during}" if during else ""))
 
 
 def serve_agent(
@@ -331,7 +342,6 @@ def serve_agent(
     from edge_agent.node import cell_of
     from edge_agent.runner import AgentProcess
     from edge_agent.service import AgentService
-    from protocols.roster import NodeRevoked
     from protocols.transport.threadloop import ThreadLoop
     from protocols.twin import twin_window
     from protocols.wire import topics
@@ -373,8 +383,6 @@ def serve_agent(
         service.serve()
     finally:
         linger(exporter, 0)
-    summary = served_summary(f"device {device}", service.served, service.stopped_during, service.tasks)
-    if service.revoked is not None:  # exit 2 (not restarted), saying why and what it served
-        during = service.revoked_during
-        raise NodeRevoked(f"{service.revoked}; {summary}" + (f"; revoked during job {during}" if during else ""))
-    return summary
+    return revoked_or(
+        service, served_summary(f"device {device}", service.served, service.stopped_during, service.tasks)
+    )

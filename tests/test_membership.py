@@ -504,13 +504,18 @@ def test_a_revoked_device_that_keeps_publishing_its_status_is_cleared_again_each
         with caplog.at_level(logging.WARNING, logger="fedtier.cell.service"):
             thread.start()
             try:
-                assert wait_until(lambda: service.revoked.devices == {"c0-d1"}, 10.0)
+                assert wait_until(lambda: service.revoked_devices.devices == {"c0-d1"}, 10.0)
                 assert wait_until(lambda: seen == [b""], 10.0), seen  # cleared when the roster revoked it
                 for n in range(1, 4):  # it publishes its status again, 3 times: each is cleared at once
                     status = idle_status(gone, trust["c0-d1"])
                     revoked.publish(gone, status, retain=True, qos=1)
                     assert wait_until(lambda: seen[2 * n - 1 :] == [status, b""], 10.0), seen  # noqa: B023
-                assert service.revoked.cleared_again == 3
+                assert service.revoked_devices.cleared_again == 3
+                assert thread.is_alive() and service.revoked is None  # (its devices' revocations: it serves on)
+                himself = sign_roster(roster.without("c0"), trust["cloud"].sign)  # walked: a revoked cell served on,
+                revoked.publish(roster_topic(run), himself, retain=True, qos=1)  # in its job for ever
+                thread.join(10)
+                assert not thread.is_alive() and "cell c0 revoked from federation" in (service.revoked or "")
             finally:
                 service.stop()
                 thread.join(10)
