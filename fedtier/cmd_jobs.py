@@ -270,7 +270,9 @@ def submit(job_file: str, config: str, job_id: str | None, wait: float, wait_end
     except JobError as exc:
         _fail(str(exc), 2)
     try:
-        canonical_job(request.config, cfg)
+        canonical_job(
+            request.config, cfg, "the federation's as provisioned (this bundle's; the cloud checks its roster)"
+        )
     except JobError as exc:  # which file the keys it names are in
         _fail(f"{job_file}: {exc}", 2)
     _answer(_connect(config, wait), submit_record(request), request.job, wait)

@@ -186,12 +186,12 @@ def read_job_file(path: str | Path, job: str | None = None) -> JobRequest:
     return JobRequest(check_job_id(job or section.get("id") or path.stem), text, init_from)
 
 
-def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
+def canonical_job(config: str, federation: RunConfig, whose: str = "the federation's") -> tuple[RunConfig, str]:
     """Validate a job's TOML text against the federation; return its config and its canonical text.
 
     The job may not set the node-local sections (``broker``, ``security``, ``monitoring``) nor another
     topology nor another run name (the federation's names its topics). Raises :class:`JobError` with today's
-    config errors."""
+    config errors. ``whose``: the topology's name in a refusal (``fedtier submit``'s: its bundle's, as provisioned)."""
     try:
         data = parse_toml(config)
     except tomllib.TOMLDecodeError as exc:
@@ -199,7 +199,7 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
     local = [s for s in NODE_LOCAL if s in data]
     if local:
         raise JobError(f"a job may not set [{'], ['.join(local)}]: each node's bundle does")
-    check_topology(data.pop("topology", None), federation.topology)
+    check_topology(data.pop("topology", None), federation.topology, whose)
     run = data.setdefault("run", {})
     if not isinstance(run, dict):
         raise JobError("[run] must be a section")
@@ -227,7 +227,7 @@ def canonical_job(config: str, federation: RunConfig) -> tuple[RunConfig, str]:
     return cfg, cfg.to_toml(exclude=NODE_LOCAL)
 
 
-def check_topology(topo: Any, federation: TopologySection) -> None:
+def check_topology(topo: Any, federation: TopologySection, whose: str = "the federation's") -> None:
     """A job's ``[topology]`` (None: none) may only repeat the federation's keys: :class:`JobError` naming each key
     it sets otherwise, its value and the federation's."""
     if topo is None:
@@ -242,7 +242,7 @@ def check_topology(topo: Any, federation: TopologySection) -> None:
         sizes = f"{federation.cells} cells of {federation.devices_per_cell} devices"
         theirs = lambda key: "none (" + sizes + ")" if fed.get(key) is None else shown(fed[key])  # noqa: E731
         said = "; ".join(
-            f"topology.{key} = {shown(topo[key])}, the federation's: {theirs(key)}"
+            f"topology.{key} = {shown(topo[key])}, {whose}: {theirs(key)}"
             if key in fed
             else f"topology.{key}: unknown key"
             for key in differ

@@ -100,7 +100,7 @@ def test_a_refused_job_names_its_file_and_a_job_cannot_rename_the_federations_ru
     job.parent.mkdir()
     for body, says in [
         ('[run]\nname = "mine"', f"{job}: run.name = \"mine\": a job runs on the federation's topics, named 'fed'"),
-        ("[topology]\ncells = 3", f"{job}: topology.cells = 3, the federation's: 2. A job runs on the federation's"),
+        ("[topology]\ncells = 3", f"{job}: topology.cells = 3, the federation's as provisioned (this bundle's; the"),
         ("[run]\nrounds = 0", f"{job}: invalid config: run.rounds = 0: must be greater than or equal to 1"),
     ]:
         job.write_text(body + "\n")
