@@ -6,6 +6,7 @@ when the round starts."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,10 @@ class PresenceTimes:
         return self.heartbeat if self.heartbeat > 0 else self.heartbeat_timeout / 2
 
 
+SHARED_TASK_BYTES = 64 << 10
+"""A task's tensors from this many bytes on go as a shared payload even to one device (:meth:`EdgeRound.shared`)."""
+
+
 @dataclass
 class EdgeRound:
     """The open edge round (or, in async mode, the window of the next aggregation record)."""
@@ -66,6 +71,17 @@ class EdgeRound:
     wall0: float = 0.0  # perf_counter when it started
     since: float = 0.0  # wall time its tasks left
     waiting_posted: bool = False  # its waiting record is posted to the loop (edge_liveness.waiting_soon)
+    _many: tuple[Mapping[str, Payload], set[int]] | None = field(default=None, repr=False)  # (tasks, shared ids)
+
+    def shared(self, task: Payload) -> bool:
+        """Whether ``task`` goes as a shared payload (``Messenger.send``'s ``shared``): planned for several devices
+        (its receivers read one decoding of its bytes), or of :data:`SHARED_TASK_BYTES` or more (its values aligned
+        for their reads). Else as plain bytes: a device's own small task (DeComFL's history, a few hundred bytes,
+        paid ~25 us a device for the shared path's copy, alignment and each receiver's copies)."""
+        if self._many is None or self._many[0] is not self.tasks:
+            counts = Counter(map(id, self.tasks.values()))
+            self._many = (self.tasks, {i for i, n in counts.items() if n > 1})
+        return id(task) in self._many[1] or sum(v.nbytes for v in task.tensors.values()) >= SHARED_TASK_BYTES
 
     def sit_out(self, devices: Sequence[str], taking_part: Sequence[str], absent_ids: int) -> None:
         """Note the ``devices`` not ``taking_part``: named as "not participating" up to ``absent_ids`` of them,

@@ -342,7 +342,7 @@ class CellServer(CellNode):
             round=self.round,
             edge_round=self.edge_round,
             cell=self.cell,
-            shared=True,  # (one payload for its devices)
+            shared=self.edge.shared(self.edge.tasks[device]),
         )
         if again:
             self.edge.bytes_resent += nbytes
@@ -384,11 +384,11 @@ class CellServer(CellNode):
             return  # a repeat of an answer already taken counts once
         if self.journal is not None:
             self.journal.result(self.edge_round, device, msg)
-        at = nth_edge(h.round, h.edge_round)
-        if diverged is not None:  # recorded, never aggregated
-            log.warning("cell %s: %s diverged in round %s: %s", self.cell, device, at, diverged)
-        elif failed is not None:  # its task raised: recorded with the reason, never aggregated
-            log.warning("cell %s: %s failed its task %s: %s", self.cell, device, at, failed)
+        if diverged is not None or failed is not None:  # recorded, never aggregated (its task raised: with why)
+            what = "diverged in round" if diverged is not None else "failed its task"
+            log.warning(
+                "cell %s: %s %s %s: %s", self.cell, device, what, nth_edge(h.round, h.edge_round), diverged or failed
+            )
         self.edge.take(device, msg.payload, msg.nbytes, diverged, failed)
         why = self.closing()
         if why is not None:
