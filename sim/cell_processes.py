@@ -128,7 +128,8 @@ class CellProcesses:
         # the cells' aggregation log, written here from the records they publish (the line order is the order the
         # processes' answers came in, not the one process's; each line is the same)
         self.log = JsonlWriter(output_dir / runfiles.AGGREGATION if output_dir else None, cfg.runtime.max_record_bytes)
-        hub.connect("cell-records").subscribe(topics.telemetry_cell(cfg.run.name, "+"), self._logged)
+        if output_dir is not None:  # (a run without output reads no record: each was opened, for nothing, a round)
+            hub.connect("cell-records").subscribe(topics.telemetry_cell(cfg.run.name, "+"), self._logged)
         ctx = worker_context()  # never fork: this process has threads (a fork server, or spawn)
         text = cfg.to_toml()
         try:

@@ -179,7 +179,16 @@ def test_unsupported_settings_are_refused_naming_them(make_config):
     ],
     ids=["killed", "stopped"],
 )
-def test_a_dead_or_hung_cell_process_ends_the_run_naming_it(make_config, sig: signal.Signals, why: str):
+def test_a_dead_or_hung_cell_process_ends_the_run_naming_it(
+    make_config, monkeypatch: pytest.MonkeyPatch, sig: signal.Signals, why: str
+):
+    """A cell process that dies, or stops answering, ends the run naming it; and a run without output never opens
+    the cells' records for the aggregation log it does not write (before, the main process parsed each cell's record
+    every round, for nothing)."""
+    import sim.cell_processes as split_module
+
+    opened: list[str] = []
+    monkeypatch.setattr(split_module, "open_record", lambda data, topic, *a: opened.append(topic))
     sim: SimHierarchy | None = None
 
     def after_first_round(record: dict[str, Any]) -> None:
@@ -193,6 +202,7 @@ def test_a_dead_or_hung_cell_process_ends_the_run_naming_it(make_config, sig: si
         sim.run()
     assert sim.cloud.round == 1  # it stopped at once
     assert all(not p.is_alive() for p in sim.split.procs)
+    assert not opened  # (round 0's records crossed, unread)
 
 
 def test_a_loop_runs_what_is_due_now_and_moves_only_when_told():
