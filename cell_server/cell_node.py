@@ -361,6 +361,10 @@ class CellNode:
                 topic, RejectKind.WRONG_SENDER, f"cell task signed by {h.sender!r}, not the cloud", h.sender
             )
             return False
+        if h.session != self.cloud.session and self.cloud.past_jobs.old_copy(
+            h.session, f"cell {self.cell}", f"round {nth(h.round)}'s task"
+        ):
+            return False  # a task of a job this cell is done with (a restored broker's): dropped, said once
         if h.session is None or h.session != self.cloud.session:
             self.messenger.reject(
                 topic,

@@ -14,6 +14,7 @@ from protocols.joblog import say_ended, say_taken
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
 from protocols.runfiles import write_cell_job
+from protocols.session import EndedJobs
 from protocols.status import idle_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
@@ -103,6 +104,7 @@ class CellService:
         mid-job, else on a connection of its own (after a job's end, said idle, the next one is opened even if
         the service stopped meanwhile: ``connect`` tries once then), unless the broker is unreachable."""
         done: set[str] = set()
+        ended = EndedJobs(done)  # a task of one of them, handed back by a restored broker: an old copy, said so
         fed = self.bundle.run.name
         while True:
             transport = self.connect()
@@ -130,7 +132,7 @@ class CellService:
                 done.add(current.session)
                 transport.close()
                 continue
-            node.cloud.pin(current.session)  # tasks of this job's session only, from the start
+            node.cloud.pin(current.session, ended)  # tasks of this job's session only, from the start
             node.status_extra = self.twin.extra
             watch.on_roster = partial(self._take_roster, node, transport)
             if watch.roster is not None:

@@ -208,6 +208,8 @@ class DeviceAgent:
                 topic, RejectKind.WRONG_SENDER, f"task for cell {h.cell!r}, this device is in {self.cell!r}", h.sender
             )
             return
+        if self._old_copy(h):  # an ended job's task (a restored broker's): dropped, said once
+            return
         refused = self._out_of_window(h)
         if refused is not None:
             self.messenger.reject(topic, refused.kind, str(refused), h.sender)
@@ -238,6 +240,18 @@ class DeviceAgent:
             self.executor.submit(self.device, task, ctx, done, wire)
             return
         self._trained(topic, h, *self.train_here(task, ctx))
+
+    def _old_copy(self, h: Header) -> bool:
+        """Signed: a task its cell signed in a job this device's service is done with (``protocols.session.EndedJobs``),
+        not the one it serves: an old copy the broker delivers again, not a replay it cannot explain."""
+        c = self.cloud
+        return (
+            self.trust is not None
+            and c is not None
+            and h.sender == self.cell
+            and h.session != c.session
+            and c.past_jobs.old_copy(h.session, f"device {self.device}", f"task {nth_edge(h.round, h.edge_round)}")
+        )
 
     def _out_of_window(self, h: Header) -> Rejected | None:
         """Why a task is not for now: not from this device's cell, another session than the cloud's

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocols.roster import Roster, RosterError, Verifier, newer_roster
+from protocols.session import EndedJobs
 from protocols.transport.base import TimerHandle
 
 log = logging.getLogger("fedtier.agent")
@@ -38,6 +39,7 @@ class JobView:
     session: str | None = None
     long_lived: bool = False
     roster: Roster | None = None  # long-lived: the newest verified roster (its members' keys)
+    past_jobs: EndedJobs = field(default_factory=EndedJobs)  # long-lived: the jobs its service is done with
     last_status: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # per device
     last_manifest: dict[str, dict[str, Any]] = field(default_factory=dict)  # per device
 

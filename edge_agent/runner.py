@@ -233,7 +233,7 @@ class AgentProcess:
 
     def _make_agent(self, device: str, transport: Any) -> DeviceAgent:
         """The device's agent for the current job (its cloud view pinned to the job's session)."""
-        self.clouds[device] = CloudSession(pinned=self.job.session)
+        self.clouds[device] = CloudSession(pinned=self.job.session, past_jobs=self.job.past_jobs)
         agent = build_agent(
             self.cfg,
             device,

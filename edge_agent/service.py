@@ -18,6 +18,7 @@ from protocols.failures import MAX_REASON
 from protocols.joblog import say_ended, say_taken
 from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
 from protocols.roster import Roster
+from protocols.session import EndedJobs
 from protocols.status import idle_each_while
 from protocols.transport.base import Transport
 from protocols.transport.threadloop import ThreadLoop
@@ -110,8 +111,7 @@ class AgentService:
                     continue
                 self._taken(current.job, job_cfg)
                 if agents is None:
-                    fresh.twins.instance = fresh.links.instance = self.twin.instance  # one instance, the process's
-                    agents = self.agents = fresh
+                    agents = self._first_process(fresh, done)
                     agents.on_job_record = records.on_job
                     agents.start()
                     if self.on_start is not None:
@@ -142,6 +142,14 @@ class AgentService:
             self.agents = None
             if agents is not None:
                 agents.stop()
+
+    def _first_process(self, fresh: AgentProcess, done: set[str]) -> AgentProcess:
+        """``fresh``, the process that serves this service's jobs from now on: this process's instance, and the jobs
+        ``done`` with (a task of one a broker hands back again is an old copy, ``protocols.session.EndedJobs``)."""
+        fresh.twins.instance = fresh.links.instance = self.twin.instance  # one instance, the process's
+        fresh.job.past_jobs = EndedJobs(done)
+        self.agents = fresh
+        return fresh
 
     @property
     def who(self) -> str:

@@ -56,6 +56,32 @@ def _session_ok(session: Any) -> bool:
     return isinstance(session, str) and 0 < len(session) <= 64
 
 
+class EndedJobs:
+    """The cloud sessions of the jobs a long-lived node served (or could not serve), all ended: its service's own
+    set, shared with each job's nodes. A signed cloud message of one of them is an old copy the broker delivers again
+    (one restored from an older save hands back what it held then), which the node can explain: dropped as before,
+    said once a session at info, not as a rejection of a replayed or forged message."""
+
+    def __init__(self, sessions: set[str] | None = None) -> None:
+        self.sessions = sessions if sessions is not None else set()
+        self._said: set[str] = set()
+
+    def old_copy(self, session: str | None, who: str, what: str) -> bool:
+        """Whether ``session`` is one of :attr:`sessions` (``what`` of it, received by ``who``, is then dropped)."""
+        if session is None or session not in self.sessions:
+            return False
+        if session not in self._said:
+            self._said.add(session)
+            log.info(
+                "%s: ignored an old copy of %s of cloud session %s, a job this node is done with "
+                "(delivered again by the broker, restored from an older save or holding it queued)",
+                who,
+                what,
+                session,
+            )
+        return True
+
+
 class CloudSession:
     """What a node knows of the cloud: the current session, and the manifest and ``finished`` of it.
 
@@ -63,8 +89,9 @@ class CloudSession:
     ``finished`` only ever reflect records of the session of the latest ``online`` cloud status.
     """
 
-    def __init__(self, pinned: str | None = None) -> None:
+    def __init__(self, pinned: str | None = None, past_jobs: EndedJobs | None = None) -> None:
         self.pinned: str | None = None
+        self.past_jobs = past_jobs if past_jobs is not None else EndedJobs()  # a long-lived node's jobs done with
         self.session: str | None = None
         self.started: float | None = None  # the current session's start time (its status says)
         self.manifest: dict[str, Any] | None = None
@@ -74,11 +101,13 @@ class CloudSession:
         if pinned is not None:
             self.pin(pinned)
 
-    def pin(self, session: str) -> None:
+    def pin(self, session: str, past_jobs: EndedJobs | None = None) -> None:
         """Serve only the cloud session ``session`` (a job's, ``protocols.jobs``: the cloud signed it in the
         job record), from now on: it is current at once (a resumed node's held task needs no status first),
-        and no other session's status replaces it."""
+        and no other session's status replaces it. ``past_jobs``: its long-lived node's jobs done with."""
         self.pinned = self.session = session
+        if past_jobs is not None:
+            self.past_jobs = past_jobs
 
     def on_status(self, record: dict[str, Any] | None) -> None:
         """A cloud status record (``protocols.status``); an ``offline`` one keeps the session. A record

@@ -208,6 +208,11 @@ def _stop_mid_job(served: Served, operator: Transport) -> None:
         return running and cell.node is not None and len(cell.served) == JOBS
 
     assert wait_until(in_the_long_job, 30.0)
+    # the jobs they served are their nodes' past jobs: a task of one a restored broker hands back is an old copy
+    assert service.agents is not None and cell.node is not None
+    past = service.agents.clouds["c0-d0"].past_jobs.sessions
+    assert sorted(s.split(".")[0] for s in past) == [f"j{j}" for j in range(JOBS)], past
+    assert cell.node.cloud.past_jobs.sessions == past
     service.stop()
     cell.stop()
     served.thread.join(10)

@@ -1272,3 +1272,65 @@ def test_an_ended_jobs_record_a_restored_broker_hands_back_moves_no_node_off_the
     assert _ended_how(watch, f) == ("finished", None)
     watch.on_job(topic, seal_record(CurrentJob("h1", text, config_hash(text)).record(), topic, None))
     assert watch.current is not None and watch.current.job == "h1"  # a job not known ended is taken, as before
+
+
+def test_an_ended_jobs_task_a_restored_broker_hands_back_is_said_an_old_copy_and_a_foreign_session_still_refused(
+    tmp_path: Path, caplog
+) -> None:
+    """Walk (session 25): a broker killed -9 in job i and restarted from its last save (made in job h) handed each
+    cell and device h's queued task again; each said 'rejected a message (signature): task of cloud session
+    job-h...; the cloud's current session is job-i... (replayed or forged)' at warning, as of an attack. A signed task
+    of a job the node's service is done with is an old copy: dropped, said once a session at info; a session it does
+    not know is still refused as replayed or forged. Neither is taken."""
+    import numpy as np
+
+    from cell_server.node import build_cell
+    from edge_agent.node import build_agent
+    from protocols.session import EndedJobs
+    from protocols.trainer import LocalData
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire.keys import generate_keys, write_keys
+    from protocols.wire.messenger import Messenger
+    from sim.hierarchy import prepare
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    ring = generate_keys(cfg.topology)
+    write_keys(tmp_path / "keys.toml", ring)
+    cfg = cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})})
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, assume_online=True)
+    cell.cloud.pin("job-i.0")
+    cell.cloud.past_jobs = EndedJobs({"job-h.0"})  # (each node's service its own)
+    data = LocalData(np.zeros((1, 64), np.float32), np.zeros(1, np.int64))
+    pinned = CloudSession("job-i.0", EndedJobs({"job-h.0"}))
+    agent = build_agent(cfg, "c0-d0", hub.connect("agent"), algorithm, data, None, pinned)
+    tasks: list[str] = []
+    peer = hub.connect("peer")
+    peer.subscribe(topics.device_task(run, "c0", "c0-d0"), lambda t, d: tasks.append(t))
+    peer.subscribe(topics.device_result(run, "c0", "c0-d0"), lambda t, d: tasks.append(t))
+    cell.start()
+    agent.start()
+    hub.loop.run(until=lambda: hub.loop.now() > 0.5)
+    cloud, c0 = (Messenger(peer, run, n, trust=Trust(n, ring.private[n], ring.public)) for n in ("cloud", "c0"))
+    task = algorithm.cloud().plan(0, ["c0"])["c0"]
+    with caplog.at_level(logging.INFO):
+        for session in ("job-h.0", "job-h.0", "job-x.0"):  # h's task twice (said once), then a session never served
+            cloud.session = c0.session = session
+            cloud.send(topics.cell_task(run, "c0"), "cell_task", task, round=4, cell="c0")
+            c0.send(topics.device_task(run, "c0", "c0-d0"), "device_task", task, round=4, edge_round=0, cell="c0")
+        hub.loop.run(until=lambda: hub.loop.now() > 2.0)  # (a virtual clock: every delivery made)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "job-" in r.getMessage()]
+    assert len(tasks) == 3 and all(t.endswith("/task") for t in tasks), (
+        tasks
+    )  # the test's own: none sent, none answered
+    old = [m for level, m in said if level == logging.INFO and "old copy" in m]
+    assert old == [
+        "cell c0: ignored an old copy of round 5's task of cloud session job-h.0, a job this node is done with "
+        "(delivered again by the broker, restored from an older save or holding it queued)",
+        "device c0-d0: ignored an old copy of task 5.1 of cloud session job-h.0, a job this node is done with "
+        "(delivered again by the broker, restored from an older save or holding it queued)",
+    ], said
+    refused = [m for level, m in said if level == logging.WARNING]
+    assert len(refused) == 2 and all("session 'job-x.0'" in m and "(replayed or forged)" in m for m in refused), said
+    assert not [m for m in refused if "job-h" in m], said
