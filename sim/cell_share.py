@@ -132,6 +132,9 @@ class CellShare:
         out, self.out = self.out, []
         with self.sending:
             conn.send_bytes(message_frame({"next": self.loop.next_timer()}, out))
+        for cell in self.cells.values():  # (their turn is over: work for a later round may start)
+            if (idle := getattr(cell.role, "idle", None)) is not None:  # (CellRole.idle; not every role is one)
+                idle()
 
     def beat(self, conn: Any, stop: threading.Event) -> None:
         """Every few seconds, a beat to the main process if training moved meanwhile (one stuck sends none: the

@@ -123,6 +123,31 @@ def test_cell_processes_share_cohort_threads_unless_set_per_process(make_config)
     )
 
 
+def test_a_cell_process_tells_its_cells_roles_it_waits_once_it_answered(make_config):
+    """After each answer (its turn over), a cell process calls its cells' roles' ``idle`` (``CellRole.idle``: DeComFL
+    then draws its next round's directions while the cloud closes the round, not among the handlers of its turn);
+    a role without the hook (an asynchronous cell's) is left alone."""
+    share = CellShare(make_config().to_toml(), ["c0"])
+    seen: list[str] = []
+
+    class Conn:
+        def send_bytes(self, data: bytes) -> None:
+            seen.append("answer")
+
+    class Role:
+        def idle(self) -> None:
+            seen.append("idle")
+
+    try:
+        share.cells["c0"].role = Role()  # type: ignore[assignment]
+        share.answer(Conn())
+        share.cells["c0"].role = object()  # type: ignore[assignment]
+        share.answer(Conn())
+    finally:
+        share.executor.close()
+    assert seen == ["answer", "idle", "answer"]
+
+
 def test_a_resumed_run_in_cell_processes_ends_as_the_uninterrupted_run(make_config, tmp_path: Path):
     part = {"output": str(tmp_path / "resumed")}
     run_simulation(make_config(run={**part, "rounds": 2}))  # "crashes" after round 1 (one process)

@@ -858,11 +858,13 @@ def test_a_step_drawn_ahead_is_drawn_once_and_its_askers_wait_for_it(monkeypatch
     assert len(drawn) == 6
 
 
-def test_a_cell_that_reports_starts_drawing_the_next_rounds_directions(monkeypatch):
-    """A cell whose devices draw in its process (``fedtier sim``, drawing ahead) starts drawing the next round's
-    directions as it reports, from the seed the cloud will pick: they are drawn while the cloud closes the round,
-    not once the next task came (in a cell process they waited on the round's path, ~1-14 ms a round). Its last
-    round's report draws nothing; the next task finds them drawn, the bits drawing them then gives."""
+def test_a_cell_that_reported_draws_the_next_rounds_directions_once_its_process_waits(monkeypatch):
+    """A cell whose devices draw in its process (``fedtier sim``'s cell processes, drawing ahead) starts drawing the
+    next round's directions once it reported and its process waits (``CellRole.idle``: after its answer), from the
+    seed the cloud will pick: they are drawn while the cloud closes the round, not once the next task came (in a cell
+    process they waited on the round's path, ~1-14 ms a round), nor among the handlers that send the report (whose
+    GIL the thread ahead took: ~7 % of the cell's turn). Once a round; its last round's, nothing; the next task
+    finds them drawn, the bits drawing them then gives."""
     import threading
 
     x0 = {"w": np.zeros((30, 40), np.float32), "b": np.zeros(40, np.float32)}
@@ -896,7 +898,10 @@ def test_a_cell_that_reports_starts_drawing_the_next_rounds_directions(monkeypat
             assert settled() == ({Z.round_seed(7, 0)} if r == 0 else set())  # later: drawn as the cell reported
             cell.aggregate(0, {"d1": Payload({"weight": 4}, {"g": np.ones((K, P), np.float32)})})
             cloud.aggregate(r, {"c0": cell.report()})  # (the cloud steps along the round's directions: drawn)
-            assert settled() == ({Z.round_seed(7, r + 1)} if r < 2 else set()), r  # the last round: nothing
+            assert settled() == set()  # not while its process still sends the report
+            cell.idle()
+            cell.idle()
+            assert settled() == ({Z.round_seed(7, r + 1)} if r < 2 else set()), r  # once; the last round: nothing
             if r == 1:
                 zs = Z.direction_vectors(Z.round_seed(7, 2), 1, P, shapes)  # a device's step of round 2
                 assert not drawn

@@ -269,6 +269,10 @@ class CellRole(ABC):
     def report(self) -> Payload:
         """The cell's report for this cloud round (carries its aggregation weight in ``meta``)."""
 
+    def idle(self) -> None:  # noqa: B027 an optional hook, empty by default
+        """Its process waits for the others now (``fedtier sim``'s cell processes, once they answered): work for
+        a later round that needs nothing more may start (DeComFL draws its next round's directions)."""
+
 
 class DeviceRole(ABC):
     """Local work of a device on its private data. ``reveals_data_size``: the device's runtime may tell its

@@ -257,13 +257,14 @@ class DeComFLCell(CellRole):
         """``roster``: every device of the cell (so ``need`` covers those never seen); None: unknown. ``shapes``:
         the model's, where the cell's devices draw in its process (``fedtier sim``): it starts drawing a round's
         directions for them as its task comes (``directions.prefetch``). ``ahead``: the run's seed and rounds
-        (``None``: unknown), with which it starts drawing the next round's as it reports (the seed the cloud will
-        pick, :func:`directions.round_seed`: the draws run while the cloud closes the round, not once the task
-        came; a task of another seed is drawn when it comes, as without)."""
+        (``None``: unknown), with which it starts drawing the next round's once it reported and its process waits
+        (:meth:`idle`: from the seed the cloud will pick, :func:`directions.round_seed`; the draws run while the cloud
+        closes the round, not once the task came; a task of another seed is drawn when it comes, as without)."""
         self.p, self.cell, self.shapes, self.ahead = params, cell, shapes, ahead
         self.K, self.P = params.local_steps, params.perturbations
         self.roster = sorted(roster) if roster is not None else None
         self.round = -1
+        self.reported: int | None = None  # the round it reported, until idle() starts the next one's draws
 
     def begin(self, round: int, task: Payload) -> None:
         self.round = round
@@ -319,11 +320,15 @@ class DeComFLCell(CellRole):
         after = {**self.synced, **{d: self.round for d in self.answered}, **{d: 0 for d in self.resync}}
         return min((after.get(d, 0) for d in self.roster), default=self.round)
 
+    def idle(self) -> None:
+        if self.shapes is None or self.ahead is None or self.reported != self.round:
+            return
+        self.reported, (seed, rounds) = None, self.ahead  # (once a round)
+        if rounds is None or self.round + 1 < rounds:
+            Z.prefetch(Z.round_seed(seed, self.round + 1), self.K, self.P, self.shapes, self.p.direction)
+
     def report(self) -> Payload:
-        if self.shapes is not None and self.ahead is not None:
-            seed, rounds = self.ahead
-            if rounds is None or self.round + 1 < rounds:
-                Z.prefetch(Z.round_seed(seed, self.round + 1), self.K, self.P, self.shapes, self.p.direction)
+        self.reported = self.round  # (its process idle next: idle() draws the next round's directions)
         meta = {
             "weight": self.weight,
             "answered": sorted(self.answered),
