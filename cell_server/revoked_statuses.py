@@ -8,7 +8,13 @@ per-node ACLs (amqtt, a plain Mosquitto with a password file or none) passes it 
 until the broker restarts. The cell therefore listens on the status topic of each revoked device (its own topics
 only, where revocation recorded the cell or did not say) and clears whatever comes there again, saying so once
 per device; the job's cell server ignores those statuses (``liveness.revoked``) and refuses what the device
-signs, so none of it reaches a round, an aggregate or the devices a record counts."""
+signs, so none of it reaches a round, an aggregate or the devices a record counts.
+
+A device's first status after the clear that says it is offline is its last word, not a sign of a broker without
+ACLs: a serving agent the roster revokes reads it on its live connection, stops and says itself offline, which the
+broker still takes before the operator's ``fedtier provision revoke`` reloads its ACLs (published first, so the
+revoked node learns it). That one is cleared and said at info; any other status (online, idle, a second record) is
+the warning."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import logging
 from functools import partial
 
 from protocols.roster import Roster
+from protocols.status import decode_status
 from protocols.transport.base import Transport
 from protocols.wire import topics
 
@@ -29,6 +36,7 @@ class RevokedStatuses:
         self.run, self.cell = run, cell
         self.devices: set[str] = set()  # revoked ids whose status under this cell it clears
         self.said: set[str] = set()  # those it logged as still publishing (once each)
+        self.heard: set[str] = set()  # those it heard a status of since it cleared them
         self.cleared_again = 0  # statuses cleared after the first clear
 
     def take(self, roster: Roster, transport: Transport) -> None:
@@ -52,7 +60,16 @@ class RevokedStatuses:
         if not data:  # cleared (our own clear coming back, or nothing retained)
             return
         self.cleared_again += 1
-        if device not in self.said:
+        first, record = device not in self.heard, decode_status(data, topic)  # (unverified: its state is a hint)
+        self.heard.add(device)
+        if first and record is not None and record["state"] == "offline":
+            log.info(
+                "cell %s: revoked device %s said itself offline as it stopped (its last status, sent as it learnt "
+                "it was revoked): cleared",
+                self.cell,
+                device,
+            )
+        elif device not in self.said:
             self.said.add(device)
             log.warning(
                 "cell %s: revoked device %s still publishes its status (a broker without per-node ACLs passes it on): "

@@ -525,6 +525,50 @@ def test_a_revoked_device_that_keeps_publishing_its_status_is_cleared_again_each
     assert len(said) == 1 and "c0-d1" in said[0], said
 
 
+def test_a_revoked_devices_last_offline_status_is_cleared_without_blaming_the_brokers_acls(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Walk (session 25): revoking c1's devices, cell c1 said 'revoked device c1-d0 still publishes its status (a
+    broker without per-node ACLs passes it on)' of a provisioned Mosquitto: the device's agent, told by the roster
+    (published before the broker reloads its ACLs), stopped and said itself offline, which came after the cell's
+    clear. That first offline status is its last word, said at info; any other (online, idle, a second) the warning."""
+    from cell_server.revoked_statuses import RevokedStatuses
+    from protocols.config import TopologySection
+    from protocols.roster import Roster
+    from protocols.status import encode_status
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire.keys import generate_keys
+
+    ring, hub = generate_keys(TopologySection(cells=1, devices_per_cell=3)), MemoryHub()
+    roster = Roster.from_topology("t", {"c0": ["c0-d0", "c0-d1", "c0-d2"]}, ring.public, 100.0)
+    kept, device = RevokedStatuses("t", "c0"), hub.connect("devices")
+    kept.take(roster.without("c0-d1").without("c0-d2"), hub.connect("cell.c0"))
+    with caplog.at_level(logging.INFO, logger="fedtier.cell.service"):
+        for d, state in (("c0-d1", "offline"), ("c0-d1", "offline"), ("c0-d2", "online"), ("c0-d2", "offline")):
+            topic = topics.device_status("t", "c0", d)
+            device.publish(topic, encode_status(state, topic=topic), retain=True)
+        hub.loop.run()
+    assert kept.cleared_again == 4  # each cleared, as before
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        (
+            logging.INFO,
+            "cell c0: revoked device c0-d1 said itself offline as it stopped (its last status, sent as it "
+            "learnt it was revoked): cleared",
+        ),
+        (
+            logging.WARNING,
+            "cell c0: revoked device c0-d1 still publishes its status (a broker without per-node ACLs "
+            "passes it on): cleared again, each time (logged once)",
+        ),
+        (
+            logging.WARNING,
+            "cell c0: revoked device c0-d2 still publishes its status (a broker without per-node ACLs "
+            "passes it on): cleared again, each time (logged once)",
+        ),
+    ], lines
+
+
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 def test_a_serving_agent_whose_device_the_roster_revokes_stops_and_says_why(tmp_path: Path) -> None:
     """Walking deploy-fleet.md: a device revoked while its `fedtier agent --serve` ran was never told; its process
