@@ -120,7 +120,17 @@ def test_sigkilled_fedtier_run_leaves_no_process_behind(runs: dict[str, tuple[su
     run.send_signal(signal.SIGKILL)
     run.wait(10)
     left = lambda: {p: cmd for p, cmd in kids.items() if alive(p)}  # noqa: E731
-    assert wait_until(lambda: not left(), 10), f"still running after their parent was killed: {left()}"
+    # (30 s: the fork server exits once its workers have, ~1 s here; a loaded CI machine once took over 10)
+    assert wait_until(lambda: not left(), 30), f"still running after their parent was killed: {_said(left())}"
+
+
+def _said(left: dict[int, str]) -> str:
+    """What each process ``left`` is doing, and the processes it started since (a worker forked late)."""
+    lines = []
+    for pid, cmd in left.items():
+        state = _stat(pid)
+        lines.append(f"{pid} state {state[0] if state else 'gone'}: {cmd[:200]}; its children {descendants(pid)}")
+    return "\n".join(lines)
 
 
 @linux_only
