@@ -72,3 +72,11 @@ def test_import_linter_contracts_are_kept() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "Contracts: 2 kept, 0 broken." in done.stdout
+
+
+def test_setup_compiles_every_product_package_to_bytecode() -> None:
+    """scripts/setup.sh compiles each product package (an editable install's source is not compiled by pip): where
+    PYTHONDONTWRITEBYTECODE is set, a package it leaves out is compiled again by every process that imports it."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    line = next((x for x in setup.splitlines() if "-m compileall" in x and not x.startswith("#")), "")
+    assert set(line.split("-q", 1)[-1].split(">", 1)[0].split()) == set(ROOMS), line
