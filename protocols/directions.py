@@ -464,7 +464,7 @@ def replay(
     if not keys:
         return params, buf, key
     if hit is not None and start == len(keys) and (buf is None) == (hit[1] is None):  # reached before: shared
-        return cast(State, hit[0]), cast(State | None, hit[1]), keys[-1]
+        return cast(State, hit[0]), cast("State | None", hit[1]), keys[-1]
     own = _own(params, hit[0].flat if hit is not None else None)
     own_buf = _own(buf, hit[1].flat if hit is not None and hit[1] is not None else None) if buf is not None else None
     for i in range(start, len(keys)):
@@ -475,7 +475,7 @@ def replay(
         with _lock:
             _state_bytes = _remember(_states, keys[-1], state, size, STATE_CACHE_BYTES, _state_bytes)
         own, own_buf = state
-    return cast(State, own), cast(State | None, own_buf), keys[-1]
+    return cast(State, own), cast("State | None", own_buf), keys[-1]
 
 
 def _own(state: MutableMapping[str, np.ndarray], values: np.ndarray | None) -> Packed:

@@ -807,6 +807,29 @@ def test_replicas_whose_rounds_have_other_shapes_never_share_a_replay(monkeypatc
         assert np.array_equal(dev.buf.flat, plain_buf.flat), (k, p)  # type: ignore[union-attr]
 
 
+def test_a_tasks_window_is_a_slice_of_the_log_grown_a_round_at_a_time():
+    """The cloud's log as one array grown a row a round (``decomfl_wire.LogRows``): each round's window has the values
+    and shape of the window stacked anew (it was stacked every round: ~90 rounds copied in the paper preset), a
+    window handed out keeps its rounds as the log grows past its capacity, and a log read back (other arrays) is
+    stacked anew."""
+    from protocols.algorithms.decomfl_wire import LogRows, stack_rounds
+
+    rows, log, handed = LogRows(K, P), [], []
+    assert rows.of(log).shape == (0, K, P)
+    for r in range(150):  # (past its first capacity, 64 rows: grown twice)
+        log.append(np.full((K, P), r, np.float32) + np.arange(P, dtype=np.float32) / 10)
+        window = rows.of(log)
+        assert window.dtype == np.float32 and window.tobytes() == stack_rounds(log, K, P).tobytes()
+        assert rows.of(log) is not None and not window.flags.writeable
+        handed.append(window[max(0, r - 5) :])
+    for r, window in enumerate(handed):  # each as it was handed out
+        assert window.tobytes() == stack_rounds(log[max(0, r - 5) : r + 1], K, P).tobytes()
+    read_back = [x.copy() * 2 for x in log]  # the same length, other arrays (a resumed cloud's log)
+    assert rows.of(read_back).tobytes() == stack_rounds(read_back, K, P).tobytes()
+    read_back.append(np.zeros((K, P), np.float32))
+    assert rows.of(read_back).tobytes() == stack_rounds(read_back, K, P).tobytes()
+
+
 def _fresh_caches(monkeypatch):
     """Empty the process's direction, update and replay caches (so the next run draws every direction)."""
     from collections import OrderedDict

@@ -123,6 +123,7 @@ class DeComFLCloud(CloudRole):
         self.g: list[np.ndarray] = []  # averaged K x P scalars of rounds base..
         self.log_seeds: list[int] = []  # the cloud's log: seeds and scalars of every round since 0, from
         self.log_g: list[np.ndarray] | None = []  # which devices that lost their replicas are rebuilt
+        self.rows = decomfl_wire.LogRows(self.K, self.P)  # the log as one array a task's window is a slice of
         self.synced: dict[str, dict[str, int]] = {}
         self.need: dict[str, int] = {}
         self.cells: set[str] = set()
@@ -137,10 +138,14 @@ class DeComFLCloud(CloudRole):
             Z.prefetch(self.round_seed, self.K, self.P, self.model.shapes, self.p.direction)
         tasks: dict[str, Payload] = {}
         stacks: dict[int, np.ndarray] = {}  # one a window start: the cells that all need the log (a resume) share it
+        rows = self.rows.of(self.log_g) if self.log_g is not None else None  # (the window: log rows base..)
         for c in cells:
             start = max(self.need.get(c, 0), self.base)
             i = start - self.base
-            hist = stacks[i] if i in stacks else stacks.setdefault(i, stack_rounds(self.g[i:], self.K, self.P))
+            if rows is not None:
+                hist = rows[start:]
+            else:
+                hist = stacks[i] if i in stacks else stacks.setdefault(i, stack_rounds(self.g[i:], self.K, self.P))
             synced = {"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))}
             tasks[c] = history_payload(synced, [*self.seeds[i:], self.round_seed], hist)
         return tasks

@@ -115,6 +115,35 @@ def stack_rounds(g: list[np.ndarray], K: int, Pn: int) -> np.ndarray:
     return np.stack(g) if g else np.zeros((0, K, Pn), np.float32)
 
 
+class LogRows:
+    """A cloud's round log of ``(K, P)`` scalars as one ``(rounds, K, P)`` array, grown a row a round, of which a
+    task's window is a slice: :func:`stack_rounds` of the window (~90 rounds in the paper preset) copied it every
+    round. A row once written never changes (an array handed out keeps its rounds); a log it did not follow (read
+    back from a checkpoint) is stacked anew."""
+
+    def __init__(self, K: int, Pn: int) -> None:
+        self.rows, self.n = np.zeros((0, K, Pn), np.float32), 0
+        self.last: np.ndarray | None = None  # the log's last array, as it was followed
+
+    def of(self, log: list[np.ndarray]) -> np.ndarray:
+        """``stack_rounds(log)``, the same values, as a read-only view of the rows (no copy a round)."""
+        n = len(log)
+        if n == self.n and (n == 0 or log[-1] is self.last):
+            return self.rows[:n]
+        if n == self.n + 1 and (self.n == 0 or log[-2] is self.last):  # the round the log took since
+            if n > len(self.rows):
+                grown = np.empty((max(64, 2 * n), *self.rows.shape[1:]), np.float32)
+                grown[: self.n] = self.rows[: self.n]
+                self.rows = grown
+            self.rows[n - 1] = log[-1]
+        else:
+            self.rows = stack_rounds(log, *self.rows.shape[1:]).astype(np.float32)
+        self.n, self.last = n, (log[-1] if n else None)
+        view = self.rows[:n]
+        view.flags.writeable = False
+        return view
+
+
 def read_checkpoint_log(
     t: dict[str, np.ndarray], base: int, K: int, Pn: int
 ) -> tuple[list[int], list[np.ndarray] | None, list[int], list[np.ndarray]]:
