@@ -328,6 +328,11 @@ class DeviceAgent:
             return h.session
         return self.cloud.session
 
+    @property
+    def last_task(self) -> tuple[int, int]:
+        """``(round, edge round)`` of the last task it took (``(-1, -1)``: none yet): how recently it was active."""
+        return self._last[1:] if self._last is not None else (-1, -1)
+
     def train_here(self, task: Payload, ctx: DeviceContext) -> tuple[Payload | None, str | None]:
         """Run the role on this device's data: ``(result, None)``, or ``(None, error)``."""
         try:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from protocols import runfiles
 from protocols.checkpoint import load_params
+from sim import population
 from sim.launcher import SimHierarchy
 
 
@@ -25,10 +28,28 @@ def run_counting_agents(sim: SimHierarchy) -> tuple[list[int], object]:
     return alive, sim.run()
 
 
-def test_lazy_population_gives_the_eager_model_and_records_byte_for_byte(make_config, tmp_path):
+@pytest.mark.parametrize("kept", [0, 2])  # idle agents kept for their next tasks: none, or the 2 most recent
+def test_lazy_population_gives_the_eager_model_and_records_byte_for_byte(make_config, tmp_path, monkeypatch, kept):
     lazy = SimHierarchy(partial(make_config, tmp_path, "lazy"))
     assert lazy.agents.built() == [] and len(lazy.agents) == 12  # nothing built before a task
+    bound = "KEPT_IDLE_AGENTS" if kept == 0 else "KEPT_IDLE_BYTES"  # (either bound)
+    monkeypatch.setattr(population, bound, kept * population._data_bytes(lazy.agents.data["c0-d0"]) if kept else 0)
+    dropping = lazy.agents.drop_idle
+    recency: list[tuple[list, list]] = []  # each pass: (the kept idle agents' last tasks, the dropped ones')
+
+    def drop_idle() -> None:
+        before = {d: a.last_task for d, a in lazy.agents.active().items() if not a.pending}
+        dropping()
+        recency.append(
+            (
+                [t for d, t in before.items() if d in lazy.agents.active()],
+                [t for d, t in before.items() if d not in lazy.agents.active()],
+            )
+        )
+
+    monkeypatch.setattr(lazy.agents, "drop_idle", drop_idle)
     alive, lazy_result = run_counting_agents(lazy)
+    assert recency and all(not dropped or min(kept_ + [(99, 0)]) >= max(dropped) for kept_, dropped in recency)
     eager = SimHierarchy(partial(make_config, tmp_path, "eager"))
     for device in eager.agents:  # every device built up front, announced, kept (what the sim did before)
         eager.agents[device]
@@ -41,9 +62,10 @@ def test_lazy_population_gives_the_eager_model_and_records_byte_for_byte(make_co
     assert [h["cumulative_bytes"] for h in lazy_result.history] == [h["cumulative_bytes"] for h in eager_result.history]
     active = {d: t for d, t in eager_result.device_traffic.items() if t["tasks"]}
     assert lazy_result.device_traffic == active and len(active) < 12
-    # idle agents are dropped when the next round begins: only the round's 3 devices exist when it
-    # closes; the eager run held all 12 throughout
-    assert eager_alive == [12] * 4 and alive == [3] * 4
+    # idle agents are dropped when the next round begins, but for the most recent ones that fit the bound: the
+    # round's 3 devices exist when it closes, and at most `kept` others; the eager run held all 12 throughout
+    assert eager_alive == [12] * 4 and all(3 <= n <= 3 + kept for n in alive)
+    assert alive == [3] * 4 if kept == 0 else max(alive) > 3
 
 
 def test_devices_that_keep_state_keep_their_agents(make_config, tmp_path):
