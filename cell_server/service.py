@@ -10,8 +10,9 @@ from collections.abc import Callable
 from functools import partial
 
 from protocols.config import RunConfig
+from protocols.job_watch import JobWatch
 from protocols.joblog import say_ended, say_taken
-from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
+from protocols.jobs import CurrentJob, JobError, say_cannot_serve
 from protocols.roster import Roster
 from protocols.runfiles import write_cell_job
 from protocols.session import EndedJobs
@@ -175,13 +176,7 @@ class CellService:
 
     def _until_job_ends(self, watch: JobWatch, current: CurrentJob) -> None:
         """Serve until the cloud finished the job, moved to another one, or :meth:`stop`."""
-        self.loop.run(
-            until=lambda: (
-                self.stopping.is_set()
-                or current.session in watch.finished
-                or (watch.current is not None and watch.current.session != current.session)
-            )
-        )
+        self.loop.run(until=lambda: self.stopping.is_set() or watch.left(current))
 
 
 def _ended_how(watch: JobWatch, current: CurrentJob) -> tuple[str, str | None]:

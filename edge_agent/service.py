@@ -15,8 +15,9 @@ from typing import TypeVar
 
 from protocols.config import RunConfig, public_reason
 from protocols.failures import MAX_REASON
+from protocols.job_watch import JobWatch
 from protocols.joblog import say_ended, say_taken
-from protocols.jobs import CurrentJob, JobError, JobWatch, say_cannot_serve
+from protocols.jobs import CurrentJob, JobError, say_cannot_serve
 from protocols.roster import Roster
 from protocols.session import EndedJobs
 from protocols.status import idle_each_while
@@ -128,7 +129,7 @@ class AgentService:
                     fresh.discard()  # its parts serve on the same connections: its own sockets close now
                 del fresh  # the last job's parts (replaced) and this spare are garbage in reference cycles: freed now,
                 gc.collect()  # not after ~10 more jobs (their arrays are native memory: few objects, rare collections)
-                moved_on = lambda: records.current is not None and records.current.session != current.session  # noqa: E731,B023
+                moved_on = partial(records.left, current)  # (its end missed: the next job's record, or it cleared)
                 self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
                 if self.revoked is not None:  # revoked mid-job: it takes no more part in it
                     self._revoked_during(current.job, agents)

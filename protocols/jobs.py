@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,17 +48,15 @@ from .config import (
 )
 from .failures import MAX_REASON
 from .limits import MAX_TEXT_BYTES, read_file
-from .roster import Roster, RosterError, newer_roster, roster_topic
+from .roster import Roster
 from .runfiles import JOB_FOLDERS
 from .wire import topics
 from .wire.envelope import WireError
 from .wire.signed import open_record, seal_record
 
 if TYPE_CHECKING:
-    from .transport.base import Transport
     from .transport.mqtt import MqttTransport
     from .wire.envelope import Signer, Verifier
-    from .wire.keys import Trust
 
 log = logging.getLogger("fedtier.jobs")
 
@@ -422,78 +420,3 @@ def parse_current(record: dict[str, Any]) -> CurrentJob:
     if not isinstance(config, str) or not isinstance(digest, str) or config_hash(config) != digest:
         raise JobError("job record: config missing or not matching its hash")
     return CurrentJob(check_job_id(job), config, digest, _previous(record.get("previous")))
-
-
-class JobWatch:
-    """What a cell or an agent knows of the federation's jobs, from ``transport``: the job in progress (the cloud's
-    retained, signed ``cloud/job`` record) and the sessions the cloud declared finished (its ``finished`` control
-    record). With ``trust`` (the node's own identity: its transport's chunk signing is configured from it) only the
-    cloud's signatures count. Without ``transport`` it subscribes nothing: the owner feeds :meth:`on_job` (long-lived
-    agents, on a connection they already hold). ``ended``: sessions the node knows ended (it served them)."""
-
-    def __init__(self, transport: Transport | None, federation: str, trust: Trust | None, *ended: str) -> None:
-        from .wire.messenger import Messenger
-
-        self.federation, self.trust = federation, trust
-        self.current: CurrentJob | None = None
-        self.finished: set[str] = set(ended)
-        self.outcomes: dict[str, dict[str, str]] = {}  # finished session -> why it failed or stopped (cut), if so
-        self.roster: Roster | None = None  # the newest verified roster (cells refuse revoked devices by it)
-        self.on_roster: Callable[[Roster], None] | None = None
-        if transport is not None:
-            self._control = Messenger(transport, federation, "watcher", trust=trust)
-            # the roster first: retained, it comes before the job, which a node checks its membership against by it
-            transport.subscribe(roster_topic(federation), self._on_roster)
-            transport.subscribe(topics.current_job(federation), self.on_job)
-            transport.subscribe(topics.control(federation), self._on_control)
-
-    def pending(self, done: set[str]) -> CurrentJob | None:
-        """The job in progress if this node has yet to serve it (not in ``done``, not finished)."""
-        c = self.current
-        return c if c is not None and c.session not in done and c.session not in self.finished else None
-
-    def on_job(self, topic: str, data: bytes) -> None:
-        """A ``cloud/job`` record: the job in progress when the cloud signed it (else logged, ignored)."""
-        if not data:
-            return
-        try:
-            record = open_job_record(data, topic, "cloud", self.trust.verify if self.trust is not None else None)
-            current = parse_current(record)
-        except JobError as exc:
-            log.warning("ignored a job record: %s", exc)
-            return
-        if current.session in self.finished:  # an ended job's (a broker restored from an older save): no moving on
-            log.debug("ignored the record of job %s, which has ended (a stale record)", current.job)  # (-vv)
-            return
-        self.current = current
-        if (prev := self.current.previous) is not None and prev["session"] not in self.finished:
-            self._ended(prev["session"], prev)  # its finished record missed (or still on its way): as the cloud says
-
-    def _on_roster(self, topic: str, data: bytes) -> None:
-        if not data or self.trust is None:  # an unsigned federation has no roster to check
-            return
-        try:
-            roster = newer_roster(
-                data, self.trust.verify, self.federation, self.roster.version if self.roster is not None else None
-            )
-        except RosterError as exc:
-            log.warning("ignored a roster: %s", exc)
-            return
-        if roster is None:
-            return
-        self.roster = roster
-        if self.on_roster is not None:
-            self.on_roster(roster)
-
-    def _on_control(self, topic: str, data: bytes) -> None:
-        msg = self._control.receive(topic, data, kinds=("control",)) if data else None
-        if msg is None or (self.trust is not None and msg.header.sender != "cloud"):
-            return
-        meta = msg.payload.meta
-        if meta.get("event") == "finished" and isinstance(meta.get("session"), str):
-            self._ended(meta["session"], meta)
-
-    def _ended(self, session: str, said: dict[str, Any]) -> None:
-        """``session`` ended as ``said`` (a ``finished`` record's, or a job record's ``previous``)."""
-        self.finished.add(session)
-        self.outcomes[session] = {k: str(said[k])[:MAX_REASON] for k in ("failed", "stopped") if said.get(k)}

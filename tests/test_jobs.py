@@ -309,7 +309,7 @@ def test_a_job_the_cloud_cannot_build_fails_with_its_reason_and_the_queue_goes_o
 def test_a_node_takes_only_the_job_the_cloud_signed_and_leaves_on_its_finished() -> None:
     """A cell or an agent builds a job from the retained ``cloud/job`` record only when the cloud signed
     it: a record signed by a lying cell (valid credentials, its own key) or unsigned is ignored."""
-    from protocols.jobs import JobWatch
+    from protocols.job_watch import JobWatch
     from protocols.transport.memory import MemoryHub
     from protocols.wire.messenger import Messenger
     from protocols.wire.payload import Payload
@@ -1234,7 +1234,8 @@ def test_a_cell_that_missed_a_jobs_finished_record_reads_how_it_ended_in_the_nex
     finished (its connection missed j's finished record, sent on the job's own connection). The cloud's record of the
     next job now says how the one before it ended (``previous``), and a cell's watch takes that as its end."""
     from cell_server.service import _ended_how
-    from protocols.jobs import JobWatch, ended_outcome
+    from protocols.job_watch import JobWatch
+    from protocols.jobs import ended_outcome
 
     _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
     a, b, c = (CurrentJob(j, text, config_hash(text)) for j in ("a1", "b1", "c1"))
@@ -1258,7 +1259,8 @@ def test_an_ended_jobs_record_a_restored_broker_hands_back_moves_no_node_off_the
     waited out the 55 s cell deadline, its other 505 rounds ran without c0), devices said g ended. A record of a job
     the node knows ended (g's record says f ended; a cell's watch is also told the jobs it served) is ignored."""
     from cell_server.service import _ended_how
-    from protocols.jobs import JobWatch, ended_outcome
+    from protocols.job_watch import JobWatch
+    from protocols.jobs import ended_outcome
 
     _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
     e, f = (CurrentJob(j, text, config_hash(text)) for j in ("e1", "f1"))
@@ -1272,6 +1274,30 @@ def test_an_ended_jobs_record_a_restored_broker_hands_back_moves_no_node_off_the
     assert _ended_how(watch, f) == ("finished", None)
     watch.on_job(topic, seal_record(CurrentJob("h1", text, config_hash(text)).record(), topic, None))
     assert watch.current is not None and watch.current.job == "h1"  # a job not known ended is taken, as before
+
+
+def test_a_node_that_took_an_ended_jobs_record_leaves_it_when_the_cloud_clears_it(tmp_path: Path) -> None:
+    """A cell restarted after job h ended, before the broker's next save, knows nothing of h; the broker, killed and
+    restored from that save, hands it h's record as running, and it took h, waiting in it (its tasks never come) until
+    the next job's record. The cloud clears what the broker holds there (cloud.kept_records: no job in progress): the
+    node now takes that for h's end, which it missed. A job whose end it heard keeps how it ended."""
+    from cell_server.service import _ended_how
+    from protocols.job_watch import CLEARED, JobWatch
+    from protocols.jobs import ended_outcome
+
+    _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
+    h, i = (CurrentJob(j, text, config_hash(text)) for j in ("h1", "i1"))
+    topic = topics.current_job("fed")
+    watch = JobWatch(None, "fed", None)  # the restarted cell's: it served nothing
+    watch.on_job(topic, seal_record(h.record(), topic, None))  # the restored broker's
+    assert watch.pending(set()) == h and not watch.left(h)
+    watch.on_job(topic, b"")  # the cloud's clear
+    assert watch.left(h) and watch.pending(set()) is None
+    assert _ended_how(watch, h) == ("stopped", CLEARED)
+    watch.on_job(topic, seal_record(i.record(), topic, None))  # the next job is taken
+    watch._ended(i.session, ended_outcome(i.session, "failed", "a stall"))  # its finished record, then the clear
+    watch.on_job(topic, b"")
+    assert watch.pending(set()) is None and _ended_how(watch, i) == ("failed", "a stall")
 
 
 def test_an_ended_jobs_task_a_restored_broker_hands_back_is_said_an_old_copy_and_a_foreign_session_still_refused(

@@ -465,7 +465,7 @@ def test_whatever_is_left_on_the_roster_topic_the_serving_cloud_puts_the_current
     the serving cloud refused it and left it, so a cell restarted then held no roster and took the results of a device
     revoked after the job was queued (its key still in the cell's keys file), and `fedtier fleet` showed it as a member.
     Only an older roster was replaced. The cloud now puts its own back whatever else comes there."""
-    from protocols.jobs import JobWatch
+    from protocols.job_watch import JobWatch
     from protocols.roster import Roster, roster_topic, sign_roster
 
     cfg, ring = _signed_config(tmp_path, run={"name": "fed"})

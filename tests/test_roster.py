@@ -121,8 +121,8 @@ def test_size_is_checked_before_parsing(ring):
 def test_a_node_holding_a_newer_roster_keeps_it_when_an_older_one_is_replayed_on_the_topic(ring):
     """The roster topic is retained and the operator's login may write it: replaying the signed roster that still
     lists a revoked device (a rollback) or one a cell signed changes nothing at a node that holds the newer one
-    (``protocols.jobs.JobWatch``, as cells use it): its roster and its callbacks stay."""
-    from protocols.jobs import JobWatch
+    (``protocols.job_watch.JobWatch``, as cells use it): its roster and its callbacks stay."""
+    from protocols.job_watch import JobWatch
 
     sign = _trust(ring, "cloud").sign
     v1 = _roster(ring)
