@@ -202,10 +202,11 @@ def _stop_mid_job(served: Served, operator: Transport) -> None:
     text = job_text(cfg.model_copy(update={"run": cfg.run.model_copy(update={"rounds": 10_000})}))
     post_request(operator, cfg.run.name, submit_record(JobRequest("long", text)), "long", None, 5.0)
 
-    def in_the_long_job() -> bool:
+    def in_the_long_job() -> bool:  # and its devices answered a task of it
         agents = service.agents
         running = agents is not None and (agents.job.session or "").startswith("long.") and not agents.done.is_set()
-        return running and cell.node is not None and len(cell.served) == JOBS
+        answered = running and sum(s["tasks"] for s in agents.stats().values()) > 0  # type: ignore[union-attr]
+        return answered and cell.node is not None and len(cell.served) == JOBS
 
     assert wait_until(in_the_long_job, 30.0)
     # the jobs they served are their nodes' past jobs: a task of one a restored broker hands back is an old copy
@@ -213,10 +214,12 @@ def _stop_mid_job(served: Served, operator: Transport) -> None:
     past = service.agents.clouds["c0-d0"].past_jobs.sessions
     assert sorted(s.split(".")[0] for s in past) == [f"j{j}" for j in range(JOBS)], past
     assert cell.node.cloud.past_jobs.sessions == past
+    served_tasks = service.tasks  # those of the jobs served: the long job's, answered before the stop, count too
     service.stop()
     cell.stop()
     served.thread.join(10)
     assert wait_until(lambda: cell.stopped_during is not None, 10.0)
+    assert service.tasks > served_tasks, (service.tasks, served_tasks)
     jobs = ", ".join(f"j{j}" for j in range(JOBS))
     rest = "which goes on without this {} until it starts again and serves the rest of it (if the job still runs then)"
     said = served_summary("device c0-d0", service.served, service.stopped_during, service.tasks)
