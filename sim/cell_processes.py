@@ -123,6 +123,7 @@ class CellProcesses:
         self.out: list[list[Message]] = [[] for _ in self.groups]
         self.nexts: list[float | None] = [None] * n
         self.finished = False  # finish() stopped the processes (they exit by themselves)
+        self.waiting: Callable[[], None] | None = None  # called as this process waits for theirs (the cloud's idle)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         # the cells' aggregation log, written here from the records they publish (the line order is the order the
@@ -212,6 +213,8 @@ class CellProcesses:
                 conn.send_bytes(message_frame({"at": at}, out))
             except OSError:
                 self._receive(i)  # raises, naming how it died
+        if self.waiting is not None:  # (this process's turn is over while theirs runs)
+            self.waiting()
         msgs = [m for i in range(len(self.procs)) for m in self._take(i, self.stall_s)]
         deliver(self.hub, msgs)  # sorted by sender: the order one process gives them
         return bool(msgs)

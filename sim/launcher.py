@@ -20,6 +20,7 @@ import numpy as np
 from cloud.node import build_cloud
 from edge_agent.agent import DeviceAgent
 from protocols import directions, runfiles
+from protocols.algorithms.base import CloudRole
 from protocols.bounds import CellBounds
 from protocols.checkpoint import save_params
 from protocols.config import ConfigError, RunConfig
@@ -318,6 +319,8 @@ class SimHierarchy:
             return None
         split = CellProcesses(self.cfg, self.hub, self.output_dir, self._resumed_clock())
         weakref.finalize(self, split.close)
+        if isinstance(role := self.cloud.role, CloudRole):  # (its idle hook: while the cells' turn runs)
+            role.idle_calls, split.waiting = True, role.idle
         return split
 
     def _resumed_clock(self) -> float:

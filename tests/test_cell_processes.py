@@ -77,6 +77,8 @@ def test_two_cell_processes_give_the_one_process_run_byte_for_byte(
     runtime = {**sections.get("runtime", {}), "cell_processes": 2}
     run = {**sections.get("run", {}), "output": str(tmp_path / "split")}
     sim = SimHierarchy(make_config(**{**sections, "runtime": runtime, "run": run}))  # its cell processes start...
+    if hasattr(sim.cloud.role, "idle"):  # the cloud's role hears when its turn is over (CloudRole.idle)
+        assert sim.split is not None and sim.cloud.role.idle_calls and sim.split.waiting == sim.cloud.role.idle
     one = while_workers_start(sim, lambda: run_simulation(make_config(**sections)))  # ...while this runs
     split = sim.run()
     same_run(one, split)

@@ -934,6 +934,36 @@ def test_a_cell_that_reported_draws_the_next_rounds_directions_once_its_process_
         Z.set_prefetch(False)
 
 
+def test_a_cloud_whose_process_says_it_waits_draws_its_rounds_directions_then(monkeypatch):
+    """A cloud whose process calls ``idle`` as it waits for its cell processes (``fedtier sim`` with them) draws the
+    round's directions then, not among the handlers that send the round's tasks (whose GIL the thread ahead took);
+    the one-process cloud draws them as it plans, as before (``SimHierarchy`` with cell processes sets the hook:
+    tests/test_cell_processes.py)."""
+    x0 = {"w": np.zeros((30, 40), np.float32)}
+    drawn: list[int] = []
+    draw = Z._draw_flat
+    monkeypatch.setattr(Z, "_draw_flat", lambda s, *rest: (drawn.append(s), draw(s, *rest))[1])
+    _fresh_caches(monkeypatch)
+    monkeypatch.setattr(Z, "_pending", {})
+    Z.set_prefetch(True)
+    try:
+        for calls in (True, False):
+            drawn.clear()
+            cloud = DeComFLCloud(_params(), 11 if calls else 12, x0)
+            cloud.idle_calls = calls
+            cloud.plan(0, ["c0"])
+            for step in list(Z._pending.values()):
+                step.result(30)
+            assert set(drawn) == (set() if calls else {Z.round_seed(12, 0)})
+            cloud.idle()
+            cloud.idle()
+            for step in list(Z._pending.values()):
+                step.result(30)
+            assert len(drawn) == K * P and set(drawn) == {Z.round_seed(11 if calls else 12, 0)}  # once
+    finally:
+        Z.set_prefetch(False)
+
+
 def test_a_draw_ahead_that_cannot_start_fails_no_one_and_leaves_no_one_waiting(monkeypatch):
     """A draw ahead whose thread cannot take it (its executor shut down, as once the interpreter exits: submit raises)
     raised into the cloud's plan or the cell's task, and left its step pending for ever: whoever asked for that step

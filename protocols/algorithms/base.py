@@ -211,6 +211,14 @@ class CloudRole(ABC):
     def check(self, cell: str, report: Payload) -> None:  # noqa: B027 an optional hook, empty by default
         """Raise :class:`Rejected` if ``report`` cannot be aggregated."""
 
+    idle_calls = False
+    """Whether its process calls :meth:`idle` as it waits for the cells (``fedtier sim`` with cell processes): work
+    the role would start at once may wait for it."""
+
+    def idle(self) -> None:  # noqa: B027 an optional hook, empty by default
+        """Its process waits for the cells now (its turn is over): work for later that needs nothing more may start
+        (DeComFL's cloud draws the round's directions for its end)."""
+
     @abstractmethod
     def aggregate(self, round: int, reports: Mapping[str, Payload]) -> Outcome:
         """Update the global state from the reports that arrived (sorted by cell id); its outcome out."""

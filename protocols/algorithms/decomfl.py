@@ -38,7 +38,7 @@ passes, so a device may run on onnxruntime (``edge_agent.onnx_trainer``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -127,15 +127,16 @@ class DeComFLCloud(CloudRole):
         self.synced: dict[str, dict[str, int]] = {}
         self.need: dict[str, int] = {}
         self.cells: set[str] = set()
-        self.round_seed = 0
+        self.round_seed, self.ahead = 0, cast(int | None, None)  # (ahead: a seed whose directions to draw ahead)
 
     def plan(self, round: int, cells: Sequence[str]) -> dict[str, Payload]:
         if round != self.base + len(self.g):
             raise ValueError(f"round {round} planned, but the history ends at {self.base + len(self.g)}")
         self.cells |= set(cells)
         self.round_seed = Z.round_seed(self.seed, round)
-        if self.p.server_model:  # drawn ahead (where the process does: sim) while the round runs, for its end
-            Z.prefetch(self.round_seed, self.K, self.P, self.model.shapes, self.p.direction)
+        self.ahead = self.round_seed if self.p.server_model else None  # drawn ahead (sim) for the round's end:
+        if not self.idle_calls:  # now, or once its process waits for the cells (not among the tasks' handlers)
+            self.idle()
         tasks: dict[str, Payload] = {}
         stacks: dict[int, np.ndarray] = {}  # one a window start: the cells that all need the log (a resume) share it
         rows = self.rows.of(self.log_g) if self.log_g is not None else None  # (the window: log rows base..)
@@ -149,6 +150,11 @@ class DeComFLCloud(CloudRole):
             synced = {"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))}
             tasks[c] = history_payload(synced, [*self.seeds[i:], self.round_seed], hist)
         return tasks
+
+    def idle(self) -> None:
+        if self.ahead is not None:
+            Z.prefetch(self.ahead, self.K, self.P, self.model.shapes, self.p.direction)
+            self.ahead = None
 
     def check(self, cell: str, report: Payload) -> None:
         p = self.p
