@@ -6,7 +6,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -22,6 +22,10 @@ from fedtier.console import (
     refuse_federation_folder,
 )
 from protocols.terminal import SafeConsole
+
+if TYPE_CHECKING:
+    from fedtier.console import LiveTarget
+    from monitor.live import LiveView
 
 
 @contextmanager
@@ -155,7 +159,7 @@ def monitor(
     (--sort, --cell, --state narrow it). Ctrl-C or SIGTERM leaves.
     """
     from monitor.live import LiveView
-    from monitor.sources import RunDirFollower, TelemetryFeed
+    from monitor.sources import RunDirFollower
     from monitor.view import CellFilter
 
     if config_path is not None and run_dir is not None:
@@ -182,12 +186,25 @@ def monitor(
         return exit_if_run_failed(watch, exit_when_done)
     if not target.run:
         fail("--broker needs --run NAME", 2)
+    _follow_live(target, watch, once, wait, refresh, exit_when_done)
+    exit_if_run_failed(watch, exit_when_done)
+
+
+def _follow_live(
+    target: LiveTarget, watch: LiveView, once: bool, wait: float, refresh: float, exit_when_done: bool
+) -> None:
+    """``watch`` follows ``target``'s live telemetry (:meth:`LiveView.follow`) on a connection of its own, whose loss
+    its view and log say ("broker connection lost"): the connection's own line is said at info (walked: both lines
+    at each drop)."""
+    from monitor.sources import TelemetryFeed
+
+    assert target.run is not None  # (the caller checked it)
     keys = public_keys_or_exit(target.keys_file)
     with sigterm_leaves_as_ctrl_c(), live_connection(target, "monitor", wait if once else None) as transport:
+        transport.own_drop_line = True
         feed = TelemetryFeed(transport, target.run, keys).start()
         watch.state.run = target.run
         watch.follow(feed, once, wait, refresh, exit_when_done)
-    exit_if_run_failed(watch, exit_when_done)
 
 
 def exit_if_run_failed(watch: Any, exit_when_done: bool) -> None:

@@ -1277,6 +1277,29 @@ def test_a_message_is_acknowledged_once_all_its_handlers_returned_and_not_when_o
     assert acks == [1, 3]
 
 
+def test_a_lost_connection_whose_user_says_it_itself_is_said_at_info(loop, caplog) -> None:
+    """Walked (session 25): `fedtier monitor --broker URL > log` printed the transport's 'monitor-8a6d02ef: lost
+    connection to ...; reconnecting' warning beside its own 'broker connection lost, reconnecting' line at each drop.
+    A transport whose user says a drop itself (``own_drop_line``: the monitor's) says its line at info."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    hang_up = ReasonCode(PacketTypes.DISCONNECT, "Unspecified error")
+    said: list[tuple[int, str]] = []
+    for own in (False, True):
+        t = MqttTransport("monitor-x", loop, "127.0.0.1", free_port())
+        t.own_drop_line = own
+        t._ever_connected = t._connected = True
+        t._connack.set()  # (its first connect's)
+        with caplog.at_level(logging.INFO, logger="protocols.transport.mqtt"):
+            caplog.clear()
+            t._on_disconnect(t._client, None, None, hang_up, None)
+        said += [(r.levelno, r.getMessage()) for r in caplog.records if "lost connection" in r.getMessage()]
+        t.close()
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO], said
+    assert said[1][1].startswith("monitor-x: lost connection to 127.0.0.1:"), said
+
+
 @needs_mosquitto
 def test_a_connection_the_broker_closes_without_a_reason_says_what_closes_one_so(loop, caplog) -> None:
     """Another client connecting under a client id (a second agent under a live device's id, as its twin check

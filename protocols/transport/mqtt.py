@@ -82,6 +82,7 @@ class MqttTransport(Connecting, Inbound, Transport):
     sessions_lost = 0  # reconnects of a persistent client that found no session at the broker
     on_session_lost: Callable[[], None] | None = None  # then called (network thread): re-announce
     on_reconnected: Callable[[], None] | None = None  # called (network thread) at each reconnect, the session lost
+    own_drop_line = False  # its user says a lost connection itself (fedtier monitor's line): this one's then at info
     # or not: a broker restored from its last autosave resumes sessions without what it took since
 
     def __init__(
@@ -437,7 +438,7 @@ class MqttTransport(Connecting, Inbound, Transport):
         if was_connected:  # (paho names a hang-up of MQTT 3.1.1, which gives no reason, "Unspecified error")
             why = TAKEN_OR_CUT if str(reason) == "Unspecified error" else reason
             expected = self.drop_expected
-            level = logging.INFO if expected else logging.WARNING
+            level = logging.INFO if expected or self.own_drop_line else logging.WARNING
             during = f" while {expected}" if expected else ""
             log.log(
                 level,
