@@ -69,6 +69,7 @@ class Population(Mapping[str, DeviceAgent]):
         self._kept: set[str] = set()  # asked for from outside: never dropped
         self._traffic: dict[str, dict[str, int]] = {}  # of dropped agents
         self._sizes: dict[str, int] = {}  # device -> its agent's data in bytes, counted as copied
+        self._size = 0  # theirs in all
         self._started = False
         self._announced: set[str] = set()
         self._listener = hub.connect(LISTENER)
@@ -131,9 +132,11 @@ class Population(Mapping[str, DeviceAgent]):
         agent copies its data out of the data set again)."""
         if Trait.DEVICE_STATE in self.algorithm.stack_traits() or self.cfg.participation.model == "always":
             return
+        if len(self._sizes) <= KEPT_IDLE_AGENTS and self._size <= KEPT_IDLE_BYTES:
+            return  # every agent fits, idle or not: all kept (a small population's, none built again)
         idle = [d for d, a in self._agents.items() if d not in self._kept and not a.pending and a.transport.connected]
         if len(idle) <= KEPT_IDLE_AGENTS and sum(self._sizes[d] for d in idle) <= KEPT_IDLE_BYTES:
-            return  # all kept (a small population's: none built again)
+            return
         idle.sort(key=lambda d: self._agents[d].last_task, reverse=True)  # the most recently active first (stable)
         room, places = KEPT_IDLE_BYTES, KEPT_IDLE_AGENTS
         for d in idle:
@@ -143,7 +146,7 @@ class Population(Mapping[str, DeviceAgent]):
             agent = self._agents.pop(d)
             _count(self._traffic, d, agent)
             agent.transport.close()
-            del self._sizes[d]
+            self._size -= self._sizes.pop(d)
 
     # ------------------------------------------------------------------ building
     def _need(self, device: str) -> DeviceAgent:
@@ -161,6 +164,7 @@ class Population(Mapping[str, DeviceAgent]):
             self.configure(agent)
             self._agents[device] = agent
             self._sizes[device] = _data_bytes(agent.data)
+            self._size += self._sizes[device]
             if self._started:
                 agent.attach(agent.transport)
         return agent
