@@ -4,6 +4,7 @@ that ended and how, and the newest signed roster, from the cloud's retained reco
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,10 @@ log = logging.getLogger("fedtier.jobs")
 
 CLEARED = "no job in progress at the cloud (its job record cleared): this node missed how it ended"
 """Why a node says a job it served stopped where the cloud cleared its job record before the node heard its end."""
+CLEAR_STANDS = 15.0
+"""Seconds a clear of the job record must stand, no record of the job held back, to be that job's end: a clear is
+an empty retained publish, which no signature covers (on a broker without per-node ACLs any login may make one), and
+the serving cloud puts its record back at once (``cloud.kept_records``); only an idle cloud's clear stands."""
 
 
 class JobWatch:
@@ -38,6 +43,8 @@ class JobWatch:
         self.outcomes: dict[str, dict[str, str]] = {}  # finished session -> why it failed or stopped (cut), if so
         self.roster: Roster | None = None  # the newest verified roster (cells refuse revoked devices by it)
         self.on_roster: Callable[[Roster], None] | None = None
+        self.clock: Callable[[], float] = time.monotonic
+        self._cleared: tuple[str, float] | None = None  # (the session held as current, when its record was cleared)
         if transport is not None:
             self._control = Messenger(transport, federation, "watcher", trust=trust)
             # the roster first: retained, it comes before the job, which a node checks its membership against by it
@@ -48,6 +55,10 @@ class JobWatch:
     def left(self, job: CurrentJob) -> bool:
         """Whether the cloud has left ``job`` (a node's): it ended (its ``finished``, a record's ``previous``, its
         record cleared) or the cloud moved on to another job."""
+        if (c := self._cleared) is not None and self.clock() - c[1] >= CLEAR_STANDS:  # (:meth:`on_job`)
+            self._cleared = None
+            if c[0] not in self.finished:
+                self._ended(c[0], {"stopped": CLEARED})
         return job.session in self.finished or (self.current is not None and self.current.session != job.session)
 
     def pending(self, done: set[str]) -> CurrentJob | None:
@@ -59,10 +70,11 @@ class JobWatch:
         """A ``cloud/job`` record: the job in progress when the cloud signed it (else logged, ignored). Cleared
         (empty), the cloud says no job is in progress: the one held as current ended, if its end was not heard (a
         node restarted after it ended, before the broker's next save, took its record from the restored broker as
-        running; the cloud clears what the broker holds of it, and nothing else would have told the node)."""
+        running; the cloud clears what the broker holds of it, and nothing else would have told the node), once the
+        clear stood :data:`CLEAR_STANDS` seconds (:meth:`left`): a serving cloud puts its record back at once."""
         if not data:
             if (c := self.current) is not None and c.session not in self.finished:
-                self._ended(c.session, {"stopped": CLEARED})
+                self._cleared = (c.session, self.clock())
             self.current = None
             return
         try:
@@ -74,7 +86,7 @@ class JobWatch:
         if current.session in self.finished:  # an ended job's (a broker restored from an older save): no moving on
             log.debug("ignored the record of job %s, which has ended (a stale record)", current.job)  # (-vv)
             return
-        self.current = current
+        self.current, self._cleared = current, None
         if (prev := self.current.previous) is not None and prev["session"] not in self.finished:
             self._ended(prev["session"], prev)  # its finished record missed (or still on its way): as the cloud says
 

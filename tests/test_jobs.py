@@ -1282,22 +1282,55 @@ def test_a_node_that_took_an_ended_jobs_record_leaves_it_when_the_cloud_clears_i
     the next job's record. The cloud clears what the broker holds there (cloud.kept_records: no job in progress): the
     node now takes that for h's end, which it missed. A job whose end it heard keeps how it ended."""
     from cell_server.service import _ended_how
-    from protocols.job_watch import CLEARED, JobWatch
+    from protocols.job_watch import CLEAR_STANDS, CLEARED, JobWatch
     from protocols.jobs import ended_outcome
 
     _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
     h, i = (CurrentJob(j, text, config_hash(text)) for j in ("h1", "i1"))
     topic = topics.current_job("fed")
     watch = JobWatch(None, "fed", None)  # the restarted cell's: it served nothing
+    now = [0.0]
+    watch.clock = lambda: now[0]
     watch.on_job(topic, seal_record(h.record(), topic, None))  # the restored broker's
     assert watch.pending(set()) == h and not watch.left(h)
-    watch.on_job(topic, b"")  # the cloud's clear
+    watch.on_job(topic, b"")  # the cloud's clear: h's end once no record of h came back for CLEAR_STANDS seconds
+    assert watch.pending(set()) is None and not watch.left(h)
+    now[0] = CLEAR_STANDS
     assert watch.left(h) and watch.pending(set()) is None
     assert _ended_how(watch, h) == ("stopped", CLEARED)
     watch.on_job(topic, seal_record(i.record(), topic, None))  # the next job is taken
     watch._ended(i.session, ended_outcome(i.session, "failed", "a stall"))  # its finished record, then the clear
     watch.on_job(topic, b"")
     assert watch.pending(set()) is None and _ended_how(watch, i) == ("failed", "a stall")
+
+
+def test_a_job_record_cleared_by_a_login_while_the_cloud_runs_the_job_moves_no_node_off_it(tmp_path: Path) -> None:
+    """On a broker without per-node ACLs any login may clear the cloud's retained job record (an empty retained
+    publish: nothing to sign or verify); the serving cloud puts its record back at once (cloud.kept_records). A node
+    must not take that clear for the end of the job it serves: before, every long-lived cell and agent that heard it
+    marked the job ended ('stopped: ... its job record cleared') and left it, then ignored the cloud's record put back
+    (a job that has ended), absent from the rest of the job. A clear is the job's end only once it stood, no record of
+    that job back, for CLEAR_STANDS seconds."""
+    from protocols.job_watch import CLEAR_STANDS, JobWatch
+
+    seeds = {n: new_seed() for n in ("cloud", "c0")}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
+    i = CurrentJob("i1", text, config_hash(text))
+    topic = topics.current_job("fed")
+    watch = JobWatch(None, "fed", Trust("c0", seeds["c0"], public))
+    now = [0.0]
+    watch.clock = lambda: now[0]
+    record = seal_record(i.record(), topic, Trust("cloud", seeds["cloud"], public).sign)
+    watch.on_job(topic, record)  # the job in progress, signed by the cloud
+    assert watch.pending(set()) == i
+    for _ in range(3):  # the login clears it (again and again), the cloud puts its record back each time
+        watch.on_job(topic, b"")
+        now[0] += CLEAR_STANDS / 2
+        assert not watch.left(i)
+        watch.on_job(topic, record)
+        now[0] += CLEAR_STANDS
+        assert not watch.left(i) and watch.current == i and i.session not in watch.finished
 
 
 def test_an_ended_jobs_task_a_restored_broker_hands_back_is_said_an_old_copy_and_a_foreign_session_still_refused(
