@@ -63,6 +63,18 @@ def small_config(tmp_path: Path, **sections: dict[str, Any]) -> RunConfig:
     return parse_config(data)
 
 
+def with_keys(cfg: RunConfig, tmp_path: Path) -> tuple[RunConfig, Any]:
+    """``cfg`` signed: a fresh key ring of its topology written to ``tmp_path/keys.toml``, which its
+    ``security.keys`` names; ``(cfg, ring)``."""
+    from protocols.wire.keys import generate_keys, write_keys
+
+    ring = generate_keys(cfg.topology)
+    write_keys(tmp_path / "keys.toml", ring)
+    return cfg.model_copy(
+        update={"security": cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})}
+    ), ring
+
+
 def overflow_devices(sim: Any, which: Callable[[str], bool] = lambda device: True) -> Any:
     """Make the devices of ``sim`` (a ``SimHierarchy``) that ``which`` selects train on inputs that
     overflow float32 (their loss is inf/NaN: their training diverges); returns ``sim``."""

@@ -30,7 +30,7 @@ from protocols.session import CloudSession
 from protocols.wire import topics
 from protocols.wire.keys import PublicKeys, Trust, new_seed, public_of
 from protocols.wire.signed import seal_record
-from tests.conftest import small_config
+from tests.conftest import small_config, with_keys
 
 JOB = """
 [job]
@@ -279,8 +279,9 @@ def test_fedtier_run_refuses_an_initial_model_of_another_digest_than_the_configs
         job_text(run(tmp_path / "other.ftw"))
 
 
-def test_a_job_the_cloud_cannot_build_fails_with_its_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
-    """No crash (a restarted cloud would meet the same error again): the job ends ``failed`` with why."""
+def _cloud_that_cannot_build(tmp_path: Path) -> tuple[Any, JobQueue, str]:
+    """A long-lived cloud whose every job fails to build ("model.name: no such model here"), its queue (empty), and
+    a job's canonical text: ``(service, queue, text)``."""
     from cloud.service import CloudService
     from protocols.config import ConfigError
     from protocols.transport.threadloop import ThreadLoop
@@ -292,7 +293,12 @@ def test_a_job_the_cloud_cannot_build_fails_with_its_reason_and_the_queue_goes_o
     def parts(cfg):
         raise ConfigError("model.name: no such model here")
 
-    service = CloudService(fed, ThreadLoop("t"), lambda: None, queue, parts, trust=None, operator=None)
+    return CloudService(fed, ThreadLoop("t"), lambda: None, queue, parts, trust=None, operator=None), queue, text
+
+
+def test_a_job_the_cloud_cannot_build_fails_with_its_reason_and_the_queue_goes_on(tmp_path: Path) -> None:
+    """No crash (a restarted cloud would meet the same error again): the job ends ``failed`` with why."""
+    service, queue, text = _cloud_that_cannot_build(tmp_path)
     for name in ("a", "b", "c"):
         queue.submit(Job(name, text, config_hash(text), OPERATOR, init_from="a" if name == "c" else None))
     assert service._run(queue.next(), transport=None) is False  # type: ignore[arg-type]
@@ -490,18 +496,7 @@ def test_a_job_whose_final_model_cannot_be_written_ends_with_that_reason_and_the
 def test_a_job_that_cannot_be_built_is_said_failed_only_once_the_queue_holds_it(tmp_path: Path, caplog) -> None:
     """A build error and a queue that cannot be written both: the cloud stops saying so, not "job a failed" of a job
     its queue still holds queued (started again, it meets the error again and fails it then)."""
-    from cloud.service import CloudService
-    from protocols.config import ConfigError
-    from protocols.transport.threadloop import ThreadLoop
-
-    fed = federation(tmp_path)
-    _, text = canonical_job("[run]\nrounds = 2\n", fed)
-    queue = JobQueue(tmp_path / "jobs.json")
-
-    def parts(cfg):
-        raise ConfigError("model.name: no such model here")
-
-    service = CloudService(fed, ThreadLoop("t"), lambda: None, queue, parts, trust=None, operator=None)
+    service, queue, text = _cloud_that_cannot_build(tmp_path)
     queue.submit(Job("a", text, config_hash(text), OPERATOR))
     queue._save = lambda: (_ for _ in ()).throw(JobQueueError("cannot write the job queue: No space left on device"))
     with caplog.at_level(logging.ERROR), pytest.raises(JobQueueError, match="No space left"):
@@ -1348,14 +1343,11 @@ def test_an_ended_jobs_task_a_restored_broker_hands_back_is_said_an_old_copy_and
     from protocols.session import EndedJobs
     from protocols.trainer import LocalData
     from protocols.transport.memory import MemoryHub
-    from protocols.wire.keys import generate_keys, write_keys
     from protocols.wire.messenger import Messenger
     from sim.hierarchy import prepare
 
     cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
-    ring = generate_keys(cfg.topology)
-    write_keys(tmp_path / "keys.toml", ring)
-    cfg = cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})})
+    cfg, ring = with_keys(cfg, tmp_path)
     algorithm = cfg.build_algorithm(prepare(cfg).spec)
     run, hub = cfg.run.name, MemoryHub()
     cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, assume_online=True)

@@ -28,7 +28,7 @@ from protocols.trainer import LocalData
 from protocols.transport.broker import find_mosquitto
 from protocols.wire import topics
 from sim.hierarchy import prepare
-from tests.conftest import free_port_run, small_config, wait_until
+from tests.conftest import free_port_run, small_config, wait_until, with_keys
 from tests.test_provision import WAIT, Inbox, broker_user, clients, mosquitto, provision_cli, reachable_tmp  # noqa: F401
 
 FEDTIER = str(Path(sys.executable).parent / "fedtier")
@@ -290,7 +290,7 @@ def test_a_device_revoked_by_the_roster_mid_round_is_refused_counted_and_not_wai
     from protocols.transport.memory import MemoryHub
     from protocols.wire import topics
     from protocols.wire.envelope import decode_message
-    from protocols.wire.keys import Trust, generate_keys, write_keys
+    from protocols.wire.keys import Trust
     from protocols.wire.messenger import Messenger
     from protocols.wire.payload import Payload
 
@@ -300,9 +300,7 @@ def test_a_device_revoked_by_the_roster_mid_round_is_refused_counted_and_not_wai
         algorithm={"edge_rounds": 2},
         runtime={"heartbeat": 1.0, "heartbeat_timeout": 4.0, "device_deadline": 100.0},
     )
-    ring = generate_keys(cfg.topology)
-    write_keys(tmp_path / "keys.toml", ring)
-    cfg = cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})})
+    cfg, ring = with_keys(cfg, tmp_path)
     algorithm = cfg.build_algorithm(prepare(cfg).spec)
     run, hub = cfg.run.name, MemoryHub()
     cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True, assume_online=True)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from fedtier.cli import main
 from fedtier.provisioning import provision
 from protocols.transport.broker import find_mosquitto, free_port
-from tests.conftest import small_config
+from tests.conftest import small_config, with_keys
 from tests.test_provision import broker_user, mosquitto, reachable_tmp  # noqa: F401 (a fixture)
 
 
@@ -231,14 +231,12 @@ def test_a_device_that_cannot_serve_a_job_is_absent_with_its_reason_and_not_wait
     from protocols.status import IDLE, decode_status, encode_status
     from protocols.transport.memory import MemoryHub
     from protocols.wire import topics
-    from protocols.wire.keys import PublicKeys, Trust, generate_keys, write_keys
+    from protocols.wire.keys import PublicKeys, Trust
     from protocols.wire.messenger import Messenger
     from sim.hierarchy import prepare
 
     cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 3}, algorithm={"edge_rounds": 1})
-    ring = generate_keys(cfg.topology)
-    write_keys(tmp_path / "keys.toml", ring)
-    cfg = cfg.model_copy(update={"security": cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})})
+    cfg, ring = with_keys(cfg, tmp_path)
     algorithm = cfg.build_algorithm(prepare(cfg).spec)
     run, hub = cfg.run.name, MemoryHub()
     cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, heartbeats=True)

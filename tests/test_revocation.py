@@ -29,7 +29,7 @@ from protocols.wire.keys import KeyRing, Trust, generate_keys, write_keys
 from protocols.wire.messenger import Messenger
 from protocols.wire.payload import Payload
 from sim.launcher import RunResult
-from tests.conftest import small_config, wait_until
+from tests.conftest import small_config, wait_until, with_keys
 
 CELLS = ["c0", "c1", "c2"]
 
@@ -38,10 +38,7 @@ def _signed_config(tmp_path: Path, **sections: dict[str, Any]) -> tuple[Any, Key
     """3 cells of 1 device, signed (a keys file), a cell deadline of 100 s (what a revoked cell must not cost)."""
     runtime = {"cell_deadline": 100.0, "startup_wait": 0.0, **sections.pop("runtime", {})}
     cfg = small_config(tmp_path, topology={"cells": 3, "devices_per_cell": 1}, runtime=runtime, **sections)
-    ring = generate_keys(cfg.topology)
-    write_keys(tmp_path / "keys.toml", ring)
-    security = cfg.security.model_copy(update={"keys": str(tmp_path / "keys.toml")})
-    return cfg.model_copy(update={"security": security}), ring
+    return with_keys(cfg, tmp_path)
 
 
 def _delta(cell: str, rnd: int, like: dict[str, np.ndarray]) -> Payload:
