@@ -143,10 +143,9 @@ class DeComFLCloud(CloudRole):
         for c in cells:
             start = max(self.need.get(c, 0), self.base)
             i = start - self.base
-            if rows is not None:
-                hist = rows[start:]
-            else:
-                hist = stacks[i] if i in stacks else stacks.setdefault(i, stack_rounds(self.g[i:], self.K, self.P))
+            if i not in stacks:
+                stacks[i] = rows[start:] if rows is not None else stack_rounds(self.g[i:], self.K, self.P)
+            hist = stacks[i]
             synced = {"from": start, "synced": dict(sorted(self.synced.get(c, {}).items()))}
             tasks[c] = history_payload(synced, [*self.seeds[i:], self.round_seed], hist)
         return tasks
