@@ -181,8 +181,8 @@ class RuntimeSection(Section):
         le=64,
         description="seeded-direction algorithms (DeComFL): threads a process draws a step's P random directions "
         "in (each direction its own generator: the same bits with any number; less wall time on free cores); above "
-        "1, fedtier sim's cloud and cells also start drawing a round's directions as the round begins, beside their "
-        "other work",
+        "1, fedtier sim's cloud and cells also draw a round's directions ahead, beside their other work (with "
+        "cell_processes, once their process has handed its turn over: a cell the next round's as it reported)",
     )
     cell_sums: Literal["auto", "host", "engine"] = Field(
         default="auto",
