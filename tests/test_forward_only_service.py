@@ -68,7 +68,8 @@ def _serve_one(
         service.stop()  # served: a stand-in for its AgentProcess ends the service
         done, nothing = threading.Event(), lambda *a: None
         return types.SimpleNamespace(twins=types.SimpleNamespace(), links=types.SimpleNamespace(), start=nothing,
-                                     stop=nothing, done=done, job=types.SimpleNamespace())  # fmt: skip
+                                     stop=nothing, done=done, job=types.SimpleNamespace(),
+                                     stats=lambda: {})  # fmt: skip
 
     trust = node_trust(bundle, device)
     service = AgentService(bundle, [device], hub.loop, lambda: hub.connect(topics.device_node(device)), build, trust)
