@@ -19,6 +19,7 @@ from protocols.numbers import declared_count
 from protocols.records import TIERS
 from protocols.rejections import Rejected, RejectKind
 from protocols.round_text import nth
+from protocols.session import EndedJobs
 from protocols.status import order_of
 from protocols.wire.envelope import Header
 from protocols.wire.messenger import Incoming, Messenger
@@ -256,6 +257,20 @@ def round_deadline(node: Any, rnd: int, why: str) -> None:
             round_deadline(node, rnd, why)
 
     node._timer = node.loop.call_later(node.cell_deadline, node._guard(due, "round deadline"))
+
+
+def old_report(past: EndedJobs | None, cell: str, msg: Incoming, session: str | None) -> bool:
+    """Signed (``session``: the cloud's): a report ``cell`` signed in a job of ``past`` (its service's ended jobs), not
+    this one: an old copy the broker delivers again (``protocols.session.EndedJobs``), dropped and said once at info,
+    not refused as a report of another session."""
+    h = msg.header
+    return (
+        past is not None
+        and session is not None
+        and h.sender == cell == h.cell
+        and h.session != session
+        and past.old_copy(h.session, "cloud", f"cell {cell}'s report of round {nth(h.round)}")
+    )
 
 
 def report_refusal(

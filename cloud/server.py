@@ -19,7 +19,7 @@ from protocols.jsonl import JsonlWriter
 from protocols.records import TIERS
 from protocols.rejections import Rejected
 from protocols.round_text import nth
-from protocols.session import encode_manifest, new_session
+from protocols.session import EndedJobs, encode_manifest, new_session
 from protocols.state import MAX_WAITING, publish_state
 from protocols.status import between_jobs, decode_status, encode_status
 from protocols.transport.base import TimerHandle, Transport
@@ -28,7 +28,7 @@ from protocols.wire.messenger import Incoming, Messenger
 
 from .cell_records import collector
 from .checkpoint import CloudCheckpoint, Saved, repair_records, restore
-from .parts import CellPresence, RoundCounts, report_refusal, resend_on_repeat, round_deadline
+from .parts import CellPresence, RoundCounts, old_report, report_refusal, resend_on_repeat, round_deadline
 from .revocation import leave_round, refused_revoked, too_few_cells
 from .round_record import Updates, divergence, end_figures, round_record, stall
 from .telemetry import CloudTelemetry, send_finished
@@ -69,6 +69,7 @@ class CloudServer:
     _start_timer: TimerHandle | None = None  # the startup wait's end (cancelled once round 0 begins or the job ends)
     status_extra: Mapping[str, Any] = {}  # what its status records add (a service's instance)
     announce_end_later = False  # a federation's cloud: its end (state, record) said once its queue holds it
+    past_jobs: EndedJobs | None = None  # a federation's cloud: the jobs that ended (an old report of one is no refusal)
 
     def __init__(
         self,
@@ -307,10 +308,9 @@ class CloudServer:
     def _on_report(self, topic: str, data: bytes) -> None:
         if refused_revoked(self.revoked, topic, self.messenger):
             return
-        msg = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True)
-        if msg is None:
-            return
-        cell = topic.split("/")[-2]
+        msg, cell = self.messenger.receive(topic, data, kinds=("cell_report",), repeats=True), topic.split("/")[-2]
+        if msg is None or old_report(self.past_jobs, cell, msg, self.session if self.trust is not None else None):
+            return  # (an old report of an ended job, handed back by the broker: said once, at info)
         if msg.repeat:  # handled before: a restarted cell that may lack its task (or a repeat, refused)
             resumed = self.resumed and self.round == self.resumed_at  # its first round since it resumed
             if resend_on_repeat(self.counts, self.messenger, msg, self.round, self._awaited(), resumed):

@@ -33,6 +33,7 @@ from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError, ended_out
 from protocols.jsonl import StorageError, writing
 from protocols.privacy.ledger import LEDGER_FILE, LedgerError, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
+from protocols.session import EndedJobs
 from protocols.status import IdleBeat, between_jobs
 from protocols.transport.base import Transport
 from protocols.transport.mqtt import MqttTransport
@@ -43,7 +44,7 @@ from protocols.wire.keys import Trust
 from protocols.wire.signed import seal_record
 
 from .job_requests import on_request
-from .jobs import Job, JobFolderFull, JobQueue, JobQueueError, final_figures
+from .jobs import ENDED, Job, JobFolderFull, JobQueue, JobQueueError, final_figures
 from .kept_records import KeptRecords
 from .node import build_cloud
 from .requests import REQUESTS_FILE, OperatorRequests
@@ -374,6 +375,7 @@ class CloudService:
         )
         node.status_extra = self.twin.extra
         node.announce_end_later = True  # (once the queue holds it: _end)
+        node.past_jobs = EndedJobs({job_session(j.job, j.digest) for j in self.queue.jobs.values() if j.state in ENDED})
         if parts.on_build is not None:
             parts.on_build(node)
         return cfg, out, node

@@ -214,6 +214,8 @@ def _stop_mid_job(served: Served, operator: Transport) -> None:
     past = service.agents.clouds["c0-d0"].past_jobs.sessions
     assert sorted(s.split(".")[0] for s in past) == [f"j{j}" for j in range(JOBS)], past
     assert cell.node.cloud.past_jobs.sessions == past
+    cloud = served.fed.cloud.node  # the cloud's: its queue's ended jobs
+    assert cloud is not None and cloud.past_jobs is not None and cloud.past_jobs.sessions == past
     served_tasks = service.tasks  # those of the jobs served: the long job's, answered before the stop, count too
     service.stop()
     cell.stop()

@@ -1385,3 +1385,42 @@ def test_an_ended_jobs_task_a_restored_broker_hands_back_is_said_an_old_copy_and
     refused = [m for level, m in said if level == logging.WARNING]
     assert len(refused) == 2 and all("session 'job-x.0'" in m and "(replayed or forged)" in m for m in refused), said
     assert not [m for m in refused if "job-h" in m], said
+
+
+def test_a_report_of_an_ended_job_a_restored_broker_hands_the_cloud_is_said_an_old_copy(tmp_path: Path, caplog) -> None:
+    """Walk (session 25): a broker restored from an older save handed the cloud, in job g, cell c0's report of job f:
+    'cloud rejected a message on .../c0/report (signature): report of session 'job-f...', this cloud's is 'job-g...''
+    at warning. A report its cell signed in a job the cloud's queue holds ended is an old copy, said once at info; one
+    of a session it does not know is still refused."""
+    from cloud.node import build_cloud
+    from protocols.session import EndedJobs
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire.messenger import Messenger
+    from protocols.wire.payload import Payload
+    from sim.hierarchy import prepare
+
+    cfg, ring = with_keys(small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1}), tmp_path)
+    run, hub = cfg.run.name, MemoryHub()
+    cloud = build_cloud(cfg, hub.connect("cloud"), cfg.build_algorithm(prepare(cfg).spec), startup_wait=30.0)
+    cloud.session = cloud.messenger.session = "job-i.0"
+    cloud.past_jobs = EndedJobs({"job-h.0"})  # (its service's: the queue's ended jobs)
+    cloud.start()
+    c0 = Messenger(hub.connect("c0"), run, "c0", trust=Trust("c0", ring.private["c0"], ring.public))
+    with caplog.at_level(logging.INFO):
+        for session in ("job-h.0", "job-h.0", "job-x.0"):
+            c0.session = session
+            c0.send(topics.cell_report(run, "c0"), "cell_report", Payload({"weight": 1.0}, {}), round=4, cell="c0")
+        hub.loop.run(until=lambda: hub.loop.now() > 1.0)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "job-" in r.getMessage()]
+    assert said == [
+        (
+            logging.INFO,
+            "cloud: ignored an old copy of cell c0's report of round 5 of cloud session job-h.0, a job this node is "
+            "done with (delivered again by the broker, restored from an older save or holding it queued)",
+        ),
+        (
+            logging.WARNING,
+            "cloud rejected a message on fedtier/t/cloud/up/c0/report (signature): report of session 'job-x.0', "
+            "this cloud's is 'job-i.0'",
+        ),
+    ], said
