@@ -3,8 +3,6 @@ runs (``fedtier/membership.py``)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import click
 
 from .cli_types import Finite
@@ -26,24 +24,30 @@ PUBLISH = click.option(
 )
 
 
-def _done(change, out_dir: str, publish: bool, what: str, published: str | None = None) -> None:
-    """Say ``change`` and publish its roster (``published``: how publishing it already went)."""
+def _done(
+    change, out_dir: str, publish: bool, what: str, published: str | None = None, unreached: Exception | None = None
+) -> None:
+    """Say ``change`` and publish its roster (``published``: how publishing it already went; ``unreached``: why it
+    could not, a broker it could not reach: not tried again)."""
     for line in change.brokers:
         console.print(line)
     console.print(f"{what}; roster version {change.version} in {out_dir}/roster.json")
     if published is not None:
         console.print(published)
     elif publish:
-        _publish(out_dir)
+        _publish(out_dir, unreached)
     else:
         console.print(f"not published: `fedtier provision publish --out {out_dir}` publishes it")
 
 
-def _publish(out_dir: str) -> None:
-    """Publish OUT's roster, or exit 1 saying how to do it later."""
+def _publish(out_dir: str, unreached: Exception | None = None) -> None:
+    """Publish OUT's roster (``unreached``: a try that could not reach the broker already), or exit 1 saying how to
+    do it later."""
     from .membership import publish_roster
 
     try:
+        if unreached is not None:
+            raise unreached
         console.print(publish_roster(out_dir))
     except (ConnectionError, OSError, ValueError) as exc:  # ValueError: a ConfigError of the operator's bundle
         fail(
@@ -111,16 +115,21 @@ def revoke(out_dir: str, named: str | None, node: str | None, publish: bool) -> 
         fail("which node? `fedtier provision revoke --out DIR --node NODE` (a device, or a cell with its devices)", 2)
 
     said: list[str] = []  # published before the brokers reload: the revoked node's connection still reads it then
+    unreached: list[Exception] = []  # a broker it could not reach (~10 s of retries): not tried again after the reload
 
     def publish_first() -> None:
-        with contextlib.suppress(ConnectionError, OSError, ValueError):  # (tried again after the reload: _done)
+        try:
             said.append(publish_roster(out_dir))
+        except (ConnectionError, OSError) as exc:
+            unreached.append(exc)
+        except ValueError:  # (a ConfigError of the operator's bundle: tried again after the reload, said then: _done)
+            pass
 
     try:
         change = rv(out_dir, node, publish_first if publish else None)
     except (MembershipError, ValueError) as exc:
         fail(str(exc), 2)
-    _done(change, out_dir, publish, f"revoked {node}", said[0] if said else None)
+    _done(change, out_dir, publish, f"revoked {node}", said[0] if said else None, unreached[0] if unreached else None)
 
 
 @provision.command("publish")
