@@ -23,8 +23,9 @@ from protocols.fast_exit import skip_exit_collection
 from protocols.heap import keep_freed_memory
 from protocols.safe_text import log_to_stderr
 
-PRELOAD = ("torch", "sim.device_worker", "sim.cell_share", "sim.agent_workers")
-"""What the fork server imports before forking: torch and the modules of the workers' entry points."""
+PRELOAD = ("sim.forkserver_exit", "torch", "sim.device_worker", "sim.cell_share", "sim.agent_workers")
+"""What the fork server imports before forking: torch and the modules of the workers' entry points; first, what makes
+the server exit fast once its workers have (``sim.forkserver_exit``)."""
 
 
 def worker_context() -> Any:

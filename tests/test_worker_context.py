@@ -11,18 +11,23 @@ from sim.worker_context import PRELOAD, become_worker, launch, worker_context
 
 
 def _what_it_started_with(out: Any) -> None:
-    out.put((sorted(m for m in PRELOAD if m in sys.modules), os.getppid()))
+    from protocols import fast_exit  # (the server's, as it forked this worker)
+
+    out.put((sorted(m for m in PRELOAD if m in sys.modules), os.getppid(), bool(fast_exit._registered)))
 
 
 def test_a_worker_starts_with_torch_and_the_workers_modules_already_imported_and_is_not_forked_from_here():
+    """... and from a server that exits without the final collections over its torch-sized heap (sim.forkserver_exit:
+    it took 1.3-2.3 s to exit once its workers had, a SIGKILLed run's fork server the last of its processes to go)."""
     ctx = worker_context()
     out = ctx.SimpleQueue()
     proc = ctx.Process(target=_what_it_started_with, args=(out,))
     proc.start()
     proc.join(120)
     assert proc.exitcode == 0
-    imported, parent = out.get()
+    imported, parent, skips_exit_collection = out.get()
     assert imported == sorted(PRELOAD)  # before its target ran: the server's, not imported again
+    assert skips_exit_collection  # registered in the server before it forked this worker
     assert parent != os.getpid()  # forked by the server, never by this process (it has threads)
 
 
