@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from protocols.checkpoint import write_durably
-from protocols.jobs import MAX_LISTED, STATES, JobError, check_job_id
+from protocols.jobs import MAX_LISTED, STATES, JobError, check_job_id, check_job_nonce, job_session, new_job_nonce
 from protocols.numbers import finite_number, is_count
 
 FORMAT = 1
@@ -57,7 +57,9 @@ class JobFolderFull(JobQueueError):
 
 @dataclass(frozen=True)
 class Job:
-    """One job: its id, canonical config text and hash, who submitted it, what it starts from, its state."""
+    """One job: its id, canonical config text and hash, who submitted it, what it starts from, its state; ``nonce``:
+    drawn from the OS as the queue queued it, kept in the queue file (a resumed job keeps its session), bound into its
+    session (``protocols.jobs.job_session``); ``""`` for a job of a queue file from before nonces (its old session)."""
 
     job: str
     config: str
@@ -72,6 +74,12 @@ class Job:
     cancel_requested: bool = False
     cells_absent_at_start: dict[str, str] = field(default_factory=dict)  # cells it began without, why
     figures: dict[str, float] = field(default_factory=dict)  # how well it did, once ended (final_figures)
+    nonce: str = ""
+
+    @property
+    def session(self) -> str:
+        """Its cloud session: the id, config hash and nonce bound into every signed envelope of it."""
+        return job_session(self.job, self.digest, self.nonce)
 
     def summary(self) -> dict[str, Any]:
         """What ``fedtier jobs`` lists (no config text): its reason's first ``MAX_LISTED_REASON`` characters and its
@@ -105,6 +113,7 @@ class JobQueue:
                     raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
                 for item in data["jobs"]:
                     job = Job(**item)
+                    check_job_nonce(job.nonce)
                     self.jobs[job.job] = job
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise JobQueueError(f"job queue {self.path} is unreadable: {exc}") from None
@@ -154,7 +163,7 @@ class JobQueue:
                 raise JobError(f"init_from: no job {job.init_from!r}")
             if base.state in ("failed", "cancelled"):
                 raise JobError(f"init_from: job {job.init_from!r} ended {base.state}")
-        self._change(job.job, replace(job, state="queued"))
+        self._change(job.job, replace(job, state="queued", nonce=job.nonce or new_job_nonce()))
 
     def start(self, job: str) -> Job:
         return self._change(job, replace(self.jobs[job], state="running", started=time.time()))

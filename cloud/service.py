@@ -29,7 +29,7 @@ from protocols.bounds import roster_cell_bounds
 from protocols.checkpoint import write_durably
 from protocols.config import RunConfig, TopologySection
 from protocols.joblog import say_ended, say_taken
-from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError, ended_outcome, job_session
+from protocols.jobs import MAX_JOB_RECORD_BYTES, CurrentJob, JobError, ended_outcome
 from protocols.jsonl import StorageError, writing
 from protocols.privacy.ledger import LEDGER_FILE, LedgerError, PrivacyLedger
 from protocols.roster import Roster, RosterError, roster_topic, sign_roster, verify_roster
@@ -241,7 +241,7 @@ class CloudService:
         fault, not the job's: :class:`JobFolderFull` stops the cloud, the job left as the queue says (before, each
         restart said "job J failed: [Errno 28] No space left on device" of a job the queue could not fail either)."""
         resumed = job.state == "running"
-        current = CurrentJob(job.job, job.config, job.digest, self._previous(job.job))
+        current = CurrentJob(job.job, job.config, job.digest, self._previous(job.job), job.nonce)
         try:
             cfg, out, node = self._build(job, current, transport, resumed)
         except (ValueError, OSError) as exc:  # ConfigError, JobError: the job's, not the cloud's fault
@@ -375,7 +375,7 @@ class CloudService:
         )
         node.status_extra = self.twin.extra
         node.announce_end_later = True  # (once the queue holds it: _end)
-        node.past_jobs = EndedJobs({job_session(j.job, j.digest) for j in self.queue.jobs.values() if j.state in ENDED})
+        node.past_jobs = EndedJobs({j.session for j in self.queue.jobs.values() if j.state in ENDED})
         if parts.on_build is not None:
             parts.on_build(node)
         return cfg, out, node
@@ -471,7 +471,7 @@ class CloudService:
         cloud moved on" of a job that finished)."""
         ended = [j for j in self.queue.jobs.values() if j.ended is not None and j.job != job]
         last = max(ended, key=lambda j: j.ended or 0.0, default=None)
-        return None if last is None else ended_outcome(job_session(last.job, last.digest), last.state, last.reason)
+        return None if last is None else ended_outcome(last.session, last.state, last.reason)
 
     def _publish_list(self, transport: Transport) -> None:
         topic = topics.job_list(self.fed)

@@ -4,9 +4,11 @@ A **federation** is what ``fedtier provision`` provisions: identities, brokers, 
 ``fedtier/{federation}/...`` (the provisioning config's ``run.name``). A **job** is one training config
 run on it. Its canonical text (:func:`canonical_job`: the job's TOML with the federation's name and
 topology, and nothing node-local) is what the cloud publishes; its **config hash** is the sha256 of that
-text, and the job's **cloud session** is ``{job}.{hash[:16]}`` (:func:`job_session`). Every signed
-envelope binds the session, so every task a node receives carries the job id and its config hash, and a
-node pinned to a job (``CloudSession(pinned=...)``) takes nothing of another job or another config.
+text, and the job's **cloud session** is ``{job}.{h[:16]}`` (:func:`job_session`), ``h`` the sha256 of the config hash
+and the nonce the queue drew from the OS for the job as it queued it (a job queued before there were nonces keeps
+``{job}.{hash[:16]}``). Every signed envelope binds the session, so every task a node receives carries the job id and
+its config hash, and a node pinned to a job (``CloudSession(pinned=...)``) takes nothing of another job or another
+config, nor of an earlier job of the same id and config (a cloud that lost its queue, given the same job again).
 
 Records (plain JSON with an Ed25519 signature, :mod:`protocols.wire.signed`):
 
@@ -142,9 +144,32 @@ def config_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def job_session(job: str, digest: str) -> str:
-    """The cloud session of a job: binds the job id and its config hash into every signed envelope."""
-    return f"{job}.{digest[:16]}"
+JOB_NONCE_HEX = 16
+"""Length of a job's nonce (hex of 8 random bytes from the OS), drawn by the cloud's queue as it queues the job."""
+
+
+def new_job_nonce() -> str:
+    """A job's nonce: an identity (like a node's instance nonce), from the OS, never a seeded draw."""
+    return secrets.token_hex(JOB_NONCE_HEX // 2)
+
+
+def job_session(job: str, digest: str, nonce: str = "") -> str:
+    """The cloud session of a job: binds the job id, its config hash and its queue ``nonce`` into every signed
+    envelope, so that a job re-run under the same id and config by a cloud that lost its queue is another session
+    (long-lived nodes that served the first serve it; a message of the first is refused in it). No ``nonce`` (a job
+    queued before there were nonces): ``{job}.{digest[:16]}``, as then. At most 57 characters (an envelope's 64)."""
+    if not nonce:
+        return f"{job}.{digest[:16]}"
+    return f"{job}.{hashlib.sha256(f'{digest}.{nonce}'.encode()).hexdigest()[:16]}"
+
+
+def check_job_nonce(nonce: Any) -> str:
+    """A job record's ``nonce`` (absent: ``""``, a job queued before nonces); :class:`JobError` if malformed."""
+    if nonce is None or nonce == "":
+        return ""
+    if not isinstance(nonce, str) or len(nonce) != JOB_NONCE_HEX or any(c not in "0123456789abcdef" for c in nonce):
+        raise JobError(f"job record: nonce {shown(nonce)} is not {JOB_NONCE_HEX} hex digits")
+    return nonce
 
 
 @dataclass(frozen=True)
@@ -352,21 +377,27 @@ def cancel_record(job: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CurrentJob:
-    """The job the cloud published as in progress: id, canonical config text, hash and session; ``previous``: how the
-    job that ended before it ended (:func:`ended_outcome`), for a node that missed that job's ``finished`` record."""
+    """The job the cloud published as in progress: id, canonical config text, hash, the queue's nonce for it and its
+    session; ``previous``: how the job that ended before it ended (:func:`ended_outcome`), for a node that missed that
+    job's ``finished`` record."""
 
     job: str
     config: str
     digest: str
     previous: dict[str, str] | None = None
+    nonce: str = ""
 
     @property
     def session(self) -> str:
-        return job_session(self.job, self.digest)
+        return job_session(self.job, self.digest, self.nonce)
 
     def record(self) -> dict[str, Any]:
         record = {"job": self.job, "config": self.config, "hash": self.digest, "session": self.session}
-        return {**record, "previous": self.previous} if self.previous else record
+        return (
+            record
+            | ({"nonce": self.nonce} if self.nonce else {})
+            | ({"previous": self.previous} if self.previous else {})
+        )
 
     def run_config(
         self, bundle: RunConfig, node: str | Sequence[str] | None = None, roster: Roster | None = None
@@ -419,4 +450,5 @@ def parse_current(record: dict[str, Any]) -> CurrentJob:
     job, config, digest = record.get("job"), record.get("config"), record.get("hash")
     if not isinstance(config, str) or not isinstance(digest, str) or config_hash(config) != digest:
         raise JobError("job record: config missing or not matching its hash")
-    return CurrentJob(check_job_id(job), config, digest, _previous(record.get("previous")))
+    nonce = check_job_nonce(record.get("nonce"))
+    return CurrentJob(check_job_id(job), config, digest, _previous(record.get("previous")), nonce)

@@ -586,3 +586,34 @@ def test_every_device_of_a_multi_device_agent_process_says_idle_before_its_first
         records = [open_record(data, topic, device, verify) for data in heard.get(topic, [])]  # signed by the device
         assert [r["state"] for r in records] == ["idle", "offline"], (device, records)
         assert decode_status(heard[topic][0], topic)["cell"] == cfg.topology.cell_of(device)
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_a_job_rerun_by_a_cloud_that_lost_its_queue_is_served_by_the_long_lived_nodes_that_served_its_namesake(
+    tmp_path: Path,
+) -> None:
+    """A job's session was its id and config hash alone: a cloud that lost its queue (a new disk) given job-a and its
+    config again ran it in the first job-a's session, which the long-lived cell and agents that served the first skipped
+    as a job they had served: the job waited for nodes that never came. The queue's nonce for each job is bound into
+    its session now: the same cell and agents serve the second job-a (its queue says it finished)."""
+    from cloud.jobs import JobQueue
+
+    with _served_federation(tmp_path) as served:
+        cfg, opts, fed = served.cfg, served.opts, served.fed
+        cell = fed.cells["c0"]
+        served.start()
+        assert wait_until(lambda: fed.cloud.transport is not None and fed.cloud.transport.wait_subscribed(0.1))
+        operator = opts.transport(
+            "operator", cfg.run.name, served.op_loop, reactor=served.reactor, persistent=False
+        ).connect()
+        text = job_text(cfg)
+        for n, disk in enumerate(("first", "replaced")):
+            if n:  # the cloud's disk replaced, its jobs.json lost (it serves on, idle: no job in progress)
+                fed.cloud.queue = JobQueue(tmp_path / disk / "jobs.json")
+            pending = post_request(operator, cfg.run.name, submit_record(JobRequest("job-a", text)), "job-a", None, 5.0)
+            assert wait_until(lambda: pending.answer is not None, 30.0) and pending.answer["accepted"], pending.answer  # noqa: B023
+            both = lambda: served.service.served == cell.served == ["job-a"] * (n + 1)  # noqa: B023, E731
+            assert wait_until(lambda: both() or bool(fed.errors), 60.0), (served.service.served, cell.served, n)  # noqa: B023
+            fed.check()
+            assert wait_until(lambda: fed.cloud.queue.jobs["job-a"].state == "finished", 10.0), fed.cloud.queue.jobs
+        operator.close()

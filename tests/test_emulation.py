@@ -16,7 +16,7 @@ from protocols import runfiles
 from protocols.algorithms import get_algorithm
 from protocols.algorithms.base import ModelSpec
 from protocols.config import ConfigError, load_config, parse_config
-from protocols.jobs import config_hash, job_session
+from protocols.jobs import config_hash
 from protocols.status import decode_status, encode_status
 from protocols.transport.broker import EmbeddedBroker, MosquittoBroker, find_mosquitto
 from protocols.transport.memory import MemoryHub
@@ -208,7 +208,7 @@ def test_run_is_a_local_federation_plus_one_job(tmp_path: Path) -> None:
     assert parse_config(tomllib.loads(job.config)).train == cfg.train
     run = tomllib.loads(job.config)["run"]
     assert "init_model" not in run and run["init_model_sha256"] == hashlib.sha256(start.read_bytes()).hexdigest()
-    assert emulation.served == [[job_session(job.job, job.digest)]] * 2
+    assert emulation.served == [[job.session]] * 2 and job.nonce
     bundle = federation_bundle(cfg)
     assert bundle.model != cfg.model and bundle.train != cfg.train  # what a local copy would have trained
 

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -1424,3 +1424,80 @@ def test_a_report_of_an_ended_job_a_restored_broker_hands_the_cloud_is_said_an_o
             "this cloud's is 'job-i.0'",
         ),
     ], said
+
+
+# ------------------------------------------------------------------ a job id re-run by a cloud that lost its queue
+def _queued_again(tmp_path: Path, text: str) -> tuple[Job, Job]:
+    """Job "job-a" of config ``text`` as a cloud's queue queued it, then as a cloud that lost that queue (its disk
+    replaced: another folder) queued the same id and config again."""
+    queued = []
+    for disk in ("first", "replaced"):
+        queue = JobQueue(tmp_path / disk / "jobs.json")
+        queue.submit(Job("job-a", text, config_hash(text), OPERATOR))
+        queued.append(queue.jobs["job-a"])
+    return queued[0], queued[1]
+
+
+def test_a_job_rerun_by_a_cloud_that_lost_its_queue_is_a_new_session_the_nodes_that_served_its_namesake_take(
+    tmp_path: Path,
+) -> None:
+    """A job's session was {job}.{hash[:16]}: a cloud that lost its queue, given "job-a" and its config again, ran it
+    in the session of the first job-a, which every long-lived cell and agent that served that one skipped as a job it
+    had served (and knew ended): the job waited for nodes that never came. The queue draws each job a nonce from the
+    OS as it queues it, kept in its file (a resumed job keeps its session) and in the cloud's signed job record, and
+    bound into the session. A job of a queue file from before nonces keeps its old session (it resumes as it ran)."""
+    from protocols.job_watch import JobWatch
+
+    _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
+    first, again = _queued_again(tmp_path, text)
+    assert first.session != again.session and first.nonce != again.nonce
+    assert first.session.startswith("job-a.") and len(job_session("x" * 40, first.digest, first.nonce)) <= 64
+    assert JobQueue(tmp_path / "first" / "jobs.json").jobs["job-a"].session == first.session  # resumed: the same
+    a, b = (CurrentJob(j.job, j.config, j.digest, nonce=j.nonce) for j in (first, again))
+    topic = topics.current_job("fed")
+    watch = JobWatch(None, "fed", None, a.session)  # a long-lived node that served the first job-a to its end
+    watch.on_job(topic, seal_record(a.record(), topic, None))  # (a restored broker's copy of its record)
+    assert watch.pending({a.session}) is None
+    watch.on_job(topic, seal_record(b.record(), topic, None))  # the cloud on its new disk runs job-a again
+    assert watch.pending({a.session}) == b and parse_current(b.record()).session == again.session
+    with pytest.raises(JobError, match='nonce "zz" is not 16 hex digits'):
+        parse_current({**b.record(), "nonce": "zz"})
+    old = tmp_path / "old" / "jobs.json"  # a queue file of a fedtier before nonces, its job running
+    old.parent.mkdir()
+    item = {k: v for k, v in asdict(first).items() if k != "nonce"} | {"state": "running"}
+    old.write_text(json.dumps({"format": 1, "jobs": [item]}))
+    assert JobQueue(old).jobs["job-a"].session == f"job-a.{first.digest[:16]}"
+
+
+def test_a_message_of_a_jobs_namesake_before_the_cloud_lost_its_queue_is_not_taken_in_the_job_run_again(
+    tmp_path: Path, caplog
+) -> None:
+    """Both job-a runs had one session, so a task the cloud signed in the first was a valid task of the second: a
+    replay across jobs. A cell serving the second job-a takes the second's task and not the first's."""
+    from cell_server.node import build_cell
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire.messenger import Messenger
+    from sim.hierarchy import prepare
+
+    cfg, ring = with_keys(small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1}), tmp_path)
+    first, again = _queued_again(tmp_path, "[run]\nrounds = 2\n")
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub = cfg.run.name, MemoryHub()
+    cell = build_cell(cfg, "c0", hub.connect("cell.c0"), algorithm, assume_online=True)
+    cell.cloud.pin(again.session)
+    sent: list[int] = []
+    peer = hub.connect("peer")
+    peer.subscribe(topics.device_task(run, "c0", "c0-d0"), lambda t, d: sent.append(1))
+    cell.start()
+    hub.loop.run(until=lambda: hub.loop.now() > 0.5)
+    cloud = Messenger(peer, run, "cloud", trust=Trust("cloud", ring.private["cloud"], ring.public))
+    task = algorithm.cloud().plan(0, ["c0"])["c0"]
+    with caplog.at_level(logging.WARNING):
+        cloud.session = first.session  # captured in the first job-a, replayed now
+        cloud.send(topics.cell_task(run, "c0"), "cell_task", task, round=0, cell="c0")
+        hub.loop.run(until=lambda: hub.loop.now() > 1.5)
+        assert not sent and f"session {first.session!r}" in caplog.text, caplog.text
+        cloud.session = again.session
+        cloud.send(topics.cell_task(run, "c0"), "cell_task", task, round=0, cell="c0")
+        hub.loop.run(until=lambda: hub.loop.now() > 2.5)
+    assert sent, "the second job-a's own task is taken"
