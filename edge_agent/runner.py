@@ -460,6 +460,11 @@ class AgentProcess:
             self.executor.close()
         self.links.reactor.close()
 
+    def tasks_answered(self, session: str | None) -> int:
+        """Tasks these devices answered in the job of ``session``: none by agents of the job before (``next_job`` swaps
+        them on the loop, a moment after it takes the job's session: a stop then counted the last job's tasks again)."""
+        return sum(a.tasks_done for d, a in list(self.agents.items()) if self.clouds[d].pinned == session)
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per device: its wire counters (all its connections), connections, the agent's payload bytes and tasks
         (and, with the cohort engine, ``cohort_sizes``: the size of each cohort it trained in)."""

@@ -132,10 +132,10 @@ class AgentService:
                 moved_on = partial(records.left, current)  # (its end missed: the next job's record, or it cleared)
                 self._poll(lambda: agents.done.is_set() or moved_on() or None)  # noqa: B023
                 if self.revoked is not None:  # revoked mid-job: it takes no more part in it
-                    self._left_during(current.job, agents)
+                    self._left_during(current, agents)
                     break
                 if self.stopping.is_set() and not (agents.done.is_set() or moved_on()):  # stopped mid-job (a job that
-                    self._left_during(current.job, agents)  # ended before the stop, seen or not by the poll's last
+                    self._left_during(current, agents)  # ended before the stop, seen or not by the poll's last
                     break  # look, was served: counted below)
                 done.add(current.session)
                 self._served(current.job, agents)
@@ -173,14 +173,14 @@ class AgentService:
         if self.on_job_end is not None:
             self.on_job_end(job)
 
-    def _left_during(self, job: str, agents: AgentProcess) -> None:
-        """Revoked, or stopped (SIGTERM), while serving ``job``: the tasks answered in it count (it said "served 0 jobs,
-        0 tasks" of a device that had answered 50 of that job's), and the job is named as it stops."""
-        self.tasks += sum(s["tasks"] for s in agents.stats().values())
+    def _left_during(self, current: CurrentJob, agents: AgentProcess) -> None:
+        """Revoked, or stopped (SIGTERM), while serving ``current``: the tasks answered in it count (it said "served 0
+        jobs, 0 tasks" of a device that had answered 50 of that job's), and the job is named as it stops."""
+        self.tasks += agents.tasks_answered(current.session)
         if self.revoked is not None:
-            self.revoked_during = job
+            self.revoked_during = current.job
         else:
-            self.stopped_during = job
+            self.stopped_during = current.job
 
     def _cannot_serve(self, current: CurrentJob, exc: Exception, agents: AgentProcess | None) -> None:
         """Say why these devices cannot serve ``current`` (in full in their log), and put it in their idle statuses

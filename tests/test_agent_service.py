@@ -202,10 +202,10 @@ def _stop_mid_job(served: Served, operator: Transport) -> None:
     text = job_text(cfg.model_copy(update={"run": cfg.run.model_copy(update={"rounds": 10_000})}))
     post_request(operator, cfg.run.name, submit_record(JobRequest("long", text)), "long", None, 5.0)
 
-    def in_the_long_job() -> bool:  # and its devices answered a task of it
-        agents = service.agents
+    def in_the_long_job() -> bool:  # and its devices answered a task of it (not the last job's agents, swapped a
+        agents = service.agents  # moment after the session: counted, they made the test stop before a task of long)
         running = agents is not None and (agents.job.session or "").startswith("long.") and not agents.done.is_set()
-        answered = running and sum(s["tasks"] for s in agents.stats().values()) > 0  # type: ignore[union-attr]
+        answered = running and agents.tasks_answered(agents.job.session) > 0  # type: ignore[union-attr]
         return answered and cell.node is not None and len(cell.served) == JOBS
 
     assert wait_until(in_the_long_job, 30.0)
@@ -231,6 +231,20 @@ def _stop_mid_job(served: Served, operator: Transport) -> None:
     said = served_summary("cell c0", cell.served, cell.stopped_during)
     assert said == f"cell c0: served {JOBS} jobs ({jobs}); stopped during job long, " + rest.format("cell")
     assert served_summary("device c0-d1", [], None, 0) == "device c0-d1: served 0 jobs, 0 tasks"  # no '()'
+
+
+def test_a_stop_as_the_next_job_starts_counts_none_of_the_last_jobs_tasks_again() -> None:
+    """``AgentProcess.next_job`` takes the job's session at once and swaps its devices' agents on the loop a moment
+    later: a service stopped between counted the last job's agents' tasks (already counted as it ended) as the new
+    job's. Only agents of the job's session count."""
+    from types import SimpleNamespace
+
+    from edge_agent.runner import AgentProcess
+    from protocols.session import CloudSession
+
+    last_jobs = SimpleNamespace(agents={"c0-d0": SimpleNamespace(tasks_done=2)}, clouds={"c0-d0": CloudSession("j4.0")})
+    assert AgentProcess.tasks_answered(last_jobs, "long.0") == 0  # type: ignore[arg-type]
+    assert AgentProcess.tasks_answered(last_jobs, "j4.0") == 2  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")

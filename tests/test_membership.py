@@ -656,7 +656,8 @@ def test_a_serving_agents_poll_mid_job_ends_once_its_running_devices_verified_a_
     assert service.revoked is not None and "device c0-d1 revoked from federation" in service.revoked
     # Walk (session 25): the revoked agent then said "served 0 jobs, 0 tasks" of a device that had answered 57 tasks of
     # the job it was revoked during; they count, and its line names that job (fedtier.serve.serve_agent)
-    service._left_during("job-n", SimpleNamespace(stats=lambda: {"c0-d1": {"tasks": 57}}))  # type: ignore[arg-type]  # noqa: SLF001
+    answered = SimpleNamespace(tasks_answered={"job-n.0": 57}.get)  # (its agents' tasks in job-n's session)
+    service._left_during(SimpleNamespace(job="job-n", session="job-n.0"), answered)  # type: ignore[arg-type]  # noqa: SLF001
     assert (service.tasks, service.revoked_during, service.served) == (57, "job-n", [])
 
 
