@@ -1332,6 +1332,7 @@ def test_a_broker_whose_free_port_another_process_took_first_starts_on_another_n
     fresh-clone suite, a model apart by ~0.01). The start now requires its own process to hold the listening socket,
     and takes another free port."""
     import socket
+    import subprocess
 
     from protocols.transport import broker as broker_module
     from protocols.transport.broker import listens
@@ -1341,6 +1342,9 @@ def test_a_broker_whose_free_port_another_process_took_first_starts_on_another_n
         squatter.listen()
         taken = squatter.getsockname()[1]
         assert listens(os.getpid(), taken) in (True, None)  # (None: no /proc here)
+        gone = subprocess.Popen(["true"])  # a broker that exited (its port taken) as the start looked: it holds nothing
+        gone.wait()  # (it said None, "cannot tell": once in a loaded xdist run the start took the squatter's port)
+        assert listens(gone.pid, taken) is (False if os.path.exists("/proc/net/tcp") else None)
         ports = iter([taken])
         real = broker_module.free_port
         monkeypatch.setattr(broker_module, "free_port", lambda host="127.0.0.1": next(ports, None) or real(host))

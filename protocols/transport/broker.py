@@ -109,8 +109,8 @@ def listens(pid: int, port: int) -> bool | None:
                 if f[3] == "0A" and int(f[1][-4:], 16) == port
             }
         return any(os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] in inodes for fd in os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, IndexError, ValueError):
-        return None
+    except (OSError, IndexError, ValueError) as exc:  # the process gone (it exited: its port taken), or its descriptor
+        return False if isinstance(exc, OSError) and os.path.exists("/proc/net/tcp") else None
 
 
 def wait_for_port(
