@@ -69,7 +69,7 @@ def _serve_one(
         done, nothing = threading.Event(), lambda *a: None
         return types.SimpleNamespace(twins=types.SimpleNamespace(), links=types.SimpleNamespace(), start=nothing,
                                      stop=nothing, done=done, job=types.SimpleNamespace(),
-                                     stats=lambda: {})  # fmt: skip
+                                     stats=lambda: {}, tasks_answered=lambda session: 0)  # fmt: skip
 
     trust = node_trust(bundle, device)
     service = AgentService(bundle, [device], hub.loop, lambda: hub.connect(topics.device_node(device)), build, trust)
