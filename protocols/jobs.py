@@ -163,11 +163,16 @@ def job_session(job: str, digest: str, nonce: str = "") -> str:
     return f"{job}.{hashlib.sha256(f'{digest}.{nonce}'.encode()).hexdigest()[:16]}"
 
 
+def hex_digits(value: Any, n: int) -> bool:
+    """Whether ``value`` is ``n`` lowercase hex digits (a nonce as ``secrets.token_hex`` draws it)."""
+    return isinstance(value, str) and len(value) == n and all(c in "0123456789abcdef" for c in value)
+
+
 def check_job_nonce(nonce: Any) -> str:
     """A job record's ``nonce`` (absent: ``""``, a job queued before nonces); :class:`JobError` if malformed."""
     if nonce is None or nonce == "":
         return ""
-    if not isinstance(nonce, str) or len(nonce) != JOB_NONCE_HEX or any(c not in "0123456789abcdef" for c in nonce):
+    if not hex_digits(nonce, JOB_NONCE_HEX):
         raise JobError(f"job record: nonce {shown(nonce)} is not {JOB_NONCE_HEX} hex digits")
     return nonce
 
@@ -314,8 +319,7 @@ NONCE_HEX = 32
 def request_nonce(record: dict[str, Any]) -> str | None:
     """The nonce of a request ``record`` (signed or not) to echo in its reply; None if absent or malformed."""
     nonce = record.get("nonce")
-    ok = isinstance(nonce, str) and len(nonce) == NONCE_HEX and all(c in "0123456789abcdef" for c in nonce)
-    return nonce if ok else None
+    return nonce if hex_digits(nonce, NONCE_HEX) else None
 
 
 class PendingRequest:
