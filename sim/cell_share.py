@@ -24,6 +24,7 @@ from typing import Any
 
 from edge_agent.agent import DeviceAgent
 from protocols import directions
+from protocols.algorithms.base import CellRole
 from protocols.config import RunConfig, parse_config
 from protocols.execution import ExecutionPlan, execution_plan, shared_threads
 from protocols.heap import setup_frozen
@@ -133,8 +134,8 @@ class CellShare:
         with self.sending:
             conn.send_bytes(message_frame({"next": self.loop.next_timer()}, out))
         for cell in self.cells.values():  # (their turn is over: work for a later round may start)
-            if (idle := getattr(cell.role, "idle", None)) is not None:  # (CellRole.idle; not every role is one)
-                idle()
+            if isinstance(cell.role, CellRole):  # (its idle hook, as the launcher gives the cloud's role)
+                cell.role.idle()
 
     def beat(self, conn: Any, stop: threading.Event) -> None:
         """Every few seconds, a beat to the main process if training moved meanwhile (one stuck sends none: the
