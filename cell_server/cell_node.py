@@ -127,9 +127,8 @@ class CellNode:
         self._beat_timer: TimerHandle | None = None
         self._started = 0.0  # loop time of start()
         self._instance = new_instance()  # its process's in its statuses, unless ``status_extra`` names one
-        self._order: dict[
-            str, float
-        ] = {}  # its status's order (protocols.status.order_stamp): said anew at (re)connect
+        # its status's order (protocols.status.order_stamp): said anew at (re)connect
+        self._order: dict[str, float] = {}
         self.failure: str | None = None  # an exception in a handler of this cell (a bug): rounds answer it
         # where the role's weighted sums run (protocols.params.sums_on); None: the host (fedtier sim may put them
         # on its cohort engine's GPU: runtime.cell_sums)
