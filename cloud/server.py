@@ -356,9 +356,9 @@ class CloudServer:
         return self.answers.pending if self._in_round else set()
 
     def tasks_again(self, cells: Iterable[str] | None = None) -> None:
-        """Each cell the open round waits for (of ``cells``) gets its task again: the cloud's connection came back, or
-        the cell's (said online anew), and the broker may have lost a task or a report (a reported cell re-sends it)."""
-        for cell in sorted(self._awaited() & set(self._awaited() if cells is None else cells)):
+        """The awaited cells (of ``cells``) get their tasks again: a connection came back, a task may be lost."""
+        awaited = self._awaited()
+        for cell in sorted(awaited if cells is None else awaited & set(cells)):
             self._send_task(cell, again=True)
 
     def _bad_report(self, cell: str, msg: Incoming) -> Rejected | None:
