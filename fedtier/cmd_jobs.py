@@ -19,6 +19,10 @@ from .cli import VERBOSE, main
 from .cli_types import Finite
 from .console import JOB_FAILED, connect_within, console, load_or_exit, output_console, print_error, setup_logging
 
+RETAINED_GRACE = 1.0
+"""Seconds the operator's commands give the broker, once it acknowledged their subscriptions, to hand over the cloud's
+retained status before they say none is there (a broker sends retained messages right after the acknowledgement)."""
+
 OFFLINE_GRACE = 1.5
 """Seconds `fedtier jobs` waits for a newer status of a cloud whose status says offline. A live cloud's read offline for
 an instant as a job ended (seen once in a fresh-clone suite): its job's connection closed its socket before the broker
@@ -79,7 +83,7 @@ class _Session:
         from protocols.jobs import OPERATOR
         from protocols.transport.threadloop import ThreadLoop
 
-        self.cfg, self.fed = cfg, cfg.run.name
+        self.cfg, self.fed, self.wait = cfg, cfg.run.name, wait
         self.trust = _operator(cfg)
         self.loop = ThreadLoop("operator")
         opts = BrokerOptions.from_config(cfg)
@@ -114,7 +118,7 @@ class _Session:
 
     def cloud_status(self) -> list[dict[str, Any]]:
         """Collect the cloud's (verified) status records from now on (a provisioning before the operator could
-        read them gets none)."""
+        read them gets none); a note at once where the broker holds none."""
         from protocols.status import decode_status
         from protocols.wire import topics
 
@@ -128,6 +132,17 @@ class _Session:
                 got.append(record)
 
         self.transport.subscribe(topic, on_status)
+        # a broker that holds no status of the cloud (none ever served here, or the broker lost what it kept): said
+        # now, as the wait that follows is long and silent (a cloud starting meanwhile still answers within it)
+        self.transport.wait_subscribed(self.wait)
+        self.loop.run(until=lambda: bool(got), timeout=min(self.wait, RETAINED_GRACE))  # a retained one comes at once
+        if not got:
+            print_error(
+                f"no cloud has said its status on this broker yet: waiting up to {self.wait:g} s for one (is `fedtier "
+                "cloud --serve` running?)",
+                "note",
+                "yellow",
+            )
         return got
 
     def request(self, record: dict[str, Any], job: str, wait: float) -> dict[str, Any] | None:

@@ -677,6 +677,10 @@ def test_fedtier_jobs_says_when_the_list_is_an_offline_clouds(
     monkeypatch.chdir(fed / "nodes" / "operator")
     monkeypatch.setattr(cmd_jobs, "OFFLINE_GRACE", 0.2)  # this cloud stays offline: its 1.5 s would be waited out
     with mosquitto(fed / "broker" / "mosquitto.conf", port), clients() as make:
+        # before any cloud ever served on the broker: said at once, not after the wait's silence (walked: 30 s)
+        code, out, exc = _cli("jobs", "--config", "config.toml", "--wait", "1")
+        assert exc is None and code == 1, out
+        assert out.startswith("note: no cloud has said its status on this broker yet: waiting up to 1 s"), out
         cloud = make(fed / "nodes" / "cloud", port)
         cloud.connect(WAIT)
         jobs = {"jobs": [{"job": "a", "state": "running", "reason": "", "submitted": 1.0, "hash": "ab"}], "at": 1.0}
@@ -684,7 +688,7 @@ def test_fedtier_jobs_says_when_the_list_is_an_offline_clouds(
         cloud.publish(status, encode_status("online", topic=status, trust=trust, session="a.x"), retain=True)
         assert cloud.flush(WAIT)
         code, out, exc = _cli("jobs", "--config", "config.toml", "--wait", "10")
-        assert exc is None and code == 0 and "running" in out and "offline" not in out, out
+        assert exc is None and code == 0 and "running" in out and "offline" not in out and "note" not in out, out
         cloud.publish(status, encode_status("offline", topic=status, trust=trust), retain=True)
         assert cloud.flush(WAIT)
         code, out, exc = _cli("jobs", "--config", "config.toml", "--wait", "10")
