@@ -49,6 +49,7 @@ class Resumed:
     version: int
     push: bytes | None
     push_base: int | None = None  # the cloud version the last push derives from (its header's round)
+    job: str | None = None  # the job session it is of (its cell's pinned session, else its model's; None: unsigned)
 
 
 class AsyncJournal:
@@ -89,7 +90,8 @@ class AsyncJournal:
             elif entry.meta["k"] == "push":
                 push = entry.tensors["message"].tobytes()
         base = _base(push) if push is not None else None
-        return Resumed(int(head.meta["global"]), head.meta.get("session"), dict(head.tensors), version, push, base)
+        session, job = head.meta.get("session"), head.meta.get("job") or head.meta.get("session")
+        return Resumed(int(head.meta["global"]), session, dict(head.tensors), version, push, base, job)
 
     def _newest(self) -> int | None:
         """The newest model version either file names (``None``: none, or unreadable)."""
@@ -105,11 +107,18 @@ class AsyncJournal:
             pass
         return max(versions, default=None)
 
-    def adopted(self, global_version: int, session: str | None, model: Mapping[str, np.ndarray], version: int) -> None:
+    def adopted(
+        self,
+        global_version: int,
+        session: str | None,
+        model: Mapping[str, np.ndarray],
+        version: int,
+        job: str | None = None,
+    ) -> None:
         """A new cloud model (the cell model is at ``version`` now): it replaces the journaled one (the last push
         stays, still the one to send again). The journal file is started at the first one (``fedtier cell
-        --serve`` resumes a cell whose journal exists)."""
-        meta = {"k": "model", "global": global_version, "session": session, "version": version}
+        --serve`` resumes a cell whose journal exists). ``job``: the session of the job its cell serves (pinned)."""
+        meta = {"k": "model", "global": global_version, "session": session, "version": version, "job": job}
         save_payload(self.model_path, Payload(meta, dict(model)))
         if not self.file.path.exists():
             self.file.reset(_version(version))

@@ -31,6 +31,7 @@ from protocols.wire.messenger import Incoming
 from .async_recovery import AsyncJournal, Resumed
 from .edge_liveness import MAX_RESENDS
 from .parts import EdgeRound, RoundTally
+from .recovery import say_another_job
 from .server import CellServer
 
 log = logging.getLogger("fedtier.cell")
@@ -68,13 +69,17 @@ class AsyncCellServer(CellServer):
         self.refused: str | None = None  # why it refused to work (a restart without its journal)
         self.push_journal = AsyncJournal(journal_path) if journal_path is not None else None
         self._resumed = self.push_journal.load(resume) if self.push_journal is not None else None
-        self.resumes = self._resumed is not None
+        self.journaled = (self._resumed is not None, self._resumed.job if self._resumed is not None else None)
         self._window()
 
     def start(self) -> None:
         """Start the node, then continue from the journal, if any (:meth:`_resume`); its journaled cloud model is
         taken before the start announces the cell, so its first status says what it holds (no ``needs_model``: a
-        cloud would send it the current version at once, as to a cell restarted afresh)."""
+        cloud would send it the current version at once, as to a cell restarted afresh). A journal of another job than
+        the one it is pinned to (``resumes`` false: its folder's namesake) is removed instead."""
+        if self._resumed is not None and not self.resumes and self.push_journal is not None:
+            say_another_job(self.cell, self.journaled[1], self.cloud.pinned)
+            self._resumed = self.push_journal.load(False)  # (None; its versions still numbered past the journal's)
         if self._resumed is not None:
             self.fb.adopt(self._resumed.global_version, self._resumed.model)
             self.fb.version = self._resumed.version + 1
@@ -199,7 +204,7 @@ class AsyncCellServer(CellServer):
         self.round, self._unusable = version, 0
         self.messenger.session = session  # device tasks and pushes belong to it (signed runs check)
         if self.push_journal is not None:
-            self.push_journal.adopted(version, session, model, self.fb.version)
+            self.push_journal.adopted(version, session, model, self.fb.version, self.cloud.pinned)
         if first:
             self.tally = RoundTally()
             if self.push_seconds > 0:

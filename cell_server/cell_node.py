@@ -85,7 +85,15 @@ class CellNode:
     """
 
     status_extra: Mapping[str, Any] = {}  # what its status records add (a long-lived cell's instance, protocols.twin)
-    resumes = False  # it continues, as it starts, what its journal holds (``--resume``, a journal found)
+    journaled: tuple[bool, str | None] = (False, None)  # its journal: a round found to continue, the job it is of
+
+    @property
+    def resumes(self) -> bool:
+        """Whether it continues, as it starts, what its journal holds (``--resume``, a journal found), unless the
+        journal is of another job than the one it is pinned to: a long-lived cell's job folder is named by the job id,
+        and an earlier job of the same id (run by a cloud that lost its queue) left its journal there."""
+        found, job = self.journaled
+        return found and (job is None or self.cloud.pinned in (None, job))
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ from .parts import EdgeRound, RoundTally
 
 if TYPE_CHECKING:
     from protocols.algorithms.base import CellRole
+    from protocols.session import CloudSession
     from protocols.transport.base import EventLoop, Transport
     from protocols.wire.messenger import Incoming, Messenger
 
@@ -65,6 +66,12 @@ class Host(Protocol):
     edge: EdgeRound
     tally: RoundTally
     sent_report: bytes | None
+    journal: RoundJournal | None
+    journaled: tuple[bool, str | None]
+    cloud: CloudSession
+
+    @property
+    def resumes(self) -> bool: ...
 
     def enter_round(self, rnd: int, session: str | None) -> None: ...
 
@@ -101,6 +108,7 @@ class RoundJournal:
                 for m in (e.meta for e in entries if e.meta.get("k") == "result" and "digest" in e.meta):
                     self.held[(rnd, int(m["edge"]), str(m["device"]))] = str(m["digest"])
                 return entries
+        self.held = {}
         self.file.clear()
         return []
 
@@ -110,10 +118,13 @@ class RoundJournal:
         held = self.held.get((msg.header.round, msg.header.edge_round, device))
         return held is not None and held == result_digest(msg)  # (hashed only then)
 
-    def task(self, rnd: int, session: str | None, task: Payload, noise_seed: int | None = None) -> None:
+    def task(
+        self, rnd: int, session: str | None, task: Payload, noise_seed: int | None = None, job: str | None = None
+    ) -> None:
         """A cloud task starts the round's journal; ``noise_seed``: the seed of the noise the cell role adds
-        (cell DP, drawn from the OS in deployments), kept so that a resumed cell adds the very same noise."""
-        meta = {"k": "task", "round": rnd, "session": session, "task": task.meta}
+        (cell DP, drawn from the OS in deployments), kept so that a resumed cell adds the very same noise; ``job``: the
+        session of the job its cell serves (pinned to: a long-lived cell's), which it resumes only in that job."""
+        meta = {"k": "task", "round": rnd, "session": session, "task": task.meta, "job": job}
         if noise_seed is not None:
             meta["noise_seed"] = noise_seed
         self.file.reset(Payload(meta, task.tensors))
@@ -203,8 +214,32 @@ class _Journaled:
         return j
 
 
+def journaled_job(entries: list[Payload]) -> tuple[bool, str | None]:
+    """Whether ``entries`` (a journal read back) hold a round to continue, and the job session it is of (its cell's
+    pinned session, else its task's: ``None`` for an unsigned task journaled before cells said it)."""
+    first = entries[0].meta if entries else {}
+    job = first.get("job") or first.get("session")
+    return bool(entries), job if isinstance(job, str) else None
+
+
+def say_another_job(cell: str, journaled: str | None, pinned: str | None) -> None:
+    """Why a cell starts afresh over the journal in its job's folder: another job's (an earlier job of the same id)."""
+    log.info(
+        "cell %s: its journal is of job session %s, not of the one it serves (%s): left by an earlier job of the same "
+        "id in the job's folder; starting afresh",
+        cell,
+        journaled,
+        pinned,
+    )
+
+
 def recover(cell: Host, entries: list[Payload]) -> None:
-    """Bring ``cell`` (started, with a fresh role) back to where its journal ends, and go on from there."""
+    """Bring ``cell`` (started, with a fresh role) back to where its journal ends, and go on from there; a journal of
+    another job than the one it is pinned to (``resumes`` false) is removed instead."""
+    if not cell.resumes and cell.journal is not None:  # (its round, task, results and noise seed: none of this job's)
+        say_another_job(cell.cell, cell.journaled[1], cell.cloud.pinned)
+        cell.journal.load(False)
+        return
     first = entries[0].meta
     if first.get("k") != "task":
         log.warning("cell %s: journal does not start with a task, starting afresh", cell.cell)

@@ -33,7 +33,7 @@ from . import edge_liveness
 from .cell_node import Availability, CellNode, NodeOptions
 from .liveness import StatusChange
 from .parts import EdgeRound, RoundTally
-from .recovery import RoundJournal, already_taken, recover
+from .recovery import RoundJournal, already_taken, journaled_job, recover
 from .telemetry import edge_record
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class CellServer(CellNode):
         self.sent_report: bytes | None = None  # the report of ``round``, once sent (re-sent on request)
         self.journal = RoundJournal(journal_path) if journal_path is not None else None
         self._recovered = self.journal.load(resume) if self.journal is not None else []
-        self.resumes = bool(self._recovered)
+        self.journaled = journaled_job(self._recovered)
 
     def _secure_aggregation(
         self, settings: SecAggSettings | None, deadline: float
@@ -203,7 +203,7 @@ class CellServer(CellNode):
         if self.journal is not None:
             try:  # a full disk, an unwritable folder: no round it could not resume; its failure answers this one
                 seed = getattr(self.role, "noise_seed", None)
-                self.journal.task(msg.header.round, msg.header.session, msg.payload, seed)
+                self.journal.task(msg.header.round, msg.header.session, msg.payload, seed, self.cloud.pinned)
             except OSError as exc:  # (before: only the next round's task, the cloud waiting a cell deadline)
                 self.fail(f"cell {self.cell}: cannot journal round {nth(msg.header.round)}'s task: {exc}")
                 self.round, self.messenger.session = msg.header.round, msg.header.session

@@ -1501,3 +1501,88 @@ def test_a_message_of_a_jobs_namesake_before_the_cloud_lost_its_queue_is_not_tak
         cloud.send(topics.cell_task(run, "c0"), "cell_task", task, round=0, cell="c0")
         hub.loop.run(until=lambda: hub.loop.now() > 2.5)
     assert sent, "the second job-a's own task is taken"
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_a_cell_serving_a_jobs_rerun_resumes_no_journal_its_namesake_left_in_the_jobs_folder(
+    tmp_path: Path, signed: bool
+) -> None:
+    """A long-lived cell's job folder is named by the job id, and ``fedtier cell --serve`` resumes a journal it finds
+    there: serving the second job-a (a cloud that lost its queue), the cell took up the round the first job-a left in
+    its journal (its devices sent that job's task, its cell DP noise seed reused); unsigned (no session in a header)
+    it then refused the second job-a's first task as stale, never serving it. A journal of another job is not
+    resumed: the cell waits for its job's task, and takes it."""
+    from cell_server.node import build_cell
+    from protocols.transport.memory import MemoryHub
+    from protocols.wire.envelope import decode_message
+    from protocols.wire.messenger import Messenger
+    from sim.hierarchy import prepare
+
+    cfg = small_config(tmp_path, topology={"cells": 1, "devices_per_cell": 1})
+    cfg, ring = with_keys(cfg, tmp_path) if signed else (cfg, None)
+    first, again = _queued_again(tmp_path, "[run]\nrounds = 3\n")
+    algorithm = cfg.build_algorithm(prepare(cfg).spec)
+    run, hub, folder = cfg.run.name, MemoryHub(), tmp_path / "jobs" / "job-a"
+    folder.mkdir(parents=True)
+    rounds: list[int] = []
+    peer = hub.connect("peer")
+    peer.subscribe(topics.device_task(run, "c0", "c0-d0"), lambda t, d: rounds.append(decode_message(d)[0].round))
+    cloud = Messenger(peer, run, "cloud", trust=Trust("cloud", ring.private["cloud"], ring.public) if ring else None)
+    for job, resume in ((first, False), (again, True)):
+        cell = build_cell(
+            cfg,
+            "c0",
+            hub.connect("cell.c0"),
+            algorithm,
+            output_dir=folder,
+            journal=True,
+            resume=resume,
+            assume_online=True,
+        )
+        cell.cloud.pin(job.session)  # (as its service pins each job's cell)
+        assert not cell.resumes, "the second job-a resumes nothing of the first's"
+        cell.start()
+        t0, sent = hub.loop.now(), len(rounds)
+        hub.loop.run(until=lambda: hub.loop.now() > t0 + 0.2)  # noqa: B023
+        assert rounds[sent:] == [], "nothing of the first job-a's round 1 goes to the device again"
+        cloud.session = job.session
+        rnd = 1 if not resume else 0  # the first job-a's cell took its round 1 (and stopped)
+        cloud.send(
+            topics.cell_task(run, "c0"), "cell_task", algorithm.cloud().plan(rnd, ["c0"])["c0"], round=rnd, cell="c0"
+        )
+        t0 = hub.loop.now()
+        hub.loop.run(until=lambda: hub.loop.now() > t0 + 0.2)  # noqa: B023
+        cell.stop()
+        hub.loop.run(max_steps=1000)  # what it sent before it stopped, delivered
+        assert set(rounds[sent:]) == {rnd}, f"the job's own round {rnd} went to the device: {rounds}"
+
+
+def test_an_async_cell_serving_a_jobs_rerun_resumes_no_journal_its_namesake_left_in_the_jobs_folder(
+    tmp_path: Path,
+) -> None:
+    """The same for an asynchronous cell: it adopted the cloud model the first job-a left in its journal, and sent that
+    job's devices' tasks on it. Its journal now names the job it was of; one of another job is removed (its versions
+    still numbered past it), one of the job it serves resumed as before."""
+    from cell_server.async_recovery import AsyncJournal
+    from cell_server.node import build_cell
+    from protocols.runfiles import CELL_JOURNAL
+    from protocols.transport.memory import MemoryHub
+    from sim.hierarchy import prepare
+
+    topology, train = {"cells": 1, "devices_per_cell": 1}, {"mode": "async", "async_buffer": 1, "edge_rounds": 1}
+    cfg = small_config(tmp_path, topology=topology, algorithm=train)
+    first, again = _queued_again(tmp_path, "[run]\nrounds = 3\n")
+    algorithm, folder = cfg.build_algorithm(prepare(cfg).spec), tmp_path / "jobs" / "job-a"
+    folder.mkdir(parents=True)
+    for job, resumes in ((first, True), (again, False)):
+        journal = AsyncJournal(folder / CELL_JOURNAL.format(cell="c0"))  # the first job-a's cell's (unsigned)
+        journal.adopted(3, None, algorithm.initial_params(), 5, first.session)
+        cell = build_cell(
+            cfg, "c0", MemoryHub().connect("cell.c0"), algorithm, output_dir=folder, journal=True, resume=True
+        )
+        cell.cloud.pin(job.session)
+        assert cell.resumes is resumes
+        cell.start()
+        assert (cell.fb.global_version == 3) is resumes and journal.model_path.exists() is resumes
+        assert cell.push_journal.used == (None if resumes else 5)
+        cell.stop()
