@@ -255,6 +255,14 @@ def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, floa
     return out, time.process_time() - c0, time.perf_counter() - t0
 
 
+class SweepSignal(KeyboardInterrupt):
+    """SIGTERM stopping a sweep, as Ctrl-C does; ``signum`` sets the script's exit status (128 + it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def _stop_on_sigterm() -> Callable[[], None]:
     """Until the returned function is called, SIGTERM (``timeout``, ``kill``) stops a sweep as Ctrl-C does."""
     import signal
@@ -264,7 +272,7 @@ def _stop_on_sigterm() -> Callable[[], None]:
         return lambda: None
 
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise SweepSignal(signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
     return lambda: signal.signal(signal.SIGTERM, previous)
@@ -395,6 +403,8 @@ def sweep(
                     file=sys.stderr,
                     flush=True,
                 )
+            if isinstance(exc, KeyboardInterrupt):  # stopped by its user: that line says it all, not a traceback
+                raise SystemExit(128 + getattr(exc, "signum", 2)) from None
             raise
         finally:
             stop()
