@@ -137,6 +137,8 @@ def run_dataset(cfg: RunConfig) -> Dataset:
             subsample_seed=cfg.run.seed,
             **d.loader_params(),
         )
+    except UnusableFile:  # (names its setting already)
+        raise
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise ConfigError(f"data.dataset: {exc}") from None
 

@@ -21,7 +21,9 @@ from protocols.algorithms.compose import compose
 from protocols.config import ConfigError, RunConfig, parse_config
 from protocols.limits import memory_refusal
 from sim.datasets import load_dataset
+from sim.hierarchy import run_dataset
 from sim.launcher import run_simulation
+from tests.conftest import small_config
 
 BASE: dict[str, typing.Any] = {"topology": {"cells": 1, "devices_per_cell": 2}, "algorithm": {"name": "fedavg"}}
 BASE_RUNTIME = RunConfig.model_fields["runtime"].default
@@ -197,6 +199,10 @@ def test_a_truncated_empty_or_missing_npz_is_refused_as_unreadable(tmp_path):
     for name in ("cut.npz", "empty.npz", "dir.npz", "missing.npz"):
         with pytest.raises(ValueError, match=f"dataset npz:{tmp_path / name}: cannot read it"):
             load_dataset(f"npz:{tmp_path / name}")
+    missing = small_config(tmp_path, data={"dataset": f"npz:{tmp_path / 'missing.npz'}"})
+    with pytest.raises(ConfigError) as refused:  # what fedtier sim prints: the setting named once
+        run_dataset(missing)
+    assert str(refused.value).startswith(f"data.dataset: dataset npz:{tmp_path / 'missing.npz'}: cannot read it")
 
 
 CLI = """
