@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from abc import abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -383,6 +384,16 @@ def test_register_refuses_what_would_fail_later_or_silently(monkeypatch: pytest.
         register(type("Nameless", (NormClip,), {"name": None}))
     with pytest.raises(plugins.PluginError, match="not an Algorithm subclass"):
         register(NormClipDevice)  # type: ignore[arg-type]
+    for attrs, says in (  # declarations a run would trip over later, with a bare traceback or silently
+        ({"device": abstractmethod(lambda self, device: None)}, r"it does not define device \(each role"),
+        ({"Params": dict}, "Params = <class 'dict'> is not a TrainParams subclass"),
+        ({"traits": None}, "traits = None is not a set of protocols.algorithms.traits.Trait"),
+        ({"traits": frozenset({"cel_sum"})}, "traits = frozenset.*'cel_sum'.* is not a set of"),
+        ({"without": {"cell_sum": 3}}, r"without\['cell_sum'\] is not a reason in words"),
+    ):
+        with pytest.raises(plugins.PluginError, match=r"register\(Broken\): " + says):
+            register(type("Broken", (NormClip,), {"name": "broken", **attrs}))
+    assert "broken" not in algorithms.ALGORITHMS
     mine = type("Mine", (NormClip,), {"name": "mine-clip", "__module__": "my_lab.clip"})
     assert register(mine) is mine and register(mine) is mine
     assert register(type("Mine", (NormClip,), {"name": "mine-clip", "__module__": "my_lab.clip"}))  # re-imported

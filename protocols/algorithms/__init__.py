@@ -10,6 +10,7 @@ from .fedalign import FedAlign
 from .fedavg import FedAvg
 from .fedmrn import FedMRN
 from .hist import Hist
+from .traits import Trait
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     FedAlign.name: FedAlign,
@@ -32,11 +33,29 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     if not isinstance(name, str):
         raise PluginError(f'register({cls.__qualname__}): the class declares no name (name = "...": algorithm.name)')
     check_plugin_name("algorithm", name, BUILTIN_ALGORITHMS)
+    if why := _malformed(cls):
+        raise PluginError(f"register({cls.__qualname__}): {why}")
     old = ALGORITHMS.get(name, cls)
     if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
         raise PluginError(f"algorithm {name!r} is already registered by {old.__module__}.{old.__qualname__}")
     ALGORITHMS[name] = cls
     return cls
+
+
+def _malformed(cls: type[Algorithm]) -> str | None:
+    """What in ``cls``'s declarations would fail a run later with a bare traceback (or be silently ignored)."""
+    if missing := sorted(getattr(cls, "__abstractmethods__", ())):
+        return f"it does not define {', '.join(missing)} (each role: cloud(), cell(cell), device(device))"
+    if not (isinstance(cls.Params, type) and issubclass(cls.Params, TrainParams)):
+        return f"Params = {cls.Params!r} is not a TrainParams subclass (protocols.algorithms.base.TrainParams)"
+    traits, without = cls.traits, cls.without
+    if not isinstance(traits, (set, frozenset)) or not all(t in Trait.__members__.values() for t in traits):
+        return f"traits = {traits!r} is not a set of protocols.algorithms.traits.Trait (frozenset() declares none)"
+    if not isinstance(without, dict) or not all(t in Trait.__members__.values() for t in without):
+        return f"without = {without!r} is not a dict of Trait -> why it lacks it, in words"
+    if bad := [t for t, why in without.items() if not isinstance(why, str)]:
+        return f"without[{bad[0]!r}] is not a reason in words (a str)"
+    return None
 
 
 def get_algorithm(name: str) -> type[Algorithm]:
