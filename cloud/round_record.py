@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -143,10 +144,13 @@ def _its_devices(cell: str, exponents: Mapping[str, int] | None) -> str:
     return f" (its devices: {', '.join(f'{d} ~1e{e:+03d}' for d, e in largest(exponents))}, as {cell} reports)"
 
 
-def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts, last: bool) -> str | None:
+def stall(
+    watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts, last: bool, telemetry: CloudTelemetry
+) -> str | None:
     """Count round ``rnd`` in ``watch`` (no cell answered, or every device that answered failed or diverged);
     after ``max_stalled_rounds`` of them in a row, or at the job's ``last`` round if no round made progress, why
-    the job fails after this round."""
+    the job fails after this round (with the messages the cloud refused in the round, per kind, as ``telemetry``
+    lists them for its record, where no cell answered: a cell's report the cloud refused came, and was not taken)."""
     aggregated = sum(counts.devices.get(c, 0) for c in reported)
     return watch.observe(
         rnd,
@@ -160,6 +164,7 @@ def stall(watch: StallWatch, rnd: int, reported: list[str], counts: RoundCounts,
         counts.offline if not counts.online else 0,  # devices drawn offline while others are online: no stall
         last=last,
         rejected=counts.rejected,
+        refused=Counter(r["kind"] for r in telemetry.rejected),
     )
 
 

@@ -391,7 +391,7 @@ class CloudServer:
         if self.evaluator is not None and ((self.round + 1) % self.eval_every == 0 or self.round + 1 == self.rounds):
             evaluation = self.evaluator(self.role.global_params())
         diverged, failure = divergence(self, evaluation, updates, unit)
-        stalled = stall(self.stall, self.round, reported, self.counts, last=self.round + 1 == self.rounds)
+        stalled = stall(self.stall, self.round, reported, self.counts, self.round + 1 == self.rounds, self.telemetry)
         failed = self._fail_request = self._fail_request or failure or stalled
         record = round_record(self, why, reported, absent, outcome, evaluation, diverged=diverged, failed=failed)
         self.telemetry.log_round(record, self.rounds)

@@ -152,17 +152,21 @@ class StallWatch:
         offline: int = 0,
         last: bool = False,
         rejected: Mapping[str, int] | None = None,
+        refused: Mapping[str, int] | None = None,
     ) -> str | None:
         """Count round ``rnd`` (cells that reported, cells of the job, devices aggregated, failed devices per
         reason, diverged devices, devices left out per unmet requirement, devices tasked that never answered
         in time, devices taking part that were offline where no cell had one online, devices tasked whose every
-        answer was refused, per reason); the reason the job fails,
+        answer was refused, per reason; messages this tier refused, per kind: a cell's report among them); the
+        reason the job fails,
         once it stalled ``max_rounds`` rounds in a row, or at its ``last`` round when none of its rounds made
         progress (a job of fewer rounds than ``max_rounds`` whose devices all failed "finished", exit 0)."""
         needed = min(self.min_cells, cells)
         why = None
         if reported < needed:
             why = "no cell answered" if reported == 0 else f"fewer than {needed} cells answered"
+            if refused:  # e.g. reports the decoder or the role's check refused: they came, and were not taken
+                why += " (messages refused: " + ", ".join(f"{n} {kind}" for kind, n in sorted(refused.items())) + ")"
         elif aggregated == 0 and (failed or diverged):
             parts = [f"{n} failed: {r}" for r, n in failed.items()] + ([f"{diverged} diverged"] if diverged else [])
             why = "every device that answered failed or diverged (" + "; ".join(parts) + ")"

@@ -109,6 +109,25 @@ def test_a_short_job_whose_devices_all_fail_fails_rather_than_finishing(tmp_path
     assert str(result.failed).endswith("in rounds 1-2")
 
 
+def test_a_job_whose_every_cell_report_is_refused_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cell sends a report the cloud refuses (a non-finite tensor: a broken cell role, or a lying cell): the
+    job failed with 'no cell answered', though every cell did, and only the records' ``rejected`` said why."""
+    from protocols.algorithms.fedavg import FedAvgCell
+
+    report = FedAvgCell.report
+
+    def poisoned(self: Any) -> Any:
+        out = report(self)
+        name = next(iter(out.tensors))
+        return type(out)(out.meta, {**out.tensors, name: np.full_like(out.tensors[name], np.nan)})
+
+    monkeypatch.setattr(FedAvgCell, "report", poisoned)
+    cfg = small_config(tmp_path, run={"rounds": 2}, algorithm={"edge_rounds": 1, "local_steps": 2})
+    result = SimHierarchy(cfg).run()
+    assert result.status == "failed"
+    assert result.failed == "no cell answered (messages refused: 2 non_finite) in rounds 1-2"
+
+
 def test_agents_failing_every_task_fail_the_job_with_the_reasons_counted(tmp_path: Path) -> None:
     """Every device's task raises (data of another model's shape): each answers "failed" with the reason at
     once (cells close on "all answered", never on their deadline), records count the reasons, and after
