@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import logging
 import threading
-import types
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from edge_agent.process_state import JobView
 from protocols.config import RunConfig
+from protocols.twin import TwinWatch, new_instance
 from tests.conftest import small_config
 
 pytest.importorskip("onnxruntime")
@@ -33,6 +34,52 @@ def onnx_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     spec = cfg.model_spec((64,), 10)
     x0 = cfg.build_algorithm(spec).initial_params()
     return export_onnx(spec, x0, tmp / "m.onnx", cfg.x0_origin()), x0
+
+
+class _Lacks:
+    """Fails clearly on any member not given: the service needs it of a (built, unstarted) AgentProcess."""
+
+    _name = "BuiltAgents"
+
+    def __getattr__(self, name: str) -> Any:  # (only for a member not found the usual way)
+        raise AttributeError(
+            f"AgentService used {self._name}.{name}, which tests/test_forward_only_service.py's stand-in for its "
+            "AgentProcess lacks: give it one there, as a built, unstarted AgentProcess has it"
+        )
+
+
+class _Links(_Lacks):
+    """Its ``links`` (``edge_agent.connections.DeviceConnections``): only the instance nonce of its devices' wills."""
+
+    _name = "BuiltAgents.links"
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+
+
+class BuiltAgents(_Lacks):
+    """Stands in for the AgentProcess ``fedtier.serve``'s build returns (no broker here): what AgentService uses of a
+    process it starts and stops during its first job, and nothing more. Its twin watch and job view are the real
+    ones; a member the service comes to need fails the test naming it (one edit here), not a namespace's bare
+    AttributeError."""
+
+    def __init__(self, session: str) -> None:
+        self.twins, self.job = TwinWatch(new_instance()), JobView(session, long_lived=True)
+        self.links, self.done, self.on_job_record = _Links(self.twins.instance), threading.Event(), None
+        self.started = self.stopped = False
+
+    def start(self) -> BuiltAgents:
+        self.started = True
+        return self
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {}  # no device answered a task
+
+    def tasks_answered(self, session: str | None) -> int:
+        return 0
 
 
 def _serve_one(
@@ -55,7 +102,7 @@ def _serve_one(
     text = f"[run]\nrounds = 1\nseed = {seed}\n{model}{job_section}"
     canon = canonical_job(text, bundle)[1]
     current = CurrentJob("j", canon, config_hash(canon))
-    hub, statuses, built = MemoryHub(), [], []
+    hub, statuses, built, made = MemoryHub(), [], [], []
     status_topic = topics.device_status(bundle.run.name, "c0", device)
     hub.connect("spy").subscribe(status_topic, lambda t, d: statuses.append(open_record(d, t, device, None)))
     job_topic = topics.current_job(bundle.run.name)
@@ -66,10 +113,8 @@ def _serve_one(
         spec, _ = spec_and_data(job_cfg, None)
         built.append(backend.trainer(job_cfg, spec))
         service.stop()  # served: a stand-in for its AgentProcess ends the service
-        done, nothing = threading.Event(), lambda *a: None
-        return types.SimpleNamespace(twins=types.SimpleNamespace(), links=types.SimpleNamespace(), start=nothing,
-                                     stop=nothing, done=done, job=types.SimpleNamespace(),
-                                     stats=lambda: {}, tasks_answered=lambda session: 0)  # fmt: skip
+        made.append(BuiltAgents(session))
+        return made[-1]
 
     trust = node_trust(bundle, device)
     service = AgentService(bundle, [device], hub.loop, lambda: hub.connect(topics.device_node(device)), build, trust)
@@ -77,6 +122,7 @@ def _serve_one(
     service.serve()
     reasons = {s["unfit"]["reason"] for s in statuses if "unfit" in s}
     assert len(built) + len(reasons) == 1, (built, reasons)
+    assert [(a.started, a.stopped) for a in made] == [(True, True)] * len(built)  # what it started, it stopped
     return (built[0], None) if built else (None, reasons.pop())
 
 
