@@ -462,8 +462,11 @@ class AgentProcess:
 
     def tasks_answered(self, session: str | None) -> int:
         """Tasks these devices answered in the job of ``session``: none by agents of the job before (``next_job`` swaps
-        them on the loop, a moment after it takes the job's session: a stop then counted the last job's tasks again)."""
-        return sum(a.tasks_done for d, a in list(self.agents.items()) if self.clouds[d].pinned == session)
+        them on the loop, a moment after it takes the job's session: a stop then counted the last job's tasks again).
+        By each agent's own view of the cloud: the swap puts a device's new view in :attr:`clouds` before its agent."""
+        return sum(
+            a.tasks_done for a in list(self.agents.values()) if a.cloud is not None and a.cloud.pinned == session
+        )
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per device: its wire counters (all its connections), connections, the agent's payload bytes and tasks

@@ -236,15 +236,18 @@ def _stop_mid_job(served: Served, operator: Transport) -> None:
 def test_a_stop_as_the_next_job_starts_counts_none_of_the_last_jobs_tasks_again() -> None:
     """``AgentProcess.next_job`` takes the job's session at once and swaps its devices' agents on the loop a moment
     later: a service stopped between counted the last job's agents' tasks (already counted as it ended) as the new
-    job's. Only agents of the job's session count."""
+    job's. Only agents of the job's session count: by their own view of the cloud, as the swap makes a device's new
+    view (``AgentProcess.clouds``) before its new agent is in place (a count then took the last job's agent's tasks)."""
     from types import SimpleNamespace
 
     from edge_agent.runner import AgentProcess
     from protocols.session import CloudSession
 
-    last_jobs = SimpleNamespace(agents={"c0-d0": SimpleNamespace(tasks_done=2)}, clouds={"c0-d0": CloudSession("j4.0")})
-    assert AgentProcess.tasks_answered(last_jobs, "long.0") == 0  # type: ignore[arg-type]
-    assert AgentProcess.tasks_answered(last_jobs, "j4.0") == 2  # type: ignore[arg-type]
+    last_jobs = SimpleNamespace(agents={"c0-d0": SimpleNamespace(tasks_done=2, cloud=CloudSession("j4.0"))})
+    for clouds in ({"c0-d0": CloudSession("j4.0")}, {"c0-d0": CloudSession("long.0")}):  # before the swap, mid-swap
+        last_jobs.clouds = clouds
+        assert AgentProcess.tasks_answered(last_jobs, "long.0") == 0  # type: ignore[arg-type]
+        assert AgentProcess.tasks_answered(last_jobs, "j4.0") == 2  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
