@@ -68,6 +68,27 @@ def test_the_federations_budget_refuses_a_job_that_would_exceed_it(tmp_path: Pat
     assert restarted.ledger.spent("c0-d0") == pytest.approx(2 * per_job)  # j1 and j3, from the file
 
 
+def test_a_job_id_a_cloud_that_lost_its_queue_takes_again_keeps_the_earlier_jobs_spending(tmp_path: Path) -> None:
+    """A cloud whose ``jobs.json`` was lost (moved aside, unreadable) but not the ledger beside it accepts a job id
+    again (its queue no longer holds it; ec80d18 runs it as a new session). The new job's reservation replaced the
+    ledger entry of that id, the earlier job's spending: its devices' data counted once, and the budget admitted a
+    job past it. The earlier job's entry is kept."""
+    bundle = small_config(tmp_path, run={"name": "fed"}, privacy={"federation_epsilon_budget": 10.0})
+    path = tmp_path / "q" / "jobs.json"
+    service = CloudService(bundle, None, lambda: None, JobQueue(path), None, trust=None, operator=None)  # type: ignore[arg-type]
+    job_requests.submit(service, "j1", {"config": JOB.format(rounds=3)})
+    per_job = service.ledger.jobs["j1"]["epsilon"]  # (3.4-5: two such jobs fit in 10, a third does not)
+    service.ledger.settle("j1", per_job)  # it ran to its end
+    path.unlink()  # the queue lost, the ledger kept
+    service = CloudService(bundle, None, lambda: None, JobQueue(path), None, trust=None, operator=None)  # type: ignore[arg-type]
+    job_requests.submit(service, "j1", {"config": JOB.format(rounds=3)})  # the same id again, a new job
+    assert service.ledger.spent("c0-d0") == pytest.approx(2 * per_job)
+    with pytest.raises(JobError, match=r"would spend epsilon .* > privacy.federation_epsilon_budget 10"):
+        job_requests.submit(service, "j2", {"config": JOB.format(rounds=3)})
+    job_requests.cancel(service, "j1")  # the new j1 never ran: its reservation (only) goes back
+    assert PrivacyLedger(service.ledger.path).spent("c0-d0") == pytest.approx(per_job)
+
+
 def test_a_reservation_is_made_durable_by_an_fsync_of_the_ledgers_folder(tmp_path: Path, monkeypatch) -> None:
     """The ledger's rename is followed by an fsync of its folder: without it, a power loss could bring back the
     ledger before a job's reservation, and the next job be admitted past the federation's budget."""

@@ -13,6 +13,7 @@ the folder).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterable
@@ -63,7 +64,14 @@ class PrivacyLedger:
         return None
 
     def reserve(self, job: str, devices: Iterable[str], epsilon: float, delta: float) -> None:
-        """Hold ``epsilon`` for ``job`` on ``devices`` (when it is accepted)."""
+        """Hold ``epsilon`` for ``job`` on ``devices`` (when it is accepted). An entry the ledger holds of that id
+        already is an earlier job's (a cloud that lost its queue, not this ledger, took the id again): its data spent
+        it, so it stays, under a name no job id takes (``{job} (earlier 1)``, ...)."""
+        if job in self.jobs:
+            earlier = next(
+                f"{job} (earlier {n})" for n in itertools.count(1) if f"{job} (earlier {n})" not in self.jobs
+            )
+            self.jobs[earlier] = self.jobs.pop(job)
         self.jobs[job] = {"epsilon": float(epsilon), "delta": float(delta), "devices": sorted(devices), "ended": False}
         self._save()
 
