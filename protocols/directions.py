@@ -53,7 +53,7 @@ import numpy as np
 from .packed import Packed as Packed
 from .packed import Shaped as Shaped
 from .packed import Shapes as Shapes
-from .packed import flat_packed, shapes_key, views
+from .packed import frozen, shapes_key, views, writable
 from .packed import packed as packed
 from .packed import shapes_of as shapes_of
 from .seeding import derive_seed, rng
@@ -82,6 +82,8 @@ _pool: ThreadPoolExecutor | None = None
 _step: tuple[OrderedDict, tuple, tuple[np.ndarray, ...]] | None = None  # the last step's directions (its cache, key)
 _ahead: ThreadPoolExecutor | None = None  # the thread that draws ahead (set_prefetch), None: off
 _pending: dict[tuple, Future] = {}  # a step -> its draw ahead, while it runs
+_newest: tuple | None = None  # the state kept last: (its key, its last round's seed and scalars, lr, kind, momentum)
+_replaying: dict[bytes, Future] = {}  # a state replayed ahead (protocols.replay_ahead) -> its end, while it runs
 
 
 def _remember(cache: OrderedDict, key: Any, value: Any, size: int, budget: int, used: int) -> int:
@@ -437,6 +439,7 @@ def replay(
     lr: float,
     kind: Kind = "gaussian",
     momentum: float = 0.0,
+    ahead: bool = False,
 ) -> tuple[State, State | None, bytes | None]:
     """The rounds (``seeds[i]``, ``hist[i]``) applied in order to the state ``params``, ``buf`` of key ``key``
     (:func:`apply_round`): the state reached (parameters, buffer) and its key, for the caller to hold from now on.
@@ -447,13 +450,16 @@ def replay(
     into its own copy, which is kept as it is and which it then holds read-only too (the replicas at x_r all hold one
     array: the cohort engine's one-point probes see the same array, not equal ones to compare). ``params`` and ``buf``
     are given up (their caller holds what is returned instead). Without a key (:func:`trajectory_key` gave none) or
-    :class:`Packed` parameters, every round is replayed in place; None returned as the key."""
-    global _state_bytes
+    :class:`Packed` parameters, every round is replayed in place; None returned as the key. A state being replayed
+    ahead (``protocols.replay_ahead``, which passes ``ahead``) is waited for, then taken as kept."""
+    global _state_bytes, _newest
     if key is None or not isinstance(params, Packed) or not isinstance(buf, Packed | None):
         for s, g in zip(seeds, hist):
             apply_round(params, int(s), g, lr, kind, buf, momentum)
         return params, buf, None
     keys = _chain(key, seeds, hist)
+    if keys and not ahead and (running := _replaying.get(keys[-1])) is not None:
+        running.exception()  # (its end: the state kept, or its failure, after which this replays it itself)
     start, hit = 0, None
     with _lock:
         for j in range(len(keys) - 1, -1, -1):
@@ -465,33 +471,21 @@ def replay(
         return params, buf, key
     if hit is not None and start == len(keys) and (buf is None) == (hit[1] is None):  # reached before: shared
         return cast(State, hit[0]), cast("State | None", hit[1]), keys[-1]
-    own = _own(params, hit[0].flat if hit is not None else None)
-    own_buf = _own(buf, hit[1].flat if hit is not None and hit[1] is not None else None) if buf is not None else None
+    own = writable(params, hit[0].flat if hit is not None else None)
+    own_buf = (
+        writable(buf, hit[1].flat if hit is not None and hit[1] is not None else None) if buf is not None else None
+    )
     for i in range(start, len(keys)):
         apply_round(own, int(seeds[i]), hist[i], lr, kind, own_buf, momentum)
     size = own.flat.nbytes + (own_buf.flat.nbytes if own_buf is not None else 0)
     if size <= STATE_CACHE_BYTES:  # kept as it is, read-only from now on: the replica holds the kept state too
-        state = (_frozen(own), _frozen(own_buf) if own_buf is not None else None)
+        state = (frozen(own), frozen(own_buf) if own_buf is not None else None)
+        last = len(keys) - 1  # (the newest state: where a round replayed ahead starts, protocols.replay_ahead)
         with _lock:
             _state_bytes = _remember(_states, keys[-1], state, size, STATE_CACHE_BYTES, _state_bytes)
+            _newest = (keys[-1], int(seeds[last]), np.asarray(hist[last]).tobytes(), lr, kind, momentum)
         own, own_buf = state
     return cast(State, own), cast("State | None", own_buf), keys[-1]
-
-
-def _own(state: MutableMapping[str, np.ndarray], values: np.ndarray | None) -> Packed:
-    """``state`` as arrays a replica may write (its own, or a copy of a shared one), holding ``values`` if given."""
-    assert isinstance(state, Packed), "a replay that shares its states holds packed parameters"
-    if state.flat.flags.writeable:
-        if values is not None:
-            np.copyto(state.flat, values)
-        return state
-    return flat_packed((values if values is not None else state.flat).copy(), state.shapes)
-
-
-def _frozen(state: Packed) -> Packed:
-    """``state``'s vector (a replica's own), read-only from now on, with views made after (read-only too)."""
-    state.flat.flags.writeable = False
-    return flat_packed(state.flat, state.shapes)
 
 
 def fingerprint(kind: Kind = "gaussian") -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import numpy as np
 
@@ -65,3 +65,19 @@ def shapes_of(params: Mapping[str, np.ndarray]) -> Shapes:
     if isinstance(params, Packed):
         return params.shapes
     return Shapes((k, tuple(v.shape)) for k, v in params.items())
+
+
+def writable(state: MutableMapping[str, np.ndarray], values: np.ndarray | None) -> Packed:
+    """``state`` as arrays a replica may write (its own, or a copy of a shared one), holding ``values`` if given."""
+    assert isinstance(state, Packed), "a replay that shares its states holds packed parameters"
+    if state.flat.flags.writeable:
+        if values is not None:
+            np.copyto(state.flat, values)
+        return state
+    return flat_packed((values if values is not None else state.flat).copy(), state.shapes)
+
+
+def frozen(state: Packed) -> Packed:
+    """``state``'s vector (a replica's own), read-only from now on, with views made after (read-only too)."""
+    state.flat.flags.writeable = False
+    return flat_packed(state.flat, state.shapes)

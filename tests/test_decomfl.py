@@ -785,6 +785,53 @@ def test_a_device_that_is_rows_of_the_data_set_probes_its_batches_without_copyin
     assert "x" not in vars(data) and "y" not in vars(data)  # its samples never copied out
 
 
+def test_a_round_replayed_ahead_is_the_state_a_device_reaches_and_the_next_device_takes_it(monkeypatch):
+    """protocols.replay_ahead (a cell's task comes): the window's rounds after the newest state the process keeps
+    are replayed in a thread of their own and kept; a device catching up meanwhile waits for that state and takes it
+    (no round applied on its thread), the bits of replaying every round. Without drawing ahead, nothing starts."""
+    import threading
+
+    from protocols.replay_ahead import replay_ahead
+
+    _fresh_caches(monkeypatch)
+    monkeypatch.setattr(Z, "_newest", None)
+    monkeypatch.setattr(Z, "_replaying", {})
+    params = DeComFLParams(name="decomfl", local_steps=2, perturbations=3, lr=0.01, momentum=0.5)
+    x0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3) / 7, "b": np.ones(2, np.float32)}
+    seeds = np.array([Z.round_seed(5, r) for r in range(6)], np.uint64)
+    hist = np.random.default_rng(4).standard_normal((5, 2, 3)).astype(np.float32)
+    plain, plain_buf = Z.packed(x0), Z.packed({k: np.zeros_like(v) for k, v in x0.items()})
+    for r in range(5):
+        Z.apply_round(plain, int(seeds[r]), hist[r], params.lr, "gaussian", plain_buf, params.momentum)
+    go, applied, real = threading.Event(), [], Z.apply_round
+
+    def apply_round(*a, **k):
+        if threading.current_thread() is not threading.main_thread():
+            assert go.wait(30), "the device never waited for the round replayed ahead"
+        applied.append((threading.current_thread() is threading.main_thread(), int(a[1])))
+        return real(*a, **k)
+
+    monkeypatch.setattr(Z, "apply_round", apply_round)
+    a, b = DeComFLDevice(params, lambda: x0), DeComFLDevice(params, lambda: x0)
+    for dev in (a, b):
+        dev._init(None)  # type: ignore[arg-type]  # x_0 from the spec (no exported model)
+    a.catch_up(0, seeds[:4], hist[:4])  # x_4 reached and kept: the newest state
+    assert not replay_ahead(seeds, hist)  # (drawing ahead off: fedtier sim with one draw thread)
+    Z.set_prefetch(True)
+    try:
+        assert replay_ahead(seeds, hist)  # round 4, from x_4, in the thread ahead (held until b waits for it)
+        assert not replay_ahead(seeds, hist)  # (started once)
+        ((target, running),) = Z._replaying.items()
+        waited = type("Waited", (), {"exception": lambda self: (go.set(), running.exception())[1]})()
+        Z._replaying[target] = waited  # (b's wait lets the thread ahead go on)
+        b.catch_up(0, seeds, hist)
+    finally:
+        Z.set_prefetch(False)
+    assert go.is_set() and applied == [(True, int(seeds[r])) for r in range(4)] + [(False, int(seeds[4]))]
+    assert np.array_equal(b.model.flat, plain.flat) and np.array_equal(b.buf.flat, plain_buf.flat)  # type: ignore[union-attr]
+    assert not b.model.flat.flags.writeable and b.key == target and not Z._replaying  # type: ignore[union-attr]
+
+
 def test_replicas_whose_rounds_have_other_shapes_never_share_a_replay(monkeypatch):
     """Two replicas of a process from the same x_0 and settings but K x P of 2 x 3 and 3 x 2 (two jobs of one
     long-lived agent): the same scalars' bytes are other rounds (other directions), so neither gets the other's

@@ -21,10 +21,9 @@ Round r, as the hierarchy runs it (E = 1 edge round per cloud round):
   device and the cloud also keep the heavy-ball buffer of the global trajectory (torch's rule, as the
   paper's repository steps it; ``directions.apply_momentum_step``): local steps run on copies of both,
   both are reverted, and catch-up replays both, so a device that rejoins holds the cloud's x_r and buffer bit for bit.
-  The device remembers the round it is synced to, so a history that starts earlier (the cloud missed
-  a report) is skipped where already applied; one that starts later cannot be replayed and fails,
-  except for a device back at x_0 (its process restarted): it answers ``{"resync": true}``, its cell
-  reports it (``resync``) and the cloud sends it the whole history the next round.
+  The device remembers the round it is synced to, so a history that starts earlier (the cloud missed a report) is
+  skipped where already applied; one that starts later cannot be replayed and fails, except for a device back at
+  x_0 (its process restarted): it answers ``{"resync": true}`` and the cloud sends it the whole history next round.
 * **the cloud's log**: the seeds and scalars of every round since round 0, in memory (4KP bytes a round and
   :data:`LOG_ROUND_BYTES` more); each checkpoint appends its new rounds to a file beside it (``log_tail``,
   ``cloud.round_log``), so a checkpoint's bytes do not grow with the round. The history sent is the log from the
@@ -49,6 +48,7 @@ from ..divergence import diverged_result
 from ..limits import memory_refusal
 from ..numbers import finite_number
 from ..rejections import Rejected, RejectKind
+from ..replay_ahead import replay_ahead
 from ..seeding import rng
 from ..trainer import LocalData, Trainer, batches
 from ..wire.payload import Payload, all_finite
@@ -265,11 +265,11 @@ class DeComFLCell(CellRole):
         ahead: tuple[int, int | None] | None = None,
     ) -> None:
         """``roster``: every device of the cell (so ``need`` covers those never seen); None: unknown. ``shapes``:
-        the model's, where the cell's devices draw in its process (``fedtier sim``): it starts drawing a round's
-        directions for them as its task comes (``directions.prefetch``). ``ahead``: the run's seed and rounds
-        (``None``: unknown), with which it starts drawing the next round's once it reported and its process waits
-        (:meth:`idle`: from the seed the cloud will pick, :func:`directions.round_seed`; the draws run while the cloud
-        closes the round, not once the task came; a task of another seed is drawn when it comes, as without)."""
+        the model's, where the cell's devices draw in its process (``fedtier sim``): as its task comes it starts
+        drawing the round's directions for them (``directions.prefetch``) and replaying the round before
+        (``protocols.replay_ahead``). ``ahead``: the run's seed and rounds (``None``: unknown), with which it starts
+        drawing the next round's once it reported and its process waits (:meth:`idle`: from the seed the cloud will
+        pick, :func:`directions.round_seed`; a task of another seed is drawn when it comes, as without)."""
         self.p, self.cell, self.shapes, self.ahead = params, cell, shapes, ahead
         self.K, self.P = params.local_steps, params.perturbations
         self.roster = sorted(roster) if roster is not None else None
@@ -281,6 +281,7 @@ class DeComFLCell(CellRole):
         self.start, self.seeds, self.hist = read_history(task, round, self.K, self.P, f"task of cell {self.cell}")
         if self.shapes is not None:
             Z.prefetch(int(self.seeds[-1]), self.K, self.P, self.shapes, self.p.direction)
+            replay_ahead(self.seeds, self.hist)
         synced = task.meta.get("synced", {})
         if not isinstance(synced, dict) or not all(isinstance(v, int) and 0 <= v < round for v in synced.values()):
             raise Rejected(RejectKind.MALFORMED, f"task of cell {self.cell}: bad synced table")
