@@ -185,6 +185,8 @@ def test_budget_stops_the_run_at_it(tmp_path: Path) -> None:
     assert summary["rounds"] == 2 and "privacy budget: round 3" in summary["stopped"]  # (its third)
     with pytest.raises(ConfigError, match=r"privacy.epsilon_budget: 4 rounds would spend .* 2 rounds fit"):
         _dp_config(tmp_path / "r", epsilon_budget=budget)
+    with pytest.raises(ConfigError, match=r"; not one round fits \(more noise"):  # not 'set run.rounds = 0'
+        _dp_config(tmp_path / "r", epsilon_budget=acc.epsilon(1) / 2)
 
 
 def test_bad_privacy_configs_are_refused(tmp_path: Path) -> None:

@@ -153,8 +153,12 @@ def check_privacy(cfg: RunConfig) -> None:
         spent = acc.epsilon(cfg.run.rounds)
         if spent > pv.epsilon_budget:
             fit = acc.max_rounds(pv.epsilon_budget, cfg.run.rounds)
+            what = (
+                f'{fit} rounds fit (set run.rounds = {fit}, more noise, or privacy.on_budget = "stop")'
+                if fit
+                else "not one round fits (more noise: a larger noise_multiplier or a smaller target_epsilon)"
+            )
             raise ConfigError(
                 f"privacy.epsilon_budget: {cfg.run.rounds} rounds would spend epsilon {spent:.4g} > "
-                f"{pv.epsilon_budget:g} (delta {pv.delta:g}); {fit} rounds fit (set run.rounds = "
-                f'{fit}, more noise, or privacy.on_budget = "stop")'
+                f"{pv.epsilon_budget:g} (delta {pv.delta:g}); {what}"
             )
