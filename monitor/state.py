@@ -56,6 +56,7 @@ class CellView:
     failed: str | None = None  # why it failed or refused to work (the cloud's round records: ``cells_failed``)
     failed_at: int = -1  # the newest cloud record listing it in ``cells_failed``
     reported_at: int = -1  # the newest cloud record listing it in ``cells_reported`` (after failed_at: back in the job)
+    absent_at: int = -1  # the newest cloud record listing it in ``cells_absent`` (planned, and it did not answer)
     devices_revoked: set[str] = field(default_factory=set)  # its devices its records say were absent as revoked
     records: int = 0
     rejected_total: int = 0
@@ -140,6 +141,9 @@ class MonitorState:
         for cell in record.cells_reported:  # (an async cell that refused to work is back once restarted properly)
             view = self._cell(cell)
             view.reported_at = max(view.reported_at, record.round)
+        for cell in record.cells_absent:
+            view = self._cell(cell)
+            view.absent_at = max(view.absent_at, record.round)
         if record.accuracy is not None:
             self._add_accuracy(record.round, record.accuracy)
         if record.rounds is not None and record.round + 1 >= record.rounds:
@@ -299,14 +303,16 @@ class MonitorState:
 
     def left_out(self, view: CellView) -> bool:
         """The job is over and its last round closed without the cell: planned and absent, or no longer planned (the
-        cloud stops planning a cell offline for a cell deadline) with its last record of an earlier round. It dropped
-        out before the end (died, cut off), not with the job (it showed ``ok``, or ``ended`` once its will said
-        offline). Not in an asynchronous job, whose cells' records count their own model versions."""
+        cloud stops planning a cell offline for a cell deadline) after a round that was planned with it and closed
+        without it, later than its last record. It dropped out before the end (died, cut off), not with the job (it
+        showed ``ok``, or ``ended`` once its will said offline). Not a cell that cell-level participation merely
+        did not draw since its last record (never absent), nor in an asynchronous job, whose cells' records count
+        their own model versions."""
         c = self.cloud
         if not self.finished or c is None or view.revoked is not None or c.closed_by == BUFFER_FULL:
             return False
-        behind = view.last is not None and view.last.round < c.round and view.cell not in c.cells_reported
-        return view.cell in c.cells_absent or behind
+        behind = view.last is not None and view.last.round < min(c.round, view.absent_at + 1)
+        return view.cell in c.cells_absent or (behind and view.cell not in c.cells_reported)
 
     def end_time(self) -> float | None:
         """When the job ended (the cloud's end state, else its last round record); None while it goes on."""

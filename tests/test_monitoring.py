@@ -1213,6 +1213,29 @@ def test_a_cell_dead_mid_run_is_silent_or_offline_once_the_run_finished_not_ok()
     assert versions.finished and versions.state_of(versions.cells["c1"], 200.0) == "ok"
 
 
+def test_cells_that_cell_level_participation_took_in_turn_are_not_flagged_as_dropped_out_at_the_end():
+    """examples/amplified.toml (participation.level = "cell", cyclic: one cell a round, in turn): once the run
+    finished, every cell but the last round's showed SILENT, 'it dropped out before the job's end', though none
+    was ever planned and absent: the cloud had merely not drawn them since."""
+    state = MonitorState()
+    for rnd, cell in enumerate(("c0", "c3", "c1", "c2")):
+        state.add(_cell(rnd, cell, 4, 100.0 + rnd))
+        state.add(
+            RoundRecord(
+                run="live",
+                round=rnd,
+                rounds=4,
+                closed_by="all reported",
+                cells_planned=[cell],
+                cells_reported=[cell],
+                duration_s=1.0,
+                time=100.5 + rnd,
+            )
+        )
+    assert state.finished and not [line for line in state.alerts(200.0) if "dropped out" in line], state.alerts(200.0)
+    assert {state.state_of(view, 200.0) for view in state.cells.values()} == {"ok"}
+
+
 def test_a_record_of_a_cell_resumed_after_its_job_ended_raises_no_participation_drop():
     """A cell resumed once its job was over replays its open edge round alone (its devices gone with the job): its
     record, 0 of 4 answered, raised 'participation dropped to 0%' on a job that had ended. A drop within the job still
