@@ -24,7 +24,9 @@ CLEARED = "no job in progress at the cloud (its job record cleared): this node m
 CLEAR_STANDS = 15.0
 """Seconds a clear of the job record must stand, no record of the job held back, to be that job's end: a clear is
 an empty retained publish, which no signature covers (on a broker without per-node ACLs any login may make one), and
-the serving cloud puts its record back at once (``cloud.kept_records``); only an idle cloud's clear stands."""
+the serving cloud puts its record back at once (``cloud.kept_records``); only an idle cloud's clear stands. So must
+another job's record that does not say the node's job ended, to move it off its job: one of an earlier job, signed
+but put back by a login or a broker restored from an older save, is replaced at once too."""
 
 
 class JobWatch:
@@ -45,6 +47,7 @@ class JobWatch:
         self.on_roster: Callable[[Roster], None] | None = None
         self.clock: Callable[[], float] = time.monotonic
         self._cleared: tuple[str, float] | None = None  # (the session held as current, when its record was cleared)
+        self._since = 0.0  # when the current record's session became current
         if transport is not None:
             self._control = Messenger(transport, federation, "watcher", trust=trust)
             # the roster first: retained, it comes before the job, which a node checks its membership against by it
@@ -54,12 +57,13 @@ class JobWatch:
 
     def left(self, job: CurrentJob) -> bool:
         """Whether the cloud has left ``job`` (a node's): it ended (its ``finished``, a record's ``previous``, its
-        record cleared) or the cloud moved on to another job."""
+        record cleared) or the cloud moved on to another job (its record stood :data:`CLEAR_STANDS` seconds)."""
         if (c := self._cleared) is not None and self.clock() - c[1] >= CLEAR_STANDS:  # (:meth:`on_job`)
             self._cleared = None
             if c[0] not in self.finished:
                 self._ended(c[0], {"stopped": CLEARED})
-        return job.session in self.finished or (self.current is not None and self.current.session != job.session)
+        other = self.current is not None and self.current.session != job.session
+        return job.session in self.finished or (other and self.clock() - self._since >= CLEAR_STANDS)
 
     def pending(self, done: set[str]) -> CurrentJob | None:
         """The job in progress if this node has yet to serve it (not in ``done``, not finished)."""
@@ -86,6 +90,8 @@ class JobWatch:
         if current.session in self.finished:  # an ended job's (a broker restored from an older save): no moving on
             log.debug("ignored the record of job %s, which has ended (a stale record)", current.job)  # (-vv)
             return
+        if self.current is None or current.session != self.current.session:
+            self._since = self.clock()
         self.current, self._cleared = current, None
         if (prev := self.current.previous) is not None and prev["session"] not in self.finished:
             self._ended(prev["session"], prev)  # its finished record missed (or still on its way): as the cloud says

@@ -1328,6 +1328,42 @@ def test_a_job_record_cleared_by_a_login_while_the_cloud_runs_the_job_moves_no_n
         assert not watch.left(i) and watch.current == i and i.session not in watch.finished
 
 
+def test_an_earlier_jobs_signed_record_put_back_by_a_login_moves_no_node_off_the_running_job(tmp_path: Path) -> None:
+    """On a broker without per-node ACLs any login may also put back a signed record of an earlier job (retained: every
+    subscriber got a copy), as a broker restored from an older save does by itself. A node that did not know that job
+    ended (restarted since it ran) took it for the cloud moving on: it left the job it served and, the cloud's record
+    put back at once, found that job among those it was done with: absent from the rest of it. Another job's record
+    moves a node off its job only once it stood CLEAR_STANDS seconds, that job's record not back; a record saying the
+    node's job ended (its ``previous``), at once."""
+    from protocols.job_watch import CLEAR_STANDS, JobWatch
+    from protocols.jobs import ended_outcome
+
+    seeds = {n: new_seed() for n in ("cloud", "c0")}
+    public = {n: public_of(s) for n, s in seeds.items()}
+    _, text = canonical_job("[run]\nrounds = 2\n", federation(tmp_path))
+    h, i = (CurrentJob(j, text, config_hash(text)) for j in ("h1", "i1"))
+    j = CurrentJob("j1", text, config_hash(text), ended_outcome(i.session, "finished", ""))
+    topic, sign = topics.current_job("fed"), Trust("cloud", seeds["cloud"], public).sign
+    watch = JobWatch(None, "fed", Trust("c0", seeds["c0"], public))  # restarted since h ran: knows nothing of h
+    now = [0.0]
+    watch.clock = lambda: now[0]
+    watch.on_job(topic, seal_record(i.record(), topic, sign))
+    for _ in range(3):  # the login puts h's record there (again and again), the cloud puts its own back each time
+        watch.on_job(topic, seal_record(h.record(), topic, sign))
+        now[0] += CLEAR_STANDS / 2
+        assert not watch.left(i)
+        watch.on_job(topic, seal_record(i.record(), topic, sign))
+        now[0] += CLEAR_STANDS
+        assert not watch.left(i) and watch.current == i
+    watch.on_job(topic, seal_record(h.record(), topic, sign))  # a record that stands: the cloud runs h (moved on)
+    now[0] += CLEAR_STANDS
+    assert watch.left(i) and watch.current == h
+    watch = JobWatch(None, "fed", Trust("c0", seeds["c0"], public))
+    watch.on_job(topic, seal_record(i.record(), topic, sign))
+    watch.on_job(topic, seal_record(j.record(), topic, sign))  # the next job's, saying i ended: left at once
+    assert watch.left(i) and watch.pending(set()) == j
+
+
 def test_an_ended_jobs_task_a_restored_broker_hands_back_is_said_an_old_copy_and_a_foreign_session_still_refused(
     tmp_path: Path, caplog
 ) -> None:
