@@ -182,7 +182,8 @@ class RuntimeSection(Section):
         description="seeded-direction algorithms (DeComFL): threads a process draws a step's P random directions "
         "in (each direction its own generator: the same bits with any number; less wall time on free cores); above "
         "1, fedtier sim's cloud and cells also draw a round's directions ahead, beside their other work (with "
-        "cell_processes, once their process has handed its turn over: a cell the next round's as it reported)",
+        "cell_processes, once their process has handed its turn over: a cell the next round's as it reported), and "
+        "a cell replays the round before for its devices in a thread of its own as its task comes",
     )
     cell_sums: Literal["auto", "host", "engine"] = Field(
         default="auto",
