@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from monitor.run_data import RoundPoint, RunData, heatmap, load_run
+from protocols.checkpoint import write_durably
 from protocols.records import TIERS
 
 __all__ = ["Plot", "RunData", "load_run", "make_plots", "participation_matrix", "write_report"]
@@ -350,7 +351,7 @@ def write_report(
         sections="\n".join(sections),
         bad=("<h2>Invalid records (skipped)</h2><pre>" + html.escape("\n".join(bad)) + "</pre>") if bad else "",
     )
-    out.write_text(page, encoding="utf-8")
+    write_durably(out, page.encode("utf-8"), private=False)  # a full disk leaves the old page whole, not half a new
     return out, plots
 
 

@@ -11,6 +11,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -18,7 +19,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
-from conftest import small_config  # noqa: E402
+from conftest import FullDisk, small_config  # noqa: E402
 
 from fedtier.cli import main  # noqa: E402
 from fedtier.cmd_logs import filter_records, parse_round_range  # noqa: E402
@@ -204,6 +205,20 @@ def test_report_that_cannot_be_written_says_so_without_a_traceback(runs, tmp_pat
     (tmp_path / "file").write_text("")  # --out under a file: was a FileNotFoundError/NotADirectoryError traceback
     res = CliRunner().invoke(main, ["report", str(runs[0].output_dir), "--out", str(tmp_path / "file" / "r.html")])
     assert res.exit_code == 1 and "cannot write the report" in res.output and res.exception.__class__ is SystemExit
+    page = tmp_path / "report.html"  # a full disk: it left a page cut off where the disk filled (walked on a tmpfs)
+    page.write_text("the report before")
+    opened = Path.open
+
+    def full(self: Path, *args: Any, **kwargs: Any) -> Any:
+        f = opened(self, *args, **kwargs)
+        writes = "w" in (args[0] if args else kwargs.get("mode", "r"))
+        return FullDisk(f) if writes and self.name.startswith("report.html") else f
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "open", full)
+        res = CliRunner().invoke(main, ["report", str(runs[0].output_dir), "--out", str(page)])
+    assert res.exit_code == 1 and "No space left on device" in res.output, res.output
+    assert page.read_text() == "the report before" and [p.name for p in tmp_path.glob("report.html*")] == [page.name]
 
 
 def test_report_of_a_run_killed_while_writing_its_last_round_record(runs, tmp_path):
