@@ -261,8 +261,11 @@ class Emulation:
         if execution_plan(cfg).cohort:
             cohort_engine(prep.spec, cfg.runtime.device)  # refuse a model the workers could not vectorize, now
         out = fresh_output(cfg, self.resume)
-        if not self.resume:  # a fresh run: no broker sessions, no privacy ledger of an earlier one
-            shutil.rmtree(out / runfiles.BROKER, ignore_errors=True)
+        # No broker sessions of an earlier command, resumed or not: a resumed run is a new job (its own session), and
+        # the stopped job's retained record and the tasks its sessions still queued had its cells take it again and its
+        # devices train them, their results then refused as stale (the round waited its device deadline without them)
+        shutil.rmtree(out / runfiles.BROKER, ignore_errors=True)
+        if not self.resume:  # a fresh run: no privacy ledger of an earlier one
             (out / LEDGER_FILE).unlink(missing_ok=True)
         self.device_files = {d: out / "devices" / f"{d}.npz" for d in prep.device_data}
         prep.device_data.keep_bytes = 0  # each device's samples written once here, trained by its agent: none kept

@@ -165,14 +165,21 @@ def test_helpers() -> None:
 def test_run_resumes_after_a_stop(sim_model: bytes, tmp_path: Path) -> None:
     """A `fedtier run` stopped after round 0 and resumed ends with the uninterrupted run's model. A cell record
     of round 1 that the stopped run had written (a Ctrl-C mid-round) is gone: its cells ran round 1 again, and
-    `fedtier logs`/`report` would count the round's first edge round twice."""
+    `fedtier logs`/`report` would count the round's first edge round twice. The stopped run's broker sessions are
+    not the resumed one's (walked: Ctrl-C mid-round 3, then --resume: its cells took the stopped job again from the
+    broker's retained record and sessions, its devices trained the stopped job's task 3.1, their results were refused
+    as stale, the edge round waited its device deadline without them and the model was not the uninterrupted one)."""
     first = quickstart(tmp_path, rounds=1)
     Emulation(first).run()
     cell_records = tmp_path / runfiles.AGGREGATION
     interrupted = {**json.loads(cell_records.read_text().splitlines()[0]), "round": 1, "time": 1.0}
     with cell_records.open("a") as f:
         f.write(json.dumps(interrupted) + "\n")
+    stale = tmp_path / runfiles.BROKER / "shared" / "stopped-run"  # beside the stopped run's mosquitto.db
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("its broker sessions: the stopped job's retained record, the tasks they queued")
     resumed = Emulation(quickstart(tmp_path), resume=True).run()
+    assert not stale.exists()  # the resumed run's broker started afresh
     assert [r["round"] for r in resumed.history] == [1]
     assert (tmp_path / runfiles.FINAL_MODEL).read_bytes() == sim_model
     kept = [json.loads(line) for line in cell_records.read_text().splitlines()]
