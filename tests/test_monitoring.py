@@ -151,6 +151,8 @@ def test_logs_filters(runs):
     assert CliRunner().invoke(main, ["logs", str(out), "--round", "3:1"]).exit_code == 2
     res = CliRunner().invoke(main, ["logs", str(out), "--round", "9"])  # walked: an empty table, and nothing of why
     assert res.exit_code == 0 and "0 of 15 records (the records' rounds: 1-3)" in res.output, res.output
+    res = CliRunner().invoke(main, ["logs", str(out), "--cell", "c9"])  # walked: the same empty table, no word why
+    assert res.exit_code == 0 and "0 of 15 records (no records of c9; the records' cells: c0, c1)" in res.output
 
 
 # ---------------------------------------------------------------------- report
