@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 from protocols.algorithms.base import CellRole
-from protocols.algorithms.outcome import Outcome
+from protocols.algorithms.outcome import Outcome, aggregated
 from protocols.answers import Answers, content_refusal
 from protocols.divergence import diverged_reason
 from protocols.failures import failed_payload, failed_reason
@@ -455,7 +455,7 @@ class CellServer(CellNode):
     def _aggregate(self, why: str, results: dict[str, Payload], extra: dict[str, Any] | None = None) -> None:
         """Fold the edge round's results into the cell role, record it, and go on to the next one."""
         with sums_on(self.sums):
-            outcome = self.role.aggregate(self.edge_round, results).with_metrics(**(extra or {}))
+            outcome = aggregated(self.role, self.edge_round, results).with_metrics(**(extra or {}))
         for device, result in results.items() if self.secagg is None else ():  # (masked: the cell sees no update)
             self.tally.weigh(device, result)
         self.tally.add(self.edge.bytes_out, self.edge.bytes_in, results, self.edge.diverged, self.edge.failed)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protocols.algorithms.base import CloudRole
-from protocols.algorithms.outcome import Outcome
+from protocols.algorithms.outcome import Outcome, aggregated
 from protocols.answers import Answers
 from protocols.divergence import STALLED_ROUNDS
 from protocols.failures import StallWatch, failed_reason, guarded
@@ -377,7 +377,7 @@ class CloudServer:
         reports = dict(sorted(self.answers.received.items()))
         absent = sorted(self.answers.pending | (set(self.planned) & self.revoked.keys()))  # revoked: planned, out
         self.answers.close()
-        outcome = self.role.aggregate(self.round, reports)
+        outcome = aggregated(self.role, self.round, reports)
         self._record_round(why, sorted(reports), absent, outcome, [(c, r.tensors) for c, r in reports.items()])
 
     def _record_round(

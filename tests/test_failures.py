@@ -128,6 +128,17 @@ def test_a_job_whose_every_cell_report_is_refused_says_so(tmp_path: Path, monkey
     assert result.failed == "no cell answered (messages refused: 2 non_finite) in rounds 1-2"
 
 
+def test_a_role_whose_aggregate_returns_no_outcome_fails_the_job_naming_it(tmp_path: Path, monkeypatch) -> None:
+    """A plugin's role returning its metrics as a dict, not an Outcome: the job failed with "'dict' object has no
+    attribute 'epsilon'" (the cloud's) or "... 'with_metrics'" (a cell's), naming neither the role nor the fix."""
+    from protocols.algorithms.fedavg import FedAvgCell
+
+    monkeypatch.setattr(FedAvgCell, "aggregate", lambda self, edge_round, results: {"devices": len(results)})
+    result = SimHierarchy(small_config(tmp_path, run={"rounds": 1}, algorithm={"local_steps": 1})).run()
+    assert result.status == "failed"
+    assert "TypeError: FedAvgCell.aggregate returned dict, not an Outcome (return protocols.algorithms" in result.failed
+
+
 def test_agents_failing_every_task_fail_the_job_with_the_reasons_counted(tmp_path: Path) -> None:
     """Every device's task raises (data of another model's shape): each answers "failed" with the reason at
     once (cells close on "all answered", never on their deadline), records count the reasons, and after

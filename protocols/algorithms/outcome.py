@@ -58,3 +58,16 @@ class Outcome(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._view())
+
+
+def aggregated(role: Any, *args: Any) -> Outcome:
+    """``role.aggregate(*args)``, the :class:`Outcome` a role's ``aggregate`` returns; a ``TypeError`` naming the role
+    and what it returned otherwise (a plugin's role returning its metrics as a dict failed the job with "'dict' object
+    has no attribute 'epsilon'", naming neither)."""
+    out = role.aggregate(*args)
+    if not isinstance(out, Outcome):
+        raise TypeError(
+            f"{type(role).__qualname__}.aggregate returned {type(out).__name__}, not an Outcome (return "
+            "protocols.algorithms.outcome.Outcome(metrics))"
+        )
+    return out
