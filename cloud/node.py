@@ -45,7 +45,7 @@ def build_cloud(
     out = output_dir
     trust = node_trust(cfg, "cloud")  # [security] keys: sign, and require the cells' signatures
     server, extra = _server_kind(cfg, algorithm)
-    return server(
+    built = server(
         transport,
         run=cfg.run.name,
         cells=cfg.topology.cell_ids(),
@@ -71,6 +71,9 @@ def build_cloud(
         min_cells=cfg.runtime.min_cells,
         fail_on_cell_failure=cfg.runtime.fail_on_cell_failure,
     )
+    if built.cell_records is not None:  # a cell's records name the job's devices of that cell only (revoked ones too)
+        built.cell_records.cell_of = cfg.topology.cell_of
+    return built
 
 
 def _server_kind(cfg: RunConfig, algorithm: Algorithm) -> tuple[type[CloudServer], dict[str, Any]]:

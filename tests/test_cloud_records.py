@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from cloud.cell_records import CellRecordCollector
+from cloud.node import build_cloud
 from monitor.sources import RunDirFollower
 from protocols import runfiles
 from protocols.records import CellRecord, read_run
@@ -16,7 +17,8 @@ from protocols.transport.memory import MemoryHub
 from protocols.wire import topics
 from protocols.wire.keys import Trust, generate_keys
 from protocols.wire.signed import seal_record
-from tests.conftest import small_config
+from sim.hierarchy import prepare
+from tests.conftest import small_config, with_keys
 
 
 def record(cell: str, rnd: int, edge: int) -> dict:
@@ -110,3 +112,36 @@ def test_the_cloud_drops_a_cell_record_of_a_round_the_job_has_not_reached(tmp_pa
     collector.close()
     written = [json.loads(line)["round"] for line in (tmp_path / runfiles.CELL_RECORDS).read_text().splitlines()]
     assert written == [2, 3, 4] and collector.dropped == 2
+
+
+def test_a_cells_record_naming_a_device_not_its_own_is_dropped_by_the_deployed_cloud(tmp_path: Path) -> None:
+    """A cell with its own key names another cell's device, or a thousand made-up ids, in its signed record: the
+    deployed cloud kept it in ``cells.jsonl``, and `fedtier report` on the cloud's folder put c1-d0 in c0's row (and
+    kept every made-up id: one 8 MiB record names ~800,000). Now dropped, named; a record naming its own devices,
+    a revoked one among them, is kept."""
+    cfg, ring = with_keys(small_config(tmp_path), tmp_path)
+    hub = MemoryHub()
+    cloud = build_cloud(
+        cfg,
+        hub.connect("cloud"),
+        cfg.build_algorithm(prepare(cfg).spec),
+        output_dir=tmp_path,
+        collect_cell_records=True,
+    )
+    assert cloud.cell_records is not None
+    cloud.cell_records.start()
+    peer, topic = hub.connect("c0"), topics.telemetry_cell("t", "c0")
+    sign = Trust("c0", ring.private["c0"], ring.public).sign
+    honest = record("c0", 0, 0) | {"absent": {"c0-d1": "revoked"}}
+    for rec in (
+        honest,
+        record("c0", 0, 1) | {"answered": ["c0-d0", "c1-d0"]},  # another cell's device
+        record("c0", 0, 2) | {"absent": {f"ghost-{i}": "offline" for i in range(1000)}},  # made-up ids
+        record("c0", 0, 3) | {"failed": {"c1-d2": "x"}},
+    ):
+        peer.publish(topic, seal_record(rec, topic, sign))
+    hub.loop.run()
+    cloud.cell_records.close()
+    written = [json.loads(line) for line in (tmp_path / runfiles.CELL_RECORDS).read_text().splitlines()]
+    assert [(r["edge_round"], r["absent"]) for r in written] == [(0, {"c0-d1": "revoked"})]
+    assert cloud.cell_records.dropped == 3
