@@ -72,7 +72,8 @@ def write_durably(
 
 def save_payload(path: str | Path, payload: Payload) -> None:
     """Write ``payload`` atomically and durably (:func:`write_durably`), mode 600."""
-    with writing(path, " (the previous one is kept)"):  # a full disk: the previous file stays whole
+    kept = " (the previous one is kept)" if Path(path).exists() else ""  # a full disk: the previous file stays whole
+    with writing(path, kept):
         write_durably(path, MAGIC + encode_payload(payload))
 
 

@@ -81,6 +81,9 @@ def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one(tmp_path: Path, m
     monkeypatch.setattr(checkpoint, "private_file", lambda p: Full(real(p)))
     with pytest.raises(StorageError, match="previous one is kept"):
         save_params(path, {"w": np.zeros(4, np.float32)})
+    with pytest.raises(StorageError) as first:  # the first checkpoint: there is no previous one to keep (walked)
+        save_params(tmp_path / "first.ftw", {"w": np.zeros(4, np.float32)})
+    assert str(first.value).endswith("No space left on device") and not (tmp_path / "first.ftw").exists()
     monkeypatch.undo()
     assert load_params(path)["w"].tolist() == [1, 1, 1, 1] and not list(tmp_path.glob("*.tmp"))
 
