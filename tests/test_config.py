@@ -182,6 +182,8 @@ def test_overrides_are_parsed_as_toml(tmp_path):
         load_config(path, ["run.rounds=-2"])
     with pytest.raises(ConfigError, match="expected key.path=value"):
         load_config(path, ["run.rounds"])
+    with pytest.raises(ConfigError, match=r"override 'run=5': run is a section: set one of its keys \(run.KEY=...\)"):
+        load_config(path, ["run=5", "run.name=abc"])  # (was: "override 'run.name=abc': run is not a section")
 
 
 def test_missing_and_invalid_files(tmp_path):

@@ -42,6 +42,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         if not isinstance(nxt, dict):
             raise ConfigError(f"override {item!r}: {part} is not a section")
         node = nxt
+    if isinstance(node.get(parts[-1]), dict) and not isinstance(value, dict):  # not the next override's fault
+        raise ConfigError(f"override {item!r}: {key.strip()} is a section: set one of its keys ({key.strip()}.KEY=...)")
     node[parts[-1]] = value
 
 
