@@ -57,7 +57,7 @@ class CellView:
     failed_at: int = -1  # the newest cloud record listing it in ``cells_failed``
     reported_at: int = -1  # the newest cloud record listing it in ``cells_reported`` (after failed_at: back in the job)
     absent_at: int = -1  # the newest cloud record listing it in ``cells_absent`` (planned, and it did not answer)
-    devices_revoked: set[str] = field(default_factory=set)  # its devices its records say were absent as revoked
+    devices_revoked: set[str] = field(default_factory=set)  # its devices its newest record says are absent as revoked
     records: int = 0
     rejected_total: int = 0
     participation: deque[tuple[float, float | None]] = field(default_factory=lambda: deque(maxlen=11))  # (, when)
@@ -122,9 +122,11 @@ class MonitorState:
                     view.cut_off = frozenset(d for d, why in view.last.absent.items() if why in TASKED)
                 view.last = record
                 self._seen_round(record.round)
+                # its newest record's only (a cell names its revoked devices in each): the union of every record's
+                # grew without bound, a cell with its own key naming new ids in each
+                view.devices_revoked = {d for d, why in record.absent.items() if why == "revoked"}
             view.records += 1
             view.rejected_total += len(record.rejected)
-            view.devices_revoked |= {d for d, why in record.absent.items() if why == "revoked"}
             if record.coverage is not None:
                 view.participation.append((record.coverage, seen))
             view.last_seen = max(filter(None, (view.last_seen, seen)), default=None)

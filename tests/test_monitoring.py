@@ -451,6 +451,18 @@ def test_a_revoked_cell_shows_revoked_never_silent_offline_or_absent_and_a_revok
     assert render_text(state, now=140.5, flt=CellFilter(states=("revoked",))).count("c1") >= 1
 
 
+def test_a_cell_naming_new_revoked_devices_in_each_record_holds_no_more_of_the_monitors_memory_than_one_record():
+    """A cell with its own key names 200 new ids as revoked in each of its records: the monitor kept the union of
+    every record's (10,000 names after 50 records, without bound for a cell that never stops: a live monitor runs
+    for days), and sorted it all at each frame. Now its newest record's names, which an honest cell repeats in each."""
+    state = MonitorState()
+    for rnd in range(50):
+        revoked = {f"ghost-{rnd}-{i:03d}": "revoked" for i in range(200)}
+        state.add(CellRecord.model_validate(_cell(rnd, "c0", 4, 100.0 + rnd).to_dict() | {"absent": revoked}))
+    assert len(state.cells["c0"].devices_revoked) == 200
+    assert "cell c0: device(s) ghost-49-000, " in "\n".join(state.alerts(150.0))
+
+
 def test_a_live_monitor_shows_a_cell_the_signed_roster_revoked_as_revoked_between_jobs():
     """Between jobs no round record says a cell was revoked, and its retained idle status stays on the broker: a
     monitor with the keys reads the cloud's signed roster and shows the cell revoked (whether its status or the
