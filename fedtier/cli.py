@@ -15,6 +15,7 @@ from .console import (
     note_fresh_resume,
     print_error,
     print_summary,
+    refused_start,
     round_progress,
     run_folder_lock,
     setup_logging,
@@ -125,6 +126,7 @@ def sim(
             result = run_simulation(cfg, on_round=on_round, resume=resume)
     except ConfigError as exc:
         print_error(exc)
+        refused_start(cfg, exc)
         raise SystemExit(2) from exc
     except WorkerError as exc:
         print_error(exc)  # a worker's traceback may hold [brackets]

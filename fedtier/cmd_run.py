@@ -16,6 +16,7 @@ from .console import (
     note_fresh_resume,
     print_error,
     print_summary,
+    refused_start,
     round_progress,
     run_folder_lock,
     setup_logging,
@@ -113,6 +114,7 @@ def run(
             result = emulation.run(check_live=True)  # on an external broker: a live run of this name refuses it
     except ConfigError as exc:
         print_error(exc)
+        refused_start(cfg, exc)
         raise SystemExit(2) from exc
     except (ConnectionError, RuntimeError, TimeoutError) as exc:
         print_error(exc)

@@ -310,6 +310,26 @@ def note_fresh_resume(cfg: RunConfig, resume: bool) -> None:
         console.print(f"[yellow]note:[/] no checkpoint in {cfg.output_dir()}: --resume starts from round 1")
 
 
+def refused_start(cfg: RunConfig, reason: object) -> None:
+    """Leave the summary of a failed run in ``cfg``'s run folder for a ``fedtier sim|run`` refused once it had taken the
+    folder, before its first record (a data set it cannot read, a device this machine lacks): ``run``, ``status`` and
+    ``failed``, as a job the cloud could not build has. Before, the folder held only its ``run.lock``, and a monitor of
+    it (``--exit-when-done``) waited for ever for a run starting. A folder with an earlier run's records is left."""
+    import json
+
+    from protocols import runfiles
+    from protocols.checkpoint import write_durably
+
+    out = cfg.output_dir()
+    if not out.is_dir() or any((out / f).exists() for f in (runfiles.SUMMARY, runfiles.METRICS, runfiles.AGGREGATION)):
+        return
+    summary = {"run": cfg.run.name, "status": "failed", "failed": str(reason)}
+    try:
+        write_durably(out / runfiles.SUMMARY, (json.dumps(summary, indent=2) + "\n").encode(), private=False)
+    except OSError:  # (a folder it cannot write: the refusal itself was said)
+        pass
+
+
 JOB_FAILED = 3
 """Exit status of a one-shot command (``fedtier run|sim|cloud``) whose job failed (1: an error before it ran,
 2: a bad config)."""

@@ -53,6 +53,23 @@ def test_resume_without_a_checkpoint_says_it_starts_from_round_0(tmp_path):
     assert again.exit_code == 0 and "no checkpoint" not in again.output
 
 
+def test_a_run_refused_once_it_took_its_folder_leaves_a_failed_summary_a_monitor_ends_on(tmp_path):
+    """A data set it cannot read, found after the run took its folder: the folder held only run.lock, and
+    `fedtier monitor RUN --exit-when-done` waited for ever for a run starting (walked)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(out=tmp_path / "out"))
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", f"data.dataset=npz:{tmp_path / 'none.npz'}"])
+    assert res.exit_code == 2 and "cannot read it" in res.output
+    summary = json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())
+    assert summary["status"] == "failed" and "data.dataset: dataset npz:" in summary["failed"]
+    watched = CliRunner().invoke(main, ["monitor", str(tmp_path / "out"), "--exit-when-done"])
+    assert watched.exit_code == 3, watched.output
+    (tmp_path / "out" / runfiles.SUMMARY).write_text('{"run": "t", "status": "finished"}')  # an earlier run's
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--set", f"data.dataset=npz:{tmp_path / 'none.npz'}"])
+    assert res.exit_code == 2  # refused again: that summary is left as it was
+    assert json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["status"] == "finished"
+
+
 def test_bad_config_exits_2_naming_the_key(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(CONFIG.format(out=tmp_path / "out"))
