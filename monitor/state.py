@@ -11,6 +11,7 @@ revoked (the cloud's records name them: a revoked cell is shown revoked, never o
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ STATES = ("silent", "offline", "drop", "revoked", "waiting", "idle", "ok", "ende
 federation revoked it, out of the job for good; ``ended``: the run ended and none of the cell's records came, e.g. a
 monitor opened after the job: telemetry is not retained)."""
 GROUP_ALERTS = 5  # more cells than this with the same alert: one line for all of them
+MAX_REVOKED_NAMED = 1000  # revoked devices a cell's view keeps the names of (its alert says "or more" past them)
 Alert = tuple[float, str, str]
 """One cell's alert: (sort key, the worst first; the cell; the line)."""
 CELL_ALERTS = (
@@ -57,7 +59,7 @@ class CellView:
     failed_at: int = -1  # the newest cloud record listing it in ``cells_failed``
     reported_at: int = -1  # the newest cloud record listing it in ``cells_reported`` (after failed_at: back in the job)
     absent_at: int = -1  # the newest cloud record listing it in ``cells_absent`` (planned, and it did not answer)
-    devices_revoked: set[str] = field(default_factory=set)  # its devices its newest record says are absent as revoked
+    devices_revoked: set[str] = field(default_factory=set)  # its devices its records say were absent as revoked
     records: int = 0
     rejected_total: int = 0
     participation: deque[tuple[float, float | None]] = field(default_factory=lambda: deque(maxlen=11))  # (, when)
@@ -122,11 +124,11 @@ class MonitorState:
                     view.cut_off = frozenset(d for d, why in view.last.absent.items() if why in TASKED)
                 view.last = record
                 self._seen_round(record.round)
-                # its newest record's only (a cell names its revoked devices in each): the union of every record's
-                # grew without bound, a cell with its own key naming new ids in each
-                view.devices_revoked = {d for d, why in record.absent.items() if why == "revoked"}
             view.records += 1
             view.rejected_total += len(record.rejected)
+            if (room := MAX_REVOKED_NAMED - len(view.devices_revoked)) > 0:  # bounded: a cell with its own key
+                revoked = (d for d, why in record.absent.items() if why == "revoked")  # may name new ids in each
+                view.devices_revoked.update(itertools.islice(revoked, room))
             if record.coverage is not None:
                 view.participation.append((record.coverage, seen))
             view.last_seen = max(filter(None, (view.last_seen, seen)), default=None)
@@ -425,7 +427,8 @@ class MonitorState:
         if view.devices_revoked:
             names = ", ".join(sorted(view.devices_revoked)[:GROUP_ALERTS])
             more = len(view.devices_revoked) - GROUP_ALERTS
-            line = f"cell {cell}: device(s) {names}{f' (+{more} more)' if more > 0 else ''} revoked by the federation"
+            more_text = f" (+{more}{' or' if len(view.devices_revoked) >= MAX_REVOKED_NAMED else ''} more)"
+            line = f"cell {cell}: device(s) {names}{more_text if more > 0 else ''} revoked by the federation"
             found.append(("with revoked devices", (-len(view.devices_revoked), cell, line)))
         drop = self.dropped(view) if view.revoked is None else None
         if drop is not None:
