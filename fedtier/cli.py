@@ -12,7 +12,7 @@ from .console import (
     exit_if_failed,
     interruptible,
     load_or_exit,
-    note_fresh_resume,
+    note_resume,
     print_error,
     print_summary,
     refused_start,
@@ -120,7 +120,7 @@ def sim(
         (f"runtime.engine={engine}",) if engine is not None else ()
     )
     cfg = load_or_exit(config, overrides + flags)
-    note_fresh_resume(cfg, resume)
+    note_resume(cfg, resume)
     try:
         with interruptible(), run_folder_lock(cfg), round_progress(cfg, not no_progress) as on_round:
             result = run_simulation(cfg, on_round=on_round, resume=resume)

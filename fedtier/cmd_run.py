@@ -13,7 +13,7 @@ from .console import (
     exit_if_failed,
     interruptible,
     load_or_exit,
-    note_fresh_resume,
+    note_resume,
     print_error,
     print_summary,
     refused_start,
@@ -97,7 +97,7 @@ def run(
     engine_flag = (f"runtime.engine={engine}",) if engine is not None else ()
     cfg = load_or_exit(config, overrides + engine_flag + port_override(metrics_port))
     exporter = serve_metrics(cfg)
-    note_fresh_resume(cfg, resume)
+    note_resume(cfg, resume)
     try:
         with interruptible(), run_folder_lock(cfg), round_progress(cfg, not no_progress) as on_round:
             emulation = Emulation(

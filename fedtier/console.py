@@ -301,13 +301,29 @@ def run_folder_lock(cfg: RunConfig, node: str | None = None) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def note_fresh_resume(cfg: RunConfig, resume: bool) -> None:
+def note_resume(cfg: RunConfig, resume: bool) -> None:
     """Say so when ``--resume`` finds no checkpoint in the run folder (another run.output than the
-    interrupted run's, or it never started a round): the run starts from its first round."""
+    interrupted run's, or it never started a round): the run starts from its first round. Say so too where the
+    checkpoint's rounds reach ``run.rounds``: it has none left to run (it checks the settings and writes the summary of
+    the rounds done; before, a bar at 0 of ``run.rounds`` over a summary of more rounds said nothing of why)."""
     from protocols import runfiles
+    from protocols.checkpoint import load_payload
 
-    if resume and not (cfg.output_dir() / runfiles.CHECKPOINT).exists():
+    path = cfg.output_dir() / runfiles.CHECKPOINT
+    if not resume:
+        return
+    if not path.exists():
         console.print(f"[yellow]note:[/] no checkpoint in {cfg.output_dir()}: --resume starts from round 1")
+        return
+    try:
+        done = load_payload(path).meta.get("round")
+    except (OSError, ValueError):  # damaged: the run says why
+        return
+    if isinstance(done, int) and not isinstance(done, bool) and done + 1 >= cfg.run.rounds:
+        console.print(
+            f"[yellow]note:[/] {cfg.output_dir()} ran {done + 1} rounds already (run.rounds = {cfg.run.rounds}): "
+            "--resume has none left to run; raise run.rounds to go on"
+        )
 
 
 def refused_start(cfg: RunConfig, reason: object) -> None:

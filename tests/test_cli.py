@@ -51,6 +51,10 @@ def test_resume_without_a_checkpoint_says_it_starts_from_round_0(tmp_path):
     assert res.exit_code == 0 and "no checkpoint in" in said and "--resume starts from round 1" in said
     again = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--no-progress"])  # now there is one
     assert again.exit_code == 0 and "no checkpoint" not in again.output
+    done = CliRunner().invoke(main, ["sim", str(cfg), "--resume", "--set", "run.rounds=1"])  # walked: a bar at 0/1
+    said = " ".join(done.output.split())
+    assert done.exit_code == 0 and "ran 2 rounds already (run.rounds = 1): --resume has none left to run" in said
+    assert json.loads((tmp_path / "out" / runfiles.SUMMARY).read_text())["rounds"] == 2  # the rounds it ran
 
 
 def test_a_run_refused_once_it_took_its_folder_leaves_a_failed_summary_a_monitor_ends_on(tmp_path):
