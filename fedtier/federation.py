@@ -64,10 +64,29 @@ def _members(topology: TopologySection) -> dict[str, list[str]]:
     return {c: list(topology.device_ids(c)) for c in topology.cell_ids()}
 
 
+def first_roster(cfg: RunConfig, ring: KeyRing, max_device_weight: float | None) -> Roster:
+    """Version 1 of the roster of ``cfg``'s topology, with ``ring``'s public keys."""
+    bound = max_device_weight or cfg.security.max_device_weight or 1e12
+    return Roster.from_topology(cfg.run.name, _members(cfg.topology), ring.public, float(bound))
+
+
+def check_roster_fits(ring: KeyRing, roster: Roster, max_chunk: int) -> None:
+    """Raise :class:`ConfigError` saying the ``--max-chunk`` it needs when ``roster``, signed, is larger than one
+    chunk: it travels retained, and a retained record is one message (``MqttTransport.publish`` refuses more, and
+    the broker's ``max_packet_size`` is a chunk and 4 KiB)."""
+    size, devices = len(_sign(ring, roster)), sum(len(roster.members(c)) for c in roster.cells)
+    if size > max_chunk:
+        need = -(-size * 5 // 4 // 65536) * 65536  # a quarter more, for the devices enrolled later, in 64 KiB
+        raise ConfigError(
+            f"the federation's signed roster of {devices:,} devices is {size:,} bytes, more than one chunk "
+            f"(--max-chunk {max_chunk:,}) can carry: it travels retained, as one message; provision with "
+            f"--max-chunk {need} or more"
+        )
+
+
 def record_federation(out: Path, cfg: RunConfig, ring: KeyRing, params: dict[str, Any]) -> None:
     """Called by ``provision``: the state file and the first roster (version 1)."""
-    bound = params.get("max_device_weight") or cfg.security.max_device_weight or 1e12
-    roster = Roster.from_topology(cfg.run.name, _members(cfg.topology), ring.public, float(bound))
+    roster = first_roster(cfg, ring, params.get("max_device_weight"))
     _save(Federation(Path(out), cfg, params, ring, roster, []), keys=False)
 
 

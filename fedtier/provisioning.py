@@ -37,7 +37,7 @@ from protocols.wire.keys import KeyRing, generate_keys, new_seed, public_of, wri
 from .acl import MONITOR, Grants, acl_rules, bridge_rules, bridge_user
 from .broker_files import broker_user_for_root, cell_ports, write_broker
 from .bundles import FEDTIER_BIN, ignored_by_federation, write_bundle
-from .federation import record_federation
+from .federation import check_roster_fits, first_roster, record_federation
 from .pki import CertificateAuthority, certificate, new_key, pem_cert, pem_key, write_file
 
 
@@ -99,11 +99,13 @@ def _new_ca(out: Path, run: str) -> CertificateAuthority:
     return pki
 
 
-def _new_identities(out: Path, cfg: RunConfig) -> KeyRing:
-    """Every node's Ed25519 identity and the operator's (it signs jobs, ``fedtier submit``), in ``OUT/keys.toml``."""
+def _new_identities(out: Path, cfg: RunConfig, max_device_weight: float | None, max_chunk: int) -> KeyRing:
+    """Every node's Ed25519 identity and the operator's (it signs jobs, ``fedtier submit``), in ``OUT/keys.toml``;
+    :class:`ConfigError`, with nothing written, when their roster would not fit one chunk (``check_roster_fits``)."""
     ring = generate_keys(cfg.topology)
     ring.private[OPERATOR] = new_seed()
     ring.public[OPERATOR] = public_of(ring.private[OPERATOR])
+    check_roster_fits(ring, first_roster(cfg, ring, max_device_weight), max_chunk)
     write_keys(
         out / "keys.toml", ring, comment=f"all identities of run {cfg.run.name!r} (keep offline)", overwrite=True
     )
@@ -213,8 +215,8 @@ def provision(
     broker_user, warning = broker_user_for_root(broker_user)
     ports = cell_ports(cfg.topology.cell_ids(), cell_port) if per_cell else {}
     layout = BrokerLayout(host, port, max_chunk, per_cell, cell_host, cell_port, ports, broker_user, bind)
+    ring = _new_identities(out, cfg, max_device_weight, max_chunk)
     pki = _new_ca(out, cfg.run.name)
-    ring = _new_identities(out, cfg)
     brokers = _Brokers(cfg, out, layout, pki, acl_rules(cfg))
     urls = brokers.all(extra_broker_config)
     bundles = {

@@ -774,6 +774,25 @@ def test_provision_as_root_without_broker_user_or_mosquitto_user_warns_with_the_
     assert "warning:" in said and "cannot read them" in said and "give --broker-user USER" in said
 
 
+def test_a_federation_whose_roster_does_not_fit_one_chunk_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """The signed roster travels retained, as one message (~85 bytes a device): past ~3,000 devices at the default
+    --max-chunk, provisioning wrote every certificate and bundle, and then the serving cloud's first publish of
+    the roster raised (``retained message ... must fit in one chunk``) and `fedtier provision publish|revoke`
+    could never bring a revocation to the nodes. Now provisioning exits 2 at once naming the --max-chunk it needs,
+    and writes nothing."""
+    cfg_path = tmp_path / "big.toml"
+    cfg_path.write_text(small_config(tmp_path, topology={"cells": 31, "devices_per_cell": 100}).to_toml())
+    args = ["provision", str(cfg_path), "--out", str(tmp_path / "big"), "--federation", "--max-device-samples", "100"]
+    res = CliRunner().invoke(main, args)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert "roster of 3,100 devices is" in said and "--max-chunk 262,144" in said, said
+    assert "provision with --max-chunk 393216 or more" in said, said
+    assert not (tmp_path / "big").exists()
+
+
 # ------------------------------------------------------------------------------------------ moved folder
 @needs_mosquitto
 def test_a_moved_provisioning_folder_works_again_after_relocate(reachable_tmp: Path) -> None:
