@@ -79,8 +79,8 @@ def check_roster_fits(ring: KeyRing, roster: Roster, max_chunk: int) -> None:
         need = -(-size * 5 // 4 // 65536) * 65536  # a quarter more, for the devices enrolled later, in 64 KiB
         raise ConfigError(
             f"the federation's signed roster of {devices:,} devices is {size:,} bytes, more than one chunk "
-            f"(--max-chunk {max_chunk:,}) can carry: it travels retained, as one message; provision with "
-            f"--max-chunk {need} or more"
+            f"(--max-chunk {max_chunk:,}) can carry: it travels retained, as one message; the federation needs "
+            f"--max-chunk {need} or more (fedtier provision --max-chunk)"
         )
 
 

@@ -32,6 +32,7 @@ from cryptography import x509
 from protocols.config import TopologySection
 from protocols.roster import roster_topic
 from protocols.wire import topics
+from protocols.wire.chunking import DEFAULT_MAX_CHUNK
 from protocols.wire.keys import new_seed, public_of, write_keys
 
 from .broker_files import broker_folders, reload_brokers
@@ -42,6 +43,7 @@ from .federation import (
     _members,
     _save,
     _write,
+    check_roster_fits,
     load_federation,
 )
 from .renewal import revoke_serials
@@ -124,9 +126,10 @@ def _enroll(fed: Federation, node: str, cell: str, folders: list[Path], peers: l
     from .bundles import write_bundle
     from .pki import load_pki
 
+    p = fed.params
+    check_roster_fits(fed.ring, fed.roster, int(p.get("max_chunk") or DEFAULT_MAX_CHUNK))  # before a file changes
     for folder in folders:
         _rewrite_broker(fed, folder, [*_users(folder), node])
-    p = fed.params
     bundle = write_bundle(
         fed.out,
         load_pki(fed.out),

@@ -5,6 +5,7 @@ per-cell`` each cell broker bridges exactly its cell's topics to the cloud broke
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import stat
@@ -789,8 +790,29 @@ def test_a_federation_whose_roster_does_not_fit_one_chunk_is_refused_before_anyt
     said = " ".join(res.output.split())
     assert res.exit_code == 2, res.output
     assert "roster of 3,100 devices is" in said and "--max-chunk 262,144" in said, said
-    assert "provision with --max-chunk 393216 or more" in said, said
+    assert "needs --max-chunk 393216 or more" in said, said
     assert not (tmp_path / "big").exists()
+
+
+def test_enrolling_a_device_the_roster_has_no_room_for_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """add-device checks the roster as provisioning does, before any file changes: refused, exit 2, no login, no
+    bundle, the roster as it was."""
+    out = provision_cli(tmp_path, "fed", "--federation", "--max-chunk", "1200")["out"]
+    said, added = "", 0
+    while added < 6:
+        res = CliRunner().invoke(
+            main,
+            ["provision", "add-device", "--out", str(out), "--cell", "c0", "--device", f"new-{added}", "--no-publish"],
+        )
+        said = " ".join(res.output.split())
+        if res.exit_code != 0:
+            break
+        added += 1
+    assert res.exit_code == 2 and 0 < added < 6, said
+    assert "--max-chunk 1,200) can carry" in said, said
+    roster = json.loads((out / "roster.json").read_text())
+    assert roster["version"] == 1 + added and f"new-{added}" not in roster["cells"]["c0"]["devices"]
+    assert not (out / "nodes" / f"new-{added}").exists() and f"new-{added}" not in (out / "broker" / "acl").read_text()
 
 
 # ------------------------------------------------------------------------------------------ moved folder
