@@ -88,8 +88,10 @@ def test_cloud_median_leaves_out_a_bad_cell_and_says_so():
 
 
 def _cfg(agg: str, kind: str = "none", factor: float = 10.0, **algo) -> dict:
+    """10 devices, 2 of them Byzantine under an attack. 5 rounds: the clean run is at 0.90 (0.92 after 8), plain
+    averaging under either attack below 0.29, each robust rule at least 0.90 (round 4 leaves Krum at 0.81)."""
     return {
-        "run": {"name": "robust", "seed": 1, "rounds": 8},
+        "run": {"name": "robust", "seed": 1, "rounds": 5},
         "topology": {"cells": 1, "devices_per_cell": 10},
         "algorithm": {"name": "fedavg", "local_steps": 20, "batch_size": 16, "lr": 0.2, "cell_aggregator": agg, **algo},
         "model": {"name": "mlp", "hidden": [32]},
