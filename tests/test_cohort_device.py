@@ -4,6 +4,7 @@ large for the GPU refused with the sizes, and the CUDA paths (skipped without a 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -205,7 +206,9 @@ def test_fedtier_sim_on_cuda_without_cuda_exits_2_with_one_line(tmp_path, make_c
     path.write_text(make_config(run={"rounds": 1, "output": str(tmp_path / "out")}).to_toml())
     res = CliRunner().invoke(main, ["sim", str(path), "--set", "runtime.device=cuda", "--no-progress"])
     assert res.exit_code == 2 and "runtime.device = 'cuda' but this machine has 0 CUDA device" in res.output
-    assert "Traceback" not in res.output and not (tmp_path / "out" / "summary.json").exists()
+    assert "Traceback" not in res.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())  # a monitor of the folder ends (735c7e8)
+    assert summary["status"] == "failed" and "runtime.device = 'cuda'" in summary["failed"], summary
 
 
 def test_auto_logs_its_choice(caplog) -> None:
