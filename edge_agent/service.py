@@ -77,6 +77,7 @@ class AgentService:
         self.revoked_during: str | None = None  # the job it was serving then, if it was
         self.on_job_end: Callable[[str], None] | None = None  # called after each job served (benchmarks)
         self.on_start: Callable[[AgentProcess], None] | None = None  # called once its agents started
+        self.only_job: str | None = None  # the one job it serves (a `fedtier run` worker's): it stops once that ended
 
     def stop(self) -> None:
         """Stop serving (SIGTERM): the job's poll ends at once. Its agents' ``done`` says only that their job ended (it
@@ -220,9 +221,15 @@ class AgentService:
 
     def _next_job(self, watch: JobWatch, done: set[str]) -> CurrentJob | None:
         """Wait for a job this device has yet to serve (``None``: stopped)."""
-        stop = lambda: self.stopping.is_set() or self.revoked_by(watch.roster)  # noqa: E731
+        stop = lambda: self.stopping.is_set() or self.revoked_by(watch.roster) or self._only_job_ended(watch)  # noqa: E731
         self.loop.run(until=lambda: stop() or watch.pending(done) is not None)
         return None if stop() else watch.pending(done)
+
+    def _only_job_ended(self, watch: JobWatch) -> bool:
+        """Whether the one job this service serves (:attr:`only_job`) ended before it took it: a `fedtier run` whose
+        job ended at once (resumed with no round left) started its workers after the end; they waited for ever."""
+        job = self.only_job
+        return job is not None and any(session.startswith(f"{job}.") for session in watch.finished)
 
     def _first_job(self, transport: Transport, done: set[str]) -> CurrentJob | None:
         """On the watch connection (the first device's): say the devices idle (:attr:`idle`), wait for a job

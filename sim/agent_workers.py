@@ -132,6 +132,7 @@ def worker_main(job: dict[str, Any], results: Any, parent: int | None = None, in
     started: list[AgentProcess] = []
     service = worker_service(job, data, (shape, classes), sessions, started)
     service.on_job_end = lambda _job: service.stop()  # one job: the launcher's (``build`` refuses others)
+    service.only_job = job.get("job")  # (ended before its devices took it: nothing to serve)
     try:
         with setup_frozen():  # the devices' data and the imports are not scanned by every full collection
             service.serve()

@@ -185,6 +185,10 @@ def test_run_resumes_after_a_stop(sim_model: bytes, tmp_path: Path) -> None:
     kept = [json.loads(line) for line in cell_records.read_text().splitlines()]
     keys = [(r["round"], r["edge_round"], r["cell"]) for r in kept]
     assert len(keys) == len(set(keys)) and interrupted["time"] not in [r["time"] for r in kept]
+    # resumed again with no round left: the job ends at once, before its workers take it; they stop on its retained
+    # end and report (walked: they waited for a job that never came, the launcher its 60 s join timeout, then killed)
+    again = Emulation(quickstart(tmp_path), resume=True, join_timeout=30.0)
+    assert again.run().history == [] and again.served == [[]] * len(again.procs)
 
 
 def test_run_is_a_local_federation_plus_one_job(tmp_path: Path) -> None:
