@@ -118,9 +118,6 @@ def collector(
     keys: PublicKeys | None = None,
     max_bytes: int | None = None,
     job: AtRound | None = None,
-    cell_of: Callable[[str], str | None] | None = None,
 ) -> CellRecordCollector | None:
     """The collector of ``cells``' records into ``path``; ``None`` when the cloud keeps none (no ``path``)."""
-    if path is None:
-        return None
-    return CellRecordCollector(transport, run, cells, path, keys, max_bytes, job, cell_of)
+    return CellRecordCollector(transport, run, cells, path, keys, max_bytes, job) if path is not None else None

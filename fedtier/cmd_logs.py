@@ -198,7 +198,8 @@ def logs(run_dir: str, cells: tuple[str, ...], round_range: str | None, events: 
     said = f"{len(chosen)} of {len(records)} records"
     if records and not chosen and round_range:  # (`--round 9` of a 5-round job: an empty table, and no word why)
         said += f" (the records' rounds: {nth(min(r.round for r in records))}-{nth(max(r.round for r in records))})"
-    known = sorted({r.cell for r in records if isinstance(r, CellRecord)})
-    if records and not chosen and set(cells) - set(known):  # (`--cell c9` of cells c0, c1: the same empty table)
-        said += f" (no records of {', '.join(sorted(set(cells) - set(known)))}; the records' cells: {', '.join(known)})"
+    if records and not chosen and cells:  # (`--cell c9` of cells c0, c1: the same empty table)
+        known = sorted({r.cell for r in records if isinstance(r, CellRecord)})
+        if unknown := sorted(set(cells) - set(known)):
+            said += f" (no records of {', '.join(unknown)}; the records' cells: {', '.join(known)})"
     console.print(said, highlight=False)

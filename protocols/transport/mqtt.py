@@ -82,8 +82,8 @@ class MqttTransport(Connecting, Inbound, Transport):
     sessions_lost = 0  # reconnects of a persistent client that found no session at the broker
     on_session_lost: Callable[[], None] | None = None  # then called (network thread): re-announce
     on_reconnected: Callable[[], None] | None = None  # called (network thread) at each reconnect, the session lost
-    own_drop_line = False  # its user says a lost connection itself (fedtier monitor's line): this one's then at info
     # or not: a broker restored from its last autosave resumes sessions without what it took since
+    own_drop_line = False  # its user says a lost connection itself (fedtier monitor's line): this one's then at info
 
     def __init__(
         self,
